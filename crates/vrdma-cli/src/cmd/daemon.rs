@@ -1,0 +1,69 @@
+//! `vrdma daemon`: the device in the foreground until SIGINT or SIGTERM.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// TOML configuration (quotas, engine mode, address); see vrdmad::config.
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// Busy-poll on a dedicated core: lowest latency, one core always busy.
+    #[arg(long)]
+    busy_poll: bool,
+    /// The IPv4 address the port's GID carries [default: the first non-loopback address].
+    #[arg(long)]
+    address: Option<std::net::Ipv4Addr>,
+}
+
+pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
+    let mut config = match &args.config {
+        Some(p) => vrdmad::DaemonConfig::load(p)?,
+        None => vrdmad::DaemonConfig::default(),
+    };
+    if socket.is_some() {
+        config.socket = socket;
+    }
+    if args.address.is_some() {
+        config.address = args.address;
+    }
+    config.engine.busy_poll |= args.busy_poll;
+    // Block the stop signals in every thread the daemon starts, and wait
+    // for them here: shutdown then runs as ordinary code, not in a handler.
+    let signals = block_stop_signals()?;
+    let daemon = vrdmad::Daemon::start(config).context("starting the daemon")?;
+    eprintln!("vrdma daemon listening on {}", daemon.socket_path().display());
+    let sig = wait_signal(&signals);
+    tracing::info!(signal = sig, "stopping");
+    daemon.shutdown();
+    Ok(())
+}
+
+fn block_stop_signals() -> Result<libc::sigset_t> {
+    // SAFETY: sigset_t is plain data; sigemptyset/sigaddset initialise it,
+    // and pthread_sigmask changes only this thread's mask (inherited by the
+    // threads it spawns afterwards).
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGINT);
+        libc::sigaddset(&mut set, libc::SIGTERM);
+        let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if rc != 0 {
+            anyhow::bail!("cannot block SIGINT/SIGTERM: {}", std::io::Error::from_raw_os_error(rc));
+        }
+        Ok(set)
+    }
+}
+
+fn wait_signal(set: &libc::sigset_t) -> i32 {
+    let mut sig = 0;
+    loop {
+        // SAFETY: `set` was initialised by block_stop_signals; sigwait
+        // writes the received signal into `sig`.
+        if unsafe { libc::sigwait(set, &mut sig) } == 0 {
+            return sig;
+        }
+    }
+}

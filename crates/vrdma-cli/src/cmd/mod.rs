@@ -1,0 +1,4 @@
+//! Subcommands that are not benchmarks.
+
+pub mod daemon;
+pub mod devinfo;

@@ -1,0 +1,122 @@
+//! What the device reports about itself, and the per-tenant limits.
+
+use serde::{Deserialize, Serialize};
+
+use crate::verbs::{DeviceAttr, Gid, Mtu, PortAttr};
+
+/// Limits on what one tenant may hold, across all its processes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Quota {
+    /// PDs, MRs, CQs, SRQs and QPs together.
+    pub max_objects: u32,
+    /// Sum of the lengths of registered memory regions.
+    pub max_registered_bytes: u64,
+    /// Largest depth of any one queue (CQ entries, send/receive WRs).
+    pub max_queue_depth: u32,
+}
+
+impl Default for Quota {
+    fn default() -> Self {
+        Quota { max_objects: 16_384, max_registered_bytes: 16 << 30, max_queue_depth: 16_384 }
+    }
+}
+
+/// The device's identity and limits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HcaConfig {
+    pub device: DeviceAttr,
+    pub port: PortAttr,
+    /// The port's GID table; entry 0 names this host.
+    pub gids: Vec<Gid>,
+    /// Most bytes one QP moves before the engine turns to the next QP.
+    pub chunk_bytes: u64,
+    pub default_quota: Quota,
+}
+
+/// Our vendor id: not Mellanox's 0x02c9, so that tools take the generic
+/// verbs path.
+pub const VENDOR_ID: u32 = 0x5652; // "VR"
+pub const MAX_QP_WR: u32 = 16_384;
+pub const MAX_CQE: u32 = 65_536;
+pub const MAX_RD_ATOMIC: u32 = 16;
+
+impl HcaConfig {
+    /// The device of a host whose address is `ipv4`: GID `::ffff:a.b.c.d`
+    /// and a LID taken from the address's low 16 bits (never 0).
+    pub fn for_host(ipv4: [u8; 4]) -> HcaConfig {
+        let gid = Gid::from_ipv4(ipv4);
+        let lid = match u16::from_be_bytes([ipv4[2], ipv4[3]]) {
+            0 | 0xffff => 1,
+            l => l,
+        };
+        let guid = u64::from_be_bytes([0x02, 0x00, 0x5e, 0xff, ipv4[0], ipv4[1], ipv4[2], ipv4[3]]);
+        HcaConfig {
+            device: DeviceAttr {
+                fw_ver: concat!("vrdma ", env!("CARGO_PKG_VERSION")).to_string(),
+                node_guid: guid,
+                sys_image_guid: guid,
+                max_mr_size: 1 << 40,
+                page_size_cap: 4096,
+                vendor_id: VENDOR_ID,
+                vendor_part_id: 1,
+                hw_ver: 1,
+                max_qp: 16_384,
+                max_qp_wr: MAX_QP_WR,
+                device_cap_flags: 0,
+                max_sge: crate::ring::MAX_SGE as u32,
+                max_sge_rd: crate::ring::MAX_SGE as u32,
+                max_cq: 16_384,
+                max_cqe: MAX_CQE,
+                max_mr: 65_536,
+                max_pd: 16_384,
+                max_qp_rd_atom: MAX_RD_ATOMIC,
+                max_ee_rd_atom: 0,
+                max_res_rd_atom: MAX_RD_ATOMIC * 16_384,
+                max_qp_init_rd_atom: MAX_RD_ATOMIC,
+                atomic_cap: 1, // IBV_ATOMIC_HCA
+                max_ah: 65_536,
+                max_srq: 4_096,
+                max_srq_wr: MAX_QP_WR,
+                max_srq_sge: crate::ring::MAX_SGE as u32,
+                max_pkeys: 1,
+                local_ca_ack_delay: 15,
+                phys_port_cnt: 1,
+                max_inline_data: crate::ring::MAX_INLINE as u32,
+            },
+            port: PortAttr {
+                state: 4, // IBV_PORT_ACTIVE
+                max_mtu: Mtu::Mtu4096,
+                active_mtu: Mtu::Mtu4096,
+                gid_tbl_len: 1,
+                port_cap_flags: 0,
+                max_msg_sz: 1 << 31,
+                pkey_tbl_len: 1,
+                lid,
+                sm_lid: 0,
+                lmc: 0,
+                max_vl_num: 1,
+                sm_sl: 0,
+                active_width: 2,  // 4x
+                active_speed: 32, // EDR-like: a nominal figure, not a measurement
+                phys_state: 5,    // LinkUp
+                link_layer: 1,    // InfiniBand: LID routing works without a GRH
+            },
+            gids: vec![gid],
+            chunk_bytes: 64 << 10,
+            default_quota: Quota::default(),
+        }
+    }
+
+    /// The limits `ibv_modify_qp` values are checked against.
+    pub fn modify_limits(&self) -> crate::qp::fsm::ModifyLimits {
+        crate::qp::fsm::ModifyLimits {
+            max_mtu: self.port.max_mtu,
+            gid_tbl_len: self.gids.len() as u32,
+            pkey_tbl_len: self.port.pkey_tbl_len,
+            max_qp_rd_atom: self.device.max_qp_rd_atom,
+            max_qp_dest_rd_atom: self.device.max_qp_rd_atom,
+            phys_port_cnt: self.device.phys_port_cnt,
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The device's objects as the core keeps them.
+
+use std::collections::VecDeque;
+
+use super::{ContextId, TenantId};
+use crate::memory::Region;
+use crate::ring::{RecvWr, SendWr};
+use crate::time::Instant;
+use crate::verbs::{AccessFlags, QpAttr, QpInitAttr, QpState, SrqAttr};
+
+pub(crate) struct Context {
+    pub tenant: TenantId,
+}
+
+pub(crate) struct Pd {
+    pub ctx: ContextId,
+    pub users: u32,
+}
+
+pub(crate) struct Mr {
+    pub ctx: ContextId,
+    pub pd: u32,
+    /// The tenant virtual address the region starts at (what SGEs name).
+    pub addr: u64,
+    pub len: u64,
+    pub access: AccessFlags,
+    pub region: Region,
+}
+
+impl Mr {
+    /// Offset of `[addr, addr+len)` in the region, if it lies inside.
+    pub fn offset_of(&self, addr: u64, len: u64) -> Option<usize> {
+        let off = addr.checked_sub(self.addr)?;
+        (off.checked_add(len)? <= self.len).then_some(off as usize)
+    }
+}
+
+pub(crate) struct Cq {
+    pub ctx: ContextId,
+    pub users: u32,
+    /// An overrun happened: the CQ is in error and reported once.
+    pub overrun: bool,
+}
+
+pub(crate) struct Srq {
+    pub ctx: ContextId,
+    pub pd: u32,
+    pub attr: SrqAttr,
+    pub users: u32,
+    /// Receive WRs taken for a message that was then abandoned, to be
+    /// consumed again first.
+    pub requeued: VecDeque<RecvWr>,
+}
+
+/// A send WR the requester has started.
+pub(crate) struct Inflight {
+    pub wr: SendWr,
+    /// Bytes of the message already placed.
+    pub done: u64,
+    /// The responder's receive WR, once taken.
+    pub recv: Option<RecvWr>,
+    /// When the next attempt may run (after an RNR NAK or a timeout).
+    pub next_try: Instant,
+    pub rnr_left: u8,
+    /// Transport retries: the moment the last retry expires.
+    pub retry_deadline: Option<Instant>,
+}
+
+pub(crate) struct Qp {
+    pub ctx: ContextId,
+    pub tenant: TenantId,
+    pub pd: u32,
+    pub init: QpInitAttr,
+    pub attr: QpAttr,
+    pub inflight: Option<Inflight>,
+    pub requeued: VecDeque<RecvWr>,
+    /// Report SQ_DRAINED when the send queue has drained in SQD.
+    pub sqd_notify: bool,
+}
+
+impl Qp {
+    pub fn state(&self) -> QpState {
+        self.attr.qp_state
+    }
+
+    pub fn accepts_incoming(&self) -> bool {
+        matches!(self.state(), QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
+    }
+}

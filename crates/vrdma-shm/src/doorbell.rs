@@ -1,0 +1,189 @@
+//! Doorbells: one side rings, the other wakes.
+//!
+//! A ring's indices say *what* is pending; a doorbell only wakes the side
+//! that should look. A doorbell is one end of a `SOCK_DGRAM` Unix socket
+//! pair: ringing sends a byte to the other end, which becomes readable (and
+//! so pollable, which is what a completion channel's or the async-event fd
+//! must be).
+//!
+//! Why not an eventfd: both holders of an eventfd share one open file
+//! description, so a tenant could clear `O_NONBLOCK` and then fill or empty
+//! the counter until the daemon's `write` or `read` blocked, stalling the
+//! device for everyone. Each end of a socket pair is its own open file
+//! description, and every send and receive here passes `MSG_DONTWAIT`, so
+//! nothing the other end does can make us block. A full socket buffer
+//! means wake-ups are already pending, so a failed send is not lost.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::io::Errno;
+use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
+
+/// One end of a doorbell socket pair.
+#[derive(Debug)]
+pub struct Doorbell(OwnedFd);
+
+impl Doorbell {
+    /// Two connected ends: ringing either wakes the other.
+    pub fn pair() -> io::Result<(Doorbell, Doorbell)> {
+        let (a, b) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::DGRAM,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        Ok((Doorbell(a), Doorbell(b)))
+    }
+
+    /// Wraps an end received from the daemon.
+    pub fn from_fd(fd: OwnedFd) -> Doorbell {
+        Doorbell(fd)
+    }
+
+    /// Wakes the other end. Never blocks; a full buffer (`EAGAIN`) means a
+    /// wake-up is already pending, and a closed peer needs none.
+    pub fn ring(&self) {
+        loop {
+            match rustix::net::send(&self.0, &[1], SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+                Ok(_) | Err(Errno::AGAIN) => return,
+                Err(Errno::INTR) => continue,
+                Err(e) => {
+                    tracing::debug!(error = %e, "doorbell ring failed");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Consumes every pending ring without blocking; returns how many.
+    pub fn drain(&self) -> u64 {
+        let mut buf = [0u8; 16];
+        let mut n = 0u64;
+        // Bounded: a socket buffer holds a bounded number of datagrams, and
+        // a peer ringing as fast as we drain must not hold us here.
+        for _ in 0..4096 {
+            match rustix::net::recv(&self.0, &mut buf, RecvFlags::DONTWAIT) {
+                Ok(_) => n += 1,
+                Err(Errno::INTR) => continue,
+                Err(Errno::AGAIN) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "doorbell drain failed");
+                    break;
+                }
+            }
+        }
+        n
+    }
+
+    /// Waits until the doorbell rings or `timeout` passes (`None`: no
+    /// limit), then drains it. Returns whether it had rung.
+    pub fn wait_timeout(&self, timeout: Option<Duration>) -> io::Result<bool> {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        loop {
+            let left = match (timeout, deadline) {
+                (None, _) => None,
+                (Some(_), Some(d)) => Some(d.saturating_duration_since(Instant::now())),
+                // A timeout too far ahead for Instant: wait without limit.
+                (Some(_), None) => None,
+            };
+            // A timeout too large for a timespec also means "no limit".
+            let ts = left.and_then(|d| Timespec::try_from(d).ok());
+            let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
+            match rustix::event::poll(&mut fds, ts.as_ref()) {
+                Ok(0) => return Ok(false),
+                Ok(_) => {
+                    let rev = fds[0].revents();
+                    if rev.intersects(PollFlags::ERR | PollFlags::NVAL) {
+                        return Err(io::Error::other("doorbell poll error"));
+                    }
+                    if self.drain() > 0 {
+                        return Ok(true);
+                    }
+                    // Someone else drained it first: wait again.
+                    if left == Some(Duration::ZERO) {
+                        return Ok(false);
+                    }
+                }
+                Err(Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+impl AsFd for Doorbell {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+impl From<Doorbell> for OwnedFd {
+    fn from(d: Doorbell) -> OwnedFd {
+        d.0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_and_drain() {
+        let (a, b) = Doorbell::pair().unwrap();
+        assert_eq!(b.drain(), 0);
+        a.ring();
+        a.ring();
+        assert_eq!(b.drain(), 2);
+        assert_eq!(b.drain(), 0);
+        b.ring();
+        assert_eq!(a.drain(), 1);
+    }
+
+    #[test]
+    fn a_full_buffer_does_not_block() {
+        let (a, b) = Doorbell::pair().unwrap();
+        for _ in 0..100_000 {
+            a.ring();
+        }
+        assert!(b.drain() > 0);
+    }
+
+    #[test]
+    fn the_other_end_cannot_make_us_block() {
+        let (a, b) = Doorbell::pair().unwrap();
+        // The peer clears O_NONBLOCK on its end; ours is a separate open
+        // file description, and we pass MSG_DONTWAIT anyway.
+        rustix::fs::fcntl_setfl(&b.0, rustix::fs::OFlags::empty()).unwrap();
+        rustix::fs::fcntl_setfl(&a.0, rustix::fs::OFlags::empty()).unwrap();
+        assert_eq!(a.drain(), 0);
+        for _ in 0..100_000 {
+            a.ring();
+        }
+    }
+
+    #[test]
+    fn wait_timeout_behaviour() {
+        let (a, b) = Doorbell::pair().unwrap();
+        assert!(!b.wait_timeout(Some(Duration::from_millis(10))).unwrap());
+        a.ring();
+        assert!(b.wait_timeout(Some(Duration::from_millis(10))).unwrap());
+        assert!(!b.wait_timeout(Some(Duration::ZERO)).unwrap());
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(20));
+            a.ring();
+        });
+        assert!(b.wait_timeout(None).unwrap());
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn a_closed_peer_is_not_an_error() {
+        let (a, b) = Doorbell::pair().unwrap();
+        drop(b);
+        a.ring();
+        assert_eq!(a.drain(), 0);
+    }
+}

@@ -1,0 +1,553 @@
+//! Single-producer, single-consumer rings of fixed-size slots in shared
+//! memory, between two processes that do not trust each other.
+//!
+//! Layout from the ring's base (64-byte aligned):
+//!
+//! ```text
+//!   0..64    producer index (AtomicU32 at 0), rest of the cache line unused
+//!  64..128   consumer index (AtomicU32 at 64)
+//! 128..256   32 auxiliary AtomicU32 words (flags such as "armed")
+//! 256..      `capacity` slots of `stride` bytes
+//! ```
+//!
+//! Indices are free-running `u32`s compared with wrapping arithmetic; slot
+//! `i` lives at `RING_HEADER + (i & (capacity - 1)) * stride`. The producer
+//! only advances the producer index and the consumer only the consumer
+//! index, each with `Release` after touching the slot, and each reads the
+//! other's with `Acquire`.
+//!
+//! Either index may be scribbled on by a hostile peer. Slot addresses are
+//! masked, so no value can make an access leave the ring; and a
+//! `producer - consumer` distance above `capacity` is reported as
+//! [`RingError::Corrupt`] rather than acted on. Slot bytes are only ever
+//! moved with raw copies: no Rust reference into the shared slots is
+//! formed, because the peer may be writing them at the same moment.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::segment::Segment;
+
+/// Bytes before the first slot: two index cache lines and the aux words.
+pub const RING_HEADER: usize = 256;
+/// Number of auxiliary words.
+pub const RING_AUX_WORDS: usize = 32;
+/// Required alignment of a ring's base.
+pub const RING_ALIGN: usize = 64;
+
+const PRODUCER_OFFSET: usize = 0;
+const CONSUMER_OFFSET: usize = 64;
+const AUX_OFFSET: usize = 128;
+
+/// Bytes a ring of `capacity` slots of `stride` bytes occupies (saturating
+/// at `usize::MAX`, which no mapping can hold).
+pub fn ring_bytes(capacity: u32, stride: usize) -> usize {
+    checked_ring_bytes(capacity, stride).unwrap_or(usize::MAX)
+}
+
+fn checked_ring_bytes(capacity: u32, stride: usize) -> Option<usize> {
+    (capacity as usize).checked_mul(stride)?.checked_add(RING_HEADER)
+}
+
+/// A ring that cannot be used as asked, or whose shared state is bogus.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum RingError {
+    /// The indices are more than `capacity` apart: the peer wrote garbage.
+    #[error("ring corrupt: producer {producer}, consumer {consumer}, capacity {capacity}")]
+    Corrupt { producer: u32, consumer: u32, capacity: u32 },
+    /// Capacity is zero or not a power of two.
+    #[error("ring capacity {0} is not a non-zero power of two")]
+    BadCapacity(u32),
+    /// Stride is zero.
+    #[error("ring stride must be non-zero")]
+    BadStride,
+    /// The base is not 64-byte aligned.
+    #[error("ring base is not {RING_ALIGN}-byte aligned")]
+    Misaligned,
+    /// The ring does not fit in its segment.
+    #[error("ring of {bytes} bytes at offset {offset} exceeds a segment of {segment_len}")]
+    OutOfBounds { offset: usize, bytes: usize, segment_len: usize },
+    /// The buffer handed to [`RingView::try_pop`] or
+    /// [`RingView::try_push_bytes`] does not match the stride.
+    #[error("buffer of {got} bytes for slots of {stride}")]
+    BadBuffer { got: usize, stride: usize },
+}
+
+/// One side's view of a ring in shared memory.
+///
+/// The view works for either side: a process uses the producer methods
+/// ([`try_push`](Self::try_push), [`free_slots`](Self::free_slots)) on rings
+/// it fills and the consumer methods ([`try_pop`](Self::try_pop),
+/// [`discard_all`](Self::discard_all)) on rings it drains. Calls of one
+/// side are serialised inside the view, so a view can be shared between
+/// threads; there must be only one producing and one consuming view per
+/// ring in the process.
+pub struct RingView {
+    base: *mut u8,
+    capacity: u32,
+    stride: usize,
+    /// Keeps the mapping alive when the view was made from a segment.
+    _segment: Option<Arc<Segment>>,
+    /// Producer lock and private slot buffer that the fill closure writes.
+    producer: Mutex<Vec<u8>>,
+    /// Consumer lock.
+    consumer: Mutex<()>,
+}
+
+impl fmt::Debug for RingView {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RingView")
+            .field("base", &self.base)
+            .field("capacity", &self.capacity)
+            .field("stride", &self.stride)
+            .finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic in a fill closure poisons the lock but leaves the ring
+    // consistent (the index was not advanced), so carry on.
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn check_shape(capacity: u32, stride: usize) -> Result<usize, RingError> {
+    if !capacity.is_power_of_two() {
+        return Err(RingError::BadCapacity(capacity));
+    }
+    if stride == 0 {
+        return Err(RingError::BadStride);
+    }
+    checked_ring_bytes(capacity, stride).ok_or(RingError::OutOfBounds {
+        offset: 0,
+        bytes: usize::MAX,
+        segment_len: 0,
+    })
+}
+
+impl RingView {
+    /// A view of the ring at `base`.
+    ///
+    /// Fails if `capacity` is not a power of two, `stride` is zero, or
+    /// `base` is not 64-byte aligned.
+    ///
+    /// # Safety
+    /// `base..base + ring_bytes(capacity, stride)` must be readable and
+    /// writable memory (typically a shared mapping) that stays mapped for
+    /// as long as the returned view lives, and must be accessed by others
+    /// only through this ring protocol (atomics on the header words, slot
+    /// bytes by their owner side).
+    pub unsafe fn new(base: *mut u8, capacity: u32, stride: usize) -> Result<RingView, RingError> {
+        check_shape(capacity, stride)?;
+        if base.is_null() || (base as usize) & (RING_ALIGN - 1) != 0 {
+            return Err(RingError::Misaligned);
+        }
+        Ok(RingView::build(base, capacity, stride, None))
+    }
+
+    /// A view of the ring at `offset` in `seg`, which the view keeps alive.
+    pub fn in_segment(
+        seg: Arc<Segment>,
+        offset: usize,
+        capacity: u32,
+        stride: usize,
+    ) -> Result<RingView, RingError> {
+        let bytes = check_shape(capacity, stride)?;
+        if offset & (RING_ALIGN - 1) != 0 {
+            return Err(RingError::Misaligned);
+        }
+        match offset.checked_add(bytes) {
+            Some(end) if end <= seg.len() => {}
+            _ => return Err(RingError::OutOfBounds { offset, bytes, segment_len: seg.len() }),
+        }
+        // SAFETY: offset + bytes <= seg.len() (checked above), so the
+        // pointer stays inside the segment's mapping.
+        let base = unsafe { seg.as_ptr().add(offset) };
+        // The segment is page-aligned and offset is a multiple of 64.
+        debug_assert_eq!(base as usize % RING_ALIGN, 0);
+        Ok(RingView::build(base, capacity, stride, Some(seg)))
+    }
+
+    fn build(base: *mut u8, capacity: u32, stride: usize, seg: Option<Arc<Segment>>) -> RingView {
+        RingView {
+            base,
+            capacity,
+            stride,
+            _segment: seg,
+            producer: Mutex::new(vec![0; stride]),
+            consumer: Mutex::new(()),
+        }
+    }
+
+    /// Number of slots.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// Bytes per slot.
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+
+    /// The atomic word at `offset` in the header (offset < RING_HEADER,
+    /// multiple of 4).
+    fn word(&self, offset: usize) -> &AtomicU32 {
+        debug_assert!(offset < RING_HEADER && offset & 3 == 0);
+        // SAFETY: `base` is 64-aligned and valid for RING_HEADER bytes (the
+        // contract of `new`/`in_segment`), so `base + offset` is a 4-aligned
+        // u32 inside the live mapping for as long as `self`. Both processes
+        // access header words only atomically, so a shared `&AtomicU32` is
+        // the right type for them.
+        unsafe { &*(self.base.add(offset) as *const AtomicU32) }
+    }
+
+    fn producer_index(&self) -> &AtomicU32 {
+        self.word(PRODUCER_OFFSET)
+    }
+
+    fn consumer_index(&self) -> &AtomicU32 {
+        self.word(CONSUMER_OFFSET)
+    }
+
+    /// Auxiliary word `i` of the header, for flags the users agree on.
+    ///
+    /// # Panics
+    /// If `i >= RING_AUX_WORDS` (32): a programming error, never caused by
+    /// the peer.
+    pub fn aux(&self, i: usize) -> &AtomicU32 {
+        assert!(i < RING_AUX_WORDS, "ring aux word {i} out of range");
+        self.word(AUX_OFFSET + 4 * i)
+    }
+
+    /// Pointer to the slot of free-running index `idx`.
+    fn slot(&self, idx: u32) -> *mut u8 {
+        let i = (idx & (self.capacity - 1)) as usize;
+        // SAFETY: i < capacity, so RING_HEADER + i * stride + stride <=
+        // ring_bytes(capacity, stride), which is inside the mapping.
+        unsafe { self.base.add(RING_HEADER + i * self.stride) }
+    }
+
+    /// `producer - consumer`, or `Corrupt` if that exceeds the capacity.
+    fn distance(&self, producer: u32, consumer: u32) -> Result<u32, RingError> {
+        let used = producer.wrapping_sub(consumer);
+        if used > self.capacity {
+            return Err(RingError::Corrupt { producer, consumer, capacity: self.capacity });
+        }
+        Ok(used)
+    }
+
+    /// Entries the producer has published and the consumer not yet taken.
+    pub fn len(&self) -> Result<u32, RingError> {
+        let consumer = self.consumer_index().load(Ordering::Acquire);
+        let producer = self.producer_index().load(Ordering::Acquire);
+        self.distance(producer, consumer)
+    }
+
+    /// Whether [`len`](Self::len) is zero.
+    pub fn is_empty(&self) -> Result<bool, RingError> {
+        Ok(self.len()? == 0)
+    }
+
+    /// Producer side: slots free for [`try_push`](Self::try_push).
+    pub fn free_slots(&self) -> Result<u32, RingError> {
+        Ok(self.capacity - self.len()?)
+    }
+
+    /// Producer side: fills the next slot and publishes it.
+    ///
+    /// `write` gets a zeroed private buffer of `stride` bytes, which is
+    /// copied into the slot before the producer index moves. Returns
+    /// `Ok(false)` if the ring is full (and `write` is not called).
+    ///
+    /// `write` runs under this view's producer lock, so it must not push
+    /// to the same view (that would deadlock).
+    pub fn try_push(&self, write: impl FnOnce(&mut [u8])) -> Result<bool, RingError> {
+        let mut scratch = lock(&self.producer);
+        let Some(producer) = self.reserve()? else {
+            return Ok(false);
+        };
+        scratch.fill(0);
+        write(&mut scratch);
+        self.publish(producer, &scratch);
+        Ok(true)
+    }
+
+    /// Producer side: copies `src` (exactly `stride` bytes) into the next
+    /// slot and publishes it. Returns `Ok(false)` if the ring is full.
+    pub fn try_push_bytes(&self, src: &[u8]) -> Result<bool, RingError> {
+        if src.len() != self.stride {
+            return Err(RingError::BadBuffer { got: src.len(), stride: self.stride });
+        }
+        let _guard = lock(&self.producer);
+        let Some(producer) = self.reserve()? else {
+            return Ok(false);
+        };
+        self.publish(producer, src);
+        Ok(true)
+    }
+
+    /// The producer index of a free slot, `None` if full.
+    fn reserve(&self) -> Result<Option<u32>, RingError> {
+        // Our own index: only we advance it (a hostile peer may overwrite
+        // it, which `distance` then catches or which only garbles the data
+        // sent to that same peer).
+        let producer = self.producer_index().load(Ordering::Relaxed);
+        // Acquire: the consumer finished copying out the slots it released.
+        let consumer = self.consumer_index().load(Ordering::Acquire);
+        let used = self.distance(producer, consumer)?;
+        Ok((used < self.capacity).then_some(producer))
+    }
+
+    fn publish(&self, producer: u32, src: &[u8]) {
+        debug_assert_eq!(src.len(), self.stride);
+        // SAFETY: the slot is `stride` bytes inside the mapping (see `slot`)
+        // and `src` is `stride` bytes of private memory, so the ranges are
+        // valid and disjoint. The consumer does not touch a slot the
+        // producer owns; a hostile one racing here only garbles its own
+        // data, and no reference into the slot exists.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot(producer), self.stride) };
+        // Release: the slot bytes are visible before the new index.
+        self.producer_index().store(producer.wrapping_add(1), Ordering::Release);
+    }
+
+    /// Consumer side: copies the oldest entry into `out[..stride]` and
+    /// releases its slot. Returns `Ok(false)` if the ring is empty.
+    ///
+    /// `out` must be at least `stride` bytes.
+    pub fn try_pop(&self, out: &mut [u8]) -> Result<bool, RingError> {
+        if out.len() < self.stride {
+            return Err(RingError::BadBuffer { got: out.len(), stride: self.stride });
+        }
+        let _guard = lock(&self.consumer);
+        let consumer = self.consumer_index().load(Ordering::Relaxed);
+        // Acquire: the slot bytes the producer wrote before publishing.
+        let producer = self.producer_index().load(Ordering::Acquire);
+        if self.distance(producer, consumer)? == 0 {
+            return Ok(false);
+        }
+        // SAFETY: the slot is `stride` bytes inside the mapping and `out`
+        // is at least `stride` bytes of private memory, so both ranges are
+        // valid and disjoint. The copy is raw: a hostile producer writing
+        // the slot concurrently can only change the bytes we get, which
+        // the caller validates anyway.
+        unsafe { std::ptr::copy_nonoverlapping(self.slot(consumer), out.as_mut_ptr(), self.stride) };
+        // Release: our reads of the slot happen before the producer may
+        // reuse it.
+        self.consumer_index().store(consumer.wrapping_add(1), Ordering::Release);
+        Ok(true)
+    }
+
+    /// Consumer side: drops every published entry (a queue reset).
+    /// Returns how many were dropped.
+    pub fn discard_all(&self) -> Result<u32, RingError> {
+        let _guard = lock(&self.consumer);
+        let consumer = self.consumer_index().load(Ordering::Relaxed);
+        let producer = self.producer_index().load(Ordering::Acquire);
+        let dropped = self.distance(producer, consumer)?;
+        self.consumer_index().store(producer, Ordering::Release);
+        Ok(dropped)
+    }
+}
+
+// SAFETY: the view holds a raw pointer into a shared mapping that stays
+// valid for the view's life (kept alive by the Arc<Segment> or promised by
+// the caller of `new`); the memory is process-wide, so using it from
+// another thread is no different from using it from this one.
+unsafe impl Send for RingView {}
+// SAFETY: all access through `&RingView` is synchronised: header words are
+// atomics, producer and consumer operations each take their own mutex, and
+// slot bytes are moved with raw copies between a slot one side owns and
+// private buffers, never through shared references.
+unsafe impl Sync for RingView {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair(capacity: u32, stride: usize) -> (RingView, RingView) {
+        let seg = Arc::new(Segment::create("vrdma-ring", 4096 + ring_bytes(capacity, stride)).unwrap());
+        // The consumer maps the same file separately, as another process would.
+        let other = Arc::new(Segment::map_trusted(seg.try_clone_fd().unwrap(), seg.len()).unwrap());
+        let p = RingView::in_segment(seg, 4096, capacity, stride).unwrap();
+        let c = RingView::in_segment(other, 4096, capacity, stride).unwrap();
+        (p, c)
+    }
+
+    #[test]
+    fn layout() {
+        assert_eq!(ring_bytes(8, 64), 256 + 512);
+        assert_eq!(ring_bytes(u32::MAX, usize::MAX), usize::MAX);
+    }
+
+    #[test]
+    fn push_pop_across_mappings() {
+        let (p, c) = pair(4, 32);
+        let mut out = [0u8; 32];
+        assert_eq!(c.try_pop(&mut out), Ok(false));
+        assert_eq!(p.free_slots(), Ok(4));
+        assert!(p.try_push(|s| s[..5].copy_from_slice(b"hello")).unwrap());
+        assert_eq!(c.len(), Ok(1));
+        assert!(c.try_pop(&mut out).unwrap());
+        assert_eq!(&out[..5], b"hello");
+        assert!(out[5..].iter().all(|&b| b == 0));
+        assert_eq!(c.try_pop(&mut out), Ok(false));
+        assert_eq!(c.is_empty(), Ok(true));
+    }
+
+    #[test]
+    fn full_and_empty() {
+        let (p, c) = pair(4, 8);
+        for i in 0..4u8 {
+            assert!(p.try_push_bytes(&[i; 8]).unwrap());
+        }
+        let mut called = false;
+        assert_eq!(p.try_push(|_| called = true), Ok(false));
+        assert!(!called);
+        assert_eq!(p.free_slots(), Ok(0));
+        let mut out = [0u8; 8];
+        for i in 0..4u8 {
+            assert!(c.try_pop(&mut out).unwrap());
+            assert_eq!(out, [i; 8]);
+        }
+        assert_eq!(c.try_pop(&mut out), Ok(false));
+    }
+
+    #[test]
+    fn wraparound() {
+        let (p, c) = pair(8, 16);
+        // Start near the u32 wrap so the indices cross it.
+        p.producer_index().store(u32::MAX - 20, Ordering::Relaxed);
+        p.consumer_index().store(u32::MAX - 20, Ordering::Relaxed);
+        let mut next_in = 0u64;
+        let mut next_out = 0u64;
+        let mut out = [0u8; 16];
+        for round in 0..10_000u64 {
+            let burst = (round % 9) as usize;
+            for _ in 0..burst {
+                if p.try_push(|s| s[..8].copy_from_slice(&next_in.to_le_bytes())).unwrap() {
+                    next_in += 1;
+                }
+            }
+            for _ in 0..(round % 7) {
+                if c.try_pop(&mut out).unwrap() {
+                    assert_eq!(u64::from_le_bytes(out[..8].try_into().unwrap()), next_out);
+                    next_out += 1;
+                }
+            }
+        }
+        while c.try_pop(&mut out).unwrap() {
+            assert_eq!(u64::from_le_bytes(out[..8].try_into().unwrap()), next_out);
+            next_out += 1;
+        }
+        assert_eq!(next_in, next_out);
+        assert!(next_in > 10_000);
+    }
+
+    #[test]
+    fn threads() {
+        let (p, c) = pair(16, 8);
+        const N: u64 = 100_000;
+        let prod = std::thread::spawn(move || {
+            let mut i = 0u64;
+            while i < N {
+                if p.try_push_bytes(&i.to_le_bytes()).unwrap() {
+                    i += 1;
+                } else {
+                    std::hint::spin_loop();
+                }
+            }
+        });
+        let mut out = [0u8; 8];
+        let mut expect = 0u64;
+        while expect < N {
+            if c.try_pop(&mut out).unwrap() {
+                assert_eq!(u64::from_le_bytes(out), expect);
+                expect += 1;
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        prod.join().unwrap();
+    }
+
+    #[test]
+    fn corrupt_indices() {
+        let (p, c) = pair(4, 8);
+        let mut out = [0u8; 8];
+        // A hostile producer jumps its index far ahead.
+        p.producer_index().store(1000, Ordering::Release);
+        assert!(matches!(c.try_pop(&mut out), Err(RingError::Corrupt { producer: 1000, .. })));
+        assert!(matches!(c.discard_all(), Err(RingError::Corrupt { .. })));
+        assert!(matches!(c.len(), Err(RingError::Corrupt { .. })));
+        // Exactly `capacity` ahead is a full ring, not corruption.
+        p.producer_index().store(4, Ordering::Release);
+        assert_eq!(c.len(), Ok(4));
+        // A hostile consumer claims to be ahead of the producer.
+        c.consumer_index().store(5, Ordering::Release);
+        assert!(matches!(p.try_push(|_| {}), Err(RingError::Corrupt { .. })));
+        assert!(matches!(p.try_push_bytes(&[0; 8]), Err(RingError::Corrupt { .. })));
+        assert!(matches!(p.free_slots(), Err(RingError::Corrupt { .. })));
+    }
+
+    #[test]
+    fn discard_all_resets() {
+        let (p, c) = pair(8, 8);
+        for _ in 0..5 {
+            assert!(p.try_push(|_| {}).unwrap());
+        }
+        assert_eq!(c.discard_all(), Ok(5));
+        assert_eq!(c.len(), Ok(0));
+        assert_eq!(p.free_slots(), Ok(8));
+    }
+
+    #[test]
+    fn aux_words_shared() {
+        let (p, c) = pair(4, 8);
+        p.aux(0).store(1, Ordering::Release);
+        p.aux(31).store(7, Ordering::Release);
+        assert_eq!(c.aux(0).load(Ordering::Acquire), 1);
+        assert_eq!(c.aux(31).load(Ordering::Acquire), 7);
+        // Aux words do not overlap the indices.
+        assert_eq!(c.len(), Ok(0));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            c.aux(32);
+        }));
+        assert!(r.is_err());
+    }
+
+    #[test]
+    fn shape_checks() {
+        let seg = Arc::new(Segment::create("vrdma-ring", 4096).unwrap());
+        let ok = |o, cap, s| RingView::in_segment(seg.clone(), o, cap, s);
+        assert!(matches!(ok(0, 3, 8), Err(RingError::BadCapacity(3))));
+        assert!(matches!(ok(0, 0, 8), Err(RingError::BadCapacity(0))));
+        assert!(matches!(ok(0, 4, 0), Err(RingError::BadStride)));
+        assert!(matches!(ok(8, 4, 8), Err(RingError::Misaligned)));
+        assert!(matches!(ok(0, 64, 64), Err(RingError::OutOfBounds { .. })));
+        assert!(matches!(ok(usize::MAX - 63, 4, 8), Err(RingError::OutOfBounds { .. })));
+        assert!(matches!(ok(0, 1 << 31, usize::MAX), Err(RingError::OutOfBounds { .. })));
+        let exact = 4096 - ring_bytes(4, 64);
+        assert!(ok(exact, 4, 64).is_ok());
+        let r = ok(0, 4, 8).unwrap();
+        let mut small = [0u8; 7];
+        assert!(matches!(r.try_pop(&mut small), Err(RingError::BadBuffer { got: 7, stride: 8 })));
+        assert!(matches!(r.try_push_bytes(&[0; 9]), Err(RingError::BadBuffer { got: 9, stride: 8 })));
+    }
+
+    #[test]
+    fn raw_view() {
+        let seg = Segment::create("vrdma-ring", 4096).unwrap();
+        // SAFETY: the segment is page-aligned, larger than the ring, and
+        // outlives both views (dropped at the end of the test).
+        let (p, c) = unsafe {
+            (RingView::new(seg.as_ptr(), 2, 4).unwrap(), RingView::new(seg.as_ptr(), 2, 4).unwrap())
+        };
+        assert!(p.try_push_bytes(&[1, 2, 3, 4]).unwrap());
+        let mut out = [0u8; 4];
+        assert!(c.try_pop(&mut out).unwrap());
+        assert_eq!(out, [1, 2, 3, 4]);
+        // SAFETY: as above; the call fails on alignment before any use.
+        let e = unsafe { RingView::new(seg.as_ptr().add(4), 2, 4) }.unwrap_err();
+        assert_eq!(e, RingError::Misaligned);
+    }
+}

@@ -1,0 +1,370 @@
+//! Shared-memory segments: `memfd` files mapped `MAP_SHARED`.
+//!
+//! A segment is the unit of memory the daemon and a tenant share: the
+//! queues' rings live in segments the daemon creates, and a tenant's
+//! registered memory arrives as a segment it created itself. Either way
+//! the file descriptor travels over the control socket and each side maps
+//! it.
+//!
+//! Mapping a file that someone else controls is dangerous: if the owner
+//! truncates it, touching the now-missing pages raises `SIGBUS` in every
+//! process that maps them. [`Segment::map_untrusted`] therefore accepts
+//! only files that carry `F_SEAL_SHRINK`, which the kernel enforces for
+//! everybody, owner included, for the rest of the file's life.
+
+use std::fmt;
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::ptr::NonNull;
+
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+/// Why a file descriptor from a peer could not be mapped.
+#[derive(Debug, thiserror::Error)]
+pub enum SegmentError {
+    /// The descriptor does not support seals, so it is not a memfd (or
+    /// other shmem/hugetlbfs file) and its size cannot be pinned.
+    #[error("not a sealable memfd: {0}")]
+    NotMemfd(#[source] io::Error),
+    /// The file can still shrink: `F_SEAL_SHRINK` is missing.
+    #[error("memfd lacks F_SEAL_SHRINK")]
+    NotSealed,
+    /// The file is not a regular file.
+    #[error("not a regular file")]
+    NotRegular,
+    /// `[offset, offset+len)` does not lie within the file.
+    #[error("file of {size} bytes is too small for [{offset}, +{len})")]
+    TooSmall { size: u64, offset: u64, len: usize },
+    /// The offset is not a multiple of the page size.
+    #[error("offset {offset} is not page-aligned")]
+    Unaligned { offset: u64 },
+    /// A mapping of zero bytes was asked for.
+    #[error("zero-length mapping")]
+    Empty,
+    /// A system call failed.
+    #[error(transparent)]
+    Io(#[from] io::Error),
+}
+
+impl From<SegmentError> for io::Error {
+    fn from(e: SegmentError) -> io::Error {
+        match e {
+            SegmentError::Io(e) => e,
+            other => io::Error::new(io::ErrorKind::InvalidInput, other),
+        }
+    }
+}
+
+/// A live `MAP_SHARED`, read-write mapping of (part of) a memfd, together
+/// with the descriptor it maps.
+pub struct Segment {
+    fd: OwnedFd,
+    ptr: NonNull<u8>,
+    /// Bytes the caller may use, starting at `ptr`.
+    len: usize,
+    /// Bytes actually mapped (`len` rounded up to a page), for `munmap`.
+    map_len: usize,
+}
+
+impl fmt::Debug for Segment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Segment")
+            .field("fd", &self.fd)
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+/// The system page size.
+pub fn page_size() -> usize {
+    rustix::param::page_size()
+}
+
+/// `len` rounded up to a whole number of pages, if that fits in `usize`.
+fn round_to_page(len: usize) -> Option<usize> {
+    let page = page_size();
+    len.checked_next_multiple_of(page)
+}
+
+impl Segment {
+    /// A new anonymous segment of `len` bytes (rounded up to whole pages),
+    /// zero-filled, sealed against shrinking, growing and further sealing,
+    /// and mapped read-write.
+    pub fn create(name: &str, len: usize) -> io::Result<Segment> {
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero-length segment"));
+        }
+        let size = round_to_page(len)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
+        let base = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        // Ask for a non-executable memfd where the kernel knows the flag
+        // (Linux 6.3+; required when `vm.memfd_noexec = 2`), plain otherwise.
+        let fd = match rustix::fs::memfd_create(name, base | MemfdFlags::NOEXEC_SEAL) {
+            Err(rustix::io::Errno::INVAL) => rustix::fs::memfd_create(name, base)?,
+            other => other?,
+        };
+        rustix::fs::ftruncate(&fd, size as u64)?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        Segment::map(fd, 0, size)
+    }
+
+    /// Maps `[offset, offset+len)` of a descriptor received from a peer
+    /// that may be hostile.
+    ///
+    /// The file must be a memfd sealed with `F_SEAL_SHRINK` (so that it can
+    /// never lose the pages we map), at least `offset + len` bytes long,
+    /// and `offset` must be page-aligned.
+    pub fn map_untrusted(fd: OwnedFd, offset: u64, len: usize) -> Result<Segment, SegmentError> {
+        if len == 0 {
+            return Err(SegmentError::Empty);
+        }
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| SegmentError::NotMemfd(e.into()))?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(SegmentError::NotSealed);
+        }
+        // The page size is a power of two.
+        if offset & (page_size() as u64 - 1) != 0 {
+            return Err(SegmentError::Unaligned { offset });
+        }
+        // The size is checked after the seal: from now on it cannot drop.
+        check_size(&fd, offset, len)?;
+        Ok(Segment::map(fd, offset, len)?)
+    }
+
+    /// Maps the first `len` bytes of a descriptor from a trusted source,
+    /// such as a ring segment the daemon created (and sealed) for us.
+    ///
+    /// No seal is required, but the file must be at least `len` bytes.
+    pub fn map_trusted(fd: OwnedFd, len: usize) -> Result<Segment, SegmentError> {
+        if len == 0 {
+            return Err(SegmentError::Empty);
+        }
+        check_size(&fd, 0, len)?;
+        Ok(Segment::map(fd, 0, len)?)
+    }
+
+    /// `mmap(MAP_SHARED, RW)` of `[offset, offset+len)`, whole pages.
+    fn map(fd: OwnedFd, offset: u64, len: usize) -> io::Result<Segment> {
+        let map_len = round_to_page(len)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
+        // SAFETY: a fresh mapping at an address the kernel picks (null hint,
+        // no MAP_FIXED) cannot replace or alias any existing Rust object.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                &fd,
+                offset,
+            )?
+        };
+        let ptr =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
+        Ok(Segment { fd, ptr, len, map_len })
+    }
+
+    /// The mapped descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// A new descriptor for the same file, e.g. to send to a peer.
+    pub fn try_clone_fd(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+
+    /// Start of the mapping (page-aligned).
+    ///
+    /// The memory may be written by another process at any time: read and
+    /// write it with raw copies or atomics, never through references.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// Usable bytes from [`as_ptr`](Segment::as_ptr). For
+    /// [`create`](Segment::create) this is the size rounded up to pages.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Always false: a segment has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Checks that the file behind `fd` covers `[offset, offset+len)`.
+fn check_size(fd: &OwnedFd, offset: u64, len: usize) -> Result<(), SegmentError> {
+    let st = rustix::fs::fstat(fd).map_err(io::Error::from)?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err(SegmentError::NotRegular);
+    }
+    let size = u64::try_from(st.st_size).unwrap_or(0);
+    let fits = u64::try_from(len).ok().and_then(|l| offset.checked_add(l)).is_some_and(|end| end <= size);
+    if !fits {
+        return Err(SegmentError::TooSmall { size, offset, len });
+    }
+    Ok(())
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`map_len` are exactly the mapping made in `map`,
+        // unmapped only here; every borrower of the memory (rings, regions)
+        // holds the segment alive, so nothing uses it after this point.
+        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.map_len) } {
+            tracing::warn!(error = %e, "munmap of a segment failed");
+        }
+    }
+}
+
+// SAFETY: a Segment owns its descriptor and mapping outright; the raw
+// pointer is only an address of process-wide memory, valid from any thread
+// until Drop, and the type itself offers no unsynchronised mutation (users
+// reach the bytes through raw copies and atomics).
+unsafe impl Send for Segment {}
+// SAFETY: `&Segment` exposes only the address, length and descriptor, all
+// immutable; concurrent access to the mapped bytes is the users' business
+// and already has to tolerate a concurrent writer in the other process.
+unsafe impl Sync for Segment {}
+
+// SAFETY: `as_ptr()..as_ptr()+len()` lies inside a read-write MAP_SHARED
+// mapping that is created in `map`, never moved or remapped, and unmapped
+// only in Drop, so it stays live while the Segment lives. The file cannot
+// shrink underneath it: created segments are sealed by us, untrusted ones
+// are refused unless F_SEAL_SHRINK is set, and trusted ones come from a
+// daemon that seals them.
+unsafe impl vrdma_core::memory::Backing for Segment {
+    fn as_ptr(&self) -> *mut u8 {
+        Segment::as_ptr(self)
+    }
+    fn len(&self) -> usize {
+        Segment::len(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    fn write_byte(seg: &Segment, at: usize, v: u8) {
+        assert!(at < seg.len());
+        // SAFETY: `at` is within the mapping (asserted).
+        unsafe { seg.as_ptr().add(at).write_volatile(v) }
+    }
+
+    fn read_byte(seg: &Segment, at: usize) -> u8 {
+        assert!(at < seg.len());
+        // SAFETY: `at` is within the mapping (asserted).
+        unsafe { seg.as_ptr().add(at).read_volatile() }
+    }
+
+    #[test]
+    fn create_rounds_and_seals() {
+        let seg = Segment::create("vrdma-test", 100).unwrap();
+        assert_eq!(seg.len(), page_size());
+        assert!(!seg.is_empty());
+        let seals = rustix::fs::fcntl_get_seals(seg.fd()).unwrap();
+        assert!(seals.contains(SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL));
+        assert!(rustix::fs::ftruncate(seg.fd(), 0).is_err());
+        assert_eq!(read_byte(&seg, 99), 0);
+        assert!(Segment::create("vrdma-test", 0).is_err());
+    }
+
+    #[test]
+    fn second_mapping_sees_writes() {
+        let a = Segment::create("vrdma-test", 3 * page_size()).unwrap();
+        let b = Segment::map_untrusted(a.try_clone_fd().unwrap(), 0, a.len()).unwrap();
+        let c = Segment::map_trusted(a.try_clone_fd().unwrap(), a.len()).unwrap();
+        write_byte(&a, 5, 0xab);
+        assert_eq!(read_byte(&b, 5), 0xab);
+        assert_eq!(read_byte(&c, 5), 0xab);
+        write_byte(&b, a.len() - 1, 7);
+        assert_eq!(read_byte(&a, a.len() - 1), 7);
+
+        // An offset mapping sees the right page.
+        let p = page_size();
+        let d = Segment::map_untrusted(a.try_clone_fd().unwrap(), p as u64, 10).unwrap();
+        write_byte(&a, p + 3, 42);
+        assert_eq!(read_byte(&d, 3), 42);
+        assert_eq!(d.len(), 10);
+    }
+
+    #[test]
+    fn backing_region_round_trip() {
+        use vrdma_core::memory::Region;
+        let seg = std::sync::Arc::new(Segment::create("vrdma-test", 4096).unwrap());
+        let peer = Segment::map_trusted(seg.try_clone_fd().unwrap(), 4096).unwrap();
+        let region = Region::new(seg.clone(), 16, 64).unwrap();
+        region.write(0, b"hello").unwrap();
+        assert_eq!(read_byte(&peer, 16), b'h');
+        assert_eq!(read_byte(&peer, 20), b'o');
+    }
+
+    #[test]
+    fn atomics_cross_mappings() {
+        let a = Segment::create("vrdma-test", 64).unwrap();
+        let b = Segment::map_trusted(a.try_clone_fd().unwrap(), 64).unwrap();
+        // SAFETY: both pointers are page-aligned, hence 8-aligned, and the
+        // mappings are live for the duration of the references.
+        let (wa, wb) = unsafe { (&*(a.as_ptr() as *const AtomicU64), &*(b.as_ptr() as *const AtomicU64)) };
+        wa.store(0xdead_beef, Ordering::Release);
+        assert_eq!(wb.load(Ordering::Acquire), 0xdead_beef);
+    }
+
+    fn unsealed_memfd(len: u64) -> OwnedFd {
+        let fd = rustix::fs::memfd_create("vrdma-unsealed", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .unwrap();
+        rustix::fs::ftruncate(&fd, len).unwrap();
+        fd
+    }
+
+    #[test]
+    fn untrusted_rejects_unsealed() {
+        let fd = unsealed_memfd(4096);
+        assert!(matches!(Segment::map_untrusted(fd, 0, 4096), Err(SegmentError::NotSealed)));
+        // Without ALLOW_SEALING the kernel sets F_SEAL_SEAL only.
+        let fd = rustix::fs::memfd_create("vrdma-nosealing", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&fd, 4096).unwrap();
+        assert!(matches!(Segment::map_untrusted(fd, 0, 4096), Err(SegmentError::NotSealed)));
+    }
+
+    #[test]
+    fn untrusted_rejects_too_small() {
+        let seg = Segment::create("vrdma-test", 4096).unwrap();
+        let size = seg.len();
+        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), 0, size + 1).unwrap_err();
+        assert!(matches!(e, SegmentError::TooSmall { .. }), "{e}");
+        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), page_size() as u64, 1).unwrap_err();
+        assert!(matches!(e, SegmentError::TooSmall { .. }), "{e}");
+        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), u64::MAX - 4095, usize::MAX).unwrap_err();
+        assert!(matches!(e, SegmentError::TooSmall { .. } | SegmentError::Unaligned { .. }), "{e}");
+        let e = Segment::map_trusted(seg.try_clone_fd().unwrap(), size + 1).unwrap_err();
+        assert!(matches!(e, SegmentError::TooSmall { .. }), "{e}");
+    }
+
+    #[test]
+    fn untrusted_rejects_unaligned_and_empty() {
+        let seg = Segment::create("vrdma-test", 2 * page_size()).unwrap();
+        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), 1, 16).unwrap_err();
+        assert!(matches!(e, SegmentError::Unaligned { offset: 1 }), "{e}");
+        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), 0, 0).unwrap_err();
+        assert!(matches!(e, SegmentError::Empty), "{e}");
+        let e = Segment::map_trusted(seg.try_clone_fd().unwrap(), 0).unwrap_err();
+        assert!(matches!(e, SegmentError::Empty), "{e}");
+    }
+
+    #[test]
+    fn untrusted_rejects_non_memfd() {
+        let (r, w) = rustix::pipe::pipe().unwrap();
+        assert!(matches!(Segment::map_untrusted(r, 0, 4096), Err(SegmentError::NotMemfd(_))));
+        // A pipe is not a regular file either, which map_trusted checks.
+        assert!(matches!(Segment::map_trusted(w, 4096), Err(SegmentError::NotRegular)));
+        let e: io::Error = SegmentError::NotSealed.into();
+        assert_eq!(e.kind(), io::ErrorKind::InvalidInput);
+    }
+}

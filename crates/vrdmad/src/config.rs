@@ -1,0 +1,144 @@
+//! The daemon's configuration, read from TOML.
+//!
+//! ```toml
+//! socket = "/run/vrdma/vrdma.sock"   # else VRDMA_SOCKET or the default
+//! address = "10.0.0.1"                # the host address the GID carries
+//!
+//! [engine]
+//! spin_us = 20          # busy-poll this long after the last work before sleeping
+//! busy_poll = false     # never sleep: for a dedicated core
+//! realtime = false      # SCHED_FIFO for the engine thread (needs CAP_SYS_NICE)
+//! chunk_bytes = 65536   # most bytes one QP moves before the next QP's turn
+//!
+//! [quota]               # every tenant
+//! max_objects = 16384
+//! max_registered_bytes = 17179869184
+//! max_queue_depth = 16384
+//!
+//! [tenants.1000]        # a tenant is a uid; override its quota
+//! max_objects = 64
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::Ipv4Addr;
+use std::path::PathBuf;
+
+use serde::Deserialize;
+use vrdma_core::hca::Quota;
+
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct EngineConfig {
+    pub spin_us: u64,
+    pub busy_poll: bool,
+    pub realtime: bool,
+    pub chunk_bytes: u64,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        // On a machine with cores to spare the engine may spin a while
+        // after work dries up; with two cores or fewer a long spin steals
+        // the time slice the applications need (DESIGN.md, "Polling and
+        // cores"), so it goes to sleep almost at once.
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        EngineConfig {
+            spin_us: if cores > 2 { 200 } else { 5 },
+            busy_poll: false,
+            realtime: false,
+            chunk_bytes: 64 << 10,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DaemonConfig {
+    pub socket: Option<PathBuf>,
+    pub address: Option<Ipv4Addr>,
+    pub engine: EngineConfig,
+    pub quota: Quota,
+    /// Per-uid quota overrides; keys are uids.
+    pub tenants: BTreeMap<String, Quota>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("invalid configuration: {0}")]
+    Parse(#[from] toml::de::Error),
+    #[error("invalid configuration: tenant key {0:?} is not a uid")]
+    BadTenant(String),
+    #[error("invalid configuration: {0}")]
+    Invalid(String),
+}
+
+impl DaemonConfig {
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let c: DaemonConfig = toml::from_str(text)?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn load(path: &std::path::Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|source| ConfigError::Read { path: path.to_owned(), source })?;
+        Self::from_toml(&text)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        self.tenant_quotas()?;
+        if self.engine.chunk_bytes == 0 {
+            return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
+        }
+        if self.engine.spin_us > 1_000_000 {
+            return Err(ConfigError::Invalid("engine.spin_us must be at most one second".into()));
+        }
+        Ok(())
+    }
+
+    /// The per-tenant overrides with their uids parsed.
+    pub fn tenant_quotas(&self) -> Result<Vec<(u32, Quota)>, ConfigError> {
+        self.tenants
+            .iter()
+            .map(|(k, q)| {
+                k.parse::<u32>().map(|uid| (uid, *q)).map_err(|_| ConfigError::BadTenant(k.clone()))
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_the_documented_example() {
+        let c = DaemonConfig::from_toml(
+            r#"
+            socket = "/tmp/x.sock"
+            address = "10.0.0.1"
+            [engine]
+            spin_us = 20
+            [quota]
+            max_objects = 100
+            [tenants.1000]
+            max_objects = 64
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.quota.max_objects, 100);
+        assert_eq!(c.quota.max_queue_depth, Quota::default().max_queue_depth);
+        assert_eq!(c.tenant_quotas().unwrap()[0].0, 1000);
+        assert_eq!(c.address, Some(Ipv4Addr::new(10, 0, 0, 1)));
+    }
+
+    #[test]
+    fn rejects_what_it_does_not_understand() {
+        assert!(DaemonConfig::from_toml("nonsense = 1").is_err());
+        assert!(DaemonConfig::from_toml("[tenants.bob]\nmax_objects = 1").is_err());
+        assert!(DaemonConfig::from_toml("[engine]\nchunk_bytes = 0").is_err());
+        assert!(DaemonConfig::from_toml("[quota]\nmax_objects = -1").is_err());
+    }
+}

@@ -1,0 +1,205 @@
+//! The engine: the thread that is the HCA's data path.
+//!
+//! One thread owns the [`Hca`] and every ring, so the data path takes no
+//! lock. Control requests reach it as closures over a channel and run
+//! between passes. While there is work it spins; when work dries up it
+//! spins a little longer (`spin_us`), then announces that it sleeps in
+//! every context's segment, looks once more (so a post that raced with
+//! the announcement is not missed), and blocks on the contexts' doorbells
+//! until a post, a control request or its next timer wakes it.
+
+mod rings;
+
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use rustix::event::{PollFd, PollFlags};
+use vrdma_core::hca::Hca;
+use vrdma_core::time::Instant;
+use vrdma_shm::Doorbell;
+
+pub use rings::{Channel, ContextRings, CqRing, InRing, QpRings, RingTable};
+
+use crate::config::EngineConfig;
+
+/// What the engine thread owns.
+pub struct EngineState {
+    pub hca: Hca,
+    pub rings: RingTable,
+    epoch: std::time::Instant,
+}
+
+impl EngineState {
+    pub fn now(&self) -> Instant {
+        Instant(self.epoch.elapsed().as_nanos() as u64)
+    }
+}
+
+type Command = Box<dyn FnOnce(&mut EngineState) + Send>;
+
+/// Counters the engine publishes.
+#[derive(Debug, Default)]
+pub struct EngineStats {
+    pub passes: AtomicU64,
+    pub sleeps: AtomicU64,
+    pub wakeups: AtomicU64,
+}
+
+/// A handle to send work to the engine thread.
+#[derive(Clone)]
+pub struct EngineHandle {
+    tx: Sender<Command>,
+    wake: Arc<Doorbell>,
+    pub stats: Arc<EngineStats>,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("the engine thread has stopped")]
+pub struct EngineGone;
+
+impl EngineHandle {
+    /// Runs `f` on the engine thread between passes and returns its result.
+    pub fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
+    ) -> Result<R, EngineGone> {
+        let (rtx, rrx) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Box::new(move |s: &mut EngineState| {
+                let _ = rtx.send(f(s));
+            }))
+            .map_err(|_| EngineGone)?;
+        self.wake.ring();
+        rrx.recv().map_err(|_| EngineGone)
+    }
+}
+
+pub struct Engine {
+    handle: EngineHandle,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Engine {
+    pub fn start(hca: Hca, config: EngineConfig) -> std::io::Result<Engine> {
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let (wake_tx, wake) = Doorbell::pair()?;
+        let (wake_tx, wake) = (Arc::new(wake_tx), Arc::new(wake));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(EngineStats::default());
+        let handle = EngineHandle { tx, wake: wake_tx, stats: stats.clone() };
+        let state = EngineState { hca, rings: RingTable::default(), epoch: std::time::Instant::now() };
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("vrdma-engine".into())
+            .spawn(move || run(state, rx, wake, s, stats, config))?;
+        Ok(Engine { handle, stop, thread: Some(thread) })
+    }
+
+    pub fn handle(&self) -> EngineHandle {
+        self.handle.clone()
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.handle.wake.ring();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn set_realtime() {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: sched_setscheduler on the calling thread (pid 0) with a valid
+    // sched_param; it only changes scheduling.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+    if rc != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "engine.realtime: SCHED_FIFO refused; running at normal priority");
+    } else {
+        tracing::info!("engine thread runs SCHED_FIFO");
+    }
+}
+
+fn run(
+    mut s: EngineState,
+    rx: Receiver<Command>,
+    wake: Arc<Doorbell>,
+    stop: Arc<AtomicBool>,
+    stats: Arc<EngineStats>,
+    cfg: EngineConfig,
+) {
+    if cfg.realtime {
+        set_realtime();
+    }
+    let spin = Duration::from_micros(cfg.spin_us);
+    let mut idle_since: Option<std::time::Instant> = None;
+    while !stop.load(Ordering::Relaxed) {
+        while let Ok(cmd) = rx.try_recv() {
+            cmd(&mut s);
+            idle_since = None;
+        }
+        let now = s.now();
+        let act = s.hca.process(now, &mut s.rings);
+        stats.passes.fetch_add(1, Ordering::Relaxed);
+        if act.busy {
+            idle_since = None;
+            continue;
+        }
+        if cfg.busy_poll {
+            std::hint::spin_loop();
+            continue;
+        }
+        let since = *idle_since.get_or_insert_with(std::time::Instant::now);
+        if since.elapsed() < spin {
+            std::hint::spin_loop();
+            continue;
+        }
+        // Announce sleep, then look once more: a tenant that posted before
+        // it saw the flag is found here; one that posts after rings.
+        s.rings.set_sleeping(true);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let now = s.now();
+        let act = s.hca.process(now, &mut s.rings);
+        if act.busy || !rx.is_empty() || stop.load(Ordering::Relaxed) {
+            s.rings.set_sleeping(false);
+            idle_since = None;
+            continue;
+        }
+        let timeout = act.next_timer.map(|t| t.saturating_since(now));
+        stats.sleeps.fetch_add(1, Ordering::Relaxed);
+        sleep(&s, &wake, timeout);
+        stats.wakeups.fetch_add(1, Ordering::Relaxed);
+        s.rings.set_sleeping(false);
+        idle_since = None;
+    }
+    s.rings.set_sleeping(false);
+}
+
+/// Blocks until a doorbell rings or `timeout` passes; a second at most, so
+/// that a lost wakeup could never stall the device for long.
+fn sleep(s: &EngineState, wake: &Doorbell, timeout: Option<Duration>) {
+    let timeout = timeout.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
+    let mut fds: Vec<PollFd> = Vec::with_capacity(s.rings.contexts.len() + 1);
+    fds.push(PollFd::new(wake, PollFlags::IN));
+    for c in s.rings.contexts.values() {
+        fds.push(PollFd::from_borrowed_fd(c.doorbell.as_fd(), PollFlags::IN));
+    }
+    let ts =
+        rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
+    if let Err(e) = rustix::event::poll(&mut fds, Some(&ts)) {
+        if e != rustix::io::Errno::INTR {
+            tracing::warn!(error = %e, "engine poll failed");
+        }
+    }
+    drop(fds);
+    wake.drain();
+    for c in s.rings.contexts.values() {
+        c.doorbell.drain();
+    }
+}

@@ -1,0 +1,196 @@
+//! The shared-memory queues of every object, seen from the device side.
+//!
+//! [`RingTable`] is the daemon's implementation of the core's [`Queues`]:
+//! it pops work requests out of the rings tenants write (copying each slot
+//! before decoding it, so a tenant cannot change a request while it is
+//! checked) and pushes completions and events into the rings tenants read.
+//! A ring whose indices a tenant corrupted is marked dead: its owner gets
+//! one error completion and nothing more is read from it.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource};
+use vrdma_core::proto::{
+    self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CTX_AUX_ENGINE_SLEEPING, CTX_AUX_EVENTS_DROPPED,
+    SQ_AUX_STATE,
+};
+use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
+use vrdma_core::verbs::{QpState, WcStatus};
+use vrdma_shm::{Doorbell, RingView};
+
+/// A context's rings: async events out, doorbell in.
+pub struct ContextRings {
+    pub events: RingView,
+    pub event_fd: Doorbell,
+    pub doorbell: Arc<Doorbell>,
+}
+
+/// A completion channel: CQ numbers out, with an eventfd to wake the owner.
+pub struct Channel {
+    pub ctx: ContextId,
+    pub ring: RingView,
+    pub fd: Doorbell,
+    pub cqs: u32,
+}
+
+pub struct CqRing {
+    pub ring: RingView,
+    pub channel: Option<u32>,
+}
+
+/// A ring the tenant owns the producer side of.
+pub struct InRing {
+    pub ring: RingView,
+    dead: bool,
+}
+
+impl InRing {
+    pub fn new(ring: RingView) -> Self {
+        InRing { ring, dead: false }
+    }
+
+    /// Pops one slot into `buf` and decodes it.
+    fn pull<T>(&mut self, buf: &mut Vec<u8>, decode: fn(&[u8]) -> Pulled<T>) -> Option<Pulled<T>> {
+        if self.dead {
+            return None;
+        }
+        buf.resize(self.ring.stride(), 0);
+        match self.ring.try_pop(buf) {
+            Ok(true) => Some(decode(buf)),
+            Ok(false) => None,
+            Err(e) => {
+                tracing::warn!(error = %e, "tenant corrupted a work queue; no more requests are read from it");
+                self.dead = true;
+                Some(Err((0, WqeError::SlotTooSmall)))
+            }
+        }
+    }
+}
+
+pub struct QpRings {
+    pub sq: InRing,
+    pub rq: Option<InRing>,
+}
+
+#[derive(Default)]
+pub struct RingTable {
+    pub contexts: HashMap<ContextId, ContextRings>,
+    pub channels: HashMap<u32, Channel>,
+    pub cqs: HashMap<u32, CqRing>,
+    pub qps: HashMap<u32, QpRings>,
+    pub srqs: HashMap<u32, InRing>,
+    scratch: Vec<u8>,
+    /// Completions lost to full CQs, async events lost to full rings.
+    pub dropped_events: u64,
+}
+
+impl RingTable {
+    /// Tells every context whether the engine is asleep (and so whether a
+    /// post must ring the doorbell).
+    pub fn set_sleeping(&self, sleeping: bool) {
+        for c in self.contexts.values() {
+            c.events.aux(CTX_AUX_ENGINE_SLEEPING).store(sleeping as u32, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether any send queue has work posted (checked before sleeping).
+    pub fn any_send_posted(&self) -> bool {
+        self.qps.values().any(|q| !q.sq.dead && q.sq.ring.len().is_ok_and(|n| n > 0))
+    }
+
+    fn notify_channel(&mut self, cqn: u32, cqe: &Cqe) {
+        let Some(cq) = self.cqs.get(&cqn) else { return };
+        let Some(ch) = cq.channel.and_then(|c| self.channels.get(&c)) else { return };
+        let armed = cq.ring.aux(CQ_AUX_ARMED);
+        let a = armed.load(Ordering::SeqCst);
+        if !proto::arm_fires(a, cqe.solicited, cqe.status == WcStatus::Success) {
+            return;
+        }
+        if armed.compare_exchange(a, CQ_ARM_NONE, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            return;
+        }
+        let mut slot = [0u8; proto::CHANNEL_EVENT_SIZE];
+        slot[..4].copy_from_slice(&cqn.to_le_bytes());
+        if !matches!(ch.ring.try_push_bytes(&slot), Ok(true)) {
+            ch.ring.aux(CHANNEL_AUX_DROPPED).fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(cq = cqn, "completion channel full: event dropped");
+        }
+        ch.fd.ring();
+    }
+}
+
+fn decode_send(b: &[u8]) -> Pulled<SendWr> {
+    SendWr::decode(b)
+}
+fn decode_recv(b: &[u8]) -> Pulled<RecvWr> {
+    RecvWr::decode(b)
+}
+
+impl Queues for RingTable {
+    fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
+        let q = self.qps.get_mut(&qpn)?;
+        q.sq.pull(&mut self.scratch, decode_send)
+    }
+
+    fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
+        let ring = match src {
+            RecvSource::Qp(n) => self.qps.get_mut(&n)?.rq.as_mut()?,
+            RecvSource::Srq(n) => self.srqs.get_mut(&n)?,
+        };
+        ring.pull(&mut self.scratch, decode_recv)
+    }
+
+    fn recv_posted(&mut self, src: RecvSource) -> u32 {
+        let ring = match src {
+            RecvSource::Qp(n) => self.qps.get(&n).and_then(|q| q.rq.as_ref()),
+            RecvSource::Srq(n) => self.srqs.get(&n),
+        };
+        ring.and_then(|r| r.ring.len().ok()).unwrap_or(0)
+    }
+
+    fn discard(&mut self, qpn: u32) {
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            let _ = q.sq.ring.discard_all();
+            if let Some(rq) = &q.rq {
+                let _ = rq.ring.discard_all();
+            }
+        }
+    }
+
+    fn push_cqe(&mut self, cqn: u32, cqe: &Cqe) -> Result<(), CqFull> {
+        let cq = self.cqs.get(&cqn).ok_or(CqFull)?;
+        let mut slot = [0u8; CQE_SIZE];
+        cqe.encode(&mut slot);
+        match cq.ring.try_push_bytes(&slot) {
+            Ok(true) => {
+                self.notify_channel(cqn, cqe);
+                Ok(())
+            }
+            Ok(false) | Err(_) => {
+                self.dropped_events += 1;
+                Err(CqFull)
+            }
+        }
+    }
+
+    fn async_event(&mut self, ctx: ContextId, event: AsyncEvent) {
+        tracing::debug!(ctx = ctx.0, ?event, "async event");
+        let Some(c) = self.contexts.get(&ctx) else { return };
+        let mut slot = [0u8; proto::ASYNC_EVENT_SIZE];
+        proto::encode_async_event(&event, &mut slot);
+        if !matches!(c.events.try_push_bytes(&slot), Ok(true)) {
+            c.events.aux(CTX_AUX_EVENTS_DROPPED).fetch_add(1, Ordering::Relaxed);
+            self.dropped_events += 1;
+            tracing::warn!(ctx = ctx.0, ?event, "async event ring full: event dropped");
+        }
+        c.event_fd.ring();
+    }
+
+    fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
+        if let Some(q) = self.qps.get(&qpn) {
+            q.sq.ring.aux(SQ_AUX_STATE).store(state.raw() as u32, Ordering::SeqCst);
+        }
+    }
+}

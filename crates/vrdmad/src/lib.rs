@@ -1,0 +1,136 @@
+//! vrdmad: the host daemon that is the vRDMA device.
+//!
+//! It owns the data path so that tenants never touch each other: a tenant
+//! process connects to the control socket, the kernel tells us who it is
+//! (peer credentials, never what it claims), and every object it creates
+//! lives here. The engine thread moves bytes between registered regions
+//! that both the tenants and the daemon map.
+//!
+//! ```no_run
+//! let daemon = vrdmad::Daemon::start(vrdmad::DaemonConfig::default()).unwrap();
+//! println!("listening on {}", daemon.socket_path().display());
+//! daemon.shutdown();
+//! ```
+
+pub mod config;
+pub mod engine;
+pub mod host;
+mod server;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicU32;
+use std::sync::{Arc, Mutex};
+
+pub use config::{ConfigError, DaemonConfig, EngineConfig};
+use vrdma_core::hca::{Hca, HcaConfig, KeySource, TenantId};
+
+/// Name the device reports, as `ibv_get_device_name` does.
+pub const DEVICE_NAME: &str = "vrdma0";
+
+/// The control socket when neither the config nor `VRDMA_SOCKET` names one:
+/// under `$XDG_RUNTIME_DIR/vrdma/`, else `/run/vrdma/`.
+pub fn default_socket_path() -> PathBuf {
+    if let Some(p) = std::env::var_os("VRDMA_SOCKET") {
+        return PathBuf::from(p);
+    }
+    match std::env::var_os("XDG_RUNTIME_DIR") {
+        Some(d) => PathBuf::from(d).join("vrdma/vrdma.sock"),
+        None => PathBuf::from("/run/vrdma/vrdma.sock"),
+    }
+}
+
+/// Memory keys from the kernel's CSPRNG: a tenant cannot guess another's rkey.
+struct RandomKeys;
+
+impl KeySource for RandomKeys {
+    fn next_key(&mut self) -> u32 {
+        let mut b = [0u8; 4];
+        getrandom::fill(&mut b).expect("the kernel's random source is available");
+        u32::from_ne_bytes(b)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("cannot listen on {path}: {source}")]
+    Bind { path: PathBuf, source: std::io::Error },
+    #[error("cannot start the daemon: {0}")]
+    Start(#[from] std::io::Error),
+}
+
+/// A running daemon. Dropping it (or [`Daemon::shutdown`]) stops it.
+pub struct Daemon {
+    listener: Arc<server::Listener>,
+    shared: Arc<server::Shared>,
+    acceptor: Option<std::thread::JoinHandle<()>>,
+    engine: Option<engine::Engine>,
+}
+
+impl Daemon {
+    pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
+        let path = config.socket.clone().unwrap_or_else(default_socket_path);
+        let address = config.address.unwrap_or_else(host::detect_ipv4);
+        let mut hca_cfg = HcaConfig::for_host(address.octets());
+        hca_cfg.chunk_bytes = config.engine.chunk_bytes;
+        hca_cfg.default_quota = config.quota;
+        let mut hca = Hca::new(hca_cfg, Box::new(RandomKeys));
+        for (uid, q) in config.tenant_quotas()? {
+            hca.set_quota(TenantId(uid), q);
+        }
+        let engine = engine::Engine::start(hca, config.engine.clone())?;
+        let listener = Arc::new(
+            server::Listener::bind(&path)
+                .map_err(|source| DaemonError::Bind { path: path.clone(), source })?,
+        );
+        let shared = Arc::new(server::Shared {
+            engine: engine.handle(),
+            device_name: DEVICE_NAME.to_string(),
+            next_context: AtomicU32::new(1),
+            sessions: Mutex::new(Vec::new()),
+        });
+        let (l, s) = (listener.clone(), shared.clone());
+        let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;
+        tracing::info!(socket = %path.display(), %address, "vrdma daemon ready");
+        Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine) })
+    }
+
+    pub fn socket_path(&self) -> &Path {
+        self.listener.path()
+    }
+
+    pub fn engine(&self) -> engine::EngineHandle {
+        self.shared.engine.clone()
+    }
+
+    /// Stops accepting, ends every session (destroying its objects) and
+    /// stops the engine.
+    pub fn shutdown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        self.listener.shutdown();
+        if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+        for (_, fd) in self.shared.sessions.lock().expect("sessions lock").iter() {
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
+        }
+        // Give sessions a moment to close their contexts on the engine.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
+        while !self.shared.sessions.lock().expect("sessions lock").is_empty()
+            && std::time::Instant::now() < deadline
+        {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        self.engine.take();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,105 @@
+//! The control socket: accepts tenant connections, one thread each.
+
+mod session;
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+use crate::engine::EngineHandle;
+
+/// Shared by every session.
+pub(crate) struct Shared {
+    pub engine: EngineHandle,
+    pub device_name: String,
+    pub next_context: AtomicU32,
+    /// Sessions' sockets, shut down to end them when the daemon stops.
+    pub sessions: Mutex<Vec<(u32, OwnedFd)>>,
+}
+
+pub(crate) struct Listener {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+impl Listener {
+    /// Binds the control socket, replacing a stale socket file left by a
+    /// daemon that died, but never one a live daemon answers on.
+    pub fn bind(path: &Path) -> std::io::Result<Listener> {
+        if let Some(dir) = path.parent() {
+            std::fs::create_dir_all(dir)?;
+        }
+        if path.exists() {
+            if connect(path).is_ok() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::AddrInUse,
+                    format!("a daemon already listens on {}", path.display()),
+                ));
+            }
+            std::fs::remove_file(path)?;
+        }
+        let fd =
+            rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+        let addr = SocketAddrUnix::new(path)?;
+        rustix::net::bind(&fd, &addr)?;
+        // Tenants of any uid may connect; isolation is by peer credentials.
+        std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o666))?;
+        rustix::net::listen(&fd, 128)?;
+        Ok(Listener { fd, path: path.to_owned() })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Accepts until the listener is shut down.
+    pub fn serve(self: Arc<Self>, shared: Arc<Shared>) {
+        loop {
+            let conn = match rustix::net::accept_with(&self.fd, SocketFlags::CLOEXEC) {
+                Ok(c) => c,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(rustix::io::Errno::MFILE | rustix::io::Errno::NFILE) => {
+                    tracing::warn!("out of file descriptors; refusing connections for 100 ms");
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(error = %e, "control socket closed");
+                    return;
+                }
+            };
+            let id = shared.next_context.fetch_add(1, Ordering::Relaxed);
+            if let Ok(dup) = conn.try_clone() {
+                shared.sessions.lock().expect("sessions lock").push((id, dup));
+            }
+            let sh = shared.clone();
+            let spawned = std::thread::Builder::new()
+                .name(format!("vrdma-ctx-{id}"))
+                .spawn(move || session::run(conn, id, sh));
+            if let Err(e) = spawned {
+                tracing::error!(error = %e, "cannot start a session thread");
+            }
+        }
+    }
+
+    pub fn shutdown(&self) {
+        let _ = rustix::net::shutdown(self.fd.as_fd(), rustix::net::Shutdown::Both);
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Connects a SOCK_SEQPACKET socket to `path`.
+pub fn connect(path: &Path) -> std::io::Result<OwnedFd> {
+    let fd =
+        rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
+    Ok(fd)
+}

@@ -1,0 +1,456 @@
+//! One tenant connection: a context and everything it creates.
+//!
+//! The session thread parses requests, maps and creates shared memory
+//! (system calls stay off the engine thread), and hands the object changes
+//! to the engine. When the socket closes, for whatever reason including
+//! SIGKILL of the tenant, the context and all its objects are destroyed.
+
+// An `Answer` is the reply to send whichever way a request ends; it is not
+// on the data path, so its size in `Result` does not matter.
+#![allow(clippy::result_large_err)]
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::Arc;
+
+use vrdma_core::hca::{ContextId, HcaError, TenantId};
+use vrdma_core::memory::{Backing, Region};
+use vrdma_core::proto::{
+    self, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, CHANNEL_EVENT_SIZE,
+    CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, PROTOCOL_VERSION,
+};
+use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
+use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, RingView, Segment};
+
+use super::Shared;
+use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
+
+const EINVAL: i32 = 22;
+const EPROTO: i32 = 71;
+const EBUSY: i32 = 16;
+const ENOMEM: i32 = 12;
+
+/// A reply and the fds that travel with it.
+struct Answer {
+    reply: Reply,
+    fds: Vec<OwnedFd>,
+}
+
+impl From<Reply> for Answer {
+    fn from(reply: Reply) -> Self {
+        Answer { reply, fds: Vec::new() }
+    }
+}
+
+fn error(errno: i32, message: impl Into<String>) -> Answer {
+    Reply::Error { errno, message: message.into() }.into()
+}
+
+impl From<HcaError> for Answer {
+    fn from(e: HcaError) -> Self {
+        error(e.errno(), e.to_string())
+    }
+}
+
+impl From<std::io::Error> for Answer {
+    fn from(e: std::io::Error) -> Self {
+        error(e.raw_os_error().unwrap_or(ENOMEM), e.to_string())
+    }
+}
+
+fn engine_gone() -> Answer {
+    error(libc::ENODEV, "the device engine has stopped")
+}
+
+struct Session {
+    ctx: ContextId,
+    tenant: TenantId,
+    pid: i32,
+    shared: Arc<Shared>,
+    open: bool,
+}
+
+pub(crate) fn run(sock: OwnedFd, id: u32, shared: Arc<Shared>) {
+    let cred = match fdpass::peer_credentials(sock.as_fd()) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(error = %e, "no peer credentials; closing connection");
+            return;
+        }
+    };
+    let mut s =
+        Session { ctx: ContextId(id), tenant: TenantId(cred.uid), pid: cred.pid, shared, open: false };
+    tracing::debug!(ctx = id, pid = cred.pid, uid = cred.uid, "tenant connected");
+    let mut buf = vec![0u8; MAX_MESSAGE];
+    loop {
+        let msg = match fdpass::recv_msg(sock.as_fd(), &mut buf, MAX_FDS) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => {
+                tracing::debug!(ctx = id, error = %e, "control socket error");
+                break;
+            }
+        };
+        if msg.len == 0 && !msg.truncated {
+            break;
+        }
+        let answer = if msg.truncated {
+            error(EINVAL, format!("message larger than {MAX_MESSAGE} bytes or with more than {MAX_FDS} fds"))
+        } else {
+            match proto::decode_request(&buf[..msg.len]) {
+                Err(e) => error(EINVAL, e.to_string()),
+                Ok(req) if msg.fds.len() != req.expected_fds() => {
+                    error(EINVAL, format!("request needs {} fds, {} came", req.expected_fds(), msg.fds.len()))
+                }
+                Ok(req) => s.handle(req, msg.fds),
+            }
+        };
+        let bytes = proto::encode_reply(&answer.reply);
+        let fds: Vec<BorrowedFd> = answer.fds.iter().map(|f| f.as_fd()).collect();
+        if let Err(e) = fdpass::send_msg(sock.as_fd(), &bytes, &fds) {
+            tracing::debug!(ctx = id, error = %e, "cannot reply; closing");
+            break;
+        }
+    }
+    s.close();
+    s.shared.sessions.lock().expect("sessions lock").retain(|(i, _)| *i != id);
+}
+
+impl Session {
+    fn close(&mut self) {
+        if !std::mem::take(&mut self.open) {
+            return;
+        }
+        let ctx = self.ctx;
+        let r = self.shared.engine.call(move |e| {
+            let t = e.hca.close_context(ctx, &mut e.rings);
+            for q in t.qps {
+                e.rings.qps.remove(&q);
+            }
+            for c in t.cqs {
+                e.rings.cqs.remove(&c);
+            }
+            for s in t.srqs {
+                e.rings.srqs.remove(&s);
+            }
+            e.rings.channels.retain(|_, ch| ch.ctx != ctx);
+            e.rings.contexts.remove(&ctx);
+        });
+        if r.is_ok() {
+            tracing::debug!(ctx = ctx.0, pid = self.pid, "context closed; its objects are destroyed");
+        }
+    }
+
+    /// Runs `f` on the engine with this context's id.
+    fn engine<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut crate::engine::EngineState, ContextId) -> R + Send + 'static,
+    ) -> Result<R, Answer> {
+        let ctx = self.ctx;
+        self.shared.engine.call(move |e| f(e, ctx)).map_err(|_| engine_gone())
+    }
+
+    fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Answer {
+        if !self.open && !matches!(req, Request::Hello { .. }) {
+            return error(EPROTO, "the first request must be Hello");
+        }
+        match self.dispatch(req, fds) {
+            Ok(a) | Err(a) => a,
+        }
+    }
+
+    fn dispatch(&mut self, req: Request, mut fds: Vec<OwnedFd>) -> Result<Answer, Answer> {
+        Ok(match req {
+            Request::Hello { version } => self.hello(version)?,
+            Request::QueryDevice => Reply::Device(self.engine(|e, _| e.hca.config().device.clone())?).into(),
+            Request::QueryPort { port } => {
+                if port != 1 {
+                    return Err(error(EINVAL, format!("no port {port}; the device has port 1")));
+                }
+                Reply::Port(self.engine(|e, _| e.hca.config().port.clone())?).into()
+            }
+            Request::QueryGid { port, index } => {
+                let gid = self.engine(move |e, _| e.hca.config().gids.get(index as usize).copied())?;
+                match (port, gid) {
+                    (1, Some(g)) => Reply::Gid(g).into(),
+                    _ => return Err(error(EINVAL, format!("no GID {index} on port {port}"))),
+                }
+            }
+            Request::AllocPd => {
+                let pd = self.engine(|e, c| e.hca.alloc_pd(c))??;
+                Reply::Pd { pd }.into()
+            }
+            Request::DeallocPd { pd } => {
+                self.engine(move |e, c| e.hca.dealloc_pd(c, pd))??;
+                Reply::Done.into()
+            }
+            Request::RegMr { pd, addr, len, access, fd_offset } => {
+                let fd = fds.pop().expect("count checked");
+                let region = map_region(fd, fd_offset, len)?;
+                let key = self.engine(move |e, c| e.hca.reg_mr(c, pd, addr, access, region))??;
+                Reply::Mr { key }.into()
+            }
+            Request::DeregMr { key } => {
+                self.engine(move |e, c| e.hca.dereg_mr(c, key))??;
+                Reply::Done.into()
+            }
+            Request::CreateCompChannel => self.create_channel()?,
+            Request::DestroyCompChannel { channel } => {
+                self.engine(move |e, c| match e.rings.channels.get(&channel) {
+                    Some(ch) if ch.ctx == c && ch.cqs > 0 => {
+                        Err(error(EBUSY, "completion channel still has CQs"))
+                    }
+                    Some(ch) if ch.ctx == c => {
+                        e.rings.channels.remove(&channel);
+                        Ok(())
+                    }
+                    _ => Err(error(EINVAL, format!("no completion channel {channel}"))),
+                })??;
+                Reply::Done.into()
+            }
+            Request::CreateCq { cqe, channel } => self.create_cq(cqe, channel)?,
+            Request::DestroyCq { cq } => {
+                self.engine(move |e, c| {
+                    e.hca.destroy_cq(c, cq)?;
+                    if let Some(ch) = e.rings.cqs.remove(&cq).and_then(|r| r.channel) {
+                        if let Some(ch) = e.rings.channels.get_mut(&ch) {
+                            ch.cqs -= 1;
+                        }
+                    }
+                    Ok::<_, HcaError>(())
+                })??;
+                Reply::Done.into()
+            }
+            Request::CreateSrq { pd, attr } => self.create_srq(pd, attr)?,
+            Request::ModifySrq { srq, limit, resize } => {
+                self.engine(move |e, c| e.hca.modify_srq(c, srq, limit, resize))??;
+                Reply::Done.into()
+            }
+            Request::QuerySrq { srq } => {
+                Reply::SrqAttr(self.engine(move |e, c| e.hca.query_srq(c, srq))??).into()
+            }
+            Request::DestroySrq { srq } => {
+                self.engine(move |e, c| {
+                    e.hca.destroy_srq(c, srq)?;
+                    e.rings.srqs.remove(&srq);
+                    Ok::<_, HcaError>(())
+                })??;
+                Reply::Done.into()
+            }
+            Request::CreateQp { pd, init } => self.create_qp(pd, init)?,
+            Request::ModifyQp { qp, attr, mask } => {
+                self.engine(move |e, c| e.hca.modify_qp(c, qp, &attr, mask, &mut e.rings))??;
+                Reply::Done.into()
+            }
+            Request::QueryQp { qp } => {
+                let (attr, init) = self.engine(move |e, c| e.hca.query_qp(c, qp))??;
+                Reply::QpAttr { attr, init }.into()
+            }
+            Request::DestroyQp { qp } => {
+                self.engine(move |e, c| {
+                    e.hca.destroy_qp(c, qp)?;
+                    e.rings.qps.remove(&qp);
+                    Ok::<_, HcaError>(())
+                })??;
+                Reply::Done.into()
+            }
+        })
+    }
+
+    fn hello(&mut self, version: u32) -> Result<Answer, Answer> {
+        if self.open {
+            return Err(error(EPROTO, "Hello was already said"));
+        }
+        if version != PROTOCOL_VERSION {
+            return Err(error(
+                EPROTO,
+                format!("protocol version {version} is not supported; the daemon speaks {PROTOCOL_VERSION}"),
+            ));
+        }
+        let len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
+        let seg = Arc::new(Segment::create("vrdma-context", len)?);
+        let events = RingView::in_segment(seg.clone(), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
+            .map_err(|e| error(ENOMEM, e.to_string()))?;
+        // The tenant gets the ringing end of its doorbell and the waiting
+        // end of its event signal; the daemon keeps the other ends.
+        let (doorbell, doorbell_tenant) = Doorbell::pair()?;
+        let doorbell = Arc::new(doorbell);
+        let (event_fd, event_tenant) = Doorbell::pair()?;
+        let fds = vec![seg.try_clone_fd()?, doorbell_tenant.into(), event_tenant.into()];
+        let tenant = self.tenant;
+        self.engine(move |e, c| {
+            e.hca.open_context(c, tenant)?;
+            e.rings.contexts.insert(c, ContextRings { events, event_fd, doorbell });
+            Ok::<_, HcaError>(())
+        })??;
+        self.open = true;
+        let name = self.shared.device_name.clone();
+        Ok(Answer {
+            reply: Reply::Hello {
+                context: self.ctx.0,
+                tenant: self.tenant.0,
+                device_name: name,
+                segment_len: seg.len() as u64,
+                async_ring: RingSpec {
+                    offset: 0,
+                    capacity: ASYNC_RING_CAPACITY,
+                    stride: ASYNC_EVENT_SIZE as u32,
+                },
+            },
+            fds,
+        })
+    }
+
+    fn create_channel(&mut self) -> Result<Answer, Answer> {
+        let len = ring_bytes(CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE);
+        let seg = Arc::new(Segment::create("vrdma-channel", len)?);
+        let ring = RingView::in_segment(seg.clone(), 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)
+            .map_err(|e| error(ENOMEM, e.to_string()))?;
+        let (fd, tenant_end) = Doorbell::pair()?;
+        let fds = vec![seg.try_clone_fd()?, tenant_end.into()];
+        // Channel numbers share the context-id space so they never collide.
+        let channel = self.shared.next_context.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.engine(move |e, c| {
+            e.rings.channels.insert(channel, Channel { ctx: c, ring, fd, cqs: 0 });
+        })?;
+        Ok(Answer {
+            reply: Reply::CompChannel {
+                channel,
+                segment_len: seg.len() as u64,
+                ring: RingSpec {
+                    offset: 0,
+                    capacity: CHANNEL_RING_CAPACITY,
+                    stride: CHANNEL_EVENT_SIZE as u32,
+                },
+            },
+            fds,
+        })
+    }
+
+    fn create_cq(&mut self, cqe: u32, channel: Option<u32>) -> Result<Answer, Answer> {
+        let (cq, depth) = self.engine(move |e, c| {
+            if let Some(ch) = channel {
+                if e.rings.channels.get(&ch).is_none_or(|x| x.ctx != c) {
+                    return Err(HcaError::NoSuchObject { kind: "completion channel", id: ch });
+                }
+            }
+            e.hca.create_cq(c, cqe)
+        })??;
+        let made = (|| {
+            let seg = Arc::new(Segment::create("vrdma-cq", ring_bytes(depth, CQE_SIZE))?);
+            let ring = RingView::in_segment(seg.clone(), 0, depth, CQE_SIZE)
+                .map_err(|e| error(ENOMEM, e.to_string()))?;
+            Ok::<_, Answer>((seg, ring))
+        })();
+        let (seg, ring) = match made {
+            Ok(x) => x,
+            Err(a) => {
+                let _ = self.engine(move |e, c| e.hca.destroy_cq(c, cq));
+                return Err(a);
+            }
+        };
+        let fd = seg.try_clone_fd()?;
+        self.engine(move |e, _| {
+            if let Some(ch) = channel.and_then(|ch| e.rings.channels.get_mut(&ch)) {
+                ch.cqs += 1;
+            }
+            e.rings.cqs.insert(cq, CqRing { ring, channel });
+        })?;
+        Ok(Answer {
+            reply: Reply::Cq {
+                cq,
+                depth,
+                segment_len: seg.len() as u64,
+                ring: RingSpec { offset: 0, capacity: depth, stride: CQE_SIZE as u32 },
+            },
+            fds: vec![fd],
+        })
+    }
+
+    fn create_srq(&mut self, pd: u32, attr: vrdma_core::verbs::SrqAttr) -> Result<Answer, Answer> {
+        let (srq, granted) = self.engine(move |e, c| e.hca.create_srq(c, pd, attr))??;
+        let stride = recv_stride(granted.max_sge);
+        let made = (|| {
+            let seg = Arc::new(Segment::create("vrdma-srq", ring_bytes(granted.max_wr, stride))?);
+            let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
+                .map_err(|e| error(ENOMEM, e.to_string()))?;
+            Ok::<_, Answer>((seg, ring))
+        })();
+        let (seg, ring) = match made {
+            Ok(x) => x,
+            Err(a) => {
+                let _ = self.engine(move |e, c| e.hca.destroy_srq(c, srq));
+                return Err(a);
+            }
+        };
+        let fd = seg.try_clone_fd()?;
+        self.engine(move |e, _| {
+            e.rings.srqs.insert(srq, InRing::new(ring));
+        })?;
+        Ok(Answer {
+            reply: Reply::Srq {
+                srq,
+                attr: granted,
+                segment_len: seg.len() as u64,
+                ring: RingSpec { offset: 0, capacity: granted.max_wr, stride: stride as u32 },
+            },
+            fds: vec![fd],
+        })
+    }
+
+    fn create_qp(&mut self, pd: u32, init: vrdma_core::verbs::QpInitAttr) -> Result<Answer, Answer> {
+        let created = self.engine(move |e, c| e.hca.create_qp(c, pd, init))??;
+        let cap = created.cap;
+        let sq = RingSpec {
+            offset: 0,
+            capacity: cap.max_send_wr,
+            stride: send_stride(cap.max_send_sge, cap.max_inline_data) as u32,
+        };
+        let sq_bytes = ring_bytes(sq.capacity, sq.stride as usize);
+        let rq = (init.srq.is_none()).then(|| RingSpec {
+            offset: sq_bytes.div_ceil(64) as u64 * 64,
+            capacity: cap.max_recv_wr,
+            stride: recv_stride(cap.max_recv_sge) as u32,
+        });
+        let total = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
+        let qpn = created.qpn;
+        let made = (|| {
+            let seg = Arc::new(Segment::create("vrdma-qp", total)?);
+            let view = |r: RingSpec| {
+                RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
+                    .map_err(|e| error(ENOMEM, e.to_string()))
+            };
+            let rings =
+                QpRings { sq: InRing::new(view(sq)?), rq: rq.map(view).transpose()?.map(InRing::new) };
+            Ok::<_, Answer>((seg.clone(), rings))
+        })();
+        let (seg, rings) = match made {
+            Ok(x) => x,
+            Err(a) => {
+                let _ = self.engine(move |e, c| e.hca.destroy_qp(c, qpn));
+                return Err(a);
+            }
+        };
+        let fd = seg.try_clone_fd()?;
+        self.engine(move |e, _| {
+            e.rings.qps.insert(qpn, rings);
+        })?;
+        Ok(Answer { reply: Reply::Qp { created, segment_len: seg.len() as u64, sq, rq }, fds: vec![fd] })
+    }
+}
+
+/// Maps the pages of a tenant's memfd that hold `[fd_offset, fd_offset+len)`.
+fn map_region(fd: OwnedFd, fd_offset: u64, len: u64) -> Result<Region, Answer> {
+    if len == 0 {
+        return Err(error(EINVAL, "a memory region needs at least one byte"));
+    }
+    let page = page_size() as u64;
+    let start = fd_offset - fd_offset % page;
+    let inner = (fd_offset - start) as usize;
+    let span = inner
+        .checked_add(usize::try_from(len).map_err(|_| error(EINVAL, "region too large"))?)
+        .map(|n| n.div_ceil(page as usize) * page as usize)
+        .ok_or_else(|| error(EINVAL, "region too large"))?;
+    let seg = Segment::map_untrusted(fd, start, span).map_err(|e| error(EINVAL, e.to_string()))?;
+    let backing: Arc<dyn Backing> = Arc::new(seg);
+    Region::new(backing, inner, len as usize).map_err(|e| error(EINVAL, e.to_string()))
+}
