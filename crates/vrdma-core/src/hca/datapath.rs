@@ -145,7 +145,7 @@ impl Hca {
         let bound = (qp.init.cap.max_send_wr + qp.init.cap.max_recv_wr) as usize + 1;
         let dest = qp.attr.dest_qp_num;
         let inflight = qp.inflight.take();
-        let mut requeued: Vec<RecvWr> = qp.requeued.drain(..).collect();
+        let mut requeued: std::collections::VecDeque<RecvWr> = std::mem::take(&mut qp.requeued);
         if let Some(inf) = inflight {
             act.busy = true;
             if let Some(r) = inf.recv {
@@ -166,7 +166,7 @@ impl Hca {
             return;
         }
         for _ in 0..bound {
-            let wr_id = match requeued.pop() {
+            let wr_id = match requeued.pop_front() {
                 Some(r) => r.wr_id,
                 None => match io.pull_recv(RecvSource::Qp(qpn)) {
                     Some(Ok(r)) => r.wr_id,
@@ -311,9 +311,15 @@ impl Hca {
         let peer = req.attr.dest_qp_num;
         if let (Some(ev), Some(resp)) = (f.responder_event, self.qps.get(&peer)) {
             let (ctx, recv_cq) = (resp.ctx, resp.init.recv_cq);
-            if let (Some(status), Some(r)) = (f.responder_recv, inf.recv) {
-                let cqe = Cqe::new(r.wr_id, status, WcOpcode::Recv, peer);
-                self.complete(recv_cq, cqe, peer, io);
+            match (f.responder_recv, inf.recv) {
+                (Some(status), Some(r)) => {
+                    let cqe = Cqe::new(r.wr_id, status, WcOpcode::Recv, peer);
+                    self.complete(recv_cq, cqe, peer, io);
+                }
+                // A receive claimed earlier (a write with immediate cut off
+                // mid-transfer) goes back, so the responder's flush completes it.
+                (None, Some(r)) => self.requeue_recv(peer, r),
+                _ => {}
             }
             if self.qps.get(&peer).is_some_and(|p| p.state() != QpState::Err) {
                 self.enter_error(peer, io);

@@ -524,11 +524,17 @@ impl Hca {
         }
         match to {
             QpState::Reset => {
-                qp.inflight = None;
+                // A receive claimed from the peer for an unfinished message
+                // goes back to it, as when the QP is destroyed.
+                let dest = qp.attr.dest_qp_num;
+                let claimed = qp.inflight.take().and_then(|i| i.recv);
                 qp.requeued.clear();
                 let keep = qp.attr.cap;
                 qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
                 io.discard(qpn);
+                if let Some(r) = claimed {
+                    self.requeue_recv(dest, r);
+                }
             }
             QpState::Err if cur != QpState::Err => {
                 qp.attr.qp_state = cur;
@@ -536,7 +542,8 @@ impl Hca {
             }
             _ => {}
         }
-        if to != cur {
+        // enter_error publishes ERR itself.
+        if to != cur && to != QpState::Err {
             io.qp_state_changed(qpn, to);
         }
         Ok(to)

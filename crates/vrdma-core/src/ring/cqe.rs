@@ -31,6 +31,12 @@ pub struct Cqe {
     pub dlid_path_bits: u8,
 }
 
+impl Default for Cqe {
+    fn default() -> Self {
+        Cqe::new(0, WcStatus::Success, WcOpcode::Send, 0)
+    }
+}
+
 impl Cqe {
     pub fn new(wr_id: u64, status: WcStatus, opcode: WcOpcode, qp_num: u32) -> Cqe {
         Cqe {

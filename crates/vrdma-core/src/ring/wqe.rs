@@ -322,7 +322,7 @@ mod tests {
 
     #[test]
     fn hostile_slots_are_rejected_not_trusted() {
-        let mut slot = vec![0u8; send_stride(1, 0)];
+        let mut slot = vec![0u8; SEND_HEADER + SGE_SIZE];
         slot[0] = 9;
         slot[8] = 77;
         assert_eq!(SendWr::decode(&slot), Err((9, WqeError::BadOpcode(77))));
