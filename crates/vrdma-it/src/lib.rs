@@ -5,6 +5,8 @@
 //! reaps it on drop, and every wait is bounded, so a failing test can neither
 //! hang nor leave processes behind.
 
+pub mod protocol;
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -12,7 +14,14 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
 
-pub const PEER: &str = env!("CARGO_BIN_EXE_vrdma-it-peer");
+/// The peer binary, built beside the test executables
+/// (`target/<profile>/vrdma-it-peer`, tests in `target/<profile>/deps/`).
+pub fn peer_exe() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let dir = exe.parent().expect("deps dir");
+    let dir = if dir.ends_with("deps") { dir.parent().expect("profile dir") } else { dir };
+    dir.join("vrdma-it-peer")
+}
 
 /// A child process, killed and reaped on drop.
 pub struct Proc {
@@ -91,7 +100,7 @@ impl DaemonProc {
 }
 
 fn spawn_daemon(socket: &Path, config: &Path) -> Result<Proc> {
-    let child = Command::new(PEER)
+    let child = Command::new(peer_exe())
         .args(["daemon", "--socket"])
         .arg(socket)
         .arg("--config")
@@ -119,7 +128,7 @@ pub struct PeerProc {
 
 impl PeerProc {
     pub fn spawn(socket: &Path, role: &str, args: &[&str]) -> Result<PeerProc> {
-        let mut child = Command::new(PEER)
+        let mut child = Command::new(peer_exe())
             .arg(role)
             .arg("--socket")
             .arg(socket)

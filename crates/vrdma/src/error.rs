@@ -16,9 +16,17 @@ pub type Result<T> = std::result::Result<T, Error>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A system call failed (the control socket, a mapping, an eventfd).
+    /// A system call failed (the control socket, a mapping, a doorbell).
     #[error(transparent)]
     Io(#[from] io::Error),
+    /// The control socket could not be connected.
+    #[error("cannot connect to vrdmad at {}: {source}", path.display())]
+    Connect {
+        /// The socket path tried.
+        path: std::path::PathBuf,
+        /// Why `connect` failed (`ENOENT`: no daemon; `EACCES`: not allowed).
+        source: io::Error,
+    },
     /// The daemon refused the request.
     #[error("vrdmad refused the request: {message} (errno {errno})")]
     Daemon {
@@ -50,7 +58,7 @@ impl Error {
     /// The `errno` a verbs call returns for this error.
     pub fn errno(&self) -> i32 {
         match self {
-            Error::Io(e) => e.raw_os_error().unwrap_or(libc::EIO),
+            Error::Io(e) | Error::Connect { source: e, .. } => io_errno(e),
             Error::Daemon { errno, .. } => *errno,
             Error::Protocol(_) => libc::EPROTO,
             Error::InvalidArgument(_) => libc::EINVAL,
@@ -66,6 +74,35 @@ impl Error {
 
     pub(crate) fn protocol(msg: impl Into<String>) -> Error {
         Error::Protocol(msg.into())
+    }
+}
+
+/// The errno of an I/O error: its OS code, or one matching its kind.
+fn io_errno(e: &io::Error) -> i32 {
+    if let Some(code) = e.raw_os_error() {
+        return code;
+    }
+    use io::ErrorKind as K;
+    match e.kind() {
+        K::NotFound => libc::ENOENT,
+        K::PermissionDenied => libc::EACCES,
+        K::ConnectionRefused => libc::ECONNREFUSED,
+        K::ConnectionReset => libc::ECONNRESET,
+        K::ConnectionAborted => libc::ECONNABORTED,
+        K::NotConnected => libc::ENOTCONN,
+        K::BrokenPipe => libc::EPIPE,
+        K::WouldBlock => libc::EAGAIN,
+        K::InvalidInput => libc::EINVAL,
+        K::TimedOut => libc::ETIMEDOUT,
+        K::Interrupted => libc::EINTR,
+        K::OutOfMemory => libc::ENOMEM,
+        _ => libc::EIO,
+    }
+}
+
+impl From<rustix::io::Errno> for Error {
+    fn from(e: rustix::io::Errno) -> Error {
+        Error::Io(e.into())
     }
 }
 
@@ -126,7 +163,9 @@ impl From<Error> for io::Error {
     fn from(e: Error) -> io::Error {
         match e {
             Error::Io(e) => e,
-            other => io::Error::from_raw_os_error(other.errno()),
+            Error::Connect { source, .. } => source,
+            // Keep the message; the kind follows the errno.
+            other => io::Error::new(io::Error::from_raw_os_error(other.errno()).kind(), other),
         }
     }
 }
@@ -140,6 +179,8 @@ mod tests {
         let io = Error::Io(io::Error::from_raw_os_error(libc::ECONNREFUSED));
         assert_eq!(io.errno(), libc::ECONNREFUSED);
         assert_eq!(Error::Io(io::Error::other("x")).errno(), libc::EIO);
+        let kind = Error::Io(io::Error::new(io::ErrorKind::NotConnected, "gone"));
+        assert_eq!(kind.errno(), libc::ENOTCONN);
         let d = Error::Daemon { errno: libc::EBUSY, message: "in use".into() };
         assert_eq!(d.errno(), libc::EBUSY);
         assert!(d.to_string().contains("in use"));
@@ -166,6 +207,9 @@ mod tests {
         let e: Error = SegmentError::Io(io::Error::from_raw_os_error(libc::ENOMEM)).into();
         assert_eq!(e.errno(), libc::ENOMEM);
         let io: io::Error = Error::invalid("bad").into();
-        assert_eq!(io.raw_os_error(), Some(libc::EINVAL));
+        assert_eq!(io.kind(), io::ErrorKind::InvalidInput);
+        assert!(io.to_string().contains("bad"));
+        let io: io::Error = Error::Io(io::Error::from_raw_os_error(libc::EPIPE)).into();
+        assert_eq!(io.raw_os_error(), Some(libc::EPIPE));
     }
 }

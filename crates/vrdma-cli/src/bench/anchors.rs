@@ -49,27 +49,13 @@ impl Stat {
     /// rather than causing a panic.
     pub fn from_samples(samples: &[f64]) -> Stat {
         if samples.is_empty() {
-            return Stat {
-                median: f64::NAN,
-                min: f64::NAN,
-                max: f64::NAN,
-                runs: 0,
-            };
+            return Stat { median: f64::NAN, min: f64::NAN, max: f64::NAN, runs: 0 };
         }
         let mut sorted = samples.to_vec();
         sorted.sort_by(f64::total_cmp);
         let n = sorted.len();
-        let median = if n % 2 == 1 {
-            sorted[n / 2]
-        } else {
-            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-        };
-        Stat {
-            median,
-            min: sorted[0],
-            max: sorted[n - 1],
-            runs: n,
-        }
+        let median = if n % 2 == 1 { sorted[n / 2] } else { (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0 };
+        Stat { median, min: sorted[0], max: sorted[n - 1], runs: n }
     }
 }
 
@@ -138,8 +124,7 @@ pub fn memcpy_bandwidth(size: usize, duration: Duration, runs: usize) -> Stat {
     }
     dst.as_mut_slice().fill(0xA5);
     // Untimed warm-up copy.
-    dst.as_mut_slice()
-        .copy_from_slice(black_box(src.as_slice()));
+    dst.as_mut_slice().copy_from_slice(black_box(src.as_slice()));
     black_box(dst.as_mut_slice());
 
     // Copies between clock reads: about 1 MiB per batch, so reading the clock costs
@@ -151,8 +136,7 @@ pub fn memcpy_bandwidth(size: usize, duration: Duration, runs: usize) -> Stat {
             let start = Instant::now();
             let elapsed = loop {
                 for _ in 0..batch {
-                    dst.as_mut_slice()
-                        .copy_from_slice(black_box(src.as_slice()));
+                    dst.as_mut_slice().copy_from_slice(black_box(src.as_slice()));
                     black_box(dst.as_mut_slice());
                 }
                 copies += batch as u64;
@@ -232,9 +216,7 @@ impl Drop for SharedPage {
         // SAFETY: `ptr`/len describe exactly the mapping created in `new`; no reference
         // into it outlives `self` (every `&PingPage` borrows from `self`). Unmapping here
         // affects only this process, not a child that inherited the mapping.
-        let _ = unsafe {
-            rustix::mm::munmap(self.ptr.as_ptr().cast(), std::mem::size_of::<PingPage>())
-        };
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), std::mem::size_of::<PingPage>()) };
     }
 }
 
@@ -242,18 +224,13 @@ impl Drop for SharedPage {
 /// child may call it. Returns `u64::MAX` on (impossible) failure so a deadline test
 /// against it fails safe, i.e. the child exits.
 fn child_clock_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: `ts` is a valid, writable timespec; clock_gettime is async-signal-safe.
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     if rc != 0 {
         return u64::MAX;
     }
-    (ts.tv_sec as u64)
-        .wrapping_mul(1_000_000_000)
-        .wrapping_add(ts.tv_nsec as u64)
+    (ts.tv_sec as u64).wrapping_mul(1_000_000_000).wrapping_add(ts.tv_nsec as u64)
 }
 
 /// Terminates the forked child immediately, without running any parent-owned cleanup.
@@ -388,18 +365,11 @@ fn single_cpu_set(cpu: usize) -> io::Result<CpuSet> {
 }
 
 fn timed_out(what: &str) -> io::Error {
-    io::Error::new(
-        io::ErrorKind::TimedOut,
-        format!("shm ping-pong: {what} before the deadline"),
-    )
+    io::Error::new(io::ErrorKind::TimedOut, format!("shm ping-pong: {what} before the deadline"))
 }
 
 /// One fork + measure + reap cycle; returns the one-way latency in ns.
-fn pingpong_once(
-    duration: Duration,
-    limit: Duration,
-    child_pin: Option<&CpuSet>,
-) -> io::Result<f64> {
+fn pingpong_once(duration: Duration, limit: Duration, child_pin: Option<&CpuSet>) -> io::Result<f64> {
     let shared = SharedPage::new()?;
     let page = shared.page();
     let limit_ns = u64::try_from(limit.as_nanos()).unwrap_or(u64::MAX);
@@ -422,11 +392,7 @@ fn pingpong_once(
         Some(pid) => pid,
         None => return Err(io::Error::other("fork returned pid 0 in the parent")),
     };
-    let mut child = ChildGuard {
-        pid,
-        stop: &page.stop.0,
-        reaped: false,
-    };
+    let mut child = ChildGuard { pid, stop: &page.stop.0, reaped: false };
 
     // Wait for the child to start (and pin itself). Not part of the measurement, so
     // yielding here is fine and helps when both parties share a CPU.
@@ -435,16 +401,12 @@ fn pingpong_once(
             CHILD_READY => break,
             CHILD_PIN_FAILED => {
                 child.finish(Duration::from_secs(1))?;
-                return Err(io::Error::other(
-                    "shm ping-pong: child could not set its CPU affinity",
-                ));
+                return Err(io::Error::other("shm ping-pong: child could not set its CPU affinity"));
             }
             _ => {}
         }
         if child.try_reap()? {
-            return Err(io::Error::other(
-                "shm ping-pong: child exited before starting",
-            ));
+            return Err(io::Error::other("shm ping-pong: child exited before starting"));
         }
         if past_deadline(Instant::now()) {
             return Err(timed_out("child did not start"));
@@ -503,9 +465,7 @@ pub fn shm_pingpong_one_way_ns(
     runs: usize,
     cpus: Option<(usize, usize)>,
 ) -> io::Result<Stat> {
-    let limit = duration
-        .saturating_mul(4)
-        .saturating_add(Duration::from_secs(2));
+    let limit = duration.saturating_mul(4).saturating_add(Duration::from_secs(2));
     let (_affinity, child_pin) = match cpus {
         Some((parent_cpu, child_cpu)) => {
             let parent_set = single_cpu_set(parent_cpu)?;
@@ -565,26 +525,18 @@ mod tests {
     fn pingpong_positive_finite_below_1ms() {
         let s = shm_pingpong_one_way_ns(SHORT, 1, None).expect("ping-pong");
         assert_eq!(s.runs, 1);
-        assert!(
-            s.median.is_finite() && s.median > 0.0 && s.median < 1e6,
-            "{s:?}"
-        );
+        assert!(s.median.is_finite() && s.median > 0.0 && s.median < 1e6, "{s:?}");
     }
 
     #[test]
     fn pingpong_pinned_if_two_cpus() {
         let allowed = rustix::thread::sched_getaffinity(None).expect("getaffinity");
-        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU)
-            .filter(|&c| allowed.is_set(c))
-            .collect();
+        let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| allowed.is_set(c)).collect();
         if cpus.len() < 2 {
             return;
         }
         let s = shm_pingpong_one_way_ns(SHORT, 1, Some((cpus[0], cpus[1]))).expect("pinned");
-        assert!(
-            s.median.is_finite() && s.median > 0.0 && s.median < 1e6,
-            "{s:?}"
-        );
+        assert!(s.median.is_finite() && s.median > 0.0 && s.median < 1e6, "{s:?}");
         // Affinity of the calling thread is restored.
         let after = rustix::thread::sched_getaffinity(None).expect("getaffinity");
         assert!(after == allowed);

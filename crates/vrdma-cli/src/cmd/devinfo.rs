@@ -29,7 +29,10 @@ fn port_state(s: u8) -> &'static str {
 
 fn guid(g: u64) -> String {
     let b = g.to_be_bytes();
-    format!("{:02x}{:02x}:{:02x}{:02x}:{:02x}{:02x}:{:02x}{:02x}", b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7])
+    format!(
+        "{:02x}{:02x}:{:02x}{:02x}:{:02x}{:02x}:{:02x}{:02x}",
+        b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]
+    )
 }
 
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {

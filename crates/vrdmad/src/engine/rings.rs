@@ -104,6 +104,10 @@ impl RingTable {
         let Some(cq) = self.cqs.get(&cqn) else { return };
         let Some(ch) = cq.channel.and_then(|c| self.channels.get(&c)) else { return };
         let armed = cq.ring.aux(CQ_AUX_ARMED);
+        // The completion was published with a release store; order it
+        // before reading the arm word, or a client that arms, fences and
+        // polls could miss both the completion and the event.
+        std::sync::atomic::fence(Ordering::SeqCst);
         let a = armed.load(Ordering::SeqCst);
         if !proto::arm_fires(a, cqe.solicited, cqe.status == WcStatus::Success) {
             return;

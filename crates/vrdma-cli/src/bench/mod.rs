@@ -1,0 +1,297 @@
+//! `vrdma bench`: vRDMA's latency and bandwidth on this host, each figure
+//! beside the anchor it should be read against, measured in the same run.
+//!
+//! Absolute numbers drift between machines and runs; the ratio to a raw
+//! shared-memory ping-pong (for latency) and to memcpy (for bandwidth) is
+//! what transfers. Each vRDMA test runs between two worker processes, as
+//! real RDMA programs do, so the figures include the cross-process
+//! handoffs through the engine.
+
+pub mod anchors;
+mod report;
+mod worker;
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use serde::{Deserialize, Serialize};
+
+pub use worker::Role;
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct Args {
+    /// A short run (one run per figure, fewer iterations), for CI.
+    #[arg(long)]
+    pub quick: bool,
+    /// Runs per figure; the median is reported [default: 3, or 1 with --quick].
+    #[arg(long)]
+    pub runs: Option<usize>,
+    /// Print the results as JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+    /// Run the embedded daemon's engine at real-time priority (needs root or CAP_SYS_NICE).
+    #[arg(long)]
+    pub realtime: bool,
+    /// Let the embedded daemon's engine busy-poll instead of sleeping when idle.
+    #[arg(long)]
+    pub busy_poll: bool,
+    /// Internal: run as one side of a test.
+    #[arg(long, hide = true, value_enum)]
+    pub worker: Option<Role>,
+    #[arg(long, hide = true, default_value = "write-lat")]
+    pub test: worker::Test,
+    #[arg(long, hide = true, default_value_t = 8)]
+    pub size: usize,
+    #[arg(long, hide = true, default_value_t = 1000)]
+    pub iters: u64,
+}
+
+/// One figure: vRDMA's value, its anchor and their ratio.
+#[derive(Debug, Clone, Serialize)]
+pub struct Figure {
+    pub name: String,
+    pub unit: &'static str,
+    pub value: anchors::Stat,
+    pub anchor_name: String,
+    pub anchor: Option<anchors::Stat>,
+    /// value / anchor (latency: lower is better; bandwidth: higher is better).
+    pub ratio: Option<f64>,
+    pub target: String,
+    pub cores: usize,
+}
+
+/// What a worker reports.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Outcome {
+    pub one_way_ns: Vec<f64>,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub messages: u64,
+}
+
+pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
+    if let Some(role) = args.worker {
+        return worker::run(role, &args);
+    }
+    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let engine = vrdmad::EngineConfig {
+        realtime: args.realtime,
+        busy_poll: args.busy_poll,
+        ..vrdmad::EngineConfig::default()
+    };
+    let device = crate::embedded::device(socket, engine)?;
+    let sock = device.socket().to_owned();
+    let (lat_iters, bw_bytes) = if args.quick { (2_000u64, 256u64 << 20) } else { (20_000, 2 << 30) };
+    let anchor_time = Duration::from_millis(if args.quick { 300 } else { 1000 });
+
+    let progress = |what: &str| {
+        if !args.json {
+            eprintln!("measuring {what} ...");
+        }
+    };
+    let mut figures = Vec::new();
+
+    progress("shared-memory ping-pong anchor");
+    let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
+    progress("8 B RDMA write latency (memory polling)");
+    let write_lat = measure(&sock, worker::Test::WriteLat, 8, lat_iters, runs)?;
+    figures.push(latency(
+        "RDMA write 8 B, one way (poll on memory)",
+        write_lat,
+        "2-process shm ping-pong",
+        pingpong,
+        cores,
+    ));
+    progress("8 B send latency (CQ polling)");
+    let send_lat = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
+    let send_stat = median_of(&send_lat);
+    figures.push(latency(
+        "send 8 B, one way (poll CQ)",
+        send_lat,
+        "2-process shm ping-pong",
+        pingpong,
+        cores,
+    ));
+    progress("8 B send latency (completion channel)");
+    let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
+    figures.push(latency(
+        "send 8 B, one way (completion channel)",
+        event_lat,
+        "send 8 B, poll CQ",
+        Some(send_stat),
+        cores,
+    ));
+    for size in [64usize << 10, 1 << 20] {
+        progress(&format!("{} write bandwidth and memcpy anchor", human(size)));
+        let iters = (bw_bytes / size as u64).max(16);
+        let bw = measure(&sock, worker::Test::WriteBw, size, iters, runs)?;
+        let memcpy = anchors::memcpy_bandwidth(size, anchor_time, runs);
+        figures.push(bandwidth(&format!("RDMA write {} bandwidth", human(size)), bw, memcpy, cores));
+    }
+    drop(device);
+    report::print(&figures, args.json)
+}
+
+fn human(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+fn median_of(outcomes: &[Outcome]) -> anchors::Stat {
+    let per_run: Vec<f64> =
+        outcomes.iter().map(|o| anchors::Stat::from_samples(&o.one_way_ns).median).collect();
+    anchors::Stat::from_samples(&per_run)
+}
+
+fn latency(
+    name: &str,
+    runs: Vec<Outcome>,
+    anchor_name: &str,
+    anchor: Option<anchors::Stat>,
+    cores: usize,
+) -> Figure {
+    let value = median_of(&runs);
+    let ratio = anchor.map(|a| value.median / a.median);
+    let target = if anchor_name.starts_with("send") {
+        "<= 2x polling".to_string()
+    } else if cores > 2 {
+        "<= 3x anchor".to_string()
+    } else {
+        "<= 5 us one way on 2 cores".to_string()
+    };
+    Figure {
+        name: name.into(),
+        unit: "ns",
+        value,
+        anchor_name: anchor_name.into(),
+        anchor,
+        ratio,
+        target,
+        cores,
+    }
+}
+
+fn bandwidth(name: &str, runs: Vec<Outcome>, memcpy: anchors::Stat, cores: usize) -> Figure {
+    let per_run: Vec<f64> = runs.iter().map(|o| o.bytes as f64 / o.seconds / 1e9).collect();
+    let value = anchors::Stat::from_samples(&per_run);
+    Figure {
+        name: name.into(),
+        unit: "GB/s",
+        ratio: Some(value.median / memcpy.median),
+        value,
+        anchor_name: "memcpy, 1 thread".into(),
+        anchor: Some(memcpy),
+        target: ">= 0.70x memcpy".into(),
+        cores,
+    }
+}
+
+/// Runs one test `runs` times between two worker processes.
+fn measure(
+    sock: &std::path::Path,
+    test: worker::Test,
+    size: usize,
+    iters: u64,
+    runs: usize,
+) -> Result<Vec<Outcome>> {
+    (0..runs).map(|_| measure_once(sock, test, size, iters)).collect()
+}
+
+/// A worker process, killed by pid if it is still running when dropped.
+struct WorkerProc {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl WorkerProc {
+    fn spawn(
+        sock: &std::path::Path,
+        role: Role,
+        test: worker::Test,
+        size: usize,
+        iters: u64,
+    ) -> Result<WorkerProc> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(["bench", "--worker", role.as_str(), "--test", test.as_str()])
+            .args(["--size", &size.to_string(), "--iters", &iters.to_string()])
+            .env("VRDMA_SOCKET", sock)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting a benchmark worker")?;
+        let out = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(WorkerProc { child, lines: rx })
+    }
+
+    fn line(&self, limit: Duration) -> Result<String> {
+        self.lines
+            .recv_timeout(limit)
+            .map_err(|_| anyhow!("a benchmark worker said nothing within {limit:?}"))
+    }
+
+    fn tell(&mut self, line: &str) -> Result<()> {
+        let stdin = self.child.stdin.as_mut().ok_or_else(|| anyhow!("worker stdin closed"))?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+
+    fn finish(mut self, limit: Duration) -> Result<()> {
+        drop(self.child.stdin.take());
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                if !s.success() {
+                    bail!("benchmark worker failed: {s}");
+                }
+                return Ok(());
+            }
+            if Instant::now() > end {
+                bail!("benchmark worker {} did not exit within {limit:?}", self.child.id());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn measure_once(sock: &std::path::Path, test: worker::Test, size: usize, iters: u64) -> Result<Outcome> {
+    let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters)?;
+    let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters)?;
+    let setup = Duration::from_secs(20);
+    let s_hello = server.line(setup)?;
+    let c_hello = client.line(setup)?;
+    server.tell(&c_hello)?;
+    client.tell(&s_hello)?;
+    // Generous: the slowest test on a loaded 2-core machine.
+    let result = client.line(Duration::from_secs(300))?;
+    let outcome: Outcome =
+        serde_json::from_str(&result).with_context(|| format!("worker printed {result:?}"))?;
+    client.finish(Duration::from_secs(10))?;
+    server.finish(Duration::from_secs(10))?;
+    Ok(outcome)
+}

@@ -1,0 +1,288 @@
+//! One side of a benchmark: a separate process with its own context, QP
+//! and memory, as an RDMA application would be.
+//!
+//! Protocol with the parent: print our endpoint as one JSON line, read the
+//! peer's, connect, run; the client prints an [`Outcome`] line, the server
+//! runs until its stdin closes.
+
+use std::io::BufRead;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use serde::{Deserialize, Serialize};
+use vrdma::{
+    AccessFlags, CompletionChannel, CompletionQueue, Context, Endpoint, MemoryRegion, QpCap, QueuePair,
+    RecvWr, SendFlags, SendOpcode, SendWr, SgeList, WcStatus, WorkCompletion,
+};
+
+use super::{Args, Outcome};
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Client,
+    Server,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Client => "client",
+            Role::Server => "server",
+        }
+    }
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Test {
+    /// Ping-pong of RDMA writes, each side spinning on its own memory (ib_write_lat).
+    WriteLat,
+    /// Ping-pong of sends, each side polling its CQ (ib_send_lat).
+    SendLat,
+    /// Ping-pong of sends, each side waiting on a completion channel (ib_send_lat -e).
+    SendLatEvent,
+    /// A stream of RDMA writes, `DEPTH` in flight (ib_write_bw).
+    WriteBw,
+}
+
+impl Test {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Test::WriteLat => "write-lat",
+            Test::SendLat => "send-lat",
+            Test::SendLatEvent => "send-lat-event",
+            Test::WriteBw => "write-bw",
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hello {
+    endpoint: Endpoint,
+    addr: u64,
+    rkey: u32,
+}
+
+const DEPTH: u32 = 16;
+/// Empty spins on memory before yielding the CPU: on a machine with fewer
+/// cores than spinning threads the engine needs the time slice.
+const SPIN_BEFORE_YIELD: u32 = 256;
+
+struct Side {
+    cq: CompletionQueue,
+    channel: Option<CompletionChannel>,
+    qp: QueuePair,
+    mr: MemoryRegion,
+    peer: Hello,
+    size: usize,
+}
+
+pub fn run(role: Role, args: &Args) -> Result<()> {
+    let size = args.size.max(8);
+    let ctx = Context::open().context("connecting to the daemon")?;
+    let pd = ctx.alloc_pd()?;
+    // Two halves: [0, size) receives, [size, 2*size) is the source.
+    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let mr = pd.alloc_mr(2 * size, access)?;
+    let channel = (args.test == Test::SendLatEvent).then(|| ctx.create_comp_channel()).transpose()?;
+    let cq = ctx.create_cq(4 * DEPTH, channel.as_ref())?;
+    let cap = QpCap {
+        max_send_wr: 4 * DEPTH,
+        max_recv_wr: 4 * DEPTH,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 64,
+    };
+    let qp = pd.create_rc_qp(&cq, &cq, cap)?;
+    let hello = Hello { endpoint: qp.endpoint(&ctx)?, addr: mr.addr(), rkey: mr.rkey() };
+    println!("{}", serde_json::to_string(&hello)?);
+    let mut stdin = std::io::stdin().lock();
+    let mut line = String::new();
+    stdin.read_line(&mut line)?;
+    let peer: Hello = serde_json::from_str(line.trim()).context("reading the peer's endpoint")?;
+    qp.connect(&peer.endpoint, access)?;
+    let mut side = Side { cq, channel, qp, mr, peer, size };
+    let outcome = match args.test {
+        Test::WriteLat => side.write_lat(role, args.iters)?,
+        Test::SendLat => side.send_lat(role, args.iters, false)?,
+        Test::SendLatEvent => side.send_lat(role, args.iters, true)?,
+        Test::WriteBw => side.write_bw(role, args.iters)?,
+    };
+    if role == Role::Client {
+        println!("{}", serde_json::to_string(&outcome)?);
+    }
+    // Both sides stay until the parent closes stdin, so that neither tears
+    // its QP down while the other still uses it.
+    let mut rest = String::new();
+    while stdin.read_line(&mut rest)? > 0 {
+        rest.clear();
+    }
+    Ok(())
+}
+
+impl Side {
+    fn wr(&self, wr_id: u64, op: SendOpcode, local_off: usize, signaled: bool) -> Result<SendWr> {
+        let mut wr = SendWr::new(wr_id, op);
+        if self.size <= 64 {
+            wr.flags |= SendFlags::INLINE;
+            wr.inline_len = self.size as u16;
+            self.mr.read(local_off, &mut wr.inline[..self.size])?;
+        } else {
+            wr.sg = SgeList::from_slice(&[self.mr.sge(local_off, self.size)?])?;
+        }
+        if signaled {
+            wr.flags |= SendFlags::SIGNALED;
+        }
+        wr.remote_addr = self.peer.addr;
+        wr.rkey = self.peer.rkey;
+        Ok(wr)
+    }
+
+    /// Reaps completions; fails on any error status.
+    fn reap(&self, wcs: &mut [WorkCompletion]) -> Result<usize> {
+        let n = self.cq.poll(wcs)?;
+        for wc in &wcs[..n] {
+            if wc.status != WcStatus::Success {
+                bail!("work request {} failed: {}", wc.wr_id, wc.status.as_str());
+            }
+        }
+        Ok(n)
+    }
+
+    fn last_byte(&self) -> Result<u8> {
+        let mut b = [0u8; 1];
+        self.mr.read(self.size - 1, &mut b)?;
+        Ok(b[0])
+    }
+
+    fn write_lat(&mut self, role: Role, iters: u64) -> Result<Outcome> {
+        let mut wcs = [WorkCompletion::default(); 16];
+        let mut samples = Vec::with_capacity(iters as usize);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for i in 1..=iters {
+            let tag = (i % 251 + 1) as u8;
+            let start = Instant::now();
+            if role == Role::Client {
+                self.send_tag(i, tag)?;
+            }
+            let mut spins = 0u32;
+            while self.last_byte()? != tag {
+                self.reap(&mut wcs)?;
+                spins += 1;
+                if spins > SPIN_BEFORE_YIELD {
+                    std::thread::yield_now();
+                    if Instant::now() > deadline {
+                        bail!("no answer from the peer at iteration {i}");
+                    }
+                }
+            }
+            if role == Role::Server {
+                self.send_tag(i, tag)?;
+            } else {
+                samples.push(start.elapsed().as_nanos() as f64 / 2.0);
+            }
+        }
+        self.drain(&mut wcs)?;
+        Ok(Outcome { one_way_ns: samples, messages: iters, ..Default::default() })
+    }
+
+    fn send_tag(&self, i: u64, tag: u8) -> Result<()> {
+        self.mr.write(2 * self.size - 1, &[tag])?;
+        let wr = self.wr(i, SendOpcode::RdmaWrite, self.size, i.is_multiple_of(DEPTH as u64))?;
+        self.qp.post_send(&[wr]).map_err(|e| anyhow!("post_send: {e}"))
+    }
+
+    /// Waits for the last signaled writes so none is in flight at teardown.
+    fn drain(&self, wcs: &mut [WorkCompletion]) -> Result<()> {
+        let end = Instant::now() + Duration::from_millis(200);
+        while Instant::now() < end {
+            if self.reap(wcs)? == 0 {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+
+    fn post_recv(&self, wr_id: u64) -> Result<()> {
+        let wr = RecvWr { wr_id, sg: SgeList::from_slice(&[self.mr.sge(0, self.size)?])? };
+        self.qp.post_recv(&[wr]).map_err(|e| anyhow!("post_recv: {e}"))
+    }
+
+    /// Waits for one receive completion, by polling or on the channel.
+    fn wait_recv(&self, wcs: &mut [WorkCompletion], event: bool, deadline: Instant) -> Result<()> {
+        loop {
+            let n = self.reap(wcs)?;
+            if wcs[..n].iter().any(|w| w.opcode == vrdma::WcOpcode::Recv) {
+                return Ok(());
+            }
+            if n > 0 {
+                continue;
+            }
+            if Instant::now() > deadline {
+                bail!("no message from the peer");
+            }
+            if let Some(ch) = &self.channel {
+                if event {
+                    self.cq.req_notify(false)?;
+                    // The race rule: poll once more after arming.
+                    let n = self.reap(wcs)?;
+                    if wcs[..n].iter().any(|w| w.opcode == vrdma::WcOpcode::Recv) {
+                        return Ok(());
+                    }
+                    ch.get_cq_event(Some(Duration::from_secs(5)))?;
+                }
+            }
+        }
+    }
+
+    fn send_lat(&mut self, role: Role, iters: u64, event: bool) -> Result<Outcome> {
+        let mut wcs = [WorkCompletion::default(); 16];
+        for r in 0..DEPTH as u64 {
+            self.post_recv(r)?;
+        }
+        let mut samples = Vec::with_capacity(iters as usize);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for i in 1..=iters {
+            let start = Instant::now();
+            if role == Role::Client {
+                self.qp
+                    .post_send(&[self.wr(i, SendOpcode::Send, self.size, true)?])
+                    .map_err(|e| anyhow!("{e}"))?;
+            }
+            self.wait_recv(&mut wcs, event, deadline)?;
+            self.post_recv(i)?;
+            if role == Role::Server {
+                self.qp
+                    .post_send(&[self.wr(i, SendOpcode::Send, self.size, true)?])
+                    .map_err(|e| anyhow!("{e}"))?;
+            } else {
+                samples.push(start.elapsed().as_nanos() as f64 / 2.0);
+            }
+        }
+        self.drain(&mut wcs)?;
+        Ok(Outcome { one_way_ns: samples, messages: iters, ..Default::default() })
+    }
+
+    fn write_bw(&mut self, role: Role, iters: u64) -> Result<Outcome> {
+        if role == Role::Server {
+            return Ok(Outcome::default());
+        }
+        let mut wcs = [WorkCompletion::default(); 16];
+        let (mut posted, mut done) = (0u64, 0u64);
+        let start = Instant::now();
+        let deadline = start + Duration::from_secs(120);
+        while done < iters {
+            while posted < iters && posted - done < DEPTH as u64 {
+                let wr = self.wr(posted, SendOpcode::RdmaWrite, self.size, true)?;
+                self.qp.post_send(&[wr]).map_err(|e| anyhow!("post_send: {e}"))?;
+                posted += 1;
+            }
+            let n = self.reap(&mut wcs)?;
+            done += n as u64;
+            if n == 0 && Instant::now() > deadline {
+                bail!("writes stopped completing after {done} of {iters}");
+            }
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        Ok(Outcome { bytes: iters * self.size as u64, seconds, messages: iters, ..Default::default() })
+    }
+}

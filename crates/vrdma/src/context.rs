@@ -1,0 +1,216 @@
+//! The device context: the connection to the daemon and what it shares.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_core::hca::AsyncEvent;
+use vrdma_core::proto::{self, Reply, Request, PROTOCOL_VERSION};
+use vrdma_core::verbs::{DeviceAttr, Gid, PortAttr};
+use vrdma_shm::{Doorbell, RingView, Segment};
+
+use crate::channel::CompletionChannel;
+use crate::control::{self, Control};
+use crate::cq::CompletionQueue;
+use crate::error::{Error, Result};
+use crate::pd::ProtectionDomain;
+
+/// An open device context (`ibv_context`): one connection to the daemon.
+///
+/// Cheap to clone (all clones share the connection) and usable from any
+/// thread. Every object made from a context keeps it alive; the connection
+/// closes, and the daemon frees whatever is left, when the last clone and
+/// the last object are gone.
+#[derive(Clone, Debug)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct ContextInner {
+    pub(crate) control: Control,
+    id: u32,
+    tenant: u32,
+    device_name: String,
+    /// The async-event ring; its aux words also hold the engine's state.
+    async_ring: RingView,
+    /// Wakes the daemon's engine when it sleeps.
+    doorbell: Doorbell,
+    /// Signalled by the daemon after it pushes an async event.
+    async_fd: Doorbell,
+}
+
+impl ContextInner {
+    /// The doorbell rule, to be called after pushing into a work ring:
+    /// ring the engine's doorbell only if the engine said it sleeps.
+    ///
+    /// The `SeqCst` fence orders our slot publication before the load of
+    /// the flag, pairing with the engine's "set flag, fence, re-check the
+    /// rings" before it sleeps: either it sees our slot or we see its flag.
+    #[inline]
+    pub(crate) fn kick(&self) {
+        fence(Ordering::SeqCst);
+        if self.async_ring.aux(proto::CTX_AUX_ENGINE_SLEEPING).load(Ordering::SeqCst) != 0 {
+            self.doorbell.ring();
+        }
+    }
+}
+
+impl Context {
+    /// Connects to the daemon at [`default_socket_path`](crate::default_socket_path).
+    pub fn open() -> Result<Context> {
+        Context::open_at(crate::default_socket_path())
+    }
+
+    /// Connects to the daemon listening at `path`.
+    pub fn open_at(path: impl AsRef<Path>) -> Result<Context> {
+        Context::hello(Control::connect(path.as_ref())?)
+    }
+
+    /// Opens a context over an already connected `SOCK_SEQPACKET` socket
+    /// (inherited, socket-activated, or one end of a `socketpair` whose
+    /// other end a daemon serves).
+    pub fn from_socket(sock: OwnedFd) -> Result<Context> {
+        Context::hello(Control::from_socket(sock))
+    }
+
+    fn hello(control: Control) -> Result<Context> {
+        let req = Request::Hello { version: PROTOCOL_VERSION };
+        let answer = control.call(&req, &[])?;
+        let Reply::Hello { context, tenant, device_name, segment_len, async_ring } = answer.reply.clone()
+        else {
+            return Err(control::unexpected(&req, &answer.reply));
+        };
+        let mut fds = answer.take_fds(3, "Hello")?.into_iter();
+        let (seg_fd, bell_fd, async_fd) = match (fds.next(), fds.next(), fds.next()) {
+            (Some(a), Some(b), Some(c)) => (a, b, c),
+            _ => return Err(Error::protocol("Hello reply lacks descriptors")),
+        };
+        let seg = Arc::new(Segment::map_trusted(
+            seg_fd,
+            control::to_usize(segment_len, "context segment length")?,
+        )?);
+        let ring = RingView::in_segment(
+            seg,
+            control::to_usize(async_ring.offset, "async ring offset")?,
+            async_ring.capacity,
+            async_ring.stride as usize,
+        )?;
+        if ring.stride() < proto::ASYNC_EVENT_SIZE {
+            return Err(Error::protocol(format!(
+                "async-event slots of {} bytes, need {}",
+                ring.stride(),
+                proto::ASYNC_EVENT_SIZE
+            )));
+        }
+        Ok(Context {
+            inner: Arc::new(ContextInner {
+                control,
+                id: context,
+                tenant,
+                device_name,
+                async_ring: ring,
+                doorbell: Doorbell::from_fd(bell_fd),
+                async_fd: Doorbell::from_fd(async_fd),
+            }),
+        })
+    }
+
+    /// The daemon's number for this context.
+    pub fn context_id(&self) -> u32 {
+        self.inner.id
+    }
+
+    /// The tenant the daemon placed this process in (from its credentials).
+    pub fn tenant(&self) -> u32 {
+        self.inner.tenant
+    }
+
+    /// The device's name, as `ibv_get_device_name` would report it.
+    pub fn device_name(&self) -> &str {
+        &self.inner.device_name
+    }
+
+    /// `ibv_query_device`.
+    pub fn query_device(&self) -> Result<DeviceAttr> {
+        let req = Request::QueryDevice;
+        match self.inner.control.call(&req, &[])?.reply {
+            Reply::Device(d) => Ok(d),
+            other => Err(control::unexpected(&req, &other)),
+        }
+    }
+
+    /// `ibv_query_port`; ports are numbered from 1.
+    pub fn query_port(&self, port: u8) -> Result<PortAttr> {
+        let req = Request::QueryPort { port };
+        match self.inner.control.call(&req, &[])?.reply {
+            Reply::Port(p) => Ok(p),
+            other => Err(control::unexpected(&req, &other)),
+        }
+    }
+
+    /// `ibv_query_gid`.
+    pub fn query_gid(&self, port: u8, index: u32) -> Result<Gid> {
+        let req = Request::QueryGid { port, index };
+        match self.inner.control.call(&req, &[])?.reply {
+            Reply::Gid(g) => Ok(g),
+            other => Err(control::unexpected(&req, &other)),
+        }
+    }
+
+    /// `ibv_alloc_pd`.
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        ProtectionDomain::alloc(self)
+    }
+
+    /// `ibv_create_cq`: a CQ of at least `cqe` entries (the daemon rounds
+    /// up to a power of two; see [`CompletionQueue::depth`]), reporting
+    /// events to `channel` when armed.
+    pub fn create_cq(&self, cqe: u32, channel: Option<&CompletionChannel>) -> Result<CompletionQueue> {
+        CompletionQueue::create(self, cqe, channel)
+    }
+
+    /// `ibv_create_comp_channel`.
+    pub fn create_comp_channel(&self) -> Result<CompletionChannel> {
+        CompletionChannel::create(self)
+    }
+
+    /// The descriptor that becomes readable when an async event is
+    /// pending (for `poll`/`epoll`); then call
+    /// [`get_async_event`](Self::get_async_event).
+    pub fn async_event_fd(&self) -> BorrowedFd<'_> {
+        self.inner.async_fd.as_fd()
+    }
+
+    /// `ibv_get_async_event`: the next asynchronous event (QP fatal, SRQ
+    /// limit reached, ...), waiting up to `timeout` (`None`: no limit)
+    /// when none is pending. `Ok(None)` means the time ran out. Events
+    /// need no acknowledgement.
+    pub fn get_async_event(&self, timeout: Option<Duration>) -> Result<Option<AsyncEvent>> {
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut slot = vec![0u8; self.inner.async_ring.stride()];
+        loop {
+            while self.inner.async_ring.try_pop(&mut slot)? {
+                match proto::decode_async_event(&slot) {
+                    Some(ev) => return Ok(Some(ev)),
+                    None => tracing::warn!(kind = slot[0], "vrdma: skipping an unknown async event"),
+                }
+            }
+            // `None` when there is no limit (or one too far ahead to represent).
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) {
+                return Ok(None);
+            }
+            // Rung or timed out, look at the ring again before deciding.
+            self.inner.async_fd.wait_timeout(left)?;
+        }
+    }
+
+    /// How many async events the daemon dropped because the event ring
+    /// was full (they were not read quickly enough).
+    pub fn async_events_dropped(&self) -> u32 {
+        self.inner.async_ring.aux(proto::CTX_AUX_EVENTS_DROPPED).load(Ordering::Relaxed)
+    }
+}

@@ -1,0 +1,225 @@
+//! The control socket: one request, one reply, descriptors alongside.
+//!
+//! Every exchange is a single `SOCK_SEQPACKET` message each way: the
+//! postcard-encoded [`Request`] with the descriptors it carries, then the
+//! [`Reply`] with those the daemon hands back. One request is in flight per
+//! connection, so the socket sits behind a mutex. If an exchange breaks
+//! half-way (an I/O error after the request went out, a truncated reply)
+//! the connection is marked broken: a later reply could otherwise be taken
+//! for the answer to a different request.
+
+use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::Path;
+use std::sync::{Mutex, MutexGuard};
+
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use vrdma_core::proto::{self, Reply, Request};
+
+use crate::error::{Error, Result};
+
+struct State {
+    sock: OwnedFd,
+    buf: Vec<u8>,
+    broken: bool,
+}
+
+/// A connection to the daemon.
+pub(crate) struct Control {
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Control").finish_non_exhaustive()
+    }
+}
+
+/// A reply and the descriptors that came with it.
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub reply: Reply,
+    pub fds: Vec<OwnedFd>,
+}
+
+impl Answer {
+    /// The descriptors, which must be exactly `n` for a reply of `what`.
+    pub fn take_fds(self, n: usize, what: &str) -> Result<Vec<OwnedFd>> {
+        if self.fds.len() != n {
+            return Err(Error::protocol(format!(
+                "{what} reply came with {} descriptors, expected {n}",
+                self.fds.len()
+            )));
+        }
+        Ok(self.fds)
+    }
+}
+
+impl Control {
+    /// Connects a close-on-exec `SOCK_SEQPACKET` socket to `path`.
+    pub fn connect(path: &Path) -> Result<Control> {
+        let sock =
+            rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+        let addr = SocketAddrUnix::new(path)?;
+        loop {
+            match rustix::net::connect(&sock, &addr) {
+                Ok(()) => break,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(e) => return Err(Error::Connect { path: path.to_path_buf(), source: e.into() }),
+            }
+        }
+        Ok(Control::from_socket(sock))
+    }
+
+    /// Uses an already connected socket.
+    pub fn from_socket(sock: OwnedFd) -> Control {
+        Control { state: Mutex::new(State { sock, buf: vec![0; proto::MAX_MESSAGE], broken: false }) }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // The state stays consistent across a panic (at worst `broken` is
+        // set), so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sends `req` with `fds` and returns the daemon's answer.
+    ///
+    /// `Reply::Error` becomes [`Error::Daemon`] with its errno.
+    pub fn call(&self, req: &Request, fds: &[BorrowedFd<'_>]) -> Result<Answer> {
+        let bytes = proto::encode_request(req);
+        let mut st = self.lock();
+        if st.broken {
+            return Err(Error::Io(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the connection to vrdmad is broken",
+            )));
+        }
+        // A failed send leaves the connection in step: nothing went out.
+        // (A partial send cannot happen on seqpacket; treat it as broken.)
+        if let Err(e) = vrdma_shm::send_msg(st.sock.as_fd(), &bytes, fds) {
+            if e.kind() == io::ErrorKind::WriteZero {
+                st.broken = true;
+            }
+            return Err(e.into());
+        }
+        let State { sock, buf, broken } = &mut *st;
+        let received = match vrdma_shm::recv_msg(sock.as_fd(), buf, proto::MAX_FDS) {
+            Ok(r) => r,
+            Err(e) => {
+                *broken = true;
+                return Err(e.into());
+            }
+        };
+        if received.len == 0 {
+            *broken = true;
+            return Err(Error::Io(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "vrdmad closed the connection",
+            )));
+        }
+        if received.truncated {
+            *broken = true;
+            return Err(Error::protocol("reply truncated"));
+        }
+        let reply = proto::decode_reply(&buf[..received.len])
+            .map_err(|e| Error::protocol(format!("undecodable reply: {e}")))?;
+        drop(st);
+        match reply {
+            Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
+            reply => Ok(Answer { reply, fds: received.fds }),
+        }
+    }
+
+    /// [`call`](Self::call) for requests answered by `Reply::Done`.
+    pub fn call_done(&self, req: &Request) -> Result<()> {
+        match self.call(req, &[])?.reply {
+            Reply::Done => Ok(()),
+            other => Err(unexpected(req, &other)),
+        }
+    }
+
+    /// Sends a destroy request on behalf of a `Drop`, logging a failure.
+    pub fn destroy(&self, req: Request) {
+        if let Err(e) = self.call_done(&req) {
+            tracing::warn!(error = %e, request = ?req, "vrdma: destroying an object failed");
+        }
+    }
+}
+
+/// The error for a reply of the wrong kind.
+pub(crate) fn unexpected(req: &Request, reply: &Reply) -> Error {
+    Error::protocol(format!("unexpected reply {reply:?} to {req:?}"))
+}
+
+/// A daemon-provided `u64` length as `usize`.
+pub(crate) fn to_usize(v: u64, what: &str) -> Result<usize> {
+    usize::try_from(v).map_err(|_| Error::protocol(format!("{what} {v} does not fit in usize")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vrdma_shm::seqpacket_pair;
+
+    fn serve_one(sock: OwnedFd, reply: Option<Reply>) -> std::thread::JoinHandle<Request> {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; proto::MAX_MESSAGE];
+            let r = vrdma_shm::recv_msg(sock.as_fd(), &mut buf, 4).unwrap();
+            let req = proto::decode_request(&buf[..r.len]).unwrap();
+            if let Some(reply) = reply {
+                vrdma_shm::send_msg(sock.as_fd(), &proto::encode_reply(&reply), &[]).unwrap();
+            }
+            req
+        })
+    }
+
+    #[test]
+    fn round_trip_and_errors() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let c = Control::from_socket(a);
+        let h = serve_one(b, Some(Reply::Pd { pd: 9 }));
+        let ans = c.call(&Request::AllocPd, &[]).unwrap();
+        assert_eq!(ans.reply, Reply::Pd { pd: 9 });
+        assert!(h.join().is_ok());
+    }
+
+    #[test]
+    fn daemon_error_carries_errno() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let c = Control::from_socket(a);
+        let h = serve_one(b, Some(Reply::Error { errno: libc::EBUSY, message: "busy".into() }));
+        let e = c.call_done(&Request::DeallocPd { pd: 1 }).unwrap_err();
+        assert_eq!(e.errno(), libc::EBUSY);
+        assert_eq!(h.join().unwrap(), Request::DeallocPd { pd: 1 });
+    }
+
+    #[test]
+    fn closed_peer_breaks_connection() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let c = Control::from_socket(a);
+        let h = serve_one(b, None);
+        let e = c.call(&Request::AllocPd, &[]).unwrap_err();
+        h.join().unwrap();
+        assert!(matches!(e, Error::Io(_)), "{e}");
+        let e = c.call(&Request::AllocPd, &[]).unwrap_err();
+        assert_eq!(e.errno(), libc::ENOTCONN);
+    }
+
+    #[test]
+    fn unexpected_reply_is_protocol_error() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let c = Control::from_socket(a);
+        let h = serve_one(b, Some(Reply::Pd { pd: 1 }));
+        let e = c.call_done(&Request::DeallocPd { pd: 1 }).unwrap_err();
+        assert!(matches!(e, Error::Protocol(_)));
+        h.join().unwrap();
+    }
+
+    #[test]
+    fn connect_missing_path_fails_cleanly() {
+        let p = std::env::temp_dir().join(format!("vrdma-missing-{}.sock", std::process::id()));
+        let e = Control::connect(&p).unwrap_err();
+        assert!(e.to_string().contains("cannot connect"), "{e}");
+        assert_eq!(e.errno(), libc::ENOENT);
+    }
+}

@@ -1,0 +1,271 @@
+//! Completion queues.
+
+use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_core::proto::{self, Reply, Request};
+use vrdma_core::ring::{Cqe, CQE_SIZE};
+use vrdma_core::verbs::{WcOpcode, WcStatus};
+use vrdma_shm::{RingView, Segment};
+
+use crate::channel::CompletionChannel;
+use crate::context::Context;
+use crate::control;
+use crate::error::{Error, Result};
+use crate::stream::CompletionStream;
+
+/// A work completion (`ibv_wc`), as the daemon reports it.
+pub type WorkCompletion = Cqe;
+
+/// Consecutive empty polls of one CQ after which each further empty poll
+/// yields the CPU.
+pub const SPIN_POLLS: u32 = 64;
+
+fn blank() -> WorkCompletion {
+    Cqe::new(0, WcStatus::Success, WcOpcode::Send, 0)
+}
+
+/// `n` placeholder completions, a buffer for [`CompletionQueue::poll`].
+pub fn wc_buffer(n: usize) -> Vec<WorkCompletion> {
+    vec![blank(); n]
+}
+
+/// A completion queue (`ibv_cq`).
+///
+/// Polling reads the shared ring directly, without a system call. Cheap
+/// to clone; destroyed when the last clone and the last QP using it are
+/// gone.
+#[derive(Clone, Debug)]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct CqInner {
+    pub(crate) ctx: Context,
+    cqn: u32,
+    depth: u32,
+    ring: RingView,
+    pub(crate) channel: Option<CompletionChannel>,
+    /// Consecutive empty polls, for the spin-then-yield rule.
+    empty_polls: AtomicU32,
+}
+
+impl Drop for CqInner {
+    fn drop(&mut self) {
+        self.ctx.inner.control.destroy(Request::DestroyCq { cq: self.cqn });
+        if let Some(ch) = &self.channel {
+            ch.inner.cqs.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+impl CqInner {
+    /// Pops up to `out.len()` completions, without the spin accounting.
+    pub(crate) fn poll_raw(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        let mut slot = [0u8; CQE_SIZE];
+        for (n, wc) in out.iter_mut().enumerate() {
+            if !self.ring.try_pop(&mut slot)? {
+                return Ok(n);
+            }
+            *wc = Cqe::decode(&slot);
+        }
+        Ok(out.len())
+    }
+
+    /// Arms the CQ, then fences so that a following poll cannot be
+    /// ordered before the arming (the race rule: arm, poll, then sleep).
+    pub(crate) fn arm(&self, solicited_only: bool) {
+        let how = if solicited_only { proto::CQ_ARM_SOLICITED } else { proto::CQ_ARM_NEXT };
+        self.ring.aux(proto::CQ_AUX_ARMED).store(how, Ordering::SeqCst);
+        fence(Ordering::SeqCst);
+    }
+}
+
+impl CompletionQueue {
+    pub(crate) fn create(
+        ctx: &Context,
+        cqe: u32,
+        channel: Option<&CompletionChannel>,
+    ) -> Result<CompletionQueue> {
+        if let Some(ch) = channel {
+            if !Arc::ptr_eq(&ch.inner.ctx.inner, &ctx.inner) {
+                return Err(Error::invalid("the completion channel belongs to another context"));
+            }
+        }
+        let req = Request::CreateCq { cqe, channel: channel.map(|c| c.channel_id()) };
+        let answer = ctx.inner.control.call(&req, &[])?;
+        let Reply::Cq { cq, depth, segment_len, ring } = answer.reply else {
+            return Err(control::unexpected(&req, &answer.reply));
+        };
+        // From here on a failure must still destroy the daemon's CQ.
+        let setup = (|| -> Result<RingView> {
+            let fd = answer
+                .take_fds(1, "Cq")?
+                .pop()
+                .ok_or_else(|| Error::protocol("Cq reply lacks its descriptor"))?;
+            let seg =
+                Arc::new(Segment::map_trusted(fd, control::to_usize(segment_len, "CQ segment length")?)?);
+            if ring.stride as usize != CQE_SIZE {
+                return Err(Error::protocol(format!(
+                    "CQ slots of {} bytes, expected {CQE_SIZE}",
+                    ring.stride
+                )));
+            }
+            Ok(RingView::in_segment(
+                seg,
+                control::to_usize(ring.offset, "CQ ring offset")?,
+                ring.capacity,
+                CQE_SIZE,
+            )?)
+        })();
+        let ring = match setup {
+            Ok(r) => r,
+            Err(e) => {
+                ctx.inner.control.destroy(Request::DestroyCq { cq });
+                return Err(e);
+            }
+        };
+        if let Some(ch) = channel {
+            ch.inner.cqs.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                ctx: ctx.clone(),
+                cqn: cq,
+                depth,
+                ring,
+                channel: channel.cloned(),
+                empty_polls: AtomicU32::new(0),
+            }),
+        })
+    }
+
+    /// The daemon's number for this CQ (what
+    /// [`get_cq_event`](CompletionChannel::get_cq_event) returns).
+    pub fn cqn(&self) -> u32 {
+        self.inner.cqn
+    }
+
+    /// Entries the CQ holds (the requested size rounded up).
+    pub fn depth(&self) -> u32 {
+        self.inner.depth
+    }
+
+    /// The channel the CQ reports to, if any.
+    pub fn channel(&self) -> Option<&CompletionChannel> {
+        self.inner.channel.as_ref()
+    }
+
+    /// The context the CQ belongs to.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// `ibv_poll_cq`: moves up to `out.len()` completions into `out` and
+    /// returns how many. Never blocks.
+    ///
+    /// Busy-polling loops are kind to small machines: after
+    /// [`SPIN_POLLS`] consecutive empty polls of this CQ, every further
+    /// empty poll yields the CPU (`sched_yield`) so that the daemon's
+    /// engine, which produces the completions, can run. The count resets
+    /// when a poll finds something.
+    pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let n = self.inner.poll_raw(out)?;
+        let empty = &self.inner.empty_polls;
+        if n > 0 {
+            if empty.load(Ordering::Relaxed) != 0 {
+                empty.store(0, Ordering::Relaxed);
+            }
+        } else {
+            let count = empty.load(Ordering::Relaxed);
+            if count < SPIN_POLLS {
+                empty.store(count + 1, Ordering::Relaxed);
+            } else {
+                std::thread::yield_now();
+            }
+        }
+        Ok(n)
+    }
+
+    /// Polls one completion.
+    pub fn poll_one(&self) -> Result<Option<WorkCompletion>> {
+        let mut wc = [blank()];
+        Ok((self.poll(&mut wc)? == 1).then_some(wc[0]))
+    }
+
+    /// `ibv_req_notify_cq`: arms the CQ so that its next completion (with
+    /// `solicited_only`: its next solicited or failed completion) raises an
+    /// event on its channel. One event per arming.
+    ///
+    /// Poll again after arming: completions that arrived before the arming
+    /// raise no event.
+    pub fn req_notify(&self, solicited_only: bool) -> Result<()> {
+        if self.inner.channel.is_none() {
+            return Err(Error::invalid("the CQ has no completion channel to notify"));
+        }
+        self.inner.arm(solicited_only);
+        Ok(())
+    }
+
+    /// Blocks until at least one completion is available or `timeout`
+    /// passes (`None`: no limit), then moves up to `out.len()` into `out`
+    /// and returns how many (0: timed out).
+    ///
+    /// Needs a completion channel that serves this CQ alone (events of
+    /// other CQs would be consumed here); it uses the channel's events, so
+    /// do not also call [`get_cq_event`](CompletionChannel::get_cq_event)
+    /// on it.
+    pub fn wait(&self, out: &mut [WorkCompletion], timeout: Option<Duration>) -> Result<usize> {
+        let ch = self.dedicated_channel("wait")?;
+        if out.is_empty() {
+            return Ok(0);
+        }
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let mut slot = ch.inner.slot_buf();
+        loop {
+            let n = self.inner.poll_raw(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            self.inner.arm(false);
+            let n = self.inner.poll_raw(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            if left == Some(Duration::ZERO) {
+                return Ok(0);
+            }
+            ch.inner.event.wait_timeout(left)?;
+            while ch.inner.pop(&mut slot)?.is_some() {}
+        }
+    }
+
+    /// An async stream of this CQ's completions for tokio (current-thread
+    /// or multi-thread runtime, with I/O enabled). Must be called inside
+    /// the runtime.
+    ///
+    /// Needs a completion channel. Several streams may share a channel
+    /// (each watches its own CQ), but the stream consumes the channel's
+    /// events, so do not mix it with
+    /// [`get_cq_event`](CompletionChannel::get_cq_event) on that channel.
+    pub fn stream(&self) -> Result<CompletionStream> {
+        CompletionStream::new(self.clone())
+    }
+
+    fn dedicated_channel(&self, what: &str) -> Result<&CompletionChannel> {
+        let ch =
+            self.inner.channel.as_ref().ok_or_else(|| {
+                Error::invalid(format!("{what} needs a CQ created with a completion channel"))
+            })?;
+        if ch.inner.cqs.load(Ordering::Relaxed) != 1 {
+            return Err(Error::invalid(format!("{what} needs a completion channel serving this CQ alone")));
+        }
+        Ok(ch)
+    }
+}

@@ -1,0 +1,136 @@
+//! Protection domains.
+
+use std::sync::Arc;
+
+use vrdma_core::proto::{Reply, Request};
+use vrdma_core::verbs::{AccessFlags, QpCap, SrqAttr};
+
+use crate::context::Context;
+use crate::control;
+use crate::cq::CompletionQueue;
+use crate::error::{Error, Result};
+use crate::mr::MemoryRegion;
+use crate::qp::{QpInit, QueuePair};
+use crate::srq::SharedReceiveQueue;
+
+/// A protection domain (`ibv_pd`): memory regions, QPs and SRQs of one PD
+/// may work together; keys of other PDs are refused.
+///
+/// Cheap to clone; deallocated when the last clone and the last object in
+/// it are gone.
+#[derive(Clone, Debug)]
+pub struct ProtectionDomain {
+    pub(crate) inner: Arc<PdInner>,
+}
+
+#[derive(Debug)]
+pub(crate) struct PdInner {
+    pub(crate) ctx: Context,
+    pub(crate) pd: u32,
+}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        self.ctx.inner.control.destroy(Request::DeallocPd { pd: self.pd });
+    }
+}
+
+impl ProtectionDomain {
+    pub(crate) fn alloc(ctx: &Context) -> Result<ProtectionDomain> {
+        let req = Request::AllocPd;
+        match ctx.inner.control.call(&req, &[])?.reply {
+            Reply::Pd { pd } => Ok(ProtectionDomain { inner: Arc::new(PdInner { ctx: ctx.clone(), pd }) }),
+            other => Err(control::unexpected(&req, &other)),
+        }
+    }
+
+    /// The daemon's number for this PD.
+    pub fn pd_id(&self) -> u32 {
+        self.inner.pd
+    }
+
+    /// The context the PD belongs to.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// Allocates `len` bytes of zeroed, page-aligned memory and registers
+    /// them (`ibv_reg_mr` over a fresh buffer). The region owns the memory:
+    /// it is freed when the region is dropped.
+    pub fn alloc_mr(&self, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        MemoryRegion::alloc(self, len, access)
+    }
+
+    /// Registers memory the process already owns (`ibv_reg_mr` on an
+    /// existing buffer): a heap `Vec`'s bytes, `posix_memalign` or
+    /// anonymous `mmap` memory. The region does not own the memory and
+    /// never frees it.
+    ///
+    /// The pages covering the range are *re-backed* so that the daemon
+    /// can map them: their current bytes are copied into a memfd that is
+    /// then mapped over the same addresses (`MAP_SHARED | MAP_FIXED`).
+    /// Pointers into the memory stay valid and see the same bytes.
+    /// Refused with [`Error::InvalidArgument`]: the main thread's
+    /// `[stack]`, file-backed, shared, read-only or unmapped pages, and a
+    /// range whose covering pages partially overlap pages re-backed for an
+    /// earlier registration that is still alive. A range lying fully inside
+    /// such pages shares their memfd without remapping.
+    ///
+    /// Caveats of re-backing:
+    /// - The whole first and last pages are re-backed, so bytes next to the
+    ///   range that share those pages (other heap objects) also become
+    ///   shared memory. They keep their values and addresses; only a
+    ///   registration whose page bounds partially overlap theirs is refused.
+    /// - Writes to those pages by other threads *while this call runs* may
+    ///   be lost (the bytes are copied, then the mapping is replaced).
+    ///   Register before sharing the memory with other threads.
+    /// - After `fork` the re-backed pages are shared with the child, not
+    ///   copied on write: writes on either side are seen by the other.
+    /// - Re-backed pages stay memfd-backed after deregistration until the
+    ///   application unmaps them; that is harmless to the allocator.
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be memory this process owns, valid for reads
+    /// and writes, and must stay allocated and mapped for as long as the
+    /// returned region lives. While the region is registered the daemon
+    /// may read and write it at any time (when work requests or remote
+    /// peers name it), so the caller must not hold Rust references (`&`,
+    /// `&mut`) into it across such accesses that assume nobody else writes
+    /// it; use the region's [`read`](MemoryRegion::read) and
+    /// [`write`](MemoryRegion::write) or raw pointers.
+    pub unsafe fn register_raw(&self, ptr: *mut u8, len: usize, access: AccessFlags) -> Result<MemoryRegion> {
+        // SAFETY: the caller's contract is exactly `register`'s.
+        unsafe { MemoryRegion::register(self, ptr, len, access) }
+    }
+
+    /// `ibv_create_srq`: a shared receive queue of at least `attr.max_wr`
+    /// requests of `attr.max_sge` SGEs, firing `SrqLimitReached` when fewer
+    /// than a non-zero `attr.srq_limit` remain.
+    pub fn create_srq(&self, attr: SrqAttr) -> Result<SharedReceiveQueue> {
+        SharedReceiveQueue::create(self, attr)
+    }
+
+    /// `ibv_create_qp`.
+    pub fn create_qp(&self, init: &QpInit<'_>) -> Result<QueuePair> {
+        QueuePair::create(self, init)
+    }
+
+    /// An RC QP with its own receive queue, not signalling every send.
+    pub fn create_rc_qp(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        cap: QpCap,
+    ) -> Result<QueuePair> {
+        self.create_qp(&QpInit::rc(send_cq, recv_cq, cap))
+    }
+
+    /// Checks that `ctx` is this PD's context.
+    pub(crate) fn same_context(&self, ctx: &Context, what: &str) -> Result<()> {
+        if Arc::ptr_eq(&self.inner.ctx.inner, &ctx.inner) {
+            Ok(())
+        } else {
+            Err(Error::invalid(format!("{what} belongs to another context than the protection domain")))
+        }
+    }
+}

@@ -1,0 +1,621 @@
+//! Queue pairs.
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+use vrdma_core::hca::MAX_RD_ATOMIC;
+use vrdma_core::proto::{self, Reply, Request};
+use vrdma_core::ring::{RecvWr, SendWr, RECV_HEADER, SEND_HEADER, SGE_SIZE};
+use vrdma_core::verbs::{
+    AccessFlags, AhAttr, Gid, Mtu, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType, SendOpcode,
+};
+use vrdma_shm::{RingView, Segment};
+
+use crate::context::Context;
+use crate::control;
+use crate::cq::CompletionQueue;
+use crate::error::{Error, PostError, Result};
+use crate::pd::ProtectionDomain;
+use crate::srq::SharedReceiveQueue;
+
+/// What a QP is created with (`ibv_qp_init_attr`).
+#[derive(Debug, Clone, Copy)]
+pub struct QpInit<'a> {
+    /// Only [`QpType::Rc`] is supported by the daemon today.
+    pub qp_type: QpType,
+    pub send_cq: &'a CompletionQueue,
+    pub recv_cq: &'a CompletionQueue,
+    /// Take receive requests from this SRQ instead of a receive queue of
+    /// the QP's own (`cap.max_recv_wr`/`max_recv_sge` are then ignored).
+    pub srq: Option<&'a SharedReceiveQueue>,
+    /// Requested queue sizes; the daemon may grant more (see
+    /// [`QueuePair::cap`]).
+    pub cap: QpCap,
+    /// Whether every send completes with a work completion, not only the
+    /// signalled ones.
+    pub sq_sig_all: bool,
+}
+
+impl<'a> QpInit<'a> {
+    /// An RC QP with its own receive queue, signalling only sends that ask.
+    pub fn rc(send_cq: &'a CompletionQueue, recv_cq: &'a CompletionQueue, cap: QpCap) -> Self {
+        QpInit { qp_type: QpType::Rc, send_cq, recv_cq, srq: None, cap, sq_sig_all: false }
+    }
+
+    /// The same, taking receive requests from `srq`.
+    pub fn with_srq(mut self, srq: &'a SharedReceiveQueue) -> Self {
+        self.srq = Some(srq);
+        self
+    }
+
+    /// The same, with `sq_sig_all` set to `all`.
+    pub fn sig_all(mut self, all: bool) -> Self {
+        self.sq_sig_all = all;
+        self
+    }
+}
+
+/// What a peer needs to connect to a QP: exchange these out of band (a TCP
+/// socket, a file) and pass the remote one to [`QueuePair::connect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Endpoint {
+    /// The port's LID; 0 when the peer is reached by GID only.
+    pub lid: u16,
+    /// The port's GID (index 0).
+    pub gid: Gid,
+    /// The QP number.
+    pub qpn: u32,
+    /// The first packet sequence number the QP sends with (24 bits).
+    pub psn: u32,
+}
+
+impl Endpoint {
+    /// Bytes of [`to_bytes`](Self::to_bytes).
+    pub const WIRE_LEN: usize = 26;
+
+    /// A fixed little-endian encoding: lid (2), gid (16), qpn (4), psn (4).
+    pub fn to_bytes(&self) -> [u8; Self::WIRE_LEN] {
+        let mut b = [0u8; Self::WIRE_LEN];
+        b[0..2].copy_from_slice(&self.lid.to_le_bytes());
+        b[2..18].copy_from_slice(&self.gid.0);
+        b[18..22].copy_from_slice(&self.qpn.to_le_bytes());
+        b[22..26].copy_from_slice(&self.psn.to_le_bytes());
+        b
+    }
+
+    /// Decodes [`to_bytes`](Self::to_bytes)'s form; `None` if `b` is not
+    /// exactly [`WIRE_LEN`](Self::WIRE_LEN) bytes.
+    pub fn from_bytes(b: &[u8]) -> Option<Endpoint> {
+        let b: &[u8; Self::WIRE_LEN] = b.try_into().ok()?;
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&b[2..18]);
+        Some(Endpoint {
+            lid: u16::from_le_bytes([b[0], b[1]]),
+            gid: Gid(gid),
+            qpn: u32::from_le_bytes([b[18], b[19], b[20], b[21]]),
+            psn: u32::from_le_bytes([b[22], b[23], b[24], b[25]]),
+        })
+    }
+}
+
+/// Defaults of [`QueuePair::connect`].
+pub mod defaults {
+    /// Local ACK timeout exponent: 4.096 µs × 2^14 ≈ 67 ms.
+    pub const TIMEOUT: u8 = 14;
+    /// Transport retries.
+    pub const RETRY_CNT: u8 = 7;
+    /// RNR retries (7: retry for ever).
+    pub const RNR_RETRY: u8 = 7;
+    /// Minimal RNR NAK timer code (12: 0.64 ms).
+    pub const MIN_RNR_TIMER: u8 = 12;
+    /// Outstanding RDMA reads/atomics, as initiator and as target.
+    pub const MAX_RD_ATOMIC: u8 = super::MAX_RD_ATOMIC as u8;
+    /// Port used by the typed helpers unless `to_init` named another.
+    pub const PORT: u8 = 1;
+}
+
+/// A queue pair (`ibv_qp`).
+///
+/// Posting writes the shared rings directly (no system call unless the
+/// daemon's engine sleeps) and is a safe operation: the daemon checks
+/// every key, bound and permission of every request, and reports a bad one
+/// as a failed work completion. Usable from several threads: the requests
+/// of one call keep their order, those of concurrent calls may interleave.
+#[derive(Debug)]
+pub struct QueuePair {
+    ctx: Context,
+    pd: ProtectionDomain,
+    send_cq: CompletionQueue,
+    recv_cq: CompletionQueue,
+    srq: Option<SharedReceiveQueue>,
+    qpn: u32,
+    cap: QpCap,
+    init: QpInitAttr,
+    psn: u32,
+    port: AtomicU8,
+    sq: RingView,
+    rq: Option<RingView>,
+    /// Keeps the rings' mapping alive (the rings hold it too).
+    _segment: Arc<Segment>,
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        self.ctx.inner.control.destroy(Request::DestroyQp { qp: self.qpn });
+    }
+}
+
+fn ring_in(seg: &Arc<Segment>, spec: proto::RingSpec, what: &str) -> Result<RingView> {
+    Ok(RingView::in_segment(
+        seg.clone(),
+        control::to_usize(spec.offset, what)?,
+        spec.capacity,
+        spec.stride as usize,
+    )?)
+}
+
+/// A random 24-bit PSN.
+fn random_psn(qpn: u32) -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u32(qpn);
+    if let Ok(t) = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+        h.write_u128(t.as_nanos());
+    }
+    (h.finish() as u32) & 0x00ff_ffff
+}
+
+/// Checks a send request against the QP's limits and slot size.
+pub(crate) fn check_send(wr: &SendWr, cap: &QpCap, stride: usize) -> Result<()> {
+    if wr.is_inline() {
+        if matches!(wr.opcode, SendOpcode::RdmaRead) || wr.opcode.is_atomic() {
+            return Err(Error::invalid(format!("{:?} cannot carry inline data", wr.opcode)));
+        }
+        let n = wr.inline_len as usize;
+        if n > cap.max_inline_data as usize || SEND_HEADER + n > stride {
+            return Err(Error::invalid(format!("{n} inline bytes, the QP allows {}", cap.max_inline_data)));
+        }
+    } else {
+        let n = wr.sg.as_slice().len();
+        if n > cap.max_send_sge as usize || SEND_HEADER + n * SGE_SIZE > stride {
+            return Err(Error::invalid(format!("{n} SGEs, the QP allows {} per send", cap.max_send_sge)));
+        }
+    }
+    Ok(())
+}
+
+/// Checks a receive request against a queue's SGE limit and slot size.
+pub(crate) fn check_recv(wr: &RecvWr, max_sge: u32, stride: usize) -> Result<()> {
+    let n = wr.sg.as_slice().len();
+    if n > max_sge as usize || RECV_HEADER + n * SGE_SIZE > stride {
+        return Err(Error::invalid(format!("{n} SGEs, the queue allows {max_sge} per receive")));
+    }
+    Ok(())
+}
+
+/// Pushes receive requests into `ring` (shared by QPs and SRQs).
+pub(crate) fn push_recvs(
+    ctx: &Context,
+    ring: &RingView,
+    max_sge: u32,
+    wrs: &[RecvWr],
+) -> std::result::Result<(), PostError> {
+    let mut posted = 0usize;
+    let mut result = Ok(());
+    for (i, wr) in wrs.iter().enumerate() {
+        if let Err(e) = check_recv(wr, max_sge, ring.stride()) {
+            result = Err(PostError::new(i, e));
+            break;
+        }
+        match ring.try_push(|slot| {
+            let r = wr.encode(slot);
+            debug_assert!(r.is_ok(), "checked receive request failed to encode");
+        }) {
+            Ok(true) => posted += 1,
+            Ok(false) => {
+                result = Err(PostError::new(i, Error::QueueFull));
+                break;
+            }
+            Err(e) => {
+                result = Err(PostError::new(i, e.into()));
+                break;
+            }
+        }
+    }
+    if posted > 0 {
+        ctx.inner.kick();
+    }
+    result
+}
+
+impl QueuePair {
+    pub(crate) fn create(pd: &ProtectionDomain, init: &QpInit<'_>) -> Result<QueuePair> {
+        pd.same_context(init.send_cq.context(), "the send CQ")?;
+        pd.same_context(init.recv_cq.context(), "the receive CQ")?;
+        if let Some(srq) = init.srq {
+            pd.same_context(srq.context(), "the SRQ")?;
+        }
+        let ctx = pd.context();
+        let attr = QpInitAttr {
+            qp_type: init.qp_type,
+            send_cq: init.send_cq.cqn(),
+            recv_cq: init.recv_cq.cqn(),
+            srq: init.srq.map(|s| s.srqn()),
+            cap: init.cap,
+            sq_sig_all: init.sq_sig_all,
+        };
+        let req = Request::CreateQp { pd: pd.pd_id(), init: attr };
+        let answer = ctx.inner.control.call(&req, &[])?;
+        let Reply::Qp { created, segment_len, sq, rq } = answer.reply else {
+            return Err(control::unexpected(&req, &answer.reply));
+        };
+        let qpn = created.qpn;
+        let rings = (|| -> Result<(Arc<Segment>, RingView, Option<RingView>)> {
+            let fd = answer
+                .take_fds(1, "Qp")?
+                .pop()
+                .ok_or_else(|| Error::protocol("Qp reply lacks its descriptor"))?;
+            let seg =
+                Arc::new(Segment::map_trusted(fd, control::to_usize(segment_len, "QP segment length")?)?);
+            let sq = ring_in(&seg, sq, "send ring offset")?;
+            if sq.stride() < SEND_HEADER {
+                return Err(Error::protocol(format!("send slots of {} bytes", sq.stride())));
+            }
+            let rq = match (init.srq, rq) {
+                (Some(_), _) => None,
+                (None, Some(spec)) => {
+                    let rq = ring_in(&seg, spec, "receive ring offset")?;
+                    if rq.stride() < RECV_HEADER {
+                        return Err(Error::protocol(format!("receive slots of {} bytes", rq.stride())));
+                    }
+                    Some(rq)
+                }
+                (None, None) => {
+                    return Err(Error::protocol("a QP without an SRQ came without a receive ring"))
+                }
+            };
+            Ok((seg, sq, rq))
+        })();
+        let (segment, sq, rq) = match rings {
+            Ok(r) => r,
+            Err(e) => {
+                ctx.inner.control.destroy(Request::DestroyQp { qp: qpn });
+                return Err(e);
+            }
+        };
+        let mut init_attr = attr;
+        init_attr.cap = created.cap;
+        Ok(QueuePair {
+            ctx: ctx.clone(),
+            pd: pd.clone(),
+            send_cq: init.send_cq.clone(),
+            recv_cq: init.recv_cq.clone(),
+            srq: init.srq.cloned(),
+            qpn,
+            cap: created.cap,
+            init: init_attr,
+            psn: random_psn(qpn),
+            port: AtomicU8::new(defaults::PORT),
+            sq,
+            rq,
+            _segment: segment,
+        })
+    }
+
+    /// The QP number.
+    pub fn qpn(&self) -> u32 {
+        self.qpn
+    }
+
+    /// The queue sizes granted (at least those asked for).
+    pub fn cap(&self) -> QpCap {
+        self.cap
+    }
+
+    /// The QP's type.
+    pub fn qp_type(&self) -> QpType {
+        self.init.qp_type
+    }
+
+    /// The attributes the QP was created with (granted capacities).
+    pub fn init_attr(&self) -> QpInitAttr {
+        self.init
+    }
+
+    /// The first PSN this QP sends with once connected; [`endpoint`](Self::endpoint)
+    /// publishes it and [`connect`](Self::connect) uses it.
+    pub fn psn(&self) -> u32 {
+        self.psn
+    }
+
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+
+    pub fn send_cq(&self) -> &CompletionQueue {
+        &self.send_cq
+    }
+
+    pub fn recv_cq(&self) -> &CompletionQueue {
+        &self.recv_cq
+    }
+
+    pub fn srq(&self) -> Option<&SharedReceiveQueue> {
+        self.srq.as_ref()
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.ctx
+    }
+
+    /// The QP's current state, as the daemon last published it (it changes
+    /// on [`modify`](Self::modify) and when the QP fails into
+    /// [`QpState::Err`]). No system call.
+    pub fn state(&self) -> QpState {
+        let raw = self.sq.aux(proto::SQ_AUX_STATE).load(Ordering::Acquire);
+        u8::try_from(raw).ok().and_then(QpState::from_raw).unwrap_or(QpState::Err)
+    }
+
+    /// `ibv_modify_qp`. The daemon applies the kernel's rules: each
+    /// transition needs exactly its required attributes in `mask`.
+    pub fn modify(&self, attr: &QpAttr, mask: QpAttrMask) -> Result<()> {
+        self.ctx.inner.control.call_done(&Request::ModifyQp { qp: self.qpn, attr: *attr, mask })?;
+        if mask.contains(QpAttrMask::PORT) {
+            self.port.store(attr.port_num, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// `ibv_query_qp`: every attribute and the init attributes.
+    pub fn query(&self) -> Result<(QpAttr, QpInitAttr)> {
+        let req = Request::QueryQp { qp: self.qpn };
+        match self.ctx.inner.control.call(&req, &[])?.reply {
+            Reply::QpAttr { attr, init } => Ok((attr, init)),
+            other => Err(control::unexpected(&req, &other)),
+        }
+    }
+
+    /// RESET → INIT on `port` with pkey index 0, granting remote peers
+    /// `access` (`REMOTE_WRITE`, `REMOTE_READ`, `REMOTE_ATOMIC`).
+    pub fn to_init(&self, port: u8, access: AccessFlags) -> Result<()> {
+        let attr = QpAttr {
+            qp_state: QpState::Init,
+            pkey_index: 0,
+            port_num: port,
+            qp_access_flags: access,
+            ..QpAttr::default()
+        };
+        self.modify(
+            &attr,
+            QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::ACCESS_FLAGS,
+        )
+    }
+
+    /// INIT → RTR towards `remote`: receive from its QP starting at its
+    /// PSN. The address vector uses the LID when `remote.lid` is not 0,
+    /// else a GRH with `remote.gid`.
+    pub fn to_rtr(&self, remote: &Endpoint, path_mtu: Mtu, min_rnr_timer: u8) -> Result<()> {
+        let port = self.port.load(Ordering::Relaxed);
+        let global = remote.lid == 0;
+        let attr = QpAttr {
+            qp_state: QpState::Rtr,
+            path_mtu,
+            dest_qp_num: remote.qpn,
+            rq_psn: remote.psn & 0x00ff_ffff,
+            max_dest_rd_atomic: defaults::MAX_RD_ATOMIC,
+            min_rnr_timer,
+            ah_attr: AhAttr {
+                dgid: remote.gid,
+                dlid: remote.lid,
+                is_global: global,
+                sgid_index: 0,
+                hop_limit: if global { 64 } else { 0 },
+                port_num: port,
+                ..AhAttr::default()
+            },
+            ..QpAttr::default()
+        };
+        self.modify(
+            &attr,
+            QpAttrMask::STATE
+                | QpAttrMask::AV
+                | QpAttrMask::PATH_MTU
+                | QpAttrMask::DEST_QPN
+                | QpAttrMask::RQ_PSN
+                | QpAttrMask::MAX_DEST_RD_ATOMIC
+                | QpAttrMask::MIN_RNR_TIMER,
+        )
+    }
+
+    /// RTR → RTS: send starting at `sq_psn` (normally [`psn`](Self::psn)),
+    /// with the ACK `timeout` exponent and the transport and RNR retry
+    /// counts (7 = infinite RNR retries).
+    pub fn to_rts(&self, sq_psn: u32, timeout: u8, retry_cnt: u8, rnr_retry: u8) -> Result<()> {
+        let attr = QpAttr {
+            qp_state: QpState::Rts,
+            sq_psn: sq_psn & 0x00ff_ffff,
+            timeout,
+            retry_cnt,
+            rnr_retry,
+            max_rd_atomic: defaults::MAX_RD_ATOMIC,
+            ..QpAttr::default()
+        };
+        self.modify(
+            &attr,
+            QpAttrMask::STATE
+                | QpAttrMask::SQ_PSN
+                | QpAttrMask::TIMEOUT
+                | QpAttrMask::RETRY_CNT
+                | QpAttrMask::RNR_RETRY
+                | QpAttrMask::MAX_QP_RD_ATOMIC,
+        )
+    }
+
+    /// Brings the QP from RESET (or INIT) to RTS connected to `remote`,
+    /// granting it `access`: [`to_init`](Self::to_init) on port 1,
+    /// [`to_rtr`](Self::to_rtr) with the port's active MTU and a minimal
+    /// RNR timer of 12, [`to_rts`](Self::to_rts) from [`psn`](Self::psn)
+    /// with timeout 14, 7 retries and 7 (infinite) RNR retries; 16
+    /// outstanding reads/atomics each way. A QP may connect to its own
+    /// endpoint (loopback).
+    pub fn connect(&self, remote: &Endpoint, access: AccessFlags) -> Result<()> {
+        match self.state() {
+            QpState::Reset => self.to_init(defaults::PORT, access)?,
+            QpState::Init => {}
+            s => return Err(Error::invalid(format!("connect needs a QP in RESET or INIT, not {s:?}"))),
+        }
+        let port = self.port.load(Ordering::Relaxed);
+        let mtu = self.ctx.query_port(port)?.active_mtu;
+        self.to_rtr(remote, mtu, defaults::MIN_RNR_TIMER)?;
+        self.to_rts(self.psn, defaults::TIMEOUT, defaults::RETRY_CNT, defaults::RNR_RETRY)
+    }
+
+    /// This QP's endpoint for a peer: the LID and GID (index 0) of its
+    /// port as `ctx` reports them, its QPN and [`psn`](Self::psn). `ctx`
+    /// must be the QP's own context.
+    pub fn endpoint(&self, ctx: &Context) -> Result<Endpoint> {
+        if !Arc::ptr_eq(&ctx.inner, &self.ctx.inner) {
+            return Err(Error::invalid("the context is not the QP's own"));
+        }
+        let port = self.port.load(Ordering::Relaxed);
+        Ok(Endpoint {
+            lid: ctx.query_port(port)?.lid,
+            gid: ctx.query_gid(port, 0)?,
+            qpn: self.qpn,
+            psn: self.psn,
+        })
+    }
+
+    /// `ibv_post_send`. Requests are checked against the QP as rdma-core
+    /// checks them, then written to the send ring in order.
+    ///
+    /// Fails with `EINVAL` in RESET, INIT or RTR (nothing is posted), and
+    /// for a request with more SGEs than `cap().max_send_sge`, more inline
+    /// bytes than `cap().max_inline_data`, or inline data on a read or
+    /// atomic; with `ENOMEM` ([`Error::QueueFull`]) when the send queue is
+    /// full. [`PostError::index`] names the first request not posted; those
+    /// before it were posted. Posting in ERR is allowed: the requests
+    /// complete with `WrFlushErr`.
+    pub fn post_send(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let state = self.state();
+        if matches!(state, QpState::Reset | QpState::Init | QpState::Rtr) {
+            return Err(PostError::new(0, Error::invalid(format!("cannot post sends to a QP in {state:?}"))));
+        }
+        let stride = self.sq.stride();
+        let mut posted = 0usize;
+        let mut result = Ok(());
+        for (i, wr) in wrs.iter().enumerate() {
+            if let Err(e) = check_send(wr, &self.cap, stride) {
+                result = Err(PostError::new(i, e));
+                break;
+            }
+            match self.sq.try_push(|slot| {
+                let r = wr.encode(slot);
+                debug_assert!(r.is_ok(), "checked send request failed to encode");
+            }) {
+                Ok(true) => posted += 1,
+                Ok(false) => {
+                    result = Err(PostError::new(i, Error::QueueFull));
+                    break;
+                }
+                Err(e) => {
+                    result = Err(PostError::new(i, e.into()));
+                    break;
+                }
+            }
+        }
+        if posted > 0 {
+            self.ctx.inner.kick();
+        }
+        result
+    }
+
+    /// `ibv_post_recv` to the QP's own receive queue.
+    ///
+    /// Fails with `EINVAL` for a QP in RESET or one that takes its
+    /// receives from an SRQ (post to the SRQ instead), and for a request
+    /// with more SGEs than `cap().max_recv_sge`; with `ENOMEM`
+    /// ([`Error::QueueFull`]) when the receive queue is full.
+    pub fn post_recv(&self, wrs: &[RecvWr]) -> std::result::Result<(), PostError> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let Some(rq) = &self.rq else {
+            return Err(PostError::new(
+                0,
+                Error::invalid("the QP takes its receives from an SRQ; post to the SRQ"),
+            ));
+        };
+        if self.state() == QpState::Reset {
+            return Err(PostError::new(0, Error::invalid("cannot post receives to a QP in Reset")));
+        }
+        push_recvs(&self.ctx, rq, self.cap.max_recv_sge, wrs)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vrdma_core::ring::{send_stride, Sge, SgeList};
+    use vrdma_core::verbs::SendFlags;
+
+    fn cap() -> QpCap {
+        QpCap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 2, max_recv_sge: 2, max_inline_data: 32 }
+    }
+
+    #[test]
+    fn endpoint_bytes_round_trip() {
+        let e = Endpoint { lid: 0x1234, gid: Gid::from_ipv4([10, 0, 0, 7]), qpn: 0x11, psn: 0xabcdef };
+        let b = e.to_bytes();
+        assert_eq!(Endpoint::from_bytes(&b), Some(e));
+        assert_eq!(Endpoint::from_bytes(&b[..25]), None);
+    }
+
+    #[test]
+    fn psn_is_24_bits() {
+        for q in 0..100 {
+            assert!(random_psn(q) <= 0xff_ffff);
+        }
+    }
+
+    #[test]
+    fn send_checks() {
+        let c = cap();
+        let stride = send_stride(c.max_send_sge, c.max_inline_data);
+        let sge = Sge { addr: 1, length: 1, lkey: 1 };
+        let mut wr = SendWr::new(1, SendOpcode::Send);
+        wr.sg = SgeList::from_slice(&[sge; 2]).unwrap();
+        assert!(check_send(&wr, &c, stride).is_ok());
+        wr.sg = SgeList::from_slice(&[sge; 3]).unwrap();
+        assert_eq!(check_send(&wr, &c, stride).unwrap_err().errno(), libc::EINVAL);
+
+        let mut wr = SendWr::new(2, SendOpcode::Send);
+        wr.flags = SendFlags::INLINE;
+        wr.inline_len = 32;
+        assert!(check_send(&wr, &c, stride).is_ok());
+        wr.inline_len = 33;
+        assert_eq!(check_send(&wr, &c, stride).unwrap_err().errno(), libc::EINVAL);
+        wr.inline_len = 8;
+        for op in [SendOpcode::RdmaRead, SendOpcode::AtomicCmpAndSwp, SendOpcode::AtomicFetchAndAdd] {
+            wr.opcode = op;
+            assert_eq!(check_send(&wr, &c, stride).unwrap_err().errno(), libc::EINVAL);
+        }
+        // A slot too small for what the cap claims is refused, not overrun.
+        let mut wr = SendWr::new(3, SendOpcode::RdmaWrite);
+        wr.sg = SgeList::from_slice(&[sge; 2]).unwrap();
+        assert!(check_send(&wr, &c, SEND_HEADER + SGE_SIZE).is_err());
+    }
+
+    #[test]
+    fn recv_checks() {
+        let sge = Sge::default();
+        let wr = RecvWr { wr_id: 1, sg: SgeList::from_slice(&[sge; 2]).unwrap() };
+        assert!(check_recv(&wr, 2, RECV_HEADER + 2 * SGE_SIZE).is_ok());
+        assert!(check_recv(&wr, 1, RECV_HEADER + 2 * SGE_SIZE).is_err());
+        assert!(check_recv(&wr, 2, RECV_HEADER + SGE_SIZE).is_err());
+    }
+}

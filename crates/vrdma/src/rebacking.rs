@@ -1,0 +1,490 @@
+//! Re-backing memory the process already owns with a shareable memfd.
+//!
+//! The daemon can only reach memory it can map, and it maps only the
+//! memfds a process sends it. For
+//! [`ProtectionDomain::register_raw`](crate::ProtectionDomain::register_raw)
+//! the memory already exists (a
+//! heap `Vec`, `posix_memalign`, an anonymous `mmap`), so its pages are
+//! *re-backed*: a memfd the size of the covering pages is created, the
+//! current contents are copied into it, and it is mapped `MAP_SHARED |
+//! MAP_FIXED` over the very same addresses. The application keeps its
+//! pointer and its bytes; from then on those pages are shared with the
+//! daemon.
+//!
+//! Only private anonymous memory (including `[heap]`) is re-backed. The
+//! main thread's `[stack]`, file mappings (whose contents belong to the
+//! file) and read-only or unmapped pages are refused, as is a range that
+//! partially overlaps pages re-backed earlier with different bounds
+//! (their file could not describe both). A range lying fully inside an
+//! earlier, still registered span reuses that span's memfd.
+//!
+//! A process-global registry remembers the live spans. It holds them
+//! weakly: when the last memory region over a span is deregistered the
+//! span's memfd is closed, while the application's pages stay mapped from
+//! it (the mapping holds its own reference). Such pages may be re-backed
+//! again later. Before a span is reused its mapping is checked against
+//! `/proc/self/maps`, so memory the application unmapped and mapped anew
+//! at the same address is never mistaken for the old span.
+
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::{Arc, Mutex, Weak};
+
+use rustix::mm::{MapFlags, ProtFlags};
+use vrdma_shm::{page_size, Segment};
+
+use crate::error::{Error, Result};
+
+/// The memfd name of re-backed spans, as `/proc/self/maps` shows it.
+const MEMFD_NAME: &str = "vrdma-rebacked";
+const MAPS_PATH_PREFIX: &str = "/memfd:vrdma-rebacked";
+
+/// Page-aligned addresses `[start, start + len)` now mapped from `fd`.
+#[derive(Debug)]
+pub(crate) struct Span {
+    start: usize,
+    len: usize,
+    fd: OwnedFd,
+    /// The memfd's inode, to recognise its mapping in `/proc/self/maps`.
+    ino: u64,
+}
+
+impl Span {
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn start(&self) -> usize {
+        self.start
+    }
+
+    pub(crate) fn end(&self) -> usize {
+        self.start + self.len
+    }
+}
+
+/// A re-backed range: the span holding it and the range's offset in the
+/// span's memfd (the byte offset of the range's first byte).
+#[derive(Debug)]
+pub(crate) struct Rebacked {
+    pub span: Arc<Span>,
+    pub fd_offset: u64,
+}
+
+/// Live spans by start address. Spans never overlap.
+static REGISTRY: Mutex<BTreeMap<usize, Weak<Span>>> = Mutex::new(BTreeMap::new());
+
+/// One line of `/proc/self/maps`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MapEntry {
+    pub start: usize,
+    pub end: usize,
+    /// `rwxp` / `rw-s` ...
+    pub perms: [u8; 4],
+    pub offset: u64,
+    pub inode: u64,
+    /// The path or pseudo-path (`[heap]`, `[stack]`, `[anon:name]`), or "".
+    pub path: String,
+}
+
+impl MapEntry {
+    fn readable_writable(&self) -> bool {
+        self.perms[0] == b'r' && self.perms[1] == b'w'
+    }
+
+    fn private(&self) -> bool {
+        self.perms[3] == b'p'
+    }
+
+    fn is_our_memfd(&self) -> bool {
+        self.perms[3] == b's' && self.path.starts_with(MAPS_PATH_PREFIX)
+    }
+
+    fn is_private_anonymous(&self) -> bool {
+        self.private()
+            && self.inode == 0
+            && (self.path.is_empty() || self.path == "[heap]" || self.path.starts_with("[anon:"))
+    }
+}
+
+/// Splits off the first whitespace-separated token.
+fn token(s: &str) -> Option<(&str, &str)> {
+    let s = s.trim_start();
+    if s.is_empty() {
+        return None;
+    }
+    let end = s.find(char::is_whitespace).unwrap_or(s.len());
+    Some((&s[..end], &s[end..]))
+}
+
+/// Parses one `/proc/<pid>/maps` line.
+pub(crate) fn parse_maps_line(line: &str) -> Option<MapEntry> {
+    let (range, rest) = token(line)?;
+    let (perms, rest) = token(rest)?;
+    let (offset, rest) = token(rest)?;
+    let (_dev, rest) = token(rest)?;
+    let (inode, rest) = token(rest)?;
+    let (start, end) = range.split_once('-')?;
+    let perms: [u8; 4] = perms.as_bytes().try_into().ok()?;
+    Some(MapEntry {
+        start: usize::from_str_radix(start, 16).ok()?,
+        end: usize::from_str_radix(end, 16).ok()?,
+        perms,
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        inode: inode.parse().ok()?,
+        path: rest.trim().to_string(),
+    })
+}
+
+/// Parses a whole maps file, skipping lines it cannot read.
+pub(crate) fn parse_maps(text: &str) -> Vec<MapEntry> {
+    text.lines().filter_map(parse_maps_line).collect()
+}
+
+fn read_maps() -> Result<Vec<MapEntry>> {
+    let text = std::fs::read_to_string("/proc/self/maps").map_err(|e| {
+        Error::Io(std::io::Error::new(
+            e.kind(),
+            format!("cannot read /proc/self/maps to register memory: {e}"),
+        ))
+    })?;
+    Ok(parse_maps(&text))
+}
+
+/// The entries covering `[start, end)`, in address order, or an error
+/// naming the first address not mapped.
+fn covering(maps: &[MapEntry], start: usize, end: usize) -> Result<Vec<&MapEntry>> {
+    let mut at = start;
+    let mut out = Vec::new();
+    for e in maps {
+        if at >= end {
+            break;
+        }
+        if e.end <= at {
+            continue;
+        }
+        if e.start > at {
+            break;
+        }
+        out.push(e);
+        at = e.end;
+    }
+    if at < end {
+        return Err(Error::invalid(format!(
+            "memory at {at:#x} is not mapped (registering [{start:#x}, {end:#x}))"
+        )));
+    }
+    Ok(out)
+}
+
+/// Whether `[start, end)` is mapped, rw, from the memfd with inode `ino`
+/// at file offset `addr - span_start` for every address.
+fn still_mapped(maps: &[MapEntry], span_start: usize, end: usize, ino: u64) -> bool {
+    covering(maps, span_start, end).is_ok_and(|entries| {
+        entries.iter().all(|e| {
+            e.is_our_memfd()
+                && e.readable_writable()
+                && e.inode == ino
+                && e.start >= span_start
+                && e.offset == (e.start - span_start) as u64
+        })
+    })
+}
+
+/// Checks that every page of `[start, end)` may be re-backed: private
+/// anonymous read-write memory, or pages of an earlier span no longer
+/// registered.
+pub(crate) fn check_rebackable(maps: &[MapEntry], start: usize, end: usize) -> Result<()> {
+    for e in covering(maps, start, end)? {
+        let what = |why: &str| {
+            Error::invalid(format!(
+                "cannot register [{start:#x}, {end:#x}): the pages at [{:#x}, {:#x}) {why}",
+                e.start, e.end
+            ))
+        };
+        if e.path == "[stack]" {
+            return Err(what("are the main thread's stack"));
+        }
+        if !e.readable_writable() {
+            return Err(what("are not readable and writable"));
+        }
+        if e.is_private_anonymous() || e.is_our_memfd() {
+            continue;
+        }
+        if e.path.starts_with('[') {
+            return Err(what(&format!("are the special mapping {}", e.path)));
+        }
+        if e.private() {
+            return Err(what(&format!("are backed by the file {:?}", e.path)));
+        }
+        return Err(what(&format!("are a shared mapping of {:?}, not private anonymous memory", e.path)));
+    }
+    Ok(())
+}
+
+/// Re-backs the pages covering `[ptr, ptr + len)` (or finds the span that
+/// already does) and returns the span with the range's offset in it.
+///
+/// # Safety
+/// `[ptr, ptr + len)` must be memory this process owns and may write. The
+/// covering pages are remapped: writes by other threads to those pages
+/// while this runs may be lost.
+pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
+    if len == 0 {
+        return Err(Error::invalid("cannot register zero bytes"));
+    }
+    let page = page_size();
+    let start = ptr as usize;
+    let end = start
+        .checked_add(len)
+        .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?;
+    let pstart = start & !(page - 1);
+    let pend = end
+        .checked_next_multiple_of(page)
+        .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?;
+
+    let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    reg.retain(|_, w| w.strong_count() > 0);
+    let maps = read_maps()?;
+
+    // Spans overlapping the page range: those starting before its end and
+    // ending after its start.
+    let overlapping: Vec<Arc<Span>> =
+        reg.range(..pend).filter_map(|(_, w)| w.upgrade()).filter(|s| s.end() > pstart).collect();
+    for span in overlapping {
+        if !still_mapped(&maps, span.start, span.end(), span.ino) {
+            // The application unmapped it (its regions are then dangling,
+            // which is its own bug); forget it and re-back afresh.
+            tracing::warn!(
+                start = span.start,
+                len = span.len,
+                "vrdma: re-backed memory was unmapped while registered"
+            );
+            reg.remove(&span.start);
+            continue;
+        }
+        if span.start <= pstart && pend <= span.end() {
+            return Ok(Rebacked { fd_offset: (start - span.start) as u64, span });
+        }
+        return Err(Error::invalid(format!(
+            "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
+             (pages [{:#x}, {:#x}) are re-backed as one span)",
+            span.start,
+            span.end()
+        )));
+    }
+
+    check_rebackable(&maps, pstart, pend)?;
+    let span_len = pend - pstart;
+    let seg = Segment::create(MEMFD_NAME, span_len)?;
+    debug_assert_eq!(seg.len(), span_len);
+    // SAFETY: `[pstart, pend)` is mapped readable (checked against
+    // /proc/self/maps just now, under the registry lock, and the caller
+    // owns the memory) and `seg` is a fresh private mapping of the same
+    // length, so the two ranges are valid and disjoint.
+    unsafe { std::ptr::copy_nonoverlapping(pstart as *const u8, seg.as_ptr(), span_len) };
+    // SAFETY: the caller owns `[ptr, ptr + len)` and the covering pages
+    // are private anonymous memory of this process (checked above); the
+    // new mapping holds the same bytes (just copied), so every pointer
+    // into those pages stays valid and sees the same contents. Only the
+    // backing changes, from anonymous pages to the memfd's.
+    let mapped = unsafe {
+        rustix::mm::mmap(
+            pstart as *mut std::ffi::c_void,
+            span_len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::FIXED,
+            seg.fd(),
+            0,
+        )
+    }
+    .map_err(|e| {
+        Error::Io(std::io::Error::new(
+            std::io::Error::from(e).kind(),
+            format!("cannot re-back [{pstart:#x}, {pend:#x}) with a memfd: {e}"),
+        ))
+    })?;
+    if mapped as usize != pstart {
+        return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
+    }
+    let fd = seg.try_clone_fd()?;
+    let ino = rustix::fs::fstat(&fd)?.st_ino;
+    // The temporary mapping goes; the file lives on in `fd` and in the
+    // application's mapping.
+    drop(seg);
+    let span = Arc::new(Span { start: pstart, len: span_len, fd, ino });
+    reg.insert(pstart, Arc::downgrade(&span));
+    Ok(Rebacked { fd_offset: (start - pstart) as u64, span })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::alloc::{alloc_zeroed, dealloc, Layout};
+
+    const SAMPLE: &str = "\
+55d0c4a00000-55d0c4a2a000 r--p 00000000 08:01 1234                       /usr/bin/app
+55d0c5a4d000-55d0c5a6e000 rw-p 00000000 00:00 0                          [heap]
+7f0000000000-7f0000021000 rw-p 00000000 00:00 0 
+7f0000021000-7f0000022000 ---p 00000000 00:00 0 
+7f0000100000-7f0000102000 rw-s 00000000 00:01 4242                       /memfd:vrdma-rebacked (deleted)
+7f0000102000-7f0000103000 rw-s 00000000 00:01 99                         /dev/shm/other
+7f0000200000-7f0000201000 rw-p 00000000 00:00 0                          [anon:my arena]
+7f0000201000-7f0000202000 rw-p 00003000 08:01 77                         /usr/lib/libfoo.so
+7ffc00000000-7ffc00021000 rw-p 00000000 00:00 0                          [stack]
+";
+
+    #[test]
+    fn parses_lines() {
+        let m = parse_maps(SAMPLE);
+        assert_eq!(m.len(), 9);
+        assert_eq!(m[1].path, "[heap]");
+        assert_eq!(m[1].start, 0x55d0c5a4d000);
+        assert_eq!(m[2].path, "");
+        assert_eq!(&m[4].perms, b"rw-s");
+        assert_eq!(m[4].inode, 4242);
+        assert_eq!(m[4].path, "/memfd:vrdma-rebacked (deleted)");
+        assert_eq!(m[7].offset, 0x3000);
+        assert!(parse_maps_line("garbage").is_none());
+        assert!(parse_maps_line("").is_none());
+    }
+
+    #[test]
+    fn classifies() {
+        let m = parse_maps(SAMPLE);
+        let ok = |s, e| check_rebackable(&m, s, e);
+        assert!(ok(0x55d0c5a4d000, 0x55d0c5a4f000).is_ok(), "heap");
+        assert!(ok(0x7f0000000000, 0x7f0000021000).is_ok(), "anonymous");
+        assert!(ok(0x7f0000200000, 0x7f0000201000).is_ok(), "named anonymous");
+        assert!(ok(0x7f0000100000, 0x7f0000102000).is_ok(), "our old memfd");
+        let err = |s, e| ok(s, e).unwrap_err().to_string();
+        assert!(err(0x7ffc00000000, 0x7ffc00001000).contains("stack"));
+        assert!(err(0x55d0c4a00000, 0x55d0c4a01000).contains("readable and writable"));
+        assert!(err(0x7f0000201000, 0x7f0000202000).contains("file \"/usr/lib/libfoo.so\""));
+        assert!(err(0x7f0000102000, 0x7f0000103000).contains("shared mapping"));
+        assert!(err(0x7f0000020000, 0x7f0000022000).contains("readable and writable"));
+        assert!(err(0x7f0000300000, 0x7f0000301000).contains("not mapped"));
+        // A good mapping followed by a foreign shared one, then a gap.
+        assert!(err(0x7f0000101000, 0x7f0000103000).contains("shared"));
+        assert!(err(0x7f0000101000, 0x7f0000201000).contains("not mapped"));
+        assert!(err(0x7f0000103000, 0x7f0000201000).contains("not mapped"));
+        assert!(check_rebackable(&m, 0xe00000000000, 0xe00000001000).is_err());
+        assert!(check_rebackable(&[], 0x1000, 0x2000).is_err());
+    }
+
+    #[test]
+    fn still_mapped_checks_inode_and_offset() {
+        let m = parse_maps(SAMPLE);
+        assert!(still_mapped(&m, 0x7f0000100000, 0x7f0000102000, 4242));
+        assert!(!still_mapped(&m, 0x7f0000100000, 0x7f0000102000, 4243));
+        assert!(!still_mapped(&m, 0x7f00000ff000, 0x7f0000102000, 4242));
+        assert!(!still_mapped(&m, 0x7f0000000000, 0x7f0000001000, 0));
+    }
+
+    /// A page-aligned allocation owned outright by the test, so that
+    /// re-backing its pages cannot race with other tests' allocations.
+    struct Pages {
+        ptr: *mut u8,
+        layout: Layout,
+    }
+
+    impl Pages {
+        fn new(n: usize) -> Pages {
+            let layout = Layout::from_size_align(n * page_size(), page_size()).unwrap();
+            // SAFETY: the layout has non-zero size.
+            let ptr = unsafe { alloc_zeroed(layout) };
+            assert!(!ptr.is_null());
+            Pages { ptr, layout }
+        }
+    }
+
+    impl Drop for Pages {
+        fn drop(&mut self) {
+            // SAFETY: allocated in `new` with this layout.
+            unsafe { dealloc(self.ptr, self.layout) }
+        }
+    }
+
+    #[test]
+    fn rebacks_and_shares() {
+        let p = page_size();
+        let pages = Pages::new(3);
+        // SAFETY: inside the 3-page allocation.
+        unsafe {
+            for i in 0..3 * p {
+                pages.ptr.add(i).write((i % 251) as u8);
+            }
+        }
+        // A range starting mid-page and ending mid-page.
+        // SAFETY: the allocation is ours and no other thread touches it.
+        let r = unsafe { reback(pages.ptr.add(100), p + 50) }.unwrap();
+        assert_eq!(r.fd_offset, 100);
+        assert_eq!(r.span.start(), pages.ptr as usize);
+        assert_eq!(r.span.end(), pages.ptr as usize + 2 * p);
+        // Contents survived.
+        // SAFETY: inside the allocation.
+        unsafe {
+            for i in 0..3 * p {
+                assert_eq!(pages.ptr.add(i).read(), (i % 251) as u8, "byte {i}");
+            }
+        }
+        // The memfd and the application's pointer see the same bytes.
+        let other = Segment::map_trusted(r.span.fd().try_clone_to_owned().unwrap(), 2 * p).unwrap();
+        // SAFETY: both inside their mappings.
+        unsafe {
+            pages.ptr.add(100).write(0xee);
+            assert_eq!(other.as_ptr().add(100).read_volatile(), 0xee);
+            other.as_ptr().add(p + 7).write_volatile(0x11);
+            assert_eq!(pages.ptr.add(p + 7).read_volatile(), 0x11);
+        }
+        let maps = read_maps().unwrap();
+        assert!(still_mapped(&maps, r.span.start(), r.span.end(), r.span.ino));
+
+        // Fully inside: the same span, no remapping.
+        // SAFETY: as above.
+        let inner = unsafe { reback(pages.ptr.add(p + 8), 16) }.unwrap();
+        assert!(Arc::ptr_eq(&inner.span, &r.span));
+        assert_eq!(inner.fd_offset, (p + 8) as u64);
+
+        // Partial overlap with different page bounds.
+        // SAFETY: as above.
+        let e = unsafe { reback(pages.ptr.add(p), 2 * p) }.unwrap_err();
+        assert!(e.to_string().contains("different page bounds"), "{e}");
+        assert_eq!(e.errno(), libc::EINVAL);
+
+        // Once no region holds the span, its pages may be re-backed anew
+        // with other bounds.
+        drop(inner);
+        drop(r);
+        drop(other);
+        // SAFETY: as above.
+        let again = unsafe { reback(pages.ptr, 3 * p) }.unwrap();
+        assert_eq!(again.span.start(), pages.ptr as usize);
+        assert_eq!(again.span.end(), pages.ptr as usize + 3 * p);
+        // SAFETY: inside the allocation.
+        unsafe {
+            assert_eq!(pages.ptr.add(100).read(), 0xee);
+            assert_eq!(pages.ptr.add(p + 7).read(), 0x11);
+            assert_eq!(pages.ptr.add(2 * p + 5).read(), ((2 * p + 5) % 251) as u8);
+        }
+    }
+
+    #[test]
+    fn refuses_file_backed_and_empty() {
+        fn probe() {}
+        let code = probe as fn() as usize as *mut u8;
+        // SAFETY: refused before anything is remapped (the code pages are
+        // not writable).
+        let e = unsafe { reback(code, 16) }.unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        assert!(e.to_string().contains("readable and writable"), "{e}");
+        let pages = Pages::new(1);
+        // SAFETY: zero bytes are refused at once.
+        let e = unsafe { reback(pages.ptr, 0) }.unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        // SAFETY: refused before any access (the range wraps).
+        let e = unsafe { reback(usize::MAX as *mut u8, 2) }.unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+    }
+}
