@@ -5,10 +5,11 @@
 //! address = "10.0.0.1"                # the host address the GID carries
 //!
 //! [engine]
-//! spin_us = 20          # busy-poll this long after the last work before sleeping
+//! spin_us = 20          # busy-poll this long after the last work,
+//! yield_us = 1000       # then poll with sched_yield until this long, then sleep
 //! busy_poll = false     # never sleep: for a dedicated core
 //! realtime = false      # SCHED_FIFO for the engine thread (needs CAP_SYS_NICE)
-//! chunk_bytes = 65536   # most bytes one QP moves before the next QP's turn
+//! chunk_bytes = 262144  # most bytes one QP moves before the next QP's turn
 //!
 //! [quota]               # every tenant
 //! max_objects = 16384
@@ -29,7 +30,11 @@ use vrdma_core::hca::Quota;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct EngineConfig {
+    /// Busy-poll this long after the last work.
     pub spin_us: u64,
+    /// Then poll, yielding the CPU between polls, until this long after the
+    /// last work; then sleep on the doorbells.
+    pub yield_us: u64,
     pub busy_poll: bool,
     pub realtime: bool,
     pub chunk_bytes: u64,
@@ -38,15 +43,18 @@ pub struct EngineConfig {
 impl Default for EngineConfig {
     fn default() -> Self {
         // On a machine with cores to spare the engine may spin a while
-        // after work dries up; with two cores or fewer a long spin steals
-        // the time slice the applications need (DESIGN.md, "Polling and
-        // cores"), so it goes to sleep almost at once.
+        // after work dries up. With two cores or fewer a spin steals the
+        // time slice the applications need (DESIGN.md, "Polling and
+        // cores"): there it polls with a yield between polls, so that an
+        // application with work gets the CPU at once, and sleeps on the
+        // doorbells when nothing came for a while.
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         EngineConfig {
-            spin_us: if cores > 2 { 200 } else { 5 },
+            spin_us: if cores > 2 { 200 } else { 0 },
+            yield_us: 1000,
             busy_poll: false,
             realtime: false,
-            chunk_bytes: 64 << 10,
+            chunk_bytes: 256 << 10,
         }
     }
 }
@@ -92,8 +100,10 @@ impl DaemonConfig {
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
         }
-        if self.engine.spin_us > 1_000_000 {
-            return Err(ConfigError::Invalid("engine.spin_us must be at most one second".into()));
+        if self.engine.spin_us > 1_000_000 || self.engine.yield_us > 1_000_000 {
+            return Err(ConfigError::Invalid(
+                "engine.spin_us and yield_us must be at most one second".into(),
+            ));
         }
         Ok(())
     }

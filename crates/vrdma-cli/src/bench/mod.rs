@@ -38,6 +38,12 @@ pub struct Args {
     /// Let the embedded daemon's engine busy-poll instead of sleeping when idle.
     #[arg(long)]
     pub busy_poll: bool,
+    /// How long the embedded daemon's engine spins after its last work before sleeping, in µs.
+    #[arg(long)]
+    pub spin_us: Option<u64>,
+    /// Then how long it polls with a yield between polls before sleeping, in µs.
+    #[arg(long)]
+    pub yield_us: Option<u64>,
     /// Internal: run as one side of a test.
     #[arg(long, hide = true, value_enum)]
     pub worker: Option<Role>,
@@ -78,11 +84,14 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     }
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let engine = vrdmad::EngineConfig {
-        realtime: args.realtime,
-        busy_poll: args.busy_poll,
-        ..vrdmad::EngineConfig::default()
-    };
+    let mut engine =
+        vrdmad::EngineConfig { realtime: args.realtime, busy_poll: args.busy_poll, ..Default::default() };
+    if let Some(s) = args.spin_us {
+        engine.spin_us = s;
+    }
+    if let Some(y) = args.yield_us {
+        engine.yield_us = y;
+    }
     let device = crate::embedded::device(socket, engine)?;
     let sock = device.socket().to_owned();
     let (lat_iters, bw_bytes) = if args.quick { (2_000u64, 256u64 << 20) } else { (20_000, 2 << 30) };

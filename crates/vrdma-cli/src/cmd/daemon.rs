@@ -12,6 +12,15 @@ pub struct Args {
     /// Busy-poll on a dedicated core: lowest latency, one core always busy.
     #[arg(long)]
     busy_poll: bool,
+    /// Run the engine thread at real-time priority (SCHED_FIFO; needs root or CAP_SYS_NICE).
+    #[arg(long)]
+    realtime: bool,
+    /// How long the engine spins after its last work before it sleeps, in µs.
+    #[arg(long)]
+    spin_us: Option<u64>,
+    /// Then how long it polls with a yield between polls before sleeping, in µs.
+    #[arg(long)]
+    yield_us: Option<u64>,
     /// The IPv4 address the port's GID carries [default: the first non-loopback address].
     #[arg(long)]
     address: Option<std::net::Ipv4Addr>,
@@ -29,6 +38,13 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
         config.address = args.address;
     }
     config.engine.busy_poll |= args.busy_poll;
+    config.engine.realtime |= args.realtime;
+    if let Some(s) = args.spin_us {
+        config.engine.spin_us = s;
+    }
+    if let Some(y) = args.yield_us {
+        config.engine.yield_us = y;
+    }
     // Block the stop signals in every thread the daemon starts, and wait
     // for them here: shutdown then runs as ordinary code, not in a handler.
     let signals = block_stop_signals()?;

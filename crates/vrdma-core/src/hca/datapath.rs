@@ -47,6 +47,9 @@ struct Seg<'a> {
     len: usize,
 }
 
+/// The resolved SGEs of one work request, kept on the stack.
+type Segs<'a> = arrayvec::ArrayVec<Seg<'a>, { crate::ring::MAX_SGE }>;
+
 enum Source<'a> {
     Segs(&'a [Seg<'a>]),
     Inline(&'a [u8]),
@@ -365,8 +368,8 @@ impl Hca {
         })
     }
 
-    fn resolve<'a>(&'a self, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Vec<Seg<'a>>> {
-        let mut out = Vec::with_capacity(sges.len());
+    fn resolve<'a>(&'a self, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Segs<'a>> {
+        let mut out = Segs::new();
         for s in sges.iter().filter(|s| s.length > 0) {
             let mr = self.mrs.get(&s.lkey).filter(|m| m.pd == pd && m.access.contains(need))?;
             let off = mr.offset_of(s.addr, s.length as u64)?;
@@ -475,7 +478,7 @@ impl Hca {
         // The transfer, chunk by chunk; keys are re-checked at every chunk
         // so a deregistration takes effect at once.
         let local_segs = if inf.wr.is_inline() {
-            Vec::new()
+            Segs::new()
         } else {
             match self.resolve(req.pd, inf.wr.sg.as_slice(), need_local) {
                 Some(s) => s,
@@ -555,6 +558,7 @@ impl Hca {
                 *budget = budget.saturating_sub(8);
             }
         }
+        drop(local_segs);
         if inf.done < len {
             return Exec::Partial;
         }
@@ -581,26 +585,35 @@ impl Hca {
 /// Copies bytes `[start, start+len)` of a message from `src` into the same
 /// bytes of `dst`, both given as lists of segments.
 fn copy_message(dst: &[Seg], src: &Source, start: u64, len: u64) -> Result<(), OutOfBounds> {
-    let mut d = Cursor::new(dst.iter().map(|s| s.len), start);
-    let src_lens: Vec<usize> = match src {
-        Source::Segs(s) => s.iter().map(|s| s.len).collect(),
-        Source::Inline(b) => vec![b.len()],
-    };
-    let mut s = Cursor::new(src_lens.iter().copied(), start);
+    match src {
+        Source::Segs(segs) => copy_spans(dst, segs, start, len, |d, doff, si, soff, n| {
+            let s = &segs[si];
+            d.region.copy_from(d.off + doff, s.region, s.off + soff, n)
+        }),
+        Source::Inline(b) => copy_spans(dst, &[b.len()], start, len, |d, doff, _, soff, n| {
+            d.region.write(d.off + doff, &b[soff..soff + n])
+        }),
+    }
+}
+
+/// Walks `dst` and `src` from message offset `start` for `len` bytes and
+/// calls `copy(dst_seg, dst_off, src_index, src_off, n)` for each piece.
+fn copy_spans<T: Span>(
+    dst: &[Seg],
+    src: &[T],
+    start: u64,
+    len: u64,
+    mut copy: impl FnMut(&Seg, usize, usize, usize, usize) -> Result<(), OutOfBounds>,
+) -> Result<(), OutOfBounds> {
+    let mut d = Cursor::new(dst, start);
+    let mut s = Cursor::new(src, start);
     let mut left = len as usize;
     while left > 0 {
         let (Some((di, doff, dleft)), Some((si, soff, sleft))) = (d.at(), s.at()) else {
             return Err(OutOfBounds { offset: start as usize, len: len as usize, region_len: 0 });
         };
         let n = left.min(dleft).min(sleft);
-        let ds = &dst[di];
-        match src {
-            Source::Segs(segs) => {
-                let ss = &segs[si];
-                ds.region.copy_from(ds.off + doff, ss.region, ss.off + soff, n)?;
-            }
-            Source::Inline(b) => ds.region.write(ds.off + doff, &b[soff..soff + n])?,
-        }
+        copy(&dst[di], doff, si, soff, n)?;
         d.advance(n);
         s.advance(n);
         left -= n;
@@ -608,31 +621,48 @@ fn copy_message(dst: &[Seg], src: &Source, start: u64, len: u64) -> Result<(), O
     Ok(())
 }
 
-/// A position in a list of segment lengths.
-struct Cursor {
-    lens: Vec<usize>,
+/// Something with a length: a segment, or the length of inline data.
+trait Span {
+    fn span(&self) -> usize;
+}
+
+impl Span for Seg<'_> {
+    fn span(&self) -> usize {
+        self.len
+    }
+}
+
+impl Span for usize {
+    fn span(&self) -> usize {
+        *self
+    }
+}
+
+/// A position in a list of spans: which one, and how far into it.
+struct Cursor<'s, T> {
+    spans: &'s [T],
     idx: usize,
     off: usize,
 }
 
-impl Cursor {
-    fn new(lens: impl Iterator<Item = usize>, start: u64) -> Cursor {
-        let mut c = Cursor { lens: lens.collect(), idx: 0, off: 0 };
+impl<'s, T: Span> Cursor<'s, T> {
+    fn new(spans: &'s [T], start: u64) -> Self {
+        let mut c = Cursor { spans, idx: 0, off: 0 };
         c.advance(start as usize);
         c
     }
-    fn skip_empty(&mut self) {
-        while self.idx < self.lens.len() && self.off >= self.lens[self.idx] {
-            self.off -= self.lens[self.idx];
+
+    fn advance(&mut self, n: usize) {
+        self.off += n;
+        while self.idx < self.spans.len() && self.off >= self.spans[self.idx].span() {
+            self.off -= self.spans[self.idx].span();
             self.idx += 1;
         }
     }
-    fn advance(&mut self, n: usize) {
-        self.off += n;
-        self.skip_empty();
-    }
-    /// (segment index, offset in it, bytes left in it)
+
+    /// (span index, offset in it, bytes left in it)
     fn at(&self) -> Option<(usize, usize, usize)> {
-        (self.idx < self.lens.len()).then(|| (self.idx, self.off, self.lens[self.idx] - self.off))
+        let s = self.spans.get(self.idx)?;
+        Some((self.idx, self.off, s.span() - self.off))
     }
 }

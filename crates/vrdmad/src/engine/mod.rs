@@ -3,7 +3,8 @@
 //! One thread owns the [`Hca`] and every ring, so the data path takes no
 //! lock. Control requests reach it as closures over a channel and run
 //! between passes. While there is work it spins; when work dries up it
-//! spins a little longer (`spin_us`), then announces that it sleeps in
+//! spins a little longer (`spin_us`), polls while yielding the CPU
+//! (`yield_us`), then announces that it sleeps in
 //! every context's segment, looks once more (so a post that raced with
 //! the announcement is not missed), and blocks on the contexts' doorbells
 //! until a post, a control request or its next timer wakes it.
@@ -138,6 +139,7 @@ fn run(
         set_realtime();
     }
     let spin = Duration::from_micros(cfg.spin_us);
+    let yield_until = Duration::from_micros(cfg.yield_us.max(cfg.spin_us));
     let mut idle_since: Option<std::time::Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = rx.try_recv() {
@@ -155,9 +157,13 @@ fn run(
             std::hint::spin_loop();
             continue;
         }
-        let since = *idle_since.get_or_insert_with(std::time::Instant::now);
-        if since.elapsed() < spin {
+        let idle = idle_since.get_or_insert_with(std::time::Instant::now).elapsed();
+        if idle < spin {
             std::hint::spin_loop();
+            continue;
+        }
+        if idle < yield_until {
+            std::thread::yield_now();
             continue;
         }
         // Announce sleep, then look once more: a tenant that posted before

@@ -1,0 +1,121 @@
+//! The `vrdma` command as a user runs it: a real daemon process, real
+//! signals, real output.
+
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+
+/// A daemon process, killed by pid if the test did not stop it.
+struct Daemon(Child);
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+fn vrdma(socket: &Path, args: &[&str]) -> Output {
+    Command::new(VRDMA).arg("--socket").arg(socket).args(args).output().expect("run vrdma")
+}
+
+fn start_daemon(socket: &Path, extra: &[&str]) -> Daemon {
+    let child = Command::new(VRDMA)
+        .args(["daemon", "--socket"])
+        .arg(socket)
+        .args(extra)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn daemon");
+    let d = Daemon(child);
+    let end = Instant::now() + Duration::from_secs(20);
+    while !socket.exists() || vrdma(socket, &["devinfo"]).status.code() != Some(0) {
+        assert!(Instant::now() < end, "daemon did not come up");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+fn wait_exit(child: &mut Child, limit: Duration) -> std::process::ExitStatus {
+    let end = Instant::now() + limit;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < end, "process did not exit within {limit:?}");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn devinfo_shows_the_device_like_ibv_devinfo() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let _d = start_daemon(&sock, &["--address", "10.1.2.3"]);
+    let out = vrdma(&sock, &["devinfo"]);
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("hca_id:\tvrdma0"), "{text}");
+    assert!(text.contains("PORT_ACTIVE (4)"), "{text}");
+    assert!(text.contains("max_qp_wr:"), "{text}");
+    // GID[0] carries the host address, RoCE v2 style; the LID comes from it.
+    assert!(text.contains("0000:0000:0000:0000:0000:ffff:0a01:0203"), "{text}");
+    assert!(text.contains("port_lid:\t\t515"), "{text}");
+    assert!(text.contains("vendor_id:\t\t\t0x5652"), "{text}");
+}
+
+#[test]
+fn sigterm_stops_the_daemon_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let mut d = start_daemon(&sock, &[]);
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(d.0.id() as i32, libc::SIGTERM) };
+    let status = wait_exit(&mut d.0, Duration::from_secs(10));
+    assert!(status.success(), "{status}");
+    assert!(!sock.exists(), "the socket file is removed on shutdown");
+}
+
+#[test]
+fn a_second_daemon_on_the_same_socket_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let _d = start_daemon(&sock, &[]);
+    let out = Command::new(VRDMA).args(["daemon", "--socket"]).arg(&sock).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("already listens"));
+}
+
+#[test]
+fn devinfo_without_a_daemon_says_how_to_start_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = vrdma(&dir.path().join("none.sock"), &["devinfo"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("no vRDMA daemon answers") && err.contains("vrdma daemon"), "{err}");
+}
+
+#[test]
+fn bad_arguments_and_config_are_clear_errors() {
+    let out = Command::new(VRDMA).args(["bench", "--runs", "many"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid value"));
+
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("bad.toml");
+    std::fs::write(&cfg, "[quota]\nmax_objects = \"lots\"\n").unwrap();
+    let out = Command::new(VRDMA)
+        .args(["daemon", "--socket"])
+        .arg(dir.path().join("s.sock"))
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("invalid configuration"));
+}
