@@ -3,16 +3,23 @@
 //!
 //! Every process a test starts is owned by a guard that kills it by pid and
 //! reaps it on drop, and every wait is bounded, so a failing test can neither
-//! hang nor leave processes behind.
+//! hang nor leave processes behind. Calls into the library, which have no
+//! timeout of their own, are bounded by a watchdog that kills a daemon that
+//! outlives [`daemon_lifetime`] (a hung daemon then fails those calls).
+//!
+//! Besides the processes, the harness has helpers for the test process's
+//! own tenants ([`Side`], [`poll_n`], [`wait_until`], ...) and a raw control
+//! connection ([`RawConn`]) for sending what the library never would.
 
 pub mod protocol;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command as OsCommand, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
+use protocol::{Command, Hello, Said, Wc};
 
 /// The peer binary, built beside the test executables
 /// (`target/<profile>/vrdma-it-peer`, tests in `target/<profile>/deps/`).
@@ -67,7 +74,53 @@ impl Drop for Proc {
 pub struct DaemonProc {
     pub proc: Proc,
     pub socket: PathBuf,
+    watchdog: Watchdog,
     _dir: tempfile::TempDir,
+}
+
+/// How long a daemon may serve one test: `VRDMA_IT_DAEMON_LIFETIME_S`
+/// seconds, 90 by default. Calls into the library (control requests) have
+/// no timeout of their own; should the daemon hang, the watchdog kills it
+/// after this long, so those calls fail instead of hanging the test.
+pub fn daemon_lifetime() -> Duration {
+    let secs = std::env::var("VRDMA_IT_DAEMON_LIFETIME_S").ok().and_then(|s| s.parse().ok());
+    Duration::from_secs(secs.unwrap_or(90))
+}
+
+/// Kills the daemon (through a pidfd, so never another process) if the
+/// test still runs after [`daemon_lifetime`].
+struct Watchdog {
+    pidfd: std::sync::Arc<std::sync::Mutex<Option<std::os::fd::OwnedFd>>>,
+    /// Dropping it (with the daemon) stops the watchdog.
+    _stop: std::sync::mpsc::Sender<()>,
+}
+
+impl Watchdog {
+    fn start(pid: i32) -> Watchdog {
+        let pidfd = std::sync::Arc::new(std::sync::Mutex::new(pidfd_of(pid)));
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        let fd = pidfd.clone();
+        let limit = daemon_lifetime();
+        std::thread::spawn(move || {
+            if let Err(std::sync::mpsc::RecvTimeoutError::Timeout) = stopped.recv_timeout(limit) {
+                eprintln!("watchdog: the test ran over {limit:?}; killing its daemon");
+                if let Some(fd) = fd.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    let _ = rustix::process::pidfd_send_signal(fd, rustix::process::Signal::KILL);
+                }
+            }
+        });
+        Watchdog { pidfd, _stop: stop }
+    }
+
+    /// Watches a new daemon process instead.
+    fn rearm(&self, pid: i32) {
+        *self.pidfd.lock().unwrap_or_else(|p| p.into_inner()) = pidfd_of(pid);
+    }
+}
+
+fn pidfd_of(pid: i32) -> Option<std::os::fd::OwnedFd> {
+    let pid = rustix::process::Pid::from_raw(pid)?;
+    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
 }
 
 impl DaemonProc {
@@ -78,11 +131,15 @@ impl DaemonProc {
     /// Starts a daemon with extra TOML configuration.
     pub fn start_with_config(toml: &str) -> Result<DaemonProc> {
         let dir = tempfile::tempdir()?;
+        // Tenants of other uids (see `PeerProc::spawn_as`) must reach the
+        // socket, which the daemon creates 0666.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))?;
         let socket = dir.path().join("vrdma.sock");
         let config = dir.path().join("vrdma.toml");
         std::fs::write(&config, toml)?;
         let proc = spawn_daemon(&socket, &config)?;
-        Ok(DaemonProc { proc, socket, _dir: dir })
+        let watchdog = Watchdog::start(proc.pid());
+        Ok(DaemonProc { proc, socket, watchdog, _dir: dir })
     }
 
     /// Kills the daemon (SIGKILL) and starts a new one on the same socket.
@@ -91,16 +148,32 @@ impl DaemonProc {
         self.proc.wait_timeout(Duration::from_secs(10))?;
         let config = self._dir.path().join("vrdma.toml");
         self.proc = spawn_daemon(&self.socket, &config)?;
+        self.watchdog.rearm(self.proc.pid());
         Ok(())
     }
 
     pub fn context(&self) -> Result<vrdma::Context> {
         Ok(vrdma::Context::open_at(&self.socket)?)
     }
+
+    /// Whether the daemon process is still running (not exited, not killed).
+    pub fn is_alive(&mut self) -> bool {
+        matches!(self.proc.child.try_wait(), Ok(None))
+    }
+
+    /// Descriptors the daemon process holds open now.
+    pub fn open_fds(&self) -> Result<usize> {
+        Ok(std::fs::read_dir(format!("/proc/{}/fd", self.proc.pid()))?.count())
+    }
+
+    /// Threads of the daemon process now.
+    pub fn threads(&self) -> Result<usize> {
+        Ok(std::fs::read_dir(format!("/proc/{}/task", self.proc.pid()))?.count())
+    }
 }
 
 fn spawn_daemon(socket: &Path, config: &Path) -> Result<Proc> {
-    let child = Command::new(peer_exe())
+    let child = OsCommand::new(peer_exe())
         .args(["daemon", "--socket"])
         .arg(socket)
         .arg("--config")
@@ -128,15 +201,19 @@ pub struct PeerProc {
 
 impl PeerProc {
     pub fn spawn(socket: &Path, role: &str, args: &[&str]) -> Result<PeerProc> {
-        let mut child = Command::new(peer_exe())
-            .arg(role)
-            .arg("--socket")
-            .arg(socket)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("spawning a peer")?;
+        Self::spawn_as(socket, role, args, None)
+    }
+
+    /// Like [`spawn`](Self::spawn), running the peer as `uid` (and the
+    /// same gid, with no supplementary groups) when given; needs root.
+    pub fn spawn_as(socket: &Path, role: &str, args: &[&str], uid: Option<u32>) -> Result<PeerProc> {
+        use std::os::unix::process::CommandExt;
+        let mut cmd = OsCommand::new(peer_exe());
+        cmd.arg(role).arg("--socket").arg(socket).args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
+        if let Some(uid) = uid {
+            cmd.uid(uid).gid(uid);
+        }
+        let mut child = cmd.spawn().context("spawning a peer")?;
         let stdin = child.stdin.take().expect("piped");
         let stdout: ChildStdout = child.stdout.take().expect("piped");
         let (tx, rx) = std::sync::mpsc::channel();
@@ -161,5 +238,303 @@ impl PeerProc {
     pub fn recv<T: serde::de::DeserializeOwned>(&self, limit: Duration) -> Result<T> {
         let line = self.lines.recv_timeout(limit).context("peer said nothing in time")?;
         serde_json::from_str(&line).with_context(|| format!("peer printed {line:?}"))
+    }
+
+    /// The peer's greeting: its first line.
+    pub fn hello(&self) -> Result<Hello> {
+        match self.recv::<Said>(PEER_TIMEOUT)? {
+            Said::Hello(h) => Ok(h),
+            other => bail!("peer greeted with {other:?}"),
+        }
+    }
+
+    /// Sends a command and returns the peer's answer (within 20 s).
+    pub fn call(&mut self, cmd: &Command) -> Result<Said> {
+        self.send(cmd)?;
+        self.recv(PEER_TIMEOUT)
+    }
+
+    /// [`call`](Self::call) for commands answered `Ok`.
+    pub fn call_ok(&mut self, cmd: &Command) -> Result<()> {
+        match self.call(cmd)? {
+            Said::Ok => Ok(()),
+            other => bail!("peer answered {other:?} to {cmd:?}"),
+        }
+    }
+
+    /// Reads `[offset, +len)` of the peer's region.
+    pub fn read(&mut self, offset: usize, len: usize) -> Result<Vec<u8>> {
+        match self.call(&Command::Read { offset, len })? {
+            Said::Bytes(b) => Ok(b),
+            other => bail!("peer answered {other:?} to Read"),
+        }
+    }
+
+    /// Polls the peer's CQ for up to `count` completions for up to `limit`.
+    pub fn poll(&mut self, count: usize, limit: Duration) -> Result<Vec<Wc>> {
+        match self.call(&Command::Poll { count, timeout_ms: limit.as_millis() as u64 })? {
+            Said::Completions(c) => Ok(c),
+            other => bail!("peer answered {other:?} to Poll"),
+        }
+    }
+}
+
+/// How long a peer may take to answer one command.
+pub const PEER_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long a test waits for something that should happen at once.
+pub const WAIT: Duration = Duration::from_secs(10);
+
+// ---- helpers for the test process's own tenants ----
+
+/// Local write and every remote access.
+pub fn access_all() -> vrdma::AccessFlags {
+    vrdma::AccessFlags::LOCAL_WRITE
+        | vrdma::AccessFlags::REMOTE_WRITE
+        | vrdma::AccessFlags::REMOTE_READ
+        | vrdma::AccessFlags::REMOTE_ATOMIC
+}
+
+/// Queue sizes: `wr` requests each way, `sge` SGEs, 64 inline bytes.
+pub fn cap(wr: u32, sge: u32) -> vrdma::QpCap {
+    vrdma::QpCap {
+        max_send_wr: wr,
+        max_recv_wr: wr,
+        max_send_sge: sge,
+        max_recv_sge: sge,
+        max_inline_data: 64,
+    }
+}
+
+/// One end of a connection in the test process: a PD, a region, one CQ
+/// for both queues and an RC QP.
+pub struct Side {
+    pub ctx: vrdma::Context,
+    pub pd: vrdma::ProtectionDomain,
+    pub mr: vrdma::MemoryRegion,
+    pub cq: vrdma::CompletionQueue,
+    pub qp: vrdma::QueuePair,
+}
+
+impl Side {
+    /// A side with a region of `mr_len` bytes, a 1024-entry CQ and a QP
+    /// of 256 requests and 4 SGEs each way.
+    pub fn new(ctx: &vrdma::Context, mr_len: usize) -> Result<Side> {
+        Self::with(ctx, mr_len, 1024, cap(256, 4), None)
+    }
+
+    pub fn with(
+        ctx: &vrdma::Context,
+        mr_len: usize,
+        cq_depth: u32,
+        cap: vrdma::QpCap,
+        channel: Option<&vrdma::CompletionChannel>,
+    ) -> Result<Side> {
+        let pd = ctx.alloc_pd()?;
+        let mr = pd.alloc_mr(mr_len, access_all())?;
+        let cq = ctx.create_cq(cq_depth, channel)?;
+        let qp = pd.create_rc_qp(&cq, &cq, cap)?;
+        Ok(Side { ctx: ctx.clone(), pd, mr, cq, qp })
+    }
+
+    /// Another QP in the same PD, on the same CQ.
+    pub fn another_qp(&self, cap: vrdma::QpCap) -> Result<vrdma::QueuePair> {
+        Ok(self.pd.create_rc_qp(&self.cq, &self.cq, cap)?)
+    }
+
+    pub fn endpoint(&self) -> Result<vrdma::Endpoint> {
+        Ok(self.qp.endpoint(&self.ctx)?)
+    }
+}
+
+/// Connects two sides' QPs to each other with every remote access.
+pub fn connect(a: &Side, b: &Side) -> Result<()> {
+    a.qp.connect(&b.endpoint()?, access_all())?;
+    b.qp.connect(&a.endpoint()?, access_all())?;
+    Ok(())
+}
+
+/// Polls until `n` completions arrived; fails after `limit`.
+pub fn poll_n(cq: &vrdma::CompletionQueue, n: usize, limit: Duration) -> Result<Vec<vrdma::WorkCompletion>> {
+    let end = Instant::now() + limit;
+    let mut got = Vec::with_capacity(n);
+    let mut buf = vrdma::wc_buffer(64);
+    while got.len() < n {
+        let want = (n - got.len()).min(buf.len());
+        let k = cq.poll(&mut buf[..want])?;
+        got.extend_from_slice(&buf[..k]);
+        if k == 0 {
+            if Instant::now() > end {
+                bail!("{} of {n} completions within {limit:?}: {got:?}", got.len());
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    Ok(got)
+}
+
+/// Polls one completion, within `limit`.
+pub fn poll_one(cq: &vrdma::CompletionQueue, limit: Duration) -> Result<vrdma::WorkCompletion> {
+    Ok(poll_n(cq, 1, limit)?[0])
+}
+
+/// Every completion that arrives within `span` (for "nothing more comes").
+pub fn poll_for(cq: &vrdma::CompletionQueue, span: Duration) -> Result<Vec<vrdma::WorkCompletion>> {
+    let end = Instant::now() + span;
+    let mut got = Vec::new();
+    let mut buf = vrdma::wc_buffer(64);
+    loop {
+        let k = cq.poll(&mut buf)?;
+        got.extend_from_slice(&buf[..k]);
+        if Instant::now() > end {
+            return Ok(got);
+        }
+        if k == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Waits until `f` holds; fails naming `what` after `limit`.
+pub fn wait_until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) -> Result<()> {
+    let end = Instant::now() + limit;
+    while !f() {
+        if Instant::now() > end {
+            bail!("{what}: not within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    Ok(())
+}
+
+/// Waits until the QP is in `state`.
+pub fn wait_state(qp: &vrdma::QueuePair, state: vrdma::QpState, limit: Duration) -> Result<()> {
+    wait_until(limit, &format!("QP {:#x} reaching {state:?} (it is {:?})", qp.qpn(), qp.state()), || {
+        qp.state() == state
+    })
+}
+
+/// The next async event of `ctx`, within `limit`.
+pub fn async_event(ctx: &vrdma::Context, limit: Duration) -> Result<vrdma::AsyncEvent> {
+    ctx.get_async_event(Some(limit))?.with_context(|| format!("no async event within {limit:?}"))
+}
+
+/// Runs `f` on a thread and waits at most `limit` for it, so that a call
+/// that hangs fails the test instead of blocking it (the thread is then
+/// left behind).
+pub fn bounded<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> Result<T> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    rx.recv_timeout(limit).map_err(|_| anyhow::anyhow!("the call did not return within {limit:?}"))
+}
+
+/// A little-endian u64 as bytes.
+pub fn le(v: u64) -> Vec<u8> {
+    v.to_le_bytes().to_vec()
+}
+
+/// `len` bytes of a pattern that depends on `seed` and the position.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+// ---- the control socket spoken by hand ----
+
+/// A raw connection to the daemon's control socket, for sending what the
+/// library never would. Every receive is bounded (`SO_RCVTIMEO`).
+pub struct RawConn {
+    pub sock: std::os::fd::OwnedFd,
+    buf: Vec<u8>,
+}
+
+/// What came back for one message.
+#[derive(Debug)]
+pub enum Answer {
+    Reply(vrdma_core::proto::Reply, Vec<std::os::fd::OwnedFd>),
+    /// The daemon closed the connection.
+    Closed,
+}
+
+impl Answer {
+    /// The reply, failing if the connection closed.
+    pub fn reply(self) -> Result<vrdma_core::proto::Reply> {
+        match self {
+            Answer::Reply(r, _) => Ok(r),
+            Answer::Closed => bail!("the daemon closed the connection"),
+        }
+    }
+
+    /// The errno of a `Reply::Error`, failing on anything else.
+    pub fn errno(self) -> Result<(i32, String)> {
+        match self.reply()? {
+            vrdma_core::proto::Reply::Error { errno, message } => Ok((errno, message)),
+            other => bail!("expected an error reply, got {other:?}"),
+        }
+    }
+}
+
+impl RawConn {
+    pub fn connect(path: &Path) -> Result<RawConn> {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+        let sock =
+            rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+        rustix::net::connect(&sock, &SocketAddrUnix::new(path)?)?;
+        rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, Some(WAIT))?;
+        Ok(RawConn { sock, buf: vec![0; vrdma_core::proto::MAX_MESSAGE + 1024] })
+    }
+
+    /// Sends raw bytes with descriptors attached.
+    pub fn send_raw(&self, bytes: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<()> {
+        use std::os::fd::AsFd;
+        vrdma_shm::send_msg(self.sock.as_fd(), bytes, fds)?;
+        Ok(())
+    }
+
+    /// Receives one reply (bounded by the socket's receive timeout).
+    pub fn recv(&mut self) -> Result<Answer> {
+        use std::os::fd::AsFd;
+        let r = vrdma_shm::recv_msg(self.sock.as_fd(), &mut self.buf, vrdma_core::proto::MAX_FDS)
+            .context("no reply from the daemon")?;
+        if r.len == 0 && !r.truncated {
+            return Ok(Answer::Closed);
+        }
+        if r.truncated {
+            bail!("reply truncated");
+        }
+        let reply = vrdma_core::proto::decode_reply(&self.buf[..r.len]).context("undecodable reply")?;
+        Ok(Answer::Reply(reply, r.fds))
+    }
+
+    /// Sends raw bytes and receives the answer.
+    pub fn exchange(&mut self, bytes: &[u8], fds: &[std::os::fd::BorrowedFd<'_>]) -> Result<Answer> {
+        self.send_raw(bytes, fds)?;
+        self.recv()
+    }
+
+    /// Sends a request and receives the answer.
+    pub fn call(
+        &mut self,
+        req: &vrdma_core::proto::Request,
+        fds: &[std::os::fd::BorrowedFd<'_>],
+    ) -> Result<Answer> {
+        self.exchange(&vrdma_core::proto::encode_request(req), fds)
+    }
+
+    /// Says Hello with the right version; returns the tenant id.
+    pub fn hello(&mut self) -> Result<u32> {
+        let req = vrdma_core::proto::Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION };
+        match self.call(&req, &[])?.reply()? {
+            vrdma_core::proto::Reply::Hello { tenant, .. } => Ok(tenant),
+            other => bail!("Hello answered {other:?}"),
+        }
     }
 }

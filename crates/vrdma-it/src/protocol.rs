@@ -8,17 +8,69 @@ pub struct Hello {
     pub addr: u64,
     pub rkey: u32,
     pub pid: u32,
+    /// The tenant the daemon placed the peer in (its uid).
+    pub tenant: u32,
+    /// Bytes of the peer's memory region (`--mr-len`, 4 MiB by default).
+    pub mr_len: usize,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Command {
-    Connect { peer: vrdma::Endpoint },
-    PostRecv { count: usize, offset: usize, len: usize },
-    Fill { offset: usize, data: Vec<u8> },
-    Read { offset: usize, len: usize },
-    Send { wr_id: u64, offset: usize, len: usize, imm: Option<u32> },
-    Flood { remote_addr: u64, rkey: u32, len: usize, count: u64 },
-    Poll { count: usize, timeout_ms: u64 },
+    Connect {
+        peer: vrdma::Endpoint,
+    },
+    /// Moves the peer's QP to RESET, ready to `Connect` again.
+    Reset,
+    /// Posts `count` receives (wr_id 0, 1, ...), each of `[offset, +len)`.
+    PostRecv {
+        count: usize,
+        offset: usize,
+        len: usize,
+    },
+    Fill {
+        offset: usize,
+        data: Vec<u8>,
+    },
+    Read {
+        offset: usize,
+        len: usize,
+    },
+    /// [`digest`] of `[offset, +len)` of the peer's region.
+    Digest {
+        offset: usize,
+        len: usize,
+    },
+    Send {
+        wr_id: u64,
+        offset: usize,
+        len: usize,
+        imm: Option<u32>,
+    },
+    Flood {
+        remote_addr: u64,
+        rkey: u32,
+        len: usize,
+        count: u64,
+    },
+    /// Like `Flood`, with sends of `len` bytes (consuming receives).
+    FloodSend {
+        len: usize,
+        count: u64,
+    },
+    Poll {
+        count: usize,
+        timeout_ms: u64,
+    },
+    /// Waits for one completion and reads `[offset, +len)` at once, so the
+    /// bytes are those visible when the completion arrived.
+    PollThenRead {
+        timeout_ms: u64,
+        offset: usize,
+        len: usize,
+    },
+    /// Creates objects of every kind until the daemon refuses one; answers
+    /// `Hoarded` and keeps them until the process ends.
+    Hoard,
     State,
     Exit,
 }
@@ -53,7 +105,31 @@ pub enum Said {
     Ok,
     Flooding,
     Bytes(Vec<u8>),
+    Digest(u64),
     Completions(Vec<Wc>),
+    /// A completion and the bytes read right after it.
+    CompletionThenBytes(Wc, Vec<u8>),
+    /// Objects created by `Hoard` (by kind), and the errno of the refusal
+    /// that stopped it.
+    Hoarded {
+        kinds: Vec<String>,
+        errno: i32,
+        message: String,
+    },
     State(u8),
-    Error { errno: i32, message: String },
+    Error {
+        errno: i32,
+        message: String,
+    },
+}
+
+/// FNV-1a over `bytes`: a cheap digest to compare large buffers across
+/// processes without shipping them.
+pub fn digest(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
 }

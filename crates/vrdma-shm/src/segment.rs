@@ -110,6 +110,30 @@ impl Segment {
         Segment::map(fd, 0, size)
     }
 
+    /// Like [`create`](Segment::create), in huge pages of `huge` bytes (a
+    /// `MFD_HUGETLB` memfd): `len` is rounded up to whole huge pages. Fails
+    /// (`ENOMEM`) when the system has too few huge pages free.
+    pub fn create_hugetlb(name: &str, len: usize, huge: usize) -> io::Result<Segment> {
+        if len == 0 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero-length segment"));
+        }
+        if !huge.is_power_of_two() || huge < page_size() || huge.trailing_zeros() > 63 {
+            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a huge page size"));
+        }
+        let size = len
+            .checked_next_multiple_of(huge)
+            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
+        // The page size goes in the flags as its log2 (`MFD_HUGE_SHIFT`).
+        let size_flag = MemfdFlags::from_bits_retain(huge.trailing_zeros() << 26);
+        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING | MemfdFlags::HUGETLB | size_flag;
+        let fd = rustix::fs::memfd_create(name, flags)?;
+        rustix::fs::ftruncate(&fd, size as u64)?;
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        // A shared hugetlb mapping reserves its pages here, so a shortage
+        // is an error now rather than a SIGBUS later.
+        Segment::map(fd, 0, size)
+    }
+
     /// Maps `[offset, offset+len)` of a descriptor received from a peer
     /// that may be hostile.
     ///

@@ -125,10 +125,26 @@ impl CompletionChannel {
     /// Events are consumed: if several threads or a
     /// [`CompletionStream`](crate::CompletionStream) also take events from
     /// this channel, each event goes to only one of them.
+    ///
+    /// With `poll`/`epoll` on [`fd`](Self::fd): when the fd is readable,
+    /// call this with a zero timeout until it returns `Ok(None)`. After an
+    /// event is returned the fd may stay readable (for the next event, or
+    /// spuriously); a call that finds no event consumes the stale
+    /// readiness, so the fd does not stay readable for nothing.
+    ///
+    /// Fails, instead of waiting, once the daemon has gone away.
     pub fn get_cq_event(&self, timeout: Option<Duration>) -> Result<Option<u32>> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut slot = self.inner.slot_buf();
         loop {
+            if let Some(cqn) = self.inner.pop(&mut slot)? {
+                return Ok(Some(cqn));
+            }
+            // Nothing pending: the wake-ups still queued on the fd belong to
+            // events already taken. Consume them, then look once more (an
+            // event pushed before the drain is seen now, one pushed after it
+            // rings again), so that the fd is not left readable for nothing.
+            self.inner.event.drain();
             if let Some(cqn) = self.inner.pop(&mut slot)? {
                 return Ok(Some(cqn));
             }
@@ -137,7 +153,7 @@ impl CompletionChannel {
             if left == Some(Duration::ZERO) {
                 return Ok(None);
             }
-            self.inner.event.wait_timeout(left)?;
+            self.inner.ctx.inner.control.wait_bell(&self.inner.event, left)?;
         }
     }
 

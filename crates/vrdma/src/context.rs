@@ -187,16 +187,25 @@ impl Context {
     /// `ibv_get_async_event`: the next asynchronous event (QP fatal, SRQ
     /// limit reached, ...), waiting up to `timeout` (`None`: no limit)
     /// when none is pending. `Ok(None)` means the time ran out. Events
-    /// need no acknowledgement.
+    /// need no acknowledgement. With `poll`/`epoll` on
+    /// [`async_event_fd`](Self::async_event_fd), call it with a zero
+    /// timeout until it returns `Ok(None)` (which also clears a stale
+    /// readiness of the fd). Fails, instead of waiting, once the daemon
+    /// has gone away.
     pub fn get_async_event(&self, timeout: Option<Duration>) -> Result<Option<AsyncEvent>> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut slot = vec![0u8; self.inner.async_ring.stride()];
         loop {
-            while self.inner.async_ring.try_pop(&mut slot)? {
-                match proto::decode_async_event(&slot) {
-                    Some(ev) => return Ok(Some(ev)),
-                    None => tracing::warn!(kind = slot[0], "vrdma: skipping an unknown async event"),
-                }
+            if let Some(ev) = self.pop_async_event(&mut slot)? {
+                return Ok(Some(ev));
+            }
+            // Nothing pending: the wake-ups still queued on the fd belong to
+            // events already taken. Consume them, then look once more, so
+            // that the fd is not left readable for nothing (see
+            // `CompletionChannel::get_cq_event`).
+            self.inner.async_fd.drain();
+            if let Some(ev) = self.pop_async_event(&mut slot)? {
+                return Ok(Some(ev));
             }
             // `None` when there is no limit (or one too far ahead to represent).
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
@@ -204,8 +213,19 @@ impl Context {
                 return Ok(None);
             }
             // Rung or timed out, look at the ring again before deciding.
-            self.inner.async_fd.wait_timeout(left)?;
+            self.inner.control.wait_bell(&self.inner.async_fd, left)?;
         }
+    }
+
+    /// Pops the next known event from the async-event ring.
+    fn pop_async_event(&self, slot: &mut [u8]) -> Result<Option<AsyncEvent>> {
+        while self.inner.async_ring.try_pop(slot)? {
+            match proto::decode_async_event(slot) {
+                Some(ev) => return Ok(Some(ev)),
+                None => tracing::warn!(kind = slot[0], "vrdma: skipping an unknown async event"),
+            }
+        }
+        Ok(None)
     }
 
     /// How many async events the daemon dropped because the event ring

@@ -9,12 +9,14 @@
 //! for the answer to a different request.
 
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use vrdma_core::proto::{self, Reply, Request};
+use vrdma_shm::Doorbell;
 
 use crate::error::{Error, Result};
 
@@ -27,6 +29,10 @@ struct State {
 /// A connection to the daemon.
 pub(crate) struct Control {
     state: Mutex<State>,
+    /// The socket's descriptor number, to watch for the daemon hanging up
+    /// without taking the lock (`State::sock` owns it for as long as
+    /// `self` lives and is never replaced).
+    raw: RawFd,
 }
 
 impl std::fmt::Debug for Control {
@@ -73,7 +79,62 @@ impl Control {
 
     /// Uses an already connected socket.
     pub fn from_socket(sock: OwnedFd) -> Control {
-        Control { state: Mutex::new(State { sock, buf: vec![0; proto::MAX_MESSAGE], broken: false }) }
+        let raw = sock.as_raw_fd();
+        Control { state: Mutex::new(State { sock, buf: vec![0; proto::MAX_MESSAGE], broken: false }), raw }
+    }
+
+    /// The socket, to be polled for `POLLRDHUP`/`POLLHUP` only (reading
+    /// it is `call`'s business): it hangs up when the daemon goes away.
+    pub fn hangup_fd(&self) -> BorrowedFd<'_> {
+        // SAFETY: `raw` is the descriptor owned by `self.state`'s socket,
+        // which is neither closed nor replaced while `self` lives, and the
+        // borrow cannot outlive `self`.
+        unsafe { BorrowedFd::borrow_raw(self.raw) }
+    }
+
+    /// Waits until `bell` rings (then drains it: `Ok(true)`) or `timeout`
+    /// passes (`Ok(false)`; `None`: no limit), like
+    /// [`Doorbell::wait_timeout`], but fails as soon as the daemon hangs
+    /// up the control connection: a daemon that died rings nothing, and a
+    /// wait for it must not last for ever.
+    pub fn wait_bell(&self, bell: &Doorbell, timeout: Option<Duration>) -> Result<bool> {
+        use rustix::event::{PollFd, PollFlags, Timespec};
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
+        let sock = self.hangup_fd();
+        loop {
+            let left = match (timeout, deadline) {
+                (Some(_), Some(d)) => Some(d.saturating_duration_since(Instant::now())),
+                // No limit, or one too far ahead to represent.
+                _ => None,
+            };
+            let ts = left.and_then(|d| Timespec::try_from(d).ok());
+            let mut fds =
+                [PollFd::new(bell, PollFlags::IN), PollFd::from_borrowed_fd(sock, PollFlags::RDHUP)];
+            match rustix::event::poll(&mut fds, ts.as_ref()) {
+                Ok(0) => return Ok(false),
+                Ok(_) => {
+                    if fds[1].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) {
+                        return Err(Error::Io(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            "vrdmad closed the connection: the device is gone",
+                        )));
+                    }
+                    let rev = fds[0].revents();
+                    if rev.intersects(PollFlags::ERR | PollFlags::NVAL) {
+                        return Err(Error::Io(io::Error::other("doorbell poll error")));
+                    }
+                    if bell.drain() > 0 {
+                        return Ok(true);
+                    }
+                    // Someone else drained it first: wait again.
+                    if left == Some(Duration::ZERO) {
+                        return Ok(false);
+                    }
+                }
+                Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {

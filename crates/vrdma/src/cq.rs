@@ -214,7 +214,8 @@ impl CompletionQueue {
 
     /// Blocks until at least one completion is available or `timeout`
     /// passes (`None`: no limit), then moves up to `out.len()` into `out`
-    /// and returns how many (0: timed out).
+    /// and returns how many (0: timed out). Fails, instead of waiting,
+    /// once the daemon has gone away.
     ///
     /// Needs a completion channel that serves this CQ alone (events of
     /// other CQs would be consumed here); it uses the channel's events, so
@@ -241,7 +242,7 @@ impl CompletionQueue {
             if left == Some(Duration::ZERO) {
                 return Ok(0);
             }
-            ch.inner.event.wait_timeout(left)?;
+            self.inner.ctx.inner.control.wait_bell(&ch.inner.event, left)?;
             while ch.inner.pop(&mut slot)?.is_some() {}
         }
     }

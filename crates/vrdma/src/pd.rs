@@ -63,20 +63,25 @@ impl ProtectionDomain {
 
     /// Registers memory the process already owns (`ibv_reg_mr` on an
     /// existing buffer): a heap `Vec`'s bytes, `posix_memalign` or
-    /// anonymous `mmap` memory. The region does not own the memory and
-    /// never frees it.
+    /// anonymous `mmap` memory, huge pages (`MAP_HUGETLB`) included. The
+    /// region does not own the memory and never frees it.
     ///
     /// The pages covering the range are *re-backed* so that the daemon
     /// can map them: their current bytes are copied into a memfd that is
     /// then mapped over the same addresses (`MAP_SHARED | MAP_FIXED`).
     /// Pointers into the memory stay valid and see the same bytes.
     /// Refused with [`Error::InvalidArgument`]: the main thread's
-    /// `[stack]`, file-backed, shared, read-only or unmapped pages, and a
-    /// range whose covering pages partially overlap pages re-backed for an
-    /// earlier registration that is still alive. A range lying fully inside
-    /// such pages shares their memfd without remapping.
+    /// `[stack]` and the calling thread's stack (other threads' stacks
+    /// cannot be told from other anonymous memory: never register them),
+    /// file-backed, shared, read-only or unmapped pages, and a range whose
+    /// covering pages partially overlap pages re-backed for an earlier
+    /// registration that is still alive. A range lying fully inside such
+    /// pages shares their memfd without remapping.
     ///
     /// Caveats of re-backing:
+    /// - Huge pages are re-backed by a memfd of huge pages, which needs as
+    ///   many free huge pages again while the bytes are copied (else the
+    ///   call fails with `ENOMEM`).
     /// - The whole first and last pages are re-backed, so bytes next to the
     ///   range that share those pages (other heap objects) also become
     ///   shared memory. They keep their values and addresses; only a

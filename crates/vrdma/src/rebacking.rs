@@ -11,9 +11,12 @@
 //! pointer and its bytes; from then on those pages are shared with the
 //! daemon.
 //!
-//! Only private anonymous memory (including `[heap]`) is re-backed. The
-//! main thread's `[stack]`, file mappings (whose contents belong to the
-//! file) and read-only or unmapped pages are refused, as is a range that
+//! Only private anonymous memory (including `[heap]` and `MAP_HUGETLB`
+//! huge pages, which are re-backed whole by a memfd of huge pages) is
+//! re-backed. The
+//! main thread's `[stack]` and the calling thread's stack, file mappings
+//! (whose contents belong to the file) and read-only or unmapped pages are
+//! refused, as is a range that
 //! partially overlaps pages re-backed earlier with different bounds
 //! (their file could not describe both). A range lying fully inside an
 //! earlier, still registered span reuses that span's memfd.
@@ -37,7 +40,12 @@ use crate::error::{Error, Result};
 
 /// The memfd name of re-backed spans, as `/proc/self/maps` shows it.
 const MEMFD_NAME: &str = "vrdma-rebacked";
+/// The same for spans of huge pages (the prefix above matches both).
+const HUGE_MEMFD_NAME: &str = "vrdma-rebacked-huge";
 const MAPS_PATH_PREFIX: &str = "/memfd:vrdma-rebacked";
+const HUGE_MAPS_PATH_PREFIX: &str = "/memfd:vrdma-rebacked-huge";
+/// How `/proc/self/maps` names `MAP_HUGETLB | MAP_ANONYMOUS` memory.
+const ANON_HUGE_PATH_PREFIX: &str = "/anon_hugepage";
 
 /// Page-aligned addresses `[start, start + len)` now mapped from `fd`.
 #[derive(Debug)]
@@ -105,6 +113,17 @@ impl MapEntry {
         self.private()
             && self.inode == 0
             && (self.path.is_empty() || self.path == "[heap]" || self.path.starts_with("[anon:"))
+    }
+
+    /// Private anonymous huge pages (`MAP_PRIVATE | MAP_ANONYMOUS |
+    /// MAP_HUGETLB`), which the kernel shows as a deleted hugetlbfs file.
+    fn is_private_hugetlb(&self) -> bool {
+        self.private() && self.path.starts_with(ANON_HUGE_PATH_PREFIX)
+    }
+
+    /// Mapped in huge pages: hugetlb memory or a span of ours made of it.
+    fn is_huge(&self) -> bool {
+        self.path.starts_with(ANON_HUGE_PATH_PREFIX) || self.path.starts_with(HUGE_MAPS_PATH_PREFIX)
     }
 }
 
@@ -209,7 +228,7 @@ pub(crate) fn check_rebackable(maps: &[MapEntry], start: usize, end: usize) -> R
         if !e.readable_writable() {
             return Err(what("are not readable and writable"));
         }
-        if e.is_private_anonymous() || e.is_our_memfd() {
+        if e.is_private_anonymous() || e.is_private_hugetlb() || e.is_our_memfd() {
             continue;
         }
         if e.path.starts_with('[') {
@@ -221,6 +240,74 @@ pub(crate) fn check_rebackable(maps: &[MapEntry], start: usize, end: usize) -> R
         return Err(what(&format!("are a shared mapping of {:?}, not private anonymous memory", e.path)));
     }
     Ok(())
+}
+
+/// The page size of the mapping that starts at `start`, from the
+/// `KernelPageSize` line of its `/proc/self/smaps` entry.
+fn kernel_page_size(start: usize) -> Result<usize> {
+    let text = std::fs::read_to_string("/proc/self/smaps").map_err(|e| {
+        Error::Io(std::io::Error::new(
+            e.kind(),
+            format!("cannot read /proc/self/smaps to register memory: {e}"),
+        ))
+    })?;
+    let mut inside = false;
+    for line in text.lines() {
+        if let Some(e) = parse_maps_line(line) {
+            inside = e.start == start;
+        } else if let Some(v) = line.strip_prefix("KernelPageSize:").filter(|_| inside) {
+            let kb: usize = v.trim().trim_end_matches("kB").trim().parse().map_err(|_| {
+                Error::Io(std::io::Error::other(format!("unreadable KernelPageSize line {line:?}")))
+            })?;
+            return Ok(kb * 1024);
+        }
+    }
+    Err(Error::Io(std::io::Error::other(format!(
+        "no page size for the mapping at {start:#x} in /proc/self/smaps"
+    ))))
+}
+
+/// The huge page size of the mappings covering `[start, end)`, if they
+/// are huge pages (`None` for normal pages, or for a range that is not
+/// wholly mapped, which `check_rebackable` reports).
+fn huge_page_size(maps: &[MapEntry], start: usize, end: usize) -> Result<Option<usize>> {
+    let Ok(entries) = covering(maps, start, end) else { return Ok(None) };
+    if !entries.iter().any(|e| e.is_huge()) {
+        return Ok(None);
+    }
+    let mut size = None;
+    for e in &entries {
+        let s = if e.is_huge() { kernel_page_size(e.start)? } else { page_size() };
+        if size.is_some_and(|x| x != s) || s <= page_size() || !s.is_power_of_two() {
+            return Err(Error::invalid(format!(
+                "cannot register [{start:#x}, {end:#x}): it spans mappings of different page sizes"
+            )));
+        }
+        size = Some(s);
+    }
+    Ok(size)
+}
+
+/// The calling thread's stack `[low, high)`, as pthreads reports it.
+///
+/// `/proc/self/maps` names only the main thread's stack; the stacks of
+/// other threads are plain anonymous mappings there, so this is how a
+/// registration of the caller's own stack is recognised.
+fn current_thread_stack() -> Option<(usize, usize)> {
+    // SAFETY: `pthread_getattr_np` initialises `attr` for the calling
+    // thread (a zeroed attr is valid storage for it), which is read with
+    // `pthread_attr_getstack` into locals and destroyed once.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_getattr_np(libc::pthread_self(), &mut attr) != 0 {
+            return None;
+        }
+        let mut addr: *mut libc::c_void = std::ptr::null_mut();
+        let mut size: libc::size_t = 0;
+        let rc = libc::pthread_attr_getstack(&attr, &mut addr, &mut size);
+        libc::pthread_attr_destroy(&mut attr);
+        (rc == 0 && !addr.is_null()).then(|| (addr as usize, (addr as usize).saturating_add(size)))
+    }
 }
 
 /// Re-backs the pages covering `[ptr, ptr + len)` (or finds the span that
@@ -244,9 +331,31 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
         .checked_next_multiple_of(page)
         .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?;
 
+    // Re-backing the caller's own stack would remap pages its live frames
+    // (this call's among them) are using: writes made meanwhile are lost.
+    if let Some((low, high)) = current_thread_stack() {
+        if pstart < high && low < pend {
+            return Err(Error::invalid(format!(
+                "cannot register [{start:#x}, {end:#x}): it is on the calling thread's stack \
+                 [{low:#x}, {high:#x})"
+            )));
+        }
+    }
+
     let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     reg.retain(|_, w| w.strong_count() > 0);
     let maps = read_maps()?;
+
+    // Huge pages are re-backed whole, by a memfd of the same huge pages.
+    let huge = huge_page_size(&maps, pstart, pend)?;
+    let (pstart, pend) = match huge {
+        None => (pstart, pend),
+        Some(h) => (
+            start & !(h - 1),
+            end.checked_next_multiple_of(h)
+                .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?,
+        ),
+    };
 
     // Spans overlapping the page range: those starting before its end and
     // ending after its start.
@@ -277,7 +386,10 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
 
     check_rebackable(&maps, pstart, pend)?;
     let span_len = pend - pstart;
-    let seg = Segment::create(MEMFD_NAME, span_len)?;
+    let seg = match huge {
+        None => Segment::create(MEMFD_NAME, span_len)?,
+        Some(h) => Segment::create_hugetlb(HUGE_MEMFD_NAME, span_len, h)?,
+    };
     debug_assert_eq!(seg.len(), span_len);
     // SAFETY: `[pstart, pend)` is mapped readable (checked against
     // /proc/self/maps just now, under the registry lock, and the caller

@@ -2,7 +2,7 @@
 
 use std::collections::VecDeque;
 use std::io;
-use std::os::fd::{AsFd, AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context as TaskContext, Poll};
@@ -29,6 +29,17 @@ impl AsRawFd for Bell {
     }
 }
 
+/// A duplicate of the context's control socket, watched only for the
+/// daemon hanging up (never read).
+#[derive(Debug)]
+struct Hangup(OwnedFd);
+
+impl AsRawFd for Hangup {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
 /// An async stream of one CQ's completions
 /// ([`CompletionQueue::stream`]).
 ///
@@ -36,7 +47,9 @@ impl AsRawFd for Bell {
 /// completion may have arrived before the arming), and then waits for the
 /// channel's doorbell through tokio's reactor. Implements
 /// [`futures_core::Stream`]; [`next`](Self::next) is a convenience for
-/// code without `futures`' `StreamExt`. It never ends on its own.
+/// code without `futures`' `StreamExt`. It never ends on its own; once the
+/// daemon has gone away (its control connection hung up) it yields an
+/// error instead of waiting for ever.
 #[derive(Debug)]
 pub struct CompletionStream {
     cq: CompletionQueue,
@@ -44,6 +57,9 @@ pub struct CompletionStream {
     /// A duplicate of the channel's doorbell descriptor, so that several
     /// streams on one channel each have their own reactor registration.
     fd: AsyncFd<Bell>,
+    /// The control socket: it hangs up when the daemon goes away, which
+    /// would otherwise leave the stream waiting for ever.
+    hangup: AsyncFd<Hangup>,
     ready: VecDeque<WorkCompletion>,
     batch: Vec<WorkCompletion>,
     slot: Vec<u8>,
@@ -67,11 +83,17 @@ impl CompletionStream {
         // the same raw fd until the `AsyncFd` is dropped.
         let fd = unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
             .map_err(io::Error::from)?;
+        let sock = Hangup(ch.inner.ctx.inner.control.hangup_fd().try_clone_to_owned()?);
+        // SAFETY: as for `dup`: `sock` owns its descriptor and lives in the
+        // `AsyncFd` until it is dropped.
+        let hangup = unsafe { AsyncFd::register_with_interest(sock, tokio::io::Interest::READABLE) }
+            .map_err(io::Error::from)?;
         Ok(CompletionStream {
             slot: ch.inner.slot_buf(),
             channel: ch.inner.clone(),
             cq,
             fd,
+            hangup,
             ready: VecDeque::with_capacity(BATCH),
             batch: crate::cq::wc_buffer(BATCH),
             yielded: 0,
@@ -93,6 +115,27 @@ impl CompletionStream {
         let n = self.cq.inner.poll_raw(&mut self.batch)?;
         self.ready.extend(self.batch[..n].iter().copied());
         Ok(n > 0)
+    }
+
+    /// Fails once the daemon has hung up the control connection; else
+    /// registers for that event and returns `Ok`.
+    fn poll_hangup(&mut self, cx: &mut TaskContext<'_>) -> Result<()> {
+        loop {
+            match self.hangup.poll_read_ready(cx) {
+                Poll::Pending => return Ok(()),
+                Poll::Ready(Err(e)) => return Err(e.into()),
+                Poll::Ready(Ok(mut guard)) => {
+                    if guard.ready().is_read_closed() {
+                        return Err(Error::Io(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            "vrdmad closed the connection: the device is gone",
+                        )));
+                    }
+                    // A reply to some control call: not ours to read.
+                    guard.clear_ready();
+                }
+            }
+        }
     }
 
     fn poll_next_item(&mut self, cx: &mut TaskContext<'_>) -> Poll<Option<Result<WorkCompletion>>> {
@@ -122,6 +165,9 @@ impl CompletionStream {
                 Err(e) => return Poll::Ready(Some(Err(e))),
             }
             self.yielded = 0;
+            if let Err(e) = self.poll_hangup(cx) {
+                return Poll::Ready(Some(Err(e)));
+            }
             let mut guard = match self.fd.poll_read_ready(cx) {
                 Poll::Pending => return Poll::Pending,
                 Poll::Ready(Ok(g)) => g,

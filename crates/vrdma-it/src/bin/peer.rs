@@ -15,8 +15,14 @@ fn main() -> Result<()> {
     let socket = flag("--socket").context("--socket is required")?;
     match args.get(1).map(String::as_str) {
         Some("daemon") => daemon(socket, flag("--config")),
-        Some("tenant") => tenant(socket),
-        _ => bail!("usage: vrdma-it-peer daemon|tenant --socket PATH [--config FILE]"),
+        Some("tenant") => {
+            let mr_len = match flag("--mr-len") {
+                Some(n) => n.to_str().and_then(|s| s.parse().ok()).context("--mr-len takes a byte count")?,
+                None => 4 << 20,
+            };
+            tenant(socket, mr_len)
+        }
+        _ => bail!("usage: vrdma-it-peer daemon|tenant --socket PATH [--config FILE] [--mr-len BYTES]"),
     }
 }
 
@@ -34,14 +40,14 @@ fn daemon(socket: PathBuf, config: Option<PathBuf>) -> Result<()> {
     }
 }
 
-fn tenant(socket: PathBuf) -> Result<()> {
+fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
     let ctx = vrdma::Context::open_at(&socket)?;
     let pd = ctx.alloc_pd()?;
     let access = vrdma::AccessFlags::LOCAL_WRITE
         | vrdma::AccessFlags::REMOTE_WRITE
         | vrdma::AccessFlags::REMOTE_READ
         | vrdma::AccessFlags::REMOTE_ATOMIC;
-    let mr = pd.alloc_mr(4 << 20, access)?;
+    let mr = pd.alloc_mr(mr_len, access)?;
     let cq = ctx.create_cq(1024, None)?;
     let cap = vrdma::QpCap {
         max_send_wr: 256,
@@ -57,12 +63,19 @@ fn tenant(socket: PathBuf) -> Result<()> {
         addr: mr.addr(),
         rkey: mr.rkey(),
         pid: std::process::id(),
+        tenant: ctx.tenant(),
+        mr_len,
     }));
+    let mut hoard: Vec<Box<dyn std::any::Any>> = Vec::new();
     let mut wcs = vrdma::wc_buffer(64);
     for line in std::io::stdin().lock().lines() {
         let cmd: Command = serde_json::from_str(&line?)?;
         let reply = match cmd {
             Command::Connect { peer } => qp.connect(&peer, access).map(|_| Said::Ok),
+            Command::Reset => {
+                let attr = vrdma::QpAttr { qp_state: vrdma::QpState::Reset, ..Default::default() };
+                qp.modify(&attr, vrdma::QpAttrMask::STATE).map(|_| Said::Ok)
+            }
             Command::PostRecv { count, offset, len } => (|| {
                 for i in 0..count {
                     let wr = vrdma::wr::recv(i as u64, &[mr.sge(offset, len)?])?;
@@ -75,6 +88,10 @@ fn tenant(socket: PathBuf) -> Result<()> {
                 let mut b = vec![0u8; len];
                 mr.read(offset, &mut b).map(|_| Said::Bytes(b))
             }
+            Command::Digest { offset, len } => {
+                let mut b = vec![0u8; len];
+                mr.read(offset, &mut b).map(|_| Said::Digest(vrdma_it::protocol::digest(&b)))
+            }
             Command::Send { wr_id, offset, len, imm } => (|| {
                 let mut wr = vrdma::wr::send(wr_id, &[mr.sge(offset, len)?])?;
                 if let Some(imm) = imm {
@@ -85,25 +102,12 @@ fn tenant(socket: PathBuf) -> Result<()> {
                 qp.post_send(&[wr]).map_err(|e| e.error)?;
                 Ok(Said::Ok)
             })(),
-            Command::Flood { remote_addr, rkey, len, count } => (|| {
-                // Keep large writes in flight until `count` complete; the
-                // test may kill us at any moment in between.
-                let (mut posted, mut done) = (0u64, 0u64);
-                let end = Instant::now() + Duration::from_secs(60);
-                while done < count && Instant::now() < end {
-                    while posted < count && posted - done < 32 {
-                        let mut wr = vrdma::wr::rdma_write(posted, &[mr.sge(0, len)?], remote_addr, rkey)?;
-                        wr.flags |= vrdma::SendFlags::SIGNALED;
-                        qp.post_send(&[wr]).map_err(|e| e.error)?;
-                        posted += 1;
-                        if posted == 8 {
-                            say(&Said::Flooding);
-                        }
-                    }
-                    done += cq.poll(&mut wcs)? as u64;
-                }
-                Ok(Said::Ok)
-            })(),
+            Command::Flood { remote_addr, rkey, len, count } => mr.sge(0, len).and_then(|sge| {
+                flood(&qp, &cq, &mut wcs, count, |i| vrdma::wr::rdma_write(i, &[sge], remote_addr, rkey))
+            }),
+            Command::FloodSend { len, count } => mr
+                .sge(0, len)
+                .and_then(|sge| flood(&qp, &cq, &mut wcs, count, |i| vrdma::wr::send(i, &[sge]))),
             Command::Poll { count, timeout_ms } => (|| {
                 let mut got: Vec<Wc> = Vec::new();
                 let end = Instant::now() + Duration::from_millis(timeout_ms);
@@ -113,6 +117,18 @@ fn tenant(socket: PathBuf) -> Result<()> {
                 }
                 Ok(Said::Completions(got))
             })(),
+            Command::PollThenRead { timeout_ms, offset, len } => (|| {
+                let end = Instant::now() + Duration::from_millis(timeout_ms);
+                while Instant::now() < end {
+                    if let Some(wc) = cq.poll_one()? {
+                        let mut b = vec![0u8; len];
+                        mr.read(offset, &mut b)?;
+                        return Ok(Said::CompletionThenBytes(Wc::from(&wc), b));
+                    }
+                }
+                Ok(Said::Completions(Vec::new()))
+            })(),
+            Command::Hoard => Ok(hoard_objects(&ctx, &mut hoard)),
             Command::State => Ok(Said::State(qp.state().raw())),
             Command::Exit => break,
         };
@@ -122,4 +138,67 @@ fn tenant(socket: PathBuf) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Creates objects of every kind, round after round, until the daemon
+/// refuses one (or 1000 rounds pass); they stay in `held`.
+fn hoard_objects(ctx: &vrdma::Context, held: &mut Vec<Box<dyn std::any::Any>>) -> Said {
+    let cap =
+        vrdma::QpCap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let srq_attr = vrdma::SrqAttr { max_wr: 4, max_sge: 1, srq_limit: 0 };
+    let mut kinds = Vec::new();
+    let mut round = || -> vrdma::Result<()> {
+        let pd = ctx.alloc_pd()?;
+        kinds.push("pd".to_string());
+        held.push(Box::new(pd.clone()));
+        held.push(Box::new(pd.alloc_mr(4096, vrdma::AccessFlags::LOCAL_WRITE)?));
+        kinds.push("mr".into());
+        let ch = ctx.create_comp_channel()?;
+        kinds.push("channel".into());
+        held.push(Box::new(ch.clone()));
+        let cq = ctx.create_cq(16, Some(&ch))?;
+        kinds.push("cq".into());
+        held.push(Box::new(cq.clone()));
+        let srq = pd.create_srq(srq_attr)?;
+        kinds.push("srq".into());
+        held.push(Box::new(srq.clone()));
+        held.push(Box::new(pd.create_qp(&vrdma::QpInit::rc(&cq, &cq, cap).with_srq(&srq))?));
+        kinds.push("qp-srq".into());
+        held.push(Box::new(pd.create_rc_qp(&cq, &cq, cap)?));
+        kinds.push("qp".into());
+        Ok(())
+    };
+    for _ in 0..1000 {
+        if let Err(e) = round() {
+            return Said::Hoarded { kinds, errno: e.errno(), message: e.to_string() };
+        }
+    }
+    Said::Hoarded { kinds, errno: 0, message: "no refusal in 1000 rounds".into() }
+}
+
+/// Keeps large requests in flight until `count` complete (or a minute
+/// passes), saying `Flooding` once eight are posted; the test may kill us
+/// at any moment in between.
+fn flood(
+    qp: &vrdma::QueuePair,
+    cq: &vrdma::CompletionQueue,
+    wcs: &mut [vrdma::WorkCompletion],
+    count: u64,
+    make: impl Fn(u64) -> vrdma::Result<vrdma::SendWr>,
+) -> vrdma::Result<Said> {
+    let (mut posted, mut done) = (0u64, 0u64);
+    let end = Instant::now() + Duration::from_secs(60);
+    while done < count && Instant::now() < end {
+        while posted < count && posted - done < 32 {
+            let mut wr = make(posted)?;
+            wr.flags |= vrdma::SendFlags::SIGNALED;
+            qp.post_send(&[wr]).map_err(|e| e.error)?;
+            posted += 1;
+            if posted == 8 {
+                println!("{}", serde_json::to_string(&Said::Flooding).expect("serializable"));
+            }
+        }
+        done += cq.poll(wcs)? as u64;
+    }
+    Ok(Said::Ok)
 }

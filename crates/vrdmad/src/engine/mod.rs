@@ -142,8 +142,7 @@ fn run(
     // A real-time thread's sched_yield only yields to other real-time
     // threads: polling with yields would starve the applications, so a
     // real-time engine goes from spinning straight to sleep.
-    let yield_until =
-        if cfg.realtime { spin } else { Duration::from_micros(cfg.yield_us.max(cfg.spin_us)) };
+    let yield_until = if cfg.realtime { spin } else { Duration::from_micros(cfg.yield_us.max(cfg.spin_us)) };
     let mut idle_since: Option<std::time::Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = rx.try_recv() {

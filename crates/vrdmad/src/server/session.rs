@@ -443,7 +443,13 @@ fn map_region(fd: OwnedFd, fd_offset: u64, len: u64) -> Result<Region, Answer> {
     if len == 0 {
         return Err(error(EINVAL, "a memory region needs at least one byte"));
     }
-    let page = page_size() as u64;
+    // Map whole pages of the file: huge pages for a hugetlbfs memfd (its
+    // block size), which cannot be mapped in smaller pieces.
+    let blksize = rustix::fs::fstat(&fd).map(|st| st.st_blksize as u64).unwrap_or(0);
+    let page = match blksize {
+        b if b > page_size() as u64 && b.is_power_of_two() && b <= 1 << 30 => b,
+        _ => page_size() as u64,
+    };
     let start = fd_offset - fd_offset % page;
     let inner = (fd_offset - start) as usize;
     let span = inner

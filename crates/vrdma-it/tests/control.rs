@@ -1,0 +1,285 @@
+//! The control socket under abuse: malformed, oversized, out-of-order and
+//! badly accompanied messages on a raw `SOCK_SEQPACKET` connection. Each
+//! gets an error reply with a fitting errno, the connection stays usable
+//! where the protocol allows, and the daemon keeps serving everybody.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use vrdma_core::proto::{self, Reply, Request, MAX_MESSAGE, PROTOCOL_VERSION};
+use vrdma_core::verbs::{AccessFlags, QpAttr, QpAttrMask};
+use vrdma_it::{pattern, wait_until, Answer, DaemonProc, RawConn, WAIT};
+
+const EPROTO: i32 = libc::EPROTO;
+const EINVAL: i32 = libc::EINVAL;
+
+/// The daemon's descriptor count once it stopped changing (the harness's
+/// start-up probes close asynchronously).
+fn settled_fds(d: &DaemonProc) -> Result<usize> {
+    let mut last = d.open_fds()?;
+    for _ in 0..200 {
+        std::thread::sleep(Duration::from_millis(20));
+        let now = d.open_fds()?;
+        if now == last {
+            return Ok(now);
+        }
+        last = now;
+    }
+    Ok(last)
+}
+
+/// A normal context still works end to end.
+fn still_serving(d: &mut DaemonProc) -> Result<()> {
+    assert!(d.is_alive(), "the daemon died");
+    let ctx = d.context()?;
+    let pd = ctx.alloc_pd()?;
+    let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE)?;
+    mr.write(0, b"ok")?;
+    assert_eq!(ctx.query_port(1)?.state, 4);
+    Ok(())
+}
+
+/// A valid request on `c` still gets its proper reply.
+fn conn_works(c: &mut RawConn) -> Result<u32> {
+    match c.call(&Request::AllocPd, &[])?.reply()? {
+        Reply::Pd { pd } => Ok(pd),
+        other => bail!("AllocPd answered {other:?}"),
+    }
+}
+
+fn open(d: &DaemonProc) -> Result<RawConn> {
+    let mut c = RawConn::connect(&d.socket)?;
+    c.hello()?;
+    Ok(c)
+}
+
+fn reg_mr(pd: u32, len: u64) -> Request {
+    Request::RegMr { pd, addr: 0x7000_0000_0000, len, access: AccessFlags::LOCAL_WRITE, fd_offset: 0 }
+}
+
+#[test]
+fn garbage_is_refused_and_the_connection_lives_on() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    let junk: Vec<Vec<u8>> = vec![
+        vec![0xff; 32],
+        pattern(200, 1),
+        pattern(3000, 2),
+        // A variant number past the last request.
+        vec![0x7f, 1, 2, 3],
+        // A varint that never ends.
+        vec![0x80; 64],
+        // One byte: Hello without its version.
+        vec![0x00],
+    ];
+    for (i, j) in junk.iter().enumerate() {
+        // Skip pseudo-random inputs that happen to decode.
+        if proto::decode_request(j).is_ok() {
+            continue;
+        }
+        let (errno, msg) = c.exchange(j, &[])?.errno()?;
+        assert_eq!(errno, EINVAL, "junk {i}: {msg}");
+        conn_works(&mut c)?;
+    }
+    // A valid request with a byte too many.
+    let mut extra = proto::encode_request(&Request::AllocPd);
+    extra.push(0);
+    let (errno, msg) = c.exchange(&extra, &[])?.errno()?;
+    assert_eq!(errno, EINVAL, "{msg}");
+    // One-byte messages that are valid requests are served.
+    let one = proto::encode_request(&Request::QueryDevice);
+    assert_eq!(one.len(), 1);
+    assert!(matches!(c.exchange(&one, &[])?.reply()?, Reply::Device(_)));
+    conn_works(&mut c)?;
+    still_serving(&mut d)
+}
+
+#[test]
+fn an_empty_message_is_taken_as_a_hang_up() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    // On SOCK_SEQPACKET an empty message reads like the end of the
+    // stream: the daemon may close the connection, or refuse the message.
+    match c.exchange(&[], &[])? {
+        Answer::Closed => {}
+        Answer::Reply(Reply::Error { errno, .. }, _) => {
+            assert_eq!(errno, EINVAL);
+            conn_works(&mut c)?;
+        }
+        other => panic!("an empty message answered {other:?}"),
+    }
+    still_serving(&mut d)
+}
+
+#[test]
+fn every_truncation_of_a_valid_message_is_refused() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    let pd = conn_works(&mut c)?;
+    let full = proto::encode_request(&Request::ModifyQp {
+        qp: 0x11,
+        attr: QpAttr::default(),
+        mask: QpAttrMask::STATE | QpAttrMask::PORT,
+    });
+    for n in 1..full.len() {
+        let (errno, msg) = c.exchange(&full[..n], &[])?.errno()?;
+        assert_eq!(errno, EINVAL, "prefix of {n} bytes: {msg}");
+    }
+    let reg = proto::encode_request(&reg_mr(pd, 4096));
+    let (errno, _) = c.exchange(&reg[..reg.len() - 1], &[])?.errno()?;
+    assert_eq!(errno, EINVAL);
+    conn_works(&mut c)?;
+    still_serving(&mut d)
+}
+
+#[test]
+fn an_oversized_message_is_refused() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    // A valid request padded past the limit, and plain bulk.
+    let mut big = proto::encode_request(&Request::AllocPd);
+    big.resize(MAX_MESSAGE + 1, 0);
+    let (errno, msg) = c.exchange(&big, &[])?.errno()?;
+    assert_eq!(errno, EINVAL, "{msg}");
+    assert!(msg.contains("larger"), "{msg}");
+    let (errno, _) = c.exchange(&pattern(MAX_MESSAGE * 2, 3), &[])?.errno()?;
+    assert_eq!(errno, EINVAL);
+    conn_works(&mut c)?;
+    still_serving(&mut d)
+}
+
+#[test]
+fn reg_mr_descriptors_are_checked() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let before = settled_fds(&d)?;
+    let mut c = open(&d)?;
+    let pd = conn_works(&mut c)?;
+    let req = reg_mr(pd, 4096);
+    let sealed = vrdma_shm::Segment::create("it-sealed", 4096)?;
+    let sealed2 = vrdma_shm::Segment::create("it-sealed", 4096)?;
+    let (pipe_r, _pipe_w) = rustix::pipe::pipe()?;
+    let unsealable = rustix::fs::memfd_create("it-unsealable", rustix::fs::MemfdFlags::CLOEXEC)?;
+    rustix::fs::ftruncate(&unsealable, 4096)?;
+    let unsealed = rustix::fs::memfd_create(
+        "it-unsealed",
+        rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+    )?;
+    rustix::fs::ftruncate(&unsealed, 4096)?;
+    let bells: Vec<_> = (0..5).map(|_| vrdma_shm::Doorbell::pair()).collect::<Result<_, _>>()?;
+    let five: Vec<BorrowedFd> = bells.iter().map(|(a, _)| a.as_fd()).collect();
+
+    let cases: Vec<(&str, Vec<BorrowedFd>)> = vec![
+        ("no descriptor", vec![]),
+        ("two descriptors", vec![sealed.fd(), sealed2.fd()]),
+        ("five descriptors", five),
+        ("a pipe", vec![pipe_r.as_fd()]),
+        ("a memfd that cannot be sealed", vec![unsealable.as_fd()]),
+        ("a memfd without seals", vec![unsealed.as_fd()]),
+    ];
+    for (what, fds) in &cases {
+        let (errno, msg) = c.call(&req, fds)?.errno()?;
+        assert_eq!(errno, EINVAL, "{what}: {msg}");
+        conn_works(&mut c)?;
+    }
+    // A descriptor with a request that takes none.
+    let (errno, msg) = c.call(&Request::AllocPd, &[sealed.fd()])?.errno()?;
+    assert_eq!(errno, EINVAL, "{msg}");
+    // Sealed but smaller than the region.
+    let (errno, msg) = c.call(&reg_mr(pd, 8192), &[sealed.fd()])?.errno()?;
+    assert_eq!(errno, EINVAL, "{msg}");
+    // An offset past the end of the file.
+    let far = Request::RegMr {
+        pd,
+        addr: 0x7000_0000_0000,
+        len: 16,
+        access: AccessFlags::LOCAL_WRITE,
+        fd_offset: u64::MAX - 8,
+    };
+    let (errno, msg) = c.call(&far, &[sealed.fd()])?.errno()?;
+    assert_eq!(errno, EINVAL, "{msg}");
+    // A PD that does not exist.
+    let (errno, msg) = c.call(&reg_mr(pd + 1000, 4096), &[sealed.fd()])?.errno()?;
+    assert_eq!(errno, EINVAL, "{msg}");
+
+    // And the real thing works on the same connection.
+    let key = match c.call(&req, &[sealed.fd()])?.reply()? {
+        Reply::Mr { key } => key,
+        other => bail!("RegMr answered {other:?}"),
+    };
+    assert!(matches!(c.call(&Request::DeregMr { key }, &[])?.reply()?, Reply::Done));
+    assert!(matches!(c.call(&Request::DeallocPd { pd }, &[])?.reply()?, Reply::Done));
+    drop(c);
+    // Every descriptor that came with a refused request was closed.
+    wait_until(WAIT, "the daemon's descriptors back to their count", || {
+        d.open_fds().is_ok_and(|n| n <= before)
+    })?;
+    still_serving(&mut d)
+}
+
+#[test]
+fn hello_comes_first_and_once_in_the_right_version() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = RawConn::connect(&d.socket)?;
+    let (errno, msg) = c.call(&Request::AllocPd, &[])?.errno()?;
+    assert_eq!(errno, EPROTO, "{msg}");
+    let (errno, msg) = c.call(&Request::QueryDevice, &[])?.errno()?;
+    assert_eq!(errno, EPROTO, "{msg}");
+    let (errno, msg) = c.call(&Request::Hello { version: PROTOCOL_VERSION + 1 }, &[])?.errno()?;
+    assert_eq!(errno, EPROTO, "{msg}");
+    assert!(msg.contains("version"), "{msg}");
+    let (errno, _) = c.call(&Request::Hello { version: 0 }, &[])?.errno()?;
+    assert_eq!(errno, EPROTO);
+    // The right version still opens the context after those.
+    assert_eq!(c.hello()?, rustix::process::geteuid().as_raw());
+    let (errno, msg) = c.call(&Request::Hello { version: PROTOCOL_VERSION }, &[])?.errno()?;
+    assert_eq!(errno, EPROTO, "{msg}");
+    conn_works(&mut c)?;
+    still_serving(&mut d)
+}
+
+#[test]
+fn replies_to_objects_of_nobody_are_einval() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    for req in [
+        Request::DeallocPd { pd: 12345 },
+        Request::DeregMr { key: 1 },
+        Request::DestroyCq { cq: 77 },
+        Request::DestroyQp { qp: 0x11 },
+        Request::DestroySrq { srq: 5 },
+        Request::DestroyCompChannel { channel: 9 },
+        Request::QueryQp { qp: 0x12 },
+        Request::CreateCq { cqe: 16, channel: Some(4242) },
+        Request::QueryPort { port: 2 },
+        Request::QueryGid { port: 1, index: 7 },
+        Request::CreateCq { cqe: 0, channel: None },
+    ] {
+        let (errno, msg) = c.call(&req, &[])?.errno()?;
+        assert_eq!(errno, EINVAL, "{req:?}: {msg}");
+    }
+    conn_works(&mut c)?;
+    still_serving(&mut d)
+}
+
+#[test]
+fn many_short_connections_leave_nothing_behind() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let fds = settled_fds(&d)?;
+    let threads = d.threads()?;
+    for i in 0..200u64 {
+        let c = RawConn::connect(&d.socket)?;
+        // Some say something and leave without reading the answer.
+        if i % 4 == 1 {
+            c.send_raw(&pattern(64, i), &[])?;
+        } else if i % 4 == 2 {
+            c.send_raw(&proto::encode_request(&Request::AllocPd), &[])?;
+        }
+        drop(c);
+    }
+    wait_until(WAIT, "the daemon's descriptors back to their count", || {
+        d.open_fds().is_ok_and(|n| n <= fds)
+    })?;
+    wait_until(WAIT, "the daemon's session threads gone", || d.threads().is_ok_and(|n| n <= threads))?;
+    still_serving(&mut d)
+}

@@ -1,0 +1,199 @@
+//! Waiting instead of spinning: completion channels and the async-event
+//! descriptor are real pollable fds, and completions stream into tokio.
+
+use std::os::fd::{AsRawFd, BorrowedFd};
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use vrdma::wr::{self, SendWrExt};
+use vrdma::{AsyncEvent, AsyncEventType, CompletionChannel, Context, QpState, WcOpcode, WcStatus};
+use vrdma_it::{access_all, async_event, cap, poll_one, wait_state, DaemonProc, Side, WAIT};
+
+/// `poll(2)` of one fd for `POLLIN`: whether it became readable in time.
+fn readable(fd: BorrowedFd<'_>, limit: Duration) -> Result<bool> {
+    let mut p = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd for the duration of the call.
+    let n = unsafe { libc::poll(&mut p, 1, limit.as_millis() as i32) };
+    if n < 0 {
+        bail!("poll: {}", std::io::Error::last_os_error());
+    }
+    Ok(n == 1 && p.revents & libc::POLLIN != 0)
+}
+
+/// A side whose CQ reports to `ch`, its QP connected to itself.
+fn loopback(ctx: &Context, ch: &CompletionChannel) -> Result<Side> {
+    let s = Side::with(ctx, 1 << 16, 256, cap(128, 1), Some(ch))?;
+    s.qp.connect(&s.endpoint()?, access_all())?;
+    Ok(s)
+}
+
+fn write(s: &Side, id: u64) -> Result<vrdma::SendWr> {
+    Ok(wr::rdma_write(id, &[s.mr.sge(0, 8)?], s.mr.addr() + 4096, s.mr.rkey())?.signaled())
+}
+
+#[test]
+fn channel_fd_becomes_readable_for_poll() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = ctx.create_comp_channel()?;
+    let s = loopback(&ctx, &ch)?;
+    assert!(!readable(ch.fd(), Duration::ZERO)?);
+
+    // Not armed: a completion raises no event.
+    s.qp.post_send(&[write(&s, 1)?])?;
+    assert_eq!(poll_one(&s.cq, WAIT)?.wr_id, 1);
+    assert!(!readable(ch.fd(), Duration::from_millis(100))?, "an unarmed CQ raised an event");
+
+    // Armed: the fd becomes readable and the event names the CQ.
+    s.cq.req_notify(false)?;
+    s.qp.post_send(&[write(&s, 2)?])?;
+    assert!(readable(ch.fd(), WAIT)?, "the channel fd did not become readable");
+    assert_eq!(ch.get_cq_event(Some(Duration::ZERO))?, Some(s.cq.cqn()));
+    let wc = poll_one(&s.cq, WAIT)?;
+    assert_eq!((wc.wr_id, wc.status, wc.opcode), (2, WcStatus::Success, WcOpcode::RdmaWrite));
+    // Drained: the fd is not left readable for nothing (an event loop
+    // would spin, or block in a get_cq_event that finds nothing).
+    assert_eq!(ch.get_cq_event(Some(Duration::ZERO))?, None);
+    assert!(!readable(ch.fd(), Duration::ZERO)?, "the channel fd stays readable with no event");
+    // One event per arming: the next completion stays silent.
+    s.qp.post_send(&[write(&s, 3)?])?;
+    assert_eq!(poll_one(&s.cq, WAIT)?.wr_id, 3);
+    assert!(!readable(ch.fd(), Duration::from_millis(100))?);
+    assert_eq!(ch.get_cq_event(Some(Duration::ZERO))?, None);
+    assert_eq!(ch.events_dropped(), 0);
+    Ok(())
+}
+
+#[test]
+fn channel_fd_works_with_epoll() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = ctx.create_comp_channel()?;
+    let s = loopback(&ctx, &ch)?;
+    // SAFETY: plain epoll system calls on descriptors we own; the epoll
+    // fd is closed below.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    assert!(ep >= 0);
+    let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 0xc0ffee };
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, ch.fd().as_raw_fd(), &mut ev) }, 0);
+    let wait = |ms: i32| -> Vec<u64> {
+        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: `out` has room for 4 events.
+        let n = unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 4, ms) };
+        out[..n.max(0) as usize].iter().map(|e| e.u64).collect()
+    };
+    let result = (|| -> Result<()> {
+        assert!(wait(0).is_empty());
+        for round in 0..3u64 {
+            s.cq.req_notify(false)?;
+            s.qp.post_send(&[write(&s, round)?])?;
+            assert_eq!(wait(WAIT.as_millis() as i32), vec![0xc0ffee], "round {round}");
+            assert_eq!(ch.get_cq_event(Some(WAIT))?, Some(s.cq.cqn()));
+            assert_eq!(poll_one(&s.cq, WAIT)?.wr_id, round);
+            // Drained (until None): level-triggered epoll reports nothing more.
+            assert_eq!(ch.get_cq_event(Some(Duration::ZERO))?, None);
+            assert!(wait(50).is_empty(), "round {round}: readable with no event");
+        }
+        Ok(())
+    })();
+    // SAFETY: `ep` is ours and closed once.
+    unsafe { libc::close(ep) };
+    result
+}
+
+#[test]
+fn get_cq_event_names_the_cq_that_fired() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = ctx.create_comp_channel()?;
+    let x = loopback(&ctx, &ch)?;
+    let y = loopback(&ctx, &ch)?;
+    assert_ne!(x.cq.cqn(), y.cq.cqn());
+    x.cq.req_notify(false)?;
+    y.cq.req_notify(false)?;
+    y.qp.post_send(&[write(&y, 1)?])?;
+    assert_eq!(ch.get_cq_event(Some(WAIT))?, Some(y.cq.cqn()));
+    assert_eq!(poll_one(&y.cq, WAIT)?.wr_id, 1);
+    x.qp.post_send(&[write(&x, 2)?])?;
+    assert_eq!(ch.get_cq_event(Some(WAIT))?, Some(x.cq.cqn()));
+    assert_eq!(poll_one(&x.cq, WAIT)?.wr_id, 2);
+    // Nothing is pending, and waiting for nothing times out.
+    assert_eq!(ch.get_cq_event(Some(Duration::from_millis(20)))?, None);
+    // The blocking helper: arm, poll, sleep on the channel of a lone CQ.
+    let ch2 = ctx.create_comp_channel()?;
+    let z = loopback(&ctx, &ch2)?;
+    let mut out = vrdma::wc_buffer(4);
+    assert_eq!(z.cq.wait(&mut out, Some(Duration::from_millis(20)))?, 0);
+    z.qp.post_send(&[write(&z, 3)?])?;
+    assert_eq!(z.cq.wait(&mut out, Some(WAIT))?, 1);
+    assert_eq!(out[0].wr_id, 3);
+    Ok(())
+}
+
+#[test]
+fn completion_stream_yields_completions_in_order() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = ctx.create_comp_channel()?;
+    let s = std::sync::Arc::new(loopback(&ctx, &ch)?);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+    let got: Vec<u64> = rt.block_on(async {
+        let mut stream = s.cq.stream()?;
+        // Another thread posts in bursts with pauses, so that the stream
+        // both finds completions waiting and sleeps on the channel.
+        let poster = {
+            let s = s.clone();
+            std::thread::spawn(move || -> Result<()> {
+                for burst in 0..10u64 {
+                    let wrs: Vec<_> = (0..10).map(|i| write(&s, burst * 10 + i)).collect::<Result<_>>()?;
+                    s.qp.post_send(&wrs)?;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Ok(())
+            })
+        };
+        let mut ids = Vec::new();
+        while ids.len() < 100 {
+            match tokio::time::timeout(WAIT, stream.next()).await {
+                Ok(Some(Ok(wc))) => {
+                    assert_eq!(wc.status, WcStatus::Success);
+                    ids.push(wc.wr_id);
+                }
+                Ok(other) => bail!("the stream yielded {other:?}"),
+                Err(_) => bail!("the stream stalled after {} completions", ids.len()),
+            }
+        }
+        poster.join().expect("poster thread")?;
+        // Nothing more comes.
+        assert!(tokio::time::timeout(Duration::from_millis(50), stream.next()).await.is_err());
+        Ok::<_, anyhow::Error>(ids)
+    })?;
+    assert_eq!(got, (0..100).collect::<Vec<u64>>());
+    Ok(())
+}
+
+#[test]
+fn async_event_fd_is_pollable() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let (ca, cb) = (d.context()?, d.context()?);
+    let a = Side::new(&ca, 4096)?;
+    let b = Side::new(&cb, 4096)?;
+    vrdma_it::connect(&a, &b)?;
+    assert!(!readable(cb.async_event_fd(), Duration::ZERO)?);
+    assert_eq!(cb.get_async_event(Some(Duration::ZERO))?, None);
+    // A write with a key that is not B's breaks B's QP: B gets an event.
+    let bad = b.mr.rkey() ^ 0x5a5a_5a5a;
+    a.qp.post_send(&[wr::rdma_write(1, &[a.mr.sge(0, 8)?], b.mr.addr(), bad)?.signaled()])?;
+    assert!(readable(cb.async_event_fd(), WAIT)?, "the async-event fd did not become readable");
+    let ev = async_event(&cb, Duration::ZERO)?;
+    assert_eq!(ev, AsyncEvent { event_type: AsyncEventType::QpAccessErr, element: b.qp.qpn() });
+    wait_state(&b.qp, QpState::Err, WAIT)?;
+    // Drained: the fd is not left readable for nothing.
+    assert_eq!(cb.get_async_event(Some(Duration::ZERO))?, None);
+    assert!(!readable(cb.async_event_fd(), Duration::ZERO)?, "the async fd stays readable with no event");
+    assert_eq!(cb.async_events_dropped(), 0);
+    // A's context heard nothing.
+    assert!(!readable(ca.async_event_fd(), Duration::from_millis(50))?);
+    Ok(())
+}

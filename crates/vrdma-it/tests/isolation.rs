@@ -1,0 +1,248 @@
+//! Tenants are the kernel's uids, and contexts own their objects: nothing
+//! of one tenant is reachable from another, whatever keys or numbers the
+//! other presents. The cross-uid tests need root (to run a peer as uid
+//! 65534); without it they say so and pass vacuously.
+
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+use vrdma::wr::{self, SendWrExt};
+use vrdma::{Mtu, QpAttr, QpAttrMask, QpState, WcStatus};
+use vrdma_core::proto::{Reply, Request};
+use vrdma_it::protocol::{Command, Hello, Said};
+use vrdma_it::{access_all, connect, le, poll_one, DaemonProc, PeerProc, RawConn, Side, WAIT};
+
+const NOBODY: u32 = 65534;
+
+fn root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    println!("this test needs root (to run a tenant as uid {NOBODY}); skipped");
+    false
+}
+
+/// A daemon, a peer tenant running as `nobody`, its greeting.
+fn with_nobody() -> Result<(DaemonProc, PeerProc, Hello)> {
+    let d = DaemonProc::start()?;
+    let peer = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(NOBODY))?;
+    let h = peer.hello()?;
+    Ok((d, peer, h))
+}
+
+/// Brings `s`'s QP to RTS towards `remote` with a short transport timeout
+/// and one retry, so that an unreachable peer fails fast.
+fn connect_fast(s: &Side, remote: &vrdma::Endpoint) -> Result<()> {
+    s.qp.to_init(1, access_all())?;
+    s.qp.to_rtr(remote, Mtu::Mtu4096, 12)?;
+    s.qp.to_rts(s.qp.psn(), 4, 1, 7)?;
+    Ok(())
+}
+
+#[test]
+fn tenants_are_uids() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let (d, mut peer, h) = with_nobody()?;
+    assert_eq!(d.context()?.tenant(), 0);
+    assert_eq!(h.tenant, NOBODY);
+    // The peer's process really is nobody's.
+    let status = std::fs::read_to_string(format!("/proc/{}/status", h.pid))?;
+    let uid_line = status.lines().find(|l| l.starts_with("Uid:")).unwrap_or_default().to_string();
+    assert!(uid_line.split_whitespace().skip(1).all(|u| u == NOBODY.to_string()), "{uid_line}");
+    peer.call_ok(&Command::Fill { offset: 0, data: vec![1, 2, 3] })?;
+    assert_eq!(peer.read(0, 3)?, [1, 2, 3]);
+    Ok(())
+}
+
+/// Tries every way to reach the peer's QP and region from QPs of the test
+/// process that the peer's QP is connected back to: a send each way, an
+/// RDMA write and an RDMA read. With `reach` they all succeed (a control
+/// that the setup is right); without, they all end in `RetryExcErr` and
+/// nothing crosses.
+fn every_way_to_the_peer(d: &DaemonProc, peer: &mut PeerProc, h: &Hello, reach: bool) -> Result<()> {
+    let ctx = d.context()?;
+    let expect = if reach { WcStatus::Success } else { WcStatus::RetryExcErr };
+    // A fresh QP of ours, and the peer's QP connected to it.
+    let fresh = |peer: &mut PeerProc| -> Result<Side> {
+        let s = Side::new(&ctx, 1 << 16)?;
+        peer.call_ok(&Command::Reset)?;
+        connect_fast(&s, &h.endpoint)?;
+        peer.call_ok(&Command::Connect { peer: s.endpoint()? })?;
+        Ok(s)
+    };
+    peer.call_ok(&Command::Fill { offset: 8192, data: vec![0x77; 64] })?;
+
+    // Our send.
+    let s = fresh(peer)?;
+    peer.call_ok(&Command::PostRecv { count: 1, offset: 0, len: 4096 })?;
+    s.mr.fill(0, 64, 0xaa)?;
+    s.qp.post_send(&[wr::send(1, &[s.mr.sge(0, 64)?])?.signaled()])?;
+    assert_eq!(status(poll_one(&s.cq, WAIT)?), (1, expect));
+    let got = peer.poll(1, if reach { WAIT } else { Duration::from_millis(200) })?;
+    assert_eq!(got.len(), reach as usize, "receives at the peer: {got:?}");
+    assert_eq!(peer.read(0, 64)?, vec![if reach { 0xaa } else { 0 }; 64]);
+
+    // Our RDMA write with the peer's own address and key.
+    let s = fresh(peer)?;
+    s.mr.fill(0, 64, 0xbb)?;
+    s.qp.post_send(&[wr::rdma_write(2, &[s.mr.sge(0, 64)?], h.addr + 8192, h.rkey)?.signaled()])?;
+    assert_eq!(status(poll_one(&s.cq, WAIT)?), (2, expect));
+    assert_eq!(peer.read(8192, 64)?, vec![if reach { 0xbb } else { 0x77 }; 64]);
+
+    // Our RDMA read of it.
+    let s = fresh(peer)?;
+    s.qp.post_send(&[wr::rdma_read(3, &[s.mr.sge(0, 64)?], h.addr + 8192, h.rkey)?.signaled()])?;
+    assert_eq!(status(poll_one(&s.cq, WAIT)?), (3, expect));
+    assert_eq!(s.mr.to_vec()[..64], [if reach { 0xbb } else { 0 }; 64]);
+    // Our failures are ours: the peer's QP is still in RTS.
+    assert!(matches!(peer.call(&Command::State)?, Said::State(3)));
+
+    // The peer's send to us.
+    let s = fresh(peer)?;
+    s.qp.post_recv(&[wr::recv(9, &[s.mr.sge(0, 64)?])?])?;
+    peer.call_ok(&Command::Fill { offset: 0, data: vec![0x99; 16] })?;
+    peer.call_ok(&Command::Send { wr_id: 5, offset: 0, len: 16, imm: None })?;
+    let got = peer.poll(1, WAIT)?;
+    assert_eq!(got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(), [(5, expect.raw())]);
+    let ours = vrdma_it::poll_for(&s.cq, Duration::from_millis(if reach { 0 } else { 50 }))?;
+    if reach {
+        assert_eq!(ours.len(), 1);
+    } else {
+        assert!(ours.is_empty(), "a send from another tenant arrived: {ours:?}");
+        assert_eq!(s.mr.to_vec()[..16], [0u8; 16]);
+    }
+    Ok(())
+}
+
+fn status(wc: vrdma::WorkCompletion) -> (u64, WcStatus) {
+    (wc.wr_id, wc.status)
+}
+
+#[test]
+fn a_connection_across_tenants_never_reaches_the_other_side() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let (d, mut peer, h) = with_nobody()?;
+    every_way_to_the_peer(&d, &mut peer, &h, false)?;
+    // Its own send failed, so its QP is in ERR now.
+    assert!(matches!(peer.call(&Command::State)?, Said::State(6)));
+    Ok(())
+}
+
+#[test]
+fn the_same_attempts_within_one_tenant_succeed() -> Result<()> {
+    // The control for the test above: a peer of our own uid.
+    let d = DaemonProc::start()?;
+    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let h = peer.hello()?;
+    every_way_to_the_peer(&d, &mut peer, &h, true)
+}
+
+#[test]
+fn another_tenants_rkey_is_refused_on_a_same_tenant_connection() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let (d, mut peer, h) = with_nobody()?;
+    peer.call_ok(&Command::Fill { offset: 0, data: vec![0x44; 256] })?;
+    let a = Side::new(&d.context()?, 4096)?;
+    let b = Side::new(&d.context()?, 4096)?;
+    connect(&a, &b)?;
+    a.mr.fill(0, 64, 0xcc)?;
+    // Address and key of the other tenant's region, through our own QP pair.
+    a.qp.post_send(&[wr::rdma_write(1, &[a.mr.sge(0, 64)?], h.addr, h.rkey)?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::RemAccessErr);
+    assert_eq!(peer.read(0, 256)?, vec![0x44; 256], "our write reached the other tenant");
+
+    let (a, b) = (Side::new(&d.context()?, 4096)?, Side::new(&d.context()?, 4096)?);
+    connect(&a, &b)?;
+    a.qp.post_send(&[wr::rdma_read(2, &[a.mr.sge(0, 64)?], h.addr, h.rkey)?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::RemAccessErr);
+    assert_eq!(a.mr.to_vec()[..64], [0u8; 64], "we read the other tenant's memory");
+
+    // The key as a local key is no better.
+    let (a, b) = (Side::new(&d.context()?, 4096)?, Side::new(&d.context()?, 4096)?);
+    connect(&a, &b)?;
+    let stolen = vrdma::Sge { addr: h.addr, length: 64, lkey: h.rkey };
+    a.qp.post_send(&[wr::rdma_write(3, &[stolen], b.mr.addr(), b.mr.rkey())?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::LocProtErr);
+    assert_eq!(b.mr.to_vec()[..64], [0u8; 64]);
+    drop(b);
+    // The other tenant is unaffected.
+    assert_eq!(peer.read(0, 256)?, vec![0x44; 256]);
+    Ok(())
+}
+
+/// Every request naming an object of another context is refused as if
+/// the object did not exist, and the object is unharmed.
+fn name_foreign_objects(conn: &mut RawConn, qpn: u32, key: u32) -> Result<()> {
+    let rts_to_err = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+    for req in [
+        Request::DestroyQp { qp: qpn },
+        Request::ModifyQp { qp: qpn, attr: rts_to_err, mask: QpAttrMask::STATE },
+        Request::QueryQp { qp: qpn },
+        Request::DeregMr { key },
+    ] {
+        match conn.call(&req, &[])?.reply()? {
+            Reply::Error { errno, message } => assert_eq!(errno, libc::EINVAL, "{req:?}: {message}"),
+            other => bail!("{req:?} on another context's object answered {other:?}"),
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_context_cannot_name_another_tenants_objects() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let (d, mut peer, h) = with_nobody()?;
+    let mut conn = RawConn::connect(&d.socket)?;
+    assert_eq!(conn.hello()?, 0);
+    name_foreign_objects(&mut conn, h.endpoint.qpn, h.rkey)?;
+    // The peer's QP and region are as they were.
+    assert!(matches!(peer.call(&Command::State)?, Said::State(0)));
+    peer.call_ok(&Command::Fill { offset: 0, data: le(42) })?;
+    assert_eq!(peer.read(0, 8)?, le(42));
+    peer.call_ok(&Command::Connect { peer: h.endpoint })?;
+    assert!(matches!(peer.call(&Command::State)?, Said::State(3)));
+    Ok(())
+}
+
+#[test]
+fn a_context_cannot_name_another_contexts_objects_of_the_same_tenant() -> Result<()> {
+    // Needs no root: two contexts of this very process.
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let s = Side::new(&ctx, 4096)?;
+    s.qp.connect(&s.endpoint()?, access_all())?;
+    let mut conn = RawConn::connect(&d.socket)?;
+    conn.hello()?;
+    name_foreign_objects(&mut conn, s.qp.qpn(), s.mr.rkey())?;
+    for req in [
+        Request::DeallocPd { pd: s.pd.pd_id() },
+        Request::DestroyCq { cq: s.cq.cqn() },
+        Request::CreateQp { pd: s.pd.pd_id(), init: s.qp.init_attr() },
+    ] {
+        match conn.call(&req, &[])?.reply()? {
+            Reply::Error { errno, message } => assert_eq!(errno, libc::EINVAL, "{req:?}: {message}"),
+            other => bail!("{req:?} on another context's object answered {other:?}"),
+        }
+    }
+    // Untouched: the QP still moves data through the region.
+    assert_eq!(s.qp.state(), QpState::Rts);
+    let w = wr::rdma_write(1, &[s.mr.sge(0, 8)?], s.mr.addr() + 8, s.mr.rkey())?.signaled();
+    s.qp.post_send(&[w])?;
+    assert_eq!(poll_one(&s.cq, WAIT)?.status, WcStatus::Success);
+    // The raw connection's own objects are its own.
+    let pd = match conn.call(&Request::AllocPd, &[])?.reply()? {
+        Reply::Pd { pd } => pd,
+        other => bail!("{other:?}"),
+    };
+    assert_ne!(pd, s.pd.pd_id());
+    Ok(())
+}

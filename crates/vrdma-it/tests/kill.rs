@@ -1,0 +1,258 @@
+//! Processes that die: a tenant killed mid-transfer, a daemon killed under
+//! live contexts, a tenant killed while holding every kind of object.
+
+use anyhow::{bail, Result};
+use vrdma::wr::{self, SendWrExt};
+use vrdma::{AsyncEvent, AsyncEventType, QpState, WcOpcode, WcStatus};
+use vrdma_it::protocol::{Command, Said};
+use vrdma_it::{
+    access_all, async_event, bounded, cap, connect, pattern, poll_n, poll_one, wait_state, wait_until,
+    DaemonProc, PeerProc, Side, PEER_TIMEOUT, WAIT,
+};
+
+/// Two fresh contexts of the daemon connect and move data.
+fn fresh_pair_works(d: &DaemonProc) -> Result<()> {
+    let a = Side::new(&d.context()?, 1 << 16)?;
+    let b = Side::new(&d.context()?, 1 << 16)?;
+    connect(&a, &b)?;
+    let data = pattern(40_000, 99);
+    a.mr.write(0, &data)?;
+    b.qp.post_recv(&[wr::recv(1, &[b.mr.sge(0, 1 << 16)?])?])?;
+    a.qp.post_send(&[wr::send(2, &[a.mr.sge(0, data.len())?])?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
+    let wc = poll_one(&b.cq, WAIT)?;
+    assert_eq!((wc.status, wc.byte_len as usize), (WcStatus::Success, data.len()));
+    let mut got = vec![0u8; data.len()];
+    b.mr.read(0, &mut got)?;
+    assert!(got == data);
+    Ok(())
+}
+
+fn kill_peer(peer: &mut PeerProc) -> Result<()> {
+    peer.proc.kill(libc::SIGKILL);
+    let status = peer.proc.wait_timeout(WAIT)?;
+    assert!(!status.success());
+    Ok(())
+}
+
+#[test]
+fn killing_a_tenant_mid_flood_breaks_only_its_peer() -> Result<()> {
+    const LEN: usize = 4 << 20;
+    let mut d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let me = Side::with(&ctx, LEN, 64, cap(16, 1), None)?;
+    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let h = peer.hello()?;
+    me.qp.connect(&h.endpoint, access_all())?;
+    peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
+    let mark = pattern(4096, 5);
+    peer.call_ok(&Command::Fill { offset: 0, data: mark.clone() })?;
+    let recvs: Vec<_> =
+        (0..4).map(|i| wr::recv(100 + i, &[me.mr.sge(0, 64)?])).collect::<Result<_, vrdma::Error>>()?;
+    me.qp.post_recv(&recvs)?;
+
+    peer.send(&Command::Flood { remote_addr: me.mr.addr(), rkey: me.mr.rkey(), len: LEN, count: 1 << 40 })?;
+    match peer.recv::<Said>(PEER_TIMEOUT)? {
+        Said::Flooding => {}
+        other => bail!("the peer answered {other:?} to Flood"),
+    }
+    // Data is flowing into our region.
+    wait_until(WAIT, "the flood reaching our region", || {
+        let mut b = vec![0u8; mark.len()];
+        me.mr.read(0, &mut b).is_ok() && b == mark
+    })?;
+    kill_peer(&mut peer)?;
+
+    wait_state(&me.qp, QpState::Err, WAIT)?;
+    let ev = async_event(&ctx, WAIT)?;
+    assert_eq!(ev, AsyncEvent { event_type: AsyncEventType::QpFatal, element: me.qp.qpn() });
+    let wcs = poll_n(&me.cq, 4, WAIT)?;
+    for (i, wc) in wcs.iter().enumerate() {
+        assert_eq!((wc.wr_id, wc.status, wc.opcode), (100 + i as u64, WcStatus::WrFlushErr, WcOpcode::Recv));
+    }
+    assert!(d.is_alive(), "the daemon died with the tenant");
+    fresh_pair_works(&d)?;
+    // And our context itself still works.
+    let other = Side::new(&ctx, 4096)?;
+    other.qp.connect(&other.endpoint()?, access_all())?;
+    let w = wr::rdma_write(1, &[other.mr.sge(0, 8)?], other.mr.addr() + 8, other.mr.rkey())?;
+    other.qp.post_send(&[w.signaled()])?;
+    assert_eq!(poll_one(&other.cq, WAIT)?.status, WcStatus::Success);
+    assert!(d.is_alive());
+    Ok(())
+}
+
+#[test]
+fn killing_a_responder_completes_every_posted_request() -> Result<()> {
+    const LEN: usize = 1 << 20;
+    const N: usize = 64;
+    let mut d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let me = Side::with(&ctx, LEN, 128, cap(N as u32, 1), None)?;
+    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let h = peer.hello()?;
+    me.qp.connect(&h.endpoint, access_all())?;
+    peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
+    let wrs: Vec<_> = (0..N as u64)
+        .map(|i| Ok(wr::rdma_write(i, &[me.mr.sge(0, LEN)?], h.addr, h.rkey)?.signaled()))
+        .collect::<Result<_>>()?;
+    me.qp.post_send(&wrs)?;
+    let first = poll_one(&me.cq, WAIT)?;
+    assert_eq!((first.wr_id, first.status), (0, WcStatus::Success));
+    kill_peer(&mut peer)?;
+
+    wait_state(&me.qp, QpState::Err, WAIT)?;
+    let rest = poll_n(&me.cq, N - 1, WAIT)?;
+    let ids: Vec<u64> = rest.iter().map(|w| w.wr_id).collect();
+    assert_eq!(ids, (1..N as u64).collect::<Vec<_>>(), "every request completes once, in order");
+    // Successes, then at most the one in flight as a transport error,
+    // then flushes.
+    let mut phase = 0;
+    for wc in &rest {
+        let p = match wc.status {
+            WcStatus::Success => 0,
+            WcStatus::RetryExcErr => 1,
+            WcStatus::WrFlushErr => 2,
+            other => bail!("unexpected status {other:?} in {rest:?}"),
+        };
+        assert!(p >= phase && !(p == 1 && phase == 1), "statuses out of order: {rest:?}");
+        phase = p;
+    }
+    assert_eq!(phase, 2, "nothing was flushed: {rest:?}");
+    assert_eq!(async_event(&ctx, WAIT)?.event_type, AsyncEventType::QpFatal);
+    assert!(d.is_alive());
+    fresh_pair_works(&d)
+}
+
+#[test]
+fn killing_a_sender_mid_message_completes_every_receive_once() -> Result<()> {
+    const LEN: usize = 4 << 20;
+    const N: u64 = 256;
+    let mut d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let me = Side::with(&ctx, LEN, 512, cap(N as u32, 1), None)?;
+    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let h = peer.hello()?;
+    me.qp.connect(&h.endpoint, access_all())?;
+    peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
+    let recvs: Vec<_> =
+        (0..N).map(|i| wr::recv(i, &[me.mr.sge(0, LEN)?])).collect::<Result<_, vrdma::Error>>()?;
+    me.qp.post_recv(&recvs)?;
+    // Far more than it can send before it dies: a gigabyte of sends.
+    peer.send(&Command::FloodSend { len: LEN, count: N })?;
+    let first = poll_one(&me.cq, WAIT)?;
+    assert_eq!((first.wr_id, first.status, first.byte_len as usize), (0, WcStatus::Success, LEN));
+    kill_peer(&mut peer)?;
+
+    wait_state(&me.qp, QpState::Err, WAIT)?;
+    // Every receive completes exactly once, in order: the messages that
+    // arrived whole, then flushes (the one cut off mid-message included).
+    let rest = poll_n(&me.cq, N as usize - 1, WAIT)?;
+    let ids: Vec<u64> = rest.iter().map(|w| w.wr_id).collect();
+    assert_eq!(ids, (1..N).collect::<Vec<_>>());
+    let whole = rest.iter().take_while(|w| w.status == WcStatus::Success).count();
+    for w in &rest[..whole] {
+        assert_eq!(w.byte_len as usize, LEN);
+    }
+    assert!(rest[whole..].iter().all(|w| w.status == WcStatus::WrFlushErr), "{:?}", &rest[whole..]);
+    assert!(whole < rest.len(), "the sender was not killed mid-flood");
+    assert!(
+        vrdma_it::poll_for(&me.cq, std::time::Duration::from_millis(50))?.is_empty(),
+        "a receive completed twice"
+    );
+    assert!(d.is_alive());
+    fresh_pair_works(&d)
+}
+
+#[test]
+fn a_daemon_restart_fails_old_contexts_and_serves_new_ones() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = ctx.create_comp_channel()?;
+    let side = Side::with(&ctx, 4096, 16, cap(4, 1), Some(&ch))?;
+    side.qp.connect(&side.endpoint()?, access_all())?;
+    d.restart()?;
+
+    // Control calls fail promptly.
+    let c = ctx.clone();
+    let r = bounded(WAIT, move || c.alloc_pd().map(|_| ()))?;
+    assert!(r.is_err(), "alloc_pd on a dead daemon's context succeeded");
+    let c = ctx.clone();
+    assert!(bounded(WAIT, move || c.query_device().map(|_| ()))?.is_err());
+    let c = ctx.clone();
+    assert!(bounded(WAIT, move || c.create_cq(4, None).map(|_| ()))?.is_err());
+    let q = std::sync::Arc::new(side);
+    let s = q.clone();
+    assert!(bounded(WAIT, move || s.qp.query().map(|_| ()))?.is_err());
+    // Waits for events fail too, even without a time limit: a dead
+    // daemon rings nothing, and waiting for it would last for ever.
+    let c = ctx.clone();
+    let r = bounded(WAIT, move || c.get_async_event(None))?;
+    assert!(r.is_err(), "get_async_event on a dead daemon: {r:?}");
+    let c = ch.clone();
+    let r = bounded(WAIT, move || c.get_cq_event(None))?;
+    assert!(r.is_err(), "get_cq_event on a dead daemon: {r:?}");
+    let s = q.clone();
+    let r = bounded(WAIT, move || s.cq.wait(&mut vrdma::wc_buffer(4), None))?;
+    assert!(r.is_err(), "CompletionQueue::wait on a dead daemon: {r:?}");
+    let s = q.clone();
+    let r = bounded(WAIT, move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        rt.block_on(async { anyhow::Ok(s.cq.stream()?.next().await) })
+    })??;
+    assert!(matches!(r, Some(Err(_))), "a completion stream on a dead daemon yielded {r:?}");
+    // Polling never blocks; it just finds nothing.
+    assert_eq!(q.cq.poll(&mut vrdma::wc_buffer(4))?, 0);
+    // Dropping the old objects does not hang either.
+    bounded(WAIT, move || drop((q, ch, ctx)))?;
+
+    // The new daemon serves new contexts.
+    assert!(d.is_alive());
+    fresh_pair_works(&d)
+}
+
+#[test]
+fn a_killed_tenants_objects_are_freed_and_its_quota_refunded() -> Result<()> {
+    const QUOTA: usize = 16;
+    let d = DaemonProc::start_with_config(&format!("[quota]\nmax_objects = {QUOTA}\n"))?;
+    let ctx = d.context()?;
+    // Four objects of ours: PD, region, CQ, QP.
+    let me = Side::with(&ctx, 4096, 16, cap(4, 1), None)?;
+    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let h = peer.hello()?;
+    me.qp.connect(&h.endpoint, access_all())?;
+    peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
+    match peer.call(&Command::Hoard)? {
+        Said::Hoarded { kinds, errno, message } => {
+            assert_eq!(errno, libc::ENOMEM, "{message}");
+            assert!(message.contains("quota"), "{message}");
+            for k in ["pd", "mr", "channel", "cq", "srq", "qp-srq", "qp"] {
+                assert!(kinds.iter().any(|x| x == k), "the peer made no {k}: {kinds:?}");
+            }
+        }
+        other => bail!("the peer answered {other:?} to Hoard"),
+    }
+    // The tenant (the same uid as ours) is at its limit.
+    assert_eq!(ctx.alloc_pd().unwrap_err().errno(), libc::ENOMEM);
+
+    kill_peer(&mut peer)?;
+    // Our QP, connected to one of the dead process's, is told.
+    wait_state(&me.qp, QpState::Err, WAIT)?;
+    let ev = async_event(&ctx, WAIT)?;
+    assert_eq!(ev, AsyncEvent { event_type: AsyncEventType::QpFatal, element: me.qp.qpn() });
+    // Everything it held is refunded: exactly QUOTA - 4 objects fit again.
+    wait_until(WAIT, "the dead tenant's objects freed", || ctx.alloc_pd().is_ok())?;
+    let mut pds = Vec::new();
+    let err = loop {
+        match ctx.alloc_pd() {
+            Ok(pd) => pds.push(pd),
+            Err(e) => break e,
+        }
+        if pds.len() > QUOTA {
+            bail!("more objects than the quota allows");
+        }
+    };
+    assert_eq!(err.errno(), libc::ENOMEM);
+    assert_eq!(pds.len(), QUOTA - 4, "not every object of the killed tenant was refunded");
+    Ok(())
+}
