@@ -18,9 +18,23 @@ use crate::stream::CompletionStream;
 /// A work completion (`ibv_wc`), as the daemon reports it.
 pub type WorkCompletion = Cqe;
 
-/// Consecutive empty polls of one CQ after which each further empty poll
-/// yields the CPU.
-pub const SPIN_POLLS: u32 = 64;
+/// How many empty polls in a row a CQ spins before every further empty
+/// poll yields the CPU: `VRDMA_POLL_SPIN`, else 4 on a machine with two
+/// cores or fewer (where the engine needs the CPU the poller holds: three
+/// parties share two cores) and 1024 where cores are to spare.
+pub fn spin_polls() -> u32 {
+    static SPIN: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *SPIN.get_or_init(|| {
+        std::env::var("VRDMA_POLL_SPIN").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            if cores > 2 {
+                1024
+            } else {
+                4
+            }
+        })
+    })
+}
 
 fn blank() -> WorkCompletion {
     Cqe::new(0, WcStatus::Success, WcOpcode::Send, 0)
@@ -167,7 +181,7 @@ impl CompletionQueue {
     /// returns how many. Never blocks.
     ///
     /// Busy-polling loops are kind to small machines: after
-    /// [`SPIN_POLLS`] consecutive empty polls of this CQ, every further
+    /// [`spin_polls`] consecutive empty polls of this CQ, every further
     /// empty poll yields the CPU (`sched_yield`) so that the daemon's
     /// engine, which produces the completions, can run. The count resets
     /// when a poll finds something.
@@ -183,7 +197,7 @@ impl CompletionQueue {
             }
         } else {
             let count = empty.load(Ordering::Relaxed);
-            if count < SPIN_POLLS {
+            if count < spin_polls() {
                 empty.store(count + 1, Ordering::Relaxed);
             } else {
                 std::thread::yield_now();

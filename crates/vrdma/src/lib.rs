@@ -97,9 +97,9 @@ pub mod wr;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
-pub use channel::CompletionChannel;
+pub use channel::{event_spin, CompletionChannel};
 pub use context::Context;
-pub use cq::{wc_buffer, CompletionQueue, WorkCompletion, SPIN_POLLS};
+pub use cq::{spin_polls, wc_buffer, CompletionQueue, WorkCompletion};
 pub use error::{Error, PostError, Result};
 pub use mr::MemoryRegion;
 pub use pd::ProtectionDomain;

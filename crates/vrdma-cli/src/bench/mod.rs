@@ -94,7 +94,7 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     }
     let device = crate::embedded::device(socket, engine)?;
     let sock = device.socket().to_owned();
-    let (lat_iters, bw_bytes) = if args.quick { (2_000u64, 256u64 << 20) } else { (20_000, 2 << 30) };
+    let (lat_iters, bw_bytes) = if args.quick { (5_000u64, 1u64 << 30) } else { (20_000, 4 << 30) };
     let anchor_time = Duration::from_millis(if args.quick { 300 } else { 1000 });
 
     let progress = |what: &str| {

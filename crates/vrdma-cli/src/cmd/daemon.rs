@@ -21,6 +21,9 @@ pub struct Args {
     /// Then how long it polls with a yield between polls before sleeping, in µs.
     #[arg(long)]
     yield_us: Option<u64>,
+    /// Pin the engine thread to this CPU.
+    #[arg(long)]
+    engine_cpu: Option<usize>,
     /// The IPv4 address the port's GID carries [default: the first non-loopback address].
     #[arg(long)]
     address: Option<std::net::Ipv4Addr>,
@@ -44,6 +47,9 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     }
     if let Some(y) = args.yield_us {
         config.engine.yield_us = y;
+    }
+    if args.engine_cpu.is_some() {
+        config.engine.cpu = args.engine_cpu;
     }
     // Block the stop signals in every thread the daemon starts, and wait
     // for them here: shutdown then runs as ordinary code, not in a handler.

@@ -127,6 +127,19 @@ fn set_realtime() {
     }
 }
 
+fn pin_to(cpu: usize) {
+    let mut set = rustix::thread::CpuSet::new();
+    if cpu >= rustix::thread::CpuSet::MAX_CPU {
+        tracing::warn!(cpu, "engine.cpu out of range; not pinned");
+        return;
+    }
+    set.set(cpu);
+    match rustix::thread::sched_setaffinity(None, &set) {
+        Ok(()) => tracing::info!(cpu, "engine thread pinned"),
+        Err(e) => tracing::warn!(cpu, error = %e, "engine.cpu: cannot pin the engine thread"),
+    }
+}
+
 fn run(
     mut s: EngineState,
     rx: Receiver<Command>,
@@ -137,6 +150,9 @@ fn run(
 ) {
     if cfg.realtime {
         set_realtime();
+    }
+    if let Some(cpu) = cfg.cpu {
+        pin_to(cpu);
     }
     let spin = Duration::from_micros(cfg.spin_us);
     // A real-time thread's sched_yield only yields to other real-time
