@@ -201,16 +201,29 @@ pub(crate) fn push_recvs(
     max_sge: u32,
     wrs: &[RecvWr],
 ) -> std::result::Result<(), PostError> {
+    let stride = ring.stride();
+    push_all(ctx, ring, wrs, |wr| check_recv(wr, max_sge, stride), |wr, slot| wr.encode(slot).is_ok())
+}
+
+/// Checks and pushes each request in turn, stopping at the first that
+/// fails; rings the engine's doorbell once if anything was posted.
+fn push_all<W>(
+    ctx: &Context,
+    ring: &RingView,
+    wrs: &[W],
+    check: impl Fn(&W) -> Result<()>,
+    encode: impl Fn(&W, &mut [u8]) -> bool,
+) -> std::result::Result<(), PostError> {
     let mut posted = 0usize;
     let mut result = Ok(());
     for (i, wr) in wrs.iter().enumerate() {
-        if let Err(e) = check_recv(wr, max_sge, ring.stride()) {
+        if let Err(e) = check(wr) {
             result = Err(PostError::new(i, e));
             break;
         }
         match ring.try_push(|slot| {
-            let r = wr.encode(slot);
-            debug_assert!(r.is_ok(), "checked receive request failed to encode");
+            let ok = encode(wr, slot);
+            debug_assert!(ok, "a checked request failed to encode");
         }) {
             Ok(true) => posted += 1,
             Ok(false) => {
@@ -506,32 +519,13 @@ impl QueuePair {
             return Err(PostError::new(0, Error::invalid(format!("cannot post sends to a QP in {state:?}"))));
         }
         let stride = self.sq.stride();
-        let mut posted = 0usize;
-        let mut result = Ok(());
-        for (i, wr) in wrs.iter().enumerate() {
-            if let Err(e) = check_send(wr, &self.cap, stride) {
-                result = Err(PostError::new(i, e));
-                break;
-            }
-            match self.sq.try_push(|slot| {
-                let r = wr.encode(slot);
-                debug_assert!(r.is_ok(), "checked send request failed to encode");
-            }) {
-                Ok(true) => posted += 1,
-                Ok(false) => {
-                    result = Err(PostError::new(i, Error::QueueFull));
-                    break;
-                }
-                Err(e) => {
-                    result = Err(PostError::new(i, e.into()));
-                    break;
-                }
-            }
-        }
-        if posted > 0 {
-            self.ctx.inner.kick();
-        }
-        result
+        push_all(
+            &self.ctx,
+            &self.sq,
+            wrs,
+            |wr| check_send(wr, &self.cap, stride),
+            |wr, slot| wr.encode(slot).is_ok(),
+        )
     }
 
     /// `ibv_post_recv` to the QP's own receive queue.
