@@ -67,6 +67,8 @@ pub struct Figure {
     pub ratio: Option<f64>,
     pub target: String,
     pub cores: usize,
+    /// Latency only: the 99th percentile over every sample of every run.
+    pub p99: Option<f64>,
 }
 
 /// What a worker reports.
@@ -168,6 +170,9 @@ fn latency(
 ) -> Figure {
     let value = median_of(&runs);
     let ratio = anchor.map(|a| value.median / a.median);
+    let mut all: Vec<f64> = runs.iter().flat_map(|o| o.one_way_ns.iter().copied()).collect();
+    all.sort_by(f64::total_cmp);
+    let p99 = (!all.is_empty()).then(|| all[((all.len() - 1) as f64 * 0.99).round() as usize]);
     let target = if anchor_name.starts_with("send") {
         "<= 2x polling".to_string()
     } else if cores > 2 {
@@ -184,6 +189,7 @@ fn latency(
         ratio,
         target,
         cores,
+        p99,
     }
 }
 
@@ -199,6 +205,7 @@ fn bandwidth(name: &str, runs: Vec<Outcome>, memcpy: anchors::Stat, cores: usize
         anchor: Some(memcpy),
         target: ">= 0.70x memcpy".into(),
         cores,
+        p99: None,
     }
 }
 

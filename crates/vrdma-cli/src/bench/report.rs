@@ -20,8 +20,8 @@ pub fn print(figures: &[Figure], json: bool) -> Result<()> {
     let cores = figures.first().map_or(0, |f| f.cores);
     println!("vRDMA on this host ({cores} cores; medians of the runs, [min-max] of run medians)");
     println!();
-    println!("| figure | vRDMA | anchor | anchor value | ratio | target |");
-    println!("|---|---|---|---|---|---|");
+    println!("| figure | vRDMA | p99 | anchor | anchor value | ratio | target |");
+    println!("|---|---|---|---|---|---|---|");
     for f in figures {
         let v = format!(
             "{} [{}-{}]",
@@ -31,7 +31,8 @@ pub fn print(figures: &[Figure], json: bool) -> Result<()> {
         );
         let a = f.anchor.map_or("n/a".to_string(), |a| fmt(a.median, f.unit));
         let r = f.ratio.map_or("n/a".to_string(), |r| format!("{r:.2}x"));
-        println!("| {} | {} | {} | {} | {} | {} |", f.name, v, f.anchor_name, a, r, f.target);
+        let p99 = f.p99.map_or("".to_string(), |p| fmt(p, f.unit));
+        println!("| {} | {} | {} | {} | {} | {} | {} |", f.name, v, p99, f.anchor_name, a, r, f.target);
     }
     Ok(())
 }
