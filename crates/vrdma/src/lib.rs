@@ -81,11 +81,14 @@
 
 #![warn(missing_debug_implementations)]
 
+mod ah;
 mod channel;
 mod context;
 mod control;
 mod cq;
 mod error;
+#[doc(hidden)]
+pub mod ffi;
 mod mr;
 mod pd;
 mod qp;
@@ -97,6 +100,7 @@ pub mod wr;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+pub use ah::AddressHandle;
 pub use channel::{event_spin, CompletionChannel};
 pub use context::Context;
 pub use cq::{spin_polls, wc_buffer, CompletionQueue, WorkCompletion};
@@ -111,8 +115,8 @@ pub use stream::CompletionStream;
 pub use wr as WorkRequest;
 pub use wr::SendWrExt;
 
-pub use vrdma_core::hca::AsyncEvent;
-pub use vrdma_core::ring::{Cqe, RecvWr, SendWr, Sge, SgeList, MAX_INLINE, MAX_SGE};
+pub use vrdma_core::hca::{AsyncEvent, GRH_LEN};
+pub use vrdma_core::ring::{Cqe, RecvWr, SendWr, Sge, SgeList, UdDest, MAX_INLINE, MAX_SGE};
 pub use vrdma_core::verbs::*;
 
 /// Environment variable naming the daemon's socket.

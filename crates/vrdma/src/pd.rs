@@ -3,8 +3,9 @@
 use std::sync::Arc;
 
 use vrdma_core::proto::{Reply, Request};
-use vrdma_core::verbs::{AccessFlags, QpCap, SrqAttr};
+use vrdma_core::verbs::{AccessFlags, AhAttr, QpCap, SrqAttr};
 
+use crate::ah::AddressHandle;
 use crate::context::Context;
 use crate::control;
 use crate::cq::CompletionQueue;
@@ -128,6 +129,32 @@ impl ProtectionDomain {
         cap: QpCap,
     ) -> Result<QueuePair> {
         self.create_qp(&QpInit::rc(send_cq, recv_cq, cap))
+    }
+
+    /// A UD QP with its own receive queue, brought to RTS on port 1 with
+    /// Q_Key `qkey` and ready to send and receive datagrams (see
+    /// [`QpInit::ud`] and [`QueuePair::to_init_ud`] for a QP brought up
+    /// step by step).
+    pub fn create_ud_qp(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        cap: QpCap,
+        qkey: u32,
+    ) -> Result<QueuePair> {
+        let qp = self.create_qp(&QpInit::ud(send_cq, recv_cq, cap))?;
+        qp.to_init_ud(crate::qp::defaults::PORT, qkey)?;
+        qp.to_rtr_ud()?;
+        qp.to_rts_ud(qp.psn())?;
+        Ok(qp)
+    }
+
+    /// `ibv_create_ah`: an address handle for UD sends from QPs of this PD.
+    /// `attr.port_num` must name the port (1); a LID in the multicast range
+    /// or a multicast GID is refused (`EOPNOTSUPP`). The destination is
+    /// not checked: a datagram to nowhere is lost, as on a fabric.
+    pub fn create_ah(&self, attr: &AhAttr) -> Result<AddressHandle> {
+        AddressHandle::create(self, attr)
     }
 
     /// Checks that `ctx` is this PD's context.

@@ -22,7 +22,7 @@ use crate::srq::SharedReceiveQueue;
 /// What a QP is created with (`ibv_qp_init_attr`).
 #[derive(Debug, Clone, Copy)]
 pub struct QpInit<'a> {
-    /// Only [`QpType::Rc`] is supported by the daemon today.
+    /// [`QpType::Rc`] or [`QpType::Ud`]; the daemon refuses UC.
     pub qp_type: QpType,
     pub send_cq: &'a CompletionQueue,
     pub recv_cq: &'a CompletionQueue,
@@ -41,6 +41,12 @@ impl<'a> QpInit<'a> {
     /// An RC QP with its own receive queue, signalling only sends that ask.
     pub fn rc(send_cq: &'a CompletionQueue, recv_cq: &'a CompletionQueue, cap: QpCap) -> Self {
         QpInit { qp_type: QpType::Rc, send_cq, recv_cq, srq: None, cap, sq_sig_all: false }
+    }
+
+    /// A UD QP with its own receive queue, signalling only sends that ask.
+    /// Each receive buffer must hold the 40-byte GRH area plus the payload.
+    pub fn ud(send_cq: &'a CompletionQueue, recv_cq: &'a CompletionQueue, cap: QpCap) -> Self {
+        QpInit { qp_type: QpType::Ud, ..QpInit::rc(send_cq, recv_cq, cap) }
     }
 
     /// The same, taking receive requests from `srq`.
@@ -181,6 +187,15 @@ pub(crate) fn check_send(wr: &SendWr, cap: &QpCap, stride: usize) -> Result<()> 
         if n > cap.max_send_sge as usize || SEND_HEADER + n * SGE_SIZE > stride {
             return Err(Error::invalid(format!("{n} SGEs, the QP allows {} per send", cap.max_send_sge)));
         }
+    }
+    Ok(())
+}
+
+/// Checks what a send on a UD QP needs besides [`check_send`]: an address
+/// handle (the daemon checks that it is one of the QP's PD).
+pub(crate) fn check_ud_send(wr: &SendWr) -> Result<()> {
+    if wr.ud.ah == 0 {
+        return Err(Error::invalid("a send on a UD QP needs an address handle (see wr::ud_send)"));
     }
     Ok(())
 }
@@ -465,6 +480,27 @@ impl QueuePair {
         )
     }
 
+    /// UD: RESET → INIT on `port` with pkey index 0 and the Q_Key
+    /// datagrams to this QP must carry (a send whose WR Q_Key has the high
+    /// bit set uses this QP's own Q_Key instead).
+    pub fn to_init_ud(&self, port: u8, qkey: u32) -> Result<()> {
+        let attr =
+            QpAttr { qp_state: QpState::Init, pkey_index: 0, port_num: port, qkey, ..QpAttr::default() };
+        self.modify(&attr, QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY)
+    }
+
+    /// UD: INIT → RTR. From here the QP receives datagrams.
+    pub fn to_rtr_ud(&self) -> Result<()> {
+        self.modify(&QpAttr { qp_state: QpState::Rtr, ..QpAttr::default() }, QpAttrMask::STATE)
+    }
+
+    /// UD: RTR → RTS, sending from `sq_psn` (24 bits). From here the QP
+    /// sends datagrams.
+    pub fn to_rts_ud(&self, sq_psn: u32) -> Result<()> {
+        let attr = QpAttr { qp_state: QpState::Rts, sq_psn: sq_psn & 0x00ff_ffff, ..QpAttr::default() };
+        self.modify(&attr, QpAttrMask::STATE | QpAttrMask::SQ_PSN)
+    }
+
     /// Brings the QP from RESET (or INIT) to RTS connected to `remote`,
     /// granting it `access`: [`to_init`](Self::to_init) on port 1,
     /// [`to_rtr`](Self::to_rtr) with the port's active MTU and a minimal
@@ -506,10 +542,11 @@ impl QueuePair {
     /// Fails with `EINVAL` in RESET, INIT or RTR (nothing is posted), and
     /// for a request with more SGEs than `cap().max_send_sge`, more inline
     /// bytes than `cap().max_inline_data`, or inline data on a read or
-    /// atomic; with `ENOMEM` ([`Error::QueueFull`]) when the send queue is
-    /// full. [`PostError::index`] names the first request not posted; those
-    /// before it were posted. Posting in ERR is allowed: the requests
-    /// complete with `WrFlushErr`.
+    /// atomic, or (on a UD QP) without an address handle in `ud.ah`; with
+    /// `ENOMEM` ([`Error::QueueFull`]) when the send queue is full.
+    /// [`PostError::index`] names the first request not posted; those
+    /// before it were posted. Posting in ERR (and, for UD, in SQE) is
+    /// allowed: the requests complete with `WrFlushErr`.
     pub fn post_send(&self, wrs: &[SendWr]) -> std::result::Result<(), PostError> {
         if wrs.is_empty() {
             return Ok(());
@@ -519,11 +556,18 @@ impl QueuePair {
             return Err(PostError::new(0, Error::invalid(format!("cannot post sends to a QP in {state:?}"))));
         }
         let stride = self.sq.stride();
+        let ud = self.init.qp_type == QpType::Ud;
         push_all(
             &self.ctx,
             &self.sq,
             wrs,
-            |wr| check_send(wr, &self.cap, stride),
+            |wr| {
+                check_send(wr, &self.cap, stride)?;
+                if ud {
+                    check_ud_send(wr)?;
+                }
+                Ok(())
+            },
             |wr, slot| wr.encode(slot).is_ok(),
         )
     }

@@ -21,9 +21,10 @@
 //! than [`MAX_SGE`] entries (the QP's own `max_send_sge` is checked when
 //! posting).
 
-use vrdma_core::ring::{RecvWr, SendWr, Sge, SgeList, MAX_INLINE, MAX_SGE};
+use vrdma_core::ring::{RecvWr, SendWr, Sge, SgeList, UdDest, MAX_INLINE, MAX_SGE};
 use vrdma_core::verbs::{SendFlags, SendOpcode};
 
+use crate::ah::AddressHandle;
 use crate::error::{Error, Result};
 
 fn sges(list: &[Sge]) -> Result<SgeList> {
@@ -41,6 +42,23 @@ fn with_sges(wr_id: u64, opcode: SendOpcode, list: &[Sge]) -> Result<SendWr> {
 /// the peer.
 pub fn send(wr_id: u64, sges: &[Sge]) -> Result<SendWr> {
     with_sges(wr_id, SendOpcode::Send, sges)
+}
+
+/// A datagram send on a UD QP: the gathered bytes (at most the port's
+/// MTU, 4096) go to QP `remote_qpn` at the address `ah` names, if that
+/// QP's Q_Key is `remote_qkey` (with the high bit set: the sending QP's own
+/// Q_Key). The receiver's buffer gets a 40-byte GRH area, then the bytes.
+/// Add immediate data with [`SendWrExt::with_imm`].
+pub fn ud_send(
+    wr_id: u64,
+    sges: &[Sge],
+    ah: &AddressHandle,
+    remote_qpn: u32,
+    remote_qkey: u32,
+) -> Result<SendWr> {
+    let mut wr = with_sges(wr_id, SendOpcode::Send, sges)?;
+    wr.ud = UdDest { remote_qpn, remote_qkey, ah: ah.handle() };
+    Ok(wr)
 }
 
 /// An RDMA write of the gathered bytes to `remote_addr` in the peer's

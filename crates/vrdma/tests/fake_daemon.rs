@@ -230,7 +230,9 @@ impl Fake {
                 st.mrs.remove(key);
                 done
             }
+            Request::CreateAh { .. } => (Reply::Ah { ah: id }, vec![]),
             Request::DeallocPd { .. }
+            | Request::DestroyAh { .. }
             | Request::DestroyCq { .. }
             | Request::DestroySrq { .. }
             | Request::DestroyQp { .. }
@@ -677,4 +679,91 @@ fn objects_from_other_contexts_are_refused() {
     assert_eq!(e.errno(), libc::EINVAL);
     let ch = ctx2.create_comp_channel().unwrap();
     assert!(ctx1.create_cq(1, Some(&ch)).is_err());
+}
+
+#[test]
+fn ud_qps_address_handles_and_datagram_sends() {
+    use vrdma::{AhAttr, QpType, UdDest};
+    let (fake, ctx) = Fake::start();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(8, None).unwrap();
+    let attr = AhAttr { dlid: 1, port_num: 1, sl: 3, ..AhAttr::default() };
+    let ah = pd.create_ah(&attr).unwrap();
+    assert_ne!(ah.handle(), 0);
+    assert_eq!(ah.attr(), attr);
+    assert_eq!(ah.pd().pd_id(), pd.pd_id());
+    assert!(fake.requests().contains(&Request::CreateAh { pd: pd.pd_id(), attr }));
+
+    // The convenience brings the QP to RTS with the UD masks.
+    let qp = pd.create_ud_qp(&cq, &cq, cap(), 0x1234).unwrap();
+    assert_eq!(qp.qp_type(), QpType::Ud);
+    assert_eq!(qp.state(), QpState::Rts);
+    let reqs = fake.requests();
+    assert!(reqs.iter().any(|r| matches!(r, Request::CreateQp { init, .. } if init.qp_type == QpType::Ud)));
+    let modifies: Vec<_> = reqs
+        .into_iter()
+        .filter_map(|r| match r {
+            Request::ModifyQp { attr, mask, .. } => Some((attr, mask)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(modifies.len(), 3);
+    assert_eq!(
+        modifies[0].1,
+        QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY
+    );
+    assert_eq!(
+        (modifies[0].0.qp_state, modifies[0].0.qkey, modifies[0].0.port_num),
+        (QpState::Init, 0x1234, 1)
+    );
+    assert_eq!((modifies[1].0.qp_state, modifies[1].1), (QpState::Rtr, QpAttrMask::STATE));
+    assert_eq!(modifies[2].1, QpAttrMask::STATE | QpAttrMask::SQ_PSN);
+    assert_eq!((modifies[2].0.qp_state, modifies[2].0.sq_psn), (QpState::Rts, qp.psn()));
+
+    let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let w = wr::ud_send(1, &[mr.sge(0, 8).unwrap()], &ah, 0x99, 0x8000_0000).unwrap().with_imm(5).signaled();
+    assert_eq!(w.opcode, SendOpcode::SendWithImm);
+    assert_eq!(w.ud, UdDest { remote_qpn: 0x99, remote_qkey: 0x8000_0000, ah: ah.handle() });
+    qp.post_send(std::slice::from_ref(&w)).unwrap();
+    assert_eq!(fake.pop_send(qp.qpn()).unwrap(), w);
+    // A send without an address handle is refused on a UD QP...
+    let bare = wr::send(2, &[mr.sge(0, 8).unwrap()]).unwrap();
+    let e = qp.post_send(&[w.clone(), bare.clone()]).unwrap_err();
+    assert_eq!((e.index, e.errno()), (1, libc::EINVAL));
+    assert_eq!(fake.pop_send(qp.qpn()).unwrap(), w);
+    assert!(fake.pop_send(qp.qpn()).is_none());
+    // ...and inline data keeps the destination.
+    let inline = wr::ud_send(3, &[], &ah, 0x99, 7).unwrap().inline(b"dgram").unwrap();
+    qp.post_send(std::slice::from_ref(&inline)).unwrap();
+    let got = fake.pop_send(qp.qpn()).unwrap();
+    assert_eq!((got.inline_data(), got.ud.ah), (&b"dgram"[..], ah.handle()));
+    // An RC QP does not look at the UD fields.
+    let rc = pd.create_rc_qp(&cq, &cq, cap()).unwrap();
+    rc.connect(&rc.endpoint(&ctx).unwrap(), AccessFlags::empty()).unwrap();
+    rc.post_send(&[bare]).unwrap();
+
+    // Step by step, on a QP created with QpInit::ud.
+    let qp2 = pd.create_qp(&QpInit::ud(&cq, &cq, cap())).unwrap();
+    assert_eq!(qp2.qp_type(), QpType::Ud);
+    qp2.to_init_ud(1, 9).unwrap();
+    qp2.to_rtr_ud().unwrap();
+    assert_eq!(qp2.state(), QpState::Rtr);
+    qp2.to_rts_ud(0x0123_4567).unwrap();
+    match fake.requests().last().unwrap() {
+        Request::ModifyQp { attr, .. } => assert_eq!(attr.sq_psn, 0x23_4567, "24 bits"),
+        other => panic!("{other:?}"),
+    }
+
+    // A clone keeps the handle; the last drop destroys it, before its PD.
+    let h = ah.handle();
+    let clone = ah.clone();
+    drop(ah);
+    assert!(!fake.requests().contains(&Request::DestroyAh { ah: h }));
+    drop(clone);
+    drop((qp, qp2, rc, mr));
+    drop(pd);
+    let reqs = fake.requests();
+    let destroy = reqs.iter().position(|r| *r == Request::DestroyAh { ah: h }).unwrap();
+    let dealloc = reqs.iter().position(|r| matches!(r, Request::DeallocPd { .. })).unwrap();
+    assert!(destroy < dealloc, "the AH goes before its PD");
 }

@@ -522,10 +522,11 @@ mod tests {
     }
 
     #[test]
-    fn pingpong_positive_finite_below_1ms() {
+    fn pingpong_positive_finite() {
         let s = shm_pingpong_one_way_ns(SHORT, 1, None).expect("ping-pong");
         assert_eq!(s.runs, 1);
-        assert!(s.median.is_finite() && s.median > 0.0 && s.median < 1e6, "{s:?}");
+        // No bound on the figure: a loaded machine may take milliseconds.
+        assert!(s.median.is_finite() && s.median > 0.0, "{s:?}");
     }
 
     #[test]
@@ -536,7 +537,8 @@ mod tests {
             return;
         }
         let s = shm_pingpong_one_way_ns(SHORT, 1, Some((cpus[0], cpus[1]))).expect("pinned");
-        assert!(s.median.is_finite() && s.median > 0.0 && s.median < 1e6, "{s:?}");
+        // No bound on the figure: a loaded machine may take milliseconds.
+        assert!(s.median.is_finite() && s.median > 0.0, "{s:?}");
         // Affinity of the calling thread is restored.
         let after = rustix::thread::sched_getaffinity(None).expect("getaffinity");
         assert!(after == allowed);

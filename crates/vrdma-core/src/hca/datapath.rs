@@ -8,8 +8,16 @@
 //! the responder, a missing receive is an RNR NAK that is retried after the
 //! responder's RNR timer, and a peer that does not answer is retried until
 //! the QP's timeout and retry count are spent.
+//!
+//! A UD QP sends datagrams instead: SEND and SEND_WITH_IMM of at most one
+//! path MTU, addressed by an address handle, a QP number and a Q_Key. The
+//! receiver gets a 40-byte GRH area before the payload. Nothing is
+//! acknowledged, so nothing that happens at the receiver (no such QP, a
+//! Q_Key mismatch, no receive posted, a receive too small) changes the
+//! sender's successful completion; the sender's own errors move its QP to
+//! SQE, from which a modify to RTS recovers.
 
-use super::objects::{Inflight, Mr};
+use super::objects::{Inflight, Mr, Qp};
 use super::AsyncEvent;
 use super::TenantId;
 use super::{Hca, Queues, RecvSource};
@@ -18,7 +26,8 @@ use crate::qp::timers;
 use crate::ring::{Cqe, RecvWr, SendWr, Sge, WqeError};
 use crate::time::Instant;
 use crate::verbs::{
-    AccessFlags, AhAttr, AsyncEventType, QpAttr, QpState, QpType, SendOpcode, WcFlags, WcOpcode, WcStatus,
+    AccessFlags, AhAttr, AsyncEventType, QpAttr, QpState, QpType, SendFlags, SendOpcode, WcFlags, WcOpcode,
+    WcStatus,
 };
 
 /// What a call to [`Hca::process`] found.
@@ -40,6 +49,16 @@ impl Activity {
 /// timeout is 0 (wait forever).
 const PEER_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
+/// Bytes of the Global Route Header a UD receive buffer starts with.
+pub const GRH_LEN: usize = 40;
+
+/// The QP number that addresses a multicast group, never a QP.
+const MULTICAST_QPN: u32 = 0xff_ffff;
+
+/// A Q_Key with this bit set in a UD send means "use the sending QP's
+/// own Q_Key" (a controlled Q_Key).
+const QKEY_FROM_QP: u32 = 0x8000_0000;
+
 /// A resolved piece of a message: `len` bytes at `off` in `region`.
 struct Seg<'a> {
     region: &'a Region,
@@ -58,6 +77,7 @@ enum Source<'a> {
 /// The requester's attributes, copied out so the responder can be borrowed.
 struct Requester {
     qpn: u32,
+    qp_type: QpType,
     tenant: TenantId,
     pd: u32,
     send_cq: u32,
@@ -74,6 +94,15 @@ struct Responder {
     srq: Option<u32>,
     max_recv_sge: u32,
     attr: QpAttr,
+}
+
+/// Why a datagram was not placed.
+enum Placement {
+    /// The receiver's fault: its receive completes with this status and
+    /// its QP goes to ERR; the sender does not know.
+    Recv(WcStatus),
+    /// The sender's fault: the receive goes back unused.
+    Local(WcStatus),
 }
 
 /// A failure, with what each side reports.
@@ -134,6 +163,9 @@ impl Hca {
             i += 1;
             match self.qps.get(&qpn).map(|q| q.state()) {
                 Some(QpState::Err) => self.flush(qpn, io, &mut act),
+                // The send queue of a QP in SQE is flushed; its receive
+                // queue keeps working.
+                Some(QpState::Sqe) => self.flush_sends(qpn, io, &mut act),
                 Some(QpState::Rts | QpState::Sqd) => self.run_send_queue(qpn, now, io, &mut act),
                 _ => {}
             }
@@ -144,11 +176,35 @@ impl Hca {
     /// Completes everything queued on a QP in ERR with WR_FLUSH_ERR.
     fn flush(&mut self, qpn: u32, io: &mut dyn Queues, act: &mut Activity) {
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
-        let (send_cq, recv_cq, srq) = (qp.init.send_cq, qp.init.recv_cq, qp.init.srq);
-        let bound = (qp.init.cap.max_send_wr + qp.init.cap.max_recv_wr) as usize + 1;
+        let (recv_cq, srq) = (qp.init.recv_cq, qp.init.srq);
+        let bound = flush_bound(qp);
+        let mut requeued: std::collections::VecDeque<RecvWr> = std::mem::take(&mut qp.requeued);
+        self.flush_sends(qpn, io, act);
+        if srq.is_some() {
+            return;
+        }
+        for _ in 0..bound {
+            let wr_id = match requeued.pop_front() {
+                Some(r) => r.wr_id,
+                None => match io.pull_recv(RecvSource::Qp(qpn)) {
+                    Some(Ok(r)) => r.wr_id,
+                    Some(Err((wr_id, _))) => wr_id,
+                    None => break,
+                },
+            };
+            act.busy = true;
+            self.complete(recv_cq, Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, qpn), qpn, io);
+        }
+    }
+
+    /// Completes the WR in flight and everything posted to the send queue
+    /// with WR_FLUSH_ERR (a QP in ERR or SQE).
+    fn flush_sends(&mut self, qpn: u32, io: &mut dyn Queues, act: &mut Activity) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        let send_cq = qp.init.send_cq;
+        let bound = flush_bound(qp);
         let dest = qp.attr.dest_qp_num;
         let inflight = qp.inflight.take();
-        let mut requeued: std::collections::VecDeque<RecvWr> = std::mem::take(&mut qp.requeued);
         if let Some(inf) = inflight {
             act.busy = true;
             if let Some(r) = inf.recv {
@@ -164,21 +220,6 @@ impl Hca {
                 Err((wr_id, _)) => Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Send, qpn),
             };
             self.complete(send_cq, cqe, qpn, io);
-        }
-        if srq.is_some() {
-            return;
-        }
-        for _ in 0..bound {
-            let wr_id = match requeued.pop_front() {
-                Some(r) => r.wr_id,
-                None => match io.pull_recv(RecvSource::Qp(qpn)) {
-                    Some(Ok(r)) => r.wr_id,
-                    Some(Err((wr_id, _))) => wr_id,
-                    None => break,
-                },
-            };
-            act.busy = true;
-            self.complete(recv_cq, Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, qpn), qpn, io);
         }
     }
 
@@ -216,7 +257,7 @@ impl Hca {
                         let cq = qp.init.send_cq;
                         let cqe = Cqe::new(wr_id, wqe_status(e), WcOpcode::Send, qpn);
                         self.complete(cq, cqe, qpn, io);
-                        self.enter_error(qpn, io);
+                        self.send_queue_error(qpn, io);
                         return;
                     }
                 }
@@ -247,13 +288,18 @@ impl Hca {
         let mut inf = qp.inflight.take().expect("caller checked");
         let req = Requester {
             qpn,
+            qp_type: qp.init.qp_type,
             tenant: qp.tenant,
             pd: qp.pd,
             send_cq: qp.init.send_cq,
             sig_all: qp.init.sq_sig_all,
             attr: qp.attr,
         };
-        match self.execute(&req, &mut inf, budget, io) {
+        let exec = match req.qp_type {
+            QpType::Ud => self.execute_ud(&req, &mut inf, budget, io),
+            _ => self.execute(&req, &mut inf, budget, io),
+        };
+        match exec {
             Exec::Complete { byte_len } => {
                 if inf.wr.flags.contains(crate::verbs::SendFlags::SIGNALED) || req.sig_all {
                     let mut cqe = Cqe::new(inf.wr.wr_id, WcStatus::Success, inf.wr.opcode.wc_opcode(), qpn);
@@ -332,7 +378,7 @@ impl Hca {
             self.requeue_recv(peer, r);
         }
         self.complete(req.send_cq, error_cqe(&inf.wr, f.requester, req.qpn), req.qpn, io);
-        self.enter_error(req.qpn, io);
+        self.send_queue_error(req.qpn, io);
     }
 
     /// Whether an address vector names this device.
@@ -353,8 +399,12 @@ impl Hca {
             && peer.init.qp_type == QpType::Rc
             && peer.attr.dest_qp_num == req.qpn
             && peer.accepts_incoming();
-        ok.then(|| Responder {
-            qpn: req.attr.dest_qp_num,
+        ok.then(|| self.responder_of(req.attr.dest_qp_num, peer))
+    }
+
+    fn responder_of(&self, qpn: u32, peer: &Qp) -> Responder {
+        Responder {
+            qpn,
             recv_pd: peer.init.srq.and_then(|s| self.srqs.get(&s)).map_or(peer.pd, |s| s.pd),
             pd: peer.pd,
             recv_cq: peer.init.recv_cq,
@@ -365,7 +415,7 @@ impl Hca {
                 .and_then(|s| self.srqs.get(&s))
                 .map_or(peer.init.cap.max_recv_sge, |s| s.attr.max_sge),
             attr: peer.attr,
-        })
+        }
     }
 
     fn resolve<'a>(&'a self, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Segs<'a>> {
@@ -580,6 +630,184 @@ impl Hca {
         }
         Exec::Complete { byte_len: if op == RdmaRead || op.is_atomic() { len as u32 } else { 0 } }
     }
+}
+
+impl Hca {
+    /// A UD send: the sender's checks, then delivery to the QP the WR
+    /// names if it is there to receive it. Every failure at the receiver
+    /// leaves the sender's completion successful.
+    fn execute_ud(
+        &mut self,
+        req: &Requester,
+        inf: &mut Inflight,
+        budget: &mut u64,
+        io: &mut dyn Queues,
+    ) -> Exec {
+        let wr = &inf.wr;
+        let cap = req.attr.cap;
+        if !matches!(wr.opcode, SendOpcode::Send | SendOpcode::SendWithImm) {
+            return Exec::Failed(Failure::local(WcStatus::LocQpOpErr));
+        }
+        if wr.is_inline() {
+            if wr.inline_len as u32 > cap.max_inline_data {
+                return Exec::Failed(Failure::local(WcStatus::LocLenErr));
+            }
+        } else if wr.sg.as_slice().len() > cap.max_send_sge as usize {
+            return Exec::Failed(Failure::local(WcStatus::LocLenErr));
+        }
+        // The address handle must be one of the QP's protection domain.
+        let Some(ah) = self.ahs.get(&wr.ud.ah).filter(|a| a.pd == req.pd).map(|a| a.attr) else {
+            return Exec::Failed(Failure::local(WcStatus::LocQpOpErr));
+        };
+        let len = wr.msg_len();
+        if len > u64::from(self.config.port.active_mtu.bytes()) {
+            return Exec::Failed(Failure::local(WcStatus::LocLenErr));
+        }
+        if !wr.is_inline() && self.resolve(req.pd, wr.sg.as_slice(), AccessFlags::empty()).is_none() {
+            return Exec::Failed(Failure::local(WcStatus::LocProtErr));
+        }
+        *budget = budget.saturating_sub(len);
+        // From here on the datagram has left: whatever becomes of it, the
+        // sender completes successfully.
+        let Some(resp) = self.ud_receiver(req, &ah, wr.ud) else { return Exec::Complete { byte_len: 0 } };
+        let recv = match self.take_recv(&resp, io) {
+            // No receive posted: UD has no RNR, the datagram is dropped.
+            None => return Exec::Complete { byte_len: 0 },
+            Some(Ok(r)) => r,
+            Some(Err((wr_id, _))) => {
+                self.ud_recv_error(&resp, wr_id, WcStatus::LocQpOpErr, io);
+                return Exec::Complete { byte_len: 0 };
+            }
+        };
+        let wr = &inf.wr;
+        let grh = ah.is_global.then(|| self.grh(&ah, len, wr.opcode.has_imm()));
+        match self.place_datagram(req.pd, wr, &resp, &recv, grh.as_ref()) {
+            Ok(()) => {
+                let mut cqe = Cqe::new(recv.wr_id, WcStatus::Success, WcOpcode::Recv, resp.qpn);
+                cqe.byte_len = (GRH_LEN as u64 + len) as u32;
+                cqe.src_qp = req.qpn;
+                cqe.slid = self.config.port.lid;
+                cqe.sl = ah.sl;
+                cqe.pkey_index = 0;
+                cqe.solicited = wr.flags.contains(SendFlags::SOLICITED);
+                if ah.is_global {
+                    cqe.wc_flags |= WcFlags::GRH;
+                }
+                if wr.opcode.has_imm() {
+                    cqe.wc_flags |= WcFlags::WITH_IMM;
+                    cqe.imm_data = wr.imm_data;
+                }
+                self.complete(resp.recv_cq, cqe, resp.qpn, io);
+                Exec::Complete { byte_len: 0 }
+            }
+            Err(Placement::Recv(status)) => {
+                self.ud_recv_error(&resp, recv.wr_id, status, io);
+                Exec::Complete { byte_len: 0 }
+            }
+            Err(Placement::Local(status)) => {
+                self.requeue_recv(resp.qpn, recv);
+                Exec::Failed(Failure::local(status))
+            }
+        }
+    }
+
+    /// The QP a datagram is delivered to: on this device (the address
+    /// handle names this host), of the sender's tenant, a UD QP able to
+    /// receive, whose Q_Key matches. `None`: the datagram is lost.
+    fn ud_receiver(&self, req: &Requester, ah: &AhAttr, ud: crate::ring::UdDest) -> Option<Responder> {
+        if !self.is_local(ah) || ud.remote_qpn == MULTICAST_QPN {
+            return None;
+        }
+        let peer = self.qps.get(&ud.remote_qpn)?;
+        let qkey = if ud.remote_qkey & QKEY_FROM_QP != 0 { req.attr.qkey } else { ud.remote_qkey };
+        let ok = peer.tenant == req.tenant
+            && peer.init.qp_type == QpType::Ud
+            && peer.accepts_incoming()
+            && peer.attr.qkey == qkey;
+        ok.then(|| self.responder_of(ud.remote_qpn, peer))
+    }
+
+    /// Writes the GRH (when there is one) and the payload into the
+    /// receive's buffers: the payload starts at byte 40 either way.
+    fn place_datagram(
+        &self,
+        pd: u32,
+        wr: &SendWr,
+        resp: &Responder,
+        recv: &RecvWr,
+        grh: Option<&[u8; GRH_LEN]>,
+    ) -> Result<(), Placement> {
+        if recv.sg.as_slice().len() > resp.max_recv_sge as usize {
+            return Err(Placement::Recv(WcStatus::LocLenErr));
+        }
+        let Some(dst) = self.resolve(resp.recv_pd, recv.sg.as_slice(), AccessFlags::LOCAL_WRITE) else {
+            return Err(Placement::Recv(WcStatus::LocProtErr));
+        };
+        let len = wr.msg_len();
+        if recv.sg.total_len() < GRH_LEN as u64 + len {
+            return Err(Placement::Recv(WcStatus::LocLenErr));
+        }
+        if let Some(g) = grh {
+            copy_message(&dst, &Source::Inline(g), 0, GRH_LEN as u64)
+                .map_err(|_| Placement::Recv(WcStatus::LocProtErr))?;
+        }
+        let payload = skip(&dst, GRH_LEN);
+        let local_segs;
+        let src = if wr.is_inline() {
+            Source::Inline(wr.inline_data())
+        } else {
+            local_segs = self
+                .resolve(pd, wr.sg.as_slice(), AccessFlags::empty())
+                .ok_or(Placement::Local(WcStatus::LocProtErr))?;
+            Source::Segs(&local_segs)
+        };
+        copy_message(&payload, &src, 0, len).map_err(|_| Placement::Local(WcStatus::LocProtErr))
+    }
+
+    /// The receiver failed to take a datagram: its receive completes with
+    /// `status` and its QP goes to ERR.
+    fn ud_recv_error(&mut self, resp: &Responder, wr_id: u64, status: WcStatus, io: &mut dyn Queues) {
+        let cqe = Cqe::new(wr_id, status, WcOpcode::Recv, resp.qpn);
+        self.complete(resp.recv_cq, cqe, resp.qpn, io);
+        self.enter_error(resp.qpn, io);
+    }
+
+    /// An InfiniBand GRH as the receiver's HCA would scatter it: IP version
+    /// 6, traffic class and flow label from the AH, the payload length of
+    /// the packet after the GRH (BTH, DETH, immediate, padded payload,
+    /// ICRC), next header 0x1B (IBA transport), hop limit, SGID, DGID.
+    fn grh(&self, ah: &AhAttr, len: u64, imm: bool) -> [u8; GRH_LEN] {
+        let mut g = [0u8; GRH_LEN];
+        let word0 = (6u32 << 28) | (u32::from(ah.traffic_class) << 20) | (ah.flow_label & 0xf_ffff);
+        g[0..4].copy_from_slice(&word0.to_be_bytes());
+        let pay_len = 12 + 8 + if imm { 4 } else { 0 } + len.next_multiple_of(4) + 4;
+        g[4..6].copy_from_slice(&(pay_len as u16).to_be_bytes());
+        g[6] = 0x1b;
+        g[7] = ah.hop_limit;
+        let sgid = self.config.gids.get(ah.sgid_index as usize).copied().unwrap_or_default();
+        g[8..24].copy_from_slice(&sgid.0);
+        g[24..40].copy_from_slice(&ah.dgid.0);
+        g
+    }
+}
+
+/// The work-request bound of a flush: everything both queues can hold.
+fn flush_bound(qp: &Qp) -> usize {
+    (qp.init.cap.max_send_wr + qp.init.cap.max_recv_wr) as usize + 1
+}
+
+/// `segs` without their first `n` bytes.
+fn skip<'a>(segs: &[Seg<'a>], mut n: usize) -> Segs<'a> {
+    let mut out = Segs::new();
+    for s in segs {
+        if n >= s.len {
+            n -= s.len;
+            continue;
+        }
+        out.push(Seg { region: s.region, off: s.off + n, len: s.len - n });
+        n = 0;
+    }
+    out
 }
 
 /// Copies bytes `[start, start+len)` of a message from `src` into the same

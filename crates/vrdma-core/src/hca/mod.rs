@@ -4,8 +4,9 @@
 //! Control operations (`alloc_pd`, `reg_mr`, `modify_qp`, ...) check
 //! ownership, quotas and the verbs rules, and change the object tables.
 //! [`Hca::process`] is the engine's step: it pulls work requests through
-//! [`Queues`], performs each as an RC requester and responder would, and
-//! pushes completions and asynchronous events back. It is driven with the
+//! [`Queues`], performs each as an RC requester and responder would (or,
+//! for UD QPs, as a datagram sender and receiver), and pushes completions
+//! and asynchronous events back. It is driven with the
 //! current time and reports when it next needs to run, so RNR and transport
 //! timers work without a clock of its own.
 
@@ -22,16 +23,16 @@ use std::collections::{HashMap, VecDeque};
 use serde::{Deserialize, Serialize};
 
 pub use config::{HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, VENDOR_ID};
-pub use datapath::Activity;
+pub use datapath::{Activity, GRH_LEN};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 
 use crate::memory::Region;
 use crate::qp::fsm;
 use crate::verbs::{
-    AccessFlags, AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType, SrqAttr,
+    AccessFlags, AhAttr, AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType, SrqAttr,
 };
-use objects::{Context, Cq, Mr, Pd, Qp, Srq};
+use objects::{Ah, Context, Cq, Mr, Pd, Qp, Srq};
 
 /// One connection of a tenant process: the `ibv_context`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -77,6 +78,7 @@ pub struct Hca {
     mrs: HashMap<u32, Mr>,
     cqs: HashMap<u32, Cq>,
     srqs: HashMap<u32, Srq>,
+    ahs: HashMap<u32, Ah>,
     qps: HashMap<u32, Qp>,
     /// QP numbers in service order; the engine walks it round-robin.
     qp_order: Vec<u32>,
@@ -96,6 +98,7 @@ impl Hca {
             mrs: HashMap::new(),
             cqs: HashMap::new(),
             srqs: HashMap::new(),
+            ahs: HashMap::new(),
             qps: HashMap::new(),
             qp_order: Vec::new(),
             next_id: 1,
@@ -216,6 +219,11 @@ impl Hca {
             self.refund(ctx, 1, 0);
             t.srqs.push(n);
         }
+        let ahs: Vec<u32> = self.ahs.iter().filter(|(_, a)| a.ctx == ctx).map(|(&n, _)| n).collect();
+        for n in ahs {
+            self.ahs.remove(&n);
+            self.refund(ctx, 1, 0);
+        }
         let mrs: Vec<u32> = self.mrs.iter().filter(|(_, m)| m.ctx == ctx).map(|(&k, _)| k).collect();
         for k in mrs {
             if let Some(m) = self.mrs.remove(&k) {
@@ -261,6 +269,57 @@ impl Hca {
             return Err(HcaError::Busy("protection domain"));
         }
         self.pds.remove(&pd);
+        self.refund(ctx, 1, 0);
+        Ok(())
+    }
+
+    // ---- address handles ----
+
+    /// `ibv_create_ah`: an address vector for UD sends from QPs of `pd`.
+    /// The destination need not exist (a datagram to nowhere is simply
+    /// lost); the port and GID index must, and multicast addresses are not
+    /// supported.
+    pub fn create_ah(&mut self, ctx: ContextId, pd: u32, attr: AhAttr) -> Result<u32, HcaError> {
+        let ports = self.config.device.phys_port_cnt;
+        if attr.port_num == 0 || attr.port_num > ports {
+            return Err(HcaError::invalid(format!(
+                "address handle on port {}; the device has port{} 1..={ports}",
+                attr.port_num,
+                if ports == 1 { "" } else { "s" }
+            )));
+        }
+        if attr.is_global && attr.sgid_index as usize >= self.config.gids.len() {
+            return Err(HcaError::invalid(format!(
+                "sgid_index {} beyond the GID table of {} entries",
+                attr.sgid_index,
+                self.config.gids.len()
+            )));
+        }
+        if is_multicast_lid(attr.dlid) || (attr.is_global && attr.dgid.0[0] == 0xff) {
+            return Err(HcaError::Unsupported("multicast address handles"));
+        }
+        if self.ahs.len() >= self.config.device.max_ah as usize {
+            return Err(HcaError::Exhausted("address handles"));
+        }
+        self.own_pd(ctx, pd)?;
+        self.charge(ctx, 1, 0)?;
+        self.own_pd(ctx, pd).expect("checked").users += 1;
+        let ah = self.alloc_id();
+        self.ahs.insert(ah, Ah { ctx, pd, attr });
+        Ok(ah)
+    }
+
+    /// `ibv_destroy_ah`. A send still queued with this handle fails with
+    /// `LocQpOpErr` when the engine reaches it.
+    pub fn destroy_ah(&mut self, ctx: ContextId, ah: u32) -> Result<(), HcaError> {
+        match self.ahs.get(&ah) {
+            Some(a) if a.ctx == ctx => {}
+            _ => return Err(HcaError::NoSuchObject { kind: "AH", id: ah }),
+        }
+        let a = self.ahs.remove(&ah).expect("present");
+        if let Some(p) = self.pds.get_mut(&a.pd) {
+            p.users -= 1;
+        }
         self.refund(ctx, 1, 0);
         Ok(())
     }
@@ -428,8 +487,8 @@ impl Hca {
 
     pub fn create_qp(&mut self, ctx: ContextId, pd: u32, init: QpInitAttr) -> Result<QpCreated, HcaError> {
         let tenant = self.tenant_of(ctx)?;
-        if init.qp_type != QpType::Rc {
-            return Err(HcaError::Unsupported("QP types other than RC (UD comes with the verbs shim)"));
+        if init.qp_type == QpType::Uc {
+            return Err(HcaError::Unsupported("UC queue pairs (RC and UD are supported)"));
         }
         let dev = &self.config.device;
         let c = init.cap;
@@ -471,7 +530,8 @@ impl Hca {
         };
         let qpn = loop {
             let n = self.next_qpn;
-            self.next_qpn = if n >= 0xff_ffff { 0x11 } else { n + 1 };
+            // 0xff_ffff is the multicast QPN: never a QP's number.
+            self.next_qpn = if n >= 0xff_fffe { 0x11 } else { n + 1 };
             if !self.qps.contains_key(&n) {
                 break n;
             }
@@ -597,6 +657,21 @@ impl Hca {
         }
     }
 
+    /// A send WR of `qpn` failed locally: a UD QP goes to SQE (its receive
+    /// queue keeps working, its send queue is flushed until it is moved
+    /// back to RTS), an RC QP to ERR.
+    fn send_queue_error(&mut self, qpn: u32, io: &mut dyn Queues) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        if qp.init.qp_type != QpType::Ud {
+            self.enter_error(qpn, io);
+            return;
+        }
+        if matches!(qp.state(), QpState::Rts | QpState::Sqd) {
+            qp.attr.qp_state = QpState::Sqe;
+            io.qp_state_changed(qpn, QpState::Sqe);
+        }
+    }
+
     /// Moves a QP to ERR; its queues are flushed by the engine.
     fn enter_error(&mut self, qpn: u32, io: &mut dyn Queues) {
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
@@ -642,4 +717,9 @@ impl Hca {
             }
         }
     }
+}
+
+/// LIDs 0xc000..=0xfffe are multicast (0xffff is the permissive LID).
+fn is_multicast_lid(lid: u16) -> bool {
+    (0xc000..0xffff).contains(&lid)
 }

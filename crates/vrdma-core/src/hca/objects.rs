@@ -6,7 +6,7 @@ use super::{ContextId, TenantId};
 use crate::memory::Region;
 use crate::ring::{RecvWr, SendWr};
 use crate::time::Instant;
-use crate::verbs::{AccessFlags, QpAttr, QpInitAttr, QpState, SrqAttr};
+use crate::verbs::{AccessFlags, AhAttr, QpAttr, QpInitAttr, QpState, SrqAttr};
 
 pub(crate) struct Context {
     pub tenant: TenantId,
@@ -33,6 +33,13 @@ impl Mr {
         let off = addr.checked_sub(self.addr)?;
         (off.checked_add(len)? <= self.len).then_some(off as usize)
     }
+}
+
+/// An address handle: where a UD send goes, checked against its PD.
+pub(crate) struct Ah {
+    pub ctx: ContextId,
+    pub pd: u32,
+    pub attr: AhAttr,
 }
 
 pub(crate) struct Cq {

@@ -1494,3 +1494,872 @@ fn peer_in_error_is_a_peer_that_does_not_answer() {
     env.run(T0 + t * 2);
     assert_eq!(env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
 }
+
+// ---------------------------------------------------------------- UD
+
+mod ud {
+    //! Unreliable datagram QPs: address handles, the sender's checks and
+    //! its SQE state, and a receiver that drops what it cannot take.
+
+    use super::*;
+    use crate::hca::GRH_LEN;
+    use crate::ring::UdDest;
+    use crate::verbs::{AhAttr, Gid};
+
+    const QKEY: u32 = 0x1111_2222;
+    const GRH: u32 = GRH_LEN as u32;
+
+    /// One UD end: a PD, a CQ for both queues, a QP (in RTS with `QKEY`
+    /// once [`ud_pair`] made it), a 64 KiB region, and an address handle
+    /// of the PD naming this host by LID.
+    #[derive(Clone)]
+    struct Ud {
+        pd: u32,
+        cq: u32,
+        qpn: u32,
+        ah: u32,
+        buf: Buf,
+    }
+
+    fn ud_init(cq: u32, srq: Option<u32>) -> QpInitAttr {
+        QpInitAttr { qp_type: QpType::Ud, ..qp_init(cq, cq, srq) }
+    }
+
+    /// An address vector naming this host by LID, on port 1, service level `sl`.
+    fn lid_av(env: &Env, sl: u8) -> AhAttr {
+        AhAttr { dlid: env.hca.config().port.lid, port_num: 1, sl, ..AhAttr::default() }
+    }
+
+    /// An address vector naming this host by GID, with a GRH.
+    fn gid_av(env: &Env) -> AhAttr {
+        AhAttr {
+            dgid: env.hca.config().gids[0],
+            sgid_index: 0,
+            hop_limit: 64,
+            traffic_class: 0x12,
+            flow_label: 0x3_4567,
+            is_global: true,
+            port_num: 1,
+            sl: 2,
+            ..AhAttr::default()
+        }
+    }
+
+    impl Env {
+        /// A UD end in `ctx`, its QP in RESET.
+        fn ud_end(&mut self, ctx: ContextId) -> Ud {
+            let pd = self.hca.alloc_pd(ctx).unwrap();
+            let (cq, _) = self.hca.create_cq(ctx, 64).unwrap();
+            let qpn = self.qp(ctx, pd, ud_init(cq, None));
+            let buf = self.mr(ctx, pd, 64 << 10, FULL);
+            let ah = self.hca.create_ah(ctx, pd, lid_av(self, 0)).unwrap();
+            Ud { pd, cq, qpn, ah, buf }
+        }
+
+        /// RESET -> INIT (with `qkey`) -> RTR -> RTS.
+        fn ud_up(&mut self, qpn: u32, qkey: u32) {
+            let attr = QpAttr { qp_state: QpState::Init, port_num: 1, qkey, ..QpAttr::default() };
+            let mask = QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY;
+            assert_eq!(self.modify(qpn, &attr, mask), Ok(QpState::Init));
+            self.ud_rtr(qpn);
+            let attr = QpAttr { qp_state: QpState::Rts, sq_psn: 0x42, ..QpAttr::default() };
+            assert_eq!(self.modify(qpn, &attr, QpAttrMask::STATE | QpAttrMask::SQ_PSN), Ok(QpState::Rts));
+        }
+
+        fn ud_rtr(&mut self, qpn: u32) {
+            let attr = QpAttr { qp_state: QpState::Rtr, ..QpAttr::default() };
+            assert_eq!(self.modify(qpn, &attr, QpAttrMask::STATE), Ok(QpState::Rtr));
+        }
+
+        /// SQE -> RTS.
+        fn recover(&mut self, qpn: u32) {
+            let attr = QpAttr { qp_state: QpState::Rts, ..QpAttr::default() };
+            assert_eq!(self.modify(qpn, &attr, QpAttrMask::STATE), Ok(QpState::Rts));
+        }
+
+        fn ud_state(&mut self, qpn: u32) -> QpState {
+            let ctx = self.owner[&qpn];
+            let state = self.hca.query_qp(ctx, qpn).unwrap().0.qp_state;
+            // What the owner sees agrees with the device.
+            assert_eq!(self.io.state(qpn).unwrap_or(QpState::Reset), state);
+            state
+        }
+    }
+
+    /// Two UD QPs in two processes of one tenant, both in RTS with `QKEY`.
+    fn ud_pair() -> (Env, Ud, Ud) {
+        let mut env = Env::new();
+        let a = env.ud_end(C1);
+        let b = env.ud_end(C2);
+        env.ud_up(a.qpn, QKEY);
+        env.ud_up(b.qpn, QKEY);
+        (env, a, b)
+    }
+
+    /// A signalled datagram send.
+    fn ud_wr(wr_id: u64, sges: &[Sge], ah: u32, remote_qpn: u32, remote_qkey: u32) -> SendWr {
+        let mut w = wr(wr_id, SendOpcode::Send, sges, SendFlags::SIGNALED);
+        w.ud = UdDest { remote_qpn, remote_qkey, ah };
+        w
+    }
+
+    /// The receiver's completion of a datagram of `len` bytes.
+    fn ud_recv_cqe(env: &Env, wr_id: u64, qpn: u32, src_qp: u32, len: u32) -> Cqe {
+        recv_cqe(env, wr_id, qpn, src_qp, GRH + len)
+    }
+
+    fn sent(wr_id: u64, qpn: u32) -> Cqe {
+        req_cqe(wr_id, WcStatus::Success, WcOpcode::Send, qpn, 0)
+    }
+
+    /// `b` posts a receive of `len` bytes at offset 0 of its region,
+    /// filled with 0xee first so that untouched bytes show.
+    fn post_marked_recv(env: &mut Env, b: &Ud, wr_id: u64, len: u32) {
+        b.buf.write(0, &vec![0xee; len as usize]);
+        env.io.post_recv(b.qpn, recv(wr_id, &[b.buf.sge(0, len)]));
+    }
+
+    // ---- address handles
+
+    #[test]
+    fn address_handles_belong_to_a_pd_and_count_in_the_quota() {
+        let mut env = Env::new();
+        let pd = env.hca.alloc_pd(C1).unwrap();
+        assert_eq!(env.hca.usage(TENANT), (1, 0));
+        let av = lid_av(&env, 0);
+        let ah = env.hca.create_ah(C1, pd, av).unwrap();
+        assert_ne!(ah, 0);
+        assert_eq!(env.hca.usage(TENANT), (2, 0));
+        // The PD is in use while the AH lives.
+        assert!(matches!(env.hca.dealloc_pd(C1, pd), Err(HcaError::Busy(_))));
+        // Another process (even of the same tenant) neither uses the PD
+        // nor destroys the AH.
+        assert_eq!(errno(env.hca.create_ah(C2, pd, av)), 22);
+        assert_eq!(errno(env.hca.destroy_ah(C2, ah)), 22);
+        assert_eq!(errno(env.hca.create_ah(C1, 0xdead, av)), 22);
+        env.hca.destroy_ah(C1, ah).unwrap();
+        assert_eq!(errno(env.hca.destroy_ah(C1, ah)), 22, "destroyed once");
+        assert_eq!(env.hca.usage(TENANT), (1, 0));
+        env.hca.dealloc_pd(C1, pd).unwrap();
+        assert_eq!(env.hca.usage(TENANT), (0, 0));
+
+        // Each AH is an object of the tenant's quota.
+        env.hca.set_quota(OTHER_TENANT, Quota { max_objects: 2, ..Quota::default() });
+        let pd = env.hca.alloc_pd(C3).unwrap();
+        let ah = env.hca.create_ah(C3, pd, av).unwrap();
+        let r = env.hca.create_ah(C3, pd, av);
+        assert!(matches!(r, Err(HcaError::QuotaExceeded(_))), "{r:?}");
+        assert_eq!(env.hca.usage(OTHER_TENANT), (2, 0), "a refused AH charges nothing");
+        env.hca.destroy_ah(C3, ah).unwrap();
+        env.hca.create_ah(C3, pd, av).unwrap();
+    }
+
+    #[test]
+    fn address_handle_arguments_are_checked() {
+        let mut env = Env::new();
+        let pd = env.hca.alloc_pd(C1).unwrap();
+        let good = lid_av(&env, 0);
+        for port in [0, 2] {
+            let r = env.hca.create_ah(C1, pd, AhAttr { port_num: port, ..good });
+            assert!(matches!(r, Err(HcaError::InvalidArgument(_))), "port {port}: {r:?}");
+        }
+        // One GID in the table: sgid_index 1 names nothing (only with a GRH).
+        let r = env.hca.create_ah(C1, pd, AhAttr { sgid_index: 1, ..gid_av(&env) });
+        assert!(matches!(r, Err(HcaError::InvalidArgument(_))), "{r:?}");
+        env.hca.create_ah(C1, pd, AhAttr { sgid_index: 1, ..good }).unwrap();
+        // Multicast is not supported, by LID or by GID.
+        for dlid in [0xc000, 0xc001, 0xfffe] {
+            let r = env.hca.create_ah(C1, pd, AhAttr { dlid, ..good });
+            assert!(matches!(r, Err(HcaError::Unsupported(_))), "{dlid:#x}: {r:?}");
+            assert_eq!(errno(r), 95);
+        }
+        let mut mgid = [0u8; 16];
+        mgid[0] = 0xff;
+        mgid[15] = 1;
+        let r = env.hca.create_ah(C1, pd, AhAttr { dgid: Gid(mgid), ..gid_av(&env) });
+        assert!(matches!(r, Err(HcaError::Unsupported(_))), "{r:?}");
+        // A destination elsewhere is fine: datagrams to it are just lost.
+        env.hca.create_ah(C1, pd, AhAttr { dlid: 0x99, ..good }).unwrap();
+        env.hca.create_ah(C1, pd, AhAttr { dgid: Gid::from_ipv4([10, 9, 9, 9]), ..gid_av(&env) }).unwrap();
+        // The permissive LID is not multicast.
+        env.hca.create_ah(C1, pd, AhAttr { dlid: 0xffff, ..good }).unwrap();
+        assert_eq!(env.hca.usage(TENANT), (5, 0));
+    }
+
+    #[test]
+    fn closing_a_context_destroys_its_address_handles() {
+        let mut env = Env::new();
+        let pd = env.hca.alloc_pd(C3).unwrap();
+        for _ in 0..3 {
+            env.hca.create_ah(C3, pd, lid_av(&env, 0)).unwrap();
+        }
+        assert_eq!(env.hca.usage(OTHER_TENANT), (4, 0));
+        let t = env.hca.close_context(C3, &mut env.io);
+        assert_eq!(t, Teardown::default());
+        assert_eq!(env.hca.usage(OTHER_TENANT), (0, 0));
+    }
+
+    // ---- creation and the state machine
+
+    #[test]
+    fn ud_qps_are_created_and_uc_is_refused() {
+        let mut env = Env::new();
+        let pd = env.hca.alloc_pd(C1).unwrap();
+        let (cq, _) = env.hca.create_cq(C1, 16).unwrap();
+        let uc = QpInitAttr { qp_type: QpType::Uc, ..qp_init(cq, cq, None) };
+        let e = env.hca.create_qp(C1, pd, uc).unwrap_err();
+        assert!(matches!(e, HcaError::Unsupported(_)), "{e:?}");
+        assert_eq!(e.errno(), 95);
+        assert!(e.to_string().contains("UC"), "{e}");
+        assert_eq!(env.hca.usage(TENANT), (2, 0), "the refusal charged nothing");
+
+        let qpn = env.qp(C1, pd, ud_init(cq, None));
+        let (attr, init) = env.hca.query_qp(C1, qpn).unwrap();
+        assert_eq!((attr.qp_state, init.qp_type), (QpState::Reset, QpType::Ud));
+
+        // RESET -> INIT takes a Q_Key and no access flags.
+        let to_init = QpAttr { qp_state: QpState::Init, port_num: 1, qkey: QKEY, ..QpAttr::default() };
+        let base = QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT;
+        assert!(matches!(env.modify(qpn, &to_init, base), Err(HcaError::Modify(_))));
+        let r = env.modify(qpn, &to_init, base | QpAttrMask::QKEY | QpAttrMask::ACCESS_FLAGS);
+        assert!(matches!(r, Err(HcaError::Modify(_))));
+        // An RC-style bring-up is refused too.
+        assert!(matches!(
+            env.modify(qpn, &to_init, base | QpAttrMask::ACCESS_FLAGS),
+            Err(HcaError::Modify(_))
+        ));
+        env.ud_up(qpn, QKEY);
+        let (attr, _) = env.hca.query_qp(C1, qpn).unwrap();
+        assert_eq!((attr.qp_state, attr.qkey, attr.sq_psn), (QpState::Rts, QKEY, 0x42));
+        // The Q_Key can change in RTS.
+        let a = QpAttr { qkey: 7, ..QpAttr::default() };
+        assert_eq!(env.modify(qpn, &a, QpAttrMask::QKEY), Ok(QpState::Rts));
+        assert_eq!(env.hca.query_qp(C1, qpn).unwrap().0.qkey, 7);
+        // SQE is entered by errors only.
+        let a = QpAttr { qp_state: QpState::Sqe, ..QpAttr::default() };
+        assert!(matches!(env.modify(qpn, &a, QpAttrMask::STATE), Err(HcaError::Modify(_))));
+    }
+
+    // ---- sending
+
+    #[test]
+    fn send_and_send_with_imm_land_after_the_grh_area() {
+        let (mut env, a, b) = ud_pair();
+        let ah = env.hca.create_ah(C1, a.pd, lid_av(&env, 5)).unwrap();
+        let msg = pattern(100, 3);
+        a.buf.write(0, &msg);
+        post_marked_recv(&mut env, &b, 70, GRH + 100);
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 100)], ah, b.qpn, QKEY));
+        env.run(T0);
+        let mut want = ud_recv_cqe(&env, 70, b.qpn, a.qpn, 100);
+        want.sl = 5;
+        assert_eq!(env.poll(b.cq), vec![want]);
+        assert_eq!(env.poll(a.cq), vec![sent(1, a.qpn)]);
+        // No GRH: the first 40 bytes are left as they were.
+        assert_eq!(b.buf.read(0, GRH_LEN), vec![0xee; GRH_LEN]);
+        assert_eq!(b.buf.read(GRH_LEN, 100), msg);
+
+        // With immediate data, solicited.
+        post_marked_recv(&mut env, &b, 71, 200);
+        let mut w = ud_wr(2, &[a.buf.sge(10, 20)], ah, b.qpn, QKEY);
+        w.opcode = SendOpcode::SendWithImm;
+        w.imm_data = 0xfeed_f00d;
+        w.flags |= SendFlags::SOLICITED;
+        env.io.post_send(a.qpn, w);
+        env.run(T0);
+        let mut want = ud_recv_cqe(&env, 71, b.qpn, a.qpn, 20);
+        want.sl = 5;
+        want.wc_flags = WcFlags::WITH_IMM;
+        want.imm_data = 0xfeed_f00d;
+        want.solicited = true;
+        assert_eq!(env.poll(b.cq), vec![want]);
+        assert_eq!(env.poll(a.cq), vec![sent(2, a.qpn)]);
+        assert_eq!(b.buf.read(GRH_LEN, 20), msg[10..30]);
+        assert_eq!(b.buf.read(GRH_LEN + 20, 1), [0xee], "nothing past the message");
+        assert!(env.io.events.is_empty());
+        assert_eq!((env.ud_state(a.qpn), env.ud_state(b.qpn)), (QpState::Rts, QpState::Rts));
+    }
+
+    #[test]
+    fn a_global_address_handle_fills_the_grh() {
+        let (mut env, a, b) = ud_pair();
+        let av = gid_av(&env);
+        let ah = env.hca.create_ah(C1, a.pd, av).unwrap();
+        a.buf.write(0, b"hello, datagram");
+        for (i, imm) in [(0u64, false), (1, true)] {
+            post_marked_recv(&mut env, &b, 80 + i, 128);
+            let mut w = ud_wr(i, &[a.buf.sge(0, 15)], ah, b.qpn, QKEY);
+            if imm {
+                w = SendWr { opcode: SendOpcode::SendWithImm, imm_data: 9, ..w };
+            }
+            env.io.post_send(a.qpn, w);
+            env.run(T0);
+            let mut want = ud_recv_cqe(&env, 80 + i, b.qpn, a.qpn, 15);
+            want.sl = 2;
+            want.wc_flags = WcFlags::GRH;
+            if imm {
+                want.wc_flags |= WcFlags::WITH_IMM;
+                want.imm_data = 9;
+            }
+            assert_eq!(env.poll(b.cq), vec![want]);
+            assert_eq!(env.poll(a.cq), vec![sent(i, a.qpn)]);
+            let g = b.buf.read(0, GRH_LEN);
+            // IP version 6, traffic class 0x12, flow label 0x34567.
+            assert_eq!(u32::from_be_bytes(g[0..4].try_into().unwrap()), 0x6123_4567);
+            // Payload length: BTH 12 + DETH 8 (+ ImmDt 4) + 16 (15 padded) + ICRC 4.
+            let pay_len = u16::from_be_bytes([g[4], g[5]]);
+            assert_eq!(pay_len, if imm { 44 } else { 40 });
+            assert_eq!((g[6], g[7]), (0x1b, 64), "next header IBA transport, hop limit");
+            let host = env.hca.config().gids[0].0;
+            assert_eq!(g[8..24], host, "SGID");
+            assert_eq!(g[24..40], av.dgid.0, "DGID");
+            assert_eq!(b.buf.read(GRH_LEN, 15), b"hello, datagram");
+        }
+    }
+
+    #[test]
+    fn grh_and_payload_scatter_across_receive_sges() {
+        let (mut env, a, b) = ud_pair();
+        let ah = env.hca.create_ah(C1, a.pd, gid_av(&env)).unwrap();
+        let msg = pattern(300, 9);
+        a.buf.write(0, &msg[..100]);
+        a.buf.write(1000, &msg[100..]);
+        b.buf.write(0, &[0xee; 4096]);
+        // 16 + 30 bytes: the GRH ends 6 bytes into the second SGE.
+        let sges = [b.buf.sge(0, 16), b.buf.sge(100, 30), b.buf.sge(1000, 0), b.buf.sge(2000, 400)];
+        env.io.post_recv(b.qpn, recv(5, &sges));
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 100), a.buf.sge(1000, 200)], ah, b.qpn, QKEY));
+        env.run(T0);
+        let got = env.poll(b.cq);
+        assert_eq!((got.len(), got[0].status, got[0].byte_len), (1, WcStatus::Success, GRH + 300));
+        let mut grh = b.buf.read(0, 16);
+        grh.extend(b.buf.read(100, 24));
+        assert_eq!(grh[0] >> 4, 6);
+        assert_eq!(grh[24..40], env.hca.config().gids[0].0);
+        let mut payload = b.buf.read(124, 6);
+        payload.extend(b.buf.read(2000, 294));
+        assert_eq!(payload, msg);
+        assert_eq!(b.buf.read(2294, 1), [0xee]);
+    }
+
+    #[test]
+    fn inline_datagram() {
+        let (mut env, a, b) = ud_pair();
+        post_marked_recv(&mut env, &b, 1, 64);
+        let mut w = ud_wr(3, &[], a.ah, b.qpn, QKEY);
+        w.flags |= SendFlags::INLINE;
+        w.inline_len = 5;
+        w.inline[..5].copy_from_slice(b"small");
+        env.io.post_send(a.qpn, w.clone());
+        env.run(T0);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 1, b.qpn, a.qpn, 5)]);
+        assert_eq!(env.poll(a.cq), vec![sent(3, a.qpn)]);
+        assert_eq!(b.buf.read(GRH_LEN, 5), b"small");
+        // Longer than the QP's max_inline_data (64): a local length error.
+        w.inline_len = 65;
+        env.io.post_send(a.qpn, w);
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![req_cqe(3, WcStatus::LocLenErr, WcOpcode::Send, a.qpn, 0)]);
+        assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+    }
+
+    #[test]
+    fn unsignaled_datagrams_complete_only_at_the_receiver_unless_sq_sig_all() {
+        let mut env = Env::new();
+        let a = env.ud_end(C1);
+        let b = env.ud_end(C2);
+        let pd = a.pd;
+        let all = env.qp(C1, pd, QpInitAttr { sq_sig_all: true, ..ud_init(a.cq, None) });
+        for q in [a.qpn, b.qpn, all] {
+            env.ud_up(q, QKEY);
+        }
+        for i in 0..2 {
+            env.io.post_recv(b.qpn, recv(i, &[b.buf.sge(i * 100, 100)]));
+        }
+        let mut w = ud_wr(1, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY);
+        w.flags = SendFlags::empty();
+        env.io.post_send(a.qpn, w.clone());
+        env.io.post_send(all, w);
+        env.run(T0);
+        assert_eq!(env.poll(b.cq).len(), 2);
+        assert_eq!(env.poll(a.cq), vec![sent(1, all)]);
+    }
+
+    #[test]
+    fn one_qp_sends_to_many_and_to_itself() {
+        let mut env = Env::new();
+        let a = env.ud_end(C1);
+        let b = env.ud_end(C2);
+        let c = env.ud_end(C2);
+        for q in [a.qpn, b.qpn, c.qpn] {
+            env.ud_up(q, QKEY);
+        }
+        a.buf.write(0, b"abc");
+        for (i, r) in [&a, &b, &c].into_iter().enumerate() {
+            env.io.post_recv(r.qpn, recv(10 + i as u64, &[r.buf.sge(4096, 64)]));
+            env.io.post_send(a.qpn, ud_wr(i as u64, &[a.buf.sge(0, 3)], a.ah, r.qpn, QKEY));
+        }
+        env.run(T0);
+        // a's CQ holds its own receive (loopback) and its three sends.
+        let got = env.poll(a.cq);
+        assert_eq!(
+            got,
+            vec![ud_recv_cqe(&env, 10, a.qpn, a.qpn, 3), sent(0, a.qpn), sent(1, a.qpn), sent(2, a.qpn)]
+        );
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 11, b.qpn, a.qpn, 3)]);
+        assert_eq!(env.poll(c.cq), vec![ud_recv_cqe(&env, 12, c.qpn, a.qpn, 3)]);
+        for r in [&a, &b, &c] {
+            assert_eq!(r.buf.read(4096 + GRH_LEN, 3), b"abc");
+        }
+    }
+
+    #[test]
+    fn receives_come_from_an_srq() {
+        let mut env = Env::new();
+        let a = env.ud_end(C1);
+        let pd = env.hca.alloc_pd(C2).unwrap();
+        let (cq, _) = env.hca.create_cq(C2, 16).unwrap();
+        let (srq, _) = env.hca.create_srq(C2, pd, SrqAttr { max_wr: 4, max_sge: 1, srq_limit: 2 }).unwrap();
+        let b1 = env.qp(C2, pd, ud_init(cq, Some(srq)));
+        let b2 = env.qp(C2, pd, ud_init(cq, Some(srq)));
+        let buf = env.mr(C2, pd, 4096, FULL);
+        for q in [a.qpn, b1, b2] {
+            env.ud_up(q, QKEY);
+        }
+        for i in 0..3u64 {
+            env.io.post_srq(srq, recv(i, &[buf.sge(i * 100, 100)]));
+        }
+        a.buf.write(0, b"xy");
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 2)], a.ah, b1, QKEY));
+        env.io.post_send(a.qpn, ud_wr(2, &[a.buf.sge(0, 2)], a.ah, b2, QKEY));
+        env.run(T0);
+        assert_eq!(
+            env.poll(cq),
+            vec![ud_recv_cqe(&env, 0, b1, a.qpn, 2), ud_recv_cqe(&env, 1, b2, a.qpn, 2)]
+        );
+        assert_eq!(buf.read(100 + GRH_LEN, 2), b"xy");
+        assert_eq!(
+            env.io.events,
+            vec![(C2, AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: srq })]
+        );
+    }
+
+    // ---- the sender's errors: SQE
+
+    #[test]
+    fn only_sends_run_on_a_ud_qp() {
+        let (mut env, a, b) = ud_pair();
+        let ops = [
+            SendOpcode::RdmaWrite,
+            SendOpcode::RdmaWriteWithImm,
+            SendOpcode::RdmaRead,
+            SendOpcode::AtomicCmpAndSwp,
+            SendOpcode::AtomicFetchAndAdd,
+        ];
+        for (i, op) in ops.into_iter().enumerate() {
+            env.io.post_recv(b.qpn, recv(50, &[b.buf.sge(0, 128)]));
+            let mut w = ud_wr(i as u64, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY);
+            w.opcode = op;
+            w.remote_addr = b.buf.addr;
+            w.rkey = b.buf.key;
+            env.io.post_send(a.qpn, w);
+            env.run(T0);
+            assert_eq!(
+                env.poll(a.cq),
+                vec![req_cqe(i as u64, WcStatus::LocQpOpErr, op.wc_opcode(), a.qpn, 0)],
+                "{op:?}"
+            );
+            // SQE, not ERR: no async event, the receiver untouched.
+            assert_eq!(env.ud_state(a.qpn), QpState::Sqe, "{op:?}");
+            assert!(env.io.events.is_empty());
+            assert!(env.poll(b.cq).is_empty());
+            env.recover(a.qpn);
+        }
+        assert_eq!(b.buf.read(0, 8), [0; 8]);
+    }
+
+    #[test]
+    fn sqe_flushes_sends_keeps_receiving_and_recovers_to_rts() {
+        let (mut env, a, b) = ud_pair();
+        let mut bad = ud_wr(1, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY);
+        bad.opcode = SendOpcode::RdmaWrite;
+        env.io.post_send(a.qpn, bad);
+        env.io.post_send(a.qpn, ud_wr(2, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.io.post_send(a.qpn, ud_wr(3, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.io.post_recv(b.qpn, recv(60, &[b.buf.sge(0, 128)]));
+        env.run(T0);
+        assert_eq!(
+            env.poll(a.cq),
+            vec![
+                req_cqe(1, WcStatus::LocQpOpErr, WcOpcode::RdmaWrite, a.qpn, 0),
+                req_cqe(2, WcStatus::WrFlushErr, WcOpcode::Send, a.qpn, 0),
+                req_cqe(3, WcStatus::WrFlushErr, WcOpcode::Send, a.qpn, 0),
+            ]
+        );
+        assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+        assert!(env.poll(b.cq).is_empty(), "flushed sends never left");
+        // Posting in SQE is allowed; the send flushes.
+        env.io.post_send(a.qpn, ud_wr(4, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![req_cqe(4, WcStatus::WrFlushErr, WcOpcode::Send, a.qpn, 0)]);
+
+        // The receive queue of a QP in SQE keeps working.
+        b.buf.write(0, b"to a");
+        env.io.post_recv(a.qpn, recv(61, &[a.buf.sge(1024, 128)]));
+        env.io.post_send(b.qpn, ud_wr(5, &[b.buf.sge(0, 4)], b.ah, a.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![ud_recv_cqe(&env, 61, a.qpn, b.qpn, 4)]);
+        assert_eq!(env.poll(b.cq), vec![sent(5, b.qpn)]);
+        assert_eq!(a.buf.read(1024 + GRH_LEN, 4), b"to a");
+
+        // SQE -> RTS (which may change the Q_Key): sends work again.
+        let attr = QpAttr { qp_state: QpState::Rts, cur_qp_state: QpState::Sqe, ..QpAttr::default() };
+        let r = env.modify(a.qpn, &attr, QpAttrMask::STATE | QpAttrMask::CUR_STATE | QpAttrMask::QKEY);
+        assert_eq!(r, Ok(QpState::Rts));
+        assert_eq!(env.ud_state(a.qpn), QpState::Rts);
+        a.buf.write(0, b"again");
+        env.io.post_send(a.qpn, ud_wr(6, &[a.buf.sge(0, 5)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(6, a.qpn)]);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 60, b.qpn, a.qpn, 5)]);
+        assert_eq!(b.buf.read(GRH_LEN, 5), b"again");
+        assert!(env.io.events.is_empty());
+    }
+
+    #[test]
+    fn the_address_handle_must_be_one_of_the_qps_pd() {
+        let (mut env, a, b) = ud_pair();
+        let other_pd = env.hca.alloc_pd(C1).unwrap();
+        let other_pd_ah = env.hca.create_ah(C1, other_pd, lid_av(&env, 0)).unwrap();
+        let gone = env.hca.create_ah(C1, a.pd, lid_av(&env, 0)).unwrap();
+        env.hca.destroy_ah(C1, gone).unwrap();
+        // 0 (none), another PD's, another process's (b's), a destroyed one,
+        // a number that is not an AH at all (a's CQ).
+        for (i, ah) in [0, other_pd_ah, b.ah, gone, a.cq].into_iter().enumerate() {
+            env.io.post_recv(b.qpn, recv(70, &[b.buf.sge(0, 128)]));
+            env.io.post_send(a.qpn, ud_wr(i as u64, &[a.buf.sge(0, 8)], ah, b.qpn, QKEY));
+            env.run(T0);
+            assert_eq!(
+                env.poll(a.cq),
+                vec![req_cqe(i as u64, WcStatus::LocQpOpErr, WcOpcode::Send, a.qpn, 0)],
+                "AH {ah:#x}"
+            );
+            assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+            assert!(env.poll(b.cq).is_empty());
+            env.recover(a.qpn);
+        }
+        // An AH destroyed while a send naming it waits.
+        let ah = env.hca.create_ah(C1, a.pd, lid_av(&env, 0)).unwrap();
+        env.io.post_send(a.qpn, ud_wr(9, &[a.buf.sge(0, 8)], ah, b.qpn, QKEY));
+        env.hca.destroy_ah(C1, ah).unwrap();
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![req_cqe(9, WcStatus::LocQpOpErr, WcOpcode::Send, a.qpn, 0)]);
+    }
+
+    #[test]
+    fn a_datagram_is_at_most_one_mtu() {
+        let (mut env, a, b) = ud_pair();
+        assert_eq!(env.hca.config().port.active_mtu.bytes(), 4096);
+        let msg = pattern(4097, 1);
+        a.buf.write(0, &msg);
+        env.io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, GRH + 8192)]));
+        // One byte over, even split over two SGEs: a local length error.
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 4000), a.buf.sge(4000, 97)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![req_cqe(1, WcStatus::LocLenErr, WcOpcode::Send, a.qpn, 0)]);
+        assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+        assert!(env.poll(b.cq).is_empty());
+        assert_eq!(env.io.recv_posted(RecvSource::Qp(b.qpn)), 1, "the receive was not consumed");
+        env.recover(a.qpn);
+        // Exactly one MTU fits.
+        env.io.post_send(a.qpn, ud_wr(2, &[a.buf.sge(0, 4096)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(2, a.qpn)]);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 1, b.qpn, a.qpn, 4096)]);
+        assert_eq!(b.buf.read(GRH_LEN, 4096), msg[..4096]);
+    }
+
+    #[test]
+    fn bad_lkeys_and_too_many_sges_are_the_senders_errors() {
+        let (mut env, a, b) = ud_pair();
+        let cases: [(Vec<Sge>, WcStatus); 3] = [
+            // b's region is another process's.
+            (vec![b.buf.sge(0, 8)], WcStatus::LocProtErr),
+            (vec![a.buf.sge(64 << 10, 1)], WcStatus::LocProtErr),
+            (vec![a.buf.sge(0, 1); 5], WcStatus::LocLenErr),
+        ];
+        for (i, (sges, status)) in cases.into_iter().enumerate() {
+            env.io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, 128)]));
+            env.io.post_send(a.qpn, ud_wr(i as u64, &sges, a.ah, b.qpn, QKEY));
+            env.run(T0);
+            assert_eq!(env.poll(a.cq), vec![req_cqe(i as u64, status, WcOpcode::Send, a.qpn, 0)]);
+            assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+            assert!(env.poll(b.cq).is_empty());
+            env.recover(a.qpn);
+        }
+        assert_eq!(env.ud_state(b.qpn), QpState::Rts);
+    }
+
+    #[test]
+    fn an_undecodable_send_moves_a_ud_qp_to_sqe() {
+        let (mut env, a, _) = ud_pair();
+        /// The first send pulled from QP `.1` does not decode.
+        struct Garbled<'a>(&'a mut FakeQueues, u32, bool);
+        impl Queues for Garbled<'_> {
+            fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
+                if qpn == self.1 && !std::mem::replace(&mut self.2, true) {
+                    return Some(Err((77, WqeError::BadOpcode(99))));
+                }
+                self.0.pull_send(qpn)
+            }
+            fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
+                self.0.pull_recv(src)
+            }
+            fn recv_posted(&mut self, src: RecvSource) -> u32 {
+                self.0.recv_posted(src)
+            }
+            fn discard(&mut self, qpn: u32) {
+                self.0.discard(qpn)
+            }
+            fn push_cqe(&mut self, cqn: u32, cqe: &Cqe) -> Result<(), CqFull> {
+                self.0.push_cqe(cqn, cqe)
+            }
+            fn async_event(&mut self, ctx: ContextId, event: AsyncEvent) {
+                self.0.async_event(ctx, event)
+            }
+            fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
+                self.0.qp_state_changed(qpn, state)
+            }
+        }
+        env.hca.process(T0, &mut Garbled(&mut env.io, a.qpn, false));
+        assert_eq!(env.poll(a.cq), vec![req_cqe(77, WcStatus::LocQpOpErr, WcOpcode::Send, a.qpn, 0)]);
+        assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+    }
+
+    // ---- what the receiver drops
+
+    #[test]
+    fn a_qkey_mismatch_drops_the_datagram_silently() {
+        let (mut env, a, b) = ud_pair();
+        post_marked_recv(&mut env, &b, 1, 128);
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY + 1));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(1, a.qpn)], "the sender cannot tell");
+        assert!(env.poll(b.cq).is_empty());
+        assert_eq!(env.io.recv_posted(RecvSource::Qp(b.qpn)), 1, "the receive is still there");
+        assert_eq!(b.buf.read(0, 128), vec![0xee; 128]);
+
+        // The high bit: use the sending QP's own Q_Key, which matches.
+        env.io.post_send(a.qpn, ud_wr(2, &[a.buf.sge(0, 8)], a.ah, b.qpn, 0x8000_0000));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(2, a.qpn)]);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 1, b.qpn, a.qpn, 8)]);
+
+        // Once the sender's own Q_Key differs, the same WR is dropped...
+        let attr = QpAttr { qkey: 0x5555, ..QpAttr::default() };
+        env.modify(a.qpn, &attr, QpAttrMask::QKEY).unwrap();
+        env.io.post_recv(b.qpn, recv(2, &[b.buf.sge(0, 128)]));
+        env.io.post_send(a.qpn, ud_wr(3, &[a.buf.sge(0, 8)], a.ah, b.qpn, 0x8000_0000));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(3, a.qpn)]);
+        assert!(env.poll(b.cq).is_empty());
+        // ...and the receiver taking that Q_Key makes it match.
+        env.modify(b.qpn, &attr, QpAttrMask::QKEY).unwrap();
+        env.io.post_send(a.qpn, ud_wr(4, &[a.buf.sge(0, 8)], a.ah, b.qpn, 0x8000_1234));
+        env.run(T0);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 2, b.qpn, a.qpn, 8)]);
+        assert_eq!((env.ud_state(a.qpn), env.ud_state(b.qpn)), (QpState::Rts, QpState::Rts));
+        assert!(env.io.events.is_empty());
+    }
+
+    #[test]
+    fn without_a_receive_posted_the_datagram_is_dropped() {
+        let (mut env, a, b) = ud_pair();
+        a.buf.write(0, b"first");
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 5)], a.ah, b.qpn, QKEY));
+        let act = env.run(T0);
+        assert_eq!(act.next_timer, None, "no RNR wait: UD does not retry");
+        assert_eq!(env.poll(a.cq), vec![sent(1, a.qpn)]);
+        assert!(env.poll(b.cq).is_empty());
+        // A receive posted later does not get the lost datagram...
+        post_marked_recv(&mut env, &b, 7, 64);
+        env.run(T0);
+        assert!(env.poll(b.cq).is_empty());
+        // ...only the next one.
+        a.buf.write(0, b"second");
+        env.io.post_send(a.qpn, ud_wr(2, &[a.buf.sge(0, 6)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 7, b.qpn, a.qpn, 6)]);
+        assert_eq!(b.buf.read(GRH_LEN, 6), b"second");
+        assert_eq!((env.ud_state(a.qpn), env.ud_state(b.qpn)), (QpState::Rts, QpState::Rts));
+    }
+
+    #[test]
+    fn datagrams_to_nowhere_are_dropped_and_the_sender_succeeds() {
+        let mut env = Env::new();
+        let a = env.ud_end(C1);
+        env.ud_up(a.qpn, QKEY);
+        // Would-be receivers, each with a receive posted.
+        let reset = env.ud_end(C2);
+        let init = env.ud_end(C2);
+        let rtr = env.ud_end(C2);
+        let stranger = env.ud_end(C3);
+        let rc = env.end(C2);
+        let attr = QpAttr { qp_state: QpState::Init, port_num: 1, qkey: QKEY, ..QpAttr::default() };
+        let mask = QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY;
+        env.modify(init.qpn, &attr, mask).unwrap();
+        env.modify(rtr.qpn, &attr, mask).unwrap();
+        env.ud_rtr(rtr.qpn);
+        env.ud_up(stranger.qpn, QKEY);
+        env.connect(rc.qpn, a.qpn);
+        let errored = env.ud_end(C2);
+        env.ud_up(errored.qpn, QKEY);
+        env.modify(errored.qpn, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)
+            .unwrap();
+        for (q, buf) in [
+            (reset.qpn, &reset.buf),
+            (init.qpn, &init.buf),
+            (rtr.qpn, &rtr.buf),
+            (stranger.qpn, &stranger.buf),
+            (rc.qpn, &rc.buf),
+        ] {
+            env.io.post_recv(q, recv(1, &[buf.sge(0, 128)]));
+        }
+        let elsewhere = env.hca.create_ah(C1, a.pd, AhAttr { dlid: 0x99, ..lid_av(&env, 0) }).unwrap();
+        let elsewhere_gid = AhAttr { dgid: Gid::from_ipv4([10, 0, 0, 2]), ..gid_av(&env) };
+        let elsewhere_gid = env.hca.create_ah(C1, a.pd, elsewhere_gid).unwrap();
+        let targets = [
+            (a.ah, 0x77_7777),        // no such QP
+            (a.ah, 0xff_ffff),        // the multicast QPN
+            (a.ah, reset.qpn),        // not ready to receive
+            (a.ah, init.qpn),         //
+            (a.ah, errored.qpn),      //
+            (a.ah, stranger.qpn),     // another tenant's
+            (a.ah, rc.qpn),           // not a UD QP
+            (elsewhere, rtr.qpn),     // another host, by LID
+            (elsewhere_gid, rtr.qpn), // another host, by GID
+        ];
+        for (i, (ah, qpn)) in targets.into_iter().enumerate() {
+            env.io.post_send(a.qpn, ud_wr(i as u64, &[a.buf.sge(0, 8)], ah, qpn, QKEY));
+        }
+        env.run(T0);
+        let want: Vec<Cqe> = (0..targets.len() as u64).map(|i| sent(i, a.qpn)).collect();
+        assert_eq!(env.poll(a.cq), want);
+        for cq in [reset.cq, init.cq, rtr.cq, stranger.cq, rc.cq, errored.cq] {
+            assert!(env.poll(cq).is_empty());
+        }
+        assert!(env.io.events.is_empty());
+        assert_eq!(env.ud_state(a.qpn), QpState::Rts);
+        assert_eq!(env.hca.query_qp(C2, rc.qpn).unwrap().0.qp_state, QpState::Rts);
+        // An RTR QP does receive.
+        env.io.post_send(a.qpn, ud_wr(20, &[a.buf.sge(0, 8)], a.ah, rtr.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(rtr.cq), vec![ud_recv_cqe(&env, 1, rtr.qpn, a.qpn, 8)]);
+    }
+
+    #[test]
+    fn a_receive_too_small_fails_the_receiver_not_the_sender() {
+        let (mut env, a, b) = ud_pair();
+        // Room for the GRH and 99 of 100 bytes.
+        post_marked_recv(&mut env, &b, 1, GRH + 99);
+        env.io.post_recv(b.qpn, recv(2, &[b.buf.sge(1024, 1024)]));
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 100)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(1, a.qpn)]);
+        assert_eq!(
+            env.poll(b.cq),
+            vec![recv_err(1, WcStatus::LocLenErr, b.qpn), recv_err(2, WcStatus::WrFlushErr, b.qpn)]
+        );
+        assert_eq!(env.ud_state(b.qpn), QpState::Err);
+        assert_eq!(env.ud_state(a.qpn), QpState::Rts);
+        assert_eq!(b.buf.read(0, GRH_LEN + 99), vec![0xee; GRH_LEN + 99], "nothing was written");
+        assert!(env.io.events.is_empty());
+
+        // Smaller than the GRH alone, even for an empty datagram.
+        let (mut env, a, b) = ud_pair();
+        env.io.post_recv(b.qpn, recv(3, &[b.buf.sge(0, 39)]));
+        env.io.post_send(a.qpn, ud_wr(2, &[], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(2, a.qpn)]);
+        assert_eq!(env.poll(b.cq), vec![recv_err(3, WcStatus::LocLenErr, b.qpn)]);
+        assert_eq!(env.ud_state(b.qpn), QpState::Err);
+        // An empty datagram fits in exactly 40 bytes.
+        let (mut env, a, b) = ud_pair();
+        env.io.post_recv(b.qpn, recv(4, &[b.buf.sge(0, 40)]));
+        env.io.post_send(a.qpn, ud_wr(3, &[], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 4, b.qpn, a.qpn, 0)]);
+    }
+
+    #[test]
+    fn a_receive_with_a_bad_lkey_is_the_receivers_protection_error() {
+        let (mut env, a, b) = ud_pair();
+        let mut s = b.buf.sge(0, 128);
+        s.lkey = a.buf.key; // another process's region
+        env.io.post_recv(b.qpn, recv(1, &[s]));
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(1, a.qpn)]);
+        assert_eq!(env.poll(b.cq), vec![recv_err(1, WcStatus::LocProtErr, b.qpn)]);
+        assert_eq!(env.ud_state(b.qpn), QpState::Err);
+        assert_eq!(env.ud_state(a.qpn), QpState::Rts);
+    }
+
+    #[test]
+    fn a_ud_qp_in_err_flushes_both_queues_and_reset_discards() {
+        let (mut env, a, b) = ud_pair();
+        env.io.post_recv(a.qpn, recv(1, &[a.buf.sge(0, 64)]));
+        env.io.post_send(a.qpn, ud_wr(2, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.modify(a.qpn, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)
+            .unwrap();
+        env.run(T0);
+        let mut got = env.poll(a.cq);
+        got.sort_by_key(|c| c.wr_id);
+        assert_eq!(
+            got,
+            vec![
+                recv_err(1, WcStatus::WrFlushErr, a.qpn),
+                req_cqe(2, WcStatus::WrFlushErr, WcOpcode::Send, a.qpn, 0)
+            ]
+        );
+        env.modify(a.qpn, &QpAttr::default(), QpAttrMask::STATE).unwrap();
+        assert_eq!(env.ud_state(a.qpn), QpState::Reset);
+        env.ud_up(a.qpn, QKEY);
+        env.io.post_recv(b.qpn, recv(3, &[b.buf.sge(0, 64)]));
+        env.io.post_send(a.qpn, ud_wr(4, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(b.cq), vec![ud_recv_cqe(&env, 3, b.qpn, a.qpn, 8)]);
+    }
+
+    #[test]
+    fn a_receiver_that_goes_away_breaks_no_sender() {
+        let (mut env, a, b) = ud_pair();
+        env.io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, 64)]));
+        let t = env.hca.close_context(C2, &mut env.io);
+        assert_eq!(t.qps, vec![b.qpn]);
+        env.io.post_send(a.qpn, ud_wr(1, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.poll(a.cq), vec![sent(1, a.qpn)]);
+        assert_eq!(env.ud_state(a.qpn), QpState::Rts);
+        assert!(env.io.events.is_empty(), "no QP fatal: UD has no peer");
+        // And a sender that goes away breaks no receiver.
+        let (mut env, _, b) = ud_pair();
+        env.hca.close_context(C1, &mut env.io);
+        assert_eq!(env.ud_state(b.qpn), QpState::Rts);
+        assert!(env.io.events.is_empty());
+    }
+
+    #[test]
+    fn a_large_datagram_burst_stays_within_the_chunk_budget() {
+        // 16 datagrams of 4 KiB: each engine pass moves at most chunk_bytes
+        // (64 KiB) per QP, and the burst still finishes.
+        let (mut env, a, b) = ud_pair();
+        for i in 0..16u64 {
+            env.io.post_recv(b.qpn, recv(i, &[b.buf.sge(0, 4096 + GRH)]));
+            env.io.post_send(a.qpn, ud_wr(i, &[a.buf.sge(0, 4096)], a.ah, b.qpn, QKEY));
+        }
+        env.run(T0);
+        assert_eq!(env.poll(a.cq).len(), 16);
+        assert_eq!(env.poll(b.cq).len(), 16);
+    }
+}

@@ -14,7 +14,7 @@ pub use layout::*;
 use serde::{Deserialize, Serialize};
 
 use crate::hca::{AsyncEvent, QpCreated};
-use crate::verbs::{AccessFlags, DeviceAttr, Gid, PortAttr, QpAttr, QpAttrMask, QpInitAttr, SrqAttr};
+use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAttrMask, QpInitAttr, SrqAttr};
 
 /// Bumped on any incompatible change of these messages.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -92,6 +92,15 @@ pub enum Request {
     DestroyQp {
         qp: u32,
     },
+    // Variants are numbered by position on the wire: new ones go last.
+    /// `ibv_create_ah` in `pd`; answered [`Reply::Ah`].
+    CreateAh {
+        pd: u32,
+        attr: AhAttr,
+    },
+    DestroyAh {
+        ah: u32,
+    },
 }
 
 impl Request {
@@ -168,6 +177,11 @@ pub enum Reply {
         errno: i32,
         message: String,
     },
+    // Variants are numbered by position on the wire: new ones go last.
+    /// The address handle created by [`Request::CreateAh`].
+    Ah {
+        ah: u32,
+    },
 }
 
 /// Why a message could not be decoded.
@@ -234,6 +248,26 @@ mod tests {
         assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
         let e = Reply::Error { errno: 22, message: "no".into() };
         assert_eq!(decode_reply(&encode_reply(&e)).unwrap(), e);
+    }
+
+    #[test]
+    fn address_handle_messages_round_trip_and_keep_older_encodings() {
+        let attr =
+            AhAttr { dlid: 7, sl: 3, port_num: 1, is_global: true, hop_limit: 64, ..AhAttr::default() };
+        let r = Request::CreateAh { pd: 4, attr };
+        assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
+        let r = Request::DestroyAh { ah: 9 };
+        assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
+        let a = Reply::Ah { ah: 9 };
+        assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
+        // Appended: the variants before them keep their numbers.
+        assert_eq!(encode_request(&Request::Hello { version: 1 })[0], 0);
+        assert_eq!(encode_request(&Request::DestroyQp { qp: 1 })[0], 19);
+        assert_eq!(encode_request(&Request::CreateAh { pd: 1, attr })[0], 20);
+        assert_eq!(encode_request(&Request::DestroyAh { ah: 1 })[0], 21);
+        assert_eq!(encode_reply(&Reply::Done)[0], 12);
+        assert_eq!(encode_reply(&Reply::Error { errno: 1, message: String::new() })[0], 13);
+        assert_eq!(encode_reply(&Reply::Ah { ah: 1 })[0], 14);
     }
 
     #[test]

@@ -253,6 +253,14 @@ impl Session {
                 })??;
                 Reply::Done.into()
             }
+            Request::CreateAh { pd, attr } => {
+                let ah = self.engine(move |e, c| e.hca.create_ah(c, pd, attr))??;
+                Reply::Ah { ah }.into()
+            }
+            Request::DestroyAh { ah } => {
+                self.engine(move |e, c| e.hca.destroy_ah(c, ah))??;
+                Reply::Done.into()
+            }
         })
     }
 
