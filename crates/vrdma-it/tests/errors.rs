@@ -481,8 +481,10 @@ fn quota_refuses_the_seventh_object() -> Result<()> {
     let cq2 = ctx.create_cq(16, None)?;
     let qp = pd.create_rc_qp(&cq, &cq2, cap(16, 1))?;
     let mr2 = pd.alloc_mr(4096, access_all())?;
-    // A completion channel is not an object the quota counts.
-    let _ch = ctx.create_comp_channel()?;
+    // A completion channel counts too: it holds memory and descriptors in
+    // the daemon.
+    let e = ctx.create_comp_channel().unwrap_err();
+    assert_eq!(e.errno(), libc::ENOMEM, "{e}");
     let e = ctx.alloc_pd().unwrap_err();
     assert_eq!(e.errno(), libc::ENOMEM, "{e}");
     assert!(e.to_string().contains("quota"), "{e}");
@@ -499,5 +501,36 @@ fn quota_refuses_the_seventh_object() -> Result<()> {
     let pd2 = ctx.alloc_pd()?;
     assert_eq!(ctx.alloc_pd().unwrap_err().errno(), libc::ENOMEM);
     drop((pd2, qp, mr));
+    Ok(())
+}
+
+#[test]
+fn channels_are_charged_and_refunded() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_objects = 2\n")?;
+    let ctx = d.context()?;
+    let a = ctx.create_comp_channel()?;
+    let _b = ctx.create_comp_channel()?;
+    let e = ctx.create_comp_channel().unwrap_err();
+    assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+    drop(a);
+    let _c = ctx.create_comp_channel()?;
+    // Closing the context refunds its channels to the tenant.
+    drop((ctx, _b, _c));
+    vrdma_it::wait_until(Duration::from_secs(10), "channels refunded", || {
+        d.context().and_then(|c| Ok(c.create_comp_channel()?)).is_ok()
+    })?;
+    Ok(())
+}
+
+#[test]
+fn contexts_per_tenant_are_limited() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_contexts = 2\n")?;
+    let a = d.context()?;
+    let _b = d.context()?;
+    let e = d.context().unwrap_err();
+    assert!(e.to_string().contains("contexts open"), "{e}");
+    drop(a);
+    // The closed context's slot comes back once the daemon has seen it go.
+    vrdma_it::wait_until(Duration::from_secs(10), "a context slot freed", || d.context().is_ok())?;
     Ok(())
 }

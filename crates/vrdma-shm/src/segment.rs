@@ -23,6 +23,9 @@ use rustix::mm::{MapFlags, ProtFlags};
 /// Why a file descriptor from a peer could not be mapped.
 #[derive(Debug, thiserror::Error)]
 pub enum SegmentError {
+    /// The file is on hugetlbfs, which the daemon does not map for tenants.
+    #[error("memory on hugetlbfs cannot be shared with the daemon; use ordinary shared memory")]
+    HugeTlb,
     /// The descriptor does not support seals, so it is not a memfd (or
     /// other shmem/hugetlbfs file) and its size cannot be pinned.
     #[error("not a sealable memfd: {0}")]
@@ -110,30 +113,6 @@ impl Segment {
         Segment::map(fd, 0, size)
     }
 
-    /// Like [`create`](Segment::create), in huge pages of `huge` bytes (a
-    /// `MFD_HUGETLB` memfd): `len` is rounded up to whole huge pages. Fails
-    /// (`ENOMEM`) when the system has too few huge pages free.
-    pub fn create_hugetlb(name: &str, len: usize, huge: usize) -> io::Result<Segment> {
-        if len == 0 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero-length segment"));
-        }
-        if !huge.is_power_of_two() || huge < page_size() || huge.trailing_zeros() > 63 {
-            return Err(io::Error::new(io::ErrorKind::InvalidInput, "not a huge page size"));
-        }
-        let size = len
-            .checked_next_multiple_of(huge)
-            .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
-        // The page size goes in the flags as its log2 (`MFD_HUGE_SHIFT`).
-        let size_flag = MemfdFlags::from_bits_retain(huge.trailing_zeros() << 26);
-        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING | MemfdFlags::HUGETLB | size_flag;
-        let fd = rustix::fs::memfd_create(name, flags)?;
-        rustix::fs::ftruncate(&fd, size as u64)?;
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
-        // A shared hugetlb mapping reserves its pages here, so a shortage
-        // is an error now rather than a SIGBUS later.
-        Segment::map(fd, 0, size)
-    }
-
     /// Maps `[offset, offset+len)` of a descriptor received from a peer
     /// that may be hostile.
     ///
@@ -147,6 +126,12 @@ impl Segment {
         let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| SegmentError::NotMemfd(e.into()))?;
         if !seals.contains(SealFlags::SHRINK) {
             return Err(SegmentError::NotSealed);
+        }
+        // A hole punched into a hugetlbfs file frees its reservation; once
+        // the huge pages are gone, touching the hole raises SIGBUS. No seal
+        // prevents hole punching, so such files are refused outright.
+        if is_hugetlbfs(&fd)? {
+            return Err(SegmentError::HugeTlb);
         }
         // The page size is a power of two.
         if offset & (page_size() as u64 - 1) != 0 {
@@ -270,9 +255,39 @@ unsafe impl vrdma_core::memory::Backing for Segment {
     }
 }
 
+/// `HUGETLBFS_MAGIC` of `statfs(2)`.
+const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
+
+fn is_hugetlbfs(fd: &OwnedFd) -> Result<bool, SegmentError> {
+    let st = rustix::fs::fstatfs(fd).map_err(|e| SegmentError::Io(e.into()))?;
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
+    Ok(st.f_type as i64 == HUGETLBFS_MAGIC)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hugetlbfs_files_are_refused() {
+        use rustix::fs::{MemfdFlags, SealFlags};
+        let fd = match rustix::fs::memfd_create(
+            "vrdma-huge-test",
+            MemfdFlags::HUGETLB | MemfdFlags::ALLOW_SEALING,
+        ) {
+            Ok(fd) => fd,
+            Err(e) => {
+                println!("skipping: this kernel makes no hugetlb memfd ({e})");
+                return;
+            }
+        };
+        if rustix::fs::ftruncate(&fd, 1 << 30).is_err() && rustix::fs::ftruncate(&fd, 2 << 20).is_err() {
+            println!("skipping: cannot size a hugetlb memfd");
+            return;
+        }
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK).unwrap();
+        assert!(matches!(Segment::map_untrusted(fd, 0, 4096), Err(SegmentError::HugeTlb)));
+    }
     use std::sync::atomic::{AtomicU64, Ordering};
 
     fn write_byte(seg: &Segment, at: usize, v: u8) {

@@ -12,8 +12,9 @@
 //! daemon.
 //!
 //! Only private anonymous memory (including `[heap]` and `MAP_HUGETLB`
-//! huge pages, which are re-backed whole by a memfd of huge pages) is
-//! re-backed. The
+//! huge pages, which are re-backed whole huge pages at a time by ordinary
+//! shared memory: the daemon refuses hugetlbfs files, see
+//! `vrdma_shm::Segment::map_untrusted`) is re-backed. The
 //! main thread's `[stack]` and the calling thread's stack, file mappings
 //! (whose contents belong to the file) and read-only or unmapped pages are
 //! refused, as is a range that
@@ -40,10 +41,7 @@ use crate::error::{Error, Result};
 
 /// The memfd name of re-backed spans, as `/proc/self/maps` shows it.
 const MEMFD_NAME: &str = "vrdma-rebacked";
-/// The same for spans of huge pages (the prefix above matches both).
-const HUGE_MEMFD_NAME: &str = "vrdma-rebacked-huge";
 const MAPS_PATH_PREFIX: &str = "/memfd:vrdma-rebacked";
-const HUGE_MAPS_PATH_PREFIX: &str = "/memfd:vrdma-rebacked-huge";
 /// How `/proc/self/maps` names `MAP_HUGETLB | MAP_ANONYMOUS` memory.
 const ANON_HUGE_PATH_PREFIX: &str = "/anon_hugepage";
 
@@ -121,9 +119,10 @@ impl MapEntry {
         self.private() && self.path.starts_with(ANON_HUGE_PATH_PREFIX)
     }
 
-    /// Mapped in huge pages: hugetlb memory or a span of ours made of it.
+    /// Mapped in huge pages (hugetlb memory; our re-backing of it uses
+    /// ordinary pages, whole huge pages at a time).
     fn is_huge(&self) -> bool {
-        self.path.starts_with(ANON_HUGE_PATH_PREFIX) || self.path.starts_with(HUGE_MAPS_PATH_PREFIX)
+        self.path.starts_with(ANON_HUGE_PATH_PREFIX)
     }
 }
 
@@ -388,7 +387,10 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     let span_len = pend - pstart;
     let seg = match huge {
         None => Segment::create(MEMFD_NAME, span_len)?,
-        Some(h) => Segment::create_hugetlb(HUGE_MEMFD_NAME, span_len, h)?,
+        // Whole huge pages are re-backed by ordinary shared memory: the
+        // daemon refuses hugetlbfs files, because a hole punched into one
+        // (which no seal prevents) makes its next access a SIGBUS.
+        Some(_) => Segment::create(MEMFD_NAME, span_len)?,
     };
     debug_assert_eq!(seg.len(), span_len);
     // SAFETY: `[pstart, pend)` is mapped readable (checked against

@@ -39,6 +39,20 @@ pub fn default_socket_path() -> PathBuf {
     }
 }
 
+/// Every context, ring and registered region holds descriptors in the
+/// daemon; the soft limit (often 1024) would cap the device far below the
+/// quotas, so take the hard limit.
+fn raise_fd_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let lim = getrlimit(Resource::Nofile);
+    if lim.current < lim.maximum {
+        let raised = Rlimit { current: lim.maximum, maximum: lim.maximum };
+        if let Err(e) = setrlimit(Resource::Nofile, raised) {
+            tracing::warn!(error = %e, "cannot raise the open-file limit");
+        }
+    }
+}
+
 /// Memory keys from the kernel's CSPRNG: a tenant cannot guess another's rkey.
 struct RandomKeys;
 
@@ -70,6 +84,7 @@ pub struct Daemon {
 
 impl Daemon {
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
+        raise_fd_limit();
         let path = config.socket.clone().unwrap_or_else(default_socket_path);
         let address = config.address.unwrap_or_else(host::detect_ipv4);
         let mut hca_cfg = HcaConfig::for_host(address.octets());
@@ -115,12 +130,12 @@ impl Daemon {
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
-        for (_, fd) in self.shared.sessions.lock().expect("sessions lock").iter() {
+        for (_, fd) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
         // Give sessions a moment to close their contexts on the engine.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(2);
-        while !self.shared.sessions.lock().expect("sessions lock").is_empty()
+        while !self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).is_empty()
             && std::time::Instant::now() < deadline
         {
             std::thread::sleep(std::time::Duration::from_millis(5));

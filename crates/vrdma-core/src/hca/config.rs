@@ -14,11 +14,20 @@ pub struct Quota {
     pub max_registered_bytes: u64,
     /// Largest depth of any one queue (CQ entries, send/receive WRs).
     pub max_queue_depth: u32,
+    /// Open contexts (connections to the daemon) at once.
+    pub max_contexts: u32,
 }
 
 impl Default for Quota {
     fn default() -> Self {
-        Quota { max_objects: 16_384, max_registered_bytes: 16 << 30, max_queue_depth: 16_384 }
+        // Device-wide limits are far above these, so that no one tenant
+        // can use up what others need.
+        Quota {
+            max_objects: 16_384,
+            max_registered_bytes: 16 << 30,
+            max_queue_depth: 16_384,
+            max_contexts: 256,
+        }
     }
 }
 
@@ -61,22 +70,22 @@ impl HcaConfig {
                 vendor_id: VENDOR_ID,
                 vendor_part_id: 1,
                 hw_ver: 1,
-                max_qp: 16_384,
+                max_qp: 1 << 20,
                 max_qp_wr: MAX_QP_WR,
                 device_cap_flags: 0,
                 max_sge: crate::ring::MAX_SGE as u32,
                 max_sge_rd: crate::ring::MAX_SGE as u32,
-                max_cq: 16_384,
+                max_cq: 1 << 20,
                 max_cqe: MAX_CQE,
-                max_mr: 65_536,
-                max_pd: 16_384,
+                max_mr: 1 << 22,
+                max_pd: 1 << 20,
                 max_qp_rd_atom: MAX_RD_ATOMIC,
                 max_ee_rd_atom: 0,
                 max_res_rd_atom: MAX_RD_ATOMIC * 16_384,
                 max_qp_init_rd_atom: MAX_RD_ATOMIC,
                 atomic_cap: 1, // IBV_ATOMIC_HCA
-                max_ah: 65_536,
-                max_srq: 4_096,
+                max_ah: 1 << 22,
+                max_srq: 1 << 20,
                 max_srq_wr: MAX_QP_WR,
                 max_srq_sge: crate::ring::MAX_SGE as u32,
                 max_pkeys: 1,

@@ -45,6 +45,9 @@ impl Activity {
     }
 }
 
+/// Most send WRs one QP starts in one engine pass.
+const WRS_PER_PASS: usize = 64;
+
 /// How long the engine waits before looking again for a peer when the QP's
 /// timeout is 0 (wait forever).
 const PEER_POLL: std::time::Duration = std::time::Duration::from_millis(1);
@@ -226,7 +229,9 @@ impl Hca {
     fn run_send_queue(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues, act: &mut Activity) {
         let mut budget = self.config.chunk_bytes.max(1);
         // Bounded: each round completes a WR, waits, or spends the budget.
-        let bound = self.qps.get(&qpn).map_or(0, |q| q.init.cap.max_send_wr as usize + 1);
+        // At most WRS_PER_PASS WRs per QP per pass, whatever their size, so
+        // that a tenant with deep queues of empty WRs cannot stretch a pass.
+        let bound = self.qps.get(&qpn).map_or(0, |q| (q.init.cap.max_send_wr as usize + 1).min(WRS_PER_PASS));
         for _ in 0..bound {
             let Some(qp) = self.qps.get_mut(&qpn) else { return };
             if !matches!(qp.state(), QpState::Rts | QpState::Sqd) {

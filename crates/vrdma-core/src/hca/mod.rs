@@ -182,8 +182,24 @@ impl Hca {
         if self.contexts.contains_key(&ctx) {
             return Err(HcaError::invalid("context already open"));
         }
+        let open = self.contexts.values().filter(|c| c.tenant == tenant).count();
+        let limit = self.quota(tenant).max_contexts as usize;
+        if open >= limit {
+            return Err(HcaError::QuotaExceeded(format!("{open} contexts open, limit {limit}")));
+        }
         self.contexts.insert(ctx, Context { tenant });
         Ok(())
+    }
+
+    /// Charges an object the driver keeps itself (a completion channel) to
+    /// the context's tenant, so that it counts against the quota.
+    pub fn charge_object(&mut self, ctx: ContextId) -> Result<(), HcaError> {
+        self.charge(ctx, 1, 0)
+    }
+
+    /// Gives back what [`charge_object`](Self::charge_object) took.
+    pub fn refund_object(&mut self, ctx: ContextId) {
+        self.refund(ctx, 1, 0);
     }
 
     /// Destroys everything `ctx` holds, as when its process exits or dies.
@@ -191,28 +207,27 @@ impl Hca {
     /// their peer is gone and nothing they post can complete.
     pub fn close_context(&mut self, ctx: ContextId, io: &mut dyn Queues) -> Teardown {
         let mut t = Teardown::default();
-        let mine: Vec<u32> = self.qps.iter().filter(|(_, q)| q.ctx == ctx).map(|(&n, _)| n).collect();
-        for &qpn in &mine {
-            let peers: Vec<u32> = self
-                .qps
-                .iter()
-                .filter(|(&n, q)| {
-                    q.ctx != ctx
-                        && q.attr.dest_qp_num == qpn
-                        && q.init.qp_type == QpType::Rc
-                        && n != qpn
-                        && matches!(q.state(), QpState::Rtr | QpState::Rts | QpState::Sqd)
-                })
-                .map(|(&n, _)| n)
-                .collect();
-            for p in peers {
-                self.peer_lost(p, io);
-            }
+        // One pass over all QPs to find this context's and their peers, so
+        // that closing a context with many QPs costs O(QPs), not O(QPs²).
+        let mine: std::collections::HashSet<u32> =
+            self.qps.iter().filter(|(_, q)| q.ctx == ctx).map(|(&n, _)| n).collect();
+        let peers: Vec<u32> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| {
+                q.ctx != ctx
+                    && mine.contains(&q.attr.dest_qp_num)
+                    && q.init.qp_type == QpType::Rc
+                    && matches!(q.state(), QpState::Rtr | QpState::Rts | QpState::Sqd)
+            })
+            .map(|(&n, _)| n)
+            .collect();
+        for p in peers {
+            self.peer_lost(p, io);
         }
-        for qpn in mine {
-            self.remove_qp(qpn);
-            t.qps.push(qpn);
-        }
+        let mine: Vec<u32> = mine.into_iter().collect();
+        self.remove_qps(&mine);
+        t.qps = mine;
         let srqs: Vec<u32> = self.srqs.iter().filter(|(_, s)| s.ctx == ctx).map(|(&n, _)| n).collect();
         for n in srqs {
             self.srqs.remove(&n);
@@ -624,15 +639,45 @@ impl Hca {
     }
 
     fn remove_qp(&mut self, qpn: u32) {
+        self.remove_qps(&[qpn]);
+    }
+
+    fn remove_qps(&mut self, qpns: &[u32]) {
+        let gone: std::collections::HashSet<u32> = qpns.iter().copied().collect();
+        self.qp_order.retain(|n| !gone.contains(n));
+        for &qpn in qpns {
+            self.remove_one_qp(qpn);
+        }
+    }
+
+    /// Removes one QP; `qp_order` is the caller's to update.
+    fn remove_one_qp(&mut self, qpn: u32) {
         let Some(mut qp) = self.qps.remove(&qpn) else { return };
-        self.qp_order.retain(|&n| n != qpn);
         // A receive WR taken for a message that never finished goes back to
         // the responder, as if the message had never arrived.
         if let Some(recv) = qp.inflight.take().and_then(|i| i.recv) {
             self.requeue_recv(qp.attr.dest_qp_num, recv);
         }
+        // Receive WRs other requesters took from this QP must never be
+        // handed back by number: the number may later name another
+        // tenant's QP. Those of its SRQ go back to the SRQ now; those of its
+        // own receive queue are discarded with it, as destroy_qp discards
+        // every posted receive.
+        let mut orphans = Vec::new();
+        for other in self.qps.values_mut() {
+            if other.attr.dest_qp_num == qpn {
+                if let Some(r) = other.inflight.as_mut().and_then(|i| i.recv.take()) {
+                    orphans.push(r);
+                }
+            }
+        }
+        if let Some(srq) = qp.init.srq.and_then(|s| self.srqs.get_mut(&s)) {
+            for r in orphans {
+                srq.requeued.push_front(r);
+            }
+        }
         if let Some(p) = self.pds.get_mut(&qp.pd) {
-            p.users -= 1;
+            p.users = p.users.saturating_sub(1);
         }
         for cq in [qp.init.send_cq, qp.init.recv_cq] {
             if let Some(c) = self.cqs.get_mut(&cq) {

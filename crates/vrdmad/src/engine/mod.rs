@@ -162,11 +162,24 @@ fn run(
     let mut idle_since: Option<std::time::Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = rx.try_recv() {
-            cmd(&mut s);
+            // A bug in one control operation must not take the device down
+            // for every tenant: its caller gets an error (the reply channel
+            // is dropped), everyone else carries on.
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cmd(&mut s))).is_err() {
+                tracing::error!("a control operation panicked on the engine thread");
+            }
             idle_since = None;
         }
         let now = s.now();
-        let act = s.hca.process(now, &mut s.rings);
+        let act =
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.hca.process(now, &mut s.rings)))
+            {
+                Ok(a) => a,
+                Err(_) => {
+                    tracing::error!("the engine pass panicked; continuing with the next pass");
+                    Default::default()
+                }
+            };
         stats.passes.fetch_add(1, Ordering::Relaxed);
         if act.busy {
             idle_since = None;

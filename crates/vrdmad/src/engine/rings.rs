@@ -84,9 +84,20 @@ pub struct RingTable {
     scratch: Vec<u8>,
     /// Completions lost to full CQs, async events lost to full rings.
     pub dropped_events: u64,
+    next_channel: u32,
 }
 
 impl RingTable {
+    /// A channel number no live channel has (numbers wrap after 2^32).
+    pub fn free_channel_id(&mut self) -> u32 {
+        loop {
+            self.next_channel = self.next_channel.wrapping_add(1).max(1);
+            if !self.channels.contains_key(&self.next_channel) {
+                return self.next_channel;
+            }
+        }
+    }
+
     /// Tells every context whether the engine is asleep (and so whether a
     /// post must ring the doorbell).
     pub fn set_sleeping(&self, sleeping: bool) {

@@ -72,14 +72,19 @@ impl Listener {
                 }
             };
             let id = shared.next_context.fetch_add(1, Ordering::Relaxed);
+            // Registered before the thread starts, so that the thread's
+            // own removal at its end cannot come first.
             if let Ok(dup) = conn.try_clone() {
-                shared.sessions.lock().expect("sessions lock").push((id, dup));
+                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push((id, dup));
             }
             let sh = shared.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("vrdma-ctx-{id}"))
                 .spawn(move || session::run(conn, id, sh));
             if let Err(e) = spawned {
+                // The connection went with the closure and is closed; drop
+                // our duplicate too, so the client sees the hang-up.
+                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
                 tracing::error!(error = %e, "cannot start a session thread");
             }
         }

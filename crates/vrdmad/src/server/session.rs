@@ -111,8 +111,16 @@ pub(crate) fn run(sock: OwnedFd, id: u32, shared: Arc<Shared>) {
             break;
         }
     }
-    s.close();
-    s.shared.sessions.lock().expect("sessions lock").retain(|(i, _)| *i != id);
+    // Session's Drop closes the context, also if handling a request panicked.
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        self.close();
+        let id = self.ctx.0;
+        let mut sessions = self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        sessions.retain(|(i, _)| *i != id);
+    }
 }
 
 impl Session {
@@ -122,6 +130,10 @@ impl Session {
         }
         let ctx = self.ctx;
         let r = self.shared.engine.call(move |e| {
+            let channels = e.rings.channels.values().filter(|ch| ch.ctx == ctx).count();
+            for _ in 0..channels {
+                e.hca.refund_object(ctx);
+            }
             let t = e.hca.close_context(ctx, &mut e.rings);
             for q in t.qps {
                 e.rings.qps.remove(&q);
@@ -201,6 +213,7 @@ impl Session {
                     }
                     Some(ch) if ch.ctx == c => {
                         e.rings.channels.remove(&channel);
+                        e.hca.refund_object(c);
                         Ok(())
                     }
                     _ => Err(error(EINVAL, format!("no completion channel {channel}"))),
@@ -213,7 +226,7 @@ impl Session {
                     e.hca.destroy_cq(c, cq)?;
                     if let Some(ch) = e.rings.cqs.remove(&cq).and_then(|r| r.channel) {
                         if let Some(ch) = e.rings.channels.get_mut(&ch) {
-                            ch.cqs -= 1;
+                            ch.cqs = ch.cqs.saturating_sub(1);
                         }
                     }
                     Ok::<_, HcaError>(())
@@ -315,11 +328,14 @@ impl Session {
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         let (fd, tenant_end) = Doorbell::pair()?;
         let fds = vec![seg.try_clone_fd()?, tenant_end.into()];
-        // Channel numbers share the context-id space so they never collide.
-        let channel = self.shared.next_context.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.engine(move |e, c| {
-            e.rings.channels.insert(channel, Channel { ctx: c, ring, fd, cqs: 0 });
-        })?;
+        // A channel counts against the tenant's object quota: it holds a
+        // mapping and descriptors in the daemon.
+        let channel = self.engine(move |e, c| {
+            e.hca.charge_object(c)?;
+            let id = e.rings.free_channel_id();
+            e.rings.channels.insert(id, Channel { ctx: c, ring, fd, cqs: 0 });
+            Ok::<_, HcaError>(id)
+        })??;
         Ok(Answer {
             reply: Reply::CompChannel {
                 channel,
@@ -451,19 +467,17 @@ fn map_region(fd: OwnedFd, fd_offset: u64, len: u64) -> Result<Region, Answer> {
     if len == 0 {
         return Err(error(EINVAL, "a memory region needs at least one byte"));
     }
-    // Map whole pages of the file: huge pages for a hugetlbfs memfd (its
-    // block size), which cannot be mapped in smaller pieces.
-    let blksize = rustix::fs::fstat(&fd).map(|st| st.st_blksize as u64).unwrap_or(0);
-    let page = match blksize {
-        b if b > page_size() as u64 && b.is_power_of_two() && b <= 1 << 30 => b,
-        _ => page_size() as u64,
-    };
+    // Map the whole pages of the file that hold the region (hugetlbfs
+    // files are refused by map_untrusted, so pages are the base size).
+    let page = page_size() as u64;
+    let too_large = || error(EINVAL, format!("region of {len} bytes is too large"));
     let start = fd_offset - fd_offset % page;
     let inner = (fd_offset - start) as usize;
-    let span = inner
-        .checked_add(usize::try_from(len).map_err(|_| error(EINVAL, "region too large"))?)
-        .map(|n| n.div_ceil(page as usize) * page as usize)
-        .ok_or_else(|| error(EINVAL, "region too large"))?;
+    let span = usize::try_from(len)
+        .ok()
+        .and_then(|l| inner.checked_add(l))
+        .and_then(|n| n.checked_next_multiple_of(page as usize))
+        .ok_or_else(too_large)?;
     let seg = Segment::map_untrusted(fd, start, span).map_err(|e| error(EINVAL, e.to_string()))?;
     let backing: Arc<dyn Backing> = Arc::new(seg);
     Region::new(backing, inner, len as usize).map_err(|e| error(EINVAL, e.to_string()))
