@@ -25,6 +25,8 @@ enum Command {
     Devinfo(cmd::devinfo::Args),
     /// Measure vRDMA beside shared-memory and memcpy anchors.
     Bench(bench::Args),
+    /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
+    Run(cmd::run::Args),
 }
 
 fn main() -> Result<()> {
@@ -40,5 +42,6 @@ fn main() -> Result<()> {
         Command::Daemon(a) => cmd::daemon::run(cli.socket, a),
         Command::Devinfo(a) => cmd::devinfo::run(cli.socket, a),
         Command::Bench(a) => bench::run(cli.socket, a),
+        Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }
 }

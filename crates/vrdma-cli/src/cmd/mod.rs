@@ -2,3 +2,4 @@
 
 pub mod daemon;
 pub mod devinfo;
+pub mod run;

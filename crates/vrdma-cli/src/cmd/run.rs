@@ -1,0 +1,125 @@
+//! `vrdma run -- PROGRAM ARGS...`: runs an unmodified verbs program on
+//! vRDMA.
+//!
+//! The program loads `libibverbs.so.1` by its soname; `vrdma run` makes
+//! the dynamic linker find vRDMA's (the `vrdma-verbs` cdylib) first. It
+//! creates a private directory holding a `libibverbs.so.1` link to the
+//! library, prepends it to `LD_LIBRARY_PATH`, points `VRDMA_SOCKET` at a
+//! daemon (the one answering on `--socket`/`VRDMA_SOCKET`/the default
+//! path, else one started inside this process, as `vrdma bench` does),
+//! runs the program, and exits with its exit status once it is done and
+//! the embedded daemon, if any, is stopped.
+//!
+//! The library is `libvrdma_verbs.so` next to the `vrdma` executable
+//! (where cargo puts both), or the file `VRDMA_VERBS_LIB` names.
+
+use std::ffi::OsString;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context as _, Result};
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// The program and its arguments.
+    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
+    command: Vec<OsString>,
+}
+
+/// Environment variable naming the shim library explicitly.
+const LIB_ENV: &str = "VRDMA_VERBS_LIB";
+const LIB_NAME: &str = "libvrdma_verbs.so";
+
+fn find_library() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(LIB_ENV) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("{LIB_ENV}={} does not name a file", p.display());
+        }
+        return Ok(p);
+    }
+    let exe = std::env::current_exe().context("where is the vrdma executable")?;
+    let dir = exe.parent().context("the vrdma executable has no directory")?;
+    let lib = dir.join(LIB_NAME);
+    if lib.is_file() {
+        return Ok(lib);
+    }
+    bail!(
+        "{} not found next to {}; build it (cargo build -p vrdma-verbs, with the same profile) \
+         or name it with {LIB_ENV}",
+        LIB_NAME,
+        exe.display()
+    )
+}
+
+/// A directory removed on drop, holding the `libibverbs.so.1` link.
+struct LibDir(PathBuf);
+
+impl LibDir {
+    fn create(lib: &Path) -> Result<LibDir> {
+        let lib = lib.canonicalize().with_context(|| format!("resolve {}", lib.display()))?;
+        let dir = std::env::temp_dir().join(format!("vrdma-run-{}", std::process::id()));
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
+        }
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        let d = LibDir(dir);
+        std::os::unix::fs::symlink(&lib, d.0.join("libibverbs.so.1"))
+            .with_context(|| format!("link libibverbs.so.1 to {}", lib.display()))?;
+        Ok(d)
+    }
+}
+
+impl Drop for LibDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Sets how SIGINT and SIGQUIT are handled in this process, returning the
+/// previous handlers.
+fn set_interrupt_handlers(handler: [libc::sighandler_t; 2]) -> [libc::sighandler_t; 2] {
+    // SAFETY: signal(2) with SIG_IGN or a handler it returned earlier,
+    // which are valid dispositions.
+    unsafe { [libc::signal(libc::SIGINT, handler[0]), libc::signal(libc::SIGQUIT, handler[1])] }
+}
+
+/// Runs the program; returns the exit code to leave with (128 + the
+/// signal number if a signal ended it, as shells report).
+pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
+    let (program, rest) = args.command.split_first().context("no program to run")?;
+    let lib = find_library()?;
+    let dir = LibDir::create(&lib)?;
+    let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
+
+    let mut path = dir.0.clone().into_os_string();
+    if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
+        path.push(":");
+        path.push(old);
+    }
+    let spawned = Command::new(program)
+        .args(rest)
+        .env("LD_LIBRARY_PATH", path)
+        .env(vrdma::SOCKET_ENV, device.socket())
+        .spawn();
+    let mut child = match spawned {
+        Ok(c) => c,
+        // As a shell reports them: 127 for a program not found, 126 for
+        // one that cannot be executed.
+        Err(e) => {
+            eprintln!("vrdma run: cannot run {}: {e}", program.to_string_lossy());
+            return Ok(if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 });
+        }
+    };
+    // Ctrl-C goes to the whole foreground group: let the program decide,
+    // and stay alive to stop the embedded daemon after it. (Set after the
+    // spawn, so the program does not inherit the ignored dispositions.)
+    let old = set_interrupt_handlers([libc::SIG_IGN, libc::SIG_IGN]);
+    let status = child.wait();
+    set_interrupt_handlers(old);
+    let status = status.context("waiting for the program")?;
+    drop(device);
+    drop(dir);
+    Ok(status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}

@@ -1,0 +1,587 @@
+//! Queue pairs, with the `post_send` and `post_recv` operations of the
+//! context's ops table.
+//!
+//! Posting is the data path. A chain of `struct ibv_send_wr` is converted
+//! into [`vrdma::SendWr`]s in a small buffer on the stack, a few at a time,
+//! and each batch goes to [`vrdma::QueuePair::post_send`], which checks the
+//! requests against the QP as rdma-core does, writes the shared ring and
+//! rings the engine's doorbell only if it sleeps. No allocation and no
+//! lock beyond what that call takes. Inline data (`IBV_SEND_INLINE`) is
+//! copied from the SGEs' addresses while posting, as the verbs require, so
+//! the buffer may be reused as soon as the call returns. The first request
+//! that cannot be posted is reported through `*bad_wr` with its errno
+//! (`EINVAL` for a malformed one, `ENOMEM` when the queue is full); those
+//! before it are posted.
+//!
+//! The QP object is laid out as an `ibv_qp_ex` (as rdma-core's
+//! `verbs_qp`), ready for the `ibv_wr_*` API; until that is implemented
+//! `ibv_qp_to_qp_ex` returns NULL (`EOPNOTSUPP`), and programs use
+//! `ibv_post_send`.
+//!
+//! UD QPs are refused (`EOPNOTSUPP`) until address handles and the UD
+//! fields of a send are wired through.
+
+use std::ffi::c_int;
+use std::mem::MaybeUninit;
+use std::ptr::{self, addr_of, addr_of_mut};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use vrdma::{
+    AccessFlags, AhAttr, Gid, Mtu, QpAttr, QpAttrMask, QpCap, QpInit, QpState, QpType, RecvWr, SendFlags,
+    SendOpcode, SendWr, Sge, SgeList, MAX_INLINE, MAX_SGE,
+};
+
+use crate::abi::*;
+use crate::context::Ctx;
+use crate::cq::Cq;
+use crate::mem::Pd;
+use crate::srq::Srq;
+use crate::util::*;
+
+#[repr(C)]
+pub struct Qp {
+    pub ex: ibv_qp_ex,
+    pub inner: vrdma::QueuePair,
+    /// Async events handed out by `ibv_get_async_event`.
+    pub events_reported: AtomicU32,
+}
+
+// The application's pointer is the object's address.
+const _: () = assert!(std::mem::offset_of!(Qp, ex) == 0);
+
+impl Qp {
+    /// # Safety
+    /// `p` must be NULL or a live QP from `ibv_create_qp`.
+    unsafe fn get<'a>(what: &str, p: *mut ibv_qp) -> Res<&'a vrdma::QueuePair> {
+        non_null(what, p, "the QP")?;
+        // SAFETY: `ibv_qp` starts the boxed `Qp`; only the Rust-owned field
+        // is borrowed.
+        Ok(unsafe { &*addr_of!((*p.cast::<Qp>()).inner) })
+    }
+}
+
+fn cap_from_c(c: &ibv_qp_cap) -> QpCap {
+    QpCap {
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: c.max_recv_wr,
+        max_send_sge: c.max_send_sge,
+        max_recv_sge: c.max_recv_sge,
+        max_inline_data: c.max_inline_data,
+    }
+}
+
+fn cap_to_c(c: &QpCap) -> ibv_qp_cap {
+    ibv_qp_cap {
+        max_send_wr: c.max_send_wr,
+        max_recv_wr: c.max_recv_wr,
+        max_send_sge: c.max_send_sge,
+        max_recv_sge: c.max_recv_sge,
+        max_inline_data: c.max_inline_data,
+    }
+}
+
+/// `ibv_create_qp`. Writes the capacities granted back into
+/// `qp_init_attr->cap`, as the kernel path of rdma-core does.
+pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, qp_init_attr: *mut ibv_qp_init_attr) -> *mut ibv_qp {
+    const W: &str = "ibv_create_qp";
+    ret_ptr(W, || {
+        // SAFETY: a live PD (the verb's contract).
+        let p = unsafe { Pd::get(W, pd)? };
+        non_null(W, qp_init_attr, "qp_init_attr")?;
+        // SAFETY: a valid ibv_qp_init_attr.
+        let a = unsafe { &mut *qp_init_attr };
+        if a.qp_type == IBV_QPT_UD {
+            return Err(refuse(W, "UD QPs are not wired through the shim yet", libc::EOPNOTSUPP));
+        }
+        let qp_type = u8::try_from(a.qp_type)
+            .ok()
+            .and_then(QpType::from_raw)
+            .ok_or_else(|| refuse(W, "unsupported QP type", libc::EOPNOTSUPP))?;
+        // SAFETY: the CQs and SRQ are live objects of the application.
+        let (send_cq, recv_cq) = unsafe { (Cq::get(W, a.send_cq)?, Cq::get(W, a.recv_cq)?) };
+        let srq = if a.srq.is_null() {
+            None
+        } else {
+            // SAFETY: a live SRQ.
+            Some(unsafe { Srq::get(W, a.srq)? })
+        };
+        let init =
+            QpInit { qp_type, send_cq, recv_cq, srq, cap: cap_from_c(&a.cap), sq_sig_all: a.sq_sig_all != 0 };
+        let inner = p.inner.create_qp(&init).map_err(|e| fail(W, &e))?;
+        a.cap = cap_to_c(&inner.cap());
+        let qpn = inner.qpn();
+        let qp = ibv_qp {
+            context: p.pd.context,
+            qp_context: a.qp_context,
+            pd,
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: a.srq,
+            handle: qpn,
+            qp_num: qpn,
+            state: u32::from(QpState::Reset.raw()),
+            qp_type: a.qp_type,
+            // SAFETY: zeroed storage, initialised by pthread_*_init below.
+            mutex: unsafe { std::mem::zeroed() },
+            // SAFETY: as above.
+            cond: unsafe { std::mem::zeroed() },
+            events_completed: 0,
+        };
+        let ex = ibv_qp_ex {
+            qp_base: qp,
+            comp_mask: 0,
+            wr_id: 0,
+            wr_flags: 0,
+            wr_atomic_cmp_swp: None,
+            wr_atomic_fetch_add: None,
+            wr_bind_mw: None,
+            wr_local_inv: None,
+            wr_rdma_read: None,
+            wr_rdma_write: None,
+            wr_rdma_write_imm: None,
+            wr_send: None,
+            wr_send_imm: None,
+            wr_send_inv: None,
+            wr_send_tso: None,
+            wr_set_ud_addr: None,
+            wr_set_xrc_srqn: None,
+            wr_set_inline_data: None,
+            wr_set_inline_data_list: None,
+            wr_set_sge: None,
+            wr_set_sge_list: None,
+            wr_start: None,
+            wr_complete: None,
+            wr_abort: None,
+            wr_atomic_write: None,
+        };
+        let q = Box::into_raw(Box::new(Qp { ex, inner, events_reported: AtomicU32::new(0) }));
+        // SAFETY: `q` is a fresh box; its context is live.
+        unsafe {
+            init_mutex_cond(addr_of_mut!((*q).ex.qp_base.mutex), addr_of_mut!((*q).ex.qp_base.cond));
+            Ctx::from_ptr(p.pd.context).registry().qps.insert(qpn, q);
+        }
+        Ok(q.cast())
+    })
+}
+
+/// `ibv_destroy_qp`: waits until the application acknowledged every
+/// async event it took for the QP.
+pub unsafe extern "C" fn ibv_destroy_qp(qp: *mut ibv_qp) -> c_int {
+    const W: &str = "ibv_destroy_qp";
+    ret_code(W, || {
+        // SAFETY: a live QP (the verb's contract).
+        let inner = unsafe { Qp::get(W, qp)? };
+        let q = qp.cast::<Qp>();
+        // SAFETY: `q` is live until dropped at the end; its context is live.
+        unsafe {
+            Ctx::from_ptr((*qp).context).registry().qps.remove(&inner.qpn());
+            wait_acked(
+                addr_of_mut!((*qp).mutex),
+                addr_of_mut!((*qp).cond),
+                &[(addr_of!((*qp).events_completed), (*q).events_reported.load(Ordering::Relaxed))],
+            );
+            destroy_mutex_cond(addr_of_mut!((*qp).mutex), addr_of_mut!((*qp).cond));
+            drop(Box::from_raw(q));
+        }
+        Ok(())
+    })
+}
+
+/// Acknowledges one async event of `qp` (from `ibv_ack_async_event`).
+///
+/// # Safety
+/// `qp` must be NULL or a live QP.
+pub unsafe fn ack_async(qp: *mut ibv_qp) {
+    if qp.is_null() {
+        return;
+    }
+    // SAFETY: per the contract; written under the QP's mutex.
+    unsafe {
+        let _lock = PthreadLock::new(addr_of_mut!((*qp).mutex));
+        (*qp).events_completed = (*qp).events_completed.wrapping_add(1);
+        libc::pthread_cond_signal(addr_of_mut!((*qp).cond));
+    }
+}
+
+fn state_from(what: &str, raw: u32) -> Res<QpState> {
+    u8::try_from(raw)
+        .ok()
+        .and_then(QpState::from_raw)
+        .ok_or_else(|| refuse(what, "bad QP state", libc::EINVAL))
+}
+
+fn ah_from_c(a: &ibv_ah_attr) -> AhAttr {
+    AhAttr {
+        dgid: Gid(a.grh.dgid.raw),
+        flow_label: a.grh.flow_label,
+        sgid_index: a.grh.sgid_index,
+        hop_limit: a.grh.hop_limit,
+        traffic_class: a.grh.traffic_class,
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: a.is_global != 0,
+        port_num: a.port_num,
+    }
+}
+
+fn ah_to_c(a: &AhAttr) -> ibv_ah_attr {
+    ibv_ah_attr {
+        grh: ibv_global_route {
+            dgid: ibv_gid { raw: a.dgid.0 },
+            flow_label: a.flow_label,
+            sgid_index: a.sgid_index,
+            hop_limit: a.hop_limit,
+            traffic_class: a.traffic_class,
+        },
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: u8::from(a.is_global),
+        port_num: a.port_num,
+    }
+}
+
+/// The masked attributes of `a`; fields outside the mask are not read as
+/// enums (applications leave them uninitialised).
+fn attr_from_c(what: &str, a: &ibv_qp_attr, mask: QpAttrMask) -> Res<QpAttr> {
+    type M = QpAttrMask;
+    let mut q = QpAttr::default();
+    if mask.contains(M::STATE) {
+        q.qp_state = state_from(what, a.qp_state)?;
+    }
+    if mask.contains(M::CUR_STATE) {
+        q.cur_qp_state = state_from(what, a.cur_qp_state)?;
+    }
+    if mask.contains(M::PATH_MTU) {
+        q.path_mtu = u8::try_from(a.path_mtu)
+            .ok()
+            .and_then(Mtu::from_raw)
+            .ok_or_else(|| refuse(what, "bad path MTU", libc::EINVAL))?;
+    }
+    if mask.contains(M::ACCESS_FLAGS) {
+        q.qp_access_flags = AccessFlags::from_bits(a.qp_access_flags)
+            .ok_or_else(|| refuse(what, "unknown access flags", libc::EINVAL))?;
+    }
+    if mask.contains(M::AV) {
+        q.ah_attr = ah_from_c(&a.ah_attr);
+    }
+    q.qkey = a.qkey;
+    q.rq_psn = a.rq_psn;
+    q.sq_psn = a.sq_psn;
+    q.dest_qp_num = a.dest_qp_num;
+    q.cap = cap_from_c(&a.cap);
+    q.pkey_index = a.pkey_index;
+    q.en_sqd_async_notify = a.en_sqd_async_notify != 0;
+    q.sq_draining = a.sq_draining != 0;
+    q.max_rd_atomic = a.max_rd_atomic;
+    q.max_dest_rd_atomic = a.max_dest_rd_atomic;
+    q.min_rnr_timer = a.min_rnr_timer;
+    q.port_num = a.port_num;
+    q.timeout = a.timeout;
+    q.retry_cnt = a.retry_cnt;
+    q.rnr_retry = a.rnr_retry;
+    Ok(q)
+}
+
+fn attr_to_c(q: &QpAttr) -> ibv_qp_attr {
+    ibv_qp_attr {
+        qp_state: u32::from(q.qp_state.raw()),
+        cur_qp_state: u32::from(q.cur_qp_state.raw()),
+        path_mtu: u32::from(q.path_mtu.raw()),
+        qkey: q.qkey,
+        rq_psn: q.rq_psn,
+        sq_psn: q.sq_psn,
+        dest_qp_num: q.dest_qp_num,
+        qp_access_flags: q.qp_access_flags.bits(),
+        cap: cap_to_c(&q.cap),
+        ah_attr: ah_to_c(&q.ah_attr),
+        pkey_index: q.pkey_index,
+        en_sqd_async_notify: u8::from(q.en_sqd_async_notify),
+        sq_draining: u8::from(q.sq_draining),
+        max_rd_atomic: q.max_rd_atomic,
+        max_dest_rd_atomic: q.max_dest_rd_atomic,
+        min_rnr_timer: q.min_rnr_timer,
+        port_num: q.port_num,
+        timeout: q.timeout,
+        retry_cnt: q.retry_cnt,
+        rnr_retry: q.rnr_retry,
+        ..ibv_qp_attr::default()
+    }
+}
+
+/// `ibv_modify_qp`: the daemon applies the kernel's attribute rules.
+/// Returns 0 or an errno value; on success with `IBV_QP_STATE` the
+/// application-visible `qp->state` follows.
+pub unsafe extern "C" fn ibv_modify_qp(qp: *mut ibv_qp, attr: *mut ibv_qp_attr, attr_mask: c_int) -> c_int {
+    const W: &str = "ibv_modify_qp";
+    ret_code(W, || {
+        // SAFETY: a live QP (the verb's contract).
+        let inner = unsafe { Qp::get(W, qp)? };
+        non_null(W, attr, "attr")?;
+        let mask = QpAttrMask::from_bits(attr_mask as u32)
+            .ok_or_else(|| refuse(W, "unknown attr_mask bits", libc::EINVAL))?;
+        // SAFETY: a valid ibv_qp_attr.
+        let q = attr_from_c(W, unsafe { &*attr }, mask)?;
+        inner.modify(&q, mask).map_err(|e| fail(W, &e))?;
+        if mask.contains(QpAttrMask::STATE) {
+            // SAFETY: the QP is live; the field is the application's view.
+            unsafe { (*qp).state = u32::from(q.qp_state.raw()) };
+        }
+        Ok(())
+    })
+}
+
+/// `ibv_query_qp`: every attribute (whatever the mask) and the init
+/// attributes. Returns 0 or an errno value.
+pub unsafe extern "C" fn ibv_query_qp(
+    qp: *mut ibv_qp,
+    attr: *mut ibv_qp_attr,
+    attr_mask: c_int,
+    init_attr: *mut ibv_qp_init_attr,
+) -> c_int {
+    const W: &str = "ibv_query_qp";
+    ret_code(W, || {
+        // SAFETY: a live QP (the verb's contract).
+        let inner = unsafe { Qp::get(W, qp)? };
+        non_null(W, attr, "attr")?;
+        non_null(W, init_attr, "init_attr")?;
+        let (q, init) = inner.query().map_err(|e| fail(W, &e))?;
+        // SAFETY: valid output structures; the QP is live.
+        unsafe {
+            attr.write(attr_to_c(&q));
+            init_attr.write(ibv_qp_init_attr {
+                qp_context: (*qp).qp_context,
+                send_cq: (*qp).send_cq,
+                recv_cq: (*qp).recv_cq,
+                srq: (*qp).srq,
+                cap: cap_to_c(&init.cap),
+                qp_type: u32::from(init.qp_type.raw()),
+                sq_sig_all: c_int::from(init.sq_sig_all),
+            });
+            if attr_mask & QpAttrMask::STATE.bits() as c_int != 0 {
+                (*qp).state = u32::from(q.qp_state.raw());
+            }
+        }
+        Ok(())
+    })
+}
+
+/// `ibv_qp_to_qp_ex`: the `ibv_wr_*` API is not provided yet; NULL with
+/// `errno = EOPNOTSUPP` (rdma-core returns NULL for a QP without it).
+pub unsafe extern "C" fn ibv_qp_to_qp_ex(_qp: *mut ibv_qp) -> *mut ibv_qp_ex {
+    ret_ptr("ibv_qp_to_qp_ex", || Err(refuse("ibv_qp_to_qp_ex", "the ibv_wr_* API", libc::EOPNOTSUPP)))
+}
+
+/// `ibv_query_qp_data_in_order`: 0, i.e. no promise that data lands in
+/// order, which is always a correct answer.
+pub unsafe extern "C" fn ibv_query_qp_data_in_order(_qp: *mut ibv_qp, _op: u32, _flags: u32) -> c_int {
+    0
+}
+
+/// `ibv_query_ece`: vRDMA has no enhanced connection establishment;
+/// `EOPNOTSUPP`, as rdma-core returns without the provider operation.
+pub unsafe extern "C" fn ibv_query_ece(_qp: *mut ibv_qp, _ece: *mut ibv_ece) -> c_int {
+    ret_code("ibv_query_ece", || Err(refuse("ibv_query_ece", "ECE", libc::EOPNOTSUPP)))
+}
+
+/// `ibv_set_ece`: `EOPNOTSUPP`, see `ibv_query_ece`.
+pub unsafe extern "C" fn ibv_set_ece(_qp: *mut ibv_qp, _ece: *mut ibv_ece) -> c_int {
+    ret_code("ibv_set_ece", || Err(refuse("ibv_set_ece", "ECE", libc::EOPNOTSUPP)))
+}
+
+/// Work requests converted per call into the vrdma posting functions.
+const POST_BATCH: usize = 8;
+
+/// The SGEs of a C work request, checked.
+///
+/// # Safety
+/// `list` must hold `num` entries when `num > 0`.
+unsafe fn sges<'a>(list: *const ibv_sge, num: c_int) -> Res<&'a [ibv_sge]> {
+    let n = usize::try_from(num).map_err(|_| libc::EINVAL)?;
+    if n == 0 {
+        return Ok(&[]);
+    }
+    if n > MAX_SGE || list.is_null() {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: per the contract.
+    Ok(unsafe { std::slice::from_raw_parts(list, n) })
+}
+
+fn sge_list(s: &[ibv_sge]) -> SgeList {
+    let mut items = [Sge::default(); MAX_SGE];
+    for (d, s) in items.iter_mut().zip(s) {
+        *d = Sge { addr: s.addr, length: s.length, lkey: s.lkey };
+    }
+    // `s.len() <= MAX_SGE` was checked by `sges`.
+    SgeList::from_slice(&items[..s.len()]).unwrap_or_default()
+}
+
+/// Converts one C send request.
+///
+/// # Safety
+/// `wr` must be a valid request whose SGE list (and, with
+/// `IBV_SEND_INLINE`, the memory the SGEs name) is readable.
+unsafe fn send_wr(wr: &ibv_send_wr, out: &mut MaybeUninit<SendWr>) -> Res<()> {
+    let opcode = u8::try_from(wr.opcode).ok().and_then(SendOpcode::from_raw).ok_or(libc::EINVAL)?;
+    let flags = SendFlags::from_bits(wr.send_flags).ok_or(libc::EINVAL)?;
+    // SAFETY: per the contract.
+    let list = unsafe { sges(wr.sg_list, wr.num_sge)? };
+    let mut s = SendWr::new(wr.wr_id, opcode);
+    s.flags = flags;
+    if opcode.has_imm() {
+        s.imm_data = wr.imm_data;
+    }
+    match opcode {
+        // SAFETY: the opcode selects the union member.
+        SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd => unsafe {
+            s.remote_addr = wr.wr.atomic.remote_addr;
+            s.rkey = wr.wr.atomic.rkey;
+            s.compare_add = wr.wr.atomic.compare_add;
+            s.swap = wr.wr.atomic.swap;
+        },
+        // SAFETY: as above.
+        SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm | SendOpcode::RdmaRead => unsafe {
+            s.remote_addr = wr.wr.rdma.remote_addr;
+            s.rkey = wr.wr.rdma.rkey;
+        },
+        SendOpcode::Send | SendOpcode::SendWithImm => {}
+    }
+    // Inline data is gathered now; reads and atomics cannot carry any, and
+    // the QP refuses them with the flag (their SGEs are not read).
+    if flags.contains(SendFlags::INLINE) && !opcode.writes_local() {
+        let mut total = 0usize;
+        for g in list {
+            total = total.checked_add(g.length as usize).ok_or(libc::EINVAL)?;
+        }
+        if total > MAX_INLINE {
+            return Err(libc::EINVAL);
+        }
+        let mut at = 0usize;
+        for g in list.iter().filter(|g| g.length > 0) {
+            if g.addr == 0 {
+                return Err(libc::EINVAL);
+            }
+            let n = g.length as usize;
+            // SAFETY: the application names readable memory in the SGEs of
+            // an inline send (the verbs contract); `at + n <= total <=
+            // MAX_INLINE`, the inline buffer's size.
+            unsafe { ptr::copy_nonoverlapping(g.addr as *const u8, s.inline.as_mut_ptr().add(at), n) };
+            at += n;
+        }
+        s.inline_len = total as u16;
+    } else {
+        s.sg = sge_list(list);
+    }
+    out.write(s);
+    Ok(())
+}
+
+/// Converts one C receive request.
+///
+/// # Safety
+/// `wr` must be a valid request with a readable SGE list.
+pub unsafe fn recv_wr(wr: &ibv_recv_wr, out: &mut MaybeUninit<RecvWr>) -> Res<()> {
+    // SAFETY: per the contract.
+    let list = unsafe { sges(wr.sg_list, wr.num_sge)? };
+    out.write(RecvWr { wr_id: wr.wr_id, sg: sge_list(list) });
+    Ok(())
+}
+
+/// The common loop of the posting operations: converts the chain from
+/// `first` in batches and posts each batch; on the first failure stores
+/// the failed request in `bad` and returns its errno.
+///
+/// # Safety
+/// `first` must be a valid chain; `bad` NULL or writable; `convert` as
+/// [`send_wr`]/[`recv_wr`] require.
+pub unsafe fn post_chain<C, R>(
+    first: *mut C,
+    bad: *mut *mut C,
+    next: impl Fn(&C) -> *mut C,
+    convert: impl Fn(&C, &mut MaybeUninit<R>) -> Res<()>,
+    post: impl Fn(&[R]) -> Result<(), vrdma::PostError>,
+) -> c_int {
+    let mut buf = [const { MaybeUninit::<R>::uninit() }; POST_BATCH];
+    let mut wrs = [ptr::null_mut::<C>(); POST_BATCH];
+    let mut cur = first;
+    let report = |at: *mut C, e: c_int| {
+        if !bad.is_null() {
+            // SAFETY: `bad` is writable (the contract).
+            unsafe { *bad = at };
+        }
+        e
+    };
+    while !cur.is_null() {
+        let mut n = 0;
+        let mut failed = None;
+        while n < POST_BATCH && !cur.is_null() {
+            // SAFETY: `cur` is an element of the valid chain.
+            let wr = unsafe { &*cur };
+            if let Err(e) = convert(wr, &mut buf[n]) {
+                failed = Some(e);
+                break;
+            }
+            wrs[n] = cur;
+            n += 1;
+            cur = next(wr);
+        }
+        if n > 0 {
+            // SAFETY: the first `n` entries were written by `convert`;
+            // `MaybeUninit<R>` has the layout of `R`.
+            let batch = unsafe { std::slice::from_raw_parts(buf.as_ptr().cast::<R>(), n) };
+            let posted = post(batch);
+            // SAFETY: each initialised entry is dropped exactly once (the
+            // records own no resources today; this keeps it right if they do).
+            unsafe { buf[..n].iter_mut().for_each(|b| b.assume_init_drop()) };
+            if let Err(e) = posted {
+                return report(wrs[e.index.min(n - 1)], e.errno());
+            }
+        }
+        if let Some(e) = failed {
+            return report(cur, e);
+        }
+    }
+    0
+}
+
+/// `ops.post_send`.
+pub unsafe extern "C" fn post_send(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_send_wr,
+    bad_wr: *mut *mut ibv_send_wr,
+) -> c_int {
+    guard("ibv_post_send", libc::EIO, || {
+        if qp.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: a live QP (the verb's contract).
+        let inner = unsafe { &*addr_of!((*qp.cast::<Qp>()).inner) };
+        // SAFETY: the application's chain and buffers (the verb's contract).
+        unsafe {
+            post_chain(wr, bad_wr, |w| w.next, |w, out| send_wr(w, out), |batch| inner.post_send(batch))
+        }
+    })
+}
+
+/// `ops.post_recv`.
+pub unsafe extern "C" fn post_recv(
+    qp: *mut ibv_qp,
+    wr: *mut ibv_recv_wr,
+    bad_wr: *mut *mut ibv_recv_wr,
+) -> c_int {
+    guard("ibv_post_recv", libc::EIO, || {
+        if qp.is_null() {
+            return libc::EINVAL;
+        }
+        // SAFETY: a live QP (the verb's contract).
+        let inner = unsafe { &*addr_of!((*qp.cast::<Qp>()).inner) };
+        // SAFETY: the application's chain (the verb's contract).
+        unsafe {
+            post_chain(wr, bad_wr, |w| w.next, |w, out| recv_wr(w, out), |batch| inner.post_recv(batch))
+        }
+    })
+}

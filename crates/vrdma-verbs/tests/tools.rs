@@ -1,0 +1,584 @@
+//! The unmodified Debian `ibverbs-utils` binaries, run against a real
+//! daemon through this library.
+//!
+//! Each test points `LD_LIBRARY_PATH` at a private directory holding a
+//! `libibverbs.so.1` link to the cdylib cargo built for this package
+//! (`target/<profile>/libvrdma_verbs.so`), and `VRDMA_SOCKET` at a daemon
+//! this test process runs (the tools are separate processes, so an
+//! in-process daemon serves them like any other). `LD_BIND_NOW=1` makes
+//! the dynamic linker resolve every imported symbol at load time, so a
+//! missing export fails at once instead of when first called.
+//!
+//! The tests skip, saying so, only when `/usr/bin/ibv_devinfo` is missing
+//! (`apt-get install ibverbs-utils`). Every wait is bounded: a process
+//! still running at its deadline is killed by pid and the test fails.
+
+// The library exists for x86-64 Linux only (see src/lib.rs).
+#![cfg(all(target_os = "linux", target_arch = "x86_64"))]
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const DEVINFO: &str = "/usr/bin/ibv_devinfo";
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// The cdylib cargo built for this test run: beside the test executable
+/// in `target/<profile>/deps/` (cargo copies it up to `target/<profile>/`
+/// only for `cargo build`).
+fn shim() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent().expect("deps dir");
+    let profile = if deps.ends_with("deps") { deps.parent().expect("profile dir") } else { deps };
+    [deps, profile]
+        .iter()
+        .map(|d| d.join("libvrdma_verbs.so"))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("libvrdma_verbs.so was not built next to {}", exe.display()))
+}
+
+/// The daemon and the library directory all tests of this binary share.
+struct Setup {
+    dir: tempfile::TempDir,
+    _daemon: Mutex<vrdmad::Daemon>,
+}
+
+impl Setup {
+    fn lib_dir(&self) -> PathBuf {
+        self.dir.path().join("lib")
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("vrdma.sock")
+    }
+
+    /// A command for `program` using the shim and the daemon.
+    fn command(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.env("LD_LIBRARY_PATH", self.lib_dir())
+            .env("VRDMA_SOCKET", self.socket())
+            .env("LD_BIND_NOW", "1")
+            .env("VRDMA_VERBS_DEBUG", "1");
+        c
+    }
+}
+
+/// The shared setup, or `None` (with the reason printed) without the tools.
+fn setup() -> Option<&'static Setup> {
+    if !Path::new(DEVINFO).exists() {
+        eprintln!("skipping: {DEVINFO} is missing (apt-get install ibverbs-utils)");
+        return None;
+    }
+    static SETUP: OnceLock<Setup> = OnceLock::new();
+    Some(SETUP.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let lib = dir.path().join("lib");
+        std::fs::create_dir(&lib).expect("lib dir");
+        std::os::unix::fs::symlink(shim(), lib.join("libibverbs.so.1")).expect("symlink");
+        let config =
+            vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
+        let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+        Setup { dir, _daemon: Mutex::new(daemon) }
+    }))
+}
+
+/// The ping-pong tests take turns: each pair spins on the CPU, and CI
+/// machines have two cores.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A started process whose output is collected by two reader threads.
+struct Running {
+    name: String,
+    child: Child,
+    out: Option<JoinHandle<String>>,
+    err: Option<JoinHandle<String>>,
+}
+
+struct Finished {
+    name: String,
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Finished {
+    fn describe(&self) -> String {
+        format!("{}: {}\n--- stdout\n{}--- stderr\n{}", self.name, self.status, self.stdout, self.stderr)
+    }
+
+    fn assert_ok(&self) -> &Self {
+        assert!(self.status.success(), "{}", self.describe());
+        self
+    }
+}
+
+fn reader(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = r.read_to_string(&mut s);
+        s
+    })
+}
+
+fn spawn(mut cmd: Command, name: &str) -> Running {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+    let out = child.stdout.take().map(reader);
+    let err = child.stderr.take().map(reader);
+    Running { name: name.to_string(), child, out, err }
+}
+
+impl Running {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// Waits until the process exits, killing it (by pid) at the deadline.
+    fn finish(mut self, limit: Duration) -> Finished {
+        let end = Instant::now() + limit;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                break s;
+            }
+            if Instant::now() > end {
+                // SAFETY: kill(2) on our child, not yet reaped, so the pid
+                // cannot have been reused.
+                unsafe { libc::kill(self.pid(), libc::SIGKILL) };
+                let s = self.child.wait().expect("wait");
+                let f = self.collect(s);
+                panic!("timed out after {limit:?}, killed\n{}", f.describe());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        self.collect(status)
+    }
+
+    fn collect(&mut self, status: ExitStatus) -> Finished {
+        let join =
+            |h: Option<JoinHandle<String>>| h.map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        Finished {
+            name: self.name.clone(),
+            status,
+            stdout: join(self.out.take()),
+            stderr: join(self.err.take()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: as in `finish`: our unreaped child.
+            unsafe { libc::kill(self.pid(), libc::SIGKILL) };
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn run(setup: &Setup, program: &str, args: &[&str]) -> Finished {
+    let mut c = setup.command(program);
+    c.args(args);
+    spawn(c, &format!("{program} {}", args.join(" "))).finish(LIMIT)
+}
+
+/// A TCP port nobody listens on now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Whether some socket listens on `port`, from /proc/net/tcp{,6}: looking
+/// must not connect, or the ping-pong server would take us for its client.
+fn listening(port: u16) -> bool {
+    let want = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).any(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+        })
+    })
+}
+
+/// Runs `program` as server and client on loopback with `args`, and
+/// checks that both exit 0 after moving their traffic.
+fn pingpong(program: &str, args: &[&str]) {
+    let Some(s) = setup() else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let mut common = vec!["-p", port.as_str()];
+    common.extend_from_slice(args);
+    let mut server_cmd = s.command(program);
+    server_cmd.args(&common);
+    let mut server = spawn(server_cmd, &format!("{program} (server) {}", common.join(" ")));
+    let end = Instant::now() + Duration::from_secs(30);
+    let port_num: u16 = port.parse().expect("port");
+    while !listening(port_num) {
+        if server.exited() || Instant::now() > end {
+            panic!("the server never listened\n{}", server.finish(LIMIT).describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut client_cmd = s.command(program);
+    client_cmd.args(&common).arg("localhost");
+    let client = spawn(client_cmd, &format!("{program} (client) {} localhost", common.join(" ")));
+    let client = client.finish(LIMIT);
+    let server = server.finish(LIMIT);
+    for f in [&client, &server] {
+        f.assert_ok();
+        assert!(f.stdout.contains(" bytes in ") && f.stdout.contains(" iters in "), "{}", f.describe());
+        for bad in ["invalid data", "Failed status", "Couldn't"] {
+            let all = format!("{}{}", f.stdout, f.stderr);
+            assert!(!all.contains(bad), "{bad:?} in the output\n{}", f.describe());
+        }
+    }
+}
+
+#[test]
+fn devices_lists_vrdma0_with_its_guid() {
+    let Some(s) = setup() else { return };
+    let f = run(s, "/usr/bin/ibv_devices", &[]);
+    f.assert_ok();
+    let ctx = vrdma::Context::open_at(s.socket()).expect("open");
+    let guid = format!("{:016x}", ctx.query_device().expect("query").node_guid);
+    let line = f.stdout.lines().find(|l| l.contains("vrdma0")).unwrap_or_else(|| panic!("{}", f.describe()));
+    assert!(line.contains(&guid), "GUID {guid} missing\n{}", f.describe());
+}
+
+#[test]
+fn devinfo_shows_the_active_port() {
+    let Some(s) = setup() else { return };
+    let f = run(s, DEVINFO, &[]);
+    f.assert_ok();
+    let ctx = vrdma::Context::open_at(s.socket()).expect("open");
+    let port = ctx.query_port(1).expect("port");
+    for want in [
+        "hca_id:\tvrdma0".to_string(),
+        "transport:\t\t\tInfiniBand (0)".to_string(),
+        "PORT_ACTIVE (4)".to_string(),
+        format!("port_lid:\t\t{}", port.lid),
+        "link_layer:\t\tInfiniBand".to_string(),
+        "vendor_id:\t\t\t0x5652".to_string(),
+    ] {
+        assert!(f.stdout.contains(&want), "{want:?} missing\n{}", f.describe());
+    }
+}
+
+#[test]
+fn devinfo_verbose_shows_limits_and_the_gid() {
+    let Some(s) = setup() else { return };
+    let f = run(s, DEVINFO, &["-v"]);
+    f.assert_ok();
+    let ctx = vrdma::Context::open_at(s.socket()).expect("open");
+    let gid = ctx.query_gid(1, 0).expect("gid");
+    let dev = ctx.query_device().expect("device");
+    for want in [
+        format!("GID[  0]:\t\t{gid}"),
+        format!("max_qp_wr:\t\t\t{}", dev.max_qp_wr),
+        format!("max_srq:\t\t\t{}", dev.max_srq),
+        "phys_state:\t\tLINK_UP (5)".to_string(),
+        "num_comp_vectors:\t\t1".to_string(),
+        "gid_tbl_len:\t\t1".to_string(),
+    ] {
+        assert!(f.stdout.contains(&want), "{want:?} missing\n{}", f.describe());
+    }
+}
+
+#[test]
+fn devinfo_lists_device_names() {
+    let Some(s) = setup() else { return };
+    let f = run(s, DEVINFO, &["-l"]);
+    f.assert_ok();
+    assert!(f.stdout.contains("1 HCA found:") && f.stdout.contains("vrdma0"), "{}", f.describe());
+}
+
+#[test]
+fn no_daemon_means_no_device() {
+    let Some(s) = setup() else { return };
+    let mut c = s.command("/usr/bin/ibv_devices");
+    c.env("VRDMA_SOCKET", s.dir.path().join("nobody-listens.sock"));
+    let f = spawn(c, "ibv_devices (no daemon)").finish(LIMIT);
+    f.assert_ok();
+    assert!(!f.stdout.contains("vrdma0"), "{}", f.describe());
+    let mut c = s.command(DEVINFO);
+    c.env("VRDMA_SOCKET", s.dir.path().join("nobody-listens.sock"));
+    let f = spawn(c, "ibv_devinfo (no daemon)").finish(LIMIT);
+    assert!(f.stderr.contains("No IB devices found"), "{}", f.describe());
+}
+
+#[test]
+fn rc_pingpong() {
+    pingpong("/usr/bin/ibv_rc_pingpong", &[]);
+}
+
+#[test]
+fn rc_pingpong_validates_data() {
+    pingpong("/usr/bin/ibv_rc_pingpong", &["-c"]);
+}
+
+#[test]
+fn rc_pingpong_with_events() {
+    pingpong("/usr/bin/ibv_rc_pingpong", &["-e"]);
+}
+
+#[test]
+fn rc_pingpong_with_events_validates_data() {
+    pingpong("/usr/bin/ibv_rc_pingpong", &["-e", "-c"]);
+}
+
+#[test]
+fn rc_pingpong_by_gid_with_small_messages() {
+    pingpong("/usr/bin/ibv_rc_pingpong", &["-g", "0", "-s", "64", "-c"]);
+}
+
+#[test]
+fn srq_pingpong() {
+    pingpong("/usr/bin/ibv_srq_pingpong", &[]);
+}
+
+#[test]
+fn srq_pingpong_with_events() {
+    pingpong("/usr/bin/ibv_srq_pingpong", &["-e", "-q", "4"]);
+}
+
+/// Programs asking for what vRDMA lacks get a clean error, not a crash:
+/// UC QPs (refused by the daemon) and XRC domains (a NULL operation in
+/// `verbs_context`).
+#[test]
+fn unsupported_features_fail_cleanly() {
+    let Some(s) = setup() else { return };
+    for (program, says) in
+        [("/usr/bin/ibv_uc_pingpong", "Couldn't create QP"), ("/usr/bin/ibv_xsrq_pingpong", "XRC Domain")]
+    {
+        let port = free_port().to_string();
+        let f = run(s, program, &["-p", &port]);
+        assert_eq!(f.status.code(), Some(1), "{}", f.describe());
+        assert!(f.stderr.contains(says), "{}", f.describe());
+    }
+}
+
+/// Exactly the planned symbols, each under its version node.
+#[test]
+fn exports_carry_rdma_core_versions() {
+    let Some(_) = setup() else { return };
+    let out = match Command::new("nm")
+        .args(["-D", "--defined-only", "--with-symbol-versions"])
+        .arg(shim())
+        .output()
+    {
+        Ok(o) if o.status.success() => o,
+        _ => {
+            eprintln!("skipping: nm (binutils) is not available");
+            return;
+        }
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut got: Vec<String> =
+        text.lines().filter_map(|l| l.split_whitespace().nth(2)).map(String::from).collect();
+    got.sort();
+    let mut want: Vec<String> = EXPECTED.iter().map(|(n, v)| format!("{n}@@{v}")).collect();
+    want.sort();
+    assert_eq!(got, want);
+    let soname = Command::new("readelf").arg("-d").arg(shim()).output();
+    if let Ok(o) = soname {
+        assert!(String::from_utf8_lossy(&o.stdout).contains("Library soname: [libibverbs.so.1]"));
+    }
+}
+
+const EXPECTED: &[(&str, &str)] = &[
+    ("ibv_create_comp_channel", "IBVERBS_1.0"),
+    ("ibv_destroy_comp_channel", "IBVERBS_1.0"),
+    ("ibv_get_sysfs_path", "IBVERBS_1.0"),
+    ("ibv_read_sysfs_file", "IBVERBS_1.0"),
+    ("ibv_rate_to_mult", "IBVERBS_1.0"),
+    ("mult_to_ibv_rate", "IBVERBS_1.0"),
+    ("ibv_get_device_list", "IBVERBS_1.1"),
+    ("ibv_free_device_list", "IBVERBS_1.1"),
+    ("ibv_get_device_name", "IBVERBS_1.1"),
+    ("ibv_get_device_guid", "IBVERBS_1.1"),
+    ("ibv_open_device", "IBVERBS_1.1"),
+    ("ibv_close_device", "IBVERBS_1.1"),
+    ("ibv_get_async_event", "IBVERBS_1.1"),
+    ("ibv_ack_async_event", "IBVERBS_1.1"),
+    ("ibv_query_device", "IBVERBS_1.1"),
+    ("ibv_query_port", "IBVERBS_1.1"),
+    ("ibv_query_gid", "IBVERBS_1.1"),
+    ("ibv_query_pkey", "IBVERBS_1.1"),
+    ("ibv_alloc_pd", "IBVERBS_1.1"),
+    ("ibv_dealloc_pd", "IBVERBS_1.1"),
+    ("ibv_reg_mr", "IBVERBS_1.1"),
+    ("ibv_dereg_mr", "IBVERBS_1.1"),
+    ("ibv_create_cq", "IBVERBS_1.1"),
+    ("ibv_resize_cq", "IBVERBS_1.1"),
+    ("ibv_destroy_cq", "IBVERBS_1.1"),
+    ("ibv_get_cq_event", "IBVERBS_1.1"),
+    ("ibv_ack_cq_events", "IBVERBS_1.1"),
+    ("ibv_create_srq", "IBVERBS_1.1"),
+    ("ibv_modify_srq", "IBVERBS_1.1"),
+    ("ibv_query_srq", "IBVERBS_1.1"),
+    ("ibv_destroy_srq", "IBVERBS_1.1"),
+    ("ibv_create_qp", "IBVERBS_1.1"),
+    ("ibv_query_qp", "IBVERBS_1.1"),
+    ("ibv_modify_qp", "IBVERBS_1.1"),
+    ("ibv_destroy_qp", "IBVERBS_1.1"),
+    ("ibv_fork_init", "IBVERBS_1.1"),
+    ("ibv_dontfork_range", "IBVERBS_1.1"),
+    ("ibv_dofork_range", "IBVERBS_1.1"),
+    ("ibv_node_type_str", "IBVERBS_1.1"),
+    ("ibv_port_state_str", "IBVERBS_1.1"),
+    ("ibv_event_type_str", "IBVERBS_1.1"),
+    ("ibv_wc_status_str", "IBVERBS_1.1"),
+    ("ibv_rate_to_mbps", "IBVERBS_1.1"),
+    ("mbps_to_ibv_rate", "IBVERBS_1.1"),
+    ("ibv_get_pkey_index", "IBVERBS_1.5"),
+    ("ibv_qp_to_qp_ex", "IBVERBS_1.6"),
+    ("ibv_reg_mr_iova", "IBVERBS_1.7"),
+    ("ibv_reg_mr_iova2", "IBVERBS_1.8"),
+    ("ibv_get_device_index", "IBVERBS_1.9"),
+    ("ibv_query_ece", "IBVERBS_1.10"),
+    ("ibv_set_ece", "IBVERBS_1.10"),
+    ("_ibv_query_gid_ex", "IBVERBS_1.11"),
+    ("_ibv_query_gid_table", "IBVERBS_1.11"),
+    ("ibv_reg_dmabuf_mr", "IBVERBS_1.12"),
+    ("ibv_is_fork_initialized", "IBVERBS_1.13"),
+    ("ibv_query_qp_data_in_order", "IBVERBS_1.14"),
+    ("ibv_query_gid_type", "IBVERBS_PRIVATE_34"),
+];
+
+/// Every symbol the tested binaries import resolves to an export of the
+/// same version (what `LD_BIND_NOW=1` also proves by loading them).
+#[test]
+fn tested_binaries_find_every_import() {
+    let Some(_) = setup() else { return };
+    for bin in ["ibv_devices", "ibv_devinfo", "ibv_rc_pingpong", "ibv_srq_pingpong"] {
+        let Ok(out) = Command::new("nm")
+            .args(["-D", "--undefined-only", "--with-symbol-versions"])
+            .arg(format!("/usr/bin/{bin}"))
+            .output()
+        else {
+            eprintln!("skipping: nm (binutils) is not available");
+            return;
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        for sym in text.lines().filter_map(|l| l.split_whitespace().last()).filter(|s| s.contains("@IBVERBS"))
+        {
+            let (name, version) = sym.split_once('@').expect("versioned");
+            assert!(
+                EXPECTED.iter().any(|&(n, v)| n == name && v == version),
+                "{bin} imports {sym}, which the library does not export"
+            );
+        }
+    }
+}
+
+/// Our own C verbs program (`tests/c/verbs_check.c`): error paths and
+/// errno values, `bad_wr`, inline data, RDMA read, atomics, non-blocking
+/// events, `EBUSY`. Needs a C compiler and rdma-core's headers
+/// (`libibverbs-dev`); skips, saying so, without them. It is linked
+/// against this library itself, so it also checks that a program built
+/// against the shim binds the same symbol versions.
+#[test]
+fn c_program_checks_error_paths() {
+    let Some(s) = setup() else { return };
+    if !Path::new("/usr/include/infiniband/verbs.h").exists() {
+        eprintln!("skipping: /usr/include/infiniband/verbs.h is missing (apt-get install libibverbs-dev)");
+        return;
+    }
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/verbs_check.c");
+    let exe = s.dir.path().join("verbs_check");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let built = Command::new(&cc)
+        .args(["-O2", "-Wall", "-Wno-format-zero-length", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg("-L")
+        .arg(s.lib_dir())
+        .arg("-l:libibverbs.so.1")
+        .output();
+    match built {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => panic!("{cc} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
+        Err(e) => {
+            eprintln!("skipping: no C compiler ({cc}: {e})");
+            return;
+        }
+    }
+    let f = run(s, exe.to_str().expect("utf-8 path"), &[]);
+    f.assert_ok();
+    assert!(f.stdout.contains("verbs_check: OK"), "{}", f.describe());
+}
+
+/// `vrdma run` from the workspace's CLI, when cargo built it (it does for
+/// `cargo test --workspace`; alone, this package's tests do not build it)
+/// and it is recent enough to have the subcommand.
+fn vrdma_bin() -> Option<PathBuf> {
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent()?;
+    let bin = if deps.ends_with("deps") { deps.parent()? } else { deps }.join("vrdma");
+    let has_run = Command::new(&bin)
+        .args(["run", "--help"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if has_run {
+        Some(bin)
+    } else {
+        eprintln!("skipping: {} with `vrdma run` is not built (cargo build -p vrdma-cli)", bin.display());
+        None
+    }
+}
+
+#[test]
+fn vrdma_run_with_the_running_daemon() {
+    let Some(s) = setup() else { return };
+    let Some(vrdma) = vrdma_bin() else { return };
+    let mut c = Command::new(&vrdma);
+    c.env_remove("LD_LIBRARY_PATH")
+        .env("VRDMA_VERBS_LIB", shim())
+        .env("VRDMA_SOCKET", s.socket())
+        .args(["run", "--", DEVINFO, "-v"]);
+    let f = spawn(c, "vrdma run -- ibv_devinfo -v").finish(LIMIT);
+    f.assert_ok();
+    assert!(f.stdout.contains("hca_id:\tvrdma0") && f.stdout.contains("GID[  0]"), "{}", f.describe());
+
+    let mut c = Command::new(&vrdma);
+    c.env("VRDMA_VERBS_LIB", shim())
+        .env("VRDMA_SOCKET", s.socket())
+        .args(["run", "--", "sh", "-c", "exit 7"]);
+    let f = spawn(c, "vrdma run -- sh -c 'exit 7'").finish(LIMIT);
+    assert_eq!(f.status.code(), Some(7), "{}", f.describe());
+
+    let mut c = Command::new(&vrdma);
+    c.env("VRDMA_VERBS_LIB", shim()).env("VRDMA_SOCKET", s.socket()).args([
+        "run",
+        "--",
+        "/nonexistent/program",
+    ]);
+    let f = spawn(c, "vrdma run -- /nonexistent/program").finish(LIMIT);
+    assert_eq!(f.status.code(), Some(127), "{}", f.describe());
+}
+
+#[test]
+fn vrdma_run_starts_a_daemon_when_none_answers() {
+    let Some(s) = setup() else { return };
+    let Some(vrdma) = vrdma_bin() else { return };
+    let mut c = Command::new(&vrdma);
+    c.env("VRDMA_VERBS_LIB", shim()).env("VRDMA_SOCKET", s.dir.path().join("nobody-here.sock")).args([
+        "run",
+        "--",
+        "/usr/bin/ibv_devices",
+    ]);
+    let f = spawn(c, "vrdma run -- ibv_devices (embedded daemon)").finish(LIMIT);
+    f.assert_ok();
+    assert!(f.stdout.contains("vrdma0"), "{}", f.describe());
+}
