@@ -525,8 +525,20 @@ fn channels_are_charged_and_refunded() -> Result<()> {
 #[test]
 fn contexts_per_tenant_are_limited() -> Result<()> {
     let d = DaemonProc::start_with_config("[quota]\nmax_contexts = 2\n")?;
-    let a = d.context()?;
-    let _b = d.context()?;
+    // The harness's readiness probe opened and dropped a context; the
+    // daemon frees its slot when it sees the hang-up, which may come later.
+    let open = || -> Result<vrdma::Context> {
+        let end = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            match d.context() {
+                Ok(c) => return Ok(c),
+                Err(e) if std::time::Instant::now() > end => return Err(e),
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    };
+    let a = open()?;
+    let _b = open()?;
     let e = d.context().unwrap_err();
     assert!(e.to_string().contains("contexts open"), "{e}");
     drop(a);
