@@ -1,0 +1,464 @@
+//! The engine's step: RC requester and responder rules for every opcode.
+//!
+//! On one host both ends of a connection live in this `Hca`, so a work
+//! request is carried out whole in one place: the requester's checks, the
+//! responder's checks, the copy, and both completions. The outcome is what
+//! RC hardware reports for the same request: a local protection error is
+//! the requester's, a bad rkey is a remote access error that also breaks
+//! the responder, a missing receive is an RNR NAK that is retried after the
+//! responder's RNR timer, and a peer that does not answer is retried until
+//! the QP's timeout and retry count are spent.
+//!
+//! A UD QP sends datagrams instead: SEND and SEND_WITH_IMM of at most one
+//! path MTU, addressed by an address handle, a QP number and a Q_Key. The
+//! receiver gets a 40-byte GRH area before the payload. Nothing is
+//! acknowledged, so nothing that happens at the receiver (no such QP, a
+//! Q_Key mismatch, no receive posted, a receive too small) changes the
+//! sender's successful completion; the sender's own errors move its QP to
+//! SQE, from which a modify to RTS recovers.
+
+use super::objects::{Inflight, Mr, Qp};
+use super::AsyncEvent;
+use super::TenantId;
+use super::{Hca, Queues, RecvSource};
+use crate::memory::Region;
+use crate::qp::timers;
+use crate::ring::{Cqe, RecvWr, SendWr, Sge, WqeError};
+use crate::time::Instant;
+use crate::verbs::{
+    AccessFlags, AhAttr, AsyncEventType, QpAttr, QpState, QpType, SendFlags, SendOpcode, WcFlags, WcOpcode,
+    WcStatus,
+};
+
+mod copy;
+mod rc;
+mod ud;
+
+use copy::{copy_message, skip};
+pub use ud::GRH_LEN;
+
+/// What a call to [`Hca::process`] found.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Activity {
+    /// Work was done; call again soon.
+    pub busy: bool,
+    /// The earliest moment a waiting work request may run again.
+    pub next_timer: Option<Instant>,
+}
+
+impl Activity {
+    fn timer(&mut self, t: Instant) {
+        self.next_timer = Some(self.next_timer.map_or(t, |n| n.min(t)));
+    }
+}
+
+/// Most send WRs one QP starts in one engine pass.
+const WRS_PER_PASS: usize = 64;
+
+/// How long the engine waits before looking again for a peer when the QP's
+/// timeout is 0 (wait forever).
+const PEER_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// A resolved piece of a message: `len` bytes at `off` in `region`.
+struct Seg<'a> {
+    region: &'a Region,
+    off: usize,
+    len: usize,
+}
+
+/// The resolved SGEs of one work request, kept on the stack.
+type Segs<'a> = arrayvec::ArrayVec<Seg<'a>, { crate::ring::MAX_SGE }>;
+
+enum Source<'a> {
+    Segs(&'a [Seg<'a>]),
+    Inline(&'a [u8]),
+}
+
+/// The requester's attributes, copied out so the responder can be borrowed.
+struct Requester {
+    qpn: u32,
+    qp_type: QpType,
+    tenant: TenantId,
+    pd: u32,
+    send_cq: u32,
+    sig_all: bool,
+    attr: QpAttr,
+}
+
+/// The responder's attributes.
+struct Responder {
+    qpn: u32,
+    recv_pd: u32,
+    pd: u32,
+    recv_cq: u32,
+    srq: Option<u32>,
+    max_recv_sge: u32,
+    attr: QpAttr,
+}
+
+/// Why a datagram was not placed.
+enum Placement {
+    /// The receiver's fault: its receive completes with this status and
+    /// its QP goes to ERR; the sender does not know.
+    Recv(WcStatus),
+    /// The sender's fault: the receive goes back unused.
+    Local(WcStatus),
+}
+
+/// A failure, with what each side reports.
+struct Failure {
+    requester: WcStatus,
+    /// The responder goes to ERR with this async event...
+    responder_event: Option<AsyncEventType>,
+    /// ...and completes the receive it consumed with this status.
+    responder_recv: Option<WcStatus>,
+}
+
+impl Failure {
+    fn local(status: WcStatus) -> Self {
+        Failure { requester: status, responder_event: None, responder_recv: None }
+    }
+    fn remote_access() -> Self {
+        Failure {
+            requester: WcStatus::RemAccessErr,
+            responder_event: Some(AsyncEventType::QpAccessErr),
+            responder_recv: None,
+        }
+    }
+    fn remote_invalid(recv: Option<WcStatus>) -> Self {
+        Failure {
+            requester: WcStatus::RemInvReqErr,
+            responder_event: Some(AsyncEventType::QpReqErr),
+            responder_recv: recv,
+        }
+    }
+}
+
+enum Exec {
+    Complete { byte_len: u32 },
+    Partial,
+    Rnr(std::time::Duration),
+    NoPeer,
+    Failed(Failure),
+}
+
+pub(crate) fn error_cqe(wr: &SendWr, status: WcStatus, qpn: u32) -> Cqe {
+    Cqe::new(wr.wr_id, status, wr.opcode.wc_opcode(), qpn)
+}
+
+fn wqe_status(e: WqeError) -> WcStatus {
+    match e {
+        WqeError::TooManySge(_) | WqeError::InlineTooLong(_) | WqeError::SlotTooSmall => WcStatus::LocLenErr,
+        WqeError::BadOpcode(_) | WqeError::BadFlags(_) => WcStatus::LocQpOpErr,
+    }
+}
+
+impl Hca {
+    /// Runs every QP's queues once: at most `chunk_bytes` of payload per QP,
+    /// so that one large transfer cannot starve the others.
+    pub fn process(&mut self, now: Instant, io: &mut dyn Queues) -> Activity {
+        let mut act = Activity::default();
+        let mut i = 0;
+        while let Some(&qpn) = self.qp_order.get(i) {
+            i += 1;
+            match self.qps.get(&qpn).map(|q| q.state()) {
+                Some(QpState::Err) => self.flush(qpn, io, &mut act),
+                // The send queue of a QP in SQE is flushed; its receive
+                // queue keeps working.
+                Some(QpState::Sqe) => self.flush_sends(qpn, io, &mut act),
+                Some(QpState::Rts | QpState::Sqd) => self.run_send_queue(qpn, now, io, &mut act),
+                _ => {}
+            }
+        }
+        act
+    }
+
+    /// Completes everything queued on a QP in ERR with WR_FLUSH_ERR.
+    fn flush(&mut self, qpn: u32, io: &mut dyn Queues, act: &mut Activity) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        let (recv_cq, srq) = (qp.init.recv_cq, qp.init.srq);
+        let bound = flush_bound(qp);
+        let mut requeued: std::collections::VecDeque<RecvWr> = std::mem::take(&mut qp.requeued);
+        self.flush_sends(qpn, io, act);
+        if srq.is_some() {
+            return;
+        }
+        for _ in 0..bound {
+            let wr_id = match requeued.pop_front() {
+                Some(r) => r.wr_id,
+                None => match io.pull_recv(RecvSource::Qp(qpn)) {
+                    Some(Ok(r)) => r.wr_id,
+                    Some(Err((wr_id, _))) => wr_id,
+                    None => break,
+                },
+            };
+            act.busy = true;
+            self.complete(recv_cq, Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, qpn), qpn, io);
+        }
+    }
+
+    /// Completes the WR in flight and everything posted to the send queue
+    /// with WR_FLUSH_ERR (a QP in ERR or SQE).
+    fn flush_sends(&mut self, qpn: u32, io: &mut dyn Queues, act: &mut Activity) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        let send_cq = qp.init.send_cq;
+        let bound = flush_bound(qp);
+        let dest = qp.attr.dest_qp_num;
+        let inflight = qp.inflight.take();
+        if let Some(inf) = inflight {
+            act.busy = true;
+            if let Some(r) = inf.recv {
+                self.requeue_recv(dest, r);
+            }
+            self.complete(send_cq, error_cqe(&inf.wr, WcStatus::WrFlushErr, qpn), qpn, io);
+        }
+        for _ in 0..bound {
+            let Some(pulled) = io.pull_send(qpn) else { break };
+            act.busy = true;
+            let cqe = match pulled {
+                Ok(wr) => error_cqe(&wr, WcStatus::WrFlushErr, qpn),
+                Err((wr_id, _)) => Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Send, qpn),
+            };
+            self.complete(send_cq, cqe, qpn, io);
+        }
+    }
+
+    fn run_send_queue(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues, act: &mut Activity) {
+        let mut budget = self.config.chunk_bytes.max(1);
+        // Bounded: each round completes a WR, waits, or spends the budget.
+        // At most WRS_PER_PASS WRs per QP per pass, whatever their size, so
+        // that a tenant with deep queues of empty WRs cannot stretch a pass.
+        let bound = self.qps.get(&qpn).map_or(0, |q| (q.init.cap.max_send_wr as usize + 1).min(WRS_PER_PASS));
+        for _ in 0..bound {
+            let Some(qp) = self.qps.get_mut(&qpn) else { return };
+            if !matches!(qp.state(), QpState::Rts | QpState::Sqd) {
+                return;
+            }
+            if qp.inflight.is_none() {
+                if qp.state() == QpState::Sqd {
+                    if std::mem::take(&mut qp.sqd_notify) {
+                        let ev = AsyncEvent { event_type: AsyncEventType::SqDrained, element: qpn };
+                        io.async_event(qp.ctx, ev);
+                    }
+                    return;
+                }
+                match io.pull_send(qpn) {
+                    None => return,
+                    Some(Ok(wr)) => {
+                        qp.inflight = Some(Inflight {
+                            wr,
+                            done: 0,
+                            recv: None,
+                            next_try: now,
+                            rnr_left: qp.attr.rnr_retry,
+                            retry_deadline: None,
+                        })
+                    }
+                    Some(Err((wr_id, e))) => {
+                        act.busy = true;
+                        let cq = qp.init.send_cq;
+                        let cqe = Cqe::new(wr_id, wqe_status(e), WcOpcode::Send, qpn);
+                        self.complete(cq, cqe, qpn, io);
+                        self.send_queue_error(qpn, io);
+                        return;
+                    }
+                }
+            }
+            let next_try = qp.inflight.as_ref().expect("set above").next_try;
+            if next_try > now {
+                act.timer(next_try);
+                return;
+            }
+            act.busy = true;
+            if !self.step(qpn, now, &mut budget, io, act) || budget == 0 {
+                return;
+            }
+        }
+    }
+
+    /// Advances the head WR of `qpn`. Returns whether the WR finished and
+    /// the next one may start in this pass.
+    fn step(
+        &mut self,
+        qpn: u32,
+        now: Instant,
+        budget: &mut u64,
+        io: &mut dyn Queues,
+        act: &mut Activity,
+    ) -> bool {
+        let qp = self.qps.get_mut(&qpn).expect("caller checked");
+        let mut inf = qp.inflight.take().expect("caller checked");
+        let req = Requester {
+            qpn,
+            qp_type: qp.init.qp_type,
+            tenant: qp.tenant,
+            pd: qp.pd,
+            send_cq: qp.init.send_cq,
+            sig_all: qp.init.sq_sig_all,
+            attr: qp.attr,
+        };
+        let exec = match req.qp_type {
+            QpType::Ud => self.execute_ud(&req, &mut inf, budget, io),
+            _ => self.execute(&req, &mut inf, budget, io),
+        };
+        match exec {
+            Exec::Complete { byte_len } => {
+                if inf.wr.flags.contains(crate::verbs::SendFlags::SIGNALED) || req.sig_all {
+                    let mut cqe = Cqe::new(inf.wr.wr_id, WcStatus::Success, inf.wr.opcode.wc_opcode(), qpn);
+                    cqe.byte_len = byte_len;
+                    self.complete(req.send_cq, cqe, qpn, io);
+                }
+                true
+            }
+            Exec::Partial => {
+                self.put_back(qpn, inf);
+                false
+            }
+            Exec::Rnr(delay) => {
+                if inf.rnr_left == 0 {
+                    self.fail(&req, inf, Failure::local(WcStatus::RnrRetryExcErr), io);
+                } else {
+                    if inf.rnr_left != timers::RNR_RETRY_INFINITE {
+                        inf.rnr_left -= 1;
+                    }
+                    inf.next_try = now + delay;
+                    act.timer(inf.next_try);
+                    self.put_back(qpn, inf);
+                }
+                false
+            }
+            Exec::NoPeer => {
+                match timers::ack_timeout(req.attr.timeout) {
+                    None => inf.next_try = now + PEER_POLL,
+                    Some(t) => {
+                        let deadline =
+                            *inf.retry_deadline.get_or_insert(now + t * (req.attr.retry_cnt as u32 + 1));
+                        if now >= deadline {
+                            self.fail(&req, inf, Failure::local(WcStatus::RetryExcErr), io);
+                            return false;
+                        }
+                        inf.next_try = (now + t).min(deadline);
+                    }
+                }
+                act.timer(inf.next_try);
+                self.put_back(qpn, inf);
+                false
+            }
+            Exec::Failed(f) => {
+                self.fail(&req, inf, f, io);
+                false
+            }
+        }
+    }
+
+    fn put_back(&mut self, qpn: u32, inf: Inflight) {
+        if let Some(q) = self.qps.get_mut(&qpn) {
+            q.inflight = Some(inf);
+        }
+    }
+
+    /// Completes the WR in error on both sides as the failure says.
+    fn fail(&mut self, req: &Requester, inf: Inflight, f: Failure, io: &mut dyn Queues) {
+        let peer = req.attr.dest_qp_num;
+        if let (Some(ev), Some(resp)) = (f.responder_event, self.qps.get(&peer)) {
+            let (ctx, recv_cq) = (resp.ctx, resp.init.recv_cq);
+            match (f.responder_recv, inf.recv) {
+                (Some(status), Some(r)) => {
+                    let cqe = Cqe::new(r.wr_id, status, WcOpcode::Recv, peer);
+                    self.complete(recv_cq, cqe, peer, io);
+                }
+                // A receive claimed earlier (a write with immediate cut off
+                // mid-transfer) goes back, so the responder's flush completes it.
+                (None, Some(r)) => self.requeue_recv(peer, r),
+                _ => {}
+            }
+            if self.qps.get(&peer).is_some_and(|p| p.state() != QpState::Err) {
+                self.enter_error(peer, io);
+                io.async_event(ctx, AsyncEvent { event_type: ev, element: peer });
+            }
+        } else if let Some(r) = inf.recv {
+            self.requeue_recv(peer, r);
+        }
+        self.complete(req.send_cq, error_cqe(&inf.wr, f.requester, req.qpn), req.qpn, io);
+        self.send_queue_error(req.qpn, io);
+    }
+
+    /// Whether an address vector names this device.
+    fn is_local(&self, ah: &AhAttr) -> bool {
+        if ah.is_global {
+            self.config.gids.contains(&ah.dgid)
+        } else {
+            ah.dlid == self.config.port.lid
+        }
+    }
+
+    fn responder(&self, req: &Requester) -> Option<Responder> {
+        if !self.is_local(&req.attr.ah_attr) {
+            return None;
+        }
+        let peer = self.qps.get(&req.attr.dest_qp_num)?;
+        let ok = peer.tenant == req.tenant
+            && peer.init.qp_type == QpType::Rc
+            && peer.attr.dest_qp_num == req.qpn
+            && peer.accepts_incoming();
+        ok.then(|| self.responder_of(req.attr.dest_qp_num, peer))
+    }
+
+    fn responder_of(&self, qpn: u32, peer: &Qp) -> Responder {
+        Responder {
+            qpn,
+            recv_pd: peer.init.srq.and_then(|s| self.srqs.get(&s)).map_or(peer.pd, |s| s.pd),
+            pd: peer.pd,
+            recv_cq: peer.init.recv_cq,
+            srq: peer.init.srq,
+            max_recv_sge: peer
+                .init
+                .srq
+                .and_then(|s| self.srqs.get(&s))
+                .map_or(peer.init.cap.max_recv_sge, |s| s.attr.max_sge),
+            attr: peer.attr,
+        }
+    }
+
+    fn resolve<'a>(&'a self, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Segs<'a>> {
+        let mut out = Segs::new();
+        for s in sges.iter().filter(|s| s.length > 0) {
+            let mr = self.mrs.get(&s.lkey).filter(|m| m.pd == pd && m.access.contains(need))?;
+            let off = mr.offset_of(s.addr, s.length as u64)?;
+            out.push(Seg { region: &mr.region, off, len: s.length as usize });
+        }
+        Some(out)
+    }
+
+    fn remote_mr(&self, pd: u32, rkey: u32, need: AccessFlags) -> Option<&Mr> {
+        self.mrs.get(&rkey).filter(|m| m.pd == pd && m.access.contains(need))
+    }
+
+    /// Takes the responder's next receive WR.
+    fn take_recv(&mut self, resp: &Responder, io: &mut dyn Queues) -> Option<super::Pulled<RecvWr>> {
+        match resp.srq {
+            None => {
+                let q = self.qps.get_mut(&resp.qpn)?;
+                q.requeued.pop_front().map(Ok).or_else(|| io.pull_recv(RecvSource::Qp(resp.qpn)))
+            }
+            Some(s) => {
+                let srq = self.srqs.get_mut(&s)?;
+                let got = srq.requeued.pop_front().map(Ok).or_else(|| io.pull_recv(RecvSource::Srq(s)));
+                if got.is_some() && srq.attr.srq_limit > 0 {
+                    let left = io.recv_posted(RecvSource::Srq(s)) as usize + srq.requeued.len();
+                    if left < srq.attr.srq_limit as usize {
+                        srq.attr.srq_limit = 0;
+                        let ev = AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: s };
+                        io.async_event(srq.ctx, ev);
+                    }
+                }
+                got
+            }
+        }
+    }
+}
+
+/// The work-request bound of a flush: everything both queues can hold.
+fn flush_bound(qp: &Qp) -> usize {
+    (qp.init.cap.max_send_wr + qp.init.cap.max_recv_wr) as usize + 1
+}
