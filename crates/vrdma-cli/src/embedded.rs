@@ -2,8 +2,9 @@
 //!
 //! A benchmark or demo must work on a fresh machine with nothing set up.
 //! If no daemon answers on the socket, we start one inside this process on
-//! a private socket, point `VRDMA_SOCKET` at it for the processes we spawn,
-//! and stop it when done.
+//! that socket (or, if we may not create it, on a private one that the
+//! processes we spawn are pointed at), and stop it when done. Programs
+//! that outlive this one need a daemon of their own: `vrdma daemon`.
 
 use std::path::{Path, PathBuf};
 
@@ -11,7 +12,12 @@ use anyhow::Result;
 
 pub enum Device {
     External(PathBuf),
-    Embedded { daemon: vrdmad::Daemon, _dir: PathBuf },
+    /// A daemon in this process; `_dir` is the private directory of its
+    /// socket when it could not serve on the shared path.
+    Embedded {
+        daemon: vrdmad::Daemon,
+        _dir: Option<PathBuf>,
+    },
 }
 
 impl Device {
@@ -25,8 +31,8 @@ impl Device {
 
 impl Drop for Device {
     fn drop(&mut self) {
-        if let Device::Embedded { _dir, .. } = self {
-            let _ = std::fs::remove_dir_all(_dir);
+        if let Device::Embedded { _dir: Some(dir), .. } = self {
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }
@@ -43,11 +49,28 @@ pub fn device(socket: Option<PathBuf>, engine: vrdmad::EngineConfig) -> Result<D
         tracing::info!(socket = %path.display(), "using the running daemon");
         return Ok(Device::External(path));
     }
+    // Serve on the path other programs look at, so that a second program
+    // started meanwhile (the other side of a ping-pong) finds this daemon
+    // instead of starting its own, which it could never reach.
+    let config =
+        vrdmad::DaemonConfig { socket: Some(path.clone()), engine: engine.clone(), ..Default::default() };
+    match vrdmad::Daemon::start(config) {
+        Ok(daemon) => {
+            tracing::info!(socket = %path.display(), "no daemon running: started one in this process");
+            return Ok(Device::Embedded { daemon, _dir: None });
+        }
+        Err(vrdmad::DaemonError::Bind { source, .. }) if source.kind() == std::io::ErrorKind::AddrInUse => {
+            // Another program won the race to start one: use it.
+            tracing::info!(socket = %path.display(), "using the daemon another program just started");
+            return Ok(Device::External(path));
+        }
+        Err(e) => tracing::info!(error = %e, "cannot serve on the default socket; using a private one"),
+    }
     let dir = std::env::temp_dir().join(format!("vrdma-embedded-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let sock = dir.join("vrdma.sock");
     let config = vrdmad::DaemonConfig { socket: Some(sock.clone()), engine, ..Default::default() };
     let daemon = vrdmad::Daemon::start(config)?;
     tracing::info!(socket = %sock.display(), "no daemon running: started one in this process");
-    Ok(Device::Embedded { daemon, _dir: dir })
+    Ok(Device::Embedded { daemon, _dir: Some(dir) })
 }

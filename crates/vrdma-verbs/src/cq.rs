@@ -306,6 +306,14 @@ pub unsafe extern "C" fn req_notify_cq(cq: *mut ibv_cq, solicited_only: c_int) -
 /// `ibv_get_cq_event`: waits for the next CQ of `channel` that fired
 /// (unless the fd is non-blocking: -1 with `EAGAIN`), returns it and its
 /// `cq_context`. Events of CQs destroyed meanwhile are skipped.
+///
+/// The wait is interruptible as rdma-core's `read()` of the channel fd
+/// is: a signal whose handler (installed without `SA_RESTART`) runs while
+/// the call sleeps makes it fail with `EINTR` (qperf ends its timed tests
+/// with `SIGALRM` that way; a wait that swallowed the signal would sleep
+/// forever once the peer stopped). While the channel stays quiet the daemon is asked, once a
+/// second, whether it is still there, so that its death ends the wait
+/// with an error instead of a hang.
 pub unsafe extern "C" fn ibv_get_cq_event(
     channel: *mut ibv_comp_channel,
     cq: *mut *mut ibv_cq,
@@ -320,22 +328,64 @@ pub unsafe extern "C" fn ibv_get_cq_event(
         let (ch, ctx) =
             unsafe { (&*addr_of!((*channel.cast::<Channel>()).inner), Ctx::from_ptr((*channel).context)) };
         let fd = ch.fd().as_raw_fd();
+        let nonblocking = is_nonblocking(fd);
+        // The first look spins for the client library's short window (an
+        // answer that comes within microseconds is taken without sleeping).
+        let first = if nonblocking { Duration::ZERO } else { vrdma::event_spin() };
+        let mut next = ch.get_cq_event(Some(first)).map_err(|e| fail(W, &e))?;
         loop {
-            let timeout = is_nonblocking(fd).then_some(Duration::ZERO);
-            let Some(cqn) = ch.get_cq_event(timeout).map_err(|e| fail(W, &e))? else {
+            if let Some(cqn) = next {
+                let reg = ctx.registry();
+                if let Some(&p) = reg.cqs.get(&cqn) {
+                    // SAFETY: registered CQs are live; counted under the
+                    // registry lock, which ibv_destroy_cq takes before it
+                    // waits.
+                    unsafe {
+                        (*p).comp_reported.fetch_add(1, Ordering::Relaxed);
+                        *cq = p.cast();
+                        *cq_context = (*p).ex.cq.cq_context;
+                    }
+                    return Ok(());
+                }
+            } else if nonblocking {
                 return Err(libc::EAGAIN);
-            };
-            let reg = ctx.registry();
-            let Some(&p) = reg.cqs.get(&cqn) else { continue };
-            // SAFETY: registered CQs are live; counted under the registry
-            // lock, which ibv_destroy_cq takes before it waits.
-            unsafe {
-                (*p).comp_reported.fetch_add(1, Ordering::Relaxed);
-                *cq = p.cast();
-                *cq_context = (*p).ex.cq.cq_context;
+            } else {
+                let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                let r = unsafe { libc::poll(&mut pfd, 1, 1000) };
+                if r < 0 {
+                    let e = std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO);
+                    if e != libc::EINTR {
+                        return Err(refuse(W, "poll failed", e));
+                    }
+                    if !all_handlers_restart() {
+                        return Err(libc::EINTR);
+                    }
+                }
+                if r == 0 {
+                    ctx.inner.query_port(1).map_err(|e| fail(W, &e))?;
+                }
             }
-            return Ok(());
+            next = ch.get_cq_event(Some(Duration::ZERO)).map_err(|e| fail(W, &e))?;
         }
+    })
+}
+
+/// Whether every signal handler the program installed asks for
+/// `SA_RESTART`. `poll` is never restarted, while rdma-core's `read()` of
+/// the channel fd is restarted after such a handler; the interrupting
+/// signal is not known, so the wait goes on only when no handler could
+/// have wanted the `EINTR`.
+fn all_handlers_restart() -> bool {
+    (1..libc::SIGRTMAX()).all(|sig| {
+        // SAFETY: queries the disposition only (no new action).
+        let mut old: libc::sigaction = unsafe { std::mem::zeroed() };
+        if unsafe { libc::sigaction(sig, ptr::null(), &mut old) } != 0 {
+            return true;
+        }
+        old.sa_sigaction == libc::SIG_DFL
+            || old.sa_sigaction == libc::SIG_IGN
+            || old.sa_flags & libc::SA_RESTART != 0
     })
 }
 

@@ -70,8 +70,8 @@
 //! object pointers are refused with `EINVAL` where rdma-core would crash.
 //! Features vRDMA lacks answer `EOPNOTSUPP` (dma-buf regions, an iova
 //! other than the address, resizing CQs, ECE, the `ibv_wr_*` API for now,
-//! UD QPs until address handles are wired). A Rust panic never crosses
-//! into C: it becomes the function's error with `errno = EIO`.
+//! multicast). A Rust panic never crosses into C: it becomes the
+//! function's error with `errno = EIO`.
 //!
 //! # Differences from rdma-core that programs can observe
 //!
@@ -83,6 +83,8 @@
 //!   device do not exist, `ibv_get_device_index` is -1.
 //! - A CQ created without a channel accepts `ibv_req_notify_cq` and does
 //!   nothing with it, as hardware does.
+//! - A QP asked for 0 send (or, without an SRQ, 0 receive) work requests
+//!   gets 1, reported back in `cap` as the verbs allow.
 
 // The structure layouts are checked for x86-64 Linux (LP64 glibc) and
 // the export trampolines are x86-64 code; elsewhere the crate is empty,
@@ -93,6 +95,8 @@
 #![cfg_attr(test, allow(dead_code))]
 
 mod abi;
+mod ah;
+mod compat;
 mod context;
 mod cq;
 mod device;
@@ -200,4 +204,15 @@ exports! {
     mem::ibv_is_fork_initialized @ "IBVERBS_1.13",
     qp::ibv_query_qp_data_in_order @ "IBVERBS_1.14",
     context::ibv_query_gid_type @ "IBVERBS_PRIVATE_34",
+    // Imported by Debian's librdmacm.so.1 and perftest (modules compat, ah).
+    ah::ibv_copy_qp_attr_from_kern @ "IBVERBS_1.0",
+    ah::ibv_copy_path_rec_from_kern @ "IBVERBS_1.0",
+    ah::ibv_copy_path_rec_to_kern @ "IBVERBS_1.0",
+    ah::ibv_copy_ah_attr_from_kern @ "IBVERBS_1.1",
+    compat::ibv_attach_mcast @ "IBVERBS_1.1",
+    compat::ibv_detach_mcast @ "IBVERBS_1.1",
+    ah::ibv_create_ah @ "IBVERBS_1.1",
+    ah::ibv_create_ah_from_wc @ "IBVERBS_1.1",
+    ah::ibv_init_ah_from_wc @ "IBVERBS_1.1",
+    ah::ibv_destroy_ah @ "IBVERBS_1.1",
 }

@@ -18,8 +18,10 @@
 //! `ibv_qp_to_qp_ex` returns NULL (`EOPNOTSUPP`), and programs use
 //! `ibv_post_send`.
 //!
-//! UD QPs are refused (`EOPNOTSUPP`) until address handles and the UD
-//! fields of a send are wired through.
+//! UD QPs: a send's `wr.ud.ah` is the application's `struct ibv_ah *`,
+//! whose `handle` (the daemon's number for it, see module `ah`) travels in
+//! the request with `remote_qpn` and `remote_qkey`. A send on a UD QP
+//! without an address handle is refused with `EINVAL` when posted.
 
 use std::ffi::c_int;
 use std::mem::MaybeUninit;
@@ -28,10 +30,11 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 use vrdma::{
     AccessFlags, AhAttr, Gid, Mtu, QpAttr, QpAttrMask, QpCap, QpInit, QpState, QpType, RecvWr, SendFlags,
-    SendOpcode, SendWr, Sge, SgeList, MAX_INLINE, MAX_SGE,
+    SendOpcode, SendWr, Sge, SgeList, UdDest, MAX_INLINE, MAX_SGE,
 };
 
 use crate::abi::*;
+use crate::ah::ibv_ah;
 use crate::context::Ctx;
 use crate::cq::Cq;
 use crate::mem::Pd;
@@ -90,9 +93,6 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, qp_init_attr: *mut ibv_q
         non_null(W, qp_init_attr, "qp_init_attr")?;
         // SAFETY: a valid ibv_qp_init_attr.
         let a = unsafe { &mut *qp_init_attr };
-        if a.qp_type == IBV_QPT_UD {
-            return Err(refuse(W, "UD QPs are not wired through the shim yet", libc::EOPNOTSUPP));
-        }
         let qp_type = u8::try_from(a.qp_type)
             .ok()
             .and_then(QpType::from_raw)
@@ -105,8 +105,17 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, qp_init_attr: *mut ibv_q
             // SAFETY: a live SRQ.
             Some(unsafe { Srq::get(W, a.srq)? })
         };
-        let init =
-            QpInit { qp_type, send_cq, recv_cq, srq, cap: cap_from_c(&a.cap), sq_sig_all: a.sq_sig_all != 0 };
+        // rdma-core's kernel path accepts a queue of 0 work requests (a
+        // QP that only receives, or only sends); vRDMA QPs have at least
+        // one slot in each ring, and granting more than asked is what the
+        // verbs allow (the capacities granted are written back below).
+        // qperf creates such QPs.
+        let mut cap = cap_from_c(&a.cap);
+        cap.max_send_wr = cap.max_send_wr.max(1);
+        if srq.is_none() {
+            cap.max_recv_wr = cap.max_recv_wr.max(1);
+        }
+        let init = QpInit { qp_type, send_cq, recv_cq, srq, cap, sq_sig_all: a.sq_sig_all != 0 };
         let inner = p.inner.create_qp(&init).map_err(|e| fail(W, &e))?;
         a.cap = cap_to_c(&inner.cap());
         let qpn = inner.qpn();
@@ -210,7 +219,7 @@ fn state_from(what: &str, raw: u32) -> Res<QpState> {
         .ok_or_else(|| refuse(what, "bad QP state", libc::EINVAL))
 }
 
-fn ah_from_c(a: &ibv_ah_attr) -> AhAttr {
+pub fn ah_from_c(a: &ibv_ah_attr) -> AhAttr {
     AhAttr {
         dgid: Gid(a.grh.dgid.raw),
         flow_label: a.grh.flow_label,
@@ -425,7 +434,8 @@ fn sge_list(s: &[ibv_sge]) -> SgeList {
 /// # Safety
 /// `wr` must be a valid request whose SGE list (and, with
 /// `IBV_SEND_INLINE`, the memory the SGEs name) is readable.
-unsafe fn send_wr(wr: &ibv_send_wr, out: &mut MaybeUninit<SendWr>) -> Res<()> {
+/// `ud`: the QP is a UD QP, whose sends name an address handle.
+unsafe fn send_wr(wr: &ibv_send_wr, ud: bool, out: &mut MaybeUninit<SendWr>) -> Res<()> {
     let opcode = u8::try_from(wr.opcode).ok().and_then(SendOpcode::from_raw).ok_or(libc::EINVAL)?;
     let flags = SendFlags::from_bits(wr.send_flags).ok_or(libc::EINVAL)?;
     // SAFETY: per the contract.
@@ -448,6 +458,17 @@ unsafe fn send_wr(wr: &ibv_send_wr, out: &mut MaybeUninit<SendWr>) -> Res<()> {
             s.remote_addr = wr.wr.rdma.remote_addr;
             s.rkey = wr.wr.rdma.rkey;
         },
+        SendOpcode::Send | SendOpcode::SendWithImm if ud => {
+            // SAFETY: the `ud` member is the one a send on a UD QP fills.
+            let d = unsafe { wr.wr.ud };
+            let ah = d.ah.cast::<ibv_ah>();
+            if ah.is_null() {
+                return Err(libc::EINVAL);
+            }
+            // SAFETY: a live address handle (the verb's contract).
+            let handle = unsafe { (*ah).handle };
+            s.ud = UdDest { remote_qpn: d.remote_qpn, remote_qkey: d.remote_qkey, ah: handle };
+        }
         SendOpcode::Send | SendOpcode::SendWithImm => {}
     }
     // Inline data is gathered now; reads and atomics cannot carry any, and
@@ -560,9 +581,11 @@ pub unsafe extern "C" fn post_send(
         }
         // SAFETY: a live QP (the verb's contract).
         let inner = unsafe { &*addr_of!((*qp.cast::<Qp>()).inner) };
+        // SAFETY: as above; `qp_type` is set at creation and never changes.
+        let ud = unsafe { (*qp).qp_type } == IBV_QPT_UD;
         // SAFETY: the application's chain and buffers (the verb's contract).
         unsafe {
-            post_chain(wr, bad_wr, |w| w.next, |w, out| send_wr(w, out), |batch| inner.post_send(batch))
+            post_chain(wr, bad_wr, |w| w.next, |w, out| send_wr(w, ud, out), |batch| inner.post_send(batch))
         }
     })
 }

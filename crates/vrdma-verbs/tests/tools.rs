@@ -350,6 +350,133 @@ fn srq_pingpong_with_events() {
     pingpong("/usr/bin/ibv_srq_pingpong", &["-e", "-q", "4"]);
 }
 
+#[test]
+fn ud_pingpong() {
+    pingpong("/usr/bin/ibv_ud_pingpong", &[]);
+}
+
+#[test]
+fn ud_pingpong_validates_data() {
+    pingpong("/usr/bin/ibv_ud_pingpong", &["-c"]);
+}
+
+#[test]
+fn ud_pingpong_with_events_validates_data() {
+    pingpong("/usr/bin/ibv_ud_pingpong", &["-e", "-c"]);
+}
+
+/// With `-g 0` the address handles are global: the receiver finds the
+/// sender's GID in the GRH of each datagram.
+#[test]
+fn ud_pingpong_by_gid_with_a_service_level() {
+    pingpong("/usr/bin/ibv_ud_pingpong", &["-g", "0", "-l", "3", "-s", "1024", "-c"]);
+}
+
+const QPERF: &str = "/usr/bin/qperf";
+
+/// Runs the qperf server on a free port and one client test (`-t 1`)
+/// against it, then kills the server (it serves forever) by pid. The
+/// client must exit 0 and print each of `figures` (`"bw  ="`, ...); no
+/// output of either side may say "failed".
+fn qperf(test: &str, figures: &[&str]) {
+    let Some(s) = setup() else { return };
+    if !Path::new(QPERF).exists() {
+        eprintln!("skipping: {QPERF} is missing (apt-get install qperf)");
+        return;
+    }
+    let _turn = one_at_a_time();
+    let port = free_port();
+    let lp = port.to_string();
+    let mut server_cmd = s.command(QPERF);
+    server_cmd.args(["-lp", &lp]);
+    let mut server = spawn(server_cmd, &format!("qperf -lp {lp} (server)"));
+    let end = Instant::now() + Duration::from_secs(30);
+    while !listening(port) {
+        if server.exited() || Instant::now() > end {
+            panic!("the qperf server never listened\n{}", server.finish(LIMIT).describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut client_cmd = s.command(QPERF);
+    client_cmd.args(["127.0.0.1", "-lp", &lp, "-t", "1", test]);
+    let client = spawn(client_cmd, &format!("qperf 127.0.0.1 -lp {lp} -t 1 {test}")).finish(QPERF_LIMIT);
+    // The server loops forever: stop it by pid and look at what it said.
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(server.pid(), libc::SIGKILL) };
+    let server = server.finish(LIMIT);
+    client.assert_ok();
+    for want in figures {
+        assert!(client.stdout.contains(want), "{want:?} missing\n{}", client.describe());
+    }
+    for f in [&client, &server] {
+        let all = format!("{}{}", f.stdout, f.stderr);
+        assert!(!all.contains("failed"), "\"failed\" in the output\n{}", f.describe());
+    }
+}
+
+/// A qperf client test runs for about a second plus setup.
+const QPERF_LIMIT: Duration = Duration::from_secs(60);
+
+#[test]
+fn qperf_rc_bw() {
+    qperf("rc_bw", &["bw  ="]);
+}
+
+#[test]
+fn qperf_rc_bi_bw() {
+    qperf("rc_bi_bw", &["bw  ="]);
+}
+
+#[test]
+fn qperf_rc_lat() {
+    qperf("rc_lat", &["latency  ="]);
+}
+
+#[test]
+fn qperf_rc_rdma_read_bw() {
+    qperf("rc_rdma_read_bw", &["bw  ="]);
+}
+
+#[test]
+fn qperf_rc_rdma_read_lat() {
+    qperf("rc_rdma_read_lat", &["latency  ="]);
+}
+
+#[test]
+fn qperf_rc_rdma_write_bw() {
+    qperf("rc_rdma_write_bw", &["bw  ="]);
+}
+
+#[test]
+fn qperf_rc_rdma_write_lat() {
+    qperf("rc_rdma_write_lat", &["latency  ="]);
+}
+
+#[test]
+fn qperf_rc_rdma_write_poll_lat() {
+    qperf("rc_rdma_write_poll_lat", &["latency  ="]);
+}
+
+#[test]
+fn qperf_rc_compare_swap_mr() {
+    qperf("rc_compare_swap_mr", &["msg_rate  ="]);
+}
+
+#[test]
+fn qperf_rc_fetch_add_mr() {
+    qperf("rc_fetch_add_mr", &["msg_rate  ="]);
+}
+
+#[test]
+fn qperf_ud_bw() {
+    qperf("ud_bw", &["send_bw  =", "recv_bw  ="]);
+}
+
+#[test]
+fn qperf_ud_lat() {
+    qperf("ud_lat", &["latency  ="]);
+}
+
 /// Programs asking for what vRDMA lacks get a clean error, not a crash:
 /// UC QPs (refused by the daemon) and XRC domains (a NULL operation in
 /// `verbs_context`).
@@ -452,18 +579,40 @@ const EXPECTED: &[(&str, &str)] = &[
     ("ibv_is_fork_initialized", "IBVERBS_1.13"),
     ("ibv_query_qp_data_in_order", "IBVERBS_1.14"),
     ("ibv_query_gid_type", "IBVERBS_PRIVATE_34"),
+    ("ibv_copy_qp_attr_from_kern", "IBVERBS_1.0"),
+    ("ibv_copy_path_rec_from_kern", "IBVERBS_1.0"),
+    ("ibv_copy_path_rec_to_kern", "IBVERBS_1.0"),
+    ("ibv_copy_ah_attr_from_kern", "IBVERBS_1.1"),
+    ("ibv_attach_mcast", "IBVERBS_1.1"),
+    ("ibv_detach_mcast", "IBVERBS_1.1"),
+    ("ibv_create_ah", "IBVERBS_1.1"),
+    ("ibv_create_ah_from_wc", "IBVERBS_1.1"),
+    ("ibv_init_ah_from_wc", "IBVERBS_1.1"),
+    ("ibv_destroy_ah", "IBVERBS_1.1"),
 ];
 
 /// Every symbol the tested binaries import resolves to an export of the
-/// same version (what `LD_BIND_NOW=1` also proves by loading them).
+/// same version (what `LD_BIND_NOW=1` also proves by loading them), and
+/// so does every libibverbs import of Debian's librdmacm, which qperf
+/// (and perftest) load.
 #[test]
 fn tested_binaries_find_every_import() {
     let Some(_) = setup() else { return };
-    for bin in ["ibv_devices", "ibv_devinfo", "ibv_rc_pingpong", "ibv_srq_pingpong"] {
-        let Ok(out) = Command::new("nm")
-            .args(["-D", "--undefined-only", "--with-symbol-versions"])
-            .arg(format!("/usr/bin/{bin}"))
-            .output()
+    for bin in [
+        "/usr/bin/ibv_devices",
+        "/usr/bin/ibv_devinfo",
+        "/usr/bin/ibv_rc_pingpong",
+        "/usr/bin/ibv_srq_pingpong",
+        "/usr/bin/ibv_ud_pingpong",
+        QPERF,
+        "/usr/lib/x86_64-linux-gnu/librdmacm.so.1",
+    ] {
+        if !Path::new(bin).exists() {
+            eprintln!("skipping {bin}: not installed");
+            continue;
+        }
+        let Ok(out) =
+            Command::new("nm").args(["-D", "--undefined-only", "--with-symbol-versions"]).arg(bin).output()
         else {
             eprintln!("skipping: nm (binutils) is not available");
             return;

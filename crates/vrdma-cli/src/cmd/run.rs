@@ -12,6 +12,13 @@
 //!
 //! The library is `libvrdma_verbs.so` next to the `vrdma` executable
 //! (where cargo puts both), or the file `VRDMA_VERBS_LIB` names.
+//!
+//! The directory also gets `libmlx5.so.1` and `libefa.so.1` links to the
+//! `vrdma-companions` library (`libvrdma_companions.so` next to the
+//! executable, or the file `VRDMA_COMPANIONS_LIB` names), which programs
+//! such as perftest need in order to load: rdma-core's own copies import
+//! its private provider ABI. Without it the links are left out and such
+//! programs fail to load, saying which library they miss.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -30,6 +37,23 @@ pub struct Args {
 /// Environment variable naming the shim library explicitly.
 const LIB_ENV: &str = "VRDMA_VERBS_LIB";
 const LIB_NAME: &str = "libvrdma_verbs.so";
+/// The same for the companion library, and the sonames it stands in for.
+const COMPANIONS_ENV: &str = "VRDMA_COMPANIONS_LIB";
+const COMPANIONS_NAME: &str = "libvrdma_companions.so";
+const COMPANION_SONAMES: [&str; 2] = ["libmlx5.so.1", "libefa.so.1"];
+
+/// The companion library, if there is one (see the module documentation).
+fn find_companions() -> Result<Option<PathBuf>> {
+    if let Some(p) = std::env::var_os(COMPANIONS_ENV) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("{COMPANIONS_ENV}={} does not name a file", p.display());
+        }
+        return Ok(Some(p));
+    }
+    let exe = std::env::current_exe().context("where is the vrdma executable")?;
+    Ok(exe.parent().map(|d| d.join(COMPANIONS_NAME)).filter(|p| p.is_file()))
+}
 
 fn find_library() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os(LIB_ENV) {
@@ -57,7 +81,7 @@ fn find_library() -> Result<PathBuf> {
 struct LibDir(PathBuf);
 
 impl LibDir {
-    fn create(lib: &Path) -> Result<LibDir> {
+    fn create(lib: &Path, companions: Option<&Path>) -> Result<LibDir> {
         let lib = lib.canonicalize().with_context(|| format!("resolve {}", lib.display()))?;
         let dir = std::env::temp_dir().join(format!("vrdma-run-{}", std::process::id()));
         if dir.exists() {
@@ -67,6 +91,13 @@ impl LibDir {
         let d = LibDir(dir);
         std::os::unix::fs::symlink(&lib, d.0.join("libibverbs.so.1"))
             .with_context(|| format!("link libibverbs.so.1 to {}", lib.display()))?;
+        if let Some(c) = companions {
+            let c = c.canonicalize().with_context(|| format!("resolve {}", c.display()))?;
+            for soname in COMPANION_SONAMES {
+                std::os::unix::fs::symlink(&c, d.0.join(soname))
+                    .with_context(|| format!("link {soname} to {}", c.display()))?;
+            }
+        }
         Ok(d)
     }
 }
@@ -90,7 +121,7 @@ fn set_interrupt_handlers(handler: [libc::sighandler_t; 2]) -> [libc::sighandler
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     let (program, rest) = args.command.split_first().context("no program to run")?;
     let lib = find_library()?;
-    let dir = LibDir::create(&lib)?;
+    let dir = LibDir::create(&lib, find_companions()?.as_deref())?;
     let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
 
     let mut path = dir.0.clone().into_os_string();

@@ -91,6 +91,142 @@ static int to_rts(struct ibv_qp *qp, uint32_t dest_qpn, uint16_t dlid)
 					     IBV_QP_MAX_QP_RD_ATOMIC);
 }
 
+/* Sends one datagram of len bytes from buf to the QP qpn through ah and
+ * returns the receive's completion in *rwc (0 on success). */
+static int ud_send_one(struct ibv_qp *qp, struct ibv_cq *cq, struct ibv_mr *mr, char *buf,
+		       struct ibv_ah *ah, uint32_t qpn, uint32_t len, struct ibv_wc *rwc)
+{
+	struct ibv_sge rs = { .addr = (uintptr_t)buf + 1024, .length = 40 + len, .lkey = mr->lkey };
+	struct ibv_recv_wr rw = { .wr_id = 2, .sg_list = &rs, .num_sge = 1 }, *rbad;
+	struct ibv_sge ss = { .addr = (uintptr_t)buf, .length = len, .lkey = mr->lkey };
+	struct ibv_send_wr sw = { .wr_id = 1, .sg_list = &ss, .num_sge = 1, .opcode = IBV_WR_SEND,
+				  .send_flags = IBV_SEND_SIGNALED }, *sbad;
+	sw.wr.ud.ah = ah;
+	sw.wr.ud.remote_qpn = qpn;
+	sw.wr.ud.remote_qkey = 0x11111111;
+	struct ibv_wc wc[2];
+	if (ibv_post_recv(qp, &rw, &rbad) || ibv_post_send(qp, &sw, &sbad))
+		return -1;
+	if (poll_n(cq, wc, 2) != 2)
+		return -2;
+	for (int i = 0; i < 2; i++) {
+		if (wc[i].status != IBV_WC_SUCCESS)
+			return -3;
+		if (wc[i].wr_id == 2)
+			*rwc = wc[i];
+	}
+	return 0;
+}
+
+/* A UD QP sending datagrams to itself: LID-routed and global address
+ * handles, the completion's source fields and GRH flag, the GRH in the
+ * buffer, ibv_init_ah_from_wc / ibv_create_ah_from_wc, Q_Key in
+ * ibv_query_qp, and the kernel-structure copies librdmacm uses. */
+static void check_ud(struct ibv_context *ctx, struct ibv_pd *pd)
+{
+	struct ibv_port_attr port;
+	union ibv_gid gid;
+	CHECK(ibv_query_port(ctx, 1, &port) == 0 && ibv_query_gid(ctx, 1, 0, &gid) == 0, "");
+	char *buf = calloc(1, 4096);
+	struct ibv_mr *mr = ibv_reg_mr(pd, buf, 4096, IBV_ACCESS_LOCAL_WRITE);
+	struct ibv_cq *cq = ibv_create_cq(ctx, 16, NULL, NULL, 0);
+	struct ibv_qp_init_attr init = {
+		.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
+		.cap = { .max_send_wr = 4, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1 },
+	};
+	struct ibv_qp *qp = ibv_create_qp(pd, &init);
+	CHECK(mr && cq && qp && qp->qp_type == IBV_QPT_UD, "errno=%d", errno);
+	if (!mr || !cq || !qp)
+		return;
+	struct ibv_qp_attr a = { .qp_state = IBV_QPS_INIT, .port_num = 1, .qkey = 0x11111111 };
+	CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_QKEY) == 0, "");
+	a.qp_state = IBV_QPS_RTR;
+	CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE) == 0, "");
+	a.qp_state = IBV_QPS_RTS;
+	a.sq_psn = 7;
+	CHECK(ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN) == 0, "");
+	struct ibv_qp_init_attr qi;
+	memset(&a, 0, sizeof(a));
+	CHECK(ibv_query_qp(qp, &a, IBV_QP_STATE | IBV_QP_QKEY, &qi) == 0 && a.qkey == 0x11111111 &&
+		      a.qp_state == IBV_QPS_RTS && qi.qp_type == IBV_QPT_UD, "qkey=%x", a.qkey);
+
+	/* A send without an address handle is refused when posted. */
+	struct ibv_sge ss = { .addr = (uintptr_t)buf, .length = 8, .lkey = mr->lkey };
+	struct ibv_send_wr sw = { .wr_id = 9, .sg_list = &ss, .num_sge = 1, .opcode = IBV_WR_SEND }, *sbad = NULL;
+	CHECK(ibv_post_send(qp, &sw, &sbad) == EINVAL && sbad == &sw, "");
+
+	/* LID-routed: no GRH. */
+	struct ibv_ah_attr aa = { .dlid = port.lid, .sl = 5, .port_num = 1 };
+	struct ibv_ah *ah = ibv_create_ah(pd, &aa);
+	CHECK(ah && ah->pd == pd && ah->context == ctx, "errno=%d", errno);
+	CHECK(ibv_dealloc_pd(pd) == EBUSY, "PD with an AH");
+	memcpy(buf, "datagram", 8);
+	struct ibv_wc wc;
+	CHECK(ah && ud_send_one(qp, cq, mr, buf, ah, qp->qp_num, 8, &wc) == 0, "");
+	CHECK(wc.byte_len == 48 && wc.src_qp == qp->qp_num && wc.slid == port.lid && wc.sl == 5 &&
+		      !(wc.wc_flags & IBV_WC_GRH) && memcmp(buf + 1024 + 40, "datagram", 8) == 0,
+	      "len=%u src=%u slid=%u sl=%u flags=%x", wc.byte_len, wc.src_qp, wc.slid, wc.sl, wc.wc_flags);
+	struct ibv_ah_attr back;
+	CHECK(ibv_init_ah_from_wc(ctx, 1, &wc, (struct ibv_grh *)(buf + 1024), &back) == 0 &&
+		      back.dlid == port.lid && back.sl == 5 && !back.is_global && back.port_num == 1, "");
+	struct ibv_ah *reply = ibv_create_ah_from_wc(pd, &wc, (struct ibv_grh *)(buf + 1024), 1);
+	CHECK(reply != NULL, "errno=%d", errno);
+	CHECK(reply && ud_send_one(qp, cq, mr, buf, reply, qp->qp_num, 8, &wc) == 0, "");
+	CHECK(reply && ibv_destroy_ah(reply) == 0, "");
+	CHECK(ah && ibv_destroy_ah(ah) == 0, "");
+
+	/* Global: the receiver finds a GRH and answers it. */
+	struct ibv_ah_attr ga = { .is_global = 1, .dlid = port.lid, .port_num = 1 };
+	ga.grh.dgid = gid;
+	ga.grh.hop_limit = 64;
+	ga.grh.traffic_class = 0x20;
+	ga.grh.flow_label = 0x12345;
+	ah = ibv_create_ah(pd, &ga);
+	CHECK(ah != NULL, "errno=%d", errno);
+	memset(buf + 1024, 0, 64);
+	CHECK(ah && ud_send_one(qp, cq, mr, buf, ah, qp->qp_num, 8, &wc) == 0, "");
+	struct ibv_grh *grh = (struct ibv_grh *)(buf + 1024);
+	CHECK((wc.wc_flags & IBV_WC_GRH) && memcmp(&grh->sgid, &gid, 16) == 0 &&
+		      memcmp(&grh->dgid, &gid, 16) == 0, "flags=%x", wc.wc_flags);
+	memset(&back, 0xee, sizeof(back));
+	CHECK(ibv_init_ah_from_wc(ctx, 1, &wc, grh, &back) == 0 && back.is_global &&
+		      memcmp(&back.grh.dgid, &gid, 16) == 0 && back.grh.sgid_index == 0 &&
+		      back.grh.flow_label == 0x12345 && back.grh.traffic_class == 0x20 &&
+		      back.grh.hop_limit == 64 && back.dlid == port.lid,
+	      "global=%d idx=%d fl=%x tc=%x hl=%d", back.is_global, back.grh.sgid_index,
+	      back.grh.flow_label, back.grh.traffic_class, back.grh.hop_limit);
+	reply = ibv_create_ah_from_wc(pd, &wc, grh, 1);
+	CHECK(reply && ud_send_one(qp, cq, mr, buf, reply, qp->qp_num, 8, &wc) == 0 &&
+		      (wc.wc_flags & IBV_WC_GRH), "");
+	if (reply)
+		ibv_destroy_ah(reply);
+	/* A GRH naming a GID this port does not have: no SGID index. */
+	grh->dgid.raw[15] ^= 0xff;
+	errno = 0;
+	CHECK(ibv_init_ah_from_wc(ctx, 1, &wc, grh, &back) == -1 && errno != 0, "errno=%d", errno);
+	CHECK(ah && ibv_destroy_ah(ah) == 0, "");
+
+	/* The kernel-ABI copies librdmacm calls. */
+	struct ib_uverbs_ah_attr_like {
+		uint8_t dgid[16];
+		uint32_t flow_label;
+		uint8_t sgid_index, hop_limit, traffic_class, reserved;
+		uint16_t dlid;
+		uint8_t sl, src_path_bits, static_rate, is_global, port_num, reserved2;
+	} k = { .flow_label = 7, .sgid_index = 1, .hop_limit = 2, .dlid = 0x33, .sl = 4, .is_global = 1,
+		.port_num = 1 };
+	k.dgid[0] = 0xfe;
+	extern void ibv_copy_ah_attr_from_kern(struct ibv_ah_attr *, void *);
+	memset(&back, 0, sizeof(back));
+	ibv_copy_ah_attr_from_kern(&back, &k);
+	CHECK(back.grh.dgid.raw[0] == 0xfe && back.grh.flow_label == 7 && back.grh.sgid_index == 1 &&
+		      back.grh.hop_limit == 2 && back.dlid == 0x33 && back.sl == 4 && back.is_global &&
+		      back.port_num == 1, "");
+
+	CHECK(ibv_destroy_qp(qp) == 0 && ibv_destroy_cq(cq) == 0 && ibv_dereg_mr(mr) == 0, "");
+	free(buf);
+}
+
 int main(int argc, char **argv)
 {
 	int bench = argc > 1 && !strcmp(argv[1], "bench");
@@ -170,9 +306,7 @@ int main(int argc, char **argv)
 	CHECK(ibv_qp_to_qp_ex(qp) == NULL && errno == EOPNOTSUPP, "");
 	CHECK(ibv_dealloc_pd(pd) == EBUSY, "PD in use");
 	CHECK(ibv_destroy_cq(cq) == EBUSY, "CQ in use");
-	init.qp_type = IBV_QPT_UD;
-	errno = 0;
-	CHECK(ibv_create_qp(pd, &init) == NULL && errno == EOPNOTSUPP, "errno=%d", errno);
+	check_ud(ctx, pd);
 
 	/* Posting to a QP in RESET: EINVAL, bad_wr is the first request. */
 	struct ibv_sge sge = { .addr = (uintptr_t)buf, .length = 8, .lkey = mr->lkey };

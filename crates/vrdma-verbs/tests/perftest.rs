@@ -1,0 +1,295 @@
+//! Debian's unmodified perftest binaries (`ib_{write,read,send,atomic}_
+//! {lat,bw}`), run against a real daemon through this library.
+//!
+//! The binaries need, besides `libibverbs.so.1`, `libmlx5.so.1` and
+//! `libefa.so.1` (linked `BIND_NOW`): the private library directory holds
+//! links to this package's cdylib and to the `vrdma-companions` cdylib
+//! (a dev-dependency, so cargo builds it first) under those three names,
+//! as `vrdma run` makes it. `librdmacm.so.1` and `libibumad.so.3` are
+//! Debian's own; their imports from libibverbs resolve in this library.
+//!
+//! Each test runs a server and a client on loopback, on a port of its
+//! own (`-p`), with a small iteration count, and passes when both exit 0
+//! and print the result table (the `#bytes` header and a numeric row;
+//! the server of `ib_read_lat` and `ib_atomic_lat` prints none, as on
+//! hardware, since it only serves its memory).
+//! perftest takes its generic path on vRDMA (the vendor part id is no
+//! Mellanox or EFA one), so it posts with `ibv_post_send` whatever the
+//! flags say: the default run and `--use_old_post_send` exercise the same
+//! verbs, and `-e` (completion events) is run where perftest allows it
+//! (not for RDMA writes).
+//!
+//! The tests skip, saying so, only when `/usr/bin/ib_write_lat` is missing
+//! (`apt-get install perftest`). Every wait is bounded: a process still
+//! running at its deadline is killed by pid and the test fails.
+
+// The library exists for x86-64 Linux only (see src/lib.rs).
+#![cfg(all(target_os = "linux", target_arch = "x86_64"))]
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+const PROBE: &str = "/usr/bin/ib_write_lat";
+const LIMIT: Duration = Duration::from_secs(120);
+
+/// A cdylib cargo built for this test run, beside the test executable in
+/// `target/<profile>/deps/` (or one level up).
+fn built(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent().expect("deps dir");
+    let profile = if deps.ends_with("deps") { deps.parent().expect("profile dir") } else { deps };
+    [deps, profile]
+        .iter()
+        .map(|d| d.join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("{name} was not built next to {}", exe.display()))
+}
+
+struct Setup {
+    dir: tempfile::TempDir,
+    _daemon: Mutex<vrdmad::Daemon>,
+}
+
+impl Setup {
+    /// A command for `program` using the shim, the companions and the daemon.
+    fn command(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.env("LD_LIBRARY_PATH", self.dir.path().join("lib"))
+            .env("VRDMA_SOCKET", self.dir.path().join("vrdma.sock"))
+            .env("LD_BIND_NOW", "1")
+            .env("VRDMA_VERBS_DEBUG", "1");
+        c
+    }
+}
+
+/// The shared setup, or `None` (with the reason printed) without perftest.
+fn setup() -> Option<&'static Setup> {
+    if !Path::new(PROBE).exists() {
+        eprintln!("skipping: {PROBE} is missing (apt-get install perftest)");
+        return None;
+    }
+    static SETUP: OnceLock<Setup> = OnceLock::new();
+    Some(SETUP.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let lib = dir.path().join("lib");
+        std::fs::create_dir(&lib).expect("lib dir");
+        let link = |target: &Path, name: &str| {
+            std::os::unix::fs::symlink(target, lib.join(name)).expect("symlink");
+        };
+        link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
+        let companions = built("libvrdma_companions.so");
+        link(&companions, "libmlx5.so.1");
+        link(&companions, "libefa.so.1");
+        let config =
+            vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
+        let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+        Setup { dir, _daemon: Mutex::new(daemon) }
+    }))
+}
+
+/// One pair at a time: both sides spin on the CPU.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+struct Running {
+    name: String,
+    child: Child,
+    out: Option<JoinHandle<String>>,
+    err: Option<JoinHandle<String>>,
+}
+
+struct Finished {
+    name: String,
+    status: ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+impl Finished {
+    fn describe(&self) -> String {
+        format!("{}: {}\n--- stdout\n{}--- stderr\n{}", self.name, self.status, self.stdout, self.stderr)
+    }
+}
+
+fn reader(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = r.read_to_string(&mut s);
+        s
+    })
+}
+
+fn spawn(mut cmd: Command, name: String) -> Running {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+    let out = child.stdout.take().map(reader);
+    let err = child.stderr.take().map(reader);
+    Running { name, child, out, err }
+}
+
+impl Running {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// Waits until the process exits, killing it (by pid) at the deadline.
+    fn finish(mut self, limit: Duration) -> Finished {
+        let end = Instant::now() + limit;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                break s;
+            }
+            if Instant::now() > end {
+                // SAFETY: kill(2) on our child, not yet reaped, so the pid
+                // cannot have been reused.
+                unsafe { libc::kill(self.pid(), libc::SIGKILL) };
+                let s = self.child.wait().expect("wait");
+                let f = self.collect(s);
+                panic!("timed out after {limit:?}, killed\n{}", f.describe());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        self.collect(status)
+    }
+
+    fn collect(&mut self, status: ExitStatus) -> Finished {
+        let join =
+            |h: Option<JoinHandle<String>>| h.map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        Finished {
+            name: self.name.clone(),
+            status,
+            stdout: join(self.out.take()),
+            stderr: join(self.err.take()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: as in `finish`: our unreaped child.
+            unsafe { libc::kill(self.pid(), libc::SIGKILL) };
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A TCP port nobody listens on now.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+/// Whether some socket listens on `port`, from /proc/net/tcp{,6} (looking
+/// must not connect, or the server would take us for its client).
+fn listening(port: u16) -> bool {
+    let want = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).any(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+        })
+    })
+}
+
+/// Whether `out` holds perftest's result table: the `#bytes` header
+/// followed by a row of numbers.
+fn has_results(out: &str) -> bool {
+    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
+    lines.next().is_some()
+        && lines.next().is_some_and(|row| {
+            let cols: Vec<&str> = row.split_whitespace().collect();
+            cols.len() >= 3 && cols.iter().all(|c| c.parse::<f64>().is_ok())
+        })
+}
+
+/// Runs `/usr/bin/<tool>` as server and client on loopback with `args`
+/// and a small iteration count; both must exit 0 and print their results.
+fn perftest(tool: &str, args: &[&str]) {
+    let Some(s) = setup() else { return };
+    let _turn = one_at_a_time();
+    let program = format!("/usr/bin/{tool}");
+    let port = free_port();
+    let port_arg = port.to_string();
+    let mut common = vec!["-p", port_arg.as_str(), "-d", "vrdma0", "-n", "1000"];
+    common.extend_from_slice(args);
+    let mut server_cmd = s.command(&program);
+    server_cmd.args(&common);
+    let mut server = spawn(server_cmd, format!("{tool} (server) {}", common.join(" ")));
+    let end = Instant::now() + Duration::from_secs(30);
+    while !listening(port) {
+        if server.exited() || Instant::now() > end {
+            panic!("the server never listened\n{}", server.finish(LIMIT).describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut client_cmd = s.command(&program);
+    client_cmd.args(&common).arg("127.0.0.1");
+    let client = spawn(client_cmd, format!("{tool} (client) {} 127.0.0.1", common.join(" "))).finish(LIMIT);
+    let server = server.finish(LIMIT);
+    // The passive side of the read and atomic latency tests only serves
+    // its memory and prints no results; every other side prints them.
+    let server_reports = !matches!(tool, "ib_read_lat" | "ib_atomic_lat");
+    for (f, reports) in [(&client, true), (&server, server_reports)] {
+        assert!(f.status.success(), "{}", f.describe());
+        assert!(!reports || has_results(&f.stdout), "no result table\n{}", f.describe());
+        let all = format!("{}{}", f.stdout, f.stderr);
+        for bad in ["Couldn't", "Failed", "failed", "error", "vrdma-verbs:"] {
+            assert!(!all.contains(bad), "{bad:?} in the output\n{}", f.describe());
+        }
+    }
+}
+
+#[test]
+fn result_table_is_recognised() {
+    let table = " #bytes #iterations    t_min[usec]\n 2       1000          18.34\n";
+    assert!(has_results(table));
+    assert!(!has_results(" #bytes #iterations\n------\n"));
+    assert!(!has_results("nothing here\n"));
+}
+
+macro_rules! perftests {
+    ($($name:ident: $tool:literal $args:expr;)*) => {
+        $(
+            #[test]
+            fn $name() {
+                perftest($tool, &$args);
+            }
+        )*
+    };
+}
+
+perftests! {
+    write_lat: "ib_write_lat" [];
+    write_lat_old_post_send: "ib_write_lat" ["--use_old_post_send"];
+    write_bw: "ib_write_bw" [];
+    write_bw_old_post_send: "ib_write_bw" ["--use_old_post_send"];
+    read_lat: "ib_read_lat" [];
+    read_lat_old_post_send: "ib_read_lat" ["--use_old_post_send"];
+    read_lat_events: "ib_read_lat" ["-e"];
+    read_bw: "ib_read_bw" [];
+    read_bw_old_post_send: "ib_read_bw" ["--use_old_post_send"];
+    read_bw_events: "ib_read_bw" ["-e"];
+    send_lat: "ib_send_lat" [];
+    send_lat_old_post_send: "ib_send_lat" ["--use_old_post_send"];
+    send_lat_events: "ib_send_lat" ["-e"];
+    send_bw: "ib_send_bw" [];
+    send_bw_old_post_send: "ib_send_bw" ["--use_old_post_send"];
+    send_bw_events: "ib_send_bw" ["-e"];
+    atomic_lat: "ib_atomic_lat" [];
+    atomic_lat_old_post_send: "ib_atomic_lat" ["--use_old_post_send"];
+    atomic_lat_events: "ib_atomic_lat" ["-e"];
+    atomic_bw: "ib_atomic_bw" [];
+    atomic_bw_old_post_send: "ib_atomic_bw" ["--use_old_post_send"];
+    atomic_bw_events: "ib_atomic_bw" ["-e"];
+}
