@@ -19,3 +19,4 @@ pub mod qp;
 pub mod ring;
 pub mod time;
 pub mod verbs;
+pub mod wire;
