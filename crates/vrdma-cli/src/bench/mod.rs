@@ -9,6 +9,7 @@
 
 pub mod anchors;
 mod report;
+mod verbs;
 mod worker;
 
 use std::io::{BufRead, BufReader, Write};
@@ -74,7 +75,9 @@ pub struct Figure {
 /// What a worker reports.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Outcome {
-    pub one_way_ns: Vec<f64>,
+    /// Latency samples: one way (half a round trip) for the ping-pongs,
+    /// the whole operation for reads.
+    pub lat_ns: Vec<f64>,
     pub bytes: u64,
     pub seconds: f64,
     pub messages: u64,
@@ -136,15 +139,52 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
         Some(send_stat),
         cores,
     ));
-    for size in [64usize << 10, 1 << 20] {
-        progress(&format!("{} write bandwidth and memcpy anchor", human(size)));
+    progress("8 B RDMA read latency (CQ polling)");
+    let read_lat = measure(&sock, worker::Test::ReadLat, 8, lat_iters, runs)?;
+    // A read is a round trip: read it against the ping-pong's round trip.
+    let round_trip =
+        pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
+    figures.push(latency(
+        "RDMA read 8 B, whole read (poll CQ)",
+        read_lat,
+        "2-process shm ping-pong, round trip",
+        round_trip,
+        cores,
+    ));
+    let mut own = verbs::Own {
+        write_lat_ns: Some(figures[0].value.median),
+        send_lat_ns: Some(send_stat.median),
+        read_lat_ns: Some(figures[3].value.median),
+        ..Default::default()
+    };
+    let bw_tests = [
+        (worker::Test::WriteBw, "RDMA write", 64usize << 10),
+        (worker::Test::ReadBw, "RDMA read", 64 << 10),
+        (worker::Test::SendBw, "send", 64 << 10),
+        (worker::Test::WriteBw, "RDMA write", 1 << 20),
+    ];
+    let mut memcpy = std::collections::HashMap::new();
+    for (test, what, size) in bw_tests {
+        progress(&format!("{} {what} bandwidth", human(size)));
         let iters = (bw_bytes / size as u64).max(16);
-        let bw = measure(&sock, worker::Test::WriteBw, size, iters, runs)?;
-        let memcpy = anchors::memcpy_bandwidth(size, anchor_time, runs);
-        figures.push(bandwidth(&format!("RDMA write {} bandwidth", human(size)), bw, memcpy, cores));
+        let bw = measure(&sock, test, size, iters, runs)?;
+        let anchor =
+            *memcpy.entry(size).or_insert_with(|| anchors::memcpy_bandwidth(size, anchor_time, runs));
+        let f = bandwidth(&format!("{what} {} bandwidth", human(size)), bw, anchor, cores);
+        if size == 64 << 10 {
+            let v = Some(f.value.median);
+            match test {
+                worker::Test::WriteBw => own.write_bw_gbs = v,
+                worker::Test::ReadBw => own.read_bw_gbs = v,
+                _ => own.send_bw_gbs = v,
+            }
+        }
+        figures.push(f);
     }
+    progress("the same tests through perftest and qperf on the drop-in libibverbs.so.1");
+    let tools = verbs::compare(&sock, &own, args.quick, !args.json);
     drop(device);
-    report::print(&figures, args.json)
+    report::print(&figures, &tools, args.json)
 }
 
 fn human(size: usize) -> String {
@@ -156,8 +196,7 @@ fn human(size: usize) -> String {
 }
 
 fn median_of(outcomes: &[Outcome]) -> anchors::Stat {
-    let per_run: Vec<f64> =
-        outcomes.iter().map(|o| anchors::Stat::from_samples(&o.one_way_ns).median).collect();
+    let per_run: Vec<f64> = outcomes.iter().map(|o| anchors::Stat::from_samples(&o.lat_ns).median).collect();
     anchors::Stat::from_samples(&per_run)
 }
 
@@ -170,13 +209,15 @@ fn latency(
 ) -> Figure {
     let value = median_of(&runs);
     let ratio = anchor.map(|a| value.median / a.median);
-    let mut all: Vec<f64> = runs.iter().flat_map(|o| o.one_way_ns.iter().copied()).collect();
+    let mut all: Vec<f64> = runs.iter().flat_map(|o| o.lat_ns.iter().copied()).collect();
     all.sort_by(f64::total_cmp);
     let p99 = (!all.is_empty()).then(|| all[((all.len() - 1) as f64 * 0.99).round() as usize]);
     let target = if anchor_name.starts_with("send") {
         "<= 2x polling".to_string()
     } else if cores > 2 {
         "<= 3x anchor".to_string()
+    } else if anchor_name.ends_with("round trip") {
+        "<= 10 us per read on 2 cores".to_string()
     } else {
         "<= 5 us one way on 2 cores".to_string()
     };

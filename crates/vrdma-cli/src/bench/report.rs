@@ -1,7 +1,8 @@
-//! The benchmark's table.
+//! The benchmark's tables.
 
 use anyhow::Result;
 
+use super::verbs::{ToolFigure, Tools};
 use super::Figure;
 
 fn fmt(v: f64, unit: &str) -> String {
@@ -12,9 +13,10 @@ fn fmt(v: f64, unit: &str) -> String {
     }
 }
 
-pub fn print(figures: &[Figure], json: bool) -> Result<()> {
+pub fn print(figures: &[Figure], tools: &Tools, json: bool) -> Result<()> {
     if json {
-        println!("{}", serde_json::to_string_pretty(figures)?);
+        let all = serde_json::json!({ "figures": figures, "tools": tools });
+        println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());
     }
     let cores = figures.first().map_or(0, |f| f.cores);
@@ -34,5 +36,45 @@ pub fn print(figures: &[Figure], json: bool) -> Result<()> {
         let p99 = f.p99.map_or("".to_string(), |p| fmt(p, f.unit));
         println!("| {} | {} | {} | {} | {} | {} | {} |", f.name, v, p99, f.anchor_name, a, r, f.target);
     }
+    print_tools(tools);
     Ok(())
+}
+
+fn cell(f: &Option<ToolFigure>, unit: &str) -> (String, String) {
+    match f {
+        None => ("n/a".into(), "".into()),
+        Some(ToolFigure { value: Some(v), avg, ratio, .. }) => {
+            let avg = avg.map_or(String::new(), |a| format!(" (avg {})", fmt(a, unit)));
+            (format!("{}{avg}", fmt(*v, unit)), ratio.map_or("n/a".into(), |r| format!("{r:.2}x")))
+        }
+        Some(ToolFigure { error, .. }) => {
+            (format!("failed: {}", error.as_deref().unwrap_or("?").replace('|', "/")), "".into())
+        }
+    }
+}
+
+fn print_tools(tools: &Tools) {
+    println!();
+    println!("The same tests through unmodified tools on the drop-in libibverbs.so.1 (same daemon)");
+    println!();
+    for (name, why) in [("perftest", &tools.perftest_unavailable), ("qperf", &tools.qperf_unavailable)] {
+        if let Some(why) = why {
+            println!("{name}: not available: {why}");
+        }
+    }
+    println!("| test | definition | vrdma bench | perftest | perftest/own | qperf | qperf/own |");
+    println!("|---|---|---|---|---|---|---|");
+    for r in &tools.rows {
+        let own = r.own.map_or("n/a".to_string(), |v| fmt(v, r.unit));
+        let (p, pr) = cell(&r.perftest, r.unit);
+        let (q, qr) = cell(&r.qperf, r.unit);
+        println!("| {} | {} | {own} | {p} | {pr} | {q} | {qr} |", r.test, r.definition);
+    }
+    println!();
+    println!("vrdma bench: the native Rust API, median of run medians. perftest (-d vrdma0, -n bounded): latency is");
+    println!("t_typical (its median; t_avg in parentheses), bandwidth is BW average. qperf (-cp1: CQ polling): its mean");
+    println!("over -t seconds. Latency: ratio > 1 means the tool took longer; bandwidth: ratio < 1 means it moved less.");
+    println!(
+        "The methods differ beyond the shim: ib_*_bw keep up to 128 requests in flight, vrdma bench 16."
+    );
 }

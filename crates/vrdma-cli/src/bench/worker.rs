@@ -42,6 +42,14 @@ pub enum Test {
     SendLatEvent,
     /// A stream of RDMA writes, `DEPTH` in flight (ib_write_bw).
     WriteBw,
+    /// Signaled RDMA reads one at a time, polling the CQ; the sample is the
+    /// whole read (a round trip), as ib_read_lat reports it.
+    ReadLat,
+    /// A stream of RDMA reads, `DEPTH` in flight (ib_read_bw).
+    ReadBw,
+    /// A stream of sends, `DEPTH` in flight, into receives the server keeps
+    /// posted (ib_send_bw).
+    SendBw,
 }
 
 impl Test {
@@ -51,6 +59,9 @@ impl Test {
             Test::SendLat => "send-lat",
             Test::SendLatEvent => "send-lat-event",
             Test::WriteBw => "write-bw",
+            Test::ReadLat => "read-lat",
+            Test::ReadBw => "read-bw",
+            Test::SendBw => "send-bw",
         }
     }
 }
@@ -102,7 +113,11 @@ pub fn run(role: Role, args: &Args) -> Result<()> {
         Test::WriteLat => side.write_lat(role, args.iters)?,
         Test::SendLat => side.send_lat(role, args.iters, false)?,
         Test::SendLatEvent => side.send_lat(role, args.iters, true)?,
-        Test::WriteBw => side.write_bw(role, args.iters)?,
+        Test::WriteBw => side.stream_bw(role, args.iters, SendOpcode::RdmaWrite)?,
+        Test::ReadLat => side.read_lat(role, args.iters)?,
+        Test::ReadBw => side.stream_bw(role, args.iters, SendOpcode::RdmaRead)?,
+        Test::SendBw if role == Role::Server => side.send_bw_server(args.iters)?,
+        Test::SendBw => side.stream_bw(role, args.iters, SendOpcode::Send)?,
     };
     if role == Role::Client {
         println!("{}", serde_json::to_string(&outcome)?);
@@ -119,7 +134,8 @@ pub fn run(role: Role, args: &Args) -> Result<()> {
 impl Side {
     fn wr(&self, wr_id: u64, op: SendOpcode, local_off: usize, signaled: bool) -> Result<SendWr> {
         let mut wr = SendWr::new(wr_id, op);
-        if self.size <= 64 {
+        // Reads land in local memory: never inline.
+        if self.size <= 64 && op != SendOpcode::RdmaRead {
             wr.flags |= SendFlags::INLINE;
             wr.inline_len = self.size as u16;
             self.mr.read(local_off, &mut wr.inline[..self.size])?;
@@ -177,7 +193,7 @@ impl Side {
             }
         }
         self.drain(&mut wcs)?;
-        Ok(Outcome { one_way_ns: samples, messages: iters, ..Default::default() })
+        Ok(Outcome { lat_ns: samples, messages: iters, ..Default::default() })
     }
 
     fn send_tag(&self, i: u64, tag: u8) -> Result<()> {
@@ -254,10 +270,63 @@ impl Side {
             }
         }
         self.drain(&mut wcs)?;
-        Ok(Outcome { one_way_ns: samples, messages: iters, ..Default::default() })
+        Ok(Outcome { lat_ns: samples, messages: iters, ..Default::default() })
     }
 
-    fn write_bw(&mut self, role: Role, iters: u64) -> Result<Outcome> {
+    /// Reads 8 B of the server's source half into our receive half, one
+    /// signaled read at a time; each sample is the whole read.
+    fn read_lat(&mut self, role: Role, iters: u64) -> Result<Outcome> {
+        if role == Role::Server {
+            return Ok(Outcome::default());
+        }
+        let mut wcs = [WorkCompletion::default(); 16];
+        let mut samples = Vec::with_capacity(iters as usize);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        for i in 1..=iters {
+            let mut wr = self.wr(i, SendOpcode::RdmaRead, 0, true)?;
+            wr.remote_addr = self.peer.addr + self.size as u64;
+            let start = Instant::now();
+            self.qp.post_send(&[wr]).map_err(|e| anyhow!("post_send: {e}"))?;
+            while self.reap(&mut wcs)? == 0 {
+                if Instant::now() > deadline {
+                    bail!("read {i} never completed");
+                }
+            }
+            samples.push(start.elapsed().as_nanos() as f64);
+        }
+        Ok(Outcome { lat_ns: samples, messages: iters, ..Default::default() })
+    }
+
+    /// The receiving side of the send stream: keeps receives posted until
+    /// the client's `iters` plus its untimed warm-up have arrived.
+    fn send_bw_server(&mut self, iters: u64) -> Result<Outcome> {
+        let total = iters + iters / 10;
+        let mut wcs = [WorkCompletion::default(); 16];
+        let ahead = (4 * DEPTH as u64).min(total);
+        for r in 0..ahead {
+            self.post_recv(r)?;
+        }
+        let (mut posted, mut got) = (ahead, 0u64);
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while got < total {
+            let n = self.reap(&mut wcs)?;
+            for _ in wcs[..n].iter().filter(|w| w.opcode == vrdma::WcOpcode::Recv) {
+                got += 1;
+                if posted < total {
+                    self.post_recv(posted)?;
+                    posted += 1;
+                }
+            }
+            if n == 0 && Instant::now() > deadline {
+                bail!("only {got} of {total} messages arrived");
+            }
+        }
+        Ok(Outcome::default())
+    }
+
+    /// A stream of `op` (write, read or send) of `size` bytes, `DEPTH` in
+    /// flight, timed at the client.
+    fn stream_bw(&mut self, role: Role, iters: u64, op: SendOpcode) -> Result<Outcome> {
         if role == Role::Server {
             return Ok(Outcome::default());
         }
@@ -275,14 +344,20 @@ impl Side {
                 start = Instant::now();
             }
             while posted < iters && posted - done < DEPTH as u64 {
-                let wr = self.wr(posted, SendOpcode::RdmaWrite, self.size, true)?;
+                let wr = if op == SendOpcode::RdmaRead {
+                    let mut wr = self.wr(posted, op, 0, true)?;
+                    wr.remote_addr = self.peer.addr + self.size as u64;
+                    wr
+                } else {
+                    self.wr(posted, op, self.size, true)?
+                };
                 self.qp.post_send(&[wr]).map_err(|e| anyhow!("post_send: {e}"))?;
                 posted += 1;
             }
             let n = self.reap(&mut wcs)?;
             done += n as u64;
             if n == 0 && Instant::now() > deadline {
-                bail!("writes stopped completing after {done} of {iters}");
+                bail!("work requests stopped completing after {done} of {iters}");
             }
         }
         let seconds = start.elapsed().as_secs_f64();

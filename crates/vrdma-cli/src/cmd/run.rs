@@ -43,7 +43,7 @@ const COMPANIONS_NAME: &str = "libvrdma_companions.so";
 const COMPANION_SONAMES: [&str; 2] = ["libmlx5.so.1", "libefa.so.1"];
 
 /// The companion library, if there is one (see the module documentation).
-fn find_companions() -> Result<Option<PathBuf>> {
+pub(crate) fn find_companions() -> Result<Option<PathBuf>> {
     if let Some(p) = std::env::var_os(COMPANIONS_ENV) {
         let p = PathBuf::from(p);
         if !p.is_file() {
@@ -55,7 +55,7 @@ fn find_companions() -> Result<Option<PathBuf>> {
     Ok(exe.parent().map(|d| d.join(COMPANIONS_NAME)).filter(|p| p.is_file()))
 }
 
-fn find_library() -> Result<PathBuf> {
+pub(crate) fn find_library() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os(LIB_ENV) {
         let p = PathBuf::from(p);
         if !p.is_file() {
@@ -78,10 +78,10 @@ fn find_library() -> Result<PathBuf> {
 }
 
 /// A directory removed on drop, holding the `libibverbs.so.1` link.
-struct LibDir(PathBuf);
+pub(crate) struct LibDir(PathBuf);
 
 impl LibDir {
-    fn create(lib: &Path, companions: Option<&Path>) -> Result<LibDir> {
+    pub(crate) fn create(lib: &Path, companions: Option<&Path>) -> Result<LibDir> {
         let lib = lib.canonicalize().with_context(|| format!("resolve {}", lib.display()))?;
         let dir = std::env::temp_dir().join(format!("vrdma-run-{}", std::process::id()));
         if dir.exists() {
@@ -99,6 +99,11 @@ impl LibDir {
             }
         }
         Ok(d)
+    }
+
+    /// The directory, to prepend to `LD_LIBRARY_PATH`.
+    pub(crate) fn path(&self) -> &Path {
+        &self.0
     }
 }
 
