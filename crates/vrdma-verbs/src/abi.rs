@@ -338,8 +338,8 @@ pub struct ibv_cq {
 }
 
 /// `struct ibv_cq_ex`: an `ibv_cq` followed by the extended-poll
-/// operations. Every CQ of the shim is laid out as one, so that
-/// `ibv_create_cq_ex` can come later without moving anything.
+/// operations. Every CQ of the shim is laid out as one; the operations are
+/// set for CQs from `ibv_create_cq_ex` (module `cq_ex`).
 #[repr(C)]
 pub struct ibv_cq_ex {
     pub cq: ibv_cq,
@@ -410,8 +410,8 @@ pub struct ibv_qp {
 
 /// `struct ibv_qp_ex`: an `ibv_qp` followed by the work-request builder
 /// operations (`ibv_wr_*`). Every QP of the shim is laid out as one (as
-/// rdma-core's `struct verbs_qp` is), so that the new posting API can be
-/// filled in later; today `ibv_qp_to_qp_ex` reports it unsupported.
+/// rdma-core's `struct verbs_qp` is); the operations are set for QPs from
+/// `ibv_create_qp_ex` with send operations (module `qp_ex`).
 #[repr(C)]
 pub struct ibv_qp_ex {
     pub qp_base: ibv_qp,

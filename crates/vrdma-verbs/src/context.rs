@@ -5,7 +5,8 @@
 //! ending with the `struct ibv_context` that the application holds.
 //! `abi_compat` is `UINTPTR_MAX` and `sz` is `sizeof(struct
 //! verbs_context)`, so `verbs_get_ctx_op()` finds the extended operations
-//! the shim provides (`query_port`, `query_device_ex`) and sees NULL, i.e.
+//! the shim provides (`query_port`, `query_device_ex`, `create_cq_ex`,
+//! `create_qp_ex`) and sees NULL, i.e.
 //! "not supported", for the rest.
 //!
 //! The context also keeps a registry from the daemon's object numbers to
@@ -164,7 +165,17 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
             modify_wq: None,
             create_wq: None,
             query_rt_values: None,
-            create_cq_ex: None,
+            // SAFETY: only the pointer's type changes; rdma-core calls it as
+            // `struct ibv_cq_ex *(*)(struct ibv_context *, struct ibv_cq_init_attr_ex *)`.
+            create_cq_ex: Some(unsafe {
+                std::mem::transmute::<
+                    unsafe extern "C" fn(
+                        *mut ibv_context,
+                        *mut crate::cq_ex::ibv_cq_init_attr_ex,
+                    ) -> *mut ibv_cq_ex,
+                    unsafe extern "C" fn(),
+                >(crate::cq_ex::create_cq_ex)
+            }),
             priv_: ptr::null_mut(),
             query_device_ex: Some(query_device_ex_op),
             ibv_destroy_flow: None,
@@ -172,7 +183,17 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
             ibv_create_flow: None,
             abi_placeholder1: None,
             open_qp: None,
-            create_qp_ex: None,
+            // SAFETY: only the pointer's type changes; rdma-core calls it as
+            // `struct ibv_qp *(*)(struct ibv_context *, struct ibv_qp_init_attr_ex *)`.
+            create_qp_ex: Some(unsafe {
+                std::mem::transmute::<
+                    unsafe extern "C" fn(
+                        *mut ibv_context,
+                        *mut crate::qp_ex::ibv_qp_init_attr_ex,
+                    ) -> *mut ibv_qp,
+                    unsafe extern "C" fn(),
+                >(crate::qp_ex::create_qp_ex)
+            }),
             get_srq_num: None,
             create_srq_ex: None,
             open_xrcd: None,

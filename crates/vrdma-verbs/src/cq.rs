@@ -37,8 +37,8 @@ pub struct Channel {
     pub inner: vrdma::CompletionChannel,
 }
 
-/// A CQ. Laid out as an `ibv_cq_ex` so that the extended CQ can be added
-/// without changing the object.
+/// A CQ, laid out as an `ibv_cq_ex`; a CQ from `ibv_create_cq_ex` has its
+/// extended-poll operations (module `cq_ex`).
 #[repr(C)]
 pub struct Cq {
     pub ex: ibv_cq_ex,
@@ -47,6 +47,9 @@ pub struct Cq {
     pub comp_reported: AtomicU32,
     /// Async events handed out by `ibv_get_async_event`.
     pub async_reported: AtomicU32,
+    /// The extended-poll state (module `cq_ex`); unused for a CQ from
+    /// `ibv_create_cq`.
+    pub poll: crate::cq_ex::PollState,
 }
 
 // The application's pointers are the objects' addresses.
@@ -106,7 +109,30 @@ pub unsafe extern "C" fn ibv_create_cq(
     comp_vector: c_int,
 ) -> *mut ibv_cq {
     const W: &str = "ibv_create_cq";
+    // SAFETY: the verb's contract.
     ret_ptr(W, || {
+        unsafe { create(W, context, cqe, cq_context, channel, comp_vector, None) }.map(|p| p.cast())
+    })
+}
+
+/// Creates a CQ for `ibv_create_cq` and `ibv_create_cq_ex`; `ex`: the
+/// `IBV_WC_EX_WITH_*` fields and whether the CQ is single-threaded, for a
+/// CQ polled with `ibv_start_poll` (module `cq_ex`).
+///
+/// # Safety
+/// `context` must be NULL or a live context, `channel` NULL or a live
+/// channel of it.
+#[allow(non_snake_case)] // `W`, the verb's name, as in the other verbs
+pub unsafe fn create(
+    W: &str,
+    context: *mut ibv_context,
+    cqe: c_int,
+    cq_context: *mut c_void,
+    channel: *mut ibv_comp_channel,
+    comp_vector: c_int,
+    ex_flags: Option<(u64, bool)>,
+) -> Res<*mut Cq> {
+    {
         // SAFETY: a live context (the verb's contract).
         let ctx = unsafe { Ctx::get(W, context)? };
         let cqe =
@@ -158,12 +184,21 @@ pub unsafe extern "C" fn ibv_create_cq(
             read_tm_info: None,
             read_completion_wallclock_ns: None,
         };
+        let mut ex = ex;
+        let poll = match ex_flags {
+            Some((wc_flags, single)) => {
+                crate::cq_ex::install(&mut ex, wc_flags);
+                crate::cq_ex::PollState::new(single)
+            }
+            None => crate::cq_ex::PollState::new(true),
+        };
         let cqn = inner.cqn();
         let p = Box::into_raw(Box::new(Cq {
             ex,
             inner,
             comp_reported: AtomicU32::new(0),
             async_reported: AtomicU32::new(0),
+            poll,
         }));
         // SAFETY: `p` is a fresh box; the channel and context are live.
         unsafe {
@@ -174,8 +209,8 @@ pub unsafe extern "C" fn ibv_create_cq(
             }
         }
         ctx.registry().cqs.insert(cqn, p);
-        Ok(p.cast())
-    })
+        Ok(p)
+    }
 }
 
 /// `ibv_resize_cq`: vRDMA CQs keep their size; `EOPNOTSUPP`, as rdma-core

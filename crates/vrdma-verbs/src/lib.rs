@@ -46,8 +46,8 @@
 //!   of every size and offset (module `abi`).
 //! - **Contexts** are rdma-core's `struct verbs_context` with the
 //!   `struct ibv_context` last, `abi_compat = UINTPTR_MAX` and `sz` set, so
-//!   the inline `verbs_get_ctx_op()` finds `query_port` and
-//!   `query_device_ex`, and reads NULL (unsupported: the inline wrappers
+//!   the inline `verbs_get_ctx_op()` finds `query_port`,
+//!   `query_device_ex`, `create_qp_ex` and `create_cq_ex`, and reads NULL (unsupported: the inline wrappers
 //!   return `EOPNOTSUPP` or take their legacy path) for the rest.
 //! - **The data path** (`ibv_post_send`, `ibv_post_recv`,
 //!   `ibv_post_srq_recv`, `ibv_poll_cq`, `ibv_req_notify_cq`) is inline in
@@ -57,8 +57,9 @@
 //! - **Objects** (`Pd`, `Mr`, `Cq`, `Qp`, `Srq`, `Channel`) are boxes
 //!   whose first member is the C structure the application sees, followed
 //!   by the client library's handle. CQs are laid out as `ibv_cq_ex` and
-//!   QPs as `ibv_qp_ex`, so that the extended APIs (perftest's `ibv_wr_*`
-//!   path, `ibv_create_cq_ex`) can be added without moving anything.
+//!   QPs as `ibv_qp_ex`: those from `ibv_create_cq_ex` /
+//!   `ibv_create_qp_ex` (with send operations) have the extended polling
+//!   and `ibv_wr_*` operations (modules `cq_ex`, `qp_ex`).
 //! - **Descriptors**: a completion channel's `fd` and the context's
 //!   `async_fd` are the client library's real, pollable doorbell
 //!   descriptors.
@@ -69,8 +70,7 @@
 //! documents for it: NULL or -1 with `errno`, or an errno value. NULL
 //! object pointers are refused with `EINVAL` where rdma-core would crash.
 //! Features vRDMA lacks answer `EOPNOTSUPP` (dma-buf regions, an iova
-//! other than the address, resizing CQs, ECE, the `ibv_wr_*` API for now,
-//! multicast). A Rust panic never crosses into C: it becomes the
+//! other than the address, resizing CQs, ECE, multicast). A Rust panic never crosses into C: it becomes the
 //! function's error with `errno = EIO`.
 //!
 //! # Differences from rdma-core that programs can observe
@@ -99,9 +99,11 @@ mod ah;
 mod compat;
 mod context;
 mod cq;
+mod cq_ex;
 mod device;
 mod mem;
 mod qp;
+mod qp_ex;
 mod srq;
 mod strings;
 mod util;

@@ -14,9 +14,9 @@
 //! before it are posted.
 //!
 //! The QP object is laid out as an `ibv_qp_ex` (as rdma-core's
-//! `verbs_qp`), ready for the `ibv_wr_*` API; until that is implemented
-//! `ibv_qp_to_qp_ex` returns NULL (`EOPNOTSUPP`), and programs use
-//! `ibv_post_send`.
+//! `verbs_qp`); QPs created by `ibv_create_qp_ex` with send operations
+//! have the `ibv_wr_*` API (module `qp_ex`), which `ibv_qp_to_qp_ex`
+//! hands out, and it returns NULL (`EOPNOTSUPP`) for the others.
 //!
 //! UD QPs: a send's `wr.ud.ah` is the application's `struct ibv_ah *`,
 //! whose `handle` (the daemon's number for it, see module `ah`) travels in
@@ -47,6 +47,8 @@ pub struct Qp {
     pub inner: vrdma::QueuePair,
     /// Async events handed out by `ibv_get_async_event`.
     pub events_reported: AtomicU32,
+    /// The `ibv_wr_*` batch (module `qp_ex`); empty for a QP without them.
+    pub batch: std::cell::UnsafeCell<crate::qp_ex::Batch>,
 }
 
 // The application's pointer is the object's address.
@@ -88,11 +90,28 @@ fn cap_to_c(c: &QpCap) -> ibv_qp_cap {
 pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, qp_init_attr: *mut ibv_qp_init_attr) -> *mut ibv_qp {
     const W: &str = "ibv_create_qp";
     ret_ptr(W, || {
+        non_null(W, qp_init_attr, "qp_init_attr")?;
+        // SAFETY: a live PD and a valid ibv_qp_init_attr (the verb's contract).
+        unsafe { create(W, pd, &mut *qp_init_attr, None) }
+    })
+}
+
+/// Creates a QP for `ibv_create_qp` and `ibv_create_qp_ex`; `send_ops`:
+/// the `IBV_QP_EX_WITH_*` operations of the `ibv_wr_*` API, for a QP that
+/// `ibv_qp_to_qp_ex` hands out.
+///
+/// # Safety
+/// `pd` must be NULL or a live PD; the CQs and SRQ `a` names live objects.
+#[allow(non_snake_case)] // `W`, the verb's name, as in the other verbs
+pub unsafe fn create(
+    W: &str,
+    pd: *mut ibv_pd,
+    a: &mut ibv_qp_init_attr,
+    send_ops: Option<u64>,
+) -> Res<*mut ibv_qp> {
+    {
         // SAFETY: a live PD (the verb's contract).
         let p = unsafe { Pd::get(W, pd)? };
-        non_null(W, qp_init_attr, "qp_init_attr")?;
-        // SAFETY: a valid ibv_qp_init_attr.
-        let a = unsafe { &mut *qp_init_attr };
         let qp_type = u8::try_from(a.qp_type)
             .ok()
             .and_then(QpType::from_raw)
@@ -163,14 +182,27 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, qp_init_attr: *mut ibv_q
             wr_abort: None,
             wr_atomic_write: None,
         };
-        let q = Box::into_raw(Box::new(Qp { ex, inner, events_reported: AtomicU32::new(0) }));
+        let mut ex = ex;
+        let batch = match send_ops {
+            Some(ops) => {
+                crate::qp_ex::install(&mut ex, ops);
+                crate::qp_ex::Batch::new(inner.cap().max_send_wr, ops, a.qp_type == IBV_QPT_UD)
+            }
+            None => crate::qp_ex::Batch::default(),
+        };
+        let q = Box::into_raw(Box::new(Qp {
+            ex,
+            inner,
+            events_reported: AtomicU32::new(0),
+            batch: std::cell::UnsafeCell::new(batch),
+        }));
         // SAFETY: `q` is a fresh box; its context is live.
         unsafe {
             init_mutex_cond(addr_of_mut!((*q).ex.qp_base.mutex), addr_of_mut!((*q).ex.qp_base.cond));
             Ctx::from_ptr(p.pd.context).registry().qps.insert(qpn, q);
         }
         Ok(q.cast())
-    })
+    }
 }
 
 /// `ibv_destroy_qp`: waits until the application acknowledged every
@@ -378,10 +410,23 @@ pub unsafe extern "C" fn ibv_query_qp(
     })
 }
 
-/// `ibv_qp_to_qp_ex`: the `ibv_wr_*` API is not provided yet; NULL with
-/// `errno = EOPNOTSUPP` (rdma-core returns NULL for a QP without it).
-pub unsafe extern "C" fn ibv_qp_to_qp_ex(_qp: *mut ibv_qp) -> *mut ibv_qp_ex {
-    ret_ptr("ibv_qp_to_qp_ex", || Err(refuse("ibv_qp_to_qp_ex", "the ibv_wr_* API", libc::EOPNOTSUPP)))
+/// `ibv_qp_to_qp_ex`: the QP's `struct ibv_qp_ex` when it was created by
+/// `ibv_create_qp_ex` with `IBV_QP_INIT_ATTR_SEND_OPS_FLAGS` (module
+/// `qp_ex`); otherwise NULL with `errno = EOPNOTSUPP` (rdma-core returns
+/// NULL for a QP without the `ibv_wr_*` API).
+pub unsafe extern "C" fn ibv_qp_to_qp_ex(qp: *mut ibv_qp) -> *mut ibv_qp_ex {
+    const W: &str = "ibv_qp_to_qp_ex";
+    ret_ptr(W, || {
+        // SAFETY: a live QP (the verb's contract).
+        unsafe { Qp::get(W, qp)? };
+        let q = qp.cast::<Qp>();
+        // SAFETY: as above; `wr_start` is set at creation only.
+        if unsafe { (*q).ex.wr_start }.is_none() {
+            return Err(refuse(W, "a QP not created with IBV_QP_INIT_ATTR_SEND_OPS_FLAGS", libc::EOPNOTSUPP));
+        }
+        // SAFETY: as above.
+        Ok(unsafe { addr_of_mut!((*q).ex) })
+    })
 }
 
 /// `ibv_query_qp_data_in_order`: 0, i.e. no promise that data lands in

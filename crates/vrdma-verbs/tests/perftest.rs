@@ -292,4 +292,17 @@ perftests! {
     atomic_bw: "ib_atomic_bw" [];
     atomic_bw_old_post_send: "ib_atomic_bw" ["--use_old_post_send"];
     atomic_bw_events: "ib_atomic_bw" ["-e"];
+    // Every size from 2 bytes to 8 MiB (`-a`; the atomic tools have no
+    // sweep), with fewer iterations so that the large sizes stay quick.
+    write_lat_all_sizes: "ib_write_lat" ["-a", "-n", "100"];
+    write_bw_all_sizes: "ib_write_bw" ["-a", "-n", "100"];
+    read_lat_all_sizes: "ib_read_lat" ["-a", "-n", "100"];
+    read_bw_all_sizes: "ib_read_bw" ["-a", "-n", "100"];
+    send_lat_all_sizes: "ib_send_lat" ["-a", "-n", "100"];
+    send_bw_all_sizes: "ib_send_bw" ["-a", "-n", "100"];
+    // Several QPs at once (`-q`; only the bandwidth tools take it).
+    write_bw_four_qps: "ib_write_bw" ["-q", "4"];
+    read_bw_four_qps: "ib_read_bw" ["-q", "4"];
+    send_bw_four_qps: "ib_send_bw" ["-q", "4"];
+    atomic_bw_four_qps: "ib_atomic_bw" ["-q", "4"];
 }

@@ -637,13 +637,28 @@ fn tested_binaries_find_every_import() {
 /// against the shim binds the same symbol versions.
 #[test]
 fn c_program_checks_error_paths() {
+    c_program("verbs_check");
+}
+
+/// `tests/c/qp_ex_check.c`: `ibv_create_qp_ex`, `ibv_qp_to_qp_ex` and the
+/// `ibv_wr_*` builders (send, RDMA write and read, atomics, inline data,
+/// abort, errors kept until `ibv_wr_complete`) on a loopback RC pair.
+#[test]
+fn c_program_checks_qp_ex() {
+    c_program("qp_ex_check");
+}
+
+/// Compiles `tests/c/<name>.c` against rdma-core's headers, links it
+/// against this library and runs it; it must exit 0 and print
+/// `<name>: OK`. Skips, saying so, without a C compiler or the headers.
+fn c_program(name: &str) {
     let Some(s) = setup() else { return };
     if !Path::new("/usr/include/infiniband/verbs.h").exists() {
         eprintln!("skipping: /usr/include/infiniband/verbs.h is missing (apt-get install libibverbs-dev)");
         return;
     }
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/verbs_check.c");
-    let exe = s.dir.path().join("verbs_check");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let exe = s.dir.path().join(name);
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let built = Command::new(&cc)
         .args(["-O2", "-Wall", "-Wno-format-zero-length", "-o"])
@@ -663,7 +678,7 @@ fn c_program_checks_error_paths() {
     }
     let f = run(s, exe.to_str().expect("utf-8 path"), &[]);
     f.assert_ok();
-    assert!(f.stdout.contains("verbs_check: OK"), "{}", f.describe());
+    assert!(f.stdout.contains(&format!("{name}: OK")), "{}", f.describe());
 }
 
 /// `vrdma run` from the workspace's CLI, when cargo built it (it does for
