@@ -652,10 +652,52 @@ fn c_program_checks_qp_ex() {
 /// against this library and runs it; it must exit 0 and print
 /// `<name>: OK`. Skips, saying so, without a C compiler or the headers.
 fn c_program(name: &str) {
-    let Some(s) = setup() else { return };
+    let Some((s, exe)) = build_c_program(name) else { return };
+    let f = run(s, exe.to_str().expect("utf-8 path"), &[]);
+    f.assert_ok();
+    assert!(f.stdout.contains(&format!("{name}: OK")), "{}", f.describe());
+}
+
+/// `tests/c/semantics_check.c`: every opcode's data through plain
+/// `ibv_post_send` with multi-SGE gather/scatter and inline data, error
+/// statuses and the flush after them, `ENOMEM` on a full send queue,
+/// completion events under epoll and async events under poll. Then a
+/// holder process allocating device objects is SIGKILLed (by pid) and a
+/// fresh process must still get a working device and the same objects.
+#[test]
+fn c_program_checks_semantics() {
+    c_program("semantics_check");
+    let Some((s, exe)) = build_c_program("semantics_check") else { return };
+    let exe = exe.to_str().expect("utf-8 path");
+    let ready = s.dir.path().join("semantics_check.ready");
+    let _ = std::fs::remove_file(&ready);
+    let mut holder = s.command(exe);
+    holder.arg("hold").arg(&ready);
+    let mut holder = spawn(holder, "semantics_check hold");
+    let end = Instant::now() + Duration::from_secs(30);
+    while !ready.exists() {
+        assert!(!holder.exited(), "{}", holder.finish(LIMIT).describe());
+        assert!(Instant::now() < end, "the holder never got ready");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(holder.pid(), libc::SIGKILL) };
+    let f = holder.finish(LIMIT);
+    assert!(!f.status.success() && f.stdout.contains("ready"), "{}", f.describe());
+    let f = run(s, exe, &["after"]);
+    f.assert_ok();
+    assert!(f.stdout.contains("semantics_check: OK"), "{}", f.describe());
+}
+
+/// Compiles `tests/c/<name>.c` against rdma-core's
+/// headers and links it against this library: the shared setup and the
+/// executable, or `None` (with the reason printed) without a C compiler
+/// or the headers.
+fn build_c_program(name: &str) -> Option<(&'static Setup, PathBuf)> {
+    let s = setup()?;
     if !Path::new("/usr/include/infiniband/verbs.h").exists() {
         eprintln!("skipping: /usr/include/infiniband/verbs.h is missing (apt-get install libibverbs-dev)");
-        return;
+        return None;
     }
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let exe = s.dir.path().join(name);
@@ -673,12 +715,10 @@ fn c_program(name: &str) {
         Ok(o) => panic!("{cc} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
         Err(e) => {
             eprintln!("skipping: no C compiler ({cc}: {e})");
-            return;
+            return None;
         }
     }
-    let f = run(s, exe.to_str().expect("utf-8 path"), &[]);
-    f.assert_ok();
-    assert!(f.stdout.contains(&format!("{name}: OK")), "{}", f.describe());
+    Some((s, exe))
 }
 
 /// `vrdma run` from the workspace's CLI, when cargo built it (it does for
