@@ -2,9 +2,10 @@
  * Semantics through plain ibv_post_send on a loopback RC pair: every
  * opcode's data with multi-SGE gather/scatter and inline data, error
  * statuses and the flush after them, completion events under epoll and
- * the async fd under poll. "hold <file>" allocates objects, writes <file>
- * and sleeps (the test SIGKILLs it); "after" checks a fresh process still
- * gets a working device.
+ * the async fd under poll, RETRY_EXC, REM_OP, LOC_LEN and the post-time
+ * refusals of oversized inline data and inline reads. "hold <file>"
+ * allocates objects, writes <file> and sleeps (the test SIGKILLs it);
+ * "after" checks a fresh process still gets a working device.
  *
  * Exit status 0 and a last line "semantics_check: OK" mean every check passed.
  */
@@ -428,6 +429,126 @@ static void check_errors(struct ibv_context *ctx)
 	free_pair(&p);
 }
 
+/* D. The remaining statuses: RETRY_EXC_ERR, REM_OP_ERR, LOC_LEN_ERR and
+ * the post-time refusals that stand in for LOC_LEN_ERR / LOC_QP_OP_ERR. */
+static void check_more_errors(struct ibv_context *ctx)
+{
+	struct pair p;
+	struct ibv_wc wc;
+	struct ibv_send_wr *bad;
+
+	/* RETRY_EXC_ERR: a connected to a QP number never created on this
+	 * device (0xfffffe), timeout=1 (8 us) and retry_cnt=1; the core
+	 * gives up once timeout * (retry_cnt + 1) has passed with no peer.
+	 * The next WR then flushes. */
+	CHECK(make_pair(&p, ctx, 7, 0) == 0, "");
+	CHECK(to_rtr(p.a, 0xfffffe, p.lid) == 0, "");
+	struct ibv_qp_attr ra = { .qp_state = IBV_QPS_RTS, .timeout = 1, .retry_cnt = 1, .rnr_retry = 1,
+				  .max_rd_atomic = 1 };
+	CHECK(ibv_modify_qp(p.a, &ra, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+					      IBV_QP_RNR_RETRY | IBV_QP_MAX_QP_RD_ATOMIC) == 0,
+	      "RTS with timeout=1 retry_cnt=1");
+	struct ibv_sge s = { (uintptr_t)p.buf, 8, p.mr->lkey };
+	struct ibv_send_wr w = { .wr_id = 21, .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_SEND,
+				 .send_flags = IBV_SEND_SIGNALED };
+	CHECK(post(p.a, &w) == 0, "");
+	double t0 = now_ns();
+	int n = poll_n(p.ca, &wc, 1, 3000);
+	CHECK(n == 1 && wc.wr_id == 21 && wc.status == IBV_WC_RETRY_EXC_ERR, "n=%d status=%s after %.0f ms", n,
+	      n == 1 ? ibv_wc_status_str(wc.status) : "-", (now_ns() - t0) / 1e6);
+	w.wr_id = 22;
+	CHECK(post(p.a, &w) == 0, "posting in ERR is allowed");
+	CHECK(one_wc(p.ca, &wc) && wc.wr_id == 22 && wc.status == IBV_WC_WR_FLUSH_ERR, "status=%s",
+	      ibv_wc_status_str(wc.status));
+	CHECK(qp_state(p.a) == IBV_QPS_ERR, "state=%d", qp_state(p.a));
+	free_pair(&p);
+
+	/* REM_OP_ERR: b's receive names the lkey of a deregistered MR. The
+	 * core (datapath/rc.rs) fails the send with REM_OP_ERR, the receive
+	 * with LOC_PROT_ERR, and raises IBV_EVENT_QP_FATAL on b. */
+	CHECK(make_pair(&p, ctx, 7, 1) == 0, "");
+	struct ibv_mr *gone = ibv_reg_mr(p.pd, p.buf + 8192, 4096, ACCESS);
+	CHECK(gone != NULL, "errno=%d", errno);
+	uint32_t dead = gone ? gone->lkey : p.mr->lkey + 1000;
+	CHECK(!gone || ibv_dereg_mr(gone) == 0, "");
+	struct ibv_sge rs = { (uintptr_t)p.buf + 8192, 64, dead };
+	struct ibv_recv_wr rw = { .wr_id = 23, .sg_list = &rs, .num_sge = 1 }, *rbad;
+	CHECK(ibv_post_recv(p.b, &rw, &rbad) == 0, "post_recv with a dead lkey");
+	s.addr = (uintptr_t)p.buf;
+	s.lkey = p.mr->lkey;
+	w.wr_id = 24;
+	CHECK(post(p.a, &w) == 0, "");
+	CHECK(one_wc(p.ca, &wc) && wc.wr_id == 24 && wc.status == IBV_WC_REM_OP_ERR, "status=%s",
+	      ibv_wc_status_str(wc.status));
+	CHECK(one_wc(p.cb, &wc) && wc.wr_id == 23 && wc.status == IBV_WC_LOC_PROT_ERR, "status=%s",
+	      ibv_wc_status_str(wc.status));
+	/* Earlier checks may have left events queued; look for b's. */
+	int fatal = 0;
+	struct pollfd pf = { .fd = ctx->async_fd, .events = POLLIN };
+	for (int i = 0; i < 16 && !fatal && poll(&pf, 1, 5000) == 1; i++) {
+		struct ibv_async_event ev;
+		if (ibv_get_async_event(ctx, &ev))
+			break;
+		fatal = ev.event_type == IBV_EVENT_QP_FATAL && ev.element.qp == p.b;
+		ibv_ack_async_event(&ev);
+	}
+	CHECK(fatal, "no IBV_EVENT_QP_FATAL on the responder");
+	free_pair(&p);
+
+	/* LOC_LEN_ERR: an atomic whose local SGE is shorter than 8 bytes is
+	 * accepted at post and completes with LOC_LEN_ERR (datapath/rc.rs). */
+	CHECK(make_pair(&p, ctx, 7, 1) == 0, "");
+	uint64_t *target = (uint64_t *)(p.buf + 40960);
+	*target = 5;
+	struct ibv_sge as = { (uintptr_t)(target + 1), 4, p.mr->lkey };
+	struct ibv_send_wr at = { .wr_id = 25, .sg_list = &as, .num_sge = 1,
+				  .opcode = IBV_WR_ATOMIC_FETCH_AND_ADD, .send_flags = IBV_SEND_SIGNALED };
+	at.wr.atomic.remote_addr = (uintptr_t)target;
+	at.wr.atomic.rkey = p.mr->rkey;
+	at.wr.atomic.compare_add = 1;
+	CHECK(post(p.a, &at) == 0, "");
+	CHECK(one_wc(p.ca, &wc) && wc.wr_id == 25 && wc.status == IBV_WC_LOC_LEN_ERR, "status=%s",
+	      ibv_wc_status_str(wc.status));
+	CHECK(*target == 5, "the atomic ran: target=%llu", (unsigned long long)*target);
+	free_pair(&p);
+
+	/* Inline data longer than the QP's max_inline_data, and an RDMA READ
+	 * with IBV_SEND_INLINE: the library refuses both at post time with
+	 * EINVAL and bad_wr (vrdma's check_send), as rdma-core's mlx5 provider
+	 * does, so no LOC_LEN_ERR / LOC_QP_OP_ERR completion is produced (the
+	 * core's own LOC_LEN_ERR / LOC_QP_OP_ERR checks for these are only a
+	 * backstop). The QP stays usable. */
+	CHECK(make_pair(&p, ctx, 7, 1) == 0, "");
+	struct ibv_qp_attr qa;
+	struct ibv_qp_init_attr qi;
+	CHECK(ibv_query_qp(p.a, &qa, IBV_QP_CAP, &qi) == 0, "");
+	uint32_t maxin = qi.cap.max_inline_data;
+	CHECK(maxin >= 64 && maxin < 4096, "max_inline_data=%u", maxin);
+	struct ibv_sge is = { (uintptr_t)p.buf, maxin + 1, 0 };
+	struct ibv_send_wr iw = { .wr_id = 26, .sg_list = &is, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+				  .send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED };
+	iw.wr.rdma.remote_addr = (uintptr_t)p.buf + 16384;
+	iw.wr.rdma.rkey = p.mr->rkey;
+	bad = NULL;
+	CHECK(ibv_post_send(p.a, &iw, &bad) == EINVAL && bad == &iw, "inline %u > %u: bad=%p", maxin + 1, maxin,
+	      (void *)bad);
+	struct ibv_sge rd = { (uintptr_t)p.buf + 32768, 16, p.mr->lkey };
+	struct ibv_send_wr rr = { .wr_id = 27, .sg_list = &rd, .num_sge = 1, .opcode = IBV_WR_RDMA_READ,
+				  .send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED };
+	rr.wr.rdma.remote_addr = (uintptr_t)p.buf;
+	rr.wr.rdma.rkey = p.mr->rkey;
+	bad = NULL;
+	CHECK(ibv_post_send(p.a, &rr, &bad) == EINVAL && bad == &rr, "inline read: bad=%p", (void *)bad);
+	CHECK(poll_n(p.ca, &wc, 1, 200) == 0, "a refused WR completed: status=%s", ibv_wc_status_str(wc.status));
+	CHECK(qp_state(p.a) == IBV_QPS_RTS, "state=%d", qp_state(p.a));
+	is.length = maxin;
+	iw.wr_id = 28;
+	CHECK(post(p.a, &iw) == 0, "inline of exactly max_inline_data");
+	CHECK(one_wc(p.ca, &wc) && wc.wr_id == 28 && wc.status == IBV_WC_SUCCESS, "status=%s",
+	      ibv_wc_status_str(wc.status));
+	free_pair(&p);
+}
+
 static int hold(const char *file)
 {
 	int num;
@@ -488,6 +609,7 @@ int main(int argc, char **argv)
 	} else {
 		check_data(ctx);
 		check_errors(ctx);
+		check_more_errors(ctx);
 	}
 	CHECK(ibv_close_device(ctx) == 0, "");
 	if (failures) {
