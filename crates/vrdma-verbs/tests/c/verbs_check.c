@@ -18,78 +18,7 @@
 #include <time.h>
 #include <unistd.h>
 
-static int failures;
-
-#define CHECK(cond, ...)                                                       \
-	do {                                                                   \
-		if (!(cond)) {                                                 \
-			fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, \
-				#cond);                                        \
-			fprintf(stderr, __VA_ARGS__);                          \
-			fprintf(stderr, "\n");                                 \
-			failures++;                                            \
-		}                                                              \
-	} while (0)
-
-static double now_ns(void)
-{
-	struct timespec t;
-	clock_gettime(CLOCK_MONOTONIC, &t);
-	return t.tv_sec * 1e9 + t.tv_nsec;
-}
-
-/* Polls until n completions arrived (bounded), returns how many. */
-static int poll_n(struct ibv_cq *cq, struct ibv_wc *wc, int n)
-{
-	int got = 0;
-	double end = now_ns() + 10e9;
-	while (got < n && now_ns() < end) {
-		int r = ibv_poll_cq(cq, n - got, wc + got);
-		if (r < 0)
-			return r;
-		got += r;
-	}
-	return got;
-}
-
-static int to_rts(struct ibv_qp *qp, uint32_t dest_qpn, uint16_t dlid)
-{
-	struct ibv_qp_attr a = {
-		.qp_state = IBV_QPS_INIT,
-		.pkey_index = 0,
-		.port_num = 1,
-		.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE |
-				   IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC,
-	};
-	int r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT |
-					    IBV_QP_ACCESS_FLAGS);
-	if (r)
-		return r;
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTR;
-	a.path_mtu = IBV_MTU_1024;
-	a.dest_qp_num = dest_qpn;
-	a.rq_psn = 0;
-	a.max_dest_rd_atomic = 1;
-	a.min_rnr_timer = 12;
-	a.ah_attr.dlid = dlid;
-	a.ah_attr.port_num = 1;
-	r = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU |
-				      IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
-				      IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
-	if (r)
-		return r;
-	memset(&a, 0, sizeof(a));
-	a.qp_state = IBV_QPS_RTS;
-	a.sq_psn = 0;
-	a.timeout = 14;
-	a.retry_cnt = 7;
-	a.rnr_retry = 7;
-	a.max_rd_atomic = 1;
-	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_SQ_PSN | IBV_QP_TIMEOUT |
-					     IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
-					     IBV_QP_MAX_QP_RD_ATOMIC);
-}
+#include "common.h"
 
 /* Sends one datagram of len bytes from buf to the QP qpn through ah and
  * returns the receive's completion in *rwc (0 on success). */
@@ -107,7 +36,7 @@ static int ud_send_one(struct ibv_qp *qp, struct ibv_cq *cq, struct ibv_mr *mr, 
 	struct ibv_wc wc[2];
 	if (ibv_post_recv(qp, &rw, &rbad) || ibv_post_send(qp, &sw, &sbad))
 		return -1;
-	if (poll_n(cq, wc, 2) != 2)
+	if (poll_n(cq, wc, 2, 10000) != 2)
 		return -2;
 	for (int i = 0; i < 2; i++) {
 		if (wc[i].status != IBV_WC_SUCCESS)
@@ -314,7 +243,7 @@ int main(int argc, char **argv)
 	struct ibv_send_wr *bad = NULL;
 	CHECK(ibv_post_send(qp, &wr, &bad) == EINVAL && bad == &wr, "");
 
-	CHECK(to_rts(qp, qp->qp_num, port.lid) == 0, "to_rts");
+	CHECK(connect_rc(qp, qp->qp_num, port.lid) == 0, "to_rts");
 	CHECK(qp->state == IBV_QPS_RTS, "state %d", qp->state);
 	struct ibv_qp_attr qa;
 	struct ibv_qp_init_attr qi;
@@ -345,7 +274,7 @@ int main(int argc, char **argv)
 	/* The inline bytes were copied at post time: clobbering them now is fine. */
 	memset(inline_src, 'X', sizeof(inline_src));
 	struct ibv_wc wc[4];
-	int n = poll_n(cq, wc, 3);
+	int n = poll_n(cq, wc, 3, 10000);
 	CHECK(n == 3, "n=%d", n);
 	for (int i = 0; i < n; i++)
 		CHECK(wc[i].status == IBV_WC_SUCCESS, "wr %llu: %s", (unsigned long long)wc[i].wr_id,
@@ -372,7 +301,7 @@ int main(int argc, char **argv)
 	fa.wr.atomic.rkey = mr->rkey;
 	fa.wr.atomic.compare_add = 2;
 	CHECK(ibv_post_send(qp, &fa, &bad) == 0, "");
-	n = poll_n(cq, wc, 1);
+	n = poll_n(cq, wc, 1, 10000);
 	CHECK(n == 1 && wc[0].status == IBV_WC_SUCCESS && wc[0].opcode == IBV_WC_FETCH_ADD, "");
 	CHECK(words[0] == 42 && words[1] == 40, "fetch-add: %llu %llu", (unsigned long long)words[0],
 	      (unsigned long long)words[1]);
@@ -382,7 +311,7 @@ int main(int argc, char **argv)
 	rd.wr.rdma.remote_addr = (uintptr_t)buf;
 	rd.wr.rdma.rkey = mr->rkey;
 	CHECK(ibv_post_send(qp, &rd, &bad) == 0, "");
-	n = poll_n(cq, wc, 1);
+	n = poll_n(cq, wc, 1, 10000);
 	CHECK(n == 1 && wc[0].status == IBV_WC_SUCCESS && wc[0].opcode == IBV_WC_RDMA_READ, "");
 	CHECK(!strcmp(buf + 3072, "hello, write"), "read: %s", buf + 3072);
 
@@ -408,7 +337,7 @@ int main(int argc, char **argv)
 	}
 	CHECK(n == 1 && ev_cq == cq && ev_ctx == (void *)0x1234, "event");
 	ibv_ack_cq_events(cq, 1);
-	n = poll_n(cq, wc, 3);
+	n = poll_n(cq, wc, 3, 10000);
 	CHECK(n == 3, "n=%d", n);
 	fcntl(ch->fd, F_SETFL, flags);
 
@@ -440,7 +369,7 @@ int main(int argc, char **argv)
 	CHECK(sq != NULL && sq->srq == srq, "errno=%d", errno);
 	CHECK(ibv_post_recv(sq, &rwr, &rbad) == EINVAL, "a QP with an SRQ has no receive queue");
 	CHECK(ibv_destroy_srq(srq) == EBUSY, "SRQ in use");
-	CHECK(to_rts(sq, sq->qp_num, port.lid) == 0, "");
+	CHECK(connect_rc(sq, sq->qp_num, port.lid) == 0, "");
 	struct ibv_sge msg = { .addr = (uintptr_t)"ping", .length = 4 };
 	struct ibv_send_wr sends[2] = {
 		{ .wr_id = 30, .next = &sends[1], .sg_list = &msg, .num_sge = 1, .opcode = IBV_WR_SEND,
@@ -449,7 +378,7 @@ int main(int argc, char **argv)
 		  .send_flags = IBV_SEND_INLINE | IBV_SEND_SIGNALED },
 	};
 	CHECK(ibv_post_send(sq, sends, &bad) == 0, "");
-	n = poll_n(cq, wc, 4);
+	n = poll_n(cq, wc, 4, 10000);
 	CHECK(n == 4, "n=%d", n);
 	n = 0;
 	for (double end = now_ns() + 10e9; now_ns() < end;) {
@@ -502,7 +431,7 @@ int main(int argc, char **argv)
 				printf("bench: post failed: %d\n", rc);
 				break;
 			}
-			poll_n(cq, wc, 1);
+			poll_n(cq, wc, 1, 10000);
 		}
 		printf("bench: post_send, %d-request chains: %.1f ns/request\n", CHAIN, posting / rounds / CHAIN);
 		/* A signalled 8-byte RDMA write to itself, posted and polled. */
@@ -515,7 +444,7 @@ int main(int argc, char **argv)
 		t0 = now_ns();
 		for (int i = 0; i < iters; i++) {
 			ibv_post_send(qp, &w8, &bad);
-			poll_n(cq, wc, 1);
+			poll_n(cq, wc, 1, 10000);
 		}
 		t1 = now_ns();
 		printf("bench: 8 B RDMA write to itself, post + poll: %.2f us/op\n", (t1 - t0) / iters / 1e3);
