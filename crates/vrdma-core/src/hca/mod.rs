@@ -15,6 +15,7 @@ mod datapath;
 mod error;
 mod objects;
 mod queues;
+mod remote;
 #[cfg(test)]
 mod tests;
 
@@ -26,6 +27,7 @@ pub use config::{HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, VENDOR_ID}
 pub use datapath::{Activity, GRH_LEN};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
+pub use remote::{IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, Path, Sink, Transmit, TX_HEADER_CAP};
 
 use crate::memory::Region;
 use crate::qp::fsm;
@@ -84,6 +86,8 @@ pub struct Hca {
     qp_order: Vec<u32>,
     next_id: u32,
     next_qpn: u32,
+    /// Links to other hosts' daemons.
+    net: remote::Network,
 }
 
 impl Hca {
@@ -103,6 +107,7 @@ impl Hca {
             qp_order: Vec::new(),
             next_id: 1,
             next_qpn: 0x11,
+            net: remote::Network::default(),
         }
     }
 
@@ -562,7 +567,17 @@ impl Hca {
         let attr = QpAttr { cap: granted, ..QpAttr::default() };
         self.qps.insert(
             qpn,
-            Qp { ctx, tenant, pd, init, attr, inflight: None, requeued: VecDeque::new(), sqd_notify: false },
+            Qp {
+                ctx,
+                tenant,
+                pd,
+                init,
+                attr,
+                inflight: None,
+                requeued: VecDeque::new(),
+                sqd_notify: false,
+                remote: None,
+            },
         );
         self.qp_order.push(qpn);
         Ok(QpCreated { qpn, cap: granted })
@@ -604,6 +619,10 @@ impl Hca {
                 let dest = qp.attr.dest_qp_num;
                 let claimed = qp.inflight.take().and_then(|i| i.recv);
                 qp.requeued.clear();
+                // Everything of the remote transport starts over, as the
+                // PSNs do; what it held was posted to this QP and goes
+                // with its queues.
+                qp.remote = None;
                 let keep = qp.attr.cap;
                 qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
                 io.discard(qpn);

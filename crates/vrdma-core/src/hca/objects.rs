@@ -83,6 +83,8 @@ pub(crate) struct Qp {
     pub requeued: VecDeque<RecvWr>,
     /// Report SQ_DRAINED when the send queue has drained in SQD.
     pub sqd_notify: bool,
+    /// The transport state of a QP whose peer is on another host.
+    pub remote: Option<Box<super::remote::RemoteQp>>,
 }
 
 impl Qp {

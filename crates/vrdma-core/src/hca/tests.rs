@@ -15,6 +15,8 @@ use crate::verbs::{
     SendOpcode, SrqAttr, WcFlags, WcOpcode, WcStatus,
 };
 
+mod two_hosts;
+
 // ---------------------------------------------------------------- harness
 
 /// The driver's side of the queues, in memory.

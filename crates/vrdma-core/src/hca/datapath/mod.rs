@@ -47,7 +47,7 @@ pub struct Activity {
 }
 
 impl Activity {
-    fn timer(&mut self, t: Instant) {
+    pub(crate) fn timer(&mut self, t: Instant) {
         self.next_timer = Some(self.next_timer.map_or(t, |n| n.min(t)));
     }
 }
@@ -60,14 +60,14 @@ const WRS_PER_PASS: usize = 64;
 const PEER_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// A resolved piece of a message: `len` bytes at `off` in `region`.
-struct Seg<'a> {
-    region: &'a Region,
-    off: usize,
-    len: usize,
+pub(crate) struct Seg<'a> {
+    pub(crate) region: &'a Region,
+    pub(crate) off: usize,
+    pub(crate) len: usize,
 }
 
 /// The resolved SGEs of one work request, kept on the stack.
-type Segs<'a> = arrayvec::ArrayVec<Seg<'a>, { crate::ring::MAX_SGE }>;
+pub(crate) type Segs<'a> = arrayvec::ArrayVec<Seg<'a>, { crate::ring::MAX_SGE }>;
 
 enum Source<'a> {
     Segs(&'a [Seg<'a>]),
@@ -75,25 +75,25 @@ enum Source<'a> {
 }
 
 /// The requester's attributes, copied out so the responder can be borrowed.
-struct Requester {
-    qpn: u32,
-    qp_type: QpType,
-    tenant: TenantId,
-    pd: u32,
-    send_cq: u32,
-    sig_all: bool,
-    attr: QpAttr,
+pub(crate) struct Requester {
+    pub(crate) qpn: u32,
+    pub(crate) qp_type: QpType,
+    pub(crate) tenant: TenantId,
+    pub(crate) pd: u32,
+    pub(crate) send_cq: u32,
+    pub(crate) sig_all: bool,
+    pub(crate) attr: QpAttr,
 }
 
 /// The responder's attributes.
-struct Responder {
-    qpn: u32,
-    recv_pd: u32,
-    pd: u32,
-    recv_cq: u32,
-    srq: Option<u32>,
-    max_recv_sge: u32,
-    attr: QpAttr,
+pub(crate) struct Responder {
+    pub(crate) qpn: u32,
+    pub(crate) recv_pd: u32,
+    pub(crate) pd: u32,
+    pub(crate) recv_cq: u32,
+    pub(crate) srq: Option<u32>,
+    pub(crate) max_recv_sge: u32,
+    pub(crate) attr: QpAttr,
 }
 
 /// Why a datagram was not placed.
@@ -146,7 +146,7 @@ pub(crate) fn error_cqe(wr: &SendWr, status: WcStatus, qpn: u32) -> Cqe {
     Cqe::new(wr.wr_id, status, wr.opcode.wc_opcode(), qpn)
 }
 
-fn wqe_status(e: WqeError) -> WcStatus {
+pub(crate) fn wqe_status(e: WqeError) -> WcStatus {
     match e {
         WqeError::TooManySge(_) | WqeError::InlineTooLong(_) | WqeError::SlotTooSmall => WcStatus::LocLenErr,
         WqeError::BadOpcode(_) | WqeError::BadFlags(_) => WcStatus::LocQpOpErr,
@@ -166,6 +166,9 @@ impl Hca {
                 // The send queue of a QP in SQE is flushed; its receive
                 // queue keeps working.
                 Some(QpState::Sqe) => self.flush_sends(qpn, io, &mut act),
+                Some(QpState::Rts | QpState::Sqd) if self.is_remote_rc(qpn) => {
+                    self.run_remote_requester(qpn, now, io, &mut act)
+                }
                 Some(QpState::Rts | QpState::Sqd) => self.run_send_queue(qpn, now, io, &mut act),
                 _ => {}
             }
@@ -179,6 +182,11 @@ impl Hca {
         let (recv_cq, srq) = (qp.init.recv_cq, qp.init.srq);
         let bound = flush_bound(qp);
         let mut requeued: std::collections::VecDeque<RecvWr> = std::mem::take(&mut qp.requeued);
+        // A receive claimed by a message arriving from another host.
+        if let Some(r) = qp.remote.as_deref_mut().and_then(|r| r.recv.as_mut()).and_then(|r| r.take_claimed())
+        {
+            requeued.push_front(r);
+        }
         self.flush_sends(qpn, io, act);
         if srq.is_some() {
             return;
@@ -200,6 +208,9 @@ impl Hca {
     /// Completes the WR in flight and everything posted to the send queue
     /// with WR_FLUSH_ERR (a QP in ERR or SQE).
     fn flush_sends(&mut self, qpn: u32, io: &mut dyn Queues, act: &mut Activity) {
+        if self.flush_remote_sends(qpn, io) {
+            act.busy = true;
+        }
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
         let send_cq = qp.init.send_cq;
         let bound = flush_bound(qp);
@@ -286,17 +297,9 @@ impl Hca {
         io: &mut dyn Queues,
         act: &mut Activity,
     ) -> bool {
+        let req = self.requester_of(qpn).expect("caller checked");
         let qp = self.qps.get_mut(&qpn).expect("caller checked");
         let mut inf = qp.inflight.take().expect("caller checked");
-        let req = Requester {
-            qpn,
-            qp_type: qp.init.qp_type,
-            tenant: qp.tenant,
-            pd: qp.pd,
-            send_cq: qp.init.send_cq,
-            sig_all: qp.init.sq_sig_all,
-            attr: qp.attr,
-        };
         let exec = match req.qp_type {
             QpType::Ud => self.execute_ud(&req, &mut inf, budget, io),
             _ => self.execute(&req, &mut inf, budget, io),
@@ -383,8 +386,27 @@ impl Hca {
         self.send_queue_error(req.qpn, io);
     }
 
+    /// An RC QP whose peer is on another host.
+    fn is_remote_rc(&self, qpn: u32) -> bool {
+        self.qps.get(&qpn).is_some_and(|q| q.init.qp_type == QpType::Rc && !self.is_local(&q.attr.ah_attr))
+    }
+
+    /// The requester's attributes of `qpn`.
+    pub(crate) fn requester_of(&self, qpn: u32) -> Option<Requester> {
+        let qp = self.qps.get(&qpn)?;
+        Some(Requester {
+            qpn,
+            qp_type: qp.init.qp_type,
+            tenant: qp.tenant,
+            pd: qp.pd,
+            send_cq: qp.init.send_cq,
+            sig_all: qp.init.sq_sig_all,
+            attr: qp.attr,
+        })
+    }
+
     /// Whether an address vector names this device.
-    fn is_local(&self, ah: &AhAttr) -> bool {
+    pub(crate) fn is_local(&self, ah: &AhAttr) -> bool {
         if ah.is_global {
             self.config.gids.contains(&ah.dgid)
         } else {
@@ -404,7 +426,7 @@ impl Hca {
         ok.then(|| self.responder_of(req.attr.dest_qp_num, peer))
     }
 
-    fn responder_of(&self, qpn: u32, peer: &Qp) -> Responder {
+    pub(crate) fn responder_of(&self, qpn: u32, peer: &Qp) -> Responder {
         Responder {
             qpn,
             recv_pd: peer.init.srq.and_then(|s| self.srqs.get(&s)).map_or(peer.pd, |s| s.pd),
@@ -420,7 +442,7 @@ impl Hca {
         }
     }
 
-    fn resolve<'a>(&'a self, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Segs<'a>> {
+    pub(crate) fn resolve<'a>(&'a self, pd: u32, sges: &[Sge], need: AccessFlags) -> Option<Segs<'a>> {
         let mut out = Segs::new();
         for s in sges.iter().filter(|s| s.length > 0) {
             let mr = self.mrs.get(&s.lkey).filter(|m| m.pd == pd && m.access.contains(need))?;
@@ -430,12 +452,16 @@ impl Hca {
         Some(out)
     }
 
-    fn remote_mr(&self, pd: u32, rkey: u32, need: AccessFlags) -> Option<&Mr> {
+    pub(crate) fn remote_mr(&self, pd: u32, rkey: u32, need: AccessFlags) -> Option<&Mr> {
         self.mrs.get(&rkey).filter(|m| m.pd == pd && m.access.contains(need))
     }
 
     /// Takes the responder's next receive WR.
-    fn take_recv(&mut self, resp: &Responder, io: &mut dyn Queues) -> Option<super::Pulled<RecvWr>> {
+    pub(crate) fn take_recv(
+        &mut self,
+        resp: &Responder,
+        io: &mut dyn Queues,
+    ) -> Option<super::Pulled<RecvWr>> {
         match resp.srq {
             None => {
                 let q = self.qps.get_mut(&resp.qpn)?;

@@ -4,6 +4,33 @@
 use super::*;
 
 impl Hca {
+    /// The requester's checks of an RC work request, before anything
+    /// leaves the QP; the status it fails with.
+    pub(crate) fn check_request(&self, req: &Requester, wr: &SendWr) -> Result<(), WcStatus> {
+        use SendOpcode::*;
+        let op = wr.opcode;
+        let cap = req.attr.cap;
+        if wr.is_inline() {
+            if !matches!(op, Send | SendWithImm | RdmaWrite | RdmaWriteWithImm) {
+                return Err(WcStatus::LocQpOpErr);
+            }
+            if wr.inline_len as u32 > cap.max_inline_data {
+                return Err(WcStatus::LocLenErr);
+            }
+        } else if wr.sg.as_slice().len() > cap.max_send_sge as usize {
+            return Err(WcStatus::LocLenErr);
+        }
+        let len = wr.msg_len();
+        if len > self.config.port.max_msg_sz as u64 || (op.is_atomic() && len < 8) {
+            return Err(WcStatus::LocLenErr);
+        }
+        let need_local = if op.writes_local() { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
+        if !wr.is_inline() && self.resolve(req.pd, wr.sg.as_slice(), need_local).is_none() {
+            return Err(WcStatus::LocProtErr);
+        }
+        Ok(())
+    }
+
     pub(super) fn execute(
         &mut self,
         req: &Requester,
@@ -13,26 +40,11 @@ impl Hca {
     ) -> Exec {
         use SendOpcode::*;
         let op = inf.wr.opcode;
-        let cap = req.attr.cap;
-        // Requester checks, before anything leaves the QP.
-        if inf.wr.is_inline() {
-            if !matches!(op, Send | SendWithImm | RdmaWrite | RdmaWriteWithImm) {
-                return Exec::Failed(Failure::local(WcStatus::LocQpOpErr));
-            }
-            if inf.wr.inline_len as u32 > cap.max_inline_data {
-                return Exec::Failed(Failure::local(WcStatus::LocLenErr));
-            }
-        } else if inf.wr.sg.as_slice().len() > cap.max_send_sge as usize {
-            return Exec::Failed(Failure::local(WcStatus::LocLenErr));
+        if let Err(status) = self.check_request(req, &inf.wr) {
+            return Exec::Failed(Failure::local(status));
         }
         let len = inf.wr.msg_len();
-        if len > self.config.port.max_msg_sz as u64 || (op.is_atomic() && len < 8) {
-            return Exec::Failed(Failure::local(WcStatus::LocLenErr));
-        }
         let need_local = if op.writes_local() { AccessFlags::LOCAL_WRITE } else { AccessFlags::empty() };
-        if !inf.wr.is_inline() && self.resolve(req.pd, inf.wr.sg.as_slice(), need_local).is_none() {
-            return Exec::Failed(Failure::local(WcStatus::LocProtErr));
-        }
         let Some(resp) = self.responder(req) else { return Exec::NoPeer };
 
         // Responder checks: QP access, rkey, and a receive WR if one is consumed.

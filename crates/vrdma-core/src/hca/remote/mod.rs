@@ -1,0 +1,405 @@
+//! RC queue pairs whose peer lives on another host: the requester and
+//! responder halves of the InfiniBand RC transport, speaking the wire
+//! format of [`crate::wire`] over a link to the peer's daemon.
+//!
+//! On one host a work request is carried out whole in one place
+//! (`datapath`). Across hosts the two halves run in two daemons, so the
+//! same rules are split the way an HCA splits them: the requester turns
+//! work requests into request frames, numbers them with PSNs, keeps them
+//! until they are acknowledged and completes them in order; the responder
+//! checks each request against its own QP, MRs and receive queue, places
+//! the payload and answers with ACKs, NAKs, read responses and atomic
+//! acknowledgements. The checks and statuses are the single-host ones, so
+//! a program cannot tell which path its QP took.
+//!
+//! This module is sans-IO, like the rest of the core. The driver owns the
+//! sockets and calls in:
+//!
+//! - [`Hca::link_up`] / [`Hca::link_down`] when an authenticated
+//!   connection to a peer daemon starts or ends;
+//! - [`Hca::poll_transmit`] while the socket can take more: it returns the
+//!   next frame, taking turns between the QPs of the link one frame each,
+//!   so that a large transfer delays a small message by at most one chunk
+//!   per busy QP. The payload is a list of region windows, written from
+//!   the mapped memory straight into the socket;
+//! - [`Hca::handle_data`] with each received data header: it checks the
+//!   frame and says where its payload goes ([`Sink`]), straight into the
+//!   mapped region, or to be discarded; then [`Hca::data_placed`] once the
+//!   payload is in, which is when completions and ACKs are produced, so an
+//!   acknowledged write is a placed write;
+//! - [`Hca::take_wanted_peers`] for the hosts some QP waits to reach.
+//!
+//! # What TCP changes
+//!
+//! A link is a reliable, ordered byte stream, so frames are neither lost
+//! nor reordered while it lives, and a requester never needs to resend
+//! for loss. The transport timer is kept with its meaning: when no
+//! acknowledgement arrives within the QP's `timeout`, `retry_cnt` times
+//! over, the peer is unreachable (its daemon died, the link was cut or it
+//! stalls) and the work request completes `RETRY_EXC_ERR`. Resending
+//! happens only where IB resends for a reason other than loss: after an
+//! RNR NAK (no receive was posted) and after a PSN sequence error. A QP is
+//! bound to the link it first used; if that link goes down its
+//! outstanding requests can no longer be acknowledged, and it fails by the
+//! timer, as on a cut cable. QPs created afterwards use the next link.
+
+mod requester;
+mod responder;
+
+use std::collections::HashMap;
+
+use arrayvec::ArrayVec;
+use serde::{Deserialize, Serialize};
+
+pub(crate) use requester::RemoteSend;
+pub(crate) use responder::RemoteRecv;
+
+use super::{Hca, Queues};
+use crate::memory::Region;
+use crate::ring::{MAX_INLINE, MAX_SGE};
+use crate::time::Instant;
+use crate::verbs::{AhAttr, Gid};
+use crate::wire::{DataRepr, FrameRepr, MAX_DATA_HEADER_LEN};
+
+/// A connection to another host's daemon, as the driver numbers it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LinkId(pub u32);
+
+/// What the handshake told about the peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkInfo {
+    /// The peer's port GID (entry 0 of its table).
+    pub gid: Gid,
+    pub lid: u16,
+    /// Payload bytes per frame, as both Hellos negotiated.
+    pub chunk: u32,
+}
+
+/// Counters of one link.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkStats {
+    pub frames_out: u64,
+    pub payload_out: u64,
+    pub frames_in: u64,
+    pub payload_in: u64,
+    /// Frames received and discarded: for no QP of ours, out of sequence,
+    /// or refused with a NAK.
+    pub dropped_in: u64,
+}
+
+/// A window of a mapped region: where a payload comes from or goes to.
+#[derive(Debug, Clone)]
+pub struct IoSeg {
+    pub region: Region,
+    pub off: usize,
+    pub len: usize,
+}
+
+/// Room for a data header and, when the payload is inline data posted
+/// with the WR, the payload itself.
+pub const TX_HEADER_CAP: usize = MAX_DATA_HEADER_LEN + MAX_INLINE;
+
+/// One frame to write: `header`, then the bytes of `payload` in order.
+#[derive(Debug, Default)]
+pub struct Transmit {
+    pub header: ArrayVec<u8, TX_HEADER_CAP>,
+    pub payload: ArrayVec<IoSeg, MAX_SGE>,
+}
+
+impl Transmit {
+    fn new(repr: &DataRepr) -> Transmit {
+        let mut t = Transmit::default();
+        let hl = repr.header_len();
+        t.header.extend(std::iter::repeat_n(0, hl));
+        // Every repr built here is valid by construction; a failure is a
+        // bug, and the frame goes out as a zeroed header the peer refuses.
+        if let Err(e) = FrameRepr::Data(*repr).emit(&mut t.header) {
+            debug_assert!(false, "emitting a frame we built: {e}");
+        }
+        t
+    }
+
+    /// Bytes on the wire.
+    pub fn len(&self) -> usize {
+        self.header.len() + self.payload.iter().map(|s| s.len).sum::<usize>()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// Where a received frame's payload goes.
+// Returned once per frame on the stack; boxing would allocate per frame.
+#[allow(clippy::large_enum_variant)]
+#[derive(Debug)]
+pub enum Sink {
+    /// Into these windows, in order; their lengths add up to the payload.
+    Place(ArrayVec<IoSeg, MAX_SGE>),
+    /// Read and thrown away, to keep the stream in step.
+    Discard,
+}
+
+/// What to do once a frame's payload is in.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum AfterPayload {
+    Nothing,
+    /// A request frame was accepted by the responder QP.
+    Request {
+        qpn: u32,
+    },
+    /// A read response chunk arrived for the requester QP.
+    ReadResponse {
+        qpn: u32,
+        len: u32,
+        last: bool,
+    },
+}
+
+pub(crate) struct Link {
+    pub info: LinkInfo,
+    pub up: bool,
+    /// QPs that send on this link (as requester or responder), served in turn.
+    pub qps: Vec<u32>,
+    pub rr: usize,
+    pub stats: LinkStats,
+    pub after: AfterPayload,
+}
+
+/// Every link, and the peers QPs are waiting for.
+#[derive(Default)]
+pub(crate) struct Network {
+    pub links: HashMap<LinkId, Link>,
+    next_link: u32,
+    wanted: Vec<Gid>,
+}
+
+impl Network {
+    /// The live link to the host an address vector names.
+    pub fn route(&self, ah: &AhAttr) -> Option<LinkId> {
+        self.links
+            .iter()
+            .filter(|(_, l)| l.up && if ah.is_global { l.info.gid == ah.dgid } else { l.info.lid == ah.dlid })
+            .map(|(&id, _)| id)
+            .min()
+    }
+
+    pub fn want(&mut self, gid: Gid) {
+        if !self.wanted.contains(&gid) {
+            self.wanted.push(gid);
+        }
+    }
+
+    fn attach(&mut self, link: LinkId, qpn: u32) {
+        if let Some(l) = self.links.get_mut(&link) {
+            if !l.qps.contains(&qpn) {
+                l.qps.push(qpn);
+            }
+        }
+    }
+
+    /// Counts a received frame that was thrown away.
+    pub fn dropped(&mut self, link: LinkId) {
+        if let Some(l) = self.links.get_mut(&link) {
+            l.stats.dropped_in += 1;
+        }
+    }
+
+    pub fn chunk(&self, link: LinkId) -> u32 {
+        self.links.get(&link).map_or(crate::wire::MAX_CHUNK, |l| l.info.chunk)
+    }
+}
+
+/// Per-QP state of the remote path, made when the QP first uses it.
+pub(crate) struct RemoteQp {
+    pub send: Option<RemoteSend>,
+    pub recv: Option<RemoteRecv>,
+}
+
+/// What `vrdma stat` shows of a link.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkReport {
+    pub id: LinkId,
+    pub info: LinkInfo,
+    pub up: bool,
+    pub qps: u32,
+    pub stats: LinkStats,
+}
+
+/// The path a QP's traffic takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Path {
+    /// Not connected yet (not in RTR).
+    None,
+    /// The peer QP is on this host: shared memory.
+    SharedMemory,
+    /// The peer QP is on another host, reached over this link (or not
+    /// reached yet).
+    Link(Option<LinkId>),
+}
+
+impl Hca {
+    /// A connection to a peer daemon is up and authenticated.
+    pub fn link_up(&mut self, info: LinkInfo) -> LinkId {
+        let n = &mut self.net;
+        n.next_link = n.next_link.wrapping_add(1);
+        let id = LinkId(n.next_link);
+        n.links.insert(
+            id,
+            Link {
+                info,
+                up: true,
+                qps: Vec::new(),
+                rr: 0,
+                stats: LinkStats::default(),
+                after: AfterPayload::Nothing,
+            },
+        );
+        n.wanted.retain(|g| *g != info.gid);
+        id
+    }
+
+    /// The connection is gone. Its QPs' outstanding requests can no
+    /// longer be acknowledged: they fail by their transport timers.
+    pub fn link_down(&mut self, link: LinkId) {
+        let Some(l) = self.net.links.remove(&link) else { return };
+        for qpn in l.qps {
+            let Some(r) = self.qps.get_mut(&qpn).and_then(|q| q.remote.as_deref_mut()) else { continue };
+            if let Some(s) = r.send.as_mut().filter(|s| s.link == Some(link)) {
+                s.link_lost = true;
+            }
+            if let Some(rc) = r.recv.as_mut().filter(|rc| rc.link == Some(link)) {
+                rc.link_lost();
+            }
+        }
+    }
+
+    /// Hosts that QPs wait to reach and no link serves; the driver
+    /// connects to them. Each is reported once until asked for again.
+    pub fn take_wanted_peers(&mut self) -> Vec<Gid> {
+        std::mem::take(&mut self.net.wanted)
+    }
+
+    pub fn links(&self) -> Vec<LinkReport> {
+        let mut v: Vec<LinkReport> = self
+            .net
+            .links
+            .iter()
+            .map(|(&id, l)| LinkReport {
+                id,
+                info: l.info,
+                up: l.up,
+                qps: l.qps.len() as u32,
+                stats: l.stats,
+            })
+            .collect();
+        v.sort_by_key(|r| r.id);
+        v
+    }
+
+    /// The path of a QP's traffic.
+    pub fn qp_path(&self, qpn: u32) -> Option<Path> {
+        let qp = self.qps.get(&qpn)?;
+        if !matches!(
+            qp.state(),
+            crate::verbs::QpState::Rtr | crate::verbs::QpState::Rts | crate::verbs::QpState::Sqd
+        ) && qp.remote.is_none()
+        {
+            return Some(Path::None);
+        }
+        if qp.init.qp_type == crate::verbs::QpType::Rc && !self.is_local(&qp.attr.ah_attr) {
+            let link = qp.remote.as_ref().and_then(|r| r.send.as_ref()).and_then(|s| s.link);
+            return Some(Path::Link(link.or_else(|| self.net.route(&qp.attr.ah_attr))));
+        }
+        Some(Path::SharedMemory)
+    }
+
+    /// The next frame to write on `link`, if any QP has one.
+    pub fn poll_transmit(&mut self, link: LinkId, now: Instant, io: &mut dyn Queues) -> Option<Transmit> {
+        let n = self.net.links.get(&link)?.qps.len();
+        for _ in 0..n {
+            let l = self.net.links.get_mut(&link)?;
+            if l.qps.is_empty() {
+                return None;
+            }
+            let i = l.rr % l.qps.len();
+            let qpn = l.qps[i];
+            l.rr = i + 1;
+            let t = match self.qps.get(&qpn).map(|q| q.remote.is_some()) {
+                None | Some(false) => {
+                    // Destroyed or reset: no longer on this link.
+                    let l = self.net.links.get_mut(&link)?;
+                    l.qps.retain(|&q| q != qpn);
+                    continue;
+                }
+                Some(true) => {
+                    self.responder_transmit(qpn, link).or_else(|| self.requester_transmit(qpn, link, now, io))
+                }
+            };
+            if let Some(t) = t {
+                let l = self.net.links.get_mut(&link)?;
+                l.stats.frames_out += 1;
+                l.stats.payload_out += t.payload.iter().map(|s| s.len as u64).sum::<u64>();
+                return Some(t);
+            }
+        }
+        None
+    }
+
+    /// A data frame's header arrived on `link`: checks it and says where
+    /// its payload goes. Call [`Hca::data_placed`] once the payload is in
+    /// (at once when it has none).
+    pub fn handle_data(&mut self, link: LinkId, hdr: &DataRepr, now: Instant, io: &mut dyn Queues) -> Sink {
+        let Some(l) = self.net.links.get_mut(&link) else { return Sink::Discard };
+        l.stats.frames_in += 1;
+        l.stats.payload_in += u64::from(hdr.payload_len);
+        l.after = AfterPayload::Nothing;
+        let (sink, after) = if hdr.opcode.is_request() {
+            self.responder_handle(link, hdr, now, io)
+        } else {
+            self.requester_handle(link, hdr, now, io)
+        };
+        if let Some(l) = self.net.links.get_mut(&link) {
+            l.after = after;
+        }
+        sink
+    }
+
+    /// The payload of the frame last passed to [`Hca::handle_data`] on
+    /// `link` has been placed (or discarded).
+    pub fn data_placed(&mut self, link: LinkId, now: Instant, io: &mut dyn Queues) {
+        let Some(l) = self.net.links.get_mut(&link) else { return };
+        match std::mem::replace(&mut l.after, AfterPayload::Nothing) {
+            AfterPayload::Nothing => {}
+            AfterPayload::Request { qpn } => self.responder_placed(qpn, io),
+            AfterPayload::ReadResponse { qpn, len, last } => {
+                self.read_response_placed(qpn, len, last, now, io)
+            }
+        }
+    }
+}
+
+/// The windows of `segs` that hold bytes `[start, start+len)` of a message.
+pub(super) fn windows(
+    segs: &[super::datapath::Seg<'_>],
+    start: u64,
+    len: u64,
+) -> Option<ArrayVec<IoSeg, MAX_SGE>> {
+    let mut out = ArrayVec::new();
+    let mut skip = start as usize;
+    let mut left = len as usize;
+    for s in segs {
+        if left == 0 {
+            break;
+        }
+        if skip >= s.len {
+            skip -= s.len;
+            continue;
+        }
+        let n = (s.len - skip).min(left);
+        out.push(IoSeg { region: s.region.clone(), off: s.off + skip, len: n });
+        skip = 0;
+        left -= n;
+    }
+    (left == 0).then_some(out)
+}

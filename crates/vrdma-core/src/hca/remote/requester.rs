@@ -1,0 +1,639 @@
+//! The requester half: work requests out as request frames, numbered
+//! with PSNs, kept until acknowledged, completed in order.
+
+use std::collections::VecDeque;
+
+use super::{windows, AfterPayload, LinkId, RemoteQp, Sink, Transmit};
+use crate::hca::datapath::error_cqe;
+use crate::hca::{AsyncEvent, Hca, Queues};
+use crate::qp::timers;
+use crate::ring::{Cqe, SendWr};
+use crate::time::Instant;
+use crate::verbs::{AccessFlags, AsyncEventType, QpState, SendFlags, SendOpcode, WcStatus};
+use crate::wire::{psn_add, psn_diff, AtomicEth, DataFlags, DataRepr, NakCode, Opcode, Reth, Syndrome};
+
+/// A work request taken from the send queue and not yet completed.
+pub(crate) struct SentWr {
+    pub wr: SendWr,
+    pub first_psn: u32,
+    /// PSNs it takes: one per chunk, a read one per response chunk.
+    pub npsn: u32,
+    /// Bytes of a read response placed so far.
+    pub placed: u64,
+    /// The status it completes with when the QP fails: its own error, if
+    /// it is the request that failed; the others flush.
+    pub status: Option<WcStatus>,
+}
+
+impl SentWr {
+    fn last_psn(&self) -> u32 {
+        psn_add(self.first_psn, self.npsn.saturating_sub(1))
+    }
+
+    /// Reads and atomics complete on their response, not on an ACK.
+    fn needs_response(&self) -> bool {
+        self.wr.opcode == SendOpcode::RdmaRead || self.wr.opcode.is_atomic()
+    }
+}
+
+pub(crate) struct RemoteSend {
+    /// The link the QP sends on; bound on first use.
+    pub link: Option<LinkId>,
+    /// That link went down: nothing outstanding can be acknowledged.
+    pub link_lost: bool,
+    pub next_psn: u32,
+    /// Outstanding work requests, oldest first.
+    pub sent: VecDeque<SentWr>,
+    /// Index in `sent` of the request whose frames go out next
+    /// (`sent.len()`: all are out).
+    pub tx: usize,
+    /// Bytes of `sent[tx]` already sent.
+    pub tx_off: u64,
+    /// A request that failed the local checks while others were
+    /// outstanding: it completes in error once they have completed.
+    pub blocked: Option<(SendWr, WcStatus)>,
+    /// Nothing goes out before this (after an RNR NAK).
+    pub hold_until: Instant,
+    pub rnr_left: u8,
+    /// When the oldest outstanding request counts as unanswered.
+    pub ack_deadline: Option<Instant>,
+    pub retries_left: u8,
+}
+
+impl RemoteSend {
+    fn new(attr: &crate::verbs::QpAttr) -> RemoteSend {
+        RemoteSend {
+            link: None,
+            link_lost: false,
+            next_psn: attr.sq_psn & crate::wire::MAX_24,
+            sent: VecDeque::new(),
+            tx: 0,
+            tx_off: 0,
+            blocked: None,
+            hold_until: Instant::ZERO,
+            rnr_left: attr.rnr_retry,
+            ack_deadline: None,
+            retries_left: attr.retry_cnt,
+        }
+    }
+}
+
+fn send_opcode(op: SendOpcode, first: bool, last: bool) -> Opcode {
+    use Opcode::*;
+    let imm = op.has_imm();
+    let write = matches!(op, SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm);
+    match (write, first, last, imm) {
+        (false, true, true, false) => SendOnly,
+        (false, true, true, true) => SendOnlyImm,
+        (false, true, false, _) => SendFirst,
+        (false, false, false, _) => SendMiddle,
+        (false, false, true, false) => SendLast,
+        (false, false, true, true) => SendLastImm,
+        (true, true, true, false) => WriteOnly,
+        (true, true, true, true) => WriteOnlyImm,
+        (true, true, false, _) => WriteFirst,
+        (true, false, false, _) => WriteMiddle,
+        (true, false, true, false) => WriteLast,
+        (true, false, true, true) => WriteLastImm,
+    }
+}
+
+impl Hca {
+    /// The chunk size of the link `qpn` sends on.
+    fn send_chunk(&self, qpn: u32) -> u64 {
+        let link = self.qps.get(&qpn).and_then(|q| q.remote.as_ref()?.send.as_ref()?.link);
+        u64::from(self.net.chunk(link.unwrap_or(LinkId(0))))
+    }
+
+    fn send_state(&mut self, qpn: u32) -> Option<&mut RemoteSend> {
+        self.qps.get_mut(&qpn)?.remote.as_deref_mut()?.send.as_mut()
+    }
+
+    /// The engine's turn for an RC QP in RTS or SQD whose peer is on
+    /// another host: bind it to a link, run its timers, and take a request
+    /// when there is no link to send it on, so that the timer runs for it.
+    pub(crate) fn run_remote_requester(
+        &mut self,
+        qpn: u32,
+        now: Instant,
+        io: &mut dyn Queues,
+        act: &mut crate::hca::Activity,
+    ) {
+        let route = self.qps.get(&qpn).map(|q| (q.attr.ah_attr, self.net.route(&q.attr.ah_attr)));
+        let Some((ah, route)) = route else { return };
+        let qp = self.qps.get_mut(&qpn).expect("looked up above");
+        let attr = qp.attr;
+        let state = qp.state();
+        let r = qp.remote.get_or_insert_with(|| Box::new(RemoteQp { send: None, recv: None }));
+        let s = r.send.get_or_insert_with(|| RemoteSend::new(&attr));
+        if s.link.is_none() {
+            match route {
+                Some(l) => {
+                    s.link = Some(l);
+                    self.net.attach(l, qpn);
+                    tracing::debug!(qpn, link = l.0, "QP bound to link");
+                }
+                None if ah.is_global => self.net.want(ah.dgid),
+                None => {}
+            }
+        }
+        let s = self.send_state(qpn).expect("made above");
+        let unreachable = s.link.is_none() || s.link_lost;
+        if s.sent.is_empty() && s.blocked.is_none() {
+            if state == QpState::Sqd {
+                let qp = self.qps.get_mut(&qpn).expect("looked up above");
+                if std::mem::take(&mut qp.sqd_notify) {
+                    let ev = AsyncEvent { event_type: AsyncEventType::SqDrained, element: qpn };
+                    io.async_event(qp.ctx, ev);
+                }
+                return;
+            }
+            // With no link, a request is taken anyway so that its timer
+            // runs: it completes RETRY_EXC_ERR unless a link comes in time.
+            if unreachable && self.pull_remote(qpn, now, io) {
+                act.busy = true;
+            }
+        }
+        let Some(s) = self.send_state(qpn) else { return };
+        if s.hold_until > now {
+            act.timer(s.hold_until);
+        }
+        let Some(deadline) = s.ack_deadline else { return };
+        if now < deadline {
+            act.timer(deadline);
+            return;
+        }
+        if s.retries_left == 0 || s.sent.is_empty() {
+            act.busy = true;
+            self.remote_fail(qpn, WcStatus::RetryExcErr, io);
+            return;
+        }
+        s.retries_left -= 1;
+        let t = timers::ack_timeout(attr.timeout).unwrap_or(std::time::Duration::from_secs(1));
+        s.ack_deadline = Some(now + t);
+        act.timer(now + t);
+        tracing::debug!(qpn, left = s.retries_left, "transport timer expired");
+    }
+
+    /// Takes the next request from the send queue into `sent`. Returns
+    /// whether one was taken.
+    fn pull_remote(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues) -> bool {
+        let Some(req) = self.requester_of(qpn) else { return false };
+        let wr = match io.pull_send(qpn) {
+            None => return false,
+            Some(Ok(wr)) => wr,
+            Some(Err((wr_id, e))) => {
+                self.remote_refuse(
+                    qpn,
+                    SendWr::new(wr_id, SendOpcode::Send),
+                    crate::hca::datapath::wqe_status(e),
+                    io,
+                );
+                return false;
+            }
+        };
+        if let Err(status) = self.check_request(&req, &wr) {
+            self.remote_refuse(qpn, wr, status, io);
+            return false;
+        }
+        let timeout = req.attr.timeout;
+        let chunk = self.send_chunk(qpn);
+        let Some(s) = self.send_state(qpn) else { return false };
+        let npsn = if wr.opcode.is_atomic() {
+            1
+        } else {
+            crate::wire::chunk_count(wr.msg_len(), chunk as u32) as u32
+        };
+        let first_psn = s.next_psn;
+        s.next_psn = psn_add(first_psn, npsn);
+        s.sent.push_back(SentWr { wr, first_psn, npsn, placed: 0, status: None });
+        if s.ack_deadline.is_none() {
+            s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
+        }
+        true
+    }
+
+    /// A request failed the local checks: it completes in error now, or
+    /// once the requests before it have completed.
+    fn remote_refuse(&mut self, qpn: u32, wr: SendWr, status: WcStatus, io: &mut dyn Queues) {
+        let Some(s) = self.send_state(qpn) else { return };
+        if s.sent.is_empty() {
+            let cq = self.qps[&qpn].init.send_cq;
+            io.send_retired(qpn, 1);
+            self.complete(cq, error_cqe(&wr, status, qpn), qpn, io);
+            self.send_queue_error(qpn, io);
+        } else {
+            s.blocked = Some((wr, status));
+        }
+    }
+
+    /// The QP fails: the oldest outstanding request completes with
+    /// `status`, the rest flush.
+    pub(crate) fn remote_fail(&mut self, qpn: u32, status: WcStatus, io: &mut dyn Queues) {
+        if let Some(s) = self.send_state(qpn) {
+            if let Some(head) = s.sent.front_mut() {
+                head.status.get_or_insert(status);
+            }
+            s.ack_deadline = None;
+        }
+        self.enter_error(qpn, io);
+    }
+
+    /// The next request frame of `qpn` for `link`, if it has one to send.
+    pub(super) fn requester_transmit(
+        &mut self,
+        qpn: u32,
+        link: LinkId,
+        now: Instant,
+        io: &mut dyn Queues,
+    ) -> Option<Transmit> {
+        let qp = self.qps.get(&qpn)?;
+        let state = qp.state();
+        if qp.init.qp_type != crate::verbs::QpType::Rc || !matches!(state, QpState::Rts | QpState::Sqd) {
+            return None;
+        }
+        let max_out = qp.init.cap.max_send_wr as usize;
+        let max_rd = usize::from(qp.attr.max_rd_atomic.max(1));
+        let s = qp.remote.as_ref()?.send.as_ref()?;
+        if s.link != Some(link) || s.link_lost || now < s.hold_until {
+            return None;
+        }
+        if s.tx == s.sent.len() {
+            if state != QpState::Rts || s.blocked.is_some() || s.sent.len() >= max_out {
+                return None;
+            }
+            if !self.pull_remote(qpn, now, io) {
+                return None;
+            }
+        }
+        let s = self.qps.get(&qpn)?.remote.as_ref()?.send.as_ref()?;
+        let w = &s.sent[s.tx];
+        if w.needs_response() && s.sent.range(..s.tx).filter(|x| x.needs_response()).count() >= max_rd {
+            return None;
+        }
+        let t = self.build_request(qpn, link)?;
+        let s = self.send_state(qpn)?;
+        if s.ack_deadline.is_none() {
+            let timeout = self.qps[&qpn].attr.timeout;
+            let s = self.send_state(qpn)?;
+            s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
+        }
+        Some(t)
+    }
+
+    fn build_request(&mut self, qpn: u32, link: LinkId) -> Option<Transmit> {
+        let chunk = u64::from(self.net.chunk(link));
+        let qp = self.qps.get(&qpn)?;
+        let (vnet, dest, pd) = (qp.tenant.0, qp.attr.dest_qp_num, qp.pd);
+        let s = qp.remote.as_ref()?.send.as_ref()?;
+        let w = &s.sent[s.tx];
+        let wr = &w.wr;
+        let len = wr.msg_len();
+        let (mut repr, advance, data) = match wr.opcode {
+            SendOpcode::RdmaRead => {
+                let mut r = DataRepr::new(Opcode::ReadRequest, vnet, dest, qpn, w.first_psn);
+                r.reth = Some(Reth { va: wr.remote_addr, rkey: wr.rkey, dma_len: len as u32 });
+                (r, len, None)
+            }
+            SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd => {
+                let cas = wr.opcode == SendOpcode::AtomicCmpAndSwp;
+                let op = if cas { Opcode::CompareSwap } else { Opcode::FetchAdd };
+                let mut r = DataRepr::new(op, vnet, dest, qpn, w.first_psn);
+                r.atomic = Some(AtomicEth {
+                    va: wr.remote_addr,
+                    rkey: wr.rkey,
+                    swap_add: if cas { wr.swap } else { wr.compare_add },
+                    compare: if cas { wr.compare_add } else { 0 },
+                });
+                (r, len, None)
+            }
+            op => {
+                let off = s.tx_off;
+                let n = chunk.min(len - off);
+                let (first, last) = (off == 0, off + n == len);
+                let psn = psn_add(w.first_psn, (off / chunk) as u32);
+                let mut r = DataRepr::new(send_opcode(op, first, last), vnet, dest, qpn, psn);
+                r.msg_offset = off as u32;
+                r.payload_len = n as u32;
+                if first && matches!(op, SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm) {
+                    r.reth = Some(Reth { va: wr.remote_addr, rkey: wr.rkey, dma_len: len as u32 });
+                }
+                if last && op.has_imm() {
+                    r.imm = Some(wr.imm_data);
+                }
+                (r, n, Some((off, n)))
+            }
+        };
+        let last_frame = match data {
+            Some((off, n)) => off + n == len,
+            None => true,
+        };
+        if last_frame {
+            repr.flags |= DataFlags::ACK_REQ;
+            if wr.flags.contains(SendFlags::SOLICITED) && repr.opcode.may_be_solicited() {
+                repr.flags |= DataFlags::SOLICITED;
+            }
+        }
+        let mut t = Transmit::new(&repr);
+        if let Some((off, n)) = data {
+            if wr.is_inline() {
+                let d = wr.inline_data();
+                t.header.extend(d[off as usize..(off + n) as usize].iter().copied());
+            } else if n > 0 {
+                // Keys are looked up again for every chunk: a region
+                // deregistered mid-transfer stops it at once.
+                let segs = self.resolve(pd, wr.sg.as_slice(), AccessFlags::empty());
+                match segs.and_then(|segs| windows(&segs, off, n)) {
+                    Some(w) => t.payload = w,
+                    None => {
+                        let err = self.remote_fail_at_tx(qpn);
+                        return err;
+                    }
+                }
+            }
+        }
+        let s = self.send_state(qpn)?;
+        s.tx_off += advance;
+        if last_frame {
+            s.tx += 1;
+            s.tx_off = 0;
+        }
+        Some(t)
+    }
+
+    /// The request being sent lost its local memory: it completes
+    /// LOC_PROT_ERR, in order, and the QP fails.
+    fn remote_fail_at_tx(&mut self, qpn: u32) -> Option<Transmit> {
+        let s = self.send_state(qpn)?;
+        let tx = s.tx;
+        if let Some(w) = s.sent.get_mut(tx) {
+            w.status = Some(WcStatus::LocProtErr);
+        }
+        s.tx = s.sent.len();
+        s.link_lost = true;
+        s.ack_deadline = Some(Instant::ZERO);
+        s.retries_left = 0;
+        None
+    }
+
+    /// A response frame (ACK, NAK, read response, atomic ACK) for one of
+    /// our requests.
+    pub(super) fn requester_handle(
+        &mut self,
+        link: LinkId,
+        hdr: &DataRepr,
+        now: Instant,
+        io: &mut dyn Queues,
+    ) -> (Sink, AfterPayload) {
+        let qpn = hdr.dest_qpn;
+        let ours = self.qps.get(&qpn).is_some_and(|q| {
+            q.tenant.0 == hdr.vnet
+                && q.attr.dest_qp_num == hdr.src_qpn
+                && q.remote.as_ref().and_then(|r| r.send.as_ref()).is_some_and(|s| s.link == Some(link))
+                && matches!(q.state(), QpState::Rts | QpState::Sqd | QpState::Sqe)
+        });
+        if !ours {
+            self.net.dropped(link);
+            return (Sink::Discard, AfterPayload::Nothing);
+        }
+        let psn = hdr.psn;
+        match hdr.opcode {
+            Opcode::Acknowledge => {
+                let Some(aeth) = hdr.aeth else { return (Sink::Discard, AfterPayload::Nothing) };
+                match aeth.syndrome {
+                    Syndrome::Ack => self.acked_through(qpn, psn, now, io),
+                    Syndrome::RnrNak { timer } => self.rnr_nak(qpn, psn, timer, now, io),
+                    Syndrome::Nak(NakCode::PsnSequenceError) => self.sequence_nak(qpn, psn, now, io),
+                    Syndrome::Nak(code) => {
+                        self.acked_before(qpn, psn, now, io);
+                        let status = code.completion_status().unwrap_or(WcStatus::RemOpErr);
+                        self.remote_fail(qpn, status, io);
+                    }
+                }
+                (Sink::Discard, AfterPayload::Nothing)
+            }
+            Opcode::AtomicAcknowledge => {
+                self.acked_before(qpn, psn, now, io);
+                let Some(orig) = hdr.atomic_ack else { return (Sink::Discard, AfterPayload::Nothing) };
+                let head = self
+                    .send_state(qpn)
+                    .and_then(|s| {
+                        s.sent.front().filter(|w| s.tx > 0 && w.wr.opcode.is_atomic() && w.first_psn == psn)
+                    })
+                    .map(|w| w.wr.sg);
+                let Some(sg) = head else {
+                    self.net.dropped(link);
+                    return (Sink::Discard, AfterPayload::Nothing);
+                };
+                let pd = self.qps[&qpn].pd;
+                let placed = self
+                    .resolve(pd, sg.as_slice(), AccessFlags::LOCAL_WRITE)
+                    .and_then(|segs| windows(&segs, 0, 8))
+                    .map(|w| {
+                        let bytes = orig.to_le_bytes();
+                        let mut at = 0;
+                        w.iter().all(|s| {
+                            let ok = s.region.write(s.off, &bytes[at..at + s.len]).is_ok();
+                            at += s.len;
+                            ok
+                        })
+                    });
+                if placed == Some(true) {
+                    self.complete_head(qpn, 8, now, io);
+                } else {
+                    self.remote_fail(qpn, WcStatus::LocProtErr, io);
+                }
+                (Sink::Discard, AfterPayload::Nothing)
+            }
+            _ => self.read_response(link, qpn, hdr, now, io),
+        }
+    }
+
+    fn read_response(
+        &mut self,
+        link: LinkId,
+        qpn: u32,
+        hdr: &DataRepr,
+        now: Instant,
+        io: &mut dyn Queues,
+    ) -> (Sink, AfterPayload) {
+        let chunk = u64::from(self.net.chunk(link));
+        // A response implicitly acknowledges every request before it.
+        let first = self
+            .send_state(qpn)
+            .and_then(|s| s.sent.iter().find(|w| w.needs_response()).map(|w| w.first_psn));
+        if let Some(f) = first {
+            self.acked_before(qpn, f, now, io);
+        }
+        let pd = self.qps[&qpn].pd;
+        let Some(s) = self.send_state(qpn) else { return (Sink::Discard, AfterPayload::Nothing) };
+        let expect =
+            s.sent.front().filter(|w| s.tx > 0 && w.wr.opcode == SendOpcode::RdmaRead).map(|w| {
+                (psn_add(w.first_psn, (w.placed / chunk) as u32), w.placed, w.wr.msg_len(), w.wr.sg)
+            });
+        let Some((want_psn, placed, len, sg)) = expect else {
+            self.net.dropped(link);
+            return (Sink::Discard, AfterPayload::Nothing);
+        };
+        let n = u64::from(hdr.payload_len);
+        let in_order = hdr.psn == want_psn
+            && u64::from(hdr.msg_offset) == placed
+            && placed + n <= len
+            && (hdr.opcode.is_last() || hdr.opcode.is_only()) == (placed + n == len);
+        if !in_order {
+            self.net.dropped(link);
+            self.remote_fail(qpn, WcStatus::RetryExcErr, io);
+            return (Sink::Discard, AfterPayload::Nothing);
+        }
+        let last = placed + n == len;
+        if n == 0 {
+            return (Sink::Discard, AfterPayload::ReadResponse { qpn, len: 0, last });
+        }
+        match self
+            .resolve(pd, sg.as_slice(), AccessFlags::LOCAL_WRITE)
+            .and_then(|segs| windows(&segs, placed, n))
+        {
+            Some(w) => (Sink::Place(w), AfterPayload::ReadResponse { qpn, len: n as u32, last }),
+            None => {
+                self.remote_fail(qpn, WcStatus::LocProtErr, io);
+                (Sink::Discard, AfterPayload::Nothing)
+            }
+        }
+    }
+
+    /// A read response chunk is in the local buffer.
+    pub(super) fn read_response_placed(
+        &mut self,
+        qpn: u32,
+        len: u32,
+        last: bool,
+        now: Instant,
+        io: &mut dyn Queues,
+    ) {
+        let Some(s) = self.send_state(qpn) else { return };
+        let Some(head) = s.sent.front_mut() else { return };
+        head.placed += u64::from(len);
+        if last {
+            let total = head.placed as u32;
+            self.complete_head(qpn, total, now, io);
+        }
+    }
+
+    /// An ACK for every PSN up to `psn`: completes the requests it covers.
+    fn acked_through(&mut self, qpn: u32, psn: u32, now: Instant, io: &mut dyn Queues) {
+        self.acked_before(qpn, psn_add(psn, 1), now, io);
+    }
+
+    /// Completes every request whose PSNs all lie before `psn`, except a
+    /// read or atomic, which waits for its response.
+    fn acked_before(&mut self, qpn: u32, psn: u32, now: Instant, io: &mut dyn Queues) {
+        loop {
+            let Some(s) = self.send_state(qpn) else { return };
+            let Some(head) = s.sent.front() else { return };
+            if s.tx == 0 || head.needs_response() || psn_diff(head.last_psn(), psn) >= 0 {
+                return;
+            }
+            self.complete_head(qpn, 0, now, io);
+        }
+    }
+
+    /// The oldest request completed successfully.
+    fn complete_head(&mut self, qpn: u32, byte_len: u32, now: Instant, io: &mut dyn Queues) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        let (cq, sig_all, attr) = (qp.init.send_cq, qp.init.sq_sig_all, qp.attr);
+        let Some(s) = qp.remote.as_deref_mut().and_then(|r| r.send.as_mut()) else { return };
+        let Some(w) = s.sent.pop_front() else { return };
+        s.tx = s.tx.saturating_sub(1);
+        // Progress: the timers and retry counts start over.
+        s.retries_left = attr.retry_cnt;
+        s.rnr_left = attr.rnr_retry;
+        s.ack_deadline =
+            if s.sent.is_empty() { None } else { timers::ack_timeout(attr.timeout).map(|t| now + t) };
+        let blocked = if s.sent.is_empty() { s.blocked.take() } else { None };
+        io.send_retired(qpn, 1);
+        if w.wr.flags.contains(SendFlags::SIGNALED) || sig_all {
+            let mut cqe = Cqe::new(w.wr.wr_id, WcStatus::Success, w.wr.opcode.wc_opcode(), qpn);
+            cqe.byte_len = byte_len;
+            self.complete(cq, cqe, qpn, io);
+        }
+        if let Some((wr, status)) = blocked {
+            io.send_retired(qpn, 1);
+            self.complete(cq, error_cqe(&wr, status, qpn), qpn, io);
+            self.send_queue_error(qpn, io);
+        }
+    }
+
+    /// Receiver not ready at `psn`: the requests before it are done, and
+    /// the rest go again from `psn` after the responder's RNR delay.
+    fn rnr_nak(&mut self, qpn: u32, psn: u32, timer: u8, now: Instant, io: &mut dyn Queues) {
+        self.acked_before(qpn, psn, now, io);
+        let Some(s) = self.send_state(qpn) else { return };
+        if s.rnr_left == 0 {
+            self.remote_fail(qpn, WcStatus::RnrRetryExcErr, io);
+            return;
+        }
+        if s.rnr_left != timers::RNR_RETRY_INFINITE {
+            s.rnr_left -= 1;
+        }
+        s.hold_until = now + timers::rnr_delay(timer);
+        s.ack_deadline = None;
+        let chunk = self.send_chunk(qpn);
+        let s = self.send_state(qpn).expect("checked");
+        if !Self::rewind(s, psn, chunk) {
+            self.remote_fail(qpn, WcStatus::RetryExcErr, io);
+        }
+    }
+
+    /// The responder expected `psn`: send again from there, once per retry.
+    fn sequence_nak(&mut self, qpn: u32, psn: u32, now: Instant, io: &mut dyn Queues) {
+        self.acked_before(qpn, psn, now, io);
+        if self.send_state(qpn).is_none() {
+            return;
+        }
+        let chunk = self.send_chunk(qpn);
+        let s = self.send_state(qpn).expect("checked");
+        if s.retries_left == 0 || !Self::rewind(s, psn, chunk) {
+            self.remote_fail(qpn, WcStatus::RetryExcErr, io);
+            return;
+        }
+        s.retries_left -= 1;
+    }
+
+    /// Points the transmitter back at the frame with `psn`, in the oldest
+    /// outstanding request. Returns false if no request holds that PSN.
+    fn rewind(s: &mut RemoteSend, psn: u32, chunk: u64) -> bool {
+        let Some(head) = s.sent.front() else { return false };
+        let d = psn_diff(psn, head.first_psn);
+        if d < 0 || d as u32 >= head.npsn || head.needs_response() && d != 0 {
+            return false;
+        }
+        // Every frame before `psn` carried one full chunk.
+        s.tx = 0;
+        s.tx_off = d as u64 * chunk;
+        true
+    }
+
+    /// Everything outstanding completes: the failed request with its
+    /// status, the rest with WR_FLUSH_ERR (the QP is in ERR or SQE).
+    pub(crate) fn flush_remote_sends(&mut self, qpn: u32, io: &mut dyn Queues) -> bool {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return false };
+        let cq = qp.init.send_cq;
+        let Some(s) = qp.remote.as_deref_mut().and_then(|r| r.send.as_mut()) else { return false };
+        let sent = std::mem::take(&mut s.sent);
+        let blocked = s.blocked.take();
+        s.tx = 0;
+        s.tx_off = 0;
+        s.ack_deadline = None;
+        let any = !sent.is_empty() || blocked.is_some();
+        for w in sent {
+            io.send_retired(qpn, 1);
+            let status = w.status.unwrap_or(WcStatus::WrFlushErr);
+            self.complete(cq, error_cqe(&w.wr, status, qpn), qpn, io);
+        }
+        if let Some((wr, status)) = blocked {
+            io.send_retired(qpn, 1);
+            self.complete(cq, error_cqe(&wr, status, qpn), qpn, io);
+        }
+        any
+    }
+}

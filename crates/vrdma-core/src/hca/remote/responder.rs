@@ -1,0 +1,561 @@
+//! The responder half: request frames checked against our QP, MRs and
+//! receive queue, payloads placed, and ACKs, NAKs, read responses and
+//! atomic acknowledgements sent back in PSN order.
+
+use std::collections::VecDeque;
+
+use super::{windows, AfterPayload, IoSeg, LinkId, RemoteQp, Sink, Transmit};
+use crate::hca::{AsyncEvent, Hca, Queues};
+use crate::ring::{Cqe, RecvWr};
+use crate::verbs::{AccessFlags, AhAttr, AsyncEventType, QpType, WcFlags, WcOpcode, WcStatus};
+use crate::wire::{psn_add, psn_diff, Aeth, DataRepr, NakCode, Opcode, Syndrome, MAX_24};
+
+/// A message arriving in several frames.
+pub(crate) enum InMsg {
+    Send {
+        recv: RecvWr,
+        got: u64,
+    },
+    Write {
+        va: u64,
+        rkey: u32,
+        dma_len: u64,
+        got: u64,
+    },
+    /// The last frame of a write with immediate, holding the receive WR
+    /// its immediate consumes.
+    WriteImm {
+        recv: RecvWr,
+    },
+}
+
+/// An answer waiting to go out, in PSN order.
+pub(crate) enum Response {
+    Ack { psn: u32, syndrome: Syndrome, msn: u32 },
+    AtomicAck { psn: u32, orig: u64, msn: u32 },
+    Read { first_psn: u32, rkey: u32, va: u64, len: u64, sent: u64, msn: u32 },
+}
+
+pub(crate) struct RemoteRecv {
+    /// Where answers go: the link the requests come in on.
+    pub link: Option<LinkId>,
+    /// The PSN the next request frame must carry.
+    pub epsn: u32,
+    /// Requests completed (24 bits).
+    pub msn: u32,
+    /// A NAK went out for `epsn`; frames out of sequence are dropped
+    /// silently until the requester goes back to it.
+    pub nak_sent: bool,
+    pub cur: Option<InMsg>,
+    pub responses: VecDeque<Response>,
+    /// The message a frame being placed belongs to completes with it.
+    pending: Option<Finish>,
+}
+
+/// What completes when the payload of the frame being placed is in.
+#[derive(Clone, Copy)]
+struct Finish {
+    psn: u32,
+    len: u64,
+    last: bool,
+    imm: Option<u32>,
+    solicited: bool,
+    src_qpn: u32,
+    slid: u16,
+}
+
+impl RemoteRecv {
+    fn new(rq_psn: u32) -> RemoteRecv {
+        RemoteRecv {
+            link: None,
+            epsn: rq_psn & MAX_24,
+            msn: 0,
+            nak_sent: false,
+            cur: None,
+            responses: VecDeque::new(),
+            pending: None,
+        }
+    }
+
+    pub fn link_lost(&mut self) {
+        self.link = None;
+        self.responses.clear();
+        self.pending = None;
+    }
+
+    /// The receive WR a message in progress had claimed, to be completed
+    /// by the flush.
+    pub fn take_claimed(&mut self) -> Option<RecvWr> {
+        match self.cur.take() {
+            Some(InMsg::Send { recv, .. } | InMsg::WriteImm { recv }) => Some(recv),
+            _ => None,
+        }
+    }
+
+    fn nak(&mut self, syndrome: Syndrome) {
+        let (psn, msn) = (self.epsn, self.msn);
+        self.responses.push_back(Response::Ack { psn, syndrome, msn });
+        self.nak_sent = true;
+    }
+}
+
+/// Why the responder refused a request: the NAK, and what it does itself.
+struct Refusal {
+    code: NakCode,
+    event: AsyncEventType,
+    recv: Option<(RecvWr, WcStatus)>,
+}
+
+impl Refusal {
+    fn access() -> Refusal {
+        Refusal { code: NakCode::RemoteAccessError, event: AsyncEventType::QpAccessErr, recv: None }
+    }
+    fn invalid(recv: Option<(RecvWr, WcStatus)>) -> Refusal {
+        Refusal { code: NakCode::InvalidRequest, event: AsyncEventType::QpReqErr, recv }
+    }
+    fn operational(recv: RecvWr, status: WcStatus) -> Refusal {
+        Refusal {
+            code: NakCode::RemoteOperationalError,
+            event: AsyncEventType::QpFatal,
+            recv: Some((recv, status)),
+        }
+    }
+}
+
+// Built and consumed once per frame on the stack; boxing would allocate per frame.
+#[allow(clippy::large_enum_variant)]
+enum Step {
+    Place(arrayvec::ArrayVec<IoSeg, { crate::ring::MAX_SGE }>, Finish),
+    Done,
+    Rnr,
+    Refuse(Refusal),
+}
+
+impl Hca {
+    fn recv_state(&mut self, qpn: u32) -> Option<&mut RemoteRecv> {
+        self.qps.get_mut(&qpn)?.remote.as_deref_mut()?.recv.as_mut()
+    }
+
+    /// Whether `link` leads to the host `ah` names.
+    fn link_serves(&self, link: LinkId, ah: &AhAttr) -> bool {
+        self.net.links.get(&link).is_some_and(|l| {
+            if ah.is_global {
+                l.info.gid == ah.dgid
+            } else {
+                l.info.lid == ah.dlid
+            }
+        })
+    }
+
+    /// A request frame for one of our QPs.
+    pub(super) fn responder_handle(
+        &mut self,
+        link: LinkId,
+        hdr: &DataRepr,
+        _now: crate::time::Instant,
+        io: &mut dyn Queues,
+    ) -> (Sink, AfterPayload) {
+        let qpn = hdr.dest_qpn;
+        // A frame for no QP of ours, or for one not connected to its
+        // sender, is dropped without an answer, as IB drops it.
+        let ok = self.qps.get(&qpn).is_some_and(|q| {
+            q.init.qp_type == QpType::Rc
+                && q.tenant.0 == hdr.vnet
+                && q.attr.dest_qp_num == hdr.src_qpn
+                && q.accepts_incoming()
+                && self.link_serves(link, &q.attr.ah_attr)
+        });
+        if !ok {
+            self.net.dropped(link);
+            return (Sink::Discard, AfterPayload::Nothing);
+        }
+        let qp = self.qps.get_mut(&qpn).expect("checked");
+        let rq_psn = qp.attr.rq_psn;
+        let r = qp.remote.get_or_insert_with(|| Box::new(RemoteQp { send: None, recv: None }));
+        let rs = r.recv.get_or_insert_with(|| RemoteRecv::new(rq_psn));
+        if rs.link != Some(link) {
+            rs.link = Some(link);
+            self.net.attach(link, qpn);
+        }
+        let rs = self.recv_state(qpn).expect("made above");
+        let d = psn_diff(hdr.psn, rs.epsn);
+        if d < 0 {
+            // A duplicate (the requester went back): not executed again;
+            // a completed message is acknowledged again.
+            if hdr.opcode.is_last() || hdr.opcode.is_only() {
+                let (psn, msn) = (psn_add(rs.epsn, MAX_24), rs.msn);
+                rs.responses.push_back(Response::Ack { psn, syndrome: Syndrome::Ack, msn });
+            }
+            self.net.dropped(link);
+            return (Sink::Discard, AfterPayload::Nothing);
+        }
+        if d > 0 {
+            if !rs.nak_sent {
+                rs.nak(Syndrome::Nak(NakCode::PsnSequenceError));
+            }
+            self.net.dropped(link);
+            return (Sink::Discard, AfterPayload::Nothing);
+        }
+        rs.nak_sent = false;
+        match self.responder_step(qpn, link, hdr, io) {
+            Step::Place(w, f) => {
+                self.advance_epsn(qpn, 1);
+                self.recv_state(qpn).expect("exists").pending = Some(f);
+                (Sink::Place(w), AfterPayload::Request { qpn })
+            }
+            Step::Done => (Sink::Discard, AfterPayload::Nothing),
+            Step::Rnr => {
+                let timer = self.qps[&qpn].attr.min_rnr_timer;
+                self.recv_state(qpn).expect("exists").nak(Syndrome::RnrNak { timer });
+                self.net.dropped(link);
+                (Sink::Discard, AfterPayload::Nothing)
+            }
+            Step::Refuse(f) => {
+                self.refuse(qpn, f, io);
+                self.net.dropped(link);
+                (Sink::Discard, AfterPayload::Nothing)
+            }
+        }
+    }
+
+    fn advance_epsn(&mut self, qpn: u32, n: u32) {
+        if let Some(rs) = self.recv_state(qpn) {
+            rs.epsn = psn_add(rs.epsn, n);
+        }
+    }
+
+    /// Checks one in-sequence request frame and works out where its
+    /// payload goes, or answers it at once (reads, atomics, refusals).
+    fn responder_step(&mut self, qpn: u32, link: LinkId, hdr: &DataRepr, io: &mut dyn Queues) -> Step {
+        use Opcode::*;
+        let qp = &self.qps[&qpn];
+        let (pd, access) = (qp.pd, qp.attr.qp_access_flags);
+        let resp = self.responder_of(qpn, qp);
+        let slid = self.net.links.get(&link).map_or(0, |l| l.info.lid);
+        let n = u64::from(hdr.payload_len);
+        let off = u64::from(hdr.msg_offset);
+        let last = hdr.opcode.is_last() || hdr.opcode.is_only();
+        let fin = Finish {
+            psn: hdr.psn,
+            len: n,
+            last,
+            imm: hdr.imm,
+            solicited: hdr.flags.contains(crate::wire::DataFlags::SOLICITED),
+            src_qpn: hdr.src_qpn,
+            slid,
+        };
+        let cur = self.recv_state(qpn).expect("exists").cur.take();
+        match (hdr.opcode, cur) {
+            (SendFirst | SendOnly | SendOnlyImm, None) => {
+                let recv = match self.take_recv(&resp, io) {
+                    None => return Step::Rnr,
+                    Some(Ok(r)) => r,
+                    Some(Err((wr_id, _))) => {
+                        let r = RecvWr { wr_id, sg: Default::default() };
+                        return Step::Refuse(Refusal::operational(r, WcStatus::LocQpOpErr));
+                    }
+                };
+                self.place_send(qpn, &resp, recv, 0, n, fin)
+            }
+            (SendMiddle | SendLast | SendLastImm, Some(InMsg::Send { recv, got })) if got == off => {
+                self.place_send(qpn, &resp, recv, got, n, fin)
+            }
+            (WriteFirst | WriteOnly | WriteOnlyImm, None) => {
+                let Some(reth) = hdr.reth else { return Step::Refuse(Refusal::invalid(None)) };
+                if !access.contains(AccessFlags::REMOTE_WRITE) {
+                    return Step::Refuse(Refusal::access());
+                }
+                let dma_len = u64::from(reth.dma_len);
+                if dma_len > 0
+                    && self
+                        .remote_mr(pd, reth.rkey, AccessFlags::REMOTE_WRITE)
+                        .and_then(|m| m.offset_of(reth.va, dma_len))
+                        .is_none()
+                {
+                    return Step::Refuse(Refusal::access());
+                }
+                self.place_write(qpn, &resp, reth.va, reth.rkey, dma_len, 0, n, hdr.opcode, fin, io)
+            }
+            (WriteMiddle | WriteLast | WriteLastImm, Some(InMsg::Write { va, rkey, dma_len, got }))
+                if got == off =>
+            {
+                self.place_write(qpn, &resp, va, rkey, dma_len, got, n, hdr.opcode, fin, io)
+            }
+            (ReadRequest, None) => {
+                let Some(reth) = hdr.reth else { return Step::Refuse(Refusal::invalid(None)) };
+                if !access.contains(AccessFlags::REMOTE_READ) {
+                    return Step::Refuse(Refusal::access());
+                }
+                let len = u64::from(reth.dma_len);
+                if len > 0
+                    && self
+                        .remote_mr(pd, reth.rkey, AccessFlags::REMOTE_READ)
+                        .and_then(|m| m.offset_of(reth.va, len))
+                        .is_none()
+                {
+                    return Step::Refuse(Refusal::access());
+                }
+                let chunk = self.net.chunk(link);
+                let npsn = crate::wire::chunk_count(len, chunk) as u32;
+                let rs = self.recv_state(qpn).expect("exists");
+                rs.msn = psn_add(rs.msn, 1);
+                let msn = rs.msn;
+                rs.responses.push_back(Response::Read {
+                    first_psn: hdr.psn,
+                    rkey: reth.rkey,
+                    va: reth.va,
+                    len,
+                    sent: 0,
+                    msn,
+                });
+                self.advance_epsn(qpn, npsn);
+                Step::Done
+            }
+            (CompareSwap | FetchAdd, None) => {
+                let Some(a) = hdr.atomic else { return Step::Refuse(Refusal::invalid(None)) };
+                if !access.contains(AccessFlags::REMOTE_ATOMIC) {
+                    return Step::Refuse(Refusal::access());
+                }
+                let Some(mr) = self.remote_mr(pd, a.rkey, AccessFlags::REMOTE_ATOMIC) else {
+                    return Step::Refuse(Refusal::access());
+                };
+                let Some(at) = mr.offset_of(a.va, 8) else { return Step::Refuse(Refusal::access()) };
+                if !a.va.is_multiple_of(8) {
+                    return Step::Refuse(Refusal::invalid(None));
+                }
+                // The same 8-byte atomics the single-host path uses, so an
+                // atomic from another host is atomic with respect to every
+                // vRDMA atomic on the region.
+                let old = if hdr.opcode == CompareSwap {
+                    mr.region.compare_swap(at, a.compare, a.swap_add)
+                } else {
+                    mr.region.fetch_add(at, a.swap_add)
+                };
+                let Ok(orig) = old else { return Step::Refuse(Refusal::invalid(None)) };
+                let rs = self.recv_state(qpn).expect("exists");
+                rs.msn = psn_add(rs.msn, 1);
+                let msn = rs.msn;
+                rs.responses.push_back(Response::AtomicAck { psn: hdr.psn, orig, msn });
+                self.advance_epsn(qpn, 1);
+                Step::Done
+            }
+            // An opcode that does not continue the message in progress, or
+            // a continuation at the wrong offset.
+            (_, cur) => {
+                let recv = match cur {
+                    Some(InMsg::Send { recv, .. } | InMsg::WriteImm { recv }) => {
+                        Some((recv, WcStatus::RemInvReqErr))
+                    }
+                    _ => None,
+                };
+                Step::Refuse(Refusal::invalid(recv))
+            }
+        }
+    }
+
+    fn place_send(
+        &mut self,
+        qpn: u32,
+        resp: &crate::hca::datapath::Responder,
+        recv: RecvWr,
+        got: u64,
+        n: u64,
+        fin: Finish,
+    ) -> Step {
+        if recv.sg.as_slice().len() > resp.max_recv_sge as usize {
+            return Step::Refuse(Refusal::invalid(Some((recv, WcStatus::LocLenErr))));
+        }
+        if got + n > recv.sg.total_len() {
+            return Step::Refuse(Refusal::invalid(Some((recv, WcStatus::LocLenErr))));
+        }
+        let w = if n == 0 {
+            Some(Default::default())
+        } else {
+            self.resolve(resp.recv_pd, recv.sg.as_slice(), AccessFlags::LOCAL_WRITE)
+                .and_then(|segs| windows(&segs, got, n))
+        };
+        let Some(w) = w else { return Step::Refuse(Refusal::operational(recv, WcStatus::LocProtErr)) };
+        self.recv_state(qpn).expect("exists").cur = Some(InMsg::Send { recv, got });
+        Step::Place(w, fin)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn place_write(
+        &mut self,
+        qpn: u32,
+        resp: &crate::hca::datapath::Responder,
+        va: u64,
+        rkey: u32,
+        dma_len: u64,
+        got: u64,
+        n: u64,
+        op: Opcode,
+        fin: Finish,
+        io: &mut dyn Queues,
+    ) -> Step {
+        if got + n > dma_len || fin.last != (got + n == dma_len) {
+            return Step::Refuse(Refusal::invalid(None));
+        }
+        let w = if n == 0 {
+            Some(Default::default())
+        } else {
+            // The key is checked again for every chunk.
+            self.remote_mr(resp.pd, rkey, AccessFlags::REMOTE_WRITE).and_then(|m| {
+                let at = m.offset_of(va + got, n)?;
+                let mut w = arrayvec::ArrayVec::new();
+                w.push(IoSeg { region: m.region.clone(), off: at, len: n as usize });
+                Some(w)
+            })
+        };
+        let Some(w) = w else { return Step::Refuse(Refusal::access()) };
+        if matches!(op, Opcode::WriteLastImm | Opcode::WriteOnlyImm) {
+            // The immediate consumes a receive WR, claimed as the message
+            // ends (an RNR NAK here sends the requester back to this frame).
+            match self.take_recv(resp, io) {
+                None => {
+                    // The message so far stays; the requester comes back
+                    // to this frame.
+                    if op == Opcode::WriteLastImm {
+                        self.recv_state(qpn).expect("exists").cur =
+                            Some(InMsg::Write { va, rkey, dma_len, got });
+                    }
+                    return Step::Rnr;
+                }
+                Some(Ok(r)) => self.recv_state(qpn).expect("exists").cur = Some(InMsg::WriteImm { recv: r }),
+                Some(Err((wr_id, _))) => {
+                    let r = RecvWr { wr_id, sg: Default::default() };
+                    return Step::Refuse(Refusal::operational(r, WcStatus::LocQpOpErr));
+                }
+            }
+            return Step::Place(w, Finish { len: dma_len, ..fin });
+        }
+        self.recv_state(qpn).expect("exists").cur = Some(InMsg::Write { va, rkey, dma_len, got });
+        Step::Place(w, fin)
+    }
+
+    /// The payload of an accepted request frame is placed: a finished
+    /// message completes its receive and is acknowledged.
+    pub(super) fn responder_placed(&mut self, qpn: u32, io: &mut dyn Queues) {
+        let Some(rs) = self.recv_state(qpn) else { return };
+        let Some(f) = rs.pending.take() else { return };
+        let cur = rs.cur.take();
+        if !f.last {
+            rs.cur = match cur {
+                Some(InMsg::Send { recv, got }) => Some(InMsg::Send { recv, got: got + f.len }),
+                Some(InMsg::Write { va, rkey, dma_len, got }) => {
+                    Some(InMsg::Write { va, rkey, dma_len, got: got + f.len })
+                }
+                other => other,
+            };
+            return;
+        }
+        rs.msn = psn_add(rs.msn, 1);
+        let msn = rs.msn;
+        rs.responses.push_back(Response::Ack { psn: f.psn, syndrome: Syndrome::Ack, msn });
+        // A send's length is what arrived; a write with immediate reports
+        // the write's length.
+        let (recv, opcode, byte_len) = match cur {
+            Some(InMsg::Send { recv, got }) => (recv, WcOpcode::Recv, got + f.len),
+            Some(InMsg::WriteImm { recv }) => (recv, WcOpcode::RecvRdmaWithImm, f.len),
+            _ => return,
+        };
+        let qp = &self.qps[&qpn];
+        let cq = qp.init.recv_cq;
+        let mut cqe = Cqe::new(recv.wr_id, WcStatus::Success, opcode, qpn);
+        cqe.byte_len = byte_len as u32;
+        cqe.src_qp = f.src_qpn;
+        cqe.slid = f.slid;
+        cqe.solicited = f.solicited;
+        if let Some(imm) = f.imm {
+            cqe.wc_flags = WcFlags::WITH_IMM;
+            cqe.imm_data = imm;
+        }
+        self.complete(cq, cqe, qpn, io);
+    }
+
+    /// Refuses a request: NAK to the requester, and the responder goes to
+    /// ERR with the matching event, as on one host.
+    fn refuse(&mut self, qpn: u32, f: Refusal, io: &mut dyn Queues) {
+        let Some(rs) = self.recv_state(qpn) else { return };
+        rs.nak(Syndrome::Nak(f.code));
+        let qp = &self.qps[&qpn];
+        let (ctx, cq) = (qp.ctx, qp.init.recv_cq);
+        if let Some((r, status)) = f.recv {
+            self.complete(cq, Cqe::new(r.wr_id, status, WcOpcode::Recv, qpn), qpn, io);
+        }
+        if self.qps.get(&qpn).is_some_and(|q| q.state() != crate::verbs::QpState::Err) {
+            self.enter_error(qpn, io);
+            io.async_event(ctx, AsyncEvent { event_type: f.event, element: qpn });
+        }
+    }
+
+    /// The next answer of `qpn` for `link`.
+    pub(super) fn responder_transmit(&mut self, qpn: u32, link: LinkId) -> Option<Transmit> {
+        let chunk = u64::from(self.net.chunk(link));
+        let qp = self.qps.get(&qpn)?;
+        let (vnet, dest, pd) = (qp.tenant.0, qp.attr.dest_qp_num, qp.pd);
+        let rs = qp.remote.as_ref()?.recv.as_ref()?;
+        if rs.link != Some(link) {
+            return None;
+        }
+        let (repr, payload, done) = match *rs.responses.front()? {
+            Response::Ack { psn, syndrome, msn } => {
+                let mut r = DataRepr::new(Opcode::Acknowledge, vnet, dest, qpn, psn);
+                r.aeth = Some(Aeth { syndrome, msn });
+                (r, None, true)
+            }
+            Response::AtomicAck { psn, orig, msn } => {
+                let mut r = DataRepr::new(Opcode::AtomicAcknowledge, vnet, dest, qpn, psn);
+                r.aeth = Some(Aeth { syndrome: Syndrome::Ack, msn });
+                r.atomic_ack = Some(orig);
+                (r, None, true)
+            }
+            Response::Read { first_psn, rkey, va, len, sent, msn } => {
+                let n = chunk.min(len - sent);
+                let (first, last) = (sent == 0, sent + n == len);
+                let op = match (first, last) {
+                    (true, true) => Opcode::ReadResponseOnly,
+                    (true, false) => Opcode::ReadResponseFirst,
+                    (false, false) => Opcode::ReadResponseMiddle,
+                    (false, true) => Opcode::ReadResponseLast,
+                };
+                let psn = psn_add(first_psn, (sent / chunk) as u32);
+                let mut r = DataRepr::new(op, vnet, dest, qpn, psn);
+                r.msg_offset = sent as u32;
+                r.payload_len = n as u32;
+                if first || last {
+                    r.aeth = Some(Aeth { syndrome: Syndrome::Ack, msn });
+                }
+                // The key is checked again for every chunk.
+                let seg = if n == 0 {
+                    Some(None)
+                } else {
+                    self.remote_mr(pd, rkey, AccessFlags::REMOTE_READ).and_then(|m| {
+                        let at = m.offset_of(va + sent, n)?;
+                        Some(Some(IoSeg { region: m.region.clone(), off: at, len: n as usize }))
+                    })
+                };
+                match seg {
+                    Some(seg) => (r, seg, last),
+                    None => {
+                        // Deregistered mid-read: the rest is refused.
+                        let mut r = DataRepr::new(Opcode::Acknowledge, vnet, dest, qpn, psn);
+                        r.aeth = Some(Aeth { syndrome: Syndrome::Nak(NakCode::RemoteAccessError), msn });
+                        (r, None, true)
+                    }
+                }
+            }
+        };
+        let mut t = Transmit::new(&repr);
+        if let Some(seg) = payload {
+            t.payload.push(seg);
+        }
+        let rs = self.recv_state(qpn)?;
+        if done {
+            rs.responses.pop_front();
+        } else if let Some(Response::Read { sent, .. }) = rs.responses.front_mut() {
+            *sent += u64::from(repr.payload_len);
+        }
+        Some(t)
+    }
+}

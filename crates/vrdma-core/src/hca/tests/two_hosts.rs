@@ -1,0 +1,541 @@
+//! The RC transport between two hosts, deterministic: two `Hca`s whose
+//! link is an in-memory byte stream, every frame encoded and decoded as
+//! on TCP, with faults (a cut link, a stalled peer) injected by the test.
+
+use super::*;
+use crate::verbs::Gid;
+use crate::wire::{parse_frame, FrameRepr};
+
+const IP_A: [u8; 4] = [10, 0, 0, 1];
+const IP_B: [u8; 4] = [10, 0, 0, 2];
+
+struct Host {
+    env: Env,
+    link: LinkId,
+}
+
+/// Two hosts and the link between them.
+struct TwoHosts {
+    a: Host,
+    b: Host,
+    /// Frames each way are delivered (false: the link is stalled).
+    flowing: bool,
+    /// Frames that crossed, per direction, with their opcodes.
+    log: Vec<(char, crate::wire::Opcode, u32)>,
+}
+
+fn host(ip: [u8; 4]) -> Env {
+    let mut env = Env::new();
+    env.hca = Hca::new(HcaConfig::for_host(ip), Box::new(Counter(u32::from(ip[3]) << 16)));
+    env.hca.open_context(C1, TENANT).unwrap();
+    env.hca.open_context(C2, TENANT).unwrap();
+    env.hca.open_context(C3, OTHER_TENANT).unwrap();
+    env
+}
+
+impl TwoHosts {
+    fn new(chunk: u32) -> TwoHosts {
+        let mut a = host(IP_A);
+        let mut b = host(IP_B);
+        let la = a.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: b.hca.config().port.lid, chunk });
+        let lb = b.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_A), lid: a.hca.config().port.lid, chunk });
+        TwoHosts {
+            a: Host { env: a, link: la },
+            b: Host { env: b, link: lb },
+            flowing: true,
+            log: Vec::new(),
+        }
+    }
+
+    /// Connects `qa` on A with `qb` on B, addressed by GID.
+    fn connect(&mut self, qa: u32, qb: u32, c: Conn) {
+        connect_side(&mut self.a.env, qa, qb, IP_B, c);
+        connect_side(&mut self.b.env, qb, qa, IP_A, c);
+    }
+
+    /// An end on each host, connected.
+    fn pair(chunk: u32, c: Conn) -> (TwoHosts, End, End) {
+        let mut t = TwoHosts::new(chunk);
+        let a = t.a.env.end(C1);
+        let b = t.b.env.end(C1);
+        t.connect(a.qpn, b.qpn, c);
+        (t, a, b)
+    }
+
+    /// Moves one frame from `from` to `to`, encoded and decoded as bytes.
+    fn carry(
+        from: &mut Host,
+        to: &mut Host,
+        now: Instant,
+        dir: char,
+        log: &mut Vec<(char, crate::wire::Opcode, u32)>,
+    ) -> bool {
+        let Some(t) = from.env.hca.poll_transmit(from.link, now, &mut from.env.io) else { return false };
+        let mut bytes = t.header.to_vec();
+        for s in &t.payload {
+            let mut v = vec![0; s.len];
+            s.region.read(s.off, &mut v).unwrap();
+            bytes.extend(v);
+        }
+        let (repr, payload) = parse_frame(&bytes).expect("a frame we emitted parses");
+        assert_eq!(repr.buffer_len(), bytes.len());
+        let FrameRepr::Data(d) = repr else { panic!("data frames only") };
+        log.push((dir, d.opcode, d.psn));
+        match to.env.hca.handle_data(to.link, &d, now, &mut to.env.io) {
+            Sink::Place(w) => {
+                assert_eq!(w.iter().map(|s| s.len).sum::<usize>(), payload.len());
+                let mut at = 0;
+                for s in &w {
+                    s.region.write(s.off, &payload[at..at + s.len]).unwrap();
+                    at += s.len;
+                }
+            }
+            Sink::Discard => {}
+        }
+        to.env.hca.data_placed(to.link, now, &mut to.env.io);
+        true
+    }
+
+    /// Engine passes and frame deliveries on both hosts until nothing moves.
+    fn run(&mut self, now: Instant) {
+        for _ in 0..10_000 {
+            let mut busy = self.a.env.step(now).busy | self.b.env.step(now).busy;
+            if self.flowing {
+                busy |= Self::carry(&mut self.a, &mut self.b, now, '>', &mut self.log);
+                busy |= Self::carry(&mut self.b, &mut self.a, now, '<', &mut self.log);
+            }
+            if !busy {
+                return;
+            }
+        }
+        panic!("the hosts stayed busy for 10000 rounds");
+    }
+
+    /// Only A's side: frames A would send stay queued.
+    fn run_a_only(&mut self, now: Instant) {
+        for _ in 0..1000 {
+            if !self.a.env.step(now).busy {
+                return;
+            }
+        }
+    }
+}
+
+/// RESET -> RTS on one host, towards `peer` on the host at `ip`.
+fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
+    env.bring_to_init(me, c);
+    let mut attr = QpAttr {
+        qp_state: QpState::Rtr,
+        path_mtu: Mtu::Mtu1024,
+        dest_qp_num: peer,
+        rq_psn: 100,
+        min_rnr_timer: c.min_rnr_timer,
+        max_dest_rd_atomic: 4,
+        ..QpAttr::default()
+    };
+    attr.ah_attr.is_global = true;
+    attr.ah_attr.dgid = Gid::from_ipv4(ip);
+    attr.ah_attr.hop_limit = 1;
+    attr.ah_attr.port_num = 1;
+    let mask = QpAttrMask::STATE
+        | QpAttrMask::AV
+        | QpAttrMask::PATH_MTU
+        | QpAttrMask::DEST_QPN
+        | QpAttrMask::RQ_PSN
+        | QpAttrMask::MAX_DEST_RD_ATOMIC
+        | QpAttrMask::MIN_RNR_TIMER;
+    assert_eq!(env.modify(me, &attr, mask), Ok(QpState::Rtr));
+    let attr = QpAttr {
+        qp_state: QpState::Rts,
+        sq_psn: 100,
+        timeout: c.timeout,
+        retry_cnt: c.retry_cnt,
+        rnr_retry: c.rnr_retry,
+        max_rd_atomic: 4,
+        ..QpAttr::default()
+    };
+    let mask = QpAttrMask::STATE
+        | QpAttrMask::SQ_PSN
+        | QpAttrMask::TIMEOUT
+        | QpAttrMask::RETRY_CNT
+        | QpAttrMask::RNR_RETRY
+        | QpAttrMask::MAX_QP_RD_ATOMIC;
+    assert_eq!(env.modify(me, &attr, mask), Ok(QpState::Rts));
+}
+
+fn conn() -> Conn {
+    Conn { rnr_retry: 3, min_rnr_timer: 1, access: QP_ACCESS, timeout: 14, retry_cnt: 2 }
+}
+
+#[test]
+fn every_opcode_crosses_hosts_with_data_intact() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    let msg = pattern(1000, 3);
+    a.buf.write(0, &msg);
+    // A send of four chunks into two receive SGEs.
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 300), b.buf.sge(1000, 800)]));
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 1000)], SendFlags::SIGNALED));
+    // A write of three chunks from two SGEs, then a write with immediate.
+    t.a.env.io.post_send(
+        a.qpn,
+        rdma(
+            2,
+            SendOpcode::RdmaWrite,
+            &[a.buf.sge(0, 400), a.buf.sge(400, 300)],
+            b.buf.addr + 4096,
+            b.buf.key,
+        ),
+    );
+    t.b.env.io.post_recv(b.qpn, recv(11, &[]));
+    let mut wimm = rdma(3, SendOpcode::RdmaWriteWithImm, &[a.buf.sge(0, 600)], b.buf.addr + 8192, b.buf.key);
+    wimm.imm_data = 0x1234_5678;
+    t.a.env.io.post_send(a.qpn, wimm);
+    t.run(T0);
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(1, WcStatus::Success, WcOpcode::Send, a.qpn, 0),
+            req_cqe(2, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0),
+            req_cqe(3, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0),
+        ]
+    );
+    let got = t.b.env.poll(b.cq);
+    assert_eq!(got.len(), 2);
+    assert_eq!(
+        (got[0].wr_id, got[0].status, got[0].byte_len, got[0].src_qp),
+        (10, WcStatus::Success, 1000, a.qpn)
+    );
+    assert_eq!(got[0].slid, t.a.env.hca.config().port.lid);
+    assert_eq!(
+        (got[1].wr_id, got[1].opcode, got[1].byte_len, got[1].imm_data),
+        (11, WcOpcode::RecvRdmaWithImm, 600, 0x1234_5678)
+    );
+    assert_eq!([b.buf.read(0, 300), b.buf.read(1000, 700)].concat(), msg);
+    assert_eq!(b.buf.read(4096, 700), msg[..700]);
+    assert_eq!(b.buf.read(8192, 600), msg[..600]);
+
+    // A read of five chunks into two SGEs, and both atomics.
+    let remote = pattern(1200, 9);
+    b.buf.write(16384, &remote);
+    b.buf.write(32768, &7u64.to_le_bytes());
+    t.a.env.io.post_send(
+        a.qpn,
+        rdma(
+            4,
+            SendOpcode::RdmaRead,
+            &[a.buf.sge(20000, 500), a.buf.sge(30000, 700)],
+            b.buf.addr + 16384,
+            b.buf.key,
+        ),
+    );
+    let mut cas = rdma(5, SendOpcode::AtomicCmpAndSwp, &[a.buf.sge(40000, 8)], b.buf.addr + 32768, b.buf.key);
+    cas.compare_add = 7;
+    cas.swap = 100;
+    t.a.env.io.post_send(a.qpn, cas);
+    let mut faa =
+        rdma(6, SendOpcode::AtomicFetchAndAdd, &[a.buf.sge(40008, 8)], b.buf.addr + 32768, b.buf.key);
+    faa.compare_add = 5;
+    t.a.env.io.post_send(a.qpn, faa);
+    t.run(T0);
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(4, WcStatus::Success, WcOpcode::RdmaRead, a.qpn, 1200),
+            req_cqe(5, WcStatus::Success, WcOpcode::CompSwap, a.qpn, 8),
+            req_cqe(6, WcStatus::Success, WcOpcode::FetchAdd, a.qpn, 8),
+        ]
+    );
+    assert_eq!([a.buf.read(20000, 500), a.buf.read(30000, 700)].concat(), remote);
+    assert_eq!((a.buf.u64_at(40000), a.buf.u64_at(40008), b.buf.u64_at(32768)), (7, 100, 105));
+    assert_eq!(t.a.env.io.state(a.qpn), Some(QpState::Rts));
+    assert_eq!(t.b.env.io.state(b.qpn), Some(QpState::Rts));
+}
+
+#[test]
+fn a_signaled_write_completes_only_once_the_peer_has_placed_it() {
+    let (mut t, a, b) = TwoHosts::pair(1024, conn());
+    a.buf.write(0, b"placed");
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 6)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    // The frame is out (A's side took it), the ACK has not come back.
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    assert!(t.a.env.poll(a.cq).is_empty(), "no completion before the ACK");
+    assert_eq!(b.buf.read(0, 6), b"placed");
+    assert!(TwoHosts::carry(&mut t.b, &mut t.a, T0, '<', &mut t.log));
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
+#[test]
+fn many_requests_are_in_flight_at_once_and_complete_in_order() {
+    let (mut t, a, b) = TwoHosts::pair(1024, conn());
+    t.run_a_only(T0);
+    for i in 0..8u64 {
+        t.b.env.io.post_recv(b.qpn, recv(100 + i, &[b.buf.sge(i * 64, 64)]));
+        t.a.env.io.post_send(a.qpn, wr(i, SendOpcode::Send, &[a.buf.sge(i * 64, 64)], SendFlags::SIGNALED));
+    }
+    // Eight frames go out before the first ACK is read.
+    for _ in 0..8 {
+        assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    }
+    assert!(t.a.env.poll(a.cq).is_empty());
+    t.run(T0);
+    let ids: Vec<u64> = t.a.env.poll(a.cq).iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids, (0..8).collect::<Vec<_>>());
+    let ids: Vec<u64> = t.b.env.poll(b.cq).iter().map(|c| c.wr_id).collect();
+    assert_eq!(ids, (100..108).collect::<Vec<_>>());
+}
+
+#[test]
+fn rnr_nak_waits_the_responders_timer_then_resends() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    a.buf.write(0, &pattern(600, 1));
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 600)], SendFlags::SIGNALED));
+    t.a.env
+        .io
+        .post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr + 4096, b.buf.key));
+    t.run(T0);
+    assert!(t.a.env.poll(a.cq).is_empty(), "RNR: nothing completes");
+    assert!(t.log.iter().any(|(d, op, _)| *d == '<' && *op == crate::wire::Opcode::Acknowledge));
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 1000)]));
+    // Before the RNR delay has passed nothing is resent.
+    t.run(T0);
+    assert!(t.a.env.poll(a.cq).is_empty());
+    let later = T0 + timers::rnr_delay(1) + Duration::from_micros(1);
+    t.run(later);
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(1, WcStatus::Success, WcOpcode::Send, a.qpn, 0),
+            req_cqe(2, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)
+        ]
+    );
+    assert_eq!(b.buf.read(0, 600), pattern(600, 1));
+    let got = t.b.env.poll(b.cq);
+    assert_eq!((got.len(), got[0].byte_len), (1, 600));
+}
+
+#[test]
+fn rnr_retries_spent_end_in_rnr_retry_exc_err() {
+    let c = Conn { rnr_retry: 1, ..conn() };
+    let (mut t, a, _b) = TwoHosts::pair(256, c);
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.a.env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    let mut now = T0;
+    for _ in 0..4 {
+        t.run(now);
+        now = now + timers::rnr_delay(1) + Duration::from_micros(1);
+    }
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(1, WcStatus::RnrRetryExcErr, WcOpcode::Send, a.qpn, 0),
+            req_cqe(2, WcStatus::WrFlushErr, WcOpcode::Send, a.qpn, 0)
+        ]
+    );
+    assert_eq!(t.a.env.io.state(a.qpn), Some(QpState::Err));
+}
+
+#[test]
+fn write_with_immediate_waits_for_a_receive_at_its_last_chunk() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    a.buf.write(0, &pattern(700, 4));
+    let mut w = rdma(1, SendOpcode::RdmaWriteWithImm, &[a.buf.sge(0, 700)], b.buf.addr, b.buf.key);
+    w.imm_data = 9;
+    t.a.env.io.post_send(a.qpn, w);
+    t.run(T0);
+    assert!(t.a.env.poll(a.cq).is_empty());
+    t.b.env.io.post_recv(b.qpn, recv(5, &[]));
+    t.run(T0 + timers::rnr_delay(1) + Duration::from_micros(1));
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+    let got = t.b.env.poll(b.cq);
+    assert_eq!((got[0].wr_id, got[0].byte_len, got[0].imm_data), (5, 700, 9));
+    assert_eq!(b.buf.read(0, 700), pattern(700, 4));
+}
+
+#[test]
+fn a_bad_rkey_is_a_remote_access_error_on_both_hosts() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.a.env
+        .io
+        .post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key + 1));
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 8)]));
+    t.run(T0);
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(1, WcStatus::RemAccessErr, WcOpcode::RdmaWrite, a.qpn, 0),
+            req_cqe(2, WcStatus::WrFlushErr, WcOpcode::RdmaWrite, a.qpn, 0)
+        ]
+    );
+    assert_eq!(t.a.env.io.state(a.qpn), Some(QpState::Err));
+    assert_eq!(t.b.env.io.state(b.qpn), Some(QpState::Err));
+    assert!(t
+        .b
+        .env
+        .io
+        .events
+        .iter()
+        .any(|(_, e)| e.event_type == AsyncEventType::QpAccessErr && e.element == b.qpn));
+    assert_eq!(t.b.env.poll(b.cq), vec![recv_err(10, WcStatus::WrFlushErr, b.qpn)]);
+    // Out of bounds, and a read without the access right, likewise.
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.a.env.io.post_send(
+        a.qpn,
+        rdma(1, SendOpcode::RdmaRead, &[a.buf.sge(0, 64)], b.buf.addr + (64 << 10) - 8, b.buf.key),
+    );
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RemAccessErr, WcOpcode::RdmaRead, a.qpn, 0)]);
+}
+
+#[test]
+fn a_send_too_long_for_the_receive_is_an_invalid_request() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 300)]));
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 600)], SendFlags::SIGNALED));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RemInvReqErr, WcOpcode::Send, a.qpn, 0)]);
+    assert_eq!(t.b.env.poll(b.cq), vec![recv_err(10, WcStatus::LocLenErr, b.qpn)]);
+    assert_eq!(t.b.env.io.state(b.qpn), Some(QpState::Err));
+}
+
+#[test]
+fn a_stalled_link_ends_in_retry_exc_err_after_timeout_and_retries_and_nothing_twice() {
+    let c = Conn { timeout: 10, retry_cnt: 2, ..conn() };
+    let (mut t, a, b) = TwoHosts::pair(256, c);
+    t.flowing = false;
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    // Frames leave A; none is answered.
+    while TwoHosts::carry(
+        &mut t.a,
+        &mut Host { env: host([10, 9, 9, 9]), link: LinkId(99) },
+        T0,
+        '>',
+        &mut t.log,
+    ) {}
+    let tick = timers::ack_timeout(10).unwrap();
+    let mut now = T0;
+    // Three periods of the timer (the first try and two retries) fail it,
+    // not two.
+    for _ in 0..2 {
+        now = now + tick + Duration::from_nanos(1);
+        t.run(now);
+        assert!(t.a.env.poll(a.cq).is_empty());
+    }
+    now = now + tick + Duration::from_nanos(1);
+    t.run(now);
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0),
+            req_cqe(2, WcStatus::WrFlushErr, WcOpcode::RdmaWrite, a.qpn, 0)
+        ]
+    );
+    // The link comes back and the old ACKs arrive: nothing completes twice.
+    t.flowing = true;
+    t.run(now);
+    assert!(t.a.env.poll(a.cq).is_empty());
+}
+
+#[test]
+fn a_link_that_goes_down_fails_its_qps_and_a_new_link_serves_new_qps() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    // The frame leaves; the link goes down before any answer.
+    assert!(TwoHosts::carry(
+        &mut t.a,
+        &mut Host { env: host([10, 9, 9, 9]), link: LinkId(99) },
+        T0,
+        '>',
+        &mut t.log
+    ));
+    t.a.env.hca.link_down(t.a.link);
+    t.b.env.hca.link_down(t.b.link);
+    let tick = timers::ack_timeout(14).unwrap();
+    let mut now = T0;
+    for _ in 0..3 {
+        now = now + tick + Duration::from_nanos(1);
+        t.run_a_only(now);
+    }
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
+    // A new link; new QPs connect over it.
+    let chunk = 256;
+    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: 2, chunk });
+    t.b.link = t.b.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_A), lid: 1, chunk });
+    let a2 = t.a.env.end(C1);
+    let b2 = t.b.env.end(C1);
+    t.connect(a2.qpn, b2.qpn, conn());
+    t.a.env
+        .io
+        .post_send(a2.qpn, rdma(7, SendOpcode::RdmaWrite, &[a2.buf.sge(0, 8)], b2.buf.addr, b2.buf.key));
+    t.run(now);
+    assert_eq!(t.a.env.poll(a2.cq), vec![req_cqe(7, WcStatus::Success, WcOpcode::RdmaWrite, a2.qpn, 0)]);
+}
+
+#[test]
+fn with_no_link_the_peer_is_wanted_and_the_request_times_out() {
+    let mut t = TwoHosts::new(256);
+    t.a.env.hca.link_down(t.a.link);
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    t.connect(a.qpn, b.qpn, conn());
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    assert_eq!(t.a.env.hca.take_wanted_peers(), vec![Gid::from_ipv4(IP_B)]);
+    assert_eq!(t.a.env.hca.qp_path(a.qpn), Some(Path::Link(None)));
+    let tick = timers::ack_timeout(14).unwrap();
+    let mut now = T0;
+    for _ in 0..3 {
+        now = now + tick + Duration::from_nanos(1);
+        t.run_a_only(now);
+    }
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
+#[test]
+fn frames_from_another_tenant_or_qp_are_dropped_without_effect() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    // A QP of another tenant on A aimed at b's QP number.
+    let x = t.a.env.end(C3);
+    connect_side(&mut t.a.env, x.qpn, b.qpn, IP_B, conn());
+    t.a.env.io.post_send(x.qpn, rdma(1, SendOpcode::RdmaWrite, &[x.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    let before = b.buf.read(0, 8);
+    x.buf.write(0, b"intruder");
+    t.run(T0);
+    assert_eq!(b.buf.read(0, 8), before, "nothing placed across tenants");
+    assert_eq!(t.b.env.io.state(b.qpn), Some(QpState::Rts));
+    // a's traffic still flows.
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(2, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+    assert!(t.b.env.hca.links()[0].stats.dropped_in >= 1);
+}
+
+#[test]
+fn a_small_message_waits_at_most_one_chunk_per_busy_qp() {
+    let mut t = TwoHosts::new(1024);
+    let big = t.a.env.end(C1);
+    let small = t.a.env.end(C1);
+    let bb = t.b.env.end(C1);
+    let bs = t.b.env.end(C1);
+    t.connect(big.qpn, bb.qpn, conn());
+    t.connect(small.qpn, bs.qpn, conn());
+    t.a.env.io.post_send(
+        big.qpn,
+        rdma(1, SendOpcode::RdmaWrite, &[big.buf.sge(0, 60 << 10)], bb.buf.addr, bb.buf.key),
+    );
+    t.b.env.io.post_recv(bs.qpn, recv(9, &[bs.buf.sge(0, 8)]));
+    t.a.env.io.post_send(small.qpn, wr(2, SendOpcode::Send, &[small.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run(T0);
+    let first_small =
+        t.log.iter().position(|(d, op, _)| *d == '>' && *op == crate::wire::Opcode::SendOnly).unwrap();
+    assert!(
+        first_small <= 2,
+        "the send went out as frame {first_small}, behind one chunk of the write at most"
+    );
+    assert_eq!(t.a.env.poll(big.cq).len(), 1);
+    assert_eq!(t.a.env.poll(small.cq).len(), 1);
+}
