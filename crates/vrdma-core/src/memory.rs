@@ -107,6 +107,15 @@ impl Region {
         }
     }
 
+    /// The address of `[offset, offset+len)`, for a driver that moves bytes
+    /// between a socket and the region with `readv`/`writev`. The pointer
+    /// is valid for `len` bytes while `self` (or a clone) lives; the memory
+    /// is shared with the tenant, so it must only be handed to the kernel
+    /// or copied with raw copies, never turned into a Rust reference.
+    pub fn io_ptr(&self, offset: usize, len: usize) -> Result<*mut u8, OutOfBounds> {
+        self.check(offset, len)
+    }
+
     pub fn read(&self, offset: usize, dst: &mut [u8]) -> Result<(), OutOfBounds> {
         let src = self.check(offset, dst.len())?;
         // SAFETY: `src` is valid for dst.len() bytes (checked); `dst` is a

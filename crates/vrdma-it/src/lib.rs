@@ -538,3 +538,52 @@ impl RawConn {
         }
     }
 }
+
+/// Two daemons that play two hosts, joined by the TCP transport.
+///
+/// Without namespaces the hosts are two loopback addresses, 127.0.0.2 and
+/// 127.0.0.3 (all of 127/8 is the loopback interface on Linux), each
+/// daemon listening on its own address at one shared port, so that a GID
+/// (`::ffff:127.0.0.x`) names a daemon exactly as a host address does.
+/// The control sockets are files, so the test process reaches both.
+pub struct TwoHosts {
+    pub a: DaemonProc,
+    pub b: DaemonProc,
+    pub port: u16,
+}
+
+/// The pre-shared key of the test cluster.
+pub const TEST_PSK: &str = "vrdma integration test key 0123";
+
+/// A free TCP port on the loopback network (bound, then released).
+pub fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The configuration of a daemon that is host `ip` of a two-host setup.
+pub fn host_config(ip: &str, port: u16, peers: &[String], extra: &str) -> String {
+    let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
+    format!(
+        "address = \"{ip}\"\n{extra}\n[net]\nlisten = \"{ip}:{port}\"\nport = {port}\npsk = \"{TEST_PSK}\"\npeers = [{}]\nkeepalive_ms = 200\ndead_ms = 1500\n",
+        peers.join(", ")
+    )
+}
+
+impl TwoHosts {
+    /// Two hosts; with `peered` each dials the other at start (as LID
+    /// addressing needs), else links form when a QP names a GID.
+    pub fn start(peered: bool) -> Result<TwoHosts> {
+        Self::start_with(peered, "")
+    }
+
+    pub fn start_with(peered: bool, extra: &str) -> Result<TwoHosts> {
+        let port = free_port()?;
+        let (ia, ib) = ("127.0.0.2", "127.0.0.3");
+        let pa = if peered { vec![format!("{ib}:{port}")] } else { vec![] };
+        let pb = if peered { vec![format!("{ia}:{port}")] } else { vec![] };
+        let a = DaemonProc::start_with_config(&host_config(ia, port, &pa, extra))?;
+        let b = DaemonProc::start_with_config(&host_config(ib, port, &pb, extra))?;
+        Ok(TwoHosts { a, b, port })
+    }
+}

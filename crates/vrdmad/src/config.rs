@@ -19,6 +19,15 @@
 //!
 //! [tenants.1000]        # a tenant is a uid; override its quota
 //! max_objects = 64
+//!
+//! [net]                 # other hosts: only with a pre-shared key
+//! listen = "10.0.0.1:4792"   # default: the host address, port 4792
+//! psk = "at least sixteen bytes of secret"   # or psk_file = "/etc/vrdma/psk"
+//! id = 1                # this daemon's id in Hellos (default: from the address)
+//! port = 4792           # where peers named by a GID listen
+//! peers = ["10.0.0.2:4792"]  # connect at start (needed for LID-only addressing)
+//! keepalive_ms = 1000   # probe an idle link this often
+//! dead_ms = 5000        # a link silent this long is dead
 //! ```
 
 use std::collections::BTreeMap;
@@ -65,12 +74,102 @@ impl Default for EngineConfig {
     }
 }
 
+/// The default TCP port of the daemon-to-daemon transport.
+pub const DEFAULT_WIRE_PORT: u16 = 4792;
+
+/// The transport to other hosts' daemons. It is off unless a pre-shared
+/// key is configured: an unauthenticated daemon port would let anyone on
+/// the network write into tenants' memory.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetConfig {
+    pub listen: Option<std::net::SocketAddr>,
+    pub psk: Option<String>,
+    pub psk_file: Option<PathBuf>,
+    pub id: Option<u64>,
+    pub port: u16,
+    pub peers: Vec<std::net::SocketAddr>,
+    pub keepalive_ms: u64,
+    pub dead_ms: u64,
+    /// Largest chunk offered in the Hello (a power of two, 256..=65536).
+    pub max_chunk: u32,
+}
+
+impl Default for NetConfig {
+    fn default() -> Self {
+        NetConfig {
+            listen: None,
+            psk: None,
+            psk_file: None,
+            id: None,
+            port: DEFAULT_WIRE_PORT,
+            peers: Vec::new(),
+            keepalive_ms: 1000,
+            dead_ms: 5000,
+            max_chunk: vrdma_core::wire::MAX_CHUNK,
+        }
+    }
+}
+
+impl NetConfig {
+    /// The pre-shared key, if the transport is configured.
+    pub fn key(&self) -> Result<Option<Vec<u8>>, ConfigError> {
+        let key = match (&self.psk, &self.psk_file) {
+            (Some(_), Some(_)) => {
+                return Err(ConfigError::Invalid("net: give psk or psk_file, not both".into()))
+            }
+            (Some(k), None) => k.as_bytes().to_vec(),
+            (None, Some(p)) => {
+                let mut k =
+                    std::fs::read(p).map_err(|source| ConfigError::Read { path: p.clone(), source })?;
+                while k.last().is_some_and(|b| b.is_ascii_whitespace()) {
+                    k.pop();
+                }
+                k
+            }
+            (None, None) => return Ok(None),
+        };
+        if key.len() < vrdma_core::wire::auth::MIN_KEY_LEN {
+            return Err(ConfigError::Invalid(format!(
+                "net: the pre-shared key must be at least {} bytes",
+                vrdma_core::wire::auth::MIN_KEY_LEN
+            )));
+        }
+        Ok(Some(key))
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let c = self.max_chunk;
+        if !(vrdma_core::wire::MIN_CHUNK..=vrdma_core::wire::MAX_CHUNK).contains(&c) || !c.is_power_of_two() {
+            return Err(ConfigError::Invalid(format!(
+                "net.max_chunk {c} is not a power of two in 256..=65536"
+            )));
+        }
+        if self.keepalive_ms == 0 || self.dead_ms <= self.keepalive_ms || self.dead_ms > 3_600_000 {
+            return Err(ConfigError::Invalid("net: need 0 < keepalive_ms < dead_ms <= 3600000".into()));
+        }
+        if self.psk.is_some() && self.psk_file.is_some() {
+            return Err(ConfigError::Invalid("net: give psk or psk_file, not both".into()));
+        }
+        if let Some(k) = &self.psk {
+            if k.len() < vrdma_core::wire::auth::MIN_KEY_LEN {
+                return Err(ConfigError::Invalid(format!(
+                    "net: the pre-shared key must be at least {} bytes",
+                    vrdma_core::wire::auth::MIN_KEY_LEN
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DaemonConfig {
     pub socket: Option<PathBuf>,
     pub address: Option<Ipv4Addr>,
     pub engine: EngineConfig,
+    pub net: NetConfig,
     pub quota: Quota,
     /// Per-uid quota overrides; keys are uids.
     pub tenants: BTreeMap<String, Quota>,
@@ -103,6 +202,7 @@ impl DaemonConfig {
 
     fn validate(&self) -> Result<(), ConfigError> {
         self.tenant_quotas()?;
+        self.net.validate()?;
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
         }
@@ -148,6 +248,23 @@ mod tests {
         assert_eq!(c.quota.max_queue_depth, Quota::default().max_queue_depth);
         assert_eq!(c.tenant_quotas().unwrap()[0].0, 1000);
         assert_eq!(c.address, Some(Ipv4Addr::new(10, 0, 0, 1)));
+        assert_eq!(c.net.key().unwrap(), None, "no key: no transport");
+    }
+
+    #[test]
+    fn parses_the_transport_section() {
+        let c = DaemonConfig::from_toml(
+            r#"
+            [net]
+            listen = "127.0.0.2:4800"
+            psk = "0123456789abcdef0123"
+            peers = ["127.0.0.3:4800"]
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.net.key().unwrap().unwrap(), b"0123456789abcdef0123");
+        assert_eq!(c.net.port, DEFAULT_WIRE_PORT);
+        assert_eq!(c.net.peers.len(), 1);
     }
 
     #[test]
@@ -156,5 +273,9 @@ mod tests {
         assert!(DaemonConfig::from_toml("[tenants.bob]\nmax_objects = 1").is_err());
         assert!(DaemonConfig::from_toml("[engine]\nchunk_bytes = 0").is_err());
         assert!(DaemonConfig::from_toml("[quota]\nmax_objects = -1").is_err());
+        assert!(DaemonConfig::from_toml("[net]\npsk = \"short\"").is_err());
+        assert!(DaemonConfig::from_toml("[net]\nmax_chunk = 1000").is_err());
+        assert!(DaemonConfig::from_toml("[net]\nkeepalive_ms = 10\ndead_ms = 5").is_err());
+        assert!(DaemonConfig::from_toml("[net]\nlisten = \"nowhere\"").is_err());
     }
 }

@@ -15,6 +15,7 @@
 pub mod config;
 pub mod engine;
 pub mod host;
+pub mod net;
 mod server;
 
 use std::path::{Path, PathBuf};
@@ -70,6 +71,8 @@ pub enum DaemonError {
     Config(#[from] ConfigError),
     #[error("cannot listen on {path}: {source}")]
     Bind { path: PathBuf, source: std::io::Error },
+    #[error("cannot accept links from other hosts on {addr}: {source}")]
+    Listen { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("cannot start the daemon: {0}")]
     Start(#[from] std::io::Error),
 }
@@ -80,6 +83,7 @@ pub struct Daemon {
     shared: Arc<server::Shared>,
     acceptor: Option<std::thread::JoinHandle<()>>,
     engine: Option<engine::Engine>,
+    net_listener: Option<net::Listener>,
 }
 
 impl Daemon {
@@ -94,7 +98,31 @@ impl Daemon {
         for (uid, q) in config.tenant_quotas()? {
             hca.set_quota(TenantId(uid), q);
         }
-        let engine = engine::Engine::start(hca, config.engine.clone())?;
+        let net = match config.net.key()? {
+            Some(psk) => {
+                let listen = config.net.listen.unwrap_or_else(|| (address, config::DEFAULT_WIRE_PORT).into());
+                let gid = vrdma_core::verbs::Gid::from_ipv4(address.octets());
+                let id = config.net.id.unwrap_or(u64::from(u32::from(address)));
+                let lid = hca.config().port.lid;
+                Some(Arc::new(net::NetSetup {
+                    identity: net::identity(id, gid, lid, config.net.max_chunk, psk),
+                    listen,
+                    port: config.net.port,
+                    peers: config.net.peers.clone(),
+                    keepalive: std::time::Duration::from_millis(config.net.keepalive_ms),
+                    dead: std::time::Duration::from_millis(config.net.dead_ms),
+                }))
+            }
+            None => None,
+        };
+        let engine = engine::Engine::start(hca, config.engine.clone(), net.clone())?;
+        let net_listener = match net {
+            Some(setup) => Some(
+                net::Listener::start(setup.clone(), engine.handle())
+                    .map_err(|source| DaemonError::Listen { addr: setup.listen, source })?,
+            ),
+            None => None,
+        };
         let listener = Arc::new(
             server::Listener::bind(&path)
                 .map_err(|source| DaemonError::Bind { path: path.clone(), source })?,
@@ -108,7 +136,7 @@ impl Daemon {
         let (l, s) = (listener.clone(), shared.clone());
         let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;
         tracing::info!(socket = %path.display(), %address, "vrdma daemon ready");
-        Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine) })
+        Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine), net_listener })
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -125,7 +153,15 @@ impl Daemon {
         self.stop();
     }
 
+    /// Where links from other hosts are accepted, if the transport is on.
+    pub fn wire_addr(&self) -> Option<std::net::SocketAddr> {
+        self.net_listener.as_ref().map(|l| l.addr)
+    }
+
     fn stop(&mut self) {
+        if let Some(mut l) = self.net_listener.take() {
+            l.shutdown();
+        }
         self.listener.shutdown();
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();

@@ -30,12 +30,24 @@ use crate::config::EngineConfig;
 pub struct EngineState {
     pub hca: Hca,
     pub rings: RingTable,
+    /// Links to other hosts' daemons, when the transport is configured.
+    pub net: Option<crate::net::Net>,
     epoch: std::time::Instant,
 }
 
 impl EngineState {
     pub fn now(&self) -> Instant {
         Instant(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    /// One pass over the shared-memory queues and the links.
+    fn pass(&mut self) -> vrdma_core::hca::Activity {
+        let now = self.now();
+        let mut act = self.hca.process(now, &mut self.rings);
+        if let Some(n) = self.net.as_mut() {
+            act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
+        }
+        act
     }
 }
 
@@ -85,14 +97,23 @@ pub struct Engine {
 }
 
 impl Engine {
-    pub fn start(hca: Hca, config: EngineConfig) -> std::io::Result<Engine> {
+    pub fn start(
+        hca: Hca,
+        config: EngineConfig,
+        net: Option<Arc<crate::net::NetSetup>>,
+    ) -> std::io::Result<Engine> {
         let (tx, rx) = crossbeam_channel::unbounded();
         let (wake_tx, wake) = Doorbell::pair()?;
         let (wake_tx, wake) = (Arc::new(wake_tx), Arc::new(wake));
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(EngineStats::default());
         let handle = EngineHandle { tx, wake: wake_tx, stats: stats.clone() };
-        let state = EngineState { hca, rings: RingTable::default(), epoch: std::time::Instant::now() };
+        let net = net.map(|setup| {
+            let mut n = crate::net::Net::new(setup);
+            n.set_handle(handle.clone());
+            n
+        });
+        let state = EngineState { hca, rings: RingTable::default(), net, epoch: std::time::Instant::now() };
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-engine".into())
@@ -170,16 +191,13 @@ fn run(
             }
             idle_since = None;
         }
-        let now = s.now();
-        let act =
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.hca.process(now, &mut s.rings)))
-            {
-                Ok(a) => a,
-                Err(_) => {
-                    tracing::error!("the engine pass panicked; continuing with the next pass");
-                    Default::default()
-                }
-            };
+        let act = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.pass())) {
+            Ok(a) => a,
+            Err(_) => {
+                tracing::error!("the engine pass panicked; continuing with the next pass");
+                Default::default()
+            }
+        };
         stats.passes.fetch_add(1, Ordering::Relaxed);
         if act.busy {
             idle_since = None;
@@ -203,7 +221,7 @@ fn run(
         s.rings.set_sleeping(true);
         std::sync::atomic::fence(Ordering::SeqCst);
         let now = s.now();
-        let act = s.hca.process(now, &mut s.rings);
+        let act = s.pass();
         if act.busy || !rx.is_empty() || stop.load(Ordering::Relaxed) {
             s.rings.set_sleeping(false);
             idle_since = None;
@@ -217,6 +235,9 @@ fn run(
         idle_since = None;
     }
     s.rings.set_sleeping(false);
+    if let Some(n) = s.net.as_mut() {
+        n.close_all(&mut s.hca);
+    }
 }
 
 /// Blocks until a doorbell rings or `timeout` passes; a second at most, so
@@ -228,6 +249,10 @@ fn sleep(s: &EngineState, wake: &Doorbell, timeout: Option<Duration>) {
     for c in s.rings.contexts.values() {
         fds.push(PollFd::from_borrowed_fd(c.doorbell.as_fd(), PollFlags::IN));
     }
+    let timeout = match s.net.as_ref().and_then(|n| n.poll_fds(&mut fds)) {
+        Some(t) => timeout.min(t.max(Duration::from_millis(1))),
+        None => timeout,
+    };
     let ts =
         rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
     if let Err(e) = rustix::event::poll(&mut fds, Some(&ts)) {

@@ -1,0 +1,245 @@
+//! The start of every link: Hello both ways, then Auth both ways, on a
+//! blocking socket with a deadline, before the engine sees the socket.
+//!
+//! Done on a thread of its own so that a slow or hostile peer (one that
+//! connects and sends nothing, or trickles bytes) costs that thread its
+//! deadline and nothing else: the engine only ever gets authenticated
+//! links.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use vrdma_core::verbs::Gid;
+use vrdma_core::wire::auth::{local_tag, verify_peer};
+use vrdma_core::wire::{CloseReason, CloseRepr, Event, FrameDecoder, FrameRepr, HelloRepr, Role, NONCE_LEN};
+
+/// Who we are in Hellos.
+#[derive(Debug, Clone)]
+pub struct Identity {
+    pub daemon_id: u64,
+    pub gid: Gid,
+    pub lid: u16,
+    pub max_chunk: u32,
+    pub psk: Vec<u8>,
+}
+
+/// What an authenticated peer told about itself.
+#[derive(Debug, Clone, Copy)]
+pub struct Peer {
+    pub hello: HelloRepr,
+    pub chunk: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum HandshakeError {
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("the peer sent a malformed frame: {0}")]
+    Wire(#[from] vrdma_core::wire::WireError),
+    #[error("the peer sent {0} where the handshake expected {1}")]
+    Unexpected(&'static str, &'static str),
+    #[error("authentication failed: {0}")]
+    Auth(#[from] vrdma_core::wire::auth::AuthError),
+    #[error("the handshake took longer than {0:?}")]
+    Timeout(Duration),
+    #[error("the peer closed the connection ({0:?})")]
+    Closed(Option<CloseReason>),
+}
+
+fn frame_name(f: &FrameRepr) -> &'static str {
+    match f {
+        FrameRepr::Hello(_) => "Hello",
+        FrameRepr::Auth(_) => "Auth",
+        FrameRepr::Keepalive(_) => "Keepalive",
+        FrameRepr::Close(_) => "Close",
+        FrameRepr::Data(_) => "a data frame",
+    }
+}
+
+/// Reads one frame header (control frames carry no payload) by the deadline.
+fn read_frame(
+    s: &mut TcpStream,
+    dec: &mut FrameDecoder,
+    deadline: Instant,
+    limit: Duration,
+) -> Result<FrameRepr, HandshakeError> {
+    let mut byte = [0u8; 128];
+    loop {
+        let left = deadline.checked_duration_since(Instant::now()).ok_or(HandshakeError::Timeout(limit))?;
+        s.set_read_timeout(Some(left.max(Duration::from_millis(1))))?;
+        let want = match dec.want() {
+            vrdma_core::wire::Want::Header(n) => n.min(byte.len()),
+            vrdma_core::wire::Want::Payload(_) => {
+                return Err(HandshakeError::Unexpected("a payload", "a control frame"))
+            }
+            vrdma_core::wire::Want::Failed(e) => return Err(e.into()),
+        };
+        let n = match s.read(&mut byte[..want]) {
+            Ok(0) => return Err(HandshakeError::Closed(None)),
+            Ok(n) => n,
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                return Err(HandshakeError::Timeout(limit))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e.into()),
+        };
+        let mut at = 0;
+        while at < n {
+            let (used, ev) = dec.feed(&byte[at..n])?;
+            at += used;
+            match ev {
+                Some(Event::Header(FrameRepr::Close(c))) => {
+                    return Err(HandshakeError::Closed(Some(c.reason)))
+                }
+                Some(Event::Header(f)) => {
+                    debug_assert_eq!(at, n, "read no further than the header");
+                    return Ok(f);
+                }
+                Some(Event::Payload { .. }) => {
+                    return Err(HandshakeError::Unexpected("a payload", "a control frame"))
+                }
+                None => {}
+            }
+        }
+    }
+}
+
+fn send(s: &mut TcpStream, f: &FrameRepr) -> Result<(), HandshakeError> {
+    let mut b = [0u8; vrdma_core::wire::MAX_HEADER_LEN];
+    let n = f.emit(&mut b)?;
+    s.write_all(&b[..n])?;
+    Ok(())
+}
+
+/// Tells the peer why we are leaving, if it still listens.
+pub fn send_close(s: &mut TcpStream, reason: CloseReason) {
+    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+    let _ = send(s, &FrameRepr::Close(CloseRepr { reason, detail: 0 }));
+    let _ = s.shutdown(std::net::Shutdown::Both);
+}
+
+/// Runs the handshake in `role`; on success the socket is ready for data
+/// frames, and the peer is who the pre-shared key says.
+pub fn handshake(
+    s: &mut TcpStream,
+    role: Role,
+    me: &Identity,
+    limit: Duration,
+) -> Result<Peer, HandshakeError> {
+    let deadline = Instant::now() + limit;
+    s.set_write_timeout(Some(limit))?;
+    let mut nonce = [0u8; NONCE_LEN];
+    getrandom::fill(&mut nonce).map_err(|e| std::io::Error::other(e.to_string()))?;
+    let mut hello = HelloRepr::new(role, me.daemon_id, me.gid, me.lid, nonce);
+    hello.max_chunk = me.max_chunk;
+    send(s, &FrameRepr::Hello(hello))?;
+    let mut dec = FrameDecoder::new();
+    let peer = match read_frame(s, &mut dec, deadline, limit)? {
+        FrameRepr::Hello(h) => h,
+        other => return Err(HandshakeError::Unexpected(frame_name(&other), "Hello")),
+    };
+    if let Err(e) = hello.negotiate_version(&peer) {
+        send_close(s, CloseReason::VersionMismatch);
+        return Err(e.into());
+    }
+    let tag = match local_tag(&me.psk, &hello, &peer) {
+        Ok(t) => t,
+        Err(e) => {
+            send_close(s, CloseReason::AuthFailed);
+            return Err(e.into());
+        }
+    };
+    send(s, &FrameRepr::Auth(tag))?;
+    let theirs = match read_frame(s, &mut dec, deadline, limit)? {
+        FrameRepr::Auth(t) => t,
+        other => {
+            send_close(s, CloseReason::AuthFailed);
+            return Err(HandshakeError::Unexpected(frame_name(&other), "Auth"));
+        }
+    };
+    if let Err(e) = verify_peer(&me.psk, &hello, &peer, &theirs) {
+        send_close(s, CloseReason::AuthFailed);
+        return Err(e.into());
+    }
+    s.set_read_timeout(None)?;
+    s.set_write_timeout(None)?;
+    Ok(Peer { hello: peer, chunk: hello.negotiate_chunk(&peer) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    fn id(n: u64, key: &[u8]) -> Identity {
+        Identity {
+            daemon_id: n,
+            gid: Gid::from_ipv4([10, 0, 0, n as u8]),
+            lid: n as u16,
+            max_chunk: 4096,
+            psk: key.to_vec(),
+        }
+    }
+
+    fn pair(
+        ka: &'static [u8],
+        kb: &'static [u8],
+    ) -> (Result<Peer, HandshakeError>, Result<Peer, HandshakeError>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            handshake(&mut s, Role::Acceptor, &id(2, kb), Duration::from_secs(2))
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let a = handshake(&mut c, Role::Initiator, &id(1, ka), Duration::from_secs(2));
+        (a, t.join().unwrap())
+    }
+
+    #[test]
+    fn peers_with_the_same_key_learn_each_other() {
+        let (a, b) = pair(b"0123456789abcdef", b"0123456789abcdef");
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a.hello.daemon_id, 2);
+        assert_eq!(b.hello.gid, Gid::from_ipv4([10, 0, 0, 1]));
+        assert_eq!(a.chunk, 4096);
+    }
+
+    #[test]
+    fn a_wrong_key_fails_on_both_sides() {
+        let (a, b) = pair(b"0123456789abcdef", b"fedcba9876543210");
+        assert!(a.is_err());
+        assert!(b.is_err());
+    }
+
+    #[test]
+    fn garbage_and_silence_are_refused_within_the_deadline() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            for _ in 0..2 {
+                let (mut s, _) = l.accept().unwrap();
+                let start = Instant::now();
+                out.push((
+                    handshake(
+                        &mut s,
+                        Role::Acceptor,
+                        &id(2, b"0123456789abcdef"),
+                        Duration::from_millis(300),
+                    ),
+                    start.elapsed(),
+                ));
+            }
+            out
+        });
+        let mut g = TcpStream::connect(addr).unwrap();
+        g.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let _silent = TcpStream::connect(addr).unwrap();
+        let out = t.join().unwrap();
+        assert!(matches!(out[0].0, Err(HandshakeError::Wire(_))), "{:?}", out[0].0);
+        assert!(matches!(out[1].0, Err(HandshakeError::Timeout(_))), "{:?}", out[1].0);
+        assert!(out[1].1 < Duration::from_secs(2));
+    }
+}

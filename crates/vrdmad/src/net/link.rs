@@ -1,0 +1,381 @@
+//! One authenticated link, driven by the engine thread: frames in from a
+//! non-blocking socket into the core, frames out of the core into it.
+//!
+//! Payloads move between the socket and tenant memory with `readv` and
+//! `writev` on the mapped regions themselves. Reads go through a small
+//! buffer only while a header is awaited, so that a stream of small frames
+//! (ACKs, short sends) costs one system call for many frames; of a large
+//! payload at most that buffer's worth is copied from it, the rest is read
+//! from the socket straight into the region.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read};
+use std::net::TcpStream;
+use std::os::fd::AsRawFd;
+use std::time::{Duration, Instant as Clock};
+
+use arrayvec::ArrayVec;
+use vrdma_core::hca::{Hca, IoSeg, LinkId, Sink, Transmit};
+use vrdma_core::ring::MAX_SGE;
+use vrdma_core::time::Instant;
+use vrdma_core::wire::{CloseReason, CloseRepr, Event, FrameDecoder, FrameRepr, KeepaliveRepr, Want};
+
+use crate::engine::RingTable;
+
+/// Bytes read at once while a header is awaited.
+const READ_BUF: usize = 4096;
+/// Frames handled per link per engine pass, so one busy link cannot
+/// starve the others or the shared-memory queues.
+const FRAMES_PER_PASS: usize = 64;
+/// Bytes taken from the core ahead of the socket. Small, so that the
+/// core's turn-taking between QPs is not undone by a deep queue here.
+const TX_AHEAD: usize = 128 << 10;
+const TX_FRAMES_AHEAD: usize = 32;
+/// iovecs per `writev`/`readv`.
+const IOV_MAX: usize = 64;
+
+// One per link, reused for every frame.
+#[allow(clippy::large_enum_variant)]
+enum RxSink {
+    Place { segs: ArrayVec<IoSeg, MAX_SGE>, done: usize },
+    Discard,
+}
+
+pub struct LinkIo {
+    pub id: LinkId,
+    pub peer: std::net::SocketAddr,
+    sock: TcpStream,
+    dec: FrameDecoder,
+    rbuf: Box<[u8; READ_BUF]>,
+    rstart: usize,
+    rend: usize,
+    sink: Option<RxSink>,
+    txq: VecDeque<Transmit>,
+    /// Bytes of `txq[0]` already written.
+    tx_off: usize,
+    /// The socket refused more: wait for POLLOUT.
+    pub want_write: bool,
+    last_rx: Clock,
+    last_tx: Clock,
+    keepalive_seq: u64,
+}
+
+/// Why a link ended.
+pub type LinkEnd = String;
+
+fn would_block(e: &std::io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted)
+}
+
+impl LinkIo {
+    pub fn new(id: LinkId, sock: TcpStream, peer: std::net::SocketAddr) -> std::io::Result<LinkIo> {
+        sock.set_nonblocking(true)?;
+        sock.set_nodelay(true)?;
+        let now = Clock::now();
+        Ok(LinkIo {
+            id,
+            peer,
+            sock,
+            dec: FrameDecoder::new(),
+            rbuf: Box::new([0; READ_BUF]),
+            rstart: 0,
+            rend: 0,
+            sink: None,
+            txq: VecDeque::new(),
+            tx_off: 0,
+            want_write: false,
+            last_rx: now,
+            last_tx: now,
+            keepalive_seq: 0,
+        })
+    }
+
+    pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.sock.as_fd()
+    }
+
+    /// Queues a control frame ahead of nothing: it goes after what is queued.
+    fn queue_control(&mut self, f: FrameRepr) {
+        let mut t = Transmit::default();
+        t.header.extend(std::iter::repeat_n(0, f.header_len()));
+        if f.emit(&mut t.header).is_ok() {
+            self.txq.push_back(t);
+        }
+    }
+
+    /// Tells the peer we are leaving (best effort, never blocks).
+    pub fn close(&mut self, reason: CloseReason) {
+        let mut b = [0u8; vrdma_core::wire::MAX_HEADER_LEN];
+        if let Ok(n) = FrameRepr::Close(CloseRepr { reason, detail: 0 }).emit(&mut b) {
+            use std::io::Write;
+            let _ = (&self.sock).write(&b[..n]);
+        }
+        let _ = self.sock.shutdown(std::net::Shutdown::Both);
+    }
+
+    /// Reads and handles what the peer sent, up to a bound.
+    pub fn receive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> Result<bool, LinkEnd> {
+        let mut busy = false;
+        let mut frames = 0;
+        while frames < FRAMES_PER_PASS {
+            match self.dec.want() {
+                Want::Failed(e) => return Err(format!("protocol error: {e}")),
+                Want::Header(_) => {
+                    if self.rstart == self.rend && !self.fill()? {
+                        return Ok(busy);
+                    }
+                    let (used, ev) = self
+                        .dec
+                        .feed(&self.rbuf[self.rstart..self.rend])
+                        .map_err(|e| format!("protocol error: {e}"))?;
+                    self.rstart += used;
+                    if let Some(Event::Header(f)) = ev {
+                        frames += 1;
+                        busy = true;
+                        self.on_header(f, hca, rings, now)?;
+                    }
+                }
+                Want::Payload(left) => {
+                    if self.rstart < self.rend {
+                        let n = (left as usize).min(self.rend - self.rstart);
+                        let (a, b) = (self.rstart, self.rstart + n);
+                        self.sink_copy(a, b);
+                        self.rstart = b;
+                        self.dec.payload_placed(n).map_err(|e| format!("protocol error: {e}"))?;
+                    } else if !self.read_payload(left as usize)? {
+                        return Ok(busy);
+                    }
+                    busy = true;
+                    if matches!(self.dec.want(), Want::Header(_)) {
+                        self.sink = None;
+                        hca.data_placed(self.id, now, rings);
+                    }
+                }
+            }
+        }
+        Ok(busy)
+    }
+
+    /// Reads into the header buffer. Returns false if nothing was there.
+    fn fill(&mut self) -> Result<bool, LinkEnd> {
+        self.rstart = 0;
+        self.rend = 0;
+        match self.sock.read(&mut self.rbuf[..]) {
+            Ok(0) => Err("the peer closed the connection".into()),
+            Ok(n) => {
+                self.rend = n;
+                self.last_rx = Clock::now();
+                Ok(true)
+            }
+            Err(e) if would_block(&e) => Ok(false),
+            Err(e) => Err(format!("read: {e}")),
+        }
+    }
+
+    fn on_header(
+        &mut self,
+        f: FrameRepr,
+        hca: &mut Hca,
+        rings: &mut RingTable,
+        now: Instant,
+    ) -> Result<(), LinkEnd> {
+        match f {
+            FrameRepr::Data(d) => {
+                let sink = hca.handle_data(self.id, &d, now, rings);
+                if d.payload_len == 0 {
+                    hca.data_placed(self.id, now, rings);
+                } else {
+                    self.sink = Some(match sink {
+                        Sink::Place(segs) => RxSink::Place { segs, done: 0 },
+                        Sink::Discard => RxSink::Discard,
+                    });
+                }
+                Ok(())
+            }
+            FrameRepr::Keepalive(k) => {
+                if !k.reply {
+                    self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq: k.seq, reply: true }));
+                }
+                Ok(())
+            }
+            FrameRepr::Close(c) => Err(format!("the peer closed the link ({:?})", c.reason)),
+            FrameRepr::Hello(_) | FrameRepr::Auth(_) => {
+                Err("protocol error: a handshake frame on an open link".into())
+            }
+        }
+    }
+
+    /// Copies buffered payload bytes `rbuf[a..b]` to where they go.
+    fn sink_copy(&mut self, a: usize, b: usize) {
+        let Some(RxSink::Place { segs, done }) = self.sink.as_mut() else { return };
+        let mut src = &self.rbuf[a..b];
+        let mut skip = *done;
+        for s in segs.iter() {
+            if src.is_empty() {
+                break;
+            }
+            if skip >= s.len {
+                skip -= s.len;
+                continue;
+            }
+            let n = (s.len - skip).min(src.len());
+            // The windows were bounds-checked by the core; an error here
+            // would be a bug, and the bytes are simply not placed.
+            let _ = s.region.write(s.off + skip, &src[..n]);
+            src = &src[n..];
+            *done += n;
+            skip = 0;
+        }
+    }
+
+    /// Reads up to `left` payload bytes straight into the destination.
+    /// Returns false if the socket had nothing.
+    fn read_payload(&mut self, left: usize) -> Result<bool, LinkEnd> {
+        let n = match self.sink.as_mut() {
+            Some(RxSink::Place { segs, done }) => {
+                let mut iov: ArrayVec<libc::iovec, MAX_SGE> = ArrayVec::new();
+                let mut skip = *done;
+                let mut want = left;
+                for s in segs.iter() {
+                    if want == 0 {
+                        break;
+                    }
+                    if skip >= s.len {
+                        skip -= s.len;
+                        continue;
+                    }
+                    let n = (s.len - skip).min(want);
+                    let Ok(p) = s.region.io_ptr(s.off + skip, n) else { break };
+                    iov.push(libc::iovec { iov_base: p.cast(), iov_len: n });
+                    want -= n;
+                    skip = 0;
+                }
+                if iov.is_empty() {
+                    return Err("internal error: payload has no destination".into());
+                }
+                // SAFETY: every iovec points into a mapped region that the
+                // IoSegs in `segs` keep alive for this call, within bounds
+                // the core checked (`io_ptr` checks them again). The kernel
+                // writes tenant memory the way a DMA engine does; no Rust
+                // reference to that memory exists.
+                let r = unsafe { libc::readv(self.sock.as_raw_fd(), iov.as_ptr(), iov.len() as i32) };
+                if r < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if would_block(&e) {
+                        return Ok(false);
+                    }
+                    return Err(format!("read: {e}"));
+                }
+                *done += r as usize;
+                r as usize
+            }
+            Some(RxSink::Discard) | None => {
+                let cap = left.min(READ_BUF);
+                match self.sock.read(&mut self.rbuf[..cap]) {
+                    Ok(n) => n,
+                    Err(e) if would_block(&e) => return Ok(false),
+                    Err(e) => return Err(format!("read: {e}")),
+                }
+            }
+        };
+        if n == 0 {
+            return Err("the peer closed the connection".into());
+        }
+        self.last_rx = Clock::now();
+        self.dec.payload_placed(n).map_err(|e| format!("protocol error: {e}"))?;
+        Ok(true)
+    }
+
+    /// Writes what the core has for this link until the socket is full.
+    pub fn transmit(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> Result<bool, LinkEnd> {
+        let mut busy = false;
+        for _ in 0..FRAMES_PER_PASS {
+            let mut queued: usize = self.txq.iter().map(Transmit::len).sum::<usize>() - self.tx_off;
+            while queued < TX_AHEAD && self.txq.len() < TX_FRAMES_AHEAD {
+                match hca.poll_transmit(self.id, now, rings) {
+                    Some(t) => {
+                        queued += t.len();
+                        self.txq.push_back(t);
+                    }
+                    None => break,
+                }
+            }
+            if self.txq.is_empty() {
+                self.want_write = false;
+                return Ok(busy);
+            }
+            match self.write_queued() {
+                Ok(true) => busy = true,
+                Ok(false) => {
+                    self.want_write = true;
+                    return Ok(busy);
+                }
+                Err(e) => return Err(format!("write: {e}")),
+            }
+        }
+        Ok(busy)
+    }
+
+    /// One `writev` of the queued frames. Returns false if the socket took
+    /// nothing.
+    fn write_queued(&mut self) -> std::io::Result<bool> {
+        let mut iov: ArrayVec<libc::iovec, IOV_MAX> = ArrayVec::new();
+        let mut skip = self.tx_off;
+        'frames: for t in &self.txq {
+            let pieces = std::iter::once((t.header.as_ptr() as *mut u8, t.header.len())).chain(
+                t.payload.iter().filter_map(|s| s.region.io_ptr(s.off, s.len).ok().map(|p| (p, s.len))),
+            );
+            for (p, len) in pieces {
+                if skip >= len {
+                    skip -= len;
+                    continue;
+                }
+                if iov.is_full() {
+                    break 'frames;
+                }
+                // SAFETY: `skip < len`, so the pointer stays inside the piece.
+                iov.push(libc::iovec { iov_base: unsafe { p.add(skip) }.cast(), iov_len: len - skip });
+                skip = 0;
+            }
+        }
+        // SAFETY: the iovecs point into headers owned by `self.txq` and into
+        // mapped regions kept alive by its IoSegs, all within bounds; the
+        // kernel only reads them.
+        let r = unsafe { libc::writev(self.sock.as_raw_fd(), iov.as_ptr(), iov.len() as i32) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            return if would_block(&e) { Ok(false) } else { Err(e) };
+        }
+        self.last_tx = Clock::now();
+        let mut n = r as usize + self.tx_off;
+        while let Some(t) = self.txq.front() {
+            let len = t.len();
+            if n < len {
+                break;
+            }
+            n -= len;
+            self.txq.pop_front();
+        }
+        self.tx_off = n;
+        Ok(r > 0)
+    }
+
+    /// Probes an idle link; ends a silent one. Returns when to look again.
+    pub fn keepalive(&mut self, every: Duration, dead: Duration) -> Result<Clock, LinkEnd> {
+        let now = Clock::now();
+        if now.duration_since(self.last_rx) >= dead {
+            return Err(format!("no frame for {} ms", dead.as_millis()));
+        }
+        if now.duration_since(self.last_tx) >= every && self.txq.is_empty() {
+            self.keepalive_seq += 1;
+            self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq: self.keepalive_seq, reply: false }));
+            self.last_tx = now;
+        }
+        Ok((self.last_tx + every).min(self.last_rx + dead))
+    }
+
+    pub fn has_output(&self) -> bool {
+        !self.txq.is_empty()
+    }
+}

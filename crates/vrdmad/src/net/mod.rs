@@ -1,0 +1,313 @@
+//! The transport to other hosts: TCP links between daemons.
+//!
+//! Threads at the edge, the engine in the middle. A listener thread
+//! accepts connections and a connector thread dials a peer some QP needs;
+//! each runs the handshake (Hello, Auth with the pre-shared key) on its own
+//! blocking socket with a deadline, and only then hands the socket to the
+//! engine, which drives every link non-blocking in its passes, beside the
+//! shared-memory queues, and sleeps on their descriptors with the
+//! doorbells. A stranger that connects, stalls or sends garbage is dropped
+//! by its handshake thread and never reaches the engine.
+
+mod handshake;
+mod link;
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant as Clock};
+
+use rustix::event::{PollFd, PollFlags};
+use vrdma_core::hca::{Hca, LinkId, LinkInfo};
+use vrdma_core::time::Instant;
+use vrdma_core::verbs::Gid;
+use vrdma_core::wire::{CloseReason, Role};
+
+pub use handshake::{handshake, HandshakeError, Identity, Peer};
+pub use link::LinkIo;
+
+use crate::engine::{EngineHandle, RingTable};
+
+/// How long a handshake may take before the connection is dropped.
+const HANDSHAKE_LIMIT: Duration = Duration::from_secs(3);
+/// Handshakes in progress at once; more connections wait in the backlog.
+const MAX_HANDSHAKES: usize = 32;
+/// A failed dial is not tried again for this long.
+const REDIAL_AFTER: Duration = Duration::from_millis(500);
+
+/// What the transport needs to know, from the configuration.
+#[derive(Debug, Clone)]
+pub struct NetSetup {
+    pub identity: Identity,
+    pub listen: SocketAddr,
+    /// The port of a peer named by an IPv4-mapped GID.
+    pub port: u16,
+    pub peers: Vec<SocketAddr>,
+    pub keepalive: Duration,
+    pub dead: Duration,
+}
+
+/// The engine's side: every live link.
+pub struct Net {
+    setup: Arc<NetSetup>,
+    handle: Option<EngineHandle>,
+    pub links: BTreeMap<LinkId, LinkIo>,
+    /// Peers being dialled, and when the dial started.
+    dialling: HashMap<SocketAddr, Clock>,
+    next_keepalive: Clock,
+}
+
+impl Net {
+    pub fn new(setup: Arc<NetSetup>) -> Net {
+        Net {
+            setup,
+            handle: None,
+            links: BTreeMap::new(),
+            dialling: HashMap::new(),
+            next_keepalive: Clock::now(),
+        }
+    }
+
+    pub fn set_handle(&mut self, h: EngineHandle) {
+        self.handle = Some(h);
+    }
+
+    /// An authenticated connection joins the engine.
+    pub fn add(
+        &mut self,
+        hca: &mut Hca,
+        sock: TcpStream,
+        peer: Peer,
+        addr: SocketAddr,
+        dialled: Option<SocketAddr>,
+    ) {
+        if let Some(d) = dialled {
+            self.dialling.remove(&d);
+        }
+        let info = LinkInfo { gid: peer.hello.gid, lid: peer.hello.lid, chunk: peer.chunk };
+        let id = hca.link_up(info);
+        match LinkIo::new(id, sock, addr) {
+            Ok(l) => {
+                tracing::info!(link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id = peer.hello.daemon_id, "link up");
+                self.links.insert(id, l);
+            }
+            Err(e) => {
+                tracing::warn!(peer = %addr, error = %e, "cannot use the connection");
+                hca.link_down(id);
+            }
+        }
+    }
+
+    /// A dial failed: it may be tried again later.
+    pub fn dial_failed(&mut self, addr: SocketAddr) {
+        self.dialling.remove(&addr);
+        self.dialling.insert(addr, Clock::now() + REDIAL_AFTER);
+    }
+
+    /// Dials the hosts the core wants that no link or dial serves.
+    fn dial_wanted(&mut self, hca: &mut Hca) {
+        for gid in hca.take_wanted_peers() {
+            let Some(ip) = gid.ipv4() else {
+                tracing::debug!(%gid, "no address for a GID that is not IPv4-mapped; configure it under net.peers");
+                continue;
+            };
+            self.dial(SocketAddr::from((ip, self.setup.port)));
+        }
+    }
+
+    fn dial(&mut self, addr: SocketAddr) {
+        let now = Clock::now();
+        if self.links.values().any(|l| l.peer == addr) {
+            return;
+        }
+        match self.dialling.get(&addr) {
+            // In progress, or failed recently (the entry then holds the
+            // earliest retry).
+            Some(t) if *t > now || now.duration_since(*t) < HANDSHAKE_LIMIT * 2 => return,
+            _ => {}
+        }
+        let Some(handle) = self.handle.clone() else { return };
+        self.dialling.insert(addr, now);
+        let setup = self.setup.clone();
+        let spawned =
+            std::thread::Builder::new().name("vrdma-dial".into()).spawn(move || dial(addr, setup, handle));
+        if let Err(e) = spawned {
+            tracing::warn!(peer = %addr, error = %e, "cannot start a dialler");
+            self.dialling.remove(&addr);
+        }
+    }
+
+    /// Dials the configured peers (at start; later whenever their link is down).
+    fn dial_configured(&mut self) {
+        for p in self.setup.peers.clone() {
+            self.dial(p);
+        }
+    }
+
+    /// Moves frames on every link; drops the ones that ended.
+    pub fn drive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> bool {
+        let mut busy = false;
+        let mut ended = Vec::new();
+        for (&id, l) in self.links.iter_mut() {
+            let r = l.receive(hca, rings, now).and_then(|a| Ok(a | l.transmit(hca, rings, now)?));
+            match r {
+                Ok(b) => busy |= b,
+                Err(why) => ended.push((id, why)),
+            }
+        }
+        if Clock::now() >= self.next_keepalive {
+            self.next_keepalive = Clock::now() + self.setup.keepalive / 2;
+            for (&id, l) in self.links.iter_mut() {
+                if let Err(why) = l.keepalive(self.setup.keepalive, self.setup.dead) {
+                    ended.push((id, why));
+                }
+            }
+            self.dial_configured();
+        }
+        for (id, why) in ended {
+            if let Some(mut l) = self.links.remove(&id) {
+                tracing::warn!(link = id.0, peer = %l.peer, reason = %why, "link down");
+                l.close(if why.starts_with("protocol error") {
+                    CloseReason::ProtocolError
+                } else {
+                    CloseReason::Normal
+                });
+                hca.link_down(id);
+            }
+        }
+        self.dial_wanted(hca);
+        busy
+    }
+
+    /// Descriptors the engine sleeps on, and how long it may sleep.
+    pub fn poll_fds<'a>(&'a self, fds: &mut Vec<PollFd<'a>>) -> Option<Duration> {
+        for l in self.links.values() {
+            let mut f = PollFlags::IN;
+            if l.want_write || l.has_output() {
+                f |= PollFlags::OUT;
+            }
+            fds.push(PollFd::from_borrowed_fd(l.fd(), f));
+        }
+        (!self.links.is_empty() || !self.setup.peers.is_empty())
+            .then(|| self.next_keepalive.saturating_duration_since(Clock::now()))
+    }
+
+    /// Closes every link (daemon shutdown).
+    pub fn close_all(&mut self, hca: &mut Hca) {
+        for (id, mut l) in std::mem::take(&mut self.links) {
+            l.close(CloseReason::Shutdown);
+            hca.link_down(id);
+        }
+    }
+}
+
+fn dial(addr: SocketAddr, setup: Arc<NetSetup>, handle: EngineHandle) {
+    let r =
+        TcpStream::connect_timeout(&addr, HANDSHAKE_LIMIT).map_err(HandshakeError::from).and_then(|mut s| {
+            s.set_nodelay(true)?;
+            let p = handshake(&mut s, Role::Initiator, &setup.identity, HANDSHAKE_LIMIT)?;
+            Ok((s, p))
+        });
+    match r {
+        Ok((s, p)) => {
+            let _ = handle.call(move |st| {
+                let crate::engine::EngineState { hca, net, .. } = st;
+                if let Some(n) = net.as_mut() {
+                    n.add(hca, s, p, addr, Some(addr));
+                }
+            });
+        }
+        Err(e) => {
+            tracing::warn!(peer = %addr, error = %e, "cannot connect to the peer daemon");
+            let _ = handle.call(move |st| {
+                if let Some(n) = st.net.as_mut() {
+                    n.dial_failed(addr);
+                }
+            });
+        }
+    }
+}
+
+/// The thread that accepts links from other daemons.
+pub struct Listener {
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    pub addr: SocketAddr,
+}
+
+impl Listener {
+    pub fn start(setup: Arc<NetSetup>, handle: EngineHandle) -> std::io::Result<Listener> {
+        let l = TcpListener::bind(setup.listen)?;
+        let addr = l.local_addr()?;
+        l.set_nonblocking(true)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("vrdma-net-accept".into())
+            .spawn(move || accept_loop(l, setup, handle, s))?;
+        tracing::info!(%addr, "accepting links from other daemons");
+        Ok(Listener { stop, thread: Some(thread), addr })
+    }
+
+    pub fn shutdown(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop: Arc<AtomicBool>) {
+    let active = Arc::new(AtomicUsize::new(0));
+    while !stop.load(Ordering::Relaxed) {
+        let mut fds = [PollFd::new(&l, PollFlags::IN)];
+        let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 };
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+        let (mut s, addr) = match l.accept() {
+            Ok(x) => x,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                tracing::warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        if active.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+            tracing::warn!(peer = %addr, "too many handshakes in progress; connection dropped");
+            continue;
+        }
+        let _ = s.set_nonblocking(false);
+        let _ = s.set_nodelay(true);
+        active.fetch_add(1, Ordering::SeqCst);
+        let (setup, handle, active2) = (setup.clone(), handle.clone(), active.clone());
+        let spawned = std::thread::Builder::new().name("vrdma-handshake".into()).spawn(move || {
+            match handshake(&mut s, Role::Acceptor, &setup.identity, HANDSHAKE_LIMIT) {
+                Ok(p) => {
+                    let _ = handle.call(move |st| {
+                        let crate::engine::EngineState { hca, net, .. } = st;
+                        if let Some(n) = net.as_mut() {
+                            n.add(hca, s, p, addr, None);
+                        }
+                    });
+                }
+                Err(e) => tracing::warn!(peer = %addr, error = %e, "refused a connection from another host"),
+            }
+            active2.fetch_sub(1, Ordering::SeqCst);
+        });
+        if spawned.is_err() {
+            active.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The identity of this daemon in Hellos.
+pub fn identity(id: u64, gid: Gid, lid: u16, max_chunk: u32, psk: Vec<u8>) -> Identity {
+    Identity { daemon_id: id, gid, lid, max_chunk, psk }
+}
