@@ -210,11 +210,13 @@ impl Hca {
             if let Some(r) = inf.recv {
                 self.requeue_recv(dest, r);
             }
+            io.send_retired(qpn, 1);
             self.complete(send_cq, error_cqe(&inf.wr, WcStatus::WrFlushErr, qpn), qpn, io);
         }
         for _ in 0..bound {
             let Some(pulled) = io.pull_send(qpn) else { break };
             act.busy = true;
+            io.send_retired(qpn, 1);
             let cqe = match pulled {
                 Ok(wr) => error_cqe(&wr, WcStatus::WrFlushErr, qpn),
                 Err((wr_id, _)) => Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Send, qpn),
@@ -256,6 +258,7 @@ impl Hca {
                     }
                     Some(Err((wr_id, e))) => {
                         act.busy = true;
+                        io.send_retired(qpn, 1);
                         let cq = qp.init.send_cq;
                         let cqe = Cqe::new(wr_id, wqe_status(e), WcOpcode::Send, qpn);
                         self.complete(cq, cqe, qpn, io);
@@ -303,6 +306,7 @@ impl Hca {
         };
         match exec {
             Exec::Complete { byte_len } => {
+                io.send_retired(qpn, 1);
                 if inf.wr.flags.contains(crate::verbs::SendFlags::SIGNALED) || req.sig_all {
                     let mut cqe = Cqe::new(inf.wr.wr_id, WcStatus::Success, inf.wr.opcode.wc_opcode(), qpn);
                     cqe.byte_len = byte_len;
@@ -379,6 +383,7 @@ impl Hca {
         } else if let Some(r) = inf.recv {
             self.requeue_recv(peer, r);
         }
+        io.send_retired(req.qpn, 1);
         self.complete(req.send_cq, error_cqe(&inf.wr, f.requester, req.qpn), req.qpn, io);
         self.send_queue_error(req.qpn, io);
     }
