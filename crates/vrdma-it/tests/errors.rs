@@ -347,6 +347,117 @@ fn full_send_queue_is_enomem() -> Result<()> {
     Ok(())
 }
 
+/// A pair of QPs with `max_send_wr` 8 and infinite RNR retries: a send
+/// from `a` waits in RNR until `b` posts a receive.
+fn small_rnr_pair(t: &Two) -> Result<(Side, Side)> {
+    let a = Side::with(&t.ca, 4096, 64, cap(8, 1), None)?;
+    let b = Side::with(&t.cb, 4096, 64, cap(8, 1), None)?;
+    for (x, y) in [(&a, &b), (&b, &a)] {
+        x.qp.to_init(1, access_all())?;
+        x.qp.to_rtr(&y.endpoint()?, Mtu::Mtu4096, 1)?;
+        x.qp.to_rts(x.qp.psn(), 14, 7, 7)?;
+    }
+    assert_eq!(a.qp.cap().max_send_wr, 8);
+    Ok((a, b))
+}
+
+/// Sends `ids`, the odd ones and the last signaled.
+fn sends(a: &Side, ids: std::ops::Range<u64>) -> Result<Vec<vrdma::SendWr>> {
+    let last = ids.end - 1;
+    ids.map(|i| {
+        let w = wr::send(i, &[a.mr.sge(8 * (i % 64) as usize, 8)?])?;
+        Ok(if i % 2 == 1 || i == last { w.signaled() } else { w })
+    })
+    .collect()
+}
+
+/// Posting fails with ENOMEM for a while.
+fn assert_full(a: &Side, w: &vrdma::SendWr) {
+    let end = std::time::Instant::now() + QUIET;
+    while std::time::Instant::now() < end {
+        let e = a.qp.post_send(std::slice::from_ref(w)).unwrap_err();
+        assert_eq!((e.index, e.errno()), (0, libc::ENOMEM));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_wr_the_device_holds_counts_against_the_send_queue() -> Result<()> {
+    // The first send waits in RNR: the engine took it out of the ring but
+    // is not done with it, so the QP has 8 outstanding and a ninth is
+    // refused, as hardware refuses it, however long we wait.
+    let mut t = two()?;
+    let (a, b) = small_rnr_pair(&t)?;
+    let n = 8u64;
+    a.qp.post_send(&sends(&a, 0..n)?)?;
+    std::thread::sleep(QUIET);
+    assert!(poll_for(&a.cq, QUIET)?.is_empty(), "blocked in RNR");
+    let extra = sends(&a, n..n + 1)?;
+    assert_full(&a, &extra[0]);
+    let e = a.qp.post_send(&sends(&a, n..n + 3)?).unwrap_err();
+    assert_eq!((e.index, e.errno()), (0, libc::ENOMEM));
+
+    // The blocker clears: everything completes, in order.
+    let recvs: Vec<_> = (0..n).map(|i| wr::recv(100 + i, &[b.mr.sge(0, 64)?])).collect::<Result<_, _>>()?;
+    b.qp.post_recv(&recvs)?;
+    let signaled = (0..n).filter(|i| i % 2 == 1 || *i == n - 1).count();
+    let got: Vec<(u64, WcStatus)> = poll_n(&a.cq, signaled, WAIT)?.iter().map(status_of).collect();
+    let want: Vec<(u64, WcStatus)> = [1, 3, 5, 7].iter().map(|&i| (i, WcStatus::Success)).collect();
+    assert_eq!(got, want);
+    assert_eq!(poll_n(&b.cq, n as usize, WAIT)?.len(), n as usize);
+    // Once the last completion is polled, every WR before it, signaled or
+    // not, is retired: a whole queue of new WRs is accepted at once.
+    b.qp.post_recv(&recvs)?;
+    a.qp.post_send(&sends(&a, n..2 * n)?)?;
+    assert_eq!(poll_n(&a.cq, signaled, WAIT)?.last().map(status_of), Some((2 * n - 1, WcStatus::Success)));
+    assert_eq!(poll_n(&b.cq, n as usize, WAIT)?.len(), n as usize);
+    assert!(t.d.is_alive());
+    Ok(())
+}
+
+#[test]
+fn flush_and_reset_empty_a_full_send_queue() -> Result<()> {
+    let mut t = two()?;
+    let (a, b) = small_rnr_pair(&t)?;
+    let n = 8u64;
+    // Full, the head held in RNR; ERR flushes it all and frees the queue.
+    a.qp.post_send(&sends(&a, 0..n)?)?;
+    std::thread::sleep(QUIET);
+    assert_full(&a, &sends(&a, n..n + 1)?[0]);
+    a.qp.modify(&QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)?;
+    let got = poll_n(&a.cq, n as usize, WAIT)?;
+    assert!(got.iter().all(|w| w.status == WcStatus::WrFlushErr), "{got:?}");
+    // Posting in ERR: the requests are flushed, a whole queue at once.
+    a.qp.post_send(&sends(&a, n..2 * n)?)?;
+    assert_eq!(poll_n(&a.cq, n as usize, WAIT)?.len(), n as usize);
+
+    // Back through RESET, full again with the head in RNR, then RESET:
+    // what the device held and what was queued are dropped, and the
+    // queue is empty.
+    let reconnect = |a: &Side| -> Result<()> {
+        a.qp.modify(&QpAttr { qp_state: QpState::Reset, ..QpAttr::default() }, QpAttrMask::STATE)?;
+        a.qp.to_init(1, access_all())?;
+        a.qp.to_rtr(&b.endpoint()?, Mtu::Mtu4096, 1)?;
+        a.qp.to_rts(a.qp.psn(), 14, 7, 7)?;
+        Ok(())
+    };
+    reconnect(&a)?;
+    a.qp.post_send(&sends(&a, 0..n)?)?;
+    std::thread::sleep(QUIET);
+    assert_full(&a, &sends(&a, n..n + 1)?[0]);
+    reconnect(&a)?;
+    assert!(poll_for(&a.cq, QUIET)?.is_empty(), "a reset completes nothing");
+    let recvs: Vec<_> = (0..n).map(|i| wr::recv(100 + i, &[b.mr.sge(0, 64)?])).collect::<Result<_, _>>()?;
+    b.qp.post_recv(&recvs)?;
+    a.qp.post_send(&sends(&a, n..2 * n)?)?;
+    let last = poll_n(&a.cq, 4, WAIT)?.last().map(status_of);
+    assert_eq!(last, Some((2 * n - 1, WcStatus::Success)));
+    let e = a.qp.post_send(&sends(&a, 0..n + 1)?).unwrap_err();
+    assert_eq!(e.index as u64, n, "room for exactly max_send_wr");
+    assert!(t.d.is_alive());
+    Ok(())
+}
+
 #[test]
 fn modify_with_a_wrong_mask_is_einval() -> Result<()> {
     let t = two()?;

@@ -262,10 +262,26 @@ impl RingView {
     /// `write` runs under this view's producer lock, so it must not push
     /// to the same view (that would deadlock).
     pub fn try_push(&self, write: impl FnOnce(&mut [u8])) -> Result<bool, RingError> {
+        self.try_push_if(|_| true, write)
+    }
+
+    /// Producer side: as [`try_push`](Self::try_push), but only if `admit`,
+    /// given the producer index (how many entries were ever pushed,
+    /// wrapping), says yes; `Ok(false)` otherwise. `admit` runs under the
+    /// producer lock, so a limit it checks holds against concurrent pushes
+    /// through this view.
+    pub fn try_push_if(
+        &self,
+        admit: impl FnOnce(u32) -> bool,
+        write: impl FnOnce(&mut [u8]),
+    ) -> Result<bool, RingError> {
         let mut scratch = lock(&self.producer);
         let Some(producer) = self.reserve()? else {
             return Ok(false);
         };
+        if !admit(producer) {
+            return Ok(false);
+        }
         scratch.fill(0);
         write(&mut scratch);
         self.publish(producer, &scratch);
@@ -410,6 +426,34 @@ mod tests {
             assert_eq!(out, [i; 8]);
         }
         assert_eq!(c.try_pop(&mut out), Ok(false));
+    }
+
+    #[test]
+    fn push_if_sees_the_producer_index() {
+        let (p, c) = pair(4, 8);
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            assert!(p
+                .try_push_if(
+                    |i| {
+                        seen.push(i);
+                        true
+                    },
+                    |_| {}
+                )
+                .unwrap());
+        }
+        assert_eq!(seen, [0, 1, 2]);
+        let mut called = false;
+        assert_eq!(p.try_push_if(|_| false, |_| called = true), Ok(false));
+        assert!(!called);
+        assert_eq!(c.len(), Ok(3), "a refused push publishes nothing");
+        let mut out = [0u8; 8];
+        assert!(c.try_pop(&mut out).unwrap());
+        assert!(p.try_push_if(|i| i == 3, |_| {}).unwrap());
+        assert!(p.try_push_if(|i| i == 4, |_| {}).unwrap());
+        // Full: `admit` is not asked.
+        assert_eq!(p.try_push_if(|_| panic!("asked while full"), |_| {}), Ok(false));
     }
 
     #[test]

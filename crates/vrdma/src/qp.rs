@@ -217,15 +217,25 @@ pub(crate) fn push_recvs(
     wrs: &[RecvWr],
 ) -> std::result::Result<(), PostError> {
     let stride = ring.stride();
-    push_all(ctx, ring, wrs, |wr| check_recv(wr, max_sge, stride), |wr, slot| wr.encode(slot).is_ok())
+    push_all(
+        ctx,
+        ring,
+        wrs,
+        |_| true,
+        |wr| check_recv(wr, max_sge, stride),
+        |wr, slot| wr.encode(slot).is_ok(),
+    )
 }
 
 /// Checks and pushes each request in turn, stopping at the first that
-/// fails; rings the engine's doorbell once if anything was posted.
+/// fails; rings the engine's doorbell once if anything was posted. A push
+/// happens only while the ring has room and `admit` (given the producer
+/// index, under the ring's producer lock) allows it.
 fn push_all<W>(
     ctx: &Context,
     ring: &RingView,
     wrs: &[W],
+    admit: impl Fn(u32) -> bool,
     check: impl Fn(&W) -> Result<()>,
     encode: impl Fn(&W, &mut [u8]) -> bool,
 ) -> std::result::Result<(), PostError> {
@@ -236,7 +246,7 @@ fn push_all<W>(
             result = Err(PostError::new(i, e));
             break;
         }
-        match ring.try_push(|slot| {
+        match ring.try_push_if(&admit, |slot| {
             let ok = encode(wr, slot);
             debug_assert!(ok, "a checked request failed to encode");
         }) {
@@ -543,7 +553,10 @@ impl QueuePair {
     /// for a request with more SGEs than `cap().max_send_sge`, more inline
     /// bytes than `cap().max_inline_data`, or inline data on a read or
     /// atomic, or (on a UD QP) without an address handle in `ud.ah`; with
-    /// `ENOMEM` ([`Error::QueueFull`]) when the send queue is full.
+    /// `ENOMEM` ([`Error::QueueFull`]) when the send queue is full: it
+    /// holds `cap().max_send_wr` outstanding requests, each from its post
+    /// until the device is done with it (its completion is written or, if
+    /// unsignaled, it was executed; flushed or dropped by a reset).
     /// [`PostError::index`] names the first request not posted; those
     /// before it were posted. Posting in ERR (and, for UD, in SQE) is
     /// allowed: the requests complete with `WrFlushErr`.
@@ -557,10 +570,19 @@ impl QueuePair {
         }
         let stride = self.sq.stride();
         let ud = self.init.qp_type == QpType::Ud;
+        // Outstanding: posted (the producer index) minus retired (published
+        // by the daemon, Acquire: it is stored before the completions it
+        // covers). Wrapping arithmetic; a count from a confused daemon that
+        // runs ahead of what was posted reads as a full queue, never as
+        // room the ring lacks (the ring refuses on its own when full).
+        let retired = self.sq.aux(proto::SQ_AUX_RETIRED);
+        let max = self.cap.max_send_wr;
+        let admit = |posted: u32| posted.wrapping_sub(retired.load(Ordering::Acquire)) < max;
         push_all(
             &self.ctx,
             &self.sq,
             wrs,
+            admit,
             |wr| {
                 check_send(wr, &self.cap, stride)?;
                 if ud {

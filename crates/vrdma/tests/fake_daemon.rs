@@ -257,11 +257,27 @@ impl Fake {
         self.st().engine_bell.as_ref().unwrap().drain()
     }
 
+    /// Takes a send WR and is done with it at once: it is retired.
     fn pop_send(&self, qpn: u32) -> Option<SendWr> {
         let st = self.st();
         let sq = &st.qps[&qpn].sq;
         let mut slot = vec![0u8; sq.stride()];
+        let wr = sq.try_pop(&mut slot).unwrap().then(|| SendWr::decode(&slot).unwrap())?;
+        sq.aux(proto::SQ_AUX_RETIRED).fetch_add(1, Ordering::Release);
+        Some(wr)
+    }
+
+    /// Takes a send WR and keeps it: still outstanding.
+    fn pull_send(&self, qpn: u32) -> Option<SendWr> {
+        let st = self.st();
+        let sq = &st.qps[&qpn].sq;
+        let mut slot = vec![0u8; sq.stride()];
         sq.try_pop(&mut slot).unwrap().then(|| SendWr::decode(&slot).unwrap())
+    }
+
+    /// Publishes a retired count, as a daemon (maybe a hostile one) would.
+    fn set_retired(&self, qpn: u32, n: u32) {
+        self.st().qps[&qpn].sq.aux(proto::SQ_AUX_RETIRED).store(n, Ordering::Release);
     }
 
     fn pop_recv(&self, qpn: u32) -> Option<RecvWr> {
@@ -507,6 +523,49 @@ fn posting_follows_the_doorbell_rule() {
     assert_eq!(attr.qp_state, QpState::Rts);
     // connect needs RESET or INIT.
     assert_eq!(qp.connect(&me, AccessFlags::empty()).unwrap_err().errno(), libc::EINVAL);
+}
+
+#[test]
+fn the_send_queue_counts_what_the_daemon_has_not_retired() {
+    let (fake, ctx) = Fake::start();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(8, None).unwrap();
+    let qp = pd.create_rc_qp(&cq, &cq, cap()).unwrap();
+    let me = qp.endpoint(&ctx).unwrap();
+    qp.connect(&me, AccessFlags::REMOTE_WRITE).unwrap();
+    let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let w = wr::rdma_write(1, &[mr.sge(0, 8).unwrap()], 0x1000, 5).unwrap();
+    let one = std::slice::from_ref(&w);
+    let enomem = |r: Result<(), vrdma::PostError>| {
+        let e = r.unwrap_err();
+        assert_eq!((e.index, e.errno()), (0, libc::ENOMEM));
+    };
+    qp.post_send(&[w.clone(), w.clone(), w.clone(), w.clone()]).unwrap();
+    // The daemon takes two out of the ring but is not done with them:
+    // the ring has room, the send queue has none.
+    assert!(fake.pull_send(qp.qpn()).is_some());
+    assert!(fake.pull_send(qp.qpn()).is_some());
+    enomem(qp.post_send(one));
+    // It retires one: one more fits.
+    fake.set_retired(qp.qpn(), 1);
+    qp.post_send(one).unwrap();
+    enomem(qp.post_send(one));
+
+    // 5 posted, 2 taken, 3 in the ring. A daemon that claims more than
+    // was posted gets a full queue, never a panic.
+    for bogus in [6, 1000, u32::MAX, 0x8000_0000] {
+        fake.set_retired(qp.qpn(), bogus);
+        enomem(qp.post_send(one));
+    }
+    // One that claims everything retired still cannot overfill the ring.
+    fake.set_retired(qp.qpn(), 5);
+    qp.post_send(one).unwrap();
+    enomem(qp.post_send(one));
+    // Honest again: 6 posted, 6 retired once the ring is drained.
+    while fake.pull_send(qp.qpn()).is_some() {}
+    fake.set_retired(qp.qpn(), 6);
+    qp.post_send(&[w.clone(), w.clone(), w.clone(), w.clone()]).unwrap();
+    enomem(qp.post_send(one));
 }
 
 #[test]

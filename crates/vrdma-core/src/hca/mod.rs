@@ -231,7 +231,7 @@ impl Hca {
             self.peer_lost(p, io);
         }
         let mine: Vec<u32> = mine.into_iter().collect();
-        self.remove_qps(&mine);
+        self.remove_qps(&mine, io);
         t.qps = mine;
         let srqs: Vec<u32> = self.srqs.iter().filter(|(_, s)| s.ctx == ctx).map(|(&n, _)| n).collect();
         for n in srqs {
@@ -617,7 +617,9 @@ impl Hca {
                 // A receive claimed from the peer for an unfinished message
                 // goes back to it, as when the QP is destroyed.
                 let dest = qp.attr.dest_qp_num;
-                let claimed = qp.inflight.take().and_then(|i| i.recv);
+                let held = qp.inflight.take();
+                let was_held = held.is_some();
+                let claimed = held.and_then(|i| i.recv);
                 qp.requeued.clear();
                 // Everything of the remote transport starts over, as the
                 // PSNs do; what it held was posted to this QP and goes
@@ -625,6 +627,12 @@ impl Hca {
                 qp.remote = None;
                 let keep = qp.attr.cap;
                 qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
+                // The WR in flight is dropped without a completion: it is
+                // retired before the queue is reset, so that the driver's
+                // count of outstanding WRs starts again from zero.
+                if was_held {
+                    io.send_retired(qpn, 1);
+                }
                 io.discard(qpn);
                 if let Some(r) = claimed {
                     self.requeue_recv(dest, r);
@@ -651,31 +659,32 @@ impl Hca {
         Ok((a, qp.init))
     }
 
-    pub fn destroy_qp(&mut self, ctx: ContextId, qpn: u32) -> Result<(), HcaError> {
+    /// `ibv_destroy_qp`. A send WR the QP held is retired (through `io`)
+    /// without a completion, as everything still posted is dropped.
+    pub fn destroy_qp(&mut self, ctx: ContextId, qpn: u32, io: &mut dyn Queues) -> Result<(), HcaError> {
         self.own_qp(ctx, qpn)?;
-        self.remove_qp(qpn);
+        self.remove_qps(&[qpn], io);
         Ok(())
     }
 
-    fn remove_qp(&mut self, qpn: u32) {
-        self.remove_qps(&[qpn]);
-    }
-
-    fn remove_qps(&mut self, qpns: &[u32]) {
+    fn remove_qps(&mut self, qpns: &[u32], io: &mut dyn Queues) {
         let gone: std::collections::HashSet<u32> = qpns.iter().copied().collect();
         self.qp_order.retain(|n| !gone.contains(n));
         for &qpn in qpns {
-            self.remove_one_qp(qpn);
+            self.remove_one_qp(qpn, io);
         }
     }
 
     /// Removes one QP; `qp_order` is the caller's to update.
-    fn remove_one_qp(&mut self, qpn: u32) {
+    fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
         let Some(mut qp) = self.qps.remove(&qpn) else { return };
-        // A receive WR taken for a message that never finished goes back to
-        // the responder, as if the message had never arrived.
-        if let Some(recv) = qp.inflight.take().and_then(|i| i.recv) {
-            self.requeue_recv(qp.attr.dest_qp_num, recv);
+        if let Some(inf) = qp.inflight.take() {
+            io.send_retired(qpn, 1);
+            // A receive WR taken for a message that never finished goes
+            // back to the responder, as if the message had never arrived.
+            if let Some(recv) = inf.recv {
+                self.requeue_recv(qp.attr.dest_qp_num, recv);
+            }
         }
         // Receive WRs other requesters took from this QP must never be
         // handed back by number: the number may later name another
@@ -758,6 +767,7 @@ impl Hca {
         if let Some(inf) = qp.inflight.take() {
             let cqe = datapath::error_cqe(&inf.wr, crate::verbs::WcStatus::RetryExcErr, qpn);
             let cq = qp.init.send_cq;
+            io.send_retired(qpn, 1);
             self.complete(cq, cqe, qpn, io);
         }
         self.enter_error(qpn, io);

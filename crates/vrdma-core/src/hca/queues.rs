@@ -34,11 +34,24 @@ pub type Pulled<T> = Result<T, (u64, WqeError)>;
 pub trait Queues {
     /// Takes the next work request posted to `qpn`'s send queue.
     fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>>;
+    /// The core is done with `count` work requests it pulled from `qpn`'s
+    /// send queue: they completed (signaled or not), failed, were flushed,
+    /// were refused because they did not decode, or were dropped by a
+    /// reset or the QP's destruction. Called exactly once for every WR
+    /// [`pull_send`](Self::pull_send) returned, and before the WR's
+    /// completion is pushed, so that a client that polled the completion
+    /// finds the WR's place in the send queue free again. What the driver
+    /// publishes from it is what bounds the send queue at `max_send_wr`
+    /// outstanding WRs, as on hardware: a WR is outstanding from its post
+    /// until it is retired, however long the core held it after pulling.
+    fn send_retired(&mut self, qpn: u32, count: u32);
     /// Takes the next receive work request from a QP's receive queue or an SRQ.
     fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>>;
     /// How many receive work requests are posted and not yet pulled.
     fn recv_posted(&mut self, src: RecvSource) -> u32;
     /// Drops everything posted to a QP's queues (the QP went to RESET).
+    /// The core has retired every send WR it pulled before it calls this;
+    /// the driver counts the WRs it drops from the send queue as retired.
     fn discard(&mut self, qpn: u32);
     /// Appends a completion to a CQ.
     fn push_cqe(&mut self, cqn: u32, cqe: &Cqe) -> Result<(), CqFull>;

@@ -31,11 +31,24 @@ struct FakeQueues {
     events: Vec<(ContextId, AsyncEvent)>,
     states: HashMap<u32, QpState>,
     discarded: Vec<u32>,
+    /// Send WRs pulled, retired, and send completions pushed, per QP.
+    pulled: HashMap<u32, u32>,
+    retired: HashMap<u32, u32>,
+    send_cqes: HashMap<u32, u32>,
 }
 
 impl Queues for FakeQueues {
     fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
-        self.send.get_mut(&qpn)?.pop_front().map(Ok)
+        let wr = self.send.get_mut(&qpn)?.pop_front()?;
+        *self.pulled.entry(qpn).or_default() += 1;
+        Some(Ok(wr))
+    }
+    fn send_retired(&mut self, qpn: u32, count: u32) {
+        assert!(count > 0, "QP {qpn}: zero WRs retired");
+        let r = self.retired.entry(qpn).or_default();
+        *r += count;
+        let pulled = self.pulled.get(&qpn).copied().unwrap_or(0);
+        assert!(*r <= pulled, "QP {qpn}: {r} send WRs retired, only {pulled} pulled");
     }
     fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
         match src {
@@ -61,6 +74,14 @@ impl Queues for FakeQueues {
             return Err(CqFull);
         }
         v.push(*cqe);
+        if !matches!(cqe.opcode, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm) {
+            // A send WR is retired before its completion is seen.
+            let q = cqe.qp_num;
+            let n = self.send_cqes.entry(q).or_default();
+            *n += 1;
+            let retired = self.retired.get(&q).copied().unwrap_or(0);
+            assert!(*n <= retired, "QP {q}: send completion {n} pushed with {retired} WRs retired");
+        }
         Ok(())
     }
     fn async_event(&mut self, ctx: ContextId, event: AsyncEvent) {
@@ -87,6 +108,14 @@ impl FakeQueues {
     }
     fn state(&self, qpn: u32) -> Option<QpState> {
         self.states.get(&qpn).copied()
+    }
+    /// (send WRs pulled, retired) of a QP.
+    fn retirement(&self, qpn: u32) -> (u32, u32) {
+        (self.pulled.get(&qpn).copied().unwrap_or(0), self.retired.get(&qpn).copied().unwrap_or(0))
+    }
+    /// Send WRs posted and not yet pulled.
+    fn send_queued(&self, qpn: u32) -> usize {
+        self.send.get(&qpn).map_or(0, |q| q.len())
     }
 }
 
@@ -788,9 +817,13 @@ fn undecodable_send_wr_completes_in_error() {
     impl Queues for Bad<'_> {
         fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
             if qpn == self.1 && !std::mem::replace(&mut self.2, true) {
+                *self.0.pulled.entry(qpn).or_default() += 1;
                 return Some(Err((77, WqeError::BadOpcode(99))));
             }
             self.0.pull_send(qpn)
+        }
+        fn send_retired(&mut self, qpn: u32, count: u32) {
+            self.0.send_retired(qpn, count)
         }
         fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
             self.0.pull_recv(src)
@@ -815,6 +848,7 @@ fn undecodable_send_wr_completes_in_error() {
     env.hca.process(T0, &mut bad);
     assert_eq!(env.poll(a.cq), vec![req_cqe(77, WcStatus::LocQpOpErr, WcOpcode::Send, a.qpn, 0)]);
     assert_eq!(env.io.state(a.qpn), Some(QpState::Err));
+    assert_eq!(env.io.retirement(a.qpn), (1, 1));
 }
 
 // ---------------------------------------------------------------- isolation
@@ -1084,7 +1118,7 @@ fn destroying_the_requester_mid_send_gives_the_receive_back() {
     env.io.post_recv(b.qpn, recv(8, &[dst.sge(0, LEN as u32)]));
     env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[src.sge(0, LEN as u32)], SendFlags::SIGNALED));
     env.step(T0);
-    env.hca.destroy_qp(C1, a.qpn).unwrap();
+    env.hca.destroy_qp(C1, a.qpn, &mut env.io).unwrap();
     let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
     env.modify(b.qpn, &attr, QpAttrMask::STATE).unwrap();
     env.run(T0);
@@ -1167,8 +1201,8 @@ fn srq_shared_by_two_qps_with_limit_and_last_wqe() {
     assert_eq!(env.io.srq[&srq].len(), 1);
     // The SRQ is in use until both QPs are gone.
     assert!(matches!(env.hca.destroy_srq(C2, srq), Err(HcaError::Busy(_))));
-    env.hca.destroy_qp(C2, b1).unwrap();
-    env.hca.destroy_qp(C2, b2).unwrap();
+    env.hca.destroy_qp(C2, b1, &mut env.io).unwrap();
+    env.hca.destroy_qp(C2, b2, &mut env.io).unwrap();
     env.hca.destroy_srq(C2, srq).unwrap();
 }
 
@@ -1342,7 +1376,7 @@ fn busy_objects_and_other_contexts_objects() {
     assert!(matches!(r, Err(HcaError::NoSuchObject { .. })), "{r:?}");
     assert_eq!(errno(r), 22);
     assert!(matches!(env.hca.destroy_cq(C2, a.cq), Err(HcaError::NoSuchObject { .. })));
-    assert!(matches!(env.hca.destroy_qp(C2, a.qpn), Err(HcaError::NoSuchObject { .. })));
+    assert!(matches!(env.hca.destroy_qp(C2, a.qpn, &mut env.io), Err(HcaError::NoSuchObject { .. })));
     assert!(matches!(env.hca.query_qp(C3, a.qpn), Err(HcaError::NoSuchObject { .. })));
     assert!(matches!(env.hca.dereg_mr(C2, a.buf.key), Err(HcaError::NoSuchObject { .. })));
     let r = env.hca.reg_mr(C2, a.pd, 0x9000_0000, FULL, Region::heap(8));
@@ -1357,7 +1391,7 @@ fn busy_objects_and_other_contexts_objects() {
     ));
 
     // In order, everything goes.
-    env.hca.destroy_qp(C1, a.qpn).unwrap();
+    env.hca.destroy_qp(C1, a.qpn, &mut env.io).unwrap();
     env.hca.destroy_cq(C1, a.cq).unwrap();
     assert!(matches!(env.hca.dealloc_pd(C1, a.pd), Err(HcaError::Busy(_))), "the MR still holds it");
     env.hca.dereg_mr(C1, a.buf.key).unwrap();
@@ -1495,6 +1529,181 @@ fn peer_in_error_is_a_peer_that_does_not_answer() {
     env.run(T0 + t);
     env.run(T0 + t * 2);
     assert_eq!(env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
+// ---------------------------------------------------------------- send queue retirement
+//
+// Every send WR the core pulls is retired through `Queues::send_retired`
+// exactly once, before its completion: `FakeQueues` panics on a WR retired
+// twice or a send completion ahead of its retirement, and these tests check
+// that nothing pulled is left unretired once the core is done with it.
+
+impl Env {
+    /// Send WRs of `qpn` outstanding as the client counts them: posted and
+    /// not yet retired (queued + pulled - retired).
+    fn outstanding(&self, qpn: u32) -> u32 {
+        let (pulled, retired) = self.io.retirement(qpn);
+        self.io.send_queued(qpn) as u32 + pulled - retired
+    }
+
+    fn assert_all_retired(&self, qpn: u32) {
+        let (pulled, retired) = self.io.retirement(qpn);
+        assert_eq!(retired, pulled, "QP {qpn}: every pulled WR retired");
+        assert_eq!(self.outstanding(qpn), 0, "QP {qpn}: nothing outstanding");
+    }
+}
+
+#[test]
+fn retirement_of_signaled_and_unsignaled_sends() {
+    let (mut env, a, b) = Env::pair();
+    let flags = [SendFlags::SIGNALED, SendFlags::empty(), SendFlags::empty(), SendFlags::SIGNALED];
+    for (i, f) in flags.into_iter().enumerate() {
+        env.io.post_recv(b.qpn, recv(10 + i as u64, &[b.buf.sge(0, 64)]));
+        env.io.post_send(a.qpn, wr(i as u64, SendOpcode::Send, &[a.buf.sge(0, 8)], f));
+    }
+    env.io.post_send(a.qpn, rdma(4, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    assert_eq!(env.outstanding(a.qpn), 5);
+    env.run(T0);
+    assert_eq!(env.poll(a.cq).len(), 3, "only the signaled WRs complete");
+    assert_eq!(env.io.retirement(a.qpn), (5, 5), "unsignaled WRs are retired when executed");
+    env.assert_all_retired(a.qpn);
+    env.assert_all_retired(b.qpn);
+}
+
+#[test]
+fn a_wr_waiting_on_rnr_stays_outstanding_until_it_completes() {
+    let (mut env, a, b) = Env::pair_with(Conn { rnr_retry: 7, min_rnr_timer: 1, ..Conn::default() });
+    for i in 0..4 {
+        env.io.post_send(a.qpn, wr(i, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    }
+    let mut now = T0;
+    for _ in 0..5 {
+        now = env.run(now).next_timer.expect("waiting on the RNR timer");
+        // Pulled and held: still outstanding.
+        assert_eq!(env.io.retirement(a.qpn), (1, 0));
+        assert_eq!(env.outstanding(a.qpn), 4);
+    }
+    for i in 0..4 {
+        env.io.post_recv(b.qpn, recv(20 + i, &[b.buf.sge(0, 64)]));
+    }
+    env.run(now);
+    assert_eq!(env.poll(b.cq).len(), 4);
+    env.assert_all_retired(a.qpn);
+}
+
+#[test]
+fn retirement_of_a_failed_wr_and_the_flushed_rest() {
+    let (mut env, a, b) = Env::pair();
+    env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, 0xbad));
+    env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    env.io.post_send(a.qpn, wr(3, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.run(T0);
+    let st: Vec<WcStatus> = env.poll(a.cq).iter().map(|c| c.status).collect();
+    assert_eq!(st, vec![WcStatus::RemAccessErr, WcStatus::WrFlushErr, WcStatus::WrFlushErr]);
+    env.assert_all_retired(a.qpn);
+    // Posted in ERR: pulled only to be flushed, and retired.
+    env.io.post_send(a.qpn, wr(4, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    env.run(T0);
+    assert_eq!(env.poll(a.cq).len(), 1);
+    assert_eq!(env.io.retirement(a.qpn), (4, 4));
+    env.assert_all_retired(a.qpn);
+}
+
+#[test]
+fn retirement_of_the_wr_in_flight_when_the_qp_goes_to_err() {
+    let (mut env, a, _) = Env::pair_with(Conn { rnr_retry: 7, ..Conn::default() });
+    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    env.run(T0);
+    assert_eq!(env.io.retirement(a.qpn), (1, 0));
+    let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+    env.modify(a.qpn, &attr, QpAttrMask::STATE).unwrap();
+    env.run(T0);
+    assert_eq!(env.poll(a.cq).len(), 2);
+    env.assert_all_retired(a.qpn);
+}
+
+#[test]
+fn retirement_when_the_retry_timer_expires() {
+    let mut env = Env::new();
+    let a = env.end(C1);
+    let b = env.end(C2);
+    // b never reaches RTR: a's WR times out after its retries.
+    env.connect_with(a.qpn, b.qpn, Conn { timeout: 1, retry_cnt: 1, ..Conn::default() });
+    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    let act = env.run(T0);
+    assert_eq!(env.io.retirement(a.qpn), (1, 0));
+    env.run(act.next_timer.unwrap());
+    let t = timers::ack_timeout(1).unwrap();
+    env.run(T0 + t * 2);
+    assert_eq!(env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::Send, a.qpn, 0)]);
+    env.assert_all_retired(a.qpn);
+}
+
+#[test]
+fn reset_retires_the_wr_in_flight_and_counting_starts_again() {
+    let (mut env, a, b) = Env::pair_with(Conn { rnr_retry: 7, ..Conn::default() });
+    for i in 0..3 {
+        env.io.post_send(a.qpn, wr(i, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    }
+    env.run(T0);
+    assert_eq!(env.io.retirement(a.qpn), (1, 0));
+    let attr = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+    env.modify(a.qpn, &attr, QpAttrMask::STATE).unwrap();
+    // The held WR is retired (no completion); the two never pulled were
+    // discarded with the ring, which the driver counts itself.
+    assert_eq!(env.io.retirement(a.qpn), (1, 1));
+    assert_eq!(env.io.send_queued(a.qpn), 0);
+    assert!(env.poll(a.cq).is_empty());
+    env.connect_with(a.qpn, b.qpn, Conn { rnr_retry: 7, ..Conn::default() });
+    env.io.post_recv(b.qpn, recv(9, &[b.buf.sge(0, 64)]));
+    env.io.post_send(a.qpn, wr(5, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.run(T0);
+    assert_eq!(env.poll(a.cq), vec![req_cqe(5, WcStatus::Success, WcOpcode::Send, a.qpn, 0)]);
+    env.assert_all_retired(a.qpn);
+}
+
+#[test]
+fn destroy_and_a_lost_peer_retire_what_was_held() {
+    let (mut env, a, b) = Env::pair_with(Conn { rnr_retry: 7, ..Conn::default() });
+    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    env.io.post_send(b.qpn, wr(2, SendOpcode::Send, &[b.buf.sge(0, 8)], SendFlags::empty()));
+    env.io.post_send(b.qpn, wr(3, SendOpcode::Send, &[b.buf.sge(0, 8)], SendFlags::empty()));
+    env.run(T0);
+    assert_eq!(env.io.retirement(a.qpn), (1, 0));
+    assert_eq!(env.io.retirement(b.qpn), (1, 0));
+    // a's context goes away: a is destroyed holding its WR, b loses its
+    // peer and its held WR fails, the one behind it is flushed.
+    env.hca.close_context(C1, &mut env.io);
+    assert_eq!(env.io.retirement(a.qpn), (1, 1));
+    env.run(T0);
+    env.assert_all_retired(b.qpn);
+    let st: Vec<WcStatus> = env.poll(b.cq).iter().map(|c| c.status).collect();
+    assert_eq!(st, vec![WcStatus::RetryExcErr, WcStatus::WrFlushErr]);
+    // destroy_qp on its own.
+    let (mut env, a, _) = Env::pair_with(Conn { rnr_retry: 7, ..Conn::default() });
+    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    env.run(T0);
+    assert_eq!(env.io.retirement(a.qpn), (1, 0));
+    env.hca.destroy_qp(C1, a.qpn, &mut env.io).unwrap();
+    assert_eq!(env.io.retirement(a.qpn), (1, 1));
+}
+
+#[test]
+fn sqd_holds_new_sends_outstanding() {
+    let (mut env, a, b) = Env::pair();
+    let attr = QpAttr { qp_state: QpState::Sqd, ..QpAttr::default() };
+    env.modify(a.qpn, &attr, QpAttrMask::STATE).unwrap();
+    for i in 0..3 {
+        env.io.post_recv(b.qpn, recv(10 + i, &[b.buf.sge(0, 64)]));
+        env.io.post_send(a.qpn, wr(i, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::empty()));
+    }
+    env.run(T0);
+    assert_eq!(env.outstanding(a.qpn), 3, "nothing is taken in SQD");
+    let rts = QpAttr { qp_state: QpState::Rts, ..QpAttr::default() };
+    assert_eq!(env.modify(a.qpn, &rts, QpAttrMask::STATE), Ok(QpState::Rts));
+    env.run(T0);
+    env.assert_all_retired(a.qpn);
 }
 
 // ---------------------------------------------------------------- UD
@@ -2110,9 +2319,13 @@ mod ud {
         impl Queues for Garbled<'_> {
             fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
                 if qpn == self.1 && !std::mem::replace(&mut self.2, true) {
+                    *self.0.pulled.entry(qpn).or_default() += 1;
                     return Some(Err((77, WqeError::BadOpcode(99))));
                 }
                 self.0.pull_send(qpn)
+            }
+            fn send_retired(&mut self, qpn: u32, count: u32) {
+                self.0.send_retired(qpn, count)
             }
             fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
                 self.0.pull_recv(src)
@@ -2136,6 +2349,7 @@ mod ud {
         env.hca.process(T0, &mut Garbled(&mut env.io, a.qpn, false));
         assert_eq!(env.poll(a.cq), vec![req_cqe(77, WcStatus::LocQpOpErr, WcOpcode::Send, a.qpn, 0)]);
         assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+        assert_eq!(env.io.retirement(a.qpn), (1, 1));
     }
 
     // ---- what the receiver drops
@@ -2349,6 +2563,27 @@ mod ud {
         env.hca.close_context(C1, &mut env.io);
         assert_eq!(env.ud_state(b.qpn), QpState::Rts);
         assert!(env.io.events.is_empty());
+    }
+
+    #[test]
+    fn sqe_retires_the_failed_send_and_the_flushed_ones() {
+        let (mut env, a, b) = ud_pair();
+        let mut bad = ud_wr(1, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY);
+        bad.ud.ah = 0xdead;
+        env.io.post_send(a.qpn, bad);
+        let mut unsignaled = ud_wr(2, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY);
+        unsignaled.flags = SendFlags::empty();
+        env.io.post_send(a.qpn, unsignaled.clone());
+        env.io.post_send(a.qpn, ud_wr(3, &[a.buf.sge(0, 8)], a.ah, b.qpn, QKEY));
+        env.run(T0);
+        assert_eq!(env.ud_state(a.qpn), QpState::Sqe);
+        assert_eq!(env.poll(a.cq).len(), 3, "flushed WRs complete whether signaled or not");
+        env.assert_all_retired(a.qpn);
+        env.recover(a.qpn);
+        env.io.post_send(a.qpn, unsignaled);
+        env.run(T0);
+        assert_eq!(env.io.retirement(a.qpn), (4, 4), "a datagram to no receive is retired");
+        env.assert_all_retired(a.qpn);
     }
 
     #[test]

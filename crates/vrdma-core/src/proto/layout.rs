@@ -30,6 +30,13 @@ pub fn arm_fires(armed: u32, solicited: bool, success: bool) -> bool {
 
 /// Send ring aux word: the QP's state (`ibv_qp_state`), written by the daemon.
 pub const SQ_AUX_STATE: usize = 0;
+/// Send ring aux word: how many send WRs the device has retired (finished
+/// with: completed, failed, flushed or dropped by a reset), a free-running
+/// count in the numbering of the ring's producer index, written by the
+/// daemon with `Release` before the completion of the WRs it counts. A
+/// client has `producer - retired` WRs outstanding and may post while that
+/// is below `max_send_wr`.
+pub const SQ_AUX_RETIRED: usize = 1;
 
 /// Completion-channel ring: one slot per event, holding the CQ number.
 pub const CHANNEL_RING_CAPACITY: u32 = 1024;

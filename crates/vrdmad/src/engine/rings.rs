@@ -14,7 +14,7 @@ use std::sync::Arc;
 use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CTX_AUX_ENGINE_SLEEPING, CTX_AUX_EVENTS_DROPPED,
-    SQ_AUX_STATE,
+    SQ_AUX_RETIRED, SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::verbs::{QpState, WcStatus};
@@ -72,6 +72,26 @@ impl InRing {
 pub struct QpRings {
     pub sq: InRing,
     pub rq: Option<InRing>,
+    /// Send WRs retired, free-running, published in `SQ_AUX_RETIRED`.
+    /// Kept here, never read back from the shared word the tenant can
+    /// scribble on.
+    retired: u32,
+    /// Send WRs pulled and not yet retired.
+    held: u32,
+}
+
+impl QpRings {
+    pub fn new(sq: InRing, rq: Option<InRing>) -> Self {
+        QpRings { sq, rq, retired: 0, held: 0 }
+    }
+
+    /// Counts `n` more send WRs retired and publishes the count: Release,
+    /// so that a client that sees it also sees the slots those WRs freed,
+    /// and before the completions the core pushes next.
+    fn retire(&mut self, n: u32) {
+        self.retired = self.retired.wrapping_add(n);
+        self.sq.ring.aux(SQ_AUX_RETIRED).store(self.retired, Ordering::Release);
+    }
 }
 
 #[derive(Default)]
@@ -146,7 +166,23 @@ fn decode_recv(b: &[u8]) -> Pulled<RecvWr> {
 impl Queues for RingTable {
     fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
         let q = self.qps.get_mut(&qpn)?;
-        q.sq.pull(&mut self.scratch, decode_send)
+        let got = q.sq.pull(&mut self.scratch, decode_send);
+        if got.is_some() {
+            q.held = q.held.wrapping_add(1);
+        }
+        got
+    }
+
+    fn send_retired(&mut self, qpn: u32, count: u32) {
+        let Some(q) = self.qps.get_mut(&qpn) else { return };
+        // Never more than were pulled: the count must not run ahead of
+        // the ring's producer index.
+        let n = count.min(q.held);
+        if n != count {
+            tracing::error!(qp = qpn, count, held = q.held, "more send WRs retired than pulled");
+        }
+        q.held -= n;
+        q.retire(n);
     }
 
     fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
@@ -167,7 +203,13 @@ impl Queues for RingTable {
 
     fn discard(&mut self, qpn: u32) {
         if let Some(q) = self.qps.get_mut(&qpn) {
-            let _ = q.sq.ring.discard_all();
+            // What is dropped from the ring is retired; so is anything the
+            // core still held (it retires its WRs before a reset, so that is
+            // nothing): the retired count then equals the producer index,
+            // and the client has nothing outstanding.
+            let dropped = q.sq.ring.discard_all().unwrap_or(0);
+            let held = std::mem::take(&mut q.held);
+            q.retire(dropped.wrapping_add(held));
             if let Some(rq) = &q.rq {
                 let _ = rq.ring.discard_all();
             }

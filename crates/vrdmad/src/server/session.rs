@@ -260,7 +260,7 @@ impl Session {
             }
             Request::DestroyQp { qp } => {
                 self.engine(move |e, c| {
-                    e.hca.destroy_qp(c, qp)?;
+                    e.hca.destroy_qp(c, qp, &mut e.rings)?;
                     e.rings.qps.remove(&qp);
                     Ok::<_, HcaError>(())
                 })??;
@@ -443,14 +443,13 @@ impl Session {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
             };
-            let rings =
-                QpRings { sq: InRing::new(view(sq)?), rq: rq.map(view).transpose()?.map(InRing::new) };
+            let rings = QpRings::new(InRing::new(view(sq)?), rq.map(view).transpose()?.map(InRing::new));
             Ok::<_, Answer>((seg.clone(), rings))
         })();
         let (seg, rings) = match made {
             Ok(x) => x,
             Err(a) => {
-                let _ = self.engine(move |e, c| e.hca.destroy_qp(c, qpn));
+                let _ = self.engine(move |e, c| e.hca.destroy_qp(c, qpn, &mut e.rings));
                 return Err(a);
             }
         };

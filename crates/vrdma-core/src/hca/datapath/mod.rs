@@ -221,11 +221,13 @@ impl Hca {
             if let Some(r) = inf.recv {
                 self.requeue_recv(dest, r);
             }
+            io.send_retired(qpn, 1);
             self.complete(send_cq, error_cqe(&inf.wr, WcStatus::WrFlushErr, qpn), qpn, io);
         }
         for _ in 0..bound {
             let Some(pulled) = io.pull_send(qpn) else { break };
             act.busy = true;
+            io.send_retired(qpn, 1);
             let cqe = match pulled {
                 Ok(wr) => error_cqe(&wr, WcStatus::WrFlushErr, qpn),
                 Err((wr_id, _)) => Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Send, qpn),
@@ -267,6 +269,7 @@ impl Hca {
                     }
                     Some(Err((wr_id, e))) => {
                         act.busy = true;
+                        io.send_retired(qpn, 1);
                         let cq = qp.init.send_cq;
                         let cqe = Cqe::new(wr_id, wqe_status(e), WcOpcode::Send, qpn);
                         self.complete(cq, cqe, qpn, io);
@@ -306,6 +309,7 @@ impl Hca {
         };
         match exec {
             Exec::Complete { byte_len } => {
+                io.send_retired(qpn, 1);
                 if inf.wr.flags.contains(crate::verbs::SendFlags::SIGNALED) || req.sig_all {
                     let mut cqe = Cqe::new(inf.wr.wr_id, WcStatus::Success, inf.wr.opcode.wc_opcode(), qpn);
                     cqe.byte_len = byte_len;
@@ -382,6 +386,7 @@ impl Hca {
         } else if let Some(r) = inf.recv {
             self.requeue_recv(peer, r);
         }
+        io.send_retired(req.qpn, 1);
         self.complete(req.send_cq, error_cqe(&inf.wr, f.requester, req.qpn), req.qpn, io);
         self.send_queue_error(req.qpn, io);
     }
