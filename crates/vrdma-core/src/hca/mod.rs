@@ -618,20 +618,21 @@ impl Hca {
                 // goes back to it, as when the QP is destroyed.
                 let dest = qp.attr.dest_qp_num;
                 let held = qp.inflight.take();
-                let was_held = held.is_some();
-                let claimed = held.and_then(|i| i.recv);
-                qp.requeued.clear();
                 // Everything of the remote transport starts over, as the
                 // PSNs do; what it held was posted to this QP and goes
                 // with its queues.
-                qp.remote = None;
+                let remote_held = qp.remote.take().map_or(0, |r| r.held_sends());
+                let was_held = held.is_some();
+                let claimed = held.and_then(|i| i.recv);
+                qp.requeued.clear();
                 let keep = qp.attr.cap;
                 qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
                 // The WR in flight is dropped without a completion: it is
                 // retired before the queue is reset, so that the driver's
                 // count of outstanding WRs starts again from zero.
-                if was_held {
-                    io.send_retired(qpn, 1);
+                let held = u32::from(was_held) + remote_held;
+                if held > 0 {
+                    io.send_retired(qpn, held);
                 }
                 io.discard(qpn);
                 if let Some(r) = claimed {
@@ -678,6 +679,9 @@ impl Hca {
     /// Removes one QP; `qp_order` is the caller's to update.
     fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
         let Some(mut qp) = self.qps.remove(&qpn) else { return };
+        if let Some(n) = qp.remote.take().map(|r| r.held_sends()).filter(|&n| n > 0) {
+            io.send_retired(qpn, n);
+        }
         if let Some(inf) = qp.inflight.take() {
             io.send_retired(qpn, 1);
             // A receive WR taken for a message that never finished goes

@@ -59,9 +59,4 @@ pub trait Queues {
     fn async_event(&mut self, ctx: ContextId, event: AsyncEvent);
     /// Publishes a QP's new state to its owner.
     fn qp_state_changed(&mut self, qpn: u32, state: QpState);
-    /// The core is done with `count` more work requests it pulled from
-    /// `qpn`'s send queue: their slots count as free for the poster.
-    fn send_retired(&mut self, qpn: u32, count: u32) {
-        let _ = (qpn, count);
-    }
 }

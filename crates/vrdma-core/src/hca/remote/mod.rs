@@ -216,6 +216,13 @@ pub(crate) struct RemoteQp {
     pub recv: Option<RemoteRecv>,
 }
 
+impl RemoteQp {
+    /// Send WRs pulled from the queue and not yet retired.
+    pub fn held_sends(&self) -> u32 {
+        self.send.as_ref().map_or(0, |s| s.sent.len() as u32 + u32::from(s.blocked.is_some()))
+    }
+}
+
 /// What `vrdma stat` shows of a link.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LinkReport {
