@@ -323,9 +323,15 @@ impl LinkIo {
         let mut iov: ArrayVec<libc::iovec, IOV_MAX> = ArrayVec::new();
         let mut skip = self.tx_off;
         'frames: for t in &self.txq {
-            let pieces = std::iter::once((t.header.as_ptr() as *mut u8, t.header.len())).chain(
-                t.payload.iter().filter_map(|s| s.region.io_ptr(s.off, s.len).ok().map(|p| (p, s.len))),
-            );
+            let pieces =
+                [(t.header.as_ptr() as *mut u8, t.header.len()), (t.data.as_ptr() as *mut u8, t.data.len())]
+                    .into_iter()
+                    .filter(|(_, len)| *len > 0)
+                    .chain(
+                        t.payload
+                            .iter()
+                            .filter_map(|s| s.region.io_ptr(s.off, s.len).ok().map(|p| (p, s.len))),
+                    );
             for (p, len) in pieces {
                 if skip >= len {
                     skip -= len;

@@ -36,6 +36,7 @@ mod ud;
 
 use copy::{copy_message, skip};
 pub use ud::GRH_LEN;
+pub(crate) use ud::{effective_qkey, grh_bytes};
 
 /// What a call to [`Hca::process`] found.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +59,9 @@ const WRS_PER_PASS: usize = 64;
 /// How long the engine waits before looking again for a peer when the QP's
 /// timeout is 0 (wait forever).
 const PEER_POLL: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// How long a datagram waits for a link to its host before it is lost.
+const UD_LINK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// A resolved piece of a message: `len` bytes at `off` in `region`.
 pub(crate) struct Seg<'a> {
@@ -106,7 +110,7 @@ enum Placement {
 }
 
 /// A failure, with what each side reports.
-struct Failure {
+pub(crate) struct Failure {
     requester: WcStatus,
     /// The responder goes to ERR with this async event...
     responder_event: Option<AsyncEventType>,
@@ -115,7 +119,7 @@ struct Failure {
 }
 
 impl Failure {
-    fn local(status: WcStatus) -> Self {
+    pub(crate) fn local(status: WcStatus) -> Self {
         Failure { requester: status, responder_event: None, responder_recv: None }
     }
     fn remote_access() -> Self {
@@ -134,7 +138,7 @@ impl Failure {
     }
 }
 
-enum Exec {
+pub(crate) enum Exec {
     Complete { byte_len: u32 },
     Partial,
     Rnr(std::time::Duration),
@@ -334,6 +338,20 @@ impl Hca {
                 }
                 false
             }
+            // A datagram for a host no link reaches yet waits a little for
+            // the link the driver is dialling, then is lost, as a datagram
+            // may be.
+            Exec::NoPeer if req.qp_type == QpType::Ud => {
+                let deadline = *inf.retry_deadline.get_or_insert(now + UD_LINK_WAIT);
+                if now >= deadline {
+                    self.complete_datagram(&req, inf, io);
+                    return true;
+                }
+                inf.next_try = now + PEER_POLL;
+                act.timer(inf.next_try);
+                self.put_back(qpn, inf);
+                false
+            }
             Exec::NoPeer => {
                 match timers::ack_timeout(req.attr.timeout) {
                     None => inf.next_try = now + PEER_POLL,
@@ -355,6 +373,16 @@ impl Hca {
                 self.fail(&req, inf, f, io);
                 false
             }
+        }
+    }
+
+    /// A datagram that could not be sent completes successfully anyway: a
+    /// UD sender is never told of a loss.
+    fn complete_datagram(&mut self, req: &Requester, inf: Inflight, io: &mut dyn Queues) {
+        io.send_retired(req.qpn, 1);
+        if inf.wr.flags.contains(SendFlags::SIGNALED) || req.sig_all {
+            let cqe = Cqe::new(inf.wr.wr_id, WcStatus::Success, inf.wr.opcode.wc_opcode(), req.qpn);
+            self.complete(req.send_cq, cqe, req.qpn, io);
         }
     }
 

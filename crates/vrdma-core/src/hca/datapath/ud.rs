@@ -49,6 +49,9 @@ impl Hca {
             return Exec::Failed(Failure::local(WcStatus::LocProtErr));
         }
         *budget = budget.saturating_sub(len);
+        if !self.is_local(&ah) {
+            return self.send_datagram_remote(req, wr, &ah);
+        }
         // From here on the datagram has left: whatever becomes of it, the
         // sender completes successfully.
         let Some(resp) = self.ud_receiver(req, &ah, wr.ud) else { return Exec::Complete { byte_len: 0 } };
@@ -101,7 +104,7 @@ impl Hca {
             return None;
         }
         let peer = self.qps.get(&ud.remote_qpn)?;
-        let qkey = if ud.remote_qkey & QKEY_FROM_QP != 0 { req.attr.qkey } else { ud.remote_qkey };
+        let qkey = effective_qkey(ud.remote_qkey, req.attr.qkey);
         let ok = peer.tenant == req.tenant
             && peer.init.qp_type == QpType::Ud
             && peer.accepts_incoming()
@@ -159,16 +162,39 @@ impl Hca {
     /// the packet after the GRH (BTH, DETH, immediate, padded payload,
     /// ICRC), next header 0x1B (IBA transport), hop limit, SGID, DGID.
     fn grh(&self, ah: &AhAttr, len: u64, imm: bool) -> [u8; GRH_LEN] {
-        let mut g = [0u8; GRH_LEN];
+        let sgid = self.config.gids.get(ah.sgid_index as usize).copied().unwrap_or_default();
+        let mut g = grh_bytes(sgid, ah.dgid, ah.hop_limit, len, imm);
         let word0 = (6u32 << 28) | (u32::from(ah.traffic_class) << 20) | (ah.flow_label & 0xf_ffff);
         g[0..4].copy_from_slice(&word0.to_be_bytes());
-        let pay_len = 12 + 8 + if imm { 4 } else { 0 } + len.next_multiple_of(4) + 4;
-        g[4..6].copy_from_slice(&(pay_len as u16).to_be_bytes());
-        g[6] = 0x1b;
-        g[7] = ah.hop_limit;
-        let sgid = self.config.gids.get(ah.sgid_index as usize).copied().unwrap_or_default();
-        g[8..24].copy_from_slice(&sgid.0);
-        g[24..40].copy_from_slice(&ah.dgid.0);
         g
     }
+}
+
+/// The Q_Key a UD send carries: the WR's, or the QP's own for a controlled
+/// Q_Key.
+pub(crate) fn effective_qkey(wr_qkey: u32, qp_qkey: u32) -> u32 {
+    if wr_qkey & QKEY_FROM_QP != 0 {
+        qp_qkey
+    } else {
+        wr_qkey
+    }
+}
+
+/// A GRH with traffic class and flow label zero.
+pub(crate) fn grh_bytes(
+    sgid: crate::verbs::Gid,
+    dgid: crate::verbs::Gid,
+    hop: u8,
+    len: u64,
+    imm: bool,
+) -> [u8; GRH_LEN] {
+    let mut g = [0u8; GRH_LEN];
+    g[0..4].copy_from_slice(&(6u32 << 28).to_be_bytes());
+    let pay_len = 12 + 8 + if imm { 4 } else { 0 } + len.next_multiple_of(4) + 4;
+    g[4..6].copy_from_slice(&(pay_len as u16).to_be_bytes());
+    g[6] = 0x1b;
+    g[7] = hop;
+    g[8..24].copy_from_slice(&sgid.0);
+    g[24..40].copy_from_slice(&dgid.0);
+    g
 }

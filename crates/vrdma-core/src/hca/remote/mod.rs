@@ -43,6 +43,7 @@
 //! outstanding requests can no longer be acknowledged, and it fails by the
 //! timer, as on a cut cable. QPs created afterwards use the next link.
 
+mod datagram;
 mod requester;
 mod responder;
 
@@ -99,10 +100,13 @@ pub struct IoSeg {
 /// with the WR, the payload itself.
 pub const TX_HEADER_CAP: usize = MAX_DATA_HEADER_LEN + MAX_INLINE;
 
-/// One frame to write: `header`, then the bytes of `payload` in order.
+/// One frame to write: `header`, then `data`, then the bytes of
+/// `payload` in order.
 #[derive(Debug, Default)]
 pub struct Transmit {
     pub header: ArrayVec<u8, TX_HEADER_CAP>,
+    /// A payload copied out of the sender's memory (UD datagrams only).
+    pub data: Vec<u8>,
     pub payload: ArrayVec<IoSeg, MAX_SGE>,
 }
 
@@ -121,7 +125,7 @@ impl Transmit {
 
     /// Bytes on the wire.
     pub fn len(&self) -> usize {
-        self.header.len() + self.payload.iter().map(|s| s.len).sum::<usize>()
+        self.header.len() + self.data.len() + self.payload.iter().map(|s| s.len).sum::<usize>()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -154,6 +158,16 @@ pub(crate) enum AfterPayload {
         len: u32,
         last: bool,
     },
+    /// A datagram for a UD QP, into the receive WR `wr_id`.
+    Datagram {
+        qpn: u32,
+        wr_id: u64,
+        len: u32,
+        src_qpn: u32,
+        slid: u16,
+        imm: Option<u32>,
+        solicited: bool,
+    },
 }
 
 pub(crate) struct Link {
@@ -164,6 +178,7 @@ pub(crate) struct Link {
     pub rr: usize,
     pub stats: LinkStats,
     pub after: AfterPayload,
+    pub datagrams: datagram::DatagramQueue,
 }
 
 /// Every link, and the peers QPs are waiting for.
@@ -260,6 +275,7 @@ impl Hca {
                 rr: 0,
                 stats: LinkStats::default(),
                 after: AfterPayload::Nothing,
+                datagrams: Default::default(),
             },
         );
         n.wanted.retain(|g| *g != info.gid);
@@ -323,6 +339,13 @@ impl Hca {
 
     /// The next frame to write on `link`, if any QP has one.
     pub fn poll_transmit(&mut self, link: LinkId, now: Instant, io: &mut dyn Queues) -> Option<Transmit> {
+        // Datagrams first: each is at most one MTU.
+        if let Some(t) = self.net.links.get_mut(&link)?.datagrams.pop_front() {
+            let l = self.net.links.get_mut(&link)?;
+            l.stats.frames_out += 1;
+            l.stats.payload_out += t.data.len() as u64;
+            return Some(t);
+        }
         let n = self.net.links.get(&link)?.qps.len();
         for _ in 0..n {
             let l = self.net.links.get_mut(&link)?;
@@ -361,7 +384,10 @@ impl Hca {
         l.stats.frames_in += 1;
         l.stats.payload_in += u64::from(hdr.payload_len);
         l.after = AfterPayload::Nothing;
-        let (sink, after) = if hdr.opcode.is_request() {
+        let ud = matches!(hdr.opcode, crate::wire::Opcode::UdSendOnly | crate::wire::Opcode::UdSendOnlyImm);
+        let (sink, after) = if ud {
+            self.datagram_handle(link, hdr, io)
+        } else if hdr.opcode.is_request() {
             self.responder_handle(link, hdr, now, io)
         } else {
             self.requester_handle(link, hdr, now, io)
@@ -381,6 +407,9 @@ impl Hca {
             AfterPayload::Request { qpn } => self.responder_placed(qpn, io),
             AfterPayload::ReadResponse { qpn, len, last } => {
                 self.read_response_placed(qpn, len, last, now, io)
+            }
+            AfterPayload::Datagram { qpn, wr_id, len, src_qpn, slid, imm, solicited } => {
+                self.datagram_placed(qpn, wr_id, len, src_qpn, slid, imm, solicited, io)
             }
         }
     }

@@ -72,6 +72,7 @@ impl TwoHosts {
     ) -> bool {
         let Some(t) = from.env.hca.poll_transmit(from.link, now, &mut from.env.io) else { return false };
         let mut bytes = t.header.to_vec();
+        bytes.extend(&t.data);
         for s in &t.payload {
             let mut v = vec![0; s.len];
             s.region.read(s.off, &mut v).unwrap();
@@ -538,4 +539,66 @@ fn a_small_message_waits_at_most_one_chunk_per_busy_qp() {
     );
     assert_eq!(t.a.env.poll(big.cq).len(), 1);
     assert_eq!(t.a.env.poll(small.cq).len(), 1);
+}
+
+#[test]
+fn datagrams_cross_hosts_with_their_grh_and_are_lost_quietly_when_no_one_takes_them() {
+    let mut t = TwoHosts::new(1024);
+    let ud_end = |env: &mut Env| {
+        let pd = env.hca.alloc_pd(C1).unwrap();
+        let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
+        let init = QpInitAttr {
+            qp_type: QpType::Ud,
+            send_cq: cq,
+            recv_cq: cq,
+            srq: None,
+            cap: cap(),
+            sq_sig_all: false,
+        };
+        let qpn = env.qp(C1, pd, init);
+        let buf = env.mr(C1, pd, 16 << 10, FULL);
+        for (st, mask) in [
+            (QpState::Init, QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY),
+            (QpState::Rtr, QpAttrMask::STATE),
+            (QpState::Rts, QpAttrMask::STATE | QpAttrMask::SQ_PSN),
+        ] {
+            let attr = QpAttr { qp_state: st, port_num: 1, qkey: 0x1111, ..QpAttr::default() };
+            assert_eq!(env.modify(qpn, &attr, mask), Ok(st));
+        }
+        (pd, cq, qpn, buf)
+    };
+    let (pa, cqa, qa, bufa) = ud_end(&mut t.a.env);
+    let (_pb, cqb, qb, bufb) = ud_end(&mut t.b.env);
+    let mut ah = crate::verbs::AhAttr {
+        is_global: true,
+        dgid: Gid::from_ipv4(IP_B),
+        port_num: 1,
+        hop_limit: 64,
+        ..Default::default()
+    };
+    ah.dlid = 0;
+    let ahn = t.a.env.hca.create_ah(C1, pa, ah).unwrap();
+    bufa.write(0, b"datagram");
+    let mut w = wr(1, SendOpcode::SendWithImm, &[bufa.sge(0, 8)], SendFlags::SIGNALED);
+    w.imm_data = 5;
+    w.ud = crate::ring::UdDest { remote_qpn: qb, remote_qkey: 0x1111, ah: ahn };
+    t.b.env.io.post_recv(qb, recv(20, &[bufb.sge(0, 100)]));
+    t.a.env.io.post_send(qa, w.clone());
+    // A wrong Q_Key: lost, and the sender still completes successfully.
+    let mut bad = w.clone();
+    bad.wr_id = 2;
+    bad.ud.remote_qkey = 0x2222;
+    t.a.env.io.post_send(qa, bad);
+    t.run(T0);
+    let sent = t.a.env.poll(cqa);
+    assert_eq!(
+        sent.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+    let got = t.b.env.poll(cqb);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].wr_id, got[0].byte_len, got[0].src_qp, got[0].imm_data), (20, 48, qa, 5));
+    assert!(got[0].wc_flags.contains(WcFlags::GRH));
+    assert_eq!(bufb.read(40, 8), b"datagram");
+    assert_eq!(bufb.read(8, 16), Gid::from_ipv4(IP_A).0.to_vec(), "the GRH carries the sender's GID");
 }
