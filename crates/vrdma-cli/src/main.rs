@@ -23,6 +23,8 @@ enum Command {
     Daemon(cmd::daemon::Args),
     /// Show the device, its port and limits, like `ibv_devinfo -v`.
     Devinfo(cmd::devinfo::Args),
+    /// Show the links to other hosts and the path each of your QPs takes.
+    Stat(cmd::stat::Args),
     /// Measure vRDMA beside shared-memory and memcpy anchors.
     Bench(bench::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
@@ -41,6 +43,7 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Daemon(a) => cmd::daemon::run(cli.socket, a),
         Command::Devinfo(a) => cmd::devinfo::run(cli.socket, a),
+        Command::Stat(a) => cmd::stat::run(cli.socket, a),
         Command::Bench(a) => bench::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }

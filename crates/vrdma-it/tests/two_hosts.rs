@@ -77,6 +77,17 @@ fn every_opcode(by_gid: bool) -> Result<()> {
     a.mr.read(500_000, &mut got)?;
     assert!(got == pattern(100_000, 9), "read data differs");
     assert_eq!((a.mr.read_u64(900_000)?, a.mr.read_u64(900_008)?, b.mr.read_u64(960_000)?), (40, 50, 52));
+
+    // The path shows: the QP goes over a link; one between two QPs of
+    // the same host goes through shared memory.
+    let local = Side::new(&h.a.context()?, 4096)?;
+    let local2 = Side::new(&h.a.context()?, 4096)?;
+    vrdma_it::connect(&local, &local2)?;
+    let st = a.ctx.stat()?;
+    assert!(st.links.iter().any(|l| l.up && l.stats.frames_out > 0), "{st:?}");
+    let path = |qpn: u32| st.qps.iter().find(|q| q.qpn == qpn).map(|q| q.path);
+    assert!(matches!(path(a.qp.qpn()), Some(vrdma_core::hca::Path::Link(Some(_)))), "{st:?}");
+    assert_eq!(path(local.qp.qpn()), Some(vrdma_core::hca::Path::SharedMemory), "{st:?}");
     Ok(())
 }
 

@@ -142,6 +142,16 @@ impl Context {
         }
     }
 
+    /// The device's links to other hosts' daemons, and the path (shared
+    /// memory or a link) each QP of this tenant takes.
+    pub fn stat(&self) -> Result<vrdma_core::hca::StatReport> {
+        let req = Request::Stat;
+        match self.inner.control.call(&req, &[])?.reply {
+            Reply::Stat(s) => Ok(s),
+            other => Err(control::unexpected(&req, &other)),
+        }
+    }
+
     /// `ibv_query_port`; ports are numbered from 1.
     pub fn query_port(&self, port: u8) -> Result<PortAttr> {
         let req = Request::QueryPort { port };

@@ -107,7 +107,10 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     for (i, g) in gids.iter().enumerate() {
         println!("\t\t\tGID[{i:>3}]:\t\t{g}");
     }
-    println!("\t\t\tpaths:\t\t\tsame host: shared memory (other hosts: not yet available)");
+    println!("\t\t\tpaths:\t\t\tsame host: shared memory; other hosts: TCP links between daemons");
+    for line in super::stat::render_links(&ctx.stat()?).lines() {
+        println!("\t\t\t{line}");
+    }
     Ok(())
 }
 

@@ -3,3 +3,4 @@
 pub mod daemon;
 pub mod devinfo;
 pub mod run;
+pub mod stat;

@@ -27,7 +27,10 @@ pub use config::{HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, VENDOR_ID}
 pub use datapath::{Activity, GRH_LEN};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
-pub use remote::{IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, Path, Sink, Transmit, TX_HEADER_CAP};
+pub use remote::{
+    IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, Path, QpPathReport, Sink, StatReport, Transmit,
+    TX_HEADER_CAP,
+};
 
 use crate::memory::Region;
 use crate::qp::fsm;
@@ -648,6 +651,11 @@ impl Hca {
         // enter_error publishes ERR itself.
         if to != cur && to != QpState::Err {
             io.qp_state_changed(qpn, to);
+        }
+        if to == QpState::Rtr && cur != QpState::Rtr {
+            if let Some(path) = self.qp_path(qpn) {
+                tracing::info!(qpn, dest_qpn = attr.dest_qp_num, ?path, "QP connected");
+            }
         }
         Ok(to)
     }

@@ -101,6 +101,9 @@ pub enum Request {
     DestroyAh {
         ah: u32,
     },
+    /// The links to other hosts and the paths of the tenant's QPs;
+    /// answered [`Reply::Stat`].
+    Stat,
 }
 
 impl Request {
@@ -182,6 +185,7 @@ pub enum Reply {
     Ah {
         ah: u32,
     },
+    Stat(crate::hca::StatReport),
 }
 
 /// Why a message could not be decoded.

@@ -274,6 +274,7 @@ impl Session {
                 self.engine(move |e, c| e.hca.destroy_ah(c, ah))??;
                 Reply::Done.into()
             }
+            Request::Stat => Reply::Stat(self.engine(move |e, c| e.hca.stat(c))??).into(),
         })
     }
 

@@ -248,6 +248,23 @@ pub struct LinkReport {
     pub stats: LinkStats,
 }
 
+/// A QP and the path its traffic takes, for `vrdma stat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QpPathReport {
+    pub qpn: u32,
+    pub qp_type: crate::verbs::QpType,
+    pub state: crate::verbs::QpState,
+    pub dest_qpn: u32,
+    pub path: Path,
+}
+
+/// What `vrdma stat` shows: the links, and the QPs of the asking tenant.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatReport {
+    pub links: Vec<LinkReport>,
+    pub qps: Vec<QpPathReport>,
+}
+
 /// The path a QP's traffic takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Path {
@@ -318,6 +335,27 @@ impl Hca {
             .collect();
         v.sort_by_key(|r| r.id);
         v
+    }
+
+    /// The links, and the QPs of `ctx`'s tenant with their paths.
+    pub fn stat(&self, ctx: super::ContextId) -> Result<StatReport, super::HcaError> {
+        let tenant = self.tenant_of(ctx)?;
+        let mut qps: Vec<QpPathReport> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| q.tenant == tenant)
+            .filter_map(|(&qpn, q)| {
+                Some(QpPathReport {
+                    qpn,
+                    qp_type: q.init.qp_type,
+                    state: q.state(),
+                    dest_qpn: q.attr.dest_qp_num,
+                    path: self.qp_path(qpn)?,
+                })
+            })
+            .collect();
+        qps.sort_by_key(|q| q.qpn);
+        Ok(StatReport { links: self.links(), qps })
     }
 
     /// The path of a QP's traffic.
