@@ -10,6 +10,13 @@ use crate::ring::{Cqe, RecvWr};
 use crate::verbs::{AccessFlags, AhAttr, AsyncEventType, QpType, WcFlags, WcOpcode, WcStatus};
 use crate::wire::{psn_add, psn_diff, Aeth, DataRepr, NakCode, Opcode, Syndrome, MAX_24};
 
+/// Answers a responder QP holds before it stops taking requests.
+const MAX_RESPONSES: usize = 4096;
+/// Reads and atomics a responder QP has accepted and not yet answered:
+/// the device's `max_qp_rd_atom`; a requester that exceeds it is refused,
+/// as an HCA refuses it.
+const MAX_READS: usize = crate::hca::MAX_RD_ATOMIC as usize;
+
 /// A message arriving in several frames.
 pub(crate) enum InMsg {
     Send {
@@ -178,6 +185,13 @@ impl Hca {
             self.net.attach(link, qpn);
         }
         let rs = self.recv_state(qpn).expect("made above");
+        // A peer that sends requests but never reads our answers gets no
+        // more than a bounded queue of them; the rest of its requests are
+        // dropped (it is stuck behind its own socket anyway).
+        if rs.responses.len() >= MAX_RESPONSES {
+            self.net.dropped(link);
+            return (Sink::Discard, AfterPayload::Nothing);
+        }
         let d = psn_diff(hdr.psn, rs.epsn);
         if d < 0 {
             // A duplicate (the requester went back): not executed again;
@@ -216,6 +230,15 @@ impl Hca {
                 (Sink::Discard, AfterPayload::Nothing)
             }
         }
+    }
+
+    fn reads_queued(&mut self, qpn: u32) -> usize {
+        self.recv_state(qpn).map_or(0, |rs| {
+            rs.responses
+                .iter()
+                .filter(|r| matches!(r, Response::Read { .. } | Response::AtomicAck { .. }))
+                .count()
+        })
     }
 
     fn advance_epsn(&mut self, qpn: u32, n: u32) {
@@ -280,6 +303,9 @@ impl Hca {
                 if got == off =>
             {
                 self.place_write(qpn, &resp, va, rkey, dma_len, got, n, hdr.opcode, fin, io)
+            }
+            (ReadRequest | CompareSwap | FetchAdd, None) if self.reads_queued(qpn) >= MAX_READS => {
+                Step::Refuse(Refusal::invalid(None))
             }
             (ReadRequest, None) => {
                 let Some(reth) = hdr.reth else { return Step::Refuse(Refusal::invalid(None)) };
