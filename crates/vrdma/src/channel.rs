@@ -210,13 +210,23 @@ impl CompletionChannel {
     /// Fails, instead of waiting, once the daemon has gone away.
     pub fn get_cq_event(&self, timeout: Option<Duration>) -> Result<Option<u32>> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        let mut slot = self.inner.slot_buf();
-        if let Some(cqn) = self.spin_for_event(&mut slot, timeout)? {
+        // The daemon's slots are 8 bytes (CHANNEL_EVENT_SIZE): on the
+        // stack, so that taking an event allocates nothing.
+        let mut small = [0u8; 64];
+        let mut large = Vec::new();
+        let stride = self.inner.ring.stride();
+        let slot: &mut [u8] = if stride <= small.len() {
+            &mut small[..stride]
+        } else {
+            large.resize(stride, 0);
+            &mut large
+        };
+        if let Some(cqn) = self.spin_for_event(slot, timeout)? {
             return Ok(Some(cqn));
         }
         let mut readable = false;
         loop {
-            if let Some(cqn) = self.inner.take_or_clean(&mut slot)? {
+            if let Some(cqn) = self.inner.take_or_clean(slot)? {
                 return Ok(Some(cqn));
             }
             // `None` when there is no limit (or one too far ahead).
