@@ -9,7 +9,10 @@
 //! arms the CQ in shared memory.
 //!
 //! A completion channel's `fd` is the vrdma channel's doorbell, a real
-//! descriptor that applications `poll`/`epoll`. It starts out blocking,
+//! descriptor that applications `poll`/`epoll`. As with rdma-core's, it is
+//! readable exactly while an event is unread: the daemon queues one
+//! datagram per event once it is published, and `ibv_get_cq_event` takes
+//! it with the event. It starts out blocking,
 //! as rdma-core's does; an application that sets `O_NONBLOCK` on it gets
 //! `EAGAIN` from `ibv_get_cq_event` when no event is pending.
 //! `ibv_get_cq_event` maps the CQ number the daemon reports back to the
@@ -368,6 +371,8 @@ pub unsafe extern "C" fn ibv_get_cq_event(
         // answer that comes within microseconds is taken without sleeping).
         let first = if nonblocking { Duration::ZERO } else { vrdma::event_spin() };
         let mut next = ch.get_cq_event(Some(first)).map_err(|e| fail(W, &e))?;
+        // Whether the last poll saw the fd readable.
+        let mut woke = false;
         loop {
             if let Some(cqn) = next {
                 let reg = ctx.registry();
@@ -385,6 +390,12 @@ pub unsafe extern "C" fn ibv_get_cq_event(
             } else if nonblocking {
                 return Err(libc::EAGAIN);
             } else {
+                if woke {
+                    // Readable, yet no event: another thread's, about to be
+                    // taken, or a stale wake-up that the library drops
+                    // after a while. Do not spin hot.
+                    std::thread::sleep(Duration::from_micros(200));
+                }
                 let mut pfd = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
                 // SAFETY: one valid pollfd.
                 let r = unsafe { libc::poll(&mut pfd, 1, 1000) };
@@ -400,6 +411,7 @@ pub unsafe extern "C" fn ibv_get_cq_event(
                 if r == 0 {
                     ctx.inner.query_port(1).map_err(|e| fail(W, &e))?;
                 }
+                woke = r > 0;
             }
             next = ch.get_cq_event(Some(Duration::ZERO)).map_err(|e| fail(W, &e))?;
         }

@@ -572,6 +572,49 @@ fn c_program_checks_semantics() {
     assert!(f.stdout.contains("semantics_check: OK"), "{}", f.describe());
 }
 
+/// `tests/c/killed_peer_check.c`: two processes connect an RC QP each to
+/// the other's; the victim is SIGKILLed (by pid) while it holds its QP.
+/// The survivor must get `IBV_EVENT_QP_FATAL` on its async fd, see its QP
+/// in `IBV_QPS_ERR` through `ibv_query_qp`, and have its outstanding
+/// receives and every WR posted afterwards complete with
+/// `IBV_WC_WR_FLUSH_ERR`.
+#[test]
+fn c_program_checks_a_killed_peer() {
+    let Some((s, exe)) = build_c_program("killed_peer_check") else { return };
+    let _turn = one_at_a_time();
+    let dir = tempfile::tempdir_in(s.dir.path()).expect("exchange dir");
+    let role = |r: &str| {
+        let mut c = s.command(exe.to_str().expect("utf-8 path"));
+        c.arg(r).arg(dir.path());
+        spawn(c, &format!("killed_peer_check {r}"))
+    };
+    let mut survivor = role("survivor");
+    let mut victim = role("victim");
+    let end = Instant::now() + Duration::from_secs(60);
+    for ready in ["victim.ready", "survivor.ready"] {
+        while !dir.path().join(ready).exists() {
+            if victim.exited() {
+                panic!("the victim exited early\n{}", victim.finish(LIMIT).describe());
+            }
+            if survivor.exited() {
+                panic!("the survivor exited early\n{}", survivor.finish(LIMIT).describe());
+            }
+            assert!(Instant::now() < end, "{ready} never appeared");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(victim.pid(), libc::SIGKILL) };
+    let v = victim.finish(LIMIT);
+    {
+        use std::os::unix::process::ExitStatusExt;
+        assert_eq!(v.status.signal(), Some(libc::SIGKILL), "{}", v.describe());
+    }
+    let f = survivor.finish(LIMIT);
+    f.assert_ok();
+    assert!(f.stdout.contains("killed_peer_check: OK"), "{}", f.describe());
+}
+
 /// Compiles `tests/c/<name>.c` against rdma-core's
 /// headers and links it against this library: the shared setup and the
 /// executable, or `None` (with the reason printed) without a C compiler

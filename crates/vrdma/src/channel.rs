@@ -1,7 +1,7 @@
 //! Completion channels: where armed CQs report that they have work.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,9 +15,12 @@ use crate::error::{Error, Result};
 /// A completion channel (`ibv_comp_channel`).
 ///
 /// When a CQ armed with [`req_notify`](crate::CompletionQueue::req_notify)
-/// gets a completion, the daemon pushes the CQ's number into the channel
-/// and rings the channel's doorbell, whose descriptor [`fd`](Self::fd) can
-/// be watched with `poll`/`epoll`. Events need no acknowledgement. Cheap to clone.
+/// gets a completion, the daemon pushes the CQ's number into the
+/// channel's ring, then queues one datagram for it on the channel's
+/// doorbell, whose descriptor [`fd`](Self::fd) can be watched with
+/// `poll`/`epoll`. Taking an event takes its datagram too, so the fd is
+/// readable exactly while an event is unread, as rdma-core's channel fd
+/// is. Events need no acknowledgement. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct CompletionChannel {
     pub(crate) inner: Arc<ChannelInner>,
@@ -31,6 +34,22 @@ pub(crate) struct ChannelInner {
     pub(crate) event: Doorbell,
     /// CQs created on this channel and still alive.
     pub(crate) cqs: AtomicUsize,
+    /// When (ns since [`elapsed_ns`]'s origin, 0: not) the fd was first
+    /// seen readable with no event; see `drop_stale`.
+    stale_since: AtomicU64,
+}
+
+/// How long an event's wake-up is waited for once the event was taken.
+const WAKEUP_WAIT: Duration = Duration::from_secs(1);
+/// How long the fd may be readable with no event before the wake-up is
+/// taken as stale.
+const STALE_AFTER: Duration = Duration::from_millis(20);
+
+/// Nanoseconds since the first call in this process (never 0 after it).
+fn elapsed_ns() -> u64 {
+    static ORIGIN: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    let origin = *ORIGIN.get_or_init(Instant::now);
+    (origin.elapsed().as_nanos() as u64).max(1)
 }
 
 impl Drop for ChannelInner {
@@ -40,14 +59,70 @@ impl Drop for ChannelInner {
 }
 
 impl ChannelInner {
-    /// Pops one event: the CQ number, or `None` if the ring is empty.
-    pub(crate) fn pop(&self, slot: &mut [u8]) -> Result<Option<u32>> {
-        if self.ring.try_pop(slot)? {
-            let cqn = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]);
-            Ok(Some(cqn))
-        } else {
-            Ok(None)
+    /// Takes one event: the CQ number, or `None` if the ring is empty.
+    ///
+    /// The daemon publishes each event, then queues its datagram on the
+    /// doorbell; the datagram is taken with the event (waiting the moment
+    /// it may take to come), so that the fd stays readable exactly while
+    /// events are unread.
+    pub(crate) fn take(&self, slot: &mut [u8]) -> Result<Option<u32>> {
+        if !self.ring.try_pop(slot)? {
+            return Ok(None);
         }
+        self.stale_since.store(0, Ordering::Relaxed);
+        if !self.event.take_one() {
+            self.await_wakeup()?;
+        }
+        Ok(Some(u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]])))
+    }
+
+    /// Takes the datagram of an event taken before it came. The daemon
+    /// sends it right after publishing the event; should it never come
+    /// (the daemon's estimate of the socket buffer was wrong), the wait
+    /// ends after [`WAKEUP_WAIT`].
+    fn await_wakeup(&self) -> Result<()> {
+        let end = Instant::now() + WAKEUP_WAIT;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                tracing::debug!(channel = self.channel, "an event came without its wake-up");
+                return Ok(());
+            }
+            self.ctx.inner.control.wait_readable(&self.event, Some(left))?;
+            if self.event.take_one() {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Called when the ring is empty: a datagram that stays readable that
+    /// long with no event is stale (one [`await_wakeup`](Self::await_wakeup)
+    /// gave up on), and is taken, so that the fd is not readable for
+    /// nothing. Another thread that has just taken an event and not yet
+    /// its datagram takes it within microseconds, well before.
+    fn drop_stale(&self) {
+        if !self.event.is_readable() {
+            self.stale_since.store(0, Ordering::Relaxed);
+            return;
+        }
+        let now = elapsed_ns();
+        let since = self.stale_since.load(Ordering::Relaxed);
+        if since == 0 {
+            self.stale_since.store(now, Ordering::Relaxed);
+        } else if now.saturating_sub(since) > STALE_AFTER.as_nanos() as u64 {
+            self.event.take_one();
+            self.stale_since.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// [`take`](Self::take), and when the ring is empty, a look for a
+    /// stale wake-up.
+    pub(crate) fn take_or_clean(&self, slot: &mut [u8]) -> Result<Option<u32>> {
+        let got = self.take(slot)?;
+        if got.is_none() {
+            self.drop_stale();
+        }
+        Ok(got)
     }
 
     pub(crate) fn slot_buf(&self) -> Vec<u8> {
@@ -101,6 +176,7 @@ impl CompletionChannel {
                 ring,
                 event,
                 cqs: AtomicUsize::new(0),
+                stale_since: AtomicU64::new(0),
             }),
         })
     }
@@ -126,29 +202,31 @@ impl CompletionChannel {
     /// [`CompletionStream`](crate::CompletionStream) also take events from
     /// this channel, each event goes to only one of them.
     ///
-    /// With `poll`/`epoll` on [`fd`](Self::fd): when the fd is readable,
-    /// call this with a zero timeout until it returns `Ok(None)`. After an
-    /// event is returned the fd may stay readable (for the next event, or
-    /// spuriously); a call that finds no event consumes the stale
-    /// readiness, so the fd does not stay readable for nothing.
+    /// With `poll`/`epoll` on [`fd`](Self::fd): the fd is readable exactly
+    /// while an event is unread, as rdma-core's channel fd is. When it is
+    /// readable this finds an event (unless another thread took it), and
+    /// each event this returns takes the fd's readiness for it along.
     ///
     /// Fails, instead of waiting, once the daemon has gone away.
     pub fn get_cq_event(&self, timeout: Option<Duration>) -> Result<Option<u32>> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        let mut slot = self.inner.slot_buf();
-        if let Some(cqn) = self.spin_for_event(&mut slot, timeout)? {
+        // The daemon's slots are 8 bytes (CHANNEL_EVENT_SIZE): on the
+        // stack, so that taking an event allocates nothing.
+        let mut small = [0u8; 64];
+        let mut large = Vec::new();
+        let stride = self.inner.ring.stride();
+        let slot: &mut [u8] = if stride <= small.len() {
+            &mut small[..stride]
+        } else {
+            large.resize(stride, 0);
+            &mut large
+        };
+        if let Some(cqn) = self.spin_for_event(slot, timeout)? {
             return Ok(Some(cqn));
         }
+        let mut readable = false;
         loop {
-            if let Some(cqn) = self.inner.pop(&mut slot)? {
-                return Ok(Some(cqn));
-            }
-            // Nothing pending: the wake-ups still queued on the fd belong to
-            // events already taken. Consume them, then look once more (an
-            // event pushed before the drain is seen now, one pushed after it
-            // rings again), so that the fd is not left readable for nothing.
-            self.inner.event.drain();
-            if let Some(cqn) = self.inner.pop(&mut slot)? {
+            if let Some(cqn) = self.inner.take_or_clean(slot)? {
                 return Ok(Some(cqn));
             }
             // `None` when there is no limit (or one too far ahead).
@@ -156,7 +234,12 @@ impl CompletionChannel {
             if left == Some(Duration::ZERO) {
                 return Ok(None);
             }
-            self.inner.ctx.inner.control.wait_bell(&self.inner.event, left)?;
+            if readable {
+                // Readable with no event: another thread's, about to be
+                // taken, or stale (see `drop_stale`). Do not spin hot.
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            readable = self.inner.ctx.inner.control.wait_readable(&self.inner.event, left)?;
         }
     }
 
@@ -170,7 +253,7 @@ impl CompletionChannel {
         let window = event_spin().min(timeout.unwrap_or(Duration::MAX));
         let start = Instant::now();
         loop {
-            if let Some(cqn) = self.inner.pop(slot)? {
+            if let Some(cqn) = self.inner.take(slot)? {
                 return Ok(Some(cqn));
             }
             if start.elapsed() >= window {

@@ -211,8 +211,8 @@ impl Context {
             }
             // Nothing pending: the wake-ups still queued on the fd belong to
             // events already taken. Consume them, then look once more, so
-            // that the fd is not left readable for nothing (see
-            // `CompletionChannel::get_cq_event`).
+            // that the fd is not left readable for nothing. (A completion
+            // channel's wake-ups are counted instead, one per event.)
             self.inner.async_fd.drain();
             if let Some(ev) = self.pop_async_event(&mut slot)? {
                 return Ok(Some(ev));

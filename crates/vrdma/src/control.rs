@@ -98,6 +98,17 @@ impl Control {
     /// up the control connection: a daemon that died rings nothing, and a
     /// wait for it must not last for ever.
     pub fn wait_bell(&self, bell: &Doorbell, timeout: Option<Duration>) -> Result<bool> {
+        self.wait_on(bell, timeout, true)
+    }
+
+    /// Waits like [`wait_bell`](Self::wait_bell) until `bell` is readable,
+    /// but consumes nothing: for a completion channel, whose datagrams are
+    /// counted (one per event) and taken with their events.
+    pub fn wait_readable(&self, bell: &Doorbell, timeout: Option<Duration>) -> Result<bool> {
+        self.wait_on(bell, timeout, false)
+    }
+
+    fn wait_on(&self, bell: &Doorbell, timeout: Option<Duration>, drain: bool) -> Result<bool> {
         use rustix::event::{PollFd, PollFlags, Timespec};
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let sock = self.hangup_fd();
@@ -123,7 +134,7 @@ impl Control {
                     if rev.intersects(PollFlags::ERR | PollFlags::NVAL) {
                         return Err(Error::Io(io::Error::other("doorbell poll error")));
                     }
-                    if bell.drain() > 0 {
+                    if !drain || bell.drain() > 0 {
                         return Ok(true);
                     }
                     // Someone else drained it first: wait again.

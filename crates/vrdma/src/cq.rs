@@ -256,8 +256,9 @@ impl CompletionQueue {
             if left == Some(Duration::ZERO) {
                 return Ok(0);
             }
-            self.inner.ctx.inner.control.wait_bell(&ch.inner.event, left)?;
-            while ch.inner.pop(&mut slot)?.is_some() {}
+            self.inner.ctx.inner.control.wait_readable(&ch.inner.event, left)?;
+            // The events name this CQ only; the completions are polled above.
+            while ch.inner.take_or_clean(&mut slot)?.is_some() {}
         }
     }
 

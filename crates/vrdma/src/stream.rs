@@ -173,19 +173,25 @@ impl CompletionStream {
                 Poll::Ready(Ok(g)) => g,
                 Poll::Ready(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
             };
-            // Consume every pending ring, then report "would block" so that
-            // tokio clears the readiness (unless a newer ring set it again).
-            let _ = guard.try_io(|bell| {
-                bell.get_ref().0.drain();
-                Err::<(), _>(io::ErrorKind::WouldBlock.into())
-            });
-            // The channel's ring only names CQs; ours is polled directly.
+            // Take every pending event (each with its datagram: the
+            // channel's readiness is counted, see CompletionChannel).
+            let mut took = false;
             loop {
-                match self.channel.pop(&mut self.slot) {
-                    Ok(Some(_)) => continue,
+                match self.channel.take_or_clean(&mut self.slot) {
+                    Ok(Some(_)) => took = true,
                     Ok(None) => break,
                     Err(e) => return Poll::Ready(Some(Err(e))),
                 }
+            }
+            // Clear tokio's readiness only if the fd is really quiet now (a
+            // newer wake-up arriving meanwhile keeps it set).
+            if !guard.get_ref().get_ref().0.is_readable() {
+                let _ = guard.try_io(|_| Err::<(), _>(io::ErrorKind::WouldBlock.into()));
+            } else if !took {
+                // Readable with no event: another thread's, or a stale
+                // wake-up the channel drops after a while. Step aside.
+                cx.waker().wake_by_ref();
+                return Poll::Pending;
             }
         }
     }

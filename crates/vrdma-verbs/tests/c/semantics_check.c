@@ -3,7 +3,8 @@
  * opcode's data with multi-SGE gather/scatter and inline data, error
  * statuses and the flush after them, completion events under epoll and
  * the async fd under poll, RETRY_EXC, REM_OP, LOC_LEN and the post-time
- * refusals of oversized inline data and inline reads. "hold <file>"
+ * refusals of oversized inline data and inline reads, and the channel
+ * fd readable exactly while an event is unread. "hold <file>"
  * allocates objects, writes <file> and sleeps (the test SIGKILLs it);
  * "after" checks a fresh process still gets a working device.
  *
@@ -522,6 +523,108 @@ static void check_more_errors(struct ibv_context *ctx)
 	free_pair(&p);
 }
 
+/* Whether fd is readable, waiting up to ms (0: just look). */
+static int readable(int fd, int ms)
+{
+	struct pollfd pf = { .fd = fd, .events = POLLIN };
+	return poll(&pf, 1, ms) == 1 && (pf.revents & POLLIN);
+}
+
+/* E. The completion channel fd is readable exactly while an event is
+ * unread, as rdma-core's is: not before anything happened, readable once
+ * an armed CQ completes, and no longer readable once ibv_get_cq_event has
+ * taken the last event. Two CQs (x, y) on one channel, their QPs
+ * connected to each other. */
+static void check_channel_readiness(struct ibv_context *ctx)
+{
+	struct pair p;
+	CHECK(make_pair(&p, ctx, 7, 0) == 0, "");
+	struct ibv_comp_channel *ch = ibv_create_comp_channel(ctx);
+	struct ibv_cq *x = ibv_create_cq(ctx, 16, (void *)0x1, ch, 0);
+	struct ibv_cq *y = ibv_create_cq(ctx, 16, (void *)0x2, ch, 0);
+	CHECK(ch && x && y, "errno=%d", errno);
+	if (!ch || !x || !y)
+		return;
+	struct ibv_qp_init_attr ia = { .send_cq = x, .recv_cq = x, .qp_type = IBV_QPT_RC,
+				       .cap = { .max_send_wr = 8, .max_recv_wr = 8, .max_send_sge = 1,
+						.max_recv_sge = 1 } };
+	struct ibv_qp *qx = ibv_create_qp(p.pd, &ia);
+	ia.send_cq = ia.recv_cq = y;
+	struct ibv_qp *qy = ibv_create_qp(p.pd, &ia);
+	CHECK(qx && qy, "errno=%d", errno);
+	if (!qx || !qy)
+		return;
+	CHECK(to_init(qx) == 0 && to_init(qy) == 0 && to_rtr(qx, qy->qp_num, p.lid) == 0 &&
+		      to_rtr(qy, qx->qp_num, p.lid) == 0 && to_rts(qx, 7) == 0 && to_rts(qy, 7) == 0,
+	      "connect");
+	struct ibv_sge s = { (uintptr_t)p.buf, 8, p.mr->lkey };
+	struct ibv_send_wr w = { .sg_list = &s, .num_sge = 1, .opcode = IBV_WR_RDMA_WRITE,
+				 .send_flags = IBV_SEND_SIGNALED };
+	w.wr.rdma.remote_addr = (uintptr_t)p.buf + 8192;
+	w.wr.rdma.rkey = p.mr->rkey;
+	struct ibv_wc wc;
+	struct ibv_cq *ecq;
+	void *ectx;
+	int ep = epoll_create1(0);
+	struct epoll_event ee = { .events = EPOLLIN }, out;
+	CHECK(epoll_ctl(ep, EPOLL_CTL_ADD, ch->fd, &ee) == 0, "");
+
+	/* No event: not readable. */
+	CHECK(!readable(ch->fd, 0), "readable before anything happened");
+	/* A completion of an unarmed CQ raises no event. */
+	w.wr_id = 100;
+	CHECK(post(qx, &w) == 0, "");
+	CHECK(one_wc(x, &wc) && wc.wr_id == 100 && wc.status == IBV_WC_SUCCESS, "");
+	CHECK(!readable(ch->fd, 100), "readable after a completion of an unarmed CQ");
+
+	/* Armed, then a completion: readable; the event taken: not readable,
+	 * under poll and under level-triggered epoll. Three rounds. */
+	for (int round = 0; round < 3; round++) {
+		CHECK(ibv_req_notify_cq(x, 0) == 0, "");
+		w.wr_id = 101 + round;
+		CHECK(post(qx, &w) == 0, "");
+		CHECK(readable(ch->fd, 5000), "round %d: not readable after an armed completion", round);
+		CHECK(ibv_get_cq_event(ch, &ecq, &ectx) == 0 && ecq == x && ectx == (void *)0x1, "round %d",
+		      round);
+		CHECK(!readable(ch->fd, 0), "round %d: still readable after the last event was taken", round);
+		CHECK(epoll_wait(ep, &out, 1, 0) == 0, "round %d: epoll reports the fd after the last event",
+		      round);
+		ibv_ack_cq_events(x, 1);
+		CHECK(one_wc(x, &wc) && wc.wr_id == 101u + round && wc.status == IBV_WC_SUCCESS, "");
+		CHECK(!readable(ch->fd, 0), "round %d: readable after polling the completion", round);
+	}
+
+	/* Two CQs fire: readable until both events are taken, one each. */
+	CHECK(ibv_req_notify_cq(x, 0) == 0 && ibv_req_notify_cq(y, 0) == 0, "");
+	struct ibv_sge rs = { (uintptr_t)p.buf + 4096, 64, p.mr->lkey };
+	struct ibv_recv_wr rw = { .wr_id = 200, .sg_list = &rs, .num_sge = 1 }, *rbad;
+	CHECK(ibv_post_recv(qy, &rw, &rbad) == 0, "");
+	w.wr_id = 201;
+	w.opcode = IBV_WR_SEND;
+	CHECK(post(qx, &w) == 0, "");
+	CHECK(one_wc(y, &wc) && wc.wr_id == 200 && wc.status == IBV_WC_SUCCESS, "");
+	CHECK(one_wc(x, &wc) && wc.wr_id == 201 && wc.status == IBV_WC_SUCCESS, "");
+	int seen_x = 0, seen_y = 0;
+	for (int i = 0; i < 2; i++) {
+		CHECK(readable(ch->fd, 5000), "event %d: not readable", i);
+		ecq = NULL;
+		CHECK(ibv_get_cq_event(ch, &ecq, &ectx) == 0, "event %d", i);
+		seen_x += ecq == x;
+		seen_y += ecq == y;
+	}
+	CHECK(seen_x == 1 && seen_y == 1, "events: x %d, y %d", seen_x, seen_y);
+	CHECK(!readable(ch->fd, 0), "still readable after both events were taken");
+	CHECK(epoll_wait(ep, &out, 1, 0) == 0, "epoll reports the fd after both events");
+	ibv_ack_cq_events(x, 1);
+	ibv_ack_cq_events(y, 1);
+	close(ep);
+
+	CHECK(ibv_destroy_qp(qx) == 0 && ibv_destroy_qp(qy) == 0, "");
+	CHECK(ibv_destroy_cq(x) == 0 && ibv_destroy_cq(y) == 0, "");
+	CHECK(ibv_destroy_comp_channel(ch) == 0, "");
+	free_pair(&p);
+}
+
 static int hold(const char *file)
 {
 	int num;
@@ -583,6 +686,7 @@ int main(int argc, char **argv)
 		check_data(ctx);
 		check_errors(ctx);
 		check_more_errors(ctx);
+		check_channel_readiness(ctx);
 	}
 	CHECK(ibv_close_device(ctx) == 0, "");
 	if (failures) {

@@ -27,12 +27,16 @@ pub struct ContextRings {
     pub doorbell: Arc<Doorbell>,
 }
 
-/// A completion channel: CQ numbers out, with an eventfd to wake the owner.
+/// A completion channel: CQ numbers out, and one datagram per event on a
+/// doorbell socket that the owner polls.
 pub struct Channel {
     pub ctx: ContextId,
     pub ring: RingView,
     pub fd: Doorbell,
     pub cqs: u32,
+    /// Most unread events: as many as the doorbell's socket buffer holds
+    /// wake-ups for (at most the ring's capacity).
+    pub max_unread: u32,
 }
 
 pub struct CqRing {
@@ -146,13 +150,26 @@ impl RingTable {
         if armed.compare_exchange(a, CQ_ARM_NONE, Ordering::SeqCst, Ordering::SeqCst).is_err() {
             return;
         }
+        // One event, then one datagram for it on the doorbell: the channel
+        // fd is readable exactly while events are unread (the client takes
+        // one datagram with each event, waiting for it if it took the event
+        // first). An event is dropped rather than left without its
+        // datagram: the channel holds at most `max_unread`, what the
+        // socket buffer has room for.
+        let full = ch.ring.len().map_or(true, |n| n >= ch.max_unread);
         let mut slot = [0u8; proto::CHANNEL_EVENT_SIZE];
         slot[..4].copy_from_slice(&cqn.to_le_bytes());
-        if !matches!(ch.ring.try_push_bytes(&slot), Ok(true)) {
+        if full || !matches!(ch.ring.try_push_bytes(&slot), Ok(true)) {
             ch.ring.aux(CHANNEL_AUX_DROPPED).fetch_add(1, Ordering::Relaxed);
             tracing::warn!(cq = cqn, "completion channel full: event dropped");
+            return;
         }
-        ch.fd.ring();
+        if !ch.fd.ring_one() {
+            // The estimate of the socket buffer was wrong (or the tenant
+            // closed its end): the event is there, its wake-up is not.
+            ch.ring.aux(CHANNEL_AUX_DROPPED).fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(cq = cqn, "completion channel doorbell full: wake-up lost");
+        }
     }
 }
 

@@ -328,13 +328,17 @@ impl Session {
         let ring = RingView::in_segment(seg.clone(), 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         let (fd, tenant_end) = Doorbell::pair()?;
+        // One datagram per unread event (see engine::rings): room for as
+        // many as the ring holds, as far as net.core.wmem_max allows.
+        let max_unread =
+            fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
         let fds = vec![seg.try_clone_fd()?, tenant_end.into()];
         // A channel counts against the tenant's object quota: it holds a
         // mapping and descriptors in the daemon.
         let channel = self.engine(move |e, c| {
             e.hca.charge_object(c)?;
             let id = e.rings.free_channel_id();
-            e.rings.channels.insert(id, Channel { ctx: c, ring, fd, cqs: 0 });
+            e.rings.channels.insert(id, Channel { ctx: c, ring, fd, cqs: 0, max_unread });
             Ok::<_, HcaError>(id)
         })??;
         Ok(Answer {
