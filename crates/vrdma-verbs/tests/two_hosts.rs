@@ -40,7 +40,8 @@ fn built(name: &str) -> PathBuf {
 
 struct Hosts {
     dir: tempfile::TempDir,
-    daemons: Mutex<Vec<vrdmad::Daemon>>,
+    /// Kept for the life of the test binary.
+    _daemons: Mutex<Vec<vrdmad::Daemon>>,
 }
 
 impl Hosts {
@@ -100,7 +101,7 @@ fn hosts() -> Option<&'static Hosts> {
             };
             daemons.push(vrdmad::Daemon::start(config).expect("start daemon"));
         }
-        let h = Hosts { dir, daemons: Mutex::new(daemons) };
+        let h = Hosts { dir, _daemons: Mutex::new(daemons) };
         // Both links up before any tool asks for a path.
         let end = Instant::now() + Duration::from_secs(10);
         while vrdma::Context::open_at(h.socket(0)).expect("open").stat().expect("stat").links.is_empty() {

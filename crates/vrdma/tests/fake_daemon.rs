@@ -231,6 +231,7 @@ impl Fake {
                 done
             }
             Request::CreateAh { .. } => (Reply::Ah { ah: id }, vec![]),
+            Request::Stat => (Reply::Stat(Default::default()), vec![]),
             Request::DeallocPd { .. }
             | Request::DestroyAh { .. }
             | Request::DestroyCq { .. }

@@ -35,6 +35,9 @@ const HANDSHAKE_LIMIT: Duration = Duration::from_secs(3);
 const MAX_HANDSHAKES: usize = 32;
 /// A failed dial is not tried again for this long.
 const REDIAL_AFTER: Duration = Duration::from_millis(500);
+/// How long a TCP connect may take: short, so that a dial made while the
+/// network was cut does not hold up the next one long after it is back.
+const CONNECT_LIMIT: Duration = Duration::from_secs(1);
 
 /// What the transport needs to know, from the configuration.
 #[derive(Debug, Clone)]
