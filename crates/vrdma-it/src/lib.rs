@@ -587,3 +587,92 @@ impl TwoHosts {
         Ok(TwoHosts { a, b, port })
     }
 }
+
+/// Where a test's two endpoints live: both on one daemon (the shared-memory
+/// path), or on two daemons joined by the TCP transport ([`TwoHosts`]).
+/// A test written once against [`Hosts`] runs in both; see
+/// [`in_both_topologies!`](crate::in_both_topologies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    OneHost,
+    TwoHosts,
+}
+
+/// The daemons of a [`Topology`]: host `a` and host `b`, the same daemon
+/// twice on one host. Two hosts are peered at start, so endpoints connect
+/// by LID exactly as on one host.
+pub enum Hosts {
+    One(DaemonProc),
+    Two(TwoHosts),
+}
+
+impl Hosts {
+    pub fn start(t: Topology) -> Result<Hosts> {
+        Self::start_with(t, "")
+    }
+
+    /// With extra TOML configuration for every daemon (top-level keys and
+    /// sections other than `[net]`).
+    pub fn start_with(t: Topology, extra: &str) -> Result<Hosts> {
+        Ok(match t {
+            Topology::OneHost => Hosts::One(DaemonProc::start_with_config(extra)?),
+            Topology::TwoHosts => Hosts::Two(TwoHosts::start_with(true, extra)?),
+        })
+    }
+
+    pub fn topology(&self) -> Topology {
+        match self {
+            Hosts::One(_) => Topology::OneHost,
+            Hosts::Two(_) => Topology::TwoHosts,
+        }
+    }
+
+    pub fn two(&self) -> bool {
+        self.topology() == Topology::TwoHosts
+    }
+
+    /// The first host's daemon.
+    pub fn a(&self) -> &DaemonProc {
+        match self {
+            Hosts::One(d) => d,
+            Hosts::Two(h) => &h.a,
+        }
+    }
+
+    /// The second host's daemon (the first's on one host).
+    pub fn b(&self) -> &DaemonProc {
+        match self {
+            Hosts::One(d) => d,
+            Hosts::Two(h) => &h.b,
+        }
+    }
+
+    /// Whether every daemon still runs.
+    pub fn alive(&mut self) -> bool {
+        match self {
+            Hosts::One(d) => d.is_alive(),
+            Hosts::Two(h) => h.a.is_alive() && h.b.is_alive(),
+        }
+    }
+}
+
+/// Turns test bodies `fn name(t: Topology) -> anyhow::Result<()>` into two
+/// tests each, `name::one_host` and `name::two_hosts`.
+#[macro_export]
+macro_rules! in_both_topologies {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn one_host() -> anyhow::Result<()> {
+                    super::$name($crate::Topology::OneHost)
+                }
+
+                #[test]
+                fn two_hosts() -> anyhow::Result<()> {
+                    super::$name($crate::Topology::TwoHosts)
+                }
+            }
+        )*
+    };
+}
