@@ -74,6 +74,8 @@ impl Drop for Proc {
 pub struct DaemonProc {
     pub proc: Proc,
     pub socket: PathBuf,
+    /// The network namespace it runs in (`ip netns exec`), if not ours.
+    pub netns: Option<String>,
     watchdog: Watchdog,
     _dir: tempfile::TempDir,
 }
@@ -130,6 +132,13 @@ impl DaemonProc {
 
     /// Starts a daemon with extra TOML configuration.
     pub fn start_with_config(toml: &str) -> Result<DaemonProc> {
+        Self::start_in(None, toml)
+    }
+
+    /// Starts a daemon in the network namespace `netns` (by `ip netns
+    /// exec`, which execs the daemon: the pid is the daemon's), else in
+    /// ours. Its control socket is a file, reachable from any namespace.
+    pub fn start_in(netns: Option<&str>, toml: &str) -> Result<DaemonProc> {
         let dir = tempfile::tempdir()?;
         // Tenants of other uids (see `PeerProc::spawn_as`) must reach the
         // socket, which the daemon creates 0666.
@@ -137,9 +146,9 @@ impl DaemonProc {
         let socket = dir.path().join("vrdma.sock");
         let config = dir.path().join("vrdma.toml");
         std::fs::write(&config, toml)?;
-        let proc = spawn_daemon(&socket, &config)?;
+        let proc = spawn_daemon(&socket, &config, netns)?;
         let watchdog = Watchdog::start(proc.pid());
-        Ok(DaemonProc { proc, socket, watchdog, _dir: dir })
+        Ok(DaemonProc { proc, socket, netns: netns.map(str::to_owned), watchdog, _dir: dir })
     }
 
     /// Kills the daemon (SIGKILL) and starts a new one on the same socket.
@@ -147,7 +156,7 @@ impl DaemonProc {
         self.proc.kill(libc::SIGKILL);
         self.proc.wait_timeout(Duration::from_secs(10))?;
         let config = self._dir.path().join("vrdma.toml");
-        self.proc = spawn_daemon(&self.socket, &config)?;
+        self.proc = spawn_daemon(&self.socket, &config, self.netns.as_deref())?;
         self.watchdog.rearm(self.proc.pid());
         Ok(())
     }
@@ -172,8 +181,16 @@ impl DaemonProc {
     }
 }
 
-fn spawn_daemon(socket: &Path, config: &Path) -> Result<Proc> {
-    let child = OsCommand::new(peer_exe())
+fn spawn_daemon(socket: &Path, config: &Path, netns: Option<&str>) -> Result<Proc> {
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = OsCommand::new("ip");
+            c.args(["netns", "exec", ns]).arg(peer_exe());
+            c
+        }
+        None => OsCommand::new(peer_exe()),
+    };
+    let child = cmd
         .args(["daemon", "--socket"])
         .arg(socket)
         .arg("--config")
@@ -563,9 +580,14 @@ pub fn free_port() -> Result<u16> {
 
 /// The configuration of a daemon that is host `ip` of a two-host setup.
 pub fn host_config(ip: &str, port: u16, peers: &[String], extra: &str) -> String {
+    host_config_psk(ip, port, peers, extra, TEST_PSK)
+}
+
+/// [`host_config`] with another pre-shared key.
+pub fn host_config_psk(ip: &str, port: u16, peers: &[String], extra: &str, psk: &str) -> String {
     let peers: Vec<String> = peers.iter().map(|p| format!("{p:?}")).collect();
     format!(
-        "address = \"{ip}\"\n{extra}\n[net]\nlisten = \"{ip}:{port}\"\nport = {port}\npsk = \"{TEST_PSK}\"\npeers = [{}]\nkeepalive_ms = 200\ndead_ms = 1500\n",
+        "address = \"{ip}\"\n{extra}\n[net]\nlisten = \"{ip}:{port}\"\nport = {port}\npsk = \"{psk}\"\npeers = [{}]\nkeepalive_ms = 200\ndead_ms = 1500\n",
         peers.join(", ")
     )
 }
@@ -578,12 +600,427 @@ impl TwoHosts {
     }
 
     pub fn start_with(peered: bool, extra: &str) -> Result<TwoHosts> {
+        Self::start_keys(peered, extra, TEST_PSK, TEST_PSK)
+    }
+
+    /// Two hosts whose daemons hold the pre-shared keys `psk_a` and `psk_b`.
+    pub fn start_keys(peered: bool, extra: &str, psk_a: &str, psk_b: &str) -> Result<TwoHosts> {
         let port = free_port()?;
         let (ia, ib) = ("127.0.0.2", "127.0.0.3");
         let pa = if peered { vec![format!("{ib}:{port}")] } else { vec![] };
         let pb = if peered { vec![format!("{ia}:{port}")] } else { vec![] };
-        let a = DaemonProc::start_with_config(&host_config(ia, port, &pa, extra))?;
-        let b = DaemonProc::start_with_config(&host_config(ib, port, &pb, extra))?;
+        let a = DaemonProc::start_with_config(&host_config_psk(ia, port, &pa, extra, psk_a))?;
+        let b = DaemonProc::start_with_config(&host_config_psk(ib, port, &pb, extra, psk_b))?;
         Ok(TwoHosts { a, b, port })
+    }
+}
+
+/// Where a test's two endpoints live: both on one daemon (the shared-memory
+/// path), or on two daemons joined by the TCP transport ([`TwoHosts`]).
+/// A test written once against [`Hosts`] runs in both; see
+/// [`in_both_topologies!`](crate::in_both_topologies).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    OneHost,
+    TwoHosts,
+}
+
+/// The daemons of a [`Topology`]: host `a` and host `b`, the same daemon
+/// twice on one host. Two hosts are peered at start, so endpoints connect
+/// by LID exactly as on one host.
+pub enum Hosts {
+    One(DaemonProc),
+    Two(TwoHosts),
+}
+
+impl Hosts {
+    pub fn start(t: Topology) -> Result<Hosts> {
+        Self::start_with(t, "")
+    }
+
+    /// With extra TOML configuration for every daemon (top-level keys and
+    /// sections other than `[net]`).
+    pub fn start_with(t: Topology, extra: &str) -> Result<Hosts> {
+        Ok(match t {
+            Topology::OneHost => Hosts::One(DaemonProc::start_with_config(extra)?),
+            Topology::TwoHosts => Hosts::Two(TwoHosts::start_with(true, extra)?),
+        })
+    }
+
+    pub fn topology(&self) -> Topology {
+        match self {
+            Hosts::One(_) => Topology::OneHost,
+            Hosts::Two(_) => Topology::TwoHosts,
+        }
+    }
+
+    pub fn two(&self) -> bool {
+        self.topology() == Topology::TwoHosts
+    }
+
+    /// The first host's daemon.
+    pub fn a(&self) -> &DaemonProc {
+        match self {
+            Hosts::One(d) => d,
+            Hosts::Two(h) => &h.a,
+        }
+    }
+
+    /// The second host's daemon (the first's on one host).
+    pub fn b(&self) -> &DaemonProc {
+        match self {
+            Hosts::One(d) => d,
+            Hosts::Two(h) => &h.b,
+        }
+    }
+
+    /// Whether every daemon still runs.
+    pub fn alive(&mut self) -> bool {
+        match self {
+            Hosts::One(d) => d.is_alive(),
+            Hosts::Two(h) => h.a.is_alive() && h.b.is_alive(),
+        }
+    }
+}
+
+/// Turns test bodies `fn name(t: Topology) -> anyhow::Result<()>` into two
+/// tests each, `name::one_host` and `name::two_hosts`.
+#[macro_export]
+macro_rules! in_both_topologies {
+    ($($name:ident),* $(,)?) => {
+        $(
+            mod $name {
+                #[test]
+                fn one_host() -> anyhow::Result<()> {
+                    super::$name($crate::Topology::OneHost)
+                }
+
+                #[test]
+                fn two_hosts() -> anyhow::Result<()> {
+                    super::$name($crate::Topology::TwoHosts)
+                }
+            }
+        )*
+    };
+}
+
+// ---- hosts in network namespaces ----
+
+/// Runs `cmd` (a program and its arguments), waiting at most 10 s; fails
+/// with its stderr if it fails.
+pub fn run_cmd(cmd: &[&str]) -> Result<()> {
+    let child = OsCommand::new(cmd[0])
+        .args(&cmd[1..])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {cmd:?}"))?;
+    let mut p = Proc { child };
+    let status = p.wait_timeout(Duration::from_secs(10)).with_context(|| format!("{cmd:?}"))?;
+    if !status.success() {
+        let mut err = String::new();
+        if let Some(mut e) = p.child.stderr.take() {
+            let _ = std::io::Read::read_to_string(&mut e, &mut err);
+        }
+        bail!("{cmd:?}: {status}: {}", err.trim());
+    }
+    Ok(())
+}
+
+/// Why the namespace tests cannot run here, if they cannot: they need
+/// root and `ip` (iproute2) with network namespaces.
+pub fn netns_unavailable() -> Option<String> {
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("not root".into());
+    }
+    if run_cmd(&["ip", "-V"]).is_err() {
+        return Some("no `ip` command (iproute2)".into());
+    }
+    None
+}
+
+/// Two network namespaces joined by a veth pair, removed on drop (the
+/// veth ends live in the namespaces and go with them; the root end is
+/// deleted too, should creation have stopped half way).
+pub struct Netns {
+    pub ns: [String; 2],
+    pub veth: [String; 2],
+    pub addr: [String; 2],
+}
+
+impl Netns {
+    /// New namespaces named after the pid and a counter (unique among
+    /// concurrent tests and test processes), `10.77.x.1/24` and
+    /// `10.77.x.2/24` on the veth ends.
+    pub fn create() -> Result<Netns> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid = std::process::id();
+        // Interface names have at most 15 bytes.
+        let net = Netns {
+            ns: [format!("vrdma-it-{pid}-{n}-a"), format!("vrdma-it-{pid}-{n}-b")],
+            veth: [format!("vi{pid}x{n}a"), format!("vi{pid}x{n}b")],
+            addr: [format!("10.77.{}.1", n % 250), format!("10.77.{}.2", n % 250)],
+        };
+        let [na, nb] = &net.ns;
+        let [va, vb] = &net.veth;
+        run_cmd(&["ip", "netns", "add", na])?;
+        run_cmd(&["ip", "netns", "add", nb])?;
+        run_cmd(&["ip", "link", "add", va, "type", "veth", "peer", "name", vb])?;
+        for i in 0..2 {
+            let (ns, veth) = (&net.ns[i], &net.veth[i]);
+            run_cmd(&["ip", "link", "set", veth, "netns", ns])?;
+            run_cmd(&["ip", "-n", ns, "addr", "add", &format!("{}/24", net.addr[i]), "dev", veth])?;
+            run_cmd(&["ip", "-n", ns, "link", "set", veth, "up"])?;
+            run_cmd(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(net)
+    }
+
+    /// Sets host `i`'s veth end up or down (from inside its namespace).
+    pub fn link(&self, i: usize, up: bool) -> Result<()> {
+        run_cmd(&["ip", "-n", &self.ns[i], "link", "set", &self.veth[i], if up { "up" } else { "down" }])
+    }
+
+    /// Runs `f` on a thread that joined host `i`'s network namespace
+    /// (setns is per thread), so that its sockets are that host's; waits
+    /// at most `limit`.
+    pub fn on_host<T: Send + 'static>(
+        &self,
+        i: usize,
+        limit: Duration,
+        f: impl FnOnce() -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let path = format!("/run/netns/{}", self.ns[i]);
+        bounded(limit, move || -> Result<T> {
+            let ns = std::fs::File::open(&path).with_context(|| path.clone())?;
+            // SAFETY: setns on a namespace fd we hold, for this thread only
+            // (a network namespace is a per-thread attribute).
+            let rc = unsafe { libc::setns(std::os::fd::AsRawFd::as_raw_fd(&ns), libc::CLONE_NEWNET) };
+            if rc != 0 {
+                bail!("setns {path}: {}", std::io::Error::last_os_error());
+            }
+            f()
+        })?
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = run_cmd(&["ip", "link", "del", &self.veth[0]]);
+        for ns in &self.ns {
+            let _ = run_cmd(&["ip", "netns", "del", ns]);
+        }
+    }
+}
+
+/// Two hosts in network namespaces joined by a veth pair, one daemon in
+/// each, listening on its veth address and peered with the other. The
+/// daemons go first on drop, then the namespaces.
+pub struct NetnsHosts {
+    pub a: DaemonProc,
+    pub b: DaemonProc,
+    pub port: u16,
+    pub net: Netns,
+}
+
+impl NetnsHosts {
+    /// The hosts, or `None` with a printed notice where namespaces cannot
+    /// be made (see [`netns_unavailable`]).
+    pub fn start(extra: &str) -> Result<Option<NetnsHosts>> {
+        if let Some(why) = netns_unavailable() {
+            println!("skipping: network namespaces need root and iproute2 ({why})");
+            return Ok(None);
+        }
+        let net = match Netns::create() {
+            Ok(n) => n,
+            Err(e) => {
+                println!("skipping: network namespaces cannot be made here: {e:#}");
+                return Ok(None);
+            }
+        };
+        let port = DEFAULT_WIRE_PORT;
+        let cfg = |i: usize| {
+            let peer = format!("{}:{port}", net.addr[1 - i]);
+            host_config(&net.addr[i], port, &[peer], extra)
+        };
+        let a = DaemonProc::start_in(Some(&net.ns[0]), &cfg(0))?;
+        let b = DaemonProc::start_in(Some(&net.ns[1]), &cfg(1))?;
+        Ok(Some(NetnsHosts { a, b, port, net }))
+    }
+
+    /// Whether `tc` can add a netem qdisc here (the kernel module may be
+    /// missing); tries on host `i`'s veth and removes it again.
+    pub fn has_netem(&self, i: usize) -> bool {
+        let (ns, dev) = (&self.net.ns[i], &self.net.veth[i]);
+        let ok =
+            run_cmd(&["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "netem", "delay", "1ms"]).is_ok();
+        if ok {
+            let _ = run_cmd(&["tc", "-n", ns, "qdisc", "del", "dev", dev, "root"]);
+        }
+        ok
+    }
+}
+
+/// The wire port of the daemons in [`NetnsHosts`]: each namespace has
+/// its own port space.
+pub const DEFAULT_WIRE_PORT: u16 = 4792;
+
+/// Checks shared by the suites of two hosts (loopback addresses or
+/// network namespaces).
+pub mod across {
+    use super::{access_all, pattern, poll_n, DaemonProc, Side, WAIT};
+    use anyhow::Result;
+    use vrdma::wr::{self, SendWrExt};
+    use vrdma::{WcOpcode, WcStatus};
+
+    /// A successful completion of `wr_id` with `opcode`.
+    pub fn check(wc: &vrdma::WorkCompletion, wr_id: u64, opcode: WcOpcode) {
+        assert_eq!((wc.wr_id, wc.status, wc.opcode), (wr_id, WcStatus::Success, opcode), "{wc:?}");
+    }
+
+    /// A side on each of two daemons, connected by LID, or by GID alone.
+    pub fn pair(ha: &DaemonProc, hb: &DaemonProc, by_gid: bool) -> Result<(Side, Side)> {
+        let a = Side::new(&ha.context()?, 1 << 20)?;
+        let b = Side::new(&hb.context()?, 1 << 20)?;
+        let (mut ea, mut eb) = (a.endpoint()?, b.endpoint()?);
+        if by_gid {
+            ea.lid = 0;
+            eb.lid = 0;
+        }
+        a.qp.connect(&eb, access_all())?;
+        b.qp.connect(&ea, access_all())?;
+        Ok((a, b))
+    }
+
+    /// Every RC opcode between a side on `ha` and one on `hb`, checked.
+    pub fn every_opcode(ha: &DaemonProc, hb: &DaemonProc, by_gid: bool) -> Result<()> {
+        let (a, b) = pair(ha, hb, by_gid)?;
+        let big = pattern(300_000, 5);
+        a.mr.write(0, &big)?;
+        // Send (several chunks), write, write with immediate.
+        b.qp.post_recv(&[wr::recv(10, &[b.mr.sge(0, 300_000)?])?])?;
+        b.qp.post_recv(&[wr::recv(11, &[])?])?;
+        a.qp.post_send(&[wr::send(1, &[a.mr.sge(0, 300_000)?])?.signaled()])?;
+        a.qp.post_send(&[
+            wr::rdma_write(2, &[a.mr.sge(0, 200_000)?], b.mr.addr() + 400_000, b.mr.rkey())?.signaled()
+        ])?;
+        a.qp.post_send(&[wr::rdma_write(3, &[a.mr.sge(0, 1000)?], b.mr.addr() + 700_000, b.mr.rkey())?
+            .with_imm(77)
+            .signaled()])?;
+        let wcs = poll_n(&a.cq, 3, WAIT)?;
+        check(&wcs[0], 1, WcOpcode::Send);
+        check(&wcs[1], 2, WcOpcode::RdmaWrite);
+        check(&wcs[2], 3, WcOpcode::RdmaWrite);
+        let wcs = poll_n(&b.cq, 2, WAIT)?;
+        check(&wcs[0], 10, WcOpcode::Recv);
+        assert_eq!((wcs[0].byte_len, wcs[0].src_qp), (300_000, a.qp.qpn()));
+        check(&wcs[1], 11, WcOpcode::RecvRdmaWithImm);
+        assert_eq!(wcs[1].imm_data, 77);
+        let mut got = vec![0; 300_000];
+        b.mr.read(0, &mut got)?;
+        assert!(got == big, "send data differs");
+        let mut got = vec![0; 200_000];
+        b.mr.read(400_000, &mut got)?;
+        assert!(got == big[..200_000], "write data differs");
+
+        // Read back and atomics.
+        b.mr.write(800_000, &pattern(100_000, 9))?;
+        b.mr.write_u64(960_000, 40)?;
+        a.qp.post_send(&[wr::rdma_read(
+            4,
+            &[a.mr.sge(500_000, 100_000)?],
+            b.mr.addr() + 800_000,
+            b.mr.rkey(),
+        )?
+        .signaled()])?;
+        a.qp.post_send(&[wr::cmp_swap(
+            5,
+            a.mr.sge(900_000, 8)?,
+            b.mr.addr() + 960_000,
+            b.mr.rkey(),
+            40,
+            50,
+        )
+        .signaled()])?;
+        a.qp.post_send(&[
+            wr::fetch_add(6, a.mr.sge(900_008, 8)?, b.mr.addr() + 960_000, b.mr.rkey(), 2).signaled()
+        ])?;
+        let wcs = poll_n(&a.cq, 3, WAIT)?;
+        check(&wcs[0], 4, WcOpcode::RdmaRead);
+        check(&wcs[1], 5, WcOpcode::CompSwap);
+        check(&wcs[2], 6, WcOpcode::FetchAdd);
+        let mut got = vec![0; 100_000];
+        a.mr.read(500_000, &mut got)?;
+        assert!(got == pattern(100_000, 9), "read data differs");
+        assert_eq!((a.mr.read_u64(900_000)?, a.mr.read_u64(900_008)?, b.mr.read_u64(960_000)?), (40, 50, 52));
+
+        // The path shows: the QP goes over a link; one between two QPs of
+        // the same host goes through shared memory.
+        let local = Side::new(&ha.context()?, 4096)?;
+        let local2 = Side::new(&ha.context()?, 4096)?;
+        crate::connect(&local, &local2)?;
+        let st = a.ctx.stat()?;
+        assert!(st.links.iter().any(|l| l.up && l.stats.frames_out > 0), "{st:?}");
+        let path = |qpn: u32| st.qps.iter().find(|q| q.qpn == qpn).map(|q| q.path);
+        assert!(matches!(path(a.qp.qpn()), Some(vrdma_core::hca::Path::Link(Some(_)))), "{st:?}");
+        assert_eq!(path(local.qp.qpn()), Some(vrdma_core::hca::Path::SharedMemory), "{st:?}");
+        Ok(())
+    }
+
+    /// A new pair of QPs between `ha` and `hb` moves data, within `limit`:
+    /// tries fresh pairs (a try ends when its write completes, in error
+    /// while the link between the daemons is not back yet) until one
+    /// works. Returns how many tries it took.
+    pub fn new_pairs_work_again(ha: &DaemonProc, hb: &DaemonProc, limit: std::time::Duration) -> Result<u32> {
+        let end = std::time::Instant::now() + limit;
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let (a, b) = pair(ha, hb, false)?;
+            a.mr.write(0, b"again")?;
+            a.qp.post_send(&[wr::rdma_write(9, &[a.mr.sge(0, 5)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
+            let wc = super::poll_one(&a.cq, WAIT)?;
+            if wc.status == WcStatus::Success {
+                let mut got = [0u8; 5];
+                b.mr.read(0, &mut got)?;
+                assert_eq!(&got, b"again");
+                return Ok(tries);
+            }
+            if std::time::Instant::now() > end {
+                anyhow::bail!("no new pair worked within {limit:?} ({tries} tries, the last {wc:?})");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
+    /// Posts `n` signaled 8-byte writes from `a` to `b` and expects them to
+    /// end, while the peer cannot answer, in RETRY_EXC_ERR for the first
+    /// and WR_FLUSH_ERR for the rest, each once, within `limit`. Returns
+    /// how long that took.
+    pub fn outstanding_writes_fail(
+        a: &Side,
+        b: &Side,
+        n: u64,
+        limit: std::time::Duration,
+    ) -> Result<std::time::Duration> {
+        let start = std::time::Instant::now();
+        let wrs: Vec<_> = (0..n)
+            .map(|i| Ok(wr::rdma_write(100 + i, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()))
+            .collect::<Result<_>>()?;
+        a.qp.post_send(&wrs)?;
+        let wcs = poll_n(&a.cq, n as usize, limit)?;
+        let took = start.elapsed();
+        let got: Vec<(u64, WcStatus)> = wcs.iter().map(|w| (w.wr_id, w.status)).collect();
+        let want: Vec<(u64, WcStatus)> = (0..n)
+            .map(|i| (100 + i, if i == 0 { WcStatus::RetryExcErr } else { WcStatus::WrFlushErr }))
+            .collect();
+        assert_eq!(got, want);
+        super::wait_state(&a.qp, vrdma::QpState::Err, WAIT)?;
+        let more = super::poll_for(&a.cq, std::time::Duration::from_millis(200))?;
+        assert!(more.is_empty(), "completed twice: {more:?}");
+        Ok(took)
     }
 }

@@ -2,6 +2,12 @@
 //! (a work completion, an async event, an errno), and the daemon keeps
 //! serving. Two contexts of the test process play two processes of one
 //! tenant.
+//!
+//! The tests of a connection run in both topologies (`name::one_host`,
+//! `name::two_hosts`: the second context on another daemon across the TCP
+//! transport). Those of one QP connected to itself, of the control path
+//! and of one daemon's quotas stay on one host: a second host has no part
+//! in them.
 
 use std::time::Duration;
 
@@ -12,21 +18,24 @@ use vrdma::{
     SrqAttr, WcOpcode, WcStatus,
 };
 use vrdma_it::{
-    access_all, async_event, cap, connect, poll_for, poll_n, poll_one, wait_state, DaemonProc, Side, WAIT,
+    access_all, async_event, cap, connect, in_both_topologies, poll_for, poll_n, poll_one, wait_state,
+    DaemonProc, Hosts, Side, Topology, WAIT,
 };
 
 /// A short look for something that must not come.
 const QUIET: Duration = Duration::from_millis(50);
 
+/// Two contexts of one tenant: `ca` on host a, `cb` on host b (the same
+/// daemon on one host).
 struct Two {
     ca: Context,
     cb: Context,
-    d: DaemonProc,
+    d: Hosts,
 }
 
-fn two() -> Result<Two> {
-    let d = DaemonProc::start()?;
-    Ok(Two { ca: d.context()?, cb: d.context()?, d })
+fn two(t: Topology) -> Result<Two> {
+    let d = Hosts::start(t)?;
+    Ok(Two { ca: d.a().context()?, cb: d.b().context()?, d })
 }
 
 impl Two {
@@ -60,9 +69,8 @@ fn assert_remote_failure(a: &Side, b: &Side, status: WcStatus, event: AsyncEvent
     Ok(())
 }
 
-#[test]
-fn bad_rkey_is_a_remote_access_error_that_breaks_both_ends() -> Result<()> {
-    let t = two()?;
+fn bad_rkey_is_a_remote_access_error_that_breaks_both_ends(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = t.pair()?;
     b.qp.post_recv(&[wr::recv(77, &[b.mr.sge(0, 64)?])?])?;
     a.mr.fill(0, 64, 0xab)?;
@@ -99,9 +107,8 @@ fn bad_rkey_is_a_remote_access_error_that_breaks_both_ends() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn out_of_bounds_and_missing_access_are_remote_access_errors() -> Result<()> {
-    let t = two()?;
+fn out_of_bounds_and_missing_access_are_remote_access_errors(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let rw_no_read = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
     let local_only = AccessFlags::LOCAL_WRITE;
     type Case<'a> = (&'a str, Box<dyn Fn(&Side, &Side) -> Result<vrdma::SendWr>>);
@@ -163,9 +170,8 @@ fn out_of_bounds_and_missing_access_are_remote_access_errors() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn bad_local_keys_are_local_protection_errors() -> Result<()> {
-    let t = two()?;
+fn bad_local_keys_are_local_protection_errors(t: Topology) -> Result<()> {
+    let t = two(t)?;
     for case in 0..4 {
         let (a, b) = t.pair()?;
         let other_pd = a.ctx.alloc_pd()?;
@@ -201,9 +207,8 @@ fn bad_local_keys_are_local_protection_errors() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn receive_too_small_fails_both_ends() -> Result<()> {
-    let t = two()?;
+fn receive_too_small_fails_both_ends(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = t.pair()?;
     b.qp.post_recv(&[wr::recv(5, &[b.mr.sge(0, 16)?])?])?;
     a.qp.post_send(&[wr::send(1, &[a.mr.sge(0, 100)?])?.signaled()])?;
@@ -213,9 +218,8 @@ fn receive_too_small_fails_both_ends() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn misused_atomics_fail_where_verbs_says() -> Result<()> {
-    let t = two()?;
+fn misused_atomics_fail_where_verbs_says(t: Topology) -> Result<()> {
+    let t = two(t)?;
     // An unaligned target: the responder refuses the request.
     let (a, b) = t.pair()?;
     a.qp.post_send(&[wr::fetch_add(1, a.mr.sge(0, 8)?, b.mr.addr() + 4, b.mr.rkey(), 1).signaled()])?;
@@ -245,9 +249,8 @@ fn rnr_pair(t: &Two, rnr_retry: u8) -> Result<(Side, Side)> {
     Ok((a, b))
 }
 
-#[test]
-fn missing_receive_exhausts_rnr_retries() -> Result<()> {
-    let t = two()?;
+fn missing_receive_exhausts_rnr_retries(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = rnr_pair(&t, 1)?;
     a.qp.post_send(&[wr::send(1, &[a.mr.sge(0, 8)?])?.signaled()])?;
     let wc = poll_one(&a.cq, WAIT)?;
@@ -259,9 +262,8 @@ fn missing_receive_exhausts_rnr_retries() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn infinite_rnr_retry_waits_for_a_receive() -> Result<()> {
-    let t = two()?;
+fn infinite_rnr_retry_waits_for_a_receive(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = rnr_pair(&t, 7)?;
     a.mr.write(0, b"late but whole")?;
     a.qp.post_send(&[wr::send(1, &[a.mr.sge(0, 14)?])?.signaled()])?;
@@ -278,9 +280,8 @@ fn infinite_rnr_retry_waits_for_a_receive() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn posting_before_rts_is_einval_and_harmless() -> Result<()> {
-    let mut t = two()?;
+fn posting_before_rts_is_einval_and_harmless(t: Topology) -> Result<()> {
+    let mut t = two(t)?;
     let a = Side::new(&t.ca, 4096)?;
     let b = Side::new(&t.cb, 4096)?;
     let w = || -> Result<vrdma::SendWr> {
@@ -297,7 +298,7 @@ fn posting_before_rts_is_einval_and_harmless() -> Result<()> {
     a.qp.to_rtr(&b.endpoint()?, Mtu::Mtu4096, 12)?;
     assert_eq!(a.qp.state(), QpState::Rtr);
     assert_eq!(a.qp.post_send(&[w()?]).unwrap_err().errno(), libc::EINVAL);
-    assert!(t.d.is_alive());
+    assert!(t.d.alive());
     // Nothing refused was queued: once in RTS only the new request runs.
     a.qp.to_rts(a.qp.psn(), 14, 7, 7)?;
     a.mr.write(0, b"12345678")?;
@@ -308,13 +309,13 @@ fn posting_before_rts_is_einval_and_harmless() -> Result<()> {
     assert_eq!(status_of(&wc), (2, WcStatus::Success));
     assert!(poll_for(&a.cq, QUIET)?.is_empty());
     assert_eq!(b.mr.read_u64(0)?, u64::from_le_bytes(*b"12345678"));
-    assert!(t.d.is_alive());
+    assert!(t.d.alive());
     Ok(())
 }
 
 #[test]
 fn full_send_queue_is_enomem() -> Result<()> {
-    let t = two()?;
+    let t = two(Topology::OneHost)?;
     let a = Side::with(&t.ca, 4096, 64, cap(8, 1), None)?;
     let n = a.qp.cap().max_send_wr as usize;
     assert_eq!(n, 8);
@@ -381,12 +382,11 @@ fn assert_full(a: &Side, w: &vrdma::SendWr) {
     }
 }
 
-#[test]
-fn a_wr_the_device_holds_counts_against_the_send_queue() -> Result<()> {
+fn a_wr_the_device_holds_counts_against_the_send_queue(t: Topology) -> Result<()> {
     // The first send waits in RNR: the engine took it out of the ring but
     // is not done with it, so the QP has 8 outstanding and a ninth is
     // refused, as hardware refuses it, however long we wait.
-    let mut t = two()?;
+    let mut t = two(t)?;
     let (a, b) = small_rnr_pair(&t)?;
     let n = 8u64;
     a.qp.post_send(&sends(&a, 0..n)?)?;
@@ -411,13 +411,12 @@ fn a_wr_the_device_holds_counts_against_the_send_queue() -> Result<()> {
     a.qp.post_send(&sends(&a, n..2 * n)?)?;
     assert_eq!(poll_n(&a.cq, signaled, WAIT)?.last().map(status_of), Some((2 * n - 1, WcStatus::Success)));
     assert_eq!(poll_n(&b.cq, n as usize, WAIT)?.len(), n as usize);
-    assert!(t.d.is_alive());
+    assert!(t.d.alive());
     Ok(())
 }
 
-#[test]
-fn flush_and_reset_empty_a_full_send_queue() -> Result<()> {
-    let mut t = two()?;
+fn flush_and_reset_empty_a_full_send_queue(t: Topology) -> Result<()> {
+    let mut t = two(t)?;
     let (a, b) = small_rnr_pair(&t)?;
     let n = 8u64;
     // Full, the head held in RNR; ERR flushes it all and frees the queue.
@@ -454,13 +453,13 @@ fn flush_and_reset_empty_a_full_send_queue() -> Result<()> {
     assert_eq!(last, Some((2 * n - 1, WcStatus::Success)));
     let e = a.qp.post_send(&sends(&a, 0..n + 1)?).unwrap_err();
     assert_eq!(e.index as u64, n, "room for exactly max_send_wr");
-    assert!(t.d.is_alive());
+    assert!(t.d.alive());
     Ok(())
 }
 
 #[test]
 fn modify_with_a_wrong_mask_is_einval() -> Result<()> {
-    let t = two()?;
+    let t = two(Topology::OneHost)?;
     let a = Side::new(&t.ca, 4096)?;
     let init =
         QpAttr { qp_state: QpState::Init, port_num: 1, qp_access_flags: access_all(), ..QpAttr::default() };
@@ -485,7 +484,7 @@ fn modify_with_a_wrong_mask_is_einval() -> Result<()> {
 
 #[test]
 fn uc_qps_are_not_supported_but_ud_qps_are() -> Result<()> {
-    let t = two()?;
+    let t = two(Topology::OneHost)?;
     let pd = t.ca.alloc_pd()?;
     let cq = t.ca.create_cq(16, None)?;
     let init = QpInit { qp_type: QpType::Uc, ..QpInit::rc(&cq, &cq, cap(16, 1)) };
@@ -500,9 +499,8 @@ fn uc_qps_are_not_supported_but_ud_qps_are() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn deregistered_rkey_is_a_remote_access_error() -> Result<()> {
-    let t = two()?;
+fn deregistered_rkey_is_a_remote_access_error(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = t.pair()?;
     let m = b.pd.alloc_mr(4096, access_all())?;
     let (addr, rkey) = (m.addr(), m.rkey());
@@ -514,9 +512,8 @@ fn deregistered_rkey_is_a_remote_access_error() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn srq_limit_event_arrives_on_the_async_fd() -> Result<()> {
-    let t = two()?;
+fn srq_limit_event_arrives_on_the_async_fd(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let a = Side::new(&t.ca, 4096)?;
     let b = Side::new(&t.cb, 4096)?;
     let srq = b.pd.create_srq(SrqAttr { max_wr: 16, max_sge: 1, srq_limit: 0 })?;
@@ -556,7 +553,7 @@ fn srq_limit_event_arrives_on_the_async_fd() -> Result<()> {
 
 #[test]
 fn cq_overrun_is_a_cq_error_event() -> Result<()> {
-    let t = two()?;
+    let t = two(Topology::OneHost)?;
     let a = Side::with(&t.ca, 4096, 4, cap(16, 1), None)?;
     let depth = a.cq.depth() as usize;
     assert_eq!(depth, 4);
@@ -657,3 +654,18 @@ fn contexts_per_tenant_are_limited() -> Result<()> {
     vrdma_it::wait_until(Duration::from_secs(10), "a context slot freed", || d.context().is_ok())?;
     Ok(())
 }
+
+in_both_topologies!(
+    bad_rkey_is_a_remote_access_error_that_breaks_both_ends,
+    out_of_bounds_and_missing_access_are_remote_access_errors,
+    bad_local_keys_are_local_protection_errors,
+    receive_too_small_fails_both_ends,
+    misused_atomics_fail_where_verbs_says,
+    missing_receive_exhausts_rnr_retries,
+    infinite_rnr_retry_waits_for_a_receive,
+    posting_before_rts_is_einval_and_harmless,
+    a_wr_the_device_holds_counts_against_the_send_queue,
+    flush_and_reset_empty_a_full_send_queue,
+    deregistered_rkey_is_a_remote_access_error,
+    srq_limit_event_arrives_on_the_async_fd,
+);

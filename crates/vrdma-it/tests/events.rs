@@ -1,5 +1,9 @@
 //! Waiting instead of spinning: completion channels and the async-event
 //! descriptor are real pollable fds, and completions stream into tokio.
+//!
+//! Every test runs in both topologies (`name::one_host`, `name::two_hosts`):
+//! across hosts the completions that fire the channels come back over the
+//! TCP transport, and the async event from the remote daemon's responder.
 
 use std::os::fd::{AsRawFd, BorrowedFd};
 use std::time::Duration;
@@ -7,7 +11,10 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::{AsyncEvent, AsyncEventType, CompletionChannel, Context, QpState, WcOpcode, WcStatus};
-use vrdma_it::{access_all, async_event, cap, poll_one, wait_state, DaemonProc, Side, WAIT};
+use vrdma_it::{
+    access_all, async_event, cap, connect, in_both_topologies, poll_one, wait_state, Hosts, Side, Topology,
+    WAIT,
+};
 
 /// `poll(2)` of one fd for `POLLIN`: whether it became readable in time.
 fn readable(fd: BorrowedFd<'_>, limit: Duration) -> Result<bool> {
@@ -20,23 +27,43 @@ fn readable(fd: BorrowedFd<'_>, limit: Duration) -> Result<bool> {
     Ok(n == 1 && p.revents & libc::POLLIN != 0)
 }
 
-/// A side whose CQ reports to `ch`, its QP connected to itself.
-fn loopback(ctx: &Context, ch: &CompletionChannel) -> Result<Side> {
+/// A side whose CQ reports to `ch`, and where its writes go: on one host
+/// its QP is connected to itself; across hosts to a QP on the other host
+/// (`far`), so that its completions come back over the TCP transport.
+struct Linked {
+    s: Side,
+    far: Option<Side>,
+}
+
+impl std::ops::Deref for Linked {
+    type Target = Side;
+    fn deref(&self) -> &Side {
+        &self.s
+    }
+}
+
+fn loopback(hosts: &Hosts, ctx: &Context, ch: &CompletionChannel) -> Result<Linked> {
     let s = Side::with(ctx, 1 << 16, 256, cap(128, 1), Some(ch))?;
-    s.qp.connect(&s.endpoint()?, access_all())?;
-    Ok(s)
+    if !hosts.two() {
+        s.qp.connect(&s.endpoint()?, access_all())?;
+        return Ok(Linked { s, far: None });
+    }
+    let far = Side::with(&hosts.b().context()?, 1 << 16, 256, cap(128, 1), None)?;
+    connect(&s, &far)?;
+    Ok(Linked { s, far: Some(far) })
 }
 
-fn write(s: &Side, id: u64) -> Result<vrdma::SendWr> {
-    Ok(wr::rdma_write(id, &[s.mr.sge(0, 8)?], s.mr.addr() + 4096, s.mr.rkey())?.signaled())
+/// An 8-byte write from `l`'s region to its target's.
+fn write(l: &Linked, id: u64) -> Result<vrdma::SendWr> {
+    let to = l.far.as_ref().unwrap_or(&l.s);
+    Ok(wr::rdma_write(id, &[l.s.mr.sge(0, 8)?], to.mr.addr() + 4096, to.mr.rkey())?.signaled())
 }
 
-#[test]
-fn channel_fd_becomes_readable_for_poll() -> Result<()> {
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+fn channel_fd_becomes_readable_for_poll(t: Topology) -> Result<()> {
+    let d = Hosts::start(t)?;
+    let ctx = d.a().context()?;
     let ch = ctx.create_comp_channel()?;
-    let s = loopback(&ctx, &ch)?;
+    let s = loopback(&d, &ctx, &ch)?;
     assert!(!readable(ch.fd(), Duration::ZERO)?);
 
     // Not armed: a completion raises no event.
@@ -66,12 +93,11 @@ fn channel_fd_becomes_readable_for_poll() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn channel_fd_works_with_epoll() -> Result<()> {
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+fn channel_fd_works_with_epoll(t: Topology) -> Result<()> {
+    let d = Hosts::start(t)?;
+    let ctx = d.a().context()?;
     let ch = ctx.create_comp_channel()?;
-    let s = loopback(&ctx, &ch)?;
+    let s = loopback(&d, &ctx, &ch)?;
     // SAFETY: plain epoll system calls on descriptors we own; the epoll
     // fd is closed below.
     let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
@@ -104,13 +130,12 @@ fn channel_fd_works_with_epoll() -> Result<()> {
     result
 }
 
-#[test]
-fn get_cq_event_names_the_cq_that_fired() -> Result<()> {
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+fn get_cq_event_names_the_cq_that_fired(t: Topology) -> Result<()> {
+    let d = Hosts::start(t)?;
+    let ctx = d.a().context()?;
     let ch = ctx.create_comp_channel()?;
-    let x = loopback(&ctx, &ch)?;
-    let y = loopback(&ctx, &ch)?;
+    let x = loopback(&d, &ctx, &ch)?;
+    let y = loopback(&d, &ctx, &ch)?;
     assert_ne!(x.cq.cqn(), y.cq.cqn());
     x.cq.req_notify(false)?;
     y.cq.req_notify(false)?;
@@ -124,7 +149,7 @@ fn get_cq_event_names_the_cq_that_fired() -> Result<()> {
     assert_eq!(ch.get_cq_event(Some(Duration::from_millis(20)))?, None);
     // The blocking helper: arm, poll, sleep on the channel of a lone CQ.
     let ch2 = ctx.create_comp_channel()?;
-    let z = loopback(&ctx, &ch2)?;
+    let z = loopback(&d, &ctx, &ch2)?;
     let mut out = vrdma::wc_buffer(4);
     assert_eq!(z.cq.wait(&mut out, Some(Duration::from_millis(20)))?, 0);
     z.qp.post_send(&[write(&z, 3)?])?;
@@ -133,12 +158,11 @@ fn get_cq_event_names_the_cq_that_fired() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn completion_stream_yields_completions_in_order() -> Result<()> {
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+fn completion_stream_yields_completions_in_order(t: Topology) -> Result<()> {
+    let d = Hosts::start(t)?;
+    let ctx = d.a().context()?;
     let ch = ctx.create_comp_channel()?;
-    let s = std::sync::Arc::new(loopback(&ctx, &ch)?);
+    let s = std::sync::Arc::new(loopback(&d, &ctx, &ch)?);
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     let got: Vec<u64> = rt.block_on(async {
         let mut stream = s.cq.stream()?;
@@ -175,13 +199,12 @@ fn completion_stream_yields_completions_in_order() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn async_event_fd_is_pollable() -> Result<()> {
-    let d = DaemonProc::start()?;
-    let (ca, cb) = (d.context()?, d.context()?);
+fn async_event_fd_is_pollable(t: Topology) -> Result<()> {
+    let d = Hosts::start(t)?;
+    let (ca, cb) = (d.a().context()?, d.b().context()?);
     let a = Side::new(&ca, 4096)?;
     let b = Side::new(&cb, 4096)?;
-    vrdma_it::connect(&a, &b)?;
+    connect(&a, &b)?;
     assert!(!readable(cb.async_event_fd(), Duration::ZERO)?);
     assert_eq!(cb.get_async_event(Some(Duration::ZERO))?, None);
     // A write with a key that is not B's breaks B's QP: B gets an event.
@@ -199,3 +222,11 @@ fn async_event_fd_is_pollable() -> Result<()> {
     assert!(!readable(ca.async_event_fd(), Duration::from_millis(50))?);
     Ok(())
 }
+
+in_both_topologies!(
+    channel_fd_becomes_readable_for_poll,
+    channel_fd_works_with_epoll,
+    get_cq_event_names_the_cq_that_fired,
+    completion_stream_yields_completions_in_order,
+    async_event_fd_is_pollable,
+);

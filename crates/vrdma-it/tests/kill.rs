@@ -1,19 +1,30 @@
 //! Processes that die: a tenant killed mid-transfer, a daemon killed under
 //! live contexts, a tenant killed while holding every kind of object.
+//!
+//! The tenant-killing transfers run in both topologies (`name::one_host`,
+//! `name::two_hosts`, the killed peer on the second daemon). Their
+//! semantics differ as on InfiniBand: on one host the daemon that destroys
+//! the dead process's QP breaks ours at once (QP_FATAL, receives flushed);
+//! across hosts only the peer's daemon knows, so our QP learns of it when a
+//! request of its own finds no responder and exhausts its retries
+//! (RETRY_EXC_ERR). The daemon restart and the quota refund concern one
+//! daemon and stay on one host (`two_hosts.rs` restarts a peer daemon).
+
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::{AsyncEvent, AsyncEventType, QpState, WcOpcode, WcStatus};
 use vrdma_it::protocol::{Command, Said};
 use vrdma_it::{
-    access_all, async_event, bounded, cap, connect, pattern, poll_n, poll_one, wait_state, wait_until,
-    DaemonProc, PeerProc, Side, PEER_TIMEOUT, WAIT,
+    access_all, async_event, bounded, cap, connect, in_both_topologies, pattern, poll_n, poll_one,
+    wait_state, wait_until, DaemonProc, Hosts, PeerProc, Side, Topology, PEER_TIMEOUT, WAIT,
 };
 
-/// Two fresh contexts of the daemon connect and move data.
-fn fresh_pair_works(d: &DaemonProc) -> Result<()> {
+/// A fresh context on `d` and one on `e` connect and move data.
+fn fresh_pair_works(d: &DaemonProc, e: &DaemonProc) -> Result<()> {
     let a = Side::new(&d.context()?, 1 << 16)?;
-    let b = Side::new(&d.context()?, 1 << 16)?;
+    let b = Side::new(&e.context()?, 1 << 16)?;
     connect(&a, &b)?;
     let data = pattern(40_000, 99);
     a.mr.write(0, &data)?;
@@ -35,13 +46,38 @@ fn kill_peer(peer: &mut PeerProc) -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn killing_a_tenant_mid_flood_breaks_only_its_peer() -> Result<()> {
+/// The wr_id of the request that finds a dead peer across hosts.
+const PROBE: u64 = 1 << 40;
+
+/// Across hosts: nothing tells `me` that its peer died, until a request
+/// of its own (a write to the dead peer's region, [`PROBE`]) exhausts its
+/// retries. The QP's timeout (14: 67 ms) and retry_cnt (7) allow about
+/// half a second; this allows 5 s.
+fn probe_dead_peer(me: &Side, addr: u64, rkey: u32) -> Result<()> {
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(me.qp.state(), QpState::Rts, "a QP on another host learnt of the death by itself");
+    let start = Instant::now();
+    me.qp.post_send(&[wr::rdma_write(PROBE, &[me.mr.sge(0, 8)?], addr, rkey)?.signaled()])?;
+    wait_state(&me.qp, QpState::Err, WAIT)?;
+    assert!(start.elapsed() < Duration::from_secs(5), "ERR only after {:?}", start.elapsed());
+    Ok(())
+}
+
+/// Splits the probe's completion (which must be RETRY_EXC_ERR) from the
+/// others.
+fn without_probe(wcs: Vec<vrdma::WorkCompletion>) -> Vec<vrdma::WorkCompletion> {
+    let (probe, rest): (Vec<_>, Vec<_>) = wcs.into_iter().partition(|w| w.wr_id == PROBE);
+    assert_eq!(probe.len(), 1, "{probe:?}");
+    assert_eq!(probe[0].status, WcStatus::RetryExcErr, "{probe:?}");
+    rest
+}
+
+fn killing_a_tenant_mid_flood_breaks_only_its_peer(t: Topology) -> Result<()> {
     const LEN: usize = 4 << 20;
-    let mut d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let mut hosts = Hosts::start(t)?;
+    let ctx = hosts.a().context()?;
     let me = Side::with(&ctx, LEN, 64, cap(16, 1), None)?;
-    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let mut peer = PeerProc::spawn(&hosts.b().socket, "tenant", &[])?;
     let h = peer.hello()?;
     me.qp.connect(&h.endpoint, access_all())?;
     peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
@@ -63,33 +99,37 @@ fn killing_a_tenant_mid_flood_breaks_only_its_peer() -> Result<()> {
     })?;
     kill_peer(&mut peer)?;
 
-    wait_state(&me.qp, QpState::Err, WAIT)?;
-    let ev = async_event(&ctx, WAIT)?;
-    assert_eq!(ev, AsyncEvent { event_type: AsyncEventType::QpFatal, element: me.qp.qpn() });
-    let wcs = poll_n(&me.cq, 4, WAIT)?;
+    let wcs = if hosts.two() {
+        probe_dead_peer(&me, h.addr, h.rkey)?;
+        without_probe(poll_n(&me.cq, 5, WAIT)?)
+    } else {
+        wait_state(&me.qp, QpState::Err, WAIT)?;
+        let ev = async_event(&ctx, WAIT)?;
+        assert_eq!(ev, AsyncEvent { event_type: AsyncEventType::QpFatal, element: me.qp.qpn() });
+        poll_n(&me.cq, 4, WAIT)?
+    };
     for (i, wc) in wcs.iter().enumerate() {
         assert_eq!((wc.wr_id, wc.status, wc.opcode), (100 + i as u64, WcStatus::WrFlushErr, WcOpcode::Recv));
     }
-    assert!(d.is_alive(), "the daemon died with the tenant");
-    fresh_pair_works(&d)?;
+    assert!(hosts.alive(), "a daemon died with the tenant");
+    fresh_pair_works(hosts.a(), hosts.b())?;
     // And our context itself still works.
     let other = Side::new(&ctx, 4096)?;
     other.qp.connect(&other.endpoint()?, access_all())?;
     let w = wr::rdma_write(1, &[other.mr.sge(0, 8)?], other.mr.addr() + 8, other.mr.rkey())?;
     other.qp.post_send(&[w.signaled()])?;
     assert_eq!(poll_one(&other.cq, WAIT)?.status, WcStatus::Success);
-    assert!(d.is_alive());
+    assert!(hosts.alive());
     Ok(())
 }
 
-#[test]
-fn killing_a_responder_completes_every_posted_request() -> Result<()> {
+fn killing_a_responder_completes_every_posted_request(t: Topology) -> Result<()> {
     const LEN: usize = 1 << 20;
     const N: usize = 64;
-    let mut d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let mut hosts = Hosts::start(t)?;
+    let ctx = hosts.a().context()?;
     let me = Side::with(&ctx, LEN, 128, cap(N as u32, 1), None)?;
-    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let mut peer = PeerProc::spawn(&hosts.b().socket, "tenant", &[])?;
     let h = peer.hello()?;
     me.qp.connect(&h.endpoint, access_all())?;
     peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
@@ -101,6 +141,8 @@ fn killing_a_responder_completes_every_posted_request() -> Result<()> {
     assert_eq!((first.wr_id, first.status), (0, WcStatus::Success));
     kill_peer(&mut peer)?;
 
+    // Across hosts the outstanding writes themselves find the peer gone:
+    // the head exhausts its retries, about half a second.
     wait_state(&me.qp, QpState::Err, WAIT)?;
     let rest = poll_n(&me.cq, N - 1, WAIT)?;
     let ids: Vec<u64> = rest.iter().map(|w| w.wr_id).collect();
@@ -119,19 +161,24 @@ fn killing_a_responder_completes_every_posted_request() -> Result<()> {
         phase = p;
     }
     assert_eq!(phase, 2, "nothing was flushed: {rest:?}");
-    assert_eq!(async_event(&ctx, WAIT)?.event_type, AsyncEventType::QpFatal);
-    assert!(d.is_alive());
-    fresh_pair_works(&d)
+    assert!(vrdma_it::poll_for(&me.cq, Duration::from_millis(50))?.is_empty(), "a request completed twice");
+    if hosts.two() {
+        // Only a request's own timeout can tell it, and one did.
+        assert!(rest.iter().any(|w| w.status == WcStatus::RetryExcErr), "{rest:?}");
+    } else {
+        assert_eq!(async_event(&ctx, WAIT)?.event_type, AsyncEventType::QpFatal);
+    }
+    assert!(hosts.alive());
+    fresh_pair_works(hosts.a(), hosts.b())
 }
 
-#[test]
-fn killing_a_sender_mid_message_completes_every_receive_once() -> Result<()> {
+fn killing_a_sender_mid_message_completes_every_receive_once(t: Topology) -> Result<()> {
     const LEN: usize = 4 << 20;
     const N: u64 = 256;
-    let mut d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let mut hosts = Hosts::start(t)?;
+    let ctx = hosts.a().context()?;
     let me = Side::with(&ctx, LEN, 512, cap(N as u32, 1), None)?;
-    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let mut peer = PeerProc::spawn(&hosts.b().socket, "tenant", &[])?;
     let h = peer.hello()?;
     me.qp.connect(&h.endpoint, access_all())?;
     peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
@@ -144,10 +191,17 @@ fn killing_a_sender_mid_message_completes_every_receive_once() -> Result<()> {
     assert_eq!((first.wr_id, first.status, first.byte_len as usize), (0, WcStatus::Success, LEN));
     kill_peer(&mut peer)?;
 
-    wait_state(&me.qp, QpState::Err, WAIT)?;
+    let rest = if hosts.two() {
+        // Messages that arrived whole may still complete before the
+        // probe: count everything up to the probe's end.
+        probe_dead_peer(&me, h.addr, h.rkey)?;
+        without_probe(poll_n(&me.cq, N as usize, WAIT)?)
+    } else {
+        wait_state(&me.qp, QpState::Err, WAIT)?;
+        poll_n(&me.cq, N as usize - 1, WAIT)?
+    };
     // Every receive completes exactly once, in order: the messages that
     // arrived whole, then flushes (the one cut off mid-message included).
-    let rest = poll_n(&me.cq, N as usize - 1, WAIT)?;
     let ids: Vec<u64> = rest.iter().map(|w| w.wr_id).collect();
     assert_eq!(ids, (1..N).collect::<Vec<_>>());
     let whole = rest.iter().take_while(|w| w.status == WcStatus::Success).count();
@@ -156,13 +210,16 @@ fn killing_a_sender_mid_message_completes_every_receive_once() -> Result<()> {
     }
     assert!(rest[whole..].iter().all(|w| w.status == WcStatus::WrFlushErr), "{:?}", &rest[whole..]);
     assert!(whole < rest.len(), "the sender was not killed mid-flood");
-    assert!(
-        vrdma_it::poll_for(&me.cq, std::time::Duration::from_millis(50))?.is_empty(),
-        "a receive completed twice"
-    );
-    assert!(d.is_alive());
-    fresh_pair_works(&d)
+    assert!(vrdma_it::poll_for(&me.cq, Duration::from_millis(50))?.is_empty(), "a receive completed twice");
+    assert!(hosts.alive());
+    fresh_pair_works(hosts.a(), hosts.b())
 }
+
+in_both_topologies!(
+    killing_a_tenant_mid_flood_breaks_only_its_peer,
+    killing_a_responder_completes_every_posted_request,
+    killing_a_sender_mid_message_completes_every_receive_once,
+);
 
 #[test]
 fn a_daemon_restart_fails_old_contexts_and_serves_new_ones() -> Result<()> {
@@ -208,7 +265,7 @@ fn a_daemon_restart_fails_old_contexts_and_serves_new_ones() -> Result<()> {
 
     // The new daemon serves new contexts.
     assert!(d.is_alive());
-    fresh_pair_works(&d)
+    fresh_pair_works(&d, &d)
 }
 
 #[test]

@@ -5,13 +5,22 @@
 //! Re-backing remaps pages: writes other threads make to those pages
 //! while it runs may be lost, so the tests of this file run one at a time
 //! (the test harness's threads share one process and one heap).
+//!
+//! The tests that move data in and out of such memory run in both
+//! topologies (`name::one_host`, `name::two_hosts`: the remote peer on
+//! another daemon, across the TCP transport, which reads and writes the
+//! same re-backed pages). Refusals at registration concern one daemon and
+//! stay on one host.
 
 use std::sync::{Mutex, MutexGuard};
 
 use anyhow::{bail, Context as _, Result};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::{Context, MemoryRegion, QpState, WcStatus};
-use vrdma_it::{access_all, async_event, cap, pattern, poll_one, wait_state, DaemonProc, Side, WAIT};
+use vrdma_it::{
+    access_all, async_event, cap, in_both_topologies, pattern, poll_one, wait_state, DaemonProc, Hosts, Side,
+    Topology, WAIT,
+};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -31,18 +40,19 @@ unsafe fn snapshot(ptr: *const u8, len: usize) -> Vec<u8> {
 }
 
 /// Where the region's owner and a remote peer meet: a QP in the region's
-/// PD (its own context) connected to `peer`'s QP (another context).
+/// PD (its own context) connected to `peer`'s QP (another context, on the
+/// daemon `peer`: the owner's own, or another host's).
 struct Meeting {
     cq: vrdma::CompletionQueue,
     qp: vrdma::QueuePair,
     peer: Side,
 }
 
-fn meet(pd: &vrdma::ProtectionDomain, d: &DaemonProc, peer_len: usize) -> Result<Meeting> {
+fn meet(pd: &vrdma::ProtectionDomain, peer: &DaemonProc, peer_len: usize) -> Result<Meeting> {
     let ctx = pd.context();
     let cq = ctx.create_cq(64, None)?;
     let qp = pd.create_rc_qp(&cq, &cq, cap(16, 1))?;
-    let peer = Side::new(&d.context()?, peer_len)?;
+    let peer = Side::new(&peer.context()?, peer_len)?;
     qp.connect(&peer.endpoint()?, access_all())?;
     peer.qp.connect(&qp.endpoint(ctx)?, access_all())?;
     Ok(Meeting { cq, qp, peer })
@@ -57,7 +67,7 @@ fn meet(pd: &vrdma::ProtectionDomain, d: &DaemonProc, peer_len: usize) -> Result
 /// `ptr..ptr + len` must be memory the caller owns, valid for reads and
 /// writes, holding `pattern(len, seed)`, untouched by anybody else until
 /// this returns.
-unsafe fn exercise(d: &DaemonProc, ctx: &Context, ptr: *mut u8, len: usize, seed: u64) -> Result<()> {
+unsafe fn exercise(peer: &DaemonProc, ctx: &Context, ptr: *mut u8, len: usize, seed: u64) -> Result<()> {
     let original = pattern(len, seed);
     // SAFETY: the caller's contract.
     assert!(unsafe { snapshot(ptr, len) } == original, "the test set the memory up wrong");
@@ -70,7 +80,7 @@ unsafe fn exercise(d: &DaemonProc, ctx: &Context, ptr: *mut u8, len: usize, seed
     assert!(unsafe { snapshot(ptr, len) } == original, "registration changed the bytes");
     assert!(mr.to_vec() == original);
 
-    let m = meet(&pd, d, len)?;
+    let m = meet(&pd, peer, len)?;
     // A remote write lands in the application's own memory, at an odd
     // offset, and nowhere else.
     let incoming = pattern(len / 2, seed + 1);
@@ -116,17 +126,16 @@ unsafe fn exercise(d: &DaemonProc, ctx: &Context, ptr: *mut u8, len: usize, seed
     Ok(())
 }
 
-#[test]
-fn heap_vec() -> Result<()> {
+fn heap_vec(t: Topology) -> Result<()> {
     let _g = serial();
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let hosts = Hosts::start(t)?;
+    let (ctx, d) = (hosts.a().context()?, hosts.b());
     // Neither page-aligned nor a whole number of pages.
     let len = 100_003;
     let mut v = pattern(len, 11);
     // SAFETY: the Vec owns its buffer, which outlives the registration;
     // it is only touched through `ptr` meanwhile.
-    unsafe { exercise(&d, &ctx, v.as_mut_ptr(), len, 11) }?;
+    unsafe { exercise(d, &ctx, v.as_mut_ptr(), len, 11) }?;
     // The Vec itself sees what happened to its memory.
     let mut want = pattern(len, 13);
     want[len - 1] = 0x5a;
@@ -135,11 +144,10 @@ fn heap_vec() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn posix_memalign_buffer() -> Result<()> {
+fn posix_memalign_buffer(t: Topology) -> Result<()> {
     let _g = serial();
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let hosts = Hosts::start(t)?;
+    let (ctx, d) = (hosts.a().context()?, hosts.b());
     let len = 64 << 10;
     let mut p: *mut libc::c_void = std::ptr::null_mut();
     // SAFETY: a valid out-pointer; alignment is a power of two and a
@@ -151,7 +159,7 @@ fn posix_memalign_buffer() -> Result<()> {
     // SAFETY: `ptr` holds `len` bytes just allocated.
     unsafe { std::ptr::copy_nonoverlapping(fill.as_ptr(), ptr, len) };
     // SAFETY: ours until freed below, after the region is gone.
-    let r = unsafe { exercise(&d, &ctx, ptr, len, 21) };
+    let r = unsafe { exercise(d, &ctx, ptr, len, 21) };
     // SAFETY: allocated by posix_memalign, freed once.
     unsafe { libc::free(p) };
     r
@@ -176,11 +184,10 @@ fn map_anon(len: usize, extra: libc::c_int) -> std::io::Result<*mut u8> {
     Ok(p.cast())
 }
 
-#[test]
-fn anonymous_mmap() -> Result<()> {
+fn anonymous_mmap(t: Topology) -> Result<()> {
     let _g = serial();
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let hosts = Hosts::start(t)?;
+    let (ctx, d) = (hosts.a().context()?, hosts.b());
     let len = 5 * 4096;
     let ptr = map_anon(len, 0)?;
     let fill = pattern(len - 4096, 31);
@@ -188,7 +195,7 @@ fn anonymous_mmap() -> Result<()> {
     unsafe { std::ptr::copy_nonoverlapping(fill.as_ptr(), ptr.add(4096), len - 4096) };
     // Register the last four pages, not the first.
     // SAFETY: ours until unmapped below.
-    let r = unsafe { exercise(&d, &ctx, ptr.add(4096), len - 4096, 31) };
+    let r = unsafe { exercise(d, &ctx, ptr.add(4096), len - 4096, 31) };
     // The page before the registration was not disturbed.
     // SAFETY: the mapping is still there.
     assert!(unsafe { snapshot(ptr, 4096) }.iter().all(|&b| b == 0));
@@ -197,8 +204,7 @@ fn anonymous_mmap() -> Result<()> {
     r
 }
 
-#[test]
-fn hugetlb_mmap() -> Result<()> {
+fn hugetlb_mmap(t: Topology) -> Result<()> {
     let _g = serial();
     // The default huge page size, and how many are free: the mapping
     // takes one, re-backing it as many again.
@@ -223,8 +229,8 @@ fn hugetlb_mmap() -> Result<()> {
             return Ok(());
         }
     };
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let hosts = Hosts::start(t)?;
+    let (ctx, d) = (hosts.a().context()?, hosts.b());
     let result = (|| -> Result<()> {
         // Part of the huge page, at an odd offset: the whole huge page is
         // re-backed, and the bytes around the part keep their values.
@@ -237,7 +243,7 @@ fn hugetlb_mmap() -> Result<()> {
             std::ptr::copy_nonoverlapping(part.as_ptr(), ptr.add(at), len);
         }
         // SAFETY: ours until unmapped below.
-        unsafe { exercise(&d, &ctx, ptr.add(at), len, 41) }?;
+        unsafe { exercise(d, &ctx, ptr.add(at), len, 41) }?;
         // SAFETY: the mapping is live.
         let now = unsafe { snapshot(ptr, huge) };
         assert!(now[..at] == around[..at] && now[at + len..] == around[at + len..], "neighbours changed");
@@ -246,7 +252,7 @@ fn hugetlb_mmap() -> Result<()> {
         // SAFETY: as above.
         unsafe { std::ptr::copy_nonoverlapping(whole.as_ptr(), ptr, huge) };
         // SAFETY: ours until unmapped below.
-        unsafe { exercise(&d, &ctx, ptr, huge, 42) }
+        unsafe { exercise(d, &ctx, ptr, huge, 42) }
     })();
     // SAFETY: unmapping what we mapped, once.
     unsafe { libc::munmap(ptr.cast(), huge) };
@@ -304,18 +310,17 @@ fn stack_memory_is_refused() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn deregistration_revokes_remote_access_at_once() -> Result<()> {
+fn deregistration_revokes_remote_access_at_once(t: Topology) -> Result<()> {
     let _g = serial();
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
+    let hosts = Hosts::start(t)?;
+    let (ctx, d) = (hosts.a().context()?, hosts.b());
     let len = 4 * 4096;
     let ptr = map_anon(len, 0)?;
     let result = (|| -> Result<()> {
         let pd = ctx.alloc_pd()?;
         // SAFETY: ours until unmapped below, after the region is gone.
         let mr = unsafe { pd.register_raw(ptr, len, access_all()) }?;
-        let m = meet(&pd, &d, 4096)?;
+        let m = meet(&pd, d, 4096)?;
         let (addr, rkey) = (mr.addr(), mr.rkey());
         m.peer.mr.fill(0, 64, 0x11)?;
         let write = |id| wr::rdma_write(id, &[m.peer.mr.sge(0, 64)?], addr, rkey).map(|w| w.signaled());
@@ -340,7 +345,7 @@ fn deregistration_revokes_remote_access_at_once() -> Result<()> {
         // SAFETY: as above.
         let again = unsafe { pd.register_raw(ptr, len, access_all()) }?;
         assert_ne!(again.rkey(), rkey);
-        let m2 = meet(&pd, &d, 4096)?;
+        let m2 = meet(&pd, d, 4096)?;
         m2.peer.mr.fill(0, 64, 0x33)?;
         let w = wr::rdma_write(3, &[m2.peer.mr.sge(0, 64)?], again.addr(), again.rkey())?.signaled();
         m2.peer.qp.post_send(&[w])?;
@@ -465,3 +470,11 @@ fn memory_that_cannot_be_shared_is_refused() -> Result<()> {
     v.clear();
     Ok(())
 }
+
+in_both_topologies!(
+    heap_vec,
+    posix_memalign_buffer,
+    anonymous_mmap,
+    hugetlb_mmap,
+    deregistration_revokes_remote_access_at_once,
+);

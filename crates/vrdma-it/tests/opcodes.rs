@@ -1,6 +1,10 @@
 //! Every RC opcode through a real daemon, between the test process and a
 //! tenant peer process (or two contexts of the test process where the
 //! check needs both ends at hand).
+//!
+//! Every test runs in both topologies: both ends on one daemon, and the
+//! peer (or the second context) on a second daemon across the TCP
+//! transport (`name::one_host`, `name::two_hosts`).
 
 use std::time::Duration;
 
@@ -9,7 +13,8 @@ use vrdma::wr::{self, SendWrExt};
 use vrdma::{WcOpcode, WcStatus};
 use vrdma_it::protocol::{digest, Command, Hello, Said, Wc};
 use vrdma_it::{
-    access_all, cap, connect, le, pattern, poll_for, poll_n, poll_one, DaemonProc, PeerProc, Side, WAIT,
+    access_all, cap, connect, in_both_topologies, le, pattern, poll_for, poll_n, poll_one, Hosts, PeerProc,
+    Side, Topology, WAIT,
 };
 
 /// The test's side connected to a peer process's QP. Fields drop in
@@ -18,42 +23,41 @@ struct Remote {
     me: Side,
     peer: PeerProc,
     hello: Hello,
-    _daemon: DaemonProc,
+    _hosts: Hosts,
 }
 
-fn remote(mr_len: usize, peer_args: &[&str]) -> Result<Remote> {
-    let daemon = DaemonProc::start()?;
-    let ctx = daemon.context()?;
+fn remote(t: Topology, mr_len: usize, peer_args: &[&str]) -> Result<Remote> {
+    let hosts = Hosts::start(t)?;
+    let ctx = hosts.a().context()?;
     let me = Side::with(&ctx, mr_len, 2048, cap(1024, 4), None)?;
-    let mut peer = PeerProc::spawn(&daemon.socket, "tenant", peer_args)?;
+    let mut peer = PeerProc::spawn(&hosts.b().socket, "tenant", peer_args)?;
     let hello = peer.hello()?;
     me.qp.connect(&hello.endpoint, access_all())?;
     peer.call_ok(&Command::Connect { peer: me.endpoint()? })?;
-    Ok(Remote { me, peer, hello, _daemon: daemon })
+    Ok(Remote { me, peer, hello, _hosts: hosts })
 }
 
 /// Two sides of the test process, each its own context, connected.
 struct Local {
     a: Side,
     b: Side,
-    _daemon: DaemonProc,
+    _hosts: Hosts,
 }
 
-fn local(mr_len: usize) -> Result<Local> {
-    let daemon = DaemonProc::start()?;
-    let a = Side::new(&daemon.context()?, mr_len)?;
-    let b = Side::new(&daemon.context()?, mr_len)?;
+fn local(t: Topology, mr_len: usize) -> Result<Local> {
+    let hosts = Hosts::start(t)?;
+    let a = Side::new(&hosts.a().context()?, mr_len)?;
+    let b = Side::new(&hosts.b().context()?, mr_len)?;
     connect(&a, &b)?;
-    Ok(Local { a, b, _daemon: daemon })
+    Ok(Local { a, b, _hosts: hosts })
 }
 
 fn check_wc(wc: &vrdma::WorkCompletion, wr_id: u64, opcode: WcOpcode) {
     assert_eq!((wc.wr_id, wc.status, wc.opcode), (wr_id, WcStatus::Success, opcode), "{wc:?}");
 }
 
-#[test]
-fn send_with_and_without_immediate() -> Result<()> {
-    let mut r = remote(1 << 16, &[])?;
+fn send_with_and_without_immediate(t: Topology) -> Result<()> {
+    let mut r = remote(t, 1 << 16, &[])?;
     let first = pattern(1000, 1);
     let second = pattern(777, 2);
     r.me.mr.write(0, &first)?;
@@ -86,9 +90,8 @@ fn send_with_and_without_immediate() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn rdma_write_into_the_peers_region() -> Result<()> {
-    let mut r = remote(1 << 16, &[])?;
+fn rdma_write_into_the_peers_region(t: Topology) -> Result<()> {
+    let mut r = remote(t, 1 << 16, &[])?;
     let data = pattern(3000, 3);
     r.me.mr.write(100, &data)?;
     let before = r.peer.read(12_345 - 16, 16)?;
@@ -104,9 +107,8 @@ fn rdma_write_into_the_peers_region() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn rdma_write_with_immediate() -> Result<()> {
-    let mut r = remote(1 << 16, &[])?;
+fn rdma_write_with_immediate(t: Topology) -> Result<()> {
+    let mut r = remote(t, 1 << 16, &[])?;
     let data = pattern(5000, 4);
     r.me.mr.write(0, &data)?;
     r.peer.call_ok(&Command::PostRecv { count: 1, offset: 0, len: 0 })?;
@@ -130,9 +132,8 @@ fn rdma_write_with_immediate() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn rdma_read_from_the_peers_region() -> Result<()> {
-    let mut r = remote(1 << 16, &[])?;
+fn rdma_read_from_the_peers_region(t: Topology) -> Result<()> {
+    let mut r = remote(t, 1 << 16, &[])?;
     let data = pattern(5000, 5);
     r.peer.call_ok(&Command::Fill { offset: 100_000, data: data.clone() })?;
     let rd = wr::rdma_read(3, &[r.me.mr.sge(10, data.len())?], r.hello.addr + 100_000, r.hello.rkey)?;
@@ -148,9 +149,8 @@ fn rdma_read_from_the_peers_region() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn atomics_return_the_old_value_and_update_the_peer() -> Result<()> {
-    let mut r = remote(1 << 16, &[])?;
+fn atomics_return_the_old_value_and_update_the_peer(t: Topology) -> Result<()> {
+    let mut r = remote(t, 1 << 16, &[])?;
     let (addr, rkey) = (r.hello.addr + 64, r.hello.rkey);
     r.peer.call_ok(&Command::Fill { offset: 64, data: le(10) })?;
     let result = r.me.mr.sge(0, 8)?;
@@ -181,9 +181,8 @@ fn atomics_return_the_old_value_and_update_the_peer() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn scatter_gather_three_sges_into_two() -> Result<()> {
-    let l = local(1 << 16)?;
+fn scatter_gather_three_sges_into_two(t: Topology) -> Result<()> {
+    let l = local(t, 1 << 16)?;
     let (a, b) = (&l.a, &l.b);
     let other = a.pd.alloc_mr(4096, access_all())?;
     let (p1, p2, p3) = (pattern(100, 6), pattern(300, 7), pattern(50, 8));
@@ -231,9 +230,8 @@ fn scatter_gather_three_sges_into_two() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn inline_data() -> Result<()> {
-    let l = local(1 << 16)?;
+fn inline_data(t: Topology) -> Result<()> {
+    let l = local(t, 1 << 16)?;
     let (a, b) = (&l.a, &l.b);
     assert_eq!(a.qp.cap().max_inline_data, 64);
     // The bytes come from the request itself, not from any region.
@@ -271,9 +269,8 @@ fn inline_data() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn unsignaled_requests_complete_silently() -> Result<()> {
-    let l = local(1 << 16)?;
+fn unsignaled_requests_complete_silently(t: Topology) -> Result<()> {
+    let l = local(t, 1 << 16)?;
     let (a, b) = (&l.a, &l.b);
     let data = pattern(6 * 64, 9);
     a.mr.write(0, &data)?;
@@ -304,11 +301,10 @@ fn unsignaled_requests_complete_silently() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn solicited_only_arming_fires_for_solicited_sends() -> Result<()> {
-    let daemon = DaemonProc::start()?;
-    let a = Side::new(&daemon.context()?, 4096)?;
-    let ctx_b = daemon.context()?;
+fn solicited_only_arming_fires_for_solicited_sends(t: Topology) -> Result<()> {
+    let hosts = Hosts::start(t)?;
+    let a = Side::new(&hosts.a().context()?, 4096)?;
+    let ctx_b = hosts.b().context()?;
     let ch = ctx_b.create_comp_channel()?;
     let b = Side::with(&ctx_b, 4096, 64, cap(16, 1), Some(&ch))?;
     connect(&a, &b)?;
@@ -333,11 +329,10 @@ fn solicited_only_arming_fires_for_solicited_sends() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn large_write_arrives_intact() -> Result<()> {
+fn large_write_arrives_intact(t: Topology) -> Result<()> {
     const LEN: usize = 8 << 20;
     let mr_len = LEN.to_string();
-    let mut r = remote(LEN, &["--mr-len", &mr_len])?;
+    let mut r = remote(t, LEN, &["--mr-len", &mr_len])?;
     assert_eq!(r.hello.mr_len, LEN);
     let data = pattern(LEN, 10);
     r.me.mr.write(0, &data)?;
@@ -359,10 +354,9 @@ fn large_write_arrives_intact() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn writes_are_visible_when_a_later_send_arrives() -> Result<()> {
+fn writes_are_visible_when_a_later_send_arrives(t: Topology) -> Result<()> {
     const N: u64 = 1000;
-    let mut r = remote(1 << 16, &[])?;
+    let mut r = remote(t, 1 << 16, &[])?;
     for j in 1..=N {
         r.me.mr.write(8 * j as usize, &le(j))?;
     }
@@ -386,11 +380,10 @@ fn writes_are_visible_when_a_later_send_arrives() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn threads_share_a_qp_and_a_context() -> Result<()> {
+fn threads_share_a_qp_and_a_context(t: Topology) -> Result<()> {
     const THREADS: u64 = 4;
     const EACH: u64 = 200;
-    let l = std::sync::Arc::new(local(1 << 16)?);
+    let l = std::sync::Arc::new(local(t, 1 << 16)?);
     let workers: Vec<_> = (0..THREADS)
         .map(|t| {
             let l = l.clone();
@@ -438,3 +431,18 @@ fn threads_share_a_qp_and_a_context() -> Result<()> {
     }
     Ok(())
 }
+
+in_both_topologies!(
+    send_with_and_without_immediate,
+    rdma_write_into_the_peers_region,
+    rdma_write_with_immediate,
+    rdma_read_from_the_peers_region,
+    atomics_return_the_old_value_and_update_the_peer,
+    scatter_gather_three_sges_into_two,
+    inline_data,
+    unsignaled_requests_complete_silently,
+    solicited_only_arming_fires_for_solicited_sends,
+    large_write_arrives_intact,
+    writes_are_visible_when_a_later_send_arrives,
+    threads_share_a_qp_and_a_context,
+);

@@ -207,7 +207,7 @@ impl Net {
 
 fn dial(addr: SocketAddr, setup: Arc<NetSetup>, handle: EngineHandle) {
     let r =
-        TcpStream::connect_timeout(&addr, HANDSHAKE_LIMIT).map_err(HandshakeError::from).and_then(|mut s| {
+        TcpStream::connect_timeout(&addr, CONNECT_LIMIT).map_err(HandshakeError::from).and_then(|mut s| {
             s.set_nodelay(true)?;
             let p = handshake(&mut s, Role::Initiator, &setup.identity, HANDSHAKE_LIMIT)?;
             Ok((s, p))
