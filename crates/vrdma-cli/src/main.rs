@@ -2,6 +2,7 @@
 
 mod bench;
 mod cmd;
+mod cp;
 mod embedded;
 
 use anyhow::Result;
@@ -27,6 +28,8 @@ enum Command {
     Stat(cmd::stat::Args),
     /// Measure vRDMA beside shared-memory and memcpy anchors.
     Bench(bench::Args),
+    /// Copy a file to another tenant or host over vRDMA (RDMA writes with immediate, credit flow control).
+    Cp(cp::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
     Run(cmd::run::Args),
 }
@@ -45,6 +48,7 @@ fn main() -> Result<()> {
         Command::Devinfo(a) => cmd::devinfo::run(cli.socket, a),
         Command::Stat(a) => cmd::stat::run(cli.socket, a),
         Command::Bench(a) => bench::run(cli.socket, a),
+        Command::Cp(a) => cp::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }
 }

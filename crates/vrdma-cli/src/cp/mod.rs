@@ -1,0 +1,139 @@
+//! `vrdma cp`: a file from one tenant or host to another, the way RDMA
+//! applications move bulk data.
+//!
+//! The receiver registers a window of `slots` segments and tells the
+//! sender its address and rkey. The sender reads the file segment by
+//! segment into its own registered buffer and RDMA-writes each one, with
+//! the segment's sequence number as immediate data, into the next slot of
+//! the window; the immediate consumes a receive at the receiver, which is
+//! how it learns that the slot is full. Flow control is by credits: the
+//! sender starts with one credit per slot and spends one per segment; the
+//! receiver returns a credit (a zero-length SEND with immediate) once it
+//! has written a slot's bytes to the file. So a file of any size streams
+//! through a window of fixed size, and the receiver's memory is never
+//! overwritten before it has been read.
+//!
+//! Integrity is end to end: the sender hashes the file as it reads it
+//! (SHA-256), the receiver hashes what it wrote, read back from its disk,
+//! and both sides compare over the control connection.
+//!
+//! The control connection (TCP, JSON lines) carries only the setup and the
+//! final check; every byte of the file goes over vRDMA.
+
+mod protocol;
+mod receiver;
+mod sender;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Result};
+
+/// The default control port of `vrdma cp --recv`.
+pub const DEFAULT_PORT: u16 = 19766;
+/// How long either side waits for the other before giving up.
+const PEER_TIMEOUT: Duration = Duration::from_secs(30);
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Receive one file into OUTPUT (the receiving side), instead of sending.
+    #[arg(long, value_name = "OUTPUT", conflicts_with_all = ["source", "dest"])]
+    pub recv: Option<PathBuf>,
+    /// Where the receiver listens for the sender's control connection.
+    #[arg(long, default_value_t = std::net::SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)))]
+    pub listen: std::net::SocketAddr,
+    /// The file to send.
+    #[arg(required_unless_present = "recv")]
+    pub source: Option<PathBuf>,
+    /// The receiver: HOST or HOST:PORT.
+    #[arg(required_unless_present = "recv")]
+    pub dest: Option<String>,
+    /// Bytes per RDMA write (a power of two, 4 KiB to 16 MiB).
+    #[arg(long, default_value = "256K", value_parser = parse_size)]
+    pub segment: u64,
+    /// Bytes of the receiver's registered window (a multiple of the segment).
+    #[arg(long, default_value = "4M", value_parser = parse_size)]
+    pub window: u64,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// `4096`, `64K`, `4M`, `1G` (powers of 1024).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let (num, mult) = match s.char_indices().last() {
+        Some((i, 'K' | 'k')) => (&s[..i], 1u64 << 10),
+        Some((i, 'M' | 'm')) => (&s[..i], 1 << 20),
+        Some((i, 'G' | 'g')) => (&s[..i], 1 << 30),
+        _ => (s, 1),
+    };
+    let n: u64 = num.parse().map_err(|_| format!("{s:?} is not a size (like 4096, 64K, 4M)"))?;
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?} is too large"))
+}
+
+pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
+    if !args.segment.is_power_of_two() || !(4096..=16 << 20).contains(&args.segment) {
+        bail!("--segment must be a power of two from 4K to 16M, not {}", args.segment);
+    }
+    if args.window < args.segment || args.window % args.segment != 0 || args.window > 1 << 30 {
+        bail!("--window must be a multiple of --segment ({}) up to 1G, not {}", args.segment, args.window);
+    }
+    let slots = (args.window / args.segment) as u32;
+    let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
+    match (&args.recv, &args.source, &args.dest) {
+        (Some(out), _, _) => receiver::run(device.socket(), out, args.listen, !args.quiet),
+        (None, Some(src), Some(dest)) => {
+            sender::run(device.socket(), src, dest, args.segment, slots, !args.quiet)
+        }
+        _ => bail!("give SOURCE and DEST to send, or --recv OUTPUT to receive"),
+    }
+}
+
+/// A progress bar on a terminal, nothing elsewhere.
+fn progress(total: u64, show: bool, what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !show || !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new(total);
+    let style = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:30}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+    )
+    .map(|s| s.progress_chars("=> "));
+    if let Ok(s) = style {
+        bar.set_style(s);
+    }
+    bar.set_message(what.to_string());
+    bar
+}
+
+/// Waits for `n` completions on `cq`, failing if one is in error or none
+/// comes for [`PEER_TIMEOUT`].
+fn poll_some(cq: &vrdma::CompletionQueue, buf: &mut [vrdma::WorkCompletion]) -> Result<usize> {
+    let n = cq.wait(buf, Some(PEER_TIMEOUT))?;
+    if n == 0 {
+        bail!("no completion for {} s: the peer stopped", PEER_TIMEOUT.as_secs());
+    }
+    for wc in &buf[..n] {
+        if wc.status != vrdma::WcStatus::Success {
+            bail!("a transfer failed: {:?} (wr {})", wc.status, wc.wr_id);
+        }
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_size;
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("64K"), Ok(65536));
+        assert_eq!(parse_size("4M"), Ok(4 << 20));
+        assert_eq!(parse_size("1g"), Ok(1 << 30));
+        assert!(parse_size("lots").is_err());
+        assert!(parse_size("99999999999999999999G").is_err());
+    }
+}
