@@ -5,7 +5,7 @@ mod cmd;
 mod embedded;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "vrdma", version, about = "A paravirtual RDMA device in user space")]
@@ -23,7 +23,7 @@ enum Command {
     Daemon(cmd::daemon::Args),
     /// Show the device, its port and limits, like `ibv_devinfo -v`.
     Devinfo(cmd::devinfo::Args),
-    /// Measure vRDMA beside shared-memory and memcpy anchors.
+    /// Measure vRDMA: the default report beside its anchors, or qperf-style named tests.
     Bench(bench::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
     Run(cmd::run::Args),
@@ -41,7 +41,15 @@ fn main() -> Result<()> {
     match cli.command {
         Command::Daemon(a) => cmd::daemon::run(cli.socket, a),
         Command::Devinfo(a) => cmd::devinfo::run(cli.socket, a),
-        Command::Bench(a) => bench::run(cli.socket, a),
+        Command::Bench(a) => {
+            if let Err(msg) = a.validate() {
+                let mut cmd = Cli::command();
+                cmd.build();
+                let mut bench = cmd.find_subcommand_mut("bench").map(|b| b.clone()).unwrap_or(cmd);
+                bench.error(clap::error::ErrorKind::ArgumentConflict, msg).exit();
+            }
+            bench::run(cli.socket, a)
+        }
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }
 }
