@@ -241,16 +241,20 @@ fn named(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         (_, true) => output::Format::Csv,
         _ => output::Format::Table,
     };
+    // Reach the server first: a wrong host fails before anything starts.
+    let remote = match args.host() {
+        Some(h) => {
+            let (host, port) = spec::split_host(h).map_err(anyhow::Error::msg)?;
+            Some((client::connect(&host, port)?, format!("server {host}:{port}")))
+        }
+        None => None,
+    };
     let device = crate::embedded::device(socket, engine_config(args))?;
     let ctx = vrdma::Context::open_at(device.socket())?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let progress = format == output::Format::Table;
-    let (rows, peer) = match args.host() {
-        Some(h) => {
-            let (host, port) = spec::split_host(h).map_err(anyhow::Error::msg)?;
-            let conn = client::connect(&host, port)?;
-            (client::run(conn, &ctx, &plan, &options, progress)?, format!("server {host}:{port}"))
-        }
+    let (rows, peer) = match remote {
+        Some((conn, peer)) => (client::run(conn, &ctx, &plan, &options, progress)?, peer),
         None => {
             let server = client::ServerProc::spawn(device.socket())?;
             let conn = client::connect(&server.addr.ip().to_string(), server.addr.port())?;
