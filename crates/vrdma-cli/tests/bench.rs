@@ -236,7 +236,8 @@ fn a_server_and_a_client_on_loopback() {
 fn bad_arguments_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("none.sock");
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 13] = [
+        (&["rc_bw", "--size", "64M", "--qps", "64", "--streams", "16"], "need more than"),
         (&["rc_bww"], "unknown test 'rc_bww'"),
         (&["rc_bw", "--size", "0"], "a message size must be"),
         (&["rc_bw", "--size", "lots"], "is not a size"),

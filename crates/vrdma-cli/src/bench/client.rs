@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
 
-use super::control::{Conn, Msg, RecvError, Setup, SideReport, PING_EVERY, SILENCE, VERSION};
+use super::control::{check_limits, Conn, Msg, RecvError, Setup, SideReport, PING_EVERY, SILENCE, VERSION};
 use super::output::{Bandwidth, Latency, Row};
 use super::spec::{Kind, Limit, TestName, Transport};
 use super::traffic::{self, Flags, Outcome, Side, Stream, STALL};
@@ -81,6 +81,7 @@ fn one(
     o: &Options,
 ) -> Result<Row> {
     let tcp = test.transport() == Transport::Tcp;
+    check_limits(test, size, o.qps, o.streams).map_err(anyhow::Error::msg)?;
     let mut rdma = Vec::new();
     if !tcp {
         for _ in 0..o.streams {

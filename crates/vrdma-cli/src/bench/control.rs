@@ -39,6 +39,8 @@ pub const PING_EVERY: Duration = Duration::from_secs(1);
 /// The most QPs in one stream, and streams in one test.
 pub const MAX_QPS: u32 = 64;
 pub const MAX_STREAMS: u32 = 16;
+/// The most memory one test may have either side register.
+pub const MAX_TEST_MEMORY: u64 = 2 << 30;
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 #[serde(tag = "msg", rename_all = "snake_case")]
@@ -69,16 +71,7 @@ pub struct Setup {
 impl Setup {
     /// Checks what a server must not trust.
     pub fn check(&self) -> Result<(), String> {
-        let limit = if self.test.transport() == super::spec::Transport::Ud { UD_MAX_SIZE } else { MAX_SIZE };
-        if self.size == 0 || self.size > limit {
-            return Err(format!("message size {} out of range 1..={limit}", self.size));
-        }
-        if !(1..=MAX_QPS).contains(&self.qps) || !(1..=MAX_STREAMS).contains(&self.streams) {
-            return Err(format!(
-                "{} QPs x {} streams: at most {MAX_QPS} QPs and {MAX_STREAMS} streams",
-                self.qps, self.streams
-            ));
-        }
+        check_limits(self.test, self.size, self.qps, self.streams)?;
         let rdma = self.test.transport() != super::spec::Transport::Tcp;
         let expected = if rdma { self.streams as usize } else { 0 };
         if self.endpoints.len() != expected || self.endpoints.iter().any(|s| s.len() != self.qps as usize) {
@@ -91,6 +84,28 @@ impl Setup {
         }
         Ok(())
     }
+}
+
+/// The bounds on one test's size, QPs, streams and memory.
+pub fn check_limits(test: TestName, size: usize, qps: u32, streams: u32) -> Result<(), String> {
+    let limit = if test.transport() == super::spec::Transport::Ud { UD_MAX_SIZE } else { MAX_SIZE };
+    if size == 0 || size > limit {
+        return Err(format!("message size {size} out of range 1..={limit}"));
+    }
+    if !(1..=MAX_QPS).contains(&qps) || !(1..=MAX_STREAMS).contains(&streams) {
+        return Err(format!(
+            "{qps} QPs x {streams} streams: at most {MAX_QPS} QPs and {MAX_STREAMS} streams"
+        ));
+    }
+    // What each side registers: two slots per QP (see traffic::Rdma).
+    let bytes = (size as u64 + 64) * 2 * u64::from(qps) * u64::from(streams);
+    if bytes > MAX_TEST_MEMORY {
+        return Err(format!(
+            "{streams} streams x {qps} QPs of {size}-byte messages need more than {} MiB",
+            MAX_TEST_MEMORY >> 20
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
@@ -271,6 +286,8 @@ mod tests {
         assert!(tcp.check().is_ok());
         assert!(Setup { qps: 0, ..tcp.clone() }.check().is_err());
         assert!(Setup { streams: 1000, ..tcp.clone() }.check().is_err());
-        assert!(Setup { endpoints: vec![vec![]], ..tcp }.check().is_err());
+        assert!(Setup { endpoints: vec![vec![]], ..tcp.clone() }.check().is_err());
+        let huge = Setup { size: 64 << 20, qps: 64, streams: 16, endpoints: vec![], ..tcp };
+        assert!(huge.check().unwrap_err().contains("need more than"));
     }
 }

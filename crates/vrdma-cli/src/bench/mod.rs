@@ -175,7 +175,9 @@ impl Args {
             return Err("the client chooses the tests and their options; --server takes only --listen".into());
         }
         for t in self.tests() {
-            spec::sizes_for(t, &self.asked_sizes(), self.sweep.is_some())?;
+            for size in spec::sizes_for(t, &self.asked_sizes(), self.sweep.is_some())? {
+                control::check_limits(t, size, self.qps.unwrap_or(1), self.streams.unwrap_or(1))?;
+            }
         }
         Ok(())
     }
