@@ -6,7 +6,7 @@ mod cp;
 mod embedded;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(name = "vrdma", version, about = "A paravirtual RDMA device in user space")]
@@ -26,7 +26,7 @@ enum Command {
     Devinfo(cmd::devinfo::Args),
     /// Show the links to other hosts and the path each of your QPs takes.
     Stat(cmd::stat::Args),
-    /// Measure vRDMA beside shared-memory and memcpy anchors.
+    /// Measure vRDMA: the default report beside its anchors, or qperf-style named tests.
     Bench(bench::Args),
     /// Copy a file to another tenant or host over vRDMA (RDMA writes with immediate, credit flow control).
     Cp(cp::Args),
@@ -47,8 +47,16 @@ fn main() -> Result<()> {
         Command::Daemon(a) => cmd::daemon::run(cli.socket, a),
         Command::Devinfo(a) => cmd::devinfo::run(cli.socket, a),
         Command::Stat(a) => cmd::stat::run(cli.socket, a),
-        Command::Bench(a) => bench::run(cli.socket, a),
         Command::Cp(a) => cp::run(cli.socket, a),
+        Command::Bench(a) => {
+            if let Err(msg) = a.validate() {
+                let mut cmd = Cli::command();
+                cmd.build();
+                let mut bench = cmd.find_subcommand_mut("bench").map(|b| b.clone()).unwrap_or(cmd);
+                bench.error(clap::error::ErrorKind::ArgumentConflict, msg).exit();
+            }
+            bench::run(cli.socket, a)
+        }
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }
 }

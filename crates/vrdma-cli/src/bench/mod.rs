@@ -1,33 +1,84 @@
-//! `vrdma bench`: vRDMA's latency and bandwidth on this host, each figure
-//! beside the anchor it should be read against, measured in the same run.
+//! `vrdma bench`: vRDMA's latency and bandwidth.
 //!
-//! Absolute numbers drift between machines and runs; the ratio to a raw
-//! shared-memory ping-pong (for latency) and to memcpy (for bandwidth) is
-//! what transfers. Each vRDMA test runs between two worker processes, as
-//! real RDMA programs do, so the figures include the cross-process
-//! handoffs through the engine.
+//! Without test names it prints the default report ([`suite`]): a fixed
+//! set of figures beside their anchors, and perftest and qperf through the
+//! drop-in library. With test names it is a qperf-style tool: the named
+//! tests ([`spec::TestName`]) between a client and a server, across hosts
+//! (`vrdma bench --server`, then `vrdma bench HOST TEST...`) or locally
+//! (`vrdma bench TEST...` starts its own server process).
 
 pub mod anchors;
+mod client;
+mod control;
+mod output;
 mod report;
+mod server;
+mod spec;
+mod suite;
+mod traffic;
 mod verbs;
 mod worker;
 
-use std::io::{BufRead, BufReader, Write};
+use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use anyhow::{anyhow, bail, Context as _, Result};
-use serde::{Deserialize, Serialize};
+use anyhow::Result;
 
+pub use suite::Figure;
 pub use worker::Role;
 
+use spec::{Limit, Target};
+
 #[derive(clap::Args, Debug, Clone)]
+#[command(after_help = AFTER_HELP)]
 pub struct Args {
+    /// Named tests, after the host of a `vrdma bench --server` (HOST or
+    /// HOST:PORT); without a host both sides run here. Without tests: the
+    /// default report with anchors.
+    #[arg(value_name = "[HOST] TEST", value_parser = spec::parse_target)]
+    pub targets: Vec<Target>,
+    /// Serve the named tests to clients until interrupted.
+    #[arg(long, conflicts_with_all = ["targets", "quick", "runs", "json", "csv"])]
+    pub server: bool,
+    /// The address the server listens on.
+    #[arg(long, value_name = "ADDR:PORT", default_value = "0.0.0.0:19765", requires = "server")]
+    pub listen: SocketAddr,
+    /// Internal: serve one client, then exit (the local mode's server).
+    #[arg(long, hide = true, requires = "server")]
+    pub once: bool,
+    /// Message size in bytes (K and M suffixes) [default: 8 for latency,
+    /// 64K for bandwidth, 4K for ud_bw].
+    #[arg(long, value_parser = spec::parse_size, conflicts_with_all = ["sizes", "sweep"])]
+    pub size: Option<usize>,
+    /// Several message sizes, comma-separated: --sizes 8,64,4K.
+    #[arg(long, value_parser = spec::parse_size, value_delimiter = ',', conflicts_with = "sweep")]
+    pub sizes: Vec<usize>,
+    /// Sweep message sizes over powers of two from 1 B up to MAX (--sweep=1M) [default MAX: 64K].
+    #[arg(long, value_name = "MAX", num_args = 0..=1, require_equals = true, default_missing_value = "64K", value_parser = spec::parse_size)]
+    pub sweep: Option<usize>,
+    /// QPs per stream (the stream's messages take turns on them).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=control::MAX_QPS as i64))]
+    pub qps: Option<u32>,
+    /// Concurrent streams, each a thread with its own QPs (or TCP connection) on both sides.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=control::MAX_STREAMS as i64))]
+    pub streams: Option<u32>,
+    /// Wait for completions on a completion channel instead of polling the CQ.
+    #[arg(long)]
+    pub events: bool,
+    /// Seconds each test runs [default: 2, or 0.5 with --quick].
+    #[arg(long, value_parser = spec::parse_seconds, conflicts_with = "iters")]
+    pub time: Option<Duration>,
+    /// Messages (or round trips) per stream instead of a duration.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=1_000_000_000))]
+    pub iters: Option<u64>,
+    /// Print the named tests' results as CSV.
+    #[arg(long, conflicts_with = "json")]
+    pub csv: bool,
     /// A short run (one run per figure, fewer iterations), for CI.
     #[arg(long)]
     pub quick: bool,
-    /// Runs per figure; the median is reported [default: 3, or 1 with --quick].
+    /// Runs per figure of the default report; the median is reported [default: 3, or 1 with --quick].
     #[arg(long)]
     pub runs: Option<usize>,
     /// Print the results as JSON instead of a table.
@@ -45,50 +96,102 @@ pub struct Args {
     /// Then how long it polls with a yield between polls before sleeping, in µs.
     #[arg(long)]
     pub yield_us: Option<u64>,
-    /// Internal: run as one side of a test.
+    /// Internal: run as one side of a test of the default report.
     #[arg(long, hide = true, value_enum)]
     pub worker: Option<Role>,
     #[arg(long, hide = true, default_value = "write-lat")]
-    pub test: worker::Test,
+    pub worker_test: worker::Test,
     #[arg(long, hide = true, default_value_t = 8)]
-    pub size: usize,
+    pub worker_size: usize,
     #[arg(long, hide = true, default_value_t = 1000)]
-    pub iters: u64,
+    pub worker_iters: u64,
 }
 
-/// One figure: vRDMA's value, its anchor and their ratio.
-#[derive(Debug, Clone, Serialize)]
-pub struct Figure {
-    pub name: String,
-    pub unit: &'static str,
-    pub value: anchors::Stat,
-    pub anchor_name: String,
-    pub anchor: Option<anchors::Stat>,
-    /// value / anchor (latency: lower is better; bandwidth: higher is better).
-    pub ratio: Option<f64>,
-    pub target: String,
-    pub cores: usize,
-    /// Latency only: the 99th percentile over every sample of every run.
-    pub p99: Option<f64>,
-}
+const AFTER_HELP: &str = "\
+Tests: rc_bw rc_bi_bw rc_lat rc_rdma_read_bw rc_rdma_read_lat rc_rdma_write_bw
+rc_rdma_write_lat rc_compare_swap_mr rc_fetch_add_mr ud_bw ud_lat tcp_bw tcp_lat
 
-/// What a worker reports.
-#[derive(Debug, Clone, Default, Serialize, Deserialize)]
-pub struct Outcome {
-    /// Latency samples: one way (half a round trip) for the ping-pongs,
-    /// the whole operation for reads.
-    pub lat_ns: Vec<f64>,
-    pub bytes: u64,
-    pub seconds: f64,
-    pub messages: u64,
-}
+Examples:
+  vrdma bench                                  the default report with anchors
+  vrdma bench rc_lat rc_bw tcp_lat tcp_bw      named tests, both sides on this host
+  vrdma bench --server                         serve clients on port 19765
+  vrdma bench host2 rc_bw --sweep=1M --csv     against the server on host2
+  vrdma bench rc_bw --qps 4 --streams 2 --time 5
+  vrdma bench rc_lat --events --iters 10000";
 
-pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
-    if let Some(role) = args.worker {
-        return worker::run(role, &args);
+impl Args {
+    fn tests(&self) -> Vec<spec::TestName> {
+        self.targets.iter().filter_map(|t| if let Target::Test(t) = t { Some(*t) } else { None }).collect()
     }
-    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+
+    fn host(&self) -> Option<&str> {
+        self.targets.iter().find_map(|t| if let Target::Host(h) = t { Some(h.as_str()) } else { None })
+    }
+
+    /// What clap cannot check: the positional arguments' order, and
+    /// options that only mean something with test names.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let hosts = self.targets.iter().filter(|t| matches!(t, Target::Host(_))).count();
+        if hosts > 1 || (hosts == 1 && !matches!(self.targets.first(), Some(Target::Host(_)))) {
+            let extra = self.targets.iter().skip(1).find_map(|t| match t {
+                Target::Host(h) => Some(h.clone()),
+                _ => None,
+            });
+            return Err(format!(
+                "unknown test '{}'; the tests are: {} (a host comes first, once)",
+                extra.unwrap_or_default(),
+                spec::test_names()
+            ));
+        }
+        if let Some(h) = self.host() {
+            spec::split_host(h)?;
+            if self.tests().is_empty() {
+                return Err(format!("name at least one test after the host, e.g. vrdma bench {h} rc_lat"));
+            }
+        }
+        let named = !self.tests().is_empty();
+        if !named && !self.server && self.worker.is_none() {
+            let used = [
+                ("--size", self.size.is_some()),
+                ("--sizes", !self.sizes.is_empty()),
+                ("--sweep", self.sweep.is_some()),
+                ("--qps", self.qps.is_some()),
+                ("--streams", self.streams.is_some()),
+                ("--events", self.events),
+                ("--time", self.time.is_some()),
+                ("--iters", self.iters.is_some()),
+                ("--csv", self.csv),
+            ];
+            if let Some((name, _)) = used.iter().find(|(_, on)| *on) {
+                return Err(format!("{name} applies to named tests, e.g. vrdma bench rc_bw {name} ..."));
+            }
+        }
+        if named && self.runs.is_some() {
+            return Err("--runs applies to the default report (vrdma bench without test names)".into());
+        }
+        if self.server
+            && (self.size.is_some() || self.qps.is_some() || self.time.is_some() || self.iters.is_some())
+        {
+            return Err("the client chooses the tests and their options; --server takes only --listen".into());
+        }
+        for t in self.tests() {
+            for size in spec::sizes_for(t, &self.asked_sizes(), self.sweep.is_some())? {
+                control::check_limits(t, size, self.qps.unwrap_or(1), self.streams.unwrap_or(1))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn asked_sizes(&self) -> Vec<usize> {
+        match (self.size, self.sweep) {
+            (Some(s), _) => vec![s],
+            (_, Some(max)) => spec::sweep(max),
+            _ => self.sizes.clone(),
+        }
+    }
+}
+
+pub(crate) fn engine_config(args: &Args) -> vrdmad::EngineConfig {
     let mut engine =
         vrdmad::EngineConfig { realtime: args.realtime, busy_poll: args.busy_poll, ..Default::default() };
     if let Some(s) = args.spin_us {
@@ -97,258 +200,72 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     if let Some(y) = args.yield_us {
         engine.yield_us = y;
     }
-    let device = crate::embedded::device(socket, engine)?;
-    let sock = device.socket().to_owned();
-    let (lat_iters, bw_bytes) = if args.quick { (5_000u64, 1u64 << 30) } else { (20_000, 4 << 30) };
-    let anchor_time = Duration::from_millis(if args.quick { 300 } else { 1000 });
+    engine
+}
 
-    let progress = |what: &str| {
-        if !args.json {
-            eprintln!("measuring {what} ...");
+pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
+    if let Some(role) = args.worker {
+        return worker::run(role, args.worker_test, args.worker_size, args.worker_iters);
+    }
+    if args.server {
+        let device = crate::embedded::device(socket, engine_config(&args))?;
+        return server::serve(args.listen, args.once, device.socket());
+    }
+    if args.tests().is_empty() {
+        return suite::run(socket, &args);
+    }
+    named(socket, &args)
+}
+
+/// The named tests, against a remote server or a local one.
+fn named(socket: Option<PathBuf>, args: &Args) -> Result<()> {
+    let mut plan = Vec::new();
+    for t in args.tests() {
+        for size in
+            spec::sizes_for(t, &args.asked_sizes(), args.sweep.is_some()).map_err(anyhow::Error::msg)?
+        {
+            plan.push((t, size));
+        }
+    }
+    let limit = match (args.iters, args.time) {
+        (Some(n), _) => Limit::Iters(n),
+        (_, Some(d)) => Limit::Time(d),
+        _ => Limit::Time(Duration::from_millis(if args.quick { 500 } else { 2000 })),
+    };
+    let options = client::Options {
+        qps: args.qps.unwrap_or(1),
+        streams: args.streams.unwrap_or(1),
+        events: args.events,
+        limit,
+    };
+    let format = match (args.json, args.csv) {
+        (true, _) => output::Format::Json,
+        (_, true) => output::Format::Csv,
+        _ => output::Format::Table,
+    };
+    // Reach the server first: a wrong host fails before anything starts.
+    let remote = match args.host() {
+        Some(h) => {
+            let (host, port) = spec::split_host(h).map_err(anyhow::Error::msg)?;
+            Some((client::connect(&host, port)?, format!("server {host}:{port}")))
+        }
+        None => None,
+    };
+    let device = crate::embedded::device(socket, engine_config(args))?;
+    let ctx = vrdma::Context::open_at(device.socket())?;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let progress = format == output::Format::Table;
+    let (rows, peer) = match remote {
+        Some((conn, peer)) => (client::run(conn, &ctx, &plan, &options, progress)?, peer),
+        None => {
+            let server = client::ServerProc::spawn(device.socket())?;
+            let conn = client::connect(&server.addr.ip().to_string(), server.addr.port())?;
+            let rows = client::run(conn, &ctx, &plan, &options, progress)?;
+            drop(server);
+            (rows, "a local server process".to_string())
         }
     };
-    let mut figures = Vec::new();
-
-    progress("shared-memory ping-pong anchor");
-    let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
-    progress("8 B RDMA write latency (memory polling)");
-    let write_lat = measure(&sock, worker::Test::WriteLat, 8, lat_iters, runs)?;
-    figures.push(latency(
-        "RDMA write 8 B, one way (poll on memory)",
-        write_lat,
-        "2-process shm ping-pong",
-        pingpong,
-        cores,
-    ));
-    progress("8 B send latency (CQ polling)");
-    let send_lat = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
-    let send_stat = median_of(&send_lat);
-    figures.push(latency(
-        "send 8 B, one way (poll CQ)",
-        send_lat,
-        "2-process shm ping-pong",
-        pingpong,
-        cores,
-    ));
-    progress("8 B send latency (completion channel)");
-    let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
-    figures.push(latency(
-        "send 8 B, one way (completion channel)",
-        event_lat,
-        "send 8 B, poll CQ",
-        Some(send_stat),
-        cores,
-    ));
-    progress("8 B RDMA read latency (CQ polling)");
-    let read_lat = measure(&sock, worker::Test::ReadLat, 8, lat_iters, runs)?;
-    // A read is a round trip: read it against the ping-pong's round trip.
-    let round_trip =
-        pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
-    figures.push(latency(
-        "RDMA read 8 B, whole read (poll CQ)",
-        read_lat,
-        "2-process shm ping-pong, round trip",
-        round_trip,
-        cores,
-    ));
-    let mut own = verbs::Own {
-        write_lat_ns: Some(figures[0].value.median),
-        send_lat_ns: Some(send_stat.median),
-        read_lat_ns: Some(figures[3].value.median),
-        ..Default::default()
-    };
-    let bw_tests = [
-        (worker::Test::WriteBw, "RDMA write", 64usize << 10),
-        (worker::Test::ReadBw, "RDMA read", 64 << 10),
-        (worker::Test::SendBw, "send", 64 << 10),
-        (worker::Test::WriteBw, "RDMA write", 1 << 20),
-    ];
-    let mut memcpy = std::collections::HashMap::new();
-    for (test, what, size) in bw_tests {
-        progress(&format!("{} {what} bandwidth", human(size)));
-        let iters = (bw_bytes / size as u64).max(16);
-        let bw = measure(&sock, test, size, iters, runs)?;
-        let anchor =
-            *memcpy.entry(size).or_insert_with(|| anchors::memcpy_bandwidth(size, anchor_time, runs));
-        let f = bandwidth(&format!("{what} {} bandwidth", human(size)), bw, anchor, cores);
-        if size == 64 << 10 {
-            let v = Some(f.value.median);
-            match test {
-                worker::Test::WriteBw => own.write_bw_gbs = v,
-                worker::Test::ReadBw => own.read_bw_gbs = v,
-                _ => own.send_bw_gbs = v,
-            }
-        }
-        figures.push(f);
-    }
-    progress("the same tests through perftest and qperf on the drop-in libibverbs.so.1");
-    let tools = verbs::compare(&sock, &own, args.quick, !args.json);
-    drop(device);
-    report::print(&figures, &tools, args.json)
-}
-
-fn human(size: usize) -> String {
-    match size {
-        s if s >= 1 << 20 => format!("{} MiB", s >> 20),
-        s if s >= 1 << 10 => format!("{} KiB", s >> 10),
-        s => format!("{s} B"),
-    }
-}
-
-fn median_of(outcomes: &[Outcome]) -> anchors::Stat {
-    let per_run: Vec<f64> = outcomes.iter().map(|o| anchors::Stat::from_samples(&o.lat_ns).median).collect();
-    anchors::Stat::from_samples(&per_run)
-}
-
-fn latency(
-    name: &str,
-    runs: Vec<Outcome>,
-    anchor_name: &str,
-    anchor: Option<anchors::Stat>,
-    cores: usize,
-) -> Figure {
-    let value = median_of(&runs);
-    let ratio = anchor.map(|a| value.median / a.median);
-    let mut all: Vec<f64> = runs.iter().flat_map(|o| o.lat_ns.iter().copied()).collect();
-    all.sort_by(f64::total_cmp);
-    let p99 = (!all.is_empty()).then(|| all[((all.len() - 1) as f64 * 0.99).round() as usize]);
-    let target = if anchor_name.starts_with("send") {
-        "<= 2x polling".to_string()
-    } else if cores > 2 {
-        "<= 3x anchor".to_string()
-    } else if anchor_name.ends_with("round trip") {
-        "<= 10 us per read on 2 cores".to_string()
-    } else {
-        "<= 5 us one way on 2 cores".to_string()
-    };
-    Figure {
-        name: name.into(),
-        unit: "ns",
-        value,
-        anchor_name: anchor_name.into(),
-        anchor,
-        ratio,
-        target,
-        cores,
-        p99,
-    }
-}
-
-fn bandwidth(name: &str, runs: Vec<Outcome>, memcpy: anchors::Stat, cores: usize) -> Figure {
-    let per_run: Vec<f64> = runs.iter().map(|o| o.bytes as f64 / o.seconds / 1e9).collect();
-    let value = anchors::Stat::from_samples(&per_run);
-    Figure {
-        name: name.into(),
-        unit: "GB/s",
-        ratio: Some(value.median / memcpy.median),
-        value,
-        anchor_name: "memcpy, 1 thread".into(),
-        anchor: Some(memcpy),
-        target: ">= 0.70x memcpy".into(),
-        cores,
-        p99: None,
-    }
-}
-
-/// Runs one test `runs` times between two worker processes.
-fn measure(
-    sock: &std::path::Path,
-    test: worker::Test,
-    size: usize,
-    iters: u64,
-    runs: usize,
-) -> Result<Vec<Outcome>> {
-    (0..runs).map(|_| measure_once(sock, test, size, iters)).collect()
-}
-
-/// A worker process, killed by pid if it is still running when dropped.
-struct WorkerProc {
-    child: Child,
-    lines: std::sync::mpsc::Receiver<String>,
-}
-
-impl WorkerProc {
-    fn spawn(
-        sock: &std::path::Path,
-        role: Role,
-        test: worker::Test,
-        size: usize,
-        iters: u64,
-    ) -> Result<WorkerProc> {
-        let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe)
-            .args(["bench", "--worker", role.as_str(), "--test", test.as_str()])
-            .args(["--size", &size.to_string(), "--iters", &iters.to_string()])
-            .env("VRDMA_SOCKET", sock)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting a benchmark worker")?;
-        let out = child.stdout.take().expect("piped");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
-        Ok(WorkerProc { child, lines: rx })
-    }
-
-    fn line(&self, limit: Duration) -> Result<String> {
-        self.lines
-            .recv_timeout(limit)
-            .map_err(|_| anyhow!("a benchmark worker said nothing within {limit:?}"))
-    }
-
-    fn tell(&mut self, line: &str) -> Result<()> {
-        let stdin = self.child.stdin.as_mut().ok_or_else(|| anyhow!("worker stdin closed"))?;
-        writeln!(stdin, "{line}")?;
-        stdin.flush()?;
-        Ok(())
-    }
-
-    fn finish(mut self, limit: Duration) -> Result<()> {
-        drop(self.child.stdin.take());
-        let end = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.child.try_wait()? {
-                if !s.success() {
-                    bail!("benchmark worker failed: {s}");
-                }
-                return Ok(());
-            }
-            if Instant::now() > end {
-                bail!("benchmark worker {} did not exit within {limit:?}", self.child.id());
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    }
-}
-
-impl Drop for WorkerProc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.child.try_wait() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
-}
-
-fn measure_once(sock: &std::path::Path, test: worker::Test, size: usize, iters: u64) -> Result<Outcome> {
-    let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters)?;
-    let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters)?;
-    let setup = Duration::from_secs(20);
-    let s_hello = server.line(setup)?;
-    let c_hello = client.line(setup)?;
-    server.tell(&c_hello)?;
-    client.tell(&s_hello)?;
-    // Generous: the slowest test on a loaded 2-core machine.
-    let result = client.line(Duration::from_secs(300))?;
-    let outcome: Outcome =
-        serde_json::from_str(&result).with_context(|| format!("worker printed {result:?}"))?;
-    client.finish(Duration::from_secs(10))?;
-    server.finish(Duration::from_secs(10))?;
-    Ok(outcome)
+    let header = format!("vrdma bench against {peer} ({cores} cores here)");
+    print!("{}", output::render(&rows, format, &header)?);
+    Ok(())
 }

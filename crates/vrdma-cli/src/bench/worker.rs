@@ -15,7 +15,7 @@ use vrdma::{
     RecvWr, SendFlags, SendOpcode, SendWr, SgeList, WcStatus, WorkCompletion,
 };
 
-use super::{Args, Outcome};
+use super::suite::Outcome;
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {
@@ -84,14 +84,14 @@ struct Side {
     size: usize,
 }
 
-pub fn run(role: Role, args: &Args) -> Result<()> {
-    let size = args.size.max(8);
+pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
+    let size = size.max(8);
     let ctx = Context::open().context("connecting to the daemon")?;
     let pd = ctx.alloc_pd()?;
     // Two halves: [0, size) receives, [size, 2*size) is the source.
     let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
     let mr = pd.alloc_mr(2 * size, access)?;
-    let channel = (args.test == Test::SendLatEvent).then(|| ctx.create_comp_channel()).transpose()?;
+    let channel = (test == Test::SendLatEvent).then(|| ctx.create_comp_channel()).transpose()?;
     let cq = ctx.create_cq(4 * DEPTH, channel.as_ref())?;
     let cap = QpCap {
         max_send_wr: 4 * DEPTH,
@@ -109,15 +109,15 @@ pub fn run(role: Role, args: &Args) -> Result<()> {
     let peer: Hello = serde_json::from_str(line.trim()).context("reading the peer's endpoint")?;
     qp.connect(&peer.endpoint, access)?;
     let mut side = Side { cq, channel, qp, mr, peer, size };
-    let outcome = match args.test {
-        Test::WriteLat => side.write_lat(role, args.iters)?,
-        Test::SendLat => side.send_lat(role, args.iters, false)?,
-        Test::SendLatEvent => side.send_lat(role, args.iters, true)?,
-        Test::WriteBw => side.stream_bw(role, args.iters, SendOpcode::RdmaWrite)?,
-        Test::ReadLat => side.read_lat(role, args.iters)?,
-        Test::ReadBw => side.stream_bw(role, args.iters, SendOpcode::RdmaRead)?,
-        Test::SendBw if role == Role::Server => side.send_bw_server(args.iters)?,
-        Test::SendBw => side.stream_bw(role, args.iters, SendOpcode::Send)?,
+    let outcome = match test {
+        Test::WriteLat => side.write_lat(role, iters)?,
+        Test::SendLat => side.send_lat(role, iters, false)?,
+        Test::SendLatEvent => side.send_lat(role, iters, true)?,
+        Test::WriteBw => side.stream_bw(role, iters, SendOpcode::RdmaWrite)?,
+        Test::ReadLat => side.read_lat(role, iters)?,
+        Test::ReadBw => side.stream_bw(role, iters, SendOpcode::RdmaRead)?,
+        Test::SendBw if role == Role::Server => side.send_bw_server(iters)?,
+        Test::SendBw => side.stream_bw(role, iters, SendOpcode::Send)?,
     };
     if role == Role::Client {
         println!("{}", serde_json::to_string(&outcome)?);

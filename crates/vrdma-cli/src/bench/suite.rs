@@ -1,0 +1,306 @@
+//! The default report (`vrdma bench` without test names): vRDMA's latency
+//! and bandwidth on this host, each figure beside the anchor it should be
+//! read against, measured in the same run.
+//!
+//! Absolute numbers drift between machines and runs; the ratio to a raw
+//! shared-memory ping-pong (for latency) and to memcpy (for bandwidth) is
+//! what transfers. Each vRDMA test runs between two worker processes, as
+//! real RDMA programs do, so the figures include the cross-process
+//! handoffs through the engine.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context as _, Result};
+use serde::{Deserialize, Serialize};
+
+use super::worker::{self, Role};
+use super::{anchors, report, verbs, Args};
+
+/// One figure: vRDMA's value, its anchor and their ratio.
+#[derive(Debug, Clone, Serialize)]
+pub struct Figure {
+    pub name: String,
+    pub unit: &'static str,
+    pub value: anchors::Stat,
+    pub anchor_name: String,
+    pub anchor: Option<anchors::Stat>,
+    /// value / anchor (latency: lower is better; bandwidth: higher is better).
+    pub ratio: Option<f64>,
+    pub target: String,
+    pub cores: usize,
+    /// Latency only: the 99th percentile over every sample of every run.
+    pub p99: Option<f64>,
+}
+
+/// What a worker reports.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Outcome {
+    /// Latency samples: one way (half a round trip) for the ping-pongs,
+    /// the whole operation for reads.
+    pub lat_ns: Vec<f64>,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub messages: u64,
+}
+
+pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
+    let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let device = crate::embedded::device(socket, super::engine_config(args))?;
+    let sock = device.socket().to_owned();
+    let (lat_iters, bw_bytes) = if args.quick { (5_000u64, 1u64 << 30) } else { (20_000, 4 << 30) };
+    let anchor_time = Duration::from_millis(if args.quick { 300 } else { 1000 });
+
+    let progress = |what: &str| {
+        if !args.json {
+            eprintln!("measuring {what} ...");
+        }
+    };
+    let mut figures = Vec::new();
+
+    progress("shared-memory ping-pong anchor");
+    let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
+    progress("8 B RDMA write latency (memory polling)");
+    let write_lat = measure(&sock, worker::Test::WriteLat, 8, lat_iters, runs)?;
+    figures.push(latency(
+        "RDMA write 8 B, one way (poll on memory)",
+        write_lat,
+        "2-process shm ping-pong",
+        pingpong,
+        cores,
+    ));
+    progress("8 B send latency (CQ polling)");
+    let send_lat = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
+    let send_stat = median_of(&send_lat);
+    figures.push(latency(
+        "send 8 B, one way (poll CQ)",
+        send_lat,
+        "2-process shm ping-pong",
+        pingpong,
+        cores,
+    ));
+    progress("8 B send latency (completion channel)");
+    let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
+    figures.push(latency(
+        "send 8 B, one way (completion channel)",
+        event_lat,
+        "send 8 B, poll CQ",
+        Some(send_stat),
+        cores,
+    ));
+    progress("8 B RDMA read latency (CQ polling)");
+    let read_lat = measure(&sock, worker::Test::ReadLat, 8, lat_iters, runs)?;
+    // A read is a round trip: read it against the ping-pong's round trip.
+    let round_trip =
+        pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
+    figures.push(latency(
+        "RDMA read 8 B, whole read (poll CQ)",
+        read_lat,
+        "2-process shm ping-pong, round trip",
+        round_trip,
+        cores,
+    ));
+    let mut own = verbs::Own {
+        write_lat_ns: Some(figures[0].value.median),
+        send_lat_ns: Some(send_stat.median),
+        read_lat_ns: Some(figures[3].value.median),
+        ..Default::default()
+    };
+    let bw_tests = [
+        (worker::Test::WriteBw, "RDMA write", 64usize << 10),
+        (worker::Test::ReadBw, "RDMA read", 64 << 10),
+        (worker::Test::SendBw, "send", 64 << 10),
+        (worker::Test::WriteBw, "RDMA write", 1 << 20),
+    ];
+    let mut memcpy = std::collections::HashMap::new();
+    for (test, what, size) in bw_tests {
+        progress(&format!("{} {what} bandwidth", human(size)));
+        let iters = (bw_bytes / size as u64).max(16);
+        let bw = measure(&sock, test, size, iters, runs)?;
+        let anchor =
+            *memcpy.entry(size).or_insert_with(|| anchors::memcpy_bandwidth(size, anchor_time, runs));
+        let f = bandwidth(&format!("{what} {} bandwidth", human(size)), bw, anchor, cores);
+        if size == 64 << 10 {
+            let v = Some(f.value.median);
+            match test {
+                worker::Test::WriteBw => own.write_bw_gbs = v,
+                worker::Test::ReadBw => own.read_bw_gbs = v,
+                _ => own.send_bw_gbs = v,
+            }
+        }
+        figures.push(f);
+    }
+    progress("the same tests through perftest and qperf on the drop-in libibverbs.so.1");
+    let tools = verbs::compare(&sock, &own, args.quick, !args.json);
+    drop(device);
+    report::print(&figures, &tools, args.json)
+}
+
+fn human(size: usize) -> String {
+    match size {
+        s if s >= 1 << 20 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+fn median_of(outcomes: &[Outcome]) -> anchors::Stat {
+    let per_run: Vec<f64> = outcomes.iter().map(|o| anchors::Stat::from_samples(&o.lat_ns).median).collect();
+    anchors::Stat::from_samples(&per_run)
+}
+
+fn latency(
+    name: &str,
+    runs: Vec<Outcome>,
+    anchor_name: &str,
+    anchor: Option<anchors::Stat>,
+    cores: usize,
+) -> Figure {
+    let value = median_of(&runs);
+    let ratio = anchor.map(|a| value.median / a.median);
+    let mut all: Vec<f64> = runs.iter().flat_map(|o| o.lat_ns.iter().copied()).collect();
+    all.sort_by(f64::total_cmp);
+    let p99 = (!all.is_empty()).then(|| all[((all.len() - 1) as f64 * 0.99).round() as usize]);
+    let target = if anchor_name.starts_with("send") {
+        "<= 2x polling".to_string()
+    } else if cores > 2 {
+        "<= 3x anchor".to_string()
+    } else if anchor_name.ends_with("round trip") {
+        "<= 10 us per read on 2 cores".to_string()
+    } else {
+        "<= 5 us one way on 2 cores".to_string()
+    };
+    Figure {
+        name: name.into(),
+        unit: "ns",
+        value,
+        anchor_name: anchor_name.into(),
+        anchor,
+        ratio,
+        target,
+        cores,
+        p99,
+    }
+}
+
+fn bandwidth(name: &str, runs: Vec<Outcome>, memcpy: anchors::Stat, cores: usize) -> Figure {
+    let per_run: Vec<f64> = runs.iter().map(|o| o.bytes as f64 / o.seconds / 1e9).collect();
+    let value = anchors::Stat::from_samples(&per_run);
+    Figure {
+        name: name.into(),
+        unit: "GB/s",
+        ratio: Some(value.median / memcpy.median),
+        value,
+        anchor_name: "memcpy, 1 thread".into(),
+        anchor: Some(memcpy),
+        target: ">= 0.70x memcpy".into(),
+        cores,
+        p99: None,
+    }
+}
+
+/// Runs one test `runs` times between two worker processes.
+fn measure(
+    sock: &std::path::Path,
+    test: worker::Test,
+    size: usize,
+    iters: u64,
+    runs: usize,
+) -> Result<Vec<Outcome>> {
+    (0..runs).map(|_| measure_once(sock, test, size, iters)).collect()
+}
+
+/// A worker process, killed by pid if it is still running when dropped.
+struct WorkerProc {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl WorkerProc {
+    fn spawn(
+        sock: &std::path::Path,
+        role: Role,
+        test: worker::Test,
+        size: usize,
+        iters: u64,
+    ) -> Result<WorkerProc> {
+        let exe = std::env::current_exe()?;
+        let mut child = Command::new(exe)
+            .args(["bench", "--worker", role.as_str(), "--worker-test", test.as_str()])
+            .args(["--worker-size", &size.to_string(), "--worker-iters", &iters.to_string()])
+            .env("VRDMA_SOCKET", sock)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .context("starting a benchmark worker")?;
+        let out = child.stdout.take().expect("piped");
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Ok(WorkerProc { child, lines: rx })
+    }
+
+    fn line(&self, limit: Duration) -> Result<String> {
+        self.lines
+            .recv_timeout(limit)
+            .map_err(|_| anyhow!("a benchmark worker said nothing within {limit:?}"))
+    }
+
+    fn tell(&mut self, line: &str) -> Result<()> {
+        let stdin = self.child.stdin.as_mut().ok_or_else(|| anyhow!("worker stdin closed"))?;
+        writeln!(stdin, "{line}")?;
+        stdin.flush()?;
+        Ok(())
+    }
+
+    fn finish(mut self, limit: Duration) -> Result<()> {
+        drop(self.child.stdin.take());
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.child.try_wait()? {
+                if !s.success() {
+                    bail!("benchmark worker failed: {s}");
+                }
+                return Ok(());
+            }
+            if Instant::now() > end {
+                bail!("benchmark worker {} did not exit within {limit:?}", self.child.id());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+}
+
+impl Drop for WorkerProc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+fn measure_once(sock: &std::path::Path, test: worker::Test, size: usize, iters: u64) -> Result<Outcome> {
+    let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters)?;
+    let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters)?;
+    let setup = Duration::from_secs(20);
+    let s_hello = server.line(setup)?;
+    let c_hello = client.line(setup)?;
+    server.tell(&c_hello)?;
+    client.tell(&s_hello)?;
+    // Generous: the slowest test on a loaded 2-core machine.
+    let result = client.line(Duration::from_secs(300))?;
+    let outcome: Outcome =
+        serde_json::from_str(&result).with_context(|| format!("worker printed {result:?}"))?;
+    client.finish(Duration::from_secs(10))?;
+    server.finish(Duration::from_secs(10))?;
+    Ok(outcome)
+}
