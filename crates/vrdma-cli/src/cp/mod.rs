@@ -76,7 +76,7 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     if !args.segment.is_power_of_two() || !(4096..=16 << 20).contains(&args.segment) {
         bail!("--segment must be a power of two from 4K to 16M, not {}", args.segment);
     }
-    if args.window < args.segment || args.window % args.segment != 0 || args.window > 1 << 30 {
+    if args.window < args.segment || !args.window.is_multiple_of(args.segment) || args.window > 1 << 30 {
         bail!("--window must be a multiple of --segment ({}) up to 1G, not {}", args.segment, args.window);
     }
     let slots = (args.window / args.segment) as u32;

@@ -25,7 +25,7 @@ pub fn run(socket: &Path, out: &Path, listen: SocketAddr, show: bool) -> Result<
     if offer.version != VERSION {
         bail!("the sender speaks version {}, this receiver {VERSION}", offer.version);
     }
-    let window = offer.segment.checked_mul(u64::from(offer.slots)).unwrap_or(u64::MAX);
+    let window = offer.segment.saturating_mul(u64::from(offer.slots));
     if offer.slots == 0 || offer.segment == 0 || offer.segment > 16 << 20 || window > MAX_WINDOW {
         bail!("the sender asks for an unreasonable window: {} slots of {} bytes", offer.slots, offer.segment);
     }
