@@ -27,6 +27,8 @@ enum Command {
     Stat(cmd::stat::Args),
     /// Measure vRDMA beside shared-memory and memcpy anchors.
     Bench(bench::Args),
+    /// Measure vRDMA between two hosts (network namespaces on a veth pair) beside iperf3 and TCP ping-pong.
+    BenchHosts(cmd::hostbench::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
     Run(cmd::run::Args),
 }
@@ -45,6 +47,7 @@ fn main() -> Result<()> {
         Command::Devinfo(a) => cmd::devinfo::run(cli.socket, a),
         Command::Stat(a) => cmd::stat::run(cli.socket, a),
         Command::Bench(a) => bench::run(cli.socket, a),
+        Command::BenchHosts(a) => cmd::hostbench::run(a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }
 }
