@@ -43,6 +43,10 @@ pub struct Args {
     /// Also print each run's values (and the daemons' logs at info level).
     #[arg(long, short)]
     verbose: bool,
+    /// A setting of both daemons' [engine] table, as in their TOML config
+    /// (e.g. `--engine yield_us=0`, `--engine busy_poll=true`); repeatable.
+    #[arg(long, value_name = "KEY=VALUE")]
+    engine: Vec<String>,
 }
 
 /// What a figure is compared with, and how.
@@ -116,6 +120,8 @@ struct Report {
     lat_secs: u32,
     lat_iters: u32,
     seconds: f64,
+    /// The daemons' engine settings given with --engine, if any.
+    engine: String,
     figures: Vec<Figure>,
 }
 
@@ -153,6 +159,7 @@ pub fn run(args: Args) -> Result<()> {
         std::process::exit(130);
     }
     let samples = result?;
+    let engine = args.engine.join(", ");
     let figures: Vec<Figure> = SPECS
         .iter()
         .zip(samples)
@@ -185,6 +192,7 @@ pub fn run(args: Args) -> Result<()> {
         lat_secs: plan.lat_secs,
         lat_iters: plan.lat_iters,
         seconds: start.elapsed().as_secs_f64(),
+        engine,
         figures,
     };
     if args.json {
@@ -203,7 +211,7 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
         }
     };
     say("setting up two namespaces joined by a veth pair, a vRDMA daemon in each ...");
-    let mut h = Hosts::create(lib, args.verbose)?;
+    let mut h = Hosts::create(lib, &args.engine, args.verbose)?;
     say(&format!(
         "hosts {} ({}) and {} ({}) linked; {} run(s)",
         h.hosts[0].ns, h.hosts[0].addr, h.hosts[1].ns, h.hosts[1].addr, runs
@@ -290,6 +298,9 @@ fn render(r: &Report, verbose: bool) -> String {
          {} run(s), median shown; bandwidth {} s per figure, tcp_lat {} s, ib_write_lat {} iterations; {:.0} s in all\n\n",
         r.runs, r.bw_secs, r.lat_secs, r.lat_iters, r.seconds
     );
+    if !r.engine.is_empty() {
+        out.insert_str(out.len() - 1, &format!("daemons' engine: {}\n", r.engine));
+    }
     for row in &rows {
         let cells: Vec<String> =
             row.iter().zip(width).map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count()))).collect();

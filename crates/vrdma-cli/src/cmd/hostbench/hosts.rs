@@ -306,7 +306,7 @@ pub struct Hosts {
 impl Hosts {
     /// Creates the namespaces, the veth pair and the daemons, and waits
     /// until the daemons are linked.
-    pub fn create(lib: LibDir, verbose: bool) -> Result<Hosts> {
+    pub fn create(lib: LibDir, engine: &[String], verbose: bool) -> Result<Hosts> {
         let pid = std::process::id();
         let dir = std::env::temp_dir().join(format!("vrdma-hostbench-{pid}"));
         if dir.exists() {
@@ -328,7 +328,7 @@ impl Hosts {
             namespaces: Vec::new(),
         };
         h.network()?;
-        h.start_daemons(verbose)?;
+        h.start_daemons(engine, verbose)?;
         Ok(h)
     }
 
@@ -357,9 +357,14 @@ impl Hosts {
         Ok(())
     }
 
-    fn start_daemons(&mut self, verbose: bool) -> Result<()> {
+    fn start_daemons(&mut self, engine: &[String], verbose: bool) -> Result<()> {
         let exe = std::env::current_exe().context("where is the vrdma executable")?;
         let exe = exe.to_str().context("the vrdma executable's path is not UTF-8")?.to_string();
+        let mut engine_table = String::from("\n[engine]\n");
+        for kv in engine {
+            let Some((k, v)) = kv.split_once('=') else { bail!("--engine {kv:?}: want KEY=VALUE") };
+            engine_table.push_str(&format!("{} = {}\n", k.trim(), v.trim()));
+        }
         let psk = format!("vrdma bench-hosts key {} {:x}", std::process::id(), random());
         for i in 0..2 {
             let (me, peer) = (&self.hosts[i], &self.hosts[1 - i]);
@@ -369,6 +374,9 @@ impl Hosts {
                 addr = me.addr,
                 peer = peer.addr,
             );
+            let config = config + &engine_table;
+            // The daemon would say the same, but only in its log.
+            vrdmad::DaemonConfig::from_toml(&config).context("the daemons' configuration (--engine?)")?;
             let path = self.dir.join(format!("host{}.toml", i + 1));
             std::fs::write(&path, config).with_context(|| format!("write {}", path.display()))?;
             let socket = me.socket.to_str().context("socket path is not UTF-8")?.to_string();
