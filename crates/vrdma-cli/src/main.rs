@@ -30,6 +30,8 @@ enum Command {
     Bench(bench::Args),
     /// Copy a file to another tenant or host over vRDMA (RDMA writes with immediate, credit flow control).
     Cp(cp::Args),
+    /// Measure vRDMA between two hosts (network namespaces on a veth pair) beside iperf3 and TCP ping-pong.
+    BenchHosts(cmd::hostbench::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
     Run(cmd::run::Args),
 }
@@ -48,6 +50,7 @@ fn main() -> Result<()> {
         Command::Devinfo(a) => cmd::devinfo::run(cli.socket, a),
         Command::Stat(a) => cmd::stat::run(cli.socket, a),
         Command::Cp(a) => cp::run(cli.socket, a),
+        Command::BenchHosts(a) => cmd::hostbench::run(a),
         Command::Bench(a) => {
             if let Err(msg) = a.validate() {
                 let mut cmd = Cli::command();

@@ -2,5 +2,6 @@
 
 pub mod daemon;
 pub mod devinfo;
+pub mod hostbench;
 pub mod run;
 pub mod stat;

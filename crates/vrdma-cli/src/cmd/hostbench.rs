@@ -1,0 +1,334 @@
+//! `vrdma bench-hosts`: vRDMA between two hosts beside TCP on the same
+//! link, in one run.
+//!
+//! The two hosts are two network namespaces joined by a veth pair, one
+//! vRDMA daemon in each, linked over the daemons' TCP transport (see
+//! [`hosts`]). perftest runs through the drop-in library with its server
+//! on host 1 and its client on host 2; the anchors run on the same pair:
+//!
+//! | figure | vRDMA | anchor | target |
+//! |---|---|---|---|
+//! | RDMA write 1 MiB, 1 QP | `ib_write_bw -s 1048576 -q 1` | `iperf3 -P 1` | ≥ 0.90× |
+//! | RDMA write 1 MiB, 4 QPs | `ib_write_bw -s 1048576 -q 4` | `iperf3 -P 4` | ≥ 0.90× |
+//! | RDMA write 8 B, one way | `ib_write_lat -s 8`, typical | `qperf tcp_lat -m 8` | ≤ 1.3× |
+//!
+//! Both latencies are one way (half a round trip), as the tools report
+//! them. Each run measures every figure and its anchor in turn; the table
+//! shows the medians over the runs and the ratio of the medians. Needs
+//! root (namespaces) and the tools `ip`, `iperf3`, `qperf`, perftest.
+
+mod hosts;
+mod tools;
+
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+use crate::cmd::run::{find_companions, find_library, LibDir};
+use hosts::Hosts;
+use tools::Plan;
+
+#[derive(clap::Args)]
+pub struct Args {
+    /// Runs; the table shows the median of each figure.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// One short run (for CI: under a minute in all).
+    #[arg(long)]
+    quick: bool,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Also print each run's values (and the daemons' logs at info level).
+    #[arg(long, short)]
+    verbose: bool,
+    /// A setting of both daemons' [engine] table, as in their TOML config
+    /// (e.g. `--engine yield_us=0`, `--engine busy_poll=true`); repeatable.
+    #[arg(long, value_name = "KEY=VALUE")]
+    engine: Vec<String>,
+}
+
+/// What a figure is compared with, and how.
+#[derive(Clone, Copy, PartialEq)]
+enum Goal {
+    /// vRDMA / anchor at least this (bandwidth).
+    AtLeast(f64),
+    /// vRDMA / anchor at most this (latency).
+    AtMost(f64),
+}
+
+struct Spec {
+    key: &'static str,
+    figure: &'static str,
+    anchor: &'static str,
+    unit: &'static str,
+    goal: Goal,
+}
+
+const SPECS: [Spec; 3] = [
+    Spec {
+        key: "write_bw_1qp",
+        figure: "RDMA write 1 MiB, 1 QP (ib_write_bw)",
+        anchor: "iperf3, 1 stream",
+        unit: "Gbit/s",
+        goal: Goal::AtLeast(0.90),
+    },
+    Spec {
+        key: "write_bw_4qp",
+        figure: "RDMA write 1 MiB, 4 QPs (ib_write_bw -q 4)",
+        anchor: "iperf3, 4 streams",
+        unit: "Gbit/s",
+        goal: Goal::AtLeast(0.90),
+    },
+    Spec {
+        key: "write_lat_8b",
+        figure: "RDMA write 8 B, one way (ib_write_lat, typical)",
+        anchor: "TCP ping-pong 8 B, one way (qperf tcp_lat)",
+        unit: "us",
+        goal: Goal::AtMost(1.3),
+    },
+];
+
+#[derive(Serialize, Clone, Copy)]
+struct Pair {
+    vrdma: f64,
+    anchor: f64,
+}
+
+#[derive(Serialize)]
+struct Figure {
+    key: &'static str,
+    figure: &'static str,
+    anchor_name: &'static str,
+    unit: &'static str,
+    /// Medians over the runs.
+    vrdma: f64,
+    anchor: f64,
+    /// vrdma / anchor.
+    ratio: f64,
+    target: String,
+    met: bool,
+    runs: Vec<Pair>,
+}
+
+#[derive(Serialize)]
+struct Report {
+    runs: usize,
+    quick: bool,
+    bw_secs: u32,
+    lat_secs: u32,
+    lat_iters: u32,
+    seconds: f64,
+    /// The daemons' engine settings given with --engine, if any.
+    engine: String,
+    figures: Vec<Figure>,
+}
+
+pub fn run(args: Args) -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!(
+            "vrdma bench-hosts needs root: it creates network namespaces and a veth pair (run it with sudo)"
+        );
+    }
+    let missing = tools::missing_tools();
+    if !missing.is_empty() {
+        bail!("vrdma bench-hosts needs tools that are missing: {}", missing.join(", "));
+    }
+    let lib = find_library()?;
+    let Some(companions) = find_companions()? else {
+        bail!(
+            "libvrdma_companions.so not found next to the vrdma executable; perftest needs it \
+             (cargo build --release -p vrdma-companions, or name it with VRDMA_COMPANIONS_LIB)"
+        );
+    };
+    let (runs, plan) = if args.quick {
+        (1, Plan { bw_secs: 2, lat_secs: 2, lat_iters: 2000 })
+    } else {
+        if args.runs == 0 {
+            bail!("--runs must be at least 1");
+        }
+        (args.runs, Plan { bw_secs: 5, lat_secs: 5, lat_iters: 20000 })
+    };
+    hosts::catch_interrupts();
+    let start = Instant::now();
+    let result = measure(LibDir::create(&lib, Some(&companions))?, runs, plan, &args);
+    if hosts::interrupted() {
+        eprintln!("vrdma bench-hosts: interrupted; namespaces and processes removed");
+        std::process::exit(130);
+    }
+    let samples = result?;
+    let engine = args.engine.join(", ");
+    let figures: Vec<Figure> = SPECS
+        .iter()
+        .zip(samples)
+        .map(|(s, runs)| {
+            let vrdma = median(runs.iter().map(|p| p.vrdma).collect());
+            let anchor = median(runs.iter().map(|p| p.anchor).collect());
+            let ratio = vrdma / anchor;
+            let (met, target) = match s.goal {
+                Goal::AtLeast(t) => (ratio >= t, format!(">= {t:.2}x")),
+                Goal::AtMost(t) => (ratio <= t, format!("<= {t:.2}x")),
+            };
+            Figure {
+                key: s.key,
+                figure: s.figure,
+                anchor_name: s.anchor,
+                unit: s.unit,
+                vrdma,
+                anchor,
+                ratio,
+                target,
+                met,
+                runs,
+            }
+        })
+        .collect();
+    let report = Report {
+        runs,
+        quick: args.quick,
+        bw_secs: plan.bw_secs,
+        lat_secs: plan.lat_secs,
+        lat_iters: plan.lat_iters,
+        seconds: start.elapsed().as_secs_f64(),
+        engine,
+        figures,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report, args.verbose));
+    }
+    Ok(())
+}
+
+/// Sets up the hosts and takes `runs` runs; per figure, one pair per run.
+fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<Pair>>> {
+    let say = |s: &str| {
+        if !args.json || args.verbose {
+            eprintln!("{s}");
+        }
+    };
+    say("setting up two namespaces joined by a veth pair, a vRDMA daemon in each ...");
+    let mut h = Hosts::create(lib, &args.engine, args.verbose)?;
+    say(&format!(
+        "hosts {} ({}) and {} ({}) linked; {} run(s)",
+        h.hosts[0].ns, h.hosts[0].addr, h.hosts[1].ns, h.hosts[1].addr, runs
+    ));
+    let mut out = vec![Vec::new(); SPECS.len()];
+    for r in 0..runs {
+        let bw1 = Pair {
+            anchor: tools::iperf3(&mut h, 1, plan.bw_secs)?,
+            vrdma: tools::write_bw(&mut h, 1, plan.bw_secs)?,
+        };
+        let bw4 = Pair {
+            anchor: tools::iperf3(&mut h, 4, plan.bw_secs)?,
+            vrdma: tools::write_bw(&mut h, 4, plan.bw_secs)?,
+        };
+        let lat = Pair {
+            anchor: tools::tcp_lat(&mut h, plan.lat_secs)?,
+            vrdma: tools::write_lat(&mut h, plan.lat_iters)?,
+        };
+        say(&format!(
+            "run {}: write 1 QP {:.2} Gbit/s (iperf3 {:.2}), 4 QPs {:.2} (iperf3 {:.2}), 8 B {:.2} us (tcp_lat {:.2})",
+            r + 1,
+            bw1.vrdma,
+            bw1.anchor,
+            bw4.vrdma,
+            bw4.anchor,
+            lat.vrdma,
+            lat.anchor
+        ));
+        for (v, p) in out.iter_mut().zip([bw1, bw4, lat]) {
+            v.push(p);
+        }
+    }
+    Ok(out)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        f64::NAN
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+fn value(x: f64, unit: &str) -> String {
+    match unit {
+        "us" => format!("{x:.2} µs"),
+        u => format!("{x:.2} {u}"),
+    }
+}
+
+fn render(r: &Report, verbose: bool) -> String {
+    let mut rows = vec![[
+        "figure".to_string(),
+        "vRDMA".to_string(),
+        "anchor".to_string(),
+        "".to_string(),
+        "ratio".to_string(),
+        "target".to_string(),
+        "".to_string(),
+    ]];
+    for f in &r.figures {
+        rows.push([
+            f.figure.to_string(),
+            value(f.vrdma, f.unit),
+            f.anchor_name.to_string(),
+            value(f.anchor, f.unit),
+            format!("{:.2}x", f.ratio),
+            f.target.clone(),
+            if f.met { "met" } else { "NOT met" }.to_string(),
+        ]);
+    }
+    let mut width = [0usize; 7];
+    for row in &rows {
+        for (w, c) in width.iter_mut().zip(row) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = format!(
+        "vRDMA between two hosts (network namespaces, one veth pair, a daemon each) beside TCP on the same pair\n\
+         {} run(s), median shown; bandwidth {} s per figure, tcp_lat {} s, ib_write_lat {} iterations; {:.0} s in all\n\n",
+        r.runs, r.bw_secs, r.lat_secs, r.lat_iters, r.seconds
+    );
+    if !r.engine.is_empty() {
+        out.insert_str(out.len() - 1, &format!("daemons' engine: {}\n", r.engine));
+    }
+    for row in &rows {
+        let cells: Vec<String> =
+            row.iter().zip(width).map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count()))).collect();
+        out.push_str(cells.join("  ").trim_end());
+        out.push('\n');
+    }
+    if verbose {
+        out.push_str("\nper run (vRDMA / anchor):\n");
+        for f in &r.figures {
+            let each: Vec<String> = f
+                .runs
+                .iter()
+                .map(|p| format!("{} / {}", value(p.vrdma, f.unit), value(p.anchor, f.unit)))
+                .collect();
+            out.push_str(&format!("  {}: {}\n", f.key, each.join(", ")));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn median_of_odd_and_even() {
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(vec![]).is_nan());
+    }
+}

@@ -1,0 +1,246 @@
+//! The measurements of `vrdma bench-hosts`, each a server in host 1's
+//! namespace and a client in host 2's, and the parsers of their output.
+//!
+//! vRDMA: perftest's `ib_write_bw` and `ib_write_lat` through the drop-in
+//! library, each side on its own host's daemon. Anchors: `iperf3` (TCP
+//! bandwidth) and `qperf tcp_lat` (TCP ping-pong) on the same veth pair.
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{bail, Context as _, Result};
+
+use super::hosts::Hosts;
+
+/// A program the benchmark needs, and the Debian package that has it.
+pub struct Tool {
+    pub program: &'static str,
+    pub package: &'static str,
+}
+
+pub const TOOLS: [Tool; 5] = [
+    Tool { program: "ip", package: "iproute2" },
+    Tool { program: "iperf3", package: "iperf3" },
+    Tool { program: "qperf", package: "qperf" },
+    Tool { program: "ib_write_bw", package: "perftest" },
+    Tool { program: "ib_write_lat", package: "perftest" },
+];
+
+/// The tools missing from `PATH`, as "program (apt-get install package)".
+pub fn missing_tools() -> Vec<String> {
+    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into());
+    TOOLS
+        .iter()
+        .filter(|t| !std::env::split_paths(&path).any(|d| is_executable(&d.join(t.program))))
+        .map(|t| format!("{} (apt-get install {})", t.program, t.package))
+        .collect()
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// Durations and sizes of one run.
+#[derive(Clone, Copy)]
+pub struct Plan {
+    /// Seconds of each bandwidth measurement (iperf3 -t, perftest -D).
+    pub bw_secs: u32,
+    /// Seconds of qperf's tcp_lat.
+    pub lat_secs: u32,
+    /// Iterations of ib_write_lat.
+    pub lat_iters: u32,
+}
+
+/// TCP ports inside the namespaces (private to them, so fixed ones do).
+const IPERF_PORT: u16 = 5201;
+const QPERF_PORT: u16 = 19765;
+/// perftest's port; a new one per measurement, so that no socket of the
+/// previous one in TIME_WAIT is in the way.
+static PERFTEST_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(18515);
+
+fn next_perftest_port() -> u16 {
+    PERFTEST_PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// How long past its nominal duration a client may take before it is
+/// counted as hung.
+const SLACK: Duration = Duration::from_secs(60);
+/// How long a server that exits by itself after one client may take.
+const GRACE: Duration = Duration::from_secs(5);
+
+/// Runs the client in host 2 to completion (bounded), then gives the
+/// server `grace` to finish on its own before stopping it; returns the
+/// client's stdout.
+fn client(
+    h: &mut Hosts,
+    program: &str,
+    args: &[&str],
+    shim: bool,
+    secs: u32,
+    grace: Duration,
+) -> Result<String> {
+    let mut c = h.spawn(1, program, args, shim)?;
+    let r = c.wait(Duration::from_secs(secs.into()) + SLACK);
+    h.stop_servers(grace);
+    let status = r?;
+    if !status.success() {
+        h.check_daemons()?;
+        bail!("{} failed ({status}){}", c.name, c.tail());
+    }
+    Ok(c.output())
+}
+
+/// iperf3 with `streams` parallel streams: Gbit/s received.
+pub fn iperf3(h: &mut Hosts, streams: u32, secs: u32) -> Result<f64> {
+    let port = IPERF_PORT.to_string();
+    h.server("iperf3", &["-s", "-1", "-p", &port], false, IPERF_PORT)?;
+    let server = h.hosts[0].addr.to_string();
+    let (p, t) = (streams.to_string(), secs.to_string());
+    let out =
+        client(h, "iperf3", &["-c", &server, "-p", &port, "-P", &p, "-t", &t, "-J"], false, secs, GRACE)?;
+    parse_iperf3(&out).context("iperf3's JSON report")
+}
+
+/// qperf tcp_lat with 8-byte messages: one-way latency in µs.
+pub fn tcp_lat(h: &mut Hosts, secs: u32) -> Result<f64> {
+    let port = QPERF_PORT.to_string();
+    h.server("qperf", &["-lp", &port], false, QPERF_PORT)?;
+    let server = h.hosts[0].addr.to_string();
+    let t = secs.to_string();
+    let out = client(
+        h,
+        "qperf",
+        &[&server, "-lp", &port, "-t", &t, "-m", "8", "tcp_lat"],
+        false,
+        secs,
+        Duration::ZERO,
+    )?;
+    parse_qperf_latency(&out).with_context(|| format!("qperf's tcp_lat report:\n{out}"))
+}
+
+/// ib_write_bw with 1 MiB messages on `qps` QPs: Gbit/s.
+pub fn write_bw(h: &mut Hosts, qps: u32, secs: u32) -> Result<f64> {
+    let port = next_perftest_port();
+    let (p, q, d) = (port.to_string(), qps.to_string(), secs.to_string());
+    let args = ["-d", "vrdma0", "-p", &p, "-s", "1048576", "-q", &q, "-D", &d, "--report_gbits", "-F"];
+    h.server("ib_write_bw", &args, true, port)?;
+    let server = h.hosts[0].addr.to_string();
+    let mut cargs = args.to_vec();
+    cargs.push(&server);
+    let out = client(h, "ib_write_bw", &cargs, true, secs, GRACE)?;
+    parse_perftest_bw(&out).with_context(|| format!("ib_write_bw's report:\n{out}"))
+}
+
+/// ib_write_lat with 8-byte messages: perftest's typical (median)
+/// one-way latency in µs.
+pub fn write_lat(h: &mut Hosts, iters: u32) -> Result<f64> {
+    let port = next_perftest_port();
+    let (p, n) = (port.to_string(), iters.to_string());
+    let args = ["-d", "vrdma0", "-p", &p, "-s", "8", "-n", &n, "-F"];
+    h.server("ib_write_lat", &args, true, port)?;
+    let server = h.hosts[0].addr.to_string();
+    let mut cargs = args.to_vec();
+    cargs.push(&server);
+    let out = client(h, "ib_write_lat", &cargs, true, 10, GRACE)?;
+    parse_perftest_lat(&out).with_context(|| format!("ib_write_lat's report:\n{out}"))
+}
+
+/// `end.sum_received.bits_per_second`, in Gbit/s.
+pub fn parse_iperf3(json: &str) -> Result<f64> {
+    let v: serde_json::Value = serde_json::from_str(json).context("not JSON")?;
+    if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
+        bail!("iperf3: {e}");
+    }
+    let bps = v
+        .pointer("/end/sum_received/bits_per_second")
+        .and_then(|b| b.as_f64())
+        .context("no end.sum_received.bits_per_second")?;
+    Ok(bps / 1e9)
+}
+
+/// qperf's `latency = X unit`, in µs.
+pub fn parse_qperf_latency(out: &str) -> Result<f64> {
+    for line in out.lines() {
+        let mut words = line.split_whitespace();
+        if words.next() == Some("latency") && words.next() == Some("=") {
+            let value: f64 = words.next().context("no value")?.parse().context("not a number")?;
+            let scale = match words.next() {
+                Some("ns") => 1e-3,
+                Some("us") => 1.0,
+                Some("ms") => 1e3,
+                Some("sec") | Some("s") => 1e6,
+                u => bail!("unknown unit {u:?}"),
+            };
+            return Ok(value * scale);
+        }
+    }
+    bail!("no \"latency =\" line")
+}
+
+/// The numeric row under perftest's `#bytes` header, and the header.
+fn perftest_row(out: &str) -> Result<(&str, Vec<f64>)> {
+    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
+    let header = lines.next().context("no #bytes header")?;
+    for l in lines {
+        let cols: Option<Vec<f64>> = l.split_whitespace().map(|c| c.parse().ok()).collect();
+        match cols {
+            Some(c) if c.len() >= 3 => return Ok((header, c)),
+            _ => continue,
+        }
+    }
+    bail!("no result row under the #bytes header")
+}
+
+/// ib_write_bw's "BW average" column (the fourth: bytes, iterations, peak,
+/// average, message rate), in Gbit/s as `--report_gbits` prints it.
+pub fn parse_perftest_bw(out: &str) -> Result<f64> {
+    let (header, row) = perftest_row(out)?;
+    if !header.contains("BW average[Gb/sec]") {
+        bail!("unexpected header (want BW average[Gb/sec]): {header}");
+    }
+    row.get(3).copied().context("short result row")
+}
+
+/// ib_write_lat's `t_typical` column (its median), in µs.
+pub fn parse_perftest_lat(out: &str) -> Result<f64> {
+    let (header, row) = perftest_row(out)?;
+    let names: Vec<&str> = header.split_whitespace().collect();
+    let i = names.iter().position(|n| n.starts_with("t_typical")).context("no t_typical column")?;
+    row.get(i).copied().context("short result row")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_iperf3_json() {
+        let j = r#"{"start":{},"end":{"sum_sent":{"bits_per_second":2.1e10},
+                   "sum_received":{"bits_per_second":2.0e10}}}"#;
+        assert_eq!(parse_iperf3(j).unwrap(), 20.0);
+        assert!(parse_iperf3(r#"{"error":"unable to connect"}"#).is_err());
+    }
+
+    #[test]
+    fn parses_qperf_latency() {
+        let out = "tcp_lat:\n    latency  =  15.3 us\n";
+        assert_eq!(parse_qperf_latency(out).unwrap(), 15.3);
+        let out = "tcp_lat:\n    latency  =  980 ns\n";
+        assert!((parse_qperf_latency(out).unwrap() - 0.98).abs() < 1e-9);
+        assert!(parse_qperf_latency("tcp_lat:\n").is_err());
+    }
+
+    #[test]
+    fn parses_perftest_rows() {
+        let bw = "---\n #bytes     #iterations    BW peak[Gb/sec]    BW average[Gb/sec]   MsgRate[Mpps]\n \
+                  1048576    12345            0.00               9.87                 0.001176\n---\n";
+        assert_eq!(parse_perftest_bw(bw).unwrap(), 9.87);
+        let lat = " #bytes #iterations    t_min[usec]    t_max[usec]  t_typical[usec]    t_avg[usec]    \
+                   t_stdev[usec]   99% percentile[usec]   99.9% percentile[usec] \n\
+                   8       1000          20.10          85.00        25.50              26.00       \
+                   3.00            40.00                    80.00\n";
+        assert_eq!(parse_perftest_lat(lat).unwrap(), 25.5);
+        assert!(parse_perftest_bw(lat).is_err());
+    }
+}
