@@ -52,6 +52,9 @@ pub struct EngineConfig {
     /// latency comes with the engine alone on its CPU and the applications
     /// on the others.
     pub cpu: Option<usize>,
+    /// Across hosts: how long a responder may hold an ACK to send it with
+    /// the QP's next request or merge it with later ACKs (µs; 0: at once).
+    pub ack_delay_us: u64,
 }
 
 impl Default for EngineConfig {
@@ -70,6 +73,7 @@ impl Default for EngineConfig {
             realtime: false,
             chunk_bytes: 256 << 10,
             cpu: None,
+            ack_delay_us: 0,
         }
     }
 }
@@ -205,6 +209,9 @@ impl DaemonConfig {
         self.net.validate()?;
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
+        }
+        if self.engine.ack_delay_us > 1000 {
+            return Err(ConfigError::Invalid("engine.ack_delay_us must be at most 1000".into()));
         }
         if self.engine.spin_us > 1_000_000 || self.engine.yield_us > 1_000_000 {
             return Err(ConfigError::Invalid(

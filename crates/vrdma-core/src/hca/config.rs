@@ -40,6 +40,10 @@ pub struct HcaConfig {
     pub gids: Vec<Gid>,
     /// Most bytes one QP moves before the engine turns to the next QP.
     pub chunk_bytes: u64,
+    /// How long a responder across hosts may hold an ACK, hoping to send
+    /// it with a request of the same QP or to merge it with later ACKs.
+    /// Zero: at once.
+    pub ack_delay: std::time::Duration,
     pub default_quota: Quota,
 }
 
@@ -113,6 +117,7 @@ impl HcaConfig {
             },
             gids: vec![gid],
             chunk_bytes: 64 << 10,
+            ack_delay: std::time::Duration::ZERO,
             default_quota: Quota::default(),
         }
     }

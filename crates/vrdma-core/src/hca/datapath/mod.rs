@@ -165,6 +165,9 @@ impl Hca {
         let mut i = 0;
         while let Some(&qpn) = self.qp_order.get(i) {
             i += 1;
+            if let Some(t) = self.ack_timer(qpn) {
+                act.timer(t);
+            }
             match self.qps.get(&qpn).map(|q| q.state()) {
                 Some(QpState::Err) => self.flush(qpn, io, &mut act),
                 // The send queue of a QP in SQE is flushed; its receive

@@ -358,6 +358,11 @@ impl Hca {
         Ok(StatReport { links: self.links(), qps })
     }
 
+    /// When a held ACK of `qpn` is due.
+    pub(crate) fn ack_timer(&self, qpn: u32) -> Option<Instant> {
+        self.qps.get(&qpn)?.remote.as_ref()?.recv.as_ref()?.ack_due()
+    }
+
     /// The path of a QP's traffic.
     pub fn qp_path(&self, qpn: u32) -> Option<Path> {
         let qp = self.qps.get(&qpn)?;
@@ -400,9 +405,9 @@ impl Hca {
                     l.qps.retain(|&q| q != qpn);
                     continue;
                 }
-                Some(true) => {
-                    self.responder_transmit(qpn, link).or_else(|| self.requester_transmit(qpn, link, now, io))
-                }
+                Some(true) => self
+                    .responder_transmit(qpn, link, now)
+                    .or_else(|| self.requester_transmit(qpn, link, now, io)),
             };
             if let Some(t) = t {
                 let l = self.net.links.get_mut(&link)?;
@@ -442,7 +447,7 @@ impl Hca {
         let Some(l) = self.net.links.get_mut(&link) else { return };
         match std::mem::replace(&mut l.after, AfterPayload::Nothing) {
             AfterPayload::Nothing => {}
-            AfterPayload::Request { qpn } => self.responder_placed(qpn, io),
+            AfterPayload::Request { qpn } => self.responder_placed(qpn, now, io),
             AfterPayload::ReadResponse { qpn, len, last } => {
                 self.read_response_placed(qpn, len, last, now, io)
             }

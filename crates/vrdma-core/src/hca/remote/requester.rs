@@ -272,6 +272,14 @@ impl Hca {
             return None;
         }
         let t = self.build_request(qpn, link)?;
+        // An ACK this QP holds goes out right behind its request.
+        if let Some(rs) =
+            self.qps.get_mut(&qpn).and_then(|q| q.remote.as_deref_mut()).and_then(|r| r.recv.as_mut())
+        {
+            if rs.link == Some(link) {
+                rs.ack_flush = true;
+            }
+        }
         let s = self.send_state(qpn)?;
         if s.ack_deadline.is_none() {
             let timeout = self.qps[&qpn].attr.timeout;

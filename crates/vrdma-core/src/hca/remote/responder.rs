@@ -7,6 +7,7 @@ use std::collections::VecDeque;
 use super::{windows, AfterPayload, IoSeg, LinkId, RemoteQp, Sink, Transmit};
 use crate::hca::{AsyncEvent, Hca, Queues};
 use crate::ring::{Cqe, RecvWr};
+use crate::time::Instant;
 use crate::verbs::{AccessFlags, AhAttr, AsyncEventType, QpType, WcFlags, WcOpcode, WcStatus};
 use crate::wire::{psn_add, psn_diff, Aeth, DataRepr, NakCode, Opcode, Syndrome, MAX_24};
 
@@ -55,6 +56,11 @@ pub(crate) struct RemoteRecv {
     pub nak_sent: bool,
     pub cur: Option<InMsg>,
     pub responses: VecDeque<Response>,
+    /// A lone ACK at the front waits until then (see `push_ack`)...
+    ack_hold: Instant,
+    /// ...unless a request of this QP just went out on the link: then it
+    /// follows at once, in the same write.
+    pub ack_flush: bool,
     /// The message a frame being placed belongs to completes with it.
     pending: Option<Finish>,
 }
@@ -80,6 +86,8 @@ impl RemoteRecv {
             nak_sent: false,
             cur: None,
             responses: VecDeque::new(),
+            ack_hold: Instant::ZERO,
+            ack_flush: false,
             pending: None,
         }
     }
@@ -95,6 +103,35 @@ impl RemoteRecv {
     pub fn take_claimed(&mut self) -> Option<RecvWr> {
         match self.cur.take() {
             Some(InMsg::Send { recv, .. } | InMsg::WriteImm { recv }) => Some(recv),
+            _ => None,
+        }
+    }
+
+    /// Queues a positive ACK for everything up to `psn`. ACKs are
+    /// cumulative, so one that would follow another in the queue replaces
+    /// it. It may be held until `hold_until`, so that it goes out with the
+    /// next request of this QP (one write for both) or with later ACKs.
+    fn push_ack(&mut self, psn: u32, msn: u32, hold_until: Instant) {
+        if let Some(Response::Ack { psn: p, syndrome: Syndrome::Ack, msn: m }) = self.responses.back_mut() {
+            *p = psn;
+            *m = msn;
+            return;
+        }
+        if self.responses.is_empty() {
+            self.ack_hold = hold_until;
+            self.ack_flush = false;
+        }
+        self.responses.push_back(Response::Ack { psn, syndrome: Syndrome::Ack, msn });
+    }
+
+    /// When a held ACK must go out, if one is held.
+    pub fn ack_due(&self) -> Option<Instant> {
+        match self.responses.front() {
+            Some(Response::Ack { syndrome: Syndrome::Ack, .. })
+                if self.responses.len() == 1 && !self.ack_flush =>
+            {
+                Some(self.ack_hold)
+            }
             _ => None,
         }
     }
@@ -461,7 +498,8 @@ impl Hca {
 
     /// The payload of an accepted request frame is placed: a finished
     /// message completes its receive and is acknowledged.
-    pub(super) fn responder_placed(&mut self, qpn: u32, io: &mut dyn Queues) {
+    pub(super) fn responder_placed(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues) {
+        let ack_delay = self.config.ack_delay;
         let Some(rs) = self.recv_state(qpn) else { return };
         let Some(f) = rs.pending.take() else { return };
         let cur = rs.cur.take();
@@ -477,7 +515,7 @@ impl Hca {
         }
         rs.msn = psn_add(rs.msn, 1);
         let msn = rs.msn;
-        rs.responses.push_back(Response::Ack { psn: f.psn, syndrome: Syndrome::Ack, msn });
+        rs.push_ack(f.psn, msn, now + ack_delay);
         // A send's length is what arrived; a write with immediate reports
         // the write's length.
         let (recv, opcode, byte_len) = match cur {
@@ -516,12 +554,12 @@ impl Hca {
     }
 
     /// The next answer of `qpn` for `link`.
-    pub(super) fn responder_transmit(&mut self, qpn: u32, link: LinkId) -> Option<Transmit> {
+    pub(super) fn responder_transmit(&mut self, qpn: u32, link: LinkId, now: Instant) -> Option<Transmit> {
         let chunk = u64::from(self.net.chunk(link));
         let qp = self.qps.get(&qpn)?;
         let (vnet, dest, pd) = (qp.tenant.0, qp.attr.dest_qp_num, qp.pd);
         let rs = qp.remote.as_ref()?.recv.as_ref()?;
-        if rs.link != Some(link) {
+        if rs.link != Some(link) || rs.ack_due().is_some_and(|due| now < due) {
             return None;
         }
         let (repr, payload, done) = match *rs.responses.front()? {
@@ -577,6 +615,7 @@ impl Hca {
             t.payload.push(seg);
         }
         let rs = self.recv_state(qpn)?;
+        rs.ack_flush = false;
         if done {
             rs.responses.pop_front();
         } else if let Some(Response::Read { sent, .. }) = rs.responses.front_mut() {

@@ -602,3 +602,37 @@ fn datagrams_cross_hosts_with_their_grh_and_are_lost_quietly_when_no_one_takes_t
     assert_eq!(bufb.read(40, 8), b"datagram");
     assert_eq!(bufb.read(8, 16), Gid::from_ipv4(IP_A).0.to_vec(), "the GRH carries the sender's GID");
 }
+
+#[test]
+fn a_held_ack_goes_with_the_next_request_or_when_its_delay_is_over() {
+    let mut t = TwoHosts::new(1024);
+    t.b.env.hca.config.ack_delay = Duration::from_micros(10);
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    t.connect(a.qpn, b.qpn, conn());
+    // Two writes A -> B: B holds one (merged) ACK.
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert!(t.a.env.poll(a.cq).is_empty(), "the ACK is held");
+    assert_eq!(t.b.env.hca.ack_timer(b.qpn), Some(T0 + Duration::from_micros(10)));
+    // B writes back: its request and the held ACK leave together.
+    t.b.env.io.post_send(b.qpn, rdma(3, SendOpcode::RdmaWrite, &[b.buf.sge(0, 8)], a.buf.addr, a.buf.key));
+    t.log.clear();
+    t.run(T0);
+    let from_b: Vec<_> = t.log.iter().filter(|(d, _, _)| *d == '<').map(|(_, op, _)| *op).collect();
+    assert_eq!(
+        from_b,
+        vec![crate::wire::Opcode::WriteOnly, crate::wire::Opcode::Acknowledge],
+        "one ACK for both writes, behind the request"
+    );
+    assert_eq!(t.a.env.poll(a.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![1, 2]);
+    // A's ACK for B's write is immediate (A has no delay).
+    assert_eq!(t.b.env.poll(b.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![3]);
+    // With nothing to ride on, the ACK leaves when its delay is over.
+    t.a.env.io.post_send(a.qpn, rdma(4, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert!(t.a.env.poll(a.cq).is_empty());
+    t.run(T0 + Duration::from_micros(11));
+    assert_eq!(t.a.env.poll(a.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![4]);
+}
