@@ -11,6 +11,7 @@
 //! realtime = false      # SCHED_FIFO for the engine thread (needs CAP_SYS_NICE)
 //! chunk_bytes = 262144  # most bytes one QP moves before the next QP's turn
 //! cpu = 1               # pin the engine thread to this CPU
+//! ack_delay_us = 20     # across hosts: hold an ACK this long to send it with a request
 //!
 //! [quota]               # every tenant
 //! max_objects = 16384
@@ -52,8 +53,10 @@ pub struct EngineConfig {
     /// latency comes with the engine alone on its CPU and the applications
     /// on the others.
     pub cpu: Option<usize>,
-    /// Across hosts: how long a responder may hold an ACK to send it with
-    /// the QP's next request or merge it with later ACKs (µs; 0: at once).
+    /// Across hosts: how long a responder QP that also sends requests may
+    /// hold an ACK, to send it in one write with its next request (µs; 0:
+    /// at once). In a ping-pong this saves a system call and a wakeup on
+    /// each side per message; a QP that only receives never holds one.
     pub ack_delay_us: u64,
 }
 
@@ -73,7 +76,7 @@ impl Default for EngineConfig {
             realtime: false,
             chunk_bytes: 256 << 10,
             cpu: None,
-            ack_delay_us: 0,
+            ack_delay_us: 20,
         }
     }
 }

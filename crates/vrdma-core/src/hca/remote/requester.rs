@@ -58,6 +58,8 @@ pub(crate) struct RemoteSend {
     /// When the oldest outstanding request counts as unanswered.
     pub ack_deadline: Option<Instant>,
     pub retries_left: u8,
+    /// When the last request frame went out.
+    pub last_sent: Instant,
 }
 
 impl RemoteSend {
@@ -74,6 +76,7 @@ impl RemoteSend {
             rnr_left: attr.rnr_retry,
             ack_deadline: None,
             retries_left: attr.retry_cnt,
+            last_sent: Instant::ZERO,
         }
     }
 }
@@ -281,6 +284,7 @@ impl Hca {
             }
         }
         let s = self.send_state(qpn)?;
+        s.last_sent = now;
         if s.ack_deadline.is_none() {
             let timeout = self.qps[&qpn].attr.timeout;
             let s = self.send_state(qpn)?;

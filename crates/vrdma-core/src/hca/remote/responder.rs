@@ -11,6 +11,10 @@ use crate::time::Instant;
 use crate::verbs::{AccessFlags, AhAttr, AsyncEventType, QpType, WcFlags, WcOpcode, WcStatus};
 use crate::wire::{psn_add, psn_diff, Aeth, DataRepr, NakCode, Opcode, Syndrome, MAX_24};
 
+/// A QP that sent a request this recently counts as sending both ways,
+/// and may hold its ACKs (see `responder_placed`).
+const BIDIRECTIONAL: std::time::Duration = std::time::Duration::from_millis(1);
+
 /// Answers a responder QP holds before it stops taking requests.
 const MAX_RESPONSES: usize = 4096;
 /// Reads and atomics a responder QP has accepted and not yet answered:
@@ -499,7 +503,15 @@ impl Hca {
     /// The payload of an accepted request frame is placed: a finished
     /// message completes its receive and is acknowledged.
     pub(super) fn responder_placed(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues) {
-        let ack_delay = self.config.ack_delay;
+        // An ACK is held only on a QP that also sends requests, as in a
+        // ping-pong: there it will soon have one to ride with. A QP that
+        // only receives acknowledges at once, so that a requester waiting
+        // on its completion does not wait for the delay.
+        let sends = self.qps.get(&qpn).and_then(|q| q.remote.as_ref()?.send.as_ref()).map(|s| s.last_sent);
+        let ack_delay = match sends {
+            Some(t) if now.saturating_since(t) < BIDIRECTIONAL => self.config.ack_delay,
+            _ => std::time::Duration::ZERO,
+        };
         let Some(rs) = self.recv_state(qpn) else { return };
         let Some(f) = rs.pending.take() else { return };
         let cur = rs.cur.take();

@@ -610,6 +610,14 @@ fn a_held_ack_goes_with_the_next_request_or_when_its_delay_is_over() {
     let a = t.a.env.end(C1);
     let b = t.b.env.end(C1);
     t.connect(a.qpn, b.qpn, conn());
+    // A QP that only receives acknowledges at once.
+    t.a.env.io.post_send(a.qpn, rdma(9, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![9]);
+    // Once B sends too, it holds its ACKs.
+    t.b.env.io.post_send(b.qpn, rdma(8, SendOpcode::RdmaWrite, &[b.buf.sge(0, 8)], a.buf.addr, a.buf.key));
+    t.run(T0);
+    assert_eq!(t.b.env.poll(b.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![8]);
     // Two writes A -> B: B holds one (merged) ACK.
     t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
     t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
