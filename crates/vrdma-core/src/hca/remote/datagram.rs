@@ -77,7 +77,7 @@ impl Hca {
         io: &mut dyn Queues,
     ) -> (Sink, AfterPayload) {
         let drop = |h: &mut Hca| {
-            h.net.dropped(link);
+            h.net.dropped(link, "datagram not taken");
             (Sink::Discard, AfterPayload::Nothing)
         };
         let Some(ud) = hdr.ud else { return drop(self) };

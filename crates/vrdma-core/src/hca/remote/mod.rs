@@ -213,8 +213,10 @@ impl Network {
         }
     }
 
-    /// Counts a received frame that was thrown away.
-    pub fn dropped(&mut self, link: LinkId) {
+    /// Counts a received frame that was thrown away, and says why in the
+    /// debug log.
+    pub fn dropped(&mut self, link: LinkId, why: &'static str) {
+        tracing::debug!(link = link.0, why, "frame dropped");
         if let Some(l) = self.links.get_mut(&link) {
             l.stats.dropped_in += 1;
         }

@@ -405,7 +405,7 @@ impl Hca {
                 && matches!(q.state(), QpState::Rts | QpState::Sqd | QpState::Sqe)
         });
         if !ours {
-            self.net.dropped(link);
+            self.net.dropped(link, "response for no requester of ours");
             return (Sink::Discard, AfterPayload::Nothing);
         }
         let psn = hdr.psn;
@@ -434,7 +434,7 @@ impl Hca {
                     })
                     .map(|w| w.wr.sg);
                 let Some(sg) = head else {
-                    self.net.dropped(link);
+                    self.net.dropped(link, "atomic ACK for no outstanding atomic");
                     return (Sink::Discard, AfterPayload::Nothing);
                 };
                 let pd = self.qps[&qpn].pd;
@@ -484,7 +484,7 @@ impl Hca {
                 (psn_add(w.first_psn, (w.placed / chunk) as u32), w.placed, w.wr.msg_len(), w.wr.sg)
             });
         let Some((want_psn, placed, len, sg)) = expect else {
-            self.net.dropped(link);
+            self.net.dropped(link, "read response for no outstanding read");
             return (Sink::Discard, AfterPayload::Nothing);
         };
         let n = u64::from(hdr.payload_len);
@@ -493,7 +493,7 @@ impl Hca {
             && placed + n <= len
             && (hdr.opcode.is_last() || hdr.opcode.is_only()) == (placed + n == len);
         if !in_order {
-            self.net.dropped(link);
+            self.net.dropped(link, "read response out of order");
             self.remote_fail(qpn, WcStatus::RetryExcErr, io);
             return (Sink::Discard, AfterPayload::Nothing);
         }

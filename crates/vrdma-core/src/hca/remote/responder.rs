@@ -214,7 +214,7 @@ impl Hca {
                 && self.link_serves(link, &q.attr.ah_attr)
         });
         if !ok {
-            self.net.dropped(link);
+            self.net.dropped(link, "request for no QP connected to its sender");
             return (Sink::Discard, AfterPayload::Nothing);
         }
         let qp = self.qps.get_mut(&qpn).expect("checked");
@@ -230,7 +230,7 @@ impl Hca {
         // more than a bounded queue of them; the rest of its requests are
         // dropped (it is stuck behind its own socket anyway).
         if rs.responses.len() >= MAX_RESPONSES {
-            self.net.dropped(link);
+            self.net.dropped(link, "too many answers queued");
             return (Sink::Discard, AfterPayload::Nothing);
         }
         let d = psn_diff(hdr.psn, rs.epsn);
@@ -241,14 +241,14 @@ impl Hca {
                 let (psn, msn) = (psn_add(rs.epsn, MAX_24), rs.msn);
                 rs.responses.push_back(Response::Ack { psn, syndrome: Syndrome::Ack, msn });
             }
-            self.net.dropped(link);
+            self.net.dropped(link, "duplicate request");
             return (Sink::Discard, AfterPayload::Nothing);
         }
         if d > 0 {
             if !rs.nak_sent {
                 rs.nak(Syndrome::Nak(NakCode::PsnSequenceError));
             }
-            self.net.dropped(link);
+            self.net.dropped(link, "request ahead of the expected PSN");
             return (Sink::Discard, AfterPayload::Nothing);
         }
         rs.nak_sent = false;
@@ -262,12 +262,12 @@ impl Hca {
             Step::Rnr => {
                 let timer = self.qps[&qpn].attr.min_rnr_timer;
                 self.recv_state(qpn).expect("exists").nak(Syndrome::RnrNak { timer });
-                self.net.dropped(link);
+                self.net.dropped(link, "no receive posted (RNR NAK)");
                 (Sink::Discard, AfterPayload::Nothing)
             }
             Step::Refuse(f) => {
                 self.refuse(qpn, f, io);
-                self.net.dropped(link);
+                self.net.dropped(link, "request refused (NAK)");
                 (Sink::Discard, AfterPayload::Nothing)
             }
         }
