@@ -28,27 +28,14 @@
 
 mod common;
 
-use common::{free_port, listening, one_at_a_time, spawn};
-use std::path::{Path, PathBuf};
+use common::{built, free_port, has_results, listening, one_at_a_time, spawn};
+use std::path::Path;
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 const PROBE: &str = "/usr/bin/ib_write_lat";
 const LIMIT: Duration = Duration::from_secs(120);
-
-/// A cdylib cargo built for this test run, beside the test executable in
-/// `target/<profile>/deps/` (or one level up).
-fn built(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let deps = exe.parent().expect("deps dir");
-    let profile = if deps.ends_with("deps") { deps.parent().expect("profile dir") } else { deps };
-    [deps, profile]
-        .iter()
-        .map(|d| d.join(name))
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("{name} was not built next to {}", exe.display()))
-}
 
 struct Setup {
     dir: tempfile::TempDir,
@@ -90,17 +77,6 @@ fn setup() -> Option<&'static Setup> {
         let daemon = vrdmad::Daemon::start(config).expect("start daemon");
         Setup { dir, _daemon: Mutex::new(daemon) }
     }))
-}
-
-/// Whether `out` holds perftest's result table: the `#bytes` header
-/// followed by a row of numbers.
-fn has_results(out: &str) -> bool {
-    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
-    lines.next().is_some()
-        && lines.next().is_some_and(|row| {
-            let cols: Vec<&str> = row.split_whitespace().collect();
-            cols.len() >= 3 && cols.iter().all(|c| c.parse::<f64>().is_ok())
-        })
 }
 
 /// Runs `/usr/bin/<tool>` as server and client on loopback with `args`

@@ -18,7 +18,7 @@
 
 mod common;
 
-use common::{free_port, listening, one_at_a_time, spawn, Finished};
+use common::{built, free_port, has_results, listening, one_at_a_time, spawn, Finished};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
@@ -26,17 +26,6 @@ use std::time::{Duration, Instant};
 
 const LIMIT: Duration = Duration::from_secs(120);
 const PSK: &str = "vrdma two-host tools test key";
-
-fn built(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let deps = exe.parent().expect("deps dir");
-    let profile = if deps.ends_with("deps") { deps.parent().expect("profile dir") } else { deps };
-    [deps, profile]
-        .iter()
-        .map(|d| d.join(name))
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("{name} was not built next to {}", exe.display()))
-}
 
 struct Hosts {
     dir: tempfile::TempDir,
@@ -187,15 +176,6 @@ fn srq_pingpong_across_hosts() {
 #[test]
 fn ud_pingpong_across_hosts() {
     pingpong("/usr/bin/ibv_ud_pingpong", &["-c", "-n", "200", "-s", "1024"]);
-}
-
-fn has_results(out: &str) -> bool {
-    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
-    lines.next().is_some()
-        && lines.next().is_some_and(|row| {
-            let cols: Vec<&str> = row.split_whitespace().collect();
-            cols.len() >= 3 && cols.iter().all(|c| c.parse::<f64>().is_ok())
-        })
 }
 
 fn perftest(tool: &str, args: &[&str]) {

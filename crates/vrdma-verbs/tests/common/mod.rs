@@ -6,6 +6,7 @@
 
 use std::io::Read;
 use std::net::TcpListener;
+use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, MutexGuard};
 use std::thread::JoinHandle;
@@ -126,4 +127,28 @@ pub fn listening(port: u16) -> bool {
             cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
         })
     })
+}
+
+/// A cdylib cargo built for this test run, beside the test executable in
+/// `target/<profile>/deps/` (or one level up).
+pub fn built(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent().expect("deps dir");
+    let profile = if deps.ends_with("deps") { deps.parent().expect("profile dir") } else { deps };
+    [deps, profile]
+        .iter()
+        .map(|d| d.join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("{name} was not built next to {}", exe.display()))
+}
+
+/// Whether `out` holds perftest's result table: the `#bytes` header
+/// followed by a row of numbers.
+pub fn has_results(out: &str) -> bool {
+    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
+    lines.next().is_some()
+        && lines.next().is_some_and(|row| {
+            let cols: Vec<&str> = row.split_whitespace().collect();
+            cols.len() >= 3 && cols.iter().all(|c| c.parse::<f64>().is_ok())
+        })
 }
