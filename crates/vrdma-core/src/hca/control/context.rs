@@ -1,0 +1,90 @@
+//! Contexts: a tenant process's connection, and everything it holds.
+
+use super::super::*;
+use crate::verbs::{QpState, QpType};
+
+impl Hca {
+    // ---- contexts ----
+
+    pub fn open_context(&mut self, ctx: ContextId, tenant: TenantId) -> Result<(), HcaError> {
+        if self.contexts.contains_key(&ctx) {
+            return Err(HcaError::invalid("context already open"));
+        }
+        let open = self.contexts.values().filter(|c| c.tenant == tenant).count();
+        let limit = self.quota(tenant).max_contexts as usize;
+        if open >= limit {
+            return Err(HcaError::QuotaExceeded(format!("{open} contexts open, limit {limit}")));
+        }
+        self.contexts.insert(ctx, Context { tenant });
+        Ok(())
+    }
+
+    /// Charges an object the driver keeps itself (a completion channel) to
+    /// the context's tenant, so that it counts against the quota.
+    pub fn charge_object(&mut self, ctx: ContextId) -> Result<(), HcaError> {
+        self.charge(ctx, 1, 0)
+    }
+
+    /// Gives back what [`charge_object`](Self::charge_object) took.
+    pub fn refund_object(&mut self, ctx: ContextId) {
+        self.refund(ctx, 1, 0);
+    }
+
+    /// Destroys everything `ctx` holds, as when its process exits or dies.
+    /// QPs of other processes connected to its QPs go to the error state:
+    /// their peer is gone and nothing they post can complete.
+    pub fn close_context(&mut self, ctx: ContextId, io: &mut dyn Queues) -> Teardown {
+        let mut t = Teardown::default();
+        // One pass over all QPs to find this context's and their peers, so
+        // that closing a context with many QPs costs O(QPs), not O(QPs²).
+        let mine: std::collections::HashSet<u32> =
+            self.qps.iter().filter(|(_, q)| q.ctx == ctx).map(|(&n, _)| n).collect();
+        let peers: Vec<u32> = self
+            .qps
+            .iter()
+            .filter(|(_, q)| {
+                q.ctx != ctx
+                    && mine.contains(&q.attr.dest_qp_num)
+                    && q.init.qp_type == QpType::Rc
+                    && matches!(q.state(), QpState::Rtr | QpState::Rts | QpState::Sqd)
+            })
+            .map(|(&n, _)| n)
+            .collect();
+        for p in peers {
+            self.peer_lost(p, io);
+        }
+        let mine: Vec<u32> = mine.into_iter().collect();
+        self.remove_qps(&mine, io);
+        t.qps = mine;
+        let srqs: Vec<u32> = self.srqs.iter().filter(|(_, s)| s.ctx == ctx).map(|(&n, _)| n).collect();
+        for n in srqs {
+            self.srqs.remove(&n);
+            self.refund(ctx, 1, 0);
+            t.srqs.push(n);
+        }
+        let ahs: Vec<u32> = self.ahs.iter().filter(|(_, a)| a.ctx == ctx).map(|(&n, _)| n).collect();
+        for n in ahs {
+            self.ahs.remove(&n);
+            self.refund(ctx, 1, 0);
+        }
+        let mrs: Vec<u32> = self.mrs.iter().filter(|(_, m)| m.ctx == ctx).map(|(&k, _)| k).collect();
+        for k in mrs {
+            if let Some(m) = self.mrs.remove(&k) {
+                self.refund(ctx, 1, m.len);
+            }
+        }
+        let cqs: Vec<u32> = self.cqs.iter().filter(|(_, c)| c.ctx == ctx).map(|(&n, _)| n).collect();
+        for n in cqs {
+            self.cqs.remove(&n);
+            self.refund(ctx, 1, 0);
+            t.cqs.push(n);
+        }
+        let pds: Vec<u32> = self.pds.iter().filter(|(_, p)| p.ctx == ctx).map(|(&n, _)| n).collect();
+        for n in pds {
+            self.pds.remove(&n);
+            self.refund(ctx, 1, 0);
+        }
+        self.contexts.remove(&ctx);
+        t
+    }
+}

@@ -1,0 +1,35 @@
+//! Completion queues.
+
+use super::super::*;
+
+impl Hca {
+    // ---- completion queues ----
+
+    /// Creates a CQ of at least `cqe` entries; returns (cqn, depth granted).
+    pub fn create_cq(&mut self, ctx: ContextId, cqe: u32) -> Result<(u32, u32), HcaError> {
+        if cqe == 0 {
+            return Err(HcaError::invalid("a CQ needs at least one entry"));
+        }
+        self.check_depth(ctx, "CQ depth", cqe, self.config.device.max_cqe)?;
+        if self.cqs.len() >= self.config.device.max_cq as usize {
+            return Err(HcaError::Exhausted("completion queues"));
+        }
+        self.charge(ctx, 1, 0)?;
+        let depth = cqe.next_power_of_two();
+        let n = self.alloc_id();
+        self.cqs.insert(n, Cq { ctx, users: 0, overrun: false });
+        Ok((n, depth))
+    }
+
+    pub fn destroy_cq(&mut self, ctx: ContextId, cqn: u32) -> Result<(), HcaError> {
+        match self.cqs.get(&cqn) {
+            Some(c) if c.ctx == ctx && c.users > 0 => Err(HcaError::Busy("completion queue")),
+            Some(c) if c.ctx == ctx => {
+                self.cqs.remove(&cqn);
+                self.refund(ctx, 1, 0);
+                Ok(())
+            }
+            _ => Err(HcaError::NoSuchObject { kind: "CQ", id: cqn }),
+        }
+    }
+}

@@ -1,0 +1,308 @@
+//! Queue pairs: creation, the state machine's effects, destruction, and
+//! the error transitions the data path shares.
+
+use std::collections::VecDeque;
+
+use super::super::*;
+use crate::qp::fsm;
+use crate::verbs::{AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType};
+
+impl Hca {
+    // ---- queue pairs ----
+
+    pub fn create_qp(&mut self, ctx: ContextId, pd: u32, init: QpInitAttr) -> Result<QpCreated, HcaError> {
+        let tenant = self.tenant_of(ctx)?;
+        if init.qp_type == QpType::Uc {
+            return Err(HcaError::Unsupported("UC queue pairs (RC and UD are supported)"));
+        }
+        let dev = &self.config.device;
+        let c = init.cap;
+        if c.max_send_sge > dev.max_sge || c.max_recv_sge > dev.max_sge {
+            return Err(HcaError::invalid(format!("at most {} SGEs per WR", dev.max_sge)));
+        }
+        if c.max_inline_data > dev.max_inline_data {
+            return Err(HcaError::invalid(format!("at most {} inline bytes", dev.max_inline_data)));
+        }
+        if c.max_send_wr == 0 {
+            return Err(HcaError::invalid("a QP needs max_send_wr of at least 1"));
+        }
+        if init.srq.is_none() && c.max_recv_wr == 0 {
+            return Err(HcaError::invalid("a QP without an SRQ needs max_recv_wr of at least 1"));
+        }
+        self.check_depth(ctx, "max_send_wr", c.max_send_wr, dev.max_qp_wr)?;
+        self.check_depth(ctx, "max_recv_wr", c.max_recv_wr, dev.max_qp_wr)?;
+        if self.qps.len() >= dev.max_qp as usize {
+            return Err(HcaError::Exhausted("queue pairs"));
+        }
+        self.own_pd(ctx, pd)?;
+        for cq in [init.send_cq, init.recv_cq] {
+            match self.cqs.get(&cq) {
+                Some(c) if c.ctx == ctx => {}
+                _ => return Err(HcaError::NoSuchObject { kind: "CQ", id: cq }),
+            }
+        }
+        if let Some(s) = init.srq {
+            // Receive SGEs from an SRQ are checked against the SRQ's PD.
+            self.own_srq(ctx, s)?;
+        }
+        self.charge(ctx, 1, 0)?;
+        let granted = QpCap {
+            max_send_wr: c.max_send_wr.next_power_of_two(),
+            max_recv_wr: if init.srq.is_some() { 0 } else { c.max_recv_wr.next_power_of_two() },
+            max_send_sge: c.max_send_sge.max(1),
+            max_recv_sge: if init.srq.is_some() { 0 } else { c.max_recv_sge.max(1) },
+            max_inline_data: c.max_inline_data,
+        };
+        let qpn = loop {
+            let n = self.next_qpn;
+            // 0xff_ffff is the multicast QPN: never a QP's number.
+            self.next_qpn = if n >= 0xff_fffe { 0x11 } else { n + 1 };
+            if !self.qps.contains_key(&n) {
+                break n;
+            }
+        };
+        self.own_pd(ctx, pd).expect("checked").users += 1;
+        self.cqs.get_mut(&init.send_cq).expect("checked").users += 1;
+        self.cqs.get_mut(&init.recv_cq).expect("checked").users += 1;
+        if let Some(s) = init.srq {
+            self.srqs.get_mut(&s).expect("checked").users += 1;
+        }
+        let mut init = init;
+        init.cap = granted;
+        let attr = QpAttr { cap: granted, ..QpAttr::default() };
+        self.qps.insert(
+            qpn,
+            Qp {
+                ctx,
+                tenant,
+                pd,
+                init,
+                attr,
+                inflight: None,
+                requeued: VecDeque::new(),
+                sqd_notify: false,
+                remote: None,
+            },
+        );
+        self.qp_order.push(qpn);
+        Ok(QpCreated { qpn, cap: granted })
+    }
+
+    pub(crate) fn own_qp(&mut self, ctx: ContextId, qpn: u32) -> Result<&mut Qp, HcaError> {
+        match self.qps.get_mut(&qpn) {
+            Some(q) if q.ctx == ctx => Ok(q),
+            _ => Err(HcaError::NoSuchObject { kind: "QP", id: qpn }),
+        }
+    }
+
+    /// `ibv_modify_qp`, checked against the state machine and the limits.
+    pub fn modify_qp(
+        &mut self,
+        ctx: ContextId,
+        qpn: u32,
+        attr: &QpAttr,
+        mask: QpAttrMask,
+        io: &mut dyn Queues,
+    ) -> Result<QpState, HcaError> {
+        let limits = self.config.modify_limits();
+        let qp = self.own_qp(ctx, qpn)?;
+        let cur = qp.state();
+        let to = fsm::check_modify(qp.init.qp_type, cur, attr, mask, &limits)?;
+        if mask.contains(QpAttrMask::CAP) {
+            return Err(HcaError::Unsupported("resizing a QP's queues"));
+        }
+        let cap = qp.attr.cap;
+        fsm::apply_modify(&mut qp.attr, attr, mask, to);
+        qp.attr.cap = cap;
+        if to == QpState::Sqd && cur != QpState::Sqd {
+            qp.sqd_notify = mask.contains(QpAttrMask::EN_SQD_ASYNC_NOTIFY) && attr.en_sqd_async_notify;
+        }
+        match to {
+            QpState::Reset => {
+                // A receive claimed from the peer for an unfinished message
+                // goes back to it, as when the QP is destroyed.
+                let dest = qp.attr.dest_qp_num;
+                let held = qp.inflight.take();
+                // Everything of the remote transport starts over, as the
+                // PSNs do; what it held was posted to this QP and goes
+                // with its queues.
+                let remote_held = qp.remote.take().map_or(0, |r| r.held_sends());
+                let was_held = held.is_some();
+                let claimed = held.and_then(|i| i.recv);
+                qp.requeued.clear();
+                let keep = qp.attr.cap;
+                qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
+                // The WR in flight is dropped without a completion: it is
+                // retired before the queue is reset, so that the driver's
+                // count of outstanding WRs starts again from zero.
+                let held = u32::from(was_held) + remote_held;
+                if held > 0 {
+                    io.send_retired(qpn, held);
+                }
+                io.discard(qpn);
+                if let Some(r) = claimed {
+                    self.requeue_recv(dest, r);
+                }
+            }
+            QpState::Err if cur != QpState::Err => {
+                qp.attr.qp_state = cur;
+                self.enter_error(qpn, io);
+            }
+            _ => {}
+        }
+        // enter_error publishes ERR itself.
+        if to != cur && to != QpState::Err {
+            io.qp_state_changed(qpn, to);
+        }
+        if to == QpState::Rtr && cur != QpState::Rtr {
+            if let Some(path) = self.qp_path(qpn) {
+                tracing::info!(qpn, dest_qpn = attr.dest_qp_num, ?path, "QP connected");
+            }
+        }
+        Ok(to)
+    }
+
+    pub fn query_qp(&mut self, ctx: ContextId, qpn: u32) -> Result<(QpAttr, QpInitAttr), HcaError> {
+        let qp = self.own_qp(ctx, qpn)?;
+        let mut a = qp.attr;
+        a.cur_qp_state = a.qp_state;
+        a.sq_draining = a.qp_state == QpState::Sqd && qp.inflight.is_some();
+        Ok((a, qp.init))
+    }
+
+    /// `ibv_destroy_qp`. A send WR the QP held is retired (through `io`)
+    /// without a completion, as everything still posted is dropped.
+    pub fn destroy_qp(&mut self, ctx: ContextId, qpn: u32, io: &mut dyn Queues) -> Result<(), HcaError> {
+        self.own_qp(ctx, qpn)?;
+        self.remove_qps(&[qpn], io);
+        Ok(())
+    }
+
+    pub(crate) fn remove_qps(&mut self, qpns: &[u32], io: &mut dyn Queues) {
+        let gone: std::collections::HashSet<u32> = qpns.iter().copied().collect();
+        self.qp_order.retain(|n| !gone.contains(n));
+        for &qpn in qpns {
+            self.remove_one_qp(qpn, io);
+        }
+    }
+
+    /// Removes one QP; `qp_order` is the caller's to update.
+    pub(crate) fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
+        let Some(mut qp) = self.qps.remove(&qpn) else { return };
+        if let Some(n) = qp.remote.take().map(|r| r.held_sends()).filter(|&n| n > 0) {
+            io.send_retired(qpn, n);
+        }
+        if let Some(inf) = qp.inflight.take() {
+            io.send_retired(qpn, 1);
+            // A receive WR taken for a message that never finished goes
+            // back to the responder, as if the message had never arrived.
+            if let Some(recv) = inf.recv {
+                self.requeue_recv(qp.attr.dest_qp_num, recv);
+            }
+        }
+        // Receive WRs other requesters took from this QP must never be
+        // handed back by number: the number may later name another
+        // tenant's QP. Those of its SRQ go back to the SRQ now; those of its
+        // own receive queue are discarded with it, as destroy_qp discards
+        // every posted receive.
+        let mut orphans = Vec::new();
+        for other in self.qps.values_mut() {
+            if other.attr.dest_qp_num == qpn {
+                if let Some(r) = other.inflight.as_mut().and_then(|i| i.recv.take()) {
+                    orphans.push(r);
+                }
+            }
+        }
+        if let Some(srq) = qp.init.srq.and_then(|s| self.srqs.get_mut(&s)) {
+            for r in orphans {
+                srq.requeued.push_front(r);
+            }
+        }
+        if let Some(p) = self.pds.get_mut(&qp.pd) {
+            p.users = p.users.saturating_sub(1);
+        }
+        for cq in [qp.init.send_cq, qp.init.recv_cq] {
+            if let Some(c) = self.cqs.get_mut(&cq) {
+                c.users -= 1;
+            }
+        }
+        if let Some(s) = qp.init.srq.and_then(|s| self.srqs.get_mut(&s)) {
+            s.users -= 1;
+        }
+        self.refund(qp.ctx, 1, 0);
+    }
+
+    pub(crate) fn requeue_recv(&mut self, responder_qpn: u32, recv: crate::ring::RecvWr) {
+        let Some(r) = self.qps.get_mut(&responder_qpn) else { return };
+        match r.init.srq {
+            Some(s) => {
+                if let Some(srq) = self.srqs.get_mut(&s) {
+                    srq.requeued.push_front(recv);
+                }
+            }
+            None => r.requeued.push_front(recv),
+        }
+    }
+
+    /// A send WR of `qpn` failed locally: a UD QP goes to SQE (its receive
+    /// queue keeps working, its send queue is flushed until it is moved
+    /// back to RTS), an RC QP to ERR.
+    pub(crate) fn send_queue_error(&mut self, qpn: u32, io: &mut dyn Queues) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        if qp.init.qp_type != QpType::Ud {
+            self.enter_error(qpn, io);
+            return;
+        }
+        if matches!(qp.state(), QpState::Rts | QpState::Sqd) {
+            qp.attr.qp_state = QpState::Sqe;
+            io.qp_state_changed(qpn, QpState::Sqe);
+        }
+    }
+
+    /// Moves a QP to ERR; its queues are flushed by the engine.
+    pub(crate) fn enter_error(&mut self, qpn: u32, io: &mut dyn Queues) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        if qp.state() == QpState::Err {
+            return;
+        }
+        qp.attr.qp_state = QpState::Err;
+        let (ctx, srq) = (qp.ctx, qp.init.srq);
+        io.qp_state_changed(qpn, QpState::Err);
+        if srq.is_some() {
+            io.async_event(ctx, AsyncEvent { event_type: AsyncEventType::QpLastWqeReached, element: qpn });
+        }
+    }
+
+    /// The QP this one is connected to is gone: what it has in flight can
+    /// never be acknowledged.
+    pub(crate) fn peer_lost(&mut self, qpn: u32, io: &mut dyn Queues) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        let ctx = qp.ctx;
+        if let Some(inf) = qp.inflight.take() {
+            let cqe = datapath::error_cqe(&inf.wr, crate::verbs::WcStatus::RetryExcErr, qpn);
+            let cq = qp.init.send_cq;
+            io.send_retired(qpn, 1);
+            self.complete(cq, cqe, qpn, io);
+        }
+        self.enter_error(qpn, io);
+        io.async_event(ctx, AsyncEvent { event_type: AsyncEventType::QpFatal, element: qpn });
+    }
+
+    /// Appends a completion; an overrun puts the CQ and the QP in error.
+    pub(crate) fn complete(&mut self, cqn: u32, cqe: crate::ring::Cqe, qpn: u32, io: &mut dyn Queues) {
+        let Some(cq) = self.cqs.get_mut(&cqn) else { return };
+        if cq.overrun {
+            return;
+        }
+        if io.push_cqe(cqn, &cqe).is_err() {
+            cq.overrun = true;
+            let ctx = cq.ctx;
+            io.async_event(ctx, AsyncEvent { event_type: AsyncEventType::CqErr, element: cqn });
+            if let Some(q) = self.qps.get(&qpn) {
+                let qctx = q.ctx;
+                self.enter_error(qpn, io);
+                io.async_event(qctx, AsyncEvent { event_type: AsyncEventType::QpFatal, element: qpn });
+            }
+        }
+    }
+}
