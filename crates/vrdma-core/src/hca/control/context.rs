@@ -4,8 +4,6 @@ use super::super::*;
 use crate::verbs::{QpState, QpType};
 
 impl Hca {
-    // ---- contexts ----
-
     pub fn open_context(&mut self, ctx: ContextId, tenant: TenantId) -> Result<(), HcaError> {
         if self.contexts.contains_key(&ctx) {
             return Err(HcaError::invalid("context already open"));

@@ -3,8 +3,6 @@
 use super::super::*;
 
 impl Hca {
-    // ---- completion queues ----
-
     /// Creates a CQ of at least `cqe` entries; returns (cqn, depth granted).
     pub fn create_cq(&mut self, ctx: ContextId, cqe: u32) -> Result<(u32, u32), HcaError> {
         if cqe == 0 {

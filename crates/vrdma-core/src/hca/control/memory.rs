@@ -5,8 +5,6 @@ use crate::memory::Region;
 use crate::verbs::{AccessFlags, AhAttr};
 
 impl Hca {
-    // ---- protection domains ----
-
     pub fn alloc_pd(&mut self, ctx: ContextId) -> Result<u32, HcaError> {
         if self.pds.len() >= self.config.device.max_pd as usize {
             return Err(HcaError::Exhausted("protection domains"));
@@ -32,8 +30,6 @@ impl Hca {
         self.refund(ctx, 1, 0);
         Ok(())
     }
-
-    // ---- address handles ----
 
     /// `ibv_create_ah`: an address vector for UD sends from QPs of `pd`.
     /// The destination need not exist (a datagram to nowhere is simply
@@ -83,8 +79,6 @@ impl Hca {
         self.refund(ctx, 1, 0);
         Ok(())
     }
-
-    // ---- memory regions ----
 
     /// Registers `region` as the bytes at tenant address `addr`; returns the
     /// key, which serves as both lkey and rkey.

@@ -8,8 +8,6 @@ use crate::qp::fsm;
 use crate::verbs::{AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType};
 
 impl Hca {
-    // ---- queue pairs ----
-
     pub fn create_qp(&mut self, ctx: ContextId, pd: u32, init: QpInitAttr) -> Result<QpCreated, HcaError> {
         let tenant = self.tenant_of(ctx)?;
         if init.qp_type == QpType::Uc {

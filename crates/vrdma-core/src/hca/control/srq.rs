@@ -6,8 +6,6 @@ use super::super::*;
 use crate::verbs::SrqAttr;
 
 impl Hca {
-    // ---- shared receive queues ----
-
     pub fn create_srq(&mut self, ctx: ContextId, pd: u32, attr: SrqAttr) -> Result<(u32, SrqAttr), HcaError> {
         let dev = &self.config.device;
         if attr.max_wr == 0 || attr.max_sge > dev.max_srq_sge {
