@@ -4,6 +4,7 @@ mod bench;
 mod cmd;
 mod cp;
 mod embedded;
+mod study;
 
 use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -30,6 +31,8 @@ enum Command {
     Bench(bench::Args),
     /// Copy a file to another tenant or host over vRDMA (RDMA writes with immediate, credit flow control).
     Cp(cp::Args),
+    /// The multi-tenant measurement study: placements x protocols x tenants, a report with tables and charts.
+    Study(study::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
     Run(cmd::run::Args),
 }
@@ -57,6 +60,7 @@ fn main() -> Result<()> {
             }
             bench::run(cli.socket, a)
         }
+        Command::Study(a) => study::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }
 }
