@@ -4,6 +4,7 @@ mod bench;
 mod cmd;
 mod cp;
 mod embedded;
+mod study;
 
 use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};
@@ -32,6 +33,8 @@ enum Command {
     Cp(cp::Args),
     /// Measure vRDMA between two hosts (network namespaces on a veth pair) beside iperf3 and TCP ping-pong.
     BenchHosts(cmd::hostbench::Args),
+    /// The multi-tenant measurement study: placements x protocols x tenants, a report with tables and charts.
+    Study(study::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
     Run(cmd::run::Args),
 }
@@ -60,6 +63,7 @@ fn main() -> Result<()> {
             }
             bench::run(cli.socket, a)
         }
+        Command::Study(a) => study::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
     }
 }

@@ -28,6 +28,8 @@ use anyhow::Result;
 pub use suite::Figure;
 pub use worker::Role;
 
+/// The size and time parsers, shared with `vrdma study`.
+pub(crate) use spec::{parse_seconds, parse_size};
 use spec::{Limit, Target};
 
 #[derive(clap::Args, Debug, Clone)]

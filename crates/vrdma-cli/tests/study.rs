@@ -1,0 +1,266 @@
+//! `vrdma study` as a user runs it: the quick study's report and its
+//! files, argument errors, and an interrupted study that leaves nothing
+//! behind (no namespace, no process).
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+
+/// The studies of this file run one at a time (two cores).
+static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+
+/// A process killed by pid when the test ends.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
+impl Proc {
+    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let end = Instant::now() + limit;
+        loop {
+            if let Some(s) = self.0.try_wait().unwrap() {
+                return s;
+            }
+            assert!(Instant::now() < end, "vrdma study did not exit within {limit:?}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+fn is_root() -> bool {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Namespaces of the study run by process `pid`.
+fn namespaces_of(pid: u32) -> Vec<String> {
+    let prefix = format!("vrdma-study-{pid}-");
+    std::fs::read_dir("/run/netns")
+        .map(|d| {
+            d.flatten()
+                .map(|e| e.file_name().to_string_lossy().to_string())
+                .filter(|n| n.starts_with(&prefix))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Processes whose environment names the study run `run_id`.
+fn processes_of(run_id: &str) -> Vec<String> {
+    let want = format!("VRDMA_STUDY_RUN={run_id}");
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        if !name.chars().all(|c| c.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(env) = std::fs::read(e.path().join("environ")) else { continue };
+        if env.split(|b| *b == 0).any(|v| v == want.as_bytes()) {
+            let cmd = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+            found.push(format!("{name}: {}", String::from_utf8_lossy(&cmd).replace('\0', " ")));
+        }
+    }
+    found
+}
+
+/// Processes whose environment carries any VRDMA_STUDY_RUN starting with `pid-`.
+fn processes_of_pid(pid: u32) -> Vec<String> {
+    let want = format!("VRDMA_STUDY_RUN={pid}-");
+    let mut found = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(env) = std::fs::read(e.path().join("environ")) else { continue };
+        if env.split(|b| *b == 0).any(|v| v.starts_with(want.as_bytes())) {
+            found.push(e.file_name().to_string_lossy().to_string());
+        }
+    }
+    found
+}
+
+fn check_svg(path: &Path) {
+    let text = std::fs::read_to_string(path).unwrap();
+    let doc =
+        roxmltree::Document::parse(&text).unwrap_or_else(|e| panic!("{}: not XML: {e}", path.display()));
+    assert_eq!(doc.root_element().tag_name().name(), "svg", "{}", path.display());
+    assert!(doc.descendants().count() > 20, "{}: almost empty", path.display());
+}
+
+fn check_png(path: &Path) {
+    let bytes = std::fs::read(path).unwrap();
+    assert!(
+        bytes.starts_with(&[0x89, b'P', b'N', b'G', 0x0d, 0x0a, 0x1a, 0x0a]),
+        "{}: not a PNG",
+        path.display()
+    );
+    assert!(bytes.len() > 10_000, "{}: only {} bytes", path.display(), bytes.len());
+}
+
+#[test]
+fn quick_study_writes_the_report() {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("report");
+    let started = Instant::now();
+    let mut p = Proc(
+        Command::new(VRDMA)
+            .args(["study", "--quick", "--out"])
+            .arg(&out)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = p.0.id();
+    let status = p.wait(Duration::from_secs(300));
+    assert!(status.success(), "vrdma study --quick: {status}");
+    eprintln!("vrdma study --quick took {:?}", started.elapsed());
+
+    for f in ["report.md", "report.html", "data.csv", "data.json"] {
+        assert!(out.join(f).is_file(), "{f} is missing");
+    }
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let html = std::fs::read_to_string(out.join("report.html")).unwrap();
+    for t in ["Table 1. Transfer bandwidth", "Table 2. Latency", "Table 3. Bandwidth set"] {
+        assert!(md.contains(t) && html.contains(t), "{t} is missing");
+    }
+    assert!(md.contains("| run 1 | run 2 | avg | min | max |"), "{md}");
+    assert!(md.contains("| process-process (1 host) | vRDMA | 1 | rc_rdma_write_bw |"), "{md}");
+    assert!(md.contains("| process-process (1 host) | TCP | 1 | tcp_bw |"), "{md}");
+    assert!(md.contains("rc_lat") && md.contains("tcp_lat"), "{md}");
+    assert!(
+        html.contains("<table>") && html.matches("<svg").count() >= 2,
+        "the HTML lacks tables or inline SVGs"
+    );
+
+    let mut charts = vec!["bandwidth", "latency"];
+    if is_root() {
+        charts.push("fairness");
+        assert!(md.contains("Table 4. Four tenants at once"), "{md}");
+        for p in ["container-container", "host-host"] {
+            assert!(md.contains(&format!("| {p}")), "placement {p} is missing: {md}");
+        }
+    } else {
+        assert!(
+            md.contains("need root") || md.contains("needs root"),
+            "the report does not say what it skipped: {md}"
+        );
+    }
+    for c in &charts {
+        check_svg(&out.join("charts").join(format!("{c}.svg")));
+        check_png(&out.join("charts").join(format!("{c}.png")));
+    }
+
+    let csv = std::fs::read_to_string(out.join("data.csv")).unwrap();
+    let mut lines = csv.lines();
+    let header = lines.next().unwrap();
+    assert!(header.starts_with("section,placement,protocol,tenants,tenant,tool,test,size,run,value,unit"));
+    let width = header.split(',').count();
+    let rows: Vec<&str> = lines.collect();
+    assert!(rows.len() > 10, "{csv}");
+    assert!(rows.iter().all(|r| r.split(',').count() == width), "{csv}");
+
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("data.json")).unwrap()).unwrap();
+    assert!(json["failures"].as_array().unwrap().is_empty(), "failures: {}", json["failures"]);
+    assert!(json["records"].as_array().unwrap().len() == rows.len());
+    let fairness = json["summary"]["fairness"].as_array().unwrap();
+    if is_root() {
+        assert!(!fairness.is_empty());
+    }
+    for f in fairness {
+        for j in f["jain_runs"].as_array().unwrap() {
+            let j = j.as_f64().expect("every run has its index");
+            assert!((0.25..=1.0).contains(&j), "Jain's index {j} out of [0.25, 1]");
+        }
+    }
+
+    let run_id = json["run_id"].as_str().unwrap();
+    assert!(namespaces_of(pid).is_empty(), "namespaces left: {:?}", namespaces_of(pid));
+    assert!(processes_of(run_id).is_empty(), "processes left: {:?}", processes_of(run_id));
+    assert!(!Path::new(&format!("/tmp/vrdma-study-{pid}")).exists(), "the work directory was left");
+}
+
+#[test]
+fn interrupted_study_leaves_nothing_behind() {
+    if !is_root() {
+        eprintln!("skipping: the namespaces and tenant uids need root");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("report");
+    let mut p = Proc(
+        Command::new(VRDMA)
+            .args([
+                "study",
+                "--placements",
+                "container,hosts",
+                "--runs",
+                "50",
+                "--bytes",
+                "64M",
+                "--no-anchors",
+                "--out",
+            ])
+            .arg(&out)
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = p.0.id();
+    // Wait until it has made namespaces and started workers.
+    let end = Instant::now() + Duration::from_secs(60);
+    while namespaces_of(pid).is_empty() || processes_of_pid(pid).len() < 3 {
+        assert!(Instant::now() < end, "the study made no namespaces within 60 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: kill(2) on our unreaped child.
+    unsafe { libc::kill(pid as i32, libc::SIGINT) };
+    let status = p.wait(Duration::from_secs(60));
+    assert!(!status.success(), "an interrupted study exits non-zero");
+    assert!(namespaces_of(pid).is_empty(), "namespaces left: {:?}", namespaces_of(pid));
+    assert!(processes_of_pid(pid).is_empty(), "processes left: {:?}", processes_of_pid(pid));
+    assert!(out.join("report.md").is_file(), "the report of what was measured is written");
+}
+
+#[test]
+fn bad_arguments_are_refused_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let full = dir.path().join("full");
+    std::fs::create_dir(&full).unwrap();
+    std::fs::write(full.join("old"), "x").unwrap();
+    let fresh = dir.path().join("fresh");
+    let fresh_s = fresh.to_str().unwrap();
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (vec!["--runs", "0", "--out", fresh_s], "--runs"),
+        (vec!["--bytes", "0", "--out", fresh_s], "1 B to 1 TiB"),
+        (vec!["--bytes", "12Q", "--out", fresh_s], "unknown unit"),
+        (vec!["--bytes", "100K", "--out", fresh_s], "less than 4 messages"),
+        (vec!["--message-size", "100M", "--out", fresh_s], "message size"),
+        (vec!["--time", "0", "--out", fresh_s], "time"),
+        (vec!["--placements", "moon", "--out", fresh_s], "process, container, hosts"),
+        (vec!["--out", file.to_str().unwrap()], "not a directory"),
+        (vec!["--out", full.to_str().unwrap()], "not empty"),
+        (vec!["--frobnicate"], "unexpected argument"),
+    ];
+    for (args, want) in cases {
+        let o = Command::new(VRDMA).arg("study").args(&args).stdin(Stdio::null()).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} was accepted");
+        assert!(err.contains(want), "{args:?}: expected {want:?} in {err}");
+        assert!(err.lines().count() < 15, "{args:?}: a long message: {err}");
+    }
+    assert!(!fresh.exists(), "a refused study created its output directory");
+}
