@@ -93,6 +93,10 @@
 // The exported functions are reached from assembly (see `exports!`),
 // which the unit-test build leaves out.
 #![cfg_attr(test, allow(dead_code))]
+// The verbs' safety contracts are rdma-core's (its man pages and
+// verbs.h); the module `raw` makes them public to this package's tests
+// and examples only, and each one says what it relies on.
+#![allow(clippy::missing_safety_doc)]
 
 mod abi;
 mod ah;
@@ -107,6 +111,24 @@ mod qp_ex;
 mod srq;
 mod strings;
 mod util;
+
+/// The C entry points and structures for Rust callers in this package:
+/// the allocation test (`tests/no_alloc.rs`) and the cost benchmark
+/// (`examples/shim_cost.rs`) call the shim exactly as a C program does
+/// (the exported symbols jump to these functions; the data path is
+/// reached through the ops tables of the objects they return). Not an
+/// interface for other crates.
+#[doc(hidden)]
+pub mod raw {
+    pub use crate::abi::*;
+    pub use crate::context::{ibv_close_device, ibv_open_device, ibv_query_port};
+    pub use crate::cq::{ibv_create_comp_channel, ibv_create_cq, ibv_destroy_comp_channel, ibv_destroy_cq};
+    pub use crate::cq_ex::{ibv_cq_init_attr_ex, ibv_poll_cq_attr};
+    pub use crate::device::{ibv_free_device_list, ibv_get_device_list};
+    pub use crate::mem::{ibv_alloc_pd, ibv_dealloc_pd, ibv_dereg_mr, ibv_reg_mr};
+    pub use crate::qp::{ibv_create_qp, ibv_destroy_qp, ibv_modify_qp, ibv_qp_to_qp_ex};
+    pub use crate::qp_ex::{ibv_qp_init_attr_ex, IBV_QP_INIT_ATTR_PD, IBV_QP_INIT_ATTR_SEND_OPS_FLAGS};
+}
 
 /// Exports each function under its C name bound to its version node, and
 /// lists them in [`EXPORTS`].

@@ -474,7 +474,8 @@ fn sge_list(s: &[ibv_sge]) -> SgeList {
     SgeList::from_slice(&items[..s.len()]).unwrap_or_default()
 }
 
-/// Converts one C send request.
+/// Converts one C send request, in place in `out` (which a failed
+/// conversion may leave written: a `SendWr` owns nothing to drop).
 ///
 /// # Safety
 /// `wr` must be a valid request whose SGE list (and, with
@@ -485,7 +486,9 @@ unsafe fn send_wr(wr: &ibv_send_wr, ud: bool, out: &mut MaybeUninit<SendWr>) -> 
     let flags = SendFlags::from_bits(wr.send_flags).ok_or(libc::EINVAL)?;
     // SAFETY: per the contract.
     let list = unsafe { sges(wr.sg_list, wr.num_sge)? };
-    let mut s = SendWr::new(wr.wr_id, opcode);
+    // Built in place in the caller's buffer: the request is large (its
+    // inline buffer), and a copy per request is measurable.
+    let s = out.write(SendWr::new(wr.wr_id, opcode));
     s.flags = flags;
     if opcode.has_imm() {
         s.imm_data = wr.imm_data;
@@ -542,7 +545,6 @@ unsafe fn send_wr(wr: &ibv_send_wr, ud: bool, out: &mut MaybeUninit<SendWr>) -> 
     } else {
         s.sg = sge_list(list);
     }
-    out.write(s);
     Ok(())
 }
 
