@@ -5,6 +5,7 @@ mod cmd;
 mod cp;
 mod embedded;
 mod study;
+mod tool_output;
 
 use anyhow::Result;
 use clap::{CommandFactory, Parser, Subcommand};

@@ -19,6 +19,7 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use serde::Serialize;
 
 use crate::cmd::run::{find_companions, find_library, LibDir};
+use crate::tool_output::{listening, perftest_column, qperf_figure};
 
 /// vrdma bench's own figures for the compared tests (latency in ns, with
 /// the definitions of [`SPECS`]; bandwidth in GB/s = 1e9 B/s).
@@ -308,7 +309,7 @@ impl QperfServer {
         let line = format!("qperf {}", args.join(" "));
         let run = || -> Result<(f64, Option<f64>)> {
             let out = Proc::spawn(env.command(qperf).args(args))?.finish(CLIENT)?;
-            Ok((qperf_figure(&out)?, None))
+            Ok((qperf_figure(&out)?.0, None))
         };
         (line, run())
     }
@@ -346,7 +347,7 @@ impl Proc {
     /// or the server would take us for its client).
     fn wait_listening(&mut self, port: u16) -> Result<()> {
         let end = Instant::now() + LISTEN;
-        while !listening(port) {
+        while !listening(None, port) {
             if let Some(s) = self.child.try_wait()? {
                 bail!("the server exited ({s}) before listening: {}", self.stderr_tail());
             }
@@ -401,56 +402,6 @@ fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map_or(18515, |a| a.port())
 }
 
-/// Whether some socket listens on `port`, from /proc/net/tcp{,6}.
-fn listening(port: u16) -> bool {
-    let want = format!(":{port:04X}");
-    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
-        std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).any(|l| {
-            let cols: Vec<&str> = l.split_whitespace().collect();
-            cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
-        })
-    })
-}
-
-/// The value under `column` in perftest's result table (the `#bytes`
-/// header and the row after it). Multi-word headings ("BW average[MB/sec]",
-/// "99% percentile[usec]") are joined with `_` first.
-fn perftest_column(out: &str, column: &str) -> Result<f64> {
-    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
-    let header = lines.next().ok_or_else(|| anyhow!("no result table in perftest's output"))?;
-    let header = header.replace("BW ", "BW_").replace("% percentile", "%_percentile");
-    let at = header
-        .split_whitespace()
-        .position(|h| h == column)
-        .ok_or_else(|| anyhow!("no {column} column in perftest's output"))?;
-    let row = lines.next().ok_or_else(|| anyhow!("no result row in perftest's output"))?;
-    let cell = row.split_whitespace().nth(at).ok_or_else(|| anyhow!("short result row {row:?}"))?;
-    cell.parse().with_context(|| format!("{column} = {cell:?}"))
-}
-
-/// qperf's figure: "latency = X us" in ns, or "bw = X GB/sec" in GB/s.
-fn qperf_figure(out: &str) -> Result<f64> {
-    for line in out.lines() {
-        let Some((key, value)) = line.split_once('=') else { continue };
-        let mut v = value.split_whitespace();
-        let (Some(num), Some(unit)) = (v.next(), v.next()) else { continue };
-        let Ok(num) = num.parse::<f64>() else { continue };
-        let scale = match (key.trim(), unit) {
-            ("latency", "ns") => 1.0,
-            ("latency", "us") => 1e3,
-            ("latency", "ms") => 1e6,
-            ("latency", "sec") => 1e9,
-            ("bw", "GB/sec") => 1.0,
-            ("bw", "MB/sec") => 1e-3,
-            ("bw", "KB/sec") => 1e-6,
-            ("bw", "bytes/sec") => 1e-9,
-            _ => continue,
-        };
-        return Ok(num * scale);
-    }
-    bail!("no latency or bw figure in qperf's output: {:?}", out.trim())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -471,9 +422,9 @@ mod tests {
 
     #[test]
     fn qperf_figures_parse() {
-        assert_eq!(qperf_figure("rc_lat:\n    latency  =  12.8 us\n").unwrap(), 12_800.0);
-        assert_eq!(qperf_figure("rc_bw:\n    bw  =  18 GB/sec\n").unwrap(), 18.0);
-        assert!((qperf_figure("rc_bw:\n    bw  =  950 MB/sec\n").unwrap() - 0.95).abs() < 1e-12);
+        assert_eq!(qperf_figure("rc_lat:\n    latency  =  12.8 us\n").unwrap().0, 12_800.0);
+        assert_eq!(qperf_figure("rc_bw:\n    bw  =  18 GB/sec\n").unwrap().0, 18.0);
+        assert!((qperf_figure("rc_bw:\n    bw  =  950 MB/sec\n").unwrap().0 - 0.95).abs() < 1e-12);
         assert!(qperf_figure("rc_bw:\nfailed\n").is_err());
     }
 }

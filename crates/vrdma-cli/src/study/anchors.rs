@@ -12,6 +12,7 @@ use anyhow::{anyhow, bail, Context as _, Result};
 
 use super::placement::Place;
 use super::proc::{self, free_port, wait_listening};
+use crate::tool_output::{perftest_column, qperf_figure, QperfUnit};
 
 /// What the anchors need from the run.
 pub struct Ctx<'a> {
@@ -61,37 +62,9 @@ pub fn qperf(ctx: &Ctx, send: &Place, recv: &Place, test: &str, size: u64, secs:
     drop(server);
     let (v, unit) = qperf_figure(&out)?;
     Ok(match unit {
-        Unit::GbPerS => v,
-        Unit::Ns => v / 1e3,
+        QperfUnit::GbPerS => v,
+        QperfUnit::Ns => v / 1e3,
     })
-}
-
-enum Unit {
-    GbPerS,
-    Ns,
-}
-
-/// qperf's figure: "latency = X us" (as ns) or "bw = X GB/sec" (as GB/s).
-fn qperf_figure(out: &str) -> Result<(f64, Unit)> {
-    for line in out.lines() {
-        let Some((key, value)) = line.split_once('=') else { continue };
-        let mut v = value.split_whitespace();
-        let (Some(num), Some(unit)) = (v.next(), v.next()) else { continue };
-        let Ok(num) = num.parse::<f64>() else { continue };
-        let (scale, u) = match (key.trim(), unit) {
-            ("latency", "ns") => (1.0, Unit::Ns),
-            ("latency", "us") => (1e3, Unit::Ns),
-            ("latency", "ms") => (1e6, Unit::Ns),
-            ("latency", "sec") => (1e9, Unit::Ns),
-            ("bw", "GB/sec") => (1.0, Unit::GbPerS),
-            ("bw", "MB/sec") => (1e-3, Unit::GbPerS),
-            ("bw", "KB/sec") => (1e-6, Unit::GbPerS),
-            ("bw", "bytes/sec") => (1e-9, Unit::GbPerS),
-            _ => continue,
-        };
-        return Ok((num * scale, u));
-    }
-    bail!("no latency or bw figure in qperf's output: {:?}", out.trim())
 }
 
 /// iperf3 moving `bytes` in `streams` parallel streams: GB/s received.
@@ -151,21 +124,6 @@ pub fn perftest(ctx: &Ctx, send: &Place, recv: &Place, tool: &str, size: u64, it
         // perftest's MB/sec is MiB/s.
         Ok(perftest_column(&out, "BW_average[MB/sec]")? * 1_048_576.0 / 1e9)
     }
-}
-
-/// The value under `column` in perftest's result table (the `#bytes`
-/// header and the row after it); multi-word headings joined with `_`.
-fn perftest_column(out: &str, column: &str) -> Result<f64> {
-    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
-    let header = lines.next().ok_or_else(|| anyhow!("no result table in perftest's output"))?;
-    let header = header.replace("BW ", "BW_").replace("% percentile", "%_percentile");
-    let at = header
-        .split_whitespace()
-        .position(|h| h == column)
-        .ok_or_else(|| anyhow!("no {column} column in perftest's output"))?;
-    let row = lines.next().ok_or_else(|| anyhow!("no result row in perftest's output"))?;
-    let cell = row.split_whitespace().nth(at).ok_or_else(|| anyhow!("short result row {row:?}"))?;
-    cell.parse().with_context(|| format!("{column} = {cell:?}"))
 }
 
 #[cfg(test)]

@@ -224,22 +224,10 @@ pub fn free_port(netns: Option<&Path>, ip: std::net::IpAddr) -> Result<u16> {
     in_netns(netns, || Ok(std::net::TcpListener::bind((ip, 0))?.local_addr()?.port()))
 }
 
-/// Whether process `pid` sees a socket listening on `port` (in its own
-/// network namespace: /proc/PID/net).
-pub fn listening(pid: u32, port: u16) -> bool {
-    let want = format!(":{port:04X}");
-    ["tcp", "tcp6"].iter().any(|f| {
-        std::fs::read_to_string(format!("/proc/{pid}/net/{f}")).unwrap_or_default().lines().skip(1).any(|l| {
-            let cols: Vec<&str> = l.split_whitespace().collect();
-            cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
-        })
-    })
-}
-
 /// Waits until `p` listens on `port`, within `limit`.
 pub fn wait_listening(p: &mut Proc, port: u16, limit: Duration) -> Result<()> {
     let end = Instant::now() + limit;
-    while !listening(p.pid(), port) {
+    while !crate::tool_output::listening(Some(p.pid()), port) {
         if !p.running() {
             bail!("{} exited before listening on port {port}; {}", p.name, p.log_tail());
         }

@@ -270,20 +270,6 @@ pub fn sweep(marker: &str) -> usize {
     found
 }
 
-/// Whether a process in the network namespace of `pid` listens on TCP
-/// `port` (read from /proc/PID/net/tcp{,6}, which show that namespace).
-pub fn listening(pid: i32, port: u16) -> bool {
-    let want = format!(":{port:04X}");
-    ["tcp", "tcp6"].iter().any(|f| {
-        std::fs::read_to_string(format!("/proc/{pid}/net/{f}")).is_ok_and(|t| {
-            t.lines().skip(1).any(|l| {
-                let cols: Vec<&str> = l.split_whitespace().collect();
-                cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
-            })
-        })
-    })
-}
-
 /// One side: a namespace, its address and its daemon's socket.
 pub struct Host {
     pub ns: String,
@@ -445,7 +431,7 @@ impl Hosts {
         let pid = p.pid();
         self.procs.push(p);
         let end = Instant::now() + Duration::from_secs(20);
-        while !listening(pid, port) {
+        while !crate::tool_output::listening(u32::try_from(pid).ok(), port) {
             check_interrupt()?;
             let p = self.procs.last().expect("just pushed");
             if !p.running() {

@@ -11,6 +11,7 @@ use std::time::Duration;
 use anyhow::{bail, Context as _, Result};
 
 use super::hosts::Hosts;
+use crate::tool_output::{perftest_column, qperf_figure, QperfUnit};
 
 /// A program the benchmark needs, and the Debian package that has it.
 pub struct Tool {
@@ -161,53 +162,21 @@ pub fn parse_iperf3(json: &str) -> Result<f64> {
 
 /// qperf's `latency = X unit`, in µs.
 pub fn parse_qperf_latency(out: &str) -> Result<f64> {
-    for line in out.lines() {
-        let mut words = line.split_whitespace();
-        if words.next() == Some("latency") && words.next() == Some("=") {
-            let value: f64 = words.next().context("no value")?.parse().context("not a number")?;
-            let scale = match words.next() {
-                Some("ns") => 1e-3,
-                Some("us") => 1.0,
-                Some("ms") => 1e3,
-                Some("sec") | Some("s") => 1e6,
-                u => bail!("unknown unit {u:?}"),
-            };
-            return Ok(value * scale);
-        }
+    match qperf_figure(out)? {
+        (ns, QperfUnit::Ns) => Ok(ns / 1e3),
+        _ => bail!("no \"latency =\" line"),
     }
-    bail!("no \"latency =\" line")
-}
-
-/// The numeric row under perftest's `#bytes` header, and the header.
-fn perftest_row(out: &str) -> Result<(&str, Vec<f64>)> {
-    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
-    let header = lines.next().context("no #bytes header")?;
-    for l in lines {
-        let cols: Option<Vec<f64>> = l.split_whitespace().map(|c| c.parse().ok()).collect();
-        match cols {
-            Some(c) if c.len() >= 3 => return Ok((header, c)),
-            _ => continue,
-        }
-    }
-    bail!("no result row under the #bytes header")
 }
 
 /// ib_write_bw's "BW average" column (the fourth: bytes, iterations, peak,
 /// average, message rate), in Gbit/s as `--report_gbits` prints it.
 pub fn parse_perftest_bw(out: &str) -> Result<f64> {
-    let (header, row) = perftest_row(out)?;
-    if !header.contains("BW average[Gb/sec]") {
-        bail!("unexpected header (want BW average[Gb/sec]): {header}");
-    }
-    row.get(3).copied().context("short result row")
+    perftest_column(out, "BW_average[Gb/sec]")
 }
 
 /// ib_write_lat's `t_typical` column (its median), in µs.
 pub fn parse_perftest_lat(out: &str) -> Result<f64> {
-    let (header, row) = perftest_row(out)?;
-    let names: Vec<&str> = header.split_whitespace().collect();
-    let i = names.iter().position(|n| n.starts_with("t_typical")).context("no t_typical column")?;
-    row.get(i).copied().context("short result row")
+    perftest_column(out, "t_typical[usec]")
 }
 
 #[cfg(test)]
