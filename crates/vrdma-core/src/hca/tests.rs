@@ -11,8 +11,8 @@ use crate::qp::timers;
 use crate::ring::{Cqe, RecvWr, SendWr, Sge, SgeList, WqeError};
 use crate::time::Instant;
 use crate::verbs::{
-    AccessFlags, AsyncEventType, Mtu, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType, SendFlags,
-    SendOpcode, SrqAttr, WcFlags, WcOpcode, WcStatus,
+    AccessFlags, AhAttr, AsyncEventType, Mtu, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType,
+    SendFlags, SendOpcode, SrqAttr, WcFlags, WcOpcode, WcStatus,
 };
 
 mod two_hosts;
@@ -265,17 +265,22 @@ impl Env {
     }
 
     fn bring_to_rtr(&mut self, qpn: u32, remote: u32, c: Conn) {
-        let mut attr = QpAttr {
+        let ah = AhAttr { dlid: self.hca.config().port.lid, port_num: 1, ..AhAttr::default() };
+        self.bring_to_rtr_via(qpn, remote, c, ah, 0, 1);
+    }
+
+    /// INIT -> RTR towards `remote` at `ah`, expecting PSN `psn` first.
+    fn bring_to_rtr_via(&mut self, qpn: u32, remote: u32, c: Conn, ah: AhAttr, psn: u32, rd_atomic: u8) {
+        let attr = QpAttr {
             qp_state: QpState::Rtr,
             path_mtu: Mtu::Mtu1024,
             dest_qp_num: remote,
-            rq_psn: 0,
+            rq_psn: psn,
             min_rnr_timer: c.min_rnr_timer,
-            max_dest_rd_atomic: 1,
+            max_dest_rd_atomic: rd_atomic,
+            ah_attr: ah,
             ..QpAttr::default()
         };
-        attr.ah_attr.dlid = self.hca.config().port.lid;
-        attr.ah_attr.port_num = 1;
         let mask = QpAttrMask::STATE
             | QpAttrMask::AV
             | QpAttrMask::PATH_MTU
@@ -287,13 +292,18 @@ impl Env {
     }
 
     fn bring_to_rts(&mut self, qpn: u32, c: Conn) {
+        self.bring_to_rts_via(qpn, c, 0, 1);
+    }
+
+    /// RTR -> RTS, sending from PSN `psn`.
+    fn bring_to_rts_via(&mut self, qpn: u32, c: Conn, psn: u32, rd_atomic: u8) {
         let attr = QpAttr {
             qp_state: QpState::Rts,
-            sq_psn: 0,
+            sq_psn: psn,
             timeout: c.timeout,
             retry_cnt: c.retry_cnt,
             rnr_retry: c.rnr_retry,
-            max_rd_atomic: 1,
+            max_rd_atomic: rd_atomic,
             ..QpAttr::default()
         };
         let mask = QpAttrMask::STATE

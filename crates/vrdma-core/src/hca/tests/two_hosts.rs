@@ -125,43 +125,15 @@ impl TwoHosts {
 /// RESET -> RTS on one host, towards `peer` on the host at `ip`.
 fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
     env.bring_to_init(me, c);
-    let mut attr = QpAttr {
-        qp_state: QpState::Rtr,
-        path_mtu: Mtu::Mtu1024,
-        dest_qp_num: peer,
-        rq_psn: 100,
-        min_rnr_timer: c.min_rnr_timer,
-        max_dest_rd_atomic: 4,
-        ..QpAttr::default()
+    let ah = crate::verbs::AhAttr {
+        is_global: true,
+        dgid: Gid::from_ipv4(ip),
+        hop_limit: 1,
+        port_num: 1,
+        ..Default::default()
     };
-    attr.ah_attr.is_global = true;
-    attr.ah_attr.dgid = Gid::from_ipv4(ip);
-    attr.ah_attr.hop_limit = 1;
-    attr.ah_attr.port_num = 1;
-    let mask = QpAttrMask::STATE
-        | QpAttrMask::AV
-        | QpAttrMask::PATH_MTU
-        | QpAttrMask::DEST_QPN
-        | QpAttrMask::RQ_PSN
-        | QpAttrMask::MAX_DEST_RD_ATOMIC
-        | QpAttrMask::MIN_RNR_TIMER;
-    assert_eq!(env.modify(me, &attr, mask), Ok(QpState::Rtr));
-    let attr = QpAttr {
-        qp_state: QpState::Rts,
-        sq_psn: 100,
-        timeout: c.timeout,
-        retry_cnt: c.retry_cnt,
-        rnr_retry: c.rnr_retry,
-        max_rd_atomic: 4,
-        ..QpAttr::default()
-    };
-    let mask = QpAttrMask::STATE
-        | QpAttrMask::SQ_PSN
-        | QpAttrMask::TIMEOUT
-        | QpAttrMask::RETRY_CNT
-        | QpAttrMask::RNR_RETRY
-        | QpAttrMask::MAX_QP_RD_ATOMIC;
-    assert_eq!(env.modify(me, &attr, mask), Ok(QpState::Rts));
+    env.bring_to_rtr_via(me, peer, c, ah, 100, 4);
+    env.bring_to_rts_via(me, c, 100, 4);
 }
 
 fn conn() -> Conn {
