@@ -88,6 +88,9 @@ pub struct Hca {
     next_qpn: u32,
     /// Links to other hosts' daemons.
     net: remote::Network,
+    /// A QP went to ERR outside `process` (on a frame from a link): its
+    /// queues are flushed by the next pass, which the driver must run.
+    flush_pending: bool,
 }
 
 impl Hca {
@@ -108,6 +111,7 @@ impl Hca {
             next_id: 1,
             next_qpn: 0x11,
             net: remote::Network::default(),
+            flush_pending: false,
         }
     }
 
@@ -179,5 +183,11 @@ impl Hca {
     /// Usage of a tenant: (objects, registered bytes).
     pub fn usage(&self, tenant: TenantId) -> (u32, u64) {
         self.usage.get(&tenant).map(|u| (u.objects, u.registered_bytes)).unwrap_or((0, 0))
+    }
+
+    /// Whether a pass of [`Hca::process`] has work now that no queue shows:
+    /// a QP that went to ERR while a link's frames were handled.
+    pub fn needs_pass(&self) -> bool {
+        self.flush_pending
     }
 }

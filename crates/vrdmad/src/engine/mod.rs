@@ -47,6 +47,7 @@ impl EngineState {
         if let Some(n) = self.net.as_mut() {
             act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
         }
+        act.busy |= self.hca.needs_pass();
         act
     }
 }

@@ -264,6 +264,7 @@ impl Hca {
             return;
         }
         qp.attr.qp_state = QpState::Err;
+        self.flush_pending = true;
         let (ctx, srq) = (qp.ctx, qp.init.srq);
         io.qp_state_changed(qpn, QpState::Err);
         if srq.is_some() {

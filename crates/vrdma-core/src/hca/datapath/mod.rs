@@ -162,21 +162,24 @@ impl Hca {
     /// so that one large transfer cannot starve the others.
     pub fn process(&mut self, now: Instant, io: &mut dyn Queues) -> Activity {
         let mut act = Activity::default();
+        self.flush_pending = false;
         let mut i = 0;
         while let Some(&qpn) = self.qp_order.get(i) {
             i += 1;
-            if let Some(t) = self.ack_timer(qpn) {
+            // One lookup per QP per pass: its state, where its peer is,
+            // and a held ACK's timer.
+            let Some(qp) = self.qps.get(&qpn) else { continue };
+            if let Some(t) = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due()) {
                 act.timer(t);
             }
-            match self.qps.get(&qpn).map(|q| q.state()) {
-                Some(QpState::Err) => self.flush(qpn, io, &mut act),
+            let remote = qp.init.qp_type == QpType::Rc && !self.is_local(&qp.attr.ah_attr);
+            match qp.state() {
+                QpState::Err => self.flush(qpn, io, &mut act),
                 // The send queue of a QP in SQE is flushed; its receive
                 // queue keeps working.
-                Some(QpState::Sqe) => self.flush_sends(qpn, io, &mut act),
-                Some(QpState::Rts | QpState::Sqd) if self.is_remote_rc(qpn) => {
-                    self.run_remote_requester(qpn, now, io, &mut act)
-                }
-                Some(QpState::Rts | QpState::Sqd) => self.run_send_queue(qpn, now, io, &mut act),
+                QpState::Sqe => self.flush_sends(qpn, io, &mut act),
+                QpState::Rts | QpState::Sqd if remote => self.run_remote_requester(qpn, now, io, &mut act),
+                QpState::Rts | QpState::Sqd => self.run_send_queue(qpn, now, io, &mut act),
                 _ => {}
             }
         }
@@ -420,11 +423,6 @@ impl Hca {
         io.send_retired(req.qpn, 1);
         self.complete(req.send_cq, error_cqe(&inf.wr, f.requester, req.qpn), req.qpn, io);
         self.send_queue_error(req.qpn, io);
-    }
-
-    /// An RC QP whose peer is on another host.
-    fn is_remote_rc(&self, qpn: u32) -> bool {
-        self.qps.get(&qpn).is_some_and(|q| q.init.qp_type == QpType::Rc && !self.is_local(&q.attr.ah_attr))
     }
 
     /// The requester's attributes of `qpn`.

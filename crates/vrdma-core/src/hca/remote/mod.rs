@@ -361,6 +361,7 @@ impl Hca {
     }
 
     /// When a held ACK of `qpn` is due.
+    #[cfg(test)]
     pub(crate) fn ack_timer(&self, qpn: u32) -> Option<Instant> {
         self.qps.get(&qpn)?.remote.as_ref()?.recv.as_ref()?.ack_due()
     }

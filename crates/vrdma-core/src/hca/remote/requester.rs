@@ -274,7 +274,14 @@ impl Hca {
         if w.needs_response() && s.sent.range(..s.tx).filter(|x| x.needs_response()).count() >= max_rd {
             return None;
         }
-        let t = self.build_request(qpn, link)?;
+        let Some(t) = self.build_request(qpn, link) else {
+            // The request failed on its own memory: the QP goes to ERR, and
+            // the flush completes it with that status, in order.
+            if self.send_state(qpn).is_some_and(|s| s.sent.get(s.tx).is_some_and(|w| w.status.is_some())) {
+                self.enter_error(qpn, io);
+            }
+            return None;
+        };
         // An ACK this QP holds goes out right behind its request.
         if let Some(rs) =
             self.qps.get_mut(&qpn).and_then(|q| q.remote.as_deref_mut()).and_then(|r| r.recv.as_mut())
@@ -358,8 +365,8 @@ impl Hca {
                 match segs.and_then(|segs| windows(&segs, off, n)) {
                     Some(w) => t.payload = w,
                     None => {
-                        let err = self.remote_fail_at_tx(qpn);
-                        return err;
+                        self.remote_fail_at_tx(qpn);
+                        return None;
                     }
                 }
             }
@@ -373,19 +380,15 @@ impl Hca {
         Some(t)
     }
 
-    /// The request being sent lost its local memory: it completes
-    /// LOC_PROT_ERR, in order, and the QP fails.
-    fn remote_fail_at_tx(&mut self, qpn: u32) -> Option<Transmit> {
-        let s = self.send_state(qpn)?;
+    /// The request being sent lost its local memory (deregistered mid-
+    /// transfer): it completes LOC_PROT_ERR in order when the QP's queue is
+    /// flushed, and nothing more is sent (see `requester_transmit`).
+    fn remote_fail_at_tx(&mut self, qpn: u32) {
+        let Some(s) = self.send_state(qpn) else { return };
         let tx = s.tx;
         if let Some(w) = s.sent.get_mut(tx) {
             w.status = Some(WcStatus::LocProtErr);
         }
-        s.tx = s.sent.len();
-        s.link_lost = true;
-        s.ack_deadline = Some(Instant::ZERO);
-        s.retries_left = 0;
-        None
     }
 
     /// A response frame (ACK, NAK, read response, atomic ACK) for one of

@@ -105,6 +105,9 @@ impl TwoHosts {
                 busy |= Self::carry(&mut self.a, &mut self.b, now, '>', &mut self.log);
                 busy |= Self::carry(&mut self.b, &mut self.a, now, '<', &mut self.log);
             }
+            // As the engine does: a QP that failed on a frame is flushed
+            // by another pass.
+            busy |= self.a.env.hca.needs_pass() | self.b.env.hca.needs_pass();
             if !busy {
                 return;
             }
@@ -615,4 +618,24 @@ fn a_held_ack_goes_with_the_next_request_or_when_its_delay_is_over() {
     assert!(t.a.env.poll(a.cq).is_empty());
     t.run(T0 + Duration::from_micros(11));
     assert_eq!(t.a.env.poll(a.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![4]);
+}
+
+#[test]
+fn a_region_deregistered_mid_send_ends_the_request_in_loc_prot_err() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 700)], b.buf.addr, b.buf.key));
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    // The first chunk leaves; then the source region goes away.
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    t.a.env.hca.dereg_mr(C1, a.buf.key).unwrap();
+    t.run(T0);
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(1, WcStatus::LocProtErr, WcOpcode::RdmaWrite, a.qpn, 0),
+            req_cqe(2, WcStatus::WrFlushErr, WcOpcode::RdmaWrite, a.qpn, 0)
+        ]
+    );
+    assert_eq!(t.a.env.io.state(a.qpn), Some(QpState::Err));
 }
