@@ -6,11 +6,13 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpListener;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+mod common;
+
+use common::{daemon, Proc, VRDMA};
 
 const ALL: [&str; 13] = [
     "rc_bw",
@@ -27,45 +29,6 @@ const ALL: [&str; 13] = [
     "tcp_bw",
     "tcp_lat",
 ];
-
-/// A child process, killed by pid and reaped when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-impl Proc {
-    fn pid(&self) -> u32 {
-        self.0.id()
-    }
-
-    /// Waits at most `limit` for the exit, then collects stdout and stderr.
-    fn finish(mut self, limit: Duration) -> (std::process::ExitStatus, String, String) {
-        let end = Instant::now() + limit;
-        let status = loop {
-            if let Some(s) = self.0.try_wait().unwrap() {
-                break s;
-            }
-            assert!(Instant::now() < end, "vrdma did not exit within {limit:?}");
-            std::thread::sleep(Duration::from_millis(10));
-        };
-        let mut out = String::new();
-        let mut err = String::new();
-        if let Some(mut o) = self.0.stdout.take() {
-            o.read_to_string(&mut out).unwrap();
-        }
-        if let Some(mut e) = self.0.stderr.take() {
-            e.read_to_string(&mut err).unwrap();
-        }
-        (status, out, err)
-    }
-}
 
 fn spawn(socket: &Path, args: &[&str]) -> Proc {
     Proc(
@@ -85,25 +48,6 @@ fn spawn(socket: &Path, args: &[&str]) -> Proc {
 /// Output is small (a table): the pipes cannot fill before the exit.
 fn run(socket: &Path, args: &[&str], limit: Duration) -> (std::process::ExitStatus, String, String) {
     spawn(socket, args).finish(limit)
-}
-
-fn start_daemon(socket: &Path) -> Proc {
-    let d = Proc(
-        Command::new(VRDMA)
-            .args(["daemon", "--socket"])
-            .arg(socket)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawn daemon"),
-    );
-    let end = Instant::now() + Duration::from_secs(20);
-    while !socket.exists() || !run(socket, &["devinfo"], Duration::from_secs(10)).0.success() {
-        assert!(Instant::now() < end, "daemon did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    d
 }
 
 /// A `vrdma bench --server` on 127.0.0.1 and the address it reports.
@@ -151,7 +95,7 @@ fn check_rows(v: &serde_json::Value, tests: &[&str]) {
 fn every_named_test_runs_locally() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     let mut args = vec!["bench"];
     args.extend(ALL);
     args.extend(["--iters", "200", "--json"]);
@@ -164,7 +108,7 @@ fn every_named_test_runs_locally() {
 fn several_qps_streams_events_and_sizes() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     let tests = ["rc_lat", "rc_bi_bw", "rc_rdma_write_lat", "rc_fetch_add_mr", "ud_lat", "tcp_bw"];
     let mut args = vec!["bench"];
     args.extend(tests);
@@ -202,7 +146,7 @@ fn several_qps_streams_events_and_sizes() {
 fn the_table_shows_the_figures() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     let (status, out, err) =
         run(&sock, &["bench", "rc_lat", "rc_bw", "--time", "0.2"], Duration::from_secs(120));
     assert!(status.success(), "{err}");
@@ -215,7 +159,7 @@ fn the_table_shows_the_figures() {
 fn a_server_and_a_client_on_loopback() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     let (server, addr) = start_server(&sock);
     let tests = ["rc_lat", "rc_rdma_read_bw", "ud_bw", "tcp_lat"];
     for _ in 0..2 {
@@ -267,7 +211,7 @@ fn bad_arguments_are_clear_errors() {
 fn killing_the_server_mid_test_ends_the_client() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     for test in ["rc_bw", "tcp_lat", "rc_rdma_write_lat"] {
         let (server, addr) = start_server(&sock);
         let client = spawn(&sock, &["bench", &addr, test, "--time", "60"]);
@@ -287,7 +231,7 @@ fn killing_the_server_mid_test_ends_the_client() {
 fn a_client_killed_mid_test_leaves_the_server_serving() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     let (server, addr) = start_server(&sock);
     for test in ["rc_bi_bw", "tcp_bw"] {
         let client = spawn(&sock, &["bench", &addr, test, "--time", "60"]);
@@ -304,7 +248,7 @@ fn a_client_killed_mid_test_leaves_the_server_serving() {
 fn a_silent_server_is_given_up_on() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     // Accepts the connection and never says a word.
     let mute = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = mute.local_addr().unwrap().port();
@@ -321,7 +265,7 @@ fn a_silent_server_is_given_up_on() {
 fn a_peer_that_speaks_nonsense_is_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("v.sock");
-    let _d = start_daemon(&sock);
+    let _d = daemon(&sock, None);
     // A "server" that answers hello with garbage.
     let fake = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = fake.local_addr().unwrap().port();

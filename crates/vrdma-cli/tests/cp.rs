@@ -3,56 +3,12 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+mod common;
 
-/// A process killed by pid when the test ends.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-impl Proc {
-    /// Waits for exit within `limit`; kills it and fails otherwise.
-    fn finish(mut self, limit: Duration) -> (std::process::ExitStatus, String, String) {
-        let end = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.0.try_wait().unwrap() {
-                let mut out = String::new();
-                let mut err = String::new();
-                use std::io::Read;
-                self.0.stdout.take().map(|mut o| o.read_to_string(&mut out));
-                self.0.stderr.take().map(|mut e| e.read_to_string(&mut err));
-                return (s, out, err);
-            }
-            assert!(Instant::now() < end, "process did not exit within {limit:?}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
-fn daemon(socket: &Path, config: Option<&Path>) -> Proc {
-    let mut c = Command::new(VRDMA);
-    c.args(["daemon", "--socket"]).arg(socket);
-    if let Some(cfg) = config {
-        c.arg("--config").arg(cfg);
-    }
-    let p = Proc(c.stdin(Stdio::null()).stderr(Stdio::null()).spawn().expect("spawn daemon"));
-    let end = Instant::now() + Duration::from_secs(20);
-    while vrdma::Context::open_at(socket).is_err() {
-        assert!(Instant::now() < end, "daemon did not come up");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    p
-}
+use common::{daemon, Proc, VRDMA};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
