@@ -82,7 +82,7 @@ pub fn run(socket: &Path, out: &Path, listen: SocketAddr, show: bool) -> Result<
                     // The slot is free again: one credit back.
                     let credit = wr::send(next, &[])?.with_imm(1);
                     let credit = if credits_out % 16 == 15 { credit.signaled() } else { credit };
-                    qp.post_send(&[credit]).map_err(|e| anyhow::anyhow!("returning a credit: {e}"))?;
+                    post_credit(&qp, credit)?;
                     credits_out += 1;
                 }
                 vrdma::WcOpcode::Send => {}
@@ -120,4 +120,20 @@ pub fn run(socket: &Path, out: &Path, listen: SocketAddr, show: bool) -> Result<
         offer.size as f64 / secs.max(1e-9) / 1e9
     );
     Ok(())
+}
+
+/// Posts a credit. Credits already sent occupy the send queue until the
+/// sender acknowledges them, which it may do a little later (with its next
+/// segment): a full queue is waited out, for a bounded time.
+fn post_credit(qp: &vrdma::QueuePair, credit: vrdma::SendWr) -> Result<()> {
+    let end = Instant::now() + super::PEER_TIMEOUT;
+    loop {
+        match qp.post_send(std::slice::from_ref(&credit)) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.errno() == libc::ENOMEM && Instant::now() < end => {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+            Err(e) => bail!("returning a credit: {e}"),
+        }
+    }
 }
