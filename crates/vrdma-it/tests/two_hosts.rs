@@ -127,3 +127,48 @@ fn a_daemon_with_a_wrong_key_never_links() -> Result<()> {
     assert!(h.a.is_alive() && h.b.is_alive());
     Ok(())
 }
+
+#[test]
+fn bursts_of_small_writes_complete_without_waiting_for_the_next_frame() -> Result<()> {
+    // A burst of up to 255 eight-byte writes waits in the responder's socket as
+    // far more frames than it handles in one pass (64); the rest sit in its
+    // read buffer,
+    // where the socket's readiness no longer shows them. They must be
+    // handled in the next passes, not when the next frame (a keepalive,
+    // every 200 ms here) happens to arrive; so each burst must complete
+    // well inside one keepalive period, on the slowest machine.
+    let mut h = TwoHosts::start(true)?;
+    let (a, b) = pair(&h.a, &h.b, false)?;
+    let mut slowest = Duration::ZERO;
+    // Bursts of several lengths, so that some end with more than a pass's
+    // worth of frames in the buffer, whatever the frame size.
+    for burst in 0..12u64 {
+        let n = 255 - 13 * burst;
+        let wrs: Vec<_> = (0..n)
+            .map(|i| {
+                let w = wr::rdma_write(i, &[a.mr.sge(8 * i as usize, 8)?], b.mr.addr() + 8 * i, b.mr.rkey())?;
+                Ok(if i == n - 1 { w.signaled() } else { w })
+            })
+            .collect::<Result<_>>()?;
+        for i in 0..n {
+            a.mr.write(8 * i as usize, &(burst * 1000 + i).to_le_bytes())?;
+        }
+        // The responder stopped while the burst is sent: it finds the
+        // whole burst waiting in its socket when it goes on.
+        h.b.proc.kill(libc::SIGSTOP);
+        a.qp.post_send(&wrs)?;
+        std::thread::sleep(Duration::from_millis(20));
+        let start = std::time::Instant::now();
+        h.b.proc.kill(libc::SIGCONT);
+        check(&poll_one(&a.cq, WAIT)?, n - 1, WcOpcode::RdmaWrite);
+        slowest = slowest.max(start.elapsed());
+        let mut got = [0u8; 8];
+        for i in 0..n {
+            b.mr.read(8 * i as usize, &mut got)?;
+            assert_eq!(u64::from_le_bytes(got), burst * 1000 + i, "burst {burst}, write {i}");
+        }
+    }
+    println!("slowest burst: {slowest:?}");
+    assert!(slowest < Duration::from_millis(150), "a burst waited {slowest:?}: frames were left unhandled");
+    Ok(())
+}

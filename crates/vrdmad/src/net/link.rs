@@ -49,6 +49,10 @@ pub struct LinkIo {
     rbuf: Box<[u8; READ_BUF]>,
     rstart: usize,
     rend: usize,
+    /// The last read returned less than it asked for: the socket was
+    /// empty then, so this pass reads no more (a read that would only say
+    /// EAGAIN costs as much as one that brings data).
+    drained: bool,
     sink: Option<RxSink>,
     txq: VecDeque<Transmit>,
     /// Bytes of `txq[0]` already written.
@@ -80,6 +84,7 @@ impl LinkIo {
             rbuf: Box::new([0; READ_BUF]),
             rstart: 0,
             rend: 0,
+            drained: false,
             sink: None,
             txq: VecDeque::new(),
             tx_off: 0,
@@ -118,11 +123,12 @@ impl LinkIo {
     pub fn receive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> Result<bool, LinkEnd> {
         let mut busy = false;
         let mut frames = 0;
+        self.drained = false;
         while frames < FRAMES_PER_PASS {
             match self.dec.want() {
                 Want::Failed(e) => return Err(format!("protocol error: {e}")),
                 Want::Header(_) => {
-                    if self.rstart == self.rend && !self.fill()? {
+                    if self.rstart == self.rend && (self.drained || !self.fill()?) {
                         return Ok(busy);
                     }
                     let (used, ev) = self
@@ -143,7 +149,7 @@ impl LinkIo {
                         self.sink_copy(a, b);
                         self.rstart = b;
                         self.dec.payload_placed(n).map_err(|e| format!("protocol error: {e}"))?;
-                    } else if !self.read_payload(left as usize)? {
+                    } else if self.drained || !self.read_payload(left as usize)? {
                         return Ok(busy);
                     }
                     busy = true;
@@ -165,6 +171,7 @@ impl LinkIo {
             Ok(0) => Err("the peer closed the connection".into()),
             Ok(n) => {
                 self.rend = n;
+                self.drained = n < READ_BUF;
                 self.last_rx = Clock::now();
                 Ok(true)
             }
@@ -232,6 +239,7 @@ impl LinkIo {
     /// Reads up to `left` payload bytes straight into the destination.
     /// Returns false if the socket had nothing.
     fn read_payload(&mut self, left: usize) -> Result<bool, LinkEnd> {
+        let mut asked = left.min(READ_BUF);
         let n = match self.sink.as_mut() {
             Some(RxSink::Place { segs, done }) => {
                 let mut iov: ArrayVec<libc::iovec, MAX_SGE> = ArrayVec::new();
@@ -254,6 +262,7 @@ impl LinkIo {
                 if iov.is_empty() {
                     return Err("internal error: payload has no destination".into());
                 }
+                asked = left - want;
                 // SAFETY: every iovec points into a mapped region that the
                 // IoSegs in `segs` keep alive for this call, within bounds
                 // the core checked (`io_ptr` checks them again). The kernel
@@ -282,6 +291,7 @@ impl LinkIo {
         if n == 0 {
             return Err("the peer closed the connection".into());
         }
+        self.drained = n < asked;
         self.last_rx = Clock::now();
         self.dec.payload_placed(n).map_err(|e| format!("protocol error: {e}"))?;
         Ok(true)
@@ -379,6 +389,12 @@ impl LinkIo {
             self.last_tx = now;
         }
         Ok((self.last_tx + every).min(self.last_rx + dead))
+    }
+
+    /// Bytes read but not yet handled (a pass stopped at its frame bound):
+    /// the socket's readiness does not show them.
+    pub fn has_input(&self) -> bool {
+        self.rstart < self.rend
     }
 
     pub fn has_output(&self) -> bool {

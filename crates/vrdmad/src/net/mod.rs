@@ -18,7 +18,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant as Clock};
 
-use rustix::event::{PollFd, PollFlags};
+use rustix::event::{epoll, PollFd, PollFlags};
 use vrdma_core::hca::{Hca, LinkId, LinkInfo};
 use vrdma_core::time::Instant;
 use vrdma_core::verbs::Gid;
@@ -59,7 +59,16 @@ pub struct Net {
     /// Peers being dialled, and when the dial started.
     dialling: HashMap<SocketAddr, Clock>,
     next_keepalive: Clock,
+    /// Every link's socket, for readable ones: one `epoll_wait` per pass
+    /// finds them, instead of one read per link that mostly says EAGAIN.
+    /// None if the kernel refused one: every link is then read every pass.
+    readiness: Option<std::os::fd::OwnedFd>,
+    /// Links `readiness` found readable in this pass.
+    readable: Vec<LinkId>,
 }
+
+/// Readiness events taken per pass; more wait for the next (level-triggered).
+const READY_PER_PASS: usize = 64;
 
 impl Net {
     pub fn new(setup: Arc<NetSetup>) -> Net {
@@ -69,6 +78,10 @@ impl Net {
             links: BTreeMap::new(),
             dialling: HashMap::new(),
             next_keepalive: Clock::now(),
+            readiness: epoll::create(epoll::CreateFlags::CLOEXEC)
+                .map_err(|e| tracing::warn!(error = %e, "no epoll; every link is read every pass"))
+                .ok(),
+            readable: Vec::with_capacity(READY_PER_PASS),
         }
     }
 
@@ -92,6 +105,14 @@ impl Net {
         let id = hca.link_up(info);
         match LinkIo::new(id, sock, addr) {
             Ok(l) => {
+                if let Some(ep) = &self.readiness {
+                    if let Err(e) =
+                        epoll::add(ep, l.fd(), epoll::EventData::new_u64(id.0.into()), epoll::EventFlags::IN)
+                    {
+                        tracing::warn!(error = %e, "epoll refused a link; every link is read every pass");
+                        self.readiness = None;
+                    }
+                }
                 tracing::info!(link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id = peer.hello.daemon_id, "link up");
                 self.links.insert(id, l);
             }
@@ -152,8 +173,11 @@ impl Net {
     pub fn drive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> bool {
         let mut busy = false;
         let mut ended = Vec::new();
+        let all = self.find_readable();
         for (&id, l) in self.links.iter_mut() {
-            let r = l.receive(hca, rings, now).and_then(|a| Ok(a | l.transmit(hca, rings, now)?));
+            let read = all || l.has_input() || self.readable.contains(&id);
+            let r = if read { l.receive(hca, rings, now) } else { Ok(false) }
+                .and_then(|a| Ok(a | l.transmit(hca, rings, now)?));
             match r {
                 Ok(b) => busy |= b,
                 Err(why) => ended.push((id, why)),
@@ -171,6 +195,9 @@ impl Net {
         for (id, why) in ended {
             if let Some(mut l) = self.links.remove(&id) {
                 tracing::warn!(link = id.0, peer = %l.peer, reason = %why, "link down");
+                if let Some(ep) = &self.readiness {
+                    let _ = epoll::delete(ep, l.fd());
+                }
                 l.close(if why.starts_with("protocol error") {
                     CloseReason::ProtocolError
                 } else {
@@ -181,6 +208,30 @@ impl Net {
         }
         self.dial_wanted(hca);
         busy
+    }
+
+    /// Fills `readable` with the links whose sockets have something to
+    /// read (data, end of stream or error); true if every link must be read
+    /// instead (no epoll, or it failed).
+    fn find_readable(&mut self) -> bool {
+        self.readable.clear();
+        let Some(ep) = &self.readiness else { return true };
+        if self.links.is_empty() {
+            return false;
+        }
+        let mut events =
+            [epoll::Event { flags: epoll::EventFlags::empty(), data: epoll::EventData::new_u64(0) };
+                READY_PER_PASS];
+        match epoll::wait(ep, &mut events[..], Some(&rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 })) {
+            Ok(n) => {
+                self.readable.extend(events[..n].iter().map(|e| LinkId(e.data.u64() as u32)));
+                false
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "epoll_wait failed; reading every link");
+                true
+            }
+        }
     }
 
     /// Descriptors the engine sleeps on, and how long it may sleep.
