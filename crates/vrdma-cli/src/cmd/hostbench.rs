@@ -47,6 +47,9 @@ pub struct Args {
     /// (e.g. `--engine yield_us=0`, `--engine busy_poll=true`); repeatable.
     #[arg(long, value_name = "KEY=VALUE")]
     engine: Vec<String>,
+    /// Measure only these figures (repeatable; default all).
+    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b"])]
+    only: Vec<String>,
 }
 
 /// What a figure is compared with, and how.
@@ -160,8 +163,7 @@ pub fn run(args: Args) -> Result<()> {
     }
     let samples = result?;
     let engine = args.engine.join(", ");
-    let figures: Vec<Figure> = SPECS
-        .iter()
+    let figures: Vec<Figure> = selected(&args.only)
         .zip(samples)
         .map(|(s, runs)| {
             let vrdma = median(runs.iter().map(|p| p.vrdma).collect());
@@ -203,7 +205,13 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// Sets up the hosts and takes `runs` runs; per figure, one pair per run.
+/// The figures `--only` names, in table order; all when it names none.
+fn selected(only: &[String]) -> impl Iterator<Item = &'static Spec> + '_ {
+    SPECS.iter().filter(move |s| only.is_empty() || only.iter().any(|o| o == s.key))
+}
+
+/// Sets up the hosts and takes `runs` runs; per selected figure, one pair
+/// per run.
 fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<Pair>>> {
     let say = |s: &str| {
         if !args.json || args.verbose {
@@ -216,33 +224,29 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
         "hosts {} ({}) and {} ({}) linked; {} run(s)",
         h.hosts[0].ns, h.hosts[0].addr, h.hosts[1].ns, h.hosts[1].addr, runs
     ));
-    let mut out = vec![Vec::new(); SPECS.len()];
+    let specs: Vec<&Spec> = selected(&args.only).collect();
+    let mut out = vec![Vec::new(); specs.len()];
     for r in 0..runs {
-        let bw1 = Pair {
-            anchor: tools::iperf3(&mut h, 1, plan.bw_secs)?,
-            vrdma: tools::write_bw(&mut h, 1, plan.bw_secs)?,
-        };
-        let bw4 = Pair {
-            anchor: tools::iperf3(&mut h, 4, plan.bw_secs)?,
-            vrdma: tools::write_bw(&mut h, 4, plan.bw_secs)?,
-        };
-        let lat = Pair {
-            anchor: tools::tcp_lat(&mut h, plan.lat_secs)?,
-            vrdma: tools::write_lat(&mut h, plan.lat_iters)?,
-        };
-        say(&format!(
-            "run {}: write 1 QP {:.2} Gbit/s (iperf3 {:.2}), 4 QPs {:.2} (iperf3 {:.2}), 8 B {:.2} us (tcp_lat {:.2})",
-            r + 1,
-            bw1.vrdma,
-            bw1.anchor,
-            bw4.vrdma,
-            bw4.anchor,
-            lat.vrdma,
-            lat.anchor
-        ));
-        for (v, p) in out.iter_mut().zip([bw1, bw4, lat]) {
+        let mut line = Vec::new();
+        for (spec, v) in specs.iter().zip(out.iter_mut()) {
+            let p = match spec.key {
+                "write_bw_1qp" => Pair {
+                    anchor: tools::iperf3(&mut h, 1, plan.bw_secs)?,
+                    vrdma: tools::write_bw(&mut h, 1, plan.bw_secs)?,
+                },
+                "write_bw_4qp" => Pair {
+                    anchor: tools::iperf3(&mut h, 4, plan.bw_secs)?,
+                    vrdma: tools::write_bw(&mut h, 4, plan.bw_secs)?,
+                },
+                _ => Pair {
+                    anchor: tools::tcp_lat(&mut h, plan.lat_secs)?,
+                    vrdma: tools::write_lat(&mut h, plan.lat_iters)?,
+                },
+            };
+            line.push(format!("{} {:.2} (anchor {:.2}) {}", spec.key, p.vrdma, p.anchor, spec.unit));
             v.push(p);
         }
+        say(&format!("run {}: {}", r + 1, line.join(", ")));
     }
     Ok(out)
 }
@@ -330,5 +334,15 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), 2.5);
         assert!(median(vec![]).is_nan());
+    }
+
+    #[test]
+    fn only_selects_figures_in_table_order() {
+        let keys = |only: &[&str]| {
+            let only: Vec<String> = only.iter().map(|s| s.to_string()).collect();
+            selected(&only).map(|s| s.key).collect::<Vec<_>>()
+        };
+        assert_eq!(keys(&[]), ["write_bw_1qp", "write_bw_4qp", "write_lat_8b"]);
+        assert_eq!(keys(&["write_lat_8b", "write_bw_1qp"]), ["write_bw_1qp", "write_lat_8b"]);
     }
 }
