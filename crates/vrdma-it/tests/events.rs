@@ -93,6 +93,35 @@ fn channel_fd_becomes_readable_for_poll(t: Topology) -> Result<()> {
     Ok(())
 }
 
+/// An idle poller's clock (what decides when its empty polls yield and,
+/// on small machines, nap; see `vrdma::idle`) starts with empty polls and
+/// stops at a post or a completion found, per thread.
+fn idle_clock_runs_on_empty_polls_and_stops_at_a_post_or_a_completion(t: Topology) -> Result<()> {
+    let d = Hosts::start(t)?;
+    let ctx = d.a().context()?;
+    let ch = ctx.create_comp_channel()?;
+    let s = loopback(&d, &ctx, &ch)?;
+    let empty_polls = |n: u32| -> Result<()> {
+        for _ in 0..n {
+            assert_eq!(s.cq.poll(&mut vrdma::wc_buffer(1))?, 0, "a completion nobody asked for");
+        }
+        Ok(())
+    };
+    empty_polls(vrdma::spin_polls() + 2)?;
+    assert!(vrdma::idle::idle_for().is_some(), "empty polls past the spin did not start the idle clock");
+    s.qp.post_send(&[write(&s, 1)?])?;
+    assert_eq!(vrdma::idle::idle_for(), None, "a post did not stop the idle clock");
+    assert_eq!(poll_one(&s.cq, WAIT)?.wr_id, 1);
+    assert_eq!(vrdma::idle::idle_for(), None, "a completion found did not stop the idle clock");
+    // Per thread: this thread's silence is not another's.
+    empty_polls(vrdma::spin_polls() + 2)?;
+    let other =
+        std::thread::spawn(vrdma::idle::idle_for).join().map_err(|_| anyhow::anyhow!("thread failed"))?;
+    assert_eq!(other, None, "another thread saw this thread's idle clock");
+    assert!(vrdma::idle::idle_for().is_some());
+    Ok(())
+}
+
 fn channel_fd_works_with_epoll(t: Topology) -> Result<()> {
     let d = Hosts::start(t)?;
     let ctx = d.a().context()?;
@@ -224,6 +253,7 @@ fn async_event_fd_is_pollable(t: Topology) -> Result<()> {
 }
 
 in_both_topologies!(
+    idle_clock_runs_on_empty_polls_and_stops_at_a_post_or_a_completion,
     channel_fd_becomes_readable_for_poll,
     channel_fd_works_with_epoll,
     get_cq_event_names_the_cq_that_fired,

@@ -19,21 +19,11 @@ use crate::stream::CompletionStream;
 pub type WorkCompletion = Cqe;
 
 /// How many empty polls in a row a CQ spins before every further empty
-/// poll yields the CPU: `VRDMA_POLL_SPIN`, else 4 on a machine with two
-/// cores or fewer (where the engine needs the CPU the poller holds: three
-/// parties share two cores) and 1024 where cores are to spare.
+/// poll yields the CPU (see [`crate::idle`]): `VRDMA_POLL_SPIN`, else 4 on
+/// a machine with two cores or fewer (where the engine needs the CPU the
+/// poller holds) and 1024 where cores are to spare.
 pub fn spin_polls() -> u32 {
-    static SPIN: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *SPIN.get_or_init(|| {
-        std::env::var("VRDMA_POLL_SPIN").ok().and_then(|v| v.parse().ok()).unwrap_or_else(|| {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            if cores > 2 {
-                1024
-            } else {
-                4
-            }
-        })
-    })
+    crate::idle::policy().spin_polls
 }
 
 fn blank() -> WorkCompletion {
@@ -183,8 +173,11 @@ impl CompletionQueue {
     /// Busy-polling loops are kind to small machines: after
     /// [`spin_polls`] consecutive empty polls of this CQ, every further
     /// empty poll yields the CPU (`sched_yield`) so that the daemon's
-    /// engine, which produces the completions, can run. The count resets
-    /// when a poll finds something.
+    /// engine, which produces the completions, can run; on a machine with
+    /// two cores or fewer, once the calling thread has found nothing and
+    /// posted nothing for 200 µs, empty polls sleep briefly instead
+    /// ([`crate::idle`] has the rule and its knobs). The count resets when a
+    /// poll finds something.
     pub fn poll(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
@@ -192,6 +185,7 @@ impl CompletionQueue {
         let n = self.inner.poll_raw(out)?;
         let empty = &self.inner.empty_polls;
         if n > 0 {
+            crate::idle::activity();
             if empty.load(Ordering::Relaxed) != 0 {
                 empty.store(0, Ordering::Relaxed);
             }
@@ -199,9 +193,8 @@ impl CompletionQueue {
             let count = empty.load(Ordering::Relaxed);
             if count < spin_polls() {
                 empty.store(count + 1, Ordering::Relaxed);
-            } else {
-                std::thread::yield_now();
             }
+            crate::idle::wait_after_empty_poll(count);
         }
         Ok(n)
     }

@@ -89,6 +89,7 @@ mod cq;
 mod error;
 #[doc(hidden)]
 pub mod ffi;
+pub mod idle;
 mod mr;
 mod pd;
 mod qp;

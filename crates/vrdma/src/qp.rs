@@ -239,6 +239,7 @@ fn push_all<W>(
     check: impl Fn(&W) -> Result<()>,
     encode: impl Fn(&W, &mut [u8]) -> bool,
 ) -> std::result::Result<(), PostError> {
+    crate::idle::activity();
     let mut posted = 0usize;
     let mut result = Ok(());
     for (i, wr) in wrs.iter().enumerate() {
