@@ -38,6 +38,9 @@ enum Command {
     Study(study::Args),
     /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
     Run(cmd::run::Args),
+    /// A busy-polling TCP ping-pong (bench-hosts' reference anchor).
+    #[command(hide = true)]
+    TcpPingpong(cmd::hostbench::pingpong::Args),
 }
 
 fn main() -> Result<()> {
@@ -66,5 +69,6 @@ fn main() -> Result<()> {
         }
         Command::Study(a) => study::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
+        Command::TcpPingpong(a) => cmd::hostbench::pingpong::run(a),
     }
 }

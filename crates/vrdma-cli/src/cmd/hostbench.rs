@@ -11,6 +11,7 @@
 //! | RDMA write 1 MiB, 1 QP | `ib_write_bw -s 1048576 -q 1` | `iperf3 -P 1` | ≥ 0.90× |
 //! | RDMA write 1 MiB, 4 QPs | `ib_write_bw -s 1048576 -q 4` | `iperf3 -P 4` | ≥ 0.90× |
 //! | RDMA write 8 B, one way | `ib_write_lat -s 8`, typical | `qperf tcp_lat -m 8` | ≤ 1.3× |
+//! | the same | the same | a busy-polling TCP ping-pong ([`pingpong`]) | reference |
 //!
 //! Both latencies are one way (half a round trip), as the tools report
 //! them. Each run measures every figure and its anchor in turn; the table
@@ -18,6 +19,7 @@
 //! root (namespaces) and the tools `ip`, `iperf3`, `qperf`, perftest.
 
 mod hosts;
+pub mod pingpong;
 mod tools;
 
 use std::time::Instant;
@@ -48,7 +50,7 @@ pub struct Args {
     #[arg(long, value_name = "KEY=VALUE")]
     engine: Vec<String>,
     /// Measure only these figures (repeatable; default all).
-    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b"])]
+    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin"])]
     only: Vec<String>,
 }
 
@@ -59,19 +61,24 @@ enum Goal {
     AtLeast(f64),
     /// vRDMA / anchor at most this (latency).
     AtMost(f64),
+    /// No target: shown to read the others by.
+    Reference,
 }
 
 struct Spec {
     key: &'static str,
+    /// The programs this figure runs (besides `ip`, which every run needs).
+    tools: [&'static str; 2],
     figure: &'static str,
     anchor: &'static str,
     unit: &'static str,
     goal: Goal,
 }
 
-const SPECS: [Spec; 3] = [
+const SPECS: [Spec; 4] = [
     Spec {
         key: "write_bw_1qp",
+        tools: ["ib_write_bw", "iperf3"],
         figure: "RDMA write 1 MiB, 1 QP (ib_write_bw)",
         anchor: "iperf3, 1 stream",
         unit: "Gbit/s",
@@ -79,6 +86,7 @@ const SPECS: [Spec; 3] = [
     },
     Spec {
         key: "write_bw_4qp",
+        tools: ["ib_write_bw", "iperf3"],
         figure: "RDMA write 1 MiB, 4 QPs (ib_write_bw -q 4)",
         anchor: "iperf3, 4 streams",
         unit: "Gbit/s",
@@ -86,10 +94,19 @@ const SPECS: [Spec; 3] = [
     },
     Spec {
         key: "write_lat_8b",
+        tools: ["ib_write_lat", "qperf"],
         figure: "RDMA write 8 B, one way (ib_write_lat, typical)",
         anchor: "TCP ping-pong 8 B, one way (qperf tcp_lat)",
         unit: "us",
         goal: Goal::AtMost(1.3),
+    },
+    Spec {
+        key: "write_lat_8b_spin",
+        tools: ["ib_write_lat", "ip"],
+        figure: "RDMA write 8 B, one way (ib_write_lat, typical)",
+        anchor: "TCP ping-pong 8 B, one way, busy-polling (vrdma tcp-pingpong)",
+        unit: "us",
+        goal: Goal::Reference,
     },
 ];
 
@@ -111,7 +128,8 @@ struct Figure {
     /// vrdma / anchor.
     ratio: f64,
     target: String,
-    met: bool,
+    /// None for a reference figure, which has no target.
+    met: Option<bool>,
     runs: Vec<Pair>,
 }
 
@@ -135,7 +153,8 @@ pub fn run(args: Args) -> Result<()> {
             "vrdma bench-hosts needs root: it creates network namespaces and a veth pair (run it with sudo)"
         );
     }
-    let missing = tools::missing_tools();
+    let needed: Vec<&str> = std::iter::once("ip").chain(selected(&args.only).flat_map(|s| s.tools)).collect();
+    let missing = tools::missing_tools(&needed);
     if !missing.is_empty() {
         bail!("vrdma bench-hosts needs tools that are missing: {}", missing.join(", "));
     }
@@ -170,8 +189,9 @@ pub fn run(args: Args) -> Result<()> {
             let anchor = median(runs.iter().map(|p| p.anchor).collect());
             let ratio = vrdma / anchor;
             let (met, target) = match s.goal {
-                Goal::AtLeast(t) => (ratio >= t, format!(">= {t:.2}x")),
-                Goal::AtMost(t) => (ratio <= t, format!("<= {t:.2}x")),
+                Goal::AtLeast(t) => (Some(ratio >= t), format!(">= {t:.2}x")),
+                Goal::AtMost(t) => (Some(ratio <= t), format!("<= {t:.2}x")),
+                Goal::Reference => (None, "reference".to_string()),
             };
             Figure {
                 key: s.key,
@@ -228,6 +248,8 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
     let mut out = vec![Vec::new(); specs.len()];
     for r in 0..runs {
         let mut line = Vec::new();
+        // ib_write_lat once per run, for both latency anchors.
+        let mut lat: Option<f64> = None;
         for (spec, v) in specs.iter().zip(out.iter_mut()) {
             let p = match spec.key {
                 "write_bw_1qp" => Pair {
@@ -238,10 +260,14 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
                     anchor: tools::iperf3(&mut h, 4, plan.bw_secs)?,
                     vrdma: tools::write_bw(&mut h, 4, plan.bw_secs)?,
                 },
-                _ => Pair {
+                "write_lat_8b" => Pair {
                     anchor: tools::tcp_lat(&mut h, plan.lat_secs)?,
-                    vrdma: tools::write_lat(&mut h, plan.lat_iters)?,
+                    vrdma: cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))?,
                 },
+                _ => {
+                    let anchor = tools::spin_lat(&mut h, plan.lat_iters)?;
+                    Pair { anchor, vrdma: cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))? }
+                }
             };
             line.push(format!("{} {:.2} (anchor {:.2}) {}", spec.key, p.vrdma, p.anchor, spec.unit));
             v.push(p);
@@ -249,6 +275,14 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
         say(&format!("run {}: {}", r + 1, line.join(", ")));
     }
     Ok(out)
+}
+
+/// The value in `slot`, measured by `f` the first time.
+fn cached(slot: &mut Option<f64>, f: impl FnOnce() -> Result<f64>) -> Result<f64> {
+    match *slot {
+        Some(v) => Ok(v),
+        None => Ok(*slot.insert(f()?)),
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -288,7 +322,12 @@ fn render(r: &Report, verbose: bool) -> String {
             value(f.anchor, f.unit),
             format!("{:.2}x", f.ratio),
             f.target.clone(),
-            if f.met { "met" } else { "NOT met" }.to_string(),
+            match f.met {
+                None => "",
+                Some(true) => "met",
+                Some(false) => "NOT met",
+            }
+            .to_string(),
         ]);
     }
     let mut width = [0usize; 7];
@@ -337,12 +376,24 @@ mod tests {
     }
 
     #[test]
+    fn every_figure_names_tools_the_benchmark_knows() {
+        for s in &SPECS {
+            for t in s.tools {
+                assert!(tools::TOOLS.iter().any(|k| k.program == t), "{}: unknown tool {t}", s.key);
+            }
+        }
+        // A latency-only run does not ask for the bandwidth tools.
+        let lat: Vec<&str> = selected(&["write_lat_8b".to_string()]).flat_map(|s| s.tools).collect();
+        assert_eq!(lat, ["ib_write_lat", "qperf"]);
+    }
+
+    #[test]
     fn only_selects_figures_in_table_order() {
         let keys = |only: &[&str]| {
             let only: Vec<String> = only.iter().map(|s| s.to_string()).collect();
             selected(&only).map(|s| s.key).collect::<Vec<_>>()
         };
-        assert_eq!(keys(&[]), ["write_bw_1qp", "write_bw_4qp", "write_lat_8b"]);
+        assert_eq!(keys(&[]), ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin"]);
         assert_eq!(keys(&["write_lat_8b", "write_bw_1qp"]), ["write_bw_1qp", "write_lat_8b"]);
     }
 }

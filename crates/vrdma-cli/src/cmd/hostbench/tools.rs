@@ -3,7 +3,9 @@
 //!
 //! vRDMA: perftest's `ib_write_bw` and `ib_write_lat` through the drop-in
 //! library, each side on its own host's daemon. Anchors: `iperf3` (TCP
-//! bandwidth) and `qperf tcp_lat` (TCP ping-pong) on the same veth pair.
+//! bandwidth) and `qperf tcp_lat` (TCP ping-pong) on the same veth pair,
+//! with vrdma's own busy-polling ping-pong ([`super::pingpong`]) for
+//! reference.
 
 use std::path::Path;
 use std::time::Duration;
@@ -27,11 +29,13 @@ pub const TOOLS: [Tool; 5] = [
     Tool { program: "ib_write_lat", package: "perftest" },
 ];
 
-/// The tools missing from `PATH`, as "program (apt-get install package)".
-pub fn missing_tools() -> Vec<String> {
+/// Which of the `needed` programs are missing from `PATH`, as "program
+/// (apt-get install package)".
+pub fn missing_tools(needed: &[&str]) -> Vec<String> {
     let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/sbin:/usr/bin:/sbin:/bin".into());
     TOOLS
         .iter()
+        .filter(|t| needed.contains(&t.program))
         .filter(|t| !std::env::split_paths(&path).any(|d| is_executable(&d.join(t.program))))
         .map(|t| format!("{} (apt-get install {})", t.program, t.package))
         .collect()
@@ -56,6 +60,7 @@ pub struct Plan {
 /// TCP ports inside the namespaces (private to them, so fixed ones do).
 const IPERF_PORT: u16 = 5201;
 const QPERF_PORT: u16 = 19765;
+const PINGPONG_PORT: u16 = 19766;
 /// perftest's port; a new one per measurement, so that no socket of the
 /// previous one in TIME_WAIT is in the way.
 static PERFTEST_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(18515);
@@ -147,6 +152,25 @@ pub fn write_lat(h: &mut Hosts, iters: u32) -> Result<f64> {
     parse_perftest_lat(&out).with_context(|| format!("ib_write_lat's report:\n{out}"))
 }
 
+/// vrdma's own busy-polling TCP ping-pong (`vrdma tcp-pingpong`) with
+/// 8-byte messages: median one-way latency in µs.
+pub fn spin_lat(h: &mut Hosts, iters: u32) -> Result<f64> {
+    let exe = std::env::current_exe().context("where is the vrdma executable")?;
+    let exe = exe.to_str().context("the vrdma executable's path is not UTF-8")?.to_string();
+    let listen = format!("{}:{PINGPONG_PORT}", h.hosts[0].addr);
+    h.server(&exe, &["tcp-pingpong", "--listen", &listen], false, PINGPONG_PORT)?;
+    let n = iters.to_string();
+    let out = client(h, &exe, &["tcp-pingpong", "--connect", &listen, "--iters", &n], false, 10, GRACE)?;
+    parse_pingpong(&out).with_context(|| format!("tcp-pingpong's report:\n{out}"))
+}
+
+/// `one-way median: X us`.
+pub fn parse_pingpong(out: &str) -> Result<f64> {
+    out.lines()
+        .find_map(|l| l.strip_prefix("one-way median:")?.trim().strip_suffix("us")?.trim().parse().ok())
+        .context("no \"one-way median\" line")
+}
+
 /// `end.sum_received.bits_per_second`, in Gbit/s.
 pub fn parse_iperf3(json: &str) -> Result<f64> {
     let v: serde_json::Value = serde_json::from_str(json).context("not JSON")?;
@@ -189,6 +213,12 @@ mod tests {
                    "sum_received":{"bits_per_second":2.0e10}}}"#;
         assert_eq!(parse_iperf3(j).unwrap(), 20.0);
         assert!(parse_iperf3(r#"{"error":"unable to connect"}"#).is_err());
+    }
+
+    #[test]
+    fn parses_pingpong() {
+        assert_eq!(parse_pingpong("one-way median: 7.125 us\n").unwrap(), 7.125);
+        assert!(parse_pingpong("nothing here\n").is_err());
     }
 
     #[test]
