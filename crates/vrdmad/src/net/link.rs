@@ -236,13 +236,16 @@ impl LinkIo {
         }
     }
 
-    /// Reads up to `left` payload bytes straight into the destination.
-    /// Returns false if the socket had nothing.
+    /// Reads up to `left` payload bytes straight into the destination, and
+    /// in the same `readv` whatever follows into the header buffer (the
+    /// next frame's header, usually), so that a stream of large frames
+    /// costs one system call per frame. Returns false if the socket had
+    /// nothing. Called only with the header buffer empty.
     fn read_payload(&mut self, left: usize) -> Result<bool, LinkEnd> {
-        let mut asked = left.min(READ_BUF);
-        let n = match self.sink.as_mut() {
+        debug_assert_eq!(self.rstart, self.rend, "payload read with buffered bytes");
+        let (payload, n, asked) = match self.sink.as_mut() {
             Some(RxSink::Place { segs, done }) => {
-                let mut iov: ArrayVec<libc::iovec, MAX_SGE> = ArrayVec::new();
+                let mut iov: ArrayVec<libc::iovec, { MAX_SGE + 1 }> = ArrayVec::new();
                 let mut skip = *done;
                 let mut want = left;
                 for s in segs.iter() {
@@ -262,12 +265,18 @@ impl LinkIo {
                 if iov.is_empty() {
                     return Err("internal error: payload has no destination".into());
                 }
-                asked = left - want;
-                // SAFETY: every iovec points into a mapped region that the
-                // IoSegs in `segs` keep alive for this call, within bounds
-                // the core checked (`io_ptr` checks them again). The kernel
-                // writes tenant memory the way a DMA engine does; no Rust
-                // reference to that memory exists.
+                let payload = left - want;
+                let tail = if want == 0 { READ_BUF } else { 0 };
+                if tail > 0 {
+                    iov.push(libc::iovec { iov_base: self.rbuf.as_mut_ptr().cast(), iov_len: tail });
+                }
+                // SAFETY: every iovec but the last points into a mapped
+                // region that the IoSegs in `segs` keep alive for this call,
+                // within bounds the core checked (`io_ptr` checks them
+                // again); the kernel writes tenant memory the way a DMA
+                // engine does, and no Rust reference to it exists. The last,
+                // if `tail > 0`, is `self.rbuf`, which nothing else borrows
+                // during the call.
                 let r = unsafe { libc::readv(self.sock.as_raw_fd(), iov.as_ptr(), iov.len() as i32) };
                 if r < 0 {
                     let e = std::io::Error::last_os_error();
@@ -276,13 +285,17 @@ impl LinkIo {
                     }
                     return Err(format!("read: {e}"));
                 }
-                *done += r as usize;
-                r as usize
+                let r = r as usize;
+                *done += r.min(payload);
+                (payload, r, payload + tail)
             }
             Some(RxSink::Discard) | None => {
                 let cap = left.min(READ_BUF);
                 match self.sock.read(&mut self.rbuf[..cap]) {
-                    Ok(n) => n,
+                    Ok(n) => {
+                        // The bytes read are the payload being discarded.
+                        (n, n, cap)
+                    }
                     Err(e) if would_block(&e) => return Ok(false),
                     Err(e) => return Err(format!("read: {e}")),
                 }
@@ -293,7 +306,11 @@ impl LinkIo {
         }
         self.drained = n < asked;
         self.last_rx = Clock::now();
-        self.dec.payload_placed(n).map_err(|e| format!("protocol error: {e}"))?;
+        let placed = n.min(payload);
+        self.dec.payload_placed(placed).map_err(|e| format!("protocol error: {e}"))?;
+        // What followed the payload waits in the header buffer.
+        self.rstart = 0;
+        self.rend = n - placed;
         Ok(true)
     }
 
