@@ -2,40 +2,17 @@
 //! files, argument errors, and an interrupted study that leaves nothing
 //! behind (no namespace, no process).
 
+mod common;
+
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+use common::{Proc, VRDMA};
 
 /// The studies of this file run one at a time (two cores).
 static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-
-/// A process killed by pid when the test ends.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        if let Ok(None) = self.0.try_wait() {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-}
-
-impl Proc {
-    fn wait(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let end = Instant::now() + limit;
-        loop {
-            if let Some(s) = self.0.try_wait().unwrap() {
-                return s;
-            }
-            assert!(Instant::now() < end, "vrdma study did not exit within {limit:?}");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-}
 
 fn is_root() -> bool {
     // SAFETY: geteuid cannot fail.
@@ -110,7 +87,7 @@ fn quick_study_writes_the_report() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("report");
     let started = Instant::now();
-    let mut p = Proc(
+    let p = Proc(
         Command::new(VRDMA)
             .args(["study", "--quick", "--out"])
             .arg(&out)
@@ -118,8 +95,8 @@ fn quick_study_writes_the_report() {
             .spawn()
             .unwrap(),
     );
-    let pid = p.0.id();
-    let status = p.wait(Duration::from_secs(300));
+    let pid = p.pid();
+    let (status, _, _) = p.finish(Duration::from_secs(300));
     assert!(status.success(), "vrdma study --quick: {status}");
     eprintln!("vrdma study --quick took {:?}", started.elapsed());
 
@@ -197,7 +174,7 @@ fn interrupted_study_leaves_nothing_behind() {
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("report");
-    let mut p = Proc(
+    let p = Proc(
         Command::new(VRDMA)
             .args([
                 "study",
@@ -216,7 +193,7 @@ fn interrupted_study_leaves_nothing_behind() {
             .spawn()
             .unwrap(),
     );
-    let pid = p.0.id();
+    let pid = p.pid();
     // Wait until it has made namespaces and started workers.
     let end = Instant::now() + Duration::from_secs(60);
     while namespaces_of(pid).is_empty() || processes_of_pid(pid).len() < 3 {
@@ -226,7 +203,7 @@ fn interrupted_study_leaves_nothing_behind() {
     std::thread::sleep(Duration::from_millis(300));
     // SAFETY: kill(2) on our unreaped child.
     unsafe { libc::kill(pid as i32, libc::SIGINT) };
-    let status = p.wait(Duration::from_secs(60));
+    let (status, _, _) = p.finish(Duration::from_secs(60));
     assert!(!status.success(), "an interrupted study exits non-zero");
     assert!(namespaces_of(pid).is_empty(), "namespaces left: {:?}", namespaces_of(pid));
     assert!(processes_of_pid(pid).is_empty(), "processes left: {:?}", processes_of_pid(pid));
