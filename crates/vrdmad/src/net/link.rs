@@ -4,9 +4,11 @@
 //! Payloads move between the socket and tenant memory with `readv` and
 //! `writev` on the mapped regions themselves. Reads go through a small
 //! buffer only while a header is awaited, so that a stream of small frames
-//! (ACKs, short sends) costs one system call for many frames; of a large
-//! payload at most that buffer's worth is copied from it, the rest is read
-//! from the socket straight into the region.
+//! (ACKs, short sends) costs one system call for many frames. A payload is
+//! read straight into its region, together with the next header: in a
+//! stream of large frames one `readv` per frame, and of each payload only
+//! the few bytes that came in with its header pass through the buffer (at
+//! most 4 KiB after an idle link or small frames).
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
@@ -31,6 +33,10 @@ const FRAMES_PER_PASS: usize = 64;
 /// core's turn-taking between QPs is not undone by a deep queue here.
 const TX_AHEAD: usize = 128 << 10;
 const TX_FRAMES_AHEAD: usize = 32;
+/// Bytes read after a large payload: a data header and no more, so that
+/// in a stream of large frames each one's payload is read straight into
+/// its region rather than its first 4 KiB through the header buffer.
+const TAIL_AFTER_LARGE: usize = vrdma_core::wire::MAX_DATA_HEADER_LEN;
 /// iovecs per `writev`/`readv`.
 const IOV_MAX: usize = 64;
 
@@ -237,10 +243,11 @@ impl LinkIo {
     }
 
     /// Reads up to `left` payload bytes straight into the destination, and
-    /// in the same `readv` whatever follows into the header buffer (the
-    /// next frame's header, usually), so that a stream of large frames
-    /// costs one system call per frame. Returns false if the socket had
-    /// nothing. Called only with the header buffer empty.
+    /// in the same `readv` what follows into the header buffer (after a
+    /// large payload only a header's worth: the next frame's header,
+    /// usually), so that a stream of large frames costs one system call
+    /// per frame. Returns false if the socket had nothing. Called only
+    /// with the header buffer empty.
     fn read_payload(&mut self, left: usize) -> Result<bool, LinkEnd> {
         debug_assert_eq!(self.rstart, self.rend, "payload read with buffered bytes");
         let (payload, n, asked) = match self.sink.as_mut() {
@@ -266,7 +273,11 @@ impl LinkIo {
                     return Err("internal error: payload has no destination".into());
                 }
                 let payload = left - want;
-                let tail = if want == 0 { READ_BUF } else { 0 };
+                let tail = match (want, payload) {
+                    (0, p) if p >= READ_BUF => TAIL_AFTER_LARGE,
+                    (0, _) => READ_BUF,
+                    _ => 0,
+                };
                 if tail > 0 {
                     iov.push(libc::iovec { iov_base: self.rbuf.as_mut_ptr().cast(), iov_len: tail });
                 }
