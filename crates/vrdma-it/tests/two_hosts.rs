@@ -172,3 +172,29 @@ fn bursts_of_small_writes_complete_without_waiting_for_the_next_frame() -> Resul
     assert!(slowest < Duration::from_millis(150), "a burst waited {slowest:?}: frames were left unhandled");
     Ok(())
 }
+
+/// Live links in a daemon's `vrdma stat`.
+fn links_up(d: &vrdma_it::DaemonProc) -> Result<usize> {
+    Ok(d.context()?.stat()?.links.iter().filter(|l| l.up).count())
+}
+
+#[test]
+fn daemons_that_list_each_other_keep_one_link() -> Result<()> {
+    // Host a lists b and dials it first, before b runs (refused; it tries
+    // again in 500 ms); b, started next, lists a and dials it, so a's end
+    // of their link is an accepted connection. When a tries again it must
+    // see that it is linked to b already and open no second connection.
+    let h = TwoHosts::start(true)?;
+    let (a, b) = (&h.a, &h.b);
+    vrdma_it::wait_until(Duration::from_secs(10), "the daemons link", || {
+        links_up(a).is_ok_and(|n| n > 0) && links_up(b).is_ok_and(|n| n > 0)
+    })?;
+    let settled = (links_up(a)?, links_up(b)?);
+    // Several redial periods (and keepalive ticks: 100 ms here). Usually
+    // one link formed; two only if both dialled at the same moment. Either
+    // way, none may be added once they are linked.
+    std::thread::sleep(Duration::from_millis(2000));
+    assert_eq!((links_up(a)?, links_up(b)?), settled, "a second link between the same daemons");
+    // The one link carries traffic both ways.
+    every_opcode(a, b, true)
+}

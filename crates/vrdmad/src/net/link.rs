@@ -50,6 +50,8 @@ enum RxSink {
 pub struct LinkIo {
     pub id: LinkId,
     pub peer: std::net::SocketAddr,
+    /// The peer daemon's GID, from its Hello.
+    pub gid: vrdma_core::verbs::Gid,
     sock: TcpStream,
     dec: FrameDecoder,
     rbuf: Box<[u8; READ_BUF]>,
@@ -78,13 +80,19 @@ fn would_block(e: &std::io::Error) -> bool {
 }
 
 impl LinkIo {
-    pub fn new(id: LinkId, sock: TcpStream, peer: std::net::SocketAddr) -> std::io::Result<LinkIo> {
+    pub fn new(
+        id: LinkId,
+        sock: TcpStream,
+        peer: std::net::SocketAddr,
+        gid: vrdma_core::verbs::Gid,
+    ) -> std::io::Result<LinkIo> {
         sock.set_nonblocking(true)?;
         sock.set_nodelay(true)?;
         let now = Clock::now();
         Ok(LinkIo {
             id,
             peer,
+            gid,
             sock,
             dec: FrameDecoder::new(),
             rbuf: Box::new([0; READ_BUF]),

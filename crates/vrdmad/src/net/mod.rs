@@ -33,8 +33,10 @@ use crate::engine::{EngineHandle, RingTable};
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(3);
 /// Handshakes in progress at once; more connections wait in the backlog.
 const MAX_HANDSHAKES: usize = 32;
-/// A failed dial is not tried again for this long.
+/// A failed dial is not tried again for this long, doubled after each
+/// further failure up to [`REDIAL_MAX`].
 const REDIAL_AFTER: Duration = Duration::from_millis(500);
+const REDIAL_MAX: Duration = Duration::from_secs(8);
 /// How long a TCP connect may take: short, so that a dial made while the
 /// network was cut does not hold up the next one long after it is back.
 const CONNECT_LIMIT: Duration = Duration::from_secs(1);
@@ -56,8 +58,8 @@ pub struct Net {
     setup: Arc<NetSetup>,
     handle: Option<EngineHandle>,
     pub links: BTreeMap<LinkId, LinkIo>,
-    /// Peers being dialled, and when the dial started.
-    dialling: HashMap<SocketAddr, Clock>,
+    /// Peers being dialled, or whose last dial failed.
+    dialling: HashMap<SocketAddr, Dial>,
     next_keepalive: Clock,
     /// Every link's socket, for readable ones: one `epoll_wait` per pass
     /// finds them, instead of one read per link that mostly says EAGAIN.
@@ -65,6 +67,38 @@ pub struct Net {
     readiness: Option<std::os::fd::OwnedFd>,
     /// Links `readiness` found readable in this pass.
     readable: Vec<LinkId>,
+}
+
+/// Where a dial to a peer stands.
+#[derive(Debug, Clone, Copy)]
+enum Dial {
+    /// A dialler thread is at it since then, after this many failures in a
+    /// row.
+    Started(Clock, u32),
+    /// It failed (the count in a row); the next may start then.
+    RetryAt(Clock, u32),
+}
+
+impl Dial {
+    /// The entry after a failure at `now`: the pause doubles with each.
+    fn failed(prev: Option<Dial>, now: Clock) -> Dial {
+        let fails = match prev {
+            Some(Dial::Started(_, n) | Dial::RetryAt(_, n)) => n.saturating_add(1),
+            None => 1,
+        };
+        let pause = REDIAL_AFTER.saturating_mul(1 << (fails - 1).min(8)).min(REDIAL_MAX);
+        Dial::RetryAt(now + pause, fails)
+    }
+
+    /// Whether this keeps a new dial from starting at `now`. A dial still
+    /// "in progress" long after every limit would have ended it lost its
+    /// report (its thread could not be started or died): it holds no more.
+    fn holds(&self, now: Clock) -> bool {
+        match *self {
+            Dial::Started(t, _) => now.saturating_duration_since(t) < HANDSHAKE_LIMIT + CONNECT_LIMIT * 2,
+            Dial::RetryAt(t, _) => now < t,
+        }
+    }
 }
 
 /// Readiness events taken per pass; more wait for the next (level-triggered).
@@ -103,7 +137,7 @@ impl Net {
         }
         let info = LinkInfo { gid: peer.hello.gid, lid: peer.hello.lid, chunk: peer.chunk };
         let id = hca.link_up(info);
-        match LinkIo::new(id, sock, addr) {
+        match LinkIo::new(id, sock, addr, info.gid) {
             Ok(l) => {
                 if let Some(ep) = &self.readiness {
                     if let Err(e) =
@@ -125,8 +159,8 @@ impl Net {
 
     /// A dial failed: it may be tried again later.
     pub fn dial_failed(&mut self, addr: SocketAddr) {
-        self.dialling.remove(&addr);
-        self.dialling.insert(addr, Clock::now() + REDIAL_AFTER);
+        let next = Dial::failed(self.dialling.get(&addr).copied(), Clock::now());
+        self.dialling.insert(addr, next);
     }
 
     /// Dials the hosts the core wants that no link or dial serves.
@@ -142,17 +176,16 @@ impl Net {
 
     fn dial(&mut self, addr: SocketAddr) {
         let now = Clock::now();
-        if self.links.values().any(|l| l.peer == addr) {
+        if self.links.values().any(|l| same_daemon(l.peer, l.gid, addr)) {
             return;
         }
-        match self.dialling.get(&addr) {
-            // In progress, or failed recently (the entry then holds the
-            // earliest retry).
-            Some(t) if *t > now || now.duration_since(*t) < HANDSHAKE_LIMIT * 2 => return,
-            _ => {}
-        }
+        let fails = match self.dialling.get(&addr) {
+            Some(d) if d.holds(now) => return,
+            Some(Dial::Started(_, n) | Dial::RetryAt(_, n)) => *n,
+            None => 0,
+        };
         let Some(handle) = self.handle.clone() else { return };
-        self.dialling.insert(addr, now);
+        self.dialling.insert(addr, Dial::Started(now, fails));
         let setup = self.setup.clone();
         let spawned =
             std::thread::Builder::new().name("vrdma-dial".into()).spawn(move || dial(addr, setup, handle));
@@ -254,6 +287,20 @@ impl Net {
             hca.link_down(id);
         }
     }
+}
+
+/// Whether a link to `peer` (the socket's far end) whose daemon said its
+/// GID is `gid` already reaches the daemon listening at `addr`: the link
+/// that daemon dialled has its ephemeral port as `peer`, but its GID carries
+/// its address. So no second connection is made to a daemon that dialled
+/// us first.
+fn same_daemon(peer: SocketAddr, gid: Gid, addr: SocketAddr) -> bool {
+    let addr_gid = match addr.ip() {
+        std::net::IpAddr::V4(v4) => Some(v4),
+        std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped(),
+    }
+    .map(|v4| Gid::from_ipv4(v4.octets()));
+    peer == addr || addr_gid == Some(gid)
 }
 
 fn dial(addr: SocketAddr, setup: Arc<NetSetup>, handle: EngineHandle) {
@@ -364,4 +411,49 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
 /// The identity of this daemon in Hellos.
 pub fn identity(id: u64, gid: Gid, lid: u16, max_chunk: u32, psk: Vec<u8>) -> Identity {
     Identity { daemon_id: id, gid, lid, max_chunk, psk }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_dial_is_retried_after_a_doubling_pause_and_a_lost_one_after_every_limit() {
+        let t = Clock::now();
+        let failed = Dial::failed(Some(Dial::Started(t, 0)), t);
+        assert!(failed.holds(t));
+        assert!(!failed.holds(t + REDIAL_AFTER), "a failed dial held past its pause");
+        // Each failure in a row doubles the pause, up to the cap.
+        let mut d = failed;
+        let mut pauses = vec![REDIAL_AFTER];
+        for _ in 0..8 {
+            let Dial::RetryAt(_, n) = d else { panic!("{d:?}") };
+            d = Dial::failed(Some(Dial::Started(t, n)), t);
+            let Dial::RetryAt(at, _) = d else { panic!("{d:?}") };
+            pauses.push(at - t);
+        }
+        assert_eq!(pauses[..5], [500, 1000, 2000, 4000, 8000].map(Duration::from_millis));
+        assert!(pauses.iter().all(|p| *p <= REDIAL_MAX));
+        let started = Dial::Started(t, 0);
+        assert!(started.holds(t + HANDSHAKE_LIMIT));
+        assert!(!started.holds(t + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2));
+    }
+
+    #[test]
+    fn a_link_reaches_the_daemon_it_was_dialled_to_or_whose_gid_names_the_address() {
+        let listen: SocketAddr = "10.0.0.2:4791".parse().unwrap();
+        let gid = Gid::from_ipv4([10, 0, 0, 2]);
+        // Dialled by us: the far end is the listening address.
+        assert!(same_daemon(listen, Gid::from_ipv4([9, 9, 9, 9]), listen));
+        // Dialled by the peer: an ephemeral port, but the GID carries the address.
+        assert!(same_daemon("10.0.0.2:40112".parse().unwrap(), gid, listen));
+        assert!(same_daemon(
+            "10.0.0.2:40112".parse().unwrap(),
+            gid,
+            "[::ffff:10.0.0.2]:4791".parse().unwrap()
+        ));
+        // Another daemon.
+        assert!(!same_daemon("10.0.0.3:40112".parse().unwrap(), Gid::from_ipv4([10, 0, 0, 3]), listen));
+        assert!(!same_daemon("10.0.0.2:40112".parse().unwrap(), gid, "[fe80::1]:4791".parse().unwrap()));
+    }
 }
