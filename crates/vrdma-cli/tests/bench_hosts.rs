@@ -101,6 +101,8 @@ fn bench_hosts_quick_reports_each_figure_beside_its_anchor_and_leaves_nothing_be
     assert!(out.status.success(), "bench-hosts failed: {}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status);
 
     let v: serde_json::Value = serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{e}: {stdout}"));
+    // The machine line names the CPUs (and how idle ones wait, where sysfs says).
+    assert!(v["machine"].as_str().is_some_and(|m| m.contains(" CPUs")), "{stdout}");
     let figures = v["figures"].as_array().expect("figures");
     let keys: Vec<&str> = figures.iter().map(|f| f["key"].as_str().expect("key")).collect();
     assert_eq!(keys, ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin"], "{stdout}");

@@ -143,7 +143,31 @@ struct Report {
     seconds: f64,
     /// The daemons' engine settings given with --engine, if any.
     engine: String,
+    /// CPUs and how idle ones wait: what qperf's blocking ping-pong pays.
+    machine: String,
     figures: Vec<Figure>,
+}
+
+/// "N CPUs, cpuidle <driver>/<governor>[, guest_halt_poll_ns=..]": a
+/// blocking ping-pong (qperf) wakes sleeping CPUs, whose cost this names.
+fn machine() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).ok().map(|s| s.trim().to_string());
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mut m = format!("{cpus} CPUs");
+    let base = "/sys/devices/system/cpu/cpuidle";
+    match read(&format!("{base}/current_driver")) {
+        Some(driver) => {
+            let governor = read(&format!("{base}/current_governor"))
+                .or_else(|| read(&format!("{base}/current_governor_ro")))
+                .unwrap_or_else(|| "?".into());
+            m.push_str(&format!(", cpuidle {driver}/{governor}"));
+        }
+        None => m.push_str(", no cpuidle driver"),
+    }
+    if let Some(ns) = read("/sys/module/haltpoll/parameters/guest_halt_poll_ns") {
+        m.push_str(&format!(", guest_halt_poll_ns={ns}"));
+    }
+    m
 }
 
 pub fn run(args: Args) -> Result<()> {
@@ -215,6 +239,7 @@ pub fn run(args: Args) -> Result<()> {
         lat_iters: plan.lat_iters,
         seconds: start.elapsed().as_secs_f64(),
         engine,
+        machine: machine(),
         figures,
     };
     if args.json {
@@ -341,6 +366,7 @@ fn render(r: &Report, verbose: bool) -> String {
          {} run(s), median shown; bandwidth {} s per figure, tcp_lat {} s, ib_write_lat {} iterations; {:.0} s in all\n\n",
         r.runs, r.bw_secs, r.lat_secs, r.lat_iters, r.seconds
     );
+    out.insert_str(out.len() - 1, &format!("machine: {}\n", r.machine));
     if !r.engine.is_empty() {
         out.insert_str(out.len() - 1, &format!("daemons' engine: {}\n", r.engine));
     }
@@ -367,6 +393,14 @@ fn render(r: &Report, verbose: bool) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_machine_line_names_the_cpus_and_the_idle_driver() {
+        let m = machine();
+        let cpus = std::thread::available_parallelism().unwrap().get();
+        assert!(m.starts_with(&format!("{cpus} CPUs, ")), "{m}");
+        assert!(m.contains("cpuidle ") || m.contains("no cpuidle driver"), "{m}");
+    }
 
     #[test]
     fn median_of_odd_and_even() {
