@@ -78,15 +78,14 @@ impl PollPolicy {
 
     /// What an empty poll does: `empty` is how many polls of this CQ in a
     /// row came back empty before this one, `idle` how long the thread
-    /// has found nothing and posted nothing (`None` if it has just
-    /// started).
-    pub fn decide(&self, empty: u32, idle: Option<Duration>) -> Wait {
+    /// has found nothing and posted nothing.
+    pub fn decide(&self, empty: u32, idle: Duration) -> Wait {
         if empty < self.spin_polls {
-            return Wait::Spin;
-        }
-        match (self.nap_after, idle) {
-            (Some(after), Some(idle)) if idle >= after => Wait::Nap,
-            _ => Wait::Yield,
+            Wait::Spin
+        } else if self.nap_after.is_some_and(|after| idle >= after) {
+            Wait::Nap
+        } else {
+            Wait::Yield
         }
     }
 }
@@ -138,13 +137,13 @@ fn next_wait(p: &PollPolicy, empty: u32) -> Wait {
         });
         now.duration_since(since)
     });
-    p.decide(empty, Some(idle))
+    p.decide(empty, idle)
 }
 
 /// How long the calling thread has been polling empty CQs (past the
 /// spin) without finding a completion or posting a request; `None` if it
 /// has not been, since its last completion or post.
-pub fn idle_for() -> Option<std::time::Duration> {
+pub fn idle_for() -> Option<Duration> {
     IDLE_SINCE.with(|c| c.get()).map(|t| t.elapsed())
 }
 
@@ -157,19 +156,19 @@ mod tests {
     #[test]
     fn small_machines_yield_soon_and_nap_after_silence() {
         let p = PollPolicy::for_cores(2);
-        assert_eq!(p.decide(0, None), Wait::Spin);
-        assert_eq!(p.decide(3, None), Wait::Spin);
-        assert_eq!(p.decide(4, None), Wait::Yield);
-        assert_eq!(p.decide(4, Some(US(199))), Wait::Yield);
-        assert_eq!(p.decide(4, Some(US(200))), Wait::Nap);
-        assert_eq!(p.decide(1000, Some(US(5000))), Wait::Nap);
+        assert_eq!(p.decide(0, US(0)), Wait::Spin);
+        assert_eq!(p.decide(3, US(0)), Wait::Spin);
+        assert_eq!(p.decide(4, US(0)), Wait::Yield);
+        assert_eq!(p.decide(4, US(199)), Wait::Yield);
+        assert_eq!(p.decide(4, US(200)), Wait::Nap);
+        assert_eq!(p.decide(1000, US(5000)), Wait::Nap);
     }
 
     #[test]
     fn machines_with_cores_to_spare_never_nap() {
         let p = PollPolicy::for_cores(16);
-        assert_eq!(p.decide(1023, Some(US(1_000_000))), Wait::Spin);
-        assert_eq!(p.decide(1024, Some(US(1_000_000))), Wait::Yield);
+        assert_eq!(p.decide(1023, US(1_000_000)), Wait::Spin);
+        assert_eq!(p.decide(1024, US(1_000_000)), Wait::Yield);
     }
 
     #[test]

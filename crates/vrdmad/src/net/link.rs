@@ -311,10 +311,8 @@ impl LinkIo {
             Some(RxSink::Discard) | None => {
                 let cap = left.min(READ_BUF);
                 match self.sock.read(&mut self.rbuf[..cap]) {
-                    Ok(n) => {
-                        // The bytes read are the payload being discarded.
-                        (n, n, cap)
-                    }
+                    // All of it is payload, thrown away.
+                    Ok(n) => (n, n, cap),
                     Err(e) if would_block(&e) => return Ok(false),
                     Err(e) => return Err(format!("read: {e}")),
                 }

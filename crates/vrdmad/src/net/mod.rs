@@ -80,12 +80,16 @@ enum Dial {
 }
 
 impl Dial {
+    /// Failures in a row before this entry.
+    fn fails(&self) -> u32 {
+        match *self {
+            Dial::Started(_, n) | Dial::RetryAt(_, n) => n,
+        }
+    }
+
     /// The entry after a failure at `now`: the pause doubles with each.
     fn failed(prev: Option<Dial>, now: Clock) -> Dial {
-        let fails = match prev {
-            Some(Dial::Started(_, n) | Dial::RetryAt(_, n)) => n.saturating_add(1),
-            None => 1,
-        };
+        let fails = prev.map_or(0, |d| d.fails()).saturating_add(1);
         let pause = REDIAL_AFTER.saturating_mul(1 << (fails - 1).min(8)).min(REDIAL_MAX);
         Dial::RetryAt(now + pause, fails)
     }
@@ -181,8 +185,7 @@ impl Net {
         }
         let fails = match self.dialling.get(&addr) {
             Some(d) if d.holds(now) => return,
-            Some(Dial::Started(_, n) | Dial::RetryAt(_, n)) => *n,
-            None => 0,
+            d => d.map_or(0, Dial::fails),
         };
         let Some(handle) = self.handle.clone() else { return };
         self.dialling.insert(addr, Dial::Started(now, fails));
