@@ -115,6 +115,14 @@ fn bench_hosts_quick_reports_each_figure_beside_its_anchor_and_leaves_nothing_be
             let x = f[k].as_f64().unwrap_or(f64::NAN);
             assert!(x.is_finite() && x > 0.0, "{} {k} = {x}\n{stdout}", f["key"]);
         }
+        // Bandwidth figures say what they cost in CPU per GB, latency ones do not.
+        let bandwidth = f["key"].as_str().is_some_and(|k| k.starts_with("write_bw"));
+        for k in ["vrdma_cpu_ms_per_gb", "anchor_cpu_ms_per_gb"] {
+            match f[k].as_f64() {
+                Some(x) => assert!(bandwidth && x.is_finite() && x > 0.0, "{} {k} = {x}\n{stdout}", f["key"]),
+                None => assert!(!bandwidth && f[k].is_null(), "{} {k}\n{stdout}", f["key"]),
+            }
+        }
         let reference = f["key"] == "write_lat_8b_spin";
         assert_eq!(f["met"].is_boolean(), !reference, "{stdout}");
         assert_eq!(f["runs"].as_array().map(Vec::len), Some(1), "{stdout}");

@@ -14,10 +14,13 @@
 //! | the same | the same | a busy-polling TCP ping-pong ([`pingpong`]) | reference |
 //!
 //! Both latencies are one way (half a round trip), as the tools report
-//! them. Each run measures every figure and its anchor in turn; the table
+//! them. Beside each bandwidth figure the report gives what it cost in
+//! CPU, per GB moved ([`cpu`]): on a machine with few CPUs that says more
+//! about vRDMA's efficiency than the bandwidth does. Each run measures every figure and its anchor in turn; the table
 //! shows the medians over the runs and the ratio of the medians. Needs
 //! root (namespaces) and the tools `ip`, `iperf3`, `qperf`, perftest.
 
+mod cpu;
 mod hosts;
 pub mod pingpong;
 mod tools;
@@ -28,6 +31,7 @@ use anyhow::{bail, Result};
 use serde::Serialize;
 
 use crate::cmd::run::{find_companions, find_library, LibDir};
+use cpu::CpuSample;
 use hosts::Hosts;
 use tools::Plan;
 
@@ -114,6 +118,16 @@ const SPECS: [Spec; 4] = [
 struct Pair {
     vrdma: f64,
     anchor: f64,
+    /// Milliseconds of the whole machine's CPU time per GB moved
+    /// (bandwidth figures only).
+    vrdma_cpu_ms_per_gb: Option<f64>,
+    anchor_cpu_ms_per_gb: Option<f64>,
+}
+
+impl Pair {
+    fn latency(vrdma: f64, anchor: f64) -> Pair {
+        Pair { vrdma, anchor, vrdma_cpu_ms_per_gb: None, anchor_cpu_ms_per_gb: None }
+    }
 }
 
 #[derive(Serialize)]
@@ -127,6 +141,9 @@ struct Figure {
     anchor: f64,
     /// vrdma / anchor.
     ratio: f64,
+    /// Medians of the runs' CPU cost (bandwidth figures), ms per GB.
+    vrdma_cpu_ms_per_gb: Option<f64>,
+    anchor_cpu_ms_per_gb: Option<f64>,
     target: String,
     /// None for a reference figure, which has no target.
     met: Option<bool>,
@@ -212,6 +229,12 @@ pub fn run(args: Args) -> Result<()> {
             let vrdma = median(runs.iter().map(|p| p.vrdma).collect());
             let anchor = median(runs.iter().map(|p| p.anchor).collect());
             let ratio = vrdma / anchor;
+            let cpu = |f: fn(&Pair) -> Option<f64>| {
+                let v: Vec<f64> = runs.iter().filter_map(f).collect();
+                (!v.is_empty()).then(|| median(v))
+            };
+            let (vrdma_cpu_ms_per_gb, anchor_cpu_ms_per_gb) =
+                (cpu(|p| p.vrdma_cpu_ms_per_gb), cpu(|p| p.anchor_cpu_ms_per_gb));
             let (met, target) = match s.goal {
                 Goal::AtLeast(t) => (Some(ratio >= t), format!(">= {t:.2}x")),
                 Goal::AtMost(t) => (Some(ratio <= t), format!("<= {t:.2}x")),
@@ -225,6 +248,8 @@ pub fn run(args: Args) -> Result<()> {
                 vrdma,
                 anchor,
                 ratio,
+                vrdma_cpu_ms_per_gb,
+                anchor_cpu_ms_per_gb,
                 target,
                 met,
                 runs,
@@ -277,21 +302,15 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
         let mut lat: Option<f64> = None;
         for (spec, v) in specs.iter().zip(out.iter_mut()) {
             let p = match spec.key {
-                "write_bw_1qp" => Pair {
-                    anchor: tools::iperf3(&mut h, 1, plan.bw_secs)?,
-                    vrdma: tools::write_bw(&mut h, 1, plan.bw_secs)?,
-                },
-                "write_bw_4qp" => Pair {
-                    anchor: tools::iperf3(&mut h, 4, plan.bw_secs)?,
-                    vrdma: tools::write_bw(&mut h, 4, plan.bw_secs)?,
-                },
-                "write_lat_8b" => Pair {
-                    anchor: tools::tcp_lat(&mut h, plan.lat_secs)?,
-                    vrdma: cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))?,
-                },
+                "write_bw_1qp" => bandwidth(&mut h, 1, plan.bw_secs)?,
+                "write_bw_4qp" => bandwidth(&mut h, 4, plan.bw_secs)?,
+                "write_lat_8b" => {
+                    let anchor = tools::tcp_lat(&mut h, plan.lat_secs)?;
+                    Pair::latency(cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))?, anchor)
+                }
                 _ => {
                     let anchor = tools::spin_lat(&mut h, plan.lat_iters)?;
-                    Pair { anchor, vrdma: cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))? }
+                    Pair::latency(cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))?, anchor)
                 }
             };
             line.push(format!("{} {:.2} (anchor {:.2}) {}", spec.key, p.vrdma, p.anchor, spec.unit));
@@ -300,6 +319,17 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
         say(&format!("run {}: {}", r + 1, line.join(", ")));
     }
     Ok(out)
+}
+
+/// iperf3 and ib_write_bw with `streams` streams and QPs, each with the
+/// machine's CPU use over its middle.
+fn bandwidth(h: &mut Hosts, streams: u32, secs: u32) -> Result<Pair> {
+    let sample = CpuSample::start(secs);
+    let anchor = tools::iperf3(h, streams, secs)?;
+    let anchor_cpu_ms_per_gb = sample.ms_per_gb(anchor);
+    let sample = CpuSample::start(secs);
+    let vrdma = tools::write_bw(h, streams, secs)?;
+    Ok(Pair { vrdma, anchor, vrdma_cpu_ms_per_gb: sample.ms_per_gb(vrdma), anchor_cpu_ms_per_gb })
 }
 
 /// The value in `slot`, measured by `f` the first time.
@@ -375,6 +405,20 @@ fn render(r: &Report, verbose: bool) -> String {
             row.iter().zip(width).map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count()))).collect();
         out.push_str(cells.join("  ").trim_end());
         out.push('\n');
+    }
+    let costs: Vec<String> = r
+        .figures
+        .iter()
+        .filter_map(|f| {
+            let (v, a) = (f.vrdma_cpu_ms_per_gb?, f.anchor_cpu_ms_per_gb?);
+            Some(format!("  {}: vRDMA {v:.0}, {} {a:.0} ({:.2}x)\n", f.figure, f.anchor_name, v / a))
+        })
+        .collect();
+    if !costs.is_empty() {
+        out.push_str(
+            "\nCPU per GB moved, ms (the whole machine's busy time over the middle of each measurement):\n",
+        );
+        out.push_str(&costs.concat());
     }
     if verbose {
         out.push_str("\nper run (vRDMA / anchor):\n");
