@@ -45,6 +45,8 @@ pub enum HandshakeError {
     Timeout(Duration),
     #[error("the peer closed the connection ({0:?})")]
     Closed(Option<CloseReason>),
+    #[error("refused: a link to this daemon is being dialled from here")]
+    Refused,
 }
 
 fn frame_name(f: &FrameRepr) -> &'static str {
@@ -127,6 +129,20 @@ pub fn handshake(
     me: &Identity,
     limit: Duration,
 ) -> Result<Peer, HandshakeError> {
+    handshake_admitting(s, role, me, limit, |_| true)
+}
+
+/// [`handshake`], in which an acceptor asks `admit` about the peer's
+/// Hello before it sends its Auth; refused, it closes the connection
+/// (reason `Normal`: no QP used it), so the initiator's handshake fails
+/// too and neither side ever has a link.
+pub fn handshake_admitting(
+    s: &mut TcpStream,
+    role: Role,
+    me: &Identity,
+    limit: Duration,
+    admit: impl FnOnce(&HelloRepr) -> bool,
+) -> Result<Peer, HandshakeError> {
     let deadline = Instant::now() + limit;
     s.set_write_timeout(Some(limit))?;
     let mut nonce = [0u8; NONCE_LEN];
@@ -142,6 +158,10 @@ pub fn handshake(
     if let Err(e) = hello.negotiate_version(&peer) {
         send_close(s, CloseReason::VersionMismatch);
         return Err(e.into());
+    }
+    if role == Role::Acceptor && !admit(&peer) {
+        send_close(s, CloseReason::Normal);
+        return Err(HandshakeError::Refused);
     }
     let tag = match local_tag(&me.psk, &hello, &peer) {
         Ok(t) => t,
@@ -204,6 +224,28 @@ mod tests {
         assert_eq!(a.hello.daemon_id, 2);
         assert_eq!(b.hello.gid, Gid::from_ipv4([10, 0, 0, 1]));
         assert_eq!(a.chunk, 4096);
+    }
+
+    #[test]
+    fn an_acceptor_that_refuses_the_peer_leaves_neither_side_linked() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut asked = None;
+            let key = b"0123456789abcdef";
+            let r = handshake_admitting(&mut s, Role::Acceptor, &id(2, key), Duration::from_secs(2), |h| {
+                asked = Some(h.gid);
+                false
+            });
+            (r, asked)
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let a = handshake(&mut c, Role::Initiator, &id(1, b"0123456789abcdef"), Duration::from_secs(2));
+        let (b, asked) = t.join().unwrap();
+        assert_eq!(asked, Some(Gid::from_ipv4([10, 0, 0, 1])), "admit sees the peer's Hello");
+        assert!(matches!(b, Err(HandshakeError::Refused)), "{b:?}");
+        assert!(matches!(a, Err(HandshakeError::Closed(Some(CloseReason::Normal)))), "{a:?}");
     }
 
     #[test]

@@ -52,6 +52,10 @@ pub struct LinkIo {
     pub peer: std::net::SocketAddr,
     /// The peer daemon's GID, from its Hello.
     pub gid: vrdma_core::verbs::Gid,
+    /// The peer daemon's id (new at each start), from its Hello.
+    pub daemon_id: u64,
+    /// This daemon dialled the connection (it did not accept it).
+    pub dialled: bool,
     sock: TcpStream,
     dec: FrameDecoder,
     rbuf: Box<[u8; READ_BUF]>,
@@ -93,6 +97,8 @@ impl LinkIo {
             id,
             peer,
             gid,
+            daemon_id: 0,
+            dialled: false,
             sock,
             dec: FrameDecoder::new(),
             rbuf: Box::new([0; READ_BUF]),

@@ -24,7 +24,7 @@ use vrdma_core::time::Instant;
 use vrdma_core::verbs::Gid;
 use vrdma_core::wire::{CloseReason, Role};
 
-pub use handshake::{handshake, HandshakeError, Identity, Peer};
+pub use handshake::{handshake, handshake_admitting, HandshakeError, Identity, Peer};
 pub use link::LinkIo;
 
 use crate::engine::{EngineHandle, RingTable};
@@ -67,6 +67,10 @@ pub struct Net {
     readiness: Option<std::os::fd::OwnedFd>,
     /// Links `readiness` found readable in this pass.
     readable: Vec<LinkId>,
+    /// Connections from other daemons admitted to the handshake and not
+    /// yet links: whose Hello named this GID, from this address, since
+    /// then. No dial to such a daemon starts meanwhile.
+    incoming: HashMap<Gid, (SocketAddr, Clock)>,
 }
 
 /// Where a dial to a peer stands.
@@ -120,6 +124,7 @@ impl Net {
                 .map_err(|e| tracing::warn!(error = %e, "no epoll; every link is read every pass"))
                 .ok(),
             readable: Vec::with_capacity(READY_PER_PASS),
+            incoming: HashMap::new(),
         }
     }
 
@@ -139,10 +144,12 @@ impl Net {
         if let Some(d) = dialled {
             self.dialling.remove(&d);
         }
+        self.incoming.remove(&peer.hello.gid);
         let info = LinkInfo { gid: peer.hello.gid, lid: peer.hello.lid, chunk: peer.chunk };
         let id = hca.link_up(info);
         match LinkIo::new(id, sock, addr, info.gid) {
-            Ok(l) => {
+            Ok(mut l) => {
+                (l.daemon_id, l.dialled) = (peer.hello.daemon_id, dialled.is_some());
                 if let Some(ep) = &self.readiness {
                     if let Err(e) =
                         epoll::add(ep, l.fd(), epoll::EventData::new_u64(id.0.into()), epoll::EventFlags::IN)
@@ -183,6 +190,13 @@ impl Net {
         if self.links.values().any(|l| same_daemon(l.peer, l.gid, addr)) {
             return;
         }
+        // That daemon's own connection to us is in its handshake: it
+        // becomes the link, or fails and is forgotten; the QPs that want
+        // the peer ask again on their next pass.
+        self.incoming.retain(|_, (_, t)| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        if self.incoming.iter().any(|(&gid, &(from, _))| same_daemon(from, gid, addr)) {
+            return;
+        }
         let fails = match self.dialling.get(&addr) {
             Some(d) if d.holds(now) => return,
             d => d.map_or(0, Dial::fails),
@@ -196,6 +210,37 @@ impl Net {
             tracing::warn!(peer = %addr, error = %e, "cannot start a dialler");
             self.dialling.remove(&addr);
         }
+    }
+
+    /// Whether to take a connection that the daemon whose Hello says `gid`
+    /// and `daemon_id` opened from `from`. Two daemons that dial each other
+    /// at once would otherwise keep two links. So the one of the two with
+    /// the smaller GID refuses the other's connection while its own dial to
+    /// that daemon is under way, or once it has made it: a link it dialled
+    /// to the same daemon (the same `daemon_id`, so not one restarted
+    /// since). The other refuses nothing, and takes this one's. No QP ever
+    /// used a refused connection: it is refused before either side has a
+    /// link. A daemon whose link to us broke on its side first is refused
+    /// until ours breaks too (at most the keepalive timeout), and dials
+    /// again after its pause. An admitted connection holds back this
+    /// daemon's own dials to that daemon until it is a link or has failed.
+    pub fn admits(&mut self, from: SocketAddr, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+        let admit =
+            self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(from, gid, daemon_id, now);
+        if admit {
+            self.incoming.insert(gid, (from, now));
+        }
+        admit
+    }
+
+    /// Whether this daemon dialled, or is dialling, the daemon `gid`/`daemon_id`.
+    fn made_or_making_link_to(&self, from: SocketAddr, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+        let dialling = self
+            .dialling
+            .iter()
+            .any(|(&addr, d)| matches!(d, Dial::Started(..)) && d.holds(now) && same_daemon(from, gid, addr));
+        let dialled = self.links.values().any(|l| l.dialled && l.gid == gid && l.daemon_id == daemon_id);
+        dialling || dialled
     }
 
     /// Dials the configured peers (at start; later whenever their link is down).
@@ -392,7 +437,14 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
         active.fetch_add(1, Ordering::SeqCst);
         let (setup, handle, active2) = (setup.clone(), handle.clone(), active.clone());
         let spawned = std::thread::Builder::new().name("vrdma-handshake".into()).spawn(move || {
-            match handshake(&mut s, Role::Acceptor, &setup.identity, HANDSHAKE_LIMIT) {
+            let admit = |h: &vrdma_core::wire::HelloRepr| {
+                let (gid, id) = (h.gid, h.daemon_id);
+                // An engine that is gone admits; the link then goes nowhere.
+                handle
+                    .call(move |st| st.net.as_mut().is_none_or(|n| n.admits(addr, gid, id, Clock::now())))
+                    .unwrap_or(true)
+            };
+            match handshake_admitting(&mut s, Role::Acceptor, &setup.identity, HANDSHAKE_LIMIT, admit) {
                 Ok(p) => {
                     let _ = handle.call(move |st| {
                         let crate::engine::EngineState { hca, net, .. } = st;
@@ -400,6 +452,9 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                             n.add(hca, s, p, addr, None);
                         }
                     });
+                }
+                Err(HandshakeError::Refused) => {
+                    tracing::info!(peer = %addr, "refused a second link to a daemon we are dialling")
                 }
                 Err(e) => tracing::warn!(peer = %addr, error = %e, "refused a connection from another host"),
             }
@@ -440,6 +495,77 @@ mod tests {
         let started = Dial::Started(t, 0);
         assert!(started.holds(t + HANDSHAKE_LIMIT));
         assert!(!started.holds(t + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2));
+    }
+
+    fn net_of(ip: [u8; 4]) -> Net {
+        Net::new(Arc::new(NetSetup {
+            identity: identity(1, Gid::from_ipv4(ip), 1, 4096, vec![7; 16]),
+            listen: "127.0.0.1:0".parse().unwrap(),
+            port: 4791,
+            peers: Vec::new(),
+            keepalive: Duration::from_secs(1),
+            dead: Duration::from_secs(3),
+        }))
+    }
+
+    #[test]
+    fn of_two_daemons_dialling_each_other_the_smaller_gid_refuses_the_other_connection() {
+        let now = Clock::now();
+        let (b_gid, b_listen): (Gid, SocketAddr) =
+            (Gid::from_ipv4([10, 0, 0, 2]), "10.0.0.2:4791".parse().unwrap());
+        let from: SocketAddr = "10.0.0.2:40112".parse().unwrap();
+        let mut a = net_of([10, 0, 0, 1]);
+        assert!(a.admits(from, b_gid, 9, now), "no dial under way: admitted");
+        a.dialling.insert(b_listen, Dial::Started(now, 0));
+        assert!(!a.admits(from, b_gid, 9, now), "its own dial to b is under way");
+        assert!(
+            a.admits("10.0.0.3:40112".parse().unwrap(), Gid::from_ipv4([10, 0, 0, 3]), 9, now),
+            "another daemon"
+        );
+        assert!(
+            a.admits(from, b_gid, 9, now + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2),
+            "a dial that lost its report"
+        );
+        a.dialling.insert(b_listen, Dial::RetryAt(now + REDIAL_AFTER, 1));
+        assert!(a.admits(from, b_gid, 9, now), "a failed dial holds nothing back");
+        // The daemon with the larger GID takes the connection whatever it dials.
+        let mut c = net_of([10, 0, 0, 3]);
+        c.dialling.insert(b_listen, Dial::Started(now, 0));
+        assert!(c.admits(from, b_gid, 9, now));
+    }
+
+    /// A link on `net` to the daemon with `gid` and `daemon_id`, over a
+    /// loopback connection (whose other end is returned, to keep it open).
+    fn link_to(net: &mut Net, id: u32, gid: Gid, daemon_id: u64, dialled: bool) -> TcpStream {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let theirs = l.accept().unwrap().0;
+        let mut link = LinkIo::new(LinkId(id), ours, "10.0.0.2:4791".parse().unwrap(), gid).unwrap();
+        (link.daemon_id, link.dialled) = (daemon_id, dialled);
+        net.links.insert(LinkId(id), link);
+        theirs
+    }
+
+    #[test]
+    fn a_daemon_refuses_a_second_link_to_the_daemon_it_has_dialled_unless_that_one_restarted() {
+        let (b_gid, from): (Gid, SocketAddr) =
+            (Gid::from_ipv4([10, 0, 0, 2]), "10.0.0.2:40112".parse().unwrap());
+        let now = Clock::now();
+        let mut a = net_of([10, 0, 0, 1]);
+        // A link that b dialled (accepted here): b dialling again means that
+        // b lost it. Admitted.
+        let _b1 = link_to(&mut a, 1, b_gid, 9, false);
+        assert!(a.admits(from, b_gid, 9, now));
+        // A link that a dialled to b's daemon 9: a second one from 9 is the
+        // other half of a simultaneous dial; one from b restarted (daemon
+        // 10) is not.
+        let _b2 = link_to(&mut a, 2, b_gid, 9, true);
+        assert!(!a.admits(from, b_gid, 9, now), "the other half of a simultaneous dial");
+        assert!(a.admits(from, b_gid, 10, now), "b restarted");
+        // The larger GID never refuses.
+        let mut c = net_of([10, 0, 0, 3]);
+        let _b3 = link_to(&mut c, 1, b_gid, 9, true);
+        assert!(c.admits(from, b_gid, 9, now));
     }
 
     #[test]
