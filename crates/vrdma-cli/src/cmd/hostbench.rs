@@ -15,10 +15,11 @@
 //!
 //! Both latencies are one way (half a round trip), as the tools report
 //! them. Beside each bandwidth figure the report gives what it cost in
-//! CPU, per GB moved ([`cpu`]): on a machine with few CPUs that says more
-//! about vRDMA's efficiency than the bandwidth does. Each run measures every figure and its anchor in turn; the table
-//! shows the medians over the runs and the ratio of the medians. Needs
-//! root (namespaces) and the tools `ip`, `iperf3`, `qperf`, perftest.
+//! CPU, per GB moved ([`cpu`]): where CPUs are to spare, what the
+//! bandwidth hides. Each run measures every figure and its anchor in turn;
+//! the table shows the medians over the runs and the ratio of the
+//! medians. Needs root (namespaces) and the tools `ip`, `iperf3`, `qperf`,
+//! perftest.
 
 mod cpu;
 mod hosts;

@@ -45,7 +45,7 @@ pub enum HandshakeError {
     Timeout(Duration),
     #[error("the peer closed the connection ({0:?})")]
     Closed(Option<CloseReason>),
-    #[error("refused: a link to this daemon is being dialled from here")]
+    #[error("refused: this daemon dials, or has dialled, the peer itself")]
     Refused,
 }
 

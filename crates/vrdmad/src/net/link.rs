@@ -84,11 +84,15 @@ fn would_block(e: &std::io::Error) -> bool {
 }
 
 impl LinkIo {
+    /// A link over `sock` to `peer`, whose daemon's Hello said `gid` and
+    /// `daemon_id`; `dialled` if this daemon opened the connection.
     pub fn new(
         id: LinkId,
         sock: TcpStream,
         peer: std::net::SocketAddr,
         gid: vrdma_core::verbs::Gid,
+        daemon_id: u64,
+        dialled: bool,
     ) -> std::io::Result<LinkIo> {
         sock.set_nonblocking(true)?;
         sock.set_nodelay(true)?;
@@ -97,8 +101,8 @@ impl LinkIo {
             id,
             peer,
             gid,
-            daemon_id: 0,
-            dialled: false,
+            daemon_id,
+            dialled,
             sock,
             dec: FrameDecoder::new(),
             rbuf: Box::new([0; READ_BUF]),

@@ -68,9 +68,9 @@ pub struct Net {
     /// Links `readiness` found readable in this pass.
     readable: Vec<LinkId>,
     /// Connections from other daemons admitted to the handshake and not
-    /// yet links: whose Hello named this GID, from this address, since
-    /// then. No dial to such a daemon starts meanwhile.
-    incoming: HashMap<Gid, (SocketAddr, Clock)>,
+    /// yet links: whose Hello named this GID, since then. No dial to such
+    /// a daemon starts meanwhile.
+    incoming: HashMap<Gid, Clock>,
 }
 
 /// Where a dial to a peer stands.
@@ -147,9 +147,8 @@ impl Net {
         self.incoming.remove(&peer.hello.gid);
         let info = LinkInfo { gid: peer.hello.gid, lid: peer.hello.lid, chunk: peer.chunk };
         let id = hca.link_up(info);
-        match LinkIo::new(id, sock, addr, info.gid) {
-            Ok(mut l) => {
-                (l.daemon_id, l.dialled) = (peer.hello.daemon_id, dialled.is_some());
+        match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
+            Ok(l) => {
                 if let Some(ep) = &self.readiness {
                     if let Err(e) =
                         epoll::add(ep, l.fd(), epoll::EventData::new_u64(id.0.into()), epoll::EventFlags::IN)
@@ -193,8 +192,8 @@ impl Net {
         // That daemon's own connection to us is in its handshake: it
         // becomes the link, or fails and is forgotten; the QPs that want
         // the peer ask again on their next pass.
-        self.incoming.retain(|_, (_, t)| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
-        if self.incoming.iter().any(|(&gid, &(from, _))| same_daemon(from, gid, addr)) {
+        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        if gid_of(addr).is_some_and(|g| self.incoming.contains_key(&g)) {
             return;
         }
         let fails = match self.dialling.get(&addr) {
@@ -213,7 +212,7 @@ impl Net {
     }
 
     /// Whether to take a connection that the daemon whose Hello says `gid`
-    /// and `daemon_id` opened from `from`. Two daemons that dial each other
+    /// and `daemon_id` opened. Two daemons that dial each other
     /// at once would otherwise keep two links. So the one of the two with
     /// the smaller GID refuses the other's connection while its own dial to
     /// that daemon is under way, or once it has made it: a link it dialled
@@ -224,21 +223,20 @@ impl Net {
     /// until ours breaks too (at most the keepalive timeout), and dials
     /// again after its pause. An admitted connection holds back this
     /// daemon's own dials to that daemon until it is a link or has failed.
-    pub fn admits(&mut self, from: SocketAddr, gid: Gid, daemon_id: u64, now: Clock) -> bool {
-        let admit =
-            self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(from, gid, daemon_id, now);
+    pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+        let admit = self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(gid, daemon_id, now);
         if admit {
-            self.incoming.insert(gid, (from, now));
+            self.incoming.insert(gid, now);
         }
         admit
     }
 
     /// Whether this daemon dialled, or is dialling, the daemon `gid`/`daemon_id`.
-    fn made_or_making_link_to(&self, from: SocketAddr, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+    fn made_or_making_link_to(&self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
         let dialling = self
             .dialling
             .iter()
-            .any(|(&addr, d)| matches!(d, Dial::Started(..)) && d.holds(now) && same_daemon(from, gid, addr));
+            .any(|(&addr, d)| matches!(d, Dial::Started(..)) && d.holds(now) && gid_of(addr) == Some(gid));
         let dialled = self.links.values().any(|l| l.dialled && l.gid == gid && l.daemon_id == daemon_id);
         dialling || dialled
     }
@@ -343,12 +341,17 @@ impl Net {
 /// its address. So no second connection is made to a daemon that dialled
 /// us first.
 fn same_daemon(peer: SocketAddr, gid: Gid, addr: SocketAddr) -> bool {
-    let addr_gid = match addr.ip() {
+    peer == addr || gid_of(addr) == Some(gid)
+}
+
+/// The GID of the daemon listening at `addr`, where its address says it
+/// (`::ffff:a.b.c.d` for an IPv4 address).
+fn gid_of(addr: SocketAddr) -> Option<Gid> {
+    match addr.ip() {
         std::net::IpAddr::V4(v4) => Some(v4),
         std::net::IpAddr::V6(v6) => v6.to_ipv4_mapped(),
     }
-    .map(|v4| Gid::from_ipv4(v4.octets()));
-    peer == addr || addr_gid == Some(gid)
+    .map(|v4| Gid::from_ipv4(v4.octets()))
 }
 
 fn dial(addr: SocketAddr, setup: Arc<NetSetup>, handle: EngineHandle) {
@@ -441,7 +444,7 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                 let (gid, id) = (h.gid, h.daemon_id);
                 // An engine that is gone admits; the link then goes nowhere.
                 handle
-                    .call(move |st| st.net.as_mut().is_none_or(|n| n.admits(addr, gid, id, Clock::now())))
+                    .call(move |st| st.net.as_mut().is_none_or(|n| n.admits(gid, id, Clock::now())))
                     .unwrap_or(true)
             };
             match handshake_admitting(&mut s, Role::Acceptor, &setup.identity, HANDSHAKE_LIMIT, admit) {
@@ -454,7 +457,7 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                     });
                 }
                 Err(HandshakeError::Refused) => {
-                    tracing::info!(peer = %addr, "refused a second link to a daemon we are dialling")
+                    tracing::info!(peer = %addr, "refused a second link to a daemon that this one dials or has dialled")
                 }
                 Err(e) => tracing::warn!(peer = %addr, error = %e, "refused a connection from another host"),
             }
@@ -513,25 +516,18 @@ mod tests {
         let now = Clock::now();
         let (b_gid, b_listen): (Gid, SocketAddr) =
             (Gid::from_ipv4([10, 0, 0, 2]), "10.0.0.2:4791".parse().unwrap());
-        let from: SocketAddr = "10.0.0.2:40112".parse().unwrap();
         let mut a = net_of([10, 0, 0, 1]);
-        assert!(a.admits(from, b_gid, 9, now), "no dial under way: admitted");
+        assert!(a.admits(b_gid, 9, now), "no dial under way: admitted");
         a.dialling.insert(b_listen, Dial::Started(now, 0));
-        assert!(!a.admits(from, b_gid, 9, now), "its own dial to b is under way");
-        assert!(
-            a.admits("10.0.0.3:40112".parse().unwrap(), Gid::from_ipv4([10, 0, 0, 3]), 9, now),
-            "another daemon"
-        );
-        assert!(
-            a.admits(from, b_gid, 9, now + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2),
-            "a dial that lost its report"
-        );
+        assert!(!a.admits(b_gid, 9, now), "its own dial to b is under way");
+        assert!(a.admits(Gid::from_ipv4([10, 0, 0, 3]), 9, now), "another daemon");
+        assert!(a.admits(b_gid, 9, now + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2), "a dial that lost its report");
         a.dialling.insert(b_listen, Dial::RetryAt(now + REDIAL_AFTER, 1));
-        assert!(a.admits(from, b_gid, 9, now), "a failed dial holds nothing back");
+        assert!(a.admits(b_gid, 9, now), "a failed dial holds nothing back");
         // The daemon with the larger GID takes the connection whatever it dials.
         let mut c = net_of([10, 0, 0, 3]);
         c.dialling.insert(b_listen, Dial::Started(now, 0));
-        assert!(c.admits(from, b_gid, 9, now));
+        assert!(c.admits(b_gid, 9, now));
     }
 
     /// A link on `net` to the daemon with `gid` and `daemon_id`, over a
@@ -540,32 +536,30 @@ mod tests {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let theirs = l.accept().unwrap().0;
-        let mut link = LinkIo::new(LinkId(id), ours, "10.0.0.2:4791".parse().unwrap(), gid).unwrap();
-        (link.daemon_id, link.dialled) = (daemon_id, dialled);
-        net.links.insert(LinkId(id), link);
+        let link = LinkIo::new(LinkId(id), ours, "10.0.0.2:4791".parse().unwrap(), gid, daemon_id, dialled);
+        net.links.insert(LinkId(id), link.unwrap());
         theirs
     }
 
     #[test]
     fn a_daemon_refuses_a_second_link_to_the_daemon_it_has_dialled_unless_that_one_restarted() {
-        let (b_gid, from): (Gid, SocketAddr) =
-            (Gid::from_ipv4([10, 0, 0, 2]), "10.0.0.2:40112".parse().unwrap());
+        let b_gid = Gid::from_ipv4([10, 0, 0, 2]);
         let now = Clock::now();
         let mut a = net_of([10, 0, 0, 1]);
         // A link that b dialled (accepted here): b dialling again means that
         // b lost it. Admitted.
         let _b1 = link_to(&mut a, 1, b_gid, 9, false);
-        assert!(a.admits(from, b_gid, 9, now));
+        assert!(a.admits(b_gid, 9, now));
         // A link that a dialled to b's daemon 9: a second one from 9 is the
         // other half of a simultaneous dial; one from b restarted (daemon
         // 10) is not.
         let _b2 = link_to(&mut a, 2, b_gid, 9, true);
-        assert!(!a.admits(from, b_gid, 9, now), "the other half of a simultaneous dial");
-        assert!(a.admits(from, b_gid, 10, now), "b restarted");
+        assert!(!a.admits(b_gid, 9, now), "the other half of a simultaneous dial");
+        assert!(a.admits(b_gid, 10, now), "b restarted");
         // The larger GID never refuses.
         let mut c = net_of([10, 0, 0, 3]);
         let _b3 = link_to(&mut c, 1, b_gid, 9, true);
-        assert!(c.admits(from, b_gid, 9, now));
+        assert!(c.admits(b_gid, 9, now));
     }
 
     #[test]
