@@ -12,24 +12,39 @@
 //! 2. then every empty poll yields the CPU (`sched_yield`);
 //! 3. once the *thread* has found nothing and posted nothing for
 //!    `nap_after` (≤ 2 cores only, by default 200 µs), every empty poll
-//!    sleeps briefly ([`NAP`]). A yielding thread still claims its fair
+//!    sleeps ([`nap_length`]): an eighth of the silence so far, from
+//!    [`NAP_MIN`] up to [`NAP_MAX`]. A yielding thread still claims its fair
 //!    share of a CPU under the kernel's scheduler (measured: ~45 % of one
 //!    CPU taken from the engine during a 1 MiB write stream); a sleeping one
-//!    takes none.
+//!    takes none, but every wake-up costs a context switch. A fixed 20 µs
+//!    nap woke `ib_write_bw -q 4`'s client ~10 000 times a second between
+//!    its completions (one per 100 MiB), 17 % of a CPU; growing naps make
+//!    that ~9 %.
 //!
 //! Step 3 counts per thread, not per CQ, so that a loop polling one idle
 //! and one busy CQ, or spinning on memory and posting, never naps; it ends
 //! on the first completion found or request posted. What it costs: a
-//! completion that arrives after 200 µs of silence on a 2-core machine is
-//! seen up to one nap later (the nap plus the kernel's timer slack, 50 µs
-//! by default, ~70 µs in all).
+//! completion that arrives after a silence of `t` ≥ 200 µs on a 2-core
+//! machine is seen up to one nap later: `t`/8, at least 20 µs and at most
+//! 250 µs, plus the kernel's timer slack (50 µs by default).
 
 use std::cell::Cell;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-/// How long one nap asks to sleep (the kernel adds its timer slack).
-pub const NAP: Duration = Duration::from_micros(20);
+/// The shortest nap (the kernel adds its timer slack to every nap).
+pub const NAP_MIN: Duration = Duration::from_micros(20);
+
+/// The longest nap: the most a completion can wait, past the timer
+/// slack, to be seen after a long silence.
+pub const NAP_MAX: Duration = Duration::from_micros(250);
+
+/// How long an empty poll naps after the thread has been idle for `idle`:
+/// an eighth of it, so that a completion is seen at most ~12 % later than
+/// it arrived, within [`NAP_MIN`]..=[`NAP_MAX`].
+pub fn nap_length(idle: Duration) -> Duration {
+    (idle / 8).clamp(NAP_MIN, NAP_MAX)
+}
 
 /// The waiting rule, from the environment and the machine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,7 +61,8 @@ pub struct PollPolicy {
 pub enum Wait {
     Spin,
     Yield,
-    Nap,
+    /// Sleep this long.
+    Nap(Duration),
 }
 
 impl PollPolicy {
@@ -83,7 +99,7 @@ impl PollPolicy {
         if empty < self.spin_polls {
             Wait::Spin
         } else if self.nap_after.is_some_and(|after| idle >= after) {
-            Wait::Nap
+            Wait::Nap(nap_length(idle))
         } else {
             Wait::Yield
         }
@@ -119,7 +135,7 @@ pub(crate) fn wait_after_empty_poll(empty: u32) {
     match next_wait(&policy(), empty) {
         Wait::Spin => std::hint::spin_loop(),
         Wait::Yield => std::thread::yield_now(),
-        Wait::Nap => std::thread::sleep(NAP),
+        Wait::Nap(d) => std::thread::sleep(d),
     }
 }
 
@@ -160,8 +176,24 @@ mod tests {
         assert_eq!(p.decide(3, US(0)), Wait::Spin);
         assert_eq!(p.decide(4, US(0)), Wait::Yield);
         assert_eq!(p.decide(4, US(199)), Wait::Yield);
-        assert_eq!(p.decide(4, US(200)), Wait::Nap);
-        assert_eq!(p.decide(1000, US(5000)), Wait::Nap);
+        assert_eq!(p.decide(4, US(200)), Wait::Nap(US(25)));
+        assert_eq!(p.decide(1000, US(5000)), Wait::Nap(US(250)));
+    }
+
+    #[test]
+    fn naps_grow_with_the_silence_within_bounds() {
+        assert_eq!(nap_length(US(0)), NAP_MIN);
+        assert_eq!(nap_length(US(160)), NAP_MIN);
+        assert_eq!(nap_length(US(800)), US(100));
+        assert_eq!(nap_length(US(2000)), NAP_MAX);
+        assert_eq!(nap_length(Duration::from_secs(3600)), NAP_MAX);
+        // Monotonic: a longer silence never naps shorter.
+        let mut last = Duration::ZERO;
+        for us in (0..5000).step_by(7) {
+            let n = nap_length(US(us));
+            assert!(n >= last, "{us} µs");
+            last = n;
+        }
     }
 
     #[test]
@@ -190,7 +222,7 @@ mod tests {
             assert_eq!(next_wait(&p, 4), Wait::Yield);
             let started = IDLE_SINCE.with(|c| c.get()).expect("the first yielding poll starts the clock");
             std::thread::sleep(US(250));
-            assert_eq!(next_wait(&p, 5), Wait::Nap);
+            assert!(matches!(next_wait(&p, 5), Wait::Nap(d) if d >= US(31)), "an eighth of ≥ 250 µs");
             assert_eq!(IDLE_SINCE.with(|c| c.get()), Some(started), "later polls keep the start");
             activity();
             assert_eq!(next_wait(&p, 6), Wait::Yield, "activity ends the silence");

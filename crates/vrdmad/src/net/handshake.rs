@@ -1,5 +1,14 @@
-//! The start of every link: Hello both ways, then Auth both ways, on a
-//! blocking socket with a deadline, before the engine sees the socket.
+//! The start of every link: Hello both ways, then the initiator's Auth,
+//! then the acceptor's, on a blocking socket with a deadline, before the
+//! engine sees the socket.
+//!
+//! The acceptor proves nothing and decides nothing until the initiator has
+//! proved it holds the key: a stranger learns no tag, and cannot make the
+//! acceptor record anything about it. A Hello that carries this daemon's
+//! own id is refused (a stranger reflecting our own handshake back at us
+//! would otherwise get our tags to answer our challenges), and a dial made
+//! for a GID must reach the daemon whose Hello says that GID (a stranger
+//! named by a tenant's address handle cannot relay us to another daemon).
 //!
 //! Done on a thread of its own so that a slow or hostile peer (one that
 //! connects and sends nothing, or trickles bytes) costs that thread its
@@ -47,6 +56,13 @@ pub enum HandshakeError {
     Closed(Option<CloseReason>),
     #[error("refused: this daemon dials, or has dialled, the peer itself")]
     Refused,
+    #[error(
+        "the peer's Hello carries this daemon's own id {0:#x}: our handshake reflected back at us, \
+         or two daemons configured with the same net.id"
+    )]
+    Reflected(u64),
+    #[error("dialled the daemon of GID {expected}, but the one that answered says it is {said}")]
+    NotThePeer { expected: Gid, said: Gid },
 }
 
 fn frame_name(f: &FrameRepr) -> &'static str {
@@ -129,18 +145,39 @@ pub fn handshake(
     me: &Identity,
     limit: Duration,
 ) -> Result<Peer, HandshakeError> {
-    handshake_admitting(s, role, me, limit, |_| true)
+    run(s, role, me, limit, None, |_| true)
 }
 
-/// [`handshake`], in which an acceptor asks `admit` about the peer's
-/// Hello before it sends its Auth; refused, it closes the connection
-/// (reason `Normal`: no QP used it), so the initiator's handshake fails
-/// too and neither side ever has a link.
+/// The initiator's handshake; with `expect`, the peer's Hello must say
+/// that GID (a dial made because a QP names it).
+pub fn dial_handshake(
+    s: &mut TcpStream,
+    me: &Identity,
+    limit: Duration,
+    expect: Option<Gid>,
+) -> Result<Peer, HandshakeError> {
+    run(s, Role::Initiator, me, limit, expect, |_| true)
+}
+
+/// The acceptor's handshake, which asks `admit` about the peer once it has
+/// proved it holds the key, before it sends its own Auth; refused, it
+/// closes the connection (reason `Normal`: no QP used it), so the
+/// initiator's handshake fails too and neither side ever has a link.
 pub fn handshake_admitting(
+    s: &mut TcpStream,
+    me: &Identity,
+    limit: Duration,
+    admit: impl FnOnce(&HelloRepr) -> bool,
+) -> Result<Peer, HandshakeError> {
+    run(s, Role::Acceptor, me, limit, None, admit)
+}
+
+fn run(
     s: &mut TcpStream,
     role: Role,
     me: &Identity,
     limit: Duration,
+    expect: Option<Gid>,
     admit: impl FnOnce(&HelloRepr) -> bool,
 ) -> Result<Peer, HandshakeError> {
     let deadline = Instant::now() + limit;
@@ -159,9 +196,13 @@ pub fn handshake_admitting(
         send_close(s, CloseReason::VersionMismatch);
         return Err(e.into());
     }
-    if role == Role::Acceptor && !admit(&peer) {
-        send_close(s, CloseReason::Normal);
-        return Err(HandshakeError::Refused);
+    if peer.daemon_id == me.daemon_id {
+        send_close(s, CloseReason::AuthFailed);
+        return Err(HandshakeError::Reflected(peer.daemon_id));
+    }
+    if let Some(expected) = expect.filter(|g| *g != peer.gid) {
+        send_close(s, CloseReason::AuthFailed);
+        return Err(HandshakeError::NotThePeer { expected, said: peer.gid });
     }
     let tag = match local_tag(&me.psk, &hello, &peer) {
         Ok(t) => t,
@@ -170,7 +211,9 @@ pub fn handshake_admitting(
             return Err(e.into());
         }
     };
-    send(s, &FrameRepr::Auth(tag))?;
+    if role == Role::Initiator {
+        send(s, &FrameRepr::Auth(tag))?;
+    }
     let theirs = match read_frame(s, &mut dec, deadline, limit)? {
         FrameRepr::Auth(t) => t,
         other => {
@@ -181,6 +224,13 @@ pub fn handshake_admitting(
     if let Err(e) = verify_peer(&me.psk, &hello, &peer, &theirs) {
         send_close(s, CloseReason::AuthFailed);
         return Err(e.into());
+    }
+    if role == Role::Acceptor {
+        if !admit(&peer) {
+            send_close(s, CloseReason::Normal);
+            return Err(HandshakeError::Refused);
+        }
+        send(s, &FrameRepr::Auth(tag))?;
     }
     s.set_read_timeout(None)?;
     s.set_write_timeout(None)?;
@@ -234,7 +284,7 @@ mod tests {
             let (mut s, _) = l.accept().unwrap();
             let mut asked = None;
             let key = b"0123456789abcdef";
-            let r = handshake_admitting(&mut s, Role::Acceptor, &id(2, key), Duration::from_secs(2), |h| {
+            let r = handshake_admitting(&mut s, &id(2, key), Duration::from_secs(2), |h| {
                 asked = Some(h.gid);
                 false
             });
@@ -246,6 +296,136 @@ mod tests {
         assert_eq!(asked, Some(Gid::from_ipv4([10, 0, 0, 1])), "admit sees the peer's Hello");
         assert!(matches!(b, Err(HandshakeError::Refused)), "{b:?}");
         assert!(matches!(a, Err(HandshakeError::Closed(Some(CloseReason::Normal)))), "{a:?}");
+    }
+
+    /// Reads the raw bytes of the next frame, or None once the peer closed.
+    fn raw_frame(s: &mut TcpStream) -> Option<(FrameRepr, Vec<u8>)> {
+        let mut dec = FrameDecoder::new();
+        let mut bytes = Vec::new();
+        let mut b = [0u8; 1];
+        s.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        loop {
+            if s.read(&mut b).ok()? == 0 {
+                return None;
+            }
+            bytes.push(b[0]);
+            if let (_, Some(Event::Header(f))) = dec.feed(&b).unwrap() {
+                return Some((f, bytes));
+            }
+        }
+    }
+
+    #[test]
+    fn a_stranger_that_reflects_our_own_handshake_at_us_is_refused() {
+        // Daemon A listens and, at a tenant's request, dials stranger X, who
+        // holds no key and answers each of A's connections with A's own
+        // frames from the other.
+        let a = || id(42, b"0123456789abcdef-secret");
+        let a_listen = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a_addr = a_listen.local_addr().unwrap();
+        let accepting = std::thread::spawn(move || {
+            let (mut s, _) = a_listen.accept().unwrap();
+            handshake_admitting(&mut s, &a(), Duration::from_secs(3), |_| true)
+        });
+        let x_listen = TcpListener::bind("127.0.0.1:0").unwrap();
+        let x_addr = x_listen.local_addr().unwrap();
+        let dialling = std::thread::spawn(move || {
+            let mut s = TcpStream::connect(x_addr).unwrap();
+            dial_handshake(&mut s, &a(), Duration::from_secs(3), None)
+        });
+        let (mut c1, _) = x_listen.accept().unwrap();
+        let (_, a_initiator_hello) = raw_frame(&mut c1).unwrap();
+        let mut c2 = TcpStream::connect(a_addr).unwrap();
+        let (_, a_acceptor_hello) = raw_frame(&mut c2).unwrap();
+        c2.write_all(&a_initiator_hello).unwrap();
+        c1.write_all(&a_acceptor_hello).unwrap();
+        // Neither connection yields a tag to replay on the other.
+        for c in [&mut c1, &mut c2] {
+            let next = raw_frame(c).map(|(f, _)| f);
+            assert!(!matches!(next, Some(FrameRepr::Auth(_))), "A proved itself to a stranger: {next:?}");
+        }
+        let (d, acc) = (dialling.join().unwrap(), accepting.join().unwrap());
+        assert!(matches!(d, Err(HandshakeError::Reflected(42))), "{d:?}");
+        assert!(matches!(acc, Err(HandshakeError::Reflected(42))), "{acc:?}");
+    }
+
+    #[test]
+    fn the_acceptor_proves_nothing_and_admits_nothing_before_the_initiator_proves_the_key() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut asked = false;
+            let r =
+                handshake_admitting(&mut s, &id(2, b"0123456789abcdef"), Duration::from_millis(500), |_| {
+                    asked = true;
+                    true
+                });
+            (r, asked)
+        });
+        // A stranger: a well-formed Hello, then it waits for the acceptor's Auth.
+        let mut c = TcpStream::connect(addr).unwrap();
+        let (f, _) = raw_frame(&mut c).unwrap();
+        assert!(matches!(f, FrameRepr::Hello(_)), "{f:?}");
+        let hello = HelloRepr::new(Role::Initiator, 7, Gid::from_ipv4([10, 0, 0, 7]), 7, [9; NONCE_LEN]);
+        send(&mut c, &FrameRepr::Hello(hello)).unwrap();
+        let next = raw_frame(&mut c).map(|(f, _)| f);
+        assert!(!matches!(next, Some(FrameRepr::Auth(_))), "the acceptor proved itself first: {next:?}");
+        let (r, asked) = t.join().unwrap();
+        assert!(matches!(r, Err(HandshakeError::Timeout(_))), "{r:?}");
+        assert!(!asked, "admit asked about a peer that proved nothing");
+
+        // And a peer with the wrong key is not asked about either.
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut asked = false;
+            let r = handshake_admitting(&mut s, &id(2, b"0123456789abcdef"), Duration::from_secs(2), |_| {
+                asked = true;
+                true
+            });
+            (r, asked)
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let a = handshake(&mut c, Role::Initiator, &id(1, b"fedcba9876543210"), Duration::from_secs(2));
+        let (r, asked) = t.join().unwrap();
+        assert!(a.is_err() && r.is_err(), "{a:?} {r:?}");
+        assert!(!asked);
+    }
+
+    #[test]
+    fn a_dial_for_a_gid_must_reach_the_daemon_of_that_gid() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            for _ in 0..2 {
+                let (mut s, _) = l.accept().unwrap();
+                out.push(handshake(
+                    &mut s,
+                    Role::Acceptor,
+                    &id(2, b"0123456789abcdef"),
+                    Duration::from_secs(2),
+                ));
+            }
+            out
+        });
+        let key = b"0123456789abcdef";
+        let mut c = TcpStream::connect(addr).unwrap();
+        let other = Gid::from_ipv4([10, 0, 0, 3]);
+        let wrong = dial_handshake(&mut c, &id(1, key), Duration::from_secs(2), Some(other));
+        assert!(
+            matches!(wrong, Err(HandshakeError::NotThePeer { expected, said }) if expected == other && said == Gid::from_ipv4([10, 0, 0, 2])),
+            "{wrong:?}"
+        );
+        let mut c = TcpStream::connect(addr).unwrap();
+        let right =
+            dial_handshake(&mut c, &id(1, key), Duration::from_secs(2), Some(Gid::from_ipv4([10, 0, 0, 2])));
+        assert!(right.is_ok(), "{right:?}");
+        let acc = t.join().unwrap();
+        assert!(matches!(acc[0], Err(HandshakeError::Closed(Some(CloseReason::AuthFailed)))), "{:?}", acc[0]);
+        assert!(acc[1].is_ok());
     }
 
     #[test]

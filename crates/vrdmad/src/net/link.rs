@@ -71,6 +71,13 @@ pub struct LinkIo {
     tx_off: usize,
     /// The socket refused more: wait for POLLOUT.
     pub want_write: bool,
+    /// Since when the socket has taken no byte of what is queued; a link
+    /// whose peer reads nothing for the dead time ends.
+    stalled_since: Option<Clock>,
+    /// The peer asked for a keepalive reply: the sequence number of its
+    /// latest request. One reply answers any number of requests, so a peer
+    /// that floods requests and never reads queues at most one.
+    reply_due: Option<u64>,
     last_rx: Clock,
     last_tx: Clock,
     keepalive_seq: u64,
@@ -113,6 +120,8 @@ impl LinkIo {
             txq: VecDeque::new(),
             tx_off: 0,
             want_write: false,
+            stalled_since: None,
+            reply_due: None,
             last_rx: now,
             last_tx: now,
             keepalive_seq: 0,
@@ -124,13 +133,17 @@ impl LinkIo {
         self.sock.as_fd()
     }
 
-    /// Queues a control frame ahead of nothing: it goes after what is queued.
-    fn queue_control(&mut self, f: FrameRepr) {
+    /// Queues a control frame ahead of nothing: it goes after what is
+    /// queued. Returns its length.
+    fn queue_control(&mut self, f: FrameRepr) -> usize {
         let mut t = Transmit::default();
         t.header.extend(std::iter::repeat_n(0, f.header_len()));
-        if f.emit(&mut t.header).is_ok() {
-            self.txq.push_back(t);
+        if f.emit(&mut t.header).is_err() {
+            return 0;
         }
+        let n = t.len();
+        self.txq.push_back(t);
+        n
     }
 
     /// Tells the peer we are leaving (best effort, never blocks).
@@ -226,7 +239,7 @@ impl LinkIo {
             }
             FrameRepr::Keepalive(k) => {
                 if !k.reply {
-                    self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq: k.seq, reply: true }));
+                    self.reply_due = Some(k.seq);
                 }
                 Ok(())
             }
@@ -347,6 +360,10 @@ impl LinkIo {
         for _ in 0..FRAMES_PER_PASS {
             let mut queued: usize = self.txq.iter().map(Transmit::len).sum::<usize>() - self.tx_off;
             while queued < TX_AHEAD && self.txq.len() < TX_FRAMES_AHEAD {
+                if let Some(seq) = self.reply_due.take() {
+                    queued += self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq, reply: true }));
+                    continue;
+                }
                 match hca.poll_transmit(self.id, now, rings) {
                     Some(t) => {
                         queued += t.len();
@@ -405,9 +422,14 @@ impl LinkIo {
         let r = unsafe { libc::writev(self.sock.as_raw_fd(), iov.as_ptr(), iov.len() as i32) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
-            return if would_block(&e) { Ok(false) } else { Err(e) };
+            if would_block(&e) {
+                self.stalled_since.get_or_insert_with(Clock::now);
+                return Ok(false);
+            }
+            return Err(e);
         }
         self.last_tx = Clock::now();
+        self.stalled_since = None;
         let mut n = r as usize + self.tx_off;
         while let Some(t) = self.txq.front() {
             let len = t.len();
@@ -427,6 +449,11 @@ impl LinkIo {
         if now.duration_since(self.last_rx) >= dead {
             return Err(format!("no frame for {} ms", dead.as_millis()));
         }
+        // A peer that sends but reads nothing keeps `last_rx` fresh while
+        // our frames (and the QPs behind them) wait for ever.
+        if self.stalled_since.is_some_and(|t| now.duration_since(t) >= dead) {
+            return Err(format!("the peer read nothing for {} ms", dead.as_millis()));
+        }
         if now.duration_since(self.last_tx) >= every && self.txq.is_empty() {
             self.keepalive_seq += 1;
             self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq: self.keepalive_seq, reply: false }));
@@ -442,6 +469,113 @@ impl LinkIo {
     }
 
     pub fn has_output(&self) -> bool {
-        !self.txq.is_empty()
+        !self.txq.is_empty() || self.reply_due.is_some()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+
+    use vrdma_core::hca::{HcaConfig, KeySource};
+    use vrdma_core::verbs::Gid;
+
+    use super::*;
+
+    struct Keys(u32);
+    impl KeySource for Keys {
+        fn next_key(&mut self) -> u32 {
+            self.0 += 1;
+            self.0
+        }
+    }
+
+    /// A link over loopback, and the peer's end of its socket.
+    fn pair() -> (LinkIo, TcpStream, Hca, RingTable) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let theirs = l.accept().unwrap().0;
+        // Small fixed buffers (no autotuning): a peer that reads nothing
+        // closes the window after a few frames.
+        for (s, opt) in [(&ours, libc::SO_SNDBUF), (&theirs, libc::SO_RCVBUF)] {
+            let v: libc::c_int = 64 << 10;
+            // SAFETY: a valid socket and an int option of the right size.
+            let r = unsafe {
+                libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, (&v as *const libc::c_int).cast(), 4)
+            };
+            assert_eq!(r, 0);
+        }
+        let link = LinkIo::new(
+            LinkId(1),
+            ours,
+            "10.0.0.2:4791".parse().unwrap(),
+            Gid::from_ipv4([10, 0, 0, 2]),
+            9,
+            false,
+        )
+        .unwrap();
+        (link, theirs, Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0))), RingTable::default())
+    }
+
+    fn keepalive_request() -> Vec<u8> {
+        let f = FrameRepr::Keepalive(KeepaliveRepr { seq: 7, reply: false });
+        let mut b = vec![0u8; f.header_len()];
+        f.emit(&mut b).unwrap();
+        b
+    }
+
+    /// Fills the socket (the peer reads nothing) until it refuses more.
+    fn stall(link: &mut LinkIo, hca: &mut Hca, rings: &mut RingTable) {
+        for _ in 0..10_000 {
+            if link.stalled_since.is_some() {
+                return;
+            }
+            link.txq.push_back(Transmit { data: vec![0; 60 << 10], ..Transmit::default() });
+            link.transmit(hca, rings, Instant::ZERO).unwrap();
+        }
+        panic!("600 MB did not fill a socket of 64 KiB");
+    }
+
+    #[test]
+    fn a_peer_that_floods_keepalive_requests_and_reads_nothing_queues_one_reply() {
+        let (mut link, mut theirs, mut hca, mut rings) = pair();
+        stall(&mut link, &mut hca, &mut rings);
+        let before = link.txq.len();
+        let burst: Vec<u8> = keepalive_request().repeat(170);
+        for _ in 0..100 {
+            theirs.write_all(&burst).unwrap();
+            while link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap() {}
+            link.transmit(&mut hca, &mut rings, Instant::ZERO).unwrap();
+        }
+        assert!(link.txq.len() <= before + 1, "17 000 requests queued {} frames", link.txq.len() - before);
+    }
+
+    #[test]
+    fn a_peer_that_reads_nothing_ends_the_link_after_the_dead_time() {
+        let (mut link, mut theirs, mut hca, mut rings) = pair();
+        let (every, dead) = (Duration::from_millis(100), Duration::from_millis(300));
+        stall(&mut link, &mut hca, &mut rings);
+        let since = link.stalled_since.expect("a refused write starts the stall");
+        // It sends (our `last_rx` stays fresh) and reads nothing.
+        theirs.write_all(&keepalive_request()).unwrap();
+        while link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap() {}
+        assert!(link.keepalive(every, dead).is_ok(), "not yet the dead time");
+        link.transmit(&mut hca, &mut rings, Instant::ZERO).unwrap();
+        link.stalled_since = Some(since - dead);
+        let why = link.keepalive(every, dead).expect_err("stalled for the dead time");
+        assert!(why.contains("read nothing"), "{why}");
+
+        // A peer that reads again ends the stall.
+        link.txq.push_back(Transmit { data: vec![0; 60 << 10], ..Transmit::default() });
+        theirs.set_nonblocking(true).unwrap();
+        let mut sink = vec![0u8; 1 << 20];
+        let started = Clock::now();
+        while link.stalled_since.is_some() && started.elapsed() < Duration::from_secs(10) {
+            let _ = std::io::Read::read(&mut theirs, &mut sink);
+            link.transmit(&mut hca, &mut rings, Instant::ZERO).unwrap();
+        }
+        assert_eq!(link.stalled_since, None, "a write that goes through ends the stall");
+        assert!(link.keepalive(every, dead).is_ok());
     }
 }

@@ -14,7 +14,7 @@ mod link;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant as Clock};
 
@@ -22,17 +22,21 @@ use rustix::event::{epoll, PollFd, PollFlags};
 use vrdma_core::hca::{Hca, LinkId, LinkInfo};
 use vrdma_core::time::Instant;
 use vrdma_core::verbs::Gid;
-use vrdma_core::wire::{CloseReason, Role};
+use vrdma_core::wire::CloseReason;
 
-pub use handshake::{handshake, handshake_admitting, HandshakeError, Identity, Peer};
+pub use handshake::{dial_handshake, handshake, handshake_admitting, HandshakeError, Identity, Peer};
 pub use link::LinkIo;
 
 use crate::engine::{EngineHandle, RingTable};
 
 /// How long a handshake may take before the connection is dropped.
 const HANDSHAKE_LIMIT: Duration = Duration::from_secs(3);
-/// Handshakes in progress at once; more connections wait in the backlog.
+/// Handshakes in progress at once; more connections are dropped. The
+/// configured peers' addresses are not held to this bound, so strangers
+/// that fill it cannot keep them out.
 const MAX_HANDSHAKES: usize = 32;
+/// Handshakes in progress at once from one source address.
+const MAX_HANDSHAKES_PER_SOURCE: usize = 4;
 /// A failed dial is not tried again for this long, doubled after each
 /// further failure up to [`REDIAL_MAX`].
 const REDIAL_AFTER: Duration = Duration::from_millis(500);
@@ -180,11 +184,14 @@ impl Net {
                 tracing::debug!(%gid, "no address for a GID that is not IPv4-mapped; configure it under net.peers");
                 continue;
             };
-            self.dial(SocketAddr::from((ip, self.setup.port)));
+            // Only the daemon whose Hello says this GID will do: a stranger
+            // at that address, who holds the key or not, cannot relay us to
+            // another daemon.
+            self.dial(SocketAddr::from((ip, self.setup.port)), Some(gid));
         }
     }
 
-    fn dial(&mut self, addr: SocketAddr) {
+    fn dial(&mut self, addr: SocketAddr, expect: Option<Gid>) {
         let now = Clock::now();
         if self.links.values().any(|l| same_daemon(l.peer, l.gid, addr)) {
             return;
@@ -203,8 +210,9 @@ impl Net {
         let Some(handle) = self.handle.clone() else { return };
         self.dialling.insert(addr, Dial::Started(now, fails));
         let setup = self.setup.clone();
-        let spawned =
-            std::thread::Builder::new().name("vrdma-dial".into()).spawn(move || dial(addr, setup, handle));
+        let spawned = std::thread::Builder::new()
+            .name("vrdma-dial".into())
+            .spawn(move || dial(addr, expect, setup, handle));
         if let Err(e) = spawned {
             tracing::warn!(peer = %addr, error = %e, "cannot start a dialler");
             self.dialling.remove(&addr);
@@ -223,7 +231,9 @@ impl Net {
     /// until ours breaks too (at most the keepalive timeout), and dials
     /// again after its pause. An admitted connection holds back this
     /// daemon's own dials to that daemon until it is a link or has failed.
+    /// Only a peer that has proved it holds the key is asked about.
     pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
         let admit = self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(gid, daemon_id, now);
         if admit {
             self.incoming.insert(gid, now);
@@ -244,7 +254,7 @@ impl Net {
     /// Dials the configured peers (at start; later whenever their link is down).
     fn dial_configured(&mut self) {
         for p in self.setup.peers.clone() {
-            self.dial(p);
+            self.dial(p, None);
         }
     }
 
@@ -354,11 +364,12 @@ fn gid_of(addr: SocketAddr) -> Option<Gid> {
     .map(|v4| Gid::from_ipv4(v4.octets()))
 }
 
-fn dial(addr: SocketAddr, setup: Arc<NetSetup>, handle: EngineHandle) {
+/// Dials `addr`; with `expect`, only the daemon of that GID will do.
+fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: EngineHandle) {
     let r =
         TcpStream::connect_timeout(&addr, CONNECT_LIMIT).map_err(HandshakeError::from).and_then(|mut s| {
             s.set_nodelay(true)?;
-            let p = handshake(&mut s, Role::Initiator, &setup.identity, HANDSHAKE_LIMIT)?;
+            let p = dial_handshake(&mut s, &setup.identity, HANDSHAKE_LIMIT, expect)?;
             Ok((s, p))
         });
     match r {
@@ -417,7 +428,8 @@ impl Drop for Listener {
 }
 
 fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop: Arc<AtomicBool>) {
-    let active = Arc::new(AtomicUsize::new(0));
+    let slots = Arc::new(HandshakeSlots::default());
+    let configured: Vec<std::net::IpAddr> = setup.peers.iter().map(|p| p.ip()).collect();
     while !stop.load(Ordering::Relaxed) {
         let mut fds = [PollFd::new(&l, PollFlags::IN)];
         let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 };
@@ -431,15 +443,15 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                 continue;
             }
         };
-        if active.load(Ordering::SeqCst) >= MAX_HANDSHAKES {
+        let Some(slot) = HandshakeSlots::take(&slots, addr.ip(), configured.contains(&addr.ip())) else {
             tracing::warn!(peer = %addr, "too many handshakes in progress; connection dropped");
             continue;
-        }
+        };
         let _ = s.set_nonblocking(false);
         let _ = s.set_nodelay(true);
-        active.fetch_add(1, Ordering::SeqCst);
-        let (setup, handle, active2) = (setup.clone(), handle.clone(), active.clone());
+        let (setup, handle) = (setup.clone(), handle.clone());
         let spawned = std::thread::Builder::new().name("vrdma-handshake".into()).spawn(move || {
+            let _slot = slot;
             let admit = |h: &vrdma_core::wire::HelloRepr| {
                 let (gid, id) = (h.gid, h.daemon_id);
                 // An engine that is gone admits; the link then goes nowhere.
@@ -447,7 +459,7 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                     .call(move |st| st.net.as_mut().is_none_or(|n| n.admits(gid, id, Clock::now())))
                     .unwrap_or(true)
             };
-            match handshake_admitting(&mut s, Role::Acceptor, &setup.identity, HANDSHAKE_LIMIT, admit) {
+            match handshake_admitting(&mut s, &setup.identity, HANDSHAKE_LIMIT, admit) {
                 Ok(p) => {
                     let _ = handle.call(move |st| {
                         let crate::engine::EngineState { hca, net, .. } = st;
@@ -461,10 +473,53 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                 }
                 Err(e) => tracing::warn!(peer = %addr, error = %e, "refused a connection from another host"),
             }
-            active2.fetch_sub(1, Ordering::SeqCst);
         });
-        if spawned.is_err() {
-            active.fetch_sub(1, Ordering::SeqCst);
+        if let Err(e) = spawned {
+            tracing::warn!(peer = %addr, error = %e, "cannot start a handshake");
+        }
+    }
+}
+
+/// Handshakes in progress: in all, and per source address.
+#[derive(Default)]
+struct HandshakeSlots {
+    per_source: std::sync::Mutex<HashMap<std::net::IpAddr, usize>>,
+}
+
+/// One handshake's place in [`HandshakeSlots`], given back on drop.
+struct HandshakeSlot {
+    slots: Arc<HandshakeSlots>,
+    source: std::net::IpAddr,
+}
+
+impl HandshakeSlots {
+    /// A place for a handshake from `source`, unless it already has
+    /// [`MAX_HANDSHAKES_PER_SOURCE`], or all sources together have
+    /// [`MAX_HANDSHAKES`] and `source` is no configured peer.
+    fn take(
+        slots: &Arc<HandshakeSlots>,
+        source: std::net::IpAddr,
+        configured: bool,
+    ) -> Option<HandshakeSlot> {
+        let mut m = slots.per_source.lock().unwrap_or_else(|p| p.into_inner());
+        let total: usize = m.values().sum();
+        let mine = m.get(&source).copied().unwrap_or(0);
+        if mine >= MAX_HANDSHAKES_PER_SOURCE || (total >= MAX_HANDSHAKES && !configured) {
+            return None;
+        }
+        m.insert(source, mine + 1);
+        Some(HandshakeSlot { slots: slots.clone(), source })
+    }
+}
+
+impl Drop for HandshakeSlot {
+    fn drop(&mut self) {
+        let mut m = self.slots.per_source.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.source) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.source);
+            }
         }
     }
 }
@@ -498,6 +553,32 @@ mod tests {
         let started = Dial::Started(t, 0);
         assert!(started.holds(t + HANDSHAKE_LIMIT));
         assert!(!started.holds(t + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2));
+    }
+
+    #[test]
+    fn handshakes_are_bounded_per_source_and_in_all_but_configured_peers_get_in() {
+        let slots = Arc::new(HandshakeSlots::default());
+        let ip = |n: u8| std::net::IpAddr::from([10, 0, 1, n]);
+        let mut held = Vec::new();
+        for _ in 0..MAX_HANDSHAKES_PER_SOURCE {
+            held.push(HandshakeSlots::take(&slots, ip(1), false).expect("under the bound"));
+        }
+        assert!(HandshakeSlots::take(&slots, ip(1), false).is_none(), "one source over its bound");
+        assert!(HandshakeSlots::take(&slots, ip(1), true).is_none(), "configured peers too");
+        let mut n = 2;
+        while held.len() < MAX_HANDSHAKES {
+            for _ in 0..MAX_HANDSHAKES_PER_SOURCE.min(MAX_HANDSHAKES - held.len()) {
+                held.push(HandshakeSlots::take(&slots, ip(n), false).expect("under the bound"));
+            }
+            n += 1;
+        }
+        assert!(HandshakeSlots::take(&slots, ip(200), false).is_none(), "all slots taken");
+        let peer = HandshakeSlots::take(&slots, ip(201), true).expect("a configured peer still gets in");
+        drop(peer);
+        held.truncate(MAX_HANDSHAKES - 1);
+        assert!(HandshakeSlots::take(&slots, ip(200), false).is_some(), "a slot given back is free again");
+        held.clear();
+        assert!(slots.per_source.lock().unwrap().is_empty(), "every slot given back");
     }
 
     fn net_of(ip: [u8; 4]) -> Net {
