@@ -41,6 +41,11 @@ const MAX_HANDSHAKES_PER_SOURCE: usize = 4;
 /// further failure up to [`REDIAL_MAX`].
 const REDIAL_AFTER: Duration = Duration::from_millis(500);
 const REDIAL_MAX: Duration = Duration::from_secs(8);
+/// Dials under way at once. Tenants name peers by GID, so without a bound
+/// a tenant cycling through addresses would start a thread for each.
+const MAX_DIALS: usize = 16;
+/// How long the failure count of a peer no QP wants any more is kept.
+const FORGET_FAILED_DIAL: Duration = Duration::from_secs(60);
 /// How long a TCP connect may take: short, so that a dial made while the
 /// network was cut does not hold up the next one long after it is back.
 const CONNECT_LIMIT: Duration = Duration::from_secs(1);
@@ -193,20 +198,7 @@ impl Net {
 
     fn dial(&mut self, addr: SocketAddr, expect: Option<Gid>) {
         let now = Clock::now();
-        if self.links.values().any(|l| same_daemon(l.peer, l.gid, addr)) {
-            return;
-        }
-        // That daemon's own connection to us is in its handshake: it
-        // becomes the link, or fails and is forgotten; the QPs that want
-        // the peer ask again on their next pass.
-        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
-        if gid_of(addr).is_some_and(|g| self.incoming.contains_key(&g)) {
-            return;
-        }
-        let fails = match self.dialling.get(&addr) {
-            Some(d) if d.holds(now) => return,
-            d => d.map_or(0, Dial::fails),
-        };
+        let Some(fails) = self.may_dial(addr, now) else { return };
         let Some(handle) = self.handle.clone() else { return };
         self.dialling.insert(addr, Dial::Started(now, fails));
         let setup = self.setup.clone();
@@ -217,6 +209,36 @@ impl Net {
             tracing::warn!(peer = %addr, error = %e, "cannot start a dialler");
             self.dialling.remove(&addr);
         }
+    }
+
+    /// Whether a dial to `addr` may start at `now`, and if so after how
+    /// many failures in a row.
+    fn may_dial(&mut self, addr: SocketAddr, now: Clock) -> Option<u32> {
+        if self.links.values().any(|l| same_daemon(l.peer, l.gid, addr)) {
+            return None;
+        }
+        // That daemon's own connection to us is in its handshake: it
+        // becomes the link, or fails and is forgotten; the QPs that want
+        // the peer ask again on their next pass.
+        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        if gid_of(addr).is_some_and(|g| self.incoming.contains_key(&g)) {
+            return None;
+        }
+        let fails = match self.dialling.get(&addr) {
+            Some(d) if d.holds(now) => return None,
+            d => d.map_or(0, Dial::fails),
+        };
+        self.dialling.retain(|_, d| match *d {
+            Dial::Started(..) => true,
+            Dial::RetryAt(t, _) => now.saturating_duration_since(t) < FORGET_FAILED_DIAL,
+        });
+        let under_way =
+            self.dialling.values().filter(|d| matches!(d, Dial::Started(..)) && d.holds(now)).count();
+        if under_way >= MAX_DIALS {
+            tracing::debug!(peer = %addr, "{MAX_DIALS} dials under way; this one waits");
+            return None;
+        }
+        Some(fails)
     }
 
     /// Whether to take a connection that the daemon whose Hello says `gid`
@@ -579,6 +601,28 @@ mod tests {
         assert!(HandshakeSlots::take(&slots, ip(200), false).is_some(), "a slot given back is free again");
         held.clear();
         assert!(slots.per_source.lock().unwrap().is_empty(), "every slot given back");
+    }
+
+    #[test]
+    fn dials_are_bounded_and_peers_no_one_wants_are_forgotten() {
+        let mut n = net_of([10, 0, 0, 1]);
+        let now = Clock::now();
+        let addr = |i: u8| SocketAddr::from(([10, 0, 2, i], 4791));
+        for i in 0..MAX_DIALS as u8 {
+            assert_eq!(n.may_dial(addr(i), now), Some(0));
+            n.dialling.insert(addr(i), Dial::Started(now, 0));
+        }
+        assert_eq!(n.may_dial(addr(200), now), None, "{MAX_DIALS} under way: the next waits");
+        assert_eq!(n.may_dial(addr(0), now), None, "already under way");
+        n.dial_failed(addr(0));
+        assert_eq!(n.may_dial(addr(200), now), Some(0), "a slot came free");
+        // A failed peer keeps its count while it may be asked for again...
+        let later = now + REDIAL_AFTER + Duration::from_millis(100);
+        assert_eq!(n.may_dial(addr(0), later), Some(1));
+        // ...and is forgotten once no QP has asked for a long while.
+        let much_later = later + FORGET_FAILED_DIAL + REDIAL_MAX;
+        n.may_dial(addr(201), much_later);
+        assert!(!n.dialling.contains_key(&addr(0)), "a failed dial no one wants is kept for ever");
     }
 
     fn net_of(ip: [u8; 4]) -> Net {

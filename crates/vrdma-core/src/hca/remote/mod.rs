@@ -152,9 +152,12 @@ pub(crate) enum AfterPayload {
     Request {
         qpn: u32,
     },
-    /// A read response chunk arrived for the requester QP.
+    /// A read response chunk arrived for the requester QP, for the
+    /// request numbered `serial`, at `offset` of its message.
     ReadResponse {
         qpn: u32,
+        serial: u64,
+        offset: u64,
         len: u32,
         last: bool,
     },
@@ -187,6 +190,10 @@ pub(crate) struct Network {
     pub links: HashMap<LinkId, Link>,
     next_link: u32,
     wanted: Vec<Gid>,
+    /// Numbers every request a requester sends, so that a read response
+    /// whose payload outlived its request (the QP was reset or failed
+    /// meanwhile) cannot complete another one.
+    pub next_serial: u64,
 }
 
 impl Network {
@@ -451,8 +458,8 @@ impl Hca {
         match std::mem::replace(&mut l.after, AfterPayload::Nothing) {
             AfterPayload::Nothing => {}
             AfterPayload::Request { qpn } => self.responder_placed(qpn, now, io),
-            AfterPayload::ReadResponse { qpn, len, last } => {
-                self.read_response_placed(qpn, len, last, now, io)
+            AfterPayload::ReadResponse { qpn, serial, offset, len, last } => {
+                self.read_response_placed(link, qpn, serial, offset, len, last, now, io)
             }
             AfterPayload::Datagram { qpn, wr_id, len, src_qpn, slid, imm, solicited } => {
                 self.datagram_placed(qpn, wr_id, len, src_qpn, slid, imm, solicited, io)

@@ -15,6 +15,8 @@ use crate::wire::{psn_add, psn_diff, AtomicEth, DataFlags, DataRepr, NakCode, Op
 /// A work request taken from the send queue and not yet completed.
 pub(crate) struct SentWr {
     pub wr: SendWr,
+    /// This request's number among every request of this device.
+    pub serial: u64,
     pub first_psn: u32,
     /// PSNs it takes: one per chunk, a read one per response chunk.
     pub npsn: u32,
@@ -209,7 +211,10 @@ impl Hca {
         };
         let first_psn = s.next_psn;
         s.next_psn = psn_add(first_psn, npsn);
-        s.sent.push_back(SentWr { wr, first_psn, npsn, placed: 0, status: None });
+        self.net.next_serial += 1;
+        let serial = self.net.next_serial;
+        let Some(s) = self.send_state(qpn) else { return false };
+        s.sent.push_back(SentWr { wr, serial, first_psn, npsn, placed: 0, status: None });
         if s.ack_deadline.is_none() {
             s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
         }
@@ -482,11 +487,10 @@ impl Hca {
         }
         let pd = self.qps[&qpn].pd;
         let Some(s) = self.send_state(qpn) else { return (Sink::Discard, AfterPayload::Nothing) };
-        let expect =
-            s.sent.front().filter(|w| s.tx > 0 && w.wr.opcode == SendOpcode::RdmaRead).map(|w| {
-                (psn_add(w.first_psn, (w.placed / chunk) as u32), w.placed, w.wr.msg_len(), w.wr.sg)
-            });
-        let Some((want_psn, placed, len, sg)) = expect else {
+        let expect = s.sent.front().filter(|w| s.tx > 0 && w.wr.opcode == SendOpcode::RdmaRead).map(|w| {
+            (psn_add(w.first_psn, (w.placed / chunk) as u32), w.placed, w.wr.msg_len(), w.wr.sg, w.serial)
+        });
+        let Some((want_psn, placed, len, sg, serial)) = expect else {
             self.net.dropped(link, "read response for no outstanding read");
             return (Sink::Discard, AfterPayload::Nothing);
         };
@@ -502,13 +506,16 @@ impl Hca {
         }
         let last = placed + n == len;
         if n == 0 {
-            return (Sink::Discard, AfterPayload::ReadResponse { qpn, len: 0, last });
+            return (Sink::Discard, AfterPayload::ReadResponse { qpn, serial, offset: placed, len: 0, last });
         }
         match self
             .resolve(pd, sg.as_slice(), AccessFlags::LOCAL_WRITE)
             .and_then(|segs| windows(&segs, placed, n))
         {
-            Some(w) => (Sink::Place(w), AfterPayload::ReadResponse { qpn, len: n as u32, last }),
+            Some(w) => (
+                Sink::Place(w),
+                AfterPayload::ReadResponse { qpn, serial, offset: placed, len: n as u32, last },
+            ),
             None => {
                 self.remote_fail(qpn, WcStatus::LocProtErr, io);
                 (Sink::Discard, AfterPayload::Nothing)
@@ -516,17 +523,32 @@ impl Hca {
         }
     }
 
-    /// A read response chunk is in the local buffer.
+    /// A read response chunk is in the local buffer. It counts only if its
+    /// read is still the oldest request, as it was when its header came:
+    /// the QP may have failed or been reset while the payload arrived.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn read_response_placed(
         &mut self,
+        link: LinkId,
         qpn: u32,
+        serial: u64,
+        offset: u64,
         len: u32,
         last: bool,
         now: Instant,
         io: &mut dyn Queues,
     ) {
+        let live = self
+            .qps
+            .get(&qpn)
+            .is_some_and(|q| matches!(q.state(), QpState::Rts | QpState::Sqd | QpState::Sqe));
         let Some(s) = self.send_state(qpn) else { return };
-        let Some(head) = s.sent.front_mut() else { return };
+        let Some(head) =
+            s.sent.front_mut().filter(|h| live && s.tx > 0 && h.serial == serial && h.placed == offset)
+        else {
+            self.net.dropped(link, "read response for a read that is gone");
+            return;
+        };
         head.placed += u64::from(len);
         if last {
             let total = head.placed as u32;

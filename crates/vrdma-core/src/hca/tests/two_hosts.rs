@@ -71,6 +71,18 @@ impl TwoHosts {
         log: &mut Vec<(char, crate::wire::Opcode, u32)>,
     ) -> bool {
         let Some(t) = from.env.hca.poll_transmit(from.link, now, &mut from.env.io) else { return false };
+        Self::deliver(&t, to, now, dir, log);
+        true
+    }
+
+    /// Delivers frame `t` to `to`, encoded and decoded as bytes.
+    fn deliver(
+        t: &crate::hca::remote::Transmit,
+        to: &mut Host,
+        now: Instant,
+        dir: char,
+        log: &mut Vec<(char, crate::wire::Opcode, u32)>,
+    ) {
         let mut bytes = t.header.to_vec();
         bytes.extend(&t.data);
         for s in &t.payload {
@@ -94,7 +106,6 @@ impl TwoHosts {
             Sink::Discard => {}
         }
         to.env.hca.data_placed(to.link, now, &mut to.env.io);
-        true
     }
 
     /// Engine passes and frame deliveries on both hosts until nothing moves.
@@ -638,4 +649,54 @@ fn a_region_deregistered_mid_send_ends_the_request_in_loc_prot_err() {
         ]
     );
     assert_eq!(t.a.env.io.state(a.qpn), Some(QpState::Err));
+}
+
+#[test]
+fn a_read_response_whose_read_was_flushed_mid_payload_completes_nothing_later() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    b.buf.write(0, &[7; 8]);
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaRead, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log), "the read request crosses");
+    for _ in 0..100 {
+        t.b.env.step(T0);
+    }
+    // The response's header reaches A, whose payload is still on its way...
+    let resp = t.b.env.hca.poll_transmit(t.b.link, T0, &mut t.b.env.io).expect("B answers");
+    let mut bytes = resp.header.to_vec();
+    for s in &resp.payload {
+        let mut v = vec![0; s.len];
+        s.region.read(s.off, &mut v).unwrap();
+        bytes.extend(v);
+    }
+    let (repr, _) = parse_frame(&bytes).expect("a frame we emitted parses");
+    let FrameRepr::Data(d) = repr else { panic!("a data frame") };
+    assert!(matches!(t.a.env.hca.handle_data(t.a.link, &d, T0, &mut t.a.env.io), Sink::Place(_)));
+    // ...when the application resets the QP, connects it again and posts
+    // another read.
+    let attr = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+    assert_eq!(t.a.env.modify(a.qpn, &attr, QpAttrMask::STATE), Ok(QpState::Reset));
+    // B expects PSN 101 next: the new connection starts there.
+    t.a.env.bring_to_init(a.qpn, conn());
+    let ah = crate::verbs::AhAttr {
+        is_global: true,
+        dgid: Gid::from_ipv4(IP_B),
+        hop_limit: 1,
+        port_num: 1,
+        ..Default::default()
+    };
+    t.a.env.bring_to_rtr_via(a.qpn, b.qpn, conn(), ah, 100, 4);
+    t.a.env.bring_to_rts_via(a.qpn, conn(), 101, 4);
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaRead, &[a.buf.sge(64, 8)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    let request = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("the new read leaves");
+    // The old payload lands: it answers the old read, not the new one.
+    t.a.env.hca.data_placed(t.a.link, T0, &mut t.a.env.io);
+    t.run_a_only(T0);
+    assert!(t.a.env.poll(a.cq).is_empty(), "a response for a read that is gone completed the new one");
+    // The new read is answered as usual.
+    TwoHosts::deliver(&request, &mut t.b, T0, '>', &mut t.log);
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(2, WcStatus::Success, WcOpcode::RdmaRead, a.qpn, 8)]);
+    assert_eq!(a.buf.read(64, 8), vec![7; 8]);
 }
