@@ -6,7 +6,7 @@
 //! core never forms a Rust reference into it: bytes move with raw copies
 //! and 8-byte atomics, which is what a DMA engine does to host memory.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
 /// Memory the device can reach: a mapping that stays valid while this
@@ -49,11 +49,17 @@ unsafe impl Backing for HeapBacking {
 
 /// A window `[offset, offset+len)` of a backing: the bytes of one memory
 /// region as the device sees them.
+///
+/// Clones share one revocation flag: deregistering a memory region
+/// revokes every clone in flight (a payload half placed, frames queued for
+/// a socket), so that a driver can stop touching memory the tenant may
+/// already have reused.
 #[derive(Clone)]
 pub struct Region {
     backing: Arc<dyn Backing>,
     offset: usize,
     len: usize,
+    revoked: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Region {
@@ -76,7 +82,9 @@ impl Region {
     /// The window `[offset, offset+len)` of `backing`, if it fits.
     pub fn new(backing: Arc<dyn Backing>, offset: usize, len: usize) -> Result<Self, OutOfBounds> {
         match offset.checked_add(len) {
-            Some(end) if end <= backing.len() => Ok(Region { backing, offset, len }),
+            Some(end) if end <= backing.len() => {
+                Ok(Region { backing, offset, len, revoked: Arc::new(AtomicBool::new(false)) })
+            }
             _ => Err(OutOfBounds { offset, len, region_len: backing.len() }),
         }
     }
@@ -89,6 +97,16 @@ impl Region {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The memory region is gone (deregistered): no device access may
+    /// touch these bytes any more. Seen by every clone.
+    pub fn revoke(&self) {
+        self.revoked.store(true, Ordering::Release);
+    }
+
+    pub fn is_revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
     }
 
     pub fn is_empty(&self) -> bool {
@@ -191,6 +209,18 @@ mod tests {
         assert_eq!(&out, b"hello");
         assert!(b.copy_from(60, &a, 0, 5).is_err());
         assert!(a.read(usize::MAX, &mut out).is_err());
+    }
+
+    #[test]
+    fn revoking_a_region_revokes_its_clones_and_no_other_region() {
+        let backing: Arc<dyn Backing> = Arc::new(HeapBacking::new(64));
+        let a = Region::new(backing.clone(), 0, 64).unwrap();
+        let in_flight = a.clone();
+        let other = Region::new(backing, 0, 64).unwrap();
+        assert!(!in_flight.is_revoked());
+        a.revoke();
+        assert!(in_flight.is_revoked(), "a clone in flight must see the revocation");
+        assert!(!other.is_revoked(), "another registration of the same memory stays");
     }
 
     #[test]

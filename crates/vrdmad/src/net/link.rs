@@ -40,6 +40,11 @@ const TAIL_AFTER_LARGE: usize = vrdma_core::wire::MAX_DATA_HEADER_LEN;
 /// iovecs per `writev`/`readv`.
 const IOV_MAX: usize = 64;
 
+/// What goes on the wire in place of the bytes of a region deregistered
+/// after its frame was queued: the frame's header is already out, so its
+/// payload must follow, but never from memory the tenant may have reused.
+static ZEROS: [u8; vrdma_core::wire::MAX_CHUNK as usize] = [0; vrdma_core::wire::MAX_CHUNK as usize];
+
 // One per link, reused for every frame.
 #[allow(clippy::large_enum_variant)]
 enum RxSink {
@@ -66,6 +71,9 @@ pub struct LinkIo {
     /// EAGAIN costs as much as one that brings data).
     drained: bool,
     sink: Option<RxSink>,
+    /// A region the current payload was going to was deregistered: the
+    /// rest is discarded, and the core told so at the frame's end.
+    lost: bool,
     txq: VecDeque<Transmit>,
     /// Bytes of `txq[0]` already written.
     tx_off: usize,
@@ -117,6 +125,7 @@ impl LinkIo {
             rend: 0,
             drained: false,
             sink: None,
+            lost: false,
             txq: VecDeque::new(),
             tx_off: 0,
             want_write: false,
@@ -192,7 +201,11 @@ impl LinkIo {
                     busy = true;
                     if matches!(self.dec.want(), Want::Header(_)) {
                         self.sink = None;
-                        hca.data_placed(self.id, now, rings);
+                        if std::mem::take(&mut self.lost) {
+                            hca.data_lost(self.id, rings);
+                        } else {
+                            hca.data_placed(self.id, now, rings);
+                        }
                     }
                 }
             }
@@ -250,8 +263,20 @@ impl LinkIo {
         }
     }
 
+    /// Once a region the payload goes to is deregistered (the tenant may
+    /// reuse its memory at once), the rest of the payload is thrown away.
+    fn check_revoked(&mut self) {
+        if let Some(RxSink::Place { segs, .. }) = &self.sink {
+            if segs.iter().any(|s| s.region.is_revoked()) {
+                self.sink = Some(RxSink::Discard);
+                self.lost = true;
+            }
+        }
+    }
+
     /// Copies buffered payload bytes `rbuf[a..b]` to where they go.
     fn sink_copy(&mut self, a: usize, b: usize) {
+        self.check_revoked();
         let Some(RxSink::Place { segs, done }) = self.sink.as_mut() else { return };
         let mut src = &self.rbuf[a..b];
         let mut skip = *done;
@@ -281,6 +306,7 @@ impl LinkIo {
     /// with the header buffer empty.
     fn read_payload(&mut self, left: usize) -> Result<bool, LinkEnd> {
         debug_assert_eq!(self.rstart, self.rend, "payload read with buffered bytes");
+        self.check_revoked();
         let (payload, n, asked) = match self.sink.as_mut() {
             Some(RxSink::Place { segs, done }) => {
                 let mut iov: ArrayVec<libc::iovec, { MAX_SGE + 1 }> = ArrayVec::new();
@@ -398,11 +424,13 @@ impl LinkIo {
                 [(t.header.as_ptr() as *mut u8, t.header.len()), (t.data.as_ptr() as *mut u8, t.data.len())]
                     .into_iter()
                     .filter(|(_, len)| *len > 0)
-                    .chain(
-                        t.payload
-                            .iter()
-                            .filter_map(|s| s.region.io_ptr(s.off, s.len).ok().map(|p| (p, s.len))),
-                    );
+                    .chain(t.payload.iter().filter_map(|s| {
+                        if s.region.is_revoked() {
+                            // The core's chunks are at most MAX_CHUNK long.
+                            return (s.len <= ZEROS.len()).then_some((ZEROS.as_ptr() as *mut u8, s.len));
+                        }
+                        s.region.io_ptr(s.off, s.len).ok().map(|p| (p, s.len))
+                    }));
             for (p, len) in pieces {
                 if skip >= len {
                     skip -= len;
@@ -416,9 +444,9 @@ impl LinkIo {
                 skip = 0;
             }
         }
-        // SAFETY: the iovecs point into headers owned by `self.txq` and into
-        // mapped regions kept alive by its IoSegs, all within bounds; the
-        // kernel only reads them.
+        // SAFETY: the iovecs point into headers owned by `self.txq`, into
+        // mapped regions kept alive by its IoSegs, all within bounds, or
+        // into the static `ZEROS`; the kernel only reads them.
         let r = unsafe { libc::writev(self.sock.as_raw_fd(), iov.as_ptr(), iov.len() as i32) };
         if r < 0 {
             let e = std::io::Error::last_os_error();
@@ -480,6 +508,7 @@ mod tests {
 
     use vrdma_core::hca::{HcaConfig, KeySource};
     use vrdma_core::verbs::Gid;
+    use vrdma_core::wire::Event;
 
     use super::*;
 
@@ -549,6 +578,71 @@ mod tests {
             link.transmit(&mut hca, &mut rings, Instant::ZERO).unwrap();
         }
         assert!(link.txq.len() <= before + 1, "17 000 requests queued {} frames", link.txq.len() - before);
+    }
+
+    /// A heap region of `n` bytes, every one `fill`.
+    fn region(n: usize, fill: u8) -> vrdma_core::memory::Region {
+        let r = vrdma_core::memory::Region::heap(n);
+        r.write(0, &vec![fill; n]).unwrap();
+        r
+    }
+
+    #[test]
+    fn a_frame_queued_before_its_region_was_deregistered_goes_out_with_zeros() {
+        let (mut link, mut theirs, mut hca, mut rings) = pair();
+        let r = region(4096, 0xab);
+        let mut t = Transmit::default();
+        t.header.extend([1, 2, 3]);
+        t.payload.push(IoSeg { region: r.clone(), off: 0, len: 4096 });
+        link.txq.push_back(t);
+        r.revoke();
+        link.transmit(&mut hca, &mut rings, Instant::ZERO).unwrap();
+        let mut got = vec![0xff; 3 + 4096];
+        std::io::Read::read_exact(&mut theirs, &mut got).unwrap();
+        assert_eq!(got[..3], [1, 2, 3], "the header as queued");
+        assert!(got[3..].iter().all(|&b| b == 0), "bytes of a deregistered region left the host");
+    }
+
+    #[test]
+    fn a_payload_whose_region_is_deregistered_meanwhile_is_not_placed() {
+        use vrdma_core::wire::{DataRepr, Opcode, Reth};
+        for revoked in [false, true] {
+            let (mut link, mut theirs, mut hca, mut rings) = pair();
+            // The header came and the core said where the payload goes...
+            let mut d = DataRepr::new(Opcode::WriteOnly, 1, 0x11, 0x12, 5);
+            d.payload_len = 8192;
+            d.reth = Some(Reth { va: 0x1000, rkey: 9, dma_len: 8192 });
+            let f = FrameRepr::Data(d);
+            let mut h = vec![0u8; f.header_len()];
+            f.emit(&mut h).unwrap();
+            assert!(matches!(link.dec.feed(&h).unwrap(), (_, Some(Event::Header(_)))));
+            let r = region(8192, 0);
+            let mut segs = ArrayVec::new();
+            segs.push(IoSeg { region: r.clone(), off: 0, len: 8192 });
+            link.sink = Some(RxSink::Place { segs, done: 0 });
+            // ...half of it is in, then the region is deregistered.
+            theirs.write_all(&[0xcd; 4096]).unwrap();
+            while link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap() {}
+            if revoked {
+                r.revoke();
+            }
+            theirs.write_all(&[0xcd; 4096]).unwrap();
+            let started = Clock::now();
+            while link.sink.is_some() && started.elapsed() < Duration::from_secs(5) {
+                link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap();
+            }
+            assert!(link.sink.is_none(), "the frame ended");
+            assert!(!link.lost, "the loss was reported at the frame's end");
+            let mut after = vec![0u8; 8192];
+            r.read(0, &mut after).unwrap();
+            assert!(after[..4096].iter().all(|&b| b == 0xcd));
+            let second: Vec<u8> = after[4096..].to_vec();
+            if revoked {
+                assert!(second.iter().all(|&b| b == 0), "written after deregistration");
+            } else {
+                assert!(second.iter().all(|&b| b == 0xcd));
+            }
+        }
     }
 
     #[test]

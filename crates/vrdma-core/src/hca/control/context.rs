@@ -68,6 +68,7 @@ impl Hca {
         let mrs: Vec<u32> = self.mrs.iter().filter(|(_, m)| m.ctx == ctx).map(|(&k, _)| k).collect();
         for k in mrs {
             if let Some(m) = self.mrs.remove(&k) {
+                m.region.revoke();
                 self.refund(ctx, 1, m.len);
             }
         }

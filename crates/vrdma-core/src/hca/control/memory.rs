@@ -128,6 +128,7 @@ impl Hca {
             _ => return Err(HcaError::NoSuchObject { kind: "MR", id: key }),
         }
         let m = self.mrs.remove(&key).expect("present");
+        m.region.revoke();
         if let Some(p) = self.pds.get_mut(&m.pd) {
             p.users -= 1;
         }

@@ -139,6 +139,12 @@ impl Hca {
         }
     }
 
+    /// The receive buffer of a datagram in flight was deregistered.
+    pub(super) fn datagram_lost(&mut self, qpn: u32, wr_id: u64, io: &mut dyn Queues) {
+        let Some(cq) = self.qps.get(&qpn).map(|q| q.init.recv_cq) else { return };
+        self.datagram_recv_error(qpn, cq, wr_id, WcStatus::LocProtErr, io);
+    }
+
     fn datagram_recv_error(&mut self, qpn: u32, cq: u32, wr_id: u64, status: WcStatus, io: &mut dyn Queues) {
         self.complete(cq, Cqe::new(wr_id, status, WcOpcode::Recv, qpn), qpn, io);
         self.enter_error(qpn, io);

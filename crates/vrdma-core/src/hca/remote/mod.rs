@@ -452,6 +452,25 @@ impl Hca {
     }
 
     /// The payload of the frame last passed to [`Hca::handle_data`] on
+    /// `link` could not be placed: a memory region it was going to was
+    /// deregistered meanwhile (the driver saw [`Region::is_revoked`] and
+    /// discarded the rest). The QP it was for fails as it would have, had
+    /// the region been gone when the header came.
+    ///
+    /// [`Region::is_revoked`]: crate::memory::Region::is_revoked
+    pub fn data_lost(&mut self, link: LinkId, io: &mut dyn Queues) {
+        let Some(l) = self.net.links.get_mut(&link) else { return };
+        let after = std::mem::replace(&mut l.after, AfterPayload::Nothing);
+        self.net.dropped(link, "payload for a region deregistered meanwhile");
+        match after {
+            AfterPayload::Nothing => {}
+            AfterPayload::Request { qpn } => self.responder_lost(qpn, io),
+            AfterPayload::ReadResponse { qpn, serial, .. } => self.read_response_lost(qpn, serial, io),
+            AfterPayload::Datagram { qpn, wr_id, .. } => self.datagram_lost(qpn, wr_id, io),
+        }
+    }
+
+    /// The payload of the frame last passed to [`Hca::handle_data`] on
     /// `link` has been placed (or discarded).
     pub fn data_placed(&mut self, link: LinkId, now: Instant, io: &mut dyn Queues) {
         let Some(l) = self.net.links.get_mut(&link) else { return };

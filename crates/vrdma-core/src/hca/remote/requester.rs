@@ -556,6 +556,15 @@ impl Hca {
         }
     }
 
+    /// The buffer a read response was being placed in was deregistered:
+    /// the read, if still the oldest request, fails LOC_PROT_ERR.
+    pub(super) fn read_response_lost(&mut self, qpn: u32, serial: u64, io: &mut dyn Queues) {
+        let head = self.send_state(qpn).and_then(|s| s.sent.front().map(|h| h.serial));
+        if head == Some(serial) {
+            self.remote_fail(qpn, WcStatus::LocProtErr, io);
+        }
+    }
+
     /// An ACK for every PSN up to `psn`: completes the requests it covers.
     fn acked_through(&mut self, qpn: u32, psn: u32, now: Instant, io: &mut dyn Queues) {
         self.acked_before(qpn, psn_add(psn, 1), now, io);

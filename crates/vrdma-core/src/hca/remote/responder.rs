@@ -549,6 +549,26 @@ impl Hca {
         self.complete(cq, cqe, qpn, io);
     }
 
+    /// The payload of an accepted request frame lost its destination (a
+    /// region deregistered while it arrived): refused as if the region had
+    /// been gone when the header came, with a NAK for that frame's PSN.
+    pub(super) fn responder_lost(&mut self, qpn: u32, io: &mut dyn Queues) {
+        let Some(rs) = self.recv_state(qpn) else { return };
+        if rs.pending.take().is_none() {
+            return;
+        }
+        // Its header moved the expected PSN on; the NAK names it.
+        rs.epsn = psn_add(rs.epsn, MAX_24);
+        let refusal = match rs.cur.take() {
+            Some(InMsg::Send { recv, .. }) => Refusal::operational(recv, WcStatus::LocProtErr),
+            Some(InMsg::WriteImm { recv }) => {
+                Refusal { recv: Some((recv, WcStatus::LocProtErr)), ..Refusal::access() }
+            }
+            _ => Refusal::access(),
+        };
+        self.refuse(qpn, refusal, io);
+    }
+
     /// Refuses a request: NAK to the requester, and the responder goes to
     /// ERR with the matching event, as on one host.
     fn refuse(&mut self, qpn: u32, f: Refusal, io: &mut dyn Queues) {

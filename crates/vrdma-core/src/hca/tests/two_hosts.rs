@@ -700,3 +700,51 @@ fn a_read_response_whose_read_was_flushed_mid_payload_completes_nothing_later() 
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(2, WcStatus::Success, WcOpcode::RdmaRead, a.qpn, 8)]);
     assert_eq!(a.buf.read(64, 8), vec![7; 8]);
 }
+
+/// Takes A's next frame and hands B its header; the payload is "on its
+/// way" until the test says it is placed or lost.
+fn header_reaches_b(t: &mut TwoHosts) -> Sink {
+    let f = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("A sends");
+    let mut bytes = f.header.to_vec();
+    for s in &f.payload {
+        let mut v = vec![0; s.len];
+        s.region.read(s.off, &mut v).unwrap();
+        bytes.extend(v);
+    }
+    let (FrameRepr::Data(d), _) = parse_frame(&bytes).expect("a frame we emitted parses") else {
+        panic!("a data frame")
+    };
+    t.b.env.hca.handle_data(t.b.link, &d, T0, &mut t.b.env.io)
+}
+
+#[test]
+fn a_region_deregistered_while_a_write_into_it_arrives_is_a_remote_access_error() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    let Sink::Place(w) = header_reaches_b(&mut t) else { panic!("B places the write") };
+    // The tenant deregisters the target: every window in flight is revoked,
+    // and the driver, seeing it, discards the payload and says so.
+    t.b.env.hca.dereg_mr(C1, b.buf.key).unwrap();
+    assert!(w.iter().all(|s| s.region.is_revoked()));
+    t.b.env.hca.data_lost(t.b.link, &mut t.b.env.io);
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RemAccessErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
+    assert_eq!(t.b.env.io.state(b.qpn), Some(QpState::Err));
+    assert!(t.b.env.io.events.iter().any(|(_, e)| e.event_type == AsyncEventType::QpAccessErr));
+}
+
+#[test]
+fn a_receive_buffer_deregistered_while_a_send_arrives_fails_the_receive_and_the_send() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 8)]));
+    t.b.env.step(T0);
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run_a_only(T0);
+    assert!(matches!(header_reaches_b(&mut t), Sink::Place(_)));
+    t.b.env.hca.dereg_mr(C1, b.buf.key).unwrap();
+    t.b.env.hca.data_lost(t.b.link, &mut t.b.env.io);
+    t.run(T0);
+    assert_eq!(t.b.env.poll(b.cq), vec![recv_err(10, WcStatus::LocProtErr, b.qpn)]);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RemOpErr, WcOpcode::Send, a.qpn, 0)]);
+}
