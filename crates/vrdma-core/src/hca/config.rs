@@ -44,8 +44,18 @@ pub struct HcaConfig {
     /// it with a request of the same QP or to merge it with later ACKs.
     /// Zero: at once.
     pub ack_delay: std::time::Duration,
+    /// PSNs a requester across hosts has in flight at most. PSNs are 24
+    /// bits and compared within half their space, so requests must never
+    /// span more than that: a request waits until the ones before it leave
+    /// room, and one message may take at most half of this.
+    pub max_psns_in_flight: u32,
     pub default_quota: Quota,
 }
+
+/// The default of [`HcaConfig::max_psns_in_flight`]: a quarter of the PSN
+/// space, so that a 2 GiB message fits in one window at chunks of 1 KiB
+/// or more.
+pub const MAX_PSNS_IN_FLIGHT: u32 = 1 << 22;
 
 /// Our vendor id: not Mellanox's 0x02c9, so that tools take the generic
 /// verbs path.
@@ -118,6 +128,7 @@ impl HcaConfig {
             gids: vec![gid],
             chunk_bytes: 64 << 10,
             ack_delay: std::time::Duration::ZERO,
+            max_psns_in_flight: MAX_PSNS_IN_FLIGHT,
             default_quota: Quota::default(),
         }
     }

@@ -184,6 +184,15 @@ impl Hca {
     /// whether one was taken.
     fn pull_remote(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues) -> bool {
         let Some(req) = self.requester_of(qpn) else { return false };
+        // Room for the largest message before the window is full; the
+        // request waits in the send queue for ACKs otherwise.
+        let per_message = self.config.max_psns_in_flight / 2;
+        if let Some(s) = self.send_state(qpn) {
+            let in_flight = s.sent.front().map_or(0, |h| psn_diff(s.next_psn, h.first_psn).max(0) as u32);
+            if in_flight > per_message {
+                return false;
+            }
+        }
         let wr = match io.pull_send(qpn) {
             None => return false,
             Some(Ok(wr)) => wr,
@@ -203,17 +212,22 @@ impl Hca {
         }
         let timeout = req.attr.timeout;
         let chunk = self.send_chunk(qpn);
-        let Some(s) = self.send_state(qpn) else { return false };
         let npsn = if wr.opcode.is_atomic() {
             1
         } else {
             crate::wire::chunk_count(wr.msg_len(), chunk as u32) as u32
         };
-        let first_psn = s.next_psn;
-        s.next_psn = psn_add(first_psn, npsn);
+        if npsn > per_message {
+            // More PSNs than one window holds: too long for this link's
+            // chunk size.
+            self.remote_refuse(qpn, wr, WcStatus::LocLenErr, io);
+            return false;
+        }
         self.net.next_serial += 1;
         let serial = self.net.next_serial;
         let Some(s) = self.send_state(qpn) else { return false };
+        let first_psn = s.next_psn;
+        s.next_psn = psn_add(first_psn, npsn);
         s.sent.push_back(SentWr { wr, serial, first_psn, npsn, placed: 0, status: None });
         if s.ack_deadline.is_none() {
             s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);

@@ -25,8 +25,14 @@ struct TwoHosts {
 }
 
 fn host(ip: [u8; 4]) -> Env {
+    host_with(ip, |_| {})
+}
+
+fn host_with(ip: [u8; 4], tune: impl Fn(&mut HcaConfig)) -> Env {
     let mut env = Env::new();
-    env.hca = Hca::new(HcaConfig::for_host(ip), Box::new(Counter(u32::from(ip[3]) << 16)));
+    let mut config = HcaConfig::for_host(ip);
+    tune(&mut config);
+    env.hca = Hca::new(config, Box::new(Counter(u32::from(ip[3]) << 16)));
     env.hca.open_context(C1, TENANT).unwrap();
     env.hca.open_context(C2, TENANT).unwrap();
     env.hca.open_context(C3, OTHER_TENANT).unwrap();
@@ -35,8 +41,13 @@ fn host(ip: [u8; 4]) -> Env {
 
 impl TwoHosts {
     fn new(chunk: u32) -> TwoHosts {
-        let mut a = host(IP_A);
-        let mut b = host(IP_B);
+        TwoHosts::with(chunk, |_| {})
+    }
+
+    /// Two hosts whose devices `tune` configures.
+    fn with(chunk: u32, tune: impl Fn(&mut HcaConfig)) -> TwoHosts {
+        let mut a = host_with(IP_A, &tune);
+        let mut b = host_with(IP_B, &tune);
         let la = a.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: b.hca.config().port.lid, chunk });
         let lb = b.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_A), lid: a.hca.config().port.lid, chunk });
         TwoHosts {
@@ -747,4 +758,39 @@ fn a_receive_buffer_deregistered_while_a_send_arrives_fails_the_receive_and_the_
     t.run(T0);
     assert_eq!(t.b.env.poll(b.cq), vec![recv_err(10, WcStatus::LocProtErr, b.qpn)]);
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RemOpErr, WcOpcode::Send, a.qpn, 0)]);
+}
+
+#[test]
+fn a_requester_keeps_its_psns_in_flight_within_the_window() {
+    let mut t = TwoHosts::with(256, |c| c.max_psns_in_flight = 64);
+    let (a, b) = (t.a.env.end(C1), t.b.env.end(C1));
+    t.connect(a.qpn, b.qpn, conn());
+    // Eight writes of 16 chunks each: after the third, 48 PSNs are in
+    // flight, more than half the window (the most one message may take),
+    // so the rest wait for ACKs.
+    for i in 0..8 {
+        t.a.env
+            .io
+            .post_send(a.qpn, rdma(i, SendOpcode::RdmaWrite, &[a.buf.sge(0, 4096)], b.buf.addr, b.buf.key));
+    }
+    t.run_a_only(T0);
+    // Frames reach B, whose ACKs are held back.
+    let mut sent = 0;
+    while TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log) {
+        sent += 1;
+        assert!(sent <= 1000);
+    }
+    assert_eq!(sent, 48, "frames sent before any ACK");
+    // Once ACKs come, the rest go and all complete.
+    t.run(T0);
+    let done = t.a.env.poll(a.cq);
+    assert_eq!(done.len(), 8, "{done:?}");
+    assert!(done.iter().all(|c| c.status == WcStatus::Success), "{done:?}");
+
+    // A message of more PSNs than half the window is too long here.
+    t.a.env
+        .io
+        .post_send(a.qpn, rdma(9, SendOpcode::RdmaWrite, &[a.buf.sge(0, 33 * 256)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(9, WcStatus::LocLenErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
 }
