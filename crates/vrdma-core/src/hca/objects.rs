@@ -85,6 +85,9 @@ pub(crate) struct Qp {
     pub sqd_notify: bool,
     /// The transport state of a QP whose peer is on another host.
     pub remote: Option<Box<super::remote::RemoteQp>>,
+    /// Times the QP was reset: a receive taken for a datagram before a
+    /// reset is not completed after it.
+    pub resets: u32,
 }
 
 impl Qp {

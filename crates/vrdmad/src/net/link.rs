@@ -535,16 +535,11 @@ mod tests {
             };
             assert_eq!(r, 0);
         }
-        let link = LinkIo::new(
-            LinkId(1),
-            ours,
-            "10.0.0.2:4791".parse().unwrap(),
-            Gid::from_ipv4([10, 0, 0, 2]),
-            9,
-            false,
-        )
-        .unwrap();
-        (link, theirs, Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0))), RingTable::default())
+        let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
+        let gid = Gid::from_ipv4([10, 0, 0, 2]);
+        let id = hca.link_up(vrdma_core::hca::LinkInfo { gid, lid: 2, chunk: 65536 });
+        let link = LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap();
+        (link, theirs, hca, RingTable::default())
     }
 
     fn keepalive_request() -> Vec<u8> {
@@ -626,13 +621,19 @@ mod tests {
             if revoked {
                 r.revoke();
             }
-            theirs.write_all(&[0xcd; 4096]).unwrap();
+            theirs.write_all(&[0xcd; 1024]).unwrap();
+            while link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap() {}
+            assert_eq!(link.lost, revoked, "the loss is seen at the next bytes");
+            assert_eq!(matches!(link.sink, Some(RxSink::Discard)), revoked);
+            theirs.write_all(&[0xcd; 3072]).unwrap();
             let started = Clock::now();
             while link.sink.is_some() && started.elapsed() < Duration::from_secs(5) {
                 link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap();
             }
             assert!(link.sink.is_none(), "the frame ended");
             assert!(!link.lost, "the loss was reported at the frame's end");
+            let dropped = hca.links()[0].stats.dropped_in;
+            assert_eq!(dropped, u64::from(revoked), "the core was told of the loss (and only then)");
             let mut after = vec![0u8; 8192];
             r.read(0, &mut after).unwrap();
             assert!(after[..4096].iter().all(|&b| b == 0xcd));

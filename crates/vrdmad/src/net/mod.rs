@@ -42,7 +42,9 @@ const MAX_HANDSHAKES_PER_SOURCE: usize = 4;
 const REDIAL_AFTER: Duration = Duration::from_millis(500);
 const REDIAL_MAX: Duration = Duration::from_secs(8);
 /// Dials under way at once. Tenants name peers by GID, so without a bound
-/// a tenant cycling through addresses would start a thread for each.
+/// a tenant cycling through addresses would start a thread for each. The
+/// configured peers are not held to it, so that tenants naming unreachable
+/// addresses cannot keep them from being dialled again.
 const MAX_DIALS: usize = 16;
 /// How long the failure count of a peer no QP wants any more is kept.
 const FORGET_FAILED_DIAL: Duration = Duration::from_secs(60);
@@ -234,7 +236,7 @@ impl Net {
         });
         let under_way =
             self.dialling.values().filter(|d| matches!(d, Dial::Started(..)) && d.holds(now)).count();
-        if under_way >= MAX_DIALS {
+        if under_way >= MAX_DIALS && !self.setup.peers.contains(&addr) {
             tracing::debug!(peer = %addr, "{MAX_DIALS} dials under way; this one waits");
             return None;
         }
@@ -451,7 +453,8 @@ impl Drop for Listener {
 
 fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop: Arc<AtomicBool>) {
     let slots = Arc::new(HandshakeSlots::default());
-    let configured: Vec<std::net::IpAddr> = setup.peers.iter().map(|p| p.ip()).collect();
+    // Canonical: a listener on `[::]` sees IPv4 peers as `::ffff:a.b.c.d`.
+    let configured: Vec<std::net::IpAddr> = setup.peers.iter().map(|p| p.ip().to_canonical()).collect();
     while !stop.load(Ordering::Relaxed) {
         let mut fds = [PollFd::new(&l, PollFlags::IN)];
         let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 };
@@ -465,7 +468,8 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                 continue;
             }
         };
-        let Some(slot) = HandshakeSlots::take(&slots, addr.ip(), configured.contains(&addr.ip())) else {
+        let source = addr.ip().to_canonical();
+        let Some(slot) = HandshakeSlots::take(&slots, source, configured.contains(&source)) else {
             tracing::warn!(peer = %addr, "too many handshakes in progress; connection dropped");
             continue;
         };
@@ -613,6 +617,15 @@ mod tests {
             n.dialling.insert(addr(i), Dial::Started(now, 0));
         }
         assert_eq!(n.may_dial(addr(200), now), None, "{MAX_DIALS} under way: the next waits");
+        let mut with_peer = net_of([10, 0, 0, 1]);
+        let peer = SocketAddr::from(([10, 0, 3, 1], 4791));
+        Arc::get_mut(&mut with_peer.setup).unwrap().peers.push(peer);
+        with_peer.dialling = n.dialling.clone();
+        assert_eq!(
+            with_peer.may_dial(peer, now),
+            Some(0),
+            "a configured peer is dialled whatever tenants want"
+        );
         assert_eq!(n.may_dial(addr(0), now), None, "already under way");
         n.dial_failed(addr(0));
         assert_eq!(n.may_dial(addr(200), now), Some(0), "a slot came free");

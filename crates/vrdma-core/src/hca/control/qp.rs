@@ -79,6 +79,7 @@ impl Hca {
                 inflight: None,
                 requeued: VecDeque::new(),
                 sqd_notify: false,
+                resets: 0,
                 remote: None,
             },
         );
@@ -117,6 +118,7 @@ impl Hca {
         }
         match to {
             QpState::Reset => {
+                qp.resets = qp.resets.wrapping_add(1);
                 // A receive claimed from the peer for an unfinished message
                 // goes back to it, as when the QP is destroyed.
                 let dest = qp.attr.dest_qp_num;

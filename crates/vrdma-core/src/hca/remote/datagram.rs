@@ -124,6 +124,7 @@ impl Hca {
                 Sink::Place(w),
                 AfterPayload::Datagram {
                     qpn,
+                    resets: self.qps.get(&qpn).map_or(0, |q| q.resets),
                     wr_id: recv.wr_id,
                     len: hdr.payload_len,
                     src_qpn: hdr.src_qpn,
@@ -139,10 +140,24 @@ impl Hca {
         }
     }
 
+    /// Where the receive taken for a datagram whose payload just ended
+    /// completes, and whether it flushes: nowhere if the QP is gone or was
+    /// reset since (a reset discards its receives without completions);
+    /// flushed if the QP failed meanwhile.
+    fn datagram_receiver(&self, qpn: u32, resets: u32) -> Option<(u32, bool)> {
+        let qp = self.qps.get(&qpn).filter(|q| q.resets == resets)?;
+        Some((qp.init.recv_cq, qp.state() == crate::verbs::QpState::Err))
+    }
+
     /// The receive buffer of a datagram in flight was deregistered.
-    pub(super) fn datagram_lost(&mut self, qpn: u32, wr_id: u64, io: &mut dyn Queues) {
-        let Some(cq) = self.qps.get(&qpn).map(|q| q.init.recv_cq) else { return };
-        self.datagram_recv_error(qpn, cq, wr_id, WcStatus::LocProtErr, io);
+    pub(super) fn datagram_lost(&mut self, qpn: u32, resets: u32, wr_id: u64, io: &mut dyn Queues) {
+        match self.datagram_receiver(qpn, resets) {
+            None => {}
+            Some((cq, true)) => {
+                self.complete(cq, Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, qpn), qpn, io)
+            }
+            Some((cq, false)) => self.datagram_recv_error(qpn, cq, wr_id, WcStatus::LocProtErr, io),
+        }
     }
 
     fn datagram_recv_error(&mut self, qpn: u32, cq: u32, wr_id: u64, status: WcStatus, io: &mut dyn Queues) {
@@ -154,6 +169,7 @@ impl Hca {
     pub(super) fn datagram_placed(
         &mut self,
         qpn: u32,
+        resets: u32,
         wr_id: u64,
         len: u32,
         src_qpn: u32,
@@ -162,8 +178,11 @@ impl Hca {
         solicited: bool,
         io: &mut dyn Queues,
     ) {
-        let Some(qp) = self.qps.get(&qpn) else { return };
-        let cq = qp.init.recv_cq;
+        let Some((cq, flushed)) = self.datagram_receiver(qpn, resets) else { return };
+        if flushed {
+            self.complete(cq, Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, qpn), qpn, io);
+            return;
+        }
         let mut cqe = Cqe::new(wr_id, WcStatus::Success, WcOpcode::Recv, qpn);
         cqe.byte_len = GRH_LEN as u32 + len;
         cqe.src_qp = src_qpn;

@@ -161,9 +161,11 @@ pub(crate) enum AfterPayload {
         len: u32,
         last: bool,
     },
-    /// A datagram for a UD QP, into the receive WR `wr_id`.
+    /// A datagram for a UD QP, into the receive WR `wr_id`, taken while
+    /// the QP had been reset `resets` times.
     Datagram {
         qpn: u32,
+        resets: u32,
         wr_id: u64,
         len: u32,
         src_qpn: u32,
@@ -466,7 +468,7 @@ impl Hca {
             AfterPayload::Nothing => {}
             AfterPayload::Request { qpn } => self.responder_lost(qpn, io),
             AfterPayload::ReadResponse { qpn, serial, .. } => self.read_response_lost(qpn, serial, io),
-            AfterPayload::Datagram { qpn, wr_id, .. } => self.datagram_lost(qpn, wr_id, io),
+            AfterPayload::Datagram { qpn, resets, wr_id, .. } => self.datagram_lost(qpn, resets, wr_id, io),
         }
     }
 
@@ -480,8 +482,8 @@ impl Hca {
             AfterPayload::ReadResponse { qpn, serial, offset, len, last } => {
                 self.read_response_placed(link, qpn, serial, offset, len, last, now, io)
             }
-            AfterPayload::Datagram { qpn, wr_id, len, src_qpn, slid, imm, solicited } => {
-                self.datagram_placed(qpn, wr_id, len, src_qpn, slid, imm, solicited, io)
+            AfterPayload::Datagram { qpn, resets, wr_id, len, src_qpn, slid, imm, solicited } => {
+                self.datagram_placed(qpn, resets, wr_id, len, src_qpn, slid, imm, solicited, io)
             }
         }
     }

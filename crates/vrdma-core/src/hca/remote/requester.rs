@@ -27,6 +27,36 @@ pub(crate) struct SentWr {
     pub status: Option<WcStatus>,
 }
 
+/// The PSNs a request takes at `chunk` bytes a frame.
+fn psns_of(wr: &SendWr, chunk: u64) -> u32 {
+    if wr.opcode.is_atomic() {
+        1
+    } else {
+        crate::wire::chunk_count(wr.msg_len(), chunk as u32) as u32
+    }
+}
+
+impl RemoteSend {
+    /// Numbers the requests taken but not yet sent again, at the chunk
+    /// size of the link just bound. Returns true if one now takes more
+    /// than `per_message` PSNs (too long for this link).
+    fn renumber(&mut self, chunk: u64, per_message: u32) -> bool {
+        if self.tx > 0 {
+            return false; // Sent already: numbered for good.
+        }
+        let Some(mut psn) = self.sent.front().map(|w| w.first_psn) else { return false };
+        let mut too_long = false;
+        for w in self.sent.iter_mut() {
+            w.npsn = psns_of(&w.wr, chunk);
+            w.first_psn = psn;
+            psn = psn_add(psn, w.npsn);
+            too_long |= w.npsn > per_message;
+        }
+        self.next_psn = psn;
+        too_long
+    }
+}
+
 impl SentWr {
     fn last_psn(&self) -> u32 {
         psn_add(self.first_psn, self.npsn.saturating_sub(1))
@@ -131,16 +161,25 @@ impl Hca {
         let state = qp.state();
         let r = qp.remote.get_or_insert_with(|| Box::new(RemoteQp { send: None, recv: None }));
         let s = r.send.get_or_insert_with(|| RemoteSend::new(&attr));
+        let mut too_long = false;
         if s.link.is_none() {
             match route {
                 Some(l) => {
                     s.link = Some(l);
                     self.net.attach(l, qpn);
                     tracing::debug!(qpn, link = l.0, "QP bound to link");
+                    // A request taken while there was no link counted its
+                    // PSNs at the largest chunk; the link's may be smaller.
+                    too_long = s.renumber(u64::from(self.net.chunk(l)), self.config.max_psns_in_flight / 2);
                 }
                 None if ah.is_global => self.net.want(ah.dgid),
                 None => {}
             }
+        }
+        if too_long {
+            act.busy = true;
+            self.remote_fail(qpn, WcStatus::LocLenErr, io);
+            return;
         }
         let s = self.send_state(qpn).expect("made above");
         let unreachable = s.link.is_none() || s.link_lost;
@@ -211,12 +250,7 @@ impl Hca {
             return false;
         }
         let timeout = req.attr.timeout;
-        let chunk = self.send_chunk(qpn);
-        let npsn = if wr.opcode.is_atomic() {
-            1
-        } else {
-            crate::wire::chunk_count(wr.msg_len(), chunk as u32) as u32
-        };
+        let npsn = psns_of(&wr, self.send_chunk(qpn));
         if npsn > per_message {
             // More PSNs than one window holds: too long for this link's
             // chunk size.

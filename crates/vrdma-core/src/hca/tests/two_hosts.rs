@@ -717,6 +717,7 @@ fn a_read_response_whose_read_was_flushed_mid_payload_completes_nothing_later() 
 fn header_reaches_b(t: &mut TwoHosts) -> Sink {
     let f = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("A sends");
     let mut bytes = f.header.to_vec();
+    bytes.extend(&f.data);
     for s in &f.payload {
         let mut v = vec![0; s.len];
         s.region.read(s.off, &mut v).unwrap();
@@ -793,4 +794,112 @@ fn a_requester_keeps_its_psns_in_flight_within_the_window() {
         .post_send(a.qpn, rdma(9, SendOpcode::RdmaWrite, &[a.buf.sge(0, 33 * 256)], b.buf.addr, b.buf.key));
     t.run(T0);
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(9, WcStatus::LocLenErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
+#[test]
+fn a_request_taken_before_its_link_is_numbered_at_the_links_chunk_size() {
+    let mut t = TwoHosts::new(256);
+    t.a.env.hca.link_down(t.a.link);
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    t.connect(a.qpn, b.qpn, conn());
+    let data: Vec<u8> = (0..1024u32).map(|i| i as u8 ^ 0x5a).collect();
+    a.buf.write(0, &data);
+    // With no link the first request is taken (its timer runs), counted
+    // at the largest chunk: 1 PSN for 1 KiB.
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 1024)], b.buf.addr, b.buf.key));
+    t.a.env
+        .io
+        .post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr + 4096, b.buf.key));
+    t.run_a_only(T0);
+    // The link comes, with 256-byte chunks: the first takes 4 PSNs, and
+    // the second must not reuse one of them (it would be taken for a
+    // duplicate and "completed" without landing).
+    let lid = t.b.env.hca.config().port.lid;
+    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid, chunk: 256 });
+    t.run(T0);
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![
+            req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0),
+            req_cqe(2, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)
+        ]
+    );
+    assert_eq!(b.buf.read(0, 1024), data);
+    assert_eq!(b.buf.read(4096, 8), data[..8]);
+
+    // One that is too long at the link's chunk size fails once it is known.
+    let mut t = TwoHosts::with(256, |c| c.max_psns_in_flight = 64);
+    t.a.env.hca.link_down(t.a.link);
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    t.connect(a.qpn, b.qpn, conn());
+    t.a.env
+        .io
+        .post_send(a.qpn, rdma(3, SendOpcode::RdmaWrite, &[a.buf.sge(0, 33 * 256)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid, chunk: 256 });
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(3, WcStatus::LocLenErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
+#[test]
+fn a_datagram_whose_qp_was_reset_while_it_arrived_completes_nothing() {
+    let mut t = TwoHosts::new(1024);
+    let steps = [
+        (QpState::Init, QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY),
+        (QpState::Rtr, QpAttrMask::STATE),
+        (QpState::Rts, QpAttrMask::STATE | QpAttrMask::SQ_PSN),
+    ];
+    let up = |env: &mut Env, qpn: u32| {
+        for (st, mask) in steps {
+            let attr = QpAttr { qp_state: st, port_num: 1, qkey: 0x1111, ..QpAttr::default() };
+            assert_eq!(env.modify(qpn, &attr, mask), Ok(st));
+        }
+    };
+    let ud_end = |env: &mut Env| {
+        let pd = env.hca.alloc_pd(C1).unwrap();
+        let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
+        let init = QpInitAttr {
+            qp_type: QpType::Ud,
+            send_cq: cq,
+            recv_cq: cq,
+            srq: None,
+            cap: cap(),
+            sq_sig_all: false,
+        };
+        let qpn = env.qp(C1, pd, init);
+        let buf = env.mr(C1, pd, 16 << 10, FULL);
+        up(env, qpn);
+        (pd, cq, qpn, buf)
+    };
+    let (pa, _, qa, bufa) = ud_end(&mut t.a.env);
+    let (_, cqb, qb, bufb) = ud_end(&mut t.b.env);
+    let ah = crate::verbs::AhAttr {
+        is_global: true,
+        dgid: Gid::from_ipv4(IP_B),
+        port_num: 1,
+        hop_limit: 64,
+        ..Default::default()
+    };
+    let ahn = t.a.env.hca.create_ah(C1, pa, ah).unwrap();
+    let mut w = wr(1, SendOpcode::Send, &[bufa.sge(0, 8)], SendFlags::empty());
+    w.ud = crate::ring::UdDest { remote_qpn: qb, remote_qkey: 0x1111, ah: ahn };
+    t.b.env.io.post_recv(qb, recv(10, &[bufb.sge(0, 100)]));
+    t.b.env.step(T0);
+    t.a.env.io.post_send(qa, w.clone());
+    t.run_a_only(T0);
+    assert!(matches!(header_reaches_b(&mut t), Sink::Place(_)), "receive 10 taken");
+    // Reset, up again, a new receive; then the old payload ends.
+    let attr = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+    assert_eq!(t.b.env.modify(qb, &attr, QpAttrMask::STATE), Ok(QpState::Reset));
+    up(&mut t.b.env, qb);
+    t.b.env.io.post_recv(qb, recv(20, &[bufb.sge(0, 100)]));
+    t.b.env.hca.data_placed(t.b.link, T0, &mut t.b.env.io);
+    assert!(t.b.env.poll(cqb).is_empty(), "a receive of the QP before its reset completed after it");
+    // The next datagram takes the new receive.
+    t.a.env.io.post_send(qa, w);
+    t.run(T0);
+    let got = t.b.env.poll(cqb);
+    assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(20, WcStatus::Success)]);
 }
