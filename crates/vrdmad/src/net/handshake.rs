@@ -298,6 +298,27 @@ mod tests {
         assert!(matches!(a, Err(HandshakeError::Closed(Some(CloseReason::Normal)))), "{a:?}");
     }
 
+    /// An acceptor (daemon 2) on a port of its own that runs `n`
+    /// handshakes with deadline `limit`: their results and how long each took.
+    #[allow(clippy::type_complexity)]
+    fn acceptor(
+        n: usize,
+        limit: Duration,
+    ) -> (std::net::SocketAddr, std::thread::JoinHandle<Vec<(Result<Peer, HandshakeError>, Duration)>>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            (0..n)
+                .map(|_| {
+                    let (mut s, _) = l.accept().unwrap();
+                    let start = Instant::now();
+                    (handshake(&mut s, Role::Acceptor, &id(2, b"0123456789abcdef"), limit), start.elapsed())
+                })
+                .collect()
+        });
+        (addr, t)
+    }
+
     /// Reads the raw bytes of the next frame, or None once the peer closed.
     fn raw_frame(s: &mut TcpStream) -> Option<(FrameRepr, Vec<u8>)> {
         let mut dec = FrameDecoder::new();
@@ -396,21 +417,7 @@ mod tests {
 
     #[test]
     fn a_dial_for_a_gid_must_reach_the_daemon_of_that_gid() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let t = std::thread::spawn(move || {
-            let mut out = Vec::new();
-            for _ in 0..2 {
-                let (mut s, _) = l.accept().unwrap();
-                out.push(handshake(
-                    &mut s,
-                    Role::Acceptor,
-                    &id(2, b"0123456789abcdef"),
-                    Duration::from_secs(2),
-                ));
-            }
-            out
-        });
+        let (addr, t) = acceptor(2, Duration::from_secs(2));
         let key = b"0123456789abcdef";
         let mut c = TcpStream::connect(addr).unwrap();
         let other = Gid::from_ipv4([10, 0, 0, 3]);
@@ -424,8 +431,12 @@ mod tests {
             dial_handshake(&mut c, &id(1, key), Duration::from_secs(2), Some(Gid::from_ipv4([10, 0, 0, 2])));
         assert!(right.is_ok(), "{right:?}");
         let acc = t.join().unwrap();
-        assert!(matches!(acc[0], Err(HandshakeError::Closed(Some(CloseReason::AuthFailed)))), "{:?}", acc[0]);
-        assert!(acc[1].is_ok());
+        assert!(
+            matches!(acc[0].0, Err(HandshakeError::Closed(Some(CloseReason::AuthFailed)))),
+            "{:?}",
+            acc[0].0
+        );
+        assert!(acc[1].0.is_ok());
     }
 
     #[test]
@@ -437,25 +448,7 @@ mod tests {
 
     #[test]
     fn garbage_and_silence_are_refused_within_the_deadline() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let t = std::thread::spawn(move || {
-            let mut out = Vec::new();
-            for _ in 0..2 {
-                let (mut s, _) = l.accept().unwrap();
-                let start = Instant::now();
-                out.push((
-                    handshake(
-                        &mut s,
-                        Role::Acceptor,
-                        &id(2, b"0123456789abcdef"),
-                        Duration::from_millis(300),
-                    ),
-                    start.elapsed(),
-                ));
-            }
-            out
-        });
+        let (addr, t) = acceptor(2, Duration::from_millis(300));
         let mut g = TcpStream::connect(addr).unwrap();
         g.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
         let _silent = TcpStream::connect(addr).unwrap();

@@ -161,6 +161,36 @@ fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
     env.bring_to_rts_via(me, c, 100, 4);
 }
 
+/// A UD QP in RTS (Q_Key 0x1111) with its PD, CQ and a 16 KiB region.
+fn ud_end(env: &mut Env) -> (u32, u32, u32, Buf) {
+    let pd = env.hca.alloc_pd(C1).unwrap();
+    let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
+    let init = QpInitAttr {
+        qp_type: QpType::Ud,
+        send_cq: cq,
+        recv_cq: cq,
+        srq: None,
+        cap: cap(),
+        sq_sig_all: false,
+    };
+    let qpn = env.qp(C1, pd, init);
+    let buf = env.mr(C1, pd, 16 << 10, FULL);
+    ud_up(env, qpn);
+    (pd, cq, qpn, buf)
+}
+
+/// RESET -> RTS for a UD QP.
+fn ud_up(env: &mut Env, qpn: u32) {
+    for (st, mask) in [
+        (QpState::Init, QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY),
+        (QpState::Rtr, QpAttrMask::STATE),
+        (QpState::Rts, QpAttrMask::STATE | QpAttrMask::SQ_PSN),
+    ] {
+        let attr = QpAttr { qp_state: st, port_num: 1, qkey: 0x1111, ..QpAttr::default() };
+        assert_eq!(env.modify(qpn, &attr, mask), Ok(st));
+    }
+}
+
 fn conn() -> Conn {
     Conn { rnr_retry: 3, min_rnr_timer: 1, access: QP_ACCESS, timeout: 14, retry_cnt: 2 }
 }
@@ -541,29 +571,6 @@ fn a_small_message_waits_at_most_one_chunk_per_busy_qp() {
 #[test]
 fn datagrams_cross_hosts_with_their_grh_and_are_lost_quietly_when_no_one_takes_them() {
     let mut t = TwoHosts::new(1024);
-    let ud_end = |env: &mut Env| {
-        let pd = env.hca.alloc_pd(C1).unwrap();
-        let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
-        let init = QpInitAttr {
-            qp_type: QpType::Ud,
-            send_cq: cq,
-            recv_cq: cq,
-            srq: None,
-            cap: cap(),
-            sq_sig_all: false,
-        };
-        let qpn = env.qp(C1, pd, init);
-        let buf = env.mr(C1, pd, 16 << 10, FULL);
-        for (st, mask) in [
-            (QpState::Init, QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY),
-            (QpState::Rtr, QpAttrMask::STATE),
-            (QpState::Rts, QpAttrMask::STATE | QpAttrMask::SQ_PSN),
-        ] {
-            let attr = QpAttr { qp_state: st, port_num: 1, qkey: 0x1111, ..QpAttr::default() };
-            assert_eq!(env.modify(qpn, &attr, mask), Ok(st));
-        }
-        (pd, cq, qpn, buf)
-    };
     let (pa, cqa, qa, bufa) = ud_end(&mut t.a.env);
     let (_pb, cqb, qb, bufb) = ud_end(&mut t.b.env);
     let mut ah = crate::verbs::AhAttr {
@@ -846,33 +853,6 @@ fn a_request_taken_before_its_link_is_numbered_at_the_links_chunk_size() {
 #[test]
 fn a_datagram_whose_qp_was_reset_while_it_arrived_completes_nothing() {
     let mut t = TwoHosts::new(1024);
-    let steps = [
-        (QpState::Init, QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::QKEY),
-        (QpState::Rtr, QpAttrMask::STATE),
-        (QpState::Rts, QpAttrMask::STATE | QpAttrMask::SQ_PSN),
-    ];
-    let up = |env: &mut Env, qpn: u32| {
-        for (st, mask) in steps {
-            let attr = QpAttr { qp_state: st, port_num: 1, qkey: 0x1111, ..QpAttr::default() };
-            assert_eq!(env.modify(qpn, &attr, mask), Ok(st));
-        }
-    };
-    let ud_end = |env: &mut Env| {
-        let pd = env.hca.alloc_pd(C1).unwrap();
-        let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
-        let init = QpInitAttr {
-            qp_type: QpType::Ud,
-            send_cq: cq,
-            recv_cq: cq,
-            srq: None,
-            cap: cap(),
-            sq_sig_all: false,
-        };
-        let qpn = env.qp(C1, pd, init);
-        let buf = env.mr(C1, pd, 16 << 10, FULL);
-        up(env, qpn);
-        (pd, cq, qpn, buf)
-    };
     let (pa, _, qa, bufa) = ud_end(&mut t.a.env);
     let (_, cqb, qb, bufb) = ud_end(&mut t.b.env);
     let ah = crate::verbs::AhAttr {
@@ -893,7 +873,7 @@ fn a_datagram_whose_qp_was_reset_while_it_arrived_completes_nothing() {
     // Reset, up again, a new receive; then the old payload ends.
     let attr = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
     assert_eq!(t.b.env.modify(qb, &attr, QpAttrMask::STATE), Ok(QpState::Reset));
-    up(&mut t.b.env, qb);
+    ud_up(&mut t.b.env, qb);
     t.b.env.io.post_recv(qb, recv(20, &[bufb.sge(0, 100)]));
     t.b.env.hca.data_placed(t.b.link, T0, &mut t.b.env.io);
     assert!(t.b.env.poll(cqb).is_empty(), "a receive of the QP before its reset completed after it");
