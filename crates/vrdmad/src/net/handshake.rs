@@ -23,6 +23,9 @@ use vrdma_core::verbs::Gid;
 use vrdma_core::wire::auth::{local_tag, verify_peer};
 use vrdma_core::wire::{CloseReason, CloseRepr, Event, FrameDecoder, FrameRepr, HelloRepr, Role, NONCE_LEN};
 
+/// How long the peer's Hello may take, at most.
+pub const HELLO_LIMIT: Duration = Duration::from_secs(1);
+
 /// Who we are in Hellos.
 #[derive(Debug, Clone)]
 pub struct Identity {
@@ -188,7 +191,11 @@ fn run(
     hello.max_chunk = me.max_chunk;
     send(s, &FrameRepr::Hello(hello))?;
     let mut dec = FrameDecoder::new();
-    let peer = match read_frame(s, &mut dec, deadline, limit)? {
+    // A daemon sends its Hello as soon as it is connected; a connection
+    // that does not is dropped sooner than the whole handshake's limit, so
+    // that strangers hold the acceptor's handshake slots for less.
+    let hello_limit = limit.min(HELLO_LIMIT);
+    let peer = match read_frame(s, &mut dec, deadline.min(Instant::now() + hello_limit), hello_limit)? {
         FrameRepr::Hello(h) => h,
         other => return Err(HandshakeError::Unexpected(frame_name(&other), "Hello")),
     };
@@ -456,5 +463,12 @@ mod tests {
         assert!(matches!(out[0].0, Err(HandshakeError::Wire(_))), "{:?}", out[0].0);
         assert!(matches!(out[1].0, Err(HandshakeError::Timeout(_))), "{:?}", out[1].0);
         assert!(out[1].1 < Duration::from_secs(2));
+        // With a long handshake limit, a silent connection still goes
+        // once the Hello is overdue.
+        let (addr, t) = acceptor(1, Duration::from_secs(10));
+        let _silent = TcpStream::connect(addr).unwrap();
+        let out = t.join().unwrap();
+        assert!(matches!(out[0].0, Err(HandshakeError::Timeout(_))), "{:?}", out[0].0);
+        assert!(out[0].1 >= HELLO_LIMIT && out[0].1 < HELLO_LIMIT * 3, "{:?}", out[0].1);
     }
 }
