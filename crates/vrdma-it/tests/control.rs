@@ -283,3 +283,41 @@ fn many_short_connections_leave_nothing_behind() -> Result<()> {
     wait_until(WAIT, "the daemon's session threads gone", || d.threads().is_ok_and(|n| n <= threads))?;
     still_serving(&mut d)
 }
+
+/// Whether the daemon closed `c` within `limit` (end of stream).
+fn closed_within(c: &RawConn, limit: Duration) -> Result<bool> {
+    rustix::net::sockopt::set_socket_timeout(&c.sock, rustix::net::sockopt::Timeout::Recv, Some(limit))?;
+    let mut b = [0u8; 64];
+    match rustix::net::recv(&c.sock, &mut b, rustix::net::RecvFlags::empty()) {
+        Ok((0, _)) => Ok(true),
+        Ok(_) => bail!("the daemon said something unasked"),
+        Err(rustix::io::Errno::AGAIN) => Ok(false),
+        Err(rustix::io::Errno::CONNRESET) => Ok(true),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[test]
+fn a_connection_that_never_says_hello_is_closed() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let c = RawConn::connect(&d.socket)?;
+    assert!(closed_within(&c, Duration::from_secs(20))?, "a silent connection was kept for 20 s");
+    still_serving(&mut d)
+}
+
+#[test]
+fn a_tenant_cannot_hold_more_connections_than_its_contexts_allow() -> Result<()> {
+    // Two contexts and the margin of 16: 18 connections at most.
+    let mut d = DaemonProc::start_with_config("[quota]\nmax_contexts = 2\n")?;
+    let conns: Vec<RawConn> = (0..40).map(|_| RawConn::connect(&d.socket)).collect::<Result<_>>()?;
+    let mut closed = 0;
+    for c in &conns {
+        if closed_within(c, Duration::from_millis(100))? {
+            closed += 1;
+        }
+    }
+    assert!((22..40).contains(&closed), "{closed} of 40 closed at once");
+    drop(conns);
+    wait_until(WAIT, "a context once the others are gone", || d.context().is_ok())?;
+    still_serving(&mut d)
+}

@@ -167,7 +167,7 @@ impl Daemon {
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
-        for (_, fd) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+        for (_, _, fd) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
         // Give sessions a moment to close their contexts on the engine.

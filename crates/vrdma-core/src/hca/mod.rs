@@ -123,7 +123,8 @@ impl Hca {
         self.quotas.insert(tenant, quota);
     }
 
-    fn quota(&self, tenant: TenantId) -> Quota {
+    /// The quota `tenant` is held to.
+    pub fn quota(&self, tenant: TenantId) -> Quota {
         self.quotas.get(&tenant).copied().unwrap_or(self.config.default_quota)
     }
 
@@ -174,10 +175,17 @@ impl Hca {
         Ok(())
     }
 
-    fn alloc_id(&mut self) -> u32 {
-        let id = self.next_id;
-        self.next_id = self.next_id.wrapping_add(1).max(1);
-        id
+    /// The next PD, CQ, SRQ or AH number that `taken` says is free in its
+    /// table: after the counter wraps, a number in use is never handed out
+    /// again (the loop ends: there are far fewer objects than numbers).
+    fn alloc_id(&mut self, taken: impl Fn(&Hca, u32) -> bool) -> u32 {
+        loop {
+            let id = self.next_id;
+            self.next_id = self.next_id.wrapping_add(1).max(1);
+            if !taken(self, id) {
+                return id;
+            }
+        }
     }
 
     /// Usage of a tenant: (objects, registered bytes).

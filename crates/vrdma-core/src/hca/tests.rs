@@ -1330,6 +1330,22 @@ fn queue_depth_quota() {
 // ---------------------------------------------------------------- contexts
 
 #[test]
+fn object_numbers_in_use_are_not_handed_out_again_when_the_counter_wraps() {
+    let mut env = Env::new();
+    let pd = env.hca.alloc_pd(C1).unwrap();
+    let (cq, _) = env.hca.create_cq(C1, 8).unwrap();
+    // The counter comes round to the numbers in use.
+    env.hca.next_id = pd;
+    let pd2 = env.hca.alloc_pd(C1).unwrap();
+    assert_ne!(pd2, pd);
+    env.hca.next_id = cq;
+    let (cq2, _) = env.hca.create_cq(C1, 8).unwrap();
+    assert_ne!(cq2, cq);
+    env.hca.dealloc_pd(C1, pd2).unwrap();
+    assert!(env.hca.own_pd(C1, pd).is_ok(), "the first PD is still there");
+}
+
+#[test]
 fn close_context_breaks_peers_and_frees_everything() {
     let (mut env, a, b) = Env::pair();
     let pd2 = env.hca.alloc_pd(C1).unwrap();

@@ -16,9 +16,15 @@ pub(crate) struct Shared {
     pub engine: EngineHandle,
     pub device_name: String,
     pub next_context: AtomicU32,
-    /// Sessions' sockets, shut down to end them when the daemon stops.
-    pub sessions: Mutex<Vec<(u32, OwnedFd)>>,
+    /// Sessions' sockets, with their peers' uids, shut down to end them
+    /// when the daemon stops.
+    pub sessions: Mutex<Vec<(u32, u32, OwnedFd)>>,
 }
+
+/// Connections a tenant may hold beyond its quota of contexts: room for
+/// ones still saying Hello or closing. Beyond, they are closed at once,
+/// so that one tenant cannot use up the daemon's descriptors and threads.
+pub(crate) const CONNECTIONS_BEYOND_CONTEXTS: u32 = 16;
 
 pub(crate) struct Listener {
     fd: OwnedFd,
@@ -71,11 +77,27 @@ impl Listener {
                     return;
                 }
             };
+            let Ok(cred) = vrdma_shm::fdpass::peer_credentials(conn.as_fd()) else { continue };
+            let uid = cred.uid;
+            let quota =
+                shared.engine.call(move |st| st.hca.quota(vrdma_core::hca::TenantId(uid)).max_contexts);
+            let limit = quota.unwrap_or(0).saturating_add(CONNECTIONS_BEYOND_CONTEXTS) as usize;
+            let held = shared
+                .sessions
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .iter()
+                .filter(|s| s.1 == uid)
+                .count();
+            if held >= limit {
+                tracing::warn!(uid, held, "a tenant's connections are over its limit; connection closed");
+                continue;
+            }
             let id = shared.next_context.fetch_add(1, Ordering::Relaxed);
             // Registered before the thread starts, so that the thread's
             // own removal at its end cannot come first.
             if let Ok(dup) = conn.try_clone() {
-                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push((id, dup));
+                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push((id, uid, dup));
             }
             let sh = shared.clone();
             let spawned = std::thread::Builder::new()
@@ -84,7 +106,7 @@ impl Listener {
             if let Err(e) = spawned {
                 // The connection went with the closure and is closed; drop
                 // our duplicate too, so the client sees the hang-up.
-                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, _)| *i != id);
+                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, ..)| *i != id);
                 tracing::error!(error = %e, "cannot start a session thread");
             }
         }

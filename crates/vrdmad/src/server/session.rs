@@ -69,6 +69,9 @@ struct Session {
     open: bool,
 }
 
+/// How long a new connection may take to open its context with Hello.
+const HELLO_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 pub(crate) fn run(sock: OwnedFd, id: u32, shared: Arc<Shared>) {
     let cred = match fdpass::peer_credentials(sock.as_fd()) {
         Ok(c) => c,
@@ -81,10 +84,24 @@ pub(crate) fn run(sock: OwnedFd, id: u32, shared: Arc<Shared>) {
         Session { ctx: ContextId(id), tenant: TenantId(cred.uid), pid: cred.pid, shared, open: false };
     tracing::debug!(ctx = id, pid = cred.pid, uid = cred.uid, "tenant connected");
     let mut buf = vec![0u8; MAX_MESSAGE];
+    // A connection that never opens its context would hold a thread and two
+    // descriptors for ever.
+    let timeout = |t| rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, t);
+    let mut saying_hello = timeout(Some(HELLO_LIMIT)).is_ok();
     loop {
+        if saying_hello && s.open {
+            saying_hello = false;
+            if timeout(None).is_err() {
+                break;
+            }
+        }
         let msg = match fdpass::recv_msg(sock.as_fd(), &mut buf, MAX_FDS) {
             Ok(m) => m,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) if saying_hello && e.kind() == std::io::ErrorKind::WouldBlock => {
+                tracing::debug!(ctx = id, "no Hello within {HELLO_LIMIT:?}; closing");
+                break;
+            }
             Err(e) => {
                 tracing::debug!(ctx = id, error = %e, "control socket error");
                 break;
@@ -119,7 +136,7 @@ impl Drop for Session {
         self.close();
         let id = self.ctx.0;
         let mut sessions = self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        sessions.retain(|(i, _)| *i != id);
+        sessions.retain(|(i, ..)| *i != id);
     }
 }
 

@@ -37,11 +37,17 @@ impl Hca {
         // that closing a context with many QPs costs O(QPs), not O(QPs²).
         let mine: std::collections::HashSet<u32> =
             self.qps.iter().filter(|(_, q)| q.ctx == ctx).map(|(&n, _)| n).collect();
+        let tenant = self.contexts.get(&ctx).map(|c| c.tenant);
+        // A peer is a QP of the same tenant on this host: a QP connected to
+        // another host names a QP number of that host, which may equal one
+        // here.
         let peers: Vec<u32> = self
             .qps
             .iter()
             .filter(|(_, q)| {
                 q.ctx != ctx
+                    && Some(q.tenant) == tenant
+                    && self.is_local(&q.attr.ah_attr)
                     && mine.contains(&q.attr.dest_qp_num)
                     && q.init.qp_type == QpType::Rc
                     && matches!(q.state(), QpState::Rtr | QpState::Rts | QpState::Sqd)

@@ -14,7 +14,7 @@ impl Hca {
         }
         self.charge(ctx, 1, 0)?;
         let depth = cqe.next_power_of_two();
-        let n = self.alloc_id();
+        let n = self.alloc_id(|h, n| h.cqs.contains_key(&n));
         self.cqs.insert(n, Cq { ctx, users: 0, overrun: false });
         Ok((n, depth))
     }

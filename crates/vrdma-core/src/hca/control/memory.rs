@@ -10,7 +10,7 @@ impl Hca {
             return Err(HcaError::Exhausted("protection domains"));
         }
         self.charge(ctx, 1, 0)?;
-        let pd = self.alloc_id();
+        let pd = self.alloc_id(|h, n| h.pds.contains_key(&n));
         self.pds.insert(pd, Pd { ctx, users: 0 });
         Ok(pd)
     }
@@ -60,7 +60,7 @@ impl Hca {
         self.own_pd(ctx, pd)?;
         self.charge(ctx, 1, 0)?;
         self.own_pd(ctx, pd).expect("checked").users += 1;
-        let ah = self.alloc_id();
+        let ah = self.alloc_id(|h, n| h.ahs.contains_key(&n));
         self.ahs.insert(ah, Ah { ctx, pd, attr });
         Ok(ah)
     }

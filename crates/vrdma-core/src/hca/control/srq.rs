@@ -26,7 +26,7 @@ impl Hca {
             max_sge: attr.max_sge.max(1),
             srq_limit: attr.srq_limit,
         };
-        let n = self.alloc_id();
+        let n = self.alloc_id(|h, n| h.srqs.contains_key(&n));
         self.srqs.insert(n, Srq { ctx, pd, attr: granted, users: 0, requeued: VecDeque::new() });
         Ok((n, granted))
     }

@@ -883,3 +883,24 @@ fn a_datagram_whose_qp_was_reset_while_it_arrived_completes_nothing() {
     let got = t.b.env.poll(cqb);
     assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(20, WcStatus::Success)]);
 }
+
+#[test]
+fn closing_a_context_breaks_no_qp_connected_to_another_host_with_the_same_number() {
+    let mut t = TwoHosts::new(256);
+    // B's QP gets the number that a QP of another context on A will have.
+    let _b0 = t.b.env.end(C2);
+    let b = t.b.env.end(C1);
+    let a = t.a.env.end(C1);
+    t.connect(a.qpn, b.qpn, conn());
+    let x = t.a.env.end(C2);
+    assert_eq!(x.qpn, b.qpn, "the test needs the numbers to meet");
+    t.a.env.hca.close_context(C2, &mut t.a.env.io);
+    assert_eq!(
+        t.a.env.io.state(a.qpn),
+        Some(QpState::Rts),
+        "a QP on another host was taken for a local peer"
+    );
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
