@@ -321,3 +321,34 @@ fn a_tenant_cannot_hold_more_connections_than_its_contexts_allow() -> Result<()>
     wait_until(WAIT, "a context once the others are gone", || d.context().is_ok())?;
     still_serving(&mut d)
 }
+
+/// The daemon's peak virtual memory, in KiB.
+fn vm_peak_kib(d: &DaemonProc) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", d.proc.pid()))?;
+    let line =
+        status.lines().find(|l| l.starts_with("VmPeak:")).ok_or_else(|| anyhow::anyhow!("no VmPeak"))?;
+    Ok(line.split_whitespace().nth(1).unwrap_or("0").parse()?)
+}
+
+#[test]
+fn a_region_over_the_size_limit_is_refused_before_it_is_mapped() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    let pd = conn_works(&mut c)?;
+    // A sealed, sparse memfd of 2 TiB: mapping it costs nothing but
+    // address space, which is what the check protects.
+    let len: u64 = 2 << 40;
+    let f = rustix::fs::memfd_create(
+        "it-huge",
+        rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+    )?;
+    rustix::fs::ftruncate(&f, len)?;
+    rustix::fs::fcntl_add_seals(&f, rustix::fs::SealFlags::SHRINK)?;
+    let before = vm_peak_kib(&d)?;
+    let (errno, msg) = c.call(&reg_mr(pd, len), &[f.as_fd()])?.errno()?;
+    assert_eq!(errno, EINVAL, "{msg}");
+    let grew = vm_peak_kib(&d)?.saturating_sub(before);
+    assert!(grew < 1 << 30, "the daemon mapped {grew} KiB for a region it refused");
+    conn_works(&mut c)?;
+    still_serving(&mut d)
+}

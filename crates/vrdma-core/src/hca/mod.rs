@@ -188,6 +188,24 @@ impl Hca {
         }
     }
 
+    /// Whether `ctx` may register `len` more bytes: asked before the daemon
+    /// maps a tenant's memory, so that a region that the size limit or the
+    /// quota refuses never takes the daemon's address space.
+    pub fn may_register(&self, ctx: ContextId, len: u64) -> Result<(), HcaError> {
+        if len > self.config.device.max_mr_size {
+            return Err(HcaError::invalid(format!("region of {len} bytes is too large")));
+        }
+        let tenant = self.tenant_of(ctx)?;
+        let limit = self.quota(tenant).max_registered_bytes;
+        let used = self.usage(tenant).1;
+        if used.saturating_add(len) > limit {
+            return Err(HcaError::QuotaExceeded(format!(
+                "{used} bytes registered, {len} more asked, limit {limit}"
+            )));
+        }
+        Ok(())
+    }
+
     /// Usage of a tenant: (objects, registered bytes).
     pub fn usage(&self, tenant: TenantId) -> (u32, u64) {
         self.usage.get(&tenant).map(|u| (u.objects, u.registered_bytes)).unwrap_or((0, 0))

@@ -214,6 +214,7 @@ impl Session {
             }
             Request::RegMr { pd, addr, len, access, fd_offset } => {
                 let fd = fds.pop().expect("count checked");
+                self.engine(move |e, c| e.hca.may_register(c, len))??;
                 let region = map_region(fd, fd_offset, len)?;
                 let key = self.engine(move |e, c| e.hca.reg_mr(c, pd, addr, access, region))??;
                 Reply::Mr { key }.into()
@@ -385,16 +386,18 @@ impl Session {
             let seg = Arc::new(Segment::create("vrdma-cq", ring_bytes(depth, CQE_SIZE))?);
             let ring = RingView::in_segment(seg.clone(), 0, depth, CQE_SIZE)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
-            Ok::<_, Answer>((seg, ring))
+            let fd = seg.try_clone_fd()?;
+            Ok::<_, Answer>((seg, ring, fd))
         })();
-        let (seg, ring) = match made {
+        // Anything that fails after the core made the object destroys it:
+        // the tenant, answered with an error, never learns its number.
+        let (seg, ring, fd) = match made {
             Ok(x) => x,
             Err(a) => {
                 let _ = self.engine(move |e, c| e.hca.destroy_cq(c, cq));
                 return Err(a);
             }
         };
-        let fd = seg.try_clone_fd()?;
         self.engine(move |e, _| {
             if let Some(ch) = channel.and_then(|ch| e.rings.channels.get_mut(&ch)) {
                 ch.cqs += 1;
@@ -419,16 +422,16 @@ impl Session {
             let seg = Arc::new(Segment::create("vrdma-srq", ring_bytes(granted.max_wr, stride))?);
             let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
-            Ok::<_, Answer>((seg, ring))
+            let fd = seg.try_clone_fd()?;
+            Ok::<_, Answer>((seg, ring, fd))
         })();
-        let (seg, ring) = match made {
+        let (seg, ring, fd) = match made {
             Ok(x) => x,
             Err(a) => {
                 let _ = self.engine(move |e, c| e.hca.destroy_srq(c, srq));
                 return Err(a);
             }
         };
-        let fd = seg.try_clone_fd()?;
         self.engine(move |e, _| {
             e.rings.srqs.insert(srq, InRing::new(ring));
         })?;
@@ -466,16 +469,16 @@ impl Session {
                     .map_err(|e| error(ENOMEM, e.to_string()))
             };
             let rings = QpRings::new(InRing::new(view(sq)?), rq.map(view).transpose()?.map(InRing::new));
-            Ok::<_, Answer>((seg.clone(), rings))
+            let fd = seg.try_clone_fd()?;
+            Ok::<_, Answer>((seg.clone(), rings, fd))
         })();
-        let (seg, rings) = match made {
+        let (seg, rings, fd) = match made {
             Ok(x) => x,
             Err(a) => {
                 let _ = self.engine(move |e, c| e.hca.destroy_qp(c, qpn, &mut e.rings));
                 return Err(a);
             }
         };
-        let fd = seg.try_clone_fd()?;
         self.engine(move |e, _| {
             e.rings.qps.insert(qpn, rings);
         })?;
