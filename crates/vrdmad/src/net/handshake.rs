@@ -285,18 +285,7 @@ mod tests {
 
     #[test]
     fn an_acceptor_that_refuses_the_peer_leaves_neither_side_linked() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let t = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            let mut asked = None;
-            let key = b"0123456789abcdef";
-            let r = handshake_admitting(&mut s, &id(2, key), Duration::from_secs(2), |h| {
-                asked = Some(h.gid);
-                false
-            });
-            (r, asked)
-        });
+        let (addr, t) = admitting_acceptor(Duration::from_secs(2), false);
         let mut c = TcpStream::connect(addr).unwrap();
         let a = handshake(&mut c, Role::Initiator, &id(1, b"0123456789abcdef"), Duration::from_secs(2));
         let (b, asked) = t.join().unwrap();
@@ -322,6 +311,28 @@ mod tests {
                     (handshake(&mut s, Role::Acceptor, &id(2, b"0123456789abcdef"), limit), start.elapsed())
                 })
                 .collect()
+        });
+        (addr, t)
+    }
+
+    /// An acceptor (daemon 2) on a port of its own whose `admit` answers
+    /// `answer`: the handshake's result, and the GID `admit` was asked
+    /// about, if it was.
+    #[allow(clippy::type_complexity)]
+    fn admitting_acceptor(
+        limit: Duration,
+        answer: bool,
+    ) -> (std::net::SocketAddr, std::thread::JoinHandle<(Result<Peer, HandshakeError>, Option<Gid>)>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            let mut asked = None;
+            let r = handshake_admitting(&mut s, &id(2, b"0123456789abcdef"), limit, |h| {
+                asked = Some(h.gid);
+                answer
+            });
+            (r, asked)
         });
         (addr, t)
     }
@@ -379,18 +390,7 @@ mod tests {
 
     #[test]
     fn the_acceptor_proves_nothing_and_admits_nothing_before_the_initiator_proves_the_key() {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let t = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            let mut asked = false;
-            let r =
-                handshake_admitting(&mut s, &id(2, b"0123456789abcdef"), Duration::from_millis(500), |_| {
-                    asked = true;
-                    true
-                });
-            (r, asked)
-        });
+        let (addr, t) = admitting_acceptor(Duration::from_millis(500), true);
         // A stranger: a well-formed Hello, then it waits for the acceptor's Auth.
         let mut c = TcpStream::connect(addr).unwrap();
         let (f, _) = raw_frame(&mut c).unwrap();
@@ -401,25 +401,15 @@ mod tests {
         assert!(!matches!(next, Some(FrameRepr::Auth(_))), "the acceptor proved itself first: {next:?}");
         let (r, asked) = t.join().unwrap();
         assert!(matches!(r, Err(HandshakeError::Timeout(_))), "{r:?}");
-        assert!(!asked, "admit asked about a peer that proved nothing");
+        assert_eq!(asked, None, "admit asked about a peer that proved nothing");
 
         // And a peer with the wrong key is not asked about either.
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = l.local_addr().unwrap();
-        let t = std::thread::spawn(move || {
-            let (mut s, _) = l.accept().unwrap();
-            let mut asked = false;
-            let r = handshake_admitting(&mut s, &id(2, b"0123456789abcdef"), Duration::from_secs(2), |_| {
-                asked = true;
-                true
-            });
-            (r, asked)
-        });
+        let (addr, t) = admitting_acceptor(Duration::from_secs(2), true);
         let mut c = TcpStream::connect(addr).unwrap();
         let a = handshake(&mut c, Role::Initiator, &id(1, b"fedcba9876543210"), Duration::from_secs(2));
         let (r, asked) = t.join().unwrap();
         assert!(a.is_err() && r.is_err(), "{a:?} {r:?}");
-        assert!(!asked);
+        assert_eq!(asked, None);
     }
 
     #[test]

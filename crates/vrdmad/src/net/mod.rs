@@ -222,7 +222,7 @@ impl Net {
         // That daemon's own connection to us is in its handshake: it
         // becomes the link, or fails and is forgotten; the QPs that want
         // the peer ask again on their next pass.
-        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        self.forget_stale_incoming(now);
         if gid_of(addr).is_some_and(|g| self.incoming.contains_key(&g)) {
             return None;
         }
@@ -243,6 +243,12 @@ impl Net {
         Some(fails)
     }
 
+    /// Forgets incoming handshakes older than any handshake may last: they
+    /// became links, or failed.
+    fn forget_stale_incoming(&mut self, now: Clock) {
+        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+    }
+
     /// Whether to take a connection that the daemon whose Hello says `gid`
     /// and `daemon_id` opened. Two daemons that dial each other
     /// at once would otherwise keep two links. So the one of the two with
@@ -257,7 +263,7 @@ impl Net {
     /// daemon's own dials to that daemon until it is a link or has failed.
     /// Only a peer that has proved it holds the key is asked about.
     pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
-        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        self.forget_stale_incoming(now);
         let admit = self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(gid, daemon_id, now);
         if admit {
             self.incoming.insert(gid, now);

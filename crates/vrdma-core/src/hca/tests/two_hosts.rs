@@ -73,6 +73,15 @@ impl TwoHosts {
         (t, a, b)
     }
 
+    /// An end on each host, connected, while A has no link to B.
+    fn unlinked_pair(mut self) -> (TwoHosts, End, End) {
+        self.a.env.hca.link_down(self.a.link);
+        let a = self.a.env.end(C1);
+        let b = self.b.env.end(C1);
+        self.connect(a.qpn, b.qpn, conn());
+        (self, a, b)
+    }
+
     /// Moves one frame from `from` to `to`, encoded and decoded as bytes.
     fn carry(
         from: &mut Host,
@@ -94,13 +103,7 @@ impl TwoHosts {
         dir: char,
         log: &mut Vec<(char, crate::wire::Opcode, u32)>,
     ) {
-        let mut bytes = t.header.to_vec();
-        bytes.extend(&t.data);
-        for s in &t.payload {
-            let mut v = vec![0; s.len];
-            s.region.read(s.off, &mut v).unwrap();
-            bytes.extend(v);
-        }
+        let bytes = frame_bytes(t);
         let (repr, payload) = parse_frame(&bytes).expect("a frame we emitted parses");
         assert_eq!(repr.buffer_len(), bytes.len());
         let FrameRepr::Data(d) = repr else { panic!("data frames only") };
@@ -145,6 +148,26 @@ impl TwoHosts {
             }
         }
     }
+}
+
+/// Frame `t` as it goes on the wire: header, copied data, payload.
+fn frame_bytes(t: &crate::hca::remote::Transmit) -> Vec<u8> {
+    let mut bytes = t.header.to_vec();
+    bytes.extend(&t.data);
+    for s in &t.payload {
+        let mut v = vec![0; s.len];
+        s.region.read(s.off, &mut v).unwrap();
+        bytes.extend(v);
+    }
+    bytes
+}
+
+/// The data header of frame `t`, parsed from its bytes.
+fn data_header(t: &crate::hca::remote::Transmit) -> crate::wire::DataRepr {
+    let (FrameRepr::Data(d), _) = parse_frame(&frame_bytes(t)).expect("a frame we emitted parses") else {
+        panic!("a data frame")
+    };
+    d
 }
 
 /// RESET -> RTS on one host, towards `peer` on the host at `ip`.
@@ -505,11 +528,7 @@ fn a_link_that_goes_down_fails_its_qps_and_a_new_link_serves_new_qps() {
 
 #[test]
 fn with_no_link_the_peer_is_wanted_and_the_request_times_out() {
-    let mut t = TwoHosts::new(256);
-    t.a.env.hca.link_down(t.a.link);
-    let a = t.a.env.end(C1);
-    let b = t.b.env.end(C1);
-    t.connect(a.qpn, b.qpn, conn());
+    let (mut t, a, b) = TwoHosts::new(256).unlinked_pair();
     t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
     t.run_a_only(T0);
     assert_eq!(t.a.env.hca.take_wanted_peers(), vec![Gid::from_ipv4(IP_B)]);
@@ -681,14 +700,7 @@ fn a_read_response_whose_read_was_flushed_mid_payload_completes_nothing_later() 
     }
     // The response's header reaches A, whose payload is still on its way...
     let resp = t.b.env.hca.poll_transmit(t.b.link, T0, &mut t.b.env.io).expect("B answers");
-    let mut bytes = resp.header.to_vec();
-    for s in &resp.payload {
-        let mut v = vec![0; s.len];
-        s.region.read(s.off, &mut v).unwrap();
-        bytes.extend(v);
-    }
-    let (repr, _) = parse_frame(&bytes).expect("a frame we emitted parses");
-    let FrameRepr::Data(d) = repr else { panic!("a data frame") };
+    let d = data_header(&resp);
     assert!(matches!(t.a.env.hca.handle_data(t.a.link, &d, T0, &mut t.a.env.io), Sink::Place(_)));
     // ...when the application resets the QP, connects it again and posts
     // another read.
@@ -723,17 +735,7 @@ fn a_read_response_whose_read_was_flushed_mid_payload_completes_nothing_later() 
 /// way" until the test says it is placed or lost.
 fn header_reaches_b(t: &mut TwoHosts) -> Sink {
     let f = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("A sends");
-    let mut bytes = f.header.to_vec();
-    bytes.extend(&f.data);
-    for s in &f.payload {
-        let mut v = vec![0; s.len];
-        s.region.read(s.off, &mut v).unwrap();
-        bytes.extend(v);
-    }
-    let (FrameRepr::Data(d), _) = parse_frame(&bytes).expect("a frame we emitted parses") else {
-        panic!("a data frame")
-    };
-    t.b.env.hca.handle_data(t.b.link, &d, T0, &mut t.b.env.io)
+    t.b.env.hca.handle_data(t.b.link, &data_header(&f), T0, &mut t.b.env.io)
 }
 
 #[test]
@@ -805,11 +807,7 @@ fn a_requester_keeps_its_psns_in_flight_within_the_window() {
 
 #[test]
 fn a_request_taken_before_its_link_is_numbered_at_the_links_chunk_size() {
-    let mut t = TwoHosts::new(256);
-    t.a.env.hca.link_down(t.a.link);
-    let a = t.a.env.end(C1);
-    let b = t.b.env.end(C1);
-    t.connect(a.qpn, b.qpn, conn());
+    let (mut t, a, b) = TwoHosts::new(256).unlinked_pair();
     let data: Vec<u8> = (0..1024u32).map(|i| i as u8 ^ 0x5a).collect();
     a.buf.write(0, &data);
     // With no link the first request is taken (its timer runs), counted
@@ -836,11 +834,7 @@ fn a_request_taken_before_its_link_is_numbered_at_the_links_chunk_size() {
     assert_eq!(b.buf.read(4096, 8), data[..8]);
 
     // One that is too long at the link's chunk size fails once it is known.
-    let mut t = TwoHosts::with(256, |c| c.max_psns_in_flight = 64);
-    t.a.env.hca.link_down(t.a.link);
-    let a = t.a.env.end(C1);
-    let b = t.b.env.end(C1);
-    t.connect(a.qpn, b.qpn, conn());
+    let (mut t, a, b) = TwoHosts::with(256, |c| c.max_psns_in_flight = 64).unlinked_pair();
     t.a.env
         .io
         .post_send(a.qpn, rdma(3, SendOpcode::RdmaWrite, &[a.buf.sge(0, 33 * 256)], b.buf.addr, b.buf.key));
