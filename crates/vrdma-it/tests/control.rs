@@ -352,3 +352,52 @@ fn a_region_over_the_size_limit_is_refused_before_it_is_mapped() -> Result<()> {
     conn_works(&mut c)?;
     still_serving(&mut d)
 }
+
+#[test]
+fn stat_lists_thousands_of_qps_in_pages() -> Result<()> {
+    // More QPs than one control message can list.
+    const QPS: usize = 12_000;
+    let mut d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    let pd = conn_works(&mut c)?;
+    let cq = match c.call(&Request::CreateCq { cqe: 16, channel: None }, &[])?.reply()? {
+        Reply::Cq { cq, .. } => cq,
+        other => bail!("CreateCq answered {other:?}"),
+    };
+    let init = vrdma_core::verbs::QpInitAttr {
+        qp_type: vrdma_core::verbs::QpType::Rc,
+        send_cq: cq,
+        recv_cq: cq,
+        srq: None,
+        cap: vrdma_core::verbs::QpCap {
+            max_send_wr: 1,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        },
+        sq_sig_all: false,
+    };
+    let mut qpns = Vec::with_capacity(QPS);
+    for _ in 0..QPS {
+        match c.call(&Request::CreateQp { pd, init }, &[])?.reply()? {
+            Reply::Qp { created, .. } => qpns.push(created.qpn),
+            other => bail!("CreateQp answered {other:?}"),
+        }
+    }
+    // Another process of the tenant lists them all, page by page.
+    let st = d.context()?.stat()?;
+    let listed: Vec<u32> = st.qps.iter().map(|q| q.qpn).collect();
+    qpns.sort_unstable();
+    assert_eq!(listed, qpns);
+    let whole = proto::encode_reply(&Reply::Stat(st)).len();
+    assert!(whole > MAX_MESSAGE, "{whole} bytes would fit one message: the test needs more QPs");
+    // A client that does not page gets the first page, not a message
+    // too long for it.
+    match c.call(&Request::Stat, &[])?.reply()? {
+        Reply::Stat(s) => assert_eq!(s.qps.len(), vrdma_core::hca::STAT_PAGE_QPS),
+        other => bail!("Stat answered {other:?}"),
+    }
+    conn_works(&mut c)?;
+    still_serving(&mut d)
+}

@@ -144,11 +144,36 @@ impl Context {
 
     /// The device's links to other hosts' daemons, and the path (shared
     /// memory or a link) each QP of this tenant takes.
+    ///
+    /// The daemon answers in pages; this asks for each in turn. Objects
+    /// created or destroyed meanwhile may or may not show.
     pub fn stat(&self) -> Result<vrdma_core::hca::StatReport> {
-        let req = Request::Stat;
-        match self.inner.control.call(&req, &[])?.reply {
-            Reply::Stat(s) => Ok(s),
-            other => Err(control::unexpected(&req, &other)),
+        let mut all = vrdma_core::hca::StatReport::default();
+        let mut from = vrdma_core::hca::StatCursor::START;
+        // A list's cursor only moves up, until it is done (`None`): the
+        // loop ends, even with a daemon that answers nonsense.
+        let advances = |from: Option<u32>, next: Option<u32>| match (from, next) {
+            (_, None) => true,
+            (Some(a), Some(b)) => b > a,
+            (None, Some(_)) => false,
+        };
+        loop {
+            let req = Request::StatPage { from };
+            let page = match self.inner.control.call(&req, &[])?.reply {
+                Reply::StatPage(p) => p,
+                other => return Err(control::unexpected(&req, &other)),
+            };
+            all.links.extend(page.report.links);
+            all.qps.extend(page.report.qps);
+            match page.next {
+                None => return Ok(all),
+                Some(next)
+                    if advances(from.link, next.link) && advances(from.qpn, next.qpn) && next != from =>
+                {
+                    from = next
+                }
+                Some(_) => return Err(Error::Protocol("the daemon's stat pages do not advance".into())),
+            }
         }
     }
 

@@ -16,10 +16,10 @@ use vrdma::{
     AccessFlags, AsyncEvent, AsyncEventType, Context, Cqe, Error, QpAttrMask, QpCap, QpInit, QpState,
     SendOpcode, SendWr, SrqAttr, WcOpcode, WcStatus,
 };
-use vrdma_core::hca::{HcaConfig, QpCreated};
+use vrdma_core::hca::{HcaConfig, Path, QpCreated, QpPathReport, StatCursor, StatPage, StatReport};
 use vrdma_core::proto::{self, Reply, Request, RingSpec};
 use vrdma_core::ring::{recv_stride, send_stride, RecvWr, CQE_SIZE};
-use vrdma_core::verbs::QpAttr;
+use vrdma_core::verbs::{QpAttr, QpType};
 use vrdma_shm::{page_size, ring_bytes, Doorbell, RingView, Segment};
 
 struct FakeQp {
@@ -43,6 +43,8 @@ struct State {
     srqs: HashMap<u32, Arc<RingView>>,
     /// key -> (daemon's mapping of the region's pages, offset of its first byte)
     mrs: HashMap<u32, (Segment, usize)>,
+    /// What `StatPage` requests are answered, in turn.
+    stat_pages: std::collections::VecDeque<StatPage>,
 }
 
 #[derive(Clone)]
@@ -232,6 +234,9 @@ impl Fake {
             }
             Request::CreateAh { .. } => (Reply::Ah { ah: id }, vec![]),
             Request::Stat => (Reply::Stat(Default::default()), vec![]),
+            Request::StatPage { .. } => {
+                (Reply::StatPage(st.stat_pages.pop_front().unwrap_or_default()), vec![])
+            }
             Request::DeallocPd { .. }
             | Request::DestroyAh { .. }
             | Request::DestroyCq { .. }
@@ -739,6 +744,49 @@ fn objects_from_other_contexts_are_refused() {
     assert_eq!(e.errno(), libc::EINVAL);
     let ch = ctx2.create_comp_channel().unwrap();
     assert!(ctx1.create_cq(1, Some(&ch)).is_err());
+}
+
+fn qp_report(qpn: u32) -> QpPathReport {
+    QpPathReport { qpn, qp_type: QpType::Rc, state: QpState::Reset, dest_qpn: 0, path: Path::None }
+}
+
+#[test]
+fn stat_joins_the_daemons_pages() {
+    let (fake, ctx) = Fake::start();
+    let next = StatCursor { link: None, qpn: Some(9) };
+    fake.st().stat_pages.extend([
+        StatPage {
+            report: StatReport { links: vec![], qps: vec![qp_report(3), qp_report(5)] },
+            next: Some(next),
+        },
+        StatPage { report: StatReport { links: vec![], qps: vec![qp_report(9)] }, next: None },
+    ]);
+    let st = ctx.stat().unwrap();
+    assert_eq!(st.qps.iter().map(|q| q.qpn).collect::<Vec<_>>(), vec![3, 5, 9]);
+    let asked: Vec<StatCursor> = fake
+        .st()
+        .requests
+        .iter()
+        .filter_map(|r| match r {
+            Request::StatPage { from } => Some(*from),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(asked, vec![StatCursor::START, next]);
+}
+
+#[test]
+fn stat_pages_that_do_not_advance_are_a_protocol_error() {
+    let (fake, ctx) = Fake::start();
+    // A cursor going back, in both lists or in one: a daemon answering so
+    // could keep the client asking for ever.
+    for next in [StatCursor::START, StatCursor { link: None, qpn: Some(0) }] {
+        let mut pages = vec![StatPage { report: StatReport::default(), next: Some(next) }; 2];
+        pages[0].next = Some(StatCursor { link: Some(4), qpn: Some(4) });
+        fake.st().stat_pages.extend(pages);
+        assert!(matches!(ctx.stat(), Err(Error::Protocol(_))));
+        fake.st().stat_pages.clear();
+    }
 }
 
 #[test]

@@ -29,8 +29,8 @@ pub use datapath::{Activity, GRH_LEN};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 pub use remote::{
-    IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, Path, QpPathReport, Sink, StatReport, Transmit,
-    TX_HEADER_CAP,
+    IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, Path, QpPathReport, Sink, StatCursor, StatPage,
+    StatReport, Transmit, STAT_PAGE_LINKS, STAT_PAGE_QPS, TX_HEADER_CAP,
 };
 
 use crate::verbs::QpCap;
@@ -82,7 +82,7 @@ pub struct Hca {
     srqs: HashMap<u32, Srq>,
     ahs: HashMap<u32, Ah>,
     qps: HashMap<u32, Qp>,
-    /// QP numbers in service order; the engine walks it round-robin.
+    /// The QPs the engine serves, in order; it walks them round-robin.
     qp_order: Vec<u32>,
     next_id: u32,
     next_qpn: u32,

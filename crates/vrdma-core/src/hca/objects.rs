@@ -88,9 +88,26 @@ pub(crate) struct Qp {
     /// Times the QP was reset: a receive taken for a datagram before a
     /// reset is not completed after it.
     pub resets: u32,
+    /// In the engine's service order ([`Hca::update_service`]).
+    ///
+    /// [`Hca::update_service`]: super::Hca::update_service
+    pub served: bool,
 }
 
 impl Qp {
+    /// Whether the engine has anything to do for this QP in its passes:
+    /// run or flush its send queue, or time a held ACK. A QP in RESET or
+    /// INIT, or in RTR with no peer on another host, has not; leaving it
+    /// out keeps a pass's cost in the QPs in use, however many a tenant
+    /// creates and leaves idle.
+    pub fn needs_service(&self) -> bool {
+        match self.state() {
+            QpState::Reset | QpState::Init => false,
+            QpState::Rtr => self.remote.is_some(),
+            _ => true,
+        }
+    }
+
     pub fn state(&self) -> QpState {
         self.attr.qp_state
     }

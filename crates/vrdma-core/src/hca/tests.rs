@@ -675,6 +675,24 @@ fn bad_rkey_breaks_both_ends_and_flushes_the_rest() {
     assert_eq!(env.hca.query_qp(C1, a.qpn).unwrap().0.qp_state, QpState::Err);
 }
 
+#[test]
+fn a_responder_only_in_rtr_that_errs_flushes_its_receives() {
+    // A QP that only receives never moves to RTS, so the engine does not
+    // serve it until the error.
+    let mut env = Env::new();
+    let a = env.end(C1);
+    let b = env.end(C2);
+    env.connect(a.qpn, b.qpn);
+    env.bring_to_init(b.qpn, Conn::default());
+    env.bring_to_rtr(b.qpn, a.qpn, Conn::default());
+    env.io.post_recv(b.qpn, recv(50, &[b.buf.sge(0, 8)]));
+    env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, 0xbad));
+    env.run(T0);
+    assert_eq!(env.poll(a.cq), vec![req_cqe(1, WcStatus::RemAccessErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
+    assert_eq!(env.io.state(b.qpn), Some(QpState::Err));
+    assert_eq!(env.poll(b.cq), vec![recv_err(50, WcStatus::WrFlushErr, b.qpn)]);
+}
+
 /// Runs one WR on a fresh connection and returns the requester's
 /// completion, after checking the requester went to ERR.
 fn failing(c: Conn, build: impl FnOnce(&mut Env, &End, &End) -> SendWr) -> (Env, End, End, Cqe) {
@@ -1242,6 +1260,89 @@ fn cq_overrun_is_an_error_for_cq_and_qp() {
     env.run(T0);
     assert!(env.poll(a.cq).is_empty());
     assert_eq!(env.io.events.len(), 2);
+}
+
+// ---------------------------------------------------------------- stat
+
+#[test]
+fn stat_pages_list_each_link_and_each_qp_of_the_tenant_once_in_order() {
+    let mut env = Env::new();
+    let pd = env.hca.alloc_pd(C1).unwrap();
+    let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
+    let mut mine: Vec<u32> =
+        (0..2 * STAT_PAGE_QPS + 5).map(|_| env.qp(C1, pd, qp_init(cq, cq, None))).collect();
+    // Another process of the tenant counts; another tenant does not show.
+    let pd2 = env.hca.alloc_pd(C2).unwrap();
+    let (cq2, _) = env.hca.create_cq(C2, 64).unwrap();
+    mine.push(env.qp(C2, pd2, qp_init(cq2, cq2, None)));
+    let pd3 = env.hca.alloc_pd(C3).unwrap();
+    let (cq3, _) = env.hca.create_cq(C3, 64).unwrap();
+    let theirs = env.qp(C3, pd3, qp_init(cq3, cq3, None));
+    mine.sort_unstable();
+    let links: Vec<u32> = (0..STAT_PAGE_LINKS + 3)
+        .map(|i| {
+            let gid = crate::verbs::Gid::from_ipv4([10, 1, (i >> 8) as u8, i as u8]);
+            env.hca.link_up(LinkInfo { gid, lid: 100 + i as u16, chunk: 65536 }).0
+        })
+        .collect();
+
+    let (mut seen_qps, mut seen_links, mut pages) = (Vec::new(), Vec::new(), 0);
+    let mut from = StatCursor::START;
+    loop {
+        let page = env.hca.stat(C1, from).unwrap();
+        assert!(page.report.qps.len() <= STAT_PAGE_QPS && page.report.links.len() <= STAT_PAGE_LINKS);
+        seen_qps.extend(page.report.qps.iter().map(|q| q.qpn));
+        seen_links.extend(page.report.links.iter().map(|l| l.id.0));
+        pages += 1;
+        match page.next {
+            Some(next) => from = next,
+            None => break,
+        }
+        assert!(pages < 10, "the pages do not end");
+    }
+    assert_eq!(pages, 3);
+    assert_eq!(seen_qps, mine);
+    assert!(!seen_qps.contains(&theirs));
+    assert_eq!(seen_links, links);
+    // The other tenant sees only its own QP, and every link.
+    let page = env.hca.stat(C3, StatCursor::START).unwrap();
+    assert_eq!(page.report.qps.iter().map(|q| q.qpn).collect::<Vec<_>>(), vec![theirs]);
+    assert_eq!(page.next, Some(StatCursor { link: Some(links[STAT_PAGE_LINKS]), qpn: None }));
+}
+
+#[test]
+fn the_engine_serves_only_qps_with_something_to_do() {
+    let (mut env, a, b) = Env::pair();
+    assert_eq!(env.hca.served_qps(), &[a.qpn, b.qpn]);
+    // Idle QPs, however many, cost a pass nothing.
+    let idle: Vec<u32> = (0..100).map(|_| env.qp(C1, a.pd, qp_init(a.cq, a.cq, None))).collect();
+    env.bring_to_init(idle[0], Conn::default());
+    env.bring_to_init(idle[1], Conn::default());
+    env.bring_to_rtr(idle[1], b.qpn, Conn::default());
+    assert_eq!(env.hca.served_qps(), &[a.qpn, b.qpn]);
+    // A QP in ERR is served (its queues are flushed), also straight from
+    // INIT; back in RESET it is not.
+    env.modify(idle[0], &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
+    assert_eq!(env.hca.served_qps(), &[a.qpn, b.qpn, idle[0]]);
+    let wr_id = 77;
+    env.io.post_send(idle[0], wr(wr_id, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.run(T0);
+    assert_eq!(
+        env.poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        vec![(wr_id, WcStatus::WrFlushErr)]
+    );
+    env.modify(a.qpn, &QpAttr { qp_state: QpState::Reset, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
+    assert_eq!(env.hca.served_qps(), &[b.qpn, idle[0]]);
+    env.hca.destroy_qp(C1, idle[0], &mut env.io).unwrap();
+    assert_eq!(env.hca.served_qps(), &[b.qpn]);
+    // Connected again, it is served again, and works.
+    env.connect(a.qpn, b.qpn);
+    assert_eq!(env.hca.served_qps(), &[b.qpn, a.qpn]);
+    env.io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, 8)]));
+    env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.run(T0);
+    assert_eq!(env.poll(a.cq).len(), 1);
+    assert_eq!(env.poll(b.cq).len(), 1);
 }
 
 // ---------------------------------------------------------------- quotas

@@ -101,9 +101,14 @@ pub enum Request {
     DestroyAh {
         ah: u32,
     },
-    /// The links to other hosts and the paths of the tenant's QPs;
-    /// answered [`Reply::Stat`].
+    /// The first page of [`Request::StatPage`], answered [`Reply::Stat`]:
+    /// for clients that do not page.
     Stat,
+    /// A page of the links to other hosts and of the paths of the
+    /// tenant's QPs; answered [`Reply::StatPage`].
+    StatPage {
+        from: crate::hca::StatCursor,
+    },
 }
 
 impl Request {
@@ -186,6 +191,7 @@ pub enum Reply {
         ah: u32,
     },
     Stat(crate::hca::StatReport),
+    StatPage(crate::hca::StatPage),
 }
 
 /// Why a message could not be decoded.
@@ -272,6 +278,39 @@ mod tests {
         assert_eq!(encode_reply(&Reply::Done)[0], 12);
         assert_eq!(encode_reply(&Reply::Error { errno: 1, message: String::new() })[0], 13);
         assert_eq!(encode_reply(&Reply::Ah { ah: 1 })[0], 14);
+    }
+
+    #[test]
+    fn a_full_stat_page_fits_one_message_whatever_its_values() {
+        use crate::hca::*;
+        use crate::verbs::{QpState, QpType};
+        let link = LinkReport {
+            id: LinkId(u32::MAX),
+            info: LinkInfo { gid: Gid([0xff; 16]), lid: u16::MAX, chunk: u32::MAX },
+            up: true,
+            qps: u32::MAX,
+            stats: LinkStats {
+                frames_out: u64::MAX,
+                payload_out: u64::MAX,
+                frames_in: u64::MAX,
+                payload_in: u64::MAX,
+                dropped_in: u64::MAX,
+            },
+        };
+        let qp = QpPathReport {
+            qpn: u32::MAX,
+            qp_type: QpType::Ud,
+            state: QpState::Err,
+            dest_qpn: u32::MAX,
+            path: Path::Link(Some(LinkId(u32::MAX))),
+        };
+        let page = StatPage {
+            report: StatReport { links: vec![link; STAT_PAGE_LINKS], qps: vec![qp; STAT_PAGE_QPS] },
+            next: Some(StatCursor { link: Some(u32::MAX), qpn: Some(u32::MAX) }),
+        };
+        let bytes = encode_reply(&Reply::StatPage(page.clone()));
+        assert!(bytes.len() <= MAX_MESSAGE, "{} bytes", bytes.len());
+        assert_eq!(decode_reply(&bytes).unwrap(), Reply::StatPage(page));
     }
 
     #[test]

@@ -12,7 +12,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use vrdma_core::hca::{ContextId, HcaError, TenantId};
+use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
     self, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, CHANNEL_EVENT_SIZE,
@@ -292,7 +292,12 @@ impl Session {
                 self.engine(move |e, c| e.hca.destroy_ah(c, ah))??;
                 Reply::Done.into()
             }
-            Request::Stat => Reply::Stat(self.engine(move |e, c| e.hca.stat(c))??).into(),
+            Request::Stat => {
+                Reply::Stat(self.engine(move |e, c| e.hca.stat(c, StatCursor::START))??.report).into()
+            }
+            Request::StatPage { from } => {
+                Reply::StatPage(self.engine(move |e, c| e.hca.stat(c, from))??).into()
+            }
         })
     }
 

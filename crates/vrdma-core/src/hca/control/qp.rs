@@ -81,10 +81,34 @@ impl Hca {
                 sqd_notify: false,
                 resets: 0,
                 remote: None,
+                served: false,
             },
         );
-        self.qp_order.push(qpn);
         Ok(QpCreated { qpn, cap: granted })
+    }
+
+    /// The QPs the engine visits in a pass, in order.
+    #[cfg(test)]
+    pub(crate) fn served_qps(&self) -> &[u32] {
+        &self.qp_order
+    }
+
+    /// Puts a QP into the engine's service order or takes it out, as
+    /// [`Qp::needs_service`] says; called wherever its state or its
+    /// transport across hosts begins or ends.
+    pub(crate) fn update_service(&mut self, qpn: u32) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        match (qp.needs_service(), qp.served) {
+            (true, false) => {
+                qp.served = true;
+                self.qp_order.push(qpn);
+            }
+            (false, true) => {
+                qp.served = false;
+                self.qp_order.retain(|&n| n != qpn);
+            }
+            _ => {}
+        }
     }
 
     pub(crate) fn own_qp(&mut self, ctx: ContextId, qpn: u32) -> Result<&mut Qp, HcaError> {
@@ -154,6 +178,7 @@ impl Hca {
         if to != cur && to != QpState::Err {
             io.qp_state_changed(qpn, to);
         }
+        self.update_service(qpn);
         if to == QpState::Rtr && cur != QpState::Rtr {
             if let Some(path) = self.qp_path(qpn) {
                 tracing::info!(qpn, dest_qpn = attr.dest_qp_num, ?path, "QP connected");
@@ -256,6 +281,7 @@ impl Hca {
         if matches!(qp.state(), QpState::Rts | QpState::Sqd) {
             qp.attr.qp_state = QpState::Sqe;
             io.qp_state_changed(qpn, QpState::Sqe);
+            self.update_service(qpn);
         }
     }
 
@@ -269,6 +295,7 @@ impl Hca {
         self.flush_pending = true;
         let (ctx, srq) = (qp.ctx, qp.init.srq);
         io.qp_state_changed(qpn, QpState::Err);
+        self.update_service(qpn);
         if srq.is_some() {
             io.async_event(ctx, AsyncEvent { event_type: AsyncEventType::QpLastWqeReached, element: qpn });
         }

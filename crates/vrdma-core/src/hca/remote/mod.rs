@@ -276,6 +276,32 @@ pub struct StatReport {
     pub qps: Vec<QpPathReport>,
 }
 
+/// Where a page of a [`StatReport`] starts: the lowest link id and QP
+/// number to list, `None` once that list is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatCursor {
+    pub link: Option<u32>,
+    pub qpn: Option<u32>,
+}
+
+impl StatCursor {
+    pub const START: StatCursor = StatCursor { link: Some(0), qpn: Some(0) };
+}
+
+/// One page of a [`StatReport`], and where the next one starts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StatPage {
+    pub report: StatReport,
+    pub next: Option<StatCursor>,
+}
+
+/// Links in one [`StatPage`]. With [`STAT_PAGE_QPS`] they bound a page
+/// well under the control protocol's message size, whatever the values.
+pub const STAT_PAGE_LINKS: usize = 256;
+/// QPs in one [`StatPage`]: a tenant may hold thousands, more than one
+/// control message carries.
+pub const STAT_PAGE_QPS: usize = 1024;
+
 /// The path a QP's traffic takes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Path {
@@ -348,25 +374,39 @@ impl Hca {
         v
     }
 
-    /// The links, and the QPs of `ctx`'s tenant with their paths.
-    pub fn stat(&self, ctx: super::ContextId) -> Result<StatReport, super::HcaError> {
+    /// A page of the links and of the QPs of `ctx`'s tenant with their
+    /// paths, each list in ascending order from `from`.
+    pub fn stat(&self, ctx: super::ContextId, from: StatCursor) -> Result<StatPage, super::HcaError> {
         let tenant = self.tenant_of(ctx)?;
-        let mut qps: Vec<QpPathReport> = self
-            .qps
-            .iter()
-            .filter(|(_, q)| q.tenant == tenant)
-            .filter_map(|(&qpn, q)| {
-                Some(QpPathReport {
-                    qpn,
-                    qp_type: q.init.qp_type,
-                    state: q.state(),
-                    dest_qpn: q.attr.dest_qp_num,
-                    path: self.qp_path(qpn)?,
+        let mut links: Vec<LinkReport> = match from.link {
+            Some(first) => self.links().into_iter().filter(|l| l.id.0 >= first).collect(),
+            None => Vec::new(),
+        };
+        let mut qps: Vec<QpPathReport> = match from.qpn {
+            Some(first) => self
+                .qps
+                .iter()
+                .filter(|(&qpn, q)| q.tenant == tenant && qpn >= first)
+                .filter_map(|(&qpn, q)| {
+                    Some(QpPathReport {
+                        qpn,
+                        qp_type: q.init.qp_type,
+                        state: q.state(),
+                        dest_qpn: q.attr.dest_qp_num,
+                        path: self.qp_path(qpn)?,
+                    })
                 })
-            })
-            .collect();
+                .collect(),
+            None => Vec::new(),
+        };
         qps.sort_by_key(|q| q.qpn);
-        Ok(StatReport { links: self.links(), qps })
+        let next_link = links.get(STAT_PAGE_LINKS).map(|l| l.id.0);
+        let next_qpn = qps.get(STAT_PAGE_QPS).map(|q| q.qpn);
+        links.truncate(STAT_PAGE_LINKS);
+        qps.truncate(STAT_PAGE_QPS);
+        let next = (next_link.is_some() || next_qpn.is_some())
+            .then_some(StatCursor { link: next_link, qpn: next_qpn });
+        Ok(StatPage { report: StatReport { links, qps }, next })
     }
 
     /// When a held ACK of `qpn` is due.

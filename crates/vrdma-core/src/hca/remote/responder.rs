@@ -225,6 +225,8 @@ impl Hca {
             rs.link = Some(link);
             self.net.attach(link, qpn);
         }
+        // An RTR QP answers from now on, and may hold an ACK to time.
+        self.update_service(qpn);
         let rs = self.recv_state(qpn).expect("made above");
         // A peer that sends requests but never reads our answers gets no
         // more than a bounded queue of them; the rest of its requests are
