@@ -676,6 +676,32 @@ fn bad_rkey_breaks_both_ends_and_flushes_the_rest() {
 }
 
 #[test]
+fn a_deep_queue_in_err_is_flushed_over_several_passes_in_order() {
+    let mut env = Env::new();
+    let pd = env.hca.alloc_pd(C1).unwrap();
+    let (cq, _) = env.hca.create_cq(C1, 1024).unwrap();
+    let mut init = qp_init(cq, cq, None);
+    init.cap.max_send_wr = 256;
+    init.cap.max_recv_wr = 256;
+    let q = env.qp(C1, pd, init);
+    let other = env.end(C2);
+    env.connect(q, other.qpn);
+    env.modify(q, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
+    for i in 0..200 {
+        env.io.post_send(q, wr(i, SendOpcode::Send, &[], SendFlags::SIGNALED));
+        env.io.post_recv(q, recv(1000 + i, &[]));
+    }
+    env.step(T0);
+    assert!(env.io.send_queued(q) >= 200 - datapath::WRS_PER_PASS, "one pass flushed more than its bound");
+    env.run(T0);
+    let got: Vec<u64> = env.poll(cq).iter().map(|c| c.wr_id).collect();
+    let sends: Vec<u64> = got.iter().copied().filter(|&w| w < 1000).collect();
+    let recvs: Vec<u64> = got.iter().copied().filter(|&w| w >= 1000).collect();
+    assert_eq!(sends, (0..200).collect::<Vec<_>>());
+    assert_eq!(recvs, (1000..1200).collect::<Vec<_>>());
+}
+
+#[test]
 fn a_responder_only_in_rtr_that_errs_flushes_its_receives() {
     // A QP that only receives never moves to RTS, so the engine does not
     // serve it until the error.
@@ -1260,6 +1286,19 @@ fn cq_overrun_is_an_error_for_cq_and_qp() {
     env.run(T0);
     assert!(env.poll(a.cq).is_empty());
     assert_eq!(env.io.events.len(), 2);
+    // Another QP on that CQ goes to ERR at its next completion, rather
+    // than running on with its completions lost.
+    let a2 = env.qp(C1, a.pd, qp_init(a.cq, a.cq, None));
+    let b2 = env.end(C2);
+    env.connect(a2, b2.qpn);
+    env.connect(b2.qpn, a2);
+    env.io.post_send(a2, rdma(4, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b2.buf.addr, b2.buf.key));
+    env.io.post_send(a2, rdma(5, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b2.buf.addr, b2.buf.key));
+    env.run(T0);
+    assert_eq!(env.io.state(a2), Some(QpState::Err));
+    assert_eq!(env.io.events[2..], [(C1, AsyncEvent { event_type: AsyncEventType::QpFatal, element: a2 })]);
+    assert!(env.poll(a.cq).is_empty());
+    assert_eq!(env.io.state(b2.qpn), Some(QpState::Rts));
 }
 
 // ---------------------------------------------------------------- stat

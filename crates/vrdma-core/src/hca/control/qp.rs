@@ -206,13 +206,34 @@ impl Hca {
     pub(crate) fn remove_qps(&mut self, qpns: &[u32], io: &mut dyn Queues) {
         let gone: std::collections::HashSet<u32> = qpns.iter().copied().collect();
         self.qp_order.retain(|n| !gone.contains(n));
+        // Receive WRs other requesters took from a QP that goes must never
+        // be handed back by number: the number may later name another
+        // tenant's QP. Those of its SRQ go back to the SRQ now; those of its
+        // own receive queue are discarded with it, as destroy_qp discards
+        // every posted receive. One scan for all, so that closing a context
+        // with thousands of QPs costs the engine one walk, not one per QP.
+        let mut orphans = Vec::new();
+        for other in self.qps.values_mut() {
+            if gone.contains(&other.attr.dest_qp_num) {
+                if let Some(r) = other.inflight.as_mut().and_then(|i| i.recv.take()) {
+                    orphans.push((other.attr.dest_qp_num, r));
+                }
+            }
+        }
+        for (responder, r) in orphans {
+            let srq = self.qps.get(&responder).and_then(|q| q.init.srq);
+            if let Some(srq) = srq.and_then(|s| self.srqs.get_mut(&s)) {
+                srq.requeued.push_front(r);
+            }
+        }
         for &qpn in qpns {
             self.remove_one_qp(qpn, io);
         }
     }
 
-    /// Removes one QP; `qp_order` is the caller's to update.
-    pub(crate) fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
+    /// Removes one QP; the caller updates `qp_order` and takes back the
+    /// receives other requesters hold of it.
+    fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
         let Some(mut qp) = self.qps.remove(&qpn) else { return };
         if let Some(n) = qp.remote.take().map(|r| r.held_sends()).filter(|&n| n > 0) {
             io.send_retired(qpn, n);
@@ -223,24 +244,6 @@ impl Hca {
             // back to the responder, as if the message had never arrived.
             if let Some(recv) = inf.recv {
                 self.requeue_recv(qp.attr.dest_qp_num, recv);
-            }
-        }
-        // Receive WRs other requesters took from this QP must never be
-        // handed back by number: the number may later name another
-        // tenant's QP. Those of its SRQ go back to the SRQ now; those of its
-        // own receive queue are discarded with it, as destroy_qp discards
-        // every posted receive.
-        let mut orphans = Vec::new();
-        for other in self.qps.values_mut() {
-            if other.attr.dest_qp_num == qpn {
-                if let Some(r) = other.inflight.as_mut().and_then(|i| i.recv.take()) {
-                    orphans.push(r);
-                }
-            }
-        }
-        if let Some(srq) = qp.init.srq.and_then(|s| self.srqs.get_mut(&s)) {
-            for r in orphans {
-                srq.requeued.push_front(r);
             }
         }
         if let Some(p) = self.pds.get_mut(&qp.pd) {
@@ -319,18 +322,21 @@ impl Hca {
     /// Appends a completion; an overrun puts the CQ and the QP in error.
     pub(crate) fn complete(&mut self, cqn: u32, cqe: crate::ring::Cqe, qpn: u32, io: &mut dyn Queues) {
         let Some(cq) = self.cqs.get_mut(&cqn) else { return };
-        if cq.overrun {
-            return;
-        }
-        if io.push_cqe(cqn, &cqe).is_err() {
+        if !cq.overrun {
+            if io.push_cqe(cqn, &cqe).is_ok() {
+                return;
+            }
             cq.overrun = true;
             let ctx = cq.ctx;
             io.async_event(ctx, AsyncEvent { event_type: AsyncEventType::CqErr, element: cqn });
-            if let Some(q) = self.qps.get(&qpn) {
-                let qctx = q.ctx;
-                self.enter_error(qpn, io);
-                io.async_event(qctx, AsyncEvent { event_type: AsyncEventType::QpFatal, element: qpn });
-            }
+        }
+        // As on hardware, every QP that has a completion for a CQ in error
+        // goes to ERR, not only the one that overran it: a completion it
+        // could not deliver must not vanish while the QP runs on.
+        if let Some(q) = self.qps.get(&qpn).filter(|q| q.state() != QpState::Err) {
+            let qctx = q.ctx;
+            self.enter_error(qpn, io);
+            io.async_event(qctx, AsyncEvent { event_type: AsyncEventType::QpFatal, element: qpn });
         }
     }
 }

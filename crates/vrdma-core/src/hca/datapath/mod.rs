@@ -54,7 +54,7 @@ impl Activity {
 }
 
 /// Most send WRs one QP starts in one engine pass.
-const WRS_PER_PASS: usize = 64;
+pub(crate) const WRS_PER_PASS: usize = 64;
 
 /// How long the engine waits before looking again for a peer when the QP's
 /// timeout is 0 (wait forever).
@@ -212,6 +212,13 @@ impl Hca {
             };
             act.busy = true;
             self.complete(recv_cq, Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, qpn), qpn, io);
+        }
+        // Past the bound: the rest is flushed in the next passes, first.
+        if !requeued.is_empty() {
+            if let Some(qp) = self.qps.get_mut(&qpn) {
+                requeued.append(&mut qp.requeued);
+                qp.requeued = requeued;
+            }
         }
     }
 
@@ -518,7 +525,9 @@ impl Hca {
     }
 }
 
-/// The work-request bound of a flush: everything both queues can hold.
+/// WRs flushed per queue of a QP per pass: what the queues can hold, and
+/// no more than a send queue runs, so that a tenant with deep queues in
+/// ERR (full of garbage, which flushes too) cannot stretch a pass.
 fn flush_bound(qp: &Qp) -> usize {
-    (qp.init.cap.max_send_wr + qp.init.cap.max_recv_wr) as usize + 1
+    ((qp.init.cap.max_send_wr + qp.init.cap.max_recv_wr) as usize + 1).min(WRS_PER_PASS)
 }
