@@ -15,7 +15,7 @@
 //!
 //! [quota]               # every tenant
 //! max_objects = 16384
-//! max_registered_bytes = 17179869184
+//! max_registered_bytes = 17179869184   # memory regions and queue rings together
 //! max_queue_depth = 16384
 //!
 //! [tenants.1000]        # a tenant is a uid; override its quota

@@ -10,7 +10,8 @@ use crate::verbs::{DeviceAttr, Gid, Mtu, PortAttr};
 pub struct Quota {
     /// PDs, MRs, CQs, SRQs and QPs together.
     pub max_objects: u32,
-    /// Sum of the lengths of registered memory regions.
+    /// Sum of the lengths of registered memory regions and of the rings
+    /// of the tenant's queues (CQs, SRQs, QPs' send and receive queues).
     pub max_registered_bytes: u64,
     /// Largest depth of any one queue (CQ entries, send/receive WRs).
     pub max_queue_depth: u32,

@@ -132,6 +132,8 @@ impl Hca {
         self.contexts.get(&ctx).map(|c| c.tenant).ok_or(HcaError::NoSuchObject { kind: "context", id: ctx.0 })
     }
 
+    /// Charges `objects` and `bytes` of memory (regions, queue rings) to
+    /// the context's tenant, or refuses if that would pass its quota.
     fn charge(&mut self, ctx: ContextId, objects: u32, bytes: u64) -> Result<(), HcaError> {
         let tenant = self.tenant_of(ctx)?;
         let q = self.quota(tenant);
@@ -144,7 +146,7 @@ impl Hca {
         }
         if u.registered_bytes + bytes > q.max_registered_bytes {
             return Err(HcaError::QuotaExceeded(format!(
-                "{} bytes registered, {} more asked, limit {}",
+                "{} bytes of memory regions and queue rings held, {} more asked, limit {}",
                 u.registered_bytes, bytes, q.max_registered_bytes
             )));
         }
@@ -216,4 +218,13 @@ impl Hca {
     pub fn needs_pass(&self) -> bool {
         self.flush_pending
     }
+}
+
+/// The memory a queue's ring takes: entries of `stride` bytes (the driver
+/// adds a header of a few bytes). The daemon creates and maps the rings,
+/// so a tenant's queues count against its quota of memory as its regions
+/// do; otherwise deep queues, which cost the tenant nothing to create,
+/// would be memory the daemon pays for.
+pub(crate) fn ring_bytes(entries: u32, stride: usize) -> u64 {
+    u64::from(entries) * stride as u64
 }

@@ -45,6 +45,8 @@ pub(crate) struct Ah {
 pub(crate) struct Cq {
     pub ctx: ContextId,
     pub users: u32,
+    /// Bytes of its ring, charged to the tenant.
+    pub ring_bytes: u64,
     /// An overrun happened: the CQ is in error and reported once.
     pub overrun: bool,
 }
@@ -54,6 +56,8 @@ pub(crate) struct Srq {
     pub pd: u32,
     pub attr: SrqAttr,
     pub users: u32,
+    /// Bytes of its ring, charged to the tenant.
+    pub ring_bytes: u64,
     /// Receive WRs taken for a message that was then abandoned, to be
     /// consumed again first.
     pub requeued: VecDeque<RecvWr>,
@@ -88,6 +92,8 @@ pub(crate) struct Qp {
     /// Times the QP was reset: a receive taken for a datagram before a
     /// reset is not completed after it.
     pub resets: u32,
+    /// Bytes of its send and receive rings, charged to the tenant.
+    pub ring_bytes: u64,
     /// In the engine's service order ([`Hca::update_service`]).
     ///
     /// [`Hca::update_service`]: super::Hca::update_service

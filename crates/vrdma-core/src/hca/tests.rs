@@ -399,6 +399,16 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
+/// What a CQ of `depth` entries and a QP of `cap()` (no SRQ) charge for
+/// their rings.
+fn cq_ring(depth: u32) -> u64 {
+    ring_bytes(depth, crate::ring::CQE_SIZE)
+}
+fn qp_ring(cap: QpCap) -> u64 {
+    ring_bytes(cap.max_send_wr, crate::ring::send_stride(cap.max_send_sge, cap.max_inline_data))
+        + ring_bytes(cap.max_recv_wr, crate::ring::recv_stride(cap.max_recv_sge))
+}
+
 fn errno<T: std::fmt::Debug>(r: Result<T, HcaError>) -> i32 {
     r.unwrap_err().errno()
 }
@@ -1394,7 +1404,7 @@ fn object_quota_counts_every_object_and_refunds() {
     let (cq, depth) = env.hca.create_cq(C3, 5).unwrap();
     assert_eq!(depth, 8);
     let buf = env.mr(C3, pd, 4096, FULL);
-    assert_eq!(env.hca.usage(OTHER_TENANT), (3, 4096));
+    assert_eq!(env.hca.usage(OTHER_TENANT), (3, 4096 + cq_ring(8)));
     let r = env.hca.alloc_pd(C3);
     assert!(matches!(r, Err(HcaError::QuotaExceeded(_))), "{r:?}");
     assert_eq!(errno(r), 12);
@@ -1403,14 +1413,15 @@ fn object_quota_counts_every_object_and_refunds() {
     assert!(matches!(r, Err(HcaError::QuotaExceeded(_))));
     let r = env.hca.create_qp(C3, pd, qp_init(cq, cq, None));
     assert!(matches!(r, Err(HcaError::QuotaExceeded(_))));
-    assert_eq!(env.hca.usage(OTHER_TENANT), (3, 4096), "refused calls charge nothing");
+    assert_eq!(env.hca.usage(OTHER_TENANT), (3, 4096 + cq_ring(8)), "refused calls charge nothing");
     // The other tenant is not affected.
     env.hca.alloc_pd(C1).unwrap();
     assert_eq!(env.hca.usage(TENANT), (1, 0));
 
     env.hca.dereg_mr(C3, buf.key).unwrap();
-    assert_eq!(env.hca.usage(OTHER_TENANT), (2, 0));
-    env.hca.create_qp(C3, pd, qp_init(cq, cq, None)).unwrap();
+    assert_eq!(env.hca.usage(OTHER_TENANT), (2, cq_ring(8)));
+    let created = env.hca.create_qp(C3, pd, qp_init(cq, cq, None)).unwrap();
+    assert_eq!(env.hca.usage(OTHER_TENANT), (3, cq_ring(8) + qp_ring(created.cap)));
     assert!(env.hca.alloc_pd(C3).is_err());
 }
 
@@ -1444,6 +1455,45 @@ fn registered_bytes_quota() {
 }
 
 #[test]
+fn queue_rings_count_against_the_memory_quota() {
+    let mut env = Env::new();
+    let pd = env.hca.alloc_pd(C3).unwrap();
+    let (cq, _) = env.hca.create_cq(C3, 64).unwrap();
+    let mut init = qp_init(cq, cq, None);
+    init.cap = QpCap {
+        max_send_wr: 1024,
+        max_recv_wr: 1024,
+        max_send_sge: 16,
+        max_recv_sge: 16,
+        max_inline_data: 256,
+    };
+    let one = qp_ring(init.cap);
+    env.hca
+        .set_quota(OTHER_TENANT, Quota { max_registered_bytes: cq_ring(64) + 2 * one, ..Quota::default() });
+    let q1 = env.hca.create_qp(C3, pd, init).unwrap().qpn;
+    env.hca.create_qp(C3, pd, init).unwrap();
+    let r = env.hca.create_qp(C3, pd, init);
+    assert!(matches!(r, Err(HcaError::QuotaExceeded(_))), "a third QP's rings pass the quota: {r:?}");
+    assert!(matches!(env.hca.create_cq(C3, 1), Err(HcaError::QuotaExceeded(_))));
+    let r = env.hca.create_srq(C3, pd, SrqAttr { max_wr: 1, max_sge: 1, srq_limit: 0 });
+    assert!(matches!(r, Err(HcaError::QuotaExceeded(_))));
+    assert!(matches!(
+        env.hca.reg_mr(C3, pd, 0x9000_0000, FULL, Region::heap(1)),
+        Err(HcaError::QuotaExceeded(_))
+    ));
+    // A QP destroyed gives its rings back; a context closed, everything.
+    env.hca.destroy_qp(C3, q1, &mut env.io).unwrap();
+    let (srq, _) = env.hca.create_srq(C3, pd, SrqAttr { max_wr: 16, max_sge: 2, srq_limit: 0 }).unwrap();
+    assert_eq!(
+        env.hca.usage(OTHER_TENANT),
+        (4, cq_ring(64) + one + ring_bytes(16, crate::ring::recv_stride(2)))
+    );
+    env.hca.destroy_srq(C3, srq).unwrap();
+    env.hca.close_context(C3, &mut env.io);
+    assert_eq!(env.hca.usage(OTHER_TENANT), (0, 0));
+}
+
+#[test]
 fn queue_depth_quota() {
     let mut env = Env::new();
     env.hca.set_quota(OTHER_TENANT, Quota { max_queue_depth: 8, ..Quota::default() });
@@ -1461,7 +1511,7 @@ fn queue_depth_quota() {
     assert_eq!(created.cap.max_send_wr, 8);
     let r = env.hca.create_srq(C3, pd, SrqAttr { max_wr: 9, max_sge: 1, srq_limit: 0 });
     assert!(matches!(r, Err(HcaError::QuotaExceeded(_))));
-    assert_eq!(env.hca.usage(OTHER_TENANT), (3, 0));
+    assert_eq!(env.hca.usage(OTHER_TENANT), (3, cq_ring(8) + qp_ring(created.cap)));
     // Beyond the device's own limit it is an invalid argument, not a quota.
     let r = env.hca.create_cq(C1, MAX_CQE + 1);
     assert!(matches!(r, Err(HcaError::InvalidArgument(_))), "{r:?}");
@@ -1501,7 +1551,8 @@ fn close_context_breaks_peers_and_frees_everything() {
     t.qps.sort();
     t.cqs.sort();
     assert_eq!(t, Teardown { qps: vec![a.qpn], cqs: vec![a.cq], srqs: vec![srq] });
-    assert_eq!(env.hca.usage(TENANT), (4, 64 << 10), "only C2's PD, CQ, QP and MR remain");
+    let rings = cq_ring(64) + qp_ring(env.hca.query_qp(C2, b.qpn).unwrap().1.cap);
+    assert_eq!(env.hca.usage(TENANT), (4, (64 << 10) + rings), "only C2's PD, CQ, QP and MR remain");
     assert_eq!(env.io.state(b.qpn), Some(QpState::Err));
     assert_eq!(env.io.events, vec![(C2, AsyncEvent { event_type: AsyncEventType::QpFatal, element: b.qpn })]);
     env.run(T0);
@@ -1562,7 +1613,7 @@ fn busy_objects_and_other_contexts_objects() {
     assert!(matches!(env.hca.dealloc_pd(C1, a.pd), Err(HcaError::Busy(_))), "the MR still holds it");
     env.hca.dereg_mr(C1, a.buf.key).unwrap();
     env.hca.dealloc_pd(C1, a.pd).unwrap();
-    assert_eq!(env.hca.usage(TENANT), (2, 0));
+    assert_eq!(env.hca.usage(TENANT), (2, cq_ring(4)), "C2's PD and CQ of 4 entries remain");
 }
 
 #[test]
@@ -2088,7 +2139,7 @@ mod ud {
         assert!(matches!(e, HcaError::Unsupported(_)), "{e:?}");
         assert_eq!(e.errno(), 95);
         assert!(e.to_string().contains("UC"), "{e}");
-        assert_eq!(env.hca.usage(TENANT), (2, 0), "the refusal charged nothing");
+        assert_eq!(env.hca.usage(TENANT), (2, cq_ring(16)), "the refusal charged nothing");
 
         let qpn = env.qp(C1, pd, ud_init(cq, None));
         let (attr, init) = env.hca.query_qp(C1, qpn).unwrap();

@@ -62,8 +62,8 @@ impl Hca {
         t.qps = mine;
         let srqs: Vec<u32> = self.srqs.iter().filter(|(_, s)| s.ctx == ctx).map(|(&n, _)| n).collect();
         for n in srqs {
-            self.srqs.remove(&n);
-            self.refund(ctx, 1, 0);
+            let bytes = self.srqs.remove(&n).map_or(0, |s| s.ring_bytes);
+            self.refund(ctx, 1, bytes);
             t.srqs.push(n);
         }
         let ahs: Vec<u32> = self.ahs.iter().filter(|(_, a)| a.ctx == ctx).map(|(&n, _)| n).collect();
@@ -80,8 +80,8 @@ impl Hca {
         }
         let cqs: Vec<u32> = self.cqs.iter().filter(|(_, c)| c.ctx == ctx).map(|(&n, _)| n).collect();
         for n in cqs {
-            self.cqs.remove(&n);
-            self.refund(ctx, 1, 0);
+            let bytes = self.cqs.remove(&n).map_or(0, |c| c.ring_bytes);
+            self.refund(ctx, 1, bytes);
             t.cqs.push(n);
         }
         let pds: Vec<u32> = self.pds.iter().filter(|(_, p)| p.ctx == ctx).map(|(&n, _)| n).collect();

@@ -12,10 +12,11 @@ impl Hca {
         if self.cqs.len() >= self.config.device.max_cq as usize {
             return Err(HcaError::Exhausted("completion queues"));
         }
-        self.charge(ctx, 1, 0)?;
         let depth = cqe.next_power_of_two();
+        let ring_bytes = ring_bytes(depth, crate::ring::CQE_SIZE);
+        self.charge(ctx, 1, ring_bytes)?;
         let n = self.alloc_id(|h, n| h.cqs.contains_key(&n));
-        self.cqs.insert(n, Cq { ctx, users: 0, overrun: false });
+        self.cqs.insert(n, Cq { ctx, users: 0, overrun: false, ring_bytes });
         Ok((n, depth))
     }
 
@@ -23,8 +24,9 @@ impl Hca {
         match self.cqs.get(&cqn) {
             Some(c) if c.ctx == ctx && c.users > 0 => Err(HcaError::Busy("completion queue")),
             Some(c) if c.ctx == ctx => {
+                let bytes = c.ring_bytes;
                 self.cqs.remove(&cqn);
-                self.refund(ctx, 1, 0);
+                self.refund(ctx, 1, bytes);
                 Ok(())
             }
             _ => Err(HcaError::NoSuchObject { kind: "CQ", id: cqn }),

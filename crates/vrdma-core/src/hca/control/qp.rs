@@ -43,7 +43,6 @@ impl Hca {
             // Receive SGEs from an SRQ are checked against the SRQ's PD.
             self.own_srq(ctx, s)?;
         }
-        self.charge(ctx, 1, 0)?;
         let granted = QpCap {
             max_send_wr: c.max_send_wr.next_power_of_two(),
             max_recv_wr: if init.srq.is_some() { 0 } else { c.max_recv_wr.next_power_of_two() },
@@ -51,6 +50,15 @@ impl Hca {
             max_recv_sge: if init.srq.is_some() { 0 } else { c.max_recv_sge.max(1) },
             max_inline_data: c.max_inline_data,
         };
+        let ring_bytes = ring_bytes(
+            granted.max_send_wr,
+            crate::ring::send_stride(granted.max_send_sge, granted.max_inline_data),
+        ) + if init.srq.is_some() {
+            0
+        } else {
+            ring_bytes(granted.max_recv_wr, crate::ring::recv_stride(granted.max_recv_sge))
+        };
+        self.charge(ctx, 1, ring_bytes)?;
         let qpn = loop {
             let n = self.next_qpn;
             // 0xff_ffff is the multicast QPN: never a QP's number.
@@ -81,6 +89,7 @@ impl Hca {
                 sqd_notify: false,
                 resets: 0,
                 remote: None,
+                ring_bytes,
                 served: false,
             },
         );
@@ -257,7 +266,7 @@ impl Hca {
         if let Some(s) = qp.init.srq.and_then(|s| self.srqs.get_mut(&s)) {
             s.users -= 1;
         }
-        self.refund(qp.ctx, 1, 0);
+        self.refund(qp.ctx, 1, qp.ring_bytes);
     }
 
     pub(crate) fn requeue_recv(&mut self, responder_qpn: u32, recv: crate::ring::RecvWr) {

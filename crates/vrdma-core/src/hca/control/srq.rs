@@ -19,15 +19,16 @@ impl Hca {
             return Err(HcaError::Exhausted("shared receive queues"));
         }
         self.own_pd(ctx, pd)?;
-        self.charge(ctx, 1, 0)?;
-        self.own_pd(ctx, pd).expect("checked").users += 1;
         let granted = SrqAttr {
             max_wr: attr.max_wr.next_power_of_two(),
             max_sge: attr.max_sge.max(1),
             srq_limit: attr.srq_limit,
         };
+        let ring_bytes = ring_bytes(granted.max_wr, crate::ring::recv_stride(granted.max_sge));
+        self.charge(ctx, 1, ring_bytes)?;
+        self.own_pd(ctx, pd).expect("checked").users += 1;
         let n = self.alloc_id(|h, n| h.srqs.contains_key(&n));
-        self.srqs.insert(n, Srq { ctx, pd, attr: granted, users: 0, requeued: VecDeque::new() });
+        self.srqs.insert(n, Srq { ctx, pd, attr: granted, users: 0, requeued: VecDeque::new(), ring_bytes });
         Ok((n, granted))
     }
 
@@ -72,7 +73,7 @@ impl Hca {
         if let Some(p) = self.pds.get_mut(&s.pd) {
             p.users -= 1;
         }
-        self.refund(ctx, 1, 0);
+        self.refund(ctx, 1, s.ring_bytes);
         Ok(())
     }
 }
