@@ -46,6 +46,14 @@ impl Two {
         connect(&a, &b)?;
         Ok((a, b))
     }
+
+    /// As [`pair`](Self::pair), with QPs of `cap` and CQs of `cqe`.
+    fn pair_for(&self, cap: vrdma::QpCap, cqe: u32) -> Result<(Side, Side)> {
+        let a = Side::with(&self.ca, 4096, cqe, cap, None)?;
+        let b = Side::with(&self.cb, 4096, cqe, cap, None)?;
+        connect(&a, &b)?;
+        Ok((a, b))
+    }
 }
 
 fn status_of(wc: &vrdma::WorkCompletion) -> (u64, WcStatus) {
@@ -551,6 +559,36 @@ fn srq_limit_event_arrives_on_the_async_fd(t: Topology) -> Result<()> {
     Ok(())
 }
 
+fn a_cq_as_deep_as_the_send_queue_never_overflows(t: Topology) -> Result<()> {
+    // Signaled writes, posted as fast as the queue takes them and never
+    // polled: a slot is free only once its completion is polled, so the
+    // queue fills at its depth and the CQ of the same depth holds every
+    // completion (before, slots came back as completions were written,
+    // and the CQ overran).
+    let t = two(t)?;
+    let (a, b) = t.pair_for(cap(16, 1), 16)?;
+    let n = a.qp.cap().max_send_wr as usize;
+    assert_eq!((n, a.cq.depth() as usize), (16, 16));
+    let w = wr::rdma_write(1, &[a.mr.sge(0, 8)?], b.mr.addr() + 64, b.mr.rkey())?.signaled();
+    let mut accepted = 0;
+    for _ in 0..200 {
+        match a.qp.post_send(std::slice::from_ref(&w)) {
+            Ok(()) => accepted += 1,
+            Err(e) => assert_eq!(e.errno(), libc::ENOMEM),
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    assert_eq!(accepted, n, "the queue takes its depth and no more until completions are polled");
+    assert!(a.ctx.get_async_event(Some(QUIET))?.is_none(), "no CQ error");
+    assert_eq!(a.qp.state(), QpState::Rts);
+    let got = poll_n(&a.cq, n, WAIT)?;
+    assert!(got.iter().all(|w| w.status == WcStatus::Success), "{got:?}");
+    // Polled: a whole queue fits again.
+    a.qp.post_send(&vec![w.clone(); n])?;
+    assert_eq!(poll_n(&a.cq, n, WAIT)?.len(), n);
+    Ok(())
+}
+
 #[test]
 fn cq_overrun_is_a_cq_error_event() -> Result<()> {
     let t = two(Topology::OneHost)?;
@@ -668,4 +706,5 @@ in_both_topologies!(
     flush_and_reset_empty_a_full_send_queue,
     deregistered_rkey_is_a_remote_access_error,
     srq_limit_event_arrives_on_the_async_fd,
+    a_cq_as_deep_as_the_send_queue_never_overflows,
 );

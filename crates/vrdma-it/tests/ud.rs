@@ -302,14 +302,17 @@ fn ud_ping_pong_with_a_qp_made_step_by_step() -> Result<()> {
         qp.post_recv(&[wr::recv(i, &[b.mr.sge(4096, 128)?])?])?;
         a.qp.post_recv(&[wr::recv(i, &[a.mr.sge(4096, 128)?])?])?;
         a.mr.write(0, &i.to_le_bytes())?;
-        a.qp.post_send(&[wr::ud_send(i, &[a.mr.sge(0, 8)?], &a.ah, qp.qpn(), QKEY)?])?;
+        // Signaled, as ibv_ud_pingpong's are: a send slot is free again
+        // only once a completion covering it is polled.
+        a.qp.post_send(&[wr::ud_send(i, &[a.mr.sge(0, 8)?], &a.ah, qp.qpn(), QKEY)?.signaled()])?;
         let wc = poll_one(&b.cq, WAIT)?;
         assert_eq!((wc.wr_id, wc.status, wc.src_qp), (i, WcStatus::Success, a.qp.qpn()), "{wc:?}");
         assert_eq!(b.mr.read_u64(4096 + GRH)?, i);
         b.mr.write(0, &(i + 1).to_le_bytes())?;
         qp.post_send(&[wr::ud_send(i, &[b.mr.sge(0, 8)?], &b.ah, a.qp.qpn(), QKEY)?.signaled()])?;
-        let got = poll_n(&a.cq, 1, WAIT)?;
-        assert_eq!((got[0].wr_id, got[0].status, got[0].opcode), (i, WcStatus::Success, WcOpcode::Recv));
+        let got = poll_n(&a.cq, 2, WAIT)?;
+        let got: Vec<_> = got.iter().map(|w| (w.wr_id, w.status, w.opcode)).collect();
+        assert_eq!(got, [(i, WcStatus::Success, WcOpcode::Send), (i, WcStatus::Success, WcOpcode::Recv)]);
         assert_eq!(a.mr.read_u64(4096 + GRH)?, i + 1);
         let sent = poll_one(&b.cq, WAIT)?;
         assert_eq!((sent.wr_id, sent.status, sent.opcode), (i, WcStatus::Success, WcOpcode::Send));

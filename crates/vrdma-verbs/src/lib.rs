@@ -239,4 +239,15 @@ exports! {
     ah::ibv_create_ah_from_wc @ "IBVERBS_1.1",
     ah::ibv_init_ah_from_wc @ "IBVERBS_1.1",
     ah::ibv_destroy_ah @ "IBVERBS_1.1",
+    // The rest of rdma-core's public exports: errors, so that programs
+    // linking them load.
+    compat::ibv_rereg_mr @ "IBVERBS_1.1",
+    compat::ibv_resolve_eth_l2_from_gid @ "IBVERBS_1.1",
+    compat::ibv_import_device @ "IBVERBS_1.10",
+    compat::ibv_import_pd @ "IBVERBS_1.10",
+    compat::ibv_import_mr @ "IBVERBS_1.10",
+    compat::ibv_unimport_pd @ "IBVERBS_1.10",
+    compat::ibv_unimport_mr @ "IBVERBS_1.10",
+    compat::ibv_import_dm @ "IBVERBS_1.13",
+    compat::ibv_unimport_dm @ "IBVERBS_1.13",
 }

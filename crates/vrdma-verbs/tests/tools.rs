@@ -472,7 +472,53 @@ const EXPECTED: &[(&str, &str)] = &[
     ("ibv_create_ah_from_wc", "IBVERBS_1.1"),
     ("ibv_init_ah_from_wc", "IBVERBS_1.1"),
     ("ibv_destroy_ah", "IBVERBS_1.1"),
+    ("ibv_rereg_mr", "IBVERBS_1.1"),
+    ("ibv_resolve_eth_l2_from_gid", "IBVERBS_1.1"),
+    ("ibv_import_device", "IBVERBS_1.10"),
+    ("ibv_import_pd", "IBVERBS_1.10"),
+    ("ibv_import_mr", "IBVERBS_1.10"),
+    ("ibv_unimport_pd", "IBVERBS_1.10"),
+    ("ibv_unimport_mr", "IBVERBS_1.10"),
+    ("ibv_import_dm", "IBVERBS_1.13"),
+    ("ibv_unimport_dm", "IBVERBS_1.13"),
 ];
+
+/// Every public function of the installed rdma-core libibverbs.so.1 (its
+/// default version of each, private provider symbols aside) is exported
+/// under the same version, so that no program linked against rdma-core
+/// fails to load for a missing symbol.
+#[test]
+fn every_public_rdma_core_export_is_there() {
+    let Some(_) = setup() else { return };
+    let real = "/usr/lib/x86_64-linux-gnu/libibverbs.so.1";
+    if !Path::new(real).exists() {
+        eprintln!("skipping: rdma-core's {real} is not installed");
+        return;
+    }
+    let Ok(out) =
+        Command::new("nm").args(["-D", "--defined-only", "--with-symbol-versions"]).arg(real).output()
+    else {
+        eprintln!("skipping: nm (binutils) is not available");
+        return;
+    };
+    let text = String::from_utf8_lossy(&out.stdout);
+    let public: Vec<(&str, &str)> = text
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let (kind, sym) = (f.nth(1)?, f.next()?);
+            (kind == "T").then_some(sym)?.split_once("@@")
+        })
+        .filter(|(_, v)| v.starts_with("IBVERBS_1."))
+        .collect();
+    assert!(public.len() > 50, "{} public functions found in {real}?", public.len());
+    for (name, version) in public {
+        assert!(
+            EXPECTED.iter().any(|&(n, v)| n == name && v == version),
+            "rdma-core exports {name}@@{version}; the library does not"
+        );
+    }
+}
 
 /// Every symbol the tested binaries import resolves to an export of the
 /// same version (what `LD_BIND_NOW=1` also proves by loading them), and

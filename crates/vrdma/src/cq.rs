@@ -1,7 +1,8 @@
 //! Completion queues.
 
+use std::collections::HashMap;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use vrdma_core::proto::{self, Reply, Request};
@@ -54,6 +55,9 @@ pub(crate) struct CqInner {
     pub(crate) channel: Option<CompletionChannel>,
     /// Consecutive empty polls, for the spin-then-yield rule.
     empty_polls: AtomicU32,
+    /// The send queues completing here, by QP number: how many of each
+    /// QP's send WRs the polled completions have freed.
+    send_queues: Mutex<HashMap<u32, Arc<AtomicU32>>>,
 }
 
 impl Drop for CqInner {
@@ -69,13 +73,53 @@ impl CqInner {
     /// Pops up to `out.len()` completions, without the spin accounting.
     pub(crate) fn poll_raw(&self, out: &mut [WorkCompletion]) -> Result<usize> {
         let mut slot = [0u8; CQE_SIZE];
-        for (n, wc) in out.iter_mut().enumerate() {
-            if !self.ring.try_pop(&mut slot)? {
-                return Ok(n);
+        // The latest count per QP in this batch (completions of one QP come
+        // in order, so the last is the highest); on the stack, as polling
+        // never allocates. More QPs in one batch than it holds: it is
+        // applied and starts again.
+        let mut freed = [(0u32, 0u32); 8];
+        let mut held = 0;
+        let mut n = 0;
+        while n < out.len() && self.ring.try_pop(&mut slot)? {
+            out[n] = Cqe::decode(&slot);
+            n += 1;
+            let Some(retired) = Cqe::sq_retired(&slot) else { continue };
+            let qpn = out[n - 1].qp_num;
+            if let Some(f) = freed[..held].iter_mut().find(|(q, _)| *q == qpn) {
+                f.1 = retired;
+                continue;
             }
-            *wc = Cqe::decode(&slot);
+            if held == freed.len() {
+                self.free_send_slots(&freed[..held]);
+                held = 0;
+            }
+            freed[held] = (qpn, retired);
+            held += 1;
         }
-        Ok(out.len())
+        self.free_send_slots(&freed[..held]);
+        Ok(n)
+    }
+
+    /// Moves the freed-slot counts of the QPs in `freed`.
+    fn free_send_slots(&self, freed: &[(u32, u32)]) {
+        if freed.is_empty() {
+            return;
+        }
+        let queues = self.send_queues.lock().unwrap_or_else(|p| p.into_inner());
+        for (qpn, retired) in freed {
+            if let Some(q) = queues.get(qpn) {
+                advance(q, *retired);
+            }
+        }
+    }
+
+    /// Frees the send slots of `qpn` as its completions are polled.
+    pub(crate) fn add_send_queue(&self, qpn: u32, freed: Arc<AtomicU32>) {
+        self.send_queues.lock().unwrap_or_else(|p| p.into_inner()).insert(qpn, freed);
+    }
+
+    pub(crate) fn remove_send_queue(&self, qpn: u32) {
+        self.send_queues.lock().unwrap_or_else(|p| p.into_inner()).remove(&qpn);
     }
 
     /// Arms the CQ, then fences so that a following poll cannot be
@@ -85,6 +129,15 @@ impl CqInner {
         self.ring.aux(proto::CQ_AUX_ARMED).store(how, Ordering::SeqCst);
         fence(Ordering::SeqCst);
     }
+}
+
+/// Moves a free-running count forward to `to`, never back: completions
+/// polled out of order by racing threads, or after a reset moved it on,
+/// must not undo a later count.
+pub(crate) fn advance(count: &AtomicU32, to: u32) {
+    let _ = count.fetch_update(Ordering::Release, Ordering::Relaxed, |now| {
+        ((to.wrapping_sub(now) as i32) > 0).then_some(to)
+    });
 }
 
 impl CompletionQueue {
@@ -142,6 +195,7 @@ impl CompletionQueue {
                 ring,
                 channel: channel.cloned(),
                 empty_polls: AtomicU32::new(0),
+                send_queues: Mutex::new(HashMap::new()),
             }),
         })
     }

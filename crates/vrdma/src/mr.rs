@@ -67,6 +67,7 @@ impl MemoryRegion {
         if len == 0 {
             return Err(Error::invalid("cannot allocate a zero-length memory region"));
         }
+        check_access(access)?;
         let seg = Segment::create("vrdma-mr", len)?;
         let ptr = seg.as_ptr();
         let key = reg_mr(pd, ptr, len, access, seg.fd(), 0)?;
@@ -84,6 +85,9 @@ impl MemoryRegion {
         if ptr.is_null() {
             return Err(Error::invalid("cannot register a null pointer"));
         }
+        // Refused before the memory is re-backed: a registration that
+        // fails leaves the program's memory as it was.
+        check_access(access)?;
         // SAFETY: the caller owns `ptr..ptr + len` (this function's
         // contract); `reback` checks the rest against /proc/self/maps.
         let r = unsafe { rebacking::reback(ptr, len)? };
@@ -226,6 +230,21 @@ impl MemoryRegion {
     }
 }
 
+/// The checks of `ibv_reg_mr` on its access flags (the daemon makes them
+/// too).
+fn check_access(access: AccessFlags) -> Result<()> {
+    if !access.is_consistent() {
+        return Err(Error::invalid("remote write or atomic access requires LOCAL_WRITE"));
+    }
+    if !AccessFlags::FOR_REGIONS.contains(access) {
+        return Err(Error::Unsupported(format!(
+            "access flags {:?} (memory windows, zero-based, on-demand and huge-page regions)",
+            access.difference(AccessFlags::FOR_REGIONS)
+        )));
+    }
+    Ok(())
+}
+
 fn reg_mr(
     pd: &ProtectionDomain,
     ptr: *mut u8,
@@ -234,9 +253,6 @@ fn reg_mr(
     fd: BorrowedFd<'_>,
     fd_offset: u64,
 ) -> Result<u32> {
-    if !access.is_consistent() {
-        return Err(Error::invalid("remote write or atomic access requires LOCAL_WRITE"));
-    }
     let req = Request::RegMr { pd: pd.pd_id(), addr: ptr as u64, len: len as u64, access, fd_offset };
     match pd.context().inner.control.call(&req, &[fd])?.reply {
         Reply::Mr { key } => Ok(key),

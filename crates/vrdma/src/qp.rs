@@ -1,6 +1,6 @@
 //! Queue pairs.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -142,12 +142,16 @@ pub struct QueuePair {
     port: AtomicU8,
     sq: RingView,
     rq: Option<RingView>,
+    /// Send WRs whose slots are free again: those covered by polled
+    /// completions (the send CQ moves it), or dropped by a reset.
+    sq_freed: Arc<AtomicU32>,
     /// Keeps the rings' mapping alive (the rings hold it too).
     _segment: Arc<Segment>,
 }
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
+        self.send_cq.inner.remove_send_queue(self.qpn);
         self.ctx.inner.control.destroy(Request::DestroyQp { qp: self.qpn });
     }
 }
@@ -325,6 +329,8 @@ impl QueuePair {
         };
         let mut init_attr = attr;
         init_attr.cap = created.cap;
+        let sq_freed = Arc::new(AtomicU32::new(0));
+        init.send_cq.inner.add_send_queue(qpn, sq_freed.clone());
         Ok(QueuePair {
             ctx: ctx.clone(),
             pd: pd.clone(),
@@ -338,6 +344,7 @@ impl QueuePair {
             port: AtomicU8::new(defaults::PORT),
             sq,
             rq,
+            sq_freed,
             _segment: segment,
         })
     }
@@ -400,6 +407,13 @@ impl QueuePair {
     /// transition needs exactly its required attributes in `mask`.
     pub fn modify(&self, attr: &QpAttr, mask: QpAttrMask) -> Result<()> {
         self.ctx.inner.control.call_done(&Request::ModifyQp { qp: self.qpn, attr: *attr, mask })?;
+        if mask.contains(QpAttrMask::STATE) && attr.qp_state == QpState::Reset {
+            // The reset dropped what was posted, without completions, and
+            // the daemon counted it retired: every slot is free. Completions
+            // from before the reset, polled later, note less and are ignored.
+            self.sq_freed
+                .store(self.sq.aux(proto::SQ_AUX_RETIRED).load(Ordering::Acquire), Ordering::Release);
+        }
         if mask.contains(QpAttrMask::PORT) {
             self.port.store(attr.port_num, Ordering::Relaxed);
         }
@@ -556,8 +570,9 @@ impl QueuePair {
     /// atomic, or (on a UD QP) without an address handle in `ud.ah`; with
     /// `ENOMEM` ([`Error::QueueFull`]) when the send queue is full: it
     /// holds `cap().max_send_wr` outstanding requests, each from its post
-    /// until the device is done with it (its completion is written or, if
-    /// unsignaled, it was executed; flushed or dropped by a reset).
+    /// until its completion is polled, or, if unsignaled, until the
+    /// completion of a later request of the QP is polled (as on hardware,
+    /// a program that never signals fills the queue), or a reset drops it.
     /// [`PostError::index`] names the first request not posted; those
     /// before it were posted. Posting in ERR (and, for UD, in SQE) is
     /// allowed: the requests complete with `WrFlushErr`.
@@ -571,14 +586,15 @@ impl QueuePair {
         }
         let stride = self.sq.stride();
         let ud = self.init.qp_type == QpType::Ud;
-        // Outstanding: posted (the producer index) minus retired (published
-        // by the daemon, Acquire: it is stored before the completions it
-        // covers). Wrapping arithmetic; a count from a confused daemon that
-        // runs ahead of what was posted reads as a full queue, never as
-        // room the ring lacks (the ring refuses on its own when full).
-        let retired = self.sq.aux(proto::SQ_AUX_RETIRED);
+        // Outstanding: posted (the producer index) minus freed (by polled
+        // completions, as on hardware: not by completions still in the
+        // CQ, so that a CQ as deep as the queue cannot overflow).
+        // Wrapping arithmetic; a count from a confused daemon that runs
+        // ahead of what was posted reads as a full queue, never as room
+        // the ring lacks (the ring refuses on its own when full).
+        let freed = &self.sq_freed;
         let max = self.cap.max_send_wr;
-        let admit = |posted: u32| posted.wrapping_sub(retired.load(Ordering::Acquire)) < max;
+        let admit = |posted: u32| posted.wrapping_sub(freed.load(Ordering::Acquire)) < max;
         push_all(
             &self.ctx,
             &self.sq,

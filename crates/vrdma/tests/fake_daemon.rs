@@ -203,6 +203,12 @@ impl Fake {
                 if mask.contains(QpAttrMask::STATE) {
                     q.attr.qp_state = attr.qp_state;
                     q.sq.aux(proto::SQ_AUX_STATE).store(attr.qp_state.raw() as u32, Ordering::SeqCst);
+                    if attr.qp_state == QpState::Reset {
+                        // Everything posted is dropped, and counted retired
+                        // (this fake holds nothing it pulled).
+                        let dropped = q.sq.discard_all().unwrap();
+                        q.sq.aux(proto::SQ_AUX_RETIRED).fetch_add(dropped, Ordering::Release);
+                    }
                 }
                 done
             }
@@ -263,14 +269,37 @@ impl Fake {
         self.st().engine_bell.as_ref().unwrap().drain()
     }
 
-    /// Takes a send WR and is done with it at once: it is retired.
-    fn pop_send(&self, qpn: u32) -> Option<SendWr> {
-        let st = self.st();
-        let sq = &st.qps[&qpn].sq;
-        let mut slot = vec![0u8; sq.stride()];
-        let wr = sq.try_pop(&mut slot).unwrap().then(|| SendWr::decode(&slot).unwrap())?;
-        sq.aux(proto::SQ_AUX_RETIRED).fetch_add(1, Ordering::Release);
+    /// Takes a send WR and is done with it at once: it is retired, and
+    /// completes into `cqn` if signaled.
+    fn pop_send(&self, qpn: u32, cqn: u32) -> Option<SendWr> {
+        let wr = self.pull_send(qpn)?;
+        self.retire(qpn, cqn, &wr);
         Some(wr)
+    }
+
+    /// Retires a send WR as the engine does: the count first, then the
+    /// completion (if signaled) noting it.
+    fn retire(&self, qpn: u32, cqn: u32, wr: &SendWr) {
+        let retired = {
+            let st = self.st();
+            st.qps[&qpn].sq.aux(proto::SQ_AUX_RETIRED).fetch_add(1, Ordering::Release).wrapping_add(1)
+        };
+        if wr.flags.contains(vrdma::SendFlags::SIGNALED) {
+            self.complete_send(
+                cqn,
+                &Cqe::new(wr.wr_id, WcStatus::Success, WcOpcode::RdmaWrite, qpn),
+                retired,
+            );
+        }
+    }
+
+    /// A send completion claiming `retired` WRs retired (true or not).
+    fn complete_send(&self, cqn: u32, cqe: &Cqe, retired: u32) {
+        let st = self.st();
+        let mut slot = [0u8; CQE_SIZE];
+        cqe.encode(&mut slot);
+        Cqe::set_sq_retired(&mut slot, retired);
+        assert!(st.cqs[&cqn].try_push_bytes(&slot).unwrap());
     }
 
     /// Takes a send WR and keeps it: still outstanding.
@@ -279,11 +308,6 @@ impl Fake {
         let sq = &st.qps[&qpn].sq;
         let mut slot = vec![0u8; sq.stride()];
         sq.try_pop(&mut slot).unwrap().then(|| SendWr::decode(&slot).unwrap())
-    }
-
-    /// Publishes a retired count, as a daemon (maybe a hostile one) would.
-    fn set_retired(&self, qpn: u32, n: u32) {
-        self.st().qps[&qpn].sq.aux(proto::SQ_AUX_RETIRED).store(n, Ordering::Release);
     }
 
     fn pop_recv(&self, qpn: u32) -> Option<RecvWr> {
@@ -416,10 +440,31 @@ fn register_raw_rebacks_heap_memory() {
     let buf = unsafe { base.add(p + 123) };
     // SAFETY: inside the allocation, which nothing else uses.
     unsafe { std::ptr::copy_nonoverlapping(b"kept".as_ptr(), buf, 4) };
+    // Refused access flags leave the memory as it was: not re-backed.
+    let rebacked_here = || {
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        maps.lines().any(|l| {
+            let range = l.split_whitespace().next().unwrap();
+            let (lo, hi) = range.split_once('-').unwrap();
+            let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap(), usize::from_str_radix(hi, 16).unwrap());
+            l.contains("vrdma-rebacked") && lo <= buf as usize && (buf as usize) < hi
+        })
+    };
+    for (bad, errno) in [
+        (AccessFlags::REMOTE_WRITE, libc::EINVAL),
+        (AccessFlags::LOCAL_WRITE | AccessFlags::ZERO_BASED, libc::EOPNOTSUPP),
+        (AccessFlags::LOCAL_WRITE | AccessFlags::ON_DEMAND, libc::EOPNOTSUPP),
+    ] {
+        // SAFETY: as below.
+        let e = unsafe { pd.register_raw(buf, 2 * p, bad) }.unwrap_err();
+        assert_eq!(e.errno(), errno, "{bad:?}: {e}");
+        assert!(!rebacked_here(), "{bad:?} was refused after the memory was re-backed");
+    }
     // SAFETY: the allocation is ours, outlives the region, and no other
     // thread uses it.
     let mr = unsafe { pd.register_raw(buf, 2 * p, AccessFlags::LOCAL_WRITE) }.unwrap();
     assert_eq!(mr.addr(), buf as u64);
+    assert!(rebacked_here());
     assert_eq!(fake.daemon_read(mr.lkey(), 0, 4), b"kept");
     // SAFETY: inside the allocation.
     unsafe { buf.add(100).write_volatile(0x42) };
@@ -489,9 +534,10 @@ fn posting_follows_the_doorbell_rule() {
     fake.doorbells();
     qp.post_send(&[w.clone(), w.clone()]).unwrap();
     assert_eq!(fake.doorbells(), 0);
-    assert_eq!(fake.pop_send(qp.qpn()).unwrap(), w);
-    assert_eq!(fake.pop_send(qp.qpn()).unwrap(), w);
-    assert!(fake.pop_send(qp.qpn()).is_none());
+    assert_eq!(fake.pop_send(qp.qpn(), cq.cqn()).unwrap(), w);
+    assert_eq!(fake.pop_send(qp.qpn(), cq.cqn()).unwrap(), w);
+    assert!(fake.pop_send(qp.qpn(), cq.cqn()).is_none());
+    assert_eq!(cq.poll(&mut vrdma::wc_buffer(4)).unwrap(), 2);
 
     // Asleep: one ring per post call.
     fake.set_engine_sleeping(true);
@@ -508,20 +554,21 @@ fn posting_follows_the_doorbell_rule() {
     assert_eq!(fake.doorbells(), 1);
 
     // Per-request checks.
-    while fake.pop_send(qp.qpn()).is_some() {}
+    while fake.pop_send(qp.qpn(), cq.cqn()).is_some() {}
+    assert_eq!(cq.poll(&mut vrdma::wc_buffer(8)).unwrap(), 4);
     let too_many = wr::send(2, &[mr.sge(0, 1).unwrap(); 3]).unwrap();
     let e = qp.post_send(&[w.clone(), too_many]).unwrap_err();
     assert_eq!((e.index, e.errno()), (1, libc::EINVAL));
     // The request before the bad one was posted.
-    assert_eq!(fake.pop_send(qp.qpn()).unwrap(), w);
-    assert!(fake.pop_send(qp.qpn()).is_none());
+    assert_eq!(fake.pop_send(qp.qpn(), cq.cqn()).unwrap(), w);
+    assert!(fake.pop_send(qp.qpn(), cq.cqn()).is_none());
     let long = wr::send(3, &[]).unwrap().inline(&[1; 65]).unwrap();
     assert_eq!(qp.post_send(&[long]).unwrap_err().errno(), libc::EINVAL);
     let read_inline = wr::rdma_read(4, &[], 0, 0).unwrap().inline(b"x").unwrap();
     assert_eq!(qp.post_send(&[read_inline]).unwrap_err().errno(), libc::EINVAL);
     let ok_inline = wr::send(5, &[]).unwrap().inline(&[7; 64]).unwrap();
     qp.post_send(&[ok_inline]).unwrap();
-    let got = fake.pop_send(qp.qpn()).unwrap();
+    let got = fake.pop_send(qp.qpn(), cq.cqn()).unwrap();
     assert_eq!(got.opcode, SendOpcode::Send);
     assert_eq!(got.inline_data(), &[7; 64]);
 
@@ -532,7 +579,7 @@ fn posting_follows_the_doorbell_rule() {
 }
 
 #[test]
-fn the_send_queue_counts_what_the_daemon_has_not_retired() {
+fn send_slots_are_freed_as_completions_are_polled() {
     let (fake, ctx) = Fake::start();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(8, None).unwrap();
@@ -540,36 +587,60 @@ fn the_send_queue_counts_what_the_daemon_has_not_retired() {
     let me = qp.endpoint(&ctx).unwrap();
     qp.connect(&me, AccessFlags::REMOTE_WRITE).unwrap();
     let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
-    let w = wr::rdma_write(1, &[mr.sge(0, 8).unwrap()], 0x1000, 5).unwrap();
+    let w = wr::rdma_write(1, &[mr.sge(0, 8).unwrap()], 0x1000, 5).unwrap().signaled();
+    let quiet = wr::rdma_write(2, &[mr.sge(0, 8).unwrap()], 0x1000, 5).unwrap();
     let one = std::slice::from_ref(&w);
     let enomem = |r: Result<(), vrdma::PostError>| {
         let e = r.unwrap_err();
         assert_eq!((e.index, e.errno()), (0, libc::ENOMEM));
     };
+    let mut wcs = vrdma::wc_buffer(8);
     qp.post_send(&[w.clone(), w.clone(), w.clone(), w.clone()]).unwrap();
-    // The daemon takes two out of the ring but is not done with them:
+    // The daemon takes two out of the ring and is not done with them:
     // the ring has room, the send queue has none.
-    assert!(fake.pull_send(qp.qpn()).is_some());
-    assert!(fake.pull_send(qp.qpn()).is_some());
+    let (a, b) = (fake.pull_send(qp.qpn()).unwrap(), fake.pull_send(qp.qpn()).unwrap());
     enomem(qp.post_send(one));
-    // It retires one: one more fits.
-    fake.set_retired(qp.qpn(), 1);
+    // Done with both: their completions wait in the CQ, unpolled, and
+    // the queue is still full (a CQ of the queue's depth cannot overflow).
+    fake.retire(qp.qpn(), cq.cqn(), &a);
+    fake.retire(qp.qpn(), cq.cqn(), &b);
+    enomem(qp.post_send(one));
+    // Each completion polled frees its slot.
+    assert_eq!(cq.poll(&mut wcs[..1]).unwrap(), 1);
+    qp.post_send(one).unwrap();
+    enomem(qp.post_send(one));
+    assert_eq!(cq.poll(&mut wcs).unwrap(), 1);
     qp.post_send(one).unwrap();
     enomem(qp.post_send(one));
 
-    // 5 posted, 2 taken, 3 in the ring. A daemon that claims more than
-    // was posted gets a full queue, never a panic.
-    for bogus in [6, 1000, u32::MAX, 0x8000_0000] {
-        fake.set_retired(qp.qpn(), bogus);
-        enomem(qp.post_send(one));
+    // 6 posted, 2 freed, 4 in the ring. An unsignaled WR's slot is freed
+    // by the next signaled completion polled.
+    while let Some(x) = fake.pop_send(qp.qpn(), cq.cqn()) {
+        assert_eq!(x, w);
     }
-    // One that claims everything retired still cannot overfill the ring.
-    fake.set_retired(qp.qpn(), 5);
+    assert_eq!(cq.poll(&mut wcs).unwrap(), 4);
+    qp.post_send(&[quiet.clone(), quiet.clone(), w.clone()]).unwrap();
+    for _ in 0..2 {
+        fake.pop_send(qp.qpn(), cq.cqn()).unwrap();
+    }
     qp.post_send(one).unwrap();
     enomem(qp.post_send(one));
-    // Honest again: 6 posted, 6 retired once the ring is drained.
-    while fake.pull_send(qp.qpn()).is_some() {}
-    fake.set_retired(qp.qpn(), 6);
+    fake.pop_send(qp.qpn(), cq.cqn()).unwrap();
+    assert_eq!(cq.poll(&mut wcs).unwrap(), 1, "one completion covers three WRs");
+    qp.post_send(&[w.clone(), w.clone(), w.clone()]).unwrap();
+    enomem(qp.post_send(one));
+
+    // 13 posted, 9 freed. A daemon whose completions claim more than was
+    // posted gets a full queue, never a panic; one that claims
+    // everything retired still cannot overfill the ring.
+    for bogus in [14, 1000, u32::MAX, 0x8000_0000] {
+        fake.complete_send(cq.cqn(), &Cqe::new(7, WcStatus::Success, WcOpcode::Send, qp.qpn()), bogus);
+        cq.poll(&mut wcs).unwrap();
+        enomem(qp.post_send(one));
+    }
+    // A reset drops what was posted: every slot is free again.
+    qp.modify(&vrdma::QpAttr { qp_state: QpState::Reset, ..Default::default() }, QpAttrMask::STATE).unwrap();
+    qp.connect(&me, AccessFlags::REMOTE_WRITE).unwrap();
     qp.post_send(&[w.clone(), w.clone(), w.clone(), w.clone()]).unwrap();
     enomem(qp.post_send(one));
 }
@@ -833,17 +904,17 @@ fn ud_qps_address_handles_and_datagram_sends() {
     assert_eq!(w.opcode, SendOpcode::SendWithImm);
     assert_eq!(w.ud, UdDest { remote_qpn: 0x99, remote_qkey: 0x8000_0000, ah: ah.handle() });
     qp.post_send(std::slice::from_ref(&w)).unwrap();
-    assert_eq!(fake.pop_send(qp.qpn()).unwrap(), w);
+    assert_eq!(fake.pop_send(qp.qpn(), cq.cqn()).unwrap(), w);
     // A send without an address handle is refused on a UD QP...
     let bare = wr::send(2, &[mr.sge(0, 8).unwrap()]).unwrap();
     let e = qp.post_send(&[w.clone(), bare.clone()]).unwrap_err();
     assert_eq!((e.index, e.errno()), (1, libc::EINVAL));
-    assert_eq!(fake.pop_send(qp.qpn()).unwrap(), w);
-    assert!(fake.pop_send(qp.qpn()).is_none());
+    assert_eq!(fake.pop_send(qp.qpn(), cq.cqn()).unwrap(), w);
+    assert!(fake.pop_send(qp.qpn(), cq.cqn()).is_none());
     // ...and inline data keeps the destination.
     let inline = wr::ud_send(3, &[], &ah, 0x99, 7).unwrap().inline(b"dgram").unwrap();
     qp.post_send(std::slice::from_ref(&inline)).unwrap();
-    let got = fake.pop_send(qp.qpn()).unwrap();
+    let got = fake.pop_send(qp.qpn(), cq.cqn()).unwrap();
     assert_eq!((got.inline_data(), got.ud.ah), (&b"dgram"[..], ah.handle()));
     // An RC QP does not look at the UD fields.
     let rc = pd.create_rc_qp(&cq, &cq, cap()).unwrap();

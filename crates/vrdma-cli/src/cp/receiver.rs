@@ -36,6 +36,10 @@ pub fn run(socket: &Path, out: &Path, listen: SocketAddr, show: bool) -> Result<
     let win = pd.alloc_mr(window as usize, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE)?;
     let channel = ctx.create_comp_channel()?;
     let cq = ctx.create_cq(2 * offer.slots + 8, Some(&channel))?;
+    // The credits' completions have their own CQ, which post_credit polls
+    // when the send queue is full: a send slot is free only once the
+    // completion covering it is polled.
+    let credit_cq = ctx.create_cq(offer.slots, None)?;
     let cap = vrdma::QpCap {
         max_send_wr: offer.slots,
         max_recv_wr: offer.slots,
@@ -43,7 +47,10 @@ pub fn run(socket: &Path, out: &Path, listen: SocketAddr, show: bool) -> Result<
         max_recv_sge: 1,
         max_inline_data: 0,
     };
-    let qp = pd.create_rc_qp(&cq, &cq, cap)?;
+    let qp = pd.create_rc_qp(&credit_cq, &cq, cap)?;
+    // Signaled often enough that the unsignaled credits between two
+    // signaled ones never fill the send queue.
+    let signal_every = (offer.slots / 2).clamp(1, 16);
     qp.to_init(vrdma::defaults::PORT, AccessFlags::REMOTE_WRITE)?;
     // One receive per slot: each write's immediate consumes one.
     for i in 0..offer.slots {
@@ -81,11 +88,14 @@ pub fn run(socket: &Path, out: &Path, listen: SocketAddr, show: bool) -> Result<
                     qp.post_recv(&[wr::recv(wc.wr_id, &[])?])?;
                     // The slot is free again: one credit back.
                     let credit = wr::send(next, &[])?.with_imm(1);
-                    let credit = if credits_out % 16 == 15 { credit.signaled() } else { credit };
-                    post_credit(&qp, credit)?;
+                    let credit = if credits_out % signal_every == signal_every - 1 {
+                        credit.signaled()
+                    } else {
+                        credit
+                    };
+                    post_credit(&qp, &credit_cq, credit)?;
                     credits_out += 1;
                 }
-                vrdma::WcOpcode::Send => {}
                 other => bail!("unexpected completion {other:?} from the sender"),
             }
         }
@@ -122,16 +132,28 @@ pub fn run(socket: &Path, out: &Path, listen: SocketAddr, show: bool) -> Result<
     Ok(())
 }
 
-/// Posts a credit. Credits already sent occupy the send queue until the
-/// sender acknowledges them, which it may do a little later (with its next
-/// segment): a full queue is waited out, for a bounded time.
-fn post_credit(qp: &vrdma::QueuePair, credit: vrdma::SendWr) -> Result<()> {
+/// Posts a credit. Credits already sent occupy the send queue until a
+/// signaled one's completion is polled from `credit_cq` (the sender
+/// acknowledges them a little later, with its next segment): a full queue
+/// is waited out, polling, for a bounded time.
+fn post_credit(
+    qp: &vrdma::QueuePair,
+    credit_cq: &vrdma::CompletionQueue,
+    credit: vrdma::SendWr,
+) -> Result<()> {
     let end = Instant::now() + super::PEER_TIMEOUT;
+    let mut wcs = vrdma::wc_buffer(16);
     loop {
         match qp.post_send(std::slice::from_ref(&credit)) {
             Ok(()) => return Ok(()),
             Err(e) if e.errno() == libc::ENOMEM && Instant::now() < end => {
-                std::thread::sleep(std::time::Duration::from_micros(50));
+                let n = credit_cq.poll(&mut wcs)?;
+                if let Some(bad) = wcs[..n].iter().find(|w| w.status != vrdma::WcStatus::Success) {
+                    bail!("returning a credit failed: {:?}", bad.status);
+                }
+                if n == 0 {
+                    std::thread::sleep(std::time::Duration::from_micros(50));
+                }
             }
             Err(e) => bail!("returning a credit: {e}"),
         }

@@ -128,6 +128,24 @@ impl Hca {
         self.quotas.get(&tenant).copied().unwrap_or(self.config.default_quota)
     }
 
+    /// `ibv_query_device` as `ctx` sees the device: its limits, lowered to
+    /// its tenant's quota, so that a program that sizes its queues to
+    /// `max_cqe` or `max_qp_wr` gets them.
+    pub fn device_attr(&self, ctx: ContextId) -> Result<crate::verbs::DeviceAttr, HcaError> {
+        let q = self.quota(self.tenant_of(ctx)?);
+        let mut d = self.config.device.clone();
+        for depth in [&mut d.max_cqe, &mut d.max_qp_wr, &mut d.max_srq_wr] {
+            *depth = (*depth).min(q.max_queue_depth);
+        }
+        for count in
+            [&mut d.max_qp, &mut d.max_cq, &mut d.max_mr, &mut d.max_pd, &mut d.max_ah, &mut d.max_srq]
+        {
+            *count = (*count).min(q.max_objects);
+        }
+        d.max_mr_size = d.max_mr_size.min(q.max_registered_bytes);
+        Ok(d)
+    }
+
     fn tenant_of(&self, ctx: ContextId) -> Result<TenantId, HcaError> {
         self.contexts.get(&ctx).map(|c| c.tenant).ok_or(HcaError::NoSuchObject { kind: "context", id: ctx.0 })
     }

@@ -1494,6 +1494,28 @@ fn queue_rings_count_against_the_memory_quota() {
 }
 
 #[test]
+fn the_device_shows_each_tenant_its_quota_as_limits() {
+    let mut env = Env::new();
+    env.hca.set_quota(
+        OTHER_TENANT,
+        Quota { max_queue_depth: 100, max_objects: 7, max_registered_bytes: 1 << 20, ..Quota::default() },
+    );
+    let d = env.hca.device_attr(C3).unwrap();
+    assert_eq!((d.max_cqe, d.max_qp_wr, d.max_srq_wr), (100, 100, 100));
+    assert_eq!((d.max_qp, d.max_cq, d.max_mr, d.max_pd, d.max_ah, d.max_srq), (7, 7, 7, 7, 7, 7));
+    assert_eq!(d.max_mr_size, 1 << 20);
+    // What it shows can be had.
+    let pd = env.hca.alloc_pd(C3).unwrap();
+    env.hca.create_cq(C3, d.max_cqe).unwrap();
+    assert!(env.hca.create_cq(C3, d.max_cqe + 1).is_err());
+    env.hca.reg_mr(C3, pd, 0x10_0000, FULL, Region::heap(1 << 19)).unwrap();
+    // Other tenants see the device's own limits where their quota is higher.
+    let full = env.hca.device_attr(C1).unwrap();
+    assert_eq!(full.max_cqe, env.hca.config().device.max_cqe.min(Quota::default().max_queue_depth));
+    assert_eq!(full.max_sge, d.max_sge);
+}
+
+#[test]
 fn queue_depth_quota() {
     let mut env = Env::new();
     env.hca.set_quota(OTHER_TENANT, Quota { max_queue_depth: 8, ..Quota::default() });

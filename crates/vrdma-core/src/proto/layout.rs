@@ -33,9 +33,12 @@ pub const SQ_AUX_STATE: usize = 0;
 /// Send ring aux word: how many send WRs the device has retired (finished
 /// with: completed, failed, flushed or dropped by a reset), a free-running
 /// count in the numbering of the ring's producer index, written by the
-/// daemon with `Release` before the completion of the WRs it counts. A
-/// client has `producer - retired` WRs outstanding and may post while that
-/// is below `max_send_wr`.
+/// daemon with `Release` before the completion of the WRs it counts. Each
+/// send completion carries the count as of its WR ([`Cqe::sq_retired`]); a
+/// client frees send slots as it polls those, and after a reset (which
+/// drops the WRs without completions) catches up to this word.
+///
+/// [`Cqe::sq_retired`]: crate::ring::Cqe::sq_retired
 pub const SQ_AUX_RETIRED: usize = 1;
 
 /// Completion-channel ring: one slot per event, holding the CQ number.

@@ -3,8 +3,16 @@
 //! ```text
 //!  0 wr_id u64      8 status u8  9 opcode u8  10 wc_flags u8  11 solicited u8
 //! 12 vendor_err u32 16 byte_len u32  20 imm_data u32  24 qp_num u32  28 src_qp u32
-//! 32 pkey_index u16 34 slid u16  36 sl u8  37 dlid_path_bits u8  38..64 reserved
+//! 32 pkey_index u16 34 slid u16  36 sl u8  37 dlid_path_bits u8
+//! 38 sq_retired present u8       40 sq_retired u32               44..64 reserved
 //! ```
+//!
+//! `sq_retired` is not part of `ibv_wc`: in a completion of a send WR the
+//! daemon notes how many of the QP's send WRs it had retired with this one
+//! (in the numbering of the send ring's producer index). A send queue slot
+//! is free again only once the program has polled the completion that
+//! covers it, as on hardware: a CQ as deep as the send queue then never
+//! overflows, however long the program waits before polling.
 
 use super::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64};
 use crate::verbs::{WcFlags, WcOpcode, WcStatus};
@@ -73,6 +81,17 @@ impl Cqe {
         slot[36] = self.sl;
         slot[37] = self.dlid_path_bits;
         slot[38..].fill(0);
+    }
+
+    /// Notes in an encoded send completion the send WRs retired with it.
+    pub fn set_sq_retired(slot: &mut [u8; CQE_SIZE], retired: u32) {
+        slot[38] = 1;
+        put_u32(slot, 40, retired);
+    }
+
+    /// What [`set_sq_retired`](Self::set_sq_retired) noted, if anything.
+    pub fn sq_retired(slot: &[u8; CQE_SIZE]) -> Option<u32> {
+        (slot[38] != 0).then(|| get_u32(slot, 40))
     }
 
     /// Decodes an entry the daemon wrote. The client trusts the daemon, but a

@@ -97,6 +97,13 @@ verbs_enum!(
     }
 );
 
+impl WcOpcode {
+    /// A completion of a receive WR (the others complete send WRs).
+    pub fn is_recv(self) -> bool {
+        matches!(self, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
+    }
+}
+
 impl SendOpcode {
     /// The opcode of the requester's completion.
     pub fn wc_opcode(self) -> WcOpcode {
@@ -155,6 +162,14 @@ bitflags! {
 }
 
 impl AccessFlags {
+    /// What a memory region of vRDMA may ask for: no memory windows, no
+    /// zero-based or on-demand regions, no huge-page hint.
+    pub const FOR_REGIONS: AccessFlags = AccessFlags::LOCAL_WRITE
+        .union(AccessFlags::REMOTE_WRITE)
+        .union(AccessFlags::REMOTE_READ)
+        .union(AccessFlags::REMOTE_ATOMIC)
+        .union(AccessFlags::RELAXED_ORDERING);
+
     /// Remote write or atomic access needs local write, as `ibv_reg_mr` demands.
     pub fn is_consistent(self) -> bool {
         !self.intersects(Self::REMOTE_WRITE | Self::REMOTE_ATOMIC) || self.contains(Self::LOCAL_WRITE)

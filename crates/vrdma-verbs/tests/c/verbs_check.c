@@ -211,6 +211,18 @@ int main(int argc, char **argv)
 	CHECK(ibv_reg_mr_iova2(pd, buf, 64, 0x1000, access) == NULL && errno == EOPNOTSUPP, "errno=%d", errno);
 	errno = 0;
 	CHECK(ibv_reg_mr(pd, buf, 64, IBV_ACCESS_REMOTE_WRITE) == NULL && errno == EINVAL, "errno=%d", errno);
+	errno = 0;
+	CHECK(ibv_reg_mr(pd, buf, 64, IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_ZERO_BASED) == NULL &&
+		      errno == EOPNOTSUPP, "errno=%d", errno);
+	/* Not supported, and the region stays as it was. */
+	errno = 0;
+	CHECK(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0, IBV_ACCESS_LOCAL_WRITE) ==
+			      IBV_REREG_MR_ERR_CMD && errno == EOPNOTSUPP, "errno=%d", errno);
+	CHECK(mr->lkey == mr->rkey && mr->addr == buf && mr->length == len, "");
+	errno = 0;
+	CHECK(ibv_import_pd(ctx, pd->handle) == NULL && errno == EOPNOTSUPP, "errno=%d", errno);
+	errno = 0;
+	CHECK(ibv_import_mr(pd, mr->handle) == NULL && errno == EOPNOTSUPP, "errno=%d", errno);
 
 	errno = 0;
 	CHECK(ibv_create_cq(ctx, 0, NULL, NULL, 0) == NULL && errno == EINVAL, "errno=%d", errno);

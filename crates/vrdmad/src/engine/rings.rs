@@ -237,6 +237,13 @@ impl Queues for RingTable {
         let cq = self.cqs.get(&cqn).ok_or(CqFull)?;
         let mut slot = [0u8; CQE_SIZE];
         cqe.encode(&mut slot);
+        // The core retires a send WR just before it pushes the WR's
+        // completion, so the count now includes this WR and no later one.
+        if !cqe.opcode.is_recv() {
+            if let Some(q) = self.qps.get(&cqe.qp_num) {
+                Cqe::set_sq_retired(&mut slot, q.retired);
+            }
+        }
         match cq.ring.try_push_bytes(&slot) {
             Ok(true) => {
                 self.notify_channel(cqn, cqe);

@@ -190,7 +190,7 @@ impl Session {
     fn dispatch(&mut self, req: Request, mut fds: Vec<OwnedFd>) -> Result<Answer, Answer> {
         Ok(match req {
             Request::Hello { version } => self.hello(version)?,
-            Request::QueryDevice => Reply::Device(self.engine(|e, _| e.hca.config().device.clone())?).into(),
+            Request::QueryDevice => Reply::Device(self.engine(|e, c| e.hca.device_attr(c))??).into(),
             Request::QueryPort { port } => {
                 if port != 1 {
                     return Err(error(EINVAL, format!("no port {port}; the device has port 1")));

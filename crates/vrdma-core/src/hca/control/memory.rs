@@ -94,12 +94,7 @@ impl Hca {
         if !access.is_consistent() {
             return Err(HcaError::invalid("remote write or atomic access requires local write"));
         }
-        let supported = AccessFlags::LOCAL_WRITE
-            | AccessFlags::REMOTE_WRITE
-            | AccessFlags::REMOTE_READ
-            | AccessFlags::REMOTE_ATOMIC
-            | AccessFlags::RELAXED_ORDERING;
-        if !supported.contains(access) {
+        if !AccessFlags::FOR_REGIONS.contains(access) {
             return Err(HcaError::Unsupported("memory-region access flags other than local write, remote read/write/atomic and relaxed ordering"));
         }
         if len > self.config.device.max_mr_size || addr.checked_add(len).is_none() {
