@@ -380,18 +380,7 @@ fn unsupported_features_fail_cleanly() {
 #[test]
 fn exports_carry_rdma_core_versions() {
     let Some(_) = setup() else { return };
-    let out = match Command::new("nm")
-        .args(["-D", "--defined-only", "--with-symbol-versions"])
-        .arg(shim())
-        .output()
-    {
-        Ok(o) if o.status.success() => o,
-        _ => {
-            eprintln!("skipping: nm (binutils) is not available");
-            return;
-        }
-    };
-    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(text) = dynamic_symbols("--defined-only", &shim().to_string_lossy()) else { return };
     let mut got: Vec<String> =
         text.lines().filter_map(|l| l.split_whitespace().nth(2)).map(String::from).collect();
     got.sort();
@@ -483,6 +472,18 @@ const EXPECTED: &[(&str, &str)] = &[
     ("ibv_unimport_dm", "IBVERBS_1.13"),
 ];
 
+/// `nm -D <which> --with-symbol-versions` of `file`; `None`, saying so,
+/// without binutils.
+fn dynamic_symbols(which: &str, file: &str) -> Option<String> {
+    match Command::new("nm").args(["-D", which, "--with-symbol-versions"]).arg(file).output() {
+        Ok(o) if o.status.success() => Some(String::from_utf8_lossy(&o.stdout).into_owned()),
+        _ => {
+            eprintln!("skipping: nm (binutils) is not available");
+            None
+        }
+    }
+}
+
 /// Every public function of the installed rdma-core libibverbs.so.1 (its
 /// default version of each, private provider symbols aside) is exported
 /// under the same version, so that no program linked against rdma-core
@@ -495,13 +496,7 @@ fn every_public_rdma_core_export_is_there() {
         eprintln!("skipping: rdma-core's {real} is not installed");
         return;
     }
-    let Ok(out) =
-        Command::new("nm").args(["-D", "--defined-only", "--with-symbol-versions"]).arg(real).output()
-    else {
-        eprintln!("skipping: nm (binutils) is not available");
-        return;
-    };
-    let text = String::from_utf8_lossy(&out.stdout);
+    let Some(text) = dynamic_symbols("--defined-only", real) else { return };
     let public: Vec<(&str, &str)> = text
         .lines()
         .filter_map(|l| {
@@ -540,13 +535,7 @@ fn tested_binaries_find_every_import() {
             eprintln!("skipping {bin}: not installed");
             continue;
         }
-        let Ok(out) =
-            Command::new("nm").args(["-D", "--undefined-only", "--with-symbol-versions"]).arg(bin).output()
-        else {
-            eprintln!("skipping: nm (binutils) is not available");
-            return;
-        };
-        let text = String::from_utf8_lossy(&out.stdout);
+        let Some(text) = dynamic_symbols("--undefined-only", bin) else { return };
         for sym in text.lines().filter_map(|l| l.split_whitespace().last()).filter(|s| s.contains("@IBVERBS"))
         {
             let (name, version) = sym.split_once('@').expect("versioned");
