@@ -8,14 +8,14 @@
 //!
 //! Fork: rdma-core's `ibv_fork_init` marks registered ranges
 //! `MADV_DONTFORK` so that copy-on-write after `fork()` cannot move pages
-//! under the device; the child then has no mapping of them. Here the
-//! registered pages are `MAP_SHARED` memfd mappings, which `fork()` never
-//! copies: the parent's registrations keep working after a fork without
-//! any preparation, which is what `IBV_FORK_UNNEEDED` reports. The
-//! difference is in the child, which *shares* those pages with the parent
-//! (its writes are seen by the parent and by the device) where rdma-core
-//! would leave it without them. `ibv_fork_init`, `ibv_dontfork_range` and
-//! `ibv_dofork_range` therefore succeed without doing anything.
+//! under the device; on current kernels it needs nothing (the child gets
+//! copies, `IBV_FORK_UNNEEDED`). Here the registered pages are `MAP_SHARED`
+//! memfd mappings, which `fork()` never moves, so the parent's
+//! registrations keep working, and the library gives the child private
+//! copies of them as it starts (`vrdma`'s re-backing), so that it shares
+//! nothing with the parent: `IBV_FORK_UNNEEDED` as well. `ibv_fork_init`,
+//! `ibv_dontfork_range` and `ibv_dofork_range` succeed without doing
+//! anything.
 
 use std::ffi::{c_int, c_void};
 

@@ -90,8 +90,10 @@ impl ProtectionDomain {
     /// - Writes to those pages by other threads *while this call runs* may
     ///   be lost (the bytes are copied, then the mapping is replaced).
     ///   Register before sharing the memory with other threads.
-    /// - After `fork` the re-backed pages are shared with the child, not
-    ///   copied on write: writes on either side are seen by the other.
+    /// - After `fork` the child gets private copies of the re-backed pages,
+    ///   taken as it starts (bytes written meanwhile by the parent's other
+    ///   threads or the device may be in them); the parent keeps its
+    ///   registrations.
     /// - Re-backed pages stay memfd-backed after deregistration until the
     ///   application unmaps them; that is harmless to the allocator.
     ///

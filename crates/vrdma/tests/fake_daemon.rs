@@ -489,6 +489,58 @@ fn register_raw_rebacks_heap_memory() {
 }
 
 #[test]
+fn a_forked_child_gets_a_private_copy_of_rebacked_memory() {
+    let (fake, ctx) = Fake::start();
+    let pd = ctx.alloc_pd().unwrap();
+    let p = page_size();
+    let layout = std::alloc::Layout::from_size_align(2 * p, p).unwrap();
+    // SAFETY: non-zero size.
+    let base = unsafe { std::alloc::alloc_zeroed(layout) };
+    assert!(!base.is_null());
+    // SAFETY: inside the allocation, which nothing else uses.
+    unsafe { std::ptr::copy_nonoverlapping(b"parent".as_ptr(), base, 6) };
+    // SAFETY: the allocation is ours and outlives the region.
+    let mr = unsafe { pd.register_raw(base, 64, AccessFlags::LOCAL_WRITE) }.unwrap();
+    let shared_at = |addr: usize| {
+        std::fs::read_to_string("/proc/self/maps").unwrap().lines().any(|l| {
+            let (lo, hi) = l.split_whitespace().next().unwrap().split_once('-').unwrap();
+            let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap(), usize::from_str_radix(hi, 16).unwrap());
+            l.contains("vrdma-rebacked") && lo <= addr && addr < hi
+        })
+    };
+    assert!(shared_at(base as usize));
+    // SAFETY: the child only reads and writes the buffer and /proc, then
+    // leaves with _exit (no destructors, no test harness).
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // SAFETY: the child's copy of the allocation.
+        let got = unsafe { std::slice::from_raw_parts(base, 6) } == b"parent";
+        let private = !shared_at(base as usize);
+        // SAFETY: as above; the child's own copy.
+        unsafe { base.write_volatile(b'C') };
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(if got && private { 0 } else { 1 }) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child started above.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "the child saw shared or wrong bytes");
+    // The child's write stayed in the child; the parent's registration
+    // still reaches its own pages.
+    // SAFETY: inside the allocation.
+    assert_eq!(unsafe { base.read_volatile() }, b'p');
+    assert_eq!(fake.daemon_read(mr.lkey(), 0, 6), b"parent");
+    fake.daemon_write(mr.lkey(), 0, b"P");
+    // SAFETY: inside the allocation.
+    assert_eq!(unsafe { base.read_volatile() }, b'P');
+    assert!(shared_at(base as usize));
+    drop(mr);
+    // SAFETY: allocated above with this layout; the region is gone.
+    unsafe { std::alloc::dealloc(base, layout) };
+}
+
+#[test]
 fn posting_follows_the_doorbell_rule() {
     let (fake, ctx) = Fake::start();
     let pd = ctx.alloc_pd().unwrap();

@@ -29,6 +29,10 @@
 //! again later. Before a span is reused its mapping is checked against
 //! `/proc/self/maps`, so memory the application unmapped and mapped anew
 //! at the same address is never mistaken for the old span.
+//!
+//! The child of a `fork` gets private copies of re-backed pages ([`fork`]).
+
+mod fork;
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -103,7 +107,7 @@ impl MapEntry {
         self.perms[3] == b'p'
     }
 
-    fn is_our_memfd(&self) -> bool {
+    pub(crate) fn is_our_memfd(&self) -> bool {
         self.perms[3] == b's' && self.path.starts_with(MAPS_PATH_PREFIX)
     }
 
@@ -341,6 +345,7 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
         }
     }
 
+    fork::install();
     let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     reg.retain(|_, w| w.strong_count() > 0);
     let maps = read_maps()?;
