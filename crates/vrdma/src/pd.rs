@@ -87,9 +87,12 @@ impl ProtectionDomain {
     ///   range that share those pages (other heap objects) also become
     ///   shared memory. They keep their values and addresses; only a
     ///   registration whose page bounds partially overlap theirs is refused.
-    /// - Writes to those pages by other threads *while this call runs* may
-    ///   be lost (the bytes are copied, then the mapping is replaced).
-    ///   Register before sharing the memory with other threads.
+    /// - Writes to those pages by other threads *while this call runs*
+    ///   wait until the new mapping is in place (a userfaultfd
+    ///   write-protects the pages meanwhile). Where the kernel offers no
+    ///   such protection (before Linux 6.4, or under a seccomp profile
+    ///   that refuses `userfaultfd`), such writes may be lost: register
+    ///   before sharing the memory with other threads.
     /// - After `fork` the child gets private copies of the re-backed pages,
     ///   taken as it starts (bytes written meanwhile by the parent's other
     ///   threads or the device may be in them); the parent keeps its

@@ -32,6 +32,7 @@
 //!
 //! The child of a `fork` gets private copies of re-backed pages ([`fork`]).
 
+mod fence;
 mod fork;
 
 use std::collections::BTreeMap;
@@ -319,7 +320,8 @@ fn current_thread_stack() -> Option<(usize, usize)> {
 /// # Safety
 /// `[ptr, ptr + len)` must be memory this process owns and may write. The
 /// covering pages are remapped: writes by other threads to those pages
-/// while this runs may be lost.
+/// while this runs wait for the new mapping where the kernel allows
+/// ([`fence`]), and may be lost elsewhere.
 pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     if len == 0 {
         return Err(Error::invalid("cannot register zero bytes"));
@@ -398,6 +400,10 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
         Some(_) => Segment::create(MEMFD_NAME, span_len)?,
     };
     debug_assert_eq!(seg.len(), span_len);
+    // Other threads' writes to the range wait from here until the memfd is
+    // mapped (where the kernel allows: see `fence`). Until the fence
+    // drops, this thread neither allocates nor writes to the range.
+    let fence = fence::WriteFence::raise(pstart, span_len);
     // SAFETY: `[pstart, pend)` is mapped readable (checked against
     // /proc/self/maps just now, under the registry lock, and the caller
     // owns the memory) and `seg` is a fresh private mapping of the same
@@ -417,8 +423,9 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
             seg.fd(),
             0,
         )
-    }
-    .map_err(|e| {
+    };
+    drop(fence);
+    let mapped = mapped.map_err(|e| {
         Error::Io(std::io::Error::new(
             std::io::Error::from(e).kind(),
             format!("cannot re-back [{pstart:#x}, {pend:#x}) with a memfd: {e}"),
@@ -587,6 +594,56 @@ mod tests {
             assert_eq!(pages.ptr.add(p + 7).read(), 0x11);
             assert_eq!(pages.ptr.add(2 * p + 5).read(), ((2 * p + 5) % 251) as u8);
         }
+    }
+
+    #[test]
+    fn writes_of_other_threads_during_rebacking_are_not_lost() {
+        if !fence::available() {
+            eprintln!("skipping: no userfaultfd write protection here; re-backing cannot hold writers off");
+            return;
+        }
+        // Another thread keeps writing to the page being re-backed, and
+        // reads each write back: a write that went to the old pages after
+        // the copy would read back as the copy's older value.
+        let mut lost = 0;
+        let mut writes = 0;
+        for _ in 0..200 {
+            let pages = Pages::new(1);
+            let base = pages.ptr as usize;
+            let stop = std::sync::atomic::AtomicBool::new(false);
+            let started = std::sync::atomic::AtomicBool::new(false);
+            let r = std::thread::scope(|s| {
+                let writer = s.spawn(|| {
+                    let at = (base + 8) as *mut u32;
+                    let (mut n, mut lost) = (0u32, 0);
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        n += 1;
+                        // SAFETY: inside the page, which only this thread
+                        // writes (re-backing copies it).
+                        unsafe { at.write_volatile(n) };
+                        // SAFETY: as above.
+                        if unsafe { at.read_volatile() } != n {
+                            lost += 1;
+                        }
+                        started.store(true, std::sync::atomic::Ordering::Relaxed);
+                    }
+                    (n, lost)
+                });
+                while !started.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+                // SAFETY: the page is ours; its other bytes are the writer's,
+                // which is what this test is about.
+                let r = unsafe { reback((base + 64) as *mut u8, 64) }.unwrap();
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                let (n, l) = writer.join().unwrap();
+                writes += n;
+                lost += l;
+                r
+            });
+            drop(r);
+        }
+        assert_eq!(lost, 0, "{lost} of {writes} writes were lost while their page was re-backed");
     }
 
     #[test]
