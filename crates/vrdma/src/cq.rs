@@ -80,7 +80,15 @@ impl CqInner {
         let mut freed = [(0u32, 0u32); 8];
         let mut held = 0;
         let mut n = 0;
-        while n < out.len() && self.ring.try_pop(&mut slot)? {
+        while n < out.len() {
+            match self.ring.try_pop(&mut slot) {
+                Ok(true) => {}
+                Ok(false) => break,
+                // What was taken counts: its slots are freed, and it is
+                // returned; the error comes with the next poll.
+                Err(_) if n > 0 => break,
+                Err(e) => return Err(e.into()),
+            }
             out[n] = Cqe::decode(&slot);
             n += 1;
             let Some(retired) = Cqe::sq_retired(&slot) else { continue };

@@ -92,7 +92,10 @@ impl ProtectionDomain {
     ///   write-protects the pages meanwhile). Where the kernel offers no
     ///   such protection (before Linux 6.4, or under a seccomp profile
     ///   that refuses `userfaultfd`), such writes may be lost: register
-    ///   before sharing the memory with other threads.
+    ///   before sharing the memory with other threads. Where it protects
+    ///   only against user-mode writes (an unprivileged process under
+    ///   `vm.unprivileged_userfaultfd = 0`), a system call writing into
+    ///   those pages meanwhile fails with `EFAULT`.
     /// - After `fork` the child gets private copies of the re-backed pages,
     ///   taken as it starts (bytes written meanwhile by the parent's other
     ///   threads or the device may be in them); the parent keeps its

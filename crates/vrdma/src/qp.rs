@@ -411,6 +411,8 @@ impl QueuePair {
             // The reset dropped what was posted, without completions, and
             // the daemon counted it retired: every slot is free. Completions
             // from before the reset, polled later, note less and are ignored.
+            // A store, not an advance: it also recovers a count that a
+            // confused daemon's completions moved past what was posted.
             self.sq_freed
                 .store(self.sq.aux(proto::SQ_AUX_RETIRED).load(Ordering::Acquire), Ordering::Release);
         }

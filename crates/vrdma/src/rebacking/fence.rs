@@ -61,11 +61,14 @@ struct UffdioWriteprotect {
     mode: u64,
 }
 
-/// Write protection of `[start, start + len)`; dropping it wakes the
-/// writers that wait.
+/// Write protection of `[start, start + len)`; dropping it lifts the
+/// protection (where the range is still the one protected) and wakes the
+/// writers that wait. While it stands, the raising thread's signals are
+/// blocked: a handler writing into the range would wait on its own thread.
 pub(crate) struct WriteFence {
     fd: OwnedFd,
     range: UffdioRange,
+    signals: libc::sigset_t,
 }
 
 /// A userfaultfd that can write-protect untouched anonymous pages (and,
@@ -109,22 +112,43 @@ impl WriteFence {
         if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_REGISTER, &mut reg) } != 0 {
             return None;
         }
+        // SAFETY: sigset_t is plain data that sigfillset initialises; the
+        // old mask is saved to be restored on drop.
+        let signals = unsafe {
+            let mut all: libc::sigset_t = std::mem::zeroed();
+            let mut old: libc::sigset_t = std::mem::zeroed();
+            libc::sigfillset(&mut all);
+            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
+            old
+        };
         let mut wp = UffdioWriteprotect { range, mode: UFFDIO_WRITEPROTECT_MODE_WP };
         // SAFETY: UFFDIO_WRITEPROTECT reads and writes a
-        // `struct uffdio_writeprotect`. If it fails, closing `fd` drops the
-        // registration, and nothing is protected.
+        // `struct uffdio_writeprotect`.
         if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut wp) } != 0 {
+            // Nothing is protected; dropping the fence restores the mask
+            // and closes `fd`, which drops the registration.
+            drop(WriteFence { fd, range, signals });
             return None;
         }
-        Some(WriteFence { fd, range })
+        Some(WriteFence { fd, range, signals })
     }
 }
 
 impl Drop for WriteFence {
     fn drop(&mut self) {
         let mut range = self.range;
-        // SAFETY: UFFDIO_WAKE reads a `struct uffdio_range`. Closing the
-        // descriptor right after wakes any writer this misses too.
-        unsafe { libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE, &mut range) };
+        // Lift the protection explicitly (it fails, harmlessly, once the
+        // memfd has replaced the range): a process forked meanwhile holds
+        // the descriptor too, so closing it would not.
+        let mut wp = UffdioWriteprotect { range, mode: 0 };
+        // SAFETY: UFFDIO_WRITEPROTECT and UFFDIO_WAKE read (and write) the
+        // structs given; closing the descriptor right after wakes any
+        // writer this misses. Then the signal mask saved in `raise` is
+        // restored.
+        unsafe {
+            libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut wp);
+            libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE, &mut range);
+            libc::pthread_sigmask(libc::SIG_SETMASK, &self.signals, std::ptr::null_mut());
+        }
     }
 }

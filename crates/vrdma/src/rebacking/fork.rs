@@ -10,92 +10,187 @@
 //! replaces each re-backed mapping with a private copy of its bytes. The
 //! parent, its registrations and the device are untouched.
 //!
-//! The copy is taken in the child as it starts, not at the instant of the
-//! fork: bytes the parent's other threads or the device write in between
-//! may be in it.
+//! The handler must not touch the heap before it is done: the child's
+//! heap pages may still be the parent's. So it reads `/proc/self/maps` into
+//! an anonymous mapping with raw system calls and parses it in place. It
+//! is registered when this library is loaded, so that it runs before the
+//! child handlers of libraries loaded later; glibc's own reset of its
+//! allocator's locks in the child, and handlers registered earlier, still
+//! run before it.
+//!
+//! What it costs and leaves: every `fork` copies the re-backed pages, as
+//! the kernel copies pinned pages for rdma-core; the copy is taken as the
+//! child starts, so bytes the parent's other threads or the device write
+//! in between may be in it. Pages it cannot copy (no memory for the copy,
+//! or pages the program made unreadable) become inaccessible in the child
+//! rather than stay shared.
 
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::{parse_maps, MapEntry};
+/// Whether this process ever re-backed memory: until then a child has
+/// nothing to do.
+static REBACKED: AtomicBool = AtomicBool::new(false);
 
-static INSTALL: Once = Once::new();
+/// Registers the child handler when the library is loaded.
+#[used]
+#[link_section = ".init_array"]
+static REGISTER_AT_LOAD: extern "C" fn() = register;
 
-/// Makes the child of every later `fork` take private copies of the
-/// re-backed pages; called before the first re-backing.
-pub(crate) fn install() {
-    INSTALL.call_once(|| {
-        // SAFETY: registers a handler that runs in the child only; it
-        // takes no lock of ours (the registry's mutex may have been held
-        // by another thread at the fork) and does not unwind.
-        let rc = unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
-        if rc != 0 {
-            tracing::warn!(
-                rc,
-                "vrdma: cannot install the fork handler; a forked child shares re-backed memory"
-            );
-        }
-    });
+extern "C" fn register() {
+    // SAFETY: registers a handler that runs in the child only; it takes no
+    // lock and does not unwind.
+    unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+}
+
+/// Called before the first re-backing: from then on each child copies.
+pub(crate) fn note_rebacking() {
+    REBACKED.store(true, Ordering::SeqCst);
 }
 
 extern "C" fn in_child() {
-    // A panic must not unwind into the C caller of fork.
-    let _ = std::panic::catch_unwind(|| {
-        let Ok(text) = std::fs::read_to_string("/proc/self/maps") else { return };
-        for e in parse_maps(&text).iter().filter(|e| e.is_our_memfd()) {
-            privatize(e);
-        }
-    });
-}
-
-/// Replaces the shared mapping `e` by private anonymous pages holding the
-/// same bytes, with the same protection. Pages that cannot be read are
-/// left as they are.
-fn privatize(e: &MapEntry) {
-    if e.perms[0] != b'r' {
+    if !REBACKED.load(Ordering::SeqCst) {
         return;
     }
-    let len = e.end - e.start;
-    let mut prot = libc::PROT_READ;
-    if e.perms[1] == b'w' {
-        prot |= libc::PROT_WRITE;
-    }
-    if e.perms[2] == b'x' {
-        prot |= libc::PROT_EXEC;
-    }
-    // SAFETY: a fresh anonymous mapping of `len` bytes, checked below.
-    let tmp = unsafe {
-        libc::mmap(
+    // A panic must not unwind into the C caller of fork.
+    let _ = std::panic::catch_unwind(privatize_all);
+}
+
+/// The re-backed mappings' memfd, as `/proc/self/maps` names it.
+const MEMFD_PATH: &[u8] = b"/memfd:vrdma-rebacked";
+
+fn privatize_all() {
+    // SAFETY: open, read, mmap, mremap, munmap and close on descriptors
+    // and mappings this function owns; no heap.
+    unsafe {
+        let fd = libc::open(c"/proc/self/maps".as_ptr(), libc::O_RDONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return;
+        }
+        let mut cap: usize = 1 << 20;
+        let mut buf = libc::mmap(
             std::ptr::null_mut(),
-            len,
+            cap,
             libc::PROT_READ | libc::PROT_WRITE,
             libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
             -1,
             0,
-        )
-    };
-    if tmp == libc::MAP_FAILED {
+        );
+        if buf == libc::MAP_FAILED {
+            libc::close(fd);
+            return;
+        }
+        let mut len = 0;
+        loop {
+            if len == cap {
+                let grown = libc::mremap(buf, cap, cap * 2, libc::MREMAP_MAYMOVE);
+                if grown == libc::MAP_FAILED {
+                    break;
+                }
+                (buf, cap) = (grown, cap * 2);
+            }
+            let n = libc::read(fd, buf.cast::<u8>().add(len).cast(), cap - len);
+            if n <= 0 {
+                break;
+            }
+            len += n as usize;
+        }
+        libc::close(fd);
+        let text = std::slice::from_raw_parts(buf.cast::<u8>(), len);
+        for line in text.split(|&b| b == b'\n') {
+            if let Some((start, end, perms)) = rebacked_mapping(line) {
+                privatize(start, end, perms);
+            }
+        }
+        libc::munmap(buf, cap);
+    }
+}
+
+/// `(start, end, perms)` of a maps line that is a re-backed mapping
+/// (shared, of our memfd); parsed without allocating.
+fn rebacked_mapping(line: &[u8]) -> Option<(usize, usize, [u8; 4])> {
+    let mut fields = line.split(|&b| b == b' ').filter(|f| !f.is_empty());
+    let range = fields.next()?;
+    let perms: [u8; 4] = fields.next()?.try_into().ok()?;
+    // offset, device, inode, then the path.
+    let path = fields.nth(3)?;
+    if perms[3] != b's' || !path.starts_with(MEMFD_PATH) {
+        return None;
+    }
+    let dash = range.iter().position(|&b| b == b'-')?;
+    Some((hex(&range[..dash])?, hex(&range[dash + 1..])?, perms))
+}
+
+fn hex(digits: &[u8]) -> Option<usize> {
+    if digits.is_empty() || digits.len() > 16 {
+        return None;
+    }
+    digits.iter().try_fold(0usize, |v, &d| Some(v << 4 | (d as char).to_digit(16)? as usize))
+}
+
+/// Replaces the shared mapping `[start, end)` by private anonymous pages
+/// holding the same bytes, with the same protection; pages it cannot
+/// copy become inaccessible instead.
+///
+/// # Safety
+/// `[start, end)` must be a mapping of this (single-threaded, just forked)
+/// process with protection `perms`.
+unsafe fn privatize(start: usize, end: usize, perms: [u8; 4]) {
+    let len = end - start;
+    let at = start as *mut libc::c_void;
+    let mut prot = 0;
+    for (flag, bit) in [(b'r', libc::PROT_READ), (b'w', libc::PROT_WRITE), (b'x', libc::PROT_EXEC)] {
+        if perms.contains(&flag) {
+            prot |= bit;
+        }
+    }
+    let anon = libc::MAP_PRIVATE | libc::MAP_ANONYMOUS;
+    // SAFETY: a fresh anonymous mapping, checked below.
+    let tmp =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, anon, -1, 0) };
+    if tmp == libc::MAP_FAILED || prot & libc::PROT_READ == 0 {
+        if tmp != libc::MAP_FAILED {
+            // SAFETY: ours, unused.
+            unsafe { libc::munmap(tmp, len) };
+        }
+        // SAFETY: the caller's mapping; inaccessible private pages take
+        // its place, so the child cannot write to the parent's.
+        unsafe { libc::mmap(at, len, libc::PROT_NONE, anon | libc::MAP_FIXED, -1, 0) };
         return;
     }
-    // SAFETY: `[e.start, e.end)` is mapped readable (the maps line says
-    // so, and this single-threaded child changes nothing meanwhile) and
-    // `tmp` is a distinct mapping of the same length.
-    unsafe { std::ptr::copy_nonoverlapping(e.start as *const u8, tmp.cast::<u8>(), len) };
-    // SAFETY: `tmp` is ours; then it atomically takes the place of the
-    // shared mapping at the same addresses, so every pointer into those
+    // SAFETY: `[start, end)` is readable (`perms`) and `tmp` is a distinct
+    // mapping of the same length; then `tmp` atomically takes the shared
+    // mapping's place at the same addresses, so every pointer into those
     // pages stays valid and sees the same bytes, now private.
     unsafe {
+        std::ptr::copy_nonoverlapping(start as *const u8, tmp.cast::<u8>(), len);
         if prot != libc::PROT_READ | libc::PROT_WRITE {
             libc::mprotect(tmp, len, prot);
         }
-        let moved = libc::mremap(
-            tmp,
-            len,
-            len,
-            libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED,
-            e.start as *mut libc::c_void,
-        );
-        if moved == libc::MAP_FAILED {
+        if libc::mremap(tmp, len, len, libc::MREMAP_MAYMOVE | libc::MREMAP_FIXED, at) == libc::MAP_FAILED {
             libc::munmap(tmp, len);
+            libc::mmap(at, len, libc::PROT_NONE, anon | libc::MAP_FIXED, -1, 0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_rebacked_mappings_in_maps_lines_without_allocating() {
+        let ours = b"7f0000100000-7f0000102000 rw-s 00000000 00:01 4242                       /memfd:vrdma-rebacked (deleted)";
+        assert_eq!(rebacked_mapping(ours), Some((0x7f00_0010_0000, 0x7f00_0010_2000, *b"rw-s")));
+        for other in [
+            &b"7f0000102000-7f0000103000 rw-s 00000000 00:01 99                         /dev/shm/other"[..],
+            b"7f0000100000-7f0000102000 rw-p 00000000 00:01 4242                       /memfd:vrdma-rebacked (deleted)",
+            b"55d0c5a4d000-55d0c5a6e000 rw-p 00000000 00:00 0                          [heap]",
+            b"7f0000000000-7f0000021000 rw-p 00000000 00:00 0 ",
+            b"",
+            b"garbage",
+            b"zz-10 rw-s 0 0 0 /memfd:vrdma-rebacked",
+        ] {
+            assert_eq!(rebacked_mapping(other), None, "{}", String::from_utf8_lossy(other));
         }
     }
 }

@@ -108,7 +108,7 @@ impl MapEntry {
         self.perms[3] == b'p'
     }
 
-    pub(crate) fn is_our_memfd(&self) -> bool {
+    fn is_our_memfd(&self) -> bool {
         self.perms[3] == b's' && self.path.starts_with(MAPS_PATH_PREFIX)
     }
 
@@ -347,7 +347,7 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
         }
     }
 
-    fork::install();
+    fork::note_rebacking();
     let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     reg.retain(|_, w| w.strong_count() > 0);
     let maps = read_maps()?;
@@ -644,6 +644,102 @@ mod tests {
             drop(r);
         }
         assert_eq!(lost, 0, "{lost} of {writes} writes were lost while their page was re-backed");
+    }
+
+    /// Heap chunks on re-backed pages, half of them freed, then a fork
+    /// whose child only leaves: if the child's allocator reused those
+    /// chunks while the pages were still shared, its chunk headers would
+    /// land in the parent's heap. Run in a forked, single-threaded process,
+    /// so that no other thread's allocations touch the chunks; returns the
+    /// number of bytes of the freed chunks that changed.
+    fn bytes_a_child_changes_in_freed_heap_chunks() -> usize {
+        let chunks: Vec<(*mut u8, usize)> = (0..32)
+            .map(|i| {
+                let n = 32 << (i % 8);
+                // SAFETY: plain malloc, checked.
+                let p = unsafe { libc::malloc(n) }.cast::<u8>();
+                assert!(!p.is_null());
+                (p, n)
+            })
+            .collect();
+        let first = chunks[0].0 as usize;
+        let chunks: Vec<_> =
+            chunks.into_iter().filter(|c| (c.0 as usize).abs_diff(first) < 256 << 10).collect();
+        // SAFETY: plain malloc; it keeps the heap from shrinking under the
+        // freed chunks.
+        let _guard = unsafe { libc::malloc(64) };
+        let lo = chunks.iter().map(|c| c.0 as usize).min().unwrap();
+        let hi = chunks.iter().map(|c| c.0 as usize + c.1).max().unwrap();
+        // SAFETY: the pages hold our chunks and the allocator's neighbours,
+        // which keep their bytes.
+        let r = unsafe { reback(lo as *mut u8, hi - lo) }.unwrap();
+        let freed: Vec<_> = chunks.iter().copied().step_by(2).collect();
+        let total: usize = freed.iter().map(|c| c.1).sum();
+        // Snapshots go to fresh mappings: nothing allocates from here on.
+        let map = || {
+            // SAFETY: a fresh anonymous mapping, checked.
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    total,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                    -1,
+                    0,
+                )
+            };
+            assert_ne!(p, libc::MAP_FAILED);
+            p.cast::<u8>()
+        };
+        let (before, after) = (map(), map());
+        let snapshot = |to: *mut u8| {
+            let mut off = 0;
+            for &(p, n) in &freed {
+                // SAFETY: the chunks stay mapped (the guard follows them);
+                // `to` holds `total` bytes.
+                unsafe { std::ptr::copy_nonoverlapping(p, to.add(off), n) };
+                off += n;
+            }
+        };
+        for &(p, _) in &freed {
+            // SAFETY: malloc'd above, freed once.
+            unsafe { libc::free(p.cast()) };
+        }
+        snapshot(before);
+        // SAFETY: the child only leaves, with _exit (the fork handler runs
+        // first).
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(0) };
+        }
+        let mut status = 0;
+        // SAFETY: our child.
+        unsafe { libc::waitpid(pid, &mut status, 0) };
+        snapshot(after);
+        // SAFETY: both mappings hold `total` bytes.
+        let changed = (0..total).filter(|&i| unsafe { before.add(i).read() != after.add(i).read() }).count();
+        drop(r);
+        changed
+    }
+
+    #[test]
+    fn a_forked_child_leaves_the_parents_heap_alone() {
+        // SAFETY: the child runs the check single-threaded and leaves with
+        // _exit, its status saying how it went.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let changed = std::panic::catch_unwind(bytes_a_child_changes_in_freed_heap_chunks).unwrap_or(255);
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(changed.min(255) as i32) };
+        }
+        let mut status = 0;
+        // SAFETY: our child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "the check died: status {status:#x}");
+        let changed = libc::WEXITSTATUS(status);
+        assert_eq!(changed, 0, "a forked child wrote {changed} bytes (255: or more, or the check failed) of the parent's freed heap chunks");
     }
 
     #[test]
