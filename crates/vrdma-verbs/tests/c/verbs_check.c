@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "common.h"
@@ -219,6 +220,18 @@ int main(int argc, char **argv)
 	CHECK(ibv_rereg_mr(mr, IBV_REREG_MR_CHANGE_ACCESS, NULL, NULL, 0, IBV_ACCESS_LOCAL_WRITE) ==
 			      IBV_REREG_MR_ERR_CMD && errno == EOPNOTSUPP, "errno=%d", errno);
 	CHECK(mr->lkey == mr->rkey && mr->addr == buf && mr->length == len, "");
+	/* A forked child gets its own copy of registered memory: its writes
+	 * stay out of the parent's buffer. */
+	buf[0] = 'P';
+	pid_t child = fork();
+	if (child == 0) {
+		buf[0] = 'C';
+		_exit(buf[0] == 'C' ? 0 : 1);
+	}
+	int wstatus = -1;
+	CHECK(child > 0 && waitpid(child, &wstatus, 0) == child && WIFEXITED(wstatus) &&
+		      WEXITSTATUS(wstatus) == 0, "status=%x", wstatus);
+	CHECK(buf[0] == 'P', "the child's write reached the parent: %c", buf[0]);
 	errno = 0;
 	CHECK(ibv_import_pd(ctx, pd->handle) == NULL && errno == EOPNOTSUPP, "errno=%d", errno);
 	errno = 0;
