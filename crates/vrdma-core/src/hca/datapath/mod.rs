@@ -199,6 +199,12 @@ impl Hca {
         }
         self.flush_sends(qpn, io, act);
         if srq.is_some() {
+            // A receive this QP took from its SRQ for a message that never
+            // finished goes back to the SRQ, as on this host when the
+            // requester goes: as if the message had never arrived.
+            for r in requeued.into_iter().rev() {
+                self.requeue_recv(qpn, r);
+            }
             return;
         }
         for _ in 0..bound {

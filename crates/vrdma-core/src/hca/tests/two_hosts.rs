@@ -669,6 +669,38 @@ fn a_held_ack_goes_with_the_next_request_or_when_its_delay_is_over() {
 }
 
 #[test]
+fn a_receive_taken_from_an_srq_for_a_message_cut_short_goes_back_to_the_srq() {
+    let mut t = TwoHosts::new(256);
+    let pd = t.b.env.hca.alloc_pd(C1).unwrap();
+    let (cq, _) = t.b.env.hca.create_cq(C1, 64).unwrap();
+    let (srq, _) = t.b.env.hca.create_srq(C1, pd, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 0 }).unwrap();
+    let buf = t.b.env.mr(C1, pd, 4096, FULL);
+    let on_srq = |env: &mut Env| env.qp(C1, pd, qp_init(cq, cq, Some(srq)));
+    let (b1, b2) = (on_srq(&mut t.b.env), on_srq(&mut t.b.env));
+    let (a1, a2) = (t.a.env.end(C1), t.a.env.end(C1));
+    t.connect(a1.qpn, b1, conn());
+    t.connect(a2.qpn, b2, conn());
+    t.b.env.io.post_srq(srq, recv(50, &[buf.sge(0, 1024)]));
+    // A 700-byte send: its first chunk claims the SRQ's receive for b1...
+    t.a.env.io.post_send(a1.qpn, wr(1, SendOpcode::Send, &[a1.buf.sge(0, 700)], SendFlags::SIGNALED));
+    t.run_a_only(T0);
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    // ...then b1 fails before the rest arrives.
+    t.b.env.modify(b1, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
+    t.b.env.run(T0);
+    // The receive was not lost: b2's message finds it in the SRQ.
+    t.a.env.io.post_send(a2.qpn, wr(2, SendOpcode::Send, &[a2.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run(T0);
+    let got: Vec<(u64, WcStatus, u32)> =
+        t.b.env.poll(cq).iter().map(|c| (c.wr_id, c.status, c.qp_num)).collect();
+    assert!(got.contains(&(50, WcStatus::Success, b2)), "{got:?}");
+    assert_eq!(
+        t.a.env.poll(a2.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        vec![(2, WcStatus::Success)]
+    );
+}
+
+#[test]
 fn a_region_deregistered_mid_send_ends_the_request_in_loc_prot_err() {
     let (mut t, a, b) = TwoHosts::pair(256, conn());
     t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 700)], b.buf.addr, b.buf.key));
