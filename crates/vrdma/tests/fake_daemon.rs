@@ -427,6 +427,16 @@ fn memory_regions_are_shared_with_the_daemon() {
     assert!(dereg < dealloc, "the MR goes before its PD");
 }
 
+/// Whether `addr` lies in a re-backed (shared memfd) mapping of this
+/// process, as `/proc/self/maps` says.
+fn rebacked_at(addr: usize) -> bool {
+    std::fs::read_to_string("/proc/self/maps").unwrap().lines().any(|l| {
+        let (lo, hi) = l.split_whitespace().next().unwrap().split_once('-').unwrap();
+        let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap(), usize::from_str_radix(hi, 16).unwrap());
+        l.contains("vrdma-rebacked") && lo <= addr && addr < hi
+    })
+}
+
 #[test]
 fn register_raw_rebacks_heap_memory() {
     let (fake, ctx) = Fake::start();
@@ -441,15 +451,7 @@ fn register_raw_rebacks_heap_memory() {
     // SAFETY: inside the allocation, which nothing else uses.
     unsafe { std::ptr::copy_nonoverlapping(b"kept".as_ptr(), buf, 4) };
     // Refused access flags leave the memory as it was: not re-backed.
-    let rebacked_here = || {
-        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
-        maps.lines().any(|l| {
-            let range = l.split_whitespace().next().unwrap();
-            let (lo, hi) = range.split_once('-').unwrap();
-            let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap(), usize::from_str_radix(hi, 16).unwrap());
-            l.contains("vrdma-rebacked") && lo <= buf as usize && (buf as usize) < hi
-        })
-    };
+    let rebacked_here = || rebacked_at(buf as usize);
     for (bad, errno) in [
         (AccessFlags::REMOTE_WRITE, libc::EINVAL),
         (AccessFlags::LOCAL_WRITE | AccessFlags::ZERO_BASED, libc::EOPNOTSUPP),
@@ -501,14 +503,7 @@ fn a_forked_child_gets_a_private_copy_of_rebacked_memory() {
     unsafe { std::ptr::copy_nonoverlapping(b"parent".as_ptr(), base, 6) };
     // SAFETY: the allocation is ours and outlives the region.
     let mr = unsafe { pd.register_raw(base, 64, AccessFlags::LOCAL_WRITE) }.unwrap();
-    let shared_at = |addr: usize| {
-        std::fs::read_to_string("/proc/self/maps").unwrap().lines().any(|l| {
-            let (lo, hi) = l.split_whitespace().next().unwrap().split_once('-').unwrap();
-            let (lo, hi) = (usize::from_str_radix(lo, 16).unwrap(), usize::from_str_radix(hi, 16).unwrap());
-            l.contains("vrdma-rebacked") && lo <= addr && addr < hi
-        })
-    };
-    assert!(shared_at(base as usize));
+    assert!(rebacked_at(base as usize));
     // SAFETY: the child only reads and writes the buffer and /proc, then
     // leaves with _exit (no destructors, no test harness).
     let pid = unsafe { libc::fork() };
@@ -516,7 +511,7 @@ fn a_forked_child_gets_a_private_copy_of_rebacked_memory() {
     if pid == 0 {
         // SAFETY: the child's copy of the allocation.
         let got = unsafe { std::slice::from_raw_parts(base, 6) } == b"parent";
-        let private = !shared_at(base as usize);
+        let private = !rebacked_at(base as usize);
         // SAFETY: as above; the child's own copy.
         unsafe { base.write_volatile(b'C') };
         // SAFETY: ends the child at once.
@@ -534,7 +529,7 @@ fn a_forked_child_gets_a_private_copy_of_rebacked_memory() {
     fake.daemon_write(mr.lkey(), 0, b"P");
     // SAFETY: inside the allocation.
     assert_eq!(unsafe { base.read_volatile() }, b'P');
-    assert!(shared_at(base as usize));
+    assert!(rebacked_at(base as usize));
     drop(mr);
     // SAFETY: allocated above with this layout; the region is gone.
     unsafe { std::alloc::dealloc(base, layout) };
