@@ -150,24 +150,29 @@ impl Hca {
         self.contexts.get(&ctx).map(|c| c.tenant).ok_or(HcaError::NoSuchObject { kind: "context", id: ctx.0 })
     }
 
-    /// Charges `objects` and `bytes` of memory (regions, queue rings) to
-    /// the context's tenant, or refuses if that would pass its quota.
+    /// Whether `tenant` may hold `objects` more objects and `bytes` more of
+    /// memory (regions, queue rings) within its quota.
+    fn within_quota(&self, tenant: TenantId, objects: u32, bytes: u64) -> Result<(), HcaError> {
+        let q = self.quota(tenant);
+        let (held, held_bytes) = self.usage(tenant);
+        if held.saturating_add(objects) > q.max_objects {
+            return Err(HcaError::QuotaExceeded(format!("{held} objects held, limit {}", q.max_objects)));
+        }
+        if held_bytes.saturating_add(bytes) > q.max_registered_bytes {
+            return Err(HcaError::QuotaExceeded(format!(
+                "{held_bytes} bytes of memory regions and queue rings held, {bytes} more asked, limit {}",
+                q.max_registered_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Charges `objects` and `bytes` of memory to the context's tenant, or
+    /// refuses if that would pass its quota.
     fn charge(&mut self, ctx: ContextId, objects: u32, bytes: u64) -> Result<(), HcaError> {
         let tenant = self.tenant_of(ctx)?;
-        let q = self.quota(tenant);
+        self.within_quota(tenant, objects, bytes)?;
         let u = self.usage.entry(tenant).or_default();
-        if u.objects + objects > q.max_objects {
-            return Err(HcaError::QuotaExceeded(format!(
-                "{} objects held, limit {}",
-                u.objects, q.max_objects
-            )));
-        }
-        if u.registered_bytes + bytes > q.max_registered_bytes {
-            return Err(HcaError::QuotaExceeded(format!(
-                "{} bytes of memory regions and queue rings held, {} more asked, limit {}",
-                u.registered_bytes, bytes, q.max_registered_bytes
-            )));
-        }
         u.objects += objects;
         u.registered_bytes += bytes;
         Ok(())
@@ -215,15 +220,7 @@ impl Hca {
         if len > self.config.device.max_mr_size {
             return Err(HcaError::invalid(format!("region of {len} bytes is too large")));
         }
-        let tenant = self.tenant_of(ctx)?;
-        let limit = self.quota(tenant).max_registered_bytes;
-        let used = self.usage(tenant).1;
-        if used.saturating_add(len) > limit {
-            return Err(HcaError::QuotaExceeded(format!(
-                "{used} bytes registered, {len} more asked, limit {limit}"
-            )));
-        }
-        Ok(())
+        self.within_quota(self.tenant_of(ctx)?, 0, len)
     }
 
     /// Usage of a tenant: (objects, registered bytes).
@@ -245,4 +242,11 @@ impl Hca {
 /// would be memory the daemon pays for.
 pub(crate) fn ring_bytes(entries: u32, stride: usize) -> u64 {
     u64::from(entries) * stride as u64
+}
+
+/// The memory of a QP's send and receive rings, for the capacities
+/// granted (none for receives taken from an SRQ).
+pub(crate) fn qp_ring_bytes(cap: QpCap) -> u64 {
+    ring_bytes(cap.max_send_wr, crate::ring::send_stride(cap.max_send_sge, cap.max_inline_data))
+        + ring_bytes(cap.max_recv_wr, crate::ring::recv_stride(cap.max_recv_sge))
 }

@@ -399,14 +399,9 @@ fn pattern(len: usize, seed: u8) -> Vec<u8> {
     (0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect()
 }
 
-/// What a CQ of `depth` entries and a QP of `cap()` (no SRQ) charge for
-/// their rings.
+/// What a CQ of `depth` entries charges for its ring.
 fn cq_ring(depth: u32) -> u64 {
     ring_bytes(depth, crate::ring::CQE_SIZE)
-}
-fn qp_ring(cap: QpCap) -> u64 {
-    ring_bytes(cap.max_send_wr, crate::ring::send_stride(cap.max_send_sge, cap.max_inline_data))
-        + ring_bytes(cap.max_recv_wr, crate::ring::recv_stride(cap.max_recv_sge))
 }
 
 fn errno<T: std::fmt::Debug>(r: Result<T, HcaError>) -> i32 {
@@ -1421,7 +1416,7 @@ fn object_quota_counts_every_object_and_refunds() {
     env.hca.dereg_mr(C3, buf.key).unwrap();
     assert_eq!(env.hca.usage(OTHER_TENANT), (2, cq_ring(8)));
     let created = env.hca.create_qp(C3, pd, qp_init(cq, cq, None)).unwrap();
-    assert_eq!(env.hca.usage(OTHER_TENANT), (3, cq_ring(8) + qp_ring(created.cap)));
+    assert_eq!(env.hca.usage(OTHER_TENANT), (3, cq_ring(8) + qp_ring_bytes(created.cap)));
     assert!(env.hca.alloc_pd(C3).is_err());
 }
 
@@ -1467,7 +1462,7 @@ fn queue_rings_count_against_the_memory_quota() {
         max_recv_sge: 16,
         max_inline_data: 256,
     };
-    let one = qp_ring(init.cap);
+    let one = qp_ring_bytes(init.cap);
     env.hca
         .set_quota(OTHER_TENANT, Quota { max_registered_bytes: cq_ring(64) + 2 * one, ..Quota::default() });
     let q1 = env.hca.create_qp(C3, pd, init).unwrap().qpn;
@@ -1533,7 +1528,7 @@ fn queue_depth_quota() {
     assert_eq!(created.cap.max_send_wr, 8);
     let r = env.hca.create_srq(C3, pd, SrqAttr { max_wr: 9, max_sge: 1, srq_limit: 0 });
     assert!(matches!(r, Err(HcaError::QuotaExceeded(_))));
-    assert_eq!(env.hca.usage(OTHER_TENANT), (3, cq_ring(8) + qp_ring(created.cap)));
+    assert_eq!(env.hca.usage(OTHER_TENANT), (3, cq_ring(8) + qp_ring_bytes(created.cap)));
     // Beyond the device's own limit it is an invalid argument, not a quota.
     let r = env.hca.create_cq(C1, MAX_CQE + 1);
     assert!(matches!(r, Err(HcaError::InvalidArgument(_))), "{r:?}");
@@ -1573,7 +1568,7 @@ fn close_context_breaks_peers_and_frees_everything() {
     t.qps.sort();
     t.cqs.sort();
     assert_eq!(t, Teardown { qps: vec![a.qpn], cqs: vec![a.cq], srqs: vec![srq] });
-    let rings = cq_ring(64) + qp_ring(env.hca.query_qp(C2, b.qpn).unwrap().1.cap);
+    let rings = cq_ring(64) + qp_ring_bytes(env.hca.query_qp(C2, b.qpn).unwrap().1.cap);
     assert_eq!(env.hca.usage(TENANT), (4, (64 << 10) + rings), "only C2's PD, CQ, QP and MR remain");
     assert_eq!(env.io.state(b.qpn), Some(QpState::Err));
     assert_eq!(env.io.events, vec![(C2, AsyncEvent { event_type: AsyncEventType::QpFatal, element: b.qpn })]);

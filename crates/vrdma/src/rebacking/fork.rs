@@ -55,9 +55,6 @@ extern "C" fn in_child() {
     let _ = std::panic::catch_unwind(privatize_all);
 }
 
-/// The re-backed mappings' memfd, as `/proc/self/maps` names it.
-const MEMFD_PATH: &[u8] = b"/memfd:vrdma-rebacked";
-
 fn privatize_all() {
     // SAFETY: open, read, mmap, mremap, munmap and close on descriptors
     // and mappings this function owns; no heap.
@@ -113,7 +110,7 @@ fn rebacked_mapping(line: &[u8]) -> Option<(usize, usize, [u8; 4])> {
     let perms: [u8; 4] = fields.next()?.try_into().ok()?;
     // offset, device, inode, then the path.
     let path = fields.nth(3)?;
-    if perms[3] != b's' || !path.starts_with(MEMFD_PATH) {
+    if perms[3] != b's' || !path.starts_with(super::MAPS_PATH_PREFIX.as_bytes()) {
         return None;
     }
     let dash = range.iter().position(|&b| b == b'-')?;

@@ -50,14 +50,7 @@ impl Hca {
             max_recv_sge: if init.srq.is_some() { 0 } else { c.max_recv_sge.max(1) },
             max_inline_data: c.max_inline_data,
         };
-        let ring_bytes = ring_bytes(
-            granted.max_send_wr,
-            crate::ring::send_stride(granted.max_send_sge, granted.max_inline_data),
-        ) + if init.srq.is_some() {
-            0
-        } else {
-            ring_bytes(granted.max_recv_wr, crate::ring::recv_stride(granted.max_recv_sge))
-        };
+        let ring_bytes = qp_ring_bytes(granted);
         self.charge(ctx, 1, ring_bytes)?;
         let qpn = loop {
             let n = self.next_qpn;
