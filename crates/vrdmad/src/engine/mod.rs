@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use rustix::event::{PollFd, PollFlags};
-use vrdma_core::hca::Hca;
+use vrdma_core::hca::{ContextId, Hca, HcaError, Teardown};
 use vrdma_core::time::Instant;
 use vrdma_shm::Doorbell;
 
@@ -36,8 +36,40 @@ pub struct EngineState {
 }
 
 impl EngineState {
+    fn new(hca: Hca, net: Option<crate::net::Net>) -> EngineState {
+        EngineState { hca, rings: RingTable::default(), net, epoch: std::time::Instant::now() }
+    }
+
     pub fn now(&self) -> Instant {
         Instant(self.epoch.elapsed().as_nanos() as u64)
+    }
+
+    /// Deregisters `ctx`'s memory region `key`. Frames already queued for
+    /// other hosts from it keep the bytes it holds now (see
+    /// [`crate::net::LinkIo::keep_payloads`]).
+    pub fn dereg_mr(&mut self, ctx: ContextId, key: u32) -> Result<(), HcaError> {
+        self.hca.dereg_mr(ctx, key)?;
+        self.keep_revoked_payloads();
+        Ok(())
+    }
+
+    /// Destroys everything `ctx` holds (its process closed the device or
+    /// died), keeping queued frames' bytes as [`Self::dereg_mr`] does.
+    pub fn close_context(&mut self, ctx: ContextId) -> Teardown {
+        let t = self.hca.close_context(ctx, &mut self.rings);
+        self.keep_revoked_payloads();
+        t
+    }
+
+    /// Runs in the engine command that revoked regions, before its caller
+    /// hears of it: the tenant cannot have reused the memory yet.
+    fn keep_revoked_payloads(&mut self) {
+        if let Some(net) = self.net.as_mut() {
+            let n = net.keep_payloads(&|r| r.is_revoked());
+            if n > 0 {
+                tracing::debug!(bytes = n, "kept queued payloads of revoked regions");
+            }
+        }
     }
 
     /// One pass over the shared-memory queues and the links.
@@ -114,7 +146,7 @@ impl Engine {
             n.set_handle(handle.clone());
             n
         });
-        let state = EngineState { hca, rings: RingTable::default(), net, epoch: std::time::Instant::now() };
+        let state = EngineState::new(hca, net);
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-engine".into())
@@ -265,5 +297,95 @@ fn sleep(s: &EngineState, wake: &Doorbell, timeout: Option<Duration>) {
     wake.drain();
     for c in s.rings.contexts.values() {
         c.doorbell.drain();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{TcpListener, TcpStream};
+
+    use vrdma_core::hca::{HcaConfig, IoSeg, KeySource, LinkInfo, TenantId, Transmit};
+    use vrdma_core::memory::Region;
+    use vrdma_core::verbs::{AccessFlags, Gid};
+
+    use super::*;
+    use crate::net::{identity, LinkIo, Net, NetSetup};
+
+    struct Keys(u32);
+    impl KeySource for Keys {
+        fn next_key(&mut self) -> u32 {
+            self.0 += 1;
+            self.0
+        }
+    }
+
+    /// An engine state with one link over loopback (the peer's end
+    /// returned) and a context holding a region of `len` bytes of 0xab.
+    fn state_with_region(len: usize) -> (EngineState, TcpStream, ContextId, u32, Region) {
+        let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
+        let gid = Gid::from_ipv4([10, 0, 0, 2]);
+        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
+        let mut net = Net::new(Arc::new(NetSetup {
+            identity: identity(1, Gid::from_ipv4([10, 0, 0, 1]), 1, 65536, vec![7; 16]),
+            listen: "127.0.0.1:0".parse().unwrap(),
+            port: 4791,
+            peers: Vec::new(),
+            keepalive: Duration::from_secs(1),
+            dead: Duration::from_secs(3),
+        }));
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let theirs = l.accept().unwrap().0;
+        net.links.insert(id, LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap());
+        let ctx = ContextId(1);
+        hca.open_context(ctx, TenantId(1000)).unwrap();
+        let pd = hca.alloc_pd(ctx).unwrap();
+        let r = Region::heap(len);
+        r.write(0, &vec![0xab; len]).unwrap();
+        let key = hca.reg_mr(ctx, pd, 0x10000, AccessFlags::LOCAL_WRITE, r.clone()).unwrap();
+        (EngineState::new(hca, Some(net)), theirs, ctx, key, r)
+    }
+
+    /// Queues on the link a frame: a 3-byte header, then all of `r`.
+    fn queue_frame_of(s: &mut EngineState, r: &Region) {
+        let mut t = Transmit::default();
+        t.header.extend([1, 2, 3]);
+        t.payload.push(IoSeg { region: r.clone(), off: 0, len: r.len() });
+        s.net.as_mut().unwrap().links.values_mut().next().unwrap().queue(t);
+    }
+
+    /// Writes the link's queue out and reads it at the peer's end.
+    fn sent(s: &mut EngineState, theirs: &mut TcpStream, n: usize) -> Vec<u8> {
+        theirs.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 64 << 10];
+        let started = std::time::Instant::now();
+        while got.len() < n && started.elapsed() < Duration::from_secs(10) {
+            let now = s.now();
+            s.net.as_mut().unwrap().drive(&mut s.hca, &mut s.rings, now);
+            if let Ok(k) = std::io::Read::read(theirs, &mut buf) {
+                got.extend_from_slice(&buf[..k]);
+            }
+        }
+        got
+    }
+
+    #[test]
+    fn a_frame_queued_before_deregistration_or_close_carries_the_regions_bytes() {
+        for close in [false, true] {
+            let (mut s, mut theirs, ctx, key, r) = state_with_region(4096);
+            queue_frame_of(&mut s, &r);
+            if close {
+                s.close_context(ctx);
+            } else {
+                s.dereg_mr(ctx, key).unwrap();
+            }
+            assert!(r.is_revoked());
+            // The tenant reuses the memory once its call returned.
+            r.write(0, &[0xcd; 4096]).unwrap();
+            let got = sent(&mut s, &mut theirs, 3 + 4096);
+            assert_eq!(got.len(), 3 + 4096, "close {close}: the frame went out");
+            assert!(got[3..].iter().all(|&b| b == 0xab), "close {close}: not the bytes the region held");
+        }
     }
 }

@@ -366,6 +366,11 @@ impl Net {
             .then(|| self.next_keepalive.saturating_duration_since(Clock::now()))
     }
 
+    /// [`LinkIo::keep_payloads`] on every link.
+    pub fn keep_payloads(&mut self, doomed: &dyn Fn(&vrdma_core::memory::Region) -> bool) -> usize {
+        self.links.values_mut().map(|l| l.keep_payloads(doomed)).sum()
+    }
+
     /// Closes every link (daemon shutdown).
     pub fn close_all(&mut self, hca: &mut Hca) {
         for (id, mut l) in std::mem::take(&mut self.links) {

@@ -151,7 +151,7 @@ impl Session {
             for _ in 0..channels {
                 e.hca.refund_object(ctx);
             }
-            let t = e.hca.close_context(ctx, &mut e.rings);
+            let t = e.close_context(ctx);
             for q in t.qps {
                 e.rings.qps.remove(&q);
             }
@@ -220,7 +220,7 @@ impl Session {
                 Reply::Mr { key }.into()
             }
             Request::DeregMr { key } => {
-                self.engine(move |e, c| e.hca.dereg_mr(c, key))??;
+                self.engine(move |e, c| e.dereg_mr(c, key))??;
                 Reply::Done.into()
             }
             Request::CreateCompChannel => self.create_channel()?,
