@@ -14,7 +14,7 @@
 //! Only private anonymous memory (including `[heap]` and `MAP_HUGETLB`
 //! huge pages, which are re-backed whole huge pages at a time by ordinary
 //! shared memory: the daemon refuses hugetlbfs files, see
-//! `vrdma_shm::Segment::map_untrusted`) is re-backed. The
+//! `vrdma_shm::Mapping::map_untrusted`) is re-backed. The
 //! main thread's `[stack]` and the calling thread's stack, file mappings
 //! (whose contents belong to the file) and read-only or unmapped pages are
 //! refused, as is a range that
@@ -32,6 +32,7 @@
 //!
 //! The child of a `fork` gets private copies of re-backed pages ([`fork`]).
 
+mod fds;
 mod fence;
 mod fork;
 
@@ -434,7 +435,7 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     if mapped as usize != pstart {
         return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
     }
-    let fd = seg.try_clone_fd()?;
+    let fd = fds::span_fd(seg.fd())?;
     let ino = rustix::fs::fstat(&fd)?.st_ino;
     // The temporary mapping goes; the file lives on in `fd` and in the
     // application's mapping.
@@ -448,6 +449,7 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
 mod tests {
     use super::*;
     use std::alloc::{alloc_zeroed, dealloc, Layout};
+    use std::os::fd::AsRawFd;
 
     const SAMPLE: &str = "\
 55d0c4a00000-55d0c4a2a000 r--p 00000000 08:01 1234                       /usr/bin/app
@@ -740,6 +742,63 @@ mod tests {
         assert!(libc::WIFEXITED(status), "the check died: status {status:#x}");
         let changed = libc::WEXITSTATUS(status);
         assert_eq!(changed, 0, "a forked child wrote {changed} bytes (255: or more, or the check failed) of the parent's freed heap chunks");
+    }
+
+    /// Under a soft descriptor limit of 64, re-backs 400 separate buffers;
+    /// returns 0 if all went and the span descriptors kept out of the
+    /// program's low numbers, else a code saying what failed.
+    fn many_spans_under_a_low_descriptor_limit() -> i32 {
+        let lim = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        let low = rustix::process::Rlimit { current: Some(64), maximum: lim.maximum };
+        if rustix::process::setrlimit(rustix::process::Resource::Nofile, low).is_err() {
+            return 1;
+        }
+        // Separate allocations of two pages, of which the first is
+        // registered: no two share a page, so each is its own span.
+        let bufs: Vec<Pages> = (0..400).map(|_| Pages::new(2)).collect();
+        let mut spans = Vec::new();
+        for b in &bufs {
+            // SAFETY: a page this test owns, written by no other thread.
+            match unsafe { reback(b.ptr, 16) } {
+                Ok(r) => spans.push(r),
+                Err(_) => return 2,
+            }
+        }
+        if spans.iter().any(|r| r.span.fd().as_raw_fd() < fds::SPAN_FD_BASE) {
+            return 3;
+        }
+        let probe = std::fs::File::open("/dev/null").map(|f| f.as_raw_fd());
+        if !matches!(probe, Ok(n) if n < 64) {
+            return 4;
+        }
+        drop(spans);
+        0
+    }
+
+    #[test]
+    fn hundreds_of_spans_fit_under_a_low_descriptor_limit_and_leave_low_numbers_alone() {
+        // SAFETY: the child runs the check and leaves with _exit, its
+        // status saying how it went; the limit it lowers is its own.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let code = std::panic::catch_unwind(many_spans_under_a_low_descriptor_limit).unwrap_or(255);
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(code) };
+        }
+        let mut status = 0;
+        // SAFETY: our child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(libc::WIFEXITED(status), "the check died: status {status:#x}");
+        let what = match libc::WEXITSTATUS(status) {
+            0 => return,
+            1 => "cannot lower the limit",
+            2 => "a registration failed (out of descriptors?)",
+            3 => "a span's descriptor took a number below 1024",
+            4 => "the program's next descriptor is not a low number",
+            _ => "the check panicked",
+        };
+        panic!("{what}");
     }
 
     #[test]
