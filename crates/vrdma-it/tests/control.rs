@@ -401,3 +401,36 @@ fn stat_lists_thousands_of_qps_in_pages() -> Result<()> {
     conn_works(&mut c)?;
     still_serving(&mut d)
 }
+
+/// The daemon maps a registered region, or a queue's ring, and closes its
+/// descriptor: a tenant's objects, up to its quota, must not use up the
+/// descriptors that every tenant's connections need.
+#[test]
+fn regions_and_queues_hold_no_descriptors_in_the_daemon() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    let pd = conn_works(&mut c)?;
+    let before = settled_fds(&d)?;
+    let sealed = vrdma_shm::Segment::create("it-many", 4096)?;
+    let mut keys = Vec::new();
+    for _ in 0..300 {
+        match c.call(&reg_mr(pd, 4096), &[sealed.fd()])?.reply()? {
+            Reply::Mr { key } => keys.push(key),
+            other => bail!("RegMr answered {other:?}"),
+        }
+    }
+    let with_mrs = settled_fds(&d)?;
+    assert!(with_mrs < before + 10, "300 regions hold {} descriptors in the daemon", with_mrs - before);
+    for _ in 0..300 {
+        match c.call(&Request::CreateCq { cqe: 16, channel: None }, &[])?.reply()? {
+            Reply::Cq { .. } => {}
+            other => bail!("CreateCq answered {other:?}"),
+        }
+    }
+    let with_cqs = settled_fds(&d)?;
+    assert!(with_cqs < with_mrs + 10, "300 CQs hold {} descriptors in the daemon", with_cqs - with_mrs);
+    for key in keys {
+        assert!(matches!(c.call(&Request::DeregMr { key }, &[])?.reply()?, Reply::Done));
+    }
+    Ok(())
+}

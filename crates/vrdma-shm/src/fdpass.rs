@@ -114,7 +114,7 @@ pub fn seqpacket_pair() -> io::Result<(OwnedFd, OwnedFd)> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::segment::Segment;
+    use crate::segment::{Mapping, Segment};
     use std::os::fd::AsFd;
 
     #[test]
@@ -145,7 +145,7 @@ mod tests {
         }
         let db_fd = r.fds.pop().unwrap();
         let seg_fd = r.fds.pop().unwrap();
-        let peer = Segment::map_untrusted(seg_fd, 0, 4096).unwrap();
+        let peer = Mapping::map_untrusted(seg_fd, 0, 4096).unwrap();
         // SAFETY: offset 100 is inside both 4096-byte mappings.
         unsafe {
             seg.as_ptr().add(100).write_volatile(0x5a);

@@ -27,7 +27,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::segment::Segment;
+use vrdma_core::memory::Backing;
 
 /// Bytes before the first slot: two index cache lines and the aux words.
 pub const RING_HEADER: usize = 256;
@@ -88,7 +88,7 @@ pub struct RingView {
     capacity: u32,
     stride: usize,
     /// Keeps the mapping alive when the view was made from a segment.
-    _segment: Option<Arc<Segment>>,
+    _segment: Option<Arc<dyn Backing>>,
     /// Producer lock and private slot buffer that the fill closure writes.
     producer: Mutex<Vec<u8>>,
     /// Consumer lock.
@@ -145,9 +145,10 @@ impl RingView {
         Ok(RingView::build(base, capacity, stride, None))
     }
 
-    /// A view of the ring at `offset` in `seg`, which the view keeps alive.
-    pub fn in_segment(
-        seg: Arc<Segment>,
+    /// A view of the ring at `offset` in `seg` (a [`crate::Segment`] or a
+    /// [`crate::Mapping`]), which the view keeps alive.
+    pub fn in_segment<B: Backing + 'static>(
+        seg: Arc<B>,
         offset: usize,
         capacity: u32,
         stride: usize,
@@ -168,7 +169,7 @@ impl RingView {
         Ok(RingView::build(base, capacity, stride, Some(seg)))
     }
 
-    fn build(base: *mut u8, capacity: u32, stride: usize, seg: Option<Arc<Segment>>) -> RingView {
+    fn build(base: *mut u8, capacity: u32, stride: usize, seg: Option<Arc<dyn Backing>>) -> RingView {
         RingView {
             base,
             capacity,
@@ -366,7 +367,7 @@ impl RingView {
 }
 
 // SAFETY: the view holds a raw pointer into a shared mapping that stays
-// valid for the view's life (kept alive by the Arc<Segment> or promised by
+// valid for the view's life (kept alive by the Arc of its backing or promised by
 // the caller of `new`); the memory is process-wide, so using it from
 // another thread is no different from using it from this one.
 unsafe impl Send for RingView {}
@@ -379,6 +380,7 @@ unsafe impl Sync for RingView {}
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Segment;
 
     fn pair(capacity: u32, stride: usize) -> (RingView, RingView) {
         let seg = Arc::new(Segment::create("vrdma-ring", 4096 + ring_bytes(capacity, stride)).unwrap());

@@ -8,9 +8,14 @@
 //!
 //! Mapping a file that someone else controls is dangerous: if the owner
 //! truncates it, touching the now-missing pages raises `SIGBUS` in every
-//! process that maps them. [`Segment::map_untrusted`] therefore accepts
+//! process that maps them. [`Mapping::map_untrusted`] therefore accepts
 //! only files that carry `F_SEAL_SHRINK`, which the kernel enforces for
 //! everybody, owner included, for the rest of the file's life.
+//!
+//! A [`Mapping`] keeps no descriptor: the mapping holds the file by
+//! itself. The daemon maps every registered region that way, so a tenant
+//! with thousands of regions costs the daemon no descriptors, which all
+//! tenants share.
 
 use std::fmt;
 use std::io;
@@ -59,10 +64,9 @@ impl From<SegmentError> for io::Error {
     }
 }
 
-/// A live `MAP_SHARED`, read-write mapping of (part of) a memfd, together
-/// with the descriptor it maps.
-pub struct Segment {
-    fd: OwnedFd,
+/// A live `MAP_SHARED`, read-write mapping of (part of) a memfd, without
+/// its descriptor.
+pub struct Mapping {
     ptr: NonNull<u8>,
     /// Bytes the caller may use, starting at `ptr`.
     len: usize,
@@ -70,12 +74,24 @@ pub struct Segment {
     map_len: usize,
 }
 
+impl fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mapping").field("ptr", &self.ptr).field("len", &self.len).finish()
+    }
+}
+
+/// A [`Mapping`] together with the descriptor it maps.
+pub struct Segment {
+    fd: OwnedFd,
+    map: Mapping,
+}
+
 impl fmt::Debug for Segment {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Segment")
             .field("fd", &self.fd)
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
+            .field("ptr", &self.map.ptr)
+            .field("len", &self.map.len)
             .finish()
     }
 }
@@ -113,13 +129,69 @@ impl Segment {
         Segment::map(fd, 0, size)
     }
 
+    /// Maps the first `len` bytes of a descriptor from a trusted source,
+    /// such as a ring segment the daemon created (and sealed) for us.
+    ///
+    /// No seal is required, but the file must be at least `len` bytes.
+    pub fn map_trusted(fd: OwnedFd, len: usize) -> Result<Segment, SegmentError> {
+        if len == 0 {
+            return Err(SegmentError::Empty);
+        }
+        check_size(&fd, 0, len)?;
+        Ok(Segment::map(fd, 0, len)?)
+    }
+
+    fn map(fd: OwnedFd, offset: u64, len: usize) -> io::Result<Segment> {
+        let map = Mapping::map(&fd, offset, len)?;
+        Ok(Segment { fd, map })
+    }
+
+    /// The descriptor and the mapping apart: a daemon sends the descriptor
+    /// to the tenant and keeps only the mapping, so that the tenant's
+    /// queues cost it no descriptors.
+    pub fn into_parts(self) -> (OwnedFd, Mapping) {
+        (self.fd, self.map)
+    }
+
+    /// The mapped descriptor.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// A new descriptor for the same file, e.g. to send to a peer.
+    pub fn try_clone_fd(&self) -> io::Result<OwnedFd> {
+        self.fd.try_clone()
+    }
+
+    /// Start of the mapping (page-aligned).
+    ///
+    /// The memory may be written by another process at any time: read and
+    /// write it with raw copies or atomics, never through references.
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+
+    /// Usable bytes from [`as_ptr`](Segment::as_ptr). For
+    /// [`create`](Segment::create) this is the size rounded up to pages.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Always false: a segment has at least one byte.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl Mapping {
     /// Maps `[offset, offset+len)` of a descriptor received from a peer
     /// that may be hostile.
     ///
     /// The file must be a memfd sealed with `F_SEAL_SHRINK` (so that it can
     /// never lose the pages we map), at least `offset + len` bytes long,
-    /// and `offset` must be page-aligned.
-    pub fn map_untrusted(fd: OwnedFd, offset: u64, len: usize) -> Result<Segment, SegmentError> {
+    /// and `offset` must be page-aligned. The descriptor is closed once
+    /// mapped.
+    pub fn map_untrusted(fd: OwnedFd, offset: u64, len: usize) -> Result<Mapping, SegmentError> {
         if len == 0 {
             return Err(SegmentError::Empty);
         }
@@ -139,23 +211,12 @@ impl Segment {
         }
         // The size is checked after the seal: from now on it cannot drop.
         check_size(&fd, offset, len)?;
-        Ok(Segment::map(fd, offset, len)?)
-    }
-
-    /// Maps the first `len` bytes of a descriptor from a trusted source,
-    /// such as a ring segment the daemon created (and sealed) for us.
-    ///
-    /// No seal is required, but the file must be at least `len` bytes.
-    pub fn map_trusted(fd: OwnedFd, len: usize) -> Result<Segment, SegmentError> {
-        if len == 0 {
-            return Err(SegmentError::Empty);
-        }
-        check_size(&fd, 0, len)?;
-        Ok(Segment::map(fd, 0, len)?)
+        // The descriptor closes here; the mapping keeps the file.
+        Ok(Mapping::map(&fd, offset, len)?)
     }
 
     /// `mmap(MAP_SHARED, RW)` of `[offset, offset+len)`, whole pages.
-    fn map(fd: OwnedFd, offset: u64, len: usize) -> io::Result<Segment> {
+    fn map(fd: &OwnedFd, offset: u64, len: usize) -> io::Result<Mapping> {
         let map_len = round_to_page(len)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
         // SAFETY: a fresh mapping at an address the kernel picks (null hint,
@@ -166,23 +227,13 @@ impl Segment {
                 map_len,
                 ProtFlags::READ | ProtFlags::WRITE,
                 MapFlags::SHARED,
-                &fd,
+                fd,
                 offset,
             )?
         };
         let ptr =
             NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
-        Ok(Segment { fd, ptr, len, map_len })
-    }
-
-    /// The mapped descriptor.
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
-    }
-
-    /// A new descriptor for the same file, e.g. to send to a peer.
-    pub fn try_clone_fd(&self) -> io::Result<OwnedFd> {
-        self.fd.try_clone()
+        Ok(Mapping { ptr, len, map_len })
     }
 
     /// Start of the mapping (page-aligned).
@@ -193,13 +244,12 @@ impl Segment {
         self.ptr.as_ptr()
     }
 
-    /// Usable bytes from [`as_ptr`](Segment::as_ptr). For
-    /// [`create`](Segment::create) this is the size rounded up to pages.
+    /// Usable bytes from [`as_ptr`](Mapping::as_ptr).
     pub fn len(&self) -> usize {
         self.len
     }
 
-    /// Always false: a segment has at least one byte.
+    /// Always false: a mapping has at least one byte.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
@@ -219,7 +269,7 @@ fn check_size(fd: &OwnedFd, offset: u64, len: usize) -> Result<(), SegmentError>
     Ok(())
 }
 
-impl Drop for Segment {
+impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`map_len` are exactly the mapping made in `map`,
         // unmapped only here; every borrower of the memory (rings, regions)
@@ -230,22 +280,32 @@ impl Drop for Segment {
     }
 }
 
-// SAFETY: a Segment owns its descriptor and mapping outright; the raw
-// pointer is only an address of process-wide memory, valid from any thread
-// until Drop, and the type itself offers no unsynchronised mutation (users
-// reach the bytes through raw copies and atomics).
-unsafe impl Send for Segment {}
-// SAFETY: `&Segment` exposes only the address, length and descriptor, all
-// immutable; concurrent access to the mapped bytes is the users' business
-// and already has to tolerate a concurrent writer in the other process.
-unsafe impl Sync for Segment {}
+// SAFETY: a Mapping owns its mapping outright; the raw pointer is only an
+// address of process-wide memory, valid from any thread until Drop, and
+// the type itself offers no unsynchronised mutation (users reach the bytes
+// through raw copies and atomics).
+unsafe impl Send for Mapping {}
+// SAFETY: `&Mapping` exposes only the address and length, both immutable;
+// concurrent access to the mapped bytes is the users' business and already
+// has to tolerate a concurrent writer in the other process.
+unsafe impl Sync for Mapping {}
 
 // SAFETY: `as_ptr()..as_ptr()+len()` lies inside a read-write MAP_SHARED
 // mapping that is created in `map`, never moved or remapped, and unmapped
-// only in Drop, so it stays live while the Segment lives. The file cannot
+// only in Drop, so it stays live while the Mapping lives. The file cannot
 // shrink underneath it: created segments are sealed by us, untrusted ones
 // are refused unless F_SEAL_SHRINK is set, and trusted ones come from a
 // daemon that seals them.
+unsafe impl vrdma_core::memory::Backing for Mapping {
+    fn as_ptr(&self) -> *mut u8 {
+        Mapping::as_ptr(self)
+    }
+    fn len(&self) -> usize {
+        Mapping::len(self)
+    }
+}
+
+// SAFETY: a Segment's bytes are its Mapping's (above), which it owns.
 unsafe impl vrdma_core::memory::Backing for Segment {
     fn as_ptr(&self) -> *mut u8 {
         Segment::as_ptr(self)
@@ -286,17 +346,39 @@ mod tests {
             return;
         }
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK).unwrap();
-        assert!(matches!(Segment::map_untrusted(fd, 0, 4096), Err(SegmentError::HugeTlb)));
+        assert!(matches!(Mapping::map_untrusted(fd, 0, 4096), Err(SegmentError::HugeTlb)));
     }
     use std::sync::atomic::{AtomicU64, Ordering};
 
-    fn write_byte(seg: &Segment, at: usize, v: u8) {
+    /// The bytes of a segment or a mapping.
+    trait Bytes {
+        fn as_ptr(&self) -> *mut u8;
+        fn len(&self) -> usize;
+    }
+    impl Bytes for Segment {
+        fn as_ptr(&self) -> *mut u8 {
+            Segment::as_ptr(self)
+        }
+        fn len(&self) -> usize {
+            Segment::len(self)
+        }
+    }
+    impl Bytes for Mapping {
+        fn as_ptr(&self) -> *mut u8 {
+            Mapping::as_ptr(self)
+        }
+        fn len(&self) -> usize {
+            Mapping::len(self)
+        }
+    }
+
+    fn write_byte(seg: &dyn Bytes, at: usize, v: u8) {
         assert!(at < seg.len());
         // SAFETY: `at` is within the mapping (asserted).
         unsafe { seg.as_ptr().add(at).write_volatile(v) }
     }
 
-    fn read_byte(seg: &Segment, at: usize) -> u8 {
+    fn read_byte(seg: &dyn Bytes, at: usize) -> u8 {
         assert!(at < seg.len());
         // SAFETY: `at` is within the mapping (asserted).
         unsafe { seg.as_ptr().add(at).read_volatile() }
@@ -317,7 +399,7 @@ mod tests {
     #[test]
     fn second_mapping_sees_writes() {
         let a = Segment::create("vrdma-test", 3 * page_size()).unwrap();
-        let b = Segment::map_untrusted(a.try_clone_fd().unwrap(), 0, a.len()).unwrap();
+        let b = Mapping::map_untrusted(a.try_clone_fd().unwrap(), 0, a.len()).unwrap();
         let c = Segment::map_trusted(a.try_clone_fd().unwrap(), a.len()).unwrap();
         write_byte(&a, 5, 0xab);
         assert_eq!(read_byte(&b, 5), 0xab);
@@ -327,7 +409,7 @@ mod tests {
 
         // An offset mapping sees the right page.
         let p = page_size();
-        let d = Segment::map_untrusted(a.try_clone_fd().unwrap(), p as u64, 10).unwrap();
+        let d = Mapping::map_untrusted(a.try_clone_fd().unwrap(), p as u64, 10).unwrap();
         write_byte(&a, p + 3, 42);
         assert_eq!(read_byte(&d, 3), 42);
         assert_eq!(d.len(), 10);
@@ -365,22 +447,22 @@ mod tests {
     #[test]
     fn untrusted_rejects_unsealed() {
         let fd = unsealed_memfd(4096);
-        assert!(matches!(Segment::map_untrusted(fd, 0, 4096), Err(SegmentError::NotSealed)));
+        assert!(matches!(Mapping::map_untrusted(fd, 0, 4096), Err(SegmentError::NotSealed)));
         // Without ALLOW_SEALING the kernel sets F_SEAL_SEAL only.
         let fd = rustix::fs::memfd_create("vrdma-nosealing", MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&fd, 4096).unwrap();
-        assert!(matches!(Segment::map_untrusted(fd, 0, 4096), Err(SegmentError::NotSealed)));
+        assert!(matches!(Mapping::map_untrusted(fd, 0, 4096), Err(SegmentError::NotSealed)));
     }
 
     #[test]
     fn untrusted_rejects_too_small() {
         let seg = Segment::create("vrdma-test", 4096).unwrap();
         let size = seg.len();
-        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), 0, size + 1).unwrap_err();
+        let e = Mapping::map_untrusted(seg.try_clone_fd().unwrap(), 0, size + 1).unwrap_err();
         assert!(matches!(e, SegmentError::TooSmall { .. }), "{e}");
-        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), page_size() as u64, 1).unwrap_err();
+        let e = Mapping::map_untrusted(seg.try_clone_fd().unwrap(), page_size() as u64, 1).unwrap_err();
         assert!(matches!(e, SegmentError::TooSmall { .. }), "{e}");
-        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), u64::MAX - 4095, usize::MAX).unwrap_err();
+        let e = Mapping::map_untrusted(seg.try_clone_fd().unwrap(), u64::MAX - 4095, usize::MAX).unwrap_err();
         assert!(matches!(e, SegmentError::TooSmall { .. } | SegmentError::Unaligned { .. }), "{e}");
         let e = Segment::map_trusted(seg.try_clone_fd().unwrap(), size + 1).unwrap_err();
         assert!(matches!(e, SegmentError::TooSmall { .. }), "{e}");
@@ -389,9 +471,9 @@ mod tests {
     #[test]
     fn untrusted_rejects_unaligned_and_empty() {
         let seg = Segment::create("vrdma-test", 2 * page_size()).unwrap();
-        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), 1, 16).unwrap_err();
+        let e = Mapping::map_untrusted(seg.try_clone_fd().unwrap(), 1, 16).unwrap_err();
         assert!(matches!(e, SegmentError::Unaligned { offset: 1 }), "{e}");
-        let e = Segment::map_untrusted(seg.try_clone_fd().unwrap(), 0, 0).unwrap_err();
+        let e = Mapping::map_untrusted(seg.try_clone_fd().unwrap(), 0, 0).unwrap_err();
         assert!(matches!(e, SegmentError::Empty), "{e}");
         let e = Segment::map_trusted(seg.try_clone_fd().unwrap(), 0).unwrap_err();
         assert!(matches!(e, SegmentError::Empty), "{e}");
@@ -400,7 +482,7 @@ mod tests {
     #[test]
     fn untrusted_rejects_non_memfd() {
         let (r, w) = rustix::pipe::pipe().unwrap();
-        assert!(matches!(Segment::map_untrusted(r, 0, 4096), Err(SegmentError::NotMemfd(_))));
+        assert!(matches!(Mapping::map_untrusted(r, 0, 4096), Err(SegmentError::NotMemfd(_))));
         // A pipe is not a regular file either, which map_trusted checks.
         assert!(matches!(Segment::map_trusted(w, 4096), Err(SegmentError::NotRegular)));
         let e: io::Error = SegmentError::NotSealed.into();

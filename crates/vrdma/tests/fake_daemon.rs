@@ -42,7 +42,7 @@ struct State {
     qps: HashMap<u32, FakeQp>,
     srqs: HashMap<u32, Arc<RingView>>,
     /// key -> (daemon's mapping of the region's pages, offset of its first byte)
-    mrs: HashMap<u32, (Segment, usize)>,
+    mrs: HashMap<u32, (vrdma_shm::Mapping, usize)>,
     /// What `StatPage` requests are answered, in turn.
     stat_pages: std::collections::VecDeque<StatPage>,
 }
@@ -133,7 +133,8 @@ impl Fake {
                 let page = page_size() as u64;
                 let base = fd_offset & !(page - 1);
                 let inner = (fd_offset - base) as usize;
-                let seg = Segment::map_untrusted(fds.pop().unwrap(), base, inner + *len as usize).unwrap();
+                let seg = vrdma_shm::Mapping::map_untrusted(fds.pop().unwrap(), base, inner + *len as usize)
+                    .unwrap();
                 st.mrs.insert(id, (seg, inner));
                 (Reply::Mr { key: id }, vec![])
             }

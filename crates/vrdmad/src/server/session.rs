@@ -19,7 +19,7 @@ use vrdma_core::proto::{
     CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, PROTOCOL_VERSION,
 };
 use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
-use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, RingView, Segment};
+use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
 
 use super::Shared;
 use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
@@ -312,7 +312,8 @@ impl Session {
             ));
         }
         let len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
-        let seg = Arc::new(Segment::create("vrdma-context", len)?);
+        let (seg_fd, seg) = Segment::create("vrdma-context", len)?.into_parts();
+        let seg = Arc::new(seg);
         let events = RingView::in_segment(seg.clone(), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         // The tenant gets the ringing end of its doorbell and the waiting
@@ -320,7 +321,7 @@ impl Session {
         let (doorbell, doorbell_tenant) = Doorbell::pair()?;
         let doorbell = Arc::new(doorbell);
         let (event_fd, event_tenant) = Doorbell::pair()?;
-        let fds = vec![seg.try_clone_fd()?, doorbell_tenant.into(), event_tenant.into()];
+        let fds = vec![seg_fd, doorbell_tenant.into(), event_tenant.into()];
         let tenant = self.tenant;
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
@@ -347,7 +348,8 @@ impl Session {
 
     fn create_channel(&mut self) -> Result<Answer, Answer> {
         let len = ring_bytes(CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE);
-        let seg = Arc::new(Segment::create("vrdma-channel", len)?);
+        let (seg_fd, seg) = Segment::create("vrdma-channel", len)?.into_parts();
+        let seg = Arc::new(seg);
         let ring = RingView::in_segment(seg.clone(), 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         let (fd, tenant_end) = Doorbell::pair()?;
@@ -355,7 +357,7 @@ impl Session {
         // many as the ring holds, as far as net.core.wmem_max allows.
         let max_unread =
             fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
-        let fds = vec![seg.try_clone_fd()?, tenant_end.into()];
+        let fds = vec![seg_fd, tenant_end.into()];
         // A channel counts against the tenant's object quota: it holds a
         // mapping and descriptors in the daemon.
         let channel = self.engine(move |e, c| {
@@ -388,10 +390,10 @@ impl Session {
             e.hca.create_cq(c, cqe)
         })??;
         let made = (|| {
-            let seg = Arc::new(Segment::create("vrdma-cq", ring_bytes(depth, CQE_SIZE))?);
+            let (fd, seg) = Segment::create("vrdma-cq", ring_bytes(depth, CQE_SIZE))?.into_parts();
+            let seg = Arc::new(seg);
             let ring = RingView::in_segment(seg.clone(), 0, depth, CQE_SIZE)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
-            let fd = seg.try_clone_fd()?;
             Ok::<_, Answer>((seg, ring, fd))
         })();
         // Anything that fails after the core made the object destroys it:
@@ -424,10 +426,10 @@ impl Session {
         let (srq, granted) = self.engine(move |e, c| e.hca.create_srq(c, pd, attr))??;
         let stride = recv_stride(granted.max_sge);
         let made = (|| {
-            let seg = Arc::new(Segment::create("vrdma-srq", ring_bytes(granted.max_wr, stride))?);
+            let (fd, seg) = Segment::create("vrdma-srq", ring_bytes(granted.max_wr, stride))?.into_parts();
+            let seg = Arc::new(seg);
             let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
-            let fd = seg.try_clone_fd()?;
             Ok::<_, Answer>((seg, ring, fd))
         })();
         let (seg, ring, fd) = match made {
@@ -468,13 +470,13 @@ impl Session {
         let total = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
         let qpn = created.qpn;
         let made = (|| {
-            let seg = Arc::new(Segment::create("vrdma-qp", total)?);
+            let (fd, seg) = Segment::create("vrdma-qp", total)?.into_parts();
+            let seg = Arc::new(seg);
             let view = |r: RingSpec| {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
             };
             let rings = QpRings::new(InRing::new(view(sq)?), rq.map(view).transpose()?.map(InRing::new));
-            let fd = seg.try_clone_fd()?;
             Ok::<_, Answer>((seg.clone(), rings, fd))
         })();
         let (seg, rings, fd) = match made {
@@ -507,7 +509,7 @@ fn map_region(fd: OwnedFd, fd_offset: u64, len: u64) -> Result<Region, Answer> {
         .and_then(|l| inner.checked_add(l))
         .and_then(|n| n.checked_next_multiple_of(page as usize))
         .ok_or_else(too_large)?;
-    let seg = Segment::map_untrusted(fd, start, span).map_err(|e| error(EINVAL, e.to_string()))?;
+    let seg = Mapping::map_untrusted(fd, start, span).map_err(|e| error(EINVAL, e.to_string()))?;
     let backing: Arc<dyn Backing> = Arc::new(seg);
     Region::new(backing, inner, len as usize).map_err(|e| error(EINVAL, e.to_string()))
 }
