@@ -202,6 +202,12 @@ impl Hca {
         if s.hold_until > now {
             act.timer(s.hold_until);
         }
+        // Whatever is outstanding is timed (unless the timeout is
+        // infinite), so that a QP whose peer went silent always ends.
+        if s.ack_deadline.is_none() && !s.sent.is_empty() {
+            let from = now.max(s.hold_until);
+            s.ack_deadline = timers::ack_timeout(attr.timeout).map(|t| from + t);
+        }
         let Some(deadline) = s.ack_deadline else { return };
         if now < deadline {
             act.timer(deadline);
@@ -213,10 +219,16 @@ impl Hca {
             return;
         }
         s.retries_left -= 1;
+        // Everything unanswered goes again, from the oldest request (the
+        // peer drops what it had not accepted, e.g. before it was in RTR,
+        // and answers duplicates without executing them twice).
+        s.tx = 0;
+        s.tx_off = 0;
         let t = timers::ack_timeout(attr.timeout).unwrap_or(std::time::Duration::from_secs(1));
         s.ack_deadline = Some(now + t);
+        act.busy = true;
         act.timer(now + t);
-        tracing::debug!(qpn, left = s.retries_left, "transport timer expired");
+        tracing::debug!(qpn, left = s.retries_left, "transport timer expired; sending again");
     }
 
     /// Takes the next request from the send queue into `sent`. Returns
@@ -343,13 +355,13 @@ impl Hca {
                 rs.ack_flush = true;
             }
         }
+        // The transport timer runs from the last frame sent: a long
+        // message is answered only at its end, and the time its frames
+        // take to go out is not the peer's silence.
+        let timeout = self.qps[&qpn].attr.timeout;
         let s = self.send_state(qpn)?;
         s.last_sent = now;
-        if s.ack_deadline.is_none() {
-            let timeout = self.qps[&qpn].attr.timeout;
-            let s = self.send_state(qpn)?;
-            s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
-        }
+        s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
         Some(t)
     }
 
@@ -542,6 +554,11 @@ impl Hca {
             self.net.dropped(link, "read response for no outstanding read");
             return (Sink::Discard, AfterPayload::Nothing);
         };
+        if psn_diff(hdr.psn, want_psn) < 0 {
+            // The answer to a read sent again, for bytes already placed.
+            self.net.dropped(link, "duplicate read response");
+            return (Sink::Discard, AfterPayload::Nothing);
+        }
         let n = u64::from(hdr.payload_len);
         let in_order = hdr.psn == want_psn
             && u64::from(hdr.msg_offset) == placed
@@ -601,6 +618,11 @@ impl Hca {
         if last {
             let total = head.placed as u32;
             self.complete_head(qpn, total, now, io);
+        } else if let Some(t) = timers::ack_timeout(self.qps[&qpn].attr.timeout) {
+            // A long read's answer is progress too.
+            if let Some(s) = self.send_state(qpn) {
+                s.ack_deadline = Some(now + t);
+            }
         }
     }
 
@@ -670,7 +692,12 @@ impl Hca {
             s.rnr_left -= 1;
         }
         s.hold_until = now + timers::rnr_delay(timer);
-        s.ack_deadline = None;
+        // The timer starts again once the delay is over (the frame going
+        // out again restarts it; if it cannot, the QP still ends).
+        let timeout = self.qps[&qpn].attr.timeout;
+        let s = self.send_state(qpn).expect("checked");
+        let resume = s.hold_until;
+        s.ack_deadline = timers::ack_timeout(timeout).map(|t| resume + t);
         let chunk = self.send_chunk(qpn);
         let s = self.send_state(qpn).expect("checked");
         if !Self::rewind(s, psn, chunk) {

@@ -67,6 +67,9 @@ pub(crate) struct RemoteRecv {
     pub ack_flush: bool,
     /// The message a frame being placed belongs to completes with it.
     pending: Option<Finish>,
+    /// The last atomics executed, by PSN, with the value each returned:
+    /// a duplicate is answered from here, never executed twice.
+    atomics: VecDeque<(u32, u64)>,
 }
 
 /// What completes when the payload of the frame being placed is in.
@@ -93,6 +96,7 @@ impl RemoteRecv {
             ack_hold: Instant::ZERO,
             ack_flush: false,
             pending: None,
+            atomics: VecDeque::new(),
         }
     }
 
@@ -237,12 +241,7 @@ impl Hca {
         }
         let d = psn_diff(hdr.psn, rs.epsn);
         if d < 0 {
-            // A duplicate (the requester went back): not executed again;
-            // a completed message is acknowledged again.
-            if hdr.opcode.is_last() || hdr.opcode.is_only() {
-                let (psn, msn) = (psn_add(rs.epsn, MAX_24), rs.msn);
-                rs.responses.push_back(Response::Ack { psn, syndrome: Syndrome::Ack, msn });
-            }
+            self.answer_duplicate(qpn, hdr);
             self.net.dropped(link, "duplicate request");
             return (Sink::Discard, AfterPayload::Nothing);
         }
@@ -272,6 +271,57 @@ impl Hca {
                 self.net.dropped(link, "request refused (NAK)");
                 (Sink::Discard, AfterPayload::Nothing)
             }
+        }
+    }
+
+    /// A request the requester sent again (after its timer expired) that
+    /// this QP had accepted already: a completed message is acknowledged
+    /// again, a read is executed again (it changes nothing), an atomic is
+    /// answered with the value it returned the first time. Nothing is
+    /// placed or executed twice; what cannot be answered is dropped.
+    fn answer_duplicate(&mut self, qpn: u32, hdr: &DataRepr) {
+        use Opcode::*;
+        let reads = self.reads_queued(qpn);
+        let Some(rs) = self.recv_state(qpn) else { return };
+        let (msn, epsn) = (rs.msn, rs.epsn);
+        let qp = &self.qps[&qpn];
+        let (pd, access) = (qp.pd, qp.attr.qp_access_flags);
+        let readable = |hca: &Hca, reth: &crate::wire::Reth| {
+            let len = u64::from(reth.dma_len);
+            access.contains(AccessFlags::REMOTE_READ)
+                && (len == 0
+                    || hca
+                        .remote_mr(pd, reth.rkey, AccessFlags::REMOTE_READ)
+                        .and_then(|m| m.offset_of(reth.va, len))
+                        .is_some())
+        };
+        let answer = match hdr.opcode {
+            ReadRequest => match hdr.reth {
+                Some(reth) if reads < MAX_READS && readable(self, &reth) => Some(Response::Read {
+                    first_psn: hdr.psn,
+                    rkey: reth.rkey,
+                    va: reth.va,
+                    len: u64::from(reth.dma_len),
+                    sent: 0,
+                    msn,
+                }),
+                _ => None,
+            },
+            CompareSwap | FetchAdd if reads < MAX_READS => {
+                let rs = self.recv_state(qpn).expect("exists");
+                rs.atomics.iter().find(|(psn, _)| *psn == hdr.psn).map(|&(psn, orig)| Response::AtomicAck {
+                    psn,
+                    orig,
+                    msn,
+                })
+            }
+            _ if hdr.opcode.is_last() || hdr.opcode.is_only() => {
+                Some(Response::Ack { psn: psn_add(epsn, MAX_24), syndrome: Syndrome::Ack, msn })
+            }
+            _ => None,
+        };
+        if let Some(a) = answer {
+            self.recv_state(qpn).expect("exists").responses.push_back(a);
         }
     }
 
@@ -402,6 +452,10 @@ impl Hca {
                 };
                 let Ok(orig) = old else { return Step::Refuse(Refusal::invalid(None)) };
                 let rs = self.recv_state(qpn).expect("exists");
+                if rs.atomics.len() >= MAX_READS {
+                    rs.atomics.pop_front();
+                }
+                rs.atomics.push_back((hdr.psn, orig));
                 rs.msn = psn_add(rs.msn, 1);
                 let msn = rs.msn;
                 rs.responses.push_back(Response::AtomicAck { psn: hdr.psn, orig, msn });
@@ -514,8 +568,16 @@ impl Hca {
             Some(t) if now.saturating_since(t) < BIDIRECTIONAL => self.config.ack_delay,
             _ => std::time::Duration::ZERO,
         };
+        let live = self.qps.get(&qpn).is_some_and(|q| q.accepts_incoming());
         let Some(rs) = self.recv_state(qpn) else { return };
         let Some(f) = rs.pending.take() else { return };
+        if !live {
+            // The QP failed while the payload came (its flush took the
+            // receive): nothing completes and nothing is acknowledged, so
+            // the requester cannot count the message as delivered.
+            rs.cur = None;
+            return;
+        }
         let cur = rs.cur.take();
         if !f.last {
             rs.cur = match cur {

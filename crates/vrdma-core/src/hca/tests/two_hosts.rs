@@ -930,3 +930,252 @@ fn closing_a_context_breaks_no_qp_connected_to_another_host_with_the_same_number
     t.run(T0);
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
 }
+
+/// After an RNR NAK the transport timer runs again from the end of the
+/// RNR delay, so a link lost meanwhile still ends the WR (it hung).
+#[test]
+fn an_rnr_nak_then_a_lost_link_still_ends_by_the_transport_timer() {
+    let (mut t, a, _b) = TwoHosts::pair(256, conn());
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    // B has no receive posted: RNR NAK.
+    t.run(T0);
+    assert!(t.log.iter().any(|(d, op, _)| *d == '<' && *op == crate::wire::Opcode::Acknowledge));
+    assert!(t.a.env.poll(a.cq).is_empty());
+    // The link goes down before the RNR delay is over.
+    t.a.env.hca.link_down(t.a.link);
+    t.b.env.hca.link_down(t.b.link);
+    // Far more than (retry_cnt + 1) transport timeouts and rnr_retry RNR delays.
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let mut now = T0;
+    for _ in 0..20 {
+        now = now + tick + timers::rnr_delay(1) + Duration::from_micros(1);
+        t.run_a_only(now);
+    }
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::Send, a.qpn, 0)],
+        "the send neither completed nor failed: QP {:?}",
+        t.a.env.io.state(a.qpn)
+    );
+}
+
+/// A request that reaches the responder before its QP is in RTR is
+/// dropped, as IB drops it; the requester's transport timer sends it
+/// again, and it is delivered once the peer is in RTR, as on one host.
+#[test]
+fn a_request_sent_before_the_peer_is_in_rtr_is_sent_again_and_delivered() {
+    let mut t = TwoHosts::new(256);
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    // A is connected first and posts at once; B is still in RESET.
+    connect_side(&mut t.a.env, a.qpn, b.qpn, IP_B, conn());
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    // B reaches RTS a moment later, well inside A's timeout * (retry_cnt+1).
+    connect_side(&mut t.b.env, b.qpn, a.qpn, IP_A, conn());
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let mut now = T0;
+    for _ in 0..4 {
+        now = now + tick + Duration::from_nanos(1);
+        t.run(now);
+    }
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
+/// A responder QP that goes to ERR while the payload of a send arrives
+/// flushes the receive the send had claimed; the message is then never
+/// acknowledged, so the sender ends in RETRY_EXC_ERR, never SUCCESS.
+#[test]
+fn a_send_whose_receiver_failed_mid_payload_never_completes_successfully() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 8)]));
+    t.b.env.step(T0);
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run_a_only(T0);
+    assert!(matches!(header_reaches_b(&mut t), Sink::Place(_)), "receive 10 claimed");
+    // The application moves B's QP to ERR while the payload is on its way;
+    // the engine flushes it.
+    t.b.env
+        .modify(b.qpn, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)
+        .unwrap();
+    t.b.env.run(T0);
+    let b_done = t.b.env.poll(b.cq);
+    assert_eq!(b_done, vec![recv_err(10, WcStatus::WrFlushErr, b.qpn)]);
+    // The payload ends.
+    t.b.env.hca.data_placed(t.b.link, T0, &mut t.b.env.io);
+    t.run(T0);
+    // The first try and the retry go unanswered (B's QP drops them).
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let mut now = T0;
+    for _ in 0..=conn().retry_cnt {
+        now = now + tick + Duration::from_nanos(1);
+        t.run(now);
+    }
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::Send, a.qpn, 0)],
+        "the receiver flushed its receive: {b_done:?}"
+    );
+}
+
+/// The transport timer runs from the last frame sent: a message that
+/// takes longer to send than timeout * (retry_cnt + 1) (here 16 MiB at
+/// 1 GB/s, 16 ms, against 4.2 ms * 3) completes on a healthy link.
+#[test]
+fn a_large_write_on_a_healthy_link_does_not_time_out() {
+    let c = Conn { timeout: 10, retry_cnt: 2, ..conn() };
+    let mut t = TwoHosts::new(64 << 10);
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    t.connect(a.qpn, b.qpn, c);
+    const LEN: usize = 16 << 20;
+    let src = t.a.env.mr(C1, a.pd, LEN, FULL);
+    let dst = t.b.env.mr(C1, b.pd, LEN, FULL);
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[src.sge(0, LEN as u32)], dst.addr, dst.key));
+    // The link carries 64 KiB every 64 us (1 GB/s); every frame is
+    // delivered and answered as soon as it is on the wire.
+    let mut now = T0;
+    for _ in 0..2000 {
+        t.a.env.step(now);
+        TwoHosts::carry(&mut t.a, &mut t.b, now, '>', &mut t.log);
+        t.b.env.step(now);
+        while TwoHosts::carry(&mut t.b, &mut t.a, now, '<', &mut t.log) {}
+        now = now + Duration::from_micros(64);
+    }
+    t.run(now);
+    let frames = t.log.iter().filter(|(d, _, _)| *d == '>').count();
+    assert_eq!(
+        t.a.env.poll(a.cq),
+        vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)],
+        "{frames} of 256 frames went out before the timer fired"
+    );
+}
+
+/// A duplicate read is answered again from memory and a duplicate atomic
+/// from the result the original returned, without applying it twice.
+#[test]
+fn a_duplicate_atomic_and_read_are_answered_again_and_the_atomic_applied_once() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    b.buf.write(0, &10u64.to_le_bytes());
+    b.buf.write(64, &[9; 8]);
+    let mut faa = rdma(1, SendOpcode::AtomicFetchAndAdd, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key);
+    faa.compare_add = 5;
+    t.a.env.io.post_send(a.qpn, faa);
+    t.a.env
+        .io
+        .post_send(a.qpn, rdma(2, SendOpcode::RdmaRead, &[a.buf.sge(64, 8)], b.buf.addr + 64, b.buf.key));
+    t.run_a_only(T0);
+    let atomic = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("the atomic");
+    let read = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("the read");
+    for f in [&atomic, &read] {
+        TwoHosts::deliver(f, &mut t.b, T0, '>', &mut t.log);
+    }
+    // The same two frames again, as a requester's retransmission.
+    for f in [&atomic, &read] {
+        TwoHosts::deliver(f, &mut t.b, T0, '>', &mut t.log);
+    }
+    t.b.env.run(T0);
+    let mut answers = Vec::new();
+    while let Some(f) = t.b.env.hca.poll_transmit(t.b.link, T0, &mut t.b.env.io) {
+        let d = data_header(&f);
+        answers.push((d.opcode, d.psn, d.atomic_ack));
+    }
+    assert_eq!(b.buf.u64_at(0), 15, "the atomic was applied once");
+    use crate::wire::Opcode::*;
+    assert_eq!(
+        answers,
+        vec![
+            (AtomicAcknowledge, 100, Some(10)),
+            (ReadResponseOnly, 101, None),
+            (AtomicAcknowledge, 100, Some(10)),
+            (ReadResponseOnly, 101, None),
+        ],
+        "the duplicates were not answered"
+    );
+}
+
+/// The single-host counterpart of
+/// `a_request_sent_before_the_peer_is_in_rtr_is_sent_again_and_delivered`.
+#[test]
+fn on_one_host_a_request_sent_before_the_peer_is_in_rtr_is_delivered() {
+    let mut env = Env::new();
+    let a = env.end(C1);
+    let b = env.end(C2);
+    env.connect_with(a.qpn, b.qpn, conn());
+    env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    env.run(T0);
+    env.connect_with(b.qpn, a.qpn, conn());
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let mut now = T0;
+    for _ in 0..4 {
+        now = now + tick + Duration::from_nanos(1);
+        env.run(now);
+    }
+    assert_eq!(env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
+/// A read whose answer is slow is sent again on the transport timer; the
+/// answers of both tries arrive, and the read completes once, with the
+/// responder's bytes, each byte placed from the first answer that has it.
+#[test]
+fn a_read_sent_again_mid_answer_completes_once_with_its_bytes() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    let pattern: Vec<u8> = (0..1024u32).map(|i| (i * 7 + 3) as u8).collect();
+    b.buf.write(0, &pattern);
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaRead, &[a.buf.sge(0, 1024)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log), "the read request crosses");
+    for _ in 0..10 {
+        t.b.env.step(T0);
+    }
+    // Two of the four answer chunks arrive; then the link stalls.
+    for _ in 0..2 {
+        assert!(TwoHosts::carry(&mut t.b, &mut t.a, T0, '<', &mut t.log));
+    }
+    t.flowing = false;
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let now = T0 + tick + Duration::from_nanos(1);
+    t.run(now);
+    assert!(t.a.env.poll(a.cq).is_empty());
+    t.flowing = true;
+    t.run(now);
+    let requests = t.log.iter().filter(|(d, op, _)| *d == '>' && *op == crate::wire::Opcode::ReadRequest);
+    assert_eq!(requests.count(), 2, "sent again once");
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaRead, a.qpn, 1024)]);
+    assert_eq!(a.buf.read(0, 1024), pattern);
+    // Later answers of the second try complete nothing.
+    t.run(now + tick * 3);
+    assert!(t.a.env.poll(a.cq).is_empty());
+}
+
+/// A send whose ACK is late is sent again; the responder acknowledges the
+/// duplicate without taking a second receive.
+#[test]
+fn a_send_sent_again_is_received_once() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 8)]));
+    t.b.env.io.post_recv(b.qpn, recv(11, &[b.buf.sge(8, 8)]));
+    t.b.env.step(T0);
+    a.buf.write(0, &[5; 8]);
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run_a_only(T0);
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log), "the send crosses");
+    // B completes it, but its ACK waits on a stalled link past A's timer.
+    t.flowing = false;
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let now = T0 + tick + Duration::from_nanos(1);
+    t.run(now);
+    t.flowing = true;
+    t.run(now);
+    let sends = t.log.iter().filter(|(d, op, _)| *d == '>' && *op == crate::wire::Opcode::SendOnly);
+    assert_eq!(sends.count(), 2, "sent again once");
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::Send, a.qpn, 0)]);
+    let got =
+        |env: &mut Env| env.poll(b.cq).iter().map(|c| (c.wr_id, c.status, c.byte_len)).collect::<Vec<_>>();
+    assert_eq!(got(&mut t.b.env), vec![(10, WcStatus::Success, 8)]);
+    assert_eq!(b.buf.read(0, 8), vec![5; 8]);
+    // The second receive is still there for the next message.
+    t.a.env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run(now);
+    assert_eq!(got(&mut t.b.env), vec![(11, WcStatus::Success, 8)]);
+}
