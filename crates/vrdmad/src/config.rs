@@ -10,6 +10,7 @@
 //! busy_poll = false     # never sleep: for a dedicated core
 //! realtime = false      # SCHED_FIFO for the engine thread (needs CAP_SYS_NICE)
 //! chunk_bytes = 262144  # most bytes one QP moves before the next QP's turn
+//! tenant_turns = 32     # most QPs of one tenant with work served in one pass
 //! cpu = 1               # pin the engine thread to this CPU
 //! ack_delay_us = 20     # across hosts: hold an ACK this long to send it with a request
 //!
@@ -49,6 +50,8 @@ pub struct EngineConfig {
     pub busy_poll: bool,
     pub realtime: bool,
     pub chunk_bytes: u64,
+    /// Most QPs of one tenant that do work in one engine pass.
+    pub tenant_turns: u32,
     /// Pin the engine thread to this CPU. On a small machine the lowest
     /// latency comes with the engine alone on its CPU and the applications
     /// on the others.
@@ -75,6 +78,7 @@ impl Default for EngineConfig {
             busy_poll: false,
             realtime: false,
             chunk_bytes: 256 << 10,
+            tenant_turns: vrdma_core::hca::TENANT_TURNS,
             cpu: None,
             ack_delay_us: 20,
         }
@@ -213,6 +217,9 @@ impl DaemonConfig {
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
         }
+        if self.engine.tenant_turns == 0 {
+            return Err(ConfigError::Invalid("engine.tenant_turns must be positive".into()));
+        }
         if self.engine.ack_delay_us > 1000 {
             return Err(ConfigError::Invalid("engine.ack_delay_us must be at most 1000".into()));
         }
@@ -282,6 +289,7 @@ mod tests {
         assert!(DaemonConfig::from_toml("nonsense = 1").is_err());
         assert!(DaemonConfig::from_toml("[tenants.bob]\nmax_objects = 1").is_err());
         assert!(DaemonConfig::from_toml("[engine]\nchunk_bytes = 0").is_err());
+        assert!(DaemonConfig::from_toml("[engine]\ntenant_turns = 0").is_err());
         assert!(DaemonConfig::from_toml("[quota]\nmax_objects = -1").is_err());
         assert!(DaemonConfig::from_toml("[net]\npsk = \"short\"").is_err());
         assert!(DaemonConfig::from_toml("[net]\nmax_chunk = 1000").is_err());

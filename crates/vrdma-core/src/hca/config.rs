@@ -41,6 +41,11 @@ pub struct HcaConfig {
     pub gids: Vec<Gid>,
     /// Most bytes one QP moves before the engine turns to the next QP.
     pub chunk_bytes: u64,
+    /// Most QPs of one tenant that do work in one engine pass (each moves
+    /// at most `chunk_bytes` or starts at most 64 WRs): a tenant with
+    /// thousands of busy QPs then stretches a pass, and so every other
+    /// tenant's wait, by this many turns, not by thousands.
+    pub tenant_turns: u32,
     /// How long a responder across hosts may hold an ACK, hoping to send
     /// it with a request of the same QP or to merge it with later ACKs.
     /// Zero: at once.
@@ -52,6 +57,9 @@ pub struct HcaConfig {
     pub max_psns_in_flight: u32,
     pub default_quota: Quota,
 }
+
+/// The default of [`HcaConfig::tenant_turns`].
+pub const TENANT_TURNS: u32 = 32;
 
 /// The default of [`HcaConfig::max_psns_in_flight`]: a quarter of the PSN
 /// space, so that a 2 GiB message fits in one window at chunks of 1 KiB
@@ -128,6 +136,7 @@ impl HcaConfig {
             },
             gids: vec![gid],
             chunk_bytes: 64 << 10,
+            tenant_turns: TENANT_TURNS,
             ack_delay: std::time::Duration::ZERO,
             max_psns_in_flight: MAX_PSNS_IN_FLIGHT,
             default_quota: Quota::default(),

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, VENDOR_ID};
+pub use config::{HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS, VENDOR_ID};
 pub use datapath::{Activity, GRH_LEN};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
@@ -84,6 +84,9 @@ pub struct Hca {
     qps: HashMap<u32, Qp>,
     /// The QPs the engine serves, in order; it walks them round-robin.
     qp_order: Vec<u32>,
+    /// Where in `qp_order` the next pass starts: at the first QP a
+    /// tenant's share of the last pass left out.
+    resume_at: usize,
     next_id: u32,
     next_qpn: u32,
     /// Links to other hosts' daemons.
@@ -108,6 +111,7 @@ impl Hca {
             ahs: HashMap::new(),
             qps: HashMap::new(),
             qp_order: Vec::new(),
+            resume_at: 0,
             next_id: 1,
             next_qpn: 0x11,
             net: remote::Network::default(),

@@ -2847,3 +2847,57 @@ mod ud {
         assert_eq!(env.poll(b.cq).len(), 16);
     }
 }
+
+/// A tenant with many busy QPs gets `tenant_turns` of them served per
+/// pass, not all: another tenant's QP waits for that many turns at most.
+/// The QPs it left out go first in the next pass, so each still moves.
+#[test]
+fn a_tenant_with_many_busy_qps_gets_its_turns_per_pass_not_one_per_qp() {
+    let mut env = Env::new();
+    let mut config = env.hca.config().clone();
+    config.tenant_turns = 2;
+    env.hca = Hca::new(config, Box::new(Counter(1)));
+    for (c, t) in [(C1, TENANT), (C2, TENANT), (C3, OTHER_TENANT)] {
+        env.hca.open_context(c, t).unwrap();
+    }
+    let chunk = env.hca.config().chunk_bytes as u32;
+    // Tenant 1000: eight QPs, each with two writes of one chunk (one chunk
+    // per QP per pass, so each busy turn completes one write).
+    let mut many = Vec::new();
+    for _ in 0..8 {
+        let (a, b) = (env.end_with(C1, true), env.end(C2));
+        env.connect(a.qpn, b.qpn);
+        env.connect(b.qpn, a.qpn);
+        for id in 0..2 {
+            env.io.post_send(
+                a.qpn,
+                rdma(id, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key),
+            );
+        }
+        many.push(a);
+    }
+    // Tenant 2000: one QP with one write.
+    let (x, y) = (env.end_with(C3, true), env.end(C3));
+    env.connect(x.qpn, y.qpn);
+    env.connect(y.qpn, x.qpn);
+    env.io.post_send(x.qpn, rdma(9, SendOpcode::RdmaWrite, &[x.buf.sge(0, chunk)], y.buf.addr, y.buf.key));
+    let done = |env: &mut Env, ends: &[End]| ends.iter().map(|e| env.poll(e.cq).len()).collect::<Vec<_>>();
+
+    assert!(env.step(T0).busy);
+    let first = done(&mut env, &many);
+    assert_eq!(first.iter().sum::<usize>(), 2, "two turns of tenant 1000 in the pass: {first:?}");
+    assert_eq!(env.poll(x.cq).len(), 1, "the other tenant's QP was served in the same pass");
+    // Pass after pass, the QPs left out come first: all eight move before
+    // any moves twice.
+    let mut moved = first;
+    for _ in 0..3 {
+        env.step(T0);
+        for (m, d) in moved.iter_mut().zip(done(&mut env, &many)) {
+            *m += d;
+        }
+    }
+    assert_eq!(moved, vec![1; 8], "each QP served once in four passes of two turns");
+    env.run(T0);
+    let rest: usize = done(&mut env, &many).iter().sum();
+    assert_eq!(rest, 8, "every write completes");
+}

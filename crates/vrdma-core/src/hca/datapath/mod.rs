@@ -159,30 +159,67 @@ pub(crate) fn wqe_status(e: WqeError) -> WcStatus {
 
 impl Hca {
     /// Runs every QP's queues once: at most `chunk_bytes` of payload per QP,
-    /// so that one large transfer cannot starve the others.
+    /// so that one large transfer cannot starve the others, and at most
+    /// `tenant_turns` QPs of one tenant that have work, so that a tenant's
+    /// many QPs cannot starve other tenants. The QPs a tenant's share left
+    /// out go first in the next pass.
     pub fn process(&mut self, now: Instant, io: &mut dyn Queues) -> Activity {
         let mut act = Activity::default();
         self.flush_pending = false;
-        let mut i = 0;
-        while let Some(&qpn) = self.qp_order.get(i) {
-            i += 1;
+        let n = self.qp_order.len();
+        let start = if self.resume_at < n { self.resume_at } else { 0 };
+        let mut resume = None;
+        // Few tenants are busy at once: a short list beats a map.
+        let mut turns: Vec<(TenantId, u32)> = Vec::new();
+        for k in 0..n {
+            // A pass may end QPs (a flush); walk what is left.
+            let len = self.qp_order.len();
+            if len == 0 {
+                break;
+            }
+            let at = (start + k) % len;
+            let qpn = self.qp_order[at];
             // One lookup per QP per pass: its state, where its peer is,
             // and a held ACK's timer.
             let Some(qp) = self.qps.get(&qpn) else { continue };
             if let Some(t) = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due()) {
                 act.timer(t);
             }
+            let tenant = qp.tenant;
+            let used = match turns.iter().position(|(t, _)| *t == tenant) {
+                Some(i) => turns[i].1,
+                None => {
+                    turns.push((tenant, 0));
+                    0
+                }
+            };
+            if used >= self.config.tenant_turns {
+                resume.get_or_insert(at);
+                act.busy = true;
+                continue;
+            }
             let remote = qp.init.qp_type == QpType::Rc && !self.is_local(&qp.attr.ah_attr);
+            let mut turn = Activity::default();
             match qp.state() {
-                QpState::Err => self.flush(qpn, io, &mut act),
+                QpState::Err => self.flush(qpn, io, &mut turn),
                 // The send queue of a QP in SQE is flushed; its receive
                 // queue keeps working.
-                QpState::Sqe => self.flush_sends(qpn, io, &mut act),
-                QpState::Rts | QpState::Sqd if remote => self.run_remote_requester(qpn, now, io, &mut act),
-                QpState::Rts | QpState::Sqd => self.run_send_queue(qpn, now, io, &mut act),
+                QpState::Sqe => self.flush_sends(qpn, io, &mut turn),
+                QpState::Rts | QpState::Sqd if remote => self.run_remote_requester(qpn, now, io, &mut turn),
+                QpState::Rts | QpState::Sqd => self.run_send_queue(qpn, now, io, &mut turn),
                 _ => {}
             }
+            if turn.busy {
+                act.busy = true;
+                if let Some(e) = turns.iter_mut().find(|(t, _)| *t == tenant) {
+                    e.1 += 1;
+                }
+            }
+            if let Some(t) = turn.next_timer {
+                act.timer(t);
+            }
         }
+        self.resume_at = resume.unwrap_or(0);
         act
     }
 
