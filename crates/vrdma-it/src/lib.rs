@@ -226,10 +226,21 @@ impl PeerProc {
     pub fn spawn_as(socket: &Path, role: &str, args: &[&str], uid: Option<u32>) -> Result<PeerProc> {
         use std::os::unix::process::CommandExt;
         let mut cmd = OsCommand::new(peer_exe());
-        cmd.arg(role).arg("--socket").arg(socket).args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
         if let Some(uid) = uid {
             cmd.uid(uid).gid(uid);
         }
+        Self::spawn_cmd(cmd, socket, role, args)
+    }
+
+    /// A peer in the network namespace `netns` (`ip netns exec`).
+    pub fn spawn_in(socket: &Path, role: &str, args: &[&str], netns: &str) -> Result<PeerProc> {
+        let mut cmd = OsCommand::new("ip");
+        cmd.args(["netns", "exec", netns]).arg(peer_exe());
+        Self::spawn_cmd(cmd, socket, role, args)
+    }
+
+    fn spawn_cmd(mut cmd: OsCommand, socket: &Path, role: &str, args: &[&str]) -> Result<PeerProc> {
+        cmd.arg(role).arg("--socket").arg(socket).args(args).stdin(Stdio::piped()).stdout(Stdio::piped());
         let mut child = cmd.spawn().context("spawning a peer")?;
         let stdin = child.stdin.take().expect("piped");
         let stdout: ChildStdout = child.stdout.take().expect("piped");

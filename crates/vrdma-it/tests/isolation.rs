@@ -1,7 +1,9 @@
-//! Tenants are the kernel's uids, and contexts own their objects: nothing
-//! of one tenant is reachable from another, whatever keys or numbers the
-//! other presents. The cross-uid tests need root (to run a peer as uid
-//! 65534); without it they say so and pass vacuously.
+//! Tenants are the kernel's uids (with `tenant_by = "uid+netns"`, also
+//! network namespaces), and contexts own their objects: nothing of one
+//! tenant is reachable from another, whatever keys or numbers the other
+//! presents. The cross-uid tests need root (to run a peer as uid 65534),
+//! the namespace test root and iproute2; without them they say so and
+//! pass vacuously.
 
 use std::time::Duration;
 
@@ -244,5 +246,33 @@ fn a_context_cannot_name_another_contexts_objects_of_the_same_tenant() -> Result
         other => bail!("{other:?}"),
     };
     assert_ne!(pd, s.pd.pd_id());
+    Ok(())
+}
+
+/// With `tenant_by = "uid+netns"` a process of our own uid in another
+/// network namespace is another tenant, of this host only, and nothing
+/// crosses between it and us; processes of one namespace share a tenant.
+/// By default the namespace does not count.
+#[test]
+fn with_uid_and_netns_another_network_namespace_is_another_tenant() -> Result<()> {
+    if let Some(why) = vrdma_it::netns_unavailable() {
+        println!("skipping: needs root and iproute2 ({why})");
+        return Ok(());
+    }
+    let net = vrdma_it::Netns::create()?;
+    let ns = &net.ns[0];
+    let d = DaemonProc::start()?;
+    let peer = PeerProc::spawn_in(&d.socket, "tenant", &[], ns)?;
+    assert_eq!(peer.hello()?.tenant, 0, "by default a tenant is a uid, wherever it runs");
+    drop((peer, d));
+
+    let d = DaemonProc::start_with_config("tenant_by = \"uid+netns\"\n")?;
+    let mut peer = PeerProc::spawn_in(&d.socket, "tenant", &[], ns)?;
+    let h = peer.hello()?;
+    assert_eq!(d.context()?.tenant(), 0, "in the daemon's namespace a tenant is still its uid");
+    assert!(h.tenant >= vrdma_core::hca::TenantId::HOST_LOCAL_BASE, "tenant {:#x}", h.tenant);
+    let other = PeerProc::spawn_in(&d.socket, "tenant", &[], ns)?;
+    assert_eq!(other.hello()?.tenant, h.tenant, "one namespace, one uid: one tenant");
+    every_way_to_the_peer(&d, &mut peer, &h, false)?;
     Ok(())
 }

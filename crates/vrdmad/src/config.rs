@@ -3,6 +3,8 @@
 //! ```toml
 //! socket = "/run/vrdma/vrdma.sock"   # else VRDMA_SOCKET or the default
 //! address = "10.0.0.1"                # the host address the GID carries
+//! tenant_by = "uid"     # or "uid+netns": a uid in another network namespace
+//!                       # than the daemon's is a tenant of this host only
 //!
 //! [engine]
 //! spin_us = 20          # busy-poll this long after the last work,
@@ -83,6 +85,19 @@ impl Default for EngineConfig {
             ack_delay_us: 20,
         }
     }
+}
+
+/// How the daemon names a connecting process's tenant (see the control
+/// server's `tenancy` module).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub enum TenantBy {
+    /// Its uid.
+    #[default]
+    #[serde(rename = "uid")]
+    Uid,
+    /// Its uid, and its network namespace when that is not the daemon's.
+    #[serde(rename = "uid+netns")]
+    UidAndNetns,
 }
 
 /// The default TCP port of the daemon-to-daemon transport.
@@ -179,6 +194,8 @@ impl NetConfig {
 pub struct DaemonConfig {
     pub socket: Option<PathBuf>,
     pub address: Option<Ipv4Addr>,
+    /// How a connecting process's tenant is named (see `server::tenancy`).
+    pub tenant_by: TenantBy,
     pub engine: EngineConfig,
     pub net: NetConfig,
     pub quota: Quota,
@@ -290,6 +307,10 @@ mod tests {
         assert!(DaemonConfig::from_toml("[tenants.bob]\nmax_objects = 1").is_err());
         assert!(DaemonConfig::from_toml("[engine]\nchunk_bytes = 0").is_err());
         assert!(DaemonConfig::from_toml("[engine]\ntenant_turns = 0").is_err());
+        assert_eq!(DaemonConfig::from_toml("").unwrap().tenant_by, TenantBy::Uid);
+        let c = DaemonConfig::from_toml("tenant_by = \"uid+netns\"").unwrap();
+        assert_eq!(c.tenant_by, TenantBy::UidAndNetns);
+        assert!(DaemonConfig::from_toml("tenant_by = \"netns\"").is_err());
         assert!(DaemonConfig::from_toml("[quota]\nmax_objects = -1").is_err());
         assert!(DaemonConfig::from_toml("[net]\npsk = \"short\"").is_err());
         assert!(DaemonConfig::from_toml("[net]\nmax_chunk = 1000").is_err());

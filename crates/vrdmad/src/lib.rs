@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
-pub use config::{ConfigError, DaemonConfig, EngineConfig};
+pub use config::{ConfigError, DaemonConfig, EngineConfig, TenantBy};
 use vrdma_core::hca::{Hca, HcaConfig, KeySource, TenantId};
 
 /// Name the device reports, as `ibv_get_device_name` does.
@@ -133,6 +133,7 @@ impl Daemon {
             engine: engine.handle(),
             device_name: DEVICE_NAME.to_string(),
             next_context: AtomicU32::new(1),
+            tenancy: server::Tenancy::new(config.tenant_by)?,
             sessions: Mutex::new(Vec::new()),
         });
         let (l, s) = (listener.clone(), shared.clone());

@@ -41,8 +41,24 @@ use objects::{Ah, Context, Cq, Mr, Pd, Qp, Srq};
 pub struct ContextId(pub u32);
 
 /// Who owns objects, as the kernel identified the process (not as it claims).
+///
+/// A uid names the same tenant on every host, and is the tenant's virtual
+/// network across hosts. Numbers from [`TenantId::HOST_LOCAL_BASE`] up are
+/// tenants a daemon named for itself (a uid in a network namespace other
+/// than the daemon's): they mean nothing to another host, so their QPs
+/// never reach one, and frames carrying such a number are refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct TenantId(pub u32);
+
+impl TenantId {
+    /// The first tenant number a daemon gives out itself.
+    pub const HOST_LOCAL_BASE: u32 = 0xf000_0000;
+
+    /// Whether this tenant exists on this host only.
+    pub fn is_host_local(self) -> bool {
+        self.0 >= Self::HOST_LOCAL_BASE
+    }
+}
 
 /// Where memory keys come from: unguessable in the daemon, a counter in tests.
 pub trait KeySource: Send {

@@ -1,6 +1,9 @@
 //! The control socket: accepts tenant connections, one thread each.
 
 mod session;
+mod tenancy;
+
+pub(crate) use tenancy::Tenancy;
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -9,6 +12,8 @@ use std::sync::{Arc, Mutex};
 
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
+use vrdma_core::hca::TenantId;
+
 use crate::engine::EngineHandle;
 
 /// Shared by every session.
@@ -16,9 +21,10 @@ pub(crate) struct Shared {
     pub engine: EngineHandle,
     pub device_name: String,
     pub next_context: AtomicU32,
-    /// Sessions' sockets, with their peers' uids, shut down to end them
+    pub tenancy: Tenancy,
+    /// Sessions' sockets, with their peers' tenants, shut down to end them
     /// when the daemon stops.
-    pub sessions: Mutex<Vec<(u32, u32, OwnedFd)>>,
+    pub sessions: Mutex<Vec<(u32, TenantId, OwnedFd)>>,
 }
 
 /// Connections a tenant may hold beyond its quota of contexts: room for
@@ -77,32 +83,40 @@ impl Listener {
                     return;
                 }
             };
-            let Ok(cred) = vrdma_shm::fdpass::peer_credentials(conn.as_fd()) else { continue };
-            let uid = cred.uid;
-            let quota =
-                shared.engine.call(move |st| st.hca.quota(vrdma_core::hca::TenantId(uid)).max_contexts);
+            let (tenant, cred) = match shared.tenancy.identify(conn.as_fd()) {
+                Ok(t) => t,
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot tell the tenant of a connection; closed");
+                    continue;
+                }
+            };
+            let quota = shared.engine.call(move |st| st.hca.quota(tenant).max_contexts);
             let limit = quota.unwrap_or(0).saturating_add(CONNECTIONS_BEYOND_CONTEXTS) as usize;
             let held = shared
                 .sessions
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
                 .iter()
-                .filter(|s| s.1 == uid)
+                .filter(|s| s.1 == tenant)
                 .count();
             if held >= limit {
-                tracing::warn!(uid, held, "a tenant's connections are over its limit; connection closed");
+                tracing::warn!(
+                    tenant = tenant.0,
+                    held,
+                    "a tenant's connections are over its limit; connection closed"
+                );
                 continue;
             }
             let id = shared.next_context.fetch_add(1, Ordering::Relaxed);
             // Registered before the thread starts, so that the thread's
             // own removal at its end cannot come first.
             if let Ok(dup) = conn.try_clone() {
-                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push((id, uid, dup));
+                shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push((id, tenant, dup));
             }
             let sh = shared.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("vrdma-ctx-{id}"))
-                .spawn(move || session::run(conn, id, sh));
+                .spawn(move || session::run(conn, id, tenant, cred, sh));
             if let Err(e) = spawned {
                 // The connection went with the closure and is closed; drop
                 // our duplicate too, so the client sees the hang-up.

@@ -72,17 +72,9 @@ struct Session {
 /// How long a new connection may take to open its context with Hello.
 const HELLO_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-pub(crate) fn run(sock: OwnedFd, id: u32, shared: Arc<Shared>) {
-    let cred = match fdpass::peer_credentials(sock.as_fd()) {
-        Ok(c) => c,
-        Err(e) => {
-            tracing::warn!(error = %e, "no peer credentials; closing connection");
-            return;
-        }
-    };
-    let mut s =
-        Session { ctx: ContextId(id), tenant: TenantId(cred.uid), pid: cred.pid, shared, open: false };
-    tracing::debug!(ctx = id, pid = cred.pid, uid = cred.uid, "tenant connected");
+pub(crate) fn run(sock: OwnedFd, id: u32, tenant: TenantId, cred: fdpass::PeerCred, shared: Arc<Shared>) {
+    let mut s = Session { ctx: ContextId(id), tenant, pid: cred.pid, shared, open: false };
+    tracing::debug!(ctx = id, pid = cred.pid, uid = cred.uid, tenant = tenant.0, "tenant connected");
     let mut buf = vec![0u8; MAX_MESSAGE];
     // A connection that never opens its context would hold a thread and two
     // descriptors for ever.

@@ -136,6 +136,14 @@ impl Hca {
         if mask.contains(QpAttrMask::CAP) {
             return Err(HcaError::Unsupported("resizing a QP's queues"));
         }
+        let (tenant, rc) = (qp.tenant, qp.init.qp_type == QpType::Rc);
+        if rc && tenant.is_host_local() && mask.contains(QpAttrMask::AV) && !self.is_local(&attr.ah_attr) {
+            return Err(HcaError::invalid(
+                "this tenant exists on this host only (its processes are outside the daemon's network \
+                 namespace): its QPs cannot connect to another host",
+            ));
+        }
+        let qp = self.own_qp(ctx, qpn)?;
         let cap = qp.attr.cap;
         fsm::apply_modify(&mut qp.attr, attr, mask, to);
         qp.attr.cap = cap;

@@ -50,6 +50,11 @@ impl Hca {
         }
         *budget = budget.saturating_sub(len);
         if !self.is_local(&ah) {
+            if req.tenant.is_host_local() {
+                // A tenant of this host only: its datagrams never leave
+                // (lost, as UD loses what no one can take).
+                return Exec::Complete { byte_len: 0 };
+            }
             return self.send_datagram_remote(req, wr, &ah);
         }
         // From here on the datagram has left: whatever becomes of it, the

@@ -85,6 +85,7 @@ impl Hca {
         let ok = self.qps.get(&qpn).is_some_and(|q| {
             q.init.qp_type == QpType::Ud
                 && q.tenant.0 == hdr.vnet
+                && !q.tenant.is_host_local()
                 && q.accepts_incoming()
                 && q.attr.qkey == ud.qkey
         });

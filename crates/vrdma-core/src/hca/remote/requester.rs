@@ -468,6 +468,7 @@ impl Hca {
         let qpn = hdr.dest_qpn;
         let ours = self.qps.get(&qpn).is_some_and(|q| {
             q.tenant.0 == hdr.vnet
+                && !q.tenant.is_host_local()
                 && q.attr.dest_qp_num == hdr.src_qpn
                 && q.remote.as_ref().and_then(|r| r.send.as_ref()).is_some_and(|s| s.link == Some(link))
                 && matches!(q.state(), QpState::Rts | QpState::Sqd | QpState::Sqe)

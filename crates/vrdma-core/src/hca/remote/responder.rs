@@ -213,6 +213,7 @@ impl Hca {
         let ok = self.qps.get(&qpn).is_some_and(|q| {
             q.init.qp_type == QpType::Rc
                 && q.tenant.0 == hdr.vnet
+                && !q.tenant.is_host_local()
                 && q.attr.dest_qp_num == hdr.src_qpn
                 && q.accepts_incoming()
                 && self.link_serves(link, &q.attr.ah_attr)

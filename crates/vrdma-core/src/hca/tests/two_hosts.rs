@@ -186,8 +186,13 @@ fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
 
 /// A UD QP in RTS (Q_Key 0x1111) with its PD, CQ and a 16 KiB region.
 fn ud_end(env: &mut Env) -> (u32, u32, u32, Buf) {
-    let pd = env.hca.alloc_pd(C1).unwrap();
-    let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
+    ud_end_in(env, C1)
+}
+
+/// [`ud_end`] in context `ctx`.
+fn ud_end_in(env: &mut Env, ctx: ContextId) -> (u32, u32, u32, Buf) {
+    let pd = env.hca.alloc_pd(ctx).unwrap();
+    let (cq, _) = env.hca.create_cq(ctx, 64).unwrap();
     let init = QpInitAttr {
         qp_type: QpType::Ud,
         send_cq: cq,
@@ -196,8 +201,8 @@ fn ud_end(env: &mut Env) -> (u32, u32, u32, Buf) {
         cap: cap(),
         sq_sig_all: false,
     };
-    let qpn = env.qp(C1, pd, init);
-    let buf = env.mr(C1, pd, 16 << 10, FULL);
+    let qpn = env.qp(ctx, pd, init);
+    let buf = env.mr(ctx, pd, 16 << 10, FULL);
     ud_up(env, qpn);
     (pd, cq, qpn, buf)
 }
@@ -1178,4 +1183,79 @@ fn a_send_sent_again_is_received_once() {
     t.a.env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
     t.run(now);
     assert_eq!(got(&mut t.b.env), vec![(11, WcStatus::Success, 8)]);
+}
+
+/// A tenant a daemon named for itself (a uid in another network namespace
+/// than the daemon's) exists on one host only, and its number may name
+/// another tenant elsewhere: its RC QPs cannot connect to another host, its
+/// datagrams never leave, and a frame carrying such a number is dropped.
+#[test]
+fn a_tenant_of_one_host_only_never_reaches_another_host() {
+    let mut t = TwoHosts::new(1024);
+    let local = TenantId(TenantId::HOST_LOCAL_BASE + 1);
+    let c4 = ContextId(4);
+    t.a.env.hca.open_context(c4, local).unwrap();
+    t.b.env.hca.open_context(c4, local).unwrap();
+    let ah = crate::verbs::AhAttr {
+        is_global: true,
+        dgid: Gid::from_ipv4(IP_B),
+        hop_limit: 1,
+        port_num: 1,
+        ..Default::default()
+    };
+    // RC: refused at RTR, with a clear error.
+    let x = t.a.env.end(c4);
+    t.a.env.bring_to_init(x.qpn, conn());
+    let attr = QpAttr {
+        qp_state: QpState::Rtr,
+        path_mtu: Mtu::Mtu1024,
+        dest_qp_num: 0x11,
+        max_dest_rd_atomic: 1,
+        min_rnr_timer: 1,
+        ah_attr: ah,
+        ..QpAttr::default()
+    };
+    let mask = QpAttrMask::STATE
+        | QpAttrMask::AV
+        | QpAttrMask::PATH_MTU
+        | QpAttrMask::DEST_QPN
+        | QpAttrMask::RQ_PSN
+        | QpAttrMask::MAX_DEST_RD_ATOMIC
+        | QpAttrMask::MIN_RNR_TIMER;
+    let e = t.a.env.modify(x.qpn, &attr, mask).unwrap_err();
+    assert!(e.to_string().contains("this host only"), "{e}");
+    assert_eq!(t.a.env.io.state(x.qpn), Some(QpState::Init), "still in INIT");
+
+    // UD: a datagram to the other host completes (UD) but never leaves.
+    let (pa, cqa, qa, bufa) = ud_end_in(&mut t.a.env, c4);
+    let (_pb, cqb, qb, bufb) = ud_end_in(&mut t.b.env, c4);
+    let ahn = t.a.env.hca.create_ah(c4, pa, ah).unwrap();
+    let mut w = wr(1, SendOpcode::Send, &[bufa.sge(0, 8)], SendFlags::SIGNALED);
+    w.ud = crate::ring::UdDest { remote_qpn: qb, remote_qkey: 0x1111, ah: ahn };
+    t.b.env.io.post_recv(qb, recv(20, &[bufb.sge(0, 100)]));
+    t.a.env.io.post_send(qa, w);
+    t.run(T0);
+    assert_eq!(
+        t.a.env.poll(cqa).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        [(1, WcStatus::Success)]
+    );
+    assert!(t.log.is_empty(), "a frame crossed: {:?}", t.log);
+    assert!(t.b.env.poll(cqb).is_empty());
+
+    // A frame carrying the host-local number (a buggy or hostile peer
+    // daemon) is dropped, though a QP of that number's tenant here would
+    // take it.
+    let (pu, _, qu, bufu) = ud_end(&mut t.a.env);
+    let ahu = t.a.env.hca.create_ah(C1, pu, ah).unwrap();
+    let mut w = wr(2, SendOpcode::Send, &[bufu.sge(0, 8)], SendFlags::SIGNALED);
+    w.ud = crate::ring::UdDest { remote_qpn: qb, remote_qkey: 0x1111, ah: ahu };
+    t.a.env.io.post_send(qu, w);
+    t.run_a_only(T0);
+    let f = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("A's own tenant's datagram");
+    let mut d = data_header(&f);
+    d.vnet = local.0;
+    assert!(matches!(t.b.env.hca.handle_data(t.b.link, &d, T0, &mut t.b.env.io), Sink::Discard));
+    t.b.env.hca.data_placed(t.b.link, T0, &mut t.b.env.io);
+    t.b.env.run(T0);
+    assert!(t.b.env.poll(cqb).is_empty(), "a frame with a host-local tenant number was taken");
 }
