@@ -616,12 +616,23 @@ impl TwoHosts {
 
     /// Two hosts whose daemons hold the pre-shared keys `psk_a` and `psk_b`.
     pub fn start_keys(peered: bool, extra: &str, psk_a: &str, psk_b: &str) -> Result<TwoHosts> {
+        Self::start_full(peered, extra, [psk_a, psk_b], ["", ""])
+    }
+
+    /// Two hosts whose `[net]` tables end with the lines `net_a` and
+    /// `net_b` (at 127.0.0.2 and 127.0.0.3).
+    pub fn start_nets(peered: bool, net_a: &str, net_b: &str) -> Result<TwoHosts> {
+        Self::start_full(peered, "", [TEST_PSK, TEST_PSK], [net_a, net_b])
+    }
+
+    fn start_full(peered: bool, extra: &str, psk: [&str; 2], net: [&str; 2]) -> Result<TwoHosts> {
         let port = free_port()?;
         let (ia, ib) = ("127.0.0.2", "127.0.0.3");
         let pa = if peered { vec![format!("{ib}:{port}")] } else { vec![] };
         let pb = if peered { vec![format!("{ia}:{port}")] } else { vec![] };
-        let a = DaemonProc::start_with_config(&host_config_psk(ia, port, &pa, extra, psk_a))?;
-        let b = DaemonProc::start_with_config(&host_config_psk(ib, port, &pb, extra, psk_b))?;
+        // The [net] table comes last: lines appended land in it.
+        let a = DaemonProc::start_with_config(&(host_config_psk(ia, port, &pa, extra, psk[0]) + net[0]))?;
+        let b = DaemonProc::start_with_config(&(host_config_psk(ib, port, &pb, extra, psk[1]) + net[1]))?;
         Ok(TwoHosts { a, b, port })
     }
 }

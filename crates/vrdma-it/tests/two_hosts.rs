@@ -128,6 +128,23 @@ fn a_daemon_with_a_wrong_key_never_links() -> Result<()> {
     Ok(())
 }
 
+/// `net.allow` bounds the hosts a daemon dials for its tenants and takes
+/// connections from: A lists only itself, so neither A's dial to B (for a
+/// QP naming B's GID) nor B's dial to A makes a link, and QPs both ways end
+/// in RETRY_EXC_ERR by their timers.
+#[test]
+fn a_daemon_dials_and_admits_only_the_networks_net_allow_lists() -> Result<()> {
+    let mut h = TwoHosts::start_nets(false, "allow = [\"127.0.0.2/32\"]\n", "")?;
+    let (a, b) = pair(&h.a, &h.b, true)?;
+    let took = outstanding_writes_fail(&a, &b, 2, Duration::from_secs(5))?;
+    println!("a: failed after {took:?}");
+    let took = outstanding_writes_fail(&b, &a, 2, Duration::from_secs(5))?;
+    println!("b: failed after {took:?}");
+    assert_eq!((links_up(&h.a)?, links_up(&h.b)?), (0, 0), "a link formed across net.allow");
+    assert!(h.a.is_alive() && h.b.is_alive());
+    Ok(())
+}
+
 #[test]
 fn bursts_of_small_writes_complete_without_waiting_for_the_next_frame() -> Result<()> {
     // A burst of up to 255 eight-byte writes waits in the responder's socket as

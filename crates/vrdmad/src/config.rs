@@ -31,6 +31,7 @@
 //! port = 4792           # where peers named by a GID listen
 //! peers = ["10.0.0.2:4792"]  # connect at start (needed for LID-only addressing)
 //! keepalive_ms = 1000   # probe an idle link this often
+//! allow = ["10.0.0.0/24"]  # dial and admit only these networks (default: any)
 //! dead_ms = 5000        # a link silent this long is dead
 //! ```
 
@@ -119,6 +120,10 @@ pub struct NetConfig {
     pub dead_ms: u64,
     /// Largest chunk offered in the Hello (a power of two, 256..=65536).
     pub max_chunk: u32,
+    /// The networks of the other daemons: a QP's GID is dialled, and a
+    /// connection taken, only from these (and the configured peers).
+    /// Empty: any address.
+    pub allow: Vec<ipnet::IpNet>,
 }
 
 impl Default for NetConfig {
@@ -133,6 +138,7 @@ impl Default for NetConfig {
             keepalive_ms: 1000,
             dead_ms: 5000,
             max_chunk: vrdma_core::wire::MAX_CHUNK,
+            allow: Vec::new(),
         }
     }
 }
@@ -311,6 +317,9 @@ mod tests {
         let c = DaemonConfig::from_toml("tenant_by = \"uid+netns\"").unwrap();
         assert_eq!(c.tenant_by, TenantBy::UidAndNetns);
         assert!(DaemonConfig::from_toml("tenant_by = \"netns\"").is_err());
+        let c = DaemonConfig::from_toml("[net]\nallow = [\"10.0.0.0/24\", \"fd00::/8\"]").unwrap();
+        assert_eq!(c.net.allow.len(), 2);
+        assert!(DaemonConfig::from_toml("[net]\nallow = [\"10.0.0.0/33\"]").is_err());
         assert!(DaemonConfig::from_toml("[quota]\nmax_objects = -1").is_err());
         assert!(DaemonConfig::from_toml("[net]\npsk = \"short\"").is_err());
         assert!(DaemonConfig::from_toml("[net]\nmax_chunk = 1000").is_err());

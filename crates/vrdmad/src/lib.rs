@@ -111,6 +111,7 @@ impl Daemon {
                     listen,
                     port: config.net.port,
                     peers: config.net.peers.clone(),
+                    allow: config.net.allow.clone(),
                     keepalive: std::time::Duration::from_millis(config.net.keepalive_ms),
                     dead: std::time::Duration::from_millis(config.net.dead_ms),
                 }))

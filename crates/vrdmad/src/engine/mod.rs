@@ -330,6 +330,7 @@ mod tests {
             listen: "127.0.0.1:0".parse().unwrap(),
             port: 4791,
             peers: Vec::new(),
+            allow: Vec::new(),
             keepalive: Duration::from_secs(1),
             dead: Duration::from_secs(3),
         }));

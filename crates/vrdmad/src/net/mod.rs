@@ -60,8 +60,24 @@ pub struct NetSetup {
     /// The port of a peer named by an IPv4-mapped GID.
     pub port: u16,
     pub peers: Vec<SocketAddr>,
+    /// The networks other daemons may be on (empty: any); see
+    /// [`NetSetup::permits`].
+    pub allow: Vec<ipnet::IpNet>,
     pub keepalive: Duration,
     pub dead: Duration,
+}
+
+impl NetSetup {
+    /// Whether a daemon at `addr` may be dialled or admitted: a configured
+    /// peer, or an address in `allow` (any, if that is empty). A tenant's
+    /// QP names a GID, and so an address this daemon would dial: without a
+    /// list, any host at the transport's port.
+    pub fn permits(&self, addr: SocketAddr) -> bool {
+        let ip = addr.ip().to_canonical();
+        self.allow.is_empty()
+            || self.allow.iter().any(|n| n.contains(&ip))
+            || self.peers.iter().any(|p| p.ip().to_canonical() == ip)
+    }
 }
 
 /// The engine's side: every live link.
@@ -82,6 +98,8 @@ pub struct Net {
     /// yet links: whose Hello named this GID, since then. No dial to such
     /// a daemon starts meanwhile.
     incoming: HashMap<Gid, Clock>,
+    /// Addresses outside `net.allow` that QPs asked for (warned once).
+    refused: std::collections::HashSet<SocketAddr>,
 }
 
 /// Where a dial to a peer stands.
@@ -136,6 +154,7 @@ impl Net {
                 .ok(),
             readable: Vec::with_capacity(READY_PER_PASS),
             incoming: HashMap::new(),
+            refused: std::collections::HashSet::new(),
         }
     }
 
@@ -199,6 +218,12 @@ impl Net {
     }
 
     fn dial(&mut self, addr: SocketAddr, expect: Option<Gid>) {
+        if !self.setup.permits(addr) {
+            if self.refused.len() < MAX_DIALS * 64 && self.refused.insert(addr) {
+                tracing::warn!(peer = %addr, "a QP names a host outside net.allow; not dialled");
+            }
+            return;
+        }
         let now = Clock::now();
         let Some(fails) = self.may_dial(addr, now) else { return };
         let Some(handle) = self.handle.clone() else { return };
@@ -480,6 +505,10 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
             }
         };
         let source = addr.ip().to_canonical();
+        if !setup.permits(addr) {
+            tracing::debug!(peer = %addr, "a connection from outside net.allow; dropped");
+            continue;
+        }
         let Some(slot) = HandshakeSlots::take(&slots, source, configured.contains(&source)) else {
             tracing::warn!(peer = %addr, "too many handshakes in progress; connection dropped");
             continue;
@@ -655,9 +684,30 @@ mod tests {
             listen: "127.0.0.1:0".parse().unwrap(),
             port: 4791,
             peers: Vec::new(),
+            allow: Vec::new(),
             keepalive: Duration::from_secs(1),
             dead: Duration::from_secs(3),
         }))
+    }
+
+    #[test]
+    fn net_allow_lists_the_hosts_a_daemon_dials_and_admits() {
+        let mut setup = (*net_of([10, 0, 0, 1]).setup).clone();
+        let at = |s: &str| -> SocketAddr { s.parse().unwrap() };
+        assert!(setup.permits(at("192.0.2.9:4791")), "no list: any address");
+        setup.allow = vec!["10.0.0.0/24".parse().unwrap(), "fd00::/8".parse().unwrap()];
+        setup.peers = vec![at("192.0.2.7:4791")];
+        assert!(setup.permits(at("10.0.0.2:4791")));
+        assert!(setup.permits(at("[::ffff:10.0.0.2]:40000")), "an IPv4-mapped source");
+        assert!(setup.permits(at("[fd00::5]:4791")));
+        assert!(setup.permits(at("192.0.2.7:39999")), "a configured peer, from any port");
+        assert!(!setup.permits(at("10.0.1.2:4791")));
+        assert!(!setup.permits(at("192.0.2.9:4791")));
+        // A QP naming a host outside the list starts no dial.
+        let mut n = Net::new(Arc::new(setup));
+        n.dial(at("10.0.1.2:4791"), None);
+        assert!(n.refused.contains(&at("10.0.1.2:4791")));
+        assert!(n.dialling.is_empty());
     }
 
     #[test]
