@@ -434,3 +434,73 @@ fn regions_and_queues_hold_no_descriptors_in_the_daemon() -> Result<()> {
     }
     Ok(())
 }
+
+/// Each completion channel keeps a descriptor in the daemon (its end of
+/// the tenant's doorbell), so a tenant's channels are bounded apart from
+/// its objects: 1024, and the daemon's descriptors grow by no more.
+#[test]
+fn a_tenants_completion_channels_are_bounded() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let mut c = open(&d)?;
+    conn_works(&mut c)?;
+    let before = settled_fds(&d)?;
+    let mut made = 0;
+    let refusal = loop {
+        match c.call(&Request::CreateCompChannel, &[])?.reply()? {
+            Reply::CompChannel { .. } => made += 1,
+            Reply::Error { errno, message } => break (errno, message),
+            other => bail!("CreateCompChannel answered {other:?}"),
+        }
+        assert!(made <= 1024, "more than 1024 channels");
+    };
+    assert_eq!(made, 1024, "refused after {made}: {refusal:?}");
+    assert!(refusal.1.contains("1024 completion channels"), "{refusal:?}");
+    let after = settled_fds(&d)?;
+    assert!(after <= before + 1024 + 8, "1024 channels hold {} descriptors in the daemon", after - before);
+    conn_works(&mut c)?;
+    Ok(())
+}
+
+/// A tenant that stops reading replies blocks its session thread in
+/// sendmsg. If it then sends its own end of the connection to the daemon
+/// (SCM_RIGHTS) and exits, that end lives on in the daemon's receive
+/// queue, so the daemon never sees a hang-up: only the reply time limit
+/// (10 s) ends the session and closes the dead process's context.
+#[test]
+fn a_dead_tenants_context_is_closed_even_if_it_stopped_reading() -> Result<()> {
+    use rustix::net::{sockopt, SendFlags};
+    let mut d = DaemonProc::start_with_config("[quota]\nmax_contexts = 1\n")?;
+    let threads = d.threads()?;
+    {
+        let mut c = open(&d)?;
+        conn_works(&mut c)?;
+        // Requests without reading the replies, until our own buffer is full.
+        let req = proto::encode_request(&Request::QueryDevice);
+        let mut sent = 0;
+        loop {
+            match rustix::net::send(&c.sock, &req, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+                Ok(_) => sent += 1,
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(e) => return Err(e.into()),
+            }
+            assert!(sent < 1_000_000);
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        // Room for one more message: our end of the connection itself.
+        sockopt::set_socket_send_buffer_size(&c.sock, 1 << 20)?;
+        c.send_raw(&req, &[c.sock.as_fd()])?;
+        // The process "dies": every descriptor it had is closed.
+        drop(c);
+    }
+    // Its context should be closed, so that the tenant can open another.
+    let reopened = wait_until(Duration::from_secs(15), "the dead tenant's context closed", || {
+        RawConn::connect(&d.socket).and_then(|mut c| c.hello()).is_ok()
+    });
+    assert!(d.is_alive());
+    assert!(
+        reopened.is_ok(),
+        "15 s after the tenant closed every descriptor its context is still open; daemon threads {} (were {threads})",
+        d.threads()?
+    );
+    Ok(())
+}

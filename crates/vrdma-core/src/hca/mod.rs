@@ -154,8 +154,11 @@ impl Hca {
     pub fn device_attr(&self, ctx: ContextId) -> Result<crate::verbs::DeviceAttr, HcaError> {
         let q = self.quota(self.tenant_of(ctx)?);
         let mut d = self.config.device.clone();
+        // The largest depth that is granted as asked (a power of two)
+        // within the quota.
         for depth in [&mut d.max_cqe, &mut d.max_qp_wr, &mut d.max_srq_wr] {
-            *depth = (*depth).min(q.max_queue_depth);
+            let most = (*depth).min(q.max_queue_depth);
+            *depth = if most == 0 { 0 } else { 1 << (31 - most.leading_zeros()) };
         }
         for count in
             [&mut d.max_qp, &mut d.max_cq, &mut d.max_mr, &mut d.max_pd, &mut d.max_ah, &mut d.max_srq]
@@ -211,9 +214,12 @@ impl Hca {
             return Err(HcaError::invalid(format!("{what} {depth} above the device limit {device_max}")));
         }
         let q = self.quota(self.tenant_of(ctx)?);
-        if depth > q.max_queue_depth {
+        // Rings hold a power of two of entries: the depth granted is what
+        // counts against the quota.
+        let granted = depth.checked_next_power_of_two().unwrap_or(u32::MAX);
+        if granted > q.max_queue_depth {
             return Err(HcaError::QuotaExceeded(format!(
-                "{what} {depth} above the tenant's queue depth limit {}",
+                "{what} {depth} (granted as {granted}) above the tenant's queue depth limit {}",
                 q.max_queue_depth
             )));
         }

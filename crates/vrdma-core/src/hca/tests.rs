@@ -1496,7 +1496,8 @@ fn the_device_shows_each_tenant_its_quota_as_limits() {
         Quota { max_queue_depth: 100, max_objects: 7, max_registered_bytes: 1 << 20, ..Quota::default() },
     );
     let d = env.hca.device_attr(C3).unwrap();
-    assert_eq!((d.max_cqe, d.max_qp_wr, d.max_srq_wr), (100, 100, 100));
+    // Depths: the largest granted as asked (a power of two) within 100.
+    assert_eq!((d.max_cqe, d.max_qp_wr, d.max_srq_wr), (64, 64, 64));
     assert_eq!((d.max_qp, d.max_cq, d.max_mr, d.max_pd, d.max_ah, d.max_srq), (7, 7, 7, 7, 7, 7));
     assert_eq!(d.max_mr_size, 1 << 20);
     // What it shows can be had.
@@ -2900,4 +2901,67 @@ fn a_tenant_with_many_busy_qps_gets_its_turns_per_pass_not_one_per_qp() {
     env.run(T0);
     let rest: usize = done(&mut env, &many).iter().sum();
     assert_eq!(rest, 8, "every write completes");
+}
+
+/// Resetting the responder in the middle of a message drops every receive
+/// posted to it before the reset, also the one a requester had claimed
+/// (ibv_modify_qp(RESET) discards the receive queue); the message starts
+/// again and arrives whole in a receive posted after the reset.
+#[test]
+fn a_responder_reset_mid_send_discards_the_claimed_receive() {
+    const LEN: usize = 200 << 10;
+    let (mut env, a, b) = Env::pair();
+    let src = env.mr(C1, a.pd, LEN, FULL);
+    let pattern: Vec<u8> = (0..LEN).map(|i| (i % 251) as u8).collect();
+    src.write(0, &pattern);
+    let dst = env.mr(C2, b.pd, LEN, FULL);
+    env.io.post_recv(b.qpn, recv(8, &[dst.sge(0, LEN as u32)]));
+    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[src.sge(0, LEN as u32)], SendFlags::SIGNALED));
+    env.step(T0);
+    assert!(env.poll(b.cq).is_empty(), "200 KiB take more than one pass");
+    // The responder's application resets its QP (and so its receive
+    // queue), then connects it again and posts a fresh receive.
+    let attr = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+    assert_eq!(env.modify(b.qpn, &attr, QpAttrMask::STATE), Ok(QpState::Reset));
+    env.connect(b.qpn, a.qpn);
+    env.io.post_recv(b.qpn, recv(9, &[dst.sge(0, LEN as u32)]));
+    env.run(T0);
+    let got = env.poll(b.cq);
+    assert_eq!(
+        got.iter().map(|c| (c.wr_id, c.status, c.byte_len)).collect::<Vec<_>>(),
+        [(9, WcStatus::Success, LEN as u32)],
+        "receive 8 was posted before the reset"
+    );
+    assert_eq!(dst.read(0, LEN), pattern);
+    assert_eq!(
+        env.poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        [(1, WcStatus::Success)]
+    );
+}
+
+/// Quota::max_queue_depth bounds the depth granted (a power of two), and
+/// device_attr advertises the largest depth granted as asked within it: a
+/// program that sizes its queues to max_cqe/max_qp_wr/max_srq_wr gets them,
+/// and nothing is granted above the quota.
+#[test]
+fn granted_depths_stay_within_the_queue_depth_quota() {
+    let mut hca = new_hca();
+    hca.set_quota(TENANT, Quota { max_queue_depth: 1000, ..Quota::default() });
+    hca.open_context(C1, TENANT).unwrap();
+    let dev = hca.device_attr(C1).unwrap();
+    assert_eq!((dev.max_cqe, dev.max_qp_wr, dev.max_srq_wr), (512, 512, 512));
+    let pd = hca.alloc_pd(C1).unwrap();
+    let (cq, depth) = hca.create_cq(C1, dev.max_cqe).unwrap();
+    let (_, srq) =
+        hca.create_srq(C1, pd, SrqAttr { max_wr: dev.max_srq_wr, max_sge: 1, srq_limit: 0 }).unwrap();
+    let mut init = qp_init(cq, cq, None);
+    init.cap.max_send_wr = dev.max_qp_wr;
+    init.cap.max_recv_wr = dev.max_qp_wr;
+    let qp = hca.create_qp(C1, pd, init).unwrap();
+    assert_eq!((depth, srq.max_wr, qp.cap.max_send_wr, qp.cap.max_recv_wr), (512, 512, 512, 512));
+    // 1000 would be granted 1024: above the quota.
+    assert!(matches!(hca.create_cq(C1, 1000), Err(HcaError::QuotaExceeded(_))));
+    let mut init = qp_init(cq, cq, None);
+    init.cap.max_send_wr = 600;
+    assert!(matches!(hca.create_qp(C1, pd, init), Err(HcaError::QuotaExceeded(_))));
 }

@@ -86,7 +86,10 @@ fn rule(qp_type: QpType, from: QpState, to: QpState) -> Option<Rule> {
     let none = M::empty();
 
     match (from, to) {
-        (_, Reset) | (_, Err) => r(none, none),
+        (_, Reset) => r(none, none),
+        // As the kernel's table has it: a QP leaves RESET only for INIT.
+        (Reset, Err) => None,
+        (_, Err) => r(none, none),
         (Reset, Init) => match qp_type {
             Rc | Uc => r(M::PKEY_INDEX | M::PORT | M::ACCESS_FLAGS, none),
             Ud => r(M::PKEY_INDEX | M::PORT | M::QKEY, none),
@@ -177,7 +180,14 @@ pub fn check_modify(
         return Err(ModifyError::MissingAttributes { from: cur, to, missing });
     }
 
-    let allowed = rule.required | rule.optional | QpAttrMask::STATE | QpAttrMask::CUR_STATE;
+    // IBV_QP_CUR_STATE is optional only on the way back to RTS, from a
+    // state a QP can be in without knowing it (the kernel's table).
+    let cur_state_ok =
+        to == QpState::Rts && matches!(cur, QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe);
+    let mut allowed = rule.required | rule.optional | QpAttrMask::STATE;
+    if cur_state_ok {
+        allowed |= QpAttrMask::CUR_STATE;
+    }
     // Raw bits, so that bits naming no attribute count as unexpected too.
     let extra = QpAttrMask::from_bits_retain(mask.bits() & !allowed.bits());
     if !extra.is_empty() {
@@ -205,9 +215,7 @@ fn check_values(attr: &QpAttr, mask: QpAttrMask, limits: &ModifyLimits) -> Resul
         if ah.is_global {
             in_range("ah_attr.grh.sgid_index", ah.sgid_index.into(), 0, limits.gid_tbl_len.into())?;
         }
-        if ah.port_num != 0 {
-            in_range("ah_attr.port_num", ah.port_num.into(), 1, port_end)?;
-        }
+        in_range("ah_attr.port_num", ah.port_num.into(), 1, port_end)?;
     }
     if has(QpAttrMask::PATH_MTU) {
         in_range(
@@ -588,8 +596,13 @@ mod tests {
         ];
         for (t, from, to, mask) in cases {
             assert_eq!(check_to(t, from, to, mask), Ok(to), "{t:?} {from:?} -> {to:?}");
-            // CUR_STATE is accepted everywhere when it is right.
-            assert_eq!(check_to(t, from, to, mask | M::CUR_STATE), Ok(to));
+            // CUR_STATE, when right, is optional on the way back to RTS only.
+            let back_to_rts = to == Rts && matches!(from, Rtr | Rts | Sqd | Sqe);
+            assert_eq!(
+                check_to(t, from, to, mask | M::CUR_STATE).is_ok(),
+                back_to_rts,
+                "{t:?} {from:?} -> {to:?}"
+            );
         }
     }
 
@@ -648,8 +661,11 @@ mod tests {
         for t in ALL_TYPES {
             for from in ALL_STATES {
                 for to in [ERR, Reset] {
+                    if (from, to) == (Reset, ERR) {
+                        continue; // Not in the kernel's table: see below.
+                    }
                     assert_eq!(check_to(t, from, to, M::STATE), Ok(to), "{t:?} {from:?} -> {to:?}");
-                    assert_eq!(check_to(t, from, to, M::STATE | M::CUR_STATE), Ok(to));
+                    assert!(check_to(t, from, to, M::STATE | M::CUR_STATE).is_err());
                 }
             }
         }
@@ -723,11 +739,9 @@ mod tests {
         a.ah_attr.sgid_index = 3;
         assert_eq!(check(Rc, Init, &a, RC_RTR), Ok(Rtr));
 
-        // Without a GRH the sgid_index is unused; port 0 in the AV means
-        // "the QP's port".
+        // Without a GRH the sgid_index is unused.
         a.ah_attr.is_global = false;
         a.ah_attr.sgid_index = 200;
-        a.ah_attr.port_num = 0;
         assert_eq!(check(Rc, Init, &a, RC_RTR), Ok(Rtr));
 
         // Any QKEY is valid.
@@ -873,5 +887,44 @@ mod tests {
         a.cur_qp_state = Init;
         let err = check(Ud, Rts, &a, M::STATE | M::CUR_STATE).unwrap_err();
         assert_eq!(err.to_string(), "cur_qp_state says INIT but the QP is in RTS");
+    }
+
+    /// The kernel's ib_modify_qp_is_ok refuses IBV_QP_CUR_STATE unless the
+    /// QP is in RTR, RTS, SQD or SQE *and* the transition lists it as
+    /// optional (RTR->RTS, RTS->RTS, SQD->RTS, SQE->RTS): mlx5 and every
+    /// other kernel provider answer EINVAL to these.
+    #[test]
+    fn cur_state_only_where_the_kernel_table_takes_it() {
+        for (t, from, to, mask) in [
+            (Rc, Reset, Init, RC_INIT),
+            (Rc, Init, Rtr, RC_RTR),
+            (Rc, Rts, Sqd, M::STATE),
+            (Rc, Rts, ERR, M::STATE),
+            (Ud, Init, Reset, M::STATE),
+        ] {
+            assert!(
+                check_to(t, from, to, mask | M::CUR_STATE).is_err(),
+                "{t:?} {from:?} -> {to:?} with IBV_QP_CUR_STATE was accepted"
+            );
+        }
+    }
+
+    /// qp_state_table[IB_QPS_RESET] has only RESET and INIT: RESET -> ERR is
+    /// EINVAL on a kernel provider.
+    #[test]
+    fn reset_to_err_is_not_in_the_kernel_table() {
+        for t in ALL_TYPES {
+            assert!(check_to(t, Reset, ERR, M::STATE).is_err(), "{t:?} RESET -> ERR was accepted");
+        }
+    }
+
+    /// uverbs' modify_qp refuses IBV_QP_AV whose ah_attr.port_num is not a
+    /// valid port (rdma_is_port_valid): port 0 is EINVAL on real hardware.
+    #[test]
+    fn av_port_zero_is_refused() {
+        let mut a = attr(Rtr);
+        a.ah_attr.is_global = false;
+        a.ah_attr.port_num = 0;
+        assert!(check(Rc, Init, &a, RC_RTR).is_err(), "INIT -> RTR with ah_attr.port_num = 0 accepted");
     }
 }

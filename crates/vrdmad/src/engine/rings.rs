@@ -31,6 +31,7 @@ pub struct ContextRings {
 /// doorbell socket that the owner polls.
 pub struct Channel {
     pub ctx: ContextId,
+    pub tenant: vrdma_core::hca::TenantId,
     pub ring: RingView,
     pub fd: Doorbell,
     pub cqs: u32,

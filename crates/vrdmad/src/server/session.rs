@@ -71,6 +71,15 @@ struct Session {
 
 /// How long a new connection may take to open its context with Hello.
 const HELLO_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Completion channels one tenant may hold: each keeps a descriptor in the
+/// daemon (see `create_channel`).
+pub(crate) const MAX_CHANNELS_PER_TENANT: usize = 1024;
+
+/// How long a reply may wait for the tenant to make room for it. A tenant
+/// that reads none of its replies for this long is gone or hostile: its
+/// context is closed. (One that sent its own end of the connection through
+/// it and exited would otherwise keep it, and its context, for ever.)
+const REPLY_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
 pub(crate) fn run(sock: OwnedFd, id: u32, tenant: TenantId, cred: fdpass::PeerCred, shared: Arc<Shared>) {
     let mut s = Session { ctx: ContextId(id), tenant, pid: cred.pid, shared, open: false };
@@ -78,12 +87,26 @@ pub(crate) fn run(sock: OwnedFd, id: u32, tenant: TenantId, cred: fdpass::PeerCr
     let mut buf = vec![0u8; MAX_MESSAGE];
     // A connection that never opens its context would hold a thread and two
     // descriptors for ever.
-    let timeout = |t| rustix::net::sockopt::set_socket_timeout(&sock, rustix::net::sockopt::Timeout::Recv, t);
-    let mut saying_hello = timeout(Some(HELLO_LIMIT)).is_ok();
+    use rustix::net::sockopt::{set_socket_timeout, Timeout};
+    let timeout = |t| set_socket_timeout(&sock, Timeout::Recv, t);
+    if set_socket_timeout(&sock, Timeout::Send, Some(REPLY_LIMIT)).is_err() {
+        return;
+    }
+    // A deadline, not a pause between messages: requests other than Hello
+    // do not keep a context-less connection open.
+    let hello_by = std::time::Instant::now() + HELLO_LIMIT;
+    let mut saying_hello = true;
     loop {
         if saying_hello && s.open {
             saying_hello = false;
             if timeout(None).is_err() {
+                break;
+            }
+        }
+        if saying_hello {
+            let left = hello_by.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() || timeout(Some(left)).is_err() {
+                tracing::debug!(ctx = id, "no Hello within {HELLO_LIMIT:?}; closing");
                 break;
             }
         }
@@ -116,7 +139,11 @@ pub(crate) fn run(sock: OwnedFd, id: u32, tenant: TenantId, cred: fdpass::PeerCr
         let bytes = proto::encode_reply(&answer.reply);
         let fds: Vec<BorrowedFd> = answer.fds.iter().map(|f| f.as_fd()).collect();
         if let Err(e) = fdpass::send_msg(sock.as_fd(), &bytes, &fds) {
-            tracing::debug!(ctx = id, error = %e, "cannot reply; closing");
+            if e.kind() == std::io::ErrorKind::WouldBlock {
+                tracing::warn!(ctx = id, "the tenant read no reply for {REPLY_LIMIT:?}; closing its context");
+            } else {
+                tracing::debug!(ctx = id, error = %e, "cannot reply; closing");
+            }
             break;
         }
     }
@@ -351,11 +378,21 @@ impl Session {
             fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
         let fds = vec![seg_fd, tenant_end.into()];
         // A channel counts against the tenant's object quota: it holds a
-        // mapping and descriptors in the daemon.
+        // mapping and descriptors in the daemon. The descriptor cannot be
+        // spared (the daemon signals the tenant's end through it), so a
+        // tenant's channels are bounded apart, well below the objects: the
+        // daemon's descriptors are shared by every tenant.
+        let tenant = self.tenant;
         let channel = self.engine(move |e, c| {
+            let held = e.rings.channels.values().filter(|ch| ch.tenant == tenant).count();
+            if held >= MAX_CHANNELS_PER_TENANT {
+                return Err(HcaError::QuotaExceeded(format!(
+                    "a tenant may hold at most {MAX_CHANNELS_PER_TENANT} completion channels"
+                )));
+            }
             e.hca.charge_object(c)?;
             let id = e.rings.free_channel_id();
-            e.rings.channels.insert(id, Channel { ctx: c, ring, fd, cqs: 0, max_unread });
+            e.rings.channels.insert(id, Channel { ctx: c, tenant, ring, fd, cqs: 0, max_unread });
             Ok::<_, HcaError>(id)
         })??;
         Ok(Answer {

@@ -160,7 +160,14 @@ impl Hca {
                 // Everything of the remote transport starts over, as the
                 // PSNs do; what it held was posted to this QP and goes
                 // with its queues.
-                let remote_held = qp.remote.take().map_or(0, |r| r.held_sends());
+                let mut remote = qp.remote.take();
+                let remote_held = remote.as_ref().map_or(0, |r| r.held_sends());
+                // A receive of its SRQ taken for a message from another
+                // host that the reset cut short goes back to the SRQ.
+                let srq_claimed = qp
+                    .init
+                    .srq
+                    .zip(remote.as_deref_mut().and_then(|r| r.recv.as_mut()).and_then(|r| r.take_claimed()));
                 let was_held = held.is_some();
                 let claimed = held.and_then(|i| i.recv);
                 qp.requeued.clear();
@@ -177,12 +184,20 @@ impl Hca {
                 if let Some(r) = claimed {
                     self.requeue_recv(dest, r);
                 }
+                if let Some((srq, r)) = srq_claimed {
+                    if let Some(s) = self.srqs.get_mut(&srq) {
+                        s.requeued.push_front(r);
+                    }
+                }
             }
             QpState::Err if cur != QpState::Err => {
                 qp.attr.qp_state = cur;
                 self.enter_error(qpn, io);
             }
             _ => {}
+        }
+        if to == QpState::Reset && cur != QpState::Reset {
+            self.take_back_claimed_receives(qpn);
         }
         // enter_error publishes ERR itself.
         if to != cur && to != QpState::Err {
@@ -268,6 +283,33 @@ impl Hca {
             s.users -= 1;
         }
         self.refund(qp.ctx, 1, qp.ring_bytes);
+    }
+
+    /// `qpn` was reset: receives that requesters on this host had taken
+    /// from it for messages still arriving go back to its SRQ, or are
+    /// discarded with the rest of its receive queue (a reset discards
+    /// every posted receive: none may complete afterwards). Each such
+    /// message starts again from its first byte, so that it arrives whole,
+    /// in a receive posted after the reset, if the QP is connected again.
+    fn take_back_claimed_receives(&mut self, qpn: u32) {
+        let mut claimed = Vec::new();
+        for other in self.qps.values_mut() {
+            if other.attr.dest_qp_num != qpn {
+                continue;
+            }
+            if let Some(inf) = other.inflight.as_mut() {
+                if let Some(r) = inf.recv.take() {
+                    inf.done = 0;
+                    claimed.push(r);
+                }
+            }
+        }
+        let srq = self.qps.get(&qpn).and_then(|q| q.init.srq);
+        if let Some(srq) = srq.and_then(|s| self.srqs.get_mut(&s)) {
+            for r in claimed {
+                srq.requeued.push_front(r);
+            }
+        }
     }
 
     pub(crate) fn requeue_recv(&mut self, responder_qpn: u32, recv: crate::ring::RecvWr) {

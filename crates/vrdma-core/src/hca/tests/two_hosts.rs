@@ -675,6 +675,13 @@ fn a_held_ack_goes_with_the_next_request_or_when_its_delay_is_over() {
 
 #[test]
 fn a_receive_taken_from_an_srq_for_a_message_cut_short_goes_back_to_the_srq() {
+    // Cut short by the QP's error, or by a reset straight from RTS.
+    for cut in [QpState::Err, QpState::Reset] {
+        srq_receive_of_a_message_cut_short(cut);
+    }
+}
+
+fn srq_receive_of_a_message_cut_short(cut: QpState) {
     let mut t = TwoHosts::new(256);
     let pd = t.b.env.hca.alloc_pd(C1).unwrap();
     let (cq, _) = t.b.env.hca.create_cq(C1, 64).unwrap();
@@ -690,15 +697,15 @@ fn a_receive_taken_from_an_srq_for_a_message_cut_short_goes_back_to_the_srq() {
     t.a.env.io.post_send(a1.qpn, wr(1, SendOpcode::Send, &[a1.buf.sge(0, 700)], SendFlags::SIGNALED));
     t.run_a_only(T0);
     assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
-    // ...then b1 fails before the rest arrives.
-    t.b.env.modify(b1, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
+    // ...then b1 fails (or is reset) before the rest arrives.
+    t.b.env.modify(b1, &QpAttr { qp_state: cut, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
     t.b.env.run(T0);
     // The receive was not lost: b2's message finds it in the SRQ.
     t.a.env.io.post_send(a2.qpn, wr(2, SendOpcode::Send, &[a2.buf.sge(0, 8)], SendFlags::SIGNALED));
     t.run(T0);
     let got: Vec<(u64, WcStatus, u32)> =
         t.b.env.poll(cq).iter().map(|c| (c.wr_id, c.status, c.qp_num)).collect();
-    assert!(got.contains(&(50, WcStatus::Success, b2)), "{got:?}");
+    assert!(got.contains(&(50, WcStatus::Success, b2)), "{cut:?}: {got:?}");
     assert_eq!(
         t.a.env.poll(a2.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
         vec![(2, WcStatus::Success)]
