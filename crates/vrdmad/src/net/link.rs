@@ -194,10 +194,10 @@ impl LinkIo {
                     if self.rstart < self.rend {
                         let n = (left as usize).min(self.rend - self.rstart);
                         let (a, b) = (self.rstart, self.rstart + n);
-                        self.sink_copy(a, b);
+                        self.sink_copy(hca, a, b);
                         self.rstart = b;
                         self.dec.payload_placed(n).map_err(|e| format!("protocol error: {e}"))?;
-                    } else if self.drained || !self.read_payload(left as usize)? {
+                    } else if self.drained || !self.read_payload(hca, left as usize)? {
                         return Ok(busy);
                     }
                     busy = true;
@@ -267,18 +267,23 @@ impl LinkIo {
 
     /// Once a region the payload goes to is deregistered (the tenant may
     /// reuse its memory at once), the rest of the payload is thrown away.
-    fn check_revoked(&mut self) {
+    /// And once the QP it goes to failed, was reset or destroyed (the
+    /// core says so), it is thrown away too, though not lost: what the QP
+    /// had claimed may already be another's.
+    fn check_sink(&mut self, hca: &Hca) {
         if let Some(RxSink::Place { segs, .. }) = &self.sink {
             if segs.iter().any(|s| s.region.is_revoked()) {
                 self.sink = Some(RxSink::Discard);
                 self.lost = true;
+            } else if hca.placement_cancelled(self.id) {
+                self.sink = Some(RxSink::Discard);
             }
         }
     }
 
     /// Copies buffered payload bytes `rbuf[a..b]` to where they go.
-    fn sink_copy(&mut self, a: usize, b: usize) {
-        self.check_revoked();
+    fn sink_copy(&mut self, hca: &Hca, a: usize, b: usize) {
+        self.check_sink(hca);
         let Some(RxSink::Place { segs, done }) = self.sink.as_mut() else { return };
         let mut src = &self.rbuf[a..b];
         let mut skip = *done;
@@ -306,9 +311,9 @@ impl LinkIo {
     /// usually), so that a stream of large frames costs one system call
     /// per frame. Returns false if the socket had nothing. Called only
     /// with the header buffer empty.
-    fn read_payload(&mut self, left: usize) -> Result<bool, LinkEnd> {
+    fn read_payload(&mut self, hca: &Hca, left: usize) -> Result<bool, LinkEnd> {
         debug_assert_eq!(self.rstart, self.rend, "payload read with buffered bytes");
-        self.check_revoked();
+        self.check_sink(hca);
         let (payload, n, asked) = match self.sink.as_mut() {
             Some(RxSink::Place { segs, done }) => {
                 let mut iov: ArrayVec<libc::iovec, { MAX_SGE + 1 }> = ArrayVec::new();

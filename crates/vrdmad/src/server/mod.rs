@@ -3,7 +3,7 @@
 mod session;
 mod tenancy;
 
-pub(crate) use tenancy::Tenancy;
+pub(crate) use tenancy::{Seat, Tenancy};
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
@@ -83,7 +83,7 @@ impl Listener {
                     return;
                 }
             };
-            let (tenant, cred) = match shared.tenancy.identify(conn.as_fd()) {
+            let (tenant, cred, seat) = match shared.tenancy.identify(conn.as_fd()) {
                 Ok(t) => t,
                 Err(e) => {
                     tracing::warn!(error = %e, "cannot tell the tenant of a connection; closed");
@@ -116,7 +116,7 @@ impl Listener {
             let sh = shared.clone();
             let spawned = std::thread::Builder::new()
                 .name(format!("vrdma-ctx-{id}"))
-                .spawn(move || session::run(conn, id, tenant, cred, sh));
+                .spawn(move || session::run(conn, id, tenant, cred, seat, sh));
             if let Err(e) = spawned {
                 // The connection went with the closure and is closed; drop
                 // our duplicate too, so the client sees the hang-up.

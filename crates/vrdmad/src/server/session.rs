@@ -67,6 +67,9 @@ struct Session {
     pid: i32,
     shared: Arc<Shared>,
     open: bool,
+    /// Holds a numbered tenant while the session lives; dropped after the
+    /// context is closed (fields drop after `Drop::drop`).
+    _seat: super::Seat,
 }
 
 /// How long a new connection may take to open its context with Hello.
@@ -81,8 +84,15 @@ pub(crate) const MAX_CHANNELS_PER_TENANT: usize = 1024;
 /// it and exited would otherwise keep it, and its context, for ever.)
 const REPLY_LIMIT: std::time::Duration = std::time::Duration::from_secs(10);
 
-pub(crate) fn run(sock: OwnedFd, id: u32, tenant: TenantId, cred: fdpass::PeerCred, shared: Arc<Shared>) {
-    let mut s = Session { ctx: ContextId(id), tenant, pid: cred.pid, shared, open: false };
+pub(crate) fn run(
+    sock: OwnedFd,
+    id: u32,
+    tenant: TenantId,
+    cred: fdpass::PeerCred,
+    seat: super::Seat,
+    shared: Arc<Shared>,
+) {
+    let mut s = Session { ctx: ContextId(id), tenant, pid: cred.pid, shared, open: false, _seat: seat };
     tracing::debug!(ctx = id, pid = cred.pid, uid = cred.uid, tenant = tenant.0, "tenant connected");
     let mut buf = vec![0u8; MAX_MESSAGE];
     // A connection that never opens its context would hold a thread and two
@@ -105,7 +115,9 @@ pub(crate) fn run(sock: OwnedFd, id: u32, tenant: TenantId, cred: fdpass::PeerCr
         }
         if saying_hello {
             let left = hello_by.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() || timeout(Some(left)).is_err() {
+            // At least 1 ms: a timeout that rounds to zero would mean none.
+            let left = left.max(std::time::Duration::from_millis(1));
+            if hello_by <= std::time::Instant::now() || timeout(Some(left)).is_err() {
                 tracing::debug!(ctx = id, "no Hello within {HELLO_LIMIT:?}; closing");
                 break;
             }

@@ -15,73 +15,140 @@
 //! `connect` (its pidfd, `SO_PEERPIDFD`, Linux 6.5) still lives after the
 //! read: then the pid was still its own. Without `SO_PEERPIDFD` the
 //! namespace cannot be known safely, and such connections are refused.
+//!
+//! A namespace's inode number is reused once the namespace is freed, so a
+//! numbered tenant holds its namespace open (pinned) while it has sessions
+//! ([`Seat`]), and is forgotten with its last one: a later namespace that
+//! gets the same inode is a new tenant with a new number. Numbers are
+//! never reused.
 
 use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use vrdma_core::hca::TenantId;
 use vrdma_shm::fdpass::{peer_credentials, PeerCred};
 
 pub use crate::config::TenantBy;
 
-/// Tenants a daemon may number itself; beyond, connections are refused.
-const MAX_NAMED: usize = 1 << 20;
+/// The largest number this daemon gives out; beyond, connections from
+/// other namespaces are refused (after some 268 million tenants).
+const LAST_NUMBER: u32 = u32::MAX - 1;
 
 /// A network namespace: the device and inode of its `nsfs` file.
 type Netns = (u64, u64);
 
+/// A numbered tenant's key: a uid in a namespace.
+type Key = (u32, Netns);
+
+/// A tenant this daemon numbered: its number, its sessions, and the open
+/// namespace that keeps the inode from naming another meanwhile.
+struct Named {
+    tenant: TenantId,
+    sessions: usize,
+    _pin: OwnedFd,
+}
+
+#[derive(Default)]
+struct Numbering {
+    named: HashMap<Key, Named>,
+    /// The last number given out.
+    last: u32,
+}
+
 pub(crate) struct Tenancy {
     by: TenantBy,
     own: Option<Netns>,
-    named: Mutex<HashMap<(u32, Netns), TenantId>>,
+    numbering: Arc<Mutex<Numbering>>,
+}
+
+/// A session's hold on a numbered tenant (see the module's doc); `None`
+/// for a tenant that is a uid.
+pub(crate) struct Seat(Option<(Arc<Mutex<Numbering>>, Key)>);
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let Some((numbering, key)) = self.0.take() else { return };
+        let mut n = numbering.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = n.named.get_mut(&key) {
+            e.sessions -= 1;
+            if e.sessions == 0 {
+                n.named.remove(&key);
+            }
+        }
+    }
 }
 
 impl Tenancy {
     pub fn new(by: TenantBy) -> io::Result<Tenancy> {
         let own = match by {
             TenantBy::Uid => None,
-            TenantBy::UidAndNetns => Some(netns_at("/proc/self/ns/net")?),
+            TenantBy::UidAndNetns => Some(netns_of(&open_netns("/proc/self/ns/net")?)?),
         };
-        Ok(Tenancy { by, own, named: Mutex::new(HashMap::new()) })
+        Ok(Tenancy { by, own, numbering: Arc::default() })
     }
 
-    /// The tenant of the process at the other end of `sock`, and its
-    /// credentials.
-    pub fn identify(&self, sock: BorrowedFd<'_>) -> io::Result<(TenantId, PeerCred)> {
+    /// The tenant of the process at the other end of `sock`, its
+    /// credentials, and the seat the session holds while it lives.
+    pub fn identify(&self, sock: BorrowedFd<'_>) -> io::Result<(TenantId, PeerCred, Seat)> {
         let cred = peer_credentials(sock)?;
-        let Some(own) = self.own else { return Ok((TenantId(cred.uid), cred)) };
+        let Some(own) = self.own else { return Ok((TenantId(cred.uid), cred, Seat(None))) };
         debug_assert_eq!(self.by, TenantBy::UidAndNetns);
-        let ns = peer_netns(sock, cred.pid)?;
+        let (ns, pin) = peer_netns(sock, cred.pid)?;
         if ns == own {
-            return Ok((TenantId(cred.uid), cred));
+            if TenantId(cred.uid).is_host_local() {
+                // Such a uid would share its number with a numbered tenant.
+                return Err(io::Error::other(format!(
+                    "uid {} lies in the numbers kept for tenants of this host only",
+                    cred.uid
+                )));
+            }
+            return Ok((TenantId(cred.uid), cred, Seat(None)));
         }
-        let mut named = self.named.lock().unwrap_or_else(|p| p.into_inner());
-        let n = named.len();
-        if let Some(&t) = named.get(&(cred.uid, ns)) {
-            return Ok((t, cred));
+        let (tenant, seat) = self.seat(cred.uid, ns, pin)?;
+        Ok((tenant, cred, seat))
+    }
+
+    /// The tenant of `uid` in the namespace `ns` (held open by `pin`),
+    /// numbered if it has no seat yet, and a seat in it.
+    fn seat(&self, uid: u32, ns: Netns, pin: OwnedFd) -> io::Result<(TenantId, Seat)> {
+        let mut n = self.numbering.lock().unwrap_or_else(|p| p.into_inner());
+        let key = (uid, ns);
+        if let Some(e) = n.named.get_mut(&key) {
+            e.sessions += 1;
+            return Ok((e.tenant, Seat(Some((self.numbering.clone(), key)))));
         }
-        if n >= MAX_NAMED {
-            return Err(io::Error::other("too many tenants named by this daemon"));
+        let next = n.last.max(TenantId::HOST_LOCAL_BASE) + 1;
+        if next > LAST_NUMBER {
+            return Err(io::Error::other("this daemon has numbered all the tenants it can"));
         }
-        let t = TenantId(TenantId::HOST_LOCAL_BASE + n as u32 + 1);
-        named.insert((cred.uid, ns), t);
-        tracing::info!(uid = cred.uid, netns = ns.1, tenant = t.0, "a new tenant of this host only");
-        Ok((t, cred))
+        n.last = next;
+        let tenant = TenantId(next);
+        n.named.insert(key, Named { tenant, sessions: 1, _pin: pin });
+        tracing::info!(uid, netns = ns.1, tenant = tenant.0, "a new tenant of this host only");
+        Ok((tenant, Seat(Some((self.numbering.clone(), key)))))
     }
 }
 
-fn netns_at(path: &str) -> io::Result<Netns> {
-    let st = rustix::fs::stat(path)?;
+fn open_netns(path: &str) -> io::Result<OwnedFd> {
+    Ok(rustix::fs::open(
+        path,
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    )?)
+}
+
+fn netns_of(fd: &OwnedFd) -> io::Result<Netns> {
+    let st = rustix::fs::fstat(fd)?;
     Ok((st.st_dev, st.st_ino))
 }
 
 /// The network namespace of the process that connected `sock`, whose pid
-/// `SO_PEERCRED` gave as `pid`.
-fn peer_netns(sock: BorrowedFd<'_>, pid: i32) -> io::Result<Netns> {
+/// `SO_PEERCRED` gave as `pid`, and a descriptor that holds it open.
+fn peer_netns(sock: BorrowedFd<'_>, pid: i32) -> io::Result<(Netns, OwnedFd)> {
     let pidfd = peer_pidfd(sock)?;
-    let ns = netns_at(&format!("/proc/{pid}/ns/net"))?;
+    let pin = open_netns(&format!("/proc/{pid}/ns/net"))?;
     // A pidfd turns readable when its process exits.
     let mut fds = [rustix::event::PollFd::new(&pidfd, rustix::event::PollFlags::IN)];
     let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
@@ -89,7 +156,7 @@ fn peer_netns(sock: BorrowedFd<'_>, pid: i32) -> io::Result<Netns> {
     if !fds[0].revents().is_empty() {
         return Err(io::Error::other("the connecting process has exited"));
     }
-    Ok(ns)
+    Ok((netns_of(&pin)?, pin))
 }
 
 /// `SO_PEERPIDFD`: a pidfd of the process that connected `sock`.
@@ -132,16 +199,42 @@ mod tests {
     fn by_uid_a_peer_is_its_uid() {
         let (a, _b) = vrdma_shm::fdpass::seqpacket_pair().unwrap();
         let t = Tenancy::new(TenantBy::Uid).unwrap();
-        let (id, cred) = t.identify(a.as_fd()).unwrap();
+        let (id, cred, _) = t.identify(a.as_fd()).unwrap();
         assert_eq!(id, TenantId(rustix::process::getuid().as_raw()));
         assert_eq!(cred.pid, rustix::process::getpid().as_raw_pid());
+    }
+
+    /// A stand-in for a namespace's descriptor.
+    fn pin() -> OwnedFd {
+        open_netns("/proc/self/ns/net").unwrap()
+    }
+
+    #[test]
+    fn a_numbered_tenant_lasts_while_it_has_sessions_and_its_number_is_never_reused() {
+        let t = Tenancy::new(TenantBy::UidAndNetns).unwrap();
+        let ns = (4, 4026532317);
+        let (a, seat_a) = t.seat(0, ns, pin()).unwrap();
+        assert!(a.is_host_local());
+        // Another session in the same namespace: the same tenant.
+        let (b, seat_b) = t.seat(0, ns, pin()).unwrap();
+        assert_eq!(a, b);
+        // Another uid there, or the same uid elsewhere: other tenants.
+        let (c, _seat_c) = t.seat(1000, ns, pin()).unwrap();
+        let (d, _seat_d) = t.seat(0, (4, 4026532318), pin()).unwrap();
+        assert!(c != a && d != a && c != d);
+        drop((seat_a, seat_b));
+        // The namespace is gone and its inode number comes back for a new
+        // one: a new tenant, never an old number.
+        let (e, _seat_e) = t.seat(0, ns, pin()).unwrap();
+        assert!(![a, c, d].contains(&e), "{e:?} reused");
+        assert_eq!(t.numbering.lock().unwrap().named.len(), 3);
     }
 
     #[test]
     fn by_uid_and_netns_a_peer_in_our_namespace_is_its_uid() {
         let (a, _b) = vrdma_shm::fdpass::seqpacket_pair().unwrap();
         let t = Tenancy::new(TenantBy::UidAndNetns).unwrap();
-        let (id, _) = t.identify(a.as_fd()).unwrap();
+        let (id, _, _) = t.identify(a.as_fd()).unwrap();
         assert_eq!(id, TenantId(rustix::process::getuid().as_raw()));
     }
 }

@@ -181,7 +181,9 @@ impl Hca {
                     io.send_retired(qpn, held);
                 }
                 io.discard(qpn);
-                if let Some(r) = claimed {
+                // (Connected to itself, the receive was its own: discarded
+                // with its queue.)
+                if let Some(r) = claimed.filter(|_| dest != qpn) {
                     self.requeue_recv(dest, r);
                 }
                 if let Some((srq, r)) = srq_claimed {
@@ -198,6 +200,7 @@ impl Hca {
         }
         if to == QpState::Reset && cur != QpState::Reset {
             self.take_back_claimed_receives(qpn);
+            self.cancel_placements_of(qpn);
         }
         // enter_error publishes ERR itself.
         if to != cur && to != QpState::Err {
@@ -259,6 +262,7 @@ impl Hca {
     /// Removes one QP; the caller updates `qp_order` and takes back the
     /// receives other requesters hold of it.
     fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
+        self.cancel_placements_of(qpn);
         let Some(mut qp) = self.qps.remove(&qpn) else { return };
         if let Some(n) = qp.remote.take().map(|r| r.held_sends()).filter(|&n| n > 0) {
             io.send_retired(qpn, n);
@@ -300,6 +304,7 @@ impl Hca {
             if let Some(inf) = other.inflight.as_mut() {
                 if let Some(r) = inf.recv.take() {
                     inf.done = 0;
+                    inf.retry_deadline = None;
                     claimed.push(r);
                 }
             }
@@ -351,6 +356,7 @@ impl Hca {
         let (ctx, srq) = (qp.ctx, qp.init.srq);
         io.qp_state_changed(qpn, QpState::Err);
         self.update_service(qpn);
+        self.cancel_placements_of(qpn);
         if srq.is_some() {
             io.async_event(ctx, AsyncEvent { event_type: AsyncEventType::QpLastWqeReached, element: qpn });
         }

@@ -183,7 +183,23 @@ pub(crate) struct Link {
     pub rr: usize,
     pub stats: LinkStats,
     pub after: AfterPayload,
+    /// The QP the payload in flight goes to failed, was reset or
+    /// destroyed: the driver throws the rest away (see
+    /// [`Hca::placement_cancelled`]).
+    pub cancelled: bool,
     pub datagrams: datagram::DatagramQueue,
+}
+
+impl AfterPayload {
+    /// The QP whose frame's payload this finishes.
+    fn qpn(&self) -> Option<u32> {
+        match *self {
+            AfterPayload::Nothing => None,
+            AfterPayload::Request { qpn }
+            | AfterPayload::ReadResponse { qpn, .. }
+            | AfterPayload::Datagram { qpn, .. } => Some(qpn),
+        }
+    }
 }
 
 /// Every link, and the peers QPs are waiting for.
@@ -329,6 +345,7 @@ impl Hca {
                 rr: 0,
                 stats: LinkStats::default(),
                 after: AfterPayload::Nothing,
+                cancelled: false,
                 datagrams: Default::default(),
             },
         );
@@ -479,6 +496,7 @@ impl Hca {
         l.stats.frames_in += 1;
         l.stats.payload_in += u64::from(hdr.payload_len);
         l.after = AfterPayload::Nothing;
+        l.cancelled = false;
         let ud = matches!(hdr.opcode, crate::wire::Opcode::UdSendOnly | crate::wire::Opcode::UdSendOnlyImm);
         let (sink, after) = if ud {
             self.datagram_handle(link, hdr, io)
@@ -502,6 +520,7 @@ impl Hca {
     /// [`Region::is_revoked`]: crate::memory::Region::is_revoked
     pub fn data_lost(&mut self, link: LinkId, io: &mut dyn Queues) {
         let Some(l) = self.net.links.get_mut(&link) else { return };
+        l.cancelled = false;
         let after = std::mem::replace(&mut l.after, AfterPayload::Nothing);
         self.net.dropped(link, "payload for a region deregistered meanwhile");
         match after {
@@ -512,10 +531,31 @@ impl Hca {
         }
     }
 
+    /// Whether the rest of the payload arriving on `link` must be thrown
+    /// away, not placed: the QP it was for failed, was reset or was
+    /// destroyed meanwhile, and what it had claimed (a receive, an SRQ's
+    /// receive, a read's buffer) is no longer its to write. The driver
+    /// asks before every read into the windows [`Hca::handle_data`] gave,
+    /// and still calls [`Hca::data_placed`] at the frame's end.
+    pub fn placement_cancelled(&self, link: LinkId) -> bool {
+        self.net.links.get(&link).is_some_and(|l| l.cancelled)
+    }
+
+    /// `qpn` fails, is reset or is destroyed: a payload arriving for it
+    /// stops being placed (see [`Hca::placement_cancelled`]).
+    pub(crate) fn cancel_placements_of(&mut self, qpn: u32) {
+        for l in self.net.links.values_mut() {
+            if l.after.qpn() == Some(qpn) {
+                l.cancelled = true;
+            }
+        }
+    }
+
     /// The payload of the frame last passed to [`Hca::handle_data`] on
     /// `link` has been placed (or discarded).
     pub fn data_placed(&mut self, link: LinkId, now: Instant, io: &mut dyn Queues) {
         let Some(l) = self.net.links.get_mut(&link) else { return };
+        l.cancelled = false;
         match std::mem::replace(&mut l.after, AfterPayload::Nothing) {
             AfterPayload::Nothing => {}
             AfterPayload::Request { qpn } => self.responder_placed(qpn, now, io),

@@ -25,6 +25,9 @@ pub(crate) struct SentWr {
     /// The status it completes with when the QP fails: its own error, if
     /// it is the request that failed; the others flush.
     pub status: Option<WcStatus>,
+    /// Its last frame went out (at least once): answers for it count from
+    /// here on, also while it is being sent again.
+    pub went_out: bool,
 }
 
 /// The PSNs a request takes at `chunk` bytes a frame.
@@ -41,7 +44,7 @@ impl RemoteSend {
     /// size of the link just bound. Returns true if one now takes more
     /// than `per_message` PSNs (too long for this link).
     fn renumber(&mut self, chunk: u64, per_message: u32) -> bool {
-        if self.tx > 0 {
+        if self.tx > 0 || self.tx_off > 0 || self.sent.iter().any(|w| w.went_out) {
             return false; // Sent already: numbered for good.
         }
         let Some(mut psn) = self.sent.front().map(|w| w.first_psn) else { return false };
@@ -274,7 +277,7 @@ impl Hca {
         let Some(s) = self.send_state(qpn) else { return false };
         let first_psn = s.next_psn;
         s.next_psn = psn_add(first_psn, npsn);
-        s.sent.push_back(SentWr { wr, serial, first_psn, npsn, placed: 0, status: None });
+        s.sent.push_back(SentWr { wr, serial, first_psn, npsn, placed: 0, status: None, went_out: false });
         if s.ack_deadline.is_none() {
             s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
         }
@@ -439,6 +442,8 @@ impl Hca {
         let s = self.send_state(qpn)?;
         s.tx_off += advance;
         if last_frame {
+            let tx = s.tx;
+            s.sent[tx].went_out = true;
             s.tx += 1;
             s.tx_off = 0;
         }
@@ -499,7 +504,7 @@ impl Hca {
                 let head = self
                     .send_state(qpn)
                     .and_then(|s| {
-                        s.sent.front().filter(|w| s.tx > 0 && w.wr.opcode.is_atomic() && w.first_psn == psn)
+                        s.sent.front().filter(|w| w.went_out && w.wr.opcode.is_atomic() && w.first_psn == psn)
                     })
                     .map(|w| w.wr.sg);
                 let Some(sg) = head else {
@@ -548,7 +553,7 @@ impl Hca {
         }
         let pd = self.qps[&qpn].pd;
         let Some(s) = self.send_state(qpn) else { return (Sink::Discard, AfterPayload::Nothing) };
-        let expect = s.sent.front().filter(|w| s.tx > 0 && w.wr.opcode == SendOpcode::RdmaRead).map(|w| {
+        let expect = s.sent.front().filter(|w| w.went_out && w.wr.opcode == SendOpcode::RdmaRead).map(|w| {
             (psn_add(w.first_psn, (w.placed / chunk) as u32), w.placed, w.wr.msg_len(), w.wr.sg, w.serial)
         });
         let Some((want_psn, placed, len, sg, serial)) = expect else {
@@ -610,7 +615,7 @@ impl Hca {
             .is_some_and(|q| matches!(q.state(), QpState::Rts | QpState::Sqd | QpState::Sqe));
         let Some(s) = self.send_state(qpn) else { return };
         let Some(head) =
-            s.sent.front_mut().filter(|h| live && s.tx > 0 && h.serial == serial && h.placed == offset)
+            s.sent.front_mut().filter(|h| live && h.went_out && h.serial == serial && h.placed == offset)
         else {
             self.net.dropped(link, "read response for a read that is gone");
             return;
@@ -647,7 +652,7 @@ impl Hca {
         loop {
             let Some(s) = self.send_state(qpn) else { return };
             let Some(head) = s.sent.front() else { return };
-            if s.tx == 0 || head.needs_response() || psn_diff(head.last_psn(), psn) >= 0 {
+            if !head.went_out || head.needs_response() || psn_diff(head.last_psn(), psn) >= 0 {
                 return;
             }
             self.complete_head(qpn, 0, now, io);
@@ -660,7 +665,13 @@ impl Hca {
         let (cq, sig_all, attr) = (qp.init.send_cq, qp.init.sq_sig_all, qp.attr);
         let Some(s) = qp.remote.as_deref_mut().and_then(|r| r.send.as_mut()) else { return };
         let Some(w) = s.sent.pop_front() else { return };
-        s.tx = s.tx.saturating_sub(1);
+        if s.tx == 0 {
+            // It completed while being sent again: the next one is sent
+            // again from its start.
+            s.tx_off = 0;
+        } else {
+            s.tx -= 1;
+        }
         // Progress: the timers and retry counts start over.
         s.retries_left = attr.retry_cnt;
         s.rnr_left = attr.rnr_retry;

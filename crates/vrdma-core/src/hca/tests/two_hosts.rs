@@ -676,7 +676,7 @@ fn a_held_ack_goes_with_the_next_request_or_when_its_delay_is_over() {
 #[test]
 fn a_receive_taken_from_an_srq_for_a_message_cut_short_goes_back_to_the_srq() {
     // Cut short by the QP's error, or by a reset straight from RTS.
-    for cut in [QpState::Err, QpState::Reset] {
+    for cut in [QpState::Reset, QpState::Err] {
         srq_receive_of_a_message_cut_short(cut);
     }
 }
@@ -1265,4 +1265,149 @@ fn a_tenant_of_one_host_only_never_reaches_another_host() {
     t.b.env.hca.data_placed(t.b.link, T0, &mut t.b.env.io);
     t.b.env.run(T0);
     assert!(t.b.env.poll(cqb).is_empty(), "a frame with a host-local tenant number was taken");
+}
+
+/// A's timer fires (B's answers are late), and B's answers arrive before
+/// A has sent its oldest request again (its link is still full, or the
+/// request is long): send 1 was delivered and acknowledged, write 2 was
+/// refused with a NAK. A must complete 1 SUCCESS and 2 REM_ACCESS_ERR.
+#[test]
+fn answers_that_arrive_after_the_timer_fired_still_count() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 8)]));
+    t.b.env.step(T0);
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    // A bad rkey: B refuses it.
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, 0xdead));
+    t.run_a_only(T0);
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    t.b.env.run(T0);
+    assert_eq!(
+        t.b.env.poll(b.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>()[0],
+        (10, WcStatus::Success)
+    );
+    // A's timer expires before B's answers come.
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let now = T0 + tick + Duration::from_nanos(1);
+    t.run_a_only(now);
+    // B's answers (ACK for 1, NAK for 2) arrive before A sends again.
+    while TwoHosts::carry(&mut t.b, &mut t.a, now, '<', &mut t.log) {}
+    t.run(now);
+    assert_eq!(
+        t.a.env.poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::Success), (2, WcStatus::RemAccessErr)],
+        "B received send 1 (receive 10 SUCCESS)"
+    );
+}
+
+/// Same, with an RNR NAK for the second send: A must not fail the QP.
+#[test]
+fn an_rnr_nak_that_arrives_after_the_timer_fired_does_not_fail_the_qp() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    t.b.env.io.post_recv(b.qpn, recv(10, &[b.buf.sge(0, 8)]));
+    t.b.env.step(T0);
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.a.env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run_a_only(T0);
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    t.b.env.run(T0);
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let now = T0 + tick + Duration::from_nanos(1);
+    t.run_a_only(now);
+    while TwoHosts::carry(&mut t.b, &mut t.a, now, '<', &mut t.log) {}
+    // B posts the receive send 2 needs; A sends again after the RNR delay.
+    t.b.env.io.post_recv(b.qpn, recv(11, &[b.buf.sge(8, 8)]));
+    let mut later = now;
+    for _ in 0..4 {
+        later = later + timers::rnr_delay(1) + Duration::from_nanos(1);
+        t.run(later);
+    }
+    assert_eq!(
+        t.a.env.poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::Success), (2, WcStatus::Success)]
+    );
+}
+
+/// A's timer fires while B's answer to a 4-chunk read is on its way; its
+/// first chunk arrives before A has sent the read again (the read still
+/// counts as sent), the rest after: the read completes once, with B's bytes.
+#[test]
+fn a_read_answer_chunk_that_arrives_after_the_timer_fired_is_placed() {
+    let (mut t, a, b) = TwoHosts::pair(256, conn());
+    let pattern: Vec<u8> = (0..1024u32).map(|i| (i * 7 + 3) as u8).collect();
+    b.buf.write(0, &pattern);
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaRead, &[a.buf.sge(0, 1024)], b.buf.addr, b.buf.key));
+    t.run_a_only(T0);
+    assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log), "the read request crosses");
+    t.b.env.run(T0);
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    let now = T0 + tick + Duration::from_nanos(1);
+    t.run_a_only(now);
+    // The first answer chunk arrives before A sends the read again.
+    assert!(TwoHosts::carry(&mut t.b, &mut t.a, now, '<', &mut t.log));
+    t.run(now);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaRead, a.qpn, 1024)]);
+    assert_eq!(a.buf.read(0, 1024), pattern);
+}
+
+/// b1 (on an SRQ) is reset, or fails, while the payload of a send that
+/// claimed the SRQ's receive is still arriving (the link reads it over
+/// several passes). The receive goes back to the SRQ at once, so the rest
+/// of that payload must not land in it: the core tells the driver to throw
+/// it away (`placement_cancelled`), and b2's message, which takes the
+/// receive next, is what the buffer holds.
+#[test]
+fn an_srq_receive_given_back_mid_payload_is_not_written_by_the_rest_of_it() {
+    for cut in [QpState::Reset, QpState::Err] {
+        let mut t = TwoHosts::new(256);
+        let pd = t.b.env.hca.alloc_pd(C1).unwrap();
+        let (cq, _) = t.b.env.hca.create_cq(C1, 64).unwrap();
+        let (srq, _) =
+            t.b.env.hca.create_srq(C1, pd, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 0 }).unwrap();
+        let buf = t.b.env.mr(C1, pd, 4096, FULL);
+        let on_srq = |env: &mut Env| env.qp(C1, pd, qp_init(cq, cq, Some(srq)));
+        let (b1, b2) = (on_srq(&mut t.b.env), on_srq(&mut t.b.env));
+        let (a1, a2) = (t.a.env.end(C1), t.a.env.end(C1));
+        t.connect(a1.qpn, b1, conn());
+        t.connect(a2.qpn, b2, conn());
+        t.b.env.io.post_srq(srq, recv(50, &[buf.sge(0, 1024)]));
+        a1.buf.write(0, &[0xaa; 256]);
+        a2.buf.write(0, &[0x55; 8]);
+        t.a.env.io.post_send(a1.qpn, wr(1, SendOpcode::Send, &[a1.buf.sge(0, 256)], SendFlags::SIGNALED));
+        t.run_a_only(T0);
+        // The header of a1's frame: B hands the link the receive's buffer.
+        let f = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("A sends");
+        let Sink::Place(w) = t.b.env.hca.handle_data(t.b.link, &data_header(&f), T0, &mut t.b.env.io) else {
+            panic!("placed")
+        };
+        assert!(!t.b.env.hca.placement_cancelled(t.b.link));
+        // The payload is on its way; b1 is reset (or fails).
+        t.b.env.modify(b1, &QpAttr { qp_state: cut, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
+        t.b.env.run(T0);
+        // The rest of a1's payload arrives: the driver, told to, drops it.
+        assert!(t.b.env.hca.placement_cancelled(t.b.link), "{cut:?}: the payload in flight is still placed");
+        let bytes = frame_bytes(&f);
+        let payload = &bytes[bytes.len() - 256..];
+        let mut at = 0;
+        for s in &w {
+            if !s.region.is_revoked() && !t.b.env.hca.placement_cancelled(t.b.link) {
+                s.region.write(s.off, &payload[at..at + s.len]).unwrap();
+            }
+            at += s.len;
+        }
+        t.b.env.hca.data_placed(t.b.link, T0, &mut t.b.env.io);
+        assert!(!t.b.env.hca.placement_cancelled(t.b.link), "cleared at the frame's end");
+        // b2's message takes the receive from the SRQ and completes.
+        t.a.env.io.post_send(a2.qpn, wr(2, SendOpcode::Send, &[a2.buf.sge(0, 8)], SendFlags::SIGNALED));
+        t.run_a_only(T0);
+        let f2 = t.a.env.hca.poll_transmit(t.a.link, T0, &mut t.a.env.io).expect("A sends a2's frame");
+        assert_eq!(data_header(&f2).src_qpn, a2.qpn);
+        TwoHosts::deliver(&f2, &mut t.b, T0, '>', &mut t.log);
+        let got: Vec<(u64, WcStatus, u32)> =
+            t.b.env.poll(cq).iter().map(|c| (c.wr_id, c.status, c.qp_num)).collect();
+        assert!(got.contains(&(50, WcStatus::Success, b2)), "{cut:?}: {got:?}");
+        assert_eq!(buf.read(0, 256), [vec![0x55; 8], vec![0; 248]].concat(), "{cut:?}: a1's bytes landed");
+    }
 }
