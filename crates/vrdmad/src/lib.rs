@@ -17,6 +17,8 @@ pub mod engine;
 pub mod host;
 pub mod net;
 mod server;
+#[cfg(test)]
+mod testing;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;

@@ -271,23 +271,7 @@ impl Env {
 
     /// INIT -> RTR towards `remote` at `ah`, expecting PSN `psn` first.
     fn bring_to_rtr_via(&mut self, qpn: u32, remote: u32, c: Conn, ah: AhAttr, psn: u32, rd_atomic: u8) {
-        let attr = QpAttr {
-            qp_state: QpState::Rtr,
-            path_mtu: Mtu::Mtu1024,
-            dest_qp_num: remote,
-            rq_psn: psn,
-            min_rnr_timer: c.min_rnr_timer,
-            max_dest_rd_atomic: rd_atomic,
-            ah_attr: ah,
-            ..QpAttr::default()
-        };
-        let mask = QpAttrMask::STATE
-            | QpAttrMask::AV
-            | QpAttrMask::PATH_MTU
-            | QpAttrMask::DEST_QPN
-            | QpAttrMask::RQ_PSN
-            | QpAttrMask::MAX_DEST_RD_ATOMIC
-            | QpAttrMask::MIN_RNR_TIMER;
+        let (attr, mask) = to_rtr(remote, c, ah, psn, rd_atomic);
         assert_eq!(self.modify(qpn, &attr, mask), Ok(QpState::Rtr));
     }
 
@@ -359,6 +343,28 @@ impl Env {
     fn poll(&mut self, cqn: u32) -> Vec<Cqe> {
         self.io.poll(cqn)
     }
+}
+
+/// INIT -> RTR towards `remote` at `ah`, expecting PSN `psn`.
+fn to_rtr(remote: u32, c: Conn, ah: AhAttr, psn: u32, rd_atomic: u8) -> (QpAttr, QpAttrMask) {
+    let attr = QpAttr {
+        qp_state: QpState::Rtr,
+        path_mtu: Mtu::Mtu1024,
+        dest_qp_num: remote,
+        rq_psn: psn,
+        min_rnr_timer: c.min_rnr_timer,
+        max_dest_rd_atomic: rd_atomic,
+        ah_attr: ah,
+        ..QpAttr::default()
+    };
+    let mask = QpAttrMask::STATE
+        | QpAttrMask::AV
+        | QpAttrMask::PATH_MTU
+        | QpAttrMask::DEST_QPN
+        | QpAttrMask::RQ_PSN
+        | QpAttrMask::MAX_DEST_RD_ATOMIC
+        | QpAttrMask::MIN_RNR_TIMER;
+    (attr, mask)
 }
 
 fn wr(wr_id: u64, opcode: SendOpcode, sges: &[Sge], flags: SendFlags) -> SendWr {

@@ -302,22 +302,15 @@ fn sleep(s: &EngineState, wake: &Doorbell, timeout: Option<Duration>) {
 
 #[cfg(test)]
 mod tests {
-    use std::net::{TcpListener, TcpStream};
+    use std::net::TcpStream;
 
-    use vrdma_core::hca::{HcaConfig, IoSeg, KeySource, LinkInfo, TenantId, Transmit};
+    use vrdma_core::hca::{HcaConfig, IoSeg, LinkInfo, TenantId, Transmit};
     use vrdma_core::memory::Region;
     use vrdma_core::verbs::{AccessFlags, Gid};
 
     use super::*;
-    use crate::net::{identity, LinkIo, Net, NetSetup};
-
-    struct Keys(u32);
-    impl KeySource for Keys {
-        fn next_key(&mut self) -> u32 {
-            self.0 += 1;
-            self.0
-        }
-    }
+    use crate::net::{LinkIo, Net};
+    use crate::testing::{loopback, setup, Keys};
 
     /// An engine state with one link over loopback (the peer's end
     /// returned) and a context holding a region of `len` bytes of 0xab.
@@ -325,18 +318,8 @@ mod tests {
         let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
         let gid = Gid::from_ipv4([10, 0, 0, 2]);
         let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
-        let mut net = Net::new(Arc::new(NetSetup {
-            identity: identity(1, Gid::from_ipv4([10, 0, 0, 1]), 1, 65536, vec![7; 16]),
-            listen: "127.0.0.1:0".parse().unwrap(),
-            port: 4791,
-            peers: Vec::new(),
-            allow: Vec::new(),
-            keepalive: Duration::from_secs(1),
-            dead: Duration::from_secs(3),
-        }));
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let theirs = l.accept().unwrap().0;
+        let mut net = Net::new(Arc::new(setup([10, 0, 0, 1], 65536)));
+        let (ours, theirs) = loopback();
         net.links.insert(id, LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap());
         let ctx = ContextId(1);
         hca.open_context(ctx, TenantId(1000)).unwrap();

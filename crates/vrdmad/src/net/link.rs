@@ -545,27 +545,18 @@ impl LinkIo {
 #[cfg(test)]
 mod tests {
     use std::io::Write;
-    use std::net::{TcpListener, TcpStream};
+    use std::net::TcpStream;
 
-    use vrdma_core::hca::{HcaConfig, KeySource};
+    use vrdma_core::hca::HcaConfig;
     use vrdma_core::verbs::Gid;
     use vrdma_core::wire::Event;
 
     use super::*;
-
-    struct Keys(u32);
-    impl KeySource for Keys {
-        fn next_key(&mut self) -> u32 {
-            self.0 += 1;
-            self.0
-        }
-    }
+    use crate::testing::{loopback, Keys};
 
     /// A link over loopback, and the peer's end of its socket.
     fn pair() -> (LinkIo, TcpStream, Hca, RingTable) {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let theirs = l.accept().unwrap().0;
+        let (ours, theirs) = loopback();
         // Small fixed buffers (no autotuning): a peer that reads nothing
         // closes the window after a few frames.
         for (s, opt) in [(&ours, libc::SO_SNDBUF), (&theirs, libc::SO_RCVBUF)] {

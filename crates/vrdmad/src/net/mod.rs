@@ -679,15 +679,7 @@ mod tests {
     }
 
     fn net_of(ip: [u8; 4]) -> Net {
-        Net::new(Arc::new(NetSetup {
-            identity: identity(1, Gid::from_ipv4(ip), 1, 4096, vec![7; 16]),
-            listen: "127.0.0.1:0".parse().unwrap(),
-            port: 4791,
-            peers: Vec::new(),
-            allow: Vec::new(),
-            keepalive: Duration::from_secs(1),
-            dead: Duration::from_secs(3),
-        }))
+        Net::new(Arc::new(crate::testing::setup(ip, 4096)))
     }
 
     #[test]
@@ -732,9 +724,7 @@ mod tests {
     /// A link on `net` to the daemon with `gid` and `daemon_id`, over a
     /// loopback connection (whose other end is returned, to keep it open).
     fn link_to(net: &mut Net, id: u32, gid: Gid, daemon_id: u64, dialled: bool) -> TcpStream {
-        let l = TcpListener::bind("127.0.0.1:0").unwrap();
-        let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
-        let theirs = l.accept().unwrap().0;
+        let (ours, theirs) = crate::testing::loopback();
         let link = LinkIo::new(LinkId(id), ours, "10.0.0.2:4791".parse().unwrap(), gid, daemon_id, dialled);
         net.links.insert(LinkId(id), link.unwrap());
         theirs

@@ -140,6 +140,27 @@ impl TwoHosts {
         panic!("the hosts stayed busy for 10000 rounds");
     }
 
+    /// `n` steps of `step` from `from`, running both hosts after each;
+    /// returns the time reached.
+    fn advance(&mut self, from: Instant, step: Duration, n: u32) -> Instant {
+        let mut now = from;
+        for _ in 0..n {
+            now = now + step;
+            self.run(now);
+        }
+        now
+    }
+
+    /// [`Self::advance`], running only A.
+    fn advance_a_only(&mut self, from: Instant, step: Duration, n: u32) -> Instant {
+        let mut now = from;
+        for _ in 0..n {
+            now = now + step;
+            self.run_a_only(now);
+        }
+        now
+    }
+
     /// Only A's side: frames A would send stay queued.
     fn run_a_only(&mut self, now: Instant) {
         for _ in 0..1000 {
@@ -511,11 +532,7 @@ fn a_link_that_goes_down_fails_its_qps_and_a_new_link_serves_new_qps() {
     t.a.env.hca.link_down(t.a.link);
     t.b.env.hca.link_down(t.b.link);
     let tick = timers::ack_timeout(14).unwrap();
-    let mut now = T0;
-    for _ in 0..3 {
-        now = now + tick + Duration::from_nanos(1);
-        t.run_a_only(now);
-    }
+    let now = t.advance_a_only(T0, tick + Duration::from_nanos(1), 3);
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
     // A new link; new QPs connect over it.
     let chunk = 256;
@@ -539,11 +556,7 @@ fn with_no_link_the_peer_is_wanted_and_the_request_times_out() {
     assert_eq!(t.a.env.hca.take_wanted_peers(), vec![Gid::from_ipv4(IP_B)]);
     assert_eq!(t.a.env.hca.qp_path(a.qpn), Some(Path::Link(None)));
     let tick = timers::ack_timeout(14).unwrap();
-    let mut now = T0;
-    for _ in 0..3 {
-        now = now + tick + Duration::from_nanos(1);
-        t.run_a_only(now);
-    }
+    t.advance_a_only(T0, tick + Duration::from_nanos(1), 3);
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
 }
 
@@ -958,11 +971,7 @@ fn an_rnr_nak_then_a_lost_link_still_ends_by_the_transport_timer() {
     t.b.env.hca.link_down(t.b.link);
     // Far more than (retry_cnt + 1) transport timeouts and rnr_retry RNR delays.
     let tick = timers::ack_timeout(conn().timeout).unwrap();
-    let mut now = T0;
-    for _ in 0..20 {
-        now = now + tick + timers::rnr_delay(1) + Duration::from_micros(1);
-        t.run_a_only(now);
-    }
+    t.advance_a_only(T0, tick + timers::rnr_delay(1) + Duration::from_micros(1), 20);
     assert_eq!(
         t.a.env.poll(a.cq),
         vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::Send, a.qpn, 0)],
@@ -986,11 +995,7 @@ fn a_request_sent_before_the_peer_is_in_rtr_is_sent_again_and_delivered() {
     // B reaches RTS a moment later, well inside A's timeout * (retry_cnt+1).
     connect_side(&mut t.b.env, b.qpn, a.qpn, IP_A, conn());
     let tick = timers::ack_timeout(conn().timeout).unwrap();
-    let mut now = T0;
-    for _ in 0..4 {
-        now = now + tick + Duration::from_nanos(1);
-        t.run(now);
-    }
+    t.advance(T0, tick + Duration::from_nanos(1), 4);
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
 }
 
@@ -1018,11 +1023,7 @@ fn a_send_whose_receiver_failed_mid_payload_never_completes_successfully() {
     t.run(T0);
     // The first try and the retry go unanswered (B's QP drops them).
     let tick = timers::ack_timeout(conn().timeout).unwrap();
-    let mut now = T0;
-    for _ in 0..=conn().retry_cnt {
-        now = now + tick + Duration::from_nanos(1);
-        t.run(now);
-    }
+    t.advance(T0, tick + Duration::from_nanos(1), u32::from(conn().retry_cnt) + 1);
     assert_eq!(
         t.a.env.poll(a.cq),
         vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::Send, a.qpn, 0)],
@@ -1213,22 +1214,7 @@ fn a_tenant_of_one_host_only_never_reaches_another_host() {
     // RC: refused at RTR, with a clear error.
     let x = t.a.env.end(c4);
     t.a.env.bring_to_init(x.qpn, conn());
-    let attr = QpAttr {
-        qp_state: QpState::Rtr,
-        path_mtu: Mtu::Mtu1024,
-        dest_qp_num: 0x11,
-        max_dest_rd_atomic: 1,
-        min_rnr_timer: 1,
-        ah_attr: ah,
-        ..QpAttr::default()
-    };
-    let mask = QpAttrMask::STATE
-        | QpAttrMask::AV
-        | QpAttrMask::PATH_MTU
-        | QpAttrMask::DEST_QPN
-        | QpAttrMask::RQ_PSN
-        | QpAttrMask::MAX_DEST_RD_ATOMIC
-        | QpAttrMask::MIN_RNR_TIMER;
+    let (attr, mask) = to_rtr(0x11, conn(), ah, 0, 1);
     let e = t.a.env.modify(x.qpn, &attr, mask).unwrap_err();
     assert!(e.to_string().contains("this host only"), "{e}");
     assert_eq!(t.a.env.io.state(x.qpn), Some(QpState::Init), "still in INIT");
@@ -1319,11 +1305,7 @@ fn an_rnr_nak_that_arrives_after_the_timer_fired_does_not_fail_the_qp() {
     while TwoHosts::carry(&mut t.b, &mut t.a, now, '<', &mut t.log) {}
     // B posts the receive send 2 needs; A sends again after the RNR delay.
     t.b.env.io.post_recv(b.qpn, recv(11, &[b.buf.sge(8, 8)]));
-    let mut later = now;
-    for _ in 0..4 {
-        later = later + timers::rnr_delay(1) + Duration::from_nanos(1);
-        t.run(later);
-    }
+    t.advance(now, timers::rnr_delay(1) + Duration::from_nanos(1), 4);
     assert_eq!(
         t.a.env.poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
         vec![(1, WcStatus::Success), (2, WcStatus::Success)]
