@@ -238,6 +238,25 @@ fn hello_comes_first_and_once_in_the_right_version() -> Result<()> {
     still_serving(&mut d)
 }
 
+/// Hello is a deadline (5 s from connecting), not a pause between
+/// messages: a connection that keeps sending other requests is closed too.
+#[test]
+fn a_connection_that_never_says_hello_is_closed_whatever_else_it_sends() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let mut c = RawConn::connect(&d.socket)?;
+    let started = std::time::Instant::now();
+    let closed = loop {
+        match c.call(&Request::QueryDevice, &[]) {
+            Ok(Answer::Closed) | Err(_) => break started.elapsed(),
+            Ok(a) => assert_eq!(a.errno()?.0, EPROTO),
+        }
+        assert!(started.elapsed() < Duration::from_secs(9), "still open after 9 s");
+        std::thread::sleep(Duration::from_millis(500));
+    };
+    assert!(closed >= Duration::from_secs(4), "closed after {closed:?}");
+    still_serving(&mut d)
+}
+
 #[test]
 fn replies_to_objects_of_nobody_are_einval() -> Result<()> {
     let mut d = DaemonProc::start()?;

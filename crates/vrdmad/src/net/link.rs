@@ -607,6 +607,13 @@ mod tests {
         assert!(link.txq.len() <= before + 1, "17 000 requests queued {} frames", link.txq.len() - before);
     }
 
+    /// `[off, off+n)` of `r`.
+    fn bytes(r: &vrdma_core::memory::Region, off: usize, n: usize) -> Vec<u8> {
+        let mut v = vec![0; n];
+        r.read(off, &mut v).unwrap();
+        v
+    }
+
     /// A heap region of `n` bytes, every one `fill`.
     fn region(n: usize, fill: u8) -> vrdma_core::memory::Region {
         let r = vrdma_core::memory::Region::heap(n);
@@ -726,6 +733,89 @@ mod tests {
                 assert!(second.iter().all(|&b| b == 0xcd));
             }
         }
+    }
+
+    /// The driver's side of `Hca::placement_cancelled`: a write arriving
+    /// for a QP that fails half way through stops being placed at once
+    /// (what it had claimed may be another's by then), and the frame still
+    /// ends in step with the stream.
+    #[test]
+    fn a_payload_for_a_qp_that_failed_meanwhile_is_not_placed() {
+        use vrdma_core::hca::{ContextId, TenantId};
+        use vrdma_core::verbs::{
+            AccessFlags, AhAttr, Mtu, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType,
+        };
+        use vrdma_core::wire::{DataRepr, Opcode, Reth};
+        let (mut link, mut theirs, mut hca, mut rings) = pair();
+        // A QP of tenant 1000 connected to QP 0x12 on the link's host, and
+        // a region it lets that peer write.
+        let ctx = ContextId(1);
+        hca.open_context(ctx, TenantId(1000)).unwrap();
+        let pd = hca.alloc_pd(ctx).unwrap();
+        let r = region(8192, 0);
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        let key = hca.reg_mr(ctx, pd, 0x10_0000, access, r.clone()).unwrap();
+        let (cq, _) = hca.create_cq(ctx, 16).unwrap();
+        let cap =
+            QpCap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let init =
+            QpInitAttr { qp_type: QpType::Rc, send_cq: cq, recv_cq: cq, srq: None, cap, sq_sig_all: false };
+        let qpn = hca.create_qp(ctx, pd, init).unwrap().qpn;
+        let to_init =
+            QpAttr { qp_state: QpState::Init, port_num: 1, qp_access_flags: access, ..QpAttr::default() };
+        let m = QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::ACCESS_FLAGS;
+        hca.modify_qp(ctx, qpn, &to_init, m, &mut rings).unwrap();
+        let ah = AhAttr {
+            is_global: true,
+            dgid: Gid::from_ipv4([10, 0, 0, 2]),
+            hop_limit: 1,
+            port_num: 1,
+            ..AhAttr::default()
+        };
+        let to_rtr = QpAttr {
+            qp_state: QpState::Rtr,
+            path_mtu: Mtu::Mtu1024,
+            dest_qp_num: 0x12,
+            rq_psn: 5,
+            max_dest_rd_atomic: 1,
+            min_rnr_timer: 1,
+            ah_attr: ah,
+            ..QpAttr::default()
+        };
+        let m = QpAttrMask::STATE
+            | QpAttrMask::AV
+            | QpAttrMask::PATH_MTU
+            | QpAttrMask::DEST_QPN
+            | QpAttrMask::RQ_PSN
+            | QpAttrMask::MAX_DEST_RD_ATOMIC
+            | QpAttrMask::MIN_RNR_TIMER;
+        hca.modify_qp(ctx, qpn, &to_rtr, m, &mut rings).unwrap();
+        // A write of 8 KiB into the region: its header and half of it come.
+        let mut d = DataRepr::new(Opcode::WriteOnly, 1000, qpn, 0x12, 5);
+        d.payload_len = 8192;
+        d.reth = Some(Reth { va: 0x10_0000, rkey: key, dma_len: 8192 });
+        let f = FrameRepr::Data(d);
+        let mut h = vec![0u8; f.header_len()];
+        f.emit(&mut h).unwrap();
+        theirs.write_all(&h).unwrap();
+        theirs.write_all(&[0xcd; 4096]).unwrap();
+        let started = Clock::now();
+        while !bytes(&r, 0, 4096).iter().all(|&b| b == 0xcd) && started.elapsed() < Duration::from_secs(5) {
+            link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap();
+        }
+        assert!(matches!(link.sink, Some(RxSink::Place { .. })), "the write is being placed");
+        // The QP fails; the rest of the payload comes.
+        let err = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+        hca.modify_qp(ctx, qpn, &err, QpAttrMask::STATE, &mut rings).unwrap();
+        theirs.write_all(&[0xcd; 4096]).unwrap();
+        while link.sink.is_some() && started.elapsed() < Duration::from_secs(5) {
+            link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap();
+        }
+        assert!(link.sink.is_none(), "the frame ended");
+        assert!(!hca.placement_cancelled(link.id), "cleared at the frame's end");
+        let after = bytes(&r, 0, 8192);
+        assert!(after[..4096].iter().all(|&b| b == 0xcd));
+        assert!(after[4096..].iter().all(|&b| b == 0), "written after the QP failed");
     }
 
     #[test]
