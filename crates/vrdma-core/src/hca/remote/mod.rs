@@ -52,6 +52,8 @@ use std::collections::HashMap;
 use arrayvec::ArrayVec;
 use serde::{Deserialize, Serialize};
 
+use crate::hca::TenantId;
+
 pub(crate) use requester::RemoteSend;
 pub(crate) use responder::RemoteRecv;
 
@@ -178,9 +180,13 @@ pub(crate) enum AfterPayload {
 pub(crate) struct Link {
     pub info: LinkInfo,
     pub up: bool,
-    /// QPs that send on this link (as requester or responder), served in turn.
-    pub qps: Vec<u32>,
-    pub rr: usize,
+    /// QPs that send on this link (as requester or responder), by
+    /// tenant: a frame at a time, tenant after tenant, and within a
+    /// tenant QP after QP, so that a tenant with many busy QPs delays
+    /// another's message by one frame, not by one frame per QP.
+    pub tenants: Vec<LinkTenant>,
+    /// The tenant in `tenants` whose turn is next.
+    pub next: usize,
     pub stats: LinkStats,
     pub after: AfterPayload,
     /// The QP the payload in flight goes to failed, was reset or
@@ -188,6 +194,19 @@ pub(crate) struct Link {
     /// [`Hca::placement_cancelled`]).
     pub cancelled: bool,
     pub datagrams: datagram::DatagramQueue,
+}
+
+/// One tenant's QPs on a link, served in turn.
+pub(crate) struct LinkTenant {
+    pub tenant: TenantId,
+    pub qps: Vec<u32>,
+    pub next: usize,
+}
+
+impl Link {
+    fn qp_count(&self) -> usize {
+        self.tenants.iter().map(|t| t.qps.len()).sum()
+    }
 }
 
 impl AfterPayload {
@@ -230,11 +249,12 @@ impl Network {
         }
     }
 
-    fn attach(&mut self, link: LinkId, qpn: u32) {
-        if let Some(l) = self.links.get_mut(&link) {
-            if !l.qps.contains(&qpn) {
-                l.qps.push(qpn);
-            }
+    fn attach(&mut self, link: LinkId, qpn: u32, tenant: TenantId) {
+        let Some(l) = self.links.get_mut(&link) else { return };
+        match l.tenants.iter_mut().find(|t| t.tenant == tenant) {
+            Some(t) if t.qps.contains(&qpn) => {}
+            Some(t) => t.qps.push(qpn),
+            None => l.tenants.push(LinkTenant { tenant, qps: vec![qpn], next: 0 }),
         }
     }
 
@@ -341,8 +361,8 @@ impl Hca {
             Link {
                 info,
                 up: true,
-                qps: Vec::new(),
-                rr: 0,
+                tenants: Vec::new(),
+                next: 0,
                 stats: LinkStats::default(),
                 after: AfterPayload::Nothing,
                 cancelled: false,
@@ -357,7 +377,7 @@ impl Hca {
     /// longer be acknowledged: they fail by their transport timers.
     pub fn link_down(&mut self, link: LinkId) {
         let Some(l) = self.net.links.remove(&link) else { return };
-        for qpn in l.qps {
+        for qpn in l.tenants.into_iter().flat_map(|t| t.qps) {
             let Some(r) = self.qps.get_mut(&qpn).and_then(|q| q.remote.as_deref_mut()) else { continue };
             if let Some(s) = r.send.as_mut().filter(|s| s.link == Some(link)) {
                 s.link_lost = true;
@@ -383,7 +403,7 @@ impl Hca {
                 id,
                 info: l.info,
                 up: l.up,
-                qps: l.qps.len() as u32,
+                qps: l.qp_count() as u32,
                 stats: l.stats,
             })
             .collect();
@@ -458,32 +478,45 @@ impl Hca {
             l.stats.payload_out += t.data.len() as u64;
             return Some(t);
         }
-        let n = self.net.links.get(&link)?.qps.len();
-        for _ in 0..n {
+        // Tenant after tenant; within one, QP after QP from where it left
+        // off. Each QP is looked at once at most.
+        let tenants = self.net.links.get(&link)?.tenants.len();
+        for k in 0..tenants {
             let l = self.net.links.get_mut(&link)?;
-            if l.qps.is_empty() {
+            if l.tenants.is_empty() {
                 return None;
             }
-            let i = l.rr % l.qps.len();
-            let qpn = l.qps[i];
-            l.rr = i + 1;
-            let t = match self.qps.get(&qpn).map(|q| q.remote.is_some()) {
-                None | Some(false) => {
-                    // Destroyed or reset: no longer on this link.
-                    let l = self.net.links.get_mut(&link)?;
-                    l.qps.retain(|&q| q != qpn);
-                    continue;
-                }
-                Some(true) => self
-                    .responder_transmit(qpn, link, now)
-                    .or_else(|| self.requester_transmit(qpn, link, now, io)),
-            };
-            if let Some(t) = t {
+            let ti = (l.next + k) % l.tenants.len();
+            let n = l.tenants[ti].qps.len();
+            for _ in 0..n {
                 let l = self.net.links.get_mut(&link)?;
-                l.stats.frames_out += 1;
-                l.stats.payload_out += t.payload.iter().map(|s| s.len as u64).sum::<u64>();
-                return Some(t);
+                let Some(t) = l.tenants.get_mut(ti).filter(|t| !t.qps.is_empty()) else { break };
+                let i = t.next % t.qps.len();
+                let qpn = t.qps[i];
+                t.next = i + 1;
+                let tx = match self.qps.get(&qpn).map(|q| q.remote.is_some()) {
+                    None | Some(false) => {
+                        // Destroyed or reset: no longer on this link.
+                        let l = self.net.links.get_mut(&link)?;
+                        l.tenants[ti].qps.retain(|&q| q != qpn);
+                        continue;
+                    }
+                    Some(true) => self
+                        .responder_transmit(qpn, link, now)
+                        .or_else(|| self.requester_transmit(qpn, link, now, io)),
+                };
+                if let Some(t) = tx {
+                    let l = self.net.links.get_mut(&link)?;
+                    l.next = ti + 1;
+                    l.stats.frames_out += 1;
+                    l.stats.payload_out += t.payload.iter().map(|s| s.len as u64).sum::<u64>();
+                    return Some(t);
+                }
             }
+        }
+        // Tenants left with no QP on this link go.
+        if let Some(l) = self.net.links.get_mut(&link) {
+            l.tenants.retain(|t| !t.qps.is_empty());
         }
         None
     }

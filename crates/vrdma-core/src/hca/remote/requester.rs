@@ -160,7 +160,7 @@ impl Hca {
         let route = self.qps.get(&qpn).map(|q| (q.attr.ah_attr, self.net.route(&q.attr.ah_attr)));
         let Some((ah, route)) = route else { return };
         let qp = self.qps.get_mut(&qpn).expect("looked up above");
-        let attr = qp.attr;
+        let (attr, tenant) = (qp.attr, qp.tenant);
         let state = qp.state();
         let r = qp.remote.get_or_insert_with(|| Box::new(RemoteQp { send: None, recv: None }));
         let s = r.send.get_or_insert_with(|| RemoteSend::new(&attr));
@@ -169,7 +169,7 @@ impl Hca {
             match route {
                 Some(l) => {
                     s.link = Some(l);
-                    self.net.attach(l, qpn);
+                    self.net.attach(l, qpn, tenant);
                     tracing::debug!(qpn, link = l.0, "QP bound to link");
                     // A request taken while there was no link counted its
                     // PSNs at the largest chunk; the link's may be smaller.

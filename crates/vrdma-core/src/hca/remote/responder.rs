@@ -223,12 +223,12 @@ impl Hca {
             return (Sink::Discard, AfterPayload::Nothing);
         }
         let qp = self.qps.get_mut(&qpn).expect("checked");
-        let rq_psn = qp.attr.rq_psn;
+        let (rq_psn, tenant) = (qp.attr.rq_psn, qp.tenant);
         let r = qp.remote.get_or_insert_with(|| Box::new(RemoteQp { send: None, recv: None }));
         let rs = r.recv.get_or_insert_with(|| RemoteRecv::new(rq_psn));
         if rs.link != Some(link) {
             rs.link = Some(link);
-            self.net.attach(link, qpn);
+            self.net.attach(link, qpn, tenant);
         }
         // An RTR QP answers from now on, and may hold an ACK to time.
         self.update_service(qpn);

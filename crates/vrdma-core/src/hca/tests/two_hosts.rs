@@ -605,6 +605,44 @@ fn a_small_message_waits_at_most_one_chunk_per_busy_qp() {
     assert_eq!(t.a.env.poll(small.cq).len(), 1);
 }
 
+/// On a link, tenants take turns a frame at a time: another tenant's small
+/// message waits behind one chunk of a tenant with eight busy QPs, not
+/// behind one chunk of each.
+#[test]
+fn a_small_message_waits_at_most_one_chunk_per_busy_tenant() {
+    let mut t = TwoHosts::new(1024);
+    t.a.env.hca.open_context(ContextId(4), OTHER_TENANT).unwrap();
+    t.b.env.hca.open_context(ContextId(4), OTHER_TENANT).unwrap();
+    let mut bigs = Vec::new();
+    for _ in 0..8 {
+        let (big, bb) = (t.a.env.end(C1), t.b.env.end(C1));
+        t.connect(big.qpn, bb.qpn, conn());
+        t.a.env.io.post_send(
+            big.qpn,
+            rdma(1, SendOpcode::RdmaWrite, &[big.buf.sge(0, 60 << 10)], bb.buf.addr, bb.buf.key),
+        );
+        bigs.push(big);
+    }
+    let (small, bs) = (t.a.env.end(ContextId(4)), t.b.env.end(ContextId(4)));
+    t.connect(small.qpn, bs.qpn, conn());
+    t.b.env.io.post_recv(bs.qpn, recv(9, &[bs.buf.sge(0, 8)]));
+    // The writes' frames are queued first; then the small send is posted.
+    t.run_a_only(T0);
+    for _ in 0..3 {
+        assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
+    }
+    t.a.env.io.post_send(small.qpn, wr(2, SendOpcode::Send, &[small.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run(T0);
+    let out: Vec<crate::wire::Opcode> =
+        t.log.iter().filter(|(d, ..)| *d == '>').map(|(_, op, _)| *op).collect();
+    let first_small = out.iter().position(|op| *op == crate::wire::Opcode::SendOnly).unwrap();
+    assert!(first_small <= 3 + 2, "the send went out as frame {first_small} of {out:?}");
+    assert_eq!(t.a.env.poll(small.cq).len(), 1);
+    for big in &bigs {
+        assert_eq!(t.a.env.poll(big.cq).len(), 1);
+    }
+}
+
 #[test]
 fn datagrams_cross_hosts_with_their_grh_and_are_lost_quietly_when_no_one_takes_them() {
     let mut t = TwoHosts::new(1024);
