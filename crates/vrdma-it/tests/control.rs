@@ -523,3 +523,36 @@ fn a_dead_tenants_context_is_closed_even_if_it_stopped_reading() -> Result<()> {
     );
     Ok(())
 }
+
+/// The daemon bounds the memory mappings it makes for tenants (regions,
+/// rings, contexts) below the kernel's bound on the process: past it, the
+/// next one is refused with ENOMEM and a clear message, and the daemon's
+/// own allocations, and the tenants already served, go on.
+#[test]
+fn the_daemons_memory_mappings_are_bounded() -> Result<()> {
+    let mut d = DaemonProc::start_with_config("max_mappings = 40\n")?;
+    let mut c = open(&d)?;
+    let pd = conn_works(&mut c)?;
+    let sealed = vrdma_shm::Segment::create("it-maps", 4096)?;
+    let mut keys = Vec::new();
+    let refusal = loop {
+        match c.call(&reg_mr(pd, 4096), &[sealed.fd()])?.reply()? {
+            Reply::Mr { key } => keys.push(key),
+            Reply::Error { errno, message } => break (errno, message),
+            other => bail!("RegMr answered {other:?}"),
+        }
+        assert!(keys.len() <= 40, "more regions than mappings allowed");
+    };
+    assert_eq!(refusal.0, libc::ENOMEM, "{refusal:?}");
+    assert!(refusal.1.contains("memory mappings"), "{refusal:?}");
+    assert!(keys.len() >= 30, "only {} regions before the limit", keys.len());
+    // A region given back makes room for the next.
+    let key = keys.pop().expect("some");
+    assert!(matches!(c.call(&Request::DeregMr { key }, &[])?.reply()?, Reply::Done));
+    assert!(matches!(c.call(&reg_mr(pd, 4096), &[sealed.fd()])?.reply()?, Reply::Mr { .. }));
+    // Room for another tenant's context once these go.
+    for key in keys {
+        assert!(matches!(c.call(&Request::DeregMr { key }, &[])?.reply()?, Reply::Done));
+    }
+    still_serving(&mut d)
+}

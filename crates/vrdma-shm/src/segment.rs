@@ -21,6 +21,7 @@ use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
@@ -94,6 +95,25 @@ impl fmt::Debug for Segment {
             .field("len", &self.map.len)
             .finish()
     }
+}
+
+/// Mappings this process holds through [`Mapping`] (and so [`Segment`]).
+static LIVE_MAPPINGS: AtomicUsize = AtomicUsize::new(0);
+/// How many it may hold: unbounded unless [`set_mapping_limit`] says.
+static MAPPING_LIMIT: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// Bounds the mappings this process makes through [`Mapping`]. The kernel
+/// bounds a process's mappings (`vm.max_map_count`); a daemon that maps
+/// every tenant's regions and rings must refuse the next one with a clear
+/// error well before the kernel refuses its own allocations (a failed
+/// `malloc` aborts a Rust program).
+pub fn set_mapping_limit(limit: usize) {
+    MAPPING_LIMIT.store(limit, Ordering::Relaxed);
+}
+
+/// Mappings this process holds through [`Mapping`] now.
+pub fn live_mappings() -> usize {
+    LIVE_MAPPINGS.load(Ordering::Relaxed)
 }
 
 /// The system page size.
@@ -219,6 +239,22 @@ impl Mapping {
     fn map(fd: &OwnedFd, offset: u64, len: usize) -> io::Result<Mapping> {
         let map_len = round_to_page(len)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
+        let limit = MAPPING_LIMIT.load(Ordering::Relaxed);
+        if LIVE_MAPPINGS.fetch_add(1, Ordering::Relaxed) >= limit {
+            LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+            return Err(io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!("the daemon holds its limit of {limit} memory mappings (see vm.max_map_count)"),
+            ));
+        }
+        let mapped = Self::mmap(fd, offset, len, map_len);
+        if mapped.is_err() {
+            LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+        }
+        mapped
+    }
+
+    fn mmap(fd: &OwnedFd, offset: u64, len: usize, map_len: usize) -> io::Result<Mapping> {
         // SAFETY: a fresh mapping at an address the kernel picks (null hint,
         // no MAP_FIXED) cannot replace or alias any existing Rust object.
         let ptr = unsafe {
@@ -277,6 +313,7 @@ impl Drop for Mapping {
         if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.map_len) } {
             tracing::warn!(error = %e, "munmap of a segment failed");
         }
+        LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

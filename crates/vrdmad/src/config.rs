@@ -3,6 +3,7 @@
 //! ```toml
 //! socket = "/run/vrdma/vrdma.sock"   # else VRDMA_SOCKET or the default
 //! address = "10.0.0.1"                # the host address the GID carries
+//! max_mappings = 49152  # tenants' mappings at most (default: 3/4 of vm.max_map_count)
 //! tenant_by = "uid"     # or "uid+netns": a uid in another network namespace
 //!                       # than the daemon's is a tenant of this host only
 //!
@@ -202,6 +203,10 @@ pub struct DaemonConfig {
     pub address: Option<Ipv4Addr>,
     /// How a connecting process's tenant is named (see `server::tenancy`).
     pub tenant_by: TenantBy,
+    /// Most memory mappings the daemon makes for tenants (regions, rings,
+    /// contexts); default three quarters of `vm.max_map_count`, the rest
+    /// left to the daemon itself (threads, allocations).
+    pub max_mappings: Option<usize>,
     pub engine: EngineConfig,
     pub net: NetConfig,
     pub quota: Quota,

@@ -42,9 +42,24 @@ pub fn default_socket_path() -> PathBuf {
     }
 }
 
-/// Every context, ring and registered region holds descriptors in the
-/// daemon; the soft limit (often 1024) would cap the device far below the
-/// quotas, so take the hard limit.
+/// Bounds the mappings the daemon makes for tenants, below the kernel's
+/// bound on the process (`vm.max_map_count`): past that, the daemon's own
+/// allocations would fail, and a failed allocation aborts it.
+fn limit_mappings(configured: Option<usize>) {
+    let limit = configured.unwrap_or_else(|| {
+        let max = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+            .ok()
+            .and_then(|s| s.trim().parse::<usize>().ok())
+            .unwrap_or(65530);
+        max / 4 * 3
+    });
+    vrdma_shm::set_mapping_limit(limit);
+    tracing::debug!(limit, "memory mappings for tenants at most");
+}
+
+/// Every context and completion channel holds descriptors in the daemon;
+/// the soft limit (often 1024) would cap the device far below the quotas,
+/// so take the hard limit.
 fn raise_fd_limit() {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let lim = getrlimit(Resource::Nofile);
@@ -91,6 +106,7 @@ pub struct Daemon {
 impl Daemon {
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
         raise_fd_limit();
+        limit_mappings(config.max_mappings);
         let path = config.socket.clone().unwrap_or_else(default_socket_path);
         let address = config.address.unwrap_or_else(host::detect_ipv4);
         let mut hca_cfg = HcaConfig::for_host(address.octets());

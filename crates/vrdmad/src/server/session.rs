@@ -550,7 +550,12 @@ fn map_region(fd: OwnedFd, fd_offset: u64, len: u64) -> Result<Region, Answer> {
         .and_then(|l| inner.checked_add(l))
         .and_then(|n| n.checked_next_multiple_of(page as usize))
         .ok_or_else(too_large)?;
-    let seg = Mapping::map_untrusted(fd, start, span).map_err(|e| error(EINVAL, e.to_string()))?;
+    let seg = Mapping::map_untrusted(fd, start, span).map_err(|e| match e {
+        vrdma_shm::SegmentError::Io(e) if e.kind() == std::io::ErrorKind::OutOfMemory => {
+            error(ENOMEM, e.to_string())
+        }
+        e => error(EINVAL, e.to_string()),
+    })?;
     let backing: Arc<dyn Backing> = Arc::new(seg);
     Region::new(backing, inner, len as usize).map_err(|e| error(EINVAL, e.to_string()))
 }
