@@ -103,6 +103,9 @@ pub struct Hca {
     /// Where in `qp_order` the next pass starts: at the first QP a
     /// tenant's share of the last pass left out.
     resume_at: usize,
+    /// `process`'s count of busy turns per tenant (a buffer kept so that
+    /// a pass allocates nothing).
+    pass_turns: Vec<(TenantId, u32)>,
     next_id: u32,
     next_qpn: u32,
     /// Links to other hosts' daemons.
@@ -128,6 +131,7 @@ impl Hca {
             qps: HashMap::new(),
             qp_order: Vec::new(),
             resume_at: 0,
+            pass_turns: Vec::new(),
             next_id: 1,
             next_qpn: 0x11,
             net: remote::Network::default(),

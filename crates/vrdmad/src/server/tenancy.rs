@@ -58,7 +58,8 @@ struct Numbering {
 }
 
 pub(crate) struct Tenancy {
-    by: TenantBy,
+    /// The daemon's own namespace, when tenants are told apart by
+    /// namespace (`uid+netns`).
     own: Option<Netns>,
     numbering: Arc<Mutex<Numbering>>,
 }
@@ -86,7 +87,7 @@ impl Tenancy {
             TenantBy::Uid => None,
             TenantBy::UidAndNetns => Some(netns_of(&open_netns("/proc/self/ns/net")?)?),
         };
-        Ok(Tenancy { by, own, numbering: Arc::default() })
+        Ok(Tenancy { own, numbering: Arc::default() })
     }
 
     /// The tenant of the process at the other end of `sock`, its
@@ -94,7 +95,6 @@ impl Tenancy {
     pub fn identify(&self, sock: BorrowedFd<'_>) -> io::Result<(TenantId, PeerCred, Seat)> {
         let cred = peer_credentials(sock)?;
         let Some(own) = self.own else { return Ok((TenantId(cred.uid), cred, Seat(None))) };
-        debug_assert_eq!(self.by, TenantBy::UidAndNetns);
         let (ns, pin) = peer_netns(sock, cred.pid)?;
         if ns == own {
             if TenantId(cred.uid).is_host_local() {

@@ -169,8 +169,10 @@ impl Hca {
         let n = self.qp_order.len();
         let start = if self.resume_at < n { self.resume_at } else { 0 };
         let mut resume = None;
-        // Few tenants are busy at once: a short list beats a map.
-        let mut turns: Vec<(TenantId, u32)> = Vec::new();
+        // Busy turns per tenant in this pass. Few tenants are busy at once:
+        // a short list beats a map, and its buffer is kept between passes.
+        let mut turns = std::mem::take(&mut self.pass_turns);
+        turns.clear();
         for k in 0..n {
             // A pass may end QPs (a flush); walk what is left.
             let len = self.qp_order.len();
@@ -186,14 +188,14 @@ impl Hca {
                 act.timer(t);
             }
             let tenant = qp.tenant;
-            let used = match turns.iter().position(|(t, _)| *t == tenant) {
-                Some(i) => turns[i].1,
+            let ti = match turns.iter().position(|(t, _)| *t == tenant) {
+                Some(i) => i,
                 None => {
                     turns.push((tenant, 0));
-                    0
+                    turns.len() - 1
                 }
             };
-            if used >= self.config.tenant_turns {
+            if turns[ti].1 >= self.config.tenant_turns {
                 resume.get_or_insert(at);
                 act.busy = true;
                 continue;
@@ -211,15 +213,14 @@ impl Hca {
             }
             if turn.busy {
                 act.busy = true;
-                if let Some(e) = turns.iter_mut().find(|(t, _)| *t == tenant) {
-                    e.1 += 1;
-                }
+                turns[ti].1 += 1;
             }
             if let Some(t) = turn.next_timer {
                 act.timer(t);
             }
         }
         self.resume_at = resume.unwrap_or(0);
+        self.pass_turns = turns;
         act
     }
 

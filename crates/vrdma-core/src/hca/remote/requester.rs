@@ -325,6 +325,7 @@ impl Hca {
         }
         let max_out = qp.init.cap.max_send_wr as usize;
         let max_rd = usize::from(qp.attr.max_rd_atomic.max(1));
+        let ack_timeout = timers::ack_timeout(qp.attr.timeout);
         let s = qp.remote.as_ref()?.send.as_ref()?;
         if s.link != Some(link) || s.link_lost || now < s.hold_until {
             return None;
@@ -361,10 +362,9 @@ impl Hca {
         // The transport timer runs from the last frame sent: a long
         // message is answered only at its end, and the time its frames
         // take to go out is not the peer's silence.
-        let timeout = self.qps[&qpn].attr.timeout;
         let s = self.send_state(qpn)?;
         s.last_sent = now;
-        s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
+        s.ack_deadline = ack_timeout.map(|t| now + t);
         Some(t)
     }
 
@@ -609,10 +609,9 @@ impl Hca {
         now: Instant,
         io: &mut dyn Queues,
     ) {
-        let live = self
-            .qps
-            .get(&qpn)
-            .is_some_and(|q| matches!(q.state(), QpState::Rts | QpState::Sqd | QpState::Sqe));
+        let Some(qp) = self.qps.get(&qpn) else { return };
+        let live = matches!(qp.state(), QpState::Rts | QpState::Sqd | QpState::Sqe);
+        let ack_timeout = timers::ack_timeout(qp.attr.timeout);
         let Some(s) = self.send_state(qpn) else { return };
         let Some(head) =
             s.sent.front_mut().filter(|h| live && h.went_out && h.serial == serial && h.placed == offset)
@@ -624,7 +623,7 @@ impl Hca {
         if last {
             let total = head.placed as u32;
             self.complete_head(qpn, total, now, io);
-        } else if let Some(t) = timers::ack_timeout(self.qps[&qpn].attr.timeout) {
+        } else if let Some(t) = ack_timeout {
             // A long read's answer is progress too.
             if let Some(s) = self.send_state(qpn) {
                 s.ack_deadline = Some(now + t);
