@@ -639,13 +639,14 @@ static int hold(const char *file)
 	if (!ibv_create_srq(p.pd, &sa))
 		return 3;
 	post_recv2(&p, p.b, 1, p.buf, 64, NULL, 0);
+	/* Stdout first: the test kills us as soon as the file exists. */
+	printf("ready\n");
+	fflush(stdout);
 	FILE *f = fopen(file, "w");
 	if (!f)
 		return 4;
 	fprintf(f, "ready\n");
 	fclose(f);
-	printf("ready\n");
-	fflush(stdout);
 	sleep(120);
 	return 5;
 }
