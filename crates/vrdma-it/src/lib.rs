@@ -46,6 +46,49 @@ impl Proc {
         unsafe { libc::kill(self.pid(), signal) };
     }
 
+    /// Stops the process (SIGSTOP) and waits at most `limit` until all its
+    /// threads have stopped. `kill` returns before that: one thread takes
+    /// the signal and stops the others only once it runs, and until then
+    /// they go on (a daemon stopped this way acknowledged frames sent after
+    /// `kill` returned, on a loaded machine).
+    pub fn stop(&mut self, limit: Duration) -> Result<()> {
+        self.kill(libc::SIGSTOP);
+        let end = Instant::now() + limit;
+        loop {
+            // SAFETY: an all-zero siginfo_t is valid (waitid fills it in).
+            let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+            // SAFETY: waitid(2) on our unreaped child, writing into `info`;
+            // WNOWAIT leaves its state to be waited for again, so
+            // `self.child` still reaps it.
+            let r = unsafe {
+                libc::waitid(
+                    libc::P_PID,
+                    self.pid() as libc::id_t,
+                    &mut info,
+                    libc::WSTOPPED | libc::WEXITED | libc::WNOHANG | libc::WNOWAIT,
+                )
+            };
+            if r != 0 {
+                bail!("waitid on {}: {}", self.pid(), std::io::Error::last_os_error());
+            }
+            // SAFETY: waitid filled `info` in for a child (or left it zero).
+            let (pid, code) = unsafe { (info.si_pid(), info.si_code) };
+            if pid != 0 {
+                match code {
+                    libc::CLD_STOPPED => return Ok(()),
+                    libc::CLD_EXITED | libc::CLD_KILLED | libc::CLD_DUMPED => {
+                        bail!("process {} ended instead of stopping", self.pid())
+                    }
+                    _ => {}
+                }
+            }
+            if Instant::now() > end {
+                bail!("process {} not stopped after {limit:?}", self.pid());
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     /// Waits at most `limit` for the process to exit.
     pub fn wait_timeout(&mut self, limit: Duration) -> Result<std::process::ExitStatus> {
         let end = Instant::now() + limit;

@@ -62,7 +62,7 @@ fn a_stalled_peer_daemon_ends_in_retry_exc_err_and_new_qps_connect_once_it_resum
     let (a, b) = pair(&h.a, &h.b, false)?;
     a.qp.post_send(&[wr::rdma_write(1, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
     check(&poll_one(&a.cq, WAIT)?, 1, WcOpcode::RdmaWrite);
-    h.b.proc.kill(libc::SIGSTOP);
+    h.b.proc.stop(WAIT)?;
     let r = outstanding_writes_fail(&a, &b, 3, Duration::from_secs(5));
     h.b.proc.kill(libc::SIGCONT);
     // The QP's timeout (14: 67 ms) and retry count (7) allow about 0.5 s.
@@ -172,7 +172,7 @@ fn bursts_of_small_writes_complete_without_waiting_for_the_next_frame() -> Resul
         }
         // The responder stopped while the burst is sent: it finds the
         // whole burst waiting in its socket when it goes on.
-        h.b.proc.kill(libc::SIGSTOP);
+        h.b.proc.stop(WAIT)?;
         a.qp.post_send(&wrs)?;
         std::thread::sleep(Duration::from_millis(20));
         let start = std::time::Instant::now();
