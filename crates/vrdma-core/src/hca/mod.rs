@@ -20,7 +20,10 @@ mod remote;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+// Looked up per QP in every engine pass and several times per frame. The
+// keys are numbers this daemon hands out (never chosen by a tenant), so a
+// fast unkeyed hash is safe here: half the cost of SipHash per lookup.
+use rustc_hash::FxHashMap as HashMap;
 
 use serde::{Deserialize, Serialize};
 
@@ -120,15 +123,15 @@ impl Hca {
         Hca {
             config,
             keys,
-            quotas: HashMap::new(),
-            usage: HashMap::new(),
-            contexts: HashMap::new(),
-            pds: HashMap::new(),
-            mrs: HashMap::new(),
-            cqs: HashMap::new(),
-            srqs: HashMap::new(),
-            ahs: HashMap::new(),
-            qps: HashMap::new(),
+            quotas: HashMap::default(),
+            usage: HashMap::default(),
+            contexts: HashMap::default(),
+            pds: HashMap::default(),
+            mrs: HashMap::default(),
+            cqs: HashMap::default(),
+            srqs: HashMap::default(),
+            ahs: HashMap::default(),
+            qps: HashMap::default(),
             qp_order: Vec::new(),
             resume_at: 0,
             pass_turns: Vec::new(),
