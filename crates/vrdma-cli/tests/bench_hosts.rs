@@ -74,7 +74,7 @@ fn leftovers(pid: u32) -> Vec<String> {
 #[test]
 fn bench_hosts_quick_reports_each_figure_beside_its_anchor_and_leaves_nothing_behind() {
     if let Some(why) = skip_reason() {
-        eprintln!("skipping bench-hosts: {why}");
+        vrdma_it::skip(format!("bench-hosts: {why}"));
         return;
     }
     let mut child = Command::new(VRDMA)

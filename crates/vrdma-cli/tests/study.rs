@@ -168,7 +168,7 @@ fn quick_study_writes_the_report() {
 #[test]
 fn interrupted_study_leaves_nothing_behind() {
     if !is_root() {
-        eprintln!("skipping: the namespaces and tenant uids need root");
+        vrdma_it::skip("the namespaces and tenant uids need root");
         return;
     }
     let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());

@@ -663,7 +663,8 @@ impl TwoHosts {
     }
 
     /// Two hosts whose `[net]` tables end with the lines `net_a` and
-    /// `net_b` (at 127.0.0.2 and 127.0.0.3).
+    /// `net_b` (at 127.0.0.2 and 127.0.0.3); a key they set replaces the
+    /// test default (`keepalive_ms = 200`, `dead_ms = 1500`).
     pub fn start_nets(peered: bool, net_a: &str, net_b: &str) -> Result<TwoHosts> {
         Self::start_full(peered, "", [TEST_PSK, TEST_PSK], [net_a, net_b])
     }
@@ -673,11 +674,30 @@ impl TwoHosts {
         let (ia, ib) = ("127.0.0.2", "127.0.0.3");
         let pa = if peered { vec![format!("{ib}:{port}")] } else { vec![] };
         let pb = if peered { vec![format!("{ia}:{port}")] } else { vec![] };
-        // The [net] table comes last: lines appended land in it.
-        let a = DaemonProc::start_with_config(&(host_config_psk(ia, port, &pa, extra, psk[0]) + net[0]))?;
-        let b = DaemonProc::start_with_config(&(host_config_psk(ib, port, &pb, extra, psk[1]) + net[1]))?;
+        let a = DaemonProc::start_with_config(&with_net_lines(
+            host_config_psk(ia, port, &pa, extra, psk[0]),
+            net[0],
+        ))?;
+        let b = DaemonProc::start_with_config(&with_net_lines(
+            host_config_psk(ib, port, &pb, extra, psk[1]),
+            net[1],
+        ))?;
         Ok(TwoHosts { a, b, port })
     }
+}
+
+/// `config` (whose `[net]` table comes last) with `lines` appended to that
+/// table, each replacing a line of `config` that sets the same key.
+fn with_net_lines(config: String, lines: &str) -> String {
+    let key = |l: &str| l.split('=').next().map(|k| k.trim().to_string());
+    let set: Vec<String> = lines.lines().filter_map(key).filter(|k| !k.is_empty()).collect();
+    let mut out: String = config
+        .lines()
+        .filter(|l| !key(l).is_some_and(|k| set.contains(&k)))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    out.push_str(lines);
+    out
 }
 
 /// Where a test's two endpoints live: both on one daemon (the shared-memory
@@ -797,13 +817,47 @@ pub fn run_cmd(cmd: &[&str]) -> Result<()> {
 /// root and `ip` (iproute2) with network namespaces.
 pub fn netns_unavailable() -> Option<String> {
     // SAFETY: geteuid cannot fail.
-    if unsafe { libc::geteuid() } != 0 {
-        return Some("not root".into());
+    let why = if unsafe { libc::geteuid() } != 0 {
+        Some("not root".to_string())
+    } else if run_cmd(&["ip", "-V"]).is_err() {
+        Some("no `ip` command (iproute2)".into())
+    } else {
+        None
+    };
+    if let Some(w) = &why {
+        assert!(!strict(), "{STRICT_ENV}=1, and network namespaces cannot be used: {w}");
     }
-    if run_cmd(&["ip", "-V"]).is_err() {
-        return Some("no `ip` command (iproute2)".into());
+    why
+}
+
+/// Set to 1 by `.ci/run`, which runs as root and installs every tool the
+/// tests use: a test that would skip for want of one of them (or of root,
+/// or of network namespaces) fails instead, so that CI cannot pass by
+/// skipping. What CI cannot provide (netem, huge pages) still skips.
+pub const STRICT_ENV: &str = "VRDMA_TEST_STRICT";
+
+/// Whether [`STRICT_ENV`] is set to 1.
+pub fn strict() -> bool {
+    std::env::var_os(STRICT_ENV).is_some_and(|v| v == "1")
+}
+
+/// A test that cannot run here says why and passes, unless [`strict`].
+pub fn skip(why: impl std::fmt::Display) {
+    skip_as(strict(), why)
+}
+
+fn skip_as(strict: bool, why: impl std::fmt::Display) {
+    assert!(!strict, "{STRICT_ENV}=1, and this test would skip: {why}");
+    eprintln!("skipping: {why}");
+}
+
+#[cfg(test)]
+mod skip_tests {
+    #[test]
+    fn a_test_that_would_skip_fails_when_strict() {
+        assert!(std::panic::catch_unwind(|| super::skip_as(true, "no such tool")).is_err());
+        super::skip_as(false, "no such tool");
     }
-    None
 }
 
 /// Two network namespaces joined by a veth pair, removed on drop (the
@@ -902,7 +956,7 @@ impl NetnsHosts {
         let net = match Netns::create() {
             Ok(n) => n,
             Err(e) => {
-                println!("skipping: network namespaces cannot be made here: {e:#}");
+                skip(format!("network namespaces cannot be made here: {e:#}"));
                 return Ok(None);
             }
         };

@@ -256,7 +256,7 @@ fn a_context_cannot_name_another_contexts_objects_of_the_same_tenant() -> Result
 #[test]
 fn with_uid_and_netns_another_network_namespace_is_another_tenant() -> Result<()> {
     if let Some(why) = vrdma_it::netns_unavailable() {
-        println!("skipping: needs root and iproute2 ({why})");
+        vrdma_it::skip(format!("needs root and iproute2 ({why})"));
         return Ok(());
     }
     let net = vrdma_it::Netns::create()?;

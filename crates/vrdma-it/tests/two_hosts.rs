@@ -40,6 +40,8 @@ fn a_killed_peer_daemon_ends_in_retry_exc_err_and_a_restarted_one_serves_new_qps
     assert_eq!((wcs[1].wr_id, wcs[1].status), (3, WcStatus::WrFlushErr), "{wcs:?}");
     // The QP's timeout (14: 67 ms) and retry count (7) allow about 0.5 s.
     assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    let late = vrdma_it::poll_for(&a.cq, Duration::from_millis(500))?;
+    assert!(late.is_empty(), "completions after the failure: {late:?}");
     // New QPs connect to the restarted daemon.
     let a2 = Side::new(&h.a.context()?, 1 << 16)?;
     let b2 = Side::new(&h.b.context()?, 1 << 16)?;
@@ -57,16 +59,26 @@ fn a_killed_peer_daemon_ends_in_retry_exc_err_and_a_restarted_one_serves_new_qps
 #[test]
 fn a_stalled_peer_daemon_ends_in_retry_exc_err_and_new_qps_connect_once_it_resumes() -> Result<()> {
     // SIGSTOP: the connection stays open, nothing answers on it (a stall,
-    // where netem is not available: see netns.rs).
-    let mut h = TwoHosts::start(true)?;
+    // where netem is not available: see netns.rs). The link would be
+    // declared dead only after 20 s, so what ends the QP is its own timer.
+    let dead = "dead_ms = 20000";
+    let mut h = TwoHosts::start_nets(true, dead, dead)?;
     let (a, b) = pair(&h.a, &h.b, false)?;
     a.qp.post_send(&[wr::rdma_write(1, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
     check(&poll_one(&a.cq, WAIT)?, 1, WcOpcode::RdmaWrite);
     h.b.proc.stop(WAIT)?;
-    let r = outstanding_writes_fail(&a, &b, 3, Duration::from_secs(5));
+    let r = outstanding_writes_fail(&a, &b, 3, Duration::from_secs(10));
     h.b.proc.kill(libc::SIGCONT);
-    // The QP's timeout (14: 67 ms) and retry count (7) allow about 0.5 s.
-    println!("stalled: failed after {:?}", r?);
+    // The QP's timeout (14: 67 ms) and retry count (7) allow 8 × 67 ms
+    // from the last frame sent: no sooner, and well before the link's end.
+    let took = r?;
+    println!("stalled: failed after {took:?}");
+    assert!(took >= Duration::from_millis(500), "failed after {took:?}, before the QP's timer could expire");
+    assert!(took < Duration::from_secs(10), "failed after {took:?}: the QP's timer did not end it");
+    // The resumed daemon finds the requests sent again in its socket and
+    // answers them: the failed QP completes nothing more.
+    let late = vrdma_it::poll_for(&a.cq, Duration::from_secs(1))?;
+    assert!(late.is_empty(), "completions after the failure: {late:?}");
     let tries = new_pairs_work_again(&h.a, &h.b, Duration::from_secs(10))?;
     println!("new pairs worked after {tries} tries");
     assert!(h.a.is_alive() && h.b.is_alive());

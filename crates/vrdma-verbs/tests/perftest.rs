@@ -57,7 +57,7 @@ impl Setup {
 /// The shared setup, or `None` (with the reason printed) without perftest.
 fn setup() -> Option<&'static Setup> {
     if !Path::new(PROBE).exists() {
-        eprintln!("skipping: {PROBE} is missing (apt-get install perftest)");
+        vrdma_it::skip(format!("{PROBE} is missing (apt-get install perftest)"));
         return None;
     }
     static SETUP: OnceLock<Setup> = OnceLock::new();

@@ -70,7 +70,7 @@ impl Setup {
 /// The shared setup, or `None` (with the reason printed) without the tools.
 fn setup() -> Option<&'static Setup> {
     if !Path::new(DEVINFO).exists() {
-        eprintln!("skipping: {DEVINFO} is missing (apt-get install ibverbs-utils)");
+        vrdma_it::skip(format!("{DEVINFO} is missing (apt-get install ibverbs-utils)"));
         return None;
     }
     static SETUP: OnceLock<Setup> = OnceLock::new();
@@ -264,7 +264,7 @@ const QPERF: &str = "/usr/bin/qperf";
 fn qperf(test: &str, figures: &[&str]) {
     let Some(s) = setup() else { return };
     if !Path::new(QPERF).exists() {
-        eprintln!("skipping: {QPERF} is missing (apt-get install qperf)");
+        vrdma_it::skip(format!("{QPERF} is missing (apt-get install qperf)"));
         return;
     }
     let _turn = one_at_a_time();
@@ -493,7 +493,7 @@ fn every_public_rdma_core_export_is_there() {
     let Some(_) = setup() else { return };
     let real = "/usr/lib/x86_64-linux-gnu/libibverbs.so.1";
     if !Path::new(real).exists() {
-        eprintln!("skipping: rdma-core's {real} is not installed");
+        vrdma_it::skip(format!("rdma-core's {real} is not installed"));
         return;
     }
     let Some(text) = dynamic_symbols("--defined-only", real) else { return };
@@ -657,7 +657,7 @@ fn c_program_checks_a_killed_peer() {
 fn build_c_program(name: &str) -> Option<(&'static Setup, PathBuf)> {
     let s = setup()?;
     if !Path::new("/usr/include/infiniband/verbs.h").exists() {
-        eprintln!("skipping: /usr/include/infiniband/verbs.h is missing (apt-get install libibverbs-dev)");
+        vrdma_it::skip("/usr/include/infiniband/verbs.h is missing (apt-get install libibverbs-dev)");
         return None;
     }
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
@@ -675,7 +675,7 @@ fn build_c_program(name: &str) -> Option<(&'static Setup, PathBuf)> {
         Ok(o) if o.status.success() => {}
         Ok(o) => panic!("{cc} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
         Err(e) => {
-            eprintln!("skipping: no C compiler ({cc}: {e})");
+            vrdma_it::skip(format!("no C compiler ({cc}: {e})"));
             return None;
         }
     }

@@ -57,7 +57,7 @@ impl Hosts {
 
 fn hosts() -> Option<&'static Hosts> {
     if !Path::new("/usr/bin/ibv_rc_pingpong").exists() {
-        eprintln!("skipping: ibverbs-utils are missing (apt-get install ibverbs-utils)");
+        vrdma_it::skip("ibverbs-utils are missing (apt-get install ibverbs-utils)");
         return None;
     }
     static HOSTS: OnceLock<Hosts> = OnceLock::new();
@@ -181,7 +181,7 @@ fn ud_pingpong_across_hosts() {
 fn perftest(tool: &str, args: &[&str]) {
     let program = format!("/usr/bin/{tool}");
     if !Path::new(&program).exists() {
-        eprintln!("skipping: {program} is missing (apt-get install perftest)");
+        vrdma_it::skip(format!("{program} is missing (apt-get install perftest)"));
         return;
     }
     let Some(h) = hosts() else { return };
@@ -231,7 +231,7 @@ perftests! {
 fn qperf(test: &str, figure: &str) {
     const QPERF: &str = "/usr/bin/qperf";
     if !Path::new(QPERF).exists() {
-        eprintln!("skipping: {QPERF} is missing (apt-get install qperf)");
+        vrdma_it::skip(format!("{QPERF} is missing (apt-get install qperf)"));
         return;
     }
     let Some(h) = hosts() else { return };
