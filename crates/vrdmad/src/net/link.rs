@@ -80,6 +80,14 @@ pub struct LinkIo {
     /// EAGAIN costs as much as one that brings data).
     drained: bool,
     sink: Option<RxSink>,
+    /// Payload bytes placed by copying them out of the header buffer (they
+    /// came in with a header), and straight from the socket by `readv`.
+    placed_from_buffer: u64,
+    placed_direct: u64,
+    /// The last data frame's payload was large: the next header is read
+    /// with no more than a header's worth after it, so that the payload
+    /// behind it goes straight to its region too.
+    after_large: bool,
     /// A region the current payload was going to was deregistered: the
     /// rest is discarded, and the core told so at the frame's end.
     lost: bool,
@@ -134,6 +142,9 @@ impl LinkIo {
             rend: 0,
             drained: false,
             sink: None,
+            placed_from_buffer: 0,
+            placed_direct: 0,
+            after_large: false,
             lost: false,
             txq: VecDeque::new(),
             tx_off: 0,
@@ -226,11 +237,12 @@ impl LinkIo {
     fn fill(&mut self) -> Result<bool, LinkEnd> {
         self.rstart = 0;
         self.rend = 0;
-        match self.sock.read(&mut self.rbuf[..]) {
+        let cap = if self.after_large { TAIL_AFTER_LARGE } else { READ_BUF };
+        match self.sock.read(&mut self.rbuf[..cap]) {
             Ok(0) => Err("the peer closed the connection".into()),
             Ok(n) => {
                 self.rend = n;
-                self.drained = n < READ_BUF;
+                self.drained = n < cap;
                 self.last_rx = Clock::now();
                 Ok(true)
             }
@@ -248,6 +260,7 @@ impl LinkIo {
     ) -> Result<(), LinkEnd> {
         match f {
             FrameRepr::Data(d) => {
+                self.after_large = d.payload_len as usize >= READ_BUF;
                 let sink = hca.handle_data(self.id, &d, now, rings);
                 if d.payload_len == 0 {
                     hca.data_placed(self.id, now, rings);
@@ -308,6 +321,7 @@ impl LinkIo {
             let _ = s.region.write(s.off + skip, &src[..n]);
             src = &src[n..];
             *done += n;
+            self.placed_from_buffer += n as u64;
             skip = 0;
         }
     }
@@ -344,9 +358,9 @@ impl LinkIo {
                     return Err("internal error: payload has no destination".into());
                 }
                 let payload = left - want;
-                let tail = match (want, payload) {
-                    (0, p) if p >= READ_BUF => TAIL_AFTER_LARGE,
-                    (0, _) => READ_BUF,
+                let tail = match want {
+                    0 if self.after_large => TAIL_AFTER_LARGE,
+                    0 => READ_BUF,
                     _ => 0,
                 };
                 if tail > 0 {
@@ -369,6 +383,7 @@ impl LinkIo {
                 }
                 let r = r as usize;
                 *done += r.min(payload);
+                self.placed_direct += r.min(payload) as u64;
                 (payload, r, payload + tail)
             }
             Some(RxSink::Discard) | None => {
@@ -554,9 +569,11 @@ mod tests {
     use std::io::Write;
     use std::net::TcpStream;
 
-    use vrdma_core::hca::HcaConfig;
-    use vrdma_core::verbs::Gid;
-    use vrdma_core::wire::Event;
+    use vrdma_core::hca::{ContextId, HcaConfig, TenantId};
+    use vrdma_core::verbs::{
+        AccessFlags, AhAttr, Gid, Mtu, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType,
+    };
+    use vrdma_core::wire::{DataRepr, Event, Opcode, Reth};
 
     use super::*;
     use crate::testing::{loopback, Keys};
@@ -746,20 +763,16 @@ mod tests {
     /// for a QP that fails half way through stops being placed at once
     /// (what it had claimed may be another's by then), and the frame still
     /// ends in step with the stream.
-    #[test]
-    fn a_payload_for_a_qp_that_failed_meanwhile_is_not_placed() {
-        use vrdma_core::hca::{ContextId, TenantId};
-        use vrdma_core::verbs::{
-            AccessFlags, AhAttr, Mtu, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType,
-        };
-        use vrdma_core::wire::{DataRepr, Opcode, Reth};
-        let (mut link, mut theirs, mut hca, mut rings) = pair();
+    /// A QP of tenant 1000 in RTR, connected to QP 0x12 on the link's host
+    /// (10.0.0.2) with its next PSN 5, and a region of `len` bytes at
+    /// 0x10_0000 it lets that peer write: (QPN, rkey, region).
+    fn qp_in_rtr(hca: &mut Hca, rings: &mut RingTable, len: usize) -> (u32, u32, vrdma_core::memory::Region) {
         // A QP of tenant 1000 connected to QP 0x12 on the link's host, and
         // a region it lets that peer write.
         let ctx = ContextId(1);
         hca.open_context(ctx, TenantId(1000)).unwrap();
         let pd = hca.alloc_pd(ctx).unwrap();
-        let r = region(8192, 0);
+        let r = region(len, 0);
         let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
         let key = hca.reg_mr(ctx, pd, 0x10_0000, access, r.clone()).unwrap();
         let (cq, _) = hca.create_cq(ctx, 16).unwrap();
@@ -771,7 +784,7 @@ mod tests {
         let to_init =
             QpAttr { qp_state: QpState::Init, port_num: 1, qp_access_flags: access, ..QpAttr::default() };
         let m = QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::ACCESS_FLAGS;
-        hca.modify_qp(ctx, qpn, &to_init, m, &mut rings).unwrap();
+        hca.modify_qp(ctx, qpn, &to_init, m, rings).unwrap();
         let ah = AhAttr {
             is_global: true,
             dgid: Gid::from_ipv4([10, 0, 0, 2]),
@@ -796,7 +809,15 @@ mod tests {
             | QpAttrMask::RQ_PSN
             | QpAttrMask::MAX_DEST_RD_ATOMIC
             | QpAttrMask::MIN_RNR_TIMER;
-        hca.modify_qp(ctx, qpn, &to_rtr, m, &mut rings).unwrap();
+        hca.modify_qp(ctx, qpn, &to_rtr, m, rings).unwrap();
+        (qpn, key, r)
+    }
+
+    #[test]
+    fn a_payload_for_a_qp_that_failed_meanwhile_is_not_placed() {
+        let (mut link, mut theirs, mut hca, mut rings) = pair();
+        let ctx = ContextId(1);
+        let (qpn, key, r) = qp_in_rtr(&mut hca, &mut rings, 8192);
         // A write of 8 KiB into the region: its header and half of it come.
         let mut d = DataRepr::new(Opcode::WriteOnly, 1000, qpn, 0x12, 5);
         d.payload_len = 8192;
@@ -823,6 +844,44 @@ mod tests {
         let after = bytes(&r, 0, 8192);
         assert!(after[..4096].iter().all(|&b| b == 0xcd));
         assert!(after[4096..].iter().all(|&b| b == 0), "written after the QP failed");
+    }
+
+    /// Payload goes from the socket straight into the region: of a stream
+    /// of large frames only the first frame's first bytes, and then a few
+    /// bytes behind a header, pass through the header buffer.
+    #[test]
+    fn large_payloads_are_read_straight_into_the_region() {
+        let (mut link, mut theirs, mut hca, mut rings) = pair();
+        const FRAMES: usize = 16;
+        const LEN: usize = 64 << 10;
+        let (qpn, key, r) = qp_in_rtr(&mut hca, &mut rings, FRAMES * LEN);
+        let mut stream = Vec::new();
+        for i in 0..FRAMES {
+            let mut d = DataRepr::new(Opcode::WriteOnly, 1000, qpn, 0x12, 5 + i as u32);
+            d.payload_len = LEN as u32;
+            d.reth = Some(Reth { va: 0x10_0000 + (i * LEN) as u64, rkey: key, dma_len: LEN as u32 });
+            let f = FrameRepr::Data(d);
+            let mut h = vec![0u8; f.header_len()];
+            f.emit(&mut h).unwrap();
+            stream.extend(h);
+            stream.extend(std::iter::repeat_n(i as u8 + 1, LEN));
+        }
+        let writer = std::thread::spawn(move || theirs.write_all(&stream).map(|()| theirs));
+        let total = (FRAMES * LEN) as u64;
+        let started = Clock::now();
+        while link.placed_from_buffer + link.placed_direct < total
+            && started.elapsed() < Duration::from_secs(10)
+        {
+            link.receive(&mut hca, &mut rings, Instant::ZERO).unwrap();
+        }
+        let _theirs = writer.join().unwrap().unwrap();
+        let want: Vec<u8> = (0..FRAMES).flat_map(|i| std::iter::repeat_n(i as u8 + 1, LEN)).collect();
+        assert!(bytes(&r, 0, FRAMES * LEN) == want, "the writes' bytes are in the region");
+        // The first frame's first bytes, and then at most what a header
+        // shorter than the longest leaves room for.
+        let staged = link.placed_from_buffer;
+        let bound = (READ_BUF + FRAMES * vrdma_core::wire::MAX_DATA_HEADER_LEN) as u64;
+        assert!(staged <= bound, "{staged} of {total} payload bytes went through the header buffer");
     }
 
     #[test]
