@@ -119,3 +119,35 @@ fn bad_arguments_and_config_are_clear_errors() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("invalid configuration"));
 }
+
+/// `vrdma stat` shows the path each QP of the caller's tenant takes (a
+/// link to another host's daemon, or shared memory on this one) and the
+/// links; `vrdma devinfo` shows the links too.
+#[test]
+fn stat_shows_each_qps_path_and_devinfo_the_links() {
+    let h = vrdma_it::TwoHosts::start(true).expect("two daemons");
+    let (across, _peer) = vrdma_it::across::pair(&h.a, &h.b, false).expect("a pair across the hosts");
+    let ctx = h.a.context().expect("a context on host a");
+    let (l1, l2) = (vrdma_it::Side::new(&ctx, 4096).unwrap(), vrdma_it::Side::new(&ctx, 4096).unwrap());
+    l1.qp.connect(&l2.endpoint().unwrap(), vrdma_it::access_all()).unwrap();
+    l2.qp.connect(&l1.endpoint().unwrap(), vrdma_it::access_all()).unwrap();
+
+    let out = vrdma(&h.a.socket, &["stat"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let qp_line = |qpn: u32| {
+        let head = format!("qp {qpn:#08x}:");
+        text.lines().find(|l| l.starts_with(&head)).unwrap_or_else(|| panic!("no line for {head}:\n{text}"))
+    };
+    assert!(qp_line(across.qp.qpn()).contains(", tcp link "), "{text}");
+    for q in [&l1, &l2] {
+        assert!(qp_line(q.qp.qpn()).ends_with(", shared memory (same host)"), "{text}");
+    }
+    let link = text.lines().find(|l| l.starts_with("link ")).unwrap_or_else(|| panic!("no link:\n{text}"));
+    assert!(link.contains("ffff:7f00:0003 lid 3 ") && link.contains(" UP, 1 QPs,"), "{link}");
+
+    let out = vrdma(&h.a.socket, &["devinfo"]);
+    let dev = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(dev.lines().any(|l| l.trim_start().starts_with("link ") && l.contains(" UP, 1 QPs,")), "{dev}");
+}
