@@ -1,6 +1,8 @@
-//! UD queue pairs through a real daemon: two contexts of the test process
+//! UD queue pairs through real daemons: two contexts of the test process
 //! play two processes of one tenant, each with a UD QP and an address
-//! handle naming this host (by the port's LID, or by GID with a GRH).
+//! handle naming the other's host (by the port's LID, or by GID with a
+//! GRH). Each test runs with both ends on one daemon and on two daemons
+//! that play two hosts, where datagrams cross the TCP link.
 
 use std::time::Duration;
 
@@ -10,7 +12,10 @@ use vrdma::{
     AccessFlags, AddressHandle, AhAttr, Context, QpAttr, QpAttrMask, QpInit, QpState, QpType, WcFlags,
     WcOpcode, WcStatus, GRH_LEN,
 };
-use vrdma_it::{cap, pattern, poll_for, poll_n, poll_one, wait_state, DaemonProc, WAIT};
+use vrdma_it::{
+    cap, in_both_topologies, pattern, poll_for, poll_n, poll_one, wait_state, DaemonProc, Hosts, Topology,
+    WAIT,
+};
 
 const QKEY: u32 = 0x1234_5678;
 /// How long a test looks for a completion that must not come.
@@ -18,7 +23,8 @@ const QUIET: Duration = Duration::from_millis(200);
 const GRH: usize = GRH_LEN;
 
 /// One end: a PD, a 64 KiB region, one CQ for both queues, a UD QP in
-/// RTS with `QKEY`, and an address handle naming this host by LID.
+/// RTS with `QKEY`, and an address handle naming the other end's host
+/// (`peer`) by LID.
 struct Ud {
     ctx: Context,
     pd: vrdma::ProtectionDomain,
@@ -32,27 +38,29 @@ fn lid_attr(ctx: &Context) -> Result<AhAttr> {
     Ok(AhAttr { dlid: ctx.query_port(1)?.lid, port_num: 1, ..AhAttr::default() })
 }
 
-fn ud(ctx: &Context) -> Result<Ud> {
+fn ud(ctx: &Context, peer: &Context) -> Result<Ud> {
     let pd = ctx.alloc_pd()?;
     let mr = pd.alloc_mr(1 << 16, AccessFlags::LOCAL_WRITE)?;
     let cq = ctx.create_cq(256, None)?;
     let qp = pd.create_ud_qp(&cq, &cq, cap(64, 2), QKEY)?;
-    let ah = pd.create_ah(&lid_attr(ctx)?)?;
+    let ah = pd.create_ah(&lid_attr(peer)?)?;
     Ok(Ud { ctx: ctx.clone(), pd, mr, cq, qp, ah })
 }
 
-/// Fields drop in order: the ends, then the daemon.
+/// Fields drop in order: the ends, then the daemons.
 struct Two {
     a: Ud,
     b: Ud,
-    _d: DaemonProc,
+    h: Hosts,
 }
 
-fn two() -> Result<Two> {
-    let d = DaemonProc::start()?;
-    let a = ud(&d.context()?)?;
-    let b = ud(&d.context()?)?;
-    Ok(Two { a, b, _d: d })
+/// An end on host a and one on host b (the same daemon on one host).
+fn two(t: Topology) -> Result<Two> {
+    let h = Hosts::start(t)?;
+    let (ca, cb) = (h.a().context()?, h.b().context()?);
+    let a = ud(&ca, &cb)?;
+    let b = ud(&cb, &ca)?;
+    Ok(Two { a, b, h })
 }
 
 impl Ud {
@@ -91,9 +99,8 @@ impl Ud {
     }
 }
 
-#[test]
-fn send_with_and_without_immediate_lands_after_the_grh_area() -> Result<()> {
-    let t = two()?;
+fn send_with_and_without_immediate_lands_after_the_grh_area(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
     let lid = a.ctx.query_port(1)?.lid;
     let msg = pattern(1000, 1);
@@ -125,13 +132,12 @@ fn send_with_and_without_immediate_lands_after_the_grh_area() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_global_address_handle_delivers_a_grh() -> Result<()> {
-    let t = two()?;
+fn a_global_address_handle_delivers_a_grh(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
-    let gid = a.ctx.query_gid(1, 0)?;
+    let (sgid, dgid) = (a.ctx.query_gid(1, 0)?, b.ctx.query_gid(1, 0)?);
     let attr = AhAttr {
-        dgid: gid,
+        dgid,
         sgid_index: 0,
         hop_limit: 64,
         is_global: true,
@@ -150,15 +156,14 @@ fn a_global_address_handle_delivers_a_grh() -> Result<()> {
     let buf = b.mr.to_vec();
     assert_eq!(buf[0] >> 4, 6, "IP version 6");
     assert_eq!((buf[6], buf[7]), (0x1b, 64), "next header, hop limit");
-    assert_eq!(buf[8..24], gid.0, "SGID");
-    assert_eq!(buf[24..40], gid.0, "DGID");
+    assert_eq!(buf[8..24], sgid.0, "SGID");
+    assert_eq!(buf[24..40], dgid.0, "DGID");
     assert_eq!(&buf[GRH..GRH + 13], b"with a header");
     Ok(())
 }
 
-#[test]
-fn a_qkey_mismatch_is_dropped_silently() -> Result<()> {
-    let t = two()?;
+fn a_qkey_mismatch_is_dropped_silently(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
     a.mr.write(0, b"right key")?;
     b.post_recv(1, 0, 128)?;
@@ -175,9 +180,8 @@ fn a_qkey_mismatch_is_dropped_silently() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn an_oversized_datagram_fails_locally_and_sqe_recovers_to_rts() -> Result<()> {
-    let t = two()?;
+fn an_oversized_datagram_fails_locally_and_sqe_recovers_to_rts(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
     assert_eq!(a.ctx.query_port(1)?.active_mtu.bytes(), 4096);
     b.post_recv(1, 0, GRH + 8192)?;
@@ -204,9 +208,8 @@ fn an_oversized_datagram_fails_locally_and_sqe_recovers_to_rts() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_datagram_without_a_receive_is_dropped() -> Result<()> {
-    let t = two()?;
+fn a_datagram_without_a_receive_is_dropped(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
     a.mr.write(0, b"lost")?;
     a.send_to(1, 0, 4, b, QKEY)?;
@@ -224,12 +227,15 @@ fn a_datagram_without_a_receive_is_dropped() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn an_address_handle_of_another_pd_is_an_error() -> Result<()> {
-    let t = two()?;
+fn an_address_handle_of_another_pd_is_an_error(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
+    // Of another PD of a's context, and of another context on a's daemon
+    // (a handle of b's daemon would mean nothing to a's).
     let other_pd = a.ctx.alloc_pd()?;
-    let foreign = [other_pd.create_ah(&lid_attr(&a.ctx)?)?, b.ah.clone()];
+    let other_ctx = t.h.a().context()?;
+    let other_ctx_pd = other_ctx.alloc_pd()?;
+    let foreign = [other_pd.create_ah(&lid_attr(&a.ctx)?)?, other_ctx_pd.create_ah(&lid_attr(&a.ctx)?)?];
     b.post_recv(1, 0, 128)?;
     for (i, ah) in foreign.iter().enumerate() {
         let w = wr::ud_send(i as u64, &[a.mr.sge(0, 8)?], ah, b.qp.qpn(), QKEY)?.signaled();
@@ -253,9 +259,8 @@ fn an_address_handle_of_another_pd_is_an_error() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn a_receive_too_small_fails_only_the_receiver() -> Result<()> {
-    let t = two()?;
+fn a_receive_too_small_fails_only_the_receiver(t: Topology) -> Result<()> {
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
     b.post_recv(1, 0, GRH + 99)?;
     a.send_to(1, 0, 100, b, QKEY)?;
@@ -283,11 +288,10 @@ fn address_handle_arguments_are_checked() -> Result<()> {
     Ok(())
 }
 
-#[test]
-fn ud_ping_pong_with_a_qp_made_step_by_step() -> Result<()> {
+fn ud_ping_pong_with_a_qp_made_step_by_step(t: Topology) -> Result<()> {
     // As ibv_ud_pingpong does it: INIT with a Q_Key, RTR, RTS; a receive
     // posted before each send; many round trips.
-    let t = two()?;
+    let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
     let pd = &b.pd;
     let qp = pd.create_qp(&QpInit::ud(&b.cq, &b.cq, cap(16, 1)))?;
@@ -319,3 +323,14 @@ fn ud_ping_pong_with_a_qp_made_step_by_step() -> Result<()> {
     }
     Ok(())
 }
+
+in_both_topologies!(
+    send_with_and_without_immediate_lands_after_the_grh_area,
+    a_global_address_handle_delivers_a_grh,
+    a_qkey_mismatch_is_dropped_silently,
+    an_oversized_datagram_fails_locally_and_sqe_recovers_to_rts,
+    a_datagram_without_a_receive_is_dropped,
+    an_address_handle_of_another_pd_is_an_error,
+    a_receive_too_small_fails_only_the_receiver,
+    ud_ping_pong_with_a_qp_made_step_by_step,
+);

@@ -9,7 +9,7 @@
 //! 12 opcode u8   13 reserved [3]   16 vnet u32   20 dest_qpn u32 (24 bits)
 //! 24 src_qpn u32 (24 bits)   28 psn u32 (24 bits)   32 msg_offset u32
 //! 36 extension headers, in this order, as the opcode says:
-//!    UD     qkey u32, sgid [16], slid u16, reserved u16       24 bytes
+//!    UD     qkey u32, sgid [16], slid u16, address bits u16  24 bytes
 //!    RETH   va u64, rkey u32, dma_len u32                     16 bytes
 //!    AtomicETH va u64, rkey u32, swap_add u64, compare u64    28 bytes
 //!    AETH   syndrome u8, msn u24                               4 bytes
@@ -286,12 +286,29 @@ pub struct AtomicEth {
 }
 
 /// What a UD datagram carries beyond the BTH: IB's DETH (the Q_Key; the
-/// source QPN is in the BTH part) and the source address of the GRH.
+/// source QPN is in the BTH part), the source address of the GRH, and what
+/// of the sender's address handle the receiver reports: whether it was
+/// global (a GRH is delivered), its service level and hop limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct UdEth {
     pub qkey: u32,
     pub sgid: Gid,
     pub slid: u16,
+    pub global: bool,
+    /// 4 bits.
+    pub sl: u8,
+    pub hop_limit: u8,
+}
+
+impl UdEth {
+    const GLOBAL: u16 = 1 << 15;
+    const RESERVED: u16 = 0x7000;
+
+    fn address_bits(&self) -> u16 {
+        (if self.global { Self::GLOBAL } else { 0 })
+            | (u16::from(self.sl & 0xf) << 8)
+            | u16::from(self.hop_limit)
+    }
 }
 
 /// A data frame's header, decoded and validated.
@@ -432,10 +449,18 @@ impl DataRepr {
         let e = opcode.exts();
         let mut at = DATA_HEADER_LEN;
         if e.ud {
-            check_zero(&b[at + 22..at + 24], "ud.reserved")?;
+            let bits = get_u16(b, at + 22);
+            check_zero(&(bits & UdEth::RESERVED).to_be_bytes(), "ud.reserved")?;
             let mut g = [0u8; 16];
             g.copy_from_slice(&b[at + 4..at + 20]);
-            d.ud = Some(UdEth { qkey: get_u32(b, at), sgid: Gid(g), slid: get_u16(b, at + 20) });
+            d.ud = Some(UdEth {
+                qkey: get_u32(b, at),
+                sgid: Gid(g),
+                slid: get_u16(b, at + 20),
+                global: bits & UdEth::GLOBAL != 0,
+                sl: (bits >> 8) as u8 & 0xf,
+                hop_limit: bits as u8,
+            });
             at += UD_LEN;
         }
         if e.reth {
@@ -482,7 +507,7 @@ impl DataRepr {
             put_u32(b, at, u.qkey);
             b[at + 4..at + 20].copy_from_slice(&u.sgid.0);
             put_u16(b, at + 20, u.slid);
-            put_u16(b, at + 22, 0);
+            put_u16(b, at + 22, u.address_bits());
             at += UD_LEN;
         }
         if let Some(r) = self.reth {

@@ -33,7 +33,14 @@ fn sample(op: Opcode) -> DataRepr {
         d.msg_offset = 4096;
     }
     if e.ud {
-        d.ud = Some(UdEth { qkey: 0x1111_2222, sgid: Gid::from_ipv4([192, 168, 1, 2]), slid: 3 });
+        d.ud = Some(UdEth {
+            qkey: 0x1111_2222,
+            sgid: Gid::from_ipv4([192, 168, 1, 2]),
+            slid: 3,
+            global: true,
+            sl: 0xa,
+            hop_limit: 64,
+        });
     }
     if e.reth {
         let dma_len = if matches!(op, Opcode::WriteFirst) { 1 << 20 } else { d.payload_len };

@@ -51,6 +51,9 @@ impl Hca {
             qkey: effective_qkey(wr.ud.remote_qkey, req.attr.qkey),
             sgid,
             slid: self.config.port.lid,
+            global: ah.is_global,
+            sl: ah.sl & 0xf,
+            hop_limit: ah.hop_limit,
         });
         r.payload_len = len as u32;
         if imm {
@@ -107,14 +110,20 @@ impl Hca {
         {
             Err(WcStatus::LocLenErr)
         } else {
-            let grh = grh_bytes(ud.sgid, self.config.gids[0], 64, len, hdr.imm.is_some());
+            // As on one host: a GRH only if the sender's address handle was
+            // global, and the first 40 bytes left alone otherwise.
+            let grh = ud
+                .global
+                .then(|| grh_bytes(ud.sgid, self.config.gids[0], ud.hop_limit, len, hdr.imm.is_some()));
             self.resolve(resp.recv_pd, recv.sg.as_slice(), AccessFlags::LOCAL_WRITE)
                 .and_then(|segs| {
-                    let head = super::windows(&segs, 0, GRH_LEN as u64)?;
-                    let mut at = 0;
-                    for w in &head {
-                        w.region.write(w.off, &grh[at..at + w.len]).ok()?;
-                        at += w.len;
+                    if let Some(grh) = grh {
+                        let head = super::windows(&segs, 0, GRH_LEN as u64)?;
+                        let mut at = 0;
+                        for w in &head {
+                            w.region.write(w.off, &grh[at..at + w.len]).ok()?;
+                            at += w.len;
+                        }
                     }
                     super::windows(&segs, GRH_LEN as u64, len)
                 })
@@ -129,7 +138,7 @@ impl Hca {
                     wr_id: recv.wr_id,
                     len: hdr.payload_len,
                     src_qpn: hdr.src_qpn,
-                    slid: ud.slid,
+                    ud,
                     imm: hdr.imm,
                     solicited: hdr.flags.contains(DataFlags::SOLICITED),
                 },
@@ -174,7 +183,7 @@ impl Hca {
         wr_id: u64,
         len: u32,
         src_qpn: u32,
-        slid: u16,
+        ud: UdEth,
         imm: Option<u32>,
         solicited: bool,
         io: &mut dyn Queues,
@@ -187,9 +196,12 @@ impl Hca {
         let mut cqe = Cqe::new(wr_id, WcStatus::Success, WcOpcode::Recv, qpn);
         cqe.byte_len = GRH_LEN as u32 + len;
         cqe.src_qp = src_qpn;
-        cqe.slid = slid;
+        cqe.slid = ud.slid;
+        cqe.sl = ud.sl;
         cqe.solicited = solicited;
-        cqe.wc_flags = WcFlags::GRH;
+        if ud.global {
+            cqe.wc_flags = WcFlags::GRH;
+        }
         if let Some(i) = imm {
             cqe.wc_flags |= WcFlags::WITH_IMM;
             cqe.imm_data = i;

@@ -174,7 +174,7 @@ pub(crate) enum AfterPayload {
         wr_id: u64,
         len: u32,
         src_qpn: u32,
-        slid: u16,
+        ud: crate::wire::UdEth,
         imm: Option<u32>,
         solicited: bool,
     },
@@ -598,8 +598,8 @@ impl Hca {
             AfterPayload::ReadResponse { qpn, serial, offset, len, last } => {
                 self.read_response_placed(link, qpn, serial, offset, len, last, now, io)
             }
-            AfterPayload::Datagram { qpn, resets, wr_id, len, src_qpn, slid, imm, solicited } => {
-                self.datagram_placed(qpn, resets, wr_id, len, src_qpn, slid, imm, solicited, io)
+            AfterPayload::Datagram { qpn, resets, wr_id, len, src_qpn, ud, imm, solicited } => {
+                self.datagram_placed(qpn, resets, wr_id, len, src_qpn, ud, imm, solicited, io)
             }
         }
     }
