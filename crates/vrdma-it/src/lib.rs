@@ -701,13 +701,15 @@ fn with_net_lines(config: String, lines: &str) -> String {
 }
 
 /// Where a test's two endpoints live: both on one daemon (the shared-memory
-/// path), or on two daemons joined by the TCP transport ([`TwoHosts`]).
-/// A test written once against [`Hosts`] runs in both; see
-/// [`in_both_topologies!`](crate::in_both_topologies).
+/// path), or on two daemons joined by the TCP transport: over loopback
+/// addresses ([`TwoHosts`]), or in two network namespaces joined by a veth
+/// pair ([`NetnsHosts`]). A test written once against [`Hosts`] runs in
+/// each; see [`in_both_topologies!`](crate::in_both_topologies).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Topology {
     OneHost,
     TwoHosts,
+    TwoHostsNetns,
 }
 
 /// The daemons of a [`Topology`]: host `a` and host `b`, the same daemon
@@ -716,6 +718,7 @@ pub enum Topology {
 pub enum Hosts {
     One(DaemonProc),
     Two(TwoHosts),
+    Netns(NetnsHosts),
 }
 
 impl Hosts {
@@ -729,6 +732,10 @@ impl Hosts {
         Ok(match t {
             Topology::OneHost => Hosts::One(DaemonProc::start_with_config(extra)?),
             Topology::TwoHosts => Hosts::Two(TwoHosts::start_with(true, extra)?),
+            Topology::TwoHostsNetns => match NetnsHosts::start(extra)? {
+                Some(h) => Hosts::Netns(h),
+                None => bail!("network namespaces cannot be made here"),
+            },
         })
     }
 
@@ -736,11 +743,13 @@ impl Hosts {
         match self {
             Hosts::One(_) => Topology::OneHost,
             Hosts::Two(_) => Topology::TwoHosts,
+            Hosts::Netns(_) => Topology::TwoHostsNetns,
         }
     }
 
+    /// Whether the endpoints are on two daemons.
     pub fn two(&self) -> bool {
-        self.topology() == Topology::TwoHosts
+        self.topology() != Topology::OneHost
     }
 
     /// The first host's daemon.
@@ -748,6 +757,7 @@ impl Hosts {
         match self {
             Hosts::One(d) => d,
             Hosts::Two(h) => &h.a,
+            Hosts::Netns(h) => &h.a,
         }
     }
 
@@ -756,6 +766,7 @@ impl Hosts {
         match self {
             Hosts::One(d) => d,
             Hosts::Two(h) => &h.b,
+            Hosts::Netns(h) => &h.b,
         }
     }
 
@@ -764,12 +775,16 @@ impl Hosts {
         match self {
             Hosts::One(d) => d.is_alive(),
             Hosts::Two(h) => h.a.is_alive() && h.b.is_alive(),
+            Hosts::Netns(h) => h.a.is_alive() && h.b.is_alive(),
         }
     }
 }
 
-/// Turns test bodies `fn name(t: Topology) -> anyhow::Result<()>` into two
-/// tests each, `name::one_host` and `name::two_hosts`.
+/// Turns test bodies `fn name(t: Topology) -> anyhow::Result<()>` into
+/// tests on one host and on two: `name::one_host`, `name::two_hosts` (two
+/// daemons on loopback addresses) and `name::two_hosts_netns` (two daemons
+/// in network namespaces joined by a veth pair; it needs root and iproute2
+/// and skips without them, except under [`STRICT_ENV`]).
 #[macro_export]
 macro_rules! in_both_topologies {
     ($($name:ident),* $(,)?) => {
@@ -783,6 +798,15 @@ macro_rules! in_both_topologies {
                 #[test]
                 fn two_hosts() -> anyhow::Result<()> {
                     super::$name($crate::Topology::TwoHosts)
+                }
+
+                #[test]
+                fn two_hosts_netns() -> anyhow::Result<()> {
+                    if let Some(why) = $crate::netns_unavailable() {
+                        $crate::skip(format!("network namespaces need root and iproute2 ({why})"));
+                        return Ok(());
+                    }
+                    super::$name($crate::Topology::TwoHostsNetns)
                 }
             }
         )*
