@@ -682,8 +682,29 @@ impl TwoHosts {
             host_config_psk(ib, port, &pb, extra, psk[1]),
             net[1],
         ))?;
+        // Unless a test keeps them apart (different keys, `net.allow`).
+        if peered && psk[0] == psk[1] && !net.iter().any(|l| l.contains("allow")) {
+            wait_linked(&a, &b)?;
+        }
         Ok(TwoHosts { a, b, port })
     }
+}
+
+/// Waits (at most [`WAIT`]) until two peered daemons have a link up to each
+/// other: the first dial may come before the peer listens and is retried
+/// only after half a second, and a QP connected meanwhile spends its
+/// transport timer (about 0.5 s by default) waiting for the link.
+fn wait_linked(a: &DaemonProc, b: &DaemonProc) -> Result<()> {
+    let (ca, cb) = (a.context()?, b.context()?);
+    let up = |c: &vrdma::Context| -> Result<bool> { Ok(c.stat()?.links.iter().any(|l| l.up)) };
+    let end = Instant::now() + WAIT;
+    while !(up(&ca)? && up(&cb)?) {
+        if Instant::now() > end {
+            bail!("the two daemons did not link within {WAIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
 }
 
 /// `config` (whose `[net]` table comes last) with `lines` appended to that
@@ -991,6 +1012,7 @@ impl NetnsHosts {
         };
         let a = DaemonProc::start_in(Some(&net.ns[0]), &cfg(0))?;
         let b = DaemonProc::start_in(Some(&net.ns[1]), &cfg(1))?;
+        wait_linked(&a, &b)?;
         Ok(Some(NetnsHosts { a, b, port, net }))
     }
 
