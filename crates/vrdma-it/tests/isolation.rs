@@ -1,9 +1,9 @@
 //! Tenants are the kernel's uids (with `tenant_by = "uid+netns"`, also
 //! network namespaces), and contexts own their objects: nothing of one
 //! tenant is reachable from another, whatever keys or numbers the other
-//! presents. The cross-uid tests need root (to run a peer as uid 65534),
-//! the namespace test root and iproute2; without them they say so and
-//! pass vacuously.
+//! presents, on one host or across two. The cross-uid tests need root
+//! (to run a peer as uid 65534), the namespace test root and iproute2;
+//! without them they say so and pass vacuously.
 
 use std::time::Duration;
 
@@ -12,7 +12,7 @@ use vrdma::wr::{self, SendWrExt};
 use vrdma::{Mtu, QpAttr, QpAttrMask, QpState, WcStatus};
 use vrdma_core::proto::{Reply, Request};
 use vrdma_it::protocol::{Command, Hello, Said};
-use vrdma_it::{access_all, connect, le, poll_one, DaemonProc, PeerProc, RawConn, Side, WAIT};
+use vrdma_it::{access_all, connect, le, poll_one, DaemonProc, PeerProc, RawConn, Side, TwoHosts, WAIT};
 
 const NOBODY: u32 = 65534;
 
@@ -21,7 +21,7 @@ fn root() -> bool {
     if unsafe { libc::geteuid() } == 0 {
         return true;
     }
-    println!("this test needs root (to run a tenant as uid {NOBODY}); skipped");
+    vrdma_it::skip(format!("this test needs root (to run a tenant as uid {NOBODY})"));
     false
 }
 
@@ -33,12 +33,22 @@ fn with_nobody() -> Result<(DaemonProc, PeerProc, Hello)> {
     Ok((d, peer, h))
 }
 
+/// The local ACK timeout of our QPs towards a peer on our own daemon (the
+/// shared-memory path): 4.096 µs × 2^4 ≈ 65 µs.
+const ONE_HOST: u8 = 4;
+/// ... and towards a peer on another daemon: 2^13 ≈ 34 ms, so about 67 ms
+/// with the one retry. A round trip between two daemons over loopback TCP
+/// can take milliseconds on a loaded machine, and the control (a peer of
+/// our own uid) must not time out for that.
+const ACROSS_HOSTS: u8 = 13;
+
 /// Brings `s`'s QP to RTS towards `remote` with a short transport timeout
-/// and one retry, so that an unreachable peer fails fast.
-fn connect_fast(s: &Side, remote: &vrdma::Endpoint) -> Result<()> {
+/// (the exponent `timeout`) and one retry, so that an unreachable peer
+/// fails fast.
+fn connect_fast(s: &Side, remote: &vrdma::Endpoint, timeout: u8) -> Result<()> {
     s.qp.to_init(1, access_all())?;
     s.qp.to_rtr(remote, Mtu::Mtu4096, 12)?;
-    s.qp.to_rts(s.qp.psn(), 4, 1, 7)?;
+    s.qp.to_rts(s.qp.psn(), timeout, 1, 7)?;
     Ok(())
 }
 
@@ -60,18 +70,25 @@ fn tenants_are_uids() -> Result<()> {
 }
 
 /// Tries every way to reach the peer's QP and region from QPs of the test
-/// process that the peer's QP is connected back to: a send each way, an
-/// RDMA write and an RDMA read. With `reach` they all succeed (a control
-/// that the setup is right); without, they all end in `RetryExcErr` and
-/// nothing crosses.
-fn every_way_to_the_peer(d: &DaemonProc, peer: &mut PeerProc, h: &Hello, reach: bool) -> Result<()> {
+/// process on daemon `d` that the peer's QP is connected back to: a send
+/// each way, an RDMA write and an RDMA read. The peer may run on `d` or
+/// on another daemon (`timeout`: [`ONE_HOST`] or [`ACROSS_HOSTS`]). With
+/// `reach` they all succeed (a control that the setup is right); without,
+/// they all end in `RetryExcErr` and nothing crosses.
+fn every_way_to_the_peer(
+    d: &DaemonProc,
+    peer: &mut PeerProc,
+    h: &Hello,
+    reach: bool,
+    timeout: u8,
+) -> Result<()> {
     let ctx = d.context()?;
     let expect = if reach { WcStatus::Success } else { WcStatus::RetryExcErr };
     // A fresh QP of ours, and the peer's QP connected to it.
     let fresh = |peer: &mut PeerProc| -> Result<Side> {
         let s = Side::new(&ctx, 1 << 16)?;
         peer.call_ok(&Command::Reset)?;
-        connect_fast(&s, &h.endpoint)?;
+        connect_fast(&s, &h.endpoint, timeout)?;
         peer.call_ok(&Command::Connect { peer: s.endpoint()? })?;
         Ok(s)
     };
@@ -129,7 +146,7 @@ fn a_connection_across_tenants_never_reaches_the_other_side() -> Result<()> {
         return Ok(());
     }
     let (d, mut peer, h) = with_nobody()?;
-    every_way_to_the_peer(&d, &mut peer, &h, false)?;
+    every_way_to_the_peer(&d, &mut peer, &h, false, ONE_HOST)?;
     // Its own send failed, so its QP is in ERR now.
     assert!(matches!(peer.call(&Command::State)?, Said::State(6)));
     Ok(())
@@ -141,7 +158,31 @@ fn the_same_attempts_within_one_tenant_succeed() -> Result<()> {
     let d = DaemonProc::start()?;
     let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
     let h = peer.hello()?;
-    every_way_to_the_peer(&d, &mut peer, &h, true)
+    every_way_to_the_peer(&d, &mut peer, &h, true, ONE_HOST)
+}
+
+/// The same across hosts, where the tenant travels in every frame and the
+/// receiving daemon checks it: from QPs on host A, a peer of another uid
+/// on host B is never reached, and its sends never reach us. A peer of
+/// our own uid on B, before and after, is reached every way (the control:
+/// the link works, so the failures are isolation's).
+#[test]
+fn across_hosts_another_tenant_is_never_reached() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let h = TwoHosts::start(true)?;
+    let mut ours = PeerProc::spawn(&h.b.socket, "tenant", &[])?;
+    let ho = ours.hello()?;
+    let mut nobody = PeerProc::spawn_as(&h.b.socket, "tenant", &[], Some(NOBODY))?;
+    let hn = nobody.hello()?;
+    assert_eq!((ho.tenant, hn.tenant), (0, NOBODY));
+    every_way_to_the_peer(&h.a, &mut ours, &ho, true, ACROSS_HOSTS)?;
+    every_way_to_the_peer(&h.a, &mut nobody, &hn, false, ACROSS_HOSTS)?;
+    // Its own send failed, so its QP is in ERR now.
+    assert!(matches!(nobody.call(&Command::State)?, Said::State(6)));
+    every_way_to_the_peer(&h.a, &mut ours, &ho, true, ACROSS_HOSTS)?;
+    Ok(())
 }
 
 #[test]
@@ -273,6 +314,6 @@ fn with_uid_and_netns_another_network_namespace_is_another_tenant() -> Result<()
     assert!(h.tenant >= vrdma_core::hca::TenantId::HOST_LOCAL_BASE, "tenant {:#x}", h.tenant);
     let other = PeerProc::spawn_in(&d.socket, "tenant", &[], ns)?;
     assert_eq!(other.hello()?.tenant, h.tenant, "one namespace, one uid: one tenant");
-    every_way_to_the_peer(&d, &mut peer, &h, false)?;
+    every_way_to_the_peer(&d, &mut peer, &h, false, ONE_HOST)?;
     Ok(())
 }
