@@ -41,11 +41,15 @@ pub(crate) enum InMsg {
     },
 }
 
-/// An answer waiting to go out, in PSN order.
+/// An answer waiting to go out, in PSN order. `again` marks the answer to
+/// a request sent again: it takes none of the responder's read and atomic
+/// resources (`max_dest_rd_atomic`), which the original already holds or
+/// has given back, so that a requester within its limit is never refused
+/// because its timer fired.
 pub(crate) enum Response {
     Ack { psn: u32, syndrome: Syndrome, msn: u32 },
-    AtomicAck { psn: u32, orig: u64, msn: u32 },
-    Read { first_psn: u32, rkey: u32, va: u64, len: u64, sent: u64, msn: u32 },
+    AtomicAck { psn: u32, orig: u64, msn: u32, again: bool },
+    Read { first_psn: u32, rkey: u32, va: u64, len: u64, sent: u64, msn: u32, again: bool },
 }
 
 pub(crate) struct RemoteRecv {
@@ -282,7 +286,8 @@ impl Hca {
     /// placed or executed twice; what cannot be answered is dropped.
     fn answer_duplicate(&mut self, qpn: u32, hdr: &DataRepr) {
         use Opcode::*;
-        let reads = self.reads_queued(qpn);
+        // Answers to requests sent again are bounded apart from new ones.
+        let reads = self.reads_queued(qpn, true);
         let Some(rs) = self.recv_state(qpn) else { return };
         let (msn, epsn) = (rs.msn, rs.epsn);
         let qp = &self.qps[&qpn];
@@ -296,41 +301,47 @@ impl Hca {
                         .and_then(|m| m.offset_of(reth.va, len))
                         .is_some())
         };
-        let answer = match hdr.opcode {
-            ReadRequest => match hdr.reth {
-                Some(reth) if reads < MAX_READS && readable(self, &reth) => Some(Response::Read {
-                    first_psn: hdr.psn,
-                    rkey: reth.rkey,
-                    va: reth.va,
-                    len: u64::from(reth.dma_len),
-                    sent: 0,
-                    msn,
-                }),
+        let answer =
+            match hdr.opcode {
+                ReadRequest => match hdr.reth {
+                    Some(reth) if reads < MAX_READS && readable(self, &reth) => Some(Response::Read {
+                        first_psn: hdr.psn,
+                        rkey: reth.rkey,
+                        va: reth.va,
+                        len: u64::from(reth.dma_len),
+                        sent: 0,
+                        msn,
+                        again: true,
+                    }),
+                    _ => None,
+                },
+                CompareSwap | FetchAdd if reads < MAX_READS => {
+                    let rs = self.recv_state(qpn).expect("exists");
+                    rs.atomics
+                        .iter()
+                        .find(|(psn, _)| *psn == hdr.psn)
+                        .map(|&(psn, orig)| Response::AtomicAck { psn, orig, msn, again: true })
+                }
+                _ if hdr.opcode.is_last() || hdr.opcode.is_only() => {
+                    Some(Response::Ack { psn: psn_add(epsn, MAX_24), syndrome: Syndrome::Ack, msn })
+                }
                 _ => None,
-            },
-            CompareSwap | FetchAdd if reads < MAX_READS => {
-                let rs = self.recv_state(qpn).expect("exists");
-                rs.atomics.iter().find(|(psn, _)| *psn == hdr.psn).map(|&(psn, orig)| Response::AtomicAck {
-                    psn,
-                    orig,
-                    msn,
-                })
-            }
-            _ if hdr.opcode.is_last() || hdr.opcode.is_only() => {
-                Some(Response::Ack { psn: psn_add(epsn, MAX_24), syndrome: Syndrome::Ack, msn })
-            }
-            _ => None,
-        };
+            };
         if let Some(a) = answer {
             self.recv_state(qpn).expect("exists").responses.push_back(a);
         }
     }
 
-    fn reads_queued(&mut self, qpn: u32) -> usize {
+    /// Read and atomic answers queued: to new requests, or (`again`) to
+    /// requests sent again.
+    fn reads_queued(&mut self, qpn: u32, again: bool) -> usize {
         self.recv_state(qpn).map_or(0, |rs| {
             rs.responses
                 .iter()
-                .filter(|r| matches!(r, Response::Read { .. } | Response::AtomicAck { .. }))
+                .filter(|r| match r {
+                    Response::Read { again: a, .. } | Response::AtomicAck { again: a, .. } => *a == again,
+                    Response::Ack { .. } => false,
+                })
                 .count()
         })
     }
@@ -398,7 +409,7 @@ impl Hca {
             {
                 self.place_write(qpn, &resp, va, rkey, dma_len, got, n, hdr.opcode, fin, io)
             }
-            (ReadRequest | CompareSwap | FetchAdd, None) if self.reads_queued(qpn) >= MAX_READS => {
+            (ReadRequest | CompareSwap | FetchAdd, None) if self.reads_queued(qpn, false) >= MAX_READS => {
                 Step::Refuse(Refusal::invalid(None))
             }
             (ReadRequest, None) => {
@@ -427,6 +438,7 @@ impl Hca {
                     len,
                     sent: 0,
                     msn,
+                    again: false,
                 });
                 self.advance_epsn(qpn, npsn);
                 Step::Done
@@ -459,7 +471,7 @@ impl Hca {
                 rs.atomics.push_back((hdr.psn, orig));
                 rs.msn = psn_add(rs.msn, 1);
                 let msn = rs.msn;
-                rs.responses.push_back(Response::AtomicAck { psn: hdr.psn, orig, msn });
+                rs.responses.push_back(Response::AtomicAck { psn: hdr.psn, orig, msn, again: false });
                 self.advance_epsn(qpn, 1);
                 Step::Done
             }
@@ -665,13 +677,13 @@ impl Hca {
                 r.aeth = Some(Aeth { syndrome, msn });
                 (r, None, true)
             }
-            Response::AtomicAck { psn, orig, msn } => {
+            Response::AtomicAck { psn, orig, msn, .. } => {
                 let mut r = DataRepr::new(Opcode::AtomicAcknowledge, vnet, dest, qpn, psn);
                 r.aeth = Some(Aeth { syndrome: Syndrome::Ack, msn });
                 r.atomic_ack = Some(orig);
                 (r, None, true)
             }
-            Response::Read { first_psn, rkey, va, len, sent, msn } => {
+            Response::Read { first_psn, rkey, va, len, sent, msn, .. } => {
                 let n = chunk.min(len - sent);
                 let (first, last) = (sent == 0, sent + n == len);
                 let op = match (first, last) {
