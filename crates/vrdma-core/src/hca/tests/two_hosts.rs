@@ -1431,3 +1431,53 @@ fn an_srq_receive_given_back_mid_payload_is_not_written_by_the_rest_of_it() {
         assert_eq!(buf.read(0, 256), [vec![0x55; 8], vec![0; 248]].concat(), "{cut:?}: a1's bytes landed");
     }
 }
+
+/// The log lines of `f`, at info level and above.
+fn traced(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let out = lines.clone();
+    let sub = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || out.clone())
+        .finish();
+    tracing::subscriber::with_default(sub, f);
+    let b = lines.0.lock().unwrap().clone();
+    String::from_utf8(b).unwrap()
+}
+
+#[test]
+fn the_path_a_qp_takes_is_traced_when_it_connects() {
+    let mut qpns = (0, 0, 0);
+    let log = traced(|| {
+        let mut t = TwoHosts::new(1024);
+        let (a, b) = (t.a.env.end(C1), t.b.env.end(C1));
+        t.connect(a.qpn, b.qpn, conn());
+        let (l1, l2) = (t.a.env.end(C1), t.a.env.end(C1));
+        t.a.env.connect(l1.qpn, l2.qpn);
+        t.a.env.connect(l2.qpn, l1.qpn);
+        qpns = (a.qpn, b.qpn, l1.qpn);
+    });
+    let line = |qpn: u32| {
+        let key = format!("qpn={qpn} ");
+        log.lines()
+            .find(|l| l.contains("QP connected") && l.contains(&key))
+            .unwrap_or_else(|| panic!("no line with {key}:\n{log}"))
+    };
+    let (a, b, local) = qpns;
+    for qpn in [a, b] {
+        assert!(line(qpn).contains("path=Link(Some(LinkId("), "{}", line(qpn));
+    }
+    assert!(line(local).contains("path=SharedMemory"), "{}", line(local));
+}
