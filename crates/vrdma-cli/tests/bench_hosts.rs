@@ -34,15 +34,23 @@ fn skip_reason() -> Option<String> {
             return Some(format!("{program} is missing (apt-get install {package})"));
         }
     }
-    let dir = Path::new(VRDMA).parent().expect("exe dir");
     for lib in ["libvrdma_verbs.so", "libvrdma_companions.so"] {
-        if !dir.join(lib).is_file() {
+        if built(lib).is_none() {
             return Some(format!(
-                "{lib} is not built next to {VRDMA} (cargo build -p vrdma-verbs -p vrdma-companions)"
+                "{lib} is not built next to {VRDMA} or the tests (cargo build -p vrdma-verbs -p vrdma-companions)"
             ));
         }
     }
     None
+}
+
+/// Where `cargo build` put library `name`: next to the `vrdma` binary, or
+/// (`cargo test` on a fresh tree) among the test binaries' dependencies.
+fn built(name: &str) -> Option<std::path::PathBuf> {
+    let exe = std::env::current_exe().expect("current exe");
+    let dirs: Vec<std::path::PathBuf> =
+        [Path::new(VRDMA).parent(), exe.parent()].into_iter().flatten().map(Path::to_path_buf).collect();
+    dirs.into_iter().map(|d| d.join(name)).find(|p| p.is_file())
 }
 
 fn namespaces() -> String {
@@ -79,6 +87,8 @@ fn bench_hosts_quick_reports_each_figure_beside_its_anchor_and_leaves_nothing_be
     }
     let mut child = Command::new(VRDMA)
         .args(["bench-hosts", "--quick", "--json"])
+        .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so").expect("checked above"))
+        .env("VRDMA_COMPANIONS_LIB", built("libvrdma_companions.so").expect("checked above"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
