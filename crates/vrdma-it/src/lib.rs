@@ -995,7 +995,7 @@ impl NetnsHosts {
     /// be made (see [`netns_unavailable`]).
     pub fn start(extra: &str) -> Result<Option<NetnsHosts>> {
         if let Some(why) = netns_unavailable() {
-            println!("skipping: network namespaces need root and iproute2 ({why})");
+            skip(format!("network namespaces need root and iproute2 ({why})"));
             return Ok(None);
         }
         let net = match Netns::create() {

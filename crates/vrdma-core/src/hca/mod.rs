@@ -20,10 +20,12 @@ mod remote;
 #[cfg(test)]
 mod tests;
 
-// Looked up per QP in every engine pass and several times per frame. The
-// keys are numbers this daemon hands out (never chosen by a tenant), so a
-// fast unkeyed hash is safe here: half the cost of SipHash per lookup.
-use rustc_hash::FxHashMap as HashMap;
+/// A map keyed by numbers the device hands out (QPNs, keys, handles, link
+/// and context ids), never chosen by a tenant, so a fast unkeyed hash is
+/// safe: the engine looks every QP up in every pass and several times per
+/// frame, at half the cost of SipHash.
+pub type IdMap<K, V> = rustc_hash::FxHashMap<K, V>;
+use IdMap as HashMap;
 
 use serde::{Deserialize, Serialize};
 

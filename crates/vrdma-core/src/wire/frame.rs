@@ -295,7 +295,7 @@ pub struct UdEth {
     pub sgid: Gid,
     pub slid: u16,
     pub global: bool,
-    /// 4 bits.
+    /// 4 bits on the wire (higher bits are not sent).
     pub sl: u8,
     pub hop_limit: u8,
 }

@@ -7,12 +7,9 @@
 //! A ring whose indices a tenant corrupted is marked dead: its owner gets
 //! one error completion and nothing more is read from it.
 
-// Looked up per QP in every engine pass and several times per frame. The
-// keys are numbers this daemon hands out (never chosen by a tenant), so a
-// fast unkeyed hash is safe here: half the cost of SipHash per lookup.
-use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use vrdma_core::hca::IdMap as HashMap;
 
 use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource};
 use vrdma_core::proto::{

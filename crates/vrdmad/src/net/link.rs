@@ -598,11 +598,15 @@ mod tests {
         (link, theirs, hca, RingTable::default())
     }
 
-    fn keepalive_request() -> Vec<u8> {
-        let f = FrameRepr::Keepalive(KeepaliveRepr { seq: 7, reply: false });
+    /// The bytes of `f`'s header, as a peer sends them.
+    fn header(f: FrameRepr) -> Vec<u8> {
         let mut b = vec![0u8; f.header_len()];
         f.emit(&mut b).unwrap();
         b
+    }
+
+    fn keepalive_request() -> Vec<u8> {
+        header(FrameRepr::Keepalive(KeepaliveRepr { seq: 7, reply: false }))
     }
 
     /// Fills the socket (the peer reads nothing) until it refuses more.
@@ -720,9 +724,7 @@ mod tests {
             let mut d = DataRepr::new(Opcode::WriteOnly, 1, 0x11, 0x12, 5);
             d.payload_len = 8192;
             d.reth = Some(Reth { va: 0x1000, rkey: 9, dma_len: 8192 });
-            let f = FrameRepr::Data(d);
-            let mut h = vec![0u8; f.header_len()];
-            f.emit(&mut h).unwrap();
+            let h = header(FrameRepr::Data(d));
             assert!(matches!(link.dec.feed(&h).unwrap(), (_, Some(Event::Header(_)))));
             let r = region(8192, 0);
             let mut segs = ArrayVec::new();
@@ -759,16 +761,10 @@ mod tests {
         }
     }
 
-    /// The driver's side of `Hca::placement_cancelled`: a write arriving
-    /// for a QP that fails half way through stops being placed at once
-    /// (what it had claimed may be another's by then), and the frame still
-    /// ends in step with the stream.
     /// A QP of tenant 1000 in RTR, connected to QP 0x12 on the link's host
     /// (10.0.0.2) with its next PSN 5, and a region of `len` bytes at
     /// 0x10_0000 it lets that peer write: (QPN, rkey, region).
     fn qp_in_rtr(hca: &mut Hca, rings: &mut RingTable, len: usize) -> (u32, u32, vrdma_core::memory::Region) {
-        // A QP of tenant 1000 connected to QP 0x12 on the link's host, and
-        // a region it lets that peer write.
         let ctx = ContextId(1);
         hca.open_context(ctx, TenantId(1000)).unwrap();
         let pd = hca.alloc_pd(ctx).unwrap();
@@ -813,6 +809,10 @@ mod tests {
         (qpn, key, r)
     }
 
+    /// The driver's side of `Hca::placement_cancelled`: a write arriving
+    /// for a QP that fails half way through stops being placed at once
+    /// (what it had claimed may be another's by then), and the frame still
+    /// ends in step with the stream.
     #[test]
     fn a_payload_for_a_qp_that_failed_meanwhile_is_not_placed() {
         let (mut link, mut theirs, mut hca, mut rings) = pair();
@@ -822,9 +822,7 @@ mod tests {
         let mut d = DataRepr::new(Opcode::WriteOnly, 1000, qpn, 0x12, 5);
         d.payload_len = 8192;
         d.reth = Some(Reth { va: 0x10_0000, rkey: key, dma_len: 8192 });
-        let f = FrameRepr::Data(d);
-        let mut h = vec![0u8; f.header_len()];
-        f.emit(&mut h).unwrap();
+        let h = header(FrameRepr::Data(d));
         theirs.write_all(&h).unwrap();
         theirs.write_all(&[0xcd; 4096]).unwrap();
         let started = Clock::now();
@@ -860,9 +858,7 @@ mod tests {
             let mut d = DataRepr::new(Opcode::WriteOnly, 1000, qpn, 0x12, 5 + i as u32);
             d.payload_len = LEN as u32;
             d.reth = Some(Reth { va: 0x10_0000 + (i * LEN) as u64, rkey: key, dma_len: LEN as u32 });
-            let f = FrameRepr::Data(d);
-            let mut h = vec![0u8; f.header_len()];
-            f.emit(&mut h).unwrap();
+            let h = header(FrameRepr::Data(d));
             stream.extend(h);
             stream.extend(std::iter::repeat_n(i as u8 + 1, LEN));
         }

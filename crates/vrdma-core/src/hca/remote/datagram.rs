@@ -52,7 +52,7 @@ impl Hca {
             sgid,
             slid: self.config.port.lid,
             global: ah.is_global,
-            sl: ah.sl & 0xf,
+            sl: ah.sl,
             hop_limit: ah.hop_limit,
         });
         r.payload_len = len as u32;

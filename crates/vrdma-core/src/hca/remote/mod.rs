@@ -47,10 +47,7 @@ mod datagram;
 mod requester;
 mod responder;
 
-// Looked up per QP in every engine pass and several times per frame. The
-// keys are numbers this daemon hands out (never chosen by a tenant), so a
-// fast unkeyed hash is safe here: half the cost of SipHash per lookup.
-use rustc_hash::FxHashMap as HashMap;
+use crate::hca::IdMap as HashMap;
 
 use arrayvec::ArrayVec;
 use serde::{Deserialize, Serialize};

@@ -290,6 +290,7 @@ impl Hca {
         let reads = self.reads_queued(qpn, true);
         let Some(rs) = self.recv_state(qpn) else { return };
         let (msn, epsn) = (rs.msn, rs.epsn);
+        let atomic = rs.atomics.iter().find(|(psn, _)| *psn == hdr.psn).copied();
         let qp = &self.qps[&qpn];
         let (pd, access) = (qp.pd, qp.attr.qp_access_flags);
         let readable = |hca: &Hca, reth: &crate::wire::Reth| {
@@ -301,32 +302,27 @@ impl Hca {
                         .and_then(|m| m.offset_of(reth.va, len))
                         .is_some())
         };
-        let answer =
-            match hdr.opcode {
-                ReadRequest => match hdr.reth {
-                    Some(reth) if reads < MAX_READS && readable(self, &reth) => Some(Response::Read {
-                        first_psn: hdr.psn,
-                        rkey: reth.rkey,
-                        va: reth.va,
-                        len: u64::from(reth.dma_len),
-                        sent: 0,
-                        msn,
-                        again: true,
-                    }),
-                    _ => None,
-                },
-                CompareSwap | FetchAdd if reads < MAX_READS => {
-                    let rs = self.recv_state(qpn).expect("exists");
-                    rs.atomics
-                        .iter()
-                        .find(|(psn, _)| *psn == hdr.psn)
-                        .map(|&(psn, orig)| Response::AtomicAck { psn, orig, msn, again: true })
-                }
-                _ if hdr.opcode.is_last() || hdr.opcode.is_only() => {
-                    Some(Response::Ack { psn: psn_add(epsn, MAX_24), syndrome: Syndrome::Ack, msn })
-                }
+        let answer = match hdr.opcode {
+            ReadRequest => match hdr.reth {
+                Some(reth) if reads < MAX_READS && readable(self, &reth) => Some(Response::Read {
+                    first_psn: hdr.psn,
+                    rkey: reth.rkey,
+                    va: reth.va,
+                    len: u64::from(reth.dma_len),
+                    sent: 0,
+                    msn,
+                    again: true,
+                }),
                 _ => None,
-            };
+            },
+            CompareSwap | FetchAdd if reads < MAX_READS => {
+                atomic.map(|(psn, orig)| Response::AtomicAck { psn, orig, msn, again: true })
+            }
+            _ if hdr.opcode.is_last() || hdr.opcode.is_only() => {
+                Some(Response::Ack { psn: psn_add(epsn, MAX_24), syndrome: Syndrome::Ack, msn })
+            }
+            _ => None,
+        };
         if let Some(a) = answer {
             self.recv_state(qpn).expect("exists").responses.push_back(a);
         }
