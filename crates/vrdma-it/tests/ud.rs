@@ -13,8 +13,8 @@ use vrdma::{
     WcOpcode, WcStatus, GRH_LEN,
 };
 use vrdma_it::{
-    cap, in_both_topologies, pattern, poll_for, poll_n, poll_one, wait_state, DaemonProc, Hosts, Topology,
-    WAIT,
+    cap, in_both_topologies, pattern, poll_for, poll_n, poll_one, wait_state, wait_until, DaemonProc, Hosts,
+    Topology, WAIT,
 };
 
 const QKEY: u32 = 0x1234_5678;
@@ -167,8 +167,10 @@ fn a_qkey_mismatch_is_dropped_silently(t: Topology) -> Result<()> {
     let (a, b) = (&t.a, &t.b);
     a.mr.write(0, b"right key")?;
     b.post_recv(1, 0, 128)?;
+    let dropped_before = dropped_in(&b.ctx)?;
     a.send_to(1, 0, 9, b, QKEY ^ 1)?;
     a.expect_sent(1)?;
+    t.wait_dropped_by_b(dropped_before)?;
     b.expect_nothing()?;
     // The receive is still there for a datagram with the right Q_Key, or
     // with the high bit set (the sending QP's own Q_Key, the same here).
@@ -211,9 +213,12 @@ fn an_oversized_datagram_fails_locally_and_sqe_recovers_to_rts(t: Topology) -> R
 fn a_datagram_without_a_receive_is_dropped(t: Topology) -> Result<()> {
     let t = two(t)?;
     let (a, b) = (&t.a, &t.b);
+    let dropped_before = dropped_in(&b.ctx)?;
     a.mr.write(0, b"lost")?;
     a.send_to(1, 0, 4, b, QKEY)?;
     a.expect_sent(1)?;
+    // Or the receive below could race the datagram across hosts.
+    t.wait_dropped_by_b(dropped_before)?;
     // A receive posted afterwards does not get it: there is no RNR retry.
     b.post_recv(5, 0, 128)?;
     b.expect_nothing()?;
@@ -225,6 +230,26 @@ fn a_datagram_without_a_receive_is_dropped(t: Topology) -> Result<()> {
     assert_eq!(&b.mr.to_vec()[GRH..GRH + 4], b"kept");
     assert_eq!((a.qp.state(), b.qp.state()), (QpState::Rts, QpState::Rts));
     Ok(())
+}
+
+/// Frames the daemon of `ctx` received on its links and threw away.
+fn dropped_in(ctx: &Context) -> Result<u64> {
+    Ok(ctx.stat()?.links.iter().map(|l| l.stats.dropped_in).sum())
+}
+
+impl Two {
+    /// Waits until b's daemon has thrown away a datagram since it counted
+    /// `before`. A sender completes once its datagram has left, as on
+    /// hardware, so across hosts the datagram may still be on its way; on
+    /// one host the daemon drops it before the sender completes.
+    fn wait_dropped_by_b(&self, before: u64) -> Result<()> {
+        if matches!(self.h, Hosts::One(_)) {
+            return Ok(());
+        }
+        wait_until(WAIT, "b's daemon to drop the datagram", || {
+            dropped_in(&self.b.ctx).is_ok_and(|n| n > before)
+        })
+    }
 }
 
 fn an_address_handle_of_another_pd_is_an_error(t: Topology) -> Result<()> {
