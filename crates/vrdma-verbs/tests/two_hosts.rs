@@ -178,6 +178,19 @@ fn ud_pingpong_across_hosts() {
     pingpong("/usr/bin/ibv_ud_pingpong", &["-c", "-n", "200", "-s", "1024"]);
 }
 
+// With `-g 0` each side addresses the other by the GID it read from its
+// own port (a GRH on every packet): the daemon resolves the peer's GID
+// to the peer daemon rather than its LID.
+#[test]
+fn rc_pingpong_by_gid_across_hosts() {
+    pingpong("/usr/bin/ibv_rc_pingpong", &["-c", "-g", "0", "-n", "200"]);
+}
+
+#[test]
+fn ud_pingpong_by_gid_across_hosts() {
+    pingpong("/usr/bin/ibv_ud_pingpong", &["-c", "-g", "0", "-n", "200", "-s", "1024"]);
+}
+
 fn perftest(tool: &str, args: &[&str]) {
     let program = format!("/usr/bin/{tool}");
     if !Path::new(&program).exists() {
