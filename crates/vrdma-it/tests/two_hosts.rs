@@ -9,7 +9,7 @@ use anyhow::Result;
 use vrdma::wr::{self, SendWrExt};
 use vrdma::{WcOpcode, WcStatus};
 use vrdma_it::across::{check, every_opcode, new_pairs_work_again, outstanding_writes_fail, pair};
-use vrdma_it::{access_all, poll_n, poll_one, Side, TwoHosts, WAIT};
+use vrdma_it::{poll_n, poll_one, Side, TwoHosts, WAIT};
 
 #[test]
 fn every_opcode_by_lid_over_configured_peers() -> Result<()> {
@@ -25,8 +25,22 @@ fn every_opcode_by_gid_dialling_the_peer_on_demand() -> Result<()> {
 
 #[test]
 fn a_killed_peer_daemon_ends_in_retry_exc_err_and_a_restarted_one_serves_new_qps() -> Result<()> {
-    let mut h = TwoHosts::start(true)?;
-    let (a, b) = pair(&h.a, &h.b, false)?;
+    killed_peer_then_restarted(true)
+}
+
+/// Without configured peers the daemon dials the host a GID names when a
+/// QP first needs it, and dials the restarted daemon again for new QPs.
+#[test]
+fn a_killed_peer_daemon_dialled_by_gid_ends_in_retry_exc_err_and_a_restarted_one_serves_new_qps() -> Result<()>
+{
+    killed_peer_then_restarted(false)
+}
+
+/// `peered`: the daemons know each other from their configs and QPs
+/// address by LID; otherwise by GID, each daemon dialling on demand.
+fn killed_peer_then_restarted(peered: bool) -> Result<()> {
+    let mut h = TwoHosts::start(peered)?;
+    let (a, b) = pair(&h.a, &h.b, !peered)?;
     a.qp.post_send(&[wr::rdma_write(1, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
     check(&poll_one(&a.cq, WAIT)?, 1, WcOpcode::RdmaWrite);
     let (addr, rkey) = (b.mr.addr(), b.mr.rkey());
@@ -43,10 +57,7 @@ fn a_killed_peer_daemon_ends_in_retry_exc_err_and_a_restarted_one_serves_new_qps
     let late = vrdma_it::poll_for(&a.cq, Duration::from_millis(500))?;
     assert!(late.is_empty(), "completions after the failure: {late:?}");
     // New QPs connect to the restarted daemon.
-    let a2 = Side::new(&h.a.context()?, 1 << 16)?;
-    let b2 = Side::new(&h.b.context()?, 1 << 16)?;
-    a2.qp.connect(&b2.endpoint()?, access_all())?;
-    b2.qp.connect(&a2.endpoint()?, access_all())?;
+    let (a2, b2) = pair(&h.a, &h.b, !peered)?;
     a2.mr.write(0, b"again")?;
     a2.qp.post_send(&[wr::rdma_write(9, &[a2.mr.sge(0, 5)?], b2.mr.addr(), b2.mr.rkey())?.signaled()])?;
     check(&poll_one(&a2.cq, WAIT)?, 9, WcOpcode::RdmaWrite);
