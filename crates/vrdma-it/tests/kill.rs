@@ -124,13 +124,15 @@ fn killing_a_tenant_mid_flood_breaks_only_its_peer(t: Topology) -> Result<()> {
 }
 
 fn killing_a_responder_completes_every_posted_request(t: Topology) -> Result<()> {
-    // 256 MiB in flight: far more than the engine copies while the kill
-    // takes effect, so some requests are always still outstanding.
+    // 1 GiB in flight: far more than the engine copies while the kill
+    // takes effect, so some requests are always still outstanding (256 MiB
+    // was not, once, on a loaded 2-CPU machine: every write had completed
+    // before the daemon saw the peer gone).
     const LEN: usize = 4 << 20;
-    const N: usize = 64;
+    const N: usize = 256;
     let mut hosts = Hosts::start(t)?;
     let ctx = hosts.a().context()?;
-    let me = Side::with(&ctx, LEN, 128, cap(N as u32, 1), None)?;
+    let me = Side::with(&ctx, LEN, 2 * N as u32, cap(N as u32, 1), None)?;
     let mut peer = PeerProc::spawn(&hosts.b().socket, "tenant", &[])?;
     let h = peer.hello()?;
     me.qp.connect(&h.endpoint, access_all())?;
