@@ -432,7 +432,61 @@ fn threads_share_a_qp_and_a_context(t: Topology) -> Result<()> {
     Ok(())
 }
 
+/// The engine serves only QPs with work: a QP that went idle is woken by
+/// the post that names it. Threads post to many QPs with pauses, so that
+/// QPs keep going idle and being posted to again, racing the engine's
+/// leaving them idle. The daemons never sweep (`sweep_ms = 0`), so a
+/// wake-up missed is a message that never arrives.
+fn idle_qps_are_woken_by_every_post_without_a_sweep(t: Topology) -> Result<()> {
+    const PAIRS: usize = 32;
+    const THREADS: usize = 4;
+    const ROUNDS: u64 = 60;
+    let hosts = Hosts::start_with(t, "[engine]\nsweep_ms = 0\n")?;
+    let (ca, cb) = (hosts.a().context()?, hosts.b().context()?);
+    let pairs: Vec<(Side, Side)> = (0..PAIRS)
+        .map(|_| {
+            let (a, b) = (Side::new(&ca, 4096)?, Side::new(&cb, 4096)?);
+            connect(&a, &b)?;
+            Ok((a, b))
+        })
+        .collect::<Result<_>>()?;
+    let started = std::time::Instant::now();
+    std::thread::scope(|s| -> Result<()> {
+        let workers: Vec<_> = pairs
+            .chunks(PAIRS / THREADS)
+            .enumerate()
+            .map(|(k, chunk)| {
+                s.spawn(move || -> Result<()> {
+                    for round in 0..ROUNDS {
+                        for (i, (a, b)) in chunk.iter().enumerate() {
+                            // Some QPs wait a little, so that the engine
+                            // finds them idle before their next post.
+                            if (round + i as u64 + k as u64).is_multiple_of(3) {
+                                std::thread::sleep(Duration::from_micros(200));
+                            }
+                            b.qp.post_recv(&[wr::recv(round, &[b.mr.sge(0, 64)?])?])?;
+                            a.mr.write(0, &round.to_le_bytes())?;
+                            a.qp.post_send(&[wr::send(round, &[a.mr.sge(0, 8)?])?.signaled()])?;
+                            check_wc(&poll_one(&a.cq, WAIT)?, round, WcOpcode::Send);
+                            check_wc(&poll_one(&b.cq, WAIT)?, round, WcOpcode::Recv);
+                            assert_eq!(b.mr.to_vec()[..8], round.to_le_bytes());
+                        }
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join().expect("a worker panicked")?;
+        }
+        Ok(())
+    })?;
+    println!("{} messages in {:?}", PAIRS as u64 * ROUNDS, started.elapsed());
+    Ok(())
+}
+
 in_both_topologies!(
+    idle_qps_are_woken_by_every_post_without_a_sweep,
     send_with_and_without_immediate,
     rdma_write_into_the_peers_region,
     rdma_write_with_immediate,

@@ -36,6 +36,8 @@ pub(crate) struct ContextInner {
     device_name: String,
     /// The async-event ring; its aux words also hold the engine's state.
     async_ring: RingView,
+    /// Where QPs are named to the engine after a post.
+    posted_ring: RingView,
     /// Wakes the daemon's engine when it sleeps.
     doorbell: Doorbell,
     /// Signalled by the daemon after it pushes an async event.
@@ -54,6 +56,25 @@ impl ContextInner {
         fence(Ordering::SeqCst);
         if self.async_ring.aux(proto::CTX_AUX_ENGINE_SLEEPING).load(Ordering::SeqCst) != 0 {
             self.doorbell.ring();
+        }
+    }
+
+    /// Names QP `qpn` to the engine after a post to it, unless it was
+    /// named and the engine has not left it idle since (the send ring's
+    /// [`proto::SQ_AUX_NOTIFIED`] word says which). The engine serves only
+    /// QPs with work; this is how an idle QP gets its turn.
+    pub(crate) fn name_posted(&self, sq: &RingView, qpn: u32) {
+        // Our slots before the swap, pairing with the engine's "store 0,
+        // fence, look at the ring" before it leaves the QP idle.
+        fence(Ordering::SeqCst);
+        if sq.aux(proto::SQ_AUX_NOTIFIED).swap(1, Ordering::SeqCst) != 0 {
+            return;
+        }
+        let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
+        slot[..4].copy_from_slice(&qpn.to_le_bytes());
+        if !matches!(self.posted_ring.try_push_bytes(&slot), Ok(true)) {
+            // Full: the engine then looks at every QP of this context.
+            self.posted_ring.aux(proto::POSTED_AUX_OVERFLOW).store(1, Ordering::SeqCst);
         }
     }
 }
@@ -79,7 +100,8 @@ impl Context {
     fn hello(control: Control) -> Result<Context> {
         let req = Request::Hello { version: PROTOCOL_VERSION };
         let answer = control.call(&req, &[])?;
-        let Reply::Hello { context, tenant, device_name, segment_len, async_ring } = answer.reply.clone()
+        let Reply::Hello { context, tenant, device_name, segment_len, async_ring, posted_ring } =
+            answer.reply.clone()
         else {
             return Err(control::unexpected(&req, &answer.reply));
         };
@@ -92,19 +114,23 @@ impl Context {
             seg_fd,
             control::to_usize(segment_len, "context segment length")?,
         )?);
-        let ring = RingView::in_segment(
-            seg,
-            control::to_usize(async_ring.offset, "async ring offset")?,
-            async_ring.capacity,
-            async_ring.stride as usize,
-        )?;
-        if ring.stride() < proto::ASYNC_EVENT_SIZE {
-            return Err(Error::protocol(format!(
-                "async-event slots of {} bytes, need {}",
-                ring.stride(),
-                proto::ASYNC_EVENT_SIZE
-            )));
-        }
+        let in_segment = |spec: proto::RingSpec, what: &str, least: usize| -> Result<RingView> {
+            let ring = RingView::in_segment(
+                seg.clone(),
+                control::to_usize(spec.offset, what)?,
+                spec.capacity,
+                spec.stride as usize,
+            )?;
+            if ring.stride() < least {
+                return Err(Error::protocol(format!(
+                    "{what}: slots of {} bytes, need {least}",
+                    ring.stride()
+                )));
+            }
+            Ok(ring)
+        };
+        let ring = in_segment(async_ring, "async-event ring", proto::ASYNC_EVENT_SIZE)?;
+        let posted_ring = in_segment(posted_ring, "posted ring", proto::POSTED_SLOT_SIZE)?;
         Ok(Context {
             inner: Arc::new(ContextInner {
                 control,
@@ -112,6 +138,7 @@ impl Context {
                 tenant,
                 device_name,
                 async_ring: ring,
+                posted_ring,
                 doorbell: Doorbell::from_fd(bell_fd),
                 async_fd: Doorbell::from_fd(async_fd),
             }),
@@ -165,6 +192,7 @@ impl Context {
             };
             all.links.extend(page.report.links);
             all.qps.extend(page.report.qps);
+            all.missed_wakeups = all.missed_wakeups.max(page.report.missed_wakeups);
             match page.next {
                 None => return Ok(all),
                 Some(next) if advances(from.link, next.link) && advances(from.qpn, next.qpn) => from = next,

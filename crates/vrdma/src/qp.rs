@@ -219,6 +219,7 @@ pub(crate) fn push_recvs(
     ring: &RingView,
     max_sge: u32,
     wrs: &[RecvWr],
+    after: impl FnOnce(),
 ) -> std::result::Result<(), PostError> {
     let stride = ring.stride();
     push_all(
@@ -228,11 +229,13 @@ pub(crate) fn push_recvs(
         |_| true,
         |wr| check_recv(wr, max_sge, stride),
         |wr, slot| wr.encode(slot).is_ok(),
+        after,
     )
 }
 
 /// Checks and pushes each request in turn, stopping at the first that
-/// fails; rings the engine's doorbell once if anything was posted. A push
+/// fails; if anything was posted, calls `after` (which names the QP to the
+/// engine where it must) and rings the engine's doorbell once. A push
 /// happens only while the ring has room and `admit` (given the producer
 /// index, under the ring's producer lock) allows it.
 fn push_all<W>(
@@ -242,6 +245,7 @@ fn push_all<W>(
     admit: impl Fn(u32) -> bool,
     check: impl Fn(&W) -> Result<()>,
     encode: impl Fn(&W, &mut [u8]) -> bool,
+    after: impl FnOnce(),
 ) -> std::result::Result<(), PostError> {
     crate::idle::activity();
     let mut posted = 0usize;
@@ -267,6 +271,7 @@ fn push_all<W>(
         }
     }
     if posted > 0 {
+        after();
         ctx.inner.kick();
     }
     result
@@ -610,6 +615,7 @@ impl QueuePair {
                 Ok(())
             },
             |wr, slot| wr.encode(slot).is_ok(),
+            || self.ctx.inner.name_posted(&self.sq, self.qpn),
         )
     }
 
@@ -632,7 +638,15 @@ impl QueuePair {
         if self.state() == QpState::Reset {
             return Err(PostError::new(0, Error::invalid("cannot post receives to a QP in Reset")));
         }
-        push_recvs(&self.ctx, rq, self.cap.max_recv_sge, wrs)
+        push_recvs(&self.ctx, rq, self.cap.max_recv_sge, wrs, || {
+            // A QP in ERR flushes its receives, so the engine must hear of
+            // them. The fence orders the slots before the state is read,
+            // pairing with the engine's publishing ERR before it flushes.
+            std::sync::atomic::fence(Ordering::SeqCst);
+            if self.state() == QpState::Err {
+                self.ctx.inner.name_posted(&self.sq, self.qpn);
+            }
+        })
     }
 }
 

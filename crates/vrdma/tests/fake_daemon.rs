@@ -34,6 +34,8 @@ struct State {
     requests: Vec<Request>,
     /// The async-event ring (daemon side) and its doorbell.
     ctx_ring: Option<Arc<RingView>>,
+    /// Where the client names QPs it posted to (daemon side).
+    posted_ring: Option<Arc<RingView>>,
     async_bell: Option<Arc<Doorbell>>,
     engine_bell: Option<Arc<Doorbell>>,
     cqs: HashMap<u32, Arc<RingView>>,
@@ -107,8 +109,13 @@ impl Fake {
         match req {
             Request::Hello { version } => {
                 assert_eq!(*version, proto::PROTOCOL_VERSION);
-                let (seg, mut views) = segment_with(&[(proto::ASYNC_RING_CAPACITY, proto::ASYNC_EVENT_SIZE)]);
+                let (seg, mut views) = segment_with(&[
+                    (proto::ASYNC_RING_CAPACITY, proto::ASYNC_EVENT_SIZE),
+                    (proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE),
+                ]);
+                let (posted_spec, posted) = views.pop().unwrap();
                 let (spec, view) = views.pop().unwrap();
+                st.posted_ring = Some(Arc::new(posted));
                 let (engine, engine_tenant) = Doorbell::pair().unwrap();
                 let (events, events_tenant) = Doorbell::pair().unwrap();
                 let out = vec![seg.try_clone_fd().unwrap(), engine_tenant.into(), events_tenant.into()];
@@ -121,6 +128,7 @@ impl Fake {
                     device_name: "vrdma0".into(),
                     segment_len: seg.len() as u64,
                     async_ring: spec,
+                    posted_ring: posted_spec,
                 };
                 (reply, out)
             }
@@ -626,6 +634,80 @@ fn posting_follows_the_doorbell_rule() {
     assert_eq!(qp.connect(&me, AccessFlags::empty()).unwrap_err().errno(), libc::EINVAL);
 }
 
+impl Fake {
+    /// The QPs the client named since the last call, and whether it said
+    /// it could not name them all.
+    fn named(&self) -> (Vec<u32>, bool) {
+        let ring = self.st().posted_ring.clone().unwrap();
+        let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
+        let mut v = Vec::new();
+        while ring.try_pop(&mut slot).unwrap() {
+            v.push(u32::from_le_bytes(slot[..4].try_into().unwrap()));
+        }
+        (v, ring.aux(proto::POSTED_AUX_OVERFLOW).swap(0, Ordering::SeqCst) != 0)
+    }
+
+    /// What the engine does before it leaves a QP idle.
+    fn rearm(&self, qpn: u32) {
+        self.st().qps[&qpn].sq.aux(proto::SQ_AUX_NOTIFIED).store(0, Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_post_names_the_qp_once_until_the_engine_rearms_it() {
+    let (fake, ctx) = Fake::start();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let qp = pd.create_rc_qp(&cq, &cq, QpCap { max_send_wr: 16, ..cap() }).unwrap();
+    let me = qp.endpoint(&ctx).unwrap();
+    qp.connect(&me, AccessFlags::REMOTE_WRITE).unwrap();
+    let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let w = wr::rdma_write(1, &[mr.sge(0, 8).unwrap()], 0x1000, 5).unwrap();
+    let r = wr::recv(9, &[mr.sge(0, 64).unwrap()]).unwrap();
+    assert_eq!(fake.named(), (vec![], false));
+    qp.post_send(&[w.clone(), w.clone()]).unwrap();
+    qp.post_send(std::slice::from_ref(&w)).unwrap();
+    assert_eq!(fake.named(), (vec![qp.qpn()], false), "named once while the engine serves it");
+    qp.post_send(std::slice::from_ref(&w)).unwrap();
+    assert_eq!(fake.named(), (vec![], false));
+    fake.rearm(qp.qpn());
+    qp.post_send(std::slice::from_ref(&w)).unwrap();
+    assert_eq!(fake.named(), (vec![qp.qpn()], false), "named again once re-armed");
+    // Receives need the engine only in ERR, where it flushes them.
+    fake.rearm(qp.qpn());
+    qp.post_recv(std::slice::from_ref(&r)).unwrap();
+    assert_eq!(fake.named(), (vec![], false));
+    qp.modify(&QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
+    qp.post_recv(std::slice::from_ref(&r)).unwrap();
+    assert_eq!(fake.named(), (vec![qp.qpn()], false));
+    // A failed post names nothing.
+    fake.rearm(qp.qpn());
+    let bad = wr::send(2, &[mr.sge(0, 1).unwrap(); 3]).unwrap();
+    assert!(qp.post_send(&[bad]).is_err());
+    assert_eq!(fake.named(), (vec![], false));
+}
+
+#[test]
+fn a_full_posted_ring_says_so_instead_of_naming() {
+    let (fake, ctx) = Fake::start();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64, None).unwrap();
+    let mr = pd.alloc_mr(4096, AccessFlags::LOCAL_WRITE).unwrap();
+    let w = wr::rdma_write(1, &[mr.sge(0, 8).unwrap()], 0x1000, 5).unwrap();
+    let ring = fake.st().posted_ring.clone().unwrap();
+    // Fill the ring with other numbers, as a busy context could.
+    for n in 0..proto::POSTED_RING_CAPACITY {
+        assert!(ring.try_push_bytes(&[n as u8; proto::POSTED_SLOT_SIZE]).unwrap());
+    }
+    let qp = pd.create_rc_qp(&cq, &cq, cap()).unwrap();
+    qp.connect(&qp.endpoint(&ctx).unwrap(), AccessFlags::empty()).unwrap();
+    qp.post_send(std::slice::from_ref(&w)).unwrap();
+    let (named, overflow) = fake.named();
+    assert_eq!(named.len(), proto::POSTED_RING_CAPACITY as usize);
+    assert!(!named.contains(&qp.qpn()));
+    assert!(overflow, "the client said it could not name the QP");
+}
+
 #[test]
 fn send_slots_are_freed_as_completions_are_polled() {
     let (fake, ctx) = Fake::start();
@@ -875,13 +957,17 @@ fn stat_joins_the_daemons_pages() {
     let next = StatCursor { link: None, qpn: Some(9) };
     fake.st().stat_pages.extend([
         StatPage {
-            report: StatReport { links: vec![], qps: vec![qp_report(3), qp_report(5)] },
+            report: StatReport { links: vec![], qps: vec![qp_report(3), qp_report(5)], missed_wakeups: 0 },
             next: Some(next),
         },
-        StatPage { report: StatReport { links: vec![], qps: vec![qp_report(9)] }, next: None },
+        StatPage {
+            report: StatReport { links: vec![], qps: vec![qp_report(9)], missed_wakeups: 2 },
+            next: None,
+        },
     ]);
     let st = ctx.stat().unwrap();
     assert_eq!(st.qps.iter().map(|q| q.qpn).collect::<Vec<_>>(), vec![3, 5, 9]);
+    assert_eq!(st.missed_wakeups, 2, "the largest count of any page");
     let asked: Vec<StatCursor> = fake
         .st()
         .requests

@@ -16,6 +16,7 @@
 //! tenant_turns = 32     # most QPs of one tenant with work served in one pass
 //! cpu = 1               # pin the engine thread to this CPU
 //! ack_delay_us = 20     # across hosts: hold an ACK this long to send it with a request
+//! sweep_ms = 100        # give every QP with work a turn this often, woken or not (0: never)
 //!
 //! [quota]               # every tenant
 //! max_objects = 16384
@@ -65,6 +66,11 @@ pub struct EngineConfig {
     /// at once). In a ping-pong this saves a system call and a wakeup on
     /// each side per message; a QP that only receives never holds one.
     pub ack_delay_us: u64,
+    /// Every this often each QP that may have work gets a turn even if
+    /// nothing woke it (ms; 0: never). Only a QP whose wake-up was lost
+    /// needs it: a tenant that posts without naming the QP, or a bug
+    /// (`vrdma stat` counts them as missed wake-ups).
+    pub sweep_ms: u64,
 }
 
 impl Default for EngineConfig {
@@ -85,6 +91,7 @@ impl Default for EngineConfig {
             tenant_turns: vrdma_core::hca::TENANT_TURNS,
             cpu: None,
             ack_delay_us: 20,
+            sweep_ms: 100,
         }
     }
 }

@@ -10,6 +10,7 @@
 pub mod anchors;
 mod client;
 mod control;
+mod idle;
 mod output;
 mod report;
 mod server;

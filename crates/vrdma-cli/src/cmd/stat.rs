@@ -70,5 +70,12 @@ fn render(s: &StatReport) -> String {
             q.qpn, q.qp_type, q.state, q.dest_qpn, path
         ));
     }
+    if s.missed_wakeups > 0 {
+        out.push_str(&format!(
+            "missed wake-ups:	{} (QPs found with work by the engine's sweep, not named after a post)
+",
+            s.missed_wakeups
+        ));
+    }
     out
 }

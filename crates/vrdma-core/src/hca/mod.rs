@@ -118,7 +118,16 @@ pub struct Hca {
     /// A QP went to ERR outside `process` (on a frame from a link): its
     /// queues are flushed by the next pass, which the driver must run.
     flush_pending: bool,
+    /// QPs the driver said were posted to (a buffer kept between passes).
+    posted: Vec<u32>,
+    /// See [`Hca::missed_wakeups`].
+    missed_wakeups: u64,
+    /// QPs a sweep has yet to wake ([`Hca::sweep`]).
+    sweeping: Vec<u32>,
 }
+
+/// QPs a sweep wakes per pass.
+pub const SWEEP_PER_PASS: usize = 256;
 
 impl Hca {
     pub fn new(config: HcaConfig, keys: Box<dyn KeySource>) -> Hca {
@@ -141,6 +150,9 @@ impl Hca {
             next_qpn: 0x11,
             net: remote::Network::default(),
             flush_pending: false,
+            posted: Vec::new(),
+            missed_wakeups: 0,
+            sweeping: Vec::new(),
         }
     }
 

@@ -98,6 +98,12 @@ pub(crate) struct Qp {
     ///
     /// [`Hca::update_service`]: super::Hca::update_service
     pub served: bool,
+    /// Has an entry in the service order: while `served`, and after it was
+    /// parked until the pass that parked it ends.
+    pub in_order: bool,
+    /// Put in the service order by a sweep rather than by a notice: work
+    /// found in its next turn is counted as a wake-up that was missed.
+    pub swept: bool,
 }
 
 impl Qp {
@@ -112,6 +118,17 @@ impl Qp {
             QpState::Rtr => self.remote.is_some(),
             _ => true,
         }
+    }
+
+    /// Whether the QP has nothing in progress: a turn would find nothing
+    /// to do unless the tenant posts, the QP changes state, or a frame
+    /// comes for it, and each of those puts it back in the service order.
+    /// (Its queues are asked separately: see `Queues::park_queues`.)
+    pub fn is_quiescent(&self) -> bool {
+        self.inflight.is_none()
+            && self.requeued.is_empty()
+            && !self.sqd_notify
+            && self.remote.as_ref().is_none_or(|r| r.is_quiescent())
     }
 
     pub fn state(&self) -> QpState {

@@ -59,4 +59,19 @@ pub trait Queues {
     fn async_event(&mut self, ctx: ContextId, event: AsyncEvent);
     /// Publishes a QP's new state to its owner.
     fn qp_state_changed(&mut self, qpn: u32, state: QpState);
+    /// Appends the QPs whose owners posted send WRs since the last call
+    /// (a QP may come more than once). The driver reads the tenants'
+    /// notices and passes on only QPs of the context that named them.
+    fn take_posted(&mut self, out: &mut Vec<u32>);
+    /// The core is about to leave `qpn` idle until
+    /// [`take_posted`](Self::take_posted) names it again: re-arm the
+    /// owner's notification, then say whether its send queue (and, with
+    /// `recv_too`, its receive queue: a QP in ERR flushes what is posted
+    /// there) is empty. `false` (WRs are posted): the core keeps serving
+    /// it. The owner names a QP after a post to its send queue, and after a
+    /// post to its receive queue once it reads the state ERR.
+    fn park_queues(&mut self, qpn: u32, recv_too: bool) -> bool;
+    /// Whether the owner has named `qpn` since the core last parked it: a
+    /// notice is on its way through [`take_posted`](Self::take_posted).
+    fn named_since_parked(&mut self, qpn: u32) -> bool;
 }

@@ -35,6 +35,9 @@ struct FakeQueues {
     pulled: HashMap<u32, u32>,
     retired: HashMap<u32, u32>,
     send_cqes: HashMap<u32, u32>,
+    /// QPs posted to and not yet taken by the core; QPs it left idle.
+    posted: Vec<u32>,
+    parked: Vec<u32>,
 }
 
 impl Queues for FakeQueues {
@@ -90,14 +93,75 @@ impl Queues for FakeQueues {
     fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
         self.states.insert(qpn, state);
     }
+    fn take_posted(&mut self, out: &mut Vec<u32>) {
+        out.append(&mut self.posted);
+    }
+    fn named_since_parked(&mut self, qpn: u32) -> bool {
+        self.posted.contains(&qpn)
+    }
+    fn park_queues(&mut self, qpn: u32, recv_too: bool) -> bool {
+        self.parked.push(qpn);
+        self.send.get(&qpn).is_none_or(|q| q.is_empty())
+            && (!recv_too || self.recv.get(&qpn).is_none_or(|q| q.is_empty()))
+    }
+}
+
+/// The queues of a test, except that the first send pulled from QP `.1`
+/// does not decode.
+struct Garbled<'a>(&'a mut FakeQueues, u32, bool);
+
+impl Queues for Garbled<'_> {
+    fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
+        if qpn == self.1 && !std::mem::replace(&mut self.2, true) {
+            *self.0.pulled.entry(qpn).or_default() += 1;
+            return Some(Err((77, WqeError::BadOpcode(99))));
+        }
+        self.0.pull_send(qpn)
+    }
+    fn send_retired(&mut self, qpn: u32, count: u32) {
+        self.0.send_retired(qpn, count)
+    }
+    fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
+        self.0.pull_recv(src)
+    }
+    fn recv_posted(&mut self, src: RecvSource) -> u32 {
+        self.0.recv_posted(src)
+    }
+    fn discard(&mut self, qpn: u32) {
+        self.0.discard(qpn)
+    }
+    fn push_cqe(&mut self, cqn: u32, cqe: &Cqe) -> Result<(), CqFull> {
+        self.0.push_cqe(cqn, cqe)
+    }
+    fn async_event(&mut self, ctx: ContextId, event: AsyncEvent) {
+        self.0.async_event(ctx, event)
+    }
+    fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
+        self.0.qp_state_changed(qpn, state)
+    }
+    fn take_posted(&mut self, out: &mut Vec<u32>) {
+        self.0.take_posted(out)
+    }
+    fn named_since_parked(&mut self, qpn: u32) -> bool {
+        self.0.named_since_parked(qpn)
+    }
+    fn park_queues(&mut self, qpn: u32, recv_too: bool) -> bool {
+        // The garbled WR is there to be pulled until it was.
+        (qpn != self.1 || self.2) && self.0.park_queues(qpn, recv_too)
+    }
 }
 
 impl FakeQueues {
     fn post_send(&mut self, qpn: u32, wr: SendWr) {
         self.send.entry(qpn).or_default().push_back(wr);
+        self.posted.push(qpn);
     }
     fn post_recv(&mut self, qpn: u32, wr: RecvWr) {
         self.recv.entry(qpn).or_default().push_back(wr);
+        // As the client does: a QP it reads ERR of is named.
+        if self.states.get(&qpn) == Some(&QpState::Err) {
+            self.posted.push(qpn);
+        }
     }
     fn post_srq(&mut self, srqn: u32, wr: RecvWr) {
         self.srq.entry(srqn).or_default().push_back(wr);
@@ -878,39 +942,7 @@ fn too_many_sges_and_inline_read_are_local_errors() {
 #[test]
 fn undecodable_send_wr_completes_in_error() {
     let (mut env, a, _) = Env::pair();
-    struct Bad<'a>(&'a mut FakeQueues, u32, bool);
-    impl Queues for Bad<'_> {
-        fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
-            if qpn == self.1 && !std::mem::replace(&mut self.2, true) {
-                *self.0.pulled.entry(qpn).or_default() += 1;
-                return Some(Err((77, WqeError::BadOpcode(99))));
-            }
-            self.0.pull_send(qpn)
-        }
-        fn send_retired(&mut self, qpn: u32, count: u32) {
-            self.0.send_retired(qpn, count)
-        }
-        fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
-            self.0.pull_recv(src)
-        }
-        fn recv_posted(&mut self, src: RecvSource) -> u32 {
-            self.0.recv_posted(src)
-        }
-        fn discard(&mut self, qpn: u32) {
-            self.0.discard(qpn)
-        }
-        fn push_cqe(&mut self, cqn: u32, cqe: &Cqe) -> Result<(), CqFull> {
-            self.0.push_cqe(cqn, cqe)
-        }
-        fn async_event(&mut self, ctx: ContextId, event: AsyncEvent) {
-            self.0.async_event(ctx, event)
-        }
-        fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
-            self.0.qp_state_changed(qpn, state)
-        }
-    }
-    let mut bad = Bad(&mut env.io, a.qpn, false);
-    env.hca.process(T0, &mut bad);
+    env.hca.process(T0, &mut Garbled(&mut env.io, a.qpn, false));
     assert_eq!(env.poll(a.cq), vec![req_cqe(77, WcStatus::LocQpOpErr, WcOpcode::Send, a.qpn, 0)]);
     assert_eq!(env.io.state(a.qpn), Some(QpState::Err));
     assert_eq!(env.io.retirement(a.qpn), (1, 1));
@@ -1363,36 +1395,80 @@ fn stat_pages_list_each_link_and_each_qp_of_the_tenant_once_in_order() {
 #[test]
 fn the_engine_serves_only_qps_with_something_to_do() {
     let (mut env, a, b) = Env::pair();
+    // Connected, they are served until a pass finds them idle.
     assert_eq!(env.hca.served_qps(), &[a.qpn, b.qpn]);
+    env.run(T0);
+    assert_eq!(env.hca.served_qps(), &[] as &[u32]);
     // Idle QPs, however many, cost a pass nothing.
     let idle: Vec<u32> = (0..100).map(|_| env.qp(C1, a.pd, qp_init(a.cq, a.cq, None))).collect();
     env.bring_to_init(idle[0], Conn::default());
     env.bring_to_init(idle[1], Conn::default());
     env.bring_to_rtr(idle[1], b.qpn, Conn::default());
-    assert_eq!(env.hca.served_qps(), &[a.qpn, b.qpn]);
+    assert_eq!(env.hca.served_qps(), &[] as &[u32]);
     // A QP in ERR is served (its queues are flushed), also straight from
-    // INIT; back in RESET it is not.
+    // INIT, until it is flushed; a post to either queue wakes it again.
     env.modify(idle[0], &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
-    assert_eq!(env.hca.served_qps(), &[a.qpn, b.qpn, idle[0]]);
-    let wr_id = 77;
-    env.io.post_send(idle[0], wr(wr_id, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    assert_eq!(env.hca.served_qps(), &[idle[0]]);
+    env.run(T0);
+    assert_eq!(env.hca.served_qps(), &[] as &[u32]);
+    env.io.post_send(idle[0], wr(77, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.io.post_recv(idle[0], recv(78, &[a.buf.sge(0, 8)]));
     env.run(T0);
     assert_eq!(
         env.poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
-        vec![(wr_id, WcStatus::WrFlushErr)]
+        vec![(77, WcStatus::WrFlushErr), (78, WcStatus::WrFlushErr)]
     );
+    env.io.post_recv(idle[0], recv(79, &[a.buf.sge(0, 8)]));
+    env.run(T0);
+    assert_eq!(env.poll(a.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![79]);
+    // Back in RESET or destroyed, a QP is not served even when posted to.
     env.modify(a.qpn, &QpAttr { qp_state: QpState::Reset, ..QpAttr::default() }, QpAttrMask::STATE).unwrap();
-    assert_eq!(env.hca.served_qps(), &[b.qpn, idle[0]]);
+    env.io.post_send(a.qpn, wr(80, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
     env.hca.destroy_qp(C1, idle[0], &mut env.io).unwrap();
-    assert_eq!(env.hca.served_qps(), &[b.qpn]);
-    // Connected again, it is served again, and works.
+    env.io.post_send(idle[0], wr(81, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.run(T0);
+    assert_eq!(env.hca.served_qps(), &[] as &[u32]);
+    assert!(env.poll(a.cq).is_empty());
+    // Connected again, it is served again, and works. (The WR posted in
+    // RESET would run once it can send: dropped here.)
+    env.io.send.remove(&a.qpn);
     env.connect(a.qpn, b.qpn);
-    assert_eq!(env.hca.served_qps(), &[b.qpn, a.qpn]);
+    env.run(T0);
     env.io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, 8)]));
     env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    assert_eq!(env.hca.served_qps(), &[] as &[u32], "asleep until the next pass takes the notice");
     env.run(T0);
     assert_eq!(env.poll(a.cq).len(), 1);
     assert_eq!(env.poll(b.cq).len(), 1);
+    // Only the posted QP's queues were looked at in that pass.
+    env.io.post_recv(b.qpn, recv(3, &[b.buf.sge(0, 8)]));
+    env.io.parked.clear();
+    env.io.post_send(a.qpn, wr(4, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.run(T0);
+    assert_eq!(env.io.parked, vec![a.qpn]);
+    assert_eq!((env.poll(a.cq).len(), env.poll(b.cq).len()), (1, 1));
+}
+
+/// A QP that never got named (as when a tenant does not name its QPs)
+/// still runs: at the next sweep, which counts the missed wake-up.
+#[test]
+fn a_sweep_finds_a_qp_whose_wake_up_was_missed() {
+    let (mut env, a, b) = Env::pair();
+    env.run(T0);
+    env.io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, 8)]));
+    env.io.post_send(a.qpn, wr(2, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.io.posted.clear();
+    env.run(T0);
+    assert!(env.poll(a.cq).is_empty(), "not named, not served");
+    assert_eq!(env.hca.missed_wakeups(), 0);
+    env.hca.sweep();
+    env.run(T0);
+    assert_eq!(env.poll(a.cq).len(), 1);
+    assert_eq!(env.hca.missed_wakeups(), 1, "a's turn found work");
+    // A sweep that finds nothing counts nothing.
+    env.hca.sweep();
+    env.run(T0);
+    assert_eq!(env.hca.missed_wakeups(), 1);
 }
 
 // ---------------------------------------------------------------- quotas
@@ -2555,38 +2631,6 @@ mod ud {
     #[test]
     fn an_undecodable_send_moves_a_ud_qp_to_sqe() {
         let (mut env, a, _) = ud_pair();
-        /// The first send pulled from QP `.1` does not decode.
-        struct Garbled<'a>(&'a mut FakeQueues, u32, bool);
-        impl Queues for Garbled<'_> {
-            fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
-                if qpn == self.1 && !std::mem::replace(&mut self.2, true) {
-                    *self.0.pulled.entry(qpn).or_default() += 1;
-                    return Some(Err((77, WqeError::BadOpcode(99))));
-                }
-                self.0.pull_send(qpn)
-            }
-            fn send_retired(&mut self, qpn: u32, count: u32) {
-                self.0.send_retired(qpn, count)
-            }
-            fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>> {
-                self.0.pull_recv(src)
-            }
-            fn recv_posted(&mut self, src: RecvSource) -> u32 {
-                self.0.recv_posted(src)
-            }
-            fn discard(&mut self, qpn: u32) {
-                self.0.discard(qpn)
-            }
-            fn push_cqe(&mut self, cqn: u32, cqe: &Cqe) -> Result<(), CqFull> {
-                self.0.push_cqe(cqn, cqe)
-            }
-            fn async_event(&mut self, ctx: ContextId, event: AsyncEvent) {
-                self.0.async_event(ctx, event)
-            }
-            fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
-                self.0.qp_state_changed(qpn, state)
-            }
-        }
         env.hca.process(T0, &mut Garbled(&mut env.io, a.qpn, false));
         assert_eq!(env.poll(a.cq), vec![req_cqe(77, WcStatus::LocQpOpErr, WcOpcode::Send, a.qpn, 0)]);
         assert_eq!(env.ud_state(a.qpn), QpState::Sqe);

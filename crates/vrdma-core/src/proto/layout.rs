@@ -13,6 +13,17 @@ pub const CTX_AUX_EVENTS_DROPPED: usize = 1;
 pub const ASYNC_RING_CAPACITY: u32 = 256;
 pub const ASYNC_EVENT_SIZE: usize = 8;
 
+/// Context segment, posted ring: the tenant names a QP here (its number,
+/// little-endian, in the first 4 bytes of a slot) when it posts send WRs
+/// to a send queue whose [`SQ_AUX_NOTIFIED`] word it found 0 and set to 1.
+/// The engine serves only QPs with work, so a QP that was idle is found
+/// through this ring rather than by looking at every QP in every pass.
+pub const POSTED_RING_CAPACITY: u32 = 4096;
+pub const POSTED_SLOT_SIZE: usize = 8;
+/// Posted ring aux word: set to 1 by a tenant that found the ring full;
+/// the engine then looks at every QP of the context once.
+pub const POSTED_AUX_OVERFLOW: usize = 0;
+
 /// CQ ring aux word: the armed state written by the client.
 pub const CQ_AUX_ARMED: usize = 0;
 pub const CQ_ARM_NONE: u32 = 0;
@@ -40,6 +51,13 @@ pub const SQ_AUX_STATE: usize = 0;
 ///
 /// [`Cqe::sq_retired`]: crate::ring::Cqe::sq_retired
 pub const SQ_AUX_RETIRED: usize = 1;
+/// Send ring aux word: 1 while the QP has been named in the posted ring
+/// and the engine has not yet left it idle. A tenant that posts swaps in 1
+/// (after a `SeqCst` fence that orders its slots before the swap) and
+/// names the QP only if it swapped out 0; the engine stores 0, fences, and
+/// looks at the ring once more before it leaves a QP idle. Either the
+/// engine sees the slots or the tenant sees the 0.
+pub const SQ_AUX_NOTIFIED: usize = 2;
 
 /// Completion-channel ring: one slot per event, holding the CQ number.
 pub const CHANNEL_RING_CAPACITY: u32 = 1024;

@@ -17,7 +17,7 @@ use crate::hca::{AsyncEvent, QpCreated};
 use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAttrMask, QpInitAttr, SrqAttr};
 
 /// Bumped on any incompatible change of these messages.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Most file descriptors one message carries.
@@ -138,6 +138,8 @@ pub enum Reply {
         device_name: String,
         segment_len: u64,
         async_ring: RingSpec,
+        /// In the same segment: the ring the tenant names posted QPs in.
+        posted_ring: RingSpec,
     },
     Device(DeviceAttr),
     Port(PortAttr),
@@ -305,7 +307,11 @@ mod tests {
             path: Path::Link(Some(LinkId(u32::MAX))),
         };
         let page = StatPage {
-            report: StatReport { links: vec![link; STAT_PAGE_LINKS], qps: vec![qp; STAT_PAGE_QPS] },
+            report: StatReport {
+                links: vec![link; STAT_PAGE_LINKS],
+                qps: vec![qp; STAT_PAGE_QPS],
+                missed_wakeups: u64::MAX,
+            },
             next: Some(StatCursor { link: Some(u32::MAX), qpn: Some(u32::MAX) }),
         };
         let bytes = encode_reply(&Reply::StatPage(page.clone()));

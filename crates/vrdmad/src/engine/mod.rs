@@ -33,11 +33,26 @@ pub struct EngineState {
     /// Links to other hosts' daemons, when the transport is configured.
     pub net: Option<crate::net::Net>,
     epoch: std::time::Instant,
+    /// How often every QP that may be served gets one turn, whether or not
+    /// it was woken (`engine.sweep_ms`; `None`: never): the bound on how
+    /// long a QP whose wake-up was lost (a tenant that does not name its
+    /// QPs after posting, or a bug, counted in
+    /// [`vrdma_core::hca::Hca::missed_wakeups`]) waits. A sweep wakes a
+    /// few hundred QPs a pass, so thousands of idle QPs never stretch one.
+    sweep_every: Option<Duration>,
+    last_sweep: Instant,
 }
 
 impl EngineState {
-    fn new(hca: Hca, net: Option<crate::net::Net>) -> EngineState {
-        EngineState { hca, rings: RingTable::default(), net, epoch: std::time::Instant::now() }
+    fn new(hca: Hca, net: Option<crate::net::Net>, sweep_ms: u64) -> EngineState {
+        EngineState {
+            hca,
+            rings: RingTable::default(),
+            net,
+            epoch: std::time::Instant::now(),
+            sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
+            last_sweep: Instant::ZERO,
+        }
     }
 
     pub fn now(&self) -> Instant {
@@ -75,6 +90,10 @@ impl EngineState {
     /// One pass over the shared-memory queues and the links.
     fn pass(&mut self) -> vrdma_core::hca::Activity {
         let now = self.now();
+        if self.sweep_every.is_some_and(|every| now.saturating_since(self.last_sweep) >= every) {
+            self.last_sweep = now;
+            self.hca.sweep();
+        }
         let mut act = self.hca.process(now, &mut self.rings);
         if let Some(n) = self.net.as_mut() {
             act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
@@ -146,7 +165,7 @@ impl Engine {
             n.set_handle(handle.clone());
             n
         });
-        let state = EngineState::new(hca, net);
+        let state = EngineState::new(hca, net, config.sweep_ms);
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-engine".into())
@@ -327,7 +346,7 @@ mod tests {
         let r = Region::heap(len);
         r.write(0, &vec![0xab; len]).unwrap();
         let key = hca.reg_mr(ctx, pd, 0x10000, AccessFlags::LOCAL_WRITE, r.clone()).unwrap();
-        (EngineState::new(hca, Some(net)), theirs, ctx, key, r)
+        (EngineState::new(hca, Some(net), 100), theirs, ctx, key, r)
     }
 
     /// Queues on the link a frame: a 3-byte header, then all of `r`.

@@ -14,17 +14,58 @@ use vrdma_core::hca::IdMap as HashMap;
 use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CTX_AUX_ENGINE_SLEEPING, CTX_AUX_EVENTS_DROPPED,
-    SQ_AUX_RETIRED, SQ_AUX_STATE,
+    POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED, SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::verbs::{QpState, WcStatus};
 use vrdma_shm::{Doorbell, RingView};
 
-/// A context's rings: async events out, doorbell in.
+/// A context's rings: async events out; doorbell and posted QPs in.
 pub struct ContextRings {
     pub events: RingView,
     pub event_fd: Doorbell,
     pub doorbell: Arc<Doorbell>,
+    /// The QPs the tenant names after posting (see
+    /// [`proto::POSTED_RING_CAPACITY`]).
+    pub posted: RingView,
+    /// The context's QPs: those it may name.
+    qps: HashMap<u32, ()>,
+}
+
+impl ContextRings {
+    pub fn new(events: RingView, event_fd: Doorbell, doorbell: Arc<Doorbell>, posted: RingView) -> Self {
+        ContextRings { events, event_fd, doorbell, posted, qps: HashMap::default() }
+    }
+
+    /// Appends the QPs of this context that its tenant named since the
+    /// last call, all of them if it said it could not name them all (or
+    /// scribbled on the ring). At most one ring's worth a call.
+    fn take_posted(&self, out: &mut Vec<u32>) {
+        // The flag before the slots: a tenant that finds the ring full
+        // after this has its flag seen by the next call.
+        let mut all = self.posted.aux(POSTED_AUX_OVERFLOW).swap(0, Ordering::SeqCst) != 0;
+        let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
+        for _ in 0..self.posted.capacity() {
+            match self.posted.try_pop(&mut slot) {
+                Ok(true) => {
+                    let qpn = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]);
+                    if self.qps.contains_key(&qpn) {
+                        out.push(qpn);
+                    }
+                }
+                Ok(false) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "tenant corrupted its posted ring; serving all of its QPs once");
+                    let _ = self.posted.discard_all();
+                    all = true;
+                    break;
+                }
+            }
+        }
+        if all {
+            out.extend(self.qps.keys().copied());
+        }
+    }
 }
 
 /// A completion channel: CQ numbers out, and one datagram per event on a
@@ -75,6 +116,8 @@ impl InRing {
 }
 
 pub struct QpRings {
+    /// The context the QP belongs to (the only one that may name it).
+    ctx: ContextId,
     pub sq: InRing,
     pub rq: Option<InRing>,
     /// Send WRs retired, free-running, published in `SQ_AUX_RETIRED`.
@@ -86,8 +129,8 @@ pub struct QpRings {
 }
 
 impl QpRings {
-    pub fn new(sq: InRing, rq: Option<InRing>) -> Self {
-        QpRings { sq, rq, retired: 0, held: 0 }
+    pub fn new(ctx: ContextId, sq: InRing, rq: Option<InRing>) -> Self {
+        QpRings { ctx, sq, rq, retired: 0, held: 0 }
     }
 
     /// Counts `n` more send WRs retired and publishes the count: Release,
@@ -119,6 +162,22 @@ impl RingTable {
             self.next_channel = self.next_channel.wrapping_add(1).max(1);
             if !self.channels.contains_key(&self.next_channel) {
                 return self.next_channel;
+            }
+        }
+    }
+
+    /// Adds a QP's rings; its context may name it from now on.
+    pub fn add_qp(&mut self, qpn: u32, rings: QpRings) {
+        if let Some(c) = self.contexts.get_mut(&rings.ctx) {
+            c.qps.insert(qpn, ());
+        }
+        self.qps.insert(qpn, rings);
+    }
+
+    pub fn remove_qp(&mut self, qpn: u32) {
+        if let Some(q) = self.qps.remove(&qpn) {
+            if let Some(c) = self.contexts.get_mut(&q.ctx) {
+                c.qps.remove(&qpn);
             }
         }
     }
@@ -274,5 +333,25 @@ impl Queues for RingTable {
         if let Some(q) = self.qps.get(&qpn) {
             q.sq.ring.aux(SQ_AUX_STATE).store(state.raw() as u32, Ordering::SeqCst);
         }
+    }
+
+    fn take_posted(&mut self, out: &mut Vec<u32>) {
+        for c in self.contexts.values() {
+            c.take_posted(out);
+        }
+    }
+
+    fn named_since_parked(&mut self, qpn: u32) -> bool {
+        self.qps.get(&qpn).is_some_and(|q| q.sq.ring.aux(SQ_AUX_NOTIFIED).load(Ordering::SeqCst) != 0)
+    }
+
+    fn park_queues(&mut self, qpn: u32, recv_too: bool) -> bool {
+        let Some(q) = self.qps.get(&qpn) else { return true };
+        // Re-arm, then look: a tenant that posted before the store is seen
+        // here; one that posts after it finds 0 and names the QP.
+        q.sq.ring.aux(SQ_AUX_NOTIFIED).store(0, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let empty = |r: &InRing| r.dead || r.ring.len().is_ok_and(|n| n == 0);
+        empty(&q.sq) && (!recv_too || q.rq.as_ref().is_none_or(empty))
     }
 }

@@ -16,7 +16,7 @@ use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
     self, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, CHANNEL_EVENT_SIZE,
-    CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, PROTOCOL_VERSION,
+    CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE, PROTOCOL_VERSION,
 };
 use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
 use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
@@ -184,7 +184,7 @@ impl Session {
             }
             let t = e.close_context(ctx);
             for q in t.qps {
-                e.rings.qps.remove(&q);
+                e.rings.remove_qp(q);
             }
             for c in t.cqs {
                 e.rings.cqs.remove(&c);
@@ -310,7 +310,7 @@ impl Session {
             Request::DestroyQp { qp } => {
                 self.engine(move |e, c| {
                     e.hca.destroy_qp(c, qp, &mut e.rings)?;
-                    e.rings.qps.remove(&qp);
+                    e.rings.remove_qp(qp);
                     Ok::<_, HcaError>(())
                 })??;
                 Reply::Done.into()
@@ -342,10 +342,14 @@ impl Session {
                 format!("protocol version {version} is not supported; the daemon speaks {PROTOCOL_VERSION}"),
             ));
         }
-        let len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
+        let events_len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
+        let posted_at = events_len.next_multiple_of(64);
+        let len = posted_at + ring_bytes(POSTED_RING_CAPACITY, POSTED_SLOT_SIZE);
         let (seg_fd, seg) = Segment::create("vrdma-context", len)?.into_parts();
         let seg = Arc::new(seg);
         let events = RingView::in_segment(seg.clone(), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
+            .map_err(|e| error(ENOMEM, e.to_string()))?;
+        let posted = RingView::in_segment(seg.clone(), posted_at, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         // The tenant gets the ringing end of its doorbell and the waiting
         // end of its event signal; the daemon keeps the other ends.
@@ -356,7 +360,7 @@ impl Session {
         let tenant = self.tenant;
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
-            e.rings.contexts.insert(c, ContextRings { events, event_fd, doorbell });
+            e.rings.contexts.insert(c, ContextRings::new(events, event_fd, doorbell, posted));
             Ok::<_, HcaError>(())
         })??;
         self.open = true;
@@ -371,6 +375,11 @@ impl Session {
                     offset: 0,
                     capacity: ASYNC_RING_CAPACITY,
                     stride: ASYNC_EVENT_SIZE as u32,
+                },
+                posted_ring: RingSpec {
+                    offset: posted_at as u64,
+                    capacity: POSTED_RING_CAPACITY,
+                    stride: POSTED_SLOT_SIZE as u32,
                 },
             },
             fds,
@@ -517,7 +526,8 @@ impl Session {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
             };
-            let rings = QpRings::new(InRing::new(view(sq)?), rq.map(view).transpose()?.map(InRing::new));
+            let rings =
+                QpRings::new(self.ctx, InRing::new(view(sq)?), rq.map(view).transpose()?.map(InRing::new));
             Ok::<_, Answer>((seg.clone(), rings, fd))
         })();
         let (seg, rings, fd) = match made {
@@ -528,7 +538,7 @@ impl Session {
             }
         };
         self.engine(move |e, _| {
-            e.rings.qps.insert(qpn, rings);
+            e.rings.add_qp(qpn, rings);
         })?;
         Ok(Answer { reply: Reply::Qp { created, segment_len: seg.len() as u64, sq, rq }, fds: vec![fd] })
     }

@@ -84,6 +84,8 @@ impl Hca {
                 remote: None,
                 ring_bytes,
                 served: false,
+                in_order: false,
+                swept: false,
             },
         );
         Ok(QpCreated { qpn, cap: granted })
@@ -98,19 +100,75 @@ impl Hca {
     /// Puts a QP into the engine's service order or takes it out, as
     /// [`Qp::needs_service`] says; called wherever its state or its
     /// transport across hosts begins or ends.
+    ///
+    /// A QP that may be served but is not (it was left idle) is put back:
+    /// this is also how a QP is woken, by a post, a frame or a change of
+    /// state.
     pub(crate) fn update_service(&mut self, qpn: u32) {
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
-        match (qp.needs_service(), qp.served) {
-            (true, false) => {
-                qp.served = true;
-                self.qp_order.push(qpn);
-            }
-            (false, true) => {
-                qp.served = false;
-                self.qp_order.retain(|&n| n != qpn);
-            }
-            _ => {}
+        let serve = qp.needs_service();
+        if serve == qp.served {
+            // Woken while served: whatever its next turn finds was not
+            // missed.
+            qp.swept = false;
+            return;
         }
+        qp.served = serve;
+        let (tenant, links) = (qp.tenant, qp.remote.as_ref().map(|r| r.links()));
+        if serve && !qp.in_order {
+            qp.in_order = true;
+            self.qp_order.push(qpn);
+        } else if !serve && qp.in_order {
+            qp.in_order = false;
+            self.qp_order.retain(|&n| n != qpn);
+        }
+        for link in links.into_iter().flatten().flatten() {
+            self.net.set_awake(link, qpn, tenant, serve);
+        }
+    }
+
+    /// Leaves a QP with nothing to do out of the engine's passes (and its
+    /// links') until it is woken. `process` takes it out of `qp_order`
+    /// at the end of the pass.
+    pub(crate) fn park(&mut self, qpn: u32) {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return };
+        qp.served = false;
+        let (tenant, links) = (qp.tenant, qp.remote.as_ref().map(|r| r.links()));
+        for link in links.into_iter().flatten().flatten() {
+            self.net.set_awake(link, qpn, tenant, false);
+        }
+    }
+
+    /// Starts a sweep, unless one is under way: every QP that may be
+    /// served and is not gets one turn, [`SWEEP_PER_PASS`] of them a pass
+    /// (so that a sweep of thousands does not stretch one pass), each
+    /// marked so that work found in that turn counts as a wake-up that
+    /// was missed. The driver sweeps now and then, so that a QP whose
+    /// wake-up was lost (a tenant that never names its QPs, or a bug)
+    /// waits at most until the next sweep.
+    pub fn sweep(&mut self) {
+        if self.sweeping.is_empty() {
+            self.sweeping
+                .extend(self.qps.iter().filter(|(_, q)| !q.served && q.needs_service()).map(|(&n, _)| n));
+        }
+    }
+
+    /// Wakes the next QPs of a sweep under way.
+    pub(crate) fn sweep_some(&mut self) {
+        for _ in 0..SWEEP_PER_PASS {
+            let Some(qpn) = self.sweeping.pop() else { return };
+            if self.qps.get(&qpn).is_some_and(|q| !q.served) {
+                self.update_service(qpn);
+                if let Some(q) = self.qps.get_mut(&qpn).filter(|q| q.served) {
+                    q.swept = true;
+                }
+            }
+        }
+    }
+
+    /// Turns a sweep found work in: wake-ups that were missed.
+    pub fn missed_wakeups(&self) -> u64 {
+        self.missed_wakeups
     }
 
     pub(crate) fn own_qp(&mut self, ctx: ContextId, qpn: u32) -> Result<&mut Qp, HcaError> {
@@ -181,6 +239,9 @@ impl Hca {
                     io.send_retired(qpn, held);
                 }
                 io.discard(qpn);
+                if let Some(r) = &remote {
+                    self.net.detach(r, qpn, tenant);
+                }
                 // (Connected to itself, the receive was its own: discarded
                 // with its queue.)
                 if let Some(r) = claimed.filter(|_| dest != qpn) {
@@ -209,7 +270,7 @@ impl Hca {
         self.update_service(qpn);
         if to == QpState::Rtr && cur != QpState::Rtr {
             if let Some(path) = self.qp_path(qpn) {
-                tracing::info!(qpn, dest_qpn = attr.dest_qp_num, ?path, "QP connected");
+                tracing::debug!(qpn, dest_qpn = attr.dest_qp_num, ?path, "QP connected");
             }
         }
         Ok(to)
@@ -264,8 +325,11 @@ impl Hca {
     fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
         self.cancel_placements_of(qpn);
         let Some(mut qp) = self.qps.remove(&qpn) else { return };
-        if let Some(n) = qp.remote.take().map(|r| r.held_sends()).filter(|&n| n > 0) {
-            io.send_retired(qpn, n);
+        if let Some(r) = qp.remote.take() {
+            self.net.detach(&r, qpn, qp.tenant);
+            if r.held_sends() > 0 {
+                io.send_retired(qpn, r.held_sends());
+            }
         }
         if let Some(inf) = qp.inflight.take() {
             io.send_retired(qpn, 1);

@@ -163,9 +163,18 @@ impl Hca {
     /// `tenant_turns` QPs of one tenant that have work, so that a tenant's
     /// many QPs cannot starve other tenants. The QPs a tenant's share left
     /// out go first in the next pass.
+    ///
+    /// Only QPs with work are visited: those named by
+    /// [`Queues::take_posted`], woken by a frame or a change of state, or
+    /// with something in progress. A QP whose turn finds nothing to do and
+    /// nothing pending is left out of later passes ([`Queues::park_queues`]),
+    /// so idle QPs, however many, cost a pass nothing.
     pub fn process(&mut self, now: Instant, io: &mut dyn Queues) -> Activity {
         let mut act = Activity::default();
         self.flush_pending = false;
+        self.wake_posted(io);
+        self.sweep_some();
+        let mut parked = false;
         let n = self.qp_order.len();
         let start = if self.resume_at < n { self.resume_at } else { 0 };
         let mut resume = None;
@@ -183,7 +192,7 @@ impl Hca {
             let qpn = self.qp_order[at];
             // One lookup per QP per pass: its state, where its peer is,
             // and a held ACK's timer.
-            let Some(qp) = self.qps.get(&qpn) else { continue };
+            let Some(qp) = self.qps.get(&qpn).filter(|q| q.served) else { continue };
             if let Some(t) = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due()) {
                 act.timer(t);
             }
@@ -218,10 +227,56 @@ impl Hca {
             if let Some(t) = turn.next_timer {
                 act.timer(t);
             }
+            parked |= self.after_turn(qpn, &turn, io);
+        }
+        if parked {
+            let resume_qpn = resume.and_then(|at| self.qp_order.get(at).copied());
+            let qps = &mut self.qps;
+            self.qp_order.retain(|n| match qps.get_mut(n) {
+                Some(q) if q.served => true,
+                Some(q) => {
+                    q.in_order = false;
+                    false
+                }
+                None => false,
+            });
+            resume = resume_qpn.and_then(|q| self.qp_order.iter().position(|&n| n == q));
         }
         self.resume_at = resume.unwrap_or(0);
         self.pass_turns = turns;
         act
+    }
+
+    /// Serves the QPs the driver says were posted to.
+    fn wake_posted(&mut self, io: &mut dyn Queues) {
+        let mut posted = std::mem::take(&mut self.posted);
+        io.take_posted(&mut posted);
+        for &qpn in &posted {
+            self.update_service(qpn);
+        }
+        posted.clear();
+        self.posted = posted;
+    }
+
+    /// After a QP's turn: counts work a sweep found, and parks the QP if
+    /// the turn found nothing to do, nothing is pending and nothing is
+    /// posted. Returns whether it parked it.
+    fn after_turn(&mut self, qpn: u32, turn: &Activity, io: &mut dyn Queues) -> bool {
+        let Some(qp) = self.qps.get_mut(&qpn) else { return false };
+        let idle = !turn.busy && turn.next_timer.is_none() && qp.is_quiescent();
+        // Work a post brought that its notice has yet to announce was not
+        // missed. (A post whose owner has pushed its WRs and not yet
+        // named it, a window of nanoseconds, can still count.)
+        if std::mem::take(&mut qp.swept) && !idle && !io.named_since_parked(qpn) {
+            self.missed_wakeups += 1;
+            tracing::warn!(qpn, "a sweep found work on a QP that was left idle: a wake-up was missed");
+        }
+        let recv_too = qp.state() == QpState::Err && qp.init.srq.is_none();
+        if idle && io.park_queues(qpn, recv_too) {
+            self.park(qpn);
+            return true;
+        }
+        false
     }
 
     /// Completes everything queued on a QP in ERR with WR_FLUSH_ERR.

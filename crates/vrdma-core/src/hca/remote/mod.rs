@@ -199,7 +199,11 @@ pub(crate) struct Link {
 /// One tenant's QPs on a link, served in turn.
 pub(crate) struct LinkTenant {
     pub tenant: TenantId,
+    /// Every QP of the tenant bound to the link.
     pub qps: Vec<u32>,
+    /// Those of them in the engine's service order: the only ones that
+    /// can have a frame to send, so the only ones a link looks at.
+    pub awake: Vec<u32>,
     pub next: usize,
 }
 
@@ -249,12 +253,50 @@ impl Network {
         }
     }
 
+    /// Binds a QP to a link; it is awake there (it binds while it works).
     fn attach(&mut self, link: LinkId, qpn: u32, tenant: TenantId) {
         let Some(l) = self.links.get_mut(&link) else { return };
         match l.tenants.iter_mut().find(|t| t.tenant == tenant) {
-            Some(t) if t.qps.contains(&qpn) => {}
-            Some(t) => t.qps.push(qpn),
-            None => l.tenants.push(LinkTenant { tenant, qps: vec![qpn], next: 0 }),
+            Some(t) => {
+                if !t.qps.contains(&qpn) {
+                    t.qps.push(qpn);
+                }
+                if !t.awake.contains(&qpn) {
+                    t.awake.push(qpn);
+                }
+            }
+            None => l.tenants.push(LinkTenant { tenant, qps: vec![qpn], awake: vec![qpn], next: 0 }),
+        }
+    }
+
+    /// A QP's transport across hosts ended (a reset or its destruction).
+    pub(crate) fn detach(&mut self, r: &RemoteQp, qpn: u32, tenant: TenantId) {
+        for link in r.links().into_iter().flatten() {
+            let Some(l) = self.links.get_mut(&link) else { continue };
+            if let Some(t) = l.tenants.iter_mut().find(|t| t.tenant == tenant) {
+                t.qps.retain(|&q| q != qpn);
+                t.awake.retain(|&q| q != qpn);
+            }
+            l.tenants.retain(|t| !t.qps.is_empty());
+        }
+    }
+
+    /// Says whether a QP bound to `link` is in the engine's service order.
+    pub(crate) fn set_awake(&mut self, link: LinkId, qpn: u32, tenant: TenantId, awake: bool) {
+        let Some(t) =
+            self.links.get_mut(&link).and_then(|l| l.tenants.iter_mut().find(|t| t.tenant == tenant))
+        else {
+            return;
+        };
+        if !t.qps.contains(&qpn) {
+            return;
+        }
+        match (awake, t.awake.iter().position(|&q| q == qpn)) {
+            (true, None) => t.awake.push(qpn),
+            (false, Some(i)) => {
+                t.awake.remove(i);
+            }
+            _ => {}
         }
     }
 
@@ -279,6 +321,18 @@ pub(crate) struct RemoteQp {
 }
 
 impl RemoteQp {
+    /// Nothing to send, time or complete: no request outstanding or held
+    /// back, no answer queued or being placed.
+    pub fn is_quiescent(&self) -> bool {
+        self.send.as_ref().is_none_or(|s| s.sent.is_empty() && s.blocked.is_none())
+            && self.recv.as_ref().is_none_or(|r| r.is_quiescent())
+    }
+
+    /// The links its requests go out on and come in on.
+    pub fn links(&self) -> [Option<LinkId>; 2] {
+        [self.send.as_ref().and_then(|s| s.link), self.recv.as_ref().and_then(|r| r.link)]
+    }
+
     /// Send WRs pulled from the queue and not yet retired.
     pub fn held_sends(&self) -> u32 {
         self.send.as_ref().map_or(0, |s| s.sent.len() as u32 + u32::from(s.blocked.is_some()))
@@ -310,6 +364,10 @@ pub struct QpPathReport {
 pub struct StatReport {
     pub links: Vec<LinkReport>,
     pub qps: Vec<QpPathReport>,
+    /// Turns in which a sweep found work on a QP nothing had woken
+    /// ([`super::Hca::missed_wakeups`]): 0 unless a tenant does not name
+    /// the QPs it posts to, or the device has a bug.
+    pub missed_wakeups: u64,
 }
 
 /// Where a page of a [`StatReport`] starts: the lowest link id and QP
@@ -443,7 +501,7 @@ impl Hca {
         qps.truncate(STAT_PAGE_QPS);
         let next = (next_link.is_some() || next_qpn.is_some())
             .then_some(StatCursor { link: next_link, qpn: next_qpn });
-        Ok(StatPage { report: StatReport { links, qps }, next })
+        Ok(StatPage { report: StatReport { links, qps, missed_wakeups: self.missed_wakeups }, next })
     }
 
     /// When a held ACK of `qpn` is due.
@@ -487,18 +545,19 @@ impl Hca {
                 return None;
             }
             let ti = (l.next + k) % l.tenants.len();
-            let n = l.tenants[ti].qps.len();
+            let n = l.tenants[ti].awake.len();
             for _ in 0..n {
                 let l = self.net.links.get_mut(&link)?;
-                let Some(t) = l.tenants.get_mut(ti).filter(|t| !t.qps.is_empty()) else { break };
-                let i = t.next % t.qps.len();
-                let qpn = t.qps[i];
+                let Some(t) = l.tenants.get_mut(ti).filter(|t| !t.awake.is_empty()) else { break };
+                let i = t.next % t.awake.len();
+                let qpn = t.awake[i];
                 t.next = i + 1;
                 let tx = match self.qps.get(&qpn).map(|q| q.remote.is_some()) {
                     None | Some(false) => {
                         // Destroyed or reset: no longer on this link.
-                        let l = self.net.links.get_mut(&link)?;
-                        l.tenants[ti].qps.retain(|&q| q != qpn);
+                        let t = &mut self.net.links.get_mut(&link)?.tenants[ti];
+                        t.qps.retain(|&q| q != qpn);
+                        t.awake.retain(|&q| q != qpn);
                         continue;
                     }
                     Some(true) => self
@@ -540,6 +599,10 @@ impl Hca {
         };
         if let Some(l) = self.net.links.get_mut(&link) {
             l.after = after;
+        }
+        if !ud {
+            // An answer to send or a request to complete: the QP's turn.
+            self.update_service(hdr.dest_qpn);
         }
         sink
     }

@@ -136,6 +136,12 @@ impl RemoteRecv {
         self.responses.push_back(Response::Ack { psn, syndrome: Syndrome::Ack, msn });
     }
 
+    /// No answer queued and no frame's payload being placed. (A message
+    /// in progress needs nothing until its next frame arrives.)
+    pub fn is_quiescent(&self) -> bool {
+        self.responses.is_empty() && self.pending.is_none()
+    }
+
     /// When a held ACK must go out, if one is held.
     pub fn ack_due(&self) -> Option<Instant> {
         match self.responses.front() {

@@ -345,11 +345,11 @@ fn a_signaled_write_completes_only_once_the_peer_has_placed_it() {
 #[test]
 fn many_requests_are_in_flight_at_once_and_complete_in_order() {
     let (mut t, a, b) = TwoHosts::pair(1024, conn());
-    t.run_a_only(T0);
     for i in 0..8u64 {
         t.b.env.io.post_recv(b.qpn, recv(100 + i, &[b.buf.sge(i * 64, 64)]));
         t.a.env.io.post_send(a.qpn, wr(i, SendOpcode::Send, &[a.buf.sge(i * 64, 64)], SendFlags::SIGNALED));
     }
+    t.run_a_only(T0);
     // Eight frames go out before the first ACK is read.
     for _ in 0..8 {
         assert!(TwoHosts::carry(&mut t.a, &mut t.b, T0, '>', &mut t.log));
@@ -1448,7 +1448,7 @@ fn traced(f: impl FnOnce()) -> String {
     let lines = Lines::default();
     let out = lines.clone();
     let sub = tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
+        .with_max_level(tracing::Level::DEBUG)
         .with_ansi(false)
         .with_writer(move || out.clone())
         .finish();
@@ -1480,4 +1480,64 @@ fn the_path_a_qp_takes_is_traced_when_it_connects() {
         assert!(line(qpn).contains("path=Link(Some(LinkId("), "{}", line(qpn));
     }
     assert!(line(local).contains("path=SharedMemory"), "{}", line(local));
+}
+
+/// Idle QPs on a link cost neither the engine's passes nor the link's:
+/// after a message each, every QP is left out of both; one message later
+/// only its two QPs were looked at, and they are left out again.
+#[test]
+fn idle_qps_across_hosts_are_left_out_of_passes_and_links() {
+    let mut t = TwoHosts::new(1024);
+    let pairs: Vec<(End, End)> = (0..64)
+        .map(|_| {
+            let (a, b) = (t.a.env.end(C1), t.b.env.end(C1));
+            t.connect(a.qpn, b.qpn, conn());
+            (a, b)
+        })
+        .collect();
+    let exchange = |t: &mut TwoHosts, (a, b): &(End, End), id: u64| {
+        t.b.env.io.post_recv(b.qpn, recv(id, &[b.buf.sge(0, 8)]));
+        t.a.env.io.post_send(a.qpn, wr(id, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    };
+    for (i, p) in pairs.iter().enumerate() {
+        exchange(&mut t, p, i as u64);
+    }
+    t.run(T0);
+    for (a, b) in &pairs {
+        assert_eq!(t.a.env.poll(a.cq).len(), 1);
+        assert_eq!(t.b.env.poll(b.cq).len(), 1);
+    }
+    let awake = |h: &Host| -> usize {
+        h.env.hca.net.links[&h.link].tenants.iter().map(|t| t.awake.len()).sum::<usize>()
+    };
+    for h in [&t.a, &t.b] {
+        assert_eq!(h.env.hca.served_qps(), &[] as &[u32]);
+        assert_eq!(awake(h), 0);
+        assert_eq!(h.env.hca.links()[0].qps, 64, "still bound to the link");
+    }
+    t.a.env.io.parked.clear();
+    t.b.env.io.parked.clear();
+    let (a, b) = &pairs[17];
+    exchange(&mut t, &pairs[17], 100);
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq).len(), 1);
+    assert_eq!(t.b.env.poll(b.cq).len(), 1);
+    assert!(t.a.env.io.parked.iter().all(|&q| q == a.qpn), "{:?}", t.a.env.io.parked);
+    assert!(t.b.env.io.parked.iter().all(|&q| q == b.qpn), "{:?}", t.b.env.io.parked);
+    assert_eq!((awake(&t.a), awake(&t.b)), (0, 0));
+    // A link that goes down reaches its idle QPs all the same: the next
+    // request of one fails by its timer rather than waiting for ever.
+    t.a.env.hca.link_down(t.a.link);
+    let (a, _) = &pairs[3];
+    t.a.env.io.post_send(a.qpn, wr(7, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    let mut now = T0;
+    for _ in 0..200 {
+        now = now + Duration::from_millis(50);
+        t.run_a_only(now);
+        if !t.a.env.io.cqs.get(&a.cq).is_none_or(|v| v.is_empty()) {
+            break;
+        }
+    }
+    let got = t.a.env.poll(a.cq);
+    assert_eq!(got.first().map(|c| (c.wr_id, c.status)), Some((7, WcStatus::RetryExcErr)), "{got:?}");
 }
