@@ -1452,7 +1452,12 @@ fn traced(f: impl FnOnce()) -> String {
         .with_ansi(false)
         .with_writer(move || out.clone())
         .finish();
-    tracing::subscriber::with_default(sub, f);
+    tracing::subscriber::with_default(sub, || {
+        // Other tests' threads may have met the callsites first, while no
+        // subscriber wanted them, and cached that: ask again with ours.
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
     let b = lines.0.lock().unwrap().clone();
     String::from_utf8(b).unwrap()
 }
