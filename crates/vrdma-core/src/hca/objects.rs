@@ -126,7 +126,9 @@ impl Qp {
     /// (Its queues are asked separately: see `Queues::park_queues`.)
     pub fn is_quiescent(&self) -> bool {
         self.inflight.is_none()
-            && self.requeued.is_empty()
+            // Receives given back wait for the peer's next message, except
+            // in ERR, where the QP's own turn flushes them.
+            && (self.requeued.is_empty() || self.state() != QpState::Err)
             && !self.sqd_notify
             && self.remote.as_ref().is_none_or(|r| r.is_quiescent())
     }

@@ -1471,6 +1471,38 @@ fn a_sweep_finds_a_qp_whose_wake_up_was_missed() {
     assert_eq!(env.hca.missed_wakeups(), 1);
 }
 
+/// A receive a requester held (a send cut short) goes back to its
+/// responder when the requester fails or goes: a responder already in ERR,
+/// and left idle once its own queues were flushed, must still flush it.
+#[test]
+fn a_receive_given_back_to_an_idle_qp_in_err_is_flushed() {
+    const LEN: usize = 300 << 10;
+    for destroy in [false, true] {
+        let (mut env, a, b) = Env::pair();
+        let src = env.mr(C1, a.pd, LEN, FULL);
+        let dst = env.mr(C2, b.pd, LEN, FULL);
+        env.io.post_recv(b.qpn, recv(60, &[dst.sge(0, LEN as u32)]));
+        env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[src.sge(0, LEN as u32)], SendFlags::SIGNALED));
+        env.step(T0);
+        assert!(env.poll(b.cq).is_empty(), "a holds b's receive, part-filled");
+        // b fails: it has nothing of its own to flush, and is left idle.
+        env.modify(b.qpn, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)
+            .unwrap();
+        env.run(T0);
+        assert!(!env.hca.served_qps().contains(&b.qpn));
+        // a goes: the receive it held goes back to b.
+        if destroy {
+            env.hca.destroy_qp(C1, a.qpn, &mut env.io).unwrap();
+        } else {
+            env.modify(a.qpn, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)
+                .unwrap();
+        }
+        env.run(T0);
+        assert_eq!(env.poll(b.cq), vec![recv_err(60, WcStatus::WrFlushErr, b.qpn)], "destroy: {destroy}");
+        assert_eq!(env.hca.missed_wakeups(), 0);
+    }
+}
+
 // ---------------------------------------------------------------- quotas
 
 #[test]

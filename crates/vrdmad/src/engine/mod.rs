@@ -37,8 +37,11 @@ pub struct EngineState {
     /// it was woken (`engine.sweep_ms`; `None`: never): the bound on how
     /// long a QP whose wake-up was lost (a tenant that does not name its
     /// QPs after posting, or a bug, counted in
-    /// [`vrdma_core::hca::Hca::missed_wakeups`]) waits. A sweep wakes a
-    /// few hundred QPs a pass, so thousands of idle QPs never stretch one.
+    /// [`vrdma_core::hca::Hca::missed_wakeups`]) waits while the engine
+    /// is awake. A sleeping engine is woken by the post's doorbell, and the
+    /// overdue sweep runs then. A sweep wakes a few hundred QPs a pass, so
+    /// thousands of idle QPs never stretch one, and keeps the engine awake
+    /// until it is done.
     sweep_every: Option<Duration>,
     last_sweep: Instant,
 }

@@ -45,7 +45,12 @@ impl ContextRings {
         // after this has its flag seen by the next call.
         let mut all = self.posted.aux(POSTED_AUX_OVERFLOW).swap(0, Ordering::SeqCst) != 0;
         let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
-        for _ in 0..self.posted.capacity() {
+        // A tenant names each QP at most once per re-arm, and the engine
+        // re-arms a QP at most once a pass: more notices than QPs are a
+        // tenant's scribbles (duplicates), left for later passes so that
+        // they cannot make a pass cost more than the context's QPs.
+        let most = (self.qps.len() as u32).clamp(1, self.posted.capacity());
+        for _ in 0..most {
             match self.posted.try_pop(&mut slot) {
                 Ok(true) => {
                     let qpn = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]);
@@ -353,5 +358,36 @@ impl Queues for RingTable {
         std::sync::atomic::fence(Ordering::SeqCst);
         let empty = |r: &InRing| r.dead || r.ring.len().is_ok_and(|n| n == 0);
         empty(&q.sq) && (!recv_too || q.rq.as_ref().is_none_or(empty))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use vrdma_shm::{ring_bytes, Segment};
+
+    /// A tenant may write anything into its posted ring: a ring full of
+    /// the same QP's number costs a pass no more than the context's QPs.
+    #[test]
+    fn a_posted_ring_of_duplicates_costs_no_more_than_the_contexts_qps() {
+        let len = ring_bytes(proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE);
+        let seg = Arc::new(Segment::create("vrdma-test", len).unwrap());
+        let view =
+            || RingView::in_segment(seg.clone(), 0, proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE);
+        let other = Arc::new(Segment::create("vrdma-test", len).unwrap());
+        let events =
+            RingView::in_segment(other, 0, proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE).unwrap();
+        let tenant = view().unwrap();
+        let (bell, _) = Doorbell::pair().unwrap();
+        let (event_fd, _) = Doorbell::pair().unwrap();
+        let mut c = ContextRings::new(events, event_fd, Arc::new(bell), view().unwrap());
+        c.qps.insert(0x11, ());
+        let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
+        slot[..4].copy_from_slice(&0x11u32.to_le_bytes());
+        while tenant.try_push_bytes(&slot).unwrap() {}
+        let mut out = Vec::new();
+        c.take_posted(&mut out);
+        assert!(out.len() <= 1, "{} notices taken for a context of one QP", out.len());
+        assert_eq!(out, vec![0x11]);
     }
 }

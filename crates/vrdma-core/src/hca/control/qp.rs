@@ -389,7 +389,12 @@ impl Hca {
                     srq.requeued.push_front(recv);
                 }
             }
-            None => r.requeued.push_front(recv),
+            None => {
+                r.requeued.push_front(recv);
+                // A responder in ERR flushes it in its turn: wake it if it
+                // was left idle.
+                self.update_service(responder_qpn);
+            }
         }
     }
 

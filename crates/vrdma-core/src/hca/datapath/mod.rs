@@ -244,6 +244,8 @@ impl Hca {
         }
         self.resume_at = resume.unwrap_or(0);
         self.pass_turns = turns;
+        // A sweep under way finishes before the engine may sleep.
+        act.busy |= !self.sweeping.is_empty();
         act
     }
 
@@ -269,7 +271,18 @@ impl Hca {
         // named it, a window of nanoseconds, can still count.)
         if std::mem::take(&mut qp.swept) && !idle && !io.named_since_parked(qpn) {
             self.missed_wakeups += 1;
-            tracing::warn!(qpn, "a sweep found work on a QP that was left idle: a wake-up was missed");
+            // A tenant that never names its QPs makes one per QP per sweep:
+            // the count says how many, the log only now and then.
+            if self.missed_wakeups.is_power_of_two() {
+                let missed = self.missed_wakeups;
+                tracing::warn!(
+                    qpn,
+                    missed,
+                    "a sweep found work on a QP that was left idle: a wake-up was missed"
+                );
+            } else {
+                tracing::debug!(qpn, "a sweep found work on a QP that was left idle: a wake-up was missed");
+            }
         }
         let recv_too = qp.state() == QpState::Err && qp.init.srq.is_none();
         if idle && io.park_queues(qpn, recv_too) {

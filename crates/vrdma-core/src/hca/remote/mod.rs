@@ -200,11 +200,64 @@ pub(crate) struct Link {
 pub(crate) struct LinkTenant {
     pub tenant: TenantId,
     /// Every QP of the tenant bound to the link.
-    pub qps: Vec<u32>,
+    pub qps: QpSet,
     /// Those of them in the engine's service order: the only ones that
     /// can have a frame to send, so the only ones a link looks at.
-    pub awake: Vec<u32>,
+    pub awake: QpSet,
     pub next: usize,
+}
+
+/// QPs in an order, with membership, insertion and removal in constant
+/// time: a link's lists change at every wake-up and every park of a QP,
+/// so a linear search would make waking N QPs of a tenant cost N².
+#[derive(Default)]
+pub(crate) struct QpSet {
+    list: Vec<u32>,
+    at: HashMap<u32, usize>,
+}
+
+impl QpSet {
+    fn of(qpn: u32) -> QpSet {
+        let mut s = QpSet::default();
+        s.insert(qpn);
+        s
+    }
+
+    pub fn len(&self) -> usize {
+        self.list.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    pub fn contains(&self, qpn: u32) -> bool {
+        self.at.contains_key(&qpn)
+    }
+
+    fn get(&self, i: usize) -> Option<u32> {
+        self.list.get(i).copied()
+    }
+
+    fn insert(&mut self, qpn: u32) {
+        if let std::collections::hash_map::Entry::Vacant(e) = self.at.entry(qpn) {
+            e.insert(self.list.len());
+            self.list.push(qpn);
+        }
+    }
+
+    /// Removes `qpn`; the last QP takes its place.
+    fn remove(&mut self, qpn: u32) {
+        let Some(i) = self.at.remove(&qpn) else { return };
+        self.list.swap_remove(i);
+        if let Some(&moved) = self.list.get(i) {
+            self.at.insert(moved, i);
+        }
+    }
+
+    fn into_iter(self) -> impl Iterator<Item = u32> {
+        self.list.into_iter()
+    }
 }
 
 impl Link {
@@ -258,27 +311,30 @@ impl Network {
         let Some(l) = self.links.get_mut(&link) else { return };
         match l.tenants.iter_mut().find(|t| t.tenant == tenant) {
             Some(t) => {
-                if !t.qps.contains(&qpn) {
-                    t.qps.push(qpn);
-                }
-                if !t.awake.contains(&qpn) {
-                    t.awake.push(qpn);
-                }
+                t.qps.insert(qpn);
+                t.awake.insert(qpn);
             }
-            None => l.tenants.push(LinkTenant { tenant, qps: vec![qpn], awake: vec![qpn], next: 0 }),
+            None => {
+                l.tenants.push(LinkTenant { tenant, qps: QpSet::of(qpn), awake: QpSet::of(qpn), next: 0 })
+            }
         }
     }
 
     /// A QP's transport across hosts ended (a reset or its destruction).
     pub(crate) fn detach(&mut self, r: &RemoteQp, qpn: u32, tenant: TenantId) {
         for link in r.links().into_iter().flatten() {
-            let Some(l) = self.links.get_mut(&link) else { continue };
-            if let Some(t) = l.tenants.iter_mut().find(|t| t.tenant == tenant) {
-                t.qps.retain(|&q| q != qpn);
-                t.awake.retain(|&q| q != qpn);
-            }
-            l.tenants.retain(|t| !t.qps.is_empty());
+            self.detach_from(link, qpn, tenant);
         }
+    }
+
+    /// Unbinds a QP from one link.
+    pub(crate) fn detach_from(&mut self, link: LinkId, qpn: u32, tenant: TenantId) {
+        let Some(l) = self.links.get_mut(&link) else { return };
+        if let Some(t) = l.tenants.iter_mut().find(|t| t.tenant == tenant) {
+            t.qps.remove(qpn);
+            t.awake.remove(qpn);
+        }
+        l.tenants.retain(|t| !t.qps.is_empty());
     }
 
     /// Says whether a QP bound to `link` is in the engine's service order.
@@ -288,15 +344,13 @@ impl Network {
         else {
             return;
         };
-        if !t.qps.contains(&qpn) {
+        if !t.qps.contains(qpn) {
             return;
         }
-        match (awake, t.awake.iter().position(|&q| q == qpn)) {
-            (true, None) => t.awake.push(qpn),
-            (false, Some(i)) => {
-                t.awake.remove(i);
-            }
-            _ => {}
+        if awake {
+            t.awake.insert(qpn);
+        } else {
+            t.awake.remove(qpn);
         }
     }
 
@@ -435,7 +489,7 @@ impl Hca {
     /// longer be acknowledged: they fail by their transport timers.
     pub fn link_down(&mut self, link: LinkId) {
         let Some(l) = self.net.links.remove(&link) else { return };
-        for qpn in l.tenants.into_iter().flat_map(|t| t.qps) {
+        for qpn in l.tenants.into_iter().flat_map(|t| t.qps.into_iter()) {
             let Some(r) = self.qps.get_mut(&qpn).and_then(|q| q.remote.as_deref_mut()) else { continue };
             if let Some(s) = r.send.as_mut().filter(|s| s.link == Some(link)) {
                 s.link_lost = true;
@@ -550,14 +604,14 @@ impl Hca {
                 let l = self.net.links.get_mut(&link)?;
                 let Some(t) = l.tenants.get_mut(ti).filter(|t| !t.awake.is_empty()) else { break };
                 let i = t.next % t.awake.len();
-                let qpn = t.awake[i];
+                let Some(qpn) = t.awake.get(i) else { break };
                 t.next = i + 1;
                 let tx = match self.qps.get(&qpn).map(|q| q.remote.is_some()) {
                     None | Some(false) => {
                         // Destroyed or reset: no longer on this link.
                         let t = &mut self.net.links.get_mut(&link)?.tenants[ti];
-                        t.qps.retain(|&q| q != qpn);
-                        t.awake.retain(|&q| q != qpn);
+                        t.qps.remove(qpn);
+                        t.awake.remove(qpn);
                         continue;
                     }
                     Some(true) => self

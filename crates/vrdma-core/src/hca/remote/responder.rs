@@ -235,10 +235,17 @@ impl Hca {
         let qp = self.qps.get_mut(&qpn).expect("checked");
         let (rq_psn, tenant) = (qp.attr.rq_psn, qp.tenant);
         let r = qp.remote.get_or_insert_with(|| Box::new(RemoteQp { send: None, recv: None }));
+        let send_link = r.send.as_ref().and_then(|s| s.link);
         let rs = r.recv.get_or_insert_with(|| RemoteRecv::new(rq_psn));
         if rs.link != Some(link) {
-            rs.link = Some(link);
+            let old = rs.link.replace(link);
             self.net.attach(link, qpn, tenant);
+            // Requests now come in on another link (both daemons dialled):
+            // the old one serves the QP no more, unless its requests go out
+            // there.
+            if let Some(old) = old.filter(|&o| Some(o) != send_link) {
+                self.net.detach_from(old, qpn, tenant);
+            }
         }
         // An RTR QP answers from now on, and may hold an ACK to time.
         self.update_service(qpn);
