@@ -743,3 +743,29 @@ pub(super) fn windows(
     }
     (left == 0).then_some(out)
 }
+
+#[cfg(test)]
+mod qp_set_tests {
+    use super::QpSet;
+
+    /// Membership, order and removal (the last takes the removed one's
+    /// place), as the link's round robin relies on.
+    #[test]
+    fn a_qp_set_keeps_each_qp_once_and_removes_in_place() {
+        let mut s = QpSet::default();
+        for q in [5, 7, 9, 7, 11] {
+            s.insert(q);
+        }
+        assert_eq!((0..s.len()).filter_map(|i| s.get(i)).collect::<Vec<_>>(), vec![5, 7, 9, 11]);
+        s.remove(7);
+        s.remove(42);
+        assert_eq!((0..s.len()).filter_map(|i| s.get(i)).collect::<Vec<_>>(), vec![5, 11, 9]);
+        assert!(s.contains(11) && !s.contains(7));
+        s.remove(9);
+        s.remove(5);
+        s.remove(11);
+        assert!(s.is_empty());
+        s.insert(3);
+        assert_eq!(s.into_iter().collect::<Vec<_>>(), vec![3]);
+    }
+}

@@ -1547,48 +1547,6 @@ fn idle_qps_across_hosts_are_left_out_of_passes_and_links() {
     assert_eq!(got.first().map(|c| (c.wr_id, c.status)), Some((7, WcStatus::RetryExcErr)), "{got:?}");
 }
 
-/// A sweep (or a tenant that names every QP of its context each pass, or
-/// sets the posted ring's overflow flag) wakes and parks every idle QP
-/// bound to a link. Each wake and each park looks the QP up in its link's
-/// `qps` and `awake` lists: linear in the QPs of the tenant on that link,
-/// so one sweep of N such QPs costs N² (8x the QPs, 64x the time).
-#[test]
-#[ignore = "timing; run alone: cargo test --release -p vrdma-core --lib waking_and_parking -- --ignored"]
-fn waking_and_parking_idle_qps_on_a_link_is_linear() {
-    let sweep_all = |n: u32| -> (Duration, usize) {
-        let mut t = TwoHosts::new(1024);
-        t.a.env.hca.set_quota(TENANT, Quota { max_objects: 1 << 20, ..Quota::default() });
-        let pd = t.a.env.hca.alloc_pd(C1).unwrap();
-        let (cq, _) = t.a.env.hca.create_cq(C1, 64).unwrap();
-        let mut init = qp_init(cq, cq, None);
-        init.cap =
-            QpCap { max_send_wr: 1, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
-        for i in 0..n {
-            let q = t.a.env.qp(C1, pd, init);
-            connect_side(&mut t.a.env, q, 0x100 + i, IP_B, conn());
-        }
-        // Each QP's first turn binds it to the link; then it is parked.
-        t.run_a_only(T0);
-        assert_eq!(t.a.env.hca.served_qps(), &[] as &[u32]);
-        let bound = t.a.env.hca.links()[0].qps as usize;
-        let started = std::time::Instant::now();
-        t.a.env.hca.sweep();
-        for _ in 0..(n as usize).div_ceil(SWEEP_PER_PASS) + 1 {
-            t.a.env.step(T0);
-        }
-        (started.elapsed(), bound)
-    };
-    // The fastest of three, against noise.
-    let best = |n| (0..3).map(|_| sweep_all(n)).min().expect("three runs");
-    let (small, n_small) = best(1024);
-    let (large, n_large) = best(8192);
-    assert_eq!((n_small, n_large), (1024, 8192), "every QP bound to the link");
-    let ratio = large.as_secs_f64() / small.as_secs_f64();
-    eprintln!("sweep of 1024 idle QPs on a link: {small:?}; of 8192: {large:?} ({ratio:.1}x)");
-    // Linear: 8x (and some for the caches); quadratic: 50-80x.
-    assert!(ratio < 32.0, "8x the QPs took {ratio:.1}x the time: {small:?} -> {large:?}");
-}
-
 /// A tenant that posts without naming its QPs (it may write its rings
 /// directly) makes each sweep find a missed wake-up on every QP it posted
 /// to: counted each time, but not one warning each, or the tenant fills
