@@ -192,16 +192,20 @@ fn data_header(t: &crate::hca::remote::Transmit) -> crate::wire::DataRepr {
 }
 
 /// RESET -> RTS on one host, towards `peer` on the host at `ip`.
-fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
-    env.bring_to_init(me, c);
-    let ah = crate::verbs::AhAttr {
+/// An address vector naming host `ip` by its GID, `hop_limit` hops away.
+fn gid_ah(ip: [u8; 4], hop_limit: u8) -> crate::verbs::AhAttr {
+    crate::verbs::AhAttr {
         is_global: true,
         dgid: Gid::from_ipv4(ip),
-        hop_limit: 1,
+        hop_limit,
         port_num: 1,
         ..Default::default()
-    };
-    env.bring_to_rtr_via(me, peer, c, ah, 100, 4);
+    }
+}
+
+fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
+    env.bring_to_init(me, c);
+    env.bring_to_rtr_via(me, peer, c, gid_ah(ip, 1), 100, 4);
     env.bring_to_rts_via(me, c, 100, 4);
 }
 
@@ -648,13 +652,7 @@ fn datagrams_cross_hosts_with_their_grh_and_are_lost_quietly_when_no_one_takes_t
     let mut t = TwoHosts::new(1024);
     let (pa, cqa, qa, bufa) = ud_end(&mut t.a.env);
     let (_pb, cqb, qb, bufb) = ud_end(&mut t.b.env);
-    let mut ah = crate::verbs::AhAttr {
-        is_global: true,
-        dgid: Gid::from_ipv4(IP_B),
-        port_num: 1,
-        hop_limit: 64,
-        ..Default::default()
-    };
+    let mut ah = gid_ah(IP_B, 64);
     ah.dlid = 0;
     let ahn = t.a.env.hca.create_ah(C1, pa, ah).unwrap();
     bufa.write(0, b"datagram");
@@ -803,13 +801,7 @@ fn a_read_response_whose_read_was_flushed_mid_payload_completes_nothing_later() 
     assert_eq!(t.a.env.modify(a.qpn, &attr, QpAttrMask::STATE), Ok(QpState::Reset));
     // B expects PSN 101 next: the new connection starts there.
     t.a.env.bring_to_init(a.qpn, conn());
-    let ah = crate::verbs::AhAttr {
-        is_global: true,
-        dgid: Gid::from_ipv4(IP_B),
-        hop_limit: 1,
-        port_num: 1,
-        ..Default::default()
-    };
+    let ah = gid_ah(IP_B, 1);
     t.a.env.bring_to_rtr_via(a.qpn, b.qpn, conn(), ah, 100, 4);
     t.a.env.bring_to_rts_via(a.qpn, conn(), 101, 4);
     t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaRead, &[a.buf.sge(64, 8)], b.buf.addr, b.buf.key));
@@ -944,13 +936,7 @@ fn a_datagram_whose_qp_was_reset_while_it_arrived_completes_nothing() {
     let mut t = TwoHosts::new(1024);
     let (pa, _, qa, bufa) = ud_end(&mut t.a.env);
     let (_, cqb, qb, bufb) = ud_end(&mut t.b.env);
-    let ah = crate::verbs::AhAttr {
-        is_global: true,
-        dgid: Gid::from_ipv4(IP_B),
-        port_num: 1,
-        hop_limit: 64,
-        ..Default::default()
-    };
+    let ah = gid_ah(IP_B, 64);
     let ahn = t.a.env.hca.create_ah(C1, pa, ah).unwrap();
     let mut w = wr(1, SendOpcode::Send, &[bufa.sge(0, 8)], SendFlags::empty());
     w.ud = crate::ring::UdDest { remote_qpn: qb, remote_qkey: 0x1111, ah: ahn };
@@ -1242,13 +1228,7 @@ fn a_tenant_of_one_host_only_never_reaches_another_host() {
     let c4 = ContextId(4);
     t.a.env.hca.open_context(c4, local).unwrap();
     t.b.env.hca.open_context(c4, local).unwrap();
-    let ah = crate::verbs::AhAttr {
-        is_global: true,
-        dgid: Gid::from_ipv4(IP_B),
-        hop_limit: 1,
-        port_num: 1,
-        ..Default::default()
-    };
+    let ah = gid_ah(IP_B, 1);
     // RC: refused at RTR, with a clear error.
     let x = t.a.env.end(c4);
     t.a.env.bring_to_init(x.qpn, conn());
@@ -1583,13 +1563,7 @@ fn a_responder_whose_requests_move_to_another_link_leaves_the_old_one() {
     let (a, b) = (t.a.env.end(C1), t.b.env.end(C1));
     connect_side(&mut t.a.env, a.qpn, b.qpn, IP_B, conn());
     t.b.env.bring_to_init(b.qpn, conn());
-    let ah = crate::verbs::AhAttr {
-        is_global: true,
-        dgid: Gid::from_ipv4(IP_A),
-        hop_limit: 1,
-        port_num: 1,
-        ..Default::default()
-    };
+    let ah = gid_ah(IP_A, 1);
     t.b.env.bring_to_rtr_via(b.qpn, a.qpn, conn(), ah, 100, 4);
     let exchange = |t: &mut TwoHosts, id: u64| {
         t.b.env.io.post_recv(b.qpn, recv(id, &[b.buf.sge(0, 8)]));
