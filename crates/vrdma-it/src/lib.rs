@@ -629,9 +629,13 @@ pub struct TwoHosts {
 /// The pre-shared key of the test cluster.
 pub const TEST_PSK: &str = "vrdma integration test key 0123";
 
-/// A free TCP port on the loopback network (bound, then released).
+/// A TCP port free on every address (bound on the wildcard address, then
+/// released). The daemons of [`TwoHosts`] listen on 127.0.0.2 and
+/// 127.0.0.3: a port free only on 127.0.0.1 may be the one another test's
+/// daemons listen on at the same time, and a daemon started on it fails to
+/// bind.
 pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0")?;
+    let l = std::net::TcpListener::bind("0.0.0.0:0")?;
     Ok(l.local_addr()?.port())
 }
 

@@ -140,6 +140,25 @@ fn fetch_adds(s: &Side, (addr, rkey): (u64, u32), n: u64, done: &AtomicU64) -> R
     (0..n as usize).map(|i| Ok(s.mr.read_u64(i * 8)?)).collect()
 }
 
+/// [`fetch_adds`], where the QP on the word's own host (`local`) starts
+/// only once an add from host A has reached the word (`target`): its
+/// answers come so much sooner that, released at the same moment, it could
+/// be done before A's first request arrives (a loaded machine did that:
+/// [`interleaved`] found it ran alone).
+fn fetch_adds_after_a(
+    s: &Side,
+    local: &Side,
+    target: &vrdma::MemoryRegion,
+    word: (u64, u32),
+    n: u64,
+    done: &AtomicU64,
+) -> Result<Vec<u64>> {
+    if std::ptr::eq(s, local) {
+        wait_until(WAIT, "an add from host A", || target.read_u64(0).is_ok_and(|v| v > 0))?;
+    }
+    fetch_adds(s, word, n, done)
+}
+
 /// The old values every QP got, and the word: exactly one add each.
 fn check_adds(setup: &Setup, olds: &[Vec<u64>], per_qp: u64) -> Result<()> {
     let total = per_qp * olds.len() as u64;
@@ -177,7 +196,8 @@ fn fetch_and_add_on_one_word_from_both_hosts_is_atomic() -> Result<()> {
     let done = AtomicU64::new(0);
     let start = Instant::now();
     let word = setup.word();
-    let olds = run(&setup.issuers, |s| fetch_adds(s, word, PER_QP, &done), || Ok(()))?;
+    let (local, target) = (&setup.issuers[REMOTE_QPS], &setup.target.mr);
+    let olds = run(&setup.issuers, |s| fetch_adds_after_a(s, local, target, word, PER_QP, &done), || Ok(()))?;
     println!("{} fetch-and-adds in {:?}", PER_QP * olds.len() as u64, start.elapsed());
     check_adds(&setup, &olds, PER_QP)
 }
@@ -195,25 +215,29 @@ fn fetch_and_add_on_one_word_from_both_hosts_is_atomic() -> Result<()> {
 #[test]
 fn fetch_and_add_sent_again_after_a_timeout_applies_once() -> Result<()> {
     const PER_QP: u64 = 400;
-    // 4.096 µs × 2^11 ≈ 8.4 ms, 7 retries: a 12 ms stall costs one of
-    // them, and a QP fails only after about 67 ms without an answer.
-    let mut setup = Setup::start(PER_QP as usize, 11)?;
+    // 4.096 µs × 2^12 ≈ 17 ms, 7 retries: a 25 ms stall costs one of
+    // them, and a QP fails only after about 134 ms without an answer
+    // (with 2^11 and a 12 ms stall, B had to answer within some 55 ms of
+    // SIGCONT, which a loaded machine need not grant).
+    let mut setup = Setup::start(PER_QP as usize, 12)?;
     let done = AtomicU64::new(0);
     let total = PER_QP * (REMOTE_QPS as u64 + 1);
     let dropped_before = dropped_in(&setup.target.ctx)?;
     let word = setup.word();
+    let (local, target) = (&setup.issuers[REMOTE_QPS], &setup.target.mr);
     let b = &mut setup.hosts.b.proc;
     let stall_twice = || -> Result<()> {
         for at in [total / 4, total / 2] {
             wait_until(WAIT, "the adds under way", || done.load(Ordering::Relaxed) >= at)?;
             let stopped = b.stop(WAIT);
-            std::thread::sleep(Duration::from_millis(12));
+            std::thread::sleep(Duration::from_millis(25));
             b.kill(libc::SIGCONT);
             stopped?;
         }
         Ok(())
     };
-    let olds = run(&setup.issuers, |s| fetch_adds(s, word, PER_QP, &done), stall_twice)?;
+    let olds =
+        run(&setup.issuers, |s| fetch_adds_after_a(s, local, target, word, PER_QP, &done), stall_twice)?;
     check_adds(&setup, &olds, PER_QP)?;
     // Requests did come twice (B dropped them as duplicates, answering
     // the atomics among them), or this tested nothing.
@@ -227,6 +251,12 @@ fn fetch_and_add_sent_again_after_a_timeout_applies_once() -> Result<()> {
 /// Frames host B's daemon dropped on its links (duplicates among them).
 fn dropped_in(ctx: &vrdma::Context) -> Result<u64> {
     Ok(ctx.stat()?.links.iter().map(|l| l.stats.dropped_in).sum())
+}
+
+/// Data frames the daemon of `ctx` sent on its links (requests sent again
+/// among them).
+fn frames_out(ctx: &vrdma::Context) -> Result<u64> {
+    Ok(ctx.stat()?.links.iter().map(|l| l.stats.frames_out).sum())
 }
 
 /// Each QP increments the word by compare-and-swap until it has
@@ -334,9 +364,12 @@ fn a_requester_within_max_rd_atomic_is_not_refused_after_its_timer_fired() -> Re
     b.qp.connect(&a.endpoint()?, access_all())?;
     a.qp.to_init(1, access_all())?;
     a.qp.to_rtr(&b.endpoint()?, Mtu::Mtu4096, 12)?;
-    // ACK timeout 4.096 µs × 2^10 ≈ 4.2 ms, 7 retries; 16 reads/atomics
-    // outstanding each way (the library's default).
-    a.qp.to_rts(a.qp.psn(), 10, 7, 7)?;
+    // ACK timeout 4.096 µs × 2^13 ≈ 34 ms, 7 retries: A fails only after
+    // some 270 ms without an answer, far beyond the stall below, which
+    // waits for A's frames rather than for a time (with 2^10 it allowed
+    // 34 ms in all, and a loaded machine resumed B too late: RETRY_EXC_ERR);
+    // 16 reads/atomics outstanding each way (the library's default).
+    a.qp.to_rts(a.qp.psn(), 13, 7, 7)?;
     let post = |ids: std::ops::Range<u64>| -> Result<()> {
         for i in ids {
             let w = wr::fetch_add(i, a.mr.sge(i as usize * 8, 8)?, b.mr.addr(), b.mr.rkey(), 1);
@@ -348,10 +381,14 @@ fn a_requester_within_max_rd_atomic_is_not_refused_after_its_timer_fired() -> Re
     post(0..1)?;
     assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
     h.b.proc.stop(WAIT)?;
-    post(1..9)?; // 8 outstanding
-    std::thread::sleep(Duration::from_millis(10)); // A's timer fires: the 8 go again
+    let sent = || frames_out(&a.ctx);
+    let before = sent()?;
+    // 8 outstanding; A's timer fires and sends them again.
+    post(1..9)?;
+    wait_until(WAIT, "A sending its 8 atomics twice", || sent().is_ok_and(|n| n >= before + 16))?;
+    let again = sent()?;
     post(9..17)?; // 16 outstanding: within max_rd_atomic
-    std::thread::sleep(Duration::from_millis(1));
+    wait_until(WAIT, "A sending 8 more", || sent().is_ok_and(|n| n >= again + 8))?;
     h.b.proc.kill(libc::SIGCONT);
     let wcs = vrdma_it::poll_n(&a.cq, 16, WAIT)?;
     let bad: Vec<_> =

@@ -37,18 +37,20 @@ fn with_nobody() -> Result<(DaemonProc, PeerProc, Hello)> {
 /// shared-memory path): 4.096 µs × 2^4 ≈ 65 µs.
 const ONE_HOST: u8 = 4;
 /// ... and towards a peer on another daemon: 2^13 ≈ 34 ms, so about 67 ms
-/// with the one retry. A round trip between two daemons over loopback TCP
-/// can take milliseconds on a loaded machine, and the control (a peer of
-/// our own uid) must not time out for that.
+/// with the one retry.
 const ACROSS_HOSTS: u8 = 13;
 
-/// Brings `s`'s QP to RTS towards `remote` with a short transport timeout
-/// (the exponent `timeout`) and one retry, so that an unreachable peer
-/// fails fast.
-fn connect_fast(s: &Side, remote: &vrdma::Endpoint, timeout: u8) -> Result<()> {
+/// Brings `s`'s QP to RTS towards `remote`: where the peer must not be
+/// reached (`reach` false), with a short transport timeout (the exponent
+/// `timeout`) and one retry, so that it fails fast; where it must, with
+/// the library's default (2^14, 7 retries: about half a second), since
+/// the control (a peer of our own uid) must not time out for a slow round
+/// trip between two daemons on a loaded machine (67 ms is a thin margin).
+fn connect_fast(s: &Side, remote: &vrdma::Endpoint, timeout: u8, reach: bool) -> Result<()> {
+    let (timeout, retries) = if reach { (14, 7) } else { (timeout, 1) };
     s.qp.to_init(1, access_all())?;
     s.qp.to_rtr(remote, Mtu::Mtu4096, 12)?;
-    s.qp.to_rts(s.qp.psn(), timeout, 1, 7)?;
+    s.qp.to_rts(s.qp.psn(), timeout, retries, 7)?;
     Ok(())
 }
 
@@ -88,7 +90,7 @@ fn every_way_to_the_peer(
     let fresh = |peer: &mut PeerProc| -> Result<Side> {
         let s = Side::new(&ctx, 1 << 16)?;
         peer.call_ok(&Command::Reset)?;
-        connect_fast(&s, &h.endpoint, timeout)?;
+        connect_fast(&s, &h.endpoint, timeout, reach)?;
         peer.call_ok(&Command::Connect { peer: s.endpoint()? })?;
         Ok(s)
     };

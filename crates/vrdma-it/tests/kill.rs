@@ -124,8 +124,23 @@ fn killing_a_tenant_mid_flood_breaks_only_its_peer(t: Topology) -> Result<()> {
 }
 
 fn killing_a_responder_completes_every_posted_request(t: Topology) -> Result<()> {
+    // How much the engine places before the kill takes effect is the
+    // scheduler's to say: a try in which nothing was flushed (every write,
+    // or all but the last, done first) is made again rather than failed.
+    for _ in 0..3 {
+        if responder_killed_mid_transfer(t)? {
+            return Ok(());
+        }
+        eprintln!("every write completed before the kill took effect; trying again");
+    }
+    bail!("in 3 tries the kill never found a write outstanding")
+}
+
+/// One try of [`killing_a_responder_completes_every_posted_request`]:
+/// whether the kill found requests outstanding (the checks ran).
+fn responder_killed_mid_transfer(t: Topology) -> Result<bool> {
     // Far more in flight than is placed while the kill takes effect, so
-    // that some requests are always still outstanding: on one host 1 GiB
+    // that some requests are usually still outstanding: on one host 1 GiB
     // (256 MiB was not, once, on a loaded 2-CPU machine: every write had
     // completed before the daemon saw the peer gone). Across hosts 256 MiB:
     // the transport timer runs from the last frame sent, so everything
@@ -147,10 +162,10 @@ fn killing_a_responder_completes_every_posted_request(t: Topology) -> Result<()>
     assert_eq!((first.wr_id, first.status), (0, WcStatus::Success));
     kill_peer(&mut peer)?;
 
-    // Across hosts the outstanding writes themselves find the peer gone:
-    // the head exhausts its retries, about half a second.
-    wait_state(&me.qp, QpState::Err, WAIT)?;
-    let rest = poll_n(&me.cq, n - 1, WAIT)?;
+    // Every request completes, whatever the kill found. Across hosts the
+    // outstanding writes themselves find the peer gone: the head exhausts
+    // its retries, about half a second after the last of them went out.
+    let rest = poll_n(&me.cq, n - 1, 2 * WAIT)?;
     let ids: Vec<u64> = rest.iter().map(|w| w.wr_id).collect();
     assert_eq!(ids, (1..n as u64).collect::<Vec<_>>(), "every request completes once, in order");
     // Successes, then at most the one in flight as a transport error,
@@ -166,7 +181,12 @@ fn killing_a_responder_completes_every_posted_request(t: Topology) -> Result<()>
         assert!(p >= phase && !(p == 1 && phase == 1), "statuses out of order: {rest:?}");
         phase = p;
     }
-    assert_eq!(phase, 2, "nothing was flushed: {rest:?}");
+    if phase < 2 {
+        // Nothing flushed: every write (or all but the last) was done
+        // before the kill took effect.
+        return Ok(false);
+    }
+    wait_state(&me.qp, QpState::Err, WAIT)?;
     assert!(vrdma_it::poll_for(&me.cq, Duration::from_millis(50))?.is_empty(), "a request completed twice");
     if hosts.two() {
         // Only a request's own timeout can tell it, and one did.
@@ -175,7 +195,8 @@ fn killing_a_responder_completes_every_posted_request(t: Topology) -> Result<()>
         assert_eq!(async_event(&ctx, WAIT)?.event_type, AsyncEventType::QpFatal);
     }
     assert!(hosts.alive());
-    fresh_pair_works(hosts.a(), hosts.b())
+    fresh_pair_works(hosts.a(), hosts.b())?;
+    Ok(true)
 }
 
 fn killing_a_sender_mid_message_completes_every_receive_once(t: Topology) -> Result<()> {

@@ -107,7 +107,13 @@ fn perftest(tool: &str, args: &[&str]) {
     // its memory and prints no results; every other side prints them.
     let server_reports = !matches!(tool, "ib_read_lat" | "ib_atomic_lat");
     for (f, reports) in [(&client, true), (&server, server_reports)] {
-        assert!(f.status.success(), "{}", f.describe());
+        // Both sides' output: one side's failure often shows on the other.
+        assert!(
+            f.status.success(),
+            "{}\n{}",
+            f.describe(),
+            [&client, &server].map(|f| f.describe()).join("\n")
+        );
         assert!(!reports || has_results(&f.stdout), "no result table\n{}", f.describe());
         let all = format!("{}{}", f.stdout, f.stderr);
         for bad in ["Couldn't", "Failed", "failed", "error", "vrdma-verbs:"] {

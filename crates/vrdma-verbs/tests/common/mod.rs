@@ -112,9 +112,12 @@ impl Drop for Running {
     }
 }
 
-/// A TCP port nobody listens on now.
+/// A TCP port nobody listens on now, on any address: the tools' servers
+/// listen on the wildcard address, and the daemons of `two_hosts.rs` on
+/// 127.0.0.2 and 127.0.0.3 (a port free only on 127.0.0.1 may be theirs:
+/// the server could not bind it, and `listening` would see the daemon).
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    TcpListener::bind("0.0.0.0:0").expect("bind").local_addr().expect("addr").port()
 }
 
 /// Whether some socket listens on `port`, from /proc/net/tcp{,6}: looking

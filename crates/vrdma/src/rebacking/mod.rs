@@ -725,11 +725,28 @@ mod tests {
         changed
     }
 
+    /// `fork(2)` with the registry's lock held across it, so that no
+    /// other test thread is inside `reback` at that moment: a child that
+    /// re-backs memory itself would otherwise inherit the lock taken by a
+    /// thread it does not have, and wait for it for ever (so would its
+    /// parent, in `waitpid`).
+    ///
+    /// # Safety
+    /// The child must run single-threaded and leave with `_exit`.
+    unsafe fn fork_holding_the_registry() -> libc::pid_t {
+        let reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the caller's contract.
+        let pid = unsafe { libc::fork() };
+        // In the child too: its copy of the lock is this thread's to release.
+        drop(reg);
+        pid
+    }
+
     #[test]
     fn a_forked_child_leaves_the_parents_heap_alone() {
         // SAFETY: the child runs the check single-threaded and leaves with
         // _exit, its status saying how it went.
-        let pid = unsafe { libc::fork() };
+        let pid = unsafe { fork_holding_the_registry() };
         assert!(pid >= 0);
         if pid == 0 {
             let changed = std::panic::catch_unwind(bytes_a_child_changes_in_freed_heap_chunks).unwrap_or(255);
@@ -779,7 +796,7 @@ mod tests {
     fn hundreds_of_spans_fit_under_a_low_descriptor_limit_and_leave_low_numbers_alone() {
         // SAFETY: the child runs the check and leaves with _exit, its
         // status saying how it went; the limit it lowers is its own.
-        let pid = unsafe { libc::fork() };
+        let pid = unsafe { fork_holding_the_registry() };
         assert!(pid >= 0);
         if pid == 0 {
             let code = std::panic::catch_unwind(many_spans_under_a_low_descriptor_limit).unwrap_or(255);

@@ -486,6 +486,13 @@ impl Hca {
         match hdr.opcode {
             Opcode::Acknowledge => {
                 let Some(aeth) = hdr.aeth else { return (Sink::Discard, AfterPayload::Nothing) };
+                if aeth.syndrome != Syndrome::Ack && self.send_state(qpn).is_some_and(|s| s.sent.is_empty()) {
+                    // With nothing outstanding, a NAK answers a request of
+                    // the QP's life before a reset, which the peer answered
+                    // late: a ghost, dropped (it failed the new QP).
+                    self.net.dropped(link, "NAK with no request outstanding");
+                    return (Sink::Discard, AfterPayload::Nothing);
+                }
                 match aeth.syndrome {
                     Syndrome::Ack => self.acked_through(qpn, psn, now, io),
                     Syndrome::RnrNak { timer } => self.rnr_nak(qpn, psn, timer, now, io),
