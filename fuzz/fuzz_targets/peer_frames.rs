@@ -30,6 +30,8 @@ struct Q {
     send: HashMap<u32, VecDeque<SendWr>>,
     recv: HashMap<u32, VecDeque<RecvWr>>,
     cqes: usize,
+    /// QPs posted to since the core last asked (as a client names them).
+    posted: Vec<u32>,
 }
 
 impl Queues for Q {
@@ -62,6 +64,16 @@ impl Queues for Q {
     fn async_event(&mut self, _ctx: ContextId, _event: AsyncEvent) {}
     fn qp_state_changed(&mut self, _qpn: u32, _state: QpState) {}
     fn send_retired(&mut self, _qpn: u32, _count: u32) {}
+    fn take_posted(&mut self, out: &mut Vec<u32>) {
+        out.append(&mut self.posted);
+    }
+    fn park_queues(&mut self, qpn: u32, recv_too: bool) -> bool {
+        self.send.get(&qpn).is_none_or(|q| q.is_empty())
+            && (!recv_too || self.recv.get(&qpn).is_none_or(|q| q.is_empty()))
+    }
+    fn named_since_parked(&mut self, qpn: u32) -> bool {
+        self.posted.contains(&qpn)
+    }
 }
 
 struct Keys(u32);
@@ -200,6 +212,7 @@ fuzz_target!(|data: &[u8]| {
         wr.remote_addr = 0x4000;
         wr.rkey = 0x55;
         io.send.entry(rc).or_default().push_back(wr);
+        io.posted.push(rc);
     }
     let mut now = Instant(1_000_000);
     let mut rest = &data[1..];

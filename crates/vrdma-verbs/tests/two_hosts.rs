@@ -202,7 +202,12 @@ fn perftest(tool: &str, args: &[&str]) {
     let before = h.frames();
     let port = free_port();
     let p = port.to_string();
-    let mut common = vec!["-p", p.as_str(), "-d", "vrdma0", "-n", "1000"];
+    // -F: a report is printed even when perftest's clock calibration
+    // fails. It busy-loops ~200 ms comparing rdtsc with gettimeofday and,
+    // where one sample was preempted (a loaded 2-CPU machine), finds no
+    // frequency: without -F the program exits 1 ("Can't produce a
+    // report"), the likely cause of one CI failure of ib_send_bw -a.
+    let mut common = vec!["-p", p.as_str(), "-d", "vrdma0", "-n", "1000", "-F"];
     common.extend_from_slice(args);
     let mut client_args = common.clone();
     client_args.push("127.0.0.1");
