@@ -43,7 +43,9 @@ impl ContextRings {
     fn take_posted(&self, out: &mut Vec<u32>) {
         // The flag before the slots: a tenant that finds the ring full
         // after this has its flag seen by the next call.
-        let mut all = self.posted.aux(POSTED_AUX_OVERFLOW).swap(0, Ordering::SeqCst) != 0;
+        // (Read first: a swap each pass would write the line every pass.)
+        let overflow = self.posted.aux(POSTED_AUX_OVERFLOW);
+        let mut all = overflow.load(Ordering::SeqCst) != 0 && overflow.swap(0, Ordering::SeqCst) != 0;
         let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
         // A tenant names each QP at most once per re-arm, and the engine
         // re-arms a QP at most once a pass: more notices than QPs are a
@@ -193,11 +195,6 @@ impl RingTable {
         for c in self.contexts.values() {
             c.events.aux(CTX_AUX_ENGINE_SLEEPING).store(sleeping as u32, Ordering::SeqCst);
         }
-    }
-
-    /// Whether any send queue has work posted (checked before sleeping).
-    pub fn any_send_posted(&self) -> bool {
-        self.qps.values().any(|q| !q.sq.dead && q.sq.ring.len().is_ok_and(|n| n > 0))
     }
 
     fn notify_channel(&mut self, cqn: u32, cqe: &Cqe) {

@@ -114,7 +114,6 @@ impl Hca {
             return;
         }
         qp.served = serve;
-        let (tenant, links) = (qp.tenant, qp.remote.as_ref().map(|r| r.links()));
         if serve && !qp.in_order {
             qp.in_order = true;
             self.qp_order.push(qpn);
@@ -122,8 +121,15 @@ impl Hca {
             qp.in_order = false;
             self.qp_order.retain(|&n| n != qpn);
         }
+        self.set_awake_on_links(qpn, serve);
+    }
+
+    /// Tells the links a QP is bound to whether it is served.
+    fn set_awake_on_links(&mut self, qpn: u32, awake: bool) {
+        let Some(qp) = self.qps.get(&qpn) else { return };
+        let (tenant, links) = (qp.tenant, qp.remote.as_ref().map(|r| r.links()));
         for link in links.into_iter().flatten().flatten() {
-            self.net.set_awake(link, qpn, tenant, serve);
+            self.net.set_awake(link, qpn, tenant, awake);
         }
     }
 
@@ -133,10 +139,7 @@ impl Hca {
     pub(crate) fn park(&mut self, qpn: u32) {
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
         qp.served = false;
-        let (tenant, links) = (qp.tenant, qp.remote.as_ref().map(|r| r.links()));
-        for link in links.into_iter().flatten().flatten() {
-            self.net.set_awake(link, qpn, tenant, false);
-        }
+        self.set_awake_on_links(qpn, false);
     }
 
     /// Starts a sweep, unless one is under way: every QP that may be

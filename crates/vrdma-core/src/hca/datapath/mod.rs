@@ -273,15 +273,12 @@ impl Hca {
             self.missed_wakeups += 1;
             // A tenant that never names its QPs makes one per QP per sweep:
             // the count says how many, the log only now and then.
-            if self.missed_wakeups.is_power_of_two() {
-                let missed = self.missed_wakeups;
-                tracing::warn!(
-                    qpn,
-                    missed,
-                    "a sweep found work on a QP that was left idle: a wake-up was missed"
-                );
+            const MISSED: &str = "a sweep found work on a QP that was left idle: a wake-up was missed";
+            let missed = self.missed_wakeups;
+            if missed.is_power_of_two() {
+                tracing::warn!(qpn, missed, "{MISSED}");
             } else {
-                tracing::debug!(qpn, "a sweep found work on a QP that was left idle: a wake-up was missed");
+                tracing::debug!(qpn, missed, "{MISSED}");
             }
         }
         let recv_too = qp.state() == QpState::Err && qp.init.srq.is_none();
