@@ -18,6 +18,12 @@
 //! allocator's locks in the child, and handlers registered earlier, still
 //! run before it.
 //!
+//! A fork must also not split a re-backing in two: the thread that forks
+//! is the child's only one, so a registry lock another thread held at that
+//! moment would stay held in the child for ever, and its next registration
+//! would wait for it. The prepare handler takes the lock (waiting for a
+//! re-backing in progress to finish) and both sides release it after.
+//!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
 //! child starts, so bytes the parent's other threads or the device write
@@ -25,7 +31,11 @@
 //! or pages the program made unreadable) become inaccessible in the child
 //! rather than stay shared.
 
+use std::cell::RefCell;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::MutexGuard;
+
+use super::{Spans, REGISTRY};
 
 /// Whether this process ever re-backed memory: until then a child has
 /// nothing to do.
@@ -37,9 +47,32 @@ static REBACKED: AtomicBool = AtomicBool::new(false);
 static REGISTER_AT_LOAD: extern "C" fn() = register;
 
 extern "C" fn register() {
-    // SAFETY: registers a handler that runs in the child only; it takes no
-    // lock and does not unwind.
-    unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
+    // SAFETY: registers handlers that do not unwind; the lock `prepare`
+    // takes is released by `in_parent` or `in_child` in the same thread.
+    unsafe { libc::pthread_atfork(Some(prepare), Some(in_parent), Some(in_child)) };
+}
+
+thread_local! {
+    /// The registry's lock, held by the forking thread across `fork`.
+    static HELD: RefCell<Option<MutexGuard<'static, Spans>>> =
+        const { RefCell::new(None) };
+}
+
+extern "C" fn prepare() {
+    let _ = std::panic::catch_unwind(|| {
+        let guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        HELD.with(|h| *h.borrow_mut() = Some(guard));
+    });
+}
+
+/// Releases the lock `prepare` took. In the child the lock is a copy that
+/// this thread, now the only one, holds: releasing it is a store, no heap.
+fn release() {
+    let _ = std::panic::catch_unwind(|| HELD.with(|h| h.borrow_mut().take()));
+}
+
+extern "C" fn in_parent() {
+    release();
 }
 
 /// Called before the first re-backing: from then on each child copies.
@@ -48,6 +81,7 @@ pub(crate) fn note_rebacking() {
 }
 
 extern "C" fn in_child() {
+    release();
     if !REBACKED.load(Ordering::SeqCst) {
         return;
     }

@@ -85,7 +85,8 @@ pub(crate) struct Rebacked {
 }
 
 /// Live spans by start address. Spans never overlap.
-static REGISTRY: Mutex<BTreeMap<usize, Weak<Span>>> = Mutex::new(BTreeMap::new());
+type Spans = BTreeMap<usize, Weak<Span>>;
+static REGISTRY: Mutex<Spans> = Mutex::new(BTreeMap::new());
 
 /// One line of `/proc/self/maps`.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -725,28 +726,11 @@ mod tests {
         changed
     }
 
-    /// `fork(2)` with the registry's lock held across it, so that no
-    /// other test thread is inside `reback` at that moment: a child that
-    /// re-backs memory itself would otherwise inherit the lock taken by a
-    /// thread it does not have, and wait for it for ever (so would its
-    /// parent, in `waitpid`).
-    ///
-    /// # Safety
-    /// The child must run single-threaded and leave with `_exit`.
-    unsafe fn fork_holding_the_registry() -> libc::pid_t {
-        let reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-        // SAFETY: the caller's contract.
-        let pid = unsafe { libc::fork() };
-        // In the child too: its copy of the lock is this thread's to release.
-        drop(reg);
-        pid
-    }
-
     #[test]
     fn a_forked_child_leaves_the_parents_heap_alone() {
         // SAFETY: the child runs the check single-threaded and leaves with
         // _exit, its status saying how it went.
-        let pid = unsafe { fork_holding_the_registry() };
+        let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
             let changed = std::panic::catch_unwind(bytes_a_child_changes_in_freed_heap_chunks).unwrap_or(255);
@@ -796,7 +780,7 @@ mod tests {
     fn hundreds_of_spans_fit_under_a_low_descriptor_limit_and_leave_low_numbers_alone() {
         // SAFETY: the child runs the check and leaves with _exit, its
         // status saying how it went; the limit it lowers is its own.
-        let pid = unsafe { fork_holding_the_registry() };
+        let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
             let code = std::panic::catch_unwind(many_spans_under_a_low_descriptor_limit).unwrap_or(255);
@@ -816,6 +800,52 @@ mod tests {
             _ => "the check panicked",
         };
         panic!("{what}");
+    }
+
+    #[test]
+    fn a_child_forked_while_another_thread_re_backs_can_re_back_memory() {
+        // Another thread holds the registry, as it does all through a
+        // re-backing, when this one forks. The fork waits for it; before
+        // the fork handlers did, the child inherited the lock held and its
+        // own registration waited for ever.
+        let (held, holding) = std::sync::mpsc::channel();
+        let holder = std::thread::spawn(move || {
+            let reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+            held.send(()).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(reg);
+        });
+        holding.recv().unwrap();
+        // SAFETY: the child re-backs a page of its own and leaves with
+        // _exit, its status saying how it went.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0);
+        if pid == 0 {
+            let pages = Pages::new(1);
+            // SAFETY: a page the child owns, written by no other thread.
+            let code = match unsafe { reback(pages.ptr, 16) } {
+                Ok(_) => 0,
+                Err(_) => 2,
+            };
+            // SAFETY: ends the child at once.
+            unsafe { libc::_exit(code) };
+        }
+        holder.join().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut status = 0;
+        // SAFETY: our child.
+        while unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == 0 {
+            if std::time::Instant::now() > deadline {
+                // SAFETY: our child, which is stuck.
+                unsafe { libc::kill(pid, libc::SIGKILL) };
+                // SAFETY: reaps it.
+                unsafe { libc::waitpid(pid, &mut status, 0) };
+                panic!("the child's registration still waits after 10 s: it inherited a held registry lock");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        assert!(libc::WIFEXITED(status), "the child died: status {status:#x}");
+        assert_eq!(libc::WEXITSTATUS(status), 0, "the child's registration failed");
     }
 
     #[test]
