@@ -11,7 +11,7 @@ mod common;
 use common::{daemon, Proc, VRDMA};
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    vrdma_it::free_port().expect("a free TCP port")
 }
 
 fn random_file(path: &Path, len: usize) -> Vec<u8> {

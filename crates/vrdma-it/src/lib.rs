@@ -241,12 +241,15 @@ fn spawn_daemon(socket: &Path, config: &Path, netns: Option<&str>) -> Result<Pro
         .stdin(Stdio::null())
         .spawn()
         .context("spawning the daemon")?;
-    let proc = Proc { child };
+    let mut proc = Proc { child };
     let end = Instant::now() + Duration::from_secs(20);
     // Listening is enough: a probe that said Hello would hold a context
     // until the daemon saw it closed, after this returned, and a test
     // with a quota of one context could find it still open.
     while RawConn::connect(socket).is_err() {
+        if let Ok(Some(status)) = proc.child.try_wait() {
+            bail!("the daemon exited ({status}) before it listened on {}", socket.display());
+        }
         if Instant::now() > end {
             bail!("daemon did not answer on {} within 20 s", socket.display());
         }
@@ -629,14 +632,42 @@ pub struct TwoHosts {
 /// The pre-shared key of the test cluster.
 pub const TEST_PSK: &str = "vrdma integration test key 0123";
 
-/// A TCP port free on every address (bound on the wildcard address, then
-/// released). The daemons of [`TwoHosts`] listen on 127.0.0.2 and
-/// 127.0.0.3: a port free only on 127.0.0.1 may be the one another test's
-/// daemons listen on at the same time, and a daemon started on it fails to
-/// bind.
+/// A TCP port free on every address now (it binds on the wildcard
+/// address), and one no other socket will be handed meanwhile: it lies
+/// outside the kernel's ephemeral range, from which `connect` and
+/// `bind(.., 0)` take theirs, and each call of a process gets another one.
+/// A port taken from that range (the old way) could be bound by another
+/// test's `free_port` or be the source port of another test's outgoing
+/// connection before this test's daemon bound it, which then exited with
+/// "Address already in use".
 pub fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("0.0.0.0:0")?;
-    Ok(l.local_addr()?.port())
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const BASE: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let (lo, hi) = ephemeral_ports();
+    // Processes running at once start at different places.
+    let start = std::process::id().wrapping_mul(2_654_435_761) % SPAN;
+    for _ in 0..SPAN {
+        let port = (BASE + (start + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN) as u16;
+        if (lo..=hi).contains(&port) {
+            continue;
+        }
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    bail!("no free TCP port in {BASE}..{}", BASE + SPAN)
+}
+
+/// The kernel's range of ephemeral ports (`ip_local_port_range`).
+fn ephemeral_ports() -> (u16, u16) {
+    let text = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut it = text.split_whitespace().filter_map(|w| w.parse::<u16>().ok());
+    match (it.next(), it.next()) {
+        (Some(lo), Some(hi)) => (lo, hi),
+        _ => (32_768, 60_999),
+    }
 }
 
 /// The configuration of a daemon that is host `ip` of a two-host setup.
@@ -901,6 +932,23 @@ pub fn skip(why: impl std::fmt::Display) {
 fn skip_as(strict: bool, why: impl std::fmt::Display) {
     assert!(!strict, "{STRICT_ENV}=1, and this test would skip: {why}");
     eprintln!("skipping: {why}");
+}
+
+#[cfg(test)]
+mod port_tests {
+    #[test]
+    fn free_ports_are_distinct_and_outside_the_ephemeral_range() {
+        let (lo, hi) = super::ephemeral_ports();
+        let ports: Vec<u16> = (0..50).map(|_| super::free_port().unwrap()).collect();
+        for p in &ports {
+            assert!(!(lo..=hi).contains(p), "{p} is in the ephemeral range {lo}-{hi}");
+            assert!(std::net::TcpListener::bind(("0.0.0.0", *p)).is_ok(), "{p} is taken");
+        }
+        let mut sorted = ports.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), ports.len(), "a port was handed out twice: {ports:?}");
+    }
 }
 
 #[cfg(test)]

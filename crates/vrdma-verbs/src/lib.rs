@@ -77,8 +77,10 @@
 //!
 //! - Registered memory is re-backed by a shared memfd (see
 //!   [`vrdma::ProtectionDomain::register_raw`]): after `fork()` the child
-//!   shares it instead of losing it, and `ibv_fork_init` has nothing to
-//!   do (module `mem`).
+//!   gets a private copy of it as it starts, as on kernels where rdma-core
+//!   reports `IBV_FORK_UNNEEDED`, so `ibv_fork_init` has nothing to do
+//!   (module `mem`). A `fork()` waits for a registration that another
+//!   thread is re-backing at that moment.
 //! - There is no kernel device: `cmd_fd` is -1, the sysfs paths of the
 //!   device do not exist, `ibv_get_device_index` is -1.
 //! - A CQ created without a channel accepts `ibv_req_notify_cq` and does

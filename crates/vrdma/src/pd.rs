@@ -99,7 +99,8 @@ impl ProtectionDomain {
     /// - After `fork` the child gets private copies of the re-backed pages,
     ///   taken as it starts (bytes written meanwhile by the parent's other
     ///   threads or the device may be in them); the parent keeps its
-    ///   registrations.
+    ///   registrations. A `fork` while another thread is in this call
+    ///   waits for it to finish.
     /// - Re-backed pages stay memfd-backed after deregistration until the
     ///   application unmaps them; that is harmless to the allocator.
     ///

@@ -5,7 +5,6 @@
 #![allow(dead_code)] // each test file uses a different part
 
 use std::io::Read;
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::{Mutex, MutexGuard};
@@ -112,12 +111,12 @@ impl Drop for Running {
     }
 }
 
-/// A TCP port nobody listens on now, on any address: the tools' servers
+/// A TCP port nobody listens on now, on any address, and that no other
+/// socket is handed meanwhile ([`vrdma_it::free_port`]): the tools' servers
 /// listen on the wildcard address, and the daemons of `two_hosts.rs` on
-/// 127.0.0.2 and 127.0.0.3 (a port free only on 127.0.0.1 may be theirs:
-/// the server could not bind it, and `listening` would see the daemon).
+/// 127.0.0.2 and 127.0.0.3.
 pub fn free_port() -> u16 {
-    TcpListener::bind("0.0.0.0:0").expect("bind").local_addr().expect("addr").port()
+    vrdma_it::free_port().expect("a free TCP port")
 }
 
 /// Whether some socket listens on `port`, from /proc/net/tcp{,6}: looking
