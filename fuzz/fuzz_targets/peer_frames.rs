@@ -236,7 +236,7 @@ impl R<'_> {
             4 => base,
             5 => (base + len).wrapping_sub(n),
             6 => (base + len).wrapping_sub(n).wrapping_add(1),
-            7 => base + (u64::from(self.u16()) % len & !7),
+            7 => base + ((u64::from(self.u16()) % len) & !7),
             8 => base.wrapping_sub(u64::from(self.u8()) + 1),
             _ => self.u64(),
         }
@@ -850,7 +850,7 @@ impl World {
         };
         let src = r.tweak24(dest);
         let psn = r.tweak24(self.rcs[qi].peer.psn);
-        let cont = self.rcs[qi].peer.msg.is_some() && r.u8() % 4 != 0;
+        let cont = self.rcs[qi].peer.msg.is_some() && !r.u8().is_multiple_of(4);
         // What the frame does to the peer's own view, once it is sent
         // (whatever becomes of it): PSNs it takes, the message it starts,
         // continues or ends.
@@ -921,7 +921,7 @@ impl World {
                     let op = if kind == 7 { Opcode::CompareSwap } else { Opcode::FetchAdd };
                     let mut d = DataRepr::new(op, vnet, dst, src, psn);
                     let va = r.addr(MR_ADDR, MR_LEN as u64, 8);
-                    let va = if r.u8() % 4 == 0 { va } else { va & !7 };
+                    let va = if r.u8().is_multiple_of(4) { va } else { va & !7 };
                     d.atomic =
                         Some(AtomicEth { va, rkey: self.rkey(r), swap_add: r.u64(), compare: r.u64() });
                     d
@@ -1031,7 +1031,7 @@ impl World {
         };
         let (qpn, dest) = (self.rcs[s.qi].qpn, self.rcs[s.qi].dest);
         let vnet = r.tweak(TENANT);
-        let dst = if r.u8() % 16 == 0 { self.rcs[1 - s.qi].qpn } else { qpn };
+        let dst = if r.u8().is_multiple_of(16) { self.rcs[1 - s.qi].qpn } else { qpn };
         let src = r.tweak24(dest);
         let msn = r.u32() & MAX_24;
         let kind = r.u8() % 10;
@@ -1176,7 +1176,7 @@ impl World {
             25 => self.process(),
             26 | 27 => self.advance(r),
             28 => {
-                if self.link_live && r.u8() % 4 != 0 {
+                if self.link_live && !r.u8().is_multiple_of(4) {
                     self.link_down()
                 } else {
                     self.link_up(r)
