@@ -1186,16 +1186,23 @@ fn modify_to_reset_discards_without_completions() {
     assert_eq!(env.poll(b.cq), vec![recv_cqe(&env, 7, b.qpn, a.qpn, 8)]);
 }
 
+/// A signaled send (wr_id 1) of `len` bytes from a to b after one pass:
+/// it has claimed b's receive `recv_id` and filled part of it. Returns the
+/// pair and a's source buffer.
+fn half_placed_send(len: usize, recv_id: u64) -> (Env, End, End, Buf) {
+    let (mut env, a, b) = Env::pair();
+    let src = env.mr(C1, a.pd, len, FULL);
+    let dst = env.mr(C2, b.pd, len, FULL);
+    env.io.post_recv(b.qpn, recv(recv_id, &[dst.sge(0, len as u32)]));
+    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[src.sge(0, len as u32)], SendFlags::SIGNALED));
+    env.step(T0);
+    assert!(env.poll(b.cq).is_empty(), "a holds b's receive, part-filled");
+    (env, a, b, src)
+}
+
 #[test]
 fn reset_mid_send_gives_the_receive_back() {
-    const LEN: usize = 200 << 10;
-    let (mut env, a, b) = Env::pair();
-    let src = env.mr(C1, a.pd, LEN, FULL);
-    let dst = env.mr(C2, b.pd, LEN, FULL);
-    env.io.post_recv(b.qpn, recv(8, &[dst.sge(0, LEN as u32)]));
-    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[src.sge(0, LEN as u32)], SendFlags::SIGNALED));
-    env.step(T0);
-    assert!(env.poll(b.cq).is_empty());
+    let (mut env, a, b, src) = half_placed_send(200 << 10, 8);
     let attr = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
     env.modify(a.qpn, &attr, QpAttrMask::STATE).unwrap();
     // The message was abandoned: the receive it claimed serves the next one.
@@ -1208,13 +1215,7 @@ fn reset_mid_send_gives_the_receive_back() {
 
 #[test]
 fn destroying_the_requester_mid_send_gives_the_receive_back() {
-    const LEN: usize = 200 << 10;
-    let (mut env, a, b) = Env::pair();
-    let src = env.mr(C1, a.pd, LEN, FULL);
-    let dst = env.mr(C2, b.pd, LEN, FULL);
-    env.io.post_recv(b.qpn, recv(8, &[dst.sge(0, LEN as u32)]));
-    env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[src.sge(0, LEN as u32)], SendFlags::SIGNALED));
-    env.step(T0);
+    let (mut env, a, b, _src) = half_placed_send(200 << 10, 8);
     env.hca.destroy_qp(C1, a.qpn, &mut env.io).unwrap();
     let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
     env.modify(b.qpn, &attr, QpAttrMask::STATE).unwrap();
@@ -1476,15 +1477,8 @@ fn a_sweep_finds_a_qp_whose_wake_up_was_missed() {
 /// and left idle once its own queues were flushed, must still flush it.
 #[test]
 fn a_receive_given_back_to_an_idle_qp_in_err_is_flushed() {
-    const LEN: usize = 300 << 10;
     for destroy in [false, true] {
-        let (mut env, a, b) = Env::pair();
-        let src = env.mr(C1, a.pd, LEN, FULL);
-        let dst = env.mr(C2, b.pd, LEN, FULL);
-        env.io.post_recv(b.qpn, recv(60, &[dst.sge(0, LEN as u32)]));
-        env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[src.sge(0, LEN as u32)], SendFlags::SIGNALED));
-        env.step(T0);
-        assert!(env.poll(b.cq).is_empty(), "a holds b's receive, part-filled");
+        let (mut env, a, b, _src) = half_placed_send(300 << 10, 60);
         // b fails: it has nothing of its own to flush, and is left idle.
         env.modify(b.qpn, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)
             .unwrap();
