@@ -124,11 +124,18 @@ impl Doorbell {
 
     /// Consumes every pending ring without blocking; returns how many.
     pub fn drain(&self) -> u64 {
-        let mut buf = [0u8; 16];
-        let mut n = 0u64;
         // Bounded: a socket buffer holds a bounded number of datagrams, and
         // a peer ringing as fast as we drain must not hold us here.
-        for _ in 0..4096 {
+        self.drain_at_most(4096)
+    }
+
+    /// Consumes at most `most` pending rings without blocking; returns
+    /// how many. Each ring is a system call: one who reads a doorbell that
+    /// an untrusted peer may flood bounds what the peer can make it spend.
+    pub fn drain_at_most(&self, most: u64) -> u64 {
+        let mut buf = [0u8; 16];
+        let mut n = 0u64;
+        for _ in 0..most {
             match rustix::net::recv(&self.0, &mut buf, RecvFlags::DONTWAIT) {
                 Ok(_) => n += 1,
                 Err(Errno::INTR) => continue,

@@ -210,6 +210,13 @@ impl RingView {
         self.word(CONSUMER_OFFSET)
     }
 
+    /// Overwrites the producer index with `value`, as a buggy or hostile
+    /// producer may: for tests that the consumer side survives it.
+    #[doc(hidden)]
+    pub fn scribble_producer_index(&self, value: u32) {
+        self.producer_index().store(value, Ordering::SeqCst);
+    }
+
     /// Auxiliary word `i` of the header, for flags the users agree on.
     ///
     /// # Panics

@@ -155,6 +155,15 @@ impl Daemon {
             tenancy: server::Tenancy::new(config.tenant_by)?,
             sessions: Mutex::new(Vec::new()),
         });
+        // A context whose tenant broke the shared-memory protocol is closed
+        // as if its process had gone (the engine tells it why first).
+        let weak = Arc::downgrade(&shared);
+        let end: Box<dyn Fn(vrdma_core::hca::ContextId) + Send> = Box::new(move |ctx| {
+            if let Some(s) = weak.upgrade() {
+                s.end_session(ctx.0);
+            }
+        });
+        engine.handle().call(move |st| st.on_broken = Some(end)).map_err(std::io::Error::other)?;
         let (l, s) = (listener.clone(), shared.clone());
         let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;
         tracing::info!(socket = %path.display(), %address, "vrdma daemon ready");

@@ -17,6 +17,7 @@ mod error;
 mod objects;
 mod queues;
 mod remote;
+mod schedule;
 #[cfg(test)]
 mod tests;
 
@@ -103,14 +104,8 @@ pub struct Hca {
     srqs: HashMap<u32, Srq>,
     ahs: HashMap<u32, Ah>,
     qps: HashMap<u32, Qp>,
-    /// The QPs the engine serves, in order; it walks them round-robin.
-    qp_order: Vec<u32>,
-    /// Where in `qp_order` the next pass starts: at the first QP a
-    /// tenant's share of the last pass left out.
-    resume_at: usize,
-    /// `process`'s count of busy turns per tenant (a buffer kept so that
-    /// a pass allocates nothing).
-    pass_turns: Vec<(TenantId, u32)>,
+    /// The QPs the engine serves, queued per tenant (see [`schedule`]).
+    order: schedule::ServiceOrder,
     next_id: u32,
     next_qpn: u32,
     /// Links to other hosts' daemons.
@@ -122,8 +117,11 @@ pub struct Hca {
     posted: Vec<u32>,
     /// See [`Hca::missed_wakeups`].
     missed_wakeups: u64,
-    /// QPs a sweep has yet to wake ([`Hca::sweep`]).
+    /// QPs a sweep has yet to look at ([`Hca::sweep`]).
     sweeping: Vec<u32>,
+    /// Notices of posted QPs taken per tenant per pass, at most (see
+    /// [`Queues::take_posted`]).
+    notices_per_tenant: u32,
 }
 
 /// QPs a sweep wakes per pass.
@@ -131,6 +129,9 @@ pub const SWEEP_PER_PASS: usize = 256;
 
 impl Hca {
     pub fn new(config: HcaConfig, keys: Box<dyn KeySource>) -> Hca {
+        // Twice the visits a tenant gets a pass: its notices keep its
+        // share busy, and the rest wait in its rings at no cost.
+        let notices_per_tenant = config.tenant_turns.saturating_mul(2).max(1);
         Hca {
             config,
             keys,
@@ -143,9 +144,7 @@ impl Hca {
             srqs: HashMap::default(),
             ahs: HashMap::default(),
             qps: HashMap::default(),
-            qp_order: Vec::new(),
-            resume_at: 0,
-            pass_turns: Vec::new(),
+            order: schedule::ServiceOrder::default(),
             next_id: 1,
             next_qpn: 0x11,
             net: remote::Network::default(),
@@ -153,6 +152,7 @@ impl Hca {
             posted: Vec::new(),
             missed_wakeups: 0,
             sweeping: Vec::new(),
+            notices_per_tenant,
         }
     }
 

@@ -61,8 +61,10 @@ pub trait Queues {
     fn qp_state_changed(&mut self, qpn: u32, state: QpState);
     /// Appends the QPs whose owners posted send WRs since the last call
     /// (a QP may come more than once). The driver reads the tenants'
-    /// notices and passes on only QPs of the context that named them.
-    fn take_posted(&mut self, out: &mut Vec<u32>);
+    /// notices and passes on only QPs of the context that named them, at
+    /// most `per_tenant` of each tenant's a call whatever its contexts
+    /// wrote, leaving the rest for later calls; `true` when it left some.
+    fn take_posted(&mut self, per_tenant: u32, out: &mut Vec<u32>) -> bool;
     /// The core is about to leave `qpn` idle until
     /// [`take_posted`](Self::take_posted) names it again: re-arm the
     /// owner's notification, then say whether its send queue (and, with

@@ -2,7 +2,7 @@
 //! effects, and what the engine does for every opcode, driven through a
 //! `VecDeque`-backed [`Queues`] and explicit time.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use super::*;
@@ -93,8 +93,10 @@ impl Queues for FakeQueues {
     fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
         self.states.insert(qpn, state);
     }
-    fn take_posted(&mut self, out: &mut Vec<u32>) {
+    fn take_posted(&mut self, _per_tenant: u32, out: &mut Vec<u32>) -> bool {
+        // (The daemon's budget per tenant is tested with its rings.)
         out.append(&mut self.posted);
+        false
     }
     fn named_since_parked(&mut self, qpn: u32) -> bool {
         self.posted.contains(&qpn)
@@ -139,8 +141,8 @@ impl Queues for Garbled<'_> {
     fn qp_state_changed(&mut self, qpn: u32, state: QpState) {
         self.0.qp_state_changed(qpn, state)
     }
-    fn take_posted(&mut self, out: &mut Vec<u32>) {
-        self.0.take_posted(out)
+    fn take_posted(&mut self, per_tenant: u32, out: &mut Vec<u32>) -> bool {
+        self.0.take_posted(per_tenant, out)
     }
     fn named_since_parked(&mut self, qpn: u32) -> bool {
         self.0.named_since_parked(qpn)
@@ -2941,22 +2943,30 @@ fn a_tenant_with_many_busy_qps_gets_its_turns_per_pass_not_one_per_qp() {
     // Tenant 1000: eight QPs, each with two writes of one chunk (one chunk
     // per QP per pass, so each busy turn completes one write).
     let mut many = Vec::new();
+    let mut peers = Vec::new();
     for _ in 0..8 {
         let (a, b) = (env.end_with(C1, true), env.end(C2));
         env.connect(a.qpn, b.qpn);
         env.connect(b.qpn, a.qpn);
+        many.push(a);
+        peers.push(b);
+    }
+    // Tenant 2000: one QP with one write.
+    let (x, y) = (env.end_with(C3, true), env.end(C3));
+    env.connect(x.qpn, y.qpn);
+    env.connect(y.qpn, x.qpn);
+    // Connecting woke every QP; with nothing to do they are left idle
+    // before the passes that count. (A turn counts against its tenant's
+    // share whether it moved anything or not.)
+    env.run(T0);
+    for (a, b) in many.iter().zip(&peers) {
         for id in 0..2 {
             env.io.post_send(
                 a.qpn,
                 rdma(id, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key),
             );
         }
-        many.push(a);
     }
-    // Tenant 2000: one QP with one write.
-    let (x, y) = (env.end_with(C3, true), env.end(C3));
-    env.connect(x.qpn, y.qpn);
-    env.connect(y.qpn, x.qpn);
     env.io.post_send(x.qpn, rdma(9, SendOpcode::RdmaWrite, &[x.buf.sge(0, chunk)], y.buf.addr, y.buf.key));
     let done = |env: &mut Env, ends: &[End]| ends.iter().map(|e| env.poll(e.cq).len()).collect::<Vec<_>>();
 
@@ -3040,4 +3050,53 @@ fn granted_depths_stay_within_the_queue_depth_quota() {
     let mut init = qp_init(cq, cq, None);
     init.cap.max_send_wr = 600;
     assert!(matches!(hca.create_qp(C1, pd, init), Err(HcaError::QuotaExceeded(_))));
+}
+
+/// A tenant that wakes thousands of idle QPs at once (a flood of notices,
+/// an overflowed posted ring, or a sweep) gets its share of each pass in
+/// turns, busy or not: no pass gives it more than `tenant_turns`, and
+/// another tenant's message goes in the first pass.
+#[test]
+fn thousands_of_qps_woken_at_once_cost_each_pass_one_tenants_share() {
+    for by_sweep in [false, true] {
+        let mut env = Env::new();
+        let turns = env.hca.config().tenant_turns as usize;
+        let pd = env.hca.alloc_pd(C1).unwrap();
+        let (cq, _) = env.hca.create_cq(C1, 64).unwrap();
+        let idle: HashSet<u32> = (0..2000)
+            .map(|_| {
+                let q = env.qp(C1, pd, qp_init(cq, cq, None));
+                env.connect(q, q);
+                q
+            })
+            .collect();
+        let (x, y) = (env.end_with(C3, true), env.end(C3));
+        env.connect(x.qpn, y.qpn);
+        env.connect(y.qpn, x.qpn);
+        env.run(T0);
+        assert!(env.hca.served_qps().is_empty(), "all idle");
+        if by_sweep {
+            env.hca.sweep();
+        } else {
+            env.io.posted.extend(idle.iter().copied());
+        }
+        env.io.post_send(x.qpn, rdma(1, SendOpcode::RdmaWrite, &[x.buf.sge(0, 8)], y.buf.addr, y.buf.key));
+        let mut passes = 0;
+        loop {
+            env.io.parked.clear();
+            let act = env.step(T0);
+            passes += 1;
+            let visits = env.io.parked.iter().filter(|q| idle.contains(q)).count();
+            assert!(visits <= turns, "sweep {by_sweep}: pass {passes} gave the tenant {visits} turns");
+            if passes == 1 {
+                assert_eq!(env.poll(x.cq).len(), 1, "sweep {by_sweep}: the other tenant waited");
+            }
+            if !act.busy {
+                break;
+            }
+            assert!(passes < 10_000, "sweep {by_sweep}: never done");
+        }
+        assert!(passes >= idle.len() / turns, "sweep {by_sweep}: {passes} passes");
+        assert!(env.hca.served_qps().is_empty(), "sweep {by_sweep}: all idle again");
+    }
 }

@@ -44,6 +44,9 @@ pub struct EngineState {
     /// until it is done.
     sweep_every: Option<Duration>,
     last_sweep: Instant,
+    /// Ends the session of a context whose tenant broke the shared-memory
+    /// protocol (see [`RingTable::take_broken`]); the daemon sets it.
+    pub on_broken: Option<Box<dyn Fn(ContextId) + Send>>,
 }
 
 impl EngineState {
@@ -55,6 +58,7 @@ impl EngineState {
             epoch: std::time::Instant::now(),
             sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
             last_sweep: Instant::ZERO,
+            on_broken: None,
         }
     }
 
@@ -102,6 +106,12 @@ impl EngineState {
             act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
         }
         act.busy |= self.hca.needs_pass();
+        for ctx in self.rings.take_broken() {
+            match &self.on_broken {
+                Some(end) => end(ctx),
+                None => tracing::debug!(ctx = ctx.0, "a broken context has no session to end"),
+            }
+        }
         act
     }
 }
@@ -315,12 +325,30 @@ fn sleep(s: &EngineState, wake: &Doorbell, timeout: Option<Duration>) {
             tracing::warn!(error = %e, "engine poll failed");
         }
     }
+    // Only the doorbells that rang are read, and at most
+    // DOORBELL_READS_PER_TENANT rings of one tenant's: a tenant that floods
+    // its doorbells keeps the engine awake (as its posts could), but cannot
+    // make it spend thousands of system calls per wake-up while others
+    // wait. What is left unread wakes the next poll at once.
+    let rang: Vec<bool> = fds[1..].iter().map(|f| f.revents().contains(PollFlags::IN)).collect();
     drop(fds);
     wake.drain();
-    for c in s.rings.contexts.values() {
-        c.doorbell.drain();
+    let mut spent: Vec<(vrdma_core::hca::TenantId, u64)> = Vec::new();
+    for (c, _) in s.rings.contexts.values().zip(rang).filter(|(_, rang)| *rang) {
+        let i = match spent.iter().position(|(t, _)| *t == c.tenant) {
+            Some(i) => i,
+            None => {
+                spent.push((c.tenant, 0));
+                spent.len() - 1
+            }
+        };
+        let left = DOORBELL_READS_PER_TENANT.saturating_sub(spent[i].1);
+        spent[i].1 += c.doorbell.drain_at_most(left);
     }
 }
+
+/// Rings of one tenant's doorbells read per wake-up at most (see `sleep`).
+const DOORBELL_READS_PER_TENANT: u64 = 64;
 
 #[cfg(test)]
 mod tests {

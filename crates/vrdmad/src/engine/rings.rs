@@ -11,17 +11,18 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use vrdma_core::hca::IdMap as HashMap;
 
-use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource};
+use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource, TenantId};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CTX_AUX_ENGINE_SLEEPING, CTX_AUX_EVENTS_DROPPED,
     POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED, SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
-use vrdma_core::verbs::{QpState, WcStatus};
+use vrdma_core::verbs::{AsyncEventType, QpState, WcStatus};
 use vrdma_shm::{Doorbell, RingView};
 
 /// A context's rings: async events out; doorbell and posted QPs in.
 pub struct ContextRings {
+    pub tenant: TenantId,
     pub events: RingView,
     pub event_fd: Doorbell,
     pub doorbell: Arc<Doorbell>,
@@ -30,31 +31,73 @@ pub struct ContextRings {
     pub posted: RingView,
     /// The context's QPs: those it may name.
     qps: HashMap<u32, ()>,
+    /// QPs still to be woken because the tenant said it could not name
+    /// them all (its ring was full): a few each call, never all at once.
+    rescan: Vec<u32>,
+    /// The overflow flag was set again during a rescan: a post it stands
+    /// for may be to a QP the rescan had passed, so another follows.
+    rescan_again: bool,
+    /// The tenant corrupted its posted ring: nothing more is read from it,
+    /// and the context is being closed ([`RingTable::take_broken`]).
+    broken: bool,
+}
+
+/// What one call took from a context's notices.
+struct Taken {
+    /// Notices (or QPs of a rescan) looked at: what the call cost.
+    looked: u32,
+    /// More are waiting.
+    more: bool,
+    /// This call found the ring corrupt.
+    broke: bool,
 }
 
 impl ContextRings {
-    pub fn new(events: RingView, event_fd: Doorbell, doorbell: Arc<Doorbell>, posted: RingView) -> Self {
-        ContextRings { events, event_fd, doorbell, posted, qps: HashMap::default() }
+    pub fn new(
+        tenant: TenantId,
+        events: RingView,
+        event_fd: Doorbell,
+        doorbell: Arc<Doorbell>,
+        posted: RingView,
+    ) -> Self {
+        ContextRings {
+            tenant,
+            events,
+            event_fd,
+            doorbell,
+            posted,
+            qps: HashMap::default(),
+            rescan: Vec::new(),
+            rescan_again: false,
+            broken: false,
+        }
     }
 
     /// Appends the QPs of this context that its tenant named since the
-    /// last call, all of them if it said it could not name them all (or
-    /// scribbled on the ring). At most one ring's worth a call.
-    fn take_posted(&self, out: &mut Vec<u32>) {
+    /// last call, looking at `budget` notices at most; a tenant that said
+    /// it could not name them all gets all its QPs woken, `budget` at a
+    /// time. Garbage in the ring marks the context broken.
+    fn take_posted(&mut self, budget: u32, out: &mut Vec<u32>) -> Taken {
+        if self.broken {
+            return Taken { looked: 0, more: false, broke: false };
+        }
         // The flag before the slots: a tenant that finds the ring full
         // after this has its flag seen by the next call.
         // (Read first: a swap each pass would write the line every pass.)
         let overflow = self.posted.aux(POSTED_AUX_OVERFLOW);
-        let mut all = overflow.load(Ordering::SeqCst) != 0 && overflow.swap(0, Ordering::SeqCst) != 0;
+        if overflow.load(Ordering::SeqCst) != 0 && overflow.swap(0, Ordering::SeqCst) != 0 {
+            if self.rescan.is_empty() {
+                self.rescan.extend(self.qps.keys().copied());
+            } else {
+                self.rescan_again = true;
+            }
+        }
+        let mut looked = 0;
         let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
-        // A tenant names each QP at most once per re-arm, and the engine
-        // re-arms a QP at most once a pass: more notices than QPs are a
-        // tenant's scribbles (duplicates), left for later passes so that
-        // they cannot make a pass cost more than the context's QPs.
-        let most = (self.qps.len() as u32).clamp(1, self.posted.capacity());
-        for _ in 0..most {
+        while looked < budget {
             match self.posted.try_pop(&mut slot) {
                 Ok(true) => {
+                    looked += 1;
                     let qpn = u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]);
                     if self.qps.contains_key(&qpn) {
                         out.push(qpn);
@@ -62,16 +105,30 @@ impl ContextRings {
                 }
                 Ok(false) => break,
                 Err(e) => {
-                    tracing::warn!(error = %e, "tenant corrupted its posted ring; serving all of its QPs once");
-                    let _ = self.posted.discard_all();
-                    all = true;
-                    break;
+                    tracing::warn!(
+                        tenant = self.tenant.0,
+                        error = %e,
+                        "a tenant corrupted its posted-QP ring; its context is closed"
+                    );
+                    self.broken = true;
+                    self.rescan.clear();
+                    return Taken { looked, more: false, broke: true };
                 }
             }
         }
-        if all {
-            out.extend(self.qps.keys().copied());
+        while looked < budget {
+            let Some(qpn) = self.rescan.pop() else { break };
+            looked += 1;
+            // A QP destroyed since the rescan began is not woken.
+            if self.qps.contains_key(&qpn) {
+                out.push(qpn);
+            }
         }
+        if self.rescan.is_empty() && std::mem::take(&mut self.rescan_again) {
+            self.rescan.extend(self.qps.keys().copied());
+        }
+        let more = !self.rescan.is_empty() || self.posted.len().is_ok_and(|n| n > 0);
+        Taken { looked, more, broke: false }
     }
 }
 
@@ -160,6 +217,13 @@ pub struct RingTable {
     /// Completions lost to full CQs, async events lost to full rings.
     pub dropped_events: u64,
     next_channel: u32,
+    /// Where the next [`Queues::take_posted`] starts among the contexts,
+    /// so that every context of a tenant gets its turn at the budget.
+    posted_from: usize,
+    /// Per tenant, what the current `take_posted` call has spent.
+    posted_spent: Vec<(TenantId, u32)>,
+    /// Contexts found broken, not yet given to [`Self::take_broken`].
+    broken: Vec<ContextId>,
 }
 
 impl RingTable {
@@ -187,6 +251,17 @@ impl RingTable {
                 c.qps.remove(&qpn);
             }
         }
+    }
+
+    /// Contexts whose tenant broke the shared-memory protocol since the
+    /// last call. Each is told (`IBV_EVENT_DEVICE_FATAL`) and nothing more
+    /// is read from its posted ring; the caller closes its session.
+    pub fn take_broken(&mut self) -> Vec<ContextId> {
+        let broken = std::mem::take(&mut self.broken);
+        for &id in &broken {
+            self.async_event(id, AsyncEvent { event_type: AsyncEventType::DeviceFatal, element: 0 });
+        }
+        broken
     }
 
     /// Tells every context whether the engine is asleep (and so whether a
@@ -337,10 +412,43 @@ impl Queues for RingTable {
         }
     }
 
-    fn take_posted(&mut self, out: &mut Vec<u32>) {
-        for c in self.contexts.values() {
-            c.take_posted(out);
+    fn take_posted(&mut self, per_tenant: u32, out: &mut Vec<u32>) -> bool {
+        let n = self.contexts.len();
+        if n == 0 {
+            return false;
         }
+        let from = self.posted_from % n;
+        self.posted_from = self.posted_from.wrapping_add(1);
+        let mut spent = std::mem::take(&mut self.posted_spent);
+        spent.clear();
+        let mut more = false;
+        // Contexts in a turning order: a tenant whose first contexts use
+        // its whole budget does not leave its others unread for ever.
+        let broken = &mut self.broken;
+        let mut take = |(&id, c): (&ContextId, &mut ContextRings)| {
+            let i = match spent.iter().position(|(t, _)| *t == c.tenant) {
+                Some(i) => i,
+                None => {
+                    spent.push((c.tenant, 0));
+                    spent.len() - 1
+                }
+            };
+            let budget = per_tenant.saturating_sub(spent[i].1);
+            if budget == 0 {
+                more |= !c.broken && (c.posted.len().is_ok_and(|n| n > 0) || !c.rescan.is_empty());
+                return;
+            }
+            let taken = c.take_posted(budget, out);
+            spent[i].1 += taken.looked;
+            more |= taken.more;
+            if taken.broke {
+                broken.push(id);
+            }
+        };
+        self.contexts.iter_mut().skip(from).for_each(&mut take);
+        self.contexts.iter_mut().take(from).for_each(&mut take);
+        self.posted_spent = spent;
+        more
     }
 
     fn named_since_parked(&mut self, qpn: u32) -> bool {
@@ -363,28 +471,131 @@ mod tests {
     use super::*;
     use vrdma_shm::{ring_bytes, Segment};
 
-    /// A tenant may write anything into its posted ring: a ring full of
-    /// the same QP's number costs a pass no more than the context's QPs.
-    #[test]
-    fn a_posted_ring_of_duplicates_costs_no_more_than_the_contexts_qps() {
-        let len = ring_bytes(proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE);
-        let seg = Arc::new(Segment::create("vrdma-test", len).unwrap());
-        let view =
-            || RingView::in_segment(seg.clone(), 0, proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE);
-        let other = Arc::new(Segment::create("vrdma-test", len).unwrap());
-        let events =
-            RingView::in_segment(other, 0, proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE).unwrap();
-        let tenant = view().unwrap();
+    /// A context of `tenant` owning `qps`, and the tenant's view of its
+    /// posted ring.
+    fn context(tenant: u32, qps: impl IntoIterator<Item = u32>) -> (ContextRings, RingView) {
+        let ring = || {
+            let len = ring_bytes(proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE);
+            let seg = Arc::new(Segment::create("vrdma-test", len).unwrap());
+            (
+                RingView::in_segment(seg.clone(), 0, proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE)
+                    .unwrap(),
+                seg,
+            )
+        };
+        let (posted, seg) = ring();
+        let tenant_view =
+            RingView::in_segment(seg, 0, proto::POSTED_RING_CAPACITY, proto::POSTED_SLOT_SIZE).unwrap();
+        let len = ring_bytes(proto::ASYNC_RING_CAPACITY, proto::ASYNC_EVENT_SIZE);
+        let events = RingView::in_segment(
+            Arc::new(Segment::create("vrdma-test", len).unwrap()),
+            0,
+            proto::ASYNC_RING_CAPACITY,
+            proto::ASYNC_EVENT_SIZE,
+        )
+        .unwrap();
         let (bell, _) = Doorbell::pair().unwrap();
         let (event_fd, _) = Doorbell::pair().unwrap();
-        let mut c = ContextRings::new(events, event_fd, Arc::new(bell), view().unwrap());
-        c.qps.insert(0x11, ());
+        let mut c = ContextRings::new(TenantId(tenant), events, event_fd, Arc::new(bell), posted);
+        for q in qps {
+            c.qps.insert(q, ());
+        }
+        (c, tenant_view)
+    }
+
+    fn name(ring: &RingView, qpn: u32) -> bool {
         let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
-        slot[..4].copy_from_slice(&0x11u32.to_le_bytes());
-        while tenant.try_push_bytes(&slot).unwrap() {}
+        slot[..4].copy_from_slice(&qpn.to_le_bytes());
+        ring.try_push_bytes(&slot).unwrap()
+    }
+
+    /// A tenant may write anything into its posted ring: a ring full of
+    /// the same QP's number costs a call no more than its budget.
+    #[test]
+    fn a_posted_ring_of_duplicates_costs_no_more_than_the_budget() {
+        let (mut c, tenant) = context(1, [0x11]);
+        while name(&tenant, 0x11) {}
         let mut out = Vec::new();
-        c.take_posted(&mut out);
-        assert!(out.len() <= 1, "{} notices taken for a context of one QP", out.len());
-        assert_eq!(out, vec![0x11]);
+        let t = c.take_posted(64, &mut out);
+        assert_eq!((t.looked, out.len()), (64, 64));
+        assert!(t.more, "the rest waits for later calls");
+    }
+
+    /// The overflow flag wakes every QP of the context, `budget` a call:
+    /// never all at once, and a flag set again during the rescan (a post
+    /// to a QP the rescan had passed) brings another.
+    #[test]
+    fn an_overflowed_ring_wakes_the_contexts_qps_a_budget_at_a_time() {
+        let (mut c, tenant) = context(1, 0..1000);
+        let flag = || tenant.aux(POSTED_AUX_OVERFLOW).store(1, Ordering::SeqCst);
+        flag();
+        let mut out = Vec::new();
+        let mut calls = 0;
+        loop {
+            let before = out.len();
+            let t = c.take_posted(32, &mut out);
+            assert!(out.len() - before <= 32 && t.looked <= 32);
+            calls += 1;
+            if calls == 10 {
+                flag();
+            }
+            if !t.more {
+                break;
+            }
+            assert!(calls < 1000, "a rescan never ends");
+        }
+        let mut woken = out.clone();
+        woken.sort_unstable();
+        woken.dedup();
+        assert_eq!(woken.len(), 1000, "every QP is woken");
+        assert_eq!(out.len(), 2000, "twice: the flag came again during the first rescan");
+        // Kept set by a tenant, the flag costs a budget a call, no more.
+        for _ in 0..100 {
+            flag();
+            out.clear();
+            c.take_posted(32, &mut out);
+            assert!(out.len() <= 32);
+        }
+    }
+
+    /// Indices no well-behaved tenant writes: the context is broken once,
+    /// told so, and its ring is never read again.
+    #[test]
+    fn a_corrupt_posted_ring_breaks_its_context_once() {
+        let (c, tenant) = context(1, [0x11]);
+        let mut table = RingTable::default();
+        table.contexts.insert(ContextId(7), c);
+        tenant.scribble_producer_index(proto::POSTED_RING_CAPACITY * 3);
+        let mut out = Vec::new();
+        assert!(!table.take_posted(64, &mut out));
+        assert_eq!(table.take_broken(), vec![ContextId(7)]);
+        let c = &table.contexts[&ContextId(7)];
+        assert_eq!(c.events.len(), Ok(1), "IBV_EVENT_DEVICE_FATAL is in its event ring");
+        for _ in 0..10 {
+            assert!(!table.take_posted(64, &mut out));
+        }
+        assert!(table.take_broken().is_empty(), "broken once");
+        assert!(out.is_empty());
+    }
+
+    /// A tenant's budget is shared by all its contexts; another tenant's
+    /// notices are taken whatever the first one wrote.
+    #[test]
+    fn the_notice_budget_is_per_tenant_across_its_contexts() {
+        let mut table = RingTable::default();
+        let mut views = Vec::new();
+        for i in 0..20 {
+            let (c, v) = context(1, [100 + i]);
+            while name(&v, 100 + i) {}
+            table.contexts.insert(ContextId(i), c);
+            views.push(v);
+        }
+        let (c, v) = context(2, [7]);
+        name(&v, 7);
+        table.contexts.insert(ContextId(99), c);
+        let mut out = Vec::new();
+        assert!(table.take_posted(64, &mut out));
+        assert_eq!(out.iter().filter(|&&q| q == 7).count(), 1, "the other tenant's notice");
+        assert_eq!(out.iter().filter(|&&q| q != 7).count(), 64, "tenant 1's budget, no more");
     }
 }

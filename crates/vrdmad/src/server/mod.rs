@@ -27,6 +27,17 @@ pub(crate) struct Shared {
     pub sessions: Mutex<Vec<(u32, TenantId, OwnedFd)>>,
 }
 
+impl Shared {
+    /// Ends session `id`: its thread sees the connection end and closes
+    /// the context, and the tenant sees its connection closed.
+    pub fn end_session(&self, id: u32) {
+        for (_, _, fd) in self.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter().filter(|s| s.0 == id)
+        {
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
+        }
+    }
+}
+
 /// Connections a tenant may hold beyond its quota of contexts: room for
 /// ones still saying Hello or closing. Beyond, they are closed at once,
 /// so that one tenant cannot use up the daemon's descriptors and threads.

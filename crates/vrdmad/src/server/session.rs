@@ -360,7 +360,7 @@ impl Session {
         let tenant = self.tenant;
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
-            e.rings.contexts.insert(c, ContextRings::new(events, event_fd, doorbell, posted));
+            e.rings.contexts.insert(c, ContextRings::new(tenant, events, event_fd, doorbell, posted));
             Ok::<_, HcaError>(())
         })??;
         self.open = true;

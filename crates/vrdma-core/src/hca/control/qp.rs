@@ -91,10 +91,14 @@ impl Hca {
         Ok(QpCreated { qpn, cap: granted })
     }
 
-    /// The QPs the engine visits in a pass, in order.
+    /// The QPs the engine serves, in the order it will visit them.
     #[cfg(test)]
-    pub(crate) fn served_qps(&self) -> &[u32] {
-        &self.qp_order
+    pub(crate) fn served_qps(&self) -> Vec<u32> {
+        let mut seen = std::collections::HashSet::new();
+        self.order
+            .queued()
+            .filter(|n| self.qps.get(n).is_some_and(|q| q.served && q.in_order) && seen.insert(*n))
+            .collect()
     }
 
     /// Puts a QP into the engine's service order or takes it out, as
@@ -109,17 +113,21 @@ impl Hca {
         let serve = qp.needs_service();
         if serve == qp.served {
             // Woken while served: whatever its next turn finds was not
-            // missed.
+            // missed, and its tenant may have work again.
             qp.swept = false;
+            if serve {
+                let tenant = qp.tenant;
+                self.order.stir(tenant);
+            }
             return;
         }
         qp.served = serve;
+        // A QP that stops being served leaves its tenant's queue when the
+        // engine next comes to it (see `process`).
         if serve && !qp.in_order {
             qp.in_order = true;
-            self.qp_order.push(qpn);
-        } else if !serve && qp.in_order {
-            qp.in_order = false;
-            self.qp_order.retain(|&n| n != qpn);
+            let tenant = qp.tenant;
+            self.order.push(tenant, qpn);
         }
         self.set_awake_on_links(qpn, serve);
     }
@@ -134,8 +142,8 @@ impl Hca {
     }
 
     /// Leaves a QP with nothing to do out of the engine's passes (and its
-    /// links') until it is woken. `process` takes it out of `qp_order`
-    /// at the end of the pass.
+    /// links') until it is woken. `process` takes it out of its tenant's
+    /// queue.
     pub(crate) fn park(&mut self, qpn: u32) {
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
         qp.served = false;
@@ -149,10 +157,13 @@ impl Hca {
     /// was missed. The driver sweeps now and then, so that a QP whose
     /// wake-up was lost (a tenant that never names its QPs, or a bug)
     /// waits at most until the next sweep.
+    ///
+    /// Starting one only copies the QP numbers; each pass then looks at
+    /// [`SWEEP_PER_PASS`] of them, so that no one pass pays for a tenant's
+    /// thousands of QPs.
     pub fn sweep(&mut self) {
         if self.sweeping.is_empty() {
-            self.sweeping
-                .extend(self.qps.iter().filter(|(_, q)| !q.served && q.needs_service()).map(|(&n, _)| n));
+            self.sweeping.extend(self.qps.keys().copied());
         }
     }
 
@@ -160,7 +171,7 @@ impl Hca {
     pub(crate) fn sweep_some(&mut self) {
         for _ in 0..SWEEP_PER_PASS {
             let Some(qpn) = self.sweeping.pop() else { return };
-            if self.qps.get(&qpn).is_some_and(|q| !q.served) {
+            if self.qps.get(&qpn).is_some_and(|q| !q.served && q.needs_service()) {
                 self.update_service(qpn);
                 if let Some(q) = self.qps.get_mut(&qpn).filter(|q| q.served) {
                     q.swept = true;
@@ -297,7 +308,7 @@ impl Hca {
 
     pub(crate) fn remove_qps(&mut self, qpns: &[u32], io: &mut dyn Queues) {
         let gone: std::collections::HashSet<u32> = qpns.iter().copied().collect();
-        self.qp_order.retain(|n| !gone.contains(n));
+        self.order.remove(|n| gone.contains(&n));
         // Receive WRs other requesters took from a QP that goes must never
         // be handed back by number: the number may later name another
         // tenant's QP. Those of its SRQ go back to the SRQ now; those of its
@@ -323,7 +334,7 @@ impl Hca {
         }
     }
 
-    /// Removes one QP; the caller updates `qp_order` and takes back the
+    /// Removes one QP; the caller updates the service order and takes back the
     /// receives other requesters hold of it.
     fn remove_one_qp(&mut self, qpn: u32, io: &mut dyn Queues) {
         self.cancel_placements_of(qpn);

@@ -18,6 +18,7 @@
 //! SQE, from which a modify to RTS recovers.
 
 use super::objects::{Inflight, Mr, Qp};
+use super::schedule::Left;
 use super::AsyncEvent;
 use super::TenantId;
 use super::{Hca, Queues, RecvSource};
@@ -158,11 +159,14 @@ pub(crate) fn wqe_status(e: WqeError) -> WcStatus {
 }
 
 impl Hca {
-    /// Runs every QP's queues once: at most `chunk_bytes` of payload per QP,
-    /// so that one large transfer cannot starve the others, and at most
-    /// `tenant_turns` QPs of one tenant that have work, so that a tenant's
-    /// many QPs cannot starve other tenants. The QPs a tenant's share left
-    /// out go first in the next pass.
+    /// Gives the QPs with work their turns: each turn moves at most
+    /// `chunk_bytes` of payload or starts at most 64 WRs, so that one large
+    /// transfer cannot starve the others, and each tenant gets at most
+    /// `tenant_turns` turns a pass, busy or not, so that nothing a tenant
+    /// does (thousands of QPs with work, thousands woken at once) makes a
+    /// pass, and so every other tenant's wait, longer than that (see
+    /// [`super::schedule`]). The QPs a tenant's share left out go first in
+    /// its next share.
     ///
     /// Only QPs with work are visited: those named by
     /// [`Queues::take_posted`], woken by a frame or a change of state, or
@@ -172,92 +176,81 @@ impl Hca {
     pub fn process(&mut self, now: Instant, io: &mut dyn Queues) -> Activity {
         let mut act = Activity::default();
         self.flush_pending = false;
-        self.wake_posted(io);
+        act.busy |= self.wake_posted(io);
         self.sweep_some();
-        let mut parked = false;
-        let n = self.qp_order.len();
-        let start = if self.resume_at < n { self.resume_at } else { 0 };
-        let mut resume = None;
-        // Busy turns per tenant in this pass. Few tenants are busy at once:
-        // a short list beats a map, and its buffer is kept between passes.
-        let mut turns = std::mem::take(&mut self.pass_turns);
-        turns.clear();
-        for k in 0..n {
-            // A pass may end QPs (a flush); walk what is left.
-            let len = self.qp_order.len();
-            if len == 0 {
-                break;
-            }
-            let at = (start + k) % len;
-            let qpn = self.qp_order[at];
-            // One lookup per QP per pass: its state, where its peer is,
-            // and a held ACK's timer.
-            let Some(qp) = self.qps.get(&qpn).filter(|q| q.served) else { continue };
-            if let Some(t) = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due()) {
-                act.timer(t);
-            }
-            let tenant = qp.tenant;
-            let ti = match turns.iter().position(|(t, _)| *t == tenant) {
-                Some(i) => i,
-                None => {
-                    turns.push((tenant, 0));
-                    turns.len() - 1
+        for _ in 0..self.order.tenants_waiting() {
+            let Some((tenant, visits)) = self.order.next_share(self.config.tenant_turns) else { break };
+            for _ in 0..visits {
+                let Some(qpn) = self.order.pop(tenant) else { break };
+                // An entry of a QP that stopped being served (or is gone,
+                // or whose number now names another tenant's QP) leaves.
+                let Some(qp) = self.qps.get_mut(&qpn).filter(|q| q.in_order && q.tenant == tenant) else {
+                    continue;
+                };
+                if !qp.served {
+                    qp.in_order = false;
+                    continue;
                 }
-            };
-            if turns[ti].1 >= self.config.tenant_turns {
-                resume.get_or_insert(at);
-                act.busy = true;
-                continue;
-            }
-            let remote = qp.init.qp_type == QpType::Rc && !self.is_local(&qp.attr.ah_attr);
-            let mut turn = Activity::default();
-            match qp.state() {
-                QpState::Err => self.flush(qpn, io, &mut turn),
-                // The send queue of a QP in SQE is flushed; its receive
-                // queue keeps working.
-                QpState::Sqe => self.flush_sends(qpn, io, &mut turn),
-                QpState::Rts | QpState::Sqd if remote => self.run_remote_requester(qpn, now, io, &mut turn),
-                QpState::Rts | QpState::Sqd => self.run_send_queue(qpn, now, io, &mut turn),
-                _ => {}
-            }
-            if turn.busy {
-                act.busy = true;
-                turns[ti].1 += 1;
-            }
-            if let Some(t) = turn.next_timer {
-                act.timer(t);
-            }
-            parked |= self.after_turn(qpn, &turn, io);
-        }
-        if parked {
-            let resume_qpn = resume.and_then(|at| self.qp_order.get(at).copied());
-            let qps = &mut self.qps;
-            self.qp_order.retain(|n| match qps.get_mut(n) {
-                Some(q) if q.served => true,
-                Some(q) => {
-                    q.in_order = false;
-                    false
+                // A held ACK goes out with the link's next frame when due;
+                // the engine must be awake then.
+                let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
+                let turn = self.turn(qpn, now, io);
+                let timer = match (turn.next_timer, ack) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                if let Some(t) = timer {
+                    act.timer(t);
                 }
-                None => false,
-            });
-            resume = resume_qpn.and_then(|q| self.qp_order.iter().position(|&n| n == q));
+                let parked = self.after_turn(qpn, &turn, io);
+                let keep = !parked && self.qps.get(&qpn).is_some_and(|q| q.served);
+                if !keep {
+                    if let Some(q) = self.qps.get_mut(&qpn) {
+                        q.in_order = false;
+                    }
+                }
+                act.busy |= turn.busy;
+                self.order.after_turn(tenant, qpn, keep, turn.busy, timer);
+            }
+            match self.order.end_share(tenant, now) {
+                Left::Work => act.busy = true,
+                Left::Quiet(Some(t)) => act.timer(t),
+                Left::Quiet(None) => {}
+            }
         }
-        self.resume_at = resume.unwrap_or(0);
-        self.pass_turns = turns;
         // A sweep under way finishes before the engine may sleep.
         act.busy |= !self.sweeping.is_empty();
         act
     }
 
-    /// Serves the QPs the driver says were posted to.
-    fn wake_posted(&mut self, io: &mut dyn Queues) {
+    /// One QP's turn: its send queue, or its flush.
+    fn turn(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues) -> Activity {
+        let mut turn = Activity::default();
+        let Some(qp) = self.qps.get(&qpn) else { return turn };
+        let remote = qp.init.qp_type == QpType::Rc && !self.is_local(&qp.attr.ah_attr);
+        match qp.state() {
+            QpState::Err => self.flush(qpn, io, &mut turn),
+            // The send queue of a QP in SQE is flushed; its receive
+            // queue keeps working.
+            QpState::Sqe => self.flush_sends(qpn, io, &mut turn),
+            QpState::Rts | QpState::Sqd if remote => self.run_remote_requester(qpn, now, io, &mut turn),
+            QpState::Rts | QpState::Sqd => self.run_send_queue(qpn, now, io, &mut turn),
+            _ => {}
+        }
+        turn
+    }
+
+    /// Serves the QPs the driver says were posted to; `true` when it
+    /// left notices for the next pass.
+    fn wake_posted(&mut self, io: &mut dyn Queues) -> bool {
         let mut posted = std::mem::take(&mut self.posted);
-        io.take_posted(&mut posted);
+        let more = io.take_posted(self.notices_per_tenant, &mut posted);
         for &qpn in &posted {
             self.update_service(qpn);
         }
         posted.clear();
         self.posted = posted;
+        more
     }
 
     /// After a QP's turn: counts work a sweep found, and parks the QP if

@@ -1,0 +1,247 @@
+//! The engine's order of service: which QPs with work get a turn in a
+//! pass, and how many of one tenant's.
+//!
+//! Every tenant waits for the pass it is in to end, so what bounds a pass
+//! bounds everyone's latency. A pass used to walk every QP with work and
+//! count only the turns that moved something against a tenant's share: a
+//! tenant that woke thousands of idle QPs at once (a posted-QP ring it
+//! kept overflowing, a flood of notices) made every pass walk all of them,
+//! each turn cheap but thousands long, and other tenants' messages waited
+//! milliseconds.
+//!
+//! Here each tenant's QPs queue behind each other in a queue of the
+//! tenant's own, and tenants take turns: a pass gives each tenant with
+//! queued QPs at most `tenant_turns` visits, busy or not, and a QP that
+//! keeps work goes to the back of its tenant's queue. So a pass costs
+//! O(tenants × turns) whatever any tenant does, never O(QPs), and the
+//! visits a tenant's QPs did not get this pass go first in the next.
+//!
+//! A tenant's queue may hold QPs that only wait for a timer (an RNR wait,
+//! a retransmission). Those cannot keep the engine awake for ever: once
+//! every queued QP has had a turn since the last that did work, the
+//! tenant is quiet and the engine may sleep until the earliest timer
+//! those turns reported.
+
+use std::collections::VecDeque;
+
+use super::{IdMap, TenantId};
+use crate::time::Instant;
+
+/// What a tenant's share of a pass left behind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Left {
+    /// Queued QPs may have work: run another pass soon.
+    Work,
+    /// Every queued QP has had a turn since the last that did work:
+    /// nothing to do before this timer, if any.
+    Quiet(Option<Instant>),
+}
+
+#[derive(Debug, Default)]
+struct TenantQueue {
+    qps: VecDeque<u32>,
+    /// Turns in a row that did nothing.
+    quiet: usize,
+    /// The earliest timer those quiet turns reported.
+    timer: Option<Instant>,
+}
+
+/// The QPs the engine serves, queued per tenant; tenants in turn.
+#[derive(Debug, Default)]
+pub(crate) struct ServiceOrder {
+    queues: IdMap<TenantId, TenantQueue>,
+    /// Tenants with queued QPs, in the order they take their shares.
+    tenants: VecDeque<TenantId>,
+}
+
+impl ServiceOrder {
+    /// Queues `qpn` at the back of its tenant's queue.
+    pub(crate) fn push(&mut self, tenant: TenantId, qpn: u32) {
+        let q = self.queues.entry(tenant).or_insert_with(|| {
+            self.tenants.push_back(tenant);
+            TenantQueue::default()
+        });
+        q.qps.push_back(qpn);
+        // A QP that has not had a turn yet may have work.
+        q.quiet = 0;
+    }
+
+    /// A QP of `tenant` that is queued already may have work now (a frame
+    /// or a change of state woke it): the tenant is not quiet.
+    pub(crate) fn stir(&mut self, tenant: TenantId) {
+        if let Some(q) = self.queues.get_mut(&tenant) {
+            q.quiet = 0;
+        }
+    }
+
+    /// Tenants waiting for their share of a pass.
+    pub(crate) fn tenants_waiting(&self) -> usize {
+        self.tenants.len()
+    }
+
+    /// The next tenant to take its share, and how many visits it gets:
+    /// `turns` at most, and no more than it has QPs queued, so that no QP
+    /// has two turns in one share. End its share with [`Self::end_share`].
+    pub(crate) fn next_share(&mut self, turns: u32) -> Option<(TenantId, usize)> {
+        let tenant = self.tenants.pop_front()?;
+        let queued = self.queues.get(&tenant).map_or(0, |q| q.qps.len());
+        Some((tenant, queued.min(turns as usize)))
+    }
+
+    /// The next QP of `tenant`'s queue, taken off it.
+    pub(crate) fn pop(&mut self, tenant: TenantId) -> Option<u32> {
+        self.queues.get_mut(&tenant)?.qps.pop_front()
+    }
+
+    /// After `qpn`'s turn: it goes to the back of the queue (`keep`) or
+    /// leaves it, and the turn counts towards the tenant's quiet.
+    pub(crate) fn after_turn(
+        &mut self,
+        tenant: TenantId,
+        qpn: u32,
+        keep: bool,
+        busy: bool,
+        timer: Option<Instant>,
+    ) {
+        let Some(q) = self.queues.get_mut(&tenant) else { return };
+        if keep {
+            q.qps.push_back(qpn);
+        }
+        if busy {
+            q.quiet = 0;
+            q.timer = None;
+        } else if keep {
+            // (A QP that left the queue leaves nothing to wait for.)
+            q.quiet += 1;
+            if let Some(t) = timer {
+                q.timer = Some(q.timer.map_or(t, |o| o.min(t)));
+            }
+        }
+    }
+
+    /// Ends `tenant`'s share of the pass: it goes to the back of the
+    /// tenants' turn if it still has QPs queued.
+    pub(crate) fn end_share(&mut self, tenant: TenantId, now: Instant) -> Left {
+        let Some(q) = self.queues.get_mut(&tenant) else { return Left::Quiet(None) };
+        if q.qps.is_empty() {
+            self.queues.remove(&tenant);
+            return Left::Quiet(None);
+        }
+        self.tenants.push_back(tenant);
+        if q.quiet < q.qps.len() {
+            return Left::Work;
+        }
+        let timer = q.timer;
+        if timer.is_some_and(|t| t <= now) {
+            // A timer came due: its QP is somewhere in the queue, so the
+            // next pass goes round once more. (Not this one's `Work`: a
+            // QP whose due timer its turn does not clear would keep the
+            // engine spinning; the due timer wakes it at once instead.)
+            q.quiet = 0;
+            q.timer = None;
+        }
+        Left::Quiet(timer)
+    }
+
+    /// Drops the QPs `gone` says are gone from every queue.
+    pub(crate) fn remove(&mut self, gone: impl Fn(u32) -> bool) {
+        for q in self.queues.values_mut() {
+            q.qps.retain(|&n| !gone(n));
+        }
+        let queues = &mut self.queues;
+        queues.retain(|_, q| !q.qps.is_empty());
+        self.tenants.retain(|t| queues.contains_key(t));
+    }
+
+    /// Every queued QP, tenants in turn order (entries may be stale: the
+    /// caller filters them).
+    #[cfg(test)]
+    pub(crate) fn queued(&self) -> impl Iterator<Item = u32> + '_ {
+        self.tenants.iter().filter_map(|t| self.queues.get(t)).flat_map(|q| q.qps.iter().copied())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: TenantId = TenantId(1);
+    const B: TenantId = TenantId(2);
+
+    /// Runs one pass in which every turn is `busy`; returns the QPs
+    /// visited, in order.
+    fn pass(o: &mut ServiceOrder, turns: u32, busy: bool) -> Vec<u32> {
+        let mut seen = Vec::new();
+        for _ in 0..o.tenants_waiting() {
+            let Some((t, visits)) = o.next_share(turns) else { break };
+            for _ in 0..visits {
+                let Some(q) = o.pop(t) else { break };
+                seen.push(q);
+                o.after_turn(t, q, true, busy, None);
+            }
+            o.end_share(t, Instant::ZERO);
+        }
+        seen
+    }
+
+    #[test]
+    fn a_pass_visits_at_most_the_share_of_each_tenant_whatever_it_queued() {
+        let mut o = ServiceOrder::default();
+        for q in 0..10_000 {
+            o.push(A, q);
+        }
+        o.push(B, 99_999);
+        let seen = pass(&mut o, 32, false);
+        assert_eq!(seen.len(), 33, "32 of A's, then B's one");
+        assert_eq!(seen.last(), Some(&99_999));
+        // The next pass goes on where A's share stopped.
+        let seen = pass(&mut o, 32, false);
+        assert_eq!(seen[0], 32);
+    }
+
+    #[test]
+    fn no_qp_has_two_turns_in_one_share() {
+        let mut o = ServiceOrder::default();
+        o.push(A, 1);
+        o.push(A, 2);
+        assert_eq!(pass(&mut o, 32, true), vec![1, 2]);
+    }
+
+    #[test]
+    fn a_tenant_is_quiet_only_after_every_queued_qp_had_a_turn_that_did_nothing() {
+        let mut o = ServiceOrder::default();
+        for q in 0..64 {
+            o.push(A, q);
+        }
+        let share = |o: &mut ServiceOrder, timer: Option<Instant>| {
+            let (t, visits) = o.next_share(32).unwrap();
+            for _ in 0..visits {
+                let q = o.pop(t).unwrap();
+                o.after_turn(t, q, true, false, timer);
+            }
+            o.end_share(t, Instant(10))
+        };
+        assert_eq!(share(&mut o, Some(Instant(50))), Left::Work, "half of them not seen yet");
+        assert_eq!(share(&mut o, Some(Instant(40))), Left::Quiet(Some(Instant(40))));
+        // A QP woken while queued may have work again.
+        o.stir(A);
+        assert_eq!(share(&mut o, None), Left::Work);
+        // A timer that came due wakes the engine at once, and its next
+        // pass goes round once more.
+        let mut o2 = ServiceOrder::default();
+        o2.push(A, 1);
+        assert_eq!(share(&mut o2, Some(Instant(5))), Left::Quiet(Some(Instant(5))), "due at 5, now is 10");
+        let (t, _) = o2.next_share(32).unwrap();
+        assert_eq!(o2.end_share(t, Instant(10)), Left::Work, "not quiet until its QP had a turn again");
+    }
+
+    #[test]
+    fn removed_qps_and_empty_tenants_leave_the_order() {
+        let mut o = ServiceOrder::default();
+        o.push(A, 1);
+        o.push(B, 2);
+        o.remove(|n| n == 1);
+        assert_eq!(o.queued().collect::<Vec<_>>(), vec![2]);
+        assert_eq!(o.tenants_waiting(), 1);
+    }
+}
