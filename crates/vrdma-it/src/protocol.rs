@@ -72,7 +72,33 @@ pub enum Command {
     /// `Hoarded` and keeps them until the process ends.
     Hoard,
     State,
+    /// Creates `count` more QPs, each connected to itself and left idle.
+    IdleQps {
+        count: u32,
+    },
+    /// Breaks the shared-memory protocol as `how` says, from a thread,
+    /// for `millis` (answers at once).
+    Misbehave {
+        how: Misbehavior,
+        millis: u64,
+    },
     Exit,
+}
+
+/// What a hostile tenant does to the memory it shares with the daemon
+/// (see `vrdma::Context::misbehave`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Misbehavior {
+    /// Keeps its posted-QP ring's overflow flag set (every 50 µs).
+    Overflow,
+    /// Names its idle QPs in its posted-QP ring as fast as the engine
+    /// takes them, without posting anything.
+    NameIdle,
+    /// Writes garbage into its posted-QP ring's indices, once.
+    Scribble,
+    /// Rings its doorbell in bursts of 64 (more than the engine reads of
+    /// one tenant per wake-up), every 500 µs.
+    Doorbells,
 }
 
 /// A completion as the peer reports it.

@@ -79,7 +79,49 @@ impl ContextInner {
     }
 }
 
+/// What a broken or hostile tenant can do to the memory it shares with
+/// the daemon, for the tests and benchmarks that show the device stays
+/// fair to everyone else (see [`Context::misbehave`]).
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Misbehave<'a>(&'a ContextInner);
+
+impl Misbehave<'_> {
+    /// Says the posted-QP ring overflowed (every QP of the context may
+    /// have work), as the library does when the ring is full.
+    pub fn set_posted_overflow(&self) {
+        self.0.posted_ring.aux(proto::POSTED_AUX_OVERFLOW).store(1, Ordering::SeqCst);
+    }
+
+    /// Names `qpn` in the posted-QP ring whether or not anything was
+    /// posted to it; `false` when the ring is full.
+    pub fn name_qp(&self, qpn: u32) -> bool {
+        let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
+        slot[..4].copy_from_slice(&qpn.to_le_bytes());
+        matches!(self.0.posted_ring.try_push_bytes(&slot), Ok(true))
+    }
+
+    /// Writes garbage into the posted-QP ring's producer index.
+    pub fn scribble_posted_ring(&self) {
+        self.0
+            .posted_ring
+            .scribble_producer_index(proto::POSTED_RING_CAPACITY.wrapping_mul(7).wrapping_add(3));
+    }
+
+    /// Rings the engine's doorbell whether or not it sleeps.
+    pub fn ring_doorbell(&self) {
+        self.0.doorbell.ring();
+    }
+}
+
 impl Context {
+    /// Breaks the rules of the shared-memory protocol on purpose: for
+    /// tests and benchmarks of the daemon's fairness, never for programs.
+    #[doc(hidden)]
+    pub fn misbehave(&self) -> Misbehave<'_> {
+        Misbehave(&self.inner)
+    }
+
     /// Connects to the daemon at [`default_socket_path`](crate::default_socket_path).
     pub fn open() -> Result<Context> {
         Context::open_at(crate::default_socket_path())

@@ -18,6 +18,8 @@ mod objects;
 mod queues;
 mod remote;
 mod schedule;
+
+pub use schedule::IDLE_TURNS;
 #[cfg(test)]
 mod tests;
 
@@ -129,9 +131,10 @@ pub const SWEEP_PER_PASS: usize = 256;
 
 impl Hca {
     pub fn new(config: HcaConfig, keys: Box<dyn KeySource>) -> Hca {
-        // Twice the visits a tenant gets a pass: its notices keep its
-        // share busy, and the rest wait in its rings at no cost.
-        let notices_per_tenant = config.tenant_turns.saturating_mul(2).max(1);
+        // Each notice of an idle QP makes a turn that does nothing, of which
+        // a tenant's share of a pass has IDLE_TURNS: a few passes' worth is
+        // taken, and the rest waits in its rings at no cost.
+        let notices_per_tenant = 4 * IDLE_TURNS;
         Hca {
             config,
             keys,

@@ -10,11 +10,16 @@
 //! milliseconds.
 //!
 //! Here each tenant's QPs queue behind each other in a queue of the
-//! tenant's own, and tenants take turns: a pass gives each tenant with
-//! queued QPs at most `tenant_turns` visits, busy or not, and a QP that
-//! keeps work goes to the back of its tenant's queue. So a pass costs
-//! O(tenants × turns) whatever any tenant does, never O(QPs), and the
-//! visits a tenant's QPs did not get this pass go first in the next.
+//! tenant's own, and tenants take turns. A tenant's share of a pass ends
+//! after `tenant_turns` turns that did work, or [`IDLE_TURNS`] that did
+//! none, whichever comes first, and a QP that keeps work goes to the back
+//! of its tenant's queue. So a pass costs O(tenants × turns) whatever any
+//! tenant does, never O(QPs), and what a tenant's share left out goes
+//! first in its next share. Turns that find nothing are few for a tenant
+//! that names its QPs only after posting to them; they are what a tenant
+//! gets for waking QPs that have nothing to do, and each costs the engine
+//! a walk through that QP's rings (cache and TLB misses, some hundreds of
+//! nanoseconds): so few are allowed a pass.
 //!
 //! A tenant's queue may hold QPs that only wait for a timer (an RNR wait,
 //! a retransmission). Those cannot keep the engine awake for ever: once
@@ -44,6 +49,39 @@ struct TenantQueue {
     quiet: usize,
     /// The earliest timer those quiet turns reported.
     timer: Option<Instant>,
+}
+
+/// Turns that did nothing a tenant's share of a pass allows.
+pub const IDLE_TURNS: u32 = 4;
+
+/// One tenant's share of a pass: the turns it has had.
+#[derive(Debug)]
+pub(crate) struct Share {
+    pub(crate) tenant: TenantId,
+    /// QPs queued when the share began that have not had a turn: no QP
+    /// has two turns in one share.
+    left: usize,
+    busy: u32,
+    idle: u32,
+}
+
+impl Share {
+    /// Whether another QP may have a turn, with `busy_turns` turns that
+    /// do work allowed.
+    pub(crate) fn more(&self, busy_turns: u32) -> bool {
+        self.left > 0 && self.busy < busy_turns && self.idle < IDLE_TURNS
+    }
+
+    /// Counts a turn (or an entry that was no longer served: `busy`
+    /// false).
+    pub(crate) fn count(&mut self, busy: bool) {
+        self.left = self.left.saturating_sub(1);
+        if busy {
+            self.busy += 1;
+        } else {
+            self.idle += 1;
+        }
+    }
 }
 
 /// The QPs the engine serves, queued per tenant; tenants in turn.
@@ -79,13 +117,12 @@ impl ServiceOrder {
         self.tenants.len()
     }
 
-    /// The next tenant to take its share, and how many visits it gets:
-    /// `turns` at most, and no more than it has QPs queued, so that no QP
-    /// has two turns in one share. End its share with [`Self::end_share`].
-    pub(crate) fn next_share(&mut self, turns: u32) -> Option<(TenantId, usize)> {
+    /// The next tenant to take its share of the pass. End the share with
+    /// [`Self::end_share`].
+    pub(crate) fn next_share(&mut self) -> Option<Share> {
         let tenant = self.tenants.pop_front()?;
         let queued = self.queues.get(&tenant).map_or(0, |q| q.qps.len());
-        Some((tenant, queued.min(turns as usize)))
+        Some(Share { tenant, left: queued, busy: 0, idle: 0 })
     }
 
     /// The next QP of `tenant`'s queue, taken off it.
@@ -173,10 +210,12 @@ mod tests {
     fn pass(o: &mut ServiceOrder, turns: u32, busy: bool) -> Vec<u32> {
         let mut seen = Vec::new();
         for _ in 0..o.tenants_waiting() {
-            let Some((t, visits)) = o.next_share(turns) else { break };
-            for _ in 0..visits {
+            let Some(mut share) = o.next_share() else { break };
+            let t = share.tenant;
+            while share.more(turns) {
                 let Some(q) = o.pop(t) else { break };
                 seen.push(q);
+                share.count(busy);
                 o.after_turn(t, q, true, busy, None);
             }
             o.end_share(t, Instant::ZERO);
@@ -191,12 +230,15 @@ mod tests {
             o.push(A, q);
         }
         o.push(B, 99_999);
-        let seen = pass(&mut o, 32, false);
+        let seen = pass(&mut o, 32, true);
         assert_eq!(seen.len(), 33, "32 of A's, then B's one");
         assert_eq!(seen.last(), Some(&99_999));
         // The next pass goes on where A's share stopped.
-        let seen = pass(&mut o, 32, false);
+        let seen = pass(&mut o, 32, true);
         assert_eq!(seen[0], 32);
+        // Turns that do nothing: fewer still.
+        let seen = pass(&mut o, 32, false);
+        assert_eq!(seen.len(), IDLE_TURNS as usize + 1);
     }
 
     #[test]
@@ -213,25 +255,34 @@ mod tests {
         for q in 0..64 {
             o.push(A, q);
         }
+        // (Here every queued QP is visited in a share.)
         let share = |o: &mut ServiceOrder, timer: Option<Instant>| {
-            let (t, visits) = o.next_share(32).unwrap();
-            for _ in 0..visits {
+            let mut share = o.next_share().unwrap();
+            let t = share.tenant;
+            while share.left > 0 {
                 let q = o.pop(t).unwrap();
+                share.count(false);
                 o.after_turn(t, q, true, false, timer);
             }
             o.end_share(t, Instant(10))
         };
-        assert_eq!(share(&mut o, Some(Instant(50))), Left::Work, "half of them not seen yet");
         assert_eq!(share(&mut o, Some(Instant(40))), Left::Quiet(Some(Instant(40))));
+        o.after_turn(A, 64, true, true, None);
+        assert_eq!(
+            share(&mut o, Some(Instant(50))),
+            Left::Quiet(Some(Instant(50))),
+            "a busy turn began again"
+        );
         // A QP woken while queued may have work again.
         o.stir(A);
-        assert_eq!(share(&mut o, None), Left::Work);
+        let t = o.next_share().unwrap().tenant;
+        assert_eq!(o.end_share(t, Instant(10)), Left::Work);
         // A timer that came due wakes the engine at once, and its next
         // pass goes round once more.
         let mut o2 = ServiceOrder::default();
         o2.push(A, 1);
         assert_eq!(share(&mut o2, Some(Instant(5))), Left::Quiet(Some(Instant(5))), "due at 5, now is 10");
-        let (t, _) = o2.next_share(32).unwrap();
+        let t = o2.next_share().unwrap().tenant;
         assert_eq!(o2.end_share(t, Instant(10)), Left::Work, "not quiet until its QP had a turn again");
     }
 

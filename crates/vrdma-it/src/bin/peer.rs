@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use vrdma_it::protocol::{Command, Hello, Said, Wc};
+use vrdma_it::protocol::{Command, Hello, Misbehavior, Said, Wc};
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -67,6 +67,7 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
         mr_len,
     }));
     let mut hoard: Vec<Box<dyn std::any::Any>> = Vec::new();
+    let mut idle: Vec<vrdma::QueuePair> = Vec::new();
     let mut wcs = vrdma::wc_buffer(64);
     for line in std::io::stdin().lock().lines() {
         let cmd: Command = serde_json::from_str(&line?)?;
@@ -130,6 +131,21 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
             })(),
             Command::Hoard => Ok(hoard_objects(&ctx, &mut hoard)),
             Command::State => Ok(Said::State(qp.state().raw())),
+            Command::IdleQps { count } => (|| {
+                for _ in 0..count {
+                    let q =
+                        pd.create_rc_qp(&cq, &cq, vrdma::QpCap { max_send_wr: 4, max_recv_wr: 4, ..cap })?;
+                    q.connect(&q.endpoint(&ctx)?, access)?;
+                    idle.push(q);
+                }
+                Ok(Said::Ok)
+            })(),
+            Command::Misbehave { how, millis } => {
+                let qpns: Vec<u32> = idle.iter().map(|q| q.qpn()).collect();
+                let ctx = ctx.clone();
+                std::thread::spawn(move || misbehave(&ctx, how, &qpns, Duration::from_millis(millis)));
+                Ok(Said::Ok)
+            }
             Command::Exit => break,
         };
         match reply {
@@ -138,6 +154,32 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Breaks the shared-memory protocol as `how` says for `span`.
+fn misbehave(ctx: &vrdma::Context, how: Misbehavior, qpns: &[u32], span: Duration) {
+    let bad = ctx.misbehave();
+    let end = Instant::now() + span;
+    if how == Misbehavior::Scribble {
+        bad.scribble_posted_ring();
+        return;
+    }
+    while Instant::now() < end {
+        match how {
+            Misbehavior::Overflow => bad.set_posted_overflow(),
+            Misbehavior::NameIdle => {
+                for &q in qpns {
+                    if !bad.name_qp(q) {
+                        break;
+                    }
+                }
+            }
+            Misbehavior::Doorbells => (0..64).for_each(|_| bad.ring_doorbell()),
+            Misbehavior::Scribble => {}
+        }
+        let pause = if how == Misbehavior::Doorbells { 500 } else { 50 };
+        std::thread::sleep(Duration::from_micros(pause));
+    }
 }
 
 /// Creates objects of every kind, round after round, until the daemon

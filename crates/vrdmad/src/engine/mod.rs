@@ -277,7 +277,11 @@ fn run(
             std::hint::spin_loop();
             continue;
         }
-        if idle < yield_until {
+        // Work may be waiting that this pass did not reach (idle QPs a
+        // tenant woke, notices left for later): no sleep, but a yield, so
+        // that a tenant waking idle QPs without end cannot make the engine
+        // hold a CPU that others' threads need.
+        if idle < yield_until || act.pending {
             std::thread::yield_now();
             continue;
         }
@@ -287,7 +291,7 @@ fn run(
         std::sync::atomic::fence(Ordering::SeqCst);
         let now = s.now();
         let act = s.pass();
-        if act.busy || !rx.is_empty() || stop.load(Ordering::Relaxed) {
+        if act.again() || !rx.is_empty() || stop.load(Ordering::Relaxed) {
             s.rings.set_sleeping(false);
             idle_since = None;
             continue;

@@ -44,11 +44,21 @@ pub(crate) use ud::{effective_qkey, grh_bytes};
 pub struct Activity {
     /// Work was done; call again soon.
     pub busy: bool,
+    /// No work was done, but some may be waiting (QPs not yet visited,
+    /// notices not yet taken): call again, but a driver short of CPUs may
+    /// let others run first. A tenant that wakes idle QPs without end
+    /// keeps the engine from sleeping this way, never from yielding.
+    pub pending: bool,
     /// The earliest moment a waiting work request may run again.
     pub next_timer: Option<Instant>,
 }
 
 impl Activity {
+    /// Whether to call again without sleeping.
+    pub fn again(&self) -> bool {
+        self.busy || self.pending
+    }
+
     pub(crate) fn timer(&mut self, t: Instant) {
         self.next_timer = Some(self.next_timer.map_or(t, |n| n.min(t)));
     }
@@ -162,10 +172,11 @@ impl Hca {
     /// Gives the QPs with work their turns: each turn moves at most
     /// `chunk_bytes` of payload or starts at most 64 WRs, so that one large
     /// transfer cannot starve the others, and each tenant gets at most
-    /// `tenant_turns` turns a pass, busy or not, so that nothing a tenant
-    /// does (thousands of QPs with work, thousands woken at once) makes a
-    /// pass, and so every other tenant's wait, longer than that (see
-    /// [`super::schedule`]). The QPs a tenant's share left out go first in
+    /// `tenant_turns` turns that do work a pass and
+    /// [`IDLE_TURNS`](super::IDLE_TURNS) that do none, so that nothing a
+    /// tenant does (thousands of QPs with work, thousands woken at once)
+    /// makes a pass, and so every other tenant's wait, longer than that
+    /// (see [`super::schedule`]). The QPs a tenant's share left out go first in
     /// its next share.
     ///
     /// Only QPs with work are visited: those named by
@@ -176,19 +187,22 @@ impl Hca {
     pub fn process(&mut self, now: Instant, io: &mut dyn Queues) -> Activity {
         let mut act = Activity::default();
         self.flush_pending = false;
-        act.busy |= self.wake_posted(io);
+        act.pending |= self.wake_posted(io);
         self.sweep_some();
         for _ in 0..self.order.tenants_waiting() {
-            let Some((tenant, visits)) = self.order.next_share(self.config.tenant_turns) else { break };
-            for _ in 0..visits {
+            let Some(mut share) = self.order.next_share() else { break };
+            let tenant = share.tenant;
+            while share.more(self.config.tenant_turns) {
                 let Some(qpn) = self.order.pop(tenant) else { break };
                 // An entry of a QP that stopped being served (or is gone,
                 // or whose number now names another tenant's QP) leaves.
                 let Some(qp) = self.qps.get_mut(&qpn).filter(|q| q.in_order && q.tenant == tenant) else {
+                    share.count(false);
                     continue;
                 };
                 if !qp.served {
                     qp.in_order = false;
+                    share.count(false);
                     continue;
                 }
                 // A held ACK goes out with the link's next frame when due;
@@ -210,16 +224,17 @@ impl Hca {
                     }
                 }
                 act.busy |= turn.busy;
+                share.count(turn.busy);
                 self.order.after_turn(tenant, qpn, keep, turn.busy, timer);
             }
             match self.order.end_share(tenant, now) {
-                Left::Work => act.busy = true,
+                Left::Work => act.pending = true,
                 Left::Quiet(Some(t)) => act.timer(t),
                 Left::Quiet(None) => {}
             }
         }
         // A sweep under way finishes before the engine may sleep.
-        act.busy |= !self.sweeping.is_empty();
+        act.pending |= !self.sweeping.is_empty();
         act
     }
 

@@ -125,7 +125,7 @@ impl TwoHosts {
     /// Engine passes and frame deliveries on both hosts until nothing moves.
     fn run(&mut self, now: Instant) {
         for _ in 0..10_000 {
-            let mut busy = self.a.env.step(now).busy | self.b.env.step(now).busy;
+            let mut busy = self.a.env.step(now).again() | self.b.env.step(now).again();
             if self.flowing {
                 busy |= Self::carry(&mut self.a, &mut self.b, now, '>', &mut self.log);
                 busy |= Self::carry(&mut self.b, &mut self.a, now, '<', &mut self.log);
@@ -164,7 +164,7 @@ impl TwoHosts {
     /// Only A's side: frames A would send stay queued.
     fn run_a_only(&mut self, now: Instant) {
         for _ in 0..1000 {
-            if !self.a.env.step(now).busy {
+            if !self.a.env.step(now).again() {
                 return;
             }
         }
