@@ -15,6 +15,7 @@
 pub mod config;
 pub mod engine;
 pub mod host;
+mod logs;
 pub mod net;
 mod server;
 #[cfg(test)]
@@ -154,6 +155,7 @@ impl Daemon {
             next_context: AtomicU32::new(1),
             tenancy: server::Tenancy::new(config.tenant_by)?,
             sessions: Mutex::new(Vec::new()),
+            log: Mutex::default(),
         });
         let (l, s) = (listener.clone(), shared.clone());
         let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;

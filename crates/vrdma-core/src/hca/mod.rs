@@ -124,6 +124,9 @@ pub struct Hca {
     missed_wakeups: u64,
     /// QPs a sweep has yet to wake ([`Hca::sweep`]).
     sweeping: Vec<u32>,
+    /// Limits what tenants and peers can make the device log (see
+    /// [`crate::log_limit`]); the driver calls its `sweep`.
+    pub log: crate::log_limit::LogLimiter,
 }
 
 /// QPs a sweep wakes per pass.
@@ -152,6 +155,7 @@ impl Hca {
             flush_pending: false,
             posted: Vec::new(),
             missed_wakeups: 0,
+            log: crate::log_limit::LogLimiter::new(),
             sweeping: Vec::new(),
         }
     }

@@ -6,17 +6,24 @@
 //! checked) and pushes completions and events into the rings tenants read.
 //! A ring whose indices a tenant corrupted is marked dead: its owner gets
 //! one error completion and nothing more is read from it.
+//!
+//! What a tenant's rings make the daemon log goes through
+//! [`RingTable::log`], keyed by the tenant, so that a tenant cannot flood
+//! the log (see [`vrdma_core::log_limit`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use vrdma_core::hca::IdMap as HashMap;
 
-use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource};
+use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource, TenantId};
+use vrdma_core::limited_warn;
+use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CTX_AUX_ENGINE_SLEEPING, CTX_AUX_EVENTS_DROPPED,
     POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED, SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
+use vrdma_core::time::Instant;
 use vrdma_core::verbs::{QpState, WcStatus};
 use vrdma_shm::{Doorbell, RingView};
 
@@ -30,11 +37,18 @@ pub struct ContextRings {
     pub posted: RingView,
     /// The context's QPs: those it may name.
     qps: HashMap<u32, ()>,
+    pub tenant: TenantId,
 }
 
 impl ContextRings {
-    pub fn new(events: RingView, event_fd: Doorbell, doorbell: Arc<Doorbell>, posted: RingView) -> Self {
-        ContextRings { events, event_fd, doorbell, posted, qps: HashMap::default() }
+    pub fn new(
+        events: RingView,
+        event_fd: Doorbell,
+        doorbell: Arc<Doorbell>,
+        posted: RingView,
+        tenant: TenantId,
+    ) -> Self {
+        ContextRings { events, event_fd, doorbell, posted, qps: HashMap::default(), tenant }
     }
 
     /// Appends the QPs of this context that its tenant named since the
@@ -97,15 +111,22 @@ pub struct CqRing {
 pub struct InRing {
     pub ring: RingView,
     dead: bool,
+    tenant: TenantId,
 }
 
 impl InRing {
-    pub fn new(ring: RingView) -> Self {
-        InRing { ring, dead: false }
+    pub fn new(ring: RingView, tenant: TenantId) -> Self {
+        InRing { ring, dead: false, tenant }
     }
 
     /// Pops one slot into `buf` and decodes it.
-    fn pull<T>(&mut self, buf: &mut Vec<u8>, decode: fn(&[u8]) -> Pulled<T>) -> Option<Pulled<T>> {
+    fn pull<T>(
+        &mut self,
+        buf: &mut Vec<u8>,
+        decode: fn(&[u8]) -> Pulled<T>,
+        log: &mut LogLimiter,
+        now: Instant,
+    ) -> Option<Pulled<T>> {
         if self.dead {
             return None;
         }
@@ -114,7 +135,9 @@ impl InRing {
             Ok(true) => Some(decode(buf)),
             Ok(false) => None,
             Err(e) => {
-                tracing::warn!(error = %e, "tenant corrupted a work queue; no more requests are read from it");
+                let tenant = Source::Tenant(self.tenant);
+                const CORRUPT: &str = "tenant corrupted a work queue; no more requests are read from it";
+                limited_warn!(log, tenant, now, CORRUPT, error = %e);
                 self.dead = true;
                 Some(Err((0, WqeError::SlotTooSmall)))
             }
@@ -160,6 +183,10 @@ pub struct RingTable {
     /// Completions lost to full CQs, async events lost to full rings.
     pub dropped_events: u64,
     next_channel: u32,
+    /// What tenants' rings make the daemon log, limited per tenant.
+    pub log: LogLimiter,
+    /// The time of the engine's current pass, for `log`.
+    pub now: Instant,
 }
 
 impl RingTable {
@@ -223,14 +250,22 @@ impl RingTable {
         slot[..4].copy_from_slice(&cqn.to_le_bytes());
         if full || !matches!(ch.ring.try_push_bytes(&slot), Ok(true)) {
             ch.ring.aux(CHANNEL_AUX_DROPPED).fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(cq = cqn, "completion channel full: event dropped");
+            let tenant = Source::Tenant(ch.tenant);
+            limited_warn!(self.log, tenant, self.now, "completion channel full: event dropped", cq = cqn);
             return;
         }
         if !ch.fd.ring_one() {
             // The estimate of the socket buffer was wrong (or the tenant
             // closed its end): the event is there, its wake-up is not.
             ch.ring.aux(CHANNEL_AUX_DROPPED).fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(cq = cqn, "completion channel doorbell full: wake-up lost");
+            let tenant = Source::Tenant(ch.tenant);
+            limited_warn!(
+                self.log,
+                tenant,
+                self.now,
+                "completion channel doorbell full: wake-up lost",
+                cq = cqn
+            );
         }
     }
 }
@@ -245,7 +280,7 @@ fn decode_recv(b: &[u8]) -> Pulled<RecvWr> {
 impl Queues for RingTable {
     fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
         let q = self.qps.get_mut(&qpn)?;
-        let got = q.sq.pull(&mut self.scratch, decode_send);
+        let got = q.sq.pull(&mut self.scratch, decode_send, &mut self.log, self.now);
         if got.is_some() {
             q.held = q.held.wrapping_add(1);
         }
@@ -269,7 +304,7 @@ impl Queues for RingTable {
             RecvSource::Qp(n) => self.qps.get_mut(&n)?.rq.as_mut()?,
             RecvSource::Srq(n) => self.srqs.get_mut(&n)?,
         };
-        ring.pull(&mut self.scratch, decode_recv)
+        ring.pull(&mut self.scratch, decode_recv, &mut self.log, self.now)
     }
 
     fn recv_posted(&mut self, src: RecvSource) -> u32 {
@@ -326,7 +361,15 @@ impl Queues for RingTable {
         if !matches!(c.events.try_push_bytes(&slot), Ok(true)) {
             c.events.aux(CTX_AUX_EVENTS_DROPPED).fetch_add(1, Ordering::Relaxed);
             self.dropped_events += 1;
-            tracing::warn!(ctx = ctx.0, ?event, "async event ring full: event dropped");
+            let tenant = Source::Tenant(c.tenant);
+            limited_warn!(
+                self.log,
+                tenant,
+                self.now,
+                "async event ring full: event dropped",
+                ctx = ctx.0,
+                ?event
+            );
         }
         c.event_fd.ring();
     }
@@ -377,7 +420,7 @@ mod tests {
         let tenant = view().unwrap();
         let (bell, _) = Doorbell::pair().unwrap();
         let (event_fd, _) = Doorbell::pair().unwrap();
-        let mut c = ContextRings::new(events, event_fd, Arc::new(bell), view().unwrap());
+        let mut c = ContextRings::new(events, event_fd, Arc::new(bell), view().unwrap(), TenantId(1000));
         c.qps.insert(0x11, ());
         let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
         slot[..4].copy_from_slice(&0x11u32.to_le_bytes());

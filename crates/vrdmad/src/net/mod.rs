@@ -8,6 +8,10 @@
 //! shared-memory queues, and sleeps on their descriptors with the
 //! doorbells. A stranger that connects, stalls or sends garbage is dropped
 //! by its handshake thread and never reaches the engine.
+//!
+//! What peers and strangers make the daemon log is limited per source
+//! address ([`vrdma_core::log_limit`]): [`Net::log`] on the engine thread,
+//! one limiter shared by the listener and its handshake threads.
 
 mod handshake;
 mod link;
@@ -20,9 +24,11 @@ use std::time::{Duration, Instant as Clock};
 
 use rustix::event::{epoll, PollFd, PollFlags};
 use vrdma_core::hca::{Hca, LinkId, LinkInfo};
+use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::time::Instant;
 use vrdma_core::verbs::Gid;
 use vrdma_core::wire::CloseReason;
+use vrdma_core::{limited_info, limited_warn};
 
 pub use handshake::{dial_handshake, handshake, handshake_admitting, HandshakeError, Identity, Peer};
 pub use link::LinkIo;
@@ -100,6 +106,9 @@ pub struct Net {
     incoming: HashMap<Gid, Clock>,
     /// Addresses outside `net.allow` that QPs asked for (warned once).
     refused: std::collections::HashSet<SocketAddr>,
+    /// What links and dials make the daemon log, limited per address (on
+    /// the clock of [`crate::logs::now`]).
+    pub log: LogLimiter,
 }
 
 /// Where a dial to a peer stands.
@@ -155,6 +164,7 @@ impl Net {
             readable: Vec::with_capacity(READY_PER_PASS),
             incoming: HashMap::new(),
             refused: std::collections::HashSet::new(),
+            log: LogLimiter::new(),
         }
     }
 
@@ -187,18 +197,25 @@ impl Net {
                         self.readiness = None;
                     }
                 }
-                tracing::info!(link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id = peer.hello.daemon_id, "link up");
+                let (now, daemon_id) = (crate::logs::now(), peer.hello.daemon_id);
+                limited_info!(
+                    self.log, log_source(addr), now, "link up",
+                    link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id
+                );
                 self.links.insert(id, l);
             }
             Err(e) => {
-                tracing::warn!(peer = %addr, error = %e, "cannot use the connection");
+                let now = crate::logs::now();
+                limited_warn!(self.log, log_source(addr), now, "cannot use the connection", peer = %addr, error = %e);
                 hca.link_down(id);
             }
         }
     }
 
-    /// A dial failed: it may be tried again later.
-    pub fn dial_failed(&mut self, addr: SocketAddr) {
+    /// A dial failed, for `why`: it may be tried again later.
+    pub fn dial_failed(&mut self, addr: SocketAddr, why: &str) {
+        let now = crate::logs::now();
+        limited_warn!(self.log, log_source(addr), now, "cannot connect to the peer daemon", peer = %addr, error = why);
         let next = Dial::failed(self.dialling.get(&addr).copied(), Clock::now());
         self.dialling.insert(addr, next);
     }
@@ -233,7 +250,8 @@ impl Net {
             .name("vrdma-dial".into())
             .spawn(move || dial(addr, expect, setup, handle));
         if let Err(e) = spawned {
-            tracing::warn!(peer = %addr, error = %e, "cannot start a dialler");
+            let now = crate::logs::now();
+            limited_warn!(self.log, log_source(addr), now, "cannot start a dialler", peer = %addr, error = %e);
             self.dialling.remove(&addr);
         }
     }
@@ -338,7 +356,9 @@ impl Net {
         }
         for (id, why) in ended {
             if let Some(mut l) = self.links.remove(&id) {
-                tracing::warn!(link = id.0, peer = %l.peer, reason = %why, "link down");
+                let peer = l.peer;
+                let now = crate::logs::now();
+                limited_warn!(self.log, log_source(peer), now, "link down", link = id.0, %peer, reason = %why);
                 if let Some(ep) = &self.readiness {
                     let _ = epoll::delete(ep, l.fd());
                 }
@@ -351,6 +371,7 @@ impl Net {
             }
         }
         self.dial_wanted(hca);
+        self.log.sweep(crate::logs::now());
         busy
     }
 
@@ -442,14 +463,19 @@ fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: Eng
             });
         }
         Err(e) => {
-            tracing::warn!(peer = %addr, error = %e, "cannot connect to the peer daemon");
+            let why = e.to_string();
             let _ = handle.call(move |st| {
                 if let Some(n) = st.net.as_mut() {
-                    n.dial_failed(addr);
+                    n.dial_failed(addr, &why);
                 }
             });
         }
     }
+}
+
+/// Who a log line about `addr` is limited as.
+fn log_source(addr: SocketAddr) -> Source {
+    Source::Address(addr.ip().to_canonical())
 }
 
 /// The thread that accepts links from other daemons.
@@ -491,7 +517,11 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
     let slots = Arc::new(HandshakeSlots::default());
     // Canonical: a listener on `[::]` sees IPv4 peers as `::ffff:a.b.c.d`.
     let configured: Vec<std::net::IpAddr> = setup.peers.iter().map(|p| p.ip().to_canonical()).collect();
+    // Shared with the handshake threads; the count of a flood that
+    // stopped is logged within a second or so.
+    let log = Arc::new(std::sync::Mutex::new(LogLimiter::new()));
     while !stop.load(Ordering::Relaxed) {
+        crate::logs::lock(&log).sweep(crate::logs::now());
         let mut fds = [PollFd::new(&l, PollFlags::IN)];
         let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 };
         let _ = rustix::event::poll(&mut fds, Some(&ts));
@@ -499,7 +529,8 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
+                let now = crate::logs::now();
+                limited_warn!(crate::logs::lock(&log), Source::Anyone, now, "accept failed", error = %e);
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
@@ -510,12 +541,14 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
             continue;
         }
         let Some(slot) = HandshakeSlots::take(&slots, source, configured.contains(&source)) else {
-            tracing::warn!(peer = %addr, "too many handshakes in progress; connection dropped");
+            const BUSY: &str = "too many handshakes in progress; connection dropped";
+            let now = crate::logs::now();
+            limited_warn!(crate::logs::lock(&log), log_source(addr), now, BUSY, peer = %addr);
             continue;
         };
         let _ = s.set_nonblocking(false);
         let _ = s.set_nodelay(true);
-        let (setup, handle) = (setup.clone(), handle.clone());
+        let (setup, handle, hs_log) = (setup.clone(), handle.clone(), log.clone());
         let spawned = std::thread::Builder::new().name("vrdma-handshake".into()).spawn(move || {
             let _slot = slot;
             let admit = |h: &vrdma_core::wire::HelloRepr| {
@@ -535,13 +568,21 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                     });
                 }
                 Err(HandshakeError::Refused) => {
-                    tracing::info!(peer = %addr, "refused a second link to a daemon that this one dials or has dialled")
+                    const SECOND: &str = "refused a second link to a daemon that this one dials or has dialled";
+                    let now = crate::logs::now();
+                    limited_info!(crate::logs::lock(&hs_log), log_source(addr), now, SECOND, peer = %addr)
                 }
-                Err(e) => tracing::warn!(peer = %addr, error = %e, "refused a connection from another host"),
+                Err(e) => {
+                    const REFUSED: &str = "refused a connection from another host";
+                    let now = crate::logs::now();
+                    limited_warn!(crate::logs::lock(&hs_log), log_source(addr), now, REFUSED, peer = %addr, error = %e)
+                }
             }
         });
         if let Err(e) = spawned {
-            tracing::warn!(peer = %addr, error = %e, "cannot start a handshake");
+            let now = crate::logs::now();
+            const NO_THREAD: &str = "cannot start a handshake";
+            limited_warn!(crate::logs::lock(&log), log_source(addr), now, NO_THREAD, peer = %addr, error = %e);
         }
     }
 }
@@ -667,7 +708,7 @@ mod tests {
             "a configured peer is dialled whatever tenants want"
         );
         assert_eq!(n.may_dial(addr(0), now), None, "already under way");
-        n.dial_failed(addr(0));
+        n.dial_failed(addr(0), "refused");
         assert_eq!(n.may_dial(addr(200), now), Some(0), "a slot came free");
         // A failed peer keeps its count while it may be asked for again...
         let later = now + REDIAL_AFTER + Duration::from_millis(100);

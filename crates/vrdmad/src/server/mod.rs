@@ -1,4 +1,7 @@
 //! The control socket: accepts tenant connections, one thread each.
+//!
+//! What tenants make the control plane log goes through [`Shared::log`],
+//! limited per tenant ([`vrdma_core::log_limit`]).
 
 mod session;
 mod tenancy;
@@ -13,6 +16,8 @@ use std::sync::{Arc, Mutex};
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use vrdma_core::hca::TenantId;
+use vrdma_core::limited_warn;
+use vrdma_core::log_limit::{LogLimiter, Source};
 
 use crate::engine::EngineHandle;
 
@@ -25,6 +30,9 @@ pub(crate) struct Shared {
     /// Sessions' sockets, with their peers' tenants, shut down to end them
     /// when the daemon stops.
     pub sessions: Mutex<Vec<(u32, TenantId, OwnedFd)>>,
+    /// Limits what tenants make the accept loop and sessions log (on the
+    /// clock of [`crate::logs::now`]).
+    pub log: Mutex<LogLimiter>,
 }
 
 /// Connections a tenant may hold beyond its quota of contexts: room for
@@ -74,7 +82,8 @@ impl Listener {
                 Ok(c) => c,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(rustix::io::Errno::MFILE | rustix::io::Errno::NFILE) => {
-                    tracing::warn!("out of file descriptors; refusing connections for 100 ms");
+                    const NO_FDS: &str = "out of file descriptors; refusing connections for 100 ms";
+                    limited_warn!(crate::logs::lock(&shared.log), Source::Anyone, crate::logs::now(), NO_FDS);
                     std::thread::sleep(std::time::Duration::from_millis(100));
                     continue;
                 }
@@ -86,7 +95,9 @@ impl Listener {
             let (tenant, cred, seat) = match shared.tenancy.identify(conn.as_fd()) {
                 Ok(t) => t,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot tell the tenant of a connection; closed");
+                    const UNKNOWN: &str = "cannot tell the tenant of a connection; closed";
+                    let now = crate::logs::now();
+                    limited_warn!(crate::logs::lock(&shared.log), Source::Anyone, now, UNKNOWN, error = %e);
                     continue;
                 }
             };
@@ -100,10 +111,15 @@ impl Listener {
                 .filter(|s| s.1 == tenant)
                 .count();
             if held >= limit {
-                tracing::warn!(
+                const OVER: &str = "a tenant's connections are over its limit; connection closed";
+                let (log, now) = (&shared.log, crate::logs::now());
+                limited_warn!(
+                    crate::logs::lock(log),
+                    Source::Tenant(tenant),
+                    now,
+                    OVER,
                     tenant = tenant.0,
-                    held,
-                    "a tenant's connections are over its limit; connection closed"
+                    held
                 );
                 continue;
             }
@@ -121,7 +137,9 @@ impl Listener {
                 // The connection went with the closure and is closed; drop
                 // our duplicate too, so the client sees the hang-up.
                 shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, ..)| *i != id);
-                tracing::error!(error = %e, "cannot start a session thread");
+                const NO_THREAD: &str = "cannot start a session thread";
+                let (log, now) = (&shared.log, crate::logs::now());
+                vrdma_core::limited_error!(crate::logs::lock(log), Source::Tenant(tenant), now, NO_THREAD, error = %e);
             }
         }
     }

@@ -28,6 +28,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use vrdma_core::hca::TenantId;
+use vrdma_core::limited_info;
+use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_shm::fdpass::{peer_credentials, PeerCred};
 
 pub use crate::config::TenantBy;
@@ -55,6 +57,9 @@ struct Numbering {
     named: HashMap<Key, Named>,
     /// The last number given out.
     last: u32,
+    /// A process that can make network namespaces can make tenants at
+    /// will: their lines are limited per uid.
+    log: LogLimiter,
 }
 
 pub(crate) struct Tenancy {
@@ -126,7 +131,17 @@ impl Tenancy {
         n.last = next;
         let tenant = TenantId(next);
         n.named.insert(key, Named { tenant, sessions: 1, _pin: pin });
-        tracing::info!(uid, netns = ns.1, tenant = tenant.0, "a new tenant of this host only");
+        // The uid's own tenant stands for the uid.
+        let (by_uid, now) = (Source::Tenant(TenantId(uid)), crate::logs::now());
+        limited_info!(
+            n.log,
+            by_uid,
+            now,
+            "a new tenant of this host only",
+            uid,
+            netns = ns.1,
+            tenant = tenant.0
+        );
         Ok((tenant, Seat(Some((self.numbering.clone(), key)))))
     }
 }
