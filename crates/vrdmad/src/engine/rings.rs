@@ -430,4 +430,64 @@ mod tests {
         assert!(out.len() <= 1, "{} notices taken for a context of one QP", out.len());
         assert_eq!(out, vec![0x11]);
     }
+
+    /// A tenant that never reads its async events: every event from then
+    /// on is dropped, and ten seconds of them, one every 100 µs, cost the
+    /// log its first line and a few counts, not a hundred thousand lines.
+    #[test]
+    fn an_unread_event_ring_costs_the_log_a_few_lines() {
+        let seg =
+            Arc::new(Segment::create("vrdma-test", ring_bytes(4, proto::ASYNC_EVENT_SIZE) * 2).unwrap());
+        let ring = |at| RingView::in_segment(seg.clone(), at, 4, proto::ASYNC_EVENT_SIZE).unwrap();
+        let (bell, _) = Doorbell::pair().unwrap();
+        let (event_fd, _tenant_end) = Doorbell::pair().unwrap();
+        let posted_at = ring_bytes(4, proto::ASYNC_EVENT_SIZE).next_multiple_of(64);
+        let c = ContextRings::new(ring(0), event_fd, Arc::new(bell), ring(posted_at), TenantId(1000));
+        let mut t = RingTable::default();
+        t.contexts.insert(ContextId(1), c);
+        let event = AsyncEvent { event_type: vrdma_core::verbs::AsyncEventType::QpFatal, element: 0x11 };
+        let log = traced(|| {
+            for i in 0..100_000u64 {
+                t.now = Instant(i * 100_000);
+                t.async_event(ContextId(1), event);
+            }
+        });
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains("async event ring full")).collect();
+        // At once, then after 1, 3 and 7 s.
+        assert_eq!(lines.len(), 4, "{:#?}", &lines[..lines.len().min(8)]);
+        assert!(!lines[0].contains("more"), "the first is logged as it is: {}", lines[0]);
+        assert!(lines[1].contains("(9999 more in the last 1s)"), "{}", lines[1]);
+        assert!(lines.iter().all(|l| l.contains("ctx=1")), "the fields of the site are kept: {log}");
+        assert_eq!(t.dropped_events, 100_000 - 4, "every dropped event is still counted");
+    }
+
+    /// The log lines of `f`, at info level and above.
+    fn traced(f: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let out = lines.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || out.clone())
+            .finish();
+        tracing::subscriber::with_default(sub, || {
+            // Other tests' threads may have met the callsites first, while
+            // no subscriber wanted them, and cached that: ask again.
+            tracing::callsite::rebuild_interest_cache();
+            f()
+        });
+        let b = lines.0.lock().unwrap().clone();
+        String::from_utf8(b).unwrap()
+    }
 }

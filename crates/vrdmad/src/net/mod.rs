@@ -719,6 +719,20 @@ mod tests {
         assert!(!n.dialling.contains_key(&addr(0)), "a failed dial no one wants is kept for ever");
     }
 
+    /// A tenant whose QPs name a host that refuses every dial: the dials
+    /// back off, and the log gets a line and counts per address.
+    #[test]
+    fn failed_dials_cost_the_log_a_line_per_address_then_counts() {
+        let mut n = net_of([10, 0, 0, 1]);
+        let (a, b) = (SocketAddr::from(([10, 0, 2, 1], 4791)), SocketAddr::from(([10, 0, 2, 2], 4791)));
+        for _ in 0..100 {
+            n.dial_failed(a, "connection refused");
+        }
+        n.dial_failed(b, "connection refused");
+        assert_eq!(n.log.suppressed().get("cannot connect to the peer daemon"), Some(&99));
+        assert_eq!(n.log.len(), 2, "one key per address");
+    }
+
     fn net_of(ip: [u8; 4]) -> Net {
         Net::new(Arc::new(crate::testing::setup(ip, 4096)))
     }

@@ -40,6 +40,9 @@ pub(crate) struct Shared {
 /// so that one tenant cannot use up the daemon's descriptors and threads.
 pub(crate) const CONNECTIONS_BEYOND_CONTEXTS: u32 = 16;
 
+/// The line of a connection closed for [`CONNECTIONS_BEYOND_CONTEXTS`].
+const OVER_LIMIT: &str = "a tenant's connections are over its limit; connection closed";
+
 pub(crate) struct Listener {
     fd: OwnedFd,
     path: PathBuf,
@@ -111,13 +114,12 @@ impl Listener {
                 .filter(|s| s.1 == tenant)
                 .count();
             if held >= limit {
-                const OVER: &str = "a tenant's connections are over its limit; connection closed";
                 let (log, now) = (&shared.log, crate::logs::now());
                 limited_warn!(
                     crate::logs::lock(log),
                     Source::Tenant(tenant),
                     now,
-                    OVER,
+                    OVER_LIMIT,
                     tenant = tenant.0,
                     held
                 );
@@ -161,4 +163,38 @@ pub fn connect(path: &Path) -> std::io::Result<OwnedFd> {
         rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
     rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
     Ok(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tenant that keeps connecting over its limit has each connection
+    /// closed at once, and costs the log a line and a count or two, not a
+    /// line per connection.
+    #[test]
+    fn connections_over_the_limit_cost_the_log_a_few_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vrdma.sock");
+        let mut cfg = crate::DaemonConfig { socket: Some(path.clone()), ..Default::default() };
+        cfg.quota.max_contexts = 1;
+        let daemon = crate::Daemon::start(cfg).unwrap();
+        // Held while the rest are refused (they say no Hello, so they would
+        // be closed after 5 s: the test takes far less).
+        let _held: Vec<OwnedFd> =
+            (0..1 + CONNECTIONS_BEYOND_CONTEXTS).map(|_| connect(&path).unwrap()).collect();
+        const REFUSED: u64 = 300;
+        for _ in 0..REFUSED {
+            let c = connect(&path).unwrap();
+            use rustix::net::sockopt::{set_socket_timeout, Timeout};
+            set_socket_timeout(&c, Timeout::Recv, Some(std::time::Duration::from_secs(5))).unwrap();
+            // The daemon closes it, after its line or its count.
+            let n = rustix::net::recv(&c, &mut [0u8; 8], rustix::net::RecvFlags::empty()).unwrap();
+            assert_eq!(n.0, 0, "a connection over the limit was answered");
+        }
+        let suppressed = crate::logs::lock(&daemon.shared.log).suppressed().get(OVER_LIMIT).copied();
+        let lines = REFUSED - suppressed.unwrap_or(0);
+        // At once, then after 1 and 3 s if the machine is slow.
+        assert!((1..=3).contains(&lines), "{lines} lines for {REFUSED} connections over the limit");
+    }
 }

@@ -245,6 +245,21 @@ mod tests {
         assert_eq!(t.numbering.lock().unwrap().named.len(), 3);
     }
 
+    /// A process that can make namespaces makes tenants at will: the log
+    /// gets a line for its first and a count for the rest.
+    #[test]
+    fn new_tenants_of_one_uid_cost_the_log_a_few_lines() {
+        let t = Tenancy::new(TenantBy::UidAndNetns).unwrap();
+        const MADE: u64 = 300;
+        let _seats: Vec<Seat> =
+            (0..MADE).map(|i| t.seat(1000, (4, 4026540000 + i), pin()).unwrap().1).collect();
+        let _other_uid = t.seat(1001, (4, 4026540000), pin()).unwrap();
+        let n = t.numbering.lock().unwrap();
+        let lines = MADE - n.log.suppressed().get("a new tenant of this host only").copied().unwrap_or(0);
+        assert!((1..=3).contains(&lines), "{lines} lines for {MADE} tenants");
+        assert_eq!(n.log.len(), 2, "another uid is limited apart");
+    }
+
     #[test]
     fn by_uid_and_netns_a_peer_in_our_namespace_is_its_uid() {
         let (a, _b) = vrdma_shm::fdpass::seqpacket_pair().unwrap();
