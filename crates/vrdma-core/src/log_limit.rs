@@ -283,7 +283,8 @@ macro_rules! limited_info {
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __limited {
-    ($mac:ident, $level:ident, $limiter:expr, $source:expr, $now:expr, $message:expr $(, $($field:tt)+)?) => {{
+    ($mac:ident, $level:ident, $limiter:expr, $source:expr, $now:expr, $message:expr
+     $(, $($field:tt)+)?) => {{
         let message: &'static str = $message;
         // A statement of its own: a lock guard in `$limiter` is released
         // before the line is written.

@@ -147,6 +147,9 @@ impl Dial {
     }
 }
 
+/// The line of a connection whose handshake failed.
+const REFUSED: &str = "refused a connection from another host";
+
 /// Readiness events taken per pass; more wait for the next (level-triggered).
 const READY_PER_PASS: usize = 64;
 
@@ -206,7 +209,10 @@ impl Net {
             }
             Err(e) => {
                 let now = crate::logs::now();
-                limited_warn!(self.log, log_source(addr), now, "cannot use the connection", peer = %addr, error = %e);
+                limited_warn!(
+                    self.log, log_source(addr), now, "cannot use the connection",
+                    peer = %addr, error = %e
+                );
                 hca.link_down(id);
             }
         }
@@ -215,7 +221,10 @@ impl Net {
     /// A dial failed, for `why`: it may be tried again later.
     pub fn dial_failed(&mut self, addr: SocketAddr, why: &str) {
         let now = crate::logs::now();
-        limited_warn!(self.log, log_source(addr), now, "cannot connect to the peer daemon", peer = %addr, error = why);
+        limited_warn!(
+            self.log, log_source(addr), now, "cannot connect to the peer daemon",
+            peer = %addr, error = why
+        );
         let next = Dial::failed(self.dialling.get(&addr).copied(), Clock::now());
         self.dialling.insert(addr, next);
     }
@@ -251,7 +260,10 @@ impl Net {
             .spawn(move || dial(addr, expect, setup, handle));
         if let Err(e) = spawned {
             let now = crate::logs::now();
-            limited_warn!(self.log, log_source(addr), now, "cannot start a dialler", peer = %addr, error = %e);
+            limited_warn!(
+                self.log, log_source(addr), now, "cannot start a dialler",
+                peer = %addr, error = %e
+            );
             self.dialling.remove(&addr);
         }
     }
@@ -358,7 +370,10 @@ impl Net {
             if let Some(mut l) = self.links.remove(&id) {
                 let peer = l.peer;
                 let now = crate::logs::now();
-                limited_warn!(self.log, log_source(peer), now, "link down", link = id.0, %peer, reason = %why);
+                limited_warn!(
+                    self.log, log_source(peer), now, "link down",
+                    link = id.0, %peer, reason = %why
+                );
                 if let Some(ep) = &self.readiness {
                     let _ = epoll::delete(ep, l.fd());
                 }
@@ -483,6 +498,9 @@ pub struct Listener {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     pub addr: SocketAddr,
+    /// What connections make the listener and its handshakes log, limited
+    /// per source address (on the clock of [`crate::logs::now`]).
+    pub log: Arc<std::sync::Mutex<LogLimiter>>,
 }
 
 impl Listener {
@@ -491,12 +509,13 @@ impl Listener {
         let addr = l.local_addr()?;
         l.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
+        let (s, log) = (stop.clone(), Arc::new(std::sync::Mutex::new(LogLimiter::new())));
+        let lg = log.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-net-accept".into())
-            .spawn(move || accept_loop(l, setup, handle, s))?;
+            .spawn(move || accept_loop(l, setup, handle, s, lg))?;
         tracing::info!(%addr, "accepting links from other daemons");
-        Ok(Listener { stop, thread: Some(thread), addr })
+        Ok(Listener { stop, thread: Some(thread), addr, log })
     }
 
     pub fn shutdown(&mut self) {
@@ -513,14 +532,18 @@ impl Drop for Listener {
     }
 }
 
-fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop: Arc<AtomicBool>) {
+fn accept_loop(
+    l: TcpListener,
+    setup: Arc<NetSetup>,
+    handle: EngineHandle,
+    stop: Arc<AtomicBool>,
+    log: Arc<std::sync::Mutex<LogLimiter>>,
+) {
     let slots = Arc::new(HandshakeSlots::default());
     // Canonical: a listener on `[::]` sees IPv4 peers as `::ffff:a.b.c.d`.
     let configured: Vec<std::net::IpAddr> = setup.peers.iter().map(|p| p.ip().to_canonical()).collect();
-    // Shared with the handshake threads; the count of a flood that
-    // stopped is logged within a second or so.
-    let log = Arc::new(std::sync::Mutex::new(LogLimiter::new()));
     while !stop.load(Ordering::Relaxed) {
+        // The count of a flood that stopped, within a second or so.
         crate::logs::lock(&log).sweep(crate::logs::now());
         let mut fds = [PollFd::new(&l, PollFlags::IN)];
         let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 };
@@ -568,21 +591,27 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                     });
                 }
                 Err(HandshakeError::Refused) => {
-                    const SECOND: &str = "refused a second link to a daemon that this one dials or has dialled";
+                    const SECOND: &str =
+                        "refused a second link to a daemon that this one dials or has dialled";
                     let now = crate::logs::now();
                     limited_info!(crate::logs::lock(&hs_log), log_source(addr), now, SECOND, peer = %addr)
                 }
                 Err(e) => {
-                    const REFUSED: &str = "refused a connection from another host";
                     let now = crate::logs::now();
-                    limited_warn!(crate::logs::lock(&hs_log), log_source(addr), now, REFUSED, peer = %addr, error = %e)
+                    limited_warn!(
+                        crate::logs::lock(&hs_log), log_source(addr), now, REFUSED,
+                        peer = %addr, error = %e
+                    )
                 }
             }
         });
         if let Err(e) = spawned {
             let now = crate::logs::now();
             const NO_THREAD: &str = "cannot start a handshake";
-            limited_warn!(crate::logs::lock(&log), log_source(addr), now, NO_THREAD, peer = %addr, error = %e);
+            limited_warn!(
+                crate::logs::lock(&log), log_source(addr), now, NO_THREAD,
+                peer = %addr, error = %e
+            );
         }
     }
 }
@@ -731,6 +760,34 @@ mod tests {
         n.dial_failed(b, "connection refused");
         assert_eq!(n.log.suppressed().get("cannot connect to the peer daemon"), Some(&99));
         assert_eq!(n.log.len(), 2, "one key per address");
+    }
+
+    /// A stranger that connects again and again with garbage: each
+    /// connection is refused, and its address costs the log a line and a
+    /// count or two.
+    #[test]
+    fn a_stranger_that_keeps_sending_garbage_costs_the_log_a_few_lines() {
+        use std::io::{Read, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let socket = Some(dir.path().join("vrdma.sock"));
+        let mut cfg =
+            crate::DaemonConfig { socket, address: Some([127, 0, 0, 1].into()), ..Default::default() };
+        cfg.net.psk = Some("a key that no stranger holds".into());
+        cfg.net.listen = Some("127.0.0.1:0".parse().unwrap());
+        let daemon = crate::Daemon::start(cfg).unwrap();
+        let addr = daemon.wire_addr().unwrap();
+        const TRIES: u64 = 100;
+        for _ in 0..TRIES {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\n");
+            // Refused: the daemon closes it, after its line or its count.
+            while matches!(s.read(&mut [0u8; 256]), Ok(n) if n > 0) {}
+        }
+        let log = crate::logs::lock(&daemon.net_listener.as_ref().unwrap().log);
+        let lines = TRIES - log.suppressed().get(REFUSED).copied().unwrap_or(0);
+        // At once, then after 1 and 3 s if the machine is slow.
+        assert!((1..=3).contains(&lines), "{lines} lines for {TRIES} refused connections");
     }
 
     fn net_of(ip: [u8; 4]) -> Net {

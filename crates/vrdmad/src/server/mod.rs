@@ -141,7 +141,10 @@ impl Listener {
                 shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, ..)| *i != id);
                 const NO_THREAD: &str = "cannot start a session thread";
                 let (log, now) = (&shared.log, crate::logs::now());
-                vrdma_core::limited_error!(crate::logs::lock(log), Source::Tenant(tenant), now, NO_THREAD, error = %e);
+                vrdma_core::limited_error!(
+                    crate::logs::lock(log), Source::Tenant(tenant), now, NO_THREAD,
+                    error = %e
+                );
             }
         }
     }

@@ -155,7 +155,10 @@ pub(crate) fn run(
             if e.kind() == std::io::ErrorKind::WouldBlock {
                 const DEAF: &str = "the tenant read no reply in time; closing its context";
                 let (log, now) = (&s.shared.log, crate::logs::now());
-                vrdma_core::limited_warn!(crate::logs::lock(log), Source::Tenant(tenant), now, DEAF, ctx = id, limit = ?REPLY_LIMIT);
+                vrdma_core::limited_warn!(
+                    crate::logs::lock(log), Source::Tenant(tenant), now, DEAF,
+                    ctx = id, limit = ?REPLY_LIMIT
+                );
             } else {
                 tracing::debug!(ctx = id, error = %e, "cannot reply; closing");
             }
