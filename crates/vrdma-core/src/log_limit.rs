@@ -434,7 +434,7 @@ mod tests {
     fn the_macro_logs_through_a_lock_guard_and_adds_the_count() {
         let l = std::sync::Mutex::new(LogLimiter::new());
         for ms in [0, 10, 20, 1_000] {
-            limited_warn!(l.lock().unwrap(), T, at(ms), M, qpn = 7);
+            crate::limited_warn!(l.lock().unwrap(), T, at(ms), M, qpn = 7);
         }
         assert_eq!(l.lock().unwrap().suppressed()[M], 2);
     }
