@@ -13,6 +13,7 @@
 //! same rules.
 
 pub mod hca;
+pub mod log_limit;
 pub mod memory;
 pub mod proto;
 pub mod qp;

@@ -15,6 +15,7 @@
 pub mod config;
 pub mod engine;
 pub mod host;
+mod logs;
 pub mod net;
 mod server;
 #[cfg(test)]
@@ -154,6 +155,7 @@ impl Daemon {
             next_context: AtomicU32::new(1),
             tenancy: server::Tenancy::new(config.tenant_by)?,
             sessions: Mutex::new(Vec::new()),
+            log: Mutex::default(),
         });
         // A context whose tenant broke the shared-memory protocol is closed
         // as if its process had gone (the engine tells it why first).

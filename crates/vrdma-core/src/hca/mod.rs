@@ -124,6 +124,9 @@ pub struct Hca {
     /// Notices of posted QPs taken per tenant per pass, at most (see
     /// [`Queues::take_posted`]).
     notices_per_tenant: u32,
+    /// Limits what tenants and peers can make the device log (see
+    /// [`crate::log_limit`]); the driver calls its `sweep`.
+    pub log: crate::log_limit::LogLimiter,
 }
 
 /// QPs a sweep wakes per pass.
@@ -154,6 +157,7 @@ impl Hca {
             flush_pending: false,
             posted: Vec::new(),
             missed_wakeups: 0,
+            log: crate::log_limit::LogLimiter::new(),
             sweeping: Vec::new(),
             notices_per_tenant,
         }

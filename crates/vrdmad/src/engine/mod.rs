@@ -101,10 +101,15 @@ impl EngineState {
             self.last_sweep = now;
             self.hca.sweep();
         }
+        self.rings.now = now;
         let mut act = self.hca.process(now, &mut self.rings);
         if let Some(n) = self.net.as_mut() {
             act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
+            n.log.sweep(now);
         }
+        // Counts of floods that stopped (once a second at most).
+        self.rings.log.sweep(now);
+        self.hca.log.sweep(now);
         act.busy |= self.hca.needs_pass();
         for ctx in self.rings.take_broken() {
             match &self.on_broken {

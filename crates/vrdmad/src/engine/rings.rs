@@ -6,17 +6,24 @@
 //! checked) and pushes completions and events into the rings tenants read.
 //! A ring whose indices a tenant corrupted is marked dead: its owner gets
 //! one error completion and nothing more is read from it.
+//!
+//! What a tenant's rings make the daemon log goes through
+//! [`RingTable::log`], keyed by the tenant, so that a tenant cannot flood
+//! the log (see [`vrdma_core::log_limit`]).
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use vrdma_core::hca::IdMap as HashMap;
 
 use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource, TenantId};
+use vrdma_core::limited_warn;
+use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CTX_AUX_ENGINE_SLEEPING, CTX_AUX_EVENTS_DROPPED,
     POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED, SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
+use vrdma_core::time::Instant;
 use vrdma_core::verbs::{AsyncEventType, QpState, WcStatus};
 use vrdma_shm::{Doorbell, RingView};
 
@@ -105,11 +112,8 @@ impl ContextRings {
                 }
                 Ok(false) => break,
                 Err(e) => {
-                    tracing::warn!(
-                        tenant = self.tenant.0,
-                        error = %e,
-                        "a tenant corrupted its posted-QP ring; its context is closed"
-                    );
+                    // Logged, limited per tenant, by `RingTable::take_broken`.
+                    tracing::debug!(tenant = self.tenant.0, error = %e, "posted-QP ring corrupt");
                     self.broken = true;
                     self.rescan.clear();
                     return Taken { looked, more: false, broke: true };
@@ -154,15 +158,22 @@ pub struct CqRing {
 pub struct InRing {
     pub ring: RingView,
     dead: bool,
+    tenant: TenantId,
 }
 
 impl InRing {
-    pub fn new(ring: RingView) -> Self {
-        InRing { ring, dead: false }
+    pub fn new(ring: RingView, tenant: TenantId) -> Self {
+        InRing { ring, dead: false, tenant }
     }
 
     /// Pops one slot into `buf` and decodes it.
-    fn pull<T>(&mut self, buf: &mut Vec<u8>, decode: fn(&[u8]) -> Pulled<T>) -> Option<Pulled<T>> {
+    fn pull<T>(
+        &mut self,
+        buf: &mut Vec<u8>,
+        decode: fn(&[u8]) -> Pulled<T>,
+        log: &mut LogLimiter,
+        now: Instant,
+    ) -> Option<Pulled<T>> {
         if self.dead {
             return None;
         }
@@ -171,7 +182,9 @@ impl InRing {
             Ok(true) => Some(decode(buf)),
             Ok(false) => None,
             Err(e) => {
-                tracing::warn!(error = %e, "tenant corrupted a work queue; no more requests are read from it");
+                let tenant = Source::Tenant(self.tenant);
+                const CORRUPT: &str = "tenant corrupted a work queue; no more requests are read from it";
+                limited_warn!(log, tenant, now, CORRUPT, error = %e);
                 self.dead = true;
                 Some(Err((0, WqeError::SlotTooSmall)))
             }
@@ -224,6 +237,10 @@ pub struct RingTable {
     posted_spent: Vec<(TenantId, u32)>,
     /// Contexts found broken, not yet given to [`Self::take_broken`].
     broken: Vec<ContextId>,
+    /// What tenants' rings make the daemon log, limited per tenant.
+    pub log: LogLimiter,
+    /// The time of the engine's current pass, for `log`.
+    pub now: Instant,
 }
 
 impl RingTable {
@@ -259,6 +276,10 @@ impl RingTable {
     pub fn take_broken(&mut self) -> Vec<ContextId> {
         let broken = std::mem::take(&mut self.broken);
         for &id in &broken {
+            if let Some(c) = self.contexts.get(&id) {
+                const BROKEN: &str = "a tenant corrupted its posted-QP ring; its context is closed";
+                limited_warn!(self.log, Source::Tenant(c.tenant), self.now, BROKEN, ctx = id.0);
+            }
             self.async_event(id, AsyncEvent { event_type: AsyncEventType::DeviceFatal, element: 0 });
         }
         broken
@@ -298,14 +319,22 @@ impl RingTable {
         slot[..4].copy_from_slice(&cqn.to_le_bytes());
         if full || !matches!(ch.ring.try_push_bytes(&slot), Ok(true)) {
             ch.ring.aux(CHANNEL_AUX_DROPPED).fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(cq = cqn, "completion channel full: event dropped");
+            let tenant = Source::Tenant(ch.tenant);
+            limited_warn!(self.log, tenant, self.now, "completion channel full: event dropped", cq = cqn);
             return;
         }
         if !ch.fd.ring_one() {
             // The estimate of the socket buffer was wrong (or the tenant
             // closed its end): the event is there, its wake-up is not.
             ch.ring.aux(CHANNEL_AUX_DROPPED).fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(cq = cqn, "completion channel doorbell full: wake-up lost");
+            let tenant = Source::Tenant(ch.tenant);
+            limited_warn!(
+                self.log,
+                tenant,
+                self.now,
+                "completion channel doorbell full: wake-up lost",
+                cq = cqn
+            );
         }
     }
 }
@@ -320,7 +349,7 @@ fn decode_recv(b: &[u8]) -> Pulled<RecvWr> {
 impl Queues for RingTable {
     fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
         let q = self.qps.get_mut(&qpn)?;
-        let got = q.sq.pull(&mut self.scratch, decode_send);
+        let got = q.sq.pull(&mut self.scratch, decode_send, &mut self.log, self.now);
         if got.is_some() {
             q.held = q.held.wrapping_add(1);
         }
@@ -344,7 +373,7 @@ impl Queues for RingTable {
             RecvSource::Qp(n) => self.qps.get_mut(&n)?.rq.as_mut()?,
             RecvSource::Srq(n) => self.srqs.get_mut(&n)?,
         };
-        ring.pull(&mut self.scratch, decode_recv)
+        ring.pull(&mut self.scratch, decode_recv, &mut self.log, self.now)
     }
 
     fn recv_posted(&mut self, src: RecvSource) -> u32 {
@@ -401,7 +430,15 @@ impl Queues for RingTable {
         if !matches!(c.events.try_push_bytes(&slot), Ok(true)) {
             c.events.aux(CTX_AUX_EVENTS_DROPPED).fetch_add(1, Ordering::Relaxed);
             self.dropped_events += 1;
-            tracing::warn!(ctx = ctx.0, ?event, "async event ring full: event dropped");
+            let tenant = Source::Tenant(c.tenant);
+            limited_warn!(
+                self.log,
+                tenant,
+                self.now,
+                "async event ring full: event dropped",
+                ctx = ctx.0,
+                ?event
+            );
         }
         c.event_fd.ring();
     }
@@ -597,5 +634,65 @@ mod tests {
         assert!(table.take_posted(64, &mut out));
         assert_eq!(out.iter().filter(|&&q| q == 7).count(), 1, "the other tenant's notice");
         assert_eq!(out.iter().filter(|&&q| q != 7).count(), 64, "tenant 1's budget, no more");
+    }
+
+    /// A tenant that never reads its async events: every event from then
+    /// on is dropped, and ten seconds of them, one every 100 µs, cost the
+    /// log its first line and a few counts, not a hundred thousand lines.
+    #[test]
+    fn an_unread_event_ring_costs_the_log_a_few_lines() {
+        let seg =
+            Arc::new(Segment::create("vrdma-test", ring_bytes(4, proto::ASYNC_EVENT_SIZE) * 2).unwrap());
+        let ring = |at| RingView::in_segment(seg.clone(), at, 4, proto::ASYNC_EVENT_SIZE).unwrap();
+        let (bell, _) = Doorbell::pair().unwrap();
+        let (event_fd, _tenant_end) = Doorbell::pair().unwrap();
+        let posted_at = ring_bytes(4, proto::ASYNC_EVENT_SIZE).next_multiple_of(64);
+        let c = ContextRings::new(TenantId(1000), ring(0), event_fd, Arc::new(bell), ring(posted_at));
+        let mut t = RingTable::default();
+        t.contexts.insert(ContextId(1), c);
+        let event = AsyncEvent { event_type: vrdma_core::verbs::AsyncEventType::QpFatal, element: 0x11 };
+        let log = traced(|| {
+            for i in 0..100_000u64 {
+                t.now = Instant(i * 100_000);
+                t.async_event(ContextId(1), event);
+            }
+        });
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains("async event ring full")).collect();
+        // At once, then after 1, 3 and 7 s.
+        assert_eq!(lines.len(), 4, "{:#?}", &lines[..lines.len().min(8)]);
+        assert!(!lines[0].contains("more"), "the first is logged as it is: {}", lines[0]);
+        assert!(lines[1].contains("(9999 more in the last 1s)"), "{}", lines[1]);
+        assert!(lines.iter().all(|l| l.contains("ctx=1")), "the fields of the site are kept: {log}");
+        assert_eq!(t.dropped_events, 100_000 - 4, "every dropped event is still counted");
+    }
+
+    /// The log lines of `f`, at info level and above.
+    fn traced(f: impl FnOnce()) -> String {
+        #[derive(Clone, Default)]
+        struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+        impl std::io::Write for Lines {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let lines = Lines::default();
+        let out = lines.clone();
+        let sub = tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::INFO)
+            .with_ansi(false)
+            .with_writer(move || out.clone())
+            .finish();
+        tracing::subscriber::with_default(sub, || {
+            // Other tests' threads may have met the callsites first, while
+            // no subscriber wanted them, and cached that: ask again.
+            tracing::callsite::rebuild_interest_cache();
+            f()
+        });
+        let b = lines.0.lock().unwrap().clone();
+        String::from_utf8(b).unwrap()
     }
 }

@@ -8,6 +8,10 @@
 //! shared-memory queues, and sleeps on their descriptors with the
 //! doorbells. A stranger that connects, stalls or sends garbage is dropped
 //! by its handshake thread and never reaches the engine.
+//!
+//! What peers and strangers make the daemon log is limited per source
+//! address ([`vrdma_core::log_limit`]): [`Net::log`] on the engine thread,
+//! one limiter shared by the listener and its handshake threads.
 
 mod handshake;
 mod link;
@@ -20,9 +24,11 @@ use std::time::{Duration, Instant as Clock};
 
 use rustix::event::{epoll, PollFd, PollFlags};
 use vrdma_core::hca::{Hca, LinkId, LinkInfo};
+use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::time::Instant;
 use vrdma_core::verbs::Gid;
 use vrdma_core::wire::CloseReason;
+use vrdma_core::{limited_info, limited_warn};
 
 pub use handshake::{dial_handshake, handshake, handshake_admitting, HandshakeError, Identity, Peer};
 pub use link::LinkIo;
@@ -100,6 +106,9 @@ pub struct Net {
     incoming: HashMap<Gid, Clock>,
     /// Addresses outside `net.allow` that QPs asked for (warned once).
     refused: std::collections::HashSet<SocketAddr>,
+    /// What links and dials make the daemon log, limited per address (on
+    /// the clock of [`crate::logs::now`]).
+    pub log: LogLimiter,
 }
 
 /// Where a dial to a peer stands.
@@ -138,6 +147,9 @@ impl Dial {
     }
 }
 
+/// The line of a connection whose handshake failed.
+const REFUSED: &str = "refused a connection from another host";
+
 /// Readiness events taken per pass; more wait for the next (level-triggered).
 const READY_PER_PASS: usize = 64;
 
@@ -155,6 +167,7 @@ impl Net {
             readable: Vec::with_capacity(READY_PER_PASS),
             incoming: HashMap::new(),
             refused: std::collections::HashSet::new(),
+            log: LogLimiter::new(),
         }
     }
 
@@ -187,18 +200,31 @@ impl Net {
                         self.readiness = None;
                     }
                 }
-                tracing::info!(link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id = peer.hello.daemon_id, "link up");
+                let (now, daemon_id) = (crate::logs::now(), peer.hello.daemon_id);
+                limited_info!(
+                    self.log, log_source(addr), now, "link up",
+                    link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id
+                );
                 self.links.insert(id, l);
             }
             Err(e) => {
-                tracing::warn!(peer = %addr, error = %e, "cannot use the connection");
+                let now = crate::logs::now();
+                limited_warn!(
+                    self.log, log_source(addr), now, "cannot use the connection",
+                    peer = %addr, error = %e
+                );
                 hca.link_down(id);
             }
         }
     }
 
-    /// A dial failed: it may be tried again later.
-    pub fn dial_failed(&mut self, addr: SocketAddr) {
+    /// A dial failed, for `why`: it may be tried again later.
+    pub fn dial_failed(&mut self, addr: SocketAddr, why: &str) {
+        let now = crate::logs::now();
+        limited_warn!(
+            self.log, log_source(addr), now, "cannot connect to the peer daemon",
+            peer = %addr, error = why
+        );
         let next = Dial::failed(self.dialling.get(&addr).copied(), Clock::now());
         self.dialling.insert(addr, next);
     }
@@ -233,7 +259,11 @@ impl Net {
             .name("vrdma-dial".into())
             .spawn(move || dial(addr, expect, setup, handle));
         if let Err(e) = spawned {
-            tracing::warn!(peer = %addr, error = %e, "cannot start a dialler");
+            let now = crate::logs::now();
+            limited_warn!(
+                self.log, log_source(addr), now, "cannot start a dialler",
+                peer = %addr, error = %e
+            );
             self.dialling.remove(&addr);
         }
     }
@@ -338,7 +368,12 @@ impl Net {
         }
         for (id, why) in ended {
             if let Some(mut l) = self.links.remove(&id) {
-                tracing::warn!(link = id.0, peer = %l.peer, reason = %why, "link down");
+                let peer = l.peer;
+                let now = crate::logs::now();
+                limited_warn!(
+                    self.log, log_source(peer), now, "link down",
+                    link = id.0, %peer, reason = %why
+                );
                 if let Some(ep) = &self.readiness {
                     let _ = epoll::delete(ep, l.fd());
                 }
@@ -351,6 +386,7 @@ impl Net {
             }
         }
         self.dial_wanted(hca);
+        self.log.sweep(crate::logs::now());
         busy
     }
 
@@ -442,14 +478,19 @@ fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: Eng
             });
         }
         Err(e) => {
-            tracing::warn!(peer = %addr, error = %e, "cannot connect to the peer daemon");
+            let why = e.to_string();
             let _ = handle.call(move |st| {
                 if let Some(n) = st.net.as_mut() {
-                    n.dial_failed(addr);
+                    n.dial_failed(addr, &why);
                 }
             });
         }
     }
+}
+
+/// Who a log line about `addr` is limited as.
+fn log_source(addr: SocketAddr) -> Source {
+    Source::Address(addr.ip().to_canonical())
 }
 
 /// The thread that accepts links from other daemons.
@@ -457,6 +498,9 @@ pub struct Listener {
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
     pub addr: SocketAddr,
+    /// What connections make the listener and its handshakes log, limited
+    /// per source address (on the clock of [`crate::logs::now`]).
+    pub log: Arc<std::sync::Mutex<LogLimiter>>,
 }
 
 impl Listener {
@@ -465,12 +509,13 @@ impl Listener {
         let addr = l.local_addr()?;
         l.set_nonblocking(true)?;
         let stop = Arc::new(AtomicBool::new(false));
-        let s = stop.clone();
+        let (s, log) = (stop.clone(), Arc::new(std::sync::Mutex::new(LogLimiter::new())));
+        let lg = log.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-net-accept".into())
-            .spawn(move || accept_loop(l, setup, handle, s))?;
+            .spawn(move || accept_loop(l, setup, handle, s, lg))?;
         tracing::info!(%addr, "accepting links from other daemons");
-        Ok(Listener { stop, thread: Some(thread), addr })
+        Ok(Listener { stop, thread: Some(thread), addr, log })
     }
 
     pub fn shutdown(&mut self) {
@@ -487,11 +532,19 @@ impl Drop for Listener {
     }
 }
 
-fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop: Arc<AtomicBool>) {
+fn accept_loop(
+    l: TcpListener,
+    setup: Arc<NetSetup>,
+    handle: EngineHandle,
+    stop: Arc<AtomicBool>,
+    log: Arc<std::sync::Mutex<LogLimiter>>,
+) {
     let slots = Arc::new(HandshakeSlots::default());
     // Canonical: a listener on `[::]` sees IPv4 peers as `::ffff:a.b.c.d`.
     let configured: Vec<std::net::IpAddr> = setup.peers.iter().map(|p| p.ip().to_canonical()).collect();
     while !stop.load(Ordering::Relaxed) {
+        // The count of a flood that stopped, within a second or so.
+        crate::logs::lock(&log).sweep(crate::logs::now());
         let mut fds = [PollFd::new(&l, PollFlags::IN)];
         let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 100_000_000 };
         let _ = rustix::event::poll(&mut fds, Some(&ts));
@@ -499,7 +552,8 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
             Ok(x) => x,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => {
-                tracing::warn!(error = %e, "accept failed");
+                let now = crate::logs::now();
+                limited_warn!(crate::logs::lock(&log), Source::Anyone, now, "accept failed", error = %e);
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
@@ -510,12 +564,14 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
             continue;
         }
         let Some(slot) = HandshakeSlots::take(&slots, source, configured.contains(&source)) else {
-            tracing::warn!(peer = %addr, "too many handshakes in progress; connection dropped");
+            const BUSY: &str = "too many handshakes in progress; connection dropped";
+            let now = crate::logs::now();
+            limited_warn!(crate::logs::lock(&log), log_source(addr), now, BUSY, peer = %addr);
             continue;
         };
         let _ = s.set_nonblocking(false);
         let _ = s.set_nodelay(true);
-        let (setup, handle) = (setup.clone(), handle.clone());
+        let (setup, handle, hs_log) = (setup.clone(), handle.clone(), log.clone());
         let spawned = std::thread::Builder::new().name("vrdma-handshake".into()).spawn(move || {
             let _slot = slot;
             let admit = |h: &vrdma_core::wire::HelloRepr| {
@@ -535,13 +591,27 @@ fn accept_loop(l: TcpListener, setup: Arc<NetSetup>, handle: EngineHandle, stop:
                     });
                 }
                 Err(HandshakeError::Refused) => {
-                    tracing::info!(peer = %addr, "refused a second link to a daemon that this one dials or has dialled")
+                    const SECOND: &str =
+                        "refused a second link to a daemon that this one dials or has dialled";
+                    let now = crate::logs::now();
+                    limited_info!(crate::logs::lock(&hs_log), log_source(addr), now, SECOND, peer = %addr)
                 }
-                Err(e) => tracing::warn!(peer = %addr, error = %e, "refused a connection from another host"),
+                Err(e) => {
+                    let now = crate::logs::now();
+                    limited_warn!(
+                        crate::logs::lock(&hs_log), log_source(addr), now, REFUSED,
+                        peer = %addr, error = %e
+                    )
+                }
             }
         });
         if let Err(e) = spawned {
-            tracing::warn!(peer = %addr, error = %e, "cannot start a handshake");
+            let now = crate::logs::now();
+            const NO_THREAD: &str = "cannot start a handshake";
+            limited_warn!(
+                crate::logs::lock(&log), log_source(addr), now, NO_THREAD,
+                peer = %addr, error = %e
+            );
         }
     }
 }
@@ -667,7 +737,7 @@ mod tests {
             "a configured peer is dialled whatever tenants want"
         );
         assert_eq!(n.may_dial(addr(0), now), None, "already under way");
-        n.dial_failed(addr(0));
+        n.dial_failed(addr(0), "refused");
         assert_eq!(n.may_dial(addr(200), now), Some(0), "a slot came free");
         // A failed peer keeps its count while it may be asked for again...
         let later = now + REDIAL_AFTER + Duration::from_millis(100);
@@ -676,6 +746,48 @@ mod tests {
         let much_later = later + FORGET_FAILED_DIAL + REDIAL_MAX;
         n.may_dial(addr(201), much_later);
         assert!(!n.dialling.contains_key(&addr(0)), "a failed dial no one wants is kept for ever");
+    }
+
+    /// A tenant whose QPs name a host that refuses every dial: the dials
+    /// back off, and the log gets a line and counts per address.
+    #[test]
+    fn failed_dials_cost_the_log_a_line_per_address_then_counts() {
+        let mut n = net_of([10, 0, 0, 1]);
+        let (a, b) = (SocketAddr::from(([10, 0, 2, 1], 4791)), SocketAddr::from(([10, 0, 2, 2], 4791)));
+        for _ in 0..100 {
+            n.dial_failed(a, "connection refused");
+        }
+        n.dial_failed(b, "connection refused");
+        assert_eq!(n.log.suppressed().get("cannot connect to the peer daemon"), Some(&99));
+        assert_eq!(n.log.len(), 2, "one key per address");
+    }
+
+    /// A stranger that connects again and again with garbage: each
+    /// connection is refused, and its address costs the log a line and a
+    /// count or two.
+    #[test]
+    fn a_stranger_that_keeps_sending_garbage_costs_the_log_a_few_lines() {
+        use std::io::{Read, Write};
+        let dir = tempfile::tempdir().unwrap();
+        let socket = Some(dir.path().join("vrdma.sock"));
+        let mut cfg =
+            crate::DaemonConfig { socket, address: Some([127, 0, 0, 1].into()), ..Default::default() };
+        cfg.net.psk = Some("a key that no stranger holds".into());
+        cfg.net.listen = Some("127.0.0.1:0".parse().unwrap());
+        let daemon = crate::Daemon::start(cfg).unwrap();
+        let addr = daemon.wire_addr().unwrap();
+        const TRIES: u64 = 100;
+        for _ in 0..TRIES {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\n");
+            // Refused: the daemon closes it, after its line or its count.
+            while matches!(s.read(&mut [0u8; 256]), Ok(n) if n > 0) {}
+        }
+        let log = crate::logs::lock(&daemon.net_listener.as_ref().unwrap().log);
+        let lines = TRIES - log.suppressed().get(REFUSED).copied().unwrap_or(0);
+        // At once, then after 1 and 3 s if the machine is slow.
+        assert!((1..=3).contains(&lines), "{lines} lines for {TRIES} refused connections");
     }
 
     fn net_of(ip: [u8; 4]) -> Net {

@@ -1,4 +1,7 @@
 //! The control socket: accepts tenant connections, one thread each.
+//!
+//! What tenants make the control plane log goes through [`Shared::log`],
+//! limited per tenant ([`vrdma_core::log_limit`]).
 
 mod session;
 mod tenancy;
@@ -13,6 +16,8 @@ use std::sync::{Arc, Mutex};
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 
 use vrdma_core::hca::TenantId;
+use vrdma_core::limited_warn;
+use vrdma_core::log_limit::{LogLimiter, Source};
 
 use crate::engine::EngineHandle;
 
@@ -25,6 +30,9 @@ pub(crate) struct Shared {
     /// Sessions' sockets, with their peers' tenants, shut down to end them
     /// when the daemon stops.
     pub sessions: Mutex<Vec<(u32, TenantId, OwnedFd)>>,
+    /// Limits what tenants make the accept loop and sessions log (on the
+    /// clock of [`crate::logs::now`]).
+    pub log: Mutex<LogLimiter>,
 }
 
 impl Shared {
@@ -42,6 +50,9 @@ impl Shared {
 /// ones still saying Hello or closing. Beyond, they are closed at once,
 /// so that one tenant cannot use up the daemon's descriptors and threads.
 pub(crate) const CONNECTIONS_BEYOND_CONTEXTS: u32 = 16;
+
+/// The line of a connection closed for [`CONNECTIONS_BEYOND_CONTEXTS`].
+const OVER_LIMIT: &str = "a tenant's connections are over its limit; connection closed";
 
 pub(crate) struct Listener {
     fd: OwnedFd,
@@ -85,7 +96,8 @@ impl Listener {
                 Ok(c) => c,
                 Err(rustix::io::Errno::INTR) => continue,
                 Err(rustix::io::Errno::MFILE | rustix::io::Errno::NFILE) => {
-                    tracing::warn!("out of file descriptors; refusing connections for 100 ms");
+                    const NO_FDS: &str = "out of file descriptors; refusing connections for 100 ms";
+                    limited_warn!(crate::logs::lock(&shared.log), Source::Anyone, crate::logs::now(), NO_FDS);
                     std::thread::sleep(std::time::Duration::from_millis(100));
                     continue;
                 }
@@ -97,7 +109,9 @@ impl Listener {
             let (tenant, cred, seat) = match shared.tenancy.identify(conn.as_fd()) {
                 Ok(t) => t,
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot tell the tenant of a connection; closed");
+                    const UNKNOWN: &str = "cannot tell the tenant of a connection; closed";
+                    let now = crate::logs::now();
+                    limited_warn!(crate::logs::lock(&shared.log), Source::Anyone, now, UNKNOWN, error = %e);
                     continue;
                 }
             };
@@ -111,10 +125,14 @@ impl Listener {
                 .filter(|s| s.1 == tenant)
                 .count();
             if held >= limit {
-                tracing::warn!(
+                let (log, now) = (&shared.log, crate::logs::now());
+                limited_warn!(
+                    crate::logs::lock(log),
+                    Source::Tenant(tenant),
+                    now,
+                    OVER_LIMIT,
                     tenant = tenant.0,
-                    held,
-                    "a tenant's connections are over its limit; connection closed"
+                    held
                 );
                 continue;
             }
@@ -132,7 +150,12 @@ impl Listener {
                 // The connection went with the closure and is closed; drop
                 // our duplicate too, so the client sees the hang-up.
                 shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).retain(|(i, ..)| *i != id);
-                tracing::error!(error = %e, "cannot start a session thread");
+                const NO_THREAD: &str = "cannot start a session thread";
+                let (log, now) = (&shared.log, crate::logs::now());
+                vrdma_core::limited_error!(
+                    crate::logs::lock(log), Source::Tenant(tenant), now, NO_THREAD,
+                    error = %e
+                );
             }
         }
     }
@@ -154,4 +177,38 @@ pub fn connect(path: &Path) -> std::io::Result<OwnedFd> {
         rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
     rustix::net::connect(&fd, &SocketAddrUnix::new(path)?)?;
     Ok(fd)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A tenant that keeps connecting over its limit has each connection
+    /// closed at once, and costs the log a line and a count or two, not a
+    /// line per connection.
+    #[test]
+    fn connections_over_the_limit_cost_the_log_a_few_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("vrdma.sock");
+        let mut cfg = crate::DaemonConfig { socket: Some(path.clone()), ..Default::default() };
+        cfg.quota.max_contexts = 1;
+        let daemon = crate::Daemon::start(cfg).unwrap();
+        // Held while the rest are refused (they say no Hello, so they would
+        // be closed after 5 s: the test takes far less).
+        let _held: Vec<OwnedFd> =
+            (0..1 + CONNECTIONS_BEYOND_CONTEXTS).map(|_| connect(&path).unwrap()).collect();
+        const REFUSED: u64 = 300;
+        for _ in 0..REFUSED {
+            let c = connect(&path).unwrap();
+            use rustix::net::sockopt::{set_socket_timeout, Timeout};
+            set_socket_timeout(&c, Timeout::Recv, Some(std::time::Duration::from_secs(5))).unwrap();
+            // The daemon closes it, after its line or its count.
+            let n = rustix::net::recv(&c, &mut [0u8; 8], rustix::net::RecvFlags::empty()).unwrap();
+            assert_eq!(n.0, 0, "a connection over the limit was answered");
+        }
+        let suppressed = crate::logs::lock(&daemon.shared.log).suppressed().get(OVER_LIMIT).copied();
+        let lines = REFUSED - suppressed.unwrap_or(0);
+        // At once, then after 1 and 3 s if the machine is slow.
+        assert!((1..=3).contains(&lines), "{lines} lines for {REFUSED} connections over the limit");
+    }
 }

@@ -13,6 +13,7 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
 use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
+use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
     self, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, CHANNEL_EVENT_SIZE,
@@ -152,7 +153,12 @@ pub(crate) fn run(
         let fds: Vec<BorrowedFd> = answer.fds.iter().map(|f| f.as_fd()).collect();
         if let Err(e) = fdpass::send_msg(sock.as_fd(), &bytes, &fds) {
             if e.kind() == std::io::ErrorKind::WouldBlock {
-                tracing::warn!(ctx = id, "the tenant read no reply for {REPLY_LIMIT:?}; closing its context");
+                const DEAF: &str = "the tenant read no reply in time; closing its context";
+                let (log, now) = (&s.shared.log, crate::logs::now());
+                vrdma_core::limited_warn!(
+                    crate::logs::lock(log), Source::Tenant(tenant), now, DEAF,
+                    ctx = id, limit = ?REPLY_LIMIT
+                );
             } else {
                 tracing::debug!(ctx = id, error = %e, "cannot reply; closing");
             }
@@ -489,8 +495,9 @@ impl Session {
                 return Err(a);
             }
         };
+        let tenant = self.tenant;
         self.engine(move |e, _| {
-            e.rings.srqs.insert(srq, InRing::new(ring));
+            e.rings.srqs.insert(srq, InRing::new(ring, tenant));
         })?;
         Ok(Answer {
             reply: Reply::Srq {
@@ -526,8 +533,11 @@ impl Session {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
             };
-            let rings =
-                QpRings::new(self.ctx, InRing::new(view(sq)?), rq.map(view).transpose()?.map(InRing::new));
+            let rings = QpRings::new(
+                self.ctx,
+                InRing::new(view(sq)?, self.tenant),
+                rq.map(view).transpose()?.map(|r| InRing::new(r, self.tenant)),
+            );
             Ok::<_, Answer>((seg.clone(), rings, fd))
         })();
         let (seg, rings, fd) = match made {

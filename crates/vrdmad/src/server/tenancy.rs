@@ -28,6 +28,8 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use vrdma_core::hca::TenantId;
+use vrdma_core::limited_info;
+use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_shm::fdpass::{peer_credentials, PeerCred};
 
 pub use crate::config::TenantBy;
@@ -55,6 +57,9 @@ struct Numbering {
     named: HashMap<Key, Named>,
     /// The last number given out.
     last: u32,
+    /// A process that can make network namespaces can make tenants at
+    /// will: their lines are limited per uid.
+    log: LogLimiter,
 }
 
 pub(crate) struct Tenancy {
@@ -126,7 +131,17 @@ impl Tenancy {
         n.last = next;
         let tenant = TenantId(next);
         n.named.insert(key, Named { tenant, sessions: 1, _pin: pin });
-        tracing::info!(uid, netns = ns.1, tenant = tenant.0, "a new tenant of this host only");
+        // The uid's own tenant stands for the uid.
+        let (by_uid, now) = (Source::Tenant(TenantId(uid)), crate::logs::now());
+        limited_info!(
+            n.log,
+            by_uid,
+            now,
+            "a new tenant of this host only",
+            uid,
+            netns = ns.1,
+            tenant = tenant.0
+        );
         Ok((tenant, Seat(Some((self.numbering.clone(), key)))))
     }
 }
@@ -228,6 +243,21 @@ mod tests {
         let (e, _seat_e) = t.seat(0, ns, pin()).unwrap();
         assert!(![a, c, d].contains(&e), "{e:?} reused");
         assert_eq!(t.numbering.lock().unwrap().named.len(), 3);
+    }
+
+    /// A process that can make namespaces makes tenants at will: the log
+    /// gets a line for its first and a count for the rest.
+    #[test]
+    fn new_tenants_of_one_uid_cost_the_log_a_few_lines() {
+        let t = Tenancy::new(TenantBy::UidAndNetns).unwrap();
+        const MADE: u64 = 300;
+        let _seats: Vec<Seat> =
+            (0..MADE).map(|i| t.seat(1000, (4, 4026540000 + i), pin()).unwrap().1).collect();
+        let _other_uid = t.seat(1001, (4, 4026540000), pin()).unwrap();
+        let n = t.numbering.lock().unwrap();
+        let lines = MADE - n.log.suppressed().get("a new tenant of this host only").copied().unwrap_or(0);
+        assert!((1..=3).contains(&lines), "{lines} lines for {MADE} tenants");
+        assert_eq!(n.log.len(), 2, "another uid is limited apart");
     }
 
     #[test]

@@ -216,7 +216,7 @@ impl Hca {
                 if let Some(t) = timer {
                     act.timer(t);
                 }
-                let parked = self.after_turn(qpn, &turn, io);
+                let parked = self.after_turn(qpn, &turn, now, io);
                 let keep = !parked && self.qps.get(&qpn).is_some_and(|q| q.served);
                 if !keep {
                     if let Some(q) = self.qps.get_mut(&qpn) {
@@ -271,7 +271,7 @@ impl Hca {
     /// After a QP's turn: counts work a sweep found, and parks the QP if
     /// the turn found nothing to do, nothing is pending and nothing is
     /// posted. Returns whether it parked it.
-    fn after_turn(&mut self, qpn: u32, turn: &Activity, io: &mut dyn Queues) -> bool {
+    fn after_turn(&mut self, qpn: u32, turn: &Activity, now: Instant, io: &mut dyn Queues) -> bool {
         let Some(qp) = self.qps.get_mut(&qpn) else { return false };
         let idle = !turn.busy && turn.next_timer.is_none() && qp.is_quiescent();
         // Work a post brought that its notice has yet to announce was not
@@ -282,12 +282,8 @@ impl Hca {
             // A tenant that never names its QPs makes one per QP per sweep:
             // the count says how many, the log only now and then.
             const MISSED: &str = "a sweep found work on a QP that was left idle: a wake-up was missed";
-            let missed = self.missed_wakeups;
-            if missed.is_power_of_two() {
-                tracing::warn!(qpn, missed, "{MISSED}");
-            } else {
-                tracing::debug!(qpn, missed, "{MISSED}");
-            }
+            let (missed, tenant) = (self.missed_wakeups, crate::log_limit::Source::Tenant(qp.tenant));
+            crate::limited_warn!(self.log, tenant, now, MISSED, qpn, missed);
         }
         let recv_too = qp.state() == QpState::Err && qp.init.srq.is_none();
         if idle && io.park_queues(qpn, recv_too) {
