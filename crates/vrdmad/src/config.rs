@@ -4,6 +4,7 @@
 //! socket = "/run/vrdma/vrdma.sock"   # else VRDMA_SOCKET or the default
 //! address = "10.0.0.1"                # the host address the GID carries
 //! max_mappings = 49152  # tenants' mappings at most (default: 3/4 of vm.max_map_count)
+//! max_tenants = 16      # tenants holding contexts at once; each may reach its quota
 //! tenant_by = "uid"     # or "uid+netns": a uid in another network namespace
 //!                       # than the daemon's is a tenant of this host only
 //!
@@ -22,6 +23,8 @@
 //! max_objects = 16384
 //! max_registered_bytes = 17179869184   # memory regions and queue rings together
 //! max_queue_depth = 16384
+//! max_contexts = 256
+//! max_mappings = 3071   # default: max_mappings / max_tenants (see below)
 //!
 //! [tenants.1000]        # a tenant is a uid; override its quota
 //! max_objects = 64
@@ -36,6 +39,30 @@
 //! allow = ["10.0.0.0/24"]  # dial and admit only these networks (default: any)
 //! dead_ms = 5000        # a link silent this long is dead
 //! ```
+//!
+//! ## Shared budgets: no tenant can lock the others out
+//!
+//! The daemon's memory mappings (one per context, region, queue and
+//! completion channel) are bounded for all tenants together by
+//! `max_mappings`. So that tenants that fill their quotas cannot leave
+//! another unable even to open a context, at most `max_tenants` tenants
+//! hold contexts at once (the next one's Hello is refused with `EUSERS`
+//! until one has closed all of its), and each tenant's mappings are held
+//! to its quota's `max_mappings`, by default `max_mappings / max_tenants`.
+//! Quotas set by hand are checked at load: the `max_tenants` largest
+//! (per-uid overrides, and the `[quota]` one for every other tenant) must
+//! fit in `max_mappings` together, else the configuration is refused. So
+//! every admitted tenant can always reach its quota, however many others
+//! hold theirs. `ibv_query_device` shows each tenant the share it can
+//! reach (`max_mr`, `max_cq`, `max_qp`, `max_srq`).
+//!
+//! Why 16 by default: with the kernel's default `vm.max_map_count`
+//! (65530) that leaves each tenant 3071 mappings, ample for the usual
+//! verbs program (a few regions and queues per connection) and for a
+//! host that runs a handful of jobs or containers; a host with more
+//! tenants raises `max_tenants`, and one whose programs register
+//! thousands of separate buffers raises `vm.max_map_count` (databases
+//! commonly run with 262144 or more) or lowers `max_tenants`.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -214,11 +241,46 @@ pub struct DaemonConfig {
     /// contexts); default three quarters of `vm.max_map_count`, the rest
     /// left to the daemon itself (threads, allocations).
     pub max_mappings: Option<usize>,
+    /// Most tenants holding contexts at once (default
+    /// [`DEFAULT_MAX_TENANTS`]); the mapping budget is shared among them.
+    pub max_tenants: Option<u32>,
     pub engine: EngineConfig,
     pub net: NetConfig,
     pub quota: Quota,
     /// Per-uid quota overrides; keys are uids.
     pub tenants: BTreeMap<String, Quota>,
+}
+
+/// The default of [`DaemonConfig::max_tenants`] (see the module's doc).
+pub const DEFAULT_MAX_TENANTS: u32 = 16;
+
+/// Fewest mappings a tenant's share may have: its context and one region
+/// or queue. A smaller share would admit tenants that can do nothing.
+pub const MIN_MAPPINGS_PER_TENANT: u32 = 2;
+
+/// The daemon's default bound on its mappings for tenants: three quarters
+/// of the kernel's bound on the process (`vm.max_map_count`), the rest
+/// left to the daemon itself (threads, allocations).
+pub fn default_max_mappings() -> usize {
+    let max = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .unwrap_or(65530);
+    max / 4 * 3
+}
+
+/// The shared budgets as the daemon applies them: every quota with its
+/// share of the mappings filled in, checked to fit together.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Budgets {
+    /// Mappings for all tenants together.
+    pub max_mappings: usize,
+    /// Tenants holding contexts at once.
+    pub max_tenants: u32,
+    /// The quota of every tenant without an override.
+    pub quota: Quota,
+    /// Per-uid quotas.
+    pub tenants: Vec<(u32, Quota)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -247,7 +309,7 @@ impl DaemonConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        self.tenant_quotas()?;
+        self.budgets()?;
         self.net.validate()?;
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
@@ -264,6 +326,62 @@ impl DaemonConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The shared budgets, with `max_mappings` read from the kernel where
+    /// the configuration leaves it out.
+    pub fn budgets(&self) -> Result<Budgets, ConfigError> {
+        self.budgets_within(self.max_mappings.unwrap_or_else(default_max_mappings))
+    }
+
+    /// The shared budgets for a daemon that maps at most `max_mappings`
+    /// for its tenants: each quota's share of mappings (`max_mappings /
+    /// max_tenants` where it names none), refused if the `max_tenants`
+    /// largest quotas could not all be reached at once.
+    pub fn budgets_within(&self, max_mappings: usize) -> Result<Budgets, ConfigError> {
+        let n = self.max_tenants.unwrap_or(DEFAULT_MAX_TENANTS);
+        if n == 0 {
+            return Err(ConfigError::Invalid("max_tenants must be positive".into()));
+        }
+        let share = u32::try_from(max_mappings / n as usize).unwrap_or(u32::MAX);
+        if share < MIN_MAPPINGS_PER_TENANT {
+            return Err(ConfigError::Invalid(format!(
+                "max_mappings {max_mappings} leaves fewer than {MIN_MAPPINGS_PER_TENANT} mappings to each of \
+                 max_tenants {n} tenants (a context takes one): raise max_mappings (or vm.max_map_count) \
+                 or lower max_tenants"
+            )));
+        }
+        let fill = |q: Quota| Quota { max_mappings: Some(q.max_mappings.unwrap_or(share)), ..q };
+        let quota = fill(self.quota);
+        let tenants: Vec<(u32, Quota)> =
+            self.tenant_quotas()?.into_iter().map(|(uid, q)| (uid, fill(q))).collect();
+        let maps = |q: &Quota| q.max_mappings.unwrap_or(share);
+        for (who, q) in std::iter::once(("[quota]".to_string(), &quota))
+            .chain(tenants.iter().map(|(u, q)| (format!("[tenants.{u}]"), q)))
+        {
+            if maps(q) < MIN_MAPPINGS_PER_TENANT {
+                return Err(ConfigError::Invalid(format!(
+                    "{who} max_mappings {} is below {MIN_MAPPINGS_PER_TENANT}: its tenant could not open a \
+                     context and register",
+                    maps(q)
+                )));
+            }
+        }
+        // The worst case: the max_tenants tenants with the largest shares
+        // all admitted at once (overrides first where larger, and every
+        // other tenant at the [quota] share).
+        let mut largest: Vec<u64> = tenants.iter().map(|(_, q)| u64::from(maps(q))).collect();
+        largest.extend(std::iter::repeat_n(u64::from(maps(&quota)), n as usize));
+        largest.sort_unstable_by(|a, b| b.cmp(a));
+        let worst: u64 = largest.iter().take(n as usize).sum();
+        if worst > max_mappings as u64 {
+            return Err(ConfigError::Invalid(format!(
+                "max_tenants {n} tenants at their quotas could hold {worst} memory mappings in the daemon, \
+                 more than max_mappings {max_mappings}: lower the quotas' max_mappings or max_tenants, or \
+                 raise max_mappings (or vm.max_map_count)"
+            )));
+        }
+        Ok(Budgets { max_mappings, max_tenants: n, quota, tenants })
     }
 
     /// The per-tenant overrides with their uids parsed.
@@ -317,6 +435,56 @@ mod tests {
         assert_eq!(c.net.key().unwrap().unwrap(), b"0123456789abcdef0123");
         assert_eq!(c.net.port, DEFAULT_WIRE_PORT);
         assert_eq!(c.net.peers.len(), 1);
+    }
+
+    #[test]
+    fn each_tenants_share_of_mappings_is_derived_from_the_budget() {
+        let c = DaemonConfig::from_toml("max_mappings = 49146\n[tenants.1000]\nmax_objects = 64").unwrap();
+        let b = c.budgets().unwrap();
+        assert_eq!(b.max_tenants, DEFAULT_MAX_TENANTS);
+        assert_eq!(b.quota.max_mappings, Some(49146 / 16));
+        // An override that names no share gets the same one.
+        assert_eq!(
+            b.tenants,
+            vec![(1000, Quota { max_objects: 64, max_mappings: Some(3071), ..Quota::default() })]
+        );
+        let b = DaemonConfig::from_toml("max_mappings = 100\nmax_tenants = 3").unwrap().budgets().unwrap();
+        assert_eq!(b.quota.max_mappings, Some(33));
+        // Left out, the budget comes from the kernel's bound.
+        let b = DaemonConfig::default().budgets().unwrap();
+        assert_eq!(b.max_mappings, default_max_mappings());
+        assert_eq!(b.quota.max_mappings, Some((default_max_mappings() / 16) as u32));
+    }
+
+    /// Quotas set by hand must leave every admitted tenant able to reach
+    /// its own: the max_tenants largest must fit in the budget together.
+    #[test]
+    fn quotas_that_could_not_all_be_reached_are_refused() {
+        let err = |t: &str| match DaemonConfig::from_toml(t) {
+            Err(ConfigError::Invalid(m)) => m,
+            other => panic!("{t:?} gave {other:?}"),
+        };
+        // [quota] above the share: N of them do not fit.
+        let m = err("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 26");
+        assert!(m.contains("could hold 104 memory mappings") && m.contains("max_mappings 100"), "{m}");
+        assert!(DaemonConfig::from_toml("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 25")
+            .is_ok());
+        // One override above the share fits only if the rest leave room.
+        let m = err("max_mappings = 100\nmax_tenants = 4\n[tenants.7]\nmax_mappings = 40");
+        assert!(m.contains("could hold 115"), "{m}");
+        let ok =
+            "max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 20\n[tenants.7]\nmax_mappings = 40";
+        assert_eq!(
+            DaemonConfig::from_toml(ok).unwrap().budgets().unwrap().tenants[0].1.max_mappings,
+            Some(40)
+        );
+        // Two large overrides both count, however many tenants there are.
+        let m = err("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 10\n[tenants.7]\nmax_mappings = 45\n[tenants.8]\nmax_mappings = 45");
+        assert!(m.contains("could hold 110"), "{m}");
+        // Too small a share, or none at all.
+        assert!(err("max_mappings = 40\nmax_tenants = 21").contains("fewer than 2 mappings"));
+        assert!(err("max_tenants = 0").contains("positive"));
+        assert!(err("[tenants.7]\nmax_mappings = 1").contains("[tenants.7] max_mappings 1"));
     }
 
     #[test]

@@ -17,6 +17,15 @@ pub struct Quota {
     pub max_queue_depth: u32,
     /// Open contexts (connections to the daemon) at once.
     pub max_contexts: u32,
+    /// Memory mappings the daemon holds for the tenant at once: one per
+    /// context, memory region, CQ, QP, SRQ and completion channel. The
+    /// daemon's mappings are a budget all tenants share (the kernel bounds
+    /// them per process), so the driver enforces this, and `None` means
+    /// "the driver's share": its budget divided among the tenants it
+    /// admits. The core only reports it ([`Hca::device_attr`]).
+    ///
+    /// [`Hca::device_attr`]: crate::hca::Hca::device_attr
+    pub max_mappings: Option<u32>,
 }
 
 impl Default for Quota {
@@ -28,6 +37,7 @@ impl Default for Quota {
             max_registered_bytes: 16 << 30,
             max_queue_depth: 16_384,
             max_contexts: 256,
+            max_mappings: None,
         }
     }
 }

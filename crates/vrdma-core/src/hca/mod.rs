@@ -171,7 +171,8 @@ impl Hca {
 
     /// `ibv_query_device` as `ctx` sees the device: its limits, lowered to
     /// its tenant's quota, so that a program that sizes its queues to
-    /// `max_cqe` or `max_qp_wr` gets them.
+    /// `max_cqe` or `max_qp_wr` gets them, and that `max_mr` and the other
+    /// counts are ones it can reach (objects, and mappings in the daemon).
     pub fn device_attr(&self, ctx: ContextId) -> Result<crate::verbs::DeviceAttr, HcaError> {
         let q = self.quota(self.tenant_of(ctx)?);
         let mut d = self.config.device.clone();
@@ -187,6 +188,14 @@ impl Hca {
             *count = (*count).min(q.max_objects);
         }
         d.max_mr_size = d.max_mr_size.min(q.max_registered_bytes);
+        // Each region, CQ, QP and SRQ is a mapping in the daemon, and the
+        // context itself takes one.
+        if let Some(maps) = q.max_mappings {
+            let room = maps.saturating_sub(1);
+            for count in [&mut d.max_qp, &mut d.max_cq, &mut d.max_mr, &mut d.max_srq] {
+                *count = (*count).min(room);
+            }
+        }
         Ok(d)
     }
 

@@ -1619,6 +1619,24 @@ fn the_device_shows_each_tenant_its_quota_as_limits() {
     assert_eq!(full.max_sge, d.max_sge);
 }
 
+/// A tenant's share of the daemon's mappings bounds the regions and queues
+/// it can have (its context takes one), and the device says so; objects
+/// that cost no mapping (PDs, AHs) are bounded by the object quota alone.
+#[test]
+fn the_device_shows_each_tenant_its_share_of_mappings() {
+    let mut env = Env::new();
+    env.hca.set_quota(OTHER_TENANT, Quota { max_objects: 100, max_mappings: Some(10), ..Quota::default() });
+    let d = env.hca.device_attr(C3).unwrap();
+    assert_eq!((d.max_qp, d.max_cq, d.max_mr, d.max_srq), (9, 9, 9, 9));
+    assert_eq!((d.max_pd, d.max_ah), (100, 100));
+    // No share of its own: the object quota is the bound.
+    env.hca.set_quota(OTHER_TENANT, Quota { max_objects: 100, max_mappings: None, ..Quota::default() });
+    assert_eq!(env.hca.device_attr(C3).unwrap().max_mr, 100);
+    // A share that leaves nothing beyond the context shows nothing.
+    env.hca.set_quota(OTHER_TENANT, Quota { max_mappings: Some(1), ..Quota::default() });
+    assert_eq!(env.hca.device_attr(C3).unwrap().max_mr, 0);
+}
+
 #[test]
 fn queue_depth_quota() {
     let mut env = Env::new();

@@ -1,8 +1,10 @@
 //! The control socket: accepts tenant connections, one thread each.
 
+mod admission;
 mod session;
 mod tenancy;
 
+pub(crate) use admission::Admission;
 pub(crate) use tenancy::{Seat, Tenancy};
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -22,6 +24,8 @@ pub(crate) struct Shared {
     pub device_name: String,
     pub next_context: AtomicU32,
     pub tenancy: Tenancy,
+    /// Which tenants hold contexts, and their shares of the mappings.
+    pub admission: Admission,
     /// Sessions' sockets, with their peers' tenants, shut down to end them
     /// when the daemon stops.
     pub sessions: Mutex<Vec<(u32, TenantId, OwnedFd)>>,
