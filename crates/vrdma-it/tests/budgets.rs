@@ -186,3 +186,51 @@ fn a_tenant_beyond_max_tenants_is_told_so() -> Result<()> {
     other.proc.wait_timeout(WAIT)?;
     Ok(())
 }
+
+/// File descriptors are shared the same way: a tenant that fills its share
+/// with completion channels (each a descriptor in the daemon) is refused
+/// the next channel, and its next context, with EMFILE; another tenant
+/// still opens its context and channels.
+#[test]
+fn a_tenant_that_fills_its_descriptors_leaves_the_others_theirs() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    // Room for three contexts (8 each) and six channels, or one context
+    // and 22 channels.
+    const SHARE: usize = 30;
+    let d = DaemonProc::start_with_config(&format!("max_tenants = 2\n[quota]\nmax_descriptors = {SHARE}\n"))?;
+    let mut c = RawConn::connect(&d.socket)?;
+    c.hello()?;
+    let mut channels = Vec::new();
+    let (errno, message) = loop {
+        match c.call(&Request::CreateCompChannel, &[])?.reply()? {
+            Reply::CompChannel { channel, .. } => channels.push(channel),
+            Reply::Error { errno, message } => break (errno, message),
+            other => bail!("CreateCompChannel answered {other:?}"),
+        }
+        assert!(channels.len() <= SHARE, "more channels than descriptors");
+    };
+    assert_eq!(channels.len(), SHARE - 8, "{message}");
+    assert_eq!(errno, libc::EMFILE, "{message}");
+    assert!(message.contains(&format!("share of {SHARE} file descriptors")), "{message}");
+    let (errno, message) = RawConn::connect(&d.socket)?
+        .call(&Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION }, &[])?
+        .errno()?;
+    assert_eq!(errno, libc::EMFILE, "{message}");
+    // Another tenant is not touched by it.
+    let other = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(LATECOMER))?;
+    assert_eq!(other.hello()?.tenant, LATECOMER);
+    end(other)?;
+    // A channel given back is room for the next.
+    match c.call(&Request::CreateCompChannel, &[])?.reply()? {
+        Reply::Error { errno, .. } => assert_eq!(errno, libc::EMFILE),
+        other => bail!("CreateCompChannel answered {other:?}"),
+    }
+    match c.call(&Request::DestroyCompChannel { channel: channels[0] }, &[])?.reply()? {
+        Reply::Done => {}
+        other => bail!("DestroyCompChannel answered {other:?}"),
+    }
+    assert!(matches!(c.call(&Request::CreateCompChannel, &[])?.reply()?, Reply::CompChannel { .. }));
+    Ok(())
+}

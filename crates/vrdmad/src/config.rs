@@ -25,6 +25,7 @@
 //! max_queue_depth = 16384
 //! max_contexts = 256
 //! max_mappings = 3071   # default: max_mappings / max_tenants (see below)
+//! max_descriptors = 1186  # default: the tenants' descriptors / max_tenants
 //!
 //! [tenants.1000]        # a tenant is a uid; override its quota
 //! max_objects = 64
@@ -55,6 +56,17 @@
 //! every admitted tenant can always reach its quota, however many others
 //! hold theirs. `ibv_query_device` shows each tenant the share it can
 //! reach (`max_mr`, `max_cq`, `max_qp`, `max_srq`).
+//!
+//! The daemon's file descriptors are shared the same way: of its hard
+//! open-file limit it keeps a quarter (at most 1024) for itself (listener,
+//! links to other hosts, connections not yet admitted), and each admitted
+//! tenant may hold its quota's `max_descriptors`, by default the rest
+//! divided by `max_tenants` (a context takes 8: its connection, its
+//! doorbells and what a request may carry; a completion channel 1; a
+//! region or queue none). Past it, a context or channel is refused with
+//! `EMFILE`; quotas set by hand are checked as the mappings' are.
+//! Registered memory is the tenant's own (its memfds), and the rings the
+//! daemon creates count against `max_registered_bytes`.
 //!
 //! Why 16 by default: with the kernel's default `vm.max_map_count`
 //! (65530) that leaves each tenant 3071 mappings, ample for the usual
@@ -269,12 +281,93 @@ pub fn default_max_mappings() -> usize {
     max / 4 * 3
 }
 
+/// Fewest descriptors a tenant's share may have: one context
+/// ([`DESCRIPTORS_PER_CONTEXT`]) and one completion channel.
+pub const MIN_DESCRIPTORS_PER_TENANT: u32 = DESCRIPTORS_PER_CONTEXT + 1;
+
+/// Descriptors the daemon holds for one context: its connection and the
+/// duplicate it keeps to end it at shutdown, its two doorbells, and the
+/// descriptors that may come with the request being handled.
+pub const DESCRIPTORS_PER_CONTEXT: u32 = 4 + vrdma_core::proto::MAX_FDS as u32;
+
+/// Descriptors the daemon keeps for itself out of `open_files` (its
+/// listener, links and handshakes with other hosts, connections not yet
+/// admitted): a quarter, at most 1024. The rest is the tenants'.
+pub fn descriptors_for_tenants(open_files: usize) -> usize {
+    open_files - (open_files / 4).min(1024)
+}
+
+/// A budget of the daemon's that all tenants share, and how to talk
+/// about it in errors.
+struct Budget {
+    key: &'static str,
+    what: &'static str,
+    total: usize,
+    min: u32,
+    why_min: &'static str,
+    raise: &'static str,
+}
+
+impl Budget {
+    /// Fills in each quota's share of the budget (`total / n` where the
+    /// quota names none), and checks that the `n` largest shares fit in it
+    /// together, so that any `n` admitted tenants can each reach theirs.
+    fn share_out(
+        &self,
+        n: u32,
+        quota: &mut Quota,
+        tenants: &mut [(u32, Quota)],
+        field: impl Fn(&mut Quota) -> &mut Option<u32>,
+    ) -> Result<(), ConfigError> {
+        let (key, what, total, min) = (self.key, self.what, self.total, self.min);
+        let share = u32::try_from(total / n as usize).unwrap_or(u32::MAX);
+        if share < min {
+            return Err(ConfigError::Invalid(format!(
+                "{total} {what} for tenants leave fewer than {min} to each of max_tenants {n} tenants \
+                 ({}): {}, or lower max_tenants",
+                self.why_min, self.raise
+            )));
+        }
+        let mut all: Vec<(String, &mut Quota)> = std::iter::once(("[quota]".to_string(), quota))
+            .chain(tenants.iter_mut().map(|(u, q)| (format!("[tenants.{u}]"), q)))
+            .collect();
+        for (who, q) in all.iter_mut() {
+            let v = field(q).get_or_insert(share);
+            if *v < min {
+                return Err(ConfigError::Invalid(format!(
+                    "{who} {key} {v} is below {min} ({}): its tenant could not work",
+                    self.why_min
+                )));
+            }
+        }
+        // The worst case: the max_tenants tenants with the largest shares
+        // admitted at once (overrides where larger, and every other tenant
+        // at the [quota] share).
+        let get = |q: &mut Quota| u64::from(field(q).unwrap_or(share));
+        let default = get(all[0].1);
+        let mut largest: Vec<u64> = all[1..].iter_mut().map(|(_, q)| get(q)).collect();
+        largest.extend(std::iter::repeat_n(default, n as usize));
+        largest.sort_unstable_by(|a, b| b.cmp(a));
+        let worst: u64 = largest.iter().take(n as usize).sum();
+        if worst > total as u64 {
+            return Err(ConfigError::Invalid(format!(
+                "max_tenants {n} tenants at their quotas could hold {worst} {what} in the daemon, more than \
+                 the {total} it has for tenants: lower the quotas' {key} or max_tenants, or {}",
+                self.raise
+            )));
+        }
+        Ok(())
+    }
+}
+
 /// The shared budgets as the daemon applies them: every quota with its
-/// share of the mappings filled in, checked to fit together.
+/// shares filled in, checked to fit together.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Budgets {
     /// Mappings for all tenants together.
     pub max_mappings: usize,
+    /// Descriptors for all tenants together.
+    pub max_descriptors: usize,
     /// Tenants holding contexts at once.
     pub max_tenants: u32,
     /// The quota of every tenant without an override.
@@ -329,59 +422,49 @@ impl DaemonConfig {
     }
 
     /// The shared budgets, with `max_mappings` read from the kernel where
-    /// the configuration leaves it out.
+    /// the configuration leaves it out, and the descriptors from the hard
+    /// open-file limit (the daemon raises its soft limit to it).
     pub fn budgets(&self) -> Result<Budgets, ConfigError> {
-        self.budgets_within(self.max_mappings.unwrap_or_else(default_max_mappings))
+        let fds = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        let limit = fds.maximum.or(fds.current).unwrap_or(u64::MAX);
+        self.budgets_within(
+            self.max_mappings.unwrap_or_else(default_max_mappings),
+            usize::try_from(limit).unwrap_or(usize::MAX),
+        )
     }
 
     /// The shared budgets for a daemon that maps at most `max_mappings`
-    /// for its tenants: each quota's share of mappings (`max_mappings /
-    /// max_tenants` where it names none), refused if the `max_tenants`
-    /// largest quotas could not all be reached at once.
-    pub fn budgets_within(&self, max_mappings: usize) -> Result<Budgets, ConfigError> {
+    /// for its tenants and may open `open_files` descriptors: each quota's
+    /// share of each (the budget divided by `max_tenants` where it names
+    /// none), refused if the `max_tenants` largest quotas could not all be
+    /// reached at once.
+    pub fn budgets_within(&self, max_mappings: usize, open_files: usize) -> Result<Budgets, ConfigError> {
         let n = self.max_tenants.unwrap_or(DEFAULT_MAX_TENANTS);
         if n == 0 {
             return Err(ConfigError::Invalid("max_tenants must be positive".into()));
         }
-        let share = u32::try_from(max_mappings / n as usize).unwrap_or(u32::MAX);
-        if share < MIN_MAPPINGS_PER_TENANT {
-            return Err(ConfigError::Invalid(format!(
-                "max_mappings {max_mappings} leaves fewer than {MIN_MAPPINGS_PER_TENANT} mappings to each of \
-                 max_tenants {n} tenants (a context takes one): raise max_mappings (or vm.max_map_count) \
-                 or lower max_tenants"
-            )));
-        }
-        let fill = |q: Quota| Quota { max_mappings: Some(q.max_mappings.unwrap_or(share)), ..q };
-        let quota = fill(self.quota);
-        let tenants: Vec<(u32, Quota)> =
-            self.tenant_quotas()?.into_iter().map(|(uid, q)| (uid, fill(q))).collect();
-        let maps = |q: &Quota| q.max_mappings.unwrap_or(share);
-        for (who, q) in std::iter::once(("[quota]".to_string(), &quota))
-            .chain(tenants.iter().map(|(u, q)| (format!("[tenants.{u}]"), q)))
-        {
-            if maps(q) < MIN_MAPPINGS_PER_TENANT {
-                return Err(ConfigError::Invalid(format!(
-                    "{who} max_mappings {} is below {MIN_MAPPINGS_PER_TENANT}: its tenant could not open a \
-                     context and register",
-                    maps(q)
-                )));
-            }
-        }
-        // The worst case: the max_tenants tenants with the largest shares
-        // all admitted at once (overrides first where larger, and every
-        // other tenant at the [quota] share).
-        let mut largest: Vec<u64> = tenants.iter().map(|(_, q)| u64::from(maps(q))).collect();
-        largest.extend(std::iter::repeat_n(u64::from(maps(&quota)), n as usize));
-        largest.sort_unstable_by(|a, b| b.cmp(a));
-        let worst: u64 = largest.iter().take(n as usize).sum();
-        if worst > max_mappings as u64 {
-            return Err(ConfigError::Invalid(format!(
-                "max_tenants {n} tenants at their quotas could hold {worst} memory mappings in the daemon, \
-                 more than max_mappings {max_mappings}: lower the quotas' max_mappings or max_tenants, or \
-                 raise max_mappings (or vm.max_map_count)"
-            )));
-        }
-        Ok(Budgets { max_mappings, max_tenants: n, quota, tenants })
+        let mut quota = self.quota;
+        let mut tenants = self.tenant_quotas()?;
+        let mappings = Budget {
+            key: "max_mappings",
+            what: "memory mappings",
+            total: max_mappings,
+            min: MIN_MAPPINGS_PER_TENANT,
+            why_min: "a context takes one",
+            raise: "raise max_mappings (or vm.max_map_count)",
+        };
+        mappings.share_out(n, &mut quota, &mut tenants, |q| &mut q.max_mappings)?;
+        let max_descriptors = descriptors_for_tenants(open_files);
+        let descriptors = Budget {
+            key: "max_descriptors",
+            what: "file descriptors",
+            total: max_descriptors,
+            min: MIN_DESCRIPTORS_PER_TENANT,
+            why_min: "a context takes 8, a completion channel 1",
+            raise: "raise the daemon's hard open-file limit (ulimit -Hn, LimitNOFILE)",
+        };
+        descriptors.share_out(n, &mut quota, &mut tenants, |q| &mut q.max_descriptors)?;
+        Ok(Budgets { max_mappings, max_descriptors, max_tenants: n, quota, tenants })
     }
 
     /// The per-tenant overrides with their uids parsed.
@@ -444,16 +527,38 @@ mod tests {
         assert_eq!(b.max_tenants, DEFAULT_MAX_TENANTS);
         assert_eq!(b.quota.max_mappings, Some(49146 / 16));
         // An override that names no share gets the same one.
-        assert_eq!(
-            b.tenants,
-            vec![(1000, Quota { max_objects: 64, max_mappings: Some(3071), ..Quota::default() })]
-        );
+        assert_eq!(b.tenants[0].0, 1000);
+        assert_eq!((b.tenants[0].1.max_objects, b.tenants[0].1.max_mappings), (64, Some(3071)));
         let b = DaemonConfig::from_toml("max_mappings = 100\nmax_tenants = 3").unwrap().budgets().unwrap();
         assert_eq!(b.quota.max_mappings, Some(33));
         // Left out, the budget comes from the kernel's bound.
         let b = DaemonConfig::default().budgets().unwrap();
         assert_eq!(b.max_mappings, default_max_mappings());
         assert_eq!(b.quota.max_mappings, Some((default_max_mappings() / 16) as u32));
+    }
+
+    #[test]
+    fn each_tenants_share_of_descriptors_is_derived_from_the_open_file_limit() {
+        let c = DaemonConfig::from_toml("max_tenants = 4\n[tenants.7]\nmax_objects = 1").unwrap();
+        // A quarter of the limit is the daemon's own, at most 1024.
+        assert_eq!(descriptors_for_tenants(1024), 768);
+        assert_eq!(descriptors_for_tenants(20_000), 18_976);
+        let b = c.budgets_within(400, 1024).unwrap();
+        assert_eq!(b.max_descriptors, 768);
+        assert_eq!(b.quota.max_descriptors, Some(192));
+        assert_eq!(b.tenants[0].1.max_descriptors, Some(192));
+        // Too few for a context and a channel each.
+        let m = c.budgets_within(400, 40).unwrap_err().to_string();
+        assert!(m.contains("30 file descriptors for tenants leave fewer than 9"), "{m}");
+        // Set by hand, the largest must fit together.
+        let c = DaemonConfig::from_toml("max_tenants = 4\n[tenants.7]\nmax_descriptors = 300").unwrap();
+        let m = c.budgets_within(400, 1024).unwrap_err().to_string();
+        assert!(m.contains("could hold 876 file descriptors"), "{m}");
+        let c = DaemonConfig::from_toml(
+            "max_tenants = 4\n[quota]\nmax_descriptors = 150\n[tenants.7]\nmax_descriptors = 300",
+        )
+        .unwrap();
+        assert_eq!(c.budgets_within(400, 1024).unwrap().tenants[0].1.max_descriptors, Some(300));
     }
 
     /// Quotas set by hand must leave every admitted tenant able to reach
@@ -466,7 +571,7 @@ mod tests {
         };
         // [quota] above the share: N of them do not fit.
         let m = err("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 26");
-        assert!(m.contains("could hold 104 memory mappings") && m.contains("max_mappings 100"), "{m}");
+        assert!(m.contains("could hold 104 memory mappings") && m.contains("the 100 it has"), "{m}");
         assert!(DaemonConfig::from_toml("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 25")
             .is_ok());
         // One override above the share fits only if the rest leave room.
@@ -482,7 +587,8 @@ mod tests {
         let m = err("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 10\n[tenants.7]\nmax_mappings = 45\n[tenants.8]\nmax_mappings = 45");
         assert!(m.contains("could hold 110"), "{m}");
         // Too small a share, or none at all.
-        assert!(err("max_mappings = 40\nmax_tenants = 21").contains("fewer than 2 mappings"));
+        let m = err("max_mappings = 40\nmax_tenants = 21");
+        assert!(m.contains("40 memory mappings for tenants leave fewer than 2"), "{m}");
         assert!(err("max_tenants = 0").contains("positive"));
         assert!(err("[tenants.7]\nmax_mappings = 1").contains("[tenants.7] max_mappings 1"));
     }

@@ -100,7 +100,13 @@ pub struct Daemon {
 impl Daemon {
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
         raise_fd_limit();
-        let budgets = config.budgets()?;
+        // The shares of what the daemon really has: its open-file limit as
+        // raised (the configuration was checked against the hard limit).
+        let open_files = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        let budgets = config.budgets_within(
+            config.max_mappings.unwrap_or_else(config::default_max_mappings),
+            open_files.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+        )?;
         limit_mappings(budgets.max_mappings);
         let path = config.socket.clone().unwrap_or_else(default_socket_path);
         let address = config.address.unwrap_or_else(host::detect_ipv4);

@@ -26,6 +26,12 @@ pub struct Quota {
     ///
     /// [`Hca::device_attr`]: crate::hca::Hca::device_attr
     pub max_mappings: Option<u32>,
+    /// File descriptors the daemon holds for the tenant at once: each
+    /// context's connection and doorbells, each completion channel's
+    /// doorbell. Like `max_mappings`, a share of a budget all tenants
+    /// share (the daemon's open-file limit) that the driver enforces;
+    /// `None`: the driver's share.
+    pub max_descriptors: Option<u32>,
 }
 
 impl Default for Quota {
@@ -38,6 +44,7 @@ impl Default for Quota {
             max_queue_depth: 16_384,
             max_contexts: 256,
             max_mappings: None,
+            max_descriptors: None,
         }
     }
 }

@@ -270,7 +270,18 @@ impl Session {
                 self.engine(move |e, c| e.dereg_mr(c, key))??;
                 Reply::Done.into()
             }
-            Request::CreateCompChannel => self.create_channel()?,
+            Request::CreateCompChannel => {
+                // Its doorbell is a descriptor in the daemon (see admission).
+                let admitted = self.admitted.as_mut().ok_or_else(|| error(EPROTO, "no context"))?;
+                admitted.charge_descriptor().map_err(|e| error(e.errno(), e.to_string()))?;
+                let made = self.create_channel();
+                if made.is_err() {
+                    if let Some(a) = self.admitted.as_mut() {
+                        a.refund_descriptor();
+                    }
+                }
+                made?
+            }
             Request::DestroyCompChannel { channel } => {
                 self.engine(move |e, c| match e.rings.channels.get(&channel) {
                     Some(ch) if ch.ctx == c && ch.cqs > 0 => {
@@ -283,6 +294,9 @@ impl Session {
                     }
                     _ => Err(error(EINVAL, format!("no completion channel {channel}"))),
                 })??;
+                if let Some(a) = self.admitted.as_mut() {
+                    a.refund_descriptor();
+                }
                 Reply::Done.into()
             }
             Request::CreateCq { cqe, channel } => self.create_cq(cqe, channel)?,
@@ -360,12 +374,12 @@ impl Session {
         }
         // Admitted before anything is mapped for it (see admission).
         let tenant = self.tenant;
-        let share = self.engine(move |e, _| e.hca.quota(tenant).max_mappings)?;
+        let q = self.engine(move |e, _| e.hca.quota(tenant))?;
         let admitted = self
             .shared
             .admission
-            .admit(tenant, share.unwrap_or(u32::MAX))
-            .map_err(|e| error(libc::EUSERS, e.to_string()))?;
+            .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
+            .map_err(|e| error(e.errno(), e.to_string()))?;
         let events_len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
         let posted_at = events_len.next_multiple_of(64);
         let len = posted_at + ring_bytes(POSTED_RING_CAPACITY, POSTED_SLOT_SIZE);
