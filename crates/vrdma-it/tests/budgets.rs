@@ -234,3 +234,35 @@ fn a_tenant_that_fills_its_descriptors_leaves_the_others_theirs() -> Result<()> 
     assert!(matches!(c.call(&Request::CreateCompChannel, &[])?.reply()?, Reply::CompChannel { .. }));
     Ok(())
 }
+
+/// Queue rings are memory the daemon creates: a tenant that fills its
+/// share with deep CQs is refused the next with ENOMEM, and another
+/// tenant still opens its context and makes its queues.
+#[test]
+fn a_tenant_that_fills_its_queue_memory_leaves_the_others_theirs() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    const SHARE: u64 = 2 << 20;
+    let d = DaemonProc::start_with_config(&format!("max_tenants = 2\nmax_queue_memory = {}\n", 2 * SHARE))?;
+    let mut c = RawConn::connect(&d.socket)?;
+    c.hello()?;
+    let mut cqs = 0u64;
+    let (errno, message) = loop {
+        match c.call(&Request::CreateCq { cqe: 4096, channel: None }, &[])?.reply()? {
+            Reply::Cq { .. } => cqs += 1,
+            Reply::Error { errno, message } => break (errno, message),
+            other => bail!("CreateCq answered {other:?}"),
+        }
+        assert!(cqs <= SHARE / 4096, "more CQs than the share of queue memory holds");
+    };
+    let ring = vrdma_core::ring::CQE_SIZE as u64 * 4096;
+    assert_eq!(cqs, SHARE / ring, "{message}");
+    assert_eq!(errno, libc::ENOMEM, "{message}");
+    assert!(message.contains(&format!("limit {SHARE}")) && message.contains("queue rings"), "{message}");
+    // Another tenant makes its CQ and QP (the peer does at start).
+    let other = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(LATECOMER))?;
+    assert_eq!(other.hello()?.tenant, LATECOMER);
+    end(other)?;
+    Ok(())
+}

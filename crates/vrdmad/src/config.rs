@@ -5,6 +5,7 @@
 //! address = "10.0.0.1"                # the host address the GID carries
 //! max_mappings = 49152  # tenants' mappings at most (default: 3/4 of vm.max_map_count)
 //! max_tenants = 16      # tenants holding contexts at once; each may reach its quota
+//! max_queue_memory = 4294967296  # queue rings for all tenants (default: 1/4 of MemTotal)
 //! tenant_by = "uid"     # or "uid+netns": a uid in another network namespace
 //!                       # than the daemon's is a tenant of this host only
 //!
@@ -26,6 +27,7 @@
 //! max_contexts = 256
 //! max_mappings = 3071   # default: max_mappings / max_tenants (see below)
 //! max_descriptors = 1186  # default: the tenants' descriptors / max_tenants
+//! max_queue_bytes = 268435456  # queue rings; default: max_queue_memory / max_tenants
 //!
 //! [tenants.1000]        # a tenant is a uid; override its quota
 //! max_objects = 64
@@ -65,8 +67,14 @@
 //! doorbells and what a request may carry; a completion channel 1; a
 //! region or queue none). Past it, a context or channel is refused with
 //! `EMFILE`; quotas set by hand are checked as the mappings' are.
-//! Registered memory is the tenant's own (its memfds), and the rings the
-//! daemon creates count against `max_registered_bytes`.
+//!
+//! Queue rings (CQs, QPs, SRQs) are memory the daemon creates and maps,
+//! and so pays for: each tenant's are held to its quota's
+//! `max_queue_bytes`, by default `max_queue_memory` (a quarter of the
+//! host's memory) divided by `max_tenants`, checked the same way; past
+//! it, a queue is refused with `ENOMEM`. Registered regions are the
+//! tenant's own memory (its memfds) and count only against
+//! `max_registered_bytes`, as the rings do too.
 //!
 //! Why 16 by default: with the kernel's default `vm.max_map_count`
 //! (65530) that leaves each tenant 3071 mappings, ample for the usual
@@ -254,8 +262,11 @@ pub struct DaemonConfig {
     /// left to the daemon itself (threads, allocations).
     pub max_mappings: Option<usize>,
     /// Most tenants holding contexts at once (default
-    /// [`DEFAULT_MAX_TENANTS`]); the mapping budget is shared among them.
+    /// [`DEFAULT_MAX_TENANTS`]); the shared budgets are shared among them.
     pub max_tenants: Option<u32>,
+    /// Bytes of queue rings the daemon creates for all tenants (default
+    /// a quarter of the host's memory).
+    pub max_queue_memory: Option<u64>,
     pub engine: EngineConfig,
     pub net: NetConfig,
     pub quota: Quota,
@@ -281,6 +292,22 @@ pub fn default_max_mappings() -> usize {
     max / 4 * 3
 }
 
+/// Fewest bytes of queue rings a tenant's share may have: a few queues of
+/// modest depth.
+pub const MIN_QUEUE_BYTES_PER_TENANT: u64 = 1 << 20;
+
+/// The daemon's default bound on the queue rings it creates for all
+/// tenants: a quarter of the host's memory (`MemTotal`), 16 GiB where
+/// that cannot be read.
+pub fn default_max_queue_memory() -> u64 {
+    let kib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    });
+    kib.map_or(64 << 30, |k| k.saturating_mul(1024)) / 4
+}
+
 /// Fewest descriptors a tenant's share may have: one context
 /// ([`DESCRIPTORS_PER_CONTEXT`]) and one completion channel.
 pub const MIN_DESCRIPTORS_PER_TENANT: u32 = DESCRIPTORS_PER_CONTEXT + 1;
@@ -302,8 +329,8 @@ pub fn descriptors_for_tenants(open_files: usize) -> usize {
 struct Budget {
     key: &'static str,
     what: &'static str,
-    total: usize,
-    min: u32,
+    total: u64,
+    min: u64,
     why_min: &'static str,
     raise: &'static str,
 }
@@ -312,15 +339,15 @@ impl Budget {
     /// Fills in each quota's share of the budget (`total / n` where the
     /// quota names none), and checks that the `n` largest shares fit in it
     /// together, so that any `n` admitted tenants can each reach theirs.
-    fn share_out(
+    fn share_out<T: Copy + Into<u64> + TryFrom<u64>>(
         &self,
         n: u32,
         quota: &mut Quota,
         tenants: &mut [(u32, Quota)],
-        field: impl Fn(&mut Quota) -> &mut Option<u32>,
+        field: impl Fn(&mut Quota) -> &mut Option<T>,
     ) -> Result<(), ConfigError> {
         let (key, what, total, min) = (self.key, self.what, self.total, self.min);
-        let share = u32::try_from(total / n as usize).unwrap_or(u32::MAX);
+        let share = total / u64::from(n);
         if share < min {
             return Err(ConfigError::Invalid(format!(
                 "{total} {what} for tenants leave fewer than {min} to each of max_tenants {n} tenants \
@@ -328,28 +355,33 @@ impl Budget {
                 self.why_min, self.raise
             )));
         }
+        // A share too large for the field is no bound at all.
+        let filled = T::try_from(share).ok();
         let mut all: Vec<(String, &mut Quota)> = std::iter::once(("[quota]".to_string(), quota))
             .chain(tenants.iter_mut().map(|(u, q)| (format!("[tenants.{u}]"), q)))
             .collect();
-        for (who, q) in all.iter_mut() {
-            let v = field(q).get_or_insert(share);
-            if *v < min {
+        let mut largest = Vec::with_capacity(all.len() + n as usize);
+        for (i, (who, q)) in all.iter_mut().enumerate() {
+            let f = field(q);
+            if f.is_none() {
+                *f = filled;
+            }
+            let v = f.map_or(share, Into::into);
+            if v < min {
                 return Err(ConfigError::Invalid(format!(
                     "{who} {key} {v} is below {min} ({}): its tenant could not work",
                     self.why_min
                 )));
             }
+            // The worst case: the max_tenants tenants with the largest
+            // shares admitted at once (overrides where larger, and every
+            // other tenant at the [quota] share).
+            let copies = if i == 0 { n as usize } else { 1 };
+            largest.extend(std::iter::repeat_n(v, copies));
         }
-        // The worst case: the max_tenants tenants with the largest shares
-        // admitted at once (overrides where larger, and every other tenant
-        // at the [quota] share).
-        let get = |q: &mut Quota| u64::from(field(q).unwrap_or(share));
-        let default = get(all[0].1);
-        let mut largest: Vec<u64> = all[1..].iter_mut().map(|(_, q)| get(q)).collect();
-        largest.extend(std::iter::repeat_n(default, n as usize));
         largest.sort_unstable_by(|a, b| b.cmp(a));
         let worst: u64 = largest.iter().take(n as usize).sum();
-        if worst > total as u64 {
+        if worst > total {
             return Err(ConfigError::Invalid(format!(
                 "max_tenants {n} tenants at their quotas could hold {worst} {what} in the daemon, more than \
                  the {total} it has for tenants: lower the quotas' {key} or max_tenants, or {}",
@@ -368,6 +400,8 @@ pub struct Budgets {
     pub max_mappings: usize,
     /// Descriptors for all tenants together.
     pub max_descriptors: usize,
+    /// Bytes of queue rings for all tenants together.
+    pub max_queue_memory: u64,
     /// Tenants holding contexts at once.
     pub max_tenants: u32,
     /// The quota of every tenant without an override.
@@ -439,6 +473,7 @@ impl DaemonConfig {
     /// none), refused if the `max_tenants` largest quotas could not all be
     /// reached at once.
     pub fn budgets_within(&self, max_mappings: usize, open_files: usize) -> Result<Budgets, ConfigError> {
+        let queue_memory = self.max_queue_memory.unwrap_or_else(default_max_queue_memory);
         let n = self.max_tenants.unwrap_or(DEFAULT_MAX_TENANTS);
         if n == 0 {
             return Err(ConfigError::Invalid("max_tenants must be positive".into()));
@@ -448,8 +483,8 @@ impl DaemonConfig {
         let mappings = Budget {
             key: "max_mappings",
             what: "memory mappings",
-            total: max_mappings,
-            min: MIN_MAPPINGS_PER_TENANT,
+            total: max_mappings as u64,
+            min: MIN_MAPPINGS_PER_TENANT.into(),
             why_min: "a context takes one",
             raise: "raise max_mappings (or vm.max_map_count)",
         };
@@ -458,13 +493,23 @@ impl DaemonConfig {
         let descriptors = Budget {
             key: "max_descriptors",
             what: "file descriptors",
-            total: max_descriptors,
-            min: MIN_DESCRIPTORS_PER_TENANT,
+            total: max_descriptors as u64,
+            min: MIN_DESCRIPTORS_PER_TENANT.into(),
             why_min: "a context takes 8, a completion channel 1",
             raise: "raise the daemon's hard open-file limit (ulimit -Hn, LimitNOFILE)",
         };
         descriptors.share_out(n, &mut quota, &mut tenants, |q| &mut q.max_descriptors)?;
-        Ok(Budgets { max_mappings, max_descriptors, max_tenants: n, quota, tenants })
+        let max_queue_memory = queue_memory;
+        let queues = Budget {
+            key: "max_queue_bytes",
+            what: "bytes of queue rings",
+            total: max_queue_memory,
+            min: MIN_QUEUE_BYTES_PER_TENANT,
+            why_min: "a few queues of modest depth",
+            raise: "raise max_queue_memory",
+        };
+        queues.share_out(n, &mut quota, &mut tenants, |q| &mut q.max_queue_bytes)?;
+        Ok(Budgets { max_mappings, max_descriptors, max_queue_memory, max_tenants: n, quota, tenants })
     }
 
     /// The per-tenant overrides with their uids parsed.
@@ -559,6 +604,23 @@ mod tests {
         )
         .unwrap();
         assert_eq!(c.budgets_within(400, 1024).unwrap().tenants[0].1.max_descriptors, Some(300));
+    }
+
+    #[test]
+    fn each_tenants_share_of_queue_memory_is_derived_from_the_budget() {
+        let c = DaemonConfig::from_toml("max_tenants = 4\nmax_queue_memory = 1073741824").unwrap();
+        let b = c.budgets_within(400, 1024).unwrap();
+        assert_eq!(b.quota.max_queue_bytes, Some(256 << 20));
+        // Left out, a quarter of the host's memory.
+        let b = DaemonConfig::default().budgets().unwrap();
+        assert_eq!(b.max_queue_memory, default_max_queue_memory());
+        assert!(b.max_queue_memory >= 64 << 20, "{}", b.max_queue_memory);
+        let m =
+            DaemonConfig::from_toml("max_tenants = 4\nmax_queue_memory = 1048576").unwrap_err().to_string();
+        assert!(m.contains("fewer than 1048576"), "{m}");
+        let t = "max_tenants = 4\nmax_queue_memory = 1073741824\n[tenants.7]\nmax_queue_bytes = 536870912";
+        let m = DaemonConfig::from_toml(t).unwrap_err().to_string();
+        assert!(m.contains("could hold 1342177280 bytes of queue rings"), "{m}");
     }
 
     /// Quotas set by hand must leave every admitted tenant able to reach

@@ -32,6 +32,12 @@ pub struct Quota {
     /// share (the daemon's open-file limit) that the driver enforces;
     /// `None`: the driver's share.
     pub max_descriptors: Option<u32>,
+    /// Bytes of queue rings (CQs, QPs, SRQs) at once, within
+    /// `max_registered_bytes`. Rings are memory the daemon creates and
+    /// maps, so it pays for them whoever touches them: a share of a budget
+    /// all tenants share, enforced here; `None`: bounded only by
+    /// `max_registered_bytes` (the daemon fills in its share).
+    pub max_queue_bytes: Option<u64>,
 }
 
 impl Default for Quota {
@@ -45,6 +51,7 @@ impl Default for Quota {
             max_contexts: 256,
             max_mappings: None,
             max_descriptors: None,
+            max_queue_bytes: None,
         }
     }
 }
