@@ -24,7 +24,8 @@ pub(crate) struct Shared {
     pub device_name: String,
     pub next_context: AtomicU32,
     pub tenancy: Tenancy,
-    /// Which tenants hold contexts, and their shares of the mappings.
+    /// Which tenants hold contexts, and their shares of the mappings and
+    /// descriptors (see `admission`).
     pub admission: Admission,
     /// Sessions' sockets, with their peers' tenants, shut down to end them
     /// when the daemon stops.

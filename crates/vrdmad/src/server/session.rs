@@ -70,8 +70,9 @@ struct Session {
     /// Holds a numbered tenant while the session lives; dropped after the
     /// context is closed (fields drop after `Drop::drop`).
     _seat: super::Seat,
-    /// The tenant's admission and share of the daemon's mappings, from
-    /// Hello on; dropped, like the seat, after the context is closed.
+    /// The tenant's admission and shares of the daemon's mappings and
+    /// descriptors, from Hello on; dropped, like the seat, after the
+    /// context is closed.
     admitted: Option<super::admission::Admitted>,
 }
 
