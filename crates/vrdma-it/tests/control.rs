@@ -376,7 +376,9 @@ fn a_region_over_the_size_limit_is_refused_before_it_is_mapped() -> Result<()> {
 fn stat_lists_thousands_of_qps_in_pages() -> Result<()> {
     // More QPs than one control message can list.
     const QPS: usize = 12_000;
-    let mut d = DaemonProc::start()?;
+    // Each QP is a mapping in the daemon: one tenant needs more than the
+    // default share (max_mappings / 16).
+    let mut d = DaemonProc::start_with_config("max_tenants = 1\n")?;
     let mut c = open(&d)?;
     let pd = conn_works(&mut c)?;
     let cq = match c.call(&Request::CreateCq { cqe: 16, channel: None }, &[])?.reply()? {
@@ -459,7 +461,9 @@ fn regions_and_queues_hold_no_descriptors_in_the_daemon() -> Result<()> {
 /// its objects: 1024, and the daemon's descriptors grow by no more.
 #[test]
 fn a_tenants_completion_channels_are_bounded() -> Result<()> {
-    let d = DaemonProc::start()?;
+    // One tenant: its share of the daemon's descriptors is the whole of
+    // them, so the bound met is the channels', whatever `ulimit -n` is.
+    let d = DaemonProc::start_with_config("max_tenants = 1\n")?;
     let mut c = open(&d)?;
     conn_works(&mut c)?;
     let before = settled_fds(&d)?;
@@ -527,10 +531,11 @@ fn a_dead_tenants_context_is_closed_even_if_it_stopped_reading() -> Result<()> {
 /// The daemon bounds the memory mappings it makes for tenants (regions,
 /// rings, contexts) below the kernel's bound on the process: past it, the
 /// next one is refused with ENOMEM and a clear message, and the daemon's
-/// own allocations, and the tenants already served, go on.
+/// own allocations, and the tenants already served, go on. (With one
+/// tenant, its share is the whole budget; tests/budgets.rs shares it.)
 #[test]
 fn the_daemons_memory_mappings_are_bounded() -> Result<()> {
-    let mut d = DaemonProc::start_with_config("max_mappings = 40\n")?;
+    let mut d = DaemonProc::start_with_config("max_mappings = 40\nmax_tenants = 1\n")?;
     let mut c = open(&d)?;
     let pd = conn_works(&mut c)?;
     let sealed = vrdma_shm::Segment::create("it-maps", 4096)?;

@@ -16,12 +16,22 @@
 //! itself. The daemon maps every registered region that way, so a tenant
 //! with thousands of regions costs the daemon no descriptors, which all
 //! tenants share.
+//!
+//! Mappings are a budget every tenant shares: the kernel bounds a
+//! process's mappings (`vm.max_map_count`), and the daemon bounds the ones
+//! it makes for tenants below that ([`set_mapping_limit`]). So that no
+//! tenant can spend the others' part, each mapping the daemon makes for a
+//! tenant is also charged to that tenant's [`MappingBudget`] for as long
+//! as the mapping lives (the charge goes with the [`Mapping`] and is given
+//! back when it is unmapped, whoever holds it last), and refused once the
+//! tenant holds its share.
 
 use std::fmt;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
@@ -73,6 +83,55 @@ pub struct Mapping {
     len: usize,
     /// Bytes actually mapped (`len` rounded up to a page), for `munmap`.
     map_len: usize,
+    /// The owner's budget this mapping is charged to, if any.
+    budget: Option<Arc<MappingBudget>>,
+}
+
+/// One owner's share of the process's mappings (in the daemon: one
+/// tenant's). A [`Mapping`] made with a budget counts against it from the
+/// `mmap` to the `munmap`; a mapping past the limit is refused before it
+/// is made.
+#[derive(Debug)]
+pub struct MappingBudget {
+    live: AtomicUsize,
+    limit: usize,
+}
+
+impl MappingBudget {
+    /// A budget of at most `limit` live mappings.
+    pub fn new(limit: usize) -> Arc<MappingBudget> {
+        Arc::new(MappingBudget { live: AtomicUsize::new(0), limit })
+    }
+
+    /// Mappings charged to this budget now.
+    pub fn live(&self) -> usize {
+        self.live.load(Ordering::Acquire)
+    }
+
+    /// The most it may hold.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Takes one mapping from the budget, or says why not.
+    fn take(&self) -> io::Result<()> {
+        let taken = self
+            .live
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.limit).then_some(n + 1));
+        taken.map(|_| ()).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::OutOfMemory,
+                format!(
+                    "this tenant holds its share of {} memory mappings in the daemon (max_mappings / max_tenants)",
+                    self.limit
+                ),
+            )
+        })
+    }
+
+    fn give_back(&self) {
+        self.live.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 impl fmt::Debug for Mapping {
@@ -132,6 +191,12 @@ impl Segment {
     /// zero-filled, sealed against shrinking, growing and further sealing,
     /// and mapped read-write.
     pub fn create(name: &str, len: usize) -> io::Result<Segment> {
+        Segment::create_in(name, len, None)
+    }
+
+    /// [`create`](Segment::create), the mapping charged to `budget` (when
+    /// given) for as long as it lives; refused if the budget is spent.
+    pub fn create_in(name: &str, len: usize, budget: Option<&Arc<MappingBudget>>) -> io::Result<Segment> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero-length segment"));
         }
@@ -146,7 +211,8 @@ impl Segment {
         };
         rustix::fs::ftruncate(&fd, size as u64)?;
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
-        Segment::map(fd, 0, size)
+        let map = Mapping::map(&fd, 0, size, budget)?;
+        Ok(Segment { fd, map })
     }
 
     /// Maps the first `len` bytes of a descriptor from a trusted source,
@@ -162,7 +228,7 @@ impl Segment {
     }
 
     fn map(fd: OwnedFd, offset: u64, len: usize) -> io::Result<Segment> {
-        let map = Mapping::map(&fd, offset, len)?;
+        let map = Mapping::map(&fd, offset, len, None)?;
         Ok(Segment { fd, map })
     }
 
@@ -212,6 +278,18 @@ impl Mapping {
     /// and `offset` must be page-aligned. The descriptor is closed once
     /// mapped.
     pub fn map_untrusted(fd: OwnedFd, offset: u64, len: usize) -> Result<Mapping, SegmentError> {
+        Mapping::map_untrusted_in(fd, offset, len, None)
+    }
+
+    /// [`map_untrusted`](Mapping::map_untrusted), the mapping charged to
+    /// `budget` (when given) for as long as it lives; refused with
+    /// [`io::ErrorKind::OutOfMemory`] if the budget is spent.
+    pub fn map_untrusted_in(
+        fd: OwnedFd,
+        offset: u64,
+        len: usize,
+        budget: Option<&Arc<MappingBudget>>,
+    ) -> Result<Mapping, SegmentError> {
         if len == 0 {
             return Err(SegmentError::Empty);
         }
@@ -232,29 +310,49 @@ impl Mapping {
         // The size is checked after the seal: from now on it cannot drop.
         check_size(&fd, offset, len)?;
         // The descriptor closes here; the mapping keeps the file.
-        Ok(Mapping::map(&fd, offset, len)?)
+        Ok(Mapping::map(&fd, offset, len, budget)?)
     }
 
-    /// `mmap(MAP_SHARED, RW)` of `[offset, offset+len)`, whole pages.
-    fn map(fd: &OwnedFd, offset: u64, len: usize) -> io::Result<Mapping> {
+    /// `mmap(MAP_SHARED, RW)` of `[offset, offset+len)`, whole pages,
+    /// charged to `budget` (if any) and to the process's limit.
+    fn map(
+        fd: &OwnedFd,
+        offset: u64,
+        len: usize,
+        budget: Option<&Arc<MappingBudget>>,
+    ) -> io::Result<Mapping> {
         let map_len = round_to_page(len)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
+        // The owner's share first: a tenant past its share is told so, not
+        // that the daemon as a whole is full.
+        if let Some(b) = budget {
+            b.take()?;
+        }
+        let give_back = || {
+            if let Some(b) = budget {
+                b.give_back();
+            }
+        };
         let limit = MAPPING_LIMIT.load(Ordering::Relaxed);
         if LIVE_MAPPINGS.fetch_add(1, Ordering::Relaxed) >= limit {
             LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+            give_back();
             return Err(io::Error::new(
                 io::ErrorKind::OutOfMemory,
                 format!("the daemon holds its limit of {limit} memory mappings (see vm.max_map_count)"),
             ));
         }
-        let mapped = Self::mmap(fd, offset, len, map_len);
-        if mapped.is_err() {
-            LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+        match Self::mmap(fd, offset, map_len) {
+            Ok(ptr) => Ok(Mapping { ptr, len, map_len, budget: budget.cloned() }),
+            Err(e) => {
+                LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+                give_back();
+                Err(e)
+            }
         }
-        mapped
     }
 
-    fn mmap(fd: &OwnedFd, offset: u64, len: usize, map_len: usize) -> io::Result<Mapping> {
+    fn mmap(fd: &OwnedFd, offset: u64, map_len: usize) -> io::Result<NonNull<u8>> {
         // SAFETY: a fresh mapping at an address the kernel picks (null hint,
         // no MAP_FIXED) cannot replace or alias any existing Rust object.
         let ptr = unsafe {
@@ -267,9 +365,7 @@ impl Mapping {
                 offset,
             )?
         };
-        let ptr =
-            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned a null mapping"))?;
-        Ok(Mapping { ptr, len, map_len })
+        NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned a null mapping"))
     }
 
     /// Start of the mapping (page-aligned).
@@ -314,6 +410,9 @@ impl Drop for Mapping {
             tracing::warn!(error = %e, "munmap of a segment failed");
         }
         LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
+        if let Some(b) = &self.budget {
+            b.give_back();
+        }
     }
 }
 
@@ -514,6 +613,41 @@ mod tests {
         assert!(matches!(e, SegmentError::Empty), "{e}");
         let e = Segment::map_trusted(seg.try_clone_fd().unwrap(), 0).unwrap_err();
         assert!(matches!(e, SegmentError::Empty), "{e}");
+    }
+
+    /// A budget bounds the mappings charged to it, whichever way they are
+    /// made, and gets each back when its mapping goes, even one that
+    /// outlived the request that made it (a clone of a shared `Arc`).
+    #[test]
+    fn a_budget_bounds_its_mappings_until_they_are_unmapped() {
+        let budget = MappingBudget::new(3);
+        let other = MappingBudget::new(1);
+        let a = Segment::create_in("vrdma-test", 4096, Some(&budget)).unwrap();
+        let b = Mapping::map_untrusted_in(a.try_clone_fd().unwrap(), 0, 4096, Some(&budget)).unwrap();
+        let c =
+            Arc::new(Mapping::map_untrusted_in(a.try_clone_fd().unwrap(), 0, 4096, Some(&budget)).unwrap());
+        assert_eq!(budget.live(), 3);
+        let e = Mapping::map_untrusted_in(a.try_clone_fd().unwrap(), 0, 4096, Some(&budget)).unwrap_err();
+        assert!(e.to_string().contains("share of 3 memory mappings"), "{e}");
+        let e = Segment::create_in("vrdma-test", 4096, Some(&budget)).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::OutOfMemory);
+        assert_eq!(budget.live(), 3, "a refusal charges nothing");
+        // Another owner's budget is its own, and unbudgeted mappings are
+        // bounded only by the process's limit.
+        let d = Segment::create_in("vrdma-test", 4096, Some(&other)).unwrap();
+        let _free = Segment::create("vrdma-test", 4096).unwrap();
+        assert_eq!((budget.live(), other.live()), (3, 1));
+        drop(b);
+        assert_eq!(budget.live(), 2);
+        let held = c.clone();
+        drop(c);
+        assert_eq!(budget.live(), 2, "still mapped through another holder");
+        drop(held);
+        assert_eq!(budget.live(), 1);
+        let again = Segment::create_in("vrdma-test", 4096, Some(&budget)).unwrap();
+        assert_eq!(budget.live(), 2);
+        drop((a, again, d));
+        assert_eq!((budget.live(), other.live()), (0, 0));
     }
 
     #[test]

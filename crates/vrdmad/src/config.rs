@@ -4,6 +4,8 @@
 //! socket = "/run/vrdma/vrdma.sock"   # else VRDMA_SOCKET or the default
 //! address = "10.0.0.1"                # the host address the GID carries
 //! max_mappings = 49152  # tenants' mappings at most (default: 3/4 of vm.max_map_count)
+//! max_tenants = 16      # tenants holding contexts at once; each may reach its quota
+//! max_queue_memory = 4294967296  # queue rings for all tenants (default: 1/4 of MemTotal)
 //! tenant_by = "uid"     # or "uid+netns": a uid in another network namespace
 //!                       # than the daemon's is a tenant of this host only
 //!
@@ -22,6 +24,10 @@
 //! max_objects = 16384
 //! max_registered_bytes = 17179869184   # memory regions and queue rings together
 //! max_queue_depth = 16384
+//! max_contexts = 256
+//! max_mappings = 3071   # default: max_mappings / max_tenants (see below)
+//! max_descriptors = 1186  # default: the tenants' descriptors / max_tenants
+//! max_queue_bytes = 268435456  # queue rings; default: max_queue_memory / max_tenants
 //!
 //! [tenants.1000]        # a tenant is a uid; override its quota
 //! max_objects = 64
@@ -36,6 +42,47 @@
 //! allow = ["10.0.0.0/24"]  # dial and admit only these networks (default: any)
 //! dead_ms = 5000        # a link silent this long is dead
 //! ```
+//!
+//! ## Shared budgets: no tenant can lock the others out
+//!
+//! The daemon's memory mappings (one per context, region, queue and
+//! completion channel) are bounded for all tenants together by
+//! `max_mappings`. So that tenants that fill their quotas cannot leave
+//! another unable even to open a context, at most `max_tenants` tenants
+//! hold contexts at once (the next one's Hello is refused with `EUSERS`
+//! until one has closed all of its), and each tenant's mappings are held
+//! to its quota's `max_mappings`, by default `max_mappings / max_tenants`.
+//! Quotas set by hand are checked at load: the `max_tenants` largest
+//! (per-uid overrides, and the `[quota]` one for every other tenant) must
+//! fit in `max_mappings` together, else the configuration is refused. So
+//! every admitted tenant can always reach its quota, however many others
+//! hold theirs. `ibv_query_device` shows each tenant the share it can
+//! reach (`max_mr`, `max_cq`, `max_qp`, `max_srq`).
+//!
+//! The daemon's file descriptors are shared the same way: of its hard
+//! open-file limit it keeps a quarter (at most 1024) for itself (listener,
+//! links to other hosts, connections not yet admitted), and each admitted
+//! tenant may hold its quota's `max_descriptors`, by default the rest
+//! divided by `max_tenants` (a context takes 8: its connection, its
+//! doorbells and what a request may carry; a completion channel 1; a
+//! region or queue none). Past it, a context or channel is refused with
+//! `EMFILE`; quotas set by hand are checked as the mappings' are.
+//!
+//! Queue rings (CQs, QPs, SRQs) are memory the daemon creates and maps,
+//! and so pays for: each tenant's are held to its quota's
+//! `max_queue_bytes`, by default `max_queue_memory` (a quarter of the
+//! host's memory) divided by `max_tenants`, checked the same way; past
+//! it, a queue is refused with `ENOMEM`. Registered regions are the
+//! tenant's own memory (its memfds) and count only against
+//! `max_registered_bytes`, as the rings do too.
+//!
+//! Why 16 by default: with the kernel's default `vm.max_map_count`
+//! (65530) that leaves each tenant 3071 mappings, ample for the usual
+//! verbs program (a few regions and queues per connection) and for a
+//! host that runs a handful of jobs or containers; a host with more
+//! tenants raises `max_tenants`, and one whose programs register
+//! thousands of separate buffers raises `vm.max_map_count` (databases
+//! commonly run with 262144 or more) or lowers `max_tenants`.
 
 use std::collections::BTreeMap;
 use std::net::Ipv4Addr;
@@ -214,11 +261,153 @@ pub struct DaemonConfig {
     /// contexts); default three quarters of `vm.max_map_count`, the rest
     /// left to the daemon itself (threads, allocations).
     pub max_mappings: Option<usize>,
+    /// Most tenants holding contexts at once (default
+    /// [`DEFAULT_MAX_TENANTS`]); the shared budgets are shared among them.
+    pub max_tenants: Option<u32>,
+    /// Bytes of queue rings the daemon creates for all tenants (default
+    /// a quarter of the host's memory).
+    pub max_queue_memory: Option<u64>,
     pub engine: EngineConfig,
     pub net: NetConfig,
     pub quota: Quota,
     /// Per-uid quota overrides; keys are uids.
     pub tenants: BTreeMap<String, Quota>,
+}
+
+/// The default of [`DaemonConfig::max_tenants`] (see the module's doc).
+pub const DEFAULT_MAX_TENANTS: u32 = 16;
+
+/// Fewest mappings a tenant's share may have: its context and one region
+/// or queue. A smaller share would admit tenants that can do nothing.
+pub const MIN_MAPPINGS_PER_TENANT: u32 = 2;
+
+/// The daemon's default bound on its mappings for tenants: three quarters
+/// of the kernel's bound on the process (`vm.max_map_count`), the rest
+/// left to the daemon itself (threads, allocations).
+pub fn default_max_mappings() -> usize {
+    let max = std::fs::read_to_string("/proc/sys/vm/max_map_count")
+        .ok()
+        .and_then(|s| s.trim().parse::<usize>().ok())
+        .unwrap_or(65530);
+    max / 4 * 3
+}
+
+/// Fewest bytes of queue rings a tenant's share may have: a few queues of
+/// modest depth.
+pub const MIN_QUEUE_BYTES_PER_TENANT: u64 = 1 << 20;
+
+/// The daemon's default bound on the queue rings it creates for all
+/// tenants: a quarter of the host's memory (`MemTotal`), 16 GiB where
+/// that cannot be read.
+pub fn default_max_queue_memory() -> u64 {
+    let kib = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    });
+    kib.map_or(64 << 30, |k| k.saturating_mul(1024)) / 4
+}
+
+/// Fewest descriptors a tenant's share may have: one context
+/// ([`DESCRIPTORS_PER_CONTEXT`]) and one completion channel.
+pub const MIN_DESCRIPTORS_PER_TENANT: u32 = DESCRIPTORS_PER_CONTEXT + 1;
+
+/// Descriptors the daemon holds for one context: its connection and the
+/// duplicate it keeps to end it at shutdown, its two doorbells, and the
+/// descriptors that may come with the request being handled.
+pub const DESCRIPTORS_PER_CONTEXT: u32 = 4 + vrdma_core::proto::MAX_FDS as u32;
+
+/// Descriptors the daemon keeps for itself out of `open_files` (its
+/// listener, links and handshakes with other hosts, connections not yet
+/// admitted): a quarter, at most 1024. The rest is the tenants'.
+pub fn descriptors_for_tenants(open_files: usize) -> usize {
+    open_files - (open_files / 4).min(1024)
+}
+
+/// A budget of the daemon's that all tenants share, and how to talk
+/// about it in errors.
+struct Budget {
+    key: &'static str,
+    what: &'static str,
+    total: u64,
+    min: u64,
+    why_min: &'static str,
+    raise: &'static str,
+}
+
+impl Budget {
+    /// Fills in each quota's share of the budget (`total / n` where the
+    /// quota names none), and checks that the `n` largest shares fit in it
+    /// together, so that any `n` admitted tenants can each reach theirs.
+    fn share_out<T: Copy + Into<u64> + TryFrom<u64>>(
+        &self,
+        n: u32,
+        quota: &mut Quota,
+        tenants: &mut [(u32, Quota)],
+        field: impl Fn(&mut Quota) -> &mut Option<T>,
+    ) -> Result<(), ConfigError> {
+        let (key, what, total, min) = (self.key, self.what, self.total, self.min);
+        let share = total / u64::from(n);
+        if share < min {
+            return Err(ConfigError::Invalid(format!(
+                "{total} {what} for tenants leave fewer than {min} to each of max_tenants {n} tenants \
+                 ({}): {}, or lower max_tenants",
+                self.why_min, self.raise
+            )));
+        }
+        // A share too large for the field is no bound at all.
+        let filled = T::try_from(share).ok();
+        let mut all: Vec<(String, &mut Quota)> = std::iter::once(("[quota]".to_string(), quota))
+            .chain(tenants.iter_mut().map(|(u, q)| (format!("[tenants.{u}]"), q)))
+            .collect();
+        let mut largest = Vec::with_capacity(all.len() + n as usize);
+        for (i, (who, q)) in all.iter_mut().enumerate() {
+            let f = field(q);
+            if f.is_none() {
+                *f = filled;
+            }
+            let v = f.map_or(share, Into::into);
+            if v < min {
+                return Err(ConfigError::Invalid(format!(
+                    "{who} {key} {v} is below {min} ({}): its tenant could not work",
+                    self.why_min
+                )));
+            }
+            // The worst case: the max_tenants tenants with the largest
+            // shares admitted at once (overrides where larger, and every
+            // other tenant at the [quota] share).
+            let copies = if i == 0 { n as usize } else { 1 };
+            largest.extend(std::iter::repeat_n(v, copies));
+        }
+        largest.sort_unstable_by(|a, b| b.cmp(a));
+        let worst: u64 = largest.iter().take(n as usize).sum();
+        if worst > total {
+            return Err(ConfigError::Invalid(format!(
+                "max_tenants {n} tenants at their quotas could hold {worst} {what} in the daemon, more than \
+                 the {total} it has for tenants: lower the quotas' {key} or max_tenants, or {}",
+                self.raise
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The shared budgets as the daemon applies them: every quota with its
+/// shares filled in, checked to fit together.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Budgets {
+    /// Mappings for all tenants together.
+    pub max_mappings: usize,
+    /// Descriptors for all tenants together.
+    pub max_descriptors: usize,
+    /// Bytes of queue rings for all tenants together.
+    pub max_queue_memory: u64,
+    /// Tenants holding contexts at once.
+    pub max_tenants: u32,
+    /// The quota of every tenant without an override.
+    pub quota: Quota,
+    /// Per-uid quotas.
+    pub tenants: Vec<(u32, Quota)>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -247,7 +436,7 @@ impl DaemonConfig {
     }
 
     fn validate(&self) -> Result<(), ConfigError> {
-        self.tenant_quotas()?;
+        self.budgets()?;
         self.net.validate()?;
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
@@ -264,6 +453,63 @@ impl DaemonConfig {
             ));
         }
         Ok(())
+    }
+
+    /// The shared budgets, with `max_mappings` read from the kernel where
+    /// the configuration leaves it out, and the descriptors from the hard
+    /// open-file limit (the daemon raises its soft limit to it).
+    pub fn budgets(&self) -> Result<Budgets, ConfigError> {
+        let fds = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        let limit = fds.maximum.or(fds.current).unwrap_or(u64::MAX);
+        self.budgets_within(
+            self.max_mappings.unwrap_or_else(default_max_mappings),
+            usize::try_from(limit).unwrap_or(usize::MAX),
+        )
+    }
+
+    /// The shared budgets for a daemon that maps at most `max_mappings`
+    /// for its tenants and may open `open_files` descriptors: each quota's
+    /// share of each (the budget divided by `max_tenants` where it names
+    /// none), refused if the `max_tenants` largest quotas could not all be
+    /// reached at once.
+    pub fn budgets_within(&self, max_mappings: usize, open_files: usize) -> Result<Budgets, ConfigError> {
+        let queue_memory = self.max_queue_memory.unwrap_or_else(default_max_queue_memory);
+        let n = self.max_tenants.unwrap_or(DEFAULT_MAX_TENANTS);
+        if n == 0 {
+            return Err(ConfigError::Invalid("max_tenants must be positive".into()));
+        }
+        let mut quota = self.quota;
+        let mut tenants = self.tenant_quotas()?;
+        let mappings = Budget {
+            key: "max_mappings",
+            what: "memory mappings",
+            total: max_mappings as u64,
+            min: MIN_MAPPINGS_PER_TENANT.into(),
+            why_min: "a context takes one",
+            raise: "raise max_mappings (or vm.max_map_count)",
+        };
+        mappings.share_out(n, &mut quota, &mut tenants, |q| &mut q.max_mappings)?;
+        let max_descriptors = descriptors_for_tenants(open_files);
+        let descriptors = Budget {
+            key: "max_descriptors",
+            what: "file descriptors",
+            total: max_descriptors as u64,
+            min: MIN_DESCRIPTORS_PER_TENANT.into(),
+            why_min: "a context takes 8, a completion channel 1",
+            raise: "raise the daemon's hard open-file limit (ulimit -Hn, LimitNOFILE)",
+        };
+        descriptors.share_out(n, &mut quota, &mut tenants, |q| &mut q.max_descriptors)?;
+        let max_queue_memory = queue_memory;
+        let queues = Budget {
+            key: "max_queue_bytes",
+            what: "bytes of queue rings",
+            total: max_queue_memory,
+            min: MIN_QUEUE_BYTES_PER_TENANT,
+            why_min: "a few queues of modest depth",
+            raise: "raise max_queue_memory",
+        };
+        queues.share_out(n, &mut quota, &mut tenants, |q| &mut q.max_queue_bytes)?;
+        Ok(Budgets { max_mappings, max_descriptors, max_queue_memory, max_tenants: n, quota, tenants })
     }
 
     /// The per-tenant overrides with their uids parsed.
@@ -317,6 +563,96 @@ mod tests {
         assert_eq!(c.net.key().unwrap().unwrap(), b"0123456789abcdef0123");
         assert_eq!(c.net.port, DEFAULT_WIRE_PORT);
         assert_eq!(c.net.peers.len(), 1);
+    }
+
+    #[test]
+    fn each_tenants_share_of_mappings_is_derived_from_the_budget() {
+        let c = DaemonConfig::from_toml("max_mappings = 49146\n[tenants.1000]\nmax_objects = 64").unwrap();
+        let b = c.budgets().unwrap();
+        assert_eq!(b.max_tenants, DEFAULT_MAX_TENANTS);
+        assert_eq!(b.quota.max_mappings, Some(49146 / 16));
+        // An override that names no share gets the same one.
+        assert_eq!(b.tenants[0].0, 1000);
+        assert_eq!((b.tenants[0].1.max_objects, b.tenants[0].1.max_mappings), (64, Some(3071)));
+        let b = DaemonConfig::from_toml("max_mappings = 100\nmax_tenants = 3").unwrap().budgets().unwrap();
+        assert_eq!(b.quota.max_mappings, Some(33));
+        // Left out, the budget comes from the kernel's bound.
+        let b = DaemonConfig::default().budgets().unwrap();
+        assert_eq!(b.max_mappings, default_max_mappings());
+        assert_eq!(b.quota.max_mappings, Some((default_max_mappings() / 16) as u32));
+    }
+
+    #[test]
+    fn each_tenants_share_of_descriptors_is_derived_from_the_open_file_limit() {
+        let c = DaemonConfig::from_toml("max_tenants = 4\n[tenants.7]\nmax_objects = 1").unwrap();
+        // A quarter of the limit is the daemon's own, at most 1024.
+        assert_eq!(descriptors_for_tenants(1024), 768);
+        assert_eq!(descriptors_for_tenants(20_000), 18_976);
+        let b = c.budgets_within(400, 1024).unwrap();
+        assert_eq!(b.max_descriptors, 768);
+        assert_eq!(b.quota.max_descriptors, Some(192));
+        assert_eq!(b.tenants[0].1.max_descriptors, Some(192));
+        // Too few for a context and a channel each.
+        let m = c.budgets_within(400, 40).unwrap_err().to_string();
+        assert!(m.contains("30 file descriptors for tenants leave fewer than 9"), "{m}");
+        // Set by hand, the largest must fit together.
+        let c = DaemonConfig::from_toml("max_tenants = 4\n[tenants.7]\nmax_descriptors = 300").unwrap();
+        let m = c.budgets_within(400, 1024).unwrap_err().to_string();
+        assert!(m.contains("could hold 876 file descriptors"), "{m}");
+        let c = DaemonConfig::from_toml(
+            "max_tenants = 4\n[quota]\nmax_descriptors = 150\n[tenants.7]\nmax_descriptors = 300",
+        )
+        .unwrap();
+        assert_eq!(c.budgets_within(400, 1024).unwrap().tenants[0].1.max_descriptors, Some(300));
+    }
+
+    #[test]
+    fn each_tenants_share_of_queue_memory_is_derived_from_the_budget() {
+        let c = DaemonConfig::from_toml("max_tenants = 4\nmax_queue_memory = 1073741824").unwrap();
+        let b = c.budgets_within(400, 1024).unwrap();
+        assert_eq!(b.quota.max_queue_bytes, Some(256 << 20));
+        // Left out, a quarter of the host's memory.
+        let b = DaemonConfig::default().budgets().unwrap();
+        assert_eq!(b.max_queue_memory, default_max_queue_memory());
+        assert!(b.max_queue_memory >= 64 << 20, "{}", b.max_queue_memory);
+        let m =
+            DaemonConfig::from_toml("max_tenants = 4\nmax_queue_memory = 1048576").unwrap_err().to_string();
+        assert!(m.contains("fewer than 1048576"), "{m}");
+        let t = "max_tenants = 4\nmax_queue_memory = 1073741824\n[tenants.7]\nmax_queue_bytes = 536870912";
+        let m = DaemonConfig::from_toml(t).unwrap_err().to_string();
+        assert!(m.contains("could hold 1342177280 bytes of queue rings"), "{m}");
+    }
+
+    /// Quotas set by hand must leave every admitted tenant able to reach
+    /// its own: the max_tenants largest must fit in the budget together.
+    #[test]
+    fn quotas_that_could_not_all_be_reached_are_refused() {
+        let err = |t: &str| match DaemonConfig::from_toml(t) {
+            Err(ConfigError::Invalid(m)) => m,
+            other => panic!("{t:?} gave {other:?}"),
+        };
+        // [quota] above the share: N of them do not fit.
+        let m = err("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 26");
+        assert!(m.contains("could hold 104 memory mappings") && m.contains("the 100 it has"), "{m}");
+        assert!(DaemonConfig::from_toml("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 25")
+            .is_ok());
+        // One override above the share fits only if the rest leave room.
+        let m = err("max_mappings = 100\nmax_tenants = 4\n[tenants.7]\nmax_mappings = 40");
+        assert!(m.contains("could hold 115"), "{m}");
+        let ok =
+            "max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 20\n[tenants.7]\nmax_mappings = 40";
+        assert_eq!(
+            DaemonConfig::from_toml(ok).unwrap().budgets().unwrap().tenants[0].1.max_mappings,
+            Some(40)
+        );
+        // Two large overrides both count, however many tenants there are.
+        let m = err("max_mappings = 100\nmax_tenants = 4\n[quota]\nmax_mappings = 10\n[tenants.7]\nmax_mappings = 45\n[tenants.8]\nmax_mappings = 45");
+        assert!(m.contains("could hold 110"), "{m}");
+        // Too small a share, or none at all.
+        let m = err("max_mappings = 40\nmax_tenants = 21");
+        assert!(m.contains("40 memory mappings for tenants leave fewer than 2"), "{m}");
+        assert!(err("max_tenants = 0").contains("positive"));
+        assert!(err("[tenants.7]\nmax_mappings = 1").contains("[tenants.7] max_mappings 1"));
     }
 
     #[test]

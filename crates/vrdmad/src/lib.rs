@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
-pub use config::{ConfigError, DaemonConfig, EngineConfig, TenantBy};
+pub use config::{Budgets, ConfigError, DaemonConfig, EngineConfig, TenantBy};
 use vrdma_core::hca::{Hca, HcaConfig, KeySource, TenantId};
 
 /// Name the device reports, as `ibv_get_device_name` does.
@@ -45,15 +45,9 @@ pub fn default_socket_path() -> PathBuf {
 
 /// Bounds the mappings the daemon makes for tenants, below the kernel's
 /// bound on the process (`vm.max_map_count`): past that, the daemon's own
-/// allocations would fail, and a failed allocation aborts it.
-fn limit_mappings(configured: Option<usize>) {
-    let limit = configured.unwrap_or_else(|| {
-        let max = std::fs::read_to_string("/proc/sys/vm/max_map_count")
-            .ok()
-            .and_then(|s| s.trim().parse::<usize>().ok())
-            .unwrap_or(65530);
-        max / 4 * 3
-    });
+/// allocations would fail, and a failed allocation aborts it. Each
+/// tenant's share of it is enforced per tenant (`server::admission`).
+fn limit_mappings(limit: usize) {
     vrdma_shm::set_mapping_limit(limit);
     tracing::debug!(limit, "memory mappings for tenants at most");
 }
@@ -107,16 +101,23 @@ pub struct Daemon {
 impl Daemon {
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
         raise_fd_limit();
-        limit_mappings(config.max_mappings);
+        // The shares of what the daemon really has: its open-file limit as
+        // raised (the configuration was checked against the hard limit).
+        let open_files = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+        let budgets = config.budgets_within(
+            config.max_mappings.unwrap_or_else(config::default_max_mappings),
+            open_files.map_or(usize::MAX, |n| usize::try_from(n).unwrap_or(usize::MAX)),
+        )?;
+        limit_mappings(budgets.max_mappings);
         let path = config.socket.clone().unwrap_or_else(default_socket_path);
         let address = config.address.unwrap_or_else(host::detect_ipv4);
         let mut hca_cfg = HcaConfig::for_host(address.octets());
         hca_cfg.chunk_bytes = config.engine.chunk_bytes;
         hca_cfg.tenant_turns = config.engine.tenant_turns;
         hca_cfg.ack_delay = std::time::Duration::from_micros(config.engine.ack_delay_us);
-        hca_cfg.default_quota = config.quota;
+        hca_cfg.default_quota = budgets.quota;
         let mut hca = Hca::new(hca_cfg, Box::new(RandomKeys));
-        for (uid, q) in config.tenant_quotas()? {
+        for &(uid, q) in &budgets.tenants {
             hca.set_quota(TenantId(uid), q);
         }
         let net = match config.net.key()? {
@@ -154,6 +155,7 @@ impl Daemon {
             device_name: DEVICE_NAME.to_string(),
             next_context: AtomicU32::new(1),
             tenancy: server::Tenancy::new(config.tenant_by)?,
+            admission: server::Admission::new(budgets.max_tenants),
             sessions: Mutex::new(Vec::new()),
             log: Mutex::default(),
         });

@@ -17,6 +17,27 @@ pub struct Quota {
     pub max_queue_depth: u32,
     /// Open contexts (connections to the daemon) at once.
     pub max_contexts: u32,
+    /// Memory mappings the daemon holds for the tenant at once: one per
+    /// context, memory region, CQ, QP, SRQ and completion channel. The
+    /// daemon's mappings are a budget all tenants share (the kernel bounds
+    /// them per process), so the driver enforces this, and `None` means
+    /// "the driver's share": its budget divided among the tenants it
+    /// admits. The core only reports it ([`Hca::device_attr`]).
+    ///
+    /// [`Hca::device_attr`]: crate::hca::Hca::device_attr
+    pub max_mappings: Option<u32>,
+    /// File descriptors the daemon holds for the tenant at once: each
+    /// context's connection and doorbells, each completion channel's
+    /// doorbell. Like `max_mappings`, a share of a budget all tenants
+    /// share (the daemon's open-file limit) that the driver enforces;
+    /// `None`: the driver's share.
+    pub max_descriptors: Option<u32>,
+    /// Bytes of queue rings (CQs, QPs, SRQs) at once, within
+    /// `max_registered_bytes`. Rings are memory the daemon creates and
+    /// maps, so it pays for them whoever touches them: a share of a budget
+    /// all tenants share, enforced here; `None`: bounded only by
+    /// `max_registered_bytes` (the daemon fills in its share).
+    pub max_queue_bytes: Option<u64>,
 }
 
 impl Default for Quota {
@@ -28,6 +49,9 @@ impl Default for Quota {
             max_registered_bytes: 16 << 30,
             max_queue_depth: 16_384,
             max_contexts: 256,
+            max_mappings: None,
+            max_descriptors: None,
+            max_queue_bytes: None,
         }
     }
 }

@@ -77,6 +77,8 @@ pub trait KeySource: Send {
 struct Usage {
     objects: u32,
     registered_bytes: u64,
+    /// The part of `registered_bytes` that is queue rings.
+    queue_bytes: u64,
 }
 
 /// What a context held when it closed, for the driver to unmap.
@@ -178,14 +180,24 @@ impl Hca {
 
     /// `ibv_query_device` as `ctx` sees the device: its limits, lowered to
     /// its tenant's quota, so that a program that sizes its queues to
-    /// `max_cqe` or `max_qp_wr` gets them.
+    /// `max_cqe` or `max_qp_wr` gets them, and that `max_mr` and the other
+    /// counts are ones it can reach (objects, and mappings in the daemon).
     pub fn device_attr(&self, ctx: ContextId) -> Result<crate::verbs::DeviceAttr, HcaError> {
         let q = self.quota(self.tenant_of(ctx)?);
         let mut d = self.config.device.clone();
         // The largest depth that is granted as asked (a power of two)
         // within the quota.
-        for depth in [&mut d.max_cqe, &mut d.max_qp_wr, &mut d.max_srq_wr] {
-            let most = (*depth).min(q.max_queue_depth);
+        // ... and whose ring, at its smallest stride, fits in the memory
+        // quotas.
+        let memory = q.max_registered_bytes.min(q.max_queue_bytes.unwrap_or(u64::MAX));
+        let cqe = crate::ring::CQE_SIZE as u64;
+        let qp_entry = (crate::ring::send_stride(1, 0) + crate::ring::recv_stride(1)) as u64;
+        let srq_entry = crate::ring::recv_stride(1) as u64;
+        for (depth, entry) in
+            [(&mut d.max_cqe, cqe), (&mut d.max_qp_wr, qp_entry), (&mut d.max_srq_wr, srq_entry)]
+        {
+            let fits = u32::try_from(memory / entry).unwrap_or(u32::MAX);
+            let most = (*depth).min(q.max_queue_depth).min(fits);
             *depth = if most == 0 { 0 } else { 1 << (31 - most.leading_zeros()) };
         }
         for count in
@@ -194,6 +206,14 @@ impl Hca {
             *count = (*count).min(q.max_objects);
         }
         d.max_mr_size = d.max_mr_size.min(q.max_registered_bytes);
+        // Each region, CQ, QP and SRQ is a mapping in the daemon, and the
+        // context itself takes one.
+        if let Some(maps) = q.max_mappings {
+            let room = maps.saturating_sub(1);
+            for count in [&mut d.max_qp, &mut d.max_cq, &mut d.max_mr, &mut d.max_srq] {
+                *count = (*count).min(room);
+            }
+        }
         Ok(d)
     }
 
@@ -227,6 +247,34 @@ impl Hca {
         u.objects += objects;
         u.registered_bytes += bytes;
         Ok(())
+    }
+
+    /// Charges a queue (CQ, QP, SRQ) whose rings take `bytes` to the
+    /// context's tenant: an object, memory, and queue memory, which the
+    /// daemon creates and so pays for (`Quota::max_queue_bytes`).
+    fn charge_queue(&mut self, ctx: ContextId, bytes: u64) -> Result<(), HcaError> {
+        let tenant = self.tenant_of(ctx)?;
+        if let Some(most) = self.quota(tenant).max_queue_bytes {
+            let held = self.usage.get(&tenant).map_or(0, |u| u.queue_bytes);
+            if held.saturating_add(bytes) > most {
+                return Err(HcaError::QuotaExceeded(format!(
+                    "{held} bytes of queue rings held, {bytes} more asked, limit {most} (the tenant's share \
+                     of the daemon's queue memory)"
+                )));
+            }
+        }
+        self.charge(ctx, 1, bytes)?;
+        self.usage.entry(tenant).or_default().queue_bytes += bytes;
+        Ok(())
+    }
+
+    /// Gives back what [`charge_queue`](Self::charge_queue) took.
+    fn refund_queue(&mut self, ctx: ContextId, bytes: u64) {
+        self.refund(ctx, 1, bytes);
+        if let Some(t) = self.contexts.get(&ctx).map(|c| c.tenant) {
+            let u = self.usage.entry(t).or_default();
+            u.queue_bytes = u.queue_bytes.saturating_sub(bytes);
+        }
     }
 
     fn refund(&mut self, ctx: ContextId, objects: u32, bytes: u64) {

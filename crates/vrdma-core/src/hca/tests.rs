@@ -1621,6 +1621,49 @@ fn the_device_shows_each_tenant_its_quota_as_limits() {
     assert_eq!(full.max_sge, d.max_sge);
 }
 
+/// A tenant's share of the daemon's mappings bounds the regions and queues
+/// it can have (its context takes one), and the device says so; objects
+/// that cost no mapping (PDs, AHs) are bounded by the object quota alone.
+#[test]
+fn the_device_shows_each_tenant_its_share_of_mappings() {
+    let mut env = Env::new();
+    env.hca.set_quota(OTHER_TENANT, Quota { max_objects: 100, max_mappings: Some(10), ..Quota::default() });
+    let d = env.hca.device_attr(C3).unwrap();
+    assert_eq!((d.max_qp, d.max_cq, d.max_mr, d.max_srq), (9, 9, 9, 9));
+    assert_eq!((d.max_pd, d.max_ah), (100, 100));
+    // No share of its own: the object quota is the bound.
+    env.hca.set_quota(OTHER_TENANT, Quota { max_objects: 100, max_mappings: None, ..Quota::default() });
+    assert_eq!(env.hca.device_attr(C3).unwrap().max_mr, 100);
+    // A share that leaves nothing beyond the context shows nothing.
+    env.hca.set_quota(OTHER_TENANT, Quota { max_mappings: Some(1), ..Quota::default() });
+    assert_eq!(env.hca.device_attr(C3).unwrap().max_mr, 0);
+}
+
+/// Queue rings are memory the daemon creates: a tenant's share of it
+/// bounds its queues apart from its regions, is given back when they go,
+/// and the depths the device shows fit in it.
+#[test]
+fn queue_memory_is_bounded_by_its_own_share() {
+    let mut env = Env::new();
+    let share = cq_ring(64) + cq_ring(32);
+    env.hca.set_quota(OTHER_TENANT, Quota { max_queue_bytes: Some(share), ..Quota::default() });
+    let pd = env.hca.alloc_pd(C3).unwrap();
+    let (big, _) = env.hca.create_cq(C3, 64).unwrap();
+    env.hca.create_cq(C3, 32).unwrap();
+    let r = env.hca.create_cq(C3, 1);
+    assert!(matches!(&r, Err(HcaError::QuotaExceeded(m)) if m.contains("queue rings")), "{r:?}");
+    // Regions are the tenant's own memory: not queue memory.
+    env.hca.reg_mr(C3, pd, 0x10_0000, FULL, Region::heap(1 << 20)).unwrap();
+    env.hca.destroy_cq(C3, big).unwrap();
+    env.hca.create_cq(C3, 64).unwrap();
+    assert!(env.hca.create_cq(C3, 1).is_err());
+    // The deepest CQ shown is one that fits in the share.
+    let d = env.hca.device_attr(C3).unwrap();
+    assert_eq!(d.max_cqe, 64);
+    env.hca.close_context(C3, &mut env.io);
+    assert_eq!(env.hca.usage(OTHER_TENANT), (0, 0));
+}
+
 #[test]
 fn queue_depth_quota() {
     let mut env = Env::new();

@@ -41,7 +41,15 @@ fn daemon(socket: PathBuf, config: Option<PathBuf>) -> Result<()> {
 }
 
 fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
-    let ctx = vrdma::Context::open_at(&socket)?;
+    let ctx = match vrdma::Context::open_at(&socket) {
+        Ok(c) => c,
+        Err(e) => {
+            // Said, so that the test sees why (some tests expect a refusal).
+            let said = Said::Error { errno: e.errno(), message: e.to_string() };
+            println!("{}", serde_json::to_string(&said).expect("serializable"));
+            return Err(e.into());
+        }
+    };
     let pd = ctx.alloc_pd()?;
     let access = vrdma::AccessFlags::LOCAL_WRITE
         | vrdma::AccessFlags::REMOTE_WRITE

@@ -3,9 +3,11 @@
 //! What tenants make the control plane log goes through [`Shared::log`],
 //! limited per tenant ([`vrdma_core::log_limit`]).
 
+mod admission;
 mod session;
 mod tenancy;
 
+pub(crate) use admission::Admission;
 pub(crate) use tenancy::{Seat, Tenancy};
 
 use std::os::fd::{AsFd, OwnedFd};
@@ -27,6 +29,9 @@ pub(crate) struct Shared {
     pub device_name: String,
     pub next_context: AtomicU32,
     pub tenancy: Tenancy,
+    /// Which tenants hold contexts, and their shares of the mappings and
+    /// descriptors (see `admission`).
+    pub admission: Admission,
     /// Sessions' sockets, with their peers' tenants, shut down to end them
     /// when the daemon stops.
     pub sessions: Mutex<Vec<(u32, TenantId, OwnedFd)>>,

@@ -71,6 +71,10 @@ struct Session {
     /// Holds a numbered tenant while the session lives; dropped after the
     /// context is closed (fields drop after `Drop::drop`).
     _seat: super::Seat,
+    /// The tenant's admission and shares of the daemon's mappings and
+    /// descriptors, from Hello on; dropped, like the seat, after the
+    /// context is closed.
+    admitted: Option<super::admission::Admitted>,
 }
 
 /// How long a new connection may take to open its context with Hello.
@@ -93,7 +97,15 @@ pub(crate) fn run(
     seat: super::Seat,
     shared: Arc<Shared>,
 ) {
-    let mut s = Session { ctx: ContextId(id), tenant, pid: cred.pid, shared, open: false, _seat: seat };
+    let mut s = Session {
+        ctx: ContextId(id),
+        tenant,
+        pid: cred.pid,
+        shared,
+        open: false,
+        _seat: seat,
+        admitted: None,
+    };
     tracing::debug!(ctx = id, pid = cred.pid, uid = cred.uid, tenant = tenant.0, "tenant connected");
     let mut buf = vec![0u8; MAX_MESSAGE];
     // A connection that never opens its context would hold a thread and two
@@ -206,6 +218,11 @@ impl Session {
         }
     }
 
+    /// The budget the mappings made for this tenant are charged to.
+    fn budget(&self) -> Option<&Arc<vrdma_shm::MappingBudget>> {
+        self.admitted.as_ref().map(|a| a.budget())
+    }
+
     /// Runs `f` on the engine with this context's id.
     fn engine<R: Send + 'static>(
         &self,
@@ -252,7 +269,7 @@ impl Session {
             Request::RegMr { pd, addr, len, access, fd_offset } => {
                 let fd = fds.pop().expect("count checked");
                 self.engine(move |e, c| e.hca.may_register(c, len))??;
-                let region = map_region(fd, fd_offset, len)?;
+                let region = map_region(fd, fd_offset, len, self.budget())?;
                 let key = self.engine(move |e, c| e.hca.reg_mr(c, pd, addr, access, region))??;
                 Reply::Mr { key }.into()
             }
@@ -260,7 +277,18 @@ impl Session {
                 self.engine(move |e, c| e.dereg_mr(c, key))??;
                 Reply::Done.into()
             }
-            Request::CreateCompChannel => self.create_channel()?,
+            Request::CreateCompChannel => {
+                // Its doorbell is a descriptor in the daemon (see admission).
+                let admitted = self.admitted.as_mut().ok_or_else(|| error(EPROTO, "no context"))?;
+                admitted.charge_descriptor().map_err(|e| error(e.errno(), e.to_string()))?;
+                let made = self.create_channel();
+                if made.is_err() {
+                    if let Some(a) = self.admitted.as_mut() {
+                        a.refund_descriptor();
+                    }
+                }
+                made?
+            }
             Request::DestroyCompChannel { channel } => {
                 self.engine(move |e, c| match e.rings.channels.get(&channel) {
                     Some(ch) if ch.ctx == c && ch.cqs > 0 => {
@@ -273,6 +301,9 @@ impl Session {
                     }
                     _ => Err(error(EINVAL, format!("no completion channel {channel}"))),
                 })??;
+                if let Some(a) = self.admitted.as_mut() {
+                    a.refund_descriptor();
+                }
                 Reply::Done.into()
             }
             Request::CreateCq { cqe, channel } => self.create_cq(cqe, channel)?,
@@ -348,10 +379,18 @@ impl Session {
                 format!("protocol version {version} is not supported; the daemon speaks {PROTOCOL_VERSION}"),
             ));
         }
+        // Admitted before anything is mapped for it (see admission).
+        let tenant = self.tenant;
+        let q = self.engine(move |e, _| e.hca.quota(tenant))?;
+        let admitted = self
+            .shared
+            .admission
+            .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
+            .map_err(|e| error(e.errno(), e.to_string()))?;
         let events_len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
         let posted_at = events_len.next_multiple_of(64);
         let len = posted_at + ring_bytes(POSTED_RING_CAPACITY, POSTED_SLOT_SIZE);
-        let (seg_fd, seg) = Segment::create("vrdma-context", len)?.into_parts();
+        let (seg_fd, seg) = Segment::create_in("vrdma-context", len, Some(admitted.budget()))?.into_parts();
         let seg = Arc::new(seg);
         let events = RingView::in_segment(seg.clone(), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
@@ -363,13 +402,13 @@ impl Session {
         let doorbell = Arc::new(doorbell);
         let (event_fd, event_tenant) = Doorbell::pair()?;
         let fds = vec![seg_fd, doorbell_tenant.into(), event_tenant.into()];
-        let tenant = self.tenant;
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
             e.rings.contexts.insert(c, ContextRings::new(tenant, events, event_fd, doorbell, posted));
             Ok::<_, HcaError>(())
         })??;
         self.open = true;
+        self.admitted = Some(admitted);
         let name = self.shared.device_name.clone();
         Ok(Answer {
             reply: Reply::Hello {
@@ -394,7 +433,7 @@ impl Session {
 
     fn create_channel(&mut self) -> Result<Answer, Answer> {
         let len = ring_bytes(CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE);
-        let (seg_fd, seg) = Segment::create("vrdma-channel", len)?.into_parts();
+        let (seg_fd, seg) = Segment::create_in("vrdma-channel", len, self.budget())?.into_parts();
         let seg = Arc::new(seg);
         let ring = RingView::in_segment(seg.clone(), 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
@@ -446,7 +485,8 @@ impl Session {
             e.hca.create_cq(c, cqe)
         })??;
         let made = (|| {
-            let (fd, seg) = Segment::create("vrdma-cq", ring_bytes(depth, CQE_SIZE))?.into_parts();
+            let (fd, seg) =
+                Segment::create_in("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?.into_parts();
             let seg = Arc::new(seg);
             let ring = RingView::in_segment(seg.clone(), 0, depth, CQE_SIZE)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
@@ -482,7 +522,9 @@ impl Session {
         let (srq, granted) = self.engine(move |e, c| e.hca.create_srq(c, pd, attr))??;
         let stride = recv_stride(granted.max_sge);
         let made = (|| {
-            let (fd, seg) = Segment::create("vrdma-srq", ring_bytes(granted.max_wr, stride))?.into_parts();
+            let (fd, seg) =
+                Segment::create_in("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?
+                    .into_parts();
             let seg = Arc::new(seg);
             let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
@@ -527,7 +569,7 @@ impl Session {
         let total = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
         let qpn = created.qpn;
         let made = (|| {
-            let (fd, seg) = Segment::create("vrdma-qp", total)?.into_parts();
+            let (fd, seg) = Segment::create_in("vrdma-qp", total, self.budget())?.into_parts();
             let seg = Arc::new(seg);
             let view = |r: RingSpec| {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
@@ -554,8 +596,14 @@ impl Session {
     }
 }
 
-/// Maps the pages of a tenant's memfd that hold `[fd_offset, fd_offset+len)`.
-fn map_region(fd: OwnedFd, fd_offset: u64, len: u64) -> Result<Region, Answer> {
+/// Maps the pages of a tenant's memfd that hold `[fd_offset, fd_offset+len)`,
+/// charged to the tenant's `budget`.
+fn map_region(
+    fd: OwnedFd,
+    fd_offset: u64,
+    len: u64,
+    budget: Option<&Arc<vrdma_shm::MappingBudget>>,
+) -> Result<Region, Answer> {
     if len == 0 {
         return Err(error(EINVAL, "a memory region needs at least one byte"));
     }
@@ -570,7 +618,7 @@ fn map_region(fd: OwnedFd, fd_offset: u64, len: u64) -> Result<Region, Answer> {
         .and_then(|l| inner.checked_add(l))
         .and_then(|n| n.checked_next_multiple_of(page as usize))
         .ok_or_else(too_large)?;
-    let seg = Mapping::map_untrusted(fd, start, span).map_err(|e| match e {
+    let seg = Mapping::map_untrusted_in(fd, start, span, budget).map_err(|e| match e {
         vrdma_shm::SegmentError::Io(e) if e.kind() == std::io::ErrorKind::OutOfMemory => {
             error(ENOMEM, e.to_string())
         }

@@ -63,7 +63,7 @@ impl Hca {
         let srqs: Vec<u32> = self.srqs.iter().filter(|(_, s)| s.ctx == ctx).map(|(&n, _)| n).collect();
         for n in srqs {
             let bytes = self.srqs.remove(&n).map_or(0, |s| s.ring_bytes);
-            self.refund(ctx, 1, bytes);
+            self.refund_queue(ctx, bytes);
             t.srqs.push(n);
         }
         let ahs: Vec<u32> = self.ahs.iter().filter(|(_, a)| a.ctx == ctx).map(|(&n, _)| n).collect();
@@ -81,7 +81,7 @@ impl Hca {
         let cqs: Vec<u32> = self.cqs.iter().filter(|(_, c)| c.ctx == ctx).map(|(&n, _)| n).collect();
         for n in cqs {
             let bytes = self.cqs.remove(&n).map_or(0, |c| c.ring_bytes);
-            self.refund(ctx, 1, bytes);
+            self.refund_queue(ctx, bytes);
             t.cqs.push(n);
         }
         let pds: Vec<u32> = self.pds.iter().filter(|(_, p)| p.ctx == ctx).map(|(&n, _)| n).collect();

@@ -14,7 +14,7 @@ impl Hca {
         }
         let depth = cqe.next_power_of_two();
         let ring_bytes = ring_bytes(depth, crate::ring::CQE_SIZE);
-        self.charge(ctx, 1, ring_bytes)?;
+        self.charge_queue(ctx, ring_bytes)?;
         let n = self.alloc_id(|h, n| h.cqs.contains_key(&n));
         self.cqs.insert(n, Cq { ctx, users: 0, overrun: false, ring_bytes });
         Ok((n, depth))
@@ -26,7 +26,7 @@ impl Hca {
             Some(c) if c.ctx == ctx => {
                 let bytes = c.ring_bytes;
                 self.cqs.remove(&cqn);
-                self.refund(ctx, 1, bytes);
+                self.refund_queue(ctx, bytes);
                 Ok(())
             }
             _ => Err(HcaError::NoSuchObject { kind: "CQ", id: cqn }),

@@ -51,7 +51,7 @@ impl Hca {
             max_inline_data: c.max_inline_data,
         };
         let ring_bytes = qp_ring_bytes(granted);
-        self.charge(ctx, 1, ring_bytes)?;
+        self.charge_queue(ctx, ring_bytes)?;
         let qpn = loop {
             let n = self.next_qpn;
             // 0xff_ffff is the multicast QPN: never a QP's number.
@@ -364,7 +364,7 @@ impl Hca {
         if let Some(s) = qp.init.srq.and_then(|s| self.srqs.get_mut(&s)) {
             s.users -= 1;
         }
-        self.refund(qp.ctx, 1, qp.ring_bytes);
+        self.refund_queue(qp.ctx, qp.ring_bytes);
     }
 
     /// `qpn` was reset: receives that requesters on this host had taken

@@ -25,7 +25,7 @@ impl Hca {
             srq_limit: attr.srq_limit,
         };
         let ring_bytes = ring_bytes(granted.max_wr, crate::ring::recv_stride(granted.max_sge));
-        self.charge(ctx, 1, ring_bytes)?;
+        self.charge_queue(ctx, ring_bytes)?;
         self.own_pd(ctx, pd).expect("checked").users += 1;
         let n = self.alloc_id(|h, n| h.srqs.contains_key(&n));
         self.srqs.insert(n, Srq { ctx, pd, attr: granted, users: 0, requeued: VecDeque::new(), ring_bytes });
@@ -73,7 +73,7 @@ impl Hca {
         if let Some(p) = self.pds.get_mut(&s.pd) {
             p.users -= 1;
         }
-        self.refund(ctx, 1, s.ring_bytes);
+        self.refund_queue(ctx, s.ring_bytes);
         Ok(())
     }
 }
