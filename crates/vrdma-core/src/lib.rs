@@ -12,6 +12,7 @@
 //! tests in [`hca`]), and lets a later transport (TCP, a real HCA) reuse the
 //! same rules.
 
+pub mod cm;
 pub mod hca;
 pub mod log_limit;
 pub mod memory;

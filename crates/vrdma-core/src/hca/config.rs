@@ -97,15 +97,21 @@ pub const MAX_QP_WR: u32 = 16_384;
 pub const MAX_CQE: u32 = 65_536;
 pub const MAX_RD_ATOMIC: u32 = 16;
 
+/// The LID of the device of the host whose address is `ipv4`: the
+/// address's low 16 bits (never 0 or the permissive LID).
+pub fn lid_of_ipv4(ipv4: [u8; 4]) -> u16 {
+    match u16::from_be_bytes([ipv4[2], ipv4[3]]) {
+        0 | 0xffff => 1,
+        l => l,
+    }
+}
+
 impl HcaConfig {
     /// The device of a host whose address is `ipv4`: GID `::ffff:a.b.c.d`
     /// and a LID taken from the address's low 16 bits (never 0).
     pub fn for_host(ipv4: [u8; 4]) -> HcaConfig {
         let gid = Gid::from_ipv4(ipv4);
-        let lid = match u16::from_be_bytes([ipv4[2], ipv4[3]]) {
-            0 | 0xffff => 1,
-            l => l,
-        };
+        let lid = lid_of_ipv4(ipv4);
         let guid = u64::from_be_bytes([0x02, 0x00, 0x5e, 0xff, ipv4[0], ipv4[1], ipv4[2], ipv4[3]]);
         HcaConfig {
             device: DeviceAttr {

@@ -32,7 +32,7 @@ use IdMap as HashMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS, VENDOR_ID};
+pub use config::{lid_of_ipv4, HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS, VENDOR_ID};
 pub use datapath::{Activity, GRH_LEN};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};

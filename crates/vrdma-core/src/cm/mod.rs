@@ -1,0 +1,970 @@
+//! The connection manager (rdma_cm) without I/O.
+//!
+//! Most RDMA programs do not trade QP numbers over a socket of their own:
+//! they resolve an IP address to a device, connect and accept with
+//! private data, and disconnect, through the kernel's rdma_cm, which runs
+//! the IB CM's REQ/REP/RTU exchange with the peer's kernel. vRDMA has no
+//! kernel part, so its daemon plays that role: each daemon owns the IP
+//! addresses of its network namespace (as RoCE binds a device to its
+//! network interface) and one [`ConnectionManager`] for them.
+//!
+//! Like the HCA, it is a state machine with no I/O and no clock. The
+//! driver hands it the tenants' calls (`create_id`, `connect`, `accept`,
+//! ...), the messages other managers sent ([`handle_message`]), the
+//! time ([`handle_timeout`]) and the loss of a link to a host
+//! ([`link_down`]); it takes back the events for the tenants
+//! ([`poll_event`]) and the messages to send ([`poll_transmit`]), each
+//! addressed to a host, this one included: a connection between two
+//! processes of one host is the same exchange, looped back.
+//!
+//! The rules kept from the kernel: the port space belongs to the host
+//! ([`ports`]); a listener belongs to its tenant, and a request from
+//! another tenant is answered exactly as a port without a listener is
+//! (a REJ with reason 8), so nothing leaks; a listener holds at most its
+//! backlog of requests not yet accepted or rejected; private data is
+//! bounded as rdma_cm over IB bounds it; a REQ unanswered within the
+//! connect timeout ends in UNREACHABLE, a REP without RTU in CONNECT_ERROR,
+//! a DREQ without DREP in DISCONNECTED all the same; and a lost link ends
+//! every connection to that host as the peer's death would.
+//!
+//! The QPs themselves are the library's to move, as with rdma-core's
+//! librdmacm: [`ConnectionManager::init_qp_attr`] gives the attributes for
+//! each state (the kernel's `rdma_init_qp_attr`), from both sides'
+//! [`ConnInfo`].
+//!
+//! [`handle_message`]: ConnectionManager::handle_message
+//! [`handle_timeout`]: ConnectionManager::handle_timeout
+//! [`link_down`]: ConnectionManager::link_down
+//! [`poll_event`]: ConnectionManager::poll_event
+//! [`poll_transmit`]: ConnectionManager::poll_transmit
+
+pub mod message;
+pub mod ports;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+pub use message::{reject, CmMessage, ConnInfo};
+pub use ports::{PortError, PortSpace};
+
+use crate::hca::{lid_of_ipv4, ContextId, KeySource, TenantId};
+use crate::time::Instant;
+use crate::verbs::{AccessFlags, AhAttr, Gid, Mtu, QpAttr, QpAttrMask, QpState};
+
+/// `errno` values the events and errors carry, as the kernel's.
+pub mod errno {
+    pub const EINVAL: i32 = 22;
+    pub const ENOENT: i32 = 2;
+    pub const EADDRINUSE: i32 = 98;
+    pub const EADDRNOTAVAIL: i32 = 99;
+    pub const ETIMEDOUT: i32 = 110;
+    pub const ECONNRESET: i32 = 104;
+    pub const ENOMEM: i32 = 12;
+    pub const ENETUNREACH: i32 = 101;
+}
+
+/// The limits and timers of a connection manager.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CmConfig {
+    /// How long a REQ waits for a REP or REJ, and a REP for its RTU.
+    pub connect_timeout: Duration,
+    /// How long a DREQ waits for its DREP.
+    pub disconnect_timeout: Duration,
+    /// The backlog of a listener that asked for 0 or more than this.
+    pub max_backlog: u32,
+    /// Ids one tenant may hold, listeners' pending requests included.
+    pub max_ids_per_tenant: u32,
+}
+
+impl Default for CmConfig {
+    fn default() -> Self {
+        CmConfig {
+            // The kernel's CM waits about 4 s per try (4.096 µs × 2^20)
+            // and retries; between daemons nothing is lost, so one wait.
+            connect_timeout: Duration::from_secs(5),
+            disconnect_timeout: Duration::from_secs(1),
+            max_backlog: 1024,
+            max_ids_per_tenant: 4096,
+        }
+    }
+}
+
+/// `enum rdma_cm_event_type`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub enum EventKind {
+    AddrResolved = 0,
+    AddrError = 1,
+    RouteResolved = 2,
+    RouteError = 3,
+    ConnectRequest = 4,
+    ConnectResponse = 5,
+    ConnectError = 6,
+    Unreachable = 7,
+    Rejected = 8,
+    Established = 9,
+    Disconnected = 10,
+    DeviceRemoval = 11,
+    TimewaitExit = 15,
+}
+
+/// An event for the context that owns `id`.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CmEvent {
+    pub ctx: ContextId,
+    pub id: u32,
+    pub kind: EventKind,
+    /// 0, a negative errno, or (REJECTED) the REJ's reason.
+    pub status: i32,
+    /// CONNECT_REQUEST: the listener the new `id` came from.
+    pub listen_id: Option<u32>,
+    /// The peer's side: CONNECT_REQUEST, CONNECT_RESPONSE, ESTABLISHED
+    /// (UD: its QP number), REJECTED (its private data only).
+    pub peer: Option<ConnInfo>,
+    /// UD: the peer QP's Q_Key.
+    pub qkey: u32,
+}
+
+/// Why a call was refused; `errno()` is what the library reports.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CmError {
+    #[error("no such rdma_cm id")]
+    NoSuchId,
+    #[error("the id is in the wrong state for this call")]
+    WrongState,
+    #[error("{0}")]
+    Invalid(&'static str),
+    #[error("private data of {got} bytes is over the limit of {max}")]
+    PrivateDataTooLong { got: usize, max: usize },
+    #[error("address {0} is not an address of this host's vRDMA device")]
+    NotLocal(Ipv4Addr),
+    #[error("address already in use")]
+    AddrInUse,
+    #[error("no free port")]
+    NoPort,
+    #[error("this tenant holds its limit of {0} rdma_cm ids")]
+    Quota(u32),
+}
+
+impl CmError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            CmError::NoSuchId => errno::ENOENT,
+            CmError::WrongState | CmError::Invalid(_) | CmError::PrivateDataTooLong { .. } => errno::EINVAL,
+            CmError::NotLocal(_) | CmError::NoPort => errno::EADDRNOTAVAIL,
+            CmError::AddrInUse => errno::EADDRINUSE,
+            CmError::Quota(_) => errno::ENOMEM,
+        }
+    }
+}
+
+impl From<PortError> for CmError {
+    fn from(e: PortError) -> Self {
+        match e {
+            PortError::InUse => CmError::AddrInUse,
+            PortError::Exhausted => CmError::NoPort,
+        }
+    }
+}
+
+/// Where an id is, from the kernel's `enum rdma_cm_state` and the IB CM's
+/// states, merged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    Idle,
+    Bound,
+    AddrResolved,
+    RouteResolved,
+    Listening,
+    /// Active: REQ sent, waiting for REP or REJ.
+    ReqSent,
+    /// Active: REP in; the library brings its QP up, then `establish`.
+    RepReceived,
+    /// Passive: a CONNECT_REQUEST the application has yet to answer.
+    ReqReceived,
+    /// Passive: REP sent, waiting for RTU.
+    RepSent,
+    Established,
+    /// DREQ sent, waiting for DREP.
+    DreqSent,
+    /// The connection is over (disconnected, rejected, unreachable); only
+    /// destroy is left.
+    Closed,
+}
+
+#[derive(Debug)]
+struct CmId {
+    ctx: ContextId,
+    tenant: TenantId,
+    ps: PortSpace,
+    state: State,
+    /// The bound address (its port is held in the port space).
+    local: Option<SocketAddrV4>,
+    remote: Option<SocketAddrV4>,
+    reuse: bool,
+    /// The peer's host and its number for this connection.
+    peer: Option<(Ipv4Addr, u32)>,
+    /// A listener's backlog and requests not yet answered; a child's
+    /// listener while it counts there.
+    backlog: u32,
+    pending: u32,
+    listener: Option<u32>,
+    /// Whether this side sent the REQ.
+    active: bool,
+    /// This side's first PSN, chosen when the id is made (as the kernel's
+    /// `seq_num`), so that a passive QP can reach RTS before its REP goes.
+    psn: u32,
+    /// What this side said (connect or accept) and what the peer said.
+    ours: Option<ConnInfo>,
+    theirs: Option<ConnInfo>,
+    deadline: Option<Instant>,
+}
+
+/// One host's connection manager.
+pub struct ConnectionManager {
+    config: CmConfig,
+    addrs: Vec<Ipv4Addr>,
+    ids: HashMap<u32, CmId>,
+    per_tenant: HashMap<TenantId, u32>,
+    ports: ports::Ports,
+    timers: BTreeSet<(Instant, u32)>,
+    events: VecDeque<CmEvent>,
+    transmit: VecDeque<(Ipv4Addr, CmMessage)>,
+    psns: Box<dyn KeySource>,
+    next_id: u32,
+}
+
+impl ConnectionManager {
+    /// The manager of a host whose device owns `addrs`; `psns` gives the
+    /// random first PSN of each connection.
+    pub fn new(config: CmConfig, addrs: Vec<Ipv4Addr>, psns: Box<dyn KeySource>) -> ConnectionManager {
+        ConnectionManager {
+            config,
+            addrs,
+            ids: HashMap::new(),
+            per_tenant: HashMap::new(),
+            ports: ports::Ports::default(),
+            timers: BTreeSet::new(),
+            events: VecDeque::new(),
+            transmit: VecDeque::new(),
+            psns,
+            next_id: 1,
+        }
+    }
+
+    /// The addresses this host's device owns.
+    pub fn addrs(&self) -> &[Ipv4Addr] {
+        &self.addrs
+    }
+
+    pub fn is_local(&self, ip: Ipv4Addr) -> bool {
+        ip.is_loopback() || self.addrs.contains(&ip)
+    }
+
+    /// `rdma_create_id`.
+    pub fn create_id(&mut self, ctx: ContextId, tenant: TenantId, ps: PortSpace) -> Result<u32, CmError> {
+        self.new_id(ctx, tenant, ps, State::Idle)
+    }
+
+    fn new_id(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        ps: PortSpace,
+        state: State,
+    ) -> Result<u32, CmError> {
+        let held = self.per_tenant.entry(tenant).or_default();
+        if *held >= self.config.max_ids_per_tenant {
+            return Err(CmError::Quota(self.config.max_ids_per_tenant));
+        }
+        *held += 1;
+        let id = loop {
+            let id = self.next_id;
+            self.next_id = self.next_id.wrapping_add(1).max(1);
+            if !self.ids.contains_key(&id) {
+                break id;
+            }
+        };
+        let cm_id = CmId {
+            ctx,
+            tenant,
+            ps,
+            state,
+            local: None,
+            remote: None,
+            reuse: false,
+            peer: None,
+            backlog: 0,
+            pending: 0,
+            listener: None,
+            active: false,
+            psn: self.psns.next_key() & 0x00ff_ffff,
+            ours: None,
+            theirs: None,
+            deadline: None,
+        };
+        self.ids.insert(id, cm_id);
+        Ok(id)
+    }
+
+    fn own(&mut self, ctx: ContextId, id: u32) -> Result<&mut CmId, CmError> {
+        self.ids.get_mut(&id).filter(|i| i.ctx == ctx).ok_or(CmError::NoSuchId)
+    }
+
+    /// The id's state, for its owner.
+    pub fn state(&self, ctx: ContextId, id: u32) -> Option<State> {
+        self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| i.state)
+    }
+
+    /// The id's bound and peer addresses.
+    pub fn addresses(&self, ctx: ContextId, id: u32) -> Option<(Option<SocketAddrV4>, Option<SocketAddrV4>)> {
+        self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| (i.local, i.remote))
+    }
+
+    /// `rdma_set_option(RDMA_OPTION_ID_REUSEADDR)`: before binding only.
+    pub fn set_reuseaddr(&mut self, ctx: ContextId, id: u32, reuse: bool) -> Result<(), CmError> {
+        let i = self.own(ctx, id)?;
+        if i.state != State::Idle {
+            return Err(CmError::WrongState);
+        }
+        i.reuse = reuse;
+        Ok(())
+    }
+
+    /// `rdma_bind_addr`: an address of this host (or the wildcard), port 0
+    /// for any free one.
+    pub fn bind(&mut self, ctx: ContextId, id: u32, addr: SocketAddrV4) -> Result<SocketAddrV4, CmError> {
+        let ip = *addr.ip();
+        if !ip.is_unspecified() && !self.is_local(ip) {
+            return Err(CmError::NotLocal(ip));
+        }
+        let i = self.own(ctx, id)?;
+        if i.state != State::Idle {
+            return Err(CmError::WrongState);
+        }
+        let (ps, reuse) = (i.ps, i.reuse);
+        let port = self.ports.bind(ps, ip, addr.port(), id, reuse)?;
+        let bound = SocketAddrV4::new(ip, port);
+        let i = self.own(ctx, id)?;
+        i.local = Some(bound);
+        i.state = State::Bound;
+        Ok(bound)
+    }
+
+    /// `rdma_resolve_addr`: binds the id if it is not (to `src`, or to the
+    /// address this host reaches `dst` from) and names its destination.
+    /// Every unicast address resolves: whether a daemon answers there is
+    /// learnt when the REQ goes (UNREACHABLE), as with an IB path.
+    pub fn resolve_addr(
+        &mut self,
+        ctx: ContextId,
+        id: u32,
+        src: Option<SocketAddrV4>,
+        dst: SocketAddrV4,
+    ) -> Result<(), CmError> {
+        let d = *dst.ip();
+        if d.is_unspecified() || d.is_multicast() || d.is_broadcast() {
+            return Err(CmError::Invalid("the destination is not a unicast address"));
+        }
+        let state = self.own(ctx, id)?.state;
+        match state {
+            State::Idle => {
+                let from = match src {
+                    Some(s) => s,
+                    None => SocketAddrV4::new(self.source_for(d), 0),
+                };
+                self.bind(ctx, id, from)?;
+            }
+            State::Bound | State::AddrResolved => {}
+            _ => return Err(CmError::WrongState),
+        }
+        let local_ip = self.source_for(d);
+        let i = self.own(ctx, id)?;
+        // A wildcard binding takes the address the request leaves from.
+        if let Some(l) = i.local.as_mut().filter(|l| l.ip().is_unspecified()) {
+            l.set_ip(local_ip);
+        }
+        i.remote = Some(dst);
+        i.state = State::AddrResolved;
+        let ev = self.event(id, EventKind::AddrResolved, 0);
+        self.events.push_back(ev);
+        Ok(())
+    }
+
+    /// The address a message to `dst` leaves from.
+    fn source_for(&self, dst: Ipv4Addr) -> Ipv4Addr {
+        if self.addrs.contains(&dst) {
+            dst
+        } else {
+            self.addrs.first().copied().unwrap_or(Ipv4Addr::LOCALHOST)
+        }
+    }
+
+    /// `rdma_resolve_route`.
+    pub fn resolve_route(&mut self, ctx: ContextId, id: u32) -> Result<(), CmError> {
+        let i = self.own(ctx, id)?;
+        if i.state != State::AddrResolved {
+            return Err(CmError::WrongState);
+        }
+        i.state = State::RouteResolved;
+        let ev = self.event(id, EventKind::RouteResolved, 0);
+        self.events.push_back(ev);
+        Ok(())
+    }
+
+    /// `rdma_listen`; an unbound id is bound to every address first.
+    pub fn listen(&mut self, ctx: ContextId, id: u32, backlog: i32) -> Result<(), CmError> {
+        if self.own(ctx, id)?.state == State::Idle {
+            self.bind(ctx, id, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 0))?;
+        }
+        let max = self.config.max_backlog;
+        let i = self.own(ctx, id)?;
+        if i.state != State::Bound {
+            return Err(CmError::WrongState);
+        }
+        let (ps, port) = (i.ps, i.local.map_or(0, |l| l.port()));
+        self.ports.listen(ps, port, id)?;
+        let i = self.own(ctx, id)?;
+        i.backlog = if backlog <= 0 { max } else { (backlog as u32).min(max) };
+        i.state = State::Listening;
+        Ok(())
+    }
+
+    /// `rdma_connect` (or, on a UD id, the SIDR request). `conn` carries
+    /// this side's QP, depths, retry counts and private data; its
+    /// `start_psn` is chosen here.
+    pub fn connect(
+        &mut self,
+        ctx: ContextId,
+        id: u32,
+        mut conn: ConnInfo,
+        now: Instant,
+    ) -> Result<(), CmError> {
+        let i = self.ids.get(&id).filter(|i| i.ctx == ctx).ok_or(CmError::NoSuchId)?;
+        let max =
+            if i.ps.is_ud() { message::MAX_SIDR_REQ_PRIVATE_DATA } else { message::MAX_REQ_PRIVATE_DATA };
+        check_private(&conn.private_data, max)?;
+        if i.state != State::RouteResolved {
+            return Err(CmError::WrongState);
+        }
+        let (Some(src), Some(dst)) = (i.local, i.remote) else { return Err(CmError::WrongState) };
+        conn.start_psn = i.psn;
+        let msg = CmMessage::Req { from: id, tenant: i.tenant.0, ps: i.ps, src, dst, conn: conn.clone() };
+        self.transmit.push_back((*dst.ip(), msg));
+        let deadline = now + self.config.connect_timeout;
+        let i = self.ids.get_mut(&id).ok_or(CmError::NoSuchId)?;
+        i.ours = Some(conn);
+        i.active = true;
+        i.peer = Some((*dst.ip(), 0));
+        i.state = State::ReqSent;
+        self.arm(id, Some(deadline));
+        Ok(())
+    }
+
+    /// `rdma_accept` of a CONNECT_REQUEST (passive), with this side's
+    /// QP and private data; a UD id answers with its QP and `qkey`.
+    pub fn accept(
+        &mut self,
+        ctx: ContextId,
+        id: u32,
+        mut conn: ConnInfo,
+        qkey: u32,
+        now: Instant,
+    ) -> Result<(), CmError> {
+        let i = self.ids.get(&id).filter(|i| i.ctx == ctx).ok_or(CmError::NoSuchId)?;
+        let ud = i.ps.is_ud();
+        let max = if ud { message::MAX_SIDR_REP_PRIVATE_DATA } else { message::MAX_REP_PRIVATE_DATA };
+        check_private(&conn.private_data, max)?;
+        if i.state != State::ReqReceived {
+            return Err(CmError::WrongState);
+        }
+        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        conn.start_psn = i.psn;
+        self.transmit.push_back((host, CmMessage::Rep { to: theirs, from: id, conn: conn.clone(), qkey }));
+        self.leave_listener(id);
+        let i = self.ids.get_mut(&id).ok_or(CmError::NoSuchId)?;
+        i.ours = Some(conn);
+        if ud {
+            // SIDR has no RTU: the exchange is over for this side.
+            i.state = State::Closed;
+        } else {
+            i.state = State::RepSent;
+            let deadline = now + self.config.connect_timeout;
+            self.arm(id, Some(deadline));
+        }
+        Ok(())
+    }
+
+    /// The active side's QP is up after CONNECT_RESPONSE: sends the RTU
+    /// (`rdma_establish`, or librdmacm's completion of `rdma_connect`).
+    /// No event: the library reports ESTABLISHED itself.
+    pub fn establish(&mut self, ctx: ContextId, id: u32) -> Result<(), CmError> {
+        let i = self.own(ctx, id)?;
+        if i.state != State::RepReceived {
+            return Err(CmError::WrongState);
+        }
+        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        i.state = State::Established;
+        self.transmit.push_back((host, CmMessage::Rtu { to: theirs, from: id }));
+        Ok(())
+    }
+
+    /// `rdma_reject` of a CONNECT_REQUEST (or of a CONNECT_RESPONSE).
+    pub fn reject(&mut self, ctx: ContextId, id: u32, private_data: Vec<u8>) -> Result<(), CmError> {
+        check_private(&private_data, message::MAX_REJ_PRIVATE_DATA)?;
+        let i = self.own(ctx, id)?;
+        if !matches!(i.state, State::ReqReceived | State::RepReceived) {
+            return Err(CmError::WrongState);
+        }
+        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        i.state = State::Closed;
+        let msg = CmMessage::Rej { to: theirs, from: id, reason: reject::CONSUMER_DEFINED, private_data };
+        self.transmit.push_back((host, msg));
+        self.leave_listener(id);
+        Ok(())
+    }
+
+    /// `rdma_disconnect`: sends a DREQ; both sides then get DISCONNECTED.
+    pub fn disconnect(&mut self, ctx: ContextId, id: u32, now: Instant) -> Result<(), CmError> {
+        let i = self.own(ctx, id)?;
+        match i.state {
+            State::Established | State::RepSent | State::RepReceived => {}
+            // Already on its way out: nothing more to send.
+            State::DreqSent | State::Closed => return Ok(()),
+            _ => return Err(CmError::WrongState),
+        }
+        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        i.state = State::DreqSent;
+        self.transmit.push_back((host, CmMessage::Dreq { to: theirs, from: id }));
+        let deadline = now + self.config.disconnect_timeout;
+        self.arm(id, Some(deadline));
+        Ok(())
+    }
+
+    /// `rdma_destroy_id`: the peer of a connection hears of it as the
+    /// IB CM tells it (a DREQ once connected, a REJ before).
+    pub fn destroy_id(&mut self, ctx: ContextId, id: u32) -> Result<(), CmError> {
+        self.own(ctx, id)?;
+        self.remove(id);
+        Ok(())
+    }
+
+    /// Destroys every id of `ctx` (its process closed the device or died).
+    pub fn close_context(&mut self, ctx: ContextId) {
+        let mine: Vec<u32> = self.ids.iter().filter(|(_, i)| i.ctx == ctx).map(|(&n, _)| n).collect();
+        for id in mine {
+            self.remove(id);
+        }
+    }
+
+    fn remove(&mut self, id: u32) {
+        self.leave_listener(id);
+        self.arm(id, None);
+        let Some(i) = self.ids.remove(&id) else { return };
+        if let Some(n) = self.per_tenant.get_mut(&i.tenant) {
+            *n = n.saturating_sub(1);
+        }
+        if let Some(l) = i.local {
+            self.ports.unbind(i.ps, l.port(), id);
+        }
+        let Some((host, theirs)) = i.peer else { return };
+        let msg = match i.state {
+            State::Established | State::RepReceived => Some(CmMessage::Dreq { to: theirs, from: id }),
+            // The responder may not have answered yet: it matches the REJ
+            // by our number (`to` 0).
+            State::ReqSent => {
+                Some(CmMessage::Rej { to: theirs, from: id, reason: reject::TIMEOUT, private_data: vec![] })
+            }
+            State::ReqReceived | State::RepSent => Some(CmMessage::Rej {
+                to: theirs,
+                from: id,
+                reason: reject::CONSUMER_DEFINED,
+                private_data: vec![],
+            }),
+            _ => None,
+        };
+        if let Some(m) = msg {
+            self.transmit.push_back((host, m));
+        }
+    }
+
+    /// A child that leaves `ReqReceived` frees its place in the backlog.
+    fn leave_listener(&mut self, id: u32) {
+        let Some(l) = self.ids.get_mut(&id).and_then(|i| i.listener.take()) else { return };
+        if let Some(listener) = self.ids.get_mut(&l) {
+            listener.pending = listener.pending.saturating_sub(1);
+        }
+    }
+
+    fn arm(&mut self, id: u32, deadline: Option<Instant>) {
+        let Some(i) = self.ids.get_mut(&id) else { return };
+        if let Some(old) = i.deadline.take() {
+            self.timers.remove(&(old, id));
+        }
+        if let Some(d) = deadline {
+            i.deadline = Some(d);
+            self.timers.insert((d, id));
+        }
+    }
+
+    fn event(&self, id: u32, kind: EventKind, status: i32) -> CmEvent {
+        let ctx = self.ids.get(&id).map_or(ContextId(0), |i| i.ctx);
+        CmEvent { ctx, id, kind, status, listen_id: None, peer: None, qkey: 0 }
+    }
+
+    /// Ends a connection with `kind` for its owner.
+    fn close(&mut self, id: u32, kind: EventKind, status: i32) {
+        self.arm(id, None);
+        self.leave_listener(id);
+        if let Some(i) = self.ids.get_mut(&id) {
+            i.state = State::Closed;
+        }
+        let ev = self.event(id, kind, status);
+        self.events.push_back(ev);
+    }
+
+    /// A message from the manager of `host`.
+    pub fn handle_message(&mut self, host: Ipv4Addr, msg: CmMessage) {
+        if let CmMessage::Req { from, tenant, ps, src, dst, conn } = msg {
+            self.handle_req(host, from, TenantId(tenant), ps, src, dst, conn);
+            return;
+        }
+        let (Some(mut to), from) = (msg.to(), msg.from()) else { return };
+        if to == 0 {
+            // A REJ from a requester that had not heard from us yet names
+            // the connection by its own number.
+            let child = self.ids.iter().find(|(_, i)| {
+                i.peer == Some((host, from)) && matches!(i.state, State::ReqReceived | State::RepSent)
+            });
+            match child {
+                Some((&n, _)) if matches!(msg, CmMessage::Rej { .. }) => to = n,
+                _ => return,
+            }
+        }
+        // Only the connection's peer may speak for it; a REQ's sender
+        // learns the peer's number from its first answer.
+        let Some(i) = self.ids.get(&to) else { return };
+        match i.peer {
+            Some((h, n)) if h == host && (n == from || n == 0 && i.state == State::ReqSent) => {}
+            _ => return,
+        }
+        let state = i.state;
+        match msg {
+            CmMessage::Rep { conn, qkey, .. } if state == State::ReqSent => {
+                let ud = i.ps.is_ud();
+                self.arm(to, None);
+                let i = self.ids.get_mut(&to).expect("looked up above");
+                i.peer = Some((host, from));
+                i.theirs = Some(conn.clone());
+                i.state = if ud { State::Closed } else { State::RepReceived };
+                let kind = if ud { EventKind::Established } else { EventKind::ConnectResponse };
+                let mut ev = self.event(to, kind, 0);
+                ev.peer = Some(conn);
+                ev.qkey = qkey;
+                self.events.push_back(ev);
+            }
+            CmMessage::Rtu { .. } if state == State::RepSent => {
+                self.arm(to, None);
+                let i = self.ids.get_mut(&to).expect("looked up above");
+                i.state = State::Established;
+                let theirs = i.theirs.clone();
+                let mut ev = self.event(to, EventKind::Established, 0);
+                ev.peer = theirs;
+                self.events.push_back(ev);
+            }
+            CmMessage::Rej { reason, private_data, .. } => match state {
+                State::ReqSent | State::RepReceived | State::ReqReceived | State::RepSent => {
+                    let (kind, status) = if reason == reject::TIMEOUT && state == State::ReqSent {
+                        (EventKind::Unreachable, -errno::ETIMEDOUT)
+                    } else {
+                        (EventKind::Rejected, i32::from(reason))
+                    };
+                    self.close(to, kind, status);
+                    if let Some(ev) = self.events.back_mut() {
+                        ev.peer = Some(ConnInfo { private_data, ..ConnInfo::default() });
+                    }
+                }
+                _ => {}
+            },
+            CmMessage::Dreq { .. } => match state {
+                State::Established | State::RepSent | State::RepReceived => {
+                    self.transmit.push_back((host, CmMessage::Drep { to: from, from: to }));
+                    self.close(to, EventKind::Disconnected, 0);
+                }
+                // Both sides disconnected at once: each answers the
+                // other's DREQ, and reports one DISCONNECTED.
+                State::DreqSent => {
+                    self.transmit.push_back((host, CmMessage::Drep { to: from, from: to }));
+                    self.close(to, EventKind::Disconnected, 0);
+                }
+                // Ours is gone already: answer, so the peer need not wait.
+                State::Closed => self.transmit.push_back((host, CmMessage::Drep { to: from, from: to })),
+                _ => {}
+            },
+            CmMessage::Drep { .. } if state == State::DreqSent => self.close(to, EventKind::Disconnected, 0),
+            _ => {}
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn handle_req(
+        &mut self,
+        host: Ipv4Addr,
+        from: u32,
+        tenant: TenantId,
+        ps: PortSpace,
+        src: SocketAddrV4,
+        dst: SocketAddrV4,
+        conn: ConnInfo,
+    ) {
+        let refuse = |cm: &mut Self, reason| {
+            let msg = CmMessage::Rej { to: from, from: 0, reason, private_data: Vec::new() };
+            cm.transmit.push_back((host, msg));
+        };
+        // A REQ sent again (the peer's driver retried) is the same one.
+        if self.ids.values().any(|i| i.peer == Some((host, from)) && i.listener.is_some()) {
+            return;
+        }
+        let listener = self
+            .ports
+            .listener(ps, *dst.ip(), dst.port())
+            .filter(|l| self.ids.get(l).is_some_and(|i| i.tenant == tenant && i.state == State::Listening));
+        let Some(l) = listener else {
+            // No listener, or another tenant's: the same answer.
+            refuse(self, reject::INVALID_SERVICE_ID);
+            return;
+        };
+        let max = if ps.is_ud() { message::MAX_SIDR_REQ_PRIVATE_DATA } else { message::MAX_REQ_PRIVATE_DATA };
+        let (ctx, backlog, pending) = {
+            let li = &self.ids[&l];
+            (li.ctx, li.backlog, li.pending)
+        };
+        if conn.private_data.len() > max || pending >= backlog {
+            refuse(self, reject::NO_RESOURCES);
+            return;
+        }
+        let Ok(child) = self.new_id(ctx, tenant, ps, State::ReqReceived) else {
+            refuse(self, reject::NO_RESOURCES);
+            return;
+        };
+        if let Some(li) = self.ids.get_mut(&l) {
+            li.pending += 1;
+        }
+        let c = self.ids.get_mut(&child).expect("just made");
+        c.local = Some(dst);
+        c.remote = Some(src);
+        c.peer = Some((host, from));
+        c.listener = Some(l);
+        c.theirs = Some(conn.clone());
+        let mut ev = self.event(child, EventKind::ConnectRequest, 0);
+        ev.listen_id = Some(l);
+        ev.peer = Some(conn);
+        self.events.push_back(ev);
+    }
+
+    /// The link to `host` is gone: every connection with it ends as if
+    /// its peer had died.
+    pub fn link_down(&mut self, host: Ipv4Addr) {
+        let gone: Vec<(u32, State)> = self
+            .ids
+            .iter()
+            .filter(|(_, i)| i.peer.is_some_and(|(h, _)| h == host) && i.state != State::Closed)
+            .map(|(&n, i)| (n, i.state))
+            .collect();
+        for (id, state) in gone {
+            match state {
+                State::ReqSent => self.close(id, EventKind::Unreachable, -errno::ENETUNREACH),
+                State::ReqReceived | State::RepSent => {
+                    self.close(id, EventKind::ConnectError, -errno::ECONNRESET)
+                }
+                _ => self.close(id, EventKind::Disconnected, 0),
+            }
+        }
+    }
+
+    /// The earliest timer, if any.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.timers.first().map(|&(t, _)| t)
+    }
+
+    /// Runs the timers due at `now`.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        while let Some(&(t, id)) = self.timers.first() {
+            if t > now {
+                break;
+            }
+            self.timers.remove(&(t, id));
+            let Some(i) = self.ids.get_mut(&id) else { continue };
+            i.deadline = None;
+            let (state, peer) = (i.state, i.peer);
+            match state {
+                State::ReqSent => {
+                    // Tell the responder, so that a late accept finds no
+                    // one waiting (by our number, if it never answered).
+                    if let Some((host, theirs)) = peer {
+                        let msg = CmMessage::Rej {
+                            to: theirs,
+                            from: id,
+                            reason: reject::TIMEOUT,
+                            private_data: vec![],
+                        };
+                        self.transmit.push_back((host, msg));
+                    }
+                    self.close(id, EventKind::Unreachable, -errno::ETIMEDOUT);
+                }
+                State::RepSent => {
+                    if let Some((host, theirs)) = peer {
+                        let msg = CmMessage::Rej {
+                            to: theirs,
+                            from: id,
+                            reason: reject::TIMEOUT,
+                            private_data: vec![],
+                        };
+                        self.transmit.push_back((host, msg));
+                    }
+                    self.close(id, EventKind::ConnectError, -errno::ETIMEDOUT);
+                }
+                State::DreqSent => self.close(id, EventKind::Disconnected, 0),
+                _ => {}
+            }
+        }
+    }
+
+    pub fn poll_event(&mut self) -> Option<CmEvent> {
+        self.events.pop_front()
+    }
+
+    /// The next message to send, and the host it goes to.
+    pub fn poll_transmit(&mut self) -> Option<(Ipv4Addr, CmMessage)> {
+        self.transmit.pop_front()
+    }
+
+    /// `rdma_init_qp_attr`: the attributes that bring the id's QP to
+    /// `state` (INIT, RTR or RTS), from what both sides said, as the
+    /// kernel's CMA and IB CM give them.
+    pub fn init_qp_attr(
+        &self,
+        ctx: ContextId,
+        id: u32,
+        state: QpState,
+    ) -> Result<(QpAttr, QpAttrMask), CmError> {
+        let i = self.ids.get(&id).filter(|i| i.ctx == ctx).ok_or(CmError::NoSuchId)?;
+        let mut a = QpAttr { qp_state: state, port_num: 1, ..QpAttr::default() };
+        let (req, rep) = if i.active {
+            (i.ours.as_ref(), i.theirs.as_ref())
+        } else {
+            (i.theirs.as_ref(), i.ours.as_ref())
+        };
+        // The RDMA reads and atomics this side takes in (responder
+        // resources) and sends out at once (initiator depth): the last
+        // word of the exchange so far decides, as in the IB CM.
+        let (responder, initiator) = match (i.active, rep, req) {
+            (true, Some(r), _) => (r.initiator_depth, r.responder_resources),
+            (false, Some(r), _) => (r.responder_resources, r.initiator_depth),
+            (false, None, Some(q)) => (q.initiator_depth, q.responder_resources),
+            (true, None, Some(q)) => (q.responder_resources, q.initiator_depth),
+            (_, None, None) => (0, 0),
+        };
+        let ud = i.ps.is_ud();
+        match state {
+            QpState::Init => {
+                let mut mask = QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT;
+                if ud {
+                    a.qkey = UD_QKEY;
+                    mask |= QpAttrMask::QKEY;
+                } else {
+                    // Before the exchange, no remote access; after it,
+                    // writes, and reads and atomics if this side takes any.
+                    if i.theirs.is_some() {
+                        a.qp_access_flags = AccessFlags::REMOTE_WRITE;
+                        if responder > 0 {
+                            a.qp_access_flags |= AccessFlags::REMOTE_READ | AccessFlags::REMOTE_ATOMIC;
+                        }
+                    }
+                    mask |= QpAttrMask::ACCESS_FLAGS;
+                }
+                Ok((a, mask))
+            }
+            QpState::Rtr if ud => Ok((a, QpAttrMask::STATE)),
+            QpState::Rts if ud => {
+                a.sq_psn = i.psn;
+                Ok((a, QpAttrMask::STATE | QpAttrMask::SQ_PSN))
+            }
+            QpState::Rtr => {
+                let t = i.theirs.as_ref().ok_or(CmError::WrongState)?;
+                let remote = i.remote.ok_or(CmError::WrongState)?;
+                a.path_mtu = Mtu::Mtu4096;
+                a.dest_qp_num = t.qp_num;
+                a.rq_psn = t.start_psn;
+                a.ah_attr = AhAttr {
+                    dgid: Gid::from_ipv4(remote.ip().octets()),
+                    dlid: lid_of_ipv4(remote.ip().octets()),
+                    is_global: true,
+                    hop_limit: 64,
+                    port_num: 1,
+                    ..AhAttr::default()
+                };
+                a.max_dest_rd_atomic = responder;
+                a.min_rnr_timer = 12;
+                let mask = QpAttrMask::STATE
+                    | QpAttrMask::AV
+                    | QpAttrMask::PATH_MTU
+                    | QpAttrMask::DEST_QPN
+                    | QpAttrMask::RQ_PSN
+                    | QpAttrMask::MAX_DEST_RD_ATOMIC
+                    | QpAttrMask::MIN_RNR_TIMER;
+                Ok((a, mask))
+            }
+            QpState::Rts => {
+                let q = req.ok_or(CmError::WrongState)?;
+                a.sq_psn = i.psn;
+                a.timeout = 14;
+                a.retry_cnt = q.retry_count.min(7);
+                // The REQ's RNR retry count is the responder's, the REP's
+                // the requester's.
+                a.rnr_retry = match (i.active, rep) {
+                    (true, Some(r)) => r.rnr_retry_count,
+                    _ => q.rnr_retry_count,
+                }
+                .min(7);
+                a.max_rd_atomic = initiator;
+                let mask = QpAttrMask::STATE
+                    | QpAttrMask::SQ_PSN
+                    | QpAttrMask::TIMEOUT
+                    | QpAttrMask::RETRY_CNT
+                    | QpAttrMask::RNR_RETRY
+                    | QpAttrMask::MAX_QP_RD_ATOMIC;
+                Ok((a, mask))
+            }
+            _ => Err(CmError::Invalid("rdma_init_qp_attr gives INIT, RTR or RTS")),
+        }
+    }
+}
+
+/// The Q_Key of rdma_cm's UD ids (`RDMA_UDP_QKEY`).
+pub const UD_QKEY: u32 = 0x0123_4567;
+
+fn check_private(data: &[u8], max: usize) -> Result<(), CmError> {
+    if data.len() > max {
+        return Err(CmError::PrivateDataTooLong { got: data.len(), max });
+    }
+    Ok(())
+}
+
+impl Default for ConnInfo {
+    fn default() -> Self {
+        ConnInfo {
+            qp_num: 0,
+            start_psn: 0,
+            responder_resources: 0,
+            initiator_depth: 0,
+            flow_control: 0,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            srq: false,
+            private_data: Vec::new(),
+        }
+    }
+}

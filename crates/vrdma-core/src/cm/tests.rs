@@ -1,0 +1,426 @@
+//! Two hosts' connection managers joined by a perfect network, and one
+//! host's manager talking to itself: the exchanges rdma_cm programs make,
+//! and what goes wrong with them.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use super::*;
+
+const A: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
+const B: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
+const TENANT: TenantId = TenantId(1000);
+const OTHER: TenantId = TenantId(2000);
+const CA: ContextId = ContextId(1);
+const CB: ContextId = ContextId(2);
+const T0: Instant = Instant(1_000_000_000);
+
+struct Counter(u32);
+
+impl KeySource for Counter {
+    fn next_key(&mut self) -> u32 {
+        self.0 += 0x101;
+        self.0
+    }
+}
+
+/// Two hosts; messages to an address neither owns are lost.
+struct Net {
+    a: ConnectionManager,
+    b: ConnectionManager,
+    /// Messages carried, in order: (from, to, message).
+    log: Vec<(Ipv4Addr, Ipv4Addr, CmMessage)>,
+    /// While false, messages to B are dropped (B is dead).
+    b_alive: bool,
+}
+
+impl Net {
+    fn new() -> Net {
+        Net {
+            a: ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1))),
+            b: ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(7))),
+            log: Vec::new(),
+            b_alive: true,
+        }
+    }
+
+    fn cm(&mut self, host: Ipv4Addr) -> &mut ConnectionManager {
+        if host == A {
+            &mut self.a
+        } else {
+            &mut self.b
+        }
+    }
+
+    /// Carries messages until none is left.
+    fn run(&mut self) {
+        for _ in 0..1000 {
+            let mut moved = false;
+            for from in [A, B] {
+                while let Some((to, msg)) = self.cm(from).poll_transmit() {
+                    moved = true;
+                    self.log.push((from, to, msg.clone()));
+                    if to == B && !self.b_alive || to != A && to != B {
+                        continue;
+                    }
+                    self.cm(to).handle_message(from, msg);
+                }
+            }
+            if !moved {
+                return;
+            }
+        }
+        panic!("messages without end");
+    }
+
+    fn events(&mut self, host: Ipv4Addr) -> Vec<CmEvent> {
+        std::iter::from_fn(|| self.cm(host).poll_event()).collect()
+    }
+
+    /// A listener of `tenant` on `host`:`port`.
+    fn listen(&mut self, host: Ipv4Addr, ctx: ContextId, tenant: TenantId, port: u16, backlog: i32) -> u32 {
+        let cm = self.cm(host);
+        let id = cm.create_id(ctx, tenant, PortSpace::Tcp).unwrap();
+        cm.bind(ctx, id, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)).unwrap();
+        cm.listen(ctx, id, backlog).unwrap();
+        id
+    }
+
+    /// An id on `host` with its route to `dst` resolved; its events taken.
+    fn resolved(
+        &mut self,
+        host: Ipv4Addr,
+        ctx: ContextId,
+        tenant: TenantId,
+        ps: PortSpace,
+        dst: SocketAddrV4,
+    ) -> u32 {
+        let cm = self.cm(host);
+        let id = cm.create_id(ctx, tenant, ps).unwrap();
+        cm.resolve_addr(ctx, id, None, dst).unwrap();
+        cm.resolve_route(ctx, id).unwrap();
+        let kinds: Vec<_> = self.events(host).iter().map(|e| e.kind).collect();
+        assert_eq!(kinds, [EventKind::AddrResolved, EventKind::RouteResolved]);
+        id
+    }
+}
+
+fn conn(qp_num: u32, private: &[u8]) -> ConnInfo {
+    ConnInfo {
+        qp_num,
+        responder_resources: 4,
+        initiator_depth: 2,
+        rnr_retry_count: 6,
+        private_data: private.to_vec(),
+        ..ConnInfo::default()
+    }
+}
+
+fn kinds(events: &[CmEvent]) -> Vec<EventKind> {
+    events.iter().map(|e| e.kind).collect()
+}
+
+/// Connects an id on A to a listener of the same tenant on `to`, port
+/// 7471, through accept and RTU; returns (active id, passive id).
+fn established(net: &mut Net, to: Ipv4Addr, ctx_b: ContextId) -> (u32, u32) {
+    let l = net.listen(to, ctx_b, TENANT, 7471, 8);
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(to, 7471));
+    net.a.connect(CA, a, conn(0x11, b"hello"), T0).unwrap();
+    net.run();
+    let ev = net.events(to);
+    assert_eq!(kinds(&ev), [EventKind::ConnectRequest]);
+    assert_eq!(ev[0].listen_id, Some(l));
+    let b = ev[0].id;
+    net.cm(to).accept(ctx_b, b, conn(0x22, b"welcome"), 0, T0).unwrap();
+    net.run();
+    let ev = net.events(A);
+    assert_eq!(kinds(&ev), [EventKind::ConnectResponse]);
+    net.a.establish(CA, a).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(to)), [EventKind::Established]);
+    (a, b)
+}
+
+#[test]
+fn a_connection_is_requested_accepted_established_and_disconnected_on_both_sides() {
+    let mut net = Net::new();
+    let l = net.listen(B, CB, TENANT, 7471, 8);
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b"hello"), T0).unwrap();
+    assert_eq!(net.a.state(CA, a), Some(State::ReqSent));
+    net.run();
+    let ev = net.events(B);
+    assert_eq!(kinds(&ev), [EventKind::ConnectRequest]);
+    let (b, req) = (ev[0].id, ev[0].peer.clone().unwrap());
+    assert_eq!((ev[0].ctx, ev[0].listen_id), (CB, Some(l)));
+    assert_eq!((req.qp_num, req.private_data.as_slice()), (0x11, &b"hello"[..]));
+    let (local, remote) = net.b.addresses(CB, b).unwrap();
+    assert_eq!(local, Some(SocketAddrV4::new(B, 7471)));
+    assert_eq!(remote.map(|r| *r.ip()), Some(A), "the request's source");
+    net.b.accept(CB, b, conn(0x22, b"welcome"), 0, T0).unwrap();
+    net.run();
+    let ev = net.events(A);
+    assert_eq!(kinds(&ev), [EventKind::ConnectResponse]);
+    assert_eq!(ev[0].peer.as_ref().unwrap().private_data, b"welcome");
+    assert!(net.events(B).is_empty(), "no ESTABLISHED before the RTU");
+    net.a.establish(CA, a).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(B)), [EventKind::Established]);
+    assert_eq!(net.a.state(CA, a), Some(State::Established));
+    assert_eq!(net.b.state(CB, b), Some(State::Established));
+
+    // Each side's QP attributes point at the other's QP and first PSN.
+    let (a_rtr, _) = net.a.init_qp_attr(CA, a, QpState::Rtr).unwrap();
+    let (a_rts, _) = net.a.init_qp_attr(CA, a, QpState::Rts).unwrap();
+    let (b_rtr, _) = net.b.init_qp_attr(CB, b, QpState::Rtr).unwrap();
+    let (b_rts, _) = net.b.init_qp_attr(CB, b, QpState::Rts).unwrap();
+    assert_eq!((a_rtr.dest_qp_num, b_rtr.dest_qp_num), (0x22, 0x11));
+    assert_eq!(a_rtr.rq_psn, b_rts.sq_psn);
+    assert_eq!(b_rtr.rq_psn, a_rts.sq_psn);
+    assert_ne!(a_rts.sq_psn, b_rts.sq_psn);
+    assert_eq!(a_rtr.ah_attr.dgid, crate::verbs::Gid::from_ipv4(B.octets()));
+    assert_eq!(b_rtr.ah_attr.dgid, crate::verbs::Gid::from_ipv4(A.octets()));
+    // Depths: B accepted with 4 responder resources and depth 2; A's
+    // reads in flight are B's resources, and the other way round.
+    assert_eq!((a_rts.max_rd_atomic, b_rtr.max_dest_rd_atomic), (4, 4));
+    assert_eq!((b_rts.max_rd_atomic, a_rtr.max_dest_rd_atomic), (2, 2));
+    let (a_init, _) = net.a.init_qp_attr(CA, a, QpState::Init).unwrap();
+    assert!(a_init.qp_access_flags.contains(AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ));
+
+    net.a.disconnect(CA, a, T0).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(B)), [EventKind::Disconnected]);
+    assert_eq!(kinds(&net.events(A)), [EventKind::Disconnected]);
+    // Both sides may call it; the second is a no-op.
+    net.b.disconnect(CB, b, T0).unwrap();
+    net.run();
+    assert!(net.events(A).is_empty() && net.events(B).is_empty());
+}
+
+#[test]
+fn processes_of_one_host_connect_through_the_same_exchange() {
+    let mut net = Net::new();
+    let (a, b) = established(&mut net, A, CB);
+    assert_eq!(net.a.state(CB, b), Some(State::Established));
+    assert!(net.log.iter().all(|(from, to, _)| *from == A && *to == A), "nothing left the host");
+    net.a.destroy_id(CA, a).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(A)), [EventKind::Disconnected], "the survivor hears the DREQ");
+}
+
+#[test]
+fn another_tenants_listener_answers_as_no_listener_does() {
+    let mut answers = Vec::new();
+    for listener_tenant in [None, Some(OTHER)] {
+        let mut net = Net::new();
+        if let Some(t) = listener_tenant {
+            net.listen(B, CB, t, 7471, 8);
+        }
+        let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+        net.a.connect(CA, a, conn(0x11, b"secret"), T0).unwrap();
+        net.run();
+        assert!(net.events(B).is_empty(), "the other tenant's listener hears nothing");
+        let ev = net.events(A);
+        assert_eq!(kinds(&ev), [EventKind::Rejected]);
+        assert_eq!(ev[0].status, i32::from(reject::INVALID_SERVICE_ID));
+        answers.push((ev, net.log.iter().map(|(_, _, m)| m.clone()).collect::<Vec<_>>()));
+    }
+    assert_eq!(answers[0], answers[1], "the same events and the same messages");
+}
+
+#[test]
+fn a_rejection_carries_its_private_data() {
+    let mut net = Net::new();
+    net.listen(B, CB, TENANT, 7471, 8);
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+    net.run();
+    let b = net.events(B)[0].id;
+    assert_eq!(net.b.reject(CB, b, vec![1; 149]).unwrap_err().errno(), errno::EINVAL);
+    net.b.reject(CB, b, b"go away".to_vec()).unwrap();
+    net.run();
+    let ev = net.events(A);
+    assert_eq!(kinds(&ev), [EventKind::Rejected]);
+    assert_eq!(ev[0].status, i32::from(reject::CONSUMER_DEFINED));
+    assert_eq!(ev[0].peer.as_ref().unwrap().private_data, b"go away");
+}
+
+#[test]
+fn private_data_over_the_limit_is_refused_before_anything_is_sent() {
+    let mut net = Net::new();
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    let err = net.a.connect(CA, a, conn(0x11, &[0; 57]), T0).unwrap_err();
+    assert_eq!(err, CmError::PrivateDataTooLong { got: 57, max: 56 });
+    assert!(net.a.poll_transmit().is_none());
+    assert_eq!(net.a.state(CA, a), Some(State::RouteResolved), "and the id can try again");
+    net.a.connect(CA, a, conn(0x11, &[0; 56]), T0).unwrap();
+}
+
+#[test]
+fn a_listener_holds_its_backlog_of_unanswered_requests_and_no_more() {
+    let mut net = Net::new();
+    net.listen(B, CB, TENANT, 7471, 2);
+    let ids: Vec<u32> = (0..3)
+        .map(|_| {
+            let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+            net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+            net.run();
+            a
+        })
+        .collect();
+    let pending = net.events(B);
+    assert_eq!(pending.len(), 2);
+    let ev = net.events(A);
+    assert_eq!(kinds(&ev), [EventKind::Rejected]);
+    assert_eq!((ev[0].id, ev[0].status), (ids[2], i32::from(reject::NO_RESOURCES)));
+    // Answering one frees its place.
+    net.b.accept(CB, pending[0].id, conn(0x22, b""), 0, T0).unwrap();
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(B)), [EventKind::ConnectRequest]);
+}
+
+#[test]
+fn a_request_never_answered_ends_unreachable_within_the_connect_timeout() {
+    let mut net = Net::new();
+    net.listen(B, CB, TENANT, 7471, 8);
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+    net.run();
+    let b = net.events(B)[0].id;
+    let due = net.a.poll_timeout().unwrap();
+    assert_eq!(due, T0 + CmConfig::default().connect_timeout);
+    net.a.handle_timeout(Instant(due.0 - 1));
+    assert!(net.events(A).is_empty(), "not before its time");
+    net.a.handle_timeout(due);
+    let ev = net.events(A);
+    assert_eq!(kinds(&ev), [EventKind::Unreachable]);
+    assert_eq!(ev[0].status, -errno::ETIMEDOUT);
+    // The listener's application answers late: no one is waiting.
+    net.run();
+    assert!(
+        net.b.accept(CB, b, conn(0x22, b""), 0, T0).is_err(),
+        "told of the timeout: {:?}",
+        net.b.state(CB, b)
+    );
+}
+
+#[test]
+fn a_reply_never_confirmed_ends_in_connect_error_on_the_passive_side() {
+    let mut net = Net::new();
+    net.listen(B, CB, TENANT, 7471, 8);
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+    net.run();
+    let b = net.events(B)[0].id;
+    net.b.accept(CB, b, conn(0x22, b""), 0, T0).unwrap();
+    net.b_alive = false;
+    net.run();
+    assert_eq!(kinds(&net.events(A)), [EventKind::ConnectResponse]);
+    // A never establishes (its process hung); B gives up.
+    let due = net.b.poll_timeout().unwrap();
+    net.b.handle_timeout(due);
+    let ev = net.events(B);
+    assert_eq!((ev[0].kind, ev[0].status), (EventKind::ConnectError, -errno::ETIMEDOUT));
+}
+
+#[test]
+fn a_lost_link_ends_every_connection_with_that_host() {
+    let mut net = Net::new();
+    let (a, _) = established(&mut net, B, CB);
+    let pending = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 9999));
+    net.b_alive = false;
+    net.a.connect(CA, pending, conn(0x11, b""), T0).unwrap();
+    net.run();
+    net.a.link_down(B);
+    let mut ev = net.events(A);
+    ev.sort_by_key(|e| e.id);
+    assert_eq!(ev.len(), 2);
+    assert_eq!((ev[0].id, ev[0].kind), (a, EventKind::Disconnected));
+    assert_eq!((ev[1].id, ev[1].kind), (pending, EventKind::Unreachable));
+    assert!(net.a.poll_timeout().is_none(), "no timer left behind");
+}
+
+#[test]
+fn a_closed_context_disconnects_its_peers_and_frees_its_ports() {
+    let mut net = Net::new();
+    let (_, b) = established(&mut net, B, CB);
+    net.b.close_context(CB);
+    net.run();
+    assert_eq!(kinds(&net.events(A)), [EventKind::Disconnected]);
+    assert_eq!(net.b.state(CB, b), None);
+    // The listener's port is free again.
+    net.listen(B, CB, TENANT, 7471, 8);
+}
+
+#[test]
+fn messages_from_anyone_but_the_connections_peer_are_ignored() {
+    let mut net = Net::new();
+    let (a, b) = established(&mut net, B, CB);
+    // A DREQ for A's connection, from the right host with the wrong
+    // number, and from another host with the right one.
+    net.a.handle_message(B, CmMessage::Dreq { to: a, from: b + 1 });
+    net.a.handle_message(Ipv4Addr::new(10, 0, 0, 9), CmMessage::Dreq { to: a, from: b });
+    net.a.handle_message(B, CmMessage::Rtu { to: a, from: b });
+    assert!(net.events(A).is_empty());
+    assert_eq!(net.a.state(CA, a), Some(State::Established));
+    assert!(net.a.poll_transmit().is_none(), "nothing answered");
+    // And a tenant's calls name only its own context's ids.
+    assert_eq!(net.a.disconnect(CB, a, T0).unwrap_err(), CmError::NoSuchId);
+}
+
+#[test]
+fn ports_are_the_hosts_and_addresses_must_be_its_own() {
+    let mut net = Net::new();
+    net.listen(A, CA, TENANT, 7471, 8);
+    let other = net.a.create_id(CB, OTHER, PortSpace::Tcp).unwrap();
+    let err = net.a.bind(CB, other, SocketAddrV4::new(A, 7471)).unwrap_err();
+    assert_eq!(err.errno(), errno::EADDRINUSE, "another tenant's listener holds the port");
+    let err = net.a.bind(CB, other, SocketAddrV4::new(B, 1)).unwrap_err();
+    assert_eq!(err.errno(), errno::EADDRNOTAVAIL);
+    assert!(net.a.listen(CB, other, 0).is_ok(), "an unbound listener gets a free port");
+    let (local, _) = net.a.addresses(CB, other).unwrap();
+    assert!(ports::EPHEMERAL.contains(&local.unwrap().port()));
+}
+
+#[test]
+fn a_ud_request_is_answered_with_the_responders_qp_and_qkey() {
+    let mut net = Net::new();
+    let cm = &mut net.b;
+    let l = cm.create_id(CB, TENANT, PortSpace::Udp).unwrap();
+    cm.bind(CB, l, SocketAddrV4::new(B, 7471)).unwrap();
+    cm.listen(CB, l, 8).unwrap();
+    let a = net.resolved(A, CA, TENANT, PortSpace::Udp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, &[7; 180]), T0).unwrap();
+    net.run();
+    let b = net.events(B)[0].id;
+    let (init, mask) = net.b.init_qp_attr(CB, b, QpState::Init).unwrap();
+    assert!(mask.contains(QpAttrMask::QKEY) && init.qkey == UD_QKEY);
+    net.b.accept(CB, b, conn(0x22, b""), UD_QKEY, T0).unwrap();
+    net.run();
+    let ev = net.events(A);
+    assert_eq!(kinds(&ev), [EventKind::Established]);
+    assert_eq!((ev[0].peer.as_ref().unwrap().qp_num, ev[0].qkey), (0x22, UD_QKEY));
+    assert!(net.log.iter().all(|(_, _, m)| !matches!(m, CmMessage::Rtu { .. })), "SIDR has no RTU");
+    assert!(net.events(B).is_empty());
+}
+
+#[test]
+fn a_tenant_holds_at_most_its_quota_of_ids_pending_requests_included() {
+    let mut net = Net::new();
+    net.b = ConnectionManager::new(
+        CmConfig { max_ids_per_tenant: 2, ..CmConfig::default() },
+        vec![B],
+        Box::new(Counter(3)),
+    );
+    net.listen(B, CB, TENANT, 7471, 8);
+    for expect in [EventKind::ConnectRequest, EventKind::Rejected] {
+        let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+        net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+        net.run();
+        let got: Vec<_> = net.events(A).into_iter().chain(net.events(B)).map(|e| e.kind).collect();
+        assert_eq!(got, [expect]);
+    }
+    assert_eq!(net.b.create_id(CB, TENANT, PortSpace::Tcp).unwrap_err().errno(), errno::ENOMEM);
+    assert!(net.b.create_id(CB, OTHER, PortSpace::Tcp).is_ok(), "another tenant is not affected");
+}
