@@ -149,6 +149,21 @@ impl Doorbell {
         n
     }
 
+    /// Waits until the doorbell is readable or `timeout` passes (`None`:
+    /// no limit), taking nothing. Returns whether it is readable.
+    pub fn wait_readable(&self, timeout: Option<Duration>) -> io::Result<bool> {
+        let ts = timeout.and_then(|d| Timespec::try_from(d).ok());
+        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, ts.as_ref()) {
+            Ok(0) | Err(Errno::INTR) => Ok(false),
+            Ok(_) if fds[0].revents().intersects(PollFlags::ERR | PollFlags::NVAL | PollFlags::HUP) => {
+                Err(io::Error::new(io::ErrorKind::ConnectionAborted, "doorbell closed by its peer"))
+            }
+            Ok(_) => Ok(true),
+            Err(e) => Err(e.into()),
+        }
+    }
+
     /// Waits until the doorbell rings or `timeout` passes (`None`: no
     /// limit), then drains it. Returns whether it had rung.
     pub fn wait_timeout(&self, timeout: Option<Duration>) -> io::Result<bool> {

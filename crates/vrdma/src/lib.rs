@@ -83,6 +83,7 @@
 
 mod ah;
 mod channel;
+pub mod cm;
 mod context;
 mod control;
 mod cq;

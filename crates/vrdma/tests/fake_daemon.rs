@@ -249,6 +249,8 @@ impl Fake {
             }
             Request::CreateAh { .. } => (Reply::Ah { ah: id }, vec![]),
             Request::Stat => (Reply::Stat(Default::default()), vec![]),
+            // The connection manager is tested against the real daemon.
+            Request::Cm(_) => (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![]),
             Request::StatPage { .. } => {
                 (Reply::StatPage(st.stat_pages.pop_front().unwrap_or_default()), vec![])
             }

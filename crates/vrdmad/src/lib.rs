@@ -12,6 +12,7 @@
 //! daemon.shutdown();
 //! ```
 
+pub mod cm;
 pub mod config;
 pub mod engine;
 pub mod host;
@@ -138,7 +139,13 @@ impl Daemon {
             }
             None => None,
         };
-        let engine = engine::Engine::start(hca, config.engine.clone(), net.clone())?;
+        // The connection manager owns this host's address (and loopback).
+        let cm = cm::CmDriver::new(vrdma_core::cm::ConnectionManager::new(
+            vrdma_core::cm::CmConfig::default(),
+            vec![address],
+            Box::new(RandomKeys),
+        ));
+        let engine = engine::Engine::start(hca, cm, config.engine.clone(), net.clone())?;
         let net_listener = match net {
             Some(setup) => Some(
                 net::Listener::start(setup.clone(), engine.handle())

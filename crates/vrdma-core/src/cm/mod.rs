@@ -313,6 +313,11 @@ impl ConnectionManager {
         self.ids.get_mut(&id).filter(|i| i.ctx == ctx).ok_or(CmError::NoSuchId)
     }
 
+    /// The context that owns `id`.
+    pub fn owner(&self, id: u32) -> Option<ContextId> {
+        self.ids.get(&id).map(|i| i.ctx)
+    }
+
     /// The id's state, for its owner.
     pub fn state(&self, ctx: ContextId, id: u32) -> Option<State> {
         self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| i.state)
@@ -898,9 +903,15 @@ impl ConnectionManager {
                 a.path_mtu = Mtu::Mtu4096;
                 a.dest_qp_num = t.qp_num;
                 a.rq_psn = t.start_psn;
+                // A peer on this host (by any of its addresses, loopback
+                // included) is reached through this device's own GID.
+                let host = match self.addrs.first() {
+                    Some(&own) if self.is_local(*remote.ip()) => own,
+                    _ => *remote.ip(),
+                };
                 a.ah_attr = AhAttr {
-                    dgid: Gid::from_ipv4(remote.ip().octets()),
-                    dlid: lid_of_ipv4(remote.ip().octets()),
+                    dgid: Gid::from_ipv4(host.octets()),
+                    dlid: lid_of_ipv4(host.octets()),
                     is_global: true,
                     hop_limit: 64,
                     port_num: 1,

@@ -7,8 +7,10 @@
 //! fuzz target in `fuzz/` holds it to that). Object numbers in requests are
 //! only names; the daemon checks that the caller owns each one.
 
+mod cm;
 mod layout;
 
+pub use cm::{CmReply, CmRequest};
 pub use layout::*;
 
 use serde::{Deserialize, Serialize};
@@ -109,6 +111,8 @@ pub enum Request {
     StatPage {
         from: crate::hca::StatCursor,
     },
+    /// The connection manager (rdma_cm); answered [`Reply::Cm`].
+    Cm(CmRequest),
 }
 
 impl Request {
@@ -194,6 +198,7 @@ pub enum Reply {
     },
     Stat(crate::hca::StatReport),
     StatPage(crate::hca::StatPage),
+    Cm(CmReply),
 }
 
 /// Why a message could not be decoded.

@@ -32,6 +32,8 @@ pub struct EngineState {
     pub rings: RingTable,
     /// Links to other hosts' daemons, when the transport is configured.
     pub net: Option<crate::net::Net>,
+    /// The connection manager (rdma_cm).
+    pub cm: crate::cm::CmDriver,
     epoch: std::time::Instant,
     /// How often every QP that may be served gets one turn, whether or not
     /// it was woken (`engine.sweep_ms`; `None`: never): the bound on how
@@ -50,11 +52,12 @@ pub struct EngineState {
 }
 
 impl EngineState {
-    fn new(hca: Hca, net: Option<crate::net::Net>, sweep_ms: u64) -> EngineState {
+    fn new(hca: Hca, net: Option<crate::net::Net>, cm: crate::cm::CmDriver, sweep_ms: u64) -> EngineState {
         EngineState {
             hca,
             rings: RingTable::default(),
             net,
+            cm,
             epoch: std::time::Instant::now(),
             sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
             last_sweep: Instant::ZERO,
@@ -111,6 +114,9 @@ impl EngineState {
         self.rings.log.sweep(now);
         self.hca.log.sweep(now);
         act.busy |= self.hca.needs_pass();
+        if let Some(t) = self.cm.run(now) {
+            act.timer(t);
+        }
         for ctx in self.rings.take_broken() {
             match &self.on_broken {
                 Some(end) => end(ctx),
@@ -169,6 +175,7 @@ pub struct Engine {
 impl Engine {
     pub fn start(
         hca: Hca,
+        cm: crate::cm::CmDriver,
         config: EngineConfig,
         net: Option<Arc<crate::net::NetSetup>>,
     ) -> std::io::Result<Engine> {
@@ -183,7 +190,7 @@ impl Engine {
             n.set_handle(handle.clone());
             n
         });
-        let state = EngineState::new(hca, net, config.sweep_ms);
+        let state = EngineState::new(hca, net, cm, config.sweep_ms);
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-engine".into())
@@ -386,7 +393,12 @@ mod tests {
         let r = Region::heap(len);
         r.write(0, &vec![0xab; len]).unwrap();
         let key = hca.reg_mr(ctx, pd, 0x10000, AccessFlags::LOCAL_WRITE, r.clone()).unwrap();
-        (EngineState::new(hca, Some(net), 100), theirs, ctx, key, r)
+        let cm = crate::cm::CmDriver::new(vrdma_core::cm::ConnectionManager::new(
+            Default::default(),
+            vec![std::net::Ipv4Addr::new(10, 0, 0, 1)],
+            Box::new(Keys(7)),
+        ));
+        (EngineState::new(hca, Some(net), cm, 100), theirs, ctx, key, r)
     }
 
     /// Queues on the link a frame: a 3-byte header, then all of `r`.

@@ -16,8 +16,9 @@ use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
 use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
-    self, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, CHANNEL_EVENT_SIZE,
-    CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE, PROTOCOL_VERSION,
+    self, CmReply, CmRequest, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
+    CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE,
+    PROTOCOL_VERSION,
 };
 use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
 use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
@@ -200,6 +201,8 @@ impl Session {
             for _ in 0..channels {
                 e.hca.refund_object(ctx);
             }
+            let now = e.now();
+            e.cm.close_context(ctx, now);
             let t = e.close_context(ctx);
             for q in t.qps {
                 e.rings.remove_qp(q);
@@ -307,6 +310,25 @@ impl Session {
                 Reply::Done.into()
             }
             Request::CreateCq { cqe, channel } => self.create_cq(cqe, channel)?,
+            Request::Cm(CmRequest::CreateChannel) => self.create_cm_channel()?,
+            Request::Cm(req) => {
+                let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
+                let r = self.engine(move |e, c| {
+                    let now = e.now();
+                    e.cm.handle(c, tenant, req, now)
+                })?;
+                match r {
+                    Ok(reply) => {
+                        if destroys {
+                            if let Some(a) = self.admitted.as_mut() {
+                                a.refund_descriptor();
+                            }
+                        }
+                        Reply::Cm(reply).into()
+                    }
+                    Err(e) => error(e.errno(), e.to_string()),
+                }
+            }
             Request::DestroyCq { cq } => {
                 self.engine(move |e, c| {
                     e.hca.destroy_cq(c, cq)?;
@@ -429,6 +451,30 @@ impl Session {
             },
             fds,
         })
+    }
+
+    /// An rdma_cm event channel: a doorbell whose other end the tenant
+    /// polls (`rdma_event_channel.fd`), readable while events wait.
+    fn create_cm_channel(&mut self) -> Result<Answer, Answer> {
+        let admitted = self.admitted.as_mut().ok_or_else(|| error(EPROTO, "no context"))?;
+        admitted.charge_descriptor().map_err(|e| error(e.errno(), e.to_string()))?;
+        let made = (|| {
+            let (fd, tenant_end) = Doorbell::pair()?;
+            fd.reserve(crate::cm::MAX_UNREAD);
+            let tenant = self.tenant;
+            let channel = self.engine(move |e, c| e.cm.add_channel(c, tenant, fd))?;
+            let channel = channel.map_err(|e| error(e.errno(), e.to_string()))?;
+            Ok::<_, Answer>(Answer {
+                reply: Reply::Cm(CmReply::Channel { channel }),
+                fds: vec![tenant_end.into()],
+            })
+        })();
+        if made.is_err() {
+            if let Some(a) = self.admitted.as_mut() {
+                a.refund_descriptor();
+            }
+        }
+        made
     }
 
     fn create_channel(&mut self) -> Result<Answer, Answer> {

@@ -59,7 +59,7 @@ impl Activity {
         self.busy || self.pending
     }
 
-    pub(crate) fn timer(&mut self, t: Instant) {
+    pub fn timer(&mut self, t: Instant) {
         self.next_timer = Some(self.next_timer.map_or(t, |n| n.min(t)));
     }
 }

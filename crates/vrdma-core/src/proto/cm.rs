@@ -1,0 +1,92 @@
+//! The connection manager's requests and replies on the control socket
+//! (`librdmacm`'s calls, as the kernel's `rdma_ucm` takes them).
+
+use std::net::SocketAddrV4;
+
+use serde::{Deserialize, Serialize};
+
+use crate::cm::{CmEvent, ConnInfo};
+use crate::verbs::{QpAttr, QpAttrMask, QpState};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CmRequest {
+    /// An event channel; answered [`CmReply::Channel`] with one fd, which
+    /// is readable while the channel holds events.
+    CreateChannel,
+    DestroyChannel {
+        channel: u32,
+    },
+    /// `ps` is `enum rdma_port_space`.
+    CreateId {
+        channel: u32,
+        ps: u32,
+    },
+    DestroyId {
+        id: u32,
+    },
+    /// Moves `id` (and the requests its listener takes from now on) to
+    /// another channel of the context.
+    MigrateId {
+        id: u32,
+        channel: u32,
+    },
+    SetReuseAddr {
+        id: u32,
+        reuse: bool,
+    },
+    Bind {
+        id: u32,
+        addr: SocketAddrV4,
+    },
+    ResolveAddr {
+        id: u32,
+        src: Option<SocketAddrV4>,
+        dst: SocketAddrV4,
+    },
+    ResolveRoute {
+        id: u32,
+    },
+    Listen {
+        id: u32,
+        backlog: i32,
+    },
+    Connect {
+        id: u32,
+        conn: ConnInfo,
+    },
+    Accept {
+        id: u32,
+        conn: ConnInfo,
+        qkey: u32,
+    },
+    Establish {
+        id: u32,
+    },
+    Reject {
+        id: u32,
+        private_data: Vec<u8>,
+    },
+    Disconnect {
+        id: u32,
+    },
+    InitQpAttr {
+        id: u32,
+        state: QpState,
+    },
+    QueryAddr {
+        id: u32,
+    },
+    /// The next event of a channel, if any.
+    GetEvent {
+        channel: u32,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CmReply {
+    Channel { channel: u32 },
+    Id { id: u32 },
+    Addrs { local: Option<SocketAddrV4>, remote: Option<SocketAddrV4> },
+    QpAttr { attr: QpAttr, mask: QpAttrMask },
+    Event(Option<CmEvent>),
+}

@@ -1,0 +1,359 @@
+//! The connection manager: connect QPs by IP address and port, as
+//! librdmacm does, through the daemon's connection manager.
+//!
+//! The daemon runs the exchange (REQ, REP, RTU, REJ, DREQ) and keeps the
+//! host's port space; this side moves the QP, as rdma-core's librdmacm
+//! does, with the attributes the daemon gives for each state
+//! ([`CmId::init_qp_attr`]). A QP attached to an id
+//! ([`CmId::attach_qp`]) is brought up without the program's help: to
+//! RTR and RTS before an accept goes out, and on the requester's side
+//! when the reply comes in, before the event is reported as
+//! `Established` (the program never sees the `ConnectResponse`, as with
+//! librdmacm when the id has a QP).
+//!
+//! ```no_run
+//! # fn main() -> vrdma::Result<()> {
+//! use std::net::SocketAddrV4;
+//! use vrdma::cm::{CmId, ConnParam, EventChannel, EventKind, PortSpace};
+//!
+//! let ctx = vrdma::Context::open()?;
+//! let ch = EventChannel::create(&ctx)?;
+//! let id = CmId::create(&ch, PortSpace::Tcp)?;
+//! id.resolve_addr(None, "127.0.0.1:7471".parse::<SocketAddrV4>().unwrap())?;
+//! assert_eq!(ch.get_event(None)?.map(|e| e.kind), Some(EventKind::AddrResolved));
+//! # Ok(()) }
+//! ```
+
+use std::collections::HashMap;
+use std::net::SocketAddrV4;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use vrdma_core::proto::{CmReply, CmRequest, Reply, Request};
+use vrdma_shm::Doorbell;
+
+pub use vrdma_core::cm::{reject, CmEvent, ConnInfo, EventKind, PortSpace, UD_QKEY};
+
+use crate::control;
+use crate::{Context, Error, QpAttr, QpAttrMask, QpState, QueuePair, Result};
+
+/// `struct rdma_conn_param`: what this side offers when it connects or
+/// accepts. Its `qp_num` is taken from the attached QP where there is
+/// one, and its `start_psn` is the daemon's to choose.
+pub type ConnParam = ConnInfo;
+
+/// The parameters as sent: with the QP's number, counts within 3 bits.
+fn info(param: &ConnParam, qp_num: u32) -> ConnInfo {
+    ConnInfo {
+        qp_num,
+        start_psn: 0,
+        retry_count: param.retry_count.min(7),
+        rnr_retry_count: param.rnr_retry_count.min(7),
+        ..param.clone()
+    }
+}
+
+fn call(ctx: &Context, req: CmRequest) -> Result<CmReply> {
+    let req = Request::Cm(req);
+    let answer = ctx.inner.control.call(&req, &[])?;
+    match answer.reply {
+        Reply::Cm(r) => Ok(r),
+        other => Err(control::unexpected(&req, &other)),
+    }
+}
+
+struct ChannelInner {
+    ctx: Context,
+    channel: u32,
+    fd: Doorbell,
+    /// The QPs attached to this channel's ids (by number), which a reply
+    /// brings up.
+    qps: Mutex<HashMap<u32, u32>>,
+}
+
+impl Drop for ChannelInner {
+    fn drop(&mut self) {
+        self.ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyChannel { channel: self.channel }));
+    }
+}
+
+/// `struct rdma_event_channel`: where the events of its ids arrive.
+#[derive(Clone)]
+pub struct EventChannel {
+    inner: Arc<ChannelInner>,
+}
+
+impl std::fmt::Debug for EventChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventChannel").field("channel", &self.inner.channel).finish()
+    }
+}
+
+impl EventChannel {
+    /// `rdma_create_event_channel`.
+    pub fn create(ctx: &Context) -> Result<EventChannel> {
+        let req = Request::Cm(CmRequest::CreateChannel);
+        let answer = ctx.inner.control.call(&req, &[])?;
+        let Reply::Cm(CmReply::Channel { channel }) = answer.reply else {
+            return Err(control::unexpected(&req, &answer.reply));
+        };
+        let fd = answer.take_fds(1, "CmChannel").and_then(|fds| {
+            fds.into_iter().next().ok_or_else(|| Error::protocol("CmChannel reply lacks its descriptor"))
+        });
+        let fd = match fd {
+            Ok(fd) => fd,
+            Err(e) => {
+                ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyChannel { channel }));
+                return Err(e);
+            }
+        };
+        let inner =
+            ChannelInner { ctx: ctx.clone(), channel, fd: Doorbell::from_fd(fd), qps: Mutex::default() };
+        Ok(EventChannel { inner: Arc::new(inner) })
+    }
+
+    /// `rdma_event_channel.fd`: readable while an event waits.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.inner.fd.as_fd()
+    }
+
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    /// `rdma_get_cm_event`: the next event, waiting up to `timeout`
+    /// (`None`: as long as it takes); `Ok(None)` when the time passed.
+    pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
+        let end = timeout.map(|t| Instant::now() + t);
+        loop {
+            if let Some(ev) = self.try_get_event()? {
+                return Ok(Some(ev));
+            }
+            let left = match end {
+                Some(e) => match e.checked_duration_since(Instant::now()) {
+                    Some(l) if !l.is_zero() => Some(l),
+                    _ => return Ok(None),
+                },
+                None => None,
+            };
+            self.inner.fd.wait_readable(left)?;
+        }
+    }
+
+    /// The next event if one waits.
+    pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
+        let CmReply::Event(ev) = call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel })?
+        else {
+            return Err(Error::protocol("GetEvent answered with something else"));
+        };
+        let Some(mut ev) = ev else { return Ok(None) };
+        // The event's wake-up: the descriptor stays readable exactly while
+        // events wait.
+        self.inner.fd.take_one();
+        if ev.kind == EventKind::ConnectResponse {
+            let qp = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).get(&ev.id).copied();
+            if let Some(qpn) = qp {
+                ev = self.complete_connect(ev, qpn)?;
+            }
+        }
+        Ok(Some(ev))
+    }
+
+    /// librdmacm's handling of a reply for an id with a QP: the QP to RTR
+    /// and RTS, then the RTU; the program sees `Established`, or
+    /// `ConnectError` (and the peer a REJ) if the QP could not come up.
+    fn complete_connect(&self, mut ev: CmEvent, qpn: u32) -> Result<CmEvent> {
+        let ctx = &self.inner.ctx;
+        let up = (|| {
+            for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
+                let (attr, mask) = init_qp_attr(ctx, ev.id, state)?;
+                modify_qp(ctx, qpn, attr, mask)?;
+            }
+            call(ctx, CmRequest::Establish { id: ev.id })
+        })();
+        match up {
+            Ok(_) => ev.kind = EventKind::Established,
+            Err(e) => {
+                let _ = call(ctx, CmRequest::Reject { id: ev.id, private_data: Vec::new() });
+                ev.kind = EventKind::ConnectError;
+                ev.status = -e.errno().max(1);
+            }
+        }
+        Ok(ev)
+    }
+}
+
+/// `ibv_modify_qp` by number, for a QP an id holds. (Its `QueuePair`
+/// keeps nothing these transitions change: the port was set when the QP
+/// was attached, and no transition here is to RESET.)
+fn modify_qp(ctx: &Context, qp: u32, attr: QpAttr, mask: QpAttrMask) -> Result<()> {
+    ctx.inner.control.call_done(&Request::ModifyQp { qp, attr, mask })
+}
+
+fn init_qp_attr(ctx: &Context, id: u32, state: QpState) -> Result<(QpAttr, QpAttrMask)> {
+    match call(ctx, CmRequest::InitQpAttr { id, state })? {
+        CmReply::QpAttr { attr, mask } => Ok((attr, mask)),
+        _ => Err(Error::protocol("InitQpAttr answered with something else")),
+    }
+}
+
+/// `struct rdma_cm_id`: one end of a connection, or a listener.
+pub struct CmId {
+    channel: EventChannel,
+    id: u32,
+    ps: PortSpace,
+}
+
+impl std::fmt::Debug for CmId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CmId").field("id", &self.id).field("ps", &self.ps).finish()
+    }
+}
+
+impl Drop for CmId {
+    fn drop(&mut self) {
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        self.channel.inner.ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyId { id: self.id }));
+    }
+}
+
+impl CmId {
+    /// `rdma_create_id`.
+    pub fn create(channel: &EventChannel, ps: PortSpace) -> Result<CmId> {
+        let reply =
+            call(&channel.inner.ctx, CmRequest::CreateId { channel: channel.inner.channel, ps: ps.raw() })?;
+        let CmReply::Id { id } = reply else {
+            return Err(Error::protocol("CreateId answered with something else"));
+        };
+        Ok(CmId { channel: channel.clone(), id, ps })
+    }
+
+    /// The id a `ConnectRequest` event made; the program owns it from now.
+    pub fn from_request(channel: &EventChannel, ev: &CmEvent, ps: PortSpace) -> Result<CmId> {
+        if ev.kind != EventKind::ConnectRequest {
+            return Err(Error::Daemon { errno: libc::EINVAL, message: "not a connect request".into() });
+        }
+        Ok(CmId { channel: channel.clone(), id: ev.id, ps })
+    }
+
+    pub fn id(&self) -> u32 {
+        self.id
+    }
+
+    pub fn port_space(&self) -> PortSpace {
+        self.ps
+    }
+
+    fn call(&self, req: CmRequest) -> Result<CmReply> {
+        call(&self.channel.inner.ctx, req)
+    }
+
+    /// `rdma_set_option(RDMA_OPTION_ID_REUSEADDR)`.
+    pub fn set_reuseaddr(&self, reuse: bool) -> Result<()> {
+        self.call(CmRequest::SetReuseAddr { id: self.id, reuse }).map(drop)
+    }
+
+    /// `rdma_bind_addr`; returns the address bound (its port chosen if 0).
+    pub fn bind(&self, addr: SocketAddrV4) -> Result<SocketAddrV4> {
+        self.call(CmRequest::Bind { id: self.id, addr })?;
+        self.local_addr()?.ok_or_else(|| Error::protocol("bound, but no address"))
+    }
+
+    /// `rdma_resolve_addr`; `AddrResolved` follows on the channel.
+    pub fn resolve_addr(&self, src: Option<SocketAddrV4>, dst: SocketAddrV4) -> Result<()> {
+        self.call(CmRequest::ResolveAddr { id: self.id, src, dst }).map(drop)
+    }
+
+    /// `rdma_resolve_route`; `RouteResolved` follows.
+    pub fn resolve_route(&self) -> Result<()> {
+        self.call(CmRequest::ResolveRoute { id: self.id }).map(drop)
+    }
+
+    /// `rdma_listen`.
+    pub fn listen(&self, backlog: i32) -> Result<()> {
+        self.call(CmRequest::Listen { id: self.id, backlog }).map(drop)
+    }
+
+    fn addrs(&self) -> Result<(Option<SocketAddrV4>, Option<SocketAddrV4>)> {
+        match self.call(CmRequest::QueryAddr { id: self.id })? {
+            CmReply::Addrs { local, remote } => Ok((local, remote)),
+            _ => Err(Error::protocol("QueryAddr answered with something else")),
+        }
+    }
+
+    /// `rdma_get_local_addr`.
+    pub fn local_addr(&self) -> Result<Option<SocketAddrV4>> {
+        Ok(self.addrs()?.0)
+    }
+
+    /// `rdma_get_peer_addr`.
+    pub fn peer_addr(&self) -> Result<Option<SocketAddrV4>> {
+        Ok(self.addrs()?.1)
+    }
+
+    /// `rdma_init_qp_attr`.
+    pub fn init_qp_attr(&self, state: QpState) -> Result<(QpAttr, QpAttrMask)> {
+        init_qp_attr(&self.channel.inner.ctx, self.id, state)
+    }
+
+    /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;
+    /// the connection brings it up from there.
+    pub fn attach_qp(&self, qp: &QueuePair) -> Result<()> {
+        let (attr, mask) = self.init_qp_attr(QpState::Init)?;
+        qp.modify(&attr, mask)?;
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qp.qpn());
+        Ok(())
+    }
+
+    /// The number of the attached QP.
+    fn qp(&self) -> Option<u32> {
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).get(&self.id).copied()
+    }
+
+    /// `rdma_connect`.
+    pub fn connect(&self, param: &ConnParam) -> Result<()> {
+        let qpn = self.qp().unwrap_or(param.qp_num);
+        self.call(CmRequest::Connect { id: self.id, conn: info(param, qpn) }).map(drop)
+    }
+
+    /// `rdma_accept` of a connect request: an attached QP goes to RTR and
+    /// RTS first, as librdmacm does. A UD id answers with `qkey`.
+    pub fn accept(&self, param: &ConnParam) -> Result<()> {
+        let qp = self.qp();
+        if let Some(qpn) = qp {
+            let states: &[QpState] = if self.ps.is_ud() {
+                &[QpState::Rtr, QpState::Rts]
+            } else {
+                &[QpState::Init, QpState::Rtr, QpState::Rts]
+            };
+            for &state in states {
+                let (attr, mask) = self.init_qp_attr(state)?;
+                modify_qp(&self.channel.inner.ctx, qpn, attr, mask)?;
+            }
+        }
+        let qpn = qp.unwrap_or(param.qp_num);
+        let qkey = if self.ps.is_ud() { UD_QKEY } else { 0 };
+        self.call(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey }).map(drop)
+    }
+
+    /// `rdma_establish`: after a `ConnectResponse` on an id without a QP.
+    pub fn establish(&self) -> Result<()> {
+        self.call(CmRequest::Establish { id: self.id }).map(drop)
+    }
+
+    /// `rdma_reject`.
+    pub fn reject(&self, private_data: &[u8]) -> Result<()> {
+        self.call(CmRequest::Reject { id: self.id, private_data: private_data.to_vec() }).map(drop)
+    }
+
+    /// `rdma_disconnect`: the attached QP goes to ERR (its work is
+    /// flushed), and both sides get `Disconnected`.
+    pub fn disconnect(&self) -> Result<()> {
+        if let Some(qpn) = self.qp() {
+            let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+            modify_qp(&self.channel.inner.ctx, qpn, attr, QpAttrMask::STATE)?;
+        }
+        self.call(CmRequest::Disconnect { id: self.id }).map(drop)
+    }
+}
