@@ -1,7 +1,9 @@
-//! The connection manager from the Rust API, against a real daemon: ids
+//! The connection manager from the Rust API, against real daemons: ids
 //! that resolve an address, listen, connect and accept with private data,
-//! carry messages over the QPs the exchange brought up, and disconnect;
-//! and what a program sees when no one listens or the host is another.
+//! carry messages over the QPs the exchange brought up, and disconnect,
+//! on one host and across two (two daemons on 127.0.0.2 and 127.0.0.3,
+//! linked when the first request needs it); and what a program sees when
+//! no one listens, the transport is off, or the peer's daemon dies.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::{Duration, Instant};
@@ -10,7 +12,7 @@ use anyhow::{bail, ensure, Result};
 use vrdma::cm::{reject, CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
 use vrdma::wr::SendWrExt;
 use vrdma::{QpState, WcStatus};
-use vrdma_it::{cap, poll_one, DaemonProc, Side, WAIT};
+use vrdma_it::{cap, poll_one, DaemonProc, Side, TwoHosts, WAIT};
 
 fn event(ch: &EventChannel) -> Result<CmEvent> {
     match ch.get_event(Some(WAIT))? {
@@ -36,8 +38,12 @@ fn param(private: &[u8]) -> ConnParam {
 
 /// A listener on 127.0.0.1:`port`.
 fn listener(ch: &EventChannel, port: u16, backlog: i32) -> Result<CmId> {
+    listener_at(ch, localhost(port), backlog)
+}
+
+fn listener_at(ch: &EventChannel, at: SocketAddrV4, backlog: i32) -> Result<CmId> {
     let id = CmId::create(ch, PortSpace::Tcp)?;
-    assert_eq!(id.bind(localhost(port))?, localhost(port));
+    assert_eq!(id.bind(at)?, at);
     id.listen(backlog)?;
     Ok(id)
 }
@@ -56,31 +62,33 @@ fn resolved(ch: &EventChannel, dst: SocketAddrV4) -> Result<CmId> {
     Ok(id)
 }
 
-#[test]
-fn a_connection_by_address_carries_messages_and_ends_disconnected_on_both_sides() -> Result<()> {
-    let d = DaemonProc::start()?;
-    let ctx = d.context()?;
-    let port = vrdma_it::free_port()?;
-    let (server_ch, client_ch) = (EventChannel::create(&ctx)?, EventChannel::create(&ctx)?);
-    let listener = listener(&server_ch, port, 8)?;
+/// A listener of `server` on `at`, a client of `client` that connects to
+/// it with QPs attached, a message over them, and the client's
+/// disconnect seen on both sides. The two contexts may be of one daemon
+/// or of two.
+fn connect_send_disconnect(client: &vrdma::Context, server: &vrdma::Context, at: SocketAddrV4) -> Result<()> {
+    let (server_ch, client_ch) = (EventChannel::create(server)?, EventChannel::create(client)?);
+    let listener = CmId::create(&server_ch, PortSpace::Tcp)?;
+    assert_eq!(listener.bind(at)?, at);
+    listener.listen(8)?;
 
-    let client = resolved(&client_ch, localhost(port))?;
-    let a = Side::with(&ctx, 4096, 64, cap(16, 1), None)?;
-    client.attach_qp(&a.qp)?;
+    let id = resolved(&client_ch, at)?;
+    let a = Side::with(client, 4096, 64, cap(16, 1), None)?;
+    id.attach_qp(&a.qp)?;
     assert_eq!(a.qp.state(), QpState::Init);
-    client.connect(&param(b"from the client"))?;
+    id.connect(&param(b"from the client"))?;
 
     let req = expect(&server_ch, EventKind::ConnectRequest)?;
     assert_eq!(req.listen_id, Some(listener.id()));
     let peer = req.peer.clone().unwrap();
     assert_eq!((peer.qp_num, peer.private_data.as_slice()), (a.qp.qpn(), &b"from the client"[..]));
-    let server = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
-    assert_eq!(server.local_addr()?, Some(localhost(port)));
-    assert_eq!(server.peer_addr()?, client.local_addr()?);
-    let b = Side::with(&ctx, 4096, 64, cap(16, 1), None)?;
-    server.attach_qp(&b.qp)?;
+    let server_id = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+    assert_eq!(server_id.local_addr()?, Some(at));
+    assert_eq!(server_id.peer_addr()?, id.local_addr()?);
+    let b = Side::with(server, 4096, 64, cap(16, 1), None)?;
+    server_id.attach_qp(&b.qp)?;
     b.qp.post_recv(&[vrdma::wr::recv(1, &[b.mr.sge(0, 64)?])?]).map_err(|e| e.error)?;
-    server.accept(&param(b"from the server"))?;
+    server_id.accept(&param(b"from the server"))?;
     assert_eq!(b.qp.state(), QpState::Rts, "ready before the reply goes");
 
     // The reply brings the client's QP up before the program hears of it.
@@ -98,10 +106,51 @@ fn a_connection_by_address_carries_messages_and_ends_disconnected_on_both_sides(
     b.mr.read(0, &mut got)?;
     assert_eq!(&got, b"over rdma_cm");
 
-    client.disconnect()?;
+    id.disconnect()?;
     expect(&client_ch, EventKind::Disconnected)?;
     expect(&server_ch, EventKind::Disconnected)?;
     assert_eq!(a.qp.state(), QpState::Err, "the initiator's QP is flushed");
+    Ok(())
+}
+
+#[test]
+fn a_connection_by_address_carries_messages_and_ends_disconnected_on_both_sides() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    connect_send_disconnect(&ctx, &ctx, localhost(vrdma_it::free_port()?))
+}
+
+/// The exchange rides the link between two daemons, dialled for it.
+#[test]
+fn across_hosts_a_connection_by_address_carries_messages_and_ends_disconnected() -> Result<()> {
+    let hosts = TwoHosts::start(false)?;
+    let at = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 3), vrdma_it::free_port()?);
+    connect_send_disconnect(&hosts.a.context()?, &hosts.b.context()?, at)
+}
+
+/// A peer daemon that dies after the connection is up: its link ends
+/// after the dead time, and so does the connection.
+#[test]
+fn across_hosts_a_dead_peer_daemon_ends_its_connections_in_disconnected() -> Result<()> {
+    let mut hosts = TwoHosts::start(false)?;
+    let at = SocketAddrV4::new(Ipv4Addr::new(127, 0, 0, 3), vrdma_it::free_port()?);
+    let (a_ctx, b_ctx) = (hosts.a.context()?, hosts.b.context()?);
+    let (server_ch, ch) = (EventChannel::create(&b_ctx)?, EventChannel::create(&a_ctx)?);
+    let _listener = listener_at(&server_ch, at, 1)?;
+    let client = resolved(&ch, at)?;
+    client.connect(&param(b""))?;
+    let req = expect(&server_ch, EventKind::ConnectRequest)?;
+    let server = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+    server.accept(&param(b""))?;
+    let resp = expect(&ch, EventKind::ConnectResponse)?;
+    assert_eq!(resp.id, client.id(), "no QP attached: the program establishes");
+    client.establish()?;
+    expect(&server_ch, EventKind::Established)?;
+    std::mem::forget((server, server_ch, b_ctx));
+    hosts.b.proc.kill(libc::SIGKILL);
+    let started = Instant::now();
+    expect(&ch, EventKind::Disconnected)?;
+    assert!(started.elapsed() < WAIT);
     Ok(())
 }
 
@@ -163,9 +212,11 @@ fn the_event_channels_descriptor_is_readable_exactly_while_events_wait() -> Resu
     Ok(())
 }
 
+/// With the transport between daemons off (no key), a request for
+/// another host has nowhere to go: UNREACHABLE at once, and the daemon's
+/// log says which line turns the transport on.
 #[test]
-fn a_connection_to_another_host_ends_unreachable_promptly_while_rdma_cm_between_hosts_is_missing(
-) -> Result<()> {
+fn with_the_transport_off_a_connection_to_another_host_ends_unreachable_promptly() -> Result<()> {
     let d = DaemonProc::start()?;
     let ctx = d.context()?;
     let ch = EventChannel::create(&ctx)?;

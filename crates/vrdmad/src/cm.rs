@@ -5,13 +5,19 @@
 //! The engine thread owns it, as it owns the HCA, so that the exchange
 //! between two processes of this host needs no lock and no other thread.
 //! A message for an address of this host is handed straight back to the
-//! manager. Messages for other hosts would ride the links between daemons;
-//! until that transport carries them, a request to another host ends at
-//! once in UNREACHABLE, and the daemon says why in its log.
+//! manager; one for another host rides the authenticated link to that
+//! host's daemon (a connection manager's frame, `docs/wire-protocol.md`),
+//! dialled for it if need be. Where it cannot go (the transport is off,
+//! the host is outside `net.allow`, the dial fails, the link goes down),
+//! the connections with that host end at once (UNREACHABLE before they
+//! are established, DISCONNECTED after), and the daemon says why in its
+//! log.
 
 use std::collections::{HashMap, VecDeque};
 
-use vrdma_core::cm::{CmError, CmEvent, ConnectionManager, EventKind, PortSpace};
+use std::net::Ipv4Addr;
+
+use vrdma_core::cm::{CmError, CmEvent, CmMessage, ConnectionManager, EventKind, PortSpace};
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
@@ -207,7 +213,6 @@ impl CmDriver {
                 CmReply::Event(c.events.pop_front())
             }
         };
-        self.run(now);
         Ok(reply)
     }
 
@@ -217,30 +222,38 @@ impl CmDriver {
     }
 
     /// Carries the manager's messages and delivers its events; runs its
-    /// timers due at `now`. Returns when it next needs to run.
-    pub fn run(&mut self, now: Instant) -> Option<Instant> {
+    /// timers due at `now`. A message for another host goes through
+    /// `send`, whose refusal ends the connections with that host (as a
+    /// dead host would, promptly). Returns when it next needs to run.
+    pub fn run(
+        &mut self,
+        now: Instant,
+        mut send: impl FnMut(Ipv4Addr, &CmMessage) -> Result<(), &'static str>,
+    ) -> Option<Instant> {
         if self.cm.poll_timeout().is_some_and(|t| t <= now) {
             self.cm.handle_timeout(now);
         }
-        // Bounded: each message answered locally makes at most one more
-        // (REQ → REP → RTU, DREQ → DREP), and calls come one at a time.
-        for _ in 0..1024 {
-            let Some((host, msg)) = self.cm.poll_transmit() else { break };
-            if self.cm.is_local(host) {
-                // Both ends are here: the sender is named by the address
-                // the message went to, which is the one each side knows
-                // the other by.
-                self.cm.handle_message(host, msg);
-            } else {
-                const NO_TRANSPORT: &str =
-                    "an rdma_cm request is for another host, and rdma_cm between hosts \
-                                            is not supported yet: it ends in UNREACHABLE";
-                limited_warn!(self.log, Source::Anyone, now, NO_TRANSPORT, %host);
-                self.cm.link_down(host);
+        // Twice: delivering an event may answer a request (a refusal), and
+        // that answer goes now. Bounded: a message answered locally makes at
+        // most one more (REQ → REP → RTU, DREQ → DREP), and calls come one
+        // at a time.
+        for _ in 0..2 {
+            for _ in 0..1024 {
+                let Some((host, msg)) = self.cm.poll_transmit() else { break };
+                if self.cm.is_local(host) {
+                    // Both ends are here: the sender is named by the address
+                    // the message went to, which is the one each side knows
+                    // the other by.
+                    self.cm.handle_message(host, msg);
+                } else if let Err(why) = send(host, &msg) {
+                    const UNREACHABLE: &str = "an rdma_cm message cannot reach its host: its connections end";
+                    limited_warn!(self.log, Source::Address(host.into()), now, UNREACHABLE, %host, why);
+                    self.cm.link_down(host);
+                }
             }
-        }
-        while let Some(ev) = self.cm.poll_event() {
-            self.deliver(ev);
+            while let Some(ev) = self.cm.poll_event() {
+                self.deliver(ev);
+            }
         }
         self.log.sweep(now);
         self.cm.poll_timeout()
@@ -277,11 +290,104 @@ impl CmDriver {
     }
 
     /// Destroys everything of `ctx` (its process closed the device or died).
-    pub fn close_context(&mut self, ctx: ContextId, now: Instant) {
+    /// (The engine then runs the manager, which sends the DREQs.)
+    pub fn close_context(&mut self, ctx: ContextId) {
         self.cm.close_context(ctx);
         let cm = &self.cm;
         self.id_channel.retain(|&id, _| cm.owner(id).is_some());
         self.channels.retain(|_, c| c.ctx != ctx);
-        self.run(now);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddrV4;
+
+    use vrdma_core::cm::ConnInfo;
+
+    use super::*;
+    use crate::testing::{traced, Keys};
+
+    const C: ContextId = ContextId(1);
+    const T: TenantId = TenantId(1000);
+
+    /// A request that has nowhere to go (the transport is off) ends in
+    /// UNREACHABLE at once, and the log says why once for that host, not
+    /// once per request.
+    #[test]
+    fn requests_that_cannot_leave_end_unreachable_and_are_logged_once_per_host() {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair().unwrap();
+        let channel = d.add_channel(C, T, fd).unwrap();
+        let now = Instant(1_000_000_000);
+        let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
+        let log = traced(|| {
+            for _ in 0..20 {
+                let Ok(CmReply::Id { id }) = d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now)
+                else {
+                    panic!("no id");
+                };
+                for req in [
+                    CmRequest::ResolveAddr { id, src: None, dst },
+                    CmRequest::ResolveRoute { id },
+                    CmRequest::Connect { id, conn: ConnInfo::default() },
+                ] {
+                    d.handle(C, T, req, now).unwrap();
+                    d.run(now, |_, _| Err("the transport between daemons is off"));
+                }
+            }
+        });
+        let mut kinds = Vec::new();
+        while let Ok(CmReply::Event(Some(ev))) = d.handle(C, T, CmRequest::GetEvent { channel }, now) {
+            assert!(tenant_end.take_one(), "one wake-up per event");
+            kinds.push(ev.kind);
+        }
+        assert_eq!(kinds.iter().filter(|k| **k == EventKind::Unreachable).count(), 20);
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains("cannot reach its host")).collect();
+        assert_eq!(lines.len(), 1, "{log}");
+        assert!(lines[0].contains("10.0.0.9") && lines[0].contains("transport between daemons is off"));
+    }
+
+    /// A tenant that reads none of its events cannot make the daemon queue
+    /// requests for it without end: past the bound they are refused (five
+    /// listeners' backlogs on one channel hold more than the bound).
+    #[test]
+    fn a_listener_whose_events_are_not_read_refuses_requests_past_the_bound() {
+        let cm = ConnectionManager::new(
+            vrdma_core::cm::CmConfig { max_ids_per_tenant: 100_000, ..Default::default() },
+            vec![Ipv4Addr::new(10, 0, 0, 1)],
+            Box::new(Keys(1)),
+        );
+        let mut d = CmDriver::new(cm);
+        let (fd, _tenant_end) = Doorbell::pair().unwrap();
+        let channel = d.add_channel(C, T, fd).unwrap();
+        let now = Instant(1);
+        let src = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 40000);
+        let mut from = 0;
+        let mut refused = 0;
+        for port in 7471..7476 {
+            let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), port);
+            let Ok(CmReply::Id { id: l }) = d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now)
+            else {
+                panic!("no id");
+            };
+            d.handle(C, T, CmRequest::Bind { id: l, addr: at }, now).unwrap();
+            d.handle(C, T, CmRequest::Listen { id: l, backlog: 0 }, now).unwrap();
+            for _ in 0..1024 {
+                from += 1;
+                let conn = ConnInfo::default();
+                let req = CmMessage::Req { from, tenant: T.0, ps: PortSpace::Tcp, src, dst: at, conn };
+                d.cm.handle_message(*src.ip(), req);
+                d.run(now, |_, m| {
+                    refused += usize::from(matches!(m, CmMessage::Rej { .. }));
+                    Ok(())
+                });
+            }
+        }
+        assert_eq!(d.channels[&channel].events.len(), MAX_UNREAD);
+        assert_eq!(refused, 5 * 1024 - MAX_UNREAD, "every request past the bound is answered");
+        assert!(d.channels[&channel].events.len() <= MAX_UNREAD);
     }
 }

@@ -1,6 +1,7 @@
 //! What the daemon's unit tests share.
 
 use std::net::{TcpListener, TcpStream};
+use std::sync::Arc;
 use std::time::Duration;
 
 use vrdma_core::hca::KeySource;
@@ -37,4 +38,34 @@ pub(crate) fn loopback() -> (TcpStream, TcpStream) {
     let ours = TcpStream::connect(l.local_addr().unwrap()).unwrap();
     let theirs = l.accept().unwrap().0;
     (ours, theirs)
+}
+
+/// The log lines of `f`, at info level and above.
+pub(crate) fn traced(f: impl FnOnce()) -> String {
+    #[derive(Clone, Default)]
+    struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl std::io::Write for Lines {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let lines = Lines::default();
+    let out = lines.clone();
+    let sub = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_ansi(false)
+        .with_writer(move || out.clone())
+        .finish();
+    tracing::subscriber::with_default(sub, || {
+        // Other tests' threads may have met the callsites first, while
+        // no subscriber wanted them, and cached that: ask again.
+        tracing::callsite::rebuild_interest_cache();
+        f()
+    });
+    let b = lines.0.lock().unwrap().clone();
+    String::from_utf8(b).unwrap()
 }

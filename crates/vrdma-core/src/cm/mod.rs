@@ -259,8 +259,12 @@ impl ConnectionManager {
         &self.addrs
     }
 
+    /// Whether `ip` names this host: one of its addresses, or loopback
+    /// unless this host's own address is a loopback one (daemons that
+    /// stand for several hosts on one machine, as tests run them, each
+    /// own one loopback address and no other).
     pub fn is_local(&self, ip: Ipv4Addr) -> bool {
-        ip.is_loopback() || self.addrs.contains(&ip)
+        self.addrs.contains(&ip) || ip.is_loopback() && !self.addrs.iter().any(|a| a.is_loopback())
     }
 
     /// `rdma_create_id`.
@@ -455,6 +459,12 @@ impl ConnectionManager {
             return Err(CmError::WrongState);
         }
         let (Some(src), Some(dst)) = (i.local, i.remote) else { return Err(CmError::WrongState) };
+        if i.tenant.is_host_local() && !self.is_local(*dst.ip()) {
+            return Err(CmError::Invalid(
+                "this tenant exists on this host only (its processes are outside the daemon's network \
+                 namespace): it cannot connect to another host",
+            ));
+        }
         conn.start_psn = i.psn;
         let msg = CmMessage::Req { from: id, tenant: i.tenant.0, ps: i.ps, src, dst, conn: conn.clone() };
         self.transmit.push_back((*dst.ip(), msg));
@@ -732,10 +742,14 @@ impl ConnectionManager {
         if self.ids.values().any(|i| i.peer == Some((host, from)) && i.listener.is_some()) {
             return;
         }
+        // A tenant numbered by another host's daemon is not ours, whatever
+        // its number: it only ever meets a port without a listener here.
+        let foreign = tenant.is_host_local() && !self.is_local(host);
         let listener = self
             .ports
             .listener(ps, *dst.ip(), dst.port())
-            .filter(|l| self.ids.get(l).is_some_and(|i| i.tenant == tenant && i.state == State::Listening));
+            .filter(|l| self.ids.get(l).is_some_and(|i| i.tenant == tenant && i.state == State::Listening))
+            .filter(|_| !foreign);
         let Some(l) = listener else {
             // No listener, or another tenant's: the same answer.
             refuse(self, reject::INVALID_SERVICE_ID);

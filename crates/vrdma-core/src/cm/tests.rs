@@ -424,3 +424,38 @@ fn a_tenant_holds_at_most_its_quota_of_ids_pending_requests_included() {
     assert_eq!(net.b.create_id(CB, TENANT, PortSpace::Tcp).unwrap_err().errno(), errno::ENOMEM);
     assert!(net.b.create_id(CB, OTHER, PortSpace::Tcp).is_ok(), "another tenant is not affected");
 }
+
+#[test]
+fn a_tenant_of_one_host_only_never_meets_another_hosts_listener() {
+    let local = TenantId(TenantId::HOST_LOCAL_BASE + 1);
+    let mut net = Net::new();
+    net.listen(B, CB, local, 7471, 8);
+    let a = net.resolved(A, CA, local, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    assert_eq!(net.a.connect(CA, a, conn(0x11, b""), T0).unwrap_err().errno(), errno::EINVAL);
+    // A forged REQ claiming that number from A is answered as no listener.
+    let src = SocketAddrV4::new(A, 40000);
+    let msg = CmMessage::Req {
+        from: 9,
+        tenant: local.0,
+        ps: PortSpace::Tcp,
+        src,
+        dst: SocketAddrV4::new(B, 7471),
+        conn: conn(1, b""),
+    };
+    net.b.handle_message(A, msg);
+    assert!(net.events(B).is_empty());
+    assert!(matches!(
+        net.b.poll_transmit(),
+        Some((A, CmMessage::Rej { reason: reject::INVALID_SERVICE_ID, .. }))
+    ));
+}
+
+#[test]
+fn loopback_is_this_host_unless_the_host_is_a_loopback_address() {
+    let cm = |addr| ConnectionManager::new(CmConfig::default(), vec![addr], Box::new(Counter(1)));
+    assert!(cm(A).is_local(Ipv4Addr::LOCALHOST));
+    assert!(!cm(A).is_local(B));
+    let test_host = cm(Ipv4Addr::new(127, 0, 0, 2));
+    assert!(test_host.is_local(Ipv4Addr::new(127, 0, 0, 2)));
+    assert!(!test_host.is_local(Ipv4Addr::new(127, 0, 0, 3)), "another daemon's");
+}

@@ -54,6 +54,8 @@ pub enum FrameType {
     Auth = 0x02,
     Keepalive = 0x03,
     Close = 0x04,
+    /// A connection manager's message (REQ, REP, …) in the payload.
+    Cm = 0x05,
     Data = 0x10,
 }
 
@@ -64,6 +66,7 @@ impl FrameType {
             0x02 => FrameType::Auth,
             0x03 => FrameType::Keepalive,
             0x04 => FrameType::Close,
+            0x05 => FrameType::Cm,
             0x10 => FrameType::Data,
             _ => return None,
         })
@@ -77,6 +80,7 @@ impl FrameType {
             FrameType::Auth => (AUTH_LEN, AUTH_LEN),
             FrameType::Keepalive => (KEEPALIVE_LEN, KEEPALIVE_LEN),
             FrameType::Close => (CLOSE_LEN, CLOSE_LEN),
+            FrameType::Cm => (BASE_HEADER_LEN, BASE_HEADER_LEN),
             FrameType::Data => (DATA_HEADER_LEN, MAX_DATA_HEADER_LEN),
         }
     }
@@ -132,8 +136,13 @@ pub(super) fn check_base(b: &[u8]) -> Result<Base, WireError> {
         if b[field::FLAGS] != 0 {
             return Err(WireError::BadFlags(b[field::FLAGS]));
         }
-        if payload_len != 0 {
-            return Err(WireError::UnexpectedPayload);
+        match frame_type {
+            FrameType::Cm if payload_len == 0 || payload_len > super::cm::MAX_CM_PAYLOAD => {
+                return Err(WireError::BadCmLen(payload_len));
+            }
+            FrameType::Cm => {}
+            _ if payload_len != 0 => return Err(WireError::UnexpectedPayload),
+            _ => {}
         }
     }
     Ok(Base { frame_type, header_len: header_len as usize, payload_len })
@@ -546,6 +555,11 @@ pub enum FrameRepr {
     Auth([u8; TAG_LEN]),
     Keepalive(KeepaliveRepr),
     Close(CloseRepr),
+    /// A connection manager's message of `len` bytes follows (see
+    /// [`super::cm`]).
+    Cm {
+        len: u32,
+    },
     Data(DataRepr),
 }
 
@@ -565,6 +579,7 @@ impl FrameRepr {
             }
             FrameType::Keepalive => FrameRepr::Keepalive(KeepaliveRepr::read(b)?),
             FrameType::Close => FrameRepr::Close(CloseRepr::read(b)?),
+            FrameType::Cm => FrameRepr::Cm { len: base.payload_len },
             FrameType::Data => FrameRepr::Data(DataRepr::read(b, b[field::FLAGS], base.payload_len)?),
         })
     }
@@ -575,6 +590,7 @@ impl FrameRepr {
             FrameRepr::Auth(_) => FrameType::Auth,
             FrameRepr::Keepalive(_) => FrameType::Keepalive,
             FrameRepr::Close(_) => FrameType::Close,
+            FrameRepr::Cm { .. } => FrameType::Cm,
             FrameRepr::Data(_) => FrameType::Data,
         }
     }
@@ -587,6 +603,7 @@ impl FrameRepr {
             FrameRepr::Auth(_) => AUTH_LEN,
             FrameRepr::Keepalive(_) => KEEPALIVE_LEN,
             FrameRepr::Close(_) => CLOSE_LEN,
+            FrameRepr::Cm { .. } => BASE_HEADER_LEN,
             FrameRepr::Data(d) => d.header_len(),
         }
     }
@@ -594,6 +611,7 @@ impl FrameRepr {
     pub fn payload_len(&self) -> u32 {
         match self {
             FrameRepr::Data(d) => d.payload_len,
+            FrameRepr::Cm { len } => *len,
             _ => 0,
         }
     }
@@ -622,6 +640,10 @@ impl FrameRepr {
             FrameRepr::Auth(tag) => b[BASE_HEADER_LEN..AUTH_LEN].copy_from_slice(tag),
             FrameRepr::Keepalive(k) => k.write(b),
             FrameRepr::Close(c) => c.write(b),
+            FrameRepr::Cm { len } if *len == 0 || *len > super::cm::MAX_CM_PAYLOAD => {
+                return Err(WireError::BadCmLen(*len));
+            }
+            FrameRepr::Cm { .. } => {}
             FrameRepr::Data(d) => {
                 d.check()?;
                 d.write(b);

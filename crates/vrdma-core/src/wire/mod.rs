@@ -45,6 +45,7 @@
 
 mod aeth;
 pub mod auth;
+pub mod cm;
 mod control;
 mod decoder;
 mod frame;
@@ -102,6 +103,10 @@ pub enum WireError {
     PayloadTooLong(u32),
     #[error("a payload on a frame that carries none")]
     UnexpectedPayload,
+    #[error("a connection manager's message of {0} bytes (1..={max} allowed)", max = cm::MAX_CM_PAYLOAD)]
+    BadCmLen(u32),
+    #[error("a connection manager's message that does not decode")]
+    BadCmMessage,
     #[error("an empty payload on a first or middle chunk")]
     EmptyChunk,
     #[error("reserved field {0} is not zero")]

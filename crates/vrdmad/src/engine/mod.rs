@@ -34,6 +34,8 @@ pub struct EngineState {
     pub net: Option<crate::net::Net>,
     /// The connection manager (rdma_cm).
     pub cm: crate::cm::CmDriver,
+    /// Its messages from the links (a buffer kept between passes).
+    cm_in: Vec<(std::net::Ipv4Addr, vrdma_core::cm::CmMessage)>,
     epoch: std::time::Instant,
     /// How often every QP that may be served gets one turn, whether or not
     /// it was woken (`engine.sweep_ms`; `None`: never): the bound on how
@@ -58,6 +60,7 @@ impl EngineState {
             rings: RingTable::default(),
             net,
             cm,
+            cm_in: Vec::new(),
             epoch: std::time::Instant::now(),
             sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
             last_sweep: Instant::ZERO,
@@ -97,6 +100,27 @@ impl EngineState {
         }
     }
 
+    /// Runs the connection manager: what the links brought, its timers,
+    /// and its messages out, here or over the links. Returns its next timer.
+    pub fn run_cm(&mut self, now: Instant) -> Option<Instant> {
+        if let Some(net) = self.net.as_mut() {
+            let mut came = std::mem::take(&mut self.cm_in);
+            net.take_cm_in(&mut came);
+            for (host, msg) in came.drain(..) {
+                self.cm.cm.handle_message(host, msg);
+            }
+            self.cm_in = came;
+            for host in net.cm_down.drain(..) {
+                self.cm.cm.link_down(host);
+            }
+        }
+        let net = &mut self.net;
+        self.cm.run(now, |host, msg| match net.as_mut() {
+            Some(n) => n.send_cm(host, msg),
+            None => Err("the transport between daemons is off: set net.psk (or net.psk_file) on both hosts"),
+        })
+    }
+
     /// One pass over the shared-memory queues and the links.
     fn pass(&mut self) -> vrdma_core::hca::Activity {
         let now = self.now();
@@ -114,7 +138,7 @@ impl EngineState {
         self.rings.log.sweep(now);
         self.hca.log.sweep(now);
         act.busy |= self.hca.needs_pass();
-        if let Some(t) = self.cm.run(now) {
+        if let Some(t) = self.run_cm(now) {
             act.timer(t);
         }
         for ctx in self.rings.take_broken() {

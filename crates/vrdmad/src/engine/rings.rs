@@ -508,6 +508,8 @@ mod tests {
     use super::*;
     use vrdma_shm::{ring_bytes, Segment};
 
+    use crate::testing::traced;
+
     /// A context of `tenant` owning `qps`, and the tenant's view of its
     /// posted ring.
     fn context(tenant: u32, qps: impl IntoIterator<Item = u32>) -> (ContextRings, RingView) {
@@ -664,35 +666,5 @@ mod tests {
         assert!(lines[1].contains("(9999 more in the last 1s)"), "{}", lines[1]);
         assert!(lines.iter().all(|l| l.contains("ctx=1")), "the fields of the site are kept: {log}");
         assert_eq!(t.dropped_events, 100_000 - 4, "every dropped event is still counted");
-    }
-
-    /// The log lines of `f`, at info level and above.
-    fn traced(f: impl FnOnce()) -> String {
-        #[derive(Clone, Default)]
-        struct Lines(Arc<std::sync::Mutex<Vec<u8>>>);
-        impl std::io::Write for Lines {
-            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-                self.0.lock().unwrap().extend_from_slice(b);
-                Ok(b.len())
-            }
-            fn flush(&mut self) -> std::io::Result<()> {
-                Ok(())
-            }
-        }
-        let lines = Lines::default();
-        let out = lines.clone();
-        let sub = tracing_subscriber::fmt()
-            .with_max_level(tracing::Level::INFO)
-            .with_ansi(false)
-            .with_writer(move || out.clone())
-            .finish();
-        tracing::subscriber::with_default(sub, || {
-            // Other tests' threads may have met the callsites first, while
-            // no subscriber wanted them, and cached that: ask again.
-            tracing::callsite::rebuild_interest_cache();
-            f()
-        });
-        let b = lines.0.lock().unwrap().clone();
-        String::from_utf8(b).unwrap()
     }
 }

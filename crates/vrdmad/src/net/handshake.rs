@@ -74,6 +74,7 @@ fn frame_name(f: &FrameRepr) -> &'static str {
         FrameRepr::Auth(_) => "Auth",
         FrameRepr::Keepalive(_) => "Keepalive",
         FrameRepr::Close(_) => "Close",
+        FrameRepr::Cm { .. } => "a connection manager's frame",
         FrameRepr::Data(_) => "a data frame",
     }
 }

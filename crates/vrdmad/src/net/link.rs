@@ -106,7 +106,17 @@ pub struct LinkIo {
     last_rx: Clock,
     last_tx: Clock,
     keepalive_seq: u64,
+    /// Where the payload of the connection manager's frame being read
+    /// goes (a small heap region, so that it takes the payload path every
+    /// frame takes), and the messages read whole, for the engine.
+    cm_rx: Option<Region>,
+    pub cm_in: Vec<vrdma_core::cm::CmMessage>,
 }
+
+/// Connection manager's messages a link holds for the engine at most;
+/// past them the peer is breaking the protocol (the engine takes them
+/// every pass).
+const CM_IN_MAX: usize = 1024;
 
 /// Why a link ended.
 pub type LinkEnd = String;
@@ -154,7 +164,30 @@ impl LinkIo {
             last_rx: now,
             last_tx: now,
             keepalive_seq: 0,
+            cm_rx: None,
+            cm_in: Vec::new(),
         })
+    }
+
+    /// Queues a connection manager's message for the peer.
+    pub fn queue_cm(&mut self, msg: &vrdma_core::cm::CmMessage) {
+        let payload = vrdma_core::wire::cm::encode(msg);
+        let f = FrameRepr::Cm { len: payload.len() as u32 };
+        let mut t = Transmit::default();
+        t.header.extend(std::iter::repeat_n(0, f.header_len()));
+        if f.emit(&mut t.header).is_err() {
+            tracing::error!(
+                len = payload.len(),
+                "a connection manager's message too long for a frame; not sent"
+            );
+            return;
+        }
+        let region = Region::heap(payload.len());
+        if region.write(0, &payload).is_err() {
+            return;
+        }
+        t.payload.push(IoSeg { region, off: 0, len: payload.len() });
+        self.txq.push_back(t);
     }
 
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
@@ -221,7 +254,13 @@ impl LinkIo {
                     busy = true;
                     if matches!(self.dec.want(), Want::Header(_)) {
                         self.sink = None;
-                        if std::mem::take(&mut self.lost) {
+                        if let Some(r) = self.cm_rx.take() {
+                            let mut bytes = vec![0u8; r.len()];
+                            let _ = r.read(0, &mut bytes);
+                            let msg = vrdma_core::wire::cm::decode(&bytes)
+                                .map_err(|e| format!("protocol error: {e}"))?;
+                            self.cm_in.push(msg);
+                        } else if std::mem::take(&mut self.lost) {
                             hca.data_lost(self.id, rings);
                         } else {
                             hca.data_placed(self.id, now, rings);
@@ -279,6 +318,20 @@ impl LinkIo {
                 Ok(())
             }
             FrameRepr::Close(c) => Err(format!("the peer closed the link ({:?})", c.reason)),
+            FrameRepr::Cm { len } => {
+                if self.cm_in.len() >= CM_IN_MAX {
+                    return Err(
+                        "protocol error: connection manager's messages faster than they are read".into()
+                    );
+                }
+                let region = Region::heap(len as usize);
+                let mut segs = ArrayVec::new();
+                segs.push(IoSeg { region: region.clone(), off: 0, len: len as usize });
+                self.sink = Some(RxSink::Place { segs, done: 0 });
+                self.cm_rx = Some(region);
+                self.after_large = false;
+                Ok(())
+            }
             FrameRepr::Hello(_) | FrameRepr::Auth(_) => {
                 Err("protocol error: a handshake frame on an open link".into())
             }
@@ -291,6 +344,10 @@ impl LinkIo {
     /// core says so), it is thrown away too, though not lost: what the QP
     /// had claimed may already be another's.
     fn check_sink(&mut self, hca: &Hca) {
+        if self.cm_rx.is_some() {
+            // The connection manager's own buffer: nothing revokes it.
+            return;
+        }
         if let Some(RxSink::Place { segs, .. }) = &self.sink {
             if segs.iter().any(|s| s.region.is_revoked()) {
                 self.sink = Some(RxSink::Discard);

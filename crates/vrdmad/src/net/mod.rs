@@ -109,7 +109,16 @@ pub struct Net {
     /// What links and dials make the daemon log, limited per address (on
     /// the clock of [`crate::logs::now`]).
     pub log: LogLimiter,
+    /// Connection manager's messages for hosts with no link yet: sent when
+    /// one comes up, or given up on (`cm_down`) when the dial fails.
+    cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
+    /// Hosts the connection manager can no longer reach (a link went down,
+    /// a dial for its messages failed), for the engine to tell it.
+    pub cm_down: Vec<std::net::Ipv4Addr>,
 }
+
+/// Connection manager's messages held for one host that has no link yet.
+const CM_PENDING_MAX: usize = 256;
 
 /// Where a dial to a peer stands.
 #[derive(Debug, Clone, Copy)]
@@ -168,6 +177,8 @@ impl Net {
             incoming: HashMap::new(),
             refused: std::collections::HashSet::new(),
             log: LogLimiter::new(),
+            cm_pending: HashMap::new(),
+            cm_down: Vec::new(),
         }
     }
 
@@ -205,6 +216,13 @@ impl Net {
                     self.log, log_source(addr), now, "link up",
                     link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id
                 );
+                let mut l = l;
+                // What the connection manager held for this host goes now.
+                if let Some(held) = info.gid.ipv4().and_then(|ip| self.cm_pending.remove(&ip.into())) {
+                    for m in &held {
+                        l.queue_cm(m);
+                    }
+                }
                 self.links.insert(id, l);
             }
             Err(e) => {
@@ -227,6 +245,50 @@ impl Net {
         );
         let next = Dial::failed(self.dialling.get(&addr).copied(), Clock::now());
         self.dialling.insert(addr, next);
+        if let std::net::IpAddr::V4(ip) = addr.ip() {
+            if self.cm_pending.remove(&ip).is_some() {
+                self.cm_down.push(ip);
+            }
+        }
+    }
+
+    /// Sends a connection manager's message to the daemon of `host`,
+    /// dialling it if no link is up; `Err` if it cannot be sent.
+    pub fn send_cm(
+        &mut self,
+        host: std::net::Ipv4Addr,
+        msg: &vrdma_core::cm::CmMessage,
+    ) -> Result<(), &'static str> {
+        let gid = Gid::from_ipv4(host.octets());
+        if let Some(l) = self.links.values_mut().find(|l| l.gid == gid) {
+            l.queue_cm(msg);
+            return Ok(());
+        }
+        let addr = SocketAddr::from((host, self.setup.port));
+        if !self.setup.permits(addr) {
+            return Err("the host is outside net.allow");
+        }
+        let held = self.cm_pending.entry(host).or_default();
+        if held.len() >= CM_PENDING_MAX {
+            return Err("too many messages wait for a link to the host");
+        }
+        held.push(msg.clone());
+        self.dial(addr, Some(gid));
+        Ok(())
+    }
+
+    /// The connection manager's messages the links read, with the host
+    /// each came from.
+    pub fn take_cm_in(&mut self, out: &mut Vec<(std::net::Ipv4Addr, vrdma_core::cm::CmMessage)>) {
+        for l in self.links.values_mut().filter(|l| !l.cm_in.is_empty()) {
+            // A link's peer is the daemon of its GID's address (a GID that
+            // is not IPv4-mapped names no rdma_cm host).
+            let Some(ip) = l.gid.ipv4() else {
+                l.cm_in.clear();
+                continue;
+            };
+            out.extend(l.cm_in.drain(..).map(|m| (ip.into(), m)));
+        }
     }
 
     /// Dials the hosts the core wants that no link or dial serves.
@@ -383,6 +445,9 @@ impl Net {
                     CloseReason::Normal
                 });
                 hca.link_down(id);
+                if let Some(ip) = l.gid.ipv4() {
+                    self.cm_down.push(ip.into());
+                }
             }
         }
         self.dial_wanted(hca);

@@ -202,7 +202,8 @@ impl Session {
                 e.hca.refund_object(ctx);
             }
             let now = e.now();
-            e.cm.close_context(ctx, now);
+            e.cm.close_context(ctx);
+            e.run_cm(now);
             let t = e.close_context(ctx);
             for q in t.qps {
                 e.rings.remove_qp(q);
@@ -315,7 +316,9 @@ impl Session {
                 let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
                 let r = self.engine(move |e, c| {
                     let now = e.now();
-                    e.cm.handle(c, tenant, req, now)
+                    let r = e.cm.handle(c, tenant, req, now);
+                    e.run_cm(now);
+                    r
                 })?;
                 match r {
                     Ok(reply) => {
