@@ -98,15 +98,18 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     drop(idle);
     let mut skipped = Vec::new();
     let attack_qps = if args.quick { 1000 } else { 3000 };
+    let cases = attack::cases(attack_qps);
     if attack::may_switch_uid() {
-        let cases = attack::cases(attack_qps);
         // 5000 round trips give a steady median; more would take the hog's
         // figure (hundreds of µs each) into minutes.
         let iters = lat_iters.min(5_000);
         figures.extend(beside_attacks(&sock, &cases, send_stat, iters, runs, cores, &progress)?);
     } else {
         skipped.push(report::Skipped {
-            figures: "send 8 B, one way (poll CQ), beside a tenant that misbehaves (6 figures)".into(),
+            figures: format!(
+                "send 8 B, one way (poll CQ), beside a tenant that misbehaves ({} figures)",
+                cases.len()
+            ),
             reason: format!(
                 "needs root, to run the other tenant as uid {} (a tenant is a uid; our own uid would be one tenant)",
                 attack::NOBODY
