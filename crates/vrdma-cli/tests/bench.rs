@@ -296,3 +296,53 @@ fn a_peer_that_speaks_nonsense_is_an_error() {
     assert!(status.success(), "{err}");
     drop(server);
 }
+
+/// `vrdma misbehave`, the other tenant of the default report's isolation
+/// figures (run there as uid 65534; here as ours): it holds its QPs, says
+/// `ready N`, misbehaves, and exits when its stdin closes; a scribbler
+/// says when the daemon has closed its context. The daemon serves others
+/// throughout.
+#[test]
+fn the_misbehaving_tenant_says_ready_and_stops_when_told() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let _d = daemon(&sock, None);
+    for how in ["overflow", "name-idle", "doorbells", "scribble", "stream"] {
+        // Its stdin piped: it misbehaves until that closes.
+        let mut p = Proc(
+            Command::new(VRDMA)
+                .arg("--socket")
+                .arg(&sock)
+                .args(["misbehave", "--how", how, "--qps", "8", "--millis", "60000"])
+                .env("VRDMA_LOG", "error")
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .expect("spawn vrdma misbehave"),
+        );
+        let out = p.0.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let line = rx.recv_timeout(Duration::from_secs(30)).expect("the tenant said ready");
+        assert_eq!(line, "ready 8", "{how}");
+        if how == "scribble" {
+            let line = rx.recv_timeout(Duration::from_secs(30)).expect("the scribbler's context closed");
+            assert_eq!(line, "closed");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let other = vrdma::Context::open_at(&sock).expect("the daemon serves another context");
+        other.query_device().expect("and answers it");
+        drop(p.0.stdin.take());
+        let (status, _out, err) = p.finish(Duration::from_secs(20));
+        assert!(status.success(), "{how}: {err}");
+    }
+    let out = Command::new(VRDMA).arg("--help").output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("misbehave"), "a hidden subcommand");
+}

@@ -8,6 +8,7 @@
 //! (`vrdma bench TEST...` starts its own server process).
 
 pub mod anchors;
+pub(crate) mod attack;
 mod client;
 mod control;
 mod idle;

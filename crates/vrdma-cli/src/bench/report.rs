@@ -13,9 +13,16 @@ fn fmt(v: f64, unit: &str) -> String {
     }
 }
 
-pub fn print(figures: &[Figure], tools: &Tools, json: bool) -> Result<()> {
+/// Figures the report has no value for, and why.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Skipped {
+    pub figures: String,
+    pub reason: String,
+}
+
+pub fn print(figures: &[Figure], skipped: &[Skipped], tools: &Tools, json: bool) -> Result<()> {
     if json {
-        let all = serde_json::json!({ "figures": figures, "tools": tools });
+        let all = serde_json::json!({ "figures": figures, "skipped": skipped, "tools": tools });
         println!("{}", serde_json::to_string_pretty(&all)?);
         return Ok(());
     }
@@ -35,6 +42,10 @@ pub fn print(figures: &[Figure], tools: &Tools, json: bool) -> Result<()> {
         let r = f.ratio.map_or("n/a".to_string(), |r| format!("{r:.2}x"));
         let p99 = f.p99.map_or("".to_string(), |p| fmt(p, f.unit));
         println!("| {} | {} | {} | {} | {} | {} | {} |", f.name, v, p99, f.anchor_name, a, r, f.target);
+    }
+    for s in skipped {
+        println!();
+        println!("Not measured: {}: {}", s.figures, s.reason);
     }
     print_tools(tools);
     Ok(())

@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use serde::{Deserialize, Serialize};
 
 use super::worker::{self, Role};
-use super::{anchors, report, verbs, Args};
+use super::{anchors, attack, report, verbs, Args};
 
 /// One figure: vRDMA's value, its anchor and their ratio.
 #[derive(Debug, Clone, Serialize)]
@@ -83,8 +83,8 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         cores,
     ));
     let idle_n = if args.quick { 1024 } else { 4096 };
-    progress(&format!("8 B send latency with {idle_n} idle QPs on the device"));
-    let idle = super::idle::IdleQps::create(&sock, idle_n)?;
+    progress(&format!("8 B send latency with up to {idle_n} idle QPs on the device"));
+    let idle = super::idle::IdleQps::create_up_to(&sock, idle_n)?;
     let crowded = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
     let mut f = latency(
         &format!("send 8 B, one way (poll CQ), {} idle QPs", idle.len()),
@@ -96,6 +96,27 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     f.target = "<= 1.2x without them".into();
     figures.push(f);
     drop(idle);
+    let mut skipped = Vec::new();
+    let attack_qps = if args.quick { 1000 } else { 3000 };
+    let cases = attack::cases(attack_qps);
+    let group =
+        format!("send 8 B, one way (poll CQ), beside a tenant that misbehaves ({} figures)", cases.len());
+    if attack::may_switch_uid() {
+        // A daemon that refuses the other tenant (its max_tenants reached,
+        // say) costs this group, not the report.
+        match beside_attacks(&sock, &cases, send_stat, lat_iters, runs, cores, &progress) {
+            Ok(f) => figures.extend(f),
+            Err(e) => skipped.push(report::Skipped { figures: group, reason: format!("{e:#}") }),
+        }
+    } else {
+        skipped.push(report::Skipped {
+            figures: group,
+            reason: format!(
+                "needs root, to run the other tenant as uid {} (a tenant is a uid; our own uid would be one tenant)",
+                attack::NOBODY
+            ),
+        });
+    }
     progress("8 B send latency (completion channel)");
     let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
     figures.push(latency(
@@ -150,7 +171,53 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     progress("the same tests through perftest and qperf on the drop-in libibverbs.so.1");
     let tools = verbs::compare(&sock, &own, args.quick, !args.json);
     drop(device);
-    report::print(&figures, &tools, args.json)
+    report::print(&figures, &skipped, &tools, args.json)
+}
+
+/// The victim's 8 B send latency beside each of `cases`, a fresh attacker
+/// per run (so that each run sees the attack from its start, and a
+/// scribbler's closed context is not the next run's), read against
+/// `unloaded`: the same latency measured earlier in this run.
+fn beside_attacks(
+    sock: &std::path::Path,
+    cases: &[attack::Case],
+    unloaded: anchors::Stat,
+    iters: u64,
+    runs: usize,
+    cores: usize,
+    progress: &dyn Fn(&str),
+) -> Result<Vec<Figure>> {
+    let mut figures = Vec::new();
+    for case in cases {
+        progress(&case.name(case.qps as usize).replace("send 8 B, one way (poll CQ)", "8 B send latency"));
+        // Beside an attack, as many round trips as unloaded: a window of
+        // 50 ms (--quick) to 200 ms, so that what the engine does now and
+        // then (its 100 ms sweep) falls in it. Beside the hog, where a
+        // round trip may take a millisecond, 2000 give a steady median
+        // without taking the report into minutes.
+        let iters = if case.how == attack::How::Stream { iters.min(2_000) } else { iters };
+        let (mut outcomes, mut held, mut kept) = (Vec::new(), 0, 0);
+        for _ in 0..runs {
+            let other = attack::Attacker::start(sock, case.how, case.qps)?;
+            held = other.qps;
+            // Let the attack take hold (and the daemon find a scribbled ring).
+            std::thread::sleep(Duration::from_millis(100));
+            outcomes.push(measure_once(sock, worker::Test::SendLat, 8, iters)?);
+            if case.how == attack::How::Scribble && !other.closed_within(Duration::from_secs(5)) {
+                kept += 1;
+            }
+            other.stop();
+        }
+        let mut name = case.name(held);
+        if kept > 0 {
+            // A figure, but not of the attack it names: say so.
+            name.push_str(&format!(" (the daemon did not close its context in {kept} of {runs} runs)"));
+        }
+        let mut f = latency(&name, outcomes, "send 8 B, poll CQ, unloaded", Some(unloaded), cores);
+        f.target = case.target.into();
+        figures.push(f);
+    }
+    Ok(figures)
 }
 
 fn human(size: usize) -> String {
@@ -228,7 +295,7 @@ fn measure(
 }
 
 /// A worker process, killed by pid if it is still running when dropped.
-struct WorkerProc {
+pub(super) struct WorkerProc {
     child: Child,
     lines: std::sync::mpsc::Receiver<String>,
 }
@@ -241,16 +308,19 @@ impl WorkerProc {
         size: usize,
         iters: u64,
     ) -> Result<WorkerProc> {
-        let exe = std::env::current_exe()?;
-        let mut child = Command::new(exe)
-            .args(["bench", "--worker", role.as_str(), "--worker-test", test.as_str()])
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["bench", "--worker", role.as_str(), "--worker-test", test.as_str()])
             .args(["--worker-size", &size.to_string(), "--worker-iters", &iters.to_string()])
             .env("VRDMA_SOCKET", sock)
             .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .context("starting a benchmark worker")?;
-        let out = child.stdout.take().expect("piped");
+            .stdout(Stdio::piped());
+        WorkerProc::start(cmd).context("starting a benchmark worker")
+    }
+
+    /// Spawns `cmd` (its stdin and stdout piped) and reads its lines.
+    pub(super) fn start(mut cmd: Command) -> Result<WorkerProc> {
+        let mut child = cmd.spawn()?;
+        let out = child.stdout.take().ok_or_else(|| anyhow!("the child's stdout is not piped"))?;
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || {
             for line in BufReader::new(out).lines().map_while(Result::ok) {
@@ -262,7 +332,7 @@ impl WorkerProc {
         Ok(WorkerProc { child, lines: rx })
     }
 
-    fn line(&self, limit: Duration) -> Result<String> {
+    pub(super) fn line(&self, limit: Duration) -> Result<String> {
         self.lines
             .recv_timeout(limit)
             .map_err(|_| anyhow!("a benchmark worker said nothing within {limit:?}"))
@@ -275,7 +345,7 @@ impl WorkerProc {
         Ok(())
     }
 
-    fn finish(mut self, limit: Duration) -> Result<()> {
+    pub(super) fn finish(mut self, limit: Duration) -> Result<()> {
         drop(self.child.stdin.take());
         let end = Instant::now() + limit;
         loop {
