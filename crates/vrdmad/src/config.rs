@@ -16,6 +16,7 @@
 //! realtime = false      # SCHED_FIFO for the engine thread (needs CAP_SYS_NICE)
 //! chunk_bytes = 262144  # most bytes one QP moves before the next QP's turn
 //! tenant_turns = 32     # most QPs of one tenant with work served in one pass
+//! contended_bytes = 65536  # most bytes one tenant moves in a pass while another waits
 //! cpu = 1               # pin the engine thread to this CPU
 //! ack_delay_us = 20     # across hosts: hold an ACK this long to send it with a request
 //! sweep_ms = 100        # give every QP with work a turn this often, woken or not (0: never)
@@ -104,6 +105,9 @@ pub struct EngineConfig {
     pub chunk_bytes: u64,
     /// Most QPs of one tenant that do work in one engine pass.
     pub tenant_turns: u32,
+    /// Most bytes one tenant's QPs move in a pass while another tenant
+    /// waits for its share (see `vrdma_core::hca::HcaConfig`).
+    pub contended_bytes: u64,
     /// Pin the engine thread to this CPU. On a small machine the lowest
     /// latency comes with the engine alone on its CPU and the applications
     /// on the others.
@@ -136,6 +140,7 @@ impl Default for EngineConfig {
             realtime: false,
             chunk_bytes: 256 << 10,
             tenant_turns: vrdma_core::hca::TENANT_TURNS,
+            contended_bytes: vrdma_core::hca::CONTENDED_BYTES,
             cpu: None,
             ack_delay_us: 20,
             sweep_ms: 100,
@@ -440,6 +445,9 @@ impl DaemonConfig {
         self.net.validate()?;
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
+        }
+        if self.engine.contended_bytes == 0 {
+            return Err(ConfigError::Invalid("engine.contended_bytes must be positive".into()));
         }
         if self.engine.tenant_turns == 0 {
             return Err(ConfigError::Invalid("engine.tenant_turns must be positive".into()));

@@ -115,6 +115,7 @@ impl Daemon {
         let mut hca_cfg = HcaConfig::for_host(address.octets());
         hca_cfg.chunk_bytes = config.engine.chunk_bytes;
         hca_cfg.tenant_turns = config.engine.tenant_turns;
+        hca_cfg.contended_bytes = config.engine.contended_bytes;
         hca_cfg.ack_delay = std::time::Duration::from_micros(config.engine.ack_delay_us);
         hca_cfg.default_quota = budgets.quota;
         let mut hca = Hca::new(hca_cfg, Box::new(RandomKeys));

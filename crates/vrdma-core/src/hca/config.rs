@@ -70,6 +70,11 @@ pub struct HcaConfig {
     /// thousands of busy QPs then stretches a pass, and so every other
     /// tenant's wait, by this many turns, not by thousands.
     pub tenant_turns: u32,
+    /// Most bytes one tenant's QPs move in one pass while another tenant
+    /// waits for its share too (with one tenant busy, `tenant_turns`
+    /// turns of `chunk_bytes` each): the longest another tenant's message
+    /// waits behind a tenant that streams, however many QPs it streams on.
+    pub contended_bytes: u64,
     /// How long a responder across hosts may hold an ACK, hoping to send
     /// it with a request of the same QP or to merge it with later ACKs.
     /// Zero: at once.
@@ -81,6 +86,10 @@ pub struct HcaConfig {
     pub max_psns_in_flight: u32,
     pub default_quota: Quota,
 }
+
+/// The default of [`HcaConfig::contended_bytes`]: about 10 µs of copying
+/// on a core of today.
+pub const CONTENDED_BYTES: u64 = 64 << 10;
 
 /// The default of [`HcaConfig::tenant_turns`].
 pub const TENANT_TURNS: u32 = 32;
@@ -167,6 +176,7 @@ impl HcaConfig {
             gids: vec![gid],
             chunk_bytes: 64 << 10,
             tenant_turns: TENANT_TURNS,
+            contended_bytes: CONTENDED_BYTES,
             ack_delay: std::time::Duration::ZERO,
             max_psns_in_flight: MAX_PSNS_IN_FLIGHT,
             default_quota: Quota::default(),

@@ -32,7 +32,10 @@ use IdMap as HashMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use config::{lid_of_ipv4, HcaConfig, Quota, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS, VENDOR_ID};
+pub use config::{
+    lid_of_ipv4, HcaConfig, Quota, CONTENDED_BYTES, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS,
+    VENDOR_ID,
+};
 pub use datapath::{Activity, GRH_LEN};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
@@ -126,6 +129,10 @@ pub struct Hca {
     /// Notices of posted QPs taken per tenant per pass, at most (see
     /// [`Queues::take_posted`]).
     notices_per_tenant: u32,
+    /// Bytes the next QP's turn may move, and what the last one moved (the
+    /// tenant's share of a pass holds its own count).
+    turn_bytes: u64,
+    turn_spent: u64,
     /// Limits what tenants and peers can make the device log (see
     /// [`crate::log_limit`]); the driver calls its `sweep`.
     pub log: crate::log_limit::LogLimiter,
@@ -162,6 +169,8 @@ impl Hca {
             log: crate::log_limit::LogLimiter::new(),
             sweeping: Vec::new(),
             notices_per_tenant,
+            turn_bytes: 0,
+            turn_spent: 0,
         }
     }
 

@@ -12,8 +12,13 @@
 //! Here each tenant's QPs queue behind each other in a queue of the
 //! tenant's own, and tenants take turns. A tenant's share of a pass ends
 //! after `tenant_turns` turns that did work, or [`IDLE_TURNS`] that did
-//! none, whichever comes first, and a QP that keeps work goes to the back
-//! of its tenant's queue. So a pass costs O(tenants × turns) whatever any
+//! none, or, while another tenant has QPs queued too, once its QPs have
+//! moved `contended_bytes`, whichever comes first; a QP that keeps work
+//! goes to the back of its tenant's queue. The bytes make the shares fair
+//! and short when tenants contend (a tenant streaming over 64 QPs used to
+//! hold a pass for 32 turns of 256 KiB, some 8 MiB of copying, while
+//! another tenant's 8-byte message waited), and leave a tenant alone on
+//! the engine its whole pass. So a pass costs O(tenants × turns) whatever any
 //! tenant does, never O(QPs), and what a tenant's share left out goes
 //! first in its next share. Turns that find nothing are few for a tenant
 //! that names its QPs only after posting to them; they are what a tenant
@@ -54,7 +59,8 @@ struct TenantQueue {
 /// Turns that did nothing a tenant's share of a pass allows.
 pub const IDLE_TURNS: u32 = 4;
 
-/// One tenant's share of a pass: the turns it has had.
+/// One tenant's share of a pass: the turns it has had, the bytes it may
+/// still move.
 #[derive(Debug)]
 pub(crate) struct Share {
     pub(crate) tenant: TenantId,
@@ -63,13 +69,14 @@ pub(crate) struct Share {
     left: usize,
     busy: u32,
     idle: u32,
+    pub(crate) bytes: u64,
 }
 
 impl Share {
     /// Whether another QP may have a turn, with `busy_turns` turns that
     /// do work allowed.
     pub(crate) fn more(&self, busy_turns: u32) -> bool {
-        self.left > 0 && self.busy < busy_turns && self.idle < IDLE_TURNS
+        self.left > 0 && self.busy < busy_turns && self.idle < IDLE_TURNS && self.bytes > 0
     }
 
     /// Counts a turn (or an entry that was no longer served: `busy`
@@ -117,12 +124,12 @@ impl ServiceOrder {
         self.tenants.len()
     }
 
-    /// The next tenant to take its share of the pass. End the share with
-    /// [`Self::end_share`].
-    pub(crate) fn next_share(&mut self) -> Option<Share> {
+    /// The next tenant to take its share of the pass, with `bytes` to
+    /// move at most. End the share with [`Self::end_share`].
+    pub(crate) fn next_share(&mut self, bytes: u64) -> Option<Share> {
         let tenant = self.tenants.pop_front()?;
         let queued = self.queues.get(&tenant).map_or(0, |q| q.qps.len());
-        Some(Share { tenant, left: queued, busy: 0, idle: 0 })
+        Some(Share { tenant, left: queued, busy: 0, idle: 0, bytes })
     }
 
     /// The next QP of `tenant`'s queue, taken off it.
@@ -210,7 +217,7 @@ mod tests {
     fn pass(o: &mut ServiceOrder, turns: u32, busy: bool) -> Vec<u32> {
         let mut seen = Vec::new();
         for _ in 0..o.tenants_waiting() {
-            let Some(mut share) = o.next_share() else { break };
+            let Some(mut share) = o.next_share(u64::MAX) else { break };
             let t = share.tenant;
             while share.more(turns) {
                 let Some(q) = o.pop(t) else { break };
@@ -257,7 +264,7 @@ mod tests {
         }
         // (Here every queued QP is visited in a share.)
         let share = |o: &mut ServiceOrder, timer: Option<Instant>| {
-            let mut share = o.next_share().unwrap();
+            let mut share = o.next_share(u64::MAX).unwrap();
             let t = share.tenant;
             while share.left > 0 {
                 let q = o.pop(t).unwrap();
@@ -275,14 +282,14 @@ mod tests {
         );
         // A QP woken while queued may have work again.
         o.stir(A);
-        let t = o.next_share().unwrap().tenant;
+        let t = o.next_share(u64::MAX).unwrap().tenant;
         assert_eq!(o.end_share(t, Instant(10)), Left::Work);
         // A timer that came due wakes the engine at once, and its next
         // pass goes round once more.
         let mut o2 = ServiceOrder::default();
         o2.push(A, 1);
         assert_eq!(share(&mut o2, Some(Instant(5))), Left::Quiet(Some(Instant(5))), "due at 5, now is 10");
-        let t = o2.next_share().unwrap().tenant;
+        let t = o2.next_share(u64::MAX).unwrap().tenant;
         assert_eq!(o2.end_share(t, Instant(10)), Left::Work, "not quiet until its QP had a turn again");
     }
 

@@ -2978,6 +2978,8 @@ fn a_tenant_with_many_busy_qps_gets_its_turns_per_pass_not_one_per_qp() {
     let mut env = Env::new();
     let mut config = env.hca.config().clone();
     config.tenant_turns = 2;
+    // (Bytes bound the shares of contending tenants too: not here.)
+    config.contended_bytes = u64::MAX;
     env.hca = Hca::new(config, Box::new(Counter(1)));
     for (c, t) in [(C1, TENANT), (C2, TENANT), (C3, OTHER_TENANT)] {
         env.hca.open_context(c, t).unwrap();
@@ -3141,5 +3143,51 @@ fn thousands_of_qps_woken_at_once_cost_each_pass_one_tenants_share() {
         }
         assert!(passes >= idle.len() / turns, "sweep {by_sweep}: {passes} passes");
         assert!(env.hca.served_qps().is_empty(), "sweep {by_sweep}: all idle again");
+    }
+}
+
+/// While another tenant waits, a tenant streaming over many QPs moves at
+/// most `contended_bytes` a pass, whatever its turns would allow; alone on
+/// the engine it keeps its whole pass.
+#[test]
+fn a_streaming_tenant_moves_its_byte_share_a_pass_while_another_waits() {
+    for contended in [true, false] {
+        let mut env = Env::new();
+        let chunk = env.hca.config().chunk_bytes as u32;
+        let mut config = env.hca.config().clone();
+        config.contended_bytes = u64::from(chunk) * 2;
+        env.hca = Hca::new(config, Box::new(Counter(1)));
+        for (c, t) in [(C1, TENANT), (C2, TENANT), (C3, OTHER_TENANT)] {
+            env.hca.open_context(c, t).unwrap();
+        }
+        let mut many = Vec::new();
+        for _ in 0..8 {
+            let (a, b) = (env.end_with(C1, true), env.end(C2));
+            env.connect(a.qpn, b.qpn);
+            env.connect(b.qpn, a.qpn);
+            many.push((a, b));
+        }
+        let (x, y) = (env.end_with(C3, true), env.end(C3));
+        env.connect(x.qpn, y.qpn);
+        env.connect(y.qpn, x.qpn);
+        env.run(T0);
+        for (a, b) in &many {
+            env.io.post_send(
+                a.qpn,
+                rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key),
+            );
+        }
+        if contended {
+            env.io
+                .post_send(x.qpn, rdma(9, SendOpcode::RdmaWrite, &[x.buf.sge(0, 8)], y.buf.addr, y.buf.key));
+        }
+        env.step(T0);
+        let done: usize = many.iter().map(|(a, _)| env.poll(a.cq).len()).sum();
+        if contended {
+            assert_eq!(done, 2, "two chunks' worth of the streaming tenant");
+            assert_eq!(env.poll(x.cq).len(), 1, "the other tenant's message in the same pass");
+        } else {
+            assert_eq!(done, 8, "alone, every QP's turn");
+        }
     }
 }

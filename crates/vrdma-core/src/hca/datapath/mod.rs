@@ -189,8 +189,12 @@ impl Hca {
         self.flush_pending = false;
         act.pending |= self.wake_posted(io);
         self.sweep_some();
-        for _ in 0..self.order.tenants_waiting() {
-            let Some(mut share) = self.order.next_share() else { break };
+        let tenants = self.order.tenants_waiting();
+        // Bytes bound a share only while tenants contend: one tenant alone
+        // keeps the engine's whole pass.
+        let share_bytes = if tenants > 1 { self.config.contended_bytes.max(1) } else { u64::MAX };
+        for _ in 0..tenants {
+            let Some(mut share) = self.order.next_share(share_bytes) else { break };
             let tenant = share.tenant;
             while share.more(self.config.tenant_turns) {
                 let Some(qpn) = self.order.pop(tenant) else { break };
@@ -208,7 +212,10 @@ impl Hca {
                 // A held ACK goes out with the link's next frame when due;
                 // the engine must be awake then.
                 let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
+                self.turn_bytes = share.bytes.min(self.config.chunk_bytes.max(1));
+                self.turn_spent = 0;
                 let turn = self.turn(qpn, now, io);
+                share.bytes = share.bytes.saturating_sub(self.turn_spent);
                 let timer = match (turn.next_timer, ack) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
@@ -367,7 +374,20 @@ impl Hca {
     }
 
     fn run_send_queue(&mut self, qpn: u32, now: Instant, io: &mut dyn Queues, act: &mut Activity) {
-        let mut budget = self.config.chunk_bytes.max(1);
+        let start = self.turn_bytes.max(1);
+        let mut budget = start;
+        self.run_send_queue_within(qpn, now, &mut budget, io, act);
+        self.turn_spent = start - budget;
+    }
+
+    fn run_send_queue_within(
+        &mut self,
+        qpn: u32,
+        now: Instant,
+        budget: &mut u64,
+        io: &mut dyn Queues,
+        act: &mut Activity,
+    ) {
         // Bounded: each round completes a WR, waits, or spends the budget.
         // At most WRS_PER_PASS WRs per QP per pass, whatever their size, so
         // that a tenant with deep queues of empty WRs cannot stretch a pass.
@@ -414,7 +434,7 @@ impl Hca {
                 return;
             }
             act.busy = true;
-            if !self.step(qpn, now, &mut budget, io, act) || budget == 0 {
+            if !self.step(qpn, now, budget, io, act) || *budget == 0 {
                 return;
             }
         }
