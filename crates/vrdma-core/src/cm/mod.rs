@@ -819,9 +819,9 @@ impl ConnectionManager {
             i.deadline = None;
             let (state, peer) = (i.state, i.peer);
             match state {
-                State::ReqSent => {
-                    // Tell the responder, so that a late accept finds no
-                    // one waiting (by our number, if it never answered).
+                State::ReqSent | State::RepSent => {
+                    // Tell the peer, so that a late answer finds no one
+                    // waiting (by our number, if it never answered).
                     if let Some((host, theirs)) = peer {
                         let msg = CmMessage::Rej {
                             to: theirs,
@@ -831,19 +831,12 @@ impl ConnectionManager {
                         };
                         self.transmit.push_back((host, msg));
                     }
-                    self.close(id, EventKind::Unreachable, -errno::ETIMEDOUT);
-                }
-                State::RepSent => {
-                    if let Some((host, theirs)) = peer {
-                        let msg = CmMessage::Rej {
-                            to: theirs,
-                            from: id,
-                            reason: reject::TIMEOUT,
-                            private_data: vec![],
-                        };
-                        self.transmit.push_back((host, msg));
-                    }
-                    self.close(id, EventKind::ConnectError, -errno::ETIMEDOUT);
+                    let kind = if state == State::ReqSent {
+                        EventKind::Unreachable
+                    } else {
+                        EventKind::ConnectError
+                    };
+                    self.close(id, kind, -errno::ETIMEDOUT);
                 }
                 State::DreqSent => self.close(id, EventKind::Disconnected, 0),
                 _ => {}
