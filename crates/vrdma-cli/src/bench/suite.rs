@@ -17,7 +17,7 @@ use anyhow::{anyhow, bail, Context as _, Result};
 use serde::{Deserialize, Serialize};
 
 use super::worker::{self, Role};
-use super::{anchors, attack, report, verbs, Args};
+use super::{anchors, attack, cm_setup, report, verbs, Args};
 
 /// One figure: vRDMA's value, its anchor and their ratio.
 #[derive(Debug, Clone, Serialize)]
@@ -126,6 +126,8 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         Some(send_stat),
         cores,
     ));
+    progress("rdma_cm connection setup, and TCP connect/accept");
+    figures.extend(cm_setup_figures(&sock, if args.quick { 20 } else { 100 }, runs, cores)?);
     progress("8 B RDMA read latency (CQ polling)");
     let read_lat = measure(&sock, worker::Test::ReadLat, 8, lat_iters, runs)?;
     // A read is a round trip: read it against the ping-pong's round trip.
@@ -177,6 +179,49 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
 /// The victim's 8 B send latency beside each of `cases`, a fresh attacker
 /// per run (so that each run sees the attack from its start, and a
 /// scribbler's closed context is not the next run's), read against
+/// Connection setup through rdma_cm, `n` connections in a row per run,
+/// beside TCP's connect and accept on loopback in the same runs: the
+/// first connection of a run, and each of the rest (median).
+fn cm_setup_figures(sock: &std::path::Path, n: usize, runs: usize, cores: usize) -> Result<Vec<Figure>> {
+    let (mut cm_first, mut cm_each, mut tcp_first, mut tcp_each) = (vec![], vec![], vec![], vec![]);
+    for _ in 0..runs {
+        let cm = cm_setup::rdma_cm(sock, n)?;
+        let tcp = cm_setup::tcp(n)?;
+        cm_first.push(cm.first.as_nanos() as f64);
+        cm_each.push(cm.each.median);
+        tcp_first.push(tcp.first.as_nanos() as f64);
+        tcp_each.push(tcp.each.median);
+    }
+    let figure = |name: String, value: &[f64], anchor_name: &str, anchor: &[f64]| {
+        let (value, anchor) = (anchors::Stat::from_samples(value), anchors::Stat::from_samples(anchor));
+        Figure {
+            name,
+            unit: "ns",
+            ratio: Some(value.median / anchor.median),
+            value,
+            anchor_name: anchor_name.into(),
+            anchor: Some(anchor),
+            target: "<= 3x TCP".into(),
+            cores,
+            p99: None,
+        }
+    };
+    Ok(vec![
+        figure(
+            "rdma_cm connect, create id to ESTABLISHED on both sides (QP included), first of a run".into(),
+            &cm_first,
+            "TCP connect + accept, loopback, first",
+            &tcp_first,
+        ),
+        figure(
+            format!("rdma_cm connect, create id to ESTABLISHED on both sides, each of {n} in a row"),
+            &cm_each,
+            &format!("TCP connect + accept, loopback, each of {n}"),
+            &tcp_each,
+        ),
+    ])
+}
+
 /// `unloaded`: the same latency measured earlier in this run.
 fn beside_attacks(
     sock: &std::path::Path,
