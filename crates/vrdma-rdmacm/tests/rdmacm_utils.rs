@@ -254,3 +254,64 @@ fn c_checks_of_channels_ids_and_addresses() {
     // The one-time notice of an rsocket call names it.
     assert!(f.stderr.contains("rsocket is not implemented"), "{}", f.describe());
 }
+
+/// `vrdma run` from the workspace's CLI, when cargo built it (it does for
+/// `cargo test --workspace`; alone, this package's tests do not build it)
+/// and it is recent enough to link `librdmacm.so.1`.
+fn vrdma_bin() -> Option<PathBuf> {
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent()?;
+    let bin = if deps.ends_with("deps") { deps.parent()? } else { deps }.join("vrdma");
+    let help = Command::new(&bin).args(["run", "--help"]).stdin(Stdio::null()).output();
+    match help {
+        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).contains("librdmacm") => Some(bin),
+        _ => {
+            eprintln!(
+                "skipping: {} with `vrdma run` linking librdmacm is not built (cargo build -p vrdma-cli)",
+                bin.display()
+            );
+            None
+        }
+    }
+}
+
+/// `vrdma run` links `librdmacm.so.1` to this library: rping runs through
+/// it with nothing else set up.
+#[test]
+fn vrdma_run_links_librdmacm() {
+    let Some(s) = setup() else { return };
+    let Some(vrdma) = vrdma_bin() else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let run = |role: &str| {
+        let mut c = Command::new(&vrdma);
+        c.env_remove("LD_LIBRARY_PATH")
+            .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so"))
+            .env("VRDMA_RDMACM_LIB", built("libvrdma_rdmacm.so"))
+            .env("VRDMA_SOCKET", s.socket())
+            .args(["run", "--", RPING, role, "-a", "127.0.0.1", "-p", port.as_str(), "-C", "3", "-v"]);
+        c
+    };
+    let mut server = spawn(run("-s"), "vrdma run -- rping -s");
+    let end = Instant::now() + LISTEN_WAIT;
+    let client = loop {
+        let f = spawn(run("-c"), "vrdma run -- rping -c").finish(LIMIT);
+        if f.status.success()
+            || !f.stderr.contains("RDMA_CM_EVENT_REJECTED")
+            || server.exited()
+            || Instant::now() > end
+        {
+            break f;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let server = server.finish(LIMIT);
+    client.assert_ok();
+    server.assert_ok();
+    assert_eq!(
+        client.stdout.lines().filter(|l| l.starts_with("ping data: ")).count(),
+        3,
+        "{}",
+        client.describe()
+    );
+}
