@@ -23,11 +23,13 @@
 //! the [`vrdma::cm`] ids here have no QP attached and leave every
 //! transition to this module.
 
+use std::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::ptr::{self, null_mut};
+use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use vrdma::cm::{CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
@@ -69,13 +71,20 @@ pub struct Channel {
 }
 
 /// `struct rdma_cm_id` and what stands behind it.
+///
+/// Several threads may use one id (rping's event thread handles its
+/// events while the main thread calls on it), and the program reads and
+/// writes the C structure itself, so the structure is an `UnsafeCell`
+/// reached through raw pointers (this library writes the fields
+/// librdmacm writes, at the points librdmacm writes them) and the Rust
+/// side is behind a lock or atomic.
 #[repr(C)]
 pub struct Id {
-    c: rdma_cm_id,
-    cm: CmId,
+    c: UnsafeCell<rdma_cm_id>,
+    cm: Mutex<CmId>,
     ps: PortSpace,
     /// The PD `rdma_create_qp` allocated for an id given none.
-    own_pd: *mut ibv_pd,
+    own_pd: AtomicPtr<ibv_pd>,
     /// The channel `rdma_create_id` made for an id given none.
     own_channel: *mut Channel,
     /// The requester's (responder resources, initiator depth), for an id
@@ -104,9 +113,9 @@ unsafe fn channel<'a>(p: *mut rdma_event_channel) -> Res<&'a Channel> {
 /// # Safety
 /// `p` is NULL or came from this library (`rdma_create_id` or an event)
 /// and is not destroyed.
-unsafe fn id<'a>(p: *mut rdma_cm_id) -> Res<&'a mut Id> {
+unsafe fn id<'a>(p: *mut rdma_cm_id) -> Res<&'a Id> {
     // SAFETY: per the contract, `p` is the first member of a live Id.
-    unsafe { p.cast::<Id>().as_mut() }.ok_or(Error::sys(libc::EINVAL, "NULL rdma_cm_id"))
+    unsafe { p.cast::<Id>().as_ref() }.ok_or(Error::sys(libc::EINVAL, "NULL rdma_cm_id"))
 }
 
 /// An IPv4 address from a program's `sockaddr` (IPv6 only as the
@@ -161,20 +170,47 @@ fn write_sockaddr(out: &mut libc::sockaddr_storage, a: Option<SocketAddrV4>) {
 }
 
 impl Id {
+    /// The C structure, shared with the program.
+    fn c(&self) -> *mut rdma_cm_id {
+        self.c.get()
+    }
+
+    /// The id in the daemon (a lock held only for one call).
+    fn cm(&self) -> std::sync::MutexGuard<'_, CmId> {
+        self.cm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The id's QP, NULL if it has none.
+    fn qp_ptr(&self) -> *mut ibv_qp {
+        // SAFETY: a read of a field of the live structure.
+        unsafe { (*self.c()).qp }
+    }
+
     /// Refreshes `route.addr` from the daemon.
-    fn refresh_addrs(&mut self) -> Res<()> {
-        let local = self.cm.local_addr()?;
-        let remote = self.cm.peer_addr()?;
-        write_sockaddr(&mut self.c.route.addr.src_storage, local);
-        write_sockaddr(&mut self.c.route.addr.dst_storage, remote);
+    fn refresh_addrs(&self) -> Res<()> {
+        let (local, remote) = {
+            let cm = self.cm();
+            (cm.local_addr()?, cm.peer_addr()?)
+        };
+        // SAFETY: fields of the live structure that only this library
+        // writes (the program reads them after the call or event that
+        // set them, as with librdmacm).
+        unsafe {
+            write_sockaddr(&mut (*self.c()).route.addr.src_storage, local);
+            write_sockaddr(&mut (*self.c()).route.addr.dst_storage, remote);
+        }
         Ok(())
     }
 
     /// Names the device: `verbs` and `port_num`, as once an id is bound
     /// to an address of a device.
-    fn attach_device(&mut self) -> Res<()> {
-        self.c.verbs = verbs()?.context;
-        self.c.port_num = 1;
+    fn attach_device(&self) -> Res<()> {
+        let ctx = verbs()?.context;
+        // SAFETY: as in `refresh_addrs`.
+        unsafe {
+            (*self.c()).verbs = ctx;
+            (*self.c()).port_num = 1;
+        }
         Ok(())
     }
 
@@ -182,16 +218,16 @@ impl Id {
         // SAFETY: `qp` is NULL or the QP `rdma_create_qp` made, which the
         // program destroys only through rdma_destroy_qp (or after it is
         // done with the id).
-        unsafe { self.c.qp.as_ref() }
+        unsafe { self.qp_ptr().as_ref() }
     }
 
     /// Moves the id's QP to `state` with the daemon's attributes.
     fn modify_qp(&self, state: QpState) -> Res<()> {
-        let qp = self.c.qp;
+        let qp = self.qp_ptr();
         if qp.is_null() {
             return Ok(());
         }
-        let (attr, mask) = self.cm.init_qp_attr(state)?;
+        let (attr, mask) = self.cm().init_qp_attr(state)?;
         modify_qp(qp, &attr, mask)
     }
 
@@ -208,9 +244,10 @@ impl Id {
     }
 
     fn to_err(&self) {
-        if !self.c.qp.is_null() {
+        let qp = self.qp_ptr();
+        if !qp.is_null() {
             let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
-            let _ = modify_qp(self.c.qp, &attr, QpAttrMask::STATE);
+            let _ = modify_qp(qp, &attr, QpAttrMask::STATE);
         }
     }
 }
@@ -398,7 +435,14 @@ fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void) -> *m
     c.context = context;
     c.ps = ps.raw();
     c.qp_type = if ps.is_ud() { IBV_QPT_UD } else { IBV_QPT_RC };
-    Box::into_raw(Box::new(Id { c, cm, ps, own_pd: null_mut(), own_channel: null_mut(), request: None }))
+    Box::into_raw(Box::new(Id {
+        c: UnsafeCell::new(c),
+        cm: Mutex::new(cm),
+        ps,
+        own_pd: AtomicPtr::new(null_mut()),
+        own_channel: null_mut(),
+        request: None,
+    }))
 }
 
 pub unsafe extern "C" fn rdma_create_id(
@@ -456,10 +500,11 @@ pub unsafe extern "C" fn rdma_destroy_id(p: *mut rdma_cm_id) -> c_int {
     guard("rdma_destroy_id", -1, || {
         // SAFETY: the program's contract: a live id.
         let i = unsafe { id(p) }?;
-        ids()?.remove(&i.cm.id());
+        let num = i.cm().id();
+        ids()?.remove(&num);
         // SAFETY: the id is the program's to destroy, once.
         let b = unsafe { Box::from_raw(p.cast::<Id>()) };
-        let (pd, ch) = (b.own_pd, b.own_channel);
+        let (pd, ch) = (b.own_pd.load(Ordering::Acquire), b.own_channel);
         drop(b);
         if !pd.is_null() {
             // SAFETY: the PD this library allocated for the id.
@@ -479,7 +524,7 @@ pub unsafe extern "C" fn rdma_bind_addr(p: *mut rdma_cm_id, addr: *mut libc::soc
         let i = unsafe { id(p) }?;
         // SAFETY: the program's sockaddr.
         let a = unsafe { sockaddr_v4(addr) }?.ok_or(Error::sys(libc::EINVAL, "NULL address"))?;
-        let bound = i.cm.bind(a)?;
+        let bound = i.cm().bind(a)?;
         if !bound.ip().is_unspecified() {
             i.attach_device()?;
         }
@@ -500,7 +545,7 @@ pub unsafe extern "C" fn rdma_resolve_addr(
         // SAFETY: the program's sockaddrs.
         let (s, d) = unsafe { (sockaddr_v4(src)?, sockaddr_v4(dst)?) };
         let d = d.ok_or(Error::sys(libc::EINVAL, "NULL destination"))?;
-        i.cm.resolve_addr(s, d)?;
+        i.cm().resolve_addr(s, d)?;
         i.attach_device()?;
         i.refresh_addrs()?;
         Ok(0)
@@ -510,7 +555,7 @@ pub unsafe extern "C" fn rdma_resolve_addr(
 pub unsafe extern "C" fn rdma_resolve_route(p: *mut rdma_cm_id, _timeout_ms: c_int) -> c_int {
     guard("rdma_resolve_route", -1, || {
         // SAFETY: the program's contract.
-        unsafe { id(p) }?.cm.resolve_route()?;
+        unsafe { id(p) }?.cm().resolve_route()?;
         Ok(0)
     })
 }
@@ -520,33 +565,37 @@ pub unsafe extern "C" fn rdma_listen(p: *mut rdma_cm_id, backlog: c_int) -> c_in
         // SAFETY: the program's contract.
         let i = unsafe { id(p) }?;
         // librdmacm's backlog 0 means the default.
-        i.cm.listen(if backlog <= 0 { 1024 } else { backlog })?;
+        i.cm().listen(if backlog <= 0 { 1024 } else { backlog })?;
         Ok(0)
     })
 }
 
 /// `rdma_create_qp` and `rdma_create_qp_ex` once the PD is known.
-fn create_qp(i: &mut Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
-    if i.c.verbs.is_null() {
+fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
+    let c = i.c();
+    // SAFETY: reads of fields of the live structure.
+    let (ctx, old) = unsafe { ((*c).verbs, (*c).qp) };
+    if ctx.is_null() {
         return Err(Error::sys(libc::EINVAL, "the id is not bound to the device yet"));
     }
-    if !i.c.qp.is_null() {
+    if !old.is_null() {
         return Err(Error::sys(libc::EINVAL, "the id has a QP already"));
     }
     let v = verbs()?;
     let pd = if pd.is_null() {
-        if i.own_pd.is_null() {
+        let mut own = i.own_pd.load(Ordering::Acquire);
+        if own.is_null() {
             // SAFETY: the process's open device context.
-            let pd = unsafe { (v.alloc_pd)(v.context) };
-            if pd.is_null() {
+            own = unsafe { (v.alloc_pd)(v.context) };
+            if own.is_null() {
                 return Err(Error::last("ibv_alloc_pd failed"));
             }
-            i.own_pd = pd;
+            i.own_pd.store(own, Ordering::Release);
         }
-        i.own_pd
+        own
     } else {
         // SAFETY: the program's PD.
-        if unsafe { (*pd).context } != i.c.verbs {
+        if unsafe { (*pd).context } != ctx {
             return Err(Error::sys(libc::EINVAL, "the PD is of another device context"));
         }
         pd
@@ -556,7 +605,9 @@ fn create_qp(i: &mut Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()
     if qp.is_null() {
         return Err(Error::last("ibv_create_qp failed"));
     }
-    i.c.qp = qp;
+    // SAFETY: librdmacm's fields of the live structure, which the program
+    // reads once rdma_create_qp returns.
+    unsafe { (*c).qp = qp };
     let init = i.modify_qp(QpState::Init).and_then(|()| {
         if i.ps.is_ud() {
             // A UD QP is ready to send at once, as librdmacm makes it.
@@ -568,16 +619,20 @@ fn create_qp(i: &mut Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()
         Ok(())
     });
     if let Err(e) = init {
-        i.c.qp = null_mut();
+        // SAFETY: as above.
+        unsafe { (*c).qp = null_mut() };
         // SAFETY: the QP just made, not yet handed out.
         unsafe { (v.destroy_qp)(qp) };
         return Err(e);
     }
-    i.c.pd = pd;
-    i.c.send_cq = attr.send_cq;
-    i.c.recv_cq = attr.recv_cq;
-    i.c.srq = attr.srq;
-    i.c.qp_type = attr.qp_type;
+    // SAFETY: as above.
+    unsafe {
+        (*c).pd = pd;
+        (*c).send_cq = attr.send_cq;
+        (*c).recv_cq = attr.recv_cq;
+        (*c).srq = attr.srq;
+        (*c).qp_type = attr.qp_type;
+    }
     Ok(())
 }
 
@@ -629,7 +684,8 @@ pub unsafe extern "C" fn rdma_destroy_qp(p: *mut rdma_cm_id) {
     guard("rdma_destroy_qp", (), || {
         // SAFETY: the program's contract.
         let i = unsafe { id(p) }?;
-        let qp = std::mem::replace(&mut i.c.qp, null_mut());
+        // SAFETY: librdmacm's field of the live structure.
+        let qp = unsafe { std::mem::replace(&mut (*i.c()).qp, null_mut()) };
         if !qp.is_null() {
             // SAFETY: the QP rdma_create_qp made.
             unsafe { (verbs()?.destroy_qp)(qp) };
@@ -645,7 +701,7 @@ pub unsafe extern "C" fn rdma_connect(p: *mut rdma_cm_id, param: *mut rdma_conn_
         // SAFETY: the program's parameters.
         let mut param = with_qp(i, unsafe { conn_param(param) });
         resolve_depths(i, &mut param, false)?;
-        i.cm.connect(&param)?;
+        i.cm().connect(&param)?;
         Ok(0)
     })
 }
@@ -660,10 +716,10 @@ pub unsafe extern "C" fn rdma_accept(p: *mut rdma_cm_id, param: *mut rdma_conn_p
         resolve_depths(i, &mut param, null)?;
         if let Err(e) = i.bring_up() {
             i.to_err();
-            let _ = i.cm.reject(&[]);
+            let _ = i.cm().reject(&[]);
             return Err(e);
         }
-        i.cm.accept(&param)?;
+        i.cm().accept(&param)?;
         Ok(0)
     })
 }
@@ -678,7 +734,7 @@ pub unsafe extern "C" fn rdma_reject(p: *mut rdma_cm_id, private_data: *const c_
             // SAFETY: the program's `len` bytes.
             unsafe { std::slice::from_raw_parts(private_data.cast::<u8>(), usize::from(len)) }
         };
-        i.cm.reject(data)?;
+        i.cm().reject(data)?;
         Ok(0)
     })
 }
@@ -692,7 +748,7 @@ pub unsafe extern "C" fn rdma_reject_ece(p: *mut rdma_cm_id, private_data: *cons
 pub unsafe extern "C" fn rdma_establish(p: *mut rdma_cm_id) -> c_int {
     guard("rdma_establish", -1, || {
         // SAFETY: the program's contract.
-        unsafe { id(p) }?.cm.establish()?;
+        unsafe { id(p) }?.cm().establish()?;
         Ok(0)
     })
 }
@@ -703,7 +759,7 @@ pub unsafe extern "C" fn rdma_disconnect(p: *mut rdma_cm_id) -> c_int {
         let i = unsafe { id(p) }?;
         // As librdmacm: the QP to ERR first, so its work is flushed.
         i.to_err();
-        i.cm.disconnect()?;
+        i.cm().disconnect()?;
         Ok(0)
     })
 }
@@ -725,7 +781,7 @@ pub unsafe extern "C" fn rdma_init_qp_attr(
             .ok()
             .and_then(QpState::from_raw)
             .ok_or(Error::sys(libc::EINVAL, "bad QP state"))?;
-        let (q, m) = i.cm.init_qp_attr(state)?;
+        let (q, m) = i.cm().init_qp_attr(state)?;
         // SAFETY: both checked non-NULL above.
         unsafe {
             *attr = attr_to_c(&q);
@@ -755,7 +811,7 @@ pub unsafe extern "C" fn rdma_set_option(
                 }
                 // SAFETY: an int, checked by its length.
                 let on = unsafe { ptr::read_unaligned(val.cast::<c_int>()) } != 0;
-                i.cm.set_reuseaddr(on)?;
+                i.cm().set_reuseaddr(on)?;
             }
             // Accepted and without effect: vRDMA has no traffic classes,
             // IPv6 or timers of this kind.
@@ -775,8 +831,9 @@ pub unsafe extern "C" fn rdma_migrate_id(p: *mut rdma_cm_id, channel: *mut rdma_
         let i = unsafe { id(p) }?;
         // SAFETY: the program's channel.
         let ch = unsafe { self::channel(channel) }?;
-        i.cm.migrate(&ch.ch)?;
-        i.c.channel = channel;
+        i.cm().migrate(&ch.ch)?;
+        // SAFETY: librdmacm's field of the live structure.
+        unsafe { (*i.c()).channel = channel };
         Ok(0)
     })
 }
@@ -796,14 +853,18 @@ fn port_of(s: &libc::sockaddr_storage) -> u16 {
 pub unsafe extern "C" fn rdma_get_src_port(p: *mut rdma_cm_id) -> u16 {
     guard("rdma_get_src_port", 0, || {
         // SAFETY: the program's contract.
-        Ok(port_of(&unsafe { id(p) }?.c.route.addr.src_storage))
+        let c = unsafe { id(p) }?.c();
+        // SAFETY: a field of the live structure.
+        Ok(port_of(unsafe { &(*c).route.addr.src_storage }))
     })
 }
 
 pub unsafe extern "C" fn rdma_get_dst_port(p: *mut rdma_cm_id) -> u16 {
     guard("rdma_get_dst_port", 0, || {
         // SAFETY: the program's contract.
-        Ok(port_of(&unsafe { id(p) }?.c.route.addr.dst_storage))
+        let c = unsafe { id(p) }?.c();
+        // SAFETY: a field of the live structure.
+        Ok(port_of(unsafe { &(*c).route.addr.dst_storage }))
     })
 }
 
@@ -863,7 +924,7 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
         let Some(&l) = ids()?.get(&lnum) else { return Ok(None) };
         listen = l as *mut Id;
         // SAFETY: ids in the table are live (removed before they go).
-        let (ps, context) = unsafe { ((*listen).ps, (*listen).c.context) };
+        let (ps, context) = unsafe { ((*listen).ps, (*(*listen).c()).context) };
         // SAFETY: the channel the event came from is live (we are in
         // rdma_get_cm_event on it).
         let cm = CmId::from_request(unsafe { &(*ch).ch }, &ev, ps)?;
@@ -878,22 +939,22 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
         let Some(&p) = ids()?.get(&ev.id) else { return Ok(None) };
         p as *mut Id
     };
-    // SAFETY: live, from the table (or just made); the program does not
-    // use it concurrently with its own event (librdmacm's contract).
-    let i = unsafe { &mut *idp };
+    // SAFETY: live, from the table (or just made).
+    let i = unsafe { &*idp };
     match kind {
         EventKind::ConnectRequest | EventKind::AddrResolved => {
             i.attach_device()?;
             i.refresh_addrs()?;
         }
         EventKind::RouteResolved | EventKind::Established => i.refresh_addrs()?,
-        EventKind::ConnectResponse if !i.c.qp.is_null() => {
+        EventKind::ConnectResponse if !i.qp_ptr().is_null() => {
             // librdmacm's reply handling for an id with a QP.
-            match i.bring_up().and_then(|()| i.cm.establish().map_err(Error::from)) {
+            let up = i.bring_up().and_then(|()| i.cm().establish().map_err(Error::from));
+            match up {
                 Ok(()) => kind = EventKind::Established,
                 Err(e) => {
                     i.to_err();
-                    let _ = i.cm.reject(&[]);
+                    let _ = i.cm().reject(&[]);
                     kind = EventKind::ConnectError;
                     status = -e.errno();
                 }
