@@ -36,7 +36,7 @@ enum Command {
     BenchHosts(cmd::hostbench::Args),
     /// The multi-tenant measurement study: placements x protocols x tenants, a report with tables and charts.
     Study(study::Args),
-    /// Run an unmodified verbs program (ibv_rc_pingpong, ...) on vRDMA through its libibverbs.so.1.
+    /// Run an unmodified verbs or rdma_cm program (ibv_rc_pingpong, rping, ...) on vRDMA through its libibverbs.so.1 and librdmacm.so.1.
     Run(cmd::run::Args),
     /// A busy-polling TCP ping-pong (bench-hosts' reference anchor).
     #[command(hide = true)]

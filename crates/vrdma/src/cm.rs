@@ -249,6 +249,19 @@ impl CmId {
         call(&self.channel.inner.ctx, req)
     }
 
+    /// `rdma_migrate_id`: the id's next events go to `channel`, another
+    /// channel of the same context (those already queued stay where they
+    /// are).
+    pub fn migrate(&mut self, channel: &EventChannel) -> Result<()> {
+        self.call(CmRequest::MigrateId { id: self.id, channel: channel.inner.channel })?;
+        let qp = self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        if let Some(qpn) = qp {
+            channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
+        }
+        self.channel = channel.clone();
+        Ok(())
+    }
+
     /// `rdma_set_option(RDMA_OPTION_ID_REUSEADDR)`.
     pub fn set_reuseaddr(&self, reuse: bool) -> Result<()> {
         self.call(CmRequest::SetReuseAddr { id: self.id, reuse }).map(drop)

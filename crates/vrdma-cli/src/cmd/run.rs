@@ -19,6 +19,14 @@
 //! such as perftest need in order to load: rdma-core's own copies import
 //! its private provider ABI. Without it the links are left out and such
 //! programs fail to load, saying which library they miss.
+//!
+//! And it gets `librdmacm.so.1`, linked to vRDMA's connection manager
+//! library (the `vrdma-rdmacm` cdylib: `libvrdma_rdmacm.so` next to the
+//! executable, or the file `VRDMA_RDMACM_LIB` names), so that programs
+//! that connect through rdma_cm (`rping`, `ucmatose`, perftest's `-R`)
+//! reach the daemon's connection manager: rdma-core's own librdmacm
+//! needs the kernel's (`/dev/infiniband/rdma_cm`). Without it the link is
+//! left out, and such programs fail as they do without vRDMA.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -41,6 +49,24 @@ const LIB_NAME: &str = "libvrdma_verbs.so";
 const COMPANIONS_ENV: &str = "VRDMA_COMPANIONS_LIB";
 const COMPANIONS_NAME: &str = "libvrdma_companions.so";
 const COMPANION_SONAMES: [&str; 2] = ["libmlx5.so.1", "libefa.so.1"];
+/// The same for the connection manager library.
+const RDMACM_ENV: &str = "VRDMA_RDMACM_LIB";
+const RDMACM_NAME: &str = "libvrdma_rdmacm.so";
+const RDMACM_SONAME: &str = "librdmacm.so.1";
+
+/// vRDMA's `librdmacm.so.1`, if there is one (see the module
+/// documentation).
+pub(crate) fn find_rdmacm() -> Result<Option<PathBuf>> {
+    if let Some(p) = std::env::var_os(RDMACM_ENV) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("{RDMACM_ENV}={} does not name a file", p.display());
+        }
+        return Ok(Some(p));
+    }
+    let exe = std::env::current_exe().context("where is the vrdma executable")?;
+    Ok(exe.parent().map(|d| d.join(RDMACM_NAME)).filter(|p| p.is_file()))
+}
 
 /// The companion library, if there is one (see the module documentation).
 pub(crate) fn find_companions() -> Result<Option<PathBuf>> {
@@ -101,6 +127,13 @@ impl LibDir {
         Ok(d)
     }
 
+    /// Adds `librdmacm.so.1`, linked to `lib`.
+    pub(crate) fn add_rdmacm(&self, lib: &Path) -> Result<()> {
+        let lib = lib.canonicalize().with_context(|| format!("resolve {}", lib.display()))?;
+        std::os::unix::fs::symlink(&lib, self.0.join(RDMACM_SONAME))
+            .with_context(|| format!("link {RDMACM_SONAME} to {}", lib.display()))
+    }
+
     /// The directory, to prepend to `LD_LIBRARY_PATH`.
     pub(crate) fn path(&self) -> &Path {
         &self.0
@@ -127,6 +160,9 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     let (program, rest) = args.command.split_first().context("no program to run")?;
     let lib = find_library()?;
     let dir = LibDir::create(&lib, find_companions()?.as_deref())?;
+    if let Some(cm) = find_rdmacm()? {
+        dir.add_rdmacm(&cm)?;
+    }
     let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
 
     let mut path = dir.0.clone().into_os_string();

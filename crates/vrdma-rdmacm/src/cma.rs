@@ -1,0 +1,1057 @@
+//! The connection manager calls: rdma-core's `rdma_*` functions over
+//! [`vrdma::cm`], with the QP moved through the program's libibverbs.
+//!
+//! Each C object is a box whose first member is the structure the
+//! program sees, so the pointer the program holds is the box's:
+//!
+//! - [`Channel`]: `struct rdma_event_channel` (its `fd` is the client
+//!   library's real descriptor: readable exactly while events wait) and
+//!   the [`EventChannel`].
+//! - [`Id`]: `struct rdma_cm_id` and the [`CmId`]. The ids of the process
+//!   are also in a table by the daemon's id number, which is how an event
+//!   finds its `rdma_cm_id` (and its listener's).
+//! - [`Event`]: `struct rdma_cm_event` and the bytes its private data
+//!   pointer points at, valid until `rdma_ack_cm_event` frees the box.
+//!
+//! QPs are the program's: libibverbs ones that `rdma_create_qp` makes with
+//! `ibv_create_qp` and moves to INIT with the attributes the daemon gives
+//! (`CmRequest::InitQpAttr`). As in rdma-core, `rdma_accept` moves an
+//! id's QP through INIT, RTR and RTS before it accepts, and
+//! `rdma_get_cm_event` does the same with a CONNECT_RESPONSE for an id
+//! with a QP, then establishes and reports ESTABLISHED. The daemon is
+//! told the QP's number in the connect or accept, never the QP itself, so
+//! the [`vrdma::cm`] ids here have no QP attached and leave every
+//! transition to this module.
+
+use std::cell::UnsafeCell;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::os::fd::AsRawFd;
+use std::ptr::{self, null_mut};
+use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::{Mutex, OnceLock};
+
+use vrdma::cm::{CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
+use vrdma::{QpAttr, QpAttrMask, QpState};
+
+use crate::abi::*;
+use crate::verbs::verbs;
+use crate::{guard, Error, Res};
+
+/// What the process shares: its client context (the same tenant as its
+/// libibverbs, so the daemon accepts that library's QP numbers) and the
+/// table of its ids.
+struct Lib {
+    ctx: vrdma::Context,
+    ids: Mutex<HashMap<u32, usize>>,
+}
+
+fn lib() -> Res<&'static Lib> {
+    static LIB: OnceLock<Result<Lib, Error>> = OnceLock::new();
+    LIB.get_or_init(|| {
+        let ctx = vrdma::Context::open().map_err(|e| {
+            Error::Setup(format!("cannot reach the vRDMA daemon (is VRDMA_SOCKET set? try `vrdma run`): {e}"))
+        })?;
+        Ok(Lib { ctx, ids: Mutex::default() })
+    })
+    .as_ref()
+    .map_err(Clone::clone)
+}
+
+fn ids() -> Res<std::sync::MutexGuard<'static, HashMap<u32, usize>>> {
+    Ok(lib()?.ids.lock().unwrap_or_else(|p| p.into_inner()))
+}
+
+/// `struct rdma_event_channel` and what stands behind it.
+#[repr(C)]
+pub struct Channel {
+    c: rdma_event_channel,
+    ch: EventChannel,
+}
+
+/// `struct rdma_cm_id` and what stands behind it.
+///
+/// Several threads may use one id (rping's event thread handles its
+/// events while the main thread calls on it), and the program reads and
+/// writes the C structure itself, so the structure is an `UnsafeCell`
+/// reached through raw pointers (this library writes the fields
+/// librdmacm writes, at the points librdmacm writes them) and the Rust
+/// side is behind a lock or atomic.
+#[repr(C)]
+pub struct Id {
+    c: UnsafeCell<rdma_cm_id>,
+    cm: Mutex<CmId>,
+    ps: PortSpace,
+    /// The PD `rdma_create_qp` allocated for an id given none.
+    own_pd: AtomicPtr<ibv_pd>,
+    /// The channel `rdma_create_id` made for an id given none.
+    own_channel: *mut Channel,
+    /// The requester's (responder resources, initiator depth), for an id
+    /// a connect request made: an accept's defaults.
+    request: Option<(u8, u8)>,
+}
+
+/// `struct rdma_cm_event` and the private data it points at.
+#[repr(C)]
+pub struct Event {
+    c: rdma_cm_event,
+    private_data: Vec<u8>,
+}
+
+/// The `Channel` behind a program's pointer.
+///
+/// # Safety
+/// `p` is NULL or came from `rdma_create_event_channel` and is live.
+unsafe fn channel<'a>(p: *mut rdma_event_channel) -> Res<&'a Channel> {
+    // SAFETY: per the contract, `p` is the first member of a live Channel.
+    unsafe { p.cast::<Channel>().as_ref() }.ok_or(Error::sys(libc::EINVAL, "NULL event channel"))
+}
+
+/// The `Id` behind a program's pointer.
+///
+/// # Safety
+/// `p` is NULL or came from this library (`rdma_create_id` or an event)
+/// and is not destroyed.
+unsafe fn id<'a>(p: *mut rdma_cm_id) -> Res<&'a Id> {
+    // SAFETY: per the contract, `p` is the first member of a live Id.
+    unsafe { p.cast::<Id>().as_ref() }.ok_or(Error::sys(libc::EINVAL, "NULL rdma_cm_id"))
+}
+
+/// An IPv4 address from a program's `sockaddr` (IPv6 only as the
+/// wildcard or an IPv4-mapped address: vRDMA's addresses are IPv4).
+///
+/// # Safety
+/// `sa` is NULL or points at a `sockaddr` of its family's size.
+unsafe fn sockaddr_v4(sa: *const libc::sockaddr) -> Res<Option<SocketAddrV4>> {
+    if sa.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: a non-NULL sockaddr has at least its family.
+    let family = c_int::from(unsafe { (*sa).sa_family });
+    match family {
+        libc::AF_INET => {
+            // SAFETY: AF_INET: the caller's structure is a sockaddr_in.
+            let sin = unsafe { ptr::read_unaligned(sa.cast::<libc::sockaddr_in>()) };
+            let ip = Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr));
+            Ok(Some(SocketAddrV4::new(ip, u16::from_be(sin.sin_port))))
+        }
+        libc::AF_INET6 => {
+            // SAFETY: AF_INET6: the caller's structure is a sockaddr_in6.
+            let sin6 = unsafe { ptr::read_unaligned(sa.cast::<libc::sockaddr_in6>()) };
+            let ip6 = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            let port = u16::from_be(sin6.sin6_port);
+            if ip6.is_unspecified() {
+                Ok(Some(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)))
+            } else if let Some(v4) = ip6.to_ipv4_mapped() {
+                Ok(Some(SocketAddrV4::new(v4, port)))
+            } else {
+                Err(Error::sys(libc::EAFNOSUPPORT, "vRDMA's addresses are IPv4"))
+            }
+        }
+        _ => Err(Error::sys(libc::EAFNOSUPPORT, "not an IP address")),
+    }
+}
+
+fn write_sockaddr(out: &mut libc::sockaddr_storage, a: Option<SocketAddrV4>) {
+    // SAFETY: sockaddr_storage is plain bytes; all-zero is a valid value.
+    *out = unsafe { std::mem::zeroed() };
+    if let Some(a) = a {
+        let sin = libc::sockaddr_in {
+            sin_family: libc::AF_INET as libc::sa_family_t,
+            sin_port: a.port().to_be(),
+            sin_addr: libc::in_addr { s_addr: u32::from(*a.ip()).to_be() },
+            sin_zero: [0; 8],
+        };
+        // SAFETY: sockaddr_storage is larger than and as aligned as
+        // sockaddr_in.
+        unsafe { ptr::write((out as *mut libc::sockaddr_storage).cast::<libc::sockaddr_in>(), sin) };
+    }
+}
+
+impl Id {
+    /// The C structure, shared with the program.
+    fn c(&self) -> *mut rdma_cm_id {
+        self.c.get()
+    }
+
+    /// The id in the daemon (a lock held only for one call).
+    fn cm(&self) -> std::sync::MutexGuard<'_, CmId> {
+        self.cm.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The id's QP, NULL if it has none.
+    fn qp_ptr(&self) -> *mut ibv_qp {
+        // SAFETY: a read of a field of the live structure.
+        unsafe { (*self.c()).qp }
+    }
+
+    /// Refreshes `route.addr` from the daemon.
+    fn refresh_addrs(&self) -> Res<()> {
+        let (local, remote) = {
+            let cm = self.cm();
+            (cm.local_addr()?, cm.peer_addr()?)
+        };
+        // SAFETY: fields of the live structure that only this library
+        // writes (the program reads them after the call or event that
+        // set them, as with librdmacm).
+        unsafe {
+            write_sockaddr(&mut (*self.c()).route.addr.src_storage, local);
+            write_sockaddr(&mut (*self.c()).route.addr.dst_storage, remote);
+        }
+        Ok(())
+    }
+
+    /// Names the device: `verbs` and `port_num`, as once an id is bound
+    /// to an address of a device.
+    fn attach_device(&self) -> Res<()> {
+        let ctx = verbs()?.context;
+        // SAFETY: as in `refresh_addrs`.
+        unsafe {
+            (*self.c()).verbs = ctx;
+            (*self.c()).port_num = 1;
+        }
+        Ok(())
+    }
+
+    fn qp(&self) -> Option<&ibv_qp> {
+        // SAFETY: `qp` is NULL or the QP `rdma_create_qp` made, which the
+        // program destroys only through rdma_destroy_qp (or after it is
+        // done with the id).
+        unsafe { self.qp_ptr().as_ref() }
+    }
+
+    /// Moves the id's QP to `state` with the daemon's attributes.
+    fn modify_qp(&self, state: QpState) -> Res<()> {
+        let qp = self.qp_ptr();
+        if qp.is_null() {
+            return Ok(());
+        }
+        let (attr, mask) = self.cm().init_qp_attr(state)?;
+        modify_qp(qp, &attr, mask)
+    }
+
+    /// librdmacm's bring-up of a connected QP: INIT again (the daemon's
+    /// attributes may have changed with the request), RTR, RTS.
+    fn bring_up(&self) -> Res<()> {
+        if self.ps.is_ud() {
+            return Ok(());
+        }
+        for s in [QpState::Init, QpState::Rtr, QpState::Rts] {
+            self.modify_qp(s)?;
+        }
+        Ok(())
+    }
+
+    fn to_err(&self) {
+        let qp = self.qp_ptr();
+        if !qp.is_null() {
+            let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+            let _ = modify_qp(qp, &attr, QpAttrMask::STATE);
+        }
+    }
+}
+
+/// `ibv_modify_qp` through the program's libibverbs.
+fn modify_qp(qp: *mut ibv_qp, q: &QpAttr, mask: QpAttrMask) -> Res<()> {
+    let mut attr = attr_to_c(q);
+    // SAFETY: `qp` is a live QP of that library, `attr` a full structure.
+    let rc = unsafe { (verbs()?.modify_qp)(qp, &mut attr, mask.bits() as c_int) };
+    if rc != 0 {
+        return Err(Error::sys(rc, "ibv_modify_qp failed"));
+    }
+    Ok(())
+}
+
+fn ah_to_c(a: &vrdma::AhAttr) -> ibv_ah_attr {
+    ibv_ah_attr {
+        grh: ibv_global_route {
+            dgid: ibv_gid { raw: a.dgid.0 },
+            flow_label: a.flow_label,
+            sgid_index: a.sgid_index,
+            hop_limit: a.hop_limit,
+            traffic_class: a.traffic_class,
+        },
+        dlid: a.dlid,
+        sl: a.sl,
+        src_path_bits: a.src_path_bits,
+        static_rate: a.static_rate,
+        is_global: u8::from(a.is_global),
+        port_num: a.port_num,
+    }
+}
+
+/// The daemon's attributes as `struct ibv_qp_attr`.
+fn attr_to_c(q: &QpAttr) -> ibv_qp_attr {
+    ibv_qp_attr {
+        qp_state: u32::from(q.qp_state.raw()),
+        cur_qp_state: u32::from(q.cur_qp_state.raw()),
+        path_mtu: u32::from(q.path_mtu.raw()),
+        qkey: q.qkey,
+        rq_psn: q.rq_psn,
+        sq_psn: q.sq_psn,
+        dest_qp_num: q.dest_qp_num,
+        qp_access_flags: q.qp_access_flags.bits(),
+        cap: ibv_qp_cap {
+            max_send_wr: q.cap.max_send_wr,
+            max_recv_wr: q.cap.max_recv_wr,
+            max_send_sge: q.cap.max_send_sge,
+            max_recv_sge: q.cap.max_recv_sge,
+            max_inline_data: q.cap.max_inline_data,
+        },
+        ah_attr: ah_to_c(&q.ah_attr),
+        pkey_index: q.pkey_index,
+        en_sqd_async_notify: u8::from(q.en_sqd_async_notify),
+        sq_draining: u8::from(q.sq_draining),
+        max_rd_atomic: q.max_rd_atomic,
+        max_dest_rd_atomic: q.max_dest_rd_atomic,
+        min_rnr_timer: q.min_rnr_timer,
+        port_num: q.port_num,
+        timeout: q.timeout,
+        retry_cnt: q.retry_cnt,
+        rnr_retry: q.rnr_retry,
+        ..ibv_qp_attr::default()
+    }
+}
+
+/// A program's `struct rdma_conn_param` (NULL: librdmacm's defaults).
+///
+/// # Safety
+/// `p` is NULL or a valid `rdma_conn_param` whose private data pointer
+/// holds `private_data_len` bytes.
+unsafe fn conn_param(p: *const rdma_conn_param) -> ConnParam {
+    // SAFETY: per the contract.
+    let Some(c) = (unsafe { p.as_ref() }) else {
+        return ConnParam {
+            qp_num: 0,
+            start_psn: 0,
+            responder_resources: RDMA_MAX_RESP_RES,
+            initiator_depth: RDMA_MAX_RESP_RES,
+            flow_control: 0,
+            retry_count: 7,
+            rnr_retry_count: 7,
+            srq: false,
+            private_data: Vec::new(),
+        };
+    };
+    let private_data = if c.private_data.is_null() || c.private_data_len == 0 {
+        Vec::new()
+    } else {
+        // SAFETY: per the contract, `private_data_len` readable bytes.
+        unsafe { std::slice::from_raw_parts(c.private_data.cast::<u8>(), usize::from(c.private_data_len)) }
+            .to_vec()
+    };
+    ConnParam {
+        qp_num: c.qp_num & 0xff_ffff,
+        start_psn: 0,
+        responder_resources: c.responder_resources,
+        initiator_depth: c.initiator_depth,
+        flow_control: c.flow_control,
+        retry_count: c.retry_count,
+        rnr_retry_count: c.rnr_retry_count,
+        srq: c.srq != 0,
+        private_data,
+    }
+}
+
+/// The device's limits: (responder resources, initiator depth).
+fn rd_atom_limits() -> Res<(u8, u8)> {
+    static LIMITS: OnceLock<(u8, u8)> = OnceLock::new();
+    if let Some(l) = LIMITS.get() {
+        return Ok(*l);
+    }
+    let d = lib()?.ctx.query_device()?;
+    let cap = |v: u32| u8::try_from(v).unwrap_or(u8::MAX - 1);
+    Ok(*LIMITS.get_or_init(|| (cap(d.max_qp_rd_atom), cap(d.max_qp_init_rd_atom))))
+}
+
+/// `RDMA_MAX_RESP_RES` / `RDMA_MAX_INIT_DEPTH` (and, for an accept, a
+/// NULL parameter) mean "as many as can be": the device's limit, and for
+/// an accept no more than the requester offered, as in librdmacm.
+fn resolve_depths(id: &Id, param: &mut ConnParam, null: bool) -> Res<()> {
+    let (max_resp, max_init) = rd_atom_limits()?;
+    let (offer_resp, offer_init) = id.request.unwrap_or((u8::MAX, u8::MAX));
+    // Our responder resources serve their reads: no more than their
+    // initiator depth; our initiator depth no more than their resources.
+    if null || param.responder_resources == RDMA_MAX_RESP_RES {
+        param.responder_resources = max_resp.min(offer_init);
+    }
+    if null || param.initiator_depth == RDMA_MAX_RESP_RES {
+        param.initiator_depth = max_init.min(offer_resp);
+    }
+    Ok(())
+}
+
+/// The connection parameters with the QP of `id` where it has one.
+fn with_qp(id: &Id, mut param: ConnParam) -> ConnParam {
+    if let Some(qp) = id.qp() {
+        param.qp_num = qp.qp_num;
+        param.srq = !qp.srq.is_null();
+    }
+    param
+}
+
+// ---------------------------------------------------------------------
+// Event channels
+
+pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel {
+    guard("rdma_create_event_channel", null_mut(), || {
+        let ch = EventChannel::create(&lib()?.ctx)?;
+        let fd = ch.fd().as_raw_fd();
+        // The kernel's rdma_cm descriptor starts blocking, and a program
+        // that wants EAGAIN sets O_NONBLOCK itself (rdma_get_cm_event
+        // looks). The client library reads it with MSG_DONTWAIT either way.
+        // SAFETY: fcntl on the channel's own descriptor.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags >= 0 && flags & libc::O_NONBLOCK != 0 {
+                libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
+            }
+        }
+        let b = Box::new(Channel { c: rdma_event_channel { fd }, ch });
+        Ok(Box::into_raw(b).cast::<rdma_event_channel>())
+    })
+}
+
+pub unsafe extern "C" fn rdma_destroy_event_channel(channel: *mut rdma_event_channel) {
+    guard("rdma_destroy_event_channel", (), || {
+        if !channel.is_null() {
+            // SAFETY: from rdma_create_event_channel, destroyed once (the
+            // program's contract).
+            drop(unsafe { Box::from_raw(channel.cast::<Channel>()) });
+        }
+        Ok(())
+    })
+}
+
+// ---------------------------------------------------------------------
+// Ids
+
+fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void) -> *mut Id {
+    // SAFETY: all-zero is valid for the C structure (pointers NULL, plain
+    // integers and bytes).
+    let mut c: rdma_cm_id = unsafe { std::mem::zeroed() };
+    c.channel = ch.cast::<rdma_event_channel>();
+    c.context = context;
+    c.ps = ps.raw();
+    c.qp_type = if ps.is_ud() { IBV_QPT_UD } else { IBV_QPT_RC };
+    Box::into_raw(Box::new(Id {
+        c: UnsafeCell::new(c),
+        cm: Mutex::new(cm),
+        ps,
+        own_pd: AtomicPtr::new(null_mut()),
+        own_channel: null_mut(),
+        request: None,
+    }))
+}
+
+pub unsafe extern "C" fn rdma_create_id(
+    channel: *mut rdma_event_channel,
+    out: *mut *mut rdma_cm_id,
+    context: *mut c_void,
+    ps: u32,
+) -> c_int {
+    guard("rdma_create_id", -1, || {
+        if out.is_null() {
+            return Err(Error::sys(libc::EINVAL, "NULL id pointer"));
+        }
+        let ps = PortSpace::from_raw(ps).ok_or(Error::sys(libc::EINVAL, "unknown port space"))?;
+        // Without a channel the id gets one of its own, as librdmacm's
+        // synchronous ids do.
+        let (ch, own) = if channel.is_null() {
+            // SAFETY: no arguments.
+            let c = unsafe { rdma_create_event_channel() };
+            if c.is_null() {
+                return Err(Error::sys(
+                    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO),
+                    "no channel",
+                ));
+            }
+            (c.cast::<Channel>(), true)
+        } else {
+            (channel.cast::<Channel>(), false)
+        };
+        // SAFETY: a live channel (the program's contract, or just made).
+        let created = CmId::create(unsafe { &(*ch).ch }, ps);
+        let cm = match created {
+            Ok(cm) => cm,
+            Err(e) => {
+                if own {
+                    // SAFETY: made above, not shared.
+                    unsafe { rdma_destroy_event_channel(ch.cast()) };
+                }
+                return Err(e.into());
+            }
+        };
+        let num = cm.id();
+        let p = new_id(ch, cm, ps, context);
+        if own {
+            // SAFETY: just made.
+            unsafe { (*p).own_channel = ch };
+        }
+        ids()?.insert(num, p as usize);
+        // SAFETY: `out` checked above.
+        unsafe { *out = p.cast() };
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_destroy_id(p: *mut rdma_cm_id) -> c_int {
+    guard("rdma_destroy_id", -1, || {
+        // SAFETY: the program's contract: a live id.
+        let i = unsafe { id(p) }?;
+        let num = i.cm().id();
+        ids()?.remove(&num);
+        // SAFETY: the id is the program's to destroy, once.
+        let b = unsafe { Box::from_raw(p.cast::<Id>()) };
+        let (pd, ch) = (b.own_pd.load(Ordering::Acquire), b.own_channel);
+        drop(b);
+        if !pd.is_null() {
+            // SAFETY: the PD this library allocated for the id.
+            unsafe { (verbs()?.dealloc_pd)(pd) };
+        }
+        if !ch.is_null() {
+            // SAFETY: the channel this library made for the id.
+            unsafe { rdma_destroy_event_channel(ch.cast()) };
+        }
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_bind_addr(p: *mut rdma_cm_id, addr: *mut libc::sockaddr) -> c_int {
+    guard("rdma_bind_addr", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // SAFETY: the program's sockaddr.
+        let a = unsafe { sockaddr_v4(addr) }?.ok_or(Error::sys(libc::EINVAL, "NULL address"))?;
+        let bound = i.cm().bind(a)?;
+        if !bound.ip().is_unspecified() {
+            i.attach_device()?;
+        }
+        i.refresh_addrs()?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_resolve_addr(
+    p: *mut rdma_cm_id,
+    src: *mut libc::sockaddr,
+    dst: *mut libc::sockaddr,
+    _timeout_ms: c_int,
+) -> c_int {
+    guard("rdma_resolve_addr", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // SAFETY: the program's sockaddrs.
+        let (s, d) = unsafe { (sockaddr_v4(src)?, sockaddr_v4(dst)?) };
+        let d = d.ok_or(Error::sys(libc::EINVAL, "NULL destination"))?;
+        i.cm().resolve_addr(s, d)?;
+        i.attach_device()?;
+        i.refresh_addrs()?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_resolve_route(p: *mut rdma_cm_id, _timeout_ms: c_int) -> c_int {
+    guard("rdma_resolve_route", -1, || {
+        // SAFETY: the program's contract.
+        unsafe { id(p) }?.cm().resolve_route()?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_listen(p: *mut rdma_cm_id, backlog: c_int) -> c_int {
+    guard("rdma_listen", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // librdmacm's backlog 0 means the default.
+        i.cm().listen(if backlog <= 0 { 1024 } else { backlog })?;
+        Ok(0)
+    })
+}
+
+/// `rdma_create_qp` and `rdma_create_qp_ex` once the PD is known.
+fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
+    let c = i.c();
+    // SAFETY: reads of fields of the live structure.
+    let (ctx, old) = unsafe { ((*c).verbs, (*c).qp) };
+    if ctx.is_null() {
+        return Err(Error::sys(libc::EINVAL, "the id is not bound to the device yet"));
+    }
+    if !old.is_null() {
+        return Err(Error::sys(libc::EINVAL, "the id has a QP already"));
+    }
+    let v = verbs()?;
+    let pd = if pd.is_null() {
+        let mut own = i.own_pd.load(Ordering::Acquire);
+        if own.is_null() {
+            // SAFETY: the process's open device context.
+            own = unsafe { (v.alloc_pd)(v.context) };
+            if own.is_null() {
+                return Err(Error::last("ibv_alloc_pd failed"));
+            }
+            i.own_pd.store(own, Ordering::Release);
+        }
+        own
+    } else {
+        // SAFETY: the program's PD.
+        if unsafe { (*pd).context } != ctx {
+            return Err(Error::sys(libc::EINVAL, "the PD is of another device context"));
+        }
+        pd
+    };
+    // SAFETY: a PD of the context and the program's attributes.
+    let qp = unsafe { (v.create_qp)(pd, attr) };
+    if qp.is_null() {
+        return Err(Error::last("ibv_create_qp failed"));
+    }
+    // SAFETY: librdmacm's fields of the live structure, which the program
+    // reads once rdma_create_qp returns.
+    unsafe { (*c).qp = qp };
+    let init = i.modify_qp(QpState::Init).and_then(|()| {
+        if i.ps.is_ud() {
+            // A UD QP is ready to send at once, as librdmacm makes it.
+            let rtr = QpAttr { qp_state: QpState::Rtr, ..QpAttr::default() };
+            modify_qp(qp, &rtr, QpAttrMask::STATE)?;
+            let rts = QpAttr { qp_state: QpState::Rts, ..QpAttr::default() };
+            modify_qp(qp, &rts, QpAttrMask::STATE | QpAttrMask::SQ_PSN)?;
+        }
+        Ok(())
+    });
+    if let Err(e) = init {
+        // SAFETY: as above.
+        unsafe { (*c).qp = null_mut() };
+        // SAFETY: the QP just made, not yet handed out.
+        unsafe { (v.destroy_qp)(qp) };
+        return Err(e);
+    }
+    // SAFETY: as above.
+    unsafe {
+        (*c).pd = pd;
+        (*c).send_cq = attr.send_cq;
+        (*c).recv_cq = attr.recv_cq;
+        (*c).srq = attr.srq;
+        (*c).qp_type = attr.qp_type;
+    }
+    Ok(())
+}
+
+pub unsafe extern "C" fn rdma_create_qp(
+    p: *mut rdma_cm_id,
+    pd: *mut ibv_pd,
+    attr: *mut ibv_qp_init_attr,
+) -> c_int {
+    guard("rdma_create_qp", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // SAFETY: the program's attributes, written back with the caps.
+        let a = unsafe { attr.as_mut() }.ok_or(Error::sys(libc::EINVAL, "NULL attributes"))?;
+        create_qp(i, pd, a)?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_create_qp_ex(p: *mut rdma_cm_id, attr: *mut ibv_qp_init_attr_ex_head) -> c_int {
+    guard("rdma_create_qp_ex", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // SAFETY: the program's attributes.
+        let a = unsafe { attr.as_mut() }.ok_or(Error::sys(libc::EINVAL, "NULL attributes"))?;
+        if a.comp_mask & !IBV_QP_INIT_ATTR_PD != 0 {
+            return Err(Error::sys(
+                libc::EOPNOTSUPP,
+                "only the PD of ibv_qp_init_attr_ex is supported (no extended QP attributes yet)",
+            ));
+        }
+        let pd = if a.comp_mask & IBV_QP_INIT_ATTR_PD != 0 { a.pd } else { null_mut() };
+        let mut base = ibv_qp_init_attr {
+            qp_context: a.qp_context,
+            send_cq: a.send_cq,
+            recv_cq: a.recv_cq,
+            srq: a.srq,
+            cap: a.cap,
+            qp_type: a.qp_type,
+            sq_sig_all: a.sq_sig_all,
+        };
+        create_qp(i, pd, &mut base)?;
+        // The capabilities granted, as ibv_create_qp_ex writes them back.
+        a.cap = base.cap;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_destroy_qp(p: *mut rdma_cm_id) {
+    guard("rdma_destroy_qp", (), || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // SAFETY: librdmacm's field of the live structure.
+        let qp = unsafe { std::mem::replace(&mut (*i.c()).qp, null_mut()) };
+        if !qp.is_null() {
+            // SAFETY: the QP rdma_create_qp made.
+            unsafe { (verbs()?.destroy_qp)(qp) };
+        }
+        Ok(())
+    })
+}
+
+pub unsafe extern "C" fn rdma_connect(p: *mut rdma_cm_id, param: *mut rdma_conn_param) -> c_int {
+    guard("rdma_connect", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // SAFETY: the program's parameters.
+        let mut param = with_qp(i, unsafe { conn_param(param) });
+        resolve_depths(i, &mut param, false)?;
+        i.cm().connect(&param)?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_accept(p: *mut rdma_cm_id, param: *mut rdma_conn_param) -> c_int {
+    guard("rdma_accept", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        let null = param.is_null();
+        // SAFETY: the program's parameters.
+        let mut param = with_qp(i, unsafe { conn_param(param) });
+        resolve_depths(i, &mut param, null)?;
+        if let Err(e) = i.bring_up() {
+            i.to_err();
+            let _ = i.cm().reject(&[]);
+            return Err(e);
+        }
+        i.cm().accept(&param)?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_reject(p: *mut rdma_cm_id, private_data: *const c_void, len: u8) -> c_int {
+    guard("rdma_reject", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        let data = if private_data.is_null() || len == 0 {
+            &[][..]
+        } else {
+            // SAFETY: the program's `len` bytes.
+            unsafe { std::slice::from_raw_parts(private_data.cast::<u8>(), usize::from(len)) }
+        };
+        i.cm().reject(data)?;
+        Ok(0)
+    })
+}
+
+/// `rdma_reject_ece`: a reject (vRDMA has no ECE to carry).
+pub unsafe extern "C" fn rdma_reject_ece(p: *mut rdma_cm_id, private_data: *const c_void, len: u8) -> c_int {
+    // SAFETY: the same contract as rdma_reject.
+    unsafe { rdma_reject(p, private_data, len) }
+}
+
+pub unsafe extern "C" fn rdma_establish(p: *mut rdma_cm_id) -> c_int {
+    guard("rdma_establish", -1, || {
+        // SAFETY: the program's contract.
+        unsafe { id(p) }?.cm().establish()?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_disconnect(p: *mut rdma_cm_id) -> c_int {
+    guard("rdma_disconnect", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // As librdmacm: the QP to ERR first, so its work is flushed.
+        i.to_err();
+        i.cm().disconnect()?;
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_init_qp_attr(
+    p: *mut rdma_cm_id,
+    attr: *mut ibv_qp_attr,
+    mask: *mut c_int,
+) -> c_int {
+    guard("rdma_init_qp_attr", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        if attr.is_null() || mask.is_null() {
+            return Err(Error::sys(libc::EINVAL, "NULL attributes or mask"));
+        }
+        // SAFETY: the program's attributes, of which it sets qp_state.
+        let want = unsafe { (*attr).qp_state };
+        let state = u8::try_from(want)
+            .ok()
+            .and_then(QpState::from_raw)
+            .ok_or(Error::sys(libc::EINVAL, "bad QP state"))?;
+        let (q, m) = i.cm().init_qp_attr(state)?;
+        // SAFETY: both checked non-NULL above.
+        unsafe {
+            *attr = attr_to_c(&q);
+            *mask = m.bits() as c_int;
+        }
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_set_option(
+    p: *mut rdma_cm_id,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: usize,
+) -> c_int {
+    guard("rdma_set_option", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        if val.is_null() {
+            return Err(Error::sys(libc::EINVAL, "NULL option value"));
+        }
+        match (level, name) {
+            (RDMA_OPTION_ID, RDMA_OPTION_ID_REUSEADDR) => {
+                if len != std::mem::size_of::<c_int>() {
+                    return Err(Error::sys(libc::EINVAL, "REUSEADDR takes an int"));
+                }
+                // SAFETY: an int, checked by its length.
+                let on = unsafe { ptr::read_unaligned(val.cast::<c_int>()) } != 0;
+                i.cm().set_reuseaddr(on)?;
+            }
+            // Accepted and without effect: vRDMA has no traffic classes,
+            // IPv6 or timers of this kind.
+            (RDMA_OPTION_ID, RDMA_OPTION_ID_TOS | RDMA_OPTION_ID_AFONLY | RDMA_OPTION_ID_ACK_TIMEOUT) => {}
+            (RDMA_OPTION_IB, _) => {
+                return Err(Error::sys(libc::ENOSYS, "IB path options are not supported"));
+            }
+            _ => return Err(Error::sys(libc::EINVAL, "unknown option")),
+        }
+        Ok(0)
+    })
+}
+
+pub unsafe extern "C" fn rdma_migrate_id(p: *mut rdma_cm_id, channel: *mut rdma_event_channel) -> c_int {
+    guard("rdma_migrate_id", -1, || {
+        // SAFETY: the program's contract.
+        let i = unsafe { id(p) }?;
+        // SAFETY: the program's channel.
+        let ch = unsafe { self::channel(channel) }?;
+        i.cm().migrate(&ch.ch)?;
+        // SAFETY: librdmacm's field of the live structure.
+        unsafe { (*i.c()).channel = channel };
+        Ok(0)
+    })
+}
+
+/// The port of an address of the id, network order.
+fn port_of(s: &libc::sockaddr_storage) -> u16 {
+    match c_int::from(s.ss_family) {
+        libc::AF_INET | libc::AF_INET6 => {
+            // SAFETY: both sockaddr_in and sockaddr_in6 have the port
+            // right after the family.
+            unsafe { (*(s as *const libc::sockaddr_storage).cast::<libc::sockaddr_in>()).sin_port }
+        }
+        _ => 0,
+    }
+}
+
+pub unsafe extern "C" fn rdma_get_src_port(p: *mut rdma_cm_id) -> u16 {
+    guard("rdma_get_src_port", 0, || {
+        // SAFETY: the program's contract.
+        let c = unsafe { id(p) }?.c();
+        // SAFETY: a field of the live structure.
+        Ok(port_of(unsafe { &(*c).route.addr.src_storage }))
+    })
+}
+
+pub unsafe extern "C" fn rdma_get_dst_port(p: *mut rdma_cm_id) -> u16 {
+    guard("rdma_get_dst_port", 0, || {
+        // SAFETY: the program's contract.
+        let c = unsafe { id(p) }?.c();
+        // SAFETY: a field of the live structure.
+        Ok(port_of(unsafe { &(*c).route.addr.dst_storage }))
+    })
+}
+
+pub unsafe extern "C" fn rdma_get_devices(num: *mut c_int) -> *mut *mut c_void {
+    guard("rdma_get_devices", null_mut(), || {
+        let ctx = verbs()?.context;
+        let list = Box::into_raw(Box::new([ctx, null_mut()])).cast::<*mut c_void>();
+        if !num.is_null() {
+            // SAFETY: the program's int.
+            unsafe { *num = 1 };
+        }
+        Ok(list)
+    })
+}
+
+pub unsafe extern "C" fn rdma_free_devices(list: *mut *mut c_void) {
+    if !list.is_null() {
+        // SAFETY: from rdma_get_devices, freed once.
+        drop(unsafe { Box::from_raw(list.cast::<[*mut c_void; 2]>()) });
+    }
+}
+
+pub unsafe extern "C" fn rdma_event_str(event: u32) -> *const c_char {
+    let s: &'static CStr = match event {
+        0 => c"RDMA_CM_EVENT_ADDR_RESOLVED",
+        1 => c"RDMA_CM_EVENT_ADDR_ERROR",
+        2 => c"RDMA_CM_EVENT_ROUTE_RESOLVED",
+        3 => c"RDMA_CM_EVENT_ROUTE_ERROR",
+        4 => c"RDMA_CM_EVENT_CONNECT_REQUEST",
+        5 => c"RDMA_CM_EVENT_CONNECT_RESPONSE",
+        6 => c"RDMA_CM_EVENT_CONNECT_ERROR",
+        7 => c"RDMA_CM_EVENT_UNREACHABLE",
+        8 => c"RDMA_CM_EVENT_REJECTED",
+        9 => c"RDMA_CM_EVENT_ESTABLISHED",
+        10 => c"RDMA_CM_EVENT_DISCONNECTED",
+        11 => c"RDMA_CM_EVENT_DEVICE_REMOVAL",
+        12 => c"RDMA_CM_EVENT_MULTICAST_JOIN",
+        13 => c"RDMA_CM_EVENT_MULTICAST_ERROR",
+        14 => c"RDMA_CM_EVENT_ADDR_CHANGE",
+        15 => c"RDMA_CM_EVENT_TIMEWAIT_EXIT",
+        _ => c"UNKNOWN EVENT",
+    };
+    s.as_ptr()
+}
+
+// ---------------------------------------------------------------------
+// Events
+
+/// Turns the daemon's event into the program's, doing librdmacm's part
+/// on the way; `None` for an event of an id already destroyed.
+fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
+    let mut kind = ev.kind;
+    let mut status = ev.status;
+    let mut listen: *mut Id = null_mut();
+    let idp: *mut Id = if kind == EventKind::ConnectRequest {
+        let lnum = ev.listen_id.ok_or(Error::sys(libc::EPROTO, "a connect request without its listener"))?;
+        let Some(&l) = ids()?.get(&lnum) else { return Ok(None) };
+        listen = l as *mut Id;
+        // SAFETY: ids in the table are live (removed before they go).
+        let (ps, context) = unsafe { ((*listen).ps, (*(*listen).c()).context) };
+        // SAFETY: the channel the event came from is live (we are in
+        // rdma_get_cm_event on it).
+        let cm = CmId::from_request(unsafe { &(*ch).ch }, &ev, ps)?;
+        let p = new_id(ch, cm, ps, context);
+        if let Some(q) = &ev.peer {
+            // SAFETY: just made, not yet shared.
+            unsafe { (*p).request = Some((q.responder_resources, q.initiator_depth)) };
+        }
+        ids()?.insert(ev.id, p as usize);
+        p
+    } else {
+        let Some(&p) = ids()?.get(&ev.id) else { return Ok(None) };
+        p as *mut Id
+    };
+    // SAFETY: live, from the table (or just made).
+    let i = unsafe { &*idp };
+    match kind {
+        EventKind::ConnectRequest | EventKind::AddrResolved => {
+            i.attach_device()?;
+            i.refresh_addrs()?;
+        }
+        EventKind::RouteResolved | EventKind::Established => i.refresh_addrs()?,
+        EventKind::ConnectResponse if !i.qp_ptr().is_null() => {
+            // librdmacm's reply handling for an id with a QP.
+            let up = i.bring_up().and_then(|()| i.cm().establish().map_err(Error::from));
+            match up {
+                Ok(()) => kind = EventKind::Established,
+                Err(e) => {
+                    i.to_err();
+                    let _ = i.cm().reject(&[]);
+                    kind = EventKind::ConnectError;
+                    status = -e.errno();
+                }
+            }
+            i.refresh_addrs()?;
+        }
+        EventKind::Rejected => i.to_err(),
+        _ => {}
+    }
+    let peer = ev.peer.clone().unwrap_or(ConnParam {
+        qp_num: 0,
+        start_psn: 0,
+        responder_resources: 0,
+        initiator_depth: 0,
+        flow_control: 0,
+        retry_count: 0,
+        rnr_retry_count: 0,
+        srq: false,
+        private_data: Vec::new(),
+    });
+    let mut e = Box::new(Event {
+        // SAFETY: all-zero is valid for the C structure.
+        c: unsafe { std::mem::zeroed() },
+        private_data: peer.private_data.clone(),
+    });
+    e.c.id = idp.cast();
+    e.c.listen_id = listen.cast();
+    e.c.event = kind as u32;
+    e.c.status = status;
+    let (pd_ptr, pd_len) = if e.private_data.is_empty() {
+        (ptr::null(), 0)
+    } else {
+        (e.private_data.as_ptr().cast::<c_void>(), e.private_data.len().min(255) as u8)
+    };
+    if i.ps.is_ud() {
+        e.c.param.ud = rdma_ud_param {
+            private_data: pd_ptr,
+            private_data_len: pd_len,
+            ah_attr: ibv_ah_attr { port_num: 1, ..ibv_ah_attr::default() },
+            qp_num: peer.qp_num,
+            qkey: ev.qkey,
+        };
+    } else {
+        e.c.param.conn = rdma_conn_param {
+            private_data: pd_ptr,
+            private_data_len: pd_len,
+            responder_resources: peer.responder_resources,
+            initiator_depth: peer.initiator_depth,
+            flow_control: peer.flow_control,
+            retry_count: peer.retry_count,
+            rnr_retry_count: peer.rnr_retry_count,
+            srq: u8::from(peer.srq),
+            qp_num: peer.qp_num,
+        };
+    }
+    Ok(Some(Box::into_raw(e)))
+}
+
+pub unsafe extern "C" fn rdma_get_cm_event(
+    channel: *mut rdma_event_channel,
+    out: *mut *mut rdma_cm_event,
+) -> c_int {
+    guard("rdma_get_cm_event", -1, || {
+        // SAFETY: the program's contract.
+        let ch = unsafe { self::channel(channel) }?;
+        if out.is_null() {
+            return Err(Error::sys(libc::EINVAL, "NULL event pointer"));
+        }
+        loop {
+            // A program that made the descriptor non-blocking gets EAGAIN
+            // instead of a wait, as with the kernel's rdma_cm.
+            // SAFETY: fcntl(F_GETFL) on the channel's descriptor.
+            let flags = unsafe { libc::fcntl(ch.c.fd, libc::F_GETFL) };
+            let ev = if flags >= 0 && flags & libc::O_NONBLOCK != 0 {
+                ch.ch.try_get_event()?.ok_or(Error::quiet(libc::EAGAIN))?
+            } else {
+                match ch.ch.get_event(None)? {
+                    Some(ev) => ev,
+                    None => continue,
+                }
+            };
+            if let Some(e) = convert(channel.cast::<Channel>(), ev)? {
+                // SAFETY: checked non-NULL above.
+                unsafe { *out = e.cast() };
+                return Ok(0);
+            }
+        }
+    })
+}
+
+pub unsafe extern "C" fn rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
+    guard("rdma_ack_cm_event", -1, || {
+        if event.is_null() {
+            return Err(Error::sys(libc::EINVAL, "NULL event"));
+        }
+        // SAFETY: from rdma_get_cm_event, acknowledged once.
+        drop(unsafe { Box::from_raw(event.cast::<Event>()) });
+        Ok(0)
+    })
+}

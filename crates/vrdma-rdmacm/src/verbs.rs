@@ -1,0 +1,121 @@
+//! The few libibverbs calls this library makes, found at run time in the
+//! `libibverbs.so.1` the program loaded.
+//!
+//! rdma-core's librdmacm links libibverbs and opens its devices with
+//! `ibv_get_device_list` / `ibv_open_device`, so `id->verbs` is a context
+//! of the very library the program calls `ibv_alloc_pd` and
+//! `ibv_create_cq` on. Here that library is vRDMA's drop-in
+//! (`crates/vrdma-verbs`), which `vrdma run` puts first on
+//! `LD_LIBRARY_PATH`. We look its functions up with `dlopen` by soname
+//! and `dlvsym` at the version binaries import (`IBVERBS_1.1`) instead of
+//! linking it at build time: the dynamic linker hands back the copy the
+//! program already loaded (same soname), and building this crate needs
+//! no libibverbs at all.
+
+use std::ffi::{c_int, c_void, CStr};
+use std::sync::OnceLock;
+
+use crate::abi::{ibv_pd, ibv_qp, ibv_qp_attr, ibv_qp_init_attr};
+use crate::Error;
+
+type GetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void;
+type FreeDeviceList = unsafe extern "C" fn(*mut *mut c_void);
+type OpenDevice = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+type AllocPd = unsafe extern "C" fn(*mut c_void) -> *mut ibv_pd;
+type DeallocPd = unsafe extern "C" fn(*mut ibv_pd) -> c_int;
+type CreateQp = unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp;
+type DestroyQp = unsafe extern "C" fn(*mut ibv_qp) -> c_int;
+type ModifyQp = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int;
+
+/// The libibverbs entry points, and the process's one device context.
+pub struct Verbs {
+    pub alloc_pd: AllocPd,
+    pub dealloc_pd: DeallocPd,
+    pub create_qp: CreateQp,
+    pub destroy_qp: DestroyQp,
+    pub modify_qp: ModifyQp,
+    /// `struct ibv_context *` of the first device, opened once.
+    pub context: *mut c_void,
+}
+
+// SAFETY: function pointers and a context pointer that libibverbs lets
+// any thread use; the context is never closed.
+unsafe impl Send for Verbs {}
+// SAFETY: as above; nothing here is mutated after creation.
+unsafe impl Sync for Verbs {}
+
+/// The symbol `name@version` of `lib`.
+///
+/// # Safety
+/// `F` must be the function type of that symbol.
+unsafe fn sym<F: Copy>(lib: *mut c_void, name: &CStr, version: &CStr) -> Result<F, Error> {
+    // SAFETY: `lib` is a handle from dlopen; the names are C strings.
+    let p = unsafe { libc::dlvsym(lib, name.as_ptr(), version.as_ptr()) };
+    if p.is_null() {
+        return Err(Error::Setup(format!(
+            "libibverbs.so.1 lacks {}@{}",
+            name.to_string_lossy(),
+            version.to_string_lossy()
+        )));
+    }
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: the caller names the symbol's type; it is a function pointer
+    // of pointer size (checked above).
+    Ok(unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) })
+}
+
+fn load() -> Result<Verbs, Error> {
+    // SAFETY: dlopen of a library by soname; it is (normally) already
+    // loaded, and loading it runs only its initialisers.
+    let lib = unsafe { libc::dlopen(c"libibverbs.so.1".as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+    if lib.is_null() {
+        // SAFETY: dlerror returns NULL or a C string valid until the next
+        // dl call on this thread.
+        let why = unsafe {
+            let e = libc::dlerror();
+            if e.is_null() {
+                "unknown".into()
+            } else {
+                CStr::from_ptr(e).to_string_lossy().into_owned()
+            }
+        };
+        return Err(Error::Setup(format!("cannot load libibverbs.so.1: {why}")));
+    }
+    let v = c"IBVERBS_1.1";
+    // SAFETY: each type is the prototype of that verb in rdma-core 44's
+    // <infiniband/verbs.h> (pointers to structures as void where this
+    // library does not look inside).
+    unsafe {
+        let get_list: GetDeviceList = sym(lib, c"ibv_get_device_list", v)?;
+        let free_list: FreeDeviceList = sym(lib, c"ibv_free_device_list", v)?;
+        let open: OpenDevice = sym(lib, c"ibv_open_device", v)?;
+        let mut n: c_int = 0;
+        let list = get_list(&mut n);
+        if list.is_null() || n < 1 {
+            if !list.is_null() {
+                free_list(list);
+            }
+            return Err(Error::Setup("libibverbs.so.1 lists no device (is it vRDMA's?)".into()));
+        }
+        let context = open(*list);
+        free_list(list);
+        if context.is_null() {
+            return Err(Error::Setup(format!("ibv_open_device failed: {}", std::io::Error::last_os_error())));
+        }
+        Ok(Verbs {
+            alloc_pd: sym(lib, c"ibv_alloc_pd", v)?,
+            dealloc_pd: sym(lib, c"ibv_dealloc_pd", v)?,
+            create_qp: sym(lib, c"ibv_create_qp", v)?,
+            destroy_qp: sym(lib, c"ibv_destroy_qp", v)?,
+            modify_qp: sym(lib, c"ibv_modify_qp", v)?,
+            context,
+        })
+    }
+}
+
+/// The libibverbs of this process, loaded and its device opened on first
+/// use (an error is kept and returned to every later caller too).
+pub fn verbs() -> Result<&'static Verbs, Error> {
+    static VERBS: OnceLock<Result<Verbs, Error>> = OnceLock::new();
+    VERBS.get_or_init(load).as_ref().map_err(Clone::clone)
+}

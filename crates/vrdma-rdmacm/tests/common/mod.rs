@@ -1,0 +1,132 @@
+//! Process harness (as vrdma-verbs' tests have it): every program a test starts
+//! is killed by pid when it overruns its limit or the test ends, and its
+//! output is collected for the failure message.
+
+#![allow(dead_code)] // each test file uses a different part
+
+use std::io::Read;
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// The ping-pong tests take turns: each pair spins on the CPU, and CI
+/// machines have two cores.
+pub fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static TURN: Mutex<()> = Mutex::new(());
+    TURN.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// A started process whose output is collected by two reader threads.
+pub struct Running {
+    name: String,
+    child: Child,
+    out: Option<JoinHandle<String>>,
+    err: Option<JoinHandle<String>>,
+}
+
+pub struct Finished {
+    pub name: String,
+    pub status: ExitStatus,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+impl Finished {
+    pub fn describe(&self) -> String {
+        format!("{}: {}\n--- stdout\n{}--- stderr\n{}", self.name, self.status, self.stdout, self.stderr)
+    }
+
+    pub fn assert_ok(&self) -> &Self {
+        assert!(self.status.success(), "{}", self.describe());
+        self
+    }
+}
+
+fn reader(mut r: impl Read + Send + 'static) -> JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = r.read_to_string(&mut s);
+        s
+    })
+}
+
+pub fn spawn(mut cmd: Command, name: &str) -> Running {
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().unwrap_or_else(|e| panic!("spawn {name}: {e}"));
+    let out = child.stdout.take().map(reader);
+    let err = child.stderr.take().map(reader);
+    Running { name: name.to_string(), child, out, err }
+}
+
+impl Running {
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// Waits until the process exits, killing it (by pid) at the deadline.
+    pub fn finish(mut self, limit: Duration) -> Finished {
+        let end = Instant::now() + limit;
+        let status = loop {
+            if let Some(s) = self.child.try_wait().expect("try_wait") {
+                break s;
+            }
+            if Instant::now() > end {
+                // SAFETY: kill(2) on our child, not yet reaped, so the pid
+                // cannot have been reused.
+                unsafe { libc::kill(self.pid(), libc::SIGKILL) };
+                let s = self.child.wait().expect("wait");
+                let f = self.collect(s);
+                panic!("timed out after {limit:?}, killed\n{}", f.describe());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        self.collect(status)
+    }
+
+    fn collect(&mut self, status: ExitStatus) -> Finished {
+        let join =
+            |h: Option<JoinHandle<String>>| h.map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        Finished {
+            name: self.name.clone(),
+            status,
+            stdout: join(self.out.take()),
+            stderr: join(self.err.take()),
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            // SAFETY: as in `finish`: our unreaped child.
+            unsafe { libc::kill(self.pid(), libc::SIGKILL) };
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// A port nobody uses now ([`vrdma_it::free_port`]), for an rdma_cm
+/// listener: the daemon's port space is its own, but a port free for TCP
+/// is as good a pick as any.
+pub fn free_port() -> u16 {
+    vrdma_it::free_port().expect("a free TCP port")
+}
+
+/// A cdylib cargo built for this test run, beside the test executable in
+/// `target/<profile>/deps/` (or one level up).
+pub fn built(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent().expect("deps dir");
+    let profile = if deps.ends_with("deps") { deps.parent().expect("profile dir") } else { deps };
+    [deps, profile]
+        .iter()
+        .map(|d| d.join(name))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("{name} was not built next to {}", exe.display()))
+}

@@ -1,0 +1,317 @@
+//! The unmodified Debian `rdmacm-utils` binaries (`rping`, `ucmatose`),
+//! run against a real daemon through this library and vRDMA's
+//! libibverbs.
+//!
+//! Each test points `LD_LIBRARY_PATH` at a private directory holding
+//! `librdmacm.so.1` and `libibverbs.so.1` links to the cdylibs cargo
+//! built (`libvrdma_rdmacm.so`, and `libvrdma_verbs.so` as a
+//! dev-dependency), and `VRDMA_SOCKET` at a daemon this test process runs.
+//! `LD_BIND_NOW=1` resolves every import at load time, so a missing
+//! export fails at once. `debian_librdmacm_fails_without_the_shim` shows
+//! what the others would see without this library.
+//!
+//! The tests skip, saying so, only when `/usr/bin/rping` is missing
+//! (`apt-get install rdmacm-utils`); under `VRDMA_TEST_STRICT=1` (CI)
+//! that fails instead. Every wait is bounded: a process still running at
+//! its deadline is killed by pid and the test fails; each process is
+//! killed by pid when its test ends early.
+
+// The library exists for x86-64 Linux only (see src/lib.rs).
+#![cfg(all(target_os = "linux", target_arch = "x86_64"))]
+
+mod common;
+
+use common::{built, free_port, one_at_a_time, spawn, Finished, Running};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const RPING: &str = "/usr/bin/rping";
+const UCMATOSE: &str = "/usr/bin/ucmatose";
+const LIMIT: Duration = Duration::from_secs(60);
+/// How long a client is retried while its server is not listening yet.
+const LISTEN_WAIT: Duration = Duration::from_secs(30);
+
+/// The daemon and the library directory all tests of this binary share.
+struct Setup {
+    dir: tempfile::TempDir,
+    _daemon: Mutex<vrdmad::Daemon>,
+}
+
+impl Setup {
+    fn lib_dir(&self) -> PathBuf {
+        self.dir.path().join("lib")
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("vrdma.sock")
+    }
+
+    /// A command for `program` using both drop-in libraries and the daemon.
+    fn command(&self, program: &str) -> Command {
+        let mut c = Command::new(program);
+        c.env("LD_LIBRARY_PATH", self.lib_dir())
+            .env("VRDMA_SOCKET", self.socket())
+            .env("LD_BIND_NOW", "1")
+            .env("VRDMA_RDMACM_DEBUG", "1")
+            .env("VRDMA_VERBS_DEBUG", "1");
+        c
+    }
+}
+
+/// The shared setup, or `None` (with the reason printed) without the tools.
+fn setup() -> Option<&'static Setup> {
+    for tool in [RPING, UCMATOSE] {
+        if !Path::new(tool).exists() {
+            vrdma_it::skip(format!("{tool} is missing (apt-get install rdmacm-utils)"));
+            return None;
+        }
+    }
+    static SETUP: OnceLock<Setup> = OnceLock::new();
+    Some(SETUP.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let lib = dir.path().join("lib");
+        std::fs::create_dir(&lib).expect("lib dir");
+        std::os::unix::fs::symlink(built("libvrdma_verbs.so"), lib.join("libibverbs.so.1")).expect("symlink");
+        std::os::unix::fs::symlink(built("libvrdma_rdmacm.so"), lib.join("librdmacm.so.1")).expect("symlink");
+        let config =
+            vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
+        let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+        Setup { dir, _daemon: Mutex::new(daemon) }
+    }))
+}
+
+/// Runs the client `args` until it is not turned away for want of a
+/// listener (the server may not listen yet: rdma_cm listeners show in no
+/// socket table), as long as `server` runs and at most [`LISTEN_WAIT`].
+fn client_when_listening(
+    s: &Setup,
+    program: &str,
+    args: &[&str],
+    server: &mut Running,
+    rejected: &str,
+) -> Finished {
+    let end = Instant::now() + LISTEN_WAIT;
+    loop {
+        let mut c = s.command(program);
+        c.args(args);
+        let f = spawn(c, &format!("{program} (client) {}", args.join(" "))).finish(LIMIT);
+        let turned_away = !f.status.success() && format!("{}{}", f.stdout, f.stderr).contains(rejected);
+        if !turned_away || server.exited() || Instant::now() > end {
+            return f;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn check_clean(f: &Finished) {
+    let all = format!("{}{}", f.stdout, f.stderr);
+    for bad in ["vrdma librdmacm:", "vrdma-verbs:", "data mismatch", "error"] {
+        assert!(!all.contains(bad), "{bad:?} in the output\n{}", f.describe());
+    }
+}
+
+#[test]
+fn rping_server_and_client_exchange_ten_pings() {
+    let Some(s) = setup() else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let common = ["-a", "127.0.0.1", "-p", port.as_str(), "-C", "10", "-v"];
+    let mut server_cmd = s.command(RPING);
+    server_cmd.arg("-s").args(common);
+    let mut server = spawn(server_cmd, &format!("rping -s {}", common.join(" ")));
+    let mut client_args = vec!["-c"];
+    client_args.extend_from_slice(&common);
+    let client = client_when_listening(s, RPING, &client_args, &mut server, "RDMA_CM_EVENT_REJECTED");
+    let server = server.finish(LIMIT);
+    for (f, prefix) in [(&client, "ping data: rdma-ping-"), (&server, "server ping data: rdma-ping-")] {
+        f.assert_ok();
+        check_clean(f);
+        let lines: Vec<&str> = f.stdout.lines().filter(|l| l.starts_with(prefix)).collect();
+        assert_eq!(lines.len(), 10, "{}", f.describe());
+        for (n, l) in lines.iter().enumerate() {
+            assert!(l.starts_with(&format!("{prefix}{n}: ")), "line {n}: {l:?}\n{}", f.describe());
+        }
+    }
+    assert!(client.stderr.contains("client DISCONNECT EVENT"), "{}", client.describe());
+    assert!(server.stderr.contains("server DISCONNECT EVENT"), "{}", server.describe());
+}
+
+#[test]
+fn ucmatose_four_connections_ten_messages_each() {
+    let Some(s) = setup() else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let common = ["-p", port.as_str(), "-c", "4", "-C", "10"];
+    let mut server_cmd = s.command(UCMATOSE);
+    server_cmd.args(common);
+    let mut server = spawn(server_cmd, &format!("ucmatose {}", common.join(" ")));
+    let mut client_args = vec!["-s", "127.0.0.1"];
+    client_args.extend_from_slice(&common);
+    let client = client_when_listening(s, UCMATOSE, &client_args, &mut server, "RDMA_CM_EVENT_REJECTED");
+    let server = server.finish(LIMIT);
+    for f in [&client, &server] {
+        f.assert_ok();
+        check_clean(f);
+        for want in ["data transfers complete", "test complete", "return status 0"] {
+            assert!(f.stdout.contains(want), "{want:?} missing\n{}", f.describe());
+        }
+    }
+    assert!(server.stdout.contains("disconnected"), "{}", server.describe());
+}
+
+#[test]
+fn ucmatose_migrates_its_ids_to_a_new_channel() {
+    let Some(s) = setup() else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let common = ["-p", port.as_str(), "-c", "2", "-C", "5", "-m"];
+    let mut server_cmd = s.command(UCMATOSE);
+    server_cmd.args(common);
+    let mut server = spawn(server_cmd, &format!("ucmatose {}", common.join(" ")));
+    let mut client_args = vec!["-s", "127.0.0.1"];
+    client_args.extend_from_slice(&common);
+    let client = client_when_listening(s, UCMATOSE, &client_args, &mut server, "RDMA_CM_EVENT_REJECTED");
+    let server = server.finish(LIMIT);
+    for f in [&client, &server] {
+        f.assert_ok();
+        check_clean(f);
+        assert!(f.stdout.contains("migrating to new event channel"), "{}", f.describe());
+        assert!(f.stdout.contains("return status 0"), "{}", f.describe());
+    }
+}
+
+#[test]
+fn rping_to_a_port_without_listener_is_rejected_promptly() {
+    let Some(s) = setup() else { return };
+    let port = free_port().to_string();
+    let mut c = s.command(RPING);
+    c.args(["-c", "-a", "127.0.0.1", "-p", port.as_str(), "-C", "1", "-v"]);
+    let started = Instant::now();
+    let f = spawn(c, "rping -c (nobody listens)").finish(LIMIT);
+    assert!(!f.status.success(), "{}", f.describe());
+    assert!(f.stderr.contains("RDMA_CM_EVENT_REJECTED"), "{}", f.describe());
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}\n{}", started.elapsed(), f.describe());
+}
+
+/// Without this library, Debian's librdmacm looks for the kernel's
+/// connection manager and fails at once: what the tests above would show.
+#[test]
+fn debian_librdmacm_fails_without_the_shim() {
+    let Some(s) = setup() else { return };
+    if Path::new("/dev/infiniband/rdma_cm").exists() {
+        eprintln!("not checked: this host has a kernel rdma_cm, which Debian's librdmacm would use");
+        return;
+    }
+    let lib = s.dir.path().join("verbs-only");
+    let _ = std::fs::create_dir(&lib);
+    let _ = std::os::unix::fs::symlink(built("libvrdma_verbs.so"), lib.join("libibverbs.so.1"));
+    let port = free_port().to_string();
+    let mut c = s.command(RPING);
+    c.env("LD_LIBRARY_PATH", &lib).args(["-c", "-a", "127.0.0.1", "-p", port.as_str(), "-C", "1"]);
+    let f = spawn(c, "rping -c (Debian's librdmacm)").finish(LIMIT);
+    assert!(!f.status.success(), "{}", f.describe());
+    assert!(f.stderr.contains("failed to create RDMA CM event channel"), "{}", f.describe());
+}
+
+/// `tests/c/cm_check.c`, compiled against rdma-core's headers and linked
+/// against both drop-in libraries: what the tools do not reach
+/// (non-blocking channels, the id's fields, rdma_getaddrinfo, ENOSYS).
+#[test]
+fn c_checks_of_channels_ids_and_addresses() {
+    let Some(s) = setup() else { return };
+    if !Path::new("/usr/include/rdma/rdma_cma.h").exists() {
+        vrdma_it::skip("/usr/include/rdma/rdma_cma.h is missing (apt-get install librdmacm-dev)");
+        return;
+    }
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/cm_check.c");
+    let exe = s.dir.path().join("cm_check");
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let out = Command::new(&cc)
+        .args(["-O2", "-Wall", "-o"])
+        .arg(&exe)
+        .arg(&src)
+        .arg("-L")
+        .arg(s.lib_dir())
+        .args(["-l:librdmacm.so.1", "-l:libibverbs.so.1"])
+        .stdin(Stdio::null())
+        .output();
+    match out {
+        Ok(o) if o.status.success() => {}
+        Ok(o) => panic!("{cc} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
+        Err(e) => {
+            vrdma_it::skip(format!("no C compiler ({cc}: {e})"));
+            return;
+        }
+    }
+    let port = free_port().to_string();
+    let mut c = s.command(exe.to_str().expect("utf-8 path"));
+    c.env_remove("VRDMA_RDMACM_DEBUG").arg(&port);
+    let f = spawn(c, "cm_check").finish(LIMIT);
+    f.assert_ok();
+    assert!(f.stdout.contains("cm_check: OK"), "{}", f.describe());
+    // The one-time notice of an rsocket call names it.
+    assert!(f.stderr.contains("rsocket is not implemented"), "{}", f.describe());
+}
+
+/// `vrdma run` from the workspace's CLI, when cargo built it (it does for
+/// `cargo test --workspace`; alone, this package's tests do not build it)
+/// and it is recent enough to link `librdmacm.so.1`.
+fn vrdma_bin() -> Option<PathBuf> {
+    let exe = std::env::current_exe().expect("current exe");
+    let deps = exe.parent()?;
+    let bin = if deps.ends_with("deps") { deps.parent()? } else { deps }.join("vrdma");
+    let help = Command::new(&bin).args(["run", "--help"]).stdin(Stdio::null()).output();
+    match help {
+        Ok(o) if o.status.success() && String::from_utf8_lossy(&o.stdout).contains("librdmacm") => Some(bin),
+        _ => {
+            eprintln!(
+                "skipping: {} with `vrdma run` linking librdmacm is not built (cargo build -p vrdma-cli)",
+                bin.display()
+            );
+            None
+        }
+    }
+}
+
+/// `vrdma run` links `librdmacm.so.1` to this library: rping runs through
+/// it with nothing else set up.
+#[test]
+fn vrdma_run_links_librdmacm() {
+    let Some(s) = setup() else { return };
+    let Some(vrdma) = vrdma_bin() else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let run = |role: &str| {
+        let mut c = Command::new(&vrdma);
+        c.env_remove("LD_LIBRARY_PATH")
+            .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so"))
+            .env("VRDMA_RDMACM_LIB", built("libvrdma_rdmacm.so"))
+            .env("VRDMA_SOCKET", s.socket())
+            .args(["run", "--", RPING, role, "-a", "127.0.0.1", "-p", port.as_str(), "-C", "3", "-v"]);
+        c
+    };
+    let mut server = spawn(run("-s"), "vrdma run -- rping -s");
+    let end = Instant::now() + LISTEN_WAIT;
+    let client = loop {
+        let f = spawn(run("-c"), "vrdma run -- rping -c").finish(LIMIT);
+        if f.status.success()
+            || !f.stderr.contains("RDMA_CM_EVENT_REJECTED")
+            || server.exited()
+            || Instant::now() > end
+        {
+            break f;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let server = server.finish(LIMIT);
+    client.assert_ok();
+    server.assert_ok();
+    assert_eq!(
+        client.stdout.lines().filter(|l| l.starts_with("ping data: ")).count(),
+        3,
+        "{}",
+        client.describe()
+    );
+}
