@@ -315,3 +315,50 @@ fn vrdma_run_links_librdmacm() {
         client.describe()
     );
 }
+
+/// Two hosts: a daemon on 127.0.0.2 and one on 127.0.0.3 (each its own
+/// host, linked by the transport between daemons with a pre-shared key),
+/// rping's server on the second and its client on the first. The
+/// connection manager's exchange and the pings ride the link.
+#[test]
+fn rping_across_two_hosts_exchanges_ten_pings() {
+    let Some(s) = setup() else { return };
+    let _turn = one_at_a_time();
+    let dir = tempfile::tempdir().expect("temp dir");
+    let wire = vrdma_it::free_port().expect("a free port");
+    let daemon = |ip: &str| {
+        let toml = vrdma_it::host_config(ip, wire, &[], "");
+        let mut config = vrdmad::DaemonConfig::from_toml(&toml).expect("config");
+        config.socket = Some(dir.path().join(format!("{ip}.sock")));
+        vrdmad::Daemon::start(config).expect("start daemon")
+    };
+    let (a, b) = (daemon("127.0.0.2"), daemon("127.0.0.3"));
+    let on = |d: &vrdmad::Daemon, program: &str| {
+        let mut c = s.command(program);
+        c.env("VRDMA_SOCKET", d.socket_path());
+        c
+    };
+    let port = free_port().to_string();
+    let common = ["-a", "127.0.0.3", "-p", port.as_str(), "-C", "10", "-v"];
+    let mut server_cmd = on(&b, RPING);
+    server_cmd.arg("-s").args(common);
+    let mut server = spawn(server_cmd, &format!("rping -s {} (host B)", common.join(" ")));
+    let end = Instant::now() + LISTEN_WAIT;
+    let client = loop {
+        let mut c = on(&a, RPING);
+        c.arg("-c").args(common);
+        let f = spawn(c, &format!("rping -c {} (host A)", common.join(" "))).finish(LIMIT);
+        let turned_away = !f.status.success() && format!("{}{}", f.stdout, f.stderr).contains("REJECTED");
+        if !turned_away || server.exited() || Instant::now() > end {
+            break f;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let server = server.finish(LIMIT);
+    for (f, prefix) in [(&client, "ping data: rdma-ping-"), (&server, "server ping data: rdma-ping-")] {
+        f.assert_ok();
+        check_clean(f);
+        assert_eq!(f.stdout.lines().filter(|l| l.starts_with(prefix)).count(), 10, "{}", f.describe());
+    }
+    drop((a, b));
+}
