@@ -151,3 +151,43 @@ fn stat_shows_each_qps_path_and_devinfo_the_links() {
     assert!(out.status.success());
     assert!(dev.lines().any(|l| l.trim_start().starts_with("link ") && l.contains(" UP, 1 QPs,")), "{dev}");
 }
+
+/// `vrdma run` ended by SIGTERM or SIGHUP (a service manager, `kill`)
+/// hands the signal to its program, which ends, and still removes its
+/// library folder; before, the program ran on and the folder stayed.
+#[test]
+fn vrdma_run_ended_by_a_signal_ends_its_program_and_removes_its_folder() {
+    for sig in [libc::SIGTERM, libc::SIGHUP] {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("vrdma.sock");
+        let _d = start_daemon(&socket, &[]);
+        // Any file stands in for the library: `sleep` never loads it.
+        let mut run = Command::new(VRDMA)
+            .args(["--socket"])
+            .arg(&socket)
+            .args(["run", "--", "sleep", "30"])
+            .env("TMPDIR", dir.path())
+            .env("VRDMA_VERBS_LIB", VRDMA)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn vrdma run");
+        let folder = dir.path().join(format!("vrdma-run-{}", run.id()));
+        let children = format!("/proc/{0}/task/{0}/children", run.id());
+        let end = Instant::now() + Duration::from_secs(20);
+        let program = loop {
+            let kids = std::fs::read_to_string(&children).unwrap_or_default();
+            if let (true, Some(pid)) = (folder.exists(), kids.split_whitespace().next()) {
+                break pid.parse::<i32>().unwrap();
+            }
+            assert!(Instant::now() < end, "vrdma run did not start its program");
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        // SAFETY: kill(2) of our own child process by its pid; it has not
+        // been reaped (we wait for it below).
+        assert_eq!(unsafe { libc::kill(run.id() as i32, sig) }, 0);
+        let status = wait_exit(&mut run, Duration::from_secs(10));
+        assert_eq!(status.code(), Some(128 + sig), "the program's end, as a shell reports it");
+        assert!(!folder.exists(), "signal {sig}: the library folder is left behind");
+        assert!(!Path::new(&format!("/proc/{program}")).exists(), "signal {sig}: the program still runs");
+    }
+}

@@ -154,6 +154,35 @@ fn set_interrupt_handlers(handler: [libc::sighandler_t; 2]) -> [libc::sighandler
     unsafe { [libc::signal(libc::SIGINT, handler[0]), libc::signal(libc::SIGQUIT, handler[1])] }
 }
 
+/// The program's pidfd while it runs, for [`forward`]; -1 when none.
+static CHILD_PIDFD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// Hands a termination signal sent to `vrdma run` on to the program,
+/// which ends; `run` then stops the daemon and removes the library
+/// folder as after any exit, instead of dying with both left behind.
+extern "C" fn forward(sig: libc::c_int) {
+    let fd = CHILD_PIDFD.load(std::sync::atomic::Ordering::Relaxed);
+    if fd >= 0 {
+        // SAFETY: pidfd_send_signal(2) is a plain system call, safe in a
+        // signal handler; `fd` is the program's pidfd, open until `run`
+        // has reaped the program and reset CHILD_PIDFD (a pidfd names
+        // that process only, even once its pid is reused).
+        unsafe {
+            libc::syscall(libc::SYS_pidfd_send_signal, fd, sig, std::ptr::null::<libc::siginfo_t>(), 0);
+        }
+    }
+}
+
+/// Sets how SIGTERM and SIGHUP are handled, returning the previous
+/// handlers.
+fn set_termination_handlers(handler: [libc::sighandler_t; 2]) -> [libc::sighandler_t; 2] {
+    // SAFETY: signal(2) with `forward` (an extern "C" fn that only makes
+    // an async-signal-safe system call) or a disposition it returned
+    // earlier; glibc's signal restarts interrupted calls, so the wait for
+    // the program goes on.
+    unsafe { [libc::signal(libc::SIGTERM, handler[0]), libc::signal(libc::SIGHUP, handler[1])] }
+}
+
 /// Runs the program; returns the exit code to leave with (128 + the
 /// signal number if a signal ended it, as shells report).
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
@@ -188,7 +217,19 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     // and stay alive to stop the embedded daemon after it. (Set after the
     // spawn, so the program does not inherit the ignored dispositions.)
     let old = set_interrupt_handlers([libc::SIG_IGN, libc::SIG_IGN]);
+    // SIGTERM or SIGHUP for `vrdma run` (a service manager, `kill`) goes
+    // on to the program, and the cleanup below still runs.
+    let pidfd = rustix::process::Pid::from_raw(child.id() as i32)
+        .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
+    if let Some(fd) = &pidfd {
+        CHILD_PIDFD.store(std::os::fd::AsRawFd::as_raw_fd(fd), std::sync::atomic::Ordering::Relaxed);
+    }
+    let f = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    let old_term = set_termination_handlers([f, f]);
     let status = child.wait();
+    set_termination_handlers(old_term);
+    CHILD_PIDFD.store(-1, std::sync::atomic::Ordering::Relaxed);
+    drop(pidfd);
     set_interrupt_handlers(old);
     let status = status.context("waiting for the program")?;
     drop(device);

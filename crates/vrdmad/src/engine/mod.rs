@@ -36,6 +36,9 @@ pub struct EngineState {
     pub cm: crate::cm::CmDriver,
     /// Its messages from the links (a buffer kept between passes).
     cm_in: Vec<(std::net::Ipv4Addr, vrdma_core::cm::CmMessage)>,
+    /// What QPs that name other hosts make the daemon log while the
+    /// transport is off, limited per host.
+    unreachable_log: vrdma_core::log_limit::LogLimiter,
     epoch: std::time::Instant,
     /// How often every QP that may be served gets one turn, whether or not
     /// it was woken (`engine.sweep_ms`; `None`: never): the bound on how
@@ -61,6 +64,7 @@ impl EngineState {
             net,
             cm,
             cm_in: Vec::new(),
+            unreachable_log: vrdma_core::log_limit::LogLimiter::new(),
             epoch: std::time::Instant::now(),
             sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
             last_sweep: Instant::ZERO,
@@ -130,9 +134,15 @@ impl EngineState {
         }
         self.rings.now = now;
         let mut act = self.hca.process(now, &mut self.rings);
-        if let Some(n) = self.net.as_mut() {
-            act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
-            n.log.sweep(now);
+        match self.net.as_mut() {
+            Some(n) => {
+                act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
+                n.log.sweep(now);
+            }
+            None => {
+                let wanted = self.hca.take_wanted_peers();
+                no_transport(&mut self.unreachable_log, &wanted, now);
+            }
         }
         // Counts of floods that stopped (once a second at most).
         self.rings.log.sweep(now);
@@ -149,6 +159,30 @@ impl EngineState {
         }
         act
     }
+}
+
+/// Says, once per host (then as a count now and then), that QPs name
+/// hosts this daemon cannot reach because its transport is off: their
+/// requests end in RETRY_EXC_ERR after their timer, and the operator
+/// learns why and what turns the transport on.
+fn no_transport(
+    log: &mut vrdma_core::log_limit::LogLimiter,
+    wanted: &[vrdma_core::verbs::Gid],
+    now: Instant,
+) {
+    for gid in wanted {
+        let host = gid.ipv4().map(std::net::Ipv4Addr::from);
+        let source = match host {
+            Some(ip) => vrdma_core::log_limit::Source::Address(ip.into()),
+            None => vrdma_core::log_limit::Source::Anyone,
+        };
+        let host = host.map_or_else(|| gid.to_string(), |ip| ip.to_string());
+        const OFF: &str = "a QP names another host, and the transport between daemons is off: its requests \
+                           will end in RETRY_EXC_ERR; set net.psk (or net.psk_file) in the [net] table on both \
+                           hosts to turn it on";
+        vrdma_core::limited_warn!(log, source, now, OFF, %host);
+    }
+    log.sweep(now);
 }
 
 type Command = Box<dyn FnOnce(&mut EngineState) + Send>;
@@ -447,6 +481,24 @@ mod tests {
             }
         }
         got
+    }
+
+    /// With the transport off, QPs naming other hosts make one warning per
+    /// host, whatever their number and however often they ask.
+    #[test]
+    fn qps_that_name_hosts_with_the_transport_off_are_logged_once_per_host() {
+        let mut log = vrdma_core::log_limit::LogLimiter::new();
+        let (b, c) = (Gid::from_ipv4([10, 0, 0, 2]), Gid::from_ipv4([10, 0, 0, 3]));
+        let out = crate::testing::traced(|| {
+            for pass in 0..1000u64 {
+                no_transport(&mut log, &[b, c, b], Instant(pass * 1000));
+            }
+        });
+        let lines: Vec<&str> =
+            out.lines().filter(|l| l.contains("transport between daemons is off")).collect();
+        assert_eq!(lines.len(), 2, "{out}");
+        assert!(lines.iter().any(|l| l.contains("10.0.0.2")) && lines.iter().any(|l| l.contains("10.0.0.3")));
+        assert!(lines[0].contains("net.psk"), "the line says what turns it on: {}", lines[0]);
     }
 
     #[test]
