@@ -302,8 +302,13 @@ impl Hca {
         // Rings hold a power of two of entries: the depth granted is what
         // counts against the quota.
         let granted = depth.checked_next_power_of_two().unwrap_or(u32::MAX);
+        // The tenant's depth limit is what `ibv_query_device` shows it as
+        // the device's (`max_cqe`, `max_qp_wr`, `max_srq_wr`): above it is
+        // an invalid argument, as above a device's limit on hardware, and
+        // programs that probe for the largest queue read EINVAL so. (A
+        // quota used up, memory or objects, stays ENOMEM.)
         if granted > q.max_queue_depth {
-            return Err(HcaError::QuotaExceeded(format!(
+            return Err(HcaError::invalid(format!(
                 "{what} {depth} (granted as {granted}) above the tenant's queue depth limit {}",
                 q.max_queue_depth
             )));

@@ -1669,19 +1669,21 @@ fn queue_depth_quota() {
     let mut env = Env::new();
     env.hca.set_quota(OTHER_TENANT, Quota { max_queue_depth: 8, ..Quota::default() });
     let pd = env.hca.alloc_pd(C3).unwrap();
+    // Above the depth the device shows this tenant: EINVAL, as above a
+    // device's max_cqe on hardware.
     let r = env.hca.create_cq(C3, 9);
-    assert!(matches!(r, Err(HcaError::QuotaExceeded(_))), "{r:?}");
-    assert_eq!(errno(r), 12);
+    assert!(matches!(r, Err(HcaError::InvalidArgument(_))), "{r:?}");
+    assert_eq!(errno(r), 22);
     let (cq, _) = env.hca.create_cq(C3, 8).unwrap();
     let r = env.hca.create_qp(C3, pd, qp_init(cq, cq, None));
-    assert!(matches!(r, Err(HcaError::QuotaExceeded(_))), "{r:?}");
+    assert!(matches!(r, Err(HcaError::InvalidArgument(_))), "{r:?}");
     let mut init = qp_init(cq, cq, None);
     init.cap.max_send_wr = 8;
     init.cap.max_recv_wr = 8;
     let created = env.hca.create_qp(C3, pd, init).unwrap();
     assert_eq!(created.cap.max_send_wr, 8);
     let r = env.hca.create_srq(C3, pd, SrqAttr { max_wr: 9, max_sge: 1, srq_limit: 0 });
-    assert!(matches!(r, Err(HcaError::QuotaExceeded(_))));
+    assert!(matches!(r, Err(HcaError::InvalidArgument(_))));
     assert_eq!(env.hca.usage(OTHER_TENANT), (3, cq_ring(8) + qp_ring_bytes(created.cap)));
     // Beyond the device's own limit it is an invalid argument, not a quota.
     let r = env.hca.create_cq(C1, MAX_CQE + 1);
@@ -3091,10 +3093,10 @@ fn granted_depths_stay_within_the_queue_depth_quota() {
     let qp = hca.create_qp(C1, pd, init).unwrap();
     assert_eq!((depth, srq.max_wr, qp.cap.max_send_wr, qp.cap.max_recv_wr), (512, 512, 512, 512));
     // 1000 would be granted 1024: above the quota.
-    assert!(matches!(hca.create_cq(C1, 1000), Err(HcaError::QuotaExceeded(_))));
+    assert!(matches!(hca.create_cq(C1, 1000), Err(HcaError::InvalidArgument(_))));
     let mut init = qp_init(cq, cq, None);
     init.cap.max_send_wr = 600;
-    assert!(matches!(hca.create_qp(C1, pd, init), Err(HcaError::QuotaExceeded(_))));
+    assert!(matches!(hca.create_qp(C1, pd, init), Err(HcaError::InvalidArgument(_))));
 }
 
 /// A tenant that wakes thousands of idle QPs at once (a flood of notices,
