@@ -48,6 +48,8 @@ pub struct Registry {
 #[repr(C)]
 pub struct Ctx {
     pub vctx: verbs_context,
+    /// The descriptor behind `cmd_fd`, closed with the context.
+    _cmd: std::fs::File,
     pub inner: vrdma::Context,
     /// The port's link layer, fixed for the device: decides GID types.
     link_layer: u8,
@@ -105,6 +107,12 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
         let port = inner.query_port(1).map_err(|e| fail(W, &e))?;
         let async_fd = inner.async_event_fd().as_raw_fd();
         make_blocking(async_fd);
+        // (std opens it close-on-exec.)
+        let cmd = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/null")
+            .map_err(|e| fail(W, &vrdma::Error::Io(e)))?;
         let ops = ibv_context_ops {
             _compat_query_device: None,
             _compat_query_port: None,
@@ -203,9 +211,10 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
             context: ibv_context {
                 device: device_ptr(dev),
                 ops,
-                // There is no kernel command channel; nothing may be read
-                // from or written to it.
-                cmd_fd: -1,
+                // There is no kernel command channel, but programs check
+                // that the descriptor is valid: one on /dev/null, which
+                // reads nothing, takes writes and refuses ioctls (ENOTTY).
+                cmd_fd: std::os::fd::AsRawFd::as_raw_fd(&cmd),
                 async_fd,
                 num_comp_vectors: 1,
                 // SAFETY: an all-zero pthread_mutex_t is a valid value to
@@ -216,6 +225,7 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
         };
         let ctx = Box::new(Ctx {
             vctx,
+            _cmd: cmd,
             inner,
             link_layer: port.link_layer,
             phys_port_cnt: attr.phys_port_cnt,

@@ -81,8 +81,9 @@
 //!   reports `IBV_FORK_UNNEEDED`, so `ibv_fork_init` has nothing to do
 //!   (module `mem`). A `fork()` waits for a registration that another
 //!   thread is re-backing at that moment.
-//! - There is no kernel device: `cmd_fd` is -1, the sysfs paths of the
-//!   device do not exist, `ibv_get_device_index` is -1.
+//! - There is no kernel device: `cmd_fd` is a descriptor on `/dev/null`
+//!   (valid, as programs check, but no command channel), the sysfs paths
+//!   of the device do not exist, `ibv_get_device_index` is -1.
 //! - A CQ created without a channel accepts `ibv_req_notify_cq` and does
 //!   nothing with it, as hardware does.
 //! - A QP asked for 0 send (or, without an SRQ, 0 receive) work requests

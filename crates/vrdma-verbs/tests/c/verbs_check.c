@@ -237,6 +237,16 @@ int main(int argc, char **argv)
 	errno = 0;
 	CHECK(ibv_import_mr(pd, mr->handle) == NULL && errno == EOPNOTSUPP, "errno=%d", errno);
 
+	/* A queue above what the device shows is an invalid argument, as on
+	 * hardware (programs probing for the largest queue read EINVAL), and
+	 * the command descriptor is a valid one, as programs check. */
+	struct ibv_device_attr da;
+	CHECK(ibv_query_device(ctx, &da) == 0, "");
+	errno = 0;
+	CHECK(ibv_create_cq(ctx, da.max_cqe + 1, NULL, NULL, 0) == NULL && errno == EINVAL, "errno=%d", errno);
+	struct ibv_cq *deepest = ibv_create_cq(ctx, da.max_cqe, NULL, NULL, 0);
+	CHECK(deepest != NULL && ibv_destroy_cq(deepest) == 0, "errno=%d", errno);
+	CHECK(ctx->cmd_fd >= 0 && fcntl(ctx->cmd_fd, F_GETFD) >= 0, "cmd_fd=%d", ctx->cmd_fd);
 	errno = 0;
 	CHECK(ibv_create_cq(ctx, 0, NULL, NULL, 0) == NULL && errno == EINVAL, "errno=%d", errno);
 	errno = 0;
