@@ -3183,7 +3183,8 @@ fn a_streaming_tenant_moves_its_byte_share_a_pass_while_another_waits() {
             env.io
                 .post_send(x.qpn, rdma(9, SendOpcode::RdmaWrite, &[x.buf.sge(0, 8)], y.buf.addr, y.buf.key));
         }
-        env.step(T0);
+        let act = env.step(T0);
+        assert_eq!(act.contended, contended, "the pass says whether tenants contended");
         let done: usize = many.iter().map(|(a, _)| env.poll(a.cq).len()).sum();
         if contended {
             assert_eq!(done, 2, "two chunks' worth of the streaming tenant");

@@ -336,6 +336,11 @@ fn run(
         stats.passes.fetch_add(1, Ordering::Relaxed);
         if act.busy {
             idle_since = None;
+            // Tenants contend: let the others' threads have the CPU between
+            // passes (see `engine.yield_when_contended`).
+            if act.contended && cfg.yield_when_contended {
+                std::thread::yield_now();
+            }
             continue;
         }
         if cfg.busy_poll {

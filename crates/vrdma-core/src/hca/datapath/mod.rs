@@ -49,6 +49,8 @@ pub struct Activity {
     /// let others run first. A tenant that wakes idle QPs without end
     /// keeps the engine from sleeping this way, never from yielding.
     pub pending: bool,
+    /// More than one tenant had QPs to serve in this pass.
+    pub contended: bool,
     /// The earliest moment a waiting work request may run again.
     pub next_timer: Option<Instant>,
 }
@@ -193,6 +195,7 @@ impl Hca {
         // Bytes bound a share only while tenants contend: one tenant alone
         // keeps the engine's whole pass.
         let share_bytes = if tenants > 1 { self.config.contended_bytes.max(1) } else { u64::MAX };
+        act.contended = tenants > 1;
         for _ in 0..tenants {
             let Some(mut share) = self.order.next_share(share_bytes) else { break };
             let tenant = share.tenant;
