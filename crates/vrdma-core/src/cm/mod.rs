@@ -227,6 +227,10 @@ pub struct ConnectionManager {
     config: CmConfig,
     addrs: Vec<Ipv4Addr>,
     ids: HashMap<u32, CmId>,
+    /// The ids made for requests, by the requester's host and number, so
+    /// that a REQ sent again or a REJ for one is found without a walk of
+    /// every id (a peer's flood of them costs a lookup each).
+    requested: HashMap<(Ipv4Addr, u32), u32>,
     per_tenant: HashMap<TenantId, u32>,
     ports: ports::Ports,
     timers: BTreeSet<(Instant, u32)>,
@@ -244,6 +248,7 @@ impl ConnectionManager {
             config,
             addrs,
             ids: HashMap::new(),
+            requested: HashMap::new(),
             per_tenant: HashMap::new(),
             ports: ports::Ports::default(),
             timers: BTreeSet::new(),
@@ -578,6 +583,11 @@ impl ConnectionManager {
         self.leave_listener(id);
         self.arm(id, None);
         let Some(i) = self.ids.remove(&id) else { return };
+        if let Some(p) = i.peer.filter(|_| !i.active) {
+            if self.requested.get(&p) == Some(&id) {
+                self.requested.remove(&p);
+            }
+        }
         if let Some(n) = self.per_tenant.get_mut(&i.tenant) {
             *n = n.saturating_sub(1);
         }
@@ -650,11 +660,11 @@ impl ConnectionManager {
         if to == 0 {
             // A REJ from a requester that had not heard from us yet names
             // the connection by its own number.
-            let child = self.ids.iter().find(|(_, i)| {
-                i.peer == Some((host, from)) && matches!(i.state, State::ReqReceived | State::RepSent)
+            let child = self.requested.get(&(host, from)).copied().filter(|n| {
+                self.ids.get(n).is_some_and(|i| matches!(i.state, State::ReqReceived | State::RepSent))
             });
             match child {
-                Some((&n, _)) if matches!(msg, CmMessage::Rej { .. }) => to = n,
+                Some(n) if matches!(msg, CmMessage::Rej { .. }) => to = n,
                 _ => return,
             }
         }
@@ -739,7 +749,7 @@ impl ConnectionManager {
             cm.transmit.push_back((host, msg));
         };
         // A REQ sent again (the peer's driver retried) is the same one.
-        if self.ids.values().any(|i| i.peer == Some((host, from)) && i.listener.is_some()) {
+        if self.requested.contains_key(&(host, from)) {
             return;
         }
         // A tenant numbered by another host's daemon is not ours, whatever
@@ -771,6 +781,7 @@ impl ConnectionManager {
         if let Some(li) = self.ids.get_mut(&l) {
             li.pending += 1;
         }
+        self.requested.insert((host, from), child);
         let c = self.ids.get_mut(&child).expect("just made");
         c.local = Some(dst);
         c.remote = Some(src);

@@ -459,3 +459,27 @@ fn loopback_is_this_host_unless_the_host_is_a_loopback_address() {
     assert!(test_host.is_local(Ipv4Addr::new(127, 0, 0, 2)));
     assert!(!test_host.is_local(Ipv4Addr::new(127, 0, 0, 3)), "another daemon's");
 }
+
+#[test]
+fn a_request_sent_again_is_the_same_request_and_a_rej_by_the_requesters_number_finds_it() {
+    let mut net = Net::new();
+    net.listen(B, CB, TENANT, 7471, 8);
+    let src = SocketAddrV4::new(A, 40000);
+    let dst = SocketAddrV4::new(B, 7471);
+    let req = CmMessage::Req { from: 77, tenant: TENANT.0, ps: PortSpace::Tcp, src, dst, conn: conn(1, b"") };
+    net.b.handle_message(A, req.clone());
+    net.b.handle_message(A, req);
+    let ev = net.events(B);
+    assert_eq!(kinds(&ev), [EventKind::ConnectRequest], "once");
+    // The requester gives up before it heard from us: its REJ names only
+    // its own number.
+    net.b
+        .handle_message(A, CmMessage::Rej { to: 0, from: 77, reason: reject::TIMEOUT, private_data: vec![] });
+    let ev2 = net.events(B);
+    assert_eq!((ev2[0].id, ev2[0].kind), (ev[0].id, EventKind::Rejected));
+    // Destroyed, the request is forgotten: the same numbers are a new one.
+    net.b.destroy_id(CB, ev[0].id).unwrap();
+    let req = CmMessage::Req { from: 77, tenant: TENANT.0, ps: PortSpace::Tcp, src, dst, conn: conn(1, b"") };
+    net.b.handle_message(A, req);
+    assert_eq!(kinds(&net.events(B)), [EventKind::ConnectRequest]);
+}
