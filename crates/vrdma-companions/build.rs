@@ -1,6 +1,7 @@
 //! Links the cdylib with the version nodes of rdma-core 44's
-//! `libmlx5.so.1` and `libefa.so.1` (`companions.map`), which the
-//! `.symver` directives of `src/lib.rs` bind each function to.
+//! `libmlx5.so.1`, `libmlx4.so.1`, `libefa.so.1` and `libmana.so.1`
+//! (`companions.map`), which the `.symver` directives of `src/lib.rs`
+//! bind each function to.
 
 fn main() {
     println!("cargo:rerun-if-changed=companions.map");

@@ -4,8 +4,9 @@
 //! The binaries need, besides `libibverbs.so.1`, `libmlx5.so.1` and
 //! `libefa.so.1` (linked `BIND_NOW`): the private library directory holds
 //! links to this package's cdylib and to the `vrdma-companions` cdylib
-//! (a dev-dependency, so cargo builds it first) under those three names,
-//! as `vrdma run` makes it. `librdmacm.so.1` and `libibumad.so.3` are
+//! (a dev-dependency, so cargo builds it first) under those names (and
+//! the companions' other two, `libmlx4.so.1` and `libmana.so.1`), as
+//! `vrdma run` makes it. `librdmacm.so.1` and `libibumad.so.3` are
 //! Debian's own; their imports from libibverbs resolve in this library.
 //!
 //! Each test runs a server and a client on loopback, on a port of its
@@ -70,8 +71,9 @@ fn setup() -> Option<&'static Setup> {
         };
         link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
         let companions = built("libvrdma_companions.so");
-        link(&companions, "libmlx5.so.1");
-        link(&companions, "libefa.so.1");
+        for soname in vrdma_companions::SONAMES {
+            link(&companions, soname);
+        }
         let config =
             vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
         let daemon = vrdmad::Daemon::start(config).expect("start daemon");

@@ -69,8 +69,9 @@ fn hosts() -> Option<&'static Hosts> {
             |target: &Path, name: &str| std::os::unix::fs::symlink(target, lib.join(name)).expect("symlink");
         link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
         let companions = built("libvrdma_companions.so");
-        link(&companions, "libmlx5.so.1");
-        link(&companions, "libefa.so.1");
+        for soname in vrdma_companions::SONAMES {
+            link(&companions, soname);
+        }
         let port = free_port();
         let ips = ["127.0.0.2", "127.0.0.3"];
         let mut daemons = Vec::new();

@@ -13,11 +13,12 @@
 //! The library is `libvrdma_verbs.so` next to the `vrdma` executable
 //! (where cargo puts both), or the file `VRDMA_VERBS_LIB` names.
 //!
-//! The directory also gets `libmlx5.so.1` and `libefa.so.1` links to the
-//! `vrdma-companions` library (`libvrdma_companions.so` next to the
-//! executable, or the file `VRDMA_COMPANIONS_LIB` names), which programs
-//! such as perftest need in order to load: rdma-core's own copies import
-//! its private provider ABI. Without it the links are left out and such
+//! The directory also gets `libmlx5.so.1`, `libmlx4.so.1`, `libefa.so.1`
+//! and `libmana.so.1` links to the `vrdma-companions` library
+//! (`libvrdma_companions.so` next to the executable, or the file
+//! `VRDMA_COMPANIONS_LIB` names), which programs linked against rdma-core's
+//! provider libraries (perftest, UCX, libfabric) need in order to load:
+//! rdma-core's own copies import its private provider ABI. Without it the links are left out and such
 //! programs fail to load, saying which library they miss.
 //!
 //! And it gets `librdmacm.so.1`, linked to vRDMA's connection manager
@@ -48,7 +49,9 @@ const LIB_NAME: &str = "libvrdma_verbs.so";
 /// The same for the companion library, and the sonames it stands in for.
 const COMPANIONS_ENV: &str = "VRDMA_COMPANIONS_LIB";
 const COMPANIONS_NAME: &str = "libvrdma_companions.so";
-const COMPANION_SONAMES: [&str; 2] = ["libmlx5.so.1", "libefa.so.1"];
+/// (`vrdma_companions::SONAMES`: every rdma-core 44 provider library with
+/// a direct-verbs interface, as Debian's ibverbs-providers ships them.)
+const COMPANION_SONAMES: [&str; 4] = ["libmlx5.so.1", "libmlx4.so.1", "libefa.so.1", "libmana.so.1"];
 /// The same for the connection manager library.
 const RDMACM_ENV: &str = "VRDMA_RDMACM_LIB";
 const RDMACM_NAME: &str = "libvrdma_rdmacm.so";
