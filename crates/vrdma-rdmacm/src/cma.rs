@@ -29,7 +29,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::ptr::{self, null_mut};
-use std::sync::atomic::{AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use vrdma::cm::{CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
@@ -85,8 +85,18 @@ pub struct Id {
     ps: PortSpace,
     /// The PD `rdma_create_qp` allocated for an id given none.
     own_pd: AtomicPtr<ibv_pd>,
-    /// The channel `rdma_create_id` made for an id given none.
-    own_channel: *mut Channel,
+    /// The channel `rdma_create_id` made for an id given none (or
+    /// `rdma_get_request` for the ids of such a listener): librdmacm's
+    /// synchronous ids, whose calls wait for the outcome they start
+    /// ([`complete`]).
+    own_channel: AtomicPtr<Channel>,
+    /// The CQs and completion channels `rdma_create_qp` made for a QP
+    /// given none, as librdmacm does: (send channel, send CQ, receive
+    /// channel, receive CQ), destroyed with the QP.
+    own_cqs: Mutex<[usize; 4]>,
+    /// A passive endpoint's QP attributes (`rdma_create_ep`), with which
+    /// `rdma_get_request` gives each new id its QP.
+    qp_init_attr: Mutex<Option<ibv_qp_init_attr>>,
     /// The requester's (responder resources, initiator depth), for an id
     /// a connect request made: an accept's defaults.
     request: Option<(u8, u8)>,
@@ -440,9 +450,52 @@ fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void) -> *m
         cm: Mutex::new(cm),
         ps,
         own_pd: AtomicPtr::new(null_mut()),
-        own_channel: null_mut(),
+        own_channel: AtomicPtr::new(null_mut()),
+        own_cqs: Mutex::new([0; 4]),
+        qp_init_attr: Mutex::new(None),
         request: None,
     }))
+}
+
+/// A new event channel of this library's own (for a synchronous id).
+fn new_channel() -> Res<*mut Channel> {
+    // SAFETY: no arguments.
+    let c = unsafe { rdma_create_event_channel() };
+    if c.is_null() {
+        return Err(Error::sys(
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO),
+            "no channel",
+        ));
+    }
+    Ok(c.cast::<Channel>())
+}
+
+/// `rdma_create_id`: on `channel`, or (NULL) on a channel of its own, as
+/// librdmacm's synchronous ids.
+fn create_id(channel: *mut rdma_event_channel, context: *mut c_void, ps: u32) -> Res<*mut Id> {
+    let ps = PortSpace::from_raw(ps).ok_or(Error::sys(libc::EINVAL, "unknown port space"))?;
+    let (ch, own) =
+        if channel.is_null() { (new_channel()?, true) } else { (channel.cast::<Channel>(), false) };
+    // SAFETY: a live channel (the program's contract, or just made).
+    let created = CmId::create(unsafe { &(*ch).ch }, ps);
+    let cm = match created {
+        Ok(cm) => cm,
+        Err(e) => {
+            if own {
+                // SAFETY: made above, not shared.
+                unsafe { rdma_destroy_event_channel(ch.cast()) };
+            }
+            return Err(e.into());
+        }
+    };
+    let num = cm.id();
+    let p = new_id(ch, cm, ps, context);
+    if own {
+        // SAFETY: just made, not yet shared.
+        unsafe { (*p).own_channel.store(ch, Ordering::Release) };
+    }
+    ids()?.insert(num, p as usize);
+    Ok(p)
 }
 
 pub unsafe extern "C" fn rdma_create_id(
@@ -455,82 +508,121 @@ pub unsafe extern "C" fn rdma_create_id(
         if out.is_null() {
             return Err(Error::sys(libc::EINVAL, "NULL id pointer"));
         }
-        let ps = PortSpace::from_raw(ps).ok_or(Error::sys(libc::EINVAL, "unknown port space"))?;
-        // Without a channel the id gets one of its own, as librdmacm's
-        // synchronous ids do.
-        let (ch, own) = if channel.is_null() {
-            // SAFETY: no arguments.
-            let c = unsafe { rdma_create_event_channel() };
-            if c.is_null() {
-                return Err(Error::sys(
-                    std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EIO),
-                    "no channel",
-                ));
-            }
-            (c.cast::<Channel>(), true)
-        } else {
-            (channel.cast::<Channel>(), false)
-        };
-        // SAFETY: a live channel (the program's contract, or just made).
-        let created = CmId::create(unsafe { &(*ch).ch }, ps);
-        let cm = match created {
-            Ok(cm) => cm,
-            Err(e) => {
-                if own {
-                    // SAFETY: made above, not shared.
-                    unsafe { rdma_destroy_event_channel(ch.cast()) };
-                }
-                return Err(e.into());
-            }
-        };
-        let num = cm.id();
-        let p = new_id(ch, cm, ps, context);
-        if own {
-            // SAFETY: just made.
-            unsafe { (*p).own_channel = ch };
-        }
-        ids()?.insert(num, p as usize);
+        let p = create_id(channel, context, ps)?;
         // SAFETY: `out` checked above.
         unsafe { *out = p.cast() };
         Ok(0)
     })
 }
 
+/// `rdma_destroy_id` of a live id, which the caller gives up.
+fn destroy_id(p: *mut rdma_cm_id) -> Res<()> {
+    // SAFETY: the caller's contract: a live id.
+    let i = unsafe { id(p) }?;
+    let num = i.cm().id();
+    ids()?.remove(&num);
+    // A synchronous id's last event, as librdmacm acknowledges it.
+    // SAFETY: librdmacm's field of the live structure.
+    let ev = unsafe { std::mem::replace(&mut (*i.c()).event, null_mut()) };
+    if !ev.is_null() {
+        // SAFETY: an event of rdma_get_cm_event kept by `complete`.
+        drop(unsafe { Box::from_raw(ev.cast::<Event>()) });
+    }
+    // SAFETY: the id is the caller's to destroy, once.
+    let b = unsafe { Box::from_raw(p.cast::<Id>()) };
+    let (pd, ch) = (b.own_pd.load(Ordering::Acquire), b.own_channel.load(Ordering::Acquire));
+    drop(b);
+    if !pd.is_null() {
+        // SAFETY: the PD this library allocated for the id.
+        unsafe { (verbs()?.dealloc_pd)(pd) };
+    }
+    if !ch.is_null() {
+        // SAFETY: the channel this library made for the id.
+        unsafe { rdma_destroy_event_channel(ch.cast()) };
+    }
+    Ok(())
+}
+
 pub unsafe extern "C" fn rdma_destroy_id(p: *mut rdma_cm_id) -> c_int {
-    guard("rdma_destroy_id", -1, || {
-        // SAFETY: the program's contract: a live id.
-        let i = unsafe { id(p) }?;
-        let num = i.cm().id();
-        ids()?.remove(&num);
-        // SAFETY: the id is the program's to destroy, once.
-        let b = unsafe { Box::from_raw(p.cast::<Id>()) };
-        let (pd, ch) = (b.own_pd.load(Ordering::Acquire), b.own_channel);
-        drop(b);
-        if !pd.is_null() {
-            // SAFETY: the PD this library allocated for the id.
-            unsafe { (verbs()?.dealloc_pd)(pd) };
-        }
-        if !ch.is_null() {
-            // SAFETY: the channel this library made for the id.
-            unsafe { rdma_destroy_event_channel(ch.cast()) };
-        }
-        Ok(0)
-    })
+    guard("rdma_destroy_id", -1, || destroy_id(p).map(|()| 0))
+}
+
+/// librdmacm's `ucma_complete`: on a synchronous id (one with a channel
+/// of its own) the call that started an exchange waits for its event,
+/// which stays in `id->event` until the next wait or `rdma_destroy_id`
+/// acknowledges it; a failing event is the call's failure.
+fn complete(i: &Id) -> Res<()> {
+    let ch = i.own_channel.load(Ordering::Acquire);
+    if ch.is_null() {
+        return Ok(());
+    }
+    // SAFETY: librdmacm's field of the live structure; a synchronous
+    // id's events are this library's to take and acknowledge.
+    let old = unsafe { std::mem::replace(&mut (*i.c()).event, null_mut()) };
+    if !old.is_null() {
+        // SAFETY: an event `complete` kept.
+        drop(unsafe { Box::from_raw(old.cast::<Event>()) });
+    }
+    let e = next_event(ch.cast())?;
+    // SAFETY: as above; `e` is live until acknowledged.
+    let (kind, status) = unsafe {
+        (*i.c()).event = e.cast();
+        ((*e).c.event, (*e).c.status)
+    };
+    event_outcome(kind, status)
+}
+
+/// librdmacm's reading of a synchronous call's event.
+fn event_outcome(kind: u32, status: c_int) -> Res<()> {
+    if status == 0 {
+        Ok(())
+    } else if kind == EventKind::Rejected as u32 {
+        Err(Error::sys(libc::ECONNREFUSED, "rejected"))
+    } else {
+        let errno = if status < 0 { -status } else { status };
+        Err(Error::sys(errno, "the connection manager's event failed"))
+    }
+}
+
+fn bind_addr(i: &Id, addr: *const libc::sockaddr) -> Res<()> {
+    // SAFETY: the caller's sockaddr.
+    let a = unsafe { sockaddr_v4(addr) }?.ok_or(Error::sys(libc::EINVAL, "NULL address"))?;
+    let bound = i.cm().bind(a)?;
+    if !bound.ip().is_unspecified() {
+        i.attach_device()?;
+    }
+    i.refresh_addrs()
 }
 
 pub unsafe extern "C" fn rdma_bind_addr(p: *mut rdma_cm_id, addr: *mut libc::sockaddr) -> c_int {
     guard("rdma_bind_addr", -1, || {
         // SAFETY: the program's contract.
         let i = unsafe { id(p) }?;
-        // SAFETY: the program's sockaddr.
-        let a = unsafe { sockaddr_v4(addr) }?.ok_or(Error::sys(libc::EINVAL, "NULL address"))?;
-        let bound = i.cm().bind(a)?;
-        if !bound.ip().is_unspecified() {
-            i.attach_device()?;
-        }
-        i.refresh_addrs()?;
+        bind_addr(i, addr)?;
         Ok(0)
     })
+}
+
+fn resolve_addr(i: &Id, src: *const libc::sockaddr, dst: *const libc::sockaddr) -> Res<()> {
+    // SAFETY: the caller's sockaddrs.
+    let (s, d) = unsafe { (sockaddr_v4(src)?, sockaddr_v4(dst)?) };
+    let d = d.ok_or(Error::sys(libc::EINVAL, "NULL destination"))?;
+    if d.ip().is_multicast() {
+        // What rdma_join_multicast would need first (mckey's path).
+        static TOLD: AtomicBool = AtomicBool::new(false);
+        if !TOLD.swap(true, Ordering::Relaxed) {
+            eprintln!(
+                "vrdma librdmacm: multicast is not implemented yet (rdma_resolve_addr to the group {}); \
+                 failing with ENOSYS",
+                d.ip()
+            );
+        }
+        return Err(Error::sys(libc::ENOSYS, "multicast is not implemented yet"));
+    }
+    i.cm().resolve_addr(s, d)?;
+    i.attach_device()?;
+    i.refresh_addrs()?;
+    complete(i)
 }
 
 pub unsafe extern "C" fn rdma_resolve_addr(
@@ -542,20 +634,20 @@ pub unsafe extern "C" fn rdma_resolve_addr(
     guard("rdma_resolve_addr", -1, || {
         // SAFETY: the program's contract.
         let i = unsafe { id(p) }?;
-        // SAFETY: the program's sockaddrs.
-        let (s, d) = unsafe { (sockaddr_v4(src)?, sockaddr_v4(dst)?) };
-        let d = d.ok_or(Error::sys(libc::EINVAL, "NULL destination"))?;
-        i.cm().resolve_addr(s, d)?;
-        i.attach_device()?;
-        i.refresh_addrs()?;
+        resolve_addr(i, src, dst)?;
         Ok(0)
     })
+}
+
+fn resolve_route(i: &Id) -> Res<()> {
+    i.cm().resolve_route()?;
+    complete(i)
 }
 
 pub unsafe extern "C" fn rdma_resolve_route(p: *mut rdma_cm_id, _timeout_ms: c_int) -> c_int {
     guard("rdma_resolve_route", -1, || {
         // SAFETY: the program's contract.
-        unsafe { id(p) }?.cm().resolve_route()?;
+        resolve_route(unsafe { id(p) }?)?;
         Ok(0)
     })
 }
@@ -582,6 +674,8 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
         return Err(Error::sys(libc::EINVAL, "the id has a QP already"));
     }
     let v = verbs()?;
+    // SAFETY: a field of the live structure (a passive endpoint's PD).
+    let pd = if pd.is_null() { unsafe { (*c).pd } } else { pd };
     let pd = if pd.is_null() {
         let mut own = i.own_pd.load(Ordering::Acquire);
         if own.is_null() {
@@ -600,10 +694,16 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
         }
         pd
     };
+    // As librdmacm: a QP given no CQs gets its own, each with a
+    // completion channel, the id their context (rdma_verbs.h's
+    // rdma_get_send_comp and rdma_get_recv_comp wait on them).
+    let made = own_cqs(i, attr)?;
     // SAFETY: a PD of the context and the program's attributes.
     let qp = unsafe { (v.create_qp)(pd, attr) };
     if qp.is_null() {
-        return Err(Error::last("ibv_create_qp failed"));
+        let e = Error::last("ibv_create_qp failed");
+        destroy_cqs(made);
+        return Err(e);
     }
     // SAFETY: librdmacm's fields of the live structure, which the program
     // reads once rdma_create_qp returns.
@@ -623,8 +723,10 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
         unsafe { (*c).qp = null_mut() };
         // SAFETY: the QP just made, not yet handed out.
         unsafe { (v.destroy_qp)(qp) };
+        destroy_cqs(made);
         return Err(e);
     }
+    *i.own_cqs.lock().unwrap_or_else(|p| p.into_inner()) = made;
     // SAFETY: as above.
     unsafe {
         (*c).pd = pd;
@@ -632,8 +734,71 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
         (*c).recv_cq = attr.recv_cq;
         (*c).srq = attr.srq;
         (*c).qp_type = attr.qp_type;
+        if made[1] != 0 {
+            (*c).send_cq_channel = made[0] as *mut c_void;
+        }
+        if made[3] != 0 {
+            (*c).recv_cq_channel = made[2] as *mut c_void;
+        }
     }
     Ok(())
+}
+
+/// librdmacm's `ucma_create_cqs`: a CQ (of the queue's depth) and its
+/// completion channel for each of the send and receive sides `attr`
+/// names no CQ for; returns what it made, as `Id::own_cqs` keeps it.
+fn own_cqs(i: &Id, attr: &mut ibv_qp_init_attr) -> Res<[usize; 4]> {
+    let v = verbs()?;
+    let mut made = [0usize; 4];
+    for (side, want) in [(0, attr.cap.max_send_wr), (2, attr.cap.max_recv_wr)] {
+        let cq = if side == 0 { attr.send_cq } else { attr.recv_cq };
+        if !cq.is_null() {
+            continue;
+        }
+        // SAFETY: the process's open device context.
+        let ch = unsafe { (v.create_comp_channel)(v.context) };
+        if ch.is_null() {
+            let e = Error::last("ibv_create_comp_channel failed");
+            destroy_cqs(made);
+            return Err(e);
+        }
+        made[side] = ch as usize;
+        let depth = c_int::try_from(want.max(1)).unwrap_or(c_int::MAX);
+        // SAFETY: the context, a channel of it, the id as the context.
+        let cq = unsafe { (v.create_cq)(v.context, depth, i.c().cast(), ch, 0) };
+        if cq.is_null() {
+            let e = Error::last("ibv_create_cq failed");
+            destroy_cqs(made);
+            return Err(e);
+        }
+        made[side + 1] = cq as usize;
+    }
+    if made[1] != 0 {
+        attr.send_cq = made[1] as *mut c_void;
+    }
+    if made[3] != 0 {
+        attr.recv_cq = made[3] as *mut c_void;
+    }
+    Ok(made)
+}
+
+/// Destroys the CQs and channels [`own_cqs`] made (CQs first).
+fn destroy_cqs(made: [usize; 4]) {
+    let Ok(v) = verbs() else { return };
+    for k in [1, 3, 0, 2] {
+        let p = made[k] as *mut c_void;
+        if p.is_null() {
+            continue;
+        }
+        // SAFETY: objects this library made and nobody else destroys.
+        unsafe {
+            if k % 2 == 1 {
+                (v.destroy_cq)(p);
+            } else {
+                (v.destroy_comp_channel)(p);
+            }
+        }
+    }
 }
 
 pub unsafe extern "C" fn rdma_create_qp(
@@ -680,17 +845,36 @@ pub unsafe extern "C" fn rdma_create_qp_ex(p: *mut rdma_cm_id, attr: *mut ibv_qp
     })
 }
 
+fn destroy_qp(i: &Id) -> Res<()> {
+    // SAFETY: librdmacm's field of the live structure.
+    let qp = unsafe { std::mem::replace(&mut (*i.c()).qp, null_mut()) };
+    if !qp.is_null() {
+        // SAFETY: the QP rdma_create_qp made.
+        unsafe { (verbs()?.destroy_qp)(qp) };
+    }
+    let made = std::mem::take(&mut *i.own_cqs.lock().unwrap_or_else(|p| p.into_inner()));
+    if made != [0; 4] {
+        // SAFETY: as above.
+        unsafe {
+            let c = i.c();
+            if made[1] != 0 {
+                (*c).send_cq = null_mut();
+                (*c).send_cq_channel = null_mut();
+            }
+            if made[3] != 0 {
+                (*c).recv_cq = null_mut();
+                (*c).recv_cq_channel = null_mut();
+            }
+        }
+        destroy_cqs(made);
+    }
+    Ok(())
+}
+
 pub unsafe extern "C" fn rdma_destroy_qp(p: *mut rdma_cm_id) {
     guard("rdma_destroy_qp", (), || {
         // SAFETY: the program's contract.
-        let i = unsafe { id(p) }?;
-        // SAFETY: librdmacm's field of the live structure.
-        let qp = unsafe { std::mem::replace(&mut (*i.c()).qp, null_mut()) };
-        if !qp.is_null() {
-            // SAFETY: the QP rdma_create_qp made.
-            unsafe { (verbs()?.destroy_qp)(qp) };
-        }
-        Ok(())
+        destroy_qp(unsafe { id(p) }?)
     })
 }
 
@@ -702,6 +886,7 @@ pub unsafe extern "C" fn rdma_connect(p: *mut rdma_cm_id, param: *mut rdma_conn_
         let mut param = with_qp(i, unsafe { conn_param(param) });
         resolve_depths(i, &mut param, false)?;
         i.cm().connect(&param)?;
+        complete(i)?;
         Ok(0)
     })
 }
@@ -720,6 +905,7 @@ pub unsafe extern "C" fn rdma_accept(p: *mut rdma_cm_id, param: *mut rdma_conn_p
             return Err(e);
         }
         i.cm().accept(&param)?;
+        complete(i)?;
         Ok(0)
     })
 }
@@ -760,6 +946,7 @@ pub unsafe extern "C" fn rdma_disconnect(p: *mut rdma_cm_id) -> c_int {
         // As librdmacm: the QP to ERR first, so its work is flushed.
         i.to_err();
         i.cm().disconnect()?;
+        complete(i)?;
         Ok(0)
     })
 }
@@ -990,10 +1177,18 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
         (e.private_data.as_ptr().cast::<c_void>(), e.private_data.len().min(255) as u8)
     };
     if i.ps.is_ud() {
+        // The peer's address vector, which the daemon gives beside a UD
+        // id's RTR attributes once the peer is known.
+        let ah_attr = match kind {
+            EventKind::ConnectRequest | EventKind::Established => {
+                i.cm().init_qp_attr(QpState::Rtr).ok().map(|(a, _)| ah_to_c(&a.ah_attr))
+            }
+            _ => None,
+        };
         e.c.param.ud = rdma_ud_param {
             private_data: pd_ptr,
             private_data_len: pd_len,
-            ah_attr: ibv_ah_attr { port_num: 1, ..ibv_ah_attr::default() },
+            ah_attr: ah_attr.unwrap_or(ibv_ah_attr { port_num: 1, ..ibv_ah_attr::default() }),
             qp_num: peer.qp_num,
             qkey: ev.qkey,
         };
@@ -1018,31 +1213,38 @@ pub unsafe extern "C" fn rdma_get_cm_event(
     out: *mut *mut rdma_cm_event,
 ) -> c_int {
     guard("rdma_get_cm_event", -1, || {
-        // SAFETY: the program's contract.
-        let ch = unsafe { self::channel(channel) }?;
         if out.is_null() {
             return Err(Error::sys(libc::EINVAL, "NULL event pointer"));
         }
-        loop {
-            // A program that made the descriptor non-blocking gets EAGAIN
-            // instead of a wait, as with the kernel's rdma_cm.
-            // SAFETY: fcntl(F_GETFL) on the channel's descriptor.
-            let flags = unsafe { libc::fcntl(ch.c.fd, libc::F_GETFL) };
-            let ev = if flags >= 0 && flags & libc::O_NONBLOCK != 0 {
-                ch.ch.try_get_event()?.ok_or(Error::quiet(libc::EAGAIN))?
-            } else {
-                match ch.ch.get_event(None)? {
-                    Some(ev) => ev,
-                    None => continue,
-                }
-            };
-            if let Some(e) = convert(channel.cast::<Channel>(), ev)? {
-                // SAFETY: checked non-NULL above.
-                unsafe { *out = e.cast() };
-                return Ok(0);
-            }
-        }
+        let e = next_event(channel)?;
+        // SAFETY: checked non-NULL above.
+        unsafe { *out = e.cast() };
+        Ok(0)
     })
+}
+
+/// The channel's next event, waiting for it unless the descriptor is
+/// non-blocking.
+fn next_event(channel: *mut rdma_event_channel) -> Res<*mut Event> {
+    // SAFETY: the caller's contract: a live channel.
+    let ch = unsafe { self::channel(channel) }?;
+    loop {
+        // A program that made the descriptor non-blocking gets EAGAIN
+        // instead of a wait, as with the kernel's rdma_cm.
+        // SAFETY: fcntl(F_GETFL) on the channel's descriptor.
+        let flags = unsafe { libc::fcntl(ch.c.fd, libc::F_GETFL) };
+        let ev = if flags >= 0 && flags & libc::O_NONBLOCK != 0 {
+            ch.ch.try_get_event()?.ok_or(Error::quiet(libc::EAGAIN))?
+        } else {
+            match ch.ch.get_event(None)? {
+                Some(ev) => ev,
+                None => continue,
+            }
+        };
+        if let Some(e) = convert(channel.cast::<Channel>(), ev)? {
+            return Ok(e);
+        }
+    }
 }
 
 pub unsafe extern "C" fn rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
@@ -1053,5 +1255,136 @@ pub unsafe extern "C" fn rdma_ack_cm_event(event: *mut rdma_cm_event) -> c_int {
         // SAFETY: from rdma_get_cm_event, acknowledged once.
         drop(unsafe { Box::from_raw(event.cast::<Event>()) });
         Ok(0)
+    })
+}
+
+// ---------------------------------------------------------------------
+// Endpoints: librdmacm's synchronous helpers over the calls above
+
+/// `rdma_create_ep`: a synchronous id for `res`. A passive one
+/// (`RAI_PASSIVE`) is bound to the source address and keeps `pd` and
+/// `qp_init_attr` for the ids `rdma_get_request` returns; an active one
+/// has its address and route resolved and, given `qp_init_attr`, its QP.
+pub unsafe extern "C" fn rdma_create_ep(
+    out: *mut *mut rdma_cm_id,
+    res: *mut rdma_addrinfo,
+    pd: *mut ibv_pd,
+    qp_init_attr: *mut ibv_qp_init_attr,
+) -> c_int {
+    guard("rdma_create_ep", -1, || {
+        // SAFETY: the program's addrinfo, from rdma_getaddrinfo.
+        let r = unsafe { res.as_ref() }.ok_or(Error::sys(libc::EINVAL, "NULL rdma_addrinfo"))?;
+        if out.is_null() {
+            return Err(Error::sys(libc::EINVAL, "NULL id pointer"));
+        }
+        let ps = u32::try_from(r.ai_port_space).unwrap_or(0);
+        let p = create_id(null_mut(), null_mut(), ps)?;
+        // SAFETY: just made.
+        let i = unsafe { &*p };
+        let qp_type = u32::try_from(r.ai_qp_type).unwrap_or(IBV_QPT_RC);
+        let set_up = || -> Res<()> {
+            if r.ai_flags & RAI_PASSIVE != 0 {
+                bind_addr(i, r.ai_src_addr)?;
+                if !pd.is_null() {
+                    // SAFETY: librdmacm's field of the id, not yet shared.
+                    unsafe { (*i.c()).pd = pd };
+                }
+                // SAFETY: the program's attributes, if any.
+                if let Some(a) = unsafe { qp_init_attr.as_ref() } {
+                    let a = ibv_qp_init_attr { qp_type, ..*a };
+                    *i.qp_init_attr.lock().unwrap_or_else(|p| p.into_inner()) = Some(a);
+                }
+                return Ok(());
+            }
+            resolve_addr(i, r.ai_src_addr, r.ai_dst_addr)?;
+            resolve_route(i)?;
+            // SAFETY: the program's attributes, if any (written back).
+            if let Some(a) = unsafe { qp_init_attr.as_mut() } {
+                a.qp_type = qp_type;
+                create_qp(i, pd, a)?;
+            }
+            Ok(())
+        };
+        if let Err(e) = set_up() {
+            let _ = destroy_qp(i);
+            let _ = destroy_id(p.cast());
+            return Err(e);
+        }
+        // SAFETY: checked non-NULL above.
+        unsafe { *out = p.cast() };
+        Ok(0)
+    })
+}
+
+/// `rdma_get_request`: waits on a passive endpoint for a connect request
+/// and returns its new id, synchronous on a channel of its own, with a
+/// QP made from the endpoint's attributes. The request event stays in
+/// the new id's `event` (the listener's, when the call fails).
+pub unsafe extern "C" fn rdma_get_request(listen: *mut rdma_cm_id, out: *mut *mut rdma_cm_id) -> c_int {
+    guard("rdma_get_request", -1, || {
+        // SAFETY: the program's contract.
+        let l = unsafe { id(listen) }?;
+        let lch = l.own_channel.load(Ordering::Acquire);
+        if lch.is_null() || out.is_null() {
+            return Err(Error::sys(libc::EINVAL, "not an endpoint of rdma_create_ep (or NULL id pointer)"));
+        }
+        // SAFETY: the listener's field; its events are this library's.
+        let old = unsafe { std::mem::replace(&mut (*l.c()).event, null_mut()) };
+        if !old.is_null() {
+            // SAFETY: an event kept by an earlier call.
+            drop(unsafe { Box::from_raw(old.cast::<Event>()) });
+        }
+        let e = next_event(lch.cast())?;
+        // SAFETY: live until acknowledged.
+        let (kind, status, newp) = unsafe { ((*e).c.event, (*e).c.status, (*e).c.id) };
+        let fail = |err: Error| {
+            // SAFETY: as above: the listener keeps the event.
+            unsafe { (*l.c()).event = e.cast() };
+            Err(err)
+        };
+        if let Err(err) = event_outcome(kind, status) {
+            return fail(err);
+        }
+        if kind != EventKind::ConnectRequest as u32 {
+            return fail(Error::sys(libc::EINVAL, "an event other than a connect request"));
+        }
+        // SAFETY: the request's new id, live, not yet the program's.
+        let n = unsafe { &*newp.cast::<Id>() };
+        // Its own channel, as librdmacm gives a synchronous listener's ids.
+        let got = new_channel().and_then(|ch| {
+            // SAFETY: just made.
+            if let Err(err) = n.cm().migrate(unsafe { &(*ch).ch }) {
+                // SAFETY: made above, not shared.
+                unsafe { rdma_destroy_event_channel(ch.cast()) };
+                return Err(err.into());
+            }
+            // SAFETY: the new id's fields, not yet shared.
+            unsafe { (*n.c()).channel = ch.cast() };
+            n.own_channel.store(ch, Ordering::Release);
+            let attr = *l.qp_init_attr.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(mut a) = attr {
+                // SAFETY: the listener's PD field (NULL: one of the id's own).
+                create_qp(n, unsafe { (*l.c()).pd }, &mut a)?;
+            }
+            Ok(())
+        });
+        if let Err(err) = got {
+            return fail(err);
+        }
+        // SAFETY: the new id's field; `out` checked above.
+        unsafe {
+            (*n.c()).event = e.cast();
+            *out = newp;
+        }
+        Ok(0)
+    })
+}
+
+/// `rdma_destroy_ep`: the id's QP (and the CQs made for it), then the id.
+pub unsafe extern "C" fn rdma_destroy_ep(p: *mut rdma_cm_id) {
+    guard("rdma_destroy_ep", (), || {
+        // SAFETY: the program's contract.
+        destroy_qp(unsafe { id(p) }?)?;
+        destroy_id(p)
     })
 }

@@ -52,12 +52,26 @@
 //! calls fail with -1 and `errno` (`rdma_getaddrinfo` with the
 //! resolver's `EAI_*` code).
 //!
+//! As in rdma-core, an id created without a channel gets one of its own
+//! and is *synchronous*: `rdma_resolve_addr`, `rdma_resolve_route`,
+//! `rdma_connect`, `rdma_accept` and `rdma_disconnect` on it return once
+//! their event came (kept in `id->event`), failing as it failed. The
+//! endpoint helpers build on that: `rdma_create_ep` (a passive endpoint
+//! bound to `ai_src_addr`, or an active one with its address and route
+//! resolved and, given attributes, its QP), `rdma_get_request` (the next
+//! connect request's id, synchronous, with a QP made from the passive
+//! endpoint's attributes) and `rdma_destroy_ep`. `rdma_create_qp` given
+//! no CQs makes them (each with a completion channel, the id as their
+//! context, as `rdma_verbs.h`'s `rdma_get_send_comp` expects), and
+//! `rdma_destroy_qp` destroys them. `ai_connect` private data is not
+//! kept by `rdma_create_ep` (`rdma_getaddrinfo` gives none).
+//!
 //! Not implemented yet, failing with `ENOSYS` and one line on stderr
 //! naming the function the first time it is called: multicast
-//! (`rdma_join_multicast*`, `rdma_leave_multicast`), `rdma_notify`,
-//! the synchronous endpoint helpers (`rdma_create_ep`, `rdma_get_request`,
-//! `rdma_destroy_ep`), `rdma_create_srq*` / `rdma_destroy_srq` and the ECE
-//! pair (`rdma_set_local_ece`, `rdma_get_remote_ece`; `rdma_reject_ece`
+//! (`rdma_join_multicast*`, `rdma_leave_multicast`, and already
+//! `rdma_resolve_addr` to a multicast group, which is where `mckey`
+//! stops), `rdma_notify`, `rdma_create_srq*` / `rdma_destroy_srq` and the
+//! ECE pair (`rdma_set_local_ece`, `rdma_get_remote_ece`; `rdma_reject_ece`
 //! rejects). The rsocket API (`rsocket`, `rconnect`, `rpoll`, ... all the
 //! `r*` functions) fails the same way: vRDMA's socket support (the
 //! sockets issue) is where it will be implemented.
@@ -216,9 +230,9 @@ exports! {
     cma::rdma_migrate_id @ "RDMACM_1.0",
     addrinfo::rdma_getaddrinfo @ "RDMACM_1.0",
     addrinfo::rdma_freeaddrinfo @ "RDMACM_1.0",
-    stubs::rdma_get_request @ "RDMACM_1.0",
-    stubs::rdma_create_ep @ "RDMACM_1.0",
-    stubs::rdma_destroy_ep @ "RDMACM_1.0",
+    cma::rdma_get_request @ "RDMACM_1.0",
+    cma::rdma_create_ep @ "RDMACM_1.0",
+    cma::rdma_destroy_ep @ "RDMACM_1.0",
     stubs::rdma_create_srq @ "RDMACM_1.0",
     stubs::rdma_destroy_srq @ "RDMACM_1.0",
     stubs::rdma_create_srq_ex @ "RDMACM_1.0",

@@ -41,8 +41,6 @@ stubs!(false:
     rdma_join_multicast,
     rdma_leave_multicast,
     rdma_join_multicast_ex,
-    rdma_get_request,
-    rdma_create_ep,
     rdma_create_srq,
     rdma_create_srq_ex,
     rdma_get_remote_ece,
@@ -54,12 +52,6 @@ stubs!(true:
     rsendto, rsendmsg, rread, rreadv, rwrite, rwritev, rpoll, rselect, rgetpeername, rgetsockname,
     rsetsockopt, rgetsockopt, rfcntl, riomap, riounmap, riowrite,
 );
-
-/// `void rdma_destroy_ep(struct rdma_cm_id *)`: no endpoint can exist.
-pub unsafe extern "C" fn rdma_destroy_ep() {
-    static TOLD: AtomicBool = AtomicBool::new(false);
-    fail("rdma_destroy_ep", &TOLD, false);
-}
 
 /// `void rdma_destroy_srq(struct rdma_cm_id *)`: no SRQ can exist.
 pub unsafe extern "C" fn rdma_destroy_srq() {

@@ -26,6 +26,10 @@ type DeallocPd = unsafe extern "C" fn(*mut ibv_pd) -> c_int;
 type CreateQp = unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp;
 type DestroyQp = unsafe extern "C" fn(*mut ibv_qp) -> c_int;
 type ModifyQp = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int;
+type CreateCompChannel = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
+type DestroyCompChannel = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CreateCq = unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void;
+type DestroyCq = unsafe extern "C" fn(*mut c_void) -> c_int;
 
 /// The libibverbs entry points, and the process's one device context.
 pub struct Verbs {
@@ -34,6 +38,10 @@ pub struct Verbs {
     pub create_qp: CreateQp,
     pub destroy_qp: DestroyQp,
     pub modify_qp: ModifyQp,
+    pub create_comp_channel: CreateCompChannel,
+    pub destroy_comp_channel: DestroyCompChannel,
+    pub create_cq: CreateCq,
+    pub destroy_cq: DestroyCq,
     /// `struct ibv_context *` of the first device, opened once.
     pub context: *mut c_void,
 }
@@ -108,6 +116,10 @@ fn load() -> Result<Verbs, Error> {
             create_qp: sym(lib, c"ibv_create_qp", v)?,
             destroy_qp: sym(lib, c"ibv_destroy_qp", v)?,
             modify_qp: sym(lib, c"ibv_modify_qp", v)?,
+            create_comp_channel: sym(lib, c"ibv_create_comp_channel", c"IBVERBS_1.0")?,
+            destroy_comp_channel: sym(lib, c"ibv_destroy_comp_channel", c"IBVERBS_1.0")?,
+            create_cq: sym(lib, c"ibv_create_cq", v)?,
+            destroy_cq: sym(lib, c"ibv_destroy_cq", v)?,
             context,
         })
     }

@@ -74,7 +74,8 @@ impl ProtectionDomain {
     /// Refused with [`Error::InvalidArgument`]: the main thread's
     /// `[stack]` and the calling thread's stack (other threads' stacks
     /// cannot be told from other anonymous memory: never register them),
-    /// file-backed, shared, read-only or unmapped pages, and a range whose
+    /// file-backed (but for the data segment of the program or a loaded
+    /// library), shared, read-only or unmapped pages, and a range whose
     /// covering pages partially overlap pages re-backed for an earlier
     /// registration that is still alive. A range lying fully inside such
     /// pages shares their memfd without remapping.

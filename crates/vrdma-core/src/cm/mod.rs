@@ -864,6 +864,24 @@ impl ConnectionManager {
         self.transmit.pop_front()
     }
 
+    /// The address vector that reaches the device of `remote`'s host: a
+    /// peer on this host (by any of its addresses, loopback included) is
+    /// reached through this device's own GID.
+    fn peer_av(&self, remote: SocketAddrV4) -> AhAttr {
+        let host = match self.addrs.first() {
+            Some(&own) if self.is_local(*remote.ip()) => own,
+            _ => *remote.ip(),
+        };
+        AhAttr {
+            dgid: Gid::from_ipv4(host.octets()),
+            dlid: lid_of_ipv4(host.octets()),
+            is_global: true,
+            hop_limit: 64,
+            port_num: 1,
+            ..AhAttr::default()
+        }
+    }
+
     /// `rdma_init_qp_attr`: the attributes that bring the id's QP to
     /// `state` (INIT, RTR or RTS), from what both sides said, as the
     /// kernel's CMA and IB CM give them.
@@ -910,7 +928,15 @@ impl ConnectionManager {
                 }
                 Ok((a, mask))
             }
-            QpState::Rtr if ud => Ok((a, QpAttrMask::STATE)),
+            QpState::Rtr if ud => {
+                // A UD QP takes no address vector, but the peer's is
+                // given beside the state (outside the mask) once known:
+                // the address handle that rdma_cm's UD events carry.
+                if let Some(remote) = i.remote {
+                    a.ah_attr = self.peer_av(remote);
+                }
+                Ok((a, QpAttrMask::STATE))
+            }
             QpState::Rts if ud => {
                 a.sq_psn = i.psn;
                 Ok((a, QpAttrMask::STATE | QpAttrMask::SQ_PSN))
@@ -921,20 +947,7 @@ impl ConnectionManager {
                 a.path_mtu = Mtu::Mtu4096;
                 a.dest_qp_num = t.qp_num;
                 a.rq_psn = t.start_psn;
-                // A peer on this host (by any of its addresses, loopback
-                // included) is reached through this device's own GID.
-                let host = match self.addrs.first() {
-                    Some(&own) if self.is_local(*remote.ip()) => own,
-                    _ => *remote.ip(),
-                };
-                a.ah_attr = AhAttr {
-                    dgid: Gid::from_ipv4(host.octets()),
-                    dlid: lid_of_ipv4(host.octets()),
-                    is_global: true,
-                    hop_limit: 64,
-                    port_num: 1,
-                    ..AhAttr::default()
-                };
+                a.ah_attr = self.peer_av(remote);
                 a.max_dest_rd_atomic = responder;
                 a.min_rnr_timer = 12;
                 let mask = QpAttrMask::STATE

@@ -130,3 +130,26 @@ pub fn built(name: &str) -> PathBuf {
         .find(|p| p.exists())
         .unwrap_or_else(|| panic!("{name} was not built next to {}", exe.display()))
 }
+
+/// Whether a TCP socket listens on `port` (the kernel's tables), for a
+/// server such as qperf's that takes its clients over TCP.
+pub fn listening(port: u16) -> bool {
+    let want = format!(":{port:04X}");
+    ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
+        std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).any(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+        })
+    })
+}
+
+/// Whether `out` holds perftest's result table: the `#bytes` header
+/// followed by a row of numbers.
+pub fn has_results(out: &str) -> bool {
+    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
+    lines.next().is_some()
+        && lines.next().is_some_and(|row| {
+            let cols: Vec<&str> = row.split_whitespace().collect();
+            cols.len() >= 3 && cols.iter().all(|c| c.parse::<f64>().is_ok())
+        })
+}

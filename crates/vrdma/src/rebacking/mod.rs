@@ -16,8 +16,9 @@
 //! shared memory: the daemon refuses hugetlbfs files, see
 //! `vrdma_shm::Mapping::map_untrusted`) is re-backed. The
 //! main thread's `[stack]` and the calling thread's stack, file mappings
-//! (whose contents belong to the file) and read-only or unmapped pages are
-//! refused, as is a range that
+//! (whose contents belong to the file; but the writable data segment of
+//! the program or a loaded library, private to the process, is re-backed
+//! too) and read-only or unmapped pages are refused, as is a range that
 //! partially overlaps pages re-backed earlier with different bounds
 //! (their file could not describe both). A range lying fully inside an
 //! earlier, still registered span reuses that span's memfd.
@@ -237,6 +238,9 @@ pub(crate) fn check_rebackable(maps: &[MapEntry], start: usize, end: usize) -> R
         if e.is_private_anonymous() || e.is_private_hugetlb() || e.is_our_memfd() {
             continue;
         }
+        if e.private() && is_loaded_object_data(maps, e) {
+            continue;
+        }
         if e.path.starts_with('[') {
             return Err(what(&format!("are the special mapping {}", e.path)));
         }
@@ -246,6 +250,20 @@ pub(crate) fn check_rebackable(maps: &[MapEntry], start: usize, end: usize) -> R
         return Err(what(&format!("are a shared mapping of {:?}, not private anonymous memory", e.path)));
     }
     Ok(())
+}
+
+/// Whether `e`, a private mapping of a file, is the writable data segment
+/// (`.data`, and the first page of `.bss` where it shares one) of the
+/// program or a library it loaded: a file the process also maps
+/// executable. Such pages are the process's own, as anonymous memory is
+/// (the file gave only their first contents), and programs register
+/// their globals (rdma-core's `rdma_client` does); any other file
+/// mapping is refused.
+fn is_loaded_object_data(maps: &[MapEntry], e: &MapEntry) -> bool {
+    e.inode != 0
+        && !e.path.is_empty()
+        && !e.path.starts_with('[')
+        && maps.iter().any(|m| m.inode == e.inode && m.path == e.path && m.perms[2] == b'x')
 }
 
 /// The page size of the mapping that starts at `start`, from the
@@ -500,6 +518,26 @@ mod tests {
         assert!(err(0x7f0000103000, 0x7f0000201000).contains("not mapped"));
         assert!(check_rebackable(&m, 0xe00000000000, 0xe00000001000).is_err());
         assert!(check_rebackable(&[], 0x1000, 0x2000).is_err());
+    }
+
+    /// The data segment of a loaded object (its file also mapped
+    /// executable) is re-backed; a private mapping of a file that is no
+    /// loaded object is not.
+    #[test]
+    fn a_loaded_objects_data_segment_is_rebackable() {
+        let m = parse_maps(
+            "\
+55d0c4a00000-55d0c4a01000 r--p 00000000 08:01 1234                       /usr/bin/app
+55d0c4a01000-55d0c4a02000 r-xp 00001000 08:01 1234                       /usr/bin/app
+55d0c4a03000-55d0c4a04000 rw-p 00003000 08:01 1234                       /usr/bin/app
+55d0c4a04000-55d0c4a05000 rw-p 00000000 00:00 0 
+7f0000201000-7f0000202000 rw-p 00003000 08:01 77                         /tmp/data
+",
+        );
+        assert!(check_rebackable(&m, 0x55d0c4a03000, 0x55d0c4a05000).is_ok(), "data and bss");
+        assert!(check_rebackable(&m, 0x55d0c4a01000, 0x55d0c4a02000).is_err(), "text");
+        let err = check_rebackable(&m, 0x7f0000201000, 0x7f0000202000).unwrap_err().to_string();
+        assert!(err.contains("file \"/tmp/data\""), "{err}");
     }
 
     #[test]

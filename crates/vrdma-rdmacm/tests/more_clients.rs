@@ -1,0 +1,500 @@
+//! More unmodified Debian programs that connect through rdma_cm, run
+//! against real daemons through this library and vRDMA's libibverbs (as
+//! `rdmacm_utils.rs` runs `rping` and `ucmatose`):
+//!
+//! - perftest with `-R` (connection and the exchange of its buffers'
+//!   keys over rdma_cm): `ib_send_lat`, `ib_write_lat`, `ib_read_lat`,
+//!   `ib_write_bw`, `ib_send_bw` and UD `ib_send_bw -c UD`;
+//! - qperf with `-cm1`: `rc_lat`, `rc_bw`, `rc_rdma_write_lat`,
+//!   `rc_rdma_read_bw`;
+//! - rdmacm-utils' `udaddy` (UD: SIDR in the UDP port space), `cmtime`
+//!   (many connections set up and torn down at once), `rdma_server` /
+//!   `rdma_client` (`rdma_getaddrinfo`, `rdma_create_ep`,
+//!   `rdma_get_request`, synchronous ids, `rdma_verbs.h`) and `mckey`
+//!   (multicast, not implemented: it must fail clearly);
+//! - across two hosts (daemons on 127.0.0.2 and 127.0.0.3, linked with a
+//!   pre-shared key): `ucmatose`, `udaddy` and `ib_send_lat -R`.
+//!
+//! perftest needs `libmlx5.so.1` and `libefa.so.1` besides
+//! `libibverbs.so.1`: the library directory links them to the
+//! `vrdma-companions` cdylib, as `vrdma run` does.
+//!
+//! Each pair runs a server, then its client, retried (up to
+//! `LISTEN_WAIT`) while it is turned away for want of a listener
+//! (rdma_cm listeners show in no socket table). Each run is small (100
+//! iterations, one-second qperf tests). The tests skip, saying so, only
+//! when a tool is missing; under `VRDMA_TEST_STRICT=1` (CI) that fails
+//! instead. Every process is killed by pid at its deadline or when its
+//! test ends early.
+
+// The library exists for x86-64 Linux only (see src/lib.rs).
+#![cfg(all(target_os = "linux", target_arch = "x86_64"))]
+
+mod common;
+
+use common::{built, free_port, has_results, listening, one_at_a_time, spawn, Finished, Running};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+const LIMIT: Duration = Duration::from_secs(60);
+/// How long a client is retried while its server is not listening yet.
+const LISTEN_WAIT: Duration = Duration::from_secs(30);
+
+/// The daemon and the library directory all tests of this binary share.
+struct Setup {
+    dir: tempfile::TempDir,
+    daemon: Mutex<vrdmad::Daemon>,
+}
+
+impl Setup {
+    fn lib_dir(&self) -> PathBuf {
+        self.dir.path().join("lib")
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.daemon.lock().unwrap_or_else(|p| p.into_inner()).socket_path().to_path_buf()
+    }
+
+    /// A command for `program` using the drop-in libraries and `socket`'s
+    /// daemon.
+    fn command_on(&self, program: &str, socket: &Path) -> Command {
+        let mut c = Command::new(program);
+        c.env("LD_LIBRARY_PATH", self.lib_dir())
+            .env("VRDMA_SOCKET", socket)
+            .env("LD_BIND_NOW", "1")
+            .env("VRDMA_RDMACM_DEBUG", "1")
+            .env("VRDMA_VERBS_DEBUG", "1");
+        c
+    }
+}
+
+/// The shared setup, or `None` (with the reason printed) without `tool`.
+fn setup(tool: &str, package: &str) -> Option<&'static Setup> {
+    if !Path::new(tool).exists() {
+        vrdma_it::skip(format!("{tool} is missing (apt-get install {package})"));
+        return None;
+    }
+    static SETUP: OnceLock<Setup> = OnceLock::new();
+    Some(SETUP.get_or_init(|| {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let lib = dir.path().join("lib");
+        std::fs::create_dir(&lib).expect("lib dir");
+        let link = |target: &Path, name: &str| {
+            std::os::unix::fs::symlink(target, lib.join(name)).expect("symlink");
+        };
+        link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
+        link(&built("libvrdma_rdmacm.so"), "librdmacm.so.1");
+        let companions = built("libvrdma_companions.so");
+        link(&companions, "libmlx5.so.1");
+        link(&companions, "libefa.so.1");
+        let config =
+            vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
+        let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+        Setup { dir, daemon: Mutex::new(daemon) }
+    }))
+}
+
+/// One side of a pair: its daemon's socket, and whether libibverbs'
+/// debug lines are on (off where a program's own teardown order makes
+/// them, see `cmtime`).
+struct Side<'a> {
+    socket: &'a Path,
+    verbs_debug: bool,
+}
+
+/// Runs `server_args` and then `client_args` (each a program and its
+/// arguments) until the
+/// client is not turned away (its output holds `turned_away`) or
+/// [`LISTEN_WAIT`] passed; returns both once both ended. A server that
+/// serves forever (`kill_server`) is killed by pid once the client is
+/// done.
+fn pair(
+    s: &Setup,
+    server_args: &[&str],
+    client_args: &[&str],
+    turned_away: &str,
+    (server_side, client_side): (Side<'_>, Side<'_>),
+    kill_server: bool,
+) -> (Finished, Finished) {
+    let command = |side: &Side<'_>, args: &[&str]| {
+        let mut c = s.command_on(args[0], side.socket);
+        if !side.verbs_debug {
+            c.env_remove("VRDMA_VERBS_DEBUG");
+        }
+        c.args(&args[1..]);
+        c
+    };
+    let mut server: Running =
+        spawn(command(&server_side, server_args), &format!("{} (server)", server_args.join(" ")));
+    let end = Instant::now() + LISTEN_WAIT;
+    let client = loop {
+        let name = format!("{} (client)", client_args.join(" "));
+        let f = spawn(command(&client_side, client_args), &name).finish(LIMIT);
+        let away = format!("{}{}", f.stdout, f.stderr).contains(turned_away);
+        if !away || server.exited() || Instant::now() > end {
+            break f;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let end = Instant::now() + LIMIT;
+    while !kill_server && !server.exited() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let overran = !kill_server && !server.exited();
+    // SAFETY: kill(2) on our own child, not yet reaped (try_wait above
+    // reaps nothing while it runs).
+    unsafe { libc::kill(server.pid(), libc::SIGKILL) };
+    let server = server.finish(LIMIT);
+    assert!(!overran, "the server overran {LIMIT:?}, killed\n{}\n{}", server.describe(), client.describe());
+    (server, client)
+}
+
+/// Neither side's output may hold a failure word or a line of the
+/// drop-in libraries (they print one for each call that fails).
+fn check_clean(f: &Finished, others: &[&Finished]) {
+    let all = format!("{}{}", f.stdout, f.stderr);
+    for bad in ["vrdma librdmacm:", "vrdma-verbs:", "Couldn't", "Failed", "failed", "error", "Unable"] {
+        assert!(
+            !all.contains(bad),
+            "{bad:?} in the output\n{}\n{}",
+            f.describe(),
+            others.iter().map(|o| o.describe()).collect::<Vec<_>>().join("\n")
+        );
+    }
+}
+
+fn both_ok(server: &Finished, client: &Finished) {
+    for f in [server, client] {
+        assert!(f.status.success(), "{}\n{}", server.describe(), client.describe());
+        check_clean(f, &[server, client]);
+    }
+}
+
+// ---------------------------------------------------------------------
+// perftest -R
+
+const PERFTEST_PROBE: &str = "/usr/bin/ib_send_lat";
+
+/// `/usr/bin/<tool> -R` as server and client with `args`, on the daemons
+/// of `sockets` (server's, client's), the client connecting to `to`.
+fn perftest_rdma_cm(tool: &str, args: &[&str], sockets: (&Path, &Path), to: &str) {
+    let Some(s) = setup(PERFTEST_PROBE, "perftest") else { return };
+    let _turn = one_at_a_time();
+    let program = format!("/usr/bin/{tool}");
+    let port = free_port().to_string();
+    // -F: no report is refused for a CPU-frequency check that fails on
+    // VMs (see crates/vrdma-verbs/tests/perftest.rs).
+    let mut common = vec![program.as_str(), "-R", "-F", "-d", "vrdma0", "-p", port.as_str(), "-n", "100"];
+    common.extend_from_slice(args);
+    let mut client_args = common.clone();
+    client_args.push(to);
+    let (server, client) = pair(
+        s,
+        &common,
+        &client_args,
+        // REJECTED (8), while the server does not listen yet.
+        "Unexpected CM event bl blka 8",
+        (Side { socket: sockets.0, verbs_debug: true }, Side { socket: sockets.1, verbs_debug: true }),
+        false,
+    );
+    both_ok(&server, &client);
+    // The passive side of the read latency test only serves its memory.
+    let server_reports = tool != "ib_read_lat";
+    for (f, reports) in [(&client, true), (&server, server_reports)] {
+        assert!(!reports || has_results(&f.stdout), "no result table\n{}", f.describe());
+        assert!(f.stdout.contains("Data ex. method : rdma_cm"), "{}", f.describe());
+    }
+}
+
+fn perftest_one_host(tool: &str, args: &[&str]) {
+    let Some(s) = setup(PERFTEST_PROBE, "perftest") else { return };
+    let socket = s.socket();
+    perftest_rdma_cm(tool, args, (&socket, &socket), "127.0.0.1");
+}
+
+#[test]
+fn perftest_send_lat_over_rdma_cm() {
+    perftest_one_host("ib_send_lat", &[]);
+}
+
+#[test]
+fn perftest_write_lat_over_rdma_cm() {
+    perftest_one_host("ib_write_lat", &[]);
+}
+
+#[test]
+fn perftest_read_lat_over_rdma_cm() {
+    perftest_one_host("ib_read_lat", &[]);
+}
+
+#[test]
+fn perftest_write_bw_over_rdma_cm() {
+    perftest_one_host("ib_write_bw", &[]);
+}
+
+#[test]
+fn perftest_send_bw_over_rdma_cm() {
+    perftest_one_host("ib_send_bw", &[]);
+}
+
+/// UD: the connection is a SIDR exchange in the UDP port space, and the
+/// client sends to the address handle of the event's `param.ud`.
+#[test]
+fn perftest_ud_send_bw_over_rdma_cm() {
+    perftest_one_host("ib_send_bw", &["-c", "UD"]);
+}
+
+// ---------------------------------------------------------------------
+// qperf -cm1
+
+const QPERF: &str = "/usr/bin/qperf";
+
+/// The qperf server (it serves forever over TCP, connecting its QPs as
+/// each test's client asks: here with rdma_cm) and one client test of a
+/// second (`-t 1`); the server is killed by pid afterwards.
+fn qperf_rdma_cm(test: &str, figure: &str) {
+    let Some(s) = setup(QPERF, "qperf") else { return };
+    let _turn = one_at_a_time();
+    let port = free_port();
+    let lp = port.to_string();
+    let socket = s.socket();
+    // Each side destroys its rdma_cm id without the QP and then the CQ
+    // and PD under it (qperf's rd_close), which libibverbs refuses with
+    // EBUSY as the kernel does: its debug lines are off for qperf.
+    let mut server_cmd = s.command_on(QPERF, &socket);
+    server_cmd.env_remove("VRDMA_VERBS_DEBUG").args(["-lp", &lp]);
+    let mut server = spawn(server_cmd, &format!("qperf -lp {lp} (server)"));
+    let end = Instant::now() + LISTEN_WAIT;
+    while !listening(port) {
+        if server.exited() || Instant::now() > end {
+            panic!("the qperf server never listened\n{}", server.finish(LIMIT).describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let mut client_cmd = s.command_on(QPERF, &socket);
+    client_cmd.env_remove("VRDMA_VERBS_DEBUG").args(["127.0.0.1", "-lp", &lp, "-cm1", "-t", "1", test]);
+    let client = spawn(client_cmd, &format!("qperf 127.0.0.1 -lp {lp} -cm1 -t 1 {test}")).finish(LIMIT);
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(server.pid(), libc::SIGKILL) };
+    let server = server.finish(LIMIT);
+    assert!(client.status.success(), "{}\n{}", client.describe(), server.describe());
+    assert!(client.stdout.contains(figure), "{figure:?} missing\n{}", client.describe());
+    for f in [&client, &server] {
+        check_clean(f, &[&client, &server]);
+    }
+}
+
+#[test]
+fn qperf_rc_lat_over_rdma_cm() {
+    qperf_rdma_cm("rc_lat", "latency  =");
+}
+
+#[test]
+fn qperf_rc_bw_over_rdma_cm() {
+    qperf_rdma_cm("rc_bw", "bw  =");
+}
+
+#[test]
+fn qperf_rc_rdma_write_lat_over_rdma_cm() {
+    qperf_rdma_cm("rc_rdma_write_lat", "latency  =");
+}
+
+#[test]
+fn qperf_rc_rdma_read_bw_over_rdma_cm() {
+    qperf_rdma_cm("rc_rdma_read_bw", "bw  =");
+}
+
+// ---------------------------------------------------------------------
+// rdmacm-utils
+
+const UDADDY: &str = "/usr/bin/udaddy";
+const CMTIME: &str = "/usr/bin/cmtime";
+const RDMA_SERVER: &str = "/usr/bin/rdma_server";
+const RDMA_CLIENT: &str = "/usr/bin/rdma_client";
+const MCKEY: &str = "/usr/bin/mckey";
+const UCMATOSE: &str = "/usr/bin/ucmatose";
+
+/// udaddy's server and client (its port is fixed: 7174 in the UDP port
+/// space) on the daemons of `sockets`: one connection (SIDR) and ten
+/// messages each way, through the address handle the event carries and
+/// the server's replies through `ibv_create_ah_from_wc`.
+///
+/// One connection, because the client is retried: with several, a first
+/// try could have one accepted and another turned away, and the server
+/// would wait forever for the messages of the one accepted.
+fn udaddy(sockets: (&Path, &Path), server_addr: &str) {
+    let Some(s) = setup(UDADDY, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
+    let common = ["-c", "1", "-C", "10"];
+    let mut client_args = vec![UDADDY, "-s", server_addr];
+    client_args.extend_from_slice(&common);
+    let mut server_args = vec![UDADDY];
+    server_args.extend_from_slice(&common);
+    if server_addr != "127.0.0.1" {
+        server_args.extend_from_slice(&["-b", server_addr]);
+    }
+    let (server, client) = pair(
+        s,
+        &server_args,
+        &client_args,
+        "RDMA_CM_EVENT_REJECTED",
+        (Side { socket: sockets.0, verbs_debug: true }, Side { socket: sockets.1, verbs_debug: true }),
+        false,
+    );
+    both_ok(&server, &client);
+    for f in [&server, &client] {
+        for want in ["data transfers complete", "test complete", "return status 0"] {
+            assert!(f.stdout.contains(want), "{want:?} missing\n{}", f.describe());
+        }
+    }
+}
+
+#[test]
+fn udaddy_ten_messages_each_way() {
+    let Some(s) = setup(UDADDY, "rdmacm-utils") else { return };
+    let socket = s.socket();
+    udaddy((&socket, &socket), "127.0.0.1");
+}
+
+/// cmtime sets up 50 connections at once, asynchronously (QPs given no
+/// CQs: this library makes them), disconnects and destroys them; the
+/// server serves forever and is killed by pid.
+#[test]
+fn cmtime_sets_up_and_tears_down_fifty_connections() {
+    let Some(s) = setup(CMTIME, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let socket = s.socket();
+    // Its QPs share the CQs made for the first (librdmacm writes them back
+    // into the attributes the program passes again), so destroying that
+    // QP's CQs is refused with EBUSY, as by the kernel: no verbs debug.
+    let quiet = || Side { socket: &socket, verbs_debug: false };
+    let (server, client) = pair(
+        s,
+        &[CMTIME, "-p", &port],
+        &[CMTIME, "-s", "127.0.0.1", "-p", &port, "-c", "50"],
+        "RDMA_CM_EVENT_REJECTED",
+        (quiet(), quiet()),
+        true,
+    );
+    assert!(client.status.success(), "{}\n{}", client.describe(), server.describe());
+    check_clean(&client, &[&server]);
+    check_clean(&server, &[&client]);
+    for step in
+        ["create id", "resolve addr", "resolve route", "create qp", "connect", "disconnect", "destroy"]
+    {
+        assert!(
+            client.stdout.lines().any(|l| l.starts_with(step)),
+            "{step:?} missing\n{}",
+            client.describe()
+        );
+    }
+    assert!(!client.stdout.contains("event: "), "a connection failed\n{}", client.describe());
+}
+
+/// rdma_server / rdma_client: the endpoint API (rdma_getaddrinfo,
+/// rdma_create_ep, rdma_get_request, synchronous connect, accept and
+/// disconnect) and rdma_verbs.h's helpers, which register the programs'
+/// globals and wait on the CQs rdma_create_qp made.
+#[test]
+fn rdma_server_and_client_exchange_a_message() {
+    let Some(s) = setup(RDMA_SERVER, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let socket = s.socket();
+    let side = || Side { socket: &socket, verbs_debug: true };
+    let (server, client) = pair(
+        s,
+        &[RDMA_SERVER, "-p", &port],
+        &[RDMA_CLIENT, "-s", "127.0.0.1", "-p", &port],
+        "Connection refused",
+        (side(), side()),
+        false,
+    );
+    both_ok(&server, &client);
+    assert!(server.stdout.contains("rdma_server: end 0"), "{}", server.describe());
+    assert!(client.stdout.contains("rdma_client: end 0"), "{}", client.describe());
+}
+
+/// mckey joins a multicast group, which vRDMA does not implement: it
+/// must fail at once, and say so.
+#[test]
+fn mckey_fails_clearly_multicast_is_not_implemented() {
+    let Some(s) = setup(MCKEY, "rdmacm-utils") else { return };
+    let mut c = s.command_on(MCKEY, &s.socket());
+    c.args(["-m", "239.1.2.3", "-C", "1"]);
+    let started = Instant::now();
+    let f = spawn(c, "mckey -m 239.1.2.3").finish(LIMIT);
+    assert!(!f.status.success(), "{}", f.describe());
+    assert!(f.stderr.contains("multicast is not implemented"), "{}", f.describe());
+    assert!(started.elapsed() < Duration::from_secs(10), "took {:?}\n{}", started.elapsed(), f.describe());
+}
+
+// ---------------------------------------------------------------------
+// Two hosts
+
+/// Daemons for hosts 127.0.0.2 (A) and 127.0.0.3 (B), linked by the
+/// transport with a pre-shared key, as in `rdmacm_utils.rs`.
+fn two_hosts(dir: &Path) -> (vrdmad::Daemon, vrdmad::Daemon) {
+    let wire = vrdma_it::free_port().expect("a free port");
+    let daemon = |ip: &str| {
+        let toml = vrdma_it::host_config(ip, wire, &[], "");
+        let mut config = vrdmad::DaemonConfig::from_toml(&toml).expect("config");
+        config.socket = Some(dir.join(format!("{ip}.sock")));
+        vrdmad::Daemon::start(config).expect("start daemon")
+    };
+    (daemon("127.0.0.2"), daemon("127.0.0.3"))
+}
+
+#[test]
+fn ucmatose_across_two_hosts() {
+    let Some(s) = setup(UCMATOSE, "rdmacm-utils") else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (a, b) = two_hosts(dir.path());
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    // One connection: see `udaddy`.
+    let common = ["-p", port.as_str(), "-c", "1", "-C", "10"];
+    let mut server_args = vec![UCMATOSE, "-b", "127.0.0.3"];
+    server_args.extend_from_slice(&common);
+    let mut client_args = vec![UCMATOSE, "-s", "127.0.0.3"];
+    client_args.extend_from_slice(&common);
+    let (server, client) = pair(
+        s,
+        &server_args,
+        &client_args,
+        "RDMA_CM_EVENT_REJECTED",
+        (
+            Side { socket: b.socket_path(), verbs_debug: true },
+            Side { socket: a.socket_path(), verbs_debug: true },
+        ),
+        false,
+    );
+    both_ok(&server, &client);
+    for f in [&server, &client] {
+        for want in ["data transfers complete", "test complete", "return status 0"] {
+            assert!(f.stdout.contains(want), "{want:?} missing\n{}", f.describe());
+        }
+    }
+    drop((a, b));
+}
+
+#[test]
+fn udaddy_across_two_hosts() {
+    let Some(_) = setup(UDADDY, "rdmacm-utils") else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (a, b) = two_hosts(dir.path());
+    udaddy((b.socket_path(), a.socket_path()), "127.0.0.3");
+    drop((a, b));
+}
+
+#[test]
+fn perftest_send_lat_over_rdma_cm_across_two_hosts() {
+    let Some(_) = setup(PERFTEST_PROBE, "perftest") else { return };
+    let dir = tempfile::tempdir().expect("temp dir");
+    let (a, b) = two_hosts(dir.path());
+    perftest_rdma_cm("ib_send_lat", &[], (b.socket_path(), a.socket_path()), "127.0.0.3");
+    drop((a, b));
+}
