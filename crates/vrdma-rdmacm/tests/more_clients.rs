@@ -128,6 +128,11 @@ fn pair(
     };
     let mut server: Running =
         spawn(command(&server_side, server_args), &format!("{} (server)", server_args.join(" ")));
+    // Where the daemon can say so, the client starts once the server
+    // listens; the retries below are for the rest.
+    if let Some(target) = common::listen_target(client_args[0], &client_args[1..]) {
+        common::wait_listening(server_side.socket, target, &mut server, LISTEN_WAIT);
+    }
     let end = Instant::now() + LISTEN_WAIT;
     let client = loop {
         let name = format!("{} (client)", client_args.join(" "));

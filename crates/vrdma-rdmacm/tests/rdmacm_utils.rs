@@ -92,6 +92,11 @@ fn client_when_listening(
     server: &mut Running,
     rejected: &str,
 ) -> Finished {
+    // Where the daemon can say so, the client starts once the server
+    // listens; the retries below are for the rest.
+    if let Some(target) = common::listen_target(program, args) {
+        common::wait_listening(&s.socket(), target, server, LISTEN_WAIT);
+    }
     let end = Instant::now() + LISTEN_WAIT;
     loop {
         let mut c = s.command(program);

@@ -198,6 +198,16 @@ fn init_qp_attr(ctx: &Context, id: u32, state: QpState) -> Result<(QpAttr, QpAtt
     }
 }
 
+/// Whether a listener of this context's tenant takes requests for `addr`
+/// (rdma_cm listeners show in no socket table: this is how a program, or
+/// a test, learns that a server it started listens).
+pub fn is_listening(ctx: &Context, ps: PortSpace, addr: SocketAddrV4) -> Result<bool> {
+    match call(ctx, CmRequest::HasListener { ps: ps.raw(), addr })? {
+        CmReply::Listening(yes) => Ok(yes),
+        _ => Err(Error::protocol("HasListener answered with something else")),
+    }
+}
+
 /// `struct rdma_cm_id`: one end of a connection, or a listener.
 pub struct CmId {
     channel: EventChannel,

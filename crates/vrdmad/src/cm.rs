@@ -205,6 +205,10 @@ impl CmDriver {
                 CmReply::QpAttr { attr, mask }
             }
             CmRequest::QueryAddr { id } => self.addrs(ctx, id)?,
+            CmRequest::HasListener { ps, addr } => {
+                let ps = PortSpace::from_raw(ps).ok_or(CmCallError::PortSpace(ps))?;
+                CmReply::Listening(self.cm.has_listener(tenant, ps, addr))
+            }
             CmRequest::GetEvent { channel } => {
                 self.own_channel(ctx, channel)?;
                 // (The tenant takes the event's datagram from its end of

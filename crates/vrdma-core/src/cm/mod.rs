@@ -322,6 +322,15 @@ impl ConnectionManager {
         self.ids.get_mut(&id).filter(|i| i.ctx == ctx).ok_or(CmError::NoSuchId)
     }
 
+    /// Whether a listener of `tenant` takes requests for `addr` in `ps`
+    /// (another tenant's listener does not count: it would not take this
+    /// tenant's requests, and must not be seen).
+    pub fn has_listener(&self, tenant: TenantId, ps: PortSpace, addr: SocketAddrV4) -> bool {
+        self.ports.listener(ps, *addr.ip(), addr.port()).is_some_and(|l| {
+            self.ids.get(&l).is_some_and(|i| i.tenant == tenant && i.state == State::Listening)
+        })
+    }
+
     /// The context that owns `id`.
     pub fn owner(&self, id: u32) -> Option<ContextId> {
         self.ids.get(&id).map(|i| i.ctx)

@@ -483,3 +483,14 @@ fn a_request_sent_again_is_the_same_request_and_a_rej_by_the_requesters_number_f
     net.b.handle_message(A, req);
     assert_eq!(kinds(&net.events(B)), [EventKind::ConnectRequest]);
 }
+
+#[test]
+fn a_tenant_sees_its_own_listeners_only() {
+    let mut net = Net::new();
+    let at = SocketAddrV4::new(B, 7471);
+    assert!(!net.b.has_listener(TENANT, PortSpace::Tcp, at));
+    net.listen(B, CB, TENANT, 7471, 8);
+    assert!(net.b.has_listener(TENANT, PortSpace::Tcp, at));
+    assert!(!net.b.has_listener(OTHER, PortSpace::Tcp, at), "another tenant's is not seen");
+    assert!(!net.b.has_listener(TENANT, PortSpace::Udp, at));
+}

@@ -80,6 +80,12 @@ pub enum CmRequest {
     GetEvent {
         channel: u32,
     },
+    /// Whether a listener of the caller's tenant takes requests for
+    /// `addr` in port space `ps` (answered [`CmReply::Listening`]).
+    HasListener {
+        ps: u32,
+        addr: SocketAddrV4,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -89,4 +95,5 @@ pub enum CmReply {
     Addrs { local: Option<SocketAddrV4>, remote: Option<SocketAddrV4> },
     QpAttr { attr: QpAttr, mask: QpAttrMask },
     Event(Option<CmEvent>),
+    Listening(bool),
 }

@@ -153,3 +153,43 @@ pub fn has_results(out: &str) -> bool {
             cols.len() >= 3 && cols.iter().all(|c| c.parse::<f64>().is_ok())
         })
 }
+
+/// Where the client `args` of an rdmacm-utils program connect to, for the
+/// programs that make several connections (a first try could find the
+/// server listening for some of them only, which it then waits for
+/// forever): `ucmatose`, `cmtime`, `udaddy` (`-s HOST`, `-p PORT`), and
+/// `rping` (`-a HOST`). `None` for anything else.
+pub fn listen_target(program: &str, args: &[&str]) -> Option<(vrdma::cm::PortSpace, std::net::SocketAddrV4)> {
+    use vrdma::cm::PortSpace;
+    let name = program.rsplit('/').next()?;
+    let value = |flag: &str| args.iter().position(|a| *a == flag).and_then(|i| args.get(i + 1)).copied();
+    let (ps, host_flag, default_port) = match name {
+        "ucmatose" | "cmtime" => (PortSpace::Tcp, "-s", 7471),
+        "udaddy" => (PortSpace::Udp, "-s", 7174),
+        "rping" => (PortSpace::Tcp, "-a", 7174),
+        _ => return None,
+    };
+    let host = value(host_flag).unwrap_or("127.0.0.1").parse().ok()?;
+    let port = value("-p").map_or(Some(default_port), |p| p.parse().ok())?;
+    Some((ps, std::net::SocketAddrV4::new(host, port)))
+}
+
+/// Waits until the daemon at `socket` has a listener of our tenant for
+/// `target` (rdma_cm listeners show in no socket table), as long as the
+/// server runs and at most `limit`. Returns whether it came.
+pub fn wait_listening(
+    socket: &std::path::Path,
+    target: (vrdma::cm::PortSpace, std::net::SocketAddrV4),
+    server: &mut Running,
+    limit: Duration,
+) -> bool {
+    let Ok(ctx) = vrdma::Context::open_at(socket) else { return false };
+    let end = Instant::now() + limit;
+    while Instant::now() < end && !server.exited() {
+        if vrdma::cm::is_listening(&ctx, target.0, target.1).unwrap_or(false) {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
