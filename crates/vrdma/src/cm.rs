@@ -143,14 +143,17 @@ impl EventChannel {
 
     /// The next event if one waits.
     pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
-        let CmReply::Event(ev) = call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel })?
+        let CmReply::Event { event, wakeups } =
+            call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel })?
         else {
             return Err(Error::protocol("GetEvent answered with something else"));
         };
-        let Some(mut ev) = ev else { return Ok(None) };
-        // The event's wake-up: the descriptor stays readable exactly while
-        // events wait.
-        self.inner.fd.take_one();
+        // The event's wake-up, and those of events that went with their
+        // ids: the descriptor stays readable exactly while events wait.
+        for _ in 0..wakeups {
+            self.inner.fd.take_one();
+        }
+        let Some(mut ev) = event else { return Ok(None) };
         if ev.kind == EventKind::ConnectResponse {
             let qp = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).get(&ev.id).copied();
             if let Some(qpn) = qp {
@@ -351,7 +354,17 @@ impl CmId {
                 &[QpState::Init, QpState::Rtr, QpState::Rts]
             };
             for &state in states {
-                let (attr, mask) = self.init_qp_attr(state)?;
+                let (mut attr, mask) = self.init_qp_attr(state)?;
+                // The depths this side accepts with, as librdmacm applies
+                // them (the daemon's attributes still hold the request's).
+                if !self.ps.is_ud() {
+                    if mask.contains(QpAttrMask::MAX_DEST_RD_ATOMIC) {
+                        attr.max_dest_rd_atomic = param.responder_resources;
+                    }
+                    if mask.contains(QpAttrMask::MAX_QP_RD_ATOMIC) {
+                        attr.max_rd_atomic = param.initiator_depth;
+                    }
+                }
                 modify_qp(&self.channel.inner.ctx, qpn, attr, mask)?;
             }
         }

@@ -41,7 +41,10 @@ struct EventChannel {
     ctx: ContextId,
     tenant: TenantId,
     fd: Doorbell,
-    events: VecDeque<CmEvent>,
+    /// Events in order; `None` where one went with its id (destroyed, or
+    /// moved to another channel) after its wake-up was rung: the tenant
+    /// takes that wake-up with the next event it reads.
+    events: VecDeque<Option<CmEvent>>,
 }
 
 pub struct CmDriver {
@@ -126,7 +129,7 @@ impl CmDriver {
         req: CmRequest,
         now: Instant,
     ) -> Result<CmReply, CmCallError> {
-        let done = CmReply::Event(None);
+        let done = CmReply::Event { event: None, wakeups: 0 };
         let reply = match req {
             // Made by the session, which creates the descriptors.
             CmRequest::CreateChannel => return Err(CmCallError::NoChannel(0)),
@@ -150,14 +153,34 @@ impl CmDriver {
                 self.id_channel.remove(&id);
                 // Its events not yet read go with it, as the kernel's do.
                 for c in self.channels.values_mut().filter(|c| c.ctx == ctx) {
-                    c.events.retain(|e| e.id != id);
+                    for e in c.events.iter_mut() {
+                        if e.as_ref().is_some_and(|e| e.id == id) {
+                            *e = None;
+                        }
+                    }
                 }
                 done
             }
             CmRequest::MigrateId { id, channel } => {
                 self.own_channel(ctx, channel)?;
                 self.cm.state(ctx, id).ok_or(CmError::NoSuchId)?;
-                self.id_channel.insert(id, channel);
+                // Its unread events move with it, as the kernel's do.
+                let mut moved = Vec::new();
+                if let Some(old) = self.id_channel.insert(id, channel).filter(|&o| o != channel) {
+                    if let Some(c) = self.channels.get_mut(&old) {
+                        for e in c.events.iter_mut() {
+                            if e.as_ref().is_some_and(|e| e.id == id) {
+                                moved.extend(e.take());
+                            }
+                        }
+                    }
+                }
+                if let Some(c) = self.channels.get_mut(&channel) {
+                    for ev in moved {
+                        c.events.push_back(Some(ev));
+                        c.fd.ring_one();
+                    }
+                }
                 done
             }
             CmRequest::SetReuseAddr { id, reuse } => {
@@ -211,10 +234,19 @@ impl CmDriver {
             }
             CmRequest::GetEvent { channel } => {
                 self.own_channel(ctx, channel)?;
-                // (The tenant takes the event's datagram from its end of
-                // the doorbell: readable while any event is left.)
+                // (The tenant takes the wake-ups from its end of the
+                // doorbell: readable while any event is left.)
                 let c = self.channels.get_mut(&channel).expect("checked above");
-                CmReply::Event(c.events.pop_front())
+                let mut wakeups = 0;
+                let mut event = None;
+                while let Some(e) = c.events.pop_front() {
+                    wakeups += 1;
+                    if e.is_some() {
+                        event = e;
+                        break;
+                    }
+                }
+                CmReply::Event { event, wakeups }
             }
         };
         Ok(reply)
@@ -260,6 +292,11 @@ impl CmDriver {
             }
         }
         self.log.sweep(now);
+        // Messages still waiting (a burst larger than a run sends) go in
+        // the next pass, not after the next timer.
+        if self.cm.transmit_pending() {
+            return Some(now);
+        }
         self.cm.poll_timeout()
     }
 
@@ -284,7 +321,7 @@ impl CmDriver {
         if ev.kind == EventKind::ConnectRequest {
             self.id_channel.insert(ev.id, channel);
         }
-        c.events.push_back(ev);
+        c.events.push_back(Some(ev));
         if !c.fd.ring_one() {
             // The socket buffer holds fewer wake-ups than events unread
             // (net.core.wmem_max): the event waits, and a tenant that
@@ -344,7 +381,10 @@ mod tests {
             }
         });
         let mut kinds = Vec::new();
-        while let Ok(CmReply::Event(Some(ev))) = d.handle(C, T, CmRequest::GetEvent { channel }, now) {
+        while let Ok(CmReply::Event { event: Some(ev), wakeups }) =
+            d.handle(C, T, CmRequest::GetEvent { channel }, now)
+        {
+            assert_eq!(wakeups, 1);
             assert!(tenant_end.take_one(), "one wake-up per event");
             kinds.push(ev.kind);
         }
@@ -393,5 +433,35 @@ mod tests {
         assert_eq!(d.channels[&channel].events.len(), MAX_UNREAD);
         assert_eq!(refused, 5 * 1024 - MAX_UNREAD, "every request past the bound is answered");
         assert!(d.channels[&channel].events.len() <= MAX_UNREAD);
+    }
+
+    /// Events of an id destroyed (or moved) before they were read leave
+    /// their wake-ups behind: the next read takes those too, so the
+    /// descriptor is readable exactly while an event waits.
+    #[test]
+    fn events_that_go_with_their_id_give_back_their_wake_ups() {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair().unwrap();
+        let channel = d.add_channel(C, T, fd).unwrap();
+        let now = Instant(1);
+        let id = |d: &mut CmDriver| match d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now) {
+            Ok(CmReply::Id { id }) => id,
+            other => panic!("{other:?}"),
+        };
+        let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
+        let (gone, kept) = (id(&mut d), id(&mut d));
+        d.handle(C, T, CmRequest::ResolveAddr { id: gone, src: None, dst }, now).unwrap();
+        d.handle(C, T, CmRequest::ResolveAddr { id: kept, src: None, dst }, now).unwrap();
+        d.run(now, |_, _| Ok(()));
+        d.handle(C, T, CmRequest::DestroyId { id: gone }, now).unwrap();
+        let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now).unwrap();
+        let CmReply::Event { event: Some(ev), wakeups: 2 } = reply else { panic!("{reply:?}") };
+        assert_eq!((ev.id, ev.kind), (kept, EventKind::AddrResolved));
+        assert!(tenant_end.take_one() && tenant_end.take_one(), "two were rung");
+        assert!(!tenant_end.take_one(), "and nothing more: the descriptor is quiet");
+        let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now).unwrap();
+        assert!(matches!(reply, CmReply::Event { event: None, wakeups: 0 }), "{reply:?}");
     }
 }

@@ -400,7 +400,9 @@ impl ConnectionManager {
                 };
                 self.bind(ctx, id, from)?;
             }
-            State::Bound | State::AddrResolved => {}
+            // Once, as the kernel's: each resolution is an event the
+            // tenant's channel holds, and a loop of them would grow it.
+            State::Bound => {}
             _ => return Err(CmError::WrongState),
         }
         let local_ip = self.source_for(d);
@@ -758,7 +760,10 @@ impl ConnectionManager {
             cm.transmit.push_back((host, msg));
         };
         // A REQ sent again (the peer's driver retried) is the same one.
-        if self.requested.contains_key(&(host, from)) {
+        // (A connection that ended no longer holds its numbers: a peer
+        // daemon that restarted numbers its ids from 1 again.)
+        let pending = |i: &CmId| matches!(i.state, State::ReqReceived | State::RepSent);
+        if self.requested.get(&(host, from)).and_then(|c| self.ids.get(c)).is_some_and(pending) {
             return;
         }
         // A tenant numbered by another host's daemon is not ours, whatever
@@ -791,9 +796,13 @@ impl ConnectionManager {
             li.pending += 1;
         }
         self.requested.insert((host, from), child);
+        // The requester's address is the host its REQ came from (the
+        // link's authenticated peer), whatever its `src` claims; its port
+        // is only a name.
+        let from_ip = if self.is_local(host) { *src.ip() } else { host };
         let c = self.ids.get_mut(&child).expect("just made");
         c.local = Some(dst);
-        c.remote = Some(src);
+        c.remote = Some(SocketAddrV4::new(from_ip, src.port()));
         c.peer = Some((host, from));
         c.listener = Some(l);
         c.theirs = Some(conn.clone());
@@ -871,6 +880,11 @@ impl ConnectionManager {
     /// The next message to send, and the host it goes to.
     pub fn poll_transmit(&mut self) -> Option<(Ipv4Addr, CmMessage)> {
         self.transmit.pop_front()
+    }
+
+    /// Whether messages wait for [`Self::poll_transmit`].
+    pub fn transmit_pending(&self) -> bool {
+        !self.transmit.is_empty()
     }
 
     /// The address vector that reaches the device of `remote`'s host: a

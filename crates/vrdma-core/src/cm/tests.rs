@@ -494,3 +494,52 @@ fn a_tenant_sees_its_own_listeners_only() {
     assert!(!net.b.has_listener(OTHER, PortSpace::Tcp, at), "another tenant's is not seen");
     assert!(!net.b.has_listener(TENANT, PortSpace::Udp, at));
 }
+
+#[test]
+fn an_address_resolves_once_and_a_restarted_peers_numbers_are_new_requests() {
+    let mut net = Net::new();
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    let again = net.a.resolve_addr(CA, a, None, SocketAddrV4::new(B, 7471));
+    assert_eq!(again.unwrap_err(), CmError::WrongState, "no second event for the same id");
+    assert!(net.events(A).is_empty());
+    // A REQ from B's id 1, B's link lost, B restarted: its new id 1 asks
+    // again, and is heard.
+    net.listen(A, CA, TENANT, 7000, 8);
+    let src = SocketAddrV4::new(B, 40000);
+    let req = || CmMessage::Req {
+        from: 1,
+        tenant: TENANT.0,
+        ps: PortSpace::Tcp,
+        src,
+        dst: SocketAddrV4::new(A, 7000),
+        conn: conn(1, b""),
+    };
+    net.a.handle_message(B, req());
+    assert_eq!(kinds(&net.events(A)), [EventKind::ConnectRequest]);
+    net.a.link_down(B);
+    net.events(A);
+    net.a.handle_message(B, req());
+    assert_eq!(kinds(&net.events(A)), [EventKind::ConnectRequest], "a new request");
+}
+
+#[test]
+fn the_requesters_address_is_the_host_its_request_came_from() {
+    let mut net = Net::new();
+    net.listen(B, CB, TENANT, 7471, 8);
+    // A REQ from A claiming to come from a third host.
+    let c = Ipv4Addr::new(10, 0, 0, 3);
+    let msg = CmMessage::Req {
+        from: 5,
+        tenant: TENANT.0,
+        ps: PortSpace::Tcp,
+        src: SocketAddrV4::new(c, 40000),
+        dst: SocketAddrV4::new(B, 7471),
+        conn: conn(9, b""),
+    };
+    net.b.handle_message(A, msg);
+    let id = net.events(B)[0].id;
+    let (_, remote) = net.b.addresses(CB, id).unwrap();
+    assert_eq!(remote.map(|r| *r.ip()), Some(A));
+    let (rtr, _) = net.b.init_qp_attr(CB, id, QpState::Rtr).unwrap();
+    assert_eq!(rtr.ah_attr.dgid, crate::verbs::Gid::from_ipv4(A.octets()));
+}

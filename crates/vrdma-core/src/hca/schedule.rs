@@ -124,6 +124,12 @@ impl ServiceOrder {
         self.tenants.len()
     }
 
+    /// Tenants whose queued QPs may have work: not quiet (a tenant whose
+    /// QPs only wait for timers does not contend for the engine).
+    pub(crate) fn tenants_contending(&self) -> usize {
+        self.queues.values().filter(|q| q.quiet < q.qps.len()).count()
+    }
+
     /// The next tenant to take its share of the pass, with `bytes` to
     /// move at most. End the share with [`Self::end_share`].
     pub(crate) fn next_share(&mut self, bytes: u64) -> Option<Share> {

@@ -3194,3 +3194,42 @@ fn a_streaming_tenant_moves_its_byte_share_a_pass_while_another_waits() {
         }
     }
 }
+
+/// A tenant whose only queued QP waits for a timer (an RNR wait) does not
+/// contend: a streaming tenant beside it keeps its whole pass.
+#[test]
+fn a_tenant_waiting_on_a_timer_does_not_cut_anothers_share() {
+    let mut env = Env::new();
+    let chunk = env.hca.config().chunk_bytes as u32;
+    let mut config = env.hca.config().clone();
+    config.contended_bytes = u64::from(chunk) * 2;
+    env.hca = Hca::new(config, Box::new(Counter(1)));
+    for (c, t) in [(C1, TENANT), (C2, TENANT), (C3, OTHER_TENANT)] {
+        env.hca.open_context(c, t).unwrap();
+    }
+    let mut many = Vec::new();
+    for _ in 0..8 {
+        let (a, b) = (env.end_with(C1, true), env.end(C2));
+        env.connect(a.qpn, b.qpn);
+        env.connect(b.qpn, a.qpn);
+        many.push((a, b));
+    }
+    let (x, y) = (env.end_with(C3, true), env.end(C3));
+    env.connect(x.qpn, y.qpn);
+    env.connect(y.qpn, x.qpn);
+    env.run(T0);
+    // No receive at y: x's send waits for y's RNR timer.
+    env.io.post_send(x.qpn, wr(1, SendOpcode::Send, &[x.buf.sge(0, 8)], SendFlags::SIGNALED));
+    env.step(T0);
+    // A pass whose turn found only the timer: the tenant is quiet now.
+    let act = env.step(T0);
+    assert!(act.next_timer.is_some() && !act.busy, "the send waits for a timer");
+    for (a, b) in &many {
+        env.io
+            .post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key));
+    }
+    let act = env.step(T0);
+    assert!(!act.contended, "a tenant that only waits does not contend");
+    let done: usize = many.iter().map(|(a, _)| env.poll(a.cq).len()).sum();
+    assert_eq!(done, 8, "every QP's turn");
+}

@@ -90,10 +90,26 @@ pub enum CmRequest {
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum CmReply {
-    Channel { channel: u32 },
-    Id { id: u32 },
-    Addrs { local: Option<SocketAddrV4>, remote: Option<SocketAddrV4> },
-    QpAttr { attr: QpAttr, mask: QpAttrMask },
-    Event(Option<CmEvent>),
+    Channel {
+        channel: u32,
+    },
+    Id {
+        id: u32,
+    },
+    Addrs {
+        local: Option<SocketAddrV4>,
+        remote: Option<SocketAddrV4>,
+    },
+    QpAttr {
+        attr: QpAttr,
+        mask: QpAttrMask,
+    },
+    /// The next event, if any, and the wake-ups to take from the channel's
+    /// descriptor with it: one for the event, and one for each event that
+    /// went with its id (destroyed or moved) after its wake-up was rung.
+    Event {
+        event: Option<CmEvent>,
+        wakeups: u32,
+    },
     Listening(bool),
 }

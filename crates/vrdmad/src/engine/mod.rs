@@ -111,6 +111,12 @@ impl EngineState {
             let mut came = std::mem::take(&mut self.cm_in);
             net.take_cm_in(&mut came);
             for (host, msg) in came.drain(..) {
+                // A link whose peer claims one of this host's own addresses
+                // must not speak for this host's connections.
+                if self.cm.cm.is_local(host) {
+                    tracing::debug!(%host, "a connection manager's message from a link that claims this host; dropped");
+                    continue;
+                }
                 self.cm.cm.handle_message(host, msg);
             }
             self.cm_in = came;

@@ -194,8 +194,11 @@ impl Hca {
         let tenants = self.order.tenants_waiting();
         // Bytes bound a share only while tenants contend: one tenant alone
         // keeps the engine's whole pass.
-        let share_bytes = if tenants > 1 { self.config.contended_bytes.max(1) } else { u64::MAX };
-        act.contended = tenants > 1;
+        // (Counted among those that may have work: a tenant whose QPs only
+        // wait for a timer costs another nothing.)
+        let contending = tenants > 1 && self.order.tenants_contending() > 1;
+        let share_bytes = if contending { self.config.contended_bytes.max(1) } else { u64::MAX };
+        act.contended = contending;
         for _ in 0..tenants {
             let Some(mut share) = self.order.next_share(share_bytes) else { break };
             let tenant = share.tenant;
