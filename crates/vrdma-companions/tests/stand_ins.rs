@@ -15,28 +15,16 @@
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]
 
 use std::collections::BTreeSet;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use vrdma_companions::{EXPORTS, SONAMES};
+use vrdma_it::harness::built;
 
 /// Where Debian installs rdma-core's provider libraries.
 const REAL_DIR: &str = "/usr/lib/x86_64-linux-gnu";
 const LIMIT: Duration = Duration::from_secs(60);
-
-/// A cdylib cargo built for this test run: beside the test executable in
-/// `target/<profile>/deps/`, or one level up.
-fn built(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("current exe");
-    let deps = exe.parent().expect("deps dir");
-    let profile = if deps.ends_with("deps") { deps.parent().expect("profile dir") } else { deps };
-    [deps, profile]
-        .iter()
-        .map(|d| d.join(name))
-        .find(|p| p.exists())
-        .unwrap_or_else(|| panic!("{name} was not built next to {}", exe.display()))
-}
 
 /// A defined dynamic function: name, version node, and whether it is the
 /// default version (`objdump -T` shows an older one in parentheses).

@@ -3148,31 +3148,39 @@ fn thousands_of_qps_woken_at_once_cost_each_pass_one_tenants_share() {
     }
 }
 
+/// Tenant 1000 with eight connected QP pairs (to stream on), tenant 2000
+/// with one pair, all idle, and `contended_bytes` of two chunks; returns
+/// the chunk size too.
+fn streamer_and_other() -> (Env, u32, Vec<(End, End)>, (End, End)) {
+    let mut env = Env::new();
+    let chunk = env.hca.config().chunk_bytes as u32;
+    let mut config = env.hca.config().clone();
+    config.contended_bytes = u64::from(chunk) * 2;
+    env.hca = Hca::new(config, Box::new(Counter(1)));
+    for (c, t) in [(C1, TENANT), (C2, TENANT), (C3, OTHER_TENANT)] {
+        env.hca.open_context(c, t).unwrap();
+    }
+    let mut many = Vec::new();
+    for _ in 0..8 {
+        let (a, b) = (env.end_with(C1, true), env.end(C2));
+        env.connect(a.qpn, b.qpn);
+        env.connect(b.qpn, a.qpn);
+        many.push((a, b));
+    }
+    let (x, y) = (env.end_with(C3, true), env.end(C3));
+    env.connect(x.qpn, y.qpn);
+    env.connect(y.qpn, x.qpn);
+    env.run(T0);
+    (env, chunk, many, (x, y))
+}
+
 /// While another tenant waits, a tenant streaming over many QPs moves at
 /// most `contended_bytes` a pass, whatever its turns would allow; alone on
 /// the engine it keeps its whole pass.
 #[test]
 fn a_streaming_tenant_moves_its_byte_share_a_pass_while_another_waits() {
     for contended in [true, false] {
-        let mut env = Env::new();
-        let chunk = env.hca.config().chunk_bytes as u32;
-        let mut config = env.hca.config().clone();
-        config.contended_bytes = u64::from(chunk) * 2;
-        env.hca = Hca::new(config, Box::new(Counter(1)));
-        for (c, t) in [(C1, TENANT), (C2, TENANT), (C3, OTHER_TENANT)] {
-            env.hca.open_context(c, t).unwrap();
-        }
-        let mut many = Vec::new();
-        for _ in 0..8 {
-            let (a, b) = (env.end_with(C1, true), env.end(C2));
-            env.connect(a.qpn, b.qpn);
-            env.connect(b.qpn, a.qpn);
-            many.push((a, b));
-        }
-        let (x, y) = (env.end_with(C3, true), env.end(C3));
-        env.connect(x.qpn, y.qpn);
-        env.connect(y.qpn, x.qpn);
-        env.run(T0);
+        let (mut env, chunk, many, (x, y)) = streamer_and_other();
         for (a, b) in &many {
             env.io.post_send(
                 a.qpn,
@@ -3199,25 +3207,7 @@ fn a_streaming_tenant_moves_its_byte_share_a_pass_while_another_waits() {
 /// contend: a streaming tenant beside it keeps its whole pass.
 #[test]
 fn a_tenant_waiting_on_a_timer_does_not_cut_anothers_share() {
-    let mut env = Env::new();
-    let chunk = env.hca.config().chunk_bytes as u32;
-    let mut config = env.hca.config().clone();
-    config.contended_bytes = u64::from(chunk) * 2;
-    env.hca = Hca::new(config, Box::new(Counter(1)));
-    for (c, t) in [(C1, TENANT), (C2, TENANT), (C3, OTHER_TENANT)] {
-        env.hca.open_context(c, t).unwrap();
-    }
-    let mut many = Vec::new();
-    for _ in 0..8 {
-        let (a, b) = (env.end_with(C1, true), env.end(C2));
-        env.connect(a.qpn, b.qpn);
-        env.connect(b.qpn, a.qpn);
-        many.push((a, b));
-    }
-    let (x, y) = (env.end_with(C3, true), env.end(C3));
-    env.connect(x.qpn, y.qpn);
-    env.connect(y.qpn, x.qpn);
-    env.run(T0);
+    let (mut env, chunk, many, (x, y)) = streamer_and_other();
     // No receive at y: x's send waits for y's RNR timer.
     env.io.post_send(x.qpn, wr(1, SendOpcode::Send, &[x.buf.sge(0, 8)], SendFlags::SIGNALED));
     env.step(T0);
