@@ -3148,10 +3148,13 @@ fn thousands_of_qps_woken_at_once_cost_each_pass_one_tenants_share() {
     }
 }
 
+/// An [`Env`], the chunk size, the streaming tenant's pairs and the other's.
+type StreamerAndOther = (Env, u32, Vec<(End, End)>, (End, End));
+
 /// Tenant 1000 with eight connected QP pairs (to stream on), tenant 2000
 /// with one pair, all idle, and `contended_bytes` of two chunks; returns
 /// the chunk size too.
-fn streamer_and_other() -> (Env, u32, Vec<(End, End)>, (End, End)) {
+fn streamer_and_other() -> StreamerAndOther {
     let mut env = Env::new();
     let chunk = env.hca.config().chunk_bytes as u32;
     let mut config = env.hca.config().clone();
@@ -3207,7 +3210,7 @@ fn a_streaming_tenant_moves_its_byte_share_a_pass_while_another_waits() {
 /// contend: a streaming tenant beside it keeps its whole pass.
 #[test]
 fn a_tenant_waiting_on_a_timer_does_not_cut_anothers_share() {
-    let (mut env, chunk, many, (x, y)) = streamer_and_other();
+    let (mut env, chunk, many, (x, _no_receive)) = streamer_and_other();
     // No receive at y: x's send waits for y's RNR timer.
     env.io.post_send(x.qpn, wr(1, SendOpcode::Send, &[x.buf.sge(0, 8)], SendFlags::SIGNALED));
     env.step(T0);
