@@ -63,6 +63,15 @@ fn call(ctx: &Context, req: CmRequest) -> Result<CmReply> {
     }
 }
 
+/// Destroys a channel or an id. The daemon answers with the wake-ups
+/// that go with it (none: those of an id's unread events are given back
+/// on the channel's next read), so this is no plain `control.destroy`.
+fn destroy(ctx: &Context, req: CmRequest) {
+    if let Err(e) = call(ctx, req.clone()) {
+        tracing::warn!(error = %e, request = ?req, "vrdma: destroying an rdma_cm object failed");
+    }
+}
+
 struct ChannelInner {
     ctx: Context,
     channel: u32,
@@ -74,7 +83,7 @@ struct ChannelInner {
 
 impl Drop for ChannelInner {
     fn drop(&mut self) {
-        self.ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyChannel { channel: self.channel }));
+        destroy(&self.ctx, CmRequest::DestroyChannel { channel: self.channel });
     }
 }
 
@@ -104,7 +113,7 @@ impl EventChannel {
         let fd = match fd {
             Ok(fd) => fd,
             Err(e) => {
-                ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyChannel { channel }));
+                destroy(ctx, CmRequest::DestroyChannel { channel });
                 return Err(e);
             }
         };
@@ -227,7 +236,7 @@ impl std::fmt::Debug for CmId {
 impl Drop for CmId {
     fn drop(&mut self) {
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
-        self.channel.inner.ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyId { id: self.id }));
+        destroy(&self.channel.inner.ctx, CmRequest::DestroyId { id: self.id });
     }
 }
 

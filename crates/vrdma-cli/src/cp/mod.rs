@@ -15,21 +15,30 @@
 //!
 //! Integrity is end to end: the sender hashes the file as it reads it
 //! (SHA-256), the receiver hashes what it wrote, read back from its disk,
-//! and both sides compare over the control connection.
+//! and both sides compare.
 //!
-//! The control connection (TCP, JSON lines) carries only the setup and the
-//! final check; every byte of the file goes over vRDMA.
+//! The two sides meet through the connection manager, as RDMA
+//! applications do (`rdma_cm`: this is the project's example of it from
+//! Rust): the receiver listens on an address and port, the sender's
+//! connect carries its offer (size, segment, slots) as private data, the
+//! receiver's accept carries the window's address and rkey back, or its
+//! reject the reason it will not serve the offer. The checksums are two
+//! SENDs over the QP; the sender disconnects at the end. Nothing but
+//! vRDMA carries a byte: no socket of its own, no port besides the
+//! rdma_cm port.
 
 mod protocol;
 mod receiver;
 mod sender;
 
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
+use vrdma::cm::{CmEvent, EventChannel, EventKind};
 
-/// The default control port of `vrdma cp --recv`.
+/// The default rdma_cm port of `vrdma cp --recv`.
 pub const DEFAULT_PORT: u16 = 19766;
 /// How long either side waits for the other before giving up.
 const PEER_TIMEOUT: Duration = Duration::from_secs(30);
@@ -39,9 +48,10 @@ pub struct Args {
     /// Receive one file into OUTPUT (the receiving side), instead of sending.
     #[arg(long, value_name = "OUTPUT", conflicts_with_all = ["source", "dest"])]
     pub recv: Option<PathBuf>,
-    /// Where the receiver listens for the sender's control connection.
-    #[arg(long, default_value_t = std::net::SocketAddr::from(([0, 0, 0, 0], DEFAULT_PORT)))]
-    pub listen: std::net::SocketAddr,
+    /// Where the receiver listens for its sender (an rdma_cm address and
+    /// port; 0.0.0.0 takes requests for any of the device's addresses).
+    #[arg(long, default_value_t = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, DEFAULT_PORT))]
+    pub listen: SocketAddrV4,
     /// The file to send.
     #[arg(required_unless_present = "recv")]
     pub source: Option<PathBuf>,
@@ -108,19 +118,49 @@ fn progress(total: u64, show: bool, what: &str) -> indicatif::ProgressBar {
     bar
 }
 
-/// Waits for `n` completions on `cq`, failing if one is in error or none
-/// comes for [`PEER_TIMEOUT`].
-fn poll_some(cq: &vrdma::CompletionQueue, buf: &mut [vrdma::WorkCompletion]) -> Result<usize> {
-    let n = cq.wait(buf, Some(PEER_TIMEOUT))?;
-    if n == 0 {
-        bail!("no completion for {} s: the peer stopped", PEER_TIMEOUT.as_secs());
-    }
+/// Waits for completions on `cq`, failing if one is in error, the peer
+/// disconnects (an event on `ch`), or none comes for [`PEER_TIMEOUT`].
+fn poll_some(
+    cq: &vrdma::CompletionQueue,
+    buf: &mut [vrdma::WorkCompletion],
+    ch: &EventChannel,
+) -> Result<usize> {
+    let end = Instant::now() + PEER_TIMEOUT;
+    let n = loop {
+        let n = cq.wait(buf, Some(Duration::from_secs(1)))?;
+        if n > 0 {
+            break n;
+        }
+        if let Some(ev) = ch.try_get_event()? {
+            bail!("the peer went away: {:?} (status {})", ev.kind, ev.status);
+        }
+        if Instant::now() >= end {
+            bail!("no completion for {} s: the peer stopped", PEER_TIMEOUT.as_secs());
+        }
+    };
     for wc in &buf[..n] {
         if wc.status != vrdma::WcStatus::Success {
             bail!("a transfer failed: {:?} (wr {})", wc.status, wc.wr_id);
         }
     }
     Ok(n)
+}
+
+/// The next rdma_cm event, waiting up to [`PEER_TIMEOUT`] for `what`.
+fn event(ch: &EventChannel, what: &str) -> Result<CmEvent> {
+    match ch.get_event(Some(PEER_TIMEOUT))? {
+        Some(ev) => Ok(ev),
+        None => bail!("no sign of {what} for {} s", PEER_TIMEOUT.as_secs()),
+    }
+}
+
+/// The next event, which must be `kind`.
+fn expect(ch: &EventChannel, kind: EventKind, what: &str) -> Result<CmEvent> {
+    let ev = event(ch, what)?;
+    if ev.kind != kind {
+        bail!("waiting for {what}: {:?} (status {})", ev.kind, ev.status);
+    }
+    Ok(ev)
 }
 
 #[cfg(test)]

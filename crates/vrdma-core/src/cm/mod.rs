@@ -418,9 +418,11 @@ impl ConnectionManager {
         Ok(())
     }
 
-    /// The address a message to `dst` leaves from.
+    /// The address a message to `dst` leaves from: a local destination's
+    /// own (as the kernel's loopback routes give 127.0.0.1 to 127.0.0.1),
+    /// else this host's first.
     fn source_for(&self, dst: Ipv4Addr) -> Ipv4Addr {
-        if self.addrs.contains(&dst) {
+        if self.is_local(dst) {
             dst
         } else {
             self.addrs.first().copied().unwrap_or(Ipv4Addr::LOCALHOST)

@@ -460,6 +460,19 @@ fn loopback_is_this_host_unless_the_host_is_a_loopback_address() {
     assert!(!test_host.is_local(Ipv4Addr::new(127, 0, 0, 3)), "another daemon's");
 }
 
+/// A connection to 127.0.0.1 leaves from 127.0.0.1, as the kernel's
+/// loopback route gives it; one to another host from this host's address.
+#[test]
+fn a_resolved_address_leaves_from_loopback_to_loopback_and_from_the_host_to_others() {
+    let mut net = Net::new();
+    let to_self = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7471);
+    let id = net.resolved(A, CA, TENANT, PortSpace::Tcp, to_self);
+    let (local, remote) = net.a.addresses(CA, id).unwrap();
+    assert_eq!((local.map(|l| *l.ip()), remote), (Some(Ipv4Addr::LOCALHOST), Some(to_self)));
+    let id = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    assert_eq!(net.a.addresses(CA, id).unwrap().0.map(|l| *l.ip()), Some(A));
+}
+
 #[test]
 fn a_request_sent_again_is_the_same_request_and_a_rej_by_the_requesters_number_finds_it() {
     let mut net = Net::new();
