@@ -12,8 +12,12 @@
 //!   `rdma_client` (`rdma_getaddrinfo`, `rdma_create_ep`,
 //!   `rdma_get_request`, synchronous ids, `rdma_verbs.h`) and `mckey`
 //!   (multicast, not implemented: it must fail clearly);
-//! - across two hosts (daemons on 127.0.0.2 and 127.0.0.3, linked with a
-//!   pre-shared key): `ucmatose`, `udaddy` and `ib_send_lat -R`.
+//! - across two hosts in network namespaces (a daemon in each, joined
+//!   by a veth pair, as `vrdma_it::NetnsHosts` makes them): `ucmatose`,
+//!   `udaddy`, `cmtime`, `rdma_server`/`rdma_client`, every perftest
+//!   `-R` pair and every qperf `-cm1` test above; and across two daemons
+//!   on 127.0.0.2 and 127.0.0.3 of this namespace: `ucmatose`, `udaddy`
+//!   and `ib_send_lat -R`.
 //!
 //! perftest needs `libmlx5.so.1` and `libefa.so.1` besides
 //! `libibverbs.so.1`: the library directory links them to the
@@ -37,6 +41,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
+use vrdma_it::NetnsHosts;
 
 const LIMIT: Duration = Duration::from_secs(60);
 /// How long a client is retried while its server is not listening yet.
@@ -60,7 +65,20 @@ impl Setup {
     /// A command for `program` using the drop-in libraries and `socket`'s
     /// daemon.
     fn command_on(&self, program: &str, socket: &Path) -> Command {
-        let mut c = Command::new(program);
+        self.command_in(None, program, socket)
+    }
+
+    /// [`Setup::command_on`] in the network namespace `netns` (`ip netns
+    /// exec` execs the program: the pid is still the program's).
+    fn command_in(&self, netns: Option<&str>, program: &str, socket: &Path) -> Command {
+        let mut c = match netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, program]);
+                c
+            }
+            None => Command::new(program),
+        };
         c.env("LD_LIBRARY_PATH", self.lib_dir())
             .env("VRDMA_SOCKET", socket)
             .env("LD_BIND_NOW", "1")
@@ -96,17 +114,35 @@ fn setup(tool: &str, package: &str) -> Option<&'static Setup> {
     }))
 }
 
-/// One side of a pair: its daemon's socket, and whether libibverbs'
-/// debug lines are on (off where a program's own teardown order makes
-/// them, see `cmtime`).
+/// One side of a pair: its daemon's socket, whether libibverbs' debug
+/// lines are on (off where a program's own teardown order makes them,
+/// see `cmtime`), and the network namespace it runs in (a host of
+/// [`NetnsHosts`]), if not ours.
 struct Side<'a> {
     socket: &'a Path,
     verbs_debug: bool,
+    netns: Option<&'a str>,
+}
+
+impl<'a> Side<'a> {
+    fn on(socket: &'a Path) -> Side<'a> {
+        Side { socket, verbs_debug: true, netns: None }
+    }
+
+    fn quiet(self) -> Side<'a> {
+        Side { verbs_debug: false, ..self }
+    }
+
+    /// Host `i` of `hosts`.
+    fn host(hosts: &'a NetnsHosts, i: usize) -> Side<'a> {
+        let d = if i == 0 { &hosts.a } else { &hosts.b };
+        Side { socket: &d.socket, verbs_debug: true, netns: Some(&hosts.net.ns[i]) }
+    }
 }
 
 /// Runs `server_args` and then `client_args` (each a program and its
 /// arguments) until the
-/// client is not turned away (its output holds `turned_away`) or
+/// client is not turned away (its output holds one of `turned_away`) or
 /// [`LISTEN_WAIT`] passed; returns both once both ended. A server that
 /// serves forever (`kill_server`) is killed by pid once the client is
 /// done.
@@ -114,12 +150,12 @@ fn pair(
     s: &Setup,
     server_args: &[&str],
     client_args: &[&str],
-    turned_away: &str,
+    turned_away: &[&str],
     (server_side, client_side): (Side<'_>, Side<'_>),
     kill_server: bool,
 ) -> (Finished, Finished) {
     let command = |side: &Side<'_>, args: &[&str]| {
-        let mut c = s.command_on(args[0], side.socket);
+        let mut c = s.command_in(side.netns, args[0], side.socket);
         if !side.verbs_debug {
             c.env_remove("VRDMA_VERBS_DEBUG");
         }
@@ -137,7 +173,8 @@ fn pair(
     let client = loop {
         let name = format!("{} (client)", client_args.join(" "));
         let f = spawn(command(&client_side, client_args), &name).finish(LIMIT);
-        let away = format!("{}{}", f.stdout, f.stderr).contains(turned_away);
+        let out = format!("{}{}", f.stdout, f.stderr);
+        let away = turned_away.iter().any(|t| out.contains(t));
         if !away || server.exited() || Instant::now() > end {
             break f;
         }
@@ -182,9 +219,9 @@ fn both_ok(server: &Finished, client: &Finished) {
 
 const PERFTEST_PROBE: &str = "/usr/bin/ib_send_lat";
 
-/// `/usr/bin/<tool> -R` as server and client with `args`, on the daemons
-/// of `sockets` (server's, client's), the client connecting to `to`.
-fn perftest_rdma_cm(tool: &str, args: &[&str], sockets: (&Path, &Path), to: &str) {
+/// `/usr/bin/<tool> -R` as server and client with `args`, on `sides`
+/// (server's, client's), the client connecting to `to`.
+fn perftest_rdma_cm(tool: &str, args: &[&str], sides: (Side<'_>, Side<'_>), to: &str) {
     let Some(s) = setup(PERFTEST_PROBE, "perftest") else { return };
     let _turn = one_at_a_time();
     let program = format!("/usr/bin/{tool}");
@@ -199,9 +236,10 @@ fn perftest_rdma_cm(tool: &str, args: &[&str], sockets: (&Path, &Path), to: &str
         s,
         &common,
         &client_args,
-        // REJECTED (8), while the server does not listen yet.
-        "Unexpected CM event bl blka 8",
-        (Side { socket: sockets.0, verbs_debug: true }, Side { socket: sockets.1, verbs_debug: true }),
+        // REJECTED (8), while the server does not listen yet (its
+        // latency and bandwidth tests say it in different words).
+        &["Unexpected CM event bl blka 8", "RDMA_CM_EVENT_REJECTED; error: 8"],
+        sides,
         false,
     );
     both_ok(&server, &client);
@@ -216,7 +254,7 @@ fn perftest_rdma_cm(tool: &str, args: &[&str], sockets: (&Path, &Path), to: &str
 fn perftest_one_host(tool: &str, args: &[&str]) {
     let Some(s) = setup(PERFTEST_PROBE, "perftest") else { return };
     let socket = s.socket();
-    perftest_rdma_cm(tool, args, (&socket, &socket), "127.0.0.1");
+    perftest_rdma_cm(tool, args, (Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
 
 #[test]
@@ -257,30 +295,35 @@ fn perftest_ud_send_bw_over_rdma_cm() {
 const QPERF: &str = "/usr/bin/qperf";
 
 /// The qperf server (it serves forever over TCP, connecting its QPs as
-/// each test's client asks: here with rdma_cm) and one client test of a
-/// second (`-t 1`); the server is killed by pid afterwards.
-fn qperf_rdma_cm(test: &str, figure: &str) {
+/// each test's client asks: here with rdma_cm) on the server's side and
+/// one client test of a second (`-t 1`) on the client's, connecting to
+/// `server_addr`; the server is killed by pid afterwards.
+fn qperf_rdma_cm_on(
+    test: &str,
+    figure: &str,
+    (server_side, client_side): (Side<'_>, Side<'_>),
+    server_addr: &str,
+) {
     let Some(s) = setup(QPERF, "qperf") else { return };
     let _turn = one_at_a_time();
     let port = free_port();
     let lp = port.to_string();
-    let socket = s.socket();
     // Each side destroys its rdma_cm id without the QP and then the CQ
     // and PD under it (qperf's rd_close), which libibverbs refuses with
     // EBUSY as the kernel does: its debug lines are off for qperf.
-    let mut server_cmd = s.command_on(QPERF, &socket);
+    let mut server_cmd = s.command_in(server_side.netns, QPERF, server_side.socket);
     server_cmd.env_remove("VRDMA_VERBS_DEBUG").args(["-lp", &lp]);
     let mut server = spawn(server_cmd, &format!("qperf -lp {lp} (server)"));
     let end = Instant::now() + LISTEN_WAIT;
-    while !listening(port) {
+    while !listening_in(server_side.netns, port) {
         if server.exited() || Instant::now() > end {
             panic!("the qperf server never listened\n{}", server.finish(LIMIT).describe());
         }
         std::thread::sleep(Duration::from_millis(10));
     }
-    let mut client_cmd = s.command_on(QPERF, &socket);
-    client_cmd.env_remove("VRDMA_VERBS_DEBUG").args(["127.0.0.1", "-lp", &lp, "-cm1", "-t", "1", test]);
-    let client = spawn(client_cmd, &format!("qperf 127.0.0.1 -lp {lp} -cm1 -t 1 {test}")).finish(LIMIT);
+    let mut client_cmd = s.command_in(client_side.netns, QPERF, client_side.socket);
+    client_cmd.env_remove("VRDMA_VERBS_DEBUG").args([server_addr, "-lp", &lp, "-cm1", "-t", "1", test]);
+    let client = spawn(client_cmd, &format!("qperf {server_addr} -lp {lp} -cm1 -t 1 {test}")).finish(LIMIT);
     // SAFETY: kill(2) on our own child, not yet reaped.
     unsafe { libc::kill(server.pid(), libc::SIGKILL) };
     let server = server.finish(LIMIT);
@@ -289,6 +332,24 @@ fn qperf_rdma_cm(test: &str, figure: &str) {
     for f in [&client, &server] {
         check_clean(f, &[&client, &server]);
     }
+}
+
+/// Whether something listens on TCP `port` in the network namespace
+/// `ns`, or in ours. (Not by connecting: the qperf server takes a probe
+/// for a client and complains when it goes.)
+fn listening_in(ns: Option<&str>, port: u16) -> bool {
+    let Some(ns) = ns else { return listening(port) };
+    let filter = format!("sport = :{port}");
+    Command::new("ip")
+        .args(["netns", "exec", ns, "ss", "-Hltn", &filter])
+        .output()
+        .is_ok_and(|o| o.status.success() && !o.stdout.trim_ascii().is_empty())
+}
+
+fn qperf_rdma_cm(test: &str, figure: &str) {
+    let Some(s) = setup(QPERF, "qperf") else { return };
+    let socket = s.socket();
+    qperf_rdma_cm_on(test, figure, (Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
 
 #[test]
@@ -322,14 +383,14 @@ const MCKEY: &str = "/usr/bin/mckey";
 const UCMATOSE: &str = "/usr/bin/ucmatose";
 
 /// udaddy's server and client (its port is fixed: 7174 in the UDP port
-/// space) on the daemons of `sockets`: one connection (SIDR) and ten
+/// space) on `sides`: one connection (SIDR) and ten
 /// messages each way, through the address handle the event carries and
 /// the server's replies through `ibv_create_ah_from_wc`.
 ///
 /// One connection, because the client is retried: with several, a first
 /// try could have one accepted and another turned away, and the server
 /// would wait forever for the messages of the one accepted.
-fn udaddy(sockets: (&Path, &Path), server_addr: &str) {
+fn udaddy(sides: (Side<'_>, Side<'_>), server_addr: &str) {
     let Some(s) = setup(UDADDY, "rdmacm-utils") else { return };
     let _turn = one_at_a_time();
     let common = ["-c", "1", "-C", "10"];
@@ -340,14 +401,7 @@ fn udaddy(sockets: (&Path, &Path), server_addr: &str) {
     if server_addr != "127.0.0.1" {
         server_args.extend_from_slice(&["-b", server_addr]);
     }
-    let (server, client) = pair(
-        s,
-        &server_args,
-        &client_args,
-        "RDMA_CM_EVENT_REJECTED",
-        (Side { socket: sockets.0, verbs_debug: true }, Side { socket: sockets.1, verbs_debug: true }),
-        false,
-    );
+    let (server, client) = pair(s, &server_args, &client_args, &["RDMA_CM_EVENT_REJECTED"], sides, false);
     both_ok(&server, &client);
     for f in [&server, &client] {
         for want in ["data transfers complete", "test complete", "return status 0"] {
@@ -360,28 +414,29 @@ fn udaddy(sockets: (&Path, &Path), server_addr: &str) {
 fn udaddy_ten_messages_each_way() {
     let Some(s) = setup(UDADDY, "rdmacm-utils") else { return };
     let socket = s.socket();
-    udaddy((&socket, &socket), "127.0.0.1");
+    udaddy((Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
 
-/// cmtime sets up 50 connections at once, asynchronously (QPs given no
+/// cmtime sets up `n` connections at once, asynchronously (QPs given no
 /// CQs: this library makes them), disconnects and destroys them; the
 /// server serves forever and is killed by pid.
-#[test]
-fn cmtime_sets_up_and_tears_down_fifty_connections() {
+fn cmtime(sides: (Side<'_>, Side<'_>), server_addr: &str, n: &str) {
     let Some(s) = setup(CMTIME, "rdmacm-utils") else { return };
     let _turn = one_at_a_time();
     let port = free_port().to_string();
-    let socket = s.socket();
     // Its QPs share the CQs made for the first (librdmacm writes them back
     // into the attributes the program passes again), so destroying that
     // QP's CQs is refused with EBUSY, as by the kernel: no verbs debug.
-    let quiet = || Side { socket: &socket, verbs_debug: false };
+    let mut server_args = vec![CMTIME, "-p", &port];
+    if server_addr != "127.0.0.1" {
+        server_args.extend_from_slice(&["-b", server_addr]);
+    }
     let (server, client) = pair(
         s,
-        &[CMTIME, "-p", &port],
-        &[CMTIME, "-s", "127.0.0.1", "-p", &port, "-c", "50"],
-        "RDMA_CM_EVENT_REJECTED",
-        (quiet(), quiet()),
+        &server_args,
+        &[CMTIME, "-s", server_addr, "-p", &port, "-c", n],
+        &["RDMA_CM_EVENT_REJECTED"],
+        (sides.0.quiet(), sides.1.quiet()),
         true,
     );
     assert!(client.status.success(), "{}\n{}", client.describe(), server.describe());
@@ -399,28 +454,43 @@ fn cmtime_sets_up_and_tears_down_fifty_connections() {
     assert!(!client.stdout.contains("event: "), "a connection failed\n{}", client.describe());
 }
 
+#[test]
+fn cmtime_sets_up_and_tears_down_fifty_connections() {
+    let Some(s) = setup(CMTIME, "rdmacm-utils") else { return };
+    let socket = s.socket();
+    cmtime((Side::on(&socket), Side::on(&socket)), "127.0.0.1", "50");
+}
+
 /// rdma_server / rdma_client: the endpoint API (rdma_getaddrinfo,
 /// rdma_create_ep, rdma_get_request, synchronous connect, accept and
 /// disconnect) and rdma_verbs.h's helpers, which register the programs'
 /// globals and wait on the CQs rdma_create_qp made.
-#[test]
-fn rdma_server_and_client_exchange_a_message() {
+fn rdma_server_and_client(sides: (Side<'_>, Side<'_>), server_addr: &str) {
     let Some(s) = setup(RDMA_SERVER, "rdmacm-utils") else { return };
     let _turn = one_at_a_time();
     let port = free_port().to_string();
-    let socket = s.socket();
-    let side = || Side { socket: &socket, verbs_debug: true };
+    let mut server_args = vec![RDMA_SERVER, "-p", &port];
+    if server_addr != "127.0.0.1" {
+        server_args.extend_from_slice(&["-s", server_addr]);
+    }
     let (server, client) = pair(
         s,
-        &[RDMA_SERVER, "-p", &port],
-        &[RDMA_CLIENT, "-s", "127.0.0.1", "-p", &port],
-        "Connection refused",
-        (side(), side()),
+        &server_args,
+        &[RDMA_CLIENT, "-s", server_addr, "-p", &port],
+        &["Connection refused"],
+        sides,
         false,
     );
     both_ok(&server, &client);
     assert!(server.stdout.contains("rdma_server: end 0"), "{}", server.describe());
     assert!(client.stdout.contains("rdma_client: end 0"), "{}", client.describe());
+}
+
+#[test]
+fn rdma_server_and_client_exchange_a_message() {
+    let Some(s) = setup(RDMA_SERVER, "rdmacm-utils") else { return };
+    let socket = s.socket();
+    rdma_server_and_client((Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
 
 /// mckey joins a multicast group, which vRDMA does not implement: it
@@ -470,11 +540,8 @@ fn ucmatose_across_two_hosts() {
         s,
         &server_args,
         &client_args,
-        "RDMA_CM_EVENT_REJECTED",
-        (
-            Side { socket: b.socket_path(), verbs_debug: true },
-            Side { socket: a.socket_path(), verbs_debug: true },
-        ),
+        &["RDMA_CM_EVENT_REJECTED"],
+        (Side::on(b.socket_path()), Side::on(a.socket_path())),
         false,
     );
     both_ok(&server, &client);
@@ -491,7 +558,7 @@ fn udaddy_across_two_hosts() {
     let Some(_) = setup(UDADDY, "rdmacm-utils") else { return };
     let dir = tempfile::tempdir().expect("temp dir");
     let (a, b) = two_hosts(dir.path());
-    udaddy((b.socket_path(), a.socket_path()), "127.0.0.3");
+    udaddy((Side::on(b.socket_path()), Side::on(a.socket_path())), "127.0.0.3");
     drop((a, b));
 }
 
@@ -500,6 +567,95 @@ fn perftest_send_lat_over_rdma_cm_across_two_hosts() {
     let Some(_) = setup(PERFTEST_PROBE, "perftest") else { return };
     let dir = tempfile::tempdir().expect("temp dir");
     let (a, b) = two_hosts(dir.path());
-    perftest_rdma_cm("ib_send_lat", &[], (b.socket_path(), a.socket_path()), "127.0.0.3");
+    perftest_rdma_cm("ib_send_lat", &[], (Side::on(b.socket_path()), Side::on(a.socket_path())), "127.0.0.3");
     drop((a, b));
+}
+
+// ---------------------------------------------------------------------
+// Two hosts in network namespaces
+
+/// Two hosts, each a network namespace with a daemon, joined by a veth
+/// pair (`vrdma_it::NetnsHosts`); `None` where namespaces cannot be made
+/// (which fails under `VRDMA_TEST_STRICT=1`).
+fn netns_hosts(tool: &str, package: &str) -> Option<NetnsHosts> {
+    setup(tool, package)?;
+    NetnsHosts::start("").expect("two hosts in network namespaces")
+}
+
+/// The server on host 1, the client on host 0, connecting to host 1's
+/// veth address.
+fn across(hosts: &NetnsHosts) -> ((Side<'_>, Side<'_>), &str) {
+    ((Side::host(hosts, 1), Side::host(hosts, 0)), &hosts.net.addr[1])
+}
+
+#[test]
+fn ucmatose_across_network_namespaces() {
+    let Some(s) = setup(UCMATOSE, "rdmacm-utils") else { return };
+    let Some(hosts) = netns_hosts(UCMATOSE, "rdmacm-utils") else { return };
+    let (sides, addr) = across(&hosts);
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let common = ["-p", port.as_str(), "-c", "1", "-C", "10"];
+    let mut server_args = vec![UCMATOSE, "-b", addr];
+    server_args.extend_from_slice(&common);
+    let mut client_args = vec![UCMATOSE, "-s", addr];
+    client_args.extend_from_slice(&common);
+    let (server, client) = pair(s, &server_args, &client_args, &["RDMA_CM_EVENT_REJECTED"], sides, false);
+    both_ok(&server, &client);
+    for f in [&server, &client] {
+        assert!(f.stdout.contains("data transfers complete"), "{}", f.describe());
+    }
+}
+
+#[test]
+fn udaddy_across_network_namespaces() {
+    let Some(hosts) = netns_hosts(UDADDY, "rdmacm-utils") else { return };
+    let (sides, addr) = across(&hosts);
+    udaddy(sides, addr);
+}
+
+#[test]
+fn cmtime_across_network_namespaces() {
+    let Some(hosts) = netns_hosts(CMTIME, "rdmacm-utils") else { return };
+    let (sides, addr) = across(&hosts);
+    cmtime(sides, addr, "20");
+}
+
+#[test]
+fn rdma_server_and_client_across_network_namespaces() {
+    let Some(hosts) = netns_hosts(RDMA_SERVER, "rdmacm-utils") else { return };
+    let (sides, addr) = across(&hosts);
+    rdma_server_and_client(sides, addr);
+}
+
+/// Every perftest -R pair of the one-host tests, on one pair of hosts.
+#[test]
+fn perftest_over_rdma_cm_across_network_namespaces() {
+    let Some(hosts) = netns_hosts(PERFTEST_PROBE, "perftest") else { return };
+    for (tool, args) in [
+        ("ib_send_lat", &[][..]),
+        ("ib_write_lat", &[]),
+        ("ib_read_lat", &[]),
+        ("ib_write_bw", &[]),
+        ("ib_send_bw", &[]),
+        ("ib_send_bw", &["-c", "UD"]),
+    ] {
+        let (sides, addr) = across(&hosts);
+        perftest_rdma_cm(tool, args, sides, addr);
+    }
+}
+
+/// Every qperf -cm1 test of the one-host tests, on one pair of hosts.
+#[test]
+fn qperf_over_rdma_cm_across_network_namespaces() {
+    let Some(hosts) = netns_hosts(QPERF, "qperf") else { return };
+    for (test, figure) in [
+        ("rc_lat", "latency  ="),
+        ("rc_bw", "bw  ="),
+        ("rc_rdma_write_lat", "latency  ="),
+        ("rc_rdma_read_bw", "bw  ="),
+    ] {
+        let (sides, addr) = across(&hosts);
+        qperf_rdma_cm_on(test, figure, sides, addr);
+    }
 }

@@ -11,8 +11,10 @@ pub use vrdma_it::harness::*;
 /// Where the client `args` of an rdmacm-utils program connect to, for the
 /// programs that make several connections (a first try could find the
 /// server listening for some of them only, which it then waits for
-/// forever): `ucmatose`, `cmtime`, `udaddy` (`-s HOST`, `-p PORT`), and
-/// `rping` (`-a HOST`). `None` for anything else.
+/// forever): `ucmatose`, `cmtime`, `udaddy` (`-s HOST`, `-p PORT`),
+/// `rping` (`-a HOST`), and perftest's `-R` clients (whose first try,
+/// turned away, can end in a crash of their own rather than a retry).
+/// `None` for anything else.
 pub fn listen_target(program: &str, args: &[&str]) -> Option<(vrdma::cm::PortSpace, std::net::SocketAddrV4)> {
     use vrdma::cm::PortSpace;
     let name = program.rsplit('/').next()?;
@@ -21,6 +23,14 @@ pub fn listen_target(program: &str, args: &[&str]) -> Option<(vrdma::cm::PortSpa
         "ucmatose" | "cmtime" => (PortSpace::Tcp, "-s", 7471),
         "udaddy" => (PortSpace::Udp, "-s", 7174),
         "rping" => (PortSpace::Tcp, "-a", 7174),
+        // perftest with -R: the server's address is the last argument,
+        // its port -p (18515 by default); UD connects in the UDP space.
+        n if n.starts_with("ib_") && args.contains(&"-R") => {
+            let host = args.last()?.parse().ok()?;
+            let port = value("-p").map_or(Some(18515), |p| p.parse().ok())?;
+            let ps = if value("-c") == Some("UD") { PortSpace::Udp } else { PortSpace::Tcp };
+            return Some((ps, std::net::SocketAddrV4::new(host, port)));
+        }
         _ => return None,
     };
     let host = value(host_flag).unwrap_or("127.0.0.1").parse().ok()?;
