@@ -10,10 +10,11 @@
 //! - rdmacm-utils' `udaddy` (UD: SIDR in the UDP port space), `cmtime`
 //!   (many connections set up and torn down at once), `rdma_server` /
 //!   `rdma_client` (`rdma_getaddrinfo`, `rdma_create_ep`,
-//!   `rdma_get_request`, synchronous ids, `rdma_verbs.h`) and `mckey`
-//!   (multicast, not implemented: it must fail clearly);
+//!   `rdma_get_request`, synchronous ids, `rdma_verbs.h`), `mckey`
+//!   (multicast, not implemented: it must fail clearly) and `rstream`/
+//!   `riostream` (rsockets, which come with the socket issue: the same);
 //! - across two hosts in network namespaces (a daemon in each, joined
-//!   by a veth pair, as `vrdma_it::NetnsHosts` makes them): `ucmatose`,
+//!   by a veth pair, as `vrdma_it::NetnsHosts` makes them): `rping`, `ucmatose`,
 //!   `udaddy`, `cmtime`, `rdma_server`/`rdma_client`, every perftest
 //!   `-R` pair and every qperf `-cm1` test above; and across two daemons
 //!   on 127.0.0.2 and 127.0.0.3 of this namespace: `ucmatose`, `udaddy`
@@ -381,6 +382,9 @@ const RDMA_SERVER: &str = "/usr/bin/rdma_server";
 const RDMA_CLIENT: &str = "/usr/bin/rdma_client";
 const MCKEY: &str = "/usr/bin/mckey";
 const UCMATOSE: &str = "/usr/bin/ucmatose";
+const RPING: &str = "/usr/bin/rping";
+const RSTREAM: &str = "/usr/bin/rstream";
+const RIOSTREAM: &str = "/usr/bin/riostream";
 
 /// udaddy's server and client (its port is fixed: 7174 in the UDP port
 /// space) on `sides`: one connection (SIDR) and ten
@@ -455,10 +459,10 @@ fn cmtime(sides: (Side<'_>, Side<'_>), server_addr: &str, n: &str) {
 }
 
 #[test]
-fn cmtime_sets_up_and_tears_down_fifty_connections() {
+fn cmtime_sets_up_and_tears_down_a_hundred_connections() {
     let Some(s) = setup(CMTIME, "rdmacm-utils") else { return };
     let socket = s.socket();
-    cmtime((Side::on(&socket), Side::on(&socket)), "127.0.0.1", "50");
+    cmtime((Side::on(&socket), Side::on(&socket)), "127.0.0.1", "100");
 }
 
 /// rdma_server / rdma_client: the endpoint API (rdma_getaddrinfo,
@@ -491,6 +495,28 @@ fn rdma_server_and_client_exchange_a_message() {
     let Some(s) = setup(RDMA_SERVER, "rdmacm-utils") else { return };
     let socket = s.socket();
     rdma_server_and_client((Side::on(&socket), Side::on(&socket)), "127.0.0.1");
+}
+
+/// rstream and riostream use the rsocket API, which comes with vRDMA's
+/// socket support (not yet): each must fail at once, and say so.
+#[test]
+fn rstream_and_riostream_fail_clearly_rsockets_are_not_implemented() {
+    let Some(s) = setup(RSTREAM, "rdmacm-utils") else { return };
+    for (program, args) in [(RSTREAM, &["-s", "127.0.0.1"][..]), (RIOSTREAM, &[][..])] {
+        let mut c = s.command_on(program, &s.socket());
+        c.args(args);
+        let started = Instant::now();
+        let f = spawn(c, program).finish(LIMIT);
+        assert!(!f.status.success(), "{}", f.describe());
+        assert!(f.stderr.contains("rsocket is not implemented"), "{}", f.describe());
+        assert!(f.stderr.contains("Function not implemented"), "ENOSYS: {}", f.describe());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "took {:?}\n{}",
+            started.elapsed(),
+            f.describe()
+        );
+    }
 }
 
 /// mckey joins a multicast group, which vRDMA does not implement: it
@@ -604,6 +630,25 @@ fn ucmatose_across_network_namespaces() {
     both_ok(&server, &client);
     for f in [&server, &client] {
         assert!(f.stdout.contains("data transfers complete"), "{}", f.describe());
+    }
+}
+
+#[test]
+fn rping_across_network_namespaces() {
+    let Some(s) = setup(RPING, "rdmacm-utils") else { return };
+    let Some(hosts) = netns_hosts(RPING, "rdmacm-utils") else { return };
+    let (sides, addr) = across(&hosts);
+    let _turn = one_at_a_time();
+    let port = free_port().to_string();
+    let common = ["-a", addr, "-p", port.as_str(), "-C", "10", "-v"];
+    let mut server_args = vec![RPING, "-s"];
+    server_args.extend_from_slice(&common);
+    let mut client_args = vec![RPING, "-c"];
+    client_args.extend_from_slice(&common);
+    let (server, client) = pair(s, &server_args, &client_args, &["RDMA_CM_EVENT_REJECTED"], sides, false);
+    both_ok(&server, &client);
+    for (f, prefix) in [(&client, "ping data: rdma-ping-"), (&server, "server ping data: rdma-ping-")] {
+        assert_eq!(f.stdout.lines().filter(|l| l.starts_with(prefix)).count(), 10, "{}", f.describe());
     }
 }
 
