@@ -497,6 +497,77 @@ fn rdma_server_and_client_exchange_a_message() {
     rdma_server_and_client((Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
 
+// ---------------------------------------------------------------------
+// Peers that die
+
+/// rping's server killed (SIGKILL) while its client pings: the client's
+/// connection ends (DISCONNECTED, its QP flushed) and it exits, promptly.
+#[test]
+fn a_killed_rping_server_ends_its_clients_connection_promptly() {
+    let Some(s) = setup(RPING, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
+    let socket = s.socket();
+    let port = free_port().to_string();
+    let common = ["-a", "127.0.0.1", "-p", port.as_str(), "-v"];
+    let mut server_cmd = s.command_on(RPING, &socket);
+    server_cmd.arg("-s").args(common);
+    let mut server = spawn(server_cmd, "rping -s (killed)");
+    let target = common::listen_target(RPING, &common).expect("rping's target");
+    assert!(common::wait_listening(&socket, target, &mut server, LISTEN_WAIT), "the server never listened");
+    // Pings without end (no -C), until the server is gone.
+    let mut client_cmd = s.command_on(RPING, &socket);
+    client_cmd.env_remove("VRDMA_VERBS_DEBUG").arg("-c").args(common);
+    let mut client = spawn(client_cmd, "rping -c (survivor)");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!client.exited(), "the client ended before the kill");
+    // SAFETY: kill(2) on our own child, not yet reaped.
+    unsafe { libc::kill(server.pid(), libc::SIGKILL) };
+    let killed = Instant::now();
+    let client = client.finish(LIMIT);
+    let server = server.finish(LIMIT);
+    assert!(
+        killed.elapsed() < Duration::from_secs(10),
+        "the client went on for {:?} after its server died\n{}\n{}",
+        killed.elapsed(),
+        client.describe(),
+        server.describe()
+    );
+    assert!(client.stdout.contains("ping data: rdma-ping-"), "it never pinged\n{}", client.describe());
+}
+
+/// A server that dies between the request and its accept (here a
+/// listener of this process, whose context closes as a killed process's
+/// does): rping's client is turned away at once, not after the CM's
+/// timeout, and exits.
+#[test]
+fn a_server_that_dies_before_it_accepts_turns_its_client_away_promptly() {
+    use vrdma::cm::{CmId, EventChannel, EventKind, PortSpace};
+    let Some(s) = setup(RPING, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
+    let socket = s.socket();
+    let port = free_port();
+    let ctx = vrdma::Context::open_at(&socket).expect("context");
+    let ch = EventChannel::create(&ctx).expect("channel");
+    let listener = CmId::create(&ch, PortSpace::Tcp).expect("id");
+    listener.bind(std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, port)).expect("bind");
+    listener.listen(1).expect("listen");
+    let mut client_cmd = s.command_on(RPING, &socket);
+    client_cmd.args(["-c", "-a", "127.0.0.1", "-p", &port.to_string(), "-C", "1"]);
+    let client = spawn(client_cmd, "rping -c (turned away)");
+    let req = ch.get_event(Some(LIMIT)).expect("event").expect("a request within the limit");
+    assert_eq!(req.kind, EventKind::ConnectRequest);
+    let died = Instant::now();
+    drop((listener, ch, ctx));
+    let client = client.finish(LIMIT);
+    assert!(!client.status.success(), "{}", client.describe());
+    assert!(
+        died.elapsed() < Duration::from_secs(3),
+        "turned away after {:?}, not at once\n{}",
+        died.elapsed(),
+        client.describe()
+    );
+}
+
 /// rstream and riostream use the rsocket API, which comes with vRDMA's
 /// socket support (not yet): each must fail at once, and say so.
 #[test]
