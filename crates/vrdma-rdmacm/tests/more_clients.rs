@@ -108,6 +108,10 @@ fn setup(tool: &str, package: &str) -> Option<&'static Setup> {
         let companions = built("libvrdma_companions.so");
         link(&companions, "libmlx5.so.1");
         link(&companions, "libefa.so.1");
+        // Other uids' programs (another tenant) reach the socket (0666)
+        // and the libraries through it.
+        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
+            .expect("chmod");
         let config =
             vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
         let daemon = vrdmad::Daemon::start(config).expect("start daemon");
@@ -566,6 +570,106 @@ fn a_server_that_dies_before_it_accepts_turns_its_client_away_promptly() {
         died.elapsed(),
         client.describe()
     );
+}
+
+/// One tenant floods connection requests at a listener that never
+/// accepts: they are bounded (the backlog holds a few, the rest are
+/// turned away at once, and the tenant's id quota caps the rest), and
+/// another tenant's rping (uid 65534) connects and pings meanwhile.
+#[test]
+fn a_tenant_flooding_connection_requests_leaves_another_tenant_unaffected() {
+    use std::os::unix::process::CommandExt;
+    use vrdma::cm::{CmId, ConnParam, EventChannel, EventKind, PortSpace};
+    let Some(s) = setup(RPING, "rdmacm-utils") else { return };
+    // SAFETY: geteuid cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        vrdma_it::skip("another tenant's process needs root to start as uid 65534");
+        return;
+    }
+    let _turn = one_at_a_time();
+    let socket = s.socket();
+    let ctx = vrdma::Context::open_at(&socket).expect("context");
+    let (server_ch, ch) =
+        (EventChannel::create(&ctx).expect("channel"), EventChannel::create(&ctx).expect("channel"));
+    let at = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, free_port());
+    let listener = CmId::create(&server_ch, PortSpace::Tcp).expect("id");
+    listener.bind(at).expect("bind");
+    listener.listen(4).expect("listen");
+
+    // The victim: rping as another uid, another tenant.
+    let port = free_port().to_string();
+    let common = ["-a", "127.0.0.1", "-p", port.as_str(), "-C", "10", "-v"];
+    let as_nobody = |args: &[&str]| {
+        let mut c = s.command_on(RPING, &socket);
+        c.args(args).uid(65534).gid(65534);
+        c
+    };
+    let mut server_args = vec!["-s"];
+    server_args.extend_from_slice(&common);
+    let mut server = spawn(as_nobody(&server_args), "rping -s (uid 65534)");
+
+    // The flood: 500 requests, none ever accepted.
+    let mut ids = Vec::new();
+    for _ in 0..500 {
+        let id = CmId::create(&ch, PortSpace::Tcp).expect("id");
+        id.resolve_addr(None, at).expect("resolve");
+        ids.push(id);
+    }
+    let mut resolved = 0;
+    while resolved < ids.len() {
+        let ev = ch.get_event(Some(LIMIT)).expect("event").expect("resolved within the limit");
+        assert_eq!(ev.kind, EventKind::AddrResolved, "{ev:?}");
+        resolved += 1;
+    }
+    for id in &ids {
+        id.resolve_route().expect("route");
+    }
+    for _ in 0..ids.len() {
+        let ev = ch.get_event(Some(LIMIT)).expect("event").expect("route within the limit");
+        assert_eq!(ev.kind, EventKind::RouteResolved, "{ev:?}");
+    }
+    let flooding = Instant::now();
+    for id in &ids {
+        id.connect(&ConnParam::default()).expect("connect");
+    }
+    // While they wait, the other tenant connects and pings.
+    let mut client_args = vec!["-c"];
+    client_args.extend_from_slice(&common);
+    // Its listener is uid 65534's, which this tenant cannot see: the
+    // client is retried while it is turned away.
+    let end = Instant::now() + LISTEN_WAIT;
+    let client = loop {
+        let f = spawn(as_nobody(&client_args), "rping -c (uid 65534)").finish(LIMIT);
+        if f.status.success() || !f.stderr.contains("REJECTED") || server.exited() || Instant::now() > end {
+            break f;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let server = server.finish(LIMIT);
+    both_ok(&server, &client);
+    assert_eq!(
+        client.stdout.lines().filter(|l| l.starts_with("ping data: ")).count(),
+        10,
+        "{}",
+        client.describe()
+    );
+
+    // The flood's fate: the backlog's worth reached the listener, the
+    // rest were turned away at once (REJECTED, no resources), none hangs.
+    let mut rejected = 0;
+    for _ in 0..ids.len() - 4 {
+        let ev = ch.get_event(Some(LIMIT)).expect("event").expect("an answer within the limit");
+        assert_eq!(ev.kind, EventKind::Rejected, "{ev:?}");
+        rejected += 1;
+    }
+    assert_eq!(rejected, ids.len() - 4);
+    let mut requests = 0;
+    while let Some(ev) = server_ch.try_get_event().expect("event") {
+        assert_eq!(ev.kind, EventKind::ConnectRequest);
+        requests += 1;
+    }
+    assert_eq!(requests, 4, "the listener's backlog");
+    assert!(flooding.elapsed() < LIMIT);
 }
 
 /// rstream and riostream use the rsocket API, which comes with vRDMA's
