@@ -228,7 +228,11 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
         dir.add_rdmacm(&cm)?;
     }
     let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
-    if let vrdmad::devnode::NodeState::Unavailable(why) = vrdmad::devnode::ensure(vrdmad::DEVICE_NAME) {
+    // (A daemon started here has said so already, with the same fix.)
+    let node = vrdmad::devnode::ensure(vrdmad::DEVICE_NAME);
+    if let (vrdmad::devnode::NodeState::Unavailable(why), crate::embedded::Device::External(_)) =
+        (node, &device)
+    {
         eprintln!(
             "vrdma run: UCX (and Open MPI over UCX) will not see the vRDMA device: {why}. \
              Make the node once as root: {}",
