@@ -212,14 +212,19 @@ impl Id {
         Ok(())
     }
 
-    /// Names the device: `verbs` and `port_num`, as once an id is bound
-    /// to an address of a device.
+    /// Names the device: `verbs`, `port_num` and the device's PD in `pd`
+    /// (where no QP has set it yet), as once an id is bound to an address
+    /// of a device.
     fn attach_device(&self) -> Res<()> {
-        let ctx = verbs()?.context;
+        let v = verbs()?;
+        let pd = v.device_pd()?;
         // SAFETY: as in `refresh_addrs`.
         unsafe {
-            (*self.c()).verbs = ctx;
+            (*self.c()).verbs = v.context;
             (*self.c()).port_num = 1;
+            if (*self.c()).pd.is_null() {
+                (*self.c()).pd = pd;
+            }
         }
         Ok(())
     }

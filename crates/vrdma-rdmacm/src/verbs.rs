@@ -44,6 +44,9 @@ pub struct Verbs {
     pub destroy_cq: DestroyCq,
     /// `struct ibv_context *` of the first device, opened once.
     pub context: *mut c_void,
+    /// The device's PD, allocated on first use and never freed (as the
+    /// context is never closed): see [`Verbs::device_pd`].
+    device_pd: OnceLock<usize>,
 }
 
 // SAFETY: function pointers and a context pointer that libibverbs lets
@@ -121,7 +124,35 @@ fn load() -> Result<Verbs, Error> {
             create_cq: sym(lib, c"ibv_create_cq", v)?,
             destroy_cq: sym(lib, c"ibv_destroy_cq", v)?,
             context,
+            device_pd: OnceLock::new(),
         })
+    }
+}
+
+impl Verbs {
+    /// The PD an id gets in `id->pd` once it is bound to the device.
+    ///
+    /// librdmacm allocates one PD per device when an id first binds to it
+    /// and shares it among the ids (`ucma_get_device`), and programs rely
+    /// on it: UCX's rdmacm connection manager creates its placeholder UD
+    /// QP with `ibv_create_qp(id->pd, ...)`. One PD for the process's one
+    /// device context does the same.
+    pub fn device_pd(&self) -> Result<*mut ibv_pd, Error> {
+        if let Some(&p) = self.device_pd.get() {
+            return Ok(p as *mut ibv_pd);
+        }
+        // Two threads may race here; the loser's PD is freed again.
+        // SAFETY: the process's open device context.
+        let pd = unsafe { (self.alloc_pd)(self.context) };
+        if pd.is_null() {
+            return Err(Error::Setup(format!("ibv_alloc_pd failed: {}", std::io::Error::last_os_error())));
+        }
+        let kept = *self.device_pd.get_or_init(|| pd as usize);
+        if kept != pd as usize {
+            // SAFETY: the PD just allocated, never handed out.
+            unsafe { (self.dealloc_pd)(pd) };
+        }
+        Ok(kept as *mut ibv_pd)
     }
 }
 

@@ -12,6 +12,10 @@
 //! open contexts), exactly as rdma-core keeps its devices alive. Its
 //! sysfs paths name places that do not exist; tools that read files there
 //! (`ibv_devinfo`'s `board_id`, perftest's `numa_node`) tolerate that.
+//! Its `dev_name` (`uverbs-vrdma0`) names the node under `/dev/infiniband`
+//! that UCX requires before it lists a device; the daemon and `vrdma run`
+//! create it (`vrdmad::devnode`, which explains the name) and the two must
+//! agree.
 
 use std::ffi::{c_char, c_int, CStr};
 use std::path::PathBuf;

@@ -14,6 +14,7 @@
 
 pub mod cm;
 pub mod config;
+pub mod devnode;
 pub mod engine;
 pub mod host;
 mod logs;
@@ -178,6 +179,18 @@ impl Daemon {
         engine.handle().call(move |st| st.on_broken = Some(end)).map_err(std::io::Error::other)?;
         let (l, s) = (listener.clone(), shared.clone());
         let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;
+        // UCX lists the device only if its /dev node exists (devnode).
+        match devnode::ensure(DEVICE_NAME) {
+            devnode::NodeState::Present => {}
+            devnode::NodeState::Created => {
+                tracing::info!(node = %devnode::node_path_in(devnode::DEV_DIR.as_ref(), DEVICE_NAME).display(),
+                    "created the device node UCX looks for (a /dev/null marker)")
+            }
+            devnode::NodeState::Unavailable(why) => tracing::warn!(
+                "UCX will not list the vRDMA device: {why}; fix: {}",
+                devnode::fix_command(DEVICE_NAME)
+            ),
+        }
         tracing::info!(socket = %path.display(), %address, "vrdma daemon ready");
         Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine), net_listener })
     }

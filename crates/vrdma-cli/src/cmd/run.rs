@@ -28,6 +28,24 @@
 //! reach the daemon's connection manager: rdma-core's own librdmacm
 //! needs the kernel's (`/dev/infiniband/rdma_cm`). Without it the link is
 //! left out, and such programs fail as they do without vRDMA.
+//!
+//! For UCX (and so Open MPI's `pml ucx`), two more things:
+//!
+//! - UCX lists a verbs device only if `/dev/infiniband/<dev_name>` is a
+//!   character device it may read and write. `vrdma run` makes that
+//!   marker node where it is missing and it may ([`vrdmad::devnode`]: a
+//!   `/dev/null` node, which grants nothing), as the daemon does at start;
+//!   where it cannot (not root) it says so once, with the command that
+//!   fixes it, and runs the program anyway.
+//! - UCX allocates its verbs transports' buffers from SysV huge pages
+//!   first (`shmget(SHM_HUGETLB)`) when the machine has huge pages
+//!   reserved, and registers them; vRDMA can only register memory it can
+//!   re-back, which a SysV segment (shared, by its nature) is not, and
+//!   UCX does not fall back to other memory when that registration fails.
+//!   So `vrdma run` sets `UCX_IB_ALLOC=thp,mmap,heap` (UCX's default list
+//!   without `huge` and `md`) unless the caller set it. Children
+//!   (`mpirun`'s ranks on this host) inherit it, as they inherit
+//!   `LD_LIBRARY_PATH` and `VRDMA_SOCKET`.
 
 use std::ffi::OsString;
 use std::os::unix::process::ExitStatusExt;
@@ -56,6 +74,11 @@ const COMPANION_SONAMES: [&str; 4] = ["libmlx5.so.1", "libmlx4.so.1", "libefa.so
 const RDMACM_ENV: &str = "VRDMA_RDMACM_LIB";
 const RDMACM_NAME: &str = "libvrdma_rdmacm.so";
 const RDMACM_SONAME: &str = "librdmacm.so.1";
+/// UCX's memory for its verbs transports' buffers: its default methods
+/// less SysV huge pages (see the module documentation) and `md` (which
+/// only mlx5's direct verbs implement).
+const UCX_ALLOC_ENV: &str = "UCX_IB_ALLOC";
+const UCX_ALLOC: &str = "thp,mmap,heap";
 
 /// vRDMA's `librdmacm.so.1`, if there is one (see the module
 /// documentation).
@@ -160,12 +183,21 @@ fn set_interrupt_handlers(handler: [libc::sighandler_t; 2]) -> [libc::sighandler
 /// The program's pidfd while it runs, for [`forward`]; -1 when none.
 static CHILD_PIDFD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
 
+/// A termination signal that came before the program's pidfd was known,
+/// for `run` to pass on once it is; 0 when none.
+static PENDING: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
 /// Hands a termination signal sent to `vrdma run` on to the program,
 /// which ends; `run` then stops the daemon and removes the library
 /// folder as after any exit, instead of dying with both left behind.
+/// (Installed before the program starts, so that a signal sent as soon as
+/// it exists does not kill `vrdma run` instead: until its pidfd is known
+/// the signal waits in [`PENDING`].)
 extern "C" fn forward(sig: libc::c_int) {
-    let fd = CHILD_PIDFD.load(std::sync::atomic::Ordering::Relaxed);
-    if fd >= 0 {
+    let fd = CHILD_PIDFD.load(std::sync::atomic::Ordering::SeqCst);
+    if fd < 0 {
+        PENDING.store(sig, std::sync::atomic::Ordering::SeqCst);
+    } else {
         // SAFETY: pidfd_send_signal(2) is a plain system call, safe in a
         // signal handler; `fd` is the program's pidfd, open until `run`
         // has reaped the program and reset CHILD_PIDFD (a pidfd names
@@ -196,22 +228,38 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
         dir.add_rdmacm(&cm)?;
     }
     let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
+    // (A daemon started here has said so already, with the same fix.)
+    let node = vrdmad::devnode::ensure(vrdmad::DEVICE_NAME);
+    if let (vrdmad::devnode::NodeState::Unavailable(why), crate::embedded::Device::External(_)) =
+        (node, &device)
+    {
+        eprintln!(
+            "vrdma run: UCX (and Open MPI over UCX) will not see the vRDMA device: {why}. \
+             Make the node once as root: {}",
+            vrdmad::devnode::fix_command(vrdmad::DEVICE_NAME)
+        );
+    }
 
     let mut path = dir.0.clone().into_os_string();
     if let Some(old) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
         path.push(":");
         path.push(old);
     }
-    let spawned = Command::new(program)
-        .args(rest)
-        .env("LD_LIBRARY_PATH", path)
-        .env(vrdma::SOCKET_ENV, device.socket())
-        .spawn();
+    let mut command = Command::new(program);
+    command.args(rest).env("LD_LIBRARY_PATH", path).env(vrdma::SOCKET_ENV, device.socket());
+    if std::env::var_os(UCX_ALLOC_ENV).is_none() {
+        command.env(UCX_ALLOC_ENV, UCX_ALLOC);
+    }
+    // A caught signal is reset to its default in the program by exec.
+    let f = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    let old_term = set_termination_handlers([f, f]);
+    let spawned = command.spawn();
     let mut child = match spawned {
         Ok(c) => c,
         // As a shell reports them: 127 for a program not found, 126 for
         // one that cannot be executed.
         Err(e) => {
+            set_termination_handlers(old_term);
             eprintln!("vrdma run: cannot run {}: {e}", program.to_string_lossy());
             return Ok(if e.kind() == std::io::ErrorKind::NotFound { 127 } else { 126 });
         }
@@ -225,13 +273,16 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     let pidfd = rustix::process::Pid::from_raw(child.id() as i32)
         .and_then(|p| rustix::process::pidfd_open(p, rustix::process::PidfdFlags::empty()).ok());
     if let Some(fd) = &pidfd {
-        CHILD_PIDFD.store(std::os::fd::AsRawFd::as_raw_fd(fd), std::sync::atomic::Ordering::Relaxed);
+        CHILD_PIDFD.store(std::os::fd::AsRawFd::as_raw_fd(fd), std::sync::atomic::Ordering::SeqCst);
+        let early = PENDING.swap(0, std::sync::atomic::Ordering::SeqCst);
+        if early != 0 {
+            forward(early);
+        }
     }
-    let f = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
-    let old_term = set_termination_handlers([f, f]);
     let status = child.wait();
     set_termination_handlers(old_term);
-    CHILD_PIDFD.store(-1, std::sync::atomic::Ordering::Relaxed);
+    CHILD_PIDFD.store(-1, std::sync::atomic::Ordering::SeqCst);
+    PENDING.store(0, std::sync::atomic::Ordering::SeqCst);
     drop(pidfd);
     set_interrupt_handlers(old);
     let status = status.context("waiting for the program")?;

@@ -1,7 +1,8 @@
 /*
  * Checks of the drop-in librdmacm.so.1 that rping and ucmatose do not
  * reach: a non-blocking channel answers EAGAIN, the descriptor is
- * pollable, an event's id has the device and addresses filled in,
+ * pollable, an event's id has the device, its PD (UCX's rdmacm
+ * connection manager makes a UD QP on id->pd) and addresses filled in,
  * rdma_getaddrinfo's passive wildcard, rdma_get_devices, and an rsocket
  * function failing with ENOSYS. Prints "cm_check: OK" when all pass.
  * Usage: cm_check PORT (a port nobody listens on).
@@ -62,6 +63,19 @@ int main(int argc, char **argv)
 	CHECK(ev->event == RDMA_CM_EVENT_ADDR_RESOLVED && ev->id == id && ev->status == 0,
 	      "ADDR_RESOLVED for the id, got %s", rdma_event_str(ev->event));
 	CHECK(id->verbs != NULL && id->port_num == 1, "the id has the device");
+	CHECK(id->pd != NULL && id->pd->context == id->verbs, "the id has the device's PD");
+	{
+		/* What UCX's rdmacm connection manager does with it. */
+		struct ibv_cq *cq = ibv_create_cq(id->verbs, 4, NULL, NULL, 0);
+		CHECK(cq, "ibv_create_cq on id->verbs");
+		struct ibv_qp_init_attr qa = {
+			.send_cq = cq, .recv_cq = cq, .qp_type = IBV_QPT_UD,
+			.cap = { .max_send_wr = 2, .max_recv_wr = 2, .max_send_sge = 1, .max_recv_sge = 1 },
+		};
+		struct ibv_qp *qp = ibv_create_qp(id->pd, &qa);
+		CHECK(qp, "a UD QP on id->pd");
+		CHECK(ibv_destroy_qp(qp) == 0 && ibv_destroy_cq(cq) == 0, "destroy the QP and CQ");
+	}
 	sin = (struct sockaddr_in *)rdma_get_peer_addr(id);
 	CHECK(sin->sin_family == AF_INET && sin->sin_port == dst.sin_port, "the peer address");
 	CHECK(rdma_get_dst_port(id) == dst.sin_port, "rdma_get_dst_port");
