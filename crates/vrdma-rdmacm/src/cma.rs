@@ -593,10 +593,32 @@ fn bind_addr(i: &Id, addr: *const libc::sockaddr) -> Res<()> {
     // SAFETY: the caller's sockaddr.
     let a = unsafe { sockaddr_v4(addr) }?.ok_or(Error::sys(libc::EINVAL, "NULL address"))?;
     let bound = i.cm().bind(a)?;
-    if !bound.ip().is_unspecified() {
+    if device_behind(*bound.ip())? {
         i.attach_device()?;
     }
     i.refresh_addrs()
+}
+
+/// Whether binding to `ip` names the device, as binding to the address
+/// of an RDMA netdev does in the kernel: not the wildcard, and not a
+/// loopback address other than the device's own (the daemon's
+/// `address`). The kernel has no device behind `lo` (a bind there
+/// fails); here the bind succeeds, so that `rping -a 127.0.0.1` and the
+/// like listen on loopback, but leaves `verbs` NULL as a wildcard bind
+/// does. libfabric's verbs provider relies on that: it binds
+/// "localhost" to find the address a listener publishes, and only when
+/// no device is behind it takes the device's interface address
+/// (`verbs;ofi_rxm` and `fi_pingpong` across hosts publish that address
+/// to the peer, where 127.0.0.1 would name the peer itself).
+fn device_behind(ip: Ipv4Addr) -> Res<bool> {
+    if ip.is_unspecified() {
+        return Ok(false);
+    }
+    if !ip.is_loopback() {
+        return Ok(true);
+    }
+    let own = lib()?.ctx.query_gid(1, 0)?.ipv4().map(Ipv4Addr::from);
+    Ok(own == Some(ip))
 }
 
 pub unsafe extern "C" fn rdma_bind_addr(p: *mut rdma_cm_id, addr: *mut libc::sockaddr) -> c_int {
@@ -1017,15 +1039,54 @@ pub unsafe extern "C" fn rdma_set_option(
     })
 }
 
+/// `rdma_migrate_id`, as librdmacm: to the program's `channel`, or
+/// (NULL) to a channel of the id's own, which makes it synchronous. A
+/// synchronous id moved to the program's channel is asynchronous from
+/// then on: its own channel and kept event go, and its calls no longer
+/// wait (libfabric's verbs provider resolves an endpoint's address on a
+/// synchronous id, then moves the id to its event queue's channel and
+/// resolves the route and connects asynchronously).
+fn migrate_id(i: &Id, channel: *mut rdma_event_channel) -> Res<()> {
+    let old_own = i.own_channel.load(Ordering::Acquire);
+    let (target, own) = if channel.is_null() {
+        if !old_own.is_null() {
+            return Err(Error::sys(libc::EINVAL, "the id is synchronous already"));
+        }
+        (new_channel()?, true)
+    } else {
+        (channel.cast::<Channel>(), false)
+    };
+    // SAFETY: a live channel (the program's contract, or just made).
+    if let Err(e) = i.cm().migrate(unsafe { &(*target).ch }) {
+        if own {
+            // SAFETY: made above, not shared.
+            unsafe { rdma_destroy_event_channel(target.cast()) };
+        }
+        return Err(e.into());
+    }
+    // SAFETY: librdmacm's field of the live structure.
+    unsafe { (*i.c()).channel = target.cast() };
+    i.own_channel.store(if own { target } else { null_mut() }, Ordering::Release);
+    if !old_own.is_null() {
+        // SAFETY: as above: the synchronous id's last event, kept by
+        // `complete`, is this library's to acknowledge.
+        let ev = unsafe { std::mem::replace(&mut (*i.c()).event, null_mut()) };
+        if !ev.is_null() {
+            // SAFETY: an event `complete` kept.
+            drop(unsafe { Box::from_raw(ev.cast::<Event>()) });
+        }
+        // SAFETY: the channel this library made for the id; the id's
+        // unread events moved with it.
+        unsafe { rdma_destroy_event_channel(old_own.cast()) };
+    }
+    Ok(())
+}
+
 pub unsafe extern "C" fn rdma_migrate_id(p: *mut rdma_cm_id, channel: *mut rdma_event_channel) -> c_int {
     guard("rdma_migrate_id", -1, || {
         // SAFETY: the program's contract.
         let i = unsafe { id(p) }?;
-        // SAFETY: the program's channel.
-        let ch = unsafe { self::channel(channel) }?;
-        i.cm().migrate(&ch.ch)?;
-        // SAFETY: librdmacm's field of the live structure.
-        unsafe { (*i.c()).channel = channel };
+        migrate_id(i, channel)?;
         Ok(0)
     })
 }

@@ -55,7 +55,11 @@
 //! As in rdma-core, an id created without a channel gets one of its own
 //! and is *synchronous*: `rdma_resolve_addr`, `rdma_resolve_route`,
 //! `rdma_connect`, `rdma_accept` and `rdma_disconnect` on it return once
-//! their event came (kept in `id->event`), failing as it failed. The
+//! their event came (kept in `id->event`), failing as it failed.
+//! `rdma_migrate_id` to a program's channel makes such an id
+//! asynchronous, and to NULL synchronous (libfabric's verbs provider
+//! resolves an endpoint's address synchronously and goes on on its event
+//! queue's channel). The
 //! endpoint helpers build on that: `rdma_create_ep` (a passive endpoint
 //! bound to `ai_src_addr`, or an active one with its address and route
 //! resolved and, given attributes, its QP), `rdma_get_request` (the next
@@ -83,6 +87,10 @@
 //! - Timeouts given to `rdma_resolve_addr` / `rdma_resolve_route` are not
 //!   used: both resolve at once on one host.
 //! - `rdma_destroy_id` does not wait for the id's unacknowledged events.
+//! - `rdma_bind_addr` to a loopback address other than the daemon's own
+//!   succeeds (the kernel has no device behind `lo`), with `id->verbs`
+//!   NULL as after a wildcard bind: libfabric then publishes the device's
+//!   interface address instead of loopback.
 
 // As vrdma-verbs: x86-64 Linux only; elsewhere the crate is empty.
 #![cfg(all(target_os = "linux", target_arch = "x86_64"))]

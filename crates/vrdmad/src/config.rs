@@ -25,7 +25,7 @@
 //! [quota]               # every tenant
 //! max_objects = 16384
 //! max_registered_bytes = 17179869184   # memory regions and queue rings together
-//! max_queue_depth = 16384
+//! max_queue_depth = 262144
 //! max_contexts = 256
 //! max_mappings = 3071   # default: max_mappings / max_tenants (see below)
 //! max_descriptors = 1186  # default: the tenants' descriptors / max_tenants

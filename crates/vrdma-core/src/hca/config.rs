@@ -47,7 +47,9 @@ impl Default for Quota {
         Quota {
             max_objects: 16_384,
             max_registered_bytes: 16 << 30,
-            max_queue_depth: 16_384,
+            // ofi_rxm's CQ (see MAX_CQE): 16 MiB of ring; QPs and SRQs
+            // stay at the device's MAX_QP_WR.
+            max_queue_depth: 1 << 18,
             max_contexts: 256,
             max_mappings: None,
             max_descriptors: None,
@@ -103,7 +105,12 @@ pub const MAX_PSNS_IN_FLIGHT: u32 = 1 << 22;
 /// verbs path.
 pub const VENDOR_ID: u32 = 0x5652; // "VR"
 pub const MAX_QP_WR: u32 = 16_384;
-pub const MAX_CQE: u32 = 65_536;
+/// As mlx5's 4194303 (a ring of 2^22): libfabric's `ofi_rxm` sizes its
+/// CQ for (128 receives + 128 sends) × a universe of 1024 peers = 262144
+/// entries and fails where the device allows fewer (as on rxe's 32767).
+/// A ring's memory is sparse until written, and counts against the
+/// tenant's memory quota at its full size.
+pub const MAX_CQE: u32 = 1 << 22;
 pub const MAX_RD_ATOMIC: u32 = 16;
 
 /// The LID of the device of the host whose address is `ipv4`: the
