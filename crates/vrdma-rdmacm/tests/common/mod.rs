@@ -24,11 +24,16 @@ pub fn listen_target(program: &str, args: &[&str]) -> Option<(vrdma::cm::PortSpa
         "udaddy" => (PortSpace::Udp, "-s", 7174),
         "rping" => (PortSpace::Tcp, "-a", 7174),
         // perftest with -R: the server's address is the last argument,
-        // its port -p (18515 by default); UD connects in the UDP space.
+        // its port -p (18515 by default). (Not UD: its server's listener
+        // is not where this looks, and the wait ran out its limit; the
+        // client's retries serve it.)
         n if n.starts_with("ib_") && args.contains(&"-R") => {
             let host = args.last()?.parse().ok()?;
             let port = value("-p").map_or(Some(18515), |p| p.parse().ok())?;
-            let ps = if value("-c") == Some("UD") { PortSpace::Udp } else { PortSpace::Tcp };
+            if value("-c") == Some("UD") {
+                return None;
+            }
+            let ps = PortSpace::Tcp;
             return Some((ps, std::net::SocketAddrV4::new(host, port)));
         }
         _ => return None,
