@@ -2,14 +2,16 @@
 //! librdmacm does, through the daemon's connection manager.
 //!
 //! The daemon runs the exchange (REQ, REP, RTU, REJ, DREQ) and keeps the
-//! host's port space; this side moves the QP, as rdma-core's librdmacm
-//! does, with the attributes the daemon gives for each state
-//! ([`CmId::init_qp_attr`]). A QP attached to an id
-//! ([`CmId::attach_qp`]) is brought up without the program's help: to
-//! RTR and RTS before an accept goes out, and on the requester's side
-//! when the reply comes in, before the event is reported as
-//! `Established` (the program never sees the `ConnectResponse`, as with
-//! librdmacm when the id has a QP).
+//! host's port space. A QP attached to an id ([`CmId::attach_qp`]) is the
+//! daemon's to move, as the kernel's CM moves an id's QP: to INIT when it
+//! is attached, to RTR and RTS before an accept goes out, and on the
+//! requester's side when the reply comes in, before the event is reported
+//! as `Established` (the program never sees the `ConnectResponse`, as
+//! with librdmacm when the id has a QP), and to ERR on disconnect. (Moved
+//! from here, with the attributes of [`CmId::init_qp_attr`], each state
+//! costs two control round trips, and a connection's setup waited on
+//! about fifteen of them.) An id without a QP leaves its QP to the
+//! program, which moves it with [`CmId::init_qp_attr`]'s attributes.
 //!
 //! ```no_run
 //! # fn main() -> vrdma::Result<()> {
@@ -63,6 +65,15 @@ fn call(ctx: &Context, req: CmRequest) -> Result<CmReply> {
     }
 }
 
+/// A destroy on behalf of a `Drop`, logging a failure (the daemon answers
+/// the connection manager's destroys with its own kind of reply, not
+/// `Done`).
+fn destroy(ctx: &Context, req: CmRequest) {
+    if let Err(e) = call(ctx, req.clone()) {
+        tracing::warn!(error = %e, request = ?req, "vrdma: destroying an rdma_cm object failed");
+    }
+}
+
 struct ChannelInner {
     ctx: Context,
     channel: u32,
@@ -74,7 +85,7 @@ struct ChannelInner {
 
 impl Drop for ChannelInner {
     fn drop(&mut self) {
-        self.ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyChannel { channel: self.channel }));
+        destroy(&self.ctx, CmRequest::DestroyChannel { channel: self.channel });
     }
 }
 
@@ -104,7 +115,7 @@ impl EventChannel {
         let fd = match fd {
             Ok(fd) => fd,
             Err(e) => {
-                ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyChannel { channel }));
+                destroy(ctx, CmRequest::DestroyChannel { channel });
                 return Err(e);
             }
         };
@@ -127,8 +138,13 @@ impl EventChannel {
     pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
         let end = timeout.map(|t| Instant::now() + t);
         loop {
-            if let Some(ev) = self.try_get_event()? {
-                return Ok(Some(ev));
+            // The descriptor is readable exactly while an event waits (the
+            // daemon keeps it so): a round trip to the daemon is made only
+            // when it is.
+            if self.inner.fd.is_readable() {
+                if let Some(ev) = self.try_get_event()? {
+                    return Ok(Some(ev));
+                }
             }
             let left = match end {
                 Some(e) => match e.checked_duration_since(Instant::now()) {
@@ -153,45 +169,8 @@ impl EventChannel {
         for _ in 0..wakeups {
             self.inner.fd.take_one();
         }
-        let Some(mut ev) = event else { return Ok(None) };
-        if ev.kind == EventKind::ConnectResponse {
-            let qp = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).get(&ev.id).copied();
-            if let Some(qpn) = qp {
-                ev = self.complete_connect(ev, qpn)?;
-            }
-        }
-        Ok(Some(ev))
+        Ok(event)
     }
-
-    /// librdmacm's handling of a reply for an id with a QP: the QP to RTR
-    /// and RTS, then the RTU; the program sees `Established`, or
-    /// `ConnectError` (and the peer a REJ) if the QP could not come up.
-    fn complete_connect(&self, mut ev: CmEvent, qpn: u32) -> Result<CmEvent> {
-        let ctx = &self.inner.ctx;
-        let up = (|| {
-            for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
-                let (attr, mask) = init_qp_attr(ctx, ev.id, state)?;
-                modify_qp(ctx, qpn, attr, mask)?;
-            }
-            call(ctx, CmRequest::Establish { id: ev.id })
-        })();
-        match up {
-            Ok(_) => ev.kind = EventKind::Established,
-            Err(e) => {
-                let _ = call(ctx, CmRequest::Reject { id: ev.id, private_data: Vec::new() });
-                ev.kind = EventKind::ConnectError;
-                ev.status = -e.errno().max(1);
-            }
-        }
-        Ok(ev)
-    }
-}
-
-/// `ibv_modify_qp` by number, for a QP an id holds. (Its `QueuePair`
-/// keeps nothing these transitions change: the port was set when the QP
-/// was attached, and no transition here is to RESET.)
-fn modify_qp(ctx: &Context, qp: u32, attr: QpAttr, mask: QpAttrMask) -> Result<()> {
-    ctx.inner.control.call_done(&Request::ModifyQp { qp, attr, mask })
 }
 
 fn init_qp_attr(ctx: &Context, id: u32, state: QpState) -> Result<(QpAttr, QpAttrMask)> {
@@ -227,7 +206,7 @@ impl std::fmt::Debug for CmId {
 impl Drop for CmId {
     fn drop(&mut self) {
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
-        self.channel.inner.ctx.inner.control.destroy(Request::Cm(CmRequest::DestroyId { id: self.id }));
+        destroy(&self.channel.inner.ctx, CmRequest::DestroyId { id: self.id });
     }
 }
 
@@ -324,10 +303,9 @@ impl CmId {
     }
 
     /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;
-    /// the connection brings it up from there.
+    /// the daemon brings it up from there (see the module's notes).
     pub fn attach_qp(&self, qp: &QueuePair) -> Result<()> {
-        let (attr, mask) = self.init_qp_attr(QpState::Init)?;
-        qp.modify(&attr, mask)?;
+        self.call(CmRequest::AttachQp { id: self.id, qp: qp.qpn() })?;
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qp.qpn());
         Ok(())
     }
@@ -343,32 +321,12 @@ impl CmId {
         self.call(CmRequest::Connect { id: self.id, conn: info(param, qpn) }).map(drop)
     }
 
-    /// `rdma_accept` of a connect request: an attached QP goes to RTR and
-    /// RTS first, as librdmacm does. A UD id answers with `qkey`.
+    /// `rdma_accept` of a connect request: the daemon moves an attached
+    /// QP to RTR and RTS (with `param`'s responder resources and
+    /// initiator depth) before the reply goes out, as librdmacm does. A UD
+    /// id answers with `qkey`.
     pub fn accept(&self, param: &ConnParam) -> Result<()> {
-        let qp = self.qp();
-        if let Some(qpn) = qp {
-            let states: &[QpState] = if self.ps.is_ud() {
-                &[QpState::Rtr, QpState::Rts]
-            } else {
-                &[QpState::Init, QpState::Rtr, QpState::Rts]
-            };
-            for &state in states {
-                let (mut attr, mask) = self.init_qp_attr(state)?;
-                // The depths this side accepts with, as librdmacm applies
-                // them (the daemon's attributes still hold the request's).
-                if !self.ps.is_ud() {
-                    if mask.contains(QpAttrMask::MAX_DEST_RD_ATOMIC) {
-                        attr.max_dest_rd_atomic = param.responder_resources;
-                    }
-                    if mask.contains(QpAttrMask::MAX_QP_RD_ATOMIC) {
-                        attr.max_rd_atomic = param.initiator_depth;
-                    }
-                }
-                modify_qp(&self.channel.inner.ctx, qpn, attr, mask)?;
-            }
-        }
-        let qpn = qp.unwrap_or(param.qp_num);
+        let qpn = self.qp().unwrap_or(param.qp_num);
         let qkey = if self.ps.is_ud() { UD_QKEY } else { 0 };
         self.call(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey }).map(drop)
     }
@@ -384,12 +342,8 @@ impl CmId {
     }
 
     /// `rdma_disconnect`: the attached QP goes to ERR (its work is
-    /// flushed), and both sides get `Disconnected`.
+    /// flushed; the daemon moves it), and both sides get `Disconnected`.
     pub fn disconnect(&self) -> Result<()> {
-        if let Some(qpn) = self.qp() {
-            let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
-            modify_qp(&self.channel.inner.ctx, qpn, attr, QpAttrMask::STATE)?;
-        }
         self.call(CmRequest::Disconnect { id: self.id }).map(drop)
     }
 }

@@ -341,6 +341,11 @@ impl ConnectionManager {
         self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| i.state)
     }
 
+    /// The id's port space, for its owner.
+    pub fn port_space(&self, ctx: ContextId, id: u32) -> Option<PortSpace> {
+        self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| i.ps)
+    }
+
     /// The id's bound and peer addresses.
     pub fn addresses(&self, ctx: ContextId, id: u32) -> Option<(Option<SocketAddrV4>, Option<SocketAddrV4>)> {
         self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| (i.local, i.remote))

@@ -314,12 +314,7 @@ impl Session {
             Request::Cm(CmRequest::CreateChannel) => self.create_cm_channel()?,
             Request::Cm(req) => {
                 let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
-                let r = self.engine(move |e, c| {
-                    let now = e.now();
-                    let r = e.cm.handle(c, tenant, req, now);
-                    e.run_cm(now);
-                    r
-                })?;
+                let r = self.engine(move |e, c| e.handle_cm(c, tenant, req))?;
                 match r {
                     Ok(reply) => {
                         if destroys {
