@@ -13,6 +13,15 @@
 //! about fifteen of them.) An id without a QP leaves its QP to the
 //! program, which moves it with [`CmId::init_qp_attr`]'s attributes.
 //!
+//! When the daemon goes away (it died or was restarted), each channel's
+//! descriptor turns readable, and the channel reports
+//! `DeviceRemoval` once for each of its ids that had a device (bound to
+//! an address of it, resolved through it, or made by a connect request:
+//! as the kernel's CM, ids with no address, and listeners on the wildcard
+//! address, hear nothing), then fails with `ENODEV` instead of waiting.
+//! The objects of the old context only fail from then on; a new
+//! [`Context`] reaches the daemon that took its place.
+//!
 //! ```no_run
 //! # fn main() -> vrdma::Result<()> {
 //! use std::net::SocketAddrV4;
@@ -26,7 +35,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddrV4;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
@@ -69,18 +78,65 @@ fn call(ctx: &Context, req: CmRequest) -> Result<CmReply> {
 /// the connection manager's destroys with its own kind of reply, not
 /// `Done`).
 fn destroy(ctx: &Context, req: CmRequest) {
-    if let Err(e) = call(ctx, req.clone()) {
-        tracing::warn!(error = %e, request = ?req, "vrdma: destroying an rdma_cm object failed");
+    match call(ctx, req.clone()) {
+        // Everything of the context went with the daemon.
+        Err(e) if daemon_gone(&e) => tracing::debug!(request = ?req, "rdma_cm object of a daemon gone"),
+        Err(e) => tracing::warn!(error = %e, request = ?req, "vrdma: destroying an rdma_cm object failed"),
+        Ok(_) => {}
     }
+}
+
+/// Whether a control call failed because the daemon is gone.
+fn daemon_gone(e: &Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(e, Error::Io(io) if matches!(io.kind(), K::ConnectionAborted | K::ConnectionReset | K::BrokenPipe | K::NotConnected))
 }
 
 struct ChannelInner {
     ctx: Context,
     channel: u32,
     fd: Doorbell,
-    /// The QPs attached to this channel's ids (by number), which a reply
-    /// brings up.
+    /// The QPs attached to this channel's ids (by number).
     qps: Mutex<HashMap<u32, u32>>,
+    /// This channel's ids, and whether each has a device (what decides
+    /// whether it hears DEVICE_REMOVAL).
+    ids: Mutex<BTreeMap<u32, bool>>,
+    /// Once the daemon is gone: the ids still to hear DEVICE_REMOVAL.
+    removal: Mutex<Option<VecDeque<u32>>>,
+}
+
+impl ChannelInner {
+    fn set_device(&self, id: u32) {
+        if let Some(d) = self.ids.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&id) {
+            *d = true;
+        }
+    }
+
+    /// After the daemon went away: the next DEVICE_REMOVAL, or `ENODEV`
+    /// once each id with a device has had its own.
+    fn removal_event(&self) -> Result<CmEvent> {
+        let mut removal = self.removal.lock().unwrap_or_else(|p| p.into_inner());
+        let left = removal.get_or_insert_with(|| {
+            let ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+            ids.iter().filter(|(_, &device)| device).map(|(&id, _)| id).collect()
+        });
+        match left.pop_front() {
+            Some(id) => Ok(CmEvent {
+                ctx: vrdma_core::hca::ContextId(0),
+                id,
+                kind: EventKind::DeviceRemoval,
+                status: 0,
+                listen_id: None,
+                peer: None,
+                qkey: 0,
+            }),
+            None => Err(Error::Daemon { errno: libc::ENODEV, message: "the vRDMA daemon went away".into() }),
+        }
+    }
+
+    fn removed(&self) -> bool {
+        self.removal.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
 }
 
 impl Drop for ChannelInner {
@@ -119,8 +175,14 @@ impl EventChannel {
                 return Err(e);
             }
         };
-        let inner =
-            ChannelInner { ctx: ctx.clone(), channel, fd: Doorbell::from_fd(fd), qps: Mutex::default() };
+        let inner = ChannelInner {
+            ctx: ctx.clone(),
+            channel,
+            fd: Doorbell::from_fd(fd),
+            qps: Mutex::default(),
+            ids: Mutex::default(),
+            removal: Mutex::default(),
+        };
         Ok(EventChannel { inner: Arc::new(inner) })
     }
 
@@ -153,15 +215,28 @@ impl EventChannel {
                 },
                 None => None,
             };
-            self.inner.fd.wait_readable(left)?;
+            if let Err(e) = self.inner.fd.wait_readable(left) {
+                // The daemon's end closed: it went away.
+                if e.kind() != std::io::ErrorKind::ConnectionAborted {
+                    return Err(e.into());
+                }
+                return self.inner.removal_event().map(Some);
+            }
         }
     }
 
     /// The next event if one waits.
     pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
-        let CmReply::Event { event, wakeups } =
-            call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel })?
-        else {
+        if self.inner.removed() {
+            return self.inner.removal_event().map(Some);
+        }
+        let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
+            Err(e) if daemon_gone(&e) || self.inner.fd.hung_up() => {
+                return self.inner.removal_event().map(Some);
+            }
+            r => r?,
+        };
+        let CmReply::Event { event, wakeups } = reply else {
             return Err(Error::protocol("GetEvent answered with something else"));
         };
         // The event's wake-up, and those of events that went with their
@@ -206,6 +281,10 @@ impl std::fmt::Debug for CmId {
 impl Drop for CmId {
     fn drop(&mut self) {
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        if self.channel.inner.removed() {
+            return; // the daemon, and the id with it, are gone
+        }
         destroy(&self.channel.inner.ctx, CmRequest::DestroyId { id: self.id });
     }
 }
@@ -218,6 +297,7 @@ impl CmId {
         let CmReply::Id { id } = reply else {
             return Err(Error::protocol("CreateId answered with something else"));
         };
+        channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(id, false);
         Ok(CmId { channel: channel.clone(), id, ps })
     }
 
@@ -226,6 +306,7 @@ impl CmId {
         if ev.kind != EventKind::ConnectRequest {
             return Err(Error::Daemon { errno: libc::EINVAL, message: "not a connect request".into() });
         }
+        channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(ev.id, true);
         Ok(CmId { channel: channel.clone(), id: ev.id, ps })
     }
 
@@ -250,6 +331,8 @@ impl CmId {
         if let Some(qpn) = qp {
             channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
         }
+        let device = self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, device.unwrap_or(false));
         self.channel = channel.clone();
         Ok(())
     }
@@ -262,12 +345,17 @@ impl CmId {
     /// `rdma_bind_addr`; returns the address bound (its port chosen if 0).
     pub fn bind(&self, addr: SocketAddrV4) -> Result<SocketAddrV4> {
         self.call(CmRequest::Bind { id: self.id, addr })?;
+        if !addr.ip().is_unspecified() {
+            self.channel.inner.set_device(self.id);
+        }
         self.local_addr()?.ok_or_else(|| Error::protocol("bound, but no address"))
     }
 
     /// `rdma_resolve_addr`; `AddrResolved` follows on the channel.
     pub fn resolve_addr(&self, src: Option<SocketAddrV4>, dst: SocketAddrV4) -> Result<()> {
-        self.call(CmRequest::ResolveAddr { id: self.id, src, dst }).map(drop)
+        self.call(CmRequest::ResolveAddr { id: self.id, src, dst })?;
+        self.channel.inner.set_device(self.id);
+        Ok(())
     }
 
     /// `rdma_resolve_route`; `RouteResolved` follows.
