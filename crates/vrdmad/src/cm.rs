@@ -442,9 +442,15 @@ impl CmDriver {
         let (channel, c) = ch;
         if c.events.len() >= MAX_UNREAD {
             // A tenant that reads none of its events: a new request is
-            // turned away (the requester hears a REJ), never queued.
+            // turned away, never queued. The requester hears a REJ with
+            // reason 3 (no resources), as for a listener's full backlog.
+            // (The kernel's CM drops such a request without a word, so
+            // that the requester's retries may find room, and the
+            // requester ends in UNREACHABLE when they run out; our
+            // requests are not resent, and an answer now spares the
+            // requester its whole timeout.)
             if ev.kind == EventKind::ConnectRequest {
-                let _ = self.cm.reject(ev.ctx, ev.id, Vec::new());
+                let _ = self.cm.reject_with(ev.ctx, ev.id, vrdma_core::cm::reject::NO_RESOURCES, Vec::new());
                 let _ = self.cm.destroy_id(ev.ctx, ev.id);
                 return;
             }
@@ -565,6 +571,13 @@ mod tests {
                     now,
                     |_, m| {
                         refused += usize::from(matches!(m, CmMessage::Rej { .. }));
+                        if let CmMessage::Rej { reason, .. } = m {
+                            assert_eq!(
+                                *reason,
+                                vrdma_core::cm::reject::NO_RESOURCES,
+                                "no resources, as a full backlog"
+                            );
+                        }
                         Ok(())
                     },
                     &mut no_qps(),
