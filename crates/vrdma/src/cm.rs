@@ -92,6 +92,16 @@ fn daemon_gone(e: &Error) -> bool {
     matches!(e, Error::Io(io) if matches!(io.kind(), K::ConnectionAborted | K::ConnectionReset | K::BrokenPipe | K::NotConnected))
 }
 
+/// Whether the daemon hung up the control connection, waiting up to
+/// `timeout` for it (`None`: as long as it takes).
+fn daemon_hung_up(control: &control::Control, timeout: Option<Duration>) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let ts = timeout.and_then(|d| Timespec::try_from(d).ok());
+    let mut fds = [PollFd::from_borrowed_fd(control.hangup_fd(), PollFlags::RDHUP)];
+    matches!(rustix::event::poll(&mut fds, ts.as_ref()), Ok(n) if n > 0)
+        && fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
+}
+
 struct ChannelInner {
     ctx: Context,
     channel: u32,
@@ -199,11 +209,20 @@ impl EventChannel {
     /// (`None`: as long as it takes); `Ok(None)` when the time passed.
     pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
         let end = timeout.map(|t| Instant::now() + t);
+        let control = &self.inner.ctx.inner.control;
         loop {
+            // The daemon's end of the descriptor closed: the daemon went
+            // away, or (it still answers) the program destroyed this
+            // channel while waiting on it, where the kernel's wait goes on:
+            // then only the daemon's going ends it.
+            let hung_up = self.inner.fd.hung_up();
+            if self.inner.removed() || hung_up && daemon_hung_up(control, Some(Duration::ZERO)) {
+                return self.inner.removal_event().map(Some);
+            }
             // The descriptor is readable exactly while an event waits (the
             // daemon keeps it so): a round trip to the daemon is made only
             // when it is.
-            if self.inner.fd.is_readable() {
+            if !hung_up && self.inner.fd.is_readable() {
                 if let Some(ev) = self.try_get_event()? {
                     return Ok(Some(ev));
                 }
@@ -215,12 +234,14 @@ impl EventChannel {
                 },
                 None => None,
             };
-            if let Err(e) = self.inner.fd.wait_readable(left) {
-                // The daemon's end closed: it went away.
-                if e.kind() != std::io::ErrorKind::ConnectionAborted {
-                    return Err(e.into());
-                }
-                return self.inner.removal_event().map(Some);
+            if hung_up {
+                daemon_hung_up(control, left);
+                continue;
+            }
+            match control.wait_readable(&self.inner.fd, left) {
+                Ok(_) => {}
+                Err(e) if daemon_gone(&e) => return self.inner.removal_event().map(Some),
+                Err(e) => return Err(e),
             }
         }
     }
@@ -231,7 +252,7 @@ impl EventChannel {
             return self.inner.removal_event().map(Some);
         }
         let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
-            Err(e) if daemon_gone(&e) || self.inner.fd.hung_up() => {
+            Err(e) if daemon_gone(&e) => {
                 return self.inner.removal_event().map(Some);
             }
             r => r?,
