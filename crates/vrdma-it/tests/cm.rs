@@ -250,3 +250,59 @@ fn destroying_a_connected_id_disconnects_its_peer() -> Result<()> {
     expect(&server_ch, EventKind::Disconnected)?;
     Ok(())
 }
+
+/// The daemon restarted under a program: each channel's descriptor turns
+/// readable, each id with a device hears DEVICE_REMOVAL once (the
+/// listener, the accepted id and the requester; not an id that has no
+/// address), then the channel fails with ENODEV rather than wait; and a
+/// new context reaches the new daemon, where a new connection works.
+#[test]
+fn a_restarted_daemon_is_device_removal_for_every_id_with_a_device_then_new_connections_work() -> Result<()> {
+    let mut d = DaemonProc::start()?;
+    let at = localhost(vrdma_it::free_port()?);
+    {
+        let (server, client) = (d.context()?, d.context()?);
+        let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+        let listener = listener_at(&server_ch, at, 4)?;
+        let id = resolved(&client_ch, at)?;
+        let idle = CmId::create(&client_ch, PortSpace::Tcp)?;
+        let a = Side::with(&client, 4096, 64, cap(16, 1), None)?;
+        id.attach_qp(&a.qp)?;
+        id.connect(&param(b""))?;
+        let req = expect(&server_ch, EventKind::ConnectRequest)?;
+        let accepted = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+        accepted.accept(&param(b""))?;
+        expect(&client_ch, EventKind::Established)?;
+        expect(&server_ch, EventKind::Established)?;
+
+        d.restart()?;
+        for ch in [&server_ch, &client_ch] {
+            let fd = ch.fd();
+            let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+            let ts = rustix::time::Timespec { tv_sec: WAIT.as_secs() as i64, tv_nsec: 0 };
+            ensure!(rustix::event::poll(&mut fds, Some(&ts))? == 1, "the channel's descriptor stayed quiet");
+        }
+        let mut heard = Vec::new();
+        for (ch, n) in [(&server_ch, 2), (&client_ch, 1)] {
+            for _ in 0..n {
+                let ev = expect(ch, EventKind::DeviceRemoval)?;
+                heard.push(ev.id);
+            }
+            let after = ch.get_event(Some(WAIT));
+            ensure!(
+                matches!(&after, Err(e) if e.errno() == libc::ENODEV),
+                "after the removals: {after:?} (expected ENODEV, at once)"
+            );
+        }
+        heard.sort_unstable();
+        let mut want = vec![listener.id(), accepted.id(), id.id()];
+        want.sort_unstable();
+        ensure!(
+            heard == want,
+            "DEVICE_REMOVAL for {heard:?}, expected {want:?} (not the idle {})",
+            idle.id()
+        );
+    }
+    let ctx = d.context()?;
+    connect_send_disconnect(&ctx, &ctx, localhost(vrdma_it::free_port()?))
+}

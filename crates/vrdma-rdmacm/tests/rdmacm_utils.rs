@@ -230,8 +230,23 @@ fn c_checks_of_channels_ids_and_addresses() {
         vrdma_it::skip("/usr/include/rdma/rdma_cma.h is missing (apt-get install librdmacm-dev)");
         return;
     }
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/cm_check.c");
-    let exe = s.dir.path().join("cm_check");
+    let Some(exe) = compile_c(s, "cm_check") else { return };
+    let port = free_port().to_string();
+    let mut c = s.command(exe.to_str().expect("utf-8 path"));
+    c.env_remove("VRDMA_RDMACM_DEBUG").arg(&port);
+    let f = spawn(c, "cm_check").finish(LIMIT);
+    f.assert_ok();
+    assert!(f.stdout.contains("cm_check: OK"), "{}", f.describe());
+    // The one-time notice of an rsocket call names it.
+    assert!(f.stderr.contains("rsocket is not implemented"), "{}", f.describe());
+}
+
+/// `tests/c/NAME.c` compiled against rdma-core's headers and linked
+/// against both drop-in libraries; `None` (the test skips, saying why)
+/// without a C compiler.
+fn compile_c(s: &Setup, name: &str) -> Option<PathBuf> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let exe = s.dir.path().join(name);
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let out = Command::new(&cc)
         .args(["-O2", "-Wall", "-o"])
@@ -243,21 +258,44 @@ fn c_checks_of_channels_ids_and_addresses() {
         .stdin(Stdio::null())
         .output();
     match out {
-        Ok(o) if o.status.success() => {}
+        Ok(o) if o.status.success() => Some(exe),
         Ok(o) => panic!("{cc} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
         Err(e) => {
             vrdma_it::skip(format!("no C compiler ({cc}: {e})"));
-            return;
+            None
         }
     }
-    let port = free_port().to_string();
+}
+
+/// `tests/c/cm_restart.c`: the daemon goes away under a program of this
+/// library. Its resolved id hears DEVICE_REMOVAL (the channel's
+/// descriptor turns readable), then the channel says ENODEV rather than
+/// wait; the daemon then comes back on the same socket.
+#[test]
+fn c_device_removal_when_the_daemon_goes_away() {
+    let Some(s) = setup() else { return };
+    if !Path::new("/usr/include/rdma/rdma_cma.h").exists() {
+        vrdma_it::skip("/usr/include/rdma/rdma_cma.h is missing (apt-get install librdmacm-dev)");
+        return;
+    }
+    let Some(exe) = compile_c(s, "cm_restart") else { return };
+    let sock = s.dir.path().join("restart.sock");
+    let config = || vrdmad::DaemonConfig { socket: Some(sock.clone()), ..Default::default() };
+    let daemon = vrdmad::Daemon::start(config()).expect("start daemon");
+    let marker = s.dir.path().join("cm_restart.resolved");
     let mut c = s.command(exe.to_str().expect("utf-8 path"));
-    c.env_remove("VRDMA_RDMACM_DEBUG").arg(&port);
-    let f = spawn(c, "cm_check").finish(LIMIT);
+    c.env("VRDMA_SOCKET", &sock).env_remove("VRDMA_RDMACM_DEBUG").arg(free_port().to_string()).arg(&marker);
+    let mut run = spawn(c, "cm_restart");
+    let end = Instant::now() + LIMIT;
+    while !marker.exists() && !run.exited() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(daemon);
+    let back = vrdmad::Daemon::start(config()).expect("the daemon back on its socket");
+    let f = run.finish(LIMIT);
+    drop(back);
     f.assert_ok();
-    assert!(f.stdout.contains("cm_check: OK"), "{}", f.describe());
-    // The one-time notice of an rsocket call names it.
-    assert!(f.stderr.contains("rsocket is not implemented"), "{}", f.describe());
+    assert!(f.stdout.contains("cm_restart: OK"), "{}", f.describe());
 }
 
 /// `vrdma run` from the workspace's CLI, when cargo built it (it does for

@@ -48,6 +48,31 @@ impl Doorbell {
         Ok((Doorbell(a), Doorbell(b)))
     }
 
+    /// Two connected ends, as [`pair`](Self::pair), except that when one is
+    /// closed the other hangs up: it becomes readable for good (a read
+    /// finds the end of the stream once the wake-ups are taken). For a
+    /// descriptor a tenant polls that must wake it when the daemon goes
+    /// away, as an rdma_cm event channel's does (DEVICE_REMOVAL): a
+    /// datagram pair's survivor sees nothing when its peer closes.
+    /// `SOCK_SEQPACKET`, whose sends Linux makes with the datagram code:
+    /// the same wake-up per send and the same buffer accounting.
+    pub fn pair_with_hangup() -> io::Result<(Doorbell, Doorbell)> {
+        let (a, b) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        Ok((Doorbell(a), Doorbell(b)))
+    }
+
+    /// Whether the other end is gone (this end hung up).
+    pub fn hung_up(&self) -> bool {
+        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
+        matches!(rustix::event::poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0)
+            && fds[0].revents().contains(PollFlags::HUP)
+    }
+
     /// Wraps an end received from the daemon.
     pub fn from_fd(fd: OwnedFd) -> Doorbell {
         Doorbell(fd)
@@ -226,6 +251,23 @@ mod tests {
         assert_eq!(b.drain(), 0);
         b.ring();
         assert_eq!(a.drain(), 1);
+    }
+
+    /// A pair with hang-up counts wake-ups as a datagram pair does, and its
+    /// survivor turns readable (hung up) when the other end closes, where
+    /// a datagram pair's stays quiet.
+    #[test]
+    fn a_pair_with_hangup_counts_and_wakes_its_survivor() {
+        let (a, b) = Doorbell::pair_with_hangup().unwrap();
+        assert!(a.ring_one() && a.ring_one());
+        assert!(b.take_one() && b.take_one());
+        assert!(!b.take_one() && !b.is_readable() && !b.hung_up());
+        drop(a);
+        assert!(b.is_readable() && b.hung_up());
+        assert!(b.wait_readable(Some(Duration::from_secs(1))).is_err(), "closed by its peer");
+        let (a, b) = Doorbell::pair().unwrap();
+        drop(a);
+        assert!(!b.is_readable() && !b.hung_up(), "why the pair with hang-up exists");
     }
 
     #[test]

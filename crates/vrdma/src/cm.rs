@@ -2,14 +2,25 @@
 //! librdmacm does, through the daemon's connection manager.
 //!
 //! The daemon runs the exchange (REQ, REP, RTU, REJ, DREQ) and keeps the
-//! host's port space; this side moves the QP, as rdma-core's librdmacm
-//! does, with the attributes the daemon gives for each state
-//! ([`CmId::init_qp_attr`]). A QP attached to an id
-//! ([`CmId::attach_qp`]) is brought up without the program's help: to
-//! RTR and RTS before an accept goes out, and on the requester's side
-//! when the reply comes in, before the event is reported as
-//! `Established` (the program never sees the `ConnectResponse`, as with
-//! librdmacm when the id has a QP).
+//! host's port space. A QP attached to an id ([`CmId::attach_qp`]) is the
+//! daemon's to move, as the kernel's CM moves an id's QP: to INIT when it
+//! is attached, to RTR and RTS before an accept goes out, and on the
+//! requester's side when the reply comes in, before the event is reported
+//! as `Established` (the program never sees the `ConnectResponse`, as
+//! with librdmacm when the id has a QP), and to ERR on disconnect. (Moved
+//! from here, with the attributes of [`CmId::init_qp_attr`], each state
+//! costs two control round trips, and a connection's setup waited on
+//! about fifteen of them.) An id without a QP leaves its QP to the
+//! program, which moves it with [`CmId::init_qp_attr`]'s attributes.
+//!
+//! When the daemon goes away (it died or was restarted), each channel's
+//! descriptor turns readable, and the channel reports
+//! `DeviceRemoval` once for each of its ids that had a device (bound to
+//! an address of it, resolved through it, or made by a connect request:
+//! as the kernel's CM, ids with no address, and listeners on the wildcard
+//! address, hear nothing), then fails with `ENODEV` instead of waiting.
+//! The objects of the old context only fail from then on; a new
+//! [`Context`] reaches the daemon that took its place.
 //!
 //! ```no_run
 //! # fn main() -> vrdma::Result<()> {
@@ -24,7 +35,7 @@
 //! # Ok(()) }
 //! ```
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddrV4;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
@@ -63,22 +74,79 @@ fn call(ctx: &Context, req: CmRequest) -> Result<CmReply> {
     }
 }
 
-/// Destroys a channel or an id. The daemon answers with the wake-ups
-/// that go with it (none: those of an id's unread events are given back
-/// on the channel's next read), so this is no plain `control.destroy`.
+/// A destroy on behalf of a `Drop`, logging a failure (the daemon answers
+/// the connection manager's destroys with its own kind of reply, not
+/// `Done`).
 fn destroy(ctx: &Context, req: CmRequest) {
-    if let Err(e) = call(ctx, req.clone()) {
-        tracing::warn!(error = %e, request = ?req, "vrdma: destroying an rdma_cm object failed");
+    match call(ctx, req.clone()) {
+        // Everything of the context went with the daemon.
+        Err(e) if daemon_gone(&e) => tracing::debug!(request = ?req, "rdma_cm object of a daemon gone"),
+        Err(e) => tracing::warn!(error = %e, request = ?req, "vrdma: destroying an rdma_cm object failed"),
+        Ok(_) => {}
     }
+}
+
+/// Whether a control call failed because the daemon is gone.
+fn daemon_gone(e: &Error) -> bool {
+    use std::io::ErrorKind as K;
+    matches!(e, Error::Io(io) if matches!(io.kind(), K::ConnectionAborted | K::ConnectionReset | K::BrokenPipe | K::NotConnected))
+}
+
+/// Whether the daemon hung up the control connection, waiting up to
+/// `timeout` for it (`None`: as long as it takes).
+fn daemon_hung_up(control: &control::Control, timeout: Option<Duration>) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let ts = timeout.and_then(|d| Timespec::try_from(d).ok());
+    let mut fds = [PollFd::from_borrowed_fd(control.hangup_fd(), PollFlags::RDHUP)];
+    matches!(rustix::event::poll(&mut fds, ts.as_ref()), Ok(n) if n > 0)
+        && fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
 }
 
 struct ChannelInner {
     ctx: Context,
     channel: u32,
     fd: Doorbell,
-    /// The QPs attached to this channel's ids (by number), which a reply
-    /// brings up.
+    /// The QPs attached to this channel's ids (by number).
     qps: Mutex<HashMap<u32, u32>>,
+    /// This channel's ids, and whether each has a device (what decides
+    /// whether it hears DEVICE_REMOVAL).
+    ids: Mutex<BTreeMap<u32, bool>>,
+    /// Once the daemon is gone: the ids still to hear DEVICE_REMOVAL.
+    removal: Mutex<Option<VecDeque<u32>>>,
+}
+
+impl ChannelInner {
+    fn set_device(&self, id: u32) {
+        if let Some(d) = self.ids.lock().unwrap_or_else(|p| p.into_inner()).get_mut(&id) {
+            *d = true;
+        }
+    }
+
+    /// After the daemon went away: the next DEVICE_REMOVAL, or `ENODEV`
+    /// once each id with a device has had its own.
+    fn removal_event(&self) -> Result<CmEvent> {
+        let mut removal = self.removal.lock().unwrap_or_else(|p| p.into_inner());
+        let left = removal.get_or_insert_with(|| {
+            let ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+            ids.iter().filter(|(_, &device)| device).map(|(&id, _)| id).collect()
+        });
+        match left.pop_front() {
+            Some(id) => Ok(CmEvent {
+                ctx: vrdma_core::hca::ContextId(0),
+                id,
+                kind: EventKind::DeviceRemoval,
+                status: 0,
+                listen_id: None,
+                peer: None,
+                qkey: 0,
+            }),
+            None => Err(Error::Daemon { errno: libc::ENODEV, message: "the vRDMA daemon went away".into() }),
+        }
+    }
+
+    fn removed(&self) -> bool {
+        self.removal.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+    }
 }
 
 impl Drop for ChannelInner {
@@ -117,8 +185,14 @@ impl EventChannel {
                 return Err(e);
             }
         };
-        let inner =
-            ChannelInner { ctx: ctx.clone(), channel, fd: Doorbell::from_fd(fd), qps: Mutex::default() };
+        let inner = ChannelInner {
+            ctx: ctx.clone(),
+            channel,
+            fd: Doorbell::from_fd(fd),
+            qps: Mutex::default(),
+            ids: Mutex::default(),
+            removal: Mutex::default(),
+        };
         Ok(EventChannel { inner: Arc::new(inner) })
     }
 
@@ -135,9 +209,23 @@ impl EventChannel {
     /// (`None`: as long as it takes); `Ok(None)` when the time passed.
     pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
         let end = timeout.map(|t| Instant::now() + t);
+        let control = &self.inner.ctx.inner.control;
         loop {
-            if let Some(ev) = self.try_get_event()? {
-                return Ok(Some(ev));
+            // The daemon's end of the descriptor closed: the daemon went
+            // away, or (it still answers) the program destroyed this
+            // channel while waiting on it, where the kernel's wait goes on:
+            // then only the daemon's going ends it.
+            let hung_up = self.inner.fd.hung_up();
+            if self.inner.removed() || hung_up && daemon_hung_up(control, Some(Duration::ZERO)) {
+                return self.inner.removal_event().map(Some);
+            }
+            // The descriptor is readable exactly while an event waits (the
+            // daemon keeps it so): a round trip to the daemon is made only
+            // when it is.
+            if !hung_up && self.inner.fd.is_readable() {
+                if let Some(ev) = self.try_get_event()? {
+                    return Ok(Some(ev));
+                }
             }
             let left = match end {
                 Some(e) => match e.checked_duration_since(Instant::now()) {
@@ -146,15 +234,30 @@ impl EventChannel {
                 },
                 None => None,
             };
-            self.inner.fd.wait_readable(left)?;
+            if hung_up {
+                daemon_hung_up(control, left);
+                continue;
+            }
+            match control.wait_readable(&self.inner.fd, left) {
+                Ok(_) => {}
+                Err(e) if daemon_gone(&e) => return self.inner.removal_event().map(Some),
+                Err(e) => return Err(e),
+            }
         }
     }
 
     /// The next event if one waits.
     pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
-        let CmReply::Event { event, wakeups } =
-            call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel })?
-        else {
+        if self.inner.removed() {
+            return self.inner.removal_event().map(Some);
+        }
+        let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
+            Err(e) if daemon_gone(&e) => {
+                return self.inner.removal_event().map(Some);
+            }
+            r => r?,
+        };
+        let CmReply::Event { event, wakeups } = reply else {
             return Err(Error::protocol("GetEvent answered with something else"));
         };
         // The event's wake-up, and those of events that went with their
@@ -162,45 +265,8 @@ impl EventChannel {
         for _ in 0..wakeups {
             self.inner.fd.take_one();
         }
-        let Some(mut ev) = event else { return Ok(None) };
-        if ev.kind == EventKind::ConnectResponse {
-            let qp = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).get(&ev.id).copied();
-            if let Some(qpn) = qp {
-                ev = self.complete_connect(ev, qpn)?;
-            }
-        }
-        Ok(Some(ev))
+        Ok(event)
     }
-
-    /// librdmacm's handling of a reply for an id with a QP: the QP to RTR
-    /// and RTS, then the RTU; the program sees `Established`, or
-    /// `ConnectError` (and the peer a REJ) if the QP could not come up.
-    fn complete_connect(&self, mut ev: CmEvent, qpn: u32) -> Result<CmEvent> {
-        let ctx = &self.inner.ctx;
-        let up = (|| {
-            for state in [QpState::Init, QpState::Rtr, QpState::Rts] {
-                let (attr, mask) = init_qp_attr(ctx, ev.id, state)?;
-                modify_qp(ctx, qpn, attr, mask)?;
-            }
-            call(ctx, CmRequest::Establish { id: ev.id })
-        })();
-        match up {
-            Ok(_) => ev.kind = EventKind::Established,
-            Err(e) => {
-                let _ = call(ctx, CmRequest::Reject { id: ev.id, private_data: Vec::new() });
-                ev.kind = EventKind::ConnectError;
-                ev.status = -e.errno().max(1);
-            }
-        }
-        Ok(ev)
-    }
-}
-
-/// `ibv_modify_qp` by number, for a QP an id holds. (Its `QueuePair`
-/// keeps nothing these transitions change: the port was set when the QP
-/// was attached, and no transition here is to RESET.)
-fn modify_qp(ctx: &Context, qp: u32, attr: QpAttr, mask: QpAttrMask) -> Result<()> {
-    ctx.inner.control.call_done(&Request::ModifyQp { qp, attr, mask })
 }
 
 fn init_qp_attr(ctx: &Context, id: u32, state: QpState) -> Result<(QpAttr, QpAttrMask)> {
@@ -236,6 +302,10 @@ impl std::fmt::Debug for CmId {
 impl Drop for CmId {
     fn drop(&mut self) {
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        if self.channel.inner.removed() {
+            return; // the daemon, and the id with it, are gone
+        }
         destroy(&self.channel.inner.ctx, CmRequest::DestroyId { id: self.id });
     }
 }
@@ -248,6 +318,7 @@ impl CmId {
         let CmReply::Id { id } = reply else {
             return Err(Error::protocol("CreateId answered with something else"));
         };
+        channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(id, false);
         Ok(CmId { channel: channel.clone(), id, ps })
     }
 
@@ -256,6 +327,7 @@ impl CmId {
         if ev.kind != EventKind::ConnectRequest {
             return Err(Error::Daemon { errno: libc::EINVAL, message: "not a connect request".into() });
         }
+        channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(ev.id, true);
         Ok(CmId { channel: channel.clone(), id: ev.id, ps })
     }
 
@@ -280,6 +352,8 @@ impl CmId {
         if let Some(qpn) = qp {
             channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
         }
+        let device = self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, device.unwrap_or(false));
         self.channel = channel.clone();
         Ok(())
     }
@@ -292,12 +366,17 @@ impl CmId {
     /// `rdma_bind_addr`; returns the address bound (its port chosen if 0).
     pub fn bind(&self, addr: SocketAddrV4) -> Result<SocketAddrV4> {
         self.call(CmRequest::Bind { id: self.id, addr })?;
+        if !addr.ip().is_unspecified() {
+            self.channel.inner.set_device(self.id);
+        }
         self.local_addr()?.ok_or_else(|| Error::protocol("bound, but no address"))
     }
 
     /// `rdma_resolve_addr`; `AddrResolved` follows on the channel.
     pub fn resolve_addr(&self, src: Option<SocketAddrV4>, dst: SocketAddrV4) -> Result<()> {
-        self.call(CmRequest::ResolveAddr { id: self.id, src, dst }).map(drop)
+        self.call(CmRequest::ResolveAddr { id: self.id, src, dst })?;
+        self.channel.inner.set_device(self.id);
+        Ok(())
     }
 
     /// `rdma_resolve_route`; `RouteResolved` follows.
@@ -333,10 +412,9 @@ impl CmId {
     }
 
     /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;
-    /// the connection brings it up from there.
+    /// the daemon brings it up from there (see the module's notes).
     pub fn attach_qp(&self, qp: &QueuePair) -> Result<()> {
-        let (attr, mask) = self.init_qp_attr(QpState::Init)?;
-        qp.modify(&attr, mask)?;
+        self.call(CmRequest::AttachQp { id: self.id, qp: qp.qpn() })?;
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qp.qpn());
         Ok(())
     }
@@ -352,32 +430,12 @@ impl CmId {
         self.call(CmRequest::Connect { id: self.id, conn: info(param, qpn) }).map(drop)
     }
 
-    /// `rdma_accept` of a connect request: an attached QP goes to RTR and
-    /// RTS first, as librdmacm does. A UD id answers with `qkey`.
+    /// `rdma_accept` of a connect request: the daemon moves an attached
+    /// QP to RTR and RTS (with `param`'s responder resources and
+    /// initiator depth) before the reply goes out, as librdmacm does. A UD
+    /// id answers with `qkey`.
     pub fn accept(&self, param: &ConnParam) -> Result<()> {
-        let qp = self.qp();
-        if let Some(qpn) = qp {
-            let states: &[QpState] = if self.ps.is_ud() {
-                &[QpState::Rtr, QpState::Rts]
-            } else {
-                &[QpState::Init, QpState::Rtr, QpState::Rts]
-            };
-            for &state in states {
-                let (mut attr, mask) = self.init_qp_attr(state)?;
-                // The depths this side accepts with, as librdmacm applies
-                // them (the daemon's attributes still hold the request's).
-                if !self.ps.is_ud() {
-                    if mask.contains(QpAttrMask::MAX_DEST_RD_ATOMIC) {
-                        attr.max_dest_rd_atomic = param.responder_resources;
-                    }
-                    if mask.contains(QpAttrMask::MAX_QP_RD_ATOMIC) {
-                        attr.max_rd_atomic = param.initiator_depth;
-                    }
-                }
-                modify_qp(&self.channel.inner.ctx, qpn, attr, mask)?;
-            }
-        }
-        let qpn = qp.unwrap_or(param.qp_num);
+        let qpn = self.qp().unwrap_or(param.qp_num);
         let qkey = if self.ps.is_ud() { UD_QKEY } else { 0 };
         self.call(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey }).map(drop)
     }
@@ -393,12 +451,8 @@ impl CmId {
     }
 
     /// `rdma_disconnect`: the attached QP goes to ERR (its work is
-    /// flushed), and both sides get `Disconnected`.
+    /// flushed; the daemon moves it), and both sides get `Disconnected`.
     pub fn disconnect(&self) -> Result<()> {
-        if let Some(qpn) = self.qp() {
-            let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
-            modify_qp(&self.channel.inner.ctx, qpn, attr, QpAttrMask::STATE)?;
-        }
         self.call(CmRequest::Disconnect { id: self.id }).map(drop)
     }
 }

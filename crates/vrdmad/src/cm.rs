@@ -12,17 +12,26 @@
 //! the connections with that host end at once (UNREACHABLE before they
 //! are established, DISCONNECTED after), and the daemon says why in its
 //! log.
+//!
+//! An id with a QP attached (`CmRequest::AttachQp`) has its QP moved
+//! here, as the kernel's CM moves it: to RTR and RTS before an accept's
+//! REP goes out, to RTR and RTS when the REP comes in (then the RTU goes,
+//! and the event is ESTABLISHED), to ERR on disconnect. Done by the
+//! library instead, each state is two control round trips (its attributes,
+//! then the modify), and a connection's setup paid for about fifteen of
+//! them on the path between the two sides.
 
 use std::collections::{HashMap, VecDeque};
 
 use std::net::Ipv4Addr;
 
-use vrdma_core::cm::{CmError, CmEvent, CmMessage, ConnectionManager, EventKind, PortSpace};
-use vrdma_core::hca::{ContextId, TenantId};
+use vrdma_core::cm::{CmError, CmEvent, CmMessage, ConnectionManager, EventKind, PortSpace, State};
+use vrdma_core::hca::{ContextId, HcaError, TenantId};
 use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{CmReply, CmRequest};
 use vrdma_core::time::Instant;
+use vrdma_core::verbs::{QpAttr, QpAttrMask, QpState};
 use vrdma_shm::Doorbell;
 
 /// Event channels one tenant may hold: each keeps a descriptor in the
@@ -45,13 +54,41 @@ struct EventChannel {
     /// moved to another channel) after its wake-up was rung: the tenant
     /// takes that wake-up with the next event it reads.
     events: VecDeque<Option<CmEvent>>,
+    /// Wake-ups of `events` not yet rung: the doorbell's buffer was full
+    /// (it holds what `net.core.wmem_max` allows, which may be fewer than
+    /// [`MAX_UNREAD`]). Rung as the tenant reads and room frees, so that
+    /// rung + owed = events, and the descriptor is readable exactly while
+    /// events wait (a buffer that cannot take one more holds some).
+    owed: usize,
 }
+
+impl EventChannel {
+    /// One more wake-up, or owed if the doorbell holds all it can.
+    fn ring(&mut self) {
+        if self.owed > 0 || !self.fd.ring_one() {
+            self.owed += 1;
+        }
+    }
+
+    /// Rings what is owed while the doorbell takes it.
+    fn ring_owed(&mut self) {
+        while self.owed > 0 && self.fd.ring_one() {
+            self.owed -= 1;
+        }
+    }
+}
+
+/// Moves a context's QP (the HCA's `modify_qp`, which checks that the
+/// QP is the context's).
+pub type ModifyQp<'a> = &'a mut dyn FnMut(ContextId, u32, &QpAttr, QpAttrMask) -> Result<(), HcaError>;
 
 pub struct CmDriver {
     pub cm: ConnectionManager,
     channels: HashMap<u32, EventChannel>,
     /// The channel of each id.
     id_channel: HashMap<u32, u32>,
+    /// The QP attached to each id that has one (by number).
+    id_qp: HashMap<u32, u32>,
     next_channel: u32,
     log: LogLimiter,
 }
@@ -69,6 +106,8 @@ pub enum CmCallError {
     Channels,
     #[error("the event channel still has ids")]
     Busy,
+    #[error("the id's QP: {0}")]
+    Qp(#[from] HcaError),
 }
 
 impl CmCallError {
@@ -78,6 +117,7 @@ impl CmCallError {
             CmCallError::NoChannel(_) | CmCallError::PortSpace(_) => libc::EINVAL,
             CmCallError::Channels => libc::EMFILE,
             CmCallError::Busy => libc::EBUSY,
+            CmCallError::Qp(e) => e.errno(),
         }
     }
 }
@@ -88,6 +128,7 @@ impl CmDriver {
             cm,
             channels: HashMap::new(),
             id_channel: HashMap::new(),
+            id_qp: HashMap::new(),
             next_channel: 0,
             log: LogLimiter::new(),
         }
@@ -110,7 +151,7 @@ impl CmDriver {
                 break self.next_channel;
             }
         };
-        self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new() });
+        self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0 });
         Ok(id)
     }
 
@@ -121,13 +162,42 @@ impl CmDriver {
         }
     }
 
-    /// One call of a tenant's context.
+    /// Moves `id`'s attached QP through `states` with the manager's
+    /// attributes; on the passive side with the depths this side accepts
+    /// with (`depths`: responder resources, initiator depth), as librdmacm
+    /// applies them.
+    fn bring_up(
+        &self,
+        ctx: ContextId,
+        id: u32,
+        qp: u32,
+        states: &[QpState],
+        depths: Option<(u8, u8)>,
+        modify: ModifyQp,
+    ) -> Result<(), CmCallError> {
+        for &state in states {
+            let (mut attr, mask) = self.cm.init_qp_attr(ctx, id, state)?;
+            if let Some((responder_resources, initiator_depth)) = depths {
+                if mask.contains(QpAttrMask::MAX_DEST_RD_ATOMIC) {
+                    attr.max_dest_rd_atomic = responder_resources;
+                }
+                if mask.contains(QpAttrMask::MAX_QP_RD_ATOMIC) {
+                    attr.max_rd_atomic = initiator_depth;
+                }
+            }
+            modify(ctx, qp, &attr, mask)?;
+        }
+        Ok(())
+    }
+
+    /// One call of a tenant's context; `modify` moves its QPs.
     pub fn handle(
         &mut self,
         ctx: ContextId,
         tenant: TenantId,
         req: CmRequest,
         now: Instant,
+        modify: ModifyQp,
     ) -> Result<CmReply, CmCallError> {
         let done = CmReply::Event { event: None, wakeups: 0 };
         let reply = match req {
@@ -151,6 +221,7 @@ impl CmDriver {
             CmRequest::DestroyId { id } => {
                 self.cm.destroy_id(ctx, id)?;
                 self.id_channel.remove(&id);
+                self.id_qp.remove(&id);
                 // Its events not yet read go with it, as the kernel's do.
                 for c in self.channels.values_mut().filter(|c| c.ctx == ctx) {
                     for e in c.events.iter_mut() {
@@ -178,7 +249,7 @@ impl CmDriver {
                 if let Some(c) = self.channels.get_mut(&channel) {
                     for ev in moved {
                         c.events.push_back(Some(ev));
-                        c.fd.ring_one();
+                        c.ring();
                     }
                 }
                 done
@@ -207,7 +278,21 @@ impl CmDriver {
                 self.cm.connect(ctx, id, conn, now)?;
                 done
             }
-            CmRequest::Accept { id, conn, qkey } => {
+            CmRequest::Accept { id, mut conn, qkey } => {
+                if let Some(&qp) = self.id_qp.get(&id) {
+                    let ps = self.cm.port_space(ctx, id).ok_or(CmError::NoSuchId)?;
+                    if self.cm.state(ctx, id) != Some(State::ReqReceived) {
+                        return Err(CmError::WrongState.into());
+                    }
+                    let states: &[QpState] = if ps.is_ud() {
+                        &[QpState::Rtr, QpState::Rts]
+                    } else {
+                        &[QpState::Init, QpState::Rtr, QpState::Rts]
+                    };
+                    let depths = (conn.responder_resources, conn.initiator_depth);
+                    self.bring_up(ctx, id, qp, states, Some(depths), modify)?;
+                    conn.qp_num = qp;
+                }
                 self.cm.accept(ctx, id, conn, qkey, now)?;
                 done
             }
@@ -220,7 +305,19 @@ impl CmDriver {
                 done
             }
             CmRequest::Disconnect { id } => {
+                self.cm.state(ctx, id).ok_or(CmError::NoSuchId)?;
+                if let Some(&qp) = self.id_qp.get(&id) {
+                    // Its work is flushed, as the kernel's rdma_disconnect does.
+                    let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+                    modify(ctx, qp, &attr, QpAttrMask::STATE)?;
+                }
                 self.cm.disconnect(ctx, id, now)?;
+                done
+            }
+            CmRequest::AttachQp { id, qp } => {
+                let (attr, mask) = self.cm.init_qp_attr(ctx, id, QpState::Init)?;
+                modify(ctx, qp, &attr, mask)?;
+                self.id_qp.insert(id, qp);
                 done
             }
             CmRequest::InitQpAttr { id, state } => {
@@ -237,16 +334,24 @@ impl CmDriver {
                 // (The tenant takes the wake-ups from its end of the
                 // doorbell: readable while any event is left.)
                 let c = self.channels.get_mut(&channel).expect("checked above");
+                c.ring_owed();
+                // Only entries whose wake-ups are in the doorbell go (the
+                // tenant takes one per entry); the rest wait for theirs.
+                let rung = c.events.len() - c.owed;
                 let mut wakeups = 0;
                 let mut event = None;
-                while let Some(e) = c.events.pop_front() {
+                while wakeups < rung.max(1) {
+                    let Some(e) = c.events.pop_front() else { break };
                     wakeups += 1;
                     if e.is_some() {
                         event = e;
                         break;
                     }
                 }
-                CmReply::Event { event, wakeups }
+                // (A channel whose doorbell took none: the tenant's takes
+                // find nothing, and the count stays right.)
+                c.owed = c.owed.min(c.events.len());
+                CmReply::Event { event, wakeups: wakeups as u32 }
             }
         };
         Ok(reply)
@@ -265,6 +370,7 @@ impl CmDriver {
         &mut self,
         now: Instant,
         mut send: impl FnMut(Ipv4Addr, &CmMessage) -> Result<(), &'static str>,
+        modify: ModifyQp,
     ) -> Option<Instant> {
         if self.cm.poll_timeout().is_some_and(|t| t <= now) {
             self.cm.handle_timeout(now);
@@ -288,6 +394,7 @@ impl CmDriver {
                 }
             }
             while let Some(ev) = self.cm.poll_event() {
+                let ev = self.complete_connect(ev, &mut *modify);
                 self.deliver(ev);
             }
         }
@@ -298,6 +405,30 @@ impl CmDriver {
             return Some(now);
         }
         self.cm.poll_timeout()
+    }
+
+    /// The kernel's handling of a REP for an id with a QP: the QP to RTR
+    /// and RTS, then the RTU; the program sees ESTABLISHED, or
+    /// CONNECT_ERROR (and the peer a REJ) if the QP could not come up.
+    fn complete_connect(&mut self, mut ev: CmEvent, modify: ModifyQp) -> CmEvent {
+        let qp = match self.id_qp.get(&ev.id) {
+            Some(&qp) if ev.kind == EventKind::ConnectResponse => qp,
+            _ => return ev,
+        };
+        let states = [QpState::Init, QpState::Rtr, QpState::Rts];
+        let up = self
+            .bring_up(ev.ctx, ev.id, qp, &states, None, modify)
+            .and_then(|()| self.cm.establish(ev.ctx, ev.id).map_err(CmCallError::from));
+        match up {
+            Ok(()) => ev.kind = EventKind::Established,
+            Err(e) => {
+                tracing::debug!(id = ev.id, error = %e, "an rdma_cm id's QP could not come up: rejecting the REP");
+                let _ = self.cm.reject(ev.ctx, ev.id, Vec::new());
+                ev.kind = EventKind::ConnectError;
+                ev.status = -e.errno().max(1);
+            }
+        }
+        ev
     }
 
     /// Puts an event in its id's channel.
@@ -311,9 +442,15 @@ impl CmDriver {
         let (channel, c) = ch;
         if c.events.len() >= MAX_UNREAD {
             // A tenant that reads none of its events: a new request is
-            // turned away (the requester hears a REJ), never queued.
+            // turned away, never queued. The requester hears a REJ with
+            // reason 3 (no resources), as for a listener's full backlog.
+            // (The kernel's CM drops such a request without a word, so
+            // that the requester's retries may find room, and the
+            // requester ends in UNREACHABLE when they run out; our
+            // requests are not resent, and an answer now spares the
+            // requester its whole timeout.)
             if ev.kind == EventKind::ConnectRequest {
-                let _ = self.cm.reject(ev.ctx, ev.id, Vec::new());
+                let _ = self.cm.reject_with(ev.ctx, ev.id, vrdma_core::cm::reject::NO_RESOURCES, Vec::new());
                 let _ = self.cm.destroy_id(ev.ctx, ev.id);
                 return;
             }
@@ -322,11 +459,9 @@ impl CmDriver {
             self.id_channel.insert(ev.id, channel);
         }
         c.events.push_back(Some(ev));
-        if !c.fd.ring_one() {
-            // The socket buffer holds fewer wake-ups than events unread
-            // (net.core.wmem_max): the event waits, and a tenant that
-            // reads its events in a loop after a wake-up still finds it.
-            tracing::debug!(channel, "rdma_cm event channel doorbell full");
+        c.ring();
+        if c.owed == 1 {
+            tracing::debug!(channel, "rdma_cm event channel doorbell full: wake-ups owed until it is read");
         }
     }
 
@@ -336,6 +471,7 @@ impl CmDriver {
         self.cm.close_context(ctx);
         let cm = &self.cm;
         self.id_channel.retain(|&id, _| cm.owner(id).is_some());
+        self.id_qp.retain(|&id, _| cm.owner(id).is_some());
         self.channels.retain(|_, c| c.ctx != ctx);
     }
 }
@@ -350,6 +486,11 @@ mod tests {
     use crate::testing::{traced, Keys};
 
     const C: ContextId = ContextId(1);
+
+    /// For tests whose ids have no QP: any move of one is a bug.
+    fn no_qps() -> impl FnMut(ContextId, u32, &QpAttr, QpAttrMask) -> Result<(), HcaError> {
+        |_, qp, _, _| panic!("QP {qp} moved, but no id has one")
+    }
     const T: TenantId = TenantId(1000);
 
     /// A request that has nowhere to go (the transport is off) ends in
@@ -366,7 +507,8 @@ mod tests {
         let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
         let log = traced(|| {
             for _ in 0..20 {
-                let Ok(CmReply::Id { id }) = d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now)
+                let Ok(CmReply::Id { id }) =
+                    d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now, &mut no_qps())
                 else {
                     panic!("no id");
                 };
@@ -375,14 +517,14 @@ mod tests {
                     CmRequest::ResolveRoute { id },
                     CmRequest::Connect { id, conn: ConnInfo::default() },
                 ] {
-                    d.handle(C, T, req, now).unwrap();
-                    d.run(now, |_, _| Err("the transport between daemons is off"));
+                    d.handle(C, T, req, now, &mut no_qps()).unwrap();
+                    d.run(now, |_, _| Err("the transport between daemons is off"), &mut no_qps());
                 }
             }
         });
         let mut kinds = Vec::new();
         while let Ok(CmReply::Event { event: Some(ev), wakeups }) =
-            d.handle(C, T, CmRequest::GetEvent { channel }, now)
+            d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps())
         {
             assert_eq!(wakeups, 1);
             assert!(tenant_end.take_one(), "one wake-up per event");
@@ -413,21 +555,33 @@ mod tests {
         let mut refused = 0;
         for port in 7471..7476 {
             let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), port);
-            let Ok(CmReply::Id { id: l }) = d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now)
+            let Ok(CmReply::Id { id: l }) =
+                d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now, &mut no_qps())
             else {
                 panic!("no id");
             };
-            d.handle(C, T, CmRequest::Bind { id: l, addr: at }, now).unwrap();
-            d.handle(C, T, CmRequest::Listen { id: l, backlog: 0 }, now).unwrap();
+            d.handle(C, T, CmRequest::Bind { id: l, addr: at }, now, &mut no_qps()).unwrap();
+            d.handle(C, T, CmRequest::Listen { id: l, backlog: 0 }, now, &mut no_qps()).unwrap();
             for _ in 0..1024 {
                 from += 1;
                 let conn = ConnInfo::default();
                 let req = CmMessage::Req { from, tenant: T.0, ps: PortSpace::Tcp, src, dst: at, conn };
                 d.cm.handle_message(*src.ip(), req);
-                d.run(now, |_, m| {
-                    refused += usize::from(matches!(m, CmMessage::Rej { .. }));
-                    Ok(())
-                });
+                d.run(
+                    now,
+                    |_, m| {
+                        refused += usize::from(matches!(m, CmMessage::Rej { .. }));
+                        if let CmMessage::Rej { reason, .. } = m {
+                            assert_eq!(
+                                *reason,
+                                vrdma_core::cm::reject::NO_RESOURCES,
+                                "no resources, as a full backlog"
+                            );
+                        }
+                        Ok(())
+                    },
+                    &mut no_qps(),
+                );
             }
         }
         assert_eq!(d.channels[&channel].events.len(), MAX_UNREAD);
@@ -446,22 +600,226 @@ mod tests {
         let (fd, tenant_end) = Doorbell::pair().unwrap();
         let channel = d.add_channel(C, T, fd).unwrap();
         let now = Instant(1);
-        let id = |d: &mut CmDriver| match d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now) {
+        let id = |d: &mut CmDriver| match d.handle(
+            C,
+            T,
+            CmRequest::CreateId { channel, ps: 0x0106 },
+            now,
+            &mut no_qps(),
+        ) {
             Ok(CmReply::Id { id }) => id,
             other => panic!("{other:?}"),
         };
         let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
         let (gone, kept) = (id(&mut d), id(&mut d));
-        d.handle(C, T, CmRequest::ResolveAddr { id: gone, src: None, dst }, now).unwrap();
-        d.handle(C, T, CmRequest::ResolveAddr { id: kept, src: None, dst }, now).unwrap();
-        d.run(now, |_, _| Ok(()));
-        d.handle(C, T, CmRequest::DestroyId { id: gone }, now).unwrap();
-        let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now).unwrap();
+        d.handle(C, T, CmRequest::ResolveAddr { id: gone, src: None, dst }, now, &mut no_qps()).unwrap();
+        d.handle(C, T, CmRequest::ResolveAddr { id: kept, src: None, dst }, now, &mut no_qps()).unwrap();
+        d.run(now, |_, _| Ok(()), &mut no_qps());
+        d.handle(C, T, CmRequest::DestroyId { id: gone }, now, &mut no_qps()).unwrap();
+        let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps()).unwrap();
         let CmReply::Event { event: Some(ev), wakeups: 2 } = reply else { panic!("{reply:?}") };
         assert_eq!((ev.id, ev.kind), (kept, EventKind::AddrResolved));
         assert!(tenant_end.take_one() && tenant_end.take_one(), "two were rung");
         assert!(!tenant_end.take_one(), "and nothing more: the descriptor is quiet");
-        let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now).unwrap();
+        let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps()).unwrap();
         assert!(matches!(reply, CmReply::Event { event: None, wakeups: 0 }), "{reply:?}");
+    }
+
+    /// Moves of QPs as a recorder sees them: (context, QP, state, mask).
+    type Moves = std::cell::RefCell<Vec<(ContextId, u32, QpAttr, QpAttrMask)>>;
+
+    fn recorder(
+        moves: &Moves,
+    ) -> impl FnMut(ContextId, u32, &QpAttr, QpAttrMask) -> Result<(), HcaError> + '_ {
+        |c, qp, attr, mask| {
+            moves.borrow_mut().push((c, qp, *attr, mask));
+            Ok(())
+        }
+    }
+
+    fn next_event(d: &mut CmDriver, ctx: ContextId, channel: u32) -> Option<CmEvent> {
+        match d.handle(ctx, T, CmRequest::GetEvent { channel }, Instant(1), &mut no_qps()) {
+            Ok(CmReply::Event { event, .. }) => event,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// A connection between two contexts of this host whose ids have QPs
+    /// attached: the daemon moves both QPs (INIT when attached; INIT, RTR
+    /// and RTS before the REP, with the depths the acceptor gave; INIT,
+    /// RTR and RTS when the REP comes in, then the RTU), and the
+    /// requester hears ESTABLISHED, never CONNECT_RESPONSE.
+    #[test]
+    fn ids_with_qps_have_them_brought_up_by_the_daemon() {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (srv, cli) = (ContextId(1), ContextId(2));
+        let now = Instant(1);
+        let (fd, _s_end) = Doorbell::pair().unwrap();
+        let s_ch = d.add_channel(srv, T, fd).unwrap();
+        let (fd, _c_end) = Doorbell::pair().unwrap();
+        let c_ch = d.add_channel(cli, T, fd).unwrap();
+        let moves = Moves::default();
+        let call = |d: &mut CmDriver, ctx, req| {
+            let r = d.handle(ctx, T, req, now, &mut recorder(&moves));
+            d.run(now, |_, _| Err("not local"), &mut recorder(&moves));
+            r.unwrap()
+        };
+        let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 7471);
+        let CmReply::Id { id: l } = call(&mut d, srv, CmRequest::CreateId { channel: s_ch, ps: 0x0106 })
+        else {
+            panic!()
+        };
+        call(&mut d, srv, CmRequest::Bind { id: l, addr: at });
+        call(&mut d, srv, CmRequest::Listen { id: l, backlog: 8 });
+        let CmReply::Id { id: a } = call(&mut d, cli, CmRequest::CreateId { channel: c_ch, ps: 0x0106 })
+        else {
+            panic!()
+        };
+        call(&mut d, cli, CmRequest::ResolveAddr { id: a, src: None, dst: at });
+        call(&mut d, cli, CmRequest::ResolveRoute { id: a });
+        call(&mut d, cli, CmRequest::AttachQp { id: a, qp: 0x20 });
+        let m = moves.take();
+        assert_eq!(m.len(), 1);
+        assert_eq!((m[0].0, m[0].1, m[0].2.qp_state), (cli, 0x20, QpState::Init));
+        let conn =
+            ConnInfo { qp_num: 0x20, responder_resources: 1, initiator_depth: 1, ..Default::default() };
+        call(&mut d, cli, CmRequest::Connect { id: a, conn });
+        assert!(moves.borrow().is_empty(), "nothing moves before the REP");
+        let kinds: Vec<_> = std::iter::from_fn(|| next_event(&mut d, cli, c_ch)).map(|e| e.kind).collect();
+        assert_eq!(kinds, [EventKind::AddrResolved, EventKind::RouteResolved]);
+        let req = next_event(&mut d, srv, s_ch).expect("a request");
+        assert_eq!(req.kind, EventKind::ConnectRequest);
+        let p = req.id;
+        call(&mut d, srv, CmRequest::AttachQp { id: p, qp: 0x30 });
+        let conn = ConnInfo { qp_num: 0, responder_resources: 3, initiator_depth: 2, ..Default::default() };
+        call(&mut d, srv, CmRequest::Accept { id: p, conn, qkey: 0 });
+        let m = moves.take();
+        let states: Vec<_> = m.iter().map(|(c, qp, a, _)| (*c, *qp, a.qp_state)).collect();
+        assert_eq!(
+            states,
+            [
+                (srv, 0x30, QpState::Init),
+                (srv, 0x30, QpState::Init),
+                (srv, 0x30, QpState::Rtr),
+                (srv, 0x30, QpState::Rts),
+                (cli, 0x20, QpState::Init),
+                (cli, 0x20, QpState::Rtr),
+                (cli, 0x20, QpState::Rts),
+            ]
+        );
+        assert_eq!(m[2].2.max_dest_rd_atomic, 3, "the acceptor's responder resources");
+        assert_eq!(m[3].2.max_rd_atomic, 2, "the acceptor's initiator depth");
+        assert_eq!(m[5].2.dest_qp_num, 0x30, "the REP names the attached QP");
+        assert_eq!(m[2].2.dest_qp_num, 0x20);
+        let ev = next_event(&mut d, cli, c_ch).expect("the requester's event");
+        assert_eq!((ev.id, ev.kind, ev.status), (a, EventKind::Established, 0));
+        let ev = next_event(&mut d, srv, s_ch).expect("the acceptor's event");
+        assert_eq!((ev.id, ev.kind), (p, EventKind::Established), "the RTU went");
+        call(&mut d, cli, CmRequest::Disconnect { id: a });
+        let m = moves.take();
+        assert_eq!((m[0].1, m[0].2.qp_state, m[0].3), (0x20, QpState::Err, QpAttrMask::STATE));
+    }
+
+    /// A requester whose QP cannot come up when the REP comes in hears
+    /// CONNECT_ERROR, and the acceptor a REJ (REJECTED), as with the
+    /// kernel's CM; neither is left waiting.
+    #[test]
+    fn a_qp_that_cannot_come_up_on_the_rep_ends_in_connect_error_and_a_rej() {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (srv, cli) = (ContextId(1), ContextId(2));
+        let now = Instant(1);
+        let (fd, _s_end) = Doorbell::pair().unwrap();
+        let s_ch = d.add_channel(srv, T, fd).unwrap();
+        let (fd, _c_end) = Doorbell::pair().unwrap();
+        let c_ch = d.add_channel(cli, T, fd).unwrap();
+        // The requester's QP refuses RTR.
+        let refused = HcaError::NoSuchObject { kind: "QP", id: 0x20 };
+        let mut modify = |c: ContextId, _: u32, attr: &QpAttr, _: QpAttrMask| {
+            if c == cli && attr.qp_state == QpState::Rtr {
+                return Err(refused.clone());
+            }
+            Ok(())
+        };
+        let mut call = |d: &mut CmDriver, ctx, req| {
+            let r = d.handle(ctx, T, req, now, &mut modify);
+            d.run(now, |_, _| Err("not local"), &mut modify);
+            r.unwrap()
+        };
+        let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 7471);
+        let CmReply::Id { id: l } = call(&mut d, srv, CmRequest::CreateId { channel: s_ch, ps: 0x0106 })
+        else {
+            panic!()
+        };
+        call(&mut d, srv, CmRequest::Bind { id: l, addr: at });
+        call(&mut d, srv, CmRequest::Listen { id: l, backlog: 8 });
+        let CmReply::Id { id: a } = call(&mut d, cli, CmRequest::CreateId { channel: c_ch, ps: 0x0106 })
+        else {
+            panic!()
+        };
+        call(&mut d, cli, CmRequest::ResolveAddr { id: a, src: None, dst: at });
+        call(&mut d, cli, CmRequest::ResolveRoute { id: a });
+        call(&mut d, cli, CmRequest::AttachQp { id: a, qp: 0x20 });
+        call(
+            &mut d,
+            cli,
+            CmRequest::Connect { id: a, conn: ConnInfo { qp_num: 0x20, ..Default::default() } },
+        );
+        let req = next_event(&mut d, srv, s_ch).expect("a request");
+        call(&mut d, srv, CmRequest::AttachQp { id: req.id, qp: 0x30 });
+        call(&mut d, srv, CmRequest::Accept { id: req.id, conn: ConnInfo::default(), qkey: 0 });
+        let kinds: Vec<_> =
+            std::iter::from_fn(|| next_event(&mut d, cli, c_ch)).map(|e| (e.kind, e.status)).collect();
+        assert_eq!(
+            kinds,
+            [
+                (EventKind::AddrResolved, 0),
+                (EventKind::RouteResolved, 0),
+                (EventKind::ConnectError, -refused.errno())
+            ]
+        );
+        let ev = next_event(&mut d, srv, s_ch).expect("the acceptor's event");
+        assert_eq!((ev.id, ev.kind), (req.id, EventKind::Rejected));
+    }
+
+    /// A channel whose doorbell holds fewer wake-ups than it has events
+    /// (a small `net.core.wmem_max`) stays readable while any event is
+    /// unread: the wake-ups that did not fit are rung as it is read.
+    #[test]
+    fn a_doorbell_smaller_than_the_events_stays_readable_until_the_last_is_read() {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair().unwrap();
+        let holds = fd.reserve(1);
+        let channel = d.add_channel(C, T, fd).unwrap();
+        let now = Instant(1);
+        let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
+        let n = 3 * holds.max(8) + 5;
+        for _ in 0..n {
+            let Ok(CmReply::Id { id }) =
+                d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now, &mut no_qps())
+            else {
+                panic!("no id");
+            };
+            d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
+        }
+        d.run(now, |_, _| Ok(()), &mut no_qps());
+        assert!(d.channels[&channel].owed > 0, "the doorbell held {holds}, fewer than {n}: some were owed");
+        for read in 0..n {
+            assert!(tenant_end.is_readable(), "readable with {} of {n} events unread", n - read);
+            let Ok(CmReply::Event { event: Some(_), wakeups }) =
+                d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps())
+            else {
+                panic!("event {read} of {n} missing");
+            };
+            for _ in 0..wakeups {
+                assert!(tenant_end.take_one(), "each wake-up handed out was rung");
+            }
+        }
+        assert!(!tenant_end.is_readable(), "quiet once all are read");
     }
 }

@@ -89,6 +89,10 @@ pub struct Args {
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Of the default report, only the rdma_cm connection setup figures
+    /// (beside TCP connect/accept, measured in the same runs).
+    #[arg(long, conflicts_with = "server")]
+    pub cm_setup: bool,
     /// Run the embedded daemon's engine at real-time priority (needs root or CAP_SYS_NICE).
     #[arg(long)]
     pub realtime: bool,
@@ -118,6 +122,7 @@ rc_rdma_write_lat rc_compare_swap_mr rc_fetch_add_mr ud_bw ud_lat tcp_bw tcp_lat
 
 Examples:
   vrdma bench                                  the default report with anchors
+  vrdma bench --cm-setup --runs 5              only its rdma_cm connection setup figures
   vrdma bench rc_lat rc_bw tcp_lat tcp_bw      named tests, both sides on this host
   vrdma bench --server                         serve clients on port 19765
   vrdma bench host2 rc_bw --sweep=1M --csv     against the server on host2
@@ -170,6 +175,11 @@ impl Args {
             if let Some((name, _)) = used.iter().find(|(_, on)| *on) {
                 return Err(format!("{name} applies to named tests, e.g. vrdma bench rc_bw {name} ..."));
             }
+        }
+        if named && self.cm_setup {
+            return Err(
+                "--cm-setup selects part of the default report (vrdma bench without test names)".into()
+            );
         }
         if named && self.runs.is_some() {
             return Err("--runs applies to the default report (vrdma bench without test names)".into());

@@ -20,7 +20,7 @@ pub struct Skipped {
     pub reason: String,
 }
 
-pub fn print(figures: &[Figure], skipped: &[Skipped], tools: &Tools, json: bool) -> Result<()> {
+pub fn print(figures: &[Figure], skipped: &[Skipped], tools: Option<&Tools>, json: bool) -> Result<()> {
     if json {
         let all = serde_json::json!({ "figures": figures, "skipped": skipped, "tools": tools });
         println!("{}", serde_json::to_string_pretty(&all)?);
@@ -47,7 +47,9 @@ pub fn print(figures: &[Figure], skipped: &[Skipped], tools: &Tools, json: bool)
         println!();
         println!("Not measured: {}: {}", s.figures, s.reason);
     }
-    print_tools(tools);
+    if let Some(tools) = tools {
+        print_tools(tools);
+    }
     Ok(())
 }
 

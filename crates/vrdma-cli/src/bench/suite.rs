@@ -60,6 +60,12 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         }
     };
     let mut figures = Vec::new();
+    if args.cm_setup {
+        progress("rdma_cm connection setup, and TCP connect/accept");
+        figures.extend(cm_setup_figures(&sock, if args.quick { 20 } else { 100 }, runs, cores)?);
+        drop(device);
+        return report::print(&figures, &[], None, args.json);
+    }
 
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
@@ -173,7 +179,7 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     progress("the same tests through perftest and qperf on the drop-in libibverbs.so.1");
     let tools = verbs::compare(&sock, &own, args.quick, !args.json);
     drop(device);
-    report::print(&figures, &skipped, &tools, args.json)
+    report::print(&figures, &skipped, Some(&tools), args.json)
 }
 
 /// The victim's 8 B send latency beside each of `cases`, a fresh attacker

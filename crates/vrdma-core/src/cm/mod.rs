@@ -220,6 +220,11 @@ struct CmId {
     ours: Option<ConnInfo>,
     theirs: Option<ConnInfo>,
     deadline: Option<Instant>,
+    /// A DREQ came while this side held the REP unanswered (REP
+    /// received). The IB CM drops a DREQ in that state, and takes the
+    /// peer's resent one once its RTU is out; DREQs are not resent here,
+    /// so it is kept, and taken when the RTU goes.
+    dreq_waiting: bool,
 }
 
 /// One host's connection manager.
@@ -313,6 +318,7 @@ impl ConnectionManager {
             ours: None,
             theirs: None,
             deadline: None,
+            dreq_waiting: false,
         };
         self.ids.insert(id, cm_id);
         Ok(id)
@@ -339,6 +345,11 @@ impl ConnectionManager {
     /// The id's state, for its owner.
     pub fn state(&self, ctx: ContextId, id: u32) -> Option<State> {
         self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| i.state)
+    }
+
+    /// The id's port space, for its owner.
+    pub fn port_space(&self, ctx: ContextId, id: u32) -> Option<PortSpace> {
+        self.ids.get(&id).filter(|i| i.ctx == ctx).map(|i| i.ps)
     }
 
     /// The id's bound and peer addresses.
@@ -402,6 +413,11 @@ impl ConnectionManager {
             }
             // Once, as the kernel's: each resolution is an event the
             // tenant's channel holds, and a loop of them would grow it.
+            // A bound id keeps its address whatever `src` says: the
+            // kernel's `resolve_prepare_src` does not bind again ("a
+            // previously bound ID will not be re-bound and src_addr is
+            // ignored"), and refuses only a destination of another
+            // address family, which an IPv4-only manager never meets.
             State::Bound => {}
             _ => return Err(CmError::WrongState),
         }
@@ -540,12 +556,31 @@ impl ConnectionManager {
         }
         let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
         i.state = State::Established;
+        let dreq = std::mem::take(&mut i.dreq_waiting);
         self.transmit.push_back((host, CmMessage::Rtu { to: theirs, from: id }));
+        if dreq {
+            // The peer's DREQ, taken now as its resend would be.
+            self.transmit.push_back((host, CmMessage::Drep { to: theirs, from: id }));
+            self.close(id, EventKind::Disconnected, 0);
+        }
         Ok(())
     }
 
     /// `rdma_reject` of a CONNECT_REQUEST (or of a CONNECT_RESPONSE).
     pub fn reject(&mut self, ctx: ContextId, id: u32, private_data: Vec<u8>) -> Result<(), CmError> {
+        self.reject_with(ctx, id, reject::CONSUMER_DEFINED, private_data)
+    }
+
+    /// A REJ with `reason`: the consumer's (`rdma_reject`), or the
+    /// daemon's own refusal of a request on the tenant's behalf
+    /// (`NO_RESOURCES` when its channel holds all the events it may).
+    pub fn reject_with(
+        &mut self,
+        ctx: ContextId,
+        id: u32,
+        reason: u16,
+        private_data: Vec<u8>,
+    ) -> Result<(), CmError> {
         check_private(&private_data, message::MAX_REJ_PRIVATE_DATA)?;
         let i = self.own(ctx, id)?;
         if !matches!(i.state, State::ReqReceived | State::RepReceived) {
@@ -553,7 +588,7 @@ impl ConnectionManager {
         }
         let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
         i.state = State::Closed;
-        let msg = CmMessage::Rej { to: theirs, from: id, reason: reject::CONSUMER_DEFINED, private_data };
+        let msg = CmMessage::Rej { to: theirs, from: id, reason, private_data };
         self.transmit.push_back((host, msg));
         self.leave_listener(id);
         Ok(())
@@ -727,7 +762,7 @@ impl ConnectionManager {
                 _ => {}
             },
             CmMessage::Dreq { .. } => match state {
-                State::Established | State::RepSent | State::RepReceived => {
+                State::Established | State::RepSent => {
                     self.transmit.push_back((host, CmMessage::Drep { to: from, from: to }));
                     self.close(to, EventKind::Disconnected, 0);
                 }
@@ -739,6 +774,13 @@ impl ConnectionManager {
                 }
                 // Ours is gone already: answer, so the peer need not wait.
                 State::Closed => self.transmit.push_back((host, CmMessage::Drep { to: from, from: to })),
+                // The REP not yet answered: as the IB CM, not now (see
+                // `dreq_waiting`), but once the RTU has gone.
+                State::RepReceived => {
+                    if let Some(i) = self.ids.get_mut(&to) {
+                        i.dreq_waiting = true;
+                    }
+                }
                 _ => {}
             },
             CmMessage::Drep { .. } if state == State::DreqSent => self.close(to, EventKind::Disconnected, 0),

@@ -556,3 +556,43 @@ fn the_requesters_address_is_the_host_its_request_came_from() {
     let (rtr, _) = net.b.init_qp_attr(CB, id, QpState::Rtr).unwrap();
     assert_eq!(rtr.ah_attr.dgid, crate::verbs::Gid::from_ipv4(A.octets()));
 }
+
+/// A DREQ that comes while the requester holds the REP unanswered is not
+/// taken then (the IB CM drops it in REP received: no DREP, no
+/// DISCONNECTED before ESTABLISHED); once the RTU goes, it is, as the
+/// peer's resend would be: the requester's program sees its connection
+/// established, then disconnected, and the acceptor hears its DREP.
+#[test]
+fn a_dreq_before_the_rtu_is_taken_after_it_as_its_resend_would_be() {
+    let mut net = Net::new();
+    net.listen(B, CB, TENANT, 7471, 8);
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+    net.run();
+    let b = net.events(B)[0].id;
+    net.b.accept(CB, b, conn(0x22, b""), 0, T0).unwrap();
+    net.b.disconnect(CB, b, T0).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(A)), [EventKind::ConnectResponse], "no DISCONNECTED before ESTABLISHED");
+    assert_eq!(net.a.state(CA, a), Some(State::RepReceived));
+    assert!(!net.log.iter().any(|(_, _, m)| matches!(m, CmMessage::Drep { .. })), "no DREP yet");
+    net.a.establish(CA, a).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(A)), [EventKind::Disconnected]);
+    assert_eq!(kinds(&net.events(B)), [EventKind::Disconnected], "the acceptor's DREQ was answered");
+    assert_eq!(net.a.state(CA, a), Some(State::Closed));
+}
+
+/// `rdma_resolve_addr` on an id already bound ignores its `src`, as the
+/// kernel's does (it does not bind again): the id keeps the address it
+/// was bound to, and the call succeeds.
+#[test]
+fn resolving_from_a_bound_id_keeps_its_address_whatever_src_says() {
+    let mut net = Net::new();
+    let id = net.a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    let bound = net.a.bind(CA, id, SocketAddrV4::new(A, 5000)).unwrap();
+    let other = SocketAddrV4::new(A, 6000);
+    net.a.resolve_addr(CA, id, Some(other), SocketAddrV4::new(B, 7471)).unwrap();
+    assert_eq!(net.a.addresses(CA, id), Some((Some(bound), Some(SocketAddrV4::new(B, 7471)))));
+    assert_eq!(kinds(&net.events(A)), [EventKind::AddrResolved]);
+}

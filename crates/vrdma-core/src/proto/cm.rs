@@ -86,6 +86,18 @@ pub enum CmRequest {
         ps: u32,
         addr: SocketAddrV4,
     },
+    /// `rdma_create_qp`'s second half, done by the daemon: the context's
+    /// QP `qp` goes to INIT with the id's attributes and becomes the id's.
+    /// From then on the daemon moves it as the kernel's CM moves an id's
+    /// QP: to RTR and RTS in `Accept` (before the REP goes out) and when
+    /// the REP comes in (the RTU follows, and the program sees
+    /// ESTABLISHED, never CONNECT_RESPONSE), and to ERR in `Disconnect`.
+    /// Each of those would otherwise be several round trips from the
+    /// library (`InitQpAttr` and `ModifyQp` per state).
+    AttachQp {
+        id: u32,
+        qp: u32,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -125,10 +125,34 @@ impl EngineState {
             }
         }
         let net = &mut self.net;
-        self.cm.run(now, |host, msg| match net.as_mut() {
-            Some(n) => n.send_cm(host, msg),
-            None => Err("the transport between daemons is off: set net.psk (or net.psk_file) on both hosts"),
-        })
+        let (hca, rings) = (&mut self.hca, &mut self.rings);
+        let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
+        self.cm.run(
+            now,
+            |host, msg| match net.as_mut() {
+                Some(n) => n.send_cm(host, msg),
+                None => {
+                    Err("the transport between daemons is off: set net.psk (or net.psk_file) on both hosts")
+                }
+            },
+            &mut modify,
+        )
+    }
+
+    /// A connection manager's call of `ctx`'s, then the manager's run,
+    /// so that what the call set off goes at once.
+    pub fn handle_cm(
+        &mut self,
+        ctx: ContextId,
+        tenant: vrdma_core::hca::TenantId,
+        req: vrdma_core::proto::CmRequest,
+    ) -> Result<vrdma_core::proto::CmReply, crate::cm::CmCallError> {
+        let now = self.now();
+        let (hca, rings) = (&mut self.hca, &mut self.rings);
+        let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
+        let r = self.cm.handle(ctx, tenant, req, now, &mut modify);
+        self.run_cm(now);
+        r
     }
 
     /// One pass over the shared-memory queues and the links.

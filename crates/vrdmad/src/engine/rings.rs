@@ -136,6 +136,20 @@ impl ContextRings {
     }
 }
 
+impl ContextRings {
+    /// Whether notices wait that a call with budget would take: in the
+    /// ring, in a rescan, or the overflow flag (a tenant that found the
+    /// ring full says so there and nowhere else, so a pass that passes
+    /// this context over must count it, or the engine may sleep on it).
+    fn waiting(&self) -> bool {
+        !self.broken
+            && (self.posted.len().is_ok_and(|n| n > 0)
+                || !self.rescan.is_empty()
+                || self.rescan_again
+                || self.posted.aux(POSTED_AUX_OVERFLOW).load(Ordering::SeqCst) != 0)
+    }
+}
+
 /// A completion channel: CQ numbers out, and one datagram per event on a
 /// doorbell socket that the owner polls.
 pub struct Channel {
@@ -472,7 +486,7 @@ impl Queues for RingTable {
             };
             let budget = per_tenant.saturating_sub(spent[i].1);
             if budget == 0 {
-                more |= !c.broken && (c.posted.len().is_ok_and(|n| n > 0) || !c.rescan.is_empty());
+                more |= c.waiting();
                 return;
             }
             let taken = c.take_posted(budget, out);
@@ -636,6 +650,35 @@ mod tests {
         assert!(table.take_posted(64, &mut out));
         assert_eq!(out.iter().filter(|&&q| q == 7).count(), 1, "the other tenant's notice");
         assert_eq!(out.iter().filter(|&&q| q != 7).count(), 64, "tenant 1's budget, no more");
+    }
+
+    /// A context passed over because its tenant's budget went to its
+    /// other contexts, whose only notice is the overflow flag (it found
+    /// its ring full, and the engine emptied the ring before the flag was
+    /// set): the pass says more waits, so the engine does not sleep on it.
+    #[test]
+    fn a_context_passed_over_with_only_its_overflow_flag_set_is_more_to_do() {
+        let mut table = RingTable::default();
+        let (busy, busy_view) = context(1, [0x11]);
+        let (flagged, flagged_view) = context(1, [0x22]);
+        table.contexts.insert(ContextId(1), busy);
+        table.contexts.insert(ContextId(2), flagged);
+        let flag = flagged_view.aux(POSTED_AUX_OVERFLOW);
+        let mut passed_over = 0;
+        for _ in 0..8 {
+            // Exactly the budget: the busy context has nothing left after.
+            for _ in busy_view.len().unwrap()..64 {
+                assert!(name(&busy_view, 0x11));
+            }
+            flag.store(1, Ordering::SeqCst);
+            let mut out = Vec::new();
+            let more = table.take_posted(64, &mut out);
+            if flag.load(Ordering::SeqCst) != 0 {
+                passed_over += 1;
+                assert!(more, "the flag waits: more to do");
+            }
+        }
+        assert!(passed_over > 0, "the turning order put the busy context first at least once");
     }
 
     /// A tenant that never reads its async events: every event from then

@@ -314,12 +314,7 @@ impl Session {
             Request::Cm(CmRequest::CreateChannel) => self.create_cm_channel()?,
             Request::Cm(req) => {
                 let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
-                let r = self.engine(move |e, c| {
-                    let now = e.now();
-                    let r = e.cm.handle(c, tenant, req, now);
-                    e.run_cm(now);
-                    r
-                })?;
+                let r = self.engine(move |e, c| e.handle_cm(c, tenant, req))?;
                 match r {
                     Ok(reply) => {
                         if destroys {
@@ -462,7 +457,9 @@ impl Session {
         let admitted = self.admitted.as_mut().ok_or_else(|| error(EPROTO, "no context"))?;
         admitted.charge_descriptor().map_err(|e| error(e.errno(), e.to_string()))?;
         let made = (|| {
-            let (fd, tenant_end) = Doorbell::pair()?;
+            // With hang-up: the tenant's end turns readable if the daemon
+            // goes away, and its library reports DEVICE_REMOVAL.
+            let (fd, tenant_end) = Doorbell::pair_with_hangup()?;
             fd.reserve(crate::cm::MAX_UNREAD);
             let tenant = self.tenant;
             let channel = self.engine(move |e, c| e.cm.add_channel(c, tenant, fd))?;
