@@ -87,6 +87,10 @@ pub struct LogLimiter {
     cap: usize,
     /// Occurrences left out, per message, since the limiter was made.
     suppressed: BTreeMap<&'static str, u64>,
+    /// Every occurrence, logged or not, per message (the metrics' count
+    /// of rejected and rate-limited inputs). Bounded by the messages,
+    /// which are `&'static str`s in the code.
+    occurred: BTreeMap<&'static str, u64>,
     next_sweep: Instant,
     /// When a full table may next be searched for quiet keys.
     next_prune: Instant,
@@ -109,6 +113,7 @@ impl LogLimiter {
             entries: HashMap::new(),
             cap: cap.max(1),
             suppressed: BTreeMap::new(),
+            occurred: BTreeMap::new(),
             next_sweep: Instant::ZERO,
             next_prune: Instant::ZERO,
         }
@@ -123,6 +128,7 @@ impl LogLimiter {
         message: &'static str,
         now: Instant,
     ) -> Option<Admitted> {
+        *self.occurred.entry(message).or_default() += 1;
         let mut key = (source, message);
         if self.entries.len() >= self.cap && !self.entries.contains_key(&key) {
             if now >= self.next_prune {
@@ -218,6 +224,11 @@ impl LogLimiter {
     /// Occurrences left out so far, per message.
     pub fn suppressed(&self) -> &BTreeMap<&'static str, u64> {
         &self.suppressed
+    }
+
+    /// Occurrences so far, logged or not, per message.
+    pub fn occurred(&self) -> &BTreeMap<&'static str, u64> {
+        &self.occurred
     }
 
     /// Occurrences left out so far, of every message.
@@ -332,6 +343,7 @@ mod tests {
         let counts: Vec<u64> = lines.iter().map(|l| l.1).collect();
         assert_eq!(counts, [0, 99, 199, 399, 799], "each line counts what was left out since the last");
         assert_eq!(l.suppressed()[M], 99 + 199 + 399 + 799 + 99);
+        assert_eq!(l.occurred()[M], 1600, "every occurrence is counted");
     }
 
     #[test]

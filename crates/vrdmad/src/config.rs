@@ -8,6 +8,8 @@
 //! max_queue_memory = 4294967296  # queue rings for all tenants (default: 1/4 of MemTotal)
 //! tenant_by = "uid"     # or "uid+netns": a uid in another network namespace
 //!                       # than the daemon's is a tenant of this host only
+//! metrics_listen = "127.0.0.1:9464"  # serve Prometheus metrics here (default: off);
+//!                       # every tenant's figures, to whoever can connect
 //!
 //! [engine]
 //! spin_us = 20          # busy-poll this long after the last work,
@@ -283,6 +285,10 @@ pub struct DaemonConfig {
     /// Bytes of queue rings the daemon creates for all tenants (default
     /// a quarter of the host's memory).
     pub max_queue_memory: Option<u64>,
+    /// Where to serve the Prometheus metrics (`GET /metrics`, see
+    /// `crate::metrics`); off when unset. Anyone who can connect sees
+    /// every tenant's figures: keep it on loopback or a management network.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     pub engine: EngineConfig,
     pub net: NetConfig,
     pub quota: Quota,
@@ -454,6 +460,9 @@ impl DaemonConfig {
     fn validate(&self) -> Result<(), ConfigError> {
         self.budgets()?;
         self.net.validate()?;
+        if self.metrics_listen.is_some_and(|a| a.port() == 0) {
+            return Err(ConfigError::Invalid("metrics_listen needs a port (the usual one is 9464)".into()));
+        }
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
         }
@@ -545,6 +554,16 @@ impl DaemonConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn metrics_listen_is_off_by_default_and_needs_an_address_with_a_port() {
+        assert_eq!(DaemonConfig::from_toml("").unwrap().metrics_listen, None);
+        let c = DaemonConfig::from_toml("metrics_listen = \"127.0.0.1:9464\"").unwrap();
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert!(DaemonConfig::from_toml("metrics_listen = \"127.0.0.1\"").is_err());
+        let e = DaemonConfig::from_toml("metrics_listen = \"127.0.0.1:0\"").unwrap_err();
+        assert!(e.to_string().contains("needs a port"), "{e}");
+    }
 
     #[test]
     fn parses_the_documented_example() {

@@ -18,6 +18,7 @@ pub mod devnode;
 pub mod engine;
 pub mod host;
 mod logs;
+pub mod metrics;
 pub mod net;
 mod server;
 #[cfg(test)]
@@ -87,6 +88,8 @@ pub enum DaemonError {
     Bind { path: PathBuf, source: std::io::Error },
     #[error("cannot accept links from other hosts on {addr}: {source}")]
     Listen { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("cannot start the daemon: {0}")]
     Start(#[from] std::io::Error),
 }
@@ -98,6 +101,8 @@ pub struct Daemon {
     acceptor: Option<std::thread::JoinHandle<()>>,
     engine: Option<engine::Engine>,
     net_listener: Option<net::Listener>,
+    /// Boxed: the daemon is held by value in enums (the CLI's `Device`).
+    metrics: Option<Box<metrics::MetricsServer>>,
 }
 
 impl Daemon {
@@ -177,6 +182,20 @@ impl Daemon {
             }
         });
         engine.handle().call(move |st| st.on_broken = Some(end)).map_err(std::io::Error::other)?;
+        let metrics = match config.metrics_listen {
+            Some(addr) => Some(Box::new(
+                metrics::MetricsServer::start(
+                    addr,
+                    metrics::Sources {
+                        engine: engine.handle(),
+                        shared: Arc::downgrade(&shared),
+                        net_log: net_listener.as_ref().map(|l| l.log.clone()),
+                    },
+                )
+                .map_err(|source| DaemonError::Metrics { addr, source })?,
+            )),
+            None => None,
+        };
         let (l, s) = (listener.clone(), shared.clone());
         let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;
         // UCX lists the device only if its /dev node exists (devnode).
@@ -192,7 +211,7 @@ impl Daemon {
             ),
         }
         tracing::info!(socket = %path.display(), %address, "vrdma daemon ready");
-        Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine), net_listener })
+        Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine), net_listener, metrics })
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -214,7 +233,13 @@ impl Daemon {
         self.net_listener.as_ref().map(|l| l.addr)
     }
 
+    /// Where the metrics are served, if `metrics_listen` is set.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics.as_ref().map(|m| m.addr())
+    }
+
     fn stop(&mut self) {
+        self.metrics.take();
         if let Some(mut l) = self.net_listener.take() {
             l.shutdown();
         }

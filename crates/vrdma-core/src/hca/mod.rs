@@ -14,6 +14,7 @@ mod config;
 mod control;
 mod datapath;
 mod error;
+pub mod metrics;
 mod objects;
 mod queues;
 mod remote;
@@ -133,6 +134,8 @@ pub struct Hca {
     /// tenant's share of a pass holds its own count).
     turn_bytes: u64,
     turn_spent: u64,
+    /// Per-tenant counters for the metrics endpoint (see [`metrics`]).
+    metrics: metrics::Metrics,
     /// Limits what tenants and peers can make the device log (see
     /// [`crate::log_limit`]); the driver calls its `sweep`.
     pub log: crate::log_limit::LogLimiter,
@@ -171,7 +174,44 @@ impl Hca {
             notices_per_tenant,
             turn_bytes: 0,
             turn_spent: 0,
+            metrics: metrics::Metrics::default(),
         }
+    }
+
+    /// The clock the engine's per-turn times are read from (see
+    /// [`metrics`]); the driver's, on the same epoch as the `now` it
+    /// passes. Without one, those times stay 0.
+    pub fn set_clock(&mut self, clock: metrics::Clock) {
+        self.metrics.clock = Some(clock);
+    }
+
+    /// Every tenant's counters, with what it holds now, by tenant.
+    pub fn tenant_reports(&self) -> Vec<metrics::TenantReport> {
+        let mut tenants: Vec<TenantId> = self.metrics.tenants.keys().copied().collect();
+        for t in self.usage.keys() {
+            if !self.metrics.tenants.contains_key(t) {
+                tenants.push(*t);
+            }
+        }
+        tenants.sort();
+        tenants
+            .into_iter()
+            .map(|t| {
+                let (objects, registered_bytes) = self.usage(t);
+                metrics::TenantReport {
+                    tenant: t,
+                    objects,
+                    registered_bytes,
+                    counters: self.metrics.tenants.get(&t).cloned().unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
+
+    /// The counters of `t`, made on first use.
+    fn counters(&mut self, t: TenantId) -> &mut metrics::TenantCounters {
+        let usage = &self.usage;
+        self.metrics.tenant(t, |k| usage.get(&k).is_some_and(|u| u.objects > 0))
     }
 
     pub fn config(&self) -> &HcaConfig {

@@ -75,6 +75,9 @@ pub(crate) struct Inflight {
     pub rnr_left: u8,
     /// Transport retries: the moment the last retry expires.
     pub retry_deadline: Option<Instant>,
+    /// When the engine took it from the send queue (for the latency
+    /// histogram, see [`super::metrics`]).
+    pub taken: Instant,
 }
 
 pub(crate) struct Qp {

@@ -57,7 +57,15 @@ pub struct EngineState {
 }
 
 impl EngineState {
-    fn new(hca: Hca, net: Option<crate::net::Net>, cm: crate::cm::CmDriver, sweep_ms: u64) -> EngineState {
+    fn new(
+        mut hca: Hca,
+        net: Option<crate::net::Net>,
+        cm: crate::cm::CmDriver,
+        sweep_ms: u64,
+    ) -> EngineState {
+        let epoch = std::time::Instant::now();
+        // The per-turn times of the metrics, on the clock of `now()`.
+        hca.set_clock(Box::new(move || Instant(epoch.elapsed().as_nanos() as u64)));
         EngineState {
             hca,
             rings: RingTable::default(),
@@ -65,7 +73,7 @@ impl EngineState {
             cm,
             cm_in: Vec::new(),
             unreachable_log: vrdma_core::log_limit::LogLimiter::new(),
-            epoch: std::time::Instant::now(),
+            epoch,
             sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
             last_sweep: Instant::ZERO,
             on_broken: None,
@@ -217,12 +225,41 @@ fn no_transport(
 
 type Command = Box<dyn FnOnce(&mut EngineState) + Send>;
 
-/// Counters the engine publishes.
-#[derive(Debug, Default)]
+/// Counters the engine publishes (relaxed atomics: a scrape reads them
+/// without asking the engine).
+#[derive(Debug)]
 pub struct EngineStats {
     pub passes: AtomicU64,
     pub sleeps: AtomicU64,
     pub wakeups: AtomicU64,
+    /// Time spent in passes that did work (ns): the engine's busy time.
+    pub busy_ns: AtomicU64,
+    /// When the engine started.
+    pub started: std::time::Instant,
+}
+
+impl Default for EngineStats {
+    fn default() -> Self {
+        EngineStats {
+            passes: AtomicU64::new(0),
+            sleeps: AtomicU64::new(0),
+            wakeups: AtomicU64::new(0),
+            busy_ns: AtomicU64::new(0),
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl EngineState {
+    /// What the limiters the engine owns have counted, per message.
+    pub fn limited_inputs(&self, out: &mut std::collections::BTreeMap<&'static str, u64>) {
+        let net = self.net.as_ref().map(|n| &n.log);
+        for l in [Some(&self.hca.log), Some(&self.unreachable_log), net].into_iter().flatten() {
+            for (m, n) in l.occurred() {
+                *out.entry(*m).or_default() += n;
+            }
+        }
+    }
 }
 
 /// A handle to send work to the engine thread.
@@ -251,6 +288,23 @@ impl EngineHandle {
             .map_err(|_| EngineGone)?;
         self.wake.ring();
         rrx.recv().map_err(|_| EngineGone)
+    }
+
+    /// [`call`](Self::call), waiting `timeout` at most for the result
+    /// (the metrics endpoint must not hang on an engine that is stuck).
+    pub fn call_within<R: Send + 'static>(
+        &self,
+        timeout: Duration,
+        f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
+    ) -> Result<R, EngineGone> {
+        let (rtx, rrx) = crossbeam_channel::bounded(1);
+        self.tx
+            .send(Box::new(move |s: &mut EngineState| {
+                let _ = rtx.send(f(s));
+            }))
+            .map_err(|_| EngineGone)?;
+        self.wake.ring();
+        rrx.recv_timeout(timeout).map_err(|_| EngineGone)
     }
 }
 
@@ -356,6 +410,7 @@ fn run(
             }
             idle_since = None;
         }
+        let started = std::time::Instant::now();
         let act = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.pass())) {
             Ok(a) => a,
             Err(_) => {
@@ -364,6 +419,9 @@ fn run(
             }
         };
         stats.passes.fetch_add(1, Ordering::Relaxed);
+        if act.busy {
+            stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        }
         if act.busy {
             idle_since = None;
             // Tenants contend: let the others' threads have the CPU between

@@ -106,6 +106,10 @@ pub struct LinkIo {
     last_rx: Clock,
     last_tx: Clock,
     keepalive_seq: u64,
+    /// When the probe numbered `keepalive_seq` went out, until its reply.
+    probe_sent: Option<Clock>,
+    /// The round trip of the last probe answered (for the metrics).
+    pub rtt: Option<Duration>,
     /// Where the payload of the connection manager's frame being read
     /// goes (a small heap region, so that it takes the payload path every
     /// frame takes), and the messages read whole, for the engine.
@@ -164,6 +168,8 @@ impl LinkIo {
             last_rx: now,
             last_tx: now,
             keepalive_seq: 0,
+            probe_sent: None,
+            rtt: None,
             cm_rx: None,
             cm_in: Vec::new(),
         })
@@ -314,6 +320,14 @@ impl LinkIo {
             FrameRepr::Keepalive(k) => {
                 if !k.reply {
                     self.reply_due = Some(k.seq);
+                } else if k.seq == self.keepalive_seq {
+                    // The reply to our latest probe: its round trip (the
+                    // peer answers probes as it reads them; behind a
+                    // queue of data frames this is the link's queueing
+                    // delay too).
+                    if let Some(sent) = self.probe_sent.take() {
+                        self.rtt = Some(sent.elapsed());
+                    }
                 }
                 Ok(())
             }
@@ -606,6 +620,7 @@ impl LinkIo {
             self.keepalive_seq += 1;
             self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq: self.keepalive_seq, reply: false }));
             self.last_tx = now;
+            self.probe_sent = Some(now);
         }
         Ok((self.last_tx + every).min(self.last_rx + dead))
     }

@@ -23,6 +23,7 @@
 //! context closed): only then is its room really free for another.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vrdma_core::hca::TenantId;
@@ -64,6 +65,10 @@ impl Table {
 pub(crate) struct Admission {
     max_tenants: usize,
     table: Arc<Mutex<Table>>,
+    /// Refusals so far, for the metrics: tenants over `max_tenants`, and
+    /// contexts or channels over a tenant's descriptors.
+    pub refused_full: Arc<AtomicU64>,
+    pub refused_descriptors: Arc<AtomicU64>,
 }
 
 /// Why a context or a completion channel was refused.
@@ -96,6 +101,7 @@ impl Refused {
 /// left.
 pub(crate) struct Admitted {
     table: Arc<Mutex<Table>>,
+    refused_descriptors: Arc<AtomicU64>,
     tenant: TenantId,
     budget: Arc<MappingBudget>,
     /// Descriptors this session holds, charged to the tenant.
@@ -113,7 +119,9 @@ impl Admitted {
     pub fn charge_descriptor(&mut self) -> Result<(), Refused> {
         let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
         let e = t.admitted.get_mut(&self.tenant).expect("an admitted tenant stays while it has sessions");
-        e.charge(1)?;
+        e.charge(1).inspect_err(|_| {
+            self.refused_descriptors.fetch_add(1, Ordering::Relaxed);
+        })?;
         self.descriptors += 1;
         Ok(())
     }
@@ -141,7 +149,12 @@ impl Drop for Admitted {
 
 impl Admission {
     pub fn new(max_tenants: u32) -> Admission {
-        Admission { max_tenants: max_tenants as usize, table: Arc::default() }
+        Admission {
+            max_tenants: max_tenants as usize,
+            table: Arc::default(),
+            refused_full: Arc::default(),
+            refused_descriptors: Arc::default(),
+        }
     }
 
     /// Admits a session of `tenant`, whose quota allows `max_mappings`
@@ -158,6 +171,7 @@ impl Admission {
         if !t.admitted.contains_key(&tenant) {
             t.purge();
             if t.admitted.len() >= self.max_tenants {
+                self.refused_full.fetch_add(1, Ordering::Relaxed);
                 return Err(Refused::Full { max_tenants: self.max_tenants });
             }
         }
@@ -169,12 +183,14 @@ impl Admission {
         });
         let charged = e.charge(DESCRIPTORS_PER_CONTEXT as usize);
         if let Err(refused) = charged {
+            self.refused_descriptors.fetch_add(1, Ordering::Relaxed);
             t.purge();
             return Err(refused);
         }
         e.sessions += 1;
         Ok(Admitted {
             table: self.table.clone(),
+            refused_descriptors: self.refused_descriptors.clone(),
             tenant,
             budget: e.budget.clone(),
             descriptors: DESCRIPTORS_PER_CONTEXT as usize,
@@ -202,6 +218,7 @@ mod tests {
         let two = a.admit(TenantId(2), 3, 100).unwrap();
         let refused = a.admit(TenantId(3), 3, 100).err().expect("a third tenant is refused");
         assert!(refused.to_string().contains("limit of 2 tenants"), "{refused}");
+        assert_eq!(a.refused_full.load(Ordering::Relaxed), 1, "counted for the metrics");
         // One tenant filling its budget leaves the other's whole.
         let mut held = Vec::new();
         while let Ok(s) = Segment::create_in("vrdma-test", 4096, Some(one.budget())) {

@@ -462,6 +462,19 @@ impl Hca {
 
     /// Appends a completion; an overrun puts the CQ and the QP in error.
     pub(crate) fn complete(&mut self, cqn: u32, cqe: crate::ring::Cqe, qpn: u32, io: &mut dyn Queues) {
+        // Received messages and errors are counted here, where every
+        // completion passes (sends where they finish: unsignaled ones
+        // write none).
+        let counted = cqe.status != crate::verbs::WcStatus::Success || cqe.opcode.is_recv();
+        if let Some(t) = self.qps.get(&qpn).filter(|_| counted).map(|q| q.tenant) {
+            let c = self.counters(t);
+            if cqe.status != crate::verbs::WcStatus::Success {
+                c.completions_error += 1;
+            } else {
+                c.messages_received += 1;
+                c.bytes_received += u64::from(cqe.byte_len);
+            }
+        }
         let Some(cq) = self.cqs.get_mut(&cqn) else { return };
         if !cq.overrun {
             if io.push_cqe(cqn, &cqe).is_ok() {

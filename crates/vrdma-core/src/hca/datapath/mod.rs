@@ -202,6 +202,11 @@ impl Hca {
         for _ in 0..tenants {
             let Some(mut share) = self.order.next_share(share_bytes) else { break };
             let tenant = share.tenant;
+            // One clock read per turn (and one per share), never per
+            // message: the ends of turns bound engine time, throttled time
+            // and latency (see `metrics`).
+            let mut clock = self.metrics.clock_or(now);
+            self.counters(tenant).share_start(clock);
             while share.more(self.config.tenant_turns) {
                 let Some(qpn) = self.order.pop(tenant) else { break };
                 // An entry of a QP that stopped being served (or is gone,
@@ -220,7 +225,13 @@ impl Hca {
                 let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
                 self.turn_bytes = share.bytes.min(self.config.chunk_bytes.max(1));
                 self.turn_spent = 0;
+                self.metrics.turn_start = clock;
                 let turn = self.turn(qpn, now, io);
+                let end = self.metrics.clock_or(now);
+                let mut pending = self.metrics.take_pending();
+                super::metrics::Metrics::turn_end(self.counters(tenant), &mut pending, clock, end);
+                self.metrics.put_pending(pending);
+                clock = end;
                 share.bytes = share.bytes.saturating_sub(self.turn_spent);
                 let timer = match (turn.next_timer, ack) {
                     (Some(a), Some(b)) => Some(a.min(b)),
@@ -241,7 +252,10 @@ impl Hca {
                 self.order.after_turn(tenant, qpn, keep, turn.busy, timer);
             }
             match self.order.end_share(tenant, now) {
-                Left::Work => act.pending = true,
+                Left::Work => {
+                    act.pending = true;
+                    self.counters(tenant).left_work(clock);
+                }
                 Left::Quiet(Some(t)) => act.timer(t),
                 Left::Quiet(None) => {}
             }
@@ -398,6 +412,7 @@ impl Hca {
         // At most WRS_PER_PASS WRs per QP per pass, whatever their size, so
         // that a tenant with deep queues of empty WRs cannot stretch a pass.
         let bound = self.qps.get(&qpn).map_or(0, |q| (q.init.cap.max_send_wr as usize + 1).min(WRS_PER_PASS));
+        let taken = self.metrics.turn_start;
         for _ in 0..bound {
             let Some(qp) = self.qps.get_mut(&qpn) else { return };
             if !matches!(qp.state(), QpState::Rts | QpState::Sqd) {
@@ -421,6 +436,7 @@ impl Hca {
                             next_try: now,
                             rnr_left: qp.attr.rnr_retry,
                             retry_deadline: None,
+                            taken,
                         })
                     }
                     Some(Err((wr_id, e))) => {
@@ -466,7 +482,9 @@ impl Hca {
         match exec {
             Exec::Complete { byte_len } => {
                 io.send_retired(qpn, 1);
+                self.counters(req.tenant).sent(inf.wr.msg_len());
                 if inf.wr.flags.contains(crate::verbs::SendFlags::SIGNALED) || req.sig_all {
+                    self.metrics.completed_in_turn(inf.taken);
                     let mut cqe = Cqe::new(inf.wr.wr_id, WcStatus::Success, inf.wr.opcode.wc_opcode(), qpn);
                     cqe.byte_len = byte_len;
                     self.complete(req.send_cq, cqe, qpn, io);
@@ -532,7 +550,9 @@ impl Hca {
     /// UD sender is never told of a loss.
     fn complete_datagram(&mut self, req: &Requester, inf: Inflight, io: &mut dyn Queues) {
         io.send_retired(req.qpn, 1);
+        self.counters(req.tenant).sent(inf.wr.msg_len());
         if inf.wr.flags.contains(SendFlags::SIGNALED) || req.sig_all {
+            self.metrics.completed_in_turn(inf.taken);
             let cqe = Cqe::new(inf.wr.wr_id, WcStatus::Success, inf.wr.opcode.wc_opcode(), req.qpn);
             self.complete(req.send_cq, cqe, req.qpn, io);
         }

@@ -488,6 +488,7 @@ impl Hca {
     /// The connection is gone. Its QPs' outstanding requests can no
     /// longer be acknowledged: they fail by their transport timers.
     pub fn link_down(&mut self, link: LinkId) {
+        self.metrics.link_retransmits.remove(&link);
         let Some(l) = self.net.links.remove(&link) else { return };
         for qpn in l.tenants.into_iter().flat_map(|t| t.qps.into_iter()) {
             let Some(r) = self.qps.get_mut(&qpn).and_then(|q| q.remote.as_deref_mut()) else { continue };
@@ -504,6 +505,12 @@ impl Hca {
     /// connects to them. Each is reported once until asked for again.
     pub fn take_wanted_peers(&mut self) -> Vec<Gid> {
         std::mem::take(&mut self.net.wanted)
+    }
+
+    /// Times a QP on `link` sent its unanswered requests again (its
+    /// transport timer expired, or the peer asked with a sequence NAK).
+    pub fn link_retransmits(&self, link: LinkId) -> u64 {
+        self.metrics.link_retransmits.get(&link).copied().unwrap_or(0)
     }
 
     pub fn links(&self) -> Vec<LinkReport> {

@@ -28,6 +28,8 @@ pub(crate) struct SentWr {
     /// Its last frame went out (at least once): answers for it count from
     /// here on, also while it is being sent again.
     pub went_out: bool,
+    /// When the engine took it (for the latency histogram).
+    pub taken: Instant,
 }
 
 /// The PSNs a request takes at `chunk` bytes a frame.
@@ -232,6 +234,8 @@ impl Hca {
         act.busy = true;
         act.timer(now + t);
         tracing::debug!(qpn, left = s.retries_left, "transport timer expired; sending again");
+        let link = s.link.filter(|l| self.net.links.contains_key(l));
+        self.metrics.retransmitted(link);
     }
 
     /// Takes the next request from the send queue into `sent`. Returns
@@ -274,10 +278,20 @@ impl Hca {
         }
         self.net.next_serial += 1;
         let serial = self.net.next_serial;
+        let taken = self.metrics.turn_start;
         let Some(s) = self.send_state(qpn) else { return false };
         let first_psn = s.next_psn;
         s.next_psn = psn_add(first_psn, npsn);
-        s.sent.push_back(SentWr { wr, serial, first_psn, npsn, placed: 0, status: None, went_out: false });
+        s.sent.push_back(SentWr {
+            wr,
+            serial,
+            first_psn,
+            npsn,
+            placed: 0,
+            status: None,
+            went_out: false,
+            taken,
+        });
         if s.ack_deadline.is_none() {
             s.ack_deadline = timers::ack_timeout(timeout).map(|t| now + t);
         }
@@ -668,7 +682,7 @@ impl Hca {
     /// The oldest request completed successfully.
     fn complete_head(&mut self, qpn: u32, byte_len: u32, now: Instant, io: &mut dyn Queues) {
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
-        let (cq, sig_all, attr) = (qp.init.send_cq, qp.init.sq_sig_all, qp.attr);
+        let (cq, sig_all, attr, tenant) = (qp.init.send_cq, qp.init.sq_sig_all, qp.attr, qp.tenant);
         let Some(s) = qp.remote.as_deref_mut().and_then(|r| r.send.as_mut()) else { return };
         let Some(w) = s.sent.pop_front() else { return };
         if s.tx == 0 {
@@ -685,7 +699,10 @@ impl Hca {
             if s.sent.is_empty() { None } else { timers::ack_timeout(attr.timeout).map(|t| now + t) };
         let blocked = if s.sent.is_empty() { s.blocked.take() } else { None };
         io.send_retired(qpn, 1);
+        let c = self.counters(tenant);
+        c.sent(w.wr.msg_len());
         if w.wr.flags.contains(SendFlags::SIGNALED) || sig_all {
+            c.latency.record(now.saturating_since(w.taken).as_nanos() as u64);
             let mut cqe = Cqe::new(w.wr.wr_id, WcStatus::Success, w.wr.opcode.wc_opcode(), qpn);
             cqe.byte_len = byte_len;
             self.complete(cq, cqe, qpn, io);
@@ -736,6 +753,8 @@ impl Hca {
             return;
         }
         s.retries_left -= 1;
+        let link = s.link.filter(|l| self.net.links.contains_key(l));
+        self.metrics.retransmitted(link);
     }
 
     /// Points the transmitter back at the frame with `psn`, in the oldest

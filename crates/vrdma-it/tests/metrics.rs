@@ -1,0 +1,191 @@
+//! The metrics endpoint, scraped with a real client (`curl`) while
+//! traffic runs: the counters of the tenant that sent move by at least
+//! what it sent, a second tenant (uid 65534, when we are root) has its
+//! own series, and with `metrics_listen` unset the daemon listens on no
+//! TCP port at all.
+
+use std::process::Command as OsCommand;
+
+use anyhow::{bail, Context as _, Result};
+use vrdma::wr::{self, SendWrExt};
+use vrdma::WcStatus;
+use vrdma_it::protocol::{Command, Said};
+use vrdma_it::{connect, poll_n, DaemonProc, PeerProc, Side, WAIT};
+
+const NOBODY: u32 = 65534;
+const LEN: usize = 1000;
+
+fn have_curl() -> bool {
+    if OsCommand::new("curl").arg("--version").output().is_ok_and(|o| o.status.success()) {
+        return true;
+    }
+    vrdma_it::skip("no `curl` (the real client the metrics test scrapes with)");
+    false
+}
+
+fn scrape(port: u16) -> Result<String> {
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let out = OsCommand::new("curl").args(["-sS", "--fail", "--max-time", "20", &url]).output()?;
+    if !out.status.success() {
+        bail!("curl {url}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The value of `name{tenant="uid:N"}`, or 0 if the series is absent.
+fn value(text: &str, name: &str, uid: u32) -> f64 {
+    let prefix = format!("{name}{{tenant=\"uid:{uid}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok()).unwrap_or(0.0)
+}
+
+/// `n` signaled sends of `LEN` bytes from `a` to `b`, every completion
+/// checked.
+fn traffic(a: &Side, b: &Side, n: usize) -> Result<()> {
+    // In batches that fit the queues.
+    let mut done = 0;
+    while done < n {
+        let k = (n - done).min(64);
+        for i in 0..k {
+            b.qp.post_recv(&[wr::recv(i as u64, &[b.mr.sge(0, LEN)?])?]).map_err(|e| e.error)?;
+        }
+        for i in 0..k {
+            a.qp.post_send(&[wr::send(i as u64, &[a.mr.sge(0, LEN)?])?.signaled()]).map_err(|e| e.error)?;
+        }
+        check(&poll_n(&a.cq, k, WAIT)?)?;
+        check(&poll_n(&b.cq, k, WAIT)?)?;
+        done += k;
+    }
+    Ok(())
+}
+
+fn check(wcs: &[vrdma::WorkCompletion]) -> Result<()> {
+    match wcs.iter().find(|w| w.status != WcStatus::Success) {
+        Some(w) => bail!("a completion failed: {w:?}"),
+        None => Ok(()),
+    }
+}
+
+const COUNTERS: [&str; 4] = [
+    "vrdma_tenant_messages_sent_total",
+    "vrdma_tenant_bytes_sent_total",
+    "vrdma_tenant_messages_received_total",
+    "vrdma_tenant_bytes_received_total",
+];
+
+#[test]
+fn a_scrape_shows_each_tenants_traffic_under_its_own_label() -> Result<()> {
+    if !have_curl() {
+        return Ok(());
+    }
+    let port = vrdma_it::free_port()?;
+    let d = DaemonProc::start_with_config(&format!("metrics_listen = \"127.0.0.1:{port}\""))?;
+    let ctx = d.context()?;
+    let uid = ctx.tenant();
+    let (a, b) = (Side::new(&ctx, 1 << 16)?, Side::new(&ctx, 1 << 16)?);
+    connect(&a, &b)?;
+    let before = scrape(port)?;
+    for family in COUNTERS {
+        assert!(before.contains(&format!("# TYPE {family} counter\n")), "{before}");
+    }
+    assert!(before.contains("# TYPE vrdma_tenant_message_latency_seconds histogram\n"));
+    assert!(value(&before, "vrdma_tenant_objects", uid) >= 6.0, "two PDs, MRs, CQs, QPs: {before}");
+    let mut last = before;
+    for round in 0..2 {
+        let n = 200 + round * 100;
+        traffic(&a, &b, n)?;
+        let now = scrape(port)?;
+        let moved = |name: &str| value(&now, name, uid) - value(&last, name, uid);
+        let (n, bytes) = (n as f64, (n * LEN) as f64);
+        for (name, at_least) in [
+            ("vrdma_tenant_messages_sent_total", n),
+            ("vrdma_tenant_bytes_sent_total", bytes),
+            ("vrdma_tenant_messages_received_total", n),
+            ("vrdma_tenant_bytes_received_total", bytes),
+            ("vrdma_tenant_message_latency_seconds_count", n),
+            ("vrdma_tenant_engine_turns_total", 1.0),
+        ] {
+            assert!(
+                moved(name) >= at_least,
+                "round {round}: {name} moved {} < {at_least}\n{now}",
+                moved(name)
+            );
+        }
+        let plus_inf =
+            format!("vrdma_tenant_message_latency_seconds_bucket{{tenant=\"uid:{uid}\",le=\"+Inf\"}} ");
+        let inf: f64 = now.lines().find_map(|l| l.strip_prefix(&plus_inf)).context("+Inf bucket")?.parse()?;
+        assert_eq!(inf, value(&now, "vrdma_tenant_message_latency_seconds_count", uid));
+        assert!(value(&now, "vrdma_tenant_engine_seconds_total", uid) > 0.0, "{now}");
+        last = now;
+    }
+    let passes = |t: &str| -> f64 {
+        t.lines()
+            .find_map(|l| l.strip_prefix("vrdma_engine_passes_total "))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0.0)
+    };
+    assert!(passes(&last) > 0.0, "{last}");
+
+    // A second tenant, of another uid: its own series, its own counts.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        vrdma_it::skip(format!("the second tenant needs root (to run it as uid {NOBODY})"));
+        return Ok(());
+    }
+    let mut other = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(NOBODY))?;
+    let hello = other.hello()?;
+    assert_eq!(hello.tenant, NOBODY);
+    other.call_ok(&Command::Connect { peer: hello.endpoint })?;
+    const THEIRS: usize = 7;
+    other.call_ok(&Command::PostRecv { count: THEIRS, offset: 0, len: 64 })?;
+    for i in 0..THEIRS {
+        other.call_ok(&Command::Send { wr_id: i as u64, offset: 4096, len: 10, imm: None })?;
+    }
+    match other.call(&Command::Poll { count: 2 * THEIRS, timeout_ms: 20_000 })? {
+        Said::Completions(c) if c.len() == 2 * THEIRS => {}
+        said => bail!("the second tenant's completions: {said:?}"),
+    }
+    let now = scrape(port)?;
+    assert_eq!(value(&now, "vrdma_tenant_messages_sent_total", NOBODY), THEIRS as f64, "{now}");
+    assert_eq!(value(&now, "vrdma_tenant_bytes_sent_total", NOBODY), (THEIRS * 10) as f64);
+    assert_eq!(value(&now, "vrdma_tenant_messages_received_total", NOBODY), THEIRS as f64);
+    assert_eq!(value(&now, "vrdma_tenant_message_latency_seconds_count", NOBODY), THEIRS as f64);
+    assert_eq!(
+        value(&now, "vrdma_tenant_messages_sent_total", uid),
+        value(&last, "vrdma_tenant_messages_sent_total", uid),
+        "the other tenant's messages are not ours"
+    );
+    Ok(())
+}
+
+/// The inodes of the TCP sockets in LISTEN state on this host's (our
+/// namespace's) tables.
+fn listening_inodes() -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for l in text.lines().skip(1) {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            if f.len() > 9 && f[3] == "0A" {
+                out.push(f[9].to_string());
+            }
+        }
+    }
+    Ok(out)
+}
+
+#[test]
+fn without_metrics_listen_the_daemon_listens_on_no_tcp_port() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let listening = listening_inodes()?;
+    let mut sockets = 0;
+    for fd in std::fs::read_dir(format!("/proc/{}/fd", d.proc.pid()))? {
+        let Ok(target) = std::fs::read_link(fd?.path()) else { continue };
+        let t = target.to_string_lossy().into_owned();
+        if let Some(inode) = t.strip_prefix("socket:[").and_then(|s| s.strip_suffix(']')) {
+            sockets += 1;
+            assert!(!listening.iter().any(|l| l == inode), "the daemon listens on a TCP socket ({t})");
+        }
+    }
+    assert!(sockets > 0, "the control socket at least");
+    Ok(())
+}

@@ -1,0 +1,323 @@
+//! The metrics endpoint: Prometheus text on `GET /metrics`, when the
+//! configuration names an address (`metrics_listen`; off by default).
+//!
+//! Why this shape: the engine thread owns the counters that change per
+//! message (per tenant, in [`vrdma_core::hca::metrics`]; per link, in the
+//! [`Hca`](vrdma_core::hca::Hca) and the link drivers) as plain integers,
+//! so the data path pays no lock and no atomic for them. A scrape asks the
+//! engine for a copy through its call mechanism, waiting
+//! [`ENGINE_WAIT`] at most, between two passes; what other threads own
+//! (the engine's pass counters, the control socket's refusals) is read
+//! from atomics or under their locks. One thread serves one connection at
+//! a time ([`http`]): scrapes are rare, and whoever connects is untrusted.
+//!
+//! Every tenant's figures are shown to whoever can connect: the address
+//! is the operator's choice (loopback, or a management network).
+//! Cardinality is bounded: tenants by `max_tenants` (and the core's
+//! [`MAX_TRACKED`](vrdma_core::hca::metrics::MAX_TRACKED) for those that
+//! left), links by the peers, and messages of rejected inputs by the log
+//! lines in the code.
+//!
+//! The metric list and what each means is in the README ("Metrics").
+
+pub mod http;
+pub mod text;
+
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, TcpListener};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use vrdma_core::hca::metrics::TenantReport;
+use vrdma_core::hca::{LinkReport, TenantId};
+use vrdma_core::log_limit::LogLimiter;
+
+use crate::engine::EngineHandle;
+use text::{Kind, Writer};
+
+/// How long a scrape waits for the engine's copy of its counters.
+pub const ENGINE_WAIT: Duration = Duration::from_secs(2);
+
+/// What a scrape reads, and where.
+pub(crate) struct Sources {
+    pub engine: EngineHandle,
+    /// The control socket's limiter and admission (refused inputs).
+    pub shared: std::sync::Weak<crate::server::Shared>,
+    /// The limiter of the listener for other hosts' daemons, if any.
+    pub net_log: Option<Arc<Mutex<LogLimiter>>>,
+}
+
+/// A link as a scrape sees it.
+#[derive(Debug, Clone)]
+pub struct LinkFigures {
+    pub report: LinkReport,
+    pub retransmits: u64,
+    pub rtt: Option<Duration>,
+}
+
+/// What the engine copies out for a scrape.
+#[derive(Debug, Clone, Default)]
+pub struct EngineFigures {
+    pub tenants: Vec<TenantReport>,
+    pub links: Vec<LinkFigures>,
+    pub missed_wakeups: u64,
+    /// Occurrences of rejected or rate-limited inputs, per log message.
+    pub limited: BTreeMap<&'static str, u64>,
+}
+
+fn engine_figures(st: &mut crate::engine::EngineState) -> EngineFigures {
+    let links = st
+        .hca
+        .links()
+        .into_iter()
+        .map(|report| LinkFigures {
+            retransmits: st.hca.link_retransmits(report.id),
+            rtt: st.net.as_ref().and_then(|n| n.links.get(&report.id)).and_then(|l| l.rtt),
+            report,
+        })
+        .collect();
+    let mut limited = BTreeMap::new();
+    st.limited_inputs(&mut limited);
+    EngineFigures {
+        tenants: st.hca.tenant_reports(),
+        links,
+        missed_wakeups: st.hca.missed_wakeups(),
+        limited,
+    }
+}
+
+/// A tenant's label value: `uid:1000`, or `local:N` for a tenant a daemon
+/// named for itself (a uid in another network namespace).
+pub fn tenant_label(t: TenantId) -> String {
+    if t.is_host_local() {
+        format!("local:{}", t.0 - TenantId::HOST_LOCAL_BASE)
+    } else {
+        format!("uid:{}", t.0)
+    }
+}
+
+/// The whole exposition.
+pub(crate) fn render(src: &Sources) -> String {
+    let mut w = Writer::default();
+    let engine = src.engine.call_within(ENGINE_WAIT, engine_figures).ok();
+    w.family("vrdma_engine_snapshot_ok", Kind::Gauge, "1 if the engine answered this scrape in time (else the engine's, tenants' and links' figures are missing)");
+    w.sample_u64("vrdma_engine_snapshot_ok", &[], u64::from(engine.is_some()));
+    let stats = &src.engine.stats;
+    let up = stats.started.elapsed().as_secs_f64();
+    let busy = stats.busy_ns.load(Ordering::Relaxed) as f64 / 1e9;
+    for (name, kind, help, v) in [
+        ("vrdma_engine_passes_total", Kind::Counter, "Passes the engine made over the queues and links", stats.passes.load(Ordering::Relaxed) as f64),
+        ("vrdma_engine_sleeps_total", Kind::Counter, "Times the engine went to sleep on the doorbells", stats.sleeps.load(Ordering::Relaxed) as f64),
+        ("vrdma_engine_busy_seconds_total", Kind::Counter, "Time in engine passes that did work", busy),
+        ("vrdma_engine_uptime_seconds", Kind::Gauge, "Time since the engine started", up),
+        ("vrdma_engine_busy_ratio", Kind::Gauge, "Busy time over uptime, since the engine started (rate(vrdma_engine_busy_seconds_total) gives it over a window)", if up > 0.0 { (busy / up).min(1.0) } else { 0.0 }),
+    ] {
+        w.family(name, kind, help);
+        w.sample(name, &[], v);
+    }
+    if let Some(e) = &engine {
+        w.family(
+            "vrdma_engine_missed_wakeups_total",
+            Kind::Counter,
+            "QPs a sweep found with work that nothing had woken",
+        );
+        w.sample_u64("vrdma_engine_missed_wakeups_total", &[], e.missed_wakeups);
+        tenants(&mut w, &e.tenants);
+        links(&mut w, &e.links);
+    }
+    refused(&mut w, engine.as_ref(), src);
+    w.finish()
+}
+
+fn tenants(w: &mut Writer, ts: &[TenantReport]) {
+    let labels: Vec<String> = ts.iter().map(|t| tenant_label(t.tenant)).collect();
+    type Get = fn(&TenantReport) -> f64;
+    let families: [(&str, Kind, &str, Get); 10] = [
+        (
+            "vrdma_tenant_objects",
+            Kind::Gauge,
+            "Objects (PDs, MRs, CQs, QPs, SRQs, AHs) the tenant holds",
+            |t| t.objects as f64,
+        ),
+        (
+            "vrdma_tenant_registered_bytes",
+            Kind::Gauge,
+            "Bytes of memory regions and queue rings the tenant holds",
+            |t| t.registered_bytes as f64,
+        ),
+        (
+            "vrdma_tenant_messages_sent_total",
+            Kind::Counter,
+            "Send work requests of the tenant that completed successfully",
+            |t| t.counters.messages_sent as f64,
+        ),
+        ("vrdma_tenant_bytes_sent_total", Kind::Counter, "Message bytes of those work requests", |t| {
+            t.counters.bytes_sent as f64
+        }),
+        (
+            "vrdma_tenant_messages_received_total",
+            Kind::Counter,
+            "Receive work requests of the tenant that completed successfully",
+            |t| t.counters.messages_received as f64,
+        ),
+        (
+            "vrdma_tenant_bytes_received_total",
+            Kind::Counter,
+            "Bytes received into those work requests",
+            |t| t.counters.bytes_received as f64,
+        ),
+        (
+            "vrdma_tenant_completion_errors_total",
+            Kind::Counter,
+            "Completions written to the tenant with an error status (flushes included)",
+            |t| t.counters.completions_error as f64,
+        ),
+        (
+            "vrdma_tenant_engine_turns_total",
+            Kind::Counter,
+            "Turns the tenant's QPs had in engine passes",
+            |t| t.counters.turns as f64,
+        ),
+        (
+            "vrdma_tenant_engine_seconds_total",
+            Kind::Counter,
+            "Engine time spent in the tenant's turns",
+            |t| t.counters.engine_ns as f64 / 1e9,
+        ),
+        (
+            "vrdma_tenant_throttled_seconds_total",
+            Kind::Counter,
+            "Time the tenant had work pending after its share of a pass was spent, until its next share",
+            |t| t.counters.throttled_ns as f64 / 1e9,
+        ),
+    ];
+    for (name, kind, help, get) in families {
+        w.family(name, kind, help);
+        for (t, l) in ts.iter().zip(&labels) {
+            let v = get(t);
+            w.sample(name, &[("tenant", l)], v);
+        }
+    }
+    let name = "vrdma_tenant_message_latency_seconds";
+    w.family(name, Kind::Histogram, "Time from the engine taking a send work request to writing its completion (per turn: see the README)");
+    for (t, l) in ts.iter().zip(&labels) {
+        w.histogram_ns(name, &[("tenant", l)], &t.counters.latency);
+    }
+}
+
+fn links(w: &mut Writer, ls: &[LinkFigures]) {
+    let ids: Vec<(String, String)> =
+        ls.iter().map(|l| (l.report.id.0.to_string(), l.report.info.gid.to_string())).collect();
+    type Get = fn(&LinkFigures) -> Option<f64>;
+    let families: [(&str, Kind, &str, Get); 9] = [
+        ("vrdma_link_up", Kind::Gauge, "1 while the link to the peer daemon is up", |l| {
+            Some(u8::from(l.report.up) as f64)
+        }),
+        ("vrdma_link_qps", Kind::Gauge, "QPs that send on the link", |l| Some(l.report.qps as f64)),
+        ("vrdma_link_frames_sent_total", Kind::Counter, "Data frames sent on the link", |l| {
+            Some(l.report.stats.frames_out as f64)
+        }),
+        ("vrdma_link_bytes_sent_total", Kind::Counter, "Payload bytes sent on the link", |l| {
+            Some(l.report.stats.payload_out as f64)
+        }),
+        ("vrdma_link_frames_received_total", Kind::Counter, "Data frames received on the link", |l| {
+            Some(l.report.stats.frames_in as f64)
+        }),
+        ("vrdma_link_bytes_received_total", Kind::Counter, "Payload bytes received on the link", |l| {
+            Some(l.report.stats.payload_in as f64)
+        }),
+        (
+            "vrdma_link_frames_dropped_total",
+            Kind::Counter,
+            "Frames received and discarded (no such QP, out of sequence, refused)",
+            |l| Some(l.report.stats.dropped_in as f64),
+        ),
+        (
+            "vrdma_link_retransmissions_total",
+            Kind::Counter,
+            "Times a QP sent its unanswered requests again (timer expired or sequence NAK)",
+            |l| Some(l.retransmits as f64),
+        ),
+        (
+            "vrdma_link_rtt_seconds",
+            Kind::Gauge,
+            "Round trip of the last keepalive probe answered (absent until one is)",
+            |l| l.rtt.map(|d| d.as_secs_f64()),
+        ),
+    ];
+    for (name, kind, help, get) in families {
+        w.family(name, kind, help);
+        for (l, (id, peer)) in ls.iter().zip(&ids) {
+            if let Some(v) = get(l) {
+                w.sample(name, &[("link", id), ("peer", peer)], v);
+            }
+        }
+    }
+}
+
+fn refused(w: &mut Writer, engine: Option<&EngineFigures>, src: &Sources) {
+    let mut limited: BTreeMap<&'static str, u64> = engine.map(|e| e.limited.clone()).unwrap_or_default();
+    let shared = src.shared.upgrade();
+    let mut add = |l: &LogLimiter| {
+        for (m, n) in l.occurred() {
+            *limited.entry(*m).or_default() += n;
+        }
+    };
+    if let Some(s) = &shared {
+        add(&crate::logs::lock(&s.log));
+    }
+    if let Some(l) = &src.net_log {
+        add(&crate::logs::lock(l));
+    }
+    let name = "vrdma_limited_inputs_total";
+    w.family(name, Kind::Counter, "Rejected or rate-limited inputs (tenants', peers', strangers'), by the log line that reports them (each counted, logged or not)");
+    for (m, n) in &limited {
+        w.sample_u64(name, &[("message", m)], *n);
+    }
+    if let Some(s) = &shared {
+        let name = "vrdma_admission_refused_total";
+        w.family(name, Kind::Counter, "Contexts or completion channels refused: max_tenants reached, or the tenant's share of descriptors");
+        w.sample_u64(name, &[("reason", "max_tenants")], s.admission.refused_full.load(Ordering::Relaxed));
+        w.sample_u64(
+            name,
+            &[("reason", "descriptors")],
+            s.admission.refused_descriptors.load(Ordering::Relaxed),
+        );
+    }
+}
+
+/// The endpoint's thread. Dropping it stops the thread.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MetricsServer {
+    pub(crate) fn start(addr: SocketAddr, src: Sources) -> std::io::Result<MetricsServer> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("vrdma-metrics".into())
+            .spawn(move || http::serve(listener, &s, &|| render(&src)))?;
+        tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
+        Ok(MetricsServer { addr, stop, thread: Some(thread) })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
