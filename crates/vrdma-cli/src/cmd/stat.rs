@@ -1,5 +1,8 @@
 //! `vrdma stat`: the links to other hosts' daemons, and the path each QP
 //! of the caller's tenant takes (shared memory on this host, or a link).
+//! With `--metrics ADDR`: the daemon's metrics endpoint (`metrics_listen`)
+//! read and shown for a person: a table per tenant, the engine and the
+//! links (`--prometheus`: the exposition as served).
 
 use std::path::PathBuf;
 
@@ -12,9 +15,26 @@ pub struct Args {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// Read the daemon's metrics endpoint at this address (its
+    /// `metrics_listen`, e.g. 127.0.0.1:9464) and show every tenant's
+    /// figures, the engine's and the links'.
+    #[arg(long, value_name = "ADDR")]
+    metrics: Option<std::net::SocketAddr>,
+    /// With --metrics: print the Prometheus text as served.
+    #[arg(long, requires = "metrics")]
+    prometheus: bool,
 }
 
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
+    if let Some(addr) = args.metrics {
+        let text = scrape(addr)?;
+        if args.prometheus {
+            print!("{text}");
+        } else {
+            print!("{}", render_metrics(&text));
+        }
+        return Ok(());
+    }
     let path = socket.unwrap_or_else(vrdmad::default_socket_path);
     let ctx = Context::open_at(&path).with_context(|| {
         format!("no vRDMA daemon answers on {}; start one with `vrdma daemon`", path.display())
@@ -78,4 +98,206 @@ fn render(s: &StatReport) -> String {
         ));
     }
     out
+}
+
+/// `GET /metrics` from `addr` (the body), with timeouts.
+fn scrape(addr: std::net::SocketAddr) -> Result<String> {
+    use std::io::{Read, Write};
+    let t = std::time::Duration::from_secs(10);
+    let mut c = std::net::TcpStream::connect_timeout(&addr, t)
+        .with_context(|| format!("no metrics endpoint answers on {addr} (the daemon's metrics_listen)"))?;
+    c.set_read_timeout(Some(t))?;
+    c.set_write_timeout(Some(t))?;
+    c.write_all(format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let mut out = Vec::new();
+    c.take(64 << 20).read_to_end(&mut out)?;
+    let out = String::from_utf8(out).context("the metrics endpoint answered something other than text")?;
+    let (head, body) = out.split_once("\r\n\r\n").context("a truncated HTTP answer")?;
+    if !head.starts_with("HTTP/1.1 200") {
+        anyhow::bail!("the metrics endpoint answered {}", head.lines().next().unwrap_or(""));
+    }
+    Ok(body.to_string())
+}
+
+/// A sample: its name, labels and value.
+type Sample<'a> = (&'a str, Vec<(String, String)>, f64);
+
+/// The samples of an exposition.
+fn samples(text: &str) -> Vec<Sample<'_>> {
+    let mut out = Vec::new();
+    for l in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        let Some((series, value)) = l.rsplit_once(' ') else { continue };
+        let Ok(v) = value.parse::<f64>() else { continue };
+        let (name, labels) = match series.split_once('{') {
+            Some((n, rest)) => (n, parse_labels(rest.trim_end_matches('}'))),
+            None => (series, Vec::new()),
+        };
+        out.push((name, labels, v));
+    }
+    out
+}
+
+/// `a="x",b="y"` with the format's escapes.
+fn parse_labels(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut chars = s.chars().peekable();
+    loop {
+        let key: String = chars.by_ref().take_while(|&c| c != '=').collect();
+        if key.is_empty() || chars.next() != Some('"') {
+            break;
+        }
+        let mut v = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some('n') => v.push('\n'),
+                    Some(o) => v.push(o),
+                    None => break,
+                },
+                '"' => break,
+                c => v.push(c),
+            }
+        }
+        out.push((key.trim_start_matches(',').to_string(), v));
+        if chars.next().is_none() {
+            break;
+        }
+    }
+    out
+}
+
+fn human_bytes(b: f64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < UNITS.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{v:.0} B")
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// The metrics for a person.
+pub fn render_metrics(text: &str) -> String {
+    use std::collections::BTreeMap;
+    use std::fmt::Write as _;
+    let all = samples(text);
+    let label = |ls: &[(String, String)], k: &str| ls.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    let scalar =
+        |name: &str| all.iter().find(|(n, l, _)| *n == name && l.is_empty()).map(|s| s.2).unwrap_or(0.0);
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "engine:\t{:.0} passes, busy {:.1} s of {:.1} s ({:.1} %), {:.0} sleeps",
+        scalar("vrdma_engine_passes_total"),
+        scalar("vrdma_engine_busy_seconds_total"),
+        scalar("vrdma_engine_uptime_seconds"),
+        scalar("vrdma_engine_busy_ratio") * 100.0,
+        scalar("vrdma_engine_sleeps_total"),
+    );
+    // Per tenant: name -> value.
+    let mut tenants: BTreeMap<String, BTreeMap<&str, f64>> = BTreeMap::new();
+    for (n, l, v) in &all {
+        if let (Some(t), true) = (label(l, "tenant"), n.starts_with("vrdma_tenant_")) {
+            if label(l, "le").is_none() {
+                tenants.entry(t).or_default().insert(n, *v);
+            }
+        }
+    }
+    let _ = writeln!(
+        out,
+        "{:<14} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9} {:>9}",
+        "tenant",
+        "objects",
+        "registered",
+        "msgs out",
+        "bytes out",
+        "msgs in",
+        "bytes in",
+        "errors",
+        "engine s",
+        "throttled",
+        "mean lat"
+    );
+    for (t, m) in &tenants {
+        let g = |k: &str| m.get(k).copied().unwrap_or(0.0);
+        let count = g("vrdma_tenant_message_latency_seconds_count");
+        let mean = if count > 0.0 {
+            format!("{:.1} us", g("vrdma_tenant_message_latency_seconds_sum") / count * 1e6)
+        } else {
+            "-".into()
+        };
+        let _ = writeln!(
+            out,
+            "{:<14} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>9.3} {:>9.3} {:>9}",
+            t,
+            g("vrdma_tenant_objects"),
+            human_bytes(g("vrdma_tenant_registered_bytes")),
+            g("vrdma_tenant_messages_sent_total"),
+            human_bytes(g("vrdma_tenant_bytes_sent_total")),
+            g("vrdma_tenant_messages_received_total"),
+            human_bytes(g("vrdma_tenant_bytes_received_total")),
+            g("vrdma_tenant_completion_errors_total"),
+            g("vrdma_tenant_engine_seconds_total"),
+            g("vrdma_tenant_throttled_seconds_total"),
+            mean
+        );
+    }
+    if tenants.is_empty() {
+        out.push_str("(no tenant yet)\n");
+    }
+    let mut links: BTreeMap<(String, String), BTreeMap<&str, f64>> = BTreeMap::new();
+    for (n, l, v) in &all {
+        if let (Some(id), Some(peer)) = (label(l, "link"), label(l, "peer")) {
+            links.entry((id, peer)).or_default().insert(n, *v);
+        }
+    }
+    for ((id, peer), m) in &links {
+        let g = |k: &str| m.get(k).copied().unwrap_or(0.0);
+        let rtt = m.get("vrdma_link_rtt_seconds").map_or("-".to_string(), |r| format!("{:.0} us", r * 1e6));
+        let _ = writeln!(
+            out,
+            "link {id} ({peer}): {}, out {} frames / {}, in {} frames / {}, dropped {}, retransmissions {}, rtt {rtt}",
+            if g("vrdma_link_up") > 0.0 { "UP" } else { "DOWN" },
+            g("vrdma_link_frames_sent_total"),
+            human_bytes(g("vrdma_link_bytes_sent_total")),
+            g("vrdma_link_frames_received_total"),
+            human_bytes(g("vrdma_link_bytes_received_total")),
+            g("vrdma_link_frames_dropped_total"),
+            g("vrdma_link_retransmissions_total"),
+        );
+    }
+    for (n, l, v) in &all {
+        if *v > 0.0 && (*n == "vrdma_limited_inputs_total" || *n == "vrdma_admission_refused_total") {
+            let what = label(l, "message").or_else(|| label(l, "reason")).unwrap_or_default();
+            let _ = writeln!(out, "refused or limited: {v:.0} x {what}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod metrics_tests {
+    use super::*;
+
+    #[test]
+    fn the_exposition_is_shown_as_a_table_per_tenant() {
+        let text = "# HELP vrdma_engine_passes_total x\n# TYPE vrdma_engine_passes_total counter\n\
+                    vrdma_engine_passes_total 12\n\
+                    vrdma_tenant_messages_sent_total{tenant=\"uid:1000\"} 5\n\
+                    vrdma_tenant_bytes_sent_total{tenant=\"uid:1000\"} 2048\n\
+                    vrdma_tenant_message_latency_seconds_bucket{tenant=\"uid:1000\",le=\"+Inf\"} 5\n\
+                    vrdma_tenant_message_latency_seconds_sum{tenant=\"uid:1000\"} 0.00001\n\
+                    vrdma_tenant_message_latency_seconds_count{tenant=\"uid:1000\"} 5\n\
+                    vrdma_limited_inputs_total{message=\"a \\\"quoted\\\" line\"} 3\n";
+        let out = render_metrics(text);
+        assert!(out.contains("12 passes"), "{out}");
+        let row = out.lines().find(|l| l.starts_with("uid:1000")).expect("a row for the tenant");
+        assert!(row.contains(" 5 ") && row.contains("2.0 KiB") && row.contains("2.0 us"), "{row}");
+        assert!(out.contains("3 x a \"quoted\" line"), "{out}");
+    }
 }
