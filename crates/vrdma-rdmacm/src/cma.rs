@@ -43,7 +43,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::ptr::{self, null_mut};
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use vrdma::cm::{CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
@@ -57,11 +57,19 @@ use crate::{guard, Error, Res};
 /// client context (the same tenant as the program's libibverbs, so the
 /// daemon accepts that library's QP numbers), the table of its ids, and
 /// the libibverbs device context they name.
+///
+/// Never freed: the first in a static, each later one (one per daemon
+/// restart the process lives through) leaked, as its device context is
+/// never closed. The first one in a static keeps the process's heap as it
+/// was before generations existed: vRDMA re-backs registered heap pages
+/// as spans, and a program's small buffers that happen to share a page in
+/// a new layout can then fail to register (a limitation of re-backing).
 struct Lib {
     ctx: vrdma::Context,
     ids: Mutex<HashMap<u32, usize>>,
     /// Opened on first use; never closed (see [`Device`]).
-    device: Mutex<Option<&'static Device>>,
+    device: OnceLock<Device>,
+    opening: Mutex<()>,
 }
 
 impl Lib {
@@ -71,30 +79,39 @@ impl Lib {
 
     /// The device context of this connection, opened from a fresh device
     /// list the first time (after a restart, the new daemon's device).
-    fn device(&self) -> Res<&'static Device> {
-        let mut d = self.device.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(d) = *d {
+    fn device(&self) -> Res<&Device> {
+        if let Some(d) = self.device.get() {
             return Ok(d);
         }
-        let opened: &'static Device = Box::leak(Box::new(verbs()?.open_first()?));
-        *d = Some(opened);
-        Ok(opened)
+        let _one = self.opening.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = self.device.get() {
+            return Ok(d);
+        }
+        let opened = verbs()?.open_first()?;
+        Ok(self.device.get_or_init(|| opened))
     }
 }
 
 /// The connection to the daemon that new channels are made on: the one
 /// made last, or a new one once its daemon is gone (restarted).
-fn lib() -> Res<Arc<Lib>> {
-    static CURRENT: Mutex<Option<Arc<Lib>>> = Mutex::new(None);
+fn lib() -> Res<&'static Lib> {
+    static FIRST: OnceLock<Lib> = OnceLock::new();
+    static CURRENT: Mutex<Option<&'static Lib>> = Mutex::new(None);
     let mut cur = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some(l) = cur.as_ref().filter(|l| !l.ctx.daemon_gone()) {
-        return Ok(l.clone());
+    if let Some(l) = cur.filter(|l| !l.ctx.daemon_gone()) {
+        return Ok(l);
     }
     let ctx = vrdma::Context::open().map_err(|e| {
         Error::Setup(format!("cannot reach the vRDMA daemon (is VRDMA_SOCKET set? try `vrdma run`): {e}"))
     })?;
-    let l = Arc::new(Lib { ctx, ids: Mutex::default(), device: Mutex::new(None) });
-    *cur = Some(l.clone());
+    let l = Lib { ctx, ids: Mutex::default(), device: OnceLock::new(), opening: Mutex::new(()) };
+    let l: &'static Lib = if FIRST.get().is_none() {
+        // Under CURRENT's lock: nobody else sets it.
+        FIRST.get_or_init(|| l)
+    } else {
+        Box::leak(Box::new(l))
+    };
+    *cur = Some(l);
     Ok(l)
 }
 
@@ -103,7 +120,7 @@ fn lib() -> Res<Arc<Lib>> {
 pub struct Channel {
     c: rdma_event_channel,
     ch: EventChannel,
-    lib: Arc<Lib>,
+    lib: &'static Lib,
 }
 
 /// `struct rdma_cm_id` and what stands behind it.
@@ -119,7 +136,7 @@ pub struct Id {
     c: UnsafeCell<rdma_cm_id>,
     cm: Mutex<CmId>,
     /// The connection the id was made on.
-    lib: Arc<Lib>,
+    lib: &'static Lib,
     ps: PortSpace,
     /// The PD `rdma_create_qp` allocated for an id given none.
     own_pd: AtomicPtr<ibv_pd>,
@@ -422,7 +439,7 @@ fn rd_atom_limits(lib: &Lib) -> Res<(u8, u8)> {
 /// NULL parameter) mean "as many as can be": the device's limit, and for
 /// an accept no more than the requester offered, as in librdmacm.
 fn resolve_depths(id: &Id, param: &mut ConnParam, null: bool) -> Res<()> {
-    let (max_resp, max_init) = rd_atom_limits(&id.lib)?;
+    let (max_resp, max_init) = rd_atom_limits(id.lib)?;
     let (offer_resp, offer_init) = id.request.unwrap_or((u8::MAX, u8::MAX));
     // Our responder resources serve their reads: no more than their
     // initiator depth; our initiator depth no more than their resources.
@@ -495,7 +512,7 @@ unsafe fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void
         c: UnsafeCell::new(c),
         cm: Mutex::new(cm),
         // SAFETY: the caller's contract.
-        lib: unsafe { (*ch).lib.clone() },
+        lib: unsafe { (*ch).lib },
         ps,
         own_pd: AtomicPtr::new(null_mut()),
         own_channel: AtomicPtr::new(null_mut()),
@@ -638,7 +655,7 @@ fn bind_addr(i: &Id, addr: *const libc::sockaddr) -> Res<()> {
     // SAFETY: the caller's sockaddr.
     let a = unsafe { sockaddr_v4(addr) }?.ok_or(Error::sys(libc::EINVAL, "NULL address"))?;
     let bound = i.cm().bind(a)?;
-    if device_behind(&i.lib, *bound.ip())? {
+    if device_behind(i.lib, *bound.ip())? {
         i.attach_device()?;
     }
     i.refresh_addrs()
@@ -1222,7 +1239,7 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
         let lnum = ev.listen_id.ok_or(Error::sys(libc::EPROTO, "a connect request without its listener"))?;
         // SAFETY: the channel the event came from is live (we are in
         // rdma_get_cm_event on it).
-        let lib = unsafe { &(*ch).lib };
+        let lib = unsafe { (*ch).lib };
         let Some(&l) = lib.ids().get(&lnum) else { return Ok(None) };
         listen = l as *mut Id;
         // SAFETY: ids in the table are live (removed before they go).
@@ -1240,7 +1257,7 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
         p
     } else {
         // SAFETY: as above.
-        let Some(&p) = unsafe { &(*ch).lib }.ids().get(&ev.id) else { return Ok(None) };
+        let Some(&p) = unsafe { (*ch).lib }.ids().get(&ev.id) else { return Ok(None) };
         p as *mut Id
     };
     // SAFETY: live, from the table (or just made).
