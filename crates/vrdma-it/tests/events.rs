@@ -260,3 +260,42 @@ in_both_topologies!(
     completion_stream_yields_completions_in_order,
     async_event_fd_is_pollable,
 );
+
+/// The daemon dies (SIGKILL) under a context: a thread blocked in
+/// `get_async_event` wakes with `DeviceFatal`, the async-event fd turns
+/// readable for `poll`, later calls fail with `EIO` instead of waiting,
+/// a completion channel's wait fails too; a new context reaches the
+/// daemon that took its place, with a quiet async-event fd.
+#[test]
+fn a_daemon_gone_is_device_fatal_then_an_error() -> Result<()> {
+    let mut d = vrdma_it::DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = ctx.create_comp_channel()?;
+    let cq = ctx.create_cq(16, Some(&ch))?;
+    cq.req_notify(false)?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiting = ctx.clone();
+    std::thread::spawn(move || {
+        let _ = tx.send(waiting.get_async_event(None).map_err(|e| e.errno()));
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(!ctx.daemon_gone());
+    d.restart()?;
+    assert!(readable(ctx.async_event_fd(), WAIT)?, "the async-event fd stayed quiet");
+    let woke =
+        rx.recv_timeout(WAIT).map_err(|_| anyhow::anyhow!("the blocked get_async_event did not wake"))?;
+    assert_eq!(woke, Ok(Some(AsyncEvent { event_type: AsyncEventType::DeviceFatal, element: 0 })));
+    assert!(ctx.daemon_gone());
+    for wait in [None, Some(Duration::ZERO), Some(WAIT)] {
+        let after = ctx.get_async_event(wait);
+        assert!(matches!(&after, Err(e) if e.errno() == libc::EIO), "after DEVICE_FATAL: {after:?}");
+    }
+    assert!(ch.get_cq_event(Some(WAIT)).is_err(), "a completion channel's wait fails");
+    drop(cq);
+    let new = d.context()?;
+    assert!(!new.daemon_gone());
+    new.query_port(1)?;
+    assert!(!readable(new.async_event_fd(), Duration::ZERO)?);
+    assert_eq!(new.get_async_event(Some(Duration::ZERO))?, None);
+    Ok(())
+}

@@ -22,6 +22,19 @@
 //! told the QP's number in the connect or accept, never the QP itself, so
 //! the [`vrdma::cm`] ids here have no QP attached and leave every
 //! transition to this module.
+//!
+//! # When the daemon goes away
+//!
+//! Everything of one connection to the daemon is a [`Lib`]: the client
+//! context, the table of ids, the libibverbs device context the ids name
+//! in `id->verbs`. Channels and ids hold the `Lib` they were made in.
+//! When the daemon dies or is restarted, that connection's channels report
+//! DEVICE_REMOVAL for their ids with a device, then `ENODEV`, and calls on
+//! its ids fail, while destroying them works, as after a device reset on
+//! rdma-core (the program cleans up). The next `rdma_create_event_channel`
+//! (or synchronous `rdma_create_id`) finds the connection gone and opens a
+//! new `Lib` on the daemon that answers now, so that a program goes on
+//! without a restart of its own, as it does after a device comes back.
 
 use std::cell::UnsafeCell;
 use std::collections::HashMap;
@@ -30,37 +43,76 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::ptr::{self, null_mut};
 use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
 
 use vrdma::cm::{CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
 use vrdma::{QpAttr, QpAttrMask, QpState};
 
 use crate::abi::*;
-use crate::verbs::verbs;
+use crate::verbs::{verbs, Device};
 use crate::{guard, Error, Res};
 
-/// What the process shares: its client context (the same tenant as its
-/// libibverbs, so the daemon accepts that library's QP numbers) and the
-/// table of its ids.
+/// What the channels and ids of one connection to the daemon share: the
+/// client context (the same tenant as the program's libibverbs, so the
+/// daemon accepts that library's QP numbers), the table of its ids, and
+/// the libibverbs device context they name.
+///
+/// Never freed: the first in a static, each later one (one per daemon
+/// restart the process lives through) leaked, as its device context is
+/// never closed. The first one in a static keeps the process's heap as it
+/// was before generations existed: vRDMA re-backs registered heap pages
+/// as spans, and a program's small buffers that happen to share a page in
+/// a new layout can then fail to register (a limitation of re-backing).
 struct Lib {
     ctx: vrdma::Context,
     ids: Mutex<HashMap<u32, usize>>,
+    /// Opened on first use; never closed (see [`Device`]).
+    device: OnceLock<Device>,
+    opening: Mutex<()>,
 }
 
+impl Lib {
+    fn ids(&self) -> MutexGuard<'_, HashMap<u32, usize>> {
+        self.ids.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The device context of this connection, opened from a fresh device
+    /// list the first time (after a restart, the new daemon's device).
+    fn device(&self) -> Res<&Device> {
+        if let Some(d) = self.device.get() {
+            return Ok(d);
+        }
+        let _one = self.opening.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(d) = self.device.get() {
+            return Ok(d);
+        }
+        let opened = verbs()?.open_first()?;
+        Ok(self.device.get_or_init(|| opened))
+    }
+}
+
+/// The connection to the daemon that new channels are made on: the one
+/// made last, or a new one once its daemon is gone (restarted).
 fn lib() -> Res<&'static Lib> {
-    static LIB: OnceLock<Result<Lib, Error>> = OnceLock::new();
-    LIB.get_or_init(|| {
-        let ctx = vrdma::Context::open().map_err(|e| {
-            Error::Setup(format!("cannot reach the vRDMA daemon (is VRDMA_SOCKET set? try `vrdma run`): {e}"))
-        })?;
-        Ok(Lib { ctx, ids: Mutex::default() })
-    })
-    .as_ref()
-    .map_err(Clone::clone)
-}
-
-fn ids() -> Res<std::sync::MutexGuard<'static, HashMap<u32, usize>>> {
-    Ok(lib()?.ids.lock().unwrap_or_else(|p| p.into_inner()))
+    static FIRST: OnceLock<Lib> = OnceLock::new();
+    static CURRENT: Mutex<Option<&'static Lib>> = Mutex::new(None);
+    let mut cur = CURRENT.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(l) = cur.filter(|l| !l.ctx.daemon_gone()) {
+        return Ok(l);
+    }
+    let ctx = vrdma::Context::open().map_err(|e| {
+        Error::Setup(format!("cannot reach the vRDMA daemon (is VRDMA_SOCKET set? try `vrdma run`): {e}"))
+    })?;
+    let l = Lib { ctx, ids: Mutex::default(), device: OnceLock::new(), opening: Mutex::new(()) };
+    let l: &'static Lib = if FIRST.get().is_none() {
+        // Under CURRENT's lock: nobody else sets it.
+        FIRST.get_or_init(|| l)
+    } else {
+        Box::leak(Box::new(l))
+    };
+    *cur = Some(l);
+    Ok(l)
 }
 
 /// `struct rdma_event_channel` and what stands behind it.
@@ -68,6 +120,7 @@ fn ids() -> Res<std::sync::MutexGuard<'static, HashMap<u32, usize>>> {
 pub struct Channel {
     c: rdma_event_channel,
     ch: EventChannel,
+    lib: &'static Lib,
 }
 
 /// `struct rdma_cm_id` and what stands behind it.
@@ -82,6 +135,8 @@ pub struct Channel {
 pub struct Id {
     c: UnsafeCell<rdma_cm_id>,
     cm: Mutex<CmId>,
+    /// The connection the id was made on.
+    lib: &'static Lib,
     ps: PortSpace,
     /// The PD `rdma_create_qp` allocated for an id given none.
     own_pd: AtomicPtr<ibv_pd>,
@@ -216,11 +271,11 @@ impl Id {
     /// (where no QP has set it yet), as once an id is bound to an address
     /// of a device.
     fn attach_device(&self) -> Res<()> {
-        let v = verbs()?;
-        let pd = v.device_pd()?;
+        let d = self.lib.device()?;
+        let pd = d.pd(verbs()?)?;
         // SAFETY: as in `refresh_addrs`.
         unsafe {
-            (*self.c()).verbs = v.context;
+            (*self.c()).verbs = d.context;
             (*self.c()).port_num = 1;
             if (*self.c()).pd.is_null() {
                 (*self.c()).pd = pd;
@@ -370,12 +425,12 @@ unsafe fn conn_param(p: *const rdma_conn_param) -> ConnParam {
 }
 
 /// The device's limits: (responder resources, initiator depth).
-fn rd_atom_limits() -> Res<(u8, u8)> {
+fn rd_atom_limits(lib: &Lib) -> Res<(u8, u8)> {
     static LIMITS: OnceLock<(u8, u8)> = OnceLock::new();
     if let Some(l) = LIMITS.get() {
         return Ok(*l);
     }
-    let d = lib()?.ctx.query_device()?;
+    let d = lib.ctx.query_device()?;
     let cap = |v: u32| u8::try_from(v).unwrap_or(u8::MAX - 1);
     Ok(*LIMITS.get_or_init(|| (cap(d.max_qp_rd_atom), cap(d.max_qp_init_rd_atom))))
 }
@@ -384,7 +439,7 @@ fn rd_atom_limits() -> Res<(u8, u8)> {
 /// NULL parameter) mean "as many as can be": the device's limit, and for
 /// an accept no more than the requester offered, as in librdmacm.
 fn resolve_depths(id: &Id, param: &mut ConnParam, null: bool) -> Res<()> {
-    let (max_resp, max_init) = rd_atom_limits()?;
+    let (max_resp, max_init) = rd_atom_limits(id.lib)?;
     let (offer_resp, offer_init) = id.request.unwrap_or((u8::MAX, u8::MAX));
     // Our responder resources serve their reads: no more than their
     // initiator depth; our initiator depth no more than their resources.
@@ -411,7 +466,8 @@ fn with_qp(id: &Id, mut param: ConnParam) -> ConnParam {
 
 pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel {
     guard("rdma_create_event_channel", null_mut(), || {
-        let ch = EventChannel::create(&lib()?.ctx)?;
+        let lib = lib()?;
+        let ch = EventChannel::create(&lib.ctx)?;
         let fd = ch.fd().as_raw_fd();
         // The kernel's rdma_cm descriptor starts blocking, and a program
         // that wants EAGAIN sets O_NONBLOCK itself (rdma_get_cm_event
@@ -423,7 +479,7 @@ pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel 
                 libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
             }
         }
-        let b = Box::new(Channel { c: rdma_event_channel { fd }, ch });
+        let b = Box::new(Channel { c: rdma_event_channel { fd }, ch, lib });
         Ok(Box::into_raw(b).cast::<rdma_event_channel>())
     })
 }
@@ -442,7 +498,9 @@ pub unsafe extern "C" fn rdma_destroy_event_channel(channel: *mut rdma_event_cha
 // ---------------------------------------------------------------------
 // Ids
 
-fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void) -> *mut Id {
+/// # Safety
+/// `ch` is a live channel.
+unsafe fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void) -> *mut Id {
     // SAFETY: all-zero is valid for the C structure (pointers NULL, plain
     // integers and bytes).
     let mut c: rdma_cm_id = unsafe { std::mem::zeroed() };
@@ -453,6 +511,8 @@ fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void) -> *m
     Box::into_raw(Box::new(Id {
         c: UnsafeCell::new(c),
         cm: Mutex::new(cm),
+        // SAFETY: the caller's contract.
+        lib: unsafe { (*ch).lib },
         ps,
         own_pd: AtomicPtr::new(null_mut()),
         own_channel: AtomicPtr::new(null_mut()),
@@ -494,12 +554,14 @@ fn create_id(channel: *mut rdma_event_channel, context: *mut c_void, ps: u32) ->
         }
     };
     let num = cm.id();
-    let p = new_id(ch, cm, ps, context);
+    // SAFETY: the live channel the id was made on.
+    let p = unsafe { new_id(ch, cm, ps, context) };
+    // SAFETY: just made, not yet shared.
+    let i = unsafe { &*p };
     if own {
-        // SAFETY: just made, not yet shared.
-        unsafe { (*p).own_channel.store(ch, Ordering::Release) };
+        i.own_channel.store(ch, Ordering::Release);
     }
-    ids()?.insert(num, p as usize);
+    i.lib.ids().insert(num, p as usize);
     Ok(p)
 }
 
@@ -525,7 +587,7 @@ fn destroy_id(p: *mut rdma_cm_id) -> Res<()> {
     // SAFETY: the caller's contract: a live id.
     let i = unsafe { id(p) }?;
     let num = i.cm().id();
-    ids()?.remove(&num);
+    i.lib.ids().remove(&num);
     // A synchronous id's last event, as librdmacm acknowledges it.
     // SAFETY: librdmacm's field of the live structure.
     let ev = unsafe { std::mem::replace(&mut (*i.c()).event, null_mut()) };
@@ -593,7 +655,7 @@ fn bind_addr(i: &Id, addr: *const libc::sockaddr) -> Res<()> {
     // SAFETY: the caller's sockaddr.
     let a = unsafe { sockaddr_v4(addr) }?.ok_or(Error::sys(libc::EINVAL, "NULL address"))?;
     let bound = i.cm().bind(a)?;
-    if device_behind(*bound.ip())? {
+    if device_behind(i.lib, *bound.ip())? {
         i.attach_device()?;
     }
     i.refresh_addrs()
@@ -610,14 +672,14 @@ fn bind_addr(i: &Id, addr: *const libc::sockaddr) -> Res<()> {
 /// no device is behind it takes the device's interface address
 /// (`verbs;ofi_rxm` and `fi_pingpong` across hosts publish that address
 /// to the peer, where 127.0.0.1 would name the peer itself).
-fn device_behind(ip: Ipv4Addr) -> Res<bool> {
+fn device_behind(lib: &Lib, ip: Ipv4Addr) -> Res<bool> {
     if ip.is_unspecified() {
         return Ok(false);
     }
     if !ip.is_loopback() {
         return Ok(true);
     }
-    let own = lib()?.ctx.query_gid(1, 0)?.ipv4().map(Ipv4Addr::from);
+    let own = lib.ctx.query_gid(1, 0)?.ipv4().map(Ipv4Addr::from);
     Ok(own == Some(ip))
 }
 
@@ -706,8 +768,8 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
     let pd = if pd.is_null() {
         let mut own = i.own_pd.load(Ordering::Acquire);
         if own.is_null() {
-            // SAFETY: the process's open device context.
-            own = unsafe { (v.alloc_pd)(v.context) };
+            // SAFETY: the id's open device context.
+            own = unsafe { (v.alloc_pd)(ctx) };
             if own.is_null() {
                 return Err(Error::last("ibv_alloc_pd failed"));
             }
@@ -776,14 +838,15 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
 /// names no CQ for; returns what it made, as `Id::own_cqs` keeps it.
 fn own_cqs(i: &Id, attr: &mut ibv_qp_init_attr) -> Res<[usize; 4]> {
     let v = verbs()?;
+    let context = i.lib.device()?.context;
     let mut made = [0usize; 4];
     for (side, want) in [(0, attr.cap.max_send_wr), (2, attr.cap.max_recv_wr)] {
         let cq = if side == 0 { attr.send_cq } else { attr.recv_cq };
         if !cq.is_null() {
             continue;
         }
-        // SAFETY: the process's open device context.
-        let ch = unsafe { (v.create_comp_channel)(v.context) };
+        // SAFETY: the id's open device context.
+        let ch = unsafe { (v.create_comp_channel)(context) };
         if ch.is_null() {
             let e = Error::last("ibv_create_comp_channel failed");
             destroy_cqs(made);
@@ -792,7 +855,7 @@ fn own_cqs(i: &Id, attr: &mut ibv_qp_init_attr) -> Res<[usize; 4]> {
         made[side] = ch as usize;
         let depth = c_int::try_from(want.max(1)).unwrap_or(c_int::MAX);
         // SAFETY: the context, a channel of it, the id as the context.
-        let cq = unsafe { (v.create_cq)(v.context, depth, i.c().cast(), ch, 0) };
+        let cq = unsafe { (v.create_cq)(context, depth, i.c().cast(), ch, 0) };
         if cq.is_null() {
             let e = Error::last("ibv_create_cq failed");
             destroy_cqs(made);
@@ -1123,7 +1186,7 @@ pub unsafe extern "C" fn rdma_get_dst_port(p: *mut rdma_cm_id) -> u16 {
 
 pub unsafe extern "C" fn rdma_get_devices(num: *mut c_int) -> *mut *mut c_void {
     guard("rdma_get_devices", null_mut(), || {
-        let ctx = verbs()?.context;
+        let ctx = lib()?.device()?.context;
         let list = Box::into_raw(Box::new([ctx, null_mut()])).cast::<*mut c_void>();
         if !num.is_null() {
             // SAFETY: the program's int.
@@ -1174,22 +1237,27 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
     let mut listen: *mut Id = null_mut();
     let idp: *mut Id = if kind == EventKind::ConnectRequest {
         let lnum = ev.listen_id.ok_or(Error::sys(libc::EPROTO, "a connect request without its listener"))?;
-        let Some(&l) = ids()?.get(&lnum) else { return Ok(None) };
+        // SAFETY: the channel the event came from is live (we are in
+        // rdma_get_cm_event on it).
+        let lib = unsafe { (*ch).lib };
+        let Some(&l) = lib.ids().get(&lnum) else { return Ok(None) };
         listen = l as *mut Id;
         // SAFETY: ids in the table are live (removed before they go).
         let (ps, context) = unsafe { ((*listen).ps, (*(*listen).c()).context) };
         // SAFETY: the channel the event came from is live (we are in
         // rdma_get_cm_event on it).
         let cm = CmId::from_request(unsafe { &(*ch).ch }, &ev, ps)?;
-        let p = new_id(ch, cm, ps, context);
+        // SAFETY: as above.
+        let p = unsafe { new_id(ch, cm, ps, context) };
         if let Some(q) = &ev.peer {
             // SAFETY: just made, not yet shared.
             unsafe { (*p).request = Some((q.responder_resources, q.initiator_depth)) };
         }
-        ids()?.insert(ev.id, p as usize);
+        lib.ids().insert(ev.id, p as usize);
         p
     } else {
-        let Some(&p) = ids()?.get(&ev.id) else { return Ok(None) };
+        // SAFETY: as above.
+        let Some(&p) = unsafe { (*ch).lib }.ids().get(&ev.id) else { return Ok(None) };
         p as *mut Id
     };
     // SAFETY: live, from the table (or just made).
@@ -1294,21 +1362,82 @@ pub unsafe extern "C" fn rdma_get_cm_event(
 fn next_event(channel: *mut rdma_event_channel) -> Res<*mut Event> {
     // SAFETY: the caller's contract: a live channel.
     let ch = unsafe { self::channel(channel) }?;
-    loop {
-        // A program that made the descriptor non-blocking gets EAGAIN
-        // instead of a wait, as with the kernel's rdma_cm.
+    let nonblocking = || {
         // SAFETY: fcntl(F_GETFL) on the channel's descriptor.
         let flags = unsafe { libc::fcntl(ch.c.fd, libc::F_GETFL) };
-        let ev = if flags >= 0 && flags & libc::O_NONBLOCK != 0 {
-            ch.ch.try_get_event()?.ok_or(Error::quiet(libc::EAGAIN))?
-        } else {
-            match ch.ch.get_event(None)? {
-                Some(ev) => ev,
-                None => continue,
-            }
+        flags >= 0 && flags & libc::O_NONBLOCK != 0
+    };
+    let round = |wait: Option<Duration>| -> Res<Round<*mut Event>> {
+        let ev = match wait {
+            None => ch.ch.try_get_event()?,
+            Some(w) => ch.ch.get_event(Some(w))?,
         };
-        if let Some(e) = convert(channel.cast::<Channel>(), ev)? {
-            return Ok(e);
+        match ev {
+            None => Ok(Round::Nothing),
+            Some(ev) => Ok(convert(channel.cast::<Channel>(), ev)?.map_or(Round::Skipped, Round::Got)),
+        }
+    };
+    wait_event(nonblocking, round, WAIT_SLICE)
+}
+
+/// What one look at a channel found.
+#[derive(Debug)]
+enum Round<T> {
+    /// The program's event.
+    Got(T),
+    /// An event of an id already destroyed: taken, nothing to report.
+    Skipped,
+    /// No event (the wait's time passed).
+    Nothing,
+}
+
+/// How long a blocking `rdma_get_cm_event` waits at a time before it
+/// looks again whether the program made the descriptor non-blocking.
+const WAIT_SLICE: Duration = Duration::from_secs(1);
+/// Empty looks in a row that came back well before their time (a
+/// descriptor readable with nothing to read) after which the call fails
+/// with `EIO` rather than go on for ever; each is followed by a pause.
+const MAX_EARLY_EMPTY: u32 = 100;
+/// The pause after an empty look that came back early: no busy spin.
+const EARLY_PAUSE: Duration = Duration::from_millis(10);
+
+/// `rdma_get_cm_event`'s loop: `round(None)` looks without waiting (the
+/// descriptor is non-blocking: `EAGAIN` when nothing is there),
+/// `round(Some(slice))` waits up to `slice`. A blocking call waits as long
+/// as the program's event takes, as the kernel's does, but in slices that
+/// really wait: an empty look that came back early is followed by a
+/// pause, and [`MAX_EARLY_EMPTY`] of them in a row fail the call (`EIO`).
+/// A daemon that went away ends the wait through `round`, whose channel
+/// then reports DEVICE_REMOVAL, then fails with `ENODEV`.
+fn wait_event<T>(
+    nonblocking: impl Fn() -> bool,
+    mut round: impl FnMut(Option<Duration>) -> Res<Round<T>>,
+    slice: Duration,
+) -> Res<T> {
+    let mut early = 0u32;
+    loop {
+        if nonblocking() {
+            match round(None)? {
+                Round::Got(e) => return Ok(e),
+                Round::Skipped => continue,
+                Round::Nothing => return Err(Error::quiet(libc::EAGAIN)),
+            }
+        }
+        let started = Instant::now();
+        match round(Some(slice))? {
+            Round::Got(e) => return Ok(e),
+            Round::Skipped => early = 0,
+            Round::Nothing if started.elapsed() >= slice / 2 => early = 0,
+            Round::Nothing => {
+                early += 1;
+                if early >= MAX_EARLY_EMPTY {
+                    return Err(Error::sys(
+                        libc::EIO,
+                        "the event channel keeps waking with no event (is the daemon well?)",
+                    ));
+                }
+                std::thread::sleep(EARLY_PAUSE);
+            }
         }
     }
 }
@@ -1453,4 +1582,74 @@ pub unsafe extern "C" fn rdma_destroy_ep(p: *mut rdma_cm_id) {
         destroy_qp(unsafe { id(p) }?)?;
         destroy_id(p)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A channel that always comes back at once with nothing (a
+    /// descriptor readable with nothing to read) ends the wait with EIO
+    /// after a bounded number of looks, pausing between them, where the
+    /// loop once went round for ever.
+    #[test]
+    fn a_wait_that_keeps_finding_nothing_ends() {
+        let mut looks = 0u32;
+        let started = Instant::now();
+        let r: Res<()> = wait_event(
+            || false,
+            |_| {
+                looks += 1;
+                assert!(looks <= MAX_EARLY_EMPTY, "looked {looks} times");
+                Ok(Round::Nothing)
+            },
+            WAIT_SLICE,
+        );
+        assert_eq!(r.unwrap_err().errno(), libc::EIO);
+        assert_eq!(looks, MAX_EARLY_EMPTY);
+        assert!(started.elapsed() >= EARLY_PAUSE * (MAX_EARLY_EMPTY - 1), "paused between looks");
+    }
+
+    /// Empty looks that waited their time are a blocking call's wait (it
+    /// goes on); skipped events are progress; the event ends it.
+    #[test]
+    fn a_wait_goes_on_through_real_waits_and_skipped_events() {
+        let slice = Duration::from_millis(2);
+        let mut n = 0u32;
+        let r = wait_event(
+            || false,
+            |w| {
+                n += 1;
+                assert_eq!(w, Some(slice));
+                Ok(match n {
+                    k if k < 3 * MAX_EARLY_EMPTY && k % 2 == 0 => Round::Skipped,
+                    k if k < 3 * MAX_EARLY_EMPTY => {
+                        std::thread::sleep(slice);
+                        Round::Nothing
+                    }
+                    _ => Round::Got(7),
+                })
+            },
+            slice,
+        );
+        assert_eq!(r.unwrap(), 7);
+    }
+
+    /// A non-blocking descriptor: EAGAIN when nothing is there, after the
+    /// skipped events.
+    #[test]
+    fn non_blocking_is_eagain() {
+        let mut n = 0;
+        let r: Res<()> = wait_event(
+            || true,
+            |w| {
+                assert_eq!(w, None);
+                n += 1;
+                Ok(if n < 3 { Round::Skipped } else { Round::Nothing })
+            },
+            WAIT_SLICE,
+        );
+        assert_eq!(r.unwrap_err().errno(), libc::EAGAIN);
+        assert_eq!(n, 3);
+    }
 }

@@ -31,7 +31,8 @@
 //!
 //! - **The device** is the program's libibverbs: `id->verbs` is the
 //!   `ibv_context` that library's `ibv_open_device` returned for its first
-//!   device, opened once per process (module `verbs`), so the program's
+//!   device, opened once per connection to the daemon (module `verbs`;
+//!   after a daemon restart, new ids get the new daemon's), so the program's
 //!   `ibv_alloc_pd(id->verbs)` and `ibv_create_cq(id->verbs, ...)` work
 //!   as with rdma-core.
 //! - **The connection manager** is the daemon's, reached through a

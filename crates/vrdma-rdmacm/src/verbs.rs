@@ -11,6 +11,13 @@
 //! linking it at build time: the dynamic linker hands back the copy the
 //! program already loaded (same soname), and building this crate needs
 //! no libibverbs at all.
+//!
+//! The functions are looked up once per process ([`verbs`]); the device
+//! context is opened once per connection to the daemon ([`Device`], held
+//! by `cma`'s generation of that connection): after the daemon was
+//! restarted, the ids of the old connection keep the old context (dead,
+//! as a device's after a reset), and new ids get a context of the new
+//! daemon, opened from a fresh device list.
 
 use std::ffi::{c_int, c_void, CStr};
 use std::sync::OnceLock;
@@ -31,7 +38,7 @@ type DestroyCompChannel = unsafe extern "C" fn(*mut c_void) -> c_int;
 type CreateCq = unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void;
 type DestroyCq = unsafe extern "C" fn(*mut c_void) -> c_int;
 
-/// The libibverbs entry points, and the process's one device context.
+/// The libibverbs entry points.
 pub struct Verbs {
     pub alloc_pd: AllocPd,
     pub dealloc_pd: DeallocPd,
@@ -42,18 +49,29 @@ pub struct Verbs {
     pub destroy_comp_channel: DestroyCompChannel,
     pub create_cq: CreateCq,
     pub destroy_cq: DestroyCq,
-    /// `struct ibv_context *` of the first device, opened once.
-    pub context: *mut c_void,
-    /// The device's PD, allocated on first use and never freed (as the
-    /// context is never closed): see [`Verbs::device_pd`].
-    device_pd: OnceLock<usize>,
+    get_device_list: GetDeviceList,
+    free_device_list: FreeDeviceList,
+    open_device: OpenDevice,
 }
 
-// SAFETY: function pointers and a context pointer that libibverbs lets
-// any thread use; the context is never closed.
-unsafe impl Send for Verbs {}
-// SAFETY: as above; nothing here is mutated after creation.
-unsafe impl Sync for Verbs {}
+/// A device context of the program's libibverbs: the first device of a
+/// fresh list, opened for one connection to the daemon.
+pub struct Device {
+    /// `struct ibv_context *`, never closed: the program's objects made
+    /// on it (`ibv_alloc_pd(id->verbs)`) may outlive every id, and
+    /// rdma-core's librdmacm keeps its device contexts open as long as
+    /// the process runs too. One per daemon the process met.
+    pub context: *mut c_void,
+    /// The device's PD, allocated on first use and never freed (as the
+    /// context is never closed): see [`Device::pd`].
+    pd: OnceLock<usize>,
+}
+
+// SAFETY: a context pointer that libibverbs lets any thread use; it is
+// never closed, and the PD is set once.
+unsafe impl Send for Device {}
+// SAFETY: as above.
+unsafe impl Sync for Device {}
 
 /// The symbol `name@version` of `lib`.
 ///
@@ -97,22 +115,6 @@ fn load() -> Result<Verbs, Error> {
     // <infiniband/verbs.h> (pointers to structures as void where this
     // library does not look inside).
     unsafe {
-        let get_list: GetDeviceList = sym(lib, c"ibv_get_device_list", v)?;
-        let free_list: FreeDeviceList = sym(lib, c"ibv_free_device_list", v)?;
-        let open: OpenDevice = sym(lib, c"ibv_open_device", v)?;
-        let mut n: c_int = 0;
-        let list = get_list(&mut n);
-        if list.is_null() || n < 1 {
-            if !list.is_null() {
-                free_list(list);
-            }
-            return Err(Error::Setup("libibverbs.so.1 lists no device (is it vRDMA's?)".into()));
-        }
-        let context = open(*list);
-        free_list(list);
-        if context.is_null() {
-            return Err(Error::Setup(format!("ibv_open_device failed: {}", std::io::Error::last_os_error())));
-        }
         Ok(Verbs {
             alloc_pd: sym(lib, c"ibv_alloc_pd", v)?,
             dealloc_pd: sym(lib, c"ibv_dealloc_pd", v)?,
@@ -123,41 +125,70 @@ fn load() -> Result<Verbs, Error> {
             destroy_comp_channel: sym(lib, c"ibv_destroy_comp_channel", c"IBVERBS_1.0")?,
             create_cq: sym(lib, c"ibv_create_cq", v)?,
             destroy_cq: sym(lib, c"ibv_destroy_cq", v)?,
-            context,
-            device_pd: OnceLock::new(),
+            get_device_list: sym(lib, c"ibv_get_device_list", v)?,
+            free_device_list: sym(lib, c"ibv_free_device_list", v)?,
+            open_device: sym(lib, c"ibv_open_device", v)?,
         })
     }
 }
 
 impl Verbs {
+    /// Opens the first device of a fresh device list (the daemon that
+    /// answers now).
+    pub fn open_first(&self) -> Result<Device, Error> {
+        let mut n: c_int = 0;
+        // SAFETY: libibverbs' prototypes (see `load`); the list is freed
+        // once, after the open.
+        unsafe {
+            let list = (self.get_device_list)(&mut n);
+            if list.is_null() || n < 1 {
+                if !list.is_null() {
+                    (self.free_device_list)(list);
+                }
+                return Err(Error::Setup("libibverbs.so.1 lists no device (is it vRDMA's?)".into()));
+            }
+            let context = (self.open_device)(*list);
+            (self.free_device_list)(list);
+            if context.is_null() {
+                return Err(Error::Setup(format!(
+                    "ibv_open_device failed: {}",
+                    std::io::Error::last_os_error()
+                )));
+            }
+            Ok(Device { context, pd: OnceLock::new() })
+        }
+    }
+}
+
+impl Device {
     /// The PD an id gets in `id->pd` once it is bound to the device.
     ///
     /// librdmacm allocates one PD per device when an id first binds to it
     /// and shares it among the ids (`ucma_get_device`), and programs rely
     /// on it: UCX's rdmacm connection manager creates its placeholder UD
-    /// QP with `ibv_create_qp(id->pd, ...)`. One PD for the process's one
-    /// device context does the same.
-    pub fn device_pd(&self) -> Result<*mut ibv_pd, Error> {
-        if let Some(&p) = self.device_pd.get() {
+    /// QP with `ibv_create_qp(id->pd, ...)`. One PD for the device context
+    /// does the same.
+    pub fn pd(&self, v: &Verbs) -> Result<*mut ibv_pd, Error> {
+        if let Some(&p) = self.pd.get() {
             return Ok(p as *mut ibv_pd);
         }
         // Two threads may race here; the loser's PD is freed again.
-        // SAFETY: the process's open device context.
-        let pd = unsafe { (self.alloc_pd)(self.context) };
+        // SAFETY: the open device context.
+        let pd = unsafe { (v.alloc_pd)(self.context) };
         if pd.is_null() {
             return Err(Error::Setup(format!("ibv_alloc_pd failed: {}", std::io::Error::last_os_error())));
         }
-        let kept = *self.device_pd.get_or_init(|| pd as usize);
+        let kept = *self.pd.get_or_init(|| pd as usize);
         if kept != pd as usize {
             // SAFETY: the PD just allocated, never handed out.
-            unsafe { (self.dealloc_pd)(pd) };
+            unsafe { (v.dealloc_pd)(pd) };
         }
         Ok(kept as *mut ibv_pd)
     }
 }
 
-/// The libibverbs of this process, loaded and its device opened on first
-/// use (an error is kept and returned to every later caller too).
+/// The libibverbs of this process, loaded on first use (an error is kept
+/// and returned to every later caller too).
 pub fn verbs() -> Result<&'static Verbs, Error> {
     static VERBS: OnceLock<Result<Verbs, Error>> = OnceLock::new();
     VERBS.get_or_init(load).as_ref().map_err(Clone::clone)

@@ -298,6 +298,80 @@ fn c_device_removal_when_the_daemon_goes_away() {
     assert!(f.stdout.contains("cm_restart: OK"), "{}", f.describe());
 }
 
+/// `tests/c/cm_reconnect.c`: the daemon is restarted under a program of
+/// this library, which hears DEVICE_REMOVAL, cleans up (every destroy
+/// succeeds, the old device's verbs fail rather than hang), and then, in
+/// the same process, connects again through the new daemon and exchanges
+/// a message, as a program does after a device reset on rdma-core.
+#[test]
+fn c_a_program_connects_again_after_the_daemon_restarts() {
+    let Some(s) = setup() else { return };
+    if !Path::new("/usr/include/rdma/rdma_cma.h").exists() {
+        vrdma_it::skip("/usr/include/rdma/rdma_cma.h is missing (apt-get install librdmacm-dev)");
+        return;
+    }
+    let Some(exe) = compile_c(s, "cm_reconnect") else { return };
+    let sock = s.dir.path().join("reconnect.sock");
+    let config = || vrdmad::DaemonConfig { socket: Some(sock.clone()), ..Default::default() };
+    let daemon = vrdmad::Daemon::start(config()).expect("start daemon");
+    let marker = s.dir.path().join("cm_reconnect.connected");
+    let mut c = s.command(exe.to_str().expect("utf-8 path"));
+    c.env("VRDMA_SOCKET", &sock)
+        .env_remove("VRDMA_RDMACM_DEBUG")
+        .env_remove("VRDMA_VERBS_DEBUG")
+        .arg(free_port().to_string())
+        .arg(free_port().to_string())
+        .arg(&marker);
+    let mut run = spawn(c, "cm_reconnect");
+    let end = Instant::now() + LIMIT;
+    while !marker.exists() && !run.exited() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(daemon);
+    let back = vrdmad::Daemon::start(config()).expect("the daemon back on its socket");
+    let f = run.finish(LIMIT);
+    drop(back);
+    f.assert_ok();
+    assert!(f.stdout.contains("cm_reconnect: OK"), "{}", f.describe());
+}
+
+/// The daemon goes away while Debian's rping pings through it, without
+/// end: server and client both hear DEVICE_REMOVAL and end on their own
+/// with an error exit code (no crash, no hang) before their deadline.
+#[test]
+fn rping_ends_when_the_daemon_goes_away_mid_run() {
+    let Some(s) = setup() else { return };
+    let _turn = one_at_a_time();
+    let sock = s.dir.path().join("rping-gone.sock");
+    let daemon =
+        vrdmad::Daemon::start(vrdmad::DaemonConfig { socket: Some(sock.clone()), ..Default::default() })
+            .expect("start daemon");
+    let port = free_port().to_string();
+    let common = ["-a", "127.0.0.1", "-p", port.as_str()];
+    let mut server_cmd = s.command(RPING);
+    server_cmd.env("VRDMA_SOCKET", &sock).arg("-s").args(common);
+    let mut server = spawn(server_cmd, "rping -s (daemon goes)");
+    let target = common::listen_target(RPING, &common).expect("rping's listen address");
+    common::wait_listening(&sock, target, &mut server, LISTEN_WAIT);
+    let mut client_cmd = s.command(RPING);
+    client_cmd.env("VRDMA_SOCKET", &sock).arg("-c").args(common);
+    let mut client = spawn(client_cmd, "rping -c (daemon goes)");
+    // Pinging for a while (no count: until something ends it).
+    let end = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < end && !client.exited() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!client.exited(), "the client ended before the daemon went\n{}", client.finish(LIMIT).describe());
+    drop(daemon);
+    for f in [client.finish(LIMIT), server.finish(LIMIT)] {
+        // An exit code, not a signal (a crash); `finish` fails a hang.
+        assert!(f.status.code().is_some_and(|c| c != 0), "{}", f.describe());
+        // rping's own report of RDMA_CM_EVENT_DEVICE_REMOVAL.
+        assert!(f.stderr.contains("device removal"), "{}", f.describe());
+        assert!(!f.stderr.contains("panicked"), "{}", f.describe());
+    }
+}
+
 /// `vrdma run` from the workspace's CLI, when cargo built it (it does for
 /// `cargo test --workspace`; alone, this package's tests do not build it)
 /// and it is recent enough to link `librdmacm.so.1`.

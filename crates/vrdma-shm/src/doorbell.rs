@@ -117,6 +117,9 @@ impl Doorbell {
         let mut buf = [0u8; 16];
         loop {
             match rustix::net::recv(&self.0, &mut buf, RecvFlags::DONTWAIT) {
+                // Every ring is one byte: nothing read is the end of the
+                // stream of a pair with hang-up whose peer closed.
+                Ok((0, _)) => return false,
                 Ok(_) => return true,
                 Err(Errno::INTR) => continue,
                 Err(Errno::AGAIN) => return false,
@@ -162,6 +165,8 @@ impl Doorbell {
         let mut n = 0u64;
         for _ in 0..most {
             match rustix::net::recv(&self.0, &mut buf, RecvFlags::DONTWAIT) {
+                // The end of the stream (a hung-up pair): nothing more to take.
+                Ok((0, _)) => break,
                 Ok(_) => n += 1,
                 Err(Errno::INTR) => continue,
                 Err(Errno::AGAIN) => break,
@@ -212,6 +217,14 @@ impl Doorbell {
                     }
                     if self.drain() > 0 {
                         return Ok(true);
+                    }
+                    // Hung up (a pair with hang-up whose peer closed), with
+                    // nothing left to take: readable for good, never rung.
+                    if rev.contains(PollFlags::HUP) {
+                        return Err(io::Error::new(
+                            io::ErrorKind::ConnectionAborted,
+                            "doorbell closed by its peer",
+                        ));
                     }
                     // Someone else drained it first: wait again.
                     if left == Some(Duration::ZERO) {
@@ -264,6 +277,9 @@ mod tests {
         assert!(!b.take_one() && !b.is_readable() && !b.hung_up());
         drop(a);
         assert!(b.is_readable() && b.hung_up());
+        // The end of the stream is no wake-up: taking and draining stop.
+        assert!(!b.take_one());
+        assert_eq!(b.drain(), 0);
         assert!(b.wait_readable(Some(Duration::from_secs(1))).is_err(), "closed by its peer");
         let (a, b) = Doorbell::pair().unwrap();
         drop(a);

@@ -566,6 +566,36 @@ fn c_program_checks_qp_ex() {
     c_program("qp_ex_check");
 }
 
+/// `tests/c/restart_check.c`: the daemon is restarted under a program
+/// that holds a context with objects and two threads waiting, one in
+/// `ibv_get_async_event`, one in `ibv_get_cq_event`. The first wakes with
+/// `IBV_EVENT_DEVICE_FATAL` (and `async_fd` turns readable), later calls
+/// fail with `EIO`, the second returns an error, the old context's verbs
+/// fail and its destroys succeed; then, in the same process, a fresh
+/// device list opens the new daemon's device, which works.
+#[test]
+fn c_program_sees_device_fatal_and_reopens_after_a_daemon_restart() {
+    let Some((s, exe)) = build_c_program("restart_check") else { return };
+    let dir = tempfile::tempdir_in(s.dir.path()).expect("dir");
+    let sock = dir.path().join("restart.sock");
+    let config = || vrdmad::DaemonConfig { socket: Some(sock.clone()), ..Default::default() };
+    let daemon = vrdmad::Daemon::start(config()).expect("start daemon");
+    let marker = dir.path().join("restart_check.waiting");
+    let mut c = s.command(exe.to_str().expect("utf-8 path"));
+    c.env("VRDMA_SOCKET", &sock).env_remove("VRDMA_VERBS_DEBUG").arg(&marker);
+    let mut run = spawn(c, "restart_check");
+    let end = Instant::now() + LIMIT;
+    while !marker.exists() && !run.exited() && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(daemon);
+    let back = vrdmad::Daemon::start(config()).expect("the daemon back on its socket");
+    let f = run.finish(LIMIT);
+    drop(back);
+    f.assert_ok();
+    assert!(f.stdout.contains("restart_check: OK"), "{}", f.describe());
+}
+
 /// Compiles `tests/c/<name>.c` against rdma-core's headers, links it
 /// against this library and runs it; it must exit 0 and print
 /// `<name>: OK`. Skips, saying so, without a C compiler or the headers.

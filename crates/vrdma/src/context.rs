@@ -2,7 +2,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::Path;
-use std::sync::atomic::{fence, Ordering};
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,8 +40,12 @@ pub(crate) struct ContextInner {
     posted_ring: RingView,
     /// Wakes the daemon's engine when it sleeps.
     doorbell: Doorbell,
-    /// Signalled by the daemon after it pushes an async event.
+    /// Signalled by the daemon after it pushes an async event; hangs up
+    /// when the daemon goes away.
     async_fd: Doorbell,
+    /// Whether `IBV_EVENT_DEVICE_FATAL` was reported for the daemon's
+    /// going (once; the calls after it fail).
+    fatal_reported: AtomicBool,
 }
 
 impl ContextInner {
@@ -183,6 +187,7 @@ impl Context {
                 posted_ring,
                 doorbell: Doorbell::from_fd(bell_fd),
                 async_fd: Doorbell::from_fd(async_fd),
+                fatal_reported: AtomicBool::new(false),
             }),
         })
     }
@@ -195,6 +200,14 @@ impl Context {
     /// The tenant the daemon placed this process in (from its credentials).
     pub fn tenant(&self) -> u32 {
         self.inner.tenant
+    }
+
+    /// Whether the daemon behind this context has gone away (it died or
+    /// was stopped): then every object of the context is dead, as a
+    /// device's after a reset, and a new context reaches the daemon that
+    /// took its place. A look, without waiting.
+    pub fn daemon_gone(&self) -> bool {
+        self.inner.async_fd.hung_up() || self.inner.control.hung_up()
     }
 
     /// The device's name, as `ibv_get_device_name` would report it.
@@ -291,8 +304,13 @@ impl Context {
     /// need no acknowledgement. With `poll`/`epoll` on
     /// [`async_event_fd`](Self::async_event_fd), call it with a zero
     /// timeout until it returns `Ok(None)` (which also clears a stale
-    /// readiness of the fd). Fails, instead of waiting, once the daemon
-    /// has gone away.
+    /// readiness of the fd).
+    ///
+    /// When the daemon goes away (it died or was restarted) the fd turns
+    /// readable for good, and this reports the events still pending, then
+    /// [`AsyncEventType::DeviceFatal`] once (element 0), as rdma-core does
+    /// when a device is reset; after that it fails (`EIO`, as the
+    /// kernel's event file of a device gone) instead of waiting.
     pub fn get_async_event(&self, timeout: Option<Duration>) -> Result<Option<AsyncEvent>> {
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut slot = vec![0u8; self.inner.async_ring.stride()];
@@ -308,14 +326,35 @@ impl Context {
             if let Some(ev) = self.pop_async_event(&mut slot)? {
                 return Ok(Some(ev));
             }
+            if self.daemon_gone() {
+                return self.device_fatal();
+            }
             // `None` when there is no limit (or one too far ahead to represent).
             let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
             if left == Some(Duration::ZERO) {
                 return Ok(None);
             }
-            // Rung or timed out, look at the ring again before deciding.
-            self.inner.control.wait_bell(&self.inner.async_fd, left)?;
+            // Rung or timed out, look at the ring again before deciding;
+            // the daemon's going ends the wait, and is looked at above.
+            match self.inner.control.wait_bell(&self.inner.async_fd, left) {
+                Err(e) if !self.daemon_gone() => return Err(e),
+                _ => {}
+            }
         }
+    }
+
+    /// The daemon is gone: `DeviceFatal` the first time, then `EIO`.
+    fn device_fatal(&self) -> Result<Option<AsyncEvent>> {
+        if !self.inner.fatal_reported.swap(true, Ordering::AcqRel) {
+            return Ok(Some(AsyncEvent {
+                event_type: vrdma_core::verbs::AsyncEventType::DeviceFatal,
+                element: 0,
+            }));
+        }
+        Err(Error::Daemon {
+            errno: libc::EIO,
+            message: "the vRDMA daemon went away: the device is gone".into(),
+        })
     }
 
     /// Pops the next known event from the async-event ring.

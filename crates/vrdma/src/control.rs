@@ -125,10 +125,7 @@ impl Control {
                 Ok(0) => return Ok(false),
                 Ok(_) => {
                     if fds[1].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR) {
-                        return Err(Error::Io(io::Error::new(
-                            io::ErrorKind::ConnectionAborted,
-                            "vrdmad closed the connection: the device is gone",
-                        )));
+                        return Err(gone());
                     }
                     let rev = fds[0].revents();
                     if rev.intersects(PollFlags::ERR | PollFlags::NVAL) {
@@ -136,6 +133,12 @@ impl Control {
                     }
                     if !drain || bell.drain() > 0 {
                         return Ok(true);
+                    }
+                    // A bell that hangs up when the daemon goes (the
+                    // async-event signal) and has nothing left: the daemon
+                    // is going, whichever of its descriptors closes first.
+                    if rev.contains(PollFlags::HUP) {
+                        return Err(gone());
                     }
                     // Someone else drained it first: wait again.
                     if left == Some(Duration::ZERO) {
@@ -146,6 +149,15 @@ impl Control {
                 Err(e) => return Err(e.into()),
             }
         }
+    }
+
+    /// Whether the daemon hung up this connection (it died, or was
+    /// stopped): a look, without waiting.
+    pub fn hung_up(&self) -> bool {
+        use rustix::event::{PollFd, PollFlags, Timespec};
+        let mut fds = [PollFd::from_borrowed_fd(self.hangup_fd(), PollFlags::RDHUP)];
+        matches!(rustix::event::poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0)
+            && fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -216,6 +228,14 @@ impl Control {
             tracing::warn!(error = %e, request = ?req, "vrdma: destroying an object failed");
         }
     }
+}
+
+/// The error of a wait that the daemon's going ended.
+pub(crate) fn gone() -> Error {
+    Error::Io(io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "vrdmad closed the connection: the device is gone",
+    ))
 }
 
 /// The error for a reply of the wrong kind.

@@ -420,7 +420,9 @@ impl Session {
         // end of its event signal; the daemon keeps the other ends.
         let (doorbell, doorbell_tenant) = Doorbell::pair()?;
         let doorbell = Arc::new(doorbell);
-        let (event_fd, event_tenant) = Doorbell::pair()?;
+        // The event signal hangs up when the daemon goes away, so that a
+        // tenant polling `async_fd` wakes and hears IBV_EVENT_DEVICE_FATAL.
+        let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
         let fds = vec![seg_fd, doorbell_tenant.into(), event_tenant.into()];
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
