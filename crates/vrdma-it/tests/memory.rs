@@ -360,7 +360,7 @@ fn deregistration_revokes_remote_access_at_once(t: Topology) -> Result<()> {
 }
 
 #[test]
-fn overlapping_registrations_share_or_are_refused() -> Result<()> {
+fn overlapping_registrations_share_grow_or_are_refused() -> Result<()> {
     let _g = serial();
     let d = DaemonProc::start()?;
     let ctx = d.context()?;
@@ -384,12 +384,31 @@ fn overlapping_registrations_share_or_are_refused() -> Result<()> {
         assert_eq!(seen[0], 0);
         assert_eq!(seen[1..91], [0x66; 90]);
         assert_eq!(seen[91], 0);
-        // Pages that straddle the first one's bounds cannot be re-backed
-        // as another span.
-        let straddle = unsafe { pd.register_raw(ptr.add(page), 2 * page, access_all()) };
-        expect_refused(straddle, "a range straddling a live registration")?;
-        // Once both are gone, it can.
-        drop((first, inner));
+        // A range from inside the first one's pages to past them (two
+        // small buffers sharing a page, the second crossing into the
+        // next): the span grows, and one remote write across the old and
+        // the new pages lands in both, seen by both regions and the
+        // application's pointer.
+        let straddle = unsafe { pd.register_raw(ptr.add(2 * page - 50), 100, access_all()) }?;
+        m.peer.mr.fill(0, 100, 0x77)?;
+        let w = wr::rdma_write(2, &[m.peer.mr.sge(0, 100)?], straddle.addr(), straddle.rkey())?.signaled();
+        m.peer.qp.post_send(&[w])?;
+        assert_eq!(poll_one(&m.peer.cq, WAIT)?.status, WcStatus::Success);
+        let mut tail = [0u8; 50];
+        first.read(2 * page - 50, &mut tail)?;
+        assert_eq!(tail, [0x77; 50], "the first region sees the write into its last page");
+        // SAFETY: inside the mapping.
+        assert!(unsafe { snapshot(ptr.add(2 * page - 50), 100) } == [0x77; 100], "the pointer sees it");
+        // SAFETY: inside the mapping.
+        assert_eq!(unsafe { ptr.add(page + 10).read() }, 0x66, "earlier bytes stay");
+        // A range beginning before a live span it overlaps cannot be one
+        // file's pages: refused.
+        drop((first, inner, straddle));
+        let middle = unsafe { pd.register_raw(ptr.add(2 * page + 8), 8, access_all()) }?;
+        let before = unsafe { pd.register_raw(ptr.add(page), 2 * page, access_all()) };
+        expect_refused(before, "a range starting before a live registration it overlaps")?;
+        // Once that is gone, it can.
+        drop(middle);
         let again = unsafe { pd.register_raw(ptr.add(page), 2 * page, access_all()) }?;
         let mut b = [0u8; 1];
         again.read(10, &mut b)?;

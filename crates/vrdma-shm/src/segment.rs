@@ -194,9 +194,27 @@ impl Segment {
         Segment::create_in(name, len, None)
     }
 
+    /// [`create`](Segment::create), but sealed against shrinking only:
+    /// its owner may grow it later (`ftruncate`), which changes nothing for
+    /// a peer that mapped part of it (`F_SEAL_SHRINK` is all
+    /// [`Mapping::map_untrusted`] relies on). Re-backed registered memory
+    /// uses it to extend a span over the pages after it.
+    pub fn create_growable(name: &str, len: usize) -> io::Result<Segment> {
+        Segment::create_sealed(name, len, None, SealFlags::SHRINK)
+    }
+
     /// [`create`](Segment::create), the mapping charged to `budget` (when
     /// given) for as long as it lives; refused if the budget is spent.
     pub fn create_in(name: &str, len: usize, budget: Option<&Arc<MappingBudget>>) -> io::Result<Segment> {
+        Segment::create_sealed(name, len, budget, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+    }
+
+    fn create_sealed(
+        name: &str,
+        len: usize,
+        budget: Option<&Arc<MappingBudget>>,
+        seals: SealFlags,
+    ) -> io::Result<Segment> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "zero-length segment"));
         }
@@ -210,7 +228,7 @@ impl Segment {
             other => other?,
         };
         rustix::fs::ftruncate(&fd, size as u64)?;
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        rustix::fs::fcntl_add_seals(&fd, seals)?;
         let map = Mapping::map(&fd, 0, size, budget)?;
         Ok(Segment { fd, map })
     }

@@ -18,10 +18,17 @@
 //! main thread's `[stack]` and the calling thread's stack, file mappings
 //! (whose contents belong to the file; but the writable data segment of
 //! the program or a loaded library, private to the process, is re-backed
-//! too) and read-only or unmapped pages are refused, as is a range that
-//! partially overlaps pages re-backed earlier with different bounds
-//! (their file could not describe both). A range lying fully inside an
-//! earlier, still registered span reuses that span's memfd.
+//! too) and read-only or unmapped pages are refused. A range lying fully
+//! inside an earlier, still registered span reuses that span's memfd. A
+//! range that starts inside a span and ends past it *grows* the span: its
+//! memfd (sealed against shrinking only) is extended and the pages after
+//! the span are mapped from the extension, so the regions over the old
+//! pages (which the daemon mapped from the same file) and the new one
+//! share one file. Small buffers that share a page are the common case
+//! (two heap allocations, each registered on its own). A range that
+//! begins before a span it overlaps, or that spans two, is still refused:
+//! a file can grow only at its end, and the daemon's mapping of a region
+//! is one contiguous piece of one file.
 //!
 //! A process-global registry remembers the live spans. It holds them
 //! weakly: when the last memory region over a span is deregistered the
@@ -60,6 +67,8 @@ pub(crate) struct Span {
     fd: OwnedFd,
     /// The memfd's inode, to recognise its mapping in `/proc/self/maps`.
     ino: u64,
+    /// Whether its file may grow (ordinary pages; huge-page spans don't).
+    growable: bool,
 }
 
 impl Span {
@@ -85,8 +94,16 @@ pub(crate) struct Rebacked {
     pub fd_offset: u64,
 }
 
-/// Live spans by start address. Spans never overlap.
-type Spans = BTreeMap<usize, Weak<Span>>;
+/// Live spans by start address, each with its generations (a span that
+/// grew is a new `Span` over the same file: the regions made before hold
+/// the old one). An entry lives while any generation does; the largest
+/// live one says how far the span reaches. Spans never overlap.
+type Spans = BTreeMap<usize, Vec<Weak<Span>>>;
+
+/// The largest live generation of an entry.
+fn largest(gens: &[Weak<Span>]) -> Option<Arc<Span>> {
+    gens.iter().filter_map(Weak::upgrade).max_by_key(|s| s.len)
+}
 static REGISTRY: Mutex<Spans> = Mutex::new(BTreeMap::new());
 
 /// One line of `/proc/self/maps`.
@@ -369,7 +386,10 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
 
     fork::note_rebacking();
     let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-    reg.retain(|_, w| w.strong_count() > 0);
+    reg.retain(|_, gens| {
+        gens.retain(|w| w.strong_count() > 0);
+        !gens.is_empty()
+    });
     let maps = read_maps()?;
 
     // Huge pages are re-backed whole, by a memfd of the same huge pages.
@@ -386,7 +406,8 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     // Spans overlapping the page range: those starting before its end and
     // ending after its start.
     let overlapping: Vec<Arc<Span>> =
-        reg.range(..pend).filter_map(|(_, w)| w.upgrade()).filter(|s| s.end() > pstart).collect();
+        reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| s.end() > pstart).collect();
+    let mut live = Vec::new();
     for span in overlapping {
         if !still_mapped(&maps, span.start, span.end(), span.ino) {
             // The application unmapped it (its regions are then dangling,
@@ -399,21 +420,32 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
             reg.remove(&span.start);
             continue;
         }
-        if span.start <= pstart && pend <= span.end() {
-            return Ok(Rebacked { fd_offset: (start - span.start) as u64, span });
+        live.push(span);
+    }
+    match live.as_slice() {
+        [] => {}
+        [span] if span.start <= pstart && pend <= span.end() => {
+            return Ok(Rebacked { fd_offset: (start - span.start) as u64, span: span.clone() });
         }
-        return Err(Error::invalid(format!(
-            "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
-             (pages [{:#x}, {:#x}) are re-backed as one span)",
-            span.start,
-            span.end()
-        )));
+        [span] if span.start <= pstart && huge.is_none() && span.growable => {
+            let grown = grow(&maps, span, pend)?;
+            reg.entry(grown.start).or_default().push(Arc::downgrade(&grown));
+            return Ok(Rebacked { fd_offset: (start - grown.start) as u64, span: grown });
+        }
+        [span, ..] => {
+            return Err(Error::invalid(format!(
+                "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
+                 (pages [{:#x}, {:#x}) are re-backed as one span, and a span grows only at its end)",
+                span.start,
+                span.end()
+            )));
+        }
     }
 
     check_rebackable(&maps, pstart, pend)?;
     let span_len = pend - pstart;
     let seg = match huge {
-        None => Segment::create(MEMFD_NAME, span_len)?,
+        None => Segment::create_growable(MEMFD_NAME, span_len)?,
         // Whole huge pages are re-backed by ordinary shared memory: the
         // daemon refuses hugetlbfs files, because a hole punched into one
         // (which no seal prevents) makes its next access a SIGBUS.
@@ -459,9 +491,71 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     // The temporary mapping goes; the file lives on in `fd` and in the
     // application's mapping.
     drop(seg);
-    let span = Arc::new(Span { start: pstart, len: span_len, fd, ino });
-    reg.insert(pstart, Arc::downgrade(&span));
+    let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: huge.is_none() });
+    reg.insert(pstart, vec![Arc::downgrade(&span)]);
     Ok(Rebacked { fd_offset: (start - pstart) as u64, span })
+}
+
+/// Extends `span` over the pages from its end to `pend`: the file grows
+/// (where no generation made it that long already), the pages' current
+/// bytes go into the extension, and the extension is mapped over them.
+/// Returns the new generation; the caller holds the registry lock.
+fn grow(maps: &[MapEntry], span: &Arc<Span>, pend: usize) -> Result<Arc<Span>> {
+    let (from, add) = (span.end(), pend - span.end());
+    check_rebackable(maps, from, pend)?;
+    let new_len = pend - span.start;
+    let size = rustix::fs::fstat(&span.fd)?.st_size as u64;
+    if size < new_len as u64 {
+        rustix::fs::ftruncate(&span.fd, new_len as u64).map_err(|e| {
+            Error::Io(std::io::Error::new(
+                std::io::Error::from(e).kind(),
+                format!("cannot grow the re-backed span at {:#x} to {new_len} bytes: {e}", span.start),
+            ))
+        })?;
+    }
+    // As for a new span: other threads' writes to the pages wait until
+    // the new mapping is in place.
+    let fence = fence::WriteFence::raise(from, add);
+    // SAFETY: `[from, pend)` is mapped readable and private anonymous
+    // (checked just now, under the registry lock), and the caller owns it.
+    let bytes = unsafe { std::slice::from_raw_parts(from as *const u8, add) };
+    let copied = pwrite_all(span.fd.as_fd(), bytes, span.len as u64);
+    // SAFETY: as for a new span: the pages are the caller's private
+    // anonymous memory, and the file's extension now holds their bytes, so
+    // every pointer into them stays valid and sees the same contents.
+    let mapped = copied.and_then(|()| unsafe {
+        rustix::mm::mmap(
+            from as *mut std::ffi::c_void,
+            add,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::FIXED,
+            &span.fd,
+            span.len as u64,
+        )
+        .map_err(std::io::Error::from)
+    });
+    drop(fence);
+    let mapped = mapped.map_err(|e| {
+        Error::Io(std::io::Error::new(e.kind(), format!("cannot re-back [{from:#x}, {pend:#x}): {e}")))
+    })?;
+    if mapped as usize != from {
+        return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
+    }
+    let fd = fds::span_fd(span.fd.as_fd())?;
+    Ok(Arc::new(Span { start: span.start, len: new_len, fd, ino: span.ino, growable: true }))
+}
+
+/// Writes all of `bytes` at `offset` of `fd`.
+fn pwrite_all(fd: BorrowedFd<'_>, mut bytes: &[u8], mut offset: u64) -> std::io::Result<()> {
+    while !bytes.is_empty() {
+        let n = rustix::io::pwrite(fd, bytes, offset)?;
+        if n == 0 {
+            return Err(std::io::Error::new(std::io::ErrorKind::WriteZero, "pwrite wrote nothing"));
+        }
+        bytes = &bytes[n..];
+        offset += n as u64;
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -614,17 +708,51 @@ mod tests {
         assert!(Arc::ptr_eq(&inner.span, &r.span));
         assert_eq!(inner.fd_offset, (p + 8) as u64);
 
-        // Partial overlap with different page bounds.
+        // A range from inside the span to past its end grows it: one file,
+        // the old pages and the new, seen alike through old and new.
+        // SAFETY: inside the allocation.
+        unsafe { pages.ptr.add(2 * p + 9).write(0x42) };
         // SAFETY: as above.
-        let e = unsafe { reback(pages.ptr.add(p), 2 * p) }.unwrap_err();
+        let grown = unsafe { reback(pages.ptr.add(p), 2 * p) }.unwrap();
+        assert_eq!((grown.span.start(), grown.span.end()), (pages.ptr as usize, pages.ptr as usize + 3 * p));
+        assert_eq!(grown.fd_offset, p as u64);
+        assert_eq!(grown.span.ino, r.span.ino, "the same file");
+        let whole = Segment::map_trusted(grown.span.fd().try_clone_to_owned().unwrap(), 3 * p).unwrap();
+        // SAFETY: inside the allocation and the mappings.
+        unsafe {
+            assert_eq!(pages.ptr.add(2 * p + 9).read(), 0x42, "the new page kept its byte");
+            assert_eq!(whole.as_ptr().add(2 * p + 9).read_volatile(), 0x42);
+            pages.ptr.add(2 * p + 10).write(0x43);
+            assert_eq!(whole.as_ptr().add(2 * p + 10).read_volatile(), 0x43);
+            // The first generation's view (what the daemon mapped for the
+            // first region) still shares the old pages.
+            pages.ptr.add(101).write(0x44);
+            assert_eq!(other.as_ptr().add(101).read_volatile(), 0x44);
+        }
+        // Inside the old pages, the span is found while either generation
+        // lives.
+        drop(grown);
+        // SAFETY: as above.
+        let again_inner = unsafe { reback(pages.ptr.add(8), 16) }.unwrap();
+        assert_eq!(again_inner.span.ino, r.span.ino);
+        drop(again_inner);
+        drop(whole);
+
+        // A range beginning before a span it overlaps cannot be described
+        // by one file. (With no region left over the old span, the middle
+        // page is re-backed as a span of its own first.)
+        drop((inner, r, other));
+        // SAFETY: as above.
+        let inside = unsafe { reback(pages.ptr.add(p + 8), 16) }.unwrap();
+        assert_eq!(inside.span.start(), pages.ptr as usize + p);
+        // SAFETY: as above.
+        let e = unsafe { reback(pages.ptr, 2 * p) }.unwrap_err();
         assert!(e.to_string().contains("different page bounds"), "{e}");
         assert_eq!(e.errno(), libc::EINVAL);
 
         // Once no region holds the span, its pages may be re-backed anew
         // with other bounds.
-        drop(inner);
-        drop(r);
-        drop(other);
+        drop(inside);
         // SAFETY: as above.
         let again = unsafe { reback(pages.ptr, 3 * p) }.unwrap();
         assert_eq!(again.span.start(), pages.ptr as usize);
