@@ -212,6 +212,38 @@ fn the_event_channels_descriptor_is_readable_exactly_while_events_wait() -> Resu
     Ok(())
 }
 
+/// An event that came in its call's reply (a resolve's) and was not read
+/// goes with its id when the id is destroyed, and moves with it to
+/// another channel, as the kernel's unread events do; the old channel's
+/// descriptor is left with nothing to read.
+#[test]
+fn an_event_carried_by_its_calls_reply_goes_with_its_id_and_moves_with_it() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = EventChannel::create(&ctx)?;
+    let readable = |ch: &EventChannel| -> Result<bool> {
+        let fd = ch.fd();
+        let mut fds = [rustix::event::PollFd::new(&fd, rustix::event::PollFlags::IN)];
+        let zero = rustix::time::Timespec { tv_sec: 0, tv_nsec: 0 };
+        Ok(rustix::event::poll(&mut fds, Some(&zero))? == 1)
+    };
+    let id = CmId::create(&ch, PortSpace::Tcp)?;
+    id.resolve_addr(None, localhost(7))?;
+    assert!(readable(&ch)?);
+    drop(id);
+    assert!(ch.get_event(Some(Duration::from_millis(50)))?.is_none());
+    assert!(!readable(&ch)?);
+    let mut id = CmId::create(&ch, PortSpace::Tcp)?;
+    id.resolve_addr(None, localhost(7))?;
+    let other = EventChannel::create(&ctx)?;
+    id.migrate(&other)?;
+    let ev = expect(&other, EventKind::AddrResolved)?;
+    assert_eq!(ev.id, id.id());
+    assert!(ch.get_event(Some(Duration::from_millis(50)))?.is_none());
+    assert!(!readable(&ch)?);
+    Ok(())
+}
+
 /// With the transport between daemons off (no key), a request for
 /// another host has nowhere to go: UNREACHABLE at once, and the daemon's
 /// log says which line turns the transport on.

@@ -13,6 +13,17 @@
 //! about fifteen of them.) An id without a QP leaves its QP to the
 //! program, which moves it with [`CmId::init_qp_attr`]'s attributes.
 //!
+//! A call whose event follows at once (a resolve's `AddrResolved` or
+//! `RouteResolved`, and, on one host, an accept's `Established`) gets it
+//! in its reply: the channel keeps it, and the program's next
+//! `get_event` returns it without a round trip to the daemon (which
+//! otherwise cost about a tenth of a connection's setup each). Its
+//! wake-up stays in the channel's descriptor until then, so the
+//! descriptor is readable exactly while events wait; a kept event goes
+//! with its id when the id is destroyed, and moves with it on
+//! [`CmId::migrate`] (there the new channel's `get_event` finds it, but
+//! its descriptor does not show it: the wake-up was the old channel's).
+//!
 //! When the daemon goes away (it died or was restarted), each channel's
 //! descriptor turns readable, and the channel reports
 //! `DeviceRemoval` once for each of its ids that had a device (bound to
@@ -113,6 +124,11 @@ struct ChannelInner {
     ids: Mutex<BTreeMap<u32, bool>>,
     /// Once the daemon is gone: the ids still to hear DEVICE_REMOVAL.
     removal: Mutex<Option<VecDeque<u32>>>,
+    /// Events that came in the replies of the calls that made them (see
+    /// the module's notes), oldest first, each with the wake-ups it
+    /// stands for, still in the doorbell; `None` where the event went with
+    /// its id (destroyed or moved).
+    ready: Mutex<VecDeque<(Option<CmEvent>, u32)>>,
 }
 
 impl ChannelInner {
@@ -142,6 +158,41 @@ impl ChannelInner {
             }),
             None => Err(Error::Daemon { errno: libc::ENODEV, message: "the vRDMA daemon went away".into() }),
         }
+    }
+
+    /// Keeps the event a call's reply carried, if any.
+    fn keep(&self, reply: CmReply) {
+        if let CmReply::Event { event, wakeups } = reply {
+            if event.is_some() || wakeups > 0 {
+                self.ready.lock().unwrap_or_else(|p| p.into_inner()).push_back((event, wakeups));
+            }
+        }
+    }
+
+    /// The oldest event kept from a reply, its wake-ups taken.
+    fn pop_ready(&self) -> Option<CmEvent> {
+        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        while let Some((event, wakeups)) = ready.pop_front() {
+            for _ in 0..wakeups {
+                self.fd.take_one();
+            }
+            if event.is_some() {
+                return event;
+            }
+        }
+        None
+    }
+
+    /// Takes `id`'s kept events out (their wake-ups stay to be taken).
+    fn forget(&self, id: u32) -> Vec<CmEvent> {
+        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        let mut gone = Vec::new();
+        for (event, _) in ready.iter_mut() {
+            if event.as_ref().is_some_and(|e| e.id == id) {
+                gone.extend(event.take());
+            }
+        }
+        gone
     }
 
     fn removed(&self) -> bool {
@@ -192,6 +243,7 @@ impl EventChannel {
             qps: Mutex::default(),
             ids: Mutex::default(),
             removal: Mutex::default(),
+            ready: Mutex::default(),
         };
         Ok(EventChannel { inner: Arc::new(inner) })
     }
@@ -218,6 +270,9 @@ impl EventChannel {
             let hung_up = self.inner.fd.hung_up();
             if self.inner.removed() || hung_up && daemon_hung_up(control, Some(Duration::ZERO)) {
                 return self.inner.removal_event().map(Some);
+            }
+            if let Some(ev) = self.inner.pop_ready() {
+                return Ok(Some(ev));
             }
             // The descriptor is readable exactly while an event waits (the
             // daemon keeps it so): a round trip to the daemon is made only
@@ -250,6 +305,9 @@ impl EventChannel {
     pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
         if self.inner.removed() {
             return self.inner.removal_event().map(Some);
+        }
+        if let Some(ev) = self.inner.pop_ready() {
+            return Ok(Some(ev));
         }
         let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
             Err(e) if daemon_gone(&e) => {
@@ -303,6 +361,8 @@ impl Drop for CmId {
     fn drop(&mut self) {
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+        // Its events not yet read go with it, as the kernel's do.
+        self.channel.inner.forget(self.id);
         if self.channel.inner.removed() {
             return; // the daemon, and the id with it, are gone
         }
@@ -348,6 +408,12 @@ impl CmId {
     /// are).
     pub fn migrate(&mut self, channel: &EventChannel) -> Result<()> {
         self.call(CmRequest::MigrateId { id: self.id, channel: channel.inner.channel })?;
+        // Its kept events move with it (their wake-ups stay in the old
+        // channel's doorbell, taken there: the new channel's descriptor
+        // does not show these, though its get_event finds them).
+        for ev in self.channel.inner.forget(self.id) {
+            channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner()).push_back((Some(ev), 0));
+        }
         let qp = self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         if let Some(qpn) = qp {
             channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
@@ -374,14 +440,17 @@ impl CmId {
 
     /// `rdma_resolve_addr`; `AddrResolved` follows on the channel.
     pub fn resolve_addr(&self, src: Option<SocketAddrV4>, dst: SocketAddrV4) -> Result<()> {
-        self.call(CmRequest::ResolveAddr { id: self.id, src, dst })?;
+        let reply = self.call(CmRequest::ResolveAddr { id: self.id, src, dst })?;
         self.channel.inner.set_device(self.id);
+        self.channel.inner.keep(reply);
         Ok(())
     }
 
     /// `rdma_resolve_route`; `RouteResolved` follows.
     pub fn resolve_route(&self) -> Result<()> {
-        self.call(CmRequest::ResolveRoute { id: self.id }).map(drop)
+        let reply = self.call(CmRequest::ResolveRoute { id: self.id })?;
+        self.channel.inner.keep(reply);
+        Ok(())
     }
 
     /// `rdma_listen`.
@@ -437,7 +506,9 @@ impl CmId {
     pub fn accept(&self, param: &ConnParam) -> Result<()> {
         let qpn = self.qp().unwrap_or(param.qp_num);
         let qkey = if self.ps.is_ud() { UD_QKEY } else { 0 };
-        self.call(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey }).map(drop)
+        let reply = self.call(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey })?;
+        self.channel.inner.keep(reply);
+        Ok(())
     }
 
     /// `rdma_establish`: after a `ConnectResponse` on an id without a QP.

@@ -357,6 +357,29 @@ impl CmDriver {
         Ok(reply)
     }
 
+    /// The event at the head of `id`'s channel, taken out for the reply of
+    /// the call that made it, if it is `id`'s and its wake-up is in the
+    /// doorbell. The wake-up stays there: the library keeps the event and
+    /// takes the wake-up when the program reads the event, so the
+    /// descriptor stays readable exactly while events wait, and the
+    /// program's `rdma_get_cm_event` costs no round trip. (An address or a
+    /// route is resolved at once, and a same-host accept establishes both
+    /// sides within its call: each of these saves a round trip of the
+    /// few that a connection's setup waits on.)
+    pub fn take_ready(&mut self, ctx: ContextId, id: u32) -> Option<CmEvent> {
+        let channel = *self.id_channel.get(&id)?;
+        let c = self.channels.get_mut(&channel).filter(|c| c.ctx == ctx)?;
+        c.ring_owed();
+        let rung = c.events.len() - c.owed;
+        let ids = |e: &Option<CmEvent>| e.as_ref().is_some_and(|e| e.id == id);
+        if rung == 0 || !c.events.front().is_some_and(ids) {
+            return None;
+        }
+        let ev = c.events.pop_front().flatten();
+        c.owed = c.owed.min(c.events.len());
+        ev
+    }
+
     fn addrs(&self, ctx: ContextId, id: u32) -> Result<CmReply, CmCallError> {
         let (local, remote) = self.cm.addresses(ctx, id).ok_or(CmError::NoSuchId)?;
         Ok(CmReply::Addrs { local, remote })

@@ -119,6 +119,11 @@ pub enum CmReply {
     /// The next event, if any, and the wake-ups to take from the channel's
     /// descriptor with it: one for the event, and one for each event that
     /// went with its id (destroyed or moved) after its wake-up was rung.
+    /// Also the reply of `ResolveAddr`, `ResolveRoute` and `Accept`, with
+    /// the id's event when the call produced it and it was next on the
+    /// channel (taken off the channel for the reply; its wake-up stays in
+    /// the descriptor until the library hands the event to the program),
+    /// and of the other calls that answer nothing (`event: None`).
     Event {
         event: Option<CmEvent>,
         wakeups: u32,

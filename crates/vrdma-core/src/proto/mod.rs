@@ -18,8 +18,11 @@ use serde::{Deserialize, Serialize};
 use crate::hca::{AsyncEvent, QpCreated};
 use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAttrMask, QpInitAttr, SrqAttr};
 
-/// Bumped on any incompatible change of these messages.
-pub const PROTOCOL_VERSION: u32 = 2;
+/// Bumped on any incompatible change of these messages. (3: the replies
+/// of `CmRequest::ResolveAddr`, `ResolveRoute` and `Accept` may carry the
+/// id's event, taken off its channel, which a library of version 2 would
+/// lose.)
+pub const PROTOCOL_VERSION: u32 = 3;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Most file descriptors one message carries.

@@ -236,6 +236,19 @@ impl Session {
         self.shared.engine.call(move |e| f(e, ctx)).map_err(|_| engine_gone())
     }
 
+    /// Queues `f` for the engine without waiting for it to run. For what
+    /// the tenant cannot need before its next request that reaches the
+    /// engine (which runs after `f`): each such handoff not waited for
+    /// takes a few microseconds off the request (a quarter to a half of a
+    /// CQ's or QP's creation on a 2-core machine).
+    fn post_to_engine(
+        &self,
+        f: impl FnOnce(&mut crate::engine::EngineState, ContextId) + Send + 'static,
+    ) -> Result<(), Answer> {
+        let ctx = self.ctx;
+        self.shared.engine.post(move |e| f(e, ctx)).map_err(|_| engine_gone())
+    }
+
     fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Answer {
         if !self.open && !matches!(req, Request::Hello { .. }) {
             return error(EPROTO, "the first request must be Hello");
@@ -549,7 +562,10 @@ impl Session {
                 return Err(a);
             }
         };
-        self.engine(move |e, _| {
+        // Not waited for (see `post_to_engine`): the engine writes to the
+        // ring only for a QP that names the CQ, and that QP is created
+        // by a later call.
+        self.post_to_engine(move |e, _| {
             if let Some(ch) = channel.and_then(|ch| e.rings.channels.get_mut(&ch)) {
                 ch.cqs += 1;
             }
@@ -637,7 +653,10 @@ impl Session {
                 return Err(a);
             }
         };
-        self.engine(move |e, _| {
+        // Not waited for (see `post_to_engine`): a new QP is in RESET,
+        // where nothing may be posted to it; it leaves RESET only through
+        // a later call (ModifyQp, or the connection manager's).
+        self.post_to_engine(move |e, _| {
             e.rings.add_qp(qpn, rings);
         })?;
         Ok(Answer { reply: Reply::Qp { created, segment_len: seg.len() as u64, sq, rq }, fds: vec![fd] })
