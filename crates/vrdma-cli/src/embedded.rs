@@ -74,3 +74,22 @@ pub fn device(socket: Option<PathBuf>, engine: vrdmad::EngineConfig) -> Result<D
     tracing::info!(socket = %sock.display(), "no daemon running: started one in this process");
     Ok(Device::Embedded { daemon, _dir: Some(dir) })
 }
+
+/// A daemon of this process's own on a private socket, with the direct
+/// path (`docs/direct-path.md`) switched as `direct` says, whatever
+/// daemon runs elsewhere: for figures of one path beside the other's.
+pub fn private_device(engine: vrdmad::EngineConfig, direct: bool) -> Result<Device> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = std::env::temp_dir().join(format!("vrdma-private-{}-{n}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let sock = dir.join("vrdma.sock");
+    let config = vrdmad::DaemonConfig {
+        socket: Some(sock),
+        engine,
+        direct: vrdmad::DirectConfig { enabled: direct },
+        ..Default::default()
+    };
+    let daemon = vrdmad::Daemon::start(config)?;
+    Ok(Device::Embedded { daemon, _dir: Some(dir) })
+}

@@ -27,6 +27,7 @@ pub mod doorbell;
 pub mod fdpass;
 pub mod ring;
 pub mod segment;
+pub mod window;
 
 pub use doorbell::Doorbell;
 pub use fdpass::{peer_credentials, recv_msg, send_msg, seqpacket_pair, PeerCred, Received, MAX_FDS_PER_MSG};
@@ -34,3 +35,4 @@ pub use ring::{ring_bytes, RingError, RingView, RING_ALIGN, RING_AUX_WORDS, RING
 pub use segment::{
     live_mappings, page_size, set_mapping_limit, Mapping, MappingBudget, Segment, SegmentError,
 };
+pub use window::WordPage;

@@ -217,6 +217,13 @@ impl RingView {
         self.producer_index().store(value, Ordering::SeqCst);
     }
 
+    /// How many entries were ever pushed (the producer index, wrapping):
+    /// the producer's own count, e.g. to compare with a count of entries
+    /// the consumer says it finished with.
+    pub fn produced(&self) -> u32 {
+        self.producer_index().load(Ordering::Acquire)
+    }
+
     /// Auxiliary word `i` of the header, for flags the users agree on.
     ///
     /// # Panics

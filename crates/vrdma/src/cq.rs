@@ -58,6 +58,12 @@ pub(crate) struct CqInner {
     /// The send queues completing here, by QP number: how many of each
     /// QP's send WRs the polled completions have freed.
     send_queues: Mutex<HashMap<u32, Arc<AtomicU32>>>,
+    /// Completions of WRs this process carried itself (the direct path),
+    /// polled before the ring: a QP takes the direct path only while none
+    /// of its WRs is unpolled in the ring, so its own completions keep
+    /// their order (see `docs/direct-path.md`).
+    local: Mutex<std::collections::VecDeque<WorkCompletion>>,
+    local_len: std::sync::atomic::AtomicUsize,
 }
 
 impl Drop for CqInner {
@@ -80,6 +86,15 @@ impl CqInner {
         let mut freed = [(0u32, 0u32); 8];
         let mut held = 0;
         let mut n = 0;
+        if self.local_len.load(Ordering::Acquire) > 0 {
+            let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+            while n < out.len() {
+                let Some(c) = local.pop_front() else { break };
+                out[n] = c;
+                n += 1;
+            }
+            self.local_len.store(local.len(), Ordering::Release);
+        }
         while n < out.len() {
             match self.ring.try_pop(&mut slot) {
                 Ok(true) => {}
@@ -119,6 +134,18 @@ impl CqInner {
                 advance(q, *retired);
             }
         }
+    }
+
+    /// Queues a completion of a WR carried by the direct path.
+    pub(crate) fn push_local(&self, wc: WorkCompletion) {
+        let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
+        local.push_back(wc);
+        self.local_len.store(local.len(), Ordering::Release);
+    }
+
+    /// Whether the CQ reports to a completion channel.
+    pub(crate) fn has_channel(&self) -> bool {
+        self.channel.is_some()
     }
 
     /// Frees the send slots of `qpn` as its completions are polled.
@@ -204,6 +231,8 @@ impl CompletionQueue {
                 channel: channel.cloned(),
                 empty_polls: AtomicU32::new(0),
                 send_queues: Mutex::new(HashMap::new()),
+                local: Mutex::default(),
+                local_len: Default::default(),
             }),
         })
     }

@@ -87,6 +87,7 @@ pub mod cm;
 mod context;
 mod control;
 mod cq;
+mod direct;
 mod error;
 #[doc(hidden)]
 pub mod ffi;
@@ -106,6 +107,7 @@ pub use ah::AddressHandle;
 pub use channel::{event_spin, CompletionChannel};
 pub use context::Context;
 pub use cq::{spin_polls, wc_buffer, CompletionQueue, WorkCompletion};
+pub use direct::DIRECT_MAX_BYTES;
 pub use error::{Error, PostError, Result};
 pub use mr::MemoryRegion;
 pub use pd::ProtectionDomain;

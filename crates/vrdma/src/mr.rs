@@ -57,7 +57,9 @@ unsafe impl Sync for MemoryRegion {}
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
         // Deregister first: the backing is unmapped (or released) only
-        // after the daemon stopped using the key.
+        // after the daemon stopped using the key. Direct writes of this
+        // process stop reading it first (the removal waits for them).
+        self.pd.inner.local_keys.remove(self.key);
         self.pd.context().inner.control.destroy(Request::DeregMr { key: self.key });
     }
 }
@@ -71,6 +73,7 @@ impl MemoryRegion {
         let seg = Segment::create("vrdma-mr", len)?;
         let ptr = seg.as_ptr();
         let key = reg_mr(pd, ptr, len, access, seg.fd(), 0)?;
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Owned(seg) })
     }
 
@@ -92,6 +95,7 @@ impl MemoryRegion {
         // contract); `reback` checks the rest against /proc/self/maps.
         let r = unsafe { rebacking::reback(ptr, len)? };
         let key = reg_mr(pd, ptr, len, access, r.span.fd(), r.fd_offset)?;
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
     }
 

@@ -28,6 +28,9 @@ pub struct ProtectionDomain {
 pub(crate) struct PdInner {
     pub(crate) ctx: Context,
     pub(crate) pd: u32,
+    /// Its regions registered in this process, for direct writes' local
+    /// SGEs ([`crate::direct`]).
+    pub(crate) local_keys: crate::direct::LocalKeys,
 }
 
 impl Drop for PdInner {
@@ -40,7 +43,9 @@ impl ProtectionDomain {
     pub(crate) fn alloc(ctx: &Context) -> Result<ProtectionDomain> {
         let req = Request::AllocPd;
         match ctx.inner.control.call(&req, &[])?.reply {
-            Reply::Pd { pd } => Ok(ProtectionDomain { inner: Arc::new(PdInner { ctx: ctx.clone(), pd }) }),
+            Reply::Pd { pd } => Ok(ProtectionDomain {
+                inner: Arc::new(PdInner { ctx: ctx.clone(), pd, local_keys: Default::default() }),
+            }),
             other => Err(control::unexpected(&req, &other)),
         }
     }

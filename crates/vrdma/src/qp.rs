@@ -145,6 +145,8 @@ pub struct QueuePair {
     /// Send WRs whose slots are free again: those covered by polled
     /// completions (the send CQ moves it), or dropped by a reset.
     sq_freed: Arc<AtomicU32>,
+    /// The direct path's grants of this QP ([`crate::direct`]).
+    direct: crate::direct::DirectQp,
     /// Keeps the rings' mapping alive (the rings hold it too).
     _segment: Arc<Segment>,
 }
@@ -350,6 +352,7 @@ impl QueuePair {
             sq,
             rq,
             sq_freed,
+            direct: Default::default(),
             _segment: segment,
         })
     }
@@ -600,12 +603,16 @@ impl QueuePair {
         // ahead of what was posted reads as a full queue, never as room
         // the ring lacks (the ring refuses on its own when full).
         let freed = &self.sq_freed;
+        let start = if ud { 0 } else { self.post_direct(state, wrs)? };
+        if start == wrs.len() {
+            return Ok(());
+        }
         let max = self.cap.max_send_wr;
         let admit = |posted: u32| posted.wrapping_sub(freed.load(Ordering::Acquire)) < max;
         push_all(
             &self.ctx,
             &self.sq,
-            wrs,
+            &wrs[start..],
             admit,
             |wr| {
                 check_send(wr, &self.cap, stride)?;
@@ -617,6 +624,55 @@ impl QueuePair {
             |wr, slot| wr.encode(slot).is_ok(),
             || self.ctx.inner.name_posted(&self.sq, self.qpn),
         )
+        .map_err(|mut e| {
+            e.index += start;
+            e
+        })
+    }
+
+    /// The direct path ([`crate::direct`]): carries the leading WRs of
+    /// `wrs` itself while it may, and returns how many it carried. It may
+    /// while the QP is in RTS, its send CQ has no completion channel (the
+    /// slice does not signal one), and every WR it posted to the engine
+    /// has completed and been polled (so that the engine's WRs and these
+    /// keep their order, in the peer's memory and in the CQ).
+    fn post_direct(&self, state: QpState, wrs: &[SendWr]) -> std::result::Result<usize, PostError> {
+        if state != QpState::Rts || self.send_cq.inner.has_channel() {
+            return Ok(0);
+        }
+        let stride = self.sq.stride();
+        let mut done = 0;
+        for wr in wrs {
+            if self.sq.produced() != self.sq_freed.load(Ordering::Acquire) {
+                break;
+            }
+            check_send(wr, &self.cap, stride).map_err(|e| PostError::new(done, e))?;
+            match self.direct.try_write(&self.ctx, self.qpn, &self.pd.inner.local_keys, wr) {
+                crate::direct::Carried::Engine => break,
+                crate::direct::Carried::Done => {}
+            }
+            if wr.flags.contains(vrdma_core::verbs::SendFlags::SIGNALED) || self.init.sq_sig_all {
+                let wc = vrdma_core::ring::Cqe::new(
+                    wr.wr_id,
+                    vrdma_core::verbs::WcStatus::Success,
+                    vrdma_core::verbs::WcOpcode::RdmaWrite,
+                    self.qpn,
+                );
+                self.send_cq.inner.push_local(wc);
+            }
+            done += 1;
+        }
+        if done > 0 {
+            crate::idle::activity();
+        }
+        Ok(done)
+    }
+
+    /// How many of this QP's work requests the library carried itself
+    /// on the direct path (`docs/direct-path.md`), and whether the daemon
+    /// ever granted it a window.
+    pub fn direct_stats(&self) -> (u64, bool) {
+        (self.direct.carried.load(Ordering::Relaxed), self.direct.has_window())
     }
 
     /// `ibv_post_recv` to the QP's own receive queue.

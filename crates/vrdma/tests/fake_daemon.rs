@@ -251,6 +251,10 @@ impl Fake {
             Request::Stat => (Reply::Stat(Default::default()), vec![]),
             // The connection manager is tested against the real daemon.
             Request::Cm(_) => (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![]),
+            // The fake daemon has no direct path (as a daemon with it off).
+            Request::DirectGrant { .. } => {
+                (Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off), vec![])
+            }
             Request::StatPage { .. } => {
                 (Reply::StatPage(st.stat_pages.pop_front().unwrap_or_default()), vec![])
             }

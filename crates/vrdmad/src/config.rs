@@ -24,6 +24,12 @@
 //! ack_delay_us = 20     # across hosts: hold an ACK this long to send it with a request
 //! sweep_ms = 100        # give every QP with work a turn this often, woken or not (0: never)
 //!
+//! [direct]              # same host, same tenant: the library moves the bytes
+//! enabled = false       # off by default until the direct path meets every
+//!                       # semantic of the engine path (docs/direct-path.md);
+//!                       # VRDMA_DIRECT=1 in the daemon's environment makes
+//!                       # the default true (to run a test suite with it on)
+//!
 //! [quota]               # every tenant
 //! max_objects = 16384
 //! max_registered_bytes = 17179869184   # memory regions and queue rings together
@@ -161,6 +167,24 @@ impl Default for EngineConfig {
     }
 }
 
+/// The direct path between QPs of one tenant on this host
+/// (`docs/direct-path.md`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DirectConfig {
+    /// Grant connected same-tenant QP pairs direct RDMA writes. Off by
+    /// default while the path covers only part of the engine's semantics;
+    /// the default follows `VRDMA_DIRECT` (`1`: on), so that a test suite
+    /// whose daemons use defaults runs with it on.
+    pub enabled: bool,
+}
+
+impl Default for DirectConfig {
+    fn default() -> Self {
+        DirectConfig { enabled: std::env::var("VRDMA_DIRECT").is_ok_and(|v| v == "1") }
+    }
+}
+
 /// How the daemon names a connecting process's tenant (see the control
 /// server's `tenancy` module).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -291,6 +315,7 @@ pub struct DaemonConfig {
     pub metrics_listen: Option<std::net::SocketAddr>,
     pub engine: EngineConfig,
     pub net: NetConfig,
+    pub direct: DirectConfig,
     pub quota: Quota,
     /// Per-uid quota overrides; keys are uids.
     pub tenants: BTreeMap<String, Quota>,

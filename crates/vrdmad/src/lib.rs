@@ -15,6 +15,7 @@
 pub mod cm;
 pub mod config;
 pub mod devnode;
+pub mod direct;
 pub mod engine;
 pub mod host;
 mod logs;
@@ -28,7 +29,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
-pub use config::{Budgets, ConfigError, DaemonConfig, EngineConfig, TenantBy};
+pub use config::{Budgets, ConfigError, DaemonConfig, DirectConfig, EngineConfig, TenantBy};
 use vrdma_core::hca::{Hca, HcaConfig, KeySource, TenantId};
 
 /// Name the device reports, as `ibv_get_device_name` does.
@@ -182,6 +183,13 @@ impl Daemon {
             }
         });
         engine.handle().call(move |st| st.on_broken = Some(end)).map_err(std::io::Error::other)?;
+        let direct = config.direct.enabled;
+        engine.handle().call(move |st| st.direct.enabled = direct).map_err(std::io::Error::other)?;
+        if direct {
+            tracing::info!(
+                "direct path on: same-tenant QPs on this host may write into each other's regions"
+            );
+        }
         let metrics = match config.metrics_listen {
             Some(addr) => Some(Box::new(
                 metrics::MetricsServer::start(

@@ -69,6 +69,11 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
 
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
+    if args.direct {
+        figures.extend(direct_figures(args, pingpong, lat_iters, runs, cores, &progress)?);
+        drop(device);
+        return report::print(&figures, &[], None, args.json);
+    }
     progress("8 B RDMA write latency (memory polling)");
     let write_lat = measure(&sock, worker::Test::WriteLat, 8, lat_iters, runs)?;
     figures.push(latency(
@@ -78,6 +83,7 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         pingpong,
         cores,
     ));
+    figures.extend(direct_figures(args, pingpong, lat_iters, runs, cores, &progress)?);
     progress("8 B send latency (CQ polling)");
     let send_lat = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
     let send_stat = median_of(&send_lat);
@@ -277,6 +283,29 @@ fn human(size: usize) -> String {
         s if s >= 1 << 10 => format!("{} KiB", s >> 10),
         s => format!("{s} B"),
     }
+}
+
+/// The 8 B write latency on daemons of our own with the direct path on
+/// and off (docs/direct-path.md), whatever the daemon of the rest does.
+fn direct_figures(
+    args: &Args,
+    pingpong: Option<anchors::Stat>,
+    lat_iters: u64,
+    runs: usize,
+    cores: usize,
+    progress: &dyn Fn(&str),
+) -> Result<Vec<Figure>> {
+    let mut out = Vec::new();
+    for (direct, name) in [
+        (true, "RDMA write 8 B, one way, direct path (poll on memory)"),
+        (false, "RDMA write 8 B, one way, engine path (poll on memory)"),
+    ] {
+        progress(name);
+        let dev = crate::embedded::private_device(super::engine_config(args), direct)?;
+        let lat = measure(dev.socket(), worker::Test::WriteLat, 8, lat_iters, runs)?;
+        out.push(latency(name, lat, "2-process shm ping-pong", pingpong, cores));
+    }
+    Ok(out)
 }
 
 fn median_of(outcomes: &[Outcome]) -> anchors::Stat {

@@ -13,6 +13,7 @@
 mod config;
 mod control;
 mod datapath;
+mod direct;
 mod error;
 pub mod metrics;
 mod objects;
@@ -38,6 +39,7 @@ pub use config::{
     VENDOR_ID,
 };
 pub use datapath::{Activity, GRH_LEN};
+pub use direct::{DirectRefusal, Revocation, WriteGrant, DIRECT_SLOTS};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 pub use remote::{
@@ -139,6 +141,8 @@ pub struct Hca {
     /// Limits what tenants and peers can make the device log (see
     /// [`crate::log_limit`]); the driver calls its `sweep`.
     pub log: crate::log_limit::LogLimiter,
+    /// The direct path's grants ([`direct`]).
+    direct: direct::Grants,
 }
 
 /// QPs a sweep wakes per pass.
@@ -175,6 +179,7 @@ impl Hca {
             turn_bytes: 0,
             turn_spent: 0,
             metrics: metrics::Metrics::default(),
+            direct: direct::Grants::default(),
         }
     }
 

@@ -15,6 +15,7 @@ use crate::verbs::{
     SendFlags, SendOpcode, SrqAttr, WcFlags, WcOpcode, WcStatus,
 };
 
+mod direct;
 mod two_hosts;
 
 // ---------------------------------------------------------------- harness

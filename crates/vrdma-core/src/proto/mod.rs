@@ -116,6 +116,13 @@ pub enum Request {
     },
     /// The connection manager (rdma_cm); answered [`Reply::Cm`].
     Cm(CmRequest),
+    /// The direct path (`docs/direct-path.md`): may QP `qp` write into its
+    /// peer's region `rkey` itself? Answered [`Reply::DirectGrant`] or
+    /// [`Reply::DirectRefused`].
+    DirectGrant {
+        qp: u32,
+        rkey: u32,
+    },
 }
 
 impl Request {
@@ -202,6 +209,38 @@ pub enum Reply {
     Stat(crate::hca::StatReport),
     StatPage(crate::hca::StatPage),
     Cm(CmReply),
+    /// With fds: the QP's window page first when `window_len` is not 0
+    /// (the first grant of a window), then the region's memfd, whose bytes
+    /// from `fd_offset` are the region's.
+    DirectGrant(DirectGranted),
+    DirectRefused(crate::hca::DirectRefusal),
+}
+
+/// A direct-path grant as the library receives it (see
+/// [`crate::hca::WriteGrant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectGranted {
+    pub responder: u32,
+    pub addr: u64,
+    pub len: u64,
+    pub fd_offset: u64,
+    pub slot: u32,
+    pub generation: u32,
+    /// Bytes of the window page, when it comes with this reply; 0 when
+    /// the QP already holds it.
+    pub window_len: u64,
+}
+
+/// The direct path's window page: word 0 is 1 while the window is open,
+/// word 1 counts the library's copies in flight, word `2 + slot` holds a
+/// grant's generation while it stands (0 once revoked). Words of 4 bytes.
+pub const DIRECT_WINDOW_OPEN: usize = 0;
+pub const DIRECT_WINDOW_INFLIGHT: usize = 1;
+pub const DIRECT_WINDOW_SLOTS: usize = 2;
+
+/// Bytes of a window page.
+pub fn direct_window_bytes() -> usize {
+    4 * (DIRECT_WINDOW_SLOTS + crate::hca::DIRECT_SLOTS as usize)
 }
 
 /// Why a message could not be decoded.

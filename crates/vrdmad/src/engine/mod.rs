@@ -55,6 +55,8 @@ pub struct EngineState {
     /// Ends the session of a context whose tenant broke the shared-memory
     /// protocol (see [`RingTable::take_broken`]); the daemon sets it.
     pub on_broken: Option<Box<dyn Fn(ContextId) + Send>>,
+    /// The direct path's grants in shared memory ([`crate::direct`]).
+    pub direct: crate::direct::DirectDriver,
 }
 
 impl EngineState {
@@ -78,6 +80,7 @@ impl EngineState {
             sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
             last_sweep: Instant::ZERO,
             on_broken: None,
+            direct: crate::direct::DirectDriver::default(),
         }
     }
 
@@ -88,16 +91,25 @@ impl EngineState {
     /// Deregisters `ctx`'s memory region `key`. Frames already queued for
     /// other hosts from it keep the bytes it holds now (see
     /// [`crate::net::LinkIo::keep_payloads`]).
-    pub fn dereg_mr(&mut self, ctx: ContextId, key: u32) -> Result<(), HcaError> {
+    ///
+    /// Returns the direct-path windows whose copies in flight the caller
+    /// must wait out ([`crate::direct::drain`]) before it answers.
+    pub fn dereg_mr(&mut self, ctx: ContextId, key: u32) -> Result<Vec<vrdma_shm::WordPage>, HcaError> {
         self.hca.dereg_mr(ctx, key)?;
+        self.direct.forget_region(key);
         self.keep_revoked_payloads();
-        Ok(())
+        Ok(self.direct.sync(&mut self.hca))
     }
 
     /// Destroys everything `ctx` holds (its process closed the device or
     /// died), keeping queued frames' bytes as [`Self::dereg_mr`] does.
     pub fn close_context(&mut self, ctx: ContextId) -> Teardown {
         let t = self.hca.close_context(ctx, &mut self.rings);
+        // The process is gone: nothing of it copies any more, and its
+        // peers' windows are closed (no wait: the pages stay mapped in the
+        // peers, whose copies land in memory no one else uses).
+        self.direct.forget_context(ctx);
+        self.direct.sync(&mut self.hca);
         self.keep_revoked_payloads();
         t
     }
@@ -171,6 +183,7 @@ impl EngineState {
         };
         let r = self.cm.handle(ctx, tenant, req, now, &mut modify);
         self.run_cm(now);
+        self.direct.sync(&mut self.hca);
         match (r, ready_for) {
             (Ok(CmReply::Event { event: None, wakeups: 0 }), Some(id)) => {
                 let (event, wakeups) = self.cm.take_ready(ctx, id).map_or((None, 0), |e| (Some(e), 1));
@@ -206,6 +219,9 @@ impl EngineState {
         if let Some(t) = self.run_cm(now) {
             act.timer(t);
         }
+        // QPs the pass (or the connection manager) put in ERR lose their
+        // direct windows; nobody waits on this pass, so nothing drains.
+        self.direct.sync(&mut self.hca);
         for ctx in self.rings.take_broken() {
             match &self.on_broken {
                 Some(end) => end(ctx),

@@ -285,14 +285,34 @@ impl Session {
             }
             Request::RegMr { pd, addr, len, access, fd_offset } => {
                 let fd = fds.pop().expect("count checked");
-                self.engine(move |e, c| e.hca.may_register(c, len))??;
+                let direct =
+                    self.engine(move |e, c| e.hca.may_register(c, len).map(|()| e.direct.enabled))??;
+                // The direct path hands a writable region's memfd to peers.
+                let kept = if direct && access.contains(vrdma_core::verbs::AccessFlags::REMOTE_WRITE) {
+                    fd.try_clone().ok()
+                } else {
+                    None
+                };
                 let region = map_region(fd, fd_offset, len, self.budget())?;
-                let key = self.engine(move |e, c| e.hca.reg_mr(c, pd, addr, access, region))??;
+                let key = self.engine(move |e, c| {
+                    let key = e.hca.reg_mr(c, pd, addr, access, region)?;
+                    if let Some(fd) = kept {
+                        e.direct.keep_region(c, key, fd, fd_offset);
+                    }
+                    Ok::<_, HcaError>(key)
+                })??;
                 Reply::Mr { key }.into()
             }
             Request::DeregMr { key } => {
-                self.engine(move |e, c| e.dereg_mr(c, key))??;
+                let wait = self.engine(move |e, c| e.dereg_mr(c, key))??;
+                crate::direct::drain(&wait);
                 Reply::Done.into()
+            }
+            Request::DirectGrant { qp, rkey } => {
+                match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey))? {
+                    Ok((granted, fds)) => Answer { reply: Reply::DirectGrant(granted), fds },
+                    Err(why) => Reply::DirectRefused(why).into(),
+                }
             }
             Request::CreateCompChannel => {
                 // Its doorbell is a descriptor in the daemon (see admission).
@@ -370,7 +390,11 @@ impl Session {
             }
             Request::CreateQp { pd, init } => self.create_qp(pd, init)?,
             Request::ModifyQp { qp, attr, mask } => {
-                self.engine(move |e, c| e.hca.modify_qp(c, qp, &attr, mask, &mut e.rings))??;
+                let wait = self.engine(move |e, c| {
+                    e.hca.modify_qp(c, qp, &attr, mask, &mut e.rings)?;
+                    Ok::<_, HcaError>(e.direct.sync(&mut e.hca))
+                })??;
+                crate::direct::drain(&wait);
                 Reply::Done.into()
             }
             Request::QueryQp { qp } => {
@@ -378,11 +402,12 @@ impl Session {
                 Reply::QpAttr { attr, init }.into()
             }
             Request::DestroyQp { qp } => {
-                self.engine(move |e, c| {
+                let wait = self.engine(move |e, c| {
                     e.hca.destroy_qp(c, qp, &mut e.rings)?;
                     e.rings.remove_qp(qp);
-                    Ok::<_, HcaError>(())
+                    Ok::<_, HcaError>(e.direct.sync(&mut e.hca))
                 })??;
+                crate::direct::drain(&wait);
                 Reply::Done.into()
             }
             Request::CreateAh { pd, attr } => {

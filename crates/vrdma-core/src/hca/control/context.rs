@@ -33,6 +33,7 @@ impl Hca {
     /// their peer is gone and nothing they post can complete.
     pub fn close_context(&mut self, ctx: ContextId, io: &mut dyn Queues) -> Teardown {
         let mut t = Teardown::default();
+        self.direct.touch();
         // One pass over all QPs to find this context's and their peers, so
         // that closing a context with many QPs costs O(QPs), not O(QPs²).
         let mine: std::collections::HashSet<u32> =

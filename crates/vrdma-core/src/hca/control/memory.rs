@@ -124,6 +124,7 @@ impl Hca {
         }
         let m = self.mrs.remove(&key).expect("present");
         m.region.revoke();
+        self.direct.touch();
         if let Some(p) = self.pds.get_mut(&m.pd) {
             p.users -= 1;
         }

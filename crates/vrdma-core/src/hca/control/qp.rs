@@ -202,6 +202,7 @@ impl Hca {
         io: &mut dyn Queues,
     ) -> Result<QpState, HcaError> {
         let limits = self.config.modify_limits();
+        self.direct.touch();
         let qp = self.own_qp(ctx, qpn)?;
         let cur = qp.state();
         let to = fsm::check_modify(qp.init.qp_type, cur, attr, mask, &limits)?;
@@ -307,6 +308,7 @@ impl Hca {
     }
 
     pub(crate) fn remove_qps(&mut self, qpns: &[u32], io: &mut dyn Queues) {
+        self.direct.touch();
         let gone: std::collections::HashSet<u32> = qpns.iter().copied().collect();
         self.order.remove(|n| gone.contains(&n));
         // Receive WRs other requesters took from a QP that goes must never
@@ -436,6 +438,7 @@ impl Hca {
         }
         qp.attr.qp_state = QpState::Err;
         self.flush_pending = true;
+        self.direct.touch();
         let (ctx, srq) = (qp.ctx, qp.init.srq);
         io.qp_state_changed(qpn, QpState::Err);
         self.update_service(qpn);

@@ -614,7 +614,7 @@ impl Hca {
         }
     }
 
-    fn responder(&self, req: &Requester) -> Option<Responder> {
+    pub(crate) fn responder(&self, req: &Requester) -> Option<Responder> {
         if !self.is_local(&req.attr.ah_attr) {
             return None;
         }

@@ -1,0 +1,223 @@
+//! The direct path's grant rules: which requester QP may move bytes into
+//! which of its peer's regions itself, without the engine, and when that
+//! permission ends (see `docs/direct-path.md`).
+//!
+//! Why here and not in the daemon: the rules are the same checks the
+//! engine makes for every work request ([`Hca::responder`], the rkey, the
+//! PD, the access flags), made once at grant time and made again whenever
+//! something they depend on may have changed. Keeping them beside those
+//! checks, with no I/O, lets the unit tests drive every revocation case
+//! deterministically; the daemon only turns the answers into shared
+//! memory (a window page per requester QP, the regions' memfds) and back.
+//!
+//! The model: a requester QP that is connected, in RTS, to a QP of the
+//! same tenant on this device may hold a *window*. A window has slots,
+//! one per region of the responder's PD that the requester was granted;
+//! the library checks the window's open word and the slot's valid word
+//! (and announces itself in the window's in-flight count) around every
+//! copy. Whatever the library cannot prove it may do goes to the engine,
+//! which then reports the error as it always has.
+//!
+//! Every control operation that may end a grant (modify, destroy or
+//! failure of either QP, deregistration, a context closing) marks the
+//! table dirty; [`Hca::direct_revocations`] then checks every grant again
+//! and says which to close.
+
+use super::*;
+use crate::verbs::{AccessFlags, QpState, QpType};
+
+/// Slots (granted regions) one window holds; a grant past it is refused
+/// and the WR takes the engine path.
+pub const DIRECT_SLOTS: u32 = 1000;
+
+/// Why a grant was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DirectRefusal {
+    /// The QP pair is not (or not yet) one the direct path serves: not
+    /// connected, not RTS, another host, another tenant, no such QP.
+    /// Asking again later may succeed.
+    NotNow,
+    /// The key names no region the peer's QP may be written through (no
+    /// such key, another PD, no remote write, the QP's access flags): the
+    /// engine path reports the error.
+    NotGranted,
+    /// The window has no slot left.
+    Full,
+    /// The daemon serves no direct path (its switch is off): do not ask
+    /// again.
+    Off,
+}
+
+/// A region granted to a requester QP.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WriteGrant {
+    pub requester: u32,
+    pub responder: u32,
+    pub key: u32,
+    /// The region's tenant address and length (what `remote_addr` names).
+    pub addr: u64,
+    pub len: u64,
+    pub access: AccessFlags,
+    /// The slot of the window whose word guards this grant.
+    pub slot: u32,
+    /// What that word holds while the grant stands (never 0; a slot used
+    /// again after a revocation gets another, so a stale grant of the
+    /// slot's last key never matches).
+    pub generation: u32,
+    /// The window was made for this grant: the driver creates its page.
+    pub new_window: bool,
+}
+
+/// What the driver must close in shared memory, then wait for the
+/// window's in-flight count to drain before the operation that caused it
+/// returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Revocation {
+    /// The whole window of requester QP `requester`: the pair is no longer
+    /// served directly.
+    Window { requester: u32 },
+    /// One slot of a window that stays open.
+    Slot { requester: u32, slot: u32 },
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Grants {
+    windows: IdMap<u32, Window>,
+    /// Something a grant depends on may have changed.
+    dirty: bool,
+    /// Grants made since the device started (for `stat` and the tests).
+    granted: u64,
+}
+
+#[derive(Debug)]
+struct Window {
+    responder: u32,
+    /// Granted keys: their slots and generations.
+    slots: IdMap<u32, (u32, u32)>,
+    /// Slots freed by revocation, used again first.
+    free: Vec<u32>,
+    next_slot: u32,
+}
+
+impl Grants {
+    pub(crate) fn touch(&mut self) {
+        if !self.windows.is_empty() {
+            self.dirty = true;
+        }
+    }
+}
+
+impl Hca {
+    /// The responder QP that `qpn`'s direct window may target now, if any:
+    /// an RC QP in RTS connected to an RC QP of the same tenant on this
+    /// device that is connected back and accepts incoming work (the
+    /// engine's own rule, [`Hca::responder`]).
+    fn direct_pair(&self, qpn: u32) -> Option<u32> {
+        let req = self.requester_of(qpn)?;
+        let qp = self.qps.get(&qpn)?;
+        if req.qp_type != QpType::Rc || req.attr.qp_state != QpState::Rts || qp.remote.is_some() {
+            return None;
+        }
+        self.responder(&req).map(|r| r.qpn)
+    }
+
+    /// Whether `key` is still a region `responder` may be written through.
+    fn direct_writable(&self, responder: u32, key: u32) -> Option<&objects::Mr> {
+        let peer = self.qps.get(&responder)?;
+        if !peer.attr.qp_access_flags.contains(AccessFlags::REMOTE_WRITE) {
+            return None;
+        }
+        self.remote_mr(peer.pd, key, AccessFlags::REMOTE_WRITE)
+    }
+
+    /// Grants `ctx`'s QP `qpn` direct RDMA writes into its peer's region
+    /// `key`, checked as the engine checks a write: the pair (see
+    /// [`DirectRefusal::NotNow`]), then the key. Granting the same key
+    /// again answers the same slot.
+    pub fn direct_grant_write(
+        &mut self,
+        ctx: ContextId,
+        qpn: u32,
+        key: u32,
+    ) -> Result<WriteGrant, DirectRefusal> {
+        match self.qps.get(&qpn) {
+            Some(q) if q.ctx == ctx => {}
+            _ => return Err(DirectRefusal::NotNow),
+        }
+        let responder = self.direct_pair(qpn).ok_or(DirectRefusal::NotNow)?;
+        let mr = self.direct_writable(responder, key).ok_or(DirectRefusal::NotGranted)?;
+        let (addr, len, access) = (mr.addr, mr.len, mr.access);
+        let new_window = match self.direct.windows.get(&qpn) {
+            Some(w) if w.responder == responder => false,
+            _ => {
+                // A window towards another responder (the QP was reset and
+                // connected elsewhere) was revoked by then; start afresh.
+                self.direct.windows.insert(
+                    qpn,
+                    Window { responder, slots: IdMap::default(), free: Vec::new(), next_slot: 0 },
+                );
+                true
+            }
+        };
+        let w = self.direct.windows.get_mut(&qpn).expect("inserted above");
+        let (slot, generation) = match w.slots.get(&key) {
+            Some(&s) => s,
+            None => {
+                let s = match w.free.pop() {
+                    Some(s) => s,
+                    None if w.next_slot < DIRECT_SLOTS => {
+                        w.next_slot += 1;
+                        w.next_slot - 1
+                    }
+                    None => return Err(DirectRefusal::Full),
+                };
+                self.direct.granted += 1;
+                let generation = (self.direct.granted as u32).max(1);
+                w.slots.insert(key, (s, generation));
+                (s, generation)
+            }
+        };
+        Ok(WriteGrant { requester: qpn, responder, key, addr, len, access, slot, generation, new_window })
+    }
+
+    /// Checks every grant again if anything they depend on changed since
+    /// the last call, and returns those that no longer hold (removed from
+    /// the table). Cheap when nothing changed.
+    pub fn direct_revocations(&mut self) -> Vec<Revocation> {
+        if !std::mem::take(&mut self.direct.dirty) {
+            return Vec::new();
+        }
+        let mut out = Vec::new();
+        let qpns: Vec<u32> = self.direct.windows.keys().copied().collect();
+        for qpn in qpns {
+            let responder = self.direct.windows[&qpn].responder;
+            if self.direct_pair(qpn) != Some(responder) {
+                self.direct.windows.remove(&qpn);
+                out.push(Revocation::Window { requester: qpn });
+                continue;
+            }
+            let keys: Vec<(u32, u32)> =
+                self.direct.windows[&qpn].slots.iter().map(|(&k, &(s, _))| (k, s)).collect();
+            for (key, slot) in keys {
+                if self.direct_writable(responder, key).is_none() {
+                    let w = self.direct.windows.get_mut(&qpn).expect("present");
+                    w.slots.remove(&key);
+                    w.free.push(slot);
+                    out.push(Revocation::Slot { requester: qpn, slot });
+                }
+            }
+        }
+        out
+    }
+
+    /// Windows open now, and grants made since the device started.
+    pub fn direct_counts(&self) -> (usize, u64) {
+        (self.direct.windows.len(), self.direct.granted)
+    }
+
+    /// Whether `qpn` holds an open window (its writes may take the direct
+    /// path).
+    pub fn direct_window_open(&self, qpn: u32) -> bool {
+        self.direct.windows.contains_key(&qpn)
+    }
+}

@@ -1,0 +1,287 @@
+//! The direct path's front end (`docs/direct-path.md`): RDMA writes that
+//! this library performs itself, into a peer QP's region that the daemon
+//! granted, when the peer is a QP of the same tenant on the same host.
+//!
+//! The library is trusted here exactly as far as the kernel already
+//! trusts it: a process may read and write the memory of another process
+//! of its uid, so a grant exposes nothing new. What the daemon still
+//! decides is *whether* and *until when*: every grant is checked as the
+//! engine checks a write (pair, key, PD, access) and lives in a window
+//! page whose words the daemon clears before a deregistration, a state
+//! change or a destruction returns. Around each copy this module
+//! announces itself in the window's in-flight count, then reads the open
+//! word and the grant's generation (`SeqCst` on both sides: either the
+//! daemon sees the count or the copy sees the cleared word).
+//!
+//! Whatever this module cannot prove it may do (another opcode, a key
+//! it has no grant for, an address outside the region, an lkey it does
+//! not know, work of the QP still on the engine path) goes to the engine
+//! unchanged, which then does what it always did, errors included: the
+//! direct path never reports an error of its own.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, RwLock};
+
+use vrdma_core::hca::DirectRefusal;
+use vrdma_core::proto::{
+    DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_SLOTS,
+};
+use vrdma_core::ring::SendWr;
+use vrdma_core::verbs::{SendFlags, SendOpcode};
+use vrdma_shm::{page_size, Mapping, WordPage};
+
+use crate::context::Context;
+
+/// Largest message the library copies itself; larger ones take the engine
+/// path, which cuts them into chunks (and a revocation never waits on a
+/// long copy).
+pub const DIRECT_MAX_BYTES: u64 = 64 << 10;
+
+/// The regions of a PD registered in this process, by key: what a direct
+/// write may read its local SGEs from. A region leaves (under the write
+/// lock, so after every copy reading it) before it is deregistered.
+#[derive(Debug, Default)]
+pub(crate) struct LocalKeys {
+    keys: RwLock<HashMap<u32, (u64, u64)>>,
+}
+
+impl LocalKeys {
+    pub(crate) fn insert(&self, key: u32, addr: u64, len: u64) {
+        self.keys.write().unwrap_or_else(|p| p.into_inner()).insert(key, (addr, len));
+    }
+
+    pub(crate) fn remove(&self, key: u32) {
+        self.keys.write().unwrap_or_else(|p| p.into_inner()).remove(&key);
+    }
+}
+
+struct Grant {
+    map: Mapping,
+    /// Offset of the region's first byte in `map`.
+    inner: usize,
+    addr: u64,
+    len: u64,
+    slot: usize,
+    generation: u32,
+}
+
+#[derive(Default)]
+struct State {
+    /// The daemon serves no direct path, or this QP never may.
+    off: bool,
+    window: Option<WordPage>,
+    grants: HashMap<u32, Grant>,
+    /// Keys the daemon refused for good (the engine reports them).
+    refused: HashSet<u32>,
+    /// After a refusal for now: WRs to leave to the engine before asking
+    /// again, and the next such pause (doubling).
+    pause: u32,
+    next_pause: u32,
+}
+
+/// A QP's direct-path state.
+#[derive(Default)]
+pub(crate) struct DirectQp {
+    state: Mutex<State>,
+    /// WRs this QP carried itself (for tests and `bench`).
+    pub(crate) carried: AtomicU64,
+}
+
+impl std::fmt::Debug for DirectQp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectQp").field("carried", &self.carried.load(Ordering::Relaxed)).finish()
+    }
+}
+
+/// What became of a WR offered to the direct path.
+pub(crate) enum Carried {
+    /// Done: placed at the peer; the requester's completion is the caller's.
+    Done,
+    /// Not for the direct path: post it to the engine.
+    Engine,
+}
+
+impl DirectQp {
+    /// Whether the daemon ever served this QP directly (a window came).
+    pub(crate) fn has_window(&self) -> bool {
+        self.lock().window.is_some()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Carries `wr` (an RDMA write, already checked against the QP's
+    /// limits) itself if it can; reads local SGEs through `local`.
+    pub(crate) fn try_write(&self, ctx: &Context, qpn: u32, local: &LocalKeys, wr: &SendWr) -> Carried {
+        if wr.opcode != SendOpcode::RdmaWrite || wr.flags.contains(SendFlags::SOLICITED) {
+            return Carried::Engine;
+        }
+        let len = wr.msg_len();
+        if len > DIRECT_MAX_BYTES {
+            return Carried::Engine;
+        }
+        let mut st = self.lock();
+        if st.off || st.refused.contains(&wr.rkey) {
+            return Carried::Engine;
+        }
+        if len == 0 {
+            // Nothing to place; the engine's checks (state, peer) decide.
+            return Carried::Engine;
+        }
+        if !st.grants.contains_key(&wr.rkey) {
+            if st.pause > 0 {
+                st.pause -= 1;
+                return Carried::Engine;
+            }
+            match ask(ctx, qpn, wr.rkey) {
+                Ok((g, window, map)) => {
+                    if let Some(w) = window {
+                        st.window = Some(w);
+                    }
+                    if st.window.is_none() {
+                        return Carried::Engine;
+                    }
+                    st.next_pause = 0;
+                    let inner = (g.fd_offset % page_size() as u64) as usize;
+                    st.grants.insert(
+                        wr.rkey,
+                        Grant {
+                            map,
+                            inner,
+                            addr: g.addr,
+                            len: g.len,
+                            slot: g.slot as usize,
+                            generation: g.generation,
+                        },
+                    );
+                }
+                Err(Some(DirectRefusal::NotGranted)) | Err(Some(DirectRefusal::Full)) => {
+                    st.refused.insert(wr.rkey);
+                    return Carried::Engine;
+                }
+                Err(Some(DirectRefusal::Off)) => {
+                    st.off = true;
+                    return Carried::Engine;
+                }
+                Err(_) => {
+                    st.next_pause = (st.next_pause * 2).clamp(16, 1 << 16);
+                    st.pause = st.next_pause;
+                    return Carried::Engine;
+                }
+            }
+        }
+        let Some(window) = st.window.clone() else { return Carried::Engine };
+        let g = st.grants.get(&wr.rkey).expect("present");
+        // Bounds within the region (the engine says REM_ACCESS_ERR).
+        let Some(off) =
+            wr.remote_addr.checked_sub(g.addr).filter(|o| o.checked_add(len).is_some_and(|e| e <= g.len))
+        else {
+            return Carried::Engine;
+        };
+        let keys = local.keys.read().unwrap_or_else(|p| p.into_inner());
+        // Every local SGE inside a region of this PD registered here (the
+        // engine says LOC_PROT_ERR otherwise).
+        if !wr.is_inline() {
+            for s in wr.sg.as_slice().iter().filter(|s| s.length > 0) {
+                let ok = keys.get(&s.lkey).is_some_and(|&(a, l)| {
+                    s.addr.checked_sub(a).is_some_and(|o| o + u64::from(s.length) <= l)
+                });
+                if !ok {
+                    return Carried::Engine;
+                }
+            }
+        }
+        let (Some(inflight), Some(open), Some(slot)) = (
+            window.word(DIRECT_WINDOW_INFLIGHT),
+            window.word(DIRECT_WINDOW_OPEN),
+            window.word(DIRECT_WINDOW_SLOTS + g.slot),
+        ) else {
+            return Carried::Engine;
+        };
+        inflight.fetch_add(1, Ordering::SeqCst);
+        let granted = open.load(Ordering::SeqCst) == 1 && slot.load(Ordering::SeqCst) == g.generation;
+        if granted {
+            let dst = g.inner + off as usize;
+            // SAFETY: `dst..dst+len` lies inside the region (checked above
+            // against the grant's length, and the mapping spans the region
+            // from `inner`), which the grant still stands for (the words
+            // read after announcing the copy). Sources are the inline bytes
+            // or local regions registered in this process, checked above
+            // and kept registered by the read lock held.
+            unsafe { copy_into(&g.map, dst, wr) };
+        }
+        inflight.fetch_sub(1, Ordering::SeqCst);
+        drop(keys);
+        if !granted {
+            // Revoked: forget it; the next WR asks again (and is refused
+            // if the key is gone, so the engine reports it).
+            if open.load(Ordering::SeqCst) != 1 {
+                st.window = None;
+                st.grants.clear();
+            } else {
+                st.grants.remove(&wr.rkey);
+            }
+            return Carried::Engine;
+        }
+        self.carried.fetch_add(1, Ordering::Relaxed);
+        Carried::Done
+    }
+}
+
+/// Copies `wr`'s payload to `dst` in `map`.
+///
+/// # Safety
+/// `dst + wr.msg_len()` must lie within `map`, and each non-inline SGE
+/// must address `length` readable bytes of this process.
+unsafe fn copy_into(map: &Mapping, mut dst: usize, wr: &SendWr) {
+    let base = map.as_ptr();
+    if wr.is_inline() {
+        let src = wr.inline_data();
+        // SAFETY: the caller's contract; `src` is private memory of `wr`.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), base.add(dst), src.len()) };
+        return;
+    }
+    for s in wr.sg.as_slice() {
+        let n = s.length as usize;
+        // SAFETY: the caller's contract: `s.addr` holds `n` bytes of a
+        // registered region of this process, `dst..dst+n` is in `map`.
+        // Raw copies only: both may be shared memory.
+        unsafe { std::ptr::copy(s.addr as *const u8, base.add(dst), n) };
+        dst += n;
+    }
+}
+
+type Asked = (DirectGranted, Option<WordPage>, Mapping);
+
+/// Asks the daemon for a grant; `Err(None)` when the call itself failed.
+fn ask(ctx: &Context, qpn: u32, rkey: u32) -> Result<Asked, Option<DirectRefusal>> {
+    let req = Request::DirectGrant { qp: qpn, rkey };
+    let answer = ctx.inner.control.call(&req, &[]).map_err(|_| None)?;
+    let g = match answer.reply {
+        Reply::DirectGrant(g) => g,
+        Reply::DirectRefused(why) => return Err(Some(why)),
+        // A daemon that does not know the request: no direct path.
+        _ => return Err(Some(DirectRefusal::Off)),
+    };
+    let want = if g.window_len > 0 { 2 } else { 1 };
+    let mut fds = answer.take_fds(want, "DirectGrant").map_err(|_| None)?;
+    let region_fd = fds.pop().ok_or(None)?;
+    let window = match fds.pop() {
+        Some(fd) => {
+            let len = usize::try_from(g.window_len).map_err(|_| None)?;
+            let m = Mapping::map_untrusted(fd, 0, len).map_err(|_| None)?;
+            Some(WordPage::of_mapping(m))
+        }
+        None => None,
+    };
+    let page = page_size() as u64;
+    let start = g.fd_offset - g.fd_offset % page;
+    let span = usize::try_from(g.fd_offset - start + g.len).map_err(|_| None)?;
+    let map = Mapping::map_untrusted(region_fd, start, span).map_err(|_| None)?;
+    if g.len == 0 || map.len() < span {
+        return Err(None);
+    }
+    Ok((g, window, map))
+}

@@ -1,0 +1,182 @@
+//! The daemon's side of the direct path (`docs/direct-path.md`): it turns
+//! the core's grant rules ([`vrdma_core::hca`]'s `direct_*`) into shared
+//! memory and descriptors, and revokes them.
+//!
+//! What it keeps:
+//! - the memfd of every region that allows remote write, while the switch
+//!   is on (a region's descriptor is otherwise closed once mapped): the
+//!   one thing the daemon cannot make again later, and what a grant
+//!   hands to the requester's process;
+//! - per requester QP with grants, a *window* page (a memfd of its own):
+//!   an open word, the count of the library's copies in flight, and one
+//!   word per granted region holding the grant's generation.
+//!
+//! Revoking clears a word, then waits (bounded) until the in-flight count
+//! drains: the library announces a copy before it reads the words, so a
+//! copy either saw the cleared word or is counted. The wait runs on the
+//! session's thread, after the engine command, so that the engine never
+//! waits on a tenant's page; the engine reads nothing else there.
+
+use std::collections::HashMap;
+use std::os::fd::OwnedFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use vrdma_core::hca::{ContextId, DirectRefusal, Hca, Revocation};
+use vrdma_core::proto::{
+    direct_window_bytes, DirectGranted, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_SLOTS,
+};
+use vrdma_shm::{Segment, WordPage};
+
+/// How long a revocation waits for a requester's copies in flight. A copy
+/// is at most the library's direct size limit, microseconds; only a
+/// requester stopped or killed in the middle of one makes the wait run out
+/// (see the design notes).
+pub const DRAIN_LIMIT: Duration = Duration::from_millis(200);
+
+struct Region {
+    ctx: ContextId,
+    fd: OwnedFd,
+    fd_offset: u64,
+}
+
+struct Window {
+    seg: Arc<Segment>,
+    words: WordPage,
+}
+
+/// The direct path's shared state, owned by the engine thread.
+#[derive(Default)]
+pub struct DirectDriver {
+    /// The daemon's `direct.enabled`.
+    pub enabled: bool,
+    regions: HashMap<u32, Region>,
+    windows: HashMap<u32, Window>,
+}
+
+impl DirectDriver {
+    /// Keeps the memfd of a region just registered, if grants may need it.
+    pub fn keep_region(&mut self, ctx: ContextId, key: u32, fd: OwnedFd, fd_offset: u64) {
+        if self.enabled {
+            self.regions.insert(key, Region { ctx, fd, fd_offset });
+        }
+    }
+
+    /// Forgets the descriptors of a deregistered region.
+    pub fn forget_region(&mut self, key: u32) {
+        self.regions.remove(&key);
+    }
+
+    /// Forgets the descriptors of every region of a closed context.
+    pub fn forget_context(&mut self, ctx: ContextId) {
+        self.regions.retain(|_, r| r.ctx != ctx);
+    }
+
+    /// Windows open now.
+    pub fn windows(&self) -> usize {
+        self.windows.len()
+    }
+
+    /// A grant of `ctx`'s QP `qp` on its peer's region `rkey`, with the
+    /// descriptors to send (the window's first, when new).
+    pub fn grant(
+        &mut self,
+        hca: &mut Hca,
+        ctx: ContextId,
+        qp: u32,
+        rkey: u32,
+    ) -> Result<(DirectGranted, Vec<OwnedFd>), DirectRefusal> {
+        if !self.enabled {
+            return Err(DirectRefusal::Off);
+        }
+        let g = hca.direct_grant_write(ctx, qp, rkey)?;
+        let region = self.regions.get(&rkey).ok_or(DirectRefusal::NotGranted)?;
+        let region_fd = region.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
+        let fd_offset = region.fd_offset;
+        let mut fds = Vec::with_capacity(2);
+        let mut window_len = 0;
+        if g.new_window || !self.windows.contains_key(&qp) {
+            let seg = Segment::create("vrdma-direct-window", direct_window_bytes())
+                .map(Arc::new)
+                .map_err(|_| DirectRefusal::NotNow)?;
+            let fd = seg.try_clone_fd().map_err(|_| DirectRefusal::NotNow)?;
+            let words = WordPage::of_segment(seg.clone());
+            words.word(DIRECT_WINDOW_OPEN).expect("in the page").store(1, Ordering::SeqCst);
+            window_len = seg.len() as u64;
+            fds.push(fd);
+            self.windows.insert(qp, Window { seg, words });
+        }
+        let w = &self.windows[&qp];
+        let slot = w.words.word(DIRECT_WINDOW_SLOTS + g.slot as usize).ok_or(DirectRefusal::Full)?;
+        slot.store(g.generation, Ordering::SeqCst);
+        fds.push(region_fd);
+        debug_assert!(w.seg.len() >= direct_window_bytes());
+        Ok((
+            DirectGranted {
+                responder: g.responder,
+                addr: g.addr,
+                len: g.len,
+                fd_offset,
+                slot: g.slot,
+                generation: g.generation,
+                window_len,
+            },
+            fds,
+        ))
+    }
+
+    /// Applies what the core revoked since the last call; returns the
+    /// pages whose copies in flight the caller must wait out (with
+    /// [`drain`]) before it answers the operation that revoked them.
+    pub fn sync(&mut self, hca: &mut Hca) -> Vec<WordPage> {
+        let revoked = hca.direct_revocations();
+        let mut wait = Vec::new();
+        for r in revoked {
+            match r {
+                Revocation::Window { requester } => {
+                    if let Some(w) = self.windows.remove(&requester) {
+                        if let Some(open) = w.words.word(DIRECT_WINDOW_OPEN) {
+                            open.store(0, Ordering::SeqCst);
+                        }
+                        wait.push(w.words);
+                    }
+                }
+                Revocation::Slot { requester, slot } => {
+                    if let Some(w) = self.windows.get(&requester) {
+                        if let Some(word) = w.words.word(DIRECT_WINDOW_SLOTS + slot as usize) {
+                            word.store(0, Ordering::SeqCst);
+                        }
+                        wait.push(w.words.clone());
+                    }
+                }
+            }
+        }
+        wait
+    }
+}
+
+/// Waits until no copy is in flight in any of `pages`, at most
+/// [`DRAIN_LIMIT`] in all; says whether they drained.
+pub fn drain(pages: &[WordPage]) -> bool {
+    let start = Instant::now();
+    for p in pages {
+        let Some(inflight) = p.word(DIRECT_WINDOW_INFLIGHT) else { continue };
+        let mut spins = 0u32;
+        while inflight.load(Ordering::SeqCst) != 0 {
+            if start.elapsed() > DRAIN_LIMIT {
+                tracing::warn!(
+                    "a direct-path window kept copies in flight past {DRAIN_LIMIT:?} (its process stopped or died in one)"
+                );
+                return false;
+            }
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+    true
+}
