@@ -268,11 +268,19 @@ fn a_daemon_restart_fails_old_contexts_and_serves_new_ones() -> Result<()> {
     let q = std::sync::Arc::new(side);
     let s = q.clone();
     assert!(bounded(WAIT, move || s.qp.query().map(|_| ()))?.is_err());
-    // Waits for events fail too, even without a time limit: a dead
-    // daemon rings nothing, and waiting for it would last for ever.
+    // Waits for events end too, even without a time limit: a dead
+    // daemon rings nothing, and waiting for it would last for ever. The
+    // async events say so once (DEVICE_FATAL, as rdma-core reports a
+    // device reset), then fail.
     let c = ctx.clone();
     let r = bounded(WAIT, move || c.get_async_event(None))?;
-    assert!(r.is_err(), "get_async_event on a dead daemon: {r:?}");
+    assert!(
+        matches!(r, Ok(Some(vrdma::AsyncEvent { event_type: vrdma::AsyncEventType::DeviceFatal, .. }))),
+        "get_async_event on a dead daemon: {r:?}"
+    );
+    let c = ctx.clone();
+    let r = bounded(WAIT, move || c.get_async_event(None))?;
+    assert!(r.is_err(), "get_async_event after DEVICE_FATAL: {r:?}");
     let c = ch.clone();
     let r = bounded(WAIT, move || c.get_cq_event(None))?;
     assert!(r.is_err(), "get_cq_event on a dead daemon: {r:?}");
