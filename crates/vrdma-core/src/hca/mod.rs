@@ -239,6 +239,14 @@ impl Hca {
         Ok(())
     }
 
+    /// Sets the weight and rate limit of every tenant not set one of its
+    /// own with [`Hca::set_qos`] (each has buckets of its own).
+    pub fn set_default_qos(&mut self, qos: Qos) -> Result<(), String> {
+        qos.check()?;
+        self.order.set_default_qos(qos);
+        Ok(())
+    }
+
     /// The quota `tenant` is held to.
     pub fn quota(&self, tenant: TenantId) -> Quota {
         self.quotas.get(&tenant).copied().unwrap_or(self.config.default_quota)

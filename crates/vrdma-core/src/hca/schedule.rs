@@ -158,6 +158,14 @@ struct Policy {
 }
 
 impl Policy {
+    fn of(qos: &Qos) -> Policy {
+        Policy {
+            weight: qos.weight.max(1),
+            bytes: qos.bytes_per_s.map(|r| Bucket::new(r, qos.burst_bytes().unwrap_or(r))),
+            messages: qos.messages_per_s.map(|r| Bucket::new(r, qos.burst_messages().unwrap_or(r))),
+        }
+    }
+
     fn buckets(&mut self) -> impl Iterator<Item = &mut Bucket> {
         self.bytes.iter_mut().chain(self.messages.iter_mut())
     }
@@ -233,21 +241,28 @@ pub(crate) struct ServiceOrder {
     tenants: VecDeque<TenantId>,
     /// Tenants whose [`Qos`] is not the default.
     policies: IdMap<TenantId, Policy>,
+    /// The [`Qos`] of tenants not set one of their own, and those that
+    /// were (whose entry in `policies` stays theirs).
+    default_qos: Qos,
+    own_qos: std::collections::HashSet<TenantId>,
 }
 
 impl ServiceOrder {
     /// Sets `tenant`'s weight and rate limit (buckets start full).
     pub(crate) fn set_qos(&mut self, tenant: TenantId, qos: Qos) {
-        if qos == Qos::default() {
-            self.policies.remove(&tenant);
-            return;
+        self.own_qos.insert(tenant);
+        self.policies.remove(&tenant);
+        if qos != Qos::default() {
+            self.policies.insert(tenant, Policy::of(&qos));
         }
-        let policy = Policy {
-            weight: qos.weight.max(1),
-            bytes: qos.bytes_per_s.map(|r| Bucket::new(r, qos.burst_bytes().unwrap_or(r))),
-            messages: qos.messages_per_s.map(|r| Bucket::new(r, qos.burst_messages().unwrap_or(r))),
-        };
-        self.policies.insert(tenant, policy);
+    }
+
+    /// Sets the [`Qos`] of every tenant not set one of its own (each gets
+    /// buckets of its own, made when it first queues a QP).
+    pub(crate) fn set_default_qos(&mut self, qos: Qos) {
+        self.default_qos = qos;
+        let own = &self.own_qos;
+        self.policies.retain(|t, _| own.contains(t));
     }
 
     /// Queues `qpn` at the back of its tenant's queue.
@@ -256,6 +271,9 @@ impl ServiceOrder {
             self.tenants.push_back(tenant);
             TenantQueue::default()
         });
+        if self.default_qos != Qos::default() && !self.own_qos.contains(&tenant) {
+            self.policies.entry(tenant).or_insert_with(|| Policy::of(&self.default_qos));
+        }
         q.qps.push_back(qpn);
         // A QP that has not had a turn yet may have work.
         q.quiet = 0;
