@@ -78,10 +78,10 @@
 //! table's qos keys override `[qos]`'s one by one; a tenant without any
 //! gets `[qos]`, each with buckets of its own.
 //!
-//! Limits are applied by the engine on this host: the bytes of a tenant's
+//! Both act on the engine's copying on this host. The bytes of a tenant's
 //! QPs whose peers are on other hosts go out through the links, which do
-//! not consult the buckets yet, so across hosts only the weights act (on
-//! the engine's turns), not the rate limits.
+//! not consult the buckets nor count against a share's bytes yet: across
+//! hosts only the number of turns a share has scales with the weight.
 //!
 //! `latency_class` is accepted and checked, but does nothing yet: the
 //! daemon warns when it is set to anything but `"normal"`.
