@@ -39,8 +39,18 @@
 //! max_descriptors = 1186  # default: the tenants' descriptors / max_tenants
 //! max_queue_bytes = 268435456  # queue rings; default: max_queue_memory / max_tenants
 //!
-//! [tenants.1000]        # a tenant is a uid; override its quota
+//! [qos]                 # every tenant's share of the engine (see below)
+//! weight = 1            # its share against the others' when they contend
+//! rate_bytes_per_s = "1G"      # at most this many payload bytes a second (default: none)
+//! rate_messages_per_s = "200k" # at most this many send work requests a second
+//! burst_bytes = "10M"   # default: 10 ms of the rate, at least 64 KiB
+//! burst_messages = 2000 # default: 10 ms of the rate, at least 16
+//! latency_class = "normal"     # or "latency", "bulk": accepted, does not act yet
+//!
+//! [tenants.1000]        # a tenant is a uid; override its quota and qos
 //! max_objects = 64
+//! weight = 4
+//! rate_bytes_per_s = "500M"
 //!
 //! [net]                 # other hosts: only with a pre-shared key
 //! listen = "10.0.0.1:4792"   # default: the host address, port 4792
@@ -52,6 +62,29 @@
 //! allow = ["10.0.0.0/24"]  # dial and admit only these networks (default: any)
 //! dead_ms = 5000        # a link silent this long is dead
 //! ```
+//!
+//! ## Shares of the engine: weights and rate limits
+//!
+//! The engine serves tenants in turn (`vrdma_core::hca::schedule`). While
+//! tenants contend, each moves bytes in proportion to its `weight` (an
+//! integer, 1 to 1000), however many QPs it streams on; a tenant alone, or
+//! beside tenants with nothing to do, gets the whole engine whatever its
+//! weight. A rate limit (`rate_bytes_per_s`, `rate_messages_per_s`, each a
+//! token bucket with a burst) holds even when the tenant is alone: once
+//! its bucket is empty its work waits, counted as throttled time in the
+//! metrics, and the engine sleeps until the bucket refills. Amounts are
+//! integers or strings with a suffix: `k`/`K`, `M`, `G`, `T` (powers of
+//! 1000) or `Ki`, `Mi`, `Gi`, `Ti` (powers of 1024). A `[tenants.UID]`
+//! table's qos keys override `[qos]`'s one by one; a tenant without any
+//! gets `[qos]`, each with buckets of its own.
+//!
+//! Both act on the engine's copying on this host. The bytes of a tenant's
+//! QPs whose peers are on other hosts go out through the links, which do
+//! not consult the buckets nor count against a share's bytes yet: across
+//! hosts only the number of turns a share has scales with the weight.
+//!
+//! `latency_class` is accepted and checked, but does nothing yet: the
+//! daemon warns when it is set to anything but `"normal"`.
 //!
 //! ## Shared budgets: no tenant can lock the others out
 //!
@@ -99,7 +132,144 @@ use std::net::Ipv4Addr;
 use std::path::PathBuf;
 
 use serde::Deserialize;
-use vrdma_core::hca::Quota;
+use vrdma_core::hca::{Qos, Quota};
+
+/// An amount in the configuration: an integer, or a string with a
+/// decimal suffix (`k`, `M`, `G`, `T`) or a binary one (`Ki`, `Mi`, `Gi`,
+/// `Ti`): `"1G"`, `"1.5M"`, `"64Ki"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Amount(pub u64);
+
+impl Amount {
+    pub fn parse(text: &str) -> Result<Amount, String> {
+        let t = text.trim();
+        let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+        let (num, unit) = t.split_at(split);
+        let mult: u64 = match unit.trim() {
+            "" => 1,
+            "k" | "K" => 1_000,
+            "M" => 1_000_000,
+            "G" => 1_000_000_000,
+            "T" => 1_000_000_000_000,
+            "Ki" => 1 << 10,
+            "Mi" => 1 << 20,
+            "Gi" => 1 << 30,
+            "Ti" => 1 << 40,
+            u => return Err(format!("{text:?}: unknown unit {u:?} (k, M, G, T, Ki, Mi, Gi, Ti)")),
+        };
+        let v: f64 =
+            num.parse().map_err(|_| format!("{text:?} is not an amount like 1000, \"1G\" or \"64Ki\""))?;
+        let total = v * mult as f64;
+        if !total.is_finite() || total < 0.0 || total > u64::MAX as f64 {
+            return Err(format!("{text:?} is out of range"));
+        }
+        Ok(Amount(total.round() as u64))
+    }
+}
+
+impl<'de> Deserialize<'de> for Amount {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Int(n) => Ok(Amount(n)),
+            Raw::Text(t) => Amount::parse(&t).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+/// What a latency class will mean (issue 21, item 5); accepted now, acting
+/// later.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LatencyClass {
+    #[default]
+    Normal,
+    /// Small messages served first within a pass (not yet).
+    Latency,
+    /// Served after the others within a pass (not yet).
+    Bulk,
+}
+
+/// A tenant's share of the engine, as configured (see the module's doc):
+/// every key optional, so that a tenant's table overrides `[qos]`'s keys
+/// one by one.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct QosConfig {
+    pub weight: Option<u32>,
+    pub rate_bytes_per_s: Option<Amount>,
+    pub rate_messages_per_s: Option<Amount>,
+    pub burst_bytes: Option<Amount>,
+    pub burst_messages: Option<Amount>,
+    pub latency_class: Option<LatencyClass>,
+}
+
+impl QosConfig {
+    /// The keys a `[tenants.UID]` table may hold besides its quota's.
+    const KEYS: [&'static str; 6] = [
+        "weight",
+        "rate_bytes_per_s",
+        "rate_messages_per_s",
+        "burst_bytes",
+        "burst_messages",
+        "latency_class",
+    ];
+
+    /// `self`'s keys where set, `base`'s elsewhere.
+    pub fn over(&self, base: &QosConfig) -> QosConfig {
+        QosConfig {
+            weight: self.weight.or(base.weight),
+            rate_bytes_per_s: self.rate_bytes_per_s.or(base.rate_bytes_per_s),
+            rate_messages_per_s: self.rate_messages_per_s.or(base.rate_messages_per_s),
+            burst_bytes: self.burst_bytes.or(base.burst_bytes),
+            burst_messages: self.burst_messages.or(base.burst_messages),
+            latency_class: self.latency_class.or(base.latency_class),
+        }
+    }
+
+    /// What the engine applies.
+    pub fn qos(&self) -> Qos {
+        Qos {
+            weight: self.weight.unwrap_or(1),
+            bytes_per_s: self.rate_bytes_per_s.map(|a| a.0),
+            messages_per_s: self.rate_messages_per_s.map(|a| a.0),
+            burst_bytes: self.burst_bytes.map(|a| a.0),
+            burst_messages: self.burst_messages.map(|a| a.0),
+        }
+    }
+
+    pub fn latency_class(&self) -> LatencyClass {
+        self.latency_class.unwrap_or_default()
+    }
+}
+
+/// A `[tenants.UID]` table: quota keys and qos keys side by side.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct TenantConfig {
+    pub quota: Quota,
+    pub qos: QosConfig,
+}
+
+impl<'de> Deserialize<'de> for TenantConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let mut table = toml::Table::deserialize(d)?;
+        let mut qos = toml::Table::new();
+        for k in QosConfig::KEYS {
+            if let Some(v) = table.remove(k) {
+                qos.insert(k.to_string(), v);
+            }
+        }
+        let quota = toml::Value::Table(table).try_into::<Quota>().map_err(D::Error::custom)?;
+        let qos = toml::Value::Table(qos).try_into::<QosConfig>().map_err(D::Error::custom)?;
+        Ok(TenantConfig { quota, qos })
+    }
+}
 
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -317,8 +487,10 @@ pub struct DaemonConfig {
     pub net: NetConfig,
     pub direct: DirectConfig,
     pub quota: Quota,
-    /// Per-uid quota overrides; keys are uids.
-    pub tenants: BTreeMap<String, Quota>,
+    /// Every tenant's share of the engine (see the module's doc).
+    pub qos: QosConfig,
+    /// Per-uid quota and qos overrides; keys are uids.
+    pub tenants: BTreeMap<String, TenantConfig>,
 }
 
 /// The default of [`DaemonConfig::max_tenants`] (see the module's doc).
@@ -484,6 +656,7 @@ impl DaemonConfig {
 
     fn validate(&self) -> Result<(), ConfigError> {
         self.budgets()?;
+        self.validate_qos()?;
         self.net.validate()?;
         if self.metrics_listen.is_some_and(|a| a.port() == 0) {
             return Err(ConfigError::Invalid("metrics_listen needs a port (the usual one is 9464)".into()));
@@ -569,10 +742,34 @@ impl DaemonConfig {
     pub fn tenant_quotas(&self) -> Result<Vec<(u32, Quota)>, ConfigError> {
         self.tenants
             .iter()
-            .map(|(k, q)| {
-                k.parse::<u32>().map(|uid| (uid, *q)).map_err(|_| ConfigError::BadTenant(k.clone()))
+            .map(|(k, t)| {
+                k.parse::<u32>().map(|uid| (uid, t.quota)).map_err(|_| ConfigError::BadTenant(k.clone()))
             })
             .collect()
+    }
+
+    /// The tenants whose table sets a qos key, with `[qos]` filled in
+    /// where it leaves one out.
+    pub fn tenant_qos(&self) -> Result<Vec<(u32, QosConfig)>, ConfigError> {
+        self.tenants
+            .iter()
+            .filter(|(_, t)| t.qos != QosConfig::default())
+            .map(|(k, t)| {
+                k.parse::<u32>()
+                    .map(|uid| (uid, t.qos.over(&self.qos)))
+                    .map_err(|_| ConfigError::BadTenant(k.clone()))
+            })
+            .collect()
+    }
+
+    /// Checks every tenant's qos as the engine will apply it.
+    fn validate_qos(&self) -> Result<(), ConfigError> {
+        let all = std::iter::once(("[qos]".to_string(), self.qos))
+            .chain(self.tenant_qos()?.into_iter().map(|(u, q)| (format!("[tenants.{u}]"), q)));
+        for (table, q) in all {
+            q.qos().check().map_err(|e| ConfigError::Invalid(format!("{table}: {e}")))?;
+        }
+        Ok(())
     }
 }
 
@@ -588,6 +785,69 @@ mod tests {
         assert!(DaemonConfig::from_toml("metrics_listen = \"127.0.0.1\"").is_err());
         let e = DaemonConfig::from_toml("metrics_listen = \"127.0.0.1:0\"").unwrap_err();
         assert!(e.to_string().contains("needs a port"), "{e}");
+    }
+
+    #[test]
+    fn amounts_take_decimal_and_binary_suffixes() {
+        assert_eq!(Amount::parse("1G"), Ok(Amount(1_000_000_000)));
+        assert_eq!(Amount::parse("1.5M"), Ok(Amount(1_500_000)));
+        assert_eq!(Amount::parse("200k"), Ok(Amount(200_000)));
+        assert_eq!(Amount::parse("64Ki"), Ok(Amount(65_536)));
+        assert_eq!(Amount::parse("12345"), Ok(Amount(12_345)));
+        assert!(Amount::parse("1X").is_err());
+        assert!(Amount::parse("G").is_err());
+        assert!(Amount::parse("-1").is_err());
+    }
+
+    #[test]
+    fn qos_is_set_for_every_tenant_and_per_uid_beside_its_quota() {
+        let c = DaemonConfig::from_toml(
+            r#"
+            [qos]
+            rate_bytes_per_s = "1G"
+            [tenants.1000]
+            max_objects = 64
+            weight = 4
+            rate_messages_per_s = 100000
+            latency_class = "latency"
+            [tenants.2000]
+            max_objects = 32
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.qos.qos(), Qos { bytes_per_s: Some(1_000_000_000), ..Qos::default() });
+        assert_eq!(c.tenant_quotas().unwrap()[0], (1000, Quota { max_objects: 64, ..Quota::default() }));
+        let per_uid = c.tenant_qos().unwrap();
+        assert_eq!(per_uid.len(), 1, "2000 sets no qos key: it gets [qos]");
+        let (uid, q) = per_uid[0];
+        assert_eq!(uid, 1000);
+        assert_eq!(
+            q.qos(),
+            Qos {
+                weight: 4,
+                bytes_per_s: Some(1_000_000_000),
+                messages_per_s: Some(100_000),
+                ..Qos::default()
+            },
+            "[qos]'s keys where the tenant's table leaves them out"
+        );
+        assert_eq!(q.latency_class(), LatencyClass::Latency);
+    }
+
+    #[test]
+    fn bad_qos_is_refused_with_its_table() {
+        for (text, what) in [
+            ("[qos]\nweight = 0", "[qos]: weight"),
+            ("[tenants.7]\nweight = 1001", "[tenants.7]: weight"),
+            ("[tenants.7]\nrate_bytes_per_s = 0", "positive"),
+            ("[tenants.7]\nburst_bytes = \"1M\"", "burst_bytes without"),
+        ] {
+            let e = DaemonConfig::from_toml(text).unwrap_err().to_string();
+            assert!(e.contains(what), "{text}: {e}");
+        }
+        assert!(DaemonConfig::from_toml("[tenants.7]\nlatency_class = \"fast\"").is_err());
+        assert!(DaemonConfig::from_toml("[tenants.7]\nweigth = 2").is_err(), "unknown keys still refused");
+        assert!(DaemonConfig::from_toml("[tenants.7]\nrate_bytes_per_s = \"1Q\"").is_err());
     }
 
     #[test]

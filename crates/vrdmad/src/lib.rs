@@ -106,6 +106,32 @@ pub struct Daemon {
     metrics: Option<Box<metrics::MetricsServer>>,
 }
 
+/// Gives the engine every tenant's weight and rate limit (checked when
+/// the configuration was read), and warns of what is accepted but does
+/// not act yet.
+fn apply_qos(config: &DaemonConfig, hca: &mut Hca) -> Result<(), DaemonError> {
+    let invalid = |e: String| DaemonError::from(config::ConfigError::Invalid(e));
+    let all = std::iter::once((None, config.qos))
+        .chain(config.tenant_qos()?.into_iter().map(|(u, q)| (Some(u), q)));
+    for (uid, q) in all {
+        if q.latency_class() != config::LatencyClass::Normal {
+            tracing::warn!(
+                uid,
+                class = ?q.latency_class(),
+                "latency_class is accepted but does not act yet: this tenant is served as \"normal\""
+            );
+        }
+        match uid {
+            None => hca.set_default_qos(q.qos()).map_err(invalid)?,
+            Some(u) => hca.set_qos(TenantId(u), q.qos()).map_err(invalid)?,
+        }
+        if q != config::QosConfig::default() {
+            tracing::info!(uid, qos = ?q.qos(), "tenant share of the engine");
+        }
+    }
+    Ok(())
+}
+
 impl Daemon {
     pub fn start(config: DaemonConfig) -> Result<Daemon, DaemonError> {
         raise_fd_limit();
@@ -129,6 +155,7 @@ impl Daemon {
         for &(uid, q) in &budgets.tenants {
             hca.set_quota(TenantId(uid), q);
         }
+        apply_qos(&config, &mut hca)?;
         let net = match config.net.key()? {
             Some(psk) => {
                 let listen = config.net.listen.unwrap_or_else(|| (address, config::DEFAULT_WIRE_PORT).into());

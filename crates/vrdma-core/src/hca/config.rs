@@ -58,6 +58,81 @@ impl Default for Quota {
     }
 }
 
+/// A tenant's place in the engine's service (see the engine's scheduler,
+/// `hca::schedule`): its weight when tenants contend, and an optional rate
+/// limit that holds even when it is alone.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Qos {
+    /// Its share of the engine when tenants contend, against the others'
+    /// (at least 1): each round, a tenant may move `contended_bytes ×
+    /// weight` and have `tenant_turns × weight` busy turns.
+    pub weight: u32,
+    /// Most payload bytes a second its send work requests move (a token
+    /// bucket holding at most `burst_bytes`).
+    pub bytes_per_s: Option<u64>,
+    /// Most send work requests a second it starts (a token bucket holding
+    /// at most `burst_messages`).
+    pub messages_per_s: Option<u64>,
+    /// Bytes the tenant may move at once after a pause; default
+    /// [`Qos::DEFAULT_BURST_DIVISOR`]th of a second's worth, at least
+    /// [`Qos::MIN_BURST_BYTES`].
+    pub burst_bytes: Option<u64>,
+    /// Messages it may start at once after a pause; default a 100th of a
+    /// second's worth, at least [`Qos::MIN_BURST_MESSAGES`].
+    pub burst_messages: Option<u64>,
+}
+
+impl Default for Qos {
+    fn default() -> Self {
+        Qos { weight: 1, bytes_per_s: None, messages_per_s: None, burst_bytes: None, burst_messages: None }
+    }
+}
+
+impl Qos {
+    /// The default burst is this fraction of a second's rate (10 ms): a
+    /// tenant that paused gets at most 1 % more than its rate over the
+    /// next second.
+    pub const DEFAULT_BURST_DIVISOR: u64 = 100;
+    pub const MIN_BURST_BYTES: u64 = 64 << 10;
+    pub const MIN_BURST_MESSAGES: u64 = 16;
+    /// The largest weight: a round of a tenant of this weight holds the
+    /// engine `MAX_WEIGHT` times as long as one of weight 1.
+    pub const MAX_WEIGHT: u32 = 1000;
+
+    /// The burst of bytes in force.
+    pub fn burst_bytes(&self) -> Option<u64> {
+        let r = self.bytes_per_s?;
+        Some(self.burst_bytes.unwrap_or((r / Self::DEFAULT_BURST_DIVISOR).max(Self::MIN_BURST_BYTES)))
+    }
+
+    /// The burst of messages in force.
+    pub fn burst_messages(&self) -> Option<u64> {
+        let r = self.messages_per_s?;
+        Some(self.burst_messages.unwrap_or((r / Self::DEFAULT_BURST_DIVISOR).max(Self::MIN_BURST_MESSAGES)))
+    }
+
+    /// Why this policy cannot be applied, if it cannot.
+    pub fn check(&self) -> Result<(), String> {
+        if self.weight == 0 || self.weight > Self::MAX_WEIGHT {
+            return Err(format!("weight must be 1 to {}, not {}", Self::MAX_WEIGHT, self.weight));
+        }
+        if self.bytes_per_s == Some(0) || self.messages_per_s == Some(0) {
+            return Err("a rate limit must be positive (leave it out for none)".into());
+        }
+        if self.burst_bytes == Some(0) || self.burst_messages == Some(0) {
+            return Err("a burst must be positive".into());
+        }
+        if self.burst_bytes.is_some() && self.bytes_per_s.is_none() {
+            return Err("burst_bytes without rate_bytes_per_s".into());
+        }
+        if self.burst_messages.is_some() && self.messages_per_s.is_none() {
+            return Err("burst_messages without rate_messages_per_s".into());
+        }
+        Ok(())
+    }
+}
+
 /// The device's identity and limits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct HcaConfig {

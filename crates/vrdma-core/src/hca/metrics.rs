@@ -19,7 +19,9 @@
 //!   while the tenant still had QPs that may have work (its share of
 //!   turns or bytes was spent), the time from the end of that share to the
 //!   start of the tenant's next one: the time it had work pending and the
-//!   engine was serving others (or its own bookkeeping) instead.
+//!   engine was serving others (or its own bookkeeping) instead, or its
+//!   rate limit held it back (passed over until its bucket refills: see
+//!   `schedule`; `throttled_shares` counts those shares and passes).
 //! - **Message latency**: for each send work request that completes with a
 //!   completion written, the time from the start of the turn in which the
 //!   engine took it from the send queue to the end of the turn in which it
@@ -96,6 +98,10 @@ pub struct TenantCounters {
     pub engine_ns: u64,
     /// See the module's doc.
     pub throttled_ns: u64,
+    /// Times its rate limit ended a share or passed the tenant over with
+    /// work pending.
+    #[serde(default)]
+    pub throttled_shares: u64,
     pub latency: Histogram,
     /// The end of a share that left work, not yet followed by another.
     #[serde(skip)]

@@ -35,7 +35,7 @@ use IdMap as HashMap;
 use serde::{Deserialize, Serialize};
 
 pub use config::{
-    lid_of_ipv4, HcaConfig, Quota, CONTENDED_BYTES, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS,
+    lid_of_ipv4, HcaConfig, Qos, Quota, CONTENDED_BYTES, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS,
     VENDOR_ID,
 };
 pub use datapath::{Activity, GRH_LEN};
@@ -136,6 +136,9 @@ pub struct Hca {
     /// tenant's share of a pass holds its own count).
     turn_bytes: u64,
     turn_spent: u64,
+    /// Send WRs the turn under way may still start (its tenant's rate
+    /// limit); `u64::MAX` outside turns.
+    turn_messages: u64,
     /// Per-tenant counters for the metrics endpoint (see [`metrics`]).
     metrics: metrics::Metrics,
     /// Limits what tenants and peers can make the device log (see
@@ -178,6 +181,7 @@ impl Hca {
             notices_per_tenant,
             turn_bytes: 0,
             turn_spent: 0,
+            turn_messages: u64::MAX,
             metrics: metrics::Metrics::default(),
             direct: direct::Grants::default(),
         }
@@ -225,6 +229,22 @@ impl Hca {
 
     pub fn set_quota(&mut self, tenant: TenantId, quota: Quota) {
         self.quotas.insert(tenant, quota);
+    }
+
+    /// Sets `tenant`'s weight and rate limit in the engine's service (see
+    /// [`schedule`]); refused if [`Qos::check`] refuses it.
+    pub fn set_qos(&mut self, tenant: TenantId, qos: Qos) -> Result<(), String> {
+        qos.check()?;
+        self.order.set_qos(tenant, qos);
+        Ok(())
+    }
+
+    /// Sets the weight and rate limit of every tenant not set one of its
+    /// own with [`Hca::set_qos`] (each has buckets of its own).
+    pub fn set_default_qos(&mut self, qos: Qos) -> Result<(), String> {
+        qos.check()?;
+        self.order.set_default_qos(qos);
+        Ok(())
     }
 
     /// The quota `tenant` is held to.

@@ -3227,3 +3227,47 @@ fn a_tenant_waiting_on_a_timer_does_not_cut_anothers_share() {
     let done: usize = many.iter().map(|(a, _)| env.poll(a.cq).len()).sum();
     assert_eq!(done, 8, "every QP's turn");
 }
+
+/// A tenant limited to 1000 messages a second with a burst of 2 starts two
+/// of its eight posted writes, then is passed over: the pass reports no
+/// work and a timer at its bucket's refill (so the engine sleeps instead of
+/// spinning), and at that time the next write starts. Weighted, the
+/// streaming tenant beside another moves its weight's worth of bytes.
+#[test]
+fn a_rate_limited_tenant_is_passed_over_until_its_bucket_refills() {
+    let (mut env, chunk, many, _) = streamer_and_other();
+    let qos = Qos { messages_per_s: Some(1000), burst_messages: Some(2), ..Qos::default() };
+    env.hca.set_qos(TENANT, qos).unwrap();
+    for (a, b) in &many {
+        env.io
+            .post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key));
+    }
+    env.step(T0);
+    let done: usize = many.iter().map(|(a, _)| env.poll(a.cq).len()).sum();
+    assert_eq!(done, 2, "the burst");
+    let act = env.step(T0);
+    assert!(!act.again(), "nothing to do before the refill: {act:?}");
+    let refill = T0 + std::time::Duration::from_millis(1);
+    assert_eq!(act.next_timer, Some(refill), "one message's worth at 1000/s");
+    env.step(refill);
+    let done: usize = many.iter().map(|(a, _)| env.poll(a.cq).len()).sum();
+    assert_eq!(done, 1, "one more a millisecond");
+    assert!(env.hca.set_qos(TENANT, Qos { weight: 0, ..Qos::default() }).is_err());
+}
+
+/// With weight 3 against 1, the streaming tenant's share of a contended
+/// pass is three rounds' bytes (`contended_bytes` is two chunks here).
+#[test]
+fn a_weighted_tenant_moves_its_weights_worth_a_contended_pass() {
+    let (mut env, chunk, many, (x, y)) = streamer_and_other();
+    env.hca.set_qos(TENANT, Qos { weight: 3, ..Qos::default() }).unwrap();
+    for (a, b) in &many {
+        env.io
+            .post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key));
+    }
+    env.io.post_send(x.qpn, rdma(9, SendOpcode::RdmaWrite, &[x.buf.sge(0, 8)], y.buf.addr, y.buf.key));
+    assert!(env.step(T0).contended);
+    let done: usize = many.iter().map(|(a, _)| env.poll(a.cq).len()).sum();
+    assert_eq!(done, 6, "3 × two chunks");
+    assert_eq!(env.poll(x.cq).len(), 1);
+}

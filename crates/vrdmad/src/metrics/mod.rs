@@ -133,7 +133,7 @@ pub(crate) fn render(src: &Sources) -> String {
 fn tenants(w: &mut Writer, ts: &[TenantReport]) {
     let labels: Vec<String> = ts.iter().map(|t| tenant_label(t.tenant)).collect();
     type Get = fn(&TenantReport) -> f64;
-    let families: [(&str, Kind, &str, Get); 10] = [
+    let families: [(&str, Kind, &str, Get); 11] = [
         (
             "vrdma_tenant_objects",
             Kind::Gauge,
@@ -188,8 +188,14 @@ fn tenants(w: &mut Writer, ts: &[TenantReport]) {
         (
             "vrdma_tenant_throttled_seconds_total",
             Kind::Counter,
-            "Time the tenant had work pending after its share of a pass was spent, until its next share",
+            "Time the tenant had work pending after its share of a pass was spent (or its rate limit held it back), until its next share",
             |t| t.counters.throttled_ns as f64 / 1e9,
+        ),
+        (
+            "vrdma_tenant_rate_limited_total",
+            Kind::Counter,
+            "Shares of engine passes that the tenant's rate limit ended or passed over with work pending",
+            |t| t.counters.throttled_shares as f64,
         ),
     ];
     for (name, kind, help, get) in families {

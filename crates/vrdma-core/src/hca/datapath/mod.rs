@@ -197,17 +197,24 @@ impl Hca {
         // (Counted among those that may have work: a tenant whose QPs only
         // wait for a timer costs another nothing.)
         let contending = tenants > 1 && self.order.tenants_contending() > 1;
-        let share_bytes = if contending { self.config.contended_bytes.max(1) } else { u64::MAX };
+        let quantum = contending.then(|| self.config.contended_bytes.max(1));
         act.contended = contending;
         for _ in 0..tenants {
-            let Some(mut share) = self.order.next_share(share_bytes) else { break };
+            let Some(mut share) = self.order.next_share(quantum, self.config.tenant_turns, now) else {
+                break;
+            };
             let tenant = share.tenant;
             // One clock read per turn (and one per share), never per
             // message: the ends of turns bound engine time, throttled time
             // and latency (see `metrics`).
             let mut clock = self.metrics.clock_or(now);
-            self.counters(tenant).share_start(clock);
-            while share.more(self.config.tenant_turns) {
+            // A tenant passed over for its rate limit has no share: its
+            // throttled time runs on from its last one.
+            let served = share.throttled.is_none();
+            if served {
+                self.counters(tenant).share_start(clock);
+            }
+            while share.more() {
                 let Some(qpn) = self.order.pop(tenant) else { break };
                 // An entry of a QP that stopped being served (or is gone,
                 // or whose number now names another tenant's QP) leaves.
@@ -223,8 +230,10 @@ impl Hca {
                 // A held ACK goes out with the link's next frame when due;
                 // the engine must be awake then.
                 let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
-                self.turn_bytes = share.bytes.min(self.config.chunk_bytes.max(1));
+                let chunk = self.config.chunk_bytes.max(1).saturating_mul(share.weight.into());
+                self.turn_bytes = share.bytes.min(chunk);
                 self.turn_spent = 0;
+                self.turn_messages = share.messages;
                 self.metrics.turn_start = clock;
                 let turn = self.turn(qpn, now, io);
                 let end = self.metrics.clock_or(now);
@@ -233,6 +242,8 @@ impl Hca {
                 self.metrics.put_pending(pending);
                 clock = end;
                 share.bytes = share.bytes.saturating_sub(self.turn_spent);
+                share.messages = self.turn_messages;
+                self.turn_messages = u64::MAX;
                 let timer = match (turn.next_timer, ack) {
                     (Some(a), Some(b)) => Some(a.min(b)),
                     (a, b) => a.or(b),
@@ -251,10 +262,18 @@ impl Hca {
                 share.count(turn.busy);
                 self.order.after_turn(tenant, qpn, keep, turn.busy, timer);
             }
-            match self.order.end_share(tenant, now) {
+            match self.order.end_share(&share, now) {
                 Left::Work => {
                     act.pending = true;
                     self.counters(tenant).left_work(clock);
+                }
+                Left::Throttled(t) => {
+                    act.timer(t);
+                    let c = self.counters(tenant);
+                    c.throttled_shares += 1;
+                    if served {
+                        c.left_work(clock);
+                    }
                 }
                 Left::Quiet(Some(t)) => act.timer(t),
                 Left::Quiet(None) => {}
@@ -426,7 +445,15 @@ impl Hca {
                     }
                     return;
                 }
-                match io.pull_send(qpn) {
+                // The share's messages (its tenant's rate limit) are spent.
+                if self.turn_messages == 0 {
+                    return;
+                }
+                let pulled = io.pull_send(qpn);
+                if pulled.is_some() {
+                    self.turn_messages -= 1;
+                }
+                match pulled {
                     None => return,
                     Some(Ok(wr)) => {
                         qp.inflight = Some(Inflight {

@@ -1,0 +1,171 @@
+//! Weights and rate limits configured per tenant in the daemon's TOML act
+//! on real traffic: a rate-limited tenant streaming for about a second and
+//! a half gets close to its limit, and of two tenants streaming at once the
+//! one of weight 3 gets more than the one of weight 1.
+//!
+//! The bounds are generous on purpose (±25 % of the limit; the heavier
+//! tenant at least 1.3 times the lighter one's bytes, where 3 is the
+//! ideal): these run on small, noisy machines in debug builds, where the
+//! tenants' own threads compete with the engine for the CPU. The 5 %
+//! figures are `vrdma bench`'s and the core's simulated-time tests'
+//! (`vrdma_core::hca::schedule`). They need root, to run a tenant as uid
+//! 65534.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use vrdma_it::protocol::{Command, Said};
+use vrdma_it::{connect, DaemonProc, PeerProc, Side, WAIT};
+
+const NOBODY: u32 = 65534;
+/// The tests of this file run one at a time: each measures.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+const LEN: usize = 64 << 10;
+/// Writes of the weighted test: 32 of them in flight (the peer's flood
+/// keeps 32) keep a tenant's queue full through a time slice of its
+/// process's (some 5 ms of the engine's copying), so that the engine, not
+/// the CPU the tenants' threads get, decides the shares.
+const BIG: usize = 1 << 20;
+
+fn root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    vrdma_it::skip(format!("this test needs root (to run a tenant as uid {NOBODY})"));
+    false
+}
+
+/// Two connected tenant processes of uid `NOBODY`; the first writes into
+/// the second's region.
+fn pair(d: &DaemonProc) -> Result<(PeerProc, PeerProc, u64, u32)> {
+    let mut p1 = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(NOBODY))?;
+    let mut p2 = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(NOBODY))?;
+    let (h1, h2) = (p1.hello()?, p2.hello()?);
+    p1.call_ok(&Command::Connect { peer: h2.endpoint })?;
+    p2.call_ok(&Command::Connect { peer: h1.endpoint })?;
+    Ok((p1, p2, h2.addr, h2.rkey))
+}
+
+/// Starts `count` writes of `LEN` from `p` and returns once they began.
+fn start_flood(p: &mut PeerProc, addr: u64, rkey: u32, len: usize, count: u64) -> Result<()> {
+    p.send(&Command::Flood { remote_addr: addr, rkey, len, count })?;
+    match p.recv::<Said>(WAIT)? {
+        Said::Flooding => Ok(()),
+        other => bail!("the peer answered {other:?} to Flood"),
+    }
+}
+
+fn end_flood(p: &mut PeerProc) -> Result<()> {
+    match p.recv::<Said>(Duration::from_secs(60))? {
+        Said::Ok => Ok(()),
+        other => bail!("the flood ended with {other:?}"),
+    }
+}
+
+#[test]
+fn a_rate_limited_tenant_gets_close_to_its_limit() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    const RATE: u64 = 40_000_000;
+    let d = DaemonProc::start_with_config(&format!(
+        "[direct]\nenabled = false\n[tenants.{NOBODY}]\nrate_bytes_per_s = \"40M\"\n"
+    ))?;
+    let (mut p1, _p2, addr, rkey) = pair(&d)?;
+    // About 1.5 s at the limit.
+    let count = RATE * 3 / 2 / LEN as u64;
+    let t0 = Instant::now();
+    start_flood(&mut p1, addr, rkey, LEN, count)?;
+    end_flood(&mut p1)?;
+    let elapsed = t0.elapsed();
+    let rate = (count * LEN as u64) as f64 / elapsed.as_secs_f64();
+    let err = rate / RATE as f64 - 1.0;
+    eprintln!("limit {RATE} B/s: got {rate:.0} B/s over {elapsed:?} (error {:+.1} %)", err * 100.0);
+    if err.abs() > 0.25 {
+        bail!("a tenant limited to {RATE} B/s moved {rate:.0} B/s ({:+.1} %)", err * 100.0);
+    }
+    Ok(())
+}
+
+/// Our own tenant (the test's uid, weight 1) streams 1 MiB writes from a
+/// thread, counting the bytes written, until `stop`.
+fn stream_in_thread(
+    d: &DaemonProc,
+    stop: Arc<AtomicBool>,
+    bytes: Arc<AtomicU64>,
+) -> Result<std::thread::JoinHandle<Result<()>>> {
+    let ctx = d.context()?;
+    let (a, b) = (Side::new(&ctx, 4 << 20)?, Side::new(&ctx, 4 << 20)?);
+    connect(&a, &b)?;
+    Ok(std::thread::spawn(move || {
+        // Whole (a closure captures only the fields it names: `b.mr`
+        // alone would leave b's QP dropped, and our writes unanswered).
+        let (_ctx, b) = (ctx, b);
+        let sge = a.mr.sge(0, BIG)?;
+        let mut wcs = vrdma::wc_buffer(64);
+        let (mut posted, mut done) = (0u64, 0u64);
+        while !stop.load(Ordering::Relaxed) {
+            while posted - done < 32 {
+                let wr = vrdma::wr::SendWrExt::signaled(vrdma::wr::rdma_write(
+                    posted,
+                    &[sge],
+                    b.mr.addr(),
+                    b.mr.rkey(),
+                )?);
+                a.qp.post_send(&[wr]).map_err(|e| e.error)?;
+                posted += 1;
+            }
+            let n = a.cq.poll(&mut wcs)?;
+            for wc in &wcs[..n] {
+                if wc.status != vrdma::WcStatus::Success {
+                    bail!("our write: {wc:?}");
+                }
+            }
+            done += n as u64;
+            bytes.fetch_add((n * BIG) as u64, Ordering::Relaxed);
+            if n == 0 {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }))
+}
+
+#[test]
+fn of_two_tenants_streaming_at_once_the_heavier_weight_gets_more() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let d = DaemonProc::start_with_config(&format!(
+        "[direct]\nenabled = false\n[tenants.0]\nweight = 1\n[tenants.{NOBODY}]\nweight = 3\n"
+    ))?;
+    let (stop, ours) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let streamer = stream_in_thread(&d, stop.clone(), ours.clone())?;
+    let (mut p1, _p2, addr, rkey) = pair(&d)?;
+    std::thread::sleep(Duration::from_millis(200));
+    // 2 GiB from the tenant of weight 3; ours is counted meanwhile.
+    let count = (2u64 << 30) / BIG as u64;
+    let (t0, c0) = (Instant::now(), ours.load(Ordering::Relaxed));
+    start_flood(&mut p1, addr, rkey, BIG, count)?;
+    end_flood(&mut p1)?;
+    let (elapsed, c1) = (t0.elapsed(), ours.load(Ordering::Relaxed));
+    stop.store(true, Ordering::Relaxed);
+    streamer.join().expect("the streaming thread")?;
+    let heavy = count * BIG as u64;
+    let light = c1 - c0;
+    let ratio = heavy as f64 / light.max(1) as f64;
+    eprintln!(
+        "weights 1:3 over {elapsed:?}: {light} B and {heavy} B, shares {:.3}:{:.3} (ideal 0.25:0.75), ratio {ratio:.2}",
+        light as f64 / (light + heavy) as f64,
+        heavy as f64 / (light + heavy) as f64
+    );
+    if ratio < 1.3 {
+        bail!("the tenant of weight 3 moved {heavy} B while the one of weight 1 moved {light} B");
+    }
+    Ok(())
+}
