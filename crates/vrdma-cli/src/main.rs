@@ -41,6 +41,9 @@ enum Command {
     /// A busy-polling TCP ping-pong (bench-hosts' reference anchor).
     #[command(hide = true)]
     TcpPingpong(cmd::hostbench::pingpong::Args),
+    /// rdma_cm connection setup between two processes beside TCP connect + accept (bench-hosts' figure).
+    #[command(hide = true)]
+    CmSetup(cmd::hostbench::cm_setup::Args),
     /// A tenant that breaks the shared-memory protocol on purpose (`vrdma bench`'s other tenant).
     #[command(hide = true)]
     Misbehave(bench::attack::Args),
@@ -73,6 +76,7 @@ fn main() -> Result<()> {
         Command::Study(a) => study::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
         Command::TcpPingpong(a) => cmd::hostbench::pingpong::run(a),
+        Command::CmSetup(a) => cmd::hostbench::cm_setup::run(cli.socket, a),
         Command::Misbehave(a) => bench::attack::misbehave(cli.socket, a),
     }
 }

@@ -1,6 +1,7 @@
 //! `vrdma bench-hosts --quick --json` as CI runs it: two network
 //! namespaces on a veth pair, a daemon in each, perftest through the
-//! drop-in library beside iperf3, qperf and a busy-polling TCP ping-pong;
+//! drop-in library beside iperf3, qperf and a busy-polling TCP ping-pong,
+//! rdma_cm connection setup beside TCP connect + accept on the same pair;
 //! and nothing left behind.
 //!
 //! Skips, saying why, when not root or when a tool or the drop-in library
@@ -115,7 +116,18 @@ fn bench_hosts_quick_reports_each_figure_beside_its_anchor_and_leaves_nothing_be
     assert!(v["machine"].as_str().is_some_and(|m| m.contains(" CPUs")), "{stdout}");
     let figures = v["figures"].as_array().expect("figures");
     let keys: Vec<&str> = figures.iter().map(|f| f["key"].as_str().expect("key")).collect();
-    assert_eq!(keys, ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin"], "{stdout}");
+    assert_eq!(
+        keys,
+        [
+            "write_bw_1qp",
+            "write_bw_4qp",
+            "write_lat_8b",
+            "write_lat_8b_spin",
+            "cm_setup_first",
+            "cm_setup_each"
+        ],
+        "{stdout}"
+    );
     // The vRDMA figures beside their anchors (iperf3 with 1 and 4
     // streams, qperf tcp_lat, and for reference a busy-polling TCP
     // ping-pong): every value and ratio positive; the three with a target
@@ -139,6 +151,17 @@ fn bench_hosts_quick_reports_each_figure_beside_its_anchor_and_leaves_nothing_be
     }
     // One ib_write_lat per run serves both latency anchors.
     assert_eq!(figures[2]["vrdma"], figures[3]["vrdma"], "{stdout}");
+    // rdma_cm connection setup across the hosts, each beside TCP connect +
+    // accept on the same pair (measured in the same run), with the ratio
+    // and the target (at most 3x); no timing is asserted.
+    for f in &figures[4..] {
+        assert_eq!(f["unit"], "us", "{stdout}");
+        assert!(
+            f["anchor_name"].as_str().is_some_and(|a| a.starts_with("TCP connect + accept, same pair")),
+            "{stdout}"
+        );
+        assert_eq!(f["target"], "<= 3.00x", "{stdout}");
+    }
 
     let ns = namespaces();
     assert!(!ns.contains(&format!("vrdma-hb{pid}-")), "namespaces left behind:\n{ns}");

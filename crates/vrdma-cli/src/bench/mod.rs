@@ -10,7 +10,7 @@
 pub mod anchors;
 pub(crate) mod attack;
 mod client;
-mod cm_setup;
+pub mod cm_setup;
 mod control;
 mod idle;
 mod output;

@@ -12,15 +12,20 @@
 //! | RDMA write 1 MiB, 4 QPs | `ib_write_bw -s 1048576 -q 4` | `iperf3 -P 4` | ≥ 0.90× |
 //! | RDMA write 8 B, one way | `ib_write_lat -s 8`, typical | `qperf tcp_lat -m 8` | ≤ 1.3× |
 //! | the same | the same | a busy-polling TCP ping-pong ([`pingpong`]) | reference |
+//! | rdma_cm setup, first of a run | create id to ESTABLISHED on both sides, QP included ([`cm_setup`]) | TCP connect + accept, first | ≤ 3× |
+//! | rdma_cm setup, each of 100 in a row | the same, median | TCP connect + accept, median | ≤ 3× |
 //!
 //! Both latencies are one way (half a round trip), as the tools report
 //! them. Beside each bandwidth figure the report gives what it cost in
 //! CPU, per GB moved ([`cpu`]): where CPUs are to spare, what the
 //! bandwidth hides. Each run measures every figure and its anchor in turn;
 //! the table shows the medians over the runs and the ratio of the
-//! medians. Needs root (namespaces) and the tools `ip`, `iperf3`, `qperf`,
+//! medians. The connection setup figures come from one measurement per
+//! run (the rdma_cm loop, then the TCP loop, between the same two
+//! processes). Needs root (namespaces) and the tools `ip`, `iperf3`, `qperf`,
 //! perftest.
 
+pub mod cm_setup;
 mod cpu;
 mod hosts;
 pub mod pingpong;
@@ -55,7 +60,7 @@ pub struct Args {
     #[arg(long, value_name = "KEY=VALUE")]
     engine: Vec<String>,
     /// Measure only these figures (repeatable; default all).
-    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin"])]
+    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin", "cm_setup_first", "cm_setup_each"])]
     only: Vec<String>,
 }
 
@@ -80,7 +85,11 @@ struct Spec {
     goal: Goal,
 }
 
-const SPECS: [Spec; 4] = [
+/// Connections in a row per connection setup measurement (as `vrdma bench
+/// --cm-setup` and rdma-core's `cmtime` count them).
+const CM_SETUP_COUNT: u32 = 100;
+
+const SPECS: [Spec; 6] = [
     Spec {
         key: "write_bw_1qp",
         tools: ["ib_write_bw", "iperf3"],
@@ -112,6 +121,22 @@ const SPECS: [Spec; 4] = [
         anchor: "TCP ping-pong 8 B, one way, busy-polling (vrdma tcp-pingpong)",
         unit: "us",
         goal: Goal::Reference,
+    },
+    Spec {
+        key: "cm_setup_first",
+        tools: ["ip", "ip"],
+        figure: "rdma_cm connect, create id to ESTABLISHED on both sides (QP included), first of a run",
+        anchor: "TCP connect + accept, same pair, first",
+        unit: "us",
+        goal: Goal::AtMost(3.0),
+    },
+    Spec {
+        key: "cm_setup_each",
+        tools: ["ip", "ip"],
+        figure: "rdma_cm connect, create id to ESTABLISHED on both sides, each of 100 in a row",
+        anchor: "TCP connect + accept, same pair, each of 100",
+        unit: "us",
+        goal: Goal::AtMost(3.0),
     },
 ];
 
@@ -300,8 +325,10 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
     let mut stalls = Vec::new();
     for r in 0..runs {
         let mut line = Vec::new();
-        // ib_write_lat once per run, for both latency anchors.
+        // ib_write_lat once per run, for both latency anchors; one
+        // connection setup measurement for both of its figures.
         let mut lat: Option<f64> = None;
+        let mut setup: Option<[(f64, f64); 2]> = None;
         for (spec, v) in specs.iter().zip(out.iter_mut()) {
             let p = match spec.key {
                 "write_bw_1qp" => bandwidth(&mut h, 1, plan.bw_secs)?,
@@ -309,6 +336,17 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
                 "write_lat_8b" => {
                     let anchor = tools::tcp_lat(&mut h, plan.lat_secs)?;
                     Pair::latency(cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))?, anchor)
+                }
+                "cm_setup_first" | "cm_setup_each" => {
+                    let [cm, tcp] = match setup {
+                        Some(s) => s,
+                        None => *setup.insert(tools::cm_setup(&mut h, CM_SETUP_COUNT)?),
+                    };
+                    if spec.key == "cm_setup_first" {
+                        Pair::latency(cm.0, tcp.0)
+                    } else {
+                        Pair::latency(cm.1, tcp.1)
+                    }
                 }
                 _ => {
                     let anchor = tools::spin_lat(&mut h, plan.lat_iters)?;
@@ -482,7 +520,17 @@ mod tests {
             let only: Vec<String> = only.iter().map(|s| s.to_string()).collect();
             selected(&only).map(|s| s.key).collect::<Vec<_>>()
         };
-        assert_eq!(keys(&[]), ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin"]);
+        assert_eq!(
+            keys(&[]),
+            [
+                "write_bw_1qp",
+                "write_bw_4qp",
+                "write_lat_8b",
+                "write_lat_8b_spin",
+                "cm_setup_first",
+                "cm_setup_each"
+            ]
+        );
         assert_eq!(keys(&["write_lat_8b", "write_bw_1qp"]), ["write_bw_1qp", "write_lat_8b"]);
     }
 }

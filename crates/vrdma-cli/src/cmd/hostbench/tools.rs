@@ -69,6 +69,10 @@ fn next_perftest_port() -> u16 {
     PERFTEST_PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
+/// `vrdma cm-setup`'s three ports (rdma_cm, TCP, control), new ones per
+/// measurement for the same reason.
+static CM_SETUP_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(19800);
+
 /// How long past its nominal duration a client may take before it is
 /// counted as hung.
 const SLACK: Duration = Duration::from_secs(60);
@@ -162,6 +166,24 @@ pub fn spin_lat(h: &mut Hosts, iters: u32) -> Result<f64> {
     let n = iters.to_string();
     let out = client(h, &exe, &["tcp-pingpong", "--connect", &listen, "--iters", &n], false, 10, GRACE)?;
     parse_pingpong(&out).with_context(|| format!("tcp-pingpong's report:\n{out}"))
+}
+
+/// rdma_cm connection setup (`vrdma cm-setup`, its listener in host 1,
+/// its client in host 2, `count` connections in a row) and TCP connect +
+/// accept between the same two processes: (first, each) in µs for rdma_cm,
+/// then for TCP.
+pub fn cm_setup(h: &mut Hosts, count: u32) -> Result<[(f64, f64); 2]> {
+    let exe = std::env::current_exe().context("where is the vrdma executable")?;
+    let exe = exe.to_str().context("the vrdma executable's path is not UTF-8")?.to_string();
+    let port = CM_SETUP_PORT.fetch_add(3, std::sync::atomic::Ordering::Relaxed);
+    let (addr, p, n) = (h.hosts[0].addr.to_string(), port.to_string(), count.to_string());
+    // The control port opens last: when it listens, everything does.
+    h.server(&exe, &["cm-setup", "--listen", &addr, "--port", &p, "--count", &n], true, port + 2)?;
+    let out =
+        client(h, &exe, &["cm-setup", "--connect", &addr, "--port", &p, "--count", &n], true, 10, GRACE)?;
+    let parse =
+        |name| super::cm_setup::parse(&out, name).with_context(|| format!("cm-setup's report:\n{out}"));
+    Ok([parse("rdma_cm")?, parse("tcp")?])
 }
 
 /// `one-way median: X us`.
