@@ -243,3 +243,69 @@ fn with_the_switch_off_nothing_is_carried() -> Result<()> {
     assert_eq!(&got, b"engine!!");
     Ok(())
 }
+
+#[test]
+fn carried_writes_hold_their_send_queue_slots_until_a_completion_is_polled() -> Result<()> {
+    let d = DaemonProc::start_with_config(ON)?;
+    let a = Side::with(&d.context()?, 4096, 64, vrdma_it::cap(8, 1), None)?;
+    let b = Side::with(&d.context()?, 4096, 64, vrdma_it::cap(8, 1), None)?;
+    connect(&a, &b)?;
+    let n = a.qp.cap().max_send_wr as usize;
+    let w = |i: u64| -> Result<vrdma::SendWr> {
+        Ok(wr::rdma_write(i, &[a.mr.sge(0, 8)?], b.mr.addr() + 64, b.mr.rkey())?)
+    };
+    // n - 1 unsignaled and one signaled: the queue is full until that one
+    // completion is polled (the unsignaled ones are freed with it).
+    let mut wrs = (0..n as u64 - 1).map(w).collect::<Result<Vec<_>>>()?;
+    wrs.push(w(99)?.signaled());
+    a.qp.post_send(&wrs)?;
+    assert_eq!(carried(&a), n as u64);
+    let e = a.qp.post_send(&[w(100)?.signaled()]).unwrap_err();
+    assert_eq!((e.index, e.errno()), (0, libc::ENOMEM));
+    assert_eq!(poll_one(&a.cq, WAIT)?.wr_id, 99);
+    // All free again: a whole queue of signaled ones, then one too many.
+    let wrs = (0..n as u64).map(|i| Ok(w(i)?.signaled())).collect::<Result<Vec<_>>>()?;
+    a.qp.post_send(&wrs)?;
+    let e = a.qp.post_send(&[w(100)?.signaled()]).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOMEM);
+    // One polled frees one slot, not more.
+    assert_eq!(poll_one(&a.cq, WAIT)?.wr_id, 0);
+    a.qp.post_send(&[w(101)?.signaled()])?;
+    assert_eq!(a.qp.post_send(&[w(102)?.signaled()]).unwrap_err().errno(), libc::ENOMEM);
+    assert_eq!(carried(&a), 2 * n as u64 + 1);
+    assert_eq!(poll_n(&a.cq, n, WAIT)?.len(), n);
+    assert_eq!(a.qp.state(), QpState::Rts);
+    Ok(())
+}
+
+#[test]
+fn a_carried_completion_that_would_overrun_the_cq_is_the_engines_cq_error() -> Result<()> {
+    use vrdma::{AsyncEvent, AsyncEventType};
+    let d = DaemonProc::start_with_config(ON)?;
+    let ctx = d.context()?;
+    let a = Side::with(&ctx, 4096, 4, vrdma_it::cap(16, 1), None)?;
+    let b = Side::with(&d.context()?, 4096, 64, vrdma_it::cap(16, 1), None)?;
+    connect(&a, &b)?;
+    let depth = a.cq.depth() as usize;
+    let wrs: Vec<_> = (0..depth as u64 + 2)
+        .map(|i| Ok(wr::rdma_write(i, &[a.mr.sge(0, 8)?], b.mr.addr() + 64, b.mr.rkey())?.signaled()))
+        .collect::<Result<_>>()?;
+    a.qp.post_send(&wrs)?;
+    // The CQ's depth of them were carried; the next found no room and
+    // went to the engine, which overran the CQ as it always does.
+    assert_eq!(carried(&a), depth as u64);
+    let mut events = vec![vrdma_it::async_event(&ctx, WAIT)?, vrdma_it::async_event(&ctx, WAIT)?];
+    events.sort_by_key(|e| e.event_type.raw());
+    assert_eq!(
+        events,
+        [
+            AsyncEvent { event_type: AsyncEventType::CqErr, element: a.cq.cqn() },
+            AsyncEvent { event_type: AsyncEventType::QpFatal, element: a.qp.qpn() },
+        ]
+    );
+    wait_state(&a.qp, QpState::Err, WAIT)?;
+    let got = vrdma_it::poll_for(&a.cq, std::time::Duration::from_millis(50))?;
+    assert_eq!(got.len(), depth, "{got:?}");
+    assert!(got.iter().all(|w| w.status == WcStatus::Success));
+    Ok(())
+}

@@ -57,13 +57,47 @@ pub(crate) struct CqInner {
     empty_polls: AtomicU32,
     /// The send queues completing here, by QP number: how many of each
     /// QP's send WRs the polled completions have freed.
-    send_queues: Mutex<HashMap<u32, Arc<AtomicU32>>>,
+    send_queues: Mutex<HashMap<u32, Arc<SendSlots>>>,
     /// Completions of WRs this process carried itself (the direct path),
     /// polled before the ring: a QP takes the direct path only while none
     /// of its WRs is unpolled in the ring, so its own completions keep
-    /// their order (see `docs/direct-path.md`).
-    local: Mutex<std::collections::VecDeque<WorkCompletion>>,
+    /// their order (see `docs/direct-path.md`). They count against the
+    /// CQ's depth with the ring's entries: their number is published in
+    /// the ring's [`proto::CQ_AUX_LOCAL`] word, which the engine reads
+    /// before it pushes.
+    local: Mutex<std::collections::VecDeque<LocalWc>>,
     local_len: std::sync::atomic::AtomicUsize,
+}
+
+/// A send queue's slot counts, shared by its QP (which admits WRs) and
+/// its send CQ (whose polls free them).
+#[derive(Debug, Default)]
+pub(crate) struct SendSlots {
+    /// Engine-path WRs whose slots are free again: those covered by polled
+    /// completions, or dropped by a reset (in the ring's producer numbering).
+    pub(crate) freed: AtomicU32,
+    /// WRs the direct path carried (free-running).
+    pub(crate) carried: AtomicU32,
+    /// Carried WRs whose slots are free again: up to a polled local
+    /// completion's number, or all carried before a polled engine
+    /// completion of the QP (an unsignaled WR's slot is freed by a later
+    /// signaled completion, as on hardware).
+    pub(crate) carried_freed: AtomicU32,
+}
+
+impl SendSlots {
+    /// Carried WRs still holding a slot.
+    pub(crate) fn carried_outstanding(&self) -> u32 {
+        self.carried.load(Ordering::Acquire).wrapping_sub(self.carried_freed.load(Ordering::Acquire))
+    }
+}
+
+/// A completion in a CQ's local queue; a send completion frees its QP's
+/// carried WRs up to `seq` when polled.
+#[derive(Debug)]
+pub(crate) struct LocalWc {
+    pub(crate) wc: WorkCompletion,
+    pub(crate) frees: Option<(Arc<SendSlots>, u32)>,
 }
 
 impl Drop for CqInner {
@@ -90,10 +124,13 @@ impl CqInner {
             let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
             while n < out.len() {
                 let Some(c) = local.pop_front() else { break };
-                out[n] = c;
+                out[n] = c.wc;
                 n += 1;
+                if let Some((slots, seq)) = c.frees {
+                    advance(&slots.carried_freed, seq);
+                }
             }
-            self.local_len.store(local.len(), Ordering::Release);
+            self.publish_local(local.len());
         }
         while n < out.len() {
             match self.ring.try_pop(&mut slot) {
@@ -131,16 +168,39 @@ impl CqInner {
         let queues = self.send_queues.lock().unwrap_or_else(|p| p.into_inner());
         for (qpn, retired) in freed {
             if let Some(q) = queues.get(qpn) {
-                advance(q, *retired);
+                // WRs are carried only while the engine has nothing of the
+                // QP unpolled, so an engine completion that frees anything
+                // (not one from before a reset) is of a WR posted after
+                // every carried one: it frees them all. Carried first: a
+                // WR carried once `freed` moves is after this completion.
+                let carried = q.carried.load(Ordering::Acquire);
+                if is_ahead(&q.freed, *retired) {
+                    advance(&q.carried_freed, carried);
+                }
+                advance(&q.freed, *retired);
             }
         }
     }
 
+    fn publish_local(&self, len: usize) {
+        self.local_len.store(len, Ordering::Release);
+        let len = u32::try_from(len).unwrap_or(u32::MAX);
+        self.ring.aux(proto::CQ_AUX_LOCAL).store(len, Ordering::SeqCst);
+    }
+
+    /// Whether one more completion fits: the ring's entries and the local
+    /// queue's together below the depth. (The engine checks the same sum
+    /// before it pushes; see `docs/direct-path.md` for the one race left.)
+    pub(crate) fn has_room(&self) -> bool {
+        let ring = self.ring.len().unwrap_or(self.depth);
+        (ring as usize).saturating_add(self.local_len.load(Ordering::Acquire)) < self.depth as usize
+    }
+
     /// Queues a completion of a WR carried by the direct path.
-    pub(crate) fn push_local(&self, wc: WorkCompletion) {
+    pub(crate) fn push_local(&self, wc: WorkCompletion, frees: Option<(Arc<SendSlots>, u32)>) {
         let mut local = self.local.lock().unwrap_or_else(|p| p.into_inner());
-        local.push_back(wc);
-        self.local_len.store(local.len(), Ordering::Release);
+        local.push_back(LocalWc { wc, frees });
+        self.publish_local(local.len());
     }
 
     /// Whether the CQ reports to a completion channel.
@@ -149,7 +209,7 @@ impl CqInner {
     }
 
     /// Frees the send slots of `qpn` as its completions are polled.
-    pub(crate) fn add_send_queue(&self, qpn: u32, freed: Arc<AtomicU32>) {
+    pub(crate) fn add_send_queue(&self, qpn: u32, freed: Arc<SendSlots>) {
         self.send_queues.lock().unwrap_or_else(|p| p.into_inner()).insert(qpn, freed);
     }
 
@@ -166,10 +226,18 @@ impl CqInner {
     }
 }
 
+/// Whether `to` is ahead of the free-running `count`.
+fn is_ahead(count: &AtomicU32, to: u32) -> bool {
+    (to.wrapping_sub(count.load(Ordering::Acquire)) as i32) > 0
+}
+
 /// Moves a free-running count forward to `to`, never back: completions
 /// polled out of order by racing threads, or after a reset moved it on,
 /// must not undo a later count.
 pub(crate) fn advance(count: &AtomicU32, to: u32) {
+    if !is_ahead(count, to) {
+        return;
+    }
     let _ = count.fetch_update(Ordering::Release, Ordering::Relaxed, |now| {
         ((to.wrapping_sub(now) as i32) > 0).then_some(to)
     });

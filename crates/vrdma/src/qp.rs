@@ -1,6 +1,6 @@
 //! Queue pairs.
 
-use std::sync::atomic::{AtomicU32, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
@@ -144,7 +144,7 @@ pub struct QueuePair {
     rq: Option<RingView>,
     /// Send WRs whose slots are free again: those covered by polled
     /// completions (the send CQ moves it), or dropped by a reset.
-    sq_freed: Arc<AtomicU32>,
+    sq_freed: Arc<crate::cq::SendSlots>,
     /// The direct path's grants of this QP ([`crate::direct`]).
     direct: crate::direct::DirectQp,
     /// Keeps the rings' mapping alive (the rings hold it too).
@@ -336,7 +336,7 @@ impl QueuePair {
         };
         let mut init_attr = attr;
         init_attr.cap = created.cap;
-        let sq_freed = Arc::new(AtomicU32::new(0));
+        let sq_freed = Arc::new(crate::cq::SendSlots::default());
         init.send_cq.inner.add_send_queue(qpn, sq_freed.clone());
         Ok(QueuePair {
             ctx: ctx.clone(),
@@ -422,7 +422,12 @@ impl QueuePair {
             // A store, not an advance: it also recovers a count that a
             // confused daemon's completions moved past what was posted.
             self.sq_freed
+                .freed
                 .store(self.sq.aux(proto::SQ_AUX_RETIRED).load(Ordering::Acquire), Ordering::Release);
+            // Carried WRs completed inside their post; a reset frees their
+            // slots as it frees the engine's.
+            let carried = self.sq_freed.carried.load(Ordering::Acquire);
+            self.sq_freed.carried_freed.store(carried, Ordering::Release);
         }
         if mask.contains(QpAttrMask::PORT) {
             self.port.store(attr.port_num, Ordering::Relaxed);
@@ -608,7 +613,14 @@ impl QueuePair {
             return Ok(());
         }
         let max = self.cap.max_send_wr;
-        let admit = |posted: u32| posted.wrapping_sub(freed.load(Ordering::Acquire)) < max;
+        // WRs the direct path carried hold slots too, until their
+        // completions (or later ones) are polled.
+        let admit = |posted: u32| {
+            posted
+                .wrapping_sub(freed.freed.load(Ordering::Acquire))
+                .saturating_add(freed.carried_outstanding())
+                < max
+        };
         push_all(
             &self.ctx,
             &self.sq,
@@ -641,24 +653,37 @@ impl QueuePair {
             return Ok(0);
         }
         let stride = self.sq.stride();
+        let slots = &self.sq_freed;
         let mut done = 0;
         for wr in wrs {
-            if self.sq.produced() != self.sq_freed.load(Ordering::Acquire) {
+            // The engine has nothing of the QP unpolled, and the queue has
+            // a free slot (else the engine path refuses it: ENOMEM).
+            if self.sq.produced() != slots.freed.load(Ordering::Acquire)
+                || slots.carried_outstanding() >= self.cap.max_send_wr
+            {
                 break;
             }
             check_send(wr, &self.cap, stride).map_err(|e| PostError::new(done, e))?;
+            let signaled = wr.flags.contains(vrdma_core::verbs::SendFlags::SIGNALED) || self.init.sq_sig_all;
+            // A completion that would not fit goes to the engine with its
+            // WR, which then reports the overrun as it always does
+            // (CQ_ERR, the QP to ERR).
+            if signaled && !self.send_cq.inner.has_room() {
+                break;
+            }
             match self.direct.try_write(&self.ctx, self.qpn, &self.pd.inner.local_keys, wr) {
                 crate::direct::Carried::Engine => break,
                 crate::direct::Carried::Done => {}
             }
-            if wr.flags.contains(vrdma_core::verbs::SendFlags::SIGNALED) || self.init.sq_sig_all {
+            let seq = slots.carried.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
+            if signaled {
                 let wc = vrdma_core::ring::Cqe::new(
                     wr.wr_id,
                     vrdma_core::verbs::WcStatus::Success,
                     vrdma_core::verbs::WcOpcode::RdmaWrite,
                     self.qpn,
                 );
-                self.send_cq.inner.push_local(wc);
+                self.send_cq.inner.push_local(wc, Some((slots.clone(), seq)));
             }
             done += 1;
         }

@@ -954,7 +954,14 @@ fn objects_from_other_contexts_are_refused() {
 }
 
 fn qp_report(qpn: u32) -> QpPathReport {
-    QpPathReport { qpn, qp_type: QpType::Rc, state: QpState::Reset, dest_qpn: 0, path: Path::None }
+    QpPathReport {
+        qpn,
+        qp_type: QpType::Rc,
+        state: QpState::Reset,
+        dest_qpn: 0,
+        path: Path::None,
+        direct_grants: 0,
+    }
 }
 
 #[test]

@@ -81,6 +81,9 @@ fn render(s: &StatReport) -> String {
     for q in &s.qps {
         let path = match q.path {
             Path::None => "not connected".to_string(),
+            Path::SharedMemory if q.direct_grants > 0 => {
+                format!("shared memory (same host), direct path: {} region grant(s)", q.direct_grants)
+            }
             Path::SharedMemory => "shared memory (same host)".to_string(),
             Path::Link(Some(l)) => format!("tcp link {}", l.0),
             Path::Link(None) => "tcp (no link yet)".to_string(),

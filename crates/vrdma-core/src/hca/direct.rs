@@ -215,6 +215,11 @@ impl Hca {
         (self.direct.windows.len(), self.direct.granted)
     }
 
+    /// How many keys `qpn`'s window grants (0: no window), for `stat`.
+    pub fn direct_grants_of(&self, qpn: u32) -> u32 {
+        self.direct.windows.get(&qpn).map_or(0, |w| w.slots.len() as u32)
+    }
+
     /// Whether `qpn` holds an open window (its writes may take the direct
     /// path).
     pub fn direct_window_open(&self, qpn: u32) -> bool {

@@ -29,6 +29,11 @@ pub const CQ_AUX_ARMED: usize = 0;
 pub const CQ_ARM_NONE: u32 = 0;
 pub const CQ_ARM_NEXT: u32 = 1;
 pub const CQ_ARM_SOLICITED: u32 = 2;
+/// CQ ring aux word: completions the client library holds outside the
+/// ring (the direct path's local queue, `docs/direct-path.md`), written by
+/// the client. They count against the CQ's depth: the engine refuses a
+/// completion (a CQ overrun) when the ring's entries plus these fill it.
+pub const CQ_AUX_LOCAL: usize = 1;
 
 /// Whether a completion fires an armed CQ's event.
 pub fn arm_fires(armed: u32, solicited: bool, success: bool) -> bool {

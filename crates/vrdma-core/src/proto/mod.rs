@@ -352,6 +352,7 @@ mod tests {
             state: QpState::Err,
             dest_qpn: u32::MAX,
             path: Path::Link(Some(LinkId(u32::MAX))),
+            direct_grants: u32::MAX,
         };
         let page = StatPage {
             report: StatReport {

@@ -19,8 +19,8 @@ use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource,
 use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
-    self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CTX_AUX_ENGINE_SLEEPING, CTX_AUX_EVENTS_DROPPED,
-    POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED, SQ_AUX_STATE,
+    self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CQ_AUX_LOCAL, CTX_AUX_ENGINE_SLEEPING,
+    CTX_AUX_EVENTS_DROPPED, POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED, SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::time::Instant;
@@ -423,6 +423,14 @@ impl Queues for RingTable {
             if let Some(q) = self.qps.get(&cqe.qp_num) {
                 Cqe::set_sq_retired(&mut slot, q.retired);
             }
+        }
+        // Completions the tenant's library holds in its local queue (the
+        // direct path) take room in the CQ too: the CQ's depth is the
+        // ring's capacity, shared by both.
+        let local = cq.ring.aux(CQ_AUX_LOCAL).load(Ordering::SeqCst);
+        if local > 0 && cq.ring.len().map_or(true, |n| n.saturating_add(local) >= cq.ring.capacity()) {
+            self.dropped_events += 1;
+            return Err(CqFull);
         }
         match cq.ring.try_push_bytes(&slot) {
             Ok(true) => {

@@ -411,6 +411,10 @@ pub struct QpPathReport {
     pub state: crate::verbs::QpState,
     pub dest_qpn: u32,
     pub path: Path,
+    /// Regions of the peer QP this QP holds direct-path grants for (its
+    /// RDMA writes to them skip the engine; `docs/direct-path.md`); 0 when
+    /// it holds no window.
+    pub direct_grants: u32,
 }
 
 /// What `vrdma stat` shows: the links, and the QPs of the asking tenant.
@@ -550,6 +554,7 @@ impl Hca {
                         state: q.state(),
                         dest_qpn: q.attr.dest_qp_num,
                         path: self.qp_path(qpn)?,
+                        direct_grants: self.direct_grants_of(qpn),
                     })
                 })
                 .collect(),
