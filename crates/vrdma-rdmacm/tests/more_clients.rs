@@ -518,12 +518,24 @@ fn a_killed_rping_server_ends_its_clients_connection_promptly() {
     let mut server = spawn(server_cmd, "rping -s (killed)");
     let target = common::listen_target(RPING, &common).expect("rping's target");
     assert!(common::wait_listening(&socket, target, &mut server, LISTEN_WAIT), "the server never listened");
-    // Pings without end (no -C), until the server is gone.
-    let mut client_cmd = s.command_on(RPING, &socket);
-    client_cmd.env_remove("VRDMA_VERBS_DEBUG").arg("-c").args(common);
-    let mut client = spawn(client_cmd, "rping -c (survivor)");
-    std::thread::sleep(Duration::from_millis(500));
-    assert!(!client.exited(), "the client ended before the kill");
+    // Pings without end (no -C), until the server is gone. A client
+    // turned away (the server between two connections) is started again.
+    let end = Instant::now() + LISTEN_WAIT;
+    let client = loop {
+        let mut client_cmd = s.command_on(RPING, &socket);
+        client_cmd.env_remove("VRDMA_VERBS_DEBUG").arg("-c").args(common);
+        let mut client = spawn(client_cmd, "rping -c (survivor)");
+        std::thread::sleep(Duration::from_millis(500));
+        if !client.exited() {
+            break client;
+        }
+        let f = client.finish(LIMIT);
+        assert!(
+            f.stderr.contains("REJECTED") && Instant::now() < end,
+            "the client ended before the kill\n{}",
+            f.describe()
+        );
+    };
     // SAFETY: kill(2) on our own child, not yet reaped.
     unsafe { libc::kill(server.pid(), libc::SIGKILL) };
     let killed = Instant::now();
