@@ -228,7 +228,6 @@ const PERFTEST_PROBE: &str = "/usr/bin/ib_send_lat";
 /// (server's, client's), the client connecting to `to`.
 fn perftest_rdma_cm(tool: &str, args: &[&str], sides: (Side<'_>, Side<'_>), to: &str) {
     let Some(s) = setup(PERFTEST_PROBE, "perftest") else { return };
-    let _turn = one_at_a_time();
     let program = format!("/usr/bin/{tool}");
     let port = free_port().to_string();
     // -F: no report is refused for a CPU-frequency check that fails on
@@ -258,6 +257,7 @@ fn perftest_rdma_cm(tool: &str, args: &[&str], sides: (Side<'_>, Side<'_>), to: 
 
 fn perftest_one_host(tool: &str, args: &[&str]) {
     let Some(s) = setup(PERFTEST_PROBE, "perftest") else { return };
+    let _turn = one_at_a_time();
     let socket = s.socket();
     perftest_rdma_cm(tool, args, (Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
@@ -310,7 +310,6 @@ fn qperf_rdma_cm_on(
     server_addr: &str,
 ) {
     let Some(s) = setup(QPERF, "qperf") else { return };
-    let _turn = one_at_a_time();
     let port = free_port();
     let lp = port.to_string();
     // Each side destroys its rdma_cm id without the QP and then the CQ
@@ -353,6 +352,7 @@ fn listening_in(ns: Option<&str>, port: u16) -> bool {
 
 fn qperf_rdma_cm(test: &str, figure: &str) {
     let Some(s) = setup(QPERF, "qperf") else { return };
+    let _turn = one_at_a_time();
     let socket = s.socket();
     qperf_rdma_cm_on(test, figure, (Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
@@ -400,7 +400,6 @@ const RIOSTREAM: &str = "/usr/bin/riostream";
 /// would wait forever for the messages of the one accepted.
 fn udaddy(sides: (Side<'_>, Side<'_>), server_addr: &str) {
     let Some(s) = setup(UDADDY, "rdmacm-utils") else { return };
-    let _turn = one_at_a_time();
     let common = ["-c", "1", "-C", "10"];
     let mut client_args = vec![UDADDY, "-s", server_addr];
     client_args.extend_from_slice(&common);
@@ -421,6 +420,7 @@ fn udaddy(sides: (Side<'_>, Side<'_>), server_addr: &str) {
 #[test]
 fn udaddy_ten_messages_each_way() {
     let Some(s) = setup(UDADDY, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
     let socket = s.socket();
     udaddy((Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
@@ -430,7 +430,6 @@ fn udaddy_ten_messages_each_way() {
 /// server serves forever and is killed by pid.
 fn cmtime(sides: (Side<'_>, Side<'_>), server_addr: &str, n: &str) {
     let Some(s) = setup(CMTIME, "rdmacm-utils") else { return };
-    let _turn = one_at_a_time();
     let port = free_port().to_string();
     // Its QPs share the CQs made for the first (librdmacm writes them back
     // into the attributes the program passes again), so destroying that
@@ -465,6 +464,7 @@ fn cmtime(sides: (Side<'_>, Side<'_>), server_addr: &str, n: &str) {
 #[test]
 fn cmtime_sets_up_and_tears_down_a_hundred_connections() {
     let Some(s) = setup(CMTIME, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
     let socket = s.socket();
     cmtime((Side::on(&socket), Side::on(&socket)), "127.0.0.1", "100");
 }
@@ -475,7 +475,6 @@ fn cmtime_sets_up_and_tears_down_a_hundred_connections() {
 /// globals and wait on the CQs rdma_create_qp made.
 fn rdma_server_and_client(sides: (Side<'_>, Side<'_>), server_addr: &str) {
     let Some(s) = setup(RDMA_SERVER, "rdmacm-utils") else { return };
-    let _turn = one_at_a_time();
     let port = free_port().to_string();
     let mut server_args = vec![RDMA_SERVER, "-p", &port];
     if server_addr != "127.0.0.1" {
@@ -497,6 +496,7 @@ fn rdma_server_and_client(sides: (Side<'_>, Side<'_>), server_addr: &str) {
 #[test]
 fn rdma_server_and_client_exchange_a_message() {
     let Some(s) = setup(RDMA_SERVER, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
     let socket = s.socket();
     rdma_server_and_client((Side::on(&socket), Side::on(&socket)), "127.0.0.1");
 }
@@ -769,6 +769,7 @@ fn ucmatose_across_two_hosts() {
 #[test]
 fn udaddy_across_two_hosts() {
     let Some(_) = setup(UDADDY, "rdmacm-utils") else { return };
+    let _turn = one_at_a_time();
     let dir = tempfile::tempdir().expect("temp dir");
     let (a, b) = two_hosts(dir.path());
     udaddy((Side::on(b.socket_path()), Side::on(a.socket_path())), "127.0.0.3");
@@ -778,6 +779,7 @@ fn udaddy_across_two_hosts() {
 #[test]
 fn perftest_send_lat_over_rdma_cm_across_two_hosts() {
     let Some(_) = setup(PERFTEST_PROBE, "perftest") else { return };
+    let _turn = one_at_a_time();
     let dir = tempfile::tempdir().expect("temp dir");
     let (a, b) = two_hosts(dir.path());
     perftest_rdma_cm("ib_send_lat", &[], (Side::on(b.socket_path()), Side::on(a.socket_path())), "127.0.0.3");
@@ -788,17 +790,28 @@ fn perftest_send_lat_over_rdma_cm_across_two_hosts() {
 // Two hosts in network namespaces
 
 /// Two hosts, each a network namespace with a daemon, joined by a veth
-/// pair (`vrdma_it::NetnsHosts`); `None` where namespaces cannot be made
-/// (which fails under `VRDMA_TEST_STRICT=1`).
-fn netns_hosts(tool: &str, package: &str) -> Option<NetnsHosts> {
+/// pair (`vrdma_it::NetnsHosts`), and this test's turn; `None` where
+/// namespaces cannot be made (which fails under `VRDMA_TEST_STRICT=1`).
+/// The turn comes first: the daemons' watchdog counts from their start,
+/// and a test that made them and then waited for its turn behind the
+/// others could see them killed under it.
+fn netns_hosts(tool: &str, package: &str) -> Option<Hosts> {
     setup(tool, package)?;
-    NetnsHosts::start("").expect("two hosts in network namespaces")
+    let turn = one_at_a_time();
+    let hosts = NetnsHosts::start("").expect("two hosts in network namespaces")?;
+    Some(Hosts { hosts, _turn: turn })
+}
+
+/// The hosts (dropped first: daemons, then namespaces) and the turn.
+struct Hosts {
+    hosts: NetnsHosts,
+    _turn: std::sync::MutexGuard<'static, ()>,
 }
 
 /// The server on host 1, the client on host 0, connecting to host 1's
 /// veth address.
-fn across(hosts: &NetnsHosts) -> ((Side<'_>, Side<'_>), &str) {
-    ((Side::host(hosts, 1), Side::host(hosts, 0)), &hosts.net.addr[1])
+fn across(h: &Hosts) -> ((Side<'_>, Side<'_>), &str) {
+    ((Side::host(&h.hosts, 1), Side::host(&h.hosts, 0)), &h.hosts.net.addr[1])
 }
 
 #[test]
@@ -806,7 +819,6 @@ fn ucmatose_across_network_namespaces() {
     let Some(s) = setup(UCMATOSE, "rdmacm-utils") else { return };
     let Some(hosts) = netns_hosts(UCMATOSE, "rdmacm-utils") else { return };
     let (sides, addr) = across(&hosts);
-    let _turn = one_at_a_time();
     let port = free_port().to_string();
     let common = ["-p", port.as_str(), "-c", "1", "-C", "10"];
     let mut server_args = vec![UCMATOSE, "-b", addr];
@@ -825,7 +837,6 @@ fn rping_across_network_namespaces() {
     let Some(s) = setup(RPING, "rdmacm-utils") else { return };
     let Some(hosts) = netns_hosts(RPING, "rdmacm-utils") else { return };
     let (sides, addr) = across(&hosts);
-    let _turn = one_at_a_time();
     let port = free_port().to_string();
     let common = ["-a", addr, "-p", port.as_str(), "-C", "10", "-v"];
     let mut server_args = vec![RPING, "-s"];
