@@ -189,3 +189,40 @@ fn without_metrics_listen_the_daemon_listens_on_no_tcp_port() -> Result<()> {
     assert!(sockets > 0, "the control socket at least");
     Ok(())
 }
+
+/// Inputs the connection manager refuses are counted by the log line
+/// that reports them, like every other limited line: a tenant's
+/// connection to a host this daemon cannot reach (its transport is off).
+#[test]
+fn the_connection_managers_refusals_are_counted() -> Result<()> {
+    use vrdma::cm::{CmId, ConnParam, EventChannel, EventKind, PortSpace};
+    if !have_curl() {
+        return Ok(());
+    }
+    let port = vrdma_it::free_port()?;
+    let d = DaemonProc::start_with_config(&format!("metrics_listen = \"127.0.0.1:{port}\""))?;
+    let ctx = d.context()?;
+    let line = "message=\"an rdma_cm message cannot reach its host: its connections end\"";
+    assert!(!scrape(port)?.contains(line), "counted before it happened");
+    let ch = EventChannel::create(&ctx)?;
+    let id = CmId::create(&ch, PortSpace::Tcp)?;
+    let event = |want: EventKind| -> Result<()> {
+        let ev = ch.get_event(Some(WAIT))?.context("no rdma_cm event")?;
+        anyhow::ensure!(ev.kind == want, "{ev:?}, not {want:?}");
+        Ok(())
+    };
+    id.resolve_addr(None, "10.99.99.99:7471".parse()?)?;
+    event(EventKind::AddrResolved)?;
+    id.resolve_route()?;
+    event(EventKind::RouteResolved)?;
+    id.connect(&ConnParam::default())?;
+    event(EventKind::Unreachable)?;
+    let text = scrape(port)?;
+    let counted = text
+        .lines()
+        .find(|l| l.starts_with("vrdma_limited_inputs_total{") && l.contains(line))
+        .with_context(|| format!("no count of the refusal: {text}"))?;
+    let n: f64 = counted.rsplit(' ').next().unwrap_or("").parse()?;
+    assert!(n >= 1.0, "{counted}");
+    Ok(())
+}

@@ -190,6 +190,12 @@ impl CmDriver {
         Ok(())
     }
 
+    /// The limiter of the lines tenants' and peers' CM input triggers
+    /// (the metrics count its occurrences).
+    pub fn log(&self) -> &LogLimiter {
+        &self.log
+    }
+
     /// One call of a tenant's context; `modify` moves its QPs.
     pub fn handle(
         &mut self,

@@ -287,7 +287,8 @@ impl EngineState {
     /// What the limiters the engine owns have counted, per message.
     pub fn limited_inputs(&self, out: &mut std::collections::BTreeMap<&'static str, u64>) {
         let net = self.net.as_ref().map(|n| &n.log);
-        for l in [Some(&self.hca.log), Some(&self.unreachable_log), net].into_iter().flatten() {
+        let cm = Some(self.cm.log());
+        for l in [Some(&self.hca.log), Some(&self.unreachable_log), net, cm].into_iter().flatten() {
             for (m, n) in l.occurred() {
                 *out.entry(*m).or_default() += n;
             }

@@ -276,6 +276,9 @@ fn refused(w: &mut Writer, engine: Option<&EngineFigures>, src: &Sources) {
     if let Some(l) = &src.net_log {
         add(&crate::logs::lock(l));
     }
+    if let Some(s) = &shared {
+        s.tenancy.limited_inputs(&mut limited);
+    }
     let name = "vrdma_limited_inputs_total";
     w.family(name, Kind::Counter, "Rejected or rate-limited inputs (tenants', peers', strangers'), by the log line that reports them (each counted, logged or not)");
     for (m, n) in &limited {

@@ -87,6 +87,15 @@ impl Drop for Seat {
 }
 
 impl Tenancy {
+    /// Adds the occurrences of the lines this limits (per log message)
+    /// to `out`, for the metrics.
+    pub fn limited_inputs(&self, out: &mut std::collections::BTreeMap<&'static str, u64>) {
+        let n = self.numbering.lock().unwrap_or_else(|p| p.into_inner());
+        for (m, c) in n.log.occurred() {
+            *out.entry(*m).or_default() += c;
+        }
+    }
+
     pub fn new(by: TenantBy) -> io::Result<Tenancy> {
         let own = match by {
             TenantBy::Uid => None,
