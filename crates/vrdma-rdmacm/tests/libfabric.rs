@@ -26,7 +26,7 @@
 
 mod common;
 
-use common::{built, free_port, one_at_a_time, spawn, Finished, Running};
+use common::{free_port, one_at_a_time, spawn, Finished, Running};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::{Mutex, OnceLock};
@@ -67,24 +67,10 @@ fn setup() -> Option<&'static Setup> {
         }
     }
     static SETUP: OnceLock<Setup> = OnceLock::new();
+    // (libfabric links rdma-core's libefa.so.1, its efa provider, which
+    // needs rdma-core's libibverbs: the stand-in, as `vrdma run` links.)
     Some(SETUP.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let lib = dir.path().join("lib");
-        std::fs::create_dir(&lib).expect("lib dir");
-        let link = |target: &Path, name: &str| {
-            std::os::unix::fs::symlink(target, lib.join(name)).expect("symlink");
-        };
-        link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
-        link(&built("libvrdma_rdmacm.so"), "librdmacm.so.1");
-        // libfabric links rdma-core's libefa.so.1 (its efa provider), which
-        // needs rdma-core's libibverbs: the stand-in, as `vrdma run` links.
-        let companions = built("libvrdma_companions.so");
-        for name in ["libmlx5.so.1", "libmlx4.so.1", "libefa.so.1", "libmana.so.1"] {
-            link(&companions, name);
-        }
-        let config =
-            vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
-        let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+        let (dir, daemon) = common::drop_in_dir();
         Setup { dir, daemon: Mutex::new(daemon) }
     }))
 }

@@ -37,7 +37,7 @@
 
 mod common;
 
-use common::{built, free_port, has_results, listening, one_at_a_time, spawn, Finished, Running};
+use common::{free_port, has_results, listening, one_at_a_time, spawn, Finished, Running};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, OnceLock};
@@ -97,24 +97,7 @@ fn setup(tool: &str, package: &str) -> Option<&'static Setup> {
     }
     static SETUP: OnceLock<Setup> = OnceLock::new();
     Some(SETUP.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let lib = dir.path().join("lib");
-        std::fs::create_dir(&lib).expect("lib dir");
-        let link = |target: &Path, name: &str| {
-            std::os::unix::fs::symlink(target, lib.join(name)).expect("symlink");
-        };
-        link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
-        link(&built("libvrdma_rdmacm.so"), "librdmacm.so.1");
-        let companions = built("libvrdma_companions.so");
-        link(&companions, "libmlx5.so.1");
-        link(&companions, "libefa.so.1");
-        // Other uids' programs (another tenant) reach the socket (0666)
-        // and the libraries through it.
-        std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755))
-            .expect("chmod");
-        let config =
-            vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
-        let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+        let (dir, daemon) = common::drop_in_dir();
         Setup { dir, daemon: Mutex::new(daemon) }
     }))
 }

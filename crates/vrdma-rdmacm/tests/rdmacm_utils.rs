@@ -70,14 +70,7 @@ fn setup() -> Option<&'static Setup> {
     }
     static SETUP: OnceLock<Setup> = OnceLock::new();
     Some(SETUP.get_or_init(|| {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let lib = dir.path().join("lib");
-        std::fs::create_dir(&lib).expect("lib dir");
-        std::os::unix::fs::symlink(built("libvrdma_verbs.so"), lib.join("libibverbs.so.1")).expect("symlink");
-        std::os::unix::fs::symlink(built("libvrdma_rdmacm.so"), lib.join("librdmacm.so.1")).expect("symlink");
-        let config =
-            vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
-        let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+        let (dir, daemon) = common::drop_in_dir();
         Setup { dir, _daemon: Mutex::new(daemon) }
     }))
 }

@@ -673,6 +673,44 @@ mod tests {
         }
     }
 
+    const SRV: ContextId = ContextId(1);
+    const CLI: ContextId = ContextId(2);
+
+    /// A driver with a channel for each of two contexts of this host
+    /// (channel 1 the server's [`SRV`], 2 the client's [`CLI`]), and the
+    /// tenants' ends of the channels' doorbells.
+    fn two_contexts() -> (CmDriver, [Doorbell; 2]) {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, s_end) = Doorbell::pair().unwrap();
+        assert_eq!(d.add_channel(SRV, T, fd).unwrap(), 1);
+        let (fd, c_end) = Doorbell::pair().unwrap();
+        assert_eq!(d.add_channel(CLI, T, fd).unwrap(), 2);
+        (d, [s_end, c_end])
+    }
+
+    /// A listener of [`SRV`] on 10.0.0.1:7471 and an id of [`CLI`]'s with
+    /// its route to it resolved and QP 0x20 attached; the client's id.
+    fn listener_and_resolved_client(
+        d: &mut CmDriver,
+        call: &mut impl FnMut(&mut CmDriver, ContextId, CmRequest) -> CmReply,
+    ) -> u32 {
+        let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 7471);
+        let CmReply::Id { id: l } = call(d, SRV, CmRequest::CreateId { channel: 1, ps: 0x0106 }) else {
+            panic!()
+        };
+        call(d, SRV, CmRequest::Bind { id: l, addr: at });
+        call(d, SRV, CmRequest::Listen { id: l, backlog: 8 });
+        let CmReply::Id { id: a } = call(d, CLI, CmRequest::CreateId { channel: 2, ps: 0x0106 }) else {
+            panic!()
+        };
+        call(d, CLI, CmRequest::ResolveAddr { id: a, src: None, dst: at });
+        call(d, CLI, CmRequest::ResolveRoute { id: a });
+        call(d, CLI, CmRequest::AttachQp { id: a, qp: 0x20 });
+        a
+    }
+
     /// A connection between two contexts of this host whose ids have QPs
     /// attached: the daemon moves both QPs (INIT when attached; INIT, RTR
     /// and RTS before the REP, with the depths the acceptor gave; INIT,
@@ -680,35 +718,16 @@ mod tests {
     /// requester hears ESTABLISHED, never CONNECT_RESPONSE.
     #[test]
     fn ids_with_qps_have_them_brought_up_by_the_daemon() {
-        let cm =
-            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
-        let mut d = CmDriver::new(cm);
-        let (srv, cli) = (ContextId(1), ContextId(2));
+        let (mut d, _ends) = two_contexts();
+        let (srv, cli, s_ch, c_ch) = (SRV, CLI, 1, 2);
         let now = Instant(1);
-        let (fd, _s_end) = Doorbell::pair().unwrap();
-        let s_ch = d.add_channel(srv, T, fd).unwrap();
-        let (fd, _c_end) = Doorbell::pair().unwrap();
-        let c_ch = d.add_channel(cli, T, fd).unwrap();
         let moves = Moves::default();
-        let call = |d: &mut CmDriver, ctx, req| {
+        let mut call = |d: &mut CmDriver, ctx, req| {
             let r = d.handle(ctx, T, req, now, &mut recorder(&moves));
             d.run(now, |_, _| Err("not local"), &mut recorder(&moves));
             r.unwrap()
         };
-        let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 7471);
-        let CmReply::Id { id: l } = call(&mut d, srv, CmRequest::CreateId { channel: s_ch, ps: 0x0106 })
-        else {
-            panic!()
-        };
-        call(&mut d, srv, CmRequest::Bind { id: l, addr: at });
-        call(&mut d, srv, CmRequest::Listen { id: l, backlog: 8 });
-        let CmReply::Id { id: a } = call(&mut d, cli, CmRequest::CreateId { channel: c_ch, ps: 0x0106 })
-        else {
-            panic!()
-        };
-        call(&mut d, cli, CmRequest::ResolveAddr { id: a, src: None, dst: at });
-        call(&mut d, cli, CmRequest::ResolveRoute { id: a });
-        call(&mut d, cli, CmRequest::AttachQp { id: a, qp: 0x20 });
+        let a = listener_and_resolved_client(&mut d, &mut call);
         let m = moves.take();
         assert_eq!(m.len(), 1);
         assert_eq!((m[0].0, m[0].1, m[0].2.qp_state), (cli, 0x20, QpState::Init));
@@ -756,15 +775,9 @@ mod tests {
     /// kernel's CM; neither is left waiting.
     #[test]
     fn a_qp_that_cannot_come_up_on_the_rep_ends_in_connect_error_and_a_rej() {
-        let cm =
-            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
-        let mut d = CmDriver::new(cm);
-        let (srv, cli) = (ContextId(1), ContextId(2));
+        let (mut d, _ends) = two_contexts();
+        let (srv, cli, s_ch, c_ch) = (SRV, CLI, 1, 2);
         let now = Instant(1);
-        let (fd, _s_end) = Doorbell::pair().unwrap();
-        let s_ch = d.add_channel(srv, T, fd).unwrap();
-        let (fd, _c_end) = Doorbell::pair().unwrap();
-        let c_ch = d.add_channel(cli, T, fd).unwrap();
         // The requester's QP refuses RTR.
         let refused = HcaError::NoSuchObject { kind: "QP", id: 0x20 };
         let mut modify = |c: ContextId, _: u32, attr: &QpAttr, _: QpAttrMask| {
@@ -778,20 +791,7 @@ mod tests {
             d.run(now, |_, _| Err("not local"), &mut modify);
             r.unwrap()
         };
-        let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 7471);
-        let CmReply::Id { id: l } = call(&mut d, srv, CmRequest::CreateId { channel: s_ch, ps: 0x0106 })
-        else {
-            panic!()
-        };
-        call(&mut d, srv, CmRequest::Bind { id: l, addr: at });
-        call(&mut d, srv, CmRequest::Listen { id: l, backlog: 8 });
-        let CmReply::Id { id: a } = call(&mut d, cli, CmRequest::CreateId { channel: c_ch, ps: 0x0106 })
-        else {
-            panic!()
-        };
-        call(&mut d, cli, CmRequest::ResolveAddr { id: a, src: None, dst: at });
-        call(&mut d, cli, CmRequest::ResolveRoute { id: a });
-        call(&mut d, cli, CmRequest::AttachQp { id: a, qp: 0x20 });
+        let a = listener_and_resolved_client(&mut d, &mut call);
         call(
             &mut d,
             cli,

@@ -8,6 +8,31 @@ use std::time::{Duration, Instant};
 
 pub use vrdma_it::harness::*;
 
+/// A directory for one test binary: `lib/` with the drop-in libraries
+/// under the names programs load (`libibverbs.so.1`, `librdmacm.so.1`,
+/// and the provider libraries' names for the companions, as `vrdma run`
+/// links them), and a daemon of this process on `vrdma.sock` in it. The
+/// directory is 0755 so that other uids' programs (another tenant) reach
+/// the socket (0666) and the libraries.
+pub fn drop_in_dir() -> (tempfile::TempDir, vrdmad::Daemon) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let lib = dir.path().join("lib");
+    std::fs::create_dir(&lib).expect("lib dir");
+    let link = |target: &std::path::Path, name: &str| {
+        std::os::unix::fs::symlink(target, lib.join(name)).expect("symlink");
+    };
+    link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
+    link(&built("libvrdma_rdmacm.so"), "librdmacm.so.1");
+    let companions = built("libvrdma_companions.so");
+    for name in vrdma_companions::SONAMES {
+        link(&companions, name);
+    }
+    std::fs::set_permissions(dir.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let config = vrdmad::DaemonConfig { socket: Some(dir.path().join("vrdma.sock")), ..Default::default() };
+    let daemon = vrdmad::Daemon::start(config).expect("start daemon");
+    (dir, daemon)
+}
+
 /// Where the client `args` of an rdmacm-utils program connect to, for the
 /// programs that make several connections (a first try could find the
 /// server listening for some of them only, which it then waits for

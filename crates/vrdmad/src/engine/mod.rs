@@ -314,14 +314,7 @@ impl EngineHandle {
         &self,
         f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
     ) -> Result<R, EngineGone> {
-        let (rtx, rrx) = crossbeam_channel::bounded(1);
-        self.tx
-            .send(Box::new(move |s: &mut EngineState| {
-                let _ = rtx.send(f(s));
-            }))
-            .map_err(|_| EngineGone)?;
-        self.wake.ring();
-        rrx.recv().map_err(|_| EngineGone)
+        self.send(f)?.recv().map_err(|_| EngineGone)
     }
 
     /// [`call`](Self::call), waiting `timeout` at most for the result
@@ -331,6 +324,14 @@ impl EngineHandle {
         timeout: Duration,
         f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
     ) -> Result<R, EngineGone> {
+        self.send(f)?.recv_timeout(timeout).map_err(|_| EngineGone)
+    }
+
+    /// Queues `f`, wakes the engine, and gives where its result will come.
+    fn send<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
+    ) -> Result<crossbeam_channel::Receiver<R>, EngineGone> {
         let (rtx, rrx) = crossbeam_channel::bounded(1);
         self.tx
             .send(Box::new(move |s: &mut EngineState| {
@@ -338,7 +339,7 @@ impl EngineHandle {
             }))
             .map_err(|_| EngineGone)?;
         self.wake.ring();
-        rrx.recv_timeout(timeout).map_err(|_| EngineGone)
+        Ok(rrx)
     }
 
     /// Queues `f` to run on the engine thread, neither waking the engine
