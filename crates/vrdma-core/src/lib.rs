@@ -13,6 +13,7 @@
 //! same rules.
 
 pub mod cm;
+pub mod extents;
 pub mod hca;
 pub mod log_limit;
 pub mod memory;

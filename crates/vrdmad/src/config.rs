@@ -61,6 +61,13 @@
 //! keepalive_ms = 1000   # probe an idle link this often
 //! allow = ["10.0.0.0/24"]  # dial and admit only these networks (default: any)
 //! dead_ms = 5000        # a link silent this long is dead
+//!
+//! [vms.NAME]            # a QEMU guest (docs/vms.md); NAME: 1-32 of [a-z0-9-]
+//! tenant = 1000         # the uid whose tenant the VM is (required)
+//! memory_mib = 64       # its shared region (the ivshmem BAR), 4..=4096
+//! ports = 4             # virtio-serial ports = guest contexts at once, 1..=31
+//! ping_ms = 2000        # ask each guest session for a sign of life this often
+//! dead_ms = 10000       # and end one silent this long
 //! ```
 //!
 //! ## Shares of the engine: weights and rate limits
@@ -491,6 +498,87 @@ pub struct DaemonConfig {
     pub qos: QosConfig,
     /// Per-uid quota and qos overrides; keys are uids.
     pub tenants: BTreeMap<String, TenantConfig>,
+    /// QEMU guests served over virtio-serial and ivshmem (`docs/vms.md`).
+    pub vms: BTreeMap<String, VmConfig>,
+}
+
+/// A `[vms.NAME]` table: a guest the host attaches, whose tenant is the
+/// one configured here whatever the guest says.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    /// The uid whose tenant the VM is: it shares that tenant with the
+    /// host processes of the uid.
+    pub tenant: u32,
+    /// Size of the shared region (the ivshmem BAR) in MiB.
+    #[serde(default = "VmConfig::default_memory_mib")]
+    pub memory_mib: u64,
+    /// virtio-serial ports, each one guest context at a time.
+    #[serde(default = "VmConfig::default_ports")]
+    pub ports: u32,
+    /// How often a guest session is pinged (ms).
+    #[serde(default = "VmConfig::default_ping_ms")]
+    pub ping_ms: u64,
+    /// A guest session that answers nothing for this long is ended (ms).
+    #[serde(default = "VmConfig::default_dead_ms")]
+    pub dead_ms: u64,
+}
+
+impl VmConfig {
+    fn default_memory_mib() -> u64 {
+        64
+    }
+    fn default_ports() -> u32 {
+        4
+    }
+    fn default_ping_ms() -> u64 {
+        2000
+    }
+    fn default_dead_ms() -> u64 {
+        10_000
+    }
+
+    /// A VM of `tenant` with the defaults.
+    pub fn new(tenant: u32) -> VmConfig {
+        VmConfig {
+            tenant,
+            memory_mib: Self::default_memory_mib(),
+            ports: Self::default_ports(),
+            ping_ms: Self::default_ping_ms(),
+            dead_ms: Self::default_dead_ms(),
+        }
+    }
+
+    /// Checks the table of VM `name`.
+    pub fn validate(&self, name: &str) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(format!("[vms.{name}]: {m}")));
+        if !valid_vm_name(name) {
+            return Err(ConfigError::Invalid(format!(
+                "VM name {name:?}: use 1 to 32 characters of a-z, 0-9 and -"
+            )));
+        }
+        if !(4..=4096).contains(&self.memory_mib) {
+            return bad(format!("memory_mib {} is not in 4..=4096", self.memory_mib));
+        }
+        if !(1..=31).contains(&self.ports) {
+            return bad(format!("ports {} is not in 1..=31", self.ports));
+        }
+        if self.ping_ms == 0 || self.dead_ms <= self.ping_ms || self.dead_ms > 3_600_000 {
+            return bad("need 0 < ping_ms < dead_ms <= 3600000".into());
+        }
+        Ok(())
+    }
+
+    /// Bytes of the shared region.
+    pub fn region_len(&self) -> u64 {
+        self.memory_mib << 20
+    }
+}
+
+/// Whether `name` may name a VM: 1 to 32 of `[a-z0-9-]` (it becomes part
+/// of a socket's file name).
+pub fn valid_vm_name(name: &str) -> bool {
+    (1..=32).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 /// The default of [`DaemonConfig::max_tenants`] (see the module's doc).
@@ -658,6 +746,9 @@ impl DaemonConfig {
         self.budgets()?;
         self.validate_qos()?;
         self.net.validate()?;
+        for (name, vm) in &self.vms {
+            vm.validate(name)?;
+        }
         if self.metrics_listen.is_some_and(|a| a.port() == 0) {
             return Err(ConfigError::Invalid("metrics_listen needs a port (the usual one is 9464)".into()));
         }
@@ -978,6 +1069,28 @@ mod tests {
         assert!(m.contains("40 memory mappings for tenants leave fewer than 2"), "{m}");
         assert!(err("max_tenants = 0").contains("positive"));
         assert!(err("[tenants.7]\nmax_mappings = 1").contains("[tenants.7] max_mappings 1"));
+    }
+
+    #[test]
+    fn vms_are_parsed_with_defaults_and_checked() {
+        let c = DaemonConfig::from_toml("[vms.guest-1]\ntenant = 1000\n[vms.b]\ntenant = 0\nmemory_mib = 4\nports = 31")
+            .unwrap();
+        assert_eq!(c.vms["guest-1"], VmConfig::new(1000));
+        assert_eq!(c.vms["guest-1"].region_len(), 64 << 20);
+        assert_eq!((c.vms["b"].memory_mib, c.vms["b"].ports), (4, 31));
+        let err = |t: &str| DaemonConfig::from_toml(t).unwrap_err().to_string();
+        assert!(err("[vms.a]\nmemory_mib = 8").contains("tenant"));
+        assert!(err("[vms.a]\ntenant = 1\nmemory_mib = 3").contains("memory_mib 3"));
+        assert!(err("[vms.a]\ntenant = 1\nmemory_mib = 4097").contains("memory_mib 4097"));
+        assert!(err("[vms.a]\ntenant = 1\nports = 0").contains("ports 0"));
+        assert!(err("[vms.a]\ntenant = 1\nports = 32").contains("ports 32"));
+        assert!(err("[vms.a]\ntenant = 1\nping_ms = 10\ndead_ms = 10").contains("ping_ms"));
+        assert!(err("[vms.a]\ntenant = 1\ncolour = 1").contains("colour"));
+        assert!(err("[vms.Big]\ntenant = 1").contains("a-z"));
+        assert!(err("[vms.\"a/b\"]\ntenant = 1").contains("a-z"));
+        let long = "a".repeat(33);
+        assert!(err(&format!("[vms.{long}]\ntenant = 1")).contains("a-z"));
+        assert!(valid_vm_name(&"a".repeat(32)) && !valid_vm_name(""));
     }
 
     #[test]

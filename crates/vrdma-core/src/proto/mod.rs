@@ -8,6 +8,7 @@
 //! only names; the daemon checks that the caller owns each one.
 
 mod cm;
+pub mod guest;
 mod layout;
 
 pub use cm::{CmReply, CmRequest};
@@ -123,6 +124,24 @@ pub enum Request {
         qp: u32,
         rkey: u32,
     },
+    /// The host side of a VM (`docs/vms.md`): its region memfd and port
+    /// socket, for uid 0 or the VM's tenant uid; may come before Hello.
+    /// Answered [`Reply::VmAttached`] with one fd, the region.
+    VmAttach {
+        name: String,
+    },
+    /// Guest sessions only: an extent of the VM's region for registered
+    /// memory, of at least `len` bytes (whole pages). Answered
+    /// [`Reply::GuestExtent`]; a later [`Request::RegMr`] of that session
+    /// may name bytes inside it (its `fd_offset` is the region offset).
+    GuestAlloc {
+        len: u64,
+    },
+    /// Guest sessions only: gives back the extent at `offset`, refused
+    /// while a memory region lies on it.
+    GuestFree {
+        offset: u64,
+    },
 }
 
 impl Request {
@@ -214,6 +233,17 @@ pub enum Reply {
     /// from `fd_offset` are the region's.
     DirectGrant(DirectGranted),
     DirectRefused(crate::hca::DirectRefusal),
+    /// With one fd, the region memfd (`region_len` bytes).
+    VmAttached {
+        region_len: u64,
+        port_socket: String,
+        ports: u32,
+    },
+    /// The extent [`Request::GuestAlloc`] allocated, in region offsets.
+    GuestExtent {
+        offset: u64,
+        len: u64,
+    },
 }
 
 /// A direct-path grant as the library receives it (see
@@ -381,6 +411,17 @@ mod tests {
         for n in 0..full.len() {
             assert!(decode_request(&full[..n]).is_err());
         }
+    }
+
+    #[test]
+    fn vm_messages_are_appended() {
+        let r = Request::VmAttach { name: "g".into() };
+        assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
+        assert_eq!(encode_request(&r)[0], 26);
+        assert_eq!(r.expected_fds(), 0);
+        let a = Reply::VmAttached { region_len: 64 << 20, port_socket: "/run/vm-g.sock".into(), ports: 4 };
+        assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
+        assert_eq!(encode_reply(&a)[0], 20);
     }
 
     #[test]

@@ -1,0 +1,343 @@
+//! The guest transport: control frames on a byte stream.
+//!
+//! A QEMU guest reaches the daemon through a virtio-serial port, a byte
+//! stream that carries no file descriptors. Each guest process's session
+//! is one port; on it the control protocol's requests and replies travel
+//! as length-prefixed frames, and what would have been descriptors become
+//! *handles*: an extent of the VM's shared region (where a host tenant
+//! would get a memfd) or a numbered doorbell proxy (where it would get one
+//! end of a doorbell socket pair). See `docs/vms.md`.
+//!
+//! A frame is an 8-byte header, then `len` bytes of body:
+//!
+//! ```text
+//! u32 len (little-endian, at most MAX_FRAME_BODY) | u8 kind | 3 zero bytes | body
+//! ```
+//!
+//! This module encodes and decodes frames without doing I/O
+//! ([`FrameDecoder`] is fed whatever bytes arrived). Everything a guest
+//! sends is hostile input: oversized lengths, unknown kinds, nonzero
+//! reserved bytes and malformed bodies are errors, never panics (a fuzz
+//! target in `fuzz/` holds the decoder to that).
+
+use serde::{Deserialize, Serialize};
+
+use super::{ProtoError, Reply, Request, MAX_MESSAGE};
+
+/// Bytes of a frame header.
+pub const HEADER: usize = 8;
+/// Largest frame body either side sends or accepts: a control message
+/// and its handles.
+pub const MAX_FRAME_BODY: usize = MAX_MESSAGE + 1024;
+/// Most handles one reply carries (as fds: [`super::MAX_FDS`]).
+pub const MAX_HANDLES: usize = super::MAX_FDS;
+/// The guest transport's version, in [`Frame::Hello`].
+pub const GUEST_VERSION: u32 = 1;
+
+/// What stands for a descriptor in a reply to a guest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Handle {
+    /// Bytes `[offset, offset + len)` of the VM's region (page-aligned):
+    /// the guest maps its BAR there.
+    Extent { offset: u64, len: u64 },
+    /// A doorbell the daemon proxies as proxy `id`: the guest makes a
+    /// local socket pair (`SOCK_SEQPACKET` when `hangup`, else
+    /// `SOCK_DGRAM`), hands one end on and forwards [`Frame::Bell`]s
+    /// between the other and the port.
+    Bell { id: u32, hangup: bool },
+}
+
+/// One frame of the guest transport.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Frame {
+    /// Guest to daemon, first on a port: a new session begins (a session
+    /// already on the port ends as if its process had gone).
+    Hello { version: u32 },
+    /// Guest to daemon: a control request.
+    Call(Request),
+    /// Daemon to guest: the reply to the last call, with its handles.
+    Reply { reply: Reply, handles: Vec<Handle> },
+    /// Either way: `count` wake-ups (datagrams) for proxy `id`.
+    Bell { id: u32, count: u32 },
+    /// Either way: proxy `id` is closed (the daemon's end hung up, or the
+    /// guest dropped its end).
+    Close { id: u32 },
+    /// Daemon to guest: are you there?
+    Ping { nonce: u64 },
+    /// Guest to daemon: the answer to [`Frame::Ping`].
+    Pong { nonce: u64 },
+}
+
+const HELLO: u8 = 1;
+const CALL: u8 = 2;
+const REPLY: u8 = 3;
+const BELL: u8 = 4;
+const CLOSE: u8 = 5;
+const PING: u8 = 6;
+const PONG: u8 = 7;
+
+/// Why a frame could not be decoded. Any of them ends the session: the
+/// stream can no longer be trusted to be in step.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum FrameError {
+    #[error("frame of {0} bytes exceeds the {MAX_FRAME_BODY}-byte limit")]
+    TooLarge(u64),
+    #[error("unknown frame kind {0}")]
+    UnknownKind(u8),
+    #[error("frame header has nonzero reserved bytes")]
+    Reserved,
+    #[error("frame kind {kind} needs a body of {want} bytes, not {got}")]
+    BadLength { kind: u8, want: usize, got: usize },
+    #[error("{0} handles in one reply; at most {MAX_HANDLES}")]
+    TooManyHandles(usize),
+    #[error(transparent)]
+    Body(#[from] ProtoError),
+}
+
+#[derive(Serialize, Deserialize)]
+struct ReplyBody {
+    reply: Reply,
+    handles: Vec<Handle>,
+}
+
+fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(HEADER + body.len());
+    out.extend_from_slice(&(body.len() as u32).to_le_bytes());
+    out.extend_from_slice(&[kind, 0, 0, 0]);
+    out.extend_from_slice(body);
+    out
+}
+
+/// The bytes of `f` on the stream.
+pub fn encode(f: &Frame) -> Vec<u8> {
+    let mut b = [0u8; 12];
+    match f {
+        Frame::Hello { version } => frame(HELLO, &version.to_le_bytes()),
+        Frame::Call(r) => frame(CALL, &super::encode_request(r)),
+        Frame::Reply { reply, handles } => {
+            let body = postcard::to_stdvec(&ReplyBody { reply: reply.clone(), handles: handles.clone() })
+                .expect("protocol values always serialize");
+            frame(REPLY, &body)
+        }
+        Frame::Bell { id, count } => {
+            b[..4].copy_from_slice(&id.to_le_bytes());
+            b[4..8].copy_from_slice(&count.to_le_bytes());
+            frame(BELL, &b[..8])
+        }
+        Frame::Close { id } => frame(CLOSE, &id.to_le_bytes()),
+        Frame::Ping { nonce } => frame(PING, &nonce.to_le_bytes()),
+        Frame::Pong { nonce } => frame(PONG, &nonce.to_le_bytes()),
+    }
+}
+
+fn fixed<const N: usize>(kind: u8, body: &[u8]) -> Result<[u8; N], FrameError> {
+    body.try_into().map_err(|_| FrameError::BadLength { kind, want: N, got: body.len() })
+}
+
+/// Decodes one frame's body of `kind`.
+pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
+    if body.len() > MAX_FRAME_BODY {
+        return Err(FrameError::TooLarge(body.len() as u64));
+    }
+    Ok(match kind {
+        HELLO => Frame::Hello { version: u32::from_le_bytes(fixed(kind, body)?) },
+        CALL => Frame::Call(super::decode_request(body)?),
+        REPLY => {
+            let r: ReplyBody = postcard::from_bytes(body)
+                .map_err(|e| FrameError::Body(ProtoError::Malformed(e.to_string())))?;
+            if r.handles.len() > MAX_HANDLES {
+                return Err(FrameError::TooManyHandles(r.handles.len()));
+            }
+            Frame::Reply { reply: r.reply, handles: r.handles }
+        }
+        BELL => {
+            let b: [u8; 8] = fixed(kind, body)?;
+            Frame::Bell {
+                id: u32::from_le_bytes(b[..4].try_into().expect("4 bytes")),
+                count: u32::from_le_bytes(b[4..].try_into().expect("4 bytes")),
+            }
+        }
+        CLOSE => Frame::Close { id: u32::from_le_bytes(fixed(kind, body)?) },
+        PING => Frame::Ping { nonce: u64::from_le_bytes(fixed(kind, body)?) },
+        PONG => Frame::Pong { nonce: u64::from_le_bytes(fixed(kind, body)?) },
+        k => return Err(FrameError::UnknownKind(k)),
+    })
+}
+
+/// Splits a byte stream into frames. Feed it what arrived with
+/// [`push`](Self::push), take frames with [`next`](Self::next). It holds
+/// at most one frame's bytes beyond what it was given: a header that
+/// announces more than [`MAX_FRAME_BODY`] is an error at once, before its
+/// body arrives.
+#[derive(Debug, Default)]
+pub struct FrameDecoder {
+    buf: Vec<u8>,
+    /// Set after an error: the stream is out of step for good.
+    failed: Option<FrameError>,
+}
+
+impl FrameDecoder {
+    pub fn new() -> FrameDecoder {
+        FrameDecoder::default()
+    }
+
+    /// Appends bytes from the stream.
+    pub fn push(&mut self, bytes: &[u8]) {
+        if self.failed.is_none() {
+            self.buf.extend_from_slice(bytes);
+        }
+    }
+
+    /// Bytes held that no complete frame used yet.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// How many more bytes the frame under way needs at least (for a
+    /// reader that wants to read no further than one frame).
+    pub fn wanted(&self) -> usize {
+        if self.buf.len() < HEADER {
+            return HEADER - self.buf.len();
+        }
+        let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes")) as usize;
+        (HEADER + len.min(MAX_FRAME_BODY)).saturating_sub(self.buf.len()).max(1)
+    }
+
+    /// The next complete frame, `Ok(None)` if more bytes are needed.
+    pub fn next(&mut self) -> Result<Option<Frame>, FrameError> {
+        if let Some(e) = &self.failed {
+            return Err(e.clone());
+        }
+        let r = self.take();
+        if let Err(e) = &r {
+            self.failed = Some(e.clone());
+            self.buf = Vec::new();
+        }
+        r
+    }
+
+    fn take(&mut self) -> Result<Option<Frame>, FrameError> {
+        if self.buf.len() < HEADER {
+            return Ok(None);
+        }
+        let len = u32::from_le_bytes(self.buf[..4].try_into().expect("4 bytes"));
+        let kind = self.buf[4];
+        if self.buf[5..8] != [0, 0, 0] {
+            return Err(FrameError::Reserved);
+        }
+        if len as usize > MAX_FRAME_BODY {
+            return Err(FrameError::TooLarge(len.into()));
+        }
+        if !(HELLO..=PONG).contains(&kind) {
+            return Err(FrameError::UnknownKind(kind));
+        }
+        let end = HEADER + len as usize;
+        if self.buf.len() < end {
+            return Ok(None);
+        }
+        let f = decode_body(kind, &self.buf[HEADER..end]);
+        self.buf.drain(..end);
+        f.map(Some)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn all() -> Vec<Frame> {
+        vec![
+            Frame::Hello { version: GUEST_VERSION },
+            Frame::Call(Request::AllocPd),
+            Frame::Call(Request::GuestAlloc { len: 8192 }),
+            Frame::Reply {
+                reply: Reply::Pd { pd: 3 },
+                handles: vec![Handle::Extent { offset: 4096, len: 8192 }, Handle::Bell { id: 7, hangup: true }],
+            },
+            Frame::Bell { id: 9, count: 2 },
+            Frame::Close { id: 9 },
+            Frame::Ping { nonce: u64::MAX },
+            Frame::Pong { nonce: 1 },
+        ]
+    }
+
+    #[test]
+    fn frames_round_trip_whole_and_byte_by_byte() {
+        let stream: Vec<u8> = all().iter().flat_map(encode).collect();
+        let mut d = FrameDecoder::new();
+        d.push(&stream);
+        for f in all() {
+            assert_eq!(d.next().unwrap(), Some(f));
+        }
+        assert_eq!(d.next().unwrap(), None);
+        let mut d = FrameDecoder::new();
+        let mut got = Vec::new();
+        for b in &stream {
+            assert!(d.wanted() >= 1);
+            d.push(std::slice::from_ref(b));
+            while let Some(f) = d.next().unwrap() {
+                got.push(f);
+            }
+        }
+        assert_eq!(got, all());
+        assert_eq!(d.pending(), 0);
+    }
+
+    #[test]
+    fn bad_headers_are_errors_at_once_and_for_good() {
+        let mut d = FrameDecoder::new();
+        d.push(&[0xff, 0xff, 0xff, 0xff, CALL, 0, 0, 0]);
+        assert!(matches!(d.next(), Err(FrameError::TooLarge(_))));
+        // Out of step for good, whatever comes next.
+        d.push(&encode(&Frame::Ping { nonce: 1 }));
+        assert!(d.next().is_err());
+        let mut d = FrameDecoder::new();
+        d.push(&[0, 0, 0, 0, 99, 0, 0, 0]);
+        assert_eq!(d.next(), Err(FrameError::UnknownKind(99)));
+        let mut d = FrameDecoder::new();
+        d.push(&[0, 0, 0, 0, PING, 1, 0, 0]);
+        assert_eq!(d.next(), Err(FrameError::Reserved));
+        let mut d = FrameDecoder::new();
+        d.push(&frame(PING, &[1, 2, 3]));
+        assert!(matches!(d.next(), Err(FrameError::BadLength { want: 8, got: 3, .. })));
+        let mut d = FrameDecoder::new();
+        d.push(&frame(CALL, &[0xff; 16]));
+        assert!(matches!(d.next(), Err(FrameError::Body(_))));
+        // A reply with too many handles.
+        let many = vec![Handle::Bell { id: 1, hangup: false }; MAX_HANDLES + 1];
+        let body = postcard::to_stdvec(&ReplyBody { reply: Reply::Done, handles: many }).unwrap();
+        assert_eq!(decode_body(REPLY, &body), Err(FrameError::TooManyHandles(MAX_HANDLES + 1)));
+        // A largest-possible header waits for its body, holding no more.
+        let mut d = FrameDecoder::new();
+        d.push(&(MAX_FRAME_BODY as u32).to_le_bytes());
+        d.push(&[CALL, 0, 0, 0]);
+        assert_eq!(d.next(), Ok(None));
+        assert_eq!(d.wanted(), MAX_FRAME_BODY);
+    }
+
+    #[test]
+    fn random_streams_never_panic() {
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let valid: Vec<u8> = all().iter().flat_map(encode).collect();
+        for _ in 0..20_000 {
+            let mut d = FrameDecoder::new();
+            let mut buf = valid.clone();
+            let i = (next() as usize) % buf.len();
+            buf[i] = next() as u8;
+            d.push(&buf);
+            for _ in 0..all().len() + 1 {
+                if let Ok(Some(f)) = d.next() {
+                    let mut again = FrameDecoder::new();
+                    again.push(&encode(&f));
+                    assert_eq!(again.next().unwrap(), Some(f));
+                }
+            }
+        }
+    }
+}
