@@ -98,6 +98,7 @@ mod qp;
 mod rebacking;
 mod srq;
 mod stream;
+pub mod vm;
 pub mod wr;
 
 use std::ffi::OsString;

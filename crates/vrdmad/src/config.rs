@@ -578,7 +578,8 @@ impl VmConfig {
 /// Whether `name` may name a VM: 1 to 32 of `[a-z0-9-]` (it becomes part
 /// of a socket's file name).
 pub fn valid_vm_name(name: &str) -> bool {
-    (1..=32).contains(&name.len()) && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+    (1..=32).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
 }
 
 /// The default of [`DaemonConfig::max_tenants`] (see the module's doc).
@@ -1073,8 +1074,10 @@ mod tests {
 
     #[test]
     fn vms_are_parsed_with_defaults_and_checked() {
-        let c = DaemonConfig::from_toml("[vms.guest-1]\ntenant = 1000\n[vms.b]\ntenant = 0\nmemory_mib = 4\nports = 31")
-            .unwrap();
+        let c = DaemonConfig::from_toml(
+            "[vms.guest-1]\ntenant = 1000\n[vms.b]\ntenant = 0\nmemory_mib = 4\nports = 31",
+        )
+        .unwrap();
         assert_eq!(c.vms["guest-1"], VmConfig::new(1000));
         assert_eq!(c.vms["guest-1"].region_len(), 64 << 20);
         assert_eq!((c.vms["b"].memory_mib, c.vms["b"].ports), (4, 31));

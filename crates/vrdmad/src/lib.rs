@@ -24,12 +24,13 @@ pub mod net;
 mod server;
 #[cfg(test)]
 mod testing;
+mod vm;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 
-pub use config::{Budgets, ConfigError, DaemonConfig, DirectConfig, EngineConfig, TenantBy};
+pub use config::{Budgets, ConfigError, DaemonConfig, DirectConfig, EngineConfig, TenantBy, VmConfig};
 use vrdma_core::hca::{Hca, HcaConfig, KeySource, TenantId};
 
 /// Name the device reports, as `ibv_get_device_name` does.
@@ -91,6 +92,8 @@ pub enum DaemonError {
     Listen { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("cannot serve metrics on {addr}: {source}")]
     Metrics { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error("cannot make VM {name:?}'s region or port socket: {source}")]
+    Vm { name: String, source: std::io::Error },
     #[error("cannot start the daemon: {0}")]
     Start(#[from] std::io::Error),
 }
@@ -101,6 +104,7 @@ pub struct Daemon {
     shared: Arc<server::Shared>,
     acceptor: Option<std::thread::JoinHandle<()>>,
     engine: Option<engine::Engine>,
+    vm_acceptors: Vec<std::thread::JoinHandle<()>>,
     net_listener: Option<net::Listener>,
     /// Boxed: the daemon is held by value in enums (the CLI's `Device`).
     metrics: Option<Box<metrics::MetricsServer>>,
@@ -192,6 +196,15 @@ impl Daemon {
             server::Listener::bind(&path)
                 .map_err(|source| DaemonError::Bind { path: path.clone(), source })?,
         );
+        // Beside the control socket: vm-NAME.sock for each VM.
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+        let mut vms = std::collections::BTreeMap::new();
+        for (name, vc) in &config.vms {
+            let vm = vm::Vm::create(name, vc, &dir)
+                .map_err(|source| DaemonError::Vm { name: name.clone(), source })?;
+            tracing::info!(vm = %name, tenant = vc.tenant, socket = %vm.socket.display(), "VM ready to attach");
+            vms.insert(name.clone(), Arc::new(vm));
+        }
         let shared = Arc::new(server::Shared {
             engine: engine.handle(),
             device_name: DEVICE_NAME.to_string(),
@@ -200,6 +213,7 @@ impl Daemon {
             admission: server::Admission::new(budgets.max_tenants),
             sessions: Mutex::new(Vec::new()),
             log: Mutex::default(),
+            vms,
         });
         // A context whose tenant broke the shared-memory protocol is closed
         // as if its process had gone (the engine tells it why first).
@@ -233,6 +247,12 @@ impl Daemon {
         };
         let (l, s) = (listener.clone(), shared.clone());
         let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;
+        let mut vm_acceptors = Vec::new();
+        for vm in shared.vms.values() {
+            let (vm, s) = (vm.clone(), shared.clone());
+            vm_acceptors
+                .push(std::thread::Builder::new().name("vrdma-vm-accept".into()).spawn(move || vm.serve(s))?);
+        }
         // UCX lists the device only if its /dev node exists (devnode).
         match devnode::ensure(DEVICE_NAME) {
             devnode::NodeState::Present => {}
@@ -246,7 +266,15 @@ impl Daemon {
             ),
         }
         tracing::info!(socket = %path.display(), %address, "vrdma daemon ready");
-        Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine), net_listener, metrics })
+        Ok(Daemon {
+            listener,
+            shared,
+            acceptor: Some(acceptor),
+            engine: Some(engine),
+            vm_acceptors,
+            net_listener,
+            metrics,
+        })
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -280,6 +308,12 @@ impl Daemon {
         }
         self.listener.shutdown();
         if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+        for vm in self.shared.vms.values() {
+            vm.shutdown();
+        }
+        for a in self.vm_acceptors.drain(..) {
             let _ = a.join();
         }
         for (_, _, fd) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter() {

@@ -94,6 +94,14 @@ pub enum FrameError {
     Body(#[from] ProtoError),
 }
 
+impl FrameError {
+    /// Whether the stream is out of step after it (a bad header); the
+    /// others concern one frame's body, which was skipped whole.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self, FrameError::TooLarge(_) | FrameError::UnknownKind(_) | FrameError::Reserved)
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct ReplyBody {
     reply: Reply,
@@ -165,7 +173,9 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
 }
 
 /// Splits a byte stream into frames. Feed it what arrived with
-/// [`push`](Self::push), take frames with [`next`](Self::next). It holds
+/// [`push`](Self::push), take frames with [`next`](Self::next). A frame
+/// whose body is bad is skipped and reported; a bad header
+/// ([`FrameError::is_fatal`]) fails the decoder for good. It holds
 /// at most one frame's bytes beyond what it was given: a header that
 /// announces more than [`MAX_FRAME_BODY`] is an error at once, before its
 /// body arrives.
@@ -210,8 +220,10 @@ impl FrameDecoder {
         }
         let r = self.take();
         if let Err(e) = &r {
-            self.failed = Some(e.clone());
-            self.buf = Vec::new();
+            if e.is_fatal() {
+                self.failed = Some(e.clone());
+                self.buf = Vec::new();
+            }
         }
         r
     }
@@ -252,7 +264,10 @@ mod tests {
             Frame::Call(Request::GuestAlloc { len: 8192 }),
             Frame::Reply {
                 reply: Reply::Pd { pd: 3 },
-                handles: vec![Handle::Extent { offset: 4096, len: 8192 }, Handle::Bell { id: 7, hangup: true }],
+                handles: vec![
+                    Handle::Extent { offset: 4096, len: 8192 },
+                    Handle::Bell { id: 7, hangup: true },
+                ],
             },
             Frame::Bell { id: 9, count: 2 },
             Frame::Close { id: 9 },
@@ -300,9 +315,12 @@ mod tests {
         let mut d = FrameDecoder::new();
         d.push(&frame(PING, &[1, 2, 3]));
         assert!(matches!(d.next(), Err(FrameError::BadLength { want: 8, got: 3, .. })));
+        // A bad body is skipped whole: the stream stays in step.
         let mut d = FrameDecoder::new();
         d.push(&frame(CALL, &[0xff; 16]));
+        d.push(&encode(&Frame::Pong { nonce: 5 }));
         assert!(matches!(d.next(), Err(FrameError::Body(_))));
+        assert_eq!(d.next(), Ok(Some(Frame::Pong { nonce: 5 })));
         // A reply with too many handles.
         let many = vec![Handle::Bell { id: 1, hangup: false }; MAX_HANDLES + 1];
         let body = postcard::to_stdvec(&ReplyBody { reply: Reply::Done, handles: many }).unwrap();

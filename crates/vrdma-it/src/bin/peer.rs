@@ -22,7 +22,18 @@ fn main() -> Result<()> {
             };
             tenant(socket, mr_len)
         }
-        _ => bail!("usage: vrdma-it-peer daemon|tenant --socket PATH [--config FILE] [--mr-len BYTES]"),
+        Some("vm-attach") => {
+            let name = flag("--vm").context("--vm NAME is required")?;
+            let said = match vrdma::vm::attach_at(&socket, &name.to_string_lossy()) {
+                Ok(_) => Said::Ok,
+                Err(e) => Said::Error { errno: e.errno(), message: e.to_string() },
+            };
+            println!("{}", serde_json::to_string(&said)?);
+            Ok(())
+        }
+        _ => bail!(
+            "usage: vrdma-it-peer daemon|tenant|vm-attach --socket PATH [--config FILE] [--mr-len BYTES] [--vm NAME]"
+        ),
     }
 }
 

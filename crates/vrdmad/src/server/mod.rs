@@ -4,6 +4,8 @@
 //! limited per tenant ([`vrdma_core::log_limit`]).
 
 mod admission;
+pub(crate) mod guest;
+mod guest_memory;
 mod session;
 mod tenancy;
 
@@ -38,6 +40,8 @@ pub(crate) struct Shared {
     /// Limits what tenants make the accept loop and sessions log (on the
     /// clock of [`crate::logs::now`]).
     pub log: Mutex<LogLimiter>,
+    /// The configured VMs by name (see `crate::vm`).
+    pub vms: std::collections::BTreeMap<String, Arc<crate::vm::Vm>>,
 }
 
 impl Shared {

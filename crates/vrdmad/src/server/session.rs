@@ -23,6 +23,7 @@ use vrdma_core::proto::{
 use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
 use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
 
+use super::guest_memory::{GuestMemory, RingMemory};
 use super::Shared;
 use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
 
@@ -31,10 +32,31 @@ const EPROTO: i32 = 71;
 const EBUSY: i32 = 16;
 const ENOMEM: i32 = 12;
 
-/// A reply and the fds that travel with it.
-struct Answer {
-    reply: Reply,
-    fds: Vec<OwnedFd>,
+/// What travels with a reply where a host tenant gets a descriptor.
+pub(super) enum Carry {
+    /// A descriptor (to a guest: proxied, see `guest`).
+    Fd(OwnedFd),
+    /// Guest sessions: bytes of the VM's region, where a host tenant would
+    /// get a memfd.
+    Extent { offset: u64, len: u64 },
+}
+
+impl From<OwnedFd> for Carry {
+    fn from(fd: OwnedFd) -> Carry {
+        Carry::Fd(fd)
+    }
+}
+
+impl From<Doorbell> for Carry {
+    fn from(d: Doorbell) -> Carry {
+        Carry::Fd(d.into())
+    }
+}
+
+/// A reply and what travels with it.
+pub(super) struct Answer {
+    pub reply: Reply,
+    pub fds: Vec<Carry>,
 }
 
 impl From<Reply> for Answer {
@@ -43,7 +65,7 @@ impl From<Reply> for Answer {
     }
 }
 
-fn error(errno: i32, message: impl Into<String>) -> Answer {
+pub(super) fn error(errno: i32, message: impl Into<String>) -> Answer {
     Reply::Error { errno, message: message.into() }.into()
 }
 
@@ -63,10 +85,15 @@ fn engine_gone() -> Answer {
     error(libc::ENODEV, "the device engine has stopped")
 }
 
-struct Session {
+pub(super) struct Session {
     ctx: ContextId,
     tenant: TenantId,
     pid: i32,
+    /// The peer's uid as the kernel told it (0 for a guest session, whose
+    /// peer is QEMU and counts for nothing).
+    uid: u32,
+    /// Set for a guest session: its VM and its part of the VM's region.
+    guest: Option<GuestMemory>,
     shared: Arc<Shared>,
     open: bool,
     /// Holds a numbered tenant while the session lives; dropped after the
@@ -102,6 +129,8 @@ pub(crate) fn run(
         ctx: ContextId(id),
         tenant,
         pid: cred.pid,
+        uid: cred.uid,
+        guest: None,
         shared,
         open: false,
         _seat: seat,
@@ -163,7 +192,15 @@ pub(crate) fn run(
             }
         };
         let bytes = proto::encode_reply(&answer.reply);
-        let fds: Vec<BorrowedFd> = answer.fds.iter().map(|f| f.as_fd()).collect();
+        let fds: Vec<BorrowedFd> = answer
+            .fds
+            .iter()
+            .filter_map(|c| match c {
+                Carry::Fd(f) => Some(f.as_fd()),
+                // Made for guest sessions only.
+                Carry::Extent { .. } => None,
+            })
+            .collect();
         if let Err(e) = fdpass::send_msg(sock.as_fd(), &bytes, &fds) {
             if e.kind() == std::io::ErrorKind::WouldBlock {
                 const DEAF: &str = "the tenant read no reply in time; closing its context";
@@ -184,6 +221,13 @@ pub(crate) fn run(
 impl Drop for Session {
     fn drop(&mut self) {
         self.close();
+        // The context's regions are gone: its memory extents are free.
+        if let Some(g) = self.guest.take() {
+            let mut ext = g.vm.extents();
+            for offset in g.memory.keys() {
+                ext.free(*offset);
+            }
+        }
         let id = self.ctx.0;
         let mut sessions = self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
         sessions.retain(|(i, ..)| *i != id);
@@ -249,8 +293,8 @@ impl Session {
         self.shared.engine.post(move |e| f(e, ctx)).map_err(|_| engine_gone())
     }
 
-    fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Answer {
-        if !self.open && !matches!(req, Request::Hello { .. }) {
+    pub(super) fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Answer {
+        if !self.open && !matches!(req, Request::Hello { .. } | Request::VmAttach { .. }) {
             return error(EPROTO, "the first request must be Hello");
         }
         match self.dispatch(req, fds) {
@@ -283,8 +327,13 @@ impl Session {
                 self.engine(move |e, c| e.hca.dealloc_pd(c, pd))??;
                 Reply::Done.into()
             }
+            Request::RegMr { pd, addr, len, access, fd_offset } if self.guest.is_some() => {
+                self.reg_guest_mr(pd, addr, len, access, fd_offset)?
+            }
             Request::RegMr { pd, addr, len, access, fd_offset } => {
-                let fd = fds.pop().expect("count checked");
+                let Some(fd) = fds.pop() else {
+                    return Err(error(EINVAL, "RegMr needs the region's memfd"));
+                };
                 let direct =
                     self.engine(move |e, c| e.hca.may_register(c, len).map(|()| e.direct.enabled))??;
                 // The direct path hands a writable region's memfd to peers.
@@ -306,11 +355,23 @@ impl Session {
             Request::DeregMr { key } => {
                 let wait = self.engine(move |e, c| e.dereg_mr(c, key))??;
                 crate::direct::drain(&wait);
+                if let Some(g) = self.guest.as_mut() {
+                    g.deregistered(key);
+                }
                 Reply::Done.into()
             }
+            Request::DirectGrant { .. } if self.guest.is_some() => {
+                return Err(error(libc::EOPNOTSUPP, "the direct path is not offered to guests"));
+            }
+            Request::VmAttach { name } => self.vm_attach(&name)?,
+            Request::GuestAlloc { len } => self.guest_alloc(len)?,
+            Request::GuestFree { offset } => self.guest_free(offset)?,
             Request::DirectGrant { qp, rkey } => {
                 match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey))? {
-                    Ok((granted, fds)) => Answer { reply: Reply::DirectGrant(granted), fds },
+                    Ok((granted, fds)) => Answer {
+                        reply: Reply::DirectGrant(granted),
+                        fds: fds.into_iter().map(Carry::from).collect(),
+                    },
                     Err(why) => Reply::DirectRefused(why).into(),
                 }
             }
@@ -448,8 +509,7 @@ impl Session {
         let events_len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
         let posted_at = events_len.next_multiple_of(64);
         let len = posted_at + ring_bytes(POSTED_RING_CAPACITY, POSTED_SLOT_SIZE);
-        let (seg_fd, seg) = Segment::create_in("vrdma-context", len, Some(admitted.budget()))?.into_parts();
-        let seg = Arc::new(seg);
+        let (seg_fd, seg) = self.new_segment("vrdma-context", len, Some(admitted.budget()))?;
         let events = RingView::in_segment(seg.clone(), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         let posted = RingView::in_segment(seg.clone(), posted_at, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE)
@@ -462,6 +522,7 @@ impl Session {
         // tenant polling `async_fd` wakes and hears IBV_EVENT_DEVICE_FATAL.
         let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
         let fds = vec![seg_fd, doorbell_tenant.into(), event_tenant.into()];
+        let seg_len = seg.len() as u64;
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
             e.rings.contexts.insert(c, ContextRings::new(tenant, events, event_fd, doorbell, posted));
@@ -475,7 +536,7 @@ impl Session {
                 context: self.ctx.0,
                 tenant: self.tenant.0,
                 device_name: name,
-                segment_len: seg.len() as u64,
+                segment_len: seg_len,
                 async_ring: RingSpec {
                     offset: 0,
                     capacity: ASYNC_RING_CAPACITY,
@@ -519,8 +580,7 @@ impl Session {
 
     fn create_channel(&mut self) -> Result<Answer, Answer> {
         let len = ring_bytes(CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE);
-        let (seg_fd, seg) = Segment::create_in("vrdma-channel", len, self.budget())?.into_parts();
-        let seg = Arc::new(seg);
+        let (seg_fd, seg) = self.new_segment("vrdma-channel", len, self.budget())?;
         let ring = RingView::in_segment(seg.clone(), 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         let (fd, tenant_end) = Doorbell::pair()?;
@@ -529,6 +589,7 @@ impl Session {
         let max_unread =
             fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
         let fds = vec![seg_fd, tenant_end.into()];
+        let seg_len = seg.len() as u64;
         // A channel counts against the tenant's object quota: it holds a
         // mapping and descriptors in the daemon. The descriptor cannot be
         // spared (the daemon signals the tenant's end through it), so a
@@ -550,7 +611,7 @@ impl Session {
         Ok(Answer {
             reply: Reply::CompChannel {
                 channel,
-                segment_len: seg.len() as u64,
+                segment_len: seg_len,
                 ring: RingSpec {
                     offset: 0,
                     capacity: CHANNEL_RING_CAPACITY,
@@ -571,9 +632,7 @@ impl Session {
             e.hca.create_cq(c, cqe)
         })??;
         let made = (|| {
-            let (fd, seg) =
-                Segment::create_in("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?.into_parts();
-            let seg = Arc::new(seg);
+            let (fd, seg) = self.new_segment("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?;
             let ring = RingView::in_segment(seg.clone(), 0, depth, CQE_SIZE)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
             Ok::<_, Answer>((seg, ring, fd))
@@ -612,9 +671,7 @@ impl Session {
         let stride = recv_stride(granted.max_sge);
         let made = (|| {
             let (fd, seg) =
-                Segment::create_in("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?
-                    .into_parts();
-            let seg = Arc::new(seg);
+                self.new_segment("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?;
             let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
             Ok::<_, Answer>((seg, ring, fd))
@@ -658,8 +715,7 @@ impl Session {
         let total = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
         let qpn = created.qpn;
         let made = (|| {
-            let (fd, seg) = Segment::create_in("vrdma-qp", total, self.budget())?.into_parts();
-            let seg = Arc::new(seg);
+            let (fd, seg) = self.new_segment("vrdma-qp", total, self.budget())?;
             let view = |r: RingSpec| {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
@@ -685,6 +741,117 @@ impl Session {
             e.rings.add_qp(qpn, rings);
         })?;
         Ok(Answer { reply: Reply::Qp { created, segment_len: seg.len() as u64, sq, rq }, fds: vec![fd] })
+    }
+}
+
+impl Session {
+    /// A guest session of `vm`: its tenant is the VM's configured one.
+    pub(super) fn guest(id: u32, vm: Arc<crate::vm::Vm>, shared: Arc<Shared>) -> Session {
+        Session {
+            ctx: ContextId(id),
+            tenant: TenantId(vm.config.tenant),
+            pid: 0,
+            uid: 0,
+            guest: Some(GuestMemory::new(vm)),
+            shared,
+            open: false,
+            _seat: super::Seat::none(),
+            admitted: None,
+        }
+    }
+
+    pub(super) fn id(&self) -> u32 {
+        self.ctx.0
+    }
+
+    /// Memory for a ring: a new memfd for a host tenant, an extent of the
+    /// VM's region for a guest.
+    fn new_segment(
+        &self,
+        name: &str,
+        len: usize,
+        budget: Option<&Arc<vrdma_shm::MappingBudget>>,
+    ) -> Result<(Carry, Arc<RingMemory>), Answer> {
+        match &self.guest {
+            Some(g) => {
+                let (offset, mem) = RingMemory::in_vm(&g.vm, len, budget)?;
+                Ok((Carry::Extent { offset, len: mem.len() as u64 }, Arc::new(mem)))
+            }
+            None => {
+                let (fd, map) = Segment::create_in(name, len, budget)?.into_parts();
+                Ok((Carry::Fd(fd), Arc::new(RingMemory::host(map))))
+            }
+        }
+    }
+
+    /// RegMr from a guest: `fd_offset` names bytes of the VM's region,
+    /// which must lie in one memory extent of this session.
+    fn reg_guest_mr(
+        &mut self,
+        pd: u32,
+        addr: u64,
+        len: u64,
+        access: vrdma_core::verbs::AccessFlags,
+        fd_offset: u64,
+    ) -> Result<Answer, Answer> {
+        let g = self.guest.as_ref().ok_or_else(|| error(EPROTO, "not a guest session"))?;
+        let extent = g.extent_of(fd_offset, len).ok_or_else(|| {
+            error(
+                EINVAL,
+                format!("[{fd_offset}, +{len}) does not lie in a memory extent of this session (GuestAlloc)"),
+            )
+        })?;
+        let fd = g.vm.region.try_clone().map_err(|e| error(ENOMEM, e.to_string()))?;
+        self.engine(move |e, c| e.hca.may_register(c, len))??;
+        let region = map_region(fd, fd_offset, len, self.budget())?;
+        let key = self.engine(move |e, c| e.hca.reg_mr(c, pd, addr, access, region))??;
+        if let Some(g) = self.guest.as_mut() {
+            g.registered(key, extent);
+        }
+        Ok(Reply::Mr { key }.into())
+    }
+
+    /// VmAttach: the region and port socket of VM `name`, for root or
+    /// the VM's tenant uid.
+    fn vm_attach(&mut self, name: &str) -> Result<Answer, Answer> {
+        if self.guest.is_some() {
+            return Err(error(libc::EPERM, "a guest cannot attach VMs"));
+        }
+        let vm = self
+            .shared
+            .vms
+            .get(name)
+            .ok_or_else(|| error(libc::ENOENT, format!("no VM {name:?} is configured in this daemon")))?;
+        if self.uid != 0 && self.uid != vm.config.tenant {
+            return Err(error(
+                libc::EPERM,
+                format!(
+                    "VM {name:?} belongs to uid {}: only that uid or root may attach it, not uid {}",
+                    vm.config.tenant, self.uid
+                ),
+            ));
+        }
+        let region = vm.region.try_clone().map_err(|e| error(libc::EMFILE, e.to_string()))?;
+        Ok(Answer {
+            reply: Reply::VmAttached {
+                region_len: vm.region_len,
+                port_socket: vm.socket.to_string_lossy().into_owned(),
+                ports: vm.config.ports,
+            },
+            fds: vec![Carry::Fd(region)],
+        })
+    }
+
+    fn guest_alloc(&mut self, len: u64) -> Result<Answer, Answer> {
+        let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestAlloc is for guest sessions only"))?;
+        let (offset, len) = g.alloc(len).map_err(|m| error(ENOMEM, m))?;
+        Ok(Reply::GuestExtent { offset, len }.into())
+    }
+
+    fn guest_free(&mut self, offset: u64) -> Result<Answer, Answer> {
+        let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestFree is for guest sessions only"))?;
+        g.free(offset).map_err(|(errno, m)| error(errno, m))?;
+        Ok(Reply::Done.into())
     }
 }
 

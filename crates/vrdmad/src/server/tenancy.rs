@@ -73,6 +73,13 @@ pub(crate) struct Tenancy {
 /// for a tenant that is a uid.
 pub(crate) struct Seat(Option<(Arc<Mutex<Numbering>>, Key)>);
 
+impl Seat {
+    /// No hold: for a tenant that is a uid (a VM's).
+    pub fn none() -> Seat {
+        Seat(None)
+    }
+}
+
 impl Drop for Seat {
     fn drop(&mut self) {
         let Some((numbering, key)) = self.0.take() else { return };

@@ -1,0 +1,346 @@
+//! A VM's virtio-serial port: guest sessions over a byte stream.
+//!
+//! QEMU connects one port to the VM's socket (`crate::vm`); this thread
+//! serves it for as long as QEMU keeps it. A guest process that opens the
+//! port says Hello and gets a session (a [`Session`] as a host tenant's,
+//! with the VM's tenant and its memory in the VM's region); its requests
+//! and replies travel as frames ([`vrdma_core::proto::guest`]). The
+//! descriptors a host tenant would get become handles: extents of the
+//! region, and doorbell proxies this thread forwards both ways (it polls
+//! the daemon's fds and writes `Bell`/`Close` frames; it writes the
+//! guest's `Bell`s into them).
+//!
+//! A guest process that dies leaves the port open in the guest kernel:
+//! the session is pinged every `ping_ms` and torn down when nothing came
+//! from the guest for `dead_ms`, or when a new Hello comes on the port.
+//! QEMU going closes the socket: the session is torn down as a killed host
+//! process's context is (peers' QPs go to the error state).
+//!
+//! Everything from the guest is hostile input: a frame that breaks the
+//! stream (bad header, oversized length) disconnects the port; a frame
+//! with a bad body is answered with an error and skipped.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+use rustix::net::{RecvFlags, SendFlags, SocketType};
+use vrdma_core::hca::TenantId;
+use vrdma_core::proto::guest::{self, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::Reply;
+
+use super::session::{error, Answer, Carry, Session};
+use super::Shared;
+use crate::vm::Vm;
+
+/// Most datagrams one `Bell` frame rings, and one poll of a proxy reads.
+const BELLS_AT_ONCE: u32 = 1024;
+/// How long a write to QEMU may wait for room.
+const WRITE_LIMIT: Duration = Duration::from_secs(10);
+
+/// A descriptor the daemon would have handed a host tenant, kept here.
+struct Proxy {
+    fd: OwnedFd,
+}
+
+/// One guest session on the port and what belongs to it.
+struct Live {
+    session: Session,
+    proxies: BTreeMap<u32, Proxy>,
+    next_proxy: u32,
+    /// Shut down by `Shared::end_session` (the engine ending a context
+    /// that broke the protocol, or the daemon stopping).
+    kill: OwnedFd,
+    last_heard: Instant,
+    next_ping: Instant,
+    nonce: u64,
+}
+
+struct Port {
+    conn: std::os::unix::net::UnixStream,
+    vm: Arc<Vm>,
+    shared: Arc<Shared>,
+    live: Option<Live>,
+}
+
+pub(crate) fn run(conn: OwnedFd, vm: Arc<Vm>, shared: Arc<Shared>) {
+    let conn = std::os::unix::net::UnixStream::from(conn);
+    if conn.set_write_timeout(Some(WRITE_LIMIT)).is_err() {
+        return;
+    }
+    let Ok(dup) = conn.try_clone() else { return };
+    let key = vm.add_conn(dup.into());
+    tracing::debug!(vm = %vm.name, "VM port connected");
+    let mut port = Port { conn, vm: vm.clone(), shared, live: None };
+    if let Err(why) = port.serve() {
+        tracing::debug!(vm = %vm.name, %why, "VM port disconnected");
+    }
+    port.end_session();
+    vm.remove_conn(key);
+}
+
+impl Port {
+    fn ping_every(&self) -> Duration {
+        Duration::from_millis(self.vm.config.ping_ms)
+    }
+
+    fn dead_after(&self) -> Duration {
+        Duration::from_millis(self.vm.config.dead_ms)
+    }
+
+    fn send(&mut self, f: &Frame) -> Result<(), String> {
+        self.conn.write_all(&guest::encode(f)).map_err(|e| format!("cannot write to the port: {e}"))
+    }
+
+    fn serve(&mut self) -> Result<(), String> {
+        let mut dec = FrameDecoder::new();
+        let mut buf = vec![0u8; 64 << 10];
+        loop {
+            let now = Instant::now();
+            if let Some(l) = &self.live {
+                if now.duration_since(l.last_heard) > self.dead_after() {
+                    tracing::info!(vm = %self.vm.name, ctx = l.session.id(), "guest session silent too long; torn down");
+                    self.end_session();
+                    continue;
+                }
+                if now >= l.next_ping {
+                    let nonce = l.nonce;
+                    self.send(&Frame::Ping { nonce })?;
+                    let every = self.ping_every();
+                    if let Some(l) = self.live.as_mut() {
+                        l.nonce += 1;
+                        l.next_ping = now + every;
+                    }
+                }
+            }
+            let wait = self.live.as_ref().map(|l| {
+                let until = l.next_ping.min(l.last_heard + self.dead_after());
+                until.saturating_duration_since(now).max(Duration::from_millis(1))
+            });
+            let (conn_ready, kill, ready) = self.wait(wait)?;
+            if kill {
+                tracing::debug!(vm = %self.vm.name, "guest session ended by the daemon");
+                self.end_session();
+                continue;
+            }
+            for id in ready {
+                self.forward_proxy(id)?;
+            }
+            if !conn_ready {
+                continue;
+            }
+            let n = match self.conn.read(&mut buf) {
+                Ok(0) => return Err("QEMU closed the port".into()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(format!("port read failed: {e}")),
+            };
+            dec.push(&buf[..n]);
+            loop {
+                match dec.next() {
+                    Ok(Some(f)) => self.on_frame(f)?,
+                    Ok(None) => break,
+                    Err(e) if e.is_fatal() => {
+                        tracing::warn!(vm = %self.vm.name, error = %e, "a guest broke the frame stream; port disconnected");
+                        return Err(e.to_string());
+                    }
+                    Err(e) => {
+                        // A bad body: the frame is skipped, the caller told.
+                        if let Some(l) = self.live.as_mut() {
+                            l.last_heard = Instant::now();
+                        }
+                        let reply = Reply::Error { errno: libc::EINVAL, message: e.to_string() };
+                        self.send(&Frame::Reply { reply, handles: Vec::new() })?;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Polls the port, the session's kill switch and its proxies:
+    /// whether the port is readable, whether the session was ended, and
+    /// the proxies with something to forward.
+    fn wait(&self, timeout: Option<Duration>) -> Result<(bool, bool, Vec<u32>), String> {
+        let mut fds = vec![PollFd::new(&self.conn, PollFlags::IN)];
+        let mut ids = Vec::new();
+        if let Some(l) = &self.live {
+            fds.push(PollFd::new(&l.kill, PollFlags::IN));
+            for (id, p) in &l.proxies {
+                fds.push(PollFd::new(&p.fd, PollFlags::IN));
+                ids.push(*id);
+            }
+        }
+        let ts = timeout.and_then(|t| Timespec::try_from(t).ok());
+        match rustix::event::poll(&mut fds, ts.as_ref()) {
+            Ok(_) => {}
+            Err(rustix::io::Errno::INTR) => return Ok((false, false, Vec::new())),
+            Err(e) => return Err(format!("poll failed: {e}")),
+        }
+        let hit = |r: PollFlags| r.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR);
+        let conn = hit(fds[0].revents());
+        let kill = self.live.is_some() && hit(fds[1].revents());
+        let ready =
+            ids.iter().zip(fds.iter().skip(2)).filter(|(_, f)| hit(f.revents())).map(|(i, _)| *i).collect();
+        Ok((conn, kill, ready))
+    }
+
+    /// Reads what the daemon's end of proxy `id` got and forwards it.
+    fn forward_proxy(&mut self, id: u32) -> Result<(), String> {
+        let Some(l) = self.live.as_mut() else { return Ok(()) };
+        let Some(p) = l.proxies.get(&id) else { return Ok(()) };
+        let mut count = 0u32;
+        let mut closed = false;
+        while count < BELLS_AT_ONCE {
+            match rustix::net::recv(&p.fd, &mut [0u8; 8], RecvFlags::DONTWAIT) {
+                // A hung-up seqpacket end reads 0: the daemon's end closed.
+                Ok((0, _)) if is_seqpacket(&p.fd) => {
+                    closed = true;
+                    break;
+                }
+                Ok(_) => count += 1,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(_) => break,
+            }
+        }
+        if !closed && count == 0 {
+            // Readable with nothing to read: hung up or in error.
+            closed = true;
+        }
+        if count > 0 {
+            self.send(&Frame::Bell { id, count })?;
+        }
+        if closed {
+            if let Some(l) = self.live.as_mut() {
+                l.proxies.remove(&id);
+            }
+            self.send(&Frame::Close { id })?;
+        }
+        Ok(())
+    }
+
+    fn on_frame(&mut self, f: Frame) -> Result<(), String> {
+        if let Some(l) = self.live.as_mut() {
+            l.last_heard = Instant::now();
+        }
+        match f {
+            Frame::Hello { version } if version != GUEST_VERSION => {
+                let message = format!(
+                    "guest transport version {version} is not supported; the daemon speaks {GUEST_VERSION}"
+                );
+                self.send(&Frame::Reply {
+                    reply: Reply::Error { errno: libc::EPROTO, message },
+                    handles: Vec::new(),
+                })
+            }
+            Frame::Hello { .. } => {
+                // A new opener: whoever had the port before is gone.
+                self.end_session();
+                self.start_session()
+            }
+            Frame::Call(req) => {
+                let answer = match self.live.as_mut() {
+                    Some(l) => l.session.handle(req, Vec::new()),
+                    None => error(libc::EPROTO, "no guest session on this port: send Hello first"),
+                };
+                let (reply, handles) = self.handles(answer);
+                self.send(&Frame::Reply { reply, handles })
+            }
+            Frame::Bell { id, count } => {
+                if let Some(p) = self.live.as_ref().and_then(|l| l.proxies.get(&id)) {
+                    for _ in 0..count.min(BELLS_AT_ONCE) {
+                        // A full buffer means wake-ups are pending already.
+                        if rustix::net::send(&p.fd, &[1], SendFlags::DONTWAIT).is_err() {
+                            break;
+                        }
+                    }
+                }
+                Ok(())
+            }
+            Frame::Close { id } => {
+                if let Some(l) = self.live.as_mut() {
+                    l.proxies.remove(&id);
+                }
+                Ok(())
+            }
+            Frame::Pong { .. } => Ok(()),
+            Frame::Ping { .. } | Frame::Reply { .. } => {
+                tracing::debug!(vm = %self.vm.name, "a guest sent a daemon's frame; ignored");
+                Ok(())
+            }
+        }
+    }
+
+    /// The reply and its handles: extents as they are, descriptors kept
+    /// here as proxies.
+    fn handles(&mut self, answer: Answer) -> (Reply, Vec<Handle>) {
+        let Answer { reply, fds } = answer;
+        let mut handles = Vec::new();
+        for c in fds {
+            match c {
+                Carry::Extent { offset, len } => handles.push(Handle::Extent { offset, len }),
+                Carry::Fd(fd) => {
+                    let Some(l) = self.live.as_mut() else {
+                        return (
+                            Reply::Error { errno: libc::EPROTO, message: "no session".into() },
+                            Vec::new(),
+                        );
+                    };
+                    let id = l.next_proxy;
+                    l.next_proxy = l.next_proxy.wrapping_add(1);
+                    handles.push(Handle::Bell { id, hangup: is_seqpacket(&fd) });
+                    l.proxies.insert(id, Proxy { fd });
+                }
+            }
+        }
+        (reply, handles)
+    }
+
+    fn start_session(&mut self) -> Result<(), String> {
+        let (kill, watched) = rustix::net::socketpair(
+            rustix::net::AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            rustix::net::SocketFlags::CLOEXEC,
+            None,
+        )
+        .map_err(|e| format!("cannot make a session: {e}"))?;
+        let id = self.shared.next_context.fetch_add(1, Ordering::Relaxed);
+        let tenant = TenantId(self.vm.config.tenant);
+        self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).push((id, tenant, watched));
+        let session = Session::guest(id, self.vm.clone(), self.shared.clone());
+        let now = Instant::now();
+        tracing::debug!(vm = %self.vm.name, ctx = id, tenant = tenant.0, "guest session opened");
+        self.live = Some(Live {
+            session,
+            proxies: BTreeMap::new(),
+            next_proxy: 1,
+            kill,
+            last_heard: now,
+            next_ping: now + self.ping_every(),
+            nonce: 1,
+        });
+        Ok(())
+    }
+
+    /// Tears the session down as if its process had gone: its context
+    /// and objects are destroyed, and the guest hears its proxies close.
+    fn end_session(&mut self) {
+        let Some(l) = self.live.take() else { return };
+        let ids: Vec<u32> = l.proxies.keys().copied().collect();
+        // Dropping the session closes the context (and removes it from
+        // `shared.sessions`).
+        drop(l);
+        for id in ids {
+            if self.send(&Frame::Close { id }).is_err() {
+                break;
+            }
+        }
+    }
+}
+
+fn is_seqpacket(fd: &OwnedFd) -> bool {
+    rustix::net::sockopt::socket_type(fd.as_fd()).is_ok_and(|t| t == SocketType::SEQPACKET)
+}

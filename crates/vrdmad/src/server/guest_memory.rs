@@ -1,0 +1,155 @@
+//! A guest session's part of its VM's region.
+//!
+//! Where a host tenant gets memfds, a guest session gets extents of the
+//! VM's region (`crate::vm`): its rings ([`RingMemory`], given back to the
+//! VM's allocator when the ring's last holder drops it) and the extents it
+//! asked for to register memory in ([`GuestMemory`], given back on
+//! `GuestFree` or when the session ends). A registration must lie inside
+//! one of the session's memory extents: never on a ring, never outside
+//! the region.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use vrdma_core::memory::Backing;
+use vrdma_shm::{Mapping, MappingBudget};
+
+use crate::vm::Vm;
+
+/// Memory a ring of a session lives in: a memfd's mapping (host) or an
+/// extent of the VM's region (guest), freed with it.
+pub(crate) struct RingMemory {
+    map: Mapping,
+    /// The VM's extent this maps, given back on drop.
+    extent: Option<(Arc<Vm>, u64)>,
+}
+
+impl RingMemory {
+    pub fn host(map: Mapping) -> RingMemory {
+        RingMemory { map, extent: None }
+    }
+
+    /// An extent of `len` bytes of `vm`'s region, mapped and zeroed:
+    /// its offset and memory.
+    pub fn in_vm(
+        vm: &Arc<Vm>,
+        len: usize,
+        budget: Option<&Arc<MappingBudget>>,
+    ) -> std::io::Result<(u64, RingMemory)> {
+        let (offset, span) = vm.extents().alloc(len as u64).ok_or_else(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                format!("the VM's region ({} MiB) has no {len} bytes free", vm.config.memory_mib),
+            )
+        })?;
+        let mapped =
+            vm.region.try_clone().map_err(std::io::Error::from).and_then(|fd| {
+                Mapping::map_untrusted_in(fd, offset, span as usize, budget).map_err(Into::into)
+            });
+        let map = match mapped {
+            Ok(m) => m,
+            Err(e) => {
+                vm.extents().free(offset);
+                return Err(e);
+            }
+        };
+        // A reused extent holds what its last owner left: a ring must
+        // start from zeros as a new memfd's does.
+        // SAFETY: `map` is a live writable mapping of `map.len()` bytes;
+        // the guest may write it meanwhile, which a byte fill tolerates
+        // (it forms no reference).
+        unsafe { std::ptr::write_bytes(map.as_ptr(), 0, map.len()) };
+        Ok((offset, RingMemory { map, extent: Some((vm.clone(), offset)) }))
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+// SAFETY: delegates to the `Mapping`, which is a live mapping of `len()`
+// bytes for as long as `self` holds it.
+unsafe impl Backing for RingMemory {
+    fn as_ptr(&self) -> *mut u8 {
+        self.map.as_ptr()
+    }
+    fn len(&self) -> usize {
+        self.map.len()
+    }
+}
+
+impl Drop for RingMemory {
+    fn drop(&mut self) {
+        if let Some((vm, offset)) = self.extent.take() {
+            vm.extents().free(offset);
+        }
+    }
+}
+
+/// The memory extents of one guest session and the regions on them.
+pub(crate) struct GuestMemory {
+    pub vm: Arc<Vm>,
+    /// Extent offset -> (length, memory regions registered on it).
+    pub memory: BTreeMap<u64, (u64, u32)>,
+    /// Memory region key -> the extent it lies on.
+    mrs: HashMap<u32, u64>,
+}
+
+/// Most memory extents one guest session holds (each costs the daemon a
+/// little bookkeeping; the region bounds their bytes).
+pub(crate) const MAX_EXTENTS: usize = 4096;
+
+impl GuestMemory {
+    pub fn new(vm: Arc<Vm>) -> GuestMemory {
+        GuestMemory { vm, memory: BTreeMap::new(), mrs: HashMap::new() }
+    }
+
+    /// A new memory extent of at least `len` bytes.
+    pub fn alloc(&mut self, len: u64) -> Result<(u64, u64), String> {
+        if self.memory.len() >= MAX_EXTENTS {
+            return Err(format!("a guest session holds at most {MAX_EXTENTS} memory extents"));
+        }
+        let (offset, span) = self.vm.extents().alloc(len).ok_or_else(|| {
+            format!("the VM's region ({} MiB) has no {len} bytes free", self.vm.config.memory_mib)
+        })?;
+        self.memory.insert(offset, (span, 0));
+        Ok((offset, span))
+    }
+
+    /// Gives back the memory extent at `offset`.
+    pub fn free(&mut self, offset: u64) -> Result<(), (i32, String)> {
+        match self.memory.get(&offset) {
+            None => Err((libc::EINVAL, format!("no memory extent of this session at {offset}"))),
+            Some((_, n)) if *n > 0 => {
+                Err((libc::EBUSY, format!("{n} memory regions lie on the extent at {offset}")))
+            }
+            Some(_) => {
+                self.memory.remove(&offset);
+                self.vm.extents().free(offset);
+                Ok(())
+            }
+        }
+    }
+
+    /// The memory extent of this session holding `[offset, offset+len)`.
+    pub fn extent_of(&self, offset: u64, len: u64) -> Option<u64> {
+        let end = offset.checked_add(len)?;
+        let (&start, &(span, _)) = self.memory.range(..=offset).next_back()?;
+        (len > 0 && end <= start + span).then_some(start)
+    }
+
+    pub fn registered(&mut self, key: u32, extent: u64) {
+        if let Some((_, n)) = self.memory.get_mut(&extent) {
+            *n += 1;
+            self.mrs.insert(key, extent);
+        }
+    }
+
+    pub fn deregistered(&mut self, key: u32) {
+        if let Some(at) = self.mrs.remove(&key) {
+            if let Some((_, n)) = self.memory.get_mut(&at) {
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
+}

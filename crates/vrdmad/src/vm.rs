@@ -1,0 +1,177 @@
+//! VMs: QEMU guests that reach the device through ivshmem and virtio-serial.
+//!
+//! For each `[vms.NAME]` of the configuration the daemon makes, at start,
+//! the VM's shared region (a sealed memfd, the guest's ivshmem BAR) and a
+//! listening stream socket `vm-NAME.sock` beside the control socket. QEMU
+//! connects one virtio-serial port (chardev) to it per port; each
+//! connection is one guest session (`server::guest`). The host learns the
+//! region and the socket with `Request::VmAttach` on the control socket.
+//!
+//! A VM is a tenant the host configures: its sessions are the configured
+//! uid's tenant, whatever the guest says and whoever QEMU runs as. Every
+//! process in the guest that can open the BAR reaches the whole region,
+//! so the isolation boundary is the VM: its sessions share one allocator
+//! of extents ([`vrdma_core::extents`]) over the region, and nothing of
+//! another VM or tenant lies in it. See `docs/vms.md`.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+use vrdma_core::extents::Extents;
+
+use crate::config::VmConfig;
+
+/// One configured VM.
+pub(crate) struct Vm {
+    pub name: String,
+    pub config: VmConfig,
+    /// The shared region: `region_len` bytes, sealed against shrinking
+    /// and growing.
+    pub region: OwnedFd,
+    pub region_len: u64,
+    pub socket: PathBuf,
+    listener: OwnedFd,
+    /// Who holds which part of the region.
+    pub extents: Mutex<Extents>,
+    /// Ports connected now (QEMU connects `ports` at most).
+    pub connected: AtomicU32,
+    /// The port connections, shut down to end them when the daemon stops.
+    conns: Mutex<(u64, Vec<(u64, OwnedFd)>)>,
+}
+
+impl std::fmt::Debug for Vm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Vm").field("name", &self.name).field("socket", &self.socket).finish_non_exhaustive()
+    }
+}
+
+/// The region of a VM: a memfd of `len` zero bytes that can neither
+/// shrink nor grow (so no one, QEMU included, can take pages from under
+/// the daemon's mappings).
+fn create_region(name: &str, len: u64) -> std::io::Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create(
+        format!("vrdma-vm-{name}"),
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
+    rustix::fs::ftruncate(&fd, len)?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+    Ok(fd)
+}
+
+/// Binds the VM's port socket, mode 0600: only the daemon's user (and
+/// root) may connect QEMU to it. A stale file of a dead daemon is replaced.
+fn bind(path: &Path) -> std::io::Result<OwnedFd> {
+    if path.exists() {
+        let probe =
+            rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+        if rustix::net::connect(&probe, &SocketAddrUnix::new(path)?).is_ok() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::AddrInUse,
+                format!("a daemon already listens on {}", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let fd = rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+    // Made 0600 before anyone can connect: bound under a umask that
+    // leaves the owner only.
+    let old = rustix::process::umask(rustix::fs::Mode::from_raw_mode(0o177));
+    let bound = rustix::net::bind(&fd, &SocketAddrUnix::new(path)?);
+    rustix::process::umask(old);
+    bound?;
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
+    rustix::net::listen(&fd, 32)?;
+    Ok(fd)
+}
+
+impl Vm {
+    /// Makes VM `name`'s region and port socket in `dir`.
+    pub fn create(name: &str, config: &VmConfig, dir: &Path) -> std::io::Result<Vm> {
+        let region_len = config.region_len();
+        let region = create_region(name, region_len)?;
+        let socket = dir.join(format!("vm-{name}.sock"));
+        let listener = bind(&socket)?;
+        Ok(Vm {
+            name: name.to_string(),
+            config: config.clone(),
+            region,
+            region_len,
+            socket,
+            listener,
+            extents: Mutex::new(Extents::new(region_len, vrdma_shm::page_size() as u64)),
+            connected: AtomicU32::new(0),
+            conns: Mutex::default(),
+        })
+    }
+
+    pub fn extents(&self) -> std::sync::MutexGuard<'_, Extents> {
+        self.extents.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Accepts QEMU's port connections until [`shutdown`](Self::shutdown).
+    pub fn serve(self: Arc<Self>, shared: Arc<crate::server::Shared>) {
+        loop {
+            let conn = match rustix::net::accept_with(&self.listener, SocketFlags::CLOEXEC) {
+                Ok(c) => c,
+                Err(rustix::io::Errno::INTR) => continue,
+                Err(rustix::io::Errno::MFILE | rustix::io::Errno::NFILE) => {
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                    continue;
+                }
+                Err(e) => {
+                    tracing::debug!(vm = %self.name, error = %e, "VM port socket closed");
+                    return;
+                }
+            };
+            // One connection per virtio-serial port: more is not QEMU.
+            let held = self.connected.fetch_add(1, Ordering::AcqRel);
+            if held >= self.config.ports {
+                self.connected.fetch_sub(1, Ordering::AcqRel);
+                tracing::warn!(vm = %self.name, ports = self.config.ports, "a connection beyond the VM's ports; closed");
+                continue;
+            }
+            let (vm, sh) = (self.clone(), shared.clone());
+            let spawned =
+                std::thread::Builder::new().name(format!("vrdma-vm-{}", self.name)).spawn(move || {
+                    crate::server::guest::run(conn, vm.clone(), sh);
+                    vm.connected.fetch_sub(1, Ordering::AcqRel);
+                });
+            if let Err(e) = spawned {
+                self.connected.fetch_sub(1, Ordering::AcqRel);
+                tracing::error!(vm = %self.name, error = %e, "cannot start a VM port thread");
+            }
+        }
+    }
+
+    /// Remembers a port connection (a duplicate), to end it on
+    /// [`shutdown`](Self::shutdown); the key forgets it.
+    pub fn add_conn(&self, fd: OwnedFd) -> u64 {
+        let mut c = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        c.0 += 1;
+        let key = c.0;
+        c.1.push((key, fd));
+        key
+    }
+
+    pub fn remove_conn(&self, key: u64) {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner()).1.retain(|(k, _)| *k != key);
+    }
+
+    /// Stops accepting and ends every port connection.
+    pub fn shutdown(&self) {
+        let _ = rustix::net::shutdown(self.listener.as_fd(), rustix::net::Shutdown::Both);
+        for (_, fd) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).1.iter() {
+            let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
+        }
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
