@@ -282,6 +282,32 @@ impl PeerProc {
         Self::spawn_cmd(cmd, socket, role, args)
     }
 
+    /// An emulated guest of the VM `vm` attached: a `role` peer whose
+    /// library runs in guest mode, with the VM's port socket as its port
+    /// and the region memfd (inherited as descriptor 100) as its BAR.
+    pub fn spawn_guest(vm: &vrdma::vm::VmAttachment, role: &str, args: &[&str]) -> Result<PeerProc> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        const BAR_FD: i32 = 100;
+        let mut cmd = OsCommand::new(peer_exe());
+        cmd.env(vrdma::guest::PORT_ENV, &vm.port_socket)
+            .env(vrdma::guest::BAR_ENV, format!("/proc/self/fd/{BAR_FD}"));
+        let region = vm.region.as_raw_fd();
+        // SAFETY: dup2 is async-signal-safe; between fork and exec the
+        // child only moves the region (open in the parent, so in the
+        // child) to BAR_FD, without close-on-exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::dup2(region, BAR_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        // The socket is not used in guest mode; the peer wants one.
+        Self::spawn_cmd(cmd, Path::new("/nonexistent"), role, args)
+    }
+
     /// A peer in the network namespace `netns` (`ip netns exec`).
     pub fn spawn_in(socket: &Path, role: &str, args: &[&str], netns: &str) -> Result<PeerProc> {
         let mut cmd = OsCommand::new("ip");

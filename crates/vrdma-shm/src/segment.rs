@@ -245,6 +245,20 @@ impl Segment {
         Ok(Segment::map(fd, 0, len)?)
     }
 
+    /// [`map_trusted`](Segment::map_trusted) of `[offset, offset+len)`
+    /// (`offset` page-aligned): a piece of a larger file, such as a guest's
+    /// view of its VM's shared region (the ivshmem BAR).
+    pub fn map_trusted_at(fd: OwnedFd, offset: u64, len: usize) -> Result<Segment, SegmentError> {
+        if len == 0 {
+            return Err(SegmentError::Empty);
+        }
+        if offset % page_size() as u64 != 0 {
+            return Err(SegmentError::Unaligned { offset });
+        }
+        check_size(&fd, offset, len)?;
+        Ok(Segment::map(fd, offset, len)?)
+    }
+
     fn map(fd: OwnedFd, offset: u64, len: usize) -> io::Result<Segment> {
         let map = Mapping::map(&fd, offset, len, None)?;
         Ok(Segment { fd, map })

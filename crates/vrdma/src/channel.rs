@@ -139,13 +139,14 @@ impl CompletionChannel {
         };
         // From here on a failure must still destroy the daemon's channel.
         let setup = (|| -> Result<(RingView, Doorbell)> {
-            let mut fds = answer.take_fds(2, "CompChannel")?.into_iter();
-            let (seg_fd, event_fd) = match (fds.next(), fds.next()) {
+            let mut fds = answer.take_placed(2, "CompChannel")?.into_iter();
+            let ((seg_fd, at), (event_fd, _)) = match (fds.next(), fds.next()) {
                 (Some(a), Some(b)) => (a, b),
                 _ => return Err(Error::protocol("CompChannel reply lacks descriptors")),
             };
-            let seg = Arc::new(Segment::map_trusted(
+            let seg = Arc::new(Segment::map_trusted_at(
                 seg_fd,
+                at,
                 control::to_usize(segment_len, "channel segment length")?,
             )?);
             let ring = RingView::in_segment(

@@ -126,9 +126,32 @@ impl Context {
         Misbehave(&self.inner)
     }
 
-    /// Connects to the daemon at [`default_socket_path`](crate::default_socket_path).
+    /// Connects to the device: in a guest (see [`crate::guest`]: when
+    /// `VRDMA_GUEST_PORT` and `VRDMA_GUEST_BAR` are set, or when no host
+    /// daemon's socket is there and the machine has vRDMA virtio ports)
+    /// through its port; else to the daemon at
+    /// [`default_socket_path`](crate::default_socket_path).
     pub fn open() -> Result<Context> {
-        Context::open_at(crate::default_socket_path())
+        if let Some(cfg) = crate::guest::GuestConfig::from_env() {
+            return Context::open_guest(&cfg);
+        }
+        let path = crate::default_socket_path();
+        if std::env::var_os(crate::SOCKET_ENV).is_none() && !path.exists() {
+            if let Some(cfg) = crate::guest::GuestConfig::detect() {
+                return Context::open_guest(&cfg);
+            }
+        }
+        Context::open_at(path)
+    }
+
+    /// Opens a context in guest mode through `cfg`'s port and BAR.
+    pub fn open_guest(cfg: &crate::guest::GuestConfig) -> Result<Context> {
+        Context::hello(Control::guest(crate::guest::GuestLink::open(cfg)?)?)
+    }
+
+    /// Whether this context reaches the device from a guest.
+    pub fn is_guest(&self) -> bool {
+        self.inner.control.guest_link().is_some()
     }
 
     /// Connects to the daemon listening at `path`.
@@ -151,13 +174,14 @@ impl Context {
         else {
             return Err(control::unexpected(&req, &answer.reply));
         };
-        let mut fds = answer.take_fds(3, "Hello")?.into_iter();
-        let (seg_fd, bell_fd, async_fd) = match (fds.next(), fds.next(), fds.next()) {
+        let mut fds = answer.take_placed(3, "Hello")?.into_iter();
+        let ((seg_fd, at), (bell_fd, _), (async_fd, _)) = match (fds.next(), fds.next(), fds.next()) {
             (Some(a), Some(b), Some(c)) => (a, b, c),
             _ => return Err(Error::protocol("Hello reply lacks descriptors")),
         };
-        let seg = Arc::new(Segment::map_trusted(
+        let seg = Arc::new(Segment::map_trusted_at(
             seg_fd,
+            at,
             control::to_usize(segment_len, "context segment length")?,
         )?);
         let in_segment = |spec: proto::RingSpec, what: &str, least: usize| -> Result<RingView> {

@@ -33,6 +33,9 @@ pub(crate) struct Control {
     /// without taking the lock (`State::sock` owns it for as long as
     /// `self` lives and is never replaced).
     raw: RawFd,
+    /// In guest mode: the port the calls go through (`State::sock` is
+    /// then the link's hang-up descriptor).
+    guest: Option<crate::guest::GuestLink>,
 }
 
 impl std::fmt::Debug for Control {
@@ -46,9 +49,19 @@ impl std::fmt::Debug for Control {
 pub(crate) struct Answer {
     pub reply: Reply,
     pub fds: Vec<OwnedFd>,
+    /// Per descriptor, the offset its memory starts at: 0 from a host
+    /// daemon (a memfd each), the extent's offset in the BAR in guest
+    /// mode.
+    pub offsets: Vec<u64>,
 }
 
 impl Answer {
+    /// The descriptors with their offsets, which must be exactly `n`.
+    pub fn take_placed(self, n: usize, what: &str) -> Result<Vec<(OwnedFd, u64)>> {
+        let offsets = self.offsets.clone();
+        Ok(self.take_fds(n, what)?.into_iter().zip(offsets.into_iter().chain(std::iter::repeat(0))).collect())
+    }
+
     /// The descriptors, which must be exactly `n` for a reply of `what`.
     pub fn take_fds(self, n: usize, what: &str) -> Result<Vec<OwnedFd>> {
         if self.fds.len() != n {
@@ -80,7 +93,27 @@ impl Control {
     /// Uses an already connected socket.
     pub fn from_socket(sock: OwnedFd) -> Control {
         let raw = sock.as_raw_fd();
-        Control { state: Mutex::new(State { sock, buf: vec![0; proto::MAX_MESSAGE], broken: false }), raw }
+        Control {
+            state: Mutex::new(State { sock, buf: vec![0; proto::MAX_MESSAGE], broken: false }),
+            raw,
+            guest: None,
+        }
+    }
+
+    /// Calls through a guest's port (`crate::guest`).
+    pub fn guest(link: crate::guest::GuestLink) -> Result<Control> {
+        let sock = link.gone_fd().try_clone()?;
+        let raw = sock.as_raw_fd();
+        Ok(Control {
+            state: Mutex::new(State { sock, buf: Vec::new(), broken: false }),
+            raw,
+            guest: Some(link),
+        })
+    }
+
+    /// The guest link, in guest mode.
+    pub fn guest_link(&self) -> Option<&crate::guest::GuestLink> {
+        self.guest.as_ref()
     }
 
     /// The socket, to be polled for `POLLRDHUP`/`POLLHUP` only (reading
@@ -170,6 +203,19 @@ impl Control {
     ///
     /// `Reply::Error` becomes [`Error::Daemon`] with its errno.
     pub fn call(&self, req: &Request, fds: &[BorrowedFd<'_>]) -> Result<Answer> {
+        if let Some(g) = &self.guest {
+            if !fds.is_empty() {
+                return Err(Error::protocol("a guest cannot pass descriptors to the daemon"));
+            }
+            let (reply, placed) = g.call(req)?;
+            return match reply {
+                Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
+                reply => {
+                    let (fds, offsets) = placed.into_iter().unzip();
+                    Ok(Answer { reply, fds, offsets })
+                }
+            };
+        }
         let bytes = proto::encode_request(req);
         let mut st = self.lock();
         if st.broken {
@@ -210,7 +256,7 @@ impl Control {
         drop(st);
         match reply {
             Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
-            reply => Ok(Answer { reply, fds: received.fds }),
+            reply => Ok(Answer { reply, offsets: vec![0; received.fds.len()], fds: received.fds }),
         }
     }
 

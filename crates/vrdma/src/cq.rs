@@ -261,12 +261,15 @@ impl CompletionQueue {
         };
         // From here on a failure must still destroy the daemon's CQ.
         let setup = (|| -> Result<RingView> {
-            let fd = answer
-                .take_fds(1, "Cq")?
+            let (fd, at) = answer
+                .take_placed(1, "Cq")?
                 .pop()
                 .ok_or_else(|| Error::protocol("Cq reply lacks its descriptor"))?;
-            let seg =
-                Arc::new(Segment::map_trusted(fd, control::to_usize(segment_len, "CQ segment length")?)?);
+            let seg = Arc::new(Segment::map_trusted_at(
+                fd,
+                at,
+                control::to_usize(segment_len, "CQ segment length")?,
+            )?);
             if ring.stride as usize != CQE_SIZE {
                 return Err(Error::protocol(format!(
                     "CQ slots of {} bytes, expected {CQE_SIZE}",

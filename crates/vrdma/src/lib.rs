@@ -91,6 +91,7 @@ mod direct;
 mod error;
 #[doc(hidden)]
 pub mod ffi;
+pub mod guest;
 pub mod idle;
 mod mr;
 mod pd;

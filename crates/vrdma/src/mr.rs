@@ -23,6 +23,9 @@ enum Backing {
     Owned(Segment),
     /// Application memory re-backed by a shared span.
     Rebacked(Arc<Span>),
+    /// In guest mode: memory the region allocated in an extent of the
+    /// VM's region (the BAR), given back after deregistration.
+    Guest { seg: Segment, offset: u64 },
 }
 
 /// A registered memory region (`ibv_mr`).
@@ -60,7 +63,11 @@ impl Drop for MemoryRegion {
         // after the daemon stopped using the key. Direct writes of this
         // process stop reading it first (the removal waits for them).
         self.pd.inner.local_keys.remove(self.key);
-        self.pd.context().inner.control.destroy(Request::DeregMr { key: self.key });
+        let control = &self.pd.context().inner.control;
+        control.destroy(Request::DeregMr { key: self.key });
+        if let Backing::Guest { offset, .. } = self._backing {
+            control.destroy(Request::GuestFree { offset });
+        }
     }
 }
 
@@ -70,11 +77,55 @@ impl MemoryRegion {
             return Err(Error::invalid("cannot allocate a zero-length memory region"));
         }
         check_access(access)?;
+        if let Some(link) = pd.context().inner.control.guest_link() {
+            return Self::alloc_in_guest(pd, link, len, access);
+        }
         let seg = Segment::create("vrdma-mr", len)?;
         let ptr = seg.as_ptr();
-        let key = reg_mr(pd, ptr, len, access, seg.fd(), 0)?;
+        let key = reg_mr(pd, ptr, len, access, Some(seg.fd()), 0)?;
         pd.inner.local_keys.insert(key, ptr as u64, len as u64);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Owned(seg) })
+    }
+
+    /// [`alloc`](Self::alloc) in guest mode: the memory is an extent of
+    /// the VM's region the daemon allocates for this session, mapped from
+    /// the BAR.
+    fn alloc_in_guest(
+        pd: &ProtectionDomain,
+        link: &crate::guest::GuestLink,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        let control = &pd.context().inner.control;
+        let req = Request::GuestAlloc { len: len as u64 };
+        let (offset, span) = match control.call(&req, &[])?.reply {
+            Reply::GuestExtent { offset, len } => (offset, len),
+            other => return Err(control::unexpected(&req, &other)),
+        };
+        let made = (|| {
+            let span = control::to_usize(span, "extent length")?;
+            if span < len {
+                return Err(Error::protocol(format!("an extent of {span} bytes for {len}")));
+            }
+            let seg = Segment::map_trusted_at(link.bar()?, offset, span)?;
+            // A reused extent holds its last owner's bytes; a new region
+            // starts zeroed, as a fresh memfd does.
+            // SAFETY: `seg` maps `seg.len()` writable bytes; the daemon
+            // does not touch them before they are registered.
+            unsafe { std::ptr::write_bytes(seg.as_ptr(), 0, seg.len()) };
+            let ptr = seg.as_ptr();
+            let key = reg_mr(pd, ptr, len, access, None, offset)?;
+            Ok((seg, ptr, key))
+        })();
+        let (seg, ptr, key) = match made {
+            Ok(m) => m,
+            Err(e) => {
+                control.destroy(Request::GuestFree { offset });
+                return Err(e);
+            }
+        };
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Guest { seg, offset } })
     }
 
     /// # Safety
@@ -94,7 +145,7 @@ impl MemoryRegion {
         // SAFETY: the caller owns `ptr..ptr + len` (this function's
         // contract); `reback` checks the rest against /proc/self/maps.
         let r = unsafe { rebacking::reback(ptr, len)? };
-        let key = reg_mr(pd, ptr, len, access, r.span.fd(), r.fd_offset)?;
+        let key = reg_mr(pd, ptr, len, access, Some(r.span.fd()), r.fd_offset)?;
         pd.inner.local_keys.insert(key, ptr as u64, len as u64);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
     }
@@ -254,11 +305,12 @@ fn reg_mr(
     ptr: *mut u8,
     len: usize,
     access: AccessFlags,
-    fd: BorrowedFd<'_>,
+    fd: Option<BorrowedFd<'_>>,
     fd_offset: u64,
 ) -> Result<u32> {
     let req = Request::RegMr { pd: pd.pd_id(), addr: ptr as u64, len: len as u64, access, fd_offset };
-    match pd.context().inner.control.call(&req, &[fd])?.reply {
+    let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
+    match pd.context().inner.control.call(&req, &fds)?.reply {
         Reply::Mr { key } => Ok(key),
         other => Err(control::unexpected(&req, &other)),
     }

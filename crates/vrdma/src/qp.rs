@@ -302,12 +302,15 @@ impl QueuePair {
         };
         let qpn = created.qpn;
         let rings = (|| -> Result<(Arc<Segment>, RingView, Option<RingView>)> {
-            let fd = answer
-                .take_fds(1, "Qp")?
+            let (fd, at) = answer
+                .take_placed(1, "Qp")?
                 .pop()
                 .ok_or_else(|| Error::protocol("Qp reply lacks its descriptor"))?;
-            let seg =
-                Arc::new(Segment::map_trusted(fd, control::to_usize(segment_len, "QP segment length")?)?);
+            let seg = Arc::new(Segment::map_trusted_at(
+                fd,
+                at,
+                control::to_usize(segment_len, "QP segment length")?,
+            )?);
             let sq = ring_in(&seg, sq, "send ring offset")?;
             if sq.stride() < SEND_HEADER {
                 return Err(Error::protocol(format!("send slots of {} bytes", sq.stride())));

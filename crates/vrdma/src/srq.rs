@@ -46,12 +46,15 @@ impl SharedReceiveQueue {
             return Err(control::unexpected(&req, &answer.reply));
         };
         let view = (|| -> Result<RingView> {
-            let fd = answer
-                .take_fds(1, "Srq")?
+            let (fd, at) = answer
+                .take_placed(1, "Srq")?
                 .pop()
                 .ok_or_else(|| Error::protocol("Srq reply lacks its descriptor"))?;
-            let seg =
-                Arc::new(Segment::map_trusted(fd, control::to_usize(segment_len, "SRQ segment length")?)?);
+            let seg = Arc::new(Segment::map_trusted_at(
+                fd,
+                at,
+                control::to_usize(segment_len, "SRQ segment length")?,
+            )?);
             let view = RingView::in_segment(
                 seg,
                 control::to_usize(ring.offset, "SRQ ring offset")?,

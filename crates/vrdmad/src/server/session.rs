@@ -360,8 +360,9 @@ impl Session {
                 }
                 Reply::Done.into()
             }
+            // The direct path passes memfds, which cannot reach a guest.
             Request::DirectGrant { .. } if self.guest.is_some() => {
-                return Err(error(libc::EOPNOTSUPP, "the direct path is not offered to guests"));
+                Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
             Request::VmAttach { name } => self.vm_attach(&name)?,
             Request::GuestAlloc { len } => self.guest_alloc(len)?,
