@@ -102,7 +102,9 @@ pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_co
     ret_ptr(W, || {
         let dev = ours(W, device)?;
         let path = dev.socket.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let inner = vrdma::Context::open_at(&path).map_err(|e| fail(W, &e))?;
+        let opened =
+            if path.as_os_str().is_empty() { vrdma::Context::open() } else { vrdma::Context::open_at(&path) };
+        let inner = opened.map_err(|e| fail(W, &e))?;
         let attr = inner.query_device().map_err(|e| fail(W, &e))?;
         let port = inner.query_port(1).map_err(|e| fail(W, &e))?;
         let async_fd = inner.async_event_fd().as_raw_fd();

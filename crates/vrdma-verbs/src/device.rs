@@ -84,10 +84,10 @@ pub fn ours(what: &str, p: *mut ibv_device) -> Res<&'static Device> {
     Ok(unsafe { &*(d as *const Device) })
 }
 
-/// Asks the daemon at the default socket who it is.
+/// Asks the daemon at the default socket who it is (or, in a guest, the
+/// daemon behind the VM's port: see `vrdma::guest`).
 fn probe() -> Option<*mut Device> {
-    let path = vrdma::default_socket_path();
-    let ctx = match vrdma::Context::open_at(&path) {
+    let ctx = match vrdma::Context::open() {
         Ok(c) => c,
         Err(e) => {
             fail("ibv_get_device_list: no vRDMA daemon", &e);
@@ -104,6 +104,8 @@ fn probe() -> Option<*mut Device> {
     let d = device(ctx.device_name());
     // SAFETY: leaked by `device`, never freed; only these two fields change.
     let dev = unsafe { &*d };
+    // An empty path: open the device as `probe` did (a guest's port).
+    let path = if ctx.is_guest() { PathBuf::new() } else { vrdma::default_socket_path() };
     *dev.socket.lock().unwrap_or_else(|e| e.into_inner()) = path;
     dev.node_guid.store(guid, Ordering::Relaxed);
     Some(d)

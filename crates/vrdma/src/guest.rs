@@ -234,6 +234,11 @@ impl GuestLink {
         Ok(mine)
     }
 
+    /// The BAR.
+    pub fn bar_fd(&self) -> &OwnedFd {
+        &self.bar
+    }
+
     /// A descriptor of the BAR, to map extents of it.
     pub fn bar(&self) -> Result<OwnedFd> {
         Ok(self.bar.try_clone()?)

@@ -1,6 +1,6 @@
 //! Memory regions.
 
-use std::os::fd::BorrowedFd;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -142,10 +142,52 @@ impl MemoryRegion {
         // Refused before the memory is re-backed: a registration that
         // fails leaves the program's memory as it was.
         check_access(access)?;
+        if let Some(link) = pd.context().inner.control.guest_link() {
+            // SAFETY: as below.
+            return unsafe { Self::register_in_guest(pd, link, ptr, len, access) };
+        }
         // SAFETY: the caller owns `ptr..ptr + len` (this function's
         // contract); `reback` checks the rest against /proc/self/maps.
         let r = unsafe { rebacking::reback(ptr, len)? };
         let key = reg_mr(pd, ptr, len, access, Some(r.span.fd()), r.fd_offset)?;
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
+    }
+
+    /// [`register`](Self::register) in guest mode: the pages are
+    /// re-backed by an extent of the VM's region (`rebacking::guest`).
+    ///
+    /// # Safety
+    /// As [`ProtectionDomain::register_raw`].
+    unsafe fn register_in_guest(
+        pd: &ProtectionDomain,
+        link: &crate::guest::GuestLink,
+        ptr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+    ) -> Result<MemoryRegion> {
+        let ctx = pd.context().clone();
+        let alloc = |len: u64| {
+            let req = Request::GuestAlloc { len };
+            match ctx.inner.control.call(&req, &[])?.reply {
+                Reply::GuestExtent { offset, len } => Ok((offset, len)),
+                other => Err(control::unexpected(&req, &other)),
+            }
+        };
+        let release = |offset: u64| -> Box<dyn FnOnce() + Send> {
+            let ctx = ctx.clone();
+            Box::new(move || ctx.inner.control.destroy(Request::GuestFree { offset }))
+        };
+        let bar = link.bar_fd();
+        let src = rebacking::GuestSource {
+            owner: Arc::as_ptr(&ctx.inner) as usize,
+            bar: bar.as_fd(),
+            alloc: &alloc,
+            release: &release,
+        };
+        // SAFETY: the caller's contract, as for `reback`.
+        let r = unsafe { rebacking::reback_guest(ptr, len, &src)? };
+        let key = reg_mr(pd, ptr, len, access, None, r.fd_offset)?;
         pd.inner.local_keys.insert(key, ptr as u64, len as u64);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
     }

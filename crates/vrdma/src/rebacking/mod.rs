@@ -43,6 +43,9 @@
 mod fds;
 mod fence;
 mod fork;
+mod guest;
+
+pub(crate) use guest::{reback_guest, GuestSource};
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -69,6 +72,9 @@ pub(crate) struct Span {
     ino: u64,
     /// Whether its file may grow (ordinary pages; huge-page spans don't).
     growable: bool,
+    /// In guest mode: the span is an extent of the VM's region (the BAR),
+    /// and `fd` the BAR.
+    guest: Option<guest::GuestSpan>,
 }
 
 impl Span {
@@ -409,6 +415,11 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
         reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| s.end() > pstart).collect();
     let mut live = Vec::new();
     for span in overlapping {
+        if span.guest.is_some() {
+            return Err(Error::invalid(format!(
+                "[{start:#x}, {end:#x}) overlaps memory registered through a guest context"
+            )));
+        }
         if !still_mapped(&maps, span.start, span.end(), span.ino) {
             // The application unmapped it (its regions are then dangling,
             // which is its own bug); forget it and re-back afresh.
@@ -491,7 +502,8 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     // The temporary mapping goes; the file lives on in `fd` and in the
     // application's mapping.
     drop(seg);
-    let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: huge.is_none() });
+    let span =
+        Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: huge.is_none(), guest: None });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
     Ok(Rebacked { fd_offset: (start - pstart) as u64, span })
 }
@@ -542,7 +554,7 @@ fn grow(maps: &[MapEntry], span: &Arc<Span>, pend: usize) -> Result<Arc<Span>> {
         return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
     }
     let fd = fds::span_fd(span.fd.as_fd())?;
-    Ok(Arc::new(Span { start: span.start, len: new_len, fd, ino: span.ino, growable: true }))
+    Ok(Arc::new(Span { start: span.start, len: new_len, fd, ino: span.ino, growable: true, guest: None }))
 }
 
 /// Writes all of `bytes` at `offset` of `fd`.

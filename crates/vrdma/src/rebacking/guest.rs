@@ -1,0 +1,235 @@
+//! Re-backing in guest mode: registered pages move into the VM's region.
+//!
+//! In a guest the daemon reaches only the VM's shared region (the ivshmem
+//! BAR). So a registration asks the daemon for an extent of it (for this
+//! context's session), copies the pages' bytes there and maps the BAR at
+//! that extent over the same addresses, as the host re-backs with a memfd
+//! (see the parent module). Differences: a span never grows, huge pages
+//! are refused, a span is reused only by registrations through the same
+//! context (the daemon checks that a region lies in an extent of the
+//! session registering it), and when the last region over a span goes the
+//! pages are moved back to private anonymous memory before the extent is
+//! given back, since it may then be handed to anything else of the VM.
+//! After `fork` a child shares re-backed pages with its parent (the BAR
+//! is shared memory): not yet handled as the host's memfd spans are.
+
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::{Arc, Mutex};
+
+use rustix::mm::{MapFlags, ProtFlags};
+use vrdma_shm::{page_size, Segment};
+
+use super::{check_rebackable, REGISTRY};
+use super::{covering, current_thread_stack, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
+use crate::error::{Error, Result};
+
+/// What makes a span an extent of the VM's region.
+pub(crate) struct GuestSpan {
+    /// The extent's offset in the BAR.
+    pub offset: u64,
+    /// The context whose session holds the extent.
+    pub owner: usize,
+    /// Gives the extent back (once, when the span goes).
+    release: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl std::fmt::Debug for GuestSpan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestSpan").field("offset", &self.offset).field("owner", &self.owner).finish()
+    }
+}
+
+/// How a guest context gets extents.
+pub(crate) struct GuestSource<'a> {
+    /// The context (its address): spans are reused only by their owner.
+    pub owner: usize,
+    /// The BAR.
+    pub bar: BorrowedFd<'a>,
+    /// Asks the daemon for an extent of at least the given bytes: its
+    /// offset and length.
+    pub alloc: &'a dyn Fn(u64) -> Result<(u64, u64)>,
+    /// What gives the extent at an offset back.
+    pub release: &'a dyn Fn(u64) -> Box<dyn FnOnce() + Send>,
+}
+
+/// Whether `[span_start, end)` is still mapped, rw and shared, from the
+/// file with inode `ino` at `base + (addr - span_start)`.
+fn still_in_bar(span_start: usize, end: usize, ino: u64, base: u64) -> bool {
+    let Ok(maps) = read_maps() else { return false };
+    covering(&maps, span_start, end).is_ok_and(|entries| {
+        entries.iter().all(|e| {
+            e.readable_writable()
+                && !e.private()
+                && e.inode == ino
+                && e.start >= span_start
+                && e.offset == base + (e.start - span_start) as u64
+        })
+    })
+}
+
+/// [`super::reback`] in guest mode (see the module's doc).
+///
+/// # Safety
+/// As [`super::reback`].
+pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_>) -> Result<Rebacked> {
+    if len == 0 {
+        return Err(Error::invalid("cannot register zero bytes"));
+    }
+    let page = page_size();
+    let start = ptr as usize;
+    let end = start
+        .checked_add(len)
+        .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?;
+    let pstart = start & !(page - 1);
+    let pend = end
+        .checked_next_multiple_of(page)
+        .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?;
+    if let Some((low, high)) = current_thread_stack() {
+        if pstart < high && low < pend {
+            return Err(Error::invalid(format!(
+                "cannot register [{start:#x}, {end:#x}): it is on the calling thread's stack [{low:#x}, {high:#x})"
+            )));
+        }
+    }
+    let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    reg.retain(|_, gens| {
+        gens.retain(|w| w.strong_count() > 0);
+        !gens.is_empty()
+    });
+    let maps = read_maps()?;
+    if huge_page_size(&maps, pstart, pend)?.is_some() {
+        return Err(Error::Unsupported("registering huge pages from a guest".into()));
+    }
+    let overlapping: Vec<Arc<Span>> =
+        reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| s.end() > pstart).collect();
+    let mut live = Vec::new();
+    for span in overlapping {
+        let Some(g) = &span.guest else {
+            return Err(Error::invalid(format!(
+                "[{start:#x}, {end:#x}) overlaps memory re-backed for the host"
+            )));
+        };
+        if !still_in_bar(span.start, span.end(), span.ino, g.offset) {
+            tracing::warn!(
+                start = span.start,
+                len = span.len,
+                "vrdma: re-backed memory was unmapped while registered"
+            );
+            reg.remove(&span.start);
+            continue;
+        }
+        live.push(span);
+    }
+    match live.as_slice() {
+        [] => {}
+        [span] if span.start <= pstart && pend <= span.end() => {
+            let g = span.guest.as_ref().expect("checked above");
+            if g.owner != src.owner {
+                return Err(Error::invalid(format!(
+                    "[{start:#x}, {end:#x}) lies in pages registered through another context; \
+                     in a guest, pages are shared between registrations of one context only"
+                )));
+            }
+            return Ok(Rebacked { fd_offset: g.offset + (start - span.start) as u64, span: span.clone() });
+        }
+        [span, ..] => {
+            return Err(Error::invalid(format!(
+                "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
+                 (pages [{:#x}, {:#x}); in a guest a span does not grow)",
+                span.start,
+                span.end()
+            )));
+        }
+    }
+    check_rebackable(&maps, pstart, pend)?;
+    let span_len = pend - pstart;
+    let (offset, _) = (src.alloc)(span_len as u64)?;
+    let release = (src.release)(offset);
+    let made = (|| {
+        let bar = src.bar.try_clone_to_owned()?;
+        let temp = Segment::map_trusted_at(bar, offset, span_len)?;
+        let fence = fence::WriteFence::raise(pstart, span_len);
+        // SAFETY: `[pstart, pend)` is mapped readable (checked against
+        // /proc/self/maps under the registry lock; the caller owns it) and
+        // `temp` is a separate mapping of `span_len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(pstart as *const u8, temp.as_ptr(), span_len) };
+        // SAFETY: as in `reback`: the pages are the caller's private
+        // anonymous memory and the BAR's extent holds their bytes now, so
+        // every pointer into them stays valid and sees the same contents.
+        let mapped = unsafe {
+            rustix::mm::mmap(
+                pstart as *mut std::ffi::c_void,
+                span_len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | MapFlags::FIXED,
+                src.bar,
+                offset,
+            )
+        };
+        drop(fence);
+        let mapped = mapped.map_err(|e| {
+            Error::Io(std::io::Error::new(
+                std::io::Error::from(e).kind(),
+                format!("cannot re-back [{pstart:#x}, {pend:#x}) with the VM's region: {e}"),
+            ))
+        })?;
+        if mapped as usize != pstart {
+            return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
+        }
+        let fd = fds::span_fd(src.bar.as_fd())?;
+        let ino = rustix::fs::fstat(&fd)?.st_ino;
+        Ok((fd, ino))
+    })();
+    let (fd, ino) = match made {
+        Ok(x) => x,
+        Err(e) => {
+            release();
+            return Err(e);
+        }
+    };
+    let guest = GuestSpan { offset, owner: src.owner, release: Mutex::new(Some(release)) };
+    let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
+    reg.insert(pstart, vec![Arc::downgrade(&span)]);
+    Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
+}
+
+impl Drop for Span {
+    fn drop(&mut self) {
+        let Some(g) = self.guest.take() else { return };
+        // The pages go back to private memory with their bytes, unless the
+        // application unmapped them meanwhile: the extent may be anyone's
+        // in the VM once given back.
+        if still_in_bar(self.start, self.start + self.len, self.ino, g.offset) {
+            let mut keep = vec![0u8; self.len];
+            let fence = fence::WriteFence::raise(self.start, self.len);
+            // SAFETY: the range is mapped readable (checked just now) and
+            // `keep` is a separate buffer of its length.
+            unsafe { std::ptr::copy_nonoverlapping(self.start as *const u8, keep.as_mut_ptr(), self.len) };
+            // SAFETY: the range is this span's, still mapped from the BAR
+            // (checked above); replacing it with private pages that get
+            // the same bytes keeps every pointer into it valid.
+            let mapped = unsafe {
+                rustix::mm::mmap_anonymous(
+                    self.start as *mut std::ffi::c_void,
+                    self.len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::PRIVATE | MapFlags::FIXED,
+                )
+            };
+            if mapped.is_ok() {
+                // SAFETY: the new private mapping covers the range.
+                unsafe { std::ptr::copy_nonoverlapping(keep.as_ptr(), self.start as *mut u8, self.len) };
+            } else {
+                tracing::warn!(
+                    start = self.start,
+                    "vrdma: cannot move deregistered guest pages back to private memory"
+                );
+            }
+            drop(fence);
+        }
+        let release = g.release.into_inner().unwrap_or_else(|p| p.into_inner());
+        if let Some(release) = release {
+            release();
+        }
+    }
+}
