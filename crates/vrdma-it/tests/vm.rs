@@ -6,11 +6,14 @@
 //! alone. The cross-uid test needs root; without it it says so and passes
 //! vacuously.
 
-use std::time::Duration;
+use std::io::{Read, Write};
+use std::time::{Duration, Instant};
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::WcStatus;
+use vrdma_core::proto::guest::{self, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::{Reply, Request};
 use vrdma_it::protocol::{Command, Said};
 use vrdma_it::{access_all, pattern, poll_one, DaemonProc, PeerProc, Side, WAIT};
 
@@ -127,4 +130,302 @@ fn bar_mapped(pid: u32, vm: &vrdma::vm::VmAttachment) -> Result<bool> {
     let ino = rustix::fs::fstat(&vm.region)?.st_ino;
     let maps = std::fs::read_to_string(format!("/proc/{pid}/maps"))?;
     Ok(maps.lines().any(|l| l.split_whitespace().nth(4) == Some(&ino.to_string())))
+}
+
+/// A connection to a VM's port speaking raw frames: a guest that sends
+/// what the library never would.
+struct RawPort {
+    conn: std::os::unix::net::UnixStream,
+    dec: FrameDecoder,
+}
+
+impl RawPort {
+    fn connect(vm: &vrdma::vm::VmAttachment) -> Result<RawPort> {
+        let conn = std::os::unix::net::UnixStream::connect(&vm.port_socket)?;
+        conn.set_read_timeout(Some(Duration::from_millis(100)))?;
+        Ok(RawPort { conn, dec: FrameDecoder::new() })
+    }
+
+    fn write(&mut self, bytes: &[u8]) -> Result<()> {
+        self.conn.write_all(bytes)?;
+        Ok(())
+    }
+
+    fn send(&mut self, f: &Frame) -> Result<()> {
+        self.write(&guest::encode(f))
+    }
+
+    /// The next frame other than a ping (answered) within `limit`;
+    /// `Ok(None)` if the daemon closed the port.
+    fn recv(&mut self, limit: Duration) -> Result<Option<Frame>> {
+        let end = Instant::now() + limit;
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.dec.next()? {
+                Some(Frame::Ping { nonce }) => self.send(&Frame::Pong { nonce })?,
+                Some(f) => return Ok(Some(f)),
+                None => {}
+            }
+            if Instant::now() > end {
+                bail!("no frame from the daemon within {limit:?}");
+            }
+            match self.conn.read(&mut buf) {
+                Ok(0) => return Ok(None),
+                Ok(n) => self.dec.push(&buf[..n]),
+                Err(e)
+                    if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return Ok(None),
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+
+    /// A call and its reply.
+    fn call(&mut self, req: Request) -> Result<(Reply, Vec<Handle>)> {
+        self.send(&Frame::Call(req))?;
+        match self.recv(WAIT)? {
+            Some(Frame::Reply { reply, handles }) => Ok((reply, handles)),
+            other => bail!("expected a reply, got {other:?}"),
+        }
+    }
+
+    /// Hello on the port, then the control protocol's Hello: a context.
+    fn open(&mut self) -> Result<Vec<Handle>> {
+        self.send(&Frame::Hello { version: GUEST_VERSION })?;
+        let (reply, handles) = self.call(Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION })?;
+        assert!(matches!(reply, Reply::Hello { .. }), "{reply:?}");
+        Ok(handles)
+    }
+
+    /// Whether the daemon closes the port within `limit` (frames that come
+    /// first are dropped).
+    fn closed_within(&mut self, limit: Duration) -> Result<bool> {
+        let end = Instant::now() + limit;
+        while Instant::now() < end {
+            match self.recv(end.saturating_duration_since(Instant::now())) {
+                Ok(None) => return Ok(true),
+                Ok(Some(_)) => {}
+                Err(_) => return Ok(false),
+            }
+        }
+        Ok(false)
+    }
+}
+
+fn errno_of(reply: &Reply) -> Option<i32> {
+    match reply {
+        Reply::Error { errno, .. } => Some(*errno),
+        _ => None,
+    }
+}
+
+/// A fresh pair of host contexts still moves data: the daemon serves.
+fn daemon_serves(d: &DaemonProc) -> Result<()> {
+    let a = Side::new(&d.context()?, 4096)?;
+    let b = Side::new(&d.context()?, 4096)?;
+    vrdma_it::connect(&a, &b)?;
+    a.mr.write(0, b"still here")?;
+    a.qp.post_send(&[wr::rdma_write(1, &[a.mr.sge(0, 10)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
+    let mut got = [0u8; 10];
+    b.mr.read(0, &mut got)?;
+    assert_eq!(&got, b"still here");
+    Ok(())
+}
+
+#[test]
+fn a_guest_that_breaks_the_frame_stream_is_disconnected_and_the_daemon_serves_on() -> Result<()> {
+    let d = daemon_with_vm("")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    // A length past the bound, before any body.
+    let mut p = RawPort::connect(&vm)?;
+    p.open()?;
+    p.write(&[0xff, 0xff, 0xff, 0x7f, 2, 0, 0, 0])?;
+    assert!(p.closed_within(WAIT)?, "an oversized frame did not end the port");
+    // An unknown kind; nonzero reserved bytes; pure garbage.
+    for bad in [&[0u8, 0, 0, 0, 200, 0, 0, 0][..], &[8, 0, 0, 0, 6, 1, 2, 3], &[0x5a; 64]] {
+        let mut p = RawPort::connect(&vm)?;
+        p.write(bad)?;
+        assert!(p.closed_within(WAIT)?, "{bad:?} did not end the port");
+    }
+    // A bad body in a good frame: an error reply, and the port serves on.
+    let mut p = RawPort::connect(&vm)?;
+    p.open()?;
+    p.write(&[4, 0, 0, 0, 2, 0, 0, 0, 0xff, 0xff, 0xff, 0xff])?;
+    match p.recv(WAIT)? {
+        Some(Frame::Reply { reply, .. }) => assert_eq!(errno_of(&reply), Some(libc::EINVAL), "{reply:?}"),
+        other => panic!("a malformed call was answered {other:?}"),
+    }
+    let (reply, _) = p.call(Request::AllocPd)?;
+    assert!(matches!(reply, Reply::Pd { .. }), "{reply:?}");
+    // A call before Hello on a fresh port is refused.
+    let mut q = RawPort::connect(&vm)?;
+    let (reply, _) = q.call(Request::AllocPd)?;
+    assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    // VmAttach from a guest is refused; the host-only direct path is off.
+    let (reply, _) = p.call(Request::VmAttach { name: "t".into() })?;
+    assert_eq!(errno_of(&reply), Some(libc::EPERM), "{reply:?}");
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+#[test]
+fn a_guest_registers_only_inside_its_own_extents() -> Result<()> {
+    let d = daemon_with_vm("")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let mut p = RawPort::connect(&vm)?;
+    let handles = p.open()?;
+    let ring = match handles.first() {
+        Some(Handle::Extent { offset, .. }) => *offset,
+        other => panic!("the context segment came as {other:?}"),
+    };
+    let pd = match p.call(Request::AllocPd)?.0 {
+        Reply::Pd { pd } => pd,
+        other => panic!("{other:?}"),
+    };
+    let (offset, len) = match p.call(Request::GuestAlloc { len: 8192 })?.0 {
+        Reply::GuestExtent { offset, len } => (offset, len),
+        other => panic!("{other:?}"),
+    };
+    assert!(offset + len <= vm.region_len);
+    let access = vrdma::AccessFlags::LOCAL_WRITE | vrdma::AccessFlags::REMOTE_WRITE;
+    let reg = |fd_offset: u64, len: u64| Request::RegMr { pd, addr: 0x1000, len, access, fd_offset };
+    for (what, req) in [
+        ("past its extent", reg(offset + 4096, 8192)),
+        ("on its context's ring", reg(ring, 64)),
+        ("outside the region", reg(vm.region_len + 4096, 4096)),
+        ("wrapping around", reg(u64::MAX - 10, 100)),
+        ("in free space", reg(vm.region_len - 4096, 4096)),
+    ] {
+        let (reply, _) = p.call(req)?;
+        assert_eq!(errno_of(&reply), Some(libc::EINVAL), "a registration {what}: {reply:?}");
+    }
+    let key = match p.call(reg(offset + 100, 5000))?.0 {
+        Reply::Mr { key } => key,
+        other => panic!("a registration inside the extent: {other:?}"),
+    };
+    // Another session of the same VM cannot register in this one's extent.
+    let mut q = RawPort::connect(&vm)?;
+    q.open()?;
+    let qpd = match q.call(Request::AllocPd)?.0 {
+        Reply::Pd { pd } => pd,
+        other => panic!("{other:?}"),
+    };
+    let (reply, _) = q.call(Request::RegMr { pd: qpd, addr: 0, len: 4096, access, fd_offset: offset })?;
+    assert_eq!(errno_of(&reply), Some(libc::EINVAL), "{reply:?}");
+    // The extent is not given back while a region lies on it, nor one
+    // that is not the session's.
+    assert_eq!(errno_of(&p.call(Request::GuestFree { offset })?.0), Some(libc::EBUSY));
+    assert_eq!(errno_of(&q.call(Request::GuestFree { offset })?.0), Some(libc::EINVAL));
+    assert_eq!(errno_of(&p.call(Request::GuestFree { offset: 12345 })?.0), Some(libc::EINVAL));
+    assert_eq!(p.call(Request::DeregMr { key })?.0, Reply::Done);
+    assert_eq!(p.call(Request::GuestFree { offset })?.0, Reply::Done);
+    // A request larger than the region is refused.
+    assert_eq!(errno_of(&p.call(Request::GuestAlloc { len: vm.region_len + 1 })?.0), Some(libc::ENOMEM));
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+#[test]
+fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
+    let d = daemon_with_vm("ping_ms = 100\ndead_ms = 600")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let mut p = RawPort::connect(&vm)?;
+    p.send(&Frame::Hello { version: GUEST_VERSION })?;
+    p.send(&Frame::Call(Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION }))?;
+    // Read, but answer no ping.
+    let start = Instant::now();
+    let mut pings = 0;
+    let mut closes = Vec::new();
+    let mut buf = [0u8; 4096];
+    while start.elapsed() < WAIT && closes.len() < 2 {
+        match p.conn.read(&mut buf) {
+            Ok(0) => bail!("the daemon closed the port instead of ending the session"),
+            Ok(n) => p.dec.push(&buf[..n]),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
+            Err(e) => return Err(e.into()),
+        }
+        while let Some(f) = p.dec.next()? {
+            match f {
+                Frame::Ping { .. } => pings += 1,
+                Frame::Close { id } => closes.push(id),
+                Frame::Reply { .. } => {}
+                other => bail!("unexpected {other:?}"),
+            }
+        }
+    }
+    // Its proxies (the doorbell and the async-event fd) were closed.
+    assert_eq!(closes.len(), 2, "after {:?}, {pings} pings", start.elapsed());
+    assert!(pings >= 2, "{pings} pings before the teardown");
+    assert!(start.elapsed() >= Duration::from_millis(600), "torn down after {:?}", start.elapsed());
+    // The port stays, the session is gone; a new Hello opens another.
+    let (reply, _) = p.call(Request::AllocPd)?;
+    assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    p.open()?;
+    // A session that answers its pings stays past dead_ms.
+    let end = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < end {
+        match p.recv(Duration::from_millis(100)) {
+            Ok(Some(f)) => bail!("unexpected {f:?}"),
+            Ok(None) => bail!("the daemon closed the port"),
+            Err(_) => {} // nothing but pings, answered
+        }
+    }
+    let (reply, _) = p.call(Request::AllocPd)?;
+    assert!(matches!(reply, Reply::Pd { .. }), "{reply:?}");
+    Ok(())
+}
+
+/// The emulated guest dies mid-transfer (its port connection closes, as
+/// when QEMU dies): its session is torn down like a killed host process's
+/// context, so the host peer's QP goes to the error state with its
+/// receives flushed, and the daemon serves on.
+#[test]
+fn killing_an_emulated_guest_mid_flood_breaks_its_host_peer() -> Result<()> {
+    const LEN: usize = 1 << 20;
+    let d = daemon_with_vm("")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let ctx = d.context()?;
+    let me = Side::with(&ctx, LEN, 64, vrdma_it::cap(16, 1), None)?;
+    let mut guest = PeerProc::spawn_guest(&vm, "tenant", &["--mr-len", "1048576"])?;
+    let h = guest.hello()?;
+    me.qp.connect(&h.endpoint, access_all())?;
+    guest.call_ok(&Command::Connect { peer: me.endpoint()? })?;
+    let mark = pattern(4096, 5);
+    guest.call_ok(&Command::Fill { offset: 0, data: mark.clone() })?;
+    let recvs: Vec<_> =
+        (0..4).map(|i| wr::recv(100 + i, &[me.mr.sge(0, 64)?])).collect::<Result<_, vrdma::Error>>()?;
+    me.qp.post_recv(&recvs)?;
+    guest.send(&Command::Flood {
+        remote_addr: me.mr.addr(),
+        rkey: me.mr.rkey(),
+        len: LEN,
+        count: 1 << 40,
+    })?;
+    match guest.recv::<Said>(vrdma_it::PEER_TIMEOUT)? {
+        Said::Flooding => {}
+        other => bail!("the guest answered {other:?} to Flood"),
+    }
+    vrdma_it::wait_until(WAIT, "the flood reaching our region", || {
+        let mut b = vec![0u8; mark.len()];
+        me.mr.read(0, &mut b).is_ok() && b == mark
+    })?;
+    guest.proc.kill(libc::SIGKILL);
+    guest.proc.wait_timeout(WAIT)?;
+    vrdma_it::wait_state(&me.qp, vrdma::QpState::Err, WAIT)?;
+    let ev = vrdma_it::async_event(&ctx, WAIT)?;
+    assert_eq!(ev, vrdma::AsyncEvent { event_type: vrdma::AsyncEventType::QpFatal, element: me.qp.qpn() });
+    let wcs = vrdma_it::poll_n(&me.cq, 4, WAIT)?;
+    for (i, wc) in wcs.iter().enumerate() {
+        assert_eq!(
+            (wc.wr_id, wc.status, wc.opcode),
+            (100 + i as u64, WcStatus::WrFlushErr, vrdma::WcOpcode::Recv)
+        );
+    }
+    daemon_serves(&d)?;
+    // The VM's port is free again: another guest opens a context.
+    let mut again = PeerProc::spawn_guest(&vm, "tenant", &["--mr-len", "4096"])?;
+    assert_eq!(again.hello()?.tenant, ctx.tenant());
+    again.proc.kill(libc::SIGKILL);
+    Ok(())
 }

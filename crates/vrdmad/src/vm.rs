@@ -135,11 +135,9 @@ impl Vm {
                 continue;
             }
             let (vm, sh) = (self.clone(), shared.clone());
-            let spawned =
-                std::thread::Builder::new().name(format!("vrdma-vm-{}", self.name)).spawn(move || {
-                    crate::server::guest::run(conn, vm.clone(), sh);
-                    vm.connected.fetch_sub(1, Ordering::AcqRel);
-                });
+            let spawned = std::thread::Builder::new()
+                .name(format!("vrdma-vm-{}", self.name))
+                .spawn(move || crate::server::guest::run(conn, vm, sh));
             if let Err(e) = spawned {
                 self.connected.fetch_sub(1, Ordering::AcqRel);
                 tracing::error!(vm = %self.name, error = %e, "cannot start a VM port thread");

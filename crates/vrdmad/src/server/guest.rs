@@ -67,12 +67,14 @@ struct Port {
     live: Option<Live>,
 }
 
+/// Serves one port connection; the VM's count of connected ports is
+/// given back at the end.
 pub(crate) fn run(conn: OwnedFd, vm: Arc<Vm>, shared: Arc<Shared>) {
     let conn = std::os::unix::net::UnixStream::from(conn);
-    if conn.set_write_timeout(Some(WRITE_LIMIT)).is_err() {
+    let Ok(dup) = conn.try_clone().and_then(|d| conn.set_write_timeout(Some(WRITE_LIMIT)).map(|()| d)) else {
+        vm.connected.fetch_sub(1, Ordering::AcqRel);
         return;
-    }
-    let Ok(dup) = conn.try_clone() else { return };
+    };
     let key = vm.add_conn(dup.into());
     tracing::debug!(vm = %vm.name, "VM port connected");
     let mut port = Port { conn, vm: vm.clone(), shared, live: None };
@@ -80,7 +82,11 @@ pub(crate) fn run(conn: OwnedFd, vm: Arc<Vm>, shared: Arc<Shared>) {
         tracing::debug!(vm = %vm.name, %why, "VM port disconnected");
     }
     port.end_session();
+    // The port is free again before the peer sees it closed, so that it
+    // may connect anew at once.
+    vm.connected.fetch_sub(1, Ordering::AcqRel);
     vm.remove_conn(key);
+    drop(port);
 }
 
 impl Port {
