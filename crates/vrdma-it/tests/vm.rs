@@ -161,7 +161,7 @@ impl RawPort {
         let end = Instant::now() + limit;
         let mut buf = [0u8; 4096];
         loop {
-            match self.dec.next()? {
+            match self.dec.next_frame()? {
                 Some(Frame::Ping { nonce }) => self.send(&Frame::Pong { nonce })?,
                 Some(f) => return Ok(Some(f)),
                 None => {}
@@ -345,7 +345,7 @@ fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
             Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {}
             Err(e) => return Err(e.into()),
         }
-        while let Some(f) = p.dec.next()? {
+        while let Some(f) = p.dec.next_frame()? {
             match f {
                 Frame::Ping { .. } => pings += 1,
                 Frame::Close { id } => closes.push(id),

@@ -252,7 +252,7 @@ impl Segment {
         if len == 0 {
             return Err(SegmentError::Empty);
         }
-        if offset % page_size() as u64 != 0 {
+        if !offset.is_multiple_of(page_size() as u64) {
             return Err(SegmentError::Unaligned { offset });
         }
         check_size(&fd, offset, len)?;

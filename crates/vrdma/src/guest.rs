@@ -325,7 +325,7 @@ impl Reader {
             };
             dec.push(&buf[..n]);
             loop {
-                match dec.next() {
+                match dec.next_frame() {
                     Ok(Some(f)) => self.on_frame(f)?,
                     Ok(None) => break,
                     Err(e) => return Err(format!("the daemon broke the frame stream: {e}")),

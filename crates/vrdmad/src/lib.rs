@@ -104,7 +104,6 @@ pub struct Daemon {
     shared: Arc<server::Shared>,
     acceptor: Option<std::thread::JoinHandle<()>>,
     engine: Option<engine::Engine>,
-    vm_acceptors: Vec<std::thread::JoinHandle<()>>,
     net_listener: Option<net::Listener>,
     /// Boxed: the daemon is held by value in enums (the CLI's `Device`).
     metrics: Option<Box<metrics::MetricsServer>>,
@@ -214,6 +213,7 @@ impl Daemon {
             sessions: Mutex::new(Vec::new()),
             log: Mutex::default(),
             vms,
+            vm_acceptors: Mutex::default(),
         });
         // A context whose tenant broke the shared-memory protocol is closed
         // as if its process had gone (the engine tells it why first).
@@ -247,12 +247,13 @@ impl Daemon {
         };
         let (l, s) = (listener.clone(), shared.clone());
         let acceptor = std::thread::Builder::new().name("vrdma-accept".into()).spawn(move || l.serve(s))?;
-        let mut vm_acceptors = Vec::new();
+        let mut vm_acceptors = shared.vm_acceptors.lock().unwrap_or_else(|p| p.into_inner());
         for vm in shared.vms.values() {
             let (vm, s) = (vm.clone(), shared.clone());
             vm_acceptors
                 .push(std::thread::Builder::new().name("vrdma-vm-accept".into()).spawn(move || vm.serve(s))?);
         }
+        drop(vm_acceptors);
         // UCX lists the device only if its /dev node exists (devnode).
         match devnode::ensure(DEVICE_NAME) {
             devnode::NodeState::Present => {}
@@ -266,15 +267,7 @@ impl Daemon {
             ),
         }
         tracing::info!(socket = %path.display(), %address, "vrdma daemon ready");
-        Ok(Daemon {
-            listener,
-            shared,
-            acceptor: Some(acceptor),
-            engine: Some(engine),
-            vm_acceptors,
-            net_listener,
-            metrics,
-        })
+        Ok(Daemon { listener, shared, acceptor: Some(acceptor), engine: Some(engine), net_listener, metrics })
     }
 
     pub fn socket_path(&self) -> &Path {
@@ -313,7 +306,9 @@ impl Daemon {
         for vm in self.shared.vms.values() {
             vm.shutdown();
         }
-        for a in self.vm_acceptors.drain(..) {
+        let acceptors =
+            std::mem::take(&mut *self.shared.vm_acceptors.lock().unwrap_or_else(|p| p.into_inner()));
+        for a in acceptors {
             let _ = a.join();
         }
         for (_, _, fd) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter() {

@@ -173,7 +173,7 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
 }
 
 /// Splits a byte stream into frames. Feed it what arrived with
-/// [`push`](Self::push), take frames with [`next`](Self::next). A frame
+/// [`push`](Self::push), take frames with [`next_frame`](Self::next_frame). A frame
 /// whose body is bad is skipped and reported; a bad header
 /// ([`FrameError::is_fatal`]) fails the decoder for good. It holds
 /// at most one frame's bytes beyond what it was given: a header that
@@ -214,7 +214,7 @@ impl FrameDecoder {
     }
 
     /// The next complete frame, `Ok(None)` if more bytes are needed.
-    pub fn next(&mut self) -> Result<Option<Frame>, FrameError> {
+    pub fn next_frame(&mut self) -> Result<Option<Frame>, FrameError> {
         if let Some(e) = &self.failed {
             return Err(e.clone());
         }
@@ -282,15 +282,15 @@ mod tests {
         let mut d = FrameDecoder::new();
         d.push(&stream);
         for f in all() {
-            assert_eq!(d.next().unwrap(), Some(f));
+            assert_eq!(d.next_frame().unwrap(), Some(f));
         }
-        assert_eq!(d.next().unwrap(), None);
+        assert_eq!(d.next_frame().unwrap(), None);
         let mut d = FrameDecoder::new();
         let mut got = Vec::new();
         for b in &stream {
             assert!(d.wanted() >= 1);
             d.push(std::slice::from_ref(b));
-            while let Some(f) = d.next().unwrap() {
+            while let Some(f) = d.next_frame().unwrap() {
                 got.push(f);
             }
         }
@@ -302,25 +302,25 @@ mod tests {
     fn bad_headers_are_errors_at_once_and_for_good() {
         let mut d = FrameDecoder::new();
         d.push(&[0xff, 0xff, 0xff, 0xff, CALL, 0, 0, 0]);
-        assert!(matches!(d.next(), Err(FrameError::TooLarge(_))));
+        assert!(matches!(d.next_frame(), Err(FrameError::TooLarge(_))));
         // Out of step for good, whatever comes next.
         d.push(&encode(&Frame::Ping { nonce: 1 }));
-        assert!(d.next().is_err());
+        assert!(d.next_frame().is_err());
         let mut d = FrameDecoder::new();
         d.push(&[0, 0, 0, 0, 99, 0, 0, 0]);
-        assert_eq!(d.next(), Err(FrameError::UnknownKind(99)));
+        assert_eq!(d.next_frame(), Err(FrameError::UnknownKind(99)));
         let mut d = FrameDecoder::new();
         d.push(&[0, 0, 0, 0, PING, 1, 0, 0]);
-        assert_eq!(d.next(), Err(FrameError::Reserved));
+        assert_eq!(d.next_frame(), Err(FrameError::Reserved));
         let mut d = FrameDecoder::new();
         d.push(&frame(PING, &[1, 2, 3]));
-        assert!(matches!(d.next(), Err(FrameError::BadLength { want: 8, got: 3, .. })));
+        assert!(matches!(d.next_frame(), Err(FrameError::BadLength { want: 8, got: 3, .. })));
         // A bad body is skipped whole: the stream stays in step.
         let mut d = FrameDecoder::new();
         d.push(&frame(CALL, &[0xff; 16]));
         d.push(&encode(&Frame::Pong { nonce: 5 }));
-        assert!(matches!(d.next(), Err(FrameError::Body(_))));
-        assert_eq!(d.next(), Ok(Some(Frame::Pong { nonce: 5 })));
+        assert!(matches!(d.next_frame(), Err(FrameError::Body(_))));
+        assert_eq!(d.next_frame(), Ok(Some(Frame::Pong { nonce: 5 })));
         // A reply with too many handles.
         let many = vec![Handle::Bell { id: 1, hangup: false }; MAX_HANDLES + 1];
         let body = postcard::to_stdvec(&ReplyBody { reply: Reply::Done, handles: many }).unwrap();
@@ -329,7 +329,7 @@ mod tests {
         let mut d = FrameDecoder::new();
         d.push(&(MAX_FRAME_BODY as u32).to_le_bytes());
         d.push(&[CALL, 0, 0, 0]);
-        assert_eq!(d.next(), Ok(None));
+        assert_eq!(d.next_frame(), Ok(None));
         assert_eq!(d.wanted(), MAX_FRAME_BODY);
     }
 
@@ -350,10 +350,10 @@ mod tests {
             buf[i] = next() as u8;
             d.push(&buf);
             for _ in 0..all().len() + 1 {
-                if let Ok(Some(f)) = d.next() {
+                if let Ok(Some(f)) = d.next_frame() {
                     let mut again = FrameDecoder::new();
                     again.push(&encode(&f));
-                    assert_eq!(again.next().unwrap(), Some(f));
+                    assert_eq!(again.next_frame().unwrap(), Some(f));
                 }
             }
         }

@@ -147,7 +147,7 @@ impl Port {
             };
             dec.push(&buf[..n]);
             loop {
-                match dec.next() {
+                match dec.next_frame() {
                     Ok(Some(f)) => self.on_frame(f)?,
                     Ok(None) => break,
                     Err(e) if e.is_fatal() => {

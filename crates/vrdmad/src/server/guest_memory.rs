@@ -42,10 +42,10 @@ impl RingMemory {
                 format!("the VM's region ({} MiB) has no {len} bytes free", vm.config.memory_mib),
             )
         })?;
-        let mapped =
-            vm.region.try_clone().map_err(std::io::Error::from).and_then(|fd| {
-                Mapping::map_untrusted_in(fd, offset, span as usize, budget).map_err(Into::into)
-            });
+        let mapped = vm
+            .region
+            .try_clone()
+            .and_then(|fd| Mapping::map_untrusted_in(fd, offset, span as usize, budget).map_err(Into::into));
         let map = match mapped {
             Ok(m) => m,
             Err(e) => {

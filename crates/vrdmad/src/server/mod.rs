@@ -42,6 +42,8 @@ pub(crate) struct Shared {
     pub log: Mutex<LogLimiter>,
     /// The configured VMs by name (see `crate::vm`).
     pub vms: std::collections::BTreeMap<String, Arc<crate::vm::Vm>>,
+    /// The threads accepting the VMs' port connections (joined on stop).
+    pub vm_acceptors: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 impl Shared {
