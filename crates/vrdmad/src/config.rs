@@ -749,6 +749,13 @@ impl DaemonConfig {
         self.net.validate()?;
         for (name, vm) in &self.vms {
             vm.validate(name)?;
+            let local = vrdma_core::hca::TenantId(vm.tenant).is_host_local();
+            if self.tenant_by == TenantBy::UidAndNetns && local {
+                return Err(ConfigError::Invalid(format!(
+                    "[vms.{name}]: uid {} lies in the numbers kept for tenants of this host only",
+                    vm.tenant
+                )));
+            }
         }
         if self.metrics_listen.is_some_and(|a| a.port() == 0) {
             return Err(ConfigError::Invalid("metrics_listen needs a port (the usual one is 9464)".into()));
@@ -1094,6 +1101,11 @@ mod tests {
         let long = "a".repeat(33);
         assert!(err(&format!("[vms.{long}]\ntenant = 1")).contains("a-z"));
         assert!(valid_vm_name(&"a".repeat(32)) && !valid_vm_name(""));
+        let big = vrdma_core::hca::TenantId::HOST_LOCAL_BASE + 1;
+        assert!(
+            err(&format!("tenant_by = \"uid+netns\"\n[vms.a]\ntenant = {big}")).contains("this host only")
+        );
+        assert!(DaemonConfig::from_toml(&format!("[vms.a]\ntenant = {big}")).is_ok());
     }
 
     #[test]
