@@ -429,3 +429,35 @@ fn killing_an_emulated_guest_mid_flood_breaks_its_host_peer() -> Result<()> {
     again.proc.kill(libc::SIGKILL);
     Ok(())
 }
+
+/// Guest contexts opened and dropped one after another give their ports
+/// back: more of them than the VM has ports, in this process.
+#[test]
+fn dropped_guest_contexts_give_their_ports_back() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = daemon_with_vm("")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let cfg = vrdma::guest::GuestConfig {
+        ports: vec![vm.port_socket.clone()],
+        bar: format!("/proc/self/fd/{}", vm.region.as_raw_fd()).into(),
+    };
+    for round in 0..2 * vm.ports {
+        let end = Instant::now() + WAIT;
+        // The daemon frees the port once it saw it close: a moment.
+        let ctx = loop {
+            match vrdma::Context::open_guest(&cfg) {
+                Ok(c) => break c,
+                Err(e) if Instant::now() > end => bail!("round {round}: {e}"),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        assert!(ctx.is_guest());
+        let pd = ctx.alloc_pd()?;
+        let mr = pd.alloc_mr(4096, access_all())?;
+        mr.write(0, b"guest")?;
+        let mut got = [0u8; 5];
+        mr.read(0, &mut got)?;
+        assert_eq!(&got, b"guest");
+    }
+    Ok(())
+}

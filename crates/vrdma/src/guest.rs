@@ -24,6 +24,7 @@ use std::fs::File;
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -124,6 +125,20 @@ pub(crate) struct GuestLink {
     /// drops when the port dies: it hangs up then, as a host control
     /// socket does when the daemon goes.
     gone: OwnedFd,
+    /// Set when the link is dropped: the reader thread ends, and with it
+    /// the port is closed (so that the next opener may take it).
+    quit: Arc<AtomicBool>,
+}
+
+impl Drop for GuestLink {
+    fn drop(&mut self) {
+        self.quit.store(true, Ordering::Release);
+        let _ = rustix::io::write(&self.wake, &[1]);
+        // A socket (an emulated guest's port) closes for the daemon at
+        // once; a character device is closed when the thread ends.
+        let w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = rustix::net::shutdown(&*w, rustix::net::Shutdown::Both);
+    }
 }
 
 impl std::fmt::Debug for GuestLink {
@@ -164,7 +179,9 @@ impl GuestLink {
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
         let (tx, rx) = std::sync::mpsc::channel();
         let proxies: Arc<Mutex<HashMap<u32, OwnedFd>>> = Arc::default();
+        let quit = Arc::new(AtomicBool::new(false));
         let thread = Reader {
+            quit: quit.clone(),
             port: reader,
             writer: writer.clone(),
             replies: tx,
@@ -174,6 +191,7 @@ impl GuestLink {
         };
         std::thread::Builder::new().name("vrdma-guest".into()).spawn(move || thread.run())?;
         let link = GuestLink {
+            quit,
             writer,
             bar: OwnedFd::from(bar),
             replies: Mutex::new(rx),
@@ -252,6 +270,7 @@ struct Reader {
     replies: Sender<(Reply, Vec<Handle>)>,
     proxies: Arc<Mutex<HashMap<u32, OwnedFd>>>,
     wake: OwnedFd,
+    quit: Arc<AtomicBool>,
     /// Dropped with the thread: the library's `gone` end hangs up.
     _gone: OwnedFd,
 }
@@ -310,6 +329,9 @@ impl Reader {
                         ready.push(*id);
                     }
                 }
+            }
+            if self.quit.load(Ordering::Acquire) {
+                return Err("the context was closed".into());
             }
             for id in ready {
                 self.forward(id)?;

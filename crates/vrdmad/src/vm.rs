@@ -131,7 +131,14 @@ impl Vm {
             let held = self.connected.fetch_add(1, Ordering::AcqRel);
             if held >= self.config.ports {
                 self.connected.fetch_sub(1, Ordering::AcqRel);
-                tracing::warn!(vm = %self.name, ports = self.config.ports, "a connection beyond the VM's ports; closed");
+                const BEYOND: &str = "a connection beyond the VM's ports; closed";
+                let (log, now) = (&shared.log, crate::logs::now());
+                let source =
+                    vrdma_core::log_limit::Source::Tenant(vrdma_core::hca::TenantId(self.config.tenant));
+                vrdma_core::limited_warn!(
+                    crate::logs::lock(log), source, now, BEYOND,
+                    vm = %self.name, ports = self.config.ports
+                );
                 continue;
             }
             let (vm, sh) = (self.clone(), shared.clone());

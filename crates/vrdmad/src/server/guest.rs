@@ -30,6 +30,7 @@ use std::time::{Duration, Instant};
 use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::net::{RecvFlags, SendFlags, SocketType};
 use vrdma_core::hca::TenantId;
+use vrdma_core::log_limit::Source;
 use vrdma_core::proto::guest::{self, Frame, FrameDecoder, Handle, GUEST_VERSION};
 use vrdma_core::proto::Reply;
 
@@ -151,7 +152,13 @@ impl Port {
                     Ok(Some(f)) => self.on_frame(f)?,
                     Ok(None) => break,
                     Err(e) if e.is_fatal() => {
-                        tracing::warn!(vm = %self.vm.name, error = %e, "a guest broke the frame stream; port disconnected");
+                        const BROKE: &str = "a guest broke the frame stream; port disconnected";
+                        let (log, now) = (&self.shared.log, crate::logs::now());
+                        let source = Source::Tenant(TenantId(self.vm.config.tenant));
+                        vrdma_core::limited_warn!(
+                            crate::logs::lock(log), source, now, BROKE,
+                            vm = %self.vm.name, error = %e
+                        );
                         return Err(e.to_string());
                     }
                     Err(e) => {
