@@ -305,10 +305,11 @@ impl Reader {
             let mut ready = Vec::new();
             let port_ready;
             {
-                // SAFETY: each raw fd is owned by `self.proxies`; an entry
-                // removed meanwhile is removed only by this thread (Close
-                // frames, handled below after the poll), so they stay open
-                // for the poll.
+                // SAFETY: each raw fd is owned by `self.proxies`. Entries
+                // are removed only by this thread (Close frames and hang-ups,
+                // handled after the poll); another thread only inserts, under
+                // ids the daemon numbers afresh within a session (never one
+                // in the map), so no fd polled here is closed meanwhile.
                 let borrowed: Vec<_> =
                     ids.iter().map(|(_, fd)| unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) }).collect();
                 let mut fds =
