@@ -119,6 +119,28 @@ pub fn publish(dest: &Path, make: impl FnOnce(&Path) -> Result<()>) -> Result<Pa
     Ok(dest.to_path_buf())
 }
 
+/// Marks `used` (an entry of `dir`) as just used, and removes all but
+/// the `keep` most recently used entries of `dir` (by modification time,
+/// which marking sets). A process booting a removed image is not
+/// disturbed: QEMU reads the initramfs when it starts.
+pub fn keep_newest(dir: &Path, used: &Path, keep: usize) -> Result<()> {
+    let f = std::fs::File::open(used).map_err(|e| Error::path("open", used, e))?;
+    f.set_modified(std::time::SystemTime::now()).map_err(|e| Error::path("touch", used, e))?;
+    let mut entries: Vec<(std::time::SystemTime, PathBuf)> = std::fs::read_dir(dir)
+        .map_err(|e| Error::path("read", dir, e))?
+        .filter_map(|e| e.ok())
+        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
+        .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
+        .collect();
+    entries.sort_by(|a, b| b.0.cmp(&a.0));
+    for (_, p) in entries.into_iter().skip(keep) {
+        if p != used {
+            let _ = std::fs::remove_dir_all(&p);
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -143,5 +165,17 @@ mod tests {
         assert_eq!(std::fs::read(dest.join("f")).unwrap(), b"1");
         let failed = publish(&d.path().join("bad"), |_| Err(Error::Invalid("no".into())));
         assert!(failed.is_err() && !d.path().join("bad").exists());
+        for n in ["a", "b", "c"] {
+            std::fs::create_dir(d.path().join(n)).unwrap();
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        // "a" is the oldest but just used: it stays with the newest other.
+        keep_newest(d.path(), &d.path().join("a"), 2).unwrap();
+        let mut left: Vec<String> = std::fs::read_dir(d.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, ["a", "c"]);
     }
 }

@@ -508,10 +508,12 @@ fn auto(image: &Image) -> Result<Accel> {
             (Accel::Kvm, format!("a KVM guest reached its shell in {:.1} s", g.boot_time().as_secs_f64()))
         }
         Err(e) => {
-            let e = e.to_string();
-            let first = e.lines().next().unwrap_or("").to_string();
-            tracing::warn!("KVM does not run guests here; using TCG: {first}");
-            (Accel::Tcg, format!("KVM probe failed: {first}"))
+            let why = match e {
+                Error::Boot { why, .. } => format!("a KVM guest did not reach its shell: {why}"),
+                e => e.to_string().lines().next().unwrap_or("").to_string(),
+            };
+            tracing::warn!("KVM does not run guests here; using TCG: {why}");
+            (Accel::Tcg, why)
         }
     };
     accel::remember(&image.release, a, &why)?;

@@ -45,6 +45,8 @@ const INIT: &str = include_str!("init.sh");
 /// Changes when the layout changes, so that old cached images are not
 /// reused.
 const FORMAT: &str = "vrdma-guest-image-1";
+/// Images kept in the cache (each is tens of MiB): the most recently used.
+const KEEP_IMAGES: usize = 4;
 
 /// A host file to put in the guest.
 #[derive(Clone, Debug)]
@@ -187,8 +189,10 @@ pub fn build(spec: &ImageSpec) -> Result<Image> {
             }
         }
     }
-    let dest = cache::dir()?.join("images").join(key.hex());
+    let images = cache::dir()?.join("images");
+    let dest = images.join(key.hex());
     let dir = cache::publish(&dest, |tmp| write(&k, &entries, tmp))?;
+    cache::keep_newest(&images, &dir, KEEP_IMAGES)?;
     Ok(Image { kernel: k.vmlinuz, initramfs: dir.join("initramfs.cpio"), release: k.release })
 }
 

@@ -67,6 +67,10 @@ fn guest_plumbing() {
     let t0 = Instant::now();
     let img = image::build(&spec).expect("build the guest image");
     let size = std::fs::metadata(&img.initramfs).unwrap().len();
+    // `vrdma vm image --out DIR`: the same image, copied out.
+    let out = image::export(&spec, &dir.path().join("image")).unwrap();
+    assert_eq!(std::fs::metadata(&out.initramfs).unwrap().len(), size);
+    assert_eq!(std::fs::read(&out.kernel).unwrap(), std::fs::read(&img.kernel).unwrap());
     eprintln!(
         "image: kernel {}, initramfs {} MiB, ready in {:.1} s",
         img.release,
@@ -92,6 +96,9 @@ fn guest_plumbing() {
     gspec.extra_args = vm_args(fd, REGION_LEN, &sock, PORTS).unwrap();
     let mut g = Guest::boot(gspec).expect("boot the guest");
     eprintln!("guest: accelerator {}, shell after {:.2} s", g.accel().name(), g.boot_time().as_secs_f64());
+    if let Ok(Some((a, why))) = vrdma_guest::accel::remembered(g.release()) {
+        eprintln!("KVM probe (remembered in the cache): {} ({why})", a.name());
+    }
 
     boots_and_runs_commands(&mut g);
     if tools {
