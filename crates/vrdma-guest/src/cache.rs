@@ -132,7 +132,7 @@ pub fn keep_newest(dir: &Path, used: &Path, keep: usize) -> Result<()> {
         .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
         .filter_map(|e| Some((e.metadata().ok()?.modified().ok()?, e.path())))
         .collect();
-    entries.sort_by(|a, b| b.0.cmp(&a.0));
+    entries.sort_by_key(|e| std::cmp::Reverse(e.0));
     for (_, p) in entries.into_iter().skip(keep) {
         if p != used {
             let _ = std::fs::remove_dir_all(&p);
