@@ -173,10 +173,7 @@ pub struct Guest {
 impl Guest {
     /// Boots `spec` and waits for the guest's shell.
     pub fn boot(spec: GuestSpec) -> Result<Guest> {
-        let accel = match spec.accel.map(Choice::Fixed).map(Ok).unwrap_or_else(accel::choice)? {
-            Choice::Fixed(a) => a,
-            Choice::Auto => auto(&spec.image)?,
-        };
+        let accel = choose_accel(&spec)?;
         let deadline = spec.boot_timeout;
         Guest::start(spec, accel, deadline)
     }
@@ -493,6 +490,56 @@ fn accept(l: &UnixListener, child: &mut Child, deadline: Instant) -> std::result
     }
 }
 
+/// The accelerator for `spec`: its own, else `VRDMA_GUEST_ACCEL`, else
+/// auto (see [`crate::accel`]).
+pub fn choose_accel(spec: &GuestSpec) -> Result<Accel> {
+    match spec.accel.map(Choice::Fixed).map(Ok).unwrap_or_else(accel::choice)? {
+        Choice::Fixed(a) => Ok(a),
+        Choice::Auto => auto(&spec.image),
+    }
+}
+
+/// QEMU's arguments for a person at the console (`vrdma vm run`): as
+/// [`qemu_args`], with QEMU's monitor on the console too (Ctrl-A X
+/// quits, Ctrl-A C switches) and `/init` giving a shell there instead of
+/// waiting for the harness.
+pub fn console_args(spec: &GuestSpec, accel: Accel) -> Vec<OsString> {
+    let mut a = qemu_args(spec, accel);
+    for arg in a.iter_mut() {
+        if arg == "stdio" {
+            *arg = "mon:stdio".into();
+        } else if arg.to_string_lossy().starts_with("console=ttyS0 ") {
+            arg.push(format!(" {CONSOLE_SHELL_ARG}"));
+        }
+    }
+    a
+}
+
+/// Runs QEMU on `spec` with this process's terminal as the guest's
+/// console (see [`console_args`]), handing it `spec`'s inherited
+/// descriptors, and waits for it to end.
+pub fn run_on_console(spec: GuestSpec, accel: Accel) -> Result<ExitStatus> {
+    let mut cmd = Command::new(QEMU);
+    cmd.args(console_args(&spec, accel));
+    let fds: Vec<RawFd> = spec.inherit.iter().map(|f| f.as_raw_fd()).collect();
+    // SAFETY: the closure runs in the forked child before exec; fcntl is
+    // async-signal-safe, and `fds` was made before the fork and is only
+    // read.
+    unsafe {
+        cmd.pre_exec(move || {
+            for &fd in &fds {
+                if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+    let st = cmd.status().map_err(|e| Error::io(format!("run {QEMU}"), e));
+    drop(spec);
+    st
+}
+
 /// Whether KVM runs guests here (see [`crate::accel`]): remembered, or
 /// probed once with a bare guest.
 fn auto(image: &Image) -> Result<Accel> {
@@ -595,6 +642,39 @@ fn base64(data: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn arguments_for_the_harness_and_for_a_person() {
+        let img = Image { kernel: "/k".into(), initramfs: "/i".into(), release: "r".into() };
+        let mut spec = GuestSpec::new(img);
+        spec.extra_args = vec!["-device".into(), "x".into()];
+        let a: Vec<String> =
+            qemu_args(&spec, Accel::Tcg).iter().map(|s| s.to_string_lossy().into_owned()).collect();
+        let at = |k: &str| a[a.iter().position(|x| x == k).unwrap() + 1].clone();
+        assert_eq!(
+            (at("-accel"), at("-serial"), at("-kernel"), at("-initrd")),
+            ("tcg".into(), "stdio".into(), "/k".into(), "/i".into())
+        );
+        assert_eq!(at("-append"), "console=ttyS0 quiet panic=-1");
+        assert_eq!(a[a.len() - 2..], ["-device", "x"]);
+        let c: Vec<String> =
+            console_args(&spec, Accel::Kvm).iter().map(|s| s.to_string_lossy().into_owned()).collect();
+        let at = |k: &str| c[c.iter().position(|x| x == k).unwrap() + 1].clone();
+        assert_eq!((at("-accel"), at("-serial")), ("kvm".into(), "mon:stdio".into()));
+        assert_eq!(at("-append"), format!("console=ttyS0 quiet panic=-1 {CONSOLE_SHELL_ARG}"));
+        let h: Vec<String> = harness_args(Path::new("/t/h.sock"))
+            .unwrap()
+            .iter()
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect();
+        assert!(h.contains(&format!(
+            "virtserialport,bus=vrdma-guest-harness.0,chardev=vrdma-guest-h,name={HARNESS_PORT}"
+        )));
+        assert!(
+            !HARNESS_PORT.starts_with("org.vrdma"),
+            "the guest library must never take the harness's port"
+        );
+    }
 
     #[test]
     fn base64_and_find() {
