@@ -18,11 +18,6 @@ for m in $(cat /etc/vrdma-guest/modules); do
 done
 # KVM shows the guest its signature; TCG shows none.
 if dmesg | grep -q "Hypervisor detected: KVM"; then accel=kvm; else accel=tcg; fi
-# The harness talks to this guest over a virtio-serial port of its own
-# (named below; not org.vrdma.K, so the guest library never takes it),
-# not over the serial console: under TCG the emulated UART stopped
-# delivering input after a few commands. The port appears shortly after
-# virtio_console loads.
 # With vrdma-guest.shell on the kernel command line, or without the
 # harness's port, a person gets a shell on the console instead.
 console_shell() {
@@ -30,6 +25,11 @@ console_shell() {
     exec setsid cttyhack /bin/sh
 }
 grep -q vrdma-guest.shell /proc/cmdline && console_shell "vrdma-guest.shell given"
+# The harness talks to this guest over a virtio-serial port of its own
+# (named below; not org.vrdma.K, so the guest library never takes it),
+# not over the serial console: under TCG the emulated UART stopped
+# delivering input after a few commands. The port appears shortly after
+# virtio_console loads.
 port=
 i=0
 while [ -z "$port" ] && [ $i -lt 200 ]; do
