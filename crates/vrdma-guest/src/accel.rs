@@ -75,3 +75,26 @@ pub fn remember(release: &str, a: Accel, why: &str) -> Result<()> {
     let p = cache::dir()?.join(format!("accel-{release}"));
     std::fs::write(&p, format!("{}\n{why}\n", a.name())).map_err(|e| Error::path("write", &p, e))
 }
+
+/// An exclusive lock on the probe (`flock` on a file in the cache
+/// directory), held until dropped.
+pub fn lock() -> Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let p = cache::dir()?.join("accel.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&p)
+        .map_err(|e| Error::path("open", &p, e))?;
+    loop {
+        // SAFETY: flock on a descriptor this function owns (through `f`).
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
+            return Ok(f);
+        }
+        let e = std::io::Error::last_os_error();
+        if e.kind() != std::io::ErrorKind::Interrupted {
+            return Err(Error::path("lock", &p, e));
+        }
+    }
+}

@@ -549,6 +549,12 @@ fn auto(image: &Image) -> Result<Accel> {
     if let Some((a, _)) = accel::remembered(&image.release)? {
         return Ok(a);
     }
+    // One probe at a time, across threads and processes; a waiter finds
+    // the answer remembered.
+    let _lock = accel::lock()?;
+    if let Some((a, _)) = accel::remembered(&image.release)? {
+        return Ok(a);
+    }
     let probe = Guest::start(GuestSpec::new(image.clone()), Accel::Kvm, accel::PROBE_DEADLINE);
     let (a, why) = match probe {
         Ok(g) => {

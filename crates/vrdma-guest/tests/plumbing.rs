@@ -109,6 +109,27 @@ fn guest_plumbing() {
     killed_qemu_closes_the_ports(g, streams);
 }
 
+/// A guest that never reaches its shell fails to boot with its console in
+/// the error (here the kernel finds no init, panics, and QEMU exits).
+#[test]
+fn a_failed_boot_shows_the_console() {
+    if vrdma_guest::libs::which(vrdma_guest::guest::QEMU).is_none() {
+        vrdma_it::skip("qemu-system-x86_64 is not installed");
+        return;
+    }
+    let img = image::build(&ImageSpec::default()).expect("build the bare guest image");
+    let mut spec = GuestSpec::new(img);
+    spec.append = "rdinit=/nonexistent".into();
+    match Guest::boot(spec) {
+        Err(vrdma_guest::Error::Boot { why, console }) => {
+            assert!(console.contains("Kernel panic"), "{why}\n{console}");
+            eprintln!("failed boot reported: {why}");
+        }
+        Err(e) => panic!("not a boot error: {e}"),
+        Ok(_) => panic!("a guest without init booted"),
+    }
+}
+
 fn boots_and_runs_commands(g: &mut Guest) {
     let (st, out) = g.run("uname -r; echo 'two words'; printf 'no newline'; exit 3", T).unwrap();
     assert_eq!(st, 3, "{out}");
@@ -118,6 +139,13 @@ fn boots_and_runs_commands(g: &mut Guest) {
     assert_eq!((st, out.as_str()), (0, "it's \"quoted\" $HOME\n"));
     let long = format!("x={}\necho ${{#x}}", "a".repeat(5000));
     assert_eq!(g.check(&long, T).unwrap(), "5000\n");
+    // A command past its deadline is reported with what it printed so
+    // far; the next one runs after it, its stale output skipped.
+    match g.run("echo early; sleep 4; echo late", Duration::from_secs(1)) {
+        Err(vrdma_guest::Error::Timeout { output, .. }) => assert_eq!(output, "early\n"),
+        other => panic!("a 4 s command with a 1 s deadline: {other:?}"),
+    }
+    assert_eq!(g.check("echo after", T).unwrap(), "after\n");
     let mods = g.check("cat /proc/modules | cut -d' ' -f1", T).unwrap();
     for m in ["virtio_pci", "virtio_console"] {
         assert!(mods.lines().any(|l| l == m), "{m} not loaded: {mods}");
