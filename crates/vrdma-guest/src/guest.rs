@@ -157,8 +157,8 @@ pub struct Guest {
     reaped: Option<ExitStatus>,
     /// The harness's port, host end.
     port: Option<UnixStream>,
-    /// Holds the harness's socket; removed on drop.
-    dir: PathBuf,
+    /// Holds the harness's socket.
+    _dir: HarnessDir,
     console: Shared,
     next: u64,
     accel: Accel,
@@ -181,7 +181,7 @@ impl Guest {
     fn start(spec: GuestSpec, accel: Accel, deadline: Duration) -> Result<Guest> {
         let started = Instant::now();
         let dir = harness_dir()?;
-        let sock = dir.join("harness.sock");
+        let sock = dir.0.join("harness.sock");
         let listener = UnixListener::bind(&sock).map_err(|e| Error::path("listen on", &sock, e))?;
         let mut cmd = Command::new(QEMU);
         cmd.args(qemu_args(&spec, accel)).args(harness_args(&sock)?);
@@ -226,7 +226,6 @@ impl Guest {
             Err(e) => {
                 drop(keep);
                 let _ = spawner.join();
-                let _ = std::fs::remove_dir_all(&dir);
                 return Err(e);
             }
         };
@@ -237,7 +236,7 @@ impl Guest {
             child,
             reaped: None,
             port: None,
-            dir,
+            _dir: dir,
             console,
             next: 0,
             accel,
@@ -435,20 +434,30 @@ impl Drop for Guest {
         if let Some(t) = self.spawner.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
-/// A fresh private directory for the harness's socket.
-fn harness_dir() -> Result<PathBuf> {
+/// A private directory for the harness's socket, removed on drop.
+struct HarnessDir(PathBuf);
+
+impl Drop for HarnessDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A fresh [`HarnessDir`].
+fn harness_dir() -> Result<HarnessDir> {
     static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let d = std::env::temp_dir().join(format!("vrdma-guest-{}-{n}", std::process::id()));
     if d.exists() {
         std::fs::remove_dir_all(&d).map_err(|e| Error::path("clear", &d, e))?;
     }
-    std::fs::create_dir(&d).map_err(|e| Error::path("create", &d, e))?;
-    Ok(d)
+    // Private: whoever connects to the socket first is taken for QEMU.
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().mode(0o700).create(&d).map_err(|e| Error::path("create", &d, e))?;
+    Ok(HarnessDir(d))
 }
 
 /// QEMU's arguments for the harness's port, connecting to `sock`.
