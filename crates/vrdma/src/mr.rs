@@ -73,7 +73,7 @@ impl MemoryRegion {
         let seg = Segment::create("vrdma-mr", len)?;
         let ptr = seg.as_ptr();
         let key = reg_mr(pd, ptr, len, access, seg.fd(), 0)?;
-        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Owned(seg) })
     }
 
@@ -95,7 +95,7 @@ impl MemoryRegion {
         // contract); `reback` checks the rest against /proc/self/maps.
         let r = unsafe { rebacking::reback(ptr, len)? };
         let key = reg_mr(pd, ptr, len, access, r.span.fd(), r.fd_offset)?;
-        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
     }
 

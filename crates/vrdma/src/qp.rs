@@ -671,18 +671,19 @@ impl QueuePair {
             if signaled && !self.send_cq.inner.has_room() {
                 break;
             }
-            match self.direct.try_write(&self.ctx, self.qpn, &self.pd.inner.local_keys, wr) {
+            let byte_len = match self.direct.try_carry(&self.ctx, self.qpn, &self.pd.inner.local_keys, wr) {
                 crate::direct::Carried::Engine => break,
-                crate::direct::Carried::Done => {}
-            }
+                crate::direct::Carried::Done { byte_len } => byte_len,
+            };
             let seq = slots.carried.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
             if signaled {
-                let wc = vrdma_core::ring::Cqe::new(
+                let mut wc = vrdma_core::ring::Cqe::new(
                     wr.wr_id,
                     vrdma_core::verbs::WcStatus::Success,
-                    vrdma_core::verbs::WcOpcode::RdmaWrite,
+                    wr.opcode.wc_opcode(),
                     self.qpn,
                 );
+                wc.byte_len = byte_len;
                 self.send_cq.inner.push_local(wc, Some((slots.clone(), seq)));
             }
             done += 1;

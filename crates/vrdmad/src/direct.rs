@@ -3,8 +3,8 @@
 //! memory and descriptors, and revokes them.
 //!
 //! What it keeps:
-//! - the memfd of every region that allows remote write, while the switch
-//!   is on (a region's descriptor is otherwise closed once mapped): the
+//! - the memfd of every region that allows remote write, read or atomics,
+//!   while the switch is on (a region's descriptor is otherwise closed once mapped): the
 //!   one thing the daemon cannot make again later, and what a grant
 //!   hands to the requester's process;
 //! - per requester QP with grants, a *window* page (a memfd of its own):
@@ -90,7 +90,7 @@ impl DirectDriver {
         if !self.enabled {
             return Err(DirectRefusal::Off);
         }
-        let g = hca.direct_grant_write(ctx, qp, rkey)?;
+        let g = hca.direct_grant(ctx, qp, rkey)?;
         let region = self.regions.get(&rkey).ok_or(DirectRefusal::NotGranted)?;
         let region_fd = region.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let fd_offset = region.fd_offset;
@@ -118,6 +118,7 @@ impl DirectDriver {
                 addr: g.addr,
                 len: g.len,
                 fd_offset,
+                rights: g.rights,
                 slot: g.slot,
                 generation: g.generation,
                 window_len,

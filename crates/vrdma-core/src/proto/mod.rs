@@ -217,13 +217,15 @@ pub enum Reply {
 }
 
 /// A direct-path grant as the library receives it (see
-/// [`crate::hca::WriteGrant`]).
+/// [`crate::hca::DirectGrant`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DirectGranted {
     pub responder: u32,
     pub addr: u64,
     pub len: u64,
     pub fd_offset: u64,
+    /// The remote rights granted (part of [`crate::hca::DIRECT_RIGHTS`]).
+    pub rights: crate::verbs::AccessFlags,
     pub slot: u32,
     pub generation: u32,
     /// Bytes of the window page, when it comes with this reply; 0 when

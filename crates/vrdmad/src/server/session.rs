@@ -287,8 +287,9 @@ impl Session {
                 let fd = fds.pop().expect("count checked");
                 let direct =
                     self.engine(move |e, c| e.hca.may_register(c, len).map(|()| e.direct.enabled))??;
-                // The direct path hands a writable region's memfd to peers.
-                let kept = if direct && access.contains(vrdma_core::verbs::AccessFlags::REMOTE_WRITE) {
+                // The direct path hands a remotely accessible region's
+                // memfd to peers.
+                let kept = if direct && access.intersects(vrdma_core::hca::DIRECT_RIGHTS) {
                     fd.try_clone().ok()
                 } else {
                     None
