@@ -47,6 +47,10 @@ pub enum Test {
     ReadLat,
     /// A stream of RDMA reads, `DEPTH` in flight (ib_read_bw).
     ReadBw,
+    /// Signaled fetch-and-adds of 1 on the peer's first word, one at a
+    /// time, polling the CQ; the sample is the whole atomic (a round trip,
+    /// as ib_atomic_lat reports it).
+    FetchAddLat,
     /// A stream of sends, `DEPTH` in flight, into receives the server keeps
     /// posted (ib_send_bw).
     SendBw,
@@ -61,6 +65,7 @@ impl Test {
             Test::WriteBw => "write-bw",
             Test::ReadLat => "read-lat",
             Test::ReadBw => "read-bw",
+            Test::FetchAddLat => "fetch-add-lat",
             Test::SendBw => "send-bw",
         }
     }
@@ -89,7 +94,10 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
     let ctx = Context::open().context("connecting to the daemon")?;
     let pd = ctx.alloc_pd()?;
     // Two halves: [0, size) receives, [size, 2*size) is the source.
-    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let access = AccessFlags::LOCAL_WRITE
+        | AccessFlags::REMOTE_WRITE
+        | AccessFlags::REMOTE_READ
+        | AccessFlags::REMOTE_ATOMIC;
     let mr = pd.alloc_mr(2 * size, access)?;
     let channel = (test == Test::SendLatEvent).then(|| ctx.create_comp_channel()).transpose()?;
     let cq = ctx.create_cq(4 * DEPTH, channel.as_ref())?;
@@ -114,7 +122,8 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
         Test::SendLat => side.send_lat(role, iters, false)?,
         Test::SendLatEvent => side.send_lat(role, iters, true)?,
         Test::WriteBw => side.stream_bw(role, iters, SendOpcode::RdmaWrite)?,
-        Test::ReadLat => side.read_lat(role, iters)?,
+        Test::ReadLat => side.one_at_a_time(role, iters, SendOpcode::RdmaRead)?,
+        Test::FetchAddLat => side.one_at_a_time(role, iters, SendOpcode::AtomicFetchAndAdd)?,
         Test::ReadBw => side.stream_bw(role, iters, SendOpcode::RdmaRead)?,
         Test::SendBw if role == Role::Server => side.send_bw_server(iters)?,
         Test::SendBw => side.stream_bw(role, iters, SendOpcode::Send)?,
@@ -275,7 +284,10 @@ impl Side {
 
     /// Reads 8 B of the server's source half into our receive half, one
     /// signaled read at a time; each sample is the whole read.
-    fn read_lat(&mut self, role: Role, iters: u64) -> Result<Outcome> {
+    /// Reads (of the peer's source half) or fetch-and-adds (of 1 on the
+    /// peer's first word, the old value into our first 8 bytes), one at a
+    /// time; each sample is a whole operation.
+    fn one_at_a_time(&mut self, role: Role, iters: u64, op: SendOpcode) -> Result<Outcome> {
         if role == Role::Server {
             return Ok(Outcome::default());
         }
@@ -283,13 +295,22 @@ impl Side {
         let mut samples = Vec::with_capacity(iters as usize);
         let deadline = Instant::now() + Duration::from_secs(120);
         for i in 1..=iters {
-            let mut wr = self.wr(i, SendOpcode::RdmaRead, 0, true)?;
-            wr.remote_addr = self.peer.addr + self.size as u64;
+            let wr = if op == SendOpcode::AtomicFetchAndAdd {
+                let mut wr = SendWr::new(i, op);
+                wr.sg = SgeList::from_slice(&[self.mr.sge(0, 8)?])?;
+                wr.flags |= SendFlags::SIGNALED;
+                (wr.remote_addr, wr.rkey, wr.compare_add) = (self.peer.addr, self.peer.rkey, 1);
+                wr
+            } else {
+                let mut wr = self.wr(i, op, 0, true)?;
+                wr.remote_addr = self.peer.addr + self.size as u64;
+                wr
+            };
             let start = Instant::now();
             self.qp.post_send(&[wr]).map_err(|e| anyhow!("post_send: {e}"))?;
             while self.reap(&mut wcs)? == 0 {
                 if Instant::now() > deadline {
-                    bail!("read {i} never completed");
+                    bail!("{op:?} {i} never completed");
                 }
             }
             samples.push(start.elapsed().as_nanos() as f64);
