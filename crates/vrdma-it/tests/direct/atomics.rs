@@ -138,3 +138,44 @@ fn direct_and_engine_atomics_on_one_word_count_exactly() -> Result<()> {
     assert_eq!(carried(&engine), 0);
     Ok(())
 }
+
+#[test]
+fn adds_racing_a_deregistration_all_apply_before_it_returns() -> Result<()> {
+    const MAX_ADDS: u64 = 1_000_000;
+    let d = DaemonProc::start_with_config(ON)?;
+    let (a, b) = pair(&d, 4096)?;
+    let mut mem = vec![0u64; 512];
+    let ptr = mem.as_mut_ptr();
+    // SAFETY: `mem` outlives the region and every atomic on it (the
+    // issuer is joined before `mem` drops); read below only atomically.
+    let mr = unsafe { b.pd.register_raw(ptr.cast(), 4096, vrdma_it::access_all())? };
+    let (addr, rkey) = (mr.addr(), mr.rkey());
+    // SAFETY: `ptr` is 8-aligned and lives as long as `mem`; every access
+    // to the word (the engine's, the direct path's, this) is atomic.
+    let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(ptr) };
+    let (last, ok, at_return) = std::thread::scope(|sc| -> Result<_> {
+        let issuer = sc.spawn(|| -> Result<(WcStatus, u64)> {
+            let end = Instant::now() + Duration::from_secs(30);
+            for i in 0..MAX_ADDS {
+                anyhow::ensure!(Instant::now() < end, "the adds never failed");
+                a.qp.post_send(&[wr::fetch_add(i, a.mr.sge(0, 8)?, addr, rkey, 1).signaled()])?;
+                let wc = poll_one(&a.cq, WAIT)?;
+                if wc.status != WcStatus::Success {
+                    return Ok((wc.status, i));
+                }
+            }
+            anyhow::bail!("{MAX_ADDS} adds and none failed")
+        });
+        vrdma_it::wait_until(WAIT, "direct adds", || carried(&a) >= 200)?;
+        drop(mr);
+        let at_return = word.load(std::sync::atomic::Ordering::SeqCst);
+        let (last, ok) = issuer.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the issuer panicked")))?;
+        Ok((last, ok, at_return))
+    })?;
+    assert_eq!(last, WcStatus::RemAccessErr);
+    let end = word.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(end, at_return, "an add applied after deregistration returned");
+    assert_eq!(end, ok, "every successful add applied once, no failed one");
+    drop(mem);
+    Ok(())
+}

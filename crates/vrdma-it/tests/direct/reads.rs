@@ -146,3 +146,46 @@ fn no_read_returns_a_byte_once_deregistration_returned() -> Result<()> {
     drop(mem);
     Ok(())
 }
+
+#[test]
+fn reads_racing_a_deregistration_never_return_bytes_written_after_it() -> Result<()> {
+    const MAX_READS: u64 = 1_000_000;
+    let d = DaemonProc::start_with_config(ON)?;
+    let (a, b) = pair(&d, 4096)?;
+    let mut mem = vec![0x11u8; 4096];
+    let ptr = mem.as_mut_ptr();
+    // SAFETY: `mem` outlives the region and every read of it (the reader
+    // is joined before `mem` drops); only raw writes touch it meanwhile.
+    let mr = unsafe { b.pd.register_raw(ptr, mem.len(), vrdma_it::access_all())? };
+    let (addr, rkey) = (mr.addr(), mr.rkey());
+    let (last, stale, ok) = std::thread::scope(|sc| -> Result<_> {
+        // Reads one after another until one fails.
+        let reader = sc.spawn(|| -> Result<(WcStatus, u64, u64)> {
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(30);
+            let (mut stale, mut ok) = (0u64, 0u64);
+            for i in 0..MAX_READS {
+                anyhow::ensure!(std::time::Instant::now() < end, "the reads never failed");
+                a.qp.post_send(&[wr::rdma_read(i, &[a.mr.sge(0, 64)?], addr, rkey)?.signaled()])?;
+                let wc = poll_one(&a.cq, WAIT)?;
+                if wc.status != WcStatus::Success {
+                    return Ok((wc.status, stale, ok));
+                }
+                ok += 1;
+                if a.mr.to_vec()[..64].iter().any(|&x| x != 0x11) {
+                    stale += 1;
+                }
+            }
+            anyhow::bail!("{MAX_READS} reads and none failed")
+        });
+        vrdma_it::wait_until(WAIT, "direct reads", || carried(&a) >= 200)?;
+        drop(mr);
+        // SAFETY: as above; the region is gone, so no read may see this.
+        unsafe { std::ptr::write_bytes(ptr, 0x22, 4096) };
+        reader.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the reader panicked")))
+    })?;
+    assert_eq!(last, WcStatus::RemAccessErr);
+    assert!(ok >= 200 && carried(&a) >= ok, "{ok} reads, {} carried", carried(&a));
+    assert_eq!(stale, 0, "a read returned bytes written after deregistration returned");
+    drop(mem);
+    Ok(())
+}
