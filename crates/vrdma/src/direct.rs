@@ -32,7 +32,8 @@ use std::sync::{Mutex, RwLock};
 
 use vrdma_core::hca::DirectRefusal;
 use vrdma_core::proto::{
-    DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_SLOTS,
+    DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_RECV,
+    DIRECT_WINDOW_SLOTS,
 };
 use vrdma_core::ring::SendWr;
 use vrdma_core::verbs::{AccessFlags, SendFlags, SendOpcode};
@@ -98,6 +99,13 @@ struct State {
     /// again, and the next such pause (doubling).
     pause: u32,
     next_pause: u32,
+    /// The receive grant (RDMA writes with immediate), while it stands.
+    recv: Option<crate::direct_recv::RecvTarget>,
+    /// The daemon never grants this QP its peer's receives.
+    recv_off: bool,
+    /// As `pause` and `next_pause`, for the receive grant.
+    recv_pause: u32,
+    recv_next_pause: u32,
 }
 
 /// A QP's direct-path state.
@@ -146,7 +154,7 @@ impl DirectQp {
         // Inline reads and atomics, and atomics shorter than their word,
         // are the engine's errors to report.
         let (right, remote_len) = match wr.opcode {
-            SendOpcode::RdmaWrite => (AccessFlags::REMOTE_WRITE, len),
+            SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => (AccessFlags::REMOTE_WRITE, len),
             SendOpcode::RdmaRead if !wr.is_inline() => (AccessFlags::REMOTE_READ, len),
             SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd if !wr.is_inline() && len >= 8 => {
                 (AccessFlags::REMOTE_ATOMIC, 8)
@@ -156,8 +164,12 @@ impl DirectQp {
         if len > DIRECT_MAX_BYTES {
             return Carried::Engine;
         }
-        let mut st = self.lock();
-        if st.off || st.refused.contains(&wr.rkey) {
+        // A write with immediate consumes the peer's receive: it needs the
+        // receive grant too (`crate::direct_recv`).
+        let needs_recv = wr.opcode == SendOpcode::RdmaWriteWithImm;
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        if st.off || st.refused.contains(&wr.rkey) || (needs_recv && st.recv_off) {
             return Carried::Engine;
         }
         if len == 0 {
@@ -207,6 +219,36 @@ impl DirectQp {
                 }
             }
         }
+        if needs_recv && st.recv.is_none() {
+            if st.recv_pause > 0 {
+                st.recv_pause -= 1;
+                return Carried::Engine;
+            }
+            match crate::direct_recv::ask(ctx, qpn) {
+                Ok((target, window)) => {
+                    if let Some(w) = window {
+                        // A new window: the key grants of the old one are
+                        // gone with it.
+                        st.window = Some(w);
+                        st.grants.clear();
+                    }
+                    st.recv = Some(target);
+                    st.recv_next_pause = 0;
+                    if !st.grants.contains_key(&wr.rkey) {
+                        return Carried::Engine;
+                    }
+                }
+                Err(Some(DirectRefusal::NotGranted | DirectRefusal::Full | DirectRefusal::Off)) => {
+                    st.recv_off = true;
+                    return Carried::Engine;
+                }
+                Err(_) => {
+                    st.recv_next_pause = (st.recv_next_pause * 2).clamp(16, 1 << 16);
+                    st.recv_pause = st.recv_next_pause;
+                    return Carried::Engine;
+                }
+            }
+        }
         let Some(window) = st.window.clone() else { return Carried::Engine };
         let g = st.grants.get(&wr.rkey).expect("present");
         // The opcode's right, and bounds within the region (the engine
@@ -246,16 +288,27 @@ impl DirectQp {
                 }
             }
         }
-        let (Some(inflight), Some(open), Some(slot)) = (
+        let (Some(inflight), Some(open), Some(slot), Some(recv_word)) = (
             window.word(DIRECT_WINDOW_INFLIGHT),
             window.word(DIRECT_WINDOW_OPEN),
             window.word(DIRECT_WINDOW_SLOTS + g.slot),
+            window.word(DIRECT_WINDOW_RECV),
         ) else {
             return Carried::Engine;
         };
         inflight.fetch_add(1, Ordering::SeqCst);
-        let granted = open.load(Ordering::SeqCst) == 1 && slot.load(Ordering::SeqCst) == g.generation;
-        if granted {
+        let key_ok = open.load(Ordering::SeqCst) == 1 && slot.load(Ordering::SeqCst) == g.generation;
+        let recv_ok =
+            !needs_recv || st.recv.as_ref().is_some_and(|r| recv_word.load(Ordering::SeqCst) == r.generation);
+        let granted = key_ok && recv_ok;
+        let mut busy = false;
+        if granted && needs_recv {
+            let target = st.recv.as_mut().expect("checked above");
+            // SAFETY: as for a write below (the same checks, the same
+            // announced copy).
+            let place = || unsafe { copy_into(&g.map, dst, wr) };
+            busy = matches!(target.deliver(qpn, wr, place), crate::direct_recv::Delivered::NotNow);
+        } else if granted {
             // SAFETY: `dst..dst+remote_len` lies inside the region (checked
             // above against the grant's length, and the mapping spans the
             // region from `inner`; an atomic's word is 8-aligned), which
@@ -282,9 +335,17 @@ impl DirectQp {
             if open.load(Ordering::SeqCst) != 1 {
                 st.window = None;
                 st.grants.clear();
-            } else {
+                st.recv = None;
+            } else if !key_ok {
                 st.grants.remove(&wr.rkey);
+            } else {
+                st.recv = None;
             }
+            return Carried::Engine;
+        }
+        if busy {
+            // No receive now, or its completion could not be delivered in
+            // order or within the CQ: the engine's (RNR, overrun).
             return Carried::Engine;
         }
         self.carried.fetch_add(1, Ordering::Relaxed);

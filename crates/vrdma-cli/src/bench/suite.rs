@@ -285,11 +285,11 @@ fn human(size: usize) -> String {
     }
 }
 
-/// The 8 B write, send, read and fetch-and-add latencies on daemons of
-/// our own with the direct path on and off (docs/direct-path.md),
-/// whatever the daemon of the rest does. The library carries writes,
-/// reads and atomics so far: the send figure on the "direct" daemon is the
-/// engine's too, and shows that it did not suffer. A read and an atomic
+/// The 8 B write, send, write with immediate, read and fetch-and-add
+/// latencies on daemons of our own with the direct path on and off
+/// (docs/direct-path.md), whatever the daemon of the rest does. The
+/// library carries all but sends so far: the send figure on the "direct"
+/// daemon is the engine's too, and shows that it did not suffer. A read and an atomic
 /// are round trips, beside the ping-pong's.
 fn direct_figures(
     args: &Args,
@@ -316,6 +316,10 @@ fn direct_figures(
         progress(&send);
         let lat = measure(dev.socket(), worker::Test::SendLat, 8, lat_iters, runs)?;
         out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
+        let imm = format!("RDMA write with immediate 8 B, one way, {path} (poll CQ)");
+        progress(&imm);
+        let lat = measure(dev.socket(), worker::Test::WriteImmLat, 8, lat_iters, runs)?;
+        out.push(latency(&imm, lat, "2-process shm ping-pong", pingpong, cores));
         let read = format!("RDMA read 8 B, whole read, {path} (poll CQ)");
         progress(&read);
         let lat = measure(dev.socket(), worker::Test::ReadLat, 8, lat_iters, runs)?;

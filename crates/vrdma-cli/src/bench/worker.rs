@@ -47,6 +47,9 @@ pub enum Test {
     ReadLat,
     /// A stream of RDMA reads, `DEPTH` in flight (ib_read_bw).
     ReadBw,
+    /// Ping-pong of RDMA writes with immediate, each side polling its CQ
+    /// for the receive each consumes (ib_write_lat with immediate).
+    WriteImmLat,
     /// Signaled fetch-and-adds of 1 on the peer's first word, one at a
     /// time, polling the CQ; the sample is the whole atomic (a round trip,
     /// as ib_atomic_lat reports it).
@@ -66,6 +69,7 @@ impl Test {
             Test::ReadLat => "read-lat",
             Test::ReadBw => "read-bw",
             Test::FetchAddLat => "fetch-add-lat",
+            Test::WriteImmLat => "write-imm-lat",
             Test::SendBw => "send-bw",
         }
     }
@@ -119,8 +123,9 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
     let mut side = Side { cq, channel, qp, mr, peer, size };
     let outcome = match test {
         Test::WriteLat => side.write_lat(role, iters)?,
-        Test::SendLat => side.send_lat(role, iters, false)?,
-        Test::SendLatEvent => side.send_lat(role, iters, true)?,
+        Test::SendLat => side.send_lat(role, iters, false, SendOpcode::Send)?,
+        Test::SendLatEvent => side.send_lat(role, iters, true, SendOpcode::Send)?,
+        Test::WriteImmLat => side.send_lat(role, iters, false, SendOpcode::RdmaWriteWithImm)?,
         Test::WriteBw => side.stream_bw(role, iters, SendOpcode::RdmaWrite)?,
         Test::ReadLat => side.one_at_a_time(role, iters, SendOpcode::RdmaRead)?,
         Test::FetchAddLat => side.one_at_a_time(role, iters, SendOpcode::AtomicFetchAndAdd)?,
@@ -231,7 +236,7 @@ impl Side {
     fn wait_recv(&self, wcs: &mut [WorkCompletion], event: bool, deadline: Instant) -> Result<()> {
         loop {
             let n = self.reap(wcs)?;
-            if wcs[..n].iter().any(|w| w.opcode == vrdma::WcOpcode::Recv) {
+            if wcs[..n].iter().any(|w| w.opcode.is_recv()) {
                 return Ok(());
             }
             if n > 0 {
@@ -245,7 +250,7 @@ impl Side {
                     self.cq.req_notify(false)?;
                     // The race rule: poll once more after arming.
                     let n = self.reap(wcs)?;
-                    if wcs[..n].iter().any(|w| w.opcode == vrdma::WcOpcode::Recv) {
+                    if wcs[..n].iter().any(|w| w.opcode.is_recv()) {
                         return Ok(());
                     }
                     ch.get_cq_event(Some(Duration::from_secs(5)))?;
@@ -254,7 +259,9 @@ impl Side {
         }
     }
 
-    fn send_lat(&mut self, role: Role, iters: u64, event: bool) -> Result<Outcome> {
+    /// `op`: sends, or RDMA writes with immediate into the peer's receive
+    /// half (each consuming a receive too).
+    fn send_lat(&mut self, role: Role, iters: u64, event: bool, op: SendOpcode) -> Result<Outcome> {
         let mut wcs = [WorkCompletion::default(); 16];
         for r in 0..DEPTH as u64 {
             self.post_recv(r)?;
@@ -264,16 +271,12 @@ impl Side {
         for i in 1..=iters {
             let start = Instant::now();
             if role == Role::Client {
-                self.qp
-                    .post_send(&[self.wr(i, SendOpcode::Send, self.size, true)?])
-                    .map_err(|e| anyhow!("{e}"))?;
+                self.qp.post_send(&[self.wr(i, op, self.size, true)?]).map_err(|e| anyhow!("{e}"))?;
             }
             self.wait_recv(&mut wcs, event, deadline)?;
             self.post_recv(i)?;
             if role == Role::Server {
-                self.qp
-                    .post_send(&[self.wr(i, SendOpcode::Send, self.size, true)?])
-                    .map_err(|e| anyhow!("{e}"))?;
+                self.qp.post_send(&[self.wr(i, op, self.size, true)?]).map_err(|e| anyhow!("{e}"))?;
             } else {
                 samples.push(start.elapsed().as_nanos() as f64 / 2.0);
             }
@@ -282,8 +285,6 @@ impl Side {
         Ok(Outcome { lat_ns: samples, messages: iters, ..Default::default() })
     }
 
-    /// Reads 8 B of the server's source half into our receive half, one
-    /// signaled read at a time; each sample is the whole read.
     /// Reads (of the peer's source half) or fetch-and-adds (of 1 on the
     /// peer's first word, the old value into our first 8 bytes), one at a
     /// time; each sample is a whole operation.
@@ -331,7 +332,7 @@ impl Side {
         let deadline = Instant::now() + Duration::from_secs(120);
         while got < total {
             let n = self.reap(&mut wcs)?;
-            for _ in wcs[..n].iter().filter(|w| w.opcode == vrdma::WcOpcode::Recv) {
+            for _ in wcs[..n].iter().filter(|w| w.opcode.is_recv()) {
                 got += 1;
                 if posted < total {
                     self.post_recv(posted)?;

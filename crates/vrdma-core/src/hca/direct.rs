@@ -77,6 +77,23 @@ pub struct DirectGrant {
     pub new_window: bool,
 }
 
+/// A requester QP's grant to claim its peer's receives itself (RDMA
+/// write with immediate, `docs/direct-path.md`): the peer's receive queue
+/// and its completion inbox, and the peer's receive CQ for the order and
+/// depth checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvGrant {
+    pub requester: u32,
+    pub responder: u32,
+    /// The responder's receive CQ.
+    pub recv_cq: u32,
+    /// What the window's receive word holds while the grant stands.
+    pub generation: u32,
+    pub new_window: bool,
+    /// The port's LID, for the responder's completion (`slid`).
+    pub lid: u16,
+}
+
 /// What the driver must close in shared memory, then wait for the
 /// window's in-flight count to drain before the operation that caused it
 /// returns.
@@ -87,6 +104,8 @@ pub enum Revocation {
     Window { requester: u32 },
     /// One slot of a window that stays open.
     Slot { requester: u32, slot: u32 },
+    /// The receive grant of a window that stays open.
+    Recv { requester: u32 },
 }
 
 #[derive(Debug, Default)]
@@ -106,6 +125,8 @@ struct Window {
     /// Slots freed by revocation, used again first.
     free: Vec<u32>,
     next_slot: u32,
+    /// The receive grant's generation, if one stands.
+    recv: Option<u32>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -166,10 +187,7 @@ impl Hca {
             _ => {
                 // A window towards another responder (the QP was reset and
                 // connected elsewhere) was revoked by then; start afresh.
-                self.direct.windows.insert(
-                    qpn,
-                    Window { responder, slots: IdMap::default(), free: Vec::new(), next_slot: 0 },
-                );
+                self.direct_new_window(qpn, responder);
                 true
             }
         };
@@ -196,6 +214,52 @@ impl Hca {
         Ok(DirectGrant { requester: qpn, responder, key, addr, len, rights, slot, generation, new_window })
     }
 
+    fn direct_new_window(&mut self, qpn: u32, responder: u32) {
+        let w = Window { responder, slots: IdMap::default(), free: Vec::new(), next_slot: 0, recv: None };
+        self.direct.windows.insert(qpn, w);
+    }
+
+    /// The receive CQ of `responder`, if a requester may claim its
+    /// receives now: its own receive queue (no SRQ), and no receive the
+    /// core took from it and gave back (`requeued`: a claim from the ring
+    /// would overtake it).
+    fn direct_recv_target(&self, responder: u32) -> Option<u32> {
+        let r = self.qps.get(&responder)?;
+        (r.init.srq.is_none() && r.requeued.is_empty()).then_some(r.init.recv_cq)
+    }
+
+    /// Grants `ctx`'s QP `qpn` claiming its peer's receives itself, for
+    /// RDMA writes with immediate: the pair as for [`Hca::direct_grant`],
+    /// then the responder's receive queue ([`DirectRefusal::NotNow`] while
+    /// it has an SRQ or receives given back). Asking again while it
+    /// stands answers the same generation.
+    pub fn direct_grant_recv(&mut self, ctx: ContextId, qpn: u32) -> Result<RecvGrant, DirectRefusal> {
+        match self.qps.get(&qpn) {
+            Some(q) if q.ctx == ctx => {}
+            _ => return Err(DirectRefusal::NotNow),
+        }
+        let responder = self.direct_pair(qpn).ok_or(DirectRefusal::NotNow)?;
+        let recv_cq = self.direct_recv_target(responder).ok_or(DirectRefusal::NotNow)?;
+        let new_window = match self.direct.windows.get(&qpn) {
+            Some(w) if w.responder == responder => false,
+            _ => {
+                self.direct_new_window(qpn, responder);
+                true
+            }
+        };
+        let generation = match self.direct.windows[&qpn].recv {
+            Some(g) => g,
+            None => {
+                self.direct.granted += 1;
+                let g = (self.direct.granted as u32).max(1);
+                self.direct.windows.get_mut(&qpn).expect("present").recv = Some(g);
+                g
+            }
+        };
+        let lid = self.config.port.lid;
+        Ok(RecvGrant { requester: qpn, responder, recv_cq, generation, new_window, lid })
+    }
+
     /// Checks every grant again if anything they depend on changed since
     /// the last call, and returns those that no longer hold (removed from
     /// the table). Cheap when nothing changed.
@@ -211,6 +275,10 @@ impl Hca {
                 self.direct.windows.remove(&qpn);
                 out.push(Revocation::Window { requester: qpn });
                 continue;
+            }
+            if self.direct.windows[&qpn].recv.is_some() && self.direct_recv_target(responder).is_none() {
+                self.direct.windows.get_mut(&qpn).expect("present").recv = None;
+                out.push(Revocation::Recv { requester: qpn });
             }
             let keys: Vec<(u32, Slot)> =
                 self.direct.windows[&qpn].slots.iter().map(|(&k, &s)| (k, s)).collect();

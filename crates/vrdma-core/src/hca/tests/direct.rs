@@ -170,3 +170,54 @@ fn the_requesters_context_closing_drops_its_window() {
     revoked_window(&mut env, a.qpn);
     assert_eq!(env.hca.direct_counts().0, 0);
 }
+
+#[test]
+fn a_receive_grant_names_the_peers_receive_cq_and_is_asked_again_the_same() {
+    let (mut env, a, b) = Env::pair();
+    let g = env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    assert_eq!((g.requester, g.responder, g.recv_cq), (a.qpn, b.qpn, b.cq));
+    assert!(g.new_window && g.generation != 0);
+    assert_eq!(g.lid, env.hca.config().port.lid);
+    let again = env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    assert_eq!((again.generation, again.new_window), (g.generation, false));
+    // Key grants share its window.
+    assert!(!env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().new_window);
+    assert_eq!(env.hca.direct_grant_recv(C2, a.qpn), Err(DirectRefusal::NotNow), "only the owner asks");
+    assert!(env.hca.direct_revocations().is_empty());
+}
+
+#[test]
+fn a_peer_with_an_srq_is_not_granted_its_receives() {
+    let mut env = Env::new();
+    let a = env.end(C1);
+    let pd = env.hca.alloc_pd(C2).unwrap();
+    let (cq, _) = env.hca.create_cq(C2, 64).unwrap();
+    let (srq, _) = env.hca.create_srq(C2, pd, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 0 }).unwrap();
+    let b = env.qp(C2, pd, qp_init(cq, cq, Some(srq)));
+    env.connect(a.qpn, b);
+    env.connect(b, a.qpn);
+    assert_eq!(env.hca.direct_grant_recv(C1, a.qpn), Err(DirectRefusal::NotNow));
+}
+
+#[test]
+fn a_receive_given_back_to_the_core_revokes_the_receive_grant_only() {
+    let (mut env, a, b) = Env::pair();
+    let k = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
+    env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    // The core holds a receive of b's that the ring no longer has: a claim
+    // from the ring would overtake it.
+    env.hca.requeue_recv(b.qpn, recv(5, &[b.buf.sge(0, 8)]));
+    assert_eq!(env.hca.direct_revocations(), vec![Revocation::Recv { requester: a.qpn }]);
+    assert!(env.hca.direct_window_open(a.qpn), "the window and its key grants stay");
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().generation, k.generation);
+    assert_eq!(env.hca.direct_grant_recv(C1, a.qpn), Err(DirectRefusal::NotNow));
+}
+
+#[test]
+fn the_peer_leaving_rts_revokes_the_receive_grant_with_its_window() {
+    let (mut env, a, b) = Env::pair();
+    env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    let err = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+    env.modify(b.qpn, &err, QpAttrMask::STATE).unwrap();
+    revoked_window(&mut env, a.qpn);
+}
