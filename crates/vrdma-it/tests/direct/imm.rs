@@ -148,3 +148,31 @@ fn a_peer_whose_receive_cq_has_a_channel_is_served_by_the_engine() -> Result<()>
     assert_eq!(carried(&a), 0, "a receive CQ with a channel stays on the engine");
     Ok(())
 }
+
+#[test]
+fn inbox_entries_count_against_the_peers_cq_and_an_overrun_is_the_engines() -> Result<()> {
+    use vrdma::{AsyncEvent, AsyncEventType};
+    let d = DaemonProc::start_with_config(ON)?;
+    let a = Side::new(&d.context()?, 4096)?;
+    let ctx = d.context()?;
+    let b = Side::with(&ctx, 4096, 4, vrdma_it::cap(16, 1), None)?;
+    connect(&a, &b)?;
+    let depth = b.cq.depth() as u64;
+    for id in 0..=depth {
+        recv(&b, id)?;
+    }
+    // The peer polls nothing: its CQ's depth of them are carried into the
+    // inbox, the next is the engine's, which finds the CQ full.
+    for id in 0..depth {
+        a.qp.post_send(&[write_imm(&a, &b, id, 8, 0, id as u32)?])?;
+        assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
+    }
+    assert_eq!(carried(&a), depth);
+    a.qp.post_send(&[write_imm(&a, &b, depth, 8, 0, 0)?])?;
+    let event = vrdma_it::async_event(&ctx, WAIT)?;
+    assert_eq!(event, AsyncEvent { event_type: AsyncEventType::CqErr, element: b.cq.cqn() });
+    assert_eq!(carried(&a), depth, "the one that did not fit took the engine");
+    let got = poll_n(&b.cq, depth as usize, WAIT)?;
+    assert!(got.iter().enumerate().all(|(i, w)| w.wr_id == i as u64 && w.status == WcStatus::Success));
+    Ok(())
+}
