@@ -74,6 +74,17 @@ pub enum RingError {
     BadBuffer { got: usize, stride: usize },
 }
 
+/// What [`RingView::try_claim`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Claim {
+    /// Nothing to take.
+    Empty,
+    /// The oldest entry was shown and refused; it stays.
+    Refused,
+    /// The oldest entry is ours (in the buffer).
+    Taken,
+}
+
 /// One side's view of a ring in shared memory.
 ///
 /// The view works for either side: a process uses the producer methods
@@ -368,6 +379,50 @@ impl RingView {
         Ok(true)
     }
 
+    /// Consumer side, for a ring with a consumer in each of two processes
+    /// (a receive queue that the daemon's engine and a direct-path
+    /// requester both take from, `docs/direct-path.md`): copies the oldest
+    /// entry into `out[..stride]`, shows it to `take`, and if `take` says
+    /// yes claims it with a compare-and-swap on the consumer index, so that
+    /// each entry is taken by exactly one consumer. An entry the other
+    /// consumer took first is let go and the next one looked at (bounded:
+    /// after `capacity` such races it answers `Empty`).
+    pub fn try_claim(&self, out: &mut [u8], mut take: impl FnMut(&[u8]) -> bool) -> Result<Claim, RingError> {
+        if out.len() < self.stride {
+            return Err(RingError::BadBuffer { got: out.len(), stride: self.stride });
+        }
+        let _guard = lock(&self.consumer);
+        for _ in 0..=self.capacity {
+            let consumer = self.consumer_index().load(Ordering::Acquire);
+            let producer = self.producer_index().load(Ordering::Acquire);
+            // The other consumer may have moved the index (and the
+            // producer refilled) between the two loads: a distance read
+            // so is no corruption. Only one read between two equal
+            // consumer indices is believed.
+            if self.consumer_index().load(Ordering::Acquire) != consumer {
+                continue;
+            }
+            if self.distance(producer, consumer)? == 0 {
+                return Ok(Claim::Empty);
+            }
+            // SAFETY: as in `try_pop`. The slot may be released by the
+            // other consumer meanwhile and refilled; the compare-and-swap
+            // below then fails and the copy is dropped.
+            unsafe { std::ptr::copy_nonoverlapping(self.slot(consumer), out.as_mut_ptr(), self.stride) };
+            if !take(&out[..self.stride]) {
+                return Ok(Claim::Refused);
+            }
+            if self
+                .consumer_index()
+                .compare_exchange(consumer, consumer.wrapping_add(1), Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return Ok(Claim::Taken);
+            }
+        }
+        Ok(Claim::Empty)
+    }
+
     /// Consumer side: drops every published entry (a queue reset).
     /// Returns how many were dropped.
     pub fn discard_all(&self) -> Result<u32, RingError> {
@@ -403,6 +458,60 @@ mod tests {
         let p = RingView::in_segment(seg, 4096, capacity, stride).unwrap();
         let c = RingView::in_segment(other, 4096, capacity, stride).unwrap();
         (p, c)
+    }
+
+    #[test]
+    fn two_claiming_consumers_take_each_entry_once_in_order() {
+        const N: u32 = 20_000;
+        // A producer and two consumers, each in "another process" (its
+        // own mapping).
+        let seg = Arc::new(Segment::create("vrdma-ring", 4096 + ring_bytes(64, 8)).unwrap());
+        let view = || {
+            let m = Arc::new(Segment::map_trusted(seg.try_clone_fd().unwrap(), seg.len()).unwrap());
+            RingView::in_segment(m, 4096, 64, 8).unwrap()
+        };
+        let (p, c, c2) = (view(), view(), view());
+        let mut out = [0u8; 8];
+        // Refused: stays for the next look.
+        assert!(p.try_push_bytes(&7u64.to_le_bytes()).unwrap());
+        assert_eq!(c2.try_claim(&mut out, |_| false), Ok(Claim::Refused));
+        assert_eq!(c.try_claim(&mut out, |_| true), Ok(Claim::Taken));
+        assert_eq!(u64::from_le_bytes(out), 7);
+        assert_eq!(c2.try_claim(&mut out, |_| true), Ok(Claim::Empty));
+        fn take(v: &RingView) -> Vec<u64> {
+            let mut got = Vec::new();
+            let mut out = [0u8; 8];
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(20);
+            while std::time::Instant::now() < end {
+                match v.try_claim(&mut out, |_| true).unwrap() {
+                    Claim::Taken => {
+                        let x = u64::from_le_bytes(out);
+                        if x == u64::MAX {
+                            break;
+                        }
+                        got.push(x);
+                    }
+                    _ => std::hint::spin_loop(),
+                }
+            }
+            got
+        }
+        let taken = std::thread::scope(|sc| {
+            let (c, c2) = (&c, &c2);
+            let t1 = sc.spawn(move || take(c));
+            let t2 = sc.spawn(move || take(c2));
+            for i in (0..N as u64).chain([u64::MAX, u64::MAX]) {
+                while !p.try_push_bytes(&i.to_le_bytes()).unwrap() {
+                    std::hint::spin_loop();
+                }
+            }
+            (t1.join().unwrap(), t2.join().unwrap())
+        });
+        // Each in order, together every entry once.
+        assert!(taken.0.windows(2).all(|w| w[0] < w[1]) && taken.1.windows(2).all(|w| w[0] < w[1]));
+        let mut all: Vec<u64> = taken.0.into_iter().chain(taken.1).collect();
+        all.sort_unstable();
+        assert!(all.iter().copied().eq(0..N as u64));
     }
 
     #[test]

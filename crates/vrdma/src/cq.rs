@@ -67,6 +67,17 @@ pub(crate) struct CqInner {
     /// before it pushes.
     local: Mutex<std::collections::VecDeque<LocalWc>>,
     local_len: std::sync::atomic::AtomicUsize,
+    /// The inboxes of the QPs whose receives complete here (the direct
+    /// path on): completions a direct-path requester pushed for receives
+    /// it claimed. Polled after the local queue and before the ring: a
+    /// requester claims a QP's receive only while every receive
+    /// completion of the QP the engine pushed into the ring was polled
+    /// (counted in the inbox's [`proto::INBOX_AUX_ENGINE_PUSHED`] and
+    /// [`proto::INBOX_AUX_ENGINE_POLLED`] words), and those pushed after it
+    /// wait behind the inbox (`docs/direct-path.md`). Their entries count
+    /// against the depth (the engine adds them up before it pushes).
+    inboxes: std::sync::RwLock<Vec<(u32, Arc<RingView>)>>,
+    inbox_count: std::sync::atomic::AtomicUsize,
 }
 
 /// A send queue's slot counts, shared by its QP (which admits WRs) and
@@ -132,6 +143,11 @@ impl CqInner {
             }
             self.publish_local(local.len());
         }
+        let inboxes = self.inbox_count.load(Ordering::Acquire) > 0;
+        if inboxes {
+            n += self.poll_inboxes(&mut out[n..]);
+        }
+        let from_ring = n;
         while n < out.len() {
             match self.ring.try_pop(&mut slot) {
                 Ok(true) => {}
@@ -157,7 +173,67 @@ impl CqInner {
             held += 1;
         }
         self.free_send_slots(&freed[..held]);
+        if inboxes {
+            self.polled_from_ring(&out[from_ring..n]);
+        }
         Ok(n)
+    }
+
+    /// Pops what the inboxes hold into `out`; how many.
+    fn poll_inboxes(&self, out: &mut [WorkCompletion]) -> usize {
+        let mut slot = [0u8; CQE_SIZE];
+        let mut n = 0;
+        let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
+        for (_, inbox) in inboxes.iter() {
+            while n < out.len() && matches!(inbox.try_pop(&mut slot), Ok(true)) {
+                out[n] = Cqe::decode(&slot);
+                n += 1;
+            }
+        }
+        n
+    }
+
+    /// Counts receive completions of QPs with an inbox polled from the
+    /// ring (see `inboxes`).
+    fn polled_from_ring(&self, wcs: &[WorkCompletion]) {
+        let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
+        for wc in wcs.iter().filter(|w| w.opcode.is_recv()) {
+            if let Some((_, inbox)) = inboxes.iter().find(|(q, _)| *q == wc.qp_num) {
+                inbox.aux(proto::INBOX_AUX_ENGINE_POLLED).fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Entries the inboxes hold (they count against the depth).
+    fn inbox_entries(&self) -> usize {
+        if self.inbox_count.load(Ordering::Acquire) == 0 {
+            return 0;
+        }
+        let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
+        inboxes.iter().map(|(_, r)| r.len().unwrap_or(0) as usize).sum()
+    }
+
+    /// Polls `qpn`'s inbox from now on (a QP created with the direct path
+    /// on, whose receives complete here).
+    pub(crate) fn add_inbox(&self, qpn: u32, inbox: Arc<RingView>) {
+        let mut inboxes = self.inboxes.write().unwrap_or_else(|p| p.into_inner());
+        inboxes.push((qpn, inbox));
+        self.inbox_count.store(inboxes.len(), Ordering::Release);
+    }
+
+    /// Stops polling `qpn`'s inbox (the QP is destroyed); what it still
+    /// holds moves to the local queue, as the ring keeps a destroyed
+    /// QP's completions.
+    pub(crate) fn remove_inbox(&self, qpn: u32) {
+        let mut inboxes = self.inboxes.write().unwrap_or_else(|p| p.into_inner());
+        let Some(i) = inboxes.iter().position(|(q, _)| *q == qpn) else { return };
+        let (_, inbox) = inboxes.swap_remove(i);
+        self.inbox_count.store(inboxes.len(), Ordering::Release);
+        drop(inboxes);
+        let mut slot = [0u8; CQE_SIZE];
+        while matches!(inbox.try_pop(&mut slot), Ok(true)) {
+            self.push_local(Cqe::decode(&slot), None);
+        }
     }
 
     /// Moves the freed-slot counts of the QPs in `freed`.
@@ -193,7 +269,9 @@ impl CqInner {
     /// before it pushes; see `docs/direct-path.md` for the one race left.)
     pub(crate) fn has_room(&self) -> bool {
         let ring = self.ring.len().unwrap_or(self.depth);
-        (ring as usize).saturating_add(self.local_len.load(Ordering::Acquire)) < self.depth as usize
+        let direct_in = self.inbox_entries();
+        (ring as usize).saturating_add(self.local_len.load(Ordering::Acquire)).saturating_add(direct_in)
+            < self.depth as usize
     }
 
     /// Queues a completion of a WR carried by the direct path.
@@ -304,6 +382,8 @@ impl CompletionQueue {
                 send_queues: Mutex::new(HashMap::new()),
                 local: Mutex::default(),
                 local_len: Default::default(),
+                inboxes: Default::default(),
+                inbox_count: Default::default(),
             }),
         })
     }

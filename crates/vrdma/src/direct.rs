@@ -1,21 +1,28 @@
-//! The direct path's front end (`docs/direct-path.md`): RDMA writes that
-//! this library performs itself, into a peer QP's region that the daemon
-//! granted, when the peer is a QP of the same tenant on the same host.
+//! The direct path's front end (`docs/direct-path.md`): RDMA writes, RDMA
+//! reads and atomics that this library performs itself, on a peer QP's
+//! region that the daemon granted, when the peer is a QP of the same
+//! tenant on the same host.
 //!
 //! The library is trusted here exactly as far as the kernel already
 //! trusts it: a process may read and write the memory of another process
 //! of its uid, so a grant exposes nothing new. What the daemon still
 //! decides is *whether* and *until when*: every grant is checked as the
-//! engine checks a write (pair, key, PD, access) and lives in a window
+//! engine checks each opcode (pair, key, PD, access: the grant's rights)
+//! and lives in a window
 //! page whose words the daemon clears before a deregistration, a state
 //! change or a destruction returns. Around each copy this module
 //! announces itself in the window's in-flight count, then reads the open
 //! word and the grant's generation (`SeqCst` on both sides: either the
 //! daemon sees the count or the copy sees the cleared word).
 //!
+//! Atomics use the engine's own word operations (`AtomicU64`
+//! compare-exchange and fetch-add, `SeqCst`) on the same memfd pages, so
+//! they are atomic against the engine's atomics on the same word.
+//!
 //! Whatever this module cannot prove it may do (another opcode, a key
-//! it has no grant for, an address outside the region, an lkey it does
-//! not know, work of the QP still on the engine path) goes to the engine
+//! it has no grant for or no right of the opcode on, an address outside
+//! the region or a misaligned atomic, an lkey it does not know or may not
+//! write, work of the QP still on the engine path) goes to the engine
 //! unchanged, which then does what it always did, errors included: the
 //! direct path never reports an error of its own.
 
@@ -25,10 +32,11 @@ use std::sync::{Mutex, RwLock};
 
 use vrdma_core::hca::DirectRefusal;
 use vrdma_core::proto::{
-    DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_SLOTS,
+    DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_RECV,
+    DIRECT_WINDOW_SLOTS,
 };
 use vrdma_core::ring::SendWr;
-use vrdma_core::verbs::{SendFlags, SendOpcode};
+use vrdma_core::verbs::{AccessFlags, SendFlags, SendOpcode};
 use vrdma_shm::{page_size, Mapping, WordPage};
 
 use crate::context::Context;
@@ -39,16 +47,27 @@ use crate::context::Context;
 pub const DIRECT_MAX_BYTES: u64 = 64 << 10;
 
 /// The regions of a PD registered in this process, by key: what a direct
-/// write may read its local SGEs from. A region leaves (under the write
-/// lock, so after every copy reading it) before it is deregistered.
+/// write may read its local SGEs from, and a direct read or atomic write
+/// its results into (those need `LOCAL_WRITE`, as the engine checks). A
+/// region leaves (under the write lock, so after every copy touching it)
+/// before it is deregistered.
 #[derive(Debug, Default)]
 pub(crate) struct LocalKeys {
-    keys: RwLock<HashMap<u32, (u64, u64)>>,
+    keys: RwLock<HashMap<u32, LocalKey>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct LocalKey {
+    addr: u64,
+    len: u64,
+    /// Registered with `LOCAL_WRITE`.
+    writable: bool,
 }
 
 impl LocalKeys {
-    pub(crate) fn insert(&self, key: u32, addr: u64, len: u64) {
-        self.keys.write().unwrap_or_else(|p| p.into_inner()).insert(key, (addr, len));
+    pub(crate) fn insert(&self, key: u32, addr: u64, len: u64, access: AccessFlags) {
+        let k = LocalKey { addr, len, writable: access.contains(AccessFlags::LOCAL_WRITE) };
+        self.keys.write().unwrap_or_else(|p| p.into_inner()).insert(key, k);
     }
 
     pub(crate) fn remove(&self, key: u32) {
@@ -62,6 +81,8 @@ struct Grant {
     inner: usize,
     addr: u64,
     len: u64,
+    /// The remote rights granted (`DIRECT_RIGHTS` of the core).
+    rights: AccessFlags,
     slot: usize,
     generation: u32,
 }
@@ -78,6 +99,13 @@ struct State {
     /// again, and the next such pause (doubling).
     pause: u32,
     next_pause: u32,
+    /// The receive grant (RDMA writes with immediate), while it stands.
+    recv: Option<crate::direct_recv::RecvTarget>,
+    /// The daemon never grants this QP its peer's receives.
+    recv_off: bool,
+    /// As `pause` and `next_pause`, for the receive grant.
+    recv_pause: u32,
+    recv_next_pause: u32,
 }
 
 /// A QP's direct-path state.
@@ -96,8 +124,10 @@ impl std::fmt::Debug for DirectQp {
 
 /// What became of a WR offered to the direct path.
 pub(crate) enum Carried {
-    /// Done: placed at the peer; the requester's completion is the caller's.
-    Done,
+    /// Done: placed at (or read from) the peer; the requester's
+    /// completion, with this `byte_len` (the engine's: the message length
+    /// for reads and atomics, 0 for writes), is the caller's.
+    Done { byte_len: u32 },
     /// Not for the direct path: post it to the engine.
     Engine,
 }
@@ -112,18 +142,34 @@ impl DirectQp {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Carries `wr` (an RDMA write, already checked against the QP's
-    /// limits) itself if it can; reads local SGEs through `local`.
-    pub(crate) fn try_write(&self, ctx: &Context, qpn: u32, local: &LocalKeys, wr: &SendWr) -> Carried {
-        if wr.opcode != SendOpcode::RdmaWrite || wr.flags.contains(SendFlags::SOLICITED) {
+    /// Carries `wr` (an RDMA write, an RDMA read or an atomic, already
+    /// checked against the QP's limits) itself if it can; checks local
+    /// SGEs through `local`.
+    pub(crate) fn try_carry(&self, ctx: &Context, qpn: u32, local: &LocalKeys, wr: &SendWr) -> Carried {
+        if wr.flags.contains(SendFlags::SOLICITED) {
             return Carried::Engine;
         }
         let len = wr.msg_len();
+        // The right the opcode needs and the remote bytes it touches.
+        // Inline reads and atomics, and atomics shorter than their word,
+        // are the engine's errors to report.
+        let (right, remote_len) = match wr.opcode {
+            SendOpcode::RdmaWrite | SendOpcode::RdmaWriteWithImm => (AccessFlags::REMOTE_WRITE, len),
+            SendOpcode::RdmaRead if !wr.is_inline() => (AccessFlags::REMOTE_READ, len),
+            SendOpcode::AtomicCmpAndSwp | SendOpcode::AtomicFetchAndAdd if !wr.is_inline() && len >= 8 => {
+                (AccessFlags::REMOTE_ATOMIC, 8)
+            }
+            _ => return Carried::Engine,
+        };
         if len > DIRECT_MAX_BYTES {
             return Carried::Engine;
         }
-        let mut st = self.lock();
-        if st.off || st.refused.contains(&wr.rkey) {
+        // A write with immediate consumes the peer's receive: it needs the
+        // receive grant too (`crate::direct_recv`).
+        let needs_recv = wr.opcode == SendOpcode::RdmaWriteWithImm;
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        if st.off || st.refused.contains(&wr.rkey) || (needs_recv && st.recv_off) {
             return Carried::Engine;
         }
         if len == 0 {
@@ -152,6 +198,7 @@ impl DirectQp {
                             inner,
                             addr: g.addr,
                             len: g.len,
+                            rights: g.rights,
                             slot: g.slot as usize,
                             generation: g.generation,
                         },
@@ -172,45 +219,113 @@ impl DirectQp {
                 }
             }
         }
+        if needs_recv && st.recv.is_none() {
+            if st.recv_pause > 0 {
+                st.recv_pause -= 1;
+                return Carried::Engine;
+            }
+            match crate::direct_recv::ask(ctx, qpn) {
+                Ok((target, window)) => {
+                    if let Some(w) = window {
+                        // A new window: the key grants of the old one are
+                        // gone with it.
+                        st.window = Some(w);
+                        st.grants.clear();
+                    }
+                    st.recv = Some(target);
+                    st.recv_next_pause = 0;
+                    if !st.grants.contains_key(&wr.rkey) {
+                        return Carried::Engine;
+                    }
+                }
+                Err(Some(DirectRefusal::NotGranted | DirectRefusal::Full | DirectRefusal::Off)) => {
+                    st.recv_off = true;
+                    return Carried::Engine;
+                }
+                Err(_) => {
+                    st.recv_next_pause = (st.recv_next_pause * 2).clamp(16, 1 << 16);
+                    st.recv_pause = st.recv_next_pause;
+                    return Carried::Engine;
+                }
+            }
+        }
         let Some(window) = st.window.clone() else { return Carried::Engine };
         let g = st.grants.get(&wr.rkey).expect("present");
-        // Bounds within the region (the engine says REM_ACCESS_ERR).
-        let Some(off) =
-            wr.remote_addr.checked_sub(g.addr).filter(|o| o.checked_add(len).is_some_and(|e| e <= g.len))
+        // The opcode's right, and bounds within the region (the engine
+        // says REM_ACCESS_ERR otherwise).
+        if !g.rights.contains(right) {
+            return Carried::Engine;
+        }
+        let Some(off) = wr
+            .remote_addr
+            .checked_sub(g.addr)
+            .filter(|o| o.checked_add(remote_len).is_some_and(|e| e <= g.len))
         else {
             return Carried::Engine;
         };
+        let dst = g.inner + off as usize;
+        // An atomic's word is 8-aligned in the address the requester names
+        // and in memory (the engine says REM_INV_REQ otherwise; the
+        // mapping starts on a page, as the daemon's does).
+        if right == AccessFlags::REMOTE_ATOMIC
+            && (!wr.remote_addr.is_multiple_of(8) || !(g.map.as_ptr() as usize + dst).is_multiple_of(8))
+        {
+            return Carried::Engine;
+        }
         let keys = local.keys.read().unwrap_or_else(|p| p.into_inner());
-        // Every local SGE inside a region of this PD registered here (the
+        // Every local SGE inside a region of this PD registered here, one
+        // registered with local write where the result lands there (the
         // engine says LOC_PROT_ERR otherwise).
+        let writes_local = wr.opcode.writes_local();
         if !wr.is_inline() {
             for s in wr.sg.as_slice().iter().filter(|s| s.length > 0) {
-                let ok = keys.get(&s.lkey).is_some_and(|&(a, l)| {
-                    s.addr.checked_sub(a).is_some_and(|o| o + u64::from(s.length) <= l)
+                let ok = keys.get(&s.lkey).is_some_and(|k| {
+                    (k.writable || !writes_local)
+                        && s.addr.checked_sub(k.addr).is_some_and(|o| o + u64::from(s.length) <= k.len)
                 });
                 if !ok {
                     return Carried::Engine;
                 }
             }
         }
-        let (Some(inflight), Some(open), Some(slot)) = (
+        let (Some(inflight), Some(open), Some(slot), Some(recv_word)) = (
             window.word(DIRECT_WINDOW_INFLIGHT),
             window.word(DIRECT_WINDOW_OPEN),
             window.word(DIRECT_WINDOW_SLOTS + g.slot),
+            window.word(DIRECT_WINDOW_RECV),
         ) else {
             return Carried::Engine;
         };
         inflight.fetch_add(1, Ordering::SeqCst);
-        let granted = open.load(Ordering::SeqCst) == 1 && slot.load(Ordering::SeqCst) == g.generation;
-        if granted {
-            let dst = g.inner + off as usize;
-            // SAFETY: `dst..dst+len` lies inside the region (checked above
-            // against the grant's length, and the mapping spans the region
-            // from `inner`), which the grant still stands for (the words
-            // read after announcing the copy). Sources are the inline bytes
-            // or local regions registered in this process, checked above
-            // and kept registered by the read lock held.
-            unsafe { copy_into(&g.map, dst, wr) };
+        let key_ok = open.load(Ordering::SeqCst) == 1 && slot.load(Ordering::SeqCst) == g.generation;
+        let recv_ok =
+            !needs_recv || st.recv.as_ref().is_some_and(|r| recv_word.load(Ordering::SeqCst) == r.generation);
+        let granted = key_ok && recv_ok;
+        let mut busy = false;
+        if granted && needs_recv {
+            let target = st.recv.as_mut().expect("checked above");
+            // SAFETY: as for a write below (the same checks, the same
+            // announced copy).
+            let place = || unsafe { copy_into(&g.map, dst, wr) };
+            busy = matches!(target.deliver(qpn, wr, place), crate::direct_recv::Delivered::NotNow);
+        } else if granted {
+            // SAFETY: `dst..dst+remote_len` lies inside the region (checked
+            // above against the grant's length, and the mapping spans the
+            // region from `inner`; an atomic's word is 8-aligned), which
+            // the grant still stands for (the words read after announcing
+            // the copy). Local memory is the inline bytes or regions
+            // registered in this process (writable where written), checked
+            // above and kept registered by the read lock held.
+            unsafe {
+                match right {
+                    AccessFlags::REMOTE_WRITE => copy_into(&g.map, dst, wr),
+                    AccessFlags::REMOTE_READ => scatter(wr, g.map.as_ptr().add(dst), len as usize),
+                    _ => {
+                        let old = atomic_op(g.map.as_ptr().add(dst), wr).to_le_bytes();
+                        scatter(wr, old.as_ptr(), old.len());
+                    }
+                }
+            }
         }
         inflight.fetch_sub(1, Ordering::SeqCst);
         drop(keys);
@@ -220,13 +335,21 @@ impl DirectQp {
             if open.load(Ordering::SeqCst) != 1 {
                 st.window = None;
                 st.grants.clear();
-            } else {
+                st.recv = None;
+            } else if !key_ok {
                 st.grants.remove(&wr.rkey);
+            } else {
+                st.recv = None;
             }
             return Carried::Engine;
         }
+        if busy {
+            // No receive now, or its completion could not be delivered in
+            // order or within the CQ: the engine's (RNR, overrun).
+            return Carried::Engine;
+        }
         self.carried.fetch_add(1, Ordering::Relaxed);
-        Carried::Done
+        Carried::Done { byte_len: if right == AccessFlags::REMOTE_WRITE { 0 } else { len as u32 } }
     }
 }
 
@@ -250,6 +373,47 @@ unsafe fn copy_into(map: &Mapping, mut dst: usize, wr: &SendWr) {
         // Raw copies only: both may be shared memory.
         unsafe { std::ptr::copy(s.addr as *const u8, base.add(dst), n) };
         dst += n;
+    }
+}
+
+/// Scatters `n` bytes from `src` into `wr`'s SGEs, in order (a read's
+/// payload, an atomic's old value).
+///
+/// # Safety
+/// `src` must address `n` readable bytes, and each SGE of `wr` `length`
+/// writable bytes of this process; `n` is at most the SGEs' total.
+unsafe fn scatter(wr: &SendWr, src: *const u8, n: usize) {
+    let mut done = 0;
+    for s in wr.sg.as_slice() {
+        let k = (s.length as usize).min(n - done);
+        // SAFETY: the caller's contract. Raw copies only: the source is
+        // shared memory that the peer may write at the same time.
+        unsafe { std::ptr::copy(src.add(done), s.addr as *mut u8, k) };
+        done += k;
+        if done == n {
+            break;
+        }
+    }
+}
+
+/// The atomic of `wr` on the word at `word`; returns its old value. The
+/// engine's own operations (`vrdma_core::memory::Region`'s
+/// `compare_swap`/`fetch_add`): `SeqCst` read-modify-writes on the word,
+/// so the two paths' atomics on one word are atomic against each other.
+///
+/// # Safety
+/// `word` must be 8-aligned and valid for 8 bytes, and every access to
+/// it made atomically (the engine's and this path's are).
+unsafe fn atomic_op(word: *mut u8, wr: &SendWr) -> u64 {
+    // SAFETY: the caller's contract; `AtomicU64` has the layout of `u64`.
+    let a = unsafe { &*(word as *const AtomicU64) };
+    match wr.opcode {
+        SendOpcode::AtomicCmpAndSwp => {
+            match a.compare_exchange(wr.compare_add, wr.swap, Ordering::SeqCst, Ordering::SeqCst) {
+                Ok(v) | Err(v) => v,
+            }
+        }
+        _ => a.fetch_add(wr.compare_add, Ordering::SeqCst),
     }
 }
 

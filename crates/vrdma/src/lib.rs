@@ -88,6 +88,7 @@ mod context;
 mod control;
 mod cq;
 mod direct;
+mod direct_recv;
 mod error;
 #[doc(hidden)]
 pub mod ffi;

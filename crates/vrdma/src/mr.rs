@@ -83,7 +83,7 @@ impl MemoryRegion {
         let seg = Segment::create("vrdma-mr", len)?;
         let ptr = seg.as_ptr();
         let key = reg_mr(pd, ptr, len, access, Some(seg.fd()), 0)?;
-        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Owned(seg) })
     }
 
@@ -124,7 +124,7 @@ impl MemoryRegion {
                 return Err(e);
             }
         };
-        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Guest { seg, offset } })
     }
 
@@ -150,7 +150,7 @@ impl MemoryRegion {
         // contract); `reback` checks the rest against /proc/self/maps.
         let r = unsafe { rebacking::reback(ptr, len)? };
         let key = reg_mr(pd, ptr, len, access, Some(r.span.fd()), r.fd_offset)?;
-        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
     }
 
@@ -188,7 +188,7 @@ impl MemoryRegion {
         // SAFETY: the caller's contract, as for `reback`.
         let r = unsafe { rebacking::reback_guest(ptr, len, &src)? };
         let key = reg_mr(pd, ptr, len, access, None, r.fd_offset)?;
-        pd.inner.local_keys.insert(key, ptr as u64, len as u64);
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
     }
 

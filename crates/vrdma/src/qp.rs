@@ -6,7 +6,7 @@ use std::sync::Arc;
 use serde::{Deserialize, Serialize};
 use vrdma_core::hca::MAX_RD_ATOMIC;
 use vrdma_core::proto::{self, Reply, Request};
-use vrdma_core::ring::{RecvWr, SendWr, RECV_HEADER, SEND_HEADER, SGE_SIZE};
+use vrdma_core::ring::{RecvWr, SendWr, CQE_SIZE, RECV_HEADER, SEND_HEADER, SGE_SIZE};
 use vrdma_core::verbs::{
     AccessFlags, AhAttr, Gid, Mtu, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpState, QpType, SendOpcode,
 };
@@ -154,6 +154,7 @@ pub struct QueuePair {
 impl Drop for QueuePair {
     fn drop(&mut self) {
         self.send_cq.inner.remove_send_queue(self.qpn);
+        self.recv_cq.inner.remove_inbox(self.qpn);
         self.ctx.inner.control.destroy(Request::DestroyQp { qp: self.qpn });
     }
 }
@@ -297,11 +298,12 @@ impl QueuePair {
         };
         let req = Request::CreateQp { pd: pd.pd_id(), init: attr };
         let answer = ctx.inner.control.call(&req, &[])?;
-        let Reply::Qp { created, segment_len, sq, rq } = answer.reply else {
+        let Reply::Qp { created, segment_len, sq, rq, inbox } = answer.reply else {
             return Err(control::unexpected(&req, &answer.reply));
         };
         let qpn = created.qpn;
-        let rings = (|| -> Result<(Arc<Segment>, RingView, Option<RingView>)> {
+        type Rings = (Arc<Segment>, RingView, Option<RingView>, Option<RingView>);
+        let rings = (|| -> Result<Rings> {
             let (fd, at) = answer
                 .take_placed(1, "Qp")?
                 .pop()
@@ -328,9 +330,19 @@ impl QueuePair {
                     return Err(Error::protocol("a QP without an SRQ came without a receive ring"))
                 }
             };
-            Ok((seg, sq, rq))
+            let inbox = match (&rq, inbox) {
+                (Some(_), Some(spec)) => {
+                    let r = ring_in(&seg, spec, "inbox offset")?;
+                    if r.stride() != CQE_SIZE {
+                        return Err(Error::protocol(format!("inbox slots of {} bytes", r.stride())));
+                    }
+                    Some(r)
+                }
+                _ => None,
+            };
+            Ok((seg, sq, rq, inbox))
         })();
-        let (segment, sq, rq) = match rings {
+        let (segment, sq, rq, inbox) = match rings {
             Ok(r) => r,
             Err(e) => {
                 ctx.inner.control.destroy(Request::DestroyQp { qp: qpn });
@@ -341,6 +353,9 @@ impl QueuePair {
         init_attr.cap = created.cap;
         let sq_freed = Arc::new(crate::cq::SendSlots::default());
         init.send_cq.inner.add_send_queue(qpn, sq_freed.clone());
+        if let Some(inbox) = inbox {
+            init.recv_cq.inner.add_inbox(qpn, Arc::new(inbox));
+        }
         Ok(QueuePair {
             ctx: ctx.clone(),
             pd: pd.clone(),
@@ -674,18 +689,19 @@ impl QueuePair {
             if signaled && !self.send_cq.inner.has_room() {
                 break;
             }
-            match self.direct.try_write(&self.ctx, self.qpn, &self.pd.inner.local_keys, wr) {
+            let byte_len = match self.direct.try_carry(&self.ctx, self.qpn, &self.pd.inner.local_keys, wr) {
                 crate::direct::Carried::Engine => break,
-                crate::direct::Carried::Done => {}
-            }
+                crate::direct::Carried::Done { byte_len } => byte_len,
+            };
             let seq = slots.carried.fetch_add(1, Ordering::AcqRel).wrapping_add(1);
             if signaled {
-                let wc = vrdma_core::ring::Cqe::new(
+                let mut wc = vrdma_core::ring::Cqe::new(
                     wr.wr_id,
                     vrdma_core::verbs::WcStatus::Success,
-                    vrdma_core::verbs::WcOpcode::RdmaWrite,
+                    wr.opcode.wc_opcode(),
                     self.qpn,
                 );
+                wc.byte_len = byte_len;
                 self.send_cq.inner.push_local(wc, Some((slots.clone(), seq)));
             }
             done += 1;

@@ -200,6 +200,7 @@ impl Fake {
                     segment_len: seg.len() as u64,
                     sq: sq_spec,
                     rq: rq.as_ref().map(|r| r.0),
+                    inbox: None,
                 };
                 st.qps.insert(
                     id,
@@ -256,7 +257,7 @@ impl Fake {
                 (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![])
             }
             // The fake daemon has no direct path (as a daemon with it off).
-            Request::DirectGrant { .. } => {
+            Request::DirectGrant { .. } | Request::DirectRecvGrant { .. } => {
                 (Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off), vec![])
             }
             Request::StatPage { .. } => {

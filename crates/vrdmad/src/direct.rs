@@ -3,8 +3,8 @@
 //! memory and descriptors, and revokes them.
 //!
 //! What it keeps:
-//! - the memfd of every region that allows remote write, while the switch
-//!   is on (a region's descriptor is otherwise closed once mapped): the
+//! - the memfd of every region that allows remote write, read or atomics,
+//!   while the switch is on (a region's descriptor is otherwise closed once mapped): the
 //!   one thing the daemon cannot make again later, and what a grant
 //!   hands to the requester's process;
 //! - per requester QP with grants, a *window* page (a memfd of its own):
@@ -25,9 +25,12 @@ use std::time::{Duration, Instant};
 
 use vrdma_core::hca::{ContextId, DirectRefusal, Hca, Revocation};
 use vrdma_core::proto::{
-    direct_window_bytes, DirectGranted, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_SLOTS,
+    direct_window_bytes, DirectGranted, DirectRecvGranted, RingSpec, DIRECT_WINDOW_INFLIGHT,
+    DIRECT_WINDOW_OPEN, DIRECT_WINDOW_RECV, DIRECT_WINDOW_SLOTS,
 };
 use vrdma_shm::{Segment, WordPage};
+
+use crate::engine::RingTable;
 
 /// How long a revocation waits for a requester's copies in flight. A copy
 /// is at most the library's direct size limit, microseconds; only a
@@ -46,6 +49,16 @@ struct Window {
     words: WordPage,
 }
 
+/// A QP segment with an inbox (an RC QP with its own receive queue,
+/// created with the switch on): what a receive grant hands out.
+struct QpSegment {
+    ctx: ContextId,
+    fd: OwnedFd,
+    len: u64,
+    rq: RingSpec,
+    inbox: RingSpec,
+}
+
 /// The direct path's shared state, owned by the engine thread.
 #[derive(Default)]
 pub struct DirectDriver {
@@ -53,6 +66,7 @@ pub struct DirectDriver {
     pub enabled: bool,
     regions: HashMap<u32, Region>,
     windows: HashMap<u32, Window>,
+    qps: HashMap<u32, QpSegment>,
 }
 
 impl DirectDriver {
@@ -68,9 +82,29 @@ impl DirectDriver {
         self.regions.remove(&key);
     }
 
-    /// Forgets the descriptors of every region of a closed context.
+    /// Keeps the segment of a QP created with an inbox.
+    pub fn keep_qp(
+        &mut self,
+        ctx: ContextId,
+        qpn: u32,
+        fd: OwnedFd,
+        len: u64,
+        rq: RingSpec,
+        inbox: RingSpec,
+    ) {
+        if self.enabled {
+            self.qps.insert(qpn, QpSegment { ctx, fd, len, rq, inbox });
+        }
+    }
+
+    pub fn forget_qp(&mut self, qpn: u32) {
+        self.qps.remove(&qpn);
+    }
+
+    /// Forgets the descriptors of every region and QP of a closed context.
     pub fn forget_context(&mut self, ctx: ContextId) {
         self.regions.retain(|_, r| r.ctx != ctx);
+        self.qps.retain(|_, q| q.ctx != ctx);
     }
 
     /// Windows open now.
@@ -90,23 +124,12 @@ impl DirectDriver {
         if !self.enabled {
             return Err(DirectRefusal::Off);
         }
-        let g = hca.direct_grant_write(ctx, qp, rkey)?;
+        let g = hca.direct_grant(ctx, qp, rkey)?;
         let region = self.regions.get(&rkey).ok_or(DirectRefusal::NotGranted)?;
         let region_fd = region.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let fd_offset = region.fd_offset;
         let mut fds = Vec::with_capacity(2);
-        let mut window_len = 0;
-        if g.new_window || !self.windows.contains_key(&qp) {
-            let seg = Segment::create("vrdma-direct-window", direct_window_bytes())
-                .map(Arc::new)
-                .map_err(|_| DirectRefusal::NotNow)?;
-            let fd = seg.try_clone_fd().map_err(|_| DirectRefusal::NotNow)?;
-            let words = WordPage::of_segment(seg.clone());
-            words.word(DIRECT_WINDOW_OPEN).expect("in the page").store(1, Ordering::SeqCst);
-            window_len = seg.len() as u64;
-            fds.push(fd);
-            self.windows.insert(qp, Window { seg, words });
-        }
+        let window_len = self.ensure_window(qp, g.new_window, &mut fds)?;
         let w = &self.windows[&qp];
         let slot = w.words.word(DIRECT_WINDOW_SLOTS + g.slot as usize).ok_or(DirectRefusal::Full)?;
         slot.store(g.generation, Ordering::SeqCst);
@@ -118,9 +141,74 @@ impl DirectDriver {
                 addr: g.addr,
                 len: g.len,
                 fd_offset,
+                rights: g.rights,
                 slot: g.slot,
                 generation: g.generation,
                 window_len,
+            },
+            fds,
+        ))
+    }
+
+    /// The window page of `qp`, made (and its fd pushed to `fds`) if the
+    /// core just made the window or the driver has none; its length when
+    /// made, else 0.
+    fn ensure_window(&mut self, qp: u32, new: bool, fds: &mut Vec<OwnedFd>) -> Result<u64, DirectRefusal> {
+        if !new && self.windows.contains_key(&qp) {
+            return Ok(0);
+        }
+        let seg = Segment::create("vrdma-direct-window", direct_window_bytes())
+            .map(Arc::new)
+            .map_err(|_| DirectRefusal::NotNow)?;
+        let fd = seg.try_clone_fd().map_err(|_| DirectRefusal::NotNow)?;
+        let words = WordPage::of_segment(seg.clone());
+        words.word(DIRECT_WINDOW_OPEN).expect("in the page").store(1, Ordering::SeqCst);
+        let len = seg.len() as u64;
+        fds.push(fd);
+        self.windows.insert(qp, Window { seg, words });
+        Ok(len)
+    }
+
+    /// A receive grant of `ctx`'s QP `qp` (RDMA writes with immediate),
+    /// with the descriptors to send: the window's first when new, then
+    /// the responder's QP segment (its receive queue and inbox).
+    pub fn grant_recv(
+        &mut self,
+        hca: &mut Hca,
+        rings: &RingTable,
+        ctx: ContextId,
+        qp: u32,
+    ) -> Result<(DirectRecvGranted, Vec<OwnedFd>), DirectRefusal> {
+        if !self.enabled {
+            return Err(DirectRefusal::Off);
+        }
+        let g = hca.direct_grant_recv(ctx, qp)?;
+        // A responder without an inbox (made before the switch, or with an
+        // SRQ) or whose receive CQ signals a channel (the direct path does
+        // not signal channels yet): not for this QP.
+        let q = self.qps.get(&g.responder).ok_or(DirectRefusal::NotGranted)?;
+        let cq = rings.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
+        if cq.channel.is_some() {
+            return Err(DirectRefusal::NotGranted);
+        }
+        let cq_depth = cq.ring.capacity();
+        let qp_fd = q.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
+        let (qp_segment_len, rq, inbox) = (q.len, q.rq, q.inbox);
+        let mut fds = Vec::with_capacity(2);
+        let window_len = self.ensure_window(qp, g.new_window, &mut fds)?;
+        let word = self.windows[&qp].words.word(DIRECT_WINDOW_RECV).ok_or(DirectRefusal::NotNow)?;
+        word.store(g.generation, Ordering::SeqCst);
+        fds.push(qp_fd);
+        Ok((
+            DirectRecvGranted {
+                responder: g.responder,
+                generation: g.generation,
+                window_len,
+                qp_segment_len,
+                rq,
+                inbox,
+                cq_depth,
+                lid: g.lid,
             },
             fds,
         ))
@@ -140,6 +228,14 @@ impl DirectDriver {
                             open.store(0, Ordering::SeqCst);
                         }
                         wait.push(w.words);
+                    }
+                }
+                Revocation::Recv { requester } => {
+                    if let Some(w) = self.windows.get(&requester) {
+                        if let Some(word) = w.words.word(DIRECT_WINDOW_RECV) {
+                            word.store(0, Ordering::SeqCst);
+                        }
+                        wait.push(w.words.clone());
                     }
                 }
                 Revocation::Slot { requester, slot } => {

@@ -228,7 +228,7 @@ impl Daemon {
         engine.handle().call(move |st| st.direct.enabled = direct).map_err(std::io::Error::other)?;
         if direct {
             tracing::info!(
-                "direct path on: same-tenant QPs on this host may write into each other's regions"
+                "direct path on: same-tenant QPs on this host may write, read and apply atomics to each other's regions"
             );
         }
         let metrics = match config.metrics_listen {

@@ -93,8 +93,9 @@ pub struct Args {
     /// (beside TCP connect/accept, measured in the same runs).
     #[arg(long, conflicts_with = "server")]
     pub cm_setup: bool,
-    /// Of the default report, only the 8 B RDMA write and send latencies
-    /// on a daemon with the direct path on and one with it off
+    /// Of the default report, only the 8 B RDMA write, send, read and
+    /// fetch-and-add latencies on a daemon with the direct path on and one
+    /// with it off
     /// (docs/direct-path.md), beside the shared-memory ping-pong measured
     /// in the same run.
     #[arg(long, conflicts_with_all = ["server", "cm_setup"])]

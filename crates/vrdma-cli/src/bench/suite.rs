@@ -285,10 +285,12 @@ fn human(size: usize) -> String {
     }
 }
 
-/// The 8 B write and send latencies on daemons of our own with the direct
-/// path on and off (docs/direct-path.md), whatever the daemon of the rest
-/// does. The library carries writes only so far: the send figure on the
-/// "direct" daemon is the engine's too, and shows that it did not suffer.
+/// The 8 B write, send, write with immediate, read and fetch-and-add
+/// latencies on daemons of our own with the direct path on and off
+/// (docs/direct-path.md), whatever the daemon of the rest does. The
+/// library carries all but sends so far: the send figure on the "direct"
+/// daemon is the engine's too, and shows that it did not suffer. A read and an atomic
+/// are round trips, beside the ping-pong's.
 fn direct_figures(
     args: &Args,
     pingpong: Option<anchors::Stat>,
@@ -298,6 +300,8 @@ fn direct_figures(
     progress: &dyn Fn(&str),
 ) -> Result<Vec<Figure>> {
     let mut out = Vec::new();
+    let round_trip =
+        pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
     for (direct, path) in [(true, "direct path on"), (false, "direct path off")] {
         let dev = crate::embedded::private_device(super::engine_config(args), direct)?;
         let write = format!("RDMA write 8 B, one way, {path} (poll on memory)");
@@ -312,6 +316,18 @@ fn direct_figures(
         progress(&send);
         let lat = measure(dev.socket(), worker::Test::SendLat, 8, lat_iters, runs)?;
         out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
+        let imm = format!("RDMA write with immediate 8 B, one way, {path} (poll CQ)");
+        progress(&imm);
+        let lat = measure(dev.socket(), worker::Test::WriteImmLat, 8, lat_iters, runs)?;
+        out.push(latency(&imm, lat, "2-process shm ping-pong", pingpong, cores));
+        let read = format!("RDMA read 8 B, whole read, {path} (poll CQ)");
+        progress(&read);
+        let lat = measure(dev.socket(), worker::Test::ReadLat, 8, lat_iters, runs)?;
+        out.push(latency(&read, lat, "2-process shm ping-pong, round trip", round_trip, cores));
+        let atomic = format!("fetch-and-add 8 B, whole atomic, {path} (poll CQ)");
+        progress(&atomic);
+        let lat = measure(dev.socket(), worker::Test::FetchAddLat, 8, lat_iters, runs)?;
+        out.push(latency(&atomic, lat, "2-process shm ping-pong, round trip", round_trip, cores));
     }
     Ok(out)
 }

@@ -47,6 +47,13 @@ pub enum Test {
     ReadLat,
     /// A stream of RDMA reads, `DEPTH` in flight (ib_read_bw).
     ReadBw,
+    /// Ping-pong of RDMA writes with immediate, each side polling its CQ
+    /// for the receive each consumes (ib_write_lat with immediate).
+    WriteImmLat,
+    /// Signaled fetch-and-adds of 1 on the peer's first word, one at a
+    /// time, polling the CQ; the sample is the whole atomic (a round trip,
+    /// as ib_atomic_lat reports it).
+    FetchAddLat,
     /// A stream of sends, `DEPTH` in flight, into receives the server keeps
     /// posted (ib_send_bw).
     SendBw,
@@ -61,6 +68,8 @@ impl Test {
             Test::WriteBw => "write-bw",
             Test::ReadLat => "read-lat",
             Test::ReadBw => "read-bw",
+            Test::FetchAddLat => "fetch-add-lat",
+            Test::WriteImmLat => "write-imm-lat",
             Test::SendBw => "send-bw",
         }
     }
@@ -89,7 +98,10 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
     let ctx = Context::open().context("connecting to the daemon")?;
     let pd = ctx.alloc_pd()?;
     // Two halves: [0, size) receives, [size, 2*size) is the source.
-    let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+    let access = AccessFlags::LOCAL_WRITE
+        | AccessFlags::REMOTE_WRITE
+        | AccessFlags::REMOTE_READ
+        | AccessFlags::REMOTE_ATOMIC;
     let mr = pd.alloc_mr(2 * size, access)?;
     let channel = (test == Test::SendLatEvent).then(|| ctx.create_comp_channel()).transpose()?;
     let cq = ctx.create_cq(4 * DEPTH, channel.as_ref())?;
@@ -111,10 +123,12 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
     let mut side = Side { cq, channel, qp, mr, peer, size };
     let outcome = match test {
         Test::WriteLat => side.write_lat(role, iters)?,
-        Test::SendLat => side.send_lat(role, iters, false)?,
-        Test::SendLatEvent => side.send_lat(role, iters, true)?,
+        Test::SendLat => side.send_lat(role, iters, false, SendOpcode::Send)?,
+        Test::SendLatEvent => side.send_lat(role, iters, true, SendOpcode::Send)?,
+        Test::WriteImmLat => side.send_lat(role, iters, false, SendOpcode::RdmaWriteWithImm)?,
         Test::WriteBw => side.stream_bw(role, iters, SendOpcode::RdmaWrite)?,
-        Test::ReadLat => side.read_lat(role, iters)?,
+        Test::ReadLat => side.one_at_a_time(role, iters, SendOpcode::RdmaRead)?,
+        Test::FetchAddLat => side.one_at_a_time(role, iters, SendOpcode::AtomicFetchAndAdd)?,
         Test::ReadBw => side.stream_bw(role, iters, SendOpcode::RdmaRead)?,
         Test::SendBw if role == Role::Server => side.send_bw_server(iters)?,
         Test::SendBw => side.stream_bw(role, iters, SendOpcode::Send)?,
@@ -222,7 +236,7 @@ impl Side {
     fn wait_recv(&self, wcs: &mut [WorkCompletion], event: bool, deadline: Instant) -> Result<()> {
         loop {
             let n = self.reap(wcs)?;
-            if wcs[..n].iter().any(|w| w.opcode == vrdma::WcOpcode::Recv) {
+            if wcs[..n].iter().any(|w| w.opcode.is_recv()) {
                 return Ok(());
             }
             if n > 0 {
@@ -236,7 +250,7 @@ impl Side {
                     self.cq.req_notify(false)?;
                     // The race rule: poll once more after arming.
                     let n = self.reap(wcs)?;
-                    if wcs[..n].iter().any(|w| w.opcode == vrdma::WcOpcode::Recv) {
+                    if wcs[..n].iter().any(|w| w.opcode.is_recv()) {
                         return Ok(());
                     }
                     ch.get_cq_event(Some(Duration::from_secs(5)))?;
@@ -245,7 +259,9 @@ impl Side {
         }
     }
 
-    fn send_lat(&mut self, role: Role, iters: u64, event: bool) -> Result<Outcome> {
+    /// `op`: sends, or RDMA writes with immediate into the peer's receive
+    /// half (each consuming a receive too).
+    fn send_lat(&mut self, role: Role, iters: u64, event: bool, op: SendOpcode) -> Result<Outcome> {
         let mut wcs = [WorkCompletion::default(); 16];
         for r in 0..DEPTH as u64 {
             self.post_recv(r)?;
@@ -255,16 +271,12 @@ impl Side {
         for i in 1..=iters {
             let start = Instant::now();
             if role == Role::Client {
-                self.qp
-                    .post_send(&[self.wr(i, SendOpcode::Send, self.size, true)?])
-                    .map_err(|e| anyhow!("{e}"))?;
+                self.qp.post_send(&[self.wr(i, op, self.size, true)?]).map_err(|e| anyhow!("{e}"))?;
             }
             self.wait_recv(&mut wcs, event, deadline)?;
             self.post_recv(i)?;
             if role == Role::Server {
-                self.qp
-                    .post_send(&[self.wr(i, SendOpcode::Send, self.size, true)?])
-                    .map_err(|e| anyhow!("{e}"))?;
+                self.qp.post_send(&[self.wr(i, op, self.size, true)?]).map_err(|e| anyhow!("{e}"))?;
             } else {
                 samples.push(start.elapsed().as_nanos() as f64 / 2.0);
             }
@@ -273,9 +285,10 @@ impl Side {
         Ok(Outcome { lat_ns: samples, messages: iters, ..Default::default() })
     }
 
-    /// Reads 8 B of the server's source half into our receive half, one
-    /// signaled read at a time; each sample is the whole read.
-    fn read_lat(&mut self, role: Role, iters: u64) -> Result<Outcome> {
+    /// Reads (of the peer's source half) or fetch-and-adds (of 1 on the
+    /// peer's first word, the old value into our first 8 bytes), one at a
+    /// time; each sample is a whole operation.
+    fn one_at_a_time(&mut self, role: Role, iters: u64, op: SendOpcode) -> Result<Outcome> {
         if role == Role::Server {
             return Ok(Outcome::default());
         }
@@ -283,13 +296,22 @@ impl Side {
         let mut samples = Vec::with_capacity(iters as usize);
         let deadline = Instant::now() + Duration::from_secs(120);
         for i in 1..=iters {
-            let mut wr = self.wr(i, SendOpcode::RdmaRead, 0, true)?;
-            wr.remote_addr = self.peer.addr + self.size as u64;
+            let wr = if op == SendOpcode::AtomicFetchAndAdd {
+                let mut wr = SendWr::new(i, op);
+                wr.sg = SgeList::from_slice(&[self.mr.sge(0, 8)?])?;
+                wr.flags |= SendFlags::SIGNALED;
+                (wr.remote_addr, wr.rkey, wr.compare_add) = (self.peer.addr, self.peer.rkey, 1);
+                wr
+            } else {
+                let mut wr = self.wr(i, op, 0, true)?;
+                wr.remote_addr = self.peer.addr + self.size as u64;
+                wr
+            };
             let start = Instant::now();
             self.qp.post_send(&[wr]).map_err(|e| anyhow!("post_send: {e}"))?;
             while self.reap(&mut wcs)? == 0 {
                 if Instant::now() > deadline {
-                    bail!("read {i} never completed");
+                    bail!("{op:?} {i} never completed");
                 }
             }
             samples.push(start.elapsed().as_nanos() as f64);
@@ -310,7 +332,7 @@ impl Side {
         let deadline = Instant::now() + Duration::from_secs(120);
         while got < total {
             let n = self.reap(&mut wcs)?;
-            for _ in wcs[..n].iter().filter(|w| w.opcode == vrdma::WcOpcode::Recv) {
+            for _ in wcs[..n].iter().filter(|w| w.opcode.is_recv()) {
                 got += 1;
                 if posted < total {
                     self.post_recv(posted)?;

@@ -1,6 +1,6 @@
 //! The direct path's grant rules: which requester QP may move bytes into
-//! which of its peer's regions itself, without the engine, and when that
-//! permission ends (see `docs/direct-path.md`).
+//! and out of which of its peer's regions itself, without the engine, and
+//! when that permission ends (see `docs/direct-path.md`).
 //!
 //! Why here and not in the daemon: the rules are the same checks the
 //! engine makes for every work request ([`Hca::responder`], the rkey, the
@@ -30,6 +30,12 @@ use crate::verbs::{AccessFlags, QpState, QpType};
 /// and the WR takes the engine path.
 pub const DIRECT_SLOTS: u32 = 1000;
 
+/// The remote rights a grant may carry: RDMA write, RDMA read, atomics.
+/// A grant carries those that both the region and the peer QP's access
+/// flags allow, exactly what the engine checks per opcode.
+pub const DIRECT_RIGHTS: AccessFlags =
+    AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_READ).union(AccessFlags::REMOTE_ATOMIC);
+
 /// Why a grant was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DirectRefusal {
@@ -37,9 +43,9 @@ pub enum DirectRefusal {
     /// connected, not RTS, another host, another tenant, no such QP.
     /// Asking again later may succeed.
     NotNow,
-    /// The key names no region the peer's QP may be written through (no
-    /// such key, another PD, no remote write, the QP's access flags): the
-    /// engine path reports the error.
+    /// The key names no region the peer's QP may be reached through (no
+    /// such key, another PD, no remote write, read or atomic access that
+    /// the QP's access flags allow too): the engine path reports the error.
     NotGranted,
     /// The window has no slot left.
     Full,
@@ -50,14 +56,17 @@ pub enum DirectRefusal {
 
 /// A region granted to a requester QP.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct WriteGrant {
+pub struct DirectGrant {
     pub requester: u32,
     pub responder: u32,
     pub key: u32,
     /// The region's tenant address and length (what `remote_addr` names).
     pub addr: u64,
     pub len: u64,
-    pub access: AccessFlags,
+    /// What the grant allows: the part of [`DIRECT_RIGHTS`] that the
+    /// region's access and the peer QP's access flags both allow (never
+    /// empty). The library carries an opcode only if its right is here.
+    pub rights: AccessFlags,
     /// The slot of the window whose word guards this grant.
     pub slot: u32,
     /// What that word holds while the grant stands (never 0; a slot used
@@ -66,6 +75,23 @@ pub struct WriteGrant {
     pub generation: u32,
     /// The window was made for this grant: the driver creates its page.
     pub new_window: bool,
+}
+
+/// A requester QP's grant to claim its peer's receives itself (RDMA
+/// write with immediate, `docs/direct-path.md`): the peer's receive queue
+/// and its completion inbox, and the peer's receive CQ for the order and
+/// depth checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecvGrant {
+    pub requester: u32,
+    pub responder: u32,
+    /// The responder's receive CQ.
+    pub recv_cq: u32,
+    /// What the window's receive word holds while the grant stands.
+    pub generation: u32,
+    pub new_window: bool,
+    /// The port's LID, for the responder's completion (`slid`).
+    pub lid: u16,
 }
 
 /// What the driver must close in shared memory, then wait for the
@@ -78,6 +104,8 @@ pub enum Revocation {
     Window { requester: u32 },
     /// One slot of a window that stays open.
     Slot { requester: u32, slot: u32 },
+    /// The receive grant of a window that stays open.
+    Recv { requester: u32 },
 }
 
 #[derive(Debug, Default)]
@@ -92,11 +120,20 @@ pub(crate) struct Grants {
 #[derive(Debug)]
 struct Window {
     responder: u32,
-    /// Granted keys: their slots and generations.
-    slots: IdMap<u32, (u32, u32)>,
+    /// Granted keys: their slots, generations and rights.
+    slots: IdMap<u32, Slot>,
     /// Slots freed by revocation, used again first.
     free: Vec<u32>,
     next_slot: u32,
+    /// The receive grant's generation, if one stands.
+    recv: Option<u32>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    slot: u32,
+    generation: u32,
+    rights: AccessFlags,
 }
 
 impl Grants {
@@ -121,47 +158,44 @@ impl Hca {
         self.responder(&req).map(|r| r.qpn)
     }
 
-    /// Whether `key` is still a region `responder` may be written through.
-    fn direct_writable(&self, responder: u32, key: u32) -> Option<&objects::Mr> {
+    /// The region `key` of `responder`'s PD and what the direct path may
+    /// do with it now: the remote rights that the region and the
+    /// responder QP's access flags both allow (the engine's per-opcode
+    /// check, [`Hca::remote_mr`] against the QP's flags), if any.
+    fn direct_rights(&self, responder: u32, key: u32) -> Option<(&objects::Mr, AccessFlags)> {
         let peer = self.qps.get(&responder)?;
-        if !peer.attr.qp_access_flags.contains(AccessFlags::REMOTE_WRITE) {
-            return None;
-        }
-        self.remote_mr(peer.pd, key, AccessFlags::REMOTE_WRITE)
+        let mr = self.remote_mr(peer.pd, key, AccessFlags::empty())?;
+        let rights = peer.attr.qp_access_flags & mr.access & DIRECT_RIGHTS;
+        (!rights.is_empty()).then_some((mr, rights))
     }
 
-    /// Grants `ctx`'s QP `qpn` direct RDMA writes into its peer's region
-    /// `key`, checked as the engine checks a write: the pair (see
+    /// Grants `ctx`'s QP `qpn` direct RDMA writes, reads and atomics on
+    /// its peer's region `key`, each as far as the engine would allow that
+    /// opcode ([`DirectGrant::rights`]): the pair first (see
     /// [`DirectRefusal::NotNow`]), then the key. Granting the same key
     /// again answers the same slot.
-    pub fn direct_grant_write(
-        &mut self,
-        ctx: ContextId,
-        qpn: u32,
-        key: u32,
-    ) -> Result<WriteGrant, DirectRefusal> {
+    pub fn direct_grant(&mut self, ctx: ContextId, qpn: u32, key: u32) -> Result<DirectGrant, DirectRefusal> {
         match self.qps.get(&qpn) {
             Some(q) if q.ctx == ctx => {}
             _ => return Err(DirectRefusal::NotNow),
         }
         let responder = self.direct_pair(qpn).ok_or(DirectRefusal::NotNow)?;
-        let mr = self.direct_writable(responder, key).ok_or(DirectRefusal::NotGranted)?;
-        let (addr, len, access) = (mr.addr, mr.len, mr.access);
+        let (mr, rights) = self.direct_rights(responder, key).ok_or(DirectRefusal::NotGranted)?;
+        let (addr, len) = (mr.addr, mr.len);
         let new_window = match self.direct.windows.get(&qpn) {
             Some(w) if w.responder == responder => false,
             _ => {
                 // A window towards another responder (the QP was reset and
                 // connected elsewhere) was revoked by then; start afresh.
-                self.direct.windows.insert(
-                    qpn,
-                    Window { responder, slots: IdMap::default(), free: Vec::new(), next_slot: 0 },
-                );
+                self.direct_new_window(qpn, responder);
                 true
             }
         };
         let w = self.direct.windows.get_mut(&qpn).expect("inserted above");
         let (slot, generation) = match w.slots.get(&key) {
-            Some(&s) => s,
+            // The rights cannot have changed unseen: a change marks the
+            // table dirty and the next revocation pass frees the slot.
+            Some(s) => (s.slot, s.generation),
             None => {
                 let s = match w.free.pop() {
                     Some(s) => s,
@@ -173,11 +207,57 @@ impl Hca {
                 };
                 self.direct.granted += 1;
                 let generation = (self.direct.granted as u32).max(1);
-                w.slots.insert(key, (s, generation));
+                w.slots.insert(key, Slot { slot: s, generation, rights });
                 (s, generation)
             }
         };
-        Ok(WriteGrant { requester: qpn, responder, key, addr, len, access, slot, generation, new_window })
+        Ok(DirectGrant { requester: qpn, responder, key, addr, len, rights, slot, generation, new_window })
+    }
+
+    fn direct_new_window(&mut self, qpn: u32, responder: u32) {
+        let w = Window { responder, slots: IdMap::default(), free: Vec::new(), next_slot: 0, recv: None };
+        self.direct.windows.insert(qpn, w);
+    }
+
+    /// The receive CQ of `responder`, if a requester may claim its
+    /// receives now: its own receive queue (no SRQ), and no receive the
+    /// core took from it and gave back (`requeued`: a claim from the ring
+    /// would overtake it).
+    fn direct_recv_target(&self, responder: u32) -> Option<u32> {
+        let r = self.qps.get(&responder)?;
+        (r.init.srq.is_none() && r.requeued.is_empty()).then_some(r.init.recv_cq)
+    }
+
+    /// Grants `ctx`'s QP `qpn` claiming its peer's receives itself, for
+    /// RDMA writes with immediate: the pair as for [`Hca::direct_grant`],
+    /// then the responder's receive queue ([`DirectRefusal::NotNow`] while
+    /// it has an SRQ or receives given back). Asking again while it
+    /// stands answers the same generation.
+    pub fn direct_grant_recv(&mut self, ctx: ContextId, qpn: u32) -> Result<RecvGrant, DirectRefusal> {
+        match self.qps.get(&qpn) {
+            Some(q) if q.ctx == ctx => {}
+            _ => return Err(DirectRefusal::NotNow),
+        }
+        let responder = self.direct_pair(qpn).ok_or(DirectRefusal::NotNow)?;
+        let recv_cq = self.direct_recv_target(responder).ok_or(DirectRefusal::NotNow)?;
+        let new_window = match self.direct.windows.get(&qpn) {
+            Some(w) if w.responder == responder => false,
+            _ => {
+                self.direct_new_window(qpn, responder);
+                true
+            }
+        };
+        let generation = match self.direct.windows[&qpn].recv {
+            Some(g) => g,
+            None => {
+                self.direct.granted += 1;
+                let g = (self.direct.granted as u32).max(1);
+                self.direct.windows.get_mut(&qpn).expect("present").recv = Some(g);
+                g
+            }
+        };
+        let lid = self.config.port.lid;
+        Ok(RecvGrant { requester: qpn, responder, recv_cq, generation, new_window, lid })
     }
 
     /// Checks every grant again if anything they depend on changed since
@@ -196,10 +276,17 @@ impl Hca {
                 out.push(Revocation::Window { requester: qpn });
                 continue;
             }
-            let keys: Vec<(u32, u32)> =
-                self.direct.windows[&qpn].slots.iter().map(|(&k, &(s, _))| (k, s)).collect();
-            for (key, slot) in keys {
-                if self.direct_writable(responder, key).is_none() {
+            if self.direct.windows[&qpn].recv.is_some() && self.direct_recv_target(responder).is_none() {
+                self.direct.windows.get_mut(&qpn).expect("present").recv = None;
+                out.push(Revocation::Recv { requester: qpn });
+            }
+            let keys: Vec<(u32, Slot)> =
+                self.direct.windows[&qpn].slots.iter().map(|(&k, &s)| (k, s)).collect();
+            for (key, Slot { slot, rights, .. }) in keys {
+                // Any change of the rights (a region gone, the peer QP's
+                // access flags changed) ends the grant; asked again, the
+                // key is granted what holds now.
+                if self.direct_rights(responder, key).map(|(_, r)| r) != Some(rights) {
                     let w = self.direct.windows.get_mut(&qpn).expect("present");
                     w.slots.remove(&key);
                     w.free.push(slot);

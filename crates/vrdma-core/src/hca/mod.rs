@@ -39,7 +39,7 @@ pub use config::{
     VENDOR_ID,
 };
 pub use datapath::{Activity, GRH_LEN};
-pub use direct::{DirectRefusal, Revocation, WriteGrant, DIRECT_SLOTS};
+pub use direct::{DirectGrant, DirectRefusal, RecvGrant, Revocation, DIRECT_RIGHTS, DIRECT_SLOTS};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 pub use remote::{

@@ -34,6 +34,13 @@ pub const CQ_ARM_SOLICITED: u32 = 2;
 /// the client. They count against the CQ's depth: the engine refuses a
 /// completion (a CQ overrun) when the ring's entries plus these fill it.
 pub const CQ_AUX_LOCAL: usize = 1;
+/// Inbox ring aux words (the direct path's completions of a QP's
+/// receives, `docs/direct-path.md`): receive completions of the QP the
+/// engine pushed into its CQ's ring, and those the client polled from
+/// there. A direct-path requester claims the QP's next receive only while
+/// the two are equal, so that the CQ returns the QP's completions in order.
+pub const INBOX_AUX_ENGINE_PUSHED: usize = 0;
+pub const INBOX_AUX_ENGINE_POLLED: usize = 1;
 
 /// Whether a completion fires an armed CQ's event.
 pub fn arm_fires(armed: u32, solicited: bool, success: bool) -> bool {

@@ -142,6 +142,12 @@ pub enum Request {
     GuestFree {
         offset: u64,
     },
+    /// The direct path: may QP `qp` claim its peer's receives itself (RDMA
+    /// writes with immediate)? Answered [`Reply::DirectRecvGrant`] or
+    /// [`Reply::DirectRefused`].
+    DirectRecvGrant {
+        qp: u32,
+    },
 }
 
 impl Request {
@@ -203,12 +209,16 @@ pub enum Reply {
         segment_len: u64,
         ring: RingSpec,
     },
-    /// With one fd: the QP segment holding the send and receive rings.
+    /// With one fd: the QP segment holding the send and receive rings,
+    /// and, with the direct path on, the inbox of completions that a
+    /// direct-path requester pushes for this QP's receives (polled before
+    /// the receive CQ's ring, `docs/direct-path.md`).
     Qp {
         created: QpCreated,
         segment_len: u64,
         sq: RingSpec,
         rq: Option<RingSpec>,
+        inbox: Option<RingSpec>,
     },
     QpAttr {
         attr: QpAttr,
@@ -244,16 +254,38 @@ pub enum Reply {
         offset: u64,
         len: u64,
     },
+    /// With fds: the window page first when `window_len` is not 0, then
+    /// the responder's QP segment.
+    DirectRecvGrant(DirectRecvGranted),
+}
+
+/// A direct-path receive grant as the library receives it (see
+/// [`crate::hca::RecvGrant`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DirectRecvGranted {
+    pub responder: u32,
+    pub generation: u32,
+    pub window_len: u64,
+    pub qp_segment_len: u64,
+    /// The responder's receive queue and inbox in its QP segment.
+    pub rq: RingSpec,
+    pub inbox: RingSpec,
+    /// The depth of the responder's receive CQ: the inbox never holds
+    /// more.
+    pub cq_depth: u32,
+    pub lid: u16,
 }
 
 /// A direct-path grant as the library receives it (see
-/// [`crate::hca::WriteGrant`]).
+/// [`crate::hca::DirectGrant`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DirectGranted {
     pub responder: u32,
     pub addr: u64,
     pub len: u64,
     pub fd_offset: u64,
+    /// The remote rights granted (part of [`crate::hca::DIRECT_RIGHTS`]).
+    pub rights: crate::verbs::AccessFlags,
     pub slot: u32,
     pub generation: u32,
     /// Bytes of the window page, when it comes with this reply; 0 when
@@ -262,11 +294,14 @@ pub struct DirectGranted {
 }
 
 /// The direct path's window page: word 0 is 1 while the window is open,
-/// word 1 counts the library's copies in flight, word `2 + slot` holds a
-/// grant's generation while it stands (0 once revoked). Words of 4 bytes.
+/// word 1 counts the library's copies in flight, word 2 holds the receive
+/// grant's generation and word `3 + slot` a region grant's, while they
+/// stand (0 once revoked). Words of 4 bytes.
 pub const DIRECT_WINDOW_OPEN: usize = 0;
 pub const DIRECT_WINDOW_INFLIGHT: usize = 1;
-pub const DIRECT_WINDOW_SLOTS: usize = 2;
+/// Word 2: the receive grant's generation while it stands (0 otherwise).
+pub const DIRECT_WINDOW_RECV: usize = 2;
+pub const DIRECT_WINDOW_SLOTS: usize = 3;
 
 /// Bytes of a window page.
 pub fn direct_window_bytes() -> usize {

@@ -20,7 +20,8 @@ use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CQ_AUX_LOCAL, CTX_AUX_ENGINE_SLEEPING,
-    CTX_AUX_EVENTS_DROPPED, POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED, SQ_AUX_STATE,
+    CTX_AUX_EVENTS_DROPPED, INBOX_AUX_ENGINE_PUSHED, POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED,
+    SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::time::Instant;
@@ -166,6 +167,9 @@ pub struct Channel {
 pub struct CqRing {
     pub ring: RingView,
     pub channel: Option<u32>,
+    /// QPs completing their receives here that have an inbox (the direct
+    /// path): the inboxes' entries count against the CQ's depth.
+    pub inbox_qps: Vec<u32>,
 }
 
 /// A ring the tenant owns the producer side of.
@@ -173,11 +177,21 @@ pub struct InRing {
     pub ring: RingView,
     dead: bool,
     tenant: TenantId,
+    /// A direct-path requester may take entries too (a receive queue with
+    /// the direct path on): entries are claimed with a compare-and-swap.
+    shared: bool,
 }
 
 impl InRing {
     pub fn new(ring: RingView, tenant: TenantId) -> Self {
-        InRing { ring, dead: false, tenant }
+        InRing { ring, dead: false, tenant, shared: false }
+    }
+
+    /// A ring whose entries a direct-path requester may claim too
+    /// (`docs/direct-path.md`).
+    pub fn shared(mut self) -> Self {
+        self.shared = true;
+        self
     }
 
     /// Pops one slot into `buf` and decodes it.
@@ -192,7 +206,12 @@ impl InRing {
             return None;
         }
         buf.resize(self.ring.stride(), 0);
-        match self.ring.try_pop(buf) {
+        let popped = if self.shared {
+            self.ring.try_claim(buf, |_| true).map(|c| c == vrdma_shm::Claim::Taken)
+        } else {
+            self.ring.try_pop(buf)
+        };
+        match popped {
             Ok(true) => Some(decode(buf)),
             Ok(false) => None,
             Err(e) => {
@@ -217,11 +236,21 @@ pub struct QpRings {
     retired: u32,
     /// Send WRs pulled and not yet retired.
     held: u32,
+    /// The inbox of completions a direct-path requester pushes for this
+    /// QP's receives, and the CQ they complete in (`docs/direct-path.md`).
+    inbox: Option<(u32, RingView)>,
 }
 
 impl QpRings {
     pub fn new(ctx: ContextId, sq: InRing, rq: Option<InRing>) -> Self {
-        QpRings { ctx, sq, rq, retired: 0, held: 0 }
+        QpRings { ctx, sq, rq, retired: 0, held: 0, inbox: None }
+    }
+
+    /// The QP's receives may be claimed by a direct-path requester, which
+    /// completes them into `inbox`; they complete in CQ `recv_cq`.
+    pub fn with_inbox(mut self, recv_cq: u32, inbox: RingView) -> Self {
+        self.inbox = Some((recv_cq, inbox));
+        self
     }
 
     /// Counts `n` more send WRs retired and publishes the count: Release,
@@ -273,6 +302,9 @@ impl RingTable {
         if let Some(c) = self.contexts.get_mut(&rings.ctx) {
             c.qps.insert(qpn, ());
         }
+        if let Some(cq) = rings.inbox.as_ref().and_then(|(cq, _)| self.cqs.get_mut(cq)) {
+            cq.inbox_qps.push(qpn);
+        }
         self.qps.insert(qpn, rings);
     }
 
@@ -281,7 +313,18 @@ impl RingTable {
             if let Some(c) = self.contexts.get_mut(&q.ctx) {
                 c.qps.remove(&qpn);
             }
+            if let Some(cq) = q.inbox.as_ref().and_then(|(cq, _)| self.cqs.get_mut(cq)) {
+                cq.inbox_qps.retain(|&n| n != qpn);
+            }
         }
+    }
+
+    /// Entries the inboxes of QPs completing in `cq` hold (the direct
+    /// path's completions not yet polled).
+    fn inbox_entries(&self, cq: &CqRing) -> u32 {
+        let held =
+            |n: &u32| self.qps.get(n).and_then(|q| q.inbox.as_ref()).map_or(0, |(_, r)| r.len().unwrap_or(0));
+        cq.inbox_qps.iter().map(held).fold(0u32, u32::saturating_add)
     }
 
     /// Contexts whose tenant broke the shared-memory protocol since the
@@ -424,13 +467,26 @@ impl Queues for RingTable {
                 Cqe::set_sq_retired(&mut slot, q.retired);
             }
         }
-        // Completions the tenant's library holds in its local queue (the
-        // direct path) take room in the CQ too: the CQ's depth is the
-        // ring's capacity, shared by both.
+        // Completions the tenant's library holds in its local queue, and
+        // those direct-path requesters pushed into the inboxes of QPs
+        // completing here (the direct path), take room in the CQ too: the
+        // CQ's depth is the ring's capacity, shared by all.
         let local = cq.ring.aux(CQ_AUX_LOCAL).load(Ordering::SeqCst);
+        let local =
+            if cq.inbox_qps.is_empty() { local } else { local.saturating_add(self.inbox_entries(cq)) };
         if local > 0 && cq.ring.len().map_or(true, |n| n.saturating_add(local) >= cq.ring.capacity()) {
             self.dropped_events += 1;
             return Err(CqFull);
+        }
+        // A receive completion of a QP with an inbox is counted there
+        // before it is visible: a direct-path requester claims the QP's
+        // next receive only while all of them were polled (the order).
+        let pushed = match self.qps.get(&cqe.qp_num).and_then(|q| q.inbox.as_ref()) {
+            Some((_, inbox)) if cqe.opcode.is_recv() => Some(inbox.aux(INBOX_AUX_ENGINE_PUSHED)),
+            _ => None,
+        };
+        if let Some(p) = pushed {
+            p.fetch_add(1, Ordering::SeqCst);
         }
         match cq.ring.try_push_bytes(&slot) {
             Ok(true) => {
@@ -438,6 +494,9 @@ impl Queues for RingTable {
                 Ok(())
             }
             Ok(false) | Err(_) => {
+                if let Some(p) = pushed {
+                    p.fetch_sub(1, Ordering::SeqCst);
+                }
                 self.dropped_events += 1;
                 Err(CqFull)
             }

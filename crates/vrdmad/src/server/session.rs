@@ -336,8 +336,9 @@ impl Session {
                 };
                 let direct =
                     self.engine(move |e, c| e.hca.may_register(c, len).map(|()| e.direct.enabled))??;
-                // The direct path hands a writable region's memfd to peers.
-                let kept = if direct && access.contains(vrdma_core::verbs::AccessFlags::REMOTE_WRITE) {
+                // The direct path hands a remotely accessible region's
+                // memfd to peers.
+                let kept = if direct && access.intersects(vrdma_core::hca::DIRECT_RIGHTS) {
                     fd.try_clone().ok()
                 } else {
                     None
@@ -371,6 +372,15 @@ impl Session {
                 match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey))? {
                     Ok((granted, fds)) => Answer {
                         reply: Reply::DirectGrant(granted),
+                        fds: fds.into_iter().map(Carry::from).collect(),
+                    },
+                    Err(why) => Reply::DirectRefused(why).into(),
+                }
+            }
+            Request::DirectRecvGrant { qp } => {
+                match self.engine(move |e, c| e.direct.grant_recv(&mut e.hca, &e.rings, c, qp))? {
+                    Ok((granted, fds)) => Answer {
+                        reply: Reply::DirectRecvGrant(granted),
                         fds: fds.into_iter().map(Carry::from).collect(),
                     },
                     Err(why) => Reply::DirectRefused(why).into(),
@@ -467,6 +477,7 @@ impl Session {
                 let wait = self.engine(move |e, c| {
                     e.hca.destroy_qp(c, qp, &mut e.rings)?;
                     e.rings.remove_qp(qp);
+                    e.direct.forget_qp(qp);
                     Ok::<_, HcaError>(e.direct.sync(&mut e.hca))
                 })??;
                 crate::direct::drain(&wait);
@@ -654,7 +665,7 @@ impl Session {
             if let Some(ch) = channel.and_then(|ch| e.rings.channels.get_mut(&ch)) {
                 ch.cqs += 1;
             }
-            e.rings.cqs.insert(cq, CqRing { ring, channel });
+            e.rings.cqs.insert(cq, CqRing { ring, channel, inbox_qps: Vec::new() });
         })?;
         Ok(Answer {
             reply: Reply::Cq {
@@ -700,7 +711,8 @@ impl Session {
     }
 
     fn create_qp(&mut self, pd: u32, init: vrdma_core::verbs::QpInitAttr) -> Result<Answer, Answer> {
-        let created = self.engine(move |e, c| e.hca.create_qp(c, pd, init))??;
+        let (created, direct) =
+            self.engine(move |e, c| e.hca.create_qp(c, pd, init).map(|q| (q, e.direct.enabled)))??;
         let cap = created.cap;
         let sq = RingSpec {
             offset: 0,
@@ -713,7 +725,18 @@ impl Session {
             capacity: cap.max_recv_wr,
             stride: recv_stride(cap.max_recv_sge) as u32,
         });
-        let total = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
+        let rq_end = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
+        // With the direct path on, an RC QP with its own receive queue gets
+        // an inbox: completions of its receives that a direct-path
+        // requester claimed (`docs/direct-path.md`), as many as it has
+        // receive WRs.
+        let inbox =
+            rq.filter(|_| direct && init.qp_type == vrdma_core::verbs::QpType::Rc).map(|r| RingSpec {
+                offset: rq_end.div_ceil(64) as u64 * 64,
+                capacity: r.capacity,
+                stride: CQE_SIZE as u32,
+            });
+        let total = inbox.map_or(rq_end, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
         let qpn = created.qpn;
         let made = (|| {
             let (fd, seg) = self.new_segment("vrdma-qp", total, self.budget())?;
@@ -721,14 +744,35 @@ impl Session {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
             };
+            let shared = inbox.is_some();
             let rings = QpRings::new(
                 self.ctx,
                 InRing::new(view(sq)?, self.tenant),
-                rq.map(view).transpose()?.map(|r| InRing::new(r, self.tenant)),
+                rq.map(view).transpose()?.map(|r| {
+                    let r = InRing::new(r, self.tenant);
+                    if shared {
+                        r.shared()
+                    } else {
+                        r
+                    }
+                }),
             );
-            Ok::<_, Answer>((seg.clone(), rings, fd))
+            let (rings, kept) = match inbox {
+                Some(spec) => {
+                    // The direct path keeps a descriptor of the segment to
+                    // grant it; a guest's segment is an extent, and guests
+                    // get no direct grants.
+                    let kept = match &fd {
+                        Carry::Fd(f) => Some(f.try_clone().map_err(|e| error(ENOMEM, e.to_string()))?),
+                        Carry::Extent { .. } => None,
+                    };
+                    (rings.with_inbox(init.recv_cq, view(spec)?), kept)
+                }
+                None => (rings, None),
+            };
+            Ok::<_, Answer>((seg.clone(), rings, fd, kept))
         })();
-        let (seg, rings, fd) = match made {
+        let (seg, rings, fd, kept) = match made {
             Ok(x) => x,
             Err(a) => {
                 let _ = self.engine(move |e, c| e.hca.destroy_qp(c, qpn, &mut e.rings));
@@ -738,10 +782,14 @@ impl Session {
         // Not waited for (see `post_to_engine`): a new QP is in RESET,
         // where nothing may be posted to it; it leaves RESET only through
         // a later call (ModifyQp, or the connection manager's).
-        self.post_to_engine(move |e, _| {
+        let segment_len = seg.len() as u64;
+        self.post_to_engine(move |e, c| {
             e.rings.add_qp(qpn, rings);
+            if let (Some(fd), Some(rq), Some(inbox)) = (kept, rq, inbox) {
+                e.direct.keep_qp(c, qpn, fd, segment_len, rq, inbox);
+            }
         })?;
-        Ok(Answer { reply: Reply::Qp { created, segment_len: seg.len() as u64, sq, rq }, fds: vec![fd] })
+        Ok(Answer { reply: Reply::Qp { created, segment_len, sq, rq, inbox }, fds: vec![fd] })
     }
 }
 

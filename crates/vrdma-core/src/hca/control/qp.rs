@@ -407,6 +407,9 @@ impl Hca {
             }
             None => {
                 r.requeued.push_front(recv);
+                // A direct-path requester must not claim from the ring
+                // while the core holds receives of it (their order).
+                self.direct.touch();
                 // A responder in ERR flushes it in its turn: wake it if it
                 // was left idle.
                 self.update_service(responder_qpn);

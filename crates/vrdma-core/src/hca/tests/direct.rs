@@ -11,36 +11,90 @@ fn revoked_window(env: &mut Env, qpn: u32) {
 #[test]
 fn a_connected_pair_of_one_tenant_is_granted_its_peers_writable_region() {
     let (mut env, a, b) = Env::pair();
-    let g = env.hca.direct_grant_write(C1, a.qpn, b.buf.key).unwrap();
+    let g = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
     assert_eq!((g.requester, g.responder, g.key, g.addr), (a.qpn, b.qpn, b.buf.key, b.buf.addr));
     assert_eq!(g.len, 64 << 10);
     assert!(g.new_window && g.generation != 0);
     // The same key again: the same slot, no new window.
-    let again = env.hca.direct_grant_write(C1, a.qpn, b.buf.key).unwrap();
+    let again = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
     assert_eq!((again.slot, again.generation, again.new_window), (g.slot, g.generation, false));
     assert_eq!(env.hca.direct_counts(), (1, 1));
     assert!(env.hca.direct_revocations().is_empty(), "nothing changed");
 }
 
 #[test]
-fn grants_are_refused_as_the_engine_would_refuse_the_write() {
+fn grants_are_refused_as_the_engine_would_refuse_every_remote_opcode() {
     let (mut env, a, b) = Env::pair();
     // Only the QP's owner may ask.
-    assert_eq!(env.hca.direct_grant_write(C2, a.qpn, b.buf.key), Err(DirectRefusal::NotNow));
+    assert_eq!(env.hca.direct_grant(C2, a.qpn, b.buf.key), Err(DirectRefusal::NotNow));
     // A key of the requester's own PD, not the peer's.
-    assert_eq!(env.hca.direct_grant_write(C1, a.qpn, a.buf.key), Err(DirectRefusal::NotGranted));
-    // A region of the peer's PD without remote write.
-    let ro = env.mr(C2, b.pd, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
-    assert_eq!(env.hca.direct_grant_write(C1, a.qpn, ro.key), Err(DirectRefusal::NotGranted));
-    assert_eq!(env.hca.direct_grant_write(C1, a.qpn, 0xdead), Err(DirectRefusal::NotGranted));
-    // A peer QP that does not allow remote writes.
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, a.buf.key), Err(DirectRefusal::NotGranted));
+    // A region of the peer's PD without any remote access.
+    let local = env.mr(C2, b.pd, 4096, AccessFlags::LOCAL_WRITE);
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, local.key), Err(DirectRefusal::NotGranted));
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, 0xdead), Err(DirectRefusal::NotGranted));
+    // A peer QP that allows no remote access at all.
     let mut env2 = Env::new();
     let x = env2.end(C1);
     let y = env2.end(C2);
-    let c = Conn { access: AccessFlags::REMOTE_READ, ..Conn::default() };
+    let c = Conn { access: AccessFlags::empty(), ..Conn::default() };
     env2.connect_with(x.qpn, y.qpn, c);
     env2.connect_with(y.qpn, x.qpn, c);
-    assert_eq!(env2.hca.direct_grant_write(C1, x.qpn, y.buf.key), Err(DirectRefusal::NotGranted));
+    assert_eq!(env2.hca.direct_grant(C1, x.qpn, y.buf.key), Err(DirectRefusal::NotGranted));
+}
+
+#[test]
+fn a_grant_carries_the_rights_both_the_region_and_the_peer_qp_allow() {
+    let (mut env, a, b) = Env::pair();
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().rights, DIRECT_RIGHTS);
+    // A read-only region: reads only.
+    let ro = env.mr(C2, b.pd, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, ro.key).unwrap().rights, AccessFlags::REMOTE_READ);
+    let at = env.mr(C2, b.pd, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC);
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, at.key).unwrap().rights, AccessFlags::REMOTE_ATOMIC);
+    // A peer QP allowing reads and writes, a region allowing writes and
+    // atomics: writes only.
+    let mut env2 = Env::new();
+    let x = env2.end(C1);
+    let y = env2.end(C2);
+    let c = Conn { access: AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE, ..Conn::default() };
+    env2.connect_with(x.qpn, y.qpn, c);
+    env2.connect_with(y.qpn, x.qpn, c);
+    let wa = env2.mr(
+        C2,
+        y.pd,
+        4096,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC,
+    );
+    assert_eq!(env2.hca.direct_grant(C1, x.qpn, wa.key).unwrap().rights, AccessFlags::REMOTE_WRITE);
+    assert_eq!(
+        env2.hca.direct_grant(C1, x.qpn, y.buf.key).unwrap().rights,
+        AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE
+    );
+}
+
+#[test]
+fn a_change_of_the_peer_qps_access_flags_revokes_the_slot_and_a_new_grant_has_the_new_rights() {
+    let (mut env, a, b) = Env::pair();
+    let g = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
+    assert_eq!(g.rights, DIRECT_RIGHTS);
+    // RTS to RTS, reads only from now on: the pair is still served.
+    let attr =
+        QpAttr { qp_state: QpState::Rts, qp_access_flags: AccessFlags::REMOTE_READ, ..QpAttr::default() };
+    env.modify(b.qpn, &attr, QpAttrMask::STATE | QpAttrMask::ACCESS_FLAGS).unwrap();
+    assert_eq!(env.hca.direct_revocations(), vec![Revocation::Slot { requester: a.qpn, slot: g.slot }]);
+    assert!(env.hca.direct_window_open(a.qpn));
+    let g2 = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
+    assert_eq!(g2.rights, AccessFlags::REMOTE_READ);
+    assert_ne!(g2.generation, g.generation);
+    // A modification that changes nothing the grant depends on keeps it.
+    env.modify(b.qpn, &attr, QpAttrMask::STATE | QpAttrMask::ACCESS_FLAGS).unwrap();
+    assert!(env.hca.direct_revocations().is_empty());
+    // No remote access left: the key is refused.
+    let none = QpAttr { qp_access_flags: AccessFlags::empty(), ..attr };
+    env.modify(b.qpn, &none, QpAttrMask::STATE | QpAttrMask::ACCESS_FLAGS).unwrap();
+    assert_eq!(env.hca.direct_revocations(), vec![Revocation::Slot { requester: a.qpn, slot: g2.slot }]);
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key), Err(DirectRefusal::NotGranted));
 }
 
 #[test]
@@ -50,8 +104,8 @@ fn qps_of_different_tenants_never_get_a_grant() {
     let x = env.end(C3);
     env.connect(a.qpn, x.qpn);
     env.connect(x.qpn, a.qpn);
-    assert_eq!(env.hca.direct_grant_write(C1, a.qpn, x.buf.key), Err(DirectRefusal::NotNow));
-    assert_eq!(env.hca.direct_grant_write(C3, x.qpn, a.buf.key), Err(DirectRefusal::NotNow));
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, x.buf.key), Err(DirectRefusal::NotNow));
+    assert_eq!(env.hca.direct_grant(C3, x.qpn, a.buf.key), Err(DirectRefusal::NotNow));
     assert_eq!(env.hca.direct_counts(), (0, 0));
 }
 
@@ -62,24 +116,24 @@ fn a_pair_not_yet_connected_both_ways_is_not_served() {
     let b = env.end(C2);
     env.connect(a.qpn, b.qpn);
     // b is still in RESET: the engine would not place a write either.
-    assert_eq!(env.hca.direct_grant_write(C1, a.qpn, b.buf.key), Err(DirectRefusal::NotNow));
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key), Err(DirectRefusal::NotNow));
     env.connect(b.qpn, a.qpn);
-    assert!(env.hca.direct_grant_write(C1, a.qpn, b.buf.key).is_ok());
+    assert!(env.hca.direct_grant(C1, a.qpn, b.buf.key).is_ok());
 }
 
 #[test]
 fn deregistration_revokes_the_slot_and_a_slot_used_again_has_another_generation() {
     let (mut env, a, b) = Env::pair();
-    let g = env.hca.direct_grant_write(C1, a.qpn, b.buf.key).unwrap();
+    let g = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
     let other = env.mr(C2, b.pd, 4096, FULL);
-    let g2 = env.hca.direct_grant_write(C1, a.qpn, other.key).unwrap();
+    let g2 = env.hca.direct_grant(C1, a.qpn, other.key).unwrap();
     assert_ne!(g.slot, g2.slot);
     env.hca.dereg_mr(C2, b.buf.key).unwrap();
     assert_eq!(env.hca.direct_revocations(), vec![Revocation::Slot { requester: a.qpn, slot: g.slot }]);
     assert!(env.hca.direct_window_open(a.qpn), "the window and its other grants stay");
-    assert_eq!(env.hca.direct_grant_write(C1, a.qpn, b.buf.key), Err(DirectRefusal::NotGranted));
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key), Err(DirectRefusal::NotGranted));
     let third = env.mr(C2, b.pd, 4096, FULL);
-    let g3 = env.hca.direct_grant_write(C1, a.qpn, third.key).unwrap();
+    let g3 = env.hca.direct_grant(C1, a.qpn, third.key).unwrap();
     assert_eq!(g3.slot, g.slot, "the freed slot is used again");
     assert_ne!(g3.generation, g.generation, "a stale grant of the slot never matches");
 }
@@ -88,7 +142,7 @@ fn deregistration_revokes_the_slot_and_a_slot_used_again_has_another_generation(
 fn any_state_change_of_either_qp_closes_the_window() {
     for case in 0..5 {
         let (mut env, a, b) = Env::pair();
-        env.hca.direct_grant_write(C1, a.qpn, b.buf.key).unwrap();
+        env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
         let err = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
         match case {
             0 => drop(env.modify(b.qpn, &err, QpAttrMask::STATE).unwrap()),
@@ -111,8 +165,59 @@ fn any_state_change_of_either_qp_closes_the_window() {
 #[test]
 fn the_requesters_context_closing_drops_its_window() {
     let (mut env, a, b) = Env::pair();
-    env.hca.direct_grant_write(C1, a.qpn, b.buf.key).unwrap();
+    env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
     env.hca.close_context(C1, &mut env.io);
     revoked_window(&mut env, a.qpn);
     assert_eq!(env.hca.direct_counts().0, 0);
+}
+
+#[test]
+fn a_receive_grant_names_the_peers_receive_cq_and_is_asked_again_the_same() {
+    let (mut env, a, b) = Env::pair();
+    let g = env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    assert_eq!((g.requester, g.responder, g.recv_cq), (a.qpn, b.qpn, b.cq));
+    assert!(g.new_window && g.generation != 0);
+    assert_eq!(g.lid, env.hca.config().port.lid);
+    let again = env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    assert_eq!((again.generation, again.new_window), (g.generation, false));
+    // Key grants share its window.
+    assert!(!env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().new_window);
+    assert_eq!(env.hca.direct_grant_recv(C2, a.qpn), Err(DirectRefusal::NotNow), "only the owner asks");
+    assert!(env.hca.direct_revocations().is_empty());
+}
+
+#[test]
+fn a_peer_with_an_srq_is_not_granted_its_receives() {
+    let mut env = Env::new();
+    let a = env.end(C1);
+    let pd = env.hca.alloc_pd(C2).unwrap();
+    let (cq, _) = env.hca.create_cq(C2, 64).unwrap();
+    let (srq, _) = env.hca.create_srq(C2, pd, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 0 }).unwrap();
+    let b = env.qp(C2, pd, qp_init(cq, cq, Some(srq)));
+    env.connect(a.qpn, b);
+    env.connect(b, a.qpn);
+    assert_eq!(env.hca.direct_grant_recv(C1, a.qpn), Err(DirectRefusal::NotNow));
+}
+
+#[test]
+fn a_receive_given_back_to_the_core_revokes_the_receive_grant_only() {
+    let (mut env, a, b) = Env::pair();
+    let k = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
+    env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    // The core holds a receive of b's that the ring no longer has: a claim
+    // from the ring would overtake it.
+    env.hca.requeue_recv(b.qpn, recv(5, &[b.buf.sge(0, 8)]));
+    assert_eq!(env.hca.direct_revocations(), vec![Revocation::Recv { requester: a.qpn }]);
+    assert!(env.hca.direct_window_open(a.qpn), "the window and its key grants stay");
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().generation, k.generation);
+    assert_eq!(env.hca.direct_grant_recv(C1, a.qpn), Err(DirectRefusal::NotNow));
+}
+
+#[test]
+fn the_peer_leaving_rts_revokes_the_receive_grant_with_its_window() {
+    let (mut env, a, b) = Env::pair();
+    env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    let err = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+    env.modify(b.qpn, &err, QpAttrMask::STATE).unwrap();
+    revoked_window(&mut env, a.qpn);
 }

@@ -1,8 +1,14 @@
-//! The direct path (`docs/direct-path.md`): RDMA writes between QPs of one
-//! tenant on one host that the requester's library carries itself, with
-//! the daemon's `direct.enabled` on. Each test checks that the path was
-//! taken (the QP's `direct_stats`) where it must be, and that bytes,
-//! completions and errors are what the engine path gives.
+//! The direct path (`docs/direct-path.md`): RDMA writes, reads and
+//! atomics between QPs of one tenant on one host that the requester's
+//! library carries itself, with the daemon's `direct.enabled` on. Each
+//! test checks that the path was taken (the QP's `direct_stats`) where it
+//! must be, and that bytes, completions and errors are what the engine
+//! path gives. Writes here; reads in `reads.rs`, atomics in `atomics.rs`,
+//! writes with immediate (the peer's receives claimed) in `imm.rs`.
+
+mod atomics;
+mod imm;
+mod reads;
 
 use anyhow::Result;
 use vrdma::wr::{self, SendWrExt};

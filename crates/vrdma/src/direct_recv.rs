@@ -1,0 +1,138 @@
+//! The direct path's receive side (`docs/direct-path.md`): RDMA writes
+//! with immediate whose receive this library claims itself from the peer
+//! QP's receive queue, completing it into the peer QP's *inbox*, which the
+//! peer's library polls before its receive CQ's ring.
+//!
+//! What keeps the engine path's semantics:
+//! - **one consumer per receive**: the receive queue is claimed with a
+//!   compare-and-swap on its consumer index, as the engine's pulls do for
+//!   such queues, so a receive completes once, by this path or by the
+//!   engine (a flush included);
+//! - **order in the peer's CQ**: a receive is claimed only while every
+//!   receive completion of the peer QP that the engine pushed into its
+//!   CQ's ring was polled (the inbox's `INBOX_AUX_ENGINE_PUSHED` and
+//!   `INBOX_AUX_ENGINE_POLLED` words are equal), and the peer polls
+//!   inboxes before the ring (every engine completion after it waits
+//!   behind it);
+//! - **the CQ's depth**: the engine adds the inboxes' entries to its own
+//!   overrun check; the inbox itself never holds more than the CQ's depth
+//!   (a completion that would not fit is left to the engine). Not checked
+//!   here: the peer CQ's other completions (see `docs/direct-path.md`);
+//! - **RNR**: no receive posted, the WR goes to the engine, whose RNR
+//!   timer and retry count apply.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use vrdma_core::hca::DirectRefusal;
+use vrdma_core::proto::{
+    DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
+};
+use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, RECV_HEADER};
+use vrdma_core::verbs::{WcFlags, WcOpcode, WcStatus};
+use vrdma_shm::{Claim, Mapping, RingView, WordPage};
+
+use crate::context::Context;
+
+/// A standing receive grant: the peer QP's receive queue and inbox.
+pub(crate) struct RecvTarget {
+    pub(crate) generation: u32,
+    responder: u32,
+    lid: u16,
+    rq: RingView,
+    inbox: RingView,
+    /// The peer's receive CQ's depth: the inbox never holds more.
+    cq_depth: u32,
+    /// A receive slot's bytes, looked at before it is claimed.
+    scratch: Vec<u8>,
+}
+
+/// What [`RecvTarget::deliver`] did.
+pub(crate) enum Delivered {
+    /// Claimed, placed and completed.
+    Done,
+    /// Not now (no receive, the peer's CQ not empty or full, the inbox
+    /// full, an entry this path cannot prove valid): the engine's.
+    NotNow,
+}
+
+impl RecvTarget {
+    /// Claims the peer's next receive for `wr` (an RDMA write with
+    /// immediate of requester QP `requester`) if its completion can be
+    /// delivered in order and within the CQ's depth now; then `place`s the
+    /// payload and pushes the peer's completion. The caller holds the
+    /// grant (window words checked after announcing itself).
+    pub(crate) fn deliver(&mut self, requester: u32, wr: &SendWr, place: impl FnOnce()) -> Delivered {
+        let pushed = self.inbox.aux(INBOX_AUX_ENGINE_PUSHED).load(Ordering::SeqCst);
+        if self.inbox.aux(INBOX_AUX_ENGINE_POLLED).load(Ordering::SeqCst) != pushed {
+            return Delivered::NotNow;
+        }
+        if !matches!(self.inbox.len(), Ok(n) if n < self.cq_depth && n < self.inbox.capacity()) {
+            return Delivered::NotNow;
+        }
+        let mut wr_id = 0;
+        let claimed = self.rq.try_claim(&mut self.scratch, |b| match RecvWr::decode(b) {
+            Ok(r) => {
+                wr_id = r.wr_id;
+                true
+            }
+            Err(_) => false,
+        });
+        if claimed != Ok(Claim::Taken) {
+            return Delivered::NotNow;
+        }
+        place();
+        let mut cqe = Cqe::new(wr_id, WcStatus::Success, WcOpcode::RecvRdmaWithImm, self.responder);
+        cqe.byte_len = wr.msg_len() as u32;
+        cqe.src_qp = requester;
+        cqe.slid = self.lid;
+        cqe.wc_flags = WcFlags::WITH_IMM;
+        cqe.imm_data = wr.imm_data;
+        let mut out = [0u8; CQE_SIZE];
+        cqe.encode(&mut out);
+        // Room was checked and this is the inbox's only producer: a failure
+        // is the peer's own scribbling on its indices, which loses it this
+        // completion.
+        let _ = self.inbox.try_push_bytes(&out);
+        Delivered::Done
+    }
+}
+
+/// Asks the daemon for a receive grant of `qpn`, with the window page
+/// when it comes; `Err(None)` when the call itself failed.
+pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPage>), Option<DirectRefusal>> {
+    let req = Request::DirectRecvGrant { qp: qpn };
+    let answer = ctx.inner.control.call(&req, &[]).map_err(|_| None)?;
+    let g: DirectRecvGranted = match answer.reply {
+        Reply::DirectRecvGrant(g) => g,
+        Reply::DirectRefused(why) => return Err(Some(why)),
+        _ => return Err(Some(DirectRefusal::Off)),
+    };
+    let want = if g.window_len > 0 { 2 } else { 1 };
+    let mut fds = answer.take_fds(want, "DirectRecvGrant").map_err(|_| None)?;
+    let qp_fd = fds.pop().ok_or(None)?;
+    let window = match fds.pop() {
+        Some(fd) => {
+            let len = usize::try_from(g.window_len).map_err(|_| None)?;
+            Some(WordPage::of_mapping(Mapping::map_untrusted(fd, 0, len).map_err(|_| None)?))
+        }
+        None => None,
+    };
+    let map = |fd, len: u64| -> Result<Arc<Mapping>, Option<DirectRefusal>> {
+        let len = usize::try_from(len).map_err(|_| None)?;
+        Ok(Arc::new(Mapping::map_untrusted(fd, 0, len).map_err(|_| None)?))
+    };
+    let ring = |m: &Arc<Mapping>, spec: RingSpec| -> Result<RingView, Option<DirectRefusal>> {
+        let off = usize::try_from(spec.offset).map_err(|_| None)?;
+        RingView::in_segment(m.clone(), off, spec.capacity, spec.stride as usize).map_err(|_| None)
+    };
+    let qp_map = map(qp_fd, g.qp_segment_len)?;
+    let (rq, inbox) = (ring(&qp_map, g.rq)?, ring(&qp_map, g.inbox)?);
+    if rq.stride() < RECV_HEADER || inbox.stride() != CQE_SIZE {
+        return Err(None);
+    }
+    let scratch = vec![0u8; rq.stride()];
+    let (generation, responder, lid, cq_depth) = (g.generation, g.responder, g.lid, g.cq_depth);
+    let target = RecvTarget { generation, responder, lid, rq, inbox, cq_depth, scratch };
+    Ok((target, window))
+}
