@@ -483,6 +483,19 @@ fn killed_mid_transfer(w: &mut World) {
         took.as_secs_f64(),
         f.stderr.trim()
     );
+    // The daemon freed what the VM held: no QP of the tenant (the VM's
+    // and this test's) is left once the host's peer is gone.
+    let ctx = vrdma::Context::open_at(&w.main.socket).expect("open");
+    let end = Instant::now() + Duration::from_secs(15);
+    loop {
+        let qps = ctx.stat().expect("stat").qps;
+        if qps.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < end, "QPs left after the VM was killed: {qps:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(ctx);
     // The daemon serves on: its CLI, and guest b on a new session.
     let stat = Command::new(VRDMA).arg("--socket").arg(&w.main.socket).arg("stat").output().unwrap();
     assert!(stat.status.success(), "vrdma stat: {}", String::from_utf8_lossy(&stat.stderr));
