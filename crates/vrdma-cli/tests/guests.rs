@@ -250,6 +250,7 @@ fn verbs_programs_in_real_guests() {
     case("ibv_rc_pingpong -c between two VMs of one host", &mut rc_two_guests);
     case("ib_write_lat, ib_send_bw and qperf rc_lat, guest client and host server", &mut perf_tools);
     case("ibv_rc_pingpong -c, a guest and a process behind another host's daemon", &mut other_host);
+    case("figures (VRDMA_GUEST_FIGURES=1): VM-to-host beside host-to-host", &mut figures);
     case(
         "QEMU SIGKILLed mid-transfer: the host's peer fails, the daemon serves on",
         &mut killed_mid_transfer,
@@ -511,4 +512,70 @@ fn killed_mid_transfer(w: &mut World) {
     pingpong_ran("ibv_rc_pingpong (guest b)", &out);
     host_ok(&server);
     drop(a);
+}
+
+/// Runs of each figure; the median is shown.
+const FIGURE_RUNS: usize = 3;
+
+/// Not a check: with `VRDMA_GUEST_FIGURES=1`, perftest's 8 B RDMA write
+/// latency (`t_typical`) and 1 MiB send bandwidth (`BW average`) from
+/// guest a to a host process, beside the same between two host processes
+/// (the anchor) in the same run, medians of [`FIGURE_RUNS`], with the
+/// accelerator named. Under TCG the guest's figures are functional, not
+/// comparable with KVM's.
+fn figures(w: &mut World) {
+    if std::env::var_os("VRDMA_GUEST_FIGURES").is_none() {
+        eprintln!("  (set VRDMA_GUEST_FIGURES=1 for VM-to-host figures)");
+        return;
+    }
+    let accel = w.b.accel().name();
+    let mut rows = Vec::new();
+    for (tool, args, col, what) in [
+        ("ib_write_lat", "-s 8 -n 1000", 4, "8 B RDMA write latency, t_typical [us]"),
+        ("ib_send_bw", "-s 1048576 -n 200", 3, "1 MiB send bandwidth, BW average [MB/s]"),
+    ] {
+        let (mut vm, mut host) = (Vec::new(), Vec::new());
+        for _ in 0..FIGURE_RUNS {
+            for from_vm in [false, true] {
+                let port = free_port();
+                let common = format!("-p {port} -d vrdma0 -F {args}");
+                let mut server = w.host(false, &format!("/usr/bin/{tool}"));
+                server.args(common.split_whitespace());
+                let server = host_server(server, &format!("{tool} (host server)"), port);
+                let out = if from_vm {
+                    let (st, out) = w.a().run(&format!("timeout 120 {tool} {common} 10.0.2.2"), T).unwrap();
+                    assert_eq!(st, 0, "{tool} in the guest:\n{out}");
+                    out
+                } else {
+                    let mut c = w.host(false, &format!("/usr/bin/{tool}"));
+                    c.args(common.split_whitespace()).arg("127.0.0.1");
+                    let f = spawn(c, &format!("{tool} (host client)")).finish(LIMIT);
+                    f.assert_ok();
+                    f.stdout
+                };
+                server.finish(LIMIT).assert_ok();
+                let v = result_column(&out, col).unwrap_or_else(|| panic!("{tool}: no result\n{out}"));
+                if from_vm {
+                    vm.push(v)
+                } else {
+                    host.push(v)
+                }
+            }
+        }
+        let (v, h) = (median(&mut vm), median(&mut host));
+        rows.push(format!("  {what}: VM ({accel}) to host {v:.2}, host to host {h:.2}, ratio {:.2} (runs: VM {vm:?}, host {host:?})", v / h));
+    }
+    eprintln!("  figures, medians of {FIGURE_RUNS} runs, accelerator {accel}:\n{}", rows.join("\n"));
+}
+
+/// Column `col` of the first row of perftest's result table.
+fn result_column(out: &str, col: usize) -> Option<f64> {
+    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
+    lines.next()?;
+    lines.next()?.split_whitespace().nth(col)?.parse().ok()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
 }
