@@ -4,7 +4,8 @@
 //!
 //! Two guests (`a`, `b`: two `[vms]` of one daemon) boot once for this
 //! whole binary (boots cost seconds under TCG) and the cases run in order
-//! against them, the last one SIGKILLing guest `a`'s QEMU mid-transfer.
+//! against them, the last one SIGKILLing guest `a`'s QEMU mid-transfer
+//! (and booting VM `a` again).
 //! Each guest gets QEMU's user network (a virtio NIC at 10.0.2.15, the
 //! host at 10.0.2.2, a few host ports forwarded in) for the tools'
 //! out-of-band TCP exchange; their verbs traffic goes through the VM
@@ -110,6 +111,7 @@ struct World {
     b: Guest,
     /// Host ports forwarded into guest a, and into guest b.
     fwd_a: Vec<u16>,
+    img: image::Image,
     /// Dropped last: the namespaces.
     _net: Option<vrdma_it::Netns>,
 }
@@ -245,14 +247,14 @@ fn verbs_programs_in_real_guests() {
     };
     case("ibv_devinfo in a guest shows the vRDMA device", &mut devinfo);
     case("ibv_rc_pingpong -c, guest server and host client", &mut rc_guest_server);
-    case("ibv_rc_pingpong -c, host server and guest client", &mut rc_host_server);
+    case("ibv_rc_pingpong -c, and -c -e, host server and guest client", &mut rc_host_server);
     case("ibv_ud_pingpong -c, guest server and host client", &mut ud_guest_server);
     case("ibv_rc_pingpong -c between two VMs of one host", &mut rc_two_guests);
     case("ib_write_lat, ib_send_bw and qperf rc_lat, guest client and host server", &mut perf_tools);
     case("ibv_rc_pingpong -c, a guest and a process behind another host's daemon", &mut other_host);
     case("figures (VRDMA_GUEST_FIGURES=1): VM-to-host beside host-to-host", &mut figures);
     case(
-        "QEMU SIGKILLed mid-transfer: the host's peer fails, the daemon serves on",
+        "QEMU SIGKILLed mid-transfer: the host's peer fails, the daemon serves on, the VM boots again",
         &mut killed_mid_transfer,
     );
 }
@@ -324,7 +326,7 @@ fn setup() -> World {
         let b = s.spawn(|| boot(&img, &main.socket, "b", ns.as_deref(), &[]));
         (a.join().expect("boot a"), b.join().expect("boot b"))
     });
-    World { dir, ns, main, other, a: Some(a), b, fwd_a, _net: net }
+    World { dir, ns, main, other, a: Some(a), b, fwd_a, img, _net: net }
 }
 
 /// What the guest library sees, for a failure's message.
@@ -373,15 +375,20 @@ fn ud_guest_server(w: &mut World) {
 }
 
 fn rc_host_server(w: &mut World) {
-    let port = free_port();
-    let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
-    server.args(["-p", &port.to_string(), "-n", ITERS, "-c"]);
-    let server = host_server(server, "ibv_rc_pingpong (host server)", port);
-    let out = w.a().check(&format!("timeout 90 ibv_rc_pingpong -p {port} -n {ITERS} -c 10.0.2.2"), T);
-    let server = server.finish(LIMIT);
-    let out = out.unwrap_or_else(|e| panic!("the guest client: {e}\n{}", server.describe()));
-    pingpong_ran("ibv_rc_pingpong (guest client)", &out);
-    host_ok(&server);
+    // With -e both sides sleep on completion channels: in the guest, the
+    // doorbell proxies over the VM's port (docs/vms.md).
+    for args in ["-c", "-c -e"] {
+        let port = free_port();
+        let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
+        server.args(["-p", &port.to_string(), "-n", ITERS]).args(args.split_whitespace());
+        let server = host_server(server, &format!("ibv_rc_pingpong (host server) {args}"), port);
+        let cmd = format!("timeout 90 ibv_rc_pingpong -p {port} -n {ITERS} {args} 10.0.2.2");
+        let out = w.a().check(&cmd, T);
+        let server = server.finish(LIMIT);
+        let out = out.unwrap_or_else(|e| panic!("the guest client {args}: {e}\n{}", server.describe()));
+        pingpong_ran(&format!("ibv_rc_pingpong (guest client) {args}"), &out);
+        host_ok(&server);
+    }
 }
 
 fn rc_two_guests(w: &mut World) {
@@ -512,6 +519,19 @@ fn killed_mid_transfer(w: &mut World) {
     pingpong_ran("ibv_rc_pingpong (guest b)", &out);
     host_ok(&server);
     drop(a);
+    // And VM a comes back: a new QEMU attaches the same region and
+    // ports, and its guest's sessions work.
+    let a = boot(&w.img, &w.main.socket, "a", w.ns.as_deref(), &[]);
+    w.a = Some(a);
+    let port = free_port();
+    let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
+    server.args(["-p", &port.to_string(), "-n", ITERS, "-c"]);
+    let server = host_server(server, "ibv_rc_pingpong (host server)", port);
+    let out = w.a().check(&format!("timeout 90 ibv_rc_pingpong -p {port} -n {ITERS} -c 10.0.2.2"), T);
+    let server = server.finish(LIMIT);
+    let out = out.unwrap_or_else(|e| panic!("VM a booted again: {e}\n{}", server.describe()));
+    pingpong_ran("ibv_rc_pingpong (VM a, booted again)", &out);
+    host_ok(&server);
 }
 
 /// Runs of each figure; the median is shown.
