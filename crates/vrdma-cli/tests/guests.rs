@@ -2,11 +2,11 @@
 //! `vrdma vm run` against a daemon of this test, beside host processes,
 //! another guest, and a process behind another daemon.
 //!
-//! Two guests (`a`, `b`: two `[vms]` of one daemon) boot once for this
-//! whole binary (boots cost seconds under TCG) and the cases run in order
-//! against them, the last one SIGKILLing guest `a`'s QEMU mid-transfer
-//! (and booting VM `a` again).
-//! Each guest gets QEMU's user network (a virtio NIC at 10.0.2.15, the
+//! The image comes from `vrdma vm image`. Two guests (`a`, `b`: two
+//! `[vms]` of one daemon) boot once for this whole binary (boots cost
+//! seconds under TCG) and the cases run in order against them, the last
+//! one SIGKILLing guest `a`'s QEMU mid-transfer (and booting VM `a`
+//! again). Each guest gets QEMU's user network (a virtio NIC at 10.0.2.15, the
 //! host at 10.0.2.2, a few host ports forwarded in) for the tools'
 //! out-of-band TCP exchange; their verbs traffic goes through the VM
 //! transport (`docs/vms.md`).
@@ -25,7 +25,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use vrdma_guest::{image, DropIn, Guest, GuestSpec, ImageSpec};
+use vrdma_guest::{image, Guest, GuestSpec};
 use vrdma_it::harness::{built, free_port, spawn, Finished, Running};
 
 const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
@@ -271,18 +271,29 @@ fn setup() -> World {
         link(&built("libvrdma_companions.so"), soname);
     }
 
-    // The guests' image: this build's vrdma and drop-in, Debian's tools.
-    // (The cdylibs of this run are in deps/; those beside `vrdma` in the
-    // profile directory are only as fresh as the last build of their
-    // own package.)
-    let drop_in = DropIn {
-        vrdma: VRDMA.into(),
-        verbs: built("libvrdma_verbs.so"),
-        rdmacm: Some(built("libvrdma_rdmacm.so")),
-        companions: Some(built("libvrdma_companions.so")),
-    };
-    let spec = ImageSpec::default().with_drop_in(drop_in).debian_tools().unwrap();
-    let img = image::build(&spec).expect("build the guest image");
+    // The guests' image, by `vrdma vm image`: this build's vrdma and
+    // drop-in, Debian's tools. (The cdylibs of this run are in deps/;
+    // those beside `vrdma` in the profile directory are only as fresh as
+    // the last build of their own package, so they are named.)
+    let img_dir = dir.path().join("image");
+    let out = Command::new(VRDMA)
+        .args(["vm", "image", "--out"])
+        .arg(&img_dir)
+        .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so"))
+        .env("VRDMA_RDMACM_LIB", built("libvrdma_rdmacm.so"))
+        .env("VRDMA_COMPANIONS_LIB", built("libvrdma_companions.so"))
+        .output()
+        .expect("run vrdma vm image");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "vrdma vm image: {}{text}", String::from_utf8_lossy(&out.stderr));
+    // "kernel:    PATH (RELEASE)"
+    let release = text
+        .lines()
+        .find_map(|l| l.strip_prefix("kernel:")?.trim_end().strip_suffix(')')?.rsplit_once('(').map(|x| x.1))
+        .unwrap_or_else(|| panic!("no kernel release in {text}"))
+        .to_string();
+    let img =
+        image::Image { kernel: img_dir.join("vmlinuz"), initramfs: img_dir.join("initramfs.cpio"), release };
 
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };

@@ -12,8 +12,8 @@
 //!   `vrdma::vm::attach` itself), shell-quoted on one line.
 //! - `vrdma vm image --out DIR` builds the guest image
 //!   (`vrdma_guest::image::export`): a Debian cloud kernel and an
-//!   initramfs with this `vrdma`, the drop-in libraries beside it, and
-//!   Debian's verbs tools.
+//!   initramfs with this `vrdma`, the drop-in libraries `vrdma run` would
+//!   use, and Debian's verbs tools.
 //!
 //! This module only turns the CLI into those calls and their errors into
 //! messages an operator can act on.
@@ -125,9 +125,15 @@ fn exec_qemu(socket: &Path, name: &str, qemu: &Path, user: Vec<OsString>) -> Res
 }
 
 fn image(out: &Path, no_tools: bool) -> Result<()> {
-    let exe = std::env::current_exe().context("finding this executable")?;
-    let dir = exe.parent().context("this executable's directory")?;
-    let drop_in = vrdma_guest::DropIn::from_profile_dir(dir)?;
+    // The libraries `vrdma run` would give a program on this host (beside
+    // this executable, or the files VRDMA_VERBS_LIB, VRDMA_RDMACM_LIB and
+    // VRDMA_COMPANIONS_LIB name), so that guests run what hosts run.
+    let drop_in = vrdma_guest::DropIn {
+        vrdma: std::env::current_exe().context("finding this executable")?,
+        verbs: super::run::find_library()?,
+        rdmacm: super::run::find_rdmacm()?,
+        companions: super::run::find_companions()?,
+    };
     let mut spec = vrdma_guest::ImageSpec::default().with_drop_in(drop_in);
     if !no_tools {
         spec = spec.debian_tools().context(
