@@ -38,6 +38,9 @@ enum Command {
     Study(study::Args),
     /// Run an unmodified verbs or rdma_cm program (ibv_rc_pingpong, rping, ...) on vRDMA through its libibverbs.so.1 and librdmacm.so.1.
     Run(cmd::run::Args),
+    /// QEMU guests on vRDMA: run QEMU attached to a configured VM, print its arguments, build a guest image.
+    #[command(subcommand)]
+    Vm(cmd::vm::Command),
     /// A busy-polling TCP ping-pong (bench-hosts' reference anchor).
     #[command(hide = true)]
     TcpPingpong(cmd::hostbench::pingpong::Args),
@@ -75,6 +78,7 @@ fn main() -> Result<()> {
         }
         Command::Study(a) => study::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
+        Command::Vm(c) => cmd::vm::run(cli.socket, c),
         Command::TcpPingpong(a) => cmd::hostbench::pingpong::run(a),
         Command::CmSetup(a) => cmd::hostbench::cm_setup::run(cli.socket, a),
         Command::Misbehave(a) => bench::attack::misbehave(cli.socket, a),

@@ -191,3 +191,86 @@ fn vrdma_run_ended_by_a_signal_ends_its_program_and_removes_its_folder() {
         assert!(!Path::new(&format!("/proc/{program}")).exists(), "signal {sig}: the program still runs");
     }
 }
+
+/// `vrdma vm`: the arguments of a configured VM, QEMU exec'd with them
+/// (here a script standing in for QEMU, which reports what it got and
+/// that the region descriptor reached it open), and the errors an
+/// operator meets.
+#[test]
+fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let config = dir.path().join("vms.toml");
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    std::fs::write(&config, format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n")).unwrap();
+    let _d = start_daemon(&sock, &["--config", config.to_str().unwrap()]);
+    let text = |o: &Output| {
+        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+
+    let out = vrdma(&sock, &["vm", "args", "t", "--fd", "9"]);
+    let (so, se) = text(&out);
+    assert!(out.status.success(), "{se}");
+    let vm_sock = dir.path().join("vm-t.sock");
+    for want in [
+        "memory-backend-file,id=vrdma-mem,share=on,mem-path=/proc/self/fd/9,size=8388608".to_string(),
+        "ivshmem-plain,memdev=vrdma-mem".into(),
+        format!("socket,id=vrdma-p1,path={}", vm_sock.display()),
+        "name=org.vrdma.1".into(),
+    ] {
+        assert!(so.contains(&want), "{want:?} missing from {so}");
+    }
+    assert!(!so.contains("org.vrdma.2"), "two ports: {so}");
+
+    // A stand-in QEMU: prints its arguments one a line, then the size of
+    // the file its mem-path names (the region, inherited open).
+    let qemu = dir.path().join("fake-qemu");
+    std::fs::write(
+        &qemu,
+        "#!/bin/sh\nfor a in \"$@\"; do echo \"$a\"; done\n\
+         p=$(echo \"$*\" | grep -o 'mem-path=[^,]*' | cut -d= -f2)\n\
+         echo \"region: $(stat -L -c %s \"$p\")\"\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&qemu, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let out = vrdma(
+        &sock,
+        &["vm", "run", "t", "--qemu", qemu.to_str().unwrap(), "--", "-m", "64", "-append", "a b"],
+    );
+    let (so, se) = text(&out);
+    assert!(out.status.success(), "{se}");
+    let lines: Vec<&str> = so.lines().collect();
+    assert_eq!(lines[0], "-object", "{so}");
+    assert_eq!(lines[lines.len() - 5..], ["-m", "64", "-append", "a b", "region: 8388608"], "{so}");
+    assert!(
+        se.contains(&format!("vrdma vm run: {} -object ", qemu.display())) && se.contains("-append 'a b'"),
+        "{se}"
+    );
+
+    // Errors: an unknown VM, no QEMU, no daemon, a region QEMU refuses.
+    let out = vrdma(&sock, &["vm", "args", "nope", "--fd", "3"]);
+    let (_, se) = text(&out);
+    assert!(!out.status.success() && se.contains("has no VM \"nope\"") && se.contains("[vms.nope]"), "{se}");
+    let out = vrdma(&sock, &["vm", "run", "t", "--qemu", "/nonexistent/qemu"]);
+    let (_, se) = text(&out);
+    assert!(!out.status.success() && se.contains("cannot run /nonexistent/qemu"), "{se}");
+    let out = vrdma(&dir.path().join("none.sock"), &["vm", "run", "t"]);
+    let (_, se) = text(&out);
+    assert!(
+        !out.status.success() && se.contains("no vRDMA daemon answers") && se.contains("[vms.t]"),
+        "{se}"
+    );
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, format!("[vms.t]\ntenant = {uid}\nmemory_mib = 100\n")).unwrap();
+    let out = Command::new(VRDMA)
+        .args(["daemon", "--socket"])
+        .arg(dir.path().join("bad.sock"))
+        .arg("--config")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let (_, se) = text(&out);
+    assert!(!out.status.success() && se.contains("memory_mib 100 is not a power of two"), "{se}");
+}

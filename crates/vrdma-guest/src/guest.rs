@@ -60,6 +60,12 @@ pub struct GuestSpec {
     pub append: String,
     /// How long the guest may take to reach its shell.
     pub boot_timeout: Duration,
+    /// A command that runs QEMU: empty for [`QEMU`] itself, else a
+    /// program and arguments that QEMU's arguments follow and that must
+    /// exec QEMU (so that its pid is QEMU's), such as `vrdma vm run NAME
+    /// --` (which adds the VM's arguments) or `ip netns exec NS
+    /// qemu-system-x86_64`.
+    pub launcher: Vec<OsString>,
     inherit: Vec<OwnedFd>,
 }
 
@@ -73,6 +79,7 @@ impl GuestSpec {
             extra_args: Vec::new(),
             append: String::new(),
             boot_timeout: Duration::from_secs(120),
+            launcher: Vec::new(),
             inherit: Vec::new(),
         }
     }
@@ -183,7 +190,14 @@ impl Guest {
         let dir = harness_dir()?;
         let sock = dir.0.join("harness.sock");
         let listener = UnixListener::bind(&sock).map_err(|e| Error::path("listen on", &sock, e))?;
-        let mut cmd = Command::new(QEMU);
+        let mut cmd = match spec.launcher.split_first() {
+            None => Command::new(QEMU),
+            Some((program, args)) => {
+                let mut c = Command::new(program);
+                c.args(args);
+                c
+            }
+        };
         cmd.args(qemu_args(&spec, accel)).args(harness_args(&sock)?);
         cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
         let fds: Vec<RawFd> = spec.inherit.iter().map(|f| f.as_raw_fd()).collect();

@@ -34,8 +34,8 @@ pub const GUEST_LIB: &str = "/opt/vrdma/lib";
 /// The host's busybox (Debian's `busybox-static`).
 pub const BUSYBOX: &str = "/bin/busybox";
 /// Debian's verbs programs the joined tests run in the guest.
-pub const DEBIAN_TOOLS: [&str; 5] =
-    ["ibv_devinfo", "ibv_rc_pingpong", "ibv_ud_pingpong", "ib_write_lat", "qperf"];
+pub const DEBIAN_TOOLS: [&str; 6] =
+    ["ibv_devinfo", "ibv_rc_pingpong", "ibv_ud_pingpong", "ib_write_lat", "ib_send_bw", "qperf"];
 /// File names of the project's build (as cargo names them).
 const VRDMA_BIN: &str = "vrdma";
 const VERBS_LIB: &str = "libvrdma_verbs.so";

@@ -16,6 +16,17 @@ cd /root
 for m in $(cat /etc/vrdma-guest/modules); do
     insmod "/lib/modules/vrdma-guest/$m.ko" || echo "@@VRDMA-WARN insmod $m failed"
 done
+# The loopback, and the first NIC (a virtio-net on QEMU's user network,
+# `-nic user,model=virtio-net-pci`) with that network's fixed addresses:
+# the guest 10.0.2.15, the host (QEMU's side) 10.0.2.2. Verbs programs
+# exchange their QP numbers over it.
+ip link set lo up
+for n in /sys/class/net/*; do
+    i=${n##*/}
+    [ "$i" = lo ] && continue
+    ip link set "$i" up && ip addr add 10.0.2.15/24 dev "$i" && ip route add default via 10.0.2.2
+    break
+done
 # KVM shows the guest its signature; TCG shows none.
 if dmesg | grep -q "Hypervisor detected: KVM"; then accel=kvm; else accel=tcg; fi
 # With vrdma-guest.shell on the kernel command line, or without the

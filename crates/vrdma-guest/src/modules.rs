@@ -14,8 +14,10 @@ use std::path::{Path, PathBuf};
 
 use crate::{Error, Result};
 
-/// What the guest needs: virtio-serial ports over PCI.
-pub const WANTED: [&str; 2] = ["virtio_pci", "virtio_console"];
+/// What the guest needs: virtio-serial ports over PCI, and a virtio NIC
+/// (for the out-of-band TCP exchange of verbs programs such as
+/// `ibv_rc_pingpong`, over QEMU's user network when one is given).
+pub const WANTED: [&str; 3] = ["virtio_pci", "virtio_console", "virtio_net"];
 
 /// Bounds on what is read: the module tree's depth and a dependency
 /// chain's length.

@@ -64,7 +64,7 @@
 //!
 //! [vms.NAME]            # a QEMU guest (docs/vms.md); NAME: 1-32 of [a-z0-9-]
 //! tenant = 1000         # the uid whose tenant the VM is (required)
-//! memory_mib = 64       # its shared region (the ivshmem BAR), 4..=4096
+//! memory_mib = 64       # its shared region (the ivshmem BAR), a power of two in 4..=4096
 //! ports = 4             # virtio-serial ports = guest contexts at once, 1..=31
 //! ping_ms = 2000        # ask each guest session for a sign of life this often
 //! dead_ms = 10000       # and end one silent this long
@@ -559,6 +559,14 @@ impl VmConfig {
         }
         if !(4..=4096).contains(&self.memory_mib) {
             return bad(format!("memory_mib {} is not in 4..=4096", self.memory_mib));
+        }
+        // QEMU's ivshmem aborts on a BAR of another size
+        // (`pci_register_bar: Assertion is_power_of_2(size)`, QEMU 7.2).
+        if !self.memory_mib.is_power_of_two() {
+            return bad(format!(
+                "memory_mib {} is not a power of two (QEMU's ivshmem needs one: 4, 8, 16, ... 4096)",
+                self.memory_mib
+            ));
         }
         if !(1..=31).contains(&self.ports) {
             return bad(format!("ports {} is not in 1..=31", self.ports));
@@ -1092,6 +1100,9 @@ mod tests {
         assert!(err("[vms.a]\nmemory_mib = 8").contains("tenant"));
         assert!(err("[vms.a]\ntenant = 1\nmemory_mib = 3").contains("memory_mib 3"));
         assert!(err("[vms.a]\ntenant = 1\nmemory_mib = 4097").contains("memory_mib 4097"));
+        let odd = err("[vms.a]\ntenant = 1\nmemory_mib = 100");
+        assert!(odd.contains("memory_mib 100 is not a power of two"), "{odd}");
+        assert!(DaemonConfig::from_toml("[vms.a]\ntenant = 1\nmemory_mib = 4096").is_ok());
         assert!(err("[vms.a]\ntenant = 1\nports = 0").contains("ports 0"));
         assert!(err("[vms.a]\ntenant = 1\nports = 32").contains("ports 32"));
         assert!(err("[vms.a]\ntenant = 1\nping_ms = 10\ndead_ms = 10").contains("ping_ms"));

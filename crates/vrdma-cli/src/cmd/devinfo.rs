@@ -36,10 +36,15 @@ fn guid(g: u64) -> String {
 }
 
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
+    // Without a socket named, `Context::open` also finds the device of a
+    // QEMU guest (its virtio-serial ports and ivshmem BAR, docs/vms.md).
+    let named = socket.is_some();
     let path = socket.unwrap_or_else(vrdmad::default_socket_path);
-    let ctx = Context::open_at(&path).with_context(|| {
+    let ctx = if named { Context::open_at(&path) } else { Context::open() };
+    let ctx = ctx.with_context(|| {
         format!("no vRDMA daemon answers on {}; start one with `vrdma daemon`", path.display())
     })?;
+    let path = if ctx.is_guest() { PathBuf::from("(a VM's port)") } else { path };
     let d = ctx.query_device()?;
     let p = ctx.query_port(1)?;
     let mut gids = Vec::new();

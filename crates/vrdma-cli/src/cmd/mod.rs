@@ -5,3 +5,4 @@ pub mod devinfo;
 pub mod hostbench;
 pub mod run;
 pub mod stat;
+pub mod vm;

@@ -1,0 +1,612 @@
+//! Unmodified verbs programs in real QEMU guests (issue 18), booted with
+//! `vrdma vm run` against a daemon of this test, beside host processes,
+//! another guest, and a process behind another daemon.
+//!
+//! The image comes from `vrdma vm image`. Two guests (`a`, `b`: two
+//! `[vms]` of one daemon) boot once for this whole binary (boots cost
+//! seconds under TCG) and the cases run in order against them, the last
+//! one SIGKILLing guest `a`'s QEMU mid-transfer (and booting VM `a`
+//! again). Each guest gets QEMU's user network (a virtio NIC at 10.0.2.15, the
+//! host at 10.0.2.2, a few host ports forwarded in) for the tools'
+//! out-of-band TCP exchange; their verbs traffic goes through the VM
+//! transport (`docs/vms.md`).
+//!
+//! As root (CI), "the host" is a network namespace of this test holding
+//! the daemon, its VMs' QEMUs and the host processes, and a second
+//! namespace joined by a veth holds another daemon peered with the
+//! first, for the case of a VM and a process on another host. Without
+//! root everything runs here and that case is skipped, saying so.
+//!
+//! Every program runs under a bound (`timeout` in the guest, a killed pid
+//! on the host) and every process is killed by its pid.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use vrdma_guest::{image, Guest, GuestSpec};
+use vrdma_it::harness::{built, free_port, spawn, Finished, Running};
+
+const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+/// A guest command's limit (the programs inside have their own, shorter).
+const T: Duration = Duration::from_secs(120);
+/// A host program's limit.
+const LIMIT: Duration = Duration::from_secs(90);
+/// ibv_*_pingpong iterations: enough to validate data both ways, few
+/// enough for TCG.
+const ITERS: &str = "100";
+
+/// A daemon process (`vrdma daemon`), killed by its pid on drop.
+struct Daemon {
+    child: Child,
+    socket: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// `program` in network namespace `ns` (by `ip netns exec`, which execs
+/// it: the pid is the program's), else here.
+fn in_ns(ns: Option<&str>, program: &str) -> Command {
+    match ns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, program]);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
+fn start_daemon(dir: &Path, name: &str, ns: Option<&str>, toml: &str) -> Daemon {
+    let socket = dir.join(format!("{name}.sock"));
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(&config, toml).unwrap();
+    let child = in_ns(ns, VRDMA)
+        .arg("daemon")
+        .arg("--socket")
+        .arg(&socket)
+        .arg("--config")
+        .arg(&config)
+        .stdin(Stdio::null())
+        .spawn()
+        .expect("spawn the daemon");
+    let mut d = Daemon { child, socket };
+    let end = Instant::now() + Duration::from_secs(20);
+    while vrdma::Context::open_at(&d.socket).is_err() {
+        assert!(Instant::now() < end, "the daemon {name} did not come up");
+        assert!(matches!(d.child.try_wait(), Ok(None)), "the daemon {name} exited");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d
+}
+
+/// Whether `pid` (in whatever namespace) has a socket listening on
+/// `port`: its /proc/PID/net/tcp{,6} are its namespace's.
+fn listening_in(pid: i32, port: u16) -> bool {
+    let want = format!(":{port:04X}");
+    ["tcp", "tcp6"].iter().any(|f| {
+        std::fs::read_to_string(format!("/proc/{pid}/net/{f}")).unwrap_or_default().lines().skip(1).any(|l| {
+            let c: Vec<&str> = l.split_whitespace().collect();
+            c.len() > 3 && c[1].ends_with(&want) && c[3] == "0A"
+        })
+    })
+}
+
+struct World {
+    dir: tempfile::TempDir,
+    /// The host's namespace (None: this one).
+    ns: Option<String>,
+    main: Daemon,
+    /// The other host's daemon (in the other namespace).
+    other: Option<Daemon>,
+    a: Option<Guest>,
+    b: Guest,
+    /// Host ports forwarded into guest a, and into guest b.
+    fwd_a: Vec<u16>,
+    img: image::Image,
+    /// Dropped last: the namespaces.
+    _net: Option<vrdma_it::Netns>,
+}
+
+impl World {
+    /// `program` on the host (`main`'s namespace) or the other host, on
+    /// vRDMA's `libibverbs.so.1`.
+    fn host(&self, other: bool, program: &str) -> Command {
+        let (ns, socket) = if other {
+            let net = self._net.as_ref().expect("two hosts");
+            (Some(net.ns[1].as_str()), &self.other.as_ref().expect("the other daemon").socket)
+        } else {
+            (self.ns.as_deref(), &self.main.socket)
+        };
+        let mut c = in_ns(ns, program);
+        c.env("LD_LIBRARY_PATH", self.dir.path().join("lib"))
+            .env("VRDMA_SOCKET", socket)
+            .env("LD_BIND_NOW", "1");
+        c
+    }
+
+    fn a(&mut self) -> &mut Guest {
+        self.a.as_mut().expect("guest a")
+    }
+}
+
+/// Boots VM `vm` of the daemon at `socket` with `vrdma vm run`, in `ns`,
+/// with host `ports` forwarded to the same guest ports.
+fn boot(img: &image::Image, socket: &Path, vm: &str, ns: Option<&str>, ports: &[u16]) -> Guest {
+    let mut spec = GuestSpec::new(img.clone());
+    let mut l: Vec<OsString> = Vec::new();
+    if let Some(ns) = ns {
+        l.extend(["ip", "netns", "exec", ns].map(OsString::from));
+    }
+    l.push(VRDMA.into());
+    l.push("--socket".into());
+    l.push(socket.into());
+    l.extend(["vm", "run", vm, "--"].map(OsString::from));
+    spec.launcher = l;
+    let fwd: Vec<String> = ports.iter().map(|p| format!("hostfwd=tcp:127.0.0.1:{p}-:{p}")).collect();
+    spec.extra_args = vec!["-nic".into(), format!("user,model=virtio-net-pci,{}", fwd.join(",")).into()];
+    spec.boot_timeout = Duration::from_secs(180);
+    Guest::boot(spec).unwrap_or_else(|e| panic!("boot guest {vm}: {e}"))
+}
+
+/// Starts `cmd` in the background in guest `g` under `timeout`, its
+/// output and status kept under `/tmp/<tag>.*`.
+fn guest_bg(g: &mut Guest, tag: &str, secs: u32, cmd: &str) {
+    g.check(
+        &format!(
+            "rm -f /tmp/{tag}.*; ( timeout {secs} {cmd} >/tmp/{tag}.out 2>&1; echo $? >/tmp/{tag}.st ) \
+             </dev/null >/dev/null 2>&1 &"
+        ),
+        T,
+    )
+    .unwrap();
+}
+
+/// Waits in guest `g` for `tag`'s program to listen on TCP `port` (or to
+/// end, which fails).
+fn guest_listening(g: &mut Guest, tag: &str, port: u16) {
+    let script = format!(
+        "i=0; while [ $i -lt 600 ]; do netstat -ltn | grep -q ':{port} ' && exit 0; \
+         [ -e /tmp/{tag}.st ] && {{ echo ended; cat /tmp/{tag}.out; exit 1; }}; sleep 0.1; i=$((i+1)); done; \
+         echo 'never listened'; cat /tmp/{tag}.out; exit 1"
+    );
+    g.check(&script, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"));
+}
+
+/// Waits for `tag`'s program in guest `g` to end: its status and output.
+fn guest_wait(g: &mut Guest, tag: &str) -> (i32, String) {
+    let script = format!(
+        "i=0; while [ ! -e /tmp/{tag}.st ] && [ $i -lt 1000 ]; do sleep 0.1; i=$((i+1)); done; \
+         cat /tmp/{tag}.out; [ -e /tmp/{tag}.st ] || {{ echo '(still running)'; exit 124; }}; exit $(cat /tmp/{tag}.st)"
+    );
+    g.run(&script, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"))
+}
+
+/// Starts a host program and waits for it to listen on `port`.
+fn host_server(cmd: Command, name: &str, port: u16) -> Running {
+    let mut r = spawn(cmd, name);
+    let end = Instant::now() + Duration::from_secs(30);
+    while !listening_in(r.pid(), port) {
+        if r.exited() || Instant::now() > end {
+            panic!("{name} never listened\n{}", r.finish(LIMIT).describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    r
+}
+
+/// A ping-pong's output shows it ran and validated its data.
+fn pingpong_ran(who: &str, out: &str) {
+    assert!(out.contains(" bytes in ") && out.contains(" iters in "), "{who}: no figures\n{out}");
+    for bad in ["invalid data", "Failed status", "Couldn't", "failed"] {
+        assert!(!out.contains(bad), "{who}: {bad:?} in the output\n{out}");
+    }
+}
+
+fn host_ok(f: &Finished) {
+    f.assert_ok();
+    pingpong_ran(&f.name, &format!("{}{}", f.stdout, f.stderr));
+}
+
+#[test]
+fn verbs_programs_in_real_guests() {
+    if vrdma_guest::libs::which(vrdma_guest::guest::QEMU).is_none() {
+        vrdma_it::skip(
+            "qemu-system-x86_64 is not installed (apt-get install qemu-system-x86 busybox-static)",
+        );
+        return;
+    }
+    for t in image::DEBIAN_TOOLS {
+        if vrdma_guest::libs::which(t).is_none() {
+            vrdma_it::skip(format!("{t} is missing (apt-get install ibverbs-utils perftest qperf)"));
+            return;
+        }
+    }
+    let started = Instant::now();
+    let mut w = setup();
+    eprintln!(
+        "guests: accelerator {}, kernel {}, shells after {:.1} s / {:.1} s; set up in {:.1} s",
+        w.b.accel().name(),
+        w.b.release(),
+        w.a.as_ref().expect("guest a").boot_time().as_secs_f64(),
+        w.b.boot_time().as_secs_f64(),
+        started.elapsed().as_secs_f64()
+    );
+    let mut case = |name: &str, f: &mut dyn FnMut(&mut World)| {
+        let t0 = Instant::now();
+        f(&mut w);
+        eprintln!("case: {name} ({:.1} s)", t0.elapsed().as_secs_f64());
+    };
+    case("ibv_devinfo in a guest shows the vRDMA device", &mut devinfo);
+    case("ibv_rc_pingpong -c, guest server and host client", &mut rc_guest_server);
+    case("ibv_rc_pingpong -c, and -c -e, host server and guest client", &mut rc_host_server);
+    case("ibv_ud_pingpong -c, guest server and host client", &mut ud_guest_server);
+    case("ibv_rc_pingpong -c between two VMs of one host", &mut rc_two_guests);
+    case("ib_write_lat, ib_send_bw and qperf rc_lat, guest client and host server", &mut perf_tools);
+    case("ibv_rc_pingpong -c, a guest and a process behind another host's daemon", &mut other_host);
+    case("figures (VRDMA_GUEST_FIGURES=1): VM-to-host beside host-to-host", &mut figures);
+    case(
+        "QEMU SIGKILLed mid-transfer: the host's peer fails, the daemon serves on, the VM boots again",
+        &mut killed_mid_transfer,
+    );
+}
+
+fn setup() -> World {
+    let dir = tempfile::tempdir().unwrap();
+    // The host's drop-in directory, as `vrdma run` lays it out.
+    let lib = dir.path().join("lib");
+    std::fs::create_dir(&lib).unwrap();
+    let link = |target: &Path, name: &str| std::os::unix::fs::symlink(target, lib.join(name)).unwrap();
+    link(&built("libvrdma_verbs.so"), "libibverbs.so.1");
+    link(&built("libvrdma_rdmacm.so"), "librdmacm.so.1");
+    for soname in vrdma_companions::SONAMES {
+        link(&built("libvrdma_companions.so"), soname);
+    }
+
+    // The guests' image, by `vrdma vm image`: this build's vrdma and
+    // drop-in, Debian's tools. (The cdylibs of this run are in deps/;
+    // those beside `vrdma` in the profile directory are only as fresh as
+    // the last build of their own package, so they are named.)
+    let img_dir = dir.path().join("image");
+    let out = Command::new(VRDMA)
+        .args(["vm", "image", "--out"])
+        .arg(&img_dir)
+        .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so"))
+        .env("VRDMA_RDMACM_LIB", built("libvrdma_rdmacm.so"))
+        .env("VRDMA_COMPANIONS_LIB", built("libvrdma_companions.so"))
+        .output()
+        .expect("run vrdma vm image");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "vrdma vm image: {}{text}", String::from_utf8_lossy(&out.stderr));
+    // "kernel:    PATH (RELEASE)"
+    let release = text
+        .lines()
+        .find_map(|l| l.strip_prefix("kernel:")?.trim_end().strip_suffix(')')?.rsplit_once('(').map(|x| x.1))
+        .unwrap_or_else(|| panic!("no kernel release in {text}"))
+        .to_string();
+    let img =
+        image::Image { kernel: img_dir.join("vmlinuz"), initramfs: img_dir.join("initramfs.cpio"), release };
+
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let vms = format!(
+        "[vms.a]\ntenant = {uid}\nmemory_mib = 64\nports = 4\n[vms.b]\ntenant = {uid}\nmemory_mib = 64\nports = 4\n"
+    );
+    let net = match vrdma_it::netns_unavailable() {
+        None => Some(vrdma_it::Netns::create().expect("network namespaces")),
+        Some(why) => {
+            vrdma_it::skip(format!("no second host (network namespaces need root and iproute2: {why})"));
+            None
+        }
+    };
+    let (main, other) = match &net {
+        Some(n) => {
+            let port = vrdma_it::DEFAULT_WIRE_PORT;
+            let cfg = |i: usize, extra: &str| {
+                vrdma_it::host_config(&n.addr[i], port, &[format!("{}:{port}", n.addr[1 - i])], extra)
+            };
+            let main = start_daemon(dir.path(), "main", Some(&n.ns[0]), &cfg(0, &vms));
+            let other = start_daemon(dir.path(), "other", Some(&n.ns[1]), &cfg(1, ""));
+            let end = Instant::now() + Duration::from_secs(20);
+            let up = |d: &Daemon| {
+                vrdma::Context::open_at(&d.socket)
+                    .and_then(|c| c.stat())
+                    .is_ok_and(|s| s.links.iter().any(|l| l.up))
+            };
+            while !(up(&main) && up(&other)) {
+                assert!(Instant::now() < end, "the two daemons did not link");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            (main, Some(other))
+        }
+        None => (start_daemon(dir.path(), "main", None, &vms), None),
+    };
+    let ns = net.as_ref().map(|n| n.ns[0].clone());
+    let fwd_a: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    // Both boot at once.
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| boot(&img, &main.socket, "a", ns.as_deref(), &fwd_a));
+        let b = s.spawn(|| boot(&img, &main.socket, "b", ns.as_deref(), &[]));
+        (a.join().expect("boot a"), b.join().expect("boot b"))
+    });
+    World { dir, ns, main, other, a: Some(a), b, fwd_a, img, _net: net }
+}
+
+/// What the guest library sees, for a failure's message.
+const DIAGNOSE: &str =
+    "for p in /sys/class/virtio-ports/*; do echo \"$p: $(cat $p/name)\"; ls -l /dev/${p##*/}; done; \
+    for d in /sys/bus/pci/devices/*; do echo \"$d $(cat $d/vendor) $(cat $d/device)\"; done; \
+    VRDMA_VERBS_DEBUG=1 VRDMA_LOG=debug timeout 30 ibv_devinfo; timeout 30 vrdma devinfo";
+
+fn devinfo(w: &mut World) {
+    let out = w.a().check("timeout 60 ibv_devinfo", T).unwrap_or_else(|e| {
+        let why = w.a().run(DIAGNOSE, T).map(|r| r.1).unwrap_or_else(|e| e.to_string());
+        panic!("{e}\n-- in the guest:\n{why}")
+    });
+    for want in ["hca_id:\tvrdma0", "PORT_ACTIVE (4)", "vendor_id:\t\t\t0x5652"] {
+        assert!(out.contains(want), "{want:?} missing:\n{out}");
+    }
+    // And the CLI in the guest, through the same library.
+    let out = w.a().check("timeout 60 vrdma devinfo", T).unwrap();
+    assert!(out.contains("vrdma0"), "{out}");
+}
+
+/// `tool` (a ping-pong) with the server in guest a on forwarded port
+/// `port` and the client a host process.
+fn guest_server_host_client(w: &mut World, tool: &str, port: u16, args: &str) {
+    let tag = tool.replace('_', "-");
+    let cmd = format!("{tool} -p {port} -n {ITERS} {args}");
+    guest_bg(w.a(), &tag, 90, &cmd);
+    guest_listening(w.a(), &tag, port);
+    let mut client = w.host(false, &format!("/usr/bin/{tool}"));
+    client.args(["-p", &port.to_string(), "-n", ITERS]).args(args.split_whitespace()).arg("127.0.0.1");
+    let client = spawn(client, &format!("{tool} (host client) {args}")).finish(LIMIT);
+    let (st, out) = guest_wait(w.a(), &tag);
+    assert_eq!(st, 0, "{tool} in the guest:\n{out}\n{}", client.describe());
+    pingpong_ran(&format!("{tool} (guest server)"), &out);
+    host_ok(&client);
+}
+
+fn rc_guest_server(w: &mut World) {
+    let p = w.fwd_a[0];
+    guest_server_host_client(w, "ibv_rc_pingpong", p, "-c");
+}
+
+fn ud_guest_server(w: &mut World) {
+    let p = w.fwd_a[1];
+    guest_server_host_client(w, "ibv_ud_pingpong", p, "-c -s 1024");
+}
+
+fn rc_host_server(w: &mut World) {
+    // With -e both sides sleep on completion channels: in the guest, the
+    // doorbell proxies over the VM's port (docs/vms.md).
+    for args in ["-c", "-c -e"] {
+        let port = free_port();
+        let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
+        server.args(["-p", &port.to_string(), "-n", ITERS]).args(args.split_whitespace());
+        let server = host_server(server, &format!("ibv_rc_pingpong (host server) {args}"), port);
+        let cmd = format!("timeout 90 ibv_rc_pingpong -p {port} -n {ITERS} {args} 10.0.2.2");
+        let out = w.a().check(&cmd, T);
+        let server = server.finish(LIMIT);
+        let out = out.unwrap_or_else(|e| panic!("the guest client {args}: {e}\n{}", server.describe()));
+        pingpong_ran(&format!("ibv_rc_pingpong (guest client) {args}"), &out);
+        host_ok(&server);
+    }
+}
+
+fn rc_two_guests(w: &mut World) {
+    let port = w.fwd_a[2];
+    let cmd = format!("ibv_rc_pingpong -p {port} -n {ITERS} -c");
+    guest_bg(w.a(), "two", 90, &cmd);
+    guest_listening(w.a(), "two", port);
+    let client = w.b.run(&format!("timeout 90 {cmd} 10.0.2.2"), T).unwrap();
+    let (st, out) = guest_wait(w.a(), "two");
+    assert_eq!((st, client.0), (0, 0), "guest a:\n{out}\nguest b:\n{}", client.1);
+    pingpong_ran("ibv_rc_pingpong (guest a, server)", &out);
+    pingpong_ran("ibv_rc_pingpong (guest b, client)", &client.1);
+}
+
+fn perf_tools(w: &mut World) {
+    for tool in ["ib_write_lat", "ib_send_bw"] {
+        let port = free_port();
+        let p = port.to_string();
+        let common = ["-p", p.as_str(), "-d", "vrdma0", "-n", "50", "-F"];
+        let mut server = w.host(false, &format!("/usr/bin/{tool}"));
+        server.args(common);
+        let server = host_server(server, &format!("{tool} (host server)"), port);
+        let out = w.a().run(&format!("timeout 90 {tool} {} 10.0.2.2", common.join(" ")), T).unwrap();
+        let server = server.finish(LIMIT);
+        assert_eq!(out.0, 0, "{tool} in the guest:\n{}\n{}", out.1, server.describe());
+        assert!(vrdma_it::harness::has_results(&out.1), "{tool}: no results in the guest\n{}", out.1);
+        server.assert_ok();
+        eprintln!("  {tool} in the guest (client):\n{}", results(&out.1));
+    }
+    let port = free_port();
+    let lp = port.to_string();
+    let mut server = w.host(false, "/usr/bin/qperf");
+    server.args(["-lp", &lp]);
+    let server = host_server(server, "qperf (host server)", port);
+    let out = w.a().run(&format!("timeout 90 qperf 10.0.2.2 -lp {lp} -t 2 rc_lat"), T).unwrap();
+    // The qperf server serves until killed (by its pid, on drop).
+    drop(server);
+    assert_eq!(out.0, 0, "qperf in the guest:\n{}", out.1);
+    assert!(out.1.contains("latency  ="), "qperf in the guest:\n{}", out.1);
+    eprintln!("  qperf rc_lat in the guest (client):\n{}", out.1.trim_end());
+}
+
+/// perftest's result table, for the log.
+fn results(out: &str) -> String {
+    out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes")).take(2).collect::<Vec<_>>().join("\n")
+}
+
+fn other_host(w: &mut World) {
+    let Some(net) = w._net.as_ref() else {
+        vrdma_it::skip("a VM and a process on another host need network namespaces (root)");
+        return;
+    };
+    let addr = net.addr[1].clone();
+    let frames = |w: &World| -> u64 {
+        let c = vrdma::Context::open_at(&w.main.socket).expect("open");
+        c.stat().expect("stat").links.iter().map(|l| l.stats.frames_out + l.stats.frames_in).sum()
+    };
+    let before = frames(w);
+    let port = free_port();
+    let mut server = w.host(true, "/usr/bin/ibv_rc_pingpong");
+    server.args(["-p", &port.to_string(), "-n", ITERS, "-c"]);
+    let server = host_server(server, "ibv_rc_pingpong (server on the other host)", port);
+    // Guest a's QEMU runs in the host's namespace, whose veth reaches
+    // the other host's address.
+    let out = w.a().check(&format!("timeout 90 ibv_rc_pingpong -p {port} -n {ITERS} -c {addr}"), T);
+    let server = server.finish(LIMIT);
+    let out = out.unwrap_or_else(|e| panic!("the guest client: {e}\n{}", server.describe()));
+    pingpong_ran("ibv_rc_pingpong (guest client)", &out);
+    host_ok(&server);
+    assert!(frames(w) > before, "no frame crossed between the daemons");
+}
+
+fn killed_mid_transfer(w: &mut World) {
+    let port = free_port();
+    let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
+    server.args(["-p", &port.to_string(), "-n", "100000000", "-s", "1024"]);
+    let mut server = host_server(server, "ibv_rc_pingpong (host server, long)", port);
+    guest_bg(w.a(), "long", 300, &format!("ibv_rc_pingpong -p {port} -n 100000000 -s 1024 10.0.2.2"));
+    // Mid-transfer: the server stopped listening (it took the client) and
+    // runs on; a moment of traffic.
+    let end = Instant::now() + Duration::from_secs(60);
+    while listening_in(server.pid(), port) {
+        assert!(!server.exited() && Instant::now() < end, "the transfer never started");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(!server.exited(), "the host server ended before the guest was killed");
+    let mut a = w.a.take().expect("guest a");
+    let killed = Instant::now();
+    let st = a.kill().expect("kill QEMU");
+    use std::os::unix::process::ExitStatusExt;
+    assert_eq!(st.signal(), Some(libc::SIGKILL), "{st:?}");
+    // The host's side fails (its QP in the error state, its work flushed),
+    // within a bound, rather than hanging.
+    let f = server.finish(Duration::from_secs(30));
+    let took = killed.elapsed();
+    assert!(!f.status.success(), "the host's peer of a killed VM exited 0\n{}", f.describe());
+    eprintln!(
+        "  the host's peer failed {:.1} s after QEMU was killed: {}",
+        took.as_secs_f64(),
+        f.stderr.trim()
+    );
+    // The daemon freed what the VM held: no QP of the tenant (the VM's
+    // and this test's) is left once the host's peer is gone.
+    let ctx = vrdma::Context::open_at(&w.main.socket).expect("open");
+    let end = Instant::now() + Duration::from_secs(15);
+    loop {
+        let qps = ctx.stat().expect("stat").qps;
+        if qps.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < end, "QPs left after the VM was killed: {qps:?}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    drop(ctx);
+    // The daemon serves on: its CLI, and guest b on a new session.
+    let stat = Command::new(VRDMA).arg("--socket").arg(&w.main.socket).arg("stat").output().unwrap();
+    assert!(stat.status.success(), "vrdma stat: {}", String::from_utf8_lossy(&stat.stderr));
+    let out = w.b.check("timeout 60 ibv_devinfo", T).unwrap();
+    assert!(out.contains("PORT_ACTIVE"), "{out}");
+    let port = free_port();
+    let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
+    server.args(["-p", &port.to_string(), "-n", ITERS, "-c"]);
+    let server = host_server(server, "ibv_rc_pingpong (host server)", port);
+    let out = w.b.check(&format!("timeout 90 ibv_rc_pingpong -p {port} -n {ITERS} -c 10.0.2.2"), T);
+    let server = server.finish(LIMIT);
+    let out = out.unwrap_or_else(|e| panic!("guest b after a was killed: {e}\n{}", server.describe()));
+    pingpong_ran("ibv_rc_pingpong (guest b)", &out);
+    host_ok(&server);
+    drop(a);
+    // And VM a comes back: a new QEMU attaches the same region and
+    // ports, and its guest's sessions work.
+    let a = boot(&w.img, &w.main.socket, "a", w.ns.as_deref(), &[]);
+    w.a = Some(a);
+    let port = free_port();
+    let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
+    server.args(["-p", &port.to_string(), "-n", ITERS, "-c"]);
+    let server = host_server(server, "ibv_rc_pingpong (host server)", port);
+    let out = w.a().check(&format!("timeout 90 ibv_rc_pingpong -p {port} -n {ITERS} -c 10.0.2.2"), T);
+    let server = server.finish(LIMIT);
+    let out = out.unwrap_or_else(|e| panic!("VM a booted again: {e}\n{}", server.describe()));
+    pingpong_ran("ibv_rc_pingpong (VM a, booted again)", &out);
+    host_ok(&server);
+}
+
+/// Runs of each figure; the median is shown.
+const FIGURE_RUNS: usize = 3;
+
+/// Not a check: with `VRDMA_GUEST_FIGURES=1`, perftest's 8 B RDMA write
+/// latency (`t_typical`) and 1 MiB send bandwidth (`BW average`) from
+/// guest a to a host process, beside the same between two host processes
+/// (the anchor) in the same run, medians of [`FIGURE_RUNS`], with the
+/// accelerator named. Under TCG the guest's figures are functional, not
+/// comparable with KVM's.
+fn figures(w: &mut World) {
+    if std::env::var_os("VRDMA_GUEST_FIGURES").is_none() {
+        eprintln!("  (set VRDMA_GUEST_FIGURES=1 for VM-to-host figures)");
+        return;
+    }
+    let accel = w.b.accel().name();
+    let mut rows = Vec::new();
+    for (tool, args, col, what) in [
+        ("ib_write_lat", "-s 8 -n 1000", 4, "8 B RDMA write latency, t_typical [us]"),
+        ("ib_send_bw", "-s 1048576 -n 200", 3, "1 MiB send bandwidth, BW average [MB/s]"),
+    ] {
+        let (mut vm, mut host) = (Vec::new(), Vec::new());
+        for _ in 0..FIGURE_RUNS {
+            for from_vm in [false, true] {
+                let port = free_port();
+                let common = format!("-p {port} -d vrdma0 -F {args}");
+                let mut server = w.host(false, &format!("/usr/bin/{tool}"));
+                server.args(common.split_whitespace());
+                let server = host_server(server, &format!("{tool} (host server)"), port);
+                let out = if from_vm {
+                    let (st, out) = w.a().run(&format!("timeout 120 {tool} {common} 10.0.2.2"), T).unwrap();
+                    assert_eq!(st, 0, "{tool} in the guest:\n{out}");
+                    out
+                } else {
+                    let mut c = w.host(false, &format!("/usr/bin/{tool}"));
+                    c.args(common.split_whitespace()).arg("127.0.0.1");
+                    let f = spawn(c, &format!("{tool} (host client)")).finish(LIMIT);
+                    f.assert_ok();
+                    f.stdout
+                };
+                server.finish(LIMIT).assert_ok();
+                let v = result_column(&out, col).unwrap_or_else(|| panic!("{tool}: no result\n{out}"));
+                if from_vm {
+                    vm.push(v)
+                } else {
+                    host.push(v)
+                }
+            }
+        }
+        let (v, h) = (median(&mut vm), median(&mut host));
+        rows.push(format!("  {what}: VM ({accel}) to host {v:.2}, host to host {h:.2}, ratio {:.2} (runs: VM {vm:?}, host {host:?})", v / h));
+    }
+    eprintln!("  figures, medians of {FIGURE_RUNS} runs, accelerator {accel}:\n{}", rows.join("\n"));
+}
+
+/// Column `col` of the first row of perftest's result table.
+fn result_column(out: &str, col: usize) -> Option<f64> {
+    let mut lines = out.lines().skip_while(|l| !l.trim_start().starts_with("#bytes"));
+    lines.next()?;
+    lines.next()?.split_whitespace().nth(col)?.parse().ok()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
