@@ -2,8 +2,10 @@
 //! the engine thread, its events delivered to the tenants' event channels,
 //! its messages carried to the manager they are for.
 //!
-//! The engine thread owns it, as it owns the HCA, so that the exchange
-//! between two processes of this host needs no lock and no other thread.
+//! The engine's state holds it, as it holds the HCA, so that the exchange
+//! between two processes of this host needs no other lock and no other
+//! thread: a tenant's call runs on its session thread under the engine's
+//! lock (`engine::handle`), and what the call set off is done within it.
 //! A message for an address of this host is handed straight back to the
 //! manager; one for another host rides the authenticated link to that
 //! host's daemon (a connection manager's frame, `docs/wire-protocol.md`),
