@@ -16,16 +16,15 @@
 //! own thread, as a command would have run between passes. The data path
 //! pays one uncontended atomic load per pass.
 //!
-//! A sleeping engine keeps the lock (it polls descriptors that its state
-//! owns): a caller that finds it asleep ([`Core::asleep`]) queues the
-//! closure and rings the engine's doorbell, as before. The two flags are
-//! set and read with sequential consistency (each side writes its own
-//! flag, then reads the other's), so that an engine never falls asleep
-//! on a caller that has decided to wait for the lock.
+//! A sleeping engine lets go of the lock too (it waits on descriptors of
+//! its own, see `sleep`): a call made while it sleeps
+//! ([`Core::asleep`]) runs at once and rings the engine's doorbell after,
+//! so that the engine looks at what the call changed (a new context's
+//! doorbell, a message for a link, a timer).
 //!
 //! Order is kept: [`EngineHandle::post`] queues without waiting, and a
 //! call that takes the lock first runs what is queued, so a caller's
-//! posted closures run before its next call, whichever way that goes.
+//! posted closures run before its next call.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -42,13 +41,13 @@ pub(super) type Command = Box<dyn FnOnce(&mut EngineState) + Send>;
 pub(super) struct Core {
     /// The engine's state: `None` once the engine has stopped.
     pub(super) state: Mutex<Option<EngineState>>,
-    /// Closures queued for the engine (by callers that found it asleep,
-    /// by [`EngineHandle::post`], and by calls that must not wait on the
-    /// lock).
+    /// Closures queued for the engine (by [`EngineHandle::post`], and by
+    /// calls that must not wait on the lock).
     pub(super) rx: Receiver<Command>,
     /// Callers that are about to take `state`'s lock.
     pub(super) waiting: AtomicU32,
-    /// The engine sleeps, holding `state`'s lock.
+    /// The engine sleeps (without `state`'s lock): a call rings its
+    /// doorbell after.
     pub(super) asleep: AtomicBool,
     /// The engine has stopped; what is queued is dropped (its callers
     /// hear [`EngineGone`]).
@@ -73,17 +72,16 @@ impl Core {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The lock, if the engine is awake: `None` when it sleeps (or has
-    /// stopped), where the caller queues instead.
-    fn lock_if_awake(&self) -> Option<MutexGuard<'_, Option<EngineState>>> {
+    /// The lock, for a caller (see [`Core::waiting`]); `None` once the
+    /// engine has stopped.
+    fn lock_for_call(&self) -> Option<MutexGuard<'_, Option<EngineState>>> {
+        if self.stopped.load(Ordering::SeqCst) {
+            return None;
+        }
         self.waiting.fetch_add(1, Ordering::SeqCst);
-        let guard = if self.asleep.load(Ordering::SeqCst) || self.stopped.load(Ordering::SeqCst) {
-            None
-        } else {
-            Some(self.lock())
-        };
+        let guard = self.lock();
         self.waiting.fetch_sub(1, Ordering::SeqCst);
-        guard
+        Some(guard)
     }
 
     /// The engine's part: lets go of the lock (`guard`) while callers wait
@@ -156,22 +154,24 @@ impl EngineHandle {
         EngineHandle { tx, wake, stats, core }
     }
 
-    /// Runs `f` on the engine's state between passes and returns its
-    /// result: on this thread while the engine is awake, on the engine's
-    /// (woken for it) while it sleeps (see the module's notes).
+    /// Runs `f` on the engine's state between passes, on this thread, and
+    /// returns its result (see the module's notes).
     pub fn call<R: Send + 'static>(
         &self,
         f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
     ) -> Result<R, EngineGone> {
-        if let Some(mut guard) = self.core.lock_if_awake() {
-            let s = guard.as_mut().ok_or(EngineGone)?;
-            run_queued(&self.core.rx, s);
-            return std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(s))).map_err(|_| {
-                tracing::error!("a control operation panicked on the engine's state");
-                EngineGone
-            });
+        let mut guard = self.core.lock_for_call().ok_or(EngineGone)?;
+        let s = guard.as_mut().ok_or(EngineGone)?;
+        run_queued(&self.core.rx, s);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(s))).map_err(|_| {
+            tracing::error!("a control operation panicked on the engine's state");
+            EngineGone
+        });
+        drop(guard);
+        if self.core.asleep.load(Ordering::SeqCst) {
+            self.wake.ring();
         }
-        self.send(f)?.recv().map_err(|_| EngineGone)
+        r
     }
 
     /// [`call`](Self::call) through the engine's queue, waiting `timeout`
@@ -269,8 +269,7 @@ mod tests {
     }
 
     /// Calls see what was posted before them and what earlier calls did,
-    /// whether they run under the lock (an awake engine) or queued (a
-    /// sleeping one), from several threads at once.
+    /// whether the engine is awake or asleep, from several threads at once.
     #[test]
     fn calls_run_in_order_after_what_their_caller_posted_awake_or_asleep() {
         let awake = EngineConfig { busy_poll: true, ..EngineConfig::default() };
@@ -278,6 +277,18 @@ mod tests {
         for (cfg, asleep) in [(awake, false), (sleepy, true)] {
             let e = engine(cfg);
             until_asleep(&e, asleep);
+            if asleep {
+                // A call does not wait for a sleeping engine: it runs while
+                // the engine sleeps, and wakes it after.
+                let (core, woken) =
+                    (e.handle().core.clone(), e.handle().stats.wakeups.load(Ordering::SeqCst));
+                assert!(e.handle().call(move |_| core.asleep.load(Ordering::SeqCst)).unwrap());
+                let started = Instant::now();
+                while e.handle().stats.wakeups.load(Ordering::SeqCst) == woken {
+                    assert!(started.elapsed() < Duration::from_secs(10), "the engine was not woken");
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
             let threads: Vec<_> = (0..4u32)
                 .map(|t| {
                     let h = e.handle();

@@ -1,27 +1,25 @@
 //! The engine: the thread that is the HCA's data path.
 //!
 //! One thread works the [`Hca`] and every ring. Control requests run
-//! between its passes: on the caller's thread, under the state's lock
-//! that the engine lets go of between passes while callers wait for it,
-//! or, while the engine sleeps, as closures over a channel that wake it
-//! (see `handle`). The data path takes no lock of its own: the engine
-//! holds the state's lock while it works, and looks once per pass
-//! whether a caller waits. While there is work it spins; when work dries
-//! up it spins a little longer (`spin_us`), polls while yielding the CPU
-//! (`yield_us`), then announces that it sleeps in
+//! between its passes, on the caller's thread, under the state's lock,
+//! which the engine lets go of between passes while callers wait for it
+//! and while it sleeps (see `handle`). The data path takes no lock of its
+//! own: the engine holds the state's lock while it works, and looks once
+//! per pass whether a caller waits. While there is work it spins; when
+//! work dries up it spins a little longer (`spin_us`), polls while
+//! yielding the CPU (`yield_us`), then announces that it sleeps in
 //! every context's segment, looks once more (so a post that raced with
 //! the announcement is not missed), and blocks on the contexts' doorbells
 //! until a post, a control request or its next timer wakes it.
 
 mod handle;
 mod rings;
+mod sleep;
 
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
-use rustix::event::{PollFd, PollFlags};
 use vrdma_core::hca::{ContextId, Hca, HcaError, Teardown};
 use vrdma_core::proto::{CmReply, CmRequest};
 use vrdma_core::time::Instant;
@@ -153,16 +151,27 @@ impl EngineState {
         let net = &mut self.net;
         let (hca, rings) = (&mut self.hca, &mut self.rings);
         let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
-        self.cm.run(
+        let mut sent = false;
+        let next = self.cm.run(
             now,
             |host, msg| match net.as_mut() {
-                Some(n) => n.send_cm(host, msg),
+                Some(n) => {
+                    sent = true;
+                    n.send_cm(host, msg)
+                }
                 None => {
                     Err("the transport between daemons is off: set net.psk (or net.psk_file) on both hosts")
                 }
             },
             &mut modify,
-        )
+        );
+        // What the manager sent to other hosts goes now: a call runs on
+        // its caller's thread, and the engine's next pass may be a wake-up
+        // away.
+        if let Some(n) = self.net.as_mut().filter(|_| sent) {
+            n.write_now();
+        }
+        next
     }
 
     /// A connection manager's call of `ctx`'s, then the manager's run,
@@ -457,7 +466,7 @@ fn run(
                 guard = core.lock();
             }
             Then::Sleep => {
-                try_sleep(&core, s, &wake, &stop, &stats);
+                guard = try_sleep(&core, guard, &wake, &stop, &stats);
                 idle_since = None;
             }
         }
@@ -476,85 +485,53 @@ fn run(
 }
 
 /// Sleeps until a doorbell, a queued call or the next timer, unless
-/// something came meanwhile.
+/// something came meanwhile, with the state's lock let go (see `sleep`).
 ///
-/// Announces sleep to the tenants (in their segments) and to callers
-/// ([`handle::Core::asleep`]), then looks once more: a tenant that posted
-/// before it saw the flag is found here, one that posts after rings; a
-/// caller that decided to wait for the lock before it saw the flag is
-/// seen in `waiting`, one that comes after queues and rings.
-fn try_sleep(
-    core: &handle::Core,
-    s: &mut EngineState,
+/// Announces sleep to the tenants (in their segments), then looks once
+/// more: a tenant that posted before it saw the flag is found here, one
+/// that posts after rings. A caller that takes the lock while the engine
+/// sleeps sees [`handle::Core::asleep`] and rings after its call.
+fn try_sleep<'a>(
+    core: &'a handle::Core,
+    mut guard: MutexGuard<'a, Option<EngineState>>,
     wake: &Doorbell,
     stop: &AtomicBool,
     stats: &EngineStats,
-) {
+) -> MutexGuard<'a, Option<EngineState>> {
+    let Some(s) = guard.as_mut() else { return guard };
+    if core.waiting.load(Ordering::SeqCst) > 0 {
+        return guard;
+    }
     s.rings.set_sleeping(true);
-    core.asleep.store(true, Ordering::SeqCst);
-    (|| {
-        if core.waiting.load(Ordering::SeqCst) > 0 {
-            return;
-        }
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let now = s.now();
-        let act = s.pass();
-        if act.again() || !core.rx.is_empty() || stop.load(Ordering::Relaxed) {
-            return;
-        }
-        let timeout = act.next_timer.map(|t| t.saturating_since(now));
-        stats.sleeps.fetch_add(1, Ordering::Relaxed);
-        sleep(s, wake, timeout);
-        stats.wakeups.fetch_add(1, Ordering::Relaxed);
-    })();
-    core.asleep.store(false, Ordering::SeqCst);
-    s.rings.set_sleeping(false);
-}
-
-/// Blocks until a doorbell rings or `timeout` passes; a second at most, so
-/// that a lost wakeup could never stall the device for long.
-fn sleep(s: &EngineState, wake: &Doorbell, timeout: Option<Duration>) {
-    let timeout = timeout.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
-    let mut fds: Vec<PollFd> = Vec::with_capacity(s.rings.contexts.len() + 1);
-    fds.push(PollFd::new(wake, PollFlags::IN));
-    for c in s.rings.contexts.values() {
-        fds.push(PollFd::from_borrowed_fd(c.doorbell.as_fd(), PollFlags::IN));
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let now = s.now();
+    let act = s.pass();
+    if act.again() || !core.rx.is_empty() || stop.load(Ordering::Relaxed) {
+        s.rings.set_sleeping(false);
+        return guard;
     }
-    let timeout = match s.net.as_ref().and_then(|n| n.poll_fds(&mut fds)) {
-        Some(t) => timeout.min(t.max(Duration::from_millis(1))),
-        None => timeout,
+    let set = match sleep::PollSet::of(s, act.next_timer.map(|t| t.saturating_since(now))) {
+        Ok(set) => set,
+        Err(e) => {
+            // Out of descriptors: no sleep; the engine polls with yields
+            // until it has them again.
+            tracing::debug!(error = %e, "the engine cannot gather what it sleeps on; not sleeping");
+            s.rings.set_sleeping(false);
+            return guard;
+        }
     };
-    let ts =
-        rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
-    if let Err(e) = rustix::event::poll(&mut fds, Some(&ts)) {
-        if e != rustix::io::Errno::INTR {
-            tracing::warn!(error = %e, "engine poll failed");
-        }
+    stats.sleeps.fetch_add(1, Ordering::Relaxed);
+    core.asleep.store(true, Ordering::SeqCst);
+    drop(guard);
+    set.wait(wake);
+    let mut guard = core.lock();
+    core.asleep.store(false, Ordering::SeqCst);
+    stats.wakeups.fetch_add(1, Ordering::Relaxed);
+    if let Some(s) = guard.as_mut() {
+        s.rings.set_sleeping(false);
     }
-    // Only the doorbells that rang are read, and at most
-    // DOORBELL_READS_PER_TENANT rings of one tenant's: a tenant that floods
-    // its doorbells keeps the engine awake (as its posts could), but cannot
-    // make it spend thousands of system calls per wake-up while others
-    // wait. What is left unread wakes the next poll at once.
-    let rang: Vec<bool> = fds[1..].iter().map(|f| f.revents().contains(PollFlags::IN)).collect();
-    drop(fds);
-    wake.drain();
-    let mut spent: Vec<(vrdma_core::hca::TenantId, u64)> = Vec::new();
-    for (c, _) in s.rings.contexts.values().zip(rang).filter(|(_, rang)| *rang) {
-        let i = match spent.iter().position(|(t, _)| *t == c.tenant) {
-            Some(i) => i,
-            None => {
-                spent.push((c.tenant, 0));
-                spent.len() - 1
-            }
-        };
-        let left = DOORBELL_READS_PER_TENANT.saturating_sub(spent[i].1);
-        spent[i].1 += c.doorbell.drain_at_most(left);
-    }
+    guard
 }
-
-/// Rings of one tenant's doorbells read per wake-up at most (see `sleep`).
-const DOORBELL_READS_PER_TENANT: u64 = 64;
 
 #[cfg(test)]
 mod tests {
