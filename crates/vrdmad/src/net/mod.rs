@@ -489,9 +489,7 @@ impl Net {
     /// The links' sockets (duplicates), each with what to wait for, and
     /// how long until the next keepalive is due (`None` without links or
     /// peers): what a sleeping engine waits on besides its doorbells.
-    pub fn poll_fds_owned(
-        &self,
-    ) -> std::io::Result<(Vec<(std::os::fd::OwnedFd, PollFlags)>, Option<Duration>)> {
+    pub fn poll_fds_owned(&self) -> std::io::Result<(LinkPollFds, Option<Duration>)> {
         let mut out = Vec::with_capacity(self.links.len());
         for l in self.links.values() {
             let mut f = PollFlags::IN;
@@ -518,6 +516,10 @@ impl Net {
         }
     }
 }
+
+/// The links' sockets a sleeping engine waits on, each with what it
+/// waits for.
+pub type LinkPollFds = Vec<(std::os::fd::OwnedFd, PollFlags)>;
 
 /// Whether a link to `peer` (the socket's far end) whose daemon said its
 /// GID is `gid` already reaches the daemon listening at `addr`: the link

@@ -1,8 +1,9 @@
 //! One tenant connection: a context and everything it creates.
 //!
 //! The session thread parses requests, maps and creates shared memory
-//! (system calls stay off the engine thread), and hands the object changes
-//! to the engine. When the socket closes, for whatever reason including
+//! (system calls stay off the engine's critical section), and makes the
+//! object changes on the engine's state, under its lock, between two of
+//! the engine's passes (`engine::handle`). When the socket closes, for whatever reason including
 //! SIGKILL of the tenant, the context and all its objects are destroyed.
 
 // An `Answer` is the reply to send whichever way a request ends; it is not
@@ -238,9 +239,8 @@ impl Session {
 
     /// Queues `f` for the engine without waiting for it to run. For what
     /// the tenant cannot need before its next request that reaches the
-    /// engine (which runs after `f`): each such handoff not waited for
-    /// takes a few microseconds off the request (a quarter to a half of a
-    /// CQ's or QP's creation on a 2-core machine).
+    /// engine (which runs after `f`): the request is answered without
+    /// waiting for the engine's lock a second time.
     fn post_to_engine(
         &self,
         f: impl FnOnce(&mut crate::engine::EngineState, ContextId) + Send + 'static,
