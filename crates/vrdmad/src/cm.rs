@@ -110,6 +110,8 @@ pub enum CmCallError {
     Busy,
     #[error("the id's QP: {0}")]
     Qp(#[from] HcaError),
+    #[error("a request the session answers, not the connection manager")]
+    NotHere,
 }
 
 impl CmCallError {
@@ -120,6 +122,7 @@ impl CmCallError {
             CmCallError::Channels => libc::EMFILE,
             CmCallError::Busy => libc::EBUSY,
             CmCallError::Qp(e) => e.errno(),
+            CmCallError::NotHere => libc::EINVAL,
         }
     }
 }
@@ -328,6 +331,8 @@ impl CmDriver {
                 self.id_qp.insert(id, qp);
                 done
             }
+            // The session makes the QP, then attaches it with `AttachQp`.
+            CmRequest::CreateQp { .. } => return Err(CmCallError::NotHere),
             CmRequest::InitQpAttr { id, state } => {
                 let (attr, mask) = self.cm.init_qp_attr(ctx, id, state)?;
                 CmReply::QpAttr { attr, mask }

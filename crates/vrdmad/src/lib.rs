@@ -26,7 +26,7 @@ mod server;
 mod testing;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use config::{Budgets, ConfigError, DaemonConfig, DirectConfig, EngineConfig, TenantBy};
@@ -200,6 +200,7 @@ impl Daemon {
             admission: server::Admission::new(budgets.max_tenants),
             sessions: Mutex::new(Vec::new()),
             log: Mutex::default(),
+            stopping: AtomicBool::new(false),
         });
         // A context whose tenant broke the shared-memory protocol is closed
         // as if its process had gone (the engine tells it why first).
@@ -282,6 +283,7 @@ impl Daemon {
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
+        self.shared.stopping.store(true, Ordering::SeqCst);
         for (_, _, fd) in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter() {
             let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }

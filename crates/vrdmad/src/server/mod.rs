@@ -38,6 +38,11 @@ pub(crate) struct Shared {
     /// Limits what tenants make the accept loop and sessions log (on the
     /// clock of [`crate::logs::now`]).
     pub log: Mutex<LogLimiter>,
+    /// The daemon stops: sessions answer nothing more. Set before their
+    /// sockets are shut down one by one, so that a tenant that saw one of
+    /// its connections end (its rdma_cm channels hang up) cannot get an
+    /// answer on another that is still to be shut down.
+    pub stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {

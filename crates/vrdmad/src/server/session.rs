@@ -152,6 +152,9 @@ pub(crate) fn run(
         if msg.len == 0 && !msg.truncated {
             break;
         }
+        if s.shared.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            break;
+        }
         let answer = if msg.truncated {
             error(EINVAL, format!("message larger than {MAX_MESSAGE} bytes or with more than {MAX_FDS} fds"))
         } else {
@@ -345,6 +348,7 @@ impl Session {
             }
             Request::CreateCq { cqe, channel } => self.create_cq(cqe, channel)?,
             Request::Cm(CmRequest::CreateChannel) => self.create_cm_channel()?,
+            Request::Cm(CmRequest::CreateQp { id, pd, init }) => self.create_cm_qp(id, pd, init)?,
             Request::Cm(req) => {
                 let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
                 let r = self.engine(move |e, c| e.handle_cm(c, tenant, req))?;
@@ -639,6 +643,34 @@ impl Session {
             },
             fds: vec![fd],
         })
+    }
+
+    /// `rdma_create_qp` in one call: [`Self::create_qp`], then the QP
+    /// attached to the id (`CmRequest::AttachQp`); a QP whose attach
+    /// fails is destroyed, and the call fails with the attach's error.
+    fn create_cm_qp(
+        &mut self,
+        id: u32,
+        pd: u32,
+        init: vrdma_core::verbs::QpInitAttr,
+    ) -> Result<Answer, Answer> {
+        let answer = self.create_qp(pd, init)?;
+        let Reply::Qp { created, .. } = &answer.reply else {
+            return Err(error(EPROTO, "the QP's creation answered with something else"));
+        };
+        let (qp, tenant) = (created.qpn, self.tenant);
+        let attached = self.engine(move |e, c| e.handle_cm(c, tenant, CmRequest::AttachQp { id, qp }))?;
+        if let Err(why) = attached {
+            let wait = self.engine(move |e, c| {
+                if e.hca.destroy_qp(c, qp, &mut e.rings).is_ok() {
+                    e.rings.remove_qp(qp);
+                }
+                e.direct.sync(&mut e.hca)
+            })?;
+            crate::direct::drain(&wait);
+            return Err(error(why.errno(), why.to_string()));
+        }
+        Ok(answer)
     }
 
     fn create_qp(&mut self, pd: u32, init: vrdma_core::verbs::QpInitAttr) -> Result<Answer, Answer> {
