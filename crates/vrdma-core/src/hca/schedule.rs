@@ -55,6 +55,13 @@
 //! That holds alone too, so a limited tenant never gets more than its
 //! rate. Pending work of a passed-over tenant counts as throttled time in
 //! the metrics.
+//!
+//! What a tenant sends to another host goes out on a link, outside the
+//! engine's shares: the link charges the same buckets (each request taken
+//! is a message, each payload byte sent a byte), holds the tenant's
+//! requests back while its buckets are below a share's worth
+//! ([`ServiceOrder::ready_at`]), and shares itself by bytes with the same
+//! weights (see `hca::remote`).
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -263,6 +270,43 @@ impl ServiceOrder {
         self.default_qos = qos;
         let own = &self.own_qos;
         self.policies.retain(|t, _| own.contains(t));
+    }
+
+    /// `tenant`'s policy, made from the default [`Qos`] on first use if it
+    /// was not set one of its own; `None` for the default policy.
+    fn policy(&mut self, tenant: TenantId) -> Option<&mut Policy> {
+        if self.default_qos != Qos::default() && !self.own_qos.contains(&tenant) {
+            let default = &self.default_qos;
+            return Some(self.policies.entry(tenant).or_insert_with(|| Policy::of(default)));
+        }
+        self.policies.get_mut(&tenant)
+    }
+
+    /// `tenant`'s weight (at least 1).
+    pub(crate) fn weight(&self, tenant: TenantId) -> u32 {
+        match self.policies.get(&tenant) {
+            Some(p) => p.weight,
+            None if self.own_qos.contains(&tenant) => 1,
+            None => self.default_qos.weight.max(1),
+        }
+    }
+
+    /// For what a tenant sends on a link, outside the engine's shares:
+    /// `None` if its rate limit allows it to send now, else when it will.
+    pub(crate) fn ready_at(&mut self, tenant: TenantId, now: Instant) -> Option<Instant> {
+        self.policy(tenant)?.ready_at(now)
+    }
+
+    /// Charges `bytes` and `messages` a tenant moved outside the engine's
+    /// shares (on a link) to its buckets.
+    pub(crate) fn charge(&mut self, tenant: TenantId, bytes: u64, messages: u64) {
+        let Some(p) = self.policy(tenant) else { return };
+        if let Some(b) = &mut p.bytes {
+            b.charge(bytes);
+        }
+        if let Some(m) = &mut p.messages {
+            m.charge(messages);
+        }
     }
 
     /// Queues `qpn` at the back of its tenant's queue.
