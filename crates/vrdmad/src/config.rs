@@ -957,6 +957,12 @@ mod tests {
             assert!(e.contains(what), "{text}: {e}");
         }
         assert!(DaemonConfig::from_toml("[tenants.7]\nlatency_class = \"fast\"").is_err());
+        for slice in ["0", "1000001"] {
+            let e = DaemonConfig::from_toml(&format!("[engine]\nlatency_slice_us = {slice}")).unwrap_err();
+            assert!(e.to_string().contains("latency_slice_us"), "{e}");
+        }
+        let c = DaemonConfig::from_toml("[engine]\nlatency_slice_us = 40").unwrap();
+        assert_eq!(c.engine.latency_slice_us, 40);
         assert!(DaemonConfig::from_toml("[tenants.7]\nweigth = 2").is_err(), "unknown keys still refused");
         assert!(DaemonConfig::from_toml("[tenants.7]\nrate_bytes_per_s = \"1Q\"").is_err());
     }
