@@ -187,9 +187,10 @@ pub(crate) struct Link {
     pub info: LinkInfo,
     pub up: bool,
     /// QPs that send on this link (as requester or responder), by
-    /// tenant: a frame at a time, tenant after tenant, and within a
-    /// tenant QP after QP, so that a tenant with many busy QPs delays
-    /// another's message by one frame, not by one frame per QP.
+    /// tenant: tenant after tenant, each a turn of a chunk's worth of
+    /// bytes times its weight (deficit round robin), and within a tenant
+    /// QP after QP a frame each, so that a tenant with many busy QPs
+    /// delays another's message by one turn, not by one frame per QP.
     pub tenants: Vec<LinkTenant>,
     /// The tenant in `tenants` whose turn is next.
     pub next: usize,
