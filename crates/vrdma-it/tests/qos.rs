@@ -13,7 +13,8 @@
 //!
 //! Across hosts (two daemons in two network namespaces joined by a veth),
 //! the limit holds for what a tenant sends over the link: its writes to
-//! the other host's daemon are counted per 1 s window.
+//! the other host's daemon are counted per 1 s window; and of two tenants
+//! writing across the link at once, the one of weight 3 gets more of it.
 //!
 //! A tenant of `latency_class = "latency"` ping-pongs 8-byte sends beside
 //! another tenant streaming 64 KiB writes over 64 QPs: its mean one-way
@@ -178,6 +179,95 @@ fn of_two_tenants_streaming_at_once_the_heavier_weight_gets_more() -> Result<()>
     );
     if ratio < 1.3 {
         bail!("the tenant of weight 3 moved {heavy} B while the one of weight 1 moved {light} B");
+    }
+    Ok(())
+}
+
+/// Our own tenant streams 1 MiB writes from a side on `ha` to one on
+/// `hb` from a thread, counting the bytes written, until `stop`.
+fn stream_across(
+    ha: &DaemonProc,
+    hb: &DaemonProc,
+    stop: Arc<AtomicBool>,
+    bytes: Arc<AtomicU64>,
+) -> Result<std::thread::JoinHandle<Result<()>>> {
+    let (ca, cb) = (ha.context()?, hb.context()?);
+    let (a, b) = (Side::new(&ca, 4 << 20)?, Side::new(&cb, 4 << 20)?);
+    a.qp.connect(&b.endpoint()?, vrdma_it::access_all())?;
+    b.qp.connect(&a.endpoint()?, vrdma_it::access_all())?;
+    Ok(std::thread::spawn(move || {
+        let (_ca, _cb, b) = (ca, cb, b);
+        let sge = a.mr.sge(0, BIG)?;
+        let mut wcs = vrdma::wc_buffer(64);
+        let (mut posted, mut done) = (0u64, 0u64);
+        while !stop.load(Ordering::Relaxed) {
+            while posted - done < 32 {
+                let wr = vrdma::wr::SendWrExt::signaled(vrdma::wr::rdma_write(
+                    posted,
+                    &[sge],
+                    b.mr.addr(),
+                    b.mr.rkey(),
+                )?);
+                a.qp.post_send(&[wr]).map_err(|e| e.error)?;
+                posted += 1;
+            }
+            let n = a.cq.poll(&mut wcs)?;
+            for wc in &wcs[..n] {
+                if wc.status != vrdma::WcStatus::Success {
+                    bail!("our write across hosts: {wc:?}");
+                }
+            }
+            done += n as u64;
+            bytes.fetch_add((n * BIG) as u64, Ordering::Relaxed);
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        // What is in flight completes before the QPs go.
+        vrdma_it::poll_n(&a.cq, (posted - done) as usize, WAIT)?;
+        Ok(())
+    }))
+}
+
+/// Across hosts the link is what the tenants contend for: of two tenants
+/// writing from host a to host b at once, the one of weight 3 gets more
+/// of it than ours of weight 1.
+#[test]
+fn across_hosts_the_heavier_weight_gets_more_of_the_link() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let extra =
+        format!("[direct]\nenabled = false\n[tenants.0]\nweight = 1\n[tenants.{NOBODY}]\nweight = 3\n");
+    let Some(h) = NetnsHosts::start(&extra)? else { return Ok(()) };
+    let (stop, ours) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let streamer = stream_across(&h.a, &h.b, stop.clone(), ours.clone())?;
+    let mut p1 = PeerProc::spawn_as(&h.a.socket, "tenant", &[], Some(NOBODY))?;
+    let mut p2 = PeerProc::spawn_as(&h.b.socket, "tenant", &[], Some(NOBODY))?;
+    let (h1, h2) = (p1.hello()?, p2.hello()?);
+    p1.call_ok(&Command::Connect { peer: h2.endpoint })?;
+    p2.call_ok(&Command::Connect { peer: h1.endpoint })?;
+    std::thread::sleep(Duration::from_millis(200));
+    let count = (256u64 << 20) / BIG as u64;
+    let (t0, c0) = (Instant::now(), ours.load(Ordering::Relaxed));
+    start_flood(&mut p1, h2.addr, h2.rkey, BIG, count)?;
+    end_flood(&mut p1)?;
+    let (elapsed, c1) = (t0.elapsed(), ours.load(Ordering::Relaxed));
+    stop.store(true, Ordering::Relaxed);
+    streamer.join().expect("the streaming thread")?;
+    let (heavy, light) = (count * BIG as u64, c1 - c0);
+    let ratio = heavy as f64 / light.max(1) as f64;
+    eprintln!(
+        "across hosts, weights 1:3 over {elapsed:?}: {light} B and {heavy} B, shares {:.3}:{:.3} (ideal 0.25:0.75), \
+         ratio {ratio:.2}",
+        light as f64 / (light + heavy) as f64,
+        heavy as f64 / (light + heavy) as f64
+    );
+    if ratio < 1.3 {
+        bail!(
+            "across hosts the tenant of weight 3 moved {heavy} B while the one of weight 1 moved {light} B"
+        );
     }
     Ok(())
 }
