@@ -85,7 +85,8 @@ pub enum Command {
     /// Streams RDMA writes of `len` bytes over `qps` new QPs, each
     /// connected to itself, 16 in flight on each, for `millis`: says
     /// `Flooding` once they are posted, then `Streamed` with the bytes
-    /// completed (a hog, as `vrdma bench`'s).
+    /// completed (a hog, as `vrdma bench`'s, but one that sleeps 0.5 ms
+    /// between polls of its CQ rather than spin).
     Stream {
         qps: u32,
         len: usize,
