@@ -79,6 +79,12 @@ pub fn device(socket: Option<PathBuf>, engine: vrdmad::EngineConfig) -> Result<D
 /// path (`docs/direct-path.md`) switched as `direct` says, whatever
 /// daemon runs elsewhere: for figures of one path beside the other's.
 pub fn private_device(engine: vrdmad::EngineConfig, direct: bool) -> Result<Device> {
+    private_device_with(engine, direct, "")
+}
+
+/// [`private_device`] configured by the daemon TOML `toml` besides (its
+/// `[qos]` and `[tenants.UID]` tables, say).
+pub fn private_device_with(engine: vrdmad::EngineConfig, direct: bool, toml: &str) -> Result<Device> {
     static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let dir = std::env::temp_dir().join(format!("vrdma-private-{}-{n}", std::process::id()));
@@ -88,7 +94,7 @@ pub fn private_device(engine: vrdmad::EngineConfig, direct: bool) -> Result<Devi
         socket: Some(sock),
         engine,
         direct: vrdmad::DirectConfig { enabled: direct },
-        ..Default::default()
+        ..vrdmad::DaemonConfig::from_toml(toml)?
     };
     let daemon = vrdmad::Daemon::start(config)?;
     Ok(Device::Embedded { daemon, _dir: Some(dir) })

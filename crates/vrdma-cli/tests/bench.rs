@@ -180,7 +180,7 @@ fn a_server_and_a_client_on_loopback() {
 fn bad_arguments_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("none.sock");
-    let cases: [(&[&str], &str); 13] = [
+    let cases: [(&[&str], &str); 14] = [
         (&["rc_bw", "--size", "64M", "--qps", "64", "--streams", "16"], "need more than"),
         (&["rc_bww"], "unknown test 'rc_bww'"),
         (&["rc_bw", "--size", "0"], "a message size must be"),
@@ -194,6 +194,7 @@ fn bad_arguments_are_clear_errors() {
         (&["host1"], "name at least one test"),
         (&["rc_lat", "host1"], "a host comes first"),
         (&["--server", "rc_bw"], "cannot be used with"),
+        (&["rc_lat", "--qos"], "--qos selects part of the default report"),
     ];
     for (args, want) in cases {
         let mut all = vec!["bench"];

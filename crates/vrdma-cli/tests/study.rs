@@ -121,6 +121,8 @@ fn quick_study_writes_the_report() {
     if is_root() {
         charts.push("fairness");
         assert!(md.contains("Table 4. Four tenants at once"), "{md}");
+        assert!(md.contains("Table 5. Latency beside a hog"), "{md}");
+        assert!(md.contains("beside a 64-QP hog, latency_class \"latency\""), "{md}");
         for p in ["container-container", "host-host"] {
             assert!(md.contains(&format!("| {p}")), "placement {p} is missing: {md}");
         }

@@ -82,6 +82,16 @@ pub enum Command {
         how: Misbehavior,
         millis: u64,
     },
+    /// Streams RDMA writes of `len` bytes over `qps` new QPs, each
+    /// connected to itself, 16 in flight on each, for `millis`: says
+    /// `Flooding` once they are posted, then `Streamed` with the bytes
+    /// completed (a hog, as `vrdma bench`'s, but one that sleeps 0.5 ms
+    /// between polls of its CQ rather than spin).
+    Stream {
+        qps: u32,
+        len: usize,
+        millis: u64,
+    },
     Exit,
 }
 
@@ -143,6 +153,11 @@ pub enum Said {
         message: String,
     },
     State(u8),
+    /// Bytes a `Stream` completed, over how long (µs).
+    Streamed {
+        bytes: u64,
+        micros: u64,
+    },
     Error {
         errno: i32,
         message: String,

@@ -19,6 +19,7 @@
 //! chunk_bytes = 262144  # most bytes one QP moves before the next QP's turn
 //! tenant_turns = 32     # most QPs of one tenant with work served in one pass
 //! contended_bytes = 65536  # most bytes one tenant moves in a pass while another waits
+//! latency_slice_us = 25 # longest share of a pass while a latency-class tenant is active
 //! yield_when_contended = false  # yield the CPU after each pass that served several tenants
 //! cpu = 1               # pin the engine thread to this CPU
 //! ack_delay_us = 20     # across hosts: hold an ACK this long to send it with a request
@@ -45,7 +46,7 @@
 //! rate_messages_per_s = "200k" # at most this many send work requests a second
 //! burst_bytes = "10M"   # default: 10 ms of the rate, at least 64 KiB
 //! burst_messages = 2000 # default: 10 ms of the rate, at least 16
-//! latency_class = "normal"     # or "latency", "bulk": accepted, does not act yet
+//! latency_class = "normal"     # or "latency" (served first), "bulk" (served last)
 //!
 //! [tenants.1000]        # a tenant is a uid; override its quota and qos
 //! max_objects = 64
@@ -85,13 +86,24 @@
 //! table's qos keys override `[qos]`'s one by one; a tenant without any
 //! gets `[qos]`, each with buckets of its own.
 //!
-//! Both act on the engine's copying on this host. The bytes of a tenant's
-//! QPs whose peers are on other hosts go out through the links, which do
-//! not consult the buckets nor count against a share's bytes yet: across
-//! hosts only the number of turns a share has scales with the weight.
+//! Both act on the engine's copying on this host and on the links to
+//! other hosts: what a tenant sends to another host's daemon is charged to
+//! the same buckets (held back while they are empty), and a contended
+//! link is shared by bytes in the ratio of the weights.
 //!
-//! `latency_class` is accepted and checked, but does nothing yet: the
-//! daemon warns when it is set to anything but `"normal"`.
+//! `latency_class` protects small messages from bulk transfers. A
+//! `"latency"` tenant's QPs are served first in every pass of the engine,
+//! and while such a tenant has been active in the last 10 ms every other
+//! tenant's share of a pass is bounded in time (`engine.latency_slice_us`,
+//! 25 µs by default) instead of in turns: the engine looks for new work
+//! at least that often, so a latency tenant's message waits about one
+//! slice per busy tenant, not a pass of 32 turns of 64 KiB. A `"bulk"`
+//! tenant goes last in a pass, and its shares are bounded in time whenever
+//! another tenant contends. The engine stays work-conserving: an idle
+//! latency tenant costs the others nothing after 10 ms, and a bounded
+//! share only ends the pass early (the tenant's next share follows at
+//! once), it does not leave the engine idle. On links the class does not
+//! act yet: frames take turns by bytes and weights.
 //!
 //! ## Shared budgets: no tenant can lock the others out
 //!
@@ -189,18 +201,9 @@ impl<'de> Deserialize<'de> for Amount {
     }
 }
 
-/// What a latency class will mean (issue 21, item 5); accepted now, acting
-/// later.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum LatencyClass {
-    #[default]
-    Normal,
-    /// Small messages served first within a pass (not yet).
-    Latency,
-    /// Served after the others within a pass (not yet).
-    Bulk,
-}
+/// A tenant's latency class: `"normal"`, `"latency"` or `"bulk"` (see the
+/// module's doc).
+pub use vrdma_core::hca::LatencyClass;
 
 /// A tenant's share of the engine, as configured (see the module's doc):
 /// every key optional, so that a tenant's table overrides `[qos]`'s keys
@@ -247,6 +250,7 @@ impl QosConfig {
             messages_per_s: self.rate_messages_per_s.map(|a| a.0),
             burst_bytes: self.burst_bytes.map(|a| a.0),
             burst_messages: self.burst_messages.map(|a| a.0),
+            class: self.latency_class(),
         }
     }
 
@@ -294,6 +298,9 @@ pub struct EngineConfig {
     /// Most bytes one tenant's QPs move in a pass while another tenant
     /// waits for its share (see `vrdma_core::hca::HcaConfig`).
     pub contended_bytes: u64,
+    /// How long a share of a pass may last while a latency-class tenant
+    /// is active, in microseconds (`HcaConfig::latency_slice`).
+    pub latency_slice_us: u64,
     /// After a pass that served more than one tenant, yield the CPU. On a
     /// machine with fewer cores than spinning threads (the engine, a
     /// streaming tenant, a latency-sensitive one polling) this gives the
@@ -336,6 +343,7 @@ impl Default for EngineConfig {
             chunk_bytes: 256 << 10,
             tenant_turns: vrdma_core::hca::TENANT_TURNS,
             contended_bytes: vrdma_core::hca::CONTENDED_BYTES,
+            latency_slice_us: vrdma_core::hca::LATENCY_SLICE.as_micros() as u64,
             yield_when_contended: false,
             cpu: None,
             ack_delay_us: 20,
@@ -771,6 +779,9 @@ impl DaemonConfig {
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
         }
+        if self.engine.latency_slice_us == 0 || self.engine.latency_slice_us > 1_000_000 {
+            return Err(ConfigError::Invalid("engine.latency_slice_us must be 1 to 1000000".into()));
+        }
         if self.engine.contended_bytes == 0 {
             return Err(ConfigError::Invalid("engine.contended_bytes must be positive".into()));
         }
@@ -934,6 +945,7 @@ mod tests {
                 weight: 4,
                 bytes_per_s: Some(1_000_000_000),
                 messages_per_s: Some(100_000),
+                class: LatencyClass::Latency,
                 ..Qos::default()
             },
             "[qos]'s keys where the tenant's table leaves them out"
@@ -953,6 +965,12 @@ mod tests {
             assert!(e.contains(what), "{text}: {e}");
         }
         assert!(DaemonConfig::from_toml("[tenants.7]\nlatency_class = \"fast\"").is_err());
+        for slice in ["0", "1000001"] {
+            let e = DaemonConfig::from_toml(&format!("[engine]\nlatency_slice_us = {slice}")).unwrap_err();
+            assert!(e.to_string().contains("latency_slice_us"), "{e}");
+        }
+        let c = DaemonConfig::from_toml("[engine]\nlatency_slice_us = 40").unwrap();
+        assert_eq!(c.engine.latency_slice_us, 40);
         assert!(DaemonConfig::from_toml("[tenants.7]\nweigth = 2").is_err(), "unknown keys still refused");
         assert!(DaemonConfig::from_toml("[tenants.7]\nrate_bytes_per_s = \"1Q\"").is_err());
     }

@@ -109,21 +109,13 @@ pub struct Daemon {
     metrics: Option<Box<metrics::MetricsServer>>,
 }
 
-/// Gives the engine every tenant's weight and rate limit (checked when
-/// the configuration was read), and warns of what is accepted but does
-/// not act yet.
+/// Gives the engine every tenant's weight, rate limit and latency class
+/// (checked when the configuration was read).
 fn apply_qos(config: &DaemonConfig, hca: &mut Hca) -> Result<(), DaemonError> {
     let invalid = |e: String| DaemonError::from(config::ConfigError::Invalid(e));
     let all = std::iter::once((None, config.qos))
         .chain(config.tenant_qos()?.into_iter().map(|(u, q)| (Some(u), q)));
     for (uid, q) in all {
-        if q.latency_class() != config::LatencyClass::Normal {
-            tracing::warn!(
-                uid,
-                class = ?q.latency_class(),
-                "latency_class is accepted but does not act yet: this tenant is served as \"normal\""
-            );
-        }
         match uid {
             None => hca.set_default_qos(q.qos()).map_err(invalid)?,
             Some(u) => hca.set_qos(TenantId(u), q.qos()).map_err(invalid)?,
@@ -152,6 +144,7 @@ impl Daemon {
         hca_cfg.chunk_bytes = config.engine.chunk_bytes;
         hca_cfg.tenant_turns = config.engine.tenant_turns;
         hca_cfg.contended_bytes = config.engine.contended_bytes;
+        hca_cfg.latency_slice = std::time::Duration::from_micros(config.engine.latency_slice_us);
         hca_cfg.ack_delay = std::time::Duration::from_micros(config.engine.ack_delay_us);
         hca_cfg.default_quota = budgets.quota;
         let mut hca = Hca::new(hca_cfg, Box::new(RandomKeys));

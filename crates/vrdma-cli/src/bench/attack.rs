@@ -23,7 +23,7 @@
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -90,19 +90,22 @@ const STREAM_DEPTH: u32 = 16;
 pub fn misbehave(socket: Option<PathBuf>, args: Args) -> Result<()> {
     let sock = socket.unwrap_or_else(vrdma::default_socket_path);
     let stop = Arc::new(AtomicBool::new(false));
-    let s = stop.clone();
+    // Lines read on stdin: a streaming tenant answers each with its count.
+    let asked = Arc::new(AtomicU64::new(0));
+    let (s, a) = (stop.clone(), asked.clone());
     std::thread::spawn(move || {
         let mut sink = String::new();
         let mut stdin = std::io::stdin().lock();
         while matches!(stdin.read_line(&mut sink), Ok(n) if n > 0) {
             sink.clear();
+            a.fetch_add(1, Ordering::SeqCst);
         }
         s.store(true, Ordering::SeqCst);
     });
     let end = Instant::now() + Duration::from_millis(args.millis);
     let going = || !stop.load(Ordering::SeqCst) && Instant::now() < end;
     if args.how == How::Stream {
-        return stream(&sock, args.qps, args.size, going);
+        return stream(&sock, args.qps, args.size, going, &asked);
     }
     let idle = IdleQps::create_up_to(&sock, args.qps as usize)?;
     let qpns = idle.qpns();
@@ -154,8 +157,10 @@ fn ready(qps: usize) -> Result<()> {
 }
 
 /// RDMA writes of `size` bytes over `qps` QPs, each connected to itself,
-/// `STREAM_DEPTH` in flight on each, until `going` says stop.
-fn stream(sock: &Path, qps: u32, size: usize, going: impl Fn() -> bool) -> Result<()> {
+/// `STREAM_DEPTH` in flight on each, until `going` says stop. Whenever
+/// `asked` grows (a line on stdin), says `bytes N`: the bytes its writes
+/// completed since `ready`.
+fn stream(sock: &Path, qps: u32, size: usize, going: impl Fn() -> bool, asked: &AtomicU64) -> Result<()> {
     let ctx = Context::open_at(sock).context("opening the streaming tenant's context")?;
     let pd = ctx.alloc_pd()?;
     let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
@@ -190,13 +195,20 @@ fn stream(sock: &Path, qps: u32, size: usize, going: impl Fn() -> bool) -> Resul
     }
     ready(qps.len())?;
     let mut wcs = [WorkCompletion::default(); 64];
+    let (mut bytes, mut answered) = (0u64, 0u64);
     while going() {
         let n = cq.poll(&mut wcs)?;
         for wc in &wcs[..n] {
             if wc.status != WcStatus::Success {
                 bail!("a streamed write failed: {}", wc.status.as_str());
             }
+            bytes += size as u64;
             post(wc.wr_id as usize)?;
+        }
+        let a = asked.load(Ordering::Relaxed);
+        if a != answered {
+            answered = a;
+            say(&format!("bytes {bytes}"))?;
         }
     }
     Ok(())
@@ -215,15 +227,22 @@ impl Attacker {
     /// Starts `vrdma misbehave` as uid [`NOBODY`] on the daemon at `sock`
     /// and waits until it holds its QPs and misbehaves.
     pub fn start(sock: &Path, how: How, qps: u32) -> Result<Attacker> {
+        Self::start_as(sock, how, qps, 64 << 10, NOBODY)
+    }
+
+    /// [`Attacker::start`] as uid `uid` (a tenant of its own), streaming
+    /// messages of `size` bytes if it streams.
+    pub fn start_as(sock: &Path, how: How, qps: u32, size: usize, uid: u32) -> Result<Attacker> {
         use std::os::unix::process::CommandExt;
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.arg("--socket")
             .arg(sock)
             .args(["misbehave", "--how", how.as_str(), "--qps", &qps.to_string()])
+            .args(["--size", &size.to_string()])
             // Not a warning per object whose destruction a closed context refuses.
             .env("VRDMA_LOG", "error")
-            .uid(NOBODY)
-            .gid(NOBODY)
+            .uid(uid)
+            .gid(uid)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
         let proc = super::suite::WorkerProc::start(cmd).context("starting the other tenant")?;
@@ -233,6 +252,20 @@ impl Attacker {
             .and_then(|n| n.trim().parse().ok())
             .ok_or_else(|| anyhow!("the other tenant said {line:?}"))?;
         Ok(Attacker { proc, qps })
+    }
+
+    /// Asks a streaming tenant for its bytes completed so far (on its
+    /// stdin); [`Attacker::bytes`] reads the answer.
+    pub fn ask(&mut self) -> Result<()> {
+        self.proc.tell("")
+    }
+
+    /// The answer to [`Attacker::ask`].
+    pub fn bytes(&mut self) -> Result<u64> {
+        let line = self.proc.line(Duration::from_secs(10)).context("asking a streaming tenant its bytes")?;
+        line.strip_prefix("bytes ")
+            .and_then(|n| n.trim().parse().ok())
+            .ok_or_else(|| anyhow!("the streaming tenant said {line:?}"))
     }
 
     /// Whether it said its context was closed, within `limit`.

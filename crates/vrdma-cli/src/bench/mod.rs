@@ -14,6 +14,7 @@ pub mod cm_setup;
 mod control;
 mod idle;
 mod output;
+mod qos;
 mod report;
 mod server;
 mod spec;
@@ -100,6 +101,12 @@ pub struct Args {
     /// in the same run.
     #[arg(long, conflicts_with_all = ["server", "cm_setup"])]
     pub direct: bool,
+    /// Of the default report, only the tenant QoS figures: fairness of
+    /// four equal tenants, shares by weight, a rate limit's error, and an
+    /// 8 B latency beside a 64-QP hog with and without
+    /// `latency_class = "latency"` (needs root: tenants are uids).
+    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct"])]
+    pub qos: bool,
     /// Run the embedded daemon's engine at real-time priority (needs root or CAP_SYS_NICE).
     #[arg(long)]
     pub realtime: bool,
@@ -183,10 +190,11 @@ impl Args {
                 return Err(format!("{name} applies to named tests, e.g. vrdma bench rc_bw {name} ..."));
             }
         }
-        if named && self.cm_setup {
-            return Err(
-                "--cm-setup selects part of the default report (vrdma bench without test names)".into()
-            );
+        if named && (self.cm_setup || self.qos) {
+            let flag = if self.qos { "--qos" } else { "--cm-setup" };
+            return Err(format!(
+                "{flag} selects part of the default report (vrdma bench without test names)"
+            ));
         }
         if named && self.runs.is_some() {
             return Err("--runs applies to the default report (vrdma bench without test names)".into());

@@ -67,6 +67,34 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         return report::print(&figures, &[], None, args.json);
     }
 
+    let qos_plan = super::qos::Plan {
+        runs,
+        window: Duration::from_millis(if args.quick { 300 } else { 1000 }),
+        lat_iters: if args.quick { 1_000 } else { 2_000 },
+        cores,
+    };
+    let qos_group = "tenant QoS: fairness, weights, a rate limit, a latency class beside a hog";
+    let qos_figures = |figures: &mut Vec<Figure>, skipped: &mut Vec<report::Skipped>| {
+        let skip = |reason: String| report::Skipped { figures: qos_group.into(), reason };
+        if !attack::may_switch_uid() {
+            let why = format!(
+                "needs root, to run tenants as uids {} and below (a tenant is a uid)",
+                attack::NOBODY
+            );
+            skipped.push(skip(why));
+            return;
+        }
+        match super::qos::figures(&super::engine_config(args), &qos_plan, &progress) {
+            Ok(f) => figures.extend(f),
+            Err(e) => skipped.push(skip(format!("{e:#}"))),
+        }
+    };
+    if args.qos {
+        let mut skipped = Vec::new();
+        qos_figures(&mut figures, &mut skipped);
+        drop(device);
+        return report::print(&figures, &skipped, None, args.json);
+    }
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
     if args.direct {
@@ -129,6 +157,7 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
             ),
         });
     }
+    qos_figures(&mut figures, &mut skipped);
     progress("8 B send latency (completion channel)");
     let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
     figures.push(latency(
@@ -332,12 +361,12 @@ fn direct_figures(
     Ok(out)
 }
 
-fn median_of(outcomes: &[Outcome]) -> anchors::Stat {
+pub(super) fn median_of(outcomes: &[Outcome]) -> anchors::Stat {
     let per_run: Vec<f64> = outcomes.iter().map(|o| anchors::Stat::from_samples(&o.lat_ns).median).collect();
     anchors::Stat::from_samples(&per_run)
 }
 
-fn latency(
+pub(super) fn latency(
     name: &str,
     runs: Vec<Outcome>,
     anchor_name: &str,
@@ -388,7 +417,7 @@ fn bandwidth(name: &str, runs: Vec<Outcome>, memcpy: anchors::Stat, cores: usize
 }
 
 /// Runs one test `runs` times between two worker processes.
-fn measure(
+pub(super) fn measure(
     sock: &std::path::Path,
     test: worker::Test,
     size: usize,
@@ -442,7 +471,7 @@ impl WorkerProc {
             .map_err(|_| anyhow!("a benchmark worker said nothing within {limit:?}"))
     }
 
-    fn tell(&mut self, line: &str) -> Result<()> {
+    pub(super) fn tell(&mut self, line: &str) -> Result<()> {
         let stdin = self.child.stdin.as_mut().ok_or_else(|| anyhow!("worker stdin closed"))?;
         writeln!(stdin, "{line}")?;
         stdin.flush()?;
@@ -476,7 +505,12 @@ impl Drop for WorkerProc {
     }
 }
 
-fn measure_once(sock: &std::path::Path, test: worker::Test, size: usize, iters: u64) -> Result<Outcome> {
+pub(super) fn measure_once(
+    sock: &std::path::Path,
+    test: worker::Test,
+    size: usize,
+    iters: u64,
+) -> Result<Outcome> {
     let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters)?;
     let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters)?;
     let setup = Duration::from_secs(20);

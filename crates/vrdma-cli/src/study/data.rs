@@ -17,6 +17,10 @@ pub enum Section {
     Latency,
     /// The bandwidth set (GB/s).
     Bandwidth,
+    /// The latency-beside-a-hog cell: a victim's 8 B latency unloaded and
+    /// beside a tenant streaming over 64 QPs, without and with
+    /// `latency_class = "latency"` (one-way µs, the median of the run).
+    Protection,
 }
 
 impl Section {
@@ -26,6 +30,7 @@ impl Section {
             Section::Tenant => "tenant",
             Section::Latency => "latency",
             Section::Bandwidth => "bandwidth",
+            Section::Protection => "protection",
         }
     }
 }

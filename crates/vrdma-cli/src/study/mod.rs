@@ -22,6 +22,7 @@ mod placement;
 mod plan;
 mod proc;
 mod progress;
+mod protect;
 mod report;
 mod run;
 

@@ -122,7 +122,7 @@ impl Site {
 }
 
 /// A daemon process (`vrdma daemon`) on `sock`, in `netns`, with `toml`.
-fn daemon(env: &Env, name: &str, sock: &Path, netns: Option<&Path>, toml: &str) -> Result<Proc> {
+pub(super) fn daemon(env: &Env, name: &str, sock: &Path, netns: Option<&Path>, toml: &str) -> Result<Proc> {
     let config = env.dir.join(format!("{name}.toml"));
     std::fs::write(&config, toml)?;
     let mut cmd = std::process::Command::new(env.exe);

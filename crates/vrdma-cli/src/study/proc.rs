@@ -34,13 +34,30 @@ pub struct Proc {
 }
 
 /// Starts `cmd` at `at`, its stderr appended to `log`.
-pub fn spawn(name: &str, mut cmd: Command, at: &Where, run_id: &str, log: &Path) -> Result<Proc> {
+pub fn spawn(name: &str, cmd: Command, at: &Where, run_id: &str, log: &Path) -> Result<Proc> {
+    spawn_stdin(name, cmd, at, run_id, log, Stdio::null())
+}
+
+/// [`spawn`] with its stdin a pipe kept open for as long as it runs (a
+/// `vrdma misbehave` stops when its stdin closes).
+pub fn spawn_piped(name: &str, cmd: Command, at: &Where, run_id: &str, log: &Path) -> Result<Proc> {
+    spawn_stdin(name, cmd, at, run_id, log, Stdio::piped())
+}
+
+fn spawn_stdin(
+    name: &str,
+    mut cmd: Command,
+    at: &Where,
+    run_id: &str,
+    log: &Path,
+    stdin: Stdio,
+) -> Result<Proc> {
     let err = std::fs::OpenOptions::new()
         .create(true)
         .append(true)
         .open(log)
         .with_context(|| format!("opening {}", log.display()))?;
-    cmd.env(RUN_ENV, run_id).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::from(err));
+    cmd.env(RUN_ENV, run_id).stdin(stdin).stdout(Stdio::piped()).stderr(Stdio::from(err));
     if let Some(uid) = at.uid {
         // std also drops the supplementary groups when root sets a uid.
         cmd.uid(uid).gid(uid);

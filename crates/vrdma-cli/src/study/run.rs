@@ -122,8 +122,14 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
     let anchors_per_run = est.anchors(qperf, iperf3, perftest);
     let total =
         plan.placements.len() as u32 * (est.setup + per_run * plan.runs + anchors_per_run * anchor_runs);
-    let steps = plan.placements.len()
+    let mut steps = plan.placements.len()
         * (1 + (plan.runs as usize) * (plan.concurrency().len() * 2 + 1) + anchor_runs as usize);
+    // The latency-beside-a-hog cell: one host, tenants as uids.
+    let protect = plan.as_uids && plan.placements.contains(&Placement::Process);
+    let protect_est =
+        Duration::from_secs_f64(5.0 + f64::from(plan.runs) * (3.0 * (plan.set_seconds + 1.5) + 1.5));
+    let total = total + if protect { protect_est } else { Duration::ZERO };
+    steps += usize::from(protect);
     let mut progress = Progress::new(total, steps);
 
     let mut st = State { records: Vec::new(), failures: Vec::new() };
@@ -263,6 +269,12 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
         drop(servers);
         drop(site);
     }
+    if protect && !interrupted() {
+        progress.start("process: 8 B latency beside a 64-QP hog, with and without latency_class");
+        let r = super::protect::cell(&env, &plan, &interrupted);
+        st.take(r, "latency beside a hog".into(), &progress);
+        progress.done(protect_est);
+    }
     progress.finish();
     Ok(Outcome {
         plan,
@@ -372,7 +384,7 @@ impl Server {
 }
 
 /// A `vrdma bench` client in `place` as `uid`, against `server`.
-fn client(
+pub(super) fn client(
     env: &Env,
     place: &Place,
     uid: Option<u32>,
@@ -388,7 +400,7 @@ fn client(
 }
 
 /// The rows of a `vrdma bench --json` output.
-fn rows(out: &str) -> Result<Vec<serde_json::Value>> {
+pub(super) fn rows(out: &str) -> Result<Vec<serde_json::Value>> {
     let v: serde_json::Value = serde_json::from_str(out).context("vrdma bench's JSON")?;
     v["results"].as_array().cloned().ok_or_else(|| anyhow!("no results in vrdma bench's JSON"))
 }

@@ -58,6 +58,23 @@ impl Default for Quota {
     }
 }
 
+/// How a tenant's messages are served against others' in a pass (see
+/// the engine's scheduler, `hca::schedule`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LatencyClass {
+    #[default]
+    Normal,
+    /// Served first in every pass; while such a tenant has been active
+    /// lately, the shares of the others are bounded in time
+    /// ([`HcaConfig::latency_slice`]), so that its messages wait for at
+    /// most about one slice of another tenant's copying.
+    Latency,
+    /// Served last in a pass, and its shares bounded in time whenever
+    /// another tenant contends.
+    Bulk,
+}
+
 /// A tenant's place in the engine's service (see the engine's scheduler,
 /// `hca::schedule`): its weight when tenants contend, and an optional rate
 /// limit that holds even when it is alone.
@@ -81,11 +98,20 @@ pub struct Qos {
     /// Messages it may start at once after a pause; default a 100th of a
     /// second's worth, at least [`Qos::MIN_BURST_MESSAGES`].
     pub burst_messages: Option<u64>,
+    /// Its messages' priority within a pass.
+    pub class: LatencyClass,
 }
 
 impl Default for Qos {
     fn default() -> Self {
-        Qos { weight: 1, bytes_per_s: None, messages_per_s: None, burst_bytes: None, burst_messages: None }
+        Qos {
+            weight: 1,
+            bytes_per_s: None,
+            messages_per_s: None,
+            burst_bytes: None,
+            burst_messages: None,
+            class: LatencyClass::Normal,
+        }
     }
 }
 
@@ -152,6 +178,13 @@ pub struct HcaConfig {
     /// turns of `chunk_bytes` each): the longest another tenant's message
     /// waits behind a tenant that streams, however many QPs it streams on.
     pub contended_bytes: u64,
+    /// How long a share of a tenant not of the latency class may hold the
+    /// engine while a latency-class tenant has been active lately (and a
+    /// bulk-class tenant's while another contends): the longest a
+    /// latency-class tenant's message waits behind each other busy
+    /// tenant. The engine's clock bounds it after each turn, so a share
+    /// may run one turn (at most `chunk_bytes`) over.
+    pub latency_slice: std::time::Duration,
     /// How long a responder across hosts may hold an ACK, hoping to send
     /// it with a request of the same QP or to merge it with later ACKs.
     /// Zero: at once.
@@ -167,6 +200,10 @@ pub struct HcaConfig {
 /// The default of [`HcaConfig::contended_bytes`]: about 10 µs of copying
 /// on a core of today.
 pub const CONTENDED_BYTES: u64 = 64 << 10;
+
+/// The default of [`HcaConfig::latency_slice`]: a few turns of
+/// `chunk_bytes` of copying.
+pub const LATENCY_SLICE: std::time::Duration = std::time::Duration::from_micros(25);
 
 /// The default of [`HcaConfig::tenant_turns`].
 pub const TENANT_TURNS: u32 = 32;
@@ -259,6 +296,7 @@ impl HcaConfig {
             chunk_bytes: 64 << 10,
             tenant_turns: TENANT_TURNS,
             contended_bytes: CONTENDED_BYTES,
+            latency_slice: LATENCY_SLICE,
             ack_delay: std::time::Duration::ZERO,
             max_psns_in_flight: MAX_PSNS_IN_FLIGHT,
             default_quota: Quota::default(),

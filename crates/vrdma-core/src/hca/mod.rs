@@ -35,8 +35,8 @@ use IdMap as HashMap;
 use serde::{Deserialize, Serialize};
 
 pub use config::{
-    lid_of_ipv4, HcaConfig, Qos, Quota, CONTENDED_BYTES, MAX_CQE, MAX_QP_WR, MAX_RD_ATOMIC, TENANT_TURNS,
-    VENDOR_ID,
+    lid_of_ipv4, HcaConfig, LatencyClass, Qos, Quota, CONTENDED_BYTES, LATENCY_SLICE, MAX_CQE, MAX_QP_WR,
+    MAX_RD_ATOMIC, TENANT_TURNS, VENDOR_ID,
 };
 pub use datapath::{Activity, GRH_LEN};
 pub use direct::{DirectGrant, DirectRefusal, RecvGrant, Revocation, DIRECT_RIGHTS, DIRECT_SLOTS};
@@ -157,6 +157,7 @@ impl Hca {
         // a tenant's share of a pass has IDLE_TURNS: a few passes' worth is
         // taken, and the rest waits in its rings at no cost.
         let notices_per_tenant = 4 * IDLE_TURNS;
+        let slice = config.latency_slice;
         Hca {
             config,
             keys,
@@ -169,7 +170,7 @@ impl Hca {
             srqs: HashMap::default(),
             ahs: HashMap::default(),
             qps: HashMap::default(),
-            order: schedule::ServiceOrder::default(),
+            order: schedule::ServiceOrder::with_slice(slice),
             next_id: 1,
             next_qpn: 0x11,
             net: remote::Network::default(),

@@ -3255,6 +3255,49 @@ fn a_rate_limited_tenant_is_passed_over_until_its_bucket_refills() {
     assert!(env.hca.set_qos(TENANT, Qos { weight: 0, ..Qos::default() }).is_err());
 }
 
+/// A tenant limited to 200 MB/s keeps eight QPs' send queues full of
+/// 64 KiB writes for a second of simulated time, each pass taking a
+/// microsecond: whenever a pass leaves work, it asks for another at once
+/// or names a timer (never neither, or the engine would sleep its second
+/// away), and the bytes moved are within 5 % of the limit.
+#[test]
+fn a_rate_limited_stream_always_leaves_a_timer_and_keeps_its_rate() {
+    let (mut env, chunk, many, _) = streamer_and_other();
+    const RATE: u64 = 200_000_000;
+    env.hca.set_qos(TENANT, Qos { bytes_per_s: Some(RATE), ..Qos::default() }).unwrap();
+    let post = |env: &mut Env, a: &End, b: &End| {
+        env.io
+            .post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key));
+    };
+    for (a, b) in &many {
+        for _ in 0..8 {
+            post(&mut env, a, b);
+        }
+    }
+    let end = T0 + std::time::Duration::from_secs(1);
+    let (mut now, mut moved) = (T0, 0u64);
+    for _ in 0..2_000_000 {
+        if now >= end {
+            break;
+        }
+        let act = env.step(now);
+        for (a, b) in &many {
+            for _ in env.poll(a.cq) {
+                moved += u64::from(chunk);
+                post(&mut env, a, b);
+            }
+        }
+        let next = now + std::time::Duration::from_micros(1);
+        now = match (act.again(), act.next_timer) {
+            (true, _) => next,
+            (false, Some(t)) => t.max(next),
+            (false, None) => panic!("at {now:?} work waits and the pass named no timer: {act:?}"),
+        };
+    }
+    let err = moved as f64 / RATE as f64 - 1.0;
+    assert!(err.abs() < 0.05, "{moved} bytes in a second (error {err:+.4})");
+}
+
 /// With weight 3 against 1, the streaming tenant's share of a contended
 /// pass is three rounds' bytes (`contended_bytes` is two chunks here).
 #[test]

@@ -171,6 +171,9 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
                 std::thread::spawn(move || misbehave(&ctx, how, &qpns, Duration::from_millis(millis)));
                 Ok(Said::Ok)
             }
+            Command::Stream { qps, len, millis } => {
+                stream(&ctx, qps, len, Duration::from_millis(millis), |s| say(s))
+            }
             Command::Exit => break,
         };
         match reply {
@@ -268,4 +271,75 @@ fn flood(
         done += cq.poll(wcs)? as u64;
     }
     Ok(Said::Ok)
+}
+
+/// Writes in flight on each QP of [`Command::Stream`].
+const STREAM_DEPTH: u32 = 16;
+
+/// [`Command::Stream`]: says `Flooding` once every QP has its writes
+/// posted, and returns `Streamed`.
+fn stream(
+    ctx: &vrdma::Context,
+    qps: u32,
+    len: usize,
+    span: Duration,
+    say: impl Fn(&Said),
+) -> vrdma::Result<Said> {
+    let pd = ctx.alloc_pd()?;
+    let access = vrdma::AccessFlags::LOCAL_WRITE | vrdma::AccessFlags::REMOTE_WRITE;
+    // [0, len): the source; [len, 2 len): where every write lands.
+    let mr = pd.alloc_mr(2 * len, access)?;
+    let cq = ctx.create_cq(qps * STREAM_DEPTH, None)?;
+    let cap = vrdma::QpCap {
+        max_send_wr: STREAM_DEPTH,
+        max_recv_wr: 1,
+        max_send_sge: 1,
+        max_recv_sge: 1,
+        max_inline_data: 0,
+    };
+    let mut all = Vec::new();
+    for _ in 0..qps {
+        let q = pd.create_rc_qp(&cq, &cq, cap)?;
+        q.connect(&q.endpoint(ctx)?, access)?;
+        all.push(q);
+    }
+    let src = mr.sge(0, len)?;
+    let post = |q: usize| -> vrdma::Result<()> {
+        let w = vrdma::wr::rdma_write(q as u64, &[src], mr.addr() + len as u64, mr.rkey())?;
+        all[q].post_send(&[vrdma::wr::SendWrExt::signaled(w)]).map_err(|e| e.error)
+    };
+    for q in 0..all.len() {
+        for _ in 0..STREAM_DEPTH {
+            post(q)?;
+        }
+    }
+    say(&Said::Flooding);
+    let start = Instant::now();
+    let mut wcs = vrdma::wc_buffer(64);
+    let mut bytes = 0u64;
+    while start.elapsed() < span {
+        let n = cq.poll(&mut wcs)?;
+        for wc in &wcs[..n] {
+            if wc.status != vrdma::WcStatus::Success {
+                return Ok(Said::Error { errno: 0, message: format!("a streamed write: {wc:?}") });
+            }
+            bytes += len as u64;
+            post(wc.wr_id as usize)?;
+        }
+        // With 16 writes in flight on each QP the engine has milliseconds
+        // of work queued: the hog sleeps between polls, so that on a small
+        // machine what a test measures beside it is the engine's order of
+        // service, not which of the spinning threads the kernel runs.
+        if n < wcs.len() {
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+    let micros = start.elapsed().as_micros() as u64;
+    // What is in flight completes before the QPs go.
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut left = all.len() as u64 * u64::from(STREAM_DEPTH);
+    while left > 0 && Instant::now() < end {
+        left = left.saturating_sub(cq.poll(&mut wcs)? as u64);
+    }
+    Ok(Said::Streamed { bytes, micros })
 }

@@ -219,6 +219,11 @@ impl EngineState {
         match self.net.as_mut() {
             Some(n) => {
                 act.busy |= n.drive(&mut self.hca, &mut self.rings, now);
+                // A tenant's rate limit held its frames back: transmit
+                // again when it allows.
+                if let Some(t) = self.hca.take_link_timer() {
+                    act.timer(t);
+                }
                 n.log.sweep(now);
             }
             None => {

@@ -451,6 +451,46 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
             ),
         });
     }
+    let protection: Vec<&Row> = table(Section::Protection).collect();
+    if !protection.is_empty() {
+        let unloaded = protection
+            .iter()
+            .find(|r| r.test == super::protect::UNLOADED)
+            .and_then(|r| r.summary)
+            .map(|s| s.avg);
+        let mut header = runs_header(&["test"], p.runs);
+        header.push("vs unloaded".into());
+        let order = [super::protect::UNLOADED, super::protect::BESIDE, super::protect::PROTECTED];
+        let mut sorted = protection.clone();
+        sorted.sort_by_key(|r| order.iter().position(|t| *t == r.test));
+        let rows = sorted
+            .iter()
+            .map(|r| {
+                let mut c = vec![r.test.clone()];
+                c.extend(runs_cells(r));
+                c.push(match (r.summary, unloaded) {
+                    (Some(s), Some(u)) if u > 0.0 => format!("{:.2}x", s.avg / u),
+                    _ => "-".into(),
+                });
+                c
+            })
+            .collect();
+        b.push(Block::Table {
+            caption: "Table 5. Latency beside a hog, one host (µs, 8 B, one way; each run's median): a victim \
+                      tenant unloaded, then beside a tenant streaming 64 KiB RDMA writes over 64 QPs, as a tenant of \
+                      the default class and as one of latency_class = \"latency\"."
+                .into(),
+            header,
+            rows,
+            note: Some(format!(
+                "A daemon of the cell's own (direct path off), uids {} (normal), {} (latency class) and {} (the \
+                 hog); the three figures of a run are measured one after the other in that run.",
+                super::protect::PLAIN_UID,
+                super::protect::PROTECTED_UID,
+                super::protect::HOG_UID
+            )),
+        });
+    }
     b.push(Block::Heading(2, "Figures".into()));
     for (name, caption) in figures {
         b.push(Block::Figure { caption: caption.clone(), name: name.to_string() });

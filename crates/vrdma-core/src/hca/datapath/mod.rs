@@ -191,6 +191,7 @@ impl Hca {
         self.flush_pending = false;
         act.pending |= self.wake_posted(io);
         self.sweep_some();
+        self.order.begin_pass();
         let tenants = self.order.tenants_waiting();
         // Bytes bound a share only while tenants contend: one tenant alone
         // keeps the engine's whole pass.
@@ -214,7 +215,11 @@ impl Hca {
             if served {
                 self.counters(tenant).share_start(clock);
             }
-            while share.more() {
+            share.start(clock);
+            // A share bounded in time takes turns of a chunk whatever its
+            // weight, so that it ends close to its slice.
+            let weight = if share.slice.is_some() { 1 } else { share.weight };
+            while share.more_at(clock) {
                 let Some(qpn) = self.order.pop(tenant) else { break };
                 // An entry of a QP that stopped being served (or is gone,
                 // or whose number now names another tenant's QP) leaves.
@@ -230,7 +235,7 @@ impl Hca {
                 // A held ACK goes out with the link's next frame when due;
                 // the engine must be awake then.
                 let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
-                let chunk = self.config.chunk_bytes.max(1).saturating_mul(share.weight.into());
+                let chunk = self.config.chunk_bytes.max(1).saturating_mul(weight.into());
                 self.turn_bytes = share.bytes.min(chunk);
                 self.turn_spent = 0;
                 self.turn_messages = share.messages;

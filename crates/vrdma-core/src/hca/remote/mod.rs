@@ -18,10 +18,16 @@
 //! - [`Hca::link_up`] / [`Hca::link_down`] when an authenticated
 //!   connection to a peer daemon starts or ends;
 //! - [`Hca::poll_transmit`] while the socket can take more: it returns the
-//!   next frame, taking turns between the QPs of the link one frame each,
-//!   so that a large transfer delays a small message by at most one chunk
-//!   per busy QP. The payload is a list of region windows, written from
-//!   the mapped memory straight into the socket;
+//!   next frame, tenant after tenant by deficit round robin in bytes (a
+//!   chunk's worth a turn times the tenant's weight, so a contended link
+//!   is shared by bytes in the ratio of the weights however many QPs and
+//!   whatever message sizes each uses), and within a tenant QP after QP a
+//!   frame each, so that a large transfer delays a small message by at
+//!   most a turn of each busy tenant. A tenant's rate limit (the same
+//!   token buckets as on one host, see `hca::schedule`) holds its request
+//!   frames back; [`Hca::take_link_timer`] then says when to transmit
+//!   again. The payload is a list of region windows, written from the
+//!   mapped memory straight into the socket;
 //! - [`Hca::handle_data`] with each received data header: it checks the
 //!   frame and says where its payload goes ([`Sink`]), straight into the
 //!   mapped region, or to be discarded; then [`Hca::data_placed`] once the
@@ -181,9 +187,10 @@ pub(crate) struct Link {
     pub info: LinkInfo,
     pub up: bool,
     /// QPs that send on this link (as requester or responder), by
-    /// tenant: a frame at a time, tenant after tenant, and within a
-    /// tenant QP after QP, so that a tenant with many busy QPs delays
-    /// another's message by one frame, not by one frame per QP.
+    /// tenant: tenant after tenant, each a turn of a chunk's worth of
+    /// bytes times its weight (deficit round robin), and within a tenant
+    /// QP after QP a frame each, so that a tenant with many busy QPs
+    /// delays another's message by one turn, not by one frame per QP.
     pub tenants: Vec<LinkTenant>,
     /// The tenant in `tenants` whose turn is next.
     pub next: usize,
@@ -205,6 +212,12 @@ pub(crate) struct LinkTenant {
     /// can have a frame to send, so the only ones a link looks at.
     pub awake: QpSet,
     pub next: usize,
+    /// Bytes it may still send in its turn (deficit round robin: each
+    /// turn adds a frame's worth times its weight); below 0, what its
+    /// last frame overdrew.
+    pub deficit: i64,
+    /// Its turn has begun (its deficit was topped up).
+    pub visiting: bool,
 }
 
 /// QPs in an order, with membership, insertion and removal in constant
@@ -288,6 +301,9 @@ pub(crate) struct Network {
     /// whose payload outlived its request (the QP was reset or failed
     /// meanwhile) cannot complete another one.
     pub next_serial: u64,
+    /// The earliest moment a tenant a rate limit held back on a link may
+    /// send again (see [`Hca::take_link_timer`]).
+    throttled: Option<Instant>,
 }
 
 impl Network {
@@ -314,9 +330,14 @@ impl Network {
                 t.qps.insert(qpn);
                 t.awake.insert(qpn);
             }
-            None => {
-                l.tenants.push(LinkTenant { tenant, qps: QpSet::of(qpn), awake: QpSet::of(qpn), next: 0 })
-            }
+            None => l.tenants.push(LinkTenant {
+                tenant,
+                qps: QpSet::of(qpn),
+                awake: QpSet::of(qpn),
+                next: 0,
+                deficit: 0,
+                visiting: false,
+            }),
         }
     }
 
@@ -602,40 +623,70 @@ impl Hca {
             l.stats.payload_out += t.data.len() as u64;
             return Some(t);
         }
-        // Tenant after tenant; within one, QP after QP from where it left
-        // off. Each QP is looked at once at most.
-        let tenants = self.net.links.get(&link)?.tenants.len();
-        for k in 0..tenants {
+        // Tenant after tenant (deficit round robin in bytes, by weight);
+        // within one, QP after QP from where it left off. Each QP is
+        // looked at once at most.
+        let (tenants, chunk) = self.net.links.get(&link).map(|l| (l.tenants.len(), l.info.chunk))?;
+        // A full frame's payload a turn, times the weight: a frame's header
+        // overdraws it a little, repaid from the next turn.
+        let quantum = i64::from(chunk).max(TX_HEADER_CAP as i64);
+        // A tenant passed over to repay a debt is visited again (after two
+        // turns' credit it holds some, the quantum being at least a
+        // frame): a link with work never reports none.
+        let (mut visits, mut visited) = (tenants, 0);
+        while visited < visits {
+            visited += 1;
             let l = self.net.links.get_mut(&link)?;
             if l.tenants.is_empty() {
                 return None;
             }
-            let ti = (l.next + k) % l.tenants.len();
-            let n = l.tenants[ti].awake.len();
-            for _ in 0..n {
+            let ti = l.next % l.tenants.len();
+            let tenant = l.tenants[ti].tenant;
+            if !l.tenants[ti].visiting {
+                let weight = i64::from(self.order.weight(tenant));
                 let l = self.net.links.get_mut(&link)?;
-                let Some(t) = l.tenants.get_mut(ti).filter(|t| !t.awake.is_empty()) else { break };
-                let i = t.next % t.awake.len();
-                let Some(qpn) = t.awake.get(i) else { break };
-                t.next = i + 1;
-                let tx = match self.qps.get(&qpn).map(|q| q.remote.is_some()) {
-                    None | Some(false) => {
-                        // Destroyed or reset: no longer on this link.
-                        let t = &mut self.net.links.get_mut(&link)?.tenants[ti];
-                        t.qps.remove(qpn);
-                        t.awake.remove(qpn);
-                        continue;
+                let t = &mut l.tenants[ti];
+                t.visiting = true;
+                t.deficit = t.deficit.saturating_add(quantum * weight);
+            }
+            let l = self.net.links.get_mut(&link)?;
+            if l.tenants[ti].deficit <= 0 {
+                // Still repaying what it overdrew.
+                l.tenants[ti].visiting = false;
+                l.next = ti + 1;
+                // Round once more: its next turn holds credit.
+                visits = (visited + tenants).min(2 * tenants + 1);
+                continue;
+            }
+            // Its rate limit holds back its requests (not its answers to
+            // another host's requests: ACKs, read responses).
+            let throttled = self.order.ready_at(tenant, now);
+            if let Some(at) = throttled {
+                self.net.throttled = Some(self.net.throttled.map_or(at, |t| t.min(at)));
+            }
+            let tx = self.tenant_transmit(link, ti, throttled.is_none(), now, io);
+            let l = self.net.links.get_mut(&link)?;
+            let Some(t) = l.tenants.get_mut(ti) else { continue };
+            match tx {
+                Some(tx) => {
+                    let payload = tx.payload.iter().map(|s| s.len as u64).sum::<u64>() + tx.data.len() as u64;
+                    t.deficit -= tx.len() as i64;
+                    if t.deficit <= 0 {
+                        // Its turn is over; what it overdrew is paid from
+                        // its next.
+                        t.visiting = false;
+                        l.next = ti + 1;
                     }
-                    Some(true) => self
-                        .responder_transmit(qpn, link, now)
-                        .or_else(|| self.requester_transmit(qpn, link, now, io)),
-                };
-                if let Some(t) = tx {
-                    let l = self.net.links.get_mut(&link)?;
-                    l.next = ti + 1;
                     l.stats.frames_out += 1;
-                    l.stats.payload_out += t.payload.iter().map(|s| s.len as u64).sum::<u64>();
-                    return Some(t);
+                    l.stats.payload_out += payload;
+                    self.order.charge(tenant, payload, 0);
+                    return Some(tx);
+                }
+                None => {
+                    // Nothing to send: an idle tenant keeps no credit.
+                    t.deficit = t.deficit.min(0);
+                    t.visiting = false;
+                    l.next = ti + 1;
                 }
             }
         }
@@ -644,6 +695,55 @@ impl Hca {
             l.tenants.retain(|t| !t.qps.is_empty());
         }
         None
+    }
+
+    /// The next frame of the QPs of the `ti`th tenant on `link`, from the
+    /// QP after the last that sent: an answer, or (if `requests`) a
+    /// request.
+    fn tenant_transmit(
+        &mut self,
+        link: LinkId,
+        ti: usize,
+        requests: bool,
+        now: Instant,
+        io: &mut dyn Queues,
+    ) -> Option<Transmit> {
+        let n = self.net.links.get(&link)?.tenants.get(ti)?.awake.len();
+        for _ in 0..n {
+            let l = self.net.links.get_mut(&link)?;
+            let t = l.tenants.get_mut(ti).filter(|t| !t.awake.is_empty())?;
+            let i = t.next % t.awake.len();
+            let qpn = t.awake.get(i)?;
+            t.next = i + 1;
+            match self.qps.get(&qpn).map(|q| q.remote.is_some()) {
+                None | Some(false) => {
+                    // Destroyed or reset: no longer on this link.
+                    let t = &mut self.net.links.get_mut(&link)?.tenants[ti];
+                    t.qps.remove(qpn);
+                    t.awake.remove(qpn);
+                }
+                Some(true) => {
+                    let tx = self.responder_transmit(qpn, link, now).or_else(|| {
+                        if requests {
+                            self.requester_transmit(qpn, link, now, io)
+                        } else {
+                            None
+                        }
+                    });
+                    if tx.is_some() {
+                        return tx;
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// The earliest moment a tenant held back by its rate limit on a link
+    /// may send again, since the last call: the driver wakes the engine
+    /// then to transmit.
+    pub fn take_link_timer(&mut self) -> Option<Instant> {
+        self.net.throttled.take()
     }
 
     /// A data frame's header arrived on `link`: checks it and says where

@@ -276,6 +276,9 @@ impl Hca {
             self.remote_refuse(qpn, wr, WcStatus::LocLenErr, io);
             return false;
         }
+        // A message of its tenant's rate limit (its bytes are charged as
+        // its frames go out).
+        self.order.charge(req.tenant, 0, 1);
         self.net.next_serial += 1;
         let serial = self.net.next_serial;
         let taken = self.metrics.turn_start;

@@ -1581,3 +1581,5 @@ fn a_responder_whose_requests_move_to_another_link_leaves_the_old_one() {
     assert_eq!(qps_on(&t.b, t.b.link), Some(1));
     assert_eq!(qps_on(&t.b, old), Some(0), "the old link still lists the responder");
 }
+
+mod qos;

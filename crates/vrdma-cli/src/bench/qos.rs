@@ -1,0 +1,230 @@
+//! The default report's figures of tenant QoS (issue 21, items 4, 5 and
+//! 8): fairness among equal tenants, shares by weight, a rate limit's
+//! error, and a latency-class tenant's latency beside a hog.
+//!
+//! Each group runs on a daemon of its own (`embedded::private_device_with`),
+//! configured with the weights, limit or class it measures, and with the
+//! direct path off (a tenant's writes go through the engine, whose
+//! service order is what is measured). Tenants are uids, so the streaming
+//! tenants are children of this binary (`vrdma misbehave --how stream`)
+//! run as uids 65534 down to 65531, which needs root. Each streams 1 MiB
+//! RDMA writes over its own QPs (the hog of the latency figures, 64 KiB
+//! writes over 64 QPs, as the isolation figures' hog); the parent asks them all for their byte
+//! counts at the start and end of a window, so their rates cover the same
+//! second. Every figure is printed beside its anchor from the same run:
+//! the ideal (an index of 1, the configured share, the configured limit)
+//! or the same measurement without the load or the setting.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use super::anchors::Stat;
+use super::attack::{Attacker, How, NOBODY};
+use super::suite::{latency, measure, median_of, Figure};
+use super::worker;
+
+/// The streaming tenants' uids.
+const UIDS: [u32; 4] = [NOBODY, NOBODY - 1, NOBODY - 2, NOBODY - 3];
+/// Each streaming tenant's QPs, and its message size: 16 writes of 1 MiB
+/// in flight on each QP keep its queue full through a time slice of its
+/// process (some milliseconds of the engine's copying), so that the
+/// engine, not the CPU the tenants' processes get, decides the shares.
+const QPS: u32 = 4;
+const SIZE: usize = 1 << 20;
+/// The rate limit measured.
+const RATE: u64 = 200_000_000;
+
+/// How long and how often.
+pub struct Plan {
+    pub runs: usize,
+    /// The window of the fairness and weight figures.
+    pub window: Duration,
+    /// Round trips of the latency figures.
+    pub lat_iters: u64,
+    pub cores: usize,
+}
+
+/// A daemon of our own, configured by `toml`, direct path off.
+fn daemon(engine: &vrdmad::EngineConfig, toml: &str) -> Result<crate::embedded::Device> {
+    crate::embedded::private_device_with(engine.clone(), false, toml)
+}
+
+/// Starts a streaming tenant per `uids` entry, lets them run 200 ms, and
+/// returns each one's bytes a second over `window`.
+fn rates(sock: &std::path::Path, uids: &[u32], qps: u32, window: Duration) -> Result<Vec<f64>> {
+    let mut tenants = uids
+        .iter()
+        .map(|&u| Attacker::start_as(sock, How::Stream, qps, SIZE, u))
+        .collect::<Result<Vec<_>>>()?;
+    std::thread::sleep(Duration::from_millis(200));
+    let counts = |ts: &mut [Attacker]| -> Result<Vec<u64>> {
+        for t in ts.iter_mut() {
+            t.ask()?;
+        }
+        ts.iter_mut().map(Attacker::bytes).collect()
+    };
+    let (b0, t0) = (counts(&mut tenants)?, Instant::now());
+    std::thread::sleep(window);
+    let (b1, secs) = (counts(&mut tenants)?, t0.elapsed().as_secs_f64());
+    for t in tenants {
+        t.stop();
+    }
+    Ok(b0.iter().zip(&b1).map(|(a, b)| (b - a) as f64 / secs).collect())
+}
+
+fn jain(x: &[f64]) -> f64 {
+    let s: f64 = x.iter().sum();
+    let s2: f64 = x.iter().map(|v| v * v).sum();
+    s * s / (x.len() as f64 * s2)
+}
+
+/// A figure of `value` against `anchor`, both over the runs.
+fn figure(
+    name: String,
+    unit: &'static str,
+    value: &[f64],
+    anchor_name: &str,
+    anchor: &[f64],
+    target: &str,
+    cores: usize,
+) -> Figure {
+    let (value, anchor) = (Stat::from_samples(value), Stat::from_samples(anchor));
+    Figure {
+        name,
+        unit,
+        ratio: Some(value.median / anchor.median),
+        value,
+        anchor_name: anchor_name.into(),
+        anchor: Some(anchor),
+        target: target.into(),
+        cores,
+        p99: None,
+    }
+}
+
+pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&str)) -> Result<Vec<Figure>> {
+    let mut out = Vec::new();
+    let (runs, cores) = (plan.runs, plan.cores);
+
+    progress("four equal tenants streaming at once, and one alone");
+    let d = daemon(engine, "")?;
+    let (mut j, mut total, mut alone) = (Vec::new(), Vec::new(), Vec::new());
+    for _ in 0..runs {
+        alone.push(rates(d.socket(), &UIDS[..1], QPS, plan.window)?[0] / 1e9);
+        let four = rates(d.socket(), &UIDS, QPS, plan.window)?;
+        j.push(jain(&four));
+        total.push(four.iter().sum::<f64>() / 1e9);
+    }
+    drop(d);
+    let four = format!("four tenants streaming 1 MiB RDMA writes at once ({QPS} QPs each), equal weights");
+    out.push(figure(
+        format!("{four}: Jain's index"),
+        "",
+        &j,
+        "equal shares",
+        &vec![1.0; runs],
+        ">= 0.99",
+        cores,
+    ));
+    out.push(figure(
+        format!("{four}: their total"),
+        "GB/s",
+        &total,
+        "one tenant alone",
+        &alone,
+        ">= 0.90x alone",
+        cores,
+    ));
+
+    progress("four tenants of weights 1:2:3:4 streaming at once");
+    let toml: String = UIDS.iter().zip(1..).map(|(u, w)| format!("[tenants.{u}]\nweight = {w}\n")).collect();
+    let d = daemon(engine, &toml)?;
+    let mut shares = vec![Vec::new(); UIDS.len()];
+    for _ in 0..runs {
+        let r = rates(d.socket(), &UIDS, QPS, plan.window)?;
+        let sum: f64 = r.iter().sum();
+        for (s, v) in shares.iter_mut().zip(&r) {
+            s.push(100.0 * v / sum);
+        }
+    }
+    drop(d);
+    for (w, s) in (1..).zip(&shares) {
+        out.push(figure(
+            format!("weights 1:2:3:4 streaming at once: share of the tenant of weight {w}"),
+            "%",
+            s,
+            "configured share",
+            &vec![10.0 * f64::from(w); runs],
+            "within 5 % (0.95x-1.05x)",
+            cores,
+        ));
+    }
+
+    progress("a rate-limited tenant streaming alone");
+    let d = daemon(engine, &format!("[tenants.{}]\nrate_bytes_per_s = {RATE}\n", UIDS[0]))?;
+    let mut rate = Vec::new();
+    for _ in 0..runs {
+        rate.push(rates(d.socket(), &UIDS[..1], QPS, Duration::from_secs(1))?[0] / 1e6);
+    }
+    drop(d);
+    out.push(figure(
+        format!("a tenant limited to {} MB/s streaming alone, over 1 s", RATE / 1_000_000),
+        "MB/s",
+        &rate,
+        "its limit",
+        &vec![RATE as f64 / 1e6; runs],
+        "within 5 % (0.95x-1.05x)",
+        cores,
+    ));
+
+    // Our own uid is the victim's tenant (the workers run as us).
+    let me = rustix::process::getuid().as_raw();
+    for (class, toml) in
+        [("normal", String::new()), ("latency", format!("[tenants.{me}]\nlatency_class = \"latency\"\n"))]
+    {
+        progress(&format!("8 B send latency beside a 64-QP hog, latency_class = \"{class}\""));
+        let d = daemon(engine, &toml)?;
+        let unloaded = median_of(&measure(d.socket(), worker::Test::SendLat, 8, plan.lat_iters, runs)?);
+        let (mut loaded, mut hog, mut hog_alone) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..runs {
+            let mut other = Attacker::start(d.socket(), How::Stream, 64)?;
+            std::thread::sleep(Duration::from_millis(100));
+            // The hog alone, then beside the victim's ping-pong.
+            other.ask()?;
+            let (b0, t0) = (other.bytes()?, Instant::now());
+            std::thread::sleep(plan.window);
+            other.ask()?;
+            let (b1, t1) = (other.bytes()?, Instant::now());
+            loaded.extend(measure(d.socket(), worker::Test::SendLat, 8, plan.lat_iters, 1)?);
+            other.ask()?;
+            let b2 = other.bytes()?;
+            hog_alone.push((b1 - b0) as f64 / (t1 - t0).as_secs_f64() / 1e9);
+            hog.push((b2 - b1) as f64 / t1.elapsed().as_secs_f64() / 1e9);
+            other.stop();
+        }
+        drop(d);
+        let mut f = latency(
+            &format!("send 8 B, one way (poll CQ), latency_class = \"{class}\", beside a tenant streaming over 64 QPs"),
+            loaded,
+            "the same, unloaded, same daemon",
+            Some(unloaded),
+            cores,
+        );
+        f.target = "<= 2x unloaded".into();
+        out.push(f);
+        if hog.is_empty() {
+            bail!("no hog measured");
+        }
+        out.push(figure(
+            format!("the 64-QP hog beside the latency_class = \"{class}\" tenant's ping-pong"),
+            "GB/s",
+            &hog,
+            "the hog alone, same runs",
+            &hog_alone,
+            ">= 0.90x",
+            cores,
+        ));
+    }
+    Ok(out)
+}

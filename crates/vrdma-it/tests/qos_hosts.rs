@@ -1,0 +1,212 @@
+//! Weights and rate limits across hosts: two daemons in two network
+//! namespaces joined by a veth (`NetnsHosts`), where what tenants contend
+//! for is the link. A rate-limited tenant's writes to the other host's
+//! daemon are counted per 1 s window and stay near its limit; of two
+//! tenants writing over the link at once, the one of weight 3 gets more
+//! of it. The bounds are loose as in `qos.rs` (2 noisy cores, debug
+//! builds); the 5 % figures are the core's simulated-link tests
+//! (`hca::tests::two_hosts::qos`). They need root (namespaces, and a
+//! tenant as uid 65534).
+//!
+//! In a file of its own: tearing namespaces down keeps the kernel busy for
+//! a while after a test, which would load `qos.rs`'s latency measurements.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+use vrdma_it::protocol::{Command, Said};
+use vrdma_it::{DaemonProc, NetnsHosts, PeerProc, Side, WAIT};
+
+const NOBODY: u32 = 65534;
+/// The tests of this file run one at a time: each measures.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+const LEN: usize = 64 << 10;
+/// Writes of the weighted test, 32 in flight (see `qos.rs`).
+const BIG: usize = 1 << 20;
+
+fn root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    vrdma_it::skip(format!("this test needs root (namespaces, and a tenant as uid {NOBODY})"));
+    false
+}
+
+/// Starts `count` writes of `len` from `p` and returns once they began.
+fn start_flood(p: &mut PeerProc, addr: u64, rkey: u32, len: usize, count: u64) -> Result<()> {
+    p.send(&Command::Flood { remote_addr: addr, rkey, len, count })?;
+    match p.recv::<Said>(WAIT)? {
+        Said::Flooding => Ok(()),
+        other => bail!("the peer answered {other:?} to Flood"),
+    }
+}
+
+fn end_flood(p: &mut PeerProc) -> Result<()> {
+    match p.recv::<Said>(Duration::from_secs(60))? {
+        Said::Ok => Ok(()),
+        other => bail!("the flood ended with {other:?}"),
+    }
+}
+
+/// Our own tenant streams 1 MiB writes from a side on `ha` to one on
+/// `hb` from a thread, counting the bytes written, until `stop`.
+fn stream_across(
+    ha: &DaemonProc,
+    hb: &DaemonProc,
+    stop: Arc<AtomicBool>,
+    bytes: Arc<AtomicU64>,
+) -> Result<std::thread::JoinHandle<Result<()>>> {
+    let (ca, cb) = (ha.context()?, hb.context()?);
+    let (a, b) = (Side::new(&ca, 4 << 20)?, Side::new(&cb, 4 << 20)?);
+    a.qp.connect(&b.endpoint()?, vrdma_it::access_all())?;
+    b.qp.connect(&a.endpoint()?, vrdma_it::access_all())?;
+    Ok(std::thread::spawn(move || {
+        let (_ca, _cb, b) = (ca, cb, b);
+        let sge = a.mr.sge(0, BIG)?;
+        let mut wcs = vrdma::wc_buffer(64);
+        let (mut posted, mut done) = (0u64, 0u64);
+        while !stop.load(Ordering::Relaxed) {
+            while posted - done < 32 {
+                let wr = vrdma::wr::SendWrExt::signaled(vrdma::wr::rdma_write(
+                    posted,
+                    &[sge],
+                    b.mr.addr(),
+                    b.mr.rkey(),
+                )?);
+                a.qp.post_send(&[wr]).map_err(|e| e.error)?;
+                posted += 1;
+            }
+            let n = a.cq.poll(&mut wcs)?;
+            for wc in &wcs[..n] {
+                if wc.status != vrdma::WcStatus::Success {
+                    bail!("our write across hosts: {wc:?}");
+                }
+            }
+            done += n as u64;
+            bytes.fetch_add((n * BIG) as u64, Ordering::Relaxed);
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(100));
+            }
+        }
+        // What is in flight completes before the QPs go.
+        vrdma_it::poll_n(&a.cq, (posted - done) as usize, WAIT)?;
+        Ok(())
+    }))
+}
+
+/// Across hosts the link is what the tenants contend for: of two tenants
+/// writing from host a to host b at once, the one of weight 3 gets more
+/// of it than ours of weight 1.
+#[test]
+fn across_hosts_the_heavier_weight_gets_more_of_the_link() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let extra =
+        format!("[direct]\nenabled = false\n[tenants.0]\nweight = 1\n[tenants.{NOBODY}]\nweight = 3\n");
+    let Some(h) = NetnsHosts::start(&extra)? else { return Ok(()) };
+    let (stop, ours) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicU64::new(0)));
+    let streamer = stream_across(&h.a, &h.b, stop.clone(), ours.clone())?;
+    let mut p1 = PeerProc::spawn_as(&h.a.socket, "tenant", &[], Some(NOBODY))?;
+    let mut p2 = PeerProc::spawn_as(&h.b.socket, "tenant", &[], Some(NOBODY))?;
+    let (h1, h2) = (p1.hello()?, p2.hello()?);
+    p1.call_ok(&Command::Connect { peer: h2.endpoint })?;
+    p2.call_ok(&Command::Connect { peer: h1.endpoint })?;
+    std::thread::sleep(Duration::from_millis(200));
+    let count = (256u64 << 20) / BIG as u64;
+    let (t0, c0) = (Instant::now(), ours.load(Ordering::Relaxed));
+    start_flood(&mut p1, h2.addr, h2.rkey, BIG, count)?;
+    end_flood(&mut p1)?;
+    let (elapsed, c1) = (t0.elapsed(), ours.load(Ordering::Relaxed));
+    stop.store(true, Ordering::Relaxed);
+    streamer.join().expect("the streaming thread")?;
+    let (heavy, light) = (count * BIG as u64, c1 - c0);
+    let ratio = heavy as f64 / light.max(1) as f64;
+    eprintln!(
+        "across hosts, weights 1:3 over {elapsed:?}: {light} B and {heavy} B, shares {:.3}:{:.3} (ideal 0.25:0.75), \
+         ratio {ratio:.2}",
+        light as f64 / (light + heavy) as f64,
+        heavy as f64 / (light + heavy) as f64
+    );
+    if ratio < 1.3 {
+        bail!(
+            "across hosts the tenant of weight 3 moved {heavy} B while the one of weight 1 moved {light} B"
+        );
+    }
+    Ok(())
+}
+
+/// Our own tenant (uid 0 on both hosts), limited to 40 MB/s on host a,
+/// streams 64 KiB writes to a region on host b for 3 s: the bytes
+/// completed in each 1 s window are close to the limit.
+#[test]
+fn a_rate_limit_holds_for_what_a_tenant_sends_to_another_host() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    const RATE: u64 = 40_000_000;
+    let extra = "[direct]\nenabled = false\n[tenants.0]\nrate_bytes_per_s = \"40M\"\n";
+    let Some(h) = NetnsHosts::start(extra)? else { return Ok(()) };
+    let (a, b) = vrdma_it::across::pair(&h.a, &h.b, false)?;
+    let sge = a.mr.sge(0, LEN)?;
+    let mut wcs = vrdma::wc_buffer(64);
+    // One write first: the QP's first request binds it to the link.
+    a.qp.post_send(&[vrdma::wr::SendWrExt::signaled(vrdma::wr::rdma_write(
+        u64::MAX,
+        &[a.mr.sge(0, 8)?],
+        b.mr.addr(),
+        b.mr.rkey(),
+    )?)])
+    .map_err(|e| e.error)?;
+    vrdma_it::poll_one(&a.cq, WAIT)?;
+    let (mut posted, mut done) = (0u64, 0u64);
+    let t0 = Instant::now();
+    // Bytes completed in each window of 1 s.
+    let mut windows = [0u64; 3];
+    // Bounded by time: at the limit, 3 s; the loop ends by then, or by
+    // WAIT more if completions stop.
+    let end = t0 + Duration::from_secs(3);
+    while Instant::now() < end {
+        while posted - done < 16 {
+            let wr = vrdma::wr::SendWrExt::signaled(vrdma::wr::rdma_write(
+                posted,
+                &[sge],
+                b.mr.addr(),
+                b.mr.rkey(),
+            )?);
+            a.qp.post_send(&[wr]).map_err(|e| e.error)?;
+            posted += 1;
+        }
+        let n = a.cq.poll(&mut wcs)?;
+        let at = t0.elapsed().as_secs() as usize;
+        for wc in &wcs[..n] {
+            if wc.status != vrdma::WcStatus::Success {
+                bail!("a write across hosts: {wc:?}");
+            }
+            if let Some(w) = windows.get_mut(at) {
+                *w += LEN as u64;
+            }
+        }
+        done += n as u64;
+        if n == 0 {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    // What is still in flight completes (or the test fails by WAIT).
+    vrdma_it::poll_n(&a.cq, (posted - done) as usize, WAIT)?;
+    let errs: Vec<f64> = windows.iter().map(|&w| w as f64 / RATE as f64 - 1.0).collect();
+    for (i, (w, e)) in windows.iter().zip(&errs).enumerate() {
+        eprintln!("across hosts, limit {RATE} B/s: window {i}: {w} B/s (error {:+.1} %)", e * 100.0);
+    }
+    for (i, e) in errs.iter().enumerate() {
+        if e.abs() > 0.25 {
+            bail!("window {i}: a tenant limited to {RATE} B/s sent {} B/s to another host", windows[i]);
+        }
+    }
+    Ok(())
+}
