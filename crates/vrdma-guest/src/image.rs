@@ -69,22 +69,28 @@ pub struct DropIn {
 }
 
 impl DropIn {
-    /// The files in `dir` (`target/debug`, `target/release`): `vrdma` and
-    /// `libvrdma_verbs.so` are required, the other two libraries optional
-    /// (as for `vrdma run`).
+    /// The files of the cargo profile directory `dir` (`target/debug`,
+    /// `target/release`): `vrdma` and `libvrdma_verbs.so` are required,
+    /// the other two libraries optional (as for `vrdma run`). A library
+    /// is taken from `dir/deps` where it is there: cargo writes the
+    /// cdylibs of every build there, and copies them up to `dir` only for
+    /// `cargo build` (after `cargo test` alone, `dir`'s copy is missing
+    /// or stale).
     pub fn from_profile_dir(dir: &Path) -> Result<DropIn> {
+        let find =
+            |name: &str| [dir.join("deps").join(name), dir.join(name)].into_iter().find(|p| p.is_file());
         let need = |name: &str| {
-            let p = dir.join(name);
-            if p.is_file() {
+            if let Some(p) = find(name) {
                 Ok(p)
             } else {
+                let p = dir.join(name);
                 Err(Error::Invalid(format!(
                     "{} is missing; build it (cargo build -p vrdma-cli -p vrdma-verbs -p vrdma-rdmacm -p vrdma-companions)",
                     p.display()
                 )))
             }
         };
-        let opt = |name: &str| Some(dir.join(name)).filter(|p| p.is_file());
+        let opt = |name: &str| find(name);
         Ok(DropIn {
             vrdma: need(VRDMA_BIN)?,
             verbs: need(VERBS_LIB)?,
