@@ -42,7 +42,7 @@ use std::ffi::{c_char, c_int, c_void, CStr};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::ptr::{self, null_mut};
-use std::sync::atomic::{AtomicBool, AtomicPtr, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -121,6 +121,11 @@ pub struct Channel {
     c: rdma_event_channel,
     ch: EventChannel,
     lib: &'static Lib,
+    /// Threads inside `rdma_get_cm_event` on this channel.
+    waiters: AtomicU32,
+    /// `rdma_destroy_event_channel` was called while threads waited: the
+    /// channel is left as it is (see there), and they wait for ever.
+    destroyed: AtomicBool,
 }
 
 /// `struct rdma_cm_id` and what stands behind it.
@@ -479,17 +484,35 @@ pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel 
                 libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
             }
         }
-        let b = Box::new(Channel { c: rdma_event_channel { fd }, ch, lib });
+        let b = Box::new(Channel {
+            c: rdma_event_channel { fd },
+            ch,
+            lib,
+            waiters: AtomicU32::new(0),
+            destroyed: AtomicBool::new(false),
+        });
         Ok(Box::into_raw(b).cast::<rdma_event_channel>())
     })
 }
 
+/// Destroys a channel, unless a thread waits in `rdma_get_cm_event` on it:
+/// programs do that at exit (rping's event thread is still in its loop
+/// when the main thread destroys the channel). With the kernel's
+/// librdmacm that thread stays blocked in `read` on the closed
+/// descriptor; it must not see an error (rping's exits the process with
+/// it) nor freed memory. So such a channel is left as it is, and its
+/// waiters wait for ever, as the kernel's do.
 pub unsafe extern "C" fn rdma_destroy_event_channel(channel: *mut rdma_event_channel) {
     guard("rdma_destroy_event_channel", (), || {
         if !channel.is_null() {
             // SAFETY: from rdma_create_event_channel, destroyed once (the
             // program's contract).
-            drop(unsafe { Box::from_raw(channel.cast::<Channel>()) });
+            let ch = unsafe { &*channel.cast::<Channel>() };
+            ch.destroyed.store(true, Ordering::SeqCst);
+            if ch.waiters.load(Ordering::SeqCst) == 0 {
+                // SAFETY: as above; no thread waits on it.
+                drop(unsafe { Box::from_raw(channel.cast::<Channel>()) });
+            }
         }
         Ok(())
     })
@@ -1362,12 +1385,26 @@ pub unsafe extern "C" fn rdma_get_cm_event(
 fn next_event(channel: *mut rdma_event_channel) -> Res<*mut Event> {
     // SAFETY: the caller's contract: a live channel.
     let ch = unsafe { self::channel(channel) }?;
+    ch.waiters.fetch_add(1, Ordering::SeqCst);
+    struct Leave<'a>(&'a AtomicU32);
+    impl Drop for Leave<'_> {
+        fn drop(&mut self) {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let _leave = Leave(&ch.waiters);
     let nonblocking = || {
         // SAFETY: fcntl(F_GETFL) on the channel's descriptor.
         let flags = unsafe { libc::fcntl(ch.c.fd, libc::F_GETFL) };
         flags >= 0 && flags & libc::O_NONBLOCK != 0
     };
     let round = |wait: Option<Duration>| -> Res<Round<*mut Event>> {
+        if ch.destroyed.load(Ordering::SeqCst) {
+            // Destroyed under us (see rdma_destroy_event_channel).
+            loop {
+                std::thread::park();
+            }
+        }
         let ev = match wait {
             None => ch.ch.try_get_event()?,
             Some(w) => ch.ch.get_event(Some(w))?,

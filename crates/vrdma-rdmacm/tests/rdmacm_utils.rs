@@ -234,6 +234,24 @@ fn c_checks_of_channels_ids_and_addresses() {
     assert!(f.stderr.contains("rsocket is not implemented"), "{}", f.describe());
 }
 
+/// `tests/c/cm_destroy_waiting.c`: a channel destroyed while another
+/// thread waits in `rdma_get_cm_event` on it (rping's end) leaves that
+/// thread waiting, as the kernel's librdmacm does: no error back (rping
+/// exits the process with it), no freed memory touched.
+#[test]
+fn a_channel_destroyed_under_a_waiting_thread_leaves_it_waiting() {
+    let Some(s) = setup() else { return };
+    if !Path::new("/usr/include/rdma/rdma_cma.h").exists() {
+        vrdma_it::skip("/usr/include/rdma/rdma_cma.h is missing (apt-get install librdmacm-dev)");
+        return;
+    }
+    let Some(exe) = compile_c(s, "cm_destroy_waiting") else { return };
+    let f = spawn(s.command(exe.to_str().expect("utf-8 path")), "cm_destroy_waiting").finish(LIMIT);
+    f.assert_ok();
+    assert!(f.stdout.contains("cm_destroy_waiting: OK"), "{}", f.describe());
+    check_clean(&f);
+}
+
 /// `tests/c/NAME.c` compiled against rdma-core's headers and linked
 /// against both drop-in libraries; `None` (the test skips, saying why)
 /// without a C compiler.
