@@ -11,6 +11,11 @@
 //!   an open word, the count of the library's copies in flight, and one
 //!   word per granted region holding the grant's generation.
 //!
+//! Each of these descriptors is charged to its tenant's descriptor share
+//! ([`KeptDescriptor`], held beside the descriptor and given back with
+//! it). At the limit the object is not kept and not granted: its work
+//! requests take the engine path, which needs no descriptor.
+//!
 //! Revoking clears a word, then waits (bounded) until the in-flight count
 //! drains: the library announces a copy before it reads the words, so a
 //! copy either saw the cleared word or is counted. The wait runs on the
@@ -31,6 +36,7 @@ use vrdma_core::proto::{
 use vrdma_shm::{Segment, WordPage};
 
 use crate::engine::RingTable;
+use crate::server::KeptDescriptor;
 
 /// How long a revocation waits for a requester's copies in flight. A copy
 /// is at most the library's direct size limit, microseconds; only a
@@ -42,11 +48,13 @@ struct Region {
     ctx: ContextId,
     fd: OwnedFd,
     fd_offset: u64,
+    _charge: KeptDescriptor,
 }
 
 struct Window {
     seg: Arc<Segment>,
     words: WordPage,
+    _charge: KeptDescriptor,
 }
 
 /// A QP segment with an inbox (an RC QP with its own receive queue,
@@ -57,6 +65,7 @@ struct QpSegment {
     len: u64,
     rq: RingSpec,
     inbox: RingSpec,
+    _charge: KeptDescriptor,
 }
 
 /// The direct path's shared state, owned by the engine thread.
@@ -71,9 +80,16 @@ pub struct DirectDriver {
 
 impl DirectDriver {
     /// Keeps the memfd of a region just registered, if grants may need it.
-    pub fn keep_region(&mut self, ctx: ContextId, key: u32, fd: OwnedFd, fd_offset: u64) {
+    pub fn keep_region(
+        &mut self,
+        ctx: ContextId,
+        key: u32,
+        fd: OwnedFd,
+        fd_offset: u64,
+        charge: KeptDescriptor,
+    ) {
         if self.enabled {
-            self.regions.insert(key, Region { ctx, fd, fd_offset });
+            self.regions.insert(key, Region { ctx, fd, fd_offset, _charge: charge });
         }
     }
 
@@ -83,6 +99,7 @@ impl DirectDriver {
     }
 
     /// Keeps the segment of a QP created with an inbox.
+    #[allow(clippy::too_many_arguments)]
     pub fn keep_qp(
         &mut self,
         ctx: ContextId,
@@ -91,9 +108,10 @@ impl DirectDriver {
         len: u64,
         rq: RingSpec,
         inbox: RingSpec,
+        charge: KeptDescriptor,
     ) {
         if self.enabled {
-            self.qps.insert(qpn, QpSegment { ctx, fd, len, rq, inbox });
+            self.qps.insert(qpn, QpSegment { ctx, fd, len, rq, inbox, _charge: charge });
         }
     }
 
@@ -112,14 +130,22 @@ impl DirectDriver {
         self.windows.len()
     }
 
+    /// Descriptors kept now (regions, QP segments, windows).
+    pub fn kept(&self) -> usize {
+        self.regions.len() + self.qps.len() + self.windows.len()
+    }
+
     /// A grant of `ctx`'s QP `qp` on its peer's region `rkey`, with the
-    /// descriptors to send (the window's first, when new).
+    /// descriptors to send (the window's first, when new). `charge` pays
+    /// for a new window page; without it a grant that needs one is
+    /// refused `NotNow` (the tenant holds its share of descriptors).
     pub fn grant(
         &mut self,
         hca: &mut Hca,
         ctx: ContextId,
         qp: u32,
         rkey: u32,
+        charge: Option<KeptDescriptor>,
     ) -> Result<(DirectGranted, Vec<OwnedFd>), DirectRefusal> {
         if !self.enabled {
             return Err(DirectRefusal::Off);
@@ -129,7 +155,7 @@ impl DirectDriver {
         let region_fd = region.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let fd_offset = region.fd_offset;
         let mut fds = Vec::with_capacity(2);
-        let window_len = self.ensure_window(qp, g.new_window, &mut fds)?;
+        let window_len = self.ensure_window(qp, g.new_window, charge, &mut fds)?;
         let w = &self.windows[&qp];
         let slot = w.words.word(DIRECT_WINDOW_SLOTS + g.slot as usize).ok_or(DirectRefusal::Full)?;
         slot.store(g.generation, Ordering::SeqCst);
@@ -153,10 +179,19 @@ impl DirectDriver {
     /// The window page of `qp`, made (and its fd pushed to `fds`) if the
     /// core just made the window or the driver has none; its length when
     /// made, else 0.
-    fn ensure_window(&mut self, qp: u32, new: bool, fds: &mut Vec<OwnedFd>) -> Result<u64, DirectRefusal> {
+    fn ensure_window(
+        &mut self,
+        qp: u32,
+        new: bool,
+        charge: Option<KeptDescriptor>,
+        fds: &mut Vec<OwnedFd>,
+    ) -> Result<u64, DirectRefusal> {
         if !new && self.windows.contains_key(&qp) {
             return Ok(0);
         }
+        // Without a descriptor to spare the core's window stays without a
+        // page; the next grant (after the library's pause) makes it.
+        let charge = charge.ok_or(DirectRefusal::NotNow)?;
         let seg = Segment::create("vrdma-direct-window", direct_window_bytes())
             .map(Arc::new)
             .map_err(|_| DirectRefusal::NotNow)?;
@@ -165,7 +200,7 @@ impl DirectDriver {
         words.word(DIRECT_WINDOW_OPEN).expect("in the page").store(1, Ordering::SeqCst);
         let len = seg.len() as u64;
         fds.push(fd);
-        self.windows.insert(qp, Window { seg, words });
+        self.windows.insert(qp, Window { seg, words, _charge: charge });
         Ok(len)
     }
 
@@ -178,6 +213,7 @@ impl DirectDriver {
         rings: &RingTable,
         ctx: ContextId,
         qp: u32,
+        charge: Option<KeptDescriptor>,
     ) -> Result<(DirectRecvGranted, Vec<OwnedFd>), DirectRefusal> {
         if !self.enabled {
             return Err(DirectRefusal::Off);
@@ -195,7 +231,7 @@ impl DirectDriver {
         let qp_fd = q.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let (qp_segment_len, rq, inbox) = (q.len, q.rq, q.inbox);
         let mut fds = Vec::with_capacity(2);
-        let window_len = self.ensure_window(qp, g.new_window, &mut fds)?;
+        let window_len = self.ensure_window(qp, g.new_window, charge, &mut fds)?;
         let word = self.windows[&qp].words.word(DIRECT_WINDOW_RECV).ok_or(DirectRefusal::NotNow)?;
         word.store(g.generation, Ordering::SeqCst);
         fds.push(qp_fd);

@@ -7,6 +7,7 @@
 //! writes with immediate (the peer's receives claimed) in `imm.rs`.
 
 mod atomics;
+mod budget;
 mod imm;
 mod reads;
 

@@ -338,16 +338,21 @@ impl Session {
                     self.engine(move |e, c| e.hca.may_register(c, len).map(|()| e.direct.enabled))??;
                 // The direct path hands a remotely accessible region's
                 // memfd to peers.
+                // Charged to the tenant's descriptors; at its limit the
+                // region is not kept, and WRs on it take the engine.
                 let kept = if direct && access.intersects(vrdma_core::hca::DIRECT_RIGHTS) {
-                    fd.try_clone().ok()
+                    self.admitted
+                        .as_ref()
+                        .and_then(|a| a.charge_kept())
+                        .and_then(|c| Some((fd.try_clone().ok()?, c)))
                 } else {
                     None
                 };
                 let region = map_region(fd, fd_offset, len, self.budget())?;
                 let key = self.engine(move |e, c| {
                     let key = e.hca.reg_mr(c, pd, addr, access, region)?;
-                    if let Some(fd) = kept {
-                        e.direct.keep_region(c, key, fd, fd_offset);
+                    if let Some((fd, charge)) = kept {
+                        e.direct.keep_region(c, key, fd, fd_offset, charge);
                     }
                     Ok::<_, HcaError>(key)
                 })??;
@@ -369,7 +374,8 @@ impl Session {
             Request::GuestAlloc { len } => self.guest_alloc(len)?,
             Request::GuestFree { offset } => self.guest_free(offset)?,
             Request::DirectGrant { qp, rkey } => {
-                match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey))? {
+                let charge = self.admitted.as_ref().and_then(|a| a.charge_kept());
+                match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey, charge))? {
                     Ok((granted, fds)) => Answer {
                         reply: Reply::DirectGrant(granted),
                         fds: fds.into_iter().map(Carry::from).collect(),
@@ -378,7 +384,8 @@ impl Session {
                 }
             }
             Request::DirectRecvGrant { qp } => {
-                match self.engine(move |e, c| e.direct.grant_recv(&mut e.hca, &e.rings, c, qp))? {
+                let charge = self.admitted.as_ref().and_then(|a| a.charge_kept());
+                match self.engine(move |e, c| e.direct.grant_recv(&mut e.hca, &e.rings, c, qp, charge))? {
                     Ok((granted, fds)) => Answer {
                         reply: Reply::DirectRecvGrant(granted),
                         fds: fds.into_iter().map(Carry::from).collect(),
@@ -762,8 +769,15 @@ impl Session {
                     // The direct path keeps a descriptor of the segment to
                     // grant it; a guest's segment is an extent, and guests
                     // get no direct grants.
+                    // Charged to the tenant's descriptors; at its limit
+                    // the segment is not kept (no receive grants for it).
                     let kept = match &fd {
-                        Carry::Fd(f) => Some(f.try_clone().map_err(|e| error(ENOMEM, e.to_string()))?),
+                        Carry::Fd(f) => match self.admitted.as_ref().and_then(|a| a.charge_kept()) {
+                            Some(charge) => {
+                                Some((f.try_clone().map_err(|e| error(ENOMEM, e.to_string()))?, charge))
+                            }
+                            None => None,
+                        },
                         Carry::Extent { .. } => None,
                     };
                     (rings.with_inbox(init.recv_cq, view(spec)?), kept)
@@ -785,8 +799,8 @@ impl Session {
         let segment_len = seg.len() as u64;
         self.post_to_engine(move |e, c| {
             e.rings.add_qp(qpn, rings);
-            if let (Some(fd), Some(rq), Some(inbox)) = (kept, rq, inbox) {
-                e.direct.keep_qp(c, qpn, fd, segment_len, rq, inbox);
+            if let (Some((fd, charge)), Some(rq), Some(inbox)) = (kept, rq, inbox) {
+                e.direct.keep_qp(c, qpn, fd, segment_len, rq, inbox, charge);
             }
         })?;
         Ok(Answer { reply: Reply::Qp { created, segment_len, sq, rq, inbox }, fds: vec![fd] })
