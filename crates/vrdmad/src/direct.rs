@@ -4,6 +4,7 @@
 //!
 //! What it keeps:
 //! - the memfd of every region that allows remote write, read or atomics,
+//!   or local write (a SEND's bytes land in the peer's receive SGEs),
 //!   while the switch is on (a region's descriptor is otherwise closed once mapped): the
 //!   one thing the daemon cannot make again later, and what a grant
 //!   hands to the requester's process;
@@ -245,6 +246,7 @@ impl DirectDriver {
                 inbox,
                 cq_depth,
                 lid: g.lid,
+                max_recv_sge: g.max_recv_sge,
             },
             fds,
         ))

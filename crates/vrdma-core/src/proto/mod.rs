@@ -274,6 +274,8 @@ pub struct DirectRecvGranted {
     /// more.
     pub cq_depth: u32,
     pub lid: u16,
+    /// The responder's receive SGEs at most.
+    pub max_recv_sge: u32,
 }
 
 /// A direct-path grant as the library receives it (see

@@ -10,6 +10,7 @@ mod atomics;
 mod budget;
 mod imm;
 mod reads;
+mod send;
 
 use anyhow::Result;
 use vrdma::wr::{self, SendWrExt};

@@ -337,10 +337,13 @@ impl Session {
                 let direct =
                     self.engine(move |e, c| e.hca.may_register(c, len).map(|()| e.direct.enabled))??;
                 // The direct path hands a remotely accessible region's
-                // memfd to peers.
+                // memfd to peers, and a locally writable one's (SENDs land
+                // in receive SGEs).
                 // Charged to the tenant's descriptors; at its limit the
                 // region is not kept, and WRs on it take the engine.
-                let kept = if direct && access.intersects(vrdma_core::hca::DIRECT_RIGHTS) {
+                let kept = if direct
+                    && access.intersects(vrdma_core::hca::DIRECT_RIGHTS | vrdma_core::hca::DIRECT_LOCAL)
+                {
                     self.admitted
                         .as_ref()
                         .and_then(|a| a.charge_kept())
