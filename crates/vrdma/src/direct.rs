@@ -36,7 +36,7 @@ use vrdma_core::proto::{
     DIRECT_WINDOW_SLOTS,
 };
 use vrdma_core::ring::{RecvWr, SendWr, Sge};
-use vrdma_core::verbs::{AccessFlags, SendFlags, SendOpcode};
+use vrdma_core::verbs::{AccessFlags, SendOpcode};
 use vrdma_shm::{page_size, Mapping, WordPage};
 
 use crate::context::Context;
@@ -149,9 +149,6 @@ impl DirectQp {
     /// checked against the QP's limits) itself if it can; checks local
     /// SGEs through `local`.
     pub(crate) fn try_carry(&self, ctx: &Context, qpn: u32, local: &LocalKeys, wr: &SendWr) -> Carried {
-        if wr.flags.contains(SendFlags::SOLICITED) {
-            return Carried::Engine;
-        }
         if matches!(wr.opcode, SendOpcode::Send | SendOpcode::SendWithImm) {
             return self.carry_send(ctx, qpn, local, wr);
         }

@@ -24,7 +24,13 @@
 //!   `max_recv_sge`, an SGE outside a local-write region of the peer's PD
 //!   granted here, a message longer than the SGEs): the entry is left
 //!   unclaimed and the WR goes to the engine, which reports
-//!   `LOC_LEN_ERR`/`LOC_PROT_ERR` as always.
+//!   `LOC_LEN_ERR`/`LOC_PROT_ERR` as always;
+//! - **completion channels and solicited events**: when the peer's
+//!   receive CQ has a channel, the grant carries that CQ's segment and the
+//!   channel's doorbell; after pushing a completion this library takes the
+//!   CQ's armed word with a compare-and-swap and rings the doorbell, as
+//!   the engine's `notify_channel` does (`crate::cq::raise_event`), so
+//!   each arming fires once, whichever side completes first.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -34,7 +40,7 @@ use vrdma_core::proto::{
     DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, RECV_HEADER};
-use vrdma_core::verbs::{SendOpcode, WcFlags, WcOpcode, WcStatus};
+use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
 use vrdma_shm::{Claim, Mapping, RingView, WordPage};
 
 use crate::context::Context;
@@ -50,6 +56,9 @@ pub(crate) struct RecvTarget {
     cq_depth: u32,
     /// The peer QP's receive SGEs at most.
     pub(crate) max_recv_sge: u32,
+    /// The peer's receive CQ's ring (for its armed and event words) and
+    /// its channel's doorbell, when it has a completion channel.
+    channel: Option<(RingView, vrdma_shm::Doorbell)>,
     /// A receive slot's bytes, looked at before it is claimed.
     scratch: Vec<u8>,
 }
@@ -109,12 +118,17 @@ impl RecvTarget {
             cqe.wc_flags = WcFlags::WITH_IMM;
             cqe.imm_data = wr.imm_data;
         }
+        let solicited = wr.flags.contains(SendFlags::SOLICITED);
+        cqe.solicited = solicited;
         let mut out = [0u8; CQE_SIZE];
         cqe.encode(&mut out);
         // Room was checked and this is the inbox's only producer: a failure
         // is the peer's own scribbling on its indices, which loses it this
         // completion.
         let _ = self.inbox.try_push_bytes(&out);
+        if let Some((ring, bell)) = &self.channel {
+            crate::cq::raise_event(ring, bell, solicited, true);
+        }
         Delivered::Done
     }
 }
@@ -145,8 +159,16 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
         Reply::DirectRefused(why) => return Err(Some(why)),
         _ => return Err(Some(DirectRefusal::Off)),
     };
-    let want = if g.window_len > 0 { 2 } else { 1 };
+    let with_channel = g.cq_segment_len > 0;
+    let want = usize::from(g.window_len > 0) + 1 + if with_channel { 2 } else { 0 };
     let mut fds = answer.take_fds(want, "DirectRecvGrant").map_err(|_| None)?;
+    let channel_fds = if with_channel {
+        let bell = fds.pop().ok_or(None)?;
+        let cq = fds.pop().ok_or(None)?;
+        Some((cq, bell))
+    } else {
+        None
+    };
     let qp_fd = fds.pop().ok_or(None)?;
     let window = match fds.pop() {
         Some(fd) => {
@@ -168,9 +190,21 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
     if rq.stride() < RECV_HEADER || inbox.stride() != CQE_SIZE {
         return Err(None);
     }
+    let channel = match channel_fds {
+        Some((cq_fd, bell)) => {
+            let cq_map = map(cq_fd, g.cq_segment_len)?;
+            let ring = ring(&cq_map, g.cq_ring)?;
+            if ring.stride() != CQE_SIZE {
+                return Err(None);
+            }
+            Some((ring, vrdma_shm::Doorbell::from_fd(bell)))
+        }
+        None => None,
+    };
     let scratch = vec![0u8; rq.stride()];
     let (generation, responder, lid, cq_depth) = (g.generation, g.responder, g.lid, g.cq_depth);
     let max_recv_sge = g.max_recv_sge;
-    let target = RecvTarget { generation, responder, lid, rq, inbox, cq_depth, max_recv_sge, scratch };
+    let target =
+        RecvTarget { generation, responder, lid, rq, inbox, cq_depth, max_recv_sge, channel, scratch };
     Ok((target, window))
 }

@@ -8,6 +8,10 @@
 //!   while the switch is on (a region's descriptor is otherwise closed once mapped): the
 //!   one thing the daemon cannot make again later, and what a grant
 //!   hands to the requester's process;
+//! - the segment of every CQ with a completion channel, while the switch
+//!   is on: a requester completing a receive there takes the CQ's armed
+//!   word itself and rings the channel's doorbell (a dup of the daemon's
+//!   end, handed out, not kept);
 //! - per requester QP with grants, a *window* page (a memfd of its own):
 //!   an open word, the count of the library's copies in flight, and one
 //!   word per granted region holding the grant's generation.
@@ -24,7 +28,7 @@
 //! waits on a tenant's page; the engine reads nothing else there.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -69,6 +73,17 @@ struct QpSegment {
     _charge: KeptDescriptor,
 }
 
+/// A CQ's segment, kept for a CQ with a completion channel (created with
+/// the switch on): receive grants of QPs completing there hand it out, so
+/// that the requester takes the armed word itself.
+struct KeptCq {
+    ctx: ContextId,
+    fd: OwnedFd,
+    len: u64,
+    ring: RingSpec,
+    _charge: KeptDescriptor,
+}
+
 /// The direct path's shared state, owned by the engine thread.
 #[derive(Default)]
 pub struct DirectDriver {
@@ -77,6 +92,7 @@ pub struct DirectDriver {
     regions: HashMap<u32, Region>,
     windows: HashMap<u32, Window>,
     qps: HashMap<u32, QpSegment>,
+    cqs: HashMap<u32, KeptCq>,
 }
 
 impl DirectDriver {
@@ -120,10 +136,43 @@ impl DirectDriver {
         self.qps.remove(&qpn);
     }
 
-    /// Forgets the descriptors of every region and QP of a closed context.
+    /// Keeps the segment of a CQ with a completion channel.
+    pub fn keep_cq(
+        &mut self,
+        ctx: ContextId,
+        cqn: u32,
+        fd: OwnedFd,
+        len: u64,
+        ring: RingSpec,
+        charge: KeptDescriptor,
+    ) {
+        if self.enabled {
+            self.cqs.insert(cqn, KeptCq { ctx, fd, len, ring, _charge: charge });
+        }
+    }
+
+    pub fn forget_cq(&mut self, cqn: u32) {
+        self.cqs.remove(&cqn);
+    }
+
+    /// Forgets the descriptors of every region, QP and CQ of a closed
+    /// context.
     pub fn forget_context(&mut self, ctx: ContextId) {
         self.regions.retain(|_, r| r.ctx != ctx);
         self.qps.retain(|_, q| q.ctx != ctx);
+        self.cqs.retain(|_, q| q.ctx != ctx);
+    }
+
+    /// The doorbell (the daemon's end, duplicated) of the completion
+    /// channel of `ctx`'s CQ `cq`: the library raises the CQ's events for
+    /// the completions it queues itself. Nothing is kept for it.
+    pub fn channel_bell(&self, rings: &RingTable, ctx: ContextId, cq: u32) -> Result<OwnedFd, DirectRefusal> {
+        if !self.enabled {
+            return Err(DirectRefusal::Off);
+        }
+        let ch = rings.cqs.get(&cq).and_then(|r| r.channel).ok_or(DirectRefusal::NotGranted)?;
+        let ch = rings.channels.get(&ch).filter(|c| c.ctx == ctx).ok_or(DirectRefusal::NotGranted)?;
+        ch.fd.as_fd().try_clone_to_owned().map_err(|_| DirectRefusal::NotNow)
     }
 
     /// Windows open now.
@@ -221,21 +270,34 @@ impl DirectDriver {
         }
         let g = hca.direct_grant_recv(ctx, qp)?;
         // A responder without an inbox (made before the switch, or with an
-        // SRQ) or whose receive CQ signals a channel (the direct path does
-        // not signal channels yet): not for this QP.
+        // SRQ), or whose receive CQ signals a channel but was not kept (made
+        // before the switch, or no descriptor to spare): not for this QP.
         let q = self.qps.get(&g.responder).ok_or(DirectRefusal::NotGranted)?;
         let cq = rings.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
-        if cq.channel.is_some() {
-            return Err(DirectRefusal::NotGranted);
-        }
         let cq_depth = cq.ring.capacity();
+        let channel = match cq.channel {
+            None => None,
+            Some(ch) => {
+                let kept = self.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
+                let ch = rings.channels.get(&ch).ok_or(DirectRefusal::NotGranted)?;
+                let bell = ch.fd.as_fd().try_clone_to_owned().map_err(|_| DirectRefusal::NotNow)?;
+                let cq_fd = kept.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
+                Some((cq_fd, bell, kept.len, kept.ring))
+            }
+        };
         let qp_fd = q.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let (qp_segment_len, rq, inbox) = (q.len, q.rq, q.inbox);
-        let mut fds = Vec::with_capacity(2);
+        let mut fds = Vec::with_capacity(4);
         let window_len = self.ensure_window(qp, g.new_window, charge, &mut fds)?;
         let word = self.windows[&qp].words.word(DIRECT_WINDOW_RECV).ok_or(DirectRefusal::NotNow)?;
         word.store(g.generation, Ordering::SeqCst);
         fds.push(qp_fd);
+        let (mut cq_segment_len, mut cq_ring) = (0, RingSpec { offset: 0, capacity: 0, stride: 0 });
+        if let Some((cq_fd, bell, len, ring)) = channel {
+            fds.push(cq_fd);
+            fds.push(bell);
+            (cq_segment_len, cq_ring) = (len, ring);
+        }
         Ok((
             DirectRecvGranted {
                 responder: g.responder,
@@ -247,6 +309,8 @@ impl DirectDriver {
                 cq_depth,
                 lid: g.lid,
                 max_recv_sge: g.max_recv_sge,
+                cq_segment_len,
+                cq_ring,
             },
             fds,
         ))

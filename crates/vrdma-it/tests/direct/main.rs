@@ -8,6 +8,7 @@
 
 mod atomics;
 mod budget;
+mod channels;
 mod imm;
 mod reads;
 mod send;

@@ -442,9 +442,19 @@ impl Session {
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }
+            Request::DirectChannel { .. } if self.guest.is_some() => {
+                Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
+            }
+            Request::DirectChannel { cq } => {
+                match self.engine(move |e, c| e.direct.channel_bell(&e.rings, c, cq))? {
+                    Ok(fd) => Answer { reply: Reply::DirectChannel, fds: vec![Carry::from(fd)] },
+                    Err(why) => Reply::DirectRefused(why).into(),
+                }
+            }
             Request::DestroyCq { cq } => {
                 self.engine(move |e, c| {
                     e.hca.destroy_cq(c, cq)?;
+                    e.direct.forget_cq(cq);
                     if let Some(ch) = e.rings.cqs.remove(&cq).and_then(|r| r.channel) {
                         if let Some(ch) = e.rings.channels.get_mut(&ch) {
                             ch.cqs = ch.cqs.saturating_sub(1);
@@ -645,13 +655,13 @@ impl Session {
     }
 
     fn create_cq(&mut self, cqe: u32, channel: Option<u32>) -> Result<Answer, Answer> {
-        let (cq, depth) = self.engine(move |e, c| {
+        let (cq, depth, direct) = self.engine(move |e, c| {
             if let Some(ch) = channel {
                 if e.rings.channels.get(&ch).is_none_or(|x| x.ctx != c) {
                     return Err(HcaError::NoSuchObject { kind: "completion channel", id: ch });
                 }
             }
-            e.hca.create_cq(c, cqe)
+            e.hca.create_cq(c, cqe).map(|(cq, depth)| (cq, depth, e.direct.enabled))
         })??;
         let made = (|| {
             let (fd, seg) = self.new_segment("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?;
@@ -668,22 +678,33 @@ impl Session {
                 return Err(a);
             }
         };
+        let spec = RingSpec { offset: 0, capacity: depth, stride: CQE_SIZE as u32 };
+        // With the direct path on, a CQ with a channel keeps its segment's
+        // descriptor (charged; at the limit, not kept: its QPs' receives
+        // stay on the engine) for requesters that complete into it.
+        let kept = match (&fd, channel.is_some() && direct) {
+            (Carry::Fd(f), true) => self
+                .admitted
+                .as_ref()
+                .and_then(|a| a.charge_kept())
+                .and_then(|charge| Some((f.try_clone().ok()?, charge))),
+            _ => None,
+        };
+        let seg_len = seg.len() as u64;
         // Not waited for (see `post_to_engine`): the engine writes to the
         // ring only for a QP that names the CQ, and that QP is created
         // by a later call.
-        self.post_to_engine(move |e, _| {
+        self.post_to_engine(move |e, c| {
+            if let Some((f, charge)) = kept {
+                e.direct.keep_cq(c, cq, f, seg_len, spec, charge);
+            }
             if let Some(ch) = channel.and_then(|ch| e.rings.channels.get_mut(&ch)) {
                 ch.cqs += 1;
             }
             e.rings.cqs.insert(cq, CqRing { ring, channel, inbox_qps: Vec::new() });
         })?;
         Ok(Answer {
-            reply: Reply::Cq {
-                cq,
-                depth,
-                segment_len: seg.len() as u64,
-                ring: RingSpec { offset: 0, capacity: depth, stride: CQE_SIZE as u32 },
-            },
+            reply: Reply::Cq { cq, depth, segment_len: seg.len() as u64, ring: spec },
             fds: vec![fd],
         })
     }
