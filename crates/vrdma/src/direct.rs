@@ -305,109 +305,127 @@ impl DirectQp {
         if st.off || (st.recv.is_none() && !obtain_recv(st, ctx, qpn)) {
             return Carried::Engine;
         }
-        // Grants for the next receive's SGEs (and any a SEND missed),
-        // asked for before the copy is announced.
-        let mut wanted = std::mem::take(&mut st.wanted);
-        if let Some(r) = st.recv.as_mut() {
-            wanted.extend(r.peek_keys());
-        }
-        for key in wanted {
-            if !st.grants.contains_key(&key) {
-                obtain(st, ctx, qpn, key);
+        // A receive whose SGEs lie in regions without a grant yet is left
+        // unclaimed; their grants are asked for (never while a copy is
+        // announced) and the receive tried once more.
+        for attempt in 0..2 {
+            for key in std::mem::take(&mut st.wanted) {
+                if !st.grants.contains_key(&key) {
+                    obtain(st, ctx, qpn, key);
+                }
+            }
+            match send_once(st, qpn, local, wr, len) {
+                SendAttempt::Done => {
+                    self.carried.fetch_add(1, Ordering::Relaxed);
+                    return Carried::Done { byte_len: 0 };
+                }
+                SendAttempt::Retry if attempt == 0 => {}
+                _ => return Carried::Engine,
             }
         }
-        let Some(window) = st.window.clone() else { return Carried::Engine };
-        let keys = local.keys.read().unwrap_or_else(|p| p.into_inner());
-        if !local_ok(&keys, wr, false) {
-            return Carried::Engine;
-        }
-        let (Some(inflight), Some(open), Some(recv_word)) = (
-            window.word(DIRECT_WINDOW_INFLIGHT),
-            window.word(DIRECT_WINDOW_OPEN),
-            window.word(DIRECT_WINDOW_RECV),
-        ) else {
-            return Carried::Engine;
-        };
-        let State { grants, recv, wanted, refused, .. } = st;
-        let Some(target) = recv.as_mut() else { return Carried::Engine };
-        inflight.fetch_add(1, Ordering::SeqCst);
-        let window_ok = open.load(Ordering::SeqCst) == 1;
-        let recv_ok = window_ok && recv_word.load(Ordering::SeqCst) == target.generation;
-        let standing = |g: &Grant| {
-            window
-                .word(DIRECT_WINDOW_SLOTS + g.slot)
-                .is_some_and(|w| w.load(Ordering::SeqCst) == g.generation)
-        };
-        let max_sge = target.max_recv_sge as usize;
-        let mut stale = Vec::new();
-        let delivered = recv_ok && {
-            let fits = |r: &RecvWr| {
-                let sges = r.sg.as_slice();
-                if sges.len() > max_sge || r.sg.total_len() < len {
+        Carried::Engine
+    }
+}
+
+/// What one try of [`DirectQp::carry_send`] came to.
+enum SendAttempt {
+    Done,
+    /// The receive's SGEs need grants this QP lacks (now in `wanted`).
+    Retry,
+    Engine,
+}
+
+/// One try to claim the peer's next receive for the SEND `wr` and copy
+/// it there (see [`DirectQp::carry_send`]).
+fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64) -> SendAttempt {
+    let Some(window) = st.window.clone() else { return SendAttempt::Engine };
+    let keys = local.keys.read().unwrap_or_else(|p| p.into_inner());
+    if !local_ok(&keys, wr, false) {
+        return SendAttempt::Engine;
+    }
+    let (Some(inflight), Some(open), Some(recv_word)) = (
+        window.word(DIRECT_WINDOW_INFLIGHT),
+        window.word(DIRECT_WINDOW_OPEN),
+        window.word(DIRECT_WINDOW_RECV),
+    ) else {
+        return SendAttempt::Engine;
+    };
+    let State { grants, recv, wanted, refused, .. } = st;
+    let Some(target) = recv.as_mut() else { return SendAttempt::Engine };
+    inflight.fetch_add(1, Ordering::SeqCst);
+    let window_ok = open.load(Ordering::SeqCst) == 1;
+    let recv_ok = window_ok && recv_word.load(Ordering::SeqCst) == target.generation;
+    let standing = |g: &Grant| {
+        window.word(DIRECT_WINDOW_SLOTS + g.slot).is_some_and(|w| w.load(Ordering::SeqCst) == g.generation)
+    };
+    let max_sge = target.max_recv_sge as usize;
+    let mut stale = Vec::new();
+    let delivered = recv_ok && {
+        let fits = |r: &RecvWr| {
+            let sges = r.sg.as_slice();
+            if sges.len() > max_sge || r.sg.total_len() < len {
+                return false;
+            }
+            for s in sges.iter().filter(|s| s.length > 0) {
+                let Some(g) = grants.get(&s.lkey) else {
+                    if !refused.contains(&s.lkey) && !wanted.contains(&s.lkey) {
+                        wanted.push(s.lkey);
+                    }
+                    return false;
+                };
+                if recv_sge_at(g, s, standing).is_none() {
+                    if !standing(g) {
+                        stale.push(s.lkey);
+                    }
                     return false;
                 }
-                for s in sges.iter().filter(|s| s.length > 0) {
-                    let Some(g) = grants.get(&s.lkey) else {
-                        if !refused.contains(&s.lkey) && !wanted.contains(&s.lkey) {
-                            wanted.push(s.lkey);
-                        }
-                        return false;
-                    };
-                    if recv_sge_at(g, s, standing).is_none() {
-                        if !standing(g) {
-                            stale.push(s.lkey);
-                        }
-                        return false;
-                    }
-                }
-                true
-            };
-            // The claimed receive passed `fits`: each SGE in a granted,
-            // standing region (words read after announcing the copy).
-            let place = |r: &RecvWr| {
-                let dst: Vec<(*mut u8, usize)> =
-                    r.sg.as_slice()
-                        .iter()
-                        .filter(|s| s.length > 0)
-                        .filter_map(|s| {
-                            let g = grants.get(&s.lkey)?;
-                            let at = recv_sge_at(g, s, |_| true)?;
-                            // SAFETY: `at..at+length` lies inside the grant's
-                            // mapping (checked against the grant's length).
-                            Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize))
-                        })
-                        .collect();
-                // SAFETY: the destinations lie in granted regions that
-                // still stand (checked by `fits` inside the announced
-                // copy) and total at least the message; the sources are
-                // inline bytes or local regions registered here (read lock
-                // held).
-                unsafe { gather_to(wr, &dst) }
-            };
-            let d = target.deliver(qpn, wr, fits, place);
-            matches!(d, crate::direct_recv::Delivered::Done)
+            }
+            true
         };
-        inflight.fetch_sub(1, Ordering::SeqCst);
-        drop(keys);
-        if !window_ok {
-            st.window = None;
-            st.grants.clear();
-            st.recv = None;
-            return Carried::Engine;
-        }
-        if !recv_ok {
-            st.recv = None;
-            return Carried::Engine;
-        }
-        for k in stale {
-            st.grants.remove(&k);
-        }
-        if !delivered {
-            return Carried::Engine;
-        }
-        self.carried.fetch_add(1, Ordering::Relaxed);
-        Carried::Done { byte_len: 0 }
+        // The claimed receive passed `fits`: each SGE in a granted,
+        // standing region (words read after announcing the copy).
+        let place = |r: &RecvWr| {
+            let dst: Vec<(*mut u8, usize)> =
+                r.sg.as_slice()
+                    .iter()
+                    .filter(|s| s.length > 0)
+                    .filter_map(|s| {
+                        let g = grants.get(&s.lkey)?;
+                        let at = recv_sge_at(g, s, |_| true)?;
+                        // SAFETY: `at..at+length` lies inside the grant's
+                        // mapping (checked against the grant's length).
+                        Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize))
+                    })
+                    .collect();
+            // SAFETY: the destinations lie in granted regions that
+            // still stand (checked by `fits` inside the announced
+            // copy) and total at least the message; the sources are
+            // inline bytes or local regions registered here (read lock
+            // held).
+            unsafe { gather_to(wr, &dst) }
+        };
+        let d = target.deliver(qpn, wr, fits, place);
+        matches!(d, crate::direct_recv::Delivered::Done)
+    };
+    inflight.fetch_sub(1, Ordering::SeqCst);
+    drop(keys);
+    if !window_ok {
+        st.window = None;
+        st.grants.clear();
+        st.recv = None;
+        return SendAttempt::Engine;
     }
+    if !recv_ok {
+        st.recv = None;
+        return SendAttempt::Engine;
+    }
+    for k in stale {
+        st.grants.remove(&k);
+    }
+    if !delivered {
+        return if st.wanted.is_empty() { SendAttempt::Engine } else { SendAttempt::Retry };
+    }
+    SendAttempt::Done
 }
 
 /// Asks for a grant of `key` unless paused; says whether it stands now
@@ -505,8 +523,8 @@ fn local_ok(keys: &HashMap<u32, LocalKey>, wr: &SendWr, writes: bool) -> bool {
 }
 
 /// Where a receive SGE lands in a grant's mapping: its offset there, if
-/// the grant has local write, still stands (`slots` is the window's
-/// slot-word lookup) and holds the SGE whole.
+/// the grant has local write, still stands (`standing`: its slot word
+/// still holds its generation) and holds the SGE whole.
 fn recv_sge_at(g: &Grant, s: &Sge, standing: impl Fn(&Grant) -> bool) -> Option<usize> {
     if !g.rights.contains(AccessFlags::LOCAL_WRITE) || !standing(g) {
         return None;

@@ -133,22 +133,6 @@ impl RecvTarget {
     }
 }
 
-impl RecvTarget {
-    /// The keys of the peer's next receive's SGEs (empty: none posted, or
-    /// one this path cannot read), without claiming it: what a SEND asks
-    /// grants for before it announces its copy.
-    pub(crate) fn peek_keys(&mut self) -> Vec<u32> {
-        let mut keys = Vec::new();
-        let _ = self.rq.try_claim(&mut self.scratch, |b| {
-            if let Ok(r) = RecvWr::decode(b) {
-                keys.extend(r.sg.as_slice().iter().filter(|s| s.length > 0).map(|s| s.lkey));
-            }
-            false
-        });
-        keys
-    }
-}
-
 /// Asks the daemon for a receive grant of `qpn`, with the window page
 /// when it comes; `Err(None)` when the call itself failed.
 pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPage>), Option<DirectRefusal>> {
