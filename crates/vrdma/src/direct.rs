@@ -385,24 +385,18 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
         // The claimed receive passed `fits`: each SGE in a granted,
         // standing region (words read after announcing the copy).
         let place = |r: &RecvWr| {
-            let dst: Vec<(*mut u8, usize)> =
-                r.sg.as_slice()
-                    .iter()
-                    .filter(|s| s.length > 0)
-                    .filter_map(|s| {
-                        let g = grants.get(&s.lkey)?;
-                        let at = recv_sge_at(g, s, |_| true)?;
-                        // SAFETY: `at..at+length` lies inside the grant's
-                        // mapping (checked against the grant's length).
-                        Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize))
-                    })
-                    .collect();
-            // SAFETY: the destinations lie in granted regions that
-            // still stand (checked by `fits` inside the announced
-            // copy) and total at least the message; the sources are
-            // inline bytes or local regions registered here (read lock
-            // held).
-            unsafe { gather_to(wr, &dst) }
+            let dst = r.sg.as_slice().iter().filter(|s| s.length > 0).filter_map(|s| {
+                let g = grants.get(&s.lkey)?;
+                let at = recv_sge_at(g, s, |_| true)?;
+                // SAFETY: `at..at+length` lies inside the grant's mapping
+                // (checked against the grant's length).
+                Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize))
+            });
+            // SAFETY: the destinations lie in granted regions that still
+            // stand (checked by `fits` inside the announced copy) and
+            // total at least the message; the sources are inline bytes or
+            // local regions registered here (read lock held).
+            unsafe { gather_to(wr, dst) }
         };
         let d = target.deliver(qpn, wr, fits, place);
         matches!(d, crate::direct_recv::Delivered::Done)
@@ -534,14 +528,14 @@ fn recv_sge_at(g: &Grant, s: &Sge, standing: impl Fn(&Grant) -> bool) -> Option<
 }
 
 /// Copies `wr`'s payload (inline bytes or its local SGEs) into `dst`,
-/// chunk by chunk, in order.
+/// chunk by chunk, in order (nothing allocated: the data path's rule).
 ///
 /// # Safety
 /// Each `dst` chunk must address `len` writable bytes, together at least
 /// `wr.msg_len()`; each non-inline SGE of `wr` `length` readable bytes of
 /// this process.
-unsafe fn gather_to(wr: &SendWr, dst: &[(*mut u8, usize)]) {
-    let mut d = dst.iter().copied().filter(|&(_, n)| n > 0);
+unsafe fn gather_to(wr: &SendWr, dst: impl Iterator<Item = (*mut u8, usize)>) {
+    let mut d = dst.filter(|&(_, n)| n > 0);
     let mut cur: Option<(*mut u8, usize)> = d.next();
     let mut put = |mut src: *const u8, mut n: usize| {
         while n > 0 {
