@@ -370,7 +370,7 @@ impl Session {
                 Reply::Done.into()
             }
             // The direct path passes memfds, which cannot reach a guest.
-            Request::DirectGrant { .. } if self.guest.is_some() => {
+            Request::DirectGrant { .. } | Request::DirectRecvGrant { .. } if self.guest.is_some() => {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
             Request::VmAttach { name } => self.vm_attach(&name)?,
