@@ -425,10 +425,18 @@ fn stat_lists_thousands_of_qps_in_pages() -> Result<()> {
 
 /// The daemon maps a registered region, or a queue's ring, and closes its
 /// descriptor: a tenant's objects, up to its quota, must not use up the
-/// descriptors that every tenant's connections need.
+/// descriptors that every tenant's connections need. With the direct path
+/// on (`VRDMA_DIRECT=1`, `docs/direct-path.md`) the daemon keeps a
+/// region's memfd to grant it (a SEND lands in receive SGEs), but only
+/// within the tenant's share of descriptors (`max_descriptors`): the rest
+/// of the regions are not kept, and every one is given back with its
+/// region.
 #[test]
 fn regions_and_queues_hold_no_descriptors_in_the_daemon() -> Result<()> {
-    let d = DaemonProc::start()?;
+    const SHARE: usize = 64;
+    const PER_CONTEXT: usize = 8;
+    let direct = std::env::var("VRDMA_DIRECT").is_ok_and(|v| v == "1");
+    let d = DaemonProc::start_with_config(&format!("[quota]\nmax_descriptors = {SHARE}\n"))?;
     let mut c = open(&d)?;
     let pd = conn_works(&mut c)?;
     let before = settled_fds(&d)?;
@@ -441,7 +449,14 @@ fn regions_and_queues_hold_no_descriptors_in_the_daemon() -> Result<()> {
         }
     }
     let with_mrs = settled_fds(&d)?;
-    assert!(with_mrs < before + 10, "300 regions hold {} descriptors in the daemon", with_mrs - before);
+    let held = with_mrs.saturating_sub(before);
+    if direct {
+        // The share, less the context's and what `conn_works` made.
+        assert!(held <= SHARE - PER_CONTEXT, "300 regions hold {held} descriptors, above the tenant's share");
+        assert!(held + 10 >= SHARE - PER_CONTEXT, "the direct path kept only {held} region descriptors");
+    } else {
+        assert!(held < 10, "300 regions hold {held} descriptors in the daemon");
+    }
     for _ in 0..300 {
         match c.call(&Request::CreateCq { cqe: 16, channel: None }, &[])?.reply()? {
             Reply::Cq { .. } => {}
@@ -453,6 +468,8 @@ fn regions_and_queues_hold_no_descriptors_in_the_daemon() -> Result<()> {
     for key in keys {
         assert!(matches!(c.call(&Request::DeregMr { key }, &[])?.reply()?, Reply::Done));
     }
+    let after = settled_fds(&d)?;
+    assert!(after < before + 10, "deregistered regions still hold {} descriptors", after - before);
     Ok(())
 }
 

@@ -78,7 +78,12 @@ fn a_scrape_shows_each_tenants_traffic_under_its_own_label() -> Result<()> {
         return Ok(());
     }
     let port = vrdma_it::free_port()?;
-    let d = DaemonProc::start_with_config(&format!("metrics_listen = \"127.0.0.1:{port}\""))?;
+    // The engine's per-tenant counters: with the direct path on, sends
+    // between this tenant's QPs on this host never reach the engine and
+    // are not counted (docs/direct-path.md, "What the daemon cannot see"),
+    // so the path is off here whatever `VRDMA_DIRECT` says.
+    let config = format!("metrics_listen = \"127.0.0.1:{port}\"\n[direct]\nenabled = false\n");
+    let d = DaemonProc::start_with_config(&config)?;
     let ctx = d.context()?;
     let uid = ctx.tenant();
     let (a, b) = (Side::new(&ctx, 1 << 16)?, Side::new(&ctx, 1 << 16)?);

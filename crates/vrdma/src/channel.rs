@@ -34,6 +34,9 @@ pub(crate) struct ChannelInner {
     pub(crate) event: Doorbell,
     /// CQs created on this channel and still alive.
     pub(crate) cqs: AtomicUsize,
+    /// Those CQs, for the events the direct path raises in their rings'
+    /// aux words (looked at when the channel's ring is empty).
+    direct: std::sync::Mutex<Vec<std::sync::Weak<crate::cq::CqInner>>>,
     /// When (ns since [`elapsed_ns`]'s origin, 0: not) the fd was first
     /// seen readable with no event; see `drop_stale`.
     stale_since: AtomicU64,
@@ -66,14 +69,33 @@ impl ChannelInner {
     /// it may take to come), so that the fd stays readable exactly while
     /// events are unread.
     pub(crate) fn take(&self, slot: &mut [u8]) -> Result<Option<u32>> {
-        if !self.ring.try_pop(slot)? {
-            return Ok(None);
-        }
+        let cqn = if self.ring.try_pop(slot)? {
+            u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]])
+        } else {
+            match self.take_direct() {
+                Some(cqn) => cqn,
+                None => return Ok(None),
+            }
+        };
         self.stale_since.store(0, Ordering::Relaxed);
         if !self.event.take_one() {
             self.await_wakeup()?;
         }
-        Ok(Some(u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]])))
+        Ok(Some(cqn))
+    }
+
+    /// Registers a CQ created on this channel.
+    pub(crate) fn watch(&self, cq: &Arc<crate::cq::CqInner>) {
+        let mut d = self.direct.lock().unwrap_or_else(|p| p.into_inner());
+        d.retain(|w| w.strong_count() > 0);
+        d.push(Arc::downgrade(cq));
+    }
+
+    /// An event the direct path raised for one of the channel's CQs (each
+    /// with its datagram, as the engine's): its CQ's number.
+    fn take_direct(&self) -> Option<u32> {
+        let d = self.direct.lock().unwrap_or_else(|p| p.into_inner());
+        d.iter().filter_map(|w| w.upgrade()).find(|cq| cq.take_direct_event()).map(|cq| cq.cqn)
     }
 
     /// Takes the datagram of an event taken before it came. The daemon
@@ -177,6 +199,7 @@ impl CompletionChannel {
                 ring,
                 event,
                 cqs: AtomicUsize::new(0),
+                direct: Default::default(),
                 stale_since: AtomicU64::new(0),
             }),
         })

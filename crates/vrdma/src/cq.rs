@@ -49,7 +49,7 @@ pub struct CompletionQueue {
 #[derive(Debug)]
 pub(crate) struct CqInner {
     pub(crate) ctx: Context,
-    cqn: u32,
+    pub(crate) cqn: u32,
     depth: u32,
     ring: RingView,
     pub(crate) channel: Option<CompletionChannel>,
@@ -78,6 +78,10 @@ pub(crate) struct CqInner {
     /// against the depth (the engine adds them up before it pushes).
     inboxes: std::sync::RwLock<Vec<(u32, Arc<RingView>)>>,
     inbox_count: std::sync::atomic::AtomicUsize,
+    /// The doorbell of the CQ's completion channel (the daemon's end),
+    /// asked for once the direct path first completes here; `None`: not
+    /// granted (the direct path then leaves this CQ's QPs to the engine).
+    bell: std::sync::OnceLock<Option<vrdma_shm::Doorbell>>,
 }
 
 /// A send queue's slot counts, shared by its QP (which admits WRs) and
@@ -286,6 +290,38 @@ impl CqInner {
         self.channel.is_some()
     }
 
+    /// The channel's doorbell for events the direct path raises, asked
+    /// for on first use (`None`: no channel, or not granted).
+    pub(crate) fn direct_bell(&self) -> Option<&vrdma_shm::Doorbell> {
+        self.channel.as_ref()?;
+        self.bell
+            .get_or_init(|| {
+                let req = Request::DirectChannel { cq: self.cqn };
+                let answer = self.ctx.inner.control.call(&req, &[]).ok()?;
+                if !matches!(answer.reply, Reply::DirectChannel) {
+                    return None;
+                }
+                let fd = answer.take_fds(1, "DirectChannel").ok()?.pop()?;
+                Some(vrdma_shm::Doorbell::from_fd(fd))
+            })
+            .as_ref()
+    }
+
+    /// Raises the CQ's event, if armed for it, for a completion the direct
+    /// path just queued (with the doorbell from
+    /// [`direct_bell`](Self::direct_bell)).
+    pub(crate) fn raise_direct(&self, bell: &vrdma_shm::Doorbell, solicited: bool, success: bool) {
+        raise_event(&self.ring, bell, solicited, success);
+    }
+
+    /// Takes one event the direct path raised for this CQ, if any.
+    pub(crate) fn take_direct_event(&self) -> bool {
+        self.ring
+            .aux(proto::CQ_AUX_DIRECT_EVENTS)
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+    }
+
     /// Frees the send slots of `qpn` as its completions are polled.
     pub(crate) fn add_send_queue(&self, qpn: u32, freed: Arc<SendSlots>) {
         self.send_queues.lock().unwrap_or_else(|p| p.into_inner()).insert(qpn, freed);
@@ -301,6 +337,31 @@ impl CqInner {
         let how = if solicited_only { proto::CQ_ARM_SOLICITED } else { proto::CQ_ARM_NEXT };
         self.ring.aux(proto::CQ_AUX_ARMED).store(how, Ordering::SeqCst);
         fence(Ordering::SeqCst);
+    }
+}
+
+/// The engine's `notify_channel` for a completion the direct path pushed
+/// (into a CQ's local queue or a QP's inbox) just before: the armed word,
+/// read after a fence, is taken with a compare-and-swap, so whichever of
+/// the engine and the direct path completes first after an arming raises
+/// the one event; the event is counted in the CQ's
+/// [`proto::CQ_AUX_DIRECT_EVENTS`] word, then one datagram rung on the
+/// channel's doorbell (what the engine does with its ring slot).
+pub(crate) fn raise_event(cq_ring: &RingView, bell: &vrdma_shm::Doorbell, solicited: bool, success: bool) {
+    let armed = cq_ring.aux(proto::CQ_AUX_ARMED);
+    fence(Ordering::SeqCst);
+    let a = armed.load(Ordering::SeqCst);
+    if !proto::arm_fires(a, solicited, success) {
+        return;
+    }
+    if armed.compare_exchange(a, proto::CQ_ARM_NONE, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+        return;
+    }
+    cq_ring.aux(proto::CQ_AUX_DIRECT_EVENTS).fetch_add(1, Ordering::SeqCst);
+    if !bell.ring_one() {
+        // The owner's end is gone or full: the event is there, its wake-up
+        // is not (as the engine's).
+        tracing::debug!("completion channel doorbell full: wake-up lost");
     }
 }
 
@@ -371,7 +432,7 @@ impl CompletionQueue {
         if let Some(ch) = channel {
             ch.inner.cqs.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(CompletionQueue {
+        let cq = CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx: ctx.clone(),
                 cqn: cq,
@@ -384,8 +445,13 @@ impl CompletionQueue {
                 local_len: Default::default(),
                 inboxes: Default::default(),
                 inbox_count: Default::default(),
+                bell: Default::default(),
             }),
-        })
+        };
+        if let Some(ch) = channel {
+            ch.inner.watch(&cq.inner);
+        }
+        Ok(cq)
     }
 
     /// The daemon's number for this CQ (what

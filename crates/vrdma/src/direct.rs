@@ -35,8 +35,8 @@ use vrdma_core::proto::{
     DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_RECV,
     DIRECT_WINDOW_SLOTS,
 };
-use vrdma_core::ring::SendWr;
-use vrdma_core::verbs::{AccessFlags, SendFlags, SendOpcode};
+use vrdma_core::ring::{RecvWr, SendWr, Sge};
+use vrdma_core::verbs::{AccessFlags, SendOpcode};
 use vrdma_shm::{page_size, Mapping, WordPage};
 
 use crate::context::Context;
@@ -106,6 +106,9 @@ struct State {
     /// As `pause` and `next_pause`, for the receive grant.
     recv_pause: u32,
     recv_next_pause: u32,
+    /// Keys of the peer's receive SGEs a SEND found no grant for: asked
+    /// for before the next SEND (never while a copy is announced).
+    wanted: Vec<u32>,
 }
 
 /// A QP's direct-path state.
@@ -146,8 +149,8 @@ impl DirectQp {
     /// checked against the QP's limits) itself if it can; checks local
     /// SGEs through `local`.
     pub(crate) fn try_carry(&self, ctx: &Context, qpn: u32, local: &LocalKeys, wr: &SendWr) -> Carried {
-        if wr.flags.contains(SendFlags::SOLICITED) {
-            return Carried::Engine;
+        if matches!(wr.opcode, SendOpcode::Send | SendOpcode::SendWithImm) {
+            return self.carry_send(ctx, qpn, local, wr);
         }
         let len = wr.msg_len();
         // The right the opcode needs and the remote bytes it touches.
@@ -176,78 +179,16 @@ impl DirectQp {
             // Nothing to place; the engine's checks (state, peer) decide.
             return Carried::Engine;
         }
-        if !st.grants.contains_key(&wr.rkey) {
-            if st.pause > 0 {
-                st.pause -= 1;
-                return Carried::Engine;
-            }
-            match ask(ctx, qpn, wr.rkey) {
-                Ok((g, window, map)) => {
-                    if let Some(w) = window {
-                        st.window = Some(w);
-                    }
-                    if st.window.is_none() {
-                        return Carried::Engine;
-                    }
-                    st.next_pause = 0;
-                    let inner = (g.fd_offset % page_size() as u64) as usize;
-                    st.grants.insert(
-                        wr.rkey,
-                        Grant {
-                            map,
-                            inner,
-                            addr: g.addr,
-                            len: g.len,
-                            rights: g.rights,
-                            slot: g.slot as usize,
-                            generation: g.generation,
-                        },
-                    );
-                }
-                Err(Some(DirectRefusal::NotGranted)) | Err(Some(DirectRefusal::Full)) => {
-                    st.refused.insert(wr.rkey);
-                    return Carried::Engine;
-                }
-                Err(Some(DirectRefusal::Off)) => {
-                    st.off = true;
-                    return Carried::Engine;
-                }
-                Err(_) => {
-                    st.next_pause = (st.next_pause * 2).clamp(16, 1 << 16);
-                    st.pause = st.next_pause;
-                    return Carried::Engine;
-                }
-            }
+        if !st.grants.contains_key(&wr.rkey) && !obtain(st, ctx, qpn, wr.rkey) {
+            return Carried::Engine;
         }
-        if needs_recv && st.recv.is_none() {
-            if st.recv_pause > 0 {
-                st.recv_pause -= 1;
-                return Carried::Engine;
-            }
-            match crate::direct_recv::ask(ctx, qpn) {
-                Ok((target, window)) => {
-                    if let Some(w) = window {
-                        // A new window: the key grants of the old one are
-                        // gone with it.
-                        st.window = Some(w);
-                        st.grants.clear();
-                    }
-                    st.recv = Some(target);
-                    st.recv_next_pause = 0;
-                    if !st.grants.contains_key(&wr.rkey) {
-                        return Carried::Engine;
-                    }
-                }
-                Err(Some(DirectRefusal::NotGranted | DirectRefusal::Full | DirectRefusal::Off)) => {
-                    st.recv_off = true;
-                    return Carried::Engine;
-                }
-                Err(_) => {
-                    st.recv_next_pause = (st.recv_next_pause * 2).clamp(16, 1 << 16);
-                    st.recv_pause = st.recv_next_pause;
-                    return Carried::Engine;
-                }
-            }
+        if needs_recv && st.recv.is_none() && !obtain_recv(st, ctx, qpn) {
+            return Carried::Engine;
+        }
+        if !st.grants.contains_key(&wr.rkey) {
+            // The receive grant came with a new window: the key grants of
+            // the old one are gone with it.
+            return Carried::Engine;
         }
         let Some(window) = st.window.clone() else { return Carried::Engine };
         let g = st.grants.get(&wr.rkey).expect("present");
@@ -276,17 +217,8 @@ impl DirectQp {
         // Every local SGE inside a region of this PD registered here, one
         // registered with local write where the result lands there (the
         // engine says LOC_PROT_ERR otherwise).
-        let writes_local = wr.opcode.writes_local();
-        if !wr.is_inline() {
-            for s in wr.sg.as_slice().iter().filter(|s| s.length > 0) {
-                let ok = keys.get(&s.lkey).is_some_and(|k| {
-                    (k.writable || !writes_local)
-                        && s.addr.checked_sub(k.addr).is_some_and(|o| o + u64::from(s.length) <= k.len)
-                });
-                if !ok {
-                    return Carried::Engine;
-                }
-            }
+        if !local_ok(&keys, wr, wr.opcode.writes_local()) {
+            return Carried::Engine;
         }
         let (Some(inflight), Some(open), Some(slot), Some(recv_word)) = (
             window.word(DIRECT_WINDOW_INFLIGHT),
@@ -307,7 +239,10 @@ impl DirectQp {
             // SAFETY: as for a write below (the same checks, the same
             // announced copy).
             let place = || unsafe { copy_into(&g.map, dst, wr) };
-            busy = matches!(target.deliver(qpn, wr, place), crate::direct_recv::Delivered::NotNow);
+            busy = matches!(
+                target.deliver(qpn, wr, |_| true, |_| place()),
+                crate::direct_recv::Delivered::NotNow
+            );
         } else if granted {
             // SAFETY: `dst..dst+remote_len` lies inside the region (checked
             // above against the grant's length, and the mapping spans the
@@ -350,6 +285,280 @@ impl DirectQp {
         }
         self.carried.fetch_add(1, Ordering::Relaxed);
         Carried::Done { byte_len: if right == AccessFlags::REMOTE_WRITE { 0 } else { len as u32 } }
+    }
+
+    /// Carries a SEND (with or without immediate) if it can: claims the
+    /// peer's next receive and copies the message into its SGEs, each of
+    /// which must lie in a region of the peer's PD with local write that
+    /// the daemon granted (asked for before the next SEND when missing),
+    /// the receive holding no more SGEs than the peer QP's `max_recv_sge`
+    /// and at least the message's length; else the receive stays and the
+    /// engine reports its LOC_LEN_ERR / LOC_PROT_ERR.
+    fn carry_send(&self, ctx: &Context, qpn: u32, local: &LocalKeys, wr: &SendWr) -> Carried {
+        let len = wr.msg_len();
+        // Empty messages place nothing: the engine's.
+        if len == 0 || len > DIRECT_MAX_BYTES {
+            return Carried::Engine;
+        }
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        if st.off || (st.recv.is_none() && !obtain_recv(st, ctx, qpn)) {
+            return Carried::Engine;
+        }
+        // A receive whose SGEs lie in regions without a grant yet is left
+        // unclaimed; their grants are asked for (never while a copy is
+        // announced) and the receive tried once more.
+        for attempt in 0..2 {
+            for key in std::mem::take(&mut st.wanted) {
+                if !st.grants.contains_key(&key) {
+                    obtain(st, ctx, qpn, key);
+                }
+            }
+            match send_once(st, qpn, local, wr, len) {
+                SendAttempt::Done => {
+                    self.carried.fetch_add(1, Ordering::Relaxed);
+                    return Carried::Done { byte_len: 0 };
+                }
+                SendAttempt::Retry if attempt == 0 => {}
+                _ => return Carried::Engine,
+            }
+        }
+        Carried::Engine
+    }
+}
+
+/// What one try of [`DirectQp::carry_send`] came to.
+enum SendAttempt {
+    Done,
+    /// The receive's SGEs need grants this QP lacks (now in `wanted`).
+    Retry,
+    Engine,
+}
+
+/// One try to claim the peer's next receive for the SEND `wr` and copy
+/// it there (see [`DirectQp::carry_send`]).
+fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64) -> SendAttempt {
+    let Some(window) = st.window.clone() else { return SendAttempt::Engine };
+    let keys = local.keys.read().unwrap_or_else(|p| p.into_inner());
+    if !local_ok(&keys, wr, false) {
+        return SendAttempt::Engine;
+    }
+    let (Some(inflight), Some(open), Some(recv_word)) = (
+        window.word(DIRECT_WINDOW_INFLIGHT),
+        window.word(DIRECT_WINDOW_OPEN),
+        window.word(DIRECT_WINDOW_RECV),
+    ) else {
+        return SendAttempt::Engine;
+    };
+    let State { grants, recv, wanted, refused, .. } = st;
+    let Some(target) = recv.as_mut() else { return SendAttempt::Engine };
+    inflight.fetch_add(1, Ordering::SeqCst);
+    let window_ok = open.load(Ordering::SeqCst) == 1;
+    let recv_ok = window_ok && recv_word.load(Ordering::SeqCst) == target.generation;
+    let standing = |g: &Grant| {
+        window.word(DIRECT_WINDOW_SLOTS + g.slot).is_some_and(|w| w.load(Ordering::SeqCst) == g.generation)
+    };
+    let max_sge = target.max_recv_sge as usize;
+    let mut stale = Vec::new();
+    let delivered = recv_ok && {
+        let fits = |r: &RecvWr| {
+            let sges = r.sg.as_slice();
+            if sges.len() > max_sge || r.sg.total_len() < len {
+                return false;
+            }
+            for s in sges.iter().filter(|s| s.length > 0) {
+                let Some(g) = grants.get(&s.lkey) else {
+                    if !refused.contains(&s.lkey) && !wanted.contains(&s.lkey) {
+                        wanted.push(s.lkey);
+                    }
+                    return false;
+                };
+                if recv_sge_at(g, s, standing).is_none() {
+                    if !standing(g) {
+                        stale.push(s.lkey);
+                    }
+                    return false;
+                }
+            }
+            true
+        };
+        // The claimed receive passed `fits`: each SGE in a granted,
+        // standing region (words read after announcing the copy).
+        let place = |r: &RecvWr| {
+            let dst = r.sg.as_slice().iter().filter(|s| s.length > 0).filter_map(|s| {
+                let g = grants.get(&s.lkey)?;
+                let at = recv_sge_at(g, s, |_| true)?;
+                // SAFETY: `at..at+length` lies inside the grant's mapping
+                // (checked against the grant's length).
+                Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize))
+            });
+            // SAFETY: the destinations lie in granted regions that still
+            // stand (checked by `fits` inside the announced copy) and
+            // total at least the message; the sources are inline bytes or
+            // local regions registered here (read lock held).
+            unsafe { gather_to(wr, dst) }
+        };
+        let d = target.deliver(qpn, wr, fits, place);
+        matches!(d, crate::direct_recv::Delivered::Done)
+    };
+    inflight.fetch_sub(1, Ordering::SeqCst);
+    drop(keys);
+    if !window_ok {
+        st.window = None;
+        st.grants.clear();
+        st.recv = None;
+        return SendAttempt::Engine;
+    }
+    if !recv_ok {
+        st.recv = None;
+        return SendAttempt::Engine;
+    }
+    for k in stale {
+        st.grants.remove(&k);
+    }
+    if !delivered {
+        return if st.wanted.is_empty() { SendAttempt::Engine } else { SendAttempt::Retry };
+    }
+    SendAttempt::Done
+}
+
+/// Asks for a grant of `key` unless paused; says whether it stands now
+/// (with a window). Refusals are remembered as the daemon says.
+fn obtain(st: &mut State, ctx: &Context, qpn: u32, key: u32) -> bool {
+    if st.refused.contains(&key) {
+        return false;
+    }
+    if st.pause > 0 {
+        st.pause -= 1;
+        return false;
+    }
+    match ask(ctx, qpn, key) {
+        Ok((g, window, map)) => {
+            if let Some(w) = window {
+                st.window = Some(w);
+            }
+            if st.window.is_none() {
+                return false;
+            }
+            st.next_pause = 0;
+            let inner = (g.fd_offset % page_size() as u64) as usize;
+            let grant = Grant {
+                map,
+                inner,
+                addr: g.addr,
+                len: g.len,
+                rights: g.rights,
+                slot: g.slot as usize,
+                generation: g.generation,
+            };
+            st.grants.insert(key, grant);
+            true
+        }
+        Err(Some(DirectRefusal::NotGranted)) | Err(Some(DirectRefusal::Full)) => {
+            st.refused.insert(key);
+            false
+        }
+        Err(Some(DirectRefusal::Off)) => {
+            st.off = true;
+            false
+        }
+        Err(_) => {
+            st.next_pause = (st.next_pause * 2).clamp(16, 1 << 16);
+            st.pause = st.next_pause;
+            false
+        }
+    }
+}
+
+/// Asks for the receive grant unless paused; says whether it stands now.
+fn obtain_recv(st: &mut State, ctx: &Context, qpn: u32) -> bool {
+    if st.recv_off {
+        return false;
+    }
+    if st.recv_pause > 0 {
+        st.recv_pause -= 1;
+        return false;
+    }
+    match crate::direct_recv::ask(ctx, qpn) {
+        Ok((target, window)) => {
+            if let Some(w) = window {
+                // A new window: the key grants of the old one are gone
+                // with it.
+                st.window = Some(w);
+                st.grants.clear();
+            }
+            st.recv = Some(target);
+            st.recv_next_pause = 0;
+            st.window.is_some()
+        }
+        Err(Some(DirectRefusal::NotGranted | DirectRefusal::Full | DirectRefusal::Off)) => {
+            st.recv_off = true;
+            false
+        }
+        Err(_) => {
+            st.recv_next_pause = (st.recv_next_pause * 2).clamp(16, 1 << 16);
+            st.recv_pause = st.recv_next_pause;
+            false
+        }
+    }
+}
+
+/// Whether every local SGE of `wr` lies inside a region of the PD
+/// registered in this process, one with local write where `writes` (the
+/// engine says LOC_PROT_ERR otherwise).
+fn local_ok(keys: &HashMap<u32, LocalKey>, wr: &SendWr, writes: bool) -> bool {
+    wr.is_inline()
+        || wr.sg.as_slice().iter().filter(|s| s.length > 0).all(|s| {
+            keys.get(&s.lkey).is_some_and(|k| {
+                (k.writable || !writes)
+                    && s.addr.checked_sub(k.addr).is_some_and(|o| o + u64::from(s.length) <= k.len)
+            })
+        })
+}
+
+/// Where a receive SGE lands in a grant's mapping: its offset there, if
+/// the grant has local write, still stands (`standing`: its slot word
+/// still holds its generation) and holds the SGE whole.
+fn recv_sge_at(g: &Grant, s: &Sge, standing: impl Fn(&Grant) -> bool) -> Option<usize> {
+    if !g.rights.contains(AccessFlags::LOCAL_WRITE) || !standing(g) {
+        return None;
+    }
+    let off = s.addr.checked_sub(g.addr)?;
+    (off.checked_add(u64::from(s.length))? <= g.len).then_some(g.inner + off as usize)
+}
+
+/// Copies `wr`'s payload (inline bytes or its local SGEs) into `dst`,
+/// chunk by chunk, in order (nothing allocated: the data path's rule).
+///
+/// # Safety
+/// Each `dst` chunk must address `len` writable bytes, together at least
+/// `wr.msg_len()`; each non-inline SGE of `wr` `length` readable bytes of
+/// this process.
+unsafe fn gather_to(wr: &SendWr, dst: impl Iterator<Item = (*mut u8, usize)>) {
+    let mut d = dst.filter(|&(_, n)| n > 0);
+    let mut cur: Option<(*mut u8, usize)> = d.next();
+    let mut put = |mut src: *const u8, mut n: usize| {
+        while n > 0 {
+            let Some((p, room)) = cur else { return };
+            let k = room.min(n);
+            // SAFETY: the caller's contract; raw copies only, both sides
+            // may be shared memory.
+            unsafe { std::ptr::copy(src, p, k) };
+            // SAFETY: within the chunks just checked.
+            unsafe {
+                src = src.add(k);
+                cur = if k == room { d.next() } else { Some((p.add(k), room - k)) };
+            }
+            n -= k;
+        }
+    };
+    if wr.is_inline() {
+        let b = wr.inline_data();
+        put(b.as_ptr(), b.len());
+    } else {
+        for s in wr.sg.as_slice() {
+            put(s.addr as *const u8, s.length as usize);
+        }
     }
 }
 

@@ -1,6 +1,6 @@
-//! The direct path's receive side (`docs/direct-path.md`): RDMA writes
-//! with immediate whose receive this library claims itself from the peer
-//! QP's receive queue, completing it into the peer QP's *inbox*, which the
+//! The direct path's receive side (`docs/direct-path.md`): SENDs and RDMA
+//! writes with immediate whose receive this library claims itself from
+//! the peer QP's receive queue, completing it into the peer QP's *inbox*, which the
 //! peer's library polls before its receive CQ's ring.
 //!
 //! What keeps the engine path's semantics:
@@ -19,7 +19,18 @@
 //!   (a completion that would not fit is left to the engine). Not checked
 //!   here: the peer CQ's other completions (see `docs/direct-path.md`);
 //! - **RNR**: no receive posted, the WR goes to the engine, whose RNR
-//!   timer and retry count apply.
+//!   timer and retry count apply;
+//! - **a receive a SEND does not fit** (more SGEs than the QP's
+//!   `max_recv_sge`, an SGE outside a local-write region of the peer's PD
+//!   granted here, a message longer than the SGEs): the entry is left
+//!   unclaimed and the WR goes to the engine, which reports
+//!   `LOC_LEN_ERR`/`LOC_PROT_ERR` as always;
+//! - **completion channels and solicited events**: when the peer's
+//!   receive CQ has a channel, the grant carries that CQ's segment and the
+//!   channel's doorbell; after pushing a completion this library takes the
+//!   CQ's armed word with a compare-and-swap and rings the doorbell, as
+//!   the engine's `notify_channel` does (`crate::cq::raise_event`), so
+//!   each arming fires once, whichever side completes first.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -29,7 +40,7 @@ use vrdma_core::proto::{
     DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, RECV_HEADER};
-use vrdma_core::verbs::{WcFlags, WcOpcode, WcStatus};
+use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
 use vrdma_shm::{Claim, Mapping, RingView, WordPage};
 
 use crate::context::Context;
@@ -43,6 +54,11 @@ pub(crate) struct RecvTarget {
     inbox: RingView,
     /// The peer's receive CQ's depth: the inbox never holds more.
     cq_depth: u32,
+    /// The peer QP's receive SGEs at most.
+    pub(crate) max_recv_sge: u32,
+    /// The peer's receive CQ's ring (for its armed and event words) and
+    /// its channel's doorbell, when it has a completion channel.
+    channel: Option<(RingView, vrdma_shm::Doorbell)>,
     /// A receive slot's bytes, looked at before it is claimed.
     scratch: Vec<u8>,
 }
@@ -57,12 +73,19 @@ pub(crate) enum Delivered {
 }
 
 impl RecvTarget {
-    /// Claims the peer's next receive for `wr` (an RDMA write with
-    /// immediate of requester QP `requester`) if its completion can be
-    /// delivered in order and within the CQ's depth now; then `place`s the
-    /// payload and pushes the peer's completion. The caller holds the
-    /// grant (window words checked after announcing itself).
-    pub(crate) fn deliver(&mut self, requester: u32, wr: &SendWr, place: impl FnOnce()) -> Delivered {
+    /// Claims the peer's next receive for `wr` (a SEND or an RDMA write
+    /// with immediate of requester QP `requester`) if its completion can
+    /// be delivered in order and within the CQ's depth now and `fits` the
+    /// receive; then `place`s the payload (into the receive's SGEs for a
+    /// SEND) and pushes the peer's completion. The caller holds the grant
+    /// (window words checked after announcing itself).
+    pub(crate) fn deliver(
+        &mut self,
+        requester: u32,
+        wr: &SendWr,
+        mut fits: impl FnMut(&RecvWr) -> bool,
+        place: impl FnOnce(&RecvWr),
+    ) -> Delivered {
         let pushed = self.inbox.aux(INBOX_AUX_ENGINE_PUSHED).load(Ordering::SeqCst);
         if self.inbox.aux(INBOX_AUX_ENGINE_POLLED).load(Ordering::SeqCst) != pushed {
             return Delivered::NotNow;
@@ -70,30 +93,42 @@ impl RecvTarget {
         if !matches!(self.inbox.len(), Ok(n) if n < self.cq_depth && n < self.inbox.capacity()) {
             return Delivered::NotNow;
         }
-        let mut wr_id = 0;
+        let mut taken = None;
         let claimed = self.rq.try_claim(&mut self.scratch, |b| match RecvWr::decode(b) {
-            Ok(r) => {
-                wr_id = r.wr_id;
+            Ok(r) if fits(&r) => {
+                taken = Some(r);
                 true
             }
-            Err(_) => false,
+            _ => false,
         });
-        if claimed != Ok(Claim::Taken) {
+        let (Ok(Claim::Taken), Some(recv)) = (claimed, taken) else {
             return Delivered::NotNow;
-        }
-        place();
-        let mut cqe = Cqe::new(wr_id, WcStatus::Success, WcOpcode::RecvRdmaWithImm, self.responder);
+        };
+        place(&recv);
+        let opcode = if wr.opcode == SendOpcode::RdmaWriteWithImm {
+            WcOpcode::RecvRdmaWithImm
+        } else {
+            WcOpcode::Recv
+        };
+        let mut cqe = Cqe::new(recv.wr_id, WcStatus::Success, opcode, self.responder);
         cqe.byte_len = wr.msg_len() as u32;
         cqe.src_qp = requester;
         cqe.slid = self.lid;
-        cqe.wc_flags = WcFlags::WITH_IMM;
-        cqe.imm_data = wr.imm_data;
+        if wr.opcode.has_imm() {
+            cqe.wc_flags = WcFlags::WITH_IMM;
+            cqe.imm_data = wr.imm_data;
+        }
+        let solicited = wr.flags.contains(SendFlags::SOLICITED);
+        cqe.solicited = solicited;
         let mut out = [0u8; CQE_SIZE];
         cqe.encode(&mut out);
         // Room was checked and this is the inbox's only producer: a failure
         // is the peer's own scribbling on its indices, which loses it this
         // completion.
         let _ = self.inbox.try_push_bytes(&out);
+        if let Some((ring, bell)) = &self.channel {
+            crate::cq::raise_event(ring, bell, solicited, true);
+        }
         Delivered::Done
     }
 }
@@ -108,8 +143,16 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
         Reply::DirectRefused(why) => return Err(Some(why)),
         _ => return Err(Some(DirectRefusal::Off)),
     };
-    let want = if g.window_len > 0 { 2 } else { 1 };
+    let with_channel = g.cq_segment_len > 0;
+    let want = usize::from(g.window_len > 0) + 1 + if with_channel { 2 } else { 0 };
     let mut fds = answer.take_fds(want, "DirectRecvGrant").map_err(|_| None)?;
+    let channel_fds = if with_channel {
+        let bell = fds.pop().ok_or(None)?;
+        let cq = fds.pop().ok_or(None)?;
+        Some((cq, bell))
+    } else {
+        None
+    };
     let qp_fd = fds.pop().ok_or(None)?;
     let window = match fds.pop() {
         Some(fd) => {
@@ -131,8 +174,21 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
     if rq.stride() < RECV_HEADER || inbox.stride() != CQE_SIZE {
         return Err(None);
     }
+    let channel = match channel_fds {
+        Some((cq_fd, bell)) => {
+            let cq_map = map(cq_fd, g.cq_segment_len)?;
+            let ring = ring(&cq_map, g.cq_ring)?;
+            if ring.stride() != CQE_SIZE {
+                return Err(None);
+            }
+            Some((ring, vrdma_shm::Doorbell::from_fd(bell)))
+        }
+        None => None,
+    };
     let scratch = vec![0u8; rq.stride()];
     let (generation, responder, lid, cq_depth) = (g.generation, g.responder, g.lid, g.cq_depth);
-    let target = RecvTarget { generation, responder, lid, rq, inbox, cq_depth, scratch };
+    let max_recv_sge = g.max_recv_sge;
+    let target =
+        RecvTarget { generation, responder, lid, rq, inbox, cq_depth, max_recv_sge, channel, scratch };
     Ok((target, window))
 }

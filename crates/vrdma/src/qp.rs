@@ -675,14 +675,23 @@ impl QueuePair {
 
     /// The direct path ([`crate::direct`]): carries the leading WRs of
     /// `wrs` itself while it may, and returns how many it carried. It may
-    /// while the QP is in RTS, its send CQ has no completion channel (the
-    /// slice does not signal one), and every WR it posted to the engine
-    /// has completed and been polled (so that the engine's WRs and these
-    /// keep their order, in the peer's memory and in the CQ).
+    /// while the QP is in RTS, its send CQ's completion channel (if it has
+    /// one) lent this library its doorbell, and every WR it posted to the
+    /// engine has completed and been polled (so that the engine's WRs and
+    /// these keep their order, in the peer's memory and in the CQ).
     fn post_direct(&self, state: QpState, wrs: &[SendWr]) -> std::result::Result<usize, PostError> {
-        if state != QpState::Rts || self.send_cq.inner.has_channel() {
+        if state != QpState::Rts {
             return Ok(0);
         }
+        // With a channel, each carried completion raises the CQ's event as
+        // the engine's would (`cq::raise_event`).
+        let bell = match self.send_cq.inner.has_channel() {
+            false => None,
+            true => match self.send_cq.inner.direct_bell() {
+                Some(b) => Some(b),
+                None => return Ok(0),
+            },
+        };
         let stride = self.sq.stride();
         let slots = &self.sq_freed;
         let mut done = 0;
@@ -716,6 +725,10 @@ impl QueuePair {
                 );
                 wc.byte_len = byte_len;
                 self.send_cq.inner.push_local(wc, Some((slots.clone(), seq)));
+                if let Some(bell) = bell {
+                    // A send completion is not solicited (the engine's).
+                    self.send_cq.inner.raise_direct(bell, false, true);
+                }
             }
             done += 1;
         }

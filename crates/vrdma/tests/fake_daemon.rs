@@ -257,7 +257,7 @@ impl Fake {
                 (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![])
             }
             // The fake daemon has no direct path (as a daemon with it off).
-            Request::DirectGrant { .. } | Request::DirectRecvGrant { .. } => {
+            Request::DirectGrant { .. } | Request::DirectRecvGrant { .. } | Request::DirectChannel { .. } => {
                 (Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off), vec![])
             }
             Request::StatPage { .. } => {

@@ -4,12 +4,22 @@
 //!
 //! What it keeps:
 //! - the memfd of every region that allows remote write, read or atomics,
+//!   or local write (a SEND's bytes land in the peer's receive SGEs),
 //!   while the switch is on (a region's descriptor is otherwise closed once mapped): the
 //!   one thing the daemon cannot make again later, and what a grant
 //!   hands to the requester's process;
+//! - the segment of every CQ with a completion channel, while the switch
+//!   is on: a requester completing a receive there takes the CQ's armed
+//!   word itself and rings the channel's doorbell (a dup of the daemon's
+//!   end, handed out, not kept);
 //! - per requester QP with grants, a *window* page (a memfd of its own):
 //!   an open word, the count of the library's copies in flight, and one
 //!   word per granted region holding the grant's generation.
+//!
+//! Each of these descriptors is charged to its tenant's descriptor share
+//! ([`KeptDescriptor`], held beside the descriptor and given back with
+//! it). At the limit the object is not kept and not granted: its work
+//! requests take the engine path, which needs no descriptor.
 //!
 //! Revoking clears a word, then waits (bounded) until the in-flight count
 //! drains: the library announces a copy before it reads the words, so a
@@ -18,7 +28,7 @@
 //! waits on a tenant's page; the engine reads nothing else there.
 
 use std::collections::HashMap;
-use std::os::fd::OwnedFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -31,6 +41,7 @@ use vrdma_core::proto::{
 use vrdma_shm::{Segment, WordPage};
 
 use crate::engine::RingTable;
+use crate::server::KeptDescriptor;
 
 /// How long a revocation waits for a requester's copies in flight. A copy
 /// is at most the library's direct size limit, microseconds; only a
@@ -42,11 +53,13 @@ struct Region {
     ctx: ContextId,
     fd: OwnedFd,
     fd_offset: u64,
+    _charge: KeptDescriptor,
 }
 
 struct Window {
     seg: Arc<Segment>,
     words: WordPage,
+    _charge: KeptDescriptor,
 }
 
 /// A QP segment with an inbox (an RC QP with its own receive queue,
@@ -57,6 +70,18 @@ struct QpSegment {
     len: u64,
     rq: RingSpec,
     inbox: RingSpec,
+    _charge: KeptDescriptor,
+}
+
+/// A CQ's segment, kept for a CQ with a completion channel (created with
+/// the switch on): receive grants of QPs completing there hand it out, so
+/// that the requester takes the armed word itself.
+struct KeptCq {
+    ctx: ContextId,
+    fd: OwnedFd,
+    len: u64,
+    ring: RingSpec,
+    _charge: KeptDescriptor,
 }
 
 /// The direct path's shared state, owned by the engine thread.
@@ -67,13 +92,21 @@ pub struct DirectDriver {
     regions: HashMap<u32, Region>,
     windows: HashMap<u32, Window>,
     qps: HashMap<u32, QpSegment>,
+    cqs: HashMap<u32, KeptCq>,
 }
 
 impl DirectDriver {
     /// Keeps the memfd of a region just registered, if grants may need it.
-    pub fn keep_region(&mut self, ctx: ContextId, key: u32, fd: OwnedFd, fd_offset: u64) {
+    pub fn keep_region(
+        &mut self,
+        ctx: ContextId,
+        key: u32,
+        fd: OwnedFd,
+        fd_offset: u64,
+        charge: KeptDescriptor,
+    ) {
         if self.enabled {
-            self.regions.insert(key, Region { ctx, fd, fd_offset });
+            self.regions.insert(key, Region { ctx, fd, fd_offset, _charge: charge });
         }
     }
 
@@ -83,6 +116,7 @@ impl DirectDriver {
     }
 
     /// Keeps the segment of a QP created with an inbox.
+    #[allow(clippy::too_many_arguments)]
     pub fn keep_qp(
         &mut self,
         ctx: ContextId,
@@ -91,9 +125,10 @@ impl DirectDriver {
         len: u64,
         rq: RingSpec,
         inbox: RingSpec,
+        charge: KeptDescriptor,
     ) {
         if self.enabled {
-            self.qps.insert(qpn, QpSegment { ctx, fd, len, rq, inbox });
+            self.qps.insert(qpn, QpSegment { ctx, fd, len, rq, inbox, _charge: charge });
         }
     }
 
@@ -101,10 +136,43 @@ impl DirectDriver {
         self.qps.remove(&qpn);
     }
 
-    /// Forgets the descriptors of every region and QP of a closed context.
+    /// Keeps the segment of a CQ with a completion channel.
+    pub fn keep_cq(
+        &mut self,
+        ctx: ContextId,
+        cqn: u32,
+        fd: OwnedFd,
+        len: u64,
+        ring: RingSpec,
+        charge: KeptDescriptor,
+    ) {
+        if self.enabled {
+            self.cqs.insert(cqn, KeptCq { ctx, fd, len, ring, _charge: charge });
+        }
+    }
+
+    pub fn forget_cq(&mut self, cqn: u32) {
+        self.cqs.remove(&cqn);
+    }
+
+    /// Forgets the descriptors of every region, QP and CQ of a closed
+    /// context.
     pub fn forget_context(&mut self, ctx: ContextId) {
         self.regions.retain(|_, r| r.ctx != ctx);
         self.qps.retain(|_, q| q.ctx != ctx);
+        self.cqs.retain(|_, q| q.ctx != ctx);
+    }
+
+    /// The doorbell (the daemon's end, duplicated) of the completion
+    /// channel of `ctx`'s CQ `cq`: the library raises the CQ's events for
+    /// the completions it queues itself. Nothing is kept for it.
+    pub fn channel_bell(&self, rings: &RingTable, ctx: ContextId, cq: u32) -> Result<OwnedFd, DirectRefusal> {
+        if !self.enabled {
+            return Err(DirectRefusal::Off);
+        }
+        let ch = rings.cqs.get(&cq).and_then(|r| r.channel).ok_or(DirectRefusal::NotGranted)?;
+        let ch = rings.channels.get(&ch).filter(|c| c.ctx == ctx).ok_or(DirectRefusal::NotGranted)?;
+        ch.fd.as_fd().try_clone_to_owned().map_err(|_| DirectRefusal::NotNow)
     }
 
     /// Windows open now.
@@ -112,14 +180,22 @@ impl DirectDriver {
         self.windows.len()
     }
 
+    /// Descriptors kept now (regions, QP segments, windows).
+    pub fn kept(&self) -> usize {
+        self.regions.len() + self.qps.len() + self.windows.len()
+    }
+
     /// A grant of `ctx`'s QP `qp` on its peer's region `rkey`, with the
-    /// descriptors to send (the window's first, when new).
+    /// descriptors to send (the window's first, when new). `charge` pays
+    /// for a new window page; without it a grant that needs one is
+    /// refused `NotNow` (the tenant holds its share of descriptors).
     pub fn grant(
         &mut self,
         hca: &mut Hca,
         ctx: ContextId,
         qp: u32,
         rkey: u32,
+        charge: Option<KeptDescriptor>,
     ) -> Result<(DirectGranted, Vec<OwnedFd>), DirectRefusal> {
         if !self.enabled {
             return Err(DirectRefusal::Off);
@@ -129,7 +205,7 @@ impl DirectDriver {
         let region_fd = region.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let fd_offset = region.fd_offset;
         let mut fds = Vec::with_capacity(2);
-        let window_len = self.ensure_window(qp, g.new_window, &mut fds)?;
+        let window_len = self.ensure_window(qp, g.new_window, charge, &mut fds)?;
         let w = &self.windows[&qp];
         let slot = w.words.word(DIRECT_WINDOW_SLOTS + g.slot as usize).ok_or(DirectRefusal::Full)?;
         slot.store(g.generation, Ordering::SeqCst);
@@ -153,10 +229,19 @@ impl DirectDriver {
     /// The window page of `qp`, made (and its fd pushed to `fds`) if the
     /// core just made the window or the driver has none; its length when
     /// made, else 0.
-    fn ensure_window(&mut self, qp: u32, new: bool, fds: &mut Vec<OwnedFd>) -> Result<u64, DirectRefusal> {
+    fn ensure_window(
+        &mut self,
+        qp: u32,
+        new: bool,
+        charge: Option<KeptDescriptor>,
+        fds: &mut Vec<OwnedFd>,
+    ) -> Result<u64, DirectRefusal> {
         if !new && self.windows.contains_key(&qp) {
             return Ok(0);
         }
+        // Without a descriptor to spare the core's window stays without a
+        // page; the next grant (after the library's pause) makes it.
+        let charge = charge.ok_or(DirectRefusal::NotNow)?;
         let seg = Segment::create("vrdma-direct-window", direct_window_bytes())
             .map(Arc::new)
             .map_err(|_| DirectRefusal::NotNow)?;
@@ -165,7 +250,7 @@ impl DirectDriver {
         words.word(DIRECT_WINDOW_OPEN).expect("in the page").store(1, Ordering::SeqCst);
         let len = seg.len() as u64;
         fds.push(fd);
-        self.windows.insert(qp, Window { seg, words });
+        self.windows.insert(qp, Window { seg, words, _charge: charge });
         Ok(len)
     }
 
@@ -178,27 +263,41 @@ impl DirectDriver {
         rings: &RingTable,
         ctx: ContextId,
         qp: u32,
+        charge: Option<KeptDescriptor>,
     ) -> Result<(DirectRecvGranted, Vec<OwnedFd>), DirectRefusal> {
         if !self.enabled {
             return Err(DirectRefusal::Off);
         }
         let g = hca.direct_grant_recv(ctx, qp)?;
         // A responder without an inbox (made before the switch, or with an
-        // SRQ) or whose receive CQ signals a channel (the direct path does
-        // not signal channels yet): not for this QP.
+        // SRQ), or whose receive CQ signals a channel but was not kept (made
+        // before the switch, or no descriptor to spare): not for this QP.
         let q = self.qps.get(&g.responder).ok_or(DirectRefusal::NotGranted)?;
         let cq = rings.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
-        if cq.channel.is_some() {
-            return Err(DirectRefusal::NotGranted);
-        }
         let cq_depth = cq.ring.capacity();
+        let channel = match cq.channel {
+            None => None,
+            Some(ch) => {
+                let kept = self.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
+                let ch = rings.channels.get(&ch).ok_or(DirectRefusal::NotGranted)?;
+                let bell = ch.fd.as_fd().try_clone_to_owned().map_err(|_| DirectRefusal::NotNow)?;
+                let cq_fd = kept.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
+                Some((cq_fd, bell, kept.len, kept.ring))
+            }
+        };
         let qp_fd = q.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let (qp_segment_len, rq, inbox) = (q.len, q.rq, q.inbox);
-        let mut fds = Vec::with_capacity(2);
-        let window_len = self.ensure_window(qp, g.new_window, &mut fds)?;
+        let mut fds = Vec::with_capacity(4);
+        let window_len = self.ensure_window(qp, g.new_window, charge, &mut fds)?;
         let word = self.windows[&qp].words.word(DIRECT_WINDOW_RECV).ok_or(DirectRefusal::NotNow)?;
         word.store(g.generation, Ordering::SeqCst);
         fds.push(qp_fd);
+        let (mut cq_segment_len, mut cq_ring) = (0, RingSpec { offset: 0, capacity: 0, stride: 0 });
+        if let Some((cq_fd, bell, len, ring)) = channel {
+            fds.push(cq_fd);
+            fds.push(bell);
+            (cq_segment_len, cq_ring) = (len, ring);
+        }
         Ok((
             DirectRecvGranted {
                 responder: g.responder,
@@ -209,6 +308,9 @@ impl DirectDriver {
                 inbox,
                 cq_depth,
                 lid: g.lid,
+                max_recv_sge: g.max_recv_sge,
+                cq_segment_len,
+                cq_ring,
             },
             fds,
         ))

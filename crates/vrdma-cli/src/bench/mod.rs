@@ -20,6 +20,7 @@ mod server;
 mod spec;
 mod suite;
 mod traffic;
+mod ucx;
 mod verbs;
 mod worker;
 

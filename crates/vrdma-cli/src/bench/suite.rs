@@ -316,10 +316,12 @@ fn human(size: usize) -> String {
 
 /// The 8 B write, send, write with immediate, read and fetch-and-add
 /// latencies on daemons of our own with the direct path on and off
-/// (docs/direct-path.md), whatever the daemon of the rest does. The
-/// library carries all but sends so far: the send figure on the "direct"
-/// daemon is the engine's too, and shows that it did not suffer. A read and an atomic
-/// are round trips, beside the ping-pong's.
+/// (docs/direct-path.md), whatever the daemon of the rest does, and the
+/// send latency waiting on a completion channel beside polling on each
+/// path (issue 17: at most 2x). A read and an atomic are round trips,
+/// beside the ping-pong's. When `ucx_perftest` is installed, UCX's posix
+/// `tag_lat` is measured in the same run and the direct path's 8 B write
+/// and send are printed again against it (issue 17: at most 2x).
 fn direct_figures(
     args: &Args,
     pingpong: Option<anchors::Stat>,
@@ -331,20 +333,28 @@ fn direct_figures(
     let mut out = Vec::new();
     let round_trip =
         pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
+    let mut against_ucx = Vec::new();
     for (direct, path) in [(true, "direct path on"), (false, "direct path off")] {
         let dev = crate::embedded::private_device(super::engine_config(args), direct)?;
         let write = format!("RDMA write 8 B, one way, {path} (poll on memory)");
         progress(&write);
         let lat = measure(dev.socket(), worker::Test::WriteLat, 8, lat_iters, runs)?;
+        if direct {
+            against_ucx.push((write.clone(), lat.clone()));
+        }
         out.push(latency(&write, lat, "2-process shm ping-pong", pingpong, cores));
-        let send = if direct {
-            "send 8 B, one way, direct path on (sends still take the engine; poll CQ)".to_string()
-        } else {
-            format!("send 8 B, one way, {path} (poll CQ)")
-        };
+        let send = format!("send 8 B, one way, {path} (poll CQ)");
         progress(&send);
         let lat = measure(dev.socket(), worker::Test::SendLat, 8, lat_iters, runs)?;
+        let polled = median_of(&lat);
+        if direct {
+            against_ucx.push((send.clone(), lat.clone()));
+        }
         out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
+        let event = format!("send 8 B, one way, {path} (completion channel)");
+        progress(&event);
+        let lat = measure(dev.socket(), worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
+        out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {path}"), Some(polled), cores));
         let imm = format!("RDMA write with immediate 8 B, one way, {path} (poll CQ)");
         progress(&imm);
         let lat = measure(dev.socket(), worker::Test::WriteImmLat, 8, lat_iters, runs)?;
@@ -358,8 +368,24 @@ fn direct_figures(
         let lat = measure(dev.socket(), worker::Test::FetchAddLat, 8, lat_iters, runs)?;
         out.push(latency(&atomic, lat, "2-process shm ping-pong, round trip", round_trip, cores));
     }
+    if super::ucx::available() {
+        progress("UCX posix tag_lat 8 B (ucx_perftest, UCX_TLS=posix,self)");
+        match super::ucx::posix_tag_lat_ns(lat_iters, runs) {
+            Ok(ucx) => {
+                for (name, lat) in against_ucx {
+                    out.push(latency(&name, lat, UCX_ANCHOR, Some(ucx), cores));
+                }
+            }
+            Err(e) => eprintln!("UCX posix tag_lat not measured: {e:#}"),
+        }
+    } else if !args.json {
+        eprintln!("ucx_perftest not installed (ucx-utils): no UCX posix anchor");
+    }
     Ok(out)
 }
+
+/// The anchor name of the direct path's figures against UCX.
+const UCX_ANCHOR: &str = "UCX posix tag_lat 8 B, one way (ucx_perftest, UCX_TLS=posix,self)";
 
 pub(super) fn median_of(outcomes: &[Outcome]) -> anchors::Stat {
     let per_run: Vec<f64> = outcomes.iter().map(|o| anchors::Stat::from_samples(&o.lat_ns).median).collect();
@@ -380,6 +406,8 @@ pub(super) fn latency(
     let p99 = (!all.is_empty()).then(|| all[((all.len() - 1) as f64 * 0.99).round() as usize]);
     let target = if anchor_name.starts_with("send") {
         "<= 2x polling".to_string()
+    } else if anchor_name == UCX_ANCHOR {
+        "<= 2x UCX posix tag_lat".to_string()
     } else if cores > 2 {
         "<= 3x anchor".to_string()
     } else if anchor_name.ends_with("round trip") {

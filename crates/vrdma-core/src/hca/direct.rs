@@ -36,6 +36,12 @@ pub const DIRECT_SLOTS: u32 = 1000;
 pub const DIRECT_RIGHTS: AccessFlags =
     AccessFlags::REMOTE_WRITE.union(AccessFlags::REMOTE_READ).union(AccessFlags::REMOTE_ATOMIC);
 
+/// The local right a grant may carry besides: a region of the peer's PD
+/// registered with local write may receive a SEND's bytes through the
+/// peer's receive SGEs (the engine's check of receive SGEs,
+/// `LOCAL_WRITE` in the responder QP's PD; no QP access flag applies).
+pub const DIRECT_LOCAL: AccessFlags = AccessFlags::LOCAL_WRITE;
+
 /// Why a grant was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DirectRefusal {
@@ -44,8 +50,9 @@ pub enum DirectRefusal {
     /// Asking again later may succeed.
     NotNow,
     /// The key names no region the peer's QP may be reached through (no
-    /// such key, another PD, no remote write, read or atomic access that
-    /// the QP's access flags allow too): the engine path reports the error.
+    /// such key, another PD, neither local write nor a remote write, read
+    /// or atomic access that the QP's access flags allow too): the engine
+    /// path reports the error.
     NotGranted,
     /// The window has no slot left.
     Full,
@@ -64,8 +71,10 @@ pub struct DirectGrant {
     pub addr: u64,
     pub len: u64,
     /// What the grant allows: the part of [`DIRECT_RIGHTS`] that the
-    /// region's access and the peer QP's access flags both allow (never
-    /// empty). The library carries an opcode only if its right is here.
+    /// region's access and the peer QP's access flags both allow, and
+    /// [`DIRECT_LOCAL`] if the region has it (never empty). The library
+    /// carries an opcode only if its right is here (local write: the
+    /// region may hold the peer's receive SGEs).
     pub rights: AccessFlags,
     /// The slot of the window whose word guards this grant.
     pub slot: u32,
@@ -92,6 +101,9 @@ pub struct RecvGrant {
     pub new_window: bool,
     /// The port's LID, for the responder's completion (`slid`).
     pub lid: u16,
+    /// The responder's receive SGEs at most (a receive with more is the
+    /// engine's `LOC_LEN_ERR`).
+    pub max_recv_sge: u32,
 }
 
 /// What the driver must close in shared memory, then wait for the
@@ -161,11 +173,13 @@ impl Hca {
     /// The region `key` of `responder`'s PD and what the direct path may
     /// do with it now: the remote rights that the region and the
     /// responder QP's access flags both allow (the engine's per-opcode
-    /// check, [`Hca::remote_mr`] against the QP's flags), if any.
+    /// check, [`Hca::remote_mr`] against the QP's flags), and local write
+    /// if the region has it (the engine's check of a receive's SGEs), if
+    /// any.
     fn direct_rights(&self, responder: u32, key: u32) -> Option<(&objects::Mr, AccessFlags)> {
         let peer = self.qps.get(&responder)?;
         let mr = self.remote_mr(peer.pd, key, AccessFlags::empty())?;
-        let rights = peer.attr.qp_access_flags & mr.access & DIRECT_RIGHTS;
+        let rights = (peer.attr.qp_access_flags & mr.access & DIRECT_RIGHTS) | (mr.access & DIRECT_LOCAL);
         (!rights.is_empty()).then_some((mr, rights))
     }
 
@@ -257,7 +271,8 @@ impl Hca {
             }
         };
         let lid = self.config.port.lid;
-        Ok(RecvGrant { requester: qpn, responder, recv_cq, generation, new_window, lid })
+        let max_recv_sge = self.qps.get(&responder).map_or(0, |r| r.init.cap.max_recv_sge);
+        Ok(RecvGrant { requester: qpn, responder, recv_cq, generation, new_window, lid, max_recv_sge })
     }
 
     /// Checks every grant again if anything they depend on changed since

@@ -39,7 +39,9 @@ pub use config::{
     MAX_RD_ATOMIC, TENANT_TURNS, VENDOR_ID,
 };
 pub use datapath::{Activity, GRH_LEN};
-pub use direct::{DirectGrant, DirectRefusal, RecvGrant, Revocation, DIRECT_RIGHTS, DIRECT_SLOTS};
+pub use direct::{
+    DirectGrant, DirectRefusal, RecvGrant, Revocation, DIRECT_LOCAL, DIRECT_RIGHTS, DIRECT_SLOTS,
+};
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 pub use remote::{

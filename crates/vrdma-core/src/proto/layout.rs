@@ -34,6 +34,12 @@ pub const CQ_ARM_SOLICITED: u32 = 2;
 /// the client. They count against the CQ's depth: the engine refuses a
 /// completion (a CQ overrun) when the ring's entries plus these fill it.
 pub const CQ_AUX_LOCAL: usize = 1;
+/// CQ ring aux word: events of this CQ that the direct path raised (the
+/// party that completed into the CQ took the armed word with a swap, as
+/// the engine does, and rang the channel's doorbell once) and that the
+/// channel's owner has not taken yet; the owner's library looks here when
+/// the channel's ring is empty (`docs/direct-path.md`).
+pub const CQ_AUX_DIRECT_EVENTS: usize = 2;
 /// Inbox ring aux words (the direct path's completions of a QP's
 /// receives, `docs/direct-path.md`): receive completions of the QP the
 /// engine pushed into its CQ's ring, and those the client polled from

@@ -148,6 +148,13 @@ pub enum Request {
     DirectRecvGrant {
         qp: u32,
     },
+    /// The direct path: the doorbell of CQ `cq`'s completion channel (the
+    /// daemon's end), so that this library can raise the CQ's events for
+    /// the completions it queues itself. Answered [`Reply::DirectChannel`]
+    /// with one fd, or [`Reply::DirectRefused`].
+    DirectChannel {
+        cq: u32,
+    },
 }
 
 impl Request {
@@ -255,8 +262,12 @@ pub enum Reply {
         len: u64,
     },
     /// With fds: the window page first when `window_len` is not 0, then
-    /// the responder's QP segment.
+    /// the responder's QP segment, then, when `cq_segment_len` is not 0
+    /// (the responder's receive CQ has a completion channel), the CQ's
+    /// segment and the channel's doorbell.
     DirectRecvGrant(DirectRecvGranted),
+    /// With one fd: the channel's doorbell (see [`Request::DirectChannel`]).
+    DirectChannel,
 }
 
 /// A direct-path receive grant as the library receives it (see
@@ -274,6 +285,13 @@ pub struct DirectRecvGranted {
     /// more.
     pub cq_depth: u32,
     pub lid: u16,
+    /// The responder's receive SGEs at most.
+    pub max_recv_sge: u32,
+    /// The responder's receive CQ's segment and ring, when it has a
+    /// completion channel (0: none); its events are raised by whoever
+    /// completes into it.
+    pub cq_segment_len: u64,
+    pub cq_ring: RingSpec,
 }
 
 /// A direct-path grant as the library receives it (see

@@ -61,13 +61,26 @@ fn misaligned_or_unpermitted_atomics_are_the_engines_errors() -> Result<()> {
     Ok(())
 }
 
-/// `n` fetch-and-adds of 1 on the word, one at a time; the old values.
-fn adds(s: &Side, (addr, rkey): (u64, u32), n: u64) -> Result<Vec<u64>> {
+/// Posts `w`; on the engine path if `engine` (after an unsignaled empty
+/// RDMA write in the same call, which the direct path leaves to the
+/// engine, and every WR after it in the call with it).
+fn post(s: &Side, engine: bool, w: vrdma::SendWr, (addr, rkey): (u64, u32)) -> Result<()> {
+    if engine {
+        s.qp.post_send(&[wr::rdma_write(u64::MAX, &[], addr, rkey)?, w])?;
+    } else {
+        s.qp.post_send(&[w])?;
+    }
+    Ok(())
+}
+
+/// `n` fetch-and-adds of 1 on the word, one at a time (on the engine path
+/// if `engine`); the old values.
+fn adds(s: &Side, engine: bool, (addr, rkey): (u64, u32), n: u64) -> Result<Vec<u64>> {
     let end = Instant::now() + Duration::from_secs(60);
     let mut olds = Vec::with_capacity(n as usize);
     for i in 0..n {
         anyhow::ensure!(Instant::now() < end, "adds took too long");
-        s.qp.post_send(&[wr::fetch_add(i, s.mr.sge(0, 8)?, addr, rkey, 1).signaled()])?;
+        post(s, engine, wr::fetch_add(i, s.mr.sge(0, 8)?, addr, rkey, 1).signaled(), (addr, rkey))?;
         let wc = poll_one(&s.cq, WAIT)?;
         anyhow::ensure!((wc.wr_id, wc.status) == (i, WcStatus::Success), "{wc:?}");
         olds.push(s.mr.read_u64(0)?);
@@ -77,12 +90,13 @@ fn adds(s: &Side, (addr, rkey): (u64, u32), n: u64) -> Result<Vec<u64>> {
 
 /// Increments the word `n` times by compare-and-swap (each guess the last
 /// old value seen); returns how many swaps failed.
-fn cas_increments(s: &Side, (addr, rkey): (u64, u32), n: u64) -> Result<u64> {
+fn cas_increments(s: &Side, engine: bool, (addr, rkey): (u64, u32), n: u64) -> Result<u64> {
     let end = Instant::now() + Duration::from_secs(60);
     let (mut guess, mut done, mut failed, mut id) = (0u64, 0u64, 0u64, 0u64);
     while done < n {
         anyhow::ensure!(Instant::now() < end, "compare-and-swaps took too long");
-        s.qp.post_send(&[wr::cmp_swap(id, s.mr.sge(0, 8)?, addr, rkey, guess, guess + 1).signaled()])?;
+        let w = wr::cmp_swap(id, s.mr.sge(0, 8)?, addr, rkey, guess, guess + 1).signaled();
+        post(s, engine, w, (addr, rkey))?;
         let wc = poll_one(&s.cq, WAIT)?;
         anyhow::ensure!((wc.wr_id, wc.status) == (id, WcStatus::Success), "{wc:?}");
         id += 1;
@@ -103,12 +117,10 @@ fn direct_and_engine_atomics_on_one_word_count_exactly() -> Result<()> {
     const N: u64 = 3000;
     let d = DaemonProc::start_with_config(ON)?;
     let target = Side::new(&d.context()?, 4096)?;
-    // One issuer on the direct path; the other's send CQ has a completion
-    // channel, which keeps its QP on the engine path.
+    // One issuer on the direct path; the other posts each atomic behind
+    // an empty write, which keeps it on the engine path.
     let direct = Side::new(&d.context()?, 4096)?;
-    let ctx = d.context()?;
-    let channel = ctx.create_comp_channel()?;
-    let engine = Side::with(&ctx, 4096, 1024, vrdma_it::cap(256, 4), Some(&channel))?;
+    let engine = Side::new(&d.context()?, 4096)?;
     let second = target.another_qp(vrdma_it::cap(256, 4))?;
     connect(&direct, &target)?;
     engine.qp.connect(&second.endpoint(&target.ctx)?, vrdma_it::access_all())?;
@@ -116,8 +128,8 @@ fn direct_and_engine_atomics_on_one_word_count_exactly() -> Result<()> {
     let word = (target.mr.addr(), target.mr.rkey());
     // Fetch-and-adds from both at once: every old value once.
     let (x, y) = std::thread::scope(|sc| {
-        let t = sc.spawn(|| adds(&engine, word, N));
-        let x = adds(&direct, word, N);
+        let t = sc.spawn(|| adds(&engine, true, word, N));
+        let x = adds(&direct, false, word, N);
         (x, t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the engine issuer panicked"))))
     });
     let (x, y) = (x?, y?);
@@ -129,8 +141,8 @@ fn direct_and_engine_atomics_on_one_word_count_exactly() -> Result<()> {
     assert!(all.iter().copied().eq(0..2 * N), "an add was lost or applied twice");
     // Compare-and-swap increments from both at once: none lost.
     let (f1, f2) = std::thread::scope(|sc| {
-        let t = sc.spawn(|| cas_increments(&engine, word, N));
-        let f = cas_increments(&direct, word, N);
+        let t = sc.spawn(|| cas_increments(&engine, true, word, N));
+        let f = cas_increments(&direct, false, word, N);
         (f, t.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the engine issuer panicked"))))
     });
     let (f1, f2) = (f1?, f2?);

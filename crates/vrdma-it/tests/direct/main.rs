@@ -7,8 +7,11 @@
 //! writes with immediate (the peer's receives claimed) in `imm.rs`.
 
 mod atomics;
+mod budget;
+mod channels;
 mod imm;
 mod reads;
+mod send;
 
 use anyhow::Result;
 use vrdma::wr::{self, SendWrExt};

@@ -16,14 +16,18 @@
 //! tenant may hold its quota's `max_descriptors` (by default its share of
 //! the open-file limit, less the daemon's own), counted here: a context
 //! takes [`DESCRIPTORS_PER_CONTEXT`] (its connection, doorbells, and what
-//! a request may carry), a completion channel one.
+//! a request may carry), a completion channel one, and each descriptor the
+//! direct path keeps for it (a region's memfd, a QP segment with an
+//! inbox, a window page: [`KeptDescriptor`]) one. The direct path's are
+//! not an error when refused: the object is simply not granted, and its
+//! work requests take the engine path.
 //!
 //! A tenant stays admitted while it has a session, or while a mapping
 //! made for it still lives (one that something still holds after its
 //! context closed): only then is its room really free for another.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use vrdma_core::hca::TenantId;
@@ -38,11 +42,15 @@ struct Entry {
     budget: Arc<MappingBudget>,
     descriptors: usize,
     max_descriptors: usize,
+    /// Descriptors the direct path keeps for the tenant, counted by the
+    /// [`KeptDescriptor`]s that hold them (they live on the engine thread
+    /// and go with the objects, not with a session).
+    kept: Arc<AtomicUsize>,
 }
 
 impl Entry {
     fn charge(&mut self, n: usize) -> Result<(), Refused> {
-        if self.descriptors + n > self.max_descriptors {
+        if self.descriptors + self.kept.load(Ordering::SeqCst) + n > self.max_descriptors {
             return Err(Refused::Descriptors { limit: self.max_descriptors });
         }
         self.descriptors += n;
@@ -58,7 +66,8 @@ struct Table {
 impl Table {
     /// Forgets tenants that have neither sessions nor mappings.
     fn purge(&mut self) {
-        self.admitted.retain(|_, e| e.sessions > 0 || e.budget.live() > 0);
+        self.admitted
+            .retain(|_, e| e.sessions > 0 || e.budget.live() > 0 || e.kept.load(Ordering::SeqCst) > 0);
     }
 }
 
@@ -126,6 +135,19 @@ impl Admitted {
         Ok(())
     }
 
+    /// Charges one descriptor the direct path keeps for this tenant, or
+    /// `None` if it holds its share (the direct path then does without:
+    /// not an error). Given back when the returned charge is dropped.
+    pub fn charge_kept(&self) -> Option<KeptDescriptor> {
+        let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
+        let e = t.admitted.get_mut(&self.tenant)?;
+        if e.descriptors + e.kept.load(Ordering::SeqCst) >= e.max_descriptors {
+            return None;
+        }
+        e.kept.fetch_add(1, Ordering::SeqCst);
+        Some(KeptDescriptor { count: e.kept.clone() })
+    }
+
     /// Gives back what [`charge_descriptor`](Self::charge_descriptor) took.
     pub fn refund_descriptor(&mut self) {
         let mut t = self.table.lock().unwrap_or_else(|p| p.into_inner());
@@ -133,6 +155,19 @@ impl Admitted {
             e.descriptors = e.descriptors.saturating_sub(1);
         }
         self.descriptors = self.descriptors.saturating_sub(1);
+    }
+}
+
+/// One descriptor the direct path keeps, charged to its tenant until
+/// dropped (with the object that holds the descriptor).
+#[derive(Debug)]
+pub struct KeptDescriptor {
+    count: Arc<AtomicUsize>,
+}
+
+impl Drop for KeptDescriptor {
+    fn drop(&mut self) {
+        self.count.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -180,6 +215,7 @@ impl Admission {
             budget: MappingBudget::new(max_mappings as usize),
             descriptors: 0,
             max_descriptors: max_descriptors as usize,
+            kept: Arc::default(),
         });
         let charged = e.charge(DESCRIPTORS_PER_CONTEXT as usize);
         if let Err(refused) = charged {
@@ -281,5 +317,26 @@ mod tests {
         assert_eq!(a.table.lock().unwrap().admitted[&TenantId(1)].descriptors, per);
         drop((again, other));
         assert_eq!(a.admitted(), 0);
+    }
+
+    #[test]
+    fn descriptors_the_direct_path_keeps_share_the_tenants_limit() {
+        let per = DESCRIPTORS_PER_CONTEXT as usize;
+        let a = Admission::new(2);
+        let mut one = a.admit(TenantId(1), 10, (per + 3) as u32).unwrap();
+        let kept: Vec<_> = (0..3).map(|_| one.charge_kept().expect("room for three")).collect();
+        assert!(one.charge_kept().is_none(), "refused at the limit, without an error");
+        assert!(one.charge_descriptor().is_err(), "a channel counts against the same share");
+        drop(kept);
+        one.charge_descriptor().unwrap();
+        let k = one.charge_kept().unwrap();
+        // A tenant whose sessions are gone stays while the direct path
+        // holds a descriptor for it, and goes with the last one.
+        drop(one);
+        assert_eq!(a.admitted(), 1);
+        drop(k);
+        let again = a.admit(TenantId(1), 10, (per + 3) as u32).unwrap();
+        assert_eq!(a.table.lock().unwrap().admitted[&TenantId(1)].kept.load(Ordering::SeqCst), 0);
+        drop(again);
     }
 }

@@ -9,7 +9,7 @@ mod guest_memory;
 mod session;
 mod tenancy;
 
-pub(crate) use admission::Admission;
+pub(crate) use admission::{Admission, KeptDescriptor};
 pub(crate) use tenancy::{Seat, Tenancy};
 
 use std::os::fd::{AsFd, OwnedFd};

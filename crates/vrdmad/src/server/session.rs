@@ -340,17 +340,25 @@ impl Session {
                 let direct =
                     self.engine(move |e, c| e.hca.may_register(c, len).map(|()| e.direct.enabled))??;
                 // The direct path hands a remotely accessible region's
-                // memfd to peers.
-                let kept = if direct && access.intersects(vrdma_core::hca::DIRECT_RIGHTS) {
-                    fd.try_clone().ok()
+                // memfd to peers, and a locally writable one's (SENDs land
+                // in receive SGEs).
+                // Charged to the tenant's descriptors; at its limit the
+                // region is not kept, and WRs on it take the engine.
+                let kept = if direct
+                    && access.intersects(vrdma_core::hca::DIRECT_RIGHTS | vrdma_core::hca::DIRECT_LOCAL)
+                {
+                    self.admitted
+                        .as_ref()
+                        .and_then(|a| a.charge_kept())
+                        .and_then(|c| Some((fd.try_clone().ok()?, c)))
                 } else {
                     None
                 };
                 let region = map_region(fd, fd_offset, len, self.budget())?;
                 let key = self.engine(move |e, c| {
                     let key = e.hca.reg_mr(c, pd, addr, access, region)?;
-                    if let Some(fd) = kept {
-                        e.direct.keep_region(c, key, fd, fd_offset);
+                    if let Some((fd, charge)) = kept {
+                        e.direct.keep_region(c, key, fd, fd_offset, charge);
                     }
                     Ok::<_, HcaError>(key)
                 })??;
@@ -365,14 +373,15 @@ impl Session {
                 Reply::Done.into()
             }
             // The direct path passes memfds, which cannot reach a guest.
-            Request::DirectGrant { .. } if self.guest.is_some() => {
+            Request::DirectGrant { .. } | Request::DirectRecvGrant { .. } if self.guest.is_some() => {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
             Request::VmAttach { name } => self.vm_attach(&name)?,
             Request::GuestAlloc { len } => self.guest_alloc(len)?,
             Request::GuestFree { offset } => self.guest_free(offset)?,
             Request::DirectGrant { qp, rkey } => {
-                match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey))? {
+                let charge = self.admitted.as_ref().and_then(|a| a.charge_kept());
+                match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey, charge))? {
                     Ok((granted, fds)) => Answer {
                         reply: Reply::DirectGrant(granted),
                         fds: fds.into_iter().map(Carry::from).collect(),
@@ -381,7 +390,8 @@ impl Session {
                 }
             }
             Request::DirectRecvGrant { qp } => {
-                match self.engine(move |e, c| e.direct.grant_recv(&mut e.hca, &e.rings, c, qp))? {
+                let charge = self.admitted.as_ref().and_then(|a| a.charge_kept());
+                match self.engine(move |e, c| e.direct.grant_recv(&mut e.hca, &e.rings, c, qp, charge))? {
                     Ok((granted, fds)) => Answer {
                         reply: Reply::DirectRecvGrant(granted),
                         fds: fds.into_iter().map(Carry::from).collect(),
@@ -436,9 +446,19 @@ impl Session {
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }
+            Request::DirectChannel { .. } if self.guest.is_some() => {
+                Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
+            }
+            Request::DirectChannel { cq } => {
+                match self.engine(move |e, c| e.direct.channel_bell(&e.rings, c, cq))? {
+                    Ok(fd) => Answer { reply: Reply::DirectChannel, fds: vec![Carry::from(fd)] },
+                    Err(why) => Reply::DirectRefused(why).into(),
+                }
+            }
             Request::DestroyCq { cq } => {
                 self.engine(move |e, c| {
                     e.hca.destroy_cq(c, cq)?;
+                    e.direct.forget_cq(cq);
                     if let Some(ch) = e.rings.cqs.remove(&cq).and_then(|r| r.channel) {
                         if let Some(ch) = e.rings.channels.get_mut(&ch) {
                             ch.cqs = ch.cqs.saturating_sub(1);
@@ -639,13 +659,13 @@ impl Session {
     }
 
     fn create_cq(&mut self, cqe: u32, channel: Option<u32>) -> Result<Answer, Answer> {
-        let (cq, depth) = self.engine(move |e, c| {
+        let (cq, depth, direct) = self.engine(move |e, c| {
             if let Some(ch) = channel {
                 if e.rings.channels.get(&ch).is_none_or(|x| x.ctx != c) {
                     return Err(HcaError::NoSuchObject { kind: "completion channel", id: ch });
                 }
             }
-            e.hca.create_cq(c, cqe)
+            e.hca.create_cq(c, cqe).map(|(cq, depth)| (cq, depth, e.direct.enabled))
         })??;
         let made = (|| {
             let (fd, seg) = self.new_segment("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?;
@@ -662,22 +682,33 @@ impl Session {
                 return Err(a);
             }
         };
+        let spec = RingSpec { offset: 0, capacity: depth, stride: CQE_SIZE as u32 };
+        // With the direct path on, a CQ with a channel keeps its segment's
+        // descriptor (charged; at the limit, not kept: its QPs' receives
+        // stay on the engine) for requesters that complete into it.
+        let kept = match (&fd, channel.is_some() && direct) {
+            (Carry::Fd(f), true) => self
+                .admitted
+                .as_ref()
+                .and_then(|a| a.charge_kept())
+                .and_then(|charge| Some((f.try_clone().ok()?, charge))),
+            _ => None,
+        };
+        let seg_len = seg.len() as u64;
         // Not waited for (see `post_to_engine`): the engine writes to the
         // ring only for a QP that names the CQ, and that QP is created
         // by a later call.
-        self.post_to_engine(move |e, _| {
+        self.post_to_engine(move |e, c| {
+            if let Some((f, charge)) = kept {
+                e.direct.keep_cq(c, cq, f, seg_len, spec, charge);
+            }
             if let Some(ch) = channel.and_then(|ch| e.rings.channels.get_mut(&ch)) {
                 ch.cqs += 1;
             }
             e.rings.cqs.insert(cq, CqRing { ring, channel, inbox_qps: Vec::new() });
         })?;
         Ok(Answer {
-            reply: Reply::Cq {
-                cq,
-                depth,
-                segment_len: seg.len() as u64,
-                ring: RingSpec { offset: 0, capacity: depth, stride: CQE_SIZE as u32 },
-            },
+            reply: Reply::Cq { cq, depth, segment_len: seg.len() as u64, ring: spec },
             fds: vec![fd],
         })
     }
@@ -794,8 +825,15 @@ impl Session {
                     // The direct path keeps a descriptor of the segment to
                     // grant it; a guest's segment is an extent, and guests
                     // get no direct grants.
+                    // Charged to the tenant's descriptors; at its limit
+                    // the segment is not kept (no receive grants for it).
                     let kept = match &fd {
-                        Carry::Fd(f) => Some(f.try_clone().map_err(|e| error(ENOMEM, e.to_string()))?),
+                        Carry::Fd(f) => match self.admitted.as_ref().and_then(|a| a.charge_kept()) {
+                            Some(charge) => {
+                                Some((f.try_clone().map_err(|e| error(ENOMEM, e.to_string()))?, charge))
+                            }
+                            None => None,
+                        },
                         Carry::Extent { .. } => None,
                     };
                     (rings.with_inbox(init.recv_cq, view(spec)?), kept)
@@ -817,8 +855,8 @@ impl Session {
         let segment_len = seg.len() as u64;
         self.post_to_engine(move |e, c| {
             e.rings.add_qp(qpn, rings);
-            if let (Some(fd), Some(rq), Some(inbox)) = (kept, rq, inbox) {
-                e.direct.keep_qp(c, qpn, fd, segment_len, rq, inbox);
+            if let (Some((fd, charge)), Some(rq), Some(inbox)) = (kept, rq, inbox) {
+                e.direct.keep_qp(c, qpn, fd, segment_len, rq, inbox, charge);
             }
         })?;
         Ok(Answer { reply: Reply::Qp { created, segment_len, sq, rq, inbox }, fds: vec![fd] })

@@ -29,9 +29,13 @@ fn grants_are_refused_as_the_engine_would_refuse_every_remote_opcode() {
     assert_eq!(env.hca.direct_grant(C2, a.qpn, b.buf.key), Err(DirectRefusal::NotNow));
     // A key of the requester's own PD, not the peer's.
     assert_eq!(env.hca.direct_grant(C1, a.qpn, a.buf.key), Err(DirectRefusal::NotGranted));
-    // A region of the peer's PD without any remote access.
+    // A region of the peer's PD without any access.
+    let none = env.mr(C2, b.pd, 4096, AccessFlags::empty());
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, none.key), Err(DirectRefusal::NotGranted));
+    // With local write only: its receive SGEs may take a SEND, nothing
+    // remote.
     let local = env.mr(C2, b.pd, 4096, AccessFlags::LOCAL_WRITE);
-    assert_eq!(env.hca.direct_grant(C1, a.qpn, local.key), Err(DirectRefusal::NotGranted));
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, local.key).unwrap().rights, AccessFlags::LOCAL_WRITE);
     assert_eq!(env.hca.direct_grant(C1, a.qpn, 0xdead), Err(DirectRefusal::NotGranted));
     // A peer QP that allows no remote access at all.
     let mut env2 = Env::new();
@@ -40,18 +44,26 @@ fn grants_are_refused_as_the_engine_would_refuse_every_remote_opcode() {
     let c = Conn { access: AccessFlags::empty(), ..Conn::default() };
     env2.connect_with(x.qpn, y.qpn, c);
     env2.connect_with(y.qpn, x.qpn, c);
-    assert_eq!(env2.hca.direct_grant(C1, x.qpn, y.buf.key), Err(DirectRefusal::NotGranted));
+    // Its regions' local write stays: receives take SENDs whatever the
+    // access flags.
+    assert_eq!(env2.hca.direct_grant(C1, x.qpn, y.buf.key).unwrap().rights, AccessFlags::LOCAL_WRITE);
 }
 
 #[test]
 fn a_grant_carries_the_rights_both_the_region_and_the_peer_qp_allow() {
     let (mut env, a, b) = Env::pair();
-    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().rights, DIRECT_RIGHTS);
-    // A read-only region: reads only.
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().rights, DIRECT_RIGHTS | DIRECT_LOCAL);
+    // A read-only region: reads only (and local write, for receives).
     let ro = env.mr(C2, b.pd, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
-    assert_eq!(env.hca.direct_grant(C1, a.qpn, ro.key).unwrap().rights, AccessFlags::REMOTE_READ);
+    assert_eq!(
+        env.hca.direct_grant(C1, a.qpn, ro.key).unwrap().rights,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ
+    );
     let at = env.mr(C2, b.pd, 4096, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC);
-    assert_eq!(env.hca.direct_grant(C1, a.qpn, at.key).unwrap().rights, AccessFlags::REMOTE_ATOMIC);
+    assert_eq!(
+        env.hca.direct_grant(C1, a.qpn, at.key).unwrap().rights,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_ATOMIC
+    );
     // A peer QP allowing reads and writes, a region allowing writes and
     // atomics: writes only.
     let mut env2 = Env::new();
@@ -66,10 +78,13 @@ fn a_grant_carries_the_rights_both_the_region_and_the_peer_qp_allow() {
         4096,
         AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_ATOMIC,
     );
-    assert_eq!(env2.hca.direct_grant(C1, x.qpn, wa.key).unwrap().rights, AccessFlags::REMOTE_WRITE);
+    assert_eq!(
+        env2.hca.direct_grant(C1, x.qpn, wa.key).unwrap().rights,
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE
+    );
     assert_eq!(
         env2.hca.direct_grant(C1, x.qpn, y.buf.key).unwrap().rights,
-        AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE
+        AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ | AccessFlags::REMOTE_WRITE
     );
 }
 
@@ -77,7 +92,7 @@ fn a_grant_carries_the_rights_both_the_region_and_the_peer_qp_allow() {
 fn a_change_of_the_peer_qps_access_flags_revokes_the_slot_and_a_new_grant_has_the_new_rights() {
     let (mut env, a, b) = Env::pair();
     let g = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
-    assert_eq!(g.rights, DIRECT_RIGHTS);
+    assert_eq!(g.rights, DIRECT_RIGHTS | DIRECT_LOCAL);
     // RTS to RTS, reads only from now on: the pair is still served.
     let attr =
         QpAttr { qp_state: QpState::Rts, qp_access_flags: AccessFlags::REMOTE_READ, ..QpAttr::default() };
@@ -85,16 +100,16 @@ fn a_change_of_the_peer_qps_access_flags_revokes_the_slot_and_a_new_grant_has_th
     assert_eq!(env.hca.direct_revocations(), vec![Revocation::Slot { requester: a.qpn, slot: g.slot }]);
     assert!(env.hca.direct_window_open(a.qpn));
     let g2 = env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap();
-    assert_eq!(g2.rights, AccessFlags::REMOTE_READ);
+    assert_eq!(g2.rights, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_READ);
     assert_ne!(g2.generation, g.generation);
     // A modification that changes nothing the grant depends on keeps it.
     env.modify(b.qpn, &attr, QpAttrMask::STATE | QpAttrMask::ACCESS_FLAGS).unwrap();
     assert!(env.hca.direct_revocations().is_empty());
-    // No remote access left: the key is refused.
+    // No remote access left: local write only (receives).
     let none = QpAttr { qp_access_flags: AccessFlags::empty(), ..attr };
     env.modify(b.qpn, &none, QpAttrMask::STATE | QpAttrMask::ACCESS_FLAGS).unwrap();
     assert_eq!(env.hca.direct_revocations(), vec![Revocation::Slot { requester: a.qpn, slot: g2.slot }]);
-    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key), Err(DirectRefusal::NotGranted));
+    assert_eq!(env.hca.direct_grant(C1, a.qpn, b.buf.key).unwrap().rights, AccessFlags::LOCAL_WRITE);
 }
 
 #[test]

@@ -1,0 +1,171 @@
+//! Completion channels and solicited events on the direct path: a CQ with
+//! a channel, armed, gets its event when the library completes into it
+//! (the requester's own send CQ, or the peer's receive CQ), exactly once
+//! per arming, as the engine's `notify_channel` gives it; solicited-only
+//! arming wakes only on a solicited completion. Scenarios that must match
+//! the engine run on a daemon with the switch on and one with it off.
+
+use std::time::Duration;
+
+use super::*;
+
+const OFF: &str = "[direct]\nenabled = false\n";
+
+/// A side whose one CQ (send and receive) reports to its own channel.
+fn side(d: &DaemonProc) -> Result<(Side, vrdma::CompletionChannel)> {
+    let ctx = d.context()?;
+    let ch = ctx.create_comp_channel()?;
+    let s = Side::with(&ctx, 1 << 16, 256, vrdma_it::cap(64, 2), Some(&ch))?;
+    Ok((s, ch))
+}
+
+fn channel_pair(
+    d: &DaemonProc,
+) -> Result<((Side, vrdma::CompletionChannel), (Side, vrdma::CompletionChannel))> {
+    let a = side(d)?;
+    let b = side(d)?;
+    connect(&a.0, &b.0)?;
+    Ok((a, b))
+}
+
+/// No event waiting (none doubled).
+fn no_event(ch: &vrdma::CompletionChannel) -> Result<()> {
+    assert_eq!(ch.get_cq_event(Some(Duration::ZERO))?, None, "an event more than the armings");
+    Ok(())
+}
+
+#[test]
+fn each_arming_fires_once_on_both_sides_over_many_sends() -> Result<()> {
+    const N: u64 = 300;
+    for (config, direct) in [(ON, true), (OFF, false)] {
+        let d = DaemonProc::start_with_config(config)?;
+        let ((a, ach), (b, bch)) = channel_pair(&d)?;
+        a.mr.write(0, b"pingpong")?;
+        for i in 0..N {
+            b.qp.post_recv(&[wr::recv(i, &[b.mr.sge(0, 8)?])?])?;
+            a.cq.req_notify(false)?;
+            b.cq.req_notify(false)?;
+            let send = wr::send(i, &[a.mr.sge(0, 8)?])?.signaled();
+            // Every other one a write with immediate.
+            let w = if i % 2 == 0 {
+                send
+            } else {
+                wr::rdma_write(i, &[a.mr.sge(0, 8)?], b.mr.addr() + 64, b.mr.rkey())?
+                    .with_imm(i as u32)
+                    .signaled()
+            };
+            a.qp.post_send(&[w])?;
+            assert_eq!(ach.get_cq_event(Some(WAIT))?, Some(a.cq.cqn()), "the sender's event, {i}");
+            assert_eq!(bch.get_cq_event(Some(WAIT))?, Some(b.cq.cqn()), "the receiver's event, {i}");
+            assert_eq!(poll_one(&a.cq, WAIT)?.wr_id, i);
+            let wc = poll_one(&b.cq, WAIT)?;
+            assert_eq!((wc.wr_id, wc.status), (i, WcStatus::Success));
+            no_event(&ach)?;
+            no_event(&bch)?;
+        }
+        // Not armed: completions, no events.
+        b.qp.post_recv(&[wr::recv(N, &[b.mr.sge(0, 8)?])?])?;
+        a.qp.post_send(&[wr::send(N, &[a.mr.sge(0, 8)?])?.signaled()])?;
+        assert_eq!(poll_one(&a.cq, WAIT)?.wr_id, N);
+        assert_eq!(poll_one(&b.cq, WAIT)?.wr_id, N);
+        no_event(&ach)?;
+        no_event(&bch)?;
+        if direct {
+            assert_eq!(carried(&a), N + 1, "every WR took the direct path");
+        } else {
+            assert_eq!(carried(&a), 0);
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn solicited_only_arming_wakes_only_on_a_solicited_completion() -> Result<()> {
+    for (config, direct) in [(ON, true), (OFF, false)] {
+        let d = DaemonProc::start_with_config(config)?;
+        let ((a, _ach), (b, bch)) = channel_pair(&d)?;
+        a.mr.write(0, b"solicit!")?;
+        for i in 0..4 {
+            b.qp.post_recv(&[wr::recv(i, &[b.mr.sge(0, 8)?])?])?;
+        }
+        b.cq.req_notify(true)?;
+        // Unsolicited: a completion, no event.
+        a.qp.post_send(&[wr::send(0, &[a.mr.sge(0, 8)?])?.signaled()])?;
+        assert_eq!(poll_one(&b.cq, WAIT)?.wr_id, 0);
+        std::thread::sleep(Duration::from_millis(20));
+        no_event(&bch)?;
+        let w = wr::rdma_write(1, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.with_imm(1).signaled();
+        a.qp.post_send(&[w])?;
+        assert_eq!(poll_one(&b.cq, WAIT)?.wr_id, 1);
+        std::thread::sleep(Duration::from_millis(20));
+        no_event(&bch)?;
+        // Solicited: the event, once.
+        let mut s = wr::send(2, &[a.mr.sge(0, 8)?])?.signaled();
+        s.flags |= vrdma::SendFlags::SOLICITED;
+        a.qp.post_send(&[s])?;
+        assert_eq!(bch.get_cq_event(Some(WAIT))?, Some(b.cq.cqn()));
+        assert_eq!(poll_one(&b.cq, WAIT)?.wr_id, 2);
+        // A solicited write with immediate, armed again.
+        b.cq.req_notify(true)?;
+        let mut w = wr::rdma_write(3, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.with_imm(3).signaled();
+        w.flags |= vrdma::SendFlags::SOLICITED;
+        a.qp.post_send(&[w])?;
+        assert_eq!(bch.get_cq_event(Some(WAIT))?, Some(b.cq.cqn()));
+        assert_eq!(poll_one(&b.cq, WAIT)?.wr_id, 3);
+        no_event(&bch)?;
+        assert_eq!(poll_n(&a.cq, 4, WAIT)?.len(), 4);
+        assert_eq!(carried(&a), if direct { 4 } else { 0 });
+    }
+    Ok(())
+}
+
+/// The loop a program runs: each side sleeps on its channel until its
+/// message comes (arm, poll, then wait), then answers.
+#[test]
+fn an_event_driven_ping_pong_is_carried() -> Result<()> {
+    const N: u64 = 500;
+    let d = DaemonProc::start_with_config(ON)?;
+    let ((a, ach), (b, bch)) = channel_pair(&d)?;
+    a.mr.write(0, b"ping!!!!")?;
+    b.mr.write(0, b"pong!!!!")?;
+    let run = |s: &Side, ch: &vrdma::CompletionChannel, first: bool| -> Result<u64> {
+        let mut events = 0;
+        s.qp.post_recv(&[wr::recv(0, &[s.mr.sge(1024, 8)?])?])?;
+        let mut buf = vrdma::wc_buffer(16);
+        for i in 0..N {
+            if first {
+                s.qp.post_send(&[wr::send(i, &[s.mr.sge(0, 8)?])?.signaled()])?;
+            }
+            // Wait for the peer's message: arm, poll, sleep on the channel.
+            let mut got = false;
+            while !got {
+                s.cq.req_notify(false)?;
+                let n = s.cq.poll(&mut buf)?;
+                for wc in &buf[..n] {
+                    assert_eq!(wc.status, WcStatus::Success);
+                    got |= wc.opcode == WcOpcode::Recv;
+                }
+                if n == 0 {
+                    match ch.get_cq_event(Some(WAIT))? {
+                        Some(_) => events += 1,
+                        None => anyhow::bail!("no event within {WAIT:?} at message {i}: lost"),
+                    }
+                }
+            }
+            s.qp.post_recv(&[wr::recv(i + 1, &[s.mr.sge(1024, 8)?])?])?;
+            if !first {
+                s.qp.post_send(&[wr::send(i, &[s.mr.sge(0, 8)?])?.signaled()])?;
+            }
+        }
+        Ok(events)
+    };
+    let (ea, eb) = std::thread::scope(|sc| {
+        let hb = sc.spawn(|| run(&b, &bch, false));
+        let ea = run(&a, &ach, true);
+        (ea, hb.join().expect("the responder's thread"))
+    });
+    let (ea, eb) = (ea?, eb?);
+    assert!(ea > 0 && eb > 0, "the sides slept on their channels ({ea}, {eb} events)");
+    assert!(carried(&a) >= N - 5 && carried(&b) >= N - 5, "carried: {} and {}", carried(&a), carried(&b));
+    Ok(())
+}
