@@ -123,9 +123,6 @@ pub struct Channel {
     lib: &'static Lib,
     /// Threads inside `rdma_get_cm_event` on this channel.
     waiters: AtomicU32,
-    /// `rdma_destroy_event_channel` was called while threads waited: the
-    /// channel is left as it is (see there), and they wait for ever.
-    destroyed: AtomicBool,
 }
 
 /// `struct rdma_cm_id` and what stands behind it.
@@ -484,13 +481,7 @@ pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel 
                 libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_NONBLOCK);
             }
         }
-        let b = Box::new(Channel {
-            c: rdma_event_channel { fd },
-            ch,
-            lib,
-            waiters: AtomicU32::new(0),
-            destroyed: AtomicBool::new(false),
-        });
+        let b = Box::new(Channel { c: rdma_event_channel { fd }, ch, lib, waiters: AtomicU32::new(0) });
         Ok(Box::into_raw(b).cast::<rdma_event_channel>())
     })
 }
@@ -498,17 +489,18 @@ pub unsafe extern "C" fn rdma_create_event_channel() -> *mut rdma_event_channel 
 /// Destroys a channel, unless a thread waits in `rdma_get_cm_event` on it:
 /// programs do that at exit (rping's event thread is still in its loop
 /// when the main thread destroys the channel). With the kernel's
-/// librdmacm that thread stays blocked in `read` on the closed
-/// descriptor; it must not see an error (rping's exits the process with
-/// it) nor freed memory. So such a channel is left as it is, and its
-/// waiters wait for ever, as the kernel's do.
+/// librdmacm that thread's `read` holds the file open: it goes on
+/// waiting, and still gets the events that come (rping's prints its
+/// DISCONNECTED); it sees no error (rping's would exit the process with
+/// it) and no freed memory. So such a channel is left alive (its memory
+/// and the daemon's side stay until the process ends), and its waiters
+/// go on as before.
 pub unsafe extern "C" fn rdma_destroy_event_channel(channel: *mut rdma_event_channel) {
     guard("rdma_destroy_event_channel", (), || {
         if !channel.is_null() {
             // SAFETY: from rdma_create_event_channel, destroyed once (the
             // program's contract).
             let ch = unsafe { &*channel.cast::<Channel>() };
-            ch.destroyed.store(true, Ordering::SeqCst);
             if ch.waiters.load(Ordering::SeqCst) == 0 {
                 // SAFETY: as above; no thread waits on it.
                 drop(unsafe { Box::from_raw(channel.cast::<Channel>()) });
@@ -1399,12 +1391,6 @@ fn next_event(channel: *mut rdma_event_channel) -> Res<*mut Event> {
         flags >= 0 && flags & libc::O_NONBLOCK != 0
     };
     let round = |wait: Option<Duration>| -> Res<Round<*mut Event>> {
-        if ch.destroyed.load(Ordering::SeqCst) {
-            // Destroyed under us (see rdma_destroy_event_channel).
-            loop {
-                std::thread::park();
-            }
-        }
         let ev = match wait {
             None => ch.ch.try_get_event()?,
             Some(w) => ch.ch.get_event(Some(w))?,

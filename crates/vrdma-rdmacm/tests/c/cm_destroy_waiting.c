@@ -1,8 +1,9 @@
 /* A thread waits in rdma_get_cm_event while the main thread destroys the
  * channel and returns from main, as rping does at its end. With the
- * kernel's librdmacm the waiter stays blocked in read(); it must neither
- * return (rping's event thread exits the process with the error) nor
- * touch freed memory. Prints "cm_destroy_waiting: OK" and exits 0. */
+ * kernel's librdmacm the waiter's read() holds the file: it goes on
+ * waiting (and would get an event that came). It must not return an
+ * error (rping's event thread exits the process with it) nor touch freed
+ * memory. Prints "cm_destroy_waiting: OK" and exits 0. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
