@@ -457,6 +457,43 @@ pub fn connect(a: &Side, b: &Side) -> Result<()> {
     Ok(())
 }
 
+/// Streams signaled RDMA writes of `len` bytes from `a`'s region into
+/// `b`'s, 32 in flight, adding the bytes of each completed write to
+/// `bytes`, until `stop`; then waits for the writes in flight. `idle` runs
+/// after a poll that found nothing. `what` names the stream in errors.
+pub fn stream_writes(
+    a: &Side,
+    b: &Side,
+    len: usize,
+    stop: &std::sync::atomic::AtomicBool,
+    bytes: &std::sync::atomic::AtomicU64,
+    what: &str,
+    idle: impl Fn(),
+) -> Result<()> {
+    use std::sync::atomic::Ordering;
+    let sge = a.mr.sge(0, len)?;
+    let mut wcs = vrdma::wc_buffer(64);
+    let (mut posted, mut done) = (0u64, 0u64);
+    while !stop.load(Ordering::Relaxed) {
+        while posted - done < 32 {
+            let write = vrdma::wr::rdma_write(posted, &[sge], b.mr.addr(), b.mr.rkey())?;
+            a.qp.post_send(&[vrdma::wr::SendWrExt::signaled(write)]).map_err(|e| e.error)?;
+            posted += 1;
+        }
+        let n = a.cq.poll(&mut wcs)?;
+        if let Some(wc) = wcs[..n].iter().find(|wc| wc.status != vrdma::WcStatus::Success) {
+            bail!("{what}: {wc:?}");
+        }
+        done += n as u64;
+        bytes.fetch_add((n * len) as u64, Ordering::Relaxed);
+        if n == 0 {
+            idle();
+        }
+    }
+    poll_n(&a.cq, (posted - done) as usize, WAIT)?;
+    Ok(())
+}
+
 /// Polls until `n` completions arrived; fails after `limit`.
 pub fn poll_n(cq: &vrdma::CompletionQueue, n: usize, limit: Duration) -> Result<Vec<vrdma::WorkCompletion>> {
     let end = Instant::now() + limit;

@@ -114,33 +114,7 @@ fn stream_in_thread(
         // Whole (a closure captures only the fields it names: `b.mr`
         // alone would leave b's QP dropped, and our writes unanswered).
         let (_ctx, b) = (ctx, b);
-        let sge = a.mr.sge(0, BIG)?;
-        let mut wcs = vrdma::wc_buffer(64);
-        let (mut posted, mut done) = (0u64, 0u64);
-        while !stop.load(Ordering::Relaxed) {
-            while posted - done < 32 {
-                let wr = vrdma::wr::SendWrExt::signaled(vrdma::wr::rdma_write(
-                    posted,
-                    &[sge],
-                    b.mr.addr(),
-                    b.mr.rkey(),
-                )?);
-                a.qp.post_send(&[wr]).map_err(|e| e.error)?;
-                posted += 1;
-            }
-            let n = a.cq.poll(&mut wcs)?;
-            for wc in &wcs[..n] {
-                if wc.status != vrdma::WcStatus::Success {
-                    bail!("our write: {wc:?}");
-                }
-            }
-            done += n as u64;
-            bytes.fetch_add((n * BIG) as u64, Ordering::Relaxed);
-            if n == 0 {
-                std::thread::yield_now();
-            }
-        }
-        Ok(())
+        vrdma_it::stream_writes(&a, &b, BIG, &stop, &bytes, "our write", std::thread::yield_now)
     }))
 }
 

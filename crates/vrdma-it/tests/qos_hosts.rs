@@ -65,35 +65,9 @@ fn stream_across(
     b.qp.connect(&a.endpoint()?, vrdma_it::access_all())?;
     Ok(std::thread::spawn(move || {
         let (_ca, _cb, b) = (ca, cb, b);
-        let sge = a.mr.sge(0, BIG)?;
-        let mut wcs = vrdma::wc_buffer(64);
-        let (mut posted, mut done) = (0u64, 0u64);
-        while !stop.load(Ordering::Relaxed) {
-            while posted - done < 32 {
-                let wr = vrdma::wr::SendWrExt::signaled(vrdma::wr::rdma_write(
-                    posted,
-                    &[sge],
-                    b.mr.addr(),
-                    b.mr.rkey(),
-                )?);
-                a.qp.post_send(&[wr]).map_err(|e| e.error)?;
-                posted += 1;
-            }
-            let n = a.cq.poll(&mut wcs)?;
-            for wc in &wcs[..n] {
-                if wc.status != vrdma::WcStatus::Success {
-                    bail!("our write across hosts: {wc:?}");
-                }
-            }
-            done += n as u64;
-            bytes.fetch_add((n * BIG) as u64, Ordering::Relaxed);
-            if n == 0 {
-                std::thread::sleep(Duration::from_micros(100));
-            }
-        }
-        // What is in flight completes before the QPs go.
-        vrdma_it::poll_n(&a.cq, (posted - done) as usize, WAIT)?;
-        Ok(())
+        vrdma_it::stream_writes(&a, &b, BIG, &stop, &bytes, "our write across hosts", || {
+            std::thread::sleep(Duration::from_micros(100))
+        })
     }))
 }
 
