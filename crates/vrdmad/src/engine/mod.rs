@@ -185,6 +185,15 @@ impl EngineState {
         req: CmRequest,
     ) -> Result<CmReply, crate::cm::CmCallError> {
         let now = self.now();
+        // The QP an attach names may be of another context of the tenant
+        // (the drop-in librdmacm's QPs are its libibverbs' own context's);
+        // of another tenant, or none, it is no QP of the caller's.
+        let attach_owner = match req {
+            CmRequest::AttachQp { qp, .. } => {
+                self.hca.qp_owner(qp).filter(|&(_, t)| t == tenant).map(|(c, _)| c)
+            }
+            _ => None,
+        };
         let (hca, rings) = (&mut self.hca, &mut self.rings);
         let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
         // The calls whose event usually follows at once (see
@@ -195,7 +204,16 @@ impl EngineState {
             | CmRequest::Accept { id, .. } => Some(id),
             _ => None,
         };
-        let r = self.cm.handle(ctx, tenant, req, now, &mut modify);
+        let r = match req {
+            CmRequest::AttachQp { id, qp } => match attach_owner {
+                Some(qp_ctx) => self
+                    .cm
+                    .attach_qp(ctx, id, qp_ctx, qp, &mut modify)
+                    .map(|()| CmReply::Event { event: None, wakeups: 0 }),
+                None => Err(vrdma_core::hca::HcaError::NoSuchObject { kind: "QP", id: qp }.into()),
+            },
+            req => self.cm.handle(ctx, tenant, req, now, &mut modify),
+        };
         self.run_cm(now);
         self.direct.sync(&mut self.hca);
         match (r, ready_for) {
