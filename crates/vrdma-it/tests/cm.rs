@@ -113,13 +113,14 @@ fn connect_send_disconnect(client: &vrdma::Context, server: &vrdma::Context, at:
     Ok(())
 }
 
-/// An id's QP may be of another context of the same tenant, as the
+/// An id's QP may be of another context of the same process, as the
 /// drop-in librdmacm attaches the QPs of the program's libibverbs (a
-/// context of its own): the daemon moves it (INIT on attach, RTS before
-/// the reply goes and when it comes), and the events of a resolution and
-/// of a request carry the id's addresses, as its queries give them.
+/// context of its own), attached apart or made attached in one call: the
+/// daemon moves it (INIT on attach, RTS before the reply goes and when it
+/// comes), and the events of a resolution and of a request carry the
+/// id's addresses, as its queries give them.
 #[test]
-fn a_qp_of_another_context_of_the_tenant_is_attached_and_brought_up() -> Result<()> {
+fn a_qp_of_another_context_of_the_process_is_attached_and_brought_up() -> Result<()> {
     let d = DaemonProc::start()?;
     let (client, server) = (d.context()?, d.context()?);
     let (client_verbs, server_verbs) = (d.context()?, d.context()?);
@@ -143,8 +144,11 @@ fn a_qp_of_another_context_of_the_tenant_is_attached_and_brought_up() -> Result<
     let server_id = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
     assert_eq!((req.local, req.remote), server_id.addrs()?);
     assert_eq!((req.local, req.remote), (Some(localhost(7502)), ev.local));
-    let b = Side::with(&server_verbs, 4096, 64, cap(16, 1), None)?;
-    server_id.attach_qp_num(b.qp.qpn())?;
+    // The passive side's QP made attached in one call, naming the id of
+    // the other context.
+    let mut b = Side::with(&server_verbs, 4096, 64, cap(16, 1), None)?;
+    b.qp = b.pd.create_qp_for_cm_id(&vrdma::QpInit::rc(&b.cq, &b.cq, cap(16, 1)), server_id.id())?;
+    assert_eq!(b.qp.state(), QpState::Init);
     b.qp.post_recv(&[vrdma::wr::recv(1, &[b.mr.sge(0, 64)?])?]).map_err(|e| e.error)?;
     server_id.accept(&param(b""))?;
     assert_eq!(b.qp.state(), QpState::Rts, "ready before the reply goes");
@@ -168,8 +172,9 @@ fn a_qp_of_another_context_of_the_tenant_is_attached_and_brought_up() -> Result<
 
 /// `rdma_create_qp` as one call: the QP comes back attached, in INIT,
 /// and the connection brings it up as an attached one. A QP whose attach
-/// fails (an id of another context) is destroyed: fifty such failures
-/// under a quota of 16 objects leave room for a QP made apart.
+/// fails (a UD QP on a TCP id: the id's INIT attributes are an RC QP's)
+/// is destroyed: fifty such failures under a quota of 16 objects leave
+/// room for a QP made apart.
 #[test]
 fn create_qp_on_an_id_attaches_it_in_one_call_or_leaves_no_qp_behind() -> Result<()> {
     let d = DaemonProc::start_with_config("[quota]\nmax_objects = 16\n")?;
@@ -178,14 +183,13 @@ fn create_qp_on_an_id_attaches_it_in_one_call_or_leaves_no_qp_behind() -> Result
     let listener = listener(&server_ch, 7501, 8)?;
     let id = resolved(&client_ch, localhost(7501))?;
 
-    let (pd, cq) = (server.alloc_pd()?, server.create_cq(16, None)?);
+    let (pd, cq) = (client.alloc_pd()?, client.create_cq(16, None)?);
     for _ in 0..50 {
-        let e = id.create_qp(&pd, &vrdma::QpInit::rc(&cq, &cq, cap(4, 1))).unwrap_err();
-        assert_eq!(e.errno(), libc::ENOENT, "the id is not of the PD's context: {e}");
+        let e = id.create_qp(&pd, &vrdma::QpInit::ud(&cq, &cq, cap(4, 1))).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "a UD QP cannot take a TCP id's INIT attributes: {e}");
     }
     drop(pd.create_rc_qp(&cq, &cq, cap(4, 1))?);
 
-    let (pd, cq) = (client.alloc_pd()?, client.create_cq(16, None)?);
     let qp = id.create_qp(&pd, &vrdma::QpInit::rc(&cq, &cq, cap(4, 1)))?;
     assert_eq!(qp.state(), QpState::Init);
     id.connect(&param(b""))?;

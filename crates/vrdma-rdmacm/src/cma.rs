@@ -14,9 +14,11 @@
 //!   pointer points at, valid until `rdma_ack_cm_event` frees the box.
 //!
 //! QPs are the program's: libibverbs ones that `rdma_create_qp` makes with
-//! `ibv_create_qp`. A connected (RC) QP is then attached to the id in the
-//! daemon ([`CmId::attach_qp_num`]: the QP is of the program's libibverbs'
-//! context, which is of the same tenant), which moves it to INIT, and
+//! `ibv_create_qp`. A connected (RC) QP is attached to the id in the
+//! daemon, in the same call where the program's libibverbs is vRDMA's
+//! (its `vrdma_create_qp_cm_id`), else with [`CmId::attach_qp_num`] (the
+//! QP is of the program's libibverbs' context, another context of this
+//! process, which the daemon allows for this), which moves it to INIT, and
 //! from then on the daemon moves it as the kernel's CM would: to RTR and
 //! RTS in `rdma_accept` before the reply goes out, and on the requester's
 //! side when the reply comes in (the program sees ESTABLISHED, never the
@@ -829,8 +831,17 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
     // completion channel, the id their context (rdma_verbs.h's
     // rdma_get_send_comp and rdma_get_recv_comp wait on them).
     let made = own_cqs(i, attr)?;
-    // SAFETY: a PD of the context and the program's attributes.
-    let qp = unsafe { (v.create_qp)(pd, attr) };
+    // A connected QP is the daemon's to move: made attached to the id in
+    // one call where the program's libibverbs is vRDMA's drop-in, else
+    // made, then attached.
+    let attach = !i.ps.is_ud() && attr.qp_type == IBV_QPT_RC;
+    let one_call = v.create_qp_cm_id.filter(|_| attach);
+    let qp = match one_call {
+        // SAFETY: as for ibv_create_qp, and the id's number.
+        Some(f) => unsafe { f(pd, attr, i.cm().id()) },
+        // SAFETY: a PD of the context and the program's attributes.
+        None => unsafe { (v.create_qp)(pd, attr) },
+    };
     if qp.is_null() {
         let e = Error::last("ibv_create_qp failed");
         destroy_cqs(made);
@@ -839,11 +850,15 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
     // SAFETY: librdmacm's fields of the live structure, which the program
     // reads once rdma_create_qp returns.
     unsafe { (*c).qp = qp };
-    let attach = !i.ps.is_ud() && attr.qp_type == IBV_QPT_RC;
     let init = if attach {
-        // SAFETY: the QP just made.
-        let qpn = unsafe { (*qp).qp_num };
-        i.cm().attach_qp_num(qpn).map_err(Error::from).map(|()| {
+        let attached = if one_call.is_some() {
+            Ok(())
+        } else {
+            // SAFETY: the QP just made.
+            let qpn = unsafe { (*qp).qp_num };
+            i.cm().attach_qp_num(qpn).map_err(Error::from)
+        };
+        attached.map(|()| {
             i.attached.store(true, Ordering::Release);
             i.qp_moved(QpState::Init);
         })

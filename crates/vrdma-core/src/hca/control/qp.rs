@@ -193,6 +193,11 @@ impl Hca {
         self.qps.get(&qpn).map(|q| (q.ctx, q.tenant))
     }
 
+    /// The tenant of an open context.
+    pub fn tenant(&self, ctx: ContextId) -> Option<TenantId> {
+        self.tenant_of(ctx).ok()
+    }
+
     pub(crate) fn own_qp(&mut self, ctx: ContextId, qpn: u32) -> Result<&mut Qp, HcaError> {
         match self.qps.get_mut(&qpn) {
             Some(q) if q.ctx == ctx => Ok(q),
