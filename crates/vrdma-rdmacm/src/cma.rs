@@ -31,7 +31,9 @@
 //! moves, as libibverbs' modify would have. A UD QP is moved here (INIT,
 //! RTR, RTS in `rdma_create_qp`, as librdmacm makes it ready to send at
 //! once), and an id's QP that the program moves itself (no QP given to
-//! `rdma_create_qp`) is the program's.
+//! `rdma_create_qp`) is the program's. In a guest, whose contexts the
+//! daemon cannot tell to be of one process, it attaches none: there this
+//! library moves the QPs through every state itself (`Lib::no_attach`).
 //!
 //! # When the daemon goes away
 //!
@@ -80,6 +82,11 @@ struct Lib {
     /// Opened on first use; never closed (see [`Device`]).
     device: OnceLock<Device>,
     opening: Mutex<()>,
+    /// The daemon refused to attach a QP of the program's libibverbs to
+    /// an id of this connection (a guest's contexts, which the daemon
+    /// cannot tell to be of one process): this library moves the QPs
+    /// itself, as before the daemon could.
+    no_attach: AtomicBool,
 }
 
 impl Lib {
@@ -114,7 +121,13 @@ fn lib() -> Res<&'static Lib> {
     let ctx = vrdma::Context::open().map_err(|e| {
         Error::Setup(format!("cannot reach the vRDMA daemon (is VRDMA_SOCKET set? try `vrdma run`): {e}"))
     })?;
-    let l = Lib { ctx, ids: Mutex::default(), device: OnceLock::new(), opening: Mutex::new(()) };
+    let l = Lib {
+        ctx,
+        ids: Mutex::default(),
+        device: OnceLock::new(),
+        opening: Mutex::new(()),
+        no_attach: AtomicBool::new(false),
+    };
     let l: &'static Lib = if FIRST.get().is_none() {
         // Under CURRENT's lock: nobody else sets it.
         FIRST.get_or_init(|| l)
@@ -834,14 +847,24 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
     // A connected QP is the daemon's to move: made attached to the id in
     // one call where the program's libibverbs is vRDMA's drop-in, else
     // made, then attached.
-    let attach = !i.ps.is_ud() && attr.qp_type == IBV_QPT_RC;
-    let one_call = v.create_qp_cm_id.filter(|_| attach);
-    let qp = match one_call {
+    let mut attach = !i.ps.is_ud() && attr.qp_type == IBV_QPT_RC && !i.lib.no_attach.load(Ordering::Relaxed);
+    let mut one_call = v.create_qp_cm_id.filter(|_| attach);
+    let mut qp = match one_call {
         // SAFETY: as for ibv_create_qp, and the id's number.
         Some(f) => unsafe { f(pd, attr, i.cm().id()) },
         // SAFETY: a PD of the context and the program's attributes.
         None => unsafe { (v.create_qp)(pd, attr) },
     };
+    let refused = || std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOENT);
+    if qp.is_null() && one_call.is_some() && refused() {
+        // The daemon does not take the id as one of this process's (a
+        // guest's: ENOENT, no such id): the QP made apart and moved here,
+        // for this connection's ids from now on.
+        i.lib.no_attach.store(true, Ordering::Relaxed);
+        (attach, one_call) = (false, None);
+        // SAFETY: as above.
+        qp = unsafe { (v.create_qp)(pd, attr) };
+    }
     if qp.is_null() {
         let e = Error::last("ibv_create_qp failed");
         destroy_cqs(made);
