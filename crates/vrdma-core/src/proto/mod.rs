@@ -23,8 +23,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// of `CmRequest::ResolveAddr`, `ResolveRoute` and `Accept` may carry the
 /// id's event, taken off its channel, which a library of version 2 would
 /// lose. 4: `CmRequest::CreateQp`, `rdma_create_qp` in one call. 5:
-/// `CmRequest::AttachQp` takes a QP of another context of the tenant, and
-/// a `CmEvent` carries its id's addresses.)
+/// `CmRequest::AttachQp` (and `CreateQp`) may name an id and a QP of two
+/// contexts of one process, and a `CmEvent` carries its id's addresses.)
 pub const PROTOCOL_VERSION: u32 = 5;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
