@@ -265,7 +265,8 @@ fn a_latency_class_tenant_waits_less_beside_a_hog_and_the_hog_keeps_streaming() 
     // On 2 cores shared with the build, either run can fall into a mode
     // where the victim's thread gets the CPU once a scheduler tick (4 ms)
     // whatever the engine does: up to three pairs of runs, and the first
-    // pair in which the protected victim waited less counts.
+    // pair in which the protected victim waited less and the hog kept
+    // half its throughput counts.
     let mut pairs = Vec::new();
     for _ in 0..3 {
         let plain = beside_a_hog(None)?;
@@ -286,7 +287,9 @@ fn a_latency_class_tenant_waits_less_beside_a_hog_and_the_hog_keeps_streaming() 
         // of microseconds and milliseconds from run to run (whether its
         // QPs stay queued between messages); the mean counts how often it
         // waited a hog's whole pass.
-        let better = protected.mean < plain.mean;
+        // The hog's share is as noisy (the victim's spinning thread and
+        // the hog's share two cores): a pair counts when both hold.
+        let better = protected.mean < plain.mean && protected.hog >= 0.5 * plain.hog;
         pairs.push((plain, protected));
         if better {
             break;
