@@ -17,10 +17,10 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 
 use rustix::mm::{MapFlags, ProtFlags};
-use vrdma_shm::{page_size, Segment};
+use vrdma_shm::Segment;
 
 use super::{check_rebackable, REGISTRY};
-use super::{covering, current_thread_stack, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
+use super::{covering, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
 use crate::error::{Error, Result};
 
 /// What makes a span an extent of the VM's region.
@@ -72,25 +72,7 @@ fn still_in_bar(span_start: usize, end: usize, ino: u64, base: u64) -> bool {
 /// # Safety
 /// As [`super::reback`].
 pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_>) -> Result<Rebacked> {
-    if len == 0 {
-        return Err(Error::invalid("cannot register zero bytes"));
-    }
-    let page = page_size();
-    let start = ptr as usize;
-    let end = start
-        .checked_add(len)
-        .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?;
-    let pstart = start & !(page - 1);
-    let pend = end
-        .checked_next_multiple_of(page)
-        .ok_or_else(|| Error::invalid("memory range wraps around the address space"))?;
-    if let Some((low, high)) = current_thread_stack() {
-        if pstart < high && low < pend {
-            return Err(Error::invalid(format!(
-                "cannot register [{start:#x}, {end:#x}): it is on the calling thread's stack [{low:#x}, {high:#x})"
-            )));
-        }
-    }
+    let (start, end, pstart, pend) = super::registrable_pages(ptr, len)?;
     let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
     reg.retain(|_, gens| {
         gens.retain(|w| w.strong_count() > 0);

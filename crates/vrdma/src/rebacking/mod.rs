@@ -357,15 +357,10 @@ fn current_thread_stack() -> Option<(usize, usize)> {
     }
 }
 
-/// Re-backs the pages covering `[ptr, ptr + len)` (or finds the span that
-/// already does) and returns the span with the range's offset in it.
-///
-/// # Safety
-/// `[ptr, ptr + len)` must be memory this process owns and may write. The
-/// covering pages are remapped: writes by other threads to those pages
-/// while this runs wait for the new mapping where the kernel allows
-/// ([`fence`]), and may be lost elsewhere.
-pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
+/// The checks of a range to re-back, on a host or in a guest: not empty,
+/// not wrapping, not on the calling thread's stack. Gives the range and
+/// its page-aligned bounds, `(start, end, pstart, pend)`.
+pub(super) fn registrable_pages(ptr: *mut u8, len: usize) -> Result<(usize, usize, usize, usize)> {
     if len == 0 {
         return Err(Error::invalid("cannot register zero bytes"));
     }
@@ -389,6 +384,19 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
             )));
         }
     }
+    Ok((start, end, pstart, pend))
+}
+
+/// Re-backs the pages covering `[ptr, ptr + len)` (or finds the span that
+/// already does) and returns the span with the range's offset in it.
+///
+/// # Safety
+/// `[ptr, ptr + len)` must be memory this process owns and may write. The
+/// covering pages are remapped: writes by other threads to those pages
+/// while this runs wait for the new mapping where the kernel allows
+/// ([`fence`]), and may be lost elsewhere.
+pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
+    let (start, end, pstart, pend) = registrable_pages(ptr, len)?;
 
     fork::note_rebacking();
     let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
