@@ -108,6 +108,13 @@ pub struct Args {
     /// `latency_class = "latency"` (needs root: tenants are uids).
     #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct"])]
     pub qos: bool,
+    /// Of the default report, only the 8 B send latency beside a tenant
+    /// that misbehaves (issue 21 item 1: an overflowed, flooded or
+    /// scribbled posted-QP ring; a 64-QP and a 1-QP hog), each read
+    /// against unloaded runs taken between the attacked ones (needs root:
+    /// the attacker is another uid).
+    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "qos"])]
+    pub attacks: bool,
     /// Run the embedded daemon's engine at real-time priority (needs root or CAP_SYS_NICE).
     #[arg(long)]
     pub realtime: bool,

@@ -95,6 +95,31 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         drop(device);
         return report::print(&figures, &skipped, None, args.json);
     }
+    let attack_figures = |figures: &mut Vec<Figure>, skipped: &mut Vec<report::Skipped>| {
+        let cases = attack::cases(if args.quick { 1000 } else { 3000 });
+        let group =
+            format!("send 8 B, one way (poll CQ), beside a tenant that misbehaves ({} figures)", cases.len());
+        if !attack::may_switch_uid() {
+            let reason = format!(
+                "needs root, to run the other tenant as uid {} (a tenant is a uid; our own uid would be one tenant)",
+                attack::NOBODY
+            );
+            skipped.push(report::Skipped { figures: group, reason });
+            return;
+        }
+        // A daemon that refuses the other tenant (its max_tenants reached,
+        // say) costs this group, not the report.
+        match beside_attacks(&sock, &cases, lat_iters, runs, cores, &progress) {
+            Ok(f) => figures.extend(f),
+            Err(e) => skipped.push(report::Skipped { figures: group, reason: format!("{e:#}") }),
+        }
+    };
+    if args.attacks {
+        let mut skipped = Vec::new();
+        attack_figures(&mut figures, &mut skipped);
+        drop(device);
+        return report::print(&figures, &skipped, None, args.json);
+    }
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
     if args.direct {
@@ -137,26 +162,7 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     figures.push(f);
     drop(idle);
     let mut skipped = Vec::new();
-    let attack_qps = if args.quick { 1000 } else { 3000 };
-    let cases = attack::cases(attack_qps);
-    let group =
-        format!("send 8 B, one way (poll CQ), beside a tenant that misbehaves ({} figures)", cases.len());
-    if attack::may_switch_uid() {
-        // A daemon that refuses the other tenant (its max_tenants reached,
-        // say) costs this group, not the report.
-        match beside_attacks(&sock, &cases, send_stat, lat_iters, runs, cores, &progress) {
-            Ok(f) => figures.extend(f),
-            Err(e) => skipped.push(report::Skipped { figures: group, reason: format!("{e:#}") }),
-        }
-    } else {
-        skipped.push(report::Skipped {
-            figures: group,
-            reason: format!(
-                "needs root, to run the other tenant as uid {} (a tenant is a uid; our own uid would be one tenant)",
-                attack::NOBODY
-            ),
-        });
-    }
+    attack_figures(&mut figures, &mut skipped);
     qos_figures(&mut figures, &mut skipped);
     progress("8 B send latency (completion channel)");
     let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
@@ -217,9 +223,6 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     report::print(&figures, &skipped, Some(&tools), args.json)
 }
 
-/// The victim's 8 B send latency beside each of `cases`, a fresh attacker
-/// per run (so that each run sees the attack from its start, and a
-/// scribbler's closed context is not the next run's), read against
 /// Connection setup through rdma_cm, `n` connections in a row per run,
 /// beside TCP's connect and accept on loopback in the same runs: the
 /// first connection of a run, and each of the rest (median).
@@ -263,16 +266,24 @@ fn cm_setup_figures(sock: &std::path::Path, n: usize, runs: usize, cores: usize)
     ])
 }
 
-/// `unloaded`: the same latency measured earlier in this run.
+/// The victim's 8 B send latency beside each of `cases`, a fresh attacker
+/// per run (so that each run sees the attack from its start, and a
+/// scribbler's closed context is not the next run's), each run right
+/// after one without the attacker: the anchor of a case is the median of
+/// its own unloaded runs, so that a machine whose latency drifts between
+/// modes (2.3 and 6.6 µs were both seen in one report on 2 cores) is
+/// compared with itself. At least three runs a case, also with `--quick`:
+/// one unloaded run read against one attacked run gave ratios from 0.5x
+/// to 3.7x for the same attack from one report to the next.
 fn beside_attacks(
     sock: &std::path::Path,
     cases: &[attack::Case],
-    unloaded: anchors::Stat,
     iters: u64,
     runs: usize,
     cores: usize,
     progress: &dyn Fn(&str),
 ) -> Result<Vec<Figure>> {
+    let runs = runs.max(3);
     let mut figures = Vec::new();
     for case in cases {
         progress(&case.name(case.qps as usize).replace("send 8 B, one way (poll CQ)", "8 B send latency"));
@@ -282,8 +293,9 @@ fn beside_attacks(
         // round trip may take a millisecond, 2000 give a steady median
         // without taking the report into minutes.
         let iters = if case.how == attack::How::Stream { iters.min(2_000) } else { iters };
-        let (mut outcomes, mut held, mut kept) = (Vec::new(), 0, 0);
+        let (mut outcomes, mut unloaded, mut held, mut kept) = (Vec::new(), Vec::new(), 0, 0);
         for _ in 0..runs {
+            unloaded.push(measure_once(sock, worker::Test::SendLat, 8, iters)?);
             let other = attack::Attacker::start(sock, case.how, case.qps)?;
             held = other.qps;
             // Let the attack take hold (and the daemon find a scribbled ring).
@@ -299,7 +311,9 @@ fn beside_attacks(
             // A figure, but not of the attack it names: say so.
             name.push_str(&format!(" (the daemon did not close its context in {kept} of {runs} runs)"));
         }
-        let mut f = latency(&name, outcomes, "send 8 B, poll CQ, unloaded", Some(unloaded), cores);
+        let anchor = median_of(&unloaded);
+        let mut f =
+            latency(&name, outcomes, "send 8 B, poll CQ, unloaded, runs between", Some(anchor), cores);
         f.target = case.target.into();
         figures.push(f);
     }
