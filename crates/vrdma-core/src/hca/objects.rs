@@ -120,6 +120,9 @@ pub(crate) struct Qp {
     /// dropped, and a later move must carry a higher epoch.
     pub peer_link: Option<super::LinkId>,
     pub peer_epoch: u32,
+    /// The LID its peer had before its first move (what receive
+    /// completions keep reporting as the source).
+    pub peer_lid: u16,
 }
 
 impl Qp {

@@ -91,6 +91,7 @@ impl Hca {
                 announce: false,
                 peer_link: None,
                 peer_epoch: 0,
+                peer_lid: 0,
             },
         );
         Ok(QpCreated { qpn, cap: granted })

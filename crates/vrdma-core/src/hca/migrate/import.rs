@@ -434,6 +434,7 @@ impl Hca {
                     announce: q.init.qp_type == QpType::Rc && connected,
                     peer_link: None,
                     peer_epoch: 0,
+                    peer_lid: 0,
                 },
             );
             if let Some(p) = self.pds.get_mut(&q.pd) {

@@ -350,7 +350,15 @@ impl Hca {
             return false;
         }
         let qpn = m.peer_qpn;
+        let first_lid = self.qps.get(&qpn).filter(|q| q.peer_link.is_none()).map(|q| {
+            let bound = q.remote.as_ref().and_then(|r| r.links().into_iter().flatten().next());
+            let link = bound.or_else(|| self.net.route(&q.attr.ah_attr));
+            link.and_then(|l| self.net.links.get(&l)).map_or(q.attr.ah_attr.dlid, |l| l.info.lid)
+        });
         let q = self.qps.get_mut(&qpn).expect("checked");
+        if let Some(lid) = first_lid {
+            q.peer_lid = lid;
+        }
         q.peer_link = Some(link);
         q.peer_epoch = m.epoch;
         let tenant = q.tenant;

@@ -415,7 +415,12 @@ impl Hca {
         let qp = &self.qps[&qpn];
         let (pd, access) = (qp.pd, qp.attr.qp_access_flags);
         let resp = self.responder_of(qpn, qp);
-        let slid = self.net.links.get(&link).map_or(0, |l| l.info.lid);
+        // A peer that moved keeps the LID it had: its completions here
+        // must not tell where it went.
+        let slid = match qp.peer_link {
+            Some(_) => qp.peer_lid,
+            None => self.net.links.get(&link).map_or(0, |l| l.info.lid),
+        };
         let n = u64::from(hdr.payload_len);
         let off = u64::from(hdr.msg_offset);
         let last = hdr.opcode.is_last() || hdr.opcode.is_only();

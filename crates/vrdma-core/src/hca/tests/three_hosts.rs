@@ -402,3 +402,252 @@ fn a_tenant_moves_back_and_forth_mid_stream_and_its_peer_sees_only_pauses() {
     assert!(t.outstanding.iter().any(|&n| n > 0), "no move had requests outstanding: {:?}", t.outstanding);
     assert!(t.seen.paused_naks > 0 && t.seen.moved_ok == 8 && t.seen.moved_refused == 0, "{:?}", t.seen);
 }
+
+/// B sends to A; A's tenant pauses and never resumes (its destination
+/// died, the move was abandoned): B's requester waits, spending no retry
+/// (its transport timer alone would fail it in about 0.2 s), and fails
+/// RETRY_EXC_ERR once the pause outlasts the bound (2 s here), not before.
+#[test]
+fn a_peer_that_never_resumes_fails_its_requester_after_the_bound_not_before() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, _mem) = setup(&mut t);
+    t.hosts[A].io.post_recv(a.qpn, recv(1, &[a.buf.sge(0, 64)]));
+    t.hosts[B].io.post_send(b.qpn, wr(7, SendOpcode::Send, &[b.buf.sge(0, 64)], SendFlags::SIGNALED));
+    t.run(T0);
+    assert_eq!(t.hosts[B].poll(b.cq).len(), 1, "the first send completes");
+    t.hosts[A].hca.pause_tenant(TENANT).unwrap();
+    t.hosts[B].io.post_send(b.qpn, wr(8, SendOpcode::Send, &[b.buf.sge(0, 64)], SendFlags::SIGNALED));
+    t.run(T0);
+    assert!(t.seen.paused_naks >= 1, "B was told the peer is paused");
+    // 1.9 s in 100 ms steps: B probes, is told PAUSED each time, waits.
+    let now = t.advance(T0, Duration::from_millis(100), 19);
+    assert!(t.hosts[B].poll(b.cq).is_empty(), "B's send failed before the bound");
+    assert_ne!(t.hosts[B].io.state(b.qpn), Some(QpState::Err));
+    assert!(t.seen.paused_naks >= 10, "B probed the paused QP: {:?}", t.seen);
+    // Past the bound: as for a dead host.
+    t.advance(now, Duration::from_millis(100), 2);
+    let got = t.hosts[B].poll(b.cq);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].wr_id, got[0].status), (8, WcStatus::RetryExcErr));
+    assert_eq!(t.hosts[B].io.state(b.qpn), Some(QpState::Err));
+}
+
+/// A move in one step, for the fault tests: the tenant's snapshot taken
+/// on A (paused), and the region map.
+fn paused_snapshot() -> (ThreeHosts, End, End, HashMap<u32, Region>, Vec<u8>) {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    // Something outstanding and something in progress.
+    t.hosts[B].io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, 1024)]));
+    t.hosts[A].io.post_send(a.qpn, a_to_b(0, &a, &b));
+    t.round(T0);
+    t.round(T0);
+    t.hosts[A].hca.pause_tenant(TENANT).unwrap();
+    let bytes = t.hosts[A].hca.export_tenant(TENANT).unwrap();
+    (t, a, b, mem, bytes)
+}
+
+/// A snapshot is untrusted: truncated at every length, with any byte
+/// changed, or with forged fields, it is refused with an error (or, for
+/// a change that leaves it consistent, accepted), never a panic; a
+/// refused import changes nothing.
+#[test]
+fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
+    let (_t, _a, _b, mem, bytes) = paused_snapshot();
+    let fresh = || bare_host(IPS[C], &tune);
+    let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+    // The good one imports.
+    let mut c = fresh();
+    assert_eq!(c.hca.import_tenant(&bytes, T0, &mut region_of), Ok(TENANT));
+    // Truncated anywhere.
+    for n in 0..bytes.len() {
+        let mut c = fresh();
+        assert!(c.hca.import_tenant(&bytes[..n], T0, &mut region_of).is_err(), "truncated at {n}");
+        assert!(c.hca.qps.is_empty() && c.hca.contexts.is_empty() && c.hca.usage(TENANT) == (0, 0));
+    }
+    // Every byte changed: refused, or consistent and accepted.
+    let (mut refused, mut accepted) = (0, 0);
+    for i in 0..bytes.len() {
+        let mut v = bytes.clone();
+        v[i] ^= 0x5a;
+        let mut c = fresh();
+        match c.hca.import_tenant(&v, T0, &mut region_of) {
+            Ok(_) => accepted += 1,
+            Err(_) => {
+                assert!(c.hca.qps.is_empty() && c.hca.mrs.is_empty() && c.hca.contexts.is_empty());
+                refused += 1;
+            }
+        }
+    }
+    // Most bytes are values (ids, addresses, attributes) that stay in
+    // range when changed; what matters is that none panics and a
+    // refusal changes nothing.
+    assert!(refused > 0 && refused + accepted == bytes.len(), "{refused} refused, {accepted} accepted");
+    // Forged fields, each refused with its reason.
+    let snap = TenantSnapshot::decode(&bytes).unwrap();
+    let forge = |f: &dyn Fn(&mut TenantSnapshot)| {
+        let mut s = snap.clone();
+        f(&mut s);
+        s.encode()
+    };
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("magic", [b"XXXX".as_slice(), &bytes[4..]].concat()),
+        ("version", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
+        ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
+        ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
+        ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
+        ("QP on a CQ not in it", forge(&|s| s.qps[0].init.send_cq = 0x777)),
+        ("QPN above 24 bits", forge(&|s| s.qps[0].qpn = 1 << 24)),
+        ("two QPs with one number", forge(&|s| {
+            let q = s.qps[0].clone();
+            s.qps.push(q)
+        })),
+        ("a key twice", forge(&|s| {
+            let m = s.mrs[0].clone();
+            s.mrs.push(m)
+        })),
+        ("region past the address space", forge(&|s| s.mrs[0].addr = u64::MAX - 10)),
+        ("unknown access bits", forge(&|s| s.mrs[0].access = 0xffff_0000)),
+        ("CQ ring not a power of two", forge(&|s| s.cqs[0].ring_bytes = 3 * crate::ring::CQE_SIZE as u64)),
+        ("epoch 0", forge(&|s| s.qps[0].epoch = 0)),
+        ("PSN gap", forge(&|s| {
+            let q = s.qps[0].send.as_mut().unwrap();
+            q.next_psn = psn(q.next_psn + 5);
+        })),
+        ("a WR that does not decode", forge(&|s| s.qps[0].send.as_mut().unwrap().sent[0].wr.0[8] = 0xee)),
+        ("more WRs than the queue", forge(&|s| {
+            let q = s.qps[0].send.as_mut().unwrap();
+            let w = q.sent[0].clone();
+            for i in 0..20 {
+                let mut w = w.clone();
+                w.first_psn = psn(q.next_psn + i);
+                w.npsn = 1;
+                q.sent.push(w);
+            }
+            q.next_psn = psn(q.next_psn + 20);
+        })),
+    ];
+    assert!(snap.qps[0].send.as_ref().is_some_and(|s| !s.sent.is_empty()), "the snapshot has a request outstanding");
+    for (what, v) in cases {
+        let mut c = fresh();
+        let r = c.hca.import_tenant(&v, T0, &mut region_of);
+        assert!(r.is_err(), "{what}: accepted");
+        assert!(c.hca.qps.is_empty() && c.hca.contexts.is_empty(), "{what}: changed the host");
+    }
+    // No memory for a region.
+    let mut c = fresh();
+    let r = c.hca.import_tenant(&bytes, T0, &mut |_| None);
+    assert!(matches!(r, Err(SnapshotError::Invalid(_))), "{r:?}");
+    assert!(c.hca.qps.is_empty());
+}
+
+fn psn(v: u32) -> u32 {
+    v & crate::wire::MAX_24
+}
+
+/// Numbers already in use on the importing host are refused, by kind:
+/// a context, a QPN, a memory key, an object id; and a tenant's quota
+/// there is charged or the import refused.
+#[test]
+fn an_import_that_collides_or_passes_the_quota_is_refused() {
+    let (_t, a, _b, mem, bytes) = paused_snapshot();
+    let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+    // A host like A, with the same numbers in use.
+    let mut c = host_with(IPS[C], tune);
+    let r = c.hca.import_tenant(&bytes, T0, &mut region_of);
+    assert!(matches!(&r, Err(SnapshotError::Collision(m)) if m.contains("context")), "{r:?}");
+    // Contexts free, but a QP with the same number.
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.open_context(ContextId(50), OTHER_TENANT).unwrap();
+    let mut qpns = Vec::new();
+    while !qpns.contains(&a.qpn) {
+        qpns.push(c.end(ContextId(50)).qpn);
+    }
+    let r = c.hca.import_tenant(&bytes, T0, &mut region_of);
+    assert!(matches!(&r, Err(SnapshotError::Collision(m)) if m.contains("QPN") || m.contains("object id") || m.contains("key")), "{r:?}");
+    // The tenant's quota here is too small for it.
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.set_quota(TENANT, Quota { max_objects: 2, ..Quota::default() });
+    let r = c.hca.import_tenant(&bytes, T0, &mut region_of);
+    assert!(matches!(r, Err(SnapshotError::Quota(_))), "{r:?}");
+    assert!(c.hca.qps.is_empty() && c.hca.usage(TENANT) == (0, 0));
+    // And a good import charges it.
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.import_tenant(&bytes, T0, &mut region_of).unwrap();
+    let (objects, registered) = c.hca.usage(TENANT);
+    assert_eq!(objects, 4, "a PD, an MR, a CQ and a QP");
+    assert!(registered >= 64 << 10);
+}
+
+/// After a move, the host the tenant left cannot speak for its QP: a
+/// request frame from the old link is dropped, a Moved frame from there
+/// with the old or the same epoch is refused; the new location's traffic
+/// goes on.
+#[test]
+fn frames_from_the_old_location_are_dropped_after_a_move() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    t.hosts[B].io.post_recv(b.qpn, recv(0, &[b.buf.sge(0, 1024)]));
+    t.hosts[B].io.post_recv(b.qpn, recv(1, &[b.buf.sge(1024, 1024)]));
+    t.hosts[A].io.post_send(a.qpn, a_to_b(0, &a, &b));
+    t.run(T0);
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    assert_eq!(t.seen.moved_ok, 1);
+    let (lb_a, lb_c) = (t.link(B, A), t.link(B, C));
+    let dropped = |t: &ThreeHosts| t.hosts[B].hca.links().iter().find(|l| l.id == lb_a).unwrap().stats.dropped_in;
+    let before = dropped(&t);
+    // A forged (or late) send from the old location, in sequence.
+    let epsn = t.hosts[B].hca.qps[&b.qpn].remote.as_ref().unwrap().recv.as_ref().unwrap().epsn;
+    let mut d = DataRepr::new(Opcode::SendOnly, TENANT.0, b.qpn, a.qpn, epsn);
+    d.payload_len = 8;
+    let mut frame = vec![0u8; d.header_len()];
+    FrameRepr::Data(d).emit(&mut frame).unwrap();
+    frame.extend(99u64.to_le_bytes());
+    deliver(&frame, &mut t.hosts[B], lb_a, T0);
+    assert_eq!(dropped(&t), before + 1, "the frame from the old link was dropped");
+    let got = t.hosts[B].poll(b.cq);
+    let mut next = 0;
+    check_at_b(&got, &mut next, &b);
+    assert_eq!(next, 1, "message 0 only, nothing from the forged frame: {got:?}");
+    // Stale claims of the QP's location.
+    for (link, epoch) in [(lb_a, 1), (lb_a, 0 + 1), (lb_c, 1)] {
+        let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch };
+        assert!(!t.hosts[B].hca.handle_moved(link, &m, T0), "epoch {epoch} on link {link:?} accepted");
+    }
+    // One for another tenant's network, or another QP, neither.
+    let m = MovedRepr { vnet: OTHER_TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch: 9 };
+    assert!(!t.hosts[B].hca.handle_moved(lb_a, &m, T0));
+    let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn + 1, peer_qpn: b.qpn, epoch: 9 };
+    assert!(!t.hosts[B].hca.handle_moved(lb_a, &m, T0));
+    // The new location still works.
+    t.hosts[C].io.post_send(a.qpn, a_to_b(1, &a, &b));
+    t.run(T0);
+    let got = t.hosts[B].poll(b.cq);
+    check_at_b(&got, &mut next, &b);
+    assert_eq!(next, 2, "{got:?}");
+    // The peer's completions still name the LID it had.
+    assert_eq!(got[0].slid, t.hosts[A].hca.config().port.lid);
+    let done: Vec<u64> = t.hosts[C].poll(a.cq).iter().map(|c| c.wr_id).collect();
+    assert_eq!(done, vec![0, 1], "A's completions, the one made before the move included");
+}
+
+/// Pausing and exporting refuse what cannot move yet, with a reason.
+#[test]
+fn what_cannot_move_is_refused_on_the_source() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (_a, _b, _mem) = setup(&mut t);
+    let h = &mut t.hosts[A].hca;
+    assert_eq!(h.export_tenant(TENANT), Err(MigrateError::NotPaused(TENANT.0)));
+    assert_eq!(h.pause_tenant(TenantId(4242)), Err(MigrateError::NoSuchTenant(4242)));
+    let local = TenantId(TenantId::HOST_LOCAL_BASE + 3);
+    assert_eq!(h.pause_tenant(local), Err(MigrateError::HostLocal(local.0)));
+    // A QP connected to another QP on the same host.
+    let env = &mut t.hosts[A];
+    let x = env.end(C1);
+    let y = env.end(C2);
+    env.connect(x.qpn, y.qpn);
+    env.connect(y.qpn, x.qpn);
+    env.hca.pause_tenant(TENANT).unwrap();
+    assert!(matches!(env.hca.export_tenant(TENANT), Err(MigrateError::Unsupported(_))));
+}
