@@ -314,7 +314,13 @@ impl Hca {
             return Err(bad("transport state on a UD QP".into()));
         }
         if let Some(s) = &q.send {
-            if s.sent.len() > c.max_send_wr as usize || s.next_psn > MAX_24 || s.retries_left > 7 || s.rnr_left > 7
+            let chunk_ok = (crate::wire::MIN_CHUNK..=crate::wire::MAX_CHUNK).contains(&s.chunk)
+                && s.chunk.is_power_of_two();
+            if s.sent.len() > c.max_send_wr as usize
+                || s.next_psn > MAX_24
+                || s.retries_left > 7
+                || s.rnr_left > 7
+                || !chunk_ok
             {
                 return Err(bad("requester state".into()));
             }
@@ -329,7 +335,10 @@ impl Hca {
             let mut psn = s.sent.first().map_or(s.next_psn, |w| w.first_psn);
             let mut span: u64 = 0;
             for w in &s.sent {
-                w.wr.decode_send()?;
+                let wr = w.wr.decode_send()?;
+                if w.npsn != crate::hca::remote::psns_of(&wr, u64::from(s.chunk)) {
+                    return Err(bad("a request's PSN count does not match its length".into()));
+                }
                 if w.first_psn != psn || w.npsn == 0 || w.npsn > MAX_24 {
                     return Err(bad("outstanding requests' PSNs are not contiguous".into()));
                 }

@@ -60,7 +60,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hca::TenantId;
 
-pub(crate) use requester::RemoteSend;
+pub(crate) use requester::{psns_of, RemoteSend};
 pub(crate) use responder::{InMsg, RemoteRecv};
 
 use super::{Hca, Queues};

@@ -33,7 +33,7 @@ pub(crate) struct SentWr {
 }
 
 /// The PSNs a request takes at `chunk` bytes a frame.
-fn psns_of(wr: &SendWr, chunk: u64) -> u32 {
+pub(crate) fn psns_of(wr: &SendWr, chunk: u64) -> u32 {
     if wr.opcode.is_atomic() {
         1
     } else {
