@@ -64,9 +64,8 @@ fuzz_target!(|data: &[u8]| {
     for ip in [[10, 0, 0, 1], [10, 0, 0, 2]] {
         links.push(hca.link_up(LinkInfo { gid: Gid::from_ipv4(ip), lid: u16::from(ip[3]), chunk: 256 }));
     }
-    let mut region_of = |m: &vrdma_core::hca::migrate::MrImport| {
-        (m.len <= 1 << 20).then(|| Region::heap(m.len as usize))
-    };
+    let mut region_of =
+        |m: &vrdma_core::hca::migrate::MrImport| (m.len <= 1 << 20).then(|| Region::heap(m.len as usize));
     let now = Instant(1_000_000);
     let Ok(tenant) = hca.import_tenant(data, now, &mut region_of) else { return };
     assert_eq!(tenant, TenantId(tenant.0));

@@ -21,13 +21,13 @@
 //! Multi-byte fields are big-endian.
 
 use super::control::{AUTH_LEN, CLOSE_LEN, HELLO_LEN, KEEPALIVE_LEN, TAG_LEN};
+use super::moved::{MovedRepr, MOVED_LEN};
 use super::opcode::{ATOMIC_ACK_LEN, ATOMIC_LEN, IMM_LEN, RETH_LEN, UD_LEN};
 use super::{
     check_24, check_zero, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, Aeth, CloseRepr, Exts,
     HelloRepr, KeepaliveRepr, Opcode, Syndrome, WireError, BASE_HEADER_LEN, DATA_HEADER_LEN, MAGIC,
     MAX_DATA_HEADER_LEN, MAX_FRAME_PAYLOAD, VERSION,
 };
-use super::moved::{MovedRepr, MOVED_LEN};
 use crate::verbs::Gid;
 
 mod field {

@@ -75,7 +75,12 @@ impl Hca {
             let r = region_of(&want)
                 .ok_or_else(|| invalid(format!("no memory for region {:#x} ({} bytes)", m.key, m.len)))?;
             if (r.len() as u64) < m.len {
-                return Err(invalid(format!("memory for region {:#x} is {} bytes, not {}", m.key, r.len(), m.len)));
+                return Err(invalid(format!(
+                    "memory for region {:#x} is {} bytes, not {}",
+                    m.key,
+                    r.len(),
+                    m.len
+                )));
             }
             regions.push(r);
         }
@@ -240,7 +245,9 @@ impl Hca {
         if let Some(most) = quota.max_queue_bytes {
             let held = self.usage.get(&tenant).map_or(0, |u| u.queue_bytes);
             if held.saturating_add(queue_bytes) > most {
-                return Err(SnapshotError::Quota(format!("{queue_bytes} bytes of queue rings, limit {most}")));
+                return Err(SnapshotError::Quota(format!(
+                    "{queue_bytes} bytes of queue rings, limit {most}"
+                )));
             }
         }
         Ok(Plan { tenant: s.tenant, objects, bytes: all_bytes, queue_bytes, qp_rings })
@@ -405,7 +412,14 @@ impl Hca {
             let requeued: VecDeque<_> = x.requeued.iter().filter_map(|w| w.decode_recv().ok()).collect();
             self.srqs.insert(
                 x.srq,
-                Srq { ctx: ContextId(x.ctx), pd: x.pd, attr: x.attr, users: 0, ring_bytes: x.ring_bytes, requeued },
+                Srq {
+                    ctx: ContextId(x.ctx),
+                    pd: x.pd,
+                    attr: x.attr,
+                    users: 0,
+                    ring_bytes: x.ring_bytes,
+                    requeued,
+                },
             );
             if let Some(p) = self.pds.get_mut(&x.pd) {
                 p.users += 1;
@@ -475,7 +489,9 @@ impl Hca {
             use crate::hca::remote::InMsg;
             let cur = r.cur.as_ref().and_then(|m| {
                 Some(match m {
-                    InMsgSnap::Send { recv, got } => InMsg::Send { recv: recv.decode_recv().ok()?, got: *got },
+                    InMsgSnap::Send { recv, got } => {
+                        InMsg::Send { recv: recv.decode_recv().ok()?, got: *got }
+                    }
                     InMsgSnap::Write { va, rkey, dma_len, got } => {
                         InMsg::Write { va: *va, rkey: *rkey, dma_len: *dma_len, got: *got }
                     }

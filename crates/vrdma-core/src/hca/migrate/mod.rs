@@ -121,7 +121,9 @@ impl Hca {
         let mine = |ctx: &super::ContextId| self.contexts.get(ctx).is_some_and(|c| c.tenant == tenant);
         for l in self.net.links.values() {
             if l.after.qpn().and_then(|n| self.qps.get(&n)).is_some_and(|q| q.tenant == tenant) {
-                return Err(MigrateError::Busy("a frame's payload is being placed for one of its QPs".into()));
+                return Err(MigrateError::Busy(
+                    "a frame's payload is being placed for one of its QPs".into(),
+                ));
             }
         }
         let mut contexts: Vec<u32> =
@@ -290,7 +292,15 @@ impl Hca {
     /// Binds a resumed QP's two halves to the link towards its peer (if
     /// one is up; otherwise the requester binds when one comes).
     fn bind_resumed(&mut self, qpn: u32) {
-        let Some(q) = self.qps.get(&qpn) else { return };
+        let Some(q) = self.qps.get_mut(&qpn) else { return };
+        if q.remote.is_none() {
+            // A connection that carried nothing yet: it is given a
+            // responder state here, so that it has a link to announce
+            // itself on and its peer's first request finds it.
+            let recv =
+                super::remote::RemoteRecv::restored(q.attr.rq_psn & crate::wire::MAX_24, 0, None, Vec::new());
+            q.remote = Some(Box::new(super::remote::RemoteQp { send: None, recv: Some(recv) }));
+        }
         let (ah, tenant) = (q.attr.ah_attr, q.tenant);
         let route = q.peer_link.filter(|l| self.net.links.contains_key(l)).or_else(|| self.net.route(&ah));
         let Some(link) = route else {
@@ -391,7 +401,9 @@ impl Hca {
 
     /// A data frame for a paused QP: a request from its peer is answered
     /// PAUSED (queued on the link ahead of the QPs' frames), anything else
-    /// is dropped. Returns whether the frame was for a paused QP.
+    /// (an answer, a datagram for a paused UD QP) is dropped, so that
+    /// nothing the snapshot holds or the tenant's rings hold changes.
+    /// Returns whether the frame was for a paused QP.
     pub(crate) fn paused_handle(&mut self, link: LinkId, hdr: &DataRepr) -> bool {
         let Some(q) = self.qps.get(&hdr.dest_qpn).filter(|q| q.paused) else { return false };
         let from_peer = q.init.qp_type == QpType::Rc

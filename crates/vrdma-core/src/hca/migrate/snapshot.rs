@@ -63,8 +63,11 @@ pub struct WrBytes(pub Vec<u8>);
 
 impl WrBytes {
     pub(crate) fn send(wr: &SendWr) -> WrBytes {
-        let mut slot = vec![0u8; crate::ring::send_stride(crate::ring::MAX_SGE as u32, 0)
-            .max(crate::ring::send_stride(0, crate::ring::MAX_INLINE as u32))];
+        let mut slot = vec![
+            0u8;
+            crate::ring::send_stride(crate::ring::MAX_SGE as u32, 0)
+                .max(crate::ring::send_stride(0, crate::ring::MAX_INLINE as u32))
+        ];
         // Every WR the core holds decoded from a slot of at most this size.
         if let Err(e) = wr.encode(&mut slot) {
             debug_assert!(false, "re-encoding a WR we decoded: {e:?}");

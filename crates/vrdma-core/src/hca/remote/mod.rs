@@ -770,7 +770,7 @@ impl Hca {
         l.after = AfterPayload::Nothing;
         l.cancelled = false;
         let ud = matches!(hdr.opcode, crate::wire::Opcode::UdSendOnly | crate::wire::Opcode::UdSendOnlyImm);
-        if !ud && self.paused_handle(link, hdr) {
+        if self.paused_handle(link, hdr) {
             return Sink::Discard;
         }
         let (sink, after) = if ud {

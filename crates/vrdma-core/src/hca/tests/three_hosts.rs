@@ -5,7 +5,7 @@
 //! tenant that never resumes, a forged snapshot, a frame from the old
 //! location) are injected by the tests. See `hca::migrate`.
 
-use super::two_hosts::{conn, connect_side, frame_bytes, host_with};
+use super::two_hosts::{conn, connect_side, frame_bytes, gid_ah, host_with};
 use super::*;
 use crate::hca::migrate::{MigrateError, SnapshotError, TenantSnapshot};
 use crate::verbs::Gid;
@@ -158,7 +158,9 @@ fn deliver(bytes: &[u8], to: &mut Env, link: LinkId, now: Instant) -> Seen {
     let mut seen = Seen::default();
     match repr {
         FrameRepr::Data(d) => {
-            if d.aeth.is_some_and(|a| a.syndrome == crate::wire::Syndrome::Nak(crate::wire::NakCode::QpPaused)) {
+            if d.aeth
+                .is_some_and(|a| a.syndrome == crate::wire::Syndrome::Nak(crate::wire::NakCode::QpPaused))
+            {
                 seen.paused_naks += 1;
             }
             match to.hca.handle_data(link, &d, now, &mut to.io) {
@@ -249,7 +251,13 @@ fn a_to_b(k: u64, a: &End, b: &End) -> SendWr {
         wr(k, SendOpcode::Send, &[a.buf.sge(slot, 600)], SendFlags::SIGNALED)
     } else {
         a.buf.write(slot as usize, &message(k, 300));
-        let mut w = rdma(k, SendOpcode::RdmaWriteWithImm, &[a.buf.sge(slot, 300)], b.buf.addr + WRITES_AT + slot, b.buf.key);
+        let mut w = rdma(
+            k,
+            SendOpcode::RdmaWriteWithImm,
+            &[a.buf.sge(slot, 300)],
+            b.buf.addr + WRITES_AT + slot,
+            b.buf.key,
+        );
         w.imm_data = k as u32;
         w.flags = SendFlags::SIGNALED;
         w
@@ -266,7 +274,11 @@ fn check_at_b(got: &[Cqe], next: &mut u64, b: &End) {
             assert_eq!((c.opcode, c.byte_len), (WcOpcode::Recv, 600), "message {k}");
             assert_eq!(b.buf.read(slot as usize, 600), message(k, 600), "message {k}'s bytes");
         } else {
-            assert_eq!((c.opcode, c.imm_data, c.byte_len), (WcOpcode::RecvRdmaWithImm, k as u32, 300), "message {k}");
+            assert_eq!(
+                (c.opcode, c.imm_data, c.byte_len),
+                (WcOpcode::RecvRdmaWithImm, k as u32, 300),
+                "message {k}"
+            );
             assert_eq!(b.buf.read((WRITES_AT + slot) as usize, 300), message(k, 300), "message {k}'s bytes");
         }
         *next += 1;
@@ -333,7 +345,9 @@ fn a_tenant_moves_back_and_forth_mid_stream_and_its_peer_sees_only_pauses() {
         if sent_ba < TOTAL / 2 && sent_ba < next_done_b + 4 {
             let slot = 40 * 1024 + (sent_ba % SLOTS) * 64;
             b.buf.write(slot as usize, &message(sent_ba, 64));
-            t.hosts[B].io.post_send(b.qpn, wr(sent_ba, SendOpcode::Send, &[b.buf.sge(slot, 64)], SendFlags::SIGNALED));
+            t.hosts[B]
+                .io
+                .post_send(b.qpn, wr(sent_ba, SendOpcode::Send, &[b.buf.sge(slot, 64)], SendFlags::SIGNALED));
             sent_ba += 1;
         }
         // A few rounds of progress, not to completion: the move falls
@@ -375,14 +389,21 @@ fn a_tenant_moves_back_and_forth_mid_stream_and_its_peer_sees_only_pauses() {
             } else {
                 let k = next_done_a;
                 let op = if k % 2 == 0 { WcOpcode::Send } else { WcOpcode::RdmaWrite };
-                assert_eq!((c.wr_id, c.status, c.opcode), (k, WcStatus::Success, op), "completion of {k} at A");
+                assert_eq!(
+                    (c.wr_id, c.status, c.opcode),
+                    (k, WcStatus::Success, op),
+                    "completion of {k} at A"
+                );
                 next_done_a += 1;
             }
         }
         assert_ne!(t.hosts[B].io.state(b.qpn), Some(QpState::Err), "B's QP in round {round}");
         for h in [A, C] {
             if h != at {
-                assert!(t.hosts[h].io.cqs.get(&a.cq).is_none_or(|v| v.is_empty()), "a completion left behind");
+                assert!(
+                    t.hosts[h].io.cqs.get(&a.cq).is_none_or(|v| v.is_empty()),
+                    "a completion left behind"
+                );
             }
         }
         if next_at_b == TOTAL && next_done_a == TOTAL && next_at_a == TOTAL / 2 && next_done_b == TOTAL / 2 {
@@ -498,36 +519,51 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
         ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
         ("QP on a CQ not in it", forge(&|s| s.qps[0].init.send_cq = 0x777)),
         ("QPN above 24 bits", forge(&|s| s.qps[0].qpn = 1 << 24)),
-        ("two QPs with one number", forge(&|s| {
-            let q = s.qps[0].clone();
-            s.qps.push(q)
-        })),
-        ("a key twice", forge(&|s| {
-            let m = s.mrs[0].clone();
-            s.mrs.push(m)
-        })),
+        (
+            "two QPs with one number",
+            forge(&|s| {
+                let q = s.qps[0].clone();
+                s.qps.push(q)
+            }),
+        ),
+        (
+            "a key twice",
+            forge(&|s| {
+                let m = s.mrs[0].clone();
+                s.mrs.push(m)
+            }),
+        ),
         ("region past the address space", forge(&|s| s.mrs[0].addr = u64::MAX - 10)),
         ("unknown access bits", forge(&|s| s.mrs[0].access = 0xffff_0000)),
         ("CQ ring not a power of two", forge(&|s| s.cqs[0].ring_bytes = 3 * crate::ring::CQE_SIZE as u64)),
         ("epoch 0", forge(&|s| s.qps[0].epoch = 0)),
-        ("PSN gap", forge(&|s| {
-            let q = s.qps[0].send.as_mut().unwrap();
-            q.next_psn = psn(q.next_psn + 5);
-        })),
+        (
+            "PSN gap",
+            forge(&|s| {
+                let q = s.qps[0].send.as_mut().unwrap();
+                q.next_psn = psn(q.next_psn + 5);
+            }),
+        ),
         ("a WR that does not decode", forge(&|s| s.qps[0].send.as_mut().unwrap().sent[0].wr.0[8] = 0xee)),
-        ("more WRs than the queue", forge(&|s| {
-            let q = s.qps[0].send.as_mut().unwrap();
-            let w = q.sent[0].clone();
-            for i in 0..20 {
-                let mut w = w.clone();
-                w.first_psn = psn(q.next_psn + i);
-                w.npsn = 1;
-                q.sent.push(w);
-            }
-            q.next_psn = psn(q.next_psn + 20);
-        })),
+        (
+            "more WRs than the queue",
+            forge(&|s| {
+                let q = s.qps[0].send.as_mut().unwrap();
+                let w = q.sent[0].clone();
+                for i in 0..20 {
+                    let mut w = w.clone();
+                    w.first_psn = psn(q.next_psn + i);
+                    w.npsn = 1;
+                    q.sent.push(w);
+                }
+                q.next_psn = psn(q.next_psn + 20);
+            }),
+        ),
     ];
-    assert!(snap.qps[0].send.as_ref().is_some_and(|s| !s.sent.is_empty()), "the snapshot has a request outstanding");
+    assert!(
+        snap.qps[0].send.as_ref().is_some_and(|s| !s.sent.is_empty()),
+        "the snapshot has a request outstanding"
+    );
     for (what, v) in cases {
         let mut c = fresh();
         let r = c.hca.import_tenant(&v, T0, &mut region_of);
@@ -564,7 +600,10 @@ fn an_import_that_collides_or_passes_the_quota_is_refused() {
         qpns.push(c.end(ContextId(50)).qpn);
     }
     let r = c.hca.import_tenant(&bytes, T0, &mut region_of);
-    assert!(matches!(&r, Err(SnapshotError::Collision(m)) if m.contains("QPN") || m.contains("object id") || m.contains("key")), "{r:?}");
+    assert!(
+        matches!(&r, Err(SnapshotError::Collision(m)) if m.contains("QPN") || m.contains("object id") || m.contains("key")),
+        "{r:?}"
+    );
     // The tenant's quota here is too small for it.
     let mut c = bare_host(IPS[C], &tune);
     c.hca.set_quota(TENANT, Quota { max_objects: 2, ..Quota::default() });
@@ -595,7 +634,8 @@ fn frames_from_the_old_location_are_dropped_after_a_move() {
     t.run(T0);
     assert_eq!(t.seen.moved_ok, 1);
     let (lb_a, lb_c) = (t.link(B, A), t.link(B, C));
-    let dropped = |t: &ThreeHosts| t.hosts[B].hca.links().iter().find(|l| l.id == lb_a).unwrap().stats.dropped_in;
+    let dropped =
+        |t: &ThreeHosts| t.hosts[B].hca.links().iter().find(|l| l.id == lb_a).unwrap().stats.dropped_in;
     let before = dropped(&t);
     // A forged (or late) send from the old location, in sequence.
     let epsn = t.hosts[B].hca.qps[&b.qpn].remote.as_ref().unwrap().recv.as_ref().unwrap().epsn;
@@ -650,4 +690,32 @@ fn what_cannot_move_is_refused_on_the_source() {
     env.connect(y.qpn, x.qpn);
     env.hca.pause_tenant(TENANT).unwrap();
     assert!(matches!(env.hca.export_tenant(TENANT), Err(MigrateError::Unsupported(_))));
+}
+
+/// A responder-only QP (RTR) that received nothing before the move: it
+/// announces itself all the same, and the peer's first request reaches
+/// the new host.
+#[test]
+fn an_idle_connection_moves_and_its_peer_reaches_the_new_host() {
+    let mut t = ThreeHosts::new(256, tune);
+    let a = t.hosts[A].end(C1);
+    let b = t.hosts[B].end(C1);
+    t.hosts[A].bring_to_init(a.qpn, conn());
+    t.hosts[A].bring_to_rtr_via(a.qpn, b.qpn, conn(), gid_ah(IPS[B], 1), 100, 4);
+    connect_side(&mut t.hosts[B], b.qpn, a.qpn, IPS[A], conn());
+    let mem = HashMap::from([(a.buf.key, a.buf.mem.clone())]);
+    t.run(T0);
+    assert!(t.hosts[A].hca.qps[&a.qpn].remote.is_none(), "A's QP carried nothing");
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    assert_eq!(t.seen.moved_ok, 1);
+    t.hosts[C].io.post_recv(a.qpn, recv(5, &[a.buf.sge(0, 64)]));
+    b.buf.write(0, &message(77, 64));
+    t.hosts[B].io.post_send(b.qpn, wr(9, SendOpcode::Send, &[b.buf.sge(0, 64)], SendFlags::SIGNALED));
+    t.run(T0);
+    let got = t.hosts[B].poll(b.cq);
+    assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(9, WcStatus::Success)]);
+    let got = t.hosts[C].poll(a.cq);
+    assert_eq!(got.iter().map(|c| (c.wr_id, c.byte_len)).collect::<Vec<_>>(), vec![(5, 64)]);
+    assert_eq!(a.buf.read(0, 64), message(77, 64));
 }

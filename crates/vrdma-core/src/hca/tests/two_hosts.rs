@@ -193,7 +193,7 @@ fn data_header(t: &crate::hca::remote::Transmit) -> crate::wire::DataRepr {
 
 /// RESET -> RTS on one host, towards `peer` on the host at `ip`.
 /// An address vector naming host `ip` by its GID, `hop_limit` hops away.
-fn gid_ah(ip: [u8; 4], hop_limit: u8) -> crate::verbs::AhAttr {
+pub(super) fn gid_ah(ip: [u8; 4], hop_limit: u8) -> crate::verbs::AhAttr {
     crate::verbs::AhAttr {
         is_global: true,
         dgid: Gid::from_ipv4(ip),
