@@ -169,7 +169,7 @@ impl Hca {
         // A queue's ring: a power of two of entries within the limits.
         let ring_ok = |rb: u64, stride: usize, most: u32| -> bool {
             let stride = stride as u64;
-            stride > 0 && rb % stride == 0 && {
+            stride > 0 && rb.is_multiple_of(stride) && {
                 let n = rb / stride;
                 n.is_power_of_two() && n <= u64::from(most.min(quota.max_queue_depth))
             }
@@ -371,11 +371,12 @@ impl Hca {
                 Some(InMsgSnap::Send { recv, .. } | InMsgSnap::WriteImm { recv }) => {
                     recv.decode_recv()?;
                 }
-                Some(InMsgSnap::Write { got, dma_len, va, .. }) => {
-                    if got > dma_len || va.checked_add(*dma_len).is_none() {
-                        return Err(bad("a write in progress".into()));
-                    }
+                Some(InMsgSnap::Write { got, dma_len, va, .. })
+                    if got > dma_len || va.checked_add(*dma_len).is_none() =>
+                {
+                    return Err(bad("a write in progress".into()));
                 }
+                Some(InMsgSnap::Write { .. }) => {}
             }
         }
         Ok(qp_ring_bytes(c))

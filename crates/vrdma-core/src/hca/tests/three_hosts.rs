@@ -246,7 +246,7 @@ fn message(k: u64, len: usize) -> Vec<u8> {
 /// writes with immediate `k` (300 bytes).
 fn a_to_b(k: u64, a: &End, b: &End) -> SendWr {
     let slot = (k % SLOTS) * SLOT;
-    if k % 2 == 0 {
+    if k.is_multiple_of(2) {
         a.buf.write(slot as usize, &message(k, 600));
         wr(k, SendOpcode::Send, &[a.buf.sge(slot, 600)], SendFlags::SIGNALED)
     } else {
@@ -270,7 +270,7 @@ fn check_at_b(got: &[Cqe], next: &mut u64, b: &End) {
         let k = *next;
         assert_eq!((c.wr_id, c.status), (k, WcStatus::Success), "message {k} at B: {c:?}");
         let slot = (k % SLOTS) * SLOT;
-        if k % 2 == 0 {
+        if k.is_multiple_of(2) {
             assert_eq!((c.opcode, c.byte_len), (WcOpcode::Recv, 600), "message {k}");
             assert_eq!(b.buf.read(slot as usize, 600), message(k, 600), "message {k}'s bytes");
         } else {
@@ -388,7 +388,7 @@ fn a_tenant_moves_back_and_forth_mid_stream_and_its_peer_sees_only_pauses() {
                 next_at_a += 1;
             } else {
                 let k = next_done_a;
-                let op = if k % 2 == 0 { WcOpcode::Send } else { WcOpcode::RdmaWrite };
+                let op = if k.is_multiple_of(2) { WcOpcode::Send } else { WcOpcode::RdmaWrite };
                 assert_eq!(
                     (c.wr_id, c.status, c.opcode),
                     (k, WcStatus::Success, op),
@@ -651,7 +651,7 @@ fn frames_from_the_old_location_are_dropped_after_a_move() {
     check_at_b(&got, &mut next, &b);
     assert_eq!(next, 1, "message 0 only, nothing from the forged frame: {got:?}");
     // Stale claims of the QP's location.
-    for (link, epoch) in [(lb_a, 1), (lb_a, 0 + 1), (lb_c, 1)] {
+    for (link, epoch) in [(lb_a, 1), (lb_a, 0), (lb_c, 1)] {
         let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch };
         assert!(!t.hosts[B].hca.handle_moved(link, &m, T0), "epoch {epoch} on link {link:?} accepted");
     }
