@@ -422,8 +422,7 @@ impl Hca {
             .map_or((q.attr.rq_psn & crate::wire::MAX_24, 0), |r| (r.epsn, r.msn));
         let mut r = DataRepr::new(Opcode::Acknowledge, q.tenant.0, hdr.src_qpn, hdr.dest_qpn, epsn);
         r.aeth = Some(Aeth { syndrome: Syndrome::Nak(NakCode::QpPaused), msn });
-        let l = self.net.links.get_mut(&link).expect("checked by the caller");
-        if l.datagrams.len() < MAX_PAUSED_NAKS {
+        if let Some(l) = self.net.links.get_mut(&link).filter(|l| l.datagrams.len() < MAX_PAUSED_NAKS) {
             l.datagrams.push_back(Transmit::new(&r));
         }
         self.net.dropped(link, "request for a paused QP (PAUSED NAK)");
