@@ -28,6 +28,8 @@ struct ThreeHosts {
     seen: Seen,
     /// Outstanding requests in each snapshot taken.
     outstanding: Vec<usize>,
+    /// Moves during which B had received part of a message.
+    mid_message: u32,
 }
 
 #[derive(Debug, Default, Clone, Copy)]
@@ -51,7 +53,13 @@ impl ThreeHosts {
     /// link between each pair, chunks of `chunk` bytes.
     fn new(chunk: u32, tune: impl Fn(&mut HcaConfig)) -> ThreeHosts {
         let hosts = vec![host_with(IPS[A], &tune), host_with(IPS[B], &tune), bare_host(IPS[C], &tune)];
-        let mut t = ThreeHosts { hosts, wires: Vec::new(), seen: Seen::default(), outstanding: Vec::new() };
+        let mut t = ThreeHosts {
+            hosts,
+            wires: Vec::new(),
+            seen: Seen::default(),
+            outstanding: Vec::new(),
+            mid_message: 0,
+        };
         for (x, y) in [(A, B), (B, C), (A, C)] {
             let lx = t.link_up(x, y, chunk);
             let ly = t.link_up(y, x, chunk);
@@ -138,6 +146,12 @@ impl ThreeHosts {
     /// VM's shared memory does), resume. Returns the snapshot's size.
     fn migrate(&mut self, x: usize, y: usize, mem: &HashMap<u32, Region>, now: Instant) -> usize {
         self.hosts[x].hca.pause_tenant(TENANT).expect("pause");
+        let partial = |q: &crate::hca::objects::Qp| {
+            q.remote.as_ref().and_then(|r| r.recv.as_ref()).is_some_and(|r| r.cur.is_some())
+        };
+        if self.hosts[B].hca.qps.values().any(partial) {
+            self.mid_message += 1;
+        }
         let bytes = self.hosts[x].hca.export_tenant(TENANT).expect("export");
         self.hosts[x].hca.finish_export(TENANT).expect("drop at the source");
         let snap = TenantSnapshot::decode(&bytes).expect("our own snapshot decodes");
@@ -421,6 +435,7 @@ fn a_tenant_moves_back_and_forth_mid_stream_and_its_peer_sees_only_pauses() {
     // The moves fell mid-stream, B was told to wait, and learnt each
     // new location (4 moves and 4 cancelled ones).
     assert!(t.outstanding.iter().any(|&n| n > 0), "no move had requests outstanding: {:?}", t.outstanding);
+    assert!(t.mid_message > 0, "no move fell in the middle of a message");
     assert!(t.seen.paused_naks > 0 && t.seen.moved_ok == 8 && t.seen.moved_refused == 0, "{:?}", t.seen);
 }
 
