@@ -195,7 +195,20 @@ pub struct HcaConfig {
     /// room, and one message may take at most half of this.
     pub max_psns_in_flight: u32,
     pub default_quota: Quota,
+    /// How long a requester whose peer QP answers PAUSED (its tenant is
+    /// migrating) waits for it to resume before its work request fails
+    /// `RETRY_EXC_ERR`, as for a dead host (`docs/migration.md`).
+    pub migration_pause_limit: std::time::Duration,
+    /// How often such a requester probes the paused peer (one request
+    /// frame each time), so that it learns when the QP resumes where it
+    /// was; a move to another host is announced by a Moved frame.
+    pub migration_probe_interval: std::time::Duration,
 }
+
+/// The default of [`HcaConfig::migration_pause_limit`].
+pub const MIGRATION_PAUSE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// The default of [`HcaConfig::migration_probe_interval`].
+pub const MIGRATION_PROBE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The default of [`HcaConfig::contended_bytes`]: about 10 µs of copying
 /// on a core of today.
@@ -300,6 +313,8 @@ impl HcaConfig {
             ack_delay: std::time::Duration::ZERO,
             max_psns_in_flight: MAX_PSNS_IN_FLIGHT,
             default_quota: Quota::default(),
+            migration_pause_limit: MIGRATION_PAUSE_LIMIT,
+            migration_probe_interval: MIGRATION_PROBE_INTERVAL,
         }
     }
 

@@ -16,6 +16,7 @@ mod datapath;
 mod direct;
 mod error;
 pub mod metrics;
+pub mod migrate;
 mod objects;
 mod queues;
 mod remote;

@@ -107,6 +107,22 @@ pub(crate) struct Qp {
     /// Put in the service order by a sweep rather than by a notice: work
     /// found in its next turn is counted as a wake-up that was missed.
     pub swept: bool,
+    /// Its tenant is paused for a migration (`hca::migrate`): it sends
+    /// nothing, answers requests with PAUSED NAKs and ignores responses.
+    pub paused: bool,
+    /// Its migration generation: how many times it moved.
+    pub epoch: u32,
+    /// It was imported from another host and must announce its new
+    /// location (a Moved frame) before its first other frame.
+    pub announce: bool,
+    /// Its peer QP moved to another host: the link that proved it, and
+    /// the epoch it proved; frames about this QP from any other link are
+    /// dropped, and a later move must carry a higher epoch.
+    pub peer_link: Option<super::LinkId>,
+    pub peer_epoch: u32,
+    /// The LID its peer had before its first move (what receive
+    /// completions keep reporting as the source).
+    pub peer_lid: u16,
 }
 
 impl Qp {
@@ -116,6 +132,9 @@ impl Qp {
     /// out keeps a pass's cost in the QPs in use, however many a tenant
     /// creates and leaves idle.
     pub fn needs_service(&self) -> bool {
+        if self.paused {
+            return false;
+        }
         match self.state() {
             QpState::Reset | QpState::Init => false,
             QpState::Rtr => self.remote.is_some(),
@@ -133,6 +152,7 @@ impl Qp {
             // in ERR, where the QP's own turn flushes them.
             && (self.requeued.is_empty() || self.state() != QpState::Err)
             && !self.sqd_notify
+            && !self.announce
             && self.remote.as_ref().is_none_or(|r| r.is_quiescent())
     }
 

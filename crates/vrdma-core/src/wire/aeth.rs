@@ -20,6 +20,11 @@ pub enum NakCode {
     /// The responder failed in a way the request did not cause (its
     /// receive WR was malformed, its CQ overflowed).
     RemoteOperationalError = 3,
+    /// The responder QP is paused: its tenant is being migrated to another
+    /// host (`docs/migration.md`). Not final: the requester keeps what is
+    /// outstanding, spends no retry, probes again after an interval and
+    /// fails `RETRY_EXC_ERR` only once the pause outlasts its bound.
+    QpPaused = 4,
 }
 
 impl NakCode {
@@ -29,6 +34,7 @@ impl NakCode {
             1 => NakCode::InvalidRequest,
             2 => NakCode::RemoteAccessError,
             3 => NakCode::RemoteOperationalError,
+            4 => NakCode::QpPaused,
             _ => return None,
         })
     }
@@ -39,7 +45,7 @@ impl NakCode {
     /// retransmissions have not helped).
     pub fn completion_status(self) -> Option<WcStatus> {
         match self {
-            NakCode::PsnSequenceError => None,
+            NakCode::PsnSequenceError | NakCode::QpPaused => None,
             NakCode::InvalidRequest => Some(WcStatus::RemInvReqErr),
             NakCode::RemoteAccessError => Some(WcStatus::RemAccessErr),
             NakCode::RemoteOperationalError => Some(WcStatus::RemOpErr),
@@ -127,7 +133,7 @@ mod tests {
                 ok += 1;
             }
         }
-        assert_eq!(ok, 1 + 32 + 4);
+        assert_eq!(ok, 1 + 32 + 5);
     }
 
     #[test]
@@ -136,5 +142,6 @@ mod tests {
         assert_eq!(NakCode::InvalidRequest.completion_status(), Some(WcStatus::RemInvReqErr));
         assert_eq!(NakCode::RemoteOperationalError.completion_status(), Some(WcStatus::RemOpErr));
         assert_eq!(NakCode::PsnSequenceError.completion_status(), None);
+        assert_eq!(NakCode::QpPaused.completion_status(), None);
     }
 }

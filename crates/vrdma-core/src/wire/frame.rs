@@ -21,6 +21,7 @@
 //! Multi-byte fields are big-endian.
 
 use super::control::{AUTH_LEN, CLOSE_LEN, HELLO_LEN, KEEPALIVE_LEN, TAG_LEN};
+use super::moved::{MovedRepr, MOVED_LEN};
 use super::opcode::{ATOMIC_ACK_LEN, ATOMIC_LEN, IMM_LEN, RETH_LEN, UD_LEN};
 use super::{
     check_24, check_zero, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, Aeth, CloseRepr, Exts,
@@ -56,6 +57,8 @@ pub enum FrameType {
     Close = 0x04,
     /// A connection manager's message (REQ, REP, …) in the payload.
     Cm = 0x05,
+    /// A migrated QP's new location (see [`super::MovedRepr`]).
+    Moved = 0x06,
     Data = 0x10,
 }
 
@@ -67,6 +70,7 @@ impl FrameType {
             0x03 => FrameType::Keepalive,
             0x04 => FrameType::Close,
             0x05 => FrameType::Cm,
+            0x06 => FrameType::Moved,
             0x10 => FrameType::Data,
             _ => return None,
         })
@@ -81,6 +85,7 @@ impl FrameType {
             FrameType::Keepalive => (KEEPALIVE_LEN, KEEPALIVE_LEN),
             FrameType::Close => (CLOSE_LEN, CLOSE_LEN),
             FrameType::Cm => (BASE_HEADER_LEN, BASE_HEADER_LEN),
+            FrameType::Moved => (MOVED_LEN, MOVED_LEN),
             FrameType::Data => (DATA_HEADER_LEN, MAX_DATA_HEADER_LEN),
         }
     }
@@ -560,6 +565,8 @@ pub enum FrameRepr {
     Cm {
         len: u32,
     },
+    /// A migrated QP's new location.
+    Moved(MovedRepr),
     Data(DataRepr),
 }
 
@@ -580,6 +587,7 @@ impl FrameRepr {
             FrameType::Keepalive => FrameRepr::Keepalive(KeepaliveRepr::read(b)?),
             FrameType::Close => FrameRepr::Close(CloseRepr::read(b)?),
             FrameType::Cm => FrameRepr::Cm { len: base.payload_len },
+            FrameType::Moved => FrameRepr::Moved(MovedRepr::read(b)?),
             FrameType::Data => FrameRepr::Data(DataRepr::read(b, b[field::FLAGS], base.payload_len)?),
         })
     }
@@ -591,6 +599,7 @@ impl FrameRepr {
             FrameRepr::Keepalive(_) => FrameType::Keepalive,
             FrameRepr::Close(_) => FrameType::Close,
             FrameRepr::Cm { .. } => FrameType::Cm,
+            FrameRepr::Moved(_) => FrameType::Moved,
             FrameRepr::Data(_) => FrameType::Data,
         }
     }
@@ -604,6 +613,7 @@ impl FrameRepr {
             FrameRepr::Keepalive(_) => KEEPALIVE_LEN,
             FrameRepr::Close(_) => CLOSE_LEN,
             FrameRepr::Cm { .. } => BASE_HEADER_LEN,
+            FrameRepr::Moved(_) => MOVED_LEN,
             FrameRepr::Data(d) => d.header_len(),
         }
     }
@@ -644,6 +654,10 @@ impl FrameRepr {
                 return Err(WireError::BadCmLen(*len));
             }
             FrameRepr::Cm { .. } => {}
+            FrameRepr::Moved(m) => {
+                m.check()?;
+                m.write(b);
+            }
             FrameRepr::Data(d) => {
                 d.check()?;
                 d.write(b);

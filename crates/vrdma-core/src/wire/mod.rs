@@ -49,6 +49,7 @@ pub mod cm;
 mod control;
 mod decoder;
 mod frame;
+mod moved;
 mod opcode;
 
 #[cfg(test)]
@@ -58,6 +59,7 @@ pub use aeth::{Aeth, NakCode, Syndrome};
 pub use control::{CloseReason, CloseRepr, HelloRepr, KeepaliveRepr, Role, NONCE_LEN, TAG_LEN};
 pub use decoder::{Event, FrameDecoder, Want};
 pub use frame::{parse_frame, AtomicEth, DataFlags, DataRepr, FrameRepr, FrameType, Packet, Reth, UdEth};
+pub use moved::MovedRepr;
 pub use opcode::{Exts, Opcode};
 
 /// The first two bytes of every frame: `"vR"`.

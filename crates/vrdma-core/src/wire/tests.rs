@@ -80,6 +80,8 @@ fn all_frames() -> Vec<FrameRepr> {
         FrameRepr::Keepalive(KeepaliveRepr { seq: u64::MAX, reply: true }),
         FrameRepr::Close(CloseRepr { reason: CloseReason::ProtocolError, detail: 0x10 }),
         FrameRepr::Close(CloseRepr { reason: CloseReason::KeepaliveTimeout, detail: 0 }),
+        FrameRepr::Moved(MovedRepr { vnet: 1000, qpn: 0x11, peer_qpn: MAX_24, epoch: 1 }),
+        FrameRepr::Moved(MovedRepr { vnet: u32::MAX, qpn: 2, peer_qpn: 3, epoch: u32::MAX }),
     ];
     v.extend(Opcode::ALL.iter().map(|op| FrameRepr::Data(sample(*op))));
     let mut ack = sample(Opcode::Acknowledge);
@@ -89,6 +91,7 @@ fn all_frames() -> Vec<FrameRepr> {
         Syndrome::Nak(NakCode::InvalidRequest),
         Syndrome::Nak(NakCode::RemoteAccessError),
         Syndrome::Nak(NakCode::RemoteOperationalError),
+        Syndrome::Nak(NakCode::QpPaused),
     ] {
         ack.aeth = Some(Aeth { syndrome: s, msn: 3 });
         v.push(FrameRepr::Data(ack));
@@ -456,4 +459,35 @@ fn auth_succeeds_with_the_shared_key_and_fails_otherwise() {
     let other_initiator = hello(Role::Initiator, 3, 0x33);
     assert_eq!(auth::local_tag(psk, &i, &other_initiator), Err(AuthError::RoleMismatch));
     assert_eq!(auth::local_tag(b"short", &i, &a), Err(AuthError::KeyTooShort(5)));
+}
+
+/// A Moved frame names 24-bit QPs and an epoch of at least 1; anything
+/// else is refused on the way out and on the way in.
+#[test]
+fn moved_frames_refuse_an_epoch_of_zero_and_wide_qpns() {
+    let good = MovedRepr { vnet: 7, qpn: 0x11, peer_qpn: 0x12, epoch: 1 };
+    for bad in [
+        MovedRepr { epoch: 0, ..good },
+        MovedRepr { qpn: MAX_24 + 1, ..good },
+        MovedRepr { peer_qpn: 1 << 31, ..good },
+    ] {
+        assert!(FrameRepr::Moved(bad).emit(&mut [0u8; 64]).is_err(), "{bad:?} emitted");
+        let mut b = encode(&FrameRepr::Moved(good));
+        let at = if bad.epoch == 0 {
+            24
+        } else if bad.qpn != good.qpn {
+            16
+        } else {
+            20
+        };
+        let v = if bad.epoch == 0 {
+            0
+        } else if bad.qpn != good.qpn {
+            bad.qpn
+        } else {
+            bad.peer_qpn
+        };
+        b[at..at + 4].copy_from_slice(&v.to_be_bytes());
+        assert!(parse_frame(&b).is_err(), "{bad:?} parsed");
+    }
 }

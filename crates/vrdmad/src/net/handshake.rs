@@ -75,6 +75,7 @@ fn frame_name(f: &FrameRepr) -> &'static str {
         FrameRepr::Keepalive(_) => "Keepalive",
         FrameRepr::Close(_) => "Close",
         FrameRepr::Cm { .. } => "a connection manager's frame",
+        FrameRepr::Moved(_) => "a Moved frame",
         FrameRepr::Data(_) => "a data frame",
     }
 }

@@ -346,6 +346,11 @@ impl LinkIo {
                 self.after_large = false;
                 Ok(())
             }
+            FrameRepr::Moved(m) => {
+                // A migrated QP's new location: the core checks it.
+                hca.handle_moved(self.id, &m, now);
+                Ok(())
+            }
             FrameRepr::Hello(_) | FrameRepr::Auth(_) => {
                 Err("protocol error: a handshake frame on an open link".into())
             }

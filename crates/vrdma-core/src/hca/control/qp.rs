@@ -86,6 +86,12 @@ impl Hca {
                 served: false,
                 in_order: false,
                 swept: false,
+                paused: false,
+                epoch: 0,
+                announce: false,
+                peer_link: None,
+                peer_epoch: 0,
+                peer_lid: 0,
             },
         );
         Ok(QpCreated { qpn, cap: granted })

@@ -60,8 +60,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::hca::TenantId;
 
-pub(crate) use requester::RemoteSend;
-pub(crate) use responder::RemoteRecv;
+pub(crate) use requester::{psns_of, RemoteSend};
+pub(crate) use responder::{InMsg, RemoteRecv};
 
 use super::{Hca, Queues};
 use crate::memory::Region;
@@ -119,13 +119,23 @@ pub struct Transmit {
 }
 
 impl Transmit {
-    fn new(repr: &DataRepr) -> Transmit {
+    pub(crate) fn new(repr: &DataRepr) -> Transmit {
         let mut t = Transmit::default();
         let hl = repr.header_len();
         t.header.extend(std::iter::repeat_n(0, hl));
         // Every repr built here is valid by construction; a failure is a
         // bug, and the frame goes out as a zeroed header the peer refuses.
         if let Err(e) = FrameRepr::Data(*repr).emit(&mut t.header) {
+            debug_assert!(false, "emitting a frame we built: {e}");
+        }
+        t
+    }
+
+    /// A frame with no payload that is not a data frame (a Moved frame).
+    pub(crate) fn control(repr: &FrameRepr) -> Transmit {
+        let mut t = Transmit::default();
+        t.header.extend(std::iter::repeat_n(0, repr.header_len()));
+        if let Err(e) = repr.emit(&mut t.header) {
             debug_assert!(false, "emitting a frame we built: {e}");
         }
         t
@@ -281,7 +291,7 @@ impl Link {
 
 impl AfterPayload {
     /// The QP whose frame's payload this finishes.
-    fn qpn(&self) -> Option<u32> {
+    pub(crate) fn qpn(&self) -> Option<u32> {
         match *self {
             AfterPayload::Nothing => None,
             AfterPayload::Request { qpn }
@@ -323,7 +333,7 @@ impl Network {
     }
 
     /// Binds a QP to a link; it is awake there (it binds while it works).
-    fn attach(&mut self, link: LinkId, qpn: u32, tenant: TenantId) {
+    pub(crate) fn attach(&mut self, link: LinkId, qpn: u32, tenant: TenantId) {
         let Some(l) = self.links.get_mut(&link) else { return };
         match l.tenants.iter_mut().find(|t| t.tenant == tenant) {
             Some(t) => {
@@ -723,6 +733,10 @@ impl Hca {
                     t.awake.remove(qpn);
                 }
                 Some(true) => {
+                    // A QP that moved here says so before anything else.
+                    if let Some(tx) = self.announce_transmit(qpn, link) {
+                        return Some(tx);
+                    }
                     let tx = self.responder_transmit(qpn, link, now).or_else(|| {
                         if requests {
                             self.requester_transmit(qpn, link, now, io)
@@ -756,6 +770,9 @@ impl Hca {
         l.after = AfterPayload::Nothing;
         l.cancelled = false;
         let ud = matches!(hdr.opcode, crate::wire::Opcode::UdSendOnly | crate::wire::Opcode::UdSendOnlyImm);
+        if self.paused_handle(link, hdr) {
+            return Sink::Discard;
+        }
         let (sink, after) = if ud {
             self.datagram_handle(link, hdr, io)
         } else if hdr.opcode.is_request() {

@@ -33,7 +33,7 @@ pub(crate) struct SentWr {
 }
 
 /// The PSNs a request takes at `chunk` bytes a frame.
-fn psns_of(wr: &SendWr, chunk: u64) -> u32 {
+pub(crate) fn psns_of(wr: &SendWr, chunk: u64) -> u32 {
     if wr.opcode.is_atomic() {
         1
     } else {
@@ -97,6 +97,10 @@ pub(crate) struct RemoteSend {
     pub retries_left: u8,
     /// When the last request frame went out.
     pub last_sent: Instant,
+    /// Since when the peer has answered PAUSED (its tenant migrates): the
+    /// requester probes it instead of timing it, until it resumes or
+    /// `migration_pause_limit` passes.
+    pub paused_since: Option<Instant>,
 }
 
 impl RemoteSend {
@@ -114,6 +118,74 @@ impl RemoteSend {
             ack_deadline: None,
             retries_left: attr.retry_cnt,
             last_sent: Instant::ZERO,
+            paused_since: None,
+        }
+    }
+
+    /// What a migration carries of it (see `hca::migrate`): the
+    /// outstanding requests at their PSNs, the counters; not the link,
+    /// the timers or the progress of the transmitter, which starts again
+    /// from the oldest request on the host that resumes.
+    pub(crate) fn snapshot(&self, chunk: u32) -> crate::hca::migrate::SendSnap {
+        use crate::hca::migrate::{SendSnap, SentSnap, WrBytes};
+        SendSnap {
+            next_psn: self.next_psn,
+            chunk,
+            sent: self
+                .sent
+                .iter()
+                .map(|w| SentSnap {
+                    wr: WrBytes::send(&w.wr),
+                    first_psn: w.first_psn,
+                    npsn: w.npsn,
+                    status: w.status,
+                    went_out: w.went_out,
+                })
+                .collect(),
+            blocked: self.blocked.as_ref().map(|(wr, st)| (WrBytes::send(wr), *st)),
+            rnr_left: self.rnr_left,
+            retries_left: self.retries_left,
+        }
+    }
+
+    /// The requester of an imported QP, from checked parts: `sent` holds
+    /// the decoded WRs with their PSN ranges, each given a fresh serial.
+    pub(crate) fn restored(
+        snap: &crate::hca::migrate::SendSnap,
+        sent: Vec<(SendWr, &crate::hca::migrate::SentSnap)>,
+        blocked: Option<(SendWr, WcStatus)>,
+        serial: &mut u64,
+        now: Instant,
+    ) -> RemoteSend {
+        RemoteSend {
+            link: None,
+            link_lost: false,
+            next_psn: snap.next_psn,
+            sent: sent
+                .into_iter()
+                .map(|(wr, w)| {
+                    *serial += 1;
+                    SentWr {
+                        wr,
+                        serial: *serial,
+                        first_psn: w.first_psn,
+                        npsn: w.npsn,
+                        placed: 0,
+                        status: w.status,
+                        went_out: w.went_out,
+                        taken: now,
+                    }
+                })
+                .collect(),
+            tx: 0,
+            tx_off: 0,
+            blocked,
+            hold_until: Instant::ZERO,
+            rnr_left: snap.rnr_left,
+            ack_deadline: None,
+            retries_left: snap.retries_left,
+            last_sent: Instant::ZERO,
+            paused_since: None,
         }
     }
 }
@@ -159,7 +231,11 @@ impl Hca {
         io: &mut dyn Queues,
         act: &mut crate::hca::Activity,
     ) {
-        let route = self.qps.get(&qpn).map(|q| (q.attr.ah_attr, self.net.route(&q.attr.ah_attr)));
+        let route = self.qps.get(&qpn).map(|q| {
+            // A peer that moved is where its Moved frame came from.
+            let moved = q.peer_link.filter(|l| self.net.links.contains_key(l));
+            (q.attr.ah_attr, moved.or_else(|| self.net.route(&q.attr.ah_attr)))
+        });
         let Some((ah, route)) = route else { return };
         let qp = self.qps.get_mut(&qpn).expect("looked up above");
         let (attr, tenant) = (qp.attr, qp.tenant);
@@ -203,9 +279,27 @@ impl Hca {
                 act.busy = true;
             }
         }
+        let limit = self.config.migration_pause_limit;
         let Some(s) = self.send_state(qpn) else { return };
         if s.hold_until > now {
             act.timer(s.hold_until);
+        }
+        // The peer is paused for a migration: no retry is spent while it
+        // is, only the bound, after which it counts as a dead host.
+        if let Some(since) = s.paused_since {
+            let end = since + limit;
+            if now >= end || s.sent.is_empty() {
+                s.paused_since = None;
+                if now >= end {
+                    act.busy = true;
+                    tracing::debug!(qpn, "peer paused past the migration bound");
+                    self.remote_fail(qpn, WcStatus::RetryExcErr, io);
+                }
+                return;
+            }
+            s.ack_deadline = None;
+            act.timer(end);
+            return;
         }
         // Whatever is outstanding is timed (unless the timeout is
         // infinite), so that a QP whose peer went silent always ends.
@@ -379,9 +473,18 @@ impl Hca {
         // The transport timer runs from the last frame sent: a long
         // message is answered only at its end, and the time its frames
         // take to go out is not the peer's silence.
+        let probe = self.config.migration_probe_interval;
         let s = self.send_state(qpn)?;
         s.last_sent = now;
         s.ack_deadline = ack_timeout.map(|t| now + t);
+        if s.paused_since.is_some() {
+            // A probe of a paused peer: one frame, the oldest, each
+            // interval, until it answers otherwise or moves.
+            s.tx = 0;
+            s.tx_off = 0;
+            s.hold_until = now + probe;
+            s.ack_deadline = None;
+        }
         Some(t)
     }
 
@@ -489,7 +592,10 @@ impl Hca {
     ) -> (Sink, AfterPayload) {
         let qpn = hdr.dest_qpn;
         let ours = self.qps.get(&qpn).is_some_and(|q| {
-            q.tenant.0 == hdr.vnet
+            // A paused QP's state is frozen for its snapshot: the
+            // answers it misses come again to where it resumes.
+            !q.paused
+                && q.tenant.0 == hdr.vnet
                 && !q.tenant.is_host_local()
                 && q.attr.dest_qp_num == hdr.src_qpn
                 && q.remote.as_ref().and_then(|r| r.send.as_ref()).is_some_and(|s| s.link == Some(link))
@@ -500,6 +606,13 @@ impl Hca {
             return (Sink::Discard, AfterPayload::Nothing);
         }
         let psn = hdr.psn;
+        let paused_nak = hdr.aeth.is_some_and(|a| a.syndrome == Syndrome::Nak(NakCode::QpPaused));
+        if !paused_nak {
+            // Any other answer: the peer is not (or no longer) paused.
+            if let Some(s) = self.send_state(qpn) {
+                s.paused_since = None;
+            }
+        }
         match hdr.opcode {
             Opcode::Acknowledge => {
                 let Some(aeth) = hdr.aeth else { return (Sink::Discard, AfterPayload::Nothing) };
@@ -514,6 +627,7 @@ impl Hca {
                     Syndrome::Ack => self.acked_through(qpn, psn, now, io),
                     Syndrome::RnrNak { timer } => self.rnr_nak(qpn, psn, timer, now, io),
                     Syndrome::Nak(NakCode::PsnSequenceError) => self.sequence_nak(qpn, psn, now, io),
+                    Syndrome::Nak(NakCode::QpPaused) => self.paused_nak(qpn, psn, now, io),
                     Syndrome::Nak(code) => {
                         self.acked_before(qpn, psn, now, io);
                         let status = code.completion_status().unwrap_or(WcStatus::RemOpErr);
@@ -741,6 +855,28 @@ impl Hca {
         if !Self::rewind(s, psn, chunk) {
             self.remote_fail(qpn, WcStatus::RetryExcErr, io);
         }
+    }
+
+    /// The peer QP is paused (its tenant migrates) and expected `psn`:
+    /// what lies before it is done; the rest waits, probed every
+    /// `migration_probe_interval`, without spending a retry, until the
+    /// peer answers otherwise, announces where it moved, or the pause
+    /// outlasts `migration_pause_limit`.
+    fn paused_nak(&mut self, qpn: u32, psn: u32, now: Instant, io: &mut dyn Queues) {
+        self.acked_before(qpn, psn, now, io);
+        let probe = self.config.migration_probe_interval;
+        let Some(s) = self.send_state(qpn) else { return };
+        if s.sent.is_empty() {
+            return;
+        }
+        if s.paused_since.is_none() {
+            tracing::debug!(qpn, psn, "peer QP paused for a migration; waiting");
+            s.paused_since = Some(now);
+            s.hold_until = now + probe;
+        }
+        s.tx = 0;
+        s.tx_off = 0;
+        s.ack_deadline = None;
     }
 
     /// The responder expected `psn`: send again from there, once per retry.

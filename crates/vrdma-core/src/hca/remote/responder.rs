@@ -104,6 +104,43 @@ impl RemoteRecv {
         }
     }
 
+    /// What a migration carries of it (see `hca::migrate`): where the
+    /// next request starts, the message in progress, the atomics' answers.
+    /// Queued answers are not carried: the requester sends again what
+    /// they would have answered, and duplicates are answered anew.
+    pub(crate) fn snapshot(&self) -> crate::hca::migrate::RecvSnap {
+        use crate::hca::migrate::{InMsgSnap, RecvSnap, WrBytes};
+        RecvSnap {
+            epsn: self.epsn,
+            msn: self.msn,
+            cur: self.cur.as_ref().map(|m| match m {
+                InMsg::Send { recv, got } => InMsgSnap::Send { recv: WrBytes::recv(recv), got: *got },
+                InMsg::Write { va, rkey, dma_len, got } => {
+                    InMsgSnap::Write { va: *va, rkey: *rkey, dma_len: *dma_len, got: *got }
+                }
+                InMsg::WriteImm { recv } => InMsgSnap::WriteImm { recv: WrBytes::recv(recv) },
+            }),
+            atomics: self.atomics.iter().copied().collect(),
+        }
+    }
+
+    /// The responder of an imported QP, from checked parts.
+    pub(crate) fn restored(epsn: u32, msn: u32, cur: Option<InMsg>, atomics: Vec<(u32, u64)>) -> RemoteRecv {
+        let mut r = RemoteRecv::new(epsn);
+        r.msn = msn & MAX_24;
+        r.cur = cur;
+        r.atomics = atomics.into();
+        r
+    }
+
+    /// A frame's payload is being placed for it.
+    pub(crate) fn placing(&self) -> bool {
+        self.pending.is_some()
+    }
+
+    /// Most atomics' answers kept for duplicates.
+    pub(crate) const MAX_ATOMICS: usize = MAX_READS;
+
     pub fn link_lost(&mut self) {
         self.link = None;
         self.responses.clear();
@@ -209,6 +246,16 @@ impl Hca {
         })
     }
 
+    /// Whether `link` leads to where `q`'s peer QP is: the host its
+    /// address names, or, once the peer moved, the link that proved it
+    /// (and no other: the host it left cannot take it back).
+    pub(crate) fn peer_on(&self, q: &crate::hca::objects::Qp, link: LinkId) -> bool {
+        match q.peer_link {
+            Some(l) => l == link,
+            None => self.link_serves(link, &q.attr.ah_attr),
+        }
+    }
+
     /// A request frame for one of our QPs.
     pub(super) fn responder_handle(
         &mut self,
@@ -226,7 +273,7 @@ impl Hca {
                 && !q.tenant.is_host_local()
                 && q.attr.dest_qp_num == hdr.src_qpn
                 && q.accepts_incoming()
-                && self.link_serves(link, &q.attr.ah_attr)
+                && self.peer_on(q, link)
         });
         if !ok {
             self.net.dropped(link, "request for no QP connected to its sender");
@@ -368,7 +415,12 @@ impl Hca {
         let qp = &self.qps[&qpn];
         let (pd, access) = (qp.pd, qp.attr.qp_access_flags);
         let resp = self.responder_of(qpn, qp);
-        let slid = self.net.links.get(&link).map_or(0, |l| l.info.lid);
+        // A peer that moved keeps the LID it had: its completions here
+        // must not tell where it went.
+        let slid = match qp.peer_link {
+            Some(_) => qp.peer_lid,
+            None => self.net.links.get(&link).map_or(0, |l| l.info.lid),
+        };
         let n = u64::from(hdr.payload_len);
         let off = u64::from(hdr.msg_offset);
         let last = hdr.opcode.is_last() || hdr.opcode.is_only();

@@ -28,7 +28,7 @@ fn host(ip: [u8; 4]) -> Env {
     host_with(ip, |_| {})
 }
 
-fn host_with(ip: [u8; 4], tune: impl Fn(&mut HcaConfig)) -> Env {
+pub(super) fn host_with(ip: [u8; 4], tune: impl Fn(&mut HcaConfig)) -> Env {
     let mut env = Env::new();
     let mut config = HcaConfig::for_host(ip);
     tune(&mut config);
@@ -172,7 +172,7 @@ impl TwoHosts {
 }
 
 /// Frame `t` as it goes on the wire: header, copied data, payload.
-fn frame_bytes(t: &crate::hca::remote::Transmit) -> Vec<u8> {
+pub(super) fn frame_bytes(t: &crate::hca::remote::Transmit) -> Vec<u8> {
     let mut bytes = t.header.to_vec();
     bytes.extend(&t.data);
     for s in &t.payload {
@@ -193,7 +193,7 @@ fn data_header(t: &crate::hca::remote::Transmit) -> crate::wire::DataRepr {
 
 /// RESET -> RTS on one host, towards `peer` on the host at `ip`.
 /// An address vector naming host `ip` by its GID, `hop_limit` hops away.
-fn gid_ah(ip: [u8; 4], hop_limit: u8) -> crate::verbs::AhAttr {
+pub(super) fn gid_ah(ip: [u8; 4], hop_limit: u8) -> crate::verbs::AhAttr {
     crate::verbs::AhAttr {
         is_global: true,
         dgid: Gid::from_ipv4(ip),
@@ -203,7 +203,7 @@ fn gid_ah(ip: [u8; 4], hop_limit: u8) -> crate::verbs::AhAttr {
     }
 }
 
-fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
+pub(super) fn connect_side(env: &mut Env, me: u32, peer: u32, ip: [u8; 4], c: Conn) {
     env.bring_to_init(me, c);
     env.bring_to_rtr_via(me, peer, c, gid_ah(ip, 1), 100, 4);
     env.bring_to_rts_via(me, c, 100, 4);
@@ -244,7 +244,7 @@ fn ud_up(env: &mut Env, qpn: u32) {
     }
 }
 
-fn conn() -> Conn {
+pub(super) fn conn() -> Conn {
     Conn { rnr_retry: 3, min_rnr_timer: 1, access: QP_ACCESS, timeout: 14, retry_cnt: 2 }
 }
 

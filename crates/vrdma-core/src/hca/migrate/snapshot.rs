@@ -1,0 +1,247 @@
+//! The snapshot of a tenant's device state: what moves from one host's
+//! daemon to another's when the tenant (a VM, later a checkpointed
+//! process) migrates.
+//!
+//! The format is ours, versioned, and read as untrusted input: a 6-byte
+//! header (`"vRMS"`, a big-endian u16 version) and then the body in
+//! postcard (serde). Work requests are kept in the shared-memory ring's
+//! own encoding, so that a WR from a snapshot passes the same decoder and
+//! checks as one a tenant posts. Decoding here only parses; every id,
+//! bound, reference and quota is checked by the import
+//! (`super::import`), against the importing host's tables.
+//!
+//! What is NOT in a snapshot: the bytes of memory regions and of the
+//! queue rings (send, receive, completion queues); they are in the
+//! tenant's shared memory, which moves with the VM. Nor anything that
+//! names a link or a host-local number: links are renumbered by the host
+//! that resumes, requests by their serials.
+
+use serde::{Deserialize, Serialize};
+
+use crate::ring::{RecvWr, SendWr};
+use crate::verbs::{AhAttr, QpAttr, QpInitAttr, SrqAttr, WcStatus};
+
+/// The first four bytes of a snapshot.
+pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
+/// The version this code writes and reads.
+pub const SNAPSHOT_VERSION: u16 = 1;
+/// Bytes before the body.
+pub const SNAPSHOT_HEADER_LEN: usize = 6;
+/// The largest snapshot accepted: far above what a tenant within its
+/// quotas can hold (a WR is at most a few hundred bytes), and a bound on
+/// what a forged one can make the importer parse.
+pub const MAX_SNAPSHOT_BYTES: usize = 256 << 20;
+
+/// Why a snapshot was refused (decoding or import).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SnapshotError {
+    #[error("snapshot truncated: {0} bytes")]
+    Truncated(usize),
+    #[error("snapshot of {0} bytes, above the limit of {MAX_SNAPSHOT_BYTES}")]
+    TooLarge(usize),
+    #[error("not a vRDMA snapshot (bad magic)")]
+    BadMagic,
+    #[error("snapshot version {0}; this daemon reads version {SNAPSHOT_VERSION}")]
+    UnsupportedVersion(u16),
+    #[error("snapshot body does not decode: {0}")]
+    Malformed(String),
+    #[error("snapshot refused: {0}")]
+    Invalid(String),
+    #[error("snapshot collides with this host: {0}")]
+    Collision(String),
+    #[error("snapshot refused by the tenant's quota: {0}")]
+    Quota(String),
+}
+
+pub(crate) fn invalid(msg: impl Into<String>) -> SnapshotError {
+    SnapshotError::Invalid(msg.into())
+}
+
+/// A work request in the ring's encoding.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WrBytes(pub Vec<u8>);
+
+impl WrBytes {
+    pub(crate) fn send(wr: &SendWr) -> WrBytes {
+        let mut slot = vec![
+            0u8;
+            crate::ring::send_stride(crate::ring::MAX_SGE as u32, 0)
+                .max(crate::ring::send_stride(0, crate::ring::MAX_INLINE as u32))
+        ];
+        // Every WR the core holds decoded from a slot of at most this size.
+        if let Err(e) = wr.encode(&mut slot) {
+            debug_assert!(false, "re-encoding a WR we decoded: {e:?}");
+        }
+        WrBytes(slot)
+    }
+
+    pub(crate) fn recv(wr: &RecvWr) -> WrBytes {
+        let mut slot = vec![0u8; crate::ring::recv_stride(crate::ring::MAX_SGE as u32)];
+        if let Err(e) = wr.encode(&mut slot) {
+            debug_assert!(false, "re-encoding a WR we decoded: {e:?}");
+        }
+        WrBytes(slot)
+    }
+
+    pub(crate) fn decode_send(&self) -> Result<SendWr, SnapshotError> {
+        SendWr::decode(&self.0).map_err(|(id, e)| invalid(format!("send WR {id:#x}: {e}")))
+    }
+
+    pub(crate) fn decode_recv(&self) -> Result<RecvWr, SnapshotError> {
+        RecvWr::decode(&self.0).map_err(|(id, e)| invalid(format!("receive WR {id:#x}: {e}")))
+    }
+}
+
+/// A tenant's device state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantSnapshot {
+    pub tenant: u32,
+    pub contexts: Vec<u32>,
+    pub pds: Vec<PdSnap>,
+    pub mrs: Vec<MrSnap>,
+    pub cqs: Vec<CqSnap>,
+    pub srqs: Vec<SrqSnap>,
+    pub ahs: Vec<AhSnap>,
+    pub qps: Vec<QpSnap>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PdSnap {
+    pub pd: u32,
+    pub ctx: u32,
+}
+
+/// A memory region: its key (lkey = rkey) and where it sits in the
+/// tenant's address space; its bytes stay in the tenant's memory.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MrSnap {
+    pub key: u32,
+    pub ctx: u32,
+    pub pd: u32,
+    pub addr: u64,
+    pub len: u64,
+    pub access: u32,
+}
+
+/// A completion queue; its pending completions are in its ring.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CqSnap {
+    pub cq: u32,
+    pub ctx: u32,
+    pub ring_bytes: u64,
+    pub overrun: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SrqSnap {
+    pub srq: u32,
+    pub ctx: u32,
+    pub pd: u32,
+    pub attr: SrqAttr,
+    pub ring_bytes: u64,
+    /// Receive WRs taken for a message that was abandoned.
+    pub requeued: Vec<WrBytes>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AhSnap {
+    pub ah: u32,
+    pub ctx: u32,
+    pub pd: u32,
+    pub attr: AhAttr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QpSnap {
+    pub qpn: u32,
+    pub ctx: u32,
+    pub pd: u32,
+    pub init: QpInitAttr,
+    pub attr: QpAttr,
+    pub resets: u32,
+    pub sqd_notify: bool,
+    /// The QP's migration generation on the host that resumes it.
+    pub epoch: u32,
+    pub requeued: Vec<WrBytes>,
+    pub send: Option<SendSnap>,
+    pub recv: Option<RecvSnap>,
+}
+
+/// The requester half of an RC QP across hosts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SendSnap {
+    pub next_psn: u32,
+    /// The chunk size its requests were numbered at (PSNs per request).
+    pub chunk: u32,
+    pub sent: Vec<SentSnap>,
+    pub blocked: Option<(WrBytes, WcStatus)>,
+    pub rnr_left: u8,
+    pub retries_left: u8,
+}
+
+/// An outstanding (unacknowledged) work request.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentSnap {
+    pub wr: WrBytes,
+    pub first_psn: u32,
+    pub npsn: u32,
+    pub status: Option<WcStatus>,
+    pub went_out: bool,
+}
+
+/// The responder half of an RC QP across hosts.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecvSnap {
+    pub epsn: u32,
+    pub msn: u32,
+    pub cur: Option<InMsgSnap>,
+    /// The last atomics executed, by PSN, with the value each returned.
+    pub atomics: Vec<(u32, u64)>,
+}
+
+/// A message the responder has received part of.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum InMsgSnap {
+    Send { recv: WrBytes, got: u64 },
+    Write { va: u64, rkey: u32, dma_len: u64, got: u64 },
+    WriteImm { recv: WrBytes },
+}
+
+impl TenantSnapshot {
+    /// The snapshot's bytes: header, then the body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(1024);
+        out.extend_from_slice(&SNAPSHOT_MAGIC);
+        out.extend_from_slice(&SNAPSHOT_VERSION.to_be_bytes());
+        // Serialising these plain structs into a Vec does not fail; if it
+        // did, the empty result is a snapshot every importer refuses.
+        postcard::to_extend(self, out).unwrap_or_else(|e| {
+            debug_assert!(false, "postcard into a Vec: {e}");
+            Vec::new()
+        })
+    }
+
+    /// Parses a snapshot's bytes (untrusted): header, size, body. The body
+    /// must be consumed exactly.
+    pub fn decode(bytes: &[u8]) -> Result<TenantSnapshot, SnapshotError> {
+        if bytes.len() > MAX_SNAPSHOT_BYTES {
+            return Err(SnapshotError::TooLarge(bytes.len()));
+        }
+        if bytes.len() < SNAPSHOT_HEADER_LEN {
+            return Err(SnapshotError::Truncated(bytes.len()));
+        }
+        if bytes[..4] != SNAPSHOT_MAGIC {
+            return Err(SnapshotError::BadMagic);
+        }
+        let version = u16::from_be_bytes([bytes[4], bytes[5]]);
+        if version != SNAPSHOT_VERSION {
+            return Err(SnapshotError::UnsupportedVersion(version));
+        }
+        let (snap, rest) = postcard::take_from_bytes::<TenantSnapshot>(&bytes[SNAPSHOT_HEADER_LEN..])
+            .map_err(|e| SnapshotError::Malformed(e.to_string()))?;
+        if !rest.is_empty() {
+            return Err(SnapshotError::Malformed(format!("{} bytes after the body", rest.len())));
+        }
+        Ok(snap)
+    }
+}

@@ -1,0 +1,736 @@
+//! Live migration, deterministic: three `Hca`s (A, B, C) joined pairwise
+//! by in-memory byte streams, every frame encoded and decoded as on TCP.
+//! A tenant on A talks to a peer on B; it is paused, exported, imported on
+//! C and resumed there (and back), while its traffic runs; faults (a
+//! tenant that never resumes, a forged snapshot, a frame from the old
+//! location) are injected by the tests. See `hca::migrate`.
+
+use super::two_hosts::{conn, connect_side, frame_bytes, gid_ah, host_with};
+use super::*;
+use crate::hca::migrate::{MigrateError, SnapshotError, TenantSnapshot};
+use crate::verbs::Gid;
+use crate::wire::{parse_frame, DataRepr, FrameRepr, MovedRepr, Opcode};
+
+const IPS: [[u8; 4]; 3] = [[10, 0, 0, 1], [10, 0, 0, 2], [10, 0, 0, 3]];
+const A: usize = 0;
+const B: usize = 1;
+const C: usize = 2;
+
+/// A link between two hosts: each end's id for it.
+struct Wire {
+    ends: [(usize, LinkId); 2],
+}
+
+struct ThreeHosts {
+    hosts: Vec<Env>,
+    wires: Vec<Wire>,
+    /// What crossed: PAUSED NAKs, Moved frames accepted and refused.
+    seen: Seen,
+    /// Outstanding requests in each snapshot taken.
+    outstanding: Vec<usize>,
+    /// Moves during which B had received part of a message.
+    mid_message: u32,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct Seen {
+    paused_naks: u32,
+    moved_ok: u32,
+    moved_refused: u32,
+}
+
+/// A host whose device has no context open yet.
+fn bare_host(ip: [u8; 4], tune: &dyn Fn(&mut HcaConfig)) -> Env {
+    let mut env = Env::new();
+    let mut config = HcaConfig::for_host(ip);
+    tune(&mut config);
+    env.hca = Hca::new(config, Box::new(Counter(u32::from(ip[3]) << 16)));
+    env
+}
+
+impl ThreeHosts {
+    /// A with the tenant's contexts, B with its peer's, C with none; a
+    /// link between each pair, chunks of `chunk` bytes.
+    fn new(chunk: u32, tune: impl Fn(&mut HcaConfig)) -> ThreeHosts {
+        let hosts = vec![host_with(IPS[A], &tune), host_with(IPS[B], &tune), bare_host(IPS[C], &tune)];
+        let mut t = ThreeHosts {
+            hosts,
+            wires: Vec::new(),
+            seen: Seen::default(),
+            outstanding: Vec::new(),
+            mid_message: 0,
+        };
+        for (x, y) in [(A, B), (B, C), (A, C)] {
+            let lx = t.link_up(x, y, chunk);
+            let ly = t.link_up(y, x, chunk);
+            t.wires.push(Wire { ends: [(x, lx), (y, ly)] });
+        }
+        t
+    }
+
+    fn link_up(&mut self, from: usize, to: usize, chunk: u32) -> LinkId {
+        let lid = self.hosts[to].hca.config().port.lid;
+        self.hosts[from].hca.link_up(LinkInfo { gid: Gid::from_ipv4(IPS[to]), lid, chunk })
+    }
+
+    /// Host `x`'s link to host `y`.
+    fn link(&self, x: usize, y: usize) -> LinkId {
+        self.wires
+            .iter()
+            .find_map(|w| match w.ends {
+                [(a, la), (b, _)] if a == x && b == y => Some(la),
+                [(a, _), (b, lb)] if a == y && b == x => Some(lb),
+                _ => None,
+            })
+            .expect("every pair is linked")
+    }
+
+    fn two(&mut self, x: usize, y: usize) -> (&mut Env, &mut Env) {
+        assert_ne!(x, y);
+        if x < y {
+            let (lo, hi) = self.hosts.split_at_mut(y);
+            (&mut lo[x], &mut hi[0])
+        } else {
+            let (lo, hi) = self.hosts.split_at_mut(x);
+            (&mut hi[0], &mut lo[y])
+        }
+    }
+
+    /// Moves one frame from `x` to `y`, if `x` has one on that link.
+    fn carry(&mut self, x: usize, y: usize, now: Instant) -> bool {
+        let (lx, ly) = (self.link(x, y), self.link(y, x));
+        let (from, to) = self.two(x, y);
+        let Some(t) = from.hca.poll_transmit(lx, now, &mut from.io) else { return false };
+        let seen = deliver(&frame_bytes(&t), to, ly, now);
+        self.seen.paused_naks += seen.paused_naks;
+        self.seen.moved_ok += seen.moved_ok;
+        self.seen.moved_refused += seen.moved_refused;
+        true
+    }
+
+    /// One round: an engine pass on every host, a frame each way on every
+    /// link. Returns whether anything moved.
+    fn round(&mut self, now: Instant) -> bool {
+        let mut busy = false;
+        for h in &mut self.hosts {
+            busy |= h.step(now).again() | h.hca.needs_pass();
+        }
+        for (x, y) in [(A, B), (B, A), (B, C), (C, B), (A, C), (C, A)] {
+            busy |= self.carry(x, y, now);
+        }
+        busy
+    }
+
+    /// Rounds until nothing moves.
+    fn run(&mut self, now: Instant) {
+        for _ in 0..10_000 {
+            if !self.round(now) {
+                return;
+            }
+        }
+        panic!("the hosts stayed busy for 10000 rounds");
+    }
+
+    /// `n` steps of `step`, running every host after each.
+    fn advance(&mut self, from: Instant, step: Duration, n: u32) -> Instant {
+        let mut now = from;
+        for _ in 0..n {
+            now = now + step;
+            self.run(now);
+        }
+        now
+    }
+
+    /// Moves the tenant from host `x` to host `y`: pause, export, drop
+    /// at `x`, import at `y` (its memory and queue rings go along, as a
+    /// VM's shared memory does), resume. Returns the snapshot's size.
+    fn migrate(&mut self, x: usize, y: usize, mem: &HashMap<u32, Region>, now: Instant) -> usize {
+        self.hosts[x].hca.pause_tenant(TENANT).expect("pause");
+        let partial = |q: &crate::hca::objects::Qp| {
+            q.remote.as_ref().and_then(|r| r.recv.as_ref()).is_some_and(|r| r.cur.is_some())
+        };
+        if self.hosts[B].hca.qps.values().any(partial) {
+            self.mid_message += 1;
+        }
+        let bytes = self.hosts[x].hca.export_tenant(TENANT).expect("export");
+        self.hosts[x].hca.finish_export(TENANT).expect("drop at the source");
+        let snap = TenantSnapshot::decode(&bytes).expect("our own snapshot decodes");
+        self.outstanding.push(snap.qps.iter().filter_map(|q| q.send.as_ref()).map(|s| s.sent.len()).sum());
+        let (from, to) = self.two(x, y);
+        move_queues(&snap, from, to);
+        let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+        let t = to.hca.import_tenant(&bytes, now, &mut region_of).expect("import");
+        assert_eq!(t, TENANT);
+        to.hca.resume_tenant(TENANT, now).expect("resume");
+        bytes.len()
+    }
+}
+
+/// Delivers one frame's bytes to `to` on its link `link`; says what it was.
+fn deliver(bytes: &[u8], to: &mut Env, link: LinkId, now: Instant) -> Seen {
+    let (repr, payload) = parse_frame(bytes).expect("a frame we emitted parses");
+    let mut seen = Seen::default();
+    match repr {
+        FrameRepr::Data(d) => {
+            if d.aeth
+                .is_some_and(|a| a.syndrome == crate::wire::Syndrome::Nak(crate::wire::NakCode::QpPaused))
+            {
+                seen.paused_naks += 1;
+            }
+            match to.hca.handle_data(link, &d, now, &mut to.io) {
+                Sink::Place(w) => {
+                    assert_eq!(w.iter().map(|s| s.len).sum::<usize>(), payload.len());
+                    let mut at = 0;
+                    for s in &w {
+                        s.region.write(s.off, &payload[at..at + s.len]).unwrap();
+                        at += s.len;
+                    }
+                }
+                Sink::Discard => {}
+            }
+            to.hca.data_placed(link, now, &mut to.io);
+        }
+        FrameRepr::Moved(m) => {
+            if to.hca.handle_moved(link, &m, now) {
+                seen.moved_ok += 1;
+            } else {
+                seen.moved_refused += 1;
+            }
+        }
+        other => panic!("unexpected frame {other:?}"),
+    }
+    seen
+}
+
+/// What the driver's queues (the tenant's shared memory) hold for the
+/// snapshot's QPs and CQs moves from one host's driver to the other's.
+fn move_queues(snap: &TenantSnapshot, from: &mut Env, to: &mut Env) {
+    let (f, t) = (&mut from.io, &mut to.io);
+    for q in &snap.qps {
+        let n = q.qpn;
+        macro_rules! mv {
+            ($field:ident) => {
+                if let Some(v) = f.$field.remove(&n) {
+                    t.$field.insert(n, v);
+                }
+            };
+        }
+        mv!(send);
+        mv!(recv);
+        mv!(states);
+        mv!(pulled);
+        mv!(retired);
+        mv!(send_cqes);
+        if let Some(ctx) = from.owner.remove(&n) {
+            to.owner.insert(n, ctx);
+        }
+    }
+    for c in &snap.cqs {
+        if let Some(v) = f.cqs.remove(&c.cq) {
+            t.cqs.insert(c.cq, v);
+        }
+        if let Some(v) = f.cq_cap.remove(&c.cq) {
+            t.cq_cap.insert(c.cq, v);
+        }
+    }
+    for s in &snap.srqs {
+        if let Some(v) = f.srq.remove(&s.srq) {
+            t.srq.insert(s.srq, v);
+        }
+    }
+    // Posts not yet noticed are noticed at the destination.
+    t.posted.extend(snap.qps.iter().map(|q| q.qpn));
+}
+
+/// Receive slots of 1 KiB at the start of a peer's region.
+const SLOTS: u64 = 16;
+const SLOT: u64 = 1024;
+/// Where RDMA writes land in the peer's region.
+const WRITES_AT: u64 = 32 << 10;
+
+/// The bytes of message `k`: its number, then a pattern.
+fn message(k: u64, len: usize) -> Vec<u8> {
+    let mut v = pattern(len, k as u8);
+    v[..8].copy_from_slice(&k.to_le_bytes());
+    v
+}
+
+/// Message `k` from A to B: even numbers are sends (600 bytes: three
+/// chunks of 256, so a move can fall mid-message), odd numbers RDMA
+/// writes with immediate `k` (300 bytes).
+fn a_to_b(k: u64, a: &End, b: &End) -> SendWr {
+    let slot = (k % SLOTS) * SLOT;
+    if k.is_multiple_of(2) {
+        a.buf.write(slot as usize, &message(k, 600));
+        wr(k, SendOpcode::Send, &[a.buf.sge(slot, 600)], SendFlags::SIGNALED)
+    } else {
+        a.buf.write(slot as usize, &message(k, 300));
+        let mut w = rdma(
+            k,
+            SendOpcode::RdmaWriteWithImm,
+            &[a.buf.sge(slot, 300)],
+            b.buf.addr + WRITES_AT + slot,
+            b.buf.key,
+        );
+        w.imm_data = k as u32;
+        w.flags = SendFlags::SIGNALED;
+        w
+    }
+}
+
+/// Checks the receive completions `got` at B against messages from `next` on.
+fn check_at_b(got: &[Cqe], next: &mut u64, b: &End) {
+    for c in got {
+        let k = *next;
+        assert_eq!((c.wr_id, c.status), (k, WcStatus::Success), "message {k} at B: {c:?}");
+        let slot = (k % SLOTS) * SLOT;
+        if k.is_multiple_of(2) {
+            assert_eq!((c.opcode, c.byte_len), (WcOpcode::Recv, 600), "message {k}");
+            assert_eq!(b.buf.read(slot as usize, 600), message(k, 600), "message {k}'s bytes");
+        } else {
+            assert_eq!(
+                (c.opcode, c.imm_data, c.byte_len),
+                (WcOpcode::RecvRdmaWithImm, k as u32, 300),
+                "message {k}"
+            );
+            assert_eq!(b.buf.read((WRITES_AT + slot) as usize, 300), message(k, 300), "message {k}'s bytes");
+        }
+        *next += 1;
+    }
+}
+
+/// The tenant's end on A and the peer's on B, connected; the memory
+/// regions of the tenant by key (its "VM memory").
+fn setup(t: &mut ThreeHosts) -> (End, End, HashMap<u32, Region>) {
+    let a = t.hosts[A].end(C1);
+    let b = t.hosts[B].end(C1);
+    connect_side(&mut t.hosts[A], a.qpn, b.qpn, IPS[B], conn());
+    connect_side(&mut t.hosts[B], b.qpn, a.qpn, IPS[A], conn());
+    let mem = HashMap::from([(a.buf.key, a.buf.mem.clone())]);
+    (a, b, mem)
+}
+
+fn tune(c: &mut HcaConfig) {
+    c.migration_pause_limit = Duration::from_secs(2);
+    c.migration_probe_interval = Duration::from_millis(10);
+}
+
+/// A streams sends and writes with immediate to B, and B sends to A,
+/// while A's tenant moves A → C → A → C → A, each time mid-stream, with
+/// B's requests answered PAUSED meanwhile: every message arrives once and
+/// in order, every completion comes once on both sides, B's QP never
+/// leaves RTS.
+#[test]
+fn a_tenant_moves_back_and_forth_mid_stream_and_its_peer_sees_only_pauses() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    // B's receives, and A's for B's messages.
+    let (mut b_posted, mut a_posted) = (0u64, 0u64);
+    let (mut sent_ab, mut sent_ba) = (0u64, 0u64);
+    let (mut next_at_b, mut next_done_a) = (0u64, 0u64);
+    let (mut next_at_a, mut next_done_b) = (0u64, 0u64);
+    let mut at = A; // where the tenant is
+    let route = [A, C, A, C, A];
+    let mut moves = 0;
+    let mut now = T0;
+    const TOTAL: u64 = 120;
+    for round in 0..400u32 {
+        // Keep receives posted ahead on both sides (slots are reused
+        // only once their message was checked).
+        while b_posted < next_at_b + SLOTS / 2 {
+            let slot = (b_posted % SLOTS) * SLOT;
+            t.hosts[B].io.post_recv(b.qpn, recv(b_posted, &[b.buf.sge(slot, SLOT as u32)]));
+            b_posted += 1;
+        }
+        while a_posted < next_at_a + SLOTS / 2 {
+            let slot = 48 * 1024 + (a_posted % SLOTS) * 256;
+            t.hosts[at].io.post_recv(a.qpn, recv(a_posted, &[a.buf.sge(slot, 256)]));
+            a_posted += 1;
+        }
+        // A posts up to 3 new messages, within its send queue.
+        for _ in 0..3 {
+            if sent_ab < TOTAL && sent_ab < next_done_a + 6 {
+                let w = a_to_b(sent_ab, &a, &b);
+                t.hosts[at].io.post_send(a.qpn, w);
+                sent_ab += 1;
+            }
+        }
+        // B sends one to A.
+        if sent_ba < TOTAL / 2 && sent_ba < next_done_b + 4 {
+            let slot = 40 * 1024 + (sent_ba % SLOTS) * 64;
+            b.buf.write(slot as usize, &message(sent_ba, 64));
+            t.hosts[B]
+                .io
+                .post_send(b.qpn, wr(sent_ba, SendOpcode::Send, &[b.buf.sge(slot, 64)], SendFlags::SIGNALED));
+            sent_ba += 1;
+        }
+        // A few rounds of progress, not to completion: the move falls
+        // with requests in flight and messages half sent.
+        now = now + Duration::from_micros(50);
+        for _ in 0..(round % 4) {
+            t.round(now);
+        }
+        if round % 15 == 14 && moves + 1 < route.len() {
+            // B keeps probing the paused QP for a while, within the bound.
+            t.hosts[at].hca.pause_tenant(TENANT).unwrap();
+            now = t.advance(now, Duration::from_millis(10), 5);
+            // A cancelled move first: the tenant resumes where it was.
+            t.hosts[at].hca.resume_tenant(TENANT, now).unwrap();
+            for _ in 0..3 {
+                t.round(now);
+            }
+            let to = route[moves + 1];
+            t.migrate(at, to, &mem, now);
+            at = to;
+            moves += 1;
+        }
+        // Check what completed so far.
+        let got = t.hosts[B].poll(b.cq);
+        let (recvs, sends): (Vec<Cqe>, Vec<Cqe>) = got.into_iter().partition(|c| c.opcode.is_recv());
+        check_at_b(&recvs, &mut next_at_b, &b);
+        for c in sends {
+            assert_eq!((c.wr_id, c.status, c.opcode), (next_done_b, WcStatus::Success, WcOpcode::Send));
+            next_done_b += 1;
+        }
+        let got = t.hosts[at].poll(a.cq);
+        for c in got {
+            if c.opcode.is_recv() {
+                let k = next_at_a;
+                assert_eq!((c.wr_id, c.status, c.byte_len), (k, WcStatus::Success, 64), "message {k} at A");
+                let slot = 48 * 1024 + (k % SLOTS) * 256;
+                assert_eq!(a.buf.read(slot as usize, 64), message(k, 64), "message {k}'s bytes at A");
+                next_at_a += 1;
+            } else {
+                let k = next_done_a;
+                let op = if k.is_multiple_of(2) { WcOpcode::Send } else { WcOpcode::RdmaWrite };
+                assert_eq!(
+                    (c.wr_id, c.status, c.opcode),
+                    (k, WcStatus::Success, op),
+                    "completion of {k} at A"
+                );
+                next_done_a += 1;
+            }
+        }
+        assert_ne!(t.hosts[B].io.state(b.qpn), Some(QpState::Err), "B's QP in round {round}");
+        for h in [A, C] {
+            if h != at {
+                assert!(
+                    t.hosts[h].io.cqs.get(&a.cq).is_none_or(|v| v.is_empty()),
+                    "a completion left behind"
+                );
+            }
+        }
+        if next_at_b == TOTAL && next_done_a == TOTAL && next_at_a == TOTAL / 2 && next_done_b == TOTAL / 2 {
+            break;
+        }
+        t.run(now);
+    }
+    assert_eq!(moves, route.len() - 1, "every move happened");
+    assert_eq!((next_at_b, next_done_a, next_at_a, next_done_b), (TOTAL, TOTAL, TOTAL / 2, TOTAL / 2));
+    assert_eq!(at, A);
+    // Nothing more comes: every completion came once.
+    t.advance(now, Duration::from_millis(100), 5);
+    assert!(t.hosts[B].poll(b.cq).is_empty() && t.hosts[A].poll(a.cq).is_empty());
+    assert_eq!(t.hosts[A].io.retirement(a.qpn), (TOTAL as u32, TOTAL as u32));
+    // The moves fell mid-stream, B was told to wait, and learnt each
+    // new location (4 moves and 4 cancelled ones).
+    assert!(t.outstanding.iter().any(|&n| n > 0), "no move had requests outstanding: {:?}", t.outstanding);
+    assert!(t.mid_message > 0, "no move fell in the middle of a message");
+    assert!(t.seen.paused_naks > 0 && t.seen.moved_ok == 8 && t.seen.moved_refused == 0, "{:?}", t.seen);
+}
+
+/// B sends to A; A's tenant pauses and never resumes (its destination
+/// died, the move was abandoned): B's requester waits, spending no retry
+/// (its transport timer alone would fail it in about 0.2 s), and fails
+/// RETRY_EXC_ERR once the pause outlasts the bound (2 s here), not before.
+#[test]
+fn a_peer_that_never_resumes_fails_its_requester_after_the_bound_not_before() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, _mem) = setup(&mut t);
+    t.hosts[A].io.post_recv(a.qpn, recv(1, &[a.buf.sge(0, 64)]));
+    t.hosts[B].io.post_send(b.qpn, wr(7, SendOpcode::Send, &[b.buf.sge(0, 64)], SendFlags::SIGNALED));
+    t.run(T0);
+    assert_eq!(t.hosts[B].poll(b.cq).len(), 1, "the first send completes");
+    t.hosts[A].hca.pause_tenant(TENANT).unwrap();
+    t.hosts[B].io.post_send(b.qpn, wr(8, SendOpcode::Send, &[b.buf.sge(0, 64)], SendFlags::SIGNALED));
+    t.run(T0);
+    assert!(t.seen.paused_naks >= 1, "B was told the peer is paused");
+    // 1.9 s in 100 ms steps: B probes, is told PAUSED each time, waits.
+    let now = t.advance(T0, Duration::from_millis(100), 19);
+    assert!(t.hosts[B].poll(b.cq).is_empty(), "B's send failed before the bound");
+    assert_ne!(t.hosts[B].io.state(b.qpn), Some(QpState::Err));
+    assert!(t.seen.paused_naks >= 10, "B probed the paused QP: {:?}", t.seen);
+    // Past the bound: as for a dead host.
+    t.advance(now, Duration::from_millis(100), 2);
+    let got = t.hosts[B].poll(b.cq);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!((got[0].wr_id, got[0].status), (8, WcStatus::RetryExcErr));
+    assert_eq!(t.hosts[B].io.state(b.qpn), Some(QpState::Err));
+}
+
+/// A move in one step, for the fault tests: the tenant's snapshot taken
+/// on A (paused), and the region map.
+fn paused_snapshot() -> (ThreeHosts, End, End, HashMap<u32, Region>, Vec<u8>) {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    // Something outstanding and something in progress.
+    t.hosts[B].io.post_recv(b.qpn, recv(1, &[b.buf.sge(0, 1024)]));
+    t.hosts[A].io.post_send(a.qpn, a_to_b(0, &a, &b));
+    t.round(T0);
+    t.round(T0);
+    t.hosts[A].hca.pause_tenant(TENANT).unwrap();
+    let bytes = t.hosts[A].hca.export_tenant(TENANT).unwrap();
+    (t, a, b, mem, bytes)
+}
+
+/// A snapshot is untrusted: truncated at every length, with any byte
+/// changed, or with forged fields, it is refused with an error (or, for
+/// a change that leaves it consistent, accepted), never a panic; a
+/// refused import changes nothing.
+#[test]
+fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
+    let (_t, _a, _b, mem, bytes) = paused_snapshot();
+    let fresh = || bare_host(IPS[C], &tune);
+    let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+    // The good one imports.
+    let mut c = fresh();
+    assert_eq!(c.hca.import_tenant(&bytes, T0, &mut region_of), Ok(TENANT));
+    // Truncated anywhere.
+    for n in 0..bytes.len() {
+        let mut c = fresh();
+        assert!(c.hca.import_tenant(&bytes[..n], T0, &mut region_of).is_err(), "truncated at {n}");
+        assert!(c.hca.qps.is_empty() && c.hca.contexts.is_empty() && c.hca.usage(TENANT) == (0, 0));
+    }
+    // Every byte changed: refused, or consistent and accepted.
+    let (mut refused, mut accepted) = (0, 0);
+    for i in 0..bytes.len() {
+        let mut v = bytes.clone();
+        v[i] ^= 0x5a;
+        let mut c = fresh();
+        match c.hca.import_tenant(&v, T0, &mut region_of) {
+            Ok(_) => accepted += 1,
+            Err(_) => {
+                assert!(c.hca.qps.is_empty() && c.hca.mrs.is_empty() && c.hca.contexts.is_empty());
+                refused += 1;
+            }
+        }
+    }
+    // Most bytes are values (ids, addresses, attributes) that stay in
+    // range when changed; what matters is that none panics and a
+    // refusal changes nothing.
+    assert!(refused > 0 && refused + accepted == bytes.len(), "{refused} refused, {accepted} accepted");
+    // Forged fields, each refused with its reason.
+    let snap = TenantSnapshot::decode(&bytes).unwrap();
+    let forge = |f: &dyn Fn(&mut TenantSnapshot)| {
+        let mut s = snap.clone();
+        f(&mut s);
+        s.encode()
+    };
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("magic", [b"XXXX".as_slice(), &bytes[4..]].concat()),
+        ("version", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
+        ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
+        ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
+        ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
+        ("QP on a CQ not in it", forge(&|s| s.qps[0].init.send_cq = 0x777)),
+        ("QPN above 24 bits", forge(&|s| s.qps[0].qpn = 1 << 24)),
+        (
+            "two QPs with one number",
+            forge(&|s| {
+                let q = s.qps[0].clone();
+                s.qps.push(q)
+            }),
+        ),
+        (
+            "a key twice",
+            forge(&|s| {
+                let m = s.mrs[0].clone();
+                s.mrs.push(m)
+            }),
+        ),
+        ("region past the address space", forge(&|s| s.mrs[0].addr = u64::MAX - 10)),
+        ("unknown access bits", forge(&|s| s.mrs[0].access = 0xffff_0000)),
+        ("CQ ring not a power of two", forge(&|s| s.cqs[0].ring_bytes = 3 * crate::ring::CQE_SIZE as u64)),
+        ("epoch 0", forge(&|s| s.qps[0].epoch = 0)),
+        (
+            "PSN gap",
+            forge(&|s| {
+                let q = s.qps[0].send.as_mut().unwrap();
+                q.next_psn = psn(q.next_psn + 5);
+            }),
+        ),
+        ("a WR that does not decode", forge(&|s| s.qps[0].send.as_mut().unwrap().sent[0].wr.0[8] = 0xee)),
+        (
+            "more WRs than the queue",
+            forge(&|s| {
+                let q = s.qps[0].send.as_mut().unwrap();
+                let w = q.sent[0].clone();
+                for i in 0..20 {
+                    let mut w = w.clone();
+                    w.first_psn = psn(q.next_psn + i);
+                    w.npsn = 1;
+                    q.sent.push(w);
+                }
+                q.next_psn = psn(q.next_psn + 20);
+            }),
+        ),
+    ];
+    assert!(
+        snap.qps[0].send.as_ref().is_some_and(|s| !s.sent.is_empty()),
+        "the snapshot has a request outstanding"
+    );
+    for (what, v) in cases {
+        let mut c = fresh();
+        let r = c.hca.import_tenant(&v, T0, &mut region_of);
+        assert!(r.is_err(), "{what}: accepted");
+        assert!(c.hca.qps.is_empty() && c.hca.contexts.is_empty(), "{what}: changed the host");
+    }
+    // No memory for a region.
+    let mut c = fresh();
+    let r = c.hca.import_tenant(&bytes, T0, &mut |_| None);
+    assert!(matches!(r, Err(SnapshotError::Invalid(_))), "{r:?}");
+    assert!(c.hca.qps.is_empty());
+}
+
+fn psn(v: u32) -> u32 {
+    v & crate::wire::MAX_24
+}
+
+/// Numbers already in use on the importing host are refused, by kind:
+/// a context, a QPN, a memory key, an object id; and a tenant's quota
+/// there is charged or the import refused.
+#[test]
+fn an_import_that_collides_or_passes_the_quota_is_refused() {
+    let (_t, a, _b, mem, bytes) = paused_snapshot();
+    let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+    // A host like A, with the same numbers in use.
+    let mut c = host_with(IPS[C], tune);
+    let r = c.hca.import_tenant(&bytes, T0, &mut region_of);
+    assert!(matches!(&r, Err(SnapshotError::Collision(m)) if m.contains("context")), "{r:?}");
+    // Contexts free, but a QP with the same number.
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.open_context(ContextId(50), OTHER_TENANT).unwrap();
+    let mut qpns = Vec::new();
+    while !qpns.contains(&a.qpn) {
+        qpns.push(c.end(ContextId(50)).qpn);
+    }
+    let r = c.hca.import_tenant(&bytes, T0, &mut region_of);
+    assert!(
+        matches!(&r, Err(SnapshotError::Collision(m)) if m.contains("QPN") || m.contains("object id") || m.contains("key")),
+        "{r:?}"
+    );
+    // The tenant's quota here is too small for it.
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.set_quota(TENANT, Quota { max_objects: 2, ..Quota::default() });
+    let r = c.hca.import_tenant(&bytes, T0, &mut region_of);
+    assert!(matches!(r, Err(SnapshotError::Quota(_))), "{r:?}");
+    assert!(c.hca.qps.is_empty() && c.hca.usage(TENANT) == (0, 0));
+    // And a good import charges it.
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.import_tenant(&bytes, T0, &mut region_of).unwrap();
+    let (objects, registered) = c.hca.usage(TENANT);
+    assert_eq!(objects, 4, "a PD, an MR, a CQ and a QP");
+    assert!(registered >= 64 << 10);
+}
+
+/// After a move, the host the tenant left cannot speak for its QP: a
+/// request frame from the old link is dropped, a Moved frame from there
+/// with the old or the same epoch is refused; the new location's traffic
+/// goes on.
+#[test]
+fn frames_from_the_old_location_are_dropped_after_a_move() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    t.hosts[B].io.post_recv(b.qpn, recv(0, &[b.buf.sge(0, 1024)]));
+    t.hosts[B].io.post_recv(b.qpn, recv(1, &[b.buf.sge(1024, 1024)]));
+    t.hosts[A].io.post_send(a.qpn, a_to_b(0, &a, &b));
+    t.run(T0);
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    assert_eq!(t.seen.moved_ok, 1);
+    let (lb_a, lb_c) = (t.link(B, A), t.link(B, C));
+    let dropped =
+        |t: &ThreeHosts| t.hosts[B].hca.links().iter().find(|l| l.id == lb_a).unwrap().stats.dropped_in;
+    let before = dropped(&t);
+    // A forged (or late) send from the old location, in sequence.
+    let epsn = t.hosts[B].hca.qps[&b.qpn].remote.as_ref().unwrap().recv.as_ref().unwrap().epsn;
+    let mut d = DataRepr::new(Opcode::SendOnly, TENANT.0, b.qpn, a.qpn, epsn);
+    d.payload_len = 8;
+    let mut frame = vec![0u8; d.header_len()];
+    FrameRepr::Data(d).emit(&mut frame).unwrap();
+    frame.extend(99u64.to_le_bytes());
+    deliver(&frame, &mut t.hosts[B], lb_a, T0);
+    assert_eq!(dropped(&t), before + 1, "the frame from the old link was dropped");
+    let got = t.hosts[B].poll(b.cq);
+    let mut next = 0;
+    check_at_b(&got, &mut next, &b);
+    assert_eq!(next, 1, "message 0 only, nothing from the forged frame: {got:?}");
+    // Stale claims of the QP's location.
+    for (link, epoch) in [(lb_a, 1), (lb_a, 0), (lb_c, 1)] {
+        let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch };
+        assert!(!t.hosts[B].hca.handle_moved(link, &m, T0), "epoch {epoch} on link {link:?} accepted");
+    }
+    // One for another tenant's network, or another QP, neither.
+    let m = MovedRepr { vnet: OTHER_TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch: 9 };
+    assert!(!t.hosts[B].hca.handle_moved(lb_a, &m, T0));
+    let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn + 1, peer_qpn: b.qpn, epoch: 9 };
+    assert!(!t.hosts[B].hca.handle_moved(lb_a, &m, T0));
+    // The new location still works.
+    t.hosts[C].io.post_send(a.qpn, a_to_b(1, &a, &b));
+    t.run(T0);
+    let got = t.hosts[B].poll(b.cq);
+    check_at_b(&got, &mut next, &b);
+    assert_eq!(next, 2, "{got:?}");
+    // The peer's completions still name the LID it had.
+    assert_eq!(got[0].slid, t.hosts[A].hca.config().port.lid);
+    let done: Vec<u64> = t.hosts[C].poll(a.cq).iter().map(|c| c.wr_id).collect();
+    assert_eq!(done, vec![0, 1], "A's completions, the one made before the move included");
+}
+
+/// Pausing and exporting refuse what cannot move yet, with a reason.
+#[test]
+fn what_cannot_move_is_refused_on_the_source() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (_a, _b, _mem) = setup(&mut t);
+    let h = &mut t.hosts[A].hca;
+    assert_eq!(h.export_tenant(TENANT), Err(MigrateError::NotPaused(TENANT.0)));
+    assert_eq!(h.pause_tenant(TenantId(4242)), Err(MigrateError::NoSuchTenant(4242)));
+    let local = TenantId(TenantId::HOST_LOCAL_BASE + 3);
+    assert_eq!(h.pause_tenant(local), Err(MigrateError::HostLocal(local.0)));
+    // A QP connected to another QP on the same host.
+    let env = &mut t.hosts[A];
+    let x = env.end(C1);
+    let y = env.end(C2);
+    env.connect(x.qpn, y.qpn);
+    env.connect(y.qpn, x.qpn);
+    env.hca.pause_tenant(TENANT).unwrap();
+    assert!(matches!(env.hca.export_tenant(TENANT), Err(MigrateError::Unsupported(_))));
+}
+
+/// A responder-only QP (RTR) that received nothing before the move: it
+/// announces itself all the same, and the peer's first request reaches
+/// the new host.
+#[test]
+fn an_idle_connection_moves_and_its_peer_reaches_the_new_host() {
+    let mut t = ThreeHosts::new(256, tune);
+    let a = t.hosts[A].end(C1);
+    let b = t.hosts[B].end(C1);
+    t.hosts[A].bring_to_init(a.qpn, conn());
+    t.hosts[A].bring_to_rtr_via(a.qpn, b.qpn, conn(), gid_ah(IPS[B], 1), 100, 4);
+    connect_side(&mut t.hosts[B], b.qpn, a.qpn, IPS[A], conn());
+    let mem = HashMap::from([(a.buf.key, a.buf.mem.clone())]);
+    t.run(T0);
+    assert!(t.hosts[A].hca.qps[&a.qpn].remote.is_none(), "A's QP carried nothing");
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    assert_eq!(t.seen.moved_ok, 1);
+    t.hosts[C].io.post_recv(a.qpn, recv(5, &[a.buf.sge(0, 64)]));
+    b.buf.write(0, &message(77, 64));
+    t.hosts[B].io.post_send(b.qpn, wr(9, SendOpcode::Send, &[b.buf.sge(0, 64)], SendFlags::SIGNALED));
+    t.run(T0);
+    let got = t.hosts[B].poll(b.cq);
+    assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(9, WcStatus::Success)]);
+    let got = t.hosts[C].poll(a.cq);
+    assert_eq!(got.iter().map(|c| (c.wr_id, c.byte_len)).collect::<Vec<_>>(), vec![(5, 64)]);
+    assert_eq!(a.buf.read(0, 64), message(77, 64));
+}
