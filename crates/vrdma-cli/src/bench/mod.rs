@@ -239,8 +239,15 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
         return worker::run(role, args.worker_test, args.worker_size, args.worker_iters);
     }
     if args.server {
+        if let Some(cfg) = crate::embedded::guest(socket.as_deref()) {
+            return server::serve(args.listen, args.once, crate::embedded::Opener::Guest(cfg));
+        }
         let device = crate::embedded::device(socket, engine_config(&args))?;
-        return server::serve(args.listen, args.once, device.socket());
+        return server::serve(
+            args.listen,
+            args.once,
+            crate::embedded::Opener::Socket(device.socket().to_owned()),
+        );
     }
     if args.tests().is_empty() {
         return suite::run(socket, &args);
@@ -282,14 +289,22 @@ fn named(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         }
         None => None,
     };
-    let device = crate::embedded::device(socket, engine_config(args))?;
-    let ctx = vrdma::Context::open_at(device.socket())?;
+    // In a guest, the VM's ports; else a daemon (started here if none runs).
+    let (device, opener) = match crate::embedded::guest(socket.as_deref()) {
+        Some(cfg) => (None, crate::embedded::Opener::Guest(cfg)),
+        None => {
+            let d = crate::embedded::device(socket, engine_config(args))?;
+            let o = crate::embedded::Opener::Socket(d.socket().to_owned());
+            (Some(d), o)
+        }
+    };
+    let ctx = opener.open()?;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let progress = format == output::Format::Table;
     let (rows, peer) = match remote {
         Some((conn, peer)) => (client::run(conn, &ctx, &plan, &options, progress)?, peer),
         None => {
-            let server = client::ServerProc::spawn(device.socket())?;
+            let server = client::ServerProc::spawn(device.as_ref().map(|d| d.socket()))?;
             let conn = client::connect(&server.addr.ip().to_string(), server.addr.port())?;
             let rows = client::run(conn, &ctx, &plan, &options, progress)?;
             drop(server);

@@ -1,8 +1,8 @@
 //! `vrdma study`: the multi-tenant measurement study as one command.
 //!
-//! The matrix: three placements ([`plan::Placement`]: processes on one
+//! The matrix: four placements ([`plan::Placement`]: processes on one
 //! host, containers (network namespaces) on one host, two hosts joined by
-//! veth with a daemon each), two protocols (TCP and vRDMA), one transfer
+//! veth with a daemon each, QEMU VMs of one daemon ([`vm`])), two protocols (TCP and vRDMA), one transfer
 //! or four tenants transferring at once. Each cell moves `--bytes` bytes
 //! `--runs` times with `vrdma bench` server/client processes (as tenants
 //! of their own uids when root); the qperf-style latency and bandwidth
@@ -25,6 +25,7 @@ mod progress;
 mod protect;
 mod report;
 mod run;
+mod vm;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -51,7 +52,7 @@ pub struct Args {
     /// Seconds each test of the latency and bandwidth set runs [default: 1, or 0.2 with --quick].
     #[arg(long, value_parser = plan::parse_seconds)]
     pub time: Option<Duration>,
-    /// Placements to run, comma-separated: process, container, hosts [default: all that can run].
+    /// Placements to run, comma-separated: process, container, hosts, vm [default: all that can run].
     #[arg(long, value_delimiter = ',', value_enum)]
     pub placements: Vec<Placement>,
     /// Leave out the anchors (qperf, iperf3, perftest).
@@ -65,9 +66,11 @@ pub struct Args {
 const AFTER_HELP: &str = "\
 Placements: process (two processes, one daemon), container (each tenant side in
 its own network namespace, one daemon), hosts (two namespaces joined by veth, a
-daemon in each, linked by the TCP transport). Protocols: TCP and vRDMA (RDMA
+daemon in each, linked by the TCP transport), vm (QEMU guests of one daemon booted
+once per study: a sender and a receiver VM per tenant, joined by a QEMU link of
+their own; under TCG their figures are functional only). Protocols: TCP and vRDMA (RDMA
 writes). Concurrency: one transfer, and four tenants (uids 61001-61004) at once.
-Namespaces and other uids need root; without it the study runs what it can and
+Namespaces, other uids and VMs need root; without it the study runs what it can and
 the report says what it skipped.
 
 Examples:

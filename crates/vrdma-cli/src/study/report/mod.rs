@@ -188,6 +188,28 @@ fn runs_cells(r: &Row) -> Vec<String> {
     c
 }
 
+/// A placement's heading in the tables: the VMs' under TCG marked as
+/// not comparable.
+fn title(o: &Outcome, p: Placement) -> String {
+    match (p, o.vm_accel) {
+        (Placement::Vm, Some(a)) if a == vrdma_guest::Accel::Tcg => {
+            format!("{} under TCG: functional, not comparable with the host's", p.title())
+        }
+        (Placement::Vm, Some(a)) => format!("{} under {}", p.title(), a.name().to_uppercase()),
+        _ => p.title().to_string(),
+    }
+}
+
+/// A placement's label in the charts, the VMs' with their accelerator.
+fn label(p: Placement, vm_accel: Option<vrdma_guest::Accel>) -> String {
+    match (p, vm_accel) {
+        (Placement::Vm, Some(a)) => {
+            format!("vm ({}{})", a.name(), if a == vrdma_guest::Accel::Tcg { ", functional" } else { "" })
+        }
+        _ => p.name().into(),
+    }
+}
+
 fn what(r: &Row) -> String {
     if r.tool == "vrdma bench" {
         r.test.clone()
@@ -199,7 +221,7 @@ fn what(r: &Row) -> String {
 }
 
 /// The charts, by file stem.
-fn charts(m: &Model) -> Vec<(&'static str, String, Chart)> {
+fn charts(m: &Model, vm_accel: Option<vrdma_guest::Accel>) -> Vec<(&'static str, String, Chart)> {
     let placements: Vec<Placement> = {
         let mut v: Vec<Placement> = m.rows.iter().map(|r| r.placement).collect();
         v.sort();
@@ -217,7 +239,7 @@ fn charts(m: &Model) -> Vec<(&'static str, String, Chart)> {
     let groups = placements
         .iter()
         .map(|&pl| Group {
-            label: pl.name().into(),
+            label: label(pl, vm_accel),
             bars: cells
                 .iter()
                 .enumerate()
@@ -256,7 +278,7 @@ fn charts(m: &Model) -> Vec<(&'static str, String, Chart)> {
     let groups = placements
         .iter()
         .map(|&pl| Group {
-            label: pl.name().into(),
+            label: label(pl, vm_accel),
             bars: tests
                 .iter()
                 .enumerate()
@@ -344,7 +366,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
         p.set_seconds,
     )));
     b.push(Block::Heading(2, "Placements".into()));
-    b.push(Block::List(o.sites.iter().map(|(pl, d)| format!("**{}**: {d}", pl.title())).collect()));
+    b.push(Block::List(o.sites.iter().map(|(pl, d)| format!("**{}**: {d}", title(o, *pl))).collect()));
     b.push(Block::Heading(2, "Skipped".into()));
     let mut skipped: Vec<String> = p.skipped.iter().map(|(w, y)| format!("{w}: {y}")).collect();
     skipped.extend(o.anchor_notes.iter().cloned());
@@ -361,12 +383,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
     let table = |section: Section| m.rows.iter().filter(move |r| r.section == section);
     let rows: Vec<Vec<String>> = table(Section::Transfer)
         .map(|r| {
-            let mut c = vec![
-                r.placement.title().to_string(),
-                r.protocol.name().into(),
-                r.tenants.to_string(),
-                what(r),
-            ];
+            let mut c = vec![title(o, r.placement), r.protocol.name().into(), r.tenants.to_string(), what(r)];
             c.extend(runs_cells(r));
             c
         })
@@ -384,7 +401,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
     });
     let rows: Vec<Vec<String>> = table(Section::Latency)
         .map(|r| {
-            let mut c = vec![r.placement.title().to_string(), r.protocol.name().into(), what(r)];
+            let mut c = vec![title(o, r.placement), r.protocol.name().into(), what(r)];
             c.extend(runs_cells(r));
             c
         })
@@ -401,7 +418,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
     });
     let rows: Vec<Vec<String>> = table(Section::Bandwidth)
         .map(|r| {
-            let mut c = vec![r.placement.title().to_string(), r.protocol.name().into(), what(r)];
+            let mut c = vec![title(o, r.placement), r.protocol.name().into(), what(r)];
             c.extend(runs_cells(r));
             c
         })
@@ -423,7 +440,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
             .fairness
             .iter()
             .map(|f| {
-                let mut c = vec![f.placement.title().to_string(), f.protocol.name().to_string()];
+                let mut c = vec![title(o, f.placement), f.protocol.name().to_string()];
                 c.extend(
                     f.tenant_gbs.iter().zip(&f.share_pct).map(|(g, s)| format!("{} ({s:.0} %)", fmt(*g))),
                 );
@@ -521,7 +538,7 @@ pub fn write(o: &Outcome) -> Result<()> {
     let m = model(&o.records, o.plan.runs);
     let mut figures = Vec::new();
     let mut svgs = BTreeMap::new();
-    for (name, caption, chart) in charts(&m) {
+    for (name, caption, chart) in charts(&m, o.vm_accel) {
         let svg = chart.svg().with_context(|| format!("chart {name}"))?;
         std::fs::write(out.join("charts").join(format!("{name}.svg")), &svg)?;
         std::fs::write(out.join("charts").join(format!("{name}.png")), chart.png()?)?;
