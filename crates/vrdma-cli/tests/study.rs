@@ -223,8 +223,9 @@ fn vm_placement_between_real_guests() {
     let plan_bytes = json["plan"]["bytes"].as_u64().unwrap();
     let pairs = json["plan"]["vm_pairs"].as_u64().unwrap();
     let records = json["records"].as_array().unwrap();
-    let of =
-        |section: &str| records.iter().filter(move |r| r["section"] == section && r["placement"] == "vm");
+    let of = |section: &'static str| {
+        records.iter().filter(move |r| r["section"] == section && r["placement"] == "vm")
+    };
     // Every cell: vRDMA and TCP, one tenant and all pairs at once, its
     // tenants' bytes adding up to the plan's (32 MiB in 64 KiB messages
     // divides evenly), at a positive, finite rate.
