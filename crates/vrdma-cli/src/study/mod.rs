@@ -18,14 +18,14 @@
 mod anchors;
 mod data;
 mod netns;
-mod placement;
+pub(crate) mod placement;
 mod plan;
 mod proc;
 mod progress;
 mod protect;
 mod report;
 mod run;
-mod vm;
+pub(crate) mod vm;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -58,7 +58,7 @@ pub struct Args {
     /// Leave out the anchors (qperf, iperf3, perftest).
     #[arg(long)]
     pub no_anchors: bool,
-    /// A short study for CI: 32 MiB per cell, 2 runs, 0.2 s tests, shorter anchors (under two minutes).
+    /// A short study for CI: 32 MiB per cell, 2 runs, 0.2 s tests, shorter anchors (a minute, about 2 more with the vm placement under TCG).
     #[arg(long)]
     pub quick: bool,
 }
@@ -74,7 +74,7 @@ Namespaces, other uids and VMs need root; without it the study runs what it can 
 the report says what it skipped.
 
 Examples:
-  vrdma study --quick --out /tmp/study          under two minutes
+  vrdma study --quick --out /tmp/study          about 3 minutes with VMs under TCG
   vrdma study                                   1 GiB per cell, 10 runs
   vrdma study --placements process,hosts --bytes 4G --runs 5";
 

@@ -18,7 +18,7 @@
 
 use std::ffi::OsString;
 use std::net::Ipv4Addr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context as _, Result};
@@ -64,17 +64,23 @@ pub struct VmSite {
     /// Tools the image holds for the anchors.
     tools: Vec<&'static str>,
     daemon: Proc,
+    /// The daemon's control socket.
+    socket: PathBuf,
 }
 
 impl VmSite {
-    /// Builds the image, starts the daemon and boots `pairs` VM pairs.
-    pub fn setup(env: &Env, plan: &Plan, pairs: u32, notes: &mut Vec<String>) -> Result<VmSite> {
+    /// Builds the image (with the anchors' tools if `anchors`), starts
+    /// the daemon and boots a VM pair per tenant uid of `uids`.
+    pub fn setup(env: &Env, uids: &[u32], anchors: bool, notes: &mut Vec<String>) -> Result<VmSite> {
         let started = Instant::now();
-        let (image, tools) = image(plan.anchors, notes)?;
+        let pairs = uids.len() as u32;
+        if pairs == 0 {
+            bail!("no VM pair to boot");
+        }
+        let (image, tools) = image(anchors, notes)?;
         let sock = env.dir.join("vm.sock");
         let mut toml = String::new();
-        for i in 0..pairs {
-            let uid = plan.uid(i).unwrap_or(FIRST_UID + i);
+        for (i, uid) in uids.iter().enumerate() {
             for side in ["s", "r"] {
                 toml += &format!("[vms.{side}{i}]\ntenant = {uid}\nmemory_mib = {REGION_MIB}\nports = 4\n");
             }
@@ -105,20 +111,19 @@ impl VmSite {
             .as_secs_f64();
         let mut description = format!(
             "one daemon; {} VM pairs (QEMU, accelerator {}, kernel {}, {GUEST_MIB} MiB and a {REGION_MIB} MiB \
-             region each), tenant I's sender VM sI and receiver VM rI (both of tenant I), joined by a QEMU \
-             -netdev stream link of their own (10.79.I.1 and 10.79.I.2); booted once for the study, the slowest \
-             in {boot:.1} s, set up in {:.1} s",
+             region each); pair I (from 0) is tenant I+1's sender VM sI and receiver VM rI, joined by a QEMU \
+             -netdev stream link of their own (10.79.I.1 and 10.79.I.2); booted once, the slowest in {boot:.1} \
+             s, set up in {:.1} s",
             pairs.len(),
             accel.name(),
             pairs[0].send.release(),
             started.elapsed().as_secs_f64()
         );
         if accel == Accel::Tcg {
-            description +=
-                ". TCG (QEMU's emulator, where KVM does not work): every guest instruction is emulated, \
-                            so these figures are functional, not comparable with the host's";
+            description += ". TCG (QEMU's emulator, where KVM does not work): every guest instruction is \
+                            emulated, so these figures are functional, not comparable with the host's";
         }
-        let mut site = VmSite { pairs, accel, description, tools, daemon };
+        let mut site = VmSite { pairs, accel, description, tools, daemon, socket: sock };
         site.start()?;
         Ok(site)
     }
@@ -127,12 +132,8 @@ impl VmSite {
     fn start(&mut self) -> Result<()> {
         let has_pingpong = self.tools.contains(&"ibv_rc_pingpong");
         let checked: Vec<Result<()>> = std::thread::scope(|s| {
-            let handles: Vec<_> = self
-                .pairs
-                .iter_mut()
-                .enumerate()
-                .map(|(_, p)| s.spawn(move || p.start(has_pingpong)))
-                .collect();
+            let handles: Vec<_> =
+                self.pairs.iter_mut().map(|p| s.spawn(move || p.start(has_pingpong))).collect();
             handles
                 .into_iter()
                 .map(|h| h.join().unwrap_or_else(|_| Err(anyhow!("a pair's thread panicked"))))
@@ -146,6 +147,19 @@ impl VmSite {
                 "; before the cells, `ibv_rc_pingpong -c` (data validated) passed between every pair";
         }
         Ok(())
+    }
+
+    /// The daemon's control socket (host processes beside the VMs use it).
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// `vrdma bench` in pair `pair`'s sender against its receiver's
+    /// server with `args` (tests and options): its `--json` output.
+    pub fn bench(&mut self, pair: usize, args: &str, limit: Duration) -> Result<String> {
+        let p = self.pairs.get_mut(pair).ok_or_else(|| anyhow!("no VM pair {pair}"))?;
+        let cmd = format!("vrdma bench {}:{BENCH_PORT} {args} --json", p.addr[1]);
+        guest_tool(&mut p.send, "bench", &cmd, limit)
     }
 
     /// Whether the daemon still runs.
@@ -471,7 +485,8 @@ pub(super) fn placement(
 ) -> Option<Accel> {
     let est = Estimate::new(plan);
     progress.start("vm: building the image, booting the VMs");
-    let mut site = match VmSite::setup(env, plan, plan.vm_pairs, notes) {
+    let uids: Vec<u32> = (0..plan.vm_pairs).map(|i| plan.uid(i).unwrap_or(FIRST_UID + i)).collect();
+    let mut site = match VmSite::setup(env, &uids, plan.anchors, notes) {
         Ok(s) => s,
         Err(e) => {
             progress.note(&format!("placement vm could not be set up: {e:#}"));
