@@ -50,12 +50,9 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     if args.vm {
-        if !args.json {
-            eprintln!("measuring VM-to-VM figures beside process-to-process ones ...");
-        }
         let progress = |what: &str| {
             if !args.json {
-                eprintln!("measuring {what} ...");
+                eprintln!("{what} ...");
             }
         };
         let figures = super::vm::figures(args, runs, cores, &progress)?;

@@ -53,7 +53,7 @@ pub fn figures(args: &Args, runs: usize, cores: usize, progress: &dyn Fn(&str)) 
     ];
     let mut out = Vec::new();
     for (test, size, what, unit) in tests {
-        progress(&format!("{what}: VM to VM and process to process, {runs} runs"));
+        progress(&format!("measuring {what}: VM to VM and process to process, {runs} run(s)"));
         let (mut vm, mut host) = (Vec::new(), Vec::new());
         let a = format!("{test} --size {size} --time {secs}");
         for _ in 0..runs {
