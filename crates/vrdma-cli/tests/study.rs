@@ -259,6 +259,19 @@ fn vm_placement_between_real_guests() {
     if pairs > 1 {
         assert!(md.contains("Table 4. Four tenants at once"), "{md}");
     }
+    // Under TCG the VMs' charts are on a scale of their own.
+    let mut charts = if site.contains("accelerator tcg") {
+        vec!["bandwidth-vm", "latency-vm"]
+    } else {
+        vec!["bandwidth", "latency"]
+    };
+    if pairs > 1 {
+        charts.push("fairness");
+    }
+    for c in &charts {
+        check_svg(&out.join("charts").join(format!("{c}.svg")));
+        check_png(&out.join("charts").join(format!("{c}.png")));
+    }
     let run_id = json["run_id"].as_str().unwrap();
     assert!(processes_of(run_id).is_empty(), "processes left (QEMU?): {:?}", processes_of(run_id));
     assert!(!Path::new(&format!("/tmp/vrdma-study-{pid}")).exists(), "the work directory was left");
