@@ -322,13 +322,19 @@ impl Pair {
         background(&mut self.recv, tag, 280, server)?;
         listening(&mut self.recv, tag, port)?;
         let out = guest_tool(&mut self.send, tag, client, limit);
-        let (st, server_out) = if once {
+        let (st, server_out) = if once && out.is_ok() {
             wait(&mut self.recv, tag)?
         } else {
-            self.recv.run(&format!("kill $(cat /tmp/{tag}.pid) 2>/dev/null; true"), SHORT)?;
-            (0, String::new())
+            // Killed by its pid (a server whose client failed too), and
+            // gone (its port free) before the next.
+            let kill = format!(
+                "p=$(cat /tmp/{tag}.pid); kill $p 2>/dev/null; i=0; \
+                 while kill -0 $p 2>/dev/null && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; \
+                 cat /tmp/{tag}.out"
+            );
+            (0, self.recv.run(&kill, SHORT)?.1)
         };
-        let out = out.with_context(|| format!("the server in the receiver said:\n{server_out}"))?;
+        let out = out.with_context(|| format!("the server in the receiver said:\n{}", tail(&server_out)))?;
         if st != 0 {
             bail!("{server} in the receiver VM exited with {st}:\n{server_out}");
         }
