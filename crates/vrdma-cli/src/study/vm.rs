@@ -121,7 +121,10 @@ impl VmSite {
         );
         if accel == Accel::Tcg {
             description += ". TCG (QEMU's emulator, where KVM does not work): every guest instruction is \
-                            emulated, so these figures are functional, not comparable with the host's";
+                            emulated, so these figures are functional, not comparable with the host's (and a four-tenant \
+                            cell, spanning the first start to the last end, reads far below the sum of its tenants' \
+                            rates: a client's start in an emulated guest takes seconds, and the tenants' starts drift \
+                            apart)";
         }
         let mut site = VmSite { pairs, accel, description, tools, daemon, socket: sock };
         site.start()?;
