@@ -29,6 +29,22 @@ impl Device {
     }
 }
 
+/// Opens contexts on a device: a daemon's socket, or a guest's ports.
+#[derive(Clone, Debug)]
+pub enum Opener {
+    Socket(PathBuf),
+    Guest(vrdma::guest::GuestConfig),
+}
+
+impl Opener {
+    pub fn open(&self) -> vrdma::Result<vrdma::Context> {
+        match self {
+            Opener::Socket(p) => vrdma::Context::open_at(p),
+            Opener::Guest(cfg) => vrdma::Context::open_guest(cfg),
+        }
+    }
+}
+
 impl Drop for Device {
     fn drop(&mut self) {
         if let Device::Embedded { _dir: Some(dir), .. } = self {
@@ -39,6 +55,26 @@ impl Drop for Device {
 
 fn answers(path: &Path) -> bool {
     vrdma::Context::open_at(path).is_ok()
+}
+
+/// In a QEMU guest given vRDMA's ports and region (`docs/vms.md`), when
+/// no socket is named and none is at the default path: the guest's
+/// device, as [`vrdma::Context::open`] finds it. A program that would
+/// start an embedded daemon asks this first: a daemon inside the guest
+/// would be a device no other VM or host could reach.
+pub fn guest(socket: Option<&Path>) -> Option<vrdma::guest::GuestConfig> {
+    if socket.is_some() {
+        return None;
+    }
+    if let Some(cfg) = vrdma::guest::GuestConfig::from_env() {
+        return Some(cfg);
+    }
+    if vrdmad::default_socket_path().exists() {
+        return None;
+    }
+    let cfg = vrdma::guest::GuestConfig::detect()?;
+    tracing::info!("in a VM with vRDMA's ports: using the host's daemon through them");
+    Some(cfg)
 }
 
 /// The daemon at `socket` (or the default path) if one answers, else a new

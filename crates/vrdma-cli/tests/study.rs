@@ -1,6 +1,7 @@
 //! `vrdma study` as a user runs it: the quick study's report and its
-//! files, argument errors, and an interrupted study that leaves nothing
-//! behind (no namespace, no process).
+//! files, the vm placement between real QEMU guests, argument errors, and
+//! an interrupted study that leaves nothing behind (no namespace, no
+//! process).
 
 mod common;
 
@@ -87,9 +88,10 @@ fn quick_study_writes_the_report() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("report");
     let started = Instant::now();
+    // The host placements (the VMs' have a test of their own, below).
     let p = Proc(
         Command::new(VRDMA)
-            .args(["study", "--quick", "--out"])
+            .args(["study", "--quick", "--placements", "process,container,hosts", "--out"])
             .arg(&out)
             .stdin(Stdio::null())
             .spawn()
@@ -164,6 +166,114 @@ fn quick_study_writes_the_report() {
     let run_id = json["run_id"].as_str().unwrap();
     assert!(namespaces_of(pid).is_empty(), "namespaces left: {:?}", namespaces_of(pid));
     assert!(processes_of(run_id).is_empty(), "processes left: {:?}", processes_of(run_id));
+    assert!(!Path::new(&format!("/tmp/vrdma-study-{pid}")).exists(), "the work directory was left");
+}
+
+/// The vm placement, quick: VM pairs booted once (under TCG here), every
+/// transfer cell's bytes moved in full, the set's rows, the accelerator
+/// named and TCG's figures marked, the data check passed, nothing left.
+#[test]
+fn vm_placement_between_real_guests() {
+    if !is_root() {
+        vrdma_it::skip("the vm placement needs root (its VMs are tenants of other uids)");
+        return;
+    }
+    if vrdma_guest::libs::which(vrdma_guest::guest::QEMU).is_none() {
+        vrdma_it::skip(
+            "qemu-system-x86_64 is not installed (apt-get install qemu-system-x86 busybox-static)",
+        );
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("report");
+    let started = Instant::now();
+    // The drop-in libraries of this build (those beside `vrdma` are only
+    // as fresh as the last `cargo build`), as the guest tests name them.
+    let p = Proc(
+        Command::new(VRDMA)
+            .args(["study", "--quick", "--runs", "1", "--no-anchors", "--placements", "vm", "--out"])
+            .arg(&out)
+            .env("VRDMA_VERBS_LIB", vrdma_it::harness::built("libvrdma_verbs.so"))
+            .env("VRDMA_RDMACM_LIB", vrdma_it::harness::built("libvrdma_rdmacm.so"))
+            .env("VRDMA_COMPANIONS_LIB", vrdma_it::harness::built("libvrdma_companions.so"))
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let pid = p.pid();
+    let (status, _, _) = p.finish(Duration::from_secs(600));
+    assert!(status.success(), "vrdma study --placements vm: {status}");
+    eprintln!("vrdma study --quick --runs 1 --placements vm took {:?}", started.elapsed());
+
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("data.json")).unwrap()).unwrap();
+    assert!(json["failures"].as_array().unwrap().is_empty(), "failures: {}", json["failures"]);
+    let site = json["placements"][0]["description"].as_str().unwrap().to_string();
+    assert_eq!(json["placements"][0]["placement"], "vm", "{site}");
+    assert!(site.contains("accelerator kvm") || site.contains("accelerator tcg"), "{site}");
+    assert!(site.contains("`ibv_rc_pingpong -c` (data validated) passed between every pair"), "{site}");
+    if site.contains("accelerator tcg") {
+        assert!(
+            md.contains("| VM-VM (1 host, QEMU) under TCG: functional, not comparable with the host's |"),
+            "{md}"
+        );
+    }
+    let plan_bytes = json["plan"]["bytes"].as_u64().unwrap();
+    let pairs = json["plan"]["vm_pairs"].as_u64().unwrap();
+    let records = json["records"].as_array().unwrap();
+    let of = |section: &'static str| {
+        records.iter().filter(move |r| r["section"] == section && r["placement"] == "vm")
+    };
+    // Every cell: vRDMA and TCP, one tenant and all pairs at once, its
+    // tenants' bytes adding up to the plan's (32 MiB in 64 KiB messages
+    // divides evenly), at a positive, finite rate.
+    for proto in ["vrdma", "tcp"] {
+        for n in [1, pairs] {
+            let cell: Vec<_> =
+                of("transfer").filter(|r| r["protocol"] == proto && r["tenants"] == n).collect();
+            assert_eq!(cell.len(), 1, "{proto} x{n}: {cell:?}");
+            let (bytes, gbs) = (cell[0]["bytes"].as_u64().unwrap(), cell[0]["value"].as_f64().unwrap());
+            assert_eq!(bytes, plan_bytes, "{proto} x{n} moved {bytes} bytes");
+            assert!(gbs > 0.0 && gbs.is_finite(), "{proto} x{n}: {gbs} GB/s");
+            if n > 1 {
+                let tenants: Vec<_> = of("tenant").filter(|r| r["protocol"] == proto).collect();
+                assert_eq!(tenants.len() as u64, n, "{proto}: {tenants:?}");
+                let sum: u64 = tenants.iter().map(|r| r["bytes"].as_u64().unwrap()).sum();
+                assert_eq!(sum, plan_bytes, "{proto}: the tenants moved {sum} bytes");
+            }
+        }
+    }
+    for test in ["rc_lat", "rc_rdma_write_lat", "tcp_lat"] {
+        let r: Vec<_> = of("latency").filter(|r| r["test"] == test).collect();
+        assert_eq!(r.len(), 1, "{test}: {r:?}");
+        let us = r[0]["value"].as_f64().unwrap();
+        assert!(us > 0.0 && us < 1e6, "{test}: {us} us");
+    }
+    for test in ["rc_bw", "rc_rdma_write_bw", "tcp_bw"] {
+        let r: Vec<_> = of("bandwidth").filter(|r| r["test"] == test).collect();
+        assert_eq!(r.len(), 1, "{test}: {r:?}");
+        assert!(r[0]["value"].as_f64().unwrap() > 0.0, "{test}: {r:?}");
+    }
+    if pairs > 1 {
+        assert!(md.contains("Table 4. Four tenants at once"), "{md}");
+    }
+    // Under TCG the VMs' charts are on a scale of their own.
+    let mut charts = if site.contains("accelerator tcg") {
+        vec!["bandwidth-vm", "latency-vm"]
+    } else {
+        vec!["bandwidth", "latency"]
+    };
+    if pairs > 1 {
+        charts.push("fairness");
+    }
+    for c in &charts {
+        check_svg(&out.join("charts").join(format!("{c}.svg")));
+        check_png(&out.join("charts").join(format!("{c}.png")));
+    }
+    let run_id = json["run_id"].as_str().unwrap();
+    assert!(processes_of(run_id).is_empty(), "processes left (QEMU?): {:?}", processes_of(run_id));
     assert!(!Path::new(&format!("/tmp/vrdma-study-{pid}")).exists(), "the work directory was left");
 }
 

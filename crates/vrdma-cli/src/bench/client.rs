@@ -232,13 +232,17 @@ pub struct ServerProc {
 }
 
 impl ServerProc {
-    pub fn spawn(socket: &Path) -> Result<ServerProc> {
+    /// `socket`: the daemon's; `None` in a guest, whose server finds the
+    /// VM's ports as this process did.
+    pub fn spawn(socket: Option<&Path>) -> Result<ServerProc> {
         let exe = std::env::current_exe()?;
         let mut cmd = Command::new(exe);
         cmd.args(["bench", "--server", "--once", "--listen", "127.0.0.1:0"])
-            .env("VRDMA_SOCKET", socket)
             .stdin(Stdio::null())
             .stdout(Stdio::piped());
+        if let Some(s) = socket {
+            cmd.env("VRDMA_SOCKET", s);
+        }
         if std::env::var_os("VRDMA_LOG").is_none() {
             cmd.env("VRDMA_LOG", "warn");
         }

@@ -3,7 +3,6 @@
 
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +18,7 @@ const MAX_CLIENTS: usize = 8;
 /// How long a client may stay quiet between tests.
 const IDLE: Duration = Duration::from_secs(60);
 
-pub fn serve(listen: SocketAddr, once: bool, socket: &Path) -> Result<()> {
+pub fn serve(listen: SocketAddr, once: bool, device: crate::embedded::Opener) -> Result<()> {
     let listener = TcpListener::bind(listen).with_context(|| format!("listening on {listen}"))?;
     // The first line of stdout: the address, for scripts (and the local mode) to read.
     println!("vrdma bench server listening on {}", listener.local_addr()?);
@@ -34,7 +33,7 @@ pub fn serve(listen: SocketAddr, once: bool, socket: &Path) -> Result<()> {
             }
         };
         if once {
-            return client(stream, socket);
+            return client(stream, &device);
         }
         if active.load(Ordering::SeqCst) >= MAX_CLIENTS {
             if let Ok(c) = Conn::new(stream) {
@@ -43,9 +42,9 @@ pub fn serve(listen: SocketAddr, once: bool, socket: &Path) -> Result<()> {
             continue;
         }
         active.fetch_add(1, Ordering::SeqCst);
-        let (active, socket) = (active.clone(), socket.to_owned());
+        let (active, device) = (active.clone(), device.clone());
         let spawned = std::thread::Builder::new().name("bench-client".into()).spawn(move || {
-            if let Err(e) = client(stream, &socket) {
+            if let Err(e) = client(stream, &device) {
                 tracing::warn!("{e:#}");
             }
             active.fetch_sub(1, Ordering::SeqCst);
@@ -58,7 +57,7 @@ pub fn serve(listen: SocketAddr, once: bool, socket: &Path) -> Result<()> {
 }
 
 /// One client's session: hello, then tests until it says bye.
-fn client(stream: TcpStream, socket: &Path) -> Result<()> {
+fn client(stream: TcpStream, device: &crate::embedded::Opener) -> Result<()> {
     let mut conn = Conn::new(stream)?;
     let peer = conn.peer.clone();
     tracing::info!(client = %peer, "client connected");
@@ -66,7 +65,7 @@ fn client(stream: TcpStream, socket: &Path) -> Result<()> {
         Msg::Hello { version } if version == VERSION => conn.send(&Msg::Hello { version: VERSION })?,
         other => return refuse(&conn, format!("expected hello version {VERSION}, got {other:?}")),
     }
-    let ctx = vrdma::Context::open_at(socket).context("opening the vRDMA device")?;
+    let ctx = device.open().context("opening the vRDMA device")?;
     loop {
         match conn.expect(IDLE, "a test or bye")? {
             Msg::Setup(setup) => {

@@ -49,6 +49,15 @@ pub struct Outcome {
 pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     let runs = args.runs.unwrap_or(if args.quick { 1 } else { 3 }).max(1);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if args.vm {
+        let progress = |what: &str| {
+            if !args.json {
+                eprintln!("{what} ...");
+            }
+        };
+        let figures = super::vm::figures(args, runs, cores, &progress)?;
+        return report::print(&figures, &[], None, args.json);
+    }
     let device = crate::embedded::device(socket, super::engine_config(args))?;
     let sock = device.socket().to_owned();
     let (lat_iters, bw_bytes) = if args.quick { (5_000u64, 1u64 << 30) } else { (20_000, 4 << 30) };

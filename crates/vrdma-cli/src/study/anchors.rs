@@ -60,7 +60,12 @@ pub fn qperf(ctx: &Ctx, send: &Place, recv: &Place, test: &str, size: u64, secs:
     let out = proc::spawn("qperf", c, &send.at(None), ctx.run_id, &log(ctx, "qperf"))?
         .finish(Duration::from_secs_f64(secs + 30.0))?;
     drop(server);
-    let (v, unit) = qperf_figure(&out)?;
+    qperf_value(&out)
+}
+
+/// qperf's figure: GB/s, or one-way µs.
+pub fn qperf_value(out: &str) -> Result<f64> {
+    let (v, unit) = qperf_figure(out)?;
     Ok(match unit {
         QperfUnit::GbPerS => v,
         QperfUnit::Ns => v / 1e3,
@@ -86,7 +91,12 @@ pub fn iperf3(ctx: &Ctx, send: &Place, recv: &Place, bytes: u64, streams: u32) -
     let limit = Duration::from_secs(30 + bytes / 10_000_000);
     let out = proc::spawn("iperf3", c, &send.at(None), ctx.run_id, &log(ctx, "iperf3"))?.finish(limit)?;
     let _ = server.finish(Duration::from_secs(5));
-    let v: serde_json::Value = serde_json::from_str(&out).context("iperf3's JSON")?;
+    iperf3_value(&out)
+}
+
+/// iperf3's `-J` output: GB/s received.
+pub fn iperf3_value(out: &str) -> Result<f64> {
+    let v: serde_json::Value = serde_json::from_str(out).context("iperf3's JSON")?;
     if let Some(e) = v["error"].as_str() {
         bail!("iperf3: {e}");
     }
@@ -118,11 +128,16 @@ pub fn perftest(ctx: &Ctx, send: &Place, recv: &Place, tool: &str, size: u64, it
     let limit = Duration::from_secs(60 + size * iters / 10_000_000);
     let out = proc::spawn(tool, c, &send.at(None), ctx.run_id, &log(ctx, tool))?.finish(limit)?;
     let _ = server.finish(Duration::from_secs(15));
+    perftest_value(tool, &out)
+}
+
+/// perftest `tool`'s figure: one-way µs (t_typical) or GB/s (BW average).
+pub fn perftest_value(tool: &str, out: &str) -> Result<f64> {
     if tool.ends_with("_lat") {
-        perftest_column(&out, "t_typical[usec]")
+        perftest_column(out, "t_typical[usec]")
     } else {
         // perftest's MB/sec is MiB/s.
-        Ok(perftest_column(&out, "BW_average[MB/sec]")? * 1_048_576.0 / 1e9)
+        Ok(perftest_column(out, "BW_average[MB/sec]")? * 1_048_576.0 / 1e9)
     }
 }
 

@@ -1,8 +1,8 @@
 //! `vrdma study`: the multi-tenant measurement study as one command.
 //!
-//! The matrix: three placements ([`plan::Placement`]: processes on one
+//! The matrix: four placements ([`plan::Placement`]: processes on one
 //! host, containers (network namespaces) on one host, two hosts joined by
-//! veth with a daemon each), two protocols (TCP and vRDMA), one transfer
+//! veth with a daemon each, QEMU VMs of one daemon ([`vm`])), two protocols (TCP and vRDMA), one transfer
 //! or four tenants transferring at once. Each cell moves `--bytes` bytes
 //! `--runs` times with `vrdma bench` server/client processes (as tenants
 //! of their own uids when root); the qperf-style latency and bandwidth
@@ -18,13 +18,14 @@
 mod anchors;
 mod data;
 mod netns;
-mod placement;
+pub(crate) mod placement;
 mod plan;
 mod proc;
 mod progress;
 mod protect;
 mod report;
 mod run;
+pub(crate) mod vm;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -51,13 +52,13 @@ pub struct Args {
     /// Seconds each test of the latency and bandwidth set runs [default: 1, or 0.2 with --quick].
     #[arg(long, value_parser = plan::parse_seconds)]
     pub time: Option<Duration>,
-    /// Placements to run, comma-separated: process, container, hosts [default: all that can run].
+    /// Placements to run, comma-separated: process, container, hosts, vm [default: all that can run].
     #[arg(long, value_delimiter = ',', value_enum)]
     pub placements: Vec<Placement>,
     /// Leave out the anchors (qperf, iperf3, perftest).
     #[arg(long)]
     pub no_anchors: bool,
-    /// A short study for CI: 32 MiB per cell, 2 runs, 0.2 s tests, shorter anchors (under two minutes).
+    /// A short study for CI: 32 MiB per cell, 2 runs, 0.2 s tests, shorter anchors (a minute, about 2 more with the vm placement under TCG).
     #[arg(long)]
     pub quick: bool,
 }
@@ -65,13 +66,15 @@ pub struct Args {
 const AFTER_HELP: &str = "\
 Placements: process (two processes, one daemon), container (each tenant side in
 its own network namespace, one daemon), hosts (two namespaces joined by veth, a
-daemon in each, linked by the TCP transport). Protocols: TCP and vRDMA (RDMA
+daemon in each, linked by the TCP transport), vm (QEMU guests of one daemon booted
+once per study: a sender and a receiver VM per tenant, joined by a QEMU link of
+their own; under TCG their figures are functional only). Protocols: TCP and vRDMA (RDMA
 writes). Concurrency: one transfer, and four tenants (uids 61001-61004) at once.
-Namespaces and other uids need root; without it the study runs what it can and
+Namespaces, other uids and VMs need root; without it the study runs what it can and
 the report says what it skipped.
 
 Examples:
-  vrdma study --quick --out /tmp/study          under two minutes
+  vrdma study --quick --out /tmp/study          about 3 minutes with VMs under TCG
   vrdma study                                   1 GiB per cell, 10 runs
   vrdma study --placements process,hosts --bytes 4G --runs 5";
 

@@ -1,4 +1,4 @@
-//! The three placements made real: daemons, namespaces, and for every
+//! The host placements made real (the VMs' is `super::vm`): daemons, namespaces, and for every
 //! tenant the place its sender and its receiver run in.
 //!
 //! - process: one daemon; both sides in this namespace, on 127.0.0.1.
@@ -82,6 +82,7 @@ impl Site {
                          namespace of its own, joined by a veth pair (10.78.1x.0/24)";
                 (s, r, d.to_string())
             }
+            Placement::Vm => bail!("the vm placement's VMs are set up by study::vm"),
             Placement::Hosts => {
                 let pair = ns.pair("h", 20)?;
                 let psk = psk();

@@ -18,16 +18,20 @@ pub enum Placement {
     Container,
     /// Across hosts: two namespaces joined by veth, a daemon in each, the TCP transport.
     Hosts,
+    /// VM to VM on one host: QEMU guests of one daemon, a virtual link per VM pair.
+    Vm,
 }
 
 impl Placement {
-    pub const ALL: [Placement; 3] = [Placement::Process, Placement::Container, Placement::Hosts];
+    pub const ALL: [Placement; 4] =
+        [Placement::Process, Placement::Container, Placement::Hosts, Placement::Vm];
 
     pub fn name(self) -> &'static str {
         match self {
             Placement::Process => "process",
             Placement::Container => "container",
             Placement::Hosts => "hosts",
+            Placement::Vm => "vm",
         }
     }
 
@@ -37,6 +41,7 @@ impl Placement {
             Placement::Process => "process-process (1 host)",
             Placement::Container => "container-container (1 host)",
             Placement::Hosts => "host-host (veth, TCP link)",
+            Placement::Vm => "VM-VM (1 host, QEMU)",
         }
     }
 }
@@ -96,6 +101,8 @@ pub struct Plan {
     pub four_tenants: bool,
     /// Whether the workers run as tenant uids (root only).
     pub as_uids: bool,
+    /// VM pairs the vm placement boots (its four-tenant cells' tenants).
+    pub vm_pairs: u32,
     pub anchors: bool,
     /// What was left out and why: (what, why).
     pub skipped: Vec<(String, String)>,
@@ -125,11 +132,18 @@ impl Plan {
         placements.dedup();
         let mut skipped = Vec::new();
         let root = is_root();
+        let needs_netns = |p: &Placement| matches!(p, Placement::Container | Placement::Hosts);
         if let Some(why) = netns_unavailable(root) {
-            for p in placements.iter().filter(|p| **p != Placement::Process) {
+            for p in placements.iter().filter(|p| needs_netns(p)) {
                 skipped.push((format!("placement {}", p.name()), why.clone()));
             }
-            placements.retain(|p| *p == Placement::Process);
+            placements.retain(|p| !needs_netns(p));
+        }
+        if placements.contains(&Placement::Vm) {
+            if let Some(why) = vm_unavailable(root) {
+                skipped.push(("placement vm".into(), why));
+                placements.retain(|p| *p != Placement::Vm);
+            }
         }
         if !root {
             skipped.push((
@@ -156,6 +170,7 @@ impl Plan {
             placements,
             four_tenants: root,
             as_uids: root,
+            vm_pairs: TENANTS,
             anchors: !a.no_anchors,
             skipped,
         })
@@ -165,6 +180,15 @@ impl Plan {
     pub fn concurrency(&self) -> Vec<u32> {
         if self.four_tenants {
             vec![1, TENANTS]
+        } else {
+            vec![1]
+        }
+    }
+
+    /// The concurrency levels of the vm placement's transfer cells.
+    pub fn vm_concurrency(&self) -> Vec<u32> {
+        if self.four_tenants && self.vm_pairs > 1 {
+            vec![1, self.vm_pairs]
         } else {
             vec![1]
         }
@@ -193,6 +217,31 @@ fn netns_unavailable(root: bool) -> Option<String> {
         .status();
     if !ip.is_ok_and(|s| s.success()) {
         return Some("no `ip` command (apt-get install iproute2)".into());
+    }
+    None
+}
+
+/// Why the vm placement cannot run, if it cannot (the image's kernel
+/// and the guests' boots are found out when it is set up).
+fn vm_unavailable(root: bool) -> Option<String> {
+    if !root {
+        return Some(
+            "its VMs are tenants of uids 61001-61004, which only root (or that uid) may attach, and the study \
+             runs as one uid"
+                .into(),
+        );
+    }
+    if vrdma_guest::libs::which(vrdma_guest::guest::QEMU).is_none() {
+        return Some(format!(
+            "{} is not installed (apt-get install qemu-system-x86 busybox-static)",
+            vrdma_guest::guest::QEMU
+        ));
+    }
+    if !std::path::Path::new(vrdma_guest::image::BUSYBOX).is_file() {
+        return Some(format!(
+            "no {} for the guests' initramfs (apt-get install busybox-static)",
+            vrdma_guest::image::BUSYBOX
+        ));
     }
     None
 }

@@ -42,6 +42,8 @@ pub struct Outcome {
     pub sites: Vec<(Placement, String)>,
     /// Anchors that could not run at all, and why.
     pub anchor_notes: Vec<String>,
+    /// The accelerator the vm placement's guests ran under, if it ran.
+    pub vm_accel: Option<vrdma_guest::Accel>,
 }
 
 /// A directory under /tmp every tenant uid can reach, removed on drop.
@@ -120,10 +122,17 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
     let est = Estimates::new(&plan);
     let per_run = est.transfer_all(&plan) + est.set;
     let anchors_per_run = est.anchors(qperf, iperf3, perftest);
-    let total =
-        plan.placements.len() as u32 * (est.setup + per_run * plan.runs + anchors_per_run * anchor_runs);
-    let mut steps = plan.placements.len()
-        * (1 + (plan.runs as usize) * (plan.concurrency().len() * 2 + 1) + anchor_runs as usize);
+    let host_placements = plan.placements.iter().filter(|p| **p != Placement::Vm).count();
+    let has_vm = plan.placements.contains(&Placement::Vm);
+    let total = host_placements as u32 * (est.setup + per_run * plan.runs + anchors_per_run * anchor_runs)
+        + if has_vm { super::vm::Estimate::new(&plan).total(&plan) } else { Duration::ZERO };
+    let mut steps = host_placements
+        * (1 + (plan.runs as usize) * (plan.concurrency().len() * 2 + 1) + anchor_runs as usize)
+        + if has_vm {
+            1 + (plan.runs as usize) * (plan.vm_concurrency().len() * 2 + 1) + anchor_runs as usize
+        } else {
+            0
+        };
     // The latency-beside-a-hog cell: one host, tenants as uids.
     let protect = plan.as_uids && plan.placements.contains(&Placement::Process);
     let protect_est =
@@ -136,9 +145,15 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
     let mut sites = Vec::new();
     let env = Env { exe: &exe, dir: &work.0, logs, run_id };
     let actx = anchors::Ctx { logs, run_id, lib_dir: lib.as_ref().map(|l| l.path()) };
+    let mut vm_accel = None;
     for &p in &plan.placements {
         if interrupted() {
             break;
+        }
+        if p == Placement::Vm {
+            vm_accel =
+                super::vm::placement(&env, &plan, &mut st, &mut progress, &mut anchor_notes, &mut sites);
+            continue;
         }
         progress.start(&format!("{}: setting up", p.name()));
         let mut site = match Site::setup(p, &env) {
@@ -190,22 +205,8 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
                 let (send, recv) = (&site.senders[0], &site.receivers[0]);
                 let size = plan.message_size;
                 let secs = plan.set_seconds;
-                let rec = |section, proto, tenants, tool, test: &str, size, value, unit| Record {
-                    section,
-                    placement: p,
-                    protocol: proto,
-                    tenants,
-                    tenant: None,
-                    tool,
-                    test: test.to_string(),
-                    size,
-                    run,
-                    value,
-                    unit,
-                    bytes: None,
-                    seconds: None,
-                    average_us: None,
-                    p99_us: None,
+                let rec = |section, proto, tenants, tool, test: &str, size, value, unit| {
+                    anchor_record(p, run, section, proto, tenants, tool, test, size, value, unit)
                 };
                 let what = |t: &str| format!("{} {t} run {run}", p.name());
                 if qperf {
@@ -285,16 +286,50 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
         failures: st.failures,
         sites,
         anchor_notes,
+        vm_accel,
     })
 }
 
-struct State {
-    records: Vec<Record>,
-    failures: Vec<Failure>,
+/// An anchor's figure as a record.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn anchor_record(
+    placement: Placement,
+    run: u32,
+    section: Section,
+    protocol: Protocol,
+    tenants: u32,
+    tool: &'static str,
+    test: &str,
+    size: u64,
+    value: f64,
+    unit: &'static str,
+) -> Record {
+    Record {
+        section,
+        placement,
+        protocol,
+        tenants,
+        tenant: None,
+        tool,
+        test: test.to_string(),
+        size,
+        run,
+        value,
+        unit,
+        bytes: None,
+        seconds: None,
+        average_us: None,
+        p99_us: None,
+    }
+}
+
+pub(super) struct State {
+    pub records: Vec<Record>,
+    pub failures: Vec<Failure>,
 }
 
 impl State {
-    fn take(&mut self, r: Result<Vec<Record>>, what: String, progress: &Progress) {
+    pub(super) fn take(&mut self, r: Result<Vec<Record>>, what: String, progress: &Progress) {
         match r {
             Ok(mut v) => self.records.append(&mut v),
             Err(e) => {
@@ -416,12 +451,7 @@ fn transfer(
     n: u32,
     run: u32,
 ) -> Result<Vec<Record>> {
-    let size = plan.message_size;
-    let iters = (plan.bytes / u64::from(n) / size).max(1);
-    let args: Vec<String> =
-        [proto.transfer_test(), "--size", &size.to_string(), "--iters", &iters.to_string()]
-            .map(String::from)
-            .to_vec();
+    let args = transfer_args(plan, proto, n);
     let mut procs = Vec::new();
     for i in 0..n {
         let name = format!("{}-{}-x{n}-t{}-run{run}", site.placement.name(), proto.name(), i + 1);
@@ -438,17 +468,45 @@ fn transfer(
     let limit = Duration::from_secs(60 + plan.bytes / 20_000_000);
     let mut per = Vec::new();
     for (out, exit) in proc::finish_all(procs, limit) {
-        let row = rows(&out?)?.into_iter().next().ok_or_else(|| anyhow!("no result row"))?;
-        let bw = &row["bandwidth"];
-        let (gbs, bytes, secs) = (bw["gb_per_s"].as_f64(), bw["bytes"].as_u64(), bw["seconds"].as_f64());
-        match (gbs, bytes, secs) {
-            (Some(g), Some(b), Some(s)) => per.push((g, b, s, exit)),
-            _ => bail!("no bandwidth in {row}"),
-        }
+        per.push(transfer_result(&out?, exit)?);
     }
+    Ok(transfer_records(site.placement, proto, n, plan.message_size, run, &per))
+}
+
+/// A transfer client's arguments: tenant `n`'s share of the plan's bytes.
+pub(super) fn transfer_args(plan: &Plan, proto: Protocol, n: u32) -> Vec<String> {
+    let size = plan.message_size;
+    let iters = (plan.bytes / u64::from(n) / size).max(1);
+    [proto.transfer_test(), "--size", &size.to_string(), "--iters", &iters.to_string()]
+        .map(String::from)
+        .to_vec()
+}
+
+/// One tenant's transfer: (GB/s, bytes, seconds, when its client exited).
+pub(super) type TenantResult = (f64, u64, f64, Instant);
+
+/// A transfer client's `--json` output and exit time, read.
+pub(super) fn transfer_result(out: &str, exit: Instant) -> Result<TenantResult> {
+    let row = rows(out)?.into_iter().next().ok_or_else(|| anyhow!("no result row"))?;
+    let bw = &row["bandwidth"];
+    match (bw["gb_per_s"].as_f64(), bw["bytes"].as_u64(), bw["seconds"].as_f64()) {
+        (Some(g), Some(b), Some(s)) => Ok((g, b, s, exit)),
+        _ => bail!("no bandwidth in {row}"),
+    }
+}
+
+/// A transfer cell's records: each tenant's (with several) and the cell's.
+pub(super) fn transfer_records(
+    placement: Placement,
+    proto: Protocol,
+    n: u32,
+    size: u64,
+    run: u32,
+    per: &[TenantResult],
+) -> Vec<Record> {
     let base = Record {
         section: Section::Transfer,
-        placement: site.placement,
+        placement,
         protocol: proto,
         tenants: n,
         tenant: None,
@@ -483,30 +541,46 @@ fn transfer(
     let secs = per.iter().map(|p| (last - p.3).as_secs_f64() + p.2).fold(0.0, f64::max);
     let value = if secs > 0.0 { bytes as f64 / secs / 1e9 } else { 0.0 };
     out.push(Record { value, bytes: Some(bytes), seconds: Some(secs), ..base });
-    Ok(out)
+    out
 }
 
 /// One run of the latency and bandwidth set, as tenant 1.
 fn set(env: &Env, plan: &Plan, site: &Site, server: &Server, run: u32) -> Result<Vec<Record>> {
-    let time = format!("{}", plan.set_seconds);
     let (send, uid) = (&site.senders[0], plan.uid(0));
-    let mut lat: Vec<String> = LATENCY_SET.iter().map(|t| t.0.to_string()).collect();
-    lat.extend(["--time".into(), time.clone()]);
-    let mut bw: Vec<String> = BANDWIDTH_SET.iter().map(|t| t.0.to_string()).collect();
-    bw.extend(["--time".into(), time, "--size".into(), plan.message_size.to_string()]);
+    let (lat, bw) = set_args(plan);
     let limit = Duration::from_secs_f64(60.0 + 6.0 * plan.set_seconds);
     let name = format!("{}-set-lat-run{run}", site.placement.name());
     let lat_out = client(env, send, uid, server.addr, &lat, &name)?.finish(limit)?;
     let name = format!("{}-set-bw-run{run}", site.placement.name());
     let bw_out = client(env, send, uid, server.addr, &bw, &name)?.finish(limit)?;
+    set_records(site.placement, run, &lat_out, &bw_out)
+}
+
+/// The latency set's client arguments and the bandwidth set's.
+pub(super) fn set_args(plan: &Plan) -> (Vec<String>, Vec<String>) {
+    let time = format!("{}", plan.set_seconds);
+    let mut lat: Vec<String> = LATENCY_SET.iter().map(|t| t.0.to_string()).collect();
+    lat.extend(["--time".into(), time.clone()]);
+    let mut bw: Vec<String> = BANDWIDTH_SET.iter().map(|t| t.0.to_string()).collect();
+    bw.extend(["--time".into(), time, "--size".into(), plan.message_size.to_string()]);
+    (lat, bw)
+}
+
+/// The set's records from its two clients' `--json` outputs.
+pub(super) fn set_records(
+    placement: Placement,
+    run: u32,
+    lat_out: &str,
+    bw_out: &str,
+) -> Result<Vec<Record>> {
     let mut out = Vec::new();
-    for row in rows(&lat_out)?.into_iter().chain(rows(&bw_out)?) {
+    for row in rows(lat_out)?.into_iter().chain(rows(bw_out)?) {
         let test = row["test"].as_str().unwrap_or("?").to_string();
         let proto = if test.starts_with("tcp") { Protocol::Tcp } else { Protocol::Vrdma };
         let size = row["size"].as_u64().unwrap_or(0);
         let base = Record {
             section: Section::Latency,
-            placement: site.placement,
+            placement,
             protocol: proto,
             tenants: 1,
             tenant: None,

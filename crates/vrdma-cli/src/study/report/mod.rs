@@ -188,6 +188,28 @@ fn runs_cells(r: &Row) -> Vec<String> {
     c
 }
 
+/// A placement's heading in the tables: the VMs' under TCG marked as
+/// not comparable.
+fn title(o: &Outcome, p: Placement) -> String {
+    match (p, o.vm_accel) {
+        (Placement::Vm, Some(vrdma_guest::Accel::Tcg)) => {
+            format!("{} under TCG: functional, not comparable with the host's", p.title())
+        }
+        (Placement::Vm, Some(a)) => format!("{} under {}", p.title(), a.name().to_uppercase()),
+        _ => p.title().to_string(),
+    }
+}
+
+/// A placement's label in the charts, the VMs' with their accelerator.
+fn label(p: Placement, vm_accel: Option<vrdma_guest::Accel>) -> String {
+    match (p, vm_accel) {
+        (Placement::Vm, Some(a)) => {
+            format!("vm ({}{})", a.name(), if a == vrdma_guest::Accel::Tcg { ", functional" } else { "" })
+        }
+        _ => p.name().into(),
+    }
+}
+
 fn what(r: &Row) -> String {
     if r.tool == "vrdma bench" {
         r.test.clone()
@@ -199,13 +221,74 @@ fn what(r: &Row) -> String {
 }
 
 /// The charts, by file stem.
-fn charts(m: &Model) -> Vec<(&'static str, String, Chart)> {
+fn charts(m: &Model, vm_accel: Option<vrdma_guest::Accel>) -> Vec<(&'static str, String, Chart)> {
     let placements: Vec<Placement> = {
         let mut v: Vec<Placement> = m.rows.iter().map(|r| r.placement).collect();
         v.sort();
         v.dedup();
         v
     };
+    // Under TCG the VMs' figures are hundreds of times the host's: a
+    // chart of their own, so that neither squashes the other.
+    let tcg = vm_accel == Some(vrdma_guest::Accel::Tcg);
+    let host: Vec<Placement> = placements.iter().copied().filter(|p| !(tcg && *p == Placement::Vm)).collect();
+    let mut v = Vec::new();
+    if !host.is_empty() {
+        let (bandwidth, latency) = placement_charts(m, &host, vm_accel);
+        v.push(("bandwidth", "Transfer bandwidth per cell.".to_string(), bandwidth));
+        v.push(("latency", "Latency per placement.".to_string(), latency));
+    }
+    if tcg && placements.contains(&Placement::Vm) {
+        let (bandwidth, latency) = placement_charts(m, &[Placement::Vm], vm_accel);
+        let why = "under TCG, on a scale of its own: functional, not comparable with the host's";
+        v.push(("bandwidth-vm", format!("VM to VM transfer bandwidth per cell, {why}."), bandwidth));
+        v.push(("latency-vm", format!("VM to VM latency, {why}."), latency));
+    }
+    // Tenants' shares.
+    let groups = m
+        .fairness
+        .iter()
+        .map(|f| Group {
+            label: format!(
+                "{} {} (J={})",
+                f.placement.name(),
+                f.protocol.name(),
+                f.jain.map_or("n/a".into(), |j| format!("{:.3}", j.avg))
+            ),
+            bars: f
+                .share_pct
+                .iter()
+                .enumerate()
+                .map(|(i, s)| Bar { series: i, value: *s, min: *s, max: *s })
+                .collect(),
+        })
+        .collect();
+    let fairness = Chart {
+        title: "Each tenant's share in the four-tenant cells (J = Jain's index)".into(),
+        y_label: "share of the cell's bandwidth, %".into(),
+        series: (1..=TENANTS).map(|t| format!("tenant {t}")).collect(),
+        groups,
+        y_max: Some(100.0),
+    };
+    if !m.fairness.is_empty() {
+        v.push((
+            "fairness",
+            "Tenants' shares in the four-tenant cells, with Jain's fairness index.".into(),
+            fairness,
+        ));
+    }
+    v.into_iter()
+        .enumerate()
+        .map(|(i, (n, caption, c))| (n, format!("Figure {}. {caption}", i + 1), c))
+        .collect()
+}
+
+/// Bandwidth per cell and latency per placement, for `placements`.
+fn placement_charts(
+    m: &Model,
+    placements: &[Placement],
+    vm_accel: Option<vrdma_guest::Accel>,
+) -> (Chart, Chart) {
     let bar = |s: Option<Summary>, series| s.map(|s| Bar { series, value: s.avg, min: s.min, max: s.max });
     // Bandwidth per cell.
     let cells: Vec<(Protocol, u32)> =
@@ -217,7 +300,7 @@ fn charts(m: &Model) -> Vec<(&'static str, String, Chart)> {
     let groups = placements
         .iter()
         .map(|&pl| Group {
-            label: pl.name().into(),
+            label: label(pl, vm_accel),
             bars: cells
                 .iter()
                 .enumerate()
@@ -256,7 +339,7 @@ fn charts(m: &Model) -> Vec<(&'static str, String, Chart)> {
     let groups = placements
         .iter()
         .map(|&pl| Group {
-            label: pl.name().into(),
+            label: label(pl, vm_accel),
             bars: tests
                 .iter()
                 .enumerate()
@@ -276,44 +359,7 @@ fn charts(m: &Model) -> Vec<(&'static str, String, Chart)> {
         groups,
         y_max: None,
     };
-    // Tenants' shares.
-    let groups = m
-        .fairness
-        .iter()
-        .map(|f| Group {
-            label: format!(
-                "{} {} (J={})",
-                f.placement.name(),
-                f.protocol.name(),
-                f.jain.map_or("n/a".into(), |j| format!("{:.3}", j.avg))
-            ),
-            bars: f
-                .share_pct
-                .iter()
-                .enumerate()
-                .map(|(i, s)| Bar { series: i, value: *s, min: *s, max: *s })
-                .collect(),
-        })
-        .collect();
-    let fairness = Chart {
-        title: "Each tenant's share in the four-tenant cells (J = Jain's index)".into(),
-        y_label: "share of the cell's bandwidth, %".into(),
-        series: (1..=TENANTS).map(|t| format!("tenant {t}")).collect(),
-        groups,
-        y_max: Some(100.0),
-    };
-    let mut v = vec![
-        ("bandwidth", "Figure 1. Transfer bandwidth per cell.".to_string(), bandwidth),
-        ("latency", "Figure 2. Latency per placement.".to_string(), latency),
-    ];
-    if !m.fairness.is_empty() {
-        v.push((
-            "fairness",
-            "Figure 3. Tenants' shares in the four-tenant cells, with Jain's fairness index.".into(),
-            fairness,
-        ));
-    }
-    v
+    (bandwidth, latency)
 }
 
 fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<Block> {
@@ -344,7 +390,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
         p.set_seconds,
     )));
     b.push(Block::Heading(2, "Placements".into()));
-    b.push(Block::List(o.sites.iter().map(|(pl, d)| format!("**{}**: {d}", pl.title())).collect()));
+    b.push(Block::List(o.sites.iter().map(|(pl, d)| format!("**{}**: {d}", title(o, *pl))).collect()));
     b.push(Block::Heading(2, "Skipped".into()));
     let mut skipped: Vec<String> = p.skipped.iter().map(|(w, y)| format!("{w}: {y}")).collect();
     skipped.extend(o.anchor_notes.iter().cloned());
@@ -361,12 +407,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
     let table = |section: Section| m.rows.iter().filter(move |r| r.section == section);
     let rows: Vec<Vec<String>> = table(Section::Transfer)
         .map(|r| {
-            let mut c = vec![
-                r.placement.title().to_string(),
-                r.protocol.name().into(),
-                r.tenants.to_string(),
-                what(r),
-            ];
+            let mut c = vec![title(o, r.placement), r.protocol.name().into(), r.tenants.to_string(), what(r)];
             c.extend(runs_cells(r));
             c
         })
@@ -384,7 +425,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
     });
     let rows: Vec<Vec<String>> = table(Section::Latency)
         .map(|r| {
-            let mut c = vec![r.placement.title().to_string(), r.protocol.name().into(), what(r)];
+            let mut c = vec![title(o, r.placement), r.protocol.name().into(), what(r)];
             c.extend(runs_cells(r));
             c
         })
@@ -401,7 +442,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
     });
     let rows: Vec<Vec<String>> = table(Section::Bandwidth)
         .map(|r| {
-            let mut c = vec![r.placement.title().to_string(), r.protocol.name().into(), what(r)];
+            let mut c = vec![title(o, r.placement), r.protocol.name().into(), what(r)];
             c.extend(runs_cells(r));
             c
         })
@@ -423,7 +464,7 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
             .fairness
             .iter()
             .map(|f| {
-                let mut c = vec![f.placement.title().to_string(), f.protocol.name().to_string()];
+                let mut c = vec![title(o, f.placement), f.protocol.name().to_string()];
                 c.extend(
                     f.tenant_gbs.iter().zip(&f.share_pct).map(|(g, s)| format!("{} ({s:.0} %)", fmt(*g))),
                 );
@@ -521,7 +562,7 @@ pub fn write(o: &Outcome) -> Result<()> {
     let m = model(&o.records, o.plan.runs);
     let mut figures = Vec::new();
     let mut svgs = BTreeMap::new();
-    for (name, caption, chart) in charts(&m) {
+    for (name, caption, chart) in charts(&m, o.vm_accel) {
         let svg = chart.svg().with_context(|| format!("chart {name}"))?;
         std::fs::write(out.join("charts").join(format!("{name}.svg")), &svg)?;
         std::fs::write(out.join("charts").join(format!("{name}.png")), chart.png()?)?;
