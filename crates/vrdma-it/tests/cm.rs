@@ -113,6 +113,42 @@ fn connect_send_disconnect(client: &vrdma::Context, server: &vrdma::Context, at:
     Ok(())
 }
 
+/// `rdma_create_qp` as one call: the QP comes back attached, in INIT,
+/// and the connection brings it up as an attached one. A QP whose attach
+/// fails (an id of another context) is destroyed: fifty such failures
+/// under a quota of 16 objects leave room for a QP made apart.
+#[test]
+fn create_qp_on_an_id_attaches_it_in_one_call_or_leaves_no_qp_behind() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_objects = 16\n")?;
+    let (client, server) = (d.context()?, d.context()?);
+    let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+    let listener = listener(&server_ch, 7501, 8)?;
+    let id = resolved(&client_ch, localhost(7501))?;
+
+    let (pd, cq) = (server.alloc_pd()?, server.create_cq(16, None)?);
+    for _ in 0..50 {
+        let e = id.create_qp(&pd, &vrdma::QpInit::rc(&cq, &cq, cap(4, 1))).unwrap_err();
+        assert_eq!(e.errno(), libc::ENOENT, "the id is not of the PD's context: {e}");
+    }
+    drop(pd.create_rc_qp(&cq, &cq, cap(4, 1))?);
+
+    let (pd, cq) = (client.alloc_pd()?, client.create_cq(16, None)?);
+    let qp = id.create_qp(&pd, &vrdma::QpInit::rc(&cq, &cq, cap(4, 1)))?;
+    assert_eq!(qp.state(), QpState::Init);
+    id.connect(&param(b""))?;
+    let req = expect(&server_ch, EventKind::ConnectRequest)?;
+    assert_eq!(req.listen_id, Some(listener.id()));
+    let server_id = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+    let (spd, scq) = (server.alloc_pd()?, server.create_cq(16, None)?);
+    let sqp = server_id.create_qp(&spd, &vrdma::QpInit::rc(&scq, &scq, cap(4, 1)))?;
+    server_id.accept(&param(b""))?;
+    assert_eq!(sqp.state(), QpState::Rts, "ready before the reply goes");
+    expect(&client_ch, EventKind::Established)?;
+    assert_eq!(qp.state(), QpState::Rts);
+    expect(&server_ch, EventKind::Established)?;
+    Ok(())
+}
+
 #[test]
 fn a_connection_by_address_carries_messages_and_ends_disconnected_on_both_sides() -> Result<()> {
     let d = DaemonProc::start()?;

@@ -480,6 +480,16 @@ impl CmId {
         init_qp_attr(&self.channel.inner.ctx, self.id, state)
     }
 
+    /// `rdma_create_qp`: a QP of `pd` made and attached to this id in one
+    /// call to the daemon ([`attach_qp`](Self::attach_qp) of a QP made
+    /// apart takes two). If the attach fails, the QP is destroyed and
+    /// this fails with the attach's error.
+    pub fn create_qp(&self, pd: &crate::ProtectionDomain, init: &crate::QpInit<'_>) -> Result<QueuePair> {
+        let qp = QueuePair::create_for(pd, init, Some(self.id))?;
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qp.qpn());
+        Ok(qp)
+    }
+
     /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;
     /// the daemon brings it up from there (see the module's notes).
     pub fn attach_qp(&self, qp: &QueuePair) -> Result<()> {

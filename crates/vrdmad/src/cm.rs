@@ -2,8 +2,10 @@
 //! the engine thread, its events delivered to the tenants' event channels,
 //! its messages carried to the manager they are for.
 //!
-//! The engine thread owns it, as it owns the HCA, so that the exchange
-//! between two processes of this host needs no lock and no other thread.
+//! The engine's state holds it, as it holds the HCA, so that the exchange
+//! between two processes of this host needs no other lock and no other
+//! thread: a tenant's call runs on its session thread under the engine's
+//! lock (`engine::handle`), and what the call set off is done within it.
 //! A message for an address of this host is handed straight back to the
 //! manager; one for another host rides the authenticated link to that
 //! host's daemon (a connection manager's frame, `docs/wire-protocol.md`),
@@ -108,6 +110,8 @@ pub enum CmCallError {
     Busy,
     #[error("the id's QP: {0}")]
     Qp(#[from] HcaError),
+    #[error("a request the session answers, not the connection manager")]
+    NotHere,
 }
 
 impl CmCallError {
@@ -118,6 +122,7 @@ impl CmCallError {
             CmCallError::Channels => libc::EMFILE,
             CmCallError::Busy => libc::EBUSY,
             CmCallError::Qp(e) => e.errno(),
+            CmCallError::NotHere => libc::EINVAL,
         }
     }
 }
@@ -326,6 +331,8 @@ impl CmDriver {
                 self.id_qp.insert(id, qp);
                 done
             }
+            // The session makes the QP, then attaches it with `AttachQp`.
+            CmRequest::CreateQp { .. } => return Err(CmCallError::NotHere),
             CmRequest::InitQpAttr { id, state } => {
                 let (attr, mask) = self.cm.init_qp_attr(ctx, id, state)?;
                 CmReply::QpAttr { attr, mask }

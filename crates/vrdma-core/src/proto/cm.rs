@@ -98,6 +98,15 @@ pub enum CmRequest {
         id: u32,
         qp: u32,
     },
+    /// `rdma_create_qp` in one call: the QP that `Request::CreateQp`
+    /// would make (answered as that is, with `Reply::Qp` and the rings'
+    /// descriptor), attached to the id as `AttachQp` attaches one. If the
+    /// attach fails, the QP is destroyed and the call fails with its error.
+    CreateQp {
+        id: u32,
+        pd: u32,
+        init: crate::verbs::QpInitAttr,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
