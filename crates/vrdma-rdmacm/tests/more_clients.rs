@@ -452,6 +452,64 @@ fn cmtime_sets_up_and_tears_down_a_hundred_connections() {
     cmtime((Side::on(&socket), Side::on(&socket)), "127.0.0.1", "100");
 }
 
+/// `cmtime` in an emulated guest (the drop-ins in guest mode, on a VM's
+/// ports): the daemon cannot tell a guest's contexts to be of one process,
+/// so it attaches no QP of the program's libibverbs to an id of the
+/// drop-in librdmacm's context there; the library moves the QPs itself
+/// instead, and the connections come up as on the host.
+#[test]
+fn cmtime_in_an_emulated_guest() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let Some(s) = setup(CMTIME, "rdmacm-utils") else { return };
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    // Each process takes two ports (its libibverbs' context and the
+    // drop-in librdmacm's).
+    let config = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 64\nports = 6\n");
+    let d = vrdma_it::DaemonProc::start_with_config(&config).expect("daemon");
+    let vm = vrdma::vm::attach_at(&d.socket, "t").expect("attach the VM");
+    const BAR_FD: i32 = 100;
+    let region = vm.region.as_raw_fd();
+    let guest = |args: &[&str]| {
+        let mut c = Command::new(args[0]);
+        c.args(&args[1..])
+            .env("LD_LIBRARY_PATH", s.lib_dir())
+            .env("LD_BIND_NOW", "1")
+            .env("VRDMA_RDMACM_DEBUG", "1")
+            .env(vrdma::guest::PORT_ENV, &vm.port_socket)
+            .env(vrdma::guest::BAR_ENV, format!("/proc/self/fd/{BAR_FD}"));
+        // SAFETY: dup2 is async-signal-safe; between fork and exec the
+        // child only moves the region (open in the parent, so in the
+        // child) to BAR_FD, without close-on-exec.
+        unsafe {
+            c.pre_exec(move || {
+                if libc::dup2(region, BAR_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        c
+    };
+    let port = free_port().to_string();
+    let mut server = spawn(guest(&[CMTIME, "-p", &port]), "cmtime (guest server)");
+    let target = common::listen_target(CMTIME, &["-s", "127.0.0.1", "-p", &port]).expect("a target");
+    let listened = common::wait_listening(&d.socket, target, &mut server, LISTEN_WAIT);
+    let client = listened.then(|| {
+        spawn(guest(&[CMTIME, "-s", "127.0.0.1", "-p", &port, "-c", "10"]), "cmtime (guest client)")
+            .finish(LIMIT)
+    });
+    // SAFETY: kill(2) on our own child, not yet reaped (it serves until
+    // killed).
+    unsafe { libc::kill(server.pid(), libc::SIGKILL) };
+    let server = server.finish(LIMIT);
+    let Some(client) = client else { panic!("the guest server never listened\n{}", server.describe()) };
+    assert!(client.status.success(), "{}\n{}", client.describe(), server.describe());
+    assert!(client.stdout.lines().any(|l| l.starts_with("connect")), "{}", client.describe());
+    assert!(!client.stdout.contains("event: "), "a connection failed\n{}", client.describe());
+}
+
 /// rdma_server / rdma_client: the endpoint API (rdma_getaddrinfo,
 /// rdma_create_ep, rdma_get_request, synchronous connect, accept and
 /// disconnect) and rdma_verbs.h's helpers, which register the programs'

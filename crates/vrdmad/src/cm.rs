@@ -89,8 +89,9 @@ pub struct CmDriver {
     channels: HashMap<u32, EventChannel>,
     /// The channel of each id.
     id_channel: HashMap<u32, u32>,
-    /// The QP attached to each id that has one (by number).
-    id_qp: HashMap<u32, u32>,
+    /// The QP attached to each id that has one: its context (the id's, or
+    /// another of the same tenant: see [`CmDriver::attach_qp`]) and number.
+    id_qp: HashMap<u32, (ContextId, u32)>,
     next_channel: u32,
     log: LogLimiter,
 }
@@ -171,11 +172,28 @@ impl CmDriver {
     /// attributes; on the passive side with the depths this side accepts
     /// with (`depths`: responder resources, initiator depth), as librdmacm
     /// applies them.
+    /// `CmRequest::AttachQp`: QP `qp` of context `qp_ctx` (the id's own,
+    /// or another context of the id's tenant, as the engine checked) goes
+    /// to INIT with the id's attributes and becomes the id's.
+    pub fn attach_qp(
+        &mut self,
+        ctx: ContextId,
+        id: u32,
+        qp_ctx: ContextId,
+        qp: u32,
+        modify: ModifyQp,
+    ) -> Result<(), CmCallError> {
+        let (attr, mask) = self.cm.init_qp_attr(ctx, id, QpState::Init)?;
+        modify(qp_ctx, qp, &attr, mask)?;
+        self.id_qp.insert(id, (qp_ctx, qp));
+        Ok(())
+    }
+
     fn bring_up(
         &self,
         ctx: ContextId,
         id: u32,
-        qp: u32,
+        (qp_ctx, qp): (ContextId, u32),
         states: &[QpState],
         depths: Option<(u8, u8)>,
         modify: ModifyQp,
@@ -190,7 +208,7 @@ impl CmDriver {
                     attr.max_rd_atomic = initiator_depth;
                 }
             }
-            modify(ctx, qp, &attr, mask)?;
+            modify(qp_ctx, qp, &attr, mask)?;
         }
         Ok(())
     }
@@ -302,7 +320,7 @@ impl CmDriver {
                     };
                     let depths = (conn.responder_resources, conn.initiator_depth);
                     self.bring_up(ctx, id, qp, states, Some(depths), modify)?;
-                    conn.qp_num = qp;
+                    conn.qp_num = qp.1;
                 }
                 self.cm.accept(ctx, id, conn, qkey, now)?;
                 done
@@ -317,18 +335,25 @@ impl CmDriver {
             }
             CmRequest::Disconnect { id } => {
                 self.cm.state(ctx, id).ok_or(CmError::NoSuchId)?;
-                if let Some(&qp) = self.id_qp.get(&id) {
+                if let Some(&(qp_ctx, qp)) = self.id_qp.get(&id) {
                     // Its work is flushed, as the kernel's rdma_disconnect does.
+                    // A QP the program destroyed already has nothing to flush
+                    // (the kernel's id forgets its QP in rdma_destroy_qp; a
+                    // QP of the drop-in's libibverbs goes without a word to
+                    // the connection manager).
                     let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
-                    modify(ctx, qp, &attr, QpAttrMask::STATE)?;
+                    match modify(qp_ctx, qp, &attr, QpAttrMask::STATE) {
+                        Err(HcaError::NoSuchObject { .. }) => {
+                            self.id_qp.remove(&id);
+                        }
+                        r => r?,
+                    }
                 }
                 self.cm.disconnect(ctx, id, now)?;
                 done
             }
             CmRequest::AttachQp { id, qp } => {
-                let (attr, mask) = self.cm.init_qp_attr(ctx, id, QpState::Init)?;
-                modify(ctx, qp, &attr, mask)?;
-                self.id_qp.insert(id, qp);
+                self.attach_qp(ctx, id, ctx, qp, modify)?;
                 done
             }
             // The session makes the QP, then attaches it with `AttachQp`.
@@ -507,7 +532,9 @@ impl CmDriver {
         self.cm.close_context(ctx);
         let cm = &self.cm;
         self.id_channel.retain(|&id, _| cm.owner(id).is_some());
-        self.id_qp.retain(|&id, _| cm.owner(id).is_some());
+        // (A QP of the closed context, attached to an id of another, went
+        // with the context.)
+        self.id_qp.retain(|&id, &mut (qp_ctx, _)| cm.owner(id).is_some() && qp_ctx != ctx);
         self.channels.retain(|_, c| c.ctx != ctx);
     }
 }

@@ -86,8 +86,11 @@ pub enum CmRequest {
         ps: u32,
         addr: SocketAddrV4,
     },
-    /// `rdma_create_qp`'s second half, done by the daemon: the context's
-    /// QP `qp` goes to INIT with the id's attributes and becomes the id's.
+    /// `rdma_create_qp`'s second half, done by the daemon: QP `qp` goes to
+    /// INIT with the id's attributes and becomes the id's. The id and the
+    /// QP may be of two contexts of one local process (the drop-in
+    /// `librdmacm.so.1` holds its ids in a context of its own, the
+    /// program's QPs are its `libibverbs.so.1`'s), never of two processes.
     /// From then on the daemon moves it as the kernel's CM moves an id's
     /// QP: to RTR and RTS in `Accept` (before the REP goes out) and when
     /// the REP comes in (the RTU follows, and the program sees

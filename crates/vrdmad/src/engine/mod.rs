@@ -16,6 +16,7 @@ mod handle;
 mod rings;
 mod sleep;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
@@ -60,6 +61,12 @@ pub struct EngineState {
     pub on_broken: Option<Box<dyn Fn(ContextId) + Send>>,
     /// The direct path's grants in shared memory ([`crate::direct`]).
     pub direct: crate::direct::DirectDriver,
+    /// The process (pid) of each context of a local process (none for a
+    /// guest's): an rdma_cm id and the QP attached to it may be of two
+    /// contexts of one process, as the drop-in `librdmacm.so.1` and the
+    /// program's `libibverbs.so.1` each hold their own (see
+    /// [`EngineState::handle_cm`]).
+    pub processes: HashMap<ContextId, i32>,
 }
 
 impl EngineState {
@@ -84,6 +91,7 @@ impl EngineState {
             last_sweep: Instant::ZERO,
             on_broken: None,
             direct: crate::direct::DirectDriver::default(),
+            processes: HashMap::new(),
         }
     }
 
@@ -108,6 +116,7 @@ impl EngineState {
     /// died), keeping queued frames' bytes as [`Self::dereg_mr`] does.
     pub fn close_context(&mut self, ctx: ContextId) -> Teardown {
         let t = self.hca.close_context(ctx, &mut self.rings);
+        self.processes.remove(&ctx);
         // The process is gone: nothing of it copies any more, and its
         // peers' windows are closed (no wait: the pages stay mapped in the
         // peers, whose copies land in memory no one else uses).
@@ -185,6 +194,20 @@ impl EngineState {
         req: CmRequest,
     ) -> Result<CmReply, crate::cm::CmCallError> {
         let now = self.now();
+        // The id and the QP an attach names may each be of another context
+        // of the caller's process and tenant: the drop-in librdmacm's ids
+        // are its own context's, the QPs its libibverbs' (which makes them
+        // attached in one call, naming the id). Of another process, or
+        // none, they are no id or QP of the caller's.
+        let attach_owner = match req {
+            CmRequest::AttachQp { id, qp } => {
+                let ours = |c: ContextId| c == ctx || self.same_process(c, ctx);
+                let id_ctx = self.cm.cm.owner(id).filter(|&c| ours(c));
+                let qp_ctx = self.hca.qp_owner(qp).filter(|&(c, t)| t == tenant && ours(c)).map(|(c, _)| c);
+                Some((id_ctx, qp_ctx))
+            }
+            _ => None,
+        };
         let (hca, rings) = (&mut self.hca, &mut self.rings);
         let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
         // The calls whose event usually follows at once (see
@@ -195,7 +218,17 @@ impl EngineState {
             | CmRequest::Accept { id, .. } => Some(id),
             _ => None,
         };
-        let r = self.cm.handle(ctx, tenant, req, now, &mut modify);
+        let r = match req {
+            CmRequest::AttachQp { id, qp } => match attach_owner {
+                Some((Some(id_ctx), Some(qp_ctx))) => self
+                    .cm
+                    .attach_qp(id_ctx, id, qp_ctx, qp, &mut modify)
+                    .map(|()| CmReply::Event { event: None, wakeups: 0 }),
+                Some((None, _)) => Err(vrdma_core::cm::CmError::NoSuchId.into()),
+                _ => Err(vrdma_core::hca::HcaError::NoSuchObject { kind: "QP", id: qp }.into()),
+            },
+            req => self.cm.handle(ctx, tenant, req, now, &mut modify),
+        };
         self.run_cm(now);
         self.direct.sync(&mut self.hca);
         match (r, ready_for) {
@@ -204,6 +237,17 @@ impl EngineState {
                 Ok(CmReply::Event { event, wakeups })
             }
             (r, _) => r,
+        }
+    }
+
+    /// Whether contexts `a` and `b` are of one local process of one
+    /// tenant (`a` made by the process whose pid `b`'s session has).
+    fn same_process(&self, a: ContextId, b: ContextId) -> bool {
+        match (self.processes.get(&a), self.processes.get(&b)) {
+            (Some(p), Some(q)) => {
+                p == q && self.hca.tenant(a).is_some() && self.hca.tenant(a) == self.hca.tenant(b)
+            }
+            _ => false,
         }
     }
 

@@ -559,8 +559,13 @@ impl Session {
         let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
         let fds = vec![seg_fd, doorbell_tenant.into(), event_tenant.into()];
         let seg_len = seg.len() as u64;
+        // A local process's (a guest's contexts have no pid of this host).
+        let pid = if self.guest.is_none() { self.pid } else { 0 };
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
+            if pid > 0 {
+                e.processes.insert(c, pid);
+            }
             e.rings.contexts.insert(c, ContextRings::new(tenant, events, event_fd, doorbell, posted));
             Ok::<_, HcaError>(())
         })??;
