@@ -804,6 +804,59 @@ mod tests {
         assert_eq!((m[0].1, m[0].2.qp_state, m[0].3), (0x20, QpState::Err, QpAttrMask::STATE));
     }
 
+    /// The kernel CM's rule: no event that lets a side send is rung before
+    /// the QP move it implies. Each QP move is made while neither side's
+    /// channel holds an unread wake-up (the server's RTR and RTS before
+    /// the REP can reach the client, the client's RTS before its
+    /// ESTABLISHED), and the client's ESTABLISHED is rung once the accept
+    /// returns.
+    #[test]
+    fn no_event_that_lets_a_side_send_is_rung_before_its_qp_moves() {
+        let (mut d, [s_end, c_end]) = two_contexts();
+        let now = Instant(1);
+        let drain = |end: &Doorbell| while end.take_one() {};
+        // (state of the move, whether either side had an unread wake-up)
+        let seen = std::cell::RefCell::new(Vec::new());
+        let mut watch = |_: ContextId, _: u32, attr: &QpAttr, _: QpAttrMask| {
+            seen.borrow_mut().push((attr.qp_state, s_end.is_readable() || c_end.is_readable()));
+            Ok(())
+        };
+        let mut call = |d: &mut CmDriver, ctx, req| {
+            let r = d.handle(ctx, T, req, now, &mut watch);
+            d.run(now, |_, _| Err("not local"), &mut watch);
+            r.unwrap()
+        };
+        let a = listener_and_resolved_client(&mut d, &mut call);
+        let conn = ConnInfo { qp_num: 0x20, ..Default::default() };
+        call(&mut d, CLI, CmRequest::Connect { id: a, conn });
+        while next_event(&mut d, CLI, 2).is_some() {}
+        let req = next_event(&mut d, SRV, 1).expect("a request");
+        // Everything so far read: the wake-ups taken, as the tenants would.
+        drain(&s_end);
+        drain(&c_end);
+        seen.borrow_mut().clear();
+        call(&mut d, SRV, CmRequest::AttachQp { id: req.id, qp: 0x30 });
+        call(&mut d, SRV, CmRequest::Accept { id: req.id, conn: ConnInfo::default(), qkey: 0 });
+        let seen = seen.take();
+        let states: Vec<_> = seen.iter().map(|(s, _)| *s).collect();
+        assert_eq!(
+            states,
+            [
+                QpState::Init,
+                QpState::Init,
+                QpState::Rtr,
+                QpState::Rts,
+                QpState::Init,
+                QpState::Rtr,
+                QpState::Rts
+            ]
+        );
+        assert!(seen.iter().all(|(_, rung)| !rung), "a wake-up came before a QP move: {seen:?}");
+        assert!(c_end.is_readable(), "the client's ESTABLISHED is rung once its QP is up");
+        let ev = next_event(&mut d, CLI, 2).expect("the requester's event");
+        assert_eq!((ev.id, ev.kind), (a, EventKind::Established));
+    }
+
     /// A requester whose QP cannot come up when the REP comes in hears
     /// CONNECT_ERROR, and the acceptor a REJ (REJECTED), as with the
     /// kernel's CM; neither is left waiting.
