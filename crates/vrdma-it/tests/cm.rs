@@ -113,6 +113,99 @@ fn connect_send_disconnect(client: &vrdma::Context, server: &vrdma::Context, at:
     Ok(())
 }
 
+/// An id's QP may be of another context of the same process, as the
+/// drop-in librdmacm attaches the QPs of the program's libibverbs (a
+/// context of its own), attached apart or made attached in one call: the
+/// daemon moves it (INIT on attach, RTS before the reply goes and when it
+/// comes), and the events of a resolution and of a request carry the
+/// id's addresses, as its queries give them.
+#[test]
+fn a_qp_of_another_context_of_the_process_is_attached_and_brought_up() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let (client, server) = (d.context()?, d.context()?);
+    let (client_verbs, server_verbs) = (d.context()?, d.context()?);
+    let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+    let _listener = listener(&server_ch, 7502, 8)?;
+
+    let id = CmId::create(&client_ch, PortSpace::Tcp)?;
+    id.resolve_addr(None, localhost(7502))?;
+    let ev = expect(&client_ch, EventKind::AddrResolved)?;
+    assert_eq!((ev.local, ev.remote), id.addrs()?);
+    assert_eq!(ev.remote, Some(localhost(7502)));
+    assert!(ev.local.is_some_and(|l| l.port() != 0), "{ev:?}");
+    id.resolve_route()?;
+    expect(&client_ch, EventKind::RouteResolved)?;
+
+    let a = Side::with(&client_verbs, 4096, 64, cap(16, 1), None)?;
+    id.attach_qp_num(a.qp.qpn())?;
+    assert_eq!(a.qp.state(), QpState::Init);
+    id.connect(&param(b""))?;
+    let req = expect(&server_ch, EventKind::ConnectRequest)?;
+    let server_id = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+    assert_eq!((req.local, req.remote), server_id.addrs()?);
+    assert_eq!((req.local, req.remote), (Some(localhost(7502)), ev.local));
+    // The passive side's QP made attached in one call, naming the id of
+    // the other context.
+    let mut b = Side::with(&server_verbs, 4096, 64, cap(16, 1), None)?;
+    b.qp = b.pd.create_qp_for_cm_id(&vrdma::QpInit::rc(&b.cq, &b.cq, cap(16, 1)), server_id.id())?;
+    assert_eq!(b.qp.state(), QpState::Init);
+    b.qp.post_recv(&[vrdma::wr::recv(1, &[b.mr.sge(0, 64)?])?]).map_err(|e| e.error)?;
+    server_id.accept(&param(b""))?;
+    assert_eq!(b.qp.state(), QpState::Rts, "ready before the reply goes");
+    expect(&client_ch, EventKind::Established)?;
+    assert_eq!(a.qp.state(), QpState::Rts);
+    expect(&server_ch, EventKind::Established)?;
+
+    a.mr.write(0, b"other ctx")?;
+    a.qp.post_send(&[vrdma::wr::send(2, &[a.mr.sge(0, 9)?])?.signaled()]).map_err(|e| e.error)?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
+    assert_eq!(poll_one(&b.cq, WAIT)?.byte_len, 9);
+
+    // A QP the program destroyed before its disconnect has nothing to
+    // flush: the disconnect still goes.
+    drop(a);
+    id.disconnect()?;
+    expect(&client_ch, EventKind::Disconnected)?;
+    expect(&server_ch, EventKind::Disconnected)?;
+    Ok(())
+}
+
+/// `rdma_create_qp` as one call: the QP comes back attached, in INIT,
+/// and the connection brings it up as an attached one. A QP whose attach
+/// fails (a UD QP on a TCP id: the id's INIT attributes are an RC QP's)
+/// is destroyed: fifty such failures under a quota of 16 objects leave
+/// room for a QP made apart.
+#[test]
+fn create_qp_on_an_id_attaches_it_in_one_call_or_leaves_no_qp_behind() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_objects = 16\n")?;
+    let (client, server) = (d.context()?, d.context()?);
+    let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+    let listener = listener(&server_ch, 7501, 8)?;
+    let id = resolved(&client_ch, localhost(7501))?;
+
+    let (pd, cq) = (client.alloc_pd()?, client.create_cq(16, None)?);
+    for _ in 0..50 {
+        let e = id.create_qp(&pd, &vrdma::QpInit::ud(&cq, &cq, cap(4, 1))).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "a UD QP cannot take a TCP id's INIT attributes: {e}");
+    }
+    drop(pd.create_rc_qp(&cq, &cq, cap(4, 1))?);
+
+    let qp = id.create_qp(&pd, &vrdma::QpInit::rc(&cq, &cq, cap(4, 1)))?;
+    assert_eq!(qp.state(), QpState::Init);
+    id.connect(&param(b""))?;
+    let req = expect(&server_ch, EventKind::ConnectRequest)?;
+    assert_eq!(req.listen_id, Some(listener.id()));
+    let server_id = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+    let (spd, scq) = (server.alloc_pd()?, server.create_cq(16, None)?);
+    let sqp = server_id.create_qp(&spd, &vrdma::QpInit::rc(&scq, &scq, cap(4, 1)))?;
+    server_id.accept(&param(b""))?;
+    assert_eq!(sqp.state(), QpState::Rts, "ready before the reply goes");
+    expect(&client_ch, EventKind::Established)?;
+    assert_eq!(qp.state(), QpState::Rts);
+    expect(&server_ch, EventKind::Established)?;
+    Ok(())
+}
+
 #[test]
 fn a_connection_by_address_carries_messages_and_ends_disconnected_on_both_sides() -> Result<()> {
     let d = DaemonProc::start()?;

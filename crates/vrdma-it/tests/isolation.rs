@@ -258,6 +258,39 @@ fn a_context_cannot_name_another_tenants_objects() -> Result<()> {
     Ok(())
 }
 
+/// An rdma_cm id takes a QP of another context of its own process (the
+/// drop-in librdmacm's way), never one of another process's, of its
+/// tenant or another: the attach is refused as for a QP that does not
+/// exist, and the QP is untouched.
+fn an_rdma_cm_id_cannot_take_the_qp_of(d: &DaemonProc, peer: &mut PeerProc, h: &Hello) -> Result<()> {
+    let ctx = d.context()?;
+    let ch = vrdma::cm::EventChannel::create(&ctx)?;
+    let id = vrdma::cm::CmId::create(&ch, vrdma::cm::PortSpace::Tcp)?;
+    id.resolve_addr(None, "127.0.0.1:7503".parse().expect("an address"))?;
+    let e = id.attach_qp_num(h.endpoint.qpn).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    assert!(matches!(peer.call(&Command::State)?, Said::State(0)), "the other process's QP moved");
+    Ok(())
+}
+
+#[test]
+fn an_rdma_cm_id_cannot_take_another_tenants_qp() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let (d, mut peer, h) = with_nobody()?;
+    an_rdma_cm_id_cannot_take_the_qp_of(&d, &mut peer, &h)
+}
+
+#[test]
+fn an_rdma_cm_id_cannot_take_another_process_qp_of_the_same_tenant() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
+    let h = peer.hello()?;
+    assert_eq!(h.tenant, d.context()?.tenant(), "one tenant");
+    an_rdma_cm_id_cannot_take_the_qp_of(&d, &mut peer, &h)
+}
+
 #[test]
 fn a_context_cannot_name_another_contexts_objects_of_the_same_tenant() -> Result<()> {
     // Needs no root: two contexts of this very process.

@@ -14,14 +14,26 @@
 //!   pointer points at, valid until `rdma_ack_cm_event` frees the box.
 //!
 //! QPs are the program's: libibverbs ones that `rdma_create_qp` makes with
-//! `ibv_create_qp` and moves to INIT with the attributes the daemon gives
-//! (`CmRequest::InitQpAttr`). As in rdma-core, `rdma_accept` moves an
-//! id's QP through INIT, RTR and RTS before it accepts, and
-//! `rdma_get_cm_event` does the same with a CONNECT_RESPONSE for an id
-//! with a QP, then establishes and reports ESTABLISHED. The daemon is
-//! told the QP's number in the connect or accept, never the QP itself, so
-//! the [`vrdma::cm`] ids here have no QP attached and leave every
-//! transition to this module.
+//! `ibv_create_qp`. A connected (RC) QP is attached to the id in the
+//! daemon, in the same call where the program's libibverbs is vRDMA's
+//! (its `vrdma_create_qp_cm_id`), else with [`CmId::attach_qp_num`] (the
+//! QP is of the program's libibverbs' context, another context of this
+//! process, which the daemon allows for this), which moves it to INIT, and
+//! from then on the daemon moves it as the kernel's CM would: to RTR and
+//! RTS in `rdma_accept` before the reply goes out, and on the requester's
+//! side when the reply comes in (the program sees ESTABLISHED, never the
+//! CONNECT_RESPONSE, as librdmacm shows it for an id with a QP), and to
+//! ERR in `rdma_disconnect`. That is what librdmacm does itself with an
+//! `ibv_modify_qp` per state, each state two control round trips here
+//! (its attributes, then the modify): about fifteen of them on the path
+//! between the two sides of a connection, more than half its setup time.
+//! The `state` field of the program's `ibv_qp` is written as the QP
+//! moves, as libibverbs' modify would have. A UD QP is moved here (INIT,
+//! RTR, RTS in `rdma_create_qp`, as librdmacm makes it ready to send at
+//! once), and an id's QP that the program moves itself (no QP given to
+//! `rdma_create_qp`) is the program's. In a guest, whose contexts the
+//! daemon cannot tell to be of one process, it attaches none: there this
+//! library moves the QPs through every state itself (`Lib::no_attach`).
 //!
 //! # When the daemon goes away
 //!
@@ -70,6 +82,11 @@ struct Lib {
     /// Opened on first use; never closed (see [`Device`]).
     device: OnceLock<Device>,
     opening: Mutex<()>,
+    /// The daemon refused to attach a QP of the program's libibverbs to
+    /// an id of this connection (a guest's contexts, which the daemon
+    /// cannot tell to be of one process): this library moves the QPs
+    /// itself, as before the daemon could.
+    no_attach: AtomicBool,
 }
 
 impl Lib {
@@ -104,7 +121,13 @@ fn lib() -> Res<&'static Lib> {
     let ctx = vrdma::Context::open().map_err(|e| {
         Error::Setup(format!("cannot reach the vRDMA daemon (is VRDMA_SOCKET set? try `vrdma run`): {e}"))
     })?;
-    let l = Lib { ctx, ids: Mutex::default(), device: OnceLock::new(), opening: Mutex::new(()) };
+    let l = Lib {
+        ctx,
+        ids: Mutex::default(),
+        device: OnceLock::new(),
+        opening: Mutex::new(()),
+        no_attach: AtomicBool::new(false),
+    };
     let l: &'static Lib = if FIRST.get().is_none() {
         // Under CURRENT's lock: nobody else sets it.
         FIRST.get_or_init(|| l)
@@ -151,6 +174,9 @@ pub struct Id {
     /// given none, as librdmacm does: (send channel, send CQ, receive
     /// channel, receive CQ), destroyed with the QP.
     own_cqs: Mutex<[usize; 4]>,
+    /// Whether the id's QP is attached to it in the daemon, which moves it
+    /// (see the module's notes).
+    attached: AtomicBool,
     /// A passive endpoint's QP attributes (`rdma_create_ep`), with which
     /// `rdma_get_request` gives each new id its QP.
     qp_init_attr: Mutex<Option<ibv_qp_init_attr>>,
@@ -253,12 +279,18 @@ impl Id {
         unsafe { (*self.c()).qp }
     }
 
-    /// Refreshes `route.addr` from the daemon.
+    /// Refreshes `route.addr` from the daemon (one call). The daemon sets
+    /// both addresses of an id in the bind, the address resolution or the
+    /// connect request that made it, and changes them no more; the events
+    /// of the last two carry them ([`CmEvent`]'s `local` and `remote`),
+    /// so that this is needed after a bind only.
     fn refresh_addrs(&self) -> Res<()> {
-        let (local, remote) = {
-            let cm = self.cm();
-            (cm.local_addr()?, cm.peer_addr()?)
-        };
+        let (local, remote) = self.cm().addrs()?;
+        self.set_addrs(local, remote);
+        Ok(())
+    }
+
+    fn set_addrs(&self, local: Option<SocketAddrV4>, remote: Option<SocketAddrV4>) {
         // SAFETY: fields of the live structure that only this library
         // writes (the program reads them after the call or event that
         // set them, as with librdmacm).
@@ -266,7 +298,6 @@ impl Id {
             write_sockaddr(&mut (*self.c()).route.addr.src_storage, local);
             write_sockaddr(&mut (*self.c()).route.addr.dst_storage, remote);
         }
-        Ok(())
     }
 
     /// Names the device: `verbs`, `port_num` and the device's PD in `pd`
@@ -303,10 +334,28 @@ impl Id {
         modify_qp(qp, &attr, mask)
     }
 
+    /// Whether the daemon moves the id's QP (see the module's notes).
+    fn attached(&self) -> bool {
+        self.attached.load(Ordering::Acquire)
+    }
+
+    /// Writes the state the daemon moved the id's QP to into the
+    /// program's `ibv_qp`, as libibverbs' `ibv_modify_qp` does.
+    fn qp_moved(&self, state: QpState) {
+        let qp = self.qp_ptr();
+        if !qp.is_null() {
+            // SAFETY: the live QP `rdma_create_qp` made; `state` is the
+            // field libibverbs writes after a modify (the program reads
+            // it, if at all, as it would after librdmacm's own modify).
+            unsafe { (*qp).state = u32::from(state.raw()) };
+        }
+    }
+
     /// librdmacm's bring-up of a connected QP: INIT again (the daemon's
-    /// attributes may have changed with the request), RTR, RTS.
+    /// attributes may have changed with the request), RTR, RTS. Nothing
+    /// for a UD QP, nor for an attached one (the daemon brings it up).
     fn bring_up(&self) -> Res<()> {
-        if self.ps.is_ud() {
+        if self.ps.is_ud() || self.attached() {
             return Ok(());
         }
         for s in [QpState::Init, QpState::Rtr, QpState::Rts] {
@@ -532,6 +581,7 @@ unsafe fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void
         own_pd: AtomicPtr::new(null_mut()),
         own_channel: AtomicPtr::new(null_mut()),
         own_cqs: Mutex::new([0; 4]),
+        attached: AtomicBool::new(false),
         qp_init_attr: Mutex::new(None),
         request: None,
     }))
@@ -725,7 +775,14 @@ fn resolve_addr(i: &Id, src: *const libc::sockaddr, dst: *const libc::sockaddr) 
     }
     i.cm().resolve_addr(s, d)?;
     i.attach_device()?;
-    i.refresh_addrs()?;
+    if s.is_some() {
+        // librdmacm binds to a given source first, which fills it in.
+        i.refresh_addrs()?;
+    } else {
+        // As librdmacm: the destination now, the source with the event.
+        // SAFETY: as in `Id::set_addrs`.
+        unsafe { write_sockaddr(&mut (*i.c()).route.addr.dst_storage, Some(d)) };
+    }
     complete(i)
 }
 
@@ -802,8 +859,27 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
     // completion channel, the id their context (rdma_verbs.h's
     // rdma_get_send_comp and rdma_get_recv_comp wait on them).
     let made = own_cqs(i, attr)?;
-    // SAFETY: a PD of the context and the program's attributes.
-    let qp = unsafe { (v.create_qp)(pd, attr) };
+    // A connected QP is the daemon's to move: made attached to the id in
+    // one call where the program's libibverbs is vRDMA's drop-in, else
+    // made, then attached.
+    let mut attach = !i.ps.is_ud() && attr.qp_type == IBV_QPT_RC && !i.lib.no_attach.load(Ordering::Relaxed);
+    let mut one_call = v.create_qp_cm_id.filter(|_| attach);
+    let mut qp = match one_call {
+        // SAFETY: as for ibv_create_qp, and the id's number.
+        Some(f) => unsafe { f(pd, attr, i.cm().id()) },
+        // SAFETY: a PD of the context and the program's attributes.
+        None => unsafe { (v.create_qp)(pd, attr) },
+    };
+    let refused = || std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOENT);
+    if qp.is_null() && one_call.is_some() && refused() {
+        // The daemon does not take the id as one of this process's (a
+        // guest's: ENOENT, no such id): the QP made apart and moved here,
+        // for this connection's ids from now on.
+        i.lib.no_attach.store(true, Ordering::Relaxed);
+        (attach, one_call) = (false, None);
+        // SAFETY: as above.
+        qp = unsafe { (v.create_qp)(pd, attr) };
+    }
     if qp.is_null() {
         let e = Error::last("ibv_create_qp failed");
         destroy_cqs(made);
@@ -812,7 +888,22 @@ fn create_qp(i: &Id, pd: *mut ibv_pd, attr: &mut ibv_qp_init_attr) -> Res<()> {
     // SAFETY: librdmacm's fields of the live structure, which the program
     // reads once rdma_create_qp returns.
     unsafe { (*c).qp = qp };
-    let init = i.modify_qp(QpState::Init).and_then(|()| {
+    let init = if attach {
+        let attached = if one_call.is_some() {
+            Ok(())
+        } else {
+            // SAFETY: the QP just made.
+            let qpn = unsafe { (*qp).qp_num };
+            i.cm().attach_qp_num(qpn).map_err(Error::from)
+        };
+        attached.map(|()| {
+            i.attached.store(true, Ordering::Release);
+            i.qp_moved(QpState::Init);
+        })
+    } else {
+        i.modify_qp(QpState::Init)
+    };
+    let init = init.and_then(|()| {
         if i.ps.is_ud() {
             // A UD QP is ready to send at once, as librdmacm makes it.
             let rtr = QpAttr { qp_state: QpState::Rtr, ..QpAttr::default() };
@@ -951,6 +1042,8 @@ pub unsafe extern "C" fn rdma_create_qp_ex(p: *mut rdma_cm_id, attr: *mut ibv_qp
 }
 
 fn destroy_qp(i: &Id) -> Res<()> {
+    // (The daemon forgets the QP when it finds it gone.)
+    i.attached.store(false, Ordering::Release);
     // SAFETY: librdmacm's field of the live structure.
     let qp = unsafe { std::mem::replace(&mut (*i.c()).qp, null_mut()) };
     if !qp.is_null() {
@@ -1009,7 +1102,18 @@ pub unsafe extern "C" fn rdma_accept(p: *mut rdma_cm_id, param: *mut rdma_conn_p
             let _ = i.cm().reject(&[]);
             return Err(e);
         }
-        i.cm().accept(&param)?;
+        if let Err(e) = i.cm().accept(&param) {
+            if i.attached() {
+                // The daemon's bring-up or the accept failed: as when
+                // this library's own bring-up fails.
+                i.to_err();
+                let _ = i.cm().reject(&[]);
+            }
+            return Err(e.into());
+        }
+        if i.attached() {
+            i.qp_moved(QpState::Rts);
+        }
         complete(i)?;
         Ok(0)
     })
@@ -1048,9 +1152,20 @@ pub unsafe extern "C" fn rdma_disconnect(p: *mut rdma_cm_id) -> c_int {
     guard("rdma_disconnect", -1, || {
         // SAFETY: the program's contract.
         let i = unsafe { id(p) }?;
-        // As librdmacm: the QP to ERR first, so its work is flushed.
-        i.to_err();
-        i.cm().disconnect()?;
+        // As librdmacm: the QP to ERR first, so its work is flushed (the
+        // daemon does it for an attached QP, in the disconnect).
+        if !i.attached() {
+            i.to_err();
+        }
+        if let Err(e) = i.cm().disconnect() {
+            if i.attached() {
+                i.to_err();
+            }
+            return Err(e.into());
+        }
+        if i.attached() {
+            i.qp_moved(QpState::Err);
+        }
         complete(i)?;
         Ok(0)
     })
@@ -1278,11 +1393,14 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
     // SAFETY: live, from the table (or just made).
     let i = unsafe { &*idp };
     match kind {
+        // The addresses the resolution or the request set (librdmacm
+        // queries them here).
         EventKind::ConnectRequest | EventKind::AddrResolved => {
             i.attach_device()?;
-            i.refresh_addrs()?;
+            i.set_addrs(ev.local, ev.remote);
         }
-        EventKind::RouteResolved | EventKind::Established => i.refresh_addrs()?,
+        // The daemon moved an attached QP to RTS before it reported this.
+        EventKind::Established if i.attached() => i.qp_moved(QpState::Rts),
         EventKind::ConnectResponse if !i.qp_ptr().is_null() => {
             // librdmacm's reply handling for an id with a QP.
             let up = i.bring_up().and_then(|()| i.cm().establish().map_err(Error::from));

@@ -39,8 +39,10 @@
 //!   `vrdma::Context` of this library's own: the same tenant as the
 //!   program's libibverbs, so the daemon takes that library's QP numbers
 //!   in a connect or an accept.
-//! - **QPs** are made and moved by this library through the program's
-//!   libibverbs, as rdma-core does (module `cma`).
+//! - **QPs** are made through the program's libibverbs, as rdma-core
+//!   makes them; a connected one is then attached to its id in the
+//!   daemon, which moves it from there as the kernel's CM would (a UD QP
+//!   is moved by this library; module `cma`).
 //!
 //! # The ABI
 //!

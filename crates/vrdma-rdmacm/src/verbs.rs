@@ -37,6 +37,7 @@ type CreateCompChannel = unsafe extern "C" fn(*mut c_void) -> *mut c_void;
 type DestroyCompChannel = unsafe extern "C" fn(*mut c_void) -> c_int;
 type CreateCq = unsafe extern "C" fn(*mut c_void, c_int, *mut c_void, *mut c_void, c_int) -> *mut c_void;
 type DestroyCq = unsafe extern "C" fn(*mut c_void) -> c_int;
+type CreateQpCmId = unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr, u32) -> *mut ibv_qp;
 
 /// The libibverbs entry points.
 pub struct Verbs {
@@ -49,6 +50,11 @@ pub struct Verbs {
     pub destroy_comp_channel: DestroyCompChannel,
     pub create_cq: CreateCq,
     pub destroy_cq: DestroyCq,
+    /// vRDMA's drop-in's own `vrdma_create_qp_cm_id`: `ibv_create_qp`
+    /// with the QP attached to an rdma_cm id in the same call (`None`
+    /// from a libibverbs without it, where the attach is a call of its
+    /// own).
+    pub create_qp_cm_id: Option<CreateQpCmId>,
     get_device_list: GetDeviceList,
     free_device_list: FreeDeviceList,
     open_device: OpenDevice,
@@ -125,6 +131,7 @@ fn load() -> Result<Verbs, Error> {
             destroy_comp_channel: sym(lib, c"ibv_destroy_comp_channel", c"IBVERBS_1.0")?,
             create_cq: sym(lib, c"ibv_create_cq", v)?,
             destroy_cq: sym(lib, c"ibv_destroy_cq", v)?,
+            create_qp_cm_id: sym(lib, c"vrdma_create_qp_cm_id", c"VRDMA_PRIVATE_1").ok(),
             get_device_list: sym(lib, c"ibv_get_device_list", v)?,
             free_device_list: sym(lib, c"ibv_free_device_list", v)?,
             open_device: sym(lib, c"ibv_open_device", v)?,

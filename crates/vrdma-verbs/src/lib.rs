@@ -40,7 +40,9 @@
 //!   `@@IBVERBS_1.1` (what binaries import), the completion-channel pair
 //!   and the sysfs and rate helpers only as `@@IBVERBS_1.0`, newer ones
 //!   under `IBVERBS_1.5` ... `IBVERBS_1.14`, and `ibv_query_gid_type`
-//!   under `IBVERBS_PRIVATE_34` (`ibv_devinfo` imports it). See
+//!   under `IBVERBS_PRIVATE_34` (`ibv_devinfo` imports it); and one of
+//!   vRDMA's own under `VRDMA_PRIVATE_1`, for its drop-in librdmacm
+//!   (`vrdma_create_qp_cm_id`: a QP made attached to an rdma_cm id). See
 //!   [`EXPORTS`] for the list and `build.rs` for the linking.
 //! - **Structures** are mirrored field for field with compile-time checks
 //!   of every size and offset (module `abi`).
@@ -231,6 +233,8 @@ exports! {
     mem::ibv_is_fork_initialized @ "IBVERBS_1.13",
     qp::ibv_query_qp_data_in_order @ "IBVERBS_1.14",
     context::ibv_query_gid_type @ "IBVERBS_PRIVATE_34",
+    // vRDMA's own, for its drop-in librdmacm (module qp).
+    qp::vrdma_create_qp_cm_id @ "VRDMA_PRIVATE_1",
     // Imported by Debian's librdmacm.so.1 and perftest (modules compat, ah).
     ah::ibv_copy_qp_attr_from_kern @ "IBVERBS_1.0",
     ah::ibv_copy_path_rec_from_kern @ "IBVERBS_1.0",

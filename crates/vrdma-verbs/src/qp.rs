@@ -96,6 +96,27 @@ pub unsafe extern "C" fn ibv_create_qp(pd: *mut ibv_pd, qp_init_attr: *mut ibv_q
     })
 }
 
+/// vRDMA's own: `ibv_create_qp`, with the QP attached to the rdma_cm id
+/// `cm_id` (of vRDMA's drop-in `librdmacm.so.1`, a context of this
+/// process) in the same call to the daemon, which moves it from there as
+/// the kernel's CM moves an id's QP. The drop-in librdmacm looks it up
+/// (`vrdma_create_qp_cm_id@VRDMA_PRIVATE_1`) for `rdma_create_qp`: one
+/// control round trip where `ibv_create_qp` and the attach took two. Not
+/// an interface for programs.
+pub unsafe extern "C" fn vrdma_create_qp_cm_id(
+    pd: *mut ibv_pd,
+    qp_init_attr: *mut ibv_qp_init_attr,
+    cm_id: u32,
+) -> *mut ibv_qp {
+    const W: &str = "rdma_create_qp";
+    ret_ptr(W, || {
+        non_null(W, qp_init_attr, "qp_init_attr")?;
+        // SAFETY: a live PD and a valid ibv_qp_init_attr (the caller's
+        // contract, as for ibv_create_qp).
+        unsafe { create_for(W, pd, &mut *qp_init_attr, None, Some(cm_id)) }
+    })
+}
+
 /// Creates a QP for `ibv_create_qp` and `ibv_create_qp_ex`; `send_ops`:
 /// the `IBV_QP_EX_WITH_*` operations of the `ibv_wr_*` API, for a QP that
 /// `ibv_qp_to_qp_ex` hands out.
@@ -108,6 +129,22 @@ pub unsafe fn create(
     pd: *mut ibv_pd,
     a: &mut ibv_qp_init_attr,
     send_ops: Option<u64>,
+) -> Res<*mut ibv_qp> {
+    // SAFETY: the caller's contract.
+    unsafe { create_for(W, pd, a, send_ops, None) }
+}
+
+/// [`create`], the QP attached to the rdma_cm id `cm_id` if given.
+///
+/// # Safety
+/// As for [`create`].
+#[allow(non_snake_case)] // `W`, the verb's name, as in the other verbs
+unsafe fn create_for(
+    W: &str,
+    pd: *mut ibv_pd,
+    a: &mut ibv_qp_init_attr,
+    send_ops: Option<u64>,
+    cm_id: Option<u32>,
 ) -> Res<*mut ibv_qp> {
     {
         // SAFETY: a live PD (the verb's contract).
@@ -135,7 +172,11 @@ pub unsafe fn create(
             cap.max_recv_wr = cap.max_recv_wr.max(1);
         }
         let init = QpInit { qp_type, send_cq, recv_cq, srq, cap, sq_sig_all: a.sq_sig_all != 0 };
-        let inner = p.inner.create_qp(&init).map_err(|e| fail(W, &e))?;
+        let inner = match cm_id {
+            None => p.inner.create_qp(&init),
+            Some(id) => p.inner.create_qp_for_cm_id(&init, id),
+        }
+        .map_err(|e| fail(W, &e))?;
         a.cap = cap_to_c(&inner.cap());
         let qpn = inner.qpn();
         let qp = ibv_qp {

@@ -451,6 +451,7 @@ const EXPECTED: &[(&str, &str)] = &[
     ("ibv_is_fork_initialized", "IBVERBS_1.13"),
     ("ibv_query_qp_data_in_order", "IBVERBS_1.14"),
     ("ibv_query_gid_type", "IBVERBS_PRIVATE_34"),
+    ("vrdma_create_qp_cm_id", "VRDMA_PRIVATE_1"),
     ("ibv_copy_qp_attr_from_kern", "IBVERBS_1.0"),
     ("ibv_copy_path_rec_from_kern", "IBVERBS_1.0"),
     ("ibv_copy_path_rec_to_kern", "IBVERBS_1.0"),

@@ -155,6 +155,8 @@ impl ChannelInner {
                 listen_id: None,
                 peer: None,
                 qkey: 0,
+                local: None,
+                remote: None,
             }),
             None => Err(Error::Daemon { errno: libc::ENODEV, message: "the vRDMA daemon went away".into() }),
         }
@@ -458,7 +460,8 @@ impl CmId {
         self.call(CmRequest::Listen { id: self.id, backlog }).map(drop)
     }
 
-    fn addrs(&self) -> Result<(Option<SocketAddrV4>, Option<SocketAddrV4>)> {
+    /// (`rdma_get_local_addr`, `rdma_get_peer_addr`) in one call.
+    pub fn addrs(&self) -> Result<(Option<SocketAddrV4>, Option<SocketAddrV4>)> {
         match self.call(CmRequest::QueryAddr { id: self.id })? {
             CmReply::Addrs { local, remote } => Ok((local, remote)),
             _ => Err(Error::protocol("QueryAddr answered with something else")),
@@ -480,11 +483,30 @@ impl CmId {
         init_qp_attr(&self.channel.inner.ctx, self.id, state)
     }
 
+    /// `rdma_create_qp`: a QP of `pd` made and attached to this id in one
+    /// call to the daemon ([`attach_qp`](Self::attach_qp) of a QP made
+    /// apart takes two). If the attach fails, the QP is destroyed and
+    /// this fails with the attach's error.
+    pub fn create_qp(&self, pd: &crate::ProtectionDomain, init: &crate::QpInit<'_>) -> Result<QueuePair> {
+        let qp = QueuePair::create_for(pd, init, Some(self.id))?;
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qp.qpn());
+        Ok(qp)
+    }
+
     /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;
     /// the daemon brings it up from there (see the module's notes).
     pub fn attach_qp(&self, qp: &QueuePair) -> Result<()> {
-        self.call(CmRequest::AttachQp { id: self.id, qp: qp.qpn() })?;
-        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qp.qpn());
+        self.attach_qp_num(qp.qpn())
+    }
+
+    /// [`attach_qp`](Self::attach_qp) by number: a QP of this context or
+    /// of another context of the same tenant (the drop-in
+    /// `librdmacm.so.1` attaches the QPs of the program's
+    /// `libibverbs.so.1`, which has a context of its own). One call; the
+    /// daemon moves the QP from then on, as for `attach_qp`.
+    pub fn attach_qp_num(&self, qpn: u32) -> Result<()> {
+        self.call(CmRequest::AttachQp { id: self.id, qp: qpn })?;
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
         Ok(())
     }
 

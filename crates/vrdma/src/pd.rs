@@ -136,6 +136,16 @@ impl ProtectionDomain {
         QueuePair::create(self, init)
     }
 
+    /// `rdma_create_qp` of an rdma_cm id by its number, in one call: a QP
+    /// of this PD, attached to the id as [`crate::cm::CmId::create_qp`]
+    /// attaches it. The id may be of another context of this process (the
+    /// drop-in `librdmacm.so.1` holds its ids in a context of its own,
+    /// the program's QPs are its `libibverbs.so.1`'s); if the attach
+    /// fails, the QP is destroyed and this fails with the attach's error.
+    pub fn create_qp_for_cm_id(&self, init: &QpInit<'_>, cm_id: u32) -> Result<QueuePair> {
+        QueuePair::create_for(self, init, Some(cm_id))
+    }
+
     /// An RC QP with its own receive queue, not signalling every send.
     pub fn create_rc_qp(
         &self,

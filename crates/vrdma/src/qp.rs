@@ -282,6 +282,16 @@ fn push_all<W>(
 
 impl QueuePair {
     pub(crate) fn create(pd: &ProtectionDomain, init: &QpInit<'_>) -> Result<QueuePair> {
+        QueuePair::create_for(pd, init, None)
+    }
+
+    /// The QP, attached in the same call to the connection manager's id
+    /// `attach` when there is one (`rdma_create_qp`).
+    pub(crate) fn create_for(
+        pd: &ProtectionDomain,
+        init: &QpInit<'_>,
+        attach: Option<u32>,
+    ) -> Result<QueuePair> {
         pd.same_context(init.send_cq.context(), "the send CQ")?;
         pd.same_context(init.recv_cq.context(), "the receive CQ")?;
         if let Some(srq) = init.srq {
@@ -296,7 +306,10 @@ impl QueuePair {
             cap: init.cap,
             sq_sig_all: init.sq_sig_all,
         };
-        let req = Request::CreateQp { pd: pd.pd_id(), init: attr };
+        let req = match attach {
+            None => Request::CreateQp { pd: pd.pd_id(), init: attr },
+            Some(id) => Request::Cm(proto::CmRequest::CreateQp { id, pd: pd.pd_id(), init: attr }),
+        };
         let answer = ctx.inner.control.call(&req, &[])?;
         let Reply::Qp { created, segment_len, sq, rq, inbox } = answer.reply else {
             return Err(control::unexpected(&req, &answer.reply));

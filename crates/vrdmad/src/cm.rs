@@ -2,8 +2,10 @@
 //! the engine thread, its events delivered to the tenants' event channels,
 //! its messages carried to the manager they are for.
 //!
-//! The engine thread owns it, as it owns the HCA, so that the exchange
-//! between two processes of this host needs no lock and no other thread.
+//! The engine's state holds it, as it holds the HCA, so that the exchange
+//! between two processes of this host needs no other lock and no other
+//! thread: a tenant's call runs on its session thread under the engine's
+//! lock (`engine::handle`), and what the call set off is done within it.
 //! A message for an address of this host is handed straight back to the
 //! manager; one for another host rides the authenticated link to that
 //! host's daemon (a connection manager's frame, `docs/wire-protocol.md`),
@@ -87,8 +89,9 @@ pub struct CmDriver {
     channels: HashMap<u32, EventChannel>,
     /// The channel of each id.
     id_channel: HashMap<u32, u32>,
-    /// The QP attached to each id that has one (by number).
-    id_qp: HashMap<u32, u32>,
+    /// The QP attached to each id that has one: its context (the id's, or
+    /// another of the same tenant: see [`CmDriver::attach_qp`]) and number.
+    id_qp: HashMap<u32, (ContextId, u32)>,
     next_channel: u32,
     log: LogLimiter,
 }
@@ -108,6 +111,8 @@ pub enum CmCallError {
     Busy,
     #[error("the id's QP: {0}")]
     Qp(#[from] HcaError),
+    #[error("a request the session answers, not the connection manager")]
+    NotHere,
 }
 
 impl CmCallError {
@@ -118,6 +123,7 @@ impl CmCallError {
             CmCallError::Channels => libc::EMFILE,
             CmCallError::Busy => libc::EBUSY,
             CmCallError::Qp(e) => e.errno(),
+            CmCallError::NotHere => libc::EINVAL,
         }
     }
 }
@@ -166,11 +172,28 @@ impl CmDriver {
     /// attributes; on the passive side with the depths this side accepts
     /// with (`depths`: responder resources, initiator depth), as librdmacm
     /// applies them.
+    /// `CmRequest::AttachQp`: QP `qp` of context `qp_ctx` (the id's own,
+    /// or another context of the id's tenant, as the engine checked) goes
+    /// to INIT with the id's attributes and becomes the id's.
+    pub fn attach_qp(
+        &mut self,
+        ctx: ContextId,
+        id: u32,
+        qp_ctx: ContextId,
+        qp: u32,
+        modify: ModifyQp,
+    ) -> Result<(), CmCallError> {
+        let (attr, mask) = self.cm.init_qp_attr(ctx, id, QpState::Init)?;
+        modify(qp_ctx, qp, &attr, mask)?;
+        self.id_qp.insert(id, (qp_ctx, qp));
+        Ok(())
+    }
+
     fn bring_up(
         &self,
         ctx: ContextId,
         id: u32,
-        qp: u32,
+        (qp_ctx, qp): (ContextId, u32),
         states: &[QpState],
         depths: Option<(u8, u8)>,
         modify: ModifyQp,
@@ -185,7 +208,7 @@ impl CmDriver {
                     attr.max_rd_atomic = initiator_depth;
                 }
             }
-            modify(ctx, qp, &attr, mask)?;
+            modify(qp_ctx, qp, &attr, mask)?;
         }
         Ok(())
     }
@@ -297,7 +320,7 @@ impl CmDriver {
                     };
                     let depths = (conn.responder_resources, conn.initiator_depth);
                     self.bring_up(ctx, id, qp, states, Some(depths), modify)?;
-                    conn.qp_num = qp;
+                    conn.qp_num = qp.1;
                 }
                 self.cm.accept(ctx, id, conn, qkey, now)?;
                 done
@@ -312,20 +335,29 @@ impl CmDriver {
             }
             CmRequest::Disconnect { id } => {
                 self.cm.state(ctx, id).ok_or(CmError::NoSuchId)?;
-                if let Some(&qp) = self.id_qp.get(&id) {
+                if let Some(&(qp_ctx, qp)) = self.id_qp.get(&id) {
                     // Its work is flushed, as the kernel's rdma_disconnect does.
+                    // A QP the program destroyed already has nothing to flush
+                    // (the kernel's id forgets its QP in rdma_destroy_qp; a
+                    // QP of the drop-in's libibverbs goes without a word to
+                    // the connection manager).
                     let attr = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
-                    modify(ctx, qp, &attr, QpAttrMask::STATE)?;
+                    match modify(qp_ctx, qp, &attr, QpAttrMask::STATE) {
+                        Err(HcaError::NoSuchObject { .. }) => {
+                            self.id_qp.remove(&id);
+                        }
+                        r => r?,
+                    }
                 }
                 self.cm.disconnect(ctx, id, now)?;
                 done
             }
             CmRequest::AttachQp { id, qp } => {
-                let (attr, mask) = self.cm.init_qp_attr(ctx, id, QpState::Init)?;
-                modify(ctx, qp, &attr, mask)?;
-                self.id_qp.insert(id, qp);
+                self.attach_qp(ctx, id, ctx, qp, modify)?;
                 done
             }
+            // The session makes the QP, then attaches it with `AttachQp`.
+            CmRequest::CreateQp { .. } => return Err(CmCallError::NotHere),
             CmRequest::InitQpAttr { id, state } => {
                 let (attr, mask) = self.cm.init_qp_attr(ctx, id, state)?;
                 CmReply::QpAttr { attr, mask }
@@ -500,7 +532,9 @@ impl CmDriver {
         self.cm.close_context(ctx);
         let cm = &self.cm;
         self.id_channel.retain(|&id, _| cm.owner(id).is_some());
-        self.id_qp.retain(|&id, _| cm.owner(id).is_some());
+        // (A QP of the closed context, attached to an id of another, went
+        // with the context.)
+        self.id_qp.retain(|&id, &mut (qp_ctx, _)| cm.owner(id).is_some() && qp_ctx != ctx);
         self.channels.retain(|_, c| c.ctx != ctx);
     }
 }
@@ -768,6 +802,59 @@ mod tests {
         call(&mut d, cli, CmRequest::Disconnect { id: a });
         let m = moves.take();
         assert_eq!((m[0].1, m[0].2.qp_state, m[0].3), (0x20, QpState::Err, QpAttrMask::STATE));
+    }
+
+    /// The kernel CM's rule: no event that lets a side send is rung before
+    /// the QP move it implies. Each QP move is made while neither side's
+    /// channel holds an unread wake-up (the server's RTR and RTS before
+    /// the REP can reach the client, the client's RTS before its
+    /// ESTABLISHED), and the client's ESTABLISHED is rung once the accept
+    /// returns.
+    #[test]
+    fn no_event_that_lets_a_side_send_is_rung_before_its_qp_moves() {
+        let (mut d, [s_end, c_end]) = two_contexts();
+        let now = Instant(1);
+        let drain = |end: &Doorbell| while end.take_one() {};
+        // (state of the move, whether either side had an unread wake-up)
+        let seen = std::cell::RefCell::new(Vec::new());
+        let mut watch = |_: ContextId, _: u32, attr: &QpAttr, _: QpAttrMask| {
+            seen.borrow_mut().push((attr.qp_state, s_end.is_readable() || c_end.is_readable()));
+            Ok(())
+        };
+        let mut call = |d: &mut CmDriver, ctx, req| {
+            let r = d.handle(ctx, T, req, now, &mut watch);
+            d.run(now, |_, _| Err("not local"), &mut watch);
+            r.unwrap()
+        };
+        let a = listener_and_resolved_client(&mut d, &mut call);
+        let conn = ConnInfo { qp_num: 0x20, ..Default::default() };
+        call(&mut d, CLI, CmRequest::Connect { id: a, conn });
+        while next_event(&mut d, CLI, 2).is_some() {}
+        let req = next_event(&mut d, SRV, 1).expect("a request");
+        // Everything so far read: the wake-ups taken, as the tenants would.
+        drain(&s_end);
+        drain(&c_end);
+        seen.borrow_mut().clear();
+        call(&mut d, SRV, CmRequest::AttachQp { id: req.id, qp: 0x30 });
+        call(&mut d, SRV, CmRequest::Accept { id: req.id, conn: ConnInfo::default(), qkey: 0 });
+        let seen = seen.take();
+        let states: Vec<_> = seen.iter().map(|(s, _)| *s).collect();
+        assert_eq!(
+            states,
+            [
+                QpState::Init,
+                QpState::Init,
+                QpState::Rtr,
+                QpState::Rts,
+                QpState::Init,
+                QpState::Rtr,
+                QpState::Rts
+            ]
+        );
+        assert!(seen.iter().all(|(_, rung)| !rung), "a wake-up came before a QP move: {seen:?}");
+        assert!(c_end.is_readable(), "the client's ESTABLISHED is rung once its QP is up");
+        let ev = next_event(&mut d, CLI, 2).expect("the requester's event");
+        assert_eq!((ev.id, ev.kind), (a, EventKind::Established));
     }
 
     /// A requester whose QP cannot come up when the REP comes in hears

@@ -27,7 +27,7 @@ mod testing;
 mod vm;
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicU32;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use config::{Budgets, ConfigError, DaemonConfig, DirectConfig, EngineConfig, TenantBy, VmConfig};
@@ -207,6 +207,7 @@ impl Daemon {
             log: Mutex::default(),
             vms,
             vm_acceptors: Mutex::default(),
+            stopping: AtomicBool::new(false),
         });
         // A context whose tenant broke the shared-memory protocol is closed
         // as if its process had gone (the engine tells it why first).
@@ -296,6 +297,7 @@ impl Daemon {
         if let Some(a) = self.acceptor.take() {
             let _ = a.join();
         }
+        self.shared.stopping.store(true, Ordering::SeqCst);
         for vm in self.shared.vms.values() {
             vm.shutdown();
         }

@@ -1,7 +1,8 @@
 //! How long a connection takes to set up through the connection manager
 //! (issue 16's figure): from `rdma_create_id` to ESTABLISHED on both
 //! sides, QP creation included, for the first connection and for each of
-//! many in a row (as rdma-core's `cmtime` counts them), beside TCP's
+//! many in a row (as rdma-core's `cmtime` counts them; the QP made as
+//! `rdma_create_qp` makes it, here [`CmId::create_qp`]), beside TCP's
 //! `connect` and `accept` on the same pair in the same run.
 //!
 //! Each side is a loop of its own ([`serve_rdma_cm`] and [`connect_rdma_cm`],
@@ -19,7 +20,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 use vrdma::cm::{CmId, ConnParam, EventChannel, EventKind, PortSpace};
-use vrdma::{Context, QpCap};
+use vrdma::{Context, QpCap, QpInit};
 
 use super::anchors::Stat;
 
@@ -84,8 +85,7 @@ pub fn serve_rdma_cm(l: CmListener, n: usize, mut done: impl FnMut(Result<Durati
             let req = event(&ch, EventKind::ConnectRequest)?;
             let id = CmId::from_request(&ch, &req, PortSpace::Tcp)?;
             let cq = ctx.create_cq(32, None)?;
-            let qp = pd.create_rc_qp(&cq, &cq, CAP)?;
-            id.attach_qp(&qp)?;
+            let qp = id.create_qp(&pd, &QpInit::rc(&cq, &cq, CAP))?;
             id.accept(&ConnParam::default())?;
             event(&ch, EventKind::Established)?;
             let t = now();
@@ -125,8 +125,7 @@ pub fn connect_rdma_cm(
         id.resolve_route()?;
         event(&ch, EventKind::RouteResolved)?;
         let cq = ctx.create_cq(32, None)?;
-        let qp = pd.create_rc_qp(&cq, &cq, CAP)?;
-        id.attach_qp(&qp)?;
+        let qp = id.create_qp(&pd, &QpInit::rc(&cq, &cq, CAP))?;
         id.connect(&ConnParam::default())?;
         event(&ch, EventKind::Established)?;
         let client_done = now();

@@ -125,6 +125,13 @@ pub struct CmEvent {
     pub peer: Option<ConnInfo>,
     /// UD: the peer QP's Q_Key.
     pub qkey: u32,
+    /// The id's local and remote addresses when the event was made (what
+    /// `rdma_get_local_addr` and `rdma_get_peer_addr` give: the bind, the
+    /// address resolution or the connect request that made the id sets
+    /// them, and nothing changes them after), so that a library needs no
+    /// call of its own for them after ADDR_RESOLVED or CONNECT_REQUEST.
+    pub local: Option<SocketAddrV4>,
+    pub remote: Option<SocketAddrV4>,
 }
 
 /// Why a call was refused; `errno()` is what the library reports.
@@ -683,8 +690,9 @@ impl ConnectionManager {
     }
 
     fn event(&self, id: u32, kind: EventKind, status: i32) -> CmEvent {
-        let ctx = self.ids.get(&id).map_or(ContextId(0), |i| i.ctx);
-        CmEvent { ctx, id, kind, status, listen_id: None, peer: None, qkey: 0 }
+        let (ctx, local, remote) =
+            self.ids.get(&id).map_or((ContextId(0), None, None), |i| (i.ctx, i.local, i.remote));
+        CmEvent { ctx, id, kind, status, listen_id: None, peer: None, qkey: 0, local, remote }
     }
 
     /// Ends a connection with `kind` for its owner.

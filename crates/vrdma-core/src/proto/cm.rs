@@ -86,8 +86,11 @@ pub enum CmRequest {
         ps: u32,
         addr: SocketAddrV4,
     },
-    /// `rdma_create_qp`'s second half, done by the daemon: the context's
-    /// QP `qp` goes to INIT with the id's attributes and becomes the id's.
+    /// `rdma_create_qp`'s second half, done by the daemon: QP `qp` goes to
+    /// INIT with the id's attributes and becomes the id's. The id and the
+    /// QP may be of two contexts of one local process (the drop-in
+    /// `librdmacm.so.1` holds its ids in a context of its own, the
+    /// program's QPs are its `libibverbs.so.1`'s), never of two processes.
     /// From then on the daemon moves it as the kernel's CM moves an id's
     /// QP: to RTR and RTS in `Accept` (before the REP goes out) and when
     /// the REP comes in (the RTU follows, and the program sees
@@ -97,6 +100,15 @@ pub enum CmRequest {
     AttachQp {
         id: u32,
         qp: u32,
+    },
+    /// `rdma_create_qp` in one call: the QP that `Request::CreateQp`
+    /// would make (answered as that is, with `Reply::Qp` and the rings'
+    /// descriptor), attached to the id as `AttachQp` attaches one. If the
+    /// attach fails, the QP is destroyed and the call fails with its error.
+    CreateQp {
+        id: u32,
+        pd: u32,
+        init: crate::verbs::QpInitAttr,
     },
 }
 

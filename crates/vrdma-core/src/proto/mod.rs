@@ -22,8 +22,10 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// Bumped on any incompatible change of these messages. (3: the replies
 /// of `CmRequest::ResolveAddr`, `ResolveRoute` and `Accept` may carry the
 /// id's event, taken off its channel, which a library of version 2 would
-/// lose.)
-pub const PROTOCOL_VERSION: u32 = 3;
+/// lose. 4: `CmRequest::CreateQp`, `rdma_create_qp` in one call. 5:
+/// `CmRequest::AttachQp` (and `CreateQp`) may name an id and a QP of two
+/// contexts of one process, and a `CmEvent` carries its id's addresses.)
+pub const PROTOCOL_VERSION: u32 = 5;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Most file descriptors one message carries.

@@ -1,28 +1,32 @@
 //! The engine: the thread that is the HCA's data path.
 //!
-//! One thread owns the [`Hca`] and every ring, so the data path takes no
-//! lock. Control requests reach it as closures over a channel and run
-//! between passes. While there is work it spins; when work dries up it
-//! spins a little longer (`spin_us`), polls while yielding the CPU
-//! (`yield_us`), then announces that it sleeps in
+//! One thread works the [`Hca`] and every ring. Control requests run
+//! between its passes, on the caller's thread, under the state's lock,
+//! which the engine lets go of between passes while callers wait for it
+//! and while it sleeps (see `handle`). The data path takes no lock of its
+//! own: the engine holds the state's lock while it works, and looks once
+//! per pass whether a caller waits. While there is work it spins; when
+//! work dries up it spins a little longer (`spin_us`), polls while
+//! yielding the CPU (`yield_us`), then announces that it sleeps in
 //! every context's segment, looks once more (so a post that raced with
 //! the announcement is not missed), and blocks on the contexts' doorbells
 //! until a post, a control request or its next timer wakes it.
 
+mod handle;
 mod rings;
+mod sleep;
 
-use std::os::fd::AsFd;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::Duration;
 
-use crossbeam_channel::{Receiver, Sender};
-use rustix::event::{PollFd, PollFlags};
 use vrdma_core::hca::{ContextId, Hca, HcaError, Teardown};
 use vrdma_core::proto::{CmReply, CmRequest};
 use vrdma_core::time::Instant;
 use vrdma_shm::Doorbell;
 
+pub use handle::{EngineGone, EngineHandle};
 pub use rings::{Channel, ContextRings, CqRing, InRing, QpRings, RingTable};
 
 use crate::config::EngineConfig;
@@ -57,6 +61,12 @@ pub struct EngineState {
     pub on_broken: Option<Box<dyn Fn(ContextId) + Send>>,
     /// The direct path's grants in shared memory ([`crate::direct`]).
     pub direct: crate::direct::DirectDriver,
+    /// The process (pid) of each context of a local process (none for a
+    /// guest's): an rdma_cm id and the QP attached to it may be of two
+    /// contexts of one process, as the drop-in `librdmacm.so.1` and the
+    /// program's `libibverbs.so.1` each hold their own (see
+    /// [`EngineState::handle_cm`]).
+    pub processes: HashMap<ContextId, i32>,
 }
 
 impl EngineState {
@@ -81,6 +91,7 @@ impl EngineState {
             last_sweep: Instant::ZERO,
             on_broken: None,
             direct: crate::direct::DirectDriver::default(),
+            processes: HashMap::new(),
         }
     }
 
@@ -105,6 +116,7 @@ impl EngineState {
     /// died), keeping queued frames' bytes as [`Self::dereg_mr`] does.
     pub fn close_context(&mut self, ctx: ContextId) -> Teardown {
         let t = self.hca.close_context(ctx, &mut self.rings);
+        self.processes.remove(&ctx);
         // The process is gone: nothing of it copies any more, and its
         // peers' windows are closed (no wait: the pages stay mapped in the
         // peers, whose copies land in memory no one else uses).
@@ -148,16 +160,27 @@ impl EngineState {
         let net = &mut self.net;
         let (hca, rings) = (&mut self.hca, &mut self.rings);
         let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
-        self.cm.run(
+        let mut sent = false;
+        let next = self.cm.run(
             now,
             |host, msg| match net.as_mut() {
-                Some(n) => n.send_cm(host, msg),
+                Some(n) => {
+                    sent = true;
+                    n.send_cm(host, msg)
+                }
                 None => {
                     Err("the transport between daemons is off: set net.psk (or net.psk_file) on both hosts")
                 }
             },
             &mut modify,
-        )
+        );
+        // What the manager sent to other hosts goes now: a call runs on
+        // its caller's thread, and the engine's next pass may be a wake-up
+        // away.
+        if let Some(n) = self.net.as_mut().filter(|_| sent) {
+            n.write_now();
+        }
+        next
     }
 
     /// A connection manager's call of `ctx`'s, then the manager's run,
@@ -171,6 +194,20 @@ impl EngineState {
         req: CmRequest,
     ) -> Result<CmReply, crate::cm::CmCallError> {
         let now = self.now();
+        // The id and the QP an attach names may each be of another context
+        // of the caller's process and tenant: the drop-in librdmacm's ids
+        // are its own context's, the QPs its libibverbs' (which makes them
+        // attached in one call, naming the id). Of another process, or
+        // none, they are no id or QP of the caller's.
+        let attach_owner = match req {
+            CmRequest::AttachQp { id, qp } => {
+                let ours = |c: ContextId| c == ctx || self.same_process(c, ctx);
+                let id_ctx = self.cm.cm.owner(id).filter(|&c| ours(c));
+                let qp_ctx = self.hca.qp_owner(qp).filter(|&(c, t)| t == tenant && ours(c)).map(|(c, _)| c);
+                Some((id_ctx, qp_ctx))
+            }
+            _ => None,
+        };
         let (hca, rings) = (&mut self.hca, &mut self.rings);
         let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
         // The calls whose event usually follows at once (see
@@ -181,7 +218,17 @@ impl EngineState {
             | CmRequest::Accept { id, .. } => Some(id),
             _ => None,
         };
-        let r = self.cm.handle(ctx, tenant, req, now, &mut modify);
+        let r = match req {
+            CmRequest::AttachQp { id, qp } => match attach_owner {
+                Some((Some(id_ctx), Some(qp_ctx))) => self
+                    .cm
+                    .attach_qp(id_ctx, id, qp_ctx, qp, &mut modify)
+                    .map(|()| CmReply::Event { event: None, wakeups: 0 }),
+                Some((None, _)) => Err(vrdma_core::cm::CmError::NoSuchId.into()),
+                _ => Err(vrdma_core::hca::HcaError::NoSuchObject { kind: "QP", id: qp }.into()),
+            },
+            req => self.cm.handle(ctx, tenant, req, now, &mut modify),
+        };
         self.run_cm(now);
         self.direct.sync(&mut self.hca);
         match (r, ready_for) {
@@ -190,6 +237,17 @@ impl EngineState {
                 Ok(CmReply::Event { event, wakeups })
             }
             (r, _) => r,
+        }
+    }
+
+    /// Whether contexts `a` and `b` are of one local process of one
+    /// tenant (`a` made by the process whose pid `b`'s session has).
+    fn same_process(&self, a: ContextId, b: ContextId) -> bool {
+        match (self.processes.get(&a), self.processes.get(&b)) {
+            (Some(p), Some(q)) => {
+                p == q && self.hca.tenant(a).is_some() && self.hca.tenant(a) == self.hca.tenant(b)
+            }
+            _ => false,
         }
     }
 
@@ -261,8 +319,6 @@ fn no_transport(
     log.sweep(now);
 }
 
-type Command = Box<dyn FnOnce(&mut EngineState) + Send>;
-
 /// Counters the engine publishes (relaxed atomics: a scrape reads them
 /// without asking the engine).
 #[derive(Debug)]
@@ -301,63 +357,6 @@ impl EngineState {
     }
 }
 
-/// A handle to send work to the engine thread.
-#[derive(Clone)]
-pub struct EngineHandle {
-    tx: Sender<Command>,
-    wake: Arc<Doorbell>,
-    pub stats: Arc<EngineStats>,
-}
-
-#[derive(Debug, thiserror::Error)]
-#[error("the engine thread has stopped")]
-pub struct EngineGone;
-
-impl EngineHandle {
-    /// Runs `f` on the engine thread between passes and returns its result.
-    pub fn call<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
-    ) -> Result<R, EngineGone> {
-        self.send(f)?.recv().map_err(|_| EngineGone)
-    }
-
-    /// [`call`](Self::call), waiting `timeout` at most for the result
-    /// (the metrics endpoint must not hang on an engine that is stuck).
-    pub fn call_within<R: Send + 'static>(
-        &self,
-        timeout: Duration,
-        f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
-    ) -> Result<R, EngineGone> {
-        self.send(f)?.recv_timeout(timeout).map_err(|_| EngineGone)
-    }
-
-    /// Queues `f`, wakes the engine, and gives where its result will come.
-    fn send<R: Send + 'static>(
-        &self,
-        f: impl FnOnce(&mut EngineState) -> R + Send + 'static,
-    ) -> Result<crossbeam_channel::Receiver<R>, EngineGone> {
-        let (rtx, rrx) = crossbeam_channel::bounded(1);
-        self.tx
-            .send(Box::new(move |s: &mut EngineState| {
-                let _ = rtx.send(f(s));
-            }))
-            .map_err(|_| EngineGone)?;
-        self.wake.ring();
-        Ok(rrx)
-    }
-
-    /// Queues `f` to run on the engine thread, neither waking the engine
-    /// nor waiting for it: for bookkeeping that nothing can need before
-    /// the caller's next [`EngineHandle::call`], which runs after it
-    /// (commands run in the order they were sent). Saves the caller a
-    /// handoff to the engine thread and back (a few microseconds, more on
-    /// a machine with fewer cores than busy threads).
-    pub fn post(&self, f: impl FnOnce(&mut EngineState) + Send + 'static) -> Result<(), EngineGone> {
-        self.tx.send(Box::new(f)).map_err(|_| EngineGone)
-    }
-}
-
 pub struct Engine {
     handle: EngineHandle,
     stop: Arc<AtomicBool>,
@@ -376,17 +375,20 @@ impl Engine {
         let (wake_tx, wake) = (Arc::new(wake_tx), Arc::new(wake));
         let stop = Arc::new(AtomicBool::new(false));
         let stats = Arc::new(EngineStats::default());
-        let handle = EngineHandle { tx, wake: wake_tx, stats: stats.clone() };
+        // The handle (which the links keep) comes before the state that
+        // holds it: the state goes into its core after.
+        let core = Arc::new(handle::Core::new(rx));
+        let handle = EngineHandle::new(tx, wake_tx, stats.clone(), core.clone());
         let net = net.map(|setup| {
             let mut n = crate::net::Net::new(setup);
             n.set_handle(handle.clone());
             n
         });
-        let state = EngineState::new(hca, net, cm, config.sweep_ms);
+        *core.lock() = Some(EngineState::new(hca, net, cm, config.sweep_ms));
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-engine".into())
-            .spawn(move || run(state, rx, wake, s, stats, config))?;
+            .spawn(move || run(core, wake, s, stats, config))?;
         Ok(Engine { handle, stop, thread: Some(thread) })
     }
 
@@ -430,9 +432,18 @@ fn pin_to(cpu: usize) {
     }
 }
 
+/// What the engine does after a pass.
+enum Then {
+    /// Another pass at once.
+    Pass,
+    /// Another pass after a yield (without the lock).
+    Yield,
+    /// Sleep, if nothing came meanwhile.
+    Sleep,
+}
+
 fn run(
-    mut s: EngineState,
-    rx: Receiver<Command>,
+    core: Arc<handle::Core>,
     wake: Arc<Doorbell>,
     stop: Arc<AtomicBool>,
     stats: Arc<EngineStats>,
@@ -450,14 +461,12 @@ fn run(
     // real-time engine goes from spinning straight to sleep.
     let yield_until = if cfg.realtime { spin } else { Duration::from_micros(cfg.yield_us.max(cfg.spin_us)) };
     let mut idle_since: Option<std::time::Instant> = None;
+    // Held while the engine works and sleeps; let go between passes to
+    // callers that wait for it (see `handle`).
+    let mut guard = core.lock();
     while !stop.load(Ordering::Relaxed) {
-        while let Ok(cmd) = rx.try_recv() {
-            // A bug in one control operation must not take the device down
-            // for every tenant: its caller gets an error (the reply channel
-            // is dropped), everyone else carries on.
-            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| cmd(&mut s))).is_err() {
-                tracing::error!("a control operation panicked on the engine thread");
-            }
+        let Some(s) = guard.as_mut() else { break };
+        if handle::run_queued(&core.rx, s) {
             idle_since = None;
         }
         let started = std::time::Instant::now();
@@ -469,103 +478,109 @@ fn run(
             }
         };
         stats.passes.fetch_add(1, Ordering::Relaxed);
-        if act.busy {
+        let then = if act.busy {
             stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        }
-        if act.busy {
             idle_since = None;
             // Tenants contend: let the others' threads have the CPU between
             // passes (see `engine.yield_when_contended`).
             if act.contended && cfg.yield_when_contended {
-                std::thread::yield_now();
+                Then::Yield
+            } else {
+                Then::Pass
             }
-            continue;
-        }
-        if cfg.busy_poll {
+        } else if cfg.busy_poll {
             std::hint::spin_loop();
-            continue;
+            Then::Pass
+        } else {
+            let idle = idle_since.get_or_insert_with(std::time::Instant::now).elapsed();
+            if idle < spin {
+                std::hint::spin_loop();
+                Then::Pass
+            } else if idle < yield_until || act.pending {
+                // Work may be waiting that this pass did not reach (idle
+                // QPs a tenant woke, notices left for later): no sleep, but
+                // a yield, so that a tenant waking idle QPs without end
+                // cannot make the engine hold a CPU that others' threads
+                // need.
+                Then::Yield
+            } else {
+                Then::Sleep
+            }
+        };
+        match then {
+            Then::Pass => {}
+            Then::Yield => {
+                drop(guard);
+                std::thread::yield_now();
+                guard = core.lock();
+            }
+            Then::Sleep => {
+                guard = try_sleep(&core, guard, &wake, &stop, &stats);
+                idle_since = None;
+            }
         }
-        let idle = idle_since.get_or_insert_with(std::time::Instant::now).elapsed();
-        if idle < spin {
-            std::hint::spin_loop();
-            continue;
-        }
-        // Work may be waiting that this pass did not reach (idle QPs a
-        // tenant woke, notices left for later): no sleep, but a yield, so
-        // that a tenant waking idle QPs without end cannot make the engine
-        // hold a CPU that others' threads need.
-        if idle < yield_until || act.pending {
-            std::thread::yield_now();
-            continue;
-        }
-        // Announce sleep, then look once more: a tenant that posted before
-        // it saw the flag is found here; one that posts after rings.
-        s.rings.set_sleeping(true);
-        std::sync::atomic::fence(Ordering::SeqCst);
-        let now = s.now();
-        let act = s.pass();
-        if act.again() || !rx.is_empty() || stop.load(Ordering::Relaxed) {
-            s.rings.set_sleeping(false);
+        if core.waiting.load(Ordering::SeqCst) > 0 {
+            // A call is work, as a queued one was: the engine stays awake
+            // for the calls that follow.
+            guard = core.let_callers_in(guard);
             idle_since = None;
-            continue;
         }
-        let timeout = act.next_timer.map(|t| t.saturating_since(now));
-        stats.sleeps.fetch_add(1, Ordering::Relaxed);
-        sleep(&s, &wake, timeout);
-        stats.wakeups.fetch_add(1, Ordering::Relaxed);
-        s.rings.set_sleeping(false);
-        idle_since = None;
     }
+    let Some(mut s) = core.stop(guard) else { return };
     s.rings.set_sleeping(false);
     if let Some(n) = s.net.as_mut() {
         n.close_all(&mut s.hca);
     }
 }
 
-/// Blocks until a doorbell rings or `timeout` passes; a second at most, so
-/// that a lost wakeup could never stall the device for long.
-fn sleep(s: &EngineState, wake: &Doorbell, timeout: Option<Duration>) {
-    let timeout = timeout.unwrap_or(Duration::from_secs(1)).min(Duration::from_secs(1));
-    let mut fds: Vec<PollFd> = Vec::with_capacity(s.rings.contexts.len() + 1);
-    fds.push(PollFd::new(wake, PollFlags::IN));
-    for c in s.rings.contexts.values() {
-        fds.push(PollFd::from_borrowed_fd(c.doorbell.as_fd(), PollFlags::IN));
+/// Sleeps until a doorbell, a queued call or the next timer, unless
+/// something came meanwhile, with the state's lock let go (see `sleep`).
+///
+/// Announces sleep to the tenants (in their segments), then looks once
+/// more: a tenant that posted before it saw the flag is found here, one
+/// that posts after rings. A caller that takes the lock while the engine
+/// sleeps sees [`handle::Core::asleep`] and rings after its call.
+fn try_sleep<'a>(
+    core: &'a handle::Core,
+    mut guard: MutexGuard<'a, Option<EngineState>>,
+    wake: &Doorbell,
+    stop: &AtomicBool,
+    stats: &EngineStats,
+) -> MutexGuard<'a, Option<EngineState>> {
+    let Some(s) = guard.as_mut() else { return guard };
+    if core.waiting.load(Ordering::SeqCst) > 0 {
+        return guard;
     }
-    let timeout = match s.net.as_ref().and_then(|n| n.poll_fds(&mut fds)) {
-        Some(t) => timeout.min(t.max(Duration::from_millis(1))),
-        None => timeout,
-    };
-    let ts =
-        rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: timeout.subsec_nanos() as i64 };
-    if let Err(e) = rustix::event::poll(&mut fds, Some(&ts)) {
-        if e != rustix::io::Errno::INTR {
-            tracing::warn!(error = %e, "engine poll failed");
+    s.rings.set_sleeping(true);
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let now = s.now();
+    let act = s.pass();
+    if act.again() || !core.rx.is_empty() || stop.load(Ordering::Relaxed) {
+        s.rings.set_sleeping(false);
+        return guard;
+    }
+    let set = match sleep::PollSet::of(s, act.next_timer.map(|t| t.saturating_since(now))) {
+        Ok(set) => set,
+        Err(e) => {
+            // Out of descriptors: no sleep; the engine polls with yields
+            // until it has them again.
+            tracing::debug!(error = %e, "the engine cannot gather what it sleeps on; not sleeping");
+            s.rings.set_sleeping(false);
+            return guard;
         }
+    };
+    stats.sleeps.fetch_add(1, Ordering::Relaxed);
+    core.asleep.store(true, Ordering::SeqCst);
+    drop(guard);
+    set.wait(wake);
+    let mut guard = core.lock();
+    core.asleep.store(false, Ordering::SeqCst);
+    stats.wakeups.fetch_add(1, Ordering::Relaxed);
+    if let Some(s) = guard.as_mut() {
+        s.rings.set_sleeping(false);
     }
-    // Only the doorbells that rang are read, and at most
-    // DOORBELL_READS_PER_TENANT rings of one tenant's: a tenant that floods
-    // its doorbells keeps the engine awake (as its posts could), but cannot
-    // make it spend thousands of system calls per wake-up while others
-    // wait. What is left unread wakes the next poll at once.
-    let rang: Vec<bool> = fds[1..].iter().map(|f| f.revents().contains(PollFlags::IN)).collect();
-    drop(fds);
-    wake.drain();
-    let mut spent: Vec<(vrdma_core::hca::TenantId, u64)> = Vec::new();
-    for (c, _) in s.rings.contexts.values().zip(rang).filter(|(_, rang)| *rang) {
-        let i = match spent.iter().position(|(t, _)| *t == c.tenant) {
-            Some(i) => i,
-            None => {
-                spent.push((c.tenant, 0));
-                spent.len() - 1
-            }
-        };
-        let left = DOORBELL_READS_PER_TENANT.saturating_sub(spent[i].1);
-        spent[i].1 += c.doorbell.drain_at_most(left);
-    }
+    guard
 }
-
-/// Rings of one tenant's doorbells read per wake-up at most (see `sleep`).
-const DOORBELL_READS_PER_TENANT: u64 = 64;
 
 #[cfg(test)]
 mod tests {

@@ -639,6 +639,24 @@ impl LinkIo {
     pub fn has_output(&self) -> bool {
         !self.txq.is_empty() || self.reply_due.is_some()
     }
+
+    /// Writes what is queued, as far as the socket takes it, without
+    /// taking more from the HCA: a connection manager's frame that a
+    /// control call just queued leaves at once, not at the engine's next
+    /// pass (which may be a wake-up away). An error is left for that pass
+    /// to meet again and end the link.
+    pub fn write_now(&mut self) {
+        while !self.txq.is_empty() {
+            match self.write_queued() {
+                Ok(true) => {}
+                Ok(false) => {
+                    self.want_write = true;
+                    return;
+                }
+                Err(_) => return,
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -696,6 +714,31 @@ mod tests {
             link.transmit(hca, rings, Instant::ZERO).unwrap();
         }
         panic!("600 MB did not fill a socket of 64 KiB");
+    }
+
+    /// A connection manager's frame written at once goes out whole, no
+    /// pass of the engine needed; on a full socket it stays queued, and
+    /// the link asks to be written when the socket drains.
+    #[test]
+    fn write_now_sends_what_is_queued_or_leaves_it_for_the_engine() {
+        let (mut link, mut theirs, mut hca, mut rings) = pair();
+        let msg = vrdma_core::cm::CmMessage::Rtu { to: 7, from: 9 };
+        link.queue_cm(&msg);
+        let want: usize = link.txq.iter().map(Transmit::len).sum();
+        link.write_now();
+        assert!(link.txq.is_empty() && !link.want_write);
+        theirs.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut got = vec![0u8; want];
+        std::io::Read::read_exact(&mut theirs, &mut got).unwrap();
+        let payload = vrdma_core::wire::cm::encode(&msg);
+        assert_eq!(got[want - payload.len()..], payload[..], "the frame ends with the message");
+
+        stall(&mut link, &mut hca, &mut rings);
+        let before = link.txq.len();
+        link.queue_cm(&msg);
+        link.write_now();
+        assert_eq!(link.txq.len(), before + 1, "a full socket took nothing");
+        assert!(link.want_write, "the engine is to write it when the socket drains");
     }
 
     #[test]

@@ -479,17 +479,28 @@ impl Net {
         }
     }
 
-    /// Descriptors the engine sleeps on, and how long it may sleep.
-    pub fn poll_fds<'a>(&'a self, fds: &mut Vec<PollFd<'a>>) -> Option<Duration> {
+    /// Writes what is queued on the links now ([`LinkIo::write_now`]).
+    pub fn write_now(&mut self) {
+        for l in self.links.values_mut() {
+            l.write_now();
+        }
+    }
+
+    /// The links' sockets (duplicates), each with what to wait for, and
+    /// how long until the next keepalive is due (`None` without links or
+    /// peers): what a sleeping engine waits on besides its doorbells.
+    pub fn poll_fds_owned(&self) -> std::io::Result<(LinkPollFds, Option<Duration>)> {
+        let mut out = Vec::with_capacity(self.links.len());
         for l in self.links.values() {
             let mut f = PollFlags::IN;
             if l.want_write || l.has_output() {
                 f |= PollFlags::OUT;
             }
-            fds.push(PollFd::from_borrowed_fd(l.fd(), f));
+            out.push((l.fd().try_clone_to_owned()?, f));
         }
-        (!self.links.is_empty() || !self.setup.peers.is_empty())
-            .then(|| self.next_keepalive.saturating_duration_since(Clock::now()))
+        let keepalive = (!self.links.is_empty() || !self.setup.peers.is_empty())
+            .then(|| self.next_keepalive.saturating_duration_since(Clock::now()));
+        Ok((out, keepalive))
     }
 
     /// [`LinkIo::keep_payloads`] on every link.
@@ -505,6 +516,10 @@ impl Net {
         }
     }
 }
+
+/// The links' sockets a sleeping engine waits on, each with what it
+/// waits for.
+pub type LinkPollFds = Vec<(std::os::fd::OwnedFd, PollFlags)>;
 
 /// Whether a link to `peer` (the socket's far end) whose daemon said its
 /// GID is `gid` already reaches the daemon listening at `addr`: the link

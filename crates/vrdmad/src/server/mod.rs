@@ -44,6 +44,11 @@ pub(crate) struct Shared {
     pub vms: std::collections::BTreeMap<String, Arc<crate::vm::Vm>>,
     /// The threads accepting the VMs' port connections (joined on stop).
     pub vm_acceptors: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// The daemon stops: sessions answer nothing more. Set before their
+    /// sockets are shut down one by one, so that a tenant that saw one of
+    /// its connections end (its rdma_cm channels hang up) cannot get an
+    /// answer on another that is still to be shut down.
+    pub stopping: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {

@@ -1,8 +1,9 @@
 //! One tenant connection: a context and everything it creates.
 //!
 //! The session thread parses requests, maps and creates shared memory
-//! (system calls stay off the engine thread), and hands the object changes
-//! to the engine. When the socket closes, for whatever reason including
+//! (system calls stay off the engine's critical section), and makes the
+//! object changes on the engine's state, under its lock, between two of
+//! the engine's passes (`engine::handle`). When the socket closes, for whatever reason including
 //! SIGKILL of the tenant, the context and all its objects are destroyed.
 
 // An `Answer` is the reply to send whichever way a request ends; it is not
@@ -180,6 +181,9 @@ pub(crate) fn run(
         if msg.len == 0 && !msg.truncated {
             break;
         }
+        if s.shared.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            break;
+        }
         let answer = if msg.truncated {
             error(EINVAL, format!("message larger than {MAX_MESSAGE} bytes or with more than {MAX_FDS} fds"))
         } else {
@@ -282,9 +286,8 @@ impl Session {
 
     /// Queues `f` for the engine without waiting for it to run. For what
     /// the tenant cannot need before its next request that reaches the
-    /// engine (which runs after `f`): each such handoff not waited for
-    /// takes a few microseconds off the request (a quarter to a half of a
-    /// CQ's or QP's creation on a 2-core machine).
+    /// engine (which runs after `f`): the request is answered without
+    /// waiting for the engine's lock a second time.
     fn post_to_engine(
         &self,
         f: impl FnOnce(&mut crate::engine::EngineState, ContextId) + Send + 'static,
@@ -427,6 +430,7 @@ impl Session {
             }
             Request::CreateCq { cqe, channel } => self.create_cq(cqe, channel)?,
             Request::Cm(CmRequest::CreateChannel) => self.create_cm_channel()?,
+            Request::Cm(CmRequest::CreateQp { id, pd, init }) => self.create_cm_qp(id, pd, init)?,
             Request::Cm(req) => {
                 let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
                 let r = self.engine(move |e, c| e.handle_cm(c, tenant, req))?;
@@ -555,8 +559,13 @@ impl Session {
         let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
         let fds = vec![seg_fd, doorbell_tenant.into(), event_tenant.into()];
         let seg_len = seg.len() as u64;
+        // A local process's (a guest's contexts have no pid of this host).
+        let pid = if self.guest.is_none() { self.pid } else { 0 };
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
+            if pid > 0 {
+                e.processes.insert(c, pid);
+            }
             e.rings.contexts.insert(c, ContextRings::new(tenant, events, event_fd, doorbell, posted));
             Ok::<_, HcaError>(())
         })??;
@@ -739,6 +748,34 @@ impl Session {
             },
             fds: vec![fd],
         })
+    }
+
+    /// `rdma_create_qp` in one call: [`Self::create_qp`], then the QP
+    /// attached to the id (`CmRequest::AttachQp`); a QP whose attach
+    /// fails is destroyed, and the call fails with the attach's error.
+    fn create_cm_qp(
+        &mut self,
+        id: u32,
+        pd: u32,
+        init: vrdma_core::verbs::QpInitAttr,
+    ) -> Result<Answer, Answer> {
+        let answer = self.create_qp(pd, init)?;
+        let Reply::Qp { created, .. } = &answer.reply else {
+            return Err(error(EPROTO, "the QP's creation answered with something else"));
+        };
+        let (qp, tenant) = (created.qpn, self.tenant);
+        let attached = self.engine(move |e, c| e.handle_cm(c, tenant, CmRequest::AttachQp { id, qp }))?;
+        if let Err(why) = attached {
+            let wait = self.engine(move |e, c| {
+                if e.hca.destroy_qp(c, qp, &mut e.rings).is_ok() {
+                    e.rings.remove_qp(qp);
+                }
+                e.direct.sync(&mut e.hca)
+            })?;
+            crate::direct::drain(&wait);
+            return Err(error(why.errno(), why.to_string()));
+        }
+        Ok(answer)
     }
 
     fn create_qp(&mut self, pd: u32, init: vrdma_core::verbs::QpInitAttr) -> Result<Answer, Answer> {

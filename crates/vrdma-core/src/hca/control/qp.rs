@@ -191,6 +191,19 @@ impl Hca {
         self.missed_wakeups
     }
 
+    /// The context and tenant that own QP `qpn`, if it exists: how the
+    /// connection manager takes a QP that another context of the same
+    /// tenant made (the drop-in `librdmacm.so.1` attaches QPs of the
+    /// program's `libibverbs.so.1`, a context of its own).
+    pub fn qp_owner(&self, qpn: u32) -> Option<(ContextId, TenantId)> {
+        self.qps.get(&qpn).map(|q| (q.ctx, q.tenant))
+    }
+
+    /// The tenant of an open context.
+    pub fn tenant(&self, ctx: ContextId) -> Option<TenantId> {
+        self.tenant_of(ctx).ok()
+    }
+
     pub(crate) fn own_qp(&mut self, ctx: ContextId, qpn: u32) -> Result<&mut Qp, HcaError> {
         match self.qps.get_mut(&qpn) {
             Some(q) if q.ctx == ctx => Ok(q),
