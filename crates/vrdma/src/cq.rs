@@ -55,6 +55,11 @@ pub(crate) struct CqInner {
     pub(crate) channel: Option<CompletionChannel>,
     /// Consecutive empty polls, for the spin-then-yield rule.
     empty_polls: AtomicU32,
+    /// The last poll that found anything found only completions of the
+    /// direct path (the local queue, inboxes): the next ones will most
+    /// likely come from a program, not the engine, so empty polls spin
+    /// longer before they yield ([`crate::idle::DIRECT_SPIN_POLLS`]).
+    direct_fed: std::sync::atomic::AtomicBool,
     /// The send queues completing here, by QP number: how many of each
     /// QP's send WRs the polled completions have freed.
     send_queues: Mutex<HashMap<u32, Arc<SendSlots>>>,
@@ -179,6 +184,12 @@ impl CqInner {
         self.free_send_slots(&freed[..held]);
         if inboxes {
             self.polled_from_ring(&out[from_ring..n]);
+        }
+        if n > 0 {
+            let direct = n == from_ring;
+            if self.direct_fed.load(Ordering::Relaxed) != direct {
+                self.direct_fed.store(direct, Ordering::Relaxed);
+            }
         }
         Ok(n)
     }
@@ -440,6 +451,7 @@ impl CompletionQueue {
                 ring,
                 channel: channel.cloned(),
                 empty_polls: AtomicU32::new(0),
+                direct_fed: Default::default(),
                 send_queues: Mutex::new(HashMap::new()),
                 local: Mutex::default(),
                 local_len: Default::default(),
@@ -481,7 +493,10 @@ impl CompletionQueue {
     /// Busy-polling loops are kind to small machines: after
     /// [`spin_polls`] consecutive empty polls of this CQ, every further
     /// empty poll yields the CPU (`sched_yield`) so that the daemon's
-    /// engine, which produces the completions, can run; on a machine with
+    /// engine, which produces the completions, can run (after
+    /// [`DIRECT_SPIN_POLLS`](crate::idle::DIRECT_SPIN_POLLS) where the
+    /// CQ's last completions came from the direct path, which needs no
+    /// engine); on a machine with
     /// two cores or fewer, once the calling thread has found nothing and
     /// posted nothing for 200 µs, empty polls sleep briefly instead
     /// ([`crate::idle`] has the rule and its knobs). The count resets when a
@@ -498,11 +513,12 @@ impl CompletionQueue {
                 empty.store(0, Ordering::Relaxed);
             }
         } else {
+            let direct = self.inner.direct_fed.load(Ordering::Relaxed);
             let count = empty.load(Ordering::Relaxed);
-            if count < spin_polls() {
+            if count < crate::idle::spin_limit(direct) {
                 empty.store(count + 1, Ordering::Relaxed);
             }
-            crate::idle::wait_after_empty_poll(count);
+            crate::idle::wait_after_empty_poll(count, direct);
         }
         Ok(n)
     }

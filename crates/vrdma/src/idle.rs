@@ -129,10 +129,36 @@ pub(crate) fn activity() {
     IDLE_SINCE.with(|c| c.set(None));
 }
 
+/// Empty polls in a row that a CQ whose last completions came from the
+/// direct path (`docs/direct-path.md`) spins before it yields, whatever the
+/// machine: such completions are written by the peer program itself, not
+/// by the engine, so a yield frees the CPU for no one who is needed and
+/// costs the poller its CPU (a trip through the scheduler: on a loaded
+/// 2-core machine, measured as most of a direct SEND's latency). About
+/// 30–50 µs of polling; past it the usual rule applies, so a CQ whose
+/// completions come from the engine again (the peer's WR fell back to
+/// it) holds the CPU the engine needs that long at most, once, until a
+/// completion from the ring turns the rule back.
+pub const DIRECT_SPIN_POLLS: u32 = 1024;
+
+/// The spin of [`policy`], or for a CQ fed by the direct path at least
+/// [`DIRECT_SPIN_POLLS`].
+pub(crate) fn spin_limit(direct: bool) -> u32 {
+    let spin = policy().spin_polls;
+    if direct {
+        spin.max(DIRECT_SPIN_POLLS)
+    } else {
+        spin
+    }
+}
+
 /// Called after an empty poll that was the `empty`-th in a row on its CQ:
-/// spins, yields or naps as [`policy`] says.
-pub(crate) fn wait_after_empty_poll(empty: u32) {
-    match next_wait(&policy(), empty) {
+/// spins, yields or naps as [`policy`] says (spinning [`spin_limit`] polls,
+/// longer when `direct`: the CQ's last completions came from the direct
+/// path).
+pub(crate) fn wait_after_empty_poll(empty: u32, direct: bool) {
+    let p = PollPolicy { spin_polls: spin_limit(direct), ..policy() };
+    match next_wait(&p, empty) {
         Wait::Spin => std::hint::spin_loop(),
         Wait::Yield => std::thread::yield_now(),
         Wait::Nap(d) => std::thread::sleep(d),
