@@ -129,20 +129,21 @@ pub(crate) fn activity() {
     IDLE_SINCE.with(|c| c.set(None));
 }
 
-/// Empty polls in a row that a CQ whose last completions came from the
-/// direct path (`docs/direct-path.md`) spins before it yields, whatever the
-/// machine: such completions are written by the peer program itself, not
-/// by the engine, so a yield frees the CPU for no one who is needed and
-/// costs the poller its CPU (a trip through the scheduler: on a loaded
-/// 2-core machine, measured as most of a direct SEND's latency). About
-/// 30–50 µs of polling; past it the usual rule applies, so a CQ whose
-/// completions come from the engine again (the peer's WR fell back to
-/// it) holds the CPU the engine needs that long at most, once, until a
-/// completion from the ring turns the rule back.
+/// Empty polls in a row that a CQ spins before it yields, whatever the
+/// machine, while its last completions came from the direct path
+/// (`docs/direct-path.md`) and the peer program that writes them seems to
+/// run on another CPU (the CPU it last completed from, in the inbox's
+/// `INBOX_AUX_REQUESTER_CPU` word). Such completions need no engine, so a
+/// yield frees the CPU for no one who is needed and costs the poller its
+/// CPU when other programs wait for one; on a loaded 2-core machine that
+/// trip through the scheduler was most of a direct SEND's latency. About
+/// 50–80 µs of polling at most. Where the peer last ran on this CPU, the
+/// poller yields after the usual spin instead: spinning would only delay
+/// the peer (measured: 1024 polls made a same-CPU ping-pong 70 µs one way).
 pub const DIRECT_SPIN_POLLS: u32 = 1024;
 
-/// The spin of [`policy`], or for a CQ fed by the direct path at least
-/// [`DIRECT_SPIN_POLLS`].
+/// The spin of [`policy`], or, where `direct` (see [`DIRECT_SPIN_POLLS`]),
+/// at least [`DIRECT_SPIN_POLLS`].
 pub(crate) fn spin_limit(direct: bool) -> u32 {
     let spin = policy().spin_polls;
     if direct {
@@ -152,10 +153,15 @@ pub(crate) fn spin_limit(direct: bool) -> u32 {
     }
 }
 
+/// The CPU the calling thread runs on, plus one (never 0, the word's "not
+/// known"), as the inbox's `INBOX_AUX_REQUESTER_CPU` holds it.
+pub(crate) fn current_cpu_word() -> u32 {
+    u32::try_from(rustix::thread::sched_getcpu()).map_or(u32::MAX, |c| c.saturating_add(1))
+}
+
 /// Called after an empty poll that was the `empty`-th in a row on its CQ:
-/// spins, yields or naps as [`policy`] says (spinning [`spin_limit`] polls,
-/// longer when `direct`: the CQ's last completions came from the direct
-/// path).
+/// spins, yields or naps as [`policy`] says, spinning [`spin_limit`]`(direct)`
+/// polls.
 pub(crate) fn wait_after_empty_poll(empty: u32, direct: bool) {
     let p = PollPolicy { spin_polls: spin_limit(direct), ..policy() };
     match next_wait(&p, empty) {
