@@ -21,6 +21,13 @@
 //!    its completions (one per 100 MiB), 17 % of a CPU; growing naps make
 //!    that ~9 %.
 //!
+//! A CQ whose last completions came from the direct path
+//! (`docs/direct-path.md`: written by the peer program itself, no engine
+//! involved) spins [`DIRECT_SPIN_POLLS`] empty polls in step 1 instead,
+//! as long as that program last completed from another CPU: there a
+//! yield helps no one who is needed and, on a loaded machine, costs the
+//! poller its CPU; on the peer's own CPU, the usual rule.
+//!
 //! Step 3 counts per thread, not per CQ, so that a loop polling one idle
 //! and one busy CQ, or spinning on memory and posting, never naps; it ends
 //! on the first completion found or request posted. What it costs: a
