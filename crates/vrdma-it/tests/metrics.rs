@@ -231,3 +231,46 @@ fn the_connection_managers_refusals_are_counted() -> Result<()> {
     assert!(n >= 1.0, "{counted}");
     Ok(())
 }
+
+/// The engine's `vrdma_engine_sleeps_total`, without labels.
+fn engine_sleeps(text: &str) -> Result<f64> {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("vrdma_engine_sleeps_total "))
+        .with_context(|| format!("no vrdma_engine_sleeps_total: {text}"))?;
+    Ok(line.rsplit(' ').next().unwrap_or("").parse()?)
+}
+
+/// A receive posted to a QP that is not in ERR does not wake a sleeping
+/// engine (issue 17: on the direct path a SEND's receive was reposted
+/// each message, and each post woke the engine, a third party for the
+/// two CPUs of a ping-pong). The engine sleeps at once when idle here;
+/// each of 40 posts comes after a pause it sleeps in, so posts that woke
+/// it would add about 40 sleeps. Its 1 s sleep limit and the scrapes
+/// account for a few.
+#[test]
+fn posting_a_receive_leaves_a_sleeping_engine_asleep() -> Result<()> {
+    if !have_curl() {
+        return Ok(());
+    }
+    let port = vrdma_it::free_port()?;
+    let config = format!("metrics_listen = \"127.0.0.1:{port}\"\n[engine]\nspin_us = 0\nyield_us = 0\n");
+    let d = DaemonProc::start_with_config(&config)?;
+    let ctx = d.context()?;
+    let (a, b) = (Side::new(&ctx, 4096)?, Side::new(&ctx, 4096)?);
+    connect(&a, &b)?;
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    let before = engine_sleeps(&scrape(port)?)?;
+    for i in 0..40 {
+        std::thread::sleep(std::time::Duration::from_millis(5));
+        b.qp.post_recv(&[wr::recv(i, &[b.mr.sge(0, 64)?])?]).map_err(|e| e.error)?;
+    }
+    std::thread::sleep(std::time::Duration::from_millis(5));
+    let woke = engine_sleeps(&scrape(port)?)? - before;
+    assert!(woke < 10.0, "the engine went to sleep {woke} times more over 40 receives posted");
+    // The receives are there for the engine path all the same.
+    a.qp.post_send(&[wr::send(1, &[a.mr.sge(0, 64)?])?.signaled()]).map_err(|e| e.error)?;
+    check(&poll_n(&a.cq, 1, WAIT)?)?;
+    check(&poll_n(&b.cq, 1, WAIT)?)?;
+    Ok(())
+}

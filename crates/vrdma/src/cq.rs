@@ -55,6 +55,11 @@ pub(crate) struct CqInner {
     pub(crate) channel: Option<CompletionChannel>,
     /// Consecutive empty polls, for the spin-then-yield rule.
     empty_polls: AtomicU32,
+    /// The last poll that found anything found only completions of the
+    /// direct path (the local queue, inboxes): the next ones will most
+    /// likely come from a program, not the engine, so empty polls may spin
+    /// longer before they yield ([`crate::idle::DIRECT_SPIN_POLLS`]).
+    direct_fed: std::sync::atomic::AtomicBool,
     /// The send queues completing here, by QP number: how many of each
     /// QP's send WRs the polled completions have freed.
     send_queues: Mutex<HashMap<u32, Arc<SendSlots>>>,
@@ -180,6 +185,12 @@ impl CqInner {
         if inboxes {
             self.polled_from_ring(&out[from_ring..n]);
         }
+        if n > 0 {
+            let direct = n == from_ring;
+            if self.direct_fed.load(Ordering::Relaxed) != direct {
+                self.direct_fed.store(direct, Ordering::Relaxed);
+            }
+        }
         Ok(n)
     }
 
@@ -206,6 +217,26 @@ impl CqInner {
                 inbox.aux(proto::INBOX_AUX_ENGINE_POLLED).fetch_add(1, Ordering::SeqCst);
             }
         }
+    }
+
+    /// Whether the programs completing into this CQ's inboxes last ran
+    /// on CPUs other than ours (each inbox's `INBOX_AUX_REQUESTER_CPU`;
+    /// false when none is known).
+    fn peer_elsewhere(&self) -> bool {
+        if self.inbox_count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let me = crate::idle::current_cpu_word();
+        let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
+        let mut known = false;
+        for (_, inbox) in inboxes.iter() {
+            match inbox.aux(proto::INBOX_AUX_REQUESTER_CPU).load(Ordering::Relaxed) {
+                0 => {}
+                cpu if cpu == me => return false,
+                _ => known = true,
+            }
+        }
+        known
     }
 
     /// Entries the inboxes hold (they count against the depth).
@@ -440,6 +471,7 @@ impl CompletionQueue {
                 ring,
                 channel: channel.cloned(),
                 empty_polls: AtomicU32::new(0),
+                direct_fed: Default::default(),
                 send_queues: Mutex::new(HashMap::new()),
                 local: Mutex::default(),
                 local_len: Default::default(),
@@ -481,7 +513,10 @@ impl CompletionQueue {
     /// Busy-polling loops are kind to small machines: after
     /// [`spin_polls`] consecutive empty polls of this CQ, every further
     /// empty poll yields the CPU (`sched_yield`) so that the daemon's
-    /// engine, which produces the completions, can run; on a machine with
+    /// engine, which produces the completions, can run (after
+    /// [`DIRECT_SPIN_POLLS`](crate::idle::DIRECT_SPIN_POLLS) where the
+    /// CQ's last completions came from the direct path, which needs no
+    /// engine, written by a program on another CPU); on a machine with
     /// two cores or fewer, once the calling thread has found nothing and
     /// posted nothing for 200 µs, empty polls sleep briefly instead
     /// ([`crate::idle`] has the rule and its knobs). The count resets when a
@@ -499,10 +534,15 @@ impl CompletionQueue {
             }
         } else {
             let count = empty.load(Ordering::Relaxed);
-            if count < spin_polls() {
+            // Past the usual spin, spin on only for completions that a
+            // program on another CPU writes (`idle::DIRECT_SPIN_POLLS`).
+            let direct = count >= spin_polls()
+                && self.inner.direct_fed.load(Ordering::Relaxed)
+                && self.inner.peer_elsewhere();
+            if count < crate::idle::spin_limit(direct) {
                 empty.store(count + 1, Ordering::Relaxed);
             }
-            crate::idle::wait_after_empty_poll(count);
+            crate::idle::wait_after_empty_poll(count, direct);
         }
         Ok(n)
     }

@@ -38,6 +38,7 @@ use std::sync::Arc;
 use vrdma_core::hca::DirectRefusal;
 use vrdma_core::proto::{
     DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
+    INBOX_AUX_REQUESTER_CPU,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, RECV_HEADER};
 use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
@@ -126,6 +127,13 @@ impl RecvTarget {
         // is the peer's own scribbling on its indices, which loses it this
         // completion.
         let _ = self.inbox.try_push_bytes(&out);
+        // Where we run, for the owner's choice to spin (written only when
+        // it changed: the word shares its line with the two read above).
+        let cpu = crate::idle::current_cpu_word();
+        let word = self.inbox.aux(INBOX_AUX_REQUESTER_CPU);
+        if word.load(Ordering::Relaxed) != cpu {
+            word.store(cpu, Ordering::Relaxed);
+        }
         if let Some((ring, bell)) = &self.channel {
             crate::cq::raise_event(ring, bell, solicited, true);
         }

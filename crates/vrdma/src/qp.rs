@@ -222,7 +222,7 @@ pub(crate) fn push_recvs(
     ring: &RingView,
     max_sge: u32,
     wrs: &[RecvWr],
-    after: impl FnOnce(),
+    after: impl FnOnce() -> bool,
 ) -> std::result::Result<(), PostError> {
     let stride = ring.stride();
     push_all(
@@ -238,7 +238,8 @@ pub(crate) fn push_recvs(
 
 /// Checks and pushes each request in turn, stopping at the first that
 /// fails; if anything was posted, calls `after` (which names the QP to the
-/// engine where it must) and rings the engine's doorbell once. A push
+/// engine where it must, and says whether the engine must hear of the
+/// posts) and then, if it must, rings the engine's doorbell once. A push
 /// happens only while the ring has room and `admit` (given the producer
 /// index, under the ring's producer lock) allows it.
 fn push_all<W>(
@@ -248,7 +249,7 @@ fn push_all<W>(
     admit: impl Fn(u32) -> bool,
     check: impl Fn(&W) -> Result<()>,
     encode: impl Fn(&W, &mut [u8]) -> bool,
-    after: impl FnOnce(),
+    after: impl FnOnce() -> bool,
 ) -> std::result::Result<(), PostError> {
     crate::idle::activity();
     let mut posted = 0usize;
@@ -273,8 +274,7 @@ fn push_all<W>(
             }
         }
     }
-    if posted > 0 {
-        after();
+    if posted > 0 && after() {
         ctx.inner.kick();
     }
     result
@@ -665,7 +665,10 @@ impl QueuePair {
                 Ok(())
             },
             |wr, slot| wr.encode(slot).is_ok(),
-            || self.ctx.inner.name_posted(&self.sq, self.qpn),
+            || {
+                self.ctx.inner.name_posted(&self.sq, self.qpn);
+                true
+            },
         )
         .map_err(|mut e| {
             e.index += start;
@@ -771,7 +774,14 @@ impl QueuePair {
             std::sync::atomic::fence(Ordering::SeqCst);
             if self.state() == QpState::Err {
                 self.ctx.inner.name_posted(&self.sq, self.qpn);
+                return true;
             }
+            // Otherwise the engine need not wake for a receive: it looks
+            // at the queue when a message arrives, and a message that
+            // found none waits for its RNR timer, not for this post. A
+            // woken engine would take a CPU from the two programs of a
+            // ping-pong (issue 17: once per message on the direct path).
+            false
         })
     }
 }

@@ -104,7 +104,7 @@ impl SharedReceiveQueue {
         if wrs.is_empty() {
             return Ok(());
         }
-        push_recvs(self.context(), &self.inner.ring, self.inner.attr.max_sge, wrs, || {})
+        push_recvs(self.context(), &self.inner.ring, self.inner.attr.max_sge, wrs, || true)
     }
 
     /// `ibv_modify_srq(IBV_SRQ_LIMIT)`: arms the limit event, which fires

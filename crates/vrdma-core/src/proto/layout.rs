@@ -47,6 +47,12 @@ pub const CQ_AUX_DIRECT_EVENTS: usize = 2;
 /// the two are equal, so that the CQ returns the QP's completions in order.
 pub const INBOX_AUX_ENGINE_PUSHED: usize = 0;
 pub const INBOX_AUX_ENGINE_POLLED: usize = 1;
+/// Inbox ring aux word: the CPU, plus one, that the direct-path requester
+/// ran on when it last completed into the inbox (0: not known). A hint for
+/// the owner's polls only: while the requester seems to run on another
+/// CPU, an empty poll spins on rather than yield its CPU to no one who is
+/// needed (`vrdma::idle`). Tenant-written; nothing else reads it.
+pub const INBOX_AUX_REQUESTER_CPU: usize = 2;
 
 /// Whether a completion fires an armed CQ's event.
 pub fn arm_fires(armed: u32, solicited: bool, success: bool) -> bool {
