@@ -248,7 +248,7 @@ impl CmDriver {
                 CmReply::Id { id }
             }
             CmRequest::DestroyId { id } => {
-                self.cm.destroy_id(ctx, id)?;
+                self.cm.destroy_id(ctx, id, now)?;
                 self.id_channel.remove(&id);
                 self.id_qp.remove(&id);
                 // Its events not yet read go with it, as the kernel's do.
@@ -456,7 +456,7 @@ impl CmDriver {
             }
             while let Some(ev) = self.cm.poll_event() {
                 let ev = self.complete_connect(ev, &mut *modify);
-                self.deliver(ev);
+                self.deliver(ev, now);
             }
         }
         self.log.sweep(now);
@@ -493,7 +493,7 @@ impl CmDriver {
     }
 
     /// Puts an event in its id's channel.
-    fn deliver(&mut self, ev: CmEvent) {
+    fn deliver(&mut self, ev: CmEvent, now: Instant) {
         let channel = match ev.listen_id {
             // A request's new id goes where its listener's events go.
             Some(l) if ev.kind == EventKind::ConnectRequest => self.id_channel.get(&l).copied(),
@@ -512,7 +512,7 @@ impl CmDriver {
             // requester its whole timeout.)
             if ev.kind == EventKind::ConnectRequest {
                 let _ = self.cm.reject_with(ev.ctx, ev.id, vrdma_core::cm::reject::NO_RESOURCES, Vec::new());
-                let _ = self.cm.destroy_id(ev.ctx, ev.id);
+                let _ = self.cm.destroy_id(ev.ctx, ev.id, now);
                 return;
             }
         }

@@ -38,6 +38,7 @@
 //! [`poll_event`]: ConnectionManager::poll_event
 //! [`poll_transmit`]: ConnectionManager::poll_transmit
 
+mod linger;
 pub mod message;
 pub mod ports;
 #[cfg(test)]
@@ -77,6 +78,10 @@ pub struct CmConfig {
     pub max_backlog: u32,
     /// Ids one tenant may hold, listeners' pending requests included.
     pub max_ids_per_tenant: u32,
+    /// How long a port whose listener its tenant destroyed holds that
+    /// tenant's requests for a new listener before refusing them (see
+    /// `linger`).
+    pub listen_linger: Duration,
 }
 
 impl Default for CmConfig {
@@ -88,6 +93,9 @@ impl Default for CmConfig {
             disconnect_timeout: Duration::from_secs(1),
             max_backlog: 1024,
             max_ids_per_tenant: 4096,
+            // Ten times the longest gap seen between perftest -R's second
+            // request and its server's new listen, on 2 loaded CPUs.
+            listen_linger: Duration::from_millis(250),
         }
     }
 }
@@ -250,6 +258,9 @@ pub struct ConnectionManager {
     transmit: VecDeque<(Ipv4Addr, CmMessage)>,
     psns: Box<dyn KeySource>,
     next_id: u32,
+    /// Ports whose listener went a moment ago, holding their tenant's
+    /// requests for the next.
+    linger: linger::Linger,
 }
 
 impl ConnectionManager {
@@ -268,6 +279,7 @@ impl ConnectionManager {
             transmit: VecDeque::new(),
             psns,
             next_id: 1,
+            linger: linger::Linger::default(),
         }
     }
 
@@ -479,6 +491,10 @@ impl ConnectionManager {
         let i = self.own(ctx, id)?;
         i.backlog = if backlog <= 0 { max } else { (backlog as u32).min(max) };
         i.state = State::Listening;
+        // Requests that came while the port lingered come now.
+        for (host, req) in self.linger.listening(ps, port) {
+            self.handle_message(host, req);
+        }
         Ok(())
     }
 
@@ -619,11 +635,30 @@ impl ConnectionManager {
     }
 
     /// `rdma_destroy_id`: the peer of a connection hears of it as the
-    /// IB CM tells it (a DREQ once connected, a REJ before).
-    pub fn destroy_id(&mut self, ctx: ContextId, id: u32) -> Result<(), CmError> {
-        self.own(ctx, id)?;
+    /// IB CM tells it (a DREQ once connected, a REJ before). A listener's
+    /// port lingers for its tenant from `now` (see `linger`).
+    pub fn destroy_id(&mut self, ctx: ContextId, id: u32, now: Instant) -> Result<(), CmError> {
+        let i = self.own(ctx, id)?;
+        if let (State::Listening, Some(local)) = (i.state, i.local) {
+            let (ps, tenant) = (i.ps, i.tenant);
+            let until = now + self.config.listen_linger;
+            for (host, req) in self.linger.listener_gone(ps, local.port(), tenant, until) {
+                self.refuse_req(host, &req);
+            }
+        }
         self.remove(id);
         Ok(())
+    }
+
+    /// Answers a REQ as a port without a listener is answered.
+    fn refuse_req(&mut self, host: Ipv4Addr, req: &CmMessage) {
+        let msg = CmMessage::Rej {
+            to: req.from(),
+            from: 0,
+            reason: reject::INVALID_SERVICE_ID,
+            private_data: vec![],
+        };
+        self.transmit.push_back((host, msg));
     }
 
     /// Destroys every id of `ctx` (its process closed the device or died).
@@ -714,6 +749,10 @@ impl ConnectionManager {
         }
         let (Some(mut to), from) = (msg.to(), msg.from()) else { return };
         if to == 0 {
+            if matches!(msg, CmMessage::Rej { .. }) {
+                // It may be held for a lingering port.
+                self.linger.forget(host, Some(from));
+            }
             // A REJ from a requester that had not heard from us yet names
             // the connection by its own number.
             let child = self.requested.get(&(host, from)).copied().filter(|n| {
@@ -827,8 +866,13 @@ impl ConnectionManager {
             .filter(|l| self.ids.get(l).is_some_and(|i| i.tenant == tenant && i.state == State::Listening))
             .filter(|_| !foreign);
         let Some(l) = listener else {
-            // No listener, or another tenant's: the same answer.
-            refuse(self, reject::INVALID_SERVICE_ID);
+            // A port whose listener this tenant just destroyed waits a
+            // moment for its next (see `linger`).
+            let req = CmMessage::Req { from, tenant: tenant.0, ps, src, dst, conn };
+            if foreign || !self.linger.hold(ps, dst.port(), tenant, host, req) {
+                // No listener, or another tenant's: the same answer.
+                refuse(self, reject::INVALID_SERVICE_ID);
+            }
             return;
         };
         let max = if ps.is_ud() { message::MAX_SIDR_REQ_PRIVATE_DATA } else { message::MAX_REQ_PRIVATE_DATA };
@@ -867,6 +911,7 @@ impl ConnectionManager {
     /// The link to `host` is gone: every connection with it ends as if
     /// its peer had died.
     pub fn link_down(&mut self, host: Ipv4Addr) {
+        self.linger.forget(host, None);
         let gone: Vec<(u32, State)> = self
             .ids
             .iter()
@@ -886,11 +931,18 @@ impl ConnectionManager {
 
     /// The earliest timer, if any.
     pub fn poll_timeout(&self) -> Option<Instant> {
-        self.timers.first().map(|&(t, _)| t)
+        let timer = self.timers.first().map(|&(t, _)| t);
+        match (timer, self.linger.next_deadline()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Runs the timers due at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
+        for (host, req) in self.linger.expire(now) {
+            self.refuse_req(host, &req);
+        }
         while let Some(&(t, id)) = self.timers.first() {
             if t > now {
                 break;

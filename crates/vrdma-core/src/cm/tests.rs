@@ -202,7 +202,7 @@ fn processes_of_one_host_connect_through_the_same_exchange() {
     let (a, b) = established(&mut net, A, CB);
     assert_eq!(net.a.state(CB, b), Some(State::Established));
     assert!(net.log.iter().all(|(from, to, _)| *from == A && *to == A), "nothing left the host");
-    net.a.destroy_id(CA, a).unwrap();
+    net.a.destroy_id(CA, a, T0).unwrap();
     net.run();
     assert_eq!(kinds(&net.events(A)), [EventKind::Disconnected], "the survivor hears the DREQ");
 }
@@ -491,7 +491,7 @@ fn a_request_sent_again_is_the_same_request_and_a_rej_by_the_requesters_number_f
     let ev2 = net.events(B);
     assert_eq!((ev2[0].id, ev2[0].kind), (ev[0].id, EventKind::Rejected));
     // Destroyed, the request is forgotten: the same numbers are a new one.
-    net.b.destroy_id(CB, ev[0].id).unwrap();
+    net.b.destroy_id(CB, ev[0].id, T0).unwrap();
     let req = CmMessage::Req { from: 77, tenant: TENANT.0, ps: PortSpace::Tcp, src, dst, conn: conn(1, b"") };
     net.b.handle_message(A, req);
     assert_eq!(kinds(&net.events(B)), [EventKind::ConnectRequest]);
@@ -595,4 +595,87 @@ fn resolving_from_a_bound_id_keeps_its_address_whatever_src_says() {
     net.a.resolve_addr(CA, id, Some(other), SocketAddrV4::new(B, 7471)).unwrap();
     assert_eq!(net.a.addresses(CA, id), Some((Some(bound), Some(SocketAddrV4::new(B, 7471)))));
     assert_eq!(kinds(&net.events(A)), [EventKind::AddrResolved]);
+}
+
+/// perftest -R's race: its client's second request reaches B after the
+/// server destroyed its listener and before it listens again. The port
+/// lingers for the listener's tenant, so the request waits for the new
+/// listener and connects.
+#[test]
+fn a_request_racing_its_tenants_next_listen_on_the_port_waits_for_it() {
+    let mut net = Net::new();
+    let first = net.listen(B, CB, TENANT, 7471, 8);
+    net.b.destroy_id(CB, first, T0).unwrap();
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b"again"), T0).unwrap();
+    net.run();
+    assert!(net.events(A).is_empty(), "no answer while the port lingers");
+    assert!(net.events(B).is_empty());
+    assert_eq!(net.b.poll_timeout(), Some(T0 + CmConfig::default().listen_linger));
+    // The new listener takes it as if it had just come.
+    let second = net.listen(B, CB, TENANT, 7471, 8);
+    net.run();
+    let ev = net.events(B);
+    assert_eq!(kinds(&ev), [EventKind::ConnectRequest]);
+    assert_eq!(ev[0].listen_id, Some(second));
+    assert_eq!(ev[0].peer.as_ref().unwrap().private_data, b"again");
+    net.b.accept(CB, ev[0].id, conn(0x22, b""), 0, T0).unwrap();
+    net.run();
+    assert_eq!(kinds(&net.events(A)), [EventKind::ConnectResponse]);
+    assert_eq!(net.b.poll_timeout(), Some(T0 + CmConfig::default().connect_timeout), "the linger is over");
+}
+
+/// A lingering port holds only its tenant's requests, and only for the
+/// linger: then they get the answer of a port without a listener, the one
+/// another tenant gets at once; a port that never had a listener answers
+/// at once too.
+#[test]
+fn a_lingering_port_refuses_other_tenants_at_once_and_its_own_when_the_time_is_up() {
+    let mut net = Net::new();
+    let l = net.listen(B, CB, TENANT, 7471, 8);
+    net.b.destroy_id(CB, l, T0).unwrap();
+    let rejected = |net: &mut Net| {
+        let ev = net.events(A);
+        assert_eq!(kinds(&ev), [EventKind::Rejected]);
+        assert_eq!(ev[0].status, i32::from(reject::INVALID_SERVICE_ID));
+    };
+    for (tenant, port) in [(OTHER, 7471), (TENANT, 7472)] {
+        let a = net.resolved(A, CA, tenant, PortSpace::Tcp, SocketAddrV4::new(B, port));
+        net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+        net.run();
+        rejected(&mut net);
+    }
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+    net.run();
+    assert!(net.events(A).is_empty(), "held");
+    let linger = CmConfig::default().listen_linger;
+    net.b.handle_timeout(T0 + (linger - Duration::from_millis(1)));
+    net.run();
+    assert!(net.events(A).is_empty(), "held until the linger is up");
+    net.b.handle_timeout(T0 + linger);
+    net.run();
+    rejected(&mut net);
+    assert!(net.events(B).is_empty(), "the listener's side heard nothing");
+    // Another tenant's listener on the port later takes none of them.
+    net.listen(B, CB, OTHER, 7471, 8);
+    net.run();
+    assert!(net.events(B).is_empty());
+}
+
+/// A requester that gives up while its request is held takes it back:
+/// the next listener never sees it.
+#[test]
+fn a_held_request_whose_requester_gave_up_is_not_delivered() {
+    let mut net = Net::new();
+    let l = net.listen(B, CB, TENANT, 7471, 8);
+    net.b.destroy_id(CB, l, T0).unwrap();
+    let a = net.resolved(A, CA, TENANT, PortSpace::Tcp, SocketAddrV4::new(B, 7471));
+    net.a.connect(CA, a, conn(0x11, b""), T0).unwrap();
+    net.run();
+    net.a.destroy_id(CA, a, T0).unwrap();
+    net.run();
+    net.listen(B, CB, TENANT, 7471, 8);
+    net.run();
+    assert!(net.events(B).is_empty(), "no CONNECT_REQUEST for a requester that left");
 }
