@@ -39,6 +39,9 @@ pub const NOBODY: u32 = 65534;
 /// What the other tenant does.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum How {
+    /// Holds idle QPs and wakes every 50 µs without writing anything: the
+    /// control, what another busy process costs the victim on its own.
+    Quiet,
     /// Holds idle QPs and keeps its posted-QP ring's overflow flag set
     /// (one store every 50 µs): every QP of its context may have work.
     Overflow,
@@ -57,6 +60,7 @@ pub enum How {
 impl How {
     fn as_str(self) -> &'static str {
         match self {
+            How::Quiet => "quiet",
             How::Overflow => "overflow",
             How::NameIdle => "name-idle",
             How::Doorbells => "doorbells",
@@ -133,7 +137,7 @@ pub fn misbehave(socket: Option<PathBuf>, args: Args) -> Result<()> {
                 }
             }
             How::Doorbells => (0..64).for_each(|_| bad.ring_doorbell()),
-            How::Scribble | How::Stream => {}
+            How::Quiet | How::Scribble | How::Stream => {}
         }
         let pause = match args.how {
             How::Doorbells => 500,
@@ -296,6 +300,7 @@ pub struct Case {
 impl Case {
     pub fn name(&self, held: usize) -> String {
         let beside = match self.how {
+            How::Quiet => format!("{held} idle QPs, waking every 50 µs, writing nothing (control)"),
             How::Overflow => format!("{held} idle QPs, overflow flag kept set"),
             How::NameIdle => format!("naming its {held} idle QPs"),
             How::Doorbells => format!("{held} idle QPs, doorbell flooded"),
@@ -314,6 +319,7 @@ pub fn cases(idle: u32) -> Vec<Case> {
     let attack = "<= 2x unloaded";
     let hog = "<= 2x";
     vec![
+        Case { how: How::Quiet, qps: idle, target: "none (control)" },
         Case { how: How::Overflow, qps: idle, target: attack },
         Case { how: How::NameIdle, qps: idle, target: attack },
         Case { how: How::Doorbells, qps: idle, target: attack },

@@ -13,6 +13,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 use vrdma_core::hca::IdMap as HashMap;
 
 use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource, TenantId};
@@ -27,6 +28,15 @@ use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::time::Instant;
 use vrdma_core::verbs::{AsyncEventType, QpState, WcStatus};
 use vrdma_shm::{Doorbell, RingView};
+
+/// How long a context's overflow flag is left alone after a rescan of its
+/// QPs that woke none, doubling from the first to the second while
+/// rescans stay fruitless; a rescan that wakes a QP ends it. A tenant that
+/// keeps its flag set over thousands of idle QPs otherwise made the
+/// engine read one word per QP without end (16 a pass, each in another
+/// QP's segment: about a quarter of the engine's time); a tenant whose
+/// ring really overflowed has QPs to wake, and is never held off.
+const RESCAN_BACKOFF: (Duration, Duration) = (Duration::from_micros(50), Duration::from_millis(8));
 
 /// A context's rings: async events out; doorbell and posted QPs in.
 pub struct ContextRings {
@@ -45,6 +55,12 @@ pub struct ContextRings {
     /// The overflow flag was set again during a rescan: a post it stands
     /// for may be to a QP the rescan had passed, so another follows.
     rescan_again: bool,
+    /// The rescan under way woke a QP.
+    rescan_woke: bool,
+    /// After rescans that woke nothing, the flag is left alone until
+    /// then (see [`RESCAN_BACKOFF`]).
+    rescan_after: Instant,
+    rescan_backoff: Duration,
     /// The tenant corrupted its posted ring: nothing more is read from it,
     /// and the context is being closed ([`RingTable::take_broken`]).
     broken: bool,
@@ -77,6 +93,9 @@ impl ContextRings {
             qps: HashMap::default(),
             rescan: Vec::new(),
             rescan_again: false,
+            rescan_woke: false,
+            rescan_after: Instant(0),
+            rescan_backoff: Duration::ZERO,
             broken: false,
         }
     }
@@ -97,8 +116,15 @@ impl ContextRings {
     /// every 50 µs) spent half the engine on turns that found nothing, and
     /// another tenant's 8 B sends took 2.0 to 2.7 times as long; one that
     /// named its idle QPs without end, 1.4 to 1.8 times. Now each costs a
-    /// word read per notice.
-    fn take_posted(&mut self, budget: u32, announced: &dyn Fn(u32) -> bool, out: &mut Vec<u32>) -> Taken {
+    /// word read per notice, and a rescan that woke nothing holds the
+    /// next off (see [`RESCAN_BACKOFF`]).
+    fn take_posted(
+        &mut self,
+        budget: u32,
+        now: Instant,
+        announced: &dyn Fn(u32) -> bool,
+        out: &mut Vec<u32>,
+    ) -> Taken {
         if self.broken {
             return Taken { looked: 0, more: false, broke: false };
         }
@@ -106,7 +132,9 @@ impl ContextRings {
         // after this has its flag seen by the next call.
         // (Read first: a swap each pass would write the line every pass.)
         let overflow = self.posted.aux(POSTED_AUX_OVERFLOW);
-        if overflow.load(Ordering::SeqCst) != 0 && overflow.swap(0, Ordering::SeqCst) != 0 {
+        let flagged = overflow.load(Ordering::SeqCst) != 0;
+        let held_off = now < self.rescan_after;
+        if flagged && !held_off && overflow.swap(0, Ordering::SeqCst) != 0 {
             if self.rescan.is_empty() {
                 self.rescan.extend(self.qps.keys().copied());
             } else {
@@ -134,6 +162,7 @@ impl ContextRings {
                 }
             }
         }
+        let scanning = !self.rescan.is_empty();
         while looked < budget {
             let Some(qpn) = self.rescan.pop() else { break };
             looked += 1;
@@ -141,12 +170,28 @@ impl ContextRings {
             // one with nothing posted since it was left idle.
             if self.qps.contains_key(&qpn) && announced(qpn) {
                 out.push(qpn);
+                self.rescan_woke = true;
+                self.rescan_backoff = Duration::ZERO;
             }
         }
-        if self.rescan.is_empty() && std::mem::take(&mut self.rescan_again) {
+        if scanning && self.rescan.is_empty() {
+            self.rescan_backoff = if std::mem::take(&mut self.rescan_woke) {
+                Duration::ZERO
+            } else {
+                (self.rescan_backoff * 2).clamp(RESCAN_BACKOFF.0, RESCAN_BACKOFF.1)
+            };
+            self.rescan_after = now + self.rescan_backoff;
+        }
+        if self.rescan.is_empty() && self.rescan_again && now >= self.rescan_after {
+            self.rescan_again = false;
             self.rescan.extend(self.qps.keys().copied());
         }
-        let more = !self.rescan.is_empty() || self.posted.len().is_ok_and(|n| n > 0);
+        // A flag or a rescan held off is work left, so that the engine
+        // does not sleep on it.
+        let more = !self.rescan.is_empty()
+            || self.rescan_again
+            || (flagged && held_off)
+            || self.posted.len().is_ok_and(|n| n > 0);
         Taken { looked, more, broke: false }
     }
 }
@@ -558,6 +603,7 @@ impl Queues for RingTable {
         }
         let from = self.posted_from % n;
         self.posted_from = self.posted_from.wrapping_add(1);
+        let now = self.now;
         let mut spent = std::mem::take(&mut self.posted_spent);
         spent.clear();
         let mut more = false;
@@ -579,7 +625,7 @@ impl Queues for RingTable {
                 more |= c.waiting();
                 return;
             }
-            let taken = c.take_posted(budget, &announced, out);
+            let taken = c.take_posted(budget, now, &announced, out);
             spent[i].1 += taken.looked;
             more |= taken.more;
             if taken.broke {
@@ -669,7 +715,7 @@ mod tests {
         let (mut c, tenant) = context(1, [0x11]);
         while name(&tenant, 0x11) {}
         let mut out = Vec::new();
-        let t = c.take_posted(64, &|_| true, &mut out);
+        let t = c.take_posted(64, Instant(0), &|_| true, &mut out);
         assert_eq!((t.looked, out.len()), (64, 64));
         assert!(t.more, "the rest waits for later calls");
     }
@@ -686,7 +732,7 @@ mod tests {
         let mut calls = 0;
         loop {
             let before = out.len();
-            let t = c.take_posted(32, &|_| true, &mut out);
+            let t = c.take_posted(32, Instant(0), &|_| true, &mut out);
             assert!(out.len() - before <= 32 && t.looked <= 32);
             calls += 1;
             if calls == 10 {
@@ -706,7 +752,7 @@ mod tests {
         for _ in 0..100 {
             flag();
             out.clear();
-            c.take_posted(32, &|_| true, &mut out);
+            c.take_posted(32, Instant(0), &|_| true, &mut out);
             assert!(out.len() <= 32);
         }
     }
@@ -767,6 +813,49 @@ mod tests {
         // (Once by its name, and by what remains of the rescans.)
         woken.dedup();
         assert_eq!(woken, [9]);
+    }
+
+    /// A flag kept set over idle QPs: each rescan that wakes nothing holds
+    /// the next off, doubling up to 8 ms, so over a simulated second of
+    /// 2 µs passes the engine reads a few per cent of the words it read
+    /// with a rescan always under way; and a post behind the flag is
+    /// still found within the longest hold-off and a rescan.
+    #[test]
+    fn rescans_that_wake_nothing_are_held_off_until_one_does() {
+        let (mut c, tenant) = context(1, 0..1000);
+        let reads = std::cell::Cell::new(0u64);
+        let posted = std::cell::Cell::new(None::<u32>);
+        let announced = |q: u32| {
+            reads.set(reads.get() + 1);
+            posted.get() == Some(q)
+        };
+        let pass = |i: u64| Instant(1_000_000_000 + i * 2_000);
+        let mut out = Vec::new();
+        let passes = 500_000;
+        for i in 0..passes {
+            tenant.aux(POSTED_AUX_OVERFLOW).store(1, Ordering::SeqCst);
+            let t = c.take_posted(16, pass(i), &announced, &mut out);
+            assert!(t.more, "a flag held off is work left: the engine must not sleep on it");
+        }
+        assert!(out.is_empty());
+        let always = 16 * passes;
+        assert!(reads.get() * 20 < always, "{} words read, {always} without the hold-off", reads.get());
+        // A post the ring could not name: found within 8 ms and a rescan
+        // (63 passes of 16), and the hold-off ends.
+        posted.set(Some(500));
+        let mut found = None;
+        for i in passes..passes + 5_000 {
+            tenant.aux(POSTED_AUX_OVERFLOW).store(1, Ordering::SeqCst);
+            c.take_posted(16, pass(i), &announced, &mut out);
+            if !out.is_empty() {
+                found = Some(i - passes);
+                break;
+            }
+        }
+        let found = found.expect("the post is found");
+        assert!(found <= 8_000 / 2 + 63, "found after {found} passes");
+        assert_eq!(out, [500]);
+        assert_eq!(c.rescan_backoff, Duration::ZERO, "a rescan that woke a QP ends the hold-off");
     }
 
     /// Indices no well-behaved tenant writes: the context is broken once,
