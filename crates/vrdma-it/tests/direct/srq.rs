@@ -144,7 +144,7 @@ fn a_direct_and_an_engine_requester_share_one_srq_each_receive_once() -> Result<
 }
 
 #[test]
-fn the_srq_limit_fires_once_when_direct_claims_cross_it() -> Result<()> {
+fn sends_and_writes_with_immediate_cross_the_srq_limit_once() -> Result<()> {
     let (got, n1, _) = both(4096, |r| {
         let recvs: Vec<_> =
             (0..8).map(|i| wr::recv(i, &[r.mr.sge(64 * i as usize, 64)?])).collect::<Result<_, _>>()?;
@@ -152,17 +152,26 @@ fn the_srq_limit_fires_once_when_direct_claims_cross_it() -> Result<()> {
         r.srq.set_limit(4)?;
         let mut seen = Vec::new();
         for id in 0..6u64 {
-            r.a1.qp.post_send(&[wr::send(id, &[r.a1.mr.sge(0, 8)?])?.with_imm(id as u32).signaled()])?;
+            // SENDs with immediate and writes with immediate in turn.
+            let sge = [r.a1.mr.sge(0, 8)?];
+            let w = if id % 2 == 0 {
+                wr::send(id, &sge)?
+            } else {
+                wr::rdma_write(id, &sge, r.mr.addr() + 2048, r.mr.rkey())?
+            };
+            r.a1.qp.post_send(&[w.with_imm(id as u32).signaled()])?;
             assert_eq!(poll_one(&r.a1.cq, WAIT)?.status, WcStatus::Success);
             let wc = poll_one(&r.cq, WAIT)?;
             let ev = r.ctx.get_async_event(Some(QUIET))?.map(|e| (e.event_type, e.element == r.srq.srqn()));
-            seen.push((wc.wr_id, wc.status, wc.imm_data, ev));
+            seen.push((wc.wr_id, wc.status, wc.opcode, wc.imm_data, wc.qp_num == r.b1.qpn(), ev));
         }
         Ok((seen, r.srq.query()?.srq_limit))
     })?;
-    let fired: Vec<usize> = got.0.iter().enumerate().filter(|(_, s)| s.3.is_some()).map(|(i, _)| i).collect();
+    let fired: Vec<usize> = got.0.iter().enumerate().filter(|(_, s)| s.5.is_some()).map(|(i, _)| i).collect();
     assert_eq!(fired, vec![4], "fired once, when three were left below the limit of four");
-    assert_eq!(got.0[4].3, Some((AsyncEventType::SrqLimitReached, true)));
+    assert_eq!(got.0[4].5, Some((AsyncEventType::SrqLimitReached, true)));
+    assert_eq!(got.0[1].2, WcOpcode::RecvRdmaWithImm);
+    assert!(got.0.iter().all(|s| s.1 == WcStatus::Success && s.4), "{:?}", got.0);
     assert_eq!(got.1, 0);
     assert_eq!(n1, 6, "carried");
     Ok(())
