@@ -283,6 +283,9 @@ impl DirectQp {
             // order or within the CQ: the engine's (RNR, overrun).
             return Carried::Engine;
         }
+        if needs_recv {
+            srq_limit(st, ctx, qpn);
+        }
         self.carried.fetch_add(1, Ordering::Relaxed);
         Carried::Done { byte_len: if right == AccessFlags::REMOTE_WRITE { 0 } else { len as u32 } }
     }
@@ -316,6 +319,7 @@ impl DirectQp {
             }
             match send_once(st, qpn, local, wr, len) {
                 SendAttempt::Done => {
+                    srq_limit(st, ctx, qpn);
                     self.carried.fetch_add(1, Ordering::Relaxed);
                     return Carried::Done { byte_len: 0 };
                 }
@@ -420,6 +424,17 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
         return if st.wanted.is_empty() { SendAttempt::Engine } else { SendAttempt::Retry };
     }
     SendAttempt::Done
+}
+
+/// After a carried receive (no copy announced any more): if its claim
+/// left the peer's SRQ below its armed limit, the daemon checks it and
+/// raises the limit event (once: it disarms the limit). The answer does
+/// not matter to the WR, which is done.
+fn srq_limit(st: &mut State, ctx: &Context, qpn: u32) {
+    if let Some(target) = st.recv.as_mut().filter(|t| t.limit_due) {
+        target.limit_due = false;
+        let _ = ctx.inner.control.call(&Request::DirectSrqLimit { qp: qpn }, &[]);
+    }
 }
 
 /// Asks for a grant of `key` unless paused; says whether it stands now

@@ -18,6 +18,11 @@
 //!   overrun check; the inbox itself never holds more than the CQ's depth
 //!   (a completion that would not fit is left to the engine). Not checked
 //!   here: the peer CQ's other completions (see `docs/direct-path.md`);
+//! - **an SRQ**: the peer's receives may come from an SRQ, claimed the same
+//!   way (the engine and every requester claim its entries with the same
+//!   compare-and-swap); a claim that leaves fewer posted than the SRQ's
+//!   armed limit (`SRQ_AUX_LIMIT`) has the daemon check and raise the
+//!   limit event, which it disarms, so it fires once;
 //! - **RNR**: no receive posted, the WR goes to the engine, whose RNR
 //!   timer and retry count apply;
 //! - **a receive a SEND does not fit** (more SGEs than the QP's
@@ -38,7 +43,7 @@ use std::sync::Arc;
 use vrdma_core::hca::DirectRefusal;
 use vrdma_core::proto::{
     DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
-    INBOX_AUX_REQUESTER_CPU,
+    INBOX_AUX_REQUESTER_CPU, SRQ_AUX_LIMIT,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, RECV_HEADER};
 use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
@@ -62,6 +67,13 @@ pub(crate) struct RecvTarget {
     channel: Option<(RingView, vrdma_shm::Doorbell)>,
     /// A receive slot's bytes, looked at before it is claimed.
     scratch: Vec<u8>,
+    /// `rq` is the peer's SRQ (shared with the engine and other
+    /// requesters), whose limit event the daemon raises.
+    srq: bool,
+    /// A claim left the SRQ below its armed limit: the caller asks the
+    /// daemon to check it (`Request::DirectSrqLimit`) once its copy is no
+    /// longer announced.
+    pub(crate) limit_due: bool,
 }
 
 /// What [`RecvTarget::deliver`] did.
@@ -137,6 +149,13 @@ impl RecvTarget {
         if let Some((ring, bell)) = &self.channel {
             crate::cq::raise_event(ring, bell, solicited, true);
         }
+        if self.srq {
+            // After the claim (SeqCst): a limit armed before it is seen.
+            let limit = self.rq.aux(SRQ_AUX_LIMIT).load(Ordering::SeqCst);
+            if limit > 0 && matches!(self.rq.len(), Ok(n) if n < limit) {
+                self.limit_due = true;
+            }
+        }
         Delivered::Done
     }
 }
@@ -152,7 +171,8 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
         _ => return Err(Some(DirectRefusal::Off)),
     };
     let with_channel = g.cq_segment_len > 0;
-    let want = usize::from(g.window_len > 0) + 1 + if with_channel { 2 } else { 0 };
+    let with_srq = g.srq_segment_len > 0;
+    let want = usize::from(g.window_len > 0) + 1 + usize::from(with_srq) + if with_channel { 2 } else { 0 };
     let mut fds = answer.take_fds(want, "DirectRecvGrant").map_err(|_| None)?;
     let channel_fds = if with_channel {
         let bell = fds.pop().ok_or(None)?;
@@ -161,6 +181,7 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
     } else {
         None
     };
+    let srq_fd = if with_srq { Some(fds.pop().ok_or(None)?) } else { None };
     let qp_fd = fds.pop().ok_or(None)?;
     let window = match fds.pop() {
         Some(fd) => {
@@ -178,7 +199,12 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
         RingView::in_segment(m.clone(), off, spec.capacity, spec.stride as usize).map_err(|_| None)
     };
     let qp_map = map(qp_fd, g.qp_segment_len)?;
-    let (rq, inbox) = (ring(&qp_map, g.rq)?, ring(&qp_map, g.inbox)?);
+    // The receive queue lies in the SRQ's segment when the peer has one.
+    let rq = match srq_fd {
+        Some(fd) => ring(&map(fd, g.srq_segment_len)?, g.rq)?,
+        None => ring(&qp_map, g.rq)?,
+    };
+    let inbox = ring(&qp_map, g.inbox)?;
     if rq.stride() < RECV_HEADER || inbox.stride() != CQE_SIZE {
         return Err(None);
     }
@@ -196,7 +222,18 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
     let scratch = vec![0u8; rq.stride()];
     let (generation, responder, lid, cq_depth) = (g.generation, g.responder, g.lid, g.cq_depth);
     let max_recv_sge = g.max_recv_sge;
-    let target =
-        RecvTarget { generation, responder, lid, rq, inbox, cq_depth, max_recv_sge, channel, scratch };
+    let target = RecvTarget {
+        generation,
+        responder,
+        lid,
+        rq,
+        inbox,
+        cq_depth,
+        max_recv_sge,
+        channel,
+        scratch,
+        srq: with_srq,
+        limit_due: false,
+    };
     Ok((target, window))
 }

@@ -343,8 +343,9 @@ impl QueuePair {
                     return Err(Error::protocol("a QP without an SRQ came without a receive ring"))
                 }
             };
+            // An inbox with its own receive queue or an SRQ's.
             let inbox = match (&rq, inbox) {
-                (Some(_), Some(spec)) => {
+                (_, Some(spec)) => {
                     let r = ring_in(&seg, spec, "inbox offset")?;
                     if r.stride() != CQE_SIZE {
                         return Err(Error::protocol(format!("inbox slots of {} bytes", r.stride())));

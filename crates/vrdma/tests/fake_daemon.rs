@@ -260,6 +260,9 @@ impl Fake {
             Request::DirectGrant { .. } | Request::DirectRecvGrant { .. } | Request::DirectChannel { .. } => {
                 (Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off), vec![])
             }
+            // Never asked without a receive grant; a daemon with the path off
+            // does nothing.
+            Request::DirectSrqLimit { .. } => (Reply::Done, vec![]),
             Request::StatPage { .. } => {
                 (Reply::StatPage(st.stat_pages.pop_front().unwrap_or_default()), vec![])
             }

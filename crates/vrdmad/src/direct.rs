@@ -62,14 +62,25 @@ struct Window {
     _charge: KeptDescriptor,
 }
 
-/// A QP segment with an inbox (an RC QP with its own receive queue,
-/// created with the switch on): what a receive grant hands out.
+/// A QP segment with an inbox (an RC QP, created with the switch on):
+/// what a receive grant hands out. `rq` is `None` for a QP whose receives
+/// come from an SRQ (its segment holds the inbox only).
 struct QpSegment {
     ctx: ContextId,
     fd: OwnedFd,
     len: u64,
-    rq: RingSpec,
+    rq: Option<RingSpec>,
     inbox: RingSpec,
+    _charge: KeptDescriptor,
+}
+
+/// An SRQ's segment (created with the switch on): receive grants of QPs
+/// taking their receives from it hand it out.
+struct KeptSrq {
+    ctx: ContextId,
+    fd: OwnedFd,
+    len: u64,
+    ring: RingSpec,
     _charge: KeptDescriptor,
 }
 
@@ -93,6 +104,7 @@ pub struct DirectDriver {
     windows: HashMap<u32, Window>,
     qps: HashMap<u32, QpSegment>,
     cqs: HashMap<u32, KeptCq>,
+    srqs: HashMap<u32, KeptSrq>,
 }
 
 impl DirectDriver {
@@ -123,7 +135,7 @@ impl DirectDriver {
         qpn: u32,
         fd: OwnedFd,
         len: u64,
-        rq: RingSpec,
+        rq: Option<RingSpec>,
         inbox: RingSpec,
         charge: KeptDescriptor,
     ) {
@@ -155,12 +167,32 @@ impl DirectDriver {
         self.cqs.remove(&cqn);
     }
 
+    /// Keeps the segment of an SRQ.
+    pub fn keep_srq(
+        &mut self,
+        ctx: ContextId,
+        srqn: u32,
+        fd: OwnedFd,
+        len: u64,
+        ring: RingSpec,
+        charge: KeptDescriptor,
+    ) {
+        if self.enabled {
+            self.srqs.insert(srqn, KeptSrq { ctx, fd, len, ring, _charge: charge });
+        }
+    }
+
+    pub fn forget_srq(&mut self, srqn: u32) {
+        self.srqs.remove(&srqn);
+    }
+
     /// Forgets the descriptors of every region, QP and CQ of a closed
     /// context.
     pub fn forget_context(&mut self, ctx: ContextId) {
         self.regions.retain(|_, r| r.ctx != ctx);
         self.qps.retain(|_, q| q.ctx != ctx);
         self.cqs.retain(|_, q| q.ctx != ctx);
+        self.srqs.retain(|_, q| q.ctx != ctx);
     }
 
     /// The doorbell (the daemon's end, duplicated) of the completion
@@ -180,9 +212,9 @@ impl DirectDriver {
         self.windows.len()
     }
 
-    /// Descriptors kept now (regions, QP segments, windows).
+    /// Descriptors kept now (regions, QP and SRQ segments, windows).
     pub fn kept(&self) -> usize {
-        self.regions.len() + self.qps.len() + self.windows.len()
+        self.regions.len() + self.qps.len() + self.windows.len() + self.srqs.len()
     }
 
     /// A grant of `ctx`'s QP `qp` on its peer's region `rkey`, with the
@@ -269,8 +301,8 @@ impl DirectDriver {
             return Err(DirectRefusal::Off);
         }
         let g = hca.direct_grant_recv(ctx, qp)?;
-        // A responder without an inbox (made before the switch, or with an
-        // SRQ), or whose receive CQ signals a channel but was not kept (made
+        // A responder without an inbox (made before the switch, or not
+        // RC), or whose receive CQ signals a channel but was not kept (made
         // before the switch, or no descriptor to spare): not for this QP.
         let q = self.qps.get(&g.responder).ok_or(DirectRefusal::NotGranted)?;
         let cq = rings.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
@@ -286,12 +318,27 @@ impl DirectDriver {
             }
         };
         let qp_fd = q.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
-        let (qp_segment_len, rq, inbox) = (q.len, q.rq, q.inbox);
-        let mut fds = Vec::with_capacity(4);
+        let (qp_segment_len, inbox) = (q.len, q.inbox);
+        // The receive queue: the QP's own, or its SRQ's (kept when made
+        // with the switch on; else not for this QP).
+        let (rq, srq) = match (g.srq, q.rq) {
+            (None, Some(rq)) => (rq, None),
+            (Some(s), None) => {
+                let k = self.srqs.get(&s).ok_or(DirectRefusal::NotGranted)?;
+                (k.ring, Some((k.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?, k.len)))
+            }
+            _ => return Err(DirectRefusal::NotGranted),
+        };
+        let mut fds = Vec::with_capacity(5);
         let window_len = self.ensure_window(qp, g.new_window, charge, &mut fds)?;
         let word = self.windows[&qp].words.word(DIRECT_WINDOW_RECV).ok_or(DirectRefusal::NotNow)?;
         word.store(g.generation, Ordering::SeqCst);
         fds.push(qp_fd);
+        let mut srq_segment_len = 0;
+        if let Some((fd, len)) = srq {
+            fds.push(fd);
+            srq_segment_len = len;
+        }
         let (mut cq_segment_len, mut cq_ring) = (0, RingSpec { offset: 0, capacity: 0, stride: 0 });
         if let Some((cq_fd, bell, len, ring)) = channel {
             fds.push(cq_fd);
@@ -311,6 +358,7 @@ impl DirectDriver {
                 max_recv_sge: g.max_recv_sge,
                 cq_segment_len,
                 cq_ring,
+                srq_segment_len,
             },
             fds,
         ))

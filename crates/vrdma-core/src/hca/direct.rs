@@ -24,7 +24,7 @@
 //! and says which to close.
 
 use super::*;
-use crate::verbs::{AccessFlags, QpState, QpType};
+use crate::verbs::{AccessFlags, AsyncEventType, QpState, QpType};
 
 /// Slots (granted regions) one window holds; a grant past it is refused
 /// and the WR takes the engine path.
@@ -104,6 +104,9 @@ pub struct RecvGrant {
     /// The responder's receive SGEs at most (a receive with more is the
     /// engine's `LOC_LEN_ERR`).
     pub max_recv_sge: u32,
+    /// The responder's SRQ, when its receives come from one: the grant
+    /// hands out that queue instead of the QP's own.
+    pub srq: Option<u32>,
 }
 
 /// What the driver must close in shared memory, then wait for the
@@ -179,7 +182,13 @@ impl Hca {
     fn direct_rights(&self, responder: u32, key: u32) -> Option<(&objects::Mr, AccessFlags)> {
         let peer = self.qps.get(&responder)?;
         let mr = self.remote_mr(peer.pd, key, AccessFlags::empty())?;
-        let rights = (peer.attr.qp_access_flags & mr.access & DIRECT_RIGHTS) | (mr.access & DIRECT_LOCAL);
+        // Receive SGEs are checked in the receive queue's PD (an SRQ's own,
+        // which may differ from the QP's): local write only where the two
+        // agree, so a grant never lets a receive use a key the engine
+        // would refuse (a receive in another PD stays the engine's).
+        let recv_pd = peer.init.srq.and_then(|s| self.srqs.get(&s)).map_or(peer.pd, |s| s.pd);
+        let local = if recv_pd == peer.pd { mr.access & DIRECT_LOCAL } else { AccessFlags::empty() };
+        let rights = (peer.attr.qp_access_flags & mr.access & DIRECT_RIGHTS) | local;
         (!rights.is_empty()).then_some((mr, rights))
     }
 
@@ -234,12 +243,16 @@ impl Hca {
     }
 
     /// The receive CQ of `responder`, if a requester may claim its
-    /// receives now: its own receive queue (no SRQ), and no receive the
-    /// core took from it and gave back (`requeued`: a claim from the ring
-    /// would overtake it).
-    fn direct_recv_target(&self, responder: u32) -> Option<u32> {
+    /// receives now, and its SRQ if it has one: no receive the core took
+    /// from its receive queue (its own or the SRQ) and gave back
+    /// (`requeued`: a claim from the ring would overtake it).
+    fn direct_recv_target(&self, responder: u32) -> Option<(u32, Option<u32>)> {
         let r = self.qps.get(&responder)?;
-        (r.init.srq.is_none() && r.requeued.is_empty()).then_some(r.init.recv_cq)
+        let queue_clear = match r.init.srq {
+            None => true,
+            Some(s) => self.srqs.get(&s).is_some_and(|s| s.requeued.is_empty()),
+        };
+        (queue_clear && r.requeued.is_empty()).then_some((r.init.recv_cq, r.init.srq))
     }
 
     /// Grants `ctx`'s QP `qpn` claiming its peer's receives itself, for
@@ -253,7 +266,7 @@ impl Hca {
             _ => return Err(DirectRefusal::NotNow),
         }
         let responder = self.direct_pair(qpn).ok_or(DirectRefusal::NotNow)?;
-        let recv_cq = self.direct_recv_target(responder).ok_or(DirectRefusal::NotNow)?;
+        let (recv_cq, srq) = self.direct_recv_target(responder).ok_or(DirectRefusal::NotNow)?;
         let new_window = match self.direct.windows.get(&qpn) {
             Some(w) if w.responder == responder => false,
             _ => {
@@ -271,8 +284,39 @@ impl Hca {
             }
         };
         let lid = self.config.port.lid;
-        let max_recv_sge = self.qps.get(&responder).map_or(0, |r| r.init.cap.max_recv_sge);
-        Ok(RecvGrant { requester: qpn, responder, recv_cq, generation, new_window, lid, max_recv_sge })
+        let max_recv_sge = match srq {
+            Some(s) => self.srqs.get(&s).map_or(0, |s| s.attr.max_sge),
+            None => self.qps.get(&responder).map_or(0, |r| r.init.cap.max_recv_sge),
+        };
+        Ok(RecvGrant { requester: qpn, responder, recv_cq, generation, new_window, lid, max_recv_sge, srq })
+    }
+
+    /// The SRQ limit event for receives a direct-path requester claimed
+    /// from its peer's SRQ (the engine checks its own takes in
+    /// `take_recv`): `ctx`'s QP `qpn` holds a receive grant on a QP whose
+    /// receives come from an SRQ; if that SRQ's limit is armed and fewer
+    /// receives than the limit remain posted, the limit disarms and
+    /// `IBV_EVENT_SRQ_LIMIT_REACHED` goes to the SRQ's context, once,
+    /// whoever claimed last. Anything else (no such grant, not armed, not
+    /// below) does nothing: the library asks on a hint it reads from
+    /// shared memory.
+    pub fn direct_srq_limit(&mut self, ctx: ContextId, qpn: u32, io: &mut dyn Queues) {
+        match self.qps.get(&qpn) {
+            Some(q) if q.ctx == ctx => {}
+            _ => return,
+        }
+        let Some(w) = self.direct.windows.get(&qpn).filter(|w| w.recv.is_some()) else { return };
+        let Some(s) = self.qps.get(&w.responder).and_then(|r| r.init.srq) else { return };
+        let Some(srq) = self.srqs.get_mut(&s) else { return };
+        if srq.attr.srq_limit == 0 {
+            return;
+        }
+        let left = io.recv_posted(RecvSource::Srq(s)) as usize + srq.requeued.len();
+        if left < srq.attr.srq_limit as usize {
+            srq.attr.srq_limit = 0;
+            let ev = AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: s };
+            io.async_event(srq.ctx, ev);
+        }
     }
 
     /// Checks every grant again if anything they depend on changed since

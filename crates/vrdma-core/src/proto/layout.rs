@@ -53,6 +53,13 @@ pub const INBOX_AUX_ENGINE_POLLED: usize = 1;
 /// CPU, an empty poll spins on rather than yield its CPU to no one who is
 /// needed (`vrdma::idle`). Tenant-written; nothing else reads it.
 pub const INBOX_AUX_REQUESTER_CPU: usize = 2;
+/// SRQ ring aux word: the SRQ's armed limit (0: disarmed), written by the
+/// daemon when it is set and when its event fires. A direct-path
+/// requester that claimed an SRQ's receive and finds fewer posted than
+/// this asks the daemon to check the limit (`Request::DirectSrqLimit`);
+/// the daemon's own state decides, so a scribbled word costs its tenant
+/// calls, nothing else.
+pub const SRQ_AUX_LIMIT: usize = 0;
 
 /// Whether a completion fires an armed CQ's event.
 pub fn arm_fires(armed: u32, solicited: bool, success: bool) -> bool {

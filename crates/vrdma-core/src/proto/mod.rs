@@ -25,7 +25,7 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// lose. 4: `CmRequest::CreateQp`, `rdma_create_qp` in one call. 5:
 /// `CmRequest::AttachQp` (and `CreateQp`) may name an id and a QP of two
 /// contexts of one process, and a `CmEvent` carries its id's addresses.)
-pub const PROTOCOL_VERSION: u32 = 5;
+pub const PROTOCOL_VERSION: u32 = 6;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Most file descriptors one message carries.
@@ -156,6 +156,13 @@ pub enum Request {
     /// with one fd, or [`Reply::DirectRefused`].
     DirectChannel {
         cq: u32,
+    },
+    /// The direct path: QP `qp` claimed a receive from its peer's SRQ and
+    /// found fewer posted than the SRQ's armed limit (`SRQ_AUX_LIMIT`): the
+    /// daemon checks and raises `IBV_EVENT_SRQ_LIMIT_REACHED` once.
+    /// Answered [`Reply::Done`].
+    DirectSrqLimit {
+        qp: u32,
     },
 }
 
@@ -294,6 +301,10 @@ pub struct DirectRecvGranted {
     /// completes into it.
     pub cq_segment_len: u64,
     pub cq_ring: RingSpec,
+    /// The responder's SRQ's segment, when its receives come from an SRQ
+    /// (0: `rq` lies in the QP segment); sent after the QP segment's fd,
+    /// and `rq` then lies in it.
+    pub srq_segment_len: u64,
 }
 
 /// A direct-path grant as the library receives it (see

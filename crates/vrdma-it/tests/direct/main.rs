@@ -12,12 +12,13 @@ mod channels;
 mod imm;
 mod reads;
 mod send;
+mod srq;
 
 use anyhow::Result;
 use vrdma::wr::{self, SendWrExt};
 use vrdma::{QpState, WcOpcode, WcStatus};
 use vrdma_it::protocol::Command;
-use vrdma_it::{connect, pattern, poll_n, poll_one, wait_state, DaemonProc, PeerProc, Side, WAIT};
+use vrdma_it::{connect, pattern, poll_for, poll_n, poll_one, wait_state, DaemonProc, PeerProc, Side, WAIT};
 
 const ON: &str = "[direct]\nenabled = true\n";
 

@@ -571,6 +571,13 @@ impl Queues for RingTable {
 
     fn async_event(&mut self, ctx: ContextId, event: AsyncEvent) {
         tracing::debug!(ctx = ctx.0, ?event, "async event");
+        if event.event_type == AsyncEventType::SrqLimitReached {
+            // The limit disarmed: the direct path's claimers stop asking
+            // (`SRQ_AUX_LIMIT`).
+            if let Some(r) = self.srqs.get(&event.element) {
+                r.ring.aux(proto::SRQ_AUX_LIMIT).store(0, Ordering::SeqCst);
+            }
+        }
         let Some(c) = self.contexts.get(&ctx) else { return };
         let mut slot = [0u8; proto::ASYNC_EVENT_SIZE];
         proto::encode_async_event(&event, &mut slot);

@@ -373,7 +373,11 @@ impl Session {
                 Reply::Done.into()
             }
             // The direct path passes memfds, which cannot reach a guest.
-            Request::DirectGrant { .. } | Request::DirectRecvGrant { .. } if self.guest.is_some() => {
+            Request::DirectGrant { .. }
+            | Request::DirectRecvGrant { .. }
+            | Request::DirectSrqLimit { .. }
+                if self.guest.is_some() =>
+            {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
             Request::VmAttach { name } => self.vm_attach(&name)?,
@@ -470,7 +474,21 @@ impl Session {
             }
             Request::CreateSrq { pd, attr } => self.create_srq(pd, attr)?,
             Request::ModifySrq { srq, limit, resize } => {
-                self.engine(move |e, c| e.hca.modify_srq(c, srq, limit, resize))??;
+                self.engine(move |e, c| {
+                    e.hca.modify_srq(c, srq, limit, resize)?;
+                    // The armed limit, for the direct path's claimers.
+                    let now = e.hca.query_srq(c, srq)?.srq_limit;
+                    if let Some(r) = e.rings.srqs.get(&srq) {
+                        r.ring
+                            .aux(vrdma_core::proto::SRQ_AUX_LIMIT)
+                            .store(now, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    Ok::<_, HcaError>(())
+                })??;
+                Reply::Done.into()
+            }
+            Request::DirectSrqLimit { qp } => {
+                self.engine(move |e, c| e.hca.direct_srq_limit(c, qp, &mut e.rings))?;
                 Reply::Done.into()
             }
             Request::QuerySrq { srq } => {
@@ -480,6 +498,7 @@ impl Session {
                 self.engine(move |e, c| {
                     e.hca.destroy_srq(c, srq)?;
                     e.rings.srqs.remove(&srq);
+                    e.direct.forget_srq(srq);
                     Ok::<_, HcaError>(())
                 })??;
                 Reply::Done.into()
@@ -719,7 +738,8 @@ impl Session {
     }
 
     fn create_srq(&mut self, pd: u32, attr: vrdma_core::verbs::SrqAttr) -> Result<Answer, Answer> {
-        let (srq, granted) = self.engine(move |e, c| e.hca.create_srq(c, pd, attr))??;
+        let (srq, granted, direct) =
+            self.engine(move |e, c| e.hca.create_srq(c, pd, attr).map(|(s, g)| (s, g, e.direct.enabled)))??;
         let stride = recv_stride(granted.max_sge);
         let made = (|| {
             let (fd, seg) =
@@ -736,8 +756,27 @@ impl Session {
             }
         };
         let tenant = self.tenant;
-        self.engine(move |e, _| {
-            e.rings.srqs.insert(srq, InRing::new(ring, tenant));
+        // With the direct path on, requesters claim the SRQ's receives too
+        // (a compare-and-swap on its consumer, as the engine's pulls then
+        // do) and the daemon keeps its segment to grant it, charged to the
+        // tenant's descriptors (at the limit: not kept, the engine's alone).
+        let charge = if direct { self.admitted.as_ref().and_then(|a| a.charge_kept()) } else { None };
+        let kept = match (&fd, charge) {
+            (Carry::Fd(f), Some(charge)) => f.try_clone().ok().map(|f| (f, charge)),
+            _ => None,
+        };
+        let (segment_len, limit) = (seg.len() as u64, granted.srq_limit);
+        let spec = RingSpec { offset: 0, capacity: granted.max_wr, stride: stride as u32 };
+        self.engine(move |e, c| {
+            // The armed limit, for the direct path's claimers
+            // (`SRQ_AUX_LIMIT`).
+            ring.aux(vrdma_core::proto::SRQ_AUX_LIMIT).store(limit, std::sync::atomic::Ordering::SeqCst);
+            let shared = kept.is_some();
+            let r = InRing::new(ring, tenant);
+            e.rings.srqs.insert(srq, if shared { r.shared() } else { r });
+            if let Some((f, charge)) = kept {
+                e.direct.keep_srq(c, srq, f, segment_len, spec, charge);
+            }
         })?;
         Ok(Answer {
             reply: Reply::Srq {
@@ -798,10 +837,20 @@ impl Session {
         // an inbox: completions of its receives that a direct-path
         // requester claimed (`docs/direct-path.md`), as many as it has
         // receive WRs.
-        let inbox =
-            rq.filter(|_| direct && init.qp_type == vrdma_core::verbs::QpType::Rc).map(|r| RingSpec {
+        // A QP of an SRQ gets one as deep as the SRQ.
+        let srq_depth = match init.srq {
+            Some(srq) if direct && init.qp_type == vrdma_core::verbs::QpType::Rc => {
+                self.engine(move |e, c| e.hca.query_srq(c, srq).map(|a| a.max_wr).ok())?
+            }
+            _ => None,
+        };
+        let inbox = rq
+            .map(|r| r.capacity)
+            .or(srq_depth)
+            .filter(|_| direct && init.qp_type == vrdma_core::verbs::QpType::Rc)
+            .map(|capacity| RingSpec {
                 offset: rq_end.div_ceil(64) as u64 * 64,
-                capacity: r.capacity,
+                capacity,
                 stride: CQE_SIZE as u32,
             });
         let total = inbox.map_or(rq_end, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
@@ -860,7 +909,7 @@ impl Session {
         let segment_len = seg.len() as u64;
         self.post_to_engine(move |e, c| {
             e.rings.add_qp(qpn, rings);
-            if let (Some((fd, charge)), Some(rq), Some(inbox)) = (kept, rq, inbox) {
+            if let (Some((fd, charge)), Some(inbox)) = (kept, inbox) {
                 e.direct.keep_qp(c, qpn, fd, segment_len, rq, inbox, charge);
             }
         })?;

@@ -284,6 +284,8 @@ impl Hca {
                 if let Some((srq, r)) = srq_claimed {
                     if let Some(s) = self.srqs.get_mut(&srq) {
                         s.requeued.push_front(r);
+                        // Its direct-path claimers must stop (order).
+                        self.direct.touch();
                     }
                 }
             }
@@ -348,6 +350,7 @@ impl Hca {
             let srq = self.qps.get(&responder).and_then(|q| q.init.srq);
             if let Some(srq) = srq.and_then(|s| self.srqs.get_mut(&s)) {
                 srq.requeued.push_front(r);
+                self.direct.touch();
             }
         }
         for &qpn in qpns {
@@ -412,6 +415,7 @@ impl Hca {
         if let Some(srq) = srq.and_then(|s| self.srqs.get_mut(&s)) {
             for r in claimed {
                 srq.requeued.push_front(r);
+                self.direct.touch();
             }
         }
     }
@@ -422,6 +426,9 @@ impl Hca {
             Some(s) => {
                 if let Some(srq) = self.srqs.get_mut(&s) {
                     srq.requeued.push_front(recv);
+                    // A direct-path requester must not claim from the SRQ
+                    // while the core holds receives of it (their order).
+                    self.direct.touch();
                 }
             }
             None => {

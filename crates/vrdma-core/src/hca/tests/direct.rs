@@ -202,16 +202,76 @@ fn a_receive_grant_names_the_peers_receive_cq_and_is_asked_again_the_same() {
 }
 
 #[test]
-fn a_peer_with_an_srq_is_not_granted_its_receives() {
+fn a_peer_with_an_srq_is_granted_the_srqs_receives_until_one_is_given_back() {
     let mut env = Env::new();
     let a = env.end(C1);
     let pd = env.hca.alloc_pd(C2).unwrap();
     let (cq, _) = env.hca.create_cq(C2, 64).unwrap();
-    let (srq, _) = env.hca.create_srq(C2, pd, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 0 }).unwrap();
+    let (srq, _) = env.hca.create_srq(C2, pd, SrqAttr { max_wr: 8, max_sge: 3, srq_limit: 0 }).unwrap();
     let b = env.qp(C2, pd, qp_init(cq, cq, Some(srq)));
     env.connect(a.qpn, b);
     env.connect(b, a.qpn);
+    let g = env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    assert_eq!((g.responder, g.recv_cq, g.srq, g.max_recv_sge), (b, cq, Some(srq), 3), "the SRQ's max_sge");
+    let buf = env.mr(C2, pd, 4096, FULL);
+    assert!(env.hca.direct_grant(C1, a.qpn, buf.key).unwrap().rights.contains(AccessFlags::LOCAL_WRITE));
+    // The core holds a receive of the SRQ's: a claim would overtake it.
+    env.hca.requeue_recv(b, recv(5, &[buf.sge(0, 8)]));
+    assert_eq!(env.hca.direct_revocations(), vec![Revocation::Recv { requester: a.qpn }]);
     assert_eq!(env.hca.direct_grant_recv(C1, a.qpn), Err(DirectRefusal::NotNow));
+}
+
+#[test]
+fn an_srq_of_another_pd_gives_no_local_write_for_receives() {
+    let mut env = Env::new();
+    let a = env.end(C1);
+    let pd = env.hca.alloc_pd(C2).unwrap();
+    let other = env.hca.alloc_pd(C2).unwrap();
+    let (cq, _) = env.hca.create_cq(C2, 64).unwrap();
+    let (srq, _) = env.hca.create_srq(C2, other, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 0 }).unwrap();
+    let b = env.qp(C2, pd, qp_init(cq, cq, Some(srq)));
+    env.connect(a.qpn, b);
+    env.connect(b, a.qpn);
+    // The QP's PD's region: remote rights, but no local write (the
+    // engine checks receive SGEs in the SRQ's PD).
+    let buf = env.mr(C2, pd, 4096, FULL);
+    let rights = env.hca.direct_grant(C1, a.qpn, buf.key).unwrap().rights;
+    assert!(!rights.contains(AccessFlags::LOCAL_WRITE) && rights.contains(AccessFlags::REMOTE_WRITE));
+}
+
+#[test]
+fn the_srq_limit_for_direct_claims_fires_once_below_the_limit() {
+    let mut env = Env::new();
+    let a = env.end(C1);
+    let pd = env.hca.alloc_pd(C2).unwrap();
+    let (cq, _) = env.hca.create_cq(C2, 64).unwrap();
+    let (srq, _) = env.hca.create_srq(C2, pd, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 2 }).unwrap();
+    let b = env.qp(C2, pd, qp_init(cq, cq, Some(srq)));
+    env.connect(a.qpn, b);
+    env.connect(b, a.qpn);
+    let buf = env.mr(C2, pd, 4096, FULL);
+    for i in 0..2 {
+        env.io.post_srq(srq, recv(i, &[buf.sge(0, 8)]));
+    }
+    // No receive grant yet: nothing.
+    env.hca.direct_srq_limit(C1, a.qpn, &mut env.io);
+    assert!(env.io.events.is_empty());
+    env.hca.direct_grant_recv(C1, a.qpn).unwrap();
+    // Two posted, limit 2: not below.
+    env.hca.direct_srq_limit(C1, a.qpn, &mut env.io);
+    assert!(env.io.events.is_empty());
+    // Another context's ask: nothing.
+    assert!(env.io.pull_recv(RecvSource::Srq(srq)).is_some());
+    env.hca.direct_srq_limit(C2, a.qpn, &mut env.io);
+    assert!(env.io.events.is_empty());
+    // One left: fires and disarms; asked again, nothing more.
+    env.hca.direct_srq_limit(C1, a.qpn, &mut env.io);
+    env.hca.direct_srq_limit(C1, a.qpn, &mut env.io);
+    assert_eq!(
+        env.io.events,
+        vec![(C2, AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: srq })]
+    );
+    assert_eq!(env.hca.query_srq(C2, srq).unwrap().srq_limit, 0);
 }
 
 #[test]
