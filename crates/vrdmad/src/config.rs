@@ -69,7 +69,7 @@
 //! ports = 4             # virtio-serial ports = guest contexts at once, 1..=31
 //! ping_ms = 2000        # ask each guest session for a sign of life this often
 //! dead_ms = 10000       # and end one silent this long
-//! address = "10.77.0.2" # optional: the VM's rdma_cm address, the daemon's for that tenant
+//! address = "10.76.0.2" # optional: the VM's rdma_cm address, the daemon's for that tenant
 //! ```
 //!
 //! ## Shares of the engine: weights and rate limits
@@ -1150,14 +1150,14 @@ mod tests {
         assert!(err("[vms.a]\ntenant = 1\nports = 32").contains("ports 32"));
         assert!(err("[vms.a]\ntenant = 1\nping_ms = 10\ndead_ms = 10").contains("ping_ms"));
         assert!(err("[vms.a]\ntenant = 1\ncolour = 1").contains("colour"));
-        let c = DaemonConfig::from_toml("[vms.a]\ntenant = 1\naddress = \"10.77.0.2\"").unwrap();
-        assert_eq!(c.vms["a"].address, Some(std::net::Ipv4Addr::new(10, 77, 0, 2)));
+        let c = DaemonConfig::from_toml("[vms.a]\ntenant = 1\naddress = \"10.76.0.2\"").unwrap();
+        assert_eq!(c.vms["a"].address, Some(std::net::Ipv4Addr::new(10, 76, 0, 2)));
         assert!(err("[vms.a]\ntenant = 1\naddress = \"127.0.0.1\"").contains("127.0.0.1"));
-        assert!(err("[vms.a]\ntenant = 1\naddress = \"10.77.0\"").contains("address"));
+        assert!(err("[vms.a]\ntenant = 1\naddress = \"10.76.0\"").contains("address"));
         let two =
-            "[vms.a]\ntenant = 1\naddress = \"10.77.0.2\"\n[vms.b]\ntenant = 2\naddress = \"10.77.0.2\"";
+            "[vms.a]\ntenant = 1\naddress = \"10.76.0.2\"\n[vms.b]\ntenant = 2\naddress = \"10.76.0.2\"";
         assert!(err(two).contains("[vms.a]'s already"));
-        assert!(err("address = \"10.77.0.2\"\n[vms.a]\ntenant = 1\naddress = \"10.77.0.2\"")
+        assert!(err("address = \"10.76.0.2\"\n[vms.a]\ntenant = 1\naddress = \"10.76.0.2\"")
             .contains("daemon's own"));
         assert!(err("[vms.Big]\ntenant = 1").contains("a-z"));
         assert!(err("[vms.\"a/b\"]\ntenant = 1").contains("a-z"));

@@ -684,13 +684,13 @@ fn a_held_request_whose_requester_gave_up_is_not_delivered() {
 /// requests, bindable by its own tenant only.
 #[test]
 fn a_tenants_address_is_local_and_only_its_tenant_binds_it() {
-    const VM: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+    const VM: Ipv4Addr = Ipv4Addr::new(10, 76, 0, 2);
     let mut cm = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
     cm.add_tenant_addr(VM, TENANT).unwrap();
     for bad in [A, VM, Ipv4Addr::UNSPECIFIED, Ipv4Addr::LOCALHOST, Ipv4Addr::new(224, 0, 0, 1)] {
         assert!(cm.add_tenant_addr(bad, OTHER).is_err(), "{bad}");
     }
-    assert!(cm.is_local(VM) && !cm.is_local(Ipv4Addr::new(10, 77, 0, 3)));
+    assert!(cm.is_local(VM) && !cm.is_local(Ipv4Addr::new(10, 76, 0, 3)));
     let other = cm.create_id(CB, OTHER, PortSpace::Tcp).unwrap();
     let err = cm.bind(CB, other, SocketAddrV4::new(VM, 7471)).unwrap_err();
     assert_eq!(err.errno(), errno::EADDRNOTAVAIL, "another tenant's address");
