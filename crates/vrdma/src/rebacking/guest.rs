@@ -63,8 +63,12 @@ pub(crate) struct GuestSource<'a> {
 /// file with inode `ino`, where maps shows offset `base + (addr -
 /// span_start)` for each address (`base`: [`GuestSpan::maps_offset`]).
 fn still_in_bar(span_start: usize, end: usize, ino: u64, base: u64) -> bool {
-    let Ok(maps) = read_maps() else { return false };
-    covering(&maps, span_start, end).is_ok_and(|entries| {
+    read_maps().is_ok_and(|maps| in_bar(&maps, span_start, end, ino, base))
+}
+
+/// [`still_in_bar`] on the lines `maps`.
+fn in_bar(maps: &[super::MapEntry], span_start: usize, end: usize, ino: u64, base: u64) -> bool {
+    covering(maps, span_start, end).is_ok_and(|entries| {
         entries.iter().all(|e| {
             // The first address of the span in this entry (an entry may
             // begin before the span where the kernel merged mappings).
@@ -267,5 +271,31 @@ impl Drop for Span {
         if let Some(release) = release {
             release();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::parse_maps;
+    use super::*;
+
+    /// A real guest's maps show a sysfs BAR mapping at the BAR's bus
+    /// address plus the extent's offset (here 0xfe000000 + 0x5000); the
+    /// span is recognised by the offset maps showed when it was made.
+    #[test]
+    fn a_span_is_recognised_by_the_offset_maps_showed_at_its_making() {
+        let maps = parse_maps(
+            "7f0000100000-7f0000102000 rw-s fe005000 00:15 321                        /sys/devices/pci0000:00/0000:00:04.0/resource2\n\
+             7f0000102000-7f0000103000 rw-p 00000000 00:00 0 \n",
+        );
+        let (s, e) = (0x7f00_0010_0000, 0x7f00_0010_2000);
+        assert!(in_bar(&maps, s, e, 321, 0xfe00_5000));
+        assert!(!in_bar(&maps, s, e, 321, 0x5000), "the extent's own offset is not what maps shows");
+        assert!(!in_bar(&maps, s, e, 322, 0xfe00_5000), "another file");
+        // A span in the second page of a merged mapping.
+        assert!(in_bar(&maps, s + 0x1000, e, 321, 0xfe00_6000));
+        assert!(!in_bar(&maps, s + 0x1000, e, 321, 0xfe00_5000));
+        // Pages past the BAR's mapping are private: not the span's.
+        assert!(!in_bar(&maps, s, e + 0x1000, 321, 0xfe00_5000));
     }
 }
