@@ -9,7 +9,10 @@
 //! again). Each guest gets QEMU's user network (a virtio NIC at 10.0.2.15, the
 //! host at 10.0.2.2, a few host ports forwarded in) for the tools'
 //! out-of-band TCP exchange; their verbs traffic goes through the VM
-//! transport (`docs/vms.md`).
+//! transport (`docs/vms.md`). The rdma_cm programs (rping, perftest -R)
+//! need no TCP: each VM has an rdma_cm address of the daemon's
+//! (`[vms.NAME] address`), and the host's processes listen on the
+//! daemon's own.
 //!
 //! As root (CI), "the host" is a network namespace of this test holding
 //! the daemon, its VMs' QEMUs and the host processes, and a second
@@ -21,6 +24,7 @@
 //! on the host) and every process is killed by its pid.
 
 use std::ffi::OsString;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -36,6 +40,11 @@ const LIMIT: Duration = Duration::from_secs(90);
 /// ibv_*_pingpong iterations: enough to validate data both ways, few
 /// enough for TCG.
 const ITERS: &str = "100";
+/// The VMs' rdma_cm addresses (`[vms.NAME] address`, docs/vms.md).
+const CM_ADDR_A: Ipv4Addr = Ipv4Addr::new(10, 76, 0, 1);
+const CM_ADDR_B: Ipv4Addr = Ipv4Addr::new(10, 76, 0, 2);
+/// How long a CM server in a guest may take to listen (TCG is slow).
+const CM_LISTEN_WAIT: Duration = Duration::from_secs(60);
 
 /// A daemon process (`vrdma daemon`), killed by its pid on drop.
 struct Daemon {
@@ -111,6 +120,9 @@ struct World {
     b: Guest,
     /// Host ports forwarded into guest a, and into guest b.
     fwd_a: Vec<u16>,
+    /// The main daemon's own address (its GID's), where host processes'
+    /// rdma_cm listeners are reached.
+    cm_addr: Ipv4Addr,
     img: image::Image,
     /// Dropped last: the namespaces.
     _net: Option<vrdma_it::Netns>,
@@ -252,6 +264,8 @@ fn verbs_programs_in_real_guests() {
     case("ibv_rc_pingpong -c between two VMs of one host", &mut rc_two_guests);
     case("ib_write_lat, ib_send_bw and qperf rc_lat, guest client and host server", &mut perf_tools);
     case("ibv_rc_pingpong -c, a guest and a process behind another host's daemon", &mut other_host);
+    case("rping over rdma_cm between two VMs, on VM a's address", &mut rping_two_guests);
+    case("ib_write_lat -R, guest client and host server", &mut perftest_cm);
     case("figures (VRDMA_GUEST_FIGURES=1): VM-to-host beside host-to-host", &mut figures);
     case(
         "QEMU SIGKILLed mid-transfer: the host's peer fails, the daemon serves on, the VM boots again",
@@ -298,7 +312,8 @@ fn setup() -> World {
     // SAFETY: geteuid has no preconditions.
     let uid = unsafe { libc::geteuid() };
     let vms = format!(
-        "[vms.a]\ntenant = {uid}\nmemory_mib = 64\nports = 4\n[vms.b]\ntenant = {uid}\nmemory_mib = 64\nports = 4\n"
+        "[vms.a]\ntenant = {uid}\nmemory_mib = 64\nports = 4\naddress = \"{CM_ADDR_A}\"\n\
+         [vms.b]\ntenant = {uid}\nmemory_mib = 64\nports = 4\naddress = \"{CM_ADDR_B}\"\n"
     );
     let net = match vrdma_it::netns_unavailable() {
         None => Some(vrdma_it::Netns::create().expect("network namespaces")),
@@ -337,7 +352,10 @@ fn setup() -> World {
         let b = s.spawn(|| boot(&img, &main.socket, "b", ns.as_deref(), &[]));
         (a.join().expect("boot a"), b.join().expect("boot b"))
     });
-    World { dir, ns, main, other, a: Some(a), b, fwd_a, img, _net: net }
+    let gid =
+        vrdma::Context::open_at(&main.socket).and_then(|c| c.query_gid(1, 0)).expect("the daemon's GID");
+    let cm_addr = Ipv4Addr::from(gid.ipv4().expect("an IPv4 GID"));
+    World { dir, ns, main, other, a: Some(a), b, fwd_a, cm_addr, img, _net: net }
 }
 
 /// What the guest library sees, for a failure's message.
@@ -470,6 +488,109 @@ fn other_host(w: &mut World) {
     pingpong_ran("ibv_rc_pingpong (guest client)", &out);
     host_ok(&server);
     assert!(frames(w) > before, "no frame crossed between the daemons");
+}
+
+/// Whether Debian's rdma_cm programs are in the image (it carries
+/// `rping` and `ucmatose` where the host has them); says so if not.
+fn rdmacm_tools() -> bool {
+    let missing = image::RDMACM_TOOLS.iter().find(|t| vrdma_guest::libs::which(t).is_none());
+    if let Some(t) = missing {
+        vrdma_it::skip(format!("{t} is missing (apt-get install rdmacm-utils): no rdma_cm case in guests"));
+    }
+    missing.is_none()
+}
+
+/// Waits until the main daemon has a listener of the VMs' tenant (this
+/// test's) for `addr` (rdma_cm listeners show in no socket table), at
+/// most [`CM_LISTEN_WAIT`]; else fails with the output of guest a's `tag`.
+fn cm_listening_in_a(w: &mut World, tag: &str, addr: SocketAddrV4) {
+    let ctx = vrdma::Context::open_at(&w.main.socket).expect("open");
+    let end = Instant::now() + CM_LISTEN_WAIT;
+    while !vrdma::cm::is_listening(&ctx, vrdma::cm::PortSpace::Tcp, addr).expect("HasListener") {
+        if Instant::now() > end {
+            let (st, out) = guest_wait(w.a(), tag);
+            panic!("{tag} in guest a never listened on {addr} (status {st}):\n{out}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// rping's lines `<prefix><n>: ...` for n in 0..count, in order.
+fn rping_lines(who: &str, out: &str, prefix: &str, count: usize) {
+    let lines: Vec<&str> = out.lines().filter(|l| l.starts_with(prefix)).collect();
+    assert_eq!(lines.len(), count, "{who}: {count} lines {prefix:?} wanted\n{out}");
+    for (n, l) in lines.iter().enumerate() {
+        assert!(l.starts_with(&format!("{prefix}{n}: ")), "{who}: line {n}: {l:?}\n{out}");
+    }
+    for bad in ["data mismatch", "vrdma librdmacm:", "vrdma-verbs:", "error", "failed"] {
+        assert!(!out.contains(bad), "{who}: {bad:?} in the output\n{out}");
+    }
+}
+
+/// Debian's `rping` on the drop-in librdmacm in both guests: the server
+/// in VM a on VM a's address, the client in VM b, which validates what
+/// comes back (`-V`). No TCP: the whole exchange is rdma_cm's.
+fn rping_two_guests(w: &mut World) {
+    if !rdmacm_tools() {
+        return;
+    }
+    let port = free_port();
+    let common = format!("-a {CM_ADDR_A} -p {port} -C 5 -v");
+    guest_bg(w.a(), "rping", 90, &format!("rping -s {common}"));
+    cm_listening_in_a(w, "rping", SocketAddrV4::new(CM_ADDR_A, port));
+    let client = w.b.run(&format!("timeout 90 rping -c {common} -V"), T).unwrap();
+    let (st, out) = guest_wait(w.a(), "rping");
+    assert_eq!((st, client.0), (0, 0), "guest a (server):\n{out}\nguest b (client):\n{}", client.1);
+    rping_lines("rping -c (guest b)", &client.1, "ping data: rdma-ping-", 5);
+    rping_lines("rping -s (guest a)", &out, "server ping data: rdma-ping-", 5);
+}
+
+/// perftest's words when its test connection (the second) was turned
+/// away: its server listens again only after the first, and a client
+/// faster than that is rejected; the pair starts over (as in
+/// crates/vrdma-rdmacm/tests/more_clients.rs).
+const PERFTEST_RESTART: &str = "RDMA_CM_EVENT_REJECTED; error: 8";
+const PERFTEST_TRIES: usize = 3;
+
+/// `ib_write_lat -R` (connection and the exchange of its buffers' keys
+/// over rdma_cm): a host process serves on every address, the guest's
+/// client connects to the daemon's own.
+fn perftest_cm(w: &mut World) {
+    if !rdmacm_tools() {
+        return;
+    }
+    for attempt in 1..=PERFTEST_TRIES {
+        let port = free_port();
+        let p = port.to_string();
+        let common = ["-R", "-F", "-d", "vrdma0", "-p", p.as_str(), "-n", "50"];
+        let mut server = w.host(false, "/usr/bin/ib_write_lat");
+        server.args(common);
+        let mut server = spawn(server, "ib_write_lat -R (host server)");
+        let ctx = vrdma::Context::open_at(&w.main.socket).expect("open");
+        let end = Instant::now() + Duration::from_secs(30);
+        let at = SocketAddrV4::new(w.cm_addr, port);
+        while !vrdma::cm::is_listening(&ctx, vrdma::cm::PortSpace::Tcp, at).expect("HasListener") {
+            if server.exited() || Instant::now() > end {
+                panic!("ib_write_lat -R never listened\n{}", server.finish(LIMIT).describe());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let cmd = format!("timeout 90 ib_write_lat {} {}", common.join(" "), w.cm_addr);
+        let (st, out) = w.a().run(&cmd, T).unwrap();
+        if st != 0 && out.contains(PERFTEST_RESTART) && attempt < PERFTEST_TRIES {
+            eprintln!("  ib_write_lat -R: the test connection was turned away; the pair starts over");
+            continue; // the server, waiting for a second client, is killed on drop
+        }
+        let server = server.finish(LIMIT);
+        assert_eq!(st, 0, "ib_write_lat -R in the guest:\n{out}\n{}", server.describe());
+        server.assert_ok();
+        for (who, text) in [("guest client", out.as_str()), ("host server", server.stdout.as_str())] {
+            assert!(vrdma_it::harness::has_results(text), "{who}: no results\n{text}");
+            assert!(text.contains("Data ex. method : rdma_cm"), "{who}: not over rdma_cm\n{text}");
+        }
+        eprintln!("  ib_write_lat -R in the guest (client):\n{}", results(&out));
+        return;
+    }
 }
 
 fn killed_mid_transfer(w: &mut World) {

@@ -36,6 +36,9 @@ pub const BUSYBOX: &str = "/bin/busybox";
 /// Debian's verbs programs the joined tests run in the guest.
 pub const DEBIAN_TOOLS: [&str; 6] =
     ["ibv_devinfo", "ibv_rc_pingpong", "ibv_ud_pingpong", "ib_write_lat", "ib_send_bw", "qperf"];
+/// Debian's rdma_cm programs (`rdmacm-utils`), put in the image where
+/// the host has them: they run on the drop-in `librdmacm.so.1`.
+pub const RDMACM_TOOLS: [&str; 2] = ["rping", "ucmatose"];
 /// File names of the project's build (as cargo names them).
 const VRDMA_BIN: &str = "vrdma";
 const VERBS_LIB: &str = "libvrdma_verbs.so";
@@ -147,9 +150,10 @@ impl ImageSpec {
         Ok(self)
     }
 
-    /// Adds [`DEBIAN_TOOLS`].
+    /// Adds [`DEBIAN_TOOLS`], and those of [`RDMACM_TOOLS`] the host has.
     pub fn debian_tools(self) -> Result<ImageSpec> {
-        DEBIAN_TOOLS.iter().try_fold(self, |s, t| s.program(t))
+        let s = DEBIAN_TOOLS.iter().try_fold(self, |s, t| s.program(t))?;
+        RDMACM_TOOLS.iter().filter(|t| libs::which(t).is_some()).try_fold(s, |s, t| s.program(t))
     }
 
     pub fn with_drop_in(mut self, d: DropIn) -> ImageSpec {

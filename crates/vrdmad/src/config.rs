@@ -69,6 +69,7 @@
 //! ports = 4             # virtio-serial ports = guest contexts at once, 1..=31
 //! ping_ms = 2000        # ask each guest session for a sign of life this often
 //! dead_ms = 10000       # and end one silent this long
+//! address = "10.76.0.2" # optional: the VM's rdma_cm address, the daemon's for that tenant
 //! ```
 //!
 //! ## Shares of the engine: weights and rate limits
@@ -530,6 +531,11 @@ pub struct VmConfig {
     /// A guest session that answers nothing for this long is ended (ms).
     #[serde(default = "VmConfig::default_dead_ms")]
     pub dead_ms: u64,
+    /// The VM's rdma_cm address (docs/vms.md, "rdma_cm in a guest"): the
+    /// daemon's connection manager owns it beside the host's, for the
+    /// VM's tenant only to bind; anyone of this host may connect to it.
+    #[serde(default)]
+    pub address: Option<Ipv4Addr>,
 }
 
 impl VmConfig {
@@ -554,6 +560,7 @@ impl VmConfig {
             ports: Self::default_ports(),
             ping_ms: Self::default_ping_ms(),
             dead_ms: Self::default_dead_ms(),
+            address: None,
         }
     }
 
@@ -581,6 +588,11 @@ impl VmConfig {
         }
         if self.ping_ms == 0 || self.dead_ms <= self.ping_ms || self.dead_ms > 3_600_000 {
             return bad("need 0 < ping_ms < dead_ms <= 3600000".into());
+        }
+        if let Some(a) = self.address {
+            if a.is_unspecified() || a.is_loopback() || a.is_multicast() || a.is_broadcast() {
+                return bad(format!("address {a} is not a unicast, non-loopback IPv4 address"));
+            }
         }
         Ok(())
     }
@@ -763,8 +775,21 @@ impl DaemonConfig {
         self.budgets()?;
         self.validate_qos()?;
         self.net.validate()?;
+        let mut addresses = std::collections::BTreeMap::new();
         for (name, vm) in &self.vms {
             vm.validate(name)?;
+            if let Some(a) = vm.address {
+                if self.address == Some(a) {
+                    return Err(ConfigError::Invalid(format!(
+                        "[vms.{name}]: address {a} is the daemon's own `address`"
+                    )));
+                }
+                if let Some(first) = addresses.insert(a, name) {
+                    return Err(ConfigError::Invalid(format!(
+                        "[vms.{name}]: address {a} is [vms.{first}]'s already"
+                    )));
+                }
+            }
             let local = vrdma_core::hca::TenantId(vm.tenant).is_host_local();
             if self.tenant_by == TenantBy::UidAndNetns && local {
                 return Err(ConfigError::Invalid(format!(
@@ -1125,6 +1150,15 @@ mod tests {
         assert!(err("[vms.a]\ntenant = 1\nports = 32").contains("ports 32"));
         assert!(err("[vms.a]\ntenant = 1\nping_ms = 10\ndead_ms = 10").contains("ping_ms"));
         assert!(err("[vms.a]\ntenant = 1\ncolour = 1").contains("colour"));
+        let c = DaemonConfig::from_toml("[vms.a]\ntenant = 1\naddress = \"10.76.0.2\"").unwrap();
+        assert_eq!(c.vms["a"].address, Some(std::net::Ipv4Addr::new(10, 76, 0, 2)));
+        assert!(err("[vms.a]\ntenant = 1\naddress = \"127.0.0.1\"").contains("127.0.0.1"));
+        assert!(err("[vms.a]\ntenant = 1\naddress = \"10.76.0\"").contains("address"));
+        let two =
+            "[vms.a]\ntenant = 1\naddress = \"10.76.0.2\"\n[vms.b]\ntenant = 2\naddress = \"10.76.0.2\"";
+        assert!(err(two).contains("[vms.a]'s already"));
+        assert!(err("address = \"10.76.0.2\"\n[vms.a]\ntenant = 1\naddress = \"10.76.0.2\"")
+            .contains("daemon's own"));
         assert!(err("[vms.Big]\ntenant = 1").contains("a-z"));
         assert!(err("[vms.\"a/b\"]\ntenant = 1").contains("a-z"));
         let long = "a".repeat(33);

@@ -171,11 +171,22 @@ impl Daemon {
             None => None,
         };
         // The connection manager owns this host's address (and loopback).
-        let cm = cm::CmDriver::new(vrdma_core::cm::ConnectionManager::new(
+        let mut manager = vrdma_core::cm::ConnectionManager::new(
             vrdma_core::cm::CmConfig::default(),
             vec![address],
             Box::new(RandomKeys),
-        ));
+        );
+        // And each VM's address, for its tenant (docs/vms.md).
+        for (name, vc) in &config.vms {
+            if let Some(a) = vc.address {
+                manager.add_tenant_addr(a, TenantId(vc.tenant)).map_err(|e| {
+                    DaemonError::Config(config::ConfigError::Invalid(format!(
+                        "[vms.{name}]: address {a}: {e} (the daemon's address is {address})"
+                    )))
+                })?;
+            }
+        }
+        let cm = cm::CmDriver::new(manager);
         let engine = engine::Engine::start(hca, cm, config.engine.clone(), net.clone())?;
         let net_listener = match net {
             Some(setup) => Some(

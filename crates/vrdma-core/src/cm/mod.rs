@@ -246,6 +246,11 @@ struct CmId {
 pub struct ConnectionManager {
     config: CmConfig,
     addrs: Vec<Ipv4Addr>,
+    /// Addresses this host also owns, each for one tenant only: a VM's
+    /// (`[vms.NAME] address`, docs/vms.md). Local for every tenant (a
+    /// request to one is handed to this host's listeners), bindable by
+    /// its tenant only.
+    tenant_addrs: HashMap<Ipv4Addr, TenantId>,
     ids: HashMap<u32, CmId>,
     /// The ids made for requests, by the requester's host and number, so
     /// that a REQ sent again or a REJ for one is found without a walk of
@@ -270,6 +275,7 @@ impl ConnectionManager {
         ConnectionManager {
             config,
             addrs,
+            tenant_addrs: HashMap::new(),
             ids: HashMap::new(),
             requested: HashMap::new(),
             per_tenant: HashMap::new(),
@@ -288,12 +294,28 @@ impl ConnectionManager {
         &self.addrs
     }
 
-    /// Whether `ip` names this host: one of its addresses, or loopback
-    /// unless this host's own address is a loopback one (daemons that
-    /// stand for several hosts on one machine, as tests run them, each
-    /// own one loopback address and no other).
+    /// Whether `ip` names this host: one of its addresses (its tenants'
+    /// included), or loopback unless this host's own address is a
+    /// loopback one (daemons that stand for several hosts on one machine,
+    /// as tests run them, each own one loopback address and no other).
     pub fn is_local(&self, ip: Ipv4Addr) -> bool {
-        self.addrs.contains(&ip) || ip.is_loopback() && !self.addrs.iter().any(|a| a.is_loopback())
+        self.addrs.contains(&ip)
+            || self.tenant_addrs.contains_key(&ip)
+            || ip.is_loopback() && !self.addrs.iter().any(|a| a.is_loopback())
+    }
+
+    /// Makes `ip` an address of this host that only `tenant`'s ids may
+    /// bind (a VM's address). Refused for an address this host owns
+    /// already, the wildcard, loopback, multicast and broadcast.
+    pub fn add_tenant_addr(&mut self, ip: Ipv4Addr, tenant: TenantId) -> Result<(), CmError> {
+        if ip.is_unspecified() || ip.is_loopback() || ip.is_multicast() || ip.is_broadcast() {
+            return Err(CmError::Invalid("a tenant's address must be a unicast, non-loopback address"));
+        }
+        if self.addrs.contains(&ip) || self.tenant_addrs.contains_key(&ip) {
+            return Err(CmError::Invalid("the address is this host's already"));
+        }
+        self.tenant_addrs.insert(ip, tenant);
+        Ok(())
     }
 
     /// `rdma_create_id`.
@@ -393,6 +415,12 @@ impl ConnectionManager {
         if !ip.is_unspecified() && !self.is_local(ip) {
             return Err(CmError::NotLocal(ip));
         }
+        let tenant = self.own(ctx, id)?.tenant;
+        // Another tenant's address is not this tenant's to bind: as an
+        // address of no interface of its own.
+        if self.tenant_addrs.get(&ip).is_some_and(|&t| t != tenant) {
+            return Err(CmError::NotLocal(ip));
+        }
         let i = self.own(ctx, id)?;
         if i.state != State::Idle {
             return Err(CmError::WrongState);
@@ -421,12 +449,15 @@ impl ConnectionManager {
         if d.is_unspecified() || d.is_multicast() || d.is_broadcast() {
             return Err(CmError::Invalid("the destination is not a unicast address"));
         }
-        let state = self.own(ctx, id)?.state;
+        let (state, tenant) = {
+            let i = self.own(ctx, id)?;
+            (i.state, i.tenant)
+        };
         match state {
             State::Idle => {
                 let from = match src {
                     Some(s) => s,
-                    None => SocketAddrV4::new(self.source_for(d), 0),
+                    None => SocketAddrV4::new(self.source_for(d, tenant), 0),
                 };
                 self.bind(ctx, id, from)?;
             }
@@ -440,7 +471,7 @@ impl ConnectionManager {
             State::Bound => {}
             _ => return Err(CmError::WrongState),
         }
-        let local_ip = self.source_for(d);
+        let local_ip = self.source_for(d, tenant);
         let i = self.own(ctx, id)?;
         // A wildcard binding takes the address the request leaves from.
         if let Some(l) = i.local.as_mut().filter(|l| l.ip().is_unspecified()) {
@@ -453,11 +484,13 @@ impl ConnectionManager {
         Ok(())
     }
 
-    /// The address a message to `dst` leaves from: a local destination's
-    /// own (as the kernel's loopback routes give 127.0.0.1 to 127.0.0.1),
-    /// else this host's first.
-    fn source_for(&self, dst: Ipv4Addr) -> Ipv4Addr {
-        if self.is_local(dst) {
+    /// The address a message of `tenant` to `dst` leaves from: a local
+    /// destination's own (as the kernel's loopback routes give 127.0.0.1
+    /// to 127.0.0.1) unless it is another tenant's, else this host's
+    /// first.
+    fn source_for(&self, dst: Ipv4Addr, tenant: TenantId) -> Ipv4Addr {
+        let others = self.tenant_addrs.get(&dst).is_some_and(|&t| t != tenant);
+        if self.is_local(dst) && !others {
             dst
         } else {
             self.addrs.first().copied().unwrap_or(Ipv4Addr::LOCALHOST)

@@ -679,3 +679,43 @@ fn a_held_request_whose_requester_gave_up_is_not_delivered() {
     net.run();
     assert!(net.events(B).is_empty(), "no CONNECT_REQUEST for a requester that left");
 }
+
+/// A VM's address (`[vms.NAME] address`): this host's for every tenant's
+/// requests, bindable by its own tenant only.
+#[test]
+fn a_tenants_address_is_local_and_only_its_tenant_binds_it() {
+    const VM: Ipv4Addr = Ipv4Addr::new(10, 76, 0, 2);
+    let mut cm = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    cm.add_tenant_addr(VM, TENANT).unwrap();
+    for bad in [A, VM, Ipv4Addr::UNSPECIFIED, Ipv4Addr::LOCALHOST, Ipv4Addr::new(224, 0, 0, 1)] {
+        assert!(cm.add_tenant_addr(bad, OTHER).is_err(), "{bad}");
+    }
+    assert!(cm.is_local(VM) && !cm.is_local(Ipv4Addr::new(10, 76, 0, 3)));
+    let other = cm.create_id(CB, OTHER, PortSpace::Tcp).unwrap();
+    let err = cm.bind(CB, other, SocketAddrV4::new(VM, 7471)).unwrap_err();
+    assert_eq!(err.errno(), errno::EADDRNOTAVAIL, "another tenant's address");
+    // The VM's tenant listens there; a process of the host (the same
+    // tenant) connects to it, leaving from the address it connects to.
+    let l = cm.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    cm.bind(CA, l, SocketAddrV4::new(VM, 7471)).unwrap();
+    cm.listen(CA, l, 8).unwrap();
+    let a = cm.create_id(CB, TENANT, PortSpace::Tcp).unwrap();
+    cm.resolve_addr(CB, a, None, SocketAddrV4::new(VM, 7471)).unwrap();
+    cm.resolve_route(CB, a).unwrap();
+    assert_eq!(cm.addresses(CB, a).unwrap().0.map(|l| *l.ip()), Some(VM));
+    cm.connect(CB, a, conn(0x11, b""), T0).unwrap();
+    // The driver hands a message to a local address straight back.
+    let (to, req) = cm.poll_transmit().expect("the REQ");
+    assert!(to == VM && cm.is_local(to));
+    cm.handle_message(to, req);
+    let ev: Vec<_> = std::iter::from_fn(|| cm.poll_event()).collect();
+    assert!(ev.iter().any(|e| e.kind == EventKind::ConnectRequest), "{ev:?}");
+    // Another tenant reaches the address from the host's own (and its
+    // request meets no listener of its tenant there).
+    let o = cm.create_id(CB, OTHER, PortSpace::Tcp).unwrap();
+    cm.resolve_addr(CB, o, None, SocketAddrV4::new(VM, 7471)).unwrap();
+    assert_eq!(cm.addresses(CB, o).unwrap().0.map(|l| *l.ip()), Some(A));
+    // The port on the host's own address stays free for the other
+    // tenant: the listener holds the VM's address only.
+    assert!(cm.bind(CB, other, SocketAddrV4::new(A, 7471)).is_ok());
+}

@@ -27,6 +27,13 @@ use crate::error::{Error, Result};
 pub(crate) struct GuestSpan {
     /// The extent's offset in the BAR.
     pub offset: u64,
+    /// The offset `/proc/self/maps` shows for the span's first page. Not
+    /// `offset` in a real guest: the kernel's mapping of a PCI BAR
+    /// through sysfs (`resource2`) adds the BAR's physical page number to
+    /// the mapping's page offset (`pci_mmap_resource_range`), so maps
+    /// shows the BAR's bus address plus `offset`; the region memfd that
+    /// host tests map shows `offset` itself.
+    maps_offset: u64,
     /// The context whose session holds the extent.
     pub owner: usize,
     /// Gives the extent back (once, when the span goes).
@@ -53,18 +60,35 @@ pub(crate) struct GuestSource<'a> {
 }
 
 /// Whether `[span_start, end)` is still mapped, rw and shared, from the
-/// file with inode `ino` at `base + (addr - span_start)`.
+/// file with inode `ino`, where maps shows offset `base + (addr -
+/// span_start)` for each address (`base`: [`GuestSpan::maps_offset`]).
 fn still_in_bar(span_start: usize, end: usize, ino: u64, base: u64) -> bool {
-    let Ok(maps) = read_maps() else { return false };
-    covering(&maps, span_start, end).is_ok_and(|entries| {
+    read_maps().is_ok_and(|maps| in_bar(&maps, span_start, end, ino, base))
+}
+
+/// [`still_in_bar`] on the lines `maps`.
+fn in_bar(maps: &[super::MapEntry], span_start: usize, end: usize, ino: u64, base: u64) -> bool {
+    covering(maps, span_start, end).is_ok_and(|entries| {
         entries.iter().all(|e| {
+            // The first address of the span in this entry (an entry may
+            // begin before the span where the kernel merged mappings).
+            let at = e.start.max(span_start);
             e.readable_writable()
                 && !e.private()
                 && e.inode == ino
-                && e.start >= span_start
-                && e.offset == base + (e.start - span_start) as u64
+                && e.offset + (at - e.start) as u64 == base + (at - span_start) as u64
         })
     })
+}
+
+/// The offset `/proc/self/maps` shows for `addr`, mapped just now.
+fn maps_offset_at(addr: usize) -> Result<u64> {
+    let maps = read_maps()?;
+    let e = covering(&maps, addr, addr + 1)?
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::invalid(format!("{addr:#x} is not mapped")))?;
+    Ok(e.offset + (addr - e.start) as u64)
 }
 
 /// [`super::reback`] in guest mode (see the module's doc).
@@ -91,7 +115,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
                 "[{start:#x}, {end:#x}) overlaps memory re-backed for the host"
             )));
         };
-        if !still_in_bar(span.start, span.end(), span.ino, g.offset) {
+        if !still_in_bar(span.start, span.end(), span.ino, g.maps_offset) {
             tracing::warn!(
                 start = span.start,
                 len = span.len,
@@ -160,19 +184,78 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
         }
         let fd = fds::span_fd(src.bar.as_fd())?;
         let ino = rustix::fs::fstat(&fd)?.st_ino;
-        Ok((fd, ino))
+        // Unreadable maps (never seen) leave the span unrecognised later,
+        // not the extent given back under mapped pages.
+        let maps_offset = maps_offset_at(pstart).unwrap_or_else(|e| {
+            tracing::warn!(pstart, "vrdma: cannot read the re-backed span's mapping: {e}");
+            offset
+        });
+        Ok((fd, ino, maps_offset))
     })();
-    let (fd, ino) = match made {
+    let (fd, ino, maps_offset) = match made {
         Ok(x) => x,
         Err(e) => {
             release();
             return Err(e);
         }
     };
-    let guest = GuestSpan { offset, owner: src.owner, release: Mutex::new(Some(release)) };
+    let guest = GuestSpan { offset, maps_offset, owner: src.owner, release: Mutex::new(Some(release)) };
     let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
     Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
+}
+
+/// Moves the pages `[start, start + len)`, mapped from the BAR, back to
+/// private anonymous memory with their bytes.
+///
+/// The bytes wait in a mapping of their own, not on the heap: the pages
+/// are the application's, often heap pages, and a buffer allocated there
+/// could lie inside them, to be zeroed by the remap before it is copied
+/// back (qperf's heap was corrupted so in a guest).
+fn move_back_to_private(start: usize, len: usize) {
+    // SAFETY: a fresh private mapping of `len` bytes at an address the
+    // kernel chooses: nothing else refers to it.
+    let keep = match unsafe {
+        rustix::mm::mmap_anonymous(
+            std::ptr::null_mut(),
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::PRIVATE,
+        )
+    } {
+        Ok(p) => p.cast::<u8>(),
+        Err(e) => {
+            tracing::warn!(start, "vrdma: cannot move deregistered guest pages back to private memory: {e}");
+            return;
+        }
+    };
+    let fence = fence::WriteFence::raise(start, len);
+    // SAFETY: the range is mapped readable (the caller checked it against
+    // /proc/self/maps) and `keep` is a separate mapping of its length.
+    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, keep, len) };
+    // SAFETY: the range is mapped from the BAR (checked by the caller);
+    // replacing it with private pages that get the same bytes keeps every
+    // pointer into it valid.
+    let mapped = unsafe {
+        rustix::mm::mmap_anonymous(
+            start as *mut std::ffi::c_void,
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::PRIVATE | MapFlags::FIXED,
+        )
+    };
+    if mapped.is_ok() {
+        // SAFETY: the new private mapping covers the range; `keep` holds
+        // `len` bytes.
+        unsafe { std::ptr::copy_nonoverlapping(keep, start as *mut u8, len) };
+    } else {
+        tracing::warn!(start, "vrdma: cannot move deregistered guest pages back to private memory");
+    }
+    drop(fence);
+    // SAFETY: `keep` is the mapping made above, used by nothing else.
+    if let Err(e) = unsafe { rustix::mm::munmap(keep.cast(), len) } {
+        tracing::warn!("vrdma: cannot unmap a scratch mapping: {e}");
+    }
 }
 
 impl Drop for Span {
@@ -181,37 +264,38 @@ impl Drop for Span {
         // The pages go back to private memory with their bytes, unless the
         // application unmapped them meanwhile: the extent may be anyone's
         // in the VM once given back.
-        if still_in_bar(self.start, self.start + self.len, self.ino, g.offset) {
-            let mut keep = vec![0u8; self.len];
-            let fence = fence::WriteFence::raise(self.start, self.len);
-            // SAFETY: the range is mapped readable (checked just now) and
-            // `keep` is a separate buffer of its length.
-            unsafe { std::ptr::copy_nonoverlapping(self.start as *const u8, keep.as_mut_ptr(), self.len) };
-            // SAFETY: the range is this span's, still mapped from the BAR
-            // (checked above); replacing it with private pages that get
-            // the same bytes keeps every pointer into it valid.
-            let mapped = unsafe {
-                rustix::mm::mmap_anonymous(
-                    self.start as *mut std::ffi::c_void,
-                    self.len,
-                    ProtFlags::READ | ProtFlags::WRITE,
-                    MapFlags::PRIVATE | MapFlags::FIXED,
-                )
-            };
-            if mapped.is_ok() {
-                // SAFETY: the new private mapping covers the range.
-                unsafe { std::ptr::copy_nonoverlapping(keep.as_ptr(), self.start as *mut u8, self.len) };
-            } else {
-                tracing::warn!(
-                    start = self.start,
-                    "vrdma: cannot move deregistered guest pages back to private memory"
-                );
-            }
-            drop(fence);
+        if still_in_bar(self.start, self.start + self.len, self.ino, g.maps_offset) {
+            move_back_to_private(self.start, self.len);
         }
         let release = g.release.into_inner().unwrap_or_else(|p| p.into_inner());
         if let Some(release) = release {
             release();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::parse_maps;
+    use super::*;
+
+    /// A real guest's maps show a sysfs BAR mapping at the BAR's bus
+    /// address plus the extent's offset (here 0xfe000000 + 0x5000); the
+    /// span is recognised by the offset maps showed when it was made.
+    #[test]
+    fn a_span_is_recognised_by_the_offset_maps_showed_at_its_making() {
+        let maps = parse_maps(
+            "7f0000100000-7f0000102000 rw-s fe005000 00:15 321                        /sys/devices/pci0000:00/0000:00:04.0/resource2\n\
+             7f0000102000-7f0000103000 rw-p 00000000 00:00 0 \n",
+        );
+        let (s, e) = (0x7f00_0010_0000, 0x7f00_0010_2000);
+        assert!(in_bar(&maps, s, e, 321, 0xfe00_5000));
+        assert!(!in_bar(&maps, s, e, 321, 0x5000), "the extent's own offset is not what maps shows");
+        assert!(!in_bar(&maps, s, e, 322, 0xfe00_5000), "another file");
+        // A span in the second page of a merged mapping.
+        assert!(in_bar(&maps, s + 0x1000, e, 321, 0xfe00_6000));
+        assert!(!in_bar(&maps, s + 0x1000, e, 321, 0xfe00_5000));
+        // Pages past the BAR's mapping are private: not the span's.
+        assert!(!in_bar(&maps, s, e + 0x1000, 321, 0xfe00_5000));
     }
 }
