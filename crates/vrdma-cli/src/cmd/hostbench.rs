@@ -29,6 +29,7 @@ pub mod cm_setup;
 mod cpu;
 mod hosts;
 pub mod pingpong;
+mod qos;
 mod tools;
 
 use std::time::Instant;
@@ -59,6 +60,11 @@ pub struct Args {
     /// (e.g. `--engine yield_us=0`, `--engine busy_poll=true`); repeatable.
     #[arg(long, value_name = "KEY=VALUE")]
     engine: Vec<String>,
+    /// Measure instead a latency-class tenant's 8 B latency beside a
+    /// 64-QP hog across hosts, with and without the class (each beside
+    /// its unloaded figure), and the hog's throughput alone and beside.
+    #[arg(long)]
+    qos: bool,
     /// Measure only these figures (repeatable; default all).
     #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin", "cm_setup_first", "cm_setup_each"])]
     only: Vec<String>,
@@ -225,6 +231,9 @@ pub fn run(args: Args) -> Result<()> {
     if !missing.is_empty() {
         bail!("vrdma bench-hosts needs tools that are missing: {}", missing.join(", "));
     }
+    if args.qos {
+        return run_qos(&args);
+    }
     let lib = find_library()?;
     let Some(companions) = find_companions()? else {
         bail!(
@@ -298,6 +307,38 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         print!("{}", render(&report, args.verbose));
     }
+    Ok(())
+}
+
+/// `--qos`: the latency-beside-a-hog figures, without and with the class.
+fn run_qos(args: &Args) -> Result<()> {
+    if !crate::bench::attack::may_switch_uid() {
+        bail!("vrdma bench-hosts --qos runs the hog as uid 65534: it needs root");
+    }
+    let lib = find_library()?;
+    let (runs, iters, window) = if args.quick {
+        (1, 2000, std::time::Duration::from_millis(500))
+    } else {
+        (args.runs.max(1), 20000, std::time::Duration::from_secs(1))
+    };
+    hosts::catch_interrupts();
+    let mut classes = Vec::new();
+    for (class, protected) in [("\"normal\"", false), ("\"latency\"", true)] {
+        eprintln!("latency_class = {class}: two namespaces, a daemon each; {runs} run(s) ...");
+        let r = qos::measure(&lib, &args.engine, protected, runs, iters, window, args.verbose);
+        if hosts::interrupted() {
+            eprintln!("vrdma bench-hosts: interrupted; namespaces and processes removed");
+            std::process::exit(130);
+        }
+        let r = r?;
+        if args.verbose {
+            for (i, x) in r.iter().enumerate() {
+                eprintln!("  run {}: {x:?}", i + 1);
+            }
+        }
+        classes.push((class, r));
+    }
+    print!("{}", qos::render(&classes));
     Ok(())
 }
 

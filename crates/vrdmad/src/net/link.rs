@@ -41,6 +41,15 @@ const FRAMES_PER_PASS: usize = 64;
 /// 40 Gbit/s, less than what the socket's own buffer may hold).
 const TX_AHEAD: usize = 512 << 10;
 const TX_FRAMES_AHEAD: usize = 32;
+/// The default of `net.max_queued_kib`: while a latency-class tenant is
+/// active on a link (it sent within the core's `LATENCY_WINDOW`), the
+/// bytes queued ahead of its next frame, in the daemon's queue and unsent
+/// in the kernel's socket (`TCP_NOTSENT_LOWAT`), are bounded by this
+/// rather than by `TX_AHEAD` and a send buffer that autotuning grows to
+/// megabytes. Otherwise nothing changes, so a bulk tenant alone keeps its
+/// throughput whatever this is. See the measurements below.
+pub const DEFAULT_MAX_QUEUED_KIB: u32 = 128;
+
 /// Bytes read after a large payload: a data header and no more, so that
 /// in a stream of large frames each one's payload is read straight into
 /// its region rather than its first 4 KiB through the header buffer.
@@ -99,6 +108,12 @@ pub struct LinkIo {
     /// Since when the socket has taken no byte of what is queued; a link
     /// whose peer reads nothing for the dead time ends.
     stalled_since: Option<Clock>,
+    /// Bytes kept queued ahead of the next frame while a latency-class
+    /// tenant is active on the link (see [`DEFAULT_MAX_QUEUED_KIB`]).
+    max_queued: usize,
+    /// Whether that bound holds now (the socket's `TCP_NOTSENT_LOWAT` is
+    /// set to it).
+    bounded: bool,
     /// The peer asked for a keepalive reply: the sequence number of its
     /// latest request. One reply answers any number of requests, so a peer
     /// that floods requests and never reads queues at most one.
@@ -172,7 +187,43 @@ impl LinkIo {
             rtt: None,
             cm_rx: None,
             cm_in: Vec::new(),
+            max_queued: DEFAULT_MAX_QUEUED_KIB as usize * 1024,
+            bounded: false,
         })
+    }
+
+    /// Sets the bytes kept queued while a latency-class tenant is active
+    /// (`net.max_queued_kib`).
+    pub fn set_max_queued(&mut self, bytes: usize) {
+        self.max_queued = bytes.max(1);
+    }
+
+    /// Bounds what the kernel holds unsent for the link to `max_queued`
+    /// (`bound`), or gives it back its default. A non-blocking write then
+    /// stops once that much is unsent, and the socket polls writable only
+    /// below it, so the engine is woken to write more in time.
+    fn bound_kernel_queue(&mut self, bound: bool) {
+        if bound == self.bounded {
+            return;
+        }
+        // 0: the system's default (`net.ipv4.tcp_notsent_lowat`).
+        let v: libc::c_int = if bound { self.max_queued.min(i32::MAX as usize) as libc::c_int } else { 0 };
+        // SAFETY: a plain integer option on a socket we own; the pointer
+        // and length are those of `v`, which outlives the call.
+        let r = unsafe {
+            libc::setsockopt(
+                self.sock.as_raw_fd(),
+                libc::IPPROTO_TCP,
+                libc::TCP_NOTSENT_LOWAT,
+                (&v as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            // The daemon's own queue stays bounded; the kernel's is not.
+            tracing::debug!(error = %std::io::Error::last_os_error(), "TCP_NOTSENT_LOWAT refused");
+        }
+        self.bounded = bound;
     }
 
     /// Queues a connection manager's message for the peer.
@@ -229,7 +280,13 @@ impl LinkIo {
         let mut busy = false;
         let mut frames = 0;
         self.drained = false;
-        while frames < FRAMES_PER_PASS {
+        // While a latency-class tenant is active on the link, a pass reads
+        // no more than `max_queued` bytes of payload, so that the engine
+        // serves that tenant's QPs on this host between passes rather than
+        // after 64 frames of a hog (4 MiB, milliseconds of copying).
+        let budget = if hca.link_latency_active(self.id, now) { self.max_queued } else { usize::MAX };
+        let mut bytes = 0usize;
+        while frames < FRAMES_PER_PASS && bytes < budget {
             match self.dec.want() {
                 Want::Failed(e) => return Err(format!("protocol error: {e}")),
                 Want::Header(_) => {
@@ -244,6 +301,9 @@ impl LinkIo {
                     if let Some(Event::Header(f)) = ev {
                         frames += 1;
                         busy = true;
+                        if let FrameRepr::Data(d) = &f {
+                            bytes += d.payload_len as usize;
+                        }
                         self.on_header(f, hca, rings, now)?;
                     }
                 }
@@ -521,9 +581,14 @@ impl LinkIo {
     /// Writes what the core has for this link until the socket is full.
     pub fn transmit(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> Result<bool, LinkEnd> {
         let mut busy = false;
+        // While a latency-class tenant is active, what waits ahead of its
+        // next frame is bounded here and in the kernel.
+        let bound = hca.link_latency_active(self.id, now);
+        self.bound_kernel_queue(bound);
+        let ahead = if bound { self.max_queued.min(TX_AHEAD) } else { TX_AHEAD };
         for _ in 0..FRAMES_PER_PASS {
             let mut queued: usize = self.txq.iter().map(Transmit::len).sum::<usize>() - self.tx_off;
-            while queued < TX_AHEAD && self.txq.len() < TX_FRAMES_AHEAD {
+            while queued < ahead && self.txq.len() < TX_FRAMES_AHEAD {
                 if let Some(seq) = self.reply_due.take() {
                     queued += self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq, reply: true }));
                     continue;

@@ -293,6 +293,12 @@ impl Hosts {
     /// Creates the namespaces, the veth pair and the daemons, and waits
     /// until the daemons are linked.
     pub fn create(lib: LibDir, engine: &[String], verbose: bool) -> Result<Hosts> {
+        Self::create_with(lib, engine, "", verbose)
+    }
+
+    /// [`Hosts::create`], with `extra` TOML (tables) at the end of both
+    /// daemons' configurations.
+    pub fn create_with(lib: LibDir, engine: &[String], extra: &str, verbose: bool) -> Result<Hosts> {
         let pid = std::process::id();
         let dir = std::env::temp_dir().join(format!("vrdma-hostbench-{pid}"));
         if dir.exists() {
@@ -314,7 +320,7 @@ impl Hosts {
             namespaces: Vec::new(),
         };
         h.network()?;
-        h.start_daemons(engine, verbose)?;
+        h.start_daemons(engine, extra, verbose)?;
         Ok(h)
     }
 
@@ -343,7 +349,7 @@ impl Hosts {
         Ok(())
     }
 
-    fn start_daemons(&mut self, engine: &[String], verbose: bool) -> Result<()> {
+    fn start_daemons(&mut self, engine: &[String], extra: &str, verbose: bool) -> Result<()> {
         let exe = std::env::current_exe().context("where is the vrdma executable")?;
         let exe = exe.to_str().context("the vrdma executable's path is not UTF-8")?.to_string();
         let mut engine_table = String::from("\n[engine]\n");
@@ -360,7 +366,7 @@ impl Hosts {
                 addr = me.addr,
                 peer = peer.addr,
             );
-            let config = config + &engine_table;
+            let config = config + &engine_table + "\n" + extra;
             // The daemon would say the same, but only in its log.
             vrdmad::DaemonConfig::from_toml(&config).context("the daemons' configuration (--engine?)")?;
             let path = self.dir.join(format!("host{}.toml", i + 1));

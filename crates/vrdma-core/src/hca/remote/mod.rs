@@ -555,6 +555,14 @@ impl Hca {
         id
     }
 
+    /// Whether a latency-class tenant has sent on `link` within
+    /// `LATENCY_WINDOW` of `now`: the driver then keeps few bytes queued
+    /// for the link ahead of its next frame (the core already cuts the
+    /// others' frames).
+    pub fn link_latency_active(&self, link: LinkId, now: Instant) -> bool {
+        self.net.latency_active(link, now)
+    }
+
     /// The connection is gone. Its QPs' outstanding requests can no
     /// longer be acknowledged: they fail by their transport timers.
     pub fn link_down(&mut self, link: LinkId) {
