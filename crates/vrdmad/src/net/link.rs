@@ -111,9 +111,12 @@ pub struct LinkIo {
     /// Bytes kept queued ahead of the next frame while a latency-class
     /// tenant is active on the link (see [`DEFAULT_MAX_QUEUED_KIB`]).
     max_queued: usize,
-    /// Whether that bound holds now (the socket's `TCP_NOTSENT_LOWAT` is
-    /// set to it).
+    /// Whether that bound holds now (the socket's `TCP_NOTSENT_LOWAT` and
+    /// `TCP_WINDOW_CLAMP` are set to it).
     bounded: bool,
+    /// The socket's window clamp when the link came up, given back when
+    /// the bound ends (0: unknown; the clamp is then never set).
+    window_clamp: libc::c_int,
     /// The peer asked for a keepalive reply: the sequence number of its
     /// latest request. One reply answers any number of requests, so a peer
     /// that floods requests and never reads queues at most one.
@@ -140,6 +143,38 @@ const CM_IN_MAX: usize = 1024;
 /// Why a link ended.
 pub type LinkEnd = String;
 
+/// An integer option of a TCP socket.
+fn tcp_option(fd: std::os::fd::RawFd, opt: libc::c_int) -> Option<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `v` and `len` are valid for writes for the call and `len`
+    // is `v`'s size; the kernel writes at most that much.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, opt, (&mut v as *mut libc::c_int).cast(), &mut len)
+    };
+    (r == 0).then_some(v)
+}
+
+/// Sets an integer option of a TCP socket.
+fn set_tcp_option(fd: std::os::fd::RawFd, opt: libc::c_int, v: libc::c_int) -> std::io::Result<()> {
+    // SAFETY: a plain integer option; the pointer and length are those of
+    // `v`, which outlives the call.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            opt,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
+    }
+}
+
 fn would_block(e: &std::io::Error) -> bool {
     matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::Interrupted)
 }
@@ -157,6 +192,7 @@ impl LinkIo {
     ) -> std::io::Result<LinkIo> {
         sock.set_nonblocking(true)?;
         sock.set_nodelay(true)?;
+        let window_clamp = tcp_option(sock.as_raw_fd(), libc::TCP_WINDOW_CLAMP).unwrap_or(0);
         let now = Clock::now();
         Ok(LinkIo {
             id,
@@ -189,6 +225,7 @@ impl LinkIo {
             cm_in: Vec::new(),
             max_queued: DEFAULT_MAX_QUEUED_KIB as usize * 1024,
             bounded: false,
+            window_clamp,
         })
     }
 
@@ -198,30 +235,31 @@ impl LinkIo {
         self.max_queued = bytes.max(1);
     }
 
-    /// Bounds what the kernel holds unsent for the link to `max_queued`
-    /// (`bound`), or gives it back its default. A non-blocking write then
-    /// stops once that much is unsent, and the socket polls writable only
-    /// below it, so the engine is woken to write more in time.
+    /// Bounds what the kernel holds for the link to about `max_queued`
+    /// each way (`bound`), or gives it back its defaults. Unsent bytes:
+    /// `TCP_NOTSENT_LOWAT`, so a non-blocking write stops once that much
+    /// is unsent, and the socket polls writable only below it. Bytes the
+    /// peer sends us: `TCP_WINDOW_CLAMP`, so the window we advertise (what
+    /// the peer may have in flight and in our receive buffer, ahead of its
+    /// next latency frame) shrinks to it as we read; the kernel never
+    /// retracts a window it advertised, so nothing is dropped.
     fn bound_kernel_queue(&mut self, bound: bool) {
         if bound == self.bounded {
             return;
         }
+        let q = self.max_queued.min(i32::MAX as usize) as libc::c_int;
         // 0: the system's default (`net.ipv4.tcp_notsent_lowat`).
-        let v: libc::c_int = if bound { self.max_queued.min(i32::MAX as usize) as libc::c_int } else { 0 };
-        // SAFETY: a plain integer option on a socket we own; the pointer
-        // and length are those of `v`, which outlives the call.
-        let r = unsafe {
-            libc::setsockopt(
-                self.sock.as_raw_fd(),
-                libc::IPPROTO_TCP,
-                libc::TCP_NOTSENT_LOWAT,
-                (&v as *const libc::c_int).cast(),
-                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-            )
-        };
-        if r != 0 {
-            // The daemon's own queue stays bounded; the kernel's is not.
-            tracing::debug!(error = %std::io::Error::last_os_error(), "TCP_NOTSENT_LOWAT refused");
+        let lowat = if bound { q } else { 0 };
+        let clamp = if bound { q } else { self.window_clamp };
+        let fd = self.sock.as_raw_fd();
+        for (opt, v) in [(libc::TCP_NOTSENT_LOWAT, lowat), (libc::TCP_WINDOW_CLAMP, clamp)] {
+            if opt == libc::TCP_WINDOW_CLAMP && v <= 0 {
+                continue; // The clamp it came up with is unknown: left alone.
+            }
+            if let Err(e) = set_tcp_option(fd, opt, v) {
+                // The daemon's own queue stays bounded; the kernel's is not.
+                tracing::debug!(error = %e, opt, "a TCP option refused");
+            }
         }
         self.bounded = bound;
     }
