@@ -257,7 +257,7 @@ mod tests {
         let run = Run { median: [10.0, 15.0], p99: [20.0, 50.0], hog: [2.0, 1.9] };
         let t = render(&[("\"latency\"", vec![run, run, run])]);
         assert!(t.contains("victim median") && t.contains("1.50x"), "{t}");
-        assert!(t.contains("2.50x  <= 2x     NOT met"), "{t}");
+        assert!(t.contains("2.50x  <= 2x    NOT met"), "{t}");
         assert!(t.contains("0.95x  >= 0.90x  met"), "{t}");
     }
 }
