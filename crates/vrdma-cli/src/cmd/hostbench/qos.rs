@@ -258,6 +258,6 @@ mod tests {
         let t = render(&[("\"latency\"", vec![run, run, run])]);
         assert!(t.contains("victim median") && t.contains("1.50x"), "{t}");
         assert!(t.contains("2.50x  <= 2x    NOT met"), "{t}");
-        assert!(t.contains("0.95x  >= 0.90x  met"), "{t}");
+        assert!(t.contains("0.95x  >= 0.90x met"), "{t}");
     }
 }
