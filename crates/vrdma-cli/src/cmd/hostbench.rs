@@ -60,6 +60,10 @@ pub struct Args {
     /// (e.g. `--engine yield_us=0`, `--engine busy_poll=true`); repeatable.
     #[arg(long, value_name = "KEY=VALUE")]
     engine: Vec<String>,
+    /// A setting of both daemons' [net] table (e.g. `--net
+    /// max_queued_kib=64`); repeatable.
+    #[arg(long, value_name = "KEY=VALUE")]
+    net: Vec<String>,
     /// Measure instead a latency-class tenant's 8 B latency beside a
     /// 64-QP hog across hosts, with and without the class (each beside
     /// its unloaded figure), and the hog's throughput alone and beside.
@@ -325,7 +329,7 @@ fn run_qos(args: &Args) -> Result<()> {
     let mut classes = Vec::new();
     for (class, protected) in [("\"normal\"", false), ("\"latency\"", true)] {
         eprintln!("latency_class = {class}: two namespaces, a daemon each; {runs} run(s) ...");
-        let r = qos::measure(&lib, &args.engine, protected, runs, iters, window, args.verbose);
+        let r = qos::measure(&lib, &args.engine, &args.net, protected, runs, iters, window, args.verbose);
         if hosts::interrupted() {
             eprintln!("vrdma bench-hosts: interrupted; namespaces and processes removed");
             std::process::exit(130);
@@ -356,7 +360,7 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
         }
     };
     say("setting up two namespaces joined by a veth pair, a vRDMA daemon in each ...");
-    let mut h = Hosts::create(lib, &args.engine, args.verbose)?;
+    let mut h = Hosts::create(lib, &args.engine, &args.net, args.verbose)?;
     say(&format!(
         "hosts {} ({}) and {} ({}) linked; {} run(s)",
         h.hosts[0].ns, h.hosts[0].addr, h.hosts[1].ns, h.hosts[1].addr, runs

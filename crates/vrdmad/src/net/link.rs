@@ -9,6 +9,14 @@
 //! stream of large frames one `readv` per frame, and of each payload only
 //! the few bytes that came in with its header pass through the buffer (at
 //! most 4 KiB after an idle link or small frames).
+//!
+//! A TCP link is one ordered stream: a latency-class tenant's 8-byte
+//! frame waits for every byte written before it, in the daemon's queue,
+//! in the kernel's send buffer, in flight and in the peer's receive
+//! buffer, which autotuning grows to megabytes. While such a tenant is
+//! active on the link the core sends its frames first and cuts the
+//! others' (`hca::remote`), and this side bounds each of those queues to
+//! `net.max_queued_kib` (see [`DEFAULT_MAX_QUEUED_KIB`]).
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
@@ -43,11 +51,18 @@ const TX_AHEAD: usize = 512 << 10;
 const TX_FRAMES_AHEAD: usize = 32;
 /// The default of `net.max_queued_kib`: while a latency-class tenant is
 /// active on a link (it sent within the core's `LATENCY_WINDOW`), the
-/// bytes queued ahead of its next frame, in the daemon's queue and unsent
-/// in the kernel's socket (`TCP_NOTSENT_LOWAT`), are bounded by this
-/// rather than by `TX_AHEAD` and a send buffer that autotuning grows to
-/// megabytes. Otherwise nothing changes, so a bulk tenant alone keeps its
-/// throughput whatever this is. See the measurements below.
+/// bytes queued ahead of its next frame are bounded by this: in the
+/// daemon's own queue (rather than `TX_AHEAD`), unsent in the kernel
+/// (`TCP_NOTSENT_LOWAT`), in flight towards us (`TCP_WINDOW_CLAMP`, our
+/// receive window) and read per pass. Otherwise nothing changes, so a bulk
+/// tenant alone keeps its throughput whatever this is.
+///
+/// Chosen by `vrdma bench-hosts --qos --net max_queued_kib=N` on the
+/// 2-core machine (2026-11-26, release build, 3 runs each, other builds
+/// running): the protected victim's median beside the 64-QP hog was
+/// 1.2-2.2 ms at 128 KiB, 1.6-4.1 ms at 32 KiB and 22 ms at 1 MiB (5-15 ms
+/// without the class in every run); smaller bought nothing measurable
+/// there, and each KiB less is a write and a wake-up more per KiB moved.
 pub const DEFAULT_MAX_QUEUED_KIB: u32 = 128;
 
 /// Bytes read after a large payload: a data header and no more, so that

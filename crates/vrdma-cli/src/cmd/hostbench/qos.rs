@@ -160,9 +160,11 @@ fn hog_rate(hog: &mut Attacker, window: Duration, during: impl FnOnce() -> Resul
 
 /// `runs` runs on daemons of their own, our uid of `latency_class =
 /// "latency"` if `protected`.
+#[allow(clippy::too_many_arguments)]
 pub fn measure(
     lib: &Path,
     engine: &[String],
+    net: &[String],
     protected: bool,
     runs: usize,
     iters: u64,
@@ -172,7 +174,7 @@ pub fn measure(
     let me = rustix::process::getuid().as_raw();
     let extra =
         if protected { format!("[tenants.{me}]\nlatency_class = \"latency\"\n") } else { String::new() };
-    let h = Hosts::create_with(LibDir::create(lib, None)?, engine, &extra, verbose)?;
+    let h = Hosts::create_with(LibDir::create(lib, None)?, engine, net, &extra, verbose)?;
     let victim = Victim::new(&h)?;
     victim.sample(iters / 10, window)?;
     let mut out = Vec::new();
