@@ -1155,6 +1155,9 @@ mod tests {
         assert!(DaemonConfig::from_toml("[tenants.bob]\nmax_objects = 1").is_err());
         assert!(DaemonConfig::from_toml("[engine]\nchunk_bytes = 0").is_err());
         assert!(DaemonConfig::from_toml("[engine]\ntenant_turns = 0").is_err());
+        assert!(DaemonConfig::from_toml("[net]\nmax_queued_kib = 0").is_err());
+        assert!(DaemonConfig::from_toml("[net]\nmax_queued_kib = 1048576").is_err());
+        assert_eq!(DaemonConfig::from_toml("[net]\nmax_queued_kib = 64").unwrap().net.max_queued_kib, 64);
         assert_eq!(DaemonConfig::from_toml("").unwrap().tenant_by, TenantBy::Uid);
         let c = DaemonConfig::from_toml("tenant_by = \"uid+netns\"").unwrap();
         assert_eq!(c.tenant_by, TenantBy::UidAndNetns);

@@ -816,6 +816,22 @@ mod tests {
         panic!("600 MB did not fill a socket of 64 KiB");
     }
 
+    /// While bounded the socket holds at most `max_queued` unsent and
+    /// advertises at most that much window; after, its own settings again.
+    #[test]
+    fn the_kernel_queue_bound_is_set_and_given_back() {
+        let (mut link, _theirs, _hca, _rings) = pair();
+        let fd = link.sock.as_raw_fd();
+        let clamp = tcp_option(fd, libc::TCP_WINDOW_CLAMP).unwrap();
+        link.set_max_queued(48 << 10);
+        link.bound_kernel_queue(true);
+        assert_eq!(tcp_option(fd, libc::TCP_NOTSENT_LOWAT), Some(48 << 10));
+        assert_eq!(tcp_option(fd, libc::TCP_WINDOW_CLAMP), Some(48 << 10));
+        link.bound_kernel_queue(false);
+        assert_eq!(tcp_option(fd, libc::TCP_WINDOW_CLAMP), Some(clamp));
+        assert_ne!(tcp_option(fd, libc::TCP_NOTSENT_LOWAT), Some(48 << 10));
+    }
+
     #[test]
     fn a_peer_that_floods_keepalive_requests_and_reads_nothing_queues_one_reply() {
         let (mut link, mut theirs, mut hca, mut rings) = pair();
