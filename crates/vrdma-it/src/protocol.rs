@@ -92,6 +92,15 @@ pub enum Command {
         len: usize,
         millis: u64,
     },
+    /// [`Command::Stream`], but each QP connected to a QP of its own on
+    /// the daemon at the socket `to` (another host's), where the writes
+    /// land.
+    StreamTo {
+        qps: u32,
+        len: usize,
+        millis: u64,
+        to: std::path::PathBuf,
+    },
     Exit,
 }
 

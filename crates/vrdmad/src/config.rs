@@ -403,6 +403,11 @@ pub struct NetConfig {
     pub dead_ms: u64,
     /// Largest chunk offered in the Hello (a power of two, 256..=65536).
     pub max_chunk: u32,
+    /// KiB a link may hold queued for the kernel (unsent bytes in its
+    /// socket) and in the daemon's own queue while a latency-class tenant
+    /// is active on it: a later latency frame waits behind no more (see
+    /// `net::link`). 16..=65536.
+    pub max_queued_kib: u32,
     /// The networks of the other daemons: a QP's GID is dialled, and a
     /// connection taken, only from these (and the configured peers).
     /// Empty: any address.
@@ -421,6 +426,7 @@ impl Default for NetConfig {
             keepalive_ms: 1000,
             dead_ms: 5000,
             max_chunk: vrdma_core::wire::MAX_CHUNK,
+            max_queued_kib: crate::net::DEFAULT_MAX_QUEUED_KIB,
             allow: Vec::new(),
         }
     }
@@ -458,6 +464,12 @@ impl NetConfig {
         if !(vrdma_core::wire::MIN_CHUNK..=vrdma_core::wire::MAX_CHUNK).contains(&c) || !c.is_power_of_two() {
             return Err(ConfigError::Invalid(format!(
                 "net.max_chunk {c} is not a power of two in 256..=65536"
+            )));
+        }
+        if !(16..=65536).contains(&self.max_queued_kib) {
+            return Err(ConfigError::Invalid(format!(
+                "net.max_queued_kib {} is not in 16..=65536",
+                self.max_queued_kib
             )));
         }
         if self.keepalive_ms == 0 || self.dead_ms <= self.keepalive_ms || self.dead_ms > 3_600_000 {
@@ -1177,6 +1189,9 @@ mod tests {
         assert!(DaemonConfig::from_toml("[tenants.bob]\nmax_objects = 1").is_err());
         assert!(DaemonConfig::from_toml("[engine]\nchunk_bytes = 0").is_err());
         assert!(DaemonConfig::from_toml("[engine]\ntenant_turns = 0").is_err());
+        assert!(DaemonConfig::from_toml("[net]\nmax_queued_kib = 0").is_err());
+        assert!(DaemonConfig::from_toml("[net]\nmax_queued_kib = 1048576").is_err());
+        assert_eq!(DaemonConfig::from_toml("[net]\nmax_queued_kib = 64").unwrap().net.max_queued_kib, 64);
         assert_eq!(DaemonConfig::from_toml("").unwrap().tenant_by, TenantBy::Uid);
         let c = DaemonConfig::from_toml("tenant_by = \"uid+netns\"").unwrap();
         assert_eq!(c.tenant_by, TenantBy::UidAndNetns);

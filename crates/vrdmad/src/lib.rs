@@ -166,6 +166,7 @@ impl Daemon {
                     allow: config.net.allow.clone(),
                     keepalive: std::time::Duration::from_millis(config.net.keepalive_ms),
                     dead: std::time::Duration::from_millis(config.net.dead_ms),
+                    max_queued: config.net.max_queued_kib as usize * 1024,
                 }))
             }
             None => None,

@@ -85,6 +85,10 @@ pub struct Args {
     /// The stream's message size in bytes.
     #[arg(long, default_value_t = 64 << 10)]
     pub size: usize,
+    /// Stream to QPs on the daemon at this socket (another host's) rather
+    /// than each QP to itself.
+    #[arg(long)]
+    pub to: Option<PathBuf>,
 }
 
 /// RDMA writes in flight on each of the stream's QPs (rc_bw's depth).
@@ -109,7 +113,7 @@ pub fn misbehave(socket: Option<PathBuf>, args: Args) -> Result<()> {
     let end = Instant::now() + Duration::from_millis(args.millis);
     let going = || !stop.load(Ordering::SeqCst) && Instant::now() < end;
     if args.how == How::Stream {
-        return stream(&sock, args.qps, args.size, going, &asked);
+        return stream(&sock, args.to.as_deref(), args.qps, args.size, going, &asked);
     }
     let idle = IdleQps::create_up_to(&sock, args.qps as usize)?;
     let qpns = idle.qpns();
@@ -160,11 +164,39 @@ fn ready(qps: usize) -> Result<()> {
     say(&format!("ready {qps}"))
 }
 
-/// RDMA writes of `size` bytes over `qps` QPs, each connected to itself,
-/// `STREAM_DEPTH` in flight on each, until `going` says stop. Whenever
-/// `asked` grows (a line on stdin), says `bytes N`: the bytes its writes
-/// completed since `ready`.
-fn stream(sock: &Path, qps: u32, size: usize, going: impl Fn() -> bool, asked: &AtomicU64) -> Result<()> {
+/// The QPs of the daemon at `to` that a stream across hosts writes to:
+/// one per streaming QP, with the region every write lands in.
+struct Far {
+    ctx: Context,
+    qps: Vec<vrdma::QueuePair>,
+    _cq: vrdma::CompletionQueue,
+    mr: vrdma::MemoryRegion,
+}
+
+impl Far {
+    fn open(to: &Path, qps: u32, size: usize, access: AccessFlags, cap: QpCap) -> Result<Far> {
+        let ctx = Context::open_at(to).context("opening the streaming tenant's context on the other host")?;
+        let pd = ctx.alloc_pd()?;
+        let mr = pd.alloc_mr(size, access)?;
+        let cq = ctx.create_cq(qps, None)?;
+        let qps = (0..qps).map(|_| pd.create_rc_qp(&cq, &cq, cap)).collect::<vrdma::Result<Vec<_>>>()?;
+        Ok(Far { ctx, qps, _cq: cq, mr })
+    }
+}
+
+/// RDMA writes of `size` bytes over `qps` QPs, each connected to itself
+/// (or, with `to`, to a QP of its own on the daemon at `to`, another
+/// host's), `STREAM_DEPTH` in flight on each, until `going` says stop.
+/// Whenever `asked` grows (a line on stdin), says `bytes N`: the bytes its
+/// writes completed since `ready`.
+fn stream(
+    sock: &Path,
+    to: Option<&Path>,
+    qps: u32,
+    size: usize,
+    going: impl Fn() -> bool,
+    asked: &AtomicU64,
+) -> Result<()> {
     let ctx = Context::open_at(sock).context("opening the streaming tenant's context")?;
     let pd = ctx.alloc_pd()?;
     let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
@@ -178,18 +210,32 @@ fn stream(sock: &Path, qps: u32, size: usize, going: impl Fn() -> bool, asked: &
         max_recv_sge: 1,
         max_inline_data: 0,
     };
-    let qps = (0..qps)
-        .map(|_| {
+    let far = match to {
+        Some(to) => Some(Far::open(to, qps, size, access, cap)?),
+        None => None,
+    };
+    let qps = (0..qps as usize)
+        .map(|i| {
             let qp = pd.create_rc_qp(&cq, &cq, cap)?;
-            qp.connect(&qp.endpoint(&ctx)?, access)?;
+            match &far {
+                Some(f) => {
+                    let (fctx, fqp) = (&f.ctx, &f.qps[i]);
+                    qp.connect(&fqp.endpoint(fctx)?, access)?;
+                    fqp.connect(&qp.endpoint(&ctx)?, access)?;
+                }
+                None => qp.connect(&qp.endpoint(&ctx)?, access)?,
+            }
             Ok(qp)
         })
         .collect::<Result<Vec<_>>>()
         .context("creating the stream's QPs")?;
     let src = mr.sge(0, size)?;
-    let dst = mr.addr() + size as u64;
+    let (dst, rkey) = match &far {
+        Some(f) => (f.mr.addr(), f.mr.rkey()),
+        None => (mr.addr() + size as u64, mr.rkey()),
+    };
     let post = |q: usize| -> Result<()> {
-        let w = wr::rdma_write(q as u64, &[src], dst, mr.rkey())?.signaled();
+        let w = wr::rdma_write(q as u64, &[src], dst, rkey)?.signaled();
         qps[q].post_send(&[w]).map_err(|e| anyhow!("post_send: {}", e.error))
     };
     for q in 0..qps.len() {
@@ -237,12 +283,29 @@ impl Attacker {
     /// [`Attacker::start`] as uid `uid` (a tenant of its own), streaming
     /// messages of `size` bytes if it streams.
     pub fn start_as(sock: &Path, how: How, qps: u32, size: usize, uid: u32) -> Result<Attacker> {
+        Self::start_to(sock, None, how, qps, size, uid)
+    }
+
+    /// [`Attacker::start_as`]; with `to`, a stream's QPs write to QPs of
+    /// the daemon at `to` (another host's).
+    pub fn start_to(
+        sock: &Path,
+        to: Option<&Path>,
+        how: How,
+        qps: u32,
+        size: usize,
+        uid: u32,
+    ) -> Result<Attacker> {
         use std::os::unix::process::CommandExt;
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.arg("--socket")
             .arg(sock)
             .args(["misbehave", "--how", how.as_str(), "--qps", &qps.to_string()])
-            .args(["--size", &size.to_string()])
+            .args(["--size", &size.to_string()]);
+        if let Some(to) = to {
+            cmd.arg("--to").arg(to);
+        }
+        cmd
             // Not a warning per object whose destruction a closed context refuses.
             .env("VRDMA_LOG", "error")
             .uid(uid)

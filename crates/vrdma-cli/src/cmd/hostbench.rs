@@ -29,6 +29,7 @@ pub mod cm_setup;
 mod cpu;
 mod hosts;
 pub mod pingpong;
+mod qos;
 mod tools;
 
 use std::time::Instant;
@@ -59,6 +60,15 @@ pub struct Args {
     /// (e.g. `--engine yield_us=0`, `--engine busy_poll=true`); repeatable.
     #[arg(long, value_name = "KEY=VALUE")]
     engine: Vec<String>,
+    /// A setting of both daemons' [net] table (e.g. `--net
+    /// max_queued_kib=64`); repeatable.
+    #[arg(long, value_name = "KEY=VALUE")]
+    net: Vec<String>,
+    /// Measure instead a latency-class tenant's 8 B latency beside a
+    /// 64-QP hog across hosts, with and without the class (each beside
+    /// its unloaded figure), and the hog's throughput alone and beside.
+    #[arg(long)]
+    qos: bool,
     /// Measure only these figures (repeatable; default all).
     #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin", "cm_setup_first", "cm_setup_each"])]
     only: Vec<String>,
@@ -225,6 +235,9 @@ pub fn run(args: Args) -> Result<()> {
     if !missing.is_empty() {
         bail!("vrdma bench-hosts needs tools that are missing: {}", missing.join(", "));
     }
+    if args.qos {
+        return run_qos(&args);
+    }
     let lib = find_library()?;
     let Some(companions) = find_companions()? else {
         bail!(
@@ -301,6 +314,38 @@ pub fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
+/// `--qos`: the latency-beside-a-hog figures, without and with the class.
+fn run_qos(args: &Args) -> Result<()> {
+    if !crate::bench::attack::may_switch_uid() {
+        bail!("vrdma bench-hosts --qos runs the hog as uid 65534: it needs root");
+    }
+    let lib = find_library()?;
+    let (runs, iters, window) = if args.quick {
+        (1, 2000, std::time::Duration::from_millis(500))
+    } else {
+        (args.runs.max(1), 20000, std::time::Duration::from_secs(1))
+    };
+    hosts::catch_interrupts();
+    let mut classes = Vec::new();
+    for (class, protected) in [("\"normal\"", false), ("\"latency\"", true)] {
+        eprintln!("latency_class = {class}: two namespaces, a daemon each; {runs} run(s) ...");
+        let r = qos::measure(&lib, &args.engine, &args.net, protected, runs, iters, window, args.verbose);
+        if hosts::interrupted() {
+            eprintln!("vrdma bench-hosts: interrupted; namespaces and processes removed");
+            std::process::exit(130);
+        }
+        let r = r?;
+        if args.verbose {
+            for (i, x) in r.iter().enumerate() {
+                eprintln!("  run {}: {x:?}", i + 1);
+            }
+        }
+        classes.push((class, r));
+    }
+    print!("{}", qos::render(&classes));
+    Ok(())
+}
+
 /// The figures `--only` names, in table order; all when it names none.
 fn selected(only: &[String]) -> impl Iterator<Item = &'static Spec> + '_ {
     SPECS.iter().filter(move |s| only.is_empty() || only.iter().any(|o| o == s.key))
@@ -315,7 +360,7 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
         }
     };
     say("setting up two namespaces joined by a veth pair, a vRDMA daemon in each ...");
-    let mut h = Hosts::create(lib, &args.engine, args.verbose)?;
+    let mut h = Hosts::create(lib, &args.engine, &args.net, args.verbose)?;
     say(&format!(
         "hosts {} ({}) and {} ({}) linked; {} run(s)",
         h.hosts[0].ns, h.hosts[0].addr, h.hosts[1].ns, h.hosts[1].addr, runs

@@ -78,7 +78,10 @@
 //! is a message, each payload byte sent a byte), holds the tenant's
 //! requests back while its buckets are below a share's worth
 //! ([`ServiceOrder::ready_at`]), and shares itself by bytes with the same
-//! weights (see `hca::remote`).
+//! weights (see `hca::remote`). There too a latency-class tenant's frame
+//! goes first (within its deficit), and while one was sent within
+//! [`LATENCY_WINDOW`] the others' requests go out in frames of a quarter
+//! of the link's chunk, so that one frame's serialization bounds its wait.
 
 use std::collections::VecDeque;
 use std::time::Duration;
@@ -360,6 +363,12 @@ impl ServiceOrder {
     /// [`LATENCY_WINDOW`] of `now`.
     fn latency_active(&self, now: Instant) -> bool {
         self.latency_seen.is_some_and(|t| now.saturating_since(t) < LATENCY_WINDOW)
+    }
+
+    /// Whether `tenant` is of the latency class (its frames go first on a
+    /// link, see `hca::remote`).
+    pub(crate) fn is_latency(&self, tenant: TenantId) -> bool {
+        self.class(tenant) == LatencyClass::Latency
     }
 
     /// `tenant`'s weight (at least 1).

@@ -172,7 +172,10 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
                 Ok(Said::Ok)
             }
             Command::Stream { qps, len, millis } => {
-                stream(&ctx, qps, len, Duration::from_millis(millis), |s| say(s))
+                stream(&ctx, None, qps, len, Duration::from_millis(millis), |s| say(s))
+            }
+            Command::StreamTo { qps, len, millis, to } => {
+                stream(&ctx, Some(&to), qps, len, Duration::from_millis(millis), |s| say(s))
             }
             Command::Exit => break,
         };
@@ -280,6 +283,7 @@ const STREAM_DEPTH: u32 = 16;
 /// posted, and returns `Streamed`.
 fn stream(
     ctx: &vrdma::Context,
+    to: Option<&std::path::Path>,
     qps: u32,
     len: usize,
     span: Duration,
@@ -297,15 +301,40 @@ fn stream(
         max_recv_sge: 1,
         max_inline_data: 0,
     };
+    // Across hosts: a context on the other daemon, a QP there for each
+    // of ours, and the region the writes land in.
+    let far = match to {
+        Some(to) => {
+            let fctx = vrdma::Context::open_at(to)?;
+            let fpd = fctx.alloc_pd()?;
+            let fmr = fpd.alloc_mr(len, access)?;
+            let fcq = fctx.create_cq(qps, None)?;
+            Some((fctx, fpd, fmr, fcq, Vec::new()))
+        }
+        None => None,
+    };
+    let mut far = far;
     let mut all = Vec::new();
     for _ in 0..qps {
         let q = pd.create_rc_qp(&cq, &cq, cap)?;
-        q.connect(&q.endpoint(ctx)?, access)?;
+        match &mut far {
+            Some((fctx, fpd, _, fcq, fqps)) => {
+                let f = fpd.create_rc_qp(fcq, fcq, cap)?;
+                q.connect(&f.endpoint(fctx)?, access)?;
+                f.connect(&q.endpoint(ctx)?, access)?;
+                fqps.push(f);
+            }
+            None => q.connect(&q.endpoint(ctx)?, access)?,
+        }
         all.push(q);
     }
     let src = mr.sge(0, len)?;
+    let (dst, rkey) = match &far {
+        Some((_, _, fmr, _, _)) => (fmr.addr(), fmr.rkey()),
+        None => (mr.addr() + len as u64, mr.rkey()),
+    };
     let post = |q: usize| -> vrdma::Result<()> {
-        let w = vrdma::wr::rdma_write(q as u64, &[src], mr.addr() + len as u64, mr.rkey())?;
+        let w = vrdma::wr::rdma_write(q as u64, &[src], dst, rkey)?;
         all[q].post_send(&[vrdma::wr::SendWrExt::signaled(w)]).map_err(|e| e.error)
     };
     for q in 0..all.len() {

@@ -15,6 +15,7 @@
 
 mod handshake;
 mod link;
+pub use link::DEFAULT_MAX_QUEUED_KIB;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -71,6 +72,9 @@ pub struct NetSetup {
     pub allow: Vec<ipnet::IpNet>,
     pub keepalive: Duration,
     pub dead: Duration,
+    /// Bytes a link keeps queued ahead of its next frame while a
+    /// latency-class tenant is active on it (`net.max_queued_kib`).
+    pub max_queued: usize,
 }
 
 impl NetSetup {
@@ -202,7 +206,8 @@ impl Net {
         let info = LinkInfo { gid: peer.hello.gid, lid: peer.hello.lid, chunk: peer.chunk };
         let id = hca.link_up(info);
         match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
-            Ok(l) => {
+            Ok(mut l) => {
+                l.set_max_queued(self.setup.max_queued);
                 if let Some(ep) = &self.readiness {
                     if let Err(e) =
                         epoll::add(ep, l.fd(), epoll::EventData::new_u64(id.0.into()), epoll::EventFlags::IN)
@@ -216,7 +221,6 @@ impl Net {
                     self.log, log_source(addr), now, "link up",
                     link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id
                 );
-                let mut l = l;
                 // What the connection manager held for this host goes now.
                 if let Some(held) = info.gid.ipv4().and_then(|ip| self.cm_pending.remove(&ip.into())) {
                     for m in &held {

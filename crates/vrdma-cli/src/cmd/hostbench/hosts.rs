@@ -292,7 +292,19 @@ pub struct Hosts {
 impl Hosts {
     /// Creates the namespaces, the veth pair and the daemons, and waits
     /// until the daemons are linked.
-    pub fn create(lib: LibDir, engine: &[String], verbose: bool) -> Result<Hosts> {
+    pub fn create(lib: LibDir, engine: &[String], net: &[String], verbose: bool) -> Result<Hosts> {
+        Self::create_with(lib, engine, net, "", verbose)
+    }
+
+    /// [`Hosts::create`], with `extra` TOML (tables) at the end of both
+    /// daemons' configurations.
+    pub fn create_with(
+        lib: LibDir,
+        engine: &[String],
+        net: &[String],
+        extra: &str,
+        verbose: bool,
+    ) -> Result<Hosts> {
         let pid = std::process::id();
         let dir = std::env::temp_dir().join(format!("vrdma-hostbench-{pid}"));
         if dir.exists() {
@@ -314,7 +326,7 @@ impl Hosts {
             namespaces: Vec::new(),
         };
         h.network()?;
-        h.start_daemons(engine, verbose)?;
+        h.start_daemons(engine, net, extra, verbose)?;
         Ok(h)
     }
 
@@ -343,13 +355,18 @@ impl Hosts {
         Ok(())
     }
 
-    fn start_daemons(&mut self, engine: &[String], verbose: bool) -> Result<()> {
+    fn start_daemons(&mut self, engine: &[String], net: &[String], extra: &str, verbose: bool) -> Result<()> {
         let exe = std::env::current_exe().context("where is the vrdma executable")?;
         let exe = exe.to_str().context("the vrdma executable's path is not UTF-8")?.to_string();
         let mut engine_table = String::from("\n[engine]\n");
         for kv in engine {
             let Some((k, v)) = kv.split_once('=') else { bail!("--engine {kv:?}: want KEY=VALUE") };
             engine_table.push_str(&format!("{} = {}\n", k.trim(), v.trim()));
+        }
+        let mut net_keys = String::new();
+        for kv in net {
+            let Some((k, v)) = kv.split_once('=') else { bail!("--net {kv:?}: want KEY=VALUE") };
+            net_keys.push_str(&format!("{} = {}\n", k.trim(), v.trim()));
         }
         let psk = format!("vrdma bench-hosts key {} {:x}", std::process::id(), random());
         for i in 0..2 {
@@ -360,7 +377,7 @@ impl Hosts {
                 addr = me.addr,
                 peer = peer.addr,
             );
-            let config = config + &engine_table;
+            let config = config + &net_keys + &engine_table + "\n" + extra;
             // The daemon would say the same, but only in its log.
             vrdmad::DaemonConfig::from_toml(&config).context("the daemons' configuration (--engine?)")?;
             let path = self.dir.join(format!("host{}.toml", i + 1));

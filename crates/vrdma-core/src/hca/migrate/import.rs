@@ -343,7 +343,7 @@ impl Hca {
             let mut span: u64 = 0;
             for w in &s.sent {
                 let wr = w.wr.decode_send()?;
-                if w.npsn != crate::hca::remote::psns_of(&wr, u64::from(s.chunk)) {
+                if crate::hca::remote::frame_of(&wr, w.npsn, s.chunk).is_none() {
                     return Err(bad("a request's PSN count does not match its length".into()));
                 }
                 if w.first_psn != psn || w.npsn == 0 || w.npsn > MAX_24 {

@@ -23,7 +23,18 @@
 //!   is shared by bytes in the ratio of the weights however many QPs and
 //!   whatever message sizes each uses), and within a tenant QP after QP a
 //!   frame each, so that a large transfer delays a small message by at
-//!   most a turn of each busy tenant. A tenant's rate limit (the same
+//!   most a turn of each busy tenant. A tenant of the latency class
+//!   (see `hca::schedule`) with a frame ready goes before the round, as
+//!   long as its deficit holds credit: its bandwidth stays bounded by its
+//!   weight, but its 8-byte request does not wait for the others' turns.
+//!   While such a tenant has sent on a link within `LATENCY_WINDOW`, the
+//!   others' requests taken meanwhile are numbered and sent in frames of
+//!   [`cut_frame`] bytes (a quarter of the chunk; the wire carries each
+//!   frame's offset, so the peer needs no notice): the frame being
+//!   written when the latency request arrives is what it waits for, and
+//!   that is a quarter as long. A hog alone, or beside a latency tenant
+//!   idle for the window, sends full chunks again (work conservation). A
+//!   tenant's rate limit (the same
 //!   token buckets as on one host, see `hca::schedule`) holds its request
 //!   frames back; [`Hca::take_link_timer`] then says when to transmit
 //!   again. The payload is a list of region windows, written from the
@@ -60,7 +71,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::hca::TenantId;
 
-pub(crate) use requester::{psns_of, RemoteSend};
+pub(crate) use requester::{frame_of, RemoteSend};
 pub(crate) use responder::{InMsg, RemoteRecv};
 
 use super::{Hca, Queues};
@@ -82,6 +93,17 @@ pub struct LinkInfo {
     pub lid: u16,
     /// Payload bytes per frame, as both Hellos negotiated.
     pub chunk: u32,
+}
+
+/// How many times smaller than the link's chunk the other tenants'
+/// request frames are while a latency-class tenant is active on it.
+pub const LATENCY_CUT: u32 = 4;
+
+/// The frame size of requests cut for a latency-class tenant on a link of
+/// `chunk` bytes a frame (at least [`crate::wire::MIN_CHUNK`], never more
+/// than the chunk).
+pub fn cut_frame(chunk: u32) -> u32 {
+    (chunk / LATENCY_CUT).max(crate::wire::MIN_CHUNK).min(chunk).max(1)
 }
 
 /// Counters of one link.
@@ -211,6 +233,8 @@ pub(crate) struct Link {
     /// [`Hca::placement_cancelled`]).
     pub cancelled: bool,
     pub datagrams: datagram::DatagramQueue,
+    /// When a latency-class tenant last sent a frame on it.
+    pub latency_seen: Option<Instant>,
 }
 
 /// One tenant's QPs on a link, served in turn.
@@ -394,6 +418,16 @@ impl Network {
         }
     }
 
+    /// Whether a latency-class tenant sent on `link` within
+    /// [`crate::hca::schedule::LATENCY_WINDOW`] of `now`: the others'
+    /// requests are cut into smaller frames meanwhile.
+    pub fn latency_active(&self, link: LinkId, now: Instant) -> bool {
+        self.links
+            .get(&link)
+            .and_then(|l| l.latency_seen)
+            .is_some_and(|t| now.saturating_since(t) < crate::hca::schedule::LATENCY_WINDOW)
+    }
+
     pub fn chunk(&self, link: LinkId) -> u32 {
         self.links.get(&link).map_or(crate::wire::MAX_CHUNK, |l| l.info.chunk)
     }
@@ -514,10 +548,19 @@ impl Hca {
                 after: AfterPayload::Nothing,
                 cancelled: false,
                 datagrams: Default::default(),
+                latency_seen: None,
             },
         );
         n.wanted.retain(|g| *g != info.gid);
         id
+    }
+
+    /// Whether a latency-class tenant has sent on `link` within
+    /// `LATENCY_WINDOW` of `now`: the driver then keeps few bytes queued
+    /// for the link ahead of its next frame (the core already cuts the
+    /// others' frames).
+    pub fn link_latency_active(&self, link: LinkId, now: Instant) -> bool {
+        self.net.latency_active(link, now)
     }
 
     /// The connection is gone. Its QPs' outstanding requests can no
@@ -640,6 +683,9 @@ impl Hca {
         // A full frame's payload a turn, times the weight: a frame's header
         // overdraws it a little, repaid from the next turn.
         let quantum = i64::from(chunk).max(TX_HEADER_CAP as i64);
+        if let Some(tx) = self.latency_transmit(link, now, io) {
+            return Some(tx);
+        }
         // A tenant passed over to repay a debt is visited again (after two
         // turns' credit it holds some, the quantum being at least a
         // frame): a link with work never reports none.
@@ -689,12 +735,25 @@ impl Hca {
                     }
                     l.stats.frames_out += 1;
                     l.stats.payload_out += payload;
+                    if self.order.is_latency(tenant) {
+                        l.latency_seen = Some(now);
+                    }
                     self.order.charge(tenant, payload, 0);
                     return Some(tx);
                 }
                 None => {
-                    // Nothing to send: an idle tenant keeps no credit.
-                    t.deficit = t.deficit.min(0);
+                    // Nothing to send: an idle tenant keeps no credit,
+                    // but a latency-class tenant keeps this turn's (one
+                    // turn's worth at most) to go first with when its
+                    // next request comes.
+                    let keep = if self.order.is_latency(tenant) {
+                        quantum * self.order.weight(tenant) as i64
+                    } else {
+                        0
+                    };
+                    let l = self.net.links.get_mut(&link)?;
+                    let Some(t) = l.tenants.get_mut(ti) else { continue };
+                    t.deficit = t.deficit.min(keep);
                     t.visiting = false;
                     l.next = ti + 1;
                 }
@@ -703,6 +762,39 @@ impl Hca {
         // Tenants left with no QP on this link go.
         if let Some(l) = self.net.links.get_mut(&link) {
             l.tenants.retain(|t| !t.qps.is_empty());
+        }
+        None
+    }
+
+    /// A frame of a latency-class tenant on `link` that holds credit in
+    /// the round (its deficit), before the round's turn: it goes first,
+    /// and its bytes come out of its deficit as in its turn, so its share
+    /// of the link stays bounded by its weight. Marks the link as having
+    /// a latency tenant active.
+    fn latency_transmit(&mut self, link: LinkId, now: Instant, io: &mut dyn Queues) -> Option<Transmit> {
+        let n = self.net.links.get(&link)?.tenants.len();
+        for ti in 0..n {
+            let l = self.net.links.get(&link)?;
+            let Some(t) = l.tenants.get(ti) else { break };
+            let tenant = t.tenant;
+            if t.deficit <= 0 || t.awake.is_empty() || !self.order.is_latency(tenant) {
+                continue;
+            }
+            let throttled = self.order.ready_at(tenant, now);
+            if let Some(at) = throttled {
+                self.net.throttled = Some(self.net.throttled.map_or(at, |t| t.min(at)));
+            }
+            let Some(tx) = self.tenant_transmit(link, ti, throttled.is_none(), now, io) else { continue };
+            let payload = tx.payload.iter().map(|s| s.len as u64).sum::<u64>() + tx.data.len() as u64;
+            let l = self.net.links.get_mut(&link)?;
+            if let Some(t) = l.tenants.get_mut(ti) {
+                t.deficit -= tx.len() as i64;
+            }
+            l.stats.frames_out += 1;
+            l.stats.payload_out += payload;
+            l.latency_seen = Some(now);
+            self.order.charge(tenant, payload, 0);
+            return Some(tx);
         }
         None
     }

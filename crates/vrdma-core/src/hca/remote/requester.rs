@@ -18,8 +18,12 @@ pub(crate) struct SentWr {
     /// This request's number among every request of this device.
     pub serial: u64,
     pub first_psn: u32,
-    /// PSNs it takes: one per chunk, a read one per response chunk.
+    /// PSNs it takes: one per frame, a read one per response chunk.
     pub npsn: u32,
+    /// Payload bytes a frame of it carries: the link's chunk, or less for
+    /// a request taken while a latency-class tenant was active on the link
+    /// (see [`super::cut_frame`]); fixed when it is numbered.
+    pub frame: u32,
     /// Bytes of a read response placed so far.
     pub placed: u64,
     /// The status it completes with when the QP fails: its own error, if
@@ -41,6 +45,24 @@ pub(crate) fn psns_of(wr: &SendWr, chunk: u64) -> u32 {
     }
 }
 
+/// Whether a request's frames may be cut smaller than the link's chunk:
+/// those that carry its payload (a read's response frames are sized by
+/// the responder, at the link's chunk).
+fn may_cut(wr: &SendWr) -> bool {
+    wr.opcode != SendOpcode::RdmaRead && !wr.opcode.is_atomic()
+}
+
+/// The frame size a request numbered `npsn` PSNs on a link of `chunk`
+/// was sent at: the chunk, or the cut frame ([`super::cut_frame`]);
+/// `None` if neither gives that count (a snapshot to refuse).
+pub(crate) fn frame_of(wr: &SendWr, npsn: u32, chunk: u32) -> Option<u32> {
+    if psns_of(wr, u64::from(chunk)) == npsn {
+        return Some(chunk);
+    }
+    let cut = super::cut_frame(chunk);
+    (may_cut(wr) && psns_of(wr, u64::from(cut)) == npsn).then_some(cut)
+}
+
 impl RemoteSend {
     /// Numbers the requests taken but not yet sent again, at the chunk
     /// size of the link just bound. Returns true if one now takes more
@@ -53,6 +75,7 @@ impl RemoteSend {
         let mut too_long = false;
         for w in self.sent.iter_mut() {
             w.npsn = psns_of(&w.wr, chunk);
+            w.frame = chunk as u32;
             w.first_psn = psn;
             psn = psn_add(psn, w.npsn);
             too_long |= w.npsn > per_message;
@@ -165,11 +188,13 @@ impl RemoteSend {
                 .into_iter()
                 .map(|(wr, w)| {
                     *serial += 1;
+                    let frame = frame_of(&wr, w.npsn, snap.chunk).unwrap_or(snap.chunk);
                     SentWr {
                         wr,
                         serial: *serial,
                         first_psn: w.first_psn,
                         npsn: w.npsn,
+                        frame,
                         placed: 0,
                         status: w.status,
                         went_out: w.went_out,
@@ -215,6 +240,13 @@ impl Hca {
     fn send_chunk(&self, qpn: u32) -> u64 {
         let link = self.qps.get(&qpn).and_then(|q| q.remote.as_ref()?.send.as_ref()?.link);
         u64::from(self.net.chunk(link.unwrap_or(LinkId(0))))
+    }
+
+    /// Whether a request `qpn` takes now goes out in cut frames: its
+    /// tenant is not of the latency class and one is active on its link.
+    fn cuts_frames(&self, qpn: u32, tenant: crate::hca::TenantId, now: Instant) -> bool {
+        let link = self.qps.get(&qpn).and_then(|q| q.remote.as_ref()?.send.as_ref()?.link);
+        !self.order.is_latency(tenant) && link.is_some_and(|l| self.net.latency_active(l, now))
     }
 
     fn send_state(&mut self, qpn: u32) -> Option<&mut RemoteSend> {
@@ -363,7 +395,17 @@ impl Hca {
             return false;
         }
         let timeout = req.attr.timeout;
-        let npsn = psns_of(&wr, self.send_chunk(qpn));
+        let chunk = self.send_chunk(qpn);
+        let mut frame = chunk;
+        if may_cut(&wr) && self.cuts_frames(qpn, req.tenant, now) {
+            // A latency-class tenant is active on the link: this request
+            // goes out in smaller frames, unless that makes it too long.
+            let cut = u64::from(super::cut_frame(chunk as u32));
+            if psns_of(&wr, cut) <= per_message {
+                frame = cut;
+            }
+        }
+        let npsn = psns_of(&wr, frame);
         if npsn > per_message {
             // More PSNs than one window holds: too long for this link's
             // chunk size.
@@ -384,6 +426,7 @@ impl Hca {
             serial,
             first_psn,
             npsn,
+            frame: frame as u32,
             placed: 0,
             status: None,
             went_out: false,
@@ -489,13 +532,15 @@ impl Hca {
     }
 
     fn build_request(&mut self, qpn: u32, link: LinkId) -> Option<Transmit> {
-        let chunk = u64::from(self.net.chunk(link));
+        let link_chunk = u64::from(self.net.chunk(link));
         let qp = self.qps.get(&qpn)?;
         let (vnet, dest, pd) = (qp.tenant.0, qp.attr.dest_qp_num, qp.pd);
         let s = qp.remote.as_ref()?.send.as_ref()?;
         let w = &s.sent[s.tx];
         let wr = &w.wr;
         let len = wr.msg_len();
+        // Its own frame size (never more than the link's chunk).
+        let chunk = u64::from(w.frame).clamp(1, link_chunk);
         let (mut repr, advance, data) = match wr.opcode {
             SendOpcode::RdmaRead => {
                 let mut r = DataRepr::new(Opcode::ReadRequest, vnet, dest, qpn, w.first_psn);
@@ -904,9 +949,10 @@ impl Hca {
         if d < 0 || d as u32 >= head.npsn || head.needs_response() && d != 0 {
             return false;
         }
-        // Every frame before `psn` carried one full chunk.
+        // Every frame before `psn` carried one full frame of its request.
+        let frame = if head.frame == 0 { chunk } else { u64::from(head.frame).min(chunk) };
         s.tx = 0;
-        s.tx_off = d as u64 * chunk;
+        s.tx_off = d as u64 * frame;
         true
     }
 

@@ -20,6 +20,8 @@ struct Stream {
     a: End,
     b: End,
     len: u32,
+    /// Each completed write is posted again.
+    repost: bool,
 }
 
 struct LinkSim {
@@ -31,6 +33,8 @@ struct LinkSim {
     /// Polls of A's link that found nothing while a rate limit held a
     /// tenant back (the engine would sleep until the link's timer).
     throttled_waits: u64,
+    /// Every frame A sent: when it ended, its source QP, its payload.
+    sent: Vec<(Instant, u32, u32)>,
 }
 
 impl LinkSim {
@@ -41,6 +45,7 @@ impl LinkSim {
             now: T0,
             bytes: vec![0; 2],
             throttled_waits: 0,
+            sent: Vec::new(),
         }
     }
 
@@ -57,8 +62,45 @@ impl LinkSim {
                     rdma(i, SendOpcode::RdmaWrite, &[a.buf.sge(0, len)], b.buf.addr, b.buf.key),
                 );
             }
-            self.streams.push(Stream { tenant, a, b, len });
+            self.streams.push(Stream { tenant, a, b, len, repost: true });
         }
+    }
+
+    /// A connected QP of tenant `tenant` that sends only what the test
+    /// posts ([`LinkSim::ping`]); its index in the streams.
+    fn prober(&mut self, tenant: usize) -> usize {
+        let ctx = [C1, C3][tenant];
+        let (a, b) = (self.t.a.env.end(ctx), self.t.b.env.end(ctx));
+        self.t.connect(a.qpn, b.qpn, conn());
+        self.streams.push(Stream { tenant, a, b, len: 8, repost: false });
+        self.streams.len() - 1
+    }
+
+    /// Posts one 8-byte write on stream `i`.
+    fn ping(&mut self, i: usize) {
+        let s = &self.streams[i];
+        self.t.a.env.io.post_send(
+            s.a.qpn,
+            rdma(0, SendOpcode::RdmaWrite, &[s.a.buf.sge(0, 8)], s.b.buf.addr, s.b.buf.key),
+        );
+    }
+
+    /// Posts a ping on stream `i` at `at` (the frame on the wire then
+    /// ends first: frames go whole) and runs until it went out; returns
+    /// how long it waited from `at` to the end of its own frame, and how
+    /// many frames went out after `at` before it.
+    fn ping_wait(&mut self, i: usize, at: Instant) -> (Duration, usize) {
+        self.run_until(at);
+        let qpn = self.streams[i].a.qpn;
+        let from = self.sent.len();
+        self.ping(i);
+        for _ in 0..100_000 {
+            self.round();
+            if let Some(k) = self.sent[from..].iter().position(|f| f.1 == qpn) {
+                return (self.sent[from + k].0.saturating_since(at), k);
+            }
+        }
+        panic!("the ping never went out");
     }
 
     fn set_qos(&mut self, tenant: usize, qos: Qos) {
@@ -95,6 +137,9 @@ impl LinkSim {
         // Each completed write is posted again.
         for s in &self.streams {
             for c in t.a.env.poll(s.a.cq) {
+                if !s.repost {
+                    continue;
+                }
                 assert_eq!(c.status, WcStatus::Success);
                 t.a.env.io.post_send(
                     s.a.qpn,
@@ -110,6 +155,7 @@ impl LinkSim {
                 }
                 TwoHosts::deliver(&tx, &mut t.b, now, '>', &mut Vec::new());
                 self.now = now + Duration::from_nanos(tx.len() as u64 * NS_PER_BYTE);
+                self.sent.push((self.now, d.src_qpn, d.payload_len));
             }
             None => match t.a.env.hca.take_link_timer() {
                 Some(at) if at > now => {
@@ -202,4 +248,100 @@ fn a_message_rate_limit_holds_on_a_link() {
         sent += msgs;
     }
     assert!(sent > 0);
+}
+
+fn latency(weight: u32) -> Qos {
+    Qos { weight, class: LatencyClass::Latency, ..Qos::default() }
+}
+
+/// A latency-class tenant's 8-byte write goes out before the frames the
+/// hog (8 QPs, each with writes of a full chunk queued) has waiting, and
+/// while it is active the hog's frames are cut to a quarter of the chunk:
+/// its wait is one cut frame at most (the one on the wire when it came),
+/// against one full frame or more for a normal tenant.
+#[test]
+fn a_latency_tenants_request_goes_before_the_hogs_queued_frames() {
+    let cut = crate::hca::remote::cut_frame(CHUNK);
+    assert!(cut < CHUNK);
+    let mut waits = Vec::new();
+    for class in [LatencyClass::Normal, LatencyClass::Latency] {
+        let mut sim = LinkSim::new();
+        sim.set_qos(1, Qos { class, ..Qos::default() });
+        sim.stream(0, 8, CHUNK);
+        let p = sim.prober(1);
+        sim.run_until(T0 + SECOND / 100);
+        // A first ping binds the QP to the link and earns the tenant its
+        // credit in the round.
+        sim.ping_wait(p, sim.now);
+        sim.run_until(sim.now + Duration::from_micros(500));
+        let mut worst = Duration::ZERO;
+        for k in 0..20u32 {
+            // Pings at moments that do not line up with the frames.
+            let at = sim.now + Duration::from_micros(97 + 13 * u64::from(k));
+            let from = sim.sent.len();
+            let (wait, before) = sim.ping_wait(p, at);
+            worst = worst.max(wait);
+            if class == LatencyClass::Latency {
+                assert_eq!(before, 0, "ping {k}: {before} frames of the hog went first");
+                let hog = sim.sent[from.saturating_sub(4)..from].iter().map(|f| f.2).max().unwrap_or(0);
+                assert!(hog <= cut, "the hog's frames are cut while the latency tenant is active: {hog}");
+            }
+        }
+        waits.push(worst);
+    }
+    // At most the cut frame on the wire when it came, and its own.
+    let frame_ns = |payload: u32| (u64::from(payload) + 2 * TX_HEADER_CAP as u64) * NS_PER_BYTE;
+    assert!(waits[1] <= Duration::from_nanos(frame_ns(cut) + frame_ns(8)), "{waits:?}");
+    assert!(waits[1] * 2 < waits[0], "with the class {:?}, without {:?}", waits[1], waits[0]);
+}
+
+/// Work conservation: a hog beside a latency-class tenant that stays idle
+/// gets at least 90 % of the link, in full chunks again once the window
+/// passed; beside one that pings every millisecond, still 90 %.
+#[test]
+fn the_hog_keeps_the_link_beside_a_latency_tenant_idle_or_pinging() {
+    let capacity = |d: Duration| d.as_nanos() as f64 / NS_PER_BYTE as f64;
+    let mut sim = LinkSim::new();
+    sim.set_qos(1, latency(1));
+    sim.stream(0, 8, CHUNK);
+    let p = sim.prober(1);
+    sim.run_until(T0 + SECOND / 100);
+    sim.ping_wait(p, sim.now);
+    // Pinging: a ping each millisecond for a second.
+    let start = sim.now;
+    let mut hog = 0;
+    for _ in 0..1000 {
+        let until = sim.now + Duration::from_millis(1);
+        sim.ping(p);
+        hog += sim.run_until(until)[0];
+    }
+    let share = hog as f64 / capacity(sim.now.saturating_since(start));
+    assert!(share >= 0.90, "beside pings the hog got {share:.3} of the link");
+    // Idle: after the window, full chunks and the whole link.
+    sim.run_until(sim.now + crate::hca::schedule::LATENCY_WINDOW * 2);
+    let (from, start) = (sim.sent.len(), sim.now);
+    let hog = sim.run_until(start + SECOND)[0];
+    let share = hog as f64 / capacity(SECOND);
+    assert!(share >= 0.90, "beside an idle latency tenant the hog got {share:.3} of the link");
+    let full = sim.sent[from..].iter().filter(|f| f.2 == CHUNK).count();
+    assert!(full * 10 >= (sim.sent.len() - from) * 9, "{full} of {} frames full", sim.sent.len() - from);
+}
+
+/// Going first does not buy a latency-class tenant more than its weight:
+/// streaming beside a normal tenant, each gets the link in the ratio of
+/// the weights (within 5 %), whichever is heavier.
+#[test]
+fn a_streaming_latency_tenant_keeps_to_its_weight_on_a_link() {
+    for (wl, wn) in [(1u32, 3u32), (3, 1)] {
+        let mut sim = LinkSim::new();
+        sim.set_qos(0, weighted(wn));
+        sim.set_qos(1, latency(wl));
+        sim.stream(0, 4, CHUNK);
+        sim.stream(1, 2, CHUNK);
+        sim.run_until(T0 + SECOND / 10);
+        let bytes = sim.run_until(T0 + SECOND);
+        let ratio = bytes[1] as f64 / bytes[0] as f64;
+        let want = f64::from(wl) / f64::from(wn);
+        assert!((ratio / want - 1.0).abs() < 0.05, "latency {wl} : normal {wn}: ratio {ratio:.3}: {bytes:?}");
+    }
 }
