@@ -101,6 +101,11 @@ pub enum Command {
         millis: u64,
         to: std::path::PathBuf,
     },
+    /// Opens a second context (as the drop-in `librdmacm.so.1` does
+    /// beside the program's `libibverbs.so.1`), makes an rdma_cm id on it
+    /// with its address resolved to 127.0.0.1, and attaches a new QP of
+    /// the first context to it: `State` (INIT) or the daemon's refusal.
+    AttachAcrossContexts,
     Exit,
 }
 

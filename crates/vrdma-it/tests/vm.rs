@@ -461,3 +461,30 @@ fn dropped_guest_contexts_give_their_ports_back() -> Result<()> {
     }
     Ok(())
 }
+
+/// The drop-in `librdmacm.so.1` holds a context of its own beside the
+/// program's `libibverbs.so.1`: an rdma_cm id of one and a QP of the
+/// other are joined in one call when both contexts are of one origin, a
+/// host process or a VM (whose guest processes the daemon cannot tell
+/// apart: they share its ports and its region). A guest's was refused
+/// (its contexts had no pid), so the drop-in's `rdma_create_qp` in a
+/// guest fell back to two calls.
+#[test]
+fn an_id_and_a_qp_of_two_contexts_of_one_origin_are_joined() -> Result<()> {
+    let d = daemon_with_vm("")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let peers = [
+        ("guest", PeerProc::spawn_guest(&vm, "tenant", &[])?),
+        ("host", PeerProc::spawn(&d.socket, "tenant", &[])?),
+    ];
+    for (what, mut peer) in peers {
+        peer.hello()?;
+        match peer.call(&Command::AttachAcrossContexts)? {
+            Said::State(s) => {
+                assert_eq!(s, vrdma::QpState::Init.raw(), "{what}: the QP is the id's, in INIT")
+            }
+            other => bail!("{what}: {other:?}"),
+        }
+    }
+    Ok(())
+}

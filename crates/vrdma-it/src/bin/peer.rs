@@ -177,6 +177,19 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
             Command::StreamTo { qps, len, millis, to } => {
                 stream(&ctx, Some(&to), qps, len, Duration::from_millis(millis), |s| say(s))
             }
+            Command::AttachAcrossContexts => (|| {
+                let other = if vrdma::guest::GuestConfig::from_env().is_some() {
+                    vrdma::Context::open()?
+                } else {
+                    vrdma::Context::open_at(&socket)?
+                };
+                let channel = vrdma::cm::EventChannel::create(&other)?;
+                let id = vrdma::cm::CmId::create(&channel, vrdma::cm::PortSpace::Tcp)?;
+                id.resolve_addr(None, std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 7471))?;
+                let q = pd.create_rc_qp(&cq, &cq, cap)?;
+                id.attach_qp_num(q.qpn())?;
+                Ok(Said::State(q.state().raw()))
+            })(),
             Command::Exit => break,
         };
         match reply {

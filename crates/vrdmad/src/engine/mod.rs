@@ -61,12 +61,24 @@ pub struct EngineState {
     pub on_broken: Option<Box<dyn Fn(ContextId) + Send>>,
     /// The direct path's grants in shared memory ([`crate::direct`]).
     pub direct: crate::direct::DirectDriver,
-    /// The process (pid) of each context of a local process (none for a
-    /// guest's): an rdma_cm id and the QP attached to it may be of two
-    /// contexts of one process, as the drop-in `librdmacm.so.1` and the
-    /// program's `libibverbs.so.1` each hold their own (see
+    /// Who made each context: an rdma_cm id and the QP attached to it may
+    /// be of two contexts of one origin, as the drop-in `librdmacm.so.1`
+    /// and the program's `libibverbs.so.1` each hold their own (see
     /// [`EngineState::handle_cm`]).
-    pub processes: HashMap<ContextId, i32>,
+    pub processes: HashMap<ContextId, Origin>,
+}
+
+/// Where a context's calls come from, as far as the daemon can tell.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A process of this host, by the pid its socket's peer credentials
+    /// gave.
+    Process(i32),
+    /// A VM, by its configured name: the daemon cannot tell the guest's
+    /// processes apart (they share its port and its region, which every
+    /// guest process allowed to map the device can read and write), so
+    /// for the daemon they are one origin, as the VM is one tenant.
+    Vm(String),
 }
 
 impl EngineState {
@@ -240,8 +252,8 @@ impl EngineState {
         }
     }
 
-    /// Whether contexts `a` and `b` are of one local process of one
-    /// tenant (`a` made by the process whose pid `b`'s session has).
+    /// Whether contexts `a` and `b` are of one origin of one tenant (one
+    /// local process, or one VM).
     fn same_process(&self, a: ContextId, b: ContextId) -> bool {
         match (self.processes.get(&a), self.processes.get(&b)) {
             (Some(p), Some(q)) => {

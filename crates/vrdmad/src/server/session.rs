@@ -578,12 +578,14 @@ impl Session {
         let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
         let fds = vec![seg_fd, doorbell_tenant.into(), event_tenant.into()];
         let seg_len = seg.len() as u64;
-        // A local process's (a guest's contexts have no pid of this host).
-        let pid = if self.guest.is_none() { self.pid } else { 0 };
+        let origin = match &self.guest {
+            Some(g) => Some(crate::engine::Origin::Vm(g.vm.name.clone())),
+            None => (self.pid > 0).then_some(crate::engine::Origin::Process(self.pid)),
+        };
         self.engine(move |e, c| {
             e.hca.open_context(c, tenant)?;
-            if pid > 0 {
-                e.processes.insert(c, pid);
+            if let Some(o) = origin {
+                e.processes.insert(c, o);
             }
             e.rings.contexts.insert(c, ContextRings::new(tenant, events, event_fd, doorbell, posted));
             Ok::<_, HcaError>(())
