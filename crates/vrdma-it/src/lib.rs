@@ -12,7 +12,10 @@
 //! connection ([`RawConn`]) for sending what the library never would.
 
 pub mod harness;
+mod pingpong;
 pub mod protocol;
+
+pub use pingpong::PingPong;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

@@ -17,10 +17,8 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use vrdma::wr::{self, SendWrExt};
-use vrdma::WcStatus;
 use vrdma_it::protocol::{Command, Misbehavior, Said};
-use vrdma_it::{connect, DaemonProc, PeerProc, Side, WAIT};
+use vrdma_it::{connect, DaemonProc, PeerProc, PingPong, Side, WAIT};
 
 const NOBODY: u32 = 65534;
 /// The attacker's idle QPs.
@@ -37,68 +35,23 @@ fn root() -> bool {
     false
 }
 
-/// Two connected QPs of ours, each with receives posted.
-struct Victim {
-    a: Side,
-    b: Side,
+/// Two connected QPs of ours bouncing 8-byte sends.
+fn victim(d: &DaemonProc) -> Result<PingPong> {
+    let ctx = d.context()?;
+    let (a, b) = (Side::new(&ctx, 4096)?, Side::new(&ctx, 4096)?);
+    connect(&a, &b)?;
+    PingPong::new(a, b)
 }
 
-impl Victim {
-    fn new(d: &DaemonProc) -> Result<Victim> {
-        let ctx = d.context()?;
-        let (a, b) = (Side::new(&ctx, 4096)?, Side::new(&ctx, 4096)?);
-        connect(&a, &b)?;
-        for s in [&a, &b] {
-            for i in 0..64 {
-                s.qp.post_recv(&[wr::recv(i, &[s.mr.sge(64, 8)?])?]).map_err(|e| e.error)?;
-            }
-        }
-        Ok(Victim { a, b })
+/// Round trips of `victim` within `WINDOW` (at most a million).
+fn rate(victim: &PingPong) -> Result<u64> {
+    let end = Instant::now() + WINDOW;
+    let mut n = 0;
+    while Instant::now() < end && n < 1_000_000 {
+        victim.one_way(n)?;
+        n += 1;
     }
-
-    /// One 8-byte send each way.
-    fn round_trip(&self, i: u64) -> Result<()> {
-        for (from, to) in [(&self.a, &self.b), (&self.b, &self.a)] {
-            from.qp.post_send(&[wr::send(i, &[from.mr.sge(0, 8)?])?.signaled()]).map_err(|e| e.error)?;
-            for s in [from, to] {
-                let wc = spin_one(&s.cq)?;
-                if wc.status != WcStatus::Success {
-                    bail!("round trip {i}: {wc:?}");
-                }
-                if wc.opcode == vrdma::WcOpcode::Recv {
-                    s.qp.post_recv(&[wr::recv(i, &[s.mr.sge(64, 8)?])?]).map_err(|e| e.error)?;
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Round trips within `WINDOW` (at most a million).
-    fn rate(&self) -> Result<u64> {
-        let end = Instant::now() + WINDOW;
-        let mut n = 0;
-        while Instant::now() < end && n < 1_000_000 {
-            self.round_trip(n)?;
-            n += 1;
-        }
-        Ok(n)
-    }
-}
-
-/// Polls one completion, yielding between polls (a sleep would measure
-/// the sleep), within `WAIT`.
-fn spin_one(cq: &vrdma::CompletionQueue) -> Result<vrdma::WorkCompletion> {
-    let end = Instant::now() + WAIT;
-    let mut wc = vrdma::wc_buffer(1);
-    loop {
-        if cq.poll(&mut wc)? == 1 {
-            return Ok(wc[0]);
-        }
-        if Instant::now() > end {
-            bail!("no completion within {WAIT:?}");
-        }
-        std::thread::yield_now();
-    }
+    Ok(n)
 }
 
 /// Our round trips without and then with `how` from another tenant that
@@ -114,11 +67,11 @@ fn under_attack(how: Misbehavior) -> Result<Option<(DaemonProc, PeerProc)>> {
     let mut attacker = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(NOBODY))?;
     attacker.hello()?;
     attacker.call_ok(&Command::IdleQps { count: IDLE_QPS })?;
-    let victim = Victim::new(&d)?;
+    let victim = victim(&d)?;
     for i in 0..100 {
-        victim.round_trip(i)?;
+        victim.one_way(i)?;
     }
-    let unloaded = victim.rate()?;
+    let unloaded = rate(&victim)?;
     let millis = (WINDOW * 3).as_millis() as u64;
     match attacker.call(&Command::Misbehave { how, millis })? {
         Said::Ok => {}
@@ -126,7 +79,7 @@ fn under_attack(how: Misbehavior) -> Result<Option<(DaemonProc, PeerProc)>> {
     }
     // Let the attack take hold (and a scribbled ring be found).
     std::thread::sleep(Duration::from_millis(100));
-    let attacked = victim.rate()?;
+    let attacked = rate(&victim)?;
     eprintln!("{how:?}: {unloaded} round trips unloaded, {attacked} under attack in {WINDOW:?}");
     if attacked * 10 < unloaded {
         bail!("{how:?}: {attacked} round trips under attack against {unloaded} without, in {WINDOW:?}");
@@ -168,7 +121,7 @@ fn a_tenant_that_scribbles_on_its_posted_ring_loses_its_context_alone() -> Resul
         }
     }
     // The daemon serves new contexts.
-    let victim = Victim::new(&d)?;
-    victim.round_trip(0)?;
+    let victim = victim(&d)?;
+    victim.one_way(0)?;
     Ok(())
 }

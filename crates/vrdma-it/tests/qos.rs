@@ -24,9 +24,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use vrdma::wr::{self as wrs, SendWrExt as _};
 use vrdma_it::protocol::{Command, Said};
-use vrdma_it::{connect, DaemonProc, PeerProc, Side, WAIT};
+use vrdma_it::{connect, DaemonProc, PeerProc, PingPong, Side, WAIT};
 
 const NOBODY: u32 = 65534;
 /// The tests of this file run one at a time: each measures.
@@ -153,69 +152,16 @@ fn of_two_tenants_streaming_at_once_the_heavier_weight_gets_more() -> Result<()>
     Ok(())
 }
 
-/// Two connected QPs of ours (uid 0), each with receives posted.
-struct Victim {
-    a: Side,
-    b: Side,
+/// Two connected QPs of ours (uid 0) bouncing 8-byte sends.
+fn victim(d: &DaemonProc) -> Result<PingPong> {
+    let ctx = d.context()?;
+    let (a, b) = (Side::new(&ctx, 4096)?, Side::new(&ctx, 4096)?);
+    connect(&a, &b)?;
+    PingPong::new(a, b)
 }
 
-impl Victim {
-    fn new(d: &DaemonProc) -> Result<Victim> {
-        let ctx = d.context()?;
-        let (a, b) = (Side::new(&ctx, 4096)?, Side::new(&ctx, 4096)?);
-        connect(&a, &b)?;
-        for s in [&a, &b] {
-            for i in 0..64 {
-                s.qp.post_recv(&[wrs::recv(i, &[s.mr.sge(64, 8)?])?]).map_err(|e| e.error)?;
-            }
-        }
-        Ok(Victim { a, b })
-    }
-
-    /// One 8-byte send each way; returns half the round trip.
-    fn one_way(&self, i: u64) -> Result<Duration> {
-        let t0 = Instant::now();
-        for (from, to) in [(&self.a, &self.b), (&self.b, &self.a)] {
-            from.qp.post_send(&[wrs::send(i, &[from.mr.sge(0, 8)?])?.signaled()]).map_err(|e| e.error)?;
-            for s in [from, to] {
-                let wc = spin_one(&s.cq)?;
-                if wc.status != vrdma::WcStatus::Success {
-                    bail!("round trip {i}: {wc:?}");
-                }
-                if wc.opcode == vrdma::WcOpcode::Recv {
-                    s.qp.post_recv(&[wrs::recv(i, &[s.mr.sge(64, 8)?])?]).map_err(|e| e.error)?;
-                }
-            }
-        }
-        Ok(t0.elapsed() / 2)
-    }
-
-    /// One-way latencies for `span` (at most 200,000), sorted.
-    fn sample(&self, span: Duration) -> Result<Vec<Duration>> {
-        let end = Instant::now() + span;
-        let mut v = Vec::new();
-        while Instant::now() < end && v.len() < 200_000 {
-            v.push(self.one_way(v.len() as u64)?);
-        }
-        v.sort_unstable();
-        Ok(v)
-    }
-}
-
-/// Polls one completion, yielding between polls, within `WAIT`.
-fn spin_one(cq: &vrdma::CompletionQueue) -> Result<vrdma::WorkCompletion> {
-    let end = Instant::now() + WAIT;
-    let mut wc = vrdma::wc_buffer(1);
-    loop {
-        if cq.poll(&mut wc)? == 1 {
-            return Ok(wc[0]);
-        }
-        if Instant::now() > end {
-            bail!("no completion within {WAIT:?}");
-        }
-        std::thread::yield_now();
-    }
-}
+/// Most one-way latencies a sample keeps.
+const SAMPLES: usize = 200_000;
 
 fn pct(v: &[Duration], p: usize) -> Duration {
     v.get(v.len().saturating_sub(1) * p / 100).copied().unwrap_or_default()
@@ -236,9 +182,9 @@ struct BesideHog {
 fn beside_a_hog(class: Option<&str>) -> Result<BesideHog> {
     let class = class.map(|c| format!("[tenants.0]\nlatency_class = \"{c}\"\n")).unwrap_or_default();
     let d = DaemonProc::start_with_config(&format!("[direct]\nenabled = false\n{class}"))?;
-    let victim = Victim::new(&d)?;
-    victim.sample(Duration::from_millis(50))?;
-    let alone = pct(&victim.sample(Duration::from_millis(300))?, 50);
+    let victim = victim(&d)?;
+    victim.sample(Duration::from_millis(50), SAMPLES)?;
+    let alone = pct(&victim.sample(Duration::from_millis(300), SAMPLES)?, 50);
     let mut hog = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(NOBODY))?;
     hog.hello()?;
     hog.send(&Command::Stream { qps: 64, len: 64 << 10, millis: 1500 })?;
@@ -247,7 +193,7 @@ fn beside_a_hog(class: Option<&str>) -> Result<BesideHog> {
         other => bail!("the hog answered {other:?} to Stream"),
     }
     std::thread::sleep(Duration::from_millis(100));
-    let loaded = victim.sample(Duration::from_millis(1000))?;
+    let loaded = victim.sample(Duration::from_millis(1000), SAMPLES)?;
     let hog = match hog.recv::<Said>(Duration::from_secs(30))? {
         Said::Streamed { bytes, micros } => bytes as f64 / (micros.max(1) as f64 / 1e6),
         other => bail!("the hog's stream ended with {other:?}"),

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
 use vrdma_it::protocol::{Command, Said};
-use vrdma_it::{DaemonProc, NetnsHosts, PeerProc, Side, WAIT};
+use vrdma_it::{DaemonProc, NetnsHosts, PeerProc, PingPong, Side, WAIT};
 
 const NOBODY: u32 = 65534;
 /// The tests of this file run one at a time: each measures.
@@ -185,76 +185,6 @@ fn a_rate_limit_holds_for_what_a_tenant_sends_to_another_host() -> Result<()> {
     Ok(())
 }
 
-/// Our tenant's ping-pong across hosts: a side on each daemon, receives
-/// posted.
-struct Victim {
-    a: Side,
-    b: Side,
-    _ctx: [vrdma::Context; 2],
-}
-
-impl Victim {
-    fn new(ha: &DaemonProc, hb: &DaemonProc) -> Result<Victim> {
-        let (ca, cb) = (ha.context()?, hb.context()?);
-        let (a, b) = (Side::new(&ca, 4096)?, Side::new(&cb, 4096)?);
-        a.qp.connect(&b.endpoint()?, vrdma_it::access_all())?;
-        b.qp.connect(&a.endpoint()?, vrdma_it::access_all())?;
-        for s in [&a, &b] {
-            for i in 0..64 {
-                s.qp.post_recv(&[vrdma::wr::recv(i, &[s.mr.sge(64, 8)?])?]).map_err(|e| e.error)?;
-            }
-        }
-        Ok(Victim { a, b, _ctx: [ca, cb] })
-    }
-
-    /// One 8-byte send each way; half the round trip.
-    fn one_way(&self, i: u64) -> Result<Duration> {
-        use vrdma::wr::SendWrExt as _;
-        let t0 = Instant::now();
-        for (from, to) in [(&self.a, &self.b), (&self.b, &self.a)] {
-            from.qp
-                .post_send(&[vrdma::wr::send(i, &[from.mr.sge(0, 8)?])?.signaled()])
-                .map_err(|e| e.error)?;
-            for s in [from, to] {
-                let wc = spin_one(&s.cq)?;
-                if wc.status != vrdma::WcStatus::Success {
-                    bail!("round trip {i}: {wc:?}");
-                }
-                if wc.opcode == vrdma::WcOpcode::Recv {
-                    s.qp.post_recv(&[vrdma::wr::recv(i, &[s.mr.sge(64, 8)?])?]).map_err(|e| e.error)?;
-                }
-            }
-        }
-        Ok(t0.elapsed() / 2)
-    }
-
-    /// One-way latencies for `span` (at most 100,000), sorted.
-    fn sample(&self, span: Duration) -> Result<Vec<Duration>> {
-        let end = Instant::now() + span;
-        let mut v = Vec::new();
-        while Instant::now() < end && v.len() < 100_000 {
-            v.push(self.one_way(v.len() as u64)?);
-        }
-        v.sort_unstable();
-        Ok(v)
-    }
-}
-
-/// Polls one completion, yielding between polls, within `WAIT`.
-fn spin_one(cq: &vrdma::CompletionQueue) -> Result<vrdma::WorkCompletion> {
-    let end = Instant::now() + WAIT;
-    let mut wc = vrdma::wc_buffer(1);
-    loop {
-        if cq.poll(&mut wc)? == 1 {
-            return Ok(wc[0]);
-        }
-        if Instant::now() > end {
-            bail!("no completion within {WAIT:?}");
-        }
-        std::thread::yield_now();
-    }
-}
-
 /// The victim's median alone and beside the hog, and the hog's bytes a
 /// second, across hosts.
 struct BesideHog {
@@ -269,9 +199,13 @@ struct BesideHog {
 fn beside_a_hog_across(protected: bool) -> Result<Option<BesideHog>> {
     let class = if protected { "[tenants.0]\nlatency_class = \"latency\"\n" } else { "" };
     let Some(h) = NetnsHosts::start(&format!("[direct]\nenabled = false\n{class}"))? else { return Ok(None) };
-    let victim = Victim::new(&h.a, &h.b)?;
-    victim.sample(Duration::from_millis(50))?;
-    let alone = victim.sample(Duration::from_millis(300))?;
+    // Our tenant's ping-pong across hosts: a side on each daemon.
+    let (a, b) = (Side::new(&h.a.context()?, 4096)?, Side::new(&h.b.context()?, 4096)?);
+    a.qp.connect(&b.endpoint()?, vrdma_it::access_all())?;
+    b.qp.connect(&a.endpoint()?, vrdma_it::access_all())?;
+    let victim = PingPong::new(a, b)?;
+    victim.sample(Duration::from_millis(50), 100_000)?;
+    let alone = victim.sample(Duration::from_millis(300), 100_000)?;
     let mut hog = PeerProc::spawn_as(&h.a.socket, "tenant", &[], Some(NOBODY))?;
     hog.hello()?;
     hog.send(&Command::StreamTo { qps: 64, len: 64 << 10, millis: 1500, to: h.b.socket.clone() })?;
@@ -280,7 +214,7 @@ fn beside_a_hog_across(protected: bool) -> Result<Option<BesideHog>> {
         other => bail!("the hog answered {other:?} to StreamTo"),
     }
     std::thread::sleep(Duration::from_millis(100));
-    let loaded = victim.sample(Duration::from_millis(1000))?;
+    let loaded = victim.sample(Duration::from_millis(1000), 100_000)?;
     let hog = match hog.recv::<Said>(Duration::from_secs(30))? {
         Said::Streamed { bytes, micros } => bytes as f64 / (micros.max(1) as f64 / 1e6),
         other => bail!("the hog's stream ended with {other:?}"),
