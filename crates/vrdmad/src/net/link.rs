@@ -129,6 +129,11 @@ pub struct LinkIo {
     /// Whether that bound holds now (the socket's `TCP_NOTSENT_LOWAT` and
     /// `TCP_WINDOW_CLAMP` are set to it).
     bounded: bool,
+    /// Since when the daemon's queue for the link is held at that bound
+    /// (it stopped taking frames from the core because of it), and the
+    /// time it was held so, in ns, for the metrics.
+    capped_since: Option<Instant>,
+    capped_ns: u64,
     /// The socket's window clamp when the link came up, given back when
     /// the bound ends (0: unknown; the clamp is then never set).
     window_clamp: libc::c_int,
@@ -240,6 +245,8 @@ impl LinkIo {
             cm_in: Vec::new(),
             max_queued: DEFAULT_MAX_QUEUED_KIB as usize * 1024,
             bounded: false,
+            capped_since: None,
+            capped_ns: 0,
             window_clamp,
         })
     }
@@ -654,6 +661,8 @@ impl LinkIo {
                     None => break,
                 }
             }
+            // Held at the bound: the queue would take more without it.
+            self.note_capped(ahead < TX_AHEAD && queued >= ahead, now);
             if self.txq.is_empty() {
                 self.want_write = false;
                 return Ok(busy);
@@ -668,6 +677,26 @@ impl LinkIo {
             }
         }
         Ok(busy)
+    }
+
+    /// The daemon's queue for the link is held at `max_queued` at `now`
+    /// (`capped`), or not: counts the time it is.
+    fn note_capped(&mut self, capped: bool, now: Instant) {
+        match (self.capped_since, capped) {
+            (None, true) => self.capped_since = Some(now),
+            (Some(since), false) => {
+                self.capped_since = None;
+                self.capped_ns = self.capped_ns.saturating_add(now.saturating_since(since).as_nanos() as u64);
+            }
+            _ => {}
+        }
+    }
+
+    /// Time the daemon's queue for the link was held at `max_queued`
+    /// while a latency-class tenant was active, up to `now`, in ns.
+    pub fn capped_ns(&self, now: Instant) -> u64 {
+        let open = self.capped_since.map_or(0, |s| now.saturating_since(s).as_nanos() as u64);
+        self.capped_ns.saturating_add(open)
     }
 
     /// One `writev` of the queued frames. Returns false if the socket took
