@@ -182,7 +182,7 @@ pub fn render_links(s: &StatReport) -> String {
 }
 
 fn render(s: &StatReport) -> String {
-    let mut out = s.tenant.as_ref().map(render_tenant).unwrap_or_default();
+    let mut out = s.tenant.as_deref().map(render_tenant).unwrap_or_default();
     out.push_str(&render_links(s));
     if s.qps.is_empty() {
         out.push_str("qps:\t\tnone of this tenant\n");

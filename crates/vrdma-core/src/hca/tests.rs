@@ -1400,7 +1400,7 @@ fn stat_pages_list_each_link_and_each_qp_of_the_tenant_once_in_order() {
     let own = |c| env.hca.stat(c, StatCursor::START).unwrap().report.tenant.expect("the tenant's figures");
     let (mine, theirs) = (own(C1), own(C3));
     assert_eq!((mine.tenant, theirs.tenant), (TENANT, OTHER_TENANT));
-    assert_eq!(mine, env.hca.tenant_report(TENANT));
+    assert_eq!(*mine, env.hca.tenant_report(TENANT));
     assert_eq!(mine.objects as usize, 2 + 2 + mine_qps, "its PDs, CQs and QPs");
     assert_eq!(theirs.objects, 3, "{theirs:?}");
 }

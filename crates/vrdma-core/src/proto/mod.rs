@@ -449,10 +449,11 @@ mod tests {
                 },
             },
         };
-        let mut latency = metrics::Histogram::default();
-        latency.counts = [u64::MAX; metrics::LATENCY_BUCKETS + 1];
-        latency.sum_ns = u64::MAX;
-        latency.count = u64::MAX;
+        let latency = metrics::Histogram {
+            counts: [u64::MAX; metrics::LATENCY_BUCKETS + 1],
+            sum_ns: u64::MAX,
+            count: u64::MAX,
+        };
         let mut tenant = metrics::TenantReport {
             tenant: TenantId(u32::MAX),
             objects: u32::MAX,
@@ -488,7 +489,7 @@ mod tests {
                 links: vec![link; STAT_PAGE_LINKS],
                 qps: vec![qp; STAT_PAGE_QPS],
                 missed_wakeups: u64::MAX,
-                tenant: Some(tenant),
+                tenant: Some(Box::new(tenant)),
             },
             next: Some(StatCursor { link: Some(u32::MAX), qpn: Some(u32::MAX) }),
         };

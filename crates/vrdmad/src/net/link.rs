@@ -888,6 +888,25 @@ mod tests {
         assert!(link.want_write, "the engine is to write it when the socket drains");
     }
 
+    /// The time the queue sits at its bound is counted from the pass
+    /// that finds it there to the first that does not, and read at any
+    /// moment with the span under way included.
+    #[test]
+    fn time_held_at_the_queue_bound_is_counted() {
+        let (mut link, _theirs, _hca, _rings) = pair();
+        link.note_capped(false, Instant(50));
+        assert_eq!(link.capped_ns(Instant(1000)), 0);
+        link.note_capped(true, Instant(100));
+        link.note_capped(true, Instant(180));
+        assert_eq!(link.capped_ns(Instant(150)), 50, "the span under way");
+        link.note_capped(false, Instant(300));
+        link.note_capped(false, Instant(400));
+        assert_eq!(link.capped_ns(Instant(1000)), 200);
+        link.note_capped(true, Instant(500));
+        link.note_capped(false, Instant(510));
+        assert_eq!(link.capped_ns(Instant(1000)), 210);
+    }
+
     /// While bounded the socket holds at most `max_queued` unsent and
     /// advertises at most that much window; after, its own settings again.
     #[test]

@@ -559,7 +559,8 @@ pub struct StatReport {
     /// The asking tenant's own figures (the metrics endpoint's per-tenant
     /// series, for that tenant only: never another's). Of fixed size, so
     /// a page stays bounded.
-    pub tenant: Option<super::metrics::TenantReport>,
+    /// Boxed: the control protocol's replies stay small.
+    pub tenant: Option<Box<super::metrics::TenantReport>>,
 }
 
 /// Where a page of a [`StatReport`] starts: the lowest link id and QP
@@ -715,7 +716,7 @@ impl Hca {
             links,
             qps,
             missed_wakeups: self.missed_wakeups,
-            tenant: Some(self.tenant_report(tenant)),
+            tenant: Some(Box::new(self.tenant_report(tenant))),
         };
         Ok(StatPage { report, next })
     }
