@@ -274,3 +274,96 @@ fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
     let (_, se) = text(&out);
     assert!(!out.status.success() && se.contains("memory_mib 100 is not a power of two"), "{se}");
 }
+
+/// `vrdma stat --json` run as `uid` (or as we are), parsed.
+fn stat_json(socket: &Path, uid: Option<u32>) -> serde_json::Value {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(VRDMA);
+    if let Some(u) = uid {
+        cmd.uid(u).gid(u);
+    }
+    let out = cmd.arg("--socket").arg(socket).args(["stat", "--json"]).output().expect("run vrdma stat");
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("vrdma stat --json prints JSON")
+}
+
+fn counter(v: &serde_json::Value, name: &str) -> u64 {
+    v["tenant"]["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}: {v}"))
+}
+
+/// `vrdma stat` without `--metrics` shows the caller's own tenant's
+/// figures, from the daemon over the control socket (no metrics endpoint
+/// configured): they move by what the tenant sent, in JSON and in text;
+/// another tenant (uid 65534, when we are root) sees its own figures,
+/// none of ours.
+#[test]
+fn stat_shows_the_callers_own_tenants_figures_and_no_other_tenants() {
+    use vrdma::wr::{self, SendWrExt};
+    const N: usize = 150;
+    const LEN: usize = 1000;
+    // The engine counts what it carries: the direct path (which skips it
+    // for one tenant's QPs on one host) is off.
+    let d = vrdma_it::DaemonProc::start_with_config("[direct]\nenabled = false\n").expect("a daemon");
+    let ctx = d.context().expect("a context");
+    let us = ctx.tenant();
+    let (a, b) = (vrdma_it::Side::new(&ctx, 1 << 16).unwrap(), vrdma_it::Side::new(&ctx, 1 << 16).unwrap());
+    vrdma_it::connect(&a, &b).unwrap();
+    let before = stat_json(&d.socket, None);
+    assert_eq!(before["tenant"]["tenant"].as_u64(), Some(u64::from(us)), "{before}");
+    assert!(before["tenant"]["objects"].as_u64().unwrap() >= 8, "two PDs, MRs, CQs, QPs: {before}");
+    assert!(before["tenant"]["registered_bytes"].as_u64().unwrap() >= 2 << 16, "{before}");
+    let mut done = 0;
+    while done < N {
+        let k = (N - done).min(64);
+        for i in 0..k {
+            b.qp.post_recv(&[wr::recv(i as u64, &[b.mr.sge(0, LEN).unwrap()]).unwrap()]).unwrap();
+        }
+        for i in 0..k {
+            a.qp.post_send(&[wr::send(i as u64, &[a.mr.sge(0, LEN).unwrap()]).unwrap().signaled()]).unwrap();
+        }
+        for cq in [&a.cq, &b.cq] {
+            let wcs = vrdma_it::poll_n(cq, k, vrdma_it::WAIT).unwrap();
+            assert!(wcs.iter().all(|w| w.status == vrdma::WcStatus::Success), "{wcs:?}");
+        }
+        done += k;
+    }
+    let after = stat_json(&d.socket, None);
+    let moved = |name: &str| counter(&after, name) - counter(&before, name);
+    for (name, at_least) in [
+        ("messages_sent", N),
+        ("bytes_sent", N * LEN),
+        ("messages_received", N),
+        ("bytes_received", N * LEN),
+        ("turns", 1),
+    ] {
+        assert!(moved(name) >= at_least as u64, "{name} moved {} < {at_least}: {after}", moved(name));
+    }
+    assert!(counter(&after, "engine_ns") > 0, "{after}");
+    assert_eq!(counter(&after, "completions_error"), 0);
+    let latency = &after["tenant"]["counters"]["latency"];
+    assert!(latency["count"].as_u64().unwrap() >= N as u64, "{latency}");
+    let q = &after["tenant"]["latency_quantiles"];
+    let (p50, p99) = (q["p50_ns_at_most"].as_u64().unwrap(), q["p99_ns_at_most"].as_u64().unwrap());
+    assert!(p50 > 0 && p50 <= p99, "{q}");
+
+    let out = vrdma(&d.socket, &["stat"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with(&format!("tenant:\t\tuid:{us} (")), "{text}");
+    assert!(text.lines().any(|l| l.contains("sent:") && l.contains(" messages / ")), "{text}");
+    assert!(text.lines().any(|l| l.contains("latency:") && l.contains("p99 <= ")), "{text}");
+
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        vrdma_it::skip("the other tenant needs root (to run vrdma stat as uid 65534)");
+        return;
+    }
+    const NOBODY: u32 = 65534;
+    let theirs = stat_json(&d.socket, Some(NOBODY));
+    assert_eq!(theirs["tenant"]["tenant"].as_u64(), Some(u64::from(NOBODY)), "{theirs}");
+    for name in ["messages_sent", "bytes_sent", "messages_received", "bytes_received", "turns", "engine_ns"] {
+        assert_eq!(counter(&theirs, name), 0, "another tenant sees {name}: {theirs}");
+    }
+    assert_eq!(theirs["tenant"]["counters"]["latency"]["count"].as_u64(), Some(0), "{theirs}");
+    assert!(theirs["qps"].as_array().is_some_and(|q| q.is_empty()), "none of our QPs: {theirs}");
+    assert!(theirs["tenant"]["registered_bytes"].as_u64() < Some(2 << 16), "{theirs}");
+}

@@ -124,6 +124,7 @@ fn quick_study_writes_the_report() {
         charts.push("fairness");
         assert!(md.contains("Table 4. Four tenants at once"), "{md}");
         assert!(md.contains("Table 5. Latency beside a hog"), "{md}");
+        assert!(md.contains("Table 6. Latency beside a hog, across hosts"), "{md}");
         assert!(md.contains("beside a 64-QP hog, latency_class \"latency\""), "{md}");
         for p in ["container-container", "host-host"] {
             assert!(md.contains(&format!("| {p}")), "placement {p} is missing: {md}");
@@ -352,4 +353,72 @@ fn bad_arguments_are_refused_clearly() {
         assert!(err.lines().count() < 15, "{args:?}: a long message: {err}");
     }
     assert!(!fresh.exists(), "a refused study created its output directory");
+}
+
+/// The latency-beside-a-hog cell across hosts (two namespaces, a daemon
+/// in each): every run has its three rows (unloaded, beside the hog
+/// without and with the latency class), consistent with each other (a
+/// median above 0, its p99 at least its median, one unit), and the
+/// report's table shows each beside the unloaded anchor of the same run
+/// as a ratio. The figures themselves are not asserted.
+#[test]
+fn the_latency_cell_across_hosts_has_its_rows_in_every_run() {
+    if !is_root() {
+        eprintln!("skipped: the cell needs root (namespaces, tenants as uids)");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("report");
+    let started = Instant::now();
+    let p = Proc(
+        Command::new(VRDMA)
+            .args(["study", "--quick", "--no-anchors", "--placements", "hosts", "--out"])
+            .arg(&out)
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let (status, _, _) = p.finish(Duration::from_secs(300));
+    assert!(status.success(), "vrdma study --quick --placements hosts: {status}");
+    eprintln!("vrdma study --quick --no-anchors --placements hosts took {:?}", started.elapsed());
+    let data: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("data.json")).unwrap()).unwrap();
+    let records = data["records"].as_array().expect("records");
+    let cell: Vec<&serde_json::Value> = records.iter().filter(|r| r["section"] == "protection").collect();
+    let tests = [
+        "rc_lat 8 B, unloaded (anchor of this cell)",
+        "rc_lat 8 B beside a 64-QP hog, latency_class \"normal\"",
+        "rc_lat 8 B beside a 64-QP hog, latency_class \"latency\"",
+    ];
+    assert_eq!(cell.len(), 2 * tests.len(), "two runs of three rows, and no one-host cell: {cell:?}");
+    for run in 1..=2u64 {
+        for t in tests {
+            let r = cell
+                .iter()
+                .find(|r| r["run"] == run && r["test"] == t)
+                .unwrap_or_else(|| panic!("run {run}: no row {t:?}: {cell:?}"));
+            assert_eq!(r["placement"], "hosts", "{r}");
+            assert_eq!((r["unit"].as_str(), r["size"].as_u64()), (Some("us"), Some(8)), "{r}");
+            let median = r["value"].as_f64().unwrap();
+            assert!(median > 0.0, "{r}");
+            if let Some(p99) = r["p99_us"].as_f64() {
+                assert!(p99 >= median, "a p99 below its median: {r}");
+            }
+        }
+    }
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("Table 6. Latency beside a hog, across hosts"), "{md}");
+    assert!(!md.contains("Table 5. Latency beside a hog"), "no one-host cell was asked for: {md}");
+    for (t, ratio) in tests.iter().zip([Some("1.00x"), None, None]) {
+        let row = md
+            .lines()
+            .find(|l| l.starts_with(&format!("| {t} |")))
+            .unwrap_or_else(|| panic!("no row {t:?} in the table: {md}"));
+        let last = row.trim_end_matches('|').rsplit('|').next().unwrap().trim();
+        assert!(last.ends_with('x'), "the ratio to the unloaded anchor: {row}");
+        if let Some(r) = ratio {
+            assert_eq!(last, r, "{row}");
+        }
+    }
 }

@@ -93,6 +93,9 @@ fn a_scrape_shows_each_tenants_traffic_under_its_own_label() -> Result<()> {
         assert!(before.contains(&format!("# TYPE {family} counter\n")), "{before}");
     }
     assert!(before.contains("# TYPE vrdma_tenant_message_latency_seconds histogram\n"));
+    for family in ["vrdma_tenant_link_throttled_seconds_total", "vrdma_link_throttled_seconds_total"] {
+        assert!(before.contains(&format!("# TYPE {family} counter\n")), "{before}");
+    }
     assert!(value(&before, "vrdma_tenant_objects", uid) >= 6.0, "two PDs, MRs, CQs, QPs: {before}");
     let mut last = before;
     for round in 0..2 {
@@ -129,6 +132,8 @@ fn a_scrape_shows_each_tenants_traffic_under_its_own_label() -> Result<()> {
             .unwrap_or(0.0)
     };
     assert!(passes(&last) > 0.0, "{last}");
+    // On one host no link holds anything back.
+    assert_eq!(value(&last, "vrdma_tenant_link_throttled_seconds_total", uid), 0.0, "{last}");
 
     // A second tenant, of another uid: its own series, its own counts.
     // SAFETY: geteuid has no preconditions.

@@ -35,6 +35,38 @@ fn root() -> bool {
     false
 }
 
+/// What the link scheduler of `d` counted as held back by rate limits:
+/// on its links (summed), and for our own tenant (uid 0), in ns; read
+/// with `vrdma stat`'s call, as the tenant.
+fn held_back(d: &DaemonProc) -> Result<(u64, u64)> {
+    let s = d.context()?.stat()?;
+    let link: u64 = s.links.iter().map(|l| l.stats.throttle.rate_limited_ns).sum();
+    let ours = s.tenant.map_or(0, |t| t.counters.link_throttled_ns);
+    Ok((link, ours))
+}
+
+/// The metrics endpoint of `d` (in its network namespace) scraped with
+/// `curl` there.
+fn scrape_in(d: &DaemonProc, port: u16) -> Result<String> {
+    let ns = d.netns.as_deref().unwrap_or_default();
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let out = std::process::Command::new("ip")
+        .args(["netns", "exec", ns, "curl", "-sS", "--fail", "--max-time", "20", &url])
+        .output()?;
+    if !out.status.success() {
+        bail!("curl {url} in {ns}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    Ok(String::from_utf8(out.stdout)?)
+}
+
+/// The values of the samples of `name` whose labels contain `with`.
+fn samples(text: &str, name: &str, with: &str) -> Vec<f64> {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && l.contains(with))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect()
+}
+
 /// Starts `count` writes of `len` from `p` and returns once they began.
 fn start_flood(p: &mut PeerProc, addr: u64, rkey: u32, len: usize, count: u64) -> Result<()> {
     p.send(&Command::Flood { remote_addr: addr, rkey, len, count })?;
@@ -111,6 +143,11 @@ fn across_hosts_the_heavier_weight_gets_more_of_the_link() -> Result<()> {
             "across hosts the tenant of weight 3 moved {heavy} B while the one of weight 1 moved {light} B"
         );
     }
+    // Weights hold nothing back: no rate limit counted on the link.
+    let held = held_back(&h.a)?;
+    if held != (0, 0) {
+        bail!("no tenant is rate-limited, yet the link and our tenant were held back {held:?} ns");
+    }
     Ok(())
 }
 
@@ -124,8 +161,12 @@ fn a_rate_limit_holds_for_what_a_tenant_sends_to_another_host() -> Result<()> {
     }
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
     const RATE: u64 = 40_000_000;
-    let extra = "[direct]\nenabled = false\n[tenants.0]\nrate_bytes_per_s = \"40M\"\n";
-    let Some(h) = NetnsHosts::start(extra)? else { return Ok(()) };
+    // Each daemon serves its metrics on its own namespace's loopback.
+    const PORT: u16 = 9464;
+    let extra = format!(
+        "metrics_listen = \"127.0.0.1:{PORT}\"\n[direct]\nenabled = false\n[tenants.0]\nrate_bytes_per_s = \"40M\"\n"
+    );
+    let Some(h) = NetnsHosts::start(&extra)? else { return Ok(()) };
     let (a, b) = vrdma_it::across::pair(&h.a, &h.b, false)?;
     let sge = a.mr.sge(0, LEN)?;
     let mut wcs = vrdma::wc_buffer(64);
@@ -181,6 +222,34 @@ fn a_rate_limit_holds_for_what_a_tenant_sends_to_another_host() -> Result<()> {
         if e.abs() > 0.25 {
             bail!("window {i}: a tenant limited to {RATE} B/s sent {} B/s to another host", windows[i]);
         }
+    }
+    // What the limit held back is counted: on the link, for our tenant,
+    // in `vrdma stat`'s reply and in the metrics; never more than the
+    // time the stream ran, and nothing for the latency class.
+    let (link, ours) = held_back(&h.a)?;
+    let ran = t0.elapsed().as_nanos() as u64;
+    eprintln!(
+        "across hosts, limit {RATE} B/s: held back {link} ns on the link, {ours} ns for the tenant, of {ran}"
+    );
+    if link == 0 || ours == 0 || link > ran || ours > ran {
+        bail!("the limit held the tenant back {ours} ns and the link {link} ns in {ran} ns");
+    }
+    let text = scrape_in(&h.a, PORT)?;
+    let rate = samples(&text, "vrdma_link_throttled_seconds_total", "reason=\"rate_limit\"");
+    let cap = samples(&text, "vrdma_link_throttled_seconds_total", "reason=\"queue_cap\"");
+    let tenant = samples(&text, "vrdma_tenant_link_throttled_seconds_total", "tenant=\"uid:0\"");
+    let cut = samples(&text, "vrdma_link_cut_frames_total", "link=");
+    if rate.iter().sum::<f64>() <= 0.0 || tenant.first().is_none_or(|&t| t <= 0.0) {
+        bail!("the metrics show no time held back by the rate limit: {rate:?} {tenant:?}\n{text}");
+    }
+    if cap.iter().any(|&c| c != 0.0) || cut.iter().any(|&c| c != 0.0) || cap.is_empty() || cut.is_empty() {
+        bail!("no latency-class tenant, yet a queue cap or cut frames: {cap:?} {cut:?}");
+    }
+    // The other host's daemon held nothing back.
+    let text = scrape_in(&h.b, PORT)?;
+    let b_rate = samples(&text, "vrdma_link_throttled_seconds_total", "reason=\"rate_limit\"");
+    if b_rate.iter().any(|&r| r != 0.0) {
+        bail!("host b has no limited tenant, yet its link counted {b_rate:?}");
     }
     Ok(())
 }

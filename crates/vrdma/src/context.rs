@@ -248,8 +248,10 @@ impl Context {
         }
     }
 
-    /// The device's links to other hosts' daemons, and the path (shared
-    /// memory or a link) each QP of this tenant takes.
+    /// This tenant's own figures (its counters as the metrics endpoint
+    /// shows them, for it alone), the device's links to other hosts'
+    /// daemons, and the path (shared memory or a link) each QP of this
+    /// tenant takes.
     ///
     /// The daemon answers in pages; this asks for each in turn. Objects
     /// created or destroyed meanwhile may or may not show.
@@ -272,6 +274,10 @@ impl Context {
             all.links.extend(page.report.links);
             all.qps.extend(page.report.qps);
             all.missed_wakeups = all.missed_wakeups.max(page.report.missed_wakeups);
+            // The tenant's own figures, as of the first page.
+            if all.tenant.is_none() {
+                all.tenant = page.report.tenant;
+            }
             match page.next {
                 None => return Ok(all),
                 Some(next) if advances(from.link, next.link) && advances(from.qpn, next.qpn) => from = next,

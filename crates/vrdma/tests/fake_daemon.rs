@@ -984,11 +984,16 @@ fn stat_joins_the_daemons_pages() {
     let next = StatCursor { link: None, qpn: Some(9) };
     fake.st().stat_pages.extend([
         StatPage {
-            report: StatReport { links: vec![], qps: vec![qp_report(3), qp_report(5)], missed_wakeups: 0 },
+            report: StatReport {
+                links: vec![],
+                qps: vec![qp_report(3), qp_report(5)],
+                missed_wakeups: 0,
+                tenant: None,
+            },
             next: Some(next),
         },
         StatPage {
-            report: StatReport { links: vec![], qps: vec![qp_report(9)], missed_wakeups: 2 },
+            report: StatReport { links: vec![], qps: vec![qp_report(9)], missed_wakeups: 2, tenant: None },
             next: None,
         },
     ]);

@@ -1,5 +1,8 @@
-//! `vrdma stat`: the links to other hosts' daemons, and the path each QP
-//! of the caller's tenant takes (shared memory on this host, or a link).
+//! `vrdma stat`: the caller's own tenant's figures (the metrics
+//! endpoint's per-tenant series, for this tenant only, from the daemon
+//! over the control socket: no endpoint needed, and never another
+//! tenant's), the links to other hosts' daemons, and the path each QP of
+//! the caller's tenant takes (shared memory on this host, or a link).
 //! With `--metrics ADDR`: the daemon's metrics endpoint (`metrics_listen`)
 //! read and shown for a person: a table per tenant, the engine and the
 //! links (`--prometheus`: the exposition as served).
@@ -8,6 +11,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context as _, Result};
 use vrdma::Context;
+use vrdma_core::hca::metrics::TenantReport;
 use vrdma_core::hca::{Path, StatReport};
 
 #[derive(clap::Args)]
@@ -41,11 +45,112 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     })?;
     let s = ctx.stat()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+        println!("{}", serde_json::to_string_pretty(&to_json(&s)?)?);
     } else {
         print!("{}", render(&s));
     }
     Ok(())
+}
+
+/// The quantiles shown of a tenant's latency histogram.
+const QUANTILES: [(&str, f64); 3] = [("p50", 0.5), ("p90", 0.9), ("p99", 0.99)];
+
+/// The report as JSON, the tenant's latency quantiles added (each the
+/// bound of the histogram bucket it falls in, in ns; null above every
+/// bound or without samples).
+fn to_json(s: &StatReport) -> Result<serde_json::Value> {
+    let mut v = serde_json::to_value(s)?;
+    if let (Some(t), Some(obj)) = (&s.tenant, v.get_mut("tenant").and_then(|t| t.as_object_mut())) {
+        let q: serde_json::Map<String, serde_json::Value> = QUANTILES
+            .iter()
+            .map(|(name, q)| {
+                let ns = t.counters.latency.quantile_bound_ns(*q).filter(|&n| n != u64::MAX);
+                (format!("{name}_ns_at_most"), ns.into())
+            })
+            .collect();
+        obj.insert("latency_quantiles".into(), q.into());
+    }
+    Ok(v)
+}
+
+fn duration_ns(ns: u64) -> String {
+    match ns {
+        n if n >= 1_000_000_000 => format!("{:.3} s", n as f64 / 1e9),
+        n if n >= 1_000_000 => format!("{:.3} ms", n as f64 / 1e6),
+        n if n >= 1_000 => format!("{:.1} us", n as f64 / 1e3),
+        n => format!("{n} ns"),
+    }
+}
+
+/// The caller's tenant's figures, for a person.
+fn render_tenant(t: &TenantReport) -> String {
+    let c = &t.counters;
+    let mut out = String::new();
+    out.push_str(&format!(
+        "tenant:		{} ({} objects, {} registered)
+",
+        tenant_name(t.tenant),
+        t.objects,
+        human_bytes(t.registered_bytes as f64)
+    ));
+    out.push_str(&format!(
+        "  sent:		{} messages / {}
+  received:	{} messages / {}
+  errors:	{} completions
+",
+        c.messages_sent,
+        human_bytes(c.bytes_sent as f64),
+        c.messages_received,
+        human_bytes(c.bytes_received as f64),
+        c.completions_error
+    ));
+    out.push_str(&format!(
+        "  engine:	{} in {} turns, throttled {} ({} rate-limited shares), held back on links {}
+",
+        duration_ns(c.engine_ns),
+        c.turns,
+        duration_ns(c.throttled_ns),
+        c.throttled_shares,
+        duration_ns(c.link_throttled_ns)
+    ));
+    let h = &c.latency;
+    if h.count == 0 {
+        out.push_str(
+            "  latency:	no message yet
+",
+        );
+    } else {
+        let q: Vec<String> = QUANTILES
+            .iter()
+            .map(|(name, q)| match h.quantile_bound_ns(*q) {
+                Some(u64::MAX) => format!(
+                    "{name} > {}",
+                    duration_ns(vrdma_core::hca::metrics::bucket_bound_ns(
+                        vrdma_core::hca::metrics::LATENCY_BUCKETS - 1
+                    ))
+                ),
+                Some(ns) => format!("{name} <= {}", duration_ns(ns)),
+                None => format!("{name} -"),
+            })
+            .collect();
+        out.push_str(&format!(
+            "  latency:	{} messages, mean {}, {}
+",
+            h.count,
+            duration_ns(h.sum_ns / h.count),
+            q.join(", ")
+        ));
+    }
+    out
+}
+
+/// A tenant as the metrics label it.
+fn tenant_name(t: vrdma_core::hca::TenantId) -> String {
+    if t.is_host_local() {
+        format!("local:{}", t.0 - vrdma_core::hca::TenantId::HOST_LOCAL_BASE)
+    } else {
+        format!("uid:{}", t.0)
+    }
 }
 
 /// The text form, also used by `vrdma devinfo`.
@@ -56,7 +161,7 @@ pub fn render_links(s: &StatReport) -> String {
     }
     for l in &s.links {
         out.push_str(&format!(
-            "link {}:\t\tpeer gid {} lid {} chunk {} {}, {} QPs, out {} frames / {} B, in {} frames / {} B, dropped {}\n",
+            "link {}:\t\tpeer gid {} lid {} chunk {} {}, {} QPs, out {} frames / {} B, in {} frames / {} B, dropped {}, rate-limited {}, cut frames {} / {} B\n",
             l.id.0,
             l.info.gid,
             l.info.lid,
@@ -67,14 +172,18 @@ pub fn render_links(s: &StatReport) -> String {
             l.stats.payload_out,
             l.stats.frames_in,
             l.stats.payload_in,
-            l.stats.dropped_in
+            l.stats.dropped_in,
+            duration_ns(l.stats.throttle.rate_limited_ns),
+            l.stats.throttle.cut_frames,
+            l.stats.throttle.cut_bytes
         ));
     }
     out
 }
 
 fn render(s: &StatReport) -> String {
-    let mut out = render_links(s);
+    let mut out = s.tenant.as_deref().map(render_tenant).unwrap_or_default();
+    out.push_str(&render_links(s));
     if s.qps.is_empty() {
         out.push_str("qps:\t\tnone of this tenant\n");
     }
@@ -213,7 +322,7 @@ pub fn render_metrics(text: &str) -> String {
     }
     let _ = writeln!(
         out,
-        "{:<14} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9} {:>9}",
+        "{:<14} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>9} {:>9} {:>9} {:>9}",
         "tenant",
         "objects",
         "registered",
@@ -224,6 +333,7 @@ pub fn render_metrics(text: &str) -> String {
         "errors",
         "engine s",
         "throttled",
+        "link held",
         "mean lat"
     );
     for (t, m) in &tenants {
@@ -236,7 +346,7 @@ pub fn render_metrics(text: &str) -> String {
         };
         let _ = writeln!(
             out,
-            "{:<14} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>9.3} {:>9.3} {:>9}",
+            "{:<14} {:>7} {:>10} {:>10} {:>10} {:>10} {:>10} {:>7} {:>9.3} {:>9.3} {:>9.3} {:>9}",
             t,
             g("vrdma_tenant_objects"),
             human_bytes(g("vrdma_tenant_registered_bytes")),
@@ -247,16 +357,22 @@ pub fn render_metrics(text: &str) -> String {
             g("vrdma_tenant_completion_errors_total"),
             g("vrdma_tenant_engine_seconds_total"),
             g("vrdma_tenant_throttled_seconds_total"),
+            g("vrdma_tenant_link_throttled_seconds_total"),
             mean
         );
     }
     if tenants.is_empty() {
         out.push_str("(no tenant yet)\n");
     }
-    let mut links: BTreeMap<(String, String), BTreeMap<&str, f64>> = BTreeMap::new();
+    // Per link: name (with its reason, if any: `name:reason`) -> value.
+    let mut links: BTreeMap<(String, String), BTreeMap<String, f64>> = BTreeMap::new();
     for (n, l, v) in &all {
         if let (Some(id), Some(peer)) = (label(l, "link"), label(l, "peer")) {
-            links.entry((id, peer)).or_default().insert(n, *v);
+            let key = match label(l, "reason") {
+                Some(r) => format!("{n}:{r}"),
+                None => n.to_string(),
+            };
+            links.entry((id, peer)).or_default().insert(key, *v);
         }
     }
     for ((id, peer), m) in &links {
@@ -272,6 +388,14 @@ pub fn render_metrics(text: &str) -> String {
             human_bytes(g("vrdma_link_bytes_received_total")),
             g("vrdma_link_frames_dropped_total"),
             g("vrdma_link_retransmissions_total"),
+        );
+        let _ = writeln!(
+            out,
+            "link {id} held back: rate limits {:.3} s, latency-class queue cap {:.3} s, {} frames / {} cut for the latency class",
+            g("vrdma_link_throttled_seconds_total:rate_limit"),
+            g("vrdma_link_throttled_seconds_total:queue_cap"),
+            g("vrdma_link_cut_frames_total"),
+            human_bytes(g("vrdma_link_cut_bytes_total")),
         );
     }
     for (n, l, v) in &all {
@@ -296,11 +420,19 @@ mod metrics_tests {
                     vrdma_tenant_message_latency_seconds_bucket{tenant=\"uid:1000\",le=\"+Inf\"} 5\n\
                     vrdma_tenant_message_latency_seconds_sum{tenant=\"uid:1000\"} 0.00001\n\
                     vrdma_tenant_message_latency_seconds_count{tenant=\"uid:1000\"} 5\n\
-                    vrdma_limited_inputs_total{message=\"a \\\"quoted\\\" line\"} 3\n";
+                    vrdma_limited_inputs_total{message=\"a \\\"quoted\\\" line\"} 3\n\
+                    vrdma_link_up{link=\"1\",peer=\"::1\"} 1\n\
+                    vrdma_link_throttled_seconds_total{link=\"1\",peer=\"::1\",reason=\"rate_limit\"} 0.25\n\
+                    vrdma_link_throttled_seconds_total{link=\"1\",peer=\"::1\",reason=\"queue_cap\"} 0.5\n\
+                    vrdma_link_cut_frames_total{link=\"1\",peer=\"::1\"} 4\n";
         let out = render_metrics(text);
         assert!(out.contains("12 passes"), "{out}");
         let row = out.lines().find(|l| l.starts_with("uid:1000")).expect("a row for the tenant");
         assert!(row.contains(" 5 ") && row.contains("2.0 KiB") && row.contains("2.0 us"), "{row}");
         assert!(out.contains("3 x a \"quoted\" line"), "{out}");
+        assert!(
+            out.contains("link 1 held back: rate limits 0.250 s, latency-class queue cap 0.500 s, 4 frames"),
+            "{out}"
+        );
     }
 }

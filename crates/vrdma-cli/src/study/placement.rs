@@ -84,27 +84,8 @@ impl Site {
             }
             Placement::Vm => bail!("the vm placement's VMs are set up by study::vm"),
             Placement::Hosts => {
-                let pair = ns.pair("h", 20)?;
-                let psk = psk();
-                let port = vrdmad::config::DEFAULT_WIRE_PORT;
-                let mut places = Vec::new();
-                for i in 0..2 {
-                    let sock = env.dir.join(format!("host{i}.sock"));
-                    let (me, peer) = (pair.addr[i], pair.addr[1 - i]);
-                    let toml = format!(
-                        "address = \"{me}\"\n[net]\nlisten = \"{me}:{port}\"\nport = {port}\npsk = \"{psk}\"\n\
-                         peers = [\"{peer}:{port}\"]\n"
-                    );
-                    let name = format!("host{}", ["A", "B"][i]);
-                    daemons.push(daemon(env, &name, &sock, Some(&pair.path[i]), &toml)?);
-                    places.push(Place {
-                        netns: Some(pair.path[i].clone()),
-                        socket: sock,
-                        addr: IpAddr::V4(me),
-                    });
-                }
-                wait_linked(&places[0].socket, Duration::from_secs(15))?;
-                wait_linked(&places[1].socket, Duration::from_secs(15))?;
+                let (ds, places, pair) = host_pair(env, &mut ns, "h", 20, "host", "")?;
+                daemons.extend(ds);
                 let d = format!(
                     "two namespaces joined by veth ({} and {}), a daemon in each linked by the TCP transport; \
                      senders on host A, receivers on host B",
@@ -120,6 +101,40 @@ impl Site {
     pub fn alive(&mut self) -> bool {
         self.daemons.iter_mut().all(|d| d.running())
     }
+}
+
+/// Two hosts: namespaces `TAG-a` and `TAG-b` joined by veth (10.78.SUBNET.0/24),
+/// a daemon named `NAME`A and `NAME`B in each, linked by the TCP transport,
+/// with `extra` TOML (tables) added to each one's configuration. Returns the
+/// daemons (to drop before `ns`), the places and the pair.
+pub(super) fn host_pair(
+    env: &Env,
+    ns: &mut Namespaces,
+    tag: &str,
+    subnet: u8,
+    name: &str,
+    extra: &str,
+) -> Result<(Vec<Proc>, [Place; 2], super::netns::Pair)> {
+    let pair = ns.pair(tag, subnet)?;
+    let psk = psk();
+    let port = vrdmad::config::DEFAULT_WIRE_PORT;
+    let mut daemons = Vec::new();
+    let mut places = Vec::new();
+    for i in 0..2 {
+        let sock = env.dir.join(format!("{name}{i}.sock"));
+        let (me, peer) = (pair.addr[i], pair.addr[1 - i]);
+        let toml = format!(
+            "address = \"{me}\"\n[net]\nlisten = \"{me}:{port}\"\nport = {port}\npsk = \"{psk}\"\n\
+             peers = [\"{peer}:{port}\"]\n{extra}"
+        );
+        let dname = format!("{name}{}", ["A", "B"][i]);
+        daemons.push(daemon(env, &dname, &sock, Some(&pair.path[i]), &toml)?);
+        places.push(Place { netns: Some(pair.path[i].clone()), socket: sock, addr: IpAddr::V4(me) });
+    }
+    wait_linked(&places[0].socket, Duration::from_secs(15))?;
+    wait_linked(&places[1].socket, Duration::from_secs(15))?;
+    let [a, b]: [Place; 2] = places.try_into().map_err(|_| anyhow::anyhow!("two places"))?;
+    Ok((daemons, [a, b], pair))
 }
 
 /// A daemon process (`vrdma daemon`) on `sock`, in `netns`, with `toml`.

@@ -133,12 +133,16 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
         } else {
             0
         };
-    // The latency-beside-a-hog cell: one host, tenants as uids.
+    // The latency-beside-a-hog cells: one host, and across hosts (two
+    // namespaces, a daemon in each), tenants as uids.
     let protect = plan.as_uids && plan.placements.contains(&Placement::Process);
+    let protect_hosts = plan.as_uids && plan.placements.contains(&Placement::Hosts);
     let protect_est =
         Duration::from_secs_f64(5.0 + f64::from(plan.runs) * (3.0 * (plan.set_seconds + 1.5) + 1.5));
-    let total = total + if protect { protect_est } else { Duration::ZERO };
-    steps += usize::from(protect);
+    let total = total
+        + if protect { protect_est } else { Duration::ZERO }
+        + if protect_hosts { protect_est } else { Duration::ZERO };
+    steps += usize::from(protect) + usize::from(protect_hosts);
     let mut progress = Progress::new(total, steps);
 
     let mut st = State { records: Vec::new(), failures: Vec::new() };
@@ -274,6 +278,12 @@ fn execute(plan: Plan, run_id: &str, started: &str, logs: &Path, start: Instant)
         progress.start("process: 8 B latency beside a 64-QP hog, with and without latency_class");
         let r = super::protect::cell(&env, &plan, &interrupted);
         st.take(r, "latency beside a hog".into(), &progress);
+        progress.done(protect_est);
+    }
+    if protect_hosts && !interrupted() {
+        progress.start("hosts: 8 B latency across hosts beside a 64-QP hog, with and without latency_class");
+        let r = super::protect::cell_hosts(&env, &plan, &interrupted);
+        st.take(r, "latency beside a hog across hosts".into(), &progress);
         progress.done(protect_est);
     }
     progress.finish();

@@ -76,6 +76,28 @@ impl Histogram {
         self.sum_ns = self.sum_ns.saturating_add(ns);
         self.count += 1;
     }
+
+    /// The upper bound, in nanoseconds, of the bucket the `q`-quantile
+    /// (0 to 1) falls in: the quantile is at most that (and above the
+    /// bucket below's bound). `u64::MAX` when it falls above every bound;
+    /// `None` without samples. The buckets double, so this overstates by
+    /// up to 2x: a figure for a person, not a benchmark.
+    pub fn quantile_bound_ns(&self, q: f64) -> Option<u64> {
+        let total: u64 = self.counts.iter().sum();
+        if total == 0 {
+            return None;
+        }
+        // The rank of the sample wanted, 1-based: at least the first.
+        let rank = ((q.clamp(0.0, 1.0) * total as f64).ceil() as u64).max(1);
+        let mut seen = 0u64;
+        for (i, &c) in self.counts.iter().enumerate() {
+            seen += c;
+            if seen >= rank {
+                return Some(if i < LATENCY_BUCKETS { bucket_bound_ns(i) } else { u64::MAX });
+            }
+        }
+        Some(u64::MAX)
+    }
 }
 
 /// One tenant's counters since the daemon started (or since the tenant
@@ -102,6 +124,11 @@ pub struct TenantCounters {
     /// work pending.
     #[serde(default)]
     pub throttled_shares: u64,
+    /// Time its requests on links to other hosts waited for its rate limit
+    /// while its QPs there may have had frames to send, summed over the
+    /// links (see `remote::LinkThrottle`).
+    #[serde(default)]
+    pub link_throttled_ns: u64,
     pub latency: Histogram,
     /// The end of a share that left work, not yet followed by another.
     #[serde(skip)]
@@ -230,6 +257,22 @@ mod tests {
         }
         assert_eq!((h.counts[0], h.counts[1], h.counts[LATENCY_BUCKETS], h.count), (1, 2, 1, 4));
         assert_eq!(h.sum_ns, u64::MAX, "the sum saturates");
+    }
+
+    #[test]
+    fn a_quantile_is_bounded_by_the_bucket_it_falls_in() {
+        let mut h = Histogram::default();
+        assert_eq!(h.quantile_bound_ns(0.5), None, "no samples");
+        for _ in 0..98 {
+            h.record(1500);
+        }
+        h.record(5000);
+        h.record(u64::MAX);
+        assert_eq!(h.quantile_bound_ns(0.0), Some(2048), "the first sample at least");
+        assert_eq!(h.quantile_bound_ns(0.5), Some(2048));
+        assert_eq!(h.quantile_bound_ns(0.98), Some(2048));
+        assert_eq!(h.quantile_bound_ns(0.99), Some(8192));
+        assert_eq!(h.quantile_bound_ns(1.0), Some(u64::MAX), "above every bound");
     }
 
     #[test]

@@ -46,8 +46,8 @@ pub use direct::{
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 pub use remote::{
-    IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, Path, QpPathReport, Sink, StatCursor, StatPage,
-    StatReport, Transmit, STAT_PAGE_LINKS, STAT_PAGE_QPS, TX_HEADER_CAP,
+    IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, LinkThrottle, Path, QpPathReport, Sink, StatCursor,
+    StatPage, StatReport, Transmit, STAT_PAGE_LINKS, STAT_PAGE_QPS, TX_HEADER_CAP,
 };
 
 use crate::verbs::QpCap;
@@ -207,18 +207,18 @@ impl Hca {
             }
         }
         tenants.sort();
-        tenants
-            .into_iter()
-            .map(|t| {
-                let (objects, registered_bytes) = self.usage(t);
-                metrics::TenantReport {
-                    tenant: t,
-                    objects,
-                    registered_bytes,
-                    counters: self.metrics.tenants.get(&t).cloned().unwrap_or_default(),
-                }
-            })
-            .collect()
+        tenants.into_iter().map(|t| self.tenant_report(t)).collect()
+    }
+
+    /// The figures of one tenant (zeros for one the engine never served).
+    pub fn tenant_report(&self, t: TenantId) -> metrics::TenantReport {
+        let (objects, registered_bytes) = self.usage(t);
+        metrics::TenantReport {
+            tenant: t,
+            objects,
+            registered_bytes,
+            counters: self.metrics.tenants.get(&t).cloned().unwrap_or_default(),
+        }
     }
 
     /// The counters of `t`, made on first use.

@@ -1389,12 +1389,20 @@ fn stat_pages_list_each_link_and_each_qp_of_the_tenant_once_in_order() {
     }
     assert_eq!(pages, 3);
     assert_eq!(seen_qps, mine);
+    let mine_qps = mine.len();
     assert!(!seen_qps.contains(&theirs));
     assert_eq!(seen_links, links);
     // The other tenant sees only its own QP, and every link.
     let page = env.hca.stat(C3, StatCursor::START).unwrap();
     assert_eq!(page.report.qps.iter().map(|q| q.qpn).collect::<Vec<_>>(), vec![theirs]);
     assert_eq!(page.next, Some(StatCursor { link: Some(links[STAT_PAGE_LINKS]), qpn: None }));
+    // Each sees its own tenant's figures, and only those.
+    let own = |c| env.hca.stat(c, StatCursor::START).unwrap().report.tenant.expect("the tenant's figures");
+    let (mine, theirs) = (own(C1), own(C3));
+    assert_eq!((mine.tenant, theirs.tenant), (TENANT, OTHER_TENANT));
+    assert_eq!(*mine, env.hca.tenant_report(TENANT));
+    assert_eq!(mine.objects as usize, 2 + 2 + mine_qps, "its PDs, CQs and QPs");
+    assert_eq!(theirs.objects, 3, "{theirs:?}");
 }
 
 #[test]

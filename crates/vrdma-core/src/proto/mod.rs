@@ -24,8 +24,10 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// id's event, taken off its channel, which a library of version 2 would
 /// lose. 4: `CmRequest::CreateQp`, `rdma_create_qp` in one call. 5:
 /// `CmRequest::AttachQp` (and `CreateQp`) may name an id and a QP of two
-/// contexts of one process, and a `CmEvent` carries its id's addresses.)
-pub const PROTOCOL_VERSION: u32 = 6;
+/// contexts of one process, and a `CmEvent` carries its id's addresses.
+/// 7: a `StatReport` carries the asking tenant's own figures, and a
+/// link's stats what its scheduler held back.)
+pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Most file descriptors one message carries.
@@ -440,8 +442,40 @@ mod tests {
                 frames_in: u64::MAX,
                 payload_in: u64::MAX,
                 dropped_in: u64::MAX,
+                throttle: LinkThrottle {
+                    rate_limited_ns: u64::MAX,
+                    cut_frames: u64::MAX,
+                    cut_bytes: u64::MAX,
+                },
             },
         };
+        let latency = metrics::Histogram {
+            counts: [u64::MAX; metrics::LATENCY_BUCKETS + 1],
+            sum_ns: u64::MAX,
+            count: u64::MAX,
+        };
+        let mut tenant = metrics::TenantReport {
+            tenant: TenantId(u32::MAX),
+            objects: u32::MAX,
+            registered_bytes: u64::MAX,
+            counters: metrics::TenantCounters::default(),
+        };
+        let c = &mut tenant.counters;
+        for v in [
+            &mut c.messages_sent,
+            &mut c.bytes_sent,
+            &mut c.messages_received,
+            &mut c.bytes_received,
+            &mut c.completions_error,
+            &mut c.turns,
+            &mut c.engine_ns,
+            &mut c.throttled_ns,
+            &mut c.throttled_shares,
+            &mut c.link_throttled_ns,
+        ] {
+            *v = u64::MAX;
+        }
+        c.latency = latency;
         let qp = QpPathReport {
             qpn: u32::MAX,
             qp_type: QpType::Ud,
@@ -455,6 +489,7 @@ mod tests {
                 links: vec![link; STAT_PAGE_LINKS],
                 qps: vec![qp; STAT_PAGE_QPS],
                 missed_wakeups: u64::MAX,
+                tenant: Some(Box::new(tenant)),
             },
             next: Some(StatCursor { link: Some(u32::MAX), qpn: Some(u32::MAX) }),
         };

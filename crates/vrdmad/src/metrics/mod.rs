@@ -54,6 +54,9 @@ pub struct LinkFigures {
     pub report: LinkReport,
     pub retransmits: u64,
     pub rtt: Option<Duration>,
+    /// Time the daemon's queue for the link was held at
+    /// `net.max_queued_kib` while a latency-class tenant was active, in ns.
+    pub queue_capped_ns: u64,
 }
 
 /// What the engine copies out for a scrape.
@@ -67,14 +70,19 @@ pub struct EngineFigures {
 }
 
 fn engine_figures(st: &mut crate::engine::EngineState) -> EngineFigures {
+    let now = st.now();
     let links = st
         .hca
         .links()
         .into_iter()
-        .map(|report| LinkFigures {
-            retransmits: st.hca.link_retransmits(report.id),
-            rtt: st.net.as_ref().and_then(|n| n.links.get(&report.id)).and_then(|l| l.rtt),
-            report,
+        .map(|report| {
+            let io = st.net.as_ref().and_then(|n| n.links.get(&report.id));
+            LinkFigures {
+                retransmits: st.hca.link_retransmits(report.id),
+                rtt: io.and_then(|l| l.rtt),
+                queue_capped_ns: io.map_or(0, |l| l.capped_ns(now)),
+                report,
+            }
         })
         .collect();
     let mut limited = BTreeMap::new();
@@ -133,7 +141,7 @@ pub(crate) fn render(src: &Sources) -> String {
 fn tenants(w: &mut Writer, ts: &[TenantReport]) {
     let labels: Vec<String> = ts.iter().map(|t| tenant_label(t.tenant)).collect();
     type Get = fn(&TenantReport) -> f64;
-    let families: [(&str, Kind, &str, Get); 11] = [
+    let families: [(&str, Kind, &str, Get); 12] = [
         (
             "vrdma_tenant_objects",
             Kind::Gauge,
@@ -197,6 +205,12 @@ fn tenants(w: &mut Writer, ts: &[TenantReport]) {
             "Shares of engine passes that the tenant's rate limit ended or passed over with work pending",
             |t| t.counters.throttled_shares as f64,
         ),
+        (
+            "vrdma_tenant_link_throttled_seconds_total",
+            Kind::Counter,
+            "Time the tenant's requests on links to other hosts waited for its rate limit while its QPs there had frames to send, summed over the links",
+            |t| t.counters.link_throttled_ns as f64 / 1e9,
+        ),
     ];
     for (name, kind, help, get) in families {
         w.family(name, kind, help);
@@ -216,7 +230,7 @@ fn links(w: &mut Writer, ls: &[LinkFigures]) {
     let ids: Vec<(String, String)> =
         ls.iter().map(|l| (l.report.id.0.to_string(), l.report.info.gid.to_string())).collect();
     type Get = fn(&LinkFigures) -> Option<f64>;
-    let families: [(&str, Kind, &str, Get); 9] = [
+    let families: [(&str, Kind, &str, Get); 11] = [
         ("vrdma_link_up", Kind::Gauge, "1 while the link to the peer daemon is up", |l| {
             Some(u8::from(l.report.up) as f64)
         }),
@@ -251,6 +265,18 @@ fn links(w: &mut Writer, ls: &[LinkFigures]) {
             "Round trip of the last keepalive probe answered (absent until one is)",
             |l| l.rtt.map(|d| d.as_secs_f64()),
         ),
+        (
+            "vrdma_link_cut_frames_total",
+            Kind::Counter,
+            "Request frames of tenants not of the latency class cut to a quarter chunk while a latency-class tenant was active on the link",
+            |l| Some(l.report.stats.throttle.cut_frames as f64),
+        ),
+        (
+            "vrdma_link_cut_bytes_total",
+            Kind::Counter,
+            "Payload bytes of those cut frames",
+            |l| Some(l.report.stats.throttle.cut_bytes as f64),
+        ),
     ];
     for (name, kind, help, get) in families {
         w.family(name, kind, help);
@@ -258,6 +284,19 @@ fn links(w: &mut Writer, ls: &[LinkFigures]) {
             if let Some(v) = get(l) {
                 w.sample(name, &[("link", id), ("peer", peer)], v);
             }
+        }
+    }
+    let name = "vrdma_link_throttled_seconds_total";
+    w.family(
+        name,
+        Kind::Counter,
+        "Time the link's scheduler held frames back: reason rate_limit, while at least one tenant's requests waited for its rate limit with frames to send; reason queue_cap, while the daemon's queue for the link was held at net.max_queued_kib for a latency-class tenant",
+    );
+    for (l, (id, peer)) in ls.iter().zip(&ids) {
+        for (reason, ns) in
+            [("rate_limit", l.report.stats.throttle.rate_limited_ns), ("queue_cap", l.queue_capped_ns)]
+        {
+            w.sample(name, &[("link", id), ("peer", peer), ("reason", reason)], ns as f64 / 1e9);
         }
     }
 }

@@ -129,6 +129,11 @@ pub struct LinkIo {
     /// Whether that bound holds now (the socket's `TCP_NOTSENT_LOWAT` and
     /// `TCP_WINDOW_CLAMP` are set to it).
     bounded: bool,
+    /// Since when the daemon's queue for the link is held at that bound
+    /// (it stopped taking frames from the core because of it), and the
+    /// time it was held so, in ns, for the metrics.
+    capped_since: Option<Instant>,
+    capped_ns: u64,
     /// The socket's window clamp when the link came up, given back when
     /// the bound ends (0: unknown; the clamp is then never set).
     window_clamp: libc::c_int,
@@ -240,6 +245,8 @@ impl LinkIo {
             cm_in: Vec::new(),
             max_queued: DEFAULT_MAX_QUEUED_KIB as usize * 1024,
             bounded: false,
+            capped_since: None,
+            capped_ns: 0,
             window_clamp,
         })
     }
@@ -654,6 +661,8 @@ impl LinkIo {
                     None => break,
                 }
             }
+            // Held at the bound: the queue would take more without it.
+            self.note_capped(ahead < TX_AHEAD && queued >= ahead, now);
             if self.txq.is_empty() {
                 self.want_write = false;
                 return Ok(busy);
@@ -668,6 +677,26 @@ impl LinkIo {
             }
         }
         Ok(busy)
+    }
+
+    /// The daemon's queue for the link is held at `max_queued` at `now`
+    /// (`capped`), or not: counts the time it is.
+    fn note_capped(&mut self, capped: bool, now: Instant) {
+        match (self.capped_since, capped) {
+            (None, true) => self.capped_since = Some(now),
+            (Some(since), false) => {
+                self.capped_since = None;
+                self.capped_ns = self.capped_ns.saturating_add(now.saturating_since(since).as_nanos() as u64);
+            }
+            _ => {}
+        }
+    }
+
+    /// Time the daemon's queue for the link was held at `max_queued`
+    /// while a latency-class tenant was active, up to `now`, in ns.
+    pub fn capped_ns(&self, now: Instant) -> u64 {
+        let open = self.capped_since.map_or(0, |s| now.saturating_since(s).as_nanos() as u64);
+        self.capped_ns.saturating_add(open)
     }
 
     /// One `writev` of the queued frames. Returns false if the socket took
@@ -857,6 +886,25 @@ mod tests {
         link.write_now();
         assert_eq!(link.txq.len(), before + 1, "a full socket took nothing");
         assert!(link.want_write, "the engine is to write it when the socket drains");
+    }
+
+    /// The time the queue sits at its bound is counted from the pass
+    /// that finds it there to the first that does not, and read at any
+    /// moment with the span under way included.
+    #[test]
+    fn time_held_at_the_queue_bound_is_counted() {
+        let (mut link, _theirs, _hca, _rings) = pair();
+        link.note_capped(false, Instant(50));
+        assert_eq!(link.capped_ns(Instant(1000)), 0);
+        link.note_capped(true, Instant(100));
+        link.note_capped(true, Instant(180));
+        assert_eq!(link.capped_ns(Instant(150)), 50, "the span under way");
+        link.note_capped(false, Instant(300));
+        link.note_capped(false, Instant(400));
+        assert_eq!(link.capped_ns(Instant(1000)), 200);
+        link.note_capped(true, Instant(500));
+        link.note_capped(false, Instant(510));
+        assert_eq!(link.capped_ns(Instant(1000)), 210);
     }
 
     /// While bounded the socket holds at most `max_queued` unsent and

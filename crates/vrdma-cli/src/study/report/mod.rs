@@ -492,8 +492,14 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
             ),
         });
     }
-    let protection: Vec<&Row> = table(Section::Protection).collect();
-    if !protection.is_empty() {
+    for (number, placement, where_) in [
+        (5, Placement::Process, "one host"),
+        (6, Placement::Hosts, "across hosts (two namespaces joined by veth, a daemon in each)"),
+    ] {
+        let protection: Vec<&Row> = table(Section::Protection).filter(|r| r.placement == placement).collect();
+        if protection.is_empty() {
+            continue;
+        }
         let unloaded = protection
             .iter()
             .find(|r| r.test == super::protect::UNLOADED)
@@ -516,16 +522,24 @@ fn document(o: &Outcome, m: &Model, figures: &[(&'static str, String)]) -> Vec<B
                 c
             })
             .collect();
+        let hog = if placement == Placement::Hosts {
+            "a tenant streaming 64 KiB RDMA writes over 64 QPs from host A to host B (the victims' clients on \
+             host A, their servers on host B)"
+        } else {
+            "a tenant streaming 64 KiB RDMA writes over 64 QPs"
+        };
         b.push(Block::Table {
-            caption: "Table 5. Latency beside a hog, one host (µs, 8 B, one way; each run's median): a victim \
-                      tenant unloaded, then beside a tenant streaming 64 KiB RDMA writes over 64 QPs, as a tenant of \
-                      the default class and as one of latency_class = \"latency\"."
-                .into(),
+            caption: format!(
+                "Table {number}. Latency beside a hog, {where_} (µs, 8 B, one way; each run's median): a victim \
+                 tenant unloaded, then beside {hog}, as a tenant of the default class and as one of \
+                 latency_class = \"latency\"."
+            ),
             header,
             rows,
             note: Some(format!(
-                "A daemon of the cell's own (direct path off), uids {} (normal), {} (latency class) and {} (the \
-                 hog); the three figures of a run are measured one after the other in that run.",
+                "Daemons of the cell's own (direct path off), uids {} (normal), {} (latency class) and {} (the \
+                 hog); the three figures of a run are measured one after the other in that run, the unloaded one \
+                 first: it is the anchor of the ratios.",
                 super::protect::PLAIN_UID,
                 super::protect::PROTECTED_UID,
                 super::protect::HOG_UID

@@ -116,6 +116,27 @@ pub struct LinkStats {
     /// Frames received and discarded: for no QP of ours, out of sequence,
     /// or refused with a NAK.
     pub dropped_in: u64,
+    /// What the link's scheduler held back (see [`LinkThrottle`]).
+    pub throttle: LinkThrottle,
+}
+
+/// What a link's scheduler held back, in the core; the driver's own
+/// bound on what is queued while a latency-class tenant is active
+/// (`net.max_queued_kib`) is counted by the driver.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkThrottle {
+    /// Time during which at least one tenant's requests on the link were
+    /// held back by its rate limit while its QPs there may have had
+    /// frames to send (they were in the engine's service order). Seen at
+    /// the link's polls: a hold starts at the first poll that finds the
+    /// tenant's bucket empty and ends at the first that finds it ready.
+    pub rate_limited_ns: u64,
+    /// Request frames of tenants not of the latency class cut to a
+    /// quarter of the link's chunk ([`cut_frame`]) because a latency-class
+    /// tenant was active on the link, counting only messages longer than
+    /// the cut frame; and the payload bytes of those frames.
+    pub cut_frames: u64,
+    pub cut_bytes: u64,
 }
 
 /// A window of a mapped region: where a payload comes from or goes to.
@@ -235,6 +256,9 @@ pub(crate) struct Link {
     pub datagrams: datagram::DatagramQueue,
     /// When a latency-class tenant last sent a frame on it.
     pub latency_seen: Option<Instant>,
+    /// Since when at least one of `tenants` is held back by its rate
+    /// limit (see [`LinkThrottle::rate_limited_ns`]).
+    pub rate_held_since: Option<Instant>,
 }
 
 /// One tenant's QPs on a link, served in turn.
@@ -252,6 +276,9 @@ pub(crate) struct LinkTenant {
     pub deficit: i64,
     /// Its turn has begun (its deficit was topped up).
     pub visiting: bool,
+    /// Since when its rate limit holds its requests back while its QPs
+    /// on the link may have frames to send.
+    pub rate_held_since: Option<Instant>,
 }
 
 /// QPs in an order, with membership, insertion and removal in constant
@@ -310,6 +337,43 @@ impl QpSet {
 impl Link {
     fn qp_count(&self) -> usize {
         self.tenants.iter().map(|t| t.qps.len()).sum()
+    }
+
+    /// The `ti`th tenant's rate limit holds its requests back at `now`
+    /// (`held`), or not. Returns how long a hold that ended now lasted, in
+    /// ns (the tenant's share of [`LinkThrottle::rate_limited_ns`]); the
+    /// link's time counts while any tenant is held.
+    fn rate_hold(&mut self, ti: usize, held: bool, now: Instant) -> u64 {
+        let Some(t) = self.tenants.get_mut(ti) else { return 0 };
+        // Only while it may have something to send.
+        let held = held && !t.awake.is_empty();
+        let ended = match (t.rate_held_since, held) {
+            (None, true) => {
+                t.rate_held_since = Some(now);
+                self.rate_held_since.get_or_insert(now);
+                return 0;
+            }
+            (Some(since), false) => {
+                t.rate_held_since = None;
+                now.saturating_since(since).as_nanos() as u64
+            }
+            _ => return 0,
+        };
+        if !self.tenants.iter().any(|t| t.rate_held_since.is_some()) {
+            if let Some(since) = self.rate_held_since.take() {
+                self.stats.throttle.rate_limited_ns += now.saturating_since(since).as_nanos() as u64;
+            }
+        }
+        ended
+    }
+
+    /// Tenants left with no QP on the link go (a hold of theirs under
+    /// way is not counted).
+    fn forget_idle_tenants(&mut self) {
+        self.tenants.retain(|t| !t.qps.is_empty());
+        if !self.tenants.iter().any(|t| t.rate_held_since.is_some()) {
+            self.rate_held_since = None;
+        }
     }
 }
 
@@ -371,6 +435,7 @@ impl Network {
                 next: 0,
                 deficit: 0,
                 visiting: false,
+                rate_held_since: None,
             }),
         }
     }
@@ -389,7 +454,7 @@ impl Network {
             t.qps.remove(qpn);
             t.awake.remove(qpn);
         }
-        l.tenants.retain(|t| !t.qps.is_empty());
+        l.forget_idle_tenants();
     }
 
     /// Says whether a QP bound to `link` is in the engine's service order.
@@ -491,6 +556,11 @@ pub struct StatReport {
     /// ([`super::Hca::missed_wakeups`]): 0 unless a tenant does not name
     /// the QPs it posts to, or the device has a bug.
     pub missed_wakeups: u64,
+    /// The asking tenant's own figures (the metrics endpoint's per-tenant
+    /// series, for that tenant only: never another's). Of fixed size, so
+    /// a page stays bounded.
+    /// Boxed: the control protocol's replies stay small.
+    pub tenant: Option<Box<super::metrics::TenantReport>>,
 }
 
 /// Where a page of a [`StatReport`] starts: the lowest link id and QP
@@ -549,6 +619,7 @@ impl Hca {
                 cancelled: false,
                 datagrams: Default::default(),
                 latency_seen: None,
+                rate_held_since: None,
             },
         );
         n.wanted.retain(|g| *g != info.gid);
@@ -641,7 +712,13 @@ impl Hca {
         qps.truncate(STAT_PAGE_QPS);
         let next = (next_link.is_some() || next_qpn.is_some())
             .then_some(StatCursor { link: next_link, qpn: next_qpn });
-        Ok(StatPage { report: StatReport { links, qps, missed_wakeups: self.missed_wakeups }, next })
+        let report = StatReport {
+            links,
+            qps,
+            missed_wakeups: self.missed_wakeups,
+            tenant: Some(Box::new(self.tenant_report(tenant))),
+        };
+        Ok(StatPage { report, next })
     }
 
     /// When a held ACK of `qpn` is due.
@@ -716,10 +793,7 @@ impl Hca {
             }
             // Its rate limit holds back its requests (not its answers to
             // another host's requests: ACKs, read responses).
-            let throttled = self.order.ready_at(tenant, now);
-            if let Some(at) = throttled {
-                self.net.throttled = Some(self.net.throttled.map_or(at, |t| t.min(at)));
-            }
+            let throttled = self.rate_check(link, ti, tenant, now);
             let tx = self.tenant_transmit(link, ti, throttled.is_none(), now, io);
             let l = self.net.links.get_mut(&link)?;
             let Some(t) = l.tenants.get_mut(ti) else { continue };
@@ -761,7 +835,7 @@ impl Hca {
         }
         // Tenants left with no QP on this link go.
         if let Some(l) = self.net.links.get_mut(&link) {
-            l.tenants.retain(|t| !t.qps.is_empty());
+            l.forget_idle_tenants();
         }
         None
     }
@@ -780,10 +854,7 @@ impl Hca {
             if t.deficit <= 0 || t.awake.is_empty() || !self.order.is_latency(tenant) {
                 continue;
             }
-            let throttled = self.order.ready_at(tenant, now);
-            if let Some(at) = throttled {
-                self.net.throttled = Some(self.net.throttled.map_or(at, |t| t.min(at)));
-            }
+            let throttled = self.rate_check(link, ti, tenant, now);
             let Some(tx) = self.tenant_transmit(link, ti, throttled.is_none(), now, io) else { continue };
             let payload = tx.payload.iter().map(|s| s.len as u64).sum::<u64>() + tx.data.len() as u64;
             let l = self.net.links.get_mut(&link)?;
@@ -797,6 +868,22 @@ impl Hca {
             return Some(tx);
         }
         None
+    }
+
+    /// When the rate limit of `tenant`, the `ti`th on `link`, lets its
+    /// requests go again (`None`: now): the link's timer is set for it,
+    /// and its held time counted (see [`LinkThrottle`]).
+    fn rate_check(&mut self, link: LinkId, ti: usize, tenant: TenantId, now: Instant) -> Option<Instant> {
+        let throttled = self.order.ready_at(tenant, now);
+        if let Some(at) = throttled {
+            self.net.throttled = Some(self.net.throttled.map_or(at, |t| t.min(at)));
+        }
+        let ended = self.net.links.get_mut(&link).map_or(0, |l| l.rate_hold(ti, throttled.is_some(), now));
+        if ended > 0 {
+            let c = self.counters(tenant);
+            c.link_throttled_ns = c.link_throttled_ns.saturating_add(ended);
+        }
+        throttled
     }
 
     /// The next frame of the QPs of the `ti`th tenant on `link`, from the

@@ -573,6 +573,13 @@ impl Hca {
                 if last && op.has_imm() {
                     r.imm = Some(wr.imm_data);
                 }
+                if chunk < link_chunk && len > chunk {
+                    // Cut for a latency-class tenant (see `cut_frame`).
+                    if let Some(l) = self.net.links.get_mut(&link) {
+                        l.stats.throttle.cut_frames += 1;
+                        l.stats.throttle.cut_bytes += n;
+                    }
+                }
                 (r, n, Some((off, n)))
             }
         };

@@ -345,3 +345,74 @@ fn a_streaming_latency_tenant_keeps_to_its_weight_on_a_link() {
         assert!((ratio / want - 1.0).abs() < 0.05, "latency {wl} : normal {wn}: ratio {ratio:.3}: {bytes:?}");
     }
 }
+
+impl LinkSim {
+    /// What A's link scheduler counted as held back.
+    fn throttle(&self) -> crate::hca::LinkThrottle {
+        self.t.a.env.hca.links().first().map(|l| l.stats.throttle).unwrap_or_default()
+    }
+
+    /// Tenant `tenant`'s time held back by its rate limit on links, in ns.
+    fn tenant_link_throttled(&self, tenant: usize) -> u64 {
+        self.t.a.env.hca.tenant_report([TENANT, OTHER_TENANT][tenant]).counters.link_throttled_ns
+    }
+}
+
+/// What a link's scheduler holds back is counted (for the metrics and
+/// `vrdma stat`): nothing while no tenant is limited or of the latency
+/// class; a rate-limited tenant's held time, on the link and for the
+/// tenant, about the part of the time its limit leaves the link to
+/// others; and the frames cut for a latency-class tenant.
+#[test]
+fn what_a_link_holds_back_for_a_rate_limit_or_the_latency_class_is_counted() {
+    // Two unlimited tenants of the normal class: nothing.
+    let mut sim = LinkSim::new();
+    sim.stream(0, 4, CHUNK);
+    sim.stream(1, 1, CHUNK);
+    sim.run_until(T0 + SECOND / 2);
+    assert_eq!(sim.throttle(), crate::hca::LinkThrottle::default());
+    assert_eq!((sim.tenant_link_throttled(0), sim.tenant_link_throttled(1)), (0, 0));
+
+    // A tenant limited to a fifth of the link, alone, then beside an
+    // unlimited one: held back about four fifths of the time.
+    const RATE: u64 = 5_000_000;
+    for beside in [false, true] {
+        let mut sim = LinkSim::new();
+        sim.set_qos(0, Qos { bytes_per_s: Some(RATE), ..Qos::default() });
+        sim.stream(0, 4, CHUNK);
+        if beside {
+            sim.stream(1, 2, CHUNK);
+        }
+        sim.run_until(T0 + SECOND);
+        let held = sim.throttle().rate_limited_ns;
+        let s = SECOND.as_nanos() as u64;
+        assert!(held > s / 2 && held < s, "beside: {beside}: held {held} ns of 1 s");
+        assert_eq!(sim.tenant_link_throttled(0), held, "one tenant held: its time is the link's");
+        assert_eq!(sim.tenant_link_throttled(1), 0, "the unlimited tenant is never held");
+        assert_eq!((sim.throttle().cut_frames, sim.throttle().cut_bytes), (0, 0));
+    }
+
+    // A hog beside a tenant that pings every millisecond: its frames are
+    // cut only while that tenant is of the latency class.
+    let cut = u64::from(crate::hca::remote::cut_frame(CHUNK));
+    for class in [LatencyClass::Normal, LatencyClass::Latency] {
+        let mut sim = LinkSim::new();
+        sim.set_qos(1, Qos { class, ..Qos::default() });
+        sim.stream(0, 8, CHUNK);
+        let p = sim.prober(1);
+        sim.run_until(T0 + SECOND / 100);
+        for _ in 0..50 {
+            let until = sim.now + Duration::from_millis(1);
+            sim.ping(p);
+            sim.run_until(until);
+        }
+        let th = sim.throttle();
+        assert_eq!(th.rate_limited_ns, 0);
+        if class == LatencyClass::Latency {
+            assert!(th.cut_frames > 50, "{th:?}");
+            assert!(th.cut_bytes <= th.cut_frames * cut && th.cut_bytes * 2 > th.cut_frames * cut, "{th:?}");
+        } else {
+            assert_eq!((th.cut_frames, th.cut_bytes), (0, 0), "no latency tenant, no cut");
+        }
+    }
+}
