@@ -352,6 +352,19 @@ fn stat_shows_the_callers_own_tenants_figures_and_no_other_tenants() {
     assert!(text.lines().any(|l| l.contains("sent:") && l.contains(" messages / ")), "{text}");
     assert!(text.lines().any(|l| l.contains("latency:") && l.contains("p99 <= ")), "{text}");
 
+    // A reader that went away (`vrdma stat --json | head -1`) ends the
+    // output quietly: the read end is closed before vrdma writes at all.
+    let (read_end, write_end) = std::io::pipe().expect("a pipe");
+    drop(read_end);
+    let closed = Command::new(VRDMA)
+        .arg("--socket")
+        .arg(&d.socket)
+        .args(["stat", "--json"])
+        .stdout(write_end)
+        .output()
+        .expect("run vrdma");
+    assert_eq!(closed.status.code(), Some(0), "{}", String::from_utf8_lossy(&closed.stderr));
+
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         vrdma_it::skip("the other tenant needs root (to run vrdma stat as uid 65534)");

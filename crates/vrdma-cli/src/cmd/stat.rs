@@ -33,9 +33,9 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     if let Some(addr) = args.metrics {
         let text = scrape(addr)?;
         if args.prometheus {
-            print!("{text}");
+            emit(&text)?;
         } else {
-            print!("{}", render_metrics(&text));
+            emit(&render_metrics(&text))?;
         }
         return Ok(());
     }
@@ -45,9 +45,9 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     })?;
     let s = ctx.stat()?;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&to_json(&s)?)?);
+        emit(&format!("{}\n", serde_json::to_string_pretty(&to_json(&s)?)?))?;
     } else {
-        print!("{}", render(&s));
+        emit(&render(&s))?;
     }
     Ok(())
 }
@@ -150,6 +150,18 @@ fn tenant_name(t: vrdma_core::hca::TenantId) -> String {
         format!("local:{}", t.0 - vrdma_core::hca::TenantId::HOST_LOCAL_BASE)
     } else {
         format!("uid:{}", t.0)
+    }
+}
+
+/// Writes `text` to stdout. A reader that went away (`vrdma stat | head`)
+/// ends the output quietly, as it does for other tools, instead of the
+/// panic `print!` gives on a closed pipe.
+fn emit(text: &str) -> Result<()> {
+    use std::io::Write as _;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
     }
 }
 
