@@ -274,3 +274,27 @@ fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
     let (_, se) = text(&out);
     assert!(!out.status.success() && se.contains("memory_mib 100 is not a power of two"), "{se}");
 }
+
+/// `vrdma migrate` says clearly what it refused: a tenant with nothing on
+/// the daemon, a snapshot that is not a regular file, a file that is not a
+/// snapshot, a file that is not there.
+#[test]
+fn migrate_steps_refuse_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let _d = start_daemon(&sock, &["--address", "10.1.2.3"]);
+    let fails = |args: &[&str], says: &str| {
+        let out = vrdma(&sock, args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(says), "{args:?}: {err}");
+    };
+    fails(&["migrate", "pause", "--tenant", "4242"], "tenant 4242 has no context on this host");
+    fails(&["migrate", "export", "--tenant", "4242", "--out", "/dev/null"], "tenant 4242 has no context");
+    fails(&["migrate", "resume", "--tenant", "4242"], "tenant 4242 has no context");
+    fails(&["migrate", "import", "--in", "/dev/null"], "must come as a regular file");
+    let junk = dir.path().join("junk");
+    std::fs::write(&junk, b"not a snapshot at all").unwrap();
+    fails(&["migrate", "import", "--in", junk.to_str().unwrap()], "not a vRDMA snapshot (bad magic)");
+    fails(&["migrate", "import", "--in", "/nonexistent/snap"], "opening /nonexistent/snap");
+}
