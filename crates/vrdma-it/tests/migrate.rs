@@ -223,6 +223,12 @@ fn a_tenant_without_memory_moves_to_a_busy_host_and_its_peer_follows() -> Result
     let e = vrdma::migrate::export(&h.c.socket, tenant).unwrap_err();
     assert!(e.to_string().contains("not paused"), "{e}");
     assert_ne!(qpn >> 16, 0, "A numbers in a space of its own: {qpn:#x}");
+    // A serves on: a new connection from A to B carries a message.
+    let (a2, b2) = vrdma_it::across::pair(&h.a, &h.b, true)?;
+    b2.qp.post_recv(&[wr::recv(5, &[b2.mr.sge(0, 8)?])?])?;
+    a2.qp.post_send(&[wr::send(6, &[a2.mr.sge(0, 8)?])?.signaled()])?;
+    vrdma_it::across::check(&poll_n(&a2.cq, 1, WAIT)?[0], 6, WcOpcode::Send);
+    assert_eq!(poll_n(&b2.cq, 1, WAIT)?[0].wr_id, 5);
     drop(other_c);
     Ok(())
 }

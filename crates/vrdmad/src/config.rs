@@ -1077,6 +1077,24 @@ mod tests {
         assert_eq!(c.net.peers.len(), 1);
     }
 
+    /// Each daemon of a cluster numbers in a space of its own: configured,
+    /// else from its id (the address's for the default id), 0 alone.
+    #[test]
+    fn the_number_space_is_configured_or_derived_from_the_id() {
+        let ip = Ipv4Addr::new(10, 0, 0, 1);
+        let net = |extra: &str| {
+            DaemonConfig::from_toml(&format!("[net]\npsk = \"0123456789abcdef\"\n{extra}")).map(|c| c.net)
+        };
+        assert_eq!(net("").unwrap().number_space_of(ip), 12, "(10 + 0 + 0 + 1) % 255 + 1");
+        assert_eq!(net("").unwrap().number_space_of(Ipv4Addr::new(10, 0, 0, 2)), 13);
+        assert_eq!(net("id = 509").unwrap().number_space_of(ip), 255);
+        assert_eq!(net("number_space = 7").unwrap().number_space_of(ip), 7);
+        let e = net("number_space = 0").unwrap_err().to_string();
+        assert!(e.contains("number_space 0"), "{e}");
+        assert!(net("number_space = 256").is_err());
+        assert_eq!(DaemonConfig::default().net.number_space_of(ip), 0, "a daemon without links");
+    }
+
     #[test]
     fn each_tenants_share_of_mappings_is_derived_from_the_budget() {
         let c = DaemonConfig::from_toml("max_mappings = 49146\n[tenants.1000]\nmax_objects = 64").unwrap();
