@@ -24,6 +24,10 @@
 //! (their peers follow them on resume) but post and complete nothing.
 //! `docs/migration.md` says what this round moves.
 
+// An `Answer` is the reply to send whichever way a call ends (as in
+// `session`); not on the data path, so its size in `Result` does not matter.
+#![allow(clippy::result_large_err)]
+
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::Duration;
