@@ -30,6 +30,14 @@ fn odd(what: &str, r: MigrateReply) -> Error {
     Error::protocol(format!("{what} answered {r:?}"))
 }
 
+/// The tenant of the daemon's VM `name` (its configured `tenant`).
+pub fn vm_tenant(socket: &Path, name: &str) -> Result<u32> {
+    match step(socket, MigrateRequest::VmTenant { name: name.to_string() }, &[])? {
+        (MigrateReply::VmTenant { tenant }, _) => Ok(tenant),
+        (r, _) => Err(odd("vm-tenant", r)),
+    }
+}
+
 /// Pauses tenant (uid) `tenant`'s QPs; returns how many.
 pub fn pause(socket: &Path, tenant: u32) -> Result<u32> {
     match step(socket, MigrateRequest::Pause { tenant }, &[])? {

@@ -1,7 +1,8 @@
 //! `vrdma migrate`: the operator's live-migration steps
 //! (`docs/migration.md`), each on the daemon of `--socket`:
 //!
-//! - `pause --tenant UID`: the tenant's QPs stop; peers are told PAUSED.
+//! - `pause --tenant UID` (or `--vm NAME`, any step): the tenant's QPs
+//!   stop; peers are told PAUSED.
 //! - `export --tenant UID --out FILE`: the paused tenant's snapshot.
 //! - `import --in FILE`: on the destination, paused.
 //! - `resume --tenant UID`: on the destination, or on the source to cancel.
@@ -25,14 +26,13 @@ use anyhow::{Context as _, Result};
 pub enum Command {
     /// Pause every QP of a tenant (its peers wait, told PAUSED).
     Pause {
-        /// The tenant: a uid, or a VM's configured `tenant`.
-        #[arg(long)]
-        tenant: u32,
+        #[command(flatten)]
+        who: Who,
     },
     /// Write the paused tenant's snapshot to FILE (`-`: stdout).
     Export {
-        #[arg(long)]
-        tenant: u32,
+        #[command(flatten)]
+        who: Who,
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
     },
@@ -43,33 +43,58 @@ pub enum Command {
     },
     /// Resume a paused tenant (on the destination; on the source: cancel the migration).
     Resume {
-        #[arg(long)]
-        tenant: u32,
+        #[command(flatten)]
+        who: Who,
     },
     /// Drop a moved tenant's objects on the source and end its sessions there.
     Finish {
-        #[arg(long)]
-        tenant: u32,
+        #[command(flatten)]
+        who: Who,
     },
     /// Every step from this daemon to the one at SOCKET: pause, export, import, finish, resume.
     Move {
-        #[arg(long)]
-        tenant: u32,
+        #[command(flatten)]
+        who: Who,
         /// The destination daemon's control socket.
         #[arg(long, value_name = "SOCKET")]
         to: PathBuf,
     },
 }
 
+/// Whose device state: a tenant (uid), or a VM of the daemon's config.
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct Who {
+    /// The tenant: a uid.
+    #[arg(long)]
+    tenant: Option<u32>,
+    /// A VM of the daemon's config (`[vms.NAME]`): its configured tenant.
+    #[arg(long, value_name = "NAME")]
+    vm: Option<String>,
+}
+
+impl Who {
+    fn tenant(&self, socket: &Path) -> Result<u32> {
+        match (&self.tenant, &self.vm) {
+            (Some(t), _) => Ok(*t),
+            (None, Some(name)) => vrdma::migrate::vm_tenant(socket, name)
+                .with_context(|| format!("the tenant of VM {name:?} (daemon at {})", socket.display())),
+            (None, None) => anyhow::bail!("give --tenant UID or --vm NAME"),
+        }
+    }
+}
+
 pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
     let socket = socket.unwrap_or_else(vrdmad::default_socket_path);
     let at = |what: &str| format!("{what} (daemon at {})", socket.display());
     match cmd {
-        Command::Pause { tenant } => {
+        Command::Pause { who } => {
+            let tenant = who.tenant(&socket)?;
             let qps = vrdma::migrate::pause(&socket, tenant).with_context(|| at("pause"))?;
             println!("tenant {tenant} paused: {qps} QPs");
         }
-        Command::Export { tenant, out } => {
+        Command::Export { who, out } => {
+            let tenant = who.tenant(&socket)?;
             let (fd, len, qps) = vrdma::migrate::export(&socket, tenant).with_context(|| at("export"))?;
             let bytes = read_all(fd, len)?;
             if out == Path::new("-") {
@@ -85,15 +110,17 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
                 vrdma::migrate::import(&socket, file.as_fd()).with_context(|| at("import"))?;
             println!("tenant {tenant} imported, paused: {qps} QPs");
         }
-        Command::Resume { tenant } => {
+        Command::Resume { who } => {
+            let tenant = who.tenant(&socket)?;
             let qps = vrdma::migrate::resume(&socket, tenant).with_context(|| at("resume"))?;
             println!("tenant {tenant} resumed: {qps} QPs");
         }
-        Command::Finish { tenant } => {
+        Command::Finish { who } => {
+            let tenant = who.tenant(&socket)?;
             let (qps, contexts) = vrdma::migrate::finish(&socket, tenant).with_context(|| at("finish"))?;
             println!("tenant {tenant} dropped here: {qps} QPs, {contexts} contexts");
         }
-        Command::Move { tenant, to } => move_tenant(&socket, &to, tenant)?,
+        Command::Move { who, to } => move_tenant(&socket, &to, who.tenant(&socket)?)?,
     }
     Ok(())
 }

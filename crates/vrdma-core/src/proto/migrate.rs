@@ -17,7 +17,7 @@
 use serde::{Deserialize, Serialize};
 
 /// One step of a migration, on the daemon the step is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum MigrateRequest {
     /// Pause every QP of tenant (uid) `tenant` here; answered
     /// [`MigrateReply::Paused`].
@@ -34,6 +34,9 @@ pub enum MigrateRequest {
     /// The tenant moved away: drop its objects here and end its sessions;
     /// answered [`MigrateReply::Finished`].
     Finish { tenant: u32 },
+    /// The tenant of VM `name` (its `[vms.NAME]` `tenant`), for the steps
+    /// above; answered [`MigrateReply::VmTenant`].
+    VmTenant { name: String },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -43,4 +46,5 @@ pub enum MigrateReply {
     Imported { tenant: u32, qps: u32 },
     Resumed { qps: u32 },
     Finished { qps: u32, contexts: u32 },
+    VmTenant { tenant: u32 },
 }

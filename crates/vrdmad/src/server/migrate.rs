@@ -140,6 +140,13 @@ pub(super) fn handle(
             tracing::info!(tenant, qps, "operator resumed a tenant");
             Reply::Migrated(MigrateReply::Resumed { qps: qps as u32 }).into()
         }
+        MigrateRequest::VmTenant { name } => {
+            let vm = shared
+                .vms
+                .get(&name)
+                .ok_or_else(|| error(libc::ENOENT, format!("no VM {name:?} is configured in this daemon")))?;
+            Reply::Migrated(MigrateReply::VmTenant { tenant: vm.config.tenant }).into()
+        }
         MigrateRequest::Finish { tenant } => {
             let r = engine
                 .call(move |e| {
