@@ -114,6 +114,11 @@ pub(super) fn handle(
         MigrateRequest::Import => {
             let fd = fds.pop().ok_or_else(|| error(libc::EINVAL, "an import needs the snapshot's fd"))?;
             let bytes = read_snapshot(&fd)?;
+            // Bytes that are no snapshot are refused here, without taking
+            // the engine from its tenants (the import decodes again, under
+            // the engine's lock, with every other check).
+            vrdma_core::hca::migrate::TenantSnapshot::decode(&bytes)
+                .map_err(|e| error(libc::EINVAL, e.to_string()))?;
             let r = engine
                 .call(move |e| {
                     let now = e.now();
