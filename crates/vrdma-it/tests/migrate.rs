@@ -1,7 +1,8 @@
 //! Live migration driven on real daemons (`docs/migration.md`): three
-//! daemons that play three hosts on loopback addresses (as `two_hosts.rs`
-//! does), a tenant's QP on A connected RC to a peer on B, and the
-//! operator's calls (`vrdma::migrate`, what `vrdma migrate` runs).
+//! daemons that play three hosts in three network namespaces on a bridge
+//! (three loopback addresses where namespaces cannot be made), a tenant's
+//! QP on A connected RC to a peer on B, and the operator's calls
+//! (`vrdma::migrate`, what `vrdma migrate` runs).
 //!
 //! What moves here and what does not: a process cannot move between
 //! hosts, and this round's daemon maps no memory for an imported tenant
@@ -30,24 +31,46 @@ use vrdma_it::{access_all, poll_for, poll_n, DaemonProc, PeerProc, Side, WAIT};
 
 const NOBODY: u32 = 65534;
 
+/// Three hosts: network namespaces on one bridge where this test may make
+/// them (root and iproute2), else three loopback addresses (as
+/// `two_hosts.rs`); a daemon on each, peered with the other two, linked.
+/// The daemons go first on drop, then the namespaces.
 struct ThreeHosts {
     a: DaemonProc,
     b: DaemonProc,
     c: DaemonProc,
+    ips: Vec<String>,
+    _net: Option<vrdma_it::NetnsBridge>,
 }
 
-const IPS: [&str; 3] = ["127.0.0.2", "127.0.0.3", "127.0.0.4"];
-
 impl ThreeHosts {
-    /// Three daemons, each peered with the other two, linked.
     fn start() -> Result<ThreeHosts> {
-        let port = vrdma_it::free_port()?;
+        let net = match vrdma_it::netns_unavailable() {
+            None => match vrdma_it::NetnsBridge::create(3) {
+                Ok(n) => Some(n),
+                Err(e) => {
+                    eprintln!("three loopback addresses: namespaces on a bridge cannot be made here: {e:#}");
+                    None
+                }
+            },
+            Some(why) => {
+                eprintln!("three loopback addresses, not namespaces: {why}");
+                None
+            }
+        };
+        let (ips, port) = match &net {
+            Some(n) => (n.addr.clone(), vrdma_it::DEFAULT_WIRE_PORT),
+            None => {
+                (["127.0.0.2", "127.0.0.3", "127.0.0.4"].map(String::from).to_vec(), vrdma_it::free_port()?)
+            }
+        };
         let start = |i: usize| {
             let peers: Vec<String> =
-                (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", IPS[j])).collect();
-            DaemonProc::start_with_config(&vrdma_it::host_config(IPS[i], port, &peers, ""))
+                (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", ips[j])).collect();
+            let cfg = vrdma_it::host_config(&ips[i], port, &peers, "");
+            DaemonProc::start_in(net.as_ref().map(|n| n.ns[i].as_str()), &cfg)
         };
-        let h = ThreeHosts { a: start(0)?, b: start(1)?, c: start(2)? };
+        let h = ThreeHosts { a: start(0)?, b: start(1)?, c: start(2)?, ips, _net: net };
         let end = Instant::now() + WAIT;
         for d in [&h.a, &h.b, &h.c] {
             let ctx = d.context()?;
@@ -59,6 +82,11 @@ impl ThreeHosts {
             }
         }
         Ok(h)
+    }
+
+    fn gid(&self, i: usize) -> vrdma::Gid {
+        let ip: std::net::Ipv4Addr = self.ips[i].parse().expect("an address");
+        vrdma::Gid::from_ipv4(ip.octets())
     }
 }
 
@@ -74,11 +102,6 @@ fn peer_host(ctx: &vrdma::Context, qpn: u32) -> Result<Option<vrdma::Gid>> {
         QpPath::Link(Some(l)) => s.links.iter().find(|x| x.id == l).map(|x| x.info.gid),
         _ => None,
     })
-}
-
-fn gid(i: usize) -> vrdma::Gid {
-    let ip: std::net::Ipv4Addr = IPS[i].parse().expect("an address");
-    vrdma::Gid::from_ipv4(ip.octets())
 }
 
 /// Pause on A holds the peer's sends (PAUSED, no retry spent, past its
@@ -188,7 +211,7 @@ fn a_tenant_without_memory_moves_to_a_busy_host_and_its_peer_follows() -> Result
     b.qp.post_send(&[wr::send(2, &[])?.signaled()])?;
     vrdma_it::across::check(&poll_n(&b.cq, 1, WAIT)?[0], 2, WcOpcode::Send);
     assert_eq!(poll_n(&cq, 1, WAIT)?[0].wr_id, 1);
-    assert_eq!(peer_host(&b.ctx, b.qp.qpn())?, Some(gid(0)), "B sends to A");
+    assert_eq!(peer_host(&b.ctx, b.qp.qpn())?, Some(h.gid(0)), "B sends to A");
 
     let qpn = qp.qpn();
     assert_eq!(vrdma::migrate::pause(&h.a.socket, tenant)?, 1);
@@ -209,7 +232,7 @@ fn a_tenant_without_memory_moves_to_a_busy_host_and_its_peer_follows() -> Result
     }
     // B follows the Moved frame to C; its QP never left RTS.
     let end = Instant::now() + WAIT;
-    while peer_host(&b.ctx, b.qp.qpn())? != Some(gid(2)) {
+    while peer_host(&b.ctx, b.qp.qpn())? != Some(h.gid(2)) {
         if Instant::now() > end {
             bail!("B's QP still sends to {:?}, not C", peer_host(&b.ctx, b.qp.qpn())?);
         }
