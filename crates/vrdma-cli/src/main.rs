@@ -41,6 +41,9 @@ enum Command {
     /// QEMU guests on vRDMA: run QEMU attached to a configured VM, print its arguments, build a guest image.
     #[command(subcommand)]
     Vm(cmd::vm::Command),
+    /// Live migration of a tenant's device state (operator only): pause, export, import, resume, finish, or move.
+    #[command(subcommand)]
+    Migrate(cmd::migrate::Command),
     /// A busy-polling TCP ping-pong (bench-hosts' reference anchor).
     #[command(hide = true)]
     TcpPingpong(cmd::hostbench::pingpong::Args),
@@ -79,6 +82,7 @@ fn main() -> Result<()> {
         Command::Study(a) => study::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
         Command::Vm(c) => cmd::vm::run(cli.socket, c),
+        Command::Migrate(c) => cmd::migrate::run(cli.socket, c),
         Command::TcpPingpong(a) => cmd::hostbench::pingpong::run(a),
         Command::CmSetup(a) => cmd::hostbench::cm_setup::run(cli.socket, a),
         Command::Misbehave(a) => bench::attack::misbehave(cli.socket, a),

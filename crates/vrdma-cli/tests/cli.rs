@@ -380,3 +380,33 @@ fn stat_shows_the_callers_own_tenants_figures_and_no_other_tenants() {
     assert!(theirs["qps"].as_array().is_some_and(|q| q.is_empty()), "none of our QPs: {theirs}");
     assert!(theirs["tenant"]["registered_bytes"].as_u64() < Some(2 << 16), "{theirs}");
 }
+
+/// `vrdma migrate` says clearly what it refused: a tenant with nothing on
+/// the daemon, a VM it does not have, no tenant at all, a snapshot that is not a regular file, a file that is not a
+/// snapshot, a file that is not there.
+#[test]
+fn migrate_steps_refuse_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let cfg = dir.path().join("v.toml");
+    std::fs::write(&cfg, "[vms.t]\ntenant = 4343\nmemory_mib = 8\nports = 1\n").unwrap();
+    let _d = start_daemon(&sock, &["--address", "10.1.2.3", "--config", cfg.to_str().unwrap()]);
+    let fails = |args: &[&str], says: &str| {
+        let out = vrdma(&sock, args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(err.contains(says), "{args:?}: {err}");
+    };
+    fails(&["migrate", "pause", "--tenant", "4242"], "tenant 4242 has no context on this host");
+    fails(&["migrate", "pause", "--vm", "nope"], "no VM \"nope\" is configured");
+    // A VM by name is its configured tenant (here with nothing attached).
+    fails(&["migrate", "pause", "--vm", "t"], "tenant 4343 has no context on this host");
+    fails(&["migrate", "pause"], "--tenant <TENANT>|--vm <NAME>");
+    fails(&["migrate", "export", "--tenant", "4242", "--out", "/dev/null"], "tenant 4242 has no context");
+    fails(&["migrate", "resume", "--tenant", "4242"], "tenant 4242 has no context");
+    fails(&["migrate", "import", "--in", "/dev/null"], "must come as a regular file");
+    let junk = dir.path().join("junk");
+    std::fs::write(&junk, b"not a snapshot at all").unwrap();
+    fails(&["migrate", "import", "--in", junk.to_str().unwrap()], "not a vRDMA snapshot (bad magic)");
+    fails(&["migrate", "import", "--in", "/nonexistent/snap"], "opening /nonexistent/snap");
+}

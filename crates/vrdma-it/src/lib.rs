@@ -1151,6 +1151,57 @@ impl NetnsHosts {
     }
 }
 
+/// `n` hosts as network namespaces on one bridge (in a namespace of its
+/// own, the switch), removed on drop: for tests of more than two hosts
+/// (a veth pair joins two). Host `i` has `10.78.x.(i+1)/24`.
+pub struct NetnsBridge {
+    pub switch: String,
+    pub ns: Vec<String>,
+    pub addr: Vec<String>,
+}
+
+impl NetnsBridge {
+    /// The namespaces, named after the pid and a counter as [`Netns`]'s.
+    pub fn create(n: usize) -> Result<NetnsBridge> {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let k = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid = std::process::id();
+        let mut net =
+            NetnsBridge { switch: format!("vrdma-it-{pid}-{k}-sw"), ns: Vec::new(), addr: Vec::new() };
+        run_cmd(&["ip", "netns", "add", &net.switch])?;
+        let sw = net.switch.clone();
+        run_cmd(&["ip", "-n", &sw, "link", "add", "br0", "type", "bridge"])?;
+        run_cmd(&["ip", "-n", &sw, "link", "set", "br0", "up"])?;
+        for i in 0..n {
+            let ns = format!("vrdma-it-{pid}-{k}-{i}");
+            run_cmd(&["ip", "netns", "add", &ns])?;
+            net.ns.push(ns.clone());
+            let addr = format!("10.78.{}.{}", k % 250, i + 1);
+            net.addr.push(addr.clone());
+            // Interface names have at most 15 bytes; created in the
+            // switch, so that nothing is left in ours if a step fails.
+            let (host_end, sw_end) = (format!("wh{pid}x{k}{i}"), format!("ws{pid}x{k}{i}"));
+            run_cmd(&["ip", "-n", &sw, "link", "add", &sw_end, "type", "veth", "peer", "name", &host_end])?;
+            run_cmd(&["ip", "-n", &sw, "link", "set", &host_end, "netns", &ns])?;
+            run_cmd(&["ip", "-n", &sw, "link", "set", &sw_end, "master", "br0"])?;
+            run_cmd(&["ip", "-n", &sw, "link", "set", &sw_end, "up"])?;
+            run_cmd(&["ip", "-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &host_end])?;
+            run_cmd(&["ip", "-n", &ns, "link", "set", &host_end, "up"])?;
+            run_cmd(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(net)
+    }
+}
+
+impl Drop for NetnsBridge {
+    fn drop(&mut self) {
+        // The veth pairs live in these namespaces and go with them.
+        for ns in self.ns.iter().chain(std::iter::once(&self.switch)) {
+            let _ = run_cmd(&["ip", "netns", "del", ns]);
+        }
+    }
+}
+
 /// The wire port of the daemons in [`NetnsHosts`]: each namespace has
 /// its own port space.
 pub const DEFAULT_WIRE_PORT: u16 = 4792;

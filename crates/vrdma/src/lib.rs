@@ -94,6 +94,7 @@ mod error;
 pub mod ffi;
 pub mod guest;
 pub mod idle;
+pub mod migrate;
 mod mr;
 mod pd;
 mod qp;

@@ -412,6 +412,13 @@ pub struct NetConfig {
     /// connection taken, only from these (and the configured peers).
     /// Empty: any address.
     pub allow: Vec<ipnet::IpNet>,
+    /// This daemon's number space, 1..=255 (`docs/migration.md`,
+    /// "Numbering"): the high bits of its QPNs, object ids, memory keys
+    /// and context ids, different on every daemon of a cluster so that a
+    /// tenant moved here keeps its numbers. Default, on a daemon with
+    /// links: `id % 255 + 1` (the sum of the address's bytes mod 255, plus
+    /// one, for the default id); without links: 0 (no prefix).
+    pub number_space: Option<u8>,
 }
 
 impl Default for NetConfig {
@@ -428,6 +435,7 @@ impl Default for NetConfig {
             max_chunk: vrdma_core::wire::MAX_CHUNK,
             max_queued_kib: crate::net::DEFAULT_MAX_QUEUED_KIB,
             allow: Vec::new(),
+            number_space: None,
         }
     }
 }
@@ -459,7 +467,24 @@ impl NetConfig {
         Ok(Some(key))
     }
 
+    /// The number space the daemon at `address` uses (see the field).
+    pub fn number_space_of(&self, address: Ipv4Addr) -> u8 {
+        if let Some(s) = self.number_space {
+            return s;
+        }
+        if self.psk.is_none() && self.psk_file.is_none() {
+            return 0;
+        }
+        let id = self.id.unwrap_or(u64::from(u32::from(address)));
+        (id % 255) as u8 + 1
+    }
+
     fn validate(&self) -> Result<(), ConfigError> {
+        if self.number_space == Some(0) {
+            return Err(ConfigError::Invalid(
+                "net.number_space 0 is the space of a daemon alone: give 1..=255".into(),
+            ));
+        }
         let c = self.max_chunk;
         if !(vrdma_core::wire::MIN_CHUNK..=vrdma_core::wire::MAX_CHUNK).contains(&c) || !c.is_power_of_two() {
             return Err(ConfigError::Invalid(format!(
@@ -1050,6 +1075,24 @@ mod tests {
         assert_eq!(c.net.key().unwrap().unwrap(), b"0123456789abcdef0123");
         assert_eq!(c.net.port, DEFAULT_WIRE_PORT);
         assert_eq!(c.net.peers.len(), 1);
+    }
+
+    /// Each daemon of a cluster numbers in a space of its own: configured,
+    /// else from its id (the address's for the default id), 0 alone.
+    #[test]
+    fn the_number_space_is_configured_or_derived_from_the_id() {
+        let ip = Ipv4Addr::new(10, 0, 0, 1);
+        let net = |extra: &str| {
+            DaemonConfig::from_toml(&format!("[net]\npsk = \"0123456789abcdef\"\n{extra}")).map(|c| c.net)
+        };
+        assert_eq!(net("").unwrap().number_space_of(ip), 12, "(10 + 0 + 0 + 1) % 255 + 1");
+        assert_eq!(net("").unwrap().number_space_of(Ipv4Addr::new(10, 0, 0, 2)), 13);
+        assert_eq!(net("id = 509").unwrap().number_space_of(ip), 255);
+        assert_eq!(net("number_space = 7").unwrap().number_space_of(ip), 7);
+        let e = net("number_space = 0").unwrap_err().to_string();
+        assert!(e.contains("number_space 0"), "{e}");
+        assert!(net("number_space = 256").is_err());
+        assert_eq!(DaemonConfig::default().net.number_space_of(ip), 0, "a daemon without links");
     }
 
     #[test]

@@ -147,6 +147,9 @@ impl Daemon {
         hca_cfg.latency_slice = std::time::Duration::from_micros(config.engine.latency_slice_us);
         hca_cfg.ack_delay = std::time::Duration::from_micros(config.engine.ack_delay_us);
         hca_cfg.default_quota = budgets.quota;
+        hca_cfg.number_space = config.net.number_space_of(address);
+        let number_space = hca_cfg.number_space;
+        tracing::info!(number_space, "numbering QPNs, ids and keys in this space");
         let mut hca = Hca::new(hca_cfg, Box::new(RandomKeys));
         for &(uid, q) in &budgets.tenants {
             hca.set_quota(TenantId(uid), q);
@@ -212,7 +215,8 @@ impl Daemon {
         let shared = Arc::new(server::Shared {
             engine: engine.handle(),
             device_name: DEVICE_NAME.to_string(),
-            next_context: AtomicU32::new(1),
+            // Context ids move with a tenant too: in the number space.
+            next_context: AtomicU32::new((u32::from(number_space) << 24) | 1),
             tenancy: server::Tenancy::new(config.tenant_by)?,
             admission: server::Admission::new(budgets.max_tenants),
             sessions: Mutex::new(Vec::new()),

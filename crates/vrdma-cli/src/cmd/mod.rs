@@ -3,6 +3,7 @@
 pub mod daemon;
 pub mod devinfo;
 pub mod hostbench;
+pub mod migrate;
 pub mod run;
 pub mod stat;
 pub mod vm;

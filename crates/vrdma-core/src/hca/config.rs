@@ -203,6 +203,13 @@ pub struct HcaConfig {
     /// frame each time), so that it learns when the QP resumes where it
     /// was; a move to another host is announced by a Moved frame.
     pub migration_probe_interval: std::time::Duration,
+    /// This daemon's number space (`docs/migration.md`, "Numbering"): the
+    /// high bits of the QPNs, object ids and memory keys it hands out, so
+    /// that two daemons of one cluster with different spaces never hand
+    /// out the same number and a tenant's numbers, which keep their values
+    /// when it moves, are free on its destination. 0: no prefix (QPNs from
+    /// 0x11, ids from 1, keys fully random), for a daemon alone.
+    pub number_space: u8,
 }
 
 /// The default of [`HcaConfig::migration_pause_limit`].
@@ -315,6 +322,7 @@ impl HcaConfig {
             default_quota: Quota::default(),
             migration_pause_limit: MIGRATION_PAUSE_LIMIT,
             migration_probe_interval: MIGRATION_PROBE_INTERVAL,
+            number_space: 0,
         }
     }
 

@@ -17,6 +17,7 @@ mod direct;
 mod error;
 pub mod metrics;
 pub mod migrate;
+mod numbering;
 mod objects;
 mod queues;
 mod remote;
@@ -161,6 +162,8 @@ impl Hca {
         // taken, and the rest waits in its rings at no cost.
         let notices_per_tenant = 4 * IDLE_TURNS;
         let slice = config.latency_slice;
+        let (next_id, next_qpn) =
+            (numbering::first_id(config.number_space), numbering::first_qpn(config.number_space));
         Hca {
             config,
             keys,
@@ -174,8 +177,8 @@ impl Hca {
             ahs: HashMap::default(),
             qps: HashMap::default(),
             order: schedule::ServiceOrder::with_slice(slice),
-            next_id: 1,
-            next_qpn: 0x11,
+            next_id,
+            next_qpn,
             net: remote::Network::default(),
             flush_pending: false,
             posted: Vec::new(),
@@ -386,16 +389,13 @@ impl Hca {
     }
 
     /// The next PD, CQ, SRQ or AH number that `taken` says is free in its
-    /// table: after the counter wraps, a number in use is never handed out
-    /// again (the loop ends: there are far fewer objects than numbers).
+    /// table, in this daemon's number space ([`numbering`]): after the
+    /// counter wraps, a number in use is never handed out again.
     fn alloc_id(&mut self, taken: impl Fn(&Hca, u32) -> bool) -> u32 {
-        loop {
-            let id = self.next_id;
-            self.next_id = self.next_id.wrapping_add(1).max(1);
-            if !taken(self, id) {
-                return id;
-            }
-        }
+        let mut counter = self.next_id;
+        let id = numbering::alloc_id(self.config.number_space, &mut counter, |n| taken(self, n));
+        self.next_id = counter;
+        id
     }
 
     /// Whether `ctx` may register `len` more bytes: asked before the daemon

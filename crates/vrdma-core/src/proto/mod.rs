@@ -10,9 +10,11 @@
 mod cm;
 pub mod guest;
 mod layout;
+mod migrate;
 
 pub use cm::{CmReply, CmRequest};
 pub use layout::*;
+pub use migrate::{MigrateReply, MigrateRequest};
 
 use serde::{Deserialize, Serialize};
 
@@ -166,6 +168,9 @@ pub enum Request {
     DirectSrqLimit {
         qp: u32,
     },
+    /// The operator's live-migration steps (root or the daemon's uid only;
+    /// on a connection of their own, before Hello). See [`MigrateRequest`].
+    Migrate(MigrateRequest),
 }
 
 impl Request {
@@ -173,6 +178,7 @@ impl Request {
     pub fn expected_fds(&self) -> usize {
         match self {
             Request::RegMr { .. } => 1,
+            Request::Migrate(MigrateRequest::Import) => 1,
             _ => 0,
         }
     }
@@ -279,6 +285,8 @@ pub enum Reply {
     DirectRecvGrant(DirectRecvGranted),
     /// With one fd: the channel's doorbell (see [`Request::DirectChannel`]).
     DirectChannel,
+    /// A migration step done; [`MigrateReply::Exported`] comes with one fd.
+    Migrated(MigrateReply),
 }
 
 /// A direct-path receive grant as the library receives it (see

@@ -4,7 +4,7 @@
 
 use super::{
     check_zero, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, WireError, BASE_HEADER_LEN, MAX_CHUNK,
-    MIN_CHUNK, VERSION,
+    MIN_CHUNK, MIN_VERSION, VERSION,
 };
 use crate::verbs::Gid;
 
@@ -51,8 +51,9 @@ impl Role {
 /// 44 lid u16         46 reserved u16    48 nonce [32]      (80 bytes)
 /// ```
 ///
-/// A Hello is always framed with base-header version 1, whatever versions
-/// it offers, so that every version can read every Hello.
+/// A Hello (and a Close) is always framed with base-header version 1
+/// ([`HELLO_VERSION`](super::HELLO_VERSION)), whatever versions it offers,
+/// so that every version can read every Hello.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct HelloRepr {
     pub min_version: u8,
@@ -75,7 +76,7 @@ impl HelloRepr {
     /// A Hello for this code's version range.
     pub fn new(role: Role, daemon_id: u64, gid: Gid, lid: u16, nonce: [u8; NONCE_LEN]) -> HelloRepr {
         HelloRepr {
-            min_version: VERSION,
+            min_version: MIN_VERSION,
             max_version: VERSION,
             role,
             max_chunk: MAX_CHUNK,
@@ -137,7 +138,12 @@ impl HelloRepr {
         let hi = self.max_version.min(peer.max_version).min(VERSION);
         let lo = self.min_version.max(peer.min_version);
         if hi < lo {
-            Err(WireError::NoCommonVersion)
+            Err(WireError::NoCommonVersion {
+                min: self.min_version,
+                max: self.max_version,
+                peer_min: peer.min_version,
+                peer_max: peer.max_version,
+            })
         } else {
             Ok(hi)
         }

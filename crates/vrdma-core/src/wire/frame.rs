@@ -25,8 +25,8 @@ use super::moved::{MovedRepr, MOVED_LEN};
 use super::opcode::{ATOMIC_ACK_LEN, ATOMIC_LEN, IMM_LEN, RETH_LEN, UD_LEN};
 use super::{
     check_24, check_zero, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, Aeth, CloseRepr, Exts,
-    HelloRepr, KeepaliveRepr, Opcode, Syndrome, WireError, BASE_HEADER_LEN, DATA_HEADER_LEN, MAGIC,
-    MAX_DATA_HEADER_LEN, MAX_FRAME_PAYLOAD, VERSION,
+    HelloRepr, KeepaliveRepr, Opcode, Syndrome, WireError, BASE_HEADER_LEN, DATA_HEADER_LEN, HELLO_VERSION,
+    MAGIC, MAX_DATA_HEADER_LEN, MAX_FRAME_PAYLOAD, VERSION,
 };
 use crate::verbs::Gid;
 
@@ -63,6 +63,15 @@ pub enum FrameType {
 }
 
 impl FrameType {
+    /// The base-header version this frame carries: Hello and Close
+    /// [`HELLO_VERSION`] (readable by every version), the rest [`VERSION`].
+    pub fn base_version(self) -> u8 {
+        match self {
+            FrameType::Hello | FrameType::Close => HELLO_VERSION,
+            _ => VERSION,
+        }
+    }
+
     pub fn from_raw(v: u8) -> Option<FrameType> {
         Some(match v {
             0x01 => FrameType::Hello,
@@ -122,11 +131,15 @@ pub(super) fn check_base(b: &[u8]) -> Result<Base, WireError> {
     if magic != MAGIC {
         return Err(WireError::BadMagic(magic));
     }
-    if b[field::VERSION] != VERSION {
-        return Err(WireError::UnsupportedVersion(b[field::VERSION]));
+    let version = b[field::VERSION];
+    if version != VERSION && version != HELLO_VERSION {
+        return Err(WireError::UnsupportedVersion(version));
     }
     let t = b[field::TYPE];
     let frame_type = FrameType::from_raw(t).ok_or(WireError::UnknownFrameType(t))?;
+    if version != frame_type.base_version() {
+        return Err(WireError::UnsupportedVersion(version));
+    }
     check_zero(&b[field::RESERVED..field::RESERVED + 1], "base.reserved")?;
     let header_len = get_u16(b, field::HEADER_LEN);
     let (min, max) = frame_type.header_len_range();
@@ -261,7 +274,7 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Packet<T> {
     pub fn set_base(&mut self, frame_type: FrameType, flags: u8, header_len: u16, payload_len: u32) {
         let b = self.buf();
         put_u16(b, field::MAGIC, MAGIC);
-        b[field::VERSION] = VERSION;
+        b[field::VERSION] = frame_type.base_version();
         b[field::TYPE] = frame_type as u8;
         b[field::FLAGS] = flags;
         b[field::RESERVED] = 0;

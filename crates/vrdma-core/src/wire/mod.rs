@@ -66,7 +66,18 @@ pub use opcode::{Exts, Opcode};
 pub const MAGIC: u16 = 0x7652;
 /// The frame format version this code speaks. Bumped on any incompatible
 /// change; [`HelloRepr`] carries the range each side supports.
-pub const VERSION: u8 = 1;
+///
+/// Version 2 is version 1 with the live-migration extension (the PAUSED
+/// NAK and the Moved frame): a version-1 daemon ends a link on either, so
+/// this code does not speak version 1 at all and a version-1 peer is
+/// refused at the Hello (`VersionMismatch`), clearly, before any traffic.
+pub const VERSION: u8 = 2;
+/// The oldest version this code speaks (see [`VERSION`]).
+pub const MIN_VERSION: u8 = 2;
+/// The base-header version Hello and Close frames always carry, whatever
+/// the connection's version: every version reads every Hello, and the
+/// Close that refuses a version it cannot speak.
+pub const HELLO_VERSION: u8 = 1;
 /// Bytes of the base header every frame starts with.
 pub const BASE_HEADER_LEN: usize = 12;
 /// Bytes of the base header plus the BTH-like part every data frame has.
@@ -125,8 +136,11 @@ pub enum WireError {
     UnknownRole(u8),
     #[error("bad version range {min}..={max}")]
     BadVersionRange { min: u8, max: u8 },
-    #[error("no protocol version both daemons speak")]
-    NoCommonVersion,
+    #[error(
+        "no wire protocol version both daemons speak: the peer speaks {peer_min}..={peer_max}, this daemon \
+         {min}..={max} (version 2 is the live-migration extension; a daemon that speaks only 1 must be upgraded)"
+    )]
+    NoCommonVersion { min: u8, max: u8, peer_min: u8, peer_max: u8 },
     #[error("bad chunk size {0}")]
     BadChunkSize(u32),
     #[error("message offset {0} is not allowed for this opcode")]

@@ -166,7 +166,11 @@ fn every_frame_round_trips() {
         assert_eq!(payload.len(), f.payload_len() as usize);
         let p = Packet::new_checked(&b[..]).unwrap();
         assert_eq!(p.magic(), MAGIC);
-        assert_eq!(p.version(), VERSION);
+        let base = match f {
+            FrameRepr::Hello(_) | FrameRepr::Close(_) => HELLO_VERSION,
+            _ => VERSION,
+        };
+        assert_eq!(p.version(), base, "{f:?}");
         assert_eq!(p.header_len() as usize, f.header_len());
         assert_eq!(FrameRepr::parse(&p).unwrap(), f);
         if let FrameRepr::Data(d) = f {
@@ -321,8 +325,11 @@ fn garbage_is_refused_with_a_precise_error() {
         parse_frame(&b).map(|_| ())
     };
     assert_eq!(parse_frame(b"GET / HTTP/1.1\r\n\r\n").map(|_| ()), Err(WireError::BadMagic(0x4745)));
-    assert_eq!(with(2, 2), Err(WireError::UnsupportedVersion(2)));
+    assert_eq!(with(2, 3), Err(WireError::UnsupportedVersion(3)));
     assert_eq!(with(2, 0), Err(WireError::UnsupportedVersion(0)));
+    // A version-1 keepalive (a daemon without the migration extension):
+    // refused; only Hello and Close are framed as version 1.
+    assert_eq!(with(2, 1), Err(WireError::UnsupportedVersion(1)));
     assert_eq!(with(3, 0x7f), Err(WireError::UnknownFrameType(0x7f)));
     assert_eq!(with(4, 1), Err(WireError::BadFlags(1)));
     assert_eq!(with(5, 1), Err(WireError::ReservedNotZero("base.reserved")));
@@ -387,21 +394,28 @@ fn semantic_rules_hold_on_emit_and_parse() {
 fn version_and_chunk_negotiation() {
     let a = hello(Role::Initiator, 1, 1);
     let mut b = hello(Role::Acceptor, 2, 2);
-    assert_eq!(a.negotiate_version(&b), Ok(1));
-    b.min_version = 2;
-    b.max_version = 3;
-    assert_eq!(a.negotiate_version(&b), Err(WireError::NoCommonVersion));
+    assert_eq!((a.min_version, a.max_version), (2, 2), "this code speaks version 2 only");
+    assert_eq!(a.negotiate_version(&b), Ok(2));
+    // A daemon without the migration extension: refused, saying why.
     b.min_version = 1;
-    assert_eq!(a.negotiate_version(&b), Ok(1), "the highest both speak, and this code speaks 1");
+    b.max_version = 1;
+    let e = a.negotiate_version(&b).unwrap_err();
+    assert_eq!(e, WireError::NoCommonVersion { min: 2, max: 2, peer_min: 1, peer_max: 1 });
+    assert!(e.to_string().contains("peer speaks 1..=1") && e.to_string().contains("upgraded"), "{e}");
+    b.min_version = 3;
+    b.max_version = 4;
+    assert!(matches!(a.negotiate_version(&b), Err(WireError::NoCommonVersion { .. })));
+    b.min_version = 1;
+    assert_eq!(a.negotiate_version(&b), Ok(2), "the highest both speak, and this code speaks 2");
     b.max_chunk = 4096;
     assert_eq!(a.negotiate_chunk(&b), 4096);
     b.max_chunk = 4095;
     assert_eq!(FrameRepr::Hello(b).emit(&mut [0u8; MAX_HEADER_LEN]), Err(WireError::BadChunkSize(4095)));
     b.max_chunk = 4096;
-    b.min_version = 4;
+    b.min_version = 5;
     assert_eq!(
         FrameRepr::Hello(b).emit(&mut [0u8; MAX_HEADER_LEN]),
-        Err(WireError::BadVersionRange { min: 4, max: 3 })
+        Err(WireError::BadVersionRange { min: 5, max: 4 })
     );
 }
 
@@ -490,4 +504,26 @@ fn moved_frames_refuse_an_epoch_of_zero_and_wide_qpns() {
         b[at..at + 4].copy_from_slice(&v.to_be_bytes());
         assert!(parse_frame(&b).is_err(), "{bad:?} parsed");
     }
+}
+
+/// A version-1 daemon's Hello (framed as version 1, offering 1..=1) is
+/// read, so that the refusal can say what the peer speaks; our own Hello
+/// and Close are framed as version 1 for it to read them.
+#[test]
+fn a_version_one_hello_is_read_and_ours_is_readable_by_version_one() {
+    let mut old = hello(Role::Initiator, 1, 1);
+    old.min_version = 1;
+    old.max_version = 1;
+    let b = encode(&FrameRepr::Hello(old));
+    assert_eq!(b[2], 1);
+    assert_eq!(parse_frame(&b).unwrap().0, FrameRepr::Hello(old));
+    let ours = encode(&FrameRepr::Hello(hello(Role::Acceptor, 2, 2)));
+    assert_eq!(ours[2], 1, "a Hello is framed as version 1");
+    let close = encode(&FrameRepr::Close(CloseRepr { reason: CloseReason::VersionMismatch, detail: 0 }));
+    assert_eq!(close[2], 1, "so is a Close");
+    assert!(parse_frame(&close).is_ok());
+    // And a version-2 Hello base header is not a thing.
+    let mut bad = ours.clone();
+    bad[2] = 2;
+    assert_eq!(parse_frame(&bad).map(|_| ()), Err(WireError::UnsupportedVersion(2)));
 }

@@ -31,8 +31,20 @@ fn main() -> Result<()> {
             println!("{}", serde_json::to_string(&said)?);
             Ok(())
         }
+        Some("migrate-pause") => {
+            let tenant = flag("--tenant")
+                .and_then(|n| n.to_str().and_then(|s| s.parse().ok()))
+                .context("--tenant UID is required")?;
+            let said = match vrdma::migrate::pause(&socket, tenant) {
+                Ok(_) => Said::Ok,
+                Err(e) => Said::Error { errno: e.errno(), message: e.to_string() },
+            };
+            println!("{}", serde_json::to_string(&said)?);
+            Ok(())
+        }
         _ => bail!(
-            "usage: vrdma-it-peer daemon|tenant|vm-attach --socket PATH [--config FILE] [--mr-len BYTES] [--vm NAME]"
+            "usage: vrdma-it-peer daemon|tenant|vm-attach|migrate-pause --socket PATH [--config FILE] \
+             [--mr-len BYTES] [--vm NAME] [--tenant UID]"
         ),
     }
 }

@@ -49,6 +49,9 @@ pub enum HandshakeError {
     Io(#[from] std::io::Error),
     #[error("the peer sent a malformed frame: {0}")]
     Wire(#[from] vrdma_core::wire::WireError),
+    /// The Hellos have no version in common (an older daemon).
+    #[error("{0}")]
+    Version(vrdma_core::wire::WireError),
     #[error("the peer sent {0} where the handshake expected {1}")]
     Unexpected(&'static str, &'static str),
     #[error("authentication failed: {0}")]
@@ -203,7 +206,7 @@ fn run(
     };
     if let Err(e) = hello.negotiate_version(&peer) {
         send_close(s, CloseReason::VersionMismatch);
-        return Err(e.into());
+        return Err(HandshakeError::Version(e));
     }
     if peer.daemon_id == me.daemon_id {
         send_close(s, CloseReason::AuthFailed);
@@ -274,6 +277,34 @@ mod tests {
         let mut c = TcpStream::connect(addr).unwrap();
         let a = handshake(&mut c, Role::Initiator, &id(1, ka), Duration::from_secs(2));
         (a, t.join().unwrap())
+    }
+
+    /// A daemon that speaks only wire version 1 (no migration extension):
+    /// its Hello is read, the link refused with VersionMismatch and an
+    /// error that says which versions each side speaks.
+    #[test]
+    fn a_version_one_daemon_is_refused_at_the_hello_saying_why() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let t = std::thread::spawn(move || {
+            let (mut s, _) = l.accept().unwrap();
+            handshake(&mut s, Role::Acceptor, &id(2, b"0123456789abcdef"), Duration::from_secs(2))
+        });
+        let mut c = TcpStream::connect(addr).unwrap();
+        let mut old = HelloRepr::new(Role::Initiator, 1, Gid::from_ipv4([10, 0, 0, 1]), 1, [3; NONCE_LEN]);
+        old.min_version = 1;
+        old.max_version = 1;
+        send(&mut c, &FrameRepr::Hello(old)).unwrap();
+        let mut dec = FrameDecoder::new();
+        let limit = Duration::from_secs(2);
+        let deadline = Instant::now() + limit;
+        let theirs = read_frame(&mut c, &mut dec, deadline, limit).unwrap();
+        assert!(matches!(theirs, FrameRepr::Hello(h) if h.min_version == 2), "{theirs:?}");
+        let r = read_frame(&mut c, &mut dec, deadline, limit);
+        assert!(matches!(r, Err(HandshakeError::Closed(Some(CloseReason::VersionMismatch)))), "{r:?}");
+        let e = t.join().unwrap().unwrap_err();
+        assert!(matches!(e, HandshakeError::Version(_)), "{e:?}");
+        assert!(e.to_string().contains("peer speaks 1..=1"), "{e}");
     }
 
     #[test]

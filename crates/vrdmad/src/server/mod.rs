@@ -6,6 +6,7 @@
 mod admission;
 pub(crate) mod guest;
 mod guest_memory;
+mod migrate;
 mod session;
 mod tenancy;
 

@@ -297,7 +297,9 @@ impl Session {
     }
 
     pub(super) fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Answer {
-        if !self.open && !matches!(req, Request::Hello { .. } | Request::VmAttach { .. }) {
+        if !self.open
+            && !matches!(req, Request::Hello { .. } | Request::VmAttach { .. } | Request::Migrate(_))
+        {
             return error(EPROTO, "the first request must be Hello");
         }
         match self.dispatch(req, fds) {
@@ -381,6 +383,9 @@ impl Session {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
             Request::VmAttach { name } => self.vm_attach(&name)?,
+            Request::Migrate(m) => {
+                super::migrate::handle(&self.shared, self.uid, self.guest.is_some(), m, fds)?
+            }
             Request::GuestAlloc { len } => self.guest_alloc(len)?,
             Request::GuestFree { offset } => self.guest_free(offset)?,
             Request::DirectGrant { qp, rkey } => {

@@ -106,7 +106,7 @@ impl Hca {
         self.own_pd(ctx, pd)?;
         self.charge(ctx, 1, len)?;
         let key = loop {
-            let k = self.keys.next_key();
+            let k = super::super::numbering::key_in_space(self.config.number_space, self.keys.next_key());
             if k != 0 && !self.mrs.contains_key(&k) {
                 break k;
             }

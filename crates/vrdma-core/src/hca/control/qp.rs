@@ -52,13 +52,14 @@ impl Hca {
         };
         let ring_bytes = qp_ring_bytes(granted);
         self.charge_queue(ctx, ring_bytes)?;
-        let qpn = loop {
-            let n = self.next_qpn;
-            // 0xff_ffff is the multicast QPN: never a QP's number.
-            self.next_qpn = if n >= 0xff_fffe { 0x11 } else { n + 1 };
-            if !self.qps.contains_key(&n) {
-                break n;
-            }
+        let mut counter = self.next_qpn;
+        let qpn = super::super::numbering::alloc_qpn(self.config.number_space, &mut counter, |n| {
+            self.qps.contains_key(&n)
+        });
+        self.next_qpn = counter;
+        let Some(qpn) = qpn else {
+            self.refund_queue(ctx, ring_bytes);
+            return Err(HcaError::Exhausted("QP numbers"));
         };
         self.own_pd(ctx, pd).expect("checked").users += 1;
         self.cqs.get_mut(&init.send_cq).expect("checked").users += 1;

@@ -99,6 +99,15 @@ impl Hca {
         Ok(qps.len())
     }
 
+    /// The contexts `tenant` holds here, in order (a driver ends their
+    /// sessions after [`Hca::finish_export`]).
+    pub fn tenant_contexts(&self, tenant: TenantId) -> Vec<super::ContextId> {
+        let mut v: Vec<super::ContextId> =
+            self.contexts.iter().filter(|(_, c)| c.tenant == tenant).map(|(&k, _)| k).collect();
+        v.sort_unstable();
+        v
+    }
+
     /// Whether every QP of `tenant` is paused (and it has a context here).
     pub fn is_paused(&self, tenant: TenantId) -> bool {
         self.contexts.values().any(|c| c.tenant == tenant)

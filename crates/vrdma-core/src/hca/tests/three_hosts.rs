@@ -734,3 +734,49 @@ fn an_idle_connection_moves_and_its_peer_reaches_the_new_host() {
     assert_eq!(got.iter().map(|c| (c.wr_id, c.byte_len)).collect::<Vec<_>>(), vec![(5, 64)]);
     assert_eq!(a.buf.read(0, 64), message(77, 64));
 }
+
+/// Daemons of one cluster number within spaces of their own
+/// (`HcaConfig::number_space`): a tenant from A (space 1) imports onto a
+/// C (space 3) that already serves another tenant with as many objects,
+/// and C's later objects do not take the imported numbers. The same
+/// load on a C numbering like A (same space) collides and is refused.
+#[test]
+fn daemons_with_their_own_number_spaces_import_onto_a_busy_host() {
+    let space = |s: u8| {
+        move |c: &mut HcaConfig| {
+            tune(c);
+            c.number_space = s;
+        }
+    };
+    let busy = |s: u8| {
+        let mut c = bare_host(IPS[C], &space(s));
+        let ctx = ContextId((u32::from(s) << 24) | 1);
+        c.hca.open_context(ctx, OTHER_TENANT).unwrap();
+        let ends: Vec<End> = (0..8).map(|_| c.end(ctx)).collect();
+        (c, ends)
+    };
+    let mut a = host_with(IPS[A], space(1));
+    let e = a.end(C1);
+    assert_eq!((e.qpn >> 16, e.pd >> 24, e.cq >> 24, e.buf.key >> 24), (1, 1, 1, 1), "A numbers in space 1");
+    a.hca.pause_tenant(TENANT).unwrap();
+    let bytes = a.hca.export_tenant(TENANT).unwrap();
+    let mem = HashMap::from([(e.buf.key, e.buf.mem.clone())]);
+    let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+
+    // C numbering in the same space as A, as busy: refused, clearly.
+    let (mut same, _) = busy(1);
+    let r = same.hca.import_tenant(&bytes, T0, &mut region_of);
+    assert!(matches!(&r, Err(SnapshotError::Collision(m)) if m.contains("in use here")), "{r:?}");
+
+    // C in its own space: the import goes in, numbers kept exactly.
+    let (mut c, ends) = busy(3);
+    assert!(ends.iter().all(|x| x.qpn >> 16 == 3 && x.pd >> 24 == 3 && x.buf.key >> 24 == 3));
+    assert_eq!(c.hca.import_tenant(&bytes, T0, &mut region_of), Ok(TENANT));
+    assert!(
+        c.hca.qps.contains_key(&e.qpn) && c.hca.mrs.contains_key(&e.buf.key) && c.hca.cqs.contains_key(&e.cq)
+    );
+    // C goes on numbering in its own space, around the imported numbers.
+    let later = c.end(ContextId((3 << 24) | 1));
+    assert_eq!((later.qpn >> 16, later.pd >> 24, later.buf.key >> 24), (3, 3, 3));
+    c.hca.resume_tenant(TENANT, T0).unwrap();
+}

@@ -1,0 +1,180 @@
+//! `vrdma migrate`: the operator's live-migration steps
+//! (`docs/migration.md`), each on the daemon of `--socket`:
+//!
+//! - `pause --tenant UID` (or `--vm NAME`, any step): the tenant's QPs
+//!   stop; peers are told PAUSED.
+//! - `export --tenant UID --out FILE`: the paused tenant's snapshot.
+//! - `import --in FILE`: on the destination, paused.
+//! - `resume --tenant UID`: on the destination, or on the source to cancel.
+//! - `finish --tenant UID`: on the source, once the destination resumed:
+//!   its objects there go, its sessions there end.
+//! - `move --tenant UID --to SOCKET`: all of them, from the daemon of
+//!   `--socket` to the one of `--to` (both reachable from here, as on one
+//!   machine; across machines, run the steps on each and carry the file),
+//!   resuming at the source if the destination refuses.
+//!
+//! The snapshot goes through the operator's hands (a file), not over the
+//! link between daemons: see `vrdmad::server::migrate` for why.
+
+use std::io::Write as _;
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result};
+
+#[derive(clap::Subcommand)]
+pub enum Command {
+    /// Pause every QP of a tenant (its peers wait, told PAUSED).
+    Pause {
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Write the paused tenant's snapshot to FILE (`-`: stdout).
+    Export {
+        #[command(flatten)]
+        who: Who,
+        #[arg(long, value_name = "FILE")]
+        out: PathBuf,
+    },
+    /// Import a snapshot (FILE, `-`: stdin) into this daemon, paused.
+    Import {
+        #[arg(long = "in", value_name = "FILE")]
+        input: PathBuf,
+    },
+    /// Resume a paused tenant (on the destination; on the source: cancel the migration).
+    Resume {
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Drop a moved tenant's objects on the source and end its sessions there.
+    Finish {
+        #[command(flatten)]
+        who: Who,
+    },
+    /// Every step from this daemon to the one at SOCKET: pause, export, import, finish, resume.
+    Move {
+        #[command(flatten)]
+        who: Who,
+        /// The destination daemon's control socket.
+        #[arg(long, value_name = "SOCKET")]
+        to: PathBuf,
+    },
+}
+
+/// Whose device state: a tenant (uid), or a VM of the daemon's config.
+#[derive(clap::Args)]
+#[group(required = true, multiple = false)]
+pub struct Who {
+    /// The tenant: a uid.
+    #[arg(long)]
+    tenant: Option<u32>,
+    /// A VM of the daemon's config (`[vms.NAME]`): its configured tenant.
+    #[arg(long, value_name = "NAME")]
+    vm: Option<String>,
+}
+
+impl Who {
+    fn tenant(&self, socket: &Path) -> Result<u32> {
+        match (&self.tenant, &self.vm) {
+            (Some(t), _) => Ok(*t),
+            (None, Some(name)) => vrdma::migrate::vm_tenant(socket, name)
+                .with_context(|| format!("the tenant of VM {name:?} (daemon at {})", socket.display())),
+            (None, None) => anyhow::bail!("give --tenant UID or --vm NAME"),
+        }
+    }
+}
+
+pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
+    let socket = socket.unwrap_or_else(vrdmad::default_socket_path);
+    let at = |what: &str| format!("{what} (daemon at {})", socket.display());
+    match cmd {
+        Command::Pause { who } => {
+            let tenant = who.tenant(&socket)?;
+            let qps = vrdma::migrate::pause(&socket, tenant).with_context(|| at("pause"))?;
+            println!("tenant {tenant} paused: {qps} QPs");
+        }
+        Command::Export { who, out } => {
+            let tenant = who.tenant(&socket)?;
+            let (fd, len, qps) = vrdma::migrate::export(&socket, tenant).with_context(|| at("export"))?;
+            let bytes = read_all(fd, len)?;
+            if out == Path::new("-") {
+                std::io::stdout().write_all(&bytes).context("writing the snapshot to stdout")?;
+            } else {
+                std::fs::write(&out, &bytes).with_context(|| format!("writing {}", out.display()))?;
+                eprintln!("tenant {tenant}: {len} bytes, {qps} QPs, in {}", out.display());
+            }
+        }
+        Command::Import { input } => {
+            let file = snapshot_file(&input)?;
+            let (tenant, qps) =
+                vrdma::migrate::import(&socket, file.as_fd()).with_context(|| at("import"))?;
+            println!("tenant {tenant} imported, paused: {qps} QPs");
+        }
+        Command::Resume { who } => {
+            let tenant = who.tenant(&socket)?;
+            let qps = vrdma::migrate::resume(&socket, tenant).with_context(|| at("resume"))?;
+            println!("tenant {tenant} resumed: {qps} QPs");
+        }
+        Command::Finish { who } => {
+            let tenant = who.tenant(&socket)?;
+            let (qps, contexts) = vrdma::migrate::finish(&socket, tenant).with_context(|| at("finish"))?;
+            println!("tenant {tenant} dropped here: {qps} QPs, {contexts} contexts");
+        }
+        Command::Move { who, to } => move_tenant(&socket, &to, who.tenant(&socket)?)?,
+    }
+    Ok(())
+}
+
+/// Every step; a refusal after the pause resumes the tenant at the source.
+fn move_tenant(from: &Path, to: &Path, tenant: u32) -> Result<()> {
+    let qps = vrdma::migrate::pause(from, tenant).with_context(|| format!("pause at {}", from.display()))?;
+    let cancel = |why: anyhow::Error| -> anyhow::Error {
+        match vrdma::migrate::resume(from, tenant) {
+            Ok(_) => {
+                why.context(format!("migration cancelled; tenant {tenant} resumed at {}", from.display()))
+            }
+            Err(e) => why.context(format!("migration failed and resuming at the source failed too: {e}")),
+        }
+    };
+    let (snapshot, len, _) = vrdma::migrate::export(from, tenant)
+        .with_context(|| format!("export at {}", from.display()))
+        .map_err(cancel)?;
+    vrdma::migrate::import(to, snapshot.as_fd())
+        .with_context(|| format!("import at {}", to.display()))
+        .map_err(cancel)?;
+    // From here the destination holds it: the source lets go first, so
+    // that the two never both serve it.
+    vrdma::migrate::finish(from, tenant).with_context(|| {
+        format!(
+            "finish at {} (the tenant is imported, paused, at {}: pause and finish it there to cancel)",
+            from.display(),
+            to.display()
+        )
+    })?;
+    vrdma::migrate::resume(to, tenant).with_context(|| format!("resume at {}", to.display()))?;
+    println!("tenant {tenant} moved: {qps} QPs, {len} bytes of device state");
+    Ok(())
+}
+
+/// The snapshot memfd's `len` bytes.
+fn read_all(fd: std::os::fd::OwnedFd, len: u64) -> Result<Vec<u8>> {
+    use std::io::Read as _;
+    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+    std::fs::File::from(fd).read_to_end(&mut bytes).context("reading the snapshot")?;
+    Ok(bytes)
+}
+
+/// The snapshot as a regular file (stdin is copied into a memfd first: the
+/// daemon takes no pipes).
+fn snapshot_file(input: &Path) -> Result<std::fs::File> {
+    if input != Path::new("-") {
+        return std::fs::File::open(input).with_context(|| format!("opening {}", input.display()));
+    }
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut bytes)
+        .context("reading the snapshot from stdin")?;
+    let fd = rustix::fs::memfd_create("vrdma-snapshot", rustix::fs::MemfdFlags::CLOEXEC)?;
+    let mut f = std::fs::File::from(fd);
+    f.write_all(&bytes)?;
+    Ok(f)
+}

@@ -1,0 +1,232 @@
+//! The daemon's side of live migration: the operator's control calls
+//! (`proto::MigrateRequest`) driving the core's pause, export, import,
+//! resume and finish (`vrdma_core::hca::migrate`).
+//!
+//! Who may: root and the daemon's own uid, the operator, never a guest.
+//! A tenant must not pause, read or replace another tenant's device state,
+//! nor its own (an import would let it forge its QPs' PSNs and keys), and
+//! every process of the daemon's uid could already ptrace the daemon.
+//!
+//! How the snapshot travels: the operator's CLI carries it (export to a
+//! file on the source, import from it on the destination), not the link
+//! between daemons. The operator already has authority on both hosts and
+//! must decide the destination anyway; a daemon link carrying snapshots
+//! would let any authenticated daemon push device state into another
+//! (the pre-shared key authenticates hosts, not operators), and would put
+//! up to 256 MiB on the link the tenants' traffic shares. On one host the
+//! file is a memfd; across hosts it goes by `scp` or a pipe over ssh.
+//!
+//! What an import maps: nothing yet. A tenant's memory regions and queue
+//! rings are its memory, which moves with it (a VM's region); attaching an
+//! imported tenant's contexts and rings to its new sessions is not done,
+//! so an import with memory regions is refused (`no memory for region`),
+//! and the imported QPs have no rings here: they keep their connections
+//! (their peers follow them on resume) but post and complete nothing.
+//! `docs/migration.md` says what this round moves.
+
+// An `Answer` is the reply to send whichever way a call ends (as in
+// `session`); not on the data path, so its size in `Result` does not matter.
+#![allow(clippy::result_large_err)]
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustix::fs::{MemfdFlags, SealFlags};
+use vrdma_core::hca::migrate::{MigrateError, MAX_SNAPSHOT_BYTES};
+use vrdma_core::hca::TenantId;
+use vrdma_core::proto::{MigrateReply, MigrateRequest, Reply};
+
+use super::session::{error, Answer, Carry};
+use super::Shared;
+
+/// How long an export waits for the engine to finish placing a frame's
+/// payload for one of the tenant's QPs (the core refuses a snapshot
+/// mid-frame; frames end within one chunk's bytes).
+const EXPORT_WAIT: Duration = Duration::from_secs(2);
+
+/// Whether the peer of a control connection may drive migrations.
+fn is_operator(uid: u32) -> bool {
+    uid == 0 || uid == rustix::process::geteuid().as_raw()
+}
+
+fn refused(e: MigrateError) -> Answer {
+    let errno = match e {
+        MigrateError::NoSuchTenant(_) => libc::ENOENT,
+        MigrateError::HostLocal(_) | MigrateError::Unsupported(_) => libc::EOPNOTSUPP,
+        MigrateError::NotPaused(_) => libc::EINVAL,
+        MigrateError::Busy(_) => libc::EBUSY,
+    };
+    error(errno, e.to_string())
+}
+
+fn gone() -> Answer {
+    error(libc::ENODEV, "the device engine has stopped")
+}
+
+/// Answers one migration call of a connection whose peer is `uid`
+/// (`guest`: a VM's session, never an operator).
+pub(super) fn handle(
+    shared: &Arc<Shared>,
+    uid: u32,
+    guest: bool,
+    req: MigrateRequest,
+    mut fds: Vec<OwnedFd>,
+) -> Result<Answer, Answer> {
+    if guest || !is_operator(uid) {
+        return Err(error(
+            libc::EPERM,
+            format!(
+                "migration is for the operator (root or the daemon's uid {}), not uid {uid}",
+                rustix::process::geteuid().as_raw()
+            ),
+        ));
+    }
+    let engine = &shared.engine;
+    Ok(match req {
+        MigrateRequest::Pause { tenant } => {
+            let qps = engine.call(move |e| e.hca.pause_tenant(TenantId(tenant))).map_err(|_| gone())?;
+            let qps = qps.map_err(refused)?;
+            tracing::info!(tenant, qps, "operator paused a tenant for a migration");
+            Reply::Migrated(MigrateReply::Paused { qps: qps as u32 }).into()
+        }
+        MigrateRequest::Export { tenant } => {
+            let deadline = std::time::Instant::now() + EXPORT_WAIT;
+            let (bytes, qps) = loop {
+                let r = engine
+                    .call(move |e| e.hca.snapshot_tenant(TenantId(tenant)).map(|s| (s.encode(), s.qps.len())))
+                    .map_err(|_| gone())?;
+                match r {
+                    Ok(done) => break done,
+                    Err(MigrateError::Busy(_)) if std::time::Instant::now() < deadline => {
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                    Err(e) => return Err(refused(e)),
+                }
+            };
+            let fd = sealed_memfd(&bytes).map_err(Answer::from)?;
+            tracing::info!(tenant, bytes = bytes.len(), qps, "operator exported a paused tenant");
+            Answer {
+                reply: Reply::Migrated(MigrateReply::Exported { len: bytes.len() as u64, qps: qps as u32 }),
+                fds: vec![Carry::Fd(fd)],
+            }
+        }
+        MigrateRequest::Import => {
+            let fd = fds.pop().ok_or_else(|| error(libc::EINVAL, "an import needs the snapshot's fd"))?;
+            let bytes = read_snapshot(&fd)?;
+            // Bytes that are no snapshot are refused here, without taking
+            // the engine from its tenants (the import decodes again, under
+            // the engine's lock, with every other check).
+            vrdma_core::hca::migrate::TenantSnapshot::decode(&bytes)
+                .map_err(|e| error(libc::EINVAL, e.to_string()))?;
+            let r = engine
+                .call(move |e| {
+                    let now = e.now();
+                    // No memory to map yet: see the module's doc.
+                    let t = e.hca.import_tenant(&bytes, now, &mut |_| None)?;
+                    Ok::<_, vrdma_core::hca::migrate::SnapshotError>((t, e.hca.tenant_contexts(t).len()))
+                })
+                .map_err(|_| gone())?;
+            let (t, contexts) = r.map_err(|e| error(libc::EINVAL, e.to_string()))?;
+            let qps = engine
+                .call(move |e| e.hca.snapshot_tenant(t).map_or(0, |s| s.qps.len()))
+                .map_err(|_| gone())?;
+            tracing::info!(tenant = t.0, contexts, qps, "operator imported a tenant, paused");
+            Reply::Migrated(MigrateReply::Imported { tenant: t.0, qps: qps as u32 }).into()
+        }
+        MigrateRequest::Resume { tenant } => {
+            let qps = engine
+                .call(move |e| {
+                    let now = e.now();
+                    e.hca.resume_tenant(TenantId(tenant), now)
+                })
+                .map_err(|_| gone())?
+                .map_err(refused)?;
+            tracing::info!(tenant, qps, "operator resumed a tenant");
+            Reply::Migrated(MigrateReply::Resumed { qps: qps as u32 }).into()
+        }
+        MigrateRequest::VmTenant { name } => {
+            let vm = shared
+                .vms
+                .get(&name)
+                .ok_or_else(|| error(libc::ENOENT, format!("no VM {name:?} is configured in this daemon")))?;
+            Reply::Migrated(MigrateReply::VmTenant { tenant: vm.config.tenant }).into()
+        }
+        MigrateRequest::Finish { tenant } => {
+            let r = engine
+                .call(move |e| {
+                    let t = TenantId(tenant);
+                    let ctxs = e.hca.tenant_contexts(t);
+                    let td = e.hca.finish_export(t)?;
+                    let qps = td.qps.len();
+                    for q in td.qps {
+                        e.rings.remove_qp(q);
+                    }
+                    for c in td.cqs {
+                        e.rings.cqs.remove(&c);
+                    }
+                    for s in td.srqs {
+                        e.rings.srqs.remove(&s);
+                    }
+                    for c in &ctxs {
+                        e.direct.forget_context(*c);
+                    }
+                    e.direct.sync(&mut e.hca);
+                    Ok::<_, MigrateError>((ctxs, qps))
+                })
+                .map_err(|_| gone())?;
+            let (ctxs, qps) = r.map_err(refused)?;
+            // The tenant lives elsewhere now: its processes' connections
+            // here end (each session's close finds nothing left to free).
+            for c in &ctxs {
+                shared.end_session(c.0);
+            }
+            tracing::info!(tenant, qps, contexts = ctxs.len(), "tenant moved away; its sessions here ended");
+            Reply::Migrated(MigrateReply::Finished { qps: qps as u32, contexts: ctxs.len() as u32 }).into()
+        }
+    })
+}
+
+/// A sealed memfd holding `bytes`.
+fn sealed_memfd(bytes: &[u8]) -> std::io::Result<OwnedFd> {
+    let fd = rustix::fs::memfd_create("vrdma-snapshot", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+    let mut done = 0;
+    while done < bytes.len() {
+        done += rustix::io::write(&fd, &bytes[done..])?;
+    }
+    rustix::fs::fcntl_add_seals(
+        &fd,
+        SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL,
+    )?;
+    Ok(fd)
+}
+
+/// The snapshot in the operator's fd: a regular file (or memfd) of at most
+/// `MAX_SNAPSHOT_BYTES`, read from its start. Not a pipe or socket: a
+/// writer that never closes would hold this session's thread.
+fn read_snapshot(fd: &OwnedFd) -> Result<Vec<u8>, Answer> {
+    let st = rustix::fs::fstat(fd).map_err(|e| Answer::from(std::io::Error::from(e)))?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return Err(error(libc::EINVAL, "the snapshot must come as a regular file or memfd"));
+    }
+    let len = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+    if len > MAX_SNAPSHOT_BYTES as u64 {
+        return Err(error(
+            libc::EFBIG,
+            format!("a snapshot of {len} bytes is above the limit of {MAX_SNAPSHOT_BYTES}"),
+        ));
+    }
+    let mut bytes = vec![0u8; len as usize];
+    let mut done = 0usize;
+    while done < bytes.len() {
+        let n = rustix::io::pread(fd.as_fd(), &mut bytes[done..], done as u64)
+            .map_err(|e| Answer::from(std::io::Error::from(e)))?;
+        if n == 0 {
+            // Shrunk under us: what is there is checked as it is.
+            bytes.truncate(done);
+            break;
+        }
+        done += n;
+    }
+    Ok(bytes)
+}
