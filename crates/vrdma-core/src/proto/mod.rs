@@ -28,7 +28,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `CmRequest::AttachQp` (and `CreateQp`) may name an id and a QP of two
 /// contexts of one process, and a `CmEvent` carries its id's addresses.
 /// 7: a `StatReport` carries the asking tenant's own figures, and a
-/// link's stats what its scheduler held back.)
+/// link's stats what its scheduler held back; `Request::Migrate`, the
+/// operator's migration steps.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
