@@ -253,7 +253,10 @@ impl Fake {
             // The connection manager is tested against the real daemon.
             Request::Cm(_) => (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![]),
             // VMs are tested against the real daemon (vrdma-it's vm.rs).
-            Request::VmAttach { .. } | Request::GuestAlloc { .. } | Request::GuestFree { .. } => {
+            Request::VmAttach { .. }
+            | Request::GuestAlloc { .. }
+            | Request::GuestFree { .. }
+            | Request::Sock(_) => {
                 (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![])
             }
             // The fake daemon has no direct path (as a daemon with it off).
