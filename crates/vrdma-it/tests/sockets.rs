@@ -48,3 +48,97 @@ fn the_registry_decides_through_the_daemon() -> Result<()> {
     })?;
     Ok(())
 }
+
+mod preload {
+    use std::path::Path;
+    use std::process::Command;
+    use std::time::Duration;
+
+    use anyhow::Result;
+    use vrdma::sockets::SockCounts;
+    use vrdma_it::harness::{self, built, free_port, listening, spawn, Running};
+    use vrdma_it::DaemonProc;
+
+    /// 16 MiB through the ring (64 times its size).
+    const BYTES: u64 = 16 << 20;
+    const LIMIT: Duration = Duration::from_secs(120);
+
+    fn sockapp(d: &DaemonProc, preload: bool, args: &[String]) -> Command {
+        let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+        let mut c = Command::new(exe);
+        c.args(args).env(vrdma::SOCKET_ENV, &d.socket).env("VRDMA_SOCKETS_DEBUG", "1");
+        if preload {
+            c.env("LD_PRELOAD", built("libvrdma_sockets.so"));
+        }
+        c
+    }
+
+    fn server(d: &DaemonProc, preload: bool, port: u16) -> Running {
+        spawn(sockapp(d, preload, &["server".into(), port.to_string()]), "server")
+    }
+
+    fn client(d: &DaemonProc, preload: bool, port: u16) -> Running {
+        spawn(sockapp(d, preload, &["client".into(), port.to_string(), BYTES.to_string()]), "client")
+    }
+
+    /// Runs a server and a client to their ends; both must succeed.
+    fn pair(d: &DaemonProc, server_preload: bool, client_preload: bool) -> Result<(SockCounts, bool)> {
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = server(d, server_preload, port);
+        // A preloaded server's listener is registered after the kernel's
+        // listen: wait for the registration, not only the port.
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && (!server_preload || ctx.sock_counts().ok().map(|c| c.listeners) == Some(1))
+        })?;
+        let c = client(d, client_preload, port);
+        let c = c.finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        // Each library says so (VRDMA_SOCKETS_DEBUG) once its connection
+        // is carried.
+        const CARRIED: &str = "carried over vRDMA";
+        let carried = c.stderr.contains(CARRIED);
+        assert_eq!(carried, s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+        Ok((ctx.sock_counts()?, carried))
+    }
+
+    fn have_lib() -> bool {
+        Path::new(&built("libvrdma_sockets.so")).exists()
+    }
+
+    #[test]
+    fn two_preloaded_programs_move_16_mib_over_vrdma() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        assert!(have_lib());
+        let d = DaemonProc::start()?;
+        let (c, carried) = pair(&d, true, true)?;
+        // Announced by the client, claimed by the server: carried.
+        assert_eq!((c.announced, c.carried, c.refused_claims), (1, 1, 0), "{c:?}");
+        assert!(carried);
+        Ok(())
+    }
+
+    #[test]
+    fn a_preloaded_server_and_a_plain_client_talk_tcp() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let (c, carried) = pair(&d, true, false)?;
+        assert!(!carried);
+        // The server's claim found no announcement.
+        assert_eq!((c.announced, c.carried, c.refused_claims), (0, 0, 1), "{c:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_preloaded_client_and_a_plain_server_talk_tcp() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let (c, carried) = pair(&d, false, true)?;
+        assert!(!carried);
+        // No listener was registered, so nothing was announced.
+        assert_eq!((c.announced, c.carried, c.refused_claims, c.listeners), (0, 0, 0, 0), "{c:?}");
+        Ok(())
+    }
+}

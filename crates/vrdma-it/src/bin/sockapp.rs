@@ -1,0 +1,90 @@
+//! An ordinary std::net TCP client and server, run unmodified under the
+//! preload library `libvrdma_sockets.so` by the sockets tests.
+//!
+//! `server PORT`: listens on 127.0.0.1:PORT, says `listening` on stdout,
+//! accepts one connection, reads it to its end checking every byte
+//! against [`pattern`], then answers `ok COUNT` and closes.
+//! `client PORT BYTES`: connects, writes BYTES pattern bytes in writes of
+//! varying sizes (and vectored ones), shuts its writing side down, and
+//! checks the answer. Exit status 0 when the bytes and the answer are
+//! right.
+
+use std::io::{IoSlice, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+
+fn pattern(i: u64) -> u8 {
+    ((i * 31 + 7) % 251) as u8
+}
+
+fn server(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut buf = vec![0u8; 100_003];
+    let mut count = 0u64;
+    loop {
+        let n = s.read(&mut buf).map_err(|e| format!("read after {count}: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        for (k, b) in buf[..n].iter().enumerate() {
+            if *b != pattern(count + k as u64) {
+                return Err(format!("byte {} is {b}, not {}", count + k as u64, pattern(count + k as u64)));
+            }
+        }
+        count += n as u64;
+    }
+    s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
+    Ok(())
+}
+
+fn client(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let sizes = [1usize, 7, 4096, 65_536, 100_000, 300_000];
+    let mut sent = 0u64;
+    let mut i = 0;
+    while sent < bytes {
+        let n = (sizes[i % sizes.len()] as u64).min(bytes - sent) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        if i % 5 == 4 && n > 1 {
+            // A vectored write in two parts.
+            let (a, b) = data.split_at(n / 2);
+            let mut done = 0;
+            while done < n {
+                let w = if done < a.len() {
+                    s.write_vectored(&[IoSlice::new(&a[done..]), IoSlice::new(b)])
+                } else {
+                    s.write(&b[done - a.len()..])
+                }
+                .map_err(|e| format!("writev: {e}"))?;
+                done += w;
+            }
+        } else {
+            s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+        }
+        sent += n as u64;
+        i += 1;
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| format!("answer: {e}"))?;
+    if answer != format!("ok {bytes}\n") {
+        return Err(format!("answer {answer:?}"));
+    }
+    Ok(())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let port = || args.get(2).and_then(|p| p.parse().ok()).expect("PORT");
+    let r = match args.get(1).map(String::as_str) {
+        Some("server") => server(port()),
+        Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        _ => Err("usage: vrdma-it-sockapp server PORT | client PORT BYTES".into()),
+    };
+    if let Err(e) = r {
+        eprintln!("sockapp: {e}");
+        std::process::exit(1);
+    }
+}

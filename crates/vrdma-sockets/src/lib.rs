@@ -1,0 +1,52 @@
+//! `libvrdma_sockets.so`: unmodified TCP applications on vRDMA
+//! (`docs/sockets.md`, issue 20).
+//!
+//! Preloaded into a dynamically linked program (`vrdma run --sockets --
+//! APP`, or `LD_PRELOAD` by hand), it carries the program's IPv4 TCP
+//! connections over an RC QP pair when the other end is also this library,
+//! of the same tenant, on the same host, and leaves them plain TCP
+//! otherwise. The application's descriptor is always the kernel's TCP
+//! socket; whether a connection is carried is decided through the daemon
+//! (listeners register, clients announce, servers claim), never by bytes
+//! in a stranger's stream.
+//!
+//! # What this slice handles
+//!
+//! - **Negotiated**: `listen` (registers the address), `connect` (announces
+//!   the 4-tuple when a listener of the tenant on this host owns the
+//!   destination; blocking or non-blocking), `accept`/`accept4` (claims).
+//! - **Carried** once both ends agreed: `read`, `write`, `recv`, `send`,
+//!   `recvfrom`, `sendto`, `readv`, `writev`, `recvmsg`, `sendmsg` (no
+//!   ancillary data), with `MSG_PEEK`, `MSG_DONTWAIT`, `MSG_WAITALL`,
+//!   `MSG_NOSIGNAL` and `O_NONBLOCK` (`EAGAIN`); `sendfile` (read, then
+//!   written through the ring); `shutdown` (half-close: the peer reads
+//!   EOF after the last byte); `close` (FIN after the last descriptor);
+//!   `dup`, `dup2`, `dup3`, `fcntl(F_DUPFD*)` share the connection.
+//! - **Passed through** (the kernel's, which are right for the descriptor
+//!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
+//!   `getpeername`, `setsockopt`/`getsockopt`, `fcntl`'s other commands,
+//!   every call on a descriptor that is not carried (UDP, Unix sockets,
+//!   files, connections to hosts elsewhere or to plain TCP peers).
+//! - **Not handled yet** on a carried descriptor: readiness through
+//!   `poll`/`select`/`epoll` is only the kernel's view of the TCP socket,
+//!   which shows `POLLIN` while a wake byte waits (after the reader slept),
+//!   not for every byte in the ring, so an event loop may stall (never
+//!   corrupt data); `splice`/`vmsplice`/`tee` and `io_uring` would read the
+//!   raw socket; after `fork` a child's carried descriptors fail with `EIO`
+//!   (it must not share the parent's rings), and an exec'd program does not
+//!   get them (the library's own duplicate is close-on-exec, but the
+//!   application's descriptor is inherited as a raw socket). Connections to
+//!   other hosts stay TCP.
+//!
+//! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns
+//! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,
+//! `VRDMA_SOCKETS_WAIT_MS` bounds a client's wait for the server's claim.
+
+mod addr;
+mod dev;
+mod interpose;
+mod link;
+mod listener;
+mod real;
+mod stream;
+mod table;
