@@ -38,8 +38,8 @@ pub const HELLO_LEN: usize = 64;
 const MAGIC: &[u8; 4] = b"VRSK";
 const VERSION: u32 = 1;
 
-/// A byte on the TCP socket: a wake-up, or (once) "ready".
-const WAKE: u8 = b'w';
+/// The byte each end sends once its QP is connected.
+const READY: u8 = 0;
 
 pub struct Link {
     /// The library's own descriptor of the kernel socket.
@@ -57,13 +57,17 @@ pub struct Link {
     tx: Mutex<Tx>,
 }
 
-#[derive(Default)]
 struct Rx {
     /// Bytes read from the ring (a running count).
     rd: u64,
     /// `rd` as last sent to the peer.
     acked: u64,
     eof: bool,
+    /// The generation last armed (1..=255; each wake byte is the
+    /// generation it answers).
+    gen: u32,
+    /// Armed since the last bytes were read.
+    armed: bool,
 }
 
 #[derive(Default)]
@@ -132,14 +136,15 @@ impl Half {
             peer_addr: u64::from_le_bytes(a),
             peer_rkey: u32_at(42),
             post: Mutex::new(0),
-            rx: Mutex::new(Rx::default()),
+            // Both ends start armed with generation 1 (set just above).
+            rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true }),
             tx: Mutex::new(Tx::default()),
         })
     }
 }
 
 pub fn ready_byte() -> u8 {
-    WAKE
+    READY
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -191,13 +196,6 @@ impl Link {
         self.post_wait(&mut [w])
     }
 
-    /// Sends this end's consumed count and sleeping flag to the peer.
-    fn ack(&self, rd: u64, sleeping: bool) -> Res<()> {
-        let _ = self.stage.write_u64(S_ACK, rd);
-        let _ = self.stage.write_u64(S_ACK + 8, sleeping as u64);
-        self.write_word(S_ACK, 16, CONSUMED)
-    }
-
     /// Bytes waiting in this end's ring (a peer's tail that is behind or
     /// more than a ring ahead is taken as nothing yet).
     fn waiting(&self, rd: u64) -> usize {
@@ -213,6 +211,9 @@ impl Link {
     /// end of the stream, or an errno (`EAGAIN` when `nonblocking` and
     /// nothing waits). `peek` leaves the bytes in the ring; `all` waits
     /// for `cap` bytes or the end.
+    ///
+    /// Whenever a read leaves the ring empty, the reader arms ([`Self::sleep`]),
+    /// so that the kernel socket is readable exactly while bytes wait.
     pub fn read(&self, iov: &[(*mut u8, usize)], nonblocking: bool, peek: bool, all: bool) -> Res<usize> {
         let cap: usize = iov.iter().map(|v| v.1).sum();
         if cap == 0 {
@@ -232,11 +233,13 @@ impl Link {
                 self.copy_out(rx.rd, n, iov, done);
                 done += n;
                 rx.rd += n as u64;
-                let left = self.waiting(rx.rd);
-                if rx.rd - rx.acked >= (RING / 4) as u64 || left == 0 {
+                rx.armed = false;
+                if self.waiting(rx.rd) == 0 {
+                    self.sleep(&mut rx);
+                } else if rx.rd - rx.acked >= (RING / 4) as u64 {
                     // Credits back. A peer that is gone no longer needs
                     // them; its end is seen on the socket.
-                    let _ = self.ack(rx.rd, false);
+                    let _ = self.credit(rx.rd);
                     rx.acked = rx.rd;
                 }
                 if !all || done == cap {
@@ -244,37 +247,28 @@ impl Link {
                 }
                 continue;
             }
-            if done > 0 && (!all || nonblocking) {
+            if done > 0 && nonblocking {
                 return Ok(done);
             }
             if rx.eof {
                 return Ok(done);
             }
-            // Empty: take the wake bytes off the socket, say "sleeping",
-            // look again, and only then block in the kernel.
-            match self.drain_wakes() {
-                Ok(true) => {
-                    rx.eof = true;
-                    continue;
-                }
-                Ok(false) => {}
-                Err(e) => return if done > 0 { Ok(done) } else { Err(e) },
-            }
-            if self.ack(rx.rd, true).is_ok() {
-                rx.acked = rx.rd;
-            }
-            if self.waiting(rx.rd) > 0 {
+            if !rx.armed {
+                self.sleep(&mut rx);
                 continue;
             }
             if nonblocking {
-                return if done > 0 { Ok(done) } else { Err(libc::EAGAIN) };
+                return Err(libc::EAGAIN);
             }
-            let mut b = [0u8; 64];
-            // SAFETY: `b` is valid for its length.
-            let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), 1, 0) };
+            // Armed and empty: block until a byte comes (a wake-up, left
+            // in the socket for the readiness it gives) or the end.
+            let mut b = [0u8; 1];
+            // SAFETY: `b` is valid for one byte.
+            let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK) };
             match r {
                 0 => rx.eof = true,
-                1.. => {}
+                // Rearm: a stale byte (its bytes were read) is taken then.
+                1.. => rx.armed = false,
                 _ => {
                     let e = crate::table::errno();
                     if e != libc::EINTR {
@@ -285,7 +279,68 @@ impl Link {
         }
     }
 
-    /// Takes every wake byte waiting on the socket; true at its end.
+    /// The ring is empty: arms a new generation (sends the consumed count
+    /// and the generation into the writer's `SLEEPING` word, waiting until
+    /// it landed), looks again, and if still empty takes the wake bytes of
+    /// older generations off the socket, which are stale: a byte of an
+    /// older generation was sent after its bytes landed, which was before
+    /// this arming landed, so this look saw them, and they were read. A
+    /// byte of this generation stays: its bytes landed after this look,
+    /// and wait.
+    fn sleep(&self, rx: &mut Rx) {
+        rx.gen = if rx.gen >= 255 { 1 } else { rx.gen + 1 };
+        let _ = self.stage.write_u64(S_ACK, rx.rd);
+        let _ = self.stage.write_u64(S_ACK + 8, rx.gen as u64);
+        // A peer that is gone gets no ack; its end shows on the socket.
+        let _ = self.write_word(S_ACK, 16, CONSUMED);
+        rx.acked = rx.rd;
+        rx.armed = true;
+        if self.waiting(rx.rd) > 0 {
+            return;
+        }
+        if let Ok(true) = self.take_stale(rx.gen as u8) {
+            rx.eof = true;
+        }
+    }
+
+    /// Takes wake bytes other than `keep` off the socket, up to the first
+    /// `keep`; true at the socket's end.
+    fn take_stale(&self, keep: u8) -> Res<bool> {
+        let mut b = [0u8; 256];
+        loop {
+            // SAFETY: `b` is valid for its length.
+            let r = unsafe {
+                real::recv(self.sock, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+            };
+            let n = match r {
+                0 => return Ok(true),
+                1.. => r as usize,
+                _ => {
+                    return match crate::table::errno() {
+                        libc::EAGAIN | libc::EINTR => Ok(false),
+                        e => Err(e),
+                    }
+                }
+            };
+            let stale = b[..n].iter().position(|&x| x == keep).unwrap_or(n);
+            if stale == 0 {
+                return Ok(false);
+            }
+            // SAFETY: as above; takes the `stale` bytes just peeked.
+            unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), stale, libc::MSG_DONTWAIT) };
+            if stale < n {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Sends this end's consumed count (credits) to the peer's writer.
+    fn credit(&self, rd: u64) -> Res<()> {
+        let _ = self.stage.write_u64(S_ACK, rd);
+        self.write_word(S_ACK, 8, CONSUMED)
+    }
+
+    /// Takes every byte waiting on the socket; true at its end.
     fn drain_wakes(&self) -> Res<bool> {
         let mut b = [0u8; 256];
         loop {
@@ -381,20 +436,30 @@ impl Link {
             self.post_wait(&mut wrs)?;
             tx.wr += n as u64;
             done += n;
-            // The bytes landed: a sleeping reader gets a wake byte.
-            if self.ring.read_u64(SLEEPING).unwrap_or(0) != 0 {
-                let _ = self.ring.write_u64(SLEEPING, 0);
-                let b = [WAKE];
-                // SAFETY: `b` is valid for one byte.
-                unsafe {
-                    real::send(self.sock, b.as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
-                };
-            }
+            // The bytes landed: an armed reader gets a wake byte, its
+            // generation.
+            self.wake();
         }
         if done == 0 && total > 0 {
             return Err(libc::EAGAIN);
         }
         Ok(done)
+    }
+
+    /// Sends the armed generation as a wake byte, once.
+    fn wake(&self) {
+        let word = self.ring.as_ptr().wrapping_add(SLEEPING);
+        // SAFETY: `SLEEPING` is an 8-aligned offset inside the ring region
+        // (whose mapping is page-aligned and lives as long as `self`); the
+        // daemon writes the word (the peer's arming) only with aligned
+        // 8-byte stores, so an atomic view of it is right.
+        let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(word.cast()) };
+        let g = word.load(Ordering::SeqCst);
+        if g != 0 && g <= 255 && word.compare_exchange(g, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            let b = [g as u8];
+            // SAFETY: `b` is valid for one byte.
+            unsafe { real::send(self.sock, b.as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        }
     }
 
     /// Room in the peer's ring; waits for some unless `nonblocking`.
