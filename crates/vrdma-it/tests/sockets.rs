@@ -104,6 +104,26 @@ mod preload {
         Ok((ctx.sock_counts()?, carried))
     }
 
+    #[test]
+    fn an_event_loop_pair_on_poll_sees_every_byte_ready() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["echo".into(), port.to_string()]), "echo");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["ping".into(), port.to_string(), "300".into()]), "ping");
+        let c = c.finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        assert_eq!(ctx.sock_counts()?.carried, 1);
+        Ok(())
+    }
+
     fn have_lib() -> bool {
         Path::new(&built("libvrdma_sockets.so")).exists()
     }

@@ -27,16 +27,23 @@
 //!   `getpeername`, `setsockopt`/`getsockopt`, `fcntl`'s other commands,
 //!   every call on a descriptor that is not carried (UDP, Unix sockets,
 //!   files, connections to hosts elsewhere or to plain TCP peers).
-//! - **Not handled yet** on a carried descriptor: readiness through
-//!   `poll`/`select`/`epoll` is only the kernel's view of the TCP socket,
-//!   which shows `POLLIN` while a wake byte waits (after the reader slept),
-//!   not for every byte in the ring, so an event loop may stall (never
-//!   corrupt data); `splice`/`vmsplice`/`tee` and `io_uring` would read the
-//!   raw socket; after `fork` a child's carried descriptors fail with `EIO`
-//!   (it must not share the parent's rings), and an exec'd program does not
-//!   get them (the library's own duplicate is close-on-exec, but the
-//!   application's descriptor is inherited as a raw socket). Connections to
-//!   other hosts stay TCP.
+//! - **Readiness** (`poll`, `ppoll`, `select`, `pselect`, `epoll`) is
+//!   the kernel's view of the socket, not interposed: the library keeps a
+//!   wake byte in the socket exactly while bytes wait in the ring
+//!   (`docs/sockets.md`), so `POLLIN` is right, level- and edge-triggered.
+//!   `POLLOUT` is the kernel's (a full ring gives `EAGAIN` to a
+//!   non-blocking write; the program polls again).
+//! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`
+//!   and `io_uring` would read the raw socket; after `fork` a child's
+//!   carried descriptors fail with `EIO` (it must not share the parent's
+//!   rings or daemon connection), and an exec'd program gets the
+//!   application's descriptor as a raw socket (the library's own duplicate
+//!   is close-on-exec); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
+//!   `SHUT_RD` is the kernel's only. A client's first call on a connection
+//!   blocks (even non-blocking) until the server accepted and made its
+//!   first call. A connection closed by its server before any call reads
+//!   as a reset at the client. IPv6 sockets and connections to other
+//!   hosts stay TCP.
 //!
 //! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns
 //! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,

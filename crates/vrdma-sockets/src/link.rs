@@ -257,24 +257,20 @@ impl Link {
                 self.sleep(&mut rx);
                 continue;
             }
-            if nonblocking {
-                return Err(libc::EAGAIN);
-            }
-            // Armed and empty: block until a byte comes (a wake-up, left
-            // in the socket for the readiness it gives) or the end.
+            // Armed and empty: look at the socket (a blocking read waits
+            // there): its end, or a byte, which stays for the readiness it
+            // gives (a stale one is taken by the next arming).
             let mut b = [0u8; 1];
+            let flags = if nonblocking { libc::MSG_PEEK | libc::MSG_DONTWAIT } else { libc::MSG_PEEK };
             // SAFETY: `b` is valid for one byte.
-            let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK) };
+            let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), 1, flags) };
             match r {
                 0 => rx.eof = true,
-                // Rearm: a stale byte (its bytes were read) is taken then.
                 1.. => rx.armed = false,
-                _ => {
-                    let e = crate::table::errno();
-                    if e != libc::EINTR {
-                        return if done > 0 { Ok(done) } else { Err(e) };
-                    }
-                }
+                _ => match crate::table::errno() {
+                    libc::EINTR if !nonblocking => {}
+                    e => return if done > 0 { Ok(done) } else { Err(e) },
+                },
             }
         }
     }

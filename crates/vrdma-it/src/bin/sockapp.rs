@@ -8,6 +8,12 @@
 //! varying sizes (and vectored ones), shuts its writing side down, and
 //! checks the answer. Exit status 0 when the bytes and the answer are
 //! right.
+//!
+//! `echo PORT` and `ping PORT ROUNDS`: an event-loop pair on non-blocking
+//! sockets and poll(2). The echo server answers every byte; the client
+//! sends 64-byte messages and reads each answer back in 10-byte reads,
+//! polling before each read, so poll must report the bytes left in the
+//! ring after a partial read.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -75,13 +81,96 @@ fn client(port: u16, bytes: u64) -> Result<(), String> {
     Ok(())
 }
 
+/// Waits (10 s at most) until `fd` is readable (or writable).
+fn wait(fd: i32, events: i16) -> Result<(), String> {
+    let mut p = libc::pollfd { fd, events, revents: 0 };
+    // SAFETY: one valid pollfd.
+    match unsafe { libc::poll(&mut p, 1, 10_000) } {
+        1 => Ok(()),
+        0 => Err(format!("poll({events:#x}) timed out: readiness lost")),
+        _ => Err(format!("poll: {}", std::io::Error::last_os_error())),
+    }
+}
+
+fn read_some(s: &mut TcpStream, buf: &mut [u8]) -> Result<usize, String> {
+    use std::os::fd::AsRawFd;
+    loop {
+        wait(s.as_raw_fd(), libc::POLLIN)?;
+        match s.read(buf) {
+            Ok(n) => return Ok(n),
+            // A spurious wake-up is allowed; a lost one is not (poll times out).
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
+fn write_all_nb(s: &mut TcpStream, mut b: &[u8]) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    while !b.is_empty() {
+        match s.write(b) {
+            Ok(n) => b = &b[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(s.as_raw_fd(), libc::POLLOUT)?,
+            Err(e) => return Err(format!("write: {e}")),
+        }
+    }
+    Ok(())
+}
+
+fn echo(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = read_some(&mut s, &mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        write_all_nb(&mut s, &buf[..n])?;
+    }
+}
+
+fn ping(port: u16, rounds: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    for r in 0..rounds {
+        let msg: Vec<u8> = (0..64u64).map(|k| pattern(r * 64 + k)).collect();
+        write_all_nb(&mut s, &msg)?;
+        let mut got = Vec::new();
+        while got.len() < msg.len() {
+            let mut b = [0u8; 10];
+            let n = read_some(&mut s, &mut b)?;
+            if n == 0 {
+                return Err(format!("round {r}: the end after {} bytes", got.len()));
+            }
+            got.extend_from_slice(&b[..n]);
+        }
+        if got != msg {
+            return Err(format!("round {r}: answer differs"));
+        }
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
+    // The server's end follows ours.
+    let mut b = [0u8; 1];
+    match read_some(&mut s, &mut b)? {
+        0 => Ok(()),
+        n => Err(format!("{n} bytes after the last answer")),
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let port = || args.get(2).and_then(|p| p.parse().ok()).expect("PORT");
     let r = match args.get(1).map(String::as_str) {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
-        _ => Err("usage: vrdma-it-sockapp server PORT | client PORT BYTES".into()),
+        Some("echo") => echo(port()),
+        Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
+        _ => {
+            Err("usage: vrdma-it-sockapp server PORT | client PORT BYTES | echo PORT | ping PORT ROUNDS"
+                .into())
+        }
     };
     if let Err(e) = r {
         eprintln!("sockapp: {e}");
