@@ -124,6 +124,34 @@ mod preload {
         Ok(())
     }
 
+    /// A writer whose reader is killed (SIGKILL) mid-stream gets an error,
+    /// as over TCP, instead of waiting for credits for ever.
+    #[test]
+    fn a_writer_whose_reader_is_killed_gets_an_error() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let mut s = spawn(sockapp(&d, true, &["sink".into(), port.to_string()]), "sink");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["flood".into(), port.to_string()]), "flood");
+        // Carried, and the reader stopped reading with the ring full.
+        vrdma_it::wait_until(Duration::from_secs(30), "the connection is carried", || {
+            ctx.sock_counts().ok().map(|c| c.carried) == Some(1)
+        })?;
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(!s.exited(), "the sink ended early");
+        // SAFETY: kill(2) of our own child, not yet reaped.
+        assert_eq!(unsafe { libc::kill(s.pid(), libc::SIGKILL) }, 0);
+        let c = c.finish(Duration::from_secs(30));
+        c.assert_ok();
+        assert!(c.stderr.contains("write failed"), "{}", c.describe());
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        Ok(())
+    }
+
     fn have_lib() -> bool {
         Path::new(&built("libvrdma_sockets.so")).exists()
     }

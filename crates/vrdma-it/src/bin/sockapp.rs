@@ -14,6 +14,10 @@
 //! sends 64-byte messages and reads each answer back in 10-byte reads,
 //! polling before each read, so poll must report the bytes left in the
 //! ring after a partial read.
+//!
+//! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
+//! reading (the test kills it). `flood PORT`: writes until a write fails,
+//! and exits 0 saying the error (1 if the connection never fails).
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -159,6 +163,29 @@ fn ping(port: u16, rounds: u64) -> Result<(), String> {
     }
 }
 
+fn sink(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut buf = vec![0u8; 1 << 20];
+    s.read_exact(&mut buf).map_err(|e| format!("read: {e}"))?;
+    eprintln!("stalled");
+    std::thread::sleep(std::time::Duration::from_secs(600));
+    Err("not killed".into())
+}
+
+fn flood(port: u16) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let buf = vec![7u8; 64 * 1024];
+    // Bounded: 64 GiB is far more than any buffer between the two.
+    for _ in 0..(1u64 << 20) {
+        if let Err(e) = s.write_all(&buf) {
+            eprintln!("write failed: {e}");
+            return Ok(());
+        }
+    }
+    Err("every write succeeded".into())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let port = || args.get(2).and_then(|p| p.parse().ok()).expect("PORT");
@@ -166,6 +193,8 @@ fn main() {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
+        Some("sink") => sink(port()),
+        Some("flood") => flood(port()),
         Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         _ => {
             Err("usage: vrdma-it-sockapp server PORT | client PORT BYTES | echo PORT | ping PORT ROUNDS"
