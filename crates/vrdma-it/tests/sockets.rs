@@ -152,6 +152,42 @@ mod preload {
         Ok(())
     }
 
+    /// Python's asyncio (epoll, non-blocking sockets, a stream reader and
+    /// writer) on both ends, carried.
+    #[test]
+    fn python_asyncio_echo_runs_carried() -> Result<()> {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        if !std::env::split_paths(&path).any(|d| d.join("python3").is_file()) {
+            vrdma_it::skip("python3 is missing (apt-get install python3)");
+            return Ok(());
+        }
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port().to_string();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sockets_asyncio.py");
+        let py = |args: &[&str]| {
+            let mut c = Command::new("python3");
+            c.arg(script)
+                .args(args)
+                .env(vrdma::SOCKET_ENV, &d.socket)
+                .env("VRDMA_SOCKETS_DEBUG", "1")
+                .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+            c
+        };
+        let s = spawn(py(&["server", &port]), "asyncio server");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(py(&["client", &port, "2000"]), "asyncio client").finish(LIMIT);
+        drop(s);
+        c.assert_ok();
+        assert!(c.stdout.contains("ok "), "{}", c.describe());
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        assert_eq!(ctx.sock_counts()?.carried, 1);
+        Ok(())
+    }
+
     fn have_lib() -> bool {
         Path::new(&built("libvrdma_sockets.so")).exists()
     }

@@ -327,9 +327,13 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
     if dst.port() == 0 || table::get(fd).is_some() || !addr::is_inet_stream(fd) {
         return None;
     }
+    // First slice: this host only (docs/sockets.md). Checked first, so a
+    // program that only reaches other hosts never opens the device.
+    if !addr::is_local(*dst.ip()) {
+        return None;
+    }
     let d = dev()?;
-    // First slice: this host only (docs/sockets.md).
-    if !addr::is_local(*dst.ip()) || !d.ctx.sock_lookup(dst, true).ok()? {
+    if !d.ctx.sock_lookup(dst, true).ok()? {
         return None;
     }
     let mut me = addr::local_of(fd)?;
