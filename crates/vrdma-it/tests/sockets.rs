@@ -77,6 +77,28 @@ mod preload {
         spawn(sockapp(d, preload, &["server".into(), port.to_string()]), "server")
     }
 
+    /// A worker forked after `listen` accepts and serves: it carries the
+    /// connection with a device of its own (the parent's is not its to use).
+    #[test]
+    fn a_worker_forked_after_listen_carries_what_it_accepts() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["forkserver".into(), port.to_string()]), "forkserver");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = client(&d, true, port).finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(s.stderr.contains("carried over vRDMA"), "{}", s.describe());
+        let counts = ctx.sock_counts()?;
+        assert_eq!((counts.announced, counts.carried), (1, 1), "{counts:?}");
+        Ok(())
+    }
+
     fn client(d: &DaemonProc, preload: bool, port: u16) -> Running {
         spawn(sockapp(d, preload, &["client".into(), port.to_string(), BYTES.to_string()]), "client")
     }

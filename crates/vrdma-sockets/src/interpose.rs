@@ -26,7 +26,8 @@ enum Target {
 fn target(fd: c_int) -> Target {
     let Some(_g) = Guard::enter() else { return Target::Pass };
     match table::get(fd) {
-        Some(Entry::Stream(_)) if table::forked() => Target::Fail(libc::EIO),
+        // The parent's, inherited through fork: not handled yet.
+        Some(e @ Entry::Stream(_)) if !e.ours() => Target::Fail(libc::EIO),
         Some(Entry::Stream(s)) => match s.route() {
             Ok(Route::Link(l)) => Target::Link(l),
             Ok(Route::Tcp) => Target::Pass,
@@ -287,7 +288,7 @@ fn register_listener(fd: c_int) {
     match d.ctx.sock_listen(a) {
         Ok(()) => {
             debug(&format!("listening on {a}"));
-            table::insert(fd, Entry::Listener(Arc::new(Listener { addr: a })));
+            table::insert(fd, Entry::Listener(Arc::new(Listener { addr: a, pid: std::process::id() })));
         }
         Err(e) => debug(&format!("listener {a} not registered (its clients stay TCP): {e}")),
     }
@@ -375,7 +376,9 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
     }
     let Some(_g) = Guard::enter() else { return c };
     keep_errno(|| {
-        if !matches!(table::get(fd), Some(Entry::Listener(_))) || table::forked() {
+        // An inherited listener (a pre-forked worker) claims as well: the
+        // registry knows tenants, and this process has its own device.
+        if !matches!(table::get(fd), Some(Entry::Listener(_))) {
             return;
         }
         let (Some(d), Some(me), Some(peer)) = (dev(), addr::local_of(c), addr::peer_of(c)) else { return };
@@ -393,11 +396,11 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
 // ---- descriptors ----
 
 /// `fd` is closed (or replaced): its entry goes. In a forked child the
-/// parent's objects are not destroyed (see [`table::forked`]).
+/// parent's objects are not destroyed (see [`Entry::ours`]).
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
         if let Some(e) = table::remove(fd) {
-            if table::forked() {
+            if !e.ours() {
                 std::mem::forget(e);
             } else {
                 keep_errno(|| drop(e));

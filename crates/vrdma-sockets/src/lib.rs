@@ -34,9 +34,11 @@
 //!   `POLLOUT` is the kernel's (a full ring gives `EAGAIN` to a
 //!   non-blocking write; the program polls again).
 //! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`
-//!   and `io_uring` would read the raw socket; after `fork` a child's
-//!   carried descriptors fail with `EIO` (it must not share the parent's
-//!   rings or daemon connection), and an exec'd program gets the
+//!   and `io_uring` would read the raw socket; after `fork` the
+//!   carried descriptors a child inherited fail with `EIO` in it (it must
+//!   not share the parent's rings or daemon connection; the connections it
+//!   accepts, also on an inherited listener, or makes itself are carried
+//!   through a device of its own), and an exec'd program gets the
 //!   application's descriptor as a raw socket (the library's own duplicate
 //!   is close-on-exec); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
 //!   `SHUT_RD` is the kernel's only. A client's first call on a connection

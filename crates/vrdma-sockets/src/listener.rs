@@ -5,6 +5,8 @@ use std::net::SocketAddrV4;
 
 pub struct Listener {
     pub addr: SocketAddrV4,
+    /// The process that registered it.
+    pub pid: u32,
 }
 
 impl Drop for Listener {

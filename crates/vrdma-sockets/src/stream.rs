@@ -29,6 +29,8 @@ enum Phase {
 }
 
 pub struct Stream {
+    /// The process whose device carries it.
+    pub pid: u32,
     sock: Arc<Sock>,
     phase: Mutex<Phase>,
 }
@@ -61,7 +63,9 @@ impl Stream {
     fn new(fd: c_int, phase: Phase) -> Option<Arc<Stream>> {
         // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor the caller holds.
         let sock = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
-        (sock >= 0).then(|| Arc::new(Stream { sock: Arc::new(Sock(sock)), phase: Mutex::new(phase) }))
+        (sock >= 0).then(|| {
+            Arc::new(Stream { pid: std::process::id(), sock: Arc::new(Sock(sock)), phase: Mutex::new(phase) })
+        })
     }
 
     /// A client's stream after its announcement.

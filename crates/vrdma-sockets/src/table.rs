@@ -9,7 +9,7 @@
 
 use std::cell::Cell;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use libc::c_int;
@@ -28,8 +28,6 @@ pub enum Entry {
 
 /// Entries in the table: 0 lets every call pass through without a lock.
 static COUNT: AtomicUsize = AtomicUsize::new(0);
-/// Set in a child after fork (see [`forked`]).
-static FORKED: AtomicBool = AtomicBool::new(false);
 
 fn table() -> MutexGuard<'static, HashMap<c_int, Entry>> {
     static T: OnceLock<Mutex<HashMap<c_int, Entry>>> = OnceLock::new();
@@ -67,26 +65,17 @@ pub fn forget_stream(s: &Arc<Stream>) {
     COUNT.store(t.len(), Ordering::Release);
 }
 
-/// In a child after fork. The child shares the parent's connection to the
-/// daemon and the rings' memory: it must not use them, nor destroy them.
-/// Its carried descriptors fail with `EIO` (not handled yet, see the crate
-/// documentation), and its new connections stay TCP.
-pub fn forked() -> bool {
-    FORKED.load(Ordering::Relaxed)
-}
-
-extern "C" fn in_child() {
-    FORKED.store(true, Ordering::Relaxed);
-}
-
-/// Installs the fork handler, once.
-pub fn watch_fork() {
-    static ONCE: OnceLock<()> = OnceLock::new();
-    ONCE.get_or_init(|| {
-        // SAFETY: registers a handler that only stores to an atomic, which
-        // is async-signal-safe as a post-fork child handler must be.
-        unsafe { libc::pthread_atfork(None, None, Some(in_child)) };
-    });
+impl Entry {
+    /// Whether this process made it. A child after fork inherits its
+    /// parent's entries: it must neither use their rings and daemon
+    /// connection nor destroy them (see [`crate::dev`]).
+    pub fn ours(&self) -> bool {
+        let pid = std::process::id();
+        match self {
+            Entry::Listener(l) => l.pid == pid,
+            Entry::Stream(s) => s.pid == pid,
+        }
+    }
 }
 
 thread_local! {

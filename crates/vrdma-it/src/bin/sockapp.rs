@@ -15,6 +15,9 @@
 //! polling before each read, so poll must report the bytes left in the
 //! ring after a partial read.
 //!
+//! `forkserver PORT`: `server`, but a child forked after listen accepts
+//! and serves (a pre-forking server's worker); the parent waits for it.
+//!
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
@@ -30,6 +33,41 @@ fn server(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
+    serve(&l)
+}
+
+fn forkserver(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    // SAFETY: fork(2) in a single-threaded program; the child only serves
+    // and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let code = match serve(&l) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            };
+            std::process::exit(code)
+        }
+        child => {
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+                Ok(())
+            } else {
+                Err(format!("the child ended with {status:#x}"))
+            }
+        }
+    }
+}
+
+fn serve(l: &TcpListener) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     let mut buf = vec![0u8; 100_003];
     let mut count = 0u64;
@@ -193,6 +231,7 @@ fn main() {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
+        Some("forkserver") => forkserver(port()),
         Some("sink") => sink(port()),
         Some("flood") => flood(port()),
         Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
