@@ -210,6 +210,26 @@ mod preload {
         Ok(())
     }
 
+    /// A server that accepts and closes at once: its client reads the end,
+    /// as over TCP (not a reset, though the hellos were never exchanged).
+    #[test]
+    fn a_connection_closed_before_its_first_call_reads_as_the_end() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["quiet".into(), port.to_string()]), "quiet");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c =
+            spawn(sockapp(&d, true, &["expect-end".into(), port.to_string()]), "expect-end").finish(LIMIT);
+        s.finish(LIMIT).assert_ok();
+        c.assert_ok();
+        assert_eq!(ctx.sock_counts()?.carried, 1);
+        Ok(())
+    }
+
     fn have_lib() -> bool {
         Path::new(&built("libvrdma_sockets.so")).exists()
     }

@@ -13,7 +13,7 @@ use crate::dev::{debug, dev};
 use crate::link::Link;
 use crate::listener::Listener;
 use crate::real;
-use crate::stream::{Route, Stream};
+use crate::stream::{Route, Stream, ENDED};
 use crate::table::{self, keep_errno, set_errno, Entry, Guard};
 
 /// Where a data call on `fd` goes.
@@ -46,6 +46,8 @@ fn nonblocking(fd: c_int) -> bool {
 fn done(r: Result<usize, c_int>) -> ssize_t {
     match r {
         Ok(n) => n as ssize_t,
+        // A read of a connection whose peer closed before its first call.
+        Err(ENDED) => 0,
         Err(e) => {
             set_errno(e);
             -1
@@ -56,6 +58,7 @@ fn done(r: Result<usize, c_int>) -> ssize_t {
 /// As the kernel does for TCP: a write to a connection that is gone raises
 /// SIGPIPE unless the caller said MSG_NOSIGNAL.
 fn done_write(r: Result<usize, c_int>, nosignal: bool) -> ssize_t {
+    let r = if r == Err(ENDED) { Err(libc::EPIPE) } else { r };
     if r == Err(libc::EPIPE) && !nosignal {
         // SAFETY: raise(3) on this thread.
         unsafe { libc::raise(libc::SIGPIPE) };
@@ -171,7 +174,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
         // SAFETY: libc's write with the caller's arguments.
         Target::Pass => unsafe { real::write(fd, buf, n) },
         Target::Link(l) => done_write(l.write(&[(buf.cast(), n)], nonblocking(fd)), false),
-        Target::Fail(e) => done(Err(e)),
+        Target::Fail(e) => done_write(Err(e), false),
     }
 }
 
@@ -184,7 +187,7 @@ pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c
             let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
             done_write(l.write(&[(buf.cast(), n)], nb), flags & libc::MSG_NOSIGNAL != 0)
         }
-        Target::Fail(e) => done(Err(e)),
+        Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
     }
 }
 
@@ -204,7 +207,7 @@ pub unsafe extern "C" fn sendto(
             let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
             done_write(l.write(&[(buf.cast(), n)], nb), flags & libc::MSG_NOSIGNAL != 0)
         }
-        Target::Fail(e) => done(Err(e)),
+        Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
     }
 }
 
@@ -214,7 +217,7 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
         // SAFETY: libc's writev with the caller's arguments.
         Target::Pass => unsafe { real::writev(fd, iov, n) },
         Target::Link(l) => done_write(iov_out(iov, n).and_then(|v| l.write(&v, nonblocking(fd))), false),
-        Target::Fail(e) => done(Err(e)),
+        Target::Fail(e) => done_write(Err(e), false),
     }
 }
 
@@ -231,7 +234,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
             done_write(r, flags & libc::MSG_NOSIGNAL != 0)
         }
         Target::Link(_) => done(Err(libc::EFAULT)),
-        Target::Fail(e) => done(Err(e)),
+        Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
     }
 }
 
@@ -243,7 +246,7 @@ pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut off_t, n: si
     let l = match target(out) {
         // SAFETY: libc's sendfile with the caller's arguments.
         Target::Pass => return unsafe { real::sendfile(out, inp, off, n) },
-        Target::Fail(e) => return done(Err(e)),
+        Target::Fail(e) => return done_write(Err(e), false),
         Target::Link(l) => l,
     };
     let mut buf = vec![0u8; n.min(crate::link::RING)];

@@ -43,8 +43,7 @@
 //!   is close-on-exec); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
 //!   `SHUT_RD` is the kernel's only. A client's first call on a connection
 //!   blocks (even non-blocking) until the server accepted and made its
-//!   first call. A connection closed by its server before any call reads
-//!   as a reset at the client. IPv6 sockets and connections to other
+//!   first call. IPv6 sockets and connections to other
 //!   hosts stay TCP.
 //!
 //! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns

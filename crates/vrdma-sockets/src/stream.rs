@@ -24,7 +24,8 @@ enum Phase {
     Carried(Arc<Link>),
     /// It turned out TCP (the descriptors were taken off the table).
     Tcp,
-    /// The exchange failed: every call fails with this errno.
+    /// The exchange failed: every call fails with this errno (or
+    /// [`ENDED`]).
     Broken(c_int),
 }
 
@@ -45,6 +46,10 @@ impl Drop for Sock {
         unsafe { real::close(self.0) };
     }
 }
+
+/// Not an errno: the peer closed the connection before its first call
+/// (reads return 0, writes fail with `EPIPE`, as over TCP).
+pub const ENDED: c_int = -1;
 
 /// Where a call on the stream goes.
 pub enum Route {
@@ -112,6 +117,10 @@ impl Stream {
                 Phase::Agreed => {
                     *p = match self.exchange() {
                         Ok(l) => Phase::Carried(Arc::new(l)),
+                        Err(ENDED) => {
+                            debug("the peer closed before its first call");
+                            Phase::Broken(ENDED)
+                        }
                         Err(e) => {
                             debug(&format!("the exchange of hellos failed: errno {e}"));
                             Phase::Broken(if e == libc::EPROTO { libc::ECONNRESET } else { e })
@@ -145,6 +154,13 @@ impl Stream {
         let d = dev().ok_or(libc::ECONNRESET)?;
         let half = Half::new(d).map_err(|e| e.errno())?;
         let fd = self.sock.0;
+        // A peer that closed before its first call sent no hello: its end
+        // is read as the end (a hello sent now would be answered by RST).
+        let mut b = [0u8; 1];
+        // SAFETY: `b` is valid for one byte.
+        if unsafe { real::recv(fd, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) } == 0 {
+            return Err(ENDED);
+        }
         send_all(fd, half.hello())?;
         let mut peer = [0u8; HELLO_LEN];
         recv_exact(fd, &mut peer)?;
@@ -197,12 +213,15 @@ fn send_all(fd: c_int, mut b: &[u8]) -> Res<()> {
     Ok(())
 }
 
+/// Receives exactly `b.len()` bytes; [`ENDED`] if the socket ends before
+/// the first.
 fn recv_exact(fd: c_int, b: &mut [u8]) -> Res<()> {
     let mut got = 0;
     while got < b.len() {
         // SAFETY: `b[got..]` is valid for its length.
         let r = unsafe { real::recv(fd, b[got..].as_mut_ptr().cast(), b.len() - got, libc::MSG_DONTWAIT) };
         match r {
+            0 if got == 0 => return Err(ENDED),
             0 => return Err(libc::ECONNRESET),
             1.. => got += r as usize,
             _ => match crate::table::errno() {

@@ -18,6 +18,9 @@
 //! `forkserver PORT`: `server`, but a child forked after listen accepts
 //! and serves (a pre-forking server's worker); the parent waits for it.
 //!
+//! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
+//! connects and must read the end (0), as over TCP.
+//!
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
@@ -201,6 +204,25 @@ fn ping(port: u16, rounds: u64) -> Result<(), String> {
     }
 }
 
+fn quiet(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    drop(s);
+    Ok(())
+}
+
+fn expect_end(port: u16) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    // Let the server close first.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut b = [0u8; 16];
+    match s.read(&mut b) {
+        Ok(0) => Ok(()),
+        Ok(n) => Err(format!("read {n} bytes from a server that sent none")),
+        Err(e) => Err(format!("read: {e} (TCP reads the end)")),
+    }
+}
+
 fn sink(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -233,6 +255,8 @@ fn main() {
         Some("echo") => echo(port()),
         Some("forkserver") => forkserver(port()),
         Some("sink") => sink(port()),
+        Some("quiet") => quiet(port()),
+        Some("expect-end") => expect_end(port()),
         Some("flood") => flood(port()),
         Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         _ => {
