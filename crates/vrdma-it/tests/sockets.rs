@@ -230,6 +230,27 @@ mod preload {
         Ok(())
     }
 
+    /// sendfile(2) to a carried socket goes through the ring (the kernel
+    /// would put the file's bytes into the TCP stream, past it).
+    #[test]
+    fn sendfile_to_a_carried_socket_arrives_whole() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = server(&d, true, port);
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["sendfile".into(), port.to_string(), (3 << 20).to_string()];
+        let c = spawn(sockapp(&d, true, &args), "sendfile").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        Ok(())
+    }
+
     fn have_lib() -> bool {
         Path::new(&built("libvrdma_sockets.so")).exists()
     }

@@ -166,6 +166,60 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
     }
 }
 
+// The _FORTIFY_SOURCE forms (Debian builds its packages with it): the
+// compiler calls these where it knows the buffer's size.
+
+/// glibc's `__chk_fail`: a read larger than its buffer.
+fn overflow() -> ! {
+    const MSG: &[u8] = b"*** buffer overflow detected ***: terminated\n";
+    // SAFETY: write(2) of a static buffer to stderr, then abort.
+    unsafe {
+        libc::syscall(libc::SYS_write, 2, MSG.as_ptr(), MSG.len());
+        libc::abort()
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+    if n > buflen {
+        overflow();
+    }
+    // SAFETY: `read` with the caller's arguments, checked as glibc does.
+    unsafe { read(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
+    if n > buflen {
+        overflow();
+    }
+    // SAFETY: `recv` with the caller's arguments, checked as glibc does.
+    unsafe { recv(fd, buf, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+    from: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    if n > buflen {
+        overflow();
+    }
+    // SAFETY: `recvfrom` with the caller's arguments, checked as glibc does.
+    unsafe { recvfrom(fd, buf, n, flags, from, len) }
+}
+
 // ---- writing ----
 
 #[no_mangle]
@@ -243,9 +297,30 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
 /// the ring).
 #[no_mangle]
 pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    // SAFETY: the caller's arguments, as sendfile(2) takes them.
+    unsafe { sendfile_with(out, inp, off, n, real::sendfile) }
+}
+
+/// `sendfile` under its large-file name (programs built with
+/// `_FILE_OFFSET_BITS=64` call it; `off_t` is 64 bits on 64-bit Linux).
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    // SAFETY: the caller's arguments, as sendfile(2) takes them.
+    unsafe { sendfile_with(out, inp, off, n, real::sendfile64) }
+}
+
+/// # Safety
+/// `off` is null or the caller's offset; `libc_fn` is libc's sendfile.
+unsafe fn sendfile_with(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    n: size_t,
+    libc_fn: unsafe fn(c_int, c_int, *mut off_t, size_t) -> ssize_t,
+) -> ssize_t {
     let l = match target(out) {
         // SAFETY: libc's sendfile with the caller's arguments.
-        Target::Pass => return unsafe { real::sendfile(out, inp, off, n) },
+        Target::Pass => return unsafe { libc_fn(out, inp, off, n) },
         Target::Fail(e) => return done_write(Err(e), false),
         Target::Link(l) => l,
     };
@@ -482,6 +557,18 @@ pub unsafe extern "C" fn dup3(fd: c_int, to: c_int, flags: c_int) -> c_int {
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
     // SAFETY: libc's fcntl with the caller's arguments.
     let r = unsafe { real::fcntl(fd, cmd, arg) };
+    if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
+        copy_entry(fd, r);
+    }
+    r
+}
+
+/// `fcntl` under its 64-bit-offset name (glibc 2.28 and later; programs
+/// built with `_FILE_OFFSET_BITS=64` may call it).
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    // SAFETY: libc's fcntl64 with the caller's arguments.
+    let r = unsafe { real::fcntl64(fd, cmd, arg) };
     if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
         copy_entry(fd, r);
     }

@@ -17,11 +17,13 @@
 //!   destination; blocking or non-blocking), `accept`/`accept4` (claims).
 //! - **Carried** once both ends agreed: `read`, `write`, `recv`, `send`,
 //!   `recvfrom`, `sendto`, `readv`, `writev`, `recvmsg`, `sendmsg` (no
-//!   ancillary data), with `MSG_PEEK`, `MSG_DONTWAIT`, `MSG_WAITALL`,
-//!   `MSG_NOSIGNAL` and `O_NONBLOCK` (`EAGAIN`); `sendfile` (read, then
+//!   ancillary data), the `_FORTIFY_SOURCE` forms `__read_chk`,
+//!   `__recv_chk`, `__recvfrom_chk`, with `MSG_PEEK`, `MSG_DONTWAIT`, `MSG_WAITALL`,
+//!   `MSG_NOSIGNAL` and `O_NONBLOCK` (`EAGAIN`); `sendfile`/`sendfile64` (read, then
 //!   written through the ring); `shutdown` (half-close: the peer reads
 //!   EOF after the last byte); `close` (FIN after the last descriptor);
-//!   `dup`, `dup2`, `dup3`, `fcntl(F_DUPFD*)` share the connection.
+//!   `dup`, `dup2`, `dup3`, `fcntl`/`fcntl64` (`F_DUPFD*`) share the
+//!   connection.
 //! - **Passed through** (the kernel's, which are right for the descriptor
 //!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
 //!   `getpeername`, `setsockopt`/`getsockopt`, `fcntl`'s other commands,
@@ -41,9 +43,10 @@
 //!   through a device of its own), and an exec'd program gets the
 //!   application's descriptor as a raw socket (the library's own duplicate
 //!   is close-on-exec); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
-//!   `SHUT_RD` is the kernel's only. A client's first call on a connection
-//!   blocks (even non-blocking) until the server accepted and made its
-//!   first call. IPv6 sockets and connections to other
+//!   `SHUT_RD` is the kernel's only; `recvmmsg`/`sendmmsg` are not
+//!   interposed. A client's first call on a connection blocks (even
+//!   non-blocking) until the server accepted and made its first call, and
+//!   a server's first call until the client made its first. IPv6 sockets and connections to other
 //!   hosts stay TCP.
 //!
 //! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns

@@ -62,10 +62,12 @@ real! {
     recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t;
     sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t;
     sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
+    sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
     close(fd: c_int) -> c_int;
     shutdown(fd: c_int, how: c_int) -> c_int;
     dup(fd: c_int) -> c_int;
     dup2(fd: c_int, to: c_int) -> c_int;
     dup3(fd: c_int, to: c_int, flags: c_int) -> c_int;
     fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
+    fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
 }

@@ -18,6 +18,9 @@
 //! `forkserver PORT`: `server`, but a child forked after listen accepts
 //! and serves (a pre-forking server's worker); the parent waits for it.
 //!
+//! `sendfile PORT BYTES`: `client`, but the bytes go from a file with
+//! sendfile(2), half with an offset and half from the file's position.
+//!
 //! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
 //! connects and must read the end (0), as over TCP.
 //!
@@ -204,6 +207,47 @@ fn ping(port: u16, rounds: u64) -> Result<(), String> {
     }
 }
 
+fn sendfile(port: u16, bytes: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let path = std::env::temp_dir().join(format!("sockapp-{}", std::process::id()));
+    let data: Vec<u8> = (0..bytes).map(pattern).collect();
+    std::fs::write(&path, &data).map_err(|e| format!("temp file: {e}"))?;
+    let f = std::fs::File::open(&path).map_err(|e| format!("open: {e}"))?;
+    let _ = std::fs::remove_file(&path);
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let half = bytes / 2;
+    let mut off: libc::off_t = 0;
+    while (off as u64) < half {
+        // SAFETY: sendfile(2) between two descriptors we hold, with our offset.
+        let n =
+            unsafe { libc::sendfile(s.as_raw_fd(), f.as_raw_fd(), &mut off, (half - off as u64) as usize) };
+        if n <= 0 {
+            return Err(format!("sendfile: {}", std::io::Error::last_os_error()));
+        }
+    }
+    // From the file's own position, which starts at 0: move it to `half`.
+    // SAFETY: lseek(2) on our file.
+    unsafe { libc::lseek(f.as_raw_fd(), half as libc::off_t, libc::SEEK_SET) };
+    let mut sent = half;
+    while sent < bytes {
+        // SAFETY: as above, without an offset.
+        let n = unsafe {
+            libc::sendfile(s.as_raw_fd(), f.as_raw_fd(), std::ptr::null_mut(), (bytes - sent) as usize)
+        };
+        if n <= 0 {
+            return Err(format!("sendfile: {}", std::io::Error::last_os_error()));
+        }
+        sent += n as u64;
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| format!("answer: {e}"))?;
+    if answer != format!("ok {bytes}\n") {
+        return Err(format!("answer {answer:?}"));
+    }
+    Ok(())
+}
+
 fn quiet(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -256,6 +300,7 @@ fn main() {
         Some("forkserver") => forkserver(port()),
         Some("sink") => sink(port()),
         Some("quiet") => quiet(port()),
+        Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("expect-end") => expect_end(port()),
         Some("flood") => flood(port()),
         Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
