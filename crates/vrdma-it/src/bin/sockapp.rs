@@ -21,6 +21,10 @@
 //! `sendfile PORT BYTES`: `client`, but the bytes go from a file with
 //! sendfile(2), half with an offset and half from the file's position.
 //!
+//! `rr PORT ROUNDS`: blocking 64-byte requests answered by `echo`, each
+//! read whole; prints the median round trip in nanoseconds (for figures
+//! measured by hand, not by the tests).
+//!
 //! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
 //! connects and must read the end (0), as over TCP.
 //!
@@ -248,6 +252,23 @@ fn sendfile(port: u16, bytes: u64) -> Result<(), String> {
     Ok(())
 }
 
+fn rr(port: u16, rounds: usize) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    let msg = [5u8; 64];
+    let mut got = [0u8; 64];
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = std::time::Instant::now();
+        s.write_all(&msg).map_err(|e| format!("write: {e}"))?;
+        s.read_exact(&mut got).map_err(|e| format!("read: {e}"))?;
+        times.push(t.elapsed().as_nanos() as u64);
+    }
+    times.sort_unstable();
+    println!("median_rtt_ns {}", times.get(rounds / 2).copied().unwrap_or(0));
+    Ok(())
+}
+
 fn quiet(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -300,6 +321,7 @@ fn main() {
         Some("forkserver") => forkserver(port()),
         Some("sink") => sink(port()),
         Some("quiet") => quiet(port()),
+        Some("rr") => rr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("expect-end") => expect_end(port()),
         Some("flood") => flood(port()),
