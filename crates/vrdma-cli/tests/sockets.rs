@@ -1,6 +1,6 @@
 //! `vrdma run --sockets`: an unmodified iperf3 (select(2), non-blocking
-//! sockets, a control and a data connection) on both ends, carried over
-//! vRDMA (docs/sockets.md).
+//! sockets, a control and a data connection, a dual-stack IPv6 listener)
+//! on both ends, carried over vRDMA (docs/sockets.md).
 
 use std::process::Command;
 use std::time::Duration;
@@ -40,14 +40,14 @@ fn iperf3_runs_carried_over_vrdma_under_vrdma_run_sockets() {
     let d = DaemonProc::start().expect("daemon");
     let ctx = d.context().expect("context");
     let port = free_port().to_string();
-    // -4: iperf3 listens on IPv6's wildcard otherwise, which this slice
-    // does not carry (its IPv4 clients would stay TCP).
-    let server = spawn(run(&d, &["iperf3", "-4", "-s", "-1", "-p", &port]), "iperf3 -s");
+    // iperf3 listens on IPv6's wildcard, dual-stack: its IPv4 clients are
+    // carried as those of 0.0.0.0.
+    let server = spawn(run(&d, &["iperf3", "-s", "-1", "-p", &port]), "iperf3 -s");
     vrdma_it::wait_until(Duration::from_secs(20), "iperf3 listens", || {
         listening(port.parse().unwrap()) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
     })
     .expect("iperf3 server");
-    let client = spawn(run(&d, &["iperf3", "-4", "-c", "127.0.0.1", "-p", &port, "-n", "16M"]), "iperf3 -c");
+    let client = spawn(run(&d, &["iperf3", "-c", "127.0.0.1", "-p", &port, "-n", "16M"]), "iperf3 -c");
     let c = client.finish(LIMIT);
     let s = server.finish(LIMIT);
     c.assert_ok();

@@ -1,5 +1,10 @@
 //! IPv4 socket addresses to and from libc's, and what the kernel says
 //! about a socket's addresses and type.
+//!
+//! An IPv6 socket counts where its address is an IPv4 one: v4-mapped
+//! (`::ffff:a.b.c.d`, a dual-stack socket's IPv4 connection), or the
+//! unspecified `::` of a dual-stack listener, which takes IPv4 clients on
+//! every local address as `0.0.0.0` does.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
@@ -16,6 +21,19 @@ pub unsafe fn from_raw(addr: *const sockaddr, len: socklen_t) -> Option<SocketAd
     // SAFETY: at least a sockaddr_in's bytes are readable (checked above);
     // read unaligned, since the caller's buffer may be any sockaddr.
     let sin: sockaddr_in = unsafe { std::ptr::read_unaligned(addr.cast()) };
+    if sin.sin_family == libc::AF_INET6 as libc::sa_family_t
+        && (len as usize) >= std::mem::size_of::<libc::sockaddr_in6>()
+    {
+        // SAFETY: a sockaddr_in6's bytes are readable (checked just above).
+        let sin6: libc::sockaddr_in6 = unsafe { std::ptr::read_unaligned(addr.cast()) };
+        let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+        let port = u16::from_be(sin6.sin6_port);
+        return match ip.to_ipv4_mapped() {
+            Some(v4) => Some(SocketAddrV4::new(v4, port)),
+            None if ip.is_unspecified() => Some(SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, port)),
+            None => None,
+        };
+    }
     if sin.sin_family != libc::AF_INET as libc::sa_family_t {
         return None;
     }
@@ -32,10 +50,10 @@ fn to_raw(a: SocketAddrV4) -> sockaddr_in {
 }
 
 fn name(fd: c_int, peer: bool) -> Option<SocketAddrV4> {
-    // SAFETY: sockaddr_in is plain data.
-    let mut sin: sockaddr_in = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<sockaddr_in>() as socklen_t;
-    let p = (&mut sin as *mut sockaddr_in).cast::<sockaddr>();
+    // SAFETY: sockaddr_storage is plain data.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_storage>() as socklen_t;
+    let p = (&mut ss as *mut libc::sockaddr_storage).cast::<sockaddr>();
     // SAFETY: `p` is valid for `len` bytes, which the kernel updates.
     let r = unsafe {
         if peer {
@@ -59,20 +77,27 @@ pub fn peer_of(fd: c_int) -> Option<SocketAddrV4> {
     name(fd, true)
 }
 
-/// Whether `fd` is an IPv4 stream (TCP) socket.
+/// Whether `fd` is a TCP socket that may carry IPv4: an IPv4 one, or an
+/// IPv6 one that is not `IPV6_V6ONLY`.
 pub fn is_inet_stream(fd: c_int) -> bool {
-    let get = |opt| {
+    let get = |level, opt| {
         let mut v: c_int = 0;
         let mut len = std::mem::size_of::<c_int>() as socklen_t;
         // SAFETY: `v` is valid for `len` bytes.
-        let r =
-            unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, opt, (&mut v as *mut c_int).cast(), &mut len) };
+        let r = unsafe { libc::getsockopt(fd, level, opt, (&mut v as *mut c_int).cast(), &mut len) };
         (r == 0).then_some(v)
     };
-    get(libc::SO_TYPE) == Some(libc::SOCK_STREAM) && get(libc::SO_DOMAIN) == Some(libc::AF_INET)
+    if get(libc::SOL_SOCKET, libc::SO_TYPE) != Some(libc::SOCK_STREAM) {
+        return false;
+    }
+    match get(libc::SOL_SOCKET, libc::SO_DOMAIN) {
+        Some(libc::AF_INET) => true,
+        Some(libc::AF_INET6) => get(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY) == Some(0),
+        _ => false,
+    }
 }
 
-/// Binds `fd` to `a`.
+/// Binds `fd` (an IPv4 socket) to `a`.
 pub fn bind(fd: c_int, a: SocketAddrV4) -> bool {
     let sin = to_raw(a);
     // SAFETY: `sin` is a valid sockaddr_in of the given length.

@@ -3,7 +3,9 @@
 //!
 //! Preloaded into a dynamically linked program (`vrdma run --sockets --
 //! APP`, or `LD_PRELOAD` by hand), it carries the program's IPv4 TCP
-//! connections over an RC QP pair when the other end is also this library,
+//! connections (also those of dual-stack IPv6 sockets: a listener on `::`
+//! takes IPv4 clients as one on `0.0.0.0`, accepted v4-mapped connections
+//! are claimed) over an RC QP pair when the other end is also this library,
 //! of the same tenant, on the same host, and leaves them plain TCP
 //! otherwise. The application's descriptor is always the kernel's TCP
 //! socket; whether a connection is carried is decided through the daemon
@@ -46,8 +48,9 @@
 //!   `SHUT_RD` is the kernel's only; `recvmmsg`/`sendmmsg` are not
 //!   interposed. A client's first call on a connection blocks (even
 //!   non-blocking) until the server accepted and made its first call, and
-//!   a server's first call until the client made its first. IPv6 sockets and connections to other
-//!   hosts stay TCP.
+//!   a server's first call until the client made its first. IPv6
+//!   connections (not v4-mapped), an unbound IPv6 socket connecting to a
+//!   v4-mapped address, and connections to other hosts stay TCP.
 //!
 //! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns
 //! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,
