@@ -122,6 +122,11 @@ mod preload {
         // is carried.
         const CARRIED: &str = "carried over vRDMA";
         let carried = c.stderr.contains(CARRIED);
+        // A carried descriptor is kept close-on-exec (an exec'd program
+        // would read the raw socket); a TCP one is left as the program
+        // made it (inheritable).
+        let cloexec = if carried { "cloexec=1" } else { "cloexec=0" };
+        assert!(c.stdout.contains(cloexec), "{}", c.describe());
         assert_eq!(carried, s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
         Ok((ctx.sock_counts()?, carried))
     }

@@ -511,6 +511,9 @@ fn copy_entry(from: c_int, to: c_int) {
     }
     if let Some(_g) = Guard::enter() {
         if let Some(e) = table::get(from) {
+            if e.carried() {
+                keep_errno(|| table::set_cloexec(to));
+            }
             if let Some(old) = table::insert(to, e) {
                 keep_errno(|| drop(old));
             }
@@ -550,11 +553,23 @@ pub unsafe extern "C" fn dup3(fd: c_int, to: c_int, flags: c_int) -> c_int {
     r
 }
 
+/// A carried descriptor stays close-on-exec (see [`table::set_cloexec`]).
+fn keep_cloexec(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> libc::c_ulong {
+    if cmd != libc::F_SETFD {
+        return arg;
+    }
+    match Guard::enter() {
+        Some(_g) if table::get(fd).is_some_and(|e| e.carried()) => arg | libc::FD_CLOEXEC as libc::c_ulong,
+        _ => arg,
+    }
+}
+
 /// `fcntl` is variadic in C; its one optional argument is an integer or a
 /// pointer, which the x86-64 and AArch64 Linux calling conventions pass in
 /// the third integer register either way.
 #[no_mangle]
 pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    let arg = keep_cloexec(fd, cmd, arg);
     // SAFETY: libc's fcntl with the caller's arguments.
     let r = unsafe { real::fcntl(fd, cmd, arg) };
     if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
@@ -567,6 +582,7 @@ pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_i
 /// built with `_FILE_OFFSET_BITS=64` may call it).
 #[no_mangle]
 pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    let arg = keep_cloexec(fd, cmd, arg);
     // SAFETY: libc's fcntl64 with the caller's arguments.
     let r = unsafe { real::fcntl64(fd, cmd, arg) };
     if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {

@@ -42,9 +42,10 @@
 //!   carried descriptors a child inherited fail with `EIO` in it (it must
 //!   not share the parent's rings or daemon connection; the connections it
 //!   accepts, also on an inherited listener, or makes itself are carried
-//!   through a device of its own), and an exec'd program gets the
-//!   application's descriptor as a raw socket (the library's own duplicate
-//!   is close-on-exec); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
+//!   through a device of its own), and an exec'd program does not get a
+//!   carried descriptor (it is made close-on-exec once carried, and kept
+//!   so through `F_SETFD` and `dup`s: the program would read the raw
+//!   socket past the rings); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
 //!   `SHUT_RD` is the kernel's only; `recvmmsg`/`sendmmsg` are not
 //!   interposed. A client's first call on a connection blocks (even
 //!   non-blocking) until the server accepted and made its first call, and

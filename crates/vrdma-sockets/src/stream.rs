@@ -83,6 +83,12 @@ impl Stream {
         Stream::new(fd, Phase::Agreed)
     }
 
+    /// Whether both ends exchanged their hellos: the bytes go through the
+    /// rings.
+    pub fn is_carried(&self) -> bool {
+        matches!(*self.phase.lock().unwrap_or_else(|e| e.into_inner()), Phase::Carried(_))
+    }
+
     /// A client whose connect failed: its announcement is withdrawn.
     pub fn abandon(&self) {
         let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
@@ -116,7 +122,12 @@ impl Stream {
                 }
                 Phase::Agreed => {
                     *p = match self.exchange() {
-                        Ok(l) => Phase::Carried(Arc::new(l)),
+                        Ok(l) => {
+                            for fd in crate::table::fds_of(self) {
+                                crate::table::set_cloexec(fd);
+                            }
+                            Phase::Carried(Arc::new(l))
+                        }
                         Err(ENDED) => {
                             debug("the peer closed before its first call");
                             Phase::Broken(ENDED)

@@ -65,7 +65,35 @@ pub fn forget_stream(s: &Arc<Stream>) {
     COUNT.store(t.len(), Ordering::Release);
 }
 
+/// The descriptors of `s`.
+pub fn fds_of(s: &Arc<Stream>) -> Vec<c_int> {
+    table()
+        .iter()
+        .filter(|(_, e)| matches!(e, Entry::Stream(x) if Arc::ptr_eq(x, s)))
+        .map(|(fd, _)| *fd)
+        .collect()
+}
+
+/// Makes `fd` close-on-exec. A carried connection's descriptor must not
+/// reach an exec'd program, which would read and write the raw socket
+/// past the rings (its wake bytes as data, its bytes dropped as wake
+/// bytes): there it is closed instead, a clean failure.
+pub fn set_cloexec(fd: c_int) {
+    // SAFETY: fcntl(2) flag calls on a descriptor of the caller's.
+    unsafe {
+        let f = crate::real::fcntl(fd, libc::F_GETFD, 0);
+        if f >= 0 && f & libc::FD_CLOEXEC == 0 {
+            crate::real::fcntl(fd, libc::F_SETFD, (f | libc::FD_CLOEXEC) as libc::c_ulong);
+        }
+    }
+}
+
 impl Entry {
+    /// Whether it is a connection carried over vRDMA (negotiated).
+    pub fn carried(&self) -> bool {
+        matches!(self, Entry::Stream(s) if s.is_carried())
+    }
+
     /// Whether this process made it. A child after fork inherits its
     /// parent's entries: it must neither use their rings and daemon
     /// connection nor destroy them (see [`crate::dev`]).

@@ -99,6 +99,12 @@ fn serve(l: &TcpListener) -> Result<(), String> {
 
 fn client(port: u16, bytes: u64) -> Result<(), String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl(2) on our socket: inheritable, as a program that
+        // means to exec a child with it would make it.
+        unsafe { libc::fcntl(s.as_raw_fd(), libc::F_SETFD, 0) };
+    }
     let sizes = [1usize, 7, 4096, 65_536, 100_000, 300_000];
     let mut sent = 0u64;
     let mut i = 0;
@@ -123,6 +129,14 @@ fn client(port: u16, bytes: u64) -> Result<(), String> {
         }
         sent += n as u64;
         i += 1;
+    }
+    {
+        // Whether the descriptor is close-on-exec now, having been made
+        // inheritable after connect (the tests compare carried and TCP).
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl(2) flag calls on our socket.
+        let f = unsafe { libc::fcntl(s.as_raw_fd(), libc::F_GETFD) };
+        println!("cloexec={}", (f & libc::FD_CLOEXEC != 0) as u8);
     }
     s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
     let mut answer = String::new();
