@@ -20,6 +20,7 @@ pub mod memory;
 pub mod proto;
 pub mod qp;
 pub mod ring;
+pub mod sockets;
 pub mod time;
 pub mod verbs;
 pub mod wire;

@@ -99,6 +99,7 @@ mod mr;
 mod pd;
 mod qp;
 mod rebacking;
+pub mod sockets;
 mod srq;
 mod stream;
 pub mod vm;

@@ -252,12 +252,14 @@ impl Fake {
             Request::Stat => (Reply::Stat(Default::default()), vec![]),
             // The connection manager is tested against the real daemon.
             Request::Cm(_) => (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![]),
-            // VMs and migration are tested against the real daemon
-            // (vrdma-it's vm.rs and migrate.rs).
+            // VMs, migration and the socket registry are tested against the real daemon
+            // (vrdma-it's vm.rs,
+            // migrate.rs and sockets.rs).
             Request::VmAttach { .. }
             | Request::GuestAlloc { .. }
             | Request::GuestFree { .. }
-            | Request::Migrate(_) => {
+            | Request::Migrate(_)
+            | Request::Sock(_) => {
                 (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![])
             }
             // The fake daemon has no direct path (as a daemon with it off).

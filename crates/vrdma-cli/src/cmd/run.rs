@@ -29,6 +29,11 @@
 //! needs the kernel's (`/dev/infiniband/rdma_cm`). Without it the link is
 //! left out, and such programs fail as they do without vRDMA.
 //!
+//! With `--sockets` it also preloads `libvrdma_sockets.so` (next to the
+//! executable, or the file `VRDMA_SOCKETS_LIB` names; `LD_PRELOAD` first,
+//! before any the caller set), which carries the program's TCP connections
+//! over vRDMA where the peer runs it too (`docs/sockets.md`).
+//!
 //! For UCX (and so Open MPI's `pml ucx`), two more things:
 //!
 //! - UCX lists a verbs device only if `/dev/infiniband/<dev_name>` is a
@@ -56,6 +61,12 @@ use anyhow::{bail, Context as _, Result};
 
 #[derive(clap::Args)]
 pub struct Args {
+    /// Also preload the sockets library (`libvrdma_sockets.so`, or the
+    /// file `VRDMA_SOCKETS_LIB` names): the program's TCP connections to
+    /// another such program of the tenant on this host go over vRDMA, the
+    /// others stay TCP (docs/sockets.md).
+    #[arg(long)]
+    sockets: bool,
     /// The program and its arguments.
     #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "PROGRAM")]
     command: Vec<OsString>,
@@ -74,6 +85,9 @@ const COMPANION_SONAMES: [&str; 4] = ["libmlx5.so.1", "libmlx4.so.1", "libefa.so
 const RDMACM_ENV: &str = "VRDMA_RDMACM_LIB";
 const RDMACM_NAME: &str = "libvrdma_rdmacm.so";
 const RDMACM_SONAME: &str = "librdmacm.so.1";
+/// The same for the sockets preload library.
+const SOCKETS_ENV: &str = "VRDMA_SOCKETS_LIB";
+const SOCKETS_NAME: &str = "libvrdma_sockets.so";
 /// UCX's memory for its verbs transports' buffers: its default methods
 /// less SysV huge pages (see the module documentation) and `md` (which
 /// only mlx5's direct verbs implement).
@@ -105,6 +119,41 @@ pub(crate) fn find_companions() -> Result<Option<PathBuf>> {
     }
     let exe = std::env::current_exe().context("where is the vrdma executable")?;
     Ok(exe.parent().map(|d| d.join(COMPANIONS_NAME)).filter(|p| p.is_file()))
+}
+
+/// The sockets preload library (`--sockets`).
+fn find_sockets() -> Result<PathBuf> {
+    if let Some(p) = std::env::var_os(SOCKETS_ENV) {
+        let p = PathBuf::from(p);
+        if !p.is_file() {
+            bail!("{SOCKETS_ENV}={} does not name a file", p.display());
+        }
+        return Ok(p);
+    }
+    let exe = std::env::current_exe().context("where is the vrdma executable")?;
+    let lib = exe.parent().map(|d| d.join(SOCKETS_NAME)).filter(|p| p.is_file());
+    lib.with_context(|| {
+        format!(
+            "{SOCKETS_NAME} not found next to {}; build it (cargo build -p vrdma-sockets, with the same \
+             profile) or name it with {SOCKETS_ENV}",
+            exe.display()
+        )
+    })
+}
+
+/// `LD_PRELOAD` with `lib` first (the dynamic linker takes a colon- or
+/// space-separated list; a path with either cannot be preloaded).
+fn preload_with(lib: &Path, old: Option<OsString>) -> Result<OsString> {
+    let s = lib
+        .to_str()
+        .filter(|s| !s.contains([':', ' ']))
+        .with_context(|| format!("{} cannot be preloaded: its path has a colon or a space", lib.display()))?;
+    let mut v = OsString::from(s);
+    if let Some(old) = old.filter(|o| !o.is_empty()) {
+        v.push(":");
+        v.push(old);
+    }
+    Ok(v)
 }
 
 pub(crate) fn find_library() -> Result<PathBuf> {
@@ -222,6 +271,7 @@ fn set_termination_handlers(handler: [libc::sighandler_t; 2]) -> [libc::sighandl
 /// signal number if a signal ended it, as shells report).
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     let (program, rest) = args.command.split_first().context("no program to run")?;
+    let sockets = if args.sockets { Some(find_sockets()?) } else { None };
     let lib = find_library()?;
     let dir = LibDir::create(&lib, find_companions()?.as_deref())?;
     if let Some(cm) = find_rdmacm()? {
@@ -249,6 +299,9 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     command.args(rest).env("LD_LIBRARY_PATH", path).env(vrdma::SOCKET_ENV, device.socket());
     if std::env::var_os(UCX_ALLOC_ENV).is_none() {
         command.env(UCX_ALLOC_ENV, UCX_ALLOC);
+    }
+    if let Some(lib) = &sockets {
+        command.env("LD_PRELOAD", preload_with(lib, std::env::var_os("LD_PRELOAD"))?);
     }
     // A caught signal is reset to its default in the program by exec.
     let f = forward as extern "C" fn(libc::c_int) as libc::sighandler_t;
@@ -289,4 +342,19 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     drop(device);
     drop(dir);
     Ok(status.code().unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_sockets_library_is_preloaded_first() {
+        let lib = Path::new("/opt/v/libvrdma_sockets.so");
+        assert_eq!(preload_with(lib, None).unwrap(), "/opt/v/libvrdma_sockets.so");
+        assert_eq!(preload_with(lib, Some("".into())).unwrap(), "/opt/v/libvrdma_sockets.so");
+        assert_eq!(preload_with(lib, Some("/x/a.so".into())).unwrap(), "/opt/v/libvrdma_sockets.so:/x/a.so");
+        assert!(preload_with(Path::new("/a b/l.so"), None).is_err());
+        assert!(preload_with(Path::new("/a:b/l.so"), None).is_err());
+    }
 }

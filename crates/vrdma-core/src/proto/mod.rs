@@ -11,10 +11,12 @@ mod cm;
 pub mod guest;
 mod layout;
 mod migrate;
+mod sockets;
 
 pub use cm::{CmReply, CmRequest};
 pub use layout::*;
 pub use migrate::{MigrateReply, MigrateRequest};
+pub use sockets::{SockReply, SockRequest};
 
 use serde::{Deserialize, Serialize};
 
@@ -29,7 +31,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// contexts of one process, and a `CmEvent` carries its id's addresses.
 /// 7: a `StatReport` carries the asking tenant's own figures, and a
 /// link's stats what its scheduler held back; `Request::Migrate`, the
-/// operator's migration steps.)
+/// operator's migration steps; `Request::Sock`, the socket registry of
+/// `docs/sockets.md`.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -172,6 +175,8 @@ pub enum Request {
     /// The operator's live-migration steps (root or the daemon's uid only;
     /// on a connection of their own, before Hello). See [`MigrateRequest`].
     Migrate(MigrateRequest),
+    /// The socket registry (`docs/sockets.md`); answered [`Reply::Sock`].
+    Sock(SockRequest),
 }
 
 impl Request {
@@ -288,6 +293,7 @@ pub enum Reply {
     DirectChannel,
     /// A migration step done; [`MigrateReply::Exported`] comes with one fd.
     Migrated(MigrateReply),
+    Sock(SockReply),
 }
 
 /// A direct-path receive grant as the library receives it (see
@@ -532,6 +538,30 @@ mod tests {
         let a = Reply::VmAttached { region_len: 64 << 20, port_socket: "/run/vm-g.sock".into(), ports: 4 };
         assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
         assert_eq!(encode_reply(&a)[0], 20);
+    }
+
+    #[test]
+    fn socket_messages_are_appended_and_round_trip() {
+        let tuple = crate::sockets::Tuple {
+            client: "127.0.0.1:40000".parse().unwrap(),
+            server: "10.1.2.3:5000".parse().unwrap(),
+        };
+        for r in [
+            Request::Sock(SockRequest::Listen { addr: tuple.server }),
+            Request::Sock(SockRequest::Announce { tuple, local: true }),
+            Request::Sock(SockRequest::Resolve { tuple, give_up: false }),
+            Request::Sock(SockRequest::Counts),
+        ] {
+            assert_eq!(encode_request(&r)[0], 32);
+            assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
+            let full = encode_request(&r);
+            for n in 0..full.len() {
+                assert!(decode_request(&full[..n]).is_err());
+            }
+        }
+        let a = Reply::Sock(SockReply::Outcome(crate::sockets::Outcome::Carried));
+        assert_eq!(encode_reply(&a)[0], 24);
+        assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
     }
 
     #[test]

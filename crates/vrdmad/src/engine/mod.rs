@@ -66,6 +66,8 @@ pub struct EngineState {
     /// and the program's `libibverbs.so.1` each hold their own (see
     /// [`EngineState::handle_cm`]).
     pub processes: HashMap<ContextId, Origin>,
+    /// The socket registry of the preload library (`docs/sockets.md`).
+    pub sockets: vrdma_core::sockets::Registry,
 }
 
 /// Where a context's calls come from, as far as the daemon can tell.
@@ -104,6 +106,7 @@ impl EngineState {
             on_broken: None,
             direct: crate::direct::DirectDriver::default(),
             processes: HashMap::new(),
+            sockets: vrdma_core::sockets::Registry::new(),
         }
     }
 
@@ -129,6 +132,7 @@ impl EngineState {
     pub fn close_context(&mut self, ctx: ContextId) -> Teardown {
         let t = self.hca.close_context(ctx, &mut self.rings);
         self.processes.remove(&ctx);
+        self.sockets.close_context(ctx);
         // The process is gone: nothing of it copies any more, and its
         // peers' windows are closed (no wait: the pages stay mapped in the
         // peers, whose copies land in memory no one else uses).
@@ -250,6 +254,37 @@ impl EngineState {
             }
             (r, _) => r,
         }
+    }
+
+    /// A socket registry call of `ctx`'s (`docs/sockets.md`).
+    pub fn handle_sock(
+        &mut self,
+        ctx: ContextId,
+        tenant: vrdma_core::hca::TenantId,
+        req: vrdma_core::proto::SockRequest,
+    ) -> Result<vrdma_core::proto::SockReply, vrdma_core::sockets::SockError> {
+        use vrdma_core::proto::{SockReply, SockRequest};
+        let now = self.now();
+        let r = &mut self.sockets;
+        Ok(match req {
+            SockRequest::Listen { addr } => {
+                r.listen(ctx, tenant, addr)?;
+                SockReply::Done
+            }
+            SockRequest::Unlisten { addr } => {
+                r.unlisten(ctx, tenant, addr);
+                SockReply::Done
+            }
+            SockRequest::Lookup { dst, local } => SockReply::from_bool(r.lookup(tenant, dst, local)),
+            SockRequest::Announce { tuple, local } => {
+                SockReply::from_bool(r.announce(ctx, tenant, tuple, local, now))
+            }
+            SockRequest::Claim { tuple } => SockReply::from_bool(r.claim(tenant, tuple, now)),
+            SockRequest::Resolve { tuple, give_up } => {
+                SockReply::Outcome(r.resolve(ctx, tenant, tuple, give_up, now))
+            }
+            SockRequest::Counts => SockReply::Counts(r.stats(tenant)),
+        })
     }
 
     /// Whether contexts `a` and `b` are of one origin of one tenant (one

@@ -455,6 +455,13 @@ impl Session {
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }
+            Request::Sock(req) => {
+                let tenant = self.tenant;
+                match self.engine(move |e, c| e.handle_sock(c, tenant, req))? {
+                    Ok(reply) => Reply::Sock(reply).into(),
+                    Err(e) => error(e.errno(), e.to_string()),
+                }
+            }
             Request::DirectChannel { .. } if self.guest.is_some() => {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }

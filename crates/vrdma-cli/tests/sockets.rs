@@ -1,0 +1,61 @@
+//! `vrdma run --sockets`: an unmodified iperf3 (select(2), non-blocking
+//! sockets, a control and a data connection, a dual-stack IPv6 listener)
+//! on both ends, carried over vRDMA (docs/sockets.md).
+
+use std::process::Command;
+use std::time::Duration;
+
+use vrdma_it::harness::{built, free_port, listening, one_at_a_time, spawn};
+use vrdma_it::DaemonProc;
+
+const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn have(program: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    if std::env::split_paths(&path).any(|d| d.join(program).is_file()) {
+        return true;
+    }
+    vrdma_it::skip(format!("{program} is missing (apt-get install {program})"));
+    false
+}
+
+fn run(d: &DaemonProc, args: &[&str]) -> Command {
+    let mut c = Command::new(VRDMA);
+    c.arg("--socket")
+        .arg(&d.socket)
+        .args(["run", "--sockets", "--"])
+        .args(args)
+        .env("VRDMA_SOCKETS_LIB", built("libvrdma_sockets.so"))
+        .env("VRDMA_SOCKETS_DEBUG", "1");
+    c
+}
+
+#[test]
+fn iperf3_runs_carried_over_vrdma_under_vrdma_run_sockets() {
+    if !have("iperf3") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let d = DaemonProc::start().expect("daemon");
+    let ctx = d.context().expect("context");
+    let port = free_port().to_string();
+    // iperf3 listens on IPv6's wildcard, dual-stack: its IPv4 clients are
+    // carried as those of 0.0.0.0.
+    let server = spawn(run(&d, &["iperf3", "-s", "-1", "-p", &port]), "iperf3 -s");
+    vrdma_it::wait_until(Duration::from_secs(20), "iperf3 listens", || {
+        listening(port.parse().unwrap()) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })
+    .expect("iperf3 server");
+    let client = spawn(run(&d, &["iperf3", "-c", "127.0.0.1", "-p", &port, "-n", "16M"]), "iperf3 -c");
+    let c = client.finish(LIMIT);
+    let s = server.finish(LIMIT);
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains("iperf Done."), "{}", c.describe());
+    // Both connections (control and data) were claimed: carried.
+    let carried = c.stderr.matches("carried over vRDMA").count();
+    assert_eq!(carried, 2, "{}\n{}", c.describe(), s.describe());
+    let counts = ctx.sock_counts().expect("counts");
+    assert_eq!((counts.announced, counts.carried), (2, 2), "{counts:?}");
+}

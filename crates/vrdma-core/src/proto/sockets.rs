@@ -1,0 +1,48 @@
+//! The socket registry's requests and replies on the control socket (the
+//! preload library's negotiation, `docs/sockets.md`).
+
+use std::net::SocketAddrV4;
+
+use serde::{Deserialize, Serialize};
+
+use crate::sockets::{Outcome, SockCounts, Tuple};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum SockRequest {
+    /// A listening socket at `addr`; answered [`SockReply::Done`].
+    Listen { addr: SocketAddrV4 },
+    /// It closed; answered [`SockReply::Done`].
+    Unlisten { addr: SocketAddrV4 },
+    /// Does a listener of the caller's tenant own `dst`? `local`: the
+    /// caller found `dst` to be an address of its host. Answered
+    /// [`SockReply::Yes`] or [`SockReply::No`].
+    Lookup { dst: SocketAddrV4, local: bool },
+    /// The caller will connect along `tuple`; answered `Yes` (announced)
+    /// or `No` (plain TCP).
+    Announce { tuple: Tuple, local: bool },
+    /// The caller accepted `tuple`; answered `Yes` (carried) or `No`.
+    Claim { tuple: Tuple },
+    /// The caller's announcement's outcome; answered [`SockReply::Outcome`].
+    Resolve { tuple: Tuple, give_up: bool },
+    /// The tenant's counts; answered [`SockReply::Counts`].
+    Counts,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum SockReply {
+    Done,
+    Yes,
+    No,
+    Outcome(Outcome),
+    Counts(SockCounts),
+}
+
+impl SockReply {
+    pub fn from_bool(b: bool) -> SockReply {
+        if b {
+            SockReply::Yes
+        } else {
+            SockReply::No
+        }
+    }
+}

@@ -1,0 +1,282 @@
+//! The socket registry: which TCP connections of a tenant vRDMA carries.
+//!
+//! The preload library (`vrdma-sockets`, `docs/sockets.md`) keeps every
+//! application descriptor a real kernel TCP socket and decides per
+//! connection, through the daemon and never in the stream, whether both
+//! ends are vRDMA libraries. This is the daemon's half of that decision,
+//! with no I/O and no clock (time is passed in):
+//!
+//! - a listening socket registers its address (`listen`);
+//! - before `connect`, a client asks whether a listener of its tenant owns
+//!   the destination ([`Registry::lookup`]) and, if so, announces its
+//!   4-tuple ([`Registry::announce`]);
+//! - after `accept`, the server claims the accepted connection's 4-tuple
+//!   ([`Registry::claim`]): yes only if it is announced and still pending;
+//! - the client learns the outcome ([`Registry::resolve`]) before it moves
+//!   a byte: carried once claimed, TCP once refused, still pending before
+//!   the server accepted. A client that waited long enough gives up, which
+//!   turns a pending announcement into TCP for both ends.
+//!
+//! Every transition is made here, one call at a time, so the two ends
+//! always agree: an announcement is either claimed (both carry) or gone
+//! before any claim (both stay TCP). Pending announcements expire after
+//! [`PENDING_TTL`] (the server never accepted); a claimed one stays until
+//! the client has resolved it or its context closed, since expiring it
+//! would let the two ends disagree. Another tenant's listeners and
+//! announcements are invisible: every key holds the tenant.
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::hca::{ContextId, TenantId};
+use crate::time::Instant;
+
+/// How long an announcement waits for the server's claim.
+pub const PENDING_TTL: Duration = Duration::from_secs(30);
+/// Listening addresses one tenant may register.
+pub const MAX_LISTENERS: usize = 1024;
+/// Announcements one tenant may hold at once (pending or claimed).
+pub const MAX_ANNOUNCED: usize = 16 * 1024;
+
+/// A TCP connection as both ends name it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Tuple {
+    /// The connecting end's address.
+    pub client: SocketAddrV4,
+    /// The accepting end's address.
+    pub server: SocketAddrV4,
+}
+
+/// What a client learns about its announced connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Outcome {
+    /// The server has not accepted it yet.
+    Pending,
+    /// The server claimed it: both ends carry it over vRDMA.
+    Carried,
+    /// Plain TCP for both ends.
+    Tcp,
+}
+
+/// Counts one tenant's registry has seen, for `vrdma stat` and the tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SockCounts {
+    pub listeners: u32,
+    pub pending: u32,
+    pub announced: u64,
+    pub carried: u64,
+    /// Claims that found no announcement (a plain client, or one too late).
+    pub refused_claims: u64,
+    /// Announcements that ended as TCP (expired or given up).
+    pub abandoned: u64,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum SockError {
+    #[error("the tenant already registers {MAX_LISTENERS} listening addresses")]
+    TooManyListeners,
+    #[error("port 0 cannot be listened on or announced")]
+    PortZero,
+}
+
+impl SockError {
+    pub fn errno(&self) -> i32 {
+        match self {
+            SockError::TooManyListeners => 105, // ENOBUFS
+            SockError::PortZero => 22,          // EINVAL
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Pending { since: Instant },
+    Claimed,
+}
+
+#[derive(Debug)]
+struct Entry {
+    owner: ContextId,
+    state: State,
+}
+
+/// The registry of one daemon (all tenants, each apart).
+#[derive(Debug, Default)]
+pub struct Registry {
+    /// (tenant, address) → the contexts listening there (a listener may be
+    /// shared by processes, after fork).
+    listeners: HashMap<(TenantId, SocketAddrV4), Vec<ContextId>>,
+    announced: HashMap<(TenantId, Tuple), Entry>,
+    counts: HashMap<TenantId, SockCounts>,
+}
+
+impl Registry {
+    pub fn new() -> Registry {
+        Registry::default()
+    }
+
+    fn counts(&mut self, tenant: TenantId) -> &mut SockCounts {
+        self.counts.entry(tenant).or_default()
+    }
+
+    /// `ctx` of `tenant` listens on `addr` (its unspecified address means
+    /// every local one).
+    pub fn listen(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddrV4) -> Result<(), SockError> {
+        if addr.port() == 0 {
+            return Err(SockError::PortZero);
+        }
+        let key = (tenant, addr);
+        if !self.listeners.contains_key(&key) {
+            if self.counts(tenant).listeners as usize >= MAX_LISTENERS {
+                return Err(SockError::TooManyListeners);
+            }
+            self.counts(tenant).listeners += 1;
+        }
+        let owners = self.listeners.entry(key).or_default();
+        if !owners.contains(&ctx) {
+            owners.push(ctx);
+        }
+        Ok(())
+    }
+
+    /// `ctx` no longer listens on `addr`; unknown ones are ignored.
+    pub fn unlisten(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddrV4) {
+        let key = (tenant, addr);
+        if let Some(owners) = self.listeners.get_mut(&key) {
+            owners.retain(|&c| c != ctx);
+            if owners.is_empty() {
+                self.listeners.remove(&key);
+                let c = self.counts(tenant);
+                c.listeners = c.listeners.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Whether a listener of `tenant` owns `dst`: one on that exact
+    /// address, or on its port at the unspecified address when the caller
+    /// says `dst` is an address of its own host (`local`).
+    pub fn lookup(&self, tenant: TenantId, dst: SocketAddrV4, local: bool) -> bool {
+        if dst.port() == 0 {
+            return false;
+        }
+        self.listeners.contains_key(&(tenant, dst))
+            || (local
+                && self
+                    .listeners
+                    .contains_key(&(tenant, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, dst.port()))))
+    }
+
+    /// `ctx` of `tenant` will connect from `tuple.client` to
+    /// `tuple.server`. True when a listener owns the destination and the
+    /// announcement is recorded (pending); false means plain TCP.
+    pub fn announce(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        tuple: Tuple,
+        local: bool,
+        now: Instant,
+    ) -> bool {
+        self.expire(now);
+        if tuple.client.port() == 0 || !self.lookup(tenant, tuple.server, local) {
+            return false;
+        }
+        let key = (tenant, tuple);
+        // The kernel never has two live connections of one 4-tuple: an old
+        // entry belongs to a connection that is gone.
+        let held = self.announced.keys().filter(|(t, _)| *t == tenant).count();
+        if !self.announced.contains_key(&key) && held >= MAX_ANNOUNCED {
+            return false;
+        }
+        self.announced.insert(key, Entry { owner: ctx, state: State::Pending { since: now } });
+        self.counts(tenant).announced += 1;
+        true
+    }
+
+    /// The server of `tenant` accepted `tuple`: true (carried) when it was
+    /// announced and is still pending; it is claimed then.
+    pub fn claim(&mut self, tenant: TenantId, tuple: Tuple, now: Instant) -> bool {
+        self.expire(now);
+        match self.announced.get_mut(&(tenant, tuple)) {
+            Some(e) if matches!(e.state, State::Pending { .. }) => {
+                e.state = State::Claimed;
+                self.counts(tenant).carried += 1;
+                true
+            }
+            _ => {
+                self.counts(tenant).refused_claims += 1;
+                false
+            }
+        }
+    }
+
+    /// The outcome of `ctx`'s announcement of `tuple`. A final outcome
+    /// removes the entry. With `give_up`, a pending announcement ends as
+    /// TCP (the server's later claim is refused).
+    pub fn resolve(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        tuple: Tuple,
+        give_up: bool,
+        now: Instant,
+    ) -> Outcome {
+        self.expire(now);
+        let key = (tenant, tuple);
+        match self.announced.get(&key) {
+            Some(e) if e.owner != ctx => Outcome::Tcp,
+            Some(Entry { state: State::Claimed, .. }) => {
+                self.announced.remove(&key);
+                Outcome::Carried
+            }
+            Some(Entry { state: State::Pending { .. }, .. }) if give_up => {
+                self.announced.remove(&key);
+                self.counts(tenant).abandoned += 1;
+                Outcome::Tcp
+            }
+            Some(_) => Outcome::Pending,
+            None => Outcome::Tcp,
+        }
+    }
+
+    /// Drops pending announcements older than [`PENDING_TTL`].
+    pub fn expire(&mut self, now: Instant) {
+        let mut gone = Vec::new();
+        self.announced.retain(|(t, _), e| match e.state {
+            State::Pending { since } if now.saturating_since(since) >= PENDING_TTL => {
+                gone.push(*t);
+                false
+            }
+            _ => true,
+        });
+        for t in gone {
+            self.counts(t).abandoned += 1;
+        }
+    }
+
+    /// Everything `ctx` registered or announced goes with it.
+    pub fn close_context(&mut self, ctx: ContextId) {
+        let keys: Vec<_> = self.listeners.iter().filter(|(_, o)| o.contains(&ctx)).map(|(k, _)| *k).collect();
+        for (tenant, addr) in keys {
+            self.unlisten(ctx, tenant, addr);
+        }
+        self.announced.retain(|_, e| e.owner != ctx);
+    }
+
+    /// `tenant`'s counts.
+    pub fn stats(&self, tenant: TenantId) -> SockCounts {
+        let mut c = self.counts.get(&tenant).copied().unwrap_or_default();
+        c.pending = self
+            .announced
+            .iter()
+            .filter(|((t, _), e)| *t == tenant && matches!(e.state, State::Pending { .. }))
+            .count() as u32;
+        c
+    }
+}

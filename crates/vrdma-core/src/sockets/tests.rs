@@ -1,0 +1,139 @@
+use super::*;
+
+const A: TenantId = TenantId(1);
+const B: TenantId = TenantId(2);
+const SRV: ContextId = ContextId(10);
+const CLI: ContextId = ContextId(11);
+
+fn addr(s: &str) -> SocketAddrV4 {
+    s.parse().unwrap()
+}
+
+fn tuple() -> Tuple {
+    Tuple { client: addr("127.0.0.1:40000"), server: addr("127.0.0.1:5000") }
+}
+
+fn t(s: u64) -> Instant {
+    Instant(s * 1_000_000_000)
+}
+
+#[test]
+fn announced_then_claimed_is_carried_for_both() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.lookup(A, addr("127.0.0.1:5000"), true));
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    assert_eq!(r.resolve(CLI, A, tuple(), false, t(0)), Outcome::Pending);
+    assert!(r.claim(A, tuple(), t(1)));
+    assert_eq!(r.resolve(CLI, A, tuple(), false, t(1)), Outcome::Carried);
+    // Resolved once: the entry is gone, a second claim is refused.
+    assert!(!r.claim(A, tuple(), t(1)));
+    let c = r.stats(A);
+    assert_eq!((c.listeners, c.announced, c.carried, c.refused_claims, c.pending), (1, 1, 1, 1, 0));
+}
+
+#[test]
+fn a_wildcard_listener_owns_only_local_destinations() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(!r.lookup(A, addr("10.0.0.9:5000"), false));
+    assert!(!r.announce(
+        CLI,
+        A,
+        Tuple { client: addr("10.0.0.1:4000"), server: addr("10.0.0.9:5000") },
+        false,
+        t(0)
+    ));
+    // A listener on one address owns that address only.
+    r.listen(SRV, A, addr("127.0.0.2:6000")).unwrap();
+    assert!(r.lookup(A, addr("127.0.0.2:6000"), false));
+    assert!(!r.lookup(A, addr("127.0.0.3:6000"), true));
+}
+
+#[test]
+fn a_plain_client_is_refused_and_nothing_is_announced_without_a_listener() {
+    let mut r = Registry::new();
+    assert!(!r.announce(CLI, A, tuple(), true, t(0)));
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    // The server accepts a connection nobody announced: plain TCP.
+    assert!(!r.claim(A, tuple(), t(0)));
+}
+
+#[test]
+fn tenants_never_see_each_other() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(!r.lookup(B, addr("127.0.0.1:5000"), true));
+    assert!(!r.announce(CLI, B, tuple(), true, t(0)));
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    // B cannot claim or resolve A's announcement.
+    assert!(!r.claim(B, tuple(), t(0)));
+    assert_eq!(r.resolve(CLI, B, tuple(), true, t(0)), Outcome::Tcp);
+    assert!(r.claim(A, tuple(), t(0)));
+}
+
+#[test]
+fn giving_up_makes_both_ends_tcp() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    assert_eq!(r.resolve(CLI, A, tuple(), true, t(2)), Outcome::Tcp);
+    assert!(!r.claim(A, tuple(), t(3)));
+    assert_eq!(r.stats(A).abandoned, 1);
+}
+
+#[test]
+fn pending_announcements_expire_but_claimed_ones_wait_for_the_client() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    let late = t(0) + PENDING_TTL;
+    assert!(!r.claim(A, tuple(), late));
+    assert_eq!(r.resolve(CLI, A, tuple(), false, late), Outcome::Tcp);
+
+    assert!(r.announce(CLI, A, tuple(), true, t(100)));
+    assert!(r.claim(A, tuple(), t(101)));
+    let much_later = t(101) + PENDING_TTL * 10;
+    assert_eq!(r.resolve(CLI, A, tuple(), false, much_later), Outcome::Carried);
+}
+
+#[test]
+fn only_the_announcer_resolves() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    assert_eq!(r.resolve(ContextId(99), A, tuple(), true, t(0)), Outcome::Tcp);
+    assert_eq!(r.resolve(CLI, A, tuple(), false, t(0)), Outcome::Pending);
+}
+
+#[test]
+fn closing_a_context_takes_its_listeners_and_announcements() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    r.listen(ContextId(12), A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    r.close_context(CLI);
+    assert!(!r.claim(A, tuple(), t(0)));
+    r.close_context(SRV);
+    // A second process (after fork) still listens.
+    assert!(r.lookup(A, addr("127.0.0.1:5000"), true));
+    r.close_context(ContextId(12));
+    assert!(!r.lookup(A, addr("127.0.0.1:5000"), true));
+    assert_eq!(r.stats(A).listeners, 0);
+}
+
+#[test]
+fn limits_and_bad_ports() {
+    let mut r = Registry::new();
+    assert_eq!(r.listen(SRV, A, addr("0.0.0.0:0")), Err(SockError::PortZero));
+    for p in 1..=MAX_LISTENERS as u16 {
+        r.listen(SRV, A, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, p)).unwrap();
+    }
+    assert_eq!(r.listen(SRV, A, addr("0.0.0.0:60000")), Err(SockError::TooManyListeners));
+    // The same address again is no new listener; another tenant has its own budget.
+    r.listen(CLI, A, addr("0.0.0.0:1")).unwrap();
+    r.listen(SRV, B, addr("0.0.0.0:60000")).unwrap();
+    // A client port of 0 is never announced.
+    let t0 = Tuple { client: addr("127.0.0.1:0"), server: addr("127.0.0.1:1") };
+    assert!(!r.announce(CLI, A, t0, true, t(0)));
+}

@@ -1,0 +1,352 @@
+//! An ordinary std::net TCP client and server, run unmodified under the
+//! preload library `libvrdma_sockets.so` by the sockets tests.
+//!
+//! `server PORT`: listens on 127.0.0.1:PORT, says `listening` on stdout,
+//! accepts one connection, reads it to its end checking every byte
+//! against [`pattern`], then answers `ok COUNT` and closes.
+//! `client PORT BYTES`: connects, writes BYTES pattern bytes in writes of
+//! varying sizes (and vectored ones), shuts its writing side down, and
+//! checks the answer. Exit status 0 when the bytes and the answer are
+//! right.
+//!
+//! `echo PORT` and `ping PORT ROUNDS`: an event-loop pair on non-blocking
+//! sockets and poll(2). The echo server answers every byte; the client
+//! sends 64-byte messages and reads each answer back in 10-byte reads,
+//! polling before each read, so poll must report the bytes left in the
+//! ring after a partial read.
+//!
+//! `forkserver PORT`: `server`, but a child forked after listen accepts
+//! and serves (a pre-forking server's worker); the parent waits for it.
+//!
+//! `sendfile PORT BYTES`: `client`, but the bytes go from a file with
+//! sendfile(2), half with an offset and half from the file's position.
+//!
+//! `rr PORT ROUNDS`: blocking 64-byte requests answered by `echo`, each
+//! read whole; prints the median round trip in nanoseconds (for figures
+//! measured by hand, not by the tests).
+//!
+//! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
+//! connects and must read the end (0), as over TCP.
+//!
+//! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
+//! reading (the test kills it). `flood PORT`: writes until a write fails,
+//! and exits 0 saying the error (1 if the connection never fails).
+
+use std::io::{IoSlice, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+
+fn pattern(i: u64) -> u8 {
+    ((i * 31 + 7) % 251) as u8
+}
+
+fn server(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    serve(&l)
+}
+
+fn forkserver(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    // SAFETY: fork(2) in a single-threaded program; the child only serves
+    // and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let code = match serve(&l) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            };
+            std::process::exit(code)
+        }
+        child => {
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0 {
+                Ok(())
+            } else {
+                Err(format!("the child ended with {status:#x}"))
+            }
+        }
+    }
+}
+
+fn serve(l: &TcpListener) -> Result<(), String> {
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut buf = vec![0u8; 100_003];
+    let mut count = 0u64;
+    loop {
+        let n = s.read(&mut buf).map_err(|e| format!("read after {count}: {e}"))?;
+        if n == 0 {
+            break;
+        }
+        for (k, b) in buf[..n].iter().enumerate() {
+            if *b != pattern(count + k as u64) {
+                return Err(format!("byte {} is {b}, not {}", count + k as u64, pattern(count + k as u64)));
+            }
+        }
+        count += n as u64;
+    }
+    s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
+    Ok(())
+}
+
+fn client(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl(2) on our socket: inheritable, as a program that
+        // means to exec a child with it would make it.
+        unsafe { libc::fcntl(s.as_raw_fd(), libc::F_SETFD, 0) };
+    }
+    let sizes = [1usize, 7, 4096, 65_536, 100_000, 300_000];
+    let mut sent = 0u64;
+    let mut i = 0;
+    while sent < bytes {
+        let n = (sizes[i % sizes.len()] as u64).min(bytes - sent) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        if i % 5 == 4 && n > 1 {
+            // A vectored write in two parts.
+            let (a, b) = data.split_at(n / 2);
+            let mut done = 0;
+            while done < n {
+                let w = if done < a.len() {
+                    s.write_vectored(&[IoSlice::new(&a[done..]), IoSlice::new(b)])
+                } else {
+                    s.write(&b[done - a.len()..])
+                }
+                .map_err(|e| format!("writev: {e}"))?;
+                done += w;
+            }
+        } else {
+            s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+        }
+        sent += n as u64;
+        i += 1;
+    }
+    {
+        // Whether the descriptor is close-on-exec now, having been made
+        // inheritable after connect (the tests compare carried and TCP).
+        use std::os::fd::AsRawFd;
+        // SAFETY: fcntl(2) flag calls on our socket.
+        let f = unsafe { libc::fcntl(s.as_raw_fd(), libc::F_GETFD) };
+        println!("cloexec={}", (f & libc::FD_CLOEXEC != 0) as u8);
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| format!("answer: {e}"))?;
+    if answer != format!("ok {bytes}\n") {
+        return Err(format!("answer {answer:?}"));
+    }
+    Ok(())
+}
+
+/// Waits (10 s at most) until `fd` is readable (or writable).
+fn wait(fd: i32, events: i16) -> Result<(), String> {
+    let mut p = libc::pollfd { fd, events, revents: 0 };
+    // SAFETY: one valid pollfd.
+    match unsafe { libc::poll(&mut p, 1, 10_000) } {
+        1 => Ok(()),
+        0 => Err(format!("poll({events:#x}) timed out: readiness lost")),
+        _ => Err(format!("poll: {}", std::io::Error::last_os_error())),
+    }
+}
+
+fn read_some(s: &mut TcpStream, buf: &mut [u8]) -> Result<usize, String> {
+    use std::os::fd::AsRawFd;
+    loop {
+        wait(s.as_raw_fd(), libc::POLLIN)?;
+        match s.read(buf) {
+            Ok(n) => return Ok(n),
+            // A spurious wake-up is allowed; a lost one is not (poll times out).
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
+fn write_all_nb(s: &mut TcpStream, mut b: &[u8]) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    while !b.is_empty() {
+        match s.write(b) {
+            Ok(n) => b = &b[n..],
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => wait(s.as_raw_fd(), libc::POLLOUT)?,
+            Err(e) => return Err(format!("write: {e}")),
+        }
+    }
+    Ok(())
+}
+
+fn echo(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = read_some(&mut s, &mut buf)?;
+        if n == 0 {
+            return Ok(());
+        }
+        write_all_nb(&mut s, &buf[..n])?;
+    }
+}
+
+fn ping(port: u16, rounds: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    for r in 0..rounds {
+        let msg: Vec<u8> = (0..64u64).map(|k| pattern(r * 64 + k)).collect();
+        write_all_nb(&mut s, &msg)?;
+        let mut got = Vec::new();
+        while got.len() < msg.len() {
+            let mut b = [0u8; 10];
+            let n = read_some(&mut s, &mut b)?;
+            if n == 0 {
+                return Err(format!("round {r}: the end after {} bytes", got.len()));
+            }
+            got.extend_from_slice(&b[..n]);
+        }
+        if got != msg {
+            return Err(format!("round {r}: answer differs"));
+        }
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| e.to_string())?;
+    // The server's end follows ours.
+    let mut b = [0u8; 1];
+    match read_some(&mut s, &mut b)? {
+        0 => Ok(()),
+        n => Err(format!("{n} bytes after the last answer")),
+    }
+}
+
+fn sendfile(port: u16, bytes: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let path = std::env::temp_dir().join(format!("sockapp-{}", std::process::id()));
+    let data: Vec<u8> = (0..bytes).map(pattern).collect();
+    std::fs::write(&path, &data).map_err(|e| format!("temp file: {e}"))?;
+    let f = std::fs::File::open(&path).map_err(|e| format!("open: {e}"))?;
+    let _ = std::fs::remove_file(&path);
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let half = bytes / 2;
+    let mut off: libc::off_t = 0;
+    while (off as u64) < half {
+        // SAFETY: sendfile(2) between two descriptors we hold, with our offset.
+        let n =
+            unsafe { libc::sendfile(s.as_raw_fd(), f.as_raw_fd(), &mut off, (half - off as u64) as usize) };
+        if n <= 0 {
+            return Err(format!("sendfile: {}", std::io::Error::last_os_error()));
+        }
+    }
+    // From the file's own position, which starts at 0: move it to `half`.
+    // SAFETY: lseek(2) on our file.
+    unsafe { libc::lseek(f.as_raw_fd(), half as libc::off_t, libc::SEEK_SET) };
+    let mut sent = half;
+    while sent < bytes {
+        // SAFETY: as above, without an offset.
+        let n = unsafe {
+            libc::sendfile(s.as_raw_fd(), f.as_raw_fd(), std::ptr::null_mut(), (bytes - sent) as usize)
+        };
+        if n <= 0 {
+            return Err(format!("sendfile: {}", std::io::Error::last_os_error()));
+        }
+        sent += n as u64;
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| format!("answer: {e}"))?;
+    if answer != format!("ok {bytes}\n") {
+        return Err(format!("answer {answer:?}"));
+    }
+    Ok(())
+}
+
+fn rr(port: u16, rounds: usize) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    let msg = [5u8; 64];
+    let mut got = [0u8; 64];
+    let mut times = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        let t = std::time::Instant::now();
+        s.write_all(&msg).map_err(|e| format!("write: {e}"))?;
+        s.read_exact(&mut got).map_err(|e| format!("read: {e}"))?;
+        times.push(t.elapsed().as_nanos() as u64);
+    }
+    times.sort_unstable();
+    println!("median_rtt_ns {}", times.get(rounds / 2).copied().unwrap_or(0));
+    Ok(())
+}
+
+fn quiet(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    drop(s);
+    Ok(())
+}
+
+fn expect_end(port: u16) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    // Let the server close first.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut b = [0u8; 16];
+    match s.read(&mut b) {
+        Ok(0) => Ok(()),
+        Ok(n) => Err(format!("read {n} bytes from a server that sent none")),
+        Err(e) => Err(format!("read: {e} (TCP reads the end)")),
+    }
+}
+
+fn sink(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut buf = vec![0u8; 1 << 20];
+    s.read_exact(&mut buf).map_err(|e| format!("read: {e}"))?;
+    eprintln!("stalled");
+    std::thread::sleep(std::time::Duration::from_secs(600));
+    Err("not killed".into())
+}
+
+fn flood(port: u16) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let buf = vec![7u8; 64 * 1024];
+    // Bounded: 64 GiB is far more than any buffer between the two.
+    for _ in 0..(1u64 << 20) {
+        if let Err(e) = s.write_all(&buf) {
+            eprintln!("write failed: {e}");
+            return Ok(());
+        }
+    }
+    Err("every write succeeded".into())
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let port = || args.get(2).and_then(|p| p.parse().ok()).expect("PORT");
+    let r = match args.get(1).map(String::as_str) {
+        Some("server") => server(port()),
+        Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("echo") => echo(port()),
+        Some("forkserver") => forkserver(port()),
+        Some("sink") => sink(port()),
+        Some("quiet") => quiet(port()),
+        Some("rr") => rr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
+        Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("expect-end") => expect_end(port()),
+        Some("flood") => flood(port()),
+        Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
+        _ => {
+            Err("usage: vrdma-it-sockapp server PORT | client PORT BYTES | echo PORT | ping PORT ROUNDS"
+                .into())
+        }
+    };
+    if let Err(e) = r {
+        eprintln!("sockapp: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,296 @@
+//! The socket registry through a real daemon (`docs/sockets.md`), and the
+//! preload library `libvrdma_sockets.so` under unmodified std::net
+//! programs: carried over vRDMA between two libraries, plain TCP when
+//! either end is not one.
+
+use std::net::SocketAddrV4;
+
+use anyhow::Result;
+use vrdma::sockets::{Outcome, Tuple};
+use vrdma_it::DaemonProc;
+
+fn addr(s: &str) -> SocketAddrV4 {
+    s.parse().unwrap()
+}
+
+#[test]
+fn the_registry_decides_through_the_daemon() -> Result<()> {
+    let _one = vrdma_it::harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let server = d.context()?;
+    let client = d.context()?;
+    let tuple = Tuple { client: addr("127.0.0.1:41000"), server: addr("127.0.0.1:5999") };
+    assert!(!client.sock_lookup(tuple.server, true)?);
+    server.sock_listen(addr("0.0.0.0:5999"))?;
+    assert!(client.sock_lookup(tuple.server, true)?);
+    // Not local: a wildcard listener does not own it.
+    assert!(!client.sock_lookup(tuple.server, false)?);
+    assert!(client.sock_announce(tuple, true)?);
+    assert_eq!(client.sock_resolve(tuple, false)?, Outcome::Pending);
+    assert!(server.sock_claim(tuple)?);
+    assert_eq!(client.sock_resolve(tuple, false)?, Outcome::Carried);
+    // A connection nobody announced is refused: plain TCP.
+    let plain = Tuple { client: addr("127.0.0.1:41001"), ..tuple };
+    assert!(!server.sock_claim(plain)?);
+    // Given up before the claim: TCP for both.
+    let late = Tuple { client: addr("127.0.0.1:41002"), ..tuple };
+    assert!(client.sock_announce(late, true)?);
+    assert_eq!(client.sock_resolve(late, true)?, Outcome::Tcp);
+    assert!(!server.sock_claim(late)?);
+    let c = client.sock_counts()?;
+    assert_eq!((c.listeners, c.announced, c.carried, c.refused_claims, c.abandoned), (1, 2, 1, 2, 1));
+    // Port 0 is refused with an error, and the connection lives on.
+    assert!(server.sock_listen(addr("0.0.0.0:0")).is_err());
+    // The listener goes with its context.
+    drop(server);
+    vrdma_it::wait_until(std::time::Duration::from_secs(10), "listener gone", || {
+        client.sock_lookup(tuple.server, true).ok() == Some(false)
+    })?;
+    Ok(())
+}
+
+mod preload {
+    use std::path::Path;
+    use std::process::Command;
+    use std::time::Duration;
+
+    use anyhow::Result;
+    use vrdma::sockets::SockCounts;
+    use vrdma_it::harness::{self, built, free_port, listening, spawn, Running};
+    use vrdma_it::DaemonProc;
+
+    /// 16 MiB through the ring (64 times its size).
+    const BYTES: u64 = 16 << 20;
+    const LIMIT: Duration = Duration::from_secs(120);
+
+    fn sockapp(d: &DaemonProc, preload: bool, args: &[String]) -> Command {
+        let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+        let mut c = Command::new(exe);
+        c.args(args).env(vrdma::SOCKET_ENV, &d.socket).env("VRDMA_SOCKETS_DEBUG", "1");
+        if preload {
+            c.env("LD_PRELOAD", built("libvrdma_sockets.so"));
+        }
+        c
+    }
+
+    fn server(d: &DaemonProc, preload: bool, port: u16) -> Running {
+        spawn(sockapp(d, preload, &["server".into(), port.to_string()]), "server")
+    }
+
+    /// A worker forked after `listen` accepts and serves: it carries the
+    /// connection with a device of its own (the parent's is not its to use).
+    #[test]
+    fn a_worker_forked_after_listen_carries_what_it_accepts() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["forkserver".into(), port.to_string()]), "forkserver");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = client(&d, true, port).finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(s.stderr.contains("carried over vRDMA"), "{}", s.describe());
+        let counts = ctx.sock_counts()?;
+        assert_eq!((counts.announced, counts.carried), (1, 1), "{counts:?}");
+        Ok(())
+    }
+
+    fn client(d: &DaemonProc, preload: bool, port: u16) -> Running {
+        spawn(sockapp(d, preload, &["client".into(), port.to_string(), BYTES.to_string()]), "client")
+    }
+
+    /// Runs a server and a client to their ends; both must succeed.
+    fn pair(d: &DaemonProc, server_preload: bool, client_preload: bool) -> Result<(SockCounts, bool)> {
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = server(d, server_preload, port);
+        // A preloaded server's listener is registered after the kernel's
+        // listen: wait for the registration, not only the port.
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && (!server_preload || ctx.sock_counts().ok().map(|c| c.listeners) == Some(1))
+        })?;
+        let c = client(d, client_preload, port);
+        let c = c.finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        // Each library says so (VRDMA_SOCKETS_DEBUG) once its connection
+        // is carried.
+        const CARRIED: &str = "carried over vRDMA";
+        let carried = c.stderr.contains(CARRIED);
+        // A carried descriptor is kept close-on-exec (an exec'd program
+        // would read the raw socket); a TCP one is left as the program
+        // made it (inheritable).
+        let cloexec = if carried { "cloexec=1" } else { "cloexec=0" };
+        assert!(c.stdout.contains(cloexec), "{}", c.describe());
+        assert_eq!(carried, s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+        Ok((ctx.sock_counts()?, carried))
+    }
+
+    #[test]
+    fn an_event_loop_pair_on_poll_sees_every_byte_ready() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["echo".into(), port.to_string()]), "echo");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["ping".into(), port.to_string(), "300".into()]), "ping");
+        let c = c.finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        assert_eq!(ctx.sock_counts()?.carried, 1);
+        Ok(())
+    }
+
+    /// A writer whose reader is killed (SIGKILL) mid-stream gets an error,
+    /// as over TCP, instead of waiting for credits for ever.
+    #[test]
+    fn a_writer_whose_reader_is_killed_gets_an_error() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let mut s = spawn(sockapp(&d, true, &["sink".into(), port.to_string()]), "sink");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["flood".into(), port.to_string()]), "flood");
+        // Carried, and the reader stopped reading with the ring full.
+        vrdma_it::wait_until(Duration::from_secs(30), "the connection is carried", || {
+            ctx.sock_counts().ok().map(|c| c.carried) == Some(1)
+        })?;
+        std::thread::sleep(Duration::from_millis(500));
+        assert!(!s.exited(), "the sink ended early");
+        // SAFETY: kill(2) of our own child, not yet reaped.
+        assert_eq!(unsafe { libc::kill(s.pid(), libc::SIGKILL) }, 0);
+        let c = c.finish(Duration::from_secs(30));
+        c.assert_ok();
+        assert!(c.stderr.contains("write failed"), "{}", c.describe());
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        Ok(())
+    }
+
+    /// Python's asyncio (epoll, non-blocking sockets, a stream reader and
+    /// writer) on both ends, carried.
+    #[test]
+    fn python_asyncio_echo_runs_carried() -> Result<()> {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        if !std::env::split_paths(&path).any(|d| d.join("python3").is_file()) {
+            vrdma_it::skip("python3 is missing (apt-get install python3)");
+            return Ok(());
+        }
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port().to_string();
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/sockets_asyncio.py");
+        let py = |args: &[&str]| {
+            let mut c = Command::new("python3");
+            c.arg(script)
+                .args(args)
+                .env(vrdma::SOCKET_ENV, &d.socket)
+                .env("VRDMA_SOCKETS_DEBUG", "1")
+                .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+            c
+        };
+        let s = spawn(py(&["server", &port]), "asyncio server");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(py(&["client", &port, "2000"]), "asyncio client").finish(LIMIT);
+        drop(s);
+        c.assert_ok();
+        assert!(c.stdout.contains("ok "), "{}", c.describe());
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        assert_eq!(ctx.sock_counts()?.carried, 1);
+        Ok(())
+    }
+
+    /// A server that accepts and closes at once: its client reads the end,
+    /// as over TCP (not a reset, though the hellos were never exchanged).
+    #[test]
+    fn a_connection_closed_before_its_first_call_reads_as_the_end() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["quiet".into(), port.to_string()]), "quiet");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c =
+            spawn(sockapp(&d, true, &["expect-end".into(), port.to_string()]), "expect-end").finish(LIMIT);
+        s.finish(LIMIT).assert_ok();
+        c.assert_ok();
+        assert_eq!(ctx.sock_counts()?.carried, 1);
+        Ok(())
+    }
+
+    /// sendfile(2) to a carried socket goes through the ring (the kernel
+    /// would put the file's bytes into the TCP stream, past it).
+    #[test]
+    fn sendfile_to_a_carried_socket_arrives_whole() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = server(&d, true, port);
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["sendfile".into(), port.to_string(), (3 << 20).to_string()];
+        let c = spawn(sockapp(&d, true, &args), "sendfile").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        Ok(())
+    }
+
+    fn have_lib() -> bool {
+        Path::new(&built("libvrdma_sockets.so")).exists()
+    }
+
+    #[test]
+    fn two_preloaded_programs_move_16_mib_over_vrdma() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        assert!(have_lib());
+        let d = DaemonProc::start()?;
+        let (c, carried) = pair(&d, true, true)?;
+        // Announced by the client, claimed by the server: carried.
+        assert_eq!((c.announced, c.carried, c.refused_claims), (1, 1, 0), "{c:?}");
+        assert!(carried);
+        Ok(())
+    }
+
+    #[test]
+    fn a_preloaded_server_and_a_plain_client_talk_tcp() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let (c, carried) = pair(&d, true, false)?;
+        assert!(!carried);
+        // The server's claim found no announcement.
+        assert_eq!((c.announced, c.carried, c.refused_claims), (0, 0, 1), "{c:?}");
+        Ok(())
+    }
+
+    #[test]
+    fn a_preloaded_client_and_a_plain_server_talk_tcp() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let (c, carried) = pair(&d, false, true)?;
+        assert!(!carried);
+        // No listener was registered, so nothing was announced.
+        assert_eq!((c.announced, c.carried, c.refused_claims, c.listeners), (0, 0, 0, 0), "{c:?}");
+        Ok(())
+    }
+}

@@ -1,0 +1,592 @@
+//! The exported functions that stand in front of libc's.
+//!
+//! Each hands a descriptor it does not carry straight to libc, as it does
+//! every call made while this library is already handling one (the guard
+//! of [`crate::table`]).
+
+use std::sync::Arc;
+
+use libc::{c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+
+use crate::addr;
+use crate::dev::{debug, dev};
+use crate::link::Link;
+use crate::listener::Listener;
+use crate::real;
+use crate::stream::{Route, Stream, ENDED};
+use crate::table::{self, keep_errno, set_errno, Entry, Guard};
+
+/// Where a data call on `fd` goes.
+enum Target {
+    Pass,
+    Link(Arc<Link>),
+    Fail(c_int),
+}
+
+fn target(fd: c_int) -> Target {
+    let Some(_g) = Guard::enter() else { return Target::Pass };
+    match table::get(fd) {
+        // The parent's, inherited through fork: not handled yet.
+        Some(e @ Entry::Stream(_)) if !e.ours() => Target::Fail(libc::EIO),
+        Some(Entry::Stream(s)) => match s.route() {
+            Ok(Route::Link(l)) => Target::Link(l),
+            Ok(Route::Tcp) => Target::Pass,
+            Err(e) => Target::Fail(e),
+        },
+        _ => Target::Pass,
+    }
+}
+
+fn nonblocking(fd: c_int) -> bool {
+    // SAFETY: F_GETFL takes no argument.
+    let fl = unsafe { real::fcntl(fd, libc::F_GETFL, 0) };
+    fl >= 0 && fl & libc::O_NONBLOCK != 0
+}
+
+fn done(r: Result<usize, c_int>) -> ssize_t {
+    match r {
+        Ok(n) => n as ssize_t,
+        // A read of a connection whose peer closed before its first call.
+        Err(ENDED) => 0,
+        Err(e) => {
+            set_errno(e);
+            -1
+        }
+    }
+}
+
+/// As the kernel does for TCP: a write to a connection that is gone raises
+/// SIGPIPE unless the caller said MSG_NOSIGNAL.
+fn done_write(r: Result<usize, c_int>, nosignal: bool) -> ssize_t {
+    let r = if r == Err(ENDED) { Err(libc::EPIPE) } else { r };
+    if r == Err(libc::EPIPE) && !nosignal {
+        // SAFETY: raise(3) on this thread.
+        unsafe { libc::raise(libc::SIGPIPE) };
+    }
+    done(r)
+}
+
+fn iov_in(iov: *const iovec, n: c_int) -> Result<Vec<(*mut u8, usize)>, c_int> {
+    if !(0..=libc::UIO_MAXIOV).contains(&n) || (iov.is_null() && n > 0) {
+        return Err(libc::EINVAL);
+    }
+    // SAFETY: the caller passes `n` iovecs at `iov` (readv's contract).
+    let v = unsafe { std::slice::from_raw_parts(iov, n as usize) };
+    Ok(v.iter().map(|v| (v.iov_base.cast::<u8>(), v.iov_len)).collect())
+}
+
+fn iov_out(iov: *const iovec, n: c_int) -> Result<Vec<(*const u8, usize)>, c_int> {
+    Ok(iov_in(iov, n)?.into_iter().map(|(p, l)| (p as *const u8, l)).collect())
+}
+
+// ---- reading ----
+
+#[no_mangle]
+pub unsafe extern "C" fn read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's read with the caller's arguments.
+        Target::Pass => unsafe { real::read(fd, buf, n) },
+        Target::Link(l) => done(l.read(&[(buf.cast(), n)], nonblocking(fd), false, false)),
+        Target::Fail(e) => done(Err(e)),
+    }
+}
+
+fn recv_flags(fd: c_int, flags: c_int) -> (bool, bool, bool) {
+    (
+        flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd),
+        flags & libc::MSG_PEEK != 0,
+        flags & libc::MSG_WAITALL != 0,
+    )
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's recv with the caller's arguments.
+        Target::Pass => unsafe { real::recv(fd, buf, n, flags) },
+        Target::Link(l) => {
+            let (nb, peek, all) = recv_flags(fd, flags);
+            done(l.read(&[(buf.cast(), n)], nb, peek, all))
+        }
+        Target::Fail(e) => done(Err(e)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvfrom(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    flags: c_int,
+    from: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's recvfrom with the caller's arguments.
+        Target::Pass => unsafe { real::recvfrom(fd, buf, n, flags, from, len) },
+        Target::Link(l) => {
+            let (nb, peek, all) = recv_flags(fd, flags);
+            // A connected TCP socket leaves the address alone; so do we.
+            done(l.read(&[(buf.cast(), n)], nb, peek, all))
+        }
+        Target::Fail(e) => done(Err(e)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's readv with the caller's arguments.
+        Target::Pass => unsafe { real::readv(fd, iov, n) },
+        Target::Link(l) => done(iov_in(iov, n).and_then(|v| l.read(&v, nonblocking(fd), false, false))),
+        Target::Fail(e) => done(Err(e)),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's recvmsg with the caller's arguments.
+        Target::Pass => unsafe { real::recvmsg(fd, msg, flags) },
+        Target::Link(l) if !msg.is_null() => {
+            // SAFETY: the caller passes a valid msghdr.
+            let m = unsafe { &mut *msg };
+            let (nb, peek, all) = recv_flags(fd, flags);
+            let r = iov_in(m.msg_iov, m.msg_iovlen as c_int).and_then(|v| l.read(&v, nb, peek, all));
+            if r.is_ok() {
+                // No ancillary data and no address on a stream.
+                m.msg_controllen = 0;
+                m.msg_flags = 0;
+                m.msg_namelen = 0;
+            }
+            done(r)
+        }
+        Target::Link(_) => done(Err(libc::EFAULT)),
+        Target::Fail(e) => done(Err(e)),
+    }
+}
+
+// The _FORTIFY_SOURCE forms (Debian builds its packages with it): the
+// compiler calls these where it knows the buffer's size.
+
+/// glibc's `__chk_fail`: a read larger than its buffer.
+fn overflow() -> ! {
+    const MSG: &[u8] = b"*** buffer overflow detected ***: terminated\n";
+    // SAFETY: write(2) of a static buffer to stderr, then abort.
+    unsafe {
+        libc::syscall(libc::SYS_write, 2, MSG.as_ptr(), MSG.len());
+        libc::abort()
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __read_chk(fd: c_int, buf: *mut c_void, n: size_t, buflen: size_t) -> ssize_t {
+    if n > buflen {
+        overflow();
+    }
+    // SAFETY: `read` with the caller's arguments, checked as glibc does.
+    unsafe { read(fd, buf, n) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recv_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+) -> ssize_t {
+    if n > buflen {
+        overflow();
+    }
+    // SAFETY: `recv` with the caller's arguments, checked as glibc does.
+    unsafe { recv(fd, buf, n, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn __recvfrom_chk(
+    fd: c_int,
+    buf: *mut c_void,
+    n: size_t,
+    buflen: size_t,
+    flags: c_int,
+    from: *mut sockaddr,
+    len: *mut socklen_t,
+) -> ssize_t {
+    if n > buflen {
+        overflow();
+    }
+    // SAFETY: `recvfrom` with the caller's arguments, checked as glibc does.
+    unsafe { recvfrom(fd, buf, n, flags, from, len) }
+}
+
+// ---- writing ----
+
+#[no_mangle]
+pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's write with the caller's arguments.
+        Target::Pass => unsafe { real::write(fd, buf, n) },
+        Target::Link(l) => done_write(l.write(&[(buf.cast(), n)], nonblocking(fd)), false),
+        Target::Fail(e) => done_write(Err(e), false),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's send with the caller's arguments.
+        Target::Pass => unsafe { real::send(fd, buf, n, flags) },
+        Target::Link(l) => {
+            let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
+            done_write(l.write(&[(buf.cast(), n)], nb), flags & libc::MSG_NOSIGNAL != 0)
+        }
+        Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendto(
+    fd: c_int,
+    buf: *const c_void,
+    n: size_t,
+    flags: c_int,
+    to: *const sockaddr,
+    len: socklen_t,
+) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's sendto with the caller's arguments.
+        Target::Pass => unsafe { real::sendto(fd, buf, n, flags, to, len) },
+        Target::Link(l) => {
+            let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
+            done_write(l.write(&[(buf.cast(), n)], nb), flags & libc::MSG_NOSIGNAL != 0)
+        }
+        Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's writev with the caller's arguments.
+        Target::Pass => unsafe { real::writev(fd, iov, n) },
+        Target::Link(l) => done_write(iov_out(iov, n).and_then(|v| l.write(&v, nonblocking(fd))), false),
+        Target::Fail(e) => done_write(Err(e), false),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t {
+    match target(fd) {
+        // SAFETY: libc's sendmsg with the caller's arguments.
+        Target::Pass => unsafe { real::sendmsg(fd, msg, flags) },
+        Target::Link(l) if !msg.is_null() => {
+            // SAFETY: the caller passes a valid msghdr.
+            let m = unsafe { &*msg };
+            let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
+            let r = iov_out(m.msg_iov, m.msg_iovlen as c_int).and_then(|v| l.write(&v, nb));
+            done_write(r, flags & libc::MSG_NOSIGNAL != 0)
+        }
+        Target::Link(_) => done(Err(libc::EFAULT)),
+        Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
+    }
+}
+
+/// `sendfile` to a carried socket: read from `inp` and write through the
+/// link (the kernel would move the file's pages into the TCP socket, past
+/// the ring).
+#[no_mangle]
+pub unsafe extern "C" fn sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    // SAFETY: the caller's arguments, as sendfile(2) takes them.
+    unsafe { sendfile_with(out, inp, off, n, real::sendfile) }
+}
+
+/// `sendfile` under its large-file name (programs built with
+/// `_FILE_OFFSET_BITS=64` call it; `off_t` is 64 bits on 64-bit Linux).
+#[no_mangle]
+pub unsafe extern "C" fn sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t {
+    // SAFETY: the caller's arguments, as sendfile(2) takes them.
+    unsafe { sendfile_with(out, inp, off, n, real::sendfile64) }
+}
+
+/// # Safety
+/// `off` is null or the caller's offset; `libc_fn` is libc's sendfile.
+unsafe fn sendfile_with(
+    out: c_int,
+    inp: c_int,
+    off: *mut off_t,
+    n: size_t,
+    libc_fn: unsafe fn(c_int, c_int, *mut off_t, size_t) -> ssize_t,
+) -> ssize_t {
+    let l = match target(out) {
+        // SAFETY: libc's sendfile with the caller's arguments.
+        Target::Pass => return unsafe { libc_fn(out, inp, off, n) },
+        Target::Fail(e) => return done_write(Err(e), false),
+        Target::Link(l) => l,
+    };
+    let mut buf = vec![0u8; n.min(crate::link::RING)];
+    // SAFETY: `buf` is valid for its length; `off` is the caller's.
+    let got = unsafe {
+        if off.is_null() {
+            real::read(inp, buf.as_mut_ptr().cast(), buf.len())
+        } else {
+            libc::pread(inp, buf.as_mut_ptr().cast(), buf.len(), *off)
+        }
+    };
+    if got <= 0 {
+        return got;
+    }
+    let r = l.write(&[(buf.as_ptr(), got as usize)], nonblocking(out));
+    if let (Ok(w), false) = (&r, off.is_null()) {
+        // SAFETY: the caller's offset.
+        unsafe { *off += *w as off_t };
+    }
+    done_write(r, false)
+}
+
+// ---- connection set-up ----
+
+#[no_mangle]
+pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
+    // SAFETY: libc's listen with the caller's arguments.
+    let r = unsafe { real::listen(fd, backlog) };
+    if r == 0 {
+        if let Some(_g) = Guard::enter() {
+            keep_errno(|| register_listener(fd));
+        }
+    }
+    r
+}
+
+fn register_listener(fd: c_int) {
+    if matches!(table::get(fd), Some(Entry::Listener(_))) || !addr::is_inet_stream(fd) {
+        return;
+    }
+    let (Some(d), Some(a)) = (dev(), addr::local_of(fd)) else { return };
+    match d.ctx.sock_listen(a) {
+        Ok(()) => {
+            debug(&format!("listening on {a}"));
+            table::insert(fd, Entry::Listener(Arc::new(Listener { addr: a, pid: std::process::id() })));
+        }
+        Err(e) => debug(&format!("listener {a} not registered (its clients stay TCP): {e}")),
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn connect(fd: c_int, to: *const sockaddr, len: socklen_t) -> c_int {
+    let announced = match Guard::enter() {
+        // SAFETY: the caller's address of `len` bytes.
+        Some(_g) => keep_errno(|| unsafe { announce(fd, to, len) }),
+        None => None,
+    };
+    // SAFETY: libc's connect with the caller's arguments.
+    let r = unsafe { real::connect(fd, to, len) };
+    if let Some(s) = announced {
+        let e = table::errno();
+        if r == 0 || e == libc::EINPROGRESS || e == libc::EINTR {
+            if let Some(_g) = Guard::enter() {
+                table::insert(fd, Entry::Stream(s));
+            }
+        } else {
+            let _g = Guard::enter();
+            keep_errno(|| s.abandon());
+        }
+    }
+    r
+}
+
+/// Announces the connection `fd` is about to make, when a listener of the
+/// tenant on this host owns the destination.
+///
+/// # Safety
+/// `to` must be valid for `len` bytes (or null).
+unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc<Stream>> {
+    // SAFETY: as the caller promised.
+    let dst = unsafe { addr::from_raw(to, len) }?;
+    if dst.port() == 0 || table::get(fd).is_some() || !addr::is_inet_stream(fd) {
+        return None;
+    }
+    // First slice: this host only (docs/sockets.md). Checked first, so a
+    // program that only reaches other hosts never opens the device.
+    if !addr::is_local(*dst.ip()) {
+        return None;
+    }
+    let d = dev()?;
+    if !d.ctx.sock_lookup(dst, true).ok()? {
+        return None;
+    }
+    let mut me = addr::local_of(fd)?;
+    if me.port() == 0 {
+        if !addr::bind(fd, std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0)) {
+            return None;
+        }
+        me = addr::local_of(fd)?;
+    }
+    if me.ip().is_unspecified() {
+        me.set_ip(addr::source_for(dst)?);
+    }
+    let tuple = vrdma::sockets::Tuple { client: me, server: dst };
+    if !d.ctx.sock_announce(tuple, true).ok()? {
+        return None;
+    }
+    debug(&format!("announced {me} -> {dst}"));
+    Stream::announced(fd, tuple)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept(fd: c_int, a: *mut sockaddr, len: *mut socklen_t) -> c_int {
+    // SAFETY: libc's accept with the caller's arguments.
+    let c = unsafe { real::accept(fd, a, len) };
+    accepted(fd, c)
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn accept4(fd: c_int, a: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int {
+    // SAFETY: libc's accept4 with the caller's arguments.
+    let c = unsafe { real::accept4(fd, a, len, flags) };
+    accepted(fd, c)
+}
+
+/// Claims connection `c` accepted on listener `fd`, if it is one of ours.
+fn accepted(fd: c_int, c: c_int) -> c_int {
+    if c < 0 {
+        return c;
+    }
+    let Some(_g) = Guard::enter() else { return c };
+    keep_errno(|| {
+        // An inherited listener (a pre-forked worker) claims as well: the
+        // registry knows tenants, and this process has its own device.
+        if !matches!(table::get(fd), Some(Entry::Listener(_))) {
+            return;
+        }
+        let (Some(d), Some(me), Some(peer)) = (dev(), addr::local_of(c), addr::peer_of(c)) else { return };
+        let tuple = vrdma::sockets::Tuple { client: peer, server: me };
+        if d.ctx.sock_claim(tuple).unwrap_or(false) {
+            debug(&format!("claimed {peer} -> {me}"));
+            if let Some(s) = Stream::claimed(c) {
+                table::insert(c, Entry::Stream(s));
+            }
+        }
+    });
+    c
+}
+
+// ---- descriptors ----
+
+/// `fd` is closed (or replaced): its entry goes. In a forked child the
+/// parent's objects are not destroyed (see [`Entry::ours`]).
+fn drop_entry(fd: c_int) {
+    if let Some(_g) = Guard::enter() {
+        if let Some(e) = table::remove(fd) {
+            if !e.ours() {
+                std::mem::forget(e);
+            } else {
+                keep_errno(|| drop(e));
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn close(fd: c_int) -> c_int {
+    drop_entry(fd);
+    // SAFETY: libc's close with the caller's argument.
+    unsafe { real::close(fd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
+    if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
+        if let Target::Link(l) = target(fd) {
+            l.shut_write();
+        }
+    }
+    // SAFETY: libc's shutdown with the caller's arguments.
+    unsafe { real::shutdown(fd, how) }
+}
+
+fn copy_entry(from: c_int, to: c_int) {
+    if to < 0 {
+        return;
+    }
+    if let Some(_g) = Guard::enter() {
+        if let Some(e) = table::get(from) {
+            if e.carried() {
+                keep_errno(|| table::set_cloexec(to));
+            }
+            if let Some(old) = table::insert(to, e) {
+                keep_errno(|| drop(old));
+            }
+        }
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup(fd: c_int) -> c_int {
+    // SAFETY: libc's dup with the caller's argument.
+    let r = unsafe { real::dup(fd) };
+    copy_entry(fd, r);
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup2(fd: c_int, to: c_int) -> c_int {
+    if fd != to && fd >= 0 {
+        drop_entry(to);
+    }
+    // SAFETY: libc's dup2 with the caller's arguments.
+    let r = unsafe { real::dup2(fd, to) };
+    if fd != to {
+        copy_entry(fd, r);
+    }
+    r
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn dup3(fd: c_int, to: c_int, flags: c_int) -> c_int {
+    if fd != to && fd >= 0 {
+        drop_entry(to);
+    }
+    // SAFETY: libc's dup3 with the caller's arguments.
+    let r = unsafe { real::dup3(fd, to, flags) };
+    copy_entry(fd, r);
+    r
+}
+
+/// A carried descriptor stays close-on-exec (see [`table::set_cloexec`]).
+fn keep_cloexec(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> libc::c_ulong {
+    if cmd != libc::F_SETFD {
+        return arg;
+    }
+    match Guard::enter() {
+        Some(_g) if table::get(fd).is_some_and(|e| e.carried()) => arg | libc::FD_CLOEXEC as libc::c_ulong,
+        _ => arg,
+    }
+}
+
+/// `fcntl` is variadic in C; its one optional argument is an integer or a
+/// pointer, which the x86-64 and AArch64 Linux calling conventions pass in
+/// the third integer register either way.
+#[no_mangle]
+pub unsafe extern "C" fn fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    let arg = keep_cloexec(fd, cmd, arg);
+    // SAFETY: libc's fcntl with the caller's arguments.
+    let r = unsafe { real::fcntl(fd, cmd, arg) };
+    if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
+        copy_entry(fd, r);
+    }
+    r
+}
+
+/// `fcntl` under its 64-bit-offset name (glibc 2.28 and later; programs
+/// built with `_FILE_OFFSET_BITS=64` may call it).
+#[no_mangle]
+pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int {
+    let arg = keep_cloexec(fd, cmd, arg);
+    // SAFETY: libc's fcntl64 with the caller's arguments.
+    let r = unsafe { real::fcntl64(fd, cmd, arg) };
+    if cmd == libc::F_DUPFD || cmd == libc::F_DUPFD_CLOEXEC {
+        copy_entry(fd, r);
+    }
+    r
+}

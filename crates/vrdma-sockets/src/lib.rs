@@ -1,0 +1,67 @@
+//! `libvrdma_sockets.so`: unmodified TCP applications on vRDMA
+//! (`docs/sockets.md`, issue 20).
+//!
+//! Preloaded into a dynamically linked program (`vrdma run --sockets --
+//! APP`, or `LD_PRELOAD` by hand), it carries the program's IPv4 TCP
+//! connections (also those of dual-stack IPv6 sockets: a listener on `::`
+//! takes IPv4 clients as one on `0.0.0.0`, accepted v4-mapped connections
+//! are claimed) over an RC QP pair when the other end is also this library,
+//! of the same tenant, on the same host, and leaves them plain TCP
+//! otherwise. The application's descriptor is always the kernel's TCP
+//! socket; whether a connection is carried is decided through the daemon
+//! (listeners register, clients announce, servers claim), never by bytes
+//! in a stranger's stream.
+//!
+//! # What this slice handles
+//!
+//! - **Negotiated**: `listen` (registers the address), `connect` (announces
+//!   the 4-tuple when a listener of the tenant on this host owns the
+//!   destination; blocking or non-blocking), `accept`/`accept4` (claims).
+//! - **Carried** once both ends agreed: `read`, `write`, `recv`, `send`,
+//!   `recvfrom`, `sendto`, `readv`, `writev`, `recvmsg`, `sendmsg` (no
+//!   ancillary data), the `_FORTIFY_SOURCE` forms `__read_chk`,
+//!   `__recv_chk`, `__recvfrom_chk`, with `MSG_PEEK`, `MSG_DONTWAIT`, `MSG_WAITALL`,
+//!   `MSG_NOSIGNAL` and `O_NONBLOCK` (`EAGAIN`); `sendfile`/`sendfile64` (read, then
+//!   written through the ring); `shutdown` (half-close: the peer reads
+//!   EOF after the last byte); `close` (FIN after the last descriptor);
+//!   `dup`, `dup2`, `dup3`, `fcntl`/`fcntl64` (`F_DUPFD*`) share the
+//!   connection.
+//! - **Passed through** (the kernel's, which are right for the descriptor
+//!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
+//!   `getpeername`, `setsockopt`/`getsockopt`, `fcntl`'s other commands,
+//!   every call on a descriptor that is not carried (UDP, Unix sockets,
+//!   files, connections to hosts elsewhere or to plain TCP peers).
+//! - **Readiness** (`poll`, `ppoll`, `select`, `pselect`, `epoll`) is
+//!   the kernel's view of the socket, not interposed: the library keeps a
+//!   wake byte in the socket exactly while bytes wait in the ring
+//!   (`docs/sockets.md`), so `POLLIN` is right, level- and edge-triggered.
+//!   `POLLOUT` is the kernel's (a full ring gives `EAGAIN` to a
+//!   non-blocking write; the program polls again).
+//! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`
+//!   and `io_uring` would read the raw socket; after `fork` the
+//!   carried descriptors a child inherited fail with `EIO` in it (it must
+//!   not share the parent's rings or daemon connection; the connections it
+//!   accepts, also on an inherited listener, or makes itself are carried
+//!   through a device of its own), and an exec'd program does not get a
+//!   carried descriptor (it is made close-on-exec once carried, and kept
+//!   so through `F_SETFD` and `dup`s: the program would read the raw
+//!   socket past the rings); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
+//!   `SHUT_RD` is the kernel's only; `recvmmsg`/`sendmmsg` are not
+//!   interposed. A client's first call on a connection blocks (even
+//!   non-blocking) until the server accepted and made its first call, and
+//!   a server's first call until the client made its first. IPv6
+//!   connections (not v4-mapped), an unbound IPv6 socket connecting to a
+//!   v4-mapped address, and connections to other hosts stay TCP.
+//!
+//! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns
+//! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,
+//! `VRDMA_SOCKETS_WAIT_MS` bounds a client's wait for the server's claim.
+
+mod addr;
+mod dev;
+mod interpose;
+mod link;
+mod listener;
+mod real;
+mod stream;
+mod table;

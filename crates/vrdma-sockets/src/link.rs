@@ -1,0 +1,501 @@
+//! One carried connection's data path: an RC QP pair, a receive ring in
+//! each end's registered memory, credits back, wake bytes on the TCP
+//! socket (`docs/sockets.md`).
+//!
+//! Layout of each end's ring region: [`RING`] bytes of data that the peer
+//! writes, then control words the peer writes: the peer's tail
+//! (`WRITTEN`, for this end's reader), the peer reader's consumed count of
+//! this end's bytes (`CONSUMED`, this end's writer's credits) and the peer
+//! reader's sleeping flag (`SLEEPING`, for this end's writer). The staging
+//! region mirrors it: bytes to send at their ring offsets, then the words
+//! sent from.
+
+use std::sync::atomic::{fence, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use libc::c_int;
+use vrdma::wr::{self, SendWrExt as _};
+use vrdma::{AccessFlags, CompletionQueue, Endpoint, MemoryRegion, QpCap, QueuePair, WcStatus};
+
+use crate::dev::Dev;
+use crate::real;
+use crate::stream::Sock;
+
+/// Bytes of each direction's ring.
+pub const RING: usize = 256 * 1024;
+const WRITTEN: usize = RING;
+const CONSUMED: usize = RING + 8;
+const SLEEPING: usize = RING + 16;
+const REGION: usize = RING + 64;
+/// In the staging region: the tail sent, then consumed and sleeping (16
+/// bytes sent as one write into the peer's `CONSUMED` and `SLEEPING`).
+const S_TAIL: usize = RING;
+const S_ACK: usize = RING + 16;
+
+/// The hello each end sends once both decided to carry.
+pub const HELLO_LEN: usize = 64;
+const MAGIC: &[u8; 4] = b"VRSK";
+const VERSION: u32 = 1;
+
+/// The byte each end sends once its QP is connected.
+const READY: u8 = 0;
+
+pub struct Link {
+    /// The library's own descriptor of the kernel socket.
+    _sock: Arc<Sock>,
+    sock: c_int,
+    cq: CompletionQueue,
+    qp: QueuePair,
+    ring: MemoryRegion,
+    stage: MemoryRegion,
+    peer_addr: u64,
+    peer_rkey: u32,
+    /// Held while posting and waiting for the completion.
+    post: Mutex<u64>,
+    rx: Mutex<Rx>,
+    tx: Mutex<Tx>,
+}
+
+struct Rx {
+    /// Bytes read from the ring (a running count).
+    rd: u64,
+    /// `rd` as last sent to the peer.
+    acked: u64,
+    eof: bool,
+    /// The generation last armed (1..=255; each wake byte is the
+    /// generation it answers).
+    gen: u32,
+    /// Armed since the last bytes were read.
+    armed: bool,
+}
+
+#[derive(Default)]
+struct Tx {
+    /// Bytes written into the peer's ring (a running count).
+    wr: u64,
+    shut: bool,
+}
+
+/// Errors are errnos, as the interposed calls return them.
+pub type Res<T> = Result<T, c_int>;
+
+/// The resources of one end, before the peer's hello.
+pub struct Half {
+    cq: CompletionQueue,
+    qp: QueuePair,
+    ring: MemoryRegion,
+    stage: MemoryRegion,
+    hello: [u8; HELLO_LEN],
+}
+
+impl Half {
+    pub fn new(dev: &Dev) -> vrdma::Result<Half> {
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        let cq = dev.ctx.create_cq(64, None)?;
+        let cap =
+            QpCap { max_send_wr: 16, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let qp = dev.pd.create_rc_qp(&cq, &cq, cap)?;
+        let ring = dev.pd.alloc_mr(REGION, access)?;
+        let stage = dev.pd.alloc_mr(REGION, AccessFlags::LOCAL_WRITE)?;
+        let ep = qp.endpoint(&dev.ctx)?;
+        let mut hello = [0u8; HELLO_LEN];
+        hello[0..4].copy_from_slice(MAGIC);
+        hello[4..8].copy_from_slice(&VERSION.to_le_bytes());
+        hello[8..8 + Endpoint::WIRE_LEN].copy_from_slice(&ep.to_bytes());
+        hello[34..42].copy_from_slice(&ring.addr().to_le_bytes());
+        hello[42..46].copy_from_slice(&ring.rkey().to_le_bytes());
+        hello[46..50].copy_from_slice(&(RING as u32).to_le_bytes());
+        Ok(Half { cq, qp, ring, stage, hello })
+    }
+
+    pub fn hello(&self) -> &[u8; HELLO_LEN] {
+        &self.hello
+    }
+
+    /// Connects to the peer whose hello is `peer` (checked: any other
+    /// bytes are a protocol error).
+    pub fn connect(self, sock_owner: Arc<Sock>, peer: &[u8; HELLO_LEN]) -> Res<Link> {
+        let u32_at = |i: usize| u32::from_le_bytes([peer[i], peer[i + 1], peer[i + 2], peer[i + 3]]);
+        if &peer[0..4] != MAGIC || u32_at(4) != VERSION || u32_at(46) as usize != RING {
+            return Err(libc::EPROTO);
+        }
+        let ep = Endpoint::from_bytes(&peer[8..8 + Endpoint::WIRE_LEN]).ok_or(libc::EPROTO)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(&peer[34..42]);
+        self.qp.connect(&ep, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).map_err(|e| e.errno())?;
+        // The reader starts asleep: the first write wakes it.
+        self.ring.write_u64(SLEEPING, 1).map_err(|e| e.errno())?;
+        Ok(Link {
+            sock: sock_owner.0,
+            _sock: sock_owner,
+            cq: self.cq,
+            qp: self.qp,
+            ring: self.ring,
+            stage: self.stage,
+            peer_addr: u64::from_le_bytes(a),
+            peer_rkey: u32_at(42),
+            post: Mutex::new(0),
+            // Both ends start armed with generation 1 (set just above).
+            rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true }),
+            tx: Mutex::new(Tx::default()),
+        })
+    }
+}
+
+pub fn ready_byte() -> u8 {
+    READY
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Link {
+    /// Posts `wrs` (the last one signaled) and waits for its completion.
+    fn post_wait(&self, wrs: &mut [vrdma::SendWr]) -> Res<()> {
+        let mut ids = lock(&self.post);
+        for w in wrs.iter_mut() {
+            *ids += 1;
+            w.wr_id = *ids;
+        }
+        let last = *ids;
+        self.qp.post_send(wrs).map_err(|e| e.error.errno())?;
+        let mut wc = vrdma::wc_buffer(4);
+        let mut spins = 0u32;
+        loop {
+            let n = self.cq.poll(&mut wc).map_err(|e| e.errno())?;
+            for c in &wc[..n] {
+                if c.status != WcStatus::Success {
+                    crate::dev::debug(&format!("work completion {:?}", c.status));
+                    return Err(libc::EPIPE);
+                }
+                if c.wr_id == last {
+                    return Ok(());
+                }
+            }
+            if n == 0 {
+                spins += 1;
+                if spins.is_multiple_of(1024) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
+                    return Err(libc::ECONNRESET);
+                }
+                if spins > 256 {
+                    std::thread::sleep(Duration::from_micros(20));
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        }
+    }
+
+    fn write_word(&self, from: usize, len: usize, to: usize) -> Res<()> {
+        let sge = self.stage.sge(from, len).map_err(|e| e.errno())?;
+        let w = wr::rdma_write(0, &[sge], self.peer_addr + to as u64, self.peer_rkey)
+            .map_err(|e| e.errno())?
+            .signaled();
+        self.post_wait(&mut [w])
+    }
+
+    /// Bytes waiting in this end's ring (a peer's tail that is behind or
+    /// more than a ring ahead is taken as nothing yet).
+    fn waiting(&self, rd: u64) -> usize {
+        let written = self.ring.read_u64(WRITTEN).unwrap_or(rd);
+        fence(Ordering::SeqCst);
+        match written.checked_sub(rd) {
+            Some(n) if n as usize <= RING => n as usize,
+            _ => 0,
+        }
+    }
+
+    /// Reads into `iov` (total `cap` bytes): at least one byte, 0 at the
+    /// end of the stream, or an errno (`EAGAIN` when `nonblocking` and
+    /// nothing waits). `peek` leaves the bytes in the ring; `all` waits
+    /// for `cap` bytes or the end.
+    ///
+    /// Whenever a read leaves the ring empty, the reader arms ([`Self::sleep`]),
+    /// so that the kernel socket is readable exactly while bytes wait.
+    pub fn read(&self, iov: &[(*mut u8, usize)], nonblocking: bool, peek: bool, all: bool) -> Res<usize> {
+        let cap: usize = iov.iter().map(|v| v.1).sum();
+        if cap == 0 {
+            return Ok(0);
+        }
+        let mut rx = lock(&self.rx);
+        let mut done = 0usize;
+        loop {
+            let avail = self.waiting(rx.rd);
+            if avail > 0 && peek {
+                let n = avail.min(cap);
+                self.copy_out(rx.rd, n, iov, 0);
+                return Ok(n);
+            }
+            if avail > 0 {
+                let n = avail.min(cap - done);
+                self.copy_out(rx.rd, n, iov, done);
+                done += n;
+                rx.rd += n as u64;
+                rx.armed = false;
+                if self.waiting(rx.rd) == 0 {
+                    self.sleep(&mut rx);
+                } else if rx.rd - rx.acked >= (RING / 4) as u64 {
+                    // Credits back. A peer that is gone no longer needs
+                    // them; its end is seen on the socket.
+                    let _ = self.credit(rx.rd);
+                    rx.acked = rx.rd;
+                }
+                if !all || done == cap {
+                    return Ok(done);
+                }
+                continue;
+            }
+            if done > 0 && nonblocking {
+                return Ok(done);
+            }
+            if rx.eof {
+                return Ok(done);
+            }
+            if !rx.armed {
+                self.sleep(&mut rx);
+                continue;
+            }
+            // Armed and empty: look at the socket (a blocking read waits
+            // there): its end, or a byte, which stays for the readiness it
+            // gives (a stale one is taken by the next arming).
+            let mut b = [0u8; 1];
+            let flags = if nonblocking { libc::MSG_PEEK | libc::MSG_DONTWAIT } else { libc::MSG_PEEK };
+            // SAFETY: `b` is valid for one byte.
+            let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), 1, flags) };
+            match r {
+                0 => rx.eof = true,
+                1.. => rx.armed = false,
+                _ => match crate::table::errno() {
+                    libc::EINTR if !nonblocking => {}
+                    e => return if done > 0 { Ok(done) } else { Err(e) },
+                },
+            }
+        }
+    }
+
+    /// The ring is empty: arms a new generation (sends the consumed count
+    /// and the generation into the writer's `SLEEPING` word, waiting until
+    /// it landed), looks again, and if still empty takes the wake bytes of
+    /// older generations off the socket, which are stale: a byte of an
+    /// older generation was sent after its bytes landed, which was before
+    /// this arming landed, so this look saw them, and they were read. A
+    /// byte of this generation stays: its bytes landed after this look,
+    /// and wait.
+    fn sleep(&self, rx: &mut Rx) {
+        rx.gen = if rx.gen >= 255 { 1 } else { rx.gen + 1 };
+        let _ = self.stage.write_u64(S_ACK, rx.rd);
+        let _ = self.stage.write_u64(S_ACK + 8, rx.gen as u64);
+        // A peer that is gone gets no ack; its end shows on the socket.
+        let _ = self.write_word(S_ACK, 16, CONSUMED);
+        rx.acked = rx.rd;
+        rx.armed = true;
+        if self.waiting(rx.rd) > 0 {
+            return;
+        }
+        if let Ok(true) = self.take_stale(rx.gen as u8) {
+            rx.eof = true;
+        }
+    }
+
+    /// Takes wake bytes other than `keep` off the socket, up to the first
+    /// `keep`; true at the socket's end.
+    fn take_stale(&self, keep: u8) -> Res<bool> {
+        let mut b = [0u8; 256];
+        loop {
+            // SAFETY: `b` is valid for its length.
+            let r = unsafe {
+                real::recv(self.sock, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+            };
+            let n = match r {
+                0 => return Ok(true),
+                1.. => r as usize,
+                _ => {
+                    return match crate::table::errno() {
+                        libc::EAGAIN | libc::EINTR => Ok(false),
+                        e => Err(e),
+                    }
+                }
+            };
+            let stale = b[..n].iter().position(|&x| x == keep).unwrap_or(n);
+            if stale == 0 {
+                return Ok(false);
+            }
+            // SAFETY: as above; takes the `stale` bytes just peeked.
+            unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), stale, libc::MSG_DONTWAIT) };
+            if stale < n {
+                return Ok(false);
+            }
+        }
+    }
+
+    /// Sends this end's consumed count (credits) to the peer's writer.
+    fn credit(&self, rd: u64) -> Res<()> {
+        let _ = self.stage.write_u64(S_ACK, rd);
+        self.write_word(S_ACK, 8, CONSUMED)
+    }
+
+    /// Takes every byte waiting on the socket; true at its end.
+    fn drain_wakes(&self) -> Res<bool> {
+        let mut b = [0u8; 256];
+        loop {
+            // SAFETY: `b` is valid for its length.
+            let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT) };
+            match r {
+                0 => return Ok(true),
+                1.. => continue,
+                _ => {
+                    let e = crate::table::errno();
+                    return match e {
+                        libc::EAGAIN | libc::EINTR => Ok(false),
+                        e => Err(e),
+                    };
+                }
+            }
+        }
+    }
+
+    fn copy_out(&self, from: u64, n: usize, iov: &[(*mut u8, usize)], skip: usize) {
+        let base = self.ring.as_ptr();
+        let mut pos = (from % RING as u64) as usize;
+        let mut left = n;
+        let mut skip = skip;
+        for &(p, len) in iov {
+            if skip >= len {
+                skip -= len;
+                continue;
+            }
+            let mut off = skip;
+            skip = 0;
+            while off < len && left > 0 {
+                let k = (len - off).min(left).min(RING - pos);
+                // SAFETY: `pos + k <= RING` lies in the ring region, which
+                // only the daemon writes (not these bytes, which the peer
+                // wrote before the tail that made them waiting); `p + off`
+                // is in the caller's buffer of `len` bytes.
+                unsafe { std::ptr::copy_nonoverlapping(base.add(pos), p.add(off), k) };
+                off += k;
+                left -= k;
+                pos = (pos + k) % RING;
+            }
+            if left == 0 {
+                break;
+            }
+        }
+    }
+
+    /// Writes `iov` (total `len`), all of it unless `nonblocking` (then
+    /// what fits, or `EAGAIN`).
+    pub fn write(&self, iov: &[(*const u8, usize)], nonblocking: bool) -> Res<usize> {
+        let total: usize = iov.iter().map(|v| v.1).sum();
+        let mut tx = lock(&self.tx);
+        if tx.shut {
+            return Err(libc::EPIPE);
+        }
+        let mut done = 0usize;
+        let (mut vi, mut voff) = (0usize, 0usize);
+        while done < total {
+            let free = self.credits(tx.wr, nonblocking)?;
+            if free == 0 {
+                break;
+            }
+            let pos = (tx.wr % RING as u64) as usize;
+            let n = free.min(total - done).min(RING - pos);
+            // Gather into the staging region at the ring offset.
+            let stage = self.stage.as_ptr();
+            let mut put = 0;
+            while put < n {
+                let (p, len) = iov[vi];
+                let k = (len - voff).min(n - put);
+                // SAFETY: `p + voff .. + k` is in the caller's buffer;
+                // `pos + put + k <= RING` is in the staging region, which
+                // the daemon only reads.
+                unsafe { std::ptr::copy_nonoverlapping(p.add(voff), stage.add(pos + put), k) };
+                put += k;
+                voff += k;
+                if voff == len {
+                    vi += 1;
+                    voff = 0;
+                }
+            }
+            let _ = self.stage.write_u64(S_TAIL, tx.wr + n as u64);
+            let data = self.stage.sge(pos, n).map_err(|e| e.errno())?;
+            let tail = self.stage.sge(S_TAIL, 8).map_err(|e| e.errno())?;
+            let mut wrs = [
+                wr::rdma_write(0, &[data], self.peer_addr + pos as u64, self.peer_rkey)
+                    .map_err(|e| e.errno())?,
+                wr::rdma_write(0, &[tail], self.peer_addr + WRITTEN as u64, self.peer_rkey)
+                    .map_err(|e| e.errno())?
+                    .signaled(),
+            ];
+            self.post_wait(&mut wrs)?;
+            tx.wr += n as u64;
+            done += n;
+            // The bytes landed: an armed reader gets a wake byte, its
+            // generation.
+            self.wake();
+        }
+        if done == 0 && total > 0 {
+            return Err(libc::EAGAIN);
+        }
+        Ok(done)
+    }
+
+    /// Sends the armed generation as a wake byte, once.
+    fn wake(&self) {
+        let word = self.ring.as_ptr().wrapping_add(SLEEPING);
+        // SAFETY: `SLEEPING` is an 8-aligned offset inside the ring region
+        // (whose mapping is page-aligned and lives as long as `self`); the
+        // daemon writes the word (the peer's arming) only with aligned
+        // 8-byte stores, so an atomic view of it is right.
+        let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(word.cast()) };
+        let g = word.load(Ordering::SeqCst);
+        if g != 0 && g <= 255 && word.compare_exchange(g, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            let b = [g as u8];
+            // SAFETY: `b` is valid for one byte.
+            unsafe { real::send(self.sock, b.as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        }
+    }
+
+    /// Room in the peer's ring; waits for some unless `nonblocking`.
+    /// While waiting, a probe write every 100 ms finds a peer that is gone.
+    fn credits(&self, wr: u64, nonblocking: bool) -> Res<usize> {
+        let start = Instant::now();
+        let mut probe = start;
+        let mut spins = 0u32;
+        loop {
+            let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
+            let used = wr.saturating_sub(consumed) as usize;
+            if used < RING {
+                return Ok(RING - used);
+            }
+            if nonblocking {
+                return Ok(0);
+            }
+            spins += 1;
+            if spins > 64 {
+                std::thread::sleep(Duration::from_micros(50));
+            } else {
+                std::thread::yield_now();
+            }
+            if probe.elapsed() > Duration::from_millis(100) {
+                probe = Instant::now();
+                let _ = self.stage.write_u64(S_TAIL, wr);
+                self.write_word(S_TAIL, 8, WRITTEN)?;
+            }
+        }
+    }
+
+    /// `shutdown(SHUT_WR)`: every write has landed (they are waited for),
+    /// so the kernel's FIN comes after the last byte.
+    pub fn shut_write(&self) {
+        lock(&self.tx).shut = true;
+    }
+
+    /// Before the last descriptor closes: the wake bytes still queued are
+    /// read off, so that the kernel sends FIN, not RST.
+    pub fn finish(&self) {
+        let _ = self.drain_wakes();
+    }
+}

@@ -1,0 +1,73 @@
+//! libc's own functions, found with `dlsym(RTLD_NEXT)`: the ones this
+//! library's exports stand in front of.
+//!
+//! Each is looked up once, on first use, and cached; a lookup that fails
+//! (a libc without the function) aborts, since nothing sensible can be
+//! returned in its place.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use libc::{c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+
+fn lookup(slot: &AtomicUsize, name: &'static [u8]) -> usize {
+    let p = slot.load(Ordering::Acquire);
+    if p != 0 {
+        return p;
+    }
+    // SAFETY: `name` is a NUL-terminated C string literal; dlsym with
+    // RTLD_NEXT looks the symbol up in the objects loaded after this one.
+    let p = unsafe { libc::dlsym(libc::RTLD_NEXT, name.as_ptr().cast()) } as usize;
+    if p == 0 {
+        const MSG: &[u8] = b"libvrdma_sockets: a libc function is missing\n";
+        // SAFETY: write(2) of a static buffer to stderr, then abort.
+        unsafe {
+            libc::syscall(libc::SYS_write, 2, MSG.as_ptr(), MSG.len());
+            libc::abort();
+        }
+    }
+    slot.store(p, Ordering::Release);
+    p
+}
+
+macro_rules! real {
+    ($($name:ident($($arg:ident: $ty:ty),*) -> $ret:ty;)*) => {
+        $(
+            #[allow(clippy::missing_safety_doc)]
+            pub unsafe fn $name($($arg: $ty),*) -> $ret {
+                static SLOT: AtomicUsize = AtomicUsize::new(0);
+                let p = lookup(&SLOT, concat!(stringify!($name), "\0").as_bytes());
+                // SAFETY: `p` is libc's function of this name, whose C
+                // prototype is the one declared here.
+                let f: unsafe extern "C" fn($($ty),*) -> $ret = unsafe { std::mem::transmute(p) };
+                // SAFETY: the caller keeps the function's own contract.
+                unsafe { f($($arg),*) }
+            }
+        )*
+    };
+}
+
+real! {
+    listen(fd: c_int, backlog: c_int) -> c_int;
+    connect(fd: c_int, addr: *const sockaddr, len: socklen_t) -> c_int;
+    accept(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> c_int;
+    accept4(fd: c_int, addr: *mut sockaddr, len: *mut socklen_t, flags: c_int) -> c_int;
+    read(fd: c_int, buf: *mut c_void, n: size_t) -> ssize_t;
+    write(fd: c_int, buf: *const c_void, n: size_t) -> ssize_t;
+    recv(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int) -> ssize_t;
+    send(fd: c_int, buf: *const c_void, n: size_t, flags: c_int) -> ssize_t;
+    recvfrom(fd: c_int, buf: *mut c_void, n: size_t, flags: c_int, addr: *mut sockaddr, len: *mut socklen_t) -> ssize_t;
+    sendto(fd: c_int, buf: *const c_void, n: size_t, flags: c_int, addr: *const sockaddr, len: socklen_t) -> ssize_t;
+    readv(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t;
+    writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize_t;
+    recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> ssize_t;
+    sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) -> ssize_t;
+    sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
+    sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
+    close(fd: c_int) -> c_int;
+    shutdown(fd: c_int, how: c_int) -> c_int;
+    dup(fd: c_int) -> c_int;
+    dup2(fd: c_int, to: c_int) -> c_int;
+    dup3(fd: c_int, to: c_int, flags: c_int) -> c_int;
+    fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
+    fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
+}

@@ -1,0 +1,82 @@
+//! The socket registry's calls (`docs/sockets.md`): how the preload
+//! library `vrdma-sockets` decides, through the daemon and never in a
+//! stream, which TCP connections vRDMA carries.
+
+use std::net::SocketAddrV4;
+
+use vrdma_core::proto::{Reply, Request, SockReply, SockRequest};
+pub use vrdma_core::sockets::{Outcome, SockCounts, Tuple};
+
+use crate::control;
+use crate::error::{Error, Result};
+use crate::Context;
+
+impl Context {
+    fn sock_call(&self, req: SockRequest) -> Result<SockReply> {
+        let req = Request::Sock(req);
+        match self.inner.control.call(&req, &[])?.reply {
+            Reply::Sock(r) => Ok(r),
+            other => Err(control::unexpected(&req, &other)),
+        }
+    }
+
+    fn sock_bool(&self, req: SockRequest) -> Result<bool> {
+        match self.sock_call(req)? {
+            SockReply::Yes => Ok(true),
+            SockReply::No => Ok(false),
+            other => Err(Error::Protocol(format!("the daemon answered a socket call with {other:?}"))),
+        }
+    }
+
+    /// Registers a listening socket at `addr` for this context's tenant.
+    pub fn sock_listen(&self, addr: SocketAddrV4) -> Result<()> {
+        self.sock_done(SockRequest::Listen { addr })
+    }
+
+    /// The listening socket at `addr` closed.
+    pub fn sock_unlisten(&self, addr: SocketAddrV4) -> Result<()> {
+        self.sock_done(SockRequest::Unlisten { addr })
+    }
+
+    fn sock_done(&self, req: SockRequest) -> Result<()> {
+        match self.sock_call(req)? {
+            SockReply::Done => Ok(()),
+            other => Err(Error::Protocol(format!("the daemon answered a socket call with {other:?}"))),
+        }
+    }
+
+    /// Whether a listener of this tenant owns `dst` (`local`: `dst` is an
+    /// address of this host).
+    pub fn sock_lookup(&self, dst: SocketAddrV4, local: bool) -> Result<bool> {
+        self.sock_bool(SockRequest::Lookup { dst, local })
+    }
+
+    /// Announces a connection about to be made along `tuple`; true when
+    /// recorded (it may be carried), false for plain TCP.
+    pub fn sock_announce(&self, tuple: Tuple, local: bool) -> Result<bool> {
+        self.sock_bool(SockRequest::Announce { tuple, local })
+    }
+
+    /// Claims an accepted connection; true when its client announced it
+    /// (both ends carry it).
+    pub fn sock_claim(&self, tuple: Tuple) -> Result<bool> {
+        self.sock_bool(SockRequest::Claim { tuple })
+    }
+
+    /// The outcome of this context's announcement of `tuple`; `give_up`
+    /// turns a pending one into TCP.
+    pub fn sock_resolve(&self, tuple: Tuple, give_up: bool) -> Result<Outcome> {
+        match self.sock_call(SockRequest::Resolve { tuple, give_up })? {
+            SockReply::Outcome(o) => Ok(o),
+            other => Err(Error::Protocol(format!("the daemon answered a socket call with {other:?}"))),
+        }
+    }
+
+    /// This tenant's socket registry counts.
+    pub fn sock_counts(&self) -> Result<SockCounts> {
+        match self.sock_call(SockRequest::Counts)? {
+            SockReply::Counts(c) => Ok(c),
+            other => Err(Error::Protocol(format!("the daemon answered a socket call with {other:?}"))),
+        }
+    }
+}
