@@ -552,7 +552,7 @@ mod tests {
             Request::Sock(SockRequest::Resolve { tuple, give_up: false }),
             Request::Sock(SockRequest::Counts),
         ] {
-            assert_eq!(encode_request(&r)[0], 32);
+            assert_eq!(encode_request(&r)[0], 33);
             assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
             let full = encode_request(&r);
             for n in 0..full.len() {
@@ -560,7 +560,7 @@ mod tests {
             }
         }
         let a = Reply::Sock(SockReply::Outcome(crate::sockets::Outcome::Carried));
-        assert_eq!(encode_reply(&a)[0], 24);
+        assert_eq!(encode_reply(&a)[0], 25);
         assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
     }
 
