@@ -493,6 +493,66 @@ impl CmId {
         Ok(qp)
     }
 
+    /// `rdma_create_qp` with no CQs given (rdma-core then makes them):
+    /// a CQ of at least `cqe` entries, and a QP of `pd` of `qp_type` with
+    /// `cap` that completes into it (sends and receives), attached to this
+    /// id, in one call to the daemon ([`Context::create_cq`] and
+    /// [`create_qp`](Self::create_qp) take two). If any part fails, the
+    /// daemon destroys what it made and this fails with that error.
+    ///
+    /// [`Context::create_cq`]: crate::Context::create_cq
+    pub fn create_qp_with_cq(
+        &self,
+        pd: &crate::ProtectionDomain,
+        qp_type: crate::QpType,
+        cqe: u32,
+        cap: crate::QpCap,
+    ) -> Result<(crate::CompletionQueue, QueuePair)> {
+        let ctx = pd.context();
+        if !Arc::ptr_eq(&ctx.inner, &self.channel.inner.ctx.inner) {
+            return Err(Error::invalid("the PD belongs to another context than the id's channel"));
+        }
+        let attr = crate::QpInitAttr { qp_type, send_cq: 0, recv_cq: 0, srq: None, cap, sq_sig_all: false };
+        let req = Request::Cm(CmRequest::CreateQpWithCq { id: self.id, pd: pd.pd_id(), cqe, init: attr });
+        let answer = ctx.inner.control.call(&req, &[])?;
+        let Reply::CqQp { cq, depth, cq_segment_len, cq_ring, created, segment_len, sq, rq, inbox } =
+            answer.reply
+        else {
+            return Err(control::unexpected(&req, &answer.reply));
+        };
+        let qpn = created.qpn;
+        let mut placed = match answer.take_placed(2, "CqQp") {
+            Ok(p) => p.into_iter(),
+            Err(e) => {
+                // Nothing of it is ours to use: the daemon's objects go.
+                ctx.inner.control.destroy(Request::DestroyQp { qp: qpn });
+                ctx.inner.control.destroy(Request::DestroyCq { cq });
+                return Err(e);
+            }
+        };
+        let (cq_fd, qp_fd) = (placed.next(), placed.next());
+        let missing = || Error::protocol("CqQp reply lacks a descriptor");
+        let cq = match crate::CompletionQueue::from_reply(
+            ctx,
+            None,
+            (cq, depth, cq_segment_len, cq_ring),
+            cq_fd.ok_or_else(missing),
+        ) {
+            Ok(cq) => cq,
+            Err(e) => {
+                // (`from_reply` destroyed the CQ; its QP goes first.)
+                ctx.inner.control.destroy(Request::DestroyQp { qp: qpn });
+                return Err(e);
+            }
+        };
+        let attr = crate::QpInitAttr { send_cq: cq.cqn(), recv_cq: cq.cqn(), ..attr };
+        let init = crate::QpInit { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false };
+        let made = crate::qp::QpMade { created, segment_len, sq, rq, inbox };
+        let qp = QueuePair::from_reply(pd, &init, attr, made, qp_fd.ok_or_else(missing))?;
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
+        Ok((cq, qp))
+    }
+
     /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;
     /// the daemon brings it up from there (see the module's notes).
     pub fn attach_qp(&self, qp: &QueuePair) -> Result<()> {

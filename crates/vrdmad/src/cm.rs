@@ -357,7 +357,9 @@ impl CmDriver {
                 done
             }
             // The session makes the QP, then attaches it with `AttachQp`.
-            CmRequest::CreateQp { .. } => return Err(CmCallError::NotHere),
+            CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. } => {
+                return Err(CmCallError::NotHere)
+            }
             CmRequest::InitQpAttr { id, state } => {
                 let (attr, mask) = self.cm.init_qp_attr(ctx, id, state)?;
                 CmReply::QpAttr { attr, mask }

@@ -24,8 +24,9 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// id's event, taken off its channel, which a library of version 2 would
 /// lose. 4: `CmRequest::CreateQp`, `rdma_create_qp` in one call. 5:
 /// `CmRequest::AttachQp` (and `CreateQp`) may name an id and a QP of two
-/// contexts of one process, and a `CmEvent` carries its id's addresses.)
-pub const PROTOCOL_VERSION: u32 = 6;
+/// contexts of one process, and a `CmEvent` carries its id's addresses.
+/// 7: `CmRequest::CreateQpWithCq`, answered `Reply::CqQp`.)
+pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
 /// Most file descriptors one message carries.
@@ -277,6 +278,20 @@ pub enum Reply {
     DirectRecvGrant(DirectRecvGranted),
     /// With one fd: the channel's doorbell (see [`Request::DirectChannel`]).
     DirectChannel,
+    /// With two fds, the CQ's segment, then the QP's: a CQ as
+    /// [`Reply::Cq`] describes one and a QP as [`Reply::Qp`] does (see
+    /// [`CmRequest::CreateQpWithCq`]).
+    CqQp {
+        cq: u32,
+        depth: u32,
+        cq_segment_len: u64,
+        cq_ring: RingSpec,
+        created: QpCreated,
+        segment_len: u64,
+        sq: RingSpec,
+        rq: Option<RingSpec>,
+        inbox: Option<RingSpec>,
+    },
 }
 
 /// A direct-path receive grant as the library receives it (see
