@@ -113,6 +113,10 @@ fn daemon_hung_up(control: &control::Control, timeout: Option<Duration>) -> bool
         && fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
 }
 
+/// Largest event a wake-up carries: private data (196 bytes at most)
+/// and two addresses in postcard, well below.
+const CARRIED_MAX: usize = 2048;
+
 struct ChannelInner {
     ctx: Context,
     channel: u32,
@@ -171,18 +175,77 @@ impl ChannelInner {
         }
     }
 
-    /// The oldest event kept from a reply, its wake-ups taken.
-    fn pop_ready(&self) -> Option<CmEvent> {
-        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some((event, wakeups)) = ready.pop_front() {
+    /// The oldest event kept from a reply, its wake-ups taken; with
+    /// `unrung`, only one with no wake-up in the descriptor (moved here
+    /// with its id), which is older than anything the descriptor holds.
+    fn pop_ready(
+        ready: &mut VecDeque<(Option<CmEvent>, u32)>,
+        fd: &Doorbell,
+        unrung: bool,
+    ) -> Option<CmEvent> {
+        while ready.front().is_some_and(|(_, w)| !unrung || *w == 0) {
+            let (event, wakeups) = ready.pop_front()?;
             for _ in 0..wakeups {
-                self.fd.take_one();
+                fd.take_one();
             }
             if event.is_some() {
                 return event;
             }
         }
         None
+    }
+
+    /// The next event the program reads without asking the daemon, in
+    /// order: one moved here with its id, then one carried by the
+    /// descriptor's oldest wake-up, then one kept from a reply.
+    fn next_local(&self) -> Result<Option<CmEvent>> {
+        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ev) = Self::pop_ready(&mut ready, &self.fd, true) {
+            return Ok(Some(ev));
+        }
+        if let Some(ev) = self.take_carried(None)? {
+            return Ok(Some(ev));
+        }
+        Ok(Self::pop_ready(&mut ready, &self.fd, false))
+    }
+
+    /// The event the descriptor's oldest wake-up carries, taken (of `id`
+    /// only, if given); `None` where that wake-up is a bare one, or none
+    /// waits. The daemon sends an event in its wake-up only into a
+    /// descriptor that holds nothing unread (`proto::CARRIED_CM_EVENT`),
+    /// so a carried one is always the oldest of the channel's, and the
+    /// bare wake-ups after it are those of the events the daemon kept. An
+    /// event of an id this channel no longer has (destroyed) is dropped,
+    /// as the daemon drops its kept ones. (Called with `ready` locked, so
+    /// that two readers never take one wake-up for another.)
+    fn take_carried(&self, id: Option<u32>) -> Result<Option<CmEvent>> {
+        let mut buf = [0u8; CARRIED_MAX];
+        loop {
+            let Some((len, truncated)) = self.fd.peek(&mut buf) else { return Ok(None) };
+            let Some(decoded) = vrdma_core::proto::decode_carried_cm_event(&buf[..len]) else {
+                return Ok(None);
+            };
+            if let (Some(id), Ok(ev)) = (id, &decoded) {
+                if ev.id != id {
+                    return Ok(None);
+                }
+            }
+            self.fd.take_one();
+            if truncated {
+                return Err(Error::protocol(format!("an rdma_cm event of more than {CARRIED_MAX} bytes")));
+            }
+            let ev = decoded.map_err(|e| Error::protocol(format!("undecodable rdma_cm event: {e}")))?;
+            let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+            if ids.contains_key(&ev.id) {
+                return Ok(Some(ev));
+            }
+            // A request's new id is the program's from the moment it reads
+            // the event (as `CmId::from_request` records it).
+            if ev.kind == EventKind::ConnectRequest && ev.listen_id.is_some_and(|l| ids.contains_key(&l)) {
+                ids.insert(ev.id, true);
+                return Ok(Some(ev));
+            }
+        }
     }
 
     /// Takes `id`'s kept events out (their wake-ups stay to be taken).
@@ -273,12 +336,12 @@ impl EventChannel {
             if self.inner.removed() || hung_up && daemon_hung_up(control, Some(Duration::ZERO)) {
                 return self.inner.removal_event().map(Some);
             }
-            if let Some(ev) = self.inner.pop_ready() {
+            if let Some(ev) = self.inner.next_local()? {
                 return Ok(Some(ev));
             }
             // The descriptor is readable exactly while an event waits (the
             // daemon keeps it so): a round trip to the daemon is made only
-            // when it is.
+            // when it is (and its oldest wake-up carries no event).
             if !hung_up && self.inner.fd.is_readable() {
                 if let Some(ev) = self.try_get_event()? {
                     return Ok(Some(ev));
@@ -308,7 +371,7 @@ impl EventChannel {
         if self.inner.removed() {
             return self.inner.removal_event().map(Some);
         }
-        if let Some(ev) = self.inner.pop_ready() {
+        if let Some(ev) = self.inner.next_local()? {
             return Ok(Some(ev));
         }
         let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
@@ -412,9 +475,26 @@ impl CmId {
         self.call(CmRequest::MigrateId { id: self.id, channel: channel.inner.channel })?;
         // Its kept events move with it (their wake-ups stay in the old
         // channel's doorbell, taken there: the new channel's descriptor
-        // does not show these, though its get_event finds them).
-        for ev in self.channel.inner.forget(self.id) {
-            channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner()).push_back((Some(ev), 0));
+        // does not show these, though its get_event finds them), after
+        // one its old descriptor carries, which is older. Before them, the
+        // new channel's own carried event, older still, is taken out of
+        // its descriptor (which then does not show it either), so that
+        // the order holds.
+        let other = !Arc::ptr_eq(&self.channel.inner, &channel.inner);
+        let mut moved: Vec<CmEvent> = Vec::new();
+        if other {
+            let _old = self.channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+            moved.extend(self.channel.inner.take_carried(Some(self.id))?);
+        }
+        moved.extend(self.channel.inner.forget(self.id));
+        if !moved.is_empty() {
+            let mut ready = channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+            if other && ready.is_empty() {
+                if let Some(ev) = channel.inner.take_carried(None)? {
+                    ready.push_back((Some(ev), 0));
+                }
+            }
+            ready.extend(moved.into_iter().map(|ev| (Some(ev), 0)));
         }
         let qp = self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         if let Some(qpn) = qp {

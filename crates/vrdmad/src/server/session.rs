@@ -619,7 +619,10 @@ impl Session {
             let (fd, tenant_end) = Doorbell::pair_with_hangup()?;
             fd.reserve(crate::cm::MAX_UNREAD);
             let tenant = self.tenant;
-            let channel = self.engine(move |e, c| e.cm.add_channel(c, tenant, fd))?;
+            // A host tenant's library reads an event in its wake-up; a
+            // guest's channel is signalled through its port.
+            let carry = self.guest.is_none();
+            let channel = self.engine(move |e, c| e.cm.add_channel_with(c, tenant, fd, carry))?;
             let channel = channel.map_err(|e| error(e.errno(), e.to_string()))?;
             Ok::<_, Answer>(Answer {
                 reply: Reply::Cm(CmReply::Channel { channel }),
