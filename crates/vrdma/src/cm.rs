@@ -24,6 +24,14 @@
 //! [`CmId::migrate`] (there the new channel's `get_event` finds it, but
 //! its descriptor does not show it: the wake-up was the old channel's).
 //!
+//! An event whose channel's descriptor holds nothing unread rides its
+//! wake-up (`vrdma_core::proto::CARRIED_CM_EVENT`), and `get_event` reads
+//! it there, with no round trip at all; the daemon keeps the others, each
+//! behind a bare wake-up, for a `GetEvent` as above. So a carried wake-up
+//! is always the oldest one, and the order holds. An event of an id
+//! destroyed meanwhile is dropped there, as the daemon drops its kept
+//! ones; one of an id moved to another channel moves with it.
+//!
 //! When the daemon goes away (it died or was restarted), each channel's
 //! descriptor turns readable, and the channel reports
 //! `DeviceRemoval` once for each of its ids that had a device (bound to
