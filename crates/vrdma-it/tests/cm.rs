@@ -206,6 +206,50 @@ fn create_qp_on_an_id_attaches_it_in_one_call_or_leaves_no_qp_behind() -> Result
     Ok(())
 }
 
+/// `rdma_create_qp` with no CQs given, as one call: the CQ and the QP
+/// come back together, the QP attached in INIT and completing into the
+/// CQ; the connection brings both sides' up and a message crosses. A
+/// call whose QP part fails (a UD QP on a TCP id) leaves neither behind:
+/// fifty such failures under a quota of 24 objects leave room for more.
+#[test]
+fn create_qp_with_cq_makes_both_in_one_call_or_leaves_nothing_behind() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_objects = 24\n")?;
+    let (client, server) = (d.context()?, d.context()?);
+    let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+    let _listener = listener(&server_ch, 7503, 8)?;
+    let id = resolved(&client_ch, localhost(7503))?;
+
+    let pd = client.alloc_pd()?;
+    for _ in 0..50 {
+        let e = id.create_qp_with_cq(&pd, vrdma::QpType::Ud, 16, cap(4, 1)).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "a UD QP cannot take a TCP id's INIT attributes: {e}");
+    }
+    let (cq, qp) = id.create_qp_with_cq(&pd, vrdma::QpType::Rc, 16, cap(4, 1))?;
+    assert!(cq.depth() >= 16);
+    assert_eq!(qp.state(), QpState::Init);
+    let mr = pd.alloc_mr(64, vrdma::AccessFlags::LOCAL_WRITE)?;
+    id.connect(&param(b""))?;
+
+    let req = expect(&server_ch, EventKind::ConnectRequest)?;
+    let server_id = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+    let spd = server.alloc_pd()?;
+    let (scq, sqp) = server_id.create_qp_with_cq(&spd, vrdma::QpType::Rc, 16, cap(4, 1))?;
+    let smr = spd.alloc_mr(64, vrdma::AccessFlags::LOCAL_WRITE)?;
+    sqp.post_recv(&[vrdma::wr::recv(1, &[smr.sge(0, 64)?])?]).map_err(|e| e.error)?;
+    server_id.accept(&param(b""))?;
+    assert_eq!(sqp.state(), QpState::Rts, "ready before the reply goes");
+    expect(&client_ch, EventKind::Established)?;
+    assert_eq!(qp.state(), QpState::Rts);
+    expect(&server_ch, EventKind::Established)?;
+
+    mr.write(0, b"one call")?;
+    qp.post_send(&[vrdma::wr::send(2, &[mr.sge(0, 8)?])?.signaled()]).map_err(|e| e.error)?;
+    assert_eq!(poll_one(&cq, WAIT)?.status, WcStatus::Success, "the send completes into the CQ made with it");
+    let wc = poll_one(&scq, WAIT)?;
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 8), "and the receive into the peer's");
+    Ok(())
+}
+
 #[test]
 fn a_connection_by_address_carries_messages_and_ends_disconnected_on_both_sides() -> Result<()> {
     let d = DaemonProc::start()?;

@@ -66,6 +66,50 @@ impl Doorbell {
         Ok((Doorbell(a), Doorbell(b)))
     }
 
+    /// Sends `bytes` as one wake-up that carries them, but only while the
+    /// other end has read every wake-up sent before (nothing of ours is
+    /// unread in its buffer: `SIOCOUTQ` is 0): `false` otherwise, or if
+    /// it could not go. For a pair made by
+    /// [`pair_with_hangup`](Self::pair_with_hangup), whose messages keep
+    /// their bounds. So at most one carrying wake-up is ever unread, and
+    /// it is the oldest: the reader finds it first, with nothing before
+    /// it to take.
+    pub fn ring_carrying(&self, bytes: &[u8]) -> bool {
+        let mut unread: libc::c_int = 0;
+        // SAFETY: SIOCOUTQ (TIOCOUTQ) writes one int, the bytes this end
+        // sent that the other has not read, to the valid pointer given; the
+        // descriptor is ours for as long as `self` lives.
+        let r = unsafe { libc::ioctl(std::os::fd::AsRawFd::as_raw_fd(&self.0), libc::TIOCOUTQ, &mut unread) };
+        if r != 0 || unread != 0 {
+            return false;
+        }
+        loop {
+            match rustix::net::send(&self.0, bytes, SendFlags::DONTWAIT | SendFlags::NOSIGNAL) {
+                Ok(n) => return n == bytes.len(),
+                Err(Errno::INTR) => continue,
+                Err(_) => return false,
+            }
+        }
+    }
+
+    /// The next wake-up, looked at without taking it, into `buf`: its
+    /// length, and whether it was longer than `buf` (`None`: none waits,
+    /// or an error; a length of 0 is the end of a pair with hang-up).
+    pub fn peek(&self, buf: &mut [u8]) -> Option<(usize, bool)> {
+        let room = buf.len();
+        loop {
+            match rustix::net::recv(
+                &self.0,
+                &mut *buf,
+                RecvFlags::DONTWAIT | RecvFlags::PEEK | RecvFlags::TRUNC,
+            ) {
+                Ok((_, n)) => return Some((n.min(room), n > room)),
+                Err(Errno::INTR) => continue,
+                Err(_) => return None,
+            }
+        }
+    }
+
     /// Whether the other end is gone (this end hung up).
     pub fn hung_up(&self) -> bool {
         let mut fds = [PollFd::new(&self.0, PollFlags::IN)];

@@ -24,6 +24,14 @@
 //! [`CmId::migrate`] (there the new channel's `get_event` finds it, but
 //! its descriptor does not show it: the wake-up was the old channel's).
 //!
+//! An event whose channel's descriptor holds nothing unread rides its
+//! wake-up (`vrdma_core::proto::CARRIED_CM_EVENT`), and `get_event` reads
+//! it there, with no round trip at all; the daemon keeps the others, each
+//! behind a bare wake-up, for a `GetEvent` as above. So a carried wake-up
+//! is always the oldest one, and the order holds. An event of an id
+//! destroyed meanwhile is dropped there, as the daemon drops its kept
+//! ones; one of an id moved to another channel moves with it.
+//!
 //! When the daemon goes away (it died or was restarted), each channel's
 //! descriptor turns readable, and the channel reports
 //! `DeviceRemoval` once for each of its ids that had a device (bound to
@@ -113,6 +121,10 @@ fn daemon_hung_up(control: &control::Control, timeout: Option<Duration>) -> bool
         && fds[0].revents().intersects(PollFlags::RDHUP | PollFlags::HUP | PollFlags::ERR)
 }
 
+/// Largest event a wake-up carries: private data (196 bytes at most)
+/// and two addresses in postcard, well below.
+const CARRIED_MAX: usize = 2048;
+
 struct ChannelInner {
     ctx: Context,
     channel: u32,
@@ -171,18 +183,77 @@ impl ChannelInner {
         }
     }
 
-    /// The oldest event kept from a reply, its wake-ups taken.
-    fn pop_ready(&self) -> Option<CmEvent> {
-        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
-        while let Some((event, wakeups)) = ready.pop_front() {
+    /// The oldest event kept from a reply, its wake-ups taken; with
+    /// `unrung`, only one with no wake-up in the descriptor (moved here
+    /// with its id), which is older than anything the descriptor holds.
+    fn pop_ready(
+        ready: &mut VecDeque<(Option<CmEvent>, u32)>,
+        fd: &Doorbell,
+        unrung: bool,
+    ) -> Option<CmEvent> {
+        while ready.front().is_some_and(|(_, w)| !unrung || *w == 0) {
+            let (event, wakeups) = ready.pop_front()?;
             for _ in 0..wakeups {
-                self.fd.take_one();
+                fd.take_one();
             }
             if event.is_some() {
                 return event;
             }
         }
         None
+    }
+
+    /// The next event the program reads without asking the daemon, in
+    /// order: one moved here with its id, then one carried by the
+    /// descriptor's oldest wake-up, then one kept from a reply.
+    fn next_local(&self) -> Result<Option<CmEvent>> {
+        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ev) = Self::pop_ready(&mut ready, &self.fd, true) {
+            return Ok(Some(ev));
+        }
+        if let Some(ev) = self.take_carried(None)? {
+            return Ok(Some(ev));
+        }
+        Ok(Self::pop_ready(&mut ready, &self.fd, false))
+    }
+
+    /// The event the descriptor's oldest wake-up carries, taken (of `id`
+    /// only, if given); `None` where that wake-up is a bare one, or none
+    /// waits. The daemon sends an event in its wake-up only into a
+    /// descriptor that holds nothing unread (`proto::CARRIED_CM_EVENT`),
+    /// so a carried one is always the oldest of the channel's, and the
+    /// bare wake-ups after it are those of the events the daemon kept. An
+    /// event of an id this channel no longer has (destroyed) is dropped,
+    /// as the daemon drops its kept ones. (Called with `ready` locked, so
+    /// that two readers never take one wake-up for another.)
+    fn take_carried(&self, id: Option<u32>) -> Result<Option<CmEvent>> {
+        let mut buf = [0u8; CARRIED_MAX];
+        loop {
+            let Some((len, truncated)) = self.fd.peek(&mut buf) else { return Ok(None) };
+            let Some(decoded) = vrdma_core::proto::decode_carried_cm_event(&buf[..len]) else {
+                return Ok(None);
+            };
+            if let (Some(id), Ok(ev)) = (id, &decoded) {
+                if ev.id != id {
+                    return Ok(None);
+                }
+            }
+            self.fd.take_one();
+            if truncated {
+                return Err(Error::protocol(format!("an rdma_cm event of more than {CARRIED_MAX} bytes")));
+            }
+            let ev = decoded.map_err(|e| Error::protocol(format!("undecodable rdma_cm event: {e}")))?;
+            let mut ids = self.ids.lock().unwrap_or_else(|p| p.into_inner());
+            if ids.contains_key(&ev.id) {
+                return Ok(Some(ev));
+            }
+            // A request's new id is the program's from the moment it reads
+            // the event (as `CmId::from_request` records it).
+            if ev.kind == EventKind::ConnectRequest && ev.listen_id.is_some_and(|l| ids.contains_key(&l)) {
+                ids.insert(ev.id, true);
+                return Ok(Some(ev));
+            }
+        }
     }
 
     /// Takes `id`'s kept events out (their wake-ups stay to be taken).
@@ -273,12 +344,12 @@ impl EventChannel {
             if self.inner.removed() || hung_up && daemon_hung_up(control, Some(Duration::ZERO)) {
                 return self.inner.removal_event().map(Some);
             }
-            if let Some(ev) = self.inner.pop_ready() {
+            if let Some(ev) = self.inner.next_local()? {
                 return Ok(Some(ev));
             }
             // The descriptor is readable exactly while an event waits (the
             // daemon keeps it so): a round trip to the daemon is made only
-            // when it is.
+            // when it is (and its oldest wake-up carries no event).
             if !hung_up && self.inner.fd.is_readable() {
                 if let Some(ev) = self.try_get_event()? {
                     return Ok(Some(ev));
@@ -308,7 +379,7 @@ impl EventChannel {
         if self.inner.removed() {
             return self.inner.removal_event().map(Some);
         }
-        if let Some(ev) = self.inner.pop_ready() {
+        if let Some(ev) = self.inner.next_local()? {
             return Ok(Some(ev));
         }
         let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
@@ -412,9 +483,26 @@ impl CmId {
         self.call(CmRequest::MigrateId { id: self.id, channel: channel.inner.channel })?;
         // Its kept events move with it (their wake-ups stay in the old
         // channel's doorbell, taken there: the new channel's descriptor
-        // does not show these, though its get_event finds them).
-        for ev in self.channel.inner.forget(self.id) {
-            channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner()).push_back((Some(ev), 0));
+        // does not show these, though its get_event finds them), after
+        // one its old descriptor carries, which is older. Before them, the
+        // new channel's own carried event, older still, is taken out of
+        // its descriptor (which then does not show it either), so that
+        // the order holds.
+        let other = !Arc::ptr_eq(&self.channel.inner, &channel.inner);
+        let mut moved: Vec<CmEvent> = Vec::new();
+        if other {
+            let _old = self.channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+            moved.extend(self.channel.inner.take_carried(Some(self.id))?);
+        }
+        moved.extend(self.channel.inner.forget(self.id));
+        if !moved.is_empty() {
+            let mut ready = channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+            if other && ready.is_empty() {
+                if let Some(ev) = channel.inner.take_carried(None)? {
+                    ready.push_back((Some(ev), 0));
+                }
+            }
+            ready.extend(moved.into_iter().map(|ev| (Some(ev), 0)));
         }
         let qp = self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         if let Some(qpn) = qp {
@@ -491,6 +579,66 @@ impl CmId {
         let qp = QueuePair::create_for(pd, init, Some(self.id))?;
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qp.qpn());
         Ok(qp)
+    }
+
+    /// `rdma_create_qp` with no CQs given (rdma-core then makes them):
+    /// a CQ of at least `cqe` entries, and a QP of `pd` of `qp_type` with
+    /// `cap` that completes into it (sends and receives), attached to this
+    /// id, in one call to the daemon ([`Context::create_cq`] and
+    /// [`create_qp`](Self::create_qp) take two). If any part fails, the
+    /// daemon destroys what it made and this fails with that error.
+    ///
+    /// [`Context::create_cq`]: crate::Context::create_cq
+    pub fn create_qp_with_cq(
+        &self,
+        pd: &crate::ProtectionDomain,
+        qp_type: crate::QpType,
+        cqe: u32,
+        cap: crate::QpCap,
+    ) -> Result<(crate::CompletionQueue, QueuePair)> {
+        let ctx = pd.context();
+        if !Arc::ptr_eq(&ctx.inner, &self.channel.inner.ctx.inner) {
+            return Err(Error::invalid("the PD belongs to another context than the id's channel"));
+        }
+        let attr = crate::QpInitAttr { qp_type, send_cq: 0, recv_cq: 0, srq: None, cap, sq_sig_all: false };
+        let req = Request::Cm(CmRequest::CreateQpWithCq { id: self.id, pd: pd.pd_id(), cqe, init: attr });
+        let answer = ctx.inner.control.call(&req, &[])?;
+        let Reply::CqQp { cq, depth, cq_segment_len, cq_ring, created, segment_len, sq, rq, inbox } =
+            answer.reply
+        else {
+            return Err(control::unexpected(&req, &answer.reply));
+        };
+        let qpn = created.qpn;
+        let mut placed = match answer.take_placed(2, "CqQp") {
+            Ok(p) => p.into_iter(),
+            Err(e) => {
+                // Nothing of it is ours to use: the daemon's objects go.
+                ctx.inner.control.destroy(Request::DestroyQp { qp: qpn });
+                ctx.inner.control.destroy(Request::DestroyCq { cq });
+                return Err(e);
+            }
+        };
+        let (cq_fd, qp_fd) = (placed.next(), placed.next());
+        let missing = || Error::protocol("CqQp reply lacks a descriptor");
+        let cq = match crate::CompletionQueue::from_reply(
+            ctx,
+            None,
+            (cq, depth, cq_segment_len, cq_ring),
+            cq_fd.ok_or_else(missing),
+        ) {
+            Ok(cq) => cq,
+            Err(e) => {
+                // (`from_reply` destroyed the CQ; its QP goes first.)
+                ctx.inner.control.destroy(Request::DestroyQp { qp: qpn });
+                return Err(e);
+            }
+        };
+        let attr = crate::QpInitAttr { send_cq: cq.cqn(), recv_cq: cq.cqn(), ..attr };
+        let init = crate::QpInit { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false };
+        let made = crate::qp::QpMade { created, segment_len, sq, rq, inbox };
+        let qp = QueuePair::from_reply(pd, &init, attr, made, qp_fd.ok_or_else(missing))?;
+        self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
+        Ok((cq, qp))
     }
 
     /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;

@@ -429,12 +429,24 @@ impl CompletionQueue {
         let Reply::Cq { cq, depth, segment_len, ring } = answer.reply else {
             return Err(control::unexpected(&req, &answer.reply));
         };
+        let placed = answer
+            .take_placed(1, "Cq")
+            .and_then(|mut p| p.pop().ok_or_else(|| Error::protocol("Cq reply lacks its descriptor")));
+        CompletionQueue::from_reply(ctx, channel, (cq, depth, segment_len, ring), placed)
+    }
+
+    /// The CQ the daemon made (`cq`, `depth`, `segment_len`, `ring` as
+    /// `Reply::Cq` says them; its segment `placed`), set up here; on
+    /// failure the daemon's CQ is destroyed.
+    pub(crate) fn from_reply(
+        ctx: &Context,
+        channel: Option<&CompletionChannel>,
+        (cq, depth, segment_len, ring): (u32, u32, u64, vrdma_core::proto::RingSpec),
+        placed: Result<(std::os::fd::OwnedFd, u64)>,
+    ) -> Result<CompletionQueue> {
         // From here on a failure must still destroy the daemon's CQ.
         let setup = (|| -> Result<RingView> {
-            let (fd, at) = answer
-                .take_placed(1, "Cq")?
-                .pop()
-                .ok_or_else(|| Error::protocol("Cq reply lacks its descriptor"))?;
+            let (fd, at) = placed?;
             let seg = Arc::new(Segment::map_trusted_at(
                 fd,
                 at,

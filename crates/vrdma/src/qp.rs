@@ -280,6 +280,16 @@ fn push_all<W>(
     result
 }
 
+/// What the daemon says of a QP it made (`Reply::Qp`, or the QP's part
+/// of `Reply::CqQp`).
+pub(crate) struct QpMade {
+    pub created: vrdma_core::hca::QpCreated,
+    pub segment_len: u64,
+    pub sq: proto::RingSpec,
+    pub rq: Option<proto::RingSpec>,
+    pub inbox: Option<proto::RingSpec>,
+}
+
 impl QueuePair {
     pub(crate) fn create(pd: &ProtectionDomain, init: &QpInit<'_>) -> Result<QueuePair> {
         QueuePair::create_for(pd, init, None)
@@ -314,13 +324,27 @@ impl QueuePair {
         let Reply::Qp { created, segment_len, sq, rq, inbox } = answer.reply else {
             return Err(control::unexpected(&req, &answer.reply));
         };
+        let placed = answer
+            .take_placed(1, "Qp")
+            .and_then(|mut p| p.pop().ok_or_else(|| Error::protocol("Qp reply lacks its descriptor")));
+        QueuePair::from_reply(pd, init, attr, QpMade { created, segment_len, sq, rq, inbox }, placed)
+    }
+
+    /// The QP the daemon made (`made`, its segment `placed`), set up
+    /// here; on failure the daemon's QP is destroyed.
+    pub(crate) fn from_reply(
+        pd: &ProtectionDomain,
+        init: &QpInit<'_>,
+        attr: QpInitAttr,
+        made: QpMade,
+        placed: Result<(std::os::fd::OwnedFd, u64)>,
+    ) -> Result<QueuePair> {
+        let ctx = pd.context();
+        let QpMade { created, segment_len, sq, rq, inbox } = made;
         let qpn = created.qpn;
         type Rings = (Arc<Segment>, RingView, Option<RingView>, Option<RingView>);
         let rings = (|| -> Result<Rings> {
-            let (fd, at) = answer
-                .take_placed(1, "Qp")?
-                .pop()
-                .ok_or_else(|| Error::protocol("Qp reply lacks its descriptor"))?;
+            let (fd, at) = placed?;
             let seg = Arc::new(Segment::map_trusted_at(
                 fd,
                 at,

@@ -62,6 +62,10 @@ struct EventChannel {
     /// rung + owed = events, and the descriptor is readable exactly while
     /// events wait (a buffer that cannot take one more holds some).
     owed: usize,
+    /// Whether an event may go in its wake-up (see [`CmDriver::deliver`]):
+    /// a host tenant's library reads it there. (A guest's channel is
+    /// signalled through its port, which carries no bytes.)
+    carry: bool,
 }
 
 impl EventChannel {
@@ -148,6 +152,19 @@ impl CmDriver {
         tenant: TenantId,
         fd: Doorbell,
     ) -> Result<u32, CmCallError> {
+        self.add_channel_with(ctx, tenant, fd, false)
+    }
+
+    /// [`add_channel`](Self::add_channel); `carry`: an event may go in
+    /// its wake-up, for a library that reads it there
+    /// (`vrdma_core::proto::CARRIED_CM_EVENT`).
+    pub fn add_channel_with(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        fd: Doorbell,
+        carry: bool,
+    ) -> Result<u32, CmCallError> {
         if self.channels.values().filter(|c| c.tenant == tenant).count() >= MAX_CHANNELS_PER_TENANT {
             return Err(CmCallError::Channels);
         }
@@ -157,7 +174,7 @@ impl CmDriver {
                 break self.next_channel;
             }
         };
-        self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0 });
+        self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0, carry });
         Ok(id)
     }
 
@@ -357,7 +374,9 @@ impl CmDriver {
                 done
             }
             // The session makes the QP, then attaches it with `AttachQp`.
-            CmRequest::CreateQp { .. } => return Err(CmCallError::NotHere),
+            CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. } => {
+                return Err(CmCallError::NotHere)
+            }
             CmRequest::InitQpAttr { id, state } => {
                 let (attr, mask) = self.cm.init_qp_attr(ctx, id, state)?;
                 CmReply::QpAttr { attr, mask }
@@ -519,6 +538,20 @@ impl CmDriver {
         if ev.kind == EventKind::ConnectRequest {
             self.id_channel.insert(ev.id, channel);
         }
+        // Nothing queued, nothing unread in the descriptor: the event goes
+        // in its wake-up, and the library reads it there, without the
+        // `GetEvent` round trip after its wake-up (two thread wake-ups:
+        // the server's request and the client's ESTABLISHED each waited on
+        // one). Otherwise it waits here as before, so that the one
+        // carrying wake-up that may be unread is always the oldest of the
+        // channel's, and order is kept.
+        if c.carry
+            && c.events.is_empty()
+            && c.owed == 0
+            && c.fd.ring_carrying(&vrdma_core::proto::encode_carried_cm_event(&ev))
+        {
+            return;
+        }
         c.events.push_back(Some(ev));
         c.ring();
         if c.owed == 1 {
@@ -597,6 +630,50 @@ mod tests {
         let lines: Vec<&str> = log.lines().filter(|l| l.contains("cannot reach its host")).collect();
         assert_eq!(lines.len(), 1, "{log}");
         assert!(lines[0].contains("10.0.0.9") && lines[0].contains("transport between daemons is off"));
+    }
+
+    /// A channel whose library reads events in their wake-ups gets an
+    /// event there only while its descriptor holds nothing unread: the
+    /// second of two unread events waits in the daemon behind a bare
+    /// wake-up, and `GetEvent` hands it out after the first is read
+    /// there; once all is read, the next is carried again.
+    #[test]
+    fn an_event_rides_its_wake_up_only_into_a_descriptor_with_nothing_unread() {
+        let cm = ConnectionManager::new(Default::default(), vec![Ipv4Addr::LOCALHOST], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair_with_hangup().unwrap();
+        let channel = d.add_channel_with(C, T, fd, true).unwrap();
+        let now = Instant(1);
+        let mut id = || match d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now, &mut no_qps())
+        {
+            Ok(CmReply::Id { id }) => id,
+            other => panic!("{other:?}"),
+        };
+        let (a, b, c) = (id(), id(), id());
+        let dst = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7471);
+        let resolve = |d: &mut CmDriver, id| {
+            d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
+            d.run(now, |_, _| Ok(()), &mut no_qps());
+        };
+        resolve(&mut d, a);
+        resolve(&mut d, b);
+        let mut buf = [0u8; 2048];
+        let carried = |buf: &[u8]| vrdma_core::proto::decode_carried_cm_event(buf).map(|r| r.unwrap());
+        let (len, _) = tenant_end.peek(&mut buf).unwrap();
+        let first = carried(&buf[..len]).expect("the first event rides its wake-up");
+        assert_eq!((first.id, first.kind), (a, EventKind::AddrResolved));
+        assert!(tenant_end.take_one());
+        let (len, _) = tenant_end.peek(&mut buf).unwrap();
+        assert!(carried(&buf[..len]).is_none(), "the second waits behind a bare wake-up");
+        match d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps()) {
+            Ok(CmReply::Event { event: Some(ev), wakeups: 1 }) => assert_eq!(ev.id, b),
+            other => panic!("{other:?}"),
+        }
+        assert!(tenant_end.take_one());
+        assert!(!tenant_end.is_readable());
+        resolve(&mut d, c);
+        let (len, _) = tenant_end.peek(&mut buf).unwrap();
+        assert_eq!(carried(&buf[..len]).map(|e| e.id), Some(c), "nothing unread: carried again");
     }
 
     /// A tenant that reads none of its events cannot make the daemon queue

@@ -2,8 +2,9 @@
 //! (issue 16's figure): from `rdma_create_id` to ESTABLISHED on both
 //! sides, QP creation included, for the first connection and for each of
 //! many in a row (as rdma-core's `cmtime` counts them; the QP made as
-//! `rdma_create_qp` makes it, here [`CmId::create_qp`]), beside TCP's
-//! `connect` and `accept` on the same pair in the same run.
+//! `rdma_create_qp` makes it when given no CQs, its CQ made with it, here
+//! [`CmId::create_qp_with_cq`]), beside TCP's `connect` and `accept` on
+//! the same pair in the same run.
 //!
 //! Each side is a loop of its own ([`serve_rdma_cm`] and [`connect_rdma_cm`],
 //! [`serve_tcp`] and [`connect_tcp`]), so that the same loops run as two
@@ -20,7 +21,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context as _, Result};
 use vrdma::cm::{CmId, ConnParam, EventChannel, EventKind, PortSpace};
-use vrdma::{Context, QpCap, QpInit};
+use vrdma::{Context, QpCap, QpType};
 
 use super::anchors::Stat;
 
@@ -84,8 +85,7 @@ pub fn serve_rdma_cm(l: CmListener, n: usize, mut done: impl FnMut(Result<Durati
         let accepted = (|| -> Result<Duration> {
             let req = event(&ch, EventKind::ConnectRequest)?;
             let id = CmId::from_request(&ch, &req, PortSpace::Tcp)?;
-            let cq = ctx.create_cq(32, None)?;
-            let qp = id.create_qp(&pd, &QpInit::rc(&cq, &cq, CAP))?;
+            let (cq, qp) = id.create_qp_with_cq(&pd, QpType::Rc, 32, CAP)?;
             id.accept(&ConnParam::default())?;
             event(&ch, EventKind::Established)?;
             let t = now();
@@ -124,8 +124,7 @@ pub fn connect_rdma_cm(
         event(&ch, EventKind::AddrResolved)?;
         id.resolve_route()?;
         event(&ch, EventKind::RouteResolved)?;
-        let cq = ctx.create_cq(32, None)?;
-        let qp = id.create_qp(&pd, &QpInit::rc(&cq, &cq, CAP))?;
+        let (cq, qp) = id.create_qp_with_cq(&pd, QpType::Rc, 32, CAP)?;
         id.connect(&ConnParam::default())?;
         event(&ch, EventKind::Established)?;
         let client_done = now();

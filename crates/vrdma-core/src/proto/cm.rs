@@ -110,6 +110,22 @@ pub enum CmRequest {
         pd: u32,
         init: crate::verbs::QpInitAttr,
     },
+    // Variants are numbered by position on the wire: new ones go last.
+    /// `rdma_create_qp` with no CQs given, in one call (rdma-core then
+    /// makes the QP's CQs itself): a CQ of at least `cqe` entries, as
+    /// `Request::CreateCq` without a channel makes it, then the QP that
+    /// `CreateQp` would make with that CQ as both its send and receive CQ
+    /// (the CQ numbers in `init` are not looked at), attached to the id.
+    /// Answered `Reply::CqQp` with two descriptors, the CQ's segment and
+    /// the QP's. If any part fails, what was made is destroyed and the
+    /// call fails with that part's error. (Apart, the two are two round
+    /// trips, each about a tenth of a connection's setup.)
+    CreateQpWithCq {
+        id: u32,
+        pd: u32,
+        cqe: u32,
+        init: crate::verbs::QpInitAttr,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -32,7 +32,9 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// 7: a `StatReport` carries the asking tenant's own figures, and a
 /// link's stats what its scheduler held back; `Request::Migrate`, the
 /// operator's migration steps; `Request::Sock`, the socket registry of
-/// `docs/sockets.md`.)
+/// `docs/sockets.md`; `CmRequest::CreateQpWithCq`, answered
+/// `Reply::CqQp`; an event channel's wake-up may carry its event,
+/// [`CARRIED_CM_EVENT`].)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -294,6 +296,20 @@ pub enum Reply {
     /// A migration step done; [`MigrateReply::Exported`] comes with one fd.
     Migrated(MigrateReply),
     Sock(SockReply),
+    /// With two fds, the CQ's segment, then the QP's: a CQ as
+    /// [`Reply::Cq`] describes one and a QP as [`Reply::Qp`] does (see
+    /// [`CmRequest::CreateQpWithCq`]).
+    CqQp {
+        cq: u32,
+        depth: u32,
+        cq_segment_len: u64,
+        cq_ring: RingSpec,
+        created: QpCreated,
+        segment_len: u64,
+        sq: RingSpec,
+        rq: Option<RingSpec>,
+        inbox: Option<RingSpec>,
+    },
 }
 
 /// A direct-path receive grant as the library receives it (see
@@ -380,6 +396,29 @@ fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, ProtoError> {
 
 fn encode<T: Serialize>(v: &T) -> Vec<u8> {
     postcard::to_stdvec(v).expect("protocol values always serialize")
+}
+
+/// The first byte of an rdma_cm event channel's wake-up that carries
+/// its event (a bare wake-up is the byte 1): the daemon sends the event
+/// itself when the channel's descriptor holds nothing unread, and the
+/// library reads it there instead of asking for it with
+/// `CmRequest::GetEvent` (a round trip: two thread wake-ups). See
+/// `vrdma::cm`.
+pub const CARRIED_CM_EVENT: u8 = 2;
+
+/// An event channel's wake-up carrying `ev` ([`CARRIED_CM_EVENT`]).
+pub fn encode_carried_cm_event(ev: &crate::cm::CmEvent) -> Vec<u8> {
+    let mut bytes = vec![CARRIED_CM_EVENT];
+    bytes.extend(encode(ev));
+    bytes
+}
+
+/// The event a wake-up carries; `None` for a bare wake-up.
+pub fn decode_carried_cm_event(bytes: &[u8]) -> Option<Result<crate::cm::CmEvent, ProtoError>> {
+    match bytes.split_first() {
+        Some((&CARRIED_CM_EVENT, rest)) => Some(decode(rest)),
+        _ => None,
+    }
 }
 
 pub fn decode_request(bytes: &[u8]) -> Result<Request, ProtoError> {

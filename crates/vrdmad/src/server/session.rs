@@ -440,6 +440,9 @@ impl Session {
             Request::CreateCq { cqe, channel } => self.create_cq(cqe, channel)?,
             Request::Cm(CmRequest::CreateChannel) => self.create_cm_channel()?,
             Request::Cm(CmRequest::CreateQp { id, pd, init }) => self.create_cm_qp(id, pd, init)?,
+            Request::Cm(CmRequest::CreateQpWithCq { id, pd, cqe, init }) => {
+                self.create_cm_qp_with_cq(id, pd, cqe, init)?
+            }
             Request::Cm(req) => {
                 let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
                 let r = self.engine(move |e, c| e.handle_cm(c, tenant, req))?;
@@ -472,16 +475,7 @@ impl Session {
                 }
             }
             Request::DestroyCq { cq } => {
-                self.engine(move |e, c| {
-                    e.hca.destroy_cq(c, cq)?;
-                    e.direct.forget_cq(cq);
-                    if let Some(ch) = e.rings.cqs.remove(&cq).and_then(|r| r.channel) {
-                        if let Some(ch) = e.rings.channels.get_mut(&ch) {
-                            ch.cqs = ch.cqs.saturating_sub(1);
-                        }
-                    }
-                    Ok::<_, HcaError>(())
-                })??;
+                self.destroy_cq(cq)??;
                 Reply::Done.into()
             }
             Request::CreateSrq { pd, attr } => self.create_srq(pd, attr)?,
@@ -637,7 +631,10 @@ impl Session {
             let (fd, tenant_end) = Doorbell::pair_with_hangup()?;
             fd.reserve(crate::cm::MAX_UNREAD);
             let tenant = self.tenant;
-            let channel = self.engine(move |e, c| e.cm.add_channel(c, tenant, fd))?;
+            // A host tenant's library reads an event in its wake-up; a
+            // guest's channel is signalled through its port.
+            let carry = self.guest.is_none();
+            let channel = self.engine(move |e, c| e.cm.add_channel_with(c, tenant, fd, carry))?;
             let channel = channel.map_err(|e| error(e.errno(), e.to_string()))?;
             Ok::<_, Answer>(Answer {
                 reply: Reply::Cm(CmReply::Channel { channel }),
@@ -829,6 +826,58 @@ impl Session {
             return Err(error(why.errno(), why.to_string()));
         }
         Ok(answer)
+    }
+
+    /// `rdma_create_qp` with no CQs given, in one call
+    /// (`CmRequest::CreateQpWithCq`): [`Self::create_cq`] without a
+    /// channel, then [`Self::create_cm_qp`] with that CQ for both queues;
+    /// the CQ is destroyed if the QP's part fails.
+    fn create_cm_qp_with_cq(
+        &mut self,
+        id: u32,
+        pd: u32,
+        cqe: u32,
+        mut init: vrdma_core::verbs::QpInitAttr,
+    ) -> Result<Answer, Answer> {
+        let made = self.create_cq(cqe, None)?;
+        let Reply::Cq { cq, depth, segment_len: cq_segment_len, ring: cq_ring } = made.reply else {
+            return Err(error(EPROTO, "the CQ's creation answered with something else"));
+        };
+        init.send_cq = cq;
+        init.recv_cq = cq;
+        let qp = match self.create_cm_qp(id, pd, init) {
+            Ok(a) => a,
+            Err(a) => {
+                // The tenant, answered with the error, never learns the
+                // CQ's number.
+                let _ = self.destroy_cq(cq);
+                return Err(a);
+            }
+        };
+        let Reply::Qp { created, segment_len, sq, rq, inbox } = qp.reply else {
+            let _ = self.destroy_cq(cq);
+            return Err(error(EPROTO, "the QP's creation answered with something else"));
+        };
+        let mut fds = made.fds;
+        fds.extend(qp.fds);
+        Ok(Answer {
+            reply: Reply::CqQp { cq, depth, cq_segment_len, cq_ring, created, segment_len, sq, rq, inbox },
+            fds,
+        })
+    }
+
+    /// `ibv_destroy_cq` of one of this context's CQs.
+    fn destroy_cq(&self, cq: u32) -> Result<Result<(), HcaError>, Answer> {
+        self.engine(move |e, c| {
+            e.hca.destroy_cq(c, cq)?;
+            e.direct.forget_cq(cq);
+            if let Some(ch) = e.rings.cqs.remove(&cq).and_then(|r| r.channel) {
+                if let Some(ch) = e.rings.channels.get_mut(&ch) {
+                    ch.cqs = ch.cqs.saturating_sub(1);
+                }
+            }
+            Ok::<_, HcaError>(())
+        })
     }
 
     fn create_qp(&mut self, pd: u32, init: vrdma_core::verbs::QpInitAttr) -> Result<Answer, Answer> {
