@@ -571,14 +571,18 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
     // region; it is read and written through the region or raw pointers.
     let mr = unsafe { pd.register_raw(buf, LEN, access_all()) }?;
     assert!(bar_mapped(std::process::id(), &vm)?, "the registered pages are not in the VM's region");
+    // And memory the library allocated in the region (`alloc_mr`).
+    let amr = pd.alloc_mr(4096, access_all())?;
+    amr.write(0, &first[..4096])?;
     let cq = gctx.create_cq(64, None)?;
     let qp = pd.create_rc_qp(&cq, &cq, vrdma_it::cap(16, 1))?;
     qp.connect(&me.endpoint()?, access_all())?;
     me.qp.connect(&qp.endpoint(&gctx)?, access_all())?;
 
     // A child that reads the parent's bytes (its copy) and overwrites
-    // them all, then leaves.
+    // them all, the `alloc_mr` region's too, then leaves.
     let addr = buf as usize;
+    let aaddr = amr.addr() as usize;
     let expected = first.as_slice();
     let code = in_forked_child(move || {
         let p = addr as *mut u8;
@@ -590,6 +594,8 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
         }
         // SAFETY: as above.
         unsafe { std::ptr::write_bytes(p, 0xee, LEN) };
+        // SAFETY: the child's copy of the `alloc_mr` mapping, 4096 bytes.
+        unsafe { std::ptr::write_bytes(aaddr as *mut u8, 0xee, 4096) };
         0
     })?;
     assert_eq!(code, 0, "the child did not see the parent's bytes (2) or failed");
@@ -597,6 +603,9 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
     mr.read(0, &mut got)?;
     let changed = got.iter().zip(&first).filter(|(a, b)| a != b).count();
     assert_eq!(changed, 0, "the forked child wrote {changed} bytes of the parent's registered memory");
+    let mut got = vec![0u8; 4096];
+    amr.read(0, &mut got)?;
+    assert_eq!(got, first[..4096], "the forked child wrote into the parent's alloc_mr region");
 
     // A child that execs: nothing of it stays.
     let code = in_forked_child(|| {
@@ -629,7 +638,7 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
     let mut back = vec![0u8; 3000];
     me.mr.read(8192, &mut back)?;
     assert_eq!(back, more[..3000]);
-    drop((qp, cq, mr, pd));
+    drop((qp, cq, mr, amr, pd));
     // SAFETY: the mapping made above; its region is gone.
     unsafe { libc::munmap(buf.cast(), LEN) };
     Ok(())

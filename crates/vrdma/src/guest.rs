@@ -225,6 +225,11 @@ impl GuestLink {
                 format!("cannot open the BAR {}: {e}", cfg.bar.display()),
             ))
         })?;
+        // From now on a forked child copies this process's mappings of the
+        // BAR (rings, regions) instead of sharing them with it and the
+        // daemon (`crate::rebacking`'s fork handler).
+        let st = rustix::fs::fstat(&bar)?;
+        crate::rebacking::note_guest_bar(st.st_dev, st.st_ino);
         let reader = port.try_clone()?;
         let writer = Arc::new(Mutex::new(port));
         let (wake_tx, wake_rx) =

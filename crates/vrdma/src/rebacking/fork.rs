@@ -26,10 +26,11 @@
 //!
 //! In a guest (`docs/vms.md`) re-backed pages are shared mappings of the
 //! VM's BAR (sysfs `resource2`, or the region memfd a host test maps), not
-//! of our memfds: the BAR's file is noted ([`note_guest_bar`]) and the
-//! child copies every shared mapping of it the same way, the rings and
-//! `alloc_mr` memory mapped from it too (the child may not use the
-//! parent's objects anyway, as with rdma-core).
+//! of our memfds: the BAR's file is noted when a guest context opens it
+//! ([`note_guest_bar`]) and the child copies every shared mapping of it
+//! the same way, the rings and `alloc_mr` memory mapped from it too (the
+//! child may not use the parent's objects anyway, as with rdma-core, and
+//! a copy keeps whatever it does to them away from the parent's).
 //!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
@@ -93,9 +94,10 @@ pub(crate) fn note_rebacking() {
 /// a few slots spare.
 static GUEST_BARS: [(AtomicU64, AtomicU64); 4] = [const { (AtomicU64::new(0), AtomicU64::new(0)) }; 4];
 
-/// Called before the first re-backing with a VM's BAR (its file's device
-/// and inode, as `fstat` gives them): from then on each child copies the
-/// shared mappings of that file too.
+/// Called when a guest context opens a VM's BAR and before each
+/// re-backing with it (the file's device and inode, as `fstat` gives
+/// them): from then on each child copies the shared mappings of that
+/// file too.
 pub(crate) fn note_guest_bar(dev: u64, ino: u64) {
     let dev = u64::from(rustix::fs::major(dev)) << 32 | u64::from(rustix::fs::minor(dev));
     for (d, i) in &GUEST_BARS {
