@@ -61,20 +61,53 @@ fn answers(path: &Path) -> bool {
 /// no socket is named and none is at the default path: the guest's
 /// device, as [`vrdma::Context::open`] finds it. A program that would
 /// start an embedded daemon asks this first: a daemon inside the guest
-/// would be a device no other VM or host could reach.
-pub fn guest(socket: Option<&Path>) -> Option<vrdma::guest::GuestConfig> {
+/// would be a device no other VM or host could reach. A VM with part of
+/// the device only (its ports without the ivshmem BAR, or the reverse)
+/// is an error saying what is missing, rather than a daemon of its own.
+pub fn guest(socket: Option<&Path>) -> Result<Option<vrdma::guest::GuestConfig>> {
     if socket.is_some() {
-        return None;
+        return Ok(None);
     }
     if let Some(cfg) = vrdma::guest::GuestConfig::from_env() {
-        return Some(cfg);
+        return Ok(Some(cfg));
     }
     if vrdmad::default_socket_path().exists() {
-        return None;
+        return Ok(None);
     }
-    let cfg = vrdma::guest::GuestConfig::detect()?;
+    let Some(cfg) = vrdma::guest::GuestConfig::detect() else {
+        if let Some(why) = vrdma::guest::GuestConfig::missing_part() {
+            anyhow::bail!("vRDMA's device in this VM is incomplete: {why}");
+        }
+        return Ok(None);
+    };
     tracing::info!("in a VM with vRDMA's ports: using the host's daemon through them");
-    Some(cfg)
+    Ok(Some(cfg))
+}
+
+/// A context on the device: the VM's (through its ports, see [`guest`])
+/// where this is a guest, else the daemon's at `socket` or the default
+/// path; for the commands that only ask the device (`vrdma stat`,
+/// `vrdma devinfo`). The error says where it looked.
+pub fn open_existing(socket: Option<PathBuf>) -> Result<vrdma::Context> {
+    use anyhow::Context as _;
+    if let Some(cfg) = guest(socket.as_deref())? {
+        let names: Vec<String> = cfg.ports.iter().map(|p| p.display().to_string()).collect();
+        return vrdma::Context::open_guest(&cfg).with_context(|| {
+            format!(
+                "the host's vRDMA daemon does not answer through this VM's ports ({}; BAR {})",
+                names.join(", "),
+                cfg.bar.display()
+            )
+        });
+    }
+    let path = socket.unwrap_or_else(vrdmad::default_socket_path);
+    vrdma::Context::open_at(&path).with_context(|| {
+        format!(
+            "no vRDMA daemon answers on {}; start one with `vrdma daemon` (nor is this a VM with \
+             vRDMA's ports)",
+            path.display()
+        )
+    })
 }
 
 /// The daemon at `socket` (or the default path) if one answers, else a new

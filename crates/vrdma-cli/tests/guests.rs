@@ -265,6 +265,10 @@ fn verbs_programs_in_real_guests() {
     case("ib_write_lat, ib_send_bw and qperf rc_lat, guest client and host server", &mut perf_tools);
     case("ibv_rc_pingpong -c, a guest and a process behind another host's daemon", &mut other_host);
     case("rping over rdma_cm between two VMs, on VM a's address", &mut rping_two_guests);
+    case(
+        "vrdma run, vrdma cp and vrdma stat in a guest use the host's daemon; a bad device is an error",
+        &mut cli_in_guest,
+    );
     case("ib_write_lat -R, guest client and host server", &mut perftest_cm);
     case("figures (VRDMA_GUEST_FIGURES=1): VM-to-host beside host-to-host", &mut figures);
     case(
@@ -730,4 +734,111 @@ fn result_column(out: &str, col: usize) -> Option<f64> {
 fn median(v: &mut [f64]) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
+}
+
+/// `vrdma stat --json` in guest a, parsed.
+fn guest_stat(w: &mut World) -> serde_json::Value {
+    let out = w.a().check("VRDMA_LOG=warn timeout 60 vrdma stat --json", T).unwrap();
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("vrdma stat --json in the guest: {e}\n{out}"))
+}
+
+fn counter(v: &serde_json::Value, name: &str) -> u64 {
+    v["tenant"]["counters"][name].as_u64().unwrap_or_else(|| panic!("no counter {name}: {v}"))
+}
+
+/// The CLI inside guest a, served by the host's daemon through the VM's
+/// ports (it starts no daemon of its own there, which nothing outside
+/// the VM could reach): `vrdma run -- ibv_rc_pingpong` against a host
+/// process, `vrdma cp` of a file to a host receiver over rdma_cm (the
+/// bytes checked on both ends), and `vrdma stat --json`, which shows the
+/// VM's tenant (this test's uid) and its counters moving with that
+/// traffic. Then a guest device named but not there is a clear error.
+fn cli_in_guest(w: &mut World) {
+    // SAFETY: geteuid has no preconditions.
+    let uid = u64::from(unsafe { libc::geteuid() });
+    let before = guest_stat(w);
+    assert_eq!(before["tenant"]["tenant"].as_u64(), Some(uid), "the VM's tenant: {before}");
+
+    // vrdma run: the program's drop-in reaches a host process.
+    let port = free_port();
+    let mut server = w.host(false, "/usr/bin/ibv_rc_pingpong");
+    server.args(["-p", &port.to_string(), "-n", ITERS, "-c"]);
+    let server = host_server(server, "ibv_rc_pingpong (host server)", port);
+    let cmd = format!("timeout 90 vrdma run -- ibv_rc_pingpong -p {port} -n {ITERS} -c 10.0.2.2");
+    let out = w.a().check(&cmd, T);
+    let server = server.finish(LIMIT);
+    let out = out.unwrap_or_else(|e| panic!("vrdma run in the guest: {e}\n{}", server.describe()));
+    pingpong_ran("vrdma run -- ibv_rc_pingpong (guest client)", &out);
+    assert!(
+        out.contains("using the host's daemon"),
+        "vrdma run did not say it uses the host's daemon:\n{out}"
+    );
+    host_ok(&server);
+
+    // vrdma cp: guest to a host receiver listening on every address; the
+    // guest's sender connects to the daemon's own.
+    let port = free_port();
+    let received = w.dir.path().join("cp.out");
+    let mut recv = in_ns(w.ns.as_deref(), VRDMA);
+    recv.arg("--socket")
+        .arg(&w.main.socket)
+        .arg("cp")
+        .arg("--quiet")
+        .arg("--recv")
+        .arg(&received)
+        .args(["--listen", &format!("0.0.0.0:{port}")]);
+    let mut recv = spawn(recv, "vrdma cp --recv (host)");
+    let ctx = vrdma::Context::open_at(&w.main.socket).expect("open");
+    let at = SocketAddrV4::new(w.cm_addr, port);
+    let end = Instant::now() + Duration::from_secs(30);
+    while !vrdma::cm::is_listening(&ctx, vrdma::cm::PortSpace::Tcp, at).expect("HasListener") {
+        if recv.exited() || Instant::now() > end {
+            panic!("vrdma cp --recv never listened\n{}", recv.finish(LIMIT).describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    drop(ctx);
+    const CP_KIB: u64 = 700;
+    let cmd = format!(
+        "dd if=/dev/urandom of=/tmp/cp.in bs=1024 count={CP_KIB} 2>/dev/null && \
+         timeout 90 vrdma cp --quiet /tmp/cp.in {}:{port} && sha256sum /tmp/cp.in",
+        w.cm_addr
+    );
+    let out = w.a().check(&cmd, T);
+    let recv = recv.finish(LIMIT);
+    let out = out.unwrap_or_else(|e| panic!("vrdma cp in the guest: {e}\n{}", recv.describe()));
+    recv.assert_ok();
+    let sent = out
+        .lines()
+        .find_map(|l| match l.split_whitespace().collect::<Vec<_>>()[..] {
+            [h, "/tmp/cp.in"] if h.len() == 64 => Some(h.to_string()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no sha256sum of the sent file:\n{out}"));
+    let bytes = std::fs::read(&received).expect("the received file");
+    assert_eq!(bytes.len() as u64, CP_KIB * 1024, "{}", recv.describe());
+    use sha2::Digest;
+    let got: String = sha2::Sha256::digest(&bytes).iter().map(|b| format!("{b:02x}")).collect();
+    assert_eq!(got, sent, "the file the host received differs from the guest's\n{out}");
+
+    // vrdma stat: the tenant's counters moved with that traffic (the
+    // file at least, sent from the guest).
+    let after = guest_stat(w);
+    assert_eq!(after["tenant"]["tenant"].as_u64(), Some(uid), "{after}");
+    for c in ["messages_sent", "messages_received"] {
+        assert!(counter(&after, c) > counter(&before, c), "{c} did not move: {before}\n{after}");
+    }
+    assert!(
+        counter(&after, "bytes_sent") >= counter(&before, "bytes_sent") + CP_KIB * 1024,
+        "bytes_sent did not grow by the file: {before}\n{after}"
+    );
+
+    // A guest device named but not there: an error saying so, no daemon.
+    let bad = "VRDMA_GUEST_PORT=/dev/vrdma-none VRDMA_GUEST_BAR=/vrdma-none";
+    let (st, out) = w.a().run(&format!("{bad} timeout 60 vrdma run -- true"), T).unwrap();
+    assert_ne!(st, 0, "vrdma run with no device:\n{out}");
+    assert!(out.contains("is not usable") && out.contains("/vrdma-none"), "{out}");
+    let (st, out) = w.a().run(&format!("{bad} timeout 60 vrdma stat"), T).unwrap();
+    assert_ne!(st, 0, "vrdma stat with no device:\n{out}");
+    assert!(out.contains("does not answer through this VM's ports"), "{out}");
 }

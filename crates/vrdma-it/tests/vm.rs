@@ -488,3 +488,158 @@ fn an_id_and_a_qp_of_two_contexts_of_one_origin_are_joined() -> Result<()> {
     }
     Ok(())
 }
+
+/// Forks this process (a guest-mode library in it) and runs `child` in
+/// the child, which leaves with `_exit` of its result; the child's exit
+/// status, or why there is none.
+fn in_forked_child(child: impl FnOnce() -> i32) -> Result<i32> {
+    // SAFETY: the child only reads and writes memory of this test and
+    // leaves with _exit or exec (no heap, no lock: the test harness's
+    // other threads are not in it); the library's fork handler runs first.
+    let pid = unsafe { libc::fork() };
+    if pid < 0 {
+        bail!("fork: {}", std::io::Error::last_os_error());
+    }
+    if pid == 0 {
+        let code = child();
+        // SAFETY: ends the child at once.
+        unsafe { libc::_exit(code) };
+    }
+    let end = Instant::now() + WAIT;
+    let mut status = 0;
+    loop {
+        // SAFETY: our child; WNOHANG, bounded by `end`.
+        let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        if r == pid {
+            break;
+        }
+        if Instant::now() > end {
+            // SAFETY: our child, not reaped yet.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+            // SAFETY: as above.
+            unsafe { libc::waitpid(pid, &mut status, 0) };
+            bail!("the forked child did not end within {WAIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    if !libc::WIFEXITED(status) {
+        bail!("the forked child died: status {status:#x}");
+    }
+    Ok(libc::WEXITSTATUS(status))
+}
+
+/// `fork` in a guest, with rdma-core's semantics (as for host processes,
+/// `crates/vrdma/src/rebacking/fork.rs`): registered memory re-backed by
+/// the VM's region is copied for the child, whose writes reach neither
+/// the parent's pages nor the device; a child that execs leaves nothing
+/// behind; the parent's region and QP work on after both. (Before the
+/// child copied the BAR's mappings its writes landed in the parent's
+/// registered buffer.)
+#[test]
+fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = daemon_with_vm("")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let cfg = vrdma::guest::GuestConfig {
+        ports: vec![vm.port_socket.clone()],
+        bar: format!("/proc/self/fd/{}", vm.region.as_raw_fd()).into(),
+    };
+    let gctx = vrdma::Context::open_guest(&cfg)?;
+    let host = d.context()?;
+    let me = Side::new(&host, 1 << 16)?;
+
+    // The application's own pages, registered: re-backed by an extent.
+    const LEN: usize = 4 * 4096;
+    // SAFETY: a fresh private anonymous mapping, checked.
+    let buf = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(buf, libc::MAP_FAILED);
+    let buf = buf.cast::<u8>();
+    let first = pattern(LEN, 21);
+    // SAFETY: `buf` holds LEN bytes, ours.
+    unsafe { std::ptr::copy_nonoverlapping(first.as_ptr(), buf, LEN) };
+    let pd = gctx.alloc_pd()?;
+    // SAFETY: the mapping lives until the end of this test, after the
+    // region; it is read and written through the region or raw pointers.
+    let mr = unsafe { pd.register_raw(buf, LEN, access_all()) }?;
+    assert!(bar_mapped(std::process::id(), &vm)?, "the registered pages are not in the VM's region");
+    // And memory the library allocated in the region (`alloc_mr`).
+    let amr = pd.alloc_mr(4096, access_all())?;
+    amr.write(0, &first[..4096])?;
+    let cq = gctx.create_cq(64, None)?;
+    let qp = pd.create_rc_qp(&cq, &cq, vrdma_it::cap(16, 1))?;
+    qp.connect(&me.endpoint()?, access_all())?;
+    me.qp.connect(&qp.endpoint(&gctx)?, access_all())?;
+
+    // A child that reads the parent's bytes (its copy) and overwrites
+    // them all, the `alloc_mr` region's too, then leaves.
+    let addr = buf as usize;
+    let aaddr = amr.addr() as usize;
+    let expected = first.as_slice();
+    let code = in_forked_child(move || {
+        let p = addr as *mut u8;
+        // SAFETY: the child's copy of the mapping, LEN bytes (`expected`
+        // is read only: no allocation in the child).
+        let same = (0..LEN).all(|i| unsafe { p.add(i).read_volatile() } == expected[i]);
+        if !same {
+            return 2;
+        }
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(p, 0xee, LEN) };
+        // SAFETY: the child's copy of the `alloc_mr` mapping, 4096 bytes.
+        unsafe { std::ptr::write_bytes(aaddr as *mut u8, 0xee, 4096) };
+        0
+    })?;
+    assert_eq!(code, 0, "the child did not see the parent's bytes (2) or failed");
+    let mut got = vec![0u8; LEN];
+    mr.read(0, &mut got)?;
+    let changed = got.iter().zip(&first).filter(|(a, b)| a != b).count();
+    assert_eq!(changed, 0, "the forked child wrote {changed} bytes of the parent's registered memory");
+    let mut got = vec![0u8; 4096];
+    amr.read(0, &mut got)?;
+    assert_eq!(got, first[..4096], "the forked child wrote into the parent's alloc_mr region");
+
+    // A child that execs: nothing of it stays.
+    let code = in_forked_child(|| {
+        let prog = c"/bin/true";
+        let argv = [prog.as_ptr(), std::ptr::null()];
+        // SAFETY: a NUL-terminated path and argv; on failure the child
+        // leaves with 127.
+        unsafe { libc::execv(prog.as_ptr(), argv.as_ptr()) };
+        127
+    })?;
+    assert_eq!(code, 0, "the exec'd child");
+
+    // The parent's QP and region work on: the host writes into the
+    // guest's pages, and the guest sends from them.
+    let more = pattern(5000, 22);
+    me.mr.write(0, &more)?;
+    me.qp.post_send(&[
+        wr::rdma_write(1, &[me.mr.sge(0, more.len())?], mr.addr() + 100, mr.rkey())?.signaled()
+    ])?;
+    let wc = poll_one(&me.cq, WAIT)?;
+    assert_eq!((wc.wr_id, wc.status), (1, WcStatus::Success));
+    // SAFETY: the registered mapping, LEN bytes; the write completed.
+    let seen = unsafe { std::slice::from_raw_parts(buf.add(100), more.len()) }.to_vec();
+    assert_eq!(seen, more, "the host's RDMA write after the forks");
+    me.qp.post_recv(&[wr::recv(2, &[me.mr.sge(8192, 4096)?])?])?;
+    qp.post_send(&[wr::send(3, &[mr.sge(100, 3000)?])?.signaled()])?;
+    assert_eq!(poll_one(&cq, WAIT)?.status, WcStatus::Success);
+    let wc = poll_one(&me.cq, WAIT)?;
+    assert_eq!((wc.wr_id, wc.status, wc.byte_len), (2, WcStatus::Success, 3000));
+    let mut back = vec![0u8; 3000];
+    me.mr.read(8192, &mut back)?;
+    assert_eq!(back, more[..3000]);
+    drop((qp, cq, mr, amr, pd));
+    // SAFETY: the mapping made above; its region is gone.
+    unsafe { libc::munmap(buf.cast(), LEN) };
+    Ok(())
+}

@@ -74,27 +74,82 @@ impl GuestConfig {
     }
 }
 
+/// What a scan of `/sys` found: vRDMA's ports (in order of K) and the
+/// ivshmem BAR, each possibly absent.
+fn scan_in(sys: &Path, dev: &Path) -> (Vec<PathBuf>, Option<PathBuf>) {
+    let mut ports: Vec<(u32, PathBuf)> = std::fs::read_dir(sys.join("class/virtio-ports"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| {
+                    let name = std::fs::read_to_string(e.path().join("name")).ok()?;
+                    let k: u32 = name.trim().strip_prefix(PORT_NAME_PREFIX)?.parse().ok()?;
+                    Some((k, dev.join(e.file_name())))
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    ports.sort();
+    let bar = std::fs::read_dir(sys.join("bus/pci/devices")).ok().and_then(|d| {
+        d.flatten().find_map(|e| {
+            let read = |f: &str| std::fs::read_to_string(e.path().join(f)).map(|s| s.trim().to_string());
+            (read("vendor").ok()? == "0x1af4" && read("device").ok()? == "0x1110")
+                .then(|| e.path().join("resource2"))
+        })
+    });
+    (ports.into_iter().map(|(_, p)| p).collect(), bar)
+}
+
 /// [`GuestConfig::detect`] under other roots (for tests).
 fn detect_in(sys: &Path, dev: &Path) -> Option<GuestConfig> {
-    let mut ports: Vec<(u32, PathBuf)> = std::fs::read_dir(sys.join("class/virtio-ports"))
-        .ok()?
-        .flatten()
-        .filter_map(|e| {
-            let name = std::fs::read_to_string(e.path().join("name")).ok()?;
-            let k: u32 = name.trim().strip_prefix(PORT_NAME_PREFIX)?.parse().ok()?;
-            Some((k, dev.join(e.file_name())))
-        })
-        .collect();
-    ports.sort();
-    if ports.is_empty() {
-        return None;
+    match scan_in(sys, dev) {
+        (ports, Some(bar)) if !ports.is_empty() => Some(GuestConfig { ports, bar }),
+        _ => None,
     }
-    let bar = std::fs::read_dir(sys.join("bus/pci/devices")).ok()?.flatten().find_map(|e| {
-        let read = |f: &str| std::fs::read_to_string(e.path().join(f)).map(|s| s.trim().to_string());
-        (read("vendor").ok()? == "0x1af4" && read("device").ok()? == "0x1110")
-            .then(|| e.path().join("resource2"))
-    })?;
-    Some(GuestConfig { ports: ports.into_iter().map(|(_, p)| p).collect(), bar })
+}
+
+/// [`GuestConfig::missing_part`] under other roots (for tests).
+fn missing_part_in(sys: &Path, dev: &Path) -> Option<String> {
+    match scan_in(sys, dev) {
+        (ports, None) if !ports.is_empty() => Some(format!(
+            "this VM has vRDMA's ports ({}) but no ivshmem device (PCI 1af4:1110) whose BAR holds \
+             the VM's memory: QEMU needs the -object memory-backend-file and -device ivshmem-plain \
+             arguments `vrdma vm args` prints",
+            ports.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        )),
+        (ports, Some(bar)) if ports.is_empty() => Some(format!(
+            "this VM has an ivshmem device ({}) but no virtio-serial port named {PORT_NAME_PREFIX}K \
+             in /sys/class/virtio-ports: QEMU needs the virtio-serial arguments `vrdma vm args` \
+             prints, and the guest the virtio_console module",
+            bar.display()
+        )),
+        _ => None,
+    }
+}
+
+impl GuestConfig {
+    /// Where this machine has part of a guest's vRDMA device only (its
+    /// ports without the ivshmem BAR, or the BAR without ports), what is
+    /// missing and how to fix it: [`GuestConfig::detect`] finds nothing
+    /// there, and a program that would otherwise start a daemon of its
+    /// own (which nothing outside the VM could reach) should say this
+    /// instead. `None` where it has all of it or none.
+    pub fn missing_part() -> Option<String> {
+        missing_part_in(Path::new("/sys"), Path::new("/dev"))
+    }
+
+    /// Whether the BAR and at least one port are there (a check before
+    /// handing the configuration to a program; opening one would take a
+    /// port for a moment): what is missing, else `Ok`.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        if !self.bar.exists() {
+            return Err(format!("the VM's BAR {} is not there", self.bar.display()));
+        }
+        if !self.ports.iter().any(|p| p.exists()) {
+            let names: Vec<String> = self.ports.iter().map(|p| p.display().to_string()).collect();
+            return Err(format!("no vRDMA port of the VM is there ({})", names.join(", ")));
+        }
+        Ok(())
+    }
 }
 
 /// Opens `path` as a port: connects if it is a Unix socket, else opens
@@ -170,6 +225,11 @@ impl GuestLink {
                 format!("cannot open the BAR {}: {e}", cfg.bar.display()),
             ))
         })?;
+        // From now on a forked child copies this process's mappings of the
+        // BAR (rings, regions) instead of sharing them with it and the
+        // daemon (`crate::rebacking`'s fork handler).
+        let st = rustix::fs::fstat(&bar)?;
+        crate::rebacking::note_guest_bar(st.st_dev, st.st_ino);
         let reader = port.try_clone()?;
         let writer = Arc::new(Mutex::new(port));
         let (wake_tx, wake_rx) =
@@ -446,6 +506,20 @@ mod tests {
         assert_eq!(c.ports, vec![PathBuf::from("/dev/vport1p2"), PathBuf::from("/dev/vport1p3")]);
         assert_eq!(c.bar, sys.join("bus/pci/devices/0000:00:04.0/resource2"));
         assert_eq!(detect_in(&d.join("none"), Path::new("/dev")), None);
+        assert_eq!(missing_part_in(&sys, Path::new("/dev")), None);
+        assert_eq!(missing_part_in(&d.join("none"), Path::new("/dev")), None);
+        // The BAR without ports, then ports without the BAR.
+        std::fs::remove_dir_all(sys.join("class")).unwrap();
+        assert_eq!(detect_in(&sys, Path::new("/dev")), None);
+        let why = missing_part_in(&sys, Path::new("/dev")).unwrap();
+        assert!(why.contains("no virtio-serial port named org.vrdma.K"), "{why}");
+        std::fs::remove_dir_all(sys.join("bus")).unwrap();
+        let p = sys.join("class/virtio-ports/vport1p2");
+        std::fs::create_dir_all(&p).unwrap();
+        std::fs::write(p.join("name"), "org.vrdma.0\n").unwrap();
+        assert_eq!(detect_in(&sys, Path::new("/dev")), None);
+        let why = missing_part_in(&sys, Path::new("/dev")).unwrap();
+        assert!(why.contains("/dev/vport1p2") && why.contains("no ivshmem device"), "{why}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 

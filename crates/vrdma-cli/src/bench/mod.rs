@@ -260,7 +260,7 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
         return worker::run(role, args.worker_test, args.worker_size, args.worker_iters);
     }
     if args.server {
-        if let Some(cfg) = crate::embedded::guest(socket.as_deref()) {
+        if let Some(cfg) = crate::embedded::guest(socket.as_deref())? {
             return server::serve(args.listen, args.once, crate::embedded::Opener::Guest(cfg));
         }
         let device = crate::embedded::device(socket, engine_config(&args))?;
@@ -311,7 +311,7 @@ fn named(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         None => None,
     };
     // In a guest, the VM's ports; else a daemon (started here if none runs).
-    let (device, opener) = match crate::embedded::guest(socket.as_deref()) {
+    let (device, opener) = match crate::embedded::guest(socket.as_deref())? {
         Some(cfg) => (None, crate::embedded::Opener::Guest(cfg)),
         None => {
             let d = crate::embedded::device(socket, engine_config(args))?;

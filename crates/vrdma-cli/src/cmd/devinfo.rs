@@ -2,8 +2,8 @@
 
 use std::path::PathBuf;
 
-use anyhow::{Context as _, Result};
-use vrdma::{Context, Mtu};
+use anyhow::Result;
+use vrdma::Mtu;
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -36,14 +36,10 @@ fn guid(g: u64) -> String {
 }
 
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
-    // Without a socket named, `Context::open` also finds the device of a
-    // QEMU guest (its virtio-serial ports and ivshmem BAR, docs/vms.md).
-    let named = socket.is_some();
-    let path = socket.unwrap_or_else(vrdmad::default_socket_path);
-    let ctx = if named { Context::open_at(&path) } else { Context::open() };
-    let ctx = ctx.with_context(|| {
-        format!("no vRDMA daemon answers on {}; start one with `vrdma daemon`", path.display())
-    })?;
+    // Without a socket named, the device of a QEMU guest (its
+    // virtio-serial ports and ivshmem BAR, docs/vms.md) where it is one.
+    let path = socket.clone().unwrap_or_else(vrdmad::default_socket_path);
+    let ctx = crate::embedded::open_existing(socket)?;
     let path = if ctx.is_guest() { PathBuf::from("(a VM's port)") } else { path };
     let d = ctx.query_device()?;
     let p = ctx.query_port(1)?;

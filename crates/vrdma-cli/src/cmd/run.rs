@@ -8,7 +8,12 @@
 //! daemon (the one answering on `--socket`/`VRDMA_SOCKET`/the default
 //! path, else one started inside this process, as `vrdma bench` does),
 //! runs the program, and exits with its exit status once it is done and
-//! the embedded daemon, if any, is stopped.
+//! the embedded daemon, if any, is stopped. Inside a QEMU guest given
+//! vRDMA's ports and BAR (`docs/vms.md`), it starts no daemon and sets no
+//! `VRDMA_SOCKET`: the program's drop-in finds the VM's device as
+//! `vrdma run` did (the ports and BAR, or `VRDMA_GUEST_PORT` and
+//! `VRDMA_GUEST_BAR`, which it inherits), and so uses the host's daemon;
+//! a daemon in the guest would be one no other VM or host could reach.
 //!
 //! The library is `libvrdma_verbs.so` next to the `vrdma` executable
 //! (where cargo puts both), or the file `VRDMA_VERBS_LIB` names.
@@ -277,10 +282,21 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
     if let Some(cm) = find_rdmacm()? {
         dir.add_rdmacm(&cm)?;
     }
-    let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
+    // In a guest, the host's daemon through the VM's ports, which the
+    // program's drop-in finds as `vrdma run` does; else a daemon (started
+    // in this process if none runs), named by VRDMA_SOCKET.
+    let device = match crate::embedded::guest(socket.as_deref())? {
+        Some(cfg) => {
+            if let Err(why) = cfg.check() {
+                bail!("vRDMA's device in this VM is not usable: {why}");
+            }
+            None
+        }
+        None => Some(crate::embedded::device(socket, vrdmad::EngineConfig::default())?),
+    };
     // (A daemon started here has said so already, with the same fix.)
     let node = vrdmad::devnode::ensure(vrdmad::DEVICE_NAME);
-    if let (vrdmad::devnode::NodeState::Unavailable(why), crate::embedded::Device::External(_)) =
+    if let (vrdmad::devnode::NodeState::Unavailable(why), None | Some(crate::embedded::Device::External(_))) =
         (node, &device)
     {
         eprintln!(
@@ -296,7 +312,10 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<i32> {
         path.push(old);
     }
     let mut command = Command::new(program);
-    command.args(rest).env("LD_LIBRARY_PATH", path).env(vrdma::SOCKET_ENV, device.socket());
+    command.args(rest).env("LD_LIBRARY_PATH", path);
+    if let Some(d) = &device {
+        command.env(vrdma::SOCKET_ENV, d.socket());
+    }
     if std::env::var_os(UCX_ALLOC_ENV).is_none() {
         command.env(UCX_ALLOC_ENV, UCX_ALLOC);
     }

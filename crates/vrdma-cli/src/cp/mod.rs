@@ -90,12 +90,19 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
         bail!("--window must be a multiple of --segment ({}) up to 1G, not {}", args.segment, args.window);
     }
     let slots = (args.window / args.segment) as u32;
-    let device = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
-    match (&args.recv, &args.source, &args.dest) {
-        (Some(out), _, _) => receiver::run(device.socket(), out, args.listen, !args.quiet),
-        (None, Some(src), Some(dest)) => {
-            sender::run(device.socket(), src, dest, args.segment, slots, !args.quiet)
+    // In a guest, the host's daemon through the VM's ports; else a daemon
+    // (started in this process if none runs).
+    let (_device, opener) = match crate::embedded::guest(socket.as_deref())? {
+        Some(cfg) => (None, crate::embedded::Opener::Guest(cfg)),
+        None => {
+            let d = crate::embedded::device(socket, vrdmad::EngineConfig::default())?;
+            let o = crate::embedded::Opener::Socket(d.socket().to_owned());
+            (Some(d), o)
         }
+    };
+    match (&args.recv, &args.source, &args.dest) {
+        (Some(out), _, _) => receiver::run(&opener, out, args.listen, !args.quiet),
+        (None, Some(src), Some(dest)) => sender::run(&opener, src, dest, args.segment, slots, !args.quiet),
         _ => bail!("give SOURCE and DEST to send, or --recv OUTPUT to receive"),
     }
 }

@@ -14,6 +14,8 @@ use vrdma::cm::{CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::AccessFlags;
 
+use crate::embedded::Opener;
+
 use super::protocol::{hex, refusal, Accept, Done, Offer, Verdict, CONTROL_LEN};
 
 /// The largest window a sender may ask for.
@@ -21,8 +23,8 @@ const MAX_WINDOW: u64 = 1 << 30;
 /// The wr_id of the verdict's SEND (credits count from 1).
 const VERDICT: u64 = 0;
 
-pub fn run(socket: &Path, out: &Path, listen: SocketAddrV4, show: bool) -> Result<()> {
-    let ctx = vrdma::Context::open_at(socket)?;
+pub fn run(device: &Opener, out: &Path, listen: SocketAddrV4, show: bool) -> Result<()> {
+    let ctx = device.open()?;
     let ch = EventChannel::create(&ctx)?;
     let listener = CmId::create(&ch, PortSpace::Tcp)?;
     let at = listener.bind(listen).with_context(|| format!("cannot listen on {listen}"))?;

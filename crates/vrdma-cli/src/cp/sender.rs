@@ -13,6 +13,8 @@ use vrdma::cm::{CmId, ConnParam, EventChannel, EventKind, PortSpace};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::AccessFlags;
 
+use crate::embedded::Opener;
+
 use super::protocol::{hex, reason, Accept, Done, Offer, Verdict, CONTROL_LEN};
 
 /// The receiver's address: HOST or HOST:PORT (IPv4: rdma_cm's addresses
@@ -33,12 +35,12 @@ fn resolve(dest: &str) -> Result<SocketAddrV4> {
         .with_context(|| format!("{dest:?} has no IPv4 address"))
 }
 
-pub fn run(socket: &Path, src: &Path, dest: &str, segment: u64, slots: u32, show: bool) -> Result<()> {
+pub fn run(device: &Opener, src: &Path, dest: &str, segment: u64, slots: u32, show: bool) -> Result<()> {
     let mut file = File::open(src).with_context(|| format!("cannot open {}", src.display()))?;
     let size = file.metadata()?.len();
     let addr = resolve(dest)?;
 
-    let ctx = vrdma::Context::open_at(socket)?;
+    let ctx = device.open()?;
     let ch = EventChannel::create(&ctx)?;
     let id = CmId::create(&ch, PortSpace::Tcp)?;
     id.resolve_addr(None, addr)?;

@@ -24,6 +24,14 @@
 //! would wait for it. The prepare handler takes the lock (waiting for a
 //! re-backing in progress to finish) and both sides release it after.
 //!
+//! In a guest (`docs/vms.md`) re-backed pages are shared mappings of the
+//! VM's BAR (sysfs `resource2`, or the region memfd a host test maps), not
+//! of our memfds: the BAR's file is noted when a guest context opens it
+//! ([`note_guest_bar`]) and the child copies every shared mapping of it
+//! the same way, the rings and `alloc_mr` memory mapped from it too (the
+//! child may not use the parent's objects anyway, as with rdma-core, and
+//! a copy keeps whatever it does to them away from the parent's).
+//!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
 //! child starts, so bytes the parent's other threads or the device write
@@ -32,7 +40,7 @@
 //! rather than stay shared.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::MutexGuard;
 
 use super::{Spans, REGISTRY};
@@ -78,6 +86,37 @@ extern "C" fn in_parent() {
 /// Called before the first re-backing: from then on each child copies.
 pub(crate) fn note_rebacking() {
     REBACKED.store(true, Ordering::SeqCst);
+}
+
+/// The VMs' BAR files this process re-backed pages with, as
+/// `(major << 32 | minor, inode)` of the file (0, 0: a free slot); the
+/// child reads them without the heap. One process maps one VM's BAR;
+/// a few slots spare.
+static GUEST_BARS: [(AtomicU64, AtomicU64); 4] = [const { (AtomicU64::new(0), AtomicU64::new(0)) }; 4];
+
+/// Called when a guest context opens a VM's BAR and before each
+/// re-backing with it (the file's device and inode, as `fstat` gives
+/// them): from then on each child copies the shared mappings of that
+/// file too.
+pub(crate) fn note_guest_bar(dev: u64, ino: u64) {
+    let dev = u64::from(rustix::fs::major(dev)) << 32 | u64::from(rustix::fs::minor(dev));
+    for (d, i) in &GUEST_BARS {
+        if (d.load(Ordering::SeqCst), i.load(Ordering::SeqCst)) == (dev, ino) {
+            break;
+        }
+        if i.compare_exchange(0, ino, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            d.store(dev, Ordering::SeqCst);
+            break;
+        }
+    }
+    note_rebacking();
+}
+
+/// Whether `(dev, ino)` (maps' device as `major << 32 | minor`) is a
+/// noted BAR file.
+fn is_guest_bar(dev: u64, ino: u64) -> bool {
+    ino != 0
+        && GUEST_BARS.iter().any(|(d, i)| i.load(Ordering::SeqCst) == ino && d.load(Ordering::SeqCst) == dev)
 }
 
 extern "C" fn in_child() {
@@ -128,7 +167,7 @@ fn privatize_all() {
         libc::close(fd);
         let text = std::slice::from_raw_parts(buf.cast::<u8>(), len);
         for line in text.split(|&b| b == b'\n') {
-            if let Some((start, end, perms)) = rebacked_mapping(line) {
+            if let Some((start, end, perms)) = rebacked_mapping(line, is_guest_bar) {
                 privatize(start, end, perms);
             }
         }
@@ -137,18 +176,38 @@ fn privatize_all() {
 }
 
 /// `(start, end, perms)` of a maps line that is a re-backed mapping
-/// (shared, of our memfd); parsed without allocating.
-fn rebacked_mapping(line: &[u8]) -> Option<(usize, usize, [u8; 4])> {
+/// (shared, of our memfd, or of a file `guest_bar` says is a VM's BAR:
+/// given maps' device as `major << 32 | minor` and the inode); parsed
+/// without allocating.
+fn rebacked_mapping(line: &[u8], guest_bar: impl Fn(u64, u64) -> bool) -> Option<(usize, usize, [u8; 4])> {
     let mut fields = line.split(|&b| b == b' ').filter(|f| !f.is_empty());
     let range = fields.next()?;
     let perms: [u8; 4] = fields.next()?.try_into().ok()?;
-    // offset, device, inode, then the path.
-    let path = fields.nth(3)?;
-    if perms[3] != b's' || !path.starts_with(super::MAPS_PATH_PREFIX.as_bytes()) {
+    let _offset = fields.next()?;
+    let dev = fields.next()?;
+    let inode = fields.next()?;
+    // The path, absent for anonymous mappings.
+    let path = fields.next().unwrap_or(&[]);
+    if perms[3] != b's' {
+        return None;
+    }
+    let ours = path.starts_with(super::MAPS_PATH_PREFIX.as_bytes()) || {
+        let colon = dev.iter().position(|&b| b == b':')?;
+        let dev = (hex(&dev[..colon])? as u64) << 32 | hex(&dev[colon + 1..])? as u64;
+        guest_bar(dev, decimal(inode)?)
+    };
+    if !ours {
         return None;
     }
     let dash = range.iter().position(|&b| b == b'-')?;
     Some((hex(&range[..dash])?, hex(&range[dash + 1..])?, perms))
+}
+
+fn decimal(digits: &[u8]) -> Option<u64> {
+    if digits.is_empty() || digits.len() > 19 {
+        return None;
+    }
+    digits.iter().try_fold(0u64, |v, &d| Some(v * 10 + u64::from((d as char).to_digit(10)?)))
 }
 
 fn hex(digits: &[u8]) -> Option<usize> {
@@ -211,7 +270,16 @@ mod tests {
     #[test]
     fn finds_rebacked_mappings_in_maps_lines_without_allocating() {
         let ours = b"7f0000100000-7f0000102000 rw-s 00000000 00:01 4242                       /memfd:vrdma-rebacked (deleted)";
-        assert_eq!(rebacked_mapping(ours), Some((0x7f00_0010_0000, 0x7f00_0010_2000, *b"rw-s")));
+        let none = |_, _| false;
+        assert_eq!(rebacked_mapping(ours, none), Some((0x7f00_0010_0000, 0x7f00_0010_2000, *b"rw-s")));
+        // A VM's BAR (sysfs resource2, device 00:15, inode 321) once noted.
+        let bar = b"7f0000200000-7f0000204000 rw-s fe005000 00:15 321                        /sys/devices/pci0000:00/0000:00:04.0/resource2";
+        let noted = |dev, ino| (dev, ino) == (0x15, 321);
+        assert_eq!(rebacked_mapping(bar, noted), Some((0x7f00_0020_0000, 0x7f00_0020_4000, *b"rw-s")));
+        assert_eq!(rebacked_mapping(bar, none), None, "a BAR not noted");
+        assert_eq!(rebacked_mapping(bar, |dev, ino| (dev, ino) == (0x16, 321)), None, "another device");
+        let private = b"7f0000200000-7f0000204000 rw-p fe005000 00:15 321 /sys/devices/pci0000:00/0000:00:04.0/resource2";
+        assert_eq!(rebacked_mapping(private, noted), None, "a private mapping of it");
         for other in [
             &b"7f0000102000-7f0000103000 rw-s 00000000 00:01 99                         /dev/shm/other"[..],
             b"7f0000100000-7f0000102000 rw-p 00000000 00:01 4242                       /memfd:vrdma-rebacked (deleted)",
@@ -221,7 +289,7 @@ mod tests {
             b"garbage",
             b"zz-10 rw-s 0 0 0 /memfd:vrdma-rebacked",
         ] {
-            assert_eq!(rebacked_mapping(other), None, "{}", String::from_utf8_lossy(other));
+            assert_eq!(rebacked_mapping(other, none), None, "{}", String::from_utf8_lossy(other));
         }
     }
 }

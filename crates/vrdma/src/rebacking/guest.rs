@@ -10,8 +10,9 @@
 //! session registering it), and when the last region over a span goes the
 //! pages are moved back to private anonymous memory before the extent is
 //! given back, since it may then be handed to anything else of the VM.
-//! After `fork` a child shares re-backed pages with its parent (the BAR
-//! is shared memory): not yet handled as the host's memfd spans are.
+//! After `fork` the child gets private copies of the BAR's mappings, as
+//! of the host's memfd spans (`super::fork`): its writes never reach the
+//! parent's registered pages or the heap objects beside them.
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
@@ -152,6 +153,10 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
     let (offset, _) = (src.alloc)(span_len as u64)?;
     let release = (src.release)(offset);
     let made = (|| {
+        // A child forked from now on copies the BAR's shared mappings
+        // (the fork waits for the registry lock this holds).
+        let st = rustix::fs::fstat(src.bar)?;
+        super::fork::note_guest_bar(st.st_dev, st.st_ino);
         let bar = src.bar.try_clone_to_owned()?;
         let temp = Segment::map_trusted_at(bar, offset, span_len)?;
         let fence = fence::WriteFence::raise(pstart, span_len);

@@ -45,6 +45,7 @@ mod fence;
 mod fork;
 mod guest;
 
+pub(crate) use fork::note_guest_bar;
 pub(crate) use guest::{reback_guest, GuestSource};
 
 use std::collections::BTreeMap;
