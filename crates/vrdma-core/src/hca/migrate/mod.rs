@@ -38,7 +38,7 @@ pub mod placement;
 mod snapshot;
 
 pub use import::MrImport;
-pub use placement::{MrAt, Placement, QpAt, RingAt};
+pub use placement::{Extent, MrAt, Placement, QpAt, RingAt};
 pub use snapshot::{
     AhSnap, CqSnap, InMsgSnap, MrSnap, PdSnap, QpSnap, RecvSnap, SendSnap, SentSnap, SnapshotError, SrqSnap,
     TenantSnapshot, WrBytes, MAX_SNAPSHOT_BYTES, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,

@@ -31,6 +31,11 @@ pub struct Placement {
     /// The region's length on the source: the destination's must be the
     /// same (the same `[vms.NAME]`).
     pub region_len: u64,
+    /// Every extent of the region in use on the source (rings, and the
+    /// memory the guest took to register in, registered or not), sorted:
+    /// the destination's allocator starts from the same state, so that it
+    /// never hands out bytes the guest still uses.
+    pub extents: Vec<Extent>,
     /// Each memory region's first byte in the region (its length is the
     /// region's own, in its `MrSnap`).
     pub mrs: Vec<MrAt>,
@@ -41,6 +46,12 @@ pub struct Placement {
     /// Each QP's rings (send, then receive unless it has an SRQ, then the
     /// inbox when it had one), as one extent.
     pub qps: Vec<QpAt>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub at: u64,
+    pub len: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -94,17 +105,33 @@ fn same_objects(what: &str, have: &HashSet<u32>, placed: &[u32]) -> Result<(), S
     Ok(())
 }
 
-/// Checks a snapshot's placement, if it has one: every memory region,
-/// CQ, SRQ and QP placed once; every extent inside the region; rings
-/// aligned, at least as long as the ring they hold (`qp_rings`: each QP's
-/// ring bytes, in the snapshot's order), and overlapping neither each
-/// other nor a memory region. Memory regions may overlap each other (one
+/// Checks a snapshot's placement, if it has one: the extents sorted,
+/// disjoint and inside the region; every memory region, CQ, SRQ and QP
+/// placed once, inside one extent; rings aligned, at least as long as the
+/// ring they hold (`qp_rings`: each QP's ring bytes, in the snapshot's
+/// order), and overlapping neither each other nor a memory region. Memory regions may overlap each other (one
 /// buffer registered twice). The driver checks the rest when it maps.
 pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), SnapshotError> {
     let Some(p) = &s.placement else { return Ok(()) };
     if p.region_len == 0 {
         return Err(invalid("placement in a region of 0 bytes"));
     }
+    let mut extents = Vec::with_capacity(p.extents.len());
+    for e in &p.extents {
+        let (a, b) = within("extent", e.at, e.len, p.region_len)?;
+        if extents.last().is_some_and(|&(_, end)| a < end) {
+            return Err(invalid(format!("extent at {a:#x}: not sorted, or overlapping the one before")));
+        }
+        extents.push((a, b));
+    }
+    // The extent holding all of `[a, b)`.
+    let inside = |what: &str, (a, b): (u64, u64)| -> Result<(), SnapshotError> {
+        let i = extents.partition_point(|e| e.0 <= a);
+        match i.checked_sub(1).map(|i| extents[i]) {
+            Some((_, end)) if b <= end => Ok(()),
+            _ => Err(invalid(format!("{what} at {a:#x} lies in no extent"))),
+        }
+    };
     same_objects(
         "memory region",
         &s.mrs.iter().map(|m| m.key).collect(),
@@ -134,7 +161,10 @@ pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), Snapshot
     let mut mrs = Vec::with_capacity(p.mrs.len());
     for at in &p.mrs {
         let len = mr_len.get(&at.key).copied().unwrap_or(0);
-        mrs.push(within(&format!("memory region {:#x}", at.key), at.at, len, p.region_len)?);
+        let what = format!("memory region {:#x}", at.key);
+        let span = within(&what, at.at, len, p.region_len)?;
+        inside(&what, span)?;
+        mrs.push(span);
     }
     let mut rings = Vec::with_capacity(p.cqs.len() + p.srqs.len() + p.qps.len());
     let mut ring = |what: String, at: u64, len: u64, need: u64| -> Result<(), SnapshotError> {
@@ -144,7 +174,9 @@ pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), Snapshot
         if len < need {
             return Err(invalid(format!("{what}: an extent of {len} bytes for a ring of {need}")));
         }
-        rings.push(within(&what, at, len, p.region_len)?);
+        let span = within(&what, at, len, p.region_len)?;
+        inside(&what, span)?;
+        rings.push(span);
         Ok(())
     };
     for c in &p.cqs {

@@ -600,7 +600,7 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
 /// region's offset.
 #[test]
 fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
-    use crate::hca::migrate::{MrAt, Placement, QpAt, RingAt};
+    use crate::hca::migrate::{Extent, MrAt, Placement, QpAt, RingAt};
     let (_t, _a, _b, mem, bytes) = paused_snapshot();
     let snap = TenantSnapshot::decode(&bytes).unwrap();
     assert_eq!(snap.placement, None, "the core knows no region; the driver fills it");
@@ -609,6 +609,7 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
     let mr_span = mr.len.next_multiple_of(page);
     let placed = Placement {
         region_len: 16 << 20,
+        extents: vec![Extent { at: 2 * page, len: 1 << 20 }, Extent { at: 8 << 20, len: 2 << 20 }],
         mrs: vec![MrAt { key: mr.key, at: 3 * page }],
         cqs: vec![RingAt { id: cq.cq, at: 3 * page + mr_span, len: cq.ring_bytes.next_multiple_of(page) }],
         srqs: Vec::new(),
@@ -650,6 +651,12 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         ("a QP's rings too short", with(&|p| p.qps[0].len = 64)),
         ("rings overlapping", with(&|p| p.qps[0].at = p.cqs[0].at)),
         ("a memory region on a ring", with(&|p| p.mrs[0].at = p.qps[0].at + page)),
+        ("a memory region in no extent", with(&|p| p.mrs[0].at = 0)),
+        ("a ring in no extent", with(&|p| p.qps[0].at = 12 << 20)),
+        ("a ring whose extent is elsewhere", with(&|p| p.extents[1].at = p.extents[0].at + p.extents[0].len)),
+        ("extents overlapping", with(&|p| p.extents[1].at = p.extents[0].at)),
+        ("extents unsorted", with(&|p| p.extents.reverse())),
+        ("an extent past the end", with(&|p| p.extents[1].len = 9 << 20)),
     ];
     for (what, v) in cases {
         let mut c = bare_host(IPS[C], &tune);
