@@ -63,6 +63,11 @@ impl Extents {
         Some((start, want))
     }
 
+    /// The extents allocated, by offset: (offset, length).
+    pub fn used(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.used.iter().map(|(&a, &l)| (a, l))
+    }
+
     /// Takes the extent `[at, at + len)` (whole pages, `at` a page's
     /// start), which must be free: for an allocator that resumes where
     /// another left off (a VM that moved). Its length, or `None`.

@@ -78,6 +78,9 @@ pub struct QpAt {
     pub inbox: bool,
     /// Send WRs retired, free-running (the daemon's, not the guest's word).
     pub retired: u32,
+    /// Send WRs taken from the ring and not yet retired (those the
+    /// snapshot's requester holds): at most the send queue's depth.
+    pub held: u32,
 }
 
 /// One extent of the region: checked within it.
@@ -158,6 +161,7 @@ pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), Snapshot
     let cq_need: HashMap<u32, u64> = s.cqs.iter().map(|c| (c.cq, c.ring_bytes)).collect();
     let srq_need: HashMap<u32, u64> = s.srqs.iter().map(|x| (x.srq, x.ring_bytes)).collect();
     let qp_need: HashMap<u32, u64> = s.qps.iter().zip(qp_rings).map(|(q, rb)| (q.qpn, *rb)).collect();
+    let qp_depth: HashMap<u32, u32> = s.qps.iter().map(|q| (q.qpn, q.init.cap.max_send_wr)).collect();
     let mut mrs = Vec::with_capacity(p.mrs.len());
     for at in &p.mrs {
         let len = mr_len.get(&at.key).copied().unwrap_or(0);
@@ -189,6 +193,10 @@ pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), Snapshot
     }
     for q in &p.qps {
         let need = qp_need.get(&q.qpn).copied().unwrap_or(u64::MAX);
+        let depth = qp_depth.get(&q.qpn).copied().unwrap_or(0);
+        if q.held > depth {
+            return Err(invalid(format!("QP {:#x}: {} send WRs held, depth {depth}", q.qpn, q.held)));
+        }
         ring(format!("QP {:#x}", q.qpn), q.at, q.len, need)?;
     }
     rings.sort_unstable();

@@ -613,7 +613,7 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         mrs: vec![MrAt { key: mr.key, at: 3 * page }],
         cqs: vec![RingAt { id: cq.cq, at: 3 * page + mr_span, len: cq.ring_bytes.next_multiple_of(page) }],
         srqs: Vec::new(),
-        qps: vec![QpAt { qpn: qp.qpn, at: 8 << 20, len: 1 << 20, inbox: false, retired: 7 }],
+        qps: vec![QpAt { qpn: qp.qpn, at: 8 << 20, len: 1 << 20, inbox: false, retired: 7, held: 1 }],
     };
     let with = |f: &dyn Fn(&mut Placement)| {
         let mut s = snap.clone();
@@ -649,6 +649,7 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         ("a ring misaligned", with(&|p| p.cqs[0].at += 8)),
         ("a ring too short", with(&|p| p.cqs[0].len = 64)),
         ("a QP's rings too short", with(&|p| p.qps[0].len = 64)),
+        ("more WRs held than the send queue", with(&|p| p.qps[0].held = 1 << 20)),
         ("rings overlapping", with(&|p| p.qps[0].at = p.cqs[0].at)),
         ("a memory region on a ring", with(&|p| p.mrs[0].at = p.qps[0].at + page)),
         ("a memory region in no extent", with(&|p| p.mrs[0].at = 0)),
