@@ -257,7 +257,7 @@ impl Hca {
                 )));
             }
         }
-        super::placement::check(s, &qp_rings)?;
+        super::placement::check(s)?;
         Ok(Plan { tenant: s.tenant, objects, bytes: all_bytes, queue_bytes, qp_rings })
     }
 

@@ -111,10 +111,9 @@ fn same_objects(what: &str, have: &HashSet<u32>, placed: &[u32]) -> Result<(), S
 /// Checks a snapshot's placement, if it has one: the extents sorted,
 /// disjoint and inside the region; every memory region, CQ, SRQ and QP
 /// placed once, inside one extent; rings aligned, at least as long as the
-/// ring they hold (`qp_rings`: each QP's ring bytes, in the snapshot's
-/// order), and overlapping neither each other nor a memory region. Memory regions may overlap each other (one
+/// ring they hold, and overlapping neither each other nor a memory region. Memory regions may overlap each other (one
 /// buffer registered twice). The driver checks the rest when it maps.
-pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), SnapshotError> {
+pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
     let Some(p) = &s.placement else { return Ok(()) };
     if p.region_len == 0 {
         return Err(invalid("placement in a region of 0 bytes"));
@@ -160,7 +159,8 @@ pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), Snapshot
     let mr_len: HashMap<u32, u64> = s.mrs.iter().map(|m| (m.key, m.len)).collect();
     let cq_need: HashMap<u32, u64> = s.cqs.iter().map(|c| (c.cq, c.ring_bytes)).collect();
     let srq_need: HashMap<u32, u64> = s.srqs.iter().map(|x| (x.srq, x.ring_bytes)).collect();
-    let qp_need: HashMap<u32, u64> = s.qps.iter().zip(qp_rings).map(|(q, rb)| (q.qpn, *rb)).collect();
+    let qp_need: HashMap<u32, u64> =
+        s.qps.iter().map(|q| (q.qpn, crate::hca::qp_ring_bytes(q.init.cap))).collect();
     let qp_depth: HashMap<u32, u32> = s.qps.iter().map(|q| (q.qpn, q.init.cap.max_send_wr)).collect();
     let mut mrs = Vec::with_capacity(p.mrs.len());
     for at in &p.mrs {
@@ -214,4 +214,13 @@ pub(crate) fn check(s: &TenantSnapshot, qp_rings: &[u64]) -> Result<(), Snapshot
         }
     }
     Ok(())
+}
+
+impl TenantSnapshot {
+    /// Checks the snapshot's placement alone (see [`check`]), for a driver
+    /// that maps the region before the import, which checks it again with
+    /// everything else.
+    pub fn check_placement(&self) -> Result<(), SnapshotError> {
+        check(self)
+    }
 }
