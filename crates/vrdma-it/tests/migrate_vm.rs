@@ -9,9 +9,9 @@
 //! and ring in the VM's region), the region's bytes copied from A's to
 //! C's (what QEMU's migration of the VM's RAM does; the daemons do not
 //! move them), import on C (which maps the regions and rebuilds the rings
-//! at the same offsets), finish on A, resume on C. Then B's sends and RDMA
-//! writes land in the VM's memory on C, and their completions in the
-//! VM's CQ ring there, once each and in order.
+//! at the same offsets), finish on A, resume on C; then the same back to A.
+//! B's sends and RDMA writes land in the VM's memory where it is, and
+//! their completions in the VM's CQ ring there, once each and in order.
 //!
 //! Not here yet: the guest's sessions reattaching on C (the emulated
 //! guest's session ends with A's finish), so the guest posts nothing after
@@ -148,14 +148,14 @@ impl GuestCq {
     }
 }
 
-/// A VM's tenant with a memory region, CQ and RC QP moves A → C: B's
-/// messages held during the pause, and those after, land in the VM's
-/// memory on C with their completions in the VM's CQ ring there, once each
-/// and in order; B's RDMA write lands by the same rkey; B's QP stays in
-/// RTS.
+/// A VM's tenant with a memory region, CQ and RC QP moves A → C and back:
+/// B's messages held during each pause, and those after, land in the VM's
+/// memory where it is, with their completions in the VM's CQ ring there,
+/// once each and in order; B's RDMA write lands by the same rkey; B's QP
+/// stays in RTS; a daemon without the VM refuses the import; C, having
+/// imported, exports the same placement.
 #[test]
-fn a_vm_tenant_with_memory_moves_and_its_peers_messages_land_in_its_region_on_the_destination() -> Result<()>
-{
+fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_its_region() -> Result<()> {
     let uid = rustix::process::geteuid().as_raw();
     let h = ThreeHosts::start(&format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n"))?;
     let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
@@ -168,9 +168,10 @@ fn a_vm_tenant_with_memory_moves_and_its_peers_messages_land_in_its_region_on_th
     eb.lid = 0;
     b.qp.connect(&eg, access_all())?;
     guest.call_ok(&Command::Connect { peer: eb })?;
-    // Six receives in the guest's RQ ring, each at the region's start.
+    // N + 1 receives in the guest's RQ ring, each at the region's start:
+    // N messages A -> C, one more on the way back.
     const N: u64 = 6;
-    guest.call_ok(&Command::PostRecv { count: N as usize, offset: 0, len: 4096 })?;
+    guest.call_ok(&Command::PostRecv { count: N as usize + 1, offset: 0, len: 4096 })?;
     let msg = |i: u64| pattern(1000 + i as usize, i);
     let send = |i: u64| -> Result<()> {
         let m = msg(i);
@@ -197,6 +198,10 @@ fn a_vm_tenant_with_memory_moves_and_its_peers_messages_land_in_its_region_on_th
     assert_eq!(p.region_len, vm_a.region_len);
     assert_eq!((p.mrs.len(), p.qps.len()), (snap.mrs.len(), 1));
     assert!(!p.extents.is_empty());
+    // B has no VM of this tenant: it cannot take it.
+    let e = vrdma::migrate::import(&h.b.socket, snap_fd.as_fd()).unwrap_err();
+    assert_eq!(e.errno(), libc::ENOENT, "{e}");
+    assert!(e.to_string().contains("no VM of that tenant"), "{e}");
     // The region moves as QEMU would move it; then C imports.
     copy_region(&vm_a.region, &vm_c.region, vm_a.region_len)?;
     assert_eq!(vrdma::migrate::import(&h.c.socket, snap_fd.as_fd())?, (uid, 1));
@@ -245,6 +250,31 @@ fn a_vm_tenant_with_memory_moves_and_its_peers_messages_land_in_its_region_on_th
     // Nothing twice; B's QP never left RTS.
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(guest_cq.pending()?, 0, "a completion twice");
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+
+    // And back C -> A: C exports what it imported (the same places), A's
+    // region (free again since A let go) takes C's bytes.
+    assert_eq!(vrdma::migrate::pause(&h.c.socket, uid)?, 1);
+    send(N)?;
+    let (back_fd, _, _) = vrdma::migrate::export(&h.c.socket, uid)?;
+    let back = TenantSnapshot::decode(&read_all(&back_fd)?)?;
+    let bp = back.placement.as_ref().context("C exports the placement it imported")?;
+    assert_eq!((&bp.mrs, &bp.cqs, &bp.qps.len()), (&p.mrs, &p.cqs, &1));
+    assert_eq!(bp.extents, p.extents);
+    copy_region(&vm_c.region, &vm_a.region, vm_c.region_len)?;
+    assert_eq!(vrdma::migrate::import(&h.a.socket, back_fd.as_fd())?, (uid, 1));
+    vrdma::migrate::finish(&h.c.socket, uid)?;
+    assert_eq!(vrdma::migrate::resume(&h.a.socket, uid)?, 1);
+    let wc = poll_n(&b.cq, 1, WAIT)?;
+    assert_eq!((wc[0].wr_id, wc[0].status), (N, WcStatus::Success), "B's send held on C");
+    let guest_cq_a = GuestCq::open(&vm_a.region, cq_at.at, cq_at.len, cq.ring_bytes)?;
+    let cqes = guest_cq_a.poll(1)?;
+    assert_eq!((cqes[0].wr_id, cqes[0].status), (N, WcStatus::Success), "the last receive, on A");
+    let mut got = vec![0u8; msg(N).len()];
+    rustix::io::pread(&vm_a.region, &mut got, mr_at)?;
+    assert_eq!(got, msg(N), "message {N} in A's region");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(guest_cq_a.pending()?, 0, "a completion twice");
     assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
     Ok(())
 }

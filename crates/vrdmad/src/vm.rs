@@ -200,6 +200,9 @@ pub(crate) enum Place {
 #[derive(Debug, Default)]
 pub(crate) struct Placed {
     by_ctx: std::collections::HashMap<u32, std::collections::HashMap<(Kind, u32), Place>>,
+    /// Extents an import took that no ring owns (the guest's memory, which
+    /// a session would own): given back when the tenant moves away again.
+    pub orphans: Vec<u64>,
 }
 
 /// Which number space an object's number is in.

@@ -219,6 +219,9 @@ pub(super) fn handle(
             for c in &ctxs {
                 shared.end_session(c.0);
             }
+            if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
+                super::migrate_vm::moved_away(vm, &ctxs);
+            }
             tracing::info!(tenant, qps, contexts = ctxs.len(), "tenant moved away; its sessions here ended");
             Reply::Migrated(MigrateReply::Finished { qps: qps as u32, contexts: ctxs.len() as u32 }).into()
         }

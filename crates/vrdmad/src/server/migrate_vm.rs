@@ -274,6 +274,7 @@ impl Attached {
             for c in &self.contexts {
                 placed.open_context(*c);
             }
+            placed.orphans.extend(self.memory.iter().copied());
             for (ctx, kind, id, place) in self.places {
                 placed.record(ctx, kind, id, place);
             }
@@ -287,5 +288,22 @@ impl Attached {
         for (qpn, r) in self.qps {
             rings.add_qp(qpn, r);
         }
+    }
+}
+
+/// The VM's tenant moved away from here (`Finish`): its contexts' places
+/// are forgotten and the extents an import took for its memory given
+/// back (its rings' extents go with the rings, its sessions' with them).
+pub(super) fn moved_away(vm: &Vm, contexts: &[ContextId]) {
+    let orphans = {
+        let mut placed = vm.placed();
+        for c in contexts {
+            placed.forget_context(c.0);
+        }
+        std::mem::take(&mut placed.orphans)
+    };
+    let mut ext = vm.extents();
+    for at in orphans {
+        ext.free(at);
     }
 }
