@@ -163,7 +163,7 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     let mut guest = PeerProc::spawn_guest(&vm_a, "tenant", &["--mr-len", "65536"])?;
     let g = guest.hello()?;
     let b = Side::new(&h.b.context()?, 1 << 16)?;
-    let (mut eg, mut eb) = (g.endpoint.clone(), b.endpoint()?);
+    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
     eg.lid = 0;
     eb.lid = 0;
     b.qp.connect(&eg, access_all())?;
@@ -207,7 +207,8 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     assert_eq!(vrdma::migrate::import(&h.c.socket, snap_fd.as_fd())?, (uid, 1));
     // C's VM region is in use now: a second import is refused.
     let e = vrdma::migrate::import(&h.c.socket, snap_fd.as_fd()).unwrap_err();
-    assert!(e.to_string().contains("collides") || e.to_string().contains("in use"), "{e}");
+    assert_eq!(e.errno(), libc::EBUSY, "{e}");
+    assert!(e.to_string().contains("region is in use here"), "{e}");
     vrdma::migrate::finish(&h.a.socket, uid)?;
     assert_eq!(vrdma::migrate::resume(&h.c.socket, uid)?, 1);
     drop(guest);

@@ -16,12 +16,13 @@
 //! up to 256 MiB on the link the tenants' traffic shares. On one host the
 //! file is a memfd; across hosts it goes by `scp` or a pipe over ssh.
 //!
-//! What an import maps: nothing yet. A tenant's memory regions and queue
-//! rings are its memory, which moves with it (a VM's region); attaching an
-//! imported tenant's contexts and rings to its new sessions is not done,
-//! so an import with memory regions is refused (`no memory for region`),
-//! and the imported QPs have no rings here: they keep their connections
-//! (their peers follow them on resume) but post and complete nothing.
+//! What an import maps: for a VM's tenant, its memory regions and rings at
+//! the offsets of the VM's region the snapshot gives (`migrate_vm`); the
+//! region's bytes moved with the VM. A tenant that is no VM's (a process)
+//! has no memory here: an import with memory regions is refused (`no
+//! memory for region`), and its QPs have no rings here (they keep their
+//! connections, their peers follow them on resume, but post and complete
+//! nothing).
 //! `docs/migration.md` says what this round moves.
 
 // An `Answer` is the reply to send whichever way a call ends (as in
