@@ -186,9 +186,15 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![0]);
     assert_eq!(guest.read(0, msg(0).len())?, msg(0));
 
-    // Pause; B's next message is held.
+    // Pause; B's next message is held, and the guest posts a send of its
+    // own (it waits in the guest's send ring, or among the WRs A's
+    // requester took: either way it goes out from C).
     assert_eq!(vrdma::migrate::pause(&h.a.socket, uid)?, 1);
     send(1)?;
+    let from_guest = pattern(1500, 55);
+    b.qp.post_recv(&[wr::recv(70, &[b.mr.sge(60_000, 4096)?])?])?;
+    guest.call_ok(&Command::Fill { offset: 32_768, data: from_guest.clone() })?;
+    guest.call_ok(&Command::Send { wr_id: 50, offset: 32_768, len: from_guest.len(), imm: None })?;
     let held = vrdma_it::poll_for(&b.cq, Duration::from_millis(300))?;
     assert!(held.is_empty(), "completed while paused: {held:?}");
     let (snap_fd, _, qps) = vrdma::migrate::export(&h.a.socket, uid)?;
@@ -226,12 +232,31 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
         Ok(v)
     };
 
-    // The held message, then the rest, one at a time (each receive writes
-    // the region's start): each lands on C, once, in order.
-    for i in 1..N {
-        if i > 1 {
-            send(i)?;
-        }
+    // From C: B's held send and the guest's send, each completing once
+    // on both sides.
+    let mut wcs: Vec<(u64, WcStatus)> = poll_n(&b.cq, 2, WAIT)?.iter().map(|w| (w.wr_id, w.status)).collect();
+    wcs.sort_unstable_by_key(|w| w.0);
+    assert_eq!(
+        wcs,
+        vec![(1, WcStatus::Success), (70, WcStatus::Success)],
+        "B's send 1, B's receive of the guest's"
+    );
+    let mut got = vec![0u8; from_guest.len()];
+    b.mr.read(60_000, &mut got)?;
+    assert_eq!(got, from_guest, "the guest's message, sent from C");
+    let mut cqes: Vec<(u64, WcStatus, WcOpcode)> =
+        guest_cq.poll(2)?.iter().map(|c| (c.wr_id, c.status, c.opcode)).collect();
+    cqes.sort_unstable_by_key(|c| c.0);
+    assert_eq!(
+        cqes,
+        vec![(1, WcStatus::Success, WcOpcode::Recv), (50, WcStatus::Success, WcOpcode::Send)],
+        "the guest's receive 1 and its send, in the VM's CQ on C"
+    );
+    assert_eq!(read_c(0, msg(1).len())?, msg(1), "message 1 in C's region");
+    // The rest, one at a time (each receive writes the region's start):
+    // each lands on C, once, in order.
+    for i in 2..N {
+        send(i)?;
         let wc = poll_n(&b.cq, 1, WAIT)?;
         assert_eq!((wc[0].wr_id, wc[0].status), (i, WcStatus::Success), "B's send {i}");
         let cqes = guest_cq.poll(1)?;
