@@ -30,7 +30,8 @@ use vrdma_it::protocol::Command;
 use vrdma_it::{access_all, pattern, poll_n, DaemonProc, PeerProc, Side, WAIT};
 
 /// Three daemons (namespaces on a bridge, or loopback addresses), each
-/// linked to the other two; `vm` in A's and C's configuration.
+/// linked to the other two; `vm` in A's and C's configuration, `b_vm` in
+/// B's.
 struct ThreeHosts {
     a: DaemonProc,
     b: DaemonProc,
@@ -39,7 +40,7 @@ struct ThreeHosts {
 }
 
 impl ThreeHosts {
-    fn start(vm: &str) -> Result<ThreeHosts> {
+    fn start(vm: &str, b_vm: &str) -> Result<ThreeHosts> {
         let net = match vrdma_it::netns_unavailable() {
             None => vrdma_it::NetnsBridge::create(3)
                 .map_err(|e| eprintln!("three loopback addresses: namespaces cannot be made here: {e:#}"))
@@ -58,7 +59,7 @@ impl ThreeHosts {
         let start = |i: usize| {
             let peers: Vec<String> =
                 (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", ips[j])).collect();
-            let extra = if i == 1 { "" } else { vm };
+            let extra = if i == 1 { b_vm } else { vm };
             let cfg = vrdma_it::host_config(&ips[i], port, &peers, extra);
             DaemonProc::start_in(net.as_ref().map(|n| n.ns[i].as_str()), &cfg)
         };
@@ -152,12 +153,14 @@ impl GuestCq {
 /// B's messages held during each pause, and those after, land in the VM's
 /// memory where it is, with their completions in the VM's CQ ring there,
 /// once each and in order; B's RDMA write lands by the same rkey; B's QP
-/// stays in RTS; a daemon without the VM refuses the import; C, having
-/// imported, exports the same placement.
+/// stays in RTS; a daemon whose VM has another region size refuses the
+/// import; C, having imported, exports the same placement.
 #[test]
 fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_its_region() -> Result<()> {
     let uid = rustix::process::geteuid().as_raw();
-    let h = ThreeHosts::start(&format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n"))?;
+    // B has VM t too, with a region of another size: not the same VM.
+    let vm = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 2\n");
+    let h = ThreeHosts::start(&vm(8), &vm(16))?;
     let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
     let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
     let mut guest = PeerProc::spawn_guest(&vm_a, "tenant", &["--mr-len", "65536"])?;
@@ -204,10 +207,10 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     assert_eq!(p.region_len, vm_a.region_len);
     assert_eq!((p.mrs.len(), p.qps.len()), (snap.mrs.len(), 1));
     assert!(!p.extents.is_empty());
-    // B has no VM of this tenant: it cannot take it.
+    // B's VM t has a region of another size: it cannot take it.
     let e = vrdma::migrate::import(&h.b.socket, snap_fd.as_fd()).unwrap_err();
-    assert_eq!(e.errno(), libc::ENOENT, "{e}");
-    assert!(e.to_string().contains("no VM of that tenant"), "{e}");
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    assert!(e.to_string().contains("the same VM must be configured on both"), "{e}");
     // The region moves as QEMU would move it; then C imports.
     copy_region(&vm_a.region, &vm_c.region, vm_a.region_len)?;
     assert_eq!(vrdma::migrate::import(&h.c.socket, snap_fd.as_fd())?, (uid, 1));
