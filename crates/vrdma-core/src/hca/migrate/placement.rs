@@ -108,6 +108,16 @@ fn same_objects(what: &str, have: &HashSet<u32>, placed: &[u32]) -> Result<(), S
     Ok(())
 }
 
+/// The bytes of a QP's rings (as `hca::qp_ring_bytes`), for capacities
+/// not checked yet (this check may run before the import's): `u64::MAX`
+/// where they overflow, which no extent holds.
+fn qp_need(cap: crate::verbs::QpCap) -> u64 {
+    let send = u64::from(cap.max_send_wr)
+        .checked_mul(crate::ring::send_stride(cap.max_send_sge, cap.max_inline_data) as u64);
+    let recv = u64::from(cap.max_recv_wr).checked_mul(crate::ring::recv_stride(cap.max_recv_sge) as u64);
+    send.zip(recv).and_then(|(a, b)| a.checked_add(b)).unwrap_or(u64::MAX)
+}
+
 /// Checks a snapshot's placement, if it has one: the extents sorted,
 /// disjoint and inside the region; every memory region, CQ, SRQ and QP
 /// placed once, inside one extent; rings aligned, at least as long as the
@@ -159,8 +169,7 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
     let mr_len: HashMap<u32, u64> = s.mrs.iter().map(|m| (m.key, m.len)).collect();
     let cq_need: HashMap<u32, u64> = s.cqs.iter().map(|c| (c.cq, c.ring_bytes)).collect();
     let srq_need: HashMap<u32, u64> = s.srqs.iter().map(|x| (x.srq, x.ring_bytes)).collect();
-    let qp_need: HashMap<u32, u64> =
-        s.qps.iter().map(|q| (q.qpn, crate::hca::qp_ring_bytes(q.init.cap))).collect();
+    let qp_need: HashMap<u32, u64> = s.qps.iter().map(|q| (q.qpn, qp_need(q.init.cap))).collect();
     let qp_depth: HashMap<u32, u32> = s.qps.iter().map(|q| (q.qpn, q.init.cap.max_send_wr)).collect();
     let mut mrs = Vec::with_capacity(p.mrs.len());
     for at in &p.mrs {

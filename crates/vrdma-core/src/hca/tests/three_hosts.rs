@@ -650,6 +650,14 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         ("a ring too short", with(&|p| p.cqs[0].len = 64)),
         ("a QP's rings too short", with(&|p| p.qps[0].len = 64)),
         ("more WRs held than the send queue", with(&|p| p.qps[0].held = 1 << 20)),
+        ("a QP's capacities overflowing", {
+            let mut f = snap.clone();
+            f.qps[0].init.cap.max_send_wr = u32::MAX;
+            f.qps[0].init.cap.max_send_sge = u32::MAX;
+            f.placement = Some(placed.clone());
+            f.check_placement().expect_err("a ring of 2^68 bytes fits nowhere");
+            f.encode()
+        }),
         ("rings overlapping", with(&|p| p.qps[0].at = p.cqs[0].at)),
         ("a memory region on a ring", with(&|p| p.mrs[0].at = p.qps[0].at + page)),
         ("a memory region in no extent", with(&|p| p.mrs[0].at = 0)),
