@@ -63,6 +63,35 @@ impl Extents {
         Some((start, want))
     }
 
+    /// The extents allocated, by offset: (offset, length).
+    pub fn used(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.used.iter().map(|(&a, &l)| (a, l))
+    }
+
+    /// Takes the extent `[at, at + len)` (whole pages, `at` a page's
+    /// start), which must be free: for an allocator that resumes where
+    /// another left off (a VM that moved). Its length, or `None`.
+    pub fn reserve(&mut self, at: u64, len: u64) -> Option<u64> {
+        if len == 0 || !at.is_multiple_of(self.page) {
+            return None;
+        }
+        let want = len.checked_next_multiple_of(self.page)?;
+        let end = at.checked_add(want)?;
+        let (&start, &have) = self.free.range(..=at).next_back()?;
+        if end > start + have {
+            return None;
+        }
+        self.free.remove(&start);
+        if at > start {
+            self.free.insert(start, at - start);
+        }
+        if start + have > end {
+            self.free.insert(end, start + have - end);
+        }
+        self.used.insert(at, want);
+        Some(want)
+    }
+
     /// Gives back the extent that starts at `offset`; its length, or
     /// `None` if no extent starts there.
     pub fn free(&mut self, offset: u64) -> Option<u64> {
@@ -97,6 +126,28 @@ impl Extents {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reserves_a_free_extent_where_asked_and_nothing_else() {
+        let mut e = Extents::new(10 * 4096, 4096);
+        assert_eq!(e.reserve(2 * 4096, 4097), Some(8192));
+        assert_eq!(e.reserve(3 * 4096, 4096), None, "taken");
+        assert_eq!(e.reserve(4096, 8192), None, "overlaps what is taken");
+        assert_eq!(e.reserve(100, 4096), None, "not a page's start");
+        assert_eq!(e.reserve(9 * 4096, 8192), None, "past the end");
+        assert_eq!(e.reserve(u64::MAX - 4095, 8192), None, "wraps");
+        assert_eq!(e.reserve(0, 0), None);
+        assert_eq!(e.reserve(9 * 4096, 4096), Some(4096));
+        // The holes around are allocated as usual, and all merges back.
+        assert_eq!(e.alloc(8192), Some((0, 8192)));
+        assert_eq!(e.alloc(4096), Some((4 * 4096, 4096)));
+        assert_eq!(e.containing(2 * 4096 + 10, 100), Some((2 * 4096, 8192)));
+        for at in [0, 2 * 4096, 4 * 4096, 9 * 4096] {
+            assert!(e.free(at).is_some());
+        }
+        assert_eq!(e.free_bytes(), e.len());
+        assert_eq!(e.alloc(10 * 4096), Some((0, 10 * 4096)));
+    }
 
     #[test]
     fn allocates_pages_first_fit_and_merges_on_free() {

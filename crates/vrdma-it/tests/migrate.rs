@@ -5,9 +5,8 @@
 //! (`vrdma::migrate`, what `vrdma migrate` runs).
 //!
 //! What moves here and what does not: a process cannot move between
-//! hosts, and this round's daemon maps no memory for an imported tenant
-//! (a VM's region moving with it is the next round). So the tests move
-//! device state only:
+//! hosts, and the daemon maps memory only for a VM's imported tenant (in
+//! its region: `migrate_vm.rs`). So the tests here move device state only:
 //! - pause on A with the peer's sends held PAUSED (past the peer's own
 //!   transport timeout), export, an import on C that is refused because
 //!   the tenant has memory C cannot map, and the cancel (resume on A):

@@ -37,6 +37,9 @@ pub(crate) struct Vm {
     listener: OwnedFd,
     /// Who holds which part of the region.
     pub extents: Mutex<Extents>,
+    /// Where each object of the VM's contexts lies in the region, for a
+    /// migration's snapshot (`server::migrate`).
+    pub placed: Mutex<Placed>,
     /// Ports connected now (QEMU connects `ports` at most).
     pub connected: AtomicU32,
     /// The port connections, shut down to end them when the daemon stops.
@@ -103,6 +106,7 @@ impl Vm {
             socket,
             listener,
             extents: Mutex::new(Extents::new(region_len, vrdma_shm::page_size() as u64)),
+            placed: Mutex::default(),
             connected: AtomicU32::new(0),
             conns: Mutex::default(),
         })
@@ -110,6 +114,10 @@ impl Vm {
 
     pub fn extents(&self) -> std::sync::MutexGuard<'_, Extents> {
         self.extents.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn placed(&self) -> std::sync::MutexGuard<'_, Placed> {
+        self.placed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Accepts QEMU's port connections until [`shutdown`](Self::shutdown).
@@ -172,6 +180,66 @@ impl Vm {
         for (_, fd) in self.conns.lock().unwrap_or_else(|p| p.into_inner()).1.iter() {
             let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
+    }
+}
+
+/// Where one object of a VM's context lies in the VM's region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Place {
+    /// A memory region's first byte.
+    Mr(u64),
+    /// A CQ's or SRQ's ring extent (offset, length).
+    Ring(u64, u64),
+    /// A QP's rings' extent (offset, length) and whether it has an inbox.
+    Qp(u64, u64, bool),
+}
+
+/// The places of the objects of a VM's contexts: recorded when a guest
+/// session (or an import) makes an object, forgotten when it is destroyed
+/// or its context closes, so that the table holds live objects only.
+#[derive(Debug, Default)]
+pub(crate) struct Placed {
+    by_ctx: std::collections::HashMap<u32, std::collections::HashMap<(Kind, u32), Place>>,
+    /// Extents an import took that no ring owns (the guest's memory, which
+    /// a session would own): given back when the tenant moves away again.
+    pub orphans: Vec<u64>,
+}
+
+/// Which number space an object's number is in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Kind {
+    Mr,
+    Cq,
+    Srq,
+    Qp,
+}
+
+impl Placed {
+    pub fn record(&mut self, ctx: u32, kind: Kind, id: u32, place: Place) {
+        self.by_ctx.entry(ctx).or_default().insert((kind, id), place);
+    }
+
+    /// A guest context opened (it may hold no object yet).
+    pub fn open_context(&mut self, ctx: u32) {
+        self.by_ctx.entry(ctx).or_default();
+    }
+
+    pub fn forget(&mut self, ctx: u32, kind: Kind, id: u32) {
+        if let Some(m) = self.by_ctx.get_mut(&ctx) {
+            m.remove(&(kind, id));
+        }
+    }
+
+    pub fn forget_context(&mut self, ctx: u32) {
+        self.by_ctx.remove(&ctx);
+    }
+
+    pub fn get(&self, ctx: u32, kind: Kind, id: u32) -> Option<Place> {
+        self.by_ctx.get(&ctx)?.get(&(kind, id)).copied()
+    }
+
+    pub fn has_context(&self, ctx: u32) -> bool {
+        self.by_ctx.contains_key(&ctx)
     }
 }
 

@@ -312,6 +312,21 @@ impl QpRings {
         self
     }
 
+    /// Send WRs retired (free-running) and held (pulled, not retired): the
+    /// positions a migration carries (`server::migrate`).
+    pub fn positions(&self) -> (u32, u32) {
+        (self.retired, self.held)
+    }
+
+    /// Resumes the positions of a QP that moved here, and publishes the
+    /// retired count as the source last did.
+    pub fn resume_positions(mut self, retired: u32, held: u32) -> Self {
+        self.retired = retired;
+        self.held = held;
+        self.sq.ring.aux(SQ_AUX_RETIRED).store(retired, Ordering::Release);
+        self
+    }
+
     /// Counts `n` more send WRs retired and publishes the count: Release,
     /// so that a client that sees it also sees the slots those WRs freed,
     /// and before the completions the core pushes next.

@@ -62,6 +62,17 @@ impl RingMemory {
         Ok((offset, RingMemory { map, extent: Some((vm.clone(), offset)) }))
     }
 
+    /// The extent `[offset, offset + len)` of `vm`'s region, which the
+    /// caller reserved in its allocator, mapped as it is (a moved VM's
+    /// ring, whose indices and entries are in it); given back on drop.
+    pub fn reserved_in_vm(vm: &Arc<Vm>, offset: u64, len: usize) -> std::io::Result<RingMemory> {
+        let map = vm
+            .region
+            .try_clone()
+            .and_then(|fd| Mapping::map_untrusted_in(fd, offset, len, None).map_err(Into::into))?;
+        Ok(RingMemory { map, extent: Some((vm.clone(), offset)) })
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }

@@ -16,12 +16,13 @@
 //! up to 256 MiB on the link the tenants' traffic shares. On one host the
 //! file is a memfd; across hosts it goes by `scp` or a pipe over ssh.
 //!
-//! What an import maps: nothing yet. A tenant's memory regions and queue
-//! rings are its memory, which moves with it (a VM's region); attaching an
-//! imported tenant's contexts and rings to its new sessions is not done,
-//! so an import with memory regions is refused (`no memory for region`),
-//! and the imported QPs have no rings here: they keep their connections
-//! (their peers follow them on resume) but post and complete nothing.
+//! What an import maps: for a VM's tenant, its memory regions and rings at
+//! the offsets of the VM's region the snapshot gives (`migrate_vm`); the
+//! region's bytes moved with the VM. A tenant that is no VM's (a process)
+//! has no memory here: an import with memory regions is refused (`no
+//! memory for region`), and its QPs have no rings here (they keep their
+//! connections, their peers follow them on resume, but post and complete
+//! nothing).
 //! `docs/migration.md` says what this round moves.
 
 // An `Answer` is the reply to send whichever way a call ends (as in
@@ -92,9 +93,20 @@ pub(super) fn handle(
         }
         MigrateRequest::Export { tenant } => {
             let deadline = std::time::Instant::now() + EXPORT_WAIT;
-            let (bytes, qps) = loop {
+            let (mut snap, positions) = loop {
                 let r = engine
-                    .call(move |e| e.hca.snapshot_tenant(TenantId(tenant)).map(|s| (s.encode(), s.qps.len())))
+                    .call(move |e| {
+                        e.hca.snapshot_tenant(TenantId(tenant)).map(|s| {
+                            // The SQ positions the daemon keeps outside the
+                            // rings, for a VM's placement.
+                            let at: std::collections::HashMap<u32, (u32, u32)> = s
+                                .qps
+                                .iter()
+                                .filter_map(|q| Some((q.qpn, e.rings.qps.get(&q.qpn)?.positions())))
+                                .collect();
+                            (s, at)
+                        })
+                    })
                     .map_err(|_| gone())?;
                 match r {
                     Ok(done) => break done,
@@ -104,6 +116,11 @@ pub(super) fn handle(
                     Err(e) => return Err(refused(e)),
                 }
             };
+            // A VM's tenant: where its objects lie in the VM's region.
+            if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
+                snap.placement = super::migrate_vm::placement(vm, &snap, &positions)?;
+            }
+            let (bytes, qps) = (snap.encode(), snap.qps.len());
             let fd = sealed_memfd(&bytes).map_err(Answer::from)?;
             tracing::info!(tenant, bytes = bytes.len(), qps, "operator exported a paused tenant");
             Answer {
@@ -117,17 +134,39 @@ pub(super) fn handle(
             // Bytes that are no snapshot are refused here, without taking
             // the engine from its tenants (the import decodes again, under
             // the engine's lock, with every other check).
-            vrdma_core::hca::migrate::TenantSnapshot::decode(&bytes)
+            let snap = vrdma_core::hca::migrate::TenantSnapshot::decode(&bytes)
                 .map_err(|e| error(libc::EINVAL, e.to_string()))?;
+            // A VM's tenant: its regions and rings mapped where the
+            // snapshot places them in the VM's region here.
+            let mut attached = super::migrate_vm::attach(shared, &snap)?;
+            let mut regions = attached.as_mut().map(|a| std::mem::take(&mut a.regions)).unwrap_or_default();
             let r = engine
                 .call(move |e| {
                     let now = e.now();
-                    // No memory to map yet: see the module's doc.
-                    let t = e.hca.import_tenant(&bytes, now, &mut |_| None)?;
+                    // A tenant without a placement has no memory here: a
+                    // process's memory does not move (module doc).
+                    let t = e.hca.import_tenant(&bytes, now, &mut |m| regions.remove(&m.key))?;
                     Ok::<_, vrdma_core::hca::migrate::SnapshotError>((t, e.hca.tenant_contexts(t).len()))
                 })
-                .map_err(|_| gone())?;
-            let (t, contexts) = r.map_err(|e| error(libc::EINVAL, e.to_string()))?;
+                .map_err(|_| gone());
+            let r = match r {
+                Ok(Ok(done)) => Ok(done),
+                Ok(Err(e)) => Err(error(libc::EINVAL, e.to_string())),
+                Err(e) => Err(e),
+            };
+            let (t, contexts) = match r {
+                Ok(done) => done,
+                Err(e) => {
+                    if let Some(a) = attached {
+                        a.give_back();
+                    }
+                    return Err(e);
+                }
+            };
+            if let Some(a) = attached {
+                // The tenant is paused: its rings are in place before resume.
+                engine.call(move |e| a.install(&mut e.rings)).map_err(|_| gone())?;
+            }
             let qps = engine
                 .call(move |e| e.hca.snapshot_tenant(t).map_or(0, |s| s.qps.len()))
                 .map_err(|_| gone())?;
@@ -180,6 +219,9 @@ pub(super) fn handle(
             // here end (each session's close finds nothing left to free).
             for c in &ctxs {
                 shared.end_session(c.0);
+            }
+            if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
+                super::migrate_vm::moved_away(vm, &ctxs);
             }
             tracing::info!(tenant, qps, contexts = ctxs.len(), "tenant moved away; its sessions here ended");
             Reply::Migrated(MigrateReply::Finished { qps: qps as u32, contexts: ctxs.len() as u32 }).into()

@@ -7,6 +7,7 @@ mod admission;
 pub(crate) mod guest;
 mod guest_memory;
 mod migrate;
+mod migrate_vm;
 mod session;
 mod tenancy;
 

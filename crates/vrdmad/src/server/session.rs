@@ -27,6 +27,7 @@ use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segm
 use super::guest_memory::{GuestMemory, RingMemory};
 use super::Shared;
 use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
+use crate::vm::{Kind, Place};
 
 const EINVAL: i32 = 22;
 const EPROTO: i32 = 71;
@@ -227,6 +228,7 @@ impl Drop for Session {
         self.close();
         // The context's regions are gone: its memory extents are free.
         if let Some(g) = self.guest.take() {
+            g.vm.placed().forget_context(self.ctx.0);
             let mut ext = g.vm.extents();
             for offset in g.memory.keys() {
                 ext.free(*offset);
@@ -372,6 +374,7 @@ impl Session {
                 if let Some(g) = self.guest.as_mut() {
                     g.deregistered(key);
                 }
+                self.unplace(Kind::Mr, key);
                 Reply::Done.into()
             }
             // The direct path passes memfds, which cannot reach a guest.
@@ -507,6 +510,7 @@ impl Session {
                     e.direct.forget_srq(srq);
                     Ok::<_, HcaError>(())
                 })??;
+                self.unplace(Kind::Srq, srq);
                 Reply::Done.into()
             }
             Request::CreateQp { pd, init } => self.create_qp(pd, init)?,
@@ -530,6 +534,7 @@ impl Session {
                     Ok::<_, HcaError>(e.direct.sync(&mut e.hca))
                 })??;
                 crate::direct::drain(&wait);
+                self.unplace(Kind::Qp, qp);
                 Reply::Done.into()
             }
             Request::CreateAh { pd, attr } => {
@@ -598,6 +603,9 @@ impl Session {
         })??;
         self.open = true;
         self.admitted = Some(admitted);
+        if let Some(g) = &self.guest {
+            g.vm.placed().open_context(self.ctx.0);
+        }
         let name = self.shared.device_name.clone();
         Ok(Answer {
             reply: Reply::Hello {
@@ -742,6 +750,10 @@ impl Session {
             }
             e.rings.cqs.insert(cq, CqRing { ring, channel, inbox_qps: Vec::new() });
         })?;
+        if let Carry::Extent { offset, len } = &fd {
+            let (offset, len) = (*offset, *len);
+            self.place(Kind::Cq, cq, Place::Ring(offset, len));
+        }
         Ok(Answer {
             reply: Reply::Cq { cq, depth, segment_len: seg.len() as u64, ring: spec },
             fds: vec![fd],
@@ -789,6 +801,10 @@ impl Session {
                 e.direct.keep_srq(c, srq, f, segment_len, spec, charge);
             }
         })?;
+        if let Carry::Extent { offset, len } = &fd {
+            let (offset, len) = (*offset, *len);
+            self.place(Kind::Srq, srq, Place::Ring(offset, len));
+        }
         Ok(Answer {
             reply: Reply::Srq {
                 srq,
@@ -866,9 +882,10 @@ impl Session {
         })
     }
 
-    /// `ibv_destroy_cq` of one of this context's CQs.
+    /// `ibv_destroy_cq` of one of this context's CQs (and, once it is
+    /// gone, of where it lay in a guest's region).
     fn destroy_cq(&self, cq: u32) -> Result<Result<(), HcaError>, Answer> {
-        self.engine(move |e, c| {
+        let done = self.engine(move |e, c| {
             e.hca.destroy_cq(c, cq)?;
             e.direct.forget_cq(cq);
             if let Some(ch) = e.rings.cqs.remove(&cq).and_then(|r| r.channel) {
@@ -877,46 +894,32 @@ impl Session {
                 }
             }
             Ok::<_, HcaError>(())
-        })
+        })?;
+        if done.is_ok() {
+            self.unplace(Kind::Cq, cq);
+        }
+        Ok(done)
     }
 
     fn create_qp(&mut self, pd: u32, init: vrdma_core::verbs::QpInitAttr) -> Result<Answer, Answer> {
         let (created, direct) =
             self.engine(move |e, c| e.hca.create_qp(c, pd, init).map(|q| (q, e.direct.enabled)))??;
         let cap = created.cap;
-        let sq = RingSpec {
-            offset: 0,
-            capacity: cap.max_send_wr,
-            stride: send_stride(cap.max_send_sge, cap.max_inline_data) as u32,
-        };
-        let sq_bytes = ring_bytes(sq.capacity, sq.stride as usize);
-        let rq = (init.srq.is_none()).then(|| RingSpec {
-            offset: sq_bytes.div_ceil(64) as u64 * 64,
-            capacity: cap.max_recv_wr,
-            stride: recv_stride(cap.max_recv_sge) as u32,
-        });
-        let rq_end = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
-        // With the direct path on, an RC QP with its own receive queue gets
-        // an inbox: completions of its receives that a direct-path
-        // requester claimed (`docs/direct-path.md`), as many as it has
-        // receive WRs.
-        // A QP of an SRQ gets one as deep as the SRQ.
+        // With the direct path on, an RC QP gets an inbox: completions of
+        // its receives that a direct-path requester claimed
+        // (`docs/direct-path.md`), as many as it has receive WRs; a QP of
+        // an SRQ gets one as deep as the SRQ.
         let srq_depth = match init.srq {
             Some(srq) if direct && init.qp_type == vrdma_core::verbs::QpType::Rc => {
                 self.engine(move |e, c| e.hca.query_srq(c, srq).map(|a| a.max_wr).ok())?
             }
             _ => None,
         };
-        let inbox = rq
-            .map(|r| r.capacity)
+        let inbox_depth = (init.srq.is_none())
+            .then_some(cap.max_recv_wr)
             .or(srq_depth)
-            .filter(|_| direct && init.qp_type == vrdma_core::verbs::QpType::Rc)
-            .map(|capacity| RingSpec {
-                offset: rq_end.div_ceil(64) as u64 * 64,
-                capacity,
-                stride: CQE_SIZE as u32,
-            });
-        let total = inbox.map_or(rq_end, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
+            .filter(|_| direct && init.qp_type == vrdma_core::verbs::QpType::Rc);
+        let (sq, rq, inbox, total) = qp_layout(cap, init.srq.is_none(), inbox_depth);
         let qpn = created.qpn;
         let made = (|| {
             let (fd, seg) = self.new_segment("vrdma-qp", total, self.budget())?;
@@ -976,6 +979,10 @@ impl Session {
                 e.direct.keep_qp(c, qpn, fd, segment_len, rq, inbox, charge);
             }
         })?;
+        if let Carry::Extent { offset, len } = &fd {
+            let (offset, len) = (*offset, *len);
+            self.place(Kind::Qp, qpn, Place::Qp(offset, len, inbox.is_some()));
+        }
         Ok(Answer { reply: Reply::Qp { created, segment_len, sq, rq, inbox }, fds: vec![fd] })
     }
 }
@@ -998,6 +1005,19 @@ impl Session {
 
     pub(super) fn id(&self) -> u32 {
         self.ctx.0
+    }
+
+    /// Records where a guest session's new object lies in its VM's region.
+    fn place(&self, kind: Kind, id: u32, place: Place) {
+        if let Some(g) = &self.guest {
+            g.vm.placed().record(self.ctx.0, kind, id, place);
+        }
+    }
+
+    fn unplace(&self, kind: Kind, id: u32) {
+        if let Some(g) = &self.guest {
+            g.vm.placed().forget(self.ctx.0, kind, id);
+        }
     }
 
     /// Memory for a ring: a new memfd for a host tenant, an extent of the
@@ -1044,6 +1064,7 @@ impl Session {
         if let Some(g) = self.guest.as_mut() {
             g.registered(key, extent);
         }
+        self.place(Kind::Mr, key, Place::Mr(fd_offset));
         Ok(Reply::Mr { key }.into())
     }
 
@@ -1091,9 +1112,39 @@ impl Session {
     }
 }
 
+/// Where a QP's rings lie in its segment: the send ring first, then the
+/// receive ring (none for a QP of an SRQ) and the inbox (`inbox_depth`
+/// entries, with the direct path), each at the next multiple of 64 bytes;
+/// and the segment's length. A moved QP's rings are found again with it.
+pub(super) fn qp_layout(
+    cap: vrdma_core::verbs::QpCap,
+    has_rq: bool,
+    inbox_depth: Option<u32>,
+) -> (RingSpec, Option<RingSpec>, Option<RingSpec>, usize) {
+    let sq = RingSpec {
+        offset: 0,
+        capacity: cap.max_send_wr,
+        stride: send_stride(cap.max_send_sge, cap.max_inline_data) as u32,
+    };
+    let sq_bytes = ring_bytes(sq.capacity, sq.stride as usize);
+    let rq = has_rq.then(|| RingSpec {
+        offset: sq_bytes.div_ceil(64) as u64 * 64,
+        capacity: cap.max_recv_wr,
+        stride: recv_stride(cap.max_recv_sge) as u32,
+    });
+    let rq_end = rq.map_or(sq_bytes, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
+    let inbox = inbox_depth.map(|capacity| RingSpec {
+        offset: rq_end.div_ceil(64) as u64 * 64,
+        capacity,
+        stride: CQE_SIZE as u32,
+    });
+    let total = inbox.map_or(rq_end, |r| r.offset as usize + ring_bytes(r.capacity, r.stride as usize));
+    (sq, rq, inbox, total)
+}
+
 /// Maps the pages of a tenant's memfd that hold `[fd_offset, fd_offset+len)`,
 /// charged to the tenant's `budget`.
-fn map_region(
+pub(super) fn map_region(
     fd: OwnedFd,
     fd_offset: u64,
     len: u64,

@@ -24,13 +24,17 @@ use crate::verbs::{AccessFlags, QpState, QpType};
 use crate::wire::{psn_add, MAX_24};
 
 /// A memory region the importer asks the driver to map: the tenant's
-/// memory at `addr`, `len` bytes, which moved with it.
+/// memory at `addr`, `len` bytes, which moved with it; for a VM's tenant,
+/// `at` is its first byte in the VM's region (checked to lie inside the
+/// snapshot's `placement.region_len`, which the driver checks against
+/// the region it has).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct MrImport {
     pub key: u32,
     pub ctx: ContextId,
     pub addr: u64,
     pub len: u64,
+    pub at: Option<u64>,
 }
 
 fn unique<T: std::hash::Hash + Eq + Copy + std::fmt::Debug>(
@@ -70,8 +74,11 @@ impl Hca {
         let plan = self.check_import(&snap)?;
         // Memory last among the checks: mapping is the costly part.
         let mut regions = Vec::with_capacity(snap.mrs.len());
+        let placed: HashMap<u32, u64> =
+            snap.placement.iter().flat_map(|p| p.mrs.iter().map(|x| (x.key, x.at))).collect();
         for m in &snap.mrs {
-            let want = MrImport { key: m.key, ctx: ContextId(m.ctx), addr: m.addr, len: m.len };
+            let at = placed.get(&m.key).copied();
+            let want = MrImport { key: m.key, ctx: ContextId(m.ctx), addr: m.addr, len: m.len, at };
             let r = region_of(&want)
                 .ok_or_else(|| invalid(format!("no memory for region {:#x} ({} bytes)", m.key, m.len)))?;
             if (r.len() as u64) < m.len {
@@ -250,6 +257,7 @@ impl Hca {
                 )));
             }
         }
+        super::placement::check(s)?;
         Ok(Plan { tenant: s.tenant, objects, bytes: all_bytes, queue_bytes, qp_rings })
     }
 

@@ -34,9 +34,11 @@
 //! Design and limits: `docs/migration.md`.
 
 mod import;
+pub mod placement;
 mod snapshot;
 
 pub use import::MrImport;
+pub use placement::{Extent, MrAt, Placement, QpAt, RingAt};
 pub use snapshot::{
     AhSnap, CqSnap, InMsgSnap, MrSnap, PdSnap, QpSnap, RecvSnap, SendSnap, SentSnap, SnapshotError, SrqSnap,
     TenantSnapshot, WrBytes, MAX_SNAPSHOT_BYTES, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,
@@ -147,6 +149,7 @@ impl Hca {
             srqs: Vec::new(),
             ahs: Vec::new(),
             qps: Vec::new(),
+            placement: None,
         };
         for (&pd, p) in self.pds.iter().filter(|(_, p)| mine(&p.ctx)) {
             snap.pds.push(PdSnap { pd, ctx: p.ctx.0 });

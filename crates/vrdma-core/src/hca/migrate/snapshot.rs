@@ -12,19 +12,22 @@
 //!
 //! What is NOT in a snapshot: the bytes of memory regions and of the
 //! queue rings (send, receive, completion queues); they are in the
-//! tenant's shared memory, which moves with the VM. Nor anything that
+//! tenant's shared memory, which moves with the VM. Where they lie in it
+//! is (version 2: [`super::placement`]). Nor anything that
 //! names a link or a host-local number: links are renumbered by the host
 //! that resumes, requests by their serials.
 
 use serde::{Deserialize, Serialize};
 
+use super::placement::Placement;
 use crate::ring::{RecvWr, SendWr};
 use crate::verbs::{AhAttr, QpAttr, QpInitAttr, SrqAttr, WcStatus};
 
 /// The first four bytes of a snapshot.
 pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
 /// The version this code writes and reads.
-pub const SNAPSHOT_VERSION: u16 = 1;
+/// Version 2 added [`TenantSnapshot::placement`].
+pub const SNAPSHOT_VERSION: u16 = 2;
 /// Bytes before the body.
 pub const SNAPSHOT_HEADER_LEN: usize = 6;
 /// The largest snapshot accepted: far above what a tenant within its
@@ -103,6 +106,10 @@ pub struct TenantSnapshot {
     pub srqs: Vec<SrqSnap>,
     pub ahs: Vec<AhSnap>,
     pub qps: Vec<QpSnap>,
+    /// For a VM's tenant: where each memory region and ring lies in the
+    /// VM's region (filled by the daemon, which knows; `None` for a
+    /// tenant whose memory is not one region).
+    pub placement: Option<Placement>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

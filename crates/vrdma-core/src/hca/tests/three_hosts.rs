@@ -528,7 +528,8 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
     };
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("magic", [b"XXXX".as_slice(), &bytes[4..]].concat()),
-        ("version", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
+        ("version 1 (before placements)", [b"vRMS\x00\x01".as_slice(), &bytes[6..]].concat()),
+        ("version 3", [b"vRMS\x00\x03".as_slice(), &bytes[6..]].concat()),
         ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
         ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
         ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
@@ -590,6 +591,93 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
     let r = c.hca.import_tenant(&bytes, T0, &mut |_| None);
     assert!(matches!(r, Err(SnapshotError::Invalid(_))), "{r:?}");
     assert!(c.hca.qps.is_empty());
+}
+
+/// A VM tenant's placement (where each region and ring lies in the VM's
+/// region) travels in the snapshot and is checked as untrusted: every
+/// object placed once, inside the region, rings aligned, long enough and
+/// clear of each other and of memory regions. The importer is told each
+/// region's offset.
+#[test]
+fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
+    use crate::hca::migrate::{Extent, MrAt, Placement, QpAt, RingAt};
+    let (_t, _a, _b, mem, bytes) = paused_snapshot();
+    let snap = TenantSnapshot::decode(&bytes).unwrap();
+    assert_eq!(snap.placement, None, "the core knows no region; the driver fills it");
+    let (mr, cq, qp) = (&snap.mrs[0], &snap.cqs[0], &snap.qps[0]);
+    let page = 4096u64;
+    let mr_span = mr.len.next_multiple_of(page);
+    let placed = Placement {
+        region_len: 16 << 20,
+        extents: vec![Extent { at: 2 * page, len: 1 << 20 }, Extent { at: 8 << 20, len: 2 << 20 }],
+        mrs: vec![MrAt { key: mr.key, at: 3 * page }],
+        cqs: vec![RingAt { id: cq.cq, at: 3 * page + mr_span, len: cq.ring_bytes.next_multiple_of(page) }],
+        srqs: Vec::new(),
+        qps: vec![QpAt { qpn: qp.qpn, at: 8 << 20, len: 1 << 20, inbox: false, retired: 7, held: 1 }],
+    };
+    let with = |f: &dyn Fn(&mut Placement)| {
+        let mut s = snap.clone();
+        let mut p = placed.clone();
+        f(&mut p);
+        s.placement = Some(p);
+        s.encode()
+    };
+    // The good one imports, and decodes to what was encoded.
+    let good = with(&|_| {});
+    assert_eq!(TenantSnapshot::decode(&good).unwrap().placement.as_ref(), Some(&placed));
+    let mut asked = Vec::new();
+    let mut c = bare_host(IPS[C], &tune);
+    let r = c.hca.import_tenant(&good, T0, &mut |m| {
+        asked.push((m.key, m.at));
+        mem.get(&m.key).cloned()
+    });
+    assert_eq!(r, Ok(TENANT));
+    assert_eq!(asked, vec![(mr.key, Some(3 * page))], "the importer is told where the region is");
+    // Forged placements, each refused, nothing changed.
+    let cases: Vec<(&str, Vec<u8>)> = vec![
+        ("a region of 0 bytes", with(&|p| p.region_len = 0)),
+        ("a memory region unplaced", with(&|p| p.mrs.clear())),
+        ("a memory region placed twice", with(&|p| p.mrs.push(p.mrs[0]))),
+        ("a key the snapshot lacks", with(&|p| p.mrs.push(MrAt { key: 0xdead, at: 0 }))),
+        ("a CQ unplaced", with(&|p| p.cqs.clear())),
+        ("a QP unplaced", with(&|p| p.qps.clear())),
+        ("an SRQ the snapshot lacks", with(&|p| p.srqs.push(RingAt { id: 9, at: 0, len: page }))),
+        ("a memory region past the end", with(&|p| p.mrs[0].at = p.region_len - 1)),
+        ("a memory region wrapping", with(&|p| p.mrs[0].at = u64::MAX - 1)),
+        ("a ring past the end", with(&|p| p.qps[0].at = p.region_len - page)),
+        ("a ring wrapping", with(&|p| p.qps[0].at = !63)),
+        ("a ring misaligned", with(&|p| p.cqs[0].at += 8)),
+        ("a ring too short", with(&|p| p.cqs[0].len = 64)),
+        ("a QP's rings too short", with(&|p| p.qps[0].len = 64)),
+        ("more WRs held than the send queue", with(&|p| p.qps[0].held = 1 << 20)),
+        ("a QP's capacities overflowing", {
+            let mut f = snap.clone();
+            f.qps[0].init.cap.max_send_wr = u32::MAX;
+            f.qps[0].init.cap.max_send_sge = u32::MAX;
+            f.placement = Some(placed.clone());
+            f.check_placement().expect_err("a ring of 2^68 bytes fits nowhere");
+            f.encode()
+        }),
+        ("rings overlapping", with(&|p| p.qps[0].at = p.cqs[0].at)),
+        ("a memory region on a ring", with(&|p| p.mrs[0].at = p.qps[0].at + page)),
+        ("a memory region in no extent", with(&|p| p.mrs[0].at = 0)),
+        ("a ring in no extent", with(&|p| p.qps[0].at = 12 << 20)),
+        ("a ring whose extent is elsewhere", with(&|p| p.extents[1].at = p.extents[0].at + p.extents[0].len)),
+        ("extents overlapping", with(&|p| p.extents[1].at = p.extents[0].at)),
+        ("extents unsorted", with(&|p| p.extents.reverse())),
+        ("an extent past the end", with(&|p| p.extents[1].len = 9 << 20)),
+    ];
+    for (what, v) in cases {
+        let mut c = bare_host(IPS[C], &tune);
+        let r = c.hca.import_tenant(&v, T0, &mut |m| mem.get(&m.key).cloned());
+        assert!(matches!(r, Err(SnapshotError::Invalid(_))), "{what}: {r:?}");
+        assert!(c.hca.qps.is_empty() && c.hca.mrs.is_empty() && c.hca.contexts.is_empty(), "{what}");
+    }
+    // Two memory regions on the same bytes are fine (a buffer registered
+    // twice); that a region and a ring only touch, too.
+    let mut c = bare_host(IPS[C], &tune);
+    let touching = with(&|p| p.mrs[0].at = p.cqs[0].at - mr.len);
+    assert_eq!(c.hca.import_tenant(&touching, T0, &mut |m| mem.get(&m.key).cloned()), Ok(TENANT));
 }
 
 fn psn(v: u32) -> u32 {

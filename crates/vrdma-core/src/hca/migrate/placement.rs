@@ -1,0 +1,235 @@
+//! Where a VM tenant's objects live in its region: the part of a snapshot
+//! (version 2) that lets the destination rebuild them on the same bytes.
+//!
+//! A VM's memory regions and queue rings are all extents of one region
+//! (the guest's ivshmem BAR, a memfd the daemon maps). The region's
+//! contents move with the VM (QEMU migrates it as the VM's RAM, or the
+//! operator copies it; `docs/migration.md`); the snapshot says where in it
+//! each object is, so that the destination maps each memory region at the
+//! same offset and views each ring at the same offset, where its indices
+//! and entries already are. The core only carries and checks these
+//! numbers (they come from another host: untrusted); the daemon records
+//! them at creation and maps them at import.
+//!
+//! The one ring position that lives outside the region is an SQ's count
+//! of retired send WRs: the daemon keeps it privately (a guest may
+//! scribble on the shared word) and publishes it; it travels here.
+
+use std::collections::{HashMap, HashSet};
+
+use serde::{Deserialize, Serialize};
+
+use super::snapshot::{invalid, SnapshotError, TenantSnapshot};
+
+/// Every ring's offset is a multiple of this (the ring's own alignment;
+/// the daemon's extents are page-aligned, which is stricter).
+pub const RING_ALIGN: u64 = 64;
+
+/// Where a tenant's objects lie in its region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Placement {
+    /// The region's length on the source: the destination's must be the
+    /// same (the same `[vms.NAME]`).
+    pub region_len: u64,
+    /// Every extent of the region in use on the source (rings, and the
+    /// memory the guest took to register in, registered or not), sorted:
+    /// the destination's allocator starts from the same state, so that it
+    /// never hands out bytes the guest still uses.
+    pub extents: Vec<Extent>,
+    /// Each memory region's first byte in the region (its length is the
+    /// region's own, in its `MrSnap`).
+    pub mrs: Vec<MrAt>,
+    /// Each CQ's ring.
+    pub cqs: Vec<RingAt>,
+    /// Each SRQ's ring.
+    pub srqs: Vec<RingAt>,
+    /// Each QP's rings (send, then receive unless it has an SRQ, then the
+    /// inbox when it had one), as one extent.
+    pub qps: Vec<QpAt>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Extent {
+    pub at: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MrAt {
+    pub key: u32,
+    pub at: u64,
+}
+
+/// An extent holding one object's ring.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingAt {
+    pub id: u32,
+    pub at: u64,
+    pub len: u64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QpAt {
+    pub qpn: u32,
+    pub at: u64,
+    pub len: u64,
+    /// The segment has an inbox after its receive ring (the direct path
+    /// was on where the QP was created).
+    pub inbox: bool,
+    /// Send WRs retired, free-running (the daemon's, not the guest's word).
+    pub retired: u32,
+    /// Send WRs taken from the ring and not yet retired (those the
+    /// snapshot's requester holds): at most the send queue's depth.
+    pub held: u32,
+}
+
+/// One extent of the region: checked within it.
+fn within(what: &str, at: u64, len: u64, region_len: u64) -> Result<(u64, u64), SnapshotError> {
+    match at.checked_add(len) {
+        Some(end) if len > 0 && end <= region_len => Ok((at, end)),
+        _ => Err(invalid(format!("{what}: {len} bytes at {at:#x}, outside a region of {region_len} bytes"))),
+    }
+}
+
+/// Every object of `ids` placed exactly once, and nothing else placed.
+fn same_objects(what: &str, have: &HashSet<u32>, placed: &[u32]) -> Result<(), SnapshotError> {
+    let mut seen = HashSet::with_capacity(placed.len());
+    for id in placed {
+        if !have.contains(id) {
+            return Err(invalid(format!("placement of {what} {id:#x}, which the snapshot does not hold")));
+        }
+        if !seen.insert(*id) {
+            return Err(invalid(format!("{what} {id:#x} placed twice")));
+        }
+    }
+    if let Some(id) = have.iter().find(|id| !seen.contains(id)) {
+        return Err(invalid(format!("{what} {id:#x} has no placement")));
+    }
+    Ok(())
+}
+
+/// The bytes of a QP's rings (as `hca::qp_ring_bytes`), for capacities
+/// not checked yet (this check may run before the import's): `u64::MAX`
+/// where they overflow, which no extent holds.
+fn qp_need(cap: crate::verbs::QpCap) -> u64 {
+    let send = u64::from(cap.max_send_wr)
+        .checked_mul(crate::ring::send_stride(cap.max_send_sge, cap.max_inline_data) as u64);
+    let recv = u64::from(cap.max_recv_wr).checked_mul(crate::ring::recv_stride(cap.max_recv_sge) as u64);
+    send.zip(recv).and_then(|(a, b)| a.checked_add(b)).unwrap_or(u64::MAX)
+}
+
+/// Checks a snapshot's placement, if it has one: the extents sorted,
+/// disjoint and inside the region; every memory region, CQ, SRQ and QP
+/// placed once, inside one extent; rings aligned, at least as long as the
+/// ring they hold, and overlapping neither each other nor a memory region. Memory regions may overlap each other (one
+/// buffer registered twice). The driver checks the rest when it maps.
+pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
+    let Some(p) = &s.placement else { return Ok(()) };
+    if p.region_len == 0 {
+        return Err(invalid("placement in a region of 0 bytes"));
+    }
+    let mut extents = Vec::with_capacity(p.extents.len());
+    for e in &p.extents {
+        let (a, b) = within("extent", e.at, e.len, p.region_len)?;
+        if extents.last().is_some_and(|&(_, end)| a < end) {
+            return Err(invalid(format!("extent at {a:#x}: not sorted, or overlapping the one before")));
+        }
+        extents.push((a, b));
+    }
+    // The extent holding all of `[a, b)`.
+    let inside = |what: &str, (a, b): (u64, u64)| -> Result<(), SnapshotError> {
+        let i = extents.partition_point(|e| e.0 <= a);
+        match i.checked_sub(1).map(|i| extents[i]) {
+            Some((_, end)) if b <= end => Ok(()),
+            _ => Err(invalid(format!("{what} at {a:#x} lies in no extent"))),
+        }
+    };
+    same_objects(
+        "memory region",
+        &s.mrs.iter().map(|m| m.key).collect(),
+        &p.mrs.iter().map(|m| m.key).collect::<Vec<_>>(),
+    )?;
+    same_objects(
+        "CQ",
+        &s.cqs.iter().map(|c| c.cq).collect(),
+        &p.cqs.iter().map(|c| c.id).collect::<Vec<_>>(),
+    )?;
+    same_objects(
+        "SRQ",
+        &s.srqs.iter().map(|x| x.srq).collect(),
+        &p.srqs.iter().map(|x| x.id).collect::<Vec<_>>(),
+    )?;
+    same_objects(
+        "QP",
+        &s.qps.iter().map(|q| q.qpn).collect(),
+        &p.qps.iter().map(|q| q.qpn).collect::<Vec<_>>(),
+    )?;
+    // Lookups by number (a snapshot may hold many objects: no quadratic
+    // scans over untrusted input).
+    let mr_len: HashMap<u32, u64> = s.mrs.iter().map(|m| (m.key, m.len)).collect();
+    let cq_need: HashMap<u32, u64> = s.cqs.iter().map(|c| (c.cq, c.ring_bytes)).collect();
+    let srq_need: HashMap<u32, u64> = s.srqs.iter().map(|x| (x.srq, x.ring_bytes)).collect();
+    let qp_need: HashMap<u32, u64> = s.qps.iter().map(|q| (q.qpn, qp_need(q.init.cap))).collect();
+    let qp_depth: HashMap<u32, u32> = s.qps.iter().map(|q| (q.qpn, q.init.cap.max_send_wr)).collect();
+    let mut mrs = Vec::with_capacity(p.mrs.len());
+    for at in &p.mrs {
+        let len = mr_len.get(&at.key).copied().unwrap_or(0);
+        let what = format!("memory region {:#x}", at.key);
+        let span = within(&what, at.at, len, p.region_len)?;
+        inside(&what, span)?;
+        mrs.push(span);
+    }
+    let mut rings = Vec::with_capacity(p.cqs.len() + p.srqs.len() + p.qps.len());
+    let mut ring = |what: String, at: u64, len: u64, need: u64| -> Result<(), SnapshotError> {
+        if !at.is_multiple_of(RING_ALIGN) {
+            return Err(invalid(format!("{what}: ring at {at:#x}, not {RING_ALIGN}-byte aligned")));
+        }
+        if len < need {
+            return Err(invalid(format!("{what}: an extent of {len} bytes for a ring of {need}")));
+        }
+        let span = within(&what, at, len, p.region_len)?;
+        inside(&what, span)?;
+        rings.push(span);
+        Ok(())
+    };
+    for c in &p.cqs {
+        let need = cq_need.get(&c.id).copied().unwrap_or(u64::MAX);
+        ring(format!("CQ {:#x}", c.id), c.at, c.len, need)?;
+    }
+    for r in &p.srqs {
+        let need = srq_need.get(&r.id).copied().unwrap_or(u64::MAX);
+        ring(format!("SRQ {:#x}", r.id), r.at, r.len, need)?;
+    }
+    for q in &p.qps {
+        let need = qp_need.get(&q.qpn).copied().unwrap_or(u64::MAX);
+        let depth = qp_depth.get(&q.qpn).copied().unwrap_or(0);
+        if q.held > depth {
+            return Err(invalid(format!("QP {:#x}: {} send WRs held, depth {depth}", q.qpn, q.held)));
+        }
+        ring(format!("QP {:#x}", q.qpn), q.at, q.len, need)?;
+    }
+    rings.sort_unstable();
+    for w in rings.windows(2) {
+        if w[1].0 < w[0].1 {
+            return Err(invalid(format!("rings overlap at {:#x}", w[1].0)));
+        }
+    }
+    for &(a, b) in &mrs {
+        // The first ring ending after the region starts: it must start at
+        // or after the region's end.
+        let i = rings.partition_point(|r| r.1 <= a);
+        if rings.get(i).is_some_and(|r| r.0 < b) {
+            return Err(invalid(format!("a memory region at {a:#x} overlaps a ring")));
+        }
+    }
+    Ok(())
+}
+
+impl TenantSnapshot {
+    /// Checks the snapshot's placement alone (see [`check`]), for a driver
+    /// that maps the region before the import, which checks it again with
+    /// everything else.
+    pub fn check_placement(&self) -> Result<(), SnapshotError> {
+        check(self)
+    }
+}

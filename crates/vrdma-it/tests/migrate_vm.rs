@@ -1,0 +1,309 @@
+//! A VM's tenant, with memory and rings, moves between real daemons
+//! (`docs/migration.md`, issue 19): three daemons as in `migrate.rs`, VM
+//! `t` configured on A and C (the same VM: same tenant, same region
+//! length), an emulated guest on A (a process whose library runs in guest
+//! mode over A's port socket and region) connected RC to a host process
+//! on B.
+//!
+//! The move: pause on A, export (the snapshot places every memory region
+//! and ring in the VM's region), the region's bytes copied from A's to
+//! C's (what QEMU's migration of the VM's RAM does; the daemons do not
+//! move them), import on C (which maps the regions and rebuilds the rings
+//! at the same offsets), finish on A, resume on C; then the same back to A.
+//! B's sends and RDMA writes land in the VM's memory where it is, and
+//! their completions in the VM's CQ ring there, once each and in order.
+//!
+//! Not here yet: the guest's sessions reattaching on C (the emulated
+//! guest's session ends with A's finish), so the guest posts nothing after
+//! the move; the test reads C's region where the guest would.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _, Result};
+use vrdma::wr::{self, SendWrExt};
+use vrdma::{QpState, WcOpcode, WcStatus};
+use vrdma_core::hca::migrate::TenantSnapshot;
+use vrdma_core::ring::{Cqe, CQE_SIZE};
+use vrdma_it::protocol::Command;
+use vrdma_it::{access_all, pattern, poll_n, DaemonProc, PeerProc, Side, WAIT};
+
+/// Three daemons (namespaces on a bridge, or loopback addresses), each
+/// linked to the other two; `vm` in A's and C's configuration, `b_vm` in
+/// B's.
+struct ThreeHosts {
+    a: DaemonProc,
+    b: DaemonProc,
+    c: DaemonProc,
+    _net: Option<vrdma_it::NetnsBridge>,
+}
+
+impl ThreeHosts {
+    fn start(vm: &str, b_vm: &str) -> Result<ThreeHosts> {
+        let net = match vrdma_it::netns_unavailable() {
+            None => vrdma_it::NetnsBridge::create(3)
+                .map_err(|e| eprintln!("three loopback addresses: namespaces cannot be made here: {e:#}"))
+                .ok(),
+            Some(why) => {
+                eprintln!("three loopback addresses, not namespaces: {why}");
+                None
+            }
+        };
+        let (ips, port) = match &net {
+            Some(n) => (n.addr.clone(), vrdma_it::DEFAULT_WIRE_PORT),
+            None => {
+                (["127.0.0.2", "127.0.0.3", "127.0.0.4"].map(String::from).to_vec(), vrdma_it::free_port()?)
+            }
+        };
+        let start = |i: usize| {
+            let peers: Vec<String> =
+                (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", ips[j])).collect();
+            let extra = if i == 1 { b_vm } else { vm };
+            let cfg = vrdma_it::host_config(&ips[i], port, &peers, extra);
+            DaemonProc::start_in(net.as_ref().map(|n| n.ns[i].as_str()), &cfg)
+        };
+        let h = ThreeHosts { a: start(0)?, b: start(1)?, c: start(2)?, _net: net };
+        let end = Instant::now() + WAIT;
+        for d in [&h.a, &h.b, &h.c] {
+            let ctx = d.context()?;
+            while ctx.stat()?.links.iter().filter(|l| l.up).count() < 2 {
+                if Instant::now() > end {
+                    bail!("the three daemons did not link within {WAIT:?}");
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        Ok(h)
+    }
+}
+
+/// Copies `len` bytes of one region memfd into another (QEMU's part).
+fn copy_region(from: &OwnedFd, to: &OwnedFd, len: u64) -> Result<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        let n = (len - at).min(buf.len() as u64) as usize;
+        let got = rustix::io::pread(from, &mut buf[..n], at)?;
+        if got == 0 {
+            bail!("the source region ends at {at}");
+        }
+        let mut done = 0;
+        while done < got {
+            done += rustix::io::pwrite(to, &buf[done..got], at + done as u64)?;
+        }
+        at += got as u64;
+    }
+    Ok(())
+}
+
+fn read_all(fd: &OwnedFd) -> Result<Vec<u8>> {
+    let len = rustix::fs::fstat(fd)?.st_size as usize;
+    let mut v = vec![0u8; len];
+    let mut done = 0;
+    while done < len {
+        let n = rustix::io::pread(fd, &mut v[done..], done as u64)?;
+        if n == 0 {
+            break;
+        }
+        done += n;
+    }
+    v.truncate(done);
+    Ok(v)
+}
+
+/// The VM's CQ ring in a region, read as the guest's library would.
+struct GuestCq {
+    ring: vrdma_shm::RingView,
+}
+
+impl GuestCq {
+    /// The ring of `ring_bytes` of entries in the extent `[at, +len)`.
+    fn open(region: &OwnedFd, at: u64, len: u64, ring_bytes: u64) -> Result<GuestCq> {
+        let len = usize::try_from(len)?;
+        let map = vrdma_shm::Mapping::map_untrusted_in(region.try_clone()?, at, len, None)?;
+        let depth = u32::try_from(ring_bytes / CQE_SIZE as u64)?;
+        Ok(GuestCq { ring: vrdma_shm::RingView::in_segment(Arc::new(map), 0, depth, CQE_SIZE)? })
+    }
+
+    /// `n` completions, waiting up to `WAIT` for them.
+    fn poll(&self, n: usize) -> Result<Vec<Cqe>> {
+        let mut out = Vec::new();
+        let end = Instant::now() + WAIT;
+        let mut slot = [0u8; CQE_SIZE];
+        while out.len() < n {
+            if self.ring.try_pop(&mut slot)? {
+                out.push(Cqe::decode(&slot));
+            } else if Instant::now() > end {
+                bail!("{} of {n} completions in the VM's CQ ring", out.len());
+            } else {
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Completions in the ring now.
+    fn pending(&self) -> Result<u32> {
+        Ok(self.ring.len()?)
+    }
+}
+
+/// A VM's tenant with a memory region, CQ and RC QP moves A → C and back:
+/// B's messages held during each pause, and those after, land in the VM's
+/// memory where it is, with their completions in the VM's CQ ring there,
+/// once each and in order; B's RDMA write lands by the same rkey; B's QP
+/// stays in RTS; a daemon whose VM has another region size refuses the
+/// import; C, having imported, exports the same placement.
+#[test]
+fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_its_region() -> Result<()> {
+    let uid = rustix::process::geteuid().as_raw();
+    // B has VM t too, with a region of another size: not the same VM.
+    let vm = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 2\n");
+    let h = ThreeHosts::start(&vm(8), &vm(16))?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+    let mut guest = PeerProc::spawn_guest(&vm_a, "tenant", &["--mr-len", "65536"])?;
+    let g = guest.hello()?;
+    let b = Side::new(&h.b.context()?, 1 << 16)?;
+    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
+    eg.lid = 0;
+    eb.lid = 0;
+    b.qp.connect(&eg, access_all())?;
+    guest.call_ok(&Command::Connect { peer: eb })?;
+    // N + 1 receives in the guest's RQ ring, each at the region's start:
+    // N messages A -> C, one more on the way back.
+    const N: u64 = 6;
+    guest.call_ok(&Command::PostRecv { count: N as usize + 1, offset: 0, len: 4096 })?;
+    let msg = |i: u64| pattern(1000 + i as usize, i);
+    let send = |i: u64| -> Result<()> {
+        let m = msg(i);
+        b.mr.write(i as usize * 4096, &m)?;
+        b.qp.post_send(&[wr::send(i, &[b.mr.sge(i as usize * 4096, m.len())?])?.signaled()])?;
+        Ok(())
+    };
+    // Before: one message, polled by the guest on A.
+    send(0)?;
+    vrdma_it::across::check(&poll_n(&b.cq, 1, WAIT)?[0], 0, WcOpcode::Send);
+    let wcs = guest.poll(1, WAIT)?;
+    assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![0]);
+    assert_eq!(guest.read(0, msg(0).len())?, msg(0));
+
+    // Pause; B's next message is held, and the guest posts a send of its
+    // own (it waits in the guest's send ring, or among the WRs A's
+    // requester took: either way it goes out from C).
+    assert_eq!(vrdma::migrate::pause(&h.a.socket, uid)?, 1);
+    send(1)?;
+    let from_guest = pattern(1500, 55);
+    b.qp.post_recv(&[wr::recv(70, &[b.mr.sge(60_000, 4096)?])?])?;
+    guest.call_ok(&Command::Fill { offset: 32_768, data: from_guest.clone() })?;
+    guest.call_ok(&Command::Send { wr_id: 50, offset: 32_768, len: from_guest.len(), imm: None })?;
+    let held = vrdma_it::poll_for(&b.cq, Duration::from_millis(300))?;
+    assert!(held.is_empty(), "completed while paused: {held:?}");
+    let (snap_fd, _, qps) = vrdma::migrate::export(&h.a.socket, uid)?;
+    assert_eq!(qps, 1);
+    let snap = TenantSnapshot::decode(&read_all(&snap_fd)?)?;
+    let p = snap.placement.clone().context("a VM's tenant is exported with its placement")?;
+    assert_eq!(p.region_len, vm_a.region_len);
+    assert_eq!((p.mrs.len(), p.qps.len()), (snap.mrs.len(), 1));
+    assert!(!p.extents.is_empty());
+    // B's VM t has a region of another size: it cannot take it.
+    let e = vrdma::migrate::import(&h.b.socket, snap_fd.as_fd()).unwrap_err();
+    assert_eq!(e.errno(), libc::EINVAL, "{e}");
+    assert!(e.to_string().contains("the same VM must be configured on both"), "{e}");
+    // The region moves as QEMU would move it; then C imports.
+    copy_region(&vm_a.region, &vm_c.region, vm_a.region_len)?;
+    assert_eq!(vrdma::migrate::import(&h.c.socket, snap_fd.as_fd())?, (uid, 1));
+    // C's VM region is in use now: a second import is refused.
+    let e = vrdma::migrate::import(&h.c.socket, snap_fd.as_fd()).unwrap_err();
+    assert_eq!(e.errno(), libc::EBUSY, "{e}");
+    assert!(e.to_string().contains("region is in use here"), "{e}");
+    vrdma::migrate::finish(&h.a.socket, uid)?;
+    assert_eq!(vrdma::migrate::resume(&h.c.socket, uid)?, 1);
+    drop(guest);
+
+    // Where the guest's memory region and CQ ring are in C's region.
+    let mr = snap.mrs.iter().find(|m| m.key == g.rkey).context("the guest's region in the snapshot")?;
+    let mr_at = p.mrs.iter().find(|m| m.key == mr.key).context("its placement")?.at;
+    let recv_cq = snap.qps[0].init.recv_cq;
+    let cq = snap.cqs.iter().find(|c| c.cq == recv_cq).context("the receive CQ")?;
+    let cq_at = p.cqs.iter().find(|c| c.id == recv_cq).context("its placement")?;
+    let guest_cq = GuestCq::open(&vm_c.region, cq_at.at, cq_at.len, cq.ring_bytes)?;
+    let read_c = |off: u64, len: usize| -> Result<Vec<u8>> {
+        let mut v = vec![0u8; len];
+        rustix::io::pread(&vm_c.region, &mut v, mr_at + off)?;
+        Ok(v)
+    };
+
+    // From C: B's held send and the guest's send, each completing once
+    // on both sides.
+    let mut wcs: Vec<(u64, WcStatus)> = poll_n(&b.cq, 2, WAIT)?.iter().map(|w| (w.wr_id, w.status)).collect();
+    wcs.sort_unstable_by_key(|w| w.0);
+    assert_eq!(
+        wcs,
+        vec![(1, WcStatus::Success), (70, WcStatus::Success)],
+        "B's send 1, B's receive of the guest's"
+    );
+    let mut got = vec![0u8; from_guest.len()];
+    b.mr.read(60_000, &mut got)?;
+    assert_eq!(got, from_guest, "the guest's message, sent from C");
+    let mut cqes: Vec<(u64, WcStatus, WcOpcode)> =
+        guest_cq.poll(2)?.iter().map(|c| (c.wr_id, c.status, c.opcode)).collect();
+    cqes.sort_unstable_by_key(|c| c.0);
+    assert_eq!(
+        cqes,
+        vec![(1, WcStatus::Success, WcOpcode::Recv), (50, WcStatus::Success, WcOpcode::Send)],
+        "the guest's receive 1 and its send, in the VM's CQ on C"
+    );
+    assert_eq!(read_c(0, msg(1).len())?, msg(1), "message 1 in C's region");
+    // The rest, one at a time (each receive writes the region's start):
+    // each lands on C, once, in order.
+    for i in 2..N {
+        send(i)?;
+        let wc = poll_n(&b.cq, 1, WAIT)?;
+        assert_eq!((wc[0].wr_id, wc[0].status), (i, WcStatus::Success), "B's send {i}");
+        let cqes = guest_cq.poll(1)?;
+        assert_eq!((cqes[0].wr_id, cqes[0].status), (i, WcStatus::Success), "the guest's receive {i}");
+        assert_eq!(cqes[0].byte_len as usize, msg(i).len());
+        assert_eq!(read_c(0, msg(i).len())?, msg(i), "message {i} in C's region");
+    }
+    // An RDMA write by the guest's rkey lands in C's region too.
+    let data = pattern(5000, 77);
+    b.mr.write(40_000, &data)?;
+    b.qp.post_send(&[
+        wr::rdma_write(90, &[b.mr.sge(40_000, data.len())?], g.addr + 20_000, g.rkey)?.signaled()
+    ])?;
+    let wc = poll_n(&b.cq, 1, WAIT)?;
+    assert_eq!((wc[0].wr_id, wc[0].status), (90, WcStatus::Success));
+    assert_eq!(read_c(20_000, data.len())?, data);
+    // Nothing twice; B's QP never left RTS.
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(guest_cq.pending()?, 0, "a completion twice");
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+
+    // And back C -> A: C exports what it imported (the same places), A's
+    // region (free again since A let go) takes C's bytes.
+    assert_eq!(vrdma::migrate::pause(&h.c.socket, uid)?, 1);
+    send(N)?;
+    let (back_fd, _, _) = vrdma::migrate::export(&h.c.socket, uid)?;
+    let back = TenantSnapshot::decode(&read_all(&back_fd)?)?;
+    let bp = back.placement.as_ref().context("C exports the placement it imported")?;
+    assert_eq!((&bp.mrs, &bp.cqs, &bp.qps.len()), (&p.mrs, &p.cqs, &1));
+    assert_eq!(bp.extents, p.extents);
+    copy_region(&vm_c.region, &vm_a.region, vm_c.region_len)?;
+    assert_eq!(vrdma::migrate::import(&h.a.socket, back_fd.as_fd())?, (uid, 1));
+    vrdma::migrate::finish(&h.c.socket, uid)?;
+    assert_eq!(vrdma::migrate::resume(&h.a.socket, uid)?, 1);
+    let wc = poll_n(&b.cq, 1, WAIT)?;
+    assert_eq!((wc[0].wr_id, wc[0].status), (N, WcStatus::Success), "B's send held on C");
+    let guest_cq_a = GuestCq::open(&vm_a.region, cq_at.at, cq_at.len, cq.ring_bytes)?;
+    let cqes = guest_cq_a.poll(1)?;
+    assert_eq!((cqes[0].wr_id, cqes[0].status), (N, WcStatus::Success), "the last receive, on A");
+    let mut got = vec![0u8; msg(N).len()];
+    rustix::io::pread(&vm_a.region, &mut got, mr_at)?;
+    assert_eq!(got, msg(N), "message {N} in A's region");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(guest_cq_a.pending()?, 0, "a completion twice");
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+    Ok(())
+}

@@ -1,0 +1,309 @@
+//! A VM's tenant in a migration: where its objects lie in the VM's region
+//! (the snapshot's placement, at export) and its memory regions and rings
+//! found again at the same offsets of the destination's region (import).
+//!
+//! The region's contents move with the VM, not through the daemons: QEMU
+//! migrates the ivshmem region as the VM's RAM (or the operator copies
+//! it), and the destination's `[vms.NAME]` is the same VM with a region of
+//! the same length. The daemon writes into the region too (completions,
+//! received payloads) and QEMU does not see those writes in its dirty log,
+//! so the region's last copy must be taken after the pause (see
+//! `docs/migration.md`). Import maps what the snapshot places, after
+//! checking every offset against the region (the snapshot is untrusted),
+//! and takes the VM's extents as the source had them, so the destination
+//! never hands out bytes the guest still uses.
+
+// An `Answer` is the reply to send whichever way a call ends (as in
+// `session`); not on the data path.
+#![allow(clippy::result_large_err)]
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use vrdma_core::hca::migrate::{Extent, MrAt, Placement, QpAt, RingAt, TenantSnapshot};
+use vrdma_core::hca::{ContextId, TenantId};
+use vrdma_core::memory::Region;
+use vrdma_core::ring::CQE_SIZE;
+use vrdma_shm::RingView;
+
+use super::guest_memory::RingMemory;
+use super::session::{error, qp_layout, Answer};
+use super::Shared;
+use crate::engine::{CqRing, InRing, QpRings};
+use crate::vm::{Kind, Place, Vm};
+
+/// The configured VM whose tenant is `tenant`.
+pub(super) fn vm_of(shared: &Shared, tenant: u32) -> Option<&Arc<Vm>> {
+    shared.vms.values().find(|v| v.config.tenant == tenant)
+}
+
+/// The placement of `snap`'s objects in `vm`'s region: `None` when none
+/// of its contexts is a guest's (a host process of the VM's uid, whose
+/// memory is memfds); refused when some are and some are not.
+/// `positions`: each QP's retired and held send WRs.
+pub(super) fn placement(
+    vm: &Vm,
+    snap: &TenantSnapshot,
+    positions: &HashMap<u32, (u32, u32)>,
+) -> Result<Option<Placement>, Answer> {
+    let placed = vm.placed();
+    let guest = |c: &u32| placed.has_context(*c);
+    if !snap.contexts.iter().any(guest) {
+        return Ok(None);
+    }
+    if let Some(c) = snap.contexts.iter().find(|c| !guest(c)) {
+        return Err(error(
+            libc::EOPNOTSUPP,
+            format!(
+                "context {c} of tenant {} is a host process's, not VM {:?}'s: only a VM's guest contexts move",
+                snap.tenant, vm.name
+            ),
+        ));
+    }
+    let missing = |what: &str, id: u32| {
+        error(libc::EOPNOTSUPP, format!("{what} {id:#x} has no place in VM {:?}'s region", vm.name))
+    };
+    let mut p = Placement {
+        region_len: vm.region_len,
+        extents: vm.extents().used().map(|(at, len)| Extent { at, len }).collect(),
+        mrs: Vec::with_capacity(snap.mrs.len()),
+        cqs: Vec::with_capacity(snap.cqs.len()),
+        srqs: Vec::with_capacity(snap.srqs.len()),
+        qps: Vec::with_capacity(snap.qps.len()),
+    };
+    for m in &snap.mrs {
+        match placed.get(m.ctx, Kind::Mr, m.key) {
+            Some(Place::Mr(at)) => p.mrs.push(MrAt { key: m.key, at }),
+            _ => return Err(missing("memory region", m.key)),
+        }
+    }
+    for c in &snap.cqs {
+        match placed.get(c.ctx, Kind::Cq, c.cq) {
+            Some(Place::Ring(at, len)) => p.cqs.push(RingAt { id: c.cq, at, len }),
+            _ => return Err(missing("CQ", c.cq)),
+        }
+    }
+    for x in &snap.srqs {
+        match placed.get(x.ctx, Kind::Srq, x.srq) {
+            Some(Place::Ring(at, len)) => p.srqs.push(RingAt { id: x.srq, at, len }),
+            _ => return Err(missing("SRQ", x.srq)),
+        }
+    }
+    for q in &snap.qps {
+        let (retired, held) = positions.get(&q.qpn).copied().unwrap_or((0, 0));
+        match placed.get(q.ctx, Kind::Qp, q.qpn) {
+            Some(Place::Qp(at, len, inbox)) => p.qps.push(QpAt { qpn: q.qpn, at, len, inbox, retired, held }),
+            _ => return Err(missing("QP", q.qpn)),
+        }
+    }
+    Ok(Some(p))
+}
+
+/// A moved VM's objects mapped on this host, ready for the engine.
+pub(super) struct Attached {
+    vm: Arc<Vm>,
+    tenant: TenantId,
+    pub regions: HashMap<u32, Region>,
+    cqs: Vec<(u32, RingView)>,
+    srqs: Vec<(u32, RingView)>,
+    qps: Vec<(u32, QpRings)>,
+    /// Extents taken that no ring owns (the guest's memory): given back
+    /// if the import fails.
+    memory: Vec<u64>,
+    contexts: Vec<u32>,
+    places: Vec<(u32, Kind, u32, Place)>,
+}
+
+fn bad(m: String) -> Answer {
+    error(libc::EINVAL, m)
+}
+
+/// Maps what `snap` places in its VM's region here, or `None` for a
+/// snapshot without a placement. Refused: no VM of its tenant here, a
+/// region of another length, the VM's region in use here (a guest session
+/// or an extent), or any offset the snapshot gets wrong.
+pub(super) fn attach(shared: &Shared, snap: &TenantSnapshot) -> Result<Option<Attached>, Answer> {
+    let Some(p) = &snap.placement else { return Ok(None) };
+    snap.check_placement().map_err(|e| bad(e.to_string()))?;
+    let vm = vm_of(shared, snap.tenant).ok_or_else(|| {
+        error(
+            libc::ENOENT,
+            format!(
+                "the snapshot is of a VM's tenant {}, and no VM of that tenant is configured here",
+                snap.tenant
+            ),
+        )
+    })?;
+    if p.region_len != vm.region_len {
+        return Err(bad(format!(
+            "the snapshot's VM region is {} bytes, VM {:?}'s here {}: the same VM must be configured on both",
+            p.region_len, vm.name, vm.region_len
+        )));
+    }
+    // Take the source's extents, all or none.
+    {
+        let mut ext = vm.extents();
+        if ext.used().next().is_some() {
+            return Err(error(libc::EBUSY, format!("VM {:?}'s region is in use here", vm.name)));
+        }
+        let mut taken = Vec::with_capacity(p.extents.len());
+        for e in &p.extents {
+            if ext.reserve(e.at, e.len) != Some(e.len) {
+                for at in taken {
+                    ext.free(at);
+                }
+                return Err(bad(format!(
+                    "extent of {} bytes at {:#x} is not whole pages of the region",
+                    e.len, e.at
+                )));
+            }
+            taken.push(e.at);
+        }
+    }
+    let mut a = Attached {
+        vm: vm.clone(),
+        tenant: TenantId(snap.tenant),
+        regions: HashMap::new(),
+        cqs: Vec::new(),
+        srqs: Vec::new(),
+        qps: Vec::new(),
+        memory: p.extents.iter().map(|e| e.at).collect(),
+        contexts: snap.contexts.clone(),
+        places: Vec::new(),
+    };
+    match map_all(&mut a, snap, p) {
+        Ok(()) => Ok(Some(a)),
+        Err(e) => {
+            a.give_back();
+            Err(e)
+        }
+    }
+}
+
+fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(), Answer> {
+    let vm = a.vm.clone();
+    let tenant = a.tenant;
+    let ring_at = |a: &mut Attached, at: u64, len: u64| -> Result<Arc<RingMemory>, Answer> {
+        let len = usize::try_from(len).map_err(|_| bad(format!("a ring of {len} bytes")))?;
+        // Rings own their extents from here (given back when dropped).
+        a.memory.retain(|&m| m != at);
+        let mem = RingMemory::reserved_in_vm(&vm, at, len).map_err(|e| {
+            // Not a ring's yet: still ours to give back.
+            a.memory.push(at);
+            error(libc::ENOMEM, format!("cannot map a ring of the VM's region at {at:#x}: {e}"))
+        })?;
+        Ok(Arc::new(mem))
+    };
+    let view = |mem: &Arc<RingMemory>, offset: u64, capacity: u32, stride: usize| {
+        RingView::in_segment(mem.clone(), offset as usize, capacity, stride)
+            .map_err(|e| bad(format!("a ring of the snapshot does not fit its extent: {e}")))
+    };
+    let mr_len: HashMap<u32, (u32, u64)> = snap.mrs.iter().map(|m| (m.key, (m.ctx, m.len))).collect();
+    for m in &p.mrs {
+        let (ctx, len) = mr_len.get(&m.key).copied().unwrap_or((0, 0));
+        let fd = vm.region.try_clone().map_err(|e| error(libc::EMFILE, e.to_string()))?;
+        let region = super::session::map_region(fd, m.at, len, None)?;
+        a.regions.insert(m.key, region);
+        a.places.push((ctx, Kind::Mr, m.key, Place::Mr(m.at)));
+    }
+    let cq_of: HashMap<u32, &vrdma_core::hca::migrate::CqSnap> = snap.cqs.iter().map(|c| (c.cq, c)).collect();
+    for r in &p.cqs {
+        let c = cq_of.get(&r.id).ok_or_else(|| bad(format!("CQ {:#x} placed, not in the snapshot", r.id)))?;
+        let depth = u32::try_from(c.ring_bytes / CQE_SIZE as u64).map_err(|_| bad("a CQ's depth".into()))?;
+        let mem = ring_at(a, r.at, r.len)?;
+        a.cqs.push((r.id, view(&mem, 0, depth, CQE_SIZE)?));
+        a.places.push((c.ctx, Kind::Cq, r.id, Place::Ring(r.at, r.len)));
+    }
+    let srq_of: HashMap<u32, &vrdma_core::hca::migrate::SrqSnap> =
+        snap.srqs.iter().map(|x| (x.srq, x)).collect();
+    for r in &p.srqs {
+        let x =
+            srq_of.get(&r.id).ok_or_else(|| bad(format!("SRQ {:#x} placed, not in the snapshot", r.id)))?;
+        let mem = ring_at(a, r.at, r.len)?;
+        let stride = vrdma_core::ring::recv_stride(x.attr.max_sge);
+        a.srqs.push((r.id, view(&mem, 0, x.attr.max_wr, stride)?));
+        a.places.push((x.ctx, Kind::Srq, r.id, Place::Ring(r.at, r.len)));
+    }
+    let qp_of: HashMap<u32, &vrdma_core::hca::migrate::QpSnap> =
+        snap.qps.iter().map(|q| (q.qpn, q)).collect();
+    for r in &p.qps {
+        let q =
+            qp_of.get(&r.qpn).ok_or_else(|| bad(format!("QP {:#x} placed, not in the snapshot", r.qpn)))?;
+        let cap = q.init.cap;
+        let inbox_depth = r.inbox.then(|| match q.init.srq {
+            None => cap.max_recv_wr,
+            Some(s) => srq_of.get(&s).map_or(0, |x| x.attr.max_wr),
+        });
+        let (sq, rq, inbox, total) = qp_layout(cap, q.init.srq.is_none(), inbox_depth);
+        if (total as u64) > r.len {
+            return Err(bad(format!("QP {:#x}: rings of {total} bytes in an extent of {}", r.qpn, r.len)));
+        }
+        let mem = ring_at(a, r.at, r.len)?;
+        let spec = |s: vrdma_core::proto::RingSpec| view(&mem, s.offset, s.capacity, s.stride as usize);
+        let rings = QpRings::new(
+            ContextId(q.ctx),
+            InRing::new(spec(sq)?, tenant),
+            rq.map(spec).transpose()?.map(|r| InRing::new(r, tenant)),
+        );
+        let rings = match inbox {
+            Some(s) => rings.with_inbox(q.init.recv_cq, spec(s)?),
+            None => rings,
+        };
+        a.qps.push((r.qpn, rings.resume_positions(r.retired, r.held)));
+        a.places.push((q.ctx, Kind::Qp, r.qpn, Place::Qp(r.at, r.len, r.inbox)));
+    }
+    Ok(())
+}
+
+impl Attached {
+    /// The import failed: the rings and regions go, the extents back.
+    pub fn give_back(self) {
+        let Attached { vm, memory, cqs, srqs, qps, regions, .. } = self;
+        drop((cqs, srqs, qps, regions));
+        let mut ext = vm.extents();
+        for at in memory {
+            ext.free(at);
+        }
+    }
+
+    /// The import succeeded: the engine takes the rings (`rings`), and the
+    /// objects' places are recorded for the next move.
+    pub fn install(self, rings: &mut crate::engine::RingTable) {
+        {
+            let mut placed = self.vm.placed();
+            for c in &self.contexts {
+                placed.open_context(*c);
+            }
+            placed.orphans.extend(self.memory.iter().copied());
+            for (ctx, kind, id, place) in self.places {
+                placed.record(ctx, kind, id, place);
+            }
+        }
+        for (cq, ring) in self.cqs {
+            rings.cqs.insert(cq, CqRing { ring, channel: None, inbox_qps: Vec::new() });
+        }
+        for (srq, ring) in self.srqs {
+            rings.srqs.insert(srq, InRing::new(ring, self.tenant));
+        }
+        for (qpn, r) in self.qps {
+            rings.add_qp(qpn, r);
+        }
+    }
+}
+
+/// The VM's tenant moved away from here (`Finish`): its contexts' places
+/// are forgotten and the extents an import took for its memory given
+/// back (its rings' extents go with the rings, its sessions' with them).
+pub(super) fn moved_away(vm: &Vm, contexts: &[ContextId]) {
+    let orphans = {
+        let mut placed = vm.placed();
+        for c in contexts {
+            placed.forget_context(c.0);
+        }
+        std::mem::take(&mut placed.orphans)
+    };
+    let mut ext = vm.extents();
+    for at in orphans {
+        ext.free(at);
+    }
+}
