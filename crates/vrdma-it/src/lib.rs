@@ -14,8 +14,10 @@
 pub mod harness;
 mod pingpong;
 pub mod protocol;
+mod three_hosts;
 
 pub use pingpong::PingPong;
+pub use three_hosts::ThreeHosts;
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};

@@ -26,68 +26,9 @@ use vrdma::wr::{self, SendWrExt};
 use vrdma::{QpState, WcOpcode, WcStatus};
 use vrdma_core::hca::Path as QpPath;
 use vrdma_it::protocol::Said;
-use vrdma_it::{access_all, poll_for, poll_n, DaemonProc, PeerProc, Side, WAIT};
+use vrdma_it::{access_all, poll_for, poll_n, PeerProc, Side, ThreeHosts, WAIT};
 
 const NOBODY: u32 = 65534;
-
-/// Three hosts: network namespaces on one bridge where this test may make
-/// them (root and iproute2), else three loopback addresses (as
-/// `two_hosts.rs`); a daemon on each, peered with the other two, linked.
-/// The daemons go first on drop, then the namespaces.
-struct ThreeHosts {
-    a: DaemonProc,
-    b: DaemonProc,
-    c: DaemonProc,
-    ips: Vec<String>,
-    _net: Option<vrdma_it::NetnsBridge>,
-}
-
-impl ThreeHosts {
-    fn start() -> Result<ThreeHosts> {
-        let net = match vrdma_it::netns_unavailable() {
-            None => match vrdma_it::NetnsBridge::create(3) {
-                Ok(n) => Some(n),
-                Err(e) => {
-                    eprintln!("three loopback addresses: namespaces on a bridge cannot be made here: {e:#}");
-                    None
-                }
-            },
-            Some(why) => {
-                eprintln!("three loopback addresses, not namespaces: {why}");
-                None
-            }
-        };
-        let (ips, port) = match &net {
-            Some(n) => (n.addr.clone(), vrdma_it::DEFAULT_WIRE_PORT),
-            None => {
-                (["127.0.0.2", "127.0.0.3", "127.0.0.4"].map(String::from).to_vec(), vrdma_it::free_port()?)
-            }
-        };
-        let start = |i: usize| {
-            let peers: Vec<String> =
-                (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", ips[j])).collect();
-            let cfg = vrdma_it::host_config(&ips[i], port, &peers, "");
-            DaemonProc::start_in(net.as_ref().map(|n| n.ns[i].as_str()), &cfg)
-        };
-        let h = ThreeHosts { a: start(0)?, b: start(1)?, c: start(2)?, ips, _net: net };
-        let end = Instant::now() + WAIT;
-        for d in [&h.a, &h.b, &h.c] {
-            let ctx = d.context()?;
-            while ctx.stat()?.links.iter().filter(|l| l.up).count() < 2 {
-                if Instant::now() > end {
-                    bail!("the three daemons did not link within {WAIT:?}");
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-        Ok(h)
-    }
-
-    fn gid(&self, i: usize) -> vrdma::Gid {
-        let ip: std::net::Ipv4Addr = self.ips[i].parse().expect("an address");
-        vrdma::Gid::from_ipv4(ip.octets())
-    }
-}
 
 fn uid() -> u32 {
     rustix::process::geteuid().as_raw()
@@ -109,7 +50,7 @@ fn peer_host(ctx: &vrdma::Context, qpn: u32) -> Result<Option<vrdma::Gid>> {
 /// in order, and the connection goes on.
 #[test]
 fn a_paused_tenant_holds_its_peer_and_a_cancel_delivers_every_message_once_in_order() -> Result<()> {
-    let h = ThreeHosts::start()?;
+    let h = ThreeHosts::start(["", "", ""])?;
     let (a, b) = vrdma_it::across::pair(&h.a, &h.b, true)?;
     let tenant = uid();
     const N: u64 = 6;
@@ -187,7 +128,7 @@ fn a_paused_tenant_holds_its_peer_and_a_cancel_delivers_every_message_once_in_or
 /// stays in RTS.
 #[test]
 fn a_tenant_without_memory_moves_to_a_busy_host_and_its_peer_follows() -> Result<()> {
-    let h = ThreeHosts::start()?;
+    let h = ThreeHosts::start(["", "", ""])?;
     let tenant = uid();
     // C already serves another tenant (a uid of its own where we can).
     let other_c =

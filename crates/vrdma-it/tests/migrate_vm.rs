@@ -27,56 +27,7 @@ use vrdma::{QpState, WcOpcode, WcStatus};
 use vrdma_core::hca::migrate::TenantSnapshot;
 use vrdma_core::ring::{Cqe, CQE_SIZE};
 use vrdma_it::protocol::Command;
-use vrdma_it::{access_all, pattern, poll_n, DaemonProc, PeerProc, Side, WAIT};
-
-/// Three daemons (namespaces on a bridge, or loopback addresses), each
-/// linked to the other two; `vm` in A's and C's configuration, `b_vm` in
-/// B's.
-struct ThreeHosts {
-    a: DaemonProc,
-    b: DaemonProc,
-    c: DaemonProc,
-    _net: Option<vrdma_it::NetnsBridge>,
-}
-
-impl ThreeHosts {
-    fn start(vm: &str, b_vm: &str) -> Result<ThreeHosts> {
-        let net = match vrdma_it::netns_unavailable() {
-            None => vrdma_it::NetnsBridge::create(3)
-                .map_err(|e| eprintln!("three loopback addresses: namespaces cannot be made here: {e:#}"))
-                .ok(),
-            Some(why) => {
-                eprintln!("three loopback addresses, not namespaces: {why}");
-                None
-            }
-        };
-        let (ips, port) = match &net {
-            Some(n) => (n.addr.clone(), vrdma_it::DEFAULT_WIRE_PORT),
-            None => {
-                (["127.0.0.2", "127.0.0.3", "127.0.0.4"].map(String::from).to_vec(), vrdma_it::free_port()?)
-            }
-        };
-        let start = |i: usize| {
-            let peers: Vec<String> =
-                (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", ips[j])).collect();
-            let extra = if i == 1 { b_vm } else { vm };
-            let cfg = vrdma_it::host_config(&ips[i], port, &peers, extra);
-            DaemonProc::start_in(net.as_ref().map(|n| n.ns[i].as_str()), &cfg)
-        };
-        let h = ThreeHosts { a: start(0)?, b: start(1)?, c: start(2)?, _net: net };
-        let end = Instant::now() + WAIT;
-        for d in [&h.a, &h.b, &h.c] {
-            let ctx = d.context()?;
-            while ctx.stat()?.links.iter().filter(|l| l.up).count() < 2 {
-                if Instant::now() > end {
-                    bail!("the three daemons did not link within {WAIT:?}");
-                }
-                std::thread::sleep(Duration::from_millis(5));
-            }
-        }
-        Ok(h)
-    }
-}
+use vrdma_it::{access_all, pattern, poll_n, PeerProc, Side, ThreeHosts, WAIT};
 
 /// Copies `len` bytes of one region memfd into another (QEMU's part).
 fn copy_region(from: &OwnedFd, to: &OwnedFd, len: u64) -> Result<()> {
@@ -160,7 +111,7 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     let uid = rustix::process::geteuid().as_raw();
     // B has VM t too, with a region of another size: not the same VM.
     let vm = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 2\n");
-    let h = ThreeHosts::start(&vm(8), &vm(16))?;
+    let h = ThreeHosts::start([&vm(8), &vm(16), &vm(8)])?;
     let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
     let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
     let mut guest = PeerProc::spawn_guest(&vm_a, "tenant", &["--mr-len", "65536"])?;
