@@ -138,13 +138,7 @@ fn client(port: u16, bytes: u64) -> Result<(), String> {
         let f = unsafe { libc::fcntl(s.as_raw_fd(), libc::F_GETFD) };
         println!("cloexec={}", (f & libc::FD_CLOEXEC != 0) as u8);
     }
-    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).map_err(|e| format!("answer: {e}"))?;
-    if answer != format!("ok {bytes}\n") {
-        return Err(format!("answer {answer:?}"));
-    }
-    Ok(())
+    half_close_and_check(&mut s, bytes)
 }
 
 /// Waits (10 s at most) until `fd` is readable (or writable).
@@ -257,13 +251,7 @@ fn sendfile(port: u16, bytes: u64) -> Result<(), String> {
         }
         sent += n as u64;
     }
-    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer).map_err(|e| format!("answer: {e}"))?;
-    if answer != format!("ok {bytes}\n") {
-        return Err(format!("answer {answer:?}"));
-    }
-    Ok(())
+    half_close_and_check(&mut s, bytes)
 }
 
 fn rr(port: u16, rounds: usize) -> Result<(), String> {
@@ -349,4 +337,16 @@ fn main() {
         eprintln!("sockapp: {e}");
         std::process::exit(1);
     }
+}
+
+/// Ends our half of the stream and checks the server's answer: that it
+/// counted `bytes` bytes before our EOF.
+fn half_close_and_check(s: &mut TcpStream, bytes: u64) -> Result<(), String> {
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer).map_err(|e| format!("answer: {e}"))?;
+    if answer != format!("ok {bytes}\n") {
+        return Err(format!("answer {answer:?}"));
+    }
+    Ok(())
 }
