@@ -216,7 +216,7 @@ fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
     let vm_sock = dir.path().join("vm-t.sock");
     for want in [
         "memory-backend-file,id=vrdma-mem,share=on,mem-path=/proc/self/fd/9,size=8388608".to_string(),
-        "ivshmem-plain,memdev=vrdma-mem".into(),
+        "ivshmem-plain,memdev=vrdma-mem,master=on".into(),
         format!("socket,id=vrdma-p1,path={}", vm_sock.display()),
         "name=org.vrdma.1".into(),
     ] {

@@ -42,7 +42,10 @@ pub fn vm_args(region_fd: RawFd, region_len: u64, port_socket: &Path, ports: u32
             "memory-backend-file,id=vrdma-mem,share=on,mem-path=/proc/self/fd/{region_fd},size={region_len}"
         ),
         "-device".into(),
-        "ivshmem-plain,memdev=vrdma-mem".into(),
+        // `master=on`: QEMU migrates the region with the VM (with the
+        // default, off, it refuses to migrate a VM with the device at
+        // all); docs/migration.md says why the region moves this way.
+        "ivshmem-plain,memdev=vrdma-mem,master=on".into(),
         "-device".into(),
         "virtio-serial-pci,id=vrdma-serial".into(),
     ];
@@ -69,7 +72,7 @@ mod tests {
                 "-object",
                 "memory-backend-file,id=vrdma-mem,share=on,mem-path=/proc/self/fd/7,size=67108864",
                 "-device",
-                "ivshmem-plain,memdev=vrdma-mem",
+                "ivshmem-plain,memdev=vrdma-mem,master=on",
                 "-device",
                 "virtio-serial-pci,id=vrdma-serial",
                 "-chardev",
