@@ -648,7 +648,7 @@ impl RawConn {
     /// Receives one reply (bounded by the socket's receive timeout).
     pub fn recv(&mut self) -> Result<Answer> {
         use std::os::fd::AsFd;
-        let r = vrdma_shm::recv_msg(self.sock.as_fd(), &mut self.buf, vrdma_core::proto::MAX_FDS)
+        let r = vrdma_shm::recv_msg(self.sock.as_fd(), &mut self.buf, vrdma_core::proto::MAX_REPLY_FDS)
             .context("no reply from the daemon")?;
         if r.len == 0 && !r.truncated {
             return Ok(Answer::Closed);

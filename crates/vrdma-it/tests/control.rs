@@ -426,7 +426,7 @@ fn stat_lists_thousands_of_qps_in_pages() -> Result<()> {
 /// The daemon maps a registered region, or a queue's ring, and closes its
 /// descriptor: a tenant's objects, up to its quota, must not use up the
 /// descriptors that every tenant's connections need. With the direct path
-/// on (`VRDMA_DIRECT=1`, `docs/direct-path.md`) the daemon keeps a
+/// on (the default; `VRDMA_DIRECT=0` turns it off, `docs/direct-path.md`) the daemon keeps a
 /// region's memfd to grant it (a SEND lands in receive SGEs), but only
 /// within the tenant's share of descriptors (`max_descriptors`): the rest
 /// of the regions are not kept, and every one is given back with its
@@ -435,7 +435,8 @@ fn stat_lists_thousands_of_qps_in_pages() -> Result<()> {
 fn regions_and_queues_hold_no_descriptors_in_the_daemon() -> Result<()> {
     const SHARE: usize = 64;
     const PER_CONTEXT: usize = 8;
-    let direct = std::env::var("VRDMA_DIRECT").is_ok_and(|v| v == "1");
+    // The daemon takes the default of `[direct]`, as this reads it.
+    let direct = vrdmad::DirectConfig::enabled_by_default();
     let d = DaemonProc::start_with_config(&format!("[quota]\nmax_descriptors = {SHARE}\n"))?;
     let mut c = open(&d)?;
     let pd = conn_works(&mut c)?;

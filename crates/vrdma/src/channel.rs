@@ -1,7 +1,25 @@
 //! Completion channels: where armed CQs report that they have work.
+//!
+//! # Quiet events
+//!
+//! Each event comes with a datagram on the channel's doorbell, so that its
+//! fd is readable while an event is unread: one `send(2)` where the event
+//! is raised and one `recv(2)` where it is taken, per event. A thread in
+//! [`CompletionChannel::get_cq_event`] first looks for the event in shared
+//! memory for a while ([`event_spin`]); an event raised meanwhile needs no
+//! wake-up. So, while the channel serves one CQ, the spinning thread marks
+//! that CQ's [`proto::CQ_AUX_WAITER`] word, the party raising an event (the
+//! direct path's requester, or the engine) claims the mark instead of
+//! ringing, and the thread takes the event without a datagram. The mark is
+//! taken back before the thread sleeps on the fd, with one compare-and-swap
+//! against the raiser's, so that an event is either claimed (and found by
+//! the spinning thread) or rung. What this changes for a program that
+//! `poll`s the fd: an event raised while one of its threads spins in
+//! `get_cq_event` is taken by that thread without the fd ever becoming
+//! readable for it.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -20,7 +38,10 @@ use crate::error::{Error, Result};
 /// doorbell, whose descriptor [`fd`](Self::fd) can be watched with
 /// `poll`/`epoll`. Taking an event takes its datagram too, so the fd is
 /// readable exactly while an event is unread, as rdma-core's channel fd
-/// is. Events need no acknowledgement. Cheap to clone.
+/// is, except for an event raised while a thread waits in
+/// [`get_cq_event`](Self::get_cq_event), which that thread takes without
+/// a datagram (module docs, "Quiet events"). Events need no
+/// acknowledgement. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct CompletionChannel {
     pub(crate) inner: Arc<ChannelInner>,
@@ -40,6 +61,10 @@ pub(crate) struct ChannelInner {
     /// When (ns since [`elapsed_ns`]'s origin, 0: not) the fd was first
     /// seen readable with no event; see `drop_stale`.
     stale_since: AtomicU64,
+    /// Claimed events (raised without a datagram, "Quiet events") whose
+    /// claims were collected when another event was taken: as many events
+    /// still to be taken need no datagram.
+    quiet_owed: AtomicU32,
 }
 
 /// How long an event's wake-up is waited for once the event was taken.
@@ -78,10 +103,71 @@ impl ChannelInner {
             }
         };
         self.stale_since.store(0, Ordering::Relaxed);
-        if !self.event.take_one() {
+        if !self.quiet() && !self.event.take_one() {
             self.await_wakeup()?;
         }
         Ok(Some(cqn))
+    }
+
+    /// Called with an event just taken: ends any spin announced on the
+    /// channel's CQs (a raiser that has not claimed yet rings), collects
+    /// the claims made meanwhile, and says whether one of them (or one
+    /// owed from before) stands for this event, which then has no
+    /// datagram to take.
+    fn quiet(&self) -> bool {
+        let mut claimed = 0u32;
+        {
+            let d = self.direct.lock().unwrap_or_else(|p| p.into_inner());
+            for cq in d.iter().filter_map(|w| w.upgrade()) {
+                let w = cq.waiter();
+                if w.load(Ordering::SeqCst) != proto::CQ_WAITER_IDLE
+                    && w.swap(proto::CQ_WAITER_IDLE, Ordering::SeqCst) == proto::CQ_WAITER_CLAIMED
+                {
+                    claimed += 1;
+                }
+            }
+        }
+        if claimed > 0 {
+            // One for this event; any more for events still unread (the
+            // claims of two CQs, announced one after the other).
+            self.quiet_owed.fetch_add(claimed - 1, Ordering::SeqCst);
+            return true;
+        }
+        self.quiet_owed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+    }
+
+    /// Before a spin: marks the channel's CQ as watched from shared memory
+    /// ("Quiet events"), when the channel serves one CQ and no other thread
+    /// marked it; returns it, for [`end_spin`](Self::end_spin).
+    fn announce_spin(&self) -> Option<Arc<crate::cq::CqInner>> {
+        let d = self.direct.lock().unwrap_or_else(|p| p.into_inner());
+        let mut live = d.iter().filter_map(|w| w.upgrade());
+        let cq = live.next()?;
+        if live.next().is_some() {
+            return None;
+        }
+        cq.waiter()
+            .compare_exchange(
+                proto::CQ_WAITER_IDLE,
+                proto::CQ_WAITER_SPINNING,
+                Ordering::SeqCst,
+                Ordering::SeqCst,
+            )
+            .ok()?;
+        Some(cq)
+    }
+
+    /// After a spin that found nothing: takes the mark back. `false` when
+    /// an event was claimed meanwhile (it is published: take it, without
+    /// a datagram).
+    fn end_spin(cq: &crate::cq::CqInner) -> bool {
+        let w = cq.waiter();
+        w.compare_exchange(
+            proto::CQ_WAITER_SPINNING,
+            proto::CQ_WAITER_IDLE,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        ) != Err(proto::CQ_WAITER_CLAIMED)
     }
 
     /// Registers a CQ created on this channel.
@@ -201,6 +287,7 @@ impl CompletionChannel {
                 cqs: AtomicUsize::new(0),
                 direct: Default::default(),
                 stale_since: AtomicU64::new(0),
+                quiet_owed: AtomicU32::new(0),
             }),
         })
     }
@@ -227,7 +314,9 @@ impl CompletionChannel {
     /// this channel, each event goes to only one of them.
     ///
     /// With `poll`/`epoll` on [`fd`](Self::fd): the fd is readable exactly
-    /// while an event is unread, as rdma-core's channel fd is. When it is
+    /// while an event is unread, as rdma-core's channel fd is, but for an
+    /// event raised while a thread waits here, which it takes without the
+    /// fd becoming readable (module docs, "Quiet events"). When it is
     /// readable this finds an event (unless another thread took it), and
     /// each event this returns takes the fd's readiness for it along.
     ///
@@ -273,18 +362,50 @@ impl CompletionChannel {
     /// An event that comes within microseconds (the answer in a ping-pong)
     /// is then taken without a sleep and a wake-up, which cost more than
     /// the message itself; a quiet channel still sleeps after the window.
+    ///
+    /// While it looks, an event of the channel's CQ needs no wake-up
+    /// ("Quiet events" above).
     fn spin_for_event(&self, slot: &mut [u8], timeout: Option<Duration>) -> Result<Option<u32>> {
         let window = event_spin().min(timeout.unwrap_or(Duration::MAX));
-        let start = Instant::now();
-        loop {
-            if let Some(cqn) = self.inner.take(slot)? {
-                return Ok(Some(cqn));
-            }
-            if start.elapsed() >= window {
-                return Ok(None);
-            }
-            std::thread::yield_now();
+        if window.is_zero() {
+            return self.inner.take(slot);
         }
+        let start = Instant::now();
+        let spinner = self.inner.announce_spin();
+        // Empty looks that spin before each further one yields: as an
+        // empty poll of the CQ would (`idle`), so that an event a program
+        // on another CPU raises is not waited for behind a trip through
+        // the scheduler.
+        let spins = crate::idle::spin_limit(spinner.as_ref().is_some_and(|cq| cq.fed_from_elsewhere()));
+        let mut looks = 0u32;
+        let got = (|| -> Result<Option<u32>> {
+            loop {
+                if let Some(cqn) = self.inner.take(slot)? {
+                    return Ok(Some(cqn));
+                }
+                if start.elapsed() >= window {
+                    match &spinner {
+                        // Claimed meanwhile: the event is there (or another
+                        // thread took it, and the mark with it).
+                        Some(cq) if !ChannelInner::end_spin(cq) => continue,
+                        _ => return Ok(None),
+                    }
+                }
+                if looks < spins {
+                    looks += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            }
+        })();
+        if got.is_err() {
+            // A claim left here is collected by the next event taken.
+            if let Some(cq) = &spinner {
+                ChannelInner::end_spin(cq);
+            }
+        }
+        got
     }
 
     /// How many events the daemon dropped because the channel's ring was

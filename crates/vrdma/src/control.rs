@@ -233,7 +233,7 @@ impl Control {
             return Err(e.into());
         }
         let State { sock, buf, broken } = &mut *st;
-        let received = match vrdma_shm::recv_msg(sock.as_fd(), buf, proto::MAX_FDS) {
+        let received = match vrdma_shm::recv_msg(sock.as_fd(), buf, proto::MAX_REPLY_FDS) {
             Ok(r) => r,
             Err(e) => {
                 *broken = true;

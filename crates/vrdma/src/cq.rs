@@ -345,6 +345,18 @@ impl CqInner {
         raise_event(&self.ring, bell, solicited, success);
     }
 
+    /// Whether this CQ's last completions came from the direct path and
+    /// the programs writing them last ran on other CPUs: a waiter for its
+    /// next one spins rather than yield (`idle::DIRECT_SPIN_POLLS`).
+    pub(crate) fn fed_from_elsewhere(&self) -> bool {
+        self.direct_fed.load(Ordering::Relaxed) && self.peer_elsewhere()
+    }
+
+    /// This CQ's [`proto::CQ_AUX_WAITER`] word.
+    pub(crate) fn waiter(&self) -> &AtomicU32 {
+        self.ring.aux(proto::CQ_AUX_WAITER)
+    }
+
     /// Takes one event the direct path raised for this CQ, if any.
     pub(crate) fn take_direct_event(&self) -> bool {
         self.ring
@@ -389,6 +401,11 @@ pub(crate) fn raise_event(cq_ring: &RingView, bell: &vrdma_shm::Doorbell, solici
         return;
     }
     cq_ring.aux(proto::CQ_AUX_DIRECT_EVENTS).fetch_add(1, Ordering::SeqCst);
+    // The owner is looking for it in shared memory: no wake-up needed
+    // (`channel.rs`, "Quiet events").
+    if proto::claim_quiet_event(cq_ring.aux(proto::CQ_AUX_WAITER)) {
+        return;
+    }
     if !bell.ring_one() {
         // The owner's end is gone or full: the event is there, its wake-up
         // is not (as the engine's).

@@ -26,10 +26,10 @@
 //! sweep_ms = 100        # give every QP with work a turn this often, woken or not (0: never)
 //!
 //! [direct]              # same host, same tenant: the library moves the bytes
-//! enabled = false       # off by default until the direct path meets every
-//!                       # semantic of the engine path (docs/direct-path.md);
-//!                       # VRDMA_DIRECT=1 in the daemon's environment makes
-//!                       # the default true (to run a test suite with it on)
+//! enabled = true        # on by default (docs/direct-path.md); false sends
+//!                       # every work request through the engine;
+//!                       # VRDMA_DIRECT=0 in the daemon's environment makes
+//!                       # the default false (to run a test suite with it off)
 //!
 //! [quota]               # every tenant
 //! max_objects = 16384
@@ -358,16 +358,25 @@ impl Default for EngineConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DirectConfig {
-    /// Grant connected same-tenant QP pairs direct RDMA writes. Off by
-    /// default while the path covers only part of the engine's semantics;
-    /// the default follows `VRDMA_DIRECT` (`1`: on), so that a test suite
-    /// whose daemons use defaults runs with it on.
+    /// Grant connected same-tenant QP pairs on this host the direct path.
+    /// On by default; the default follows `VRDMA_DIRECT` (`0`: off), so
+    /// that a test suite whose daemons use defaults runs with it off.
     pub enabled: bool,
+}
+
+impl DirectConfig {
+    /// The default of `enabled` as `VRDMA_DIRECT` sets it: `0` turns the
+    /// path off; unset, or anything else, leaves it on. Tests that check
+    /// a path-dependent figure read it the same way as the daemons they
+    /// start.
+    pub fn enabled_by_default() -> bool {
+        !matches!(std::env::var("VRDMA_DIRECT").as_deref(), Ok("0"))
+    }
 }
 
 impl Default for DirectConfig {
     fn default() -> Self {
-        DirectConfig { enabled: std::env::var("VRDMA_DIRECT").is_ok_and(|v| v == "1") }
+        DirectConfig { enabled: DirectConfig::enabled_by_default() }
     }
 }
 
@@ -956,6 +965,17 @@ impl DaemonConfig {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_direct_path_is_switched_by_its_section() {
+        // The default follows `VRDMA_DIRECT`, which this test leaves alone
+        // (other tests of the process run beside it): only what the
+        // section says is checked here.
+        assert_eq!(DaemonConfig::from_toml("").unwrap().direct.enabled, DirectConfig::enabled_by_default());
+        assert!(!DaemonConfig::from_toml("[direct]\nenabled = false").unwrap().direct.enabled);
+        assert!(DaemonConfig::from_toml("[direct]\nenabled = true").unwrap().direct.enabled);
+        assert!(DaemonConfig::from_toml("[direct]\nenabled = 1").is_err());
+    }
 
     #[test]
     fn metrics_listen_is_off_by_default_and_needs_an_address_with_a_port() {

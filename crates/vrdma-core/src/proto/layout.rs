@@ -40,6 +40,33 @@ pub const CQ_AUX_LOCAL: usize = 1;
 /// channel's owner has not taken yet; the owner's library looks here when
 /// the channel's ring is empty (`docs/direct-path.md`).
 pub const CQ_AUX_DIRECT_EVENTS: usize = 2;
+/// CQ ring aux word: whether a thread of the CQ's owner is looking for
+/// its channel's next event in shared memory (the spin at the start of
+/// `get_cq_event`), so that whoever raises the CQ's event need not ring
+/// the channel's doorbell. The owner sets [`CQ_WAITER_SPINNING`] (from
+/// [`CQ_WAITER_IDLE`]) before it looks and takes it back before it sleeps
+/// on the doorbell; a party that raises an event (the engine, or the
+/// direct path) publishes the event first, then swaps SPINNING for
+/// [`CQ_WAITER_CLAIMED`] and, if that swap succeeded, rings no doorbell.
+/// The owner, taking an event, swaps the word back to IDLE and takes no
+/// datagram for an event it finds CLAIMED: the doorbell's datagrams stay
+/// as many as the unread events that were not claimed. Tenant-written; a
+/// wrong value costs the tenant its own wake-ups, nothing else.
+pub const CQ_AUX_WAITER: usize = 3;
+pub const CQ_WAITER_IDLE: u32 = 0;
+pub const CQ_WAITER_SPINNING: u32 = 1;
+pub const CQ_WAITER_CLAIMED: u32 = 2;
+
+/// Whether the event just published for a CQ whose ring holds `waiter`
+/// (its [`CQ_AUX_WAITER`] word) goes to a waiter that is looking for it
+/// in shared memory, and so needs no doorbell: swaps SPINNING for
+/// CLAIMED. Call after the event is published.
+pub fn claim_quiet_event(waiter: &std::sync::atomic::AtomicU32) -> bool {
+    use std::sync::atomic::Ordering::SeqCst;
+    waiter.load(SeqCst) == CQ_WAITER_SPINNING
+        && waiter.compare_exchange(CQ_WAITER_SPINNING, CQ_WAITER_CLAIMED, SeqCst, SeqCst).is_ok()
+}
+
 /// Inbox ring aux words (the direct path's completions of a QP's
 /// receives, `docs/direct-path.md`): receive completions of the QP the
 /// engine pushed into its CQ's ring, and those the client polled from

@@ -38,8 +38,15 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
-/// Most file descriptors one message carries.
+/// Most file descriptors one request carries (the daemon reads no more).
 pub const MAX_FDS: usize = 4;
+/// Most file descriptors one reply carries. The direct path's receive
+/// grant (`Reply::DirectRecvGrant`) carries up to five: a new window page,
+/// the responder's QP segment, its SRQ's, its receive CQ's segment and
+/// that CQ's channel doorbell. A client that read fewer would find the
+/// reply cut (`MSG_CTRUNC`), the descriptors lost, and its connection out
+/// of step. Guests get none of these (`guest::MAX_HANDLES`).
+pub const MAX_REPLY_FDS: usize = 8;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Request {

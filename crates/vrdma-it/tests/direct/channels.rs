@@ -121,18 +121,21 @@ fn solicited_only_arming_wakes_only_on_a_solicited_completion() -> Result<()> {
 
 /// The loop a program runs: each side sleeps on its channel until its
 /// message comes (arm, poll, then wait), then answers.
-#[test]
-fn an_event_driven_ping_pong_is_carried() -> Result<()> {
-    const N: u64 = 500;
-    let d = DaemonProc::start_with_config(ON)?;
-    let ((a, ach), (b, bch)) = channel_pair(&d)?;
+/// `n` sends bounced between `a` and `b`, each side waiting for the
+/// peer's by arming its CQ, polling it and sleeping on its channel;
+/// returns the events each side took.
+fn event_ping_pong(
+    (a, ach): &(Side, vrdma::CompletionChannel),
+    (b, bch): &(Side, vrdma::CompletionChannel),
+    n: u64,
+) -> Result<(u64, u64)> {
     a.mr.write(0, b"ping!!!!")?;
     b.mr.write(0, b"pong!!!!")?;
     let run = |s: &Side, ch: &vrdma::CompletionChannel, first: bool| -> Result<u64> {
         let mut events = 0;
         s.qp.post_recv(&[wr::recv(0, &[s.mr.sge(1024, 8)?])?])?;
         let mut buf = vrdma::wc_buffer(16);
-        for i in 0..N {
+        for i in 0..n {
             if first {
                 s.qp.post_send(&[wr::send(i, &[s.mr.sge(0, 8)?])?.signaled()])?;
             }
@@ -140,12 +143,12 @@ fn an_event_driven_ping_pong_is_carried() -> Result<()> {
             let mut got = false;
             while !got {
                 s.cq.req_notify(false)?;
-                let n = s.cq.poll(&mut buf)?;
-                for wc in &buf[..n] {
+                let k = s.cq.poll(&mut buf)?;
+                for wc in &buf[..k] {
                     assert_eq!(wc.status, WcStatus::Success);
                     got |= wc.opcode == WcOpcode::Recv;
                 }
-                if n == 0 {
+                if k == 0 {
                     match ch.get_cq_event(Some(WAIT))? {
                         Some(_) => events += 1,
                         None => anyhow::bail!("no event within {WAIT:?} at message {i}: lost"),
@@ -160,12 +163,70 @@ fn an_event_driven_ping_pong_is_carried() -> Result<()> {
         Ok(events)
     };
     let (ea, eb) = std::thread::scope(|sc| {
-        let hb = sc.spawn(|| run(&b, &bch, false));
-        let ea = run(&a, &ach, true);
+        let hb = sc.spawn(|| run(b, bch, false));
+        let ea = run(a, ach, true);
         (ea, hb.join().expect("the responder's thread"))
     });
-    let (ea, eb) = (ea?, eb?);
+    Ok((ea?, eb?))
+}
+
+/// Whether the channel's fd becomes readable within `ms` milliseconds.
+fn readable(ch: &vrdma::CompletionChannel, ms: i32) -> bool {
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd { fd: ch.fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd, for the duration of the call.
+    unsafe { libc::poll(&mut p, 1, ms) > 0 }
+}
+
+#[test]
+fn an_event_driven_ping_pong_is_carried() -> Result<()> {
+    const N: u64 = 500;
+    let d = DaemonProc::start_with_config(ON)?;
+    let (a, b) = channel_pair(&d)?;
+    let (ea, eb) = event_ping_pong(&a, &b, N)?;
+    let (a, b) = (a.0, b.0);
     assert!(ea > 0 && eb > 0, "the sides slept on their channels ({ea}, {eb} events)");
     assert!(carried(&a) >= N - 5 && carried(&b) >= N - 5, "carried: {} and {}", carried(&a), carried(&b));
+    Ok(())
+}
+
+/// Events taken while the waiter looked for them in shared memory come
+/// without a datagram (`vrdma::channel`, "Quiet events"), on either path:
+/// after many of them the channel's fd is not readable (no datagram left
+/// over), and an event raised while no thread waits still makes it
+/// readable, until that event is taken.
+#[test]
+fn the_channel_fd_stays_in_step_with_events_taken_while_waiting() -> Result<()> {
+    for config in [ON, OFF] {
+        let d = DaemonProc::start_with_config(config)?;
+        let (a, b) = channel_pair(&d)?;
+        event_ping_pong(&a, &b, 300)?;
+        let ((a, ach), (b, bch)) = (a, b);
+        // The CQs stayed armed after their last wait: the responder's own
+        // last send fired its CQ once more. Take what is there.
+        std::thread::sleep(Duration::from_millis(20));
+        for ch in [&ach, &bch] {
+            for _ in 0..4 {
+                if ch.get_cq_event(Some(Duration::ZERO))?.is_none() {
+                    break;
+                }
+            }
+        }
+        poll_for(&a.cq, Duration::from_millis(20))?;
+        poll_for(&b.cq, Duration::from_millis(20))?;
+        assert!(!readable(&ach, 0) && !readable(&bch, 0), "a wake-up left over ({config:?})");
+        // The ping-pong left receive 300 posted.
+        b.cq.req_notify(false)?;
+        a.qp.post_send(&[wr::send(1000, &[a.mr.sge(0, 8)?])?])?;
+        assert!(
+            readable(&bch, WAIT.as_millis() as i32),
+            "no wake-up for an event no one waited for ({config:?})"
+        );
+        assert_eq!(bch.get_cq_event(Some(Duration::ZERO))?, Some(b.cq.cqn()));
+        assert!(!readable(&bch, 0), "the wake-up outlived its event ({config:?})");
+        let wc = poll_one(&b.cq, WAIT)?;
+        assert_eq!((wc.wr_id, wc.status, wc.opcode), (300, WcStatus::Success, WcOpcode::Recv));
+        no_event(&ach)?;
+    }
     Ok(())
 }

@@ -209,3 +209,45 @@ fn an_empty_srq_leaves_the_send_to_the_engines_rnr() -> Result<()> {
     assert_eq!(n1, 1, "the first waited on the engine, the second was carried");
     Ok(())
 }
+
+/// A receive grant with every part (a new window page, the responder's
+/// QP, its SRQ, and the receive CQ's segment and channel doorbell) is five
+/// descriptors in one reply: the first request of a requester QP being a
+/// SEND into such a QP (Open MPI over UCX's `rc_verbs`, whose receives
+/// come from an SRQ and whose CQs have a channel, did that). The reply
+/// must arrive whole and leave the requester's connection usable; it was
+/// cut to four descriptors, the connection taken as broken and every later
+/// call of the process failed with `ENOTCONN`.
+#[test]
+fn a_receive_grant_with_an_srq_a_channel_and_a_new_window_arrives_whole() -> Result<()> {
+    let d = DaemonProc::start_with_config(ON)?;
+    let a = Side::new(&d.context()?, 4096)?;
+    let ctx = d.context()?;
+    let pd = ctx.alloc_pd()?;
+    let mr = pd.alloc_mr(4096, access_all())?;
+    let ch = ctx.create_comp_channel()?;
+    let cq = ctx.create_cq(64, Some(&ch))?;
+    let srq = pd.create_srq(SrqAttr { max_wr: 16, max_sge: 1, srq_limit: 0 })?;
+    let b = pd.create_qp(&QpInit::rc(&cq, &cq, cap(16, 1)).with_srq(&srq))?;
+    a.qp.connect(&b.endpoint(&ctx)?, access_all())?;
+    b.connect(&a.endpoint()?, access_all())?;
+    srq.post_recv(&[wr::recv(1, &[mr.sge(0, 64)?])?, wr::recv(2, &[mr.sge(64, 64)?])?])?;
+    a.mr.write(0, b"sent 1st")?;
+    // The requester QP's first request: the receive grant brings the window.
+    a.qp.post_send(&[wr::send(1, &[a.mr.sge(0, 8)?])?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
+    a.qp.post_send(&[wr::send(2, &[a.mr.sge(0, 8)?])?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
+    let wcs = poll_n(&cq, 2, WAIT)?;
+    assert_eq!(
+        wcs.iter().map(|w| (w.wr_id, w.status, w.byte_len)).collect::<Vec<_>>(),
+        [(1, WcStatus::Success, 8), (2, WcStatus::Success, 8)]
+    );
+    let mut got = [0u8; 8];
+    mr.read(64, &mut got)?;
+    assert_eq!(&got, b"sent 1st");
+    assert_eq!(carried(&a), 2, "both sends carried");
+    // The requester's connection to the daemon still answers.
+    a.ctx.alloc_pd()?;
+    Ok(())
+}

@@ -461,6 +461,11 @@ impl RingTable {
             limited_warn!(self.log, tenant, self.now, "completion channel full: event dropped", cq = cqn);
             return;
         }
+        // The owner is looking for it in shared memory: no wake-up needed
+        // (`proto::CQ_AUX_WAITER`).
+        if proto::claim_quiet_event(cq.ring.aux(proto::CQ_AUX_WAITER)) {
+            return;
+        }
         if !ch.fd.ring_one() {
             // The estimate of the socket buffer was wrong (or the tenant
             // closed its end): the event is there, its wake-up is not.

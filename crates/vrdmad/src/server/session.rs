@@ -18,8 +18,8 @@ use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
     self, CmReply, CmRequest, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
-    CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE,
-    PROTOCOL_VERSION,
+    CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, MAX_REPLY_FDS, POSTED_RING_CAPACITY,
+    POSTED_SLOT_SIZE, PROTOCOL_VERSION,
 };
 use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
 use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
@@ -195,6 +195,14 @@ pub(crate) fn run(
                 }
                 Ok(req) => s.handle(req, msg.fds),
             }
+        };
+        let answer = if answer.fds.len() > MAX_REPLY_FDS {
+            // A reply the client could not read whole: the daemon's own
+            // mistake, answered as an error rather than cut in the kernel.
+            tracing::error!(ctx = id, fds = answer.fds.len(), reply = ?answer.reply, "reply with too many descriptors");
+            error(EPROTO, format!("the daemon's reply carried more than {MAX_REPLY_FDS} descriptors"))
+        } else {
+            answer
         };
         let bytes = proto::encode_reply(&answer.reply);
         let fds: Vec<BorrowedFd> = answer
