@@ -167,6 +167,7 @@ rc_rdma_write_lat rc_compare_swap_mr rc_fetch_add_mr ud_bw ud_lat tcp_bw tcp_lat
 Examples:
   vrdma bench                                  the default report with anchors
   vrdma bench --cm-setup --runs 5              only its rdma_cm connection setup figures
+  vrdma bench --sockets --runs 5               only the sockets preload's figures beside plain TCP
   vrdma bench rc_lat rc_bw tcp_lat tcp_bw      named tests, both sides on this host
   vrdma bench --server                         serve clients on port 19765
   vrdma bench host2 rc_bw --sweep=1M --csv     against the server on host2
