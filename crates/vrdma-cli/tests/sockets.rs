@@ -59,3 +59,26 @@ fn iperf3_runs_carried_over_vrdma_under_vrdma_run_sockets() {
     let counts = ctx.sock_counts().expect("counts");
     assert_eq!((counts.announced, counts.carried), (2, 2), "{counts:?}");
 }
+
+/// `vrdma bench --sockets` runs its programs plain and preloaded, checks
+/// the preloaded ones were carried, and prints each figure beside its
+/// anchor with the ratio.
+#[test]
+fn bench_sockets_prints_its_figures_beside_plain_tcp() {
+    let _one = one_at_a_time();
+    let mut c = Command::new(VRDMA);
+    c.args(["bench", "--sockets", "--quick", "--runs", "1"])
+        .env("VRDMA_SOCKETS_LIB", built("libvrdma_sockets.so"));
+    let out = spawn(c, "vrdma bench --sockets").finish(Duration::from_secs(240));
+    out.assert_ok();
+    for path in ["direct path off", "direct path on"] {
+        for what in ["64 B request/response", "stream of 256 MiB"] {
+            let row = out
+                .stdout
+                .lines()
+                .find(|l| l.contains(what) && l.contains(path))
+                .unwrap_or_else(|| panic!("no {what} row, {path}: {}", out.describe()));
+            assert!(row.contains("plain TCP, loopback") && row.contains('x'), "{row}");
+        }
+    }
+}

@@ -17,6 +17,7 @@ mod output;
 mod qos;
 mod report;
 mod server;
+mod sockets;
 mod spec;
 mod suite;
 mod traffic;
@@ -123,6 +124,12 @@ pub struct Args {
     /// busybox-static; two guests boot in about 30 s under TCG).
     #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "qos", "attacks"])]
     pub vm: bool,
+    /// Of the default report, only the sockets figures: an unmodified
+    /// std::net request/response pair and a streaming pair under the
+    /// sockets preload library (docs/sockets.md), direct path off and on,
+    /// beside the same programs over plain TCP in the same run.
+    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "qos", "attacks", "vm"])]
+    pub sockets: bool,
     /// Run the embedded daemon's engine at real-time priority (needs root or CAP_SYS_NICE).
     #[arg(long)]
     pub realtime: bool,
@@ -144,6 +151,13 @@ pub struct Args {
     pub worker_size: usize,
     #[arg(long, hide = true, default_value_t = 1000)]
     pub worker_iters: u64,
+    /// Internal: run as one of the plain std::net programs of `--sockets`.
+    #[arg(long, hide = true, value_enum)]
+    pub sock_app: Option<sockets::App>,
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub sock_port: u16,
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub sock_n: u64,
 }
 
 const AFTER_HELP: &str = "\
@@ -153,6 +167,7 @@ rc_rdma_write_lat rc_compare_swap_mr rc_fetch_add_mr ud_bw ud_lat tcp_bw tcp_lat
 Examples:
   vrdma bench                                  the default report with anchors
   vrdma bench --cm-setup --runs 5              only its rdma_cm connection setup figures
+  vrdma bench --sockets --runs 5               only the sockets preload's figures beside plain TCP
   vrdma bench rc_lat rc_bw tcp_lat tcp_bw      named tests, both sides on this host
   vrdma bench --server                         serve clients on port 19765
   vrdma bench host2 rc_bw --sweep=1M --csv     against the server on host2
@@ -206,11 +221,13 @@ impl Args {
                 return Err(format!("{name} applies to named tests, e.g. vrdma bench rc_bw {name} ..."));
             }
         }
-        if named && (self.cm_setup || self.qos || self.vm) {
+        if named && (self.cm_setup || self.qos || self.vm || self.sockets) {
             let flag = if self.qos {
                 "--qos"
             } else if self.vm {
                 "--vm"
+            } else if self.sockets {
+                "--sockets"
             } else {
                 "--cm-setup"
             };
@@ -256,6 +273,9 @@ pub(crate) fn engine_config(args: &Args) -> vrdmad::EngineConfig {
 }
 
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
+    if let Some(role) = args.sock_app {
+        return sockets::app(role, args.sock_port, args.sock_n);
+    }
     if let Some(role) = args.worker {
         return worker::run(role, args.worker_test, args.worker_size, args.worker_iters);
     }

@@ -58,6 +58,17 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         let figures = super::vm::figures(args, runs, cores, &progress)?;
         return report::print(&figures, &[], None, args.json);
     }
+    if args.sockets {
+        let progress = |what: &str| {
+            if !args.json {
+                eprintln!("measuring {what} ...");
+            }
+        };
+        let lib = super::sockets::library()?;
+        let figures =
+            super::sockets::figures(&super::engine_config(args), &lib, args.quick, runs, cores, &progress)?;
+        return report::print(&figures, &[], None, args.json);
+    }
     let device = crate::embedded::device(socket, super::engine_config(args))?;
     let sock = device.socket().to_owned();
     let (lat_iters, bw_bytes) = if args.quick { (5_000u64, 1u64 << 30) } else { (20_000, 4 << 30) };

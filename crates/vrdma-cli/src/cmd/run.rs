@@ -127,7 +127,7 @@ pub(crate) fn find_companions() -> Result<Option<PathBuf>> {
 }
 
 /// The sockets preload library (`--sockets`).
-fn find_sockets() -> Result<PathBuf> {
+pub(crate) fn find_sockets() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os(SOCKETS_ENV) {
         let p = PathBuf::from(p);
         if !p.is_file() {
