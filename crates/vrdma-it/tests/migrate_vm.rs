@@ -105,7 +105,8 @@ impl GuestCq {
 /// memory where it is, with their completions in the VM's CQ ring there,
 /// once each and in order; B's RDMA write lands by the same rkey; B's QP
 /// stays in RTS; a daemon whose VM has another region size refuses the
-/// import; C, having imported, exports the same placement.
+/// import; C, having imported, exports the same placement (the guest
+/// context's own segment included).
 #[test]
 fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_its_region() -> Result<()> {
     let uid = rustix::process::geteuid().as_raw();
@@ -158,6 +159,14 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     assert_eq!(p.region_len, vm_a.region_len);
     assert_eq!((p.mrs.len(), p.qps.len()), (snap.mrs.len(), 1));
     assert!(!p.extents.is_empty());
+    // The guest context's own segment (event and posted rings) is placed
+    // too, as one whole extent of the region, at least its layout long.
+    assert_eq!(p.contexts.iter().map(|c| c.id).collect::<Vec<_>>(), snap.contexts);
+    let (_, ctx_len) = vrdma_core::proto::context_segment_layout();
+    for c in &p.contexts {
+        assert!(c.len >= ctx_len, "{c:?}");
+        assert!(p.extents.iter().any(|e| e.at == c.at && e.len == c.len), "{c:?} is its own extent");
+    }
     // B's VM t has a region of another size: it cannot take it.
     let e = vrdma::migrate::import(&h.b.socket, snap_fd.as_fd()).unwrap_err();
     assert_eq!(e.errno(), libc::EINVAL, "{e}");
@@ -241,6 +250,7 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     let bp = back.placement.as_ref().context("C exports the placement it imported")?;
     assert_eq!((&bp.mrs, &bp.cqs, &bp.qps.len()), (&p.mrs, &p.cqs, &1));
     assert_eq!(bp.extents, p.extents);
+    assert_eq!(bp.contexts, p.contexts, "the context's segment keeps its place");
     copy_region(&vm_c.region, &vm_a.region, vm_c.region_len)?;
     assert_eq!(vrdma::migrate::import(&h.a.socket, back_fd.as_fd())?, (uid, 1));
     vrdma::migrate::finish(&h.c.socket, uid)?;

@@ -212,6 +212,8 @@ pub(crate) enum Kind {
     Cq,
     Srq,
     Qp,
+    /// A context's own segment (event and posted rings), by context id.
+    Context,
 }
 
 impl Placed {

@@ -70,7 +70,14 @@ pub(super) fn placement(
         cqs: Vec::with_capacity(snap.cqs.len()),
         srqs: Vec::with_capacity(snap.srqs.len()),
         qps: Vec::with_capacity(snap.qps.len()),
+        contexts: Vec::with_capacity(snap.contexts.len()),
     };
+    for &c in &snap.contexts {
+        match placed.get(c, Kind::Context, c) {
+            Some(Place::Ring(at, len)) => p.contexts.push(RingAt { id: c, at, len }),
+            _ => return Err(missing("context", c)),
+        }
+    }
     for m in &snap.mrs {
         match placed.get(m.ctx, Kind::Mr, m.key) {
             Some(Place::Mr(at)) => p.mrs.push(MrAt { key: m.key, at }),
@@ -198,6 +205,12 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
         RingView::in_segment(mem.clone(), offset as usize, capacity, stride)
             .map_err(|e| bad(format!("a ring of the snapshot does not fit its extent: {e}")))
     };
+    // A context's segment stays reserved (in `memory`, an orphan until a
+    // guest session adopts the context) at its offset; its place is kept
+    // for the next move.
+    for c in &p.contexts {
+        a.places.push((c.id, Kind::Context, c.id, Place::Ring(c.at, c.len)));
+    }
     let mr_len: HashMap<u32, (u32, u64)> = snap.mrs.iter().map(|m| (m.key, (m.ctx, m.len))).collect();
     for m in &p.mrs {
         let (ctx, len) = mr_len.get(&m.key).copied().unwrap_or((0, 0));

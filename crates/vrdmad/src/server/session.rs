@@ -575,7 +575,18 @@ impl Session {
         let events_len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
         let posted_at = events_len.next_multiple_of(64);
         let len = posted_at + ring_bytes(POSTED_RING_CAPACITY, POSTED_SLOT_SIZE);
+        debug_assert_eq!(
+            (posted_at as u64, len as u64),
+            vrdma_core::proto::context_segment_layout(),
+            "the core's layout (checked at import) is this one"
+        );
         let (seg_fd, seg) = self.new_segment("vrdma-context", len, Some(admitted.budget()))?;
+        // A guest's context segment is an extent of its VM's region: where
+        // it lies moves with the tenant (its rings are rebuilt there).
+        let ctx_place = match &seg_fd {
+            Carry::Extent { offset, len } => Some(Place::Ring(*offset, *len)),
+            _ => None,
+        };
         let events = RingView::in_segment(seg.clone(), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         let posted = RingView::in_segment(seg.clone(), posted_at, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE)
@@ -604,7 +615,11 @@ impl Session {
         self.open = true;
         self.admitted = Some(admitted);
         if let Some(g) = &self.guest {
-            g.vm.placed().open_context(self.ctx.0);
+            let mut placed = g.vm.placed();
+            placed.open_context(self.ctx.0);
+            if let Some(p) = ctx_place {
+                placed.record(self.ctx.0, Kind::Context, self.ctx.0, p);
+            }
         }
         let name = self.shared.device_name.clone();
         Ok(Answer {
