@@ -25,6 +25,8 @@ use anyhow::{bail, Context as _, Result};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::{QpState, WcOpcode, WcStatus};
 use vrdma_core::hca::migrate::TenantSnapshot;
+use vrdma_core::proto::guest::{self, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::{Reply, Request, PROTOCOL_VERSION};
 use vrdma_core::ring::{Cqe, CQE_SIZE};
 use vrdma_it::protocol::Command;
 use vrdma_it::{access_all, pattern, poll_n, PeerProc, Side, ThreeHosts, WAIT};
@@ -97,6 +99,75 @@ impl GuestCq {
     /// Completions in the ring now.
     fn pending(&self) -> Result<u32> {
         Ok(self.ring.len()?)
+    }
+}
+
+/// A guest's end of a VM port, spoken frame by frame (what the guest
+/// library's link does), to adopt a context on the destination.
+struct RawPort {
+    conn: std::os::unix::net::UnixStream,
+    dec: FrameDecoder,
+}
+
+impl RawPort {
+    /// Connects to a VM's port socket and opens a session.
+    fn open(socket: &std::path::Path) -> Result<RawPort> {
+        let conn = std::os::unix::net::UnixStream::connect(socket)?;
+        conn.set_read_timeout(Some(WAIT))?;
+        let mut p = RawPort { conn, dec: FrameDecoder::new() };
+        p.send(&Frame::Hello { version: GUEST_VERSION })?;
+        Ok(p)
+    }
+
+    fn send(&mut self, f: &Frame) -> Result<()> {
+        use std::io::Write;
+        self.conn.write_all(&guest::encode(f))?;
+        Ok(())
+    }
+
+    /// The next frame that is not a ping (answered) or a bell.
+    fn next(&mut self) -> Result<Frame> {
+        use std::io::Read;
+        let end = Instant::now() + WAIT;
+        let mut buf = [0u8; 4096];
+        while Instant::now() < end {
+            match self.dec.next_frame()? {
+                Some(Frame::Ping { nonce }) => self.send(&Frame::Pong { nonce })?,
+                Some(Frame::Bell { .. }) => {}
+                Some(f) => return Ok(f),
+                None => {
+                    let n = self.conn.read(&mut buf)?;
+                    if n == 0 {
+                        bail!("the port closed");
+                    }
+                    self.dec.push(&buf[..n]);
+                }
+            }
+        }
+        bail!("no frame from the port in {WAIT:?}")
+    }
+
+    /// A call and its reply with its handles.
+    fn call(&mut self, req: Request) -> Result<(Reply, Vec<Handle>)> {
+        self.send(&Frame::Call(req))?;
+        loop {
+            match self.next()? {
+                Frame::Reply { reply, handles } => return Ok((reply, handles)),
+                Frame::Close { .. } => {}
+                f => bail!("unexpected frame {f:?}"),
+            }
+        }
+    }
+}
+
+fn adopt(context: u32) -> Request {
+    Request::AdoptContext { version: PROTOCOL_VERSION, context }
+}
+
+fn errno_of(r: &Reply) -> Option<i32> {
+    match r {
+        Reply::Error { errno, .. } => Some(*errno),
+        _ => None,
     }
 }
 
@@ -241,6 +312,39 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     assert_eq!(guest_cq.pending()?, 0, "a completion twice");
     assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
 
+    // A guest session on C adopts the guest's context: its own segment
+    // where the guest left it in the region, new doorbells, the same
+    // numbers. Another context number, a second adopter and a second
+    // adoption by the same session are refused.
+    let ctx = snap.contexts[0];
+    let ctx_at = p.contexts[0];
+    let mut port = RawPort::open(&vm_c.port_socket)?;
+    let (r, _) = port.call(adopt(ctx ^ 0x5a5a))?;
+    assert_eq!(errno_of(&r), Some(libc::ENOENT), "an unknown context: {r:?}");
+    let (r, handles) = port.call(adopt(ctx))?;
+    match &r {
+        Reply::Hello { context, tenant, segment_len, .. } => {
+            assert_eq!((*context, *tenant, *segment_len), (ctx, uid, ctx_at.len));
+        }
+        r => bail!("adopting: {r:?}"),
+    }
+    assert_eq!(handles.len(), 3, "{handles:?}");
+    assert_eq!(handles[0], Handle::Extent { offset: ctx_at.at, len: ctx_at.len }, "the segment where it was");
+    assert!(handles[1..].iter().all(|h| matches!(h, Handle::Bell { .. })), "{handles:?}");
+    let (r, _) = port.call(adopt(ctx))?;
+    assert_eq!(errno_of(&r), Some(libc::EPROTO), "the session has its context: {r:?}");
+    let mut other = RawPort::open(&vm_c.port_socket)?;
+    let (r, _) = other.call(adopt(ctx))?;
+    assert_eq!(errno_of(&r), Some(libc::EBUSY), "adopted already: {r:?}");
+    drop(other);
+    // The adopter owns the context's objects: it queries the QP connected
+    // to B by its number, in RTS.
+    let (r, _) = port.call(Request::QueryQp { qp: snap.qps[0].qpn })?;
+    match &r {
+        Reply::QpAttr { attr, .. } => assert_eq!(attr.qp_state, QpState::Rts),
+        r => bail!("querying the adopted QP: {r:?}"),
+    }
+
     // And back C -> A: C exports what it imported (the same places), A's
     // region (free again since A let go) takes C's bytes.
     assert_eq!(vrdma::migrate::pause(&h.c.socket, uid)?, 1);
@@ -255,6 +359,17 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     assert_eq!(vrdma::migrate::import(&h.a.socket, back_fd.as_fd())?, (uid, 1));
     vrdma::migrate::finish(&h.c.socket, uid)?;
     assert_eq!(vrdma::migrate::resume(&h.a.socket, uid)?, 1);
+    // C let go: the adopting session there ended with it (by the context's
+    // number, which it took).
+    let ended = Instant::now() + WAIT;
+    loop {
+        let (r, _) = port.call(Request::QueryQp { qp: snap.qps[0].qpn })?;
+        if errno_of(&r) == Some(libc::EPROTO) {
+            break;
+        }
+        assert!(Instant::now() < ended, "the adopter's session outlived C's finish: {r:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let wc = poll_n(&b.cq, 1, WAIT)?;
     assert_eq!((wc[0].wr_id, wc[0].status), (N, WcStatus::Success), "B's send held on C");
     let guest_cq_a = GuestCq::open(&vm_a.region, cq_at.at, cq_at.len, cq.ring_bytes)?;

@@ -240,6 +240,17 @@ impl Placed {
         self.by_ctx.get(&ctx)?.get(&(kind, id)).copied()
     }
 
+    /// The memory regions of context `ctx` and where each begins.
+    pub fn mrs_of(&self, ctx: u32) -> Vec<(u32, u64)> {
+        let Some(m) = self.by_ctx.get(&ctx) else { return Vec::new() };
+        m.iter()
+            .filter_map(|((k, id), p)| match (k, p) {
+                (Kind::Mr, Place::Mr(at)) => Some((*id, *at)),
+                _ => None,
+            })
+            .collect()
+    }
+
     pub fn has_context(&self, ctx: u32) -> bool {
         self.by_ctx.contains_key(&ctx)
     }

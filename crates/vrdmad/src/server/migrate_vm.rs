@@ -320,3 +320,48 @@ pub(super) fn moved_away(vm: &Vm, contexts: &[ContextId]) {
         ext.free(at);
     }
 }
+
+/// Claims context `context`'s segment for a guest session of `vm` that
+/// adopts it: the context must have been imported with the VM (its
+/// segment placed and still unowned here). Its extent and length.
+pub(super) fn claim_context(vm: &Vm, context: u32) -> Result<(u64, u64), Answer> {
+    let mut placed = vm.placed();
+    let Some(Place::Ring(at, len)) = placed.get(context, Kind::Context, context) else {
+        return Err(error(
+            libc::ENOENT,
+            format!("context {context} was not imported here with VM {:?}: nothing to adopt", vm.name),
+        ));
+    };
+    let Some(i) = placed.orphans.iter().position(|&o| o == at) else {
+        return Err(error(libc::EBUSY, format!("context {context} of VM {:?} is adopted already", vm.name)));
+    };
+    placed.orphans.swap_remove(i);
+    Ok((at, len))
+}
+
+/// An adoption failed after `claim_context`: the segment's extent (freed
+/// with its mapping) is reserved again and unowned, for a later adoption.
+pub(super) fn unclaim_context(vm: &Vm, at: u64, len: u64) {
+    if vm.extents().reserve(at, len) == Some(len) {
+        vm.placed().orphans.push(at);
+    } else {
+        tracing::warn!(vm = %vm.name, at, "a context's segment was taken meanwhile; it cannot be adopted");
+    }
+}
+
+/// The memory extents an import took on which `context`'s regions lie go
+/// to the guest session that adopted it (they are no longer unowned: the
+/// session gives them back when it ends, and may register in them).
+pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32) {
+    let vm = g.vm.clone();
+    let mut placed = vm.placed();
+    let ext = vm.extents();
+    for (key, at) in placed.mrs_of(context) {
+        let Some((start, span)) = ext.containing(at, 1) else { continue };
+        if let Some(i) = placed.orphans.iter().position(|&o| o == start) {
+            placed.orphans.swap_remove(i);
+            g.memory.insert(start, (span, 0));
+        }
+        g.registered(key, start);
+    }
+}
