@@ -770,7 +770,9 @@ impl Session {
                     return Err(error(libc::EBUSY, format!("context {context} has a session already")));
                 }
                 e.processes.insert(ctx, origin);
-                e.rings.contexts.insert(ctx, ContextRings::new(tenant, events, event_fd, doorbell, posted));
+                // Its QPs' rings are there since the import: the context
+                // names them from now on.
+                e.rings.add_context(ctx, ContextRings::new(tenant, events, event_fd, doorbell, posted));
                 Ok(())
             })
             .map_err(|_| engine_gone())??;
