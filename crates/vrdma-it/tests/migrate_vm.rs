@@ -13,9 +13,11 @@
 //! B's sends and RDMA writes land in the VM's memory where it is, and
 //! their completions in the VM's CQ ring there, once each and in order.
 //!
-//! Not here yet: the guest's sessions reattaching on C (the emulated
-//! guest's session ends with A's finish), so the guest posts nothing after
-//! the move; the test reads C's region where the guest would.
+//! On C a guest session adopts the moved context (`AdoptContext`, the
+//! port's frames spoken by the test, as the guest library does not do it
+//! by itself yet: the emulated guest's session ends with A's finish) and
+//! posts on the rings the guest left in the region; the test reads C's
+//! region where the guest would.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
