@@ -242,6 +242,19 @@ impl RawPort {
     }
 }
 
+/// `req` on a new host connection to the daemon at `socket`, as a host
+/// process's library sends it, and the reply.
+fn host_call(socket: &std::path::Path, req: &Request) -> Result<Reply> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let sock =
+        rustix::net::socket_with(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+    rustix::net::connect(&sock, &SocketAddrUnix::new(socket)?)?;
+    vrdma_shm::send_msg(sock.as_fd(), &vrdma_core::proto::encode_request(req), &[])?;
+    let mut buf = vec![0u8; vrdma_core::proto::MAX_MESSAGE];
+    let got = vrdma_shm::recv_msg(sock.as_fd(), &mut buf, 0)?;
+    Ok(vrdma_core::proto::decode_reply(&buf[..got.len])?)
+}
+
 fn adopt(context: u32) -> Request {
     Request::AdoptContext { version: PROTOCOL_VERSION, context }
 }
@@ -396,10 +409,13 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
 
     // A guest session on C adopts the guest's context: its own segment
     // where the guest left it in the region, new doorbells, the same
-    // numbers. Another context number, a second adopter and a second
-    // adoption by the same session are refused.
+    // numbers. A host process's session, another context number, a
+    // second adopter and a second adoption by the same session are
+    // refused.
     let ctx = snap.contexts[0];
     let ctx_at = p.contexts[0];
+    let r = host_call(&h.c.socket, &adopt(ctx))?;
+    assert_eq!(errno_of(&r), Some(libc::EPERM), "a host process's session: {r:?}");
     let mut port = RawPort::open(&vm_c.port_socket)?;
     let (r, _) = port.call(adopt(ctx ^ 0x5a5a))?;
     assert_eq!(errno_of(&r), Some(libc::ENOENT), "an unknown context: {r:?}");
