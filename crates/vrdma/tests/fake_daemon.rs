@@ -259,6 +259,7 @@ impl Fake {
             | Request::GuestAlloc { .. }
             | Request::GuestFree { .. }
             | Request::Migrate(_)
+            | Request::AdoptContext { .. }
             | Request::Sock(_) => {
                 (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![])
             }

@@ -212,6 +212,8 @@ pub(crate) enum Kind {
     Cq,
     Srq,
     Qp,
+    /// A context's own segment (event and posted rings), by context id.
+    Context,
 }
 
 impl Placed {
@@ -236,6 +238,17 @@ impl Placed {
 
     pub fn get(&self, ctx: u32, kind: Kind, id: u32) -> Option<Place> {
         self.by_ctx.get(&ctx)?.get(&(kind, id)).copied()
+    }
+
+    /// The memory regions of context `ctx` and where each begins.
+    pub fn mrs_of(&self, ctx: u32) -> Vec<(u32, u64)> {
+        let Some(m) = self.by_ctx.get(&ctx) else { return Vec::new() };
+        m.iter()
+            .filter_map(|((k, id), p)| match (k, p) {
+                (Kind::Mr, Place::Mr(at)) => Some((*id, *at)),
+                _ => None,
+            })
+            .collect()
     }
 
     pub fn has_context(&self, ctx: u32) -> bool {

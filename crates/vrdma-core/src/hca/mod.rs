@@ -298,6 +298,12 @@ impl Hca {
         Ok(d)
     }
 
+    /// The tenant of context `ctx`, if it is open here (opened or
+    /// imported).
+    pub fn context_tenant(&self, ctx: ContextId) -> Option<TenantId> {
+        self.contexts.get(&ctx).map(|c| c.tenant)
+    }
+
     fn tenant_of(&self, ctx: ContextId) -> Result<TenantId, HcaError> {
         self.contexts.get(&ctx).map(|c| c.tenant).ok_or(HcaError::NoSuchObject { kind: "context", id: ctx.0 })
     }

@@ -24,6 +24,18 @@ pub const POSTED_SLOT_SIZE: usize = 8;
 /// the engine then looks at every QP of the context once.
 pub const POSTED_AUX_OVERFLOW: usize = 0;
 
+/// A ring's header bytes before its slots (as `vrdma-shm`'s `RING_HEADER`).
+pub const CONTEXT_RING_HEADER: u64 = 256;
+/// A context segment's layout: the async-event ring at 0, the posted ring
+/// at the first 64-byte boundary after it. Returns (posted ring's offset,
+/// the segment's bytes). A VM's context segment is an extent of its region
+/// and moves with it (`hca::migrate::placement`).
+pub const fn context_segment_layout() -> (u64, u64) {
+    let events = CONTEXT_RING_HEADER + ASYNC_RING_CAPACITY as u64 * ASYNC_EVENT_SIZE as u64;
+    let posted_at = events.next_multiple_of(64);
+    (posted_at, posted_at + CONTEXT_RING_HEADER + POSTED_RING_CAPACITY as u64 * POSTED_SLOT_SIZE as u64)
+}
+
 /// CQ ring aux word: the armed state written by the client.
 pub const CQ_AUX_ARMED: usize = 0;
 pub const CQ_ARM_NONE: u32 = 0;

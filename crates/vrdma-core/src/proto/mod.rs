@@ -34,7 +34,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// operator's migration steps; `Request::Sock`, the socket registry of
 /// `docs/sockets.md`; `CmRequest::CreateQpWithCq`, answered
 /// `Reply::CqQp`; an event channel's wake-up may carry its event,
-/// [`CARRIED_CM_EVENT`].)
+/// [`CARRIED_CM_EVENT`]; `Request::AdoptContext`, a guest taking its
+/// context back after its VM moved.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -186,6 +187,16 @@ pub enum Request {
     Migrate(MigrateRequest),
     /// The socket registry (`docs/sockets.md`); answered [`Reply::Sock`].
     Sock(SockRequest),
+    /// Guest sessions only, instead of [`Request::Hello`]: take over
+    /// context `context` of the VM's tenant, imported on this host with
+    /// the VM (`docs/migration.md`), with its objects and the same numbers.
+    /// Answered as Hello is, with the context's own segment where it was
+    /// in the VM's region (its rings as the guest left them) and new
+    /// doorbells.
+    AdoptContext {
+        version: u32,
+        context: u32,
+    },
 }
 
 impl Request {
@@ -608,6 +619,17 @@ mod tests {
         let a = Reply::Sock(SockReply::Outcome(crate::sockets::Outcome::Carried));
         assert_eq!(encode_reply(&a)[0], 25);
         assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
+    }
+
+    #[test]
+    fn adopting_a_context_is_appended_and_round_trips() {
+        let r = Request::AdoptContext { version: PROTOCOL_VERSION, context: 0x0300_0007 };
+        assert_eq!(encode_request(&r)[0], 34, "after the socket registry's");
+        assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
+        let full = encode_request(&r);
+        for n in 0..full.len() {
+            assert!(decode_request(&full[..n]).is_err());
+        }
     }
 
     #[test]

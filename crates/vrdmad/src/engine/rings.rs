@@ -378,6 +378,18 @@ impl RingTable {
         }
     }
 
+    /// Adds the rings of a context that already has QPs (one a guest
+    /// adopted after its VM moved: the import installed their rings
+    /// before the context had any): it may name them from now on.
+    pub fn add_context(&mut self, ctx: ContextId, mut rings: ContextRings) {
+        for (qpn, q) in &self.qps {
+            if q.ctx == ctx {
+                rings.qps.insert(*qpn, ());
+            }
+        }
+        self.contexts.insert(ctx, rings);
+    }
+
     /// Adds a QP's rings; its context may name it from now on.
     pub fn add_qp(&mut self, qpn: u32, rings: QpRings) {
         if let Some(c) = self.contexts.get_mut(&rings.ctx) {
@@ -733,6 +745,36 @@ mod tests {
         let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
         slot[..4].copy_from_slice(&qpn.to_le_bytes());
         ring.try_push_bytes(&slot).unwrap()
+    }
+
+    /// A context whose QPs' rings came first (an import: a guest adopts
+    /// the context afterwards) names them once its rings are added; those
+    /// of another context stay its own.
+    #[test]
+    fn an_adopted_context_names_the_qps_imported_before_it() {
+        let mut table = RingTable::default();
+        let (other, _) = context(1, []);
+        table.contexts.insert(ContextId(9), other);
+        // The QPs' rings, before their context has any (as an import
+        // installs them): a stand-in context to make them, then removed.
+        let (stand_in, _) = context(1, []);
+        table.contexts.insert(ContextId(7), stand_in);
+        let lib = send_ring(&mut table, ContextId(7), 40);
+        let _theirs = send_ring(&mut table, ContextId(9), 41);
+        table.contexts.remove(&ContextId(7));
+        let (c, tenant) = context(1, []);
+        table.add_context(ContextId(7), c);
+        assert_eq!(table.contexts[&ContextId(7)].qps.keys().copied().collect::<Vec<_>>(), vec![40]);
+        lib.aux(SQ_AUX_NOTIFIED).store(1, Ordering::SeqCst);
+        assert!(name(&tenant, 40) && name(&tenant, 41));
+        let mut woken = Vec::new();
+        for calls in 0.. {
+            assert!(calls < 10);
+            if !table.take_posted(16, &mut woken) {
+                break;
+            }
+        }
+        assert_eq!(woken, vec![40], "its own QP, named; not another context's");
     }
 
     /// A tenant may write anything into its posted ring: a ring full of

@@ -70,7 +70,14 @@ pub(super) fn placement(
         cqs: Vec::with_capacity(snap.cqs.len()),
         srqs: Vec::with_capacity(snap.srqs.len()),
         qps: Vec::with_capacity(snap.qps.len()),
+        contexts: Vec::with_capacity(snap.contexts.len()),
     };
+    for &c in &snap.contexts {
+        match placed.get(c, Kind::Context, c) {
+            Some(Place::Ring(at, len)) => p.contexts.push(RingAt { id: c, at, len }),
+            _ => return Err(missing("context", c)),
+        }
+    }
     for m in &snap.mrs {
         match placed.get(m.ctx, Kind::Mr, m.key) {
             Some(Place::Mr(at)) => p.mrs.push(MrAt { key: m.key, at }),
@@ -198,6 +205,12 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
         RingView::in_segment(mem.clone(), offset as usize, capacity, stride)
             .map_err(|e| bad(format!("a ring of the snapshot does not fit its extent: {e}")))
     };
+    // A context's segment stays reserved (in `memory`, an orphan until a
+    // guest session adopts the context) at its offset; its place is kept
+    // for the next move.
+    for c in &p.contexts {
+        a.places.push((c.id, Kind::Context, c.id, Place::Ring(c.at, c.len)));
+    }
     let mr_len: HashMap<u32, (u32, u64)> = snap.mrs.iter().map(|m| (m.key, (m.ctx, m.len))).collect();
     for m in &p.mrs {
         let (ctx, len) = mr_len.get(&m.key).copied().unwrap_or((0, 0));
@@ -305,5 +318,50 @@ pub(super) fn moved_away(vm: &Vm, contexts: &[ContextId]) {
     let mut ext = vm.extents();
     for at in orphans {
         ext.free(at);
+    }
+}
+
+/// Claims context `context`'s segment for a guest session of `vm` that
+/// adopts it: the context must have been imported with the VM (its
+/// segment placed and still unowned here). Its extent and length.
+pub(super) fn claim_context(vm: &Vm, context: u32) -> Result<(u64, u64), Answer> {
+    let mut placed = vm.placed();
+    let Some(Place::Ring(at, len)) = placed.get(context, Kind::Context, context) else {
+        return Err(error(
+            libc::ENOENT,
+            format!("context {context} was not imported here with VM {:?}: nothing to adopt", vm.name),
+        ));
+    };
+    let Some(i) = placed.orphans.iter().position(|&o| o == at) else {
+        return Err(error(libc::EBUSY, format!("context {context} of VM {:?} is adopted already", vm.name)));
+    };
+    placed.orphans.swap_remove(i);
+    Ok((at, len))
+}
+
+/// An adoption failed after `claim_context`: the segment's extent (freed
+/// with its mapping) is reserved again and unowned, for a later adoption.
+pub(super) fn unclaim_context(vm: &Vm, at: u64, len: u64) {
+    if vm.extents().reserve(at, len) == Some(len) {
+        vm.placed().orphans.push(at);
+    } else {
+        tracing::warn!(vm = %vm.name, at, "a context's segment was taken meanwhile; it cannot be adopted");
+    }
+}
+
+/// The memory extents an import took on which `context`'s regions lie go
+/// to the guest session that adopted it (they are no longer unowned: the
+/// session gives them back when it ends, and may register in them).
+pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32) {
+    let vm = g.vm.clone();
+    let mut placed = vm.placed();
+    let ext = vm.extents();
+    for (key, at) in placed.mrs_of(context) {
+        let Some((start, span)) = ext.containing(at, 1) else { continue };
+        if let Some(i) = placed.orphans.iter().position(|&o| o == start) {
+            placed.orphans.swap_remove(i);
+            g.memory.insert(start, (span, 0));
+        }
+        g.registered(key, start);
     }
 }

@@ -308,7 +308,13 @@ impl Session {
 
     pub(super) fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Answer {
         if !self.open
-            && !matches!(req, Request::Hello { .. } | Request::VmAttach { .. } | Request::Migrate(_))
+            && !matches!(
+                req,
+                Request::Hello { .. }
+                    | Request::AdoptContext { .. }
+                    | Request::VmAttach { .. }
+                    | Request::Migrate(_)
+            )
         {
             return error(EPROTO, "the first request must be Hello");
         }
@@ -320,6 +326,7 @@ impl Session {
     fn dispatch(&mut self, req: Request, mut fds: Vec<OwnedFd>) -> Result<Answer, Answer> {
         Ok(match req {
             Request::Hello { version } => self.hello(version)?,
+            Request::AdoptContext { version, context } => self.adopt(version, context)?,
             Request::QueryDevice => Reply::Device(self.engine(|e, c| e.hca.device_attr(c))??).into(),
             Request::QueryPort { port } => {
                 if port != 1 {
@@ -583,7 +590,18 @@ impl Session {
         let events_len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
         let posted_at = events_len.next_multiple_of(64);
         let len = posted_at + ring_bytes(POSTED_RING_CAPACITY, POSTED_SLOT_SIZE);
+        debug_assert_eq!(
+            (posted_at as u64, len as u64),
+            vrdma_core::proto::context_segment_layout(),
+            "the core's layout (checked at import) is this one"
+        );
         let (seg_fd, seg) = self.new_segment("vrdma-context", len, Some(admitted.budget()))?;
+        // A guest's context segment is an extent of its VM's region: where
+        // it lies moves with the tenant (its rings are rebuilt there).
+        let ctx_place = match &seg_fd {
+            Carry::Extent { offset, len } => Some(Place::Ring(*offset, *len)),
+            _ => None,
+        };
         let events = RingView::in_segment(seg.clone(), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
             .map_err(|e| error(ENOMEM, e.to_string()))?;
         let posted = RingView::in_segment(seg.clone(), posted_at, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE)
@@ -612,7 +630,11 @@ impl Session {
         self.open = true;
         self.admitted = Some(admitted);
         if let Some(g) = &self.guest {
-            g.vm.placed().open_context(self.ctx.0);
+            let mut placed = g.vm.placed();
+            placed.open_context(self.ctx.0);
+            if let Some(p) = ctx_place {
+                placed.record(self.ctx.0, Kind::Context, self.ctx.0, p);
+            }
         }
         let name = self.shared.device_name.clone();
         Ok(Answer {
@@ -634,6 +656,135 @@ impl Session {
             },
             fds,
         })
+    }
+
+    /// A guest session takes over `context`, imported with its VM
+    /// (`migrate_vm::claim_context` says which may be): its context
+    /// segment found again where the guest left it, new doorbells, the
+    /// memory extents its regions lie on, and the session's number becomes
+    /// the context's. Answered as Hello.
+    fn adopt(&mut self, version: u32, context: u32) -> Result<Answer, Answer> {
+        if self.open {
+            return Err(error(EPROTO, "this session has a context already"));
+        }
+        if version != PROTOCOL_VERSION {
+            return Err(error(
+                EPROTO,
+                format!("protocol version {version} is not supported; the daemon speaks {PROTOCOL_VERSION}"),
+            ));
+        }
+        let Some(g) = &self.guest else {
+            return Err(error(
+                libc::EPERM,
+                "only a guest session adopts a context: a host process's context does not move",
+            ));
+        };
+        let vm = g.vm.clone();
+        let tenant = self.tenant;
+        let q = self.engine(move |e, _| e.hca.quota(tenant))?;
+        let admitted = self
+            .shared
+            .admission
+            .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
+            .map_err(|e| error(e.errno(), e.to_string()))?;
+        // Claimed (out of the VM's unowned extents) before anything else,
+        // so that two sessions cannot both adopt it.
+        let (at, len) = super::migrate_vm::claim_context(&vm, context)?;
+        let installed = self.install_adopted(&vm, context, at, len);
+        let (doorbell_tenant, event_tenant) = match installed {
+            Ok(fds) => fds,
+            Err(a) => {
+                // Everything that mapped the segment is gone (its extent
+                // freed with it): the context's again, to adopt later.
+                super::migrate_vm::unclaim_context(&vm, at, len);
+                return Err(a);
+            }
+        };
+        let (posted_at, _) = vrdma_core::proto::context_segment_layout();
+        // The session is the context's now: its number (which `Shared`
+        // ends it by) and its memory.
+        let old = self.ctx.0;
+        self.ctx = ContextId(context);
+        for s in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
+            if s.0 == old {
+                s.0 = context;
+            }
+        }
+        if let Some(g) = self.guest.as_mut() {
+            super::migrate_vm::hand_memory(g, context);
+        }
+        self.open = true;
+        self.admitted = Some(admitted);
+        tracing::info!(vm = %vm.name, ctx = context, "a guest session adopted its moved context");
+        Ok(Answer {
+            reply: Reply::Hello {
+                context,
+                tenant: tenant.0,
+                device_name: self.shared.device_name.clone(),
+                segment_len: len,
+                async_ring: RingSpec {
+                    offset: 0,
+                    capacity: ASYNC_RING_CAPACITY,
+                    stride: ASYNC_EVENT_SIZE as u32,
+                },
+                posted_ring: RingSpec {
+                    offset: posted_at,
+                    capacity: POSTED_RING_CAPACITY,
+                    stride: POSTED_SLOT_SIZE as u32,
+                },
+            },
+            fds: vec![Carry::Extent { offset: at, len }, doorbell_tenant.into(), event_tenant.into()],
+        })
+    }
+
+    /// The rings of an adopted context, in its segment at `at`, handed to
+    /// the engine with new doorbells (checked there: the context of this
+    /// tenant, with no session): the tenant's ends of the doorbells.
+    fn install_adopted(
+        &self,
+        vm: &Arc<crate::vm::Vm>,
+        context: u32,
+        at: u64,
+        len: u64,
+    ) -> Result<(Doorbell, Doorbell), Answer> {
+        let seg = Arc::new(
+            RingMemory::reserved_in_vm(vm, at, len as usize)
+                .map_err(|e| error(ENOMEM, format!("cannot map the context's segment at {at:#x}: {e}")))?,
+        );
+        let (posted_at, need) = vrdma_core::proto::context_segment_layout();
+        let view = |off: u64, cap: u32, stride: usize| {
+            RingView::in_segment(seg.clone(), off as usize, cap, stride).map_err(|e| {
+                error(EINVAL, format!("the context's segment ({len} bytes, {need} needed): {e}"))
+            })
+        };
+        let events = view(0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)?;
+        let posted = view(posted_at, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE)?;
+        drop(seg);
+        let (doorbell, doorbell_tenant) = Doorbell::pair()?;
+        let doorbell = Arc::new(doorbell);
+        let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
+        let origin = crate::engine::Origin::Vm(vm.name.clone());
+        let (ctx, tenant) = (ContextId(context), self.tenant);
+        self.shared
+            .engine
+            .call(move |e| {
+                if e.hca.context_tenant(ctx) != Some(tenant) {
+                    return Err(error(
+                        libc::ENOENT,
+                        format!("no context {context} of tenant {} here", tenant.0),
+                    ));
+                }
+                if e.rings.contexts.contains_key(&ctx) {
+                    return Err(error(libc::EBUSY, format!("context {context} has a session already")));
+                }
+                e.processes.insert(ctx, origin);
+                // Its QPs' rings are there since the import: the context
+                // names them from now on.
+                e.rings.add_context(ctx, ContextRings::new(tenant, events, event_fd, doorbell, posted));
+                Ok(())
+            })
+            .map_err(|_| engine_gone())??;
+        Ok((doorbell_tenant, event_tenant))
     }
 
     /// An rdma_cm event channel: a doorbell whose other end the tenant

@@ -46,6 +46,11 @@ pub struct Placement {
     /// Each QP's rings (send, then receive unless it has an SRQ, then the
     /// inbox when it had one), as one extent.
     pub qps: Vec<QpAt>,
+    /// Each context's own segment (its async-event ring, then its posted
+    /// ring, in `proto::layout::context_segment_layout`): the destination
+    /// reserves it at the same offset, so that a guest session adopting
+    /// the context finds its rings where they were.
+    pub contexts: Vec<RingAt>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -120,7 +125,7 @@ fn qp_need(cap: crate::verbs::QpCap) -> u64 {
 
 /// Checks a snapshot's placement, if it has one: the extents sorted,
 /// disjoint and inside the region; every memory region, CQ, SRQ and QP
-/// placed once, inside one extent; rings aligned, at least as long as the
+/// placed once, and every context's segment, inside one extent; rings aligned, at least as long as the
 /// ring they hold, and overlapping neither each other nor a memory region. Memory regions may overlap each other (one
 /// buffer registered twice). The driver checks the rest when it maps.
 pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
@@ -160,6 +165,11 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
         &p.srqs.iter().map(|x| x.id).collect::<Vec<_>>(),
     )?;
     same_objects(
+        "context",
+        &s.contexts.iter().copied().collect(),
+        &p.contexts.iter().map(|c| c.id).collect::<Vec<_>>(),
+    )?;
+    same_objects(
         "QP",
         &s.qps.iter().map(|q| q.qpn).collect(),
         &p.qps.iter().map(|q| q.qpn).collect::<Vec<_>>(),
@@ -179,7 +189,7 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
         inside(&what, span)?;
         mrs.push(span);
     }
-    let mut rings = Vec::with_capacity(p.cqs.len() + p.srqs.len() + p.qps.len());
+    let mut rings = Vec::with_capacity(p.cqs.len() + p.srqs.len() + p.qps.len() + p.contexts.len());
     let mut ring = |what: String, at: u64, len: u64, need: u64| -> Result<(), SnapshotError> {
         if !at.is_multiple_of(RING_ALIGN) {
             return Err(invalid(format!("{what}: ring at {at:#x}, not {RING_ALIGN}-byte aligned")));
@@ -207,6 +217,10 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
             return Err(invalid(format!("QP {:#x}: {} send WRs held, depth {depth}", q.qpn, q.held)));
         }
         ring(format!("QP {:#x}", q.qpn), q.at, q.len, need)?;
+    }
+    let (_, ctx_need) = crate::proto::context_segment_layout();
+    for c in &p.contexts {
+        ring(format!("context {}", c.id), c.at, c.len, ctx_need)?;
     }
     rings.sort_unstable();
     for w in rings.windows(2) {

@@ -596,7 +596,8 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
 /// A VM tenant's placement (where each region and ring lies in the VM's
 /// region) travels in the snapshot and is checked as untrusted: every
 /// object placed once, inside the region, rings aligned, long enough and
-/// clear of each other and of memory regions. The importer is told each
+/// clear of each other and of memory regions; each context's own segment
+/// (event and posted rings) placed likewise. The importer is told each
 /// region's offset.
 #[test]
 fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
@@ -614,7 +615,12 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         cqs: vec![RingAt { id: cq.cq, at: 3 * page + mr_span, len: cq.ring_bytes.next_multiple_of(page) }],
         srqs: Vec::new(),
         qps: vec![QpAt { qpn: qp.qpn, at: 8 << 20, len: 1 << 20, inbox: false, retired: 7, held: 1 }],
+        contexts: (snap.contexts.iter())
+            .zip(0u64..)
+            .map(|(&id, i)| RingAt { id, at: (9 << 20) + i * (64 << 10), len: 64 << 10 })
+            .collect(),
     };
+    assert_eq!(placed.contexts.len(), 2, "the tenant's two contexts");
     let with = |f: &dyn Fn(&mut Placement)| {
         let mut s = snap.clone();
         let mut p = placed.clone();
@@ -641,6 +647,18 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         ("a key the snapshot lacks", with(&|p| p.mrs.push(MrAt { key: 0xdead, at: 0 }))),
         ("a CQ unplaced", with(&|p| p.cqs.clear())),
         ("a QP unplaced", with(&|p| p.qps.clear())),
+        ("a context unplaced", with(&|p| p.contexts.clear())),
+        ("a context placed twice", with(&|p| p.contexts.push(p.contexts[0]))),
+        (
+            "a context the snapshot lacks",
+            with(&|p| p.contexts.push(RingAt { id: 77, at: 10 << 20, len: page })),
+        ),
+        ("a context's segment too short", with(&|p| p.contexts[0].len = page)),
+        ("a context's segment misaligned", with(&|p| p.contexts[0].at += 8)),
+        ("a context's segment on a QP's rings", with(&|p| p.contexts[0].at = p.qps[0].at)),
+        ("two contexts' segments overlapping", with(&|p| p.contexts[1].at = p.contexts[0].at + 4096)),
+        ("a context's segment on a memory region", with(&|p| p.contexts[0].at = p.mrs[0].at)),
+        ("a context's segment in no extent", with(&|p| p.contexts[0].at = 12 << 20)),
         ("an SRQ the snapshot lacks", with(&|p| p.srqs.push(RingAt { id: 9, at: 0, len: page }))),
         ("a memory region past the end", with(&|p| p.mrs[0].at = p.region_len - 1)),
         ("a memory region wrapping", with(&|p| p.mrs[0].at = u64::MAX - 1)),
