@@ -26,6 +26,12 @@ fn run(d: &DaemonProc, args: &[&str]) -> Command {
         .arg(&d.socket)
         .args(["run", "--sockets", "--"])
         .args(args)
+        // `vrdma run` also sets up the drop-in verbs libraries, which a
+        // test build leaves in deps/, not next to `vrdma` (a fresh clone
+        // has no other copy: this test failed there without these).
+        .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so"))
+        .env("VRDMA_RDMACM_LIB", built("libvrdma_rdmacm.so"))
+        .env("VRDMA_COMPANIONS_LIB", built("libvrdma_companions.so"))
         .env("VRDMA_SOCKETS_LIB", built("libvrdma_sockets.so"))
         .env("VRDMA_SOCKETS_DEBUG", "1");
     c
