@@ -10,6 +10,10 @@
 //! the figures live here, each beside the unloaded latency of the same
 //! run and their ratio.
 //!
+//! The group runs on a daemon of its own with the direct path off: the
+//! victim's two QPs are one tenant's on one host, which the default path
+//! carries without the engine, and the engine is what is attacked.
+//!
 //! The attacker must be another tenant, and a tenant is a uid: so it runs
 //! as uid 65534 (nobody), a child of this very binary (`vrdma misbehave`,
 //! hidden), which needs root. Without root the group is reported skipped,

@@ -127,9 +127,20 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
             skipped.push(report::Skipped { figures: group, reason });
             return;
         }
-        // A daemon that refuses the other tenant (its max_tenants reached,
-        // say) costs this group, not the report.
-        match beside_attacks(&sock, &cases, lat_iters, runs, cores, &progress) {
+        // A daemon of the group's own with the direct path off: the
+        // victim's two QPs are of one tenant on one host, which the
+        // default path would carry without the engine, whose pass over
+        // the tenants is what these attacks aim at. A daemon that refuses
+        // the other tenant (its max_tenants reached, say) costs this
+        // group, not the report.
+        let dev = match crate::embedded::private_device(super::engine_config(args), false) {
+            Ok(d) => d,
+            Err(e) => {
+                skipped.push(report::Skipped { figures: group, reason: format!("{e:#}") });
+                return;
+            }
+        };
+        match beside_attacks(dev.socket(), &cases, lat_iters, runs, cores, &progress) {
             Ok(f) => figures.extend(f),
             Err(e) => skipped.push(report::Skipped { figures: group, reason: format!("{e:#}") }),
         }
