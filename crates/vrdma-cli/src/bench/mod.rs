@@ -15,6 +15,7 @@ mod control;
 mod idle;
 mod output;
 mod qos;
+mod reaped;
 mod report;
 mod server;
 mod sockets;

@@ -16,12 +16,13 @@
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 
 use super::anchors::Stat;
+use super::reaped::Reaped;
 use super::Figure;
 
 /// How long one server/client pair may take.
@@ -109,18 +110,6 @@ pub fn app(role: App, port: u16, n: u64) -> Result<()> {
             println!("gbit_s {}", n as f64 * 8.0 / secs / 1e9);
             Ok(())
         }
-    }
-}
-
-/// Kills and reaps a child on drop (its pid is its own).
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            let _ = self.0.kill();
-        }
-        let _ = self.0.wait();
     }
 }
 

@@ -9,12 +9,13 @@
 //! verbs). Each run is bounded in time, and each process is killed by its
 //! pid if it outlives it.
 
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
 use super::anchors::Stat;
+use super::reaped::Reaped;
 
 /// How long one server/client pair may take.
 const LIMIT: Duration = Duration::from_secs(60);
@@ -23,18 +24,6 @@ const LIMIT: Duration = Duration::from_secs(60);
 pub fn available() -> bool {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path).any(|d| d.join("ucx_perftest").is_file())
-}
-
-/// Kills and reaps a child on drop (its pid is its own).
-struct Reaped(Child);
-
-impl Drop for Reaped {
-    fn drop(&mut self) {
-        if matches!(self.0.try_wait(), Ok(None)) {
-            let _ = self.0.kill();
-        }
-        let _ = self.0.wait();
-    }
 }
 
 /// A TCP port free on loopback now.

@@ -16,7 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use vrdma_core::hca::IdMap as HashMap;
 
-use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource, TenantId};
+use vrdma_core::hca::{AsyncEvent, ContextId, CqFull, Pulled, Queues, RecvSource, Teardown, TenantId};
 use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
@@ -409,6 +409,20 @@ impl RingTable {
             if let Some(cq) = q.inbox.as_ref().and_then(|(cq, _)| self.cqs.get_mut(cq)) {
                 cq.inbox_qps.retain(|&n| n != qpn);
             }
+        }
+    }
+
+    /// Drops the rings of the QPs, CQs and SRQs the HCA tore down (a
+    /// context closed, or a tenant that moved away).
+    pub fn remove_torn_down(&mut self, t: &Teardown) {
+        for &q in &t.qps {
+            self.remove_qp(q);
+        }
+        for c in &t.cqs {
+            self.cqs.remove(c);
+        }
+        for s in &t.srqs {
+            self.srqs.remove(s);
         }
     }
 

@@ -198,15 +198,7 @@ pub(super) fn handle(
                     let ctxs = e.hca.tenant_contexts(t);
                     let td = e.hca.finish_export(t)?;
                     let qps = td.qps.len();
-                    for q in td.qps {
-                        e.rings.remove_qp(q);
-                    }
-                    for c in td.cqs {
-                        e.rings.cqs.remove(&c);
-                    }
-                    for s in td.srqs {
-                        e.rings.srqs.remove(&s);
-                    }
+                    e.rings.remove_torn_down(&td);
                     for c in &ctxs {
                         e.direct.forget_context(*c);
                     }

@@ -263,15 +263,7 @@ impl Session {
             e.cm.close_context(ctx);
             e.run_cm(now);
             let t = e.close_context(ctx);
-            for q in t.qps {
-                e.rings.remove_qp(q);
-            }
-            for c in t.cqs {
-                e.rings.cqs.remove(&c);
-            }
-            for s in t.srqs {
-                e.rings.srqs.remove(&s);
-            }
+            e.rings.remove_torn_down(&t);
             e.rings.channels.retain(|_, ch| ch.ctx != ctx);
             e.rings.contexts.remove(&ctx);
         });
@@ -573,12 +565,7 @@ impl Session {
         if self.open {
             return Err(error(EPROTO, "Hello was already said"));
         }
-        if version != PROTOCOL_VERSION {
-            return Err(error(
-                EPROTO,
-                format!("protocol version {version} is not supported; the daemon speaks {PROTOCOL_VERSION}"),
-            ));
-        }
+        check_version(version)?;
         // Admitted before anything is mapped for it (see admission).
         let tenant = self.tenant;
         let q = self.engine(move |e, _| e.hca.quota(tenant))?;
@@ -667,12 +654,7 @@ impl Session {
         if self.open {
             return Err(error(EPROTO, "this session has a context already"));
         }
-        if version != PROTOCOL_VERSION {
-            return Err(error(
-                EPROTO,
-                format!("protocol version {version} is not supported; the daemon speaks {PROTOCOL_VERSION}"),
-            ));
-        }
+        check_version(version)?;
         let Some(g) = &self.guest else {
             return Err(error(
                 libc::EPERM,
@@ -1331,4 +1313,15 @@ pub(super) fn map_region(
     })?;
     let backing: Arc<dyn Backing> = Arc::new(seg);
     Region::new(backing, inner, len as usize).map_err(|e| error(EINVAL, e.to_string()))
+}
+
+/// Hello's (and AdoptContext's) check of the library's protocol version.
+fn check_version(version: u32) -> Result<(), Answer> {
+    if version != PROTOCOL_VERSION {
+        return Err(error(
+            EPROTO,
+            format!("protocol version {version} is not supported; the daemon speaks {PROTOCOL_VERSION}"),
+        ));
+    }
+    Ok(())
 }
