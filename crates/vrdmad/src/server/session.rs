@@ -561,19 +561,25 @@ impl Session {
         })
     }
 
+    /// Admits this session's tenant under its quota (`admission`),
+    /// charging it a context's descriptors.
+    fn admit(&self) -> Result<super::admission::Admitted, Answer> {
+        let tenant = self.tenant;
+        let q = self.engine(move |e, _| e.hca.quota(tenant))?;
+        self.shared
+            .admission
+            .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
+            .map_err(|e| error(e.errno(), e.to_string()))
+    }
+
     fn hello(&mut self, version: u32) -> Result<Answer, Answer> {
         if self.open {
             return Err(error(EPROTO, "Hello was already said"));
         }
         check_version(version)?;
         // Admitted before anything is mapped for it (see admission).
+        let admitted = self.admit()?;
         let tenant = self.tenant;
-        let q = self.engine(move |e, _| e.hca.quota(tenant))?;
-        let admitted = self
-            .shared
-            .admission
-            .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
-            .map_err(|e| error(e.errno(), e.to_string()))?;
         let events_len = ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE);
         let posted_at = events_len.next_multiple_of(64);
         let len = posted_at + ring_bytes(POSTED_RING_CAPACITY, POSTED_SLOT_SIZE);
@@ -662,13 +668,8 @@ impl Session {
             ));
         };
         let vm = g.vm.clone();
+        let admitted = self.admit()?;
         let tenant = self.tenant;
-        let q = self.engine(move |e, _| e.hca.quota(tenant))?;
-        let admitted = self
-            .shared
-            .admission
-            .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
-            .map_err(|e| error(e.errno(), e.to_string()))?;
         // Claimed (out of the VM's unowned extents) before anything else,
         // so that two sessions cannot both adopt it.
         let (at, len) = super::migrate_vm::claim_context(&vm, context)?;
