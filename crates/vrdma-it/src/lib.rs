@@ -318,9 +318,11 @@ impl PeerProc {
     /// VM runs on, as QEMU reconnects its ports there), its BAR
     /// descriptor 100, first `regions[0]`; `regions[i]` is also inherited
     /// as descriptor `101 + i`, for [`Command::MoveBar`](protocol::Command::MoveBar).
+    /// `env` goes to the guest's environment too.
     pub fn spawn_movable_guest(
         port: &Path,
         regions: &[&std::os::fd::OwnedFd],
+        env: &[(&str, &str)],
         role: &str,
         args: &[&str],
     ) -> Result<PeerProc> {
@@ -330,6 +332,7 @@ impl PeerProc {
         anyhow::ensure!(!regions.is_empty() && regions.len() < 16, "1 to 15 regions");
         let mut cmd = OsCommand::new(peer_exe());
         cmd.env(vrdma::guest::PORT_ENV, port).env(vrdma::guest::BAR_ENV, format!("/proc/self/fd/{BAR_FD}"));
+        cmd.envs(env.iter().copied());
         let raw: Vec<i32> = regions.iter().map(|r| r.as_raw_fd()).collect();
         anyhow::ensure!(raw.iter().all(|&r| r < BAR_FD), "a region's descriptor is in the way");
         // SAFETY: dup2 is async-signal-safe; between fork and exec the

@@ -123,6 +123,13 @@ pub enum Command {
         pace_us: u64,
         query_every: u64,
     },
+    /// Queries the QP (a call that needs the daemon): `State`, or the error.
+    Query,
+    /// The context's next async event within `timeout_ms`: `Event` with
+    /// its type's number (`None`: none came), or the error.
+    AsyncEvent {
+        timeout_ms: u64,
+    },
     /// Waits for the `SeqStream` thread: its completions, in the order
     /// polled, or its error.
     SeqStreamWait,
@@ -199,6 +206,8 @@ pub enum Said {
         message: String,
     },
     State(u8),
+    /// An async event's type (`vrdma::AsyncEventType` as a number), if one came.
+    Event(Option<u32>),
     /// Bytes a `Stream` completed, over how long (µs).
     Streamed {
         bytes: u64,

@@ -189,16 +189,23 @@ impl GuestRings {
 struct RawPort {
     conn: std::os::unix::net::UnixStream,
     dec: FrameDecoder,
+    /// Why the daemon ended the port's session, when it said so.
+    ended: Option<guest::EndReason>,
 }
 
 impl RawPort {
     /// Connects to a VM's port socket and opens a session.
     fn open(socket: &std::path::Path) -> Result<RawPort> {
-        let conn = std::os::unix::net::UnixStream::connect(socket)?;
-        conn.set_read_timeout(Some(WAIT))?;
-        let mut p = RawPort { conn, dec: FrameDecoder::new() };
+        let mut p = RawPort::connect(socket)?;
         p.send(&Frame::Hello { version: GUEST_VERSION })?;
         Ok(p)
+    }
+
+    /// Connects without saying Hello.
+    fn connect(socket: &std::path::Path) -> Result<RawPort> {
+        let conn = std::os::unix::net::UnixStream::connect(socket)?;
+        conn.set_read_timeout(Some(WAIT))?;
+        Ok(RawPort { conn, dec: FrameDecoder::new(), ended: None })
     }
 
     fn send(&mut self, f: &Frame) -> Result<()> {
@@ -216,6 +223,7 @@ impl RawPort {
             match self.dec.next_frame()? {
                 Some(Frame::Ping { nonce }) => self.send(&Frame::Pong { nonce })?,
                 Some(Frame::Bell { .. }) => {}
+                Some(Frame::Ended { reason }) => self.ended = Some(reason),
                 Some(f) => return Ok(f),
                 None => {
                     let n = self.conn.read(&mut buf)?;
@@ -277,7 +285,7 @@ fn errno_of(r: &Reply) -> Option<i32> {
 fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_its_region() -> Result<()> {
     let uid = rustix::process::geteuid().as_raw();
     // B has VM t too, with a region of another size: not the same VM.
-    let vm = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 2\n");
+    let vm = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 3\n");
     let h = ThreeHosts::start([&vm(8), &vm(16), &vm(8)])?;
     let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
     let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
@@ -416,6 +424,14 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     let ctx_at = p.contexts[0];
     let r = host_call(&h.c.socket, &adopt(ctx))?;
     assert_eq!(errno_of(&r), Some(libc::EPERM), "a host process's session: {r:?}");
+    // A port spoken to with no session (what a guest whose VM resumed
+    // here sees, under a live context) hears so, once.
+    let mut bare = RawPort::connect(&vm_c.port_socket)?;
+    for told in [Some(guest::EndReason::NoSession), None] {
+        let (r, _) = bare.call(Request::QueryDevice)?;
+        assert_eq!(errno_of(&r), Some(libc::EPROTO), "no session: {r:?}");
+        assert_eq!(bare.ended.take(), told);
+    }
     let mut port = RawPort::open(&vm_c.port_socket)?;
     let (r, _) = port.call(adopt(ctx ^ 0x5a5a))?;
     assert_eq!(errno_of(&r), Some(libc::ENOENT), "an unknown context: {r:?}");
@@ -435,6 +451,7 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     let (r, _) = other.call(adopt(ctx))?;
     assert_eq!(errno_of(&r), Some(libc::EBUSY), "adopted already: {r:?}");
     drop(other);
+    drop(bare);
     // The adopter owns the context's objects: it queries the QP connected
     // to B by its number, in RTS.
     let (r, _) = port.call(Request::QueryQp { qp: snap.qps[0].qpn })?;
@@ -532,6 +549,8 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
         assert!(Instant::now() < ended, "the adopter's session outlived C's finish: {r:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // And heard why: its context moved (not the device's removal).
+    assert_eq!(port.ended, Some(guest::EndReason::Moved));
     let wc = poll_n(&b.cq, 1, WAIT)?;
     assert_eq!((wc[0].wr_id, wc[0].status), (N, WcStatus::Success), "B's send held on C");
     let guest_cq_a = GuestCq::open(&vm_a.region, cq_at.at, cq_at.len, cq.ring_bytes)?;
@@ -609,6 +628,7 @@ fn a_guest_library_takes_its_context_back_by_itself_while_it_streams() -> Result
     let mut guest = PeerProc::spawn_movable_guest(
         &port_link,
         &[&vm_a.region, &vm_c.region],
+        &[],
         "tenant",
         &["--mr-len", "65536"],
     )?;
@@ -732,6 +752,53 @@ fn a_guest_library_takes_its_context_back_by_itself_while_it_streams() -> Result
     match guest.call(&C::State)? {
         Said::State(s) => assert_eq!(s, QpState::Rts.raw(), "the guest's QP"),
         other => bail!("the guest's QP state: {other:?}"),
+    }
+    Ok(())
+}
+
+/// A guest whose context moved and is never taken back (its tenant
+/// finished on A, imported nowhere) waits for it up to its bound
+/// (`VRDMA_GUEST_REATTACH_MS`, here 1.5 s): a call that needs the daemon
+/// waits that long instead of failing at once, then fails saying why, and
+/// the context reports `IBV_EVENT_DEVICE_FATAL`.
+#[test]
+fn a_guest_whose_context_is_never_taken_back_waits_its_bound_then_the_device_is_gone() -> Result<()> {
+    use vrdma_it::protocol::{Command as C, Said};
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+    let h = ThreeHosts::start([&vm, "", ""])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let bound = Duration::from_millis(1500);
+    let ms = bound.as_millis().to_string();
+    let mut guest = PeerProc::spawn_movable_guest(
+        &vm_a.port_socket,
+        &[&vm_a.region],
+        &[(vrdma::guest::REATTACH_ENV, &ms)],
+        "tenant",
+        &["--mr-len", "65536"],
+    )?;
+    guest.hello()?;
+    match guest.call(&C::Query)? {
+        Said::State(_) => {}
+        other => bail!("querying before the move: {other:?}"),
+    }
+    vrdma::migrate::pause(&h.a.socket, uid)?;
+    let _snap = vrdma::migrate::export(&h.a.socket, uid)?;
+    vrdma::migrate::finish(&h.a.socket, uid)?;
+    let start = Instant::now();
+    let said = guest.call(&C::Query)?;
+    let waited = start.elapsed();
+    match &said {
+        Said::Error { message, .. } => {
+            assert!(message.contains("not taken back within"), "{message}");
+        }
+        other => bail!("a query with the context gone: {other:?}"),
+    }
+    // It waited (most of) the bound rather than failing at once.
+    assert!(waited >= bound - Duration::from_millis(300), "failed after {waited:?}");
+    match guest.call(&C::AsyncEvent { timeout_ms: 5000 })? {
+        Said::Event(Some(e)) => assert_eq!(e, u32::from(vrdma::AsyncEventType::DeviceFatal.raw())),
+        other => bail!("the async event after the bound: {other:?}"),
     }
     Ok(())
 }

@@ -26,6 +26,8 @@
 
 mod link;
 mod reattach;
+#[cfg(test)]
+mod reattach_tests;
 
 pub(crate) use link::GuestLink;
 

@@ -174,6 +174,10 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
                 })(),
                 Command::Hoard => Ok(hoard_objects(&ctx, &mut hoard)),
                 Command::State => Ok(Said::State(qp.state().raw())),
+                Command::Query => qp.query().map(|(attr, _)| Said::State(attr.qp_state.raw())),
+                Command::AsyncEvent { timeout_ms } => ctx
+                    .get_async_event(Some(Duration::from_millis(timeout_ms)))
+                    .map(|e| Said::Event(e.map(|e| u32::from(e.event_type.raw())))),
                 Command::IdleQps { count } => (|| {
                     for _ in 0..count {
                         let q = pd.create_rc_qp(

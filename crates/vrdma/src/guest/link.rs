@@ -203,6 +203,11 @@ impl GuestLink {
     /// Opens the first port of `cfg` that opens, maps nothing yet, and
     /// says Hello on it.
     pub fn open(cfg: &GuestConfig) -> Result<GuestLink> {
+        Self::open_with(cfg, super::reattach_limit())
+    }
+
+    /// [`open`](Self::open), taking a moved context back within `limit`.
+    pub(super) fn open_with(cfg: &GuestConfig, limit: Duration) -> Result<GuestLink> {
         let mut last = None;
         let port = cfg.ports.iter().find_map(|p| match open_port(p) {
             Ok(f) => Some(f),
@@ -226,7 +231,7 @@ impl GuestLink {
         let (tx, rx) = std::sync::mpsc::channel();
         let shared = Arc::new(Shared {
             cfg: cfg.clone(),
-            limit: super::reattach_limit(),
+            limit,
             writer: Mutex::new((1, Some(port))),
             state: Mutex::new(State::Up { gen: 1 }),
             changed: Condvar::new(),

@@ -67,7 +67,8 @@ struct Port {
     shared: Arc<Shared>,
     live: Option<Live>,
     /// Whether the guest was told, since its last Hello, that this port
-    /// has no session ([`EndReason::NoSession`]): once is enough.
+    /// has no session ([`EndReason::NoSession`]): once is enough, and
+    /// never after a session of this connection ended.
     told_no_session: bool,
 }
 
@@ -370,6 +371,10 @@ impl Port {
     /// (`Some`: its context moved; it may adopt it on the destination).
     fn end_session_why(&mut self, why: Option<EndReason>) {
         let Some(l) = self.live.take() else { return };
+        // The guest's session is over, for the reason it hears (or, with
+        // none, for good: its proxies close): a call after it gets EPROTO
+        // only. NoSession is for a port that never had a session.
+        self.told_no_session = true;
         let ids: Vec<u32> = l.proxies.keys().copied().collect();
         // Dropping the session closes the context (and removes it from
         // `shared.sessions`); calls from now on find no session.
