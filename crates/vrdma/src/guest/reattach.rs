@@ -11,9 +11,10 @@
 //! 1. keeps the library's ends of the context's doorbell and event signal
 //!    (the application's handles use them) and closes every other proxy
 //!    (completion and rdma_cm channels do not move);
-//! 2. reopens the port (an emulated guest's socket; a virtio port, which
-//!    QEMU reconnects to the destination, is kept and spoken on again)
-//!    and says Hello, then `AdoptContext` with the
+//! 2. closes the port and opens one again (an emulated guest's socket;
+//!    a virtio port, which QEMU reconnects to the destination, is the
+//!    same device, closed first as it is exclusive) and says Hello, then
+//!    `AdoptContext` with the
 //!    context's number, again and again (the destination may not have
 //!    imported it yet, the port may still reach the old host) until the
 //!    daemon hands the context over, with its segment where it was;
@@ -69,13 +70,16 @@ impl Reader {
         tracing::info!(context = bound.context, ?reason, "vrdma: the VM's context moved; taking it back");
         // What cannot move (channels) closes now: their waiters hear it.
         lock(&self.shared.proxies).1.retain(|id, _| *id == bound.doorbell || *id == bound.events);
-        // An emulated guest's socket is let go and connected again; a
-        // virtio port (a device, exclusive) is the same port, which QEMU
-        // reconnects on the destination: it is kept and spoken on again.
-        let socket = rustix::fs::fstat(&self.port)
-            .is_ok_and(|st| rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Socket);
-        if socket {
-            let _ = rustix::net::shutdown(&self.port, rustix::net::Shutdown::Both);
+        // The port is let go and opened again: a new connection for an
+        // emulated guest's socket; for a virtio port (exclusive: it must be
+        // closed first) the same device, which QEMU reconnects on the
+        // destination, with nothing left of the old session's stream in
+        // it. Either way no reply meant for a call of the old session can
+        // be taken for the adoption's.
+        let _ = rustix::net::shutdown(&self.port, rustix::net::Shutdown::Both);
+        match File::open("/dev/null") {
+            Ok(placeholder) => drop(std::mem::replace(&mut self.port, placeholder)),
+            Err(e) => tracing::warn!(error = %e, "vrdma: cannot let the port go (no /dev/null)"),
         }
         let start = Instant::now();
         let end = start + self.shared.limit;
@@ -84,7 +88,7 @@ impl Reader {
             if self.shared.quit.load(Ordering::Acquire) {
                 return Err("the context was closed".into());
             }
-            let last = match self.adopt(&bound, end, socket) {
+            let last = match self.adopt(&bound, end) {
                 Ok(a) => {
                     self.install(bound, a);
                     tracing::info!(context = bound.context, after = ?start.elapsed(), "vrdma: context taken back");
@@ -113,18 +117,16 @@ impl Reader {
     }
 
     /// One try: a port, Hello, `AdoptContext`, the reply.
-    fn adopt(&self, bound: &Bound, end: Instant, socket: bool) -> Result<Adopted, Failed> {
+    fn adopt(&self, bound: &Bound, end: Instant) -> Result<Adopted, Failed> {
         let mut errors = Vec::new();
-        let mut port = if socket {
-            self.shared
-                .cfg
-                .ports
-                .iter()
-                .find_map(|p| open_port(p).map_err(|e| errors.push(format!("{}: {e}", p.display()))).ok())
-                .ok_or_else(|| Failed::Again(format!("no port opens ({})", errors.join(", "))))?
-        } else {
-            self.port.try_clone().map_err(|e| Failed::Again(format!("the port: {e}")))?
-        };
+        // Any of the VM's ports will do: the context is named.
+        let mut port = self
+            .shared
+            .cfg
+            .ports
+            .iter()
+            .find_map(|p| open_port(p).map_err(|e| errors.push(format!("{}: {e}", p.display()))).ok())
+            .ok_or_else(|| Failed::Again(format!("no port opens ({})", errors.join(", "))))?;
         let adopt = Request::AdoptContext { version: PROTOCOL_VERSION, context: bound.context };
         let mut out = guest::encode(&Frame::Hello { version: GUEST_VERSION });
         out.extend(guest::encode(&Frame::Call(adopt)));
