@@ -251,7 +251,9 @@ impl GuestLink {
         };
         std::thread::Builder::new().name("vrdma-guest".into()).spawn(move || thread.run())?;
         let link = GuestLink { shared, replies: Mutex::new(rx), wake: wake_tx, gone };
-        link.shared.send(1, &Frame::Hello { version: GUEST_VERSION }).map_err(Error::protocol)?;
+        link.shared
+            .send(1, &Frame::Hello { version: GUEST_VERSION })
+            .map_err(|e| Error::Io(std::io::Error::other(e)))?;
         Ok(link)
     }
 
