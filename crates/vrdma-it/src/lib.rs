@@ -313,6 +313,47 @@ impl PeerProc {
         Self::spawn_cmd(cmd, Path::new("/nonexistent"), role, args)
     }
 
+    /// An emulated guest that can move between hosts: its port is
+    /// `port` (a link the test points at the port socket of the host the
+    /// VM runs on, as QEMU reconnects its ports there), its BAR
+    /// descriptor 100, first `regions[0]`; `regions[i]` is also inherited
+    /// as descriptor `101 + i`, for [`Command::MoveBar`](protocol::Command::MoveBar).
+    /// `env` goes to the guest's environment too.
+    pub fn spawn_movable_guest(
+        port: &Path,
+        regions: &[&std::os::fd::OwnedFd],
+        env: &[(&str, &str)],
+        role: &str,
+        args: &[&str],
+    ) -> Result<PeerProc> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        const BAR_FD: i32 = 100;
+        anyhow::ensure!(!regions.is_empty() && regions.len() < 16, "1 to 15 regions");
+        let mut cmd = OsCommand::new(peer_exe());
+        cmd.env(vrdma::guest::PORT_ENV, port).env(vrdma::guest::BAR_ENV, format!("/proc/self/fd/{BAR_FD}"));
+        cmd.envs(env.iter().copied());
+        let raw: Vec<i32> = regions.iter().map(|r| r.as_raw_fd()).collect();
+        anyhow::ensure!(raw.iter().all(|&r| r < BAR_FD), "a region's descriptor is in the way");
+        // SAFETY: dup2 is async-signal-safe; between fork and exec the
+        // child only copies the regions (open in the parent, so in the
+        // child, all below 100) to 100.. without close-on-exec.
+        unsafe {
+            cmd.pre_exec(move || {
+                for (i, &fd) in raw.iter().enumerate() {
+                    if libc::dup2(fd, BAR_FD + 1 + i as i32) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                if libc::dup2(raw[0], BAR_FD) < 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        Self::spawn_cmd(cmd, Path::new("/nonexistent"), role, args)
+    }
+
     /// A peer in the network namespace `netns` (`ip netns exec`).
     pub fn spawn_in(socket: &Path, role: &str, args: &[&str], netns: &str) -> Result<PeerProc> {
         let mut cmd = OsCommand::new("ip");

@@ -106,6 +106,45 @@ pub enum Command {
     /// with its address resolved to 127.0.0.1, and attaches a new QP of
     /// the first context to it: `State` (INIT) or the daemon's refusal.
     AttachAcrossContexts,
+    /// From a thread: `count` messages to the connected peer, each
+    /// carrying its sequence number as immediate data (even ones sends
+    /// with immediate, whose first 8 bytes are the number too; odd ones
+    /// RDMA writes with immediate of `len` bytes to `remote_addr + seq *
+    /// len`), one every `pace_us`, at most 16 in flight, the CQ polled
+    /// between them; a `query_every`-th one also queries the QP (a call
+    /// that needs the daemon). Each post and poll holds the guest's
+    /// "vCPU" (see [`Command::Freeze`]). Answers at once; the result
+    /// comes with [`Command::SeqStreamWait`].
+    SeqStream {
+        count: u64,
+        len: usize,
+        remote_addr: u64,
+        rkey: u32,
+        pace_us: u64,
+        query_every: u64,
+    },
+    /// Queries the QP (a call that needs the daemon): `State`, or the error.
+    Query,
+    /// The context's next async event within `timeout_ms`: `Event` with
+    /// its type's number (`None`: none came), or the error.
+    AsyncEvent {
+        timeout_ms: u64,
+    },
+    /// Waits for the `SeqStream` thread: its completions, in the order
+    /// polled, or its error.
+    SeqStreamWait,
+    /// An emulated guest's VM stops: no post or poll of `SeqStream` runs
+    /// until [`Command::Thaw`] (what QEMU's last pass needs: the region
+    /// copied while the guest writes nothing).
+    Freeze,
+    Thaw,
+    /// An emulated guest's VM resumes on another host (what QEMU does to
+    /// the guest's memory): every mapping of the BAR (descriptor 100) now
+    /// maps the region inherited as descriptor `to_fd` at the same
+    /// offsets, and descriptor 100 is that region.
+    MoveBar {
+        to_fd: i32,
+    },
     Exit,
 }
 
@@ -167,6 +206,8 @@ pub enum Said {
         message: String,
     },
     State(u8),
+    /// An async event's type (`vrdma::AsyncEventType` as a number), if one came.
+    Event(Option<u32>),
     /// Bytes a `Stream` completed, over how long (µs).
     Streamed {
         bytes: u64,

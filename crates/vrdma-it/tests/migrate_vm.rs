@@ -189,16 +189,23 @@ impl GuestRings {
 struct RawPort {
     conn: std::os::unix::net::UnixStream,
     dec: FrameDecoder,
+    /// Why the daemon ended the port's session, when it said so.
+    ended: Option<guest::EndReason>,
 }
 
 impl RawPort {
     /// Connects to a VM's port socket and opens a session.
     fn open(socket: &std::path::Path) -> Result<RawPort> {
-        let conn = std::os::unix::net::UnixStream::connect(socket)?;
-        conn.set_read_timeout(Some(WAIT))?;
-        let mut p = RawPort { conn, dec: FrameDecoder::new() };
+        let mut p = RawPort::connect(socket)?;
         p.send(&Frame::Hello { version: GUEST_VERSION })?;
         Ok(p)
+    }
+
+    /// Connects without saying Hello.
+    fn connect(socket: &std::path::Path) -> Result<RawPort> {
+        let conn = std::os::unix::net::UnixStream::connect(socket)?;
+        conn.set_read_timeout(Some(WAIT))?;
+        Ok(RawPort { conn, dec: FrameDecoder::new(), ended: None })
     }
 
     fn send(&mut self, f: &Frame) -> Result<()> {
@@ -216,6 +223,7 @@ impl RawPort {
             match self.dec.next_frame()? {
                 Some(Frame::Ping { nonce }) => self.send(&Frame::Pong { nonce })?,
                 Some(Frame::Bell { .. }) => {}
+                Some(Frame::Ended { reason }) => self.ended = Some(reason),
                 Some(f) => return Ok(f),
                 None => {
                     let n = self.conn.read(&mut buf)?;
@@ -277,7 +285,7 @@ fn errno_of(r: &Reply) -> Option<i32> {
 fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_its_region() -> Result<()> {
     let uid = rustix::process::geteuid().as_raw();
     // B has VM t too, with a region of another size: not the same VM.
-    let vm = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 2\n");
+    let vm = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 3\n");
     let h = ThreeHosts::start([&vm(8), &vm(16), &vm(8)])?;
     let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
     let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
@@ -416,6 +424,14 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     let ctx_at = p.contexts[0];
     let r = host_call(&h.c.socket, &adopt(ctx))?;
     assert_eq!(errno_of(&r), Some(libc::EPERM), "a host process's session: {r:?}");
+    // A port spoken to with no session (what a guest whose VM resumed
+    // here sees, under a live context) hears so, once.
+    let mut bare = RawPort::connect(&vm_c.port_socket)?;
+    for told in [Some(guest::EndReason::NoSession), None] {
+        let (r, _) = bare.call(Request::QueryDevice)?;
+        assert_eq!(errno_of(&r), Some(libc::EPROTO), "no session: {r:?}");
+        assert_eq!(bare.ended.take(), told);
+    }
     let mut port = RawPort::open(&vm_c.port_socket)?;
     let (r, _) = port.call(adopt(ctx ^ 0x5a5a))?;
     assert_eq!(errno_of(&r), Some(libc::ENOENT), "an unknown context: {r:?}");
@@ -435,6 +451,7 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     let (r, _) = other.call(adopt(ctx))?;
     assert_eq!(errno_of(&r), Some(libc::EBUSY), "adopted already: {r:?}");
     drop(other);
+    drop(bare);
     // The adopter owns the context's objects: it queries the QP connected
     // to B by its number, in RTS.
     let (r, _) = port.call(Request::QueryQp { qp: snap.qps[0].qpn })?;
@@ -532,6 +549,8 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
         assert!(Instant::now() < ended, "the adopter's session outlived C's finish: {r:?}");
         std::thread::sleep(Duration::from_millis(20));
     }
+    // And heard why: its context moved (not the device's removal).
+    assert_eq!(port.ended, Some(guest::EndReason::Moved));
     let wc = poll_n(&b.cq, 1, WAIT)?;
     assert_eq!((wc[0].wr_id, wc[0].status), (N, WcStatus::Success), "B's send held on C");
     let guest_cq_a = GuestCq::open(&vm_a.region, cq_at.at, cq_at.len, cq.ring_bytes)?;
@@ -543,5 +562,243 @@ fn a_vm_tenant_with_memory_moves_there_and_back_and_its_peers_messages_land_in_i
     std::thread::sleep(Duration::from_millis(200));
     assert_eq!(guest_cq_a.pending()?, 0, "a completion twice");
     assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+    Ok(())
+}
+
+/// One move of the VM, as the operator and QEMU do it: pause at the
+/// source, the VM stopped, export, the region copied, import at the
+/// destination, the VM's memory and ports on the destination, the VM
+/// running again, finish at the source, resume at the destination. The
+/// guest is told nothing: its library takes its context back by itself.
+struct Move<'a> {
+    from: &'a std::path::Path,
+    to: &'a std::path::Path,
+    from_vm: &'a vrdma::vm::VmAttachment,
+    to_vm: &'a vrdma::vm::VmAttachment,
+    /// The guest's descriptor of the destination's region.
+    to_fd: i32,
+    /// The guest's port: a link pointed at the destination's port socket.
+    port_link: &'a std::path::Path,
+}
+
+impl Move<'_> {
+    fn run(&self, guest: &mut PeerProc, uid: u32) -> Result<()> {
+        use vrdma_it::protocol::Command as C;
+        vrdma::migrate::pause(self.from, uid)?;
+        guest.call_ok(&C::Freeze)?;
+        let (snap, _, _) = vrdma::migrate::export(self.from, uid)?;
+        copy_region(&self.from_vm.region, &self.to_vm.region, self.from_vm.region_len)?;
+        vrdma::migrate::import(self.to, snap.as_fd())?;
+        guest.call_ok(&C::MoveBar { to_fd: self.to_fd })?;
+        let next = self.port_link.with_extension("next");
+        let _ = std::fs::remove_file(&next);
+        std::os::unix::fs::symlink(&self.to_vm.port_socket, &next)?;
+        std::fs::rename(&next, self.port_link)?;
+        guest.call_ok(&C::Thaw)?;
+        vrdma::migrate::finish(self.from, uid)?;
+        vrdma::migrate::resume(self.to, uid)?;
+        Ok(())
+    }
+}
+
+/// Issue 19's guest side: an emulated guest on A streams sends and RDMA
+/// writes with immediate, each carrying its sequence number, to a host
+/// process on B through the library's own API, and keeps posting, polling
+/// and querying its QP while the operator moves its VM A → C → A. Nothing
+/// tells the guest's program: its library hears from the daemon it left
+/// that its context moved, reopens its port (now on the destination),
+/// adopts its context there and carries on under the same handles. Every
+/// message arrives at B once and in order with its bytes, every completion
+/// comes once in the guest, in order, and both QPs stay in RTS.
+#[test]
+fn a_guest_library_takes_its_context_back_by_itself_while_it_streams() -> Result<()> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use vrdma_it::protocol::{Command as C, Said};
+    const COUNT: u64 = 500;
+    const LEN: usize = 64;
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+    let h = ThreeHosts::start([&vm, "", &vm])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+    let dir = tempfile::tempdir()?;
+    let port_link = dir.path().join("port");
+    std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
+    // Descriptor 101: A's region, 102: C's.
+    let mut guest = PeerProc::spawn_movable_guest(
+        &port_link,
+        &[&vm_a.region, &vm_c.region],
+        &[],
+        "tenant",
+        &["--mr-len", "65536"],
+    )?;
+    let g = guest.hello()?;
+    let b = Side::new(&h.b.context()?, 1 << 20)?;
+    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
+    eg.lid = 0;
+    eb.lid = 0;
+    b.qp.connect(&eg, access_all())?;
+    guest.call_ok(&C::Connect { peer: eb })?;
+
+    // B's receiver: 256 receives of 256 bytes each at 512 KiB, posted
+    // again as they complete; the writes land at [0, COUNT * LEN).
+    const RECV_AT: usize = 512 << 10;
+    let received = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let recv = |k: u64| -> Result<()> {
+        let sge = b.mr.sge(RECV_AT + (k as usize % 256) * 256, 256)?;
+        b.qp.post_recv(&[wr::recv(k, &[sge])?])?;
+        Ok(())
+    };
+    for k in 0..256 {
+        recv(k)?;
+    }
+    let at_b = std::thread::scope(|s| -> Result<Vec<u64>> {
+        let receiver = s.spawn(|| -> Result<Vec<u64>> {
+            let mut seqs = Vec::new();
+            let mut buf = vrdma::wc_buffer(64);
+            let end = Instant::now() + Duration::from_secs(120);
+            while (seqs.len() as u64) < COUNT && !stop.load(Ordering::Acquire) {
+                anyhow::ensure!(Instant::now() < end, "B received {} of {COUNT} in two minutes", seqs.len());
+                let n = b.cq.poll(&mut buf)?;
+                if n == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                for wc in &buf[..n] {
+                    anyhow::ensure!(wc.status == WcStatus::Success, "at B: {wc:?}");
+                    let seq = u64::from(wc.imm_data);
+                    let mut expect = vec![seq as u8; LEN];
+                    expect[..8].copy_from_slice(&seq.to_le_bytes());
+                    let mut got = vec![0u8; LEN];
+                    match wc.opcode {
+                        WcOpcode::Recv => b.mr.read(RECV_AT + (wc.wr_id as usize % 256) * 256, &mut got)?,
+                        WcOpcode::RecvRdmaWithImm => b.mr.read(seq as usize * LEN, &mut got)?,
+                        o => anyhow::bail!("at B: {o:?}"),
+                    }
+                    anyhow::ensure!(got == expect, "message {seq}'s bytes at B ({:?})", wc.opcode);
+                    seqs.push(seq);
+                    received.fetch_add(1, Ordering::AcqRel);
+                    recv(wc.wr_id + 256)?;
+                }
+            }
+            Ok(seqs)
+        });
+        let moves = (|| -> Result<()> {
+            guest.call_ok(&C::SeqStream {
+                count: COUNT,
+                len: LEN,
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+                pace_us: 2000,
+                query_every: 20,
+            })?;
+            let some = |least: u64| -> Result<()> {
+                let end = Instant::now() + WAIT;
+                while received.load(Ordering::Acquire) < least {
+                    anyhow::ensure!(Instant::now() < end, "B got no more than {least} messages");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                Ok(())
+            };
+            let a_to_c = Move {
+                from: &h.a.socket,
+                to: &h.c.socket,
+                from_vm: &vm_a,
+                to_vm: &vm_c,
+                to_fd: 102,
+                port_link: &port_link,
+            };
+            let c_to_a = Move {
+                from: &h.c.socket,
+                to: &h.a.socket,
+                from_vm: &vm_c,
+                to_vm: &vm_a,
+                to_fd: 101,
+                ..a_to_c
+            };
+            some(40)?;
+            a_to_c.run(&mut guest, uid)?;
+            let before = received.load(Ordering::Acquire);
+            some(before + 40)?;
+            let at_second = received.load(Ordering::Acquire);
+            c_to_a.run(&mut guest, uid)?;
+            // The stream ran through both moves.
+            anyhow::ensure!(at_second < COUNT, "the stream ended before the second move");
+            Ok(())
+        })();
+        if moves.is_err() {
+            stop.store(true, Ordering::Release);
+        }
+        let seqs = receiver.join().map_err(|_| anyhow::anyhow!("B's receiver panicked"))?;
+        moves?;
+        seqs
+    })?;
+    assert_eq!(at_b, (0..COUNT).collect::<Vec<_>>(), "every message once, in order, at B");
+    let wcs = match guest.call(&C::SeqStreamWait)? {
+        Said::Completions(w) => w,
+        other => bail!("the guest's stream: {other:?}"),
+    };
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success.raw()), "{wcs:?}");
+    assert_eq!(
+        wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        (0..COUNT).collect::<Vec<_>>(),
+        "every completion once, in order, in the guest"
+    );
+    // Nothing twice, afterwards either; both QPs in RTS.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(vrdma_it::poll_for(&b.cq, Duration::from_millis(50))?.is_empty());
+    assert_eq!(guest.poll(1, Duration::from_millis(100))?, Vec::new());
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+    match guest.call(&C::State)? {
+        Said::State(s) => assert_eq!(s, QpState::Rts.raw(), "the guest's QP"),
+        other => bail!("the guest's QP state: {other:?}"),
+    }
+    Ok(())
+}
+
+/// A guest whose context moved and is never taken back (its tenant
+/// finished on A, imported nowhere) waits for it up to its bound
+/// (`VRDMA_GUEST_REATTACH_MS`, here 1.5 s): a call that needs the daemon
+/// waits that long instead of failing at once, then fails saying why, and
+/// the context reports `IBV_EVENT_DEVICE_FATAL`.
+#[test]
+fn a_guest_whose_context_is_never_taken_back_waits_its_bound_then_the_device_is_gone() -> Result<()> {
+    use vrdma_it::protocol::{Command as C, Said};
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+    let h = ThreeHosts::start([&vm, "", ""])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let bound = Duration::from_millis(1500);
+    let ms = bound.as_millis().to_string();
+    let mut guest = PeerProc::spawn_movable_guest(
+        &vm_a.port_socket,
+        &[&vm_a.region],
+        &[(vrdma::guest::REATTACH_ENV, &ms)],
+        "tenant",
+        &["--mr-len", "65536"],
+    )?;
+    guest.hello()?;
+    match guest.call(&C::Query)? {
+        Said::State(_) => {}
+        other => bail!("querying before the move: {other:?}"),
+    }
+    vrdma::migrate::pause(&h.a.socket, uid)?;
+    let _snap = vrdma::migrate::export(&h.a.socket, uid)?;
+    vrdma::migrate::finish(&h.a.socket, uid)?;
+    let start = Instant::now();
+    let said = guest.call(&C::Query)?;
+    let waited = start.elapsed();
+    match &said {
+        Said::Error { message, .. } => {
+            assert!(message.contains("not taken back within"), "{message}");
+        }
+        other => bail!("a query with the context gone: {other:?}"),
+    }
+    // It waited (most of) the bound rather than failing at once.
+    assert!(waited >= bound - Duration::from_millis(300), "failed after {waited:?}");
+    match guest.call(&C::AsyncEvent { timeout_ms: 5000 })? {
+        Said::Event(Some(e)) => assert_eq!(e, u32::from(vrdma::AsyncEventType::DeviceFatal.raw())),
+        other => bail!("the async event after the bound: {other:?}"),
+    }
     Ok(())
 }

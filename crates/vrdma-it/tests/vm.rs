@@ -137,13 +137,15 @@ fn bar_mapped(pid: u32, vm: &vrdma::vm::VmAttachment) -> Result<bool> {
 struct RawPort {
     conn: std::os::unix::net::UnixStream,
     dec: FrameDecoder,
+    /// Why the daemon said the port's session ended, if it did.
+    ended: Option<guest::EndReason>,
 }
 
 impl RawPort {
     fn connect(vm: &vrdma::vm::VmAttachment) -> Result<RawPort> {
         let conn = std::os::unix::net::UnixStream::connect(&vm.port_socket)?;
         conn.set_read_timeout(Some(Duration::from_millis(100)))?;
-        Ok(RawPort { conn, dec: FrameDecoder::new() })
+        Ok(RawPort { conn, dec: FrameDecoder::new(), ended: None })
     }
 
     fn write(&mut self, bytes: &[u8]) -> Result<()> {
@@ -183,7 +185,12 @@ impl RawPort {
     /// A call and its reply.
     fn call(&mut self, req: Request) -> Result<(Reply, Vec<Handle>)> {
         self.send(&Frame::Call(req))?;
-        match self.recv(WAIT)? {
+        let mut next = self.recv(WAIT)?;
+        if let Some(Frame::Ended { reason }) = next {
+            self.ended = Some(reason);
+            next = self.recv(WAIT)?;
+        }
+        match next {
             Some(Frame::Reply { reply, handles }) => Ok((reply, handles)),
             other => bail!("expected a reply, got {other:?}"),
         }
@@ -262,6 +269,12 @@ fn a_guest_that_breaks_the_frame_stream_is_disconnected_and_the_daemon_serves_on
     let mut q = RawPort::connect(&vm)?;
     let (reply, _) = q.call(Request::AllocPd)?;
     assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    // Told first that the port has no session (a guest whose VM resumed
+    // on this host would adopt its context), once.
+    assert_eq!(q.ended.take(), Some(guest::EndReason::NoSession));
+    let (reply, _) = q.call(Request::AllocPd)?;
+    assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    assert_eq!(q.ended, None);
     // VmAttach from a guest is refused; the host-only direct path is off.
     let (reply, _) = p.call(Request::VmAttach { name: "t".into() })?;
     assert_eq!(errno_of(&reply), Some(libc::EPERM), "{reply:?}");
@@ -358,9 +371,11 @@ fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
     assert_eq!(closes.len(), 2, "after {:?}, {pings} pings", start.elapsed());
     assert!(pings >= 2, "{pings} pings before the teardown");
     assert!(start.elapsed() >= Duration::from_millis(600), "torn down after {:?}", start.elapsed());
-    // The port stays, the session is gone; a new Hello opens another.
+    // The port stays, the session is gone (for good: no reason given,
+    // then or now); a new Hello opens another.
     let (reply, _) = p.call(Request::AllocPd)?;
     assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    assert_eq!(p.ended, None);
     p.open()?;
     // A session that answers its pings stays past dead_ms.
     let end = Instant::now() + Duration::from_millis(1500);

@@ -224,6 +224,7 @@ impl Daemon {
             vms,
             vm_acceptors: Mutex::default(),
             stopping: AtomicBool::new(false),
+            moved: Mutex::default(),
         });
         // A context whose tenant broke the shared-memory protocol is closed
         // as if its process had gone (the engine tells it why first).

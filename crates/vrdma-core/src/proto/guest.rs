@@ -66,6 +66,37 @@ pub enum Frame {
     Ping { nonce: u64 },
     /// Guest to daemon: the answer to [`Frame::Ping`].
     Pong { nonce: u64 },
+    /// Daemon to guest: the port's session ended, and why. Sent before the
+    /// [`Frame::Close`]s of its proxies, so that the guest can tell a
+    /// context that moved to another host (and may be taken back there)
+    /// from a device that is gone. A port closed without it is the
+    /// daemon's death or the device's removal.
+    Ended { reason: EndReason },
+}
+
+/// Why a port's session ended ([`Frame::Ended`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u32)]
+pub enum EndReason {
+    /// The VM's tenant moved to another host (the operator's `finish` on
+    /// this one): the context lives on there, to be adopted
+    /// (`Request::AdoptContext`) when the VM's ports reach that daemon.
+    Moved = 1,
+    /// A frame other than Hello came on a port with no session (a guest
+    /// whose VM resumed on this host, its port reconnected to this daemon
+    /// under a live context): the guest should adopt its context.
+    NoSession = 2,
+}
+
+impl EndReason {
+    /// The reason numbered `v`, if known.
+    pub fn from_u32(v: u32) -> Option<EndReason> {
+        match v {
+            1 => Some(EndReason::Moved),
+            2 => Some(EndReason::NoSession),
+            _ => None,
+        }
+    }
 }
 
 const HELLO: u8 = 1;
@@ -75,6 +106,7 @@ const BELL: u8 = 4;
 const CLOSE: u8 = 5;
 const PING: u8 = 6;
 const PONG: u8 = 7;
+const ENDED: u8 = 8;
 
 /// Why a frame could not be decoded. Any of them ends the session: the
 /// stream can no longer be trusted to be in step.
@@ -88,6 +120,8 @@ pub enum FrameError {
     Reserved,
     #[error("frame kind {kind} needs a body of {want} bytes, not {got}")]
     BadLength { kind: u8, want: usize, got: usize },
+    #[error("unknown reason {0} for a session's end")]
+    UnknownReason(u32),
     #[error("{0} handles in one reply; at most {MAX_HANDLES}")]
     TooManyHandles(usize),
     #[error(transparent)]
@@ -135,6 +169,7 @@ pub fn encode(f: &Frame) -> Vec<u8> {
         Frame::Close { id } => frame(CLOSE, &id.to_le_bytes()),
         Frame::Ping { nonce } => frame(PING, &nonce.to_le_bytes()),
         Frame::Pong { nonce } => frame(PONG, &nonce.to_le_bytes()),
+        Frame::Ended { reason } => frame(ENDED, &(*reason as u32).to_le_bytes()),
     }
 }
 
@@ -168,6 +203,10 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
         CLOSE => Frame::Close { id: u32::from_le_bytes(fixed(kind, body)?) },
         PING => Frame::Ping { nonce: u64::from_le_bytes(fixed(kind, body)?) },
         PONG => Frame::Pong { nonce: u64::from_le_bytes(fixed(kind, body)?) },
+        ENDED => {
+            let v = u32::from_le_bytes(fixed(kind, body)?);
+            Frame::Ended { reason: EndReason::from_u32(v).ok_or(FrameError::UnknownReason(v))? }
+        }
         k => return Err(FrameError::UnknownKind(k)),
     })
 }
@@ -240,7 +279,7 @@ impl FrameDecoder {
         if len as usize > MAX_FRAME_BODY {
             return Err(FrameError::TooLarge(len.into()));
         }
-        if !(HELLO..=PONG).contains(&kind) {
+        if !(HELLO..=ENDED).contains(&kind) {
             return Err(FrameError::UnknownKind(kind));
         }
         let end = HEADER + len as usize;
@@ -273,7 +312,24 @@ mod tests {
             Frame::Close { id: 9 },
             Frame::Ping { nonce: u64::MAX },
             Frame::Pong { nonce: 1 },
+            Frame::Ended { reason: EndReason::Moved },
+            Frame::Ended { reason: EndReason::NoSession },
         ]
+    }
+
+    #[test]
+    fn kinds_and_reasons_keep_their_numbers() {
+        // Released guests decode these numbers: appended only, never moved.
+        let kinds: Vec<u8> = all().iter().map(|f| encode(f)[4]).collect();
+        assert_eq!(kinds, [1, 2, 2, 3, 4, 5, 6, 7, 8, 8]);
+        assert_eq!((EndReason::Moved as u32, EndReason::NoSession as u32), (1, 2));
+        assert_eq!(&encode(&Frame::Ended { reason: EndReason::Moved })[8..], &1u32.to_le_bytes());
+        // An unknown reason is a bad body: skipped, the stream in step.
+        let mut d = FrameDecoder::new();
+        d.push(&frame(ENDED, &9u32.to_le_bytes()));
+        d.push(&encode(&Frame::Pong { nonce: 5 }));
+        assert_eq!(d.next_frame(), Err(FrameError::UnknownReason(9)));
+        assert_eq!(d.next_frame(), Ok(Some(Frame::Pong { nonce: 5 })));
     }
 
     #[test]

@@ -106,108 +106,310 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
     let mut hoard: Vec<Box<dyn std::any::Any>> = Vec::new();
     let mut idle: Vec<vrdma::QueuePair> = Vec::new();
     let mut wcs = vrdma::wc_buffer(64);
-    for line in std::io::stdin().lock().lines() {
-        let cmd: Command = serde_json::from_str(&line?)?;
-        let reply = match cmd {
-            Command::Connect { peer } => qp.connect(&peer, access).map(|_| Said::Ok),
-            Command::Reset => {
-                let attr = vrdma::QpAttr { qp_state: vrdma::QpState::Reset, ..Default::default() };
-                qp.modify(&attr, vrdma::QpAttrMask::STATE).map(|_| Said::Ok)
-            }
-            Command::PostRecv { count, offset, len } => (|| {
-                for i in 0..count {
-                    let wr = vrdma::wr::recv(i as u64, &[mr.sge(offset, len)?])?;
-                    qp.post_recv(&[wr]).map_err(|e| e.error)?;
+    // The emulated guest's "vCPU": `SeqStream` posts and polls holding it,
+    // `Freeze` takes it until `Thaw`.
+    let vcpu = std::sync::Mutex::new(());
+    std::thread::scope(|scope| -> Result<()> {
+        let mut frozen = None;
+        let mut streaming = None;
+        for line in std::io::stdin().lock().lines() {
+            let cmd: Command = serde_json::from_str(&line?)?;
+            let reply = match cmd {
+                Command::Connect { peer } => qp.connect(&peer, access).map(|_| Said::Ok),
+                Command::Reset => {
+                    let attr = vrdma::QpAttr { qp_state: vrdma::QpState::Reset, ..Default::default() };
+                    qp.modify(&attr, vrdma::QpAttrMask::STATE).map(|_| Said::Ok)
                 }
-                Ok(Said::Ok)
-            })(),
-            Command::Fill { offset, data } => mr.write(offset, &data).map(|_| Said::Ok),
-            Command::Read { offset, len } => {
-                let mut b = vec![0u8; len];
-                mr.read(offset, &mut b).map(|_| Said::Bytes(b))
-            }
-            Command::Digest { offset, len } => {
-                let mut b = vec![0u8; len];
-                mr.read(offset, &mut b).map(|_| Said::Digest(vrdma_it::protocol::digest(&b)))
-            }
-            Command::Send { wr_id, offset, len, imm } => (|| {
-                let mut wr = vrdma::wr::send(wr_id, &[mr.sge(offset, len)?])?;
-                if let Some(imm) = imm {
-                    wr.opcode = vrdma::SendOpcode::SendWithImm;
-                    wr.imm_data = imm;
-                }
-                wr.flags |= vrdma::SendFlags::SIGNALED;
-                qp.post_send(&[wr]).map_err(|e| e.error)?;
-                Ok(Said::Ok)
-            })(),
-            Command::Flood { remote_addr, rkey, len, count } => mr.sge(0, len).and_then(|sge| {
-                flood(&qp, &cq, &mut wcs, count, |i| vrdma::wr::rdma_write(i, &[sge], remote_addr, rkey))
-            }),
-            Command::FloodSend { len, count } => mr
-                .sge(0, len)
-                .and_then(|sge| flood(&qp, &cq, &mut wcs, count, |i| vrdma::wr::send(i, &[sge]))),
-            Command::Poll { count, timeout_ms } => (|| {
-                let mut got: Vec<Wc> = Vec::new();
-                let end = Instant::now() + Duration::from_millis(timeout_ms);
-                while got.len() < count && Instant::now() < end {
-                    let n = cq.poll(&mut wcs)?;
-                    got.extend(wcs[..n].iter().map(Wc::from));
-                }
-                Ok(Said::Completions(got))
-            })(),
-            Command::PollThenRead { timeout_ms, offset, len } => (|| {
-                let end = Instant::now() + Duration::from_millis(timeout_ms);
-                while Instant::now() < end {
-                    if let Some(wc) = cq.poll_one()? {
-                        let mut b = vec![0u8; len];
-                        mr.read(offset, &mut b)?;
-                        return Ok(Said::CompletionThenBytes(Wc::from(&wc), b));
+                Command::PostRecv { count, offset, len } => (|| {
+                    for i in 0..count {
+                        let wr = vrdma::wr::recv(i as u64, &[mr.sge(offset, len)?])?;
+                        qp.post_recv(&[wr]).map_err(|e| e.error)?;
                     }
+                    Ok(Said::Ok)
+                })(),
+                Command::Fill { offset, data } => mr.write(offset, &data).map(|_| Said::Ok),
+                Command::Read { offset, len } => {
+                    let mut b = vec![0u8; len];
+                    mr.read(offset, &mut b).map(|_| Said::Bytes(b))
                 }
-                Ok(Said::Completions(Vec::new()))
-            })(),
-            Command::Hoard => Ok(hoard_objects(&ctx, &mut hoard)),
-            Command::State => Ok(Said::State(qp.state().raw())),
-            Command::IdleQps { count } => (|| {
-                for _ in 0..count {
-                    let q =
-                        pd.create_rc_qp(&cq, &cq, vrdma::QpCap { max_send_wr: 4, max_recv_wr: 4, ..cap })?;
-                    q.connect(&q.endpoint(&ctx)?, access)?;
-                    idle.push(q);
+                Command::Digest { offset, len } => {
+                    let mut b = vec![0u8; len];
+                    mr.read(offset, &mut b).map(|_| Said::Digest(vrdma_it::protocol::digest(&b)))
                 }
-                Ok(Said::Ok)
-            })(),
-            Command::Misbehave { how, millis } => {
-                let qpns: Vec<u32> = idle.iter().map(|q| q.qpn()).collect();
-                let ctx = ctx.clone();
-                std::thread::spawn(move || misbehave(&ctx, how, &qpns, Duration::from_millis(millis)));
-                Ok(Said::Ok)
+                Command::Send { wr_id, offset, len, imm } => (|| {
+                    let mut wr = vrdma::wr::send(wr_id, &[mr.sge(offset, len)?])?;
+                    if let Some(imm) = imm {
+                        wr.opcode = vrdma::SendOpcode::SendWithImm;
+                        wr.imm_data = imm;
+                    }
+                    wr.flags |= vrdma::SendFlags::SIGNALED;
+                    qp.post_send(&[wr]).map_err(|e| e.error)?;
+                    Ok(Said::Ok)
+                })(),
+                Command::Flood { remote_addr, rkey, len, count } => mr.sge(0, len).and_then(|sge| {
+                    flood(&qp, &cq, &mut wcs, count, |i| vrdma::wr::rdma_write(i, &[sge], remote_addr, rkey))
+                }),
+                Command::FloodSend { len, count } => mr
+                    .sge(0, len)
+                    .and_then(|sge| flood(&qp, &cq, &mut wcs, count, |i| vrdma::wr::send(i, &[sge]))),
+                Command::Poll { count, timeout_ms } => (|| {
+                    let mut got: Vec<Wc> = Vec::new();
+                    let end = Instant::now() + Duration::from_millis(timeout_ms);
+                    while got.len() < count && Instant::now() < end {
+                        let n = cq.poll(&mut wcs)?;
+                        got.extend(wcs[..n].iter().map(Wc::from));
+                    }
+                    Ok(Said::Completions(got))
+                })(),
+                Command::PollThenRead { timeout_ms, offset, len } => (|| {
+                    let end = Instant::now() + Duration::from_millis(timeout_ms);
+                    while Instant::now() < end {
+                        if let Some(wc) = cq.poll_one()? {
+                            let mut b = vec![0u8; len];
+                            mr.read(offset, &mut b)?;
+                            return Ok(Said::CompletionThenBytes(Wc::from(&wc), b));
+                        }
+                    }
+                    Ok(Said::Completions(Vec::new()))
+                })(),
+                Command::Hoard => Ok(hoard_objects(&ctx, &mut hoard)),
+                Command::State => Ok(Said::State(qp.state().raw())),
+                Command::Query => qp.query().map(|(attr, _)| Said::State(attr.qp_state.raw())),
+                Command::AsyncEvent { timeout_ms } => ctx
+                    .get_async_event(Some(Duration::from_millis(timeout_ms)))
+                    .map(|e| Said::Event(e.map(|e| u32::from(e.event_type.raw())))),
+                Command::IdleQps { count } => (|| {
+                    for _ in 0..count {
+                        let q = pd.create_rc_qp(
+                            &cq,
+                            &cq,
+                            vrdma::QpCap { max_send_wr: 4, max_recv_wr: 4, ..cap },
+                        )?;
+                        q.connect(&q.endpoint(&ctx)?, access)?;
+                        idle.push(q);
+                    }
+                    Ok(Said::Ok)
+                })(),
+                Command::Misbehave { how, millis } => {
+                    let qpns: Vec<u32> = idle.iter().map(|q| q.qpn()).collect();
+                    let ctx = ctx.clone();
+                    std::thread::spawn(move || misbehave(&ctx, how, &qpns, Duration::from_millis(millis)));
+                    Ok(Said::Ok)
+                }
+                Command::Stream { qps, len, millis } => {
+                    stream(&ctx, None, qps, len, Duration::from_millis(millis), |s| say(s))
+                }
+                Command::StreamTo { qps, len, millis, to } => {
+                    stream(&ctx, Some(&to), qps, len, Duration::from_millis(millis), |s| say(s))
+                }
+                Command::AttachAcrossContexts => (|| {
+                    let other = if vrdma::guest::GuestConfig::from_env().is_some() {
+                        vrdma::Context::open()?
+                    } else {
+                        vrdma::Context::open_at(&socket)?
+                    };
+                    let channel = vrdma::cm::EventChannel::create(&other)?;
+                    let id = vrdma::cm::CmId::create(&channel, vrdma::cm::PortSpace::Tcp)?;
+                    id.resolve_addr(None, std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 7471))?;
+                    let q = pd.create_rc_qp(&cq, &cq, cap)?;
+                    id.attach_qp_num(q.qpn())?;
+                    Ok(Said::State(q.state().raw()))
+                })(),
+                Command::SeqStream { count, len, remote_addr, rkey, pace_us, query_every } => {
+                    let (qp, cq, mr, vcpu) = (&qp, &cq, &mr, &vcpu);
+                    let s = SeqStream {
+                        count,
+                        len,
+                        remote_addr,
+                        rkey,
+                        pace: Duration::from_micros(pace_us),
+                        query_every,
+                    };
+                    streaming = Some(scope.spawn(move || s.run(qp, cq, mr, vcpu)));
+                    Ok(Said::Ok)
+                }
+                Command::SeqStreamWait => match streaming.take().map(|t| t.join()) {
+                    Some(Ok(Ok(got))) => Ok(Said::Completions(got)),
+                    Some(Ok(Err(message))) => Ok(Said::Error { errno: 0, message }),
+                    Some(Err(_)) => {
+                        Ok(Said::Error { errno: 0, message: "the stream's thread panicked".into() })
+                    }
+                    None => Ok(Said::Error { errno: 0, message: "no stream".into() }),
+                },
+                Command::Freeze => {
+                    frozen = Some(vcpu.lock().unwrap_or_else(|p| p.into_inner()));
+                    Ok(Said::Ok)
+                }
+                Command::Thaw => {
+                    frozen = None;
+                    Ok(Said::Ok)
+                }
+                Command::MoveBar { to_fd } => Ok(match move_bar(to_fd) {
+                    Ok(()) => Said::Ok,
+                    Err(e) => Said::Error { errno: 0, message: format!("{e:#}") },
+                }),
+                Command::Exit => break,
+            };
+            match reply {
+                Ok(s) => say(&s),
+                Err(e) => say(&Said::Error { errno: e.errno(), message: e.to_string() }),
             }
-            Command::Stream { qps, len, millis } => {
-                stream(&ctx, None, qps, len, Duration::from_millis(millis), |s| say(s))
-            }
-            Command::StreamTo { qps, len, millis, to } => {
-                stream(&ctx, Some(&to), qps, len, Duration::from_millis(millis), |s| say(s))
-            }
-            Command::AttachAcrossContexts => (|| {
-                let other = if vrdma::guest::GuestConfig::from_env().is_some() {
-                    vrdma::Context::open()?
-                } else {
-                    vrdma::Context::open_at(&socket)?
-                };
-                let channel = vrdma::cm::EventChannel::create(&other)?;
-                let id = vrdma::cm::CmId::create(&channel, vrdma::cm::PortSpace::Tcp)?;
-                id.resolve_addr(None, std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 7471))?;
-                let q = pd.create_rc_qp(&cq, &cq, cap)?;
-                id.attach_qp_num(q.qpn())?;
-                Ok(Said::State(q.state().raw()))
-            })(),
-            Command::Exit => break,
-        };
-        match reply {
-            Ok(s) => say(&s),
-            Err(e) => say(&Said::Error { errno: e.errno(), message: e.to_string() }),
         }
+        drop(frozen);
+        Ok(())
+    })
+}
+
+/// [`Command::SeqStream`]'s parameters.
+struct SeqStream {
+    count: u64,
+    len: usize,
+    remote_addr: u64,
+    rkey: u32,
+    pace: Duration,
+    query_every: u64,
+}
+
+impl SeqStream {
+    /// Messages in flight at most.
+    const DEPTH: u64 = 16;
+
+    fn run(
+        &self,
+        qp: &vrdma::QueuePair,
+        cq: &vrdma::CompletionQueue,
+        mr: &vrdma::MemoryRegion,
+        vcpu: &std::sync::Mutex<()>,
+    ) -> std::result::Result<Vec<Wc>, String> {
+        self.stream(qp, cq, mr, vcpu).map_err(|e| format!("{e:#}"))
+    }
+
+    fn stream(
+        &self,
+        qp: &vrdma::QueuePair,
+        cq: &vrdma::CompletionQueue,
+        mr: &vrdma::MemoryRegion,
+        vcpu: &std::sync::Mutex<()>,
+    ) -> Result<Vec<Wc>> {
+        let end = Instant::now() + Duration::from_secs(120);
+        let mut wcs = vrdma::wc_buffer(64);
+        let mut got: Vec<Wc> = Vec::new();
+        let mut poll = |got: &mut Vec<Wc>| -> Result<()> {
+            let _vcpu = vcpu.lock().unwrap_or_else(|p| p.into_inner());
+            let n = cq.poll(&mut wcs)?;
+            got.extend(wcs[..n].iter().map(Wc::from));
+            Ok(())
+        };
+        for seq in 0..self.count {
+            loop {
+                poll(&mut got)?;
+                if seq - (got.len() as u64).min(seq) < Self::DEPTH {
+                    break;
+                }
+                if Instant::now() > end {
+                    bail!("message {seq}: {} completions in two minutes", got.len());
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            {
+                let _vcpu = vcpu.lock().unwrap_or_else(|p| p.into_inner());
+                // Source slots are reused only far behind what is in flight.
+                let at = (seq as usize % 256) * self.len;
+                let mut data = vec![seq as u8; self.len];
+                data[..8].copy_from_slice(&seq.to_le_bytes());
+                mr.write(at, &data)?;
+                let sge = mr.sge(at, self.len)?;
+                let mut wr = if seq % 2 == 0 {
+                    let mut w = vrdma::wr::send(seq, &[sge])?;
+                    w.opcode = vrdma::SendOpcode::SendWithImm;
+                    w
+                } else {
+                    let mut w = vrdma::wr::rdma_write(
+                        seq,
+                        &[sge],
+                        self.remote_addr + seq * self.len as u64,
+                        self.rkey,
+                    )?;
+                    w.opcode = vrdma::SendOpcode::RdmaWriteWithImm;
+                    w
+                };
+                wr.imm_data = seq as u32;
+                wr.flags |= vrdma::SendFlags::SIGNALED;
+                qp.post_send(&[wr]).map_err(|e| e.error).with_context(|| format!("posting message {seq}"))?;
+            }
+            // A call that needs the daemon: it waits while the VM moves.
+            if self.query_every > 0 && seq % self.query_every == 0 {
+                let (attr, _) = qp.query().with_context(|| format!("querying the QP after message {seq}"))?;
+                if attr.qp_state != vrdma::QpState::Rts {
+                    bail!("the QP is in {:?} after message {seq}", attr.qp_state);
+                }
+            }
+            std::thread::sleep(self.pace);
+        }
+        while (got.len() as u64) < self.count && Instant::now() < end {
+            poll(&mut got)?;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(got)
+    }
+}
+
+/// [`Command::MoveBar`]: what QEMU does to a guest's memory when the VM
+/// resumes on another host, for an emulated guest: the same addresses,
+/// the same offsets, the destination's region under them.
+fn move_bar(to_fd: i32) -> Result<()> {
+    const BAR_FD: i32 = 100;
+    // SAFETY: descriptors 100 and `to_fd` were inherited for this (see
+    // `PeerProc::spawn_movable_guest`) and stay open; fstat only reads.
+    let st = rustix::fs::fstat(unsafe { std::os::fd::BorrowedFd::borrow_raw(BAR_FD) })?;
+    let dev = format!("{:02x}:{:02x}", rustix::fs::major(st.st_dev), rustix::fs::minor(st.st_dev));
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let mut moved = 0;
+    for line in maps.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if f.len() < 5 || f[3] != dev || f[4].parse::<u64>().ok() != Some(st.st_ino) {
+            continue;
+        }
+        let perms = f[1].as_bytes();
+        if perms.get(3) != Some(&b's') {
+            continue;
+        }
+        let (start, end) = f[0].split_once('-').context("a maps range")?;
+        let (start, end) = (usize::from_str_radix(start, 16)?, usize::from_str_radix(end, 16)?);
+        let offset = i64::from_str_radix(f[2], 16)?;
+        let mut prot = 0;
+        if perms[0] == b'r' {
+            prot |= libc::PROT_READ;
+        }
+        if perms[1] == b'w' {
+            prot |= libc::PROT_WRITE;
+        }
+        // SAFETY: `[start, end)` is a shared mapping of the old region
+        // (read from /proc/self/maps just now, nothing else maps or
+        // unmaps it while the VM is frozen); it is replaced by the same
+        // bytes of the new region (copied there by the test), so every
+        // pointer into it stays valid.
+        let p = unsafe {
+            libc::mmap(
+                start as *mut libc::c_void,
+                end - start,
+                prot,
+                libc::MAP_SHARED | libc::MAP_FIXED,
+                to_fd,
+                offset,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            bail!("remapping {line}: {}", std::io::Error::last_os_error());
+        }
+        moved += 1;
+    }
+    if moved == 0 {
+        bail!("no mapping of the BAR ({dev} inode {})", st.st_ino);
+    }
+    // SAFETY: both are open descriptors of this process (above).
+    if unsafe { libc::dup2(to_fd, BAR_FD) } < 0 {
+        bail!("dup2: {}", std::io::Error::last_os_error());
     }
     Ok(())
 }

@@ -31,7 +31,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::net::{RecvFlags, SendFlags, SocketType};
 use vrdma_core::hca::TenantId;
 use vrdma_core::log_limit::Source;
-use vrdma_core::proto::guest::{self, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION};
 use vrdma_core::proto::Reply;
 
 use super::session::{error, Answer, Carry, Session};
@@ -66,6 +66,10 @@ struct Port {
     vm: Arc<Vm>,
     shared: Arc<Shared>,
     live: Option<Live>,
+    /// Whether the guest was told, since its last Hello, that this port
+    /// has no session ([`EndReason::NoSession`]): once is enough, and
+    /// never after a session of this connection ended.
+    told_no_session: bool,
 }
 
 /// Serves one port connection; the VM's count of connected ports is
@@ -78,7 +82,7 @@ pub(crate) fn run(conn: OwnedFd, vm: Arc<Vm>, shared: Arc<Shared>) {
     };
     let key = vm.add_conn(dup.into());
     tracing::debug!(vm = %vm.name, "VM port connected");
-    let mut port = Port { conn, vm: vm.clone(), shared, live: None };
+    let mut port = Port { conn, vm: vm.clone(), shared, live: None, told_no_session: false };
     if let Err(why) = port.serve() {
         tracing::debug!(vm = %vm.name, %why, "VM port disconnected");
     }
@@ -130,8 +134,12 @@ impl Port {
             });
             let (conn_ready, kill, ready) = self.wait(wait)?;
             if kill {
-                tracing::debug!(vm = %self.vm.name, "guest session ended by the daemon");
-                self.end_session();
+                // The tenant moved to another host (`finish`), or the
+                // daemon ended the session (stopping, or its context broke
+                // the protocol): the guest hears which.
+                let moved = self.live.as_ref().is_some_and(|l| self.shared.take_moved(l.session.id()));
+                tracing::debug!(vm = %self.vm.name, moved, "guest session ended by the daemon");
+                self.end_session_why(moved.then_some(EndReason::Moved));
                 continue;
             }
             for id in ready {
@@ -252,16 +260,21 @@ impl Port {
             Frame::Hello { .. } => {
                 // A new opener: whoever had the port before is gone.
                 self.end_session();
+                self.told_no_session = false;
                 self.start_session()
             }
             Frame::Call(req) => {
                 let answer = match self.live.as_mut() {
                     Some(l) => l.session.handle(req, Vec::new()),
-                    None => error(libc::EPROTO, "no guest session on this port: send Hello first"),
+                    None => {
+                        self.tell_no_session()?;
+                        error(libc::EPROTO, "no guest session on this port: send Hello first")
+                    }
                 };
                 let (reply, handles) = self.handles(answer);
                 self.send(&Frame::Reply { reply, handles })
             }
+            Frame::Bell { .. } if self.live.is_none() => self.tell_no_session(),
             Frame::Bell { id, count } => {
                 if let Some(p) = self.live.as_ref().and_then(|l| l.proxies.get(&id)) {
                     for _ in 0..count.min(BELLS_AT_ONCE) {
@@ -280,7 +293,7 @@ impl Port {
                 Ok(())
             }
             Frame::Pong { .. } => Ok(()),
-            Frame::Ping { .. } | Frame::Reply { .. } => {
+            Frame::Ping { .. } | Frame::Reply { .. } | Frame::Ended { .. } => {
                 tracing::debug!(vm = %self.vm.name, "a guest sent a daemon's frame; ignored");
                 Ok(())
             }
@@ -338,14 +351,40 @@ impl Port {
         Ok(())
     }
 
+    /// A guest speaks to this port as to a session it has not opened (its
+    /// VM resumed on this host with its port reconnected here): tells it
+    /// once, so that it adopts its context if it had one.
+    fn tell_no_session(&mut self) -> Result<(), String> {
+        if std::mem::replace(&mut self.told_no_session, true) {
+            return Ok(());
+        }
+        self.send(&Frame::Ended { reason: EndReason::NoSession })
+    }
+
     /// Tears the session down as if its process had gone: its context
     /// and objects are destroyed, and the guest hears its proxies close.
     fn end_session(&mut self) {
+        self.end_session_why(None)
+    }
+
+    /// [`end_session`](Self::end_session), the guest told first why
+    /// (`Some`: its context moved; it may adopt it on the destination).
+    fn end_session_why(&mut self, why: Option<EndReason>) {
         let Some(l) = self.live.take() else { return };
+        // The guest's session is over, for the reason it hears (or, with
+        // none, for good: its proxies close): a call after it gets EPROTO
+        // only. NoSession is for a port that never had a session.
+        self.told_no_session = true;
         let ids: Vec<u32> = l.proxies.keys().copied().collect();
         // Dropping the session closes the context (and removes it from
-        // `shared.sessions`).
+        // `shared.sessions`); calls from now on find no session.
         drop(l);
+        // Before the proxies' closes: the guest keeps the context's.
+        if let Some(reason) = why {
+            if self.send(&Frame::Ended { reason }).is_err() {
+                return;
+            }
+        }
         for id in ids {
             if self.send(&Frame::Close { id }).is_err() {
                 break;

@@ -210,7 +210,7 @@ pub(super) fn handle(
             // The tenant lives elsewhere now: its processes' connections
             // here end (each session's close finds nothing left to free).
             for c in &ctxs {
-                shared.end_session(c.0);
+                shared.end_session_moved(c.0);
             }
             if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
                 super::migrate_vm::moved_away(vm, &ctxs);

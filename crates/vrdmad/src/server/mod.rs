@@ -51,6 +51,11 @@ pub(crate) struct Shared {
     /// its connections end (its rdma_cm channels hang up) cannot get an
     /// answer on another that is still to be shut down.
     pub stopping: std::sync::atomic::AtomicBool,
+    /// Sessions ended because their tenant moved to another host (the
+    /// operator's `finish`): a guest's port tells its guest so
+    /// ([`vrdma_core::proto::guest::EndReason::Moved`]), which may then
+    /// adopt its context there. Taken by the port, or by the session's end.
+    pub moved: Mutex<std::collections::BTreeSet<u32>>,
 }
 
 impl Shared {
@@ -61,6 +66,18 @@ impl Shared {
         {
             let _ = rustix::net::shutdown(fd, rustix::net::Shutdown::Both);
         }
+    }
+
+    /// Ends session `id` because its tenant moved away: as
+    /// [`end_session`](Self::end_session), and a guest hears why.
+    pub fn end_session_moved(&self, id: u32) {
+        self.moved.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+        self.end_session(id);
+    }
+
+    /// Whether session `id` was ended because its tenant moved (once).
+    pub fn take_moved(&self, id: u32) -> bool {
+        self.moved.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)
     }
 }
 

@@ -243,6 +243,7 @@ impl Drop for Session {
             }
         }
         let id = self.ctx.0;
+        self.shared.take_moved(id);
         let mut sessions = self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
         sessions.retain(|(i, ..)| *i != id);
     }

@@ -1,0 +1,587 @@
+//! The guest's end of one port: calls as frames, a thread that reads the
+//! port, and the doorbell proxies.
+//!
+//! The port can change under a live context: when the VM moves to another
+//! host, the daemon it left ends the session with
+//! [`EndReason::Moved`](vrdma_core::proto::guest::EndReason) and the
+//! reader thread takes the context back on the daemon the port reaches
+//! next (`super::reattach`). So the port is numbered (a *generation*):
+//! every reply the thread hands on carries the generation it came on, and
+//! a call whose port ended before its reply came is sent again on the next
+//! one (the daemon answered nothing on the old one: its reply would have
+//! come before the end). The library's ends of the context's doorbells
+//! stay the same descriptors across a move; only the proxy numbers they
+//! are forwarded under change.
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags};
+use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
+use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::{Reply, Request};
+
+use super::GuestConfig;
+use crate::error::{Error, Result};
+
+/// How long a call waits for its reply: a daemon that answers nothing for
+/// this long is treated as gone (host calls have the socket's hang-up).
+const REPLY_LIMIT: Duration = Duration::from_secs(60);
+/// Most wake-ups one read of a proxy forwards in one frame.
+pub(super) const BELLS_AT_ONCE: u32 = 1024;
+/// Beyond the reattach bound, how long a call waits for the reader thread
+/// to give its verdict (it checks the bound itself).
+const VERDICT_GRACE: Duration = Duration::from_secs(5);
+
+/// Opens `path` as a port: connects if it is a Unix socket, else opens
+/// the character device read-write.
+pub(super) fn open_port(path: &Path) -> std::io::Result<File> {
+    use std::os::unix::fs::FileTypeExt;
+    if std::fs::metadata(path)?.file_type().is_socket() {
+        let s = std::os::unix::net::UnixStream::connect(path)?;
+        return Ok(File::from(OwnedFd::from(s)));
+    }
+    std::fs::OpenOptions::new().read(true).write(true).open(path)
+}
+
+/// Opens the BAR read-write and notes it for the fork handler.
+pub(super) fn open_bar(path: &Path) -> Result<OwnedFd> {
+    let bar = std::fs::OpenOptions::new().read(true).write(true).open(path).map_err(|e| {
+        Error::Io(std::io::Error::new(e.kind(), format!("cannot open the BAR {}: {e}", path.display())))
+    })?;
+    // From now on a forked child copies this process's mappings of the
+    // BAR (rings, regions) instead of sharing them with it and the
+    // daemon (`crate::rebacking`'s fork handler).
+    let st = rustix::fs::fstat(&bar)?;
+    crate::rebacking::note_guest_bar(st.st_dev, st.st_ino);
+    Ok(OwnedFd::from(bar))
+}
+
+/// What a call's reply brought: the reply, and per handle a descriptor
+/// and the offset to map it at.
+pub(crate) type Carried = Vec<(OwnedFd, u64)>;
+
+/// What the reader thread hands the caller.
+pub(super) enum Msg {
+    /// A reply, from port generation `gen`.
+    Reply { gen: u64, reply: Reply, handles: Vec<Handle> },
+    /// Port generation `gen` ended: a call sent on it gets no reply.
+    Ended { gen: u64 },
+}
+
+/// Whether the link has a port to call on.
+#[derive(Debug, Clone)]
+pub(super) enum State {
+    Up {
+        gen: u64,
+    },
+    /// The context moved; the reader thread is taking it back.
+    Down {
+        since: Instant,
+    },
+    /// For good: the device is gone, for this reason.
+    Dead {
+        why: String,
+    },
+}
+
+/// The context the port's session has: what a move takes back, and the
+/// proxies that are its doorbell and its event signal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Bound {
+    pub context: u32,
+    /// The context's segment in the VM's region: offset and length.
+    pub segment: (u64, u64),
+    pub doorbell: u32,
+    pub events: u32,
+}
+
+impl Bound {
+    /// The binding a Hello-like reply gives: the context, its segment
+    /// (the first handle) and its two doorbells (the next two).
+    pub fn of(reply: &Reply, handles: &[Handle]) -> Option<Bound> {
+        let Reply::Hello { context, .. } = reply else { return None };
+        match handles {
+            [Handle::Extent { offset, len }, Handle::Bell { id: doorbell, .. }, Handle::Bell { id: events, .. }] => {
+                Some(Bound {
+                    context: *context,
+                    segment: (*offset, *len),
+                    doorbell: *doorbell,
+                    events: *events,
+                })
+            }
+            _ => None,
+        }
+    }
+}
+
+/// Between the callers and the reader thread.
+pub(super) struct Shared {
+    pub cfg: GuestConfig,
+    /// How long a moved context may take to be taken back.
+    pub limit: Duration,
+    /// The port calls and bells go out on, and its generation; `None`
+    /// while the link is down.
+    pub writer: Mutex<(u64, Option<File>)>,
+    pub state: Mutex<State>,
+    pub changed: Condvar,
+    /// Proxies the reader thread serves (id -> its end), of the port
+    /// generation in `.0`.
+    pub proxies: Mutex<(u64, HashMap<u32, OwnedFd>)>,
+    pub bound: Mutex<Option<Bound>>,
+    /// The BAR (reopened after a move: the same file in a real guest).
+    pub bar: Mutex<Arc<OwnedFd>>,
+    /// Set when the link is dropped: the reader thread ends, and with it
+    /// the port is closed (so that the next opener may take it).
+    pub quit: AtomicBool,
+}
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every value under these locks stays consistent across a panic.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    /// Writes `f` on port generation `gen`, if that is the port now.
+    pub fn send(&self, gen: u64, f: &Frame) -> std::result::Result<(), String> {
+        let mut w = lock(&self.writer);
+        match &mut *w {
+            (g, Some(port)) if *g == gen => {
+                port.write_all(&guest::encode(f)).map_err(|e| format!("port write: {e}"))
+            }
+            _ => Err("the port changed".into()),
+        }
+    }
+
+    pub fn set_state(&self, s: State) {
+        *lock(&self.state) = s;
+        self.changed.notify_all();
+    }
+}
+
+/// The guest's end of one port.
+pub(crate) struct GuestLink {
+    shared: Arc<Shared>,
+    /// One call at a time on a port: the reply that comes is ours.
+    replies: Mutex<Receiver<Msg>>,
+    /// Written to make the reader thread poll the new proxies too, or
+    /// notice that the link is dropped.
+    wake: OwnedFd,
+    /// The library's end of a pair whose other end the reader thread
+    /// drops when the port dies for good: it hangs up then, as a host
+    /// control socket does when the daemon goes.
+    gone: OwnedFd,
+}
+
+impl Drop for GuestLink {
+    fn drop(&mut self) {
+        self.shared.quit.store(true, Ordering::Release);
+        let _ = rustix::io::write(&self.wake, &[1]);
+        // A socket (an emulated guest's port) closes for the daemon at
+        // once; a character device is closed when the thread ends.
+        let w = lock(&self.shared.writer);
+        if let (_, Some(port)) = &*w {
+            let _ = rustix::net::shutdown(port, rustix::net::Shutdown::Both);
+        }
+    }
+}
+
+impl std::fmt::Debug for GuestLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuestLink").finish_non_exhaustive()
+    }
+}
+
+impl GuestLink {
+    /// Opens the first port of `cfg` that opens, maps nothing yet, and
+    /// says Hello on it.
+    pub fn open(cfg: &GuestConfig) -> Result<GuestLink> {
+        Self::open_with(cfg, super::reattach_limit())
+    }
+
+    /// [`open`](Self::open), taking a moved context back within `limit`.
+    pub(super) fn open_with(cfg: &GuestConfig, limit: Duration) -> Result<GuestLink> {
+        let mut last = None;
+        let port = cfg.ports.iter().find_map(|p| match open_port(p) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                last = Some((p.clone(), e));
+                None
+            }
+        });
+        let port = match (port, last) {
+            (Some(p), _) => p,
+            (None, Some((path, source))) => return Err(Error::Connect { path, source }),
+            (None, None) => return Err(Error::protocol("guest mode without a port")),
+        };
+        let bar = open_bar(&cfg.bar)?;
+        let reader = port.try_clone()?;
+        let (wake_tx, wake_rx) =
+            rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC | rustix::pipe::PipeFlags::NONBLOCK)
+                .map(|(r, w)| (w, r))?;
+        let (gone, gone_far) =
+            rustix::net::socketpair(AddressFamily::UNIX, SocketType::SEQPACKET, SocketFlags::CLOEXEC, None)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let shared = Arc::new(Shared {
+            cfg: cfg.clone(),
+            limit,
+            writer: Mutex::new((1, Some(port))),
+            state: Mutex::new(State::Up { gen: 1 }),
+            changed: Condvar::new(),
+            proxies: Mutex::new((1, HashMap::new())),
+            bound: Mutex::new(None),
+            bar: Mutex::new(Arc::new(bar)),
+            quit: AtomicBool::new(false),
+        });
+        let thread = Reader {
+            shared: shared.clone(),
+            port: reader,
+            gen: 1,
+            dec: FrameDecoder::new(),
+            replies: tx,
+            wake: wake_rx,
+            _gone: gone_far,
+        };
+        std::thread::Builder::new().name("vrdma-guest".into()).spawn(move || thread.run())?;
+        let link = GuestLink { shared, replies: Mutex::new(rx), wake: wake_tx, gone };
+        link.shared
+            .send(1, &Frame::Hello { version: GUEST_VERSION })
+            .map_err(|e| Error::Io(std::io::Error::other(e)))?;
+        Ok(link)
+    }
+
+    /// The descriptor that hangs up when the port dies for good.
+    pub fn gone_fd(&self) -> &OwnedFd {
+        &self.gone
+    }
+
+    /// The error of a link that is gone for good.
+    fn dead(&self) -> Error {
+        let why = match &*lock(&self.shared.state) {
+            State::Dead { why } => why.clone(),
+            _ => "the port closed".into(),
+        };
+        Error::Io(std::io::Error::new(
+            std::io::ErrorKind::ConnectionAborted,
+            format!("the vRDMA device is gone: {why}"),
+        ))
+    }
+
+    /// The port generation to call on, waiting while the context is being
+    /// taken back (up to the bound, and a grace for the verdict).
+    fn wait_up(&self) -> Result<u64> {
+        let mut st = lock(&self.shared.state);
+        loop {
+            let until = match &*st {
+                State::Up { gen } => return Ok(*gen),
+                State::Dead { .. } => {
+                    drop(st);
+                    return Err(self.dead());
+                }
+                State::Down { since } => *since + self.shared.limit + VERDICT_GRACE,
+            };
+            let now = Instant::now();
+            if now >= until {
+                drop(st);
+                return Err(self.dead());
+            }
+            st = self.shared.changed.wait_timeout(st, until - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
+    /// Waits (briefly) until port generation `gen` is no longer the one
+    /// up: its write failed, and the reader thread will see why.
+    fn wait_past(&self, gen: u64) {
+        let st = lock(&self.shared.state);
+        if matches!(&*st, State::Up { gen: g } if *g == gen) {
+            let _ = self.shared.changed.wait_timeout(st, Duration::from_millis(100));
+        }
+    }
+
+    /// Sends `req` and waits for its reply; the handles become
+    /// descriptors (a BAR descriptor and the extent's offset, or the
+    /// library's end of a new proxy and 0). While the context is being
+    /// taken back after a move, the call waits for it (bounded); a call
+    /// the old port did not answer goes again on the new one.
+    pub fn call(&self, req: &Request) -> Result<(Reply, Carried)> {
+        let replies = lock(&self.replies);
+        loop {
+            let gen = self.wait_up()?;
+            if self.shared.send(gen, &Frame::Call(req.clone())).is_err() {
+                self.wait_past(gen);
+                continue;
+            }
+            let answered = loop {
+                match replies.recv_timeout(REPLY_LIMIT) {
+                    Ok(Msg::Reply { gen: g, reply, handles }) if g == gen => break Some((reply, handles)),
+                    Ok(Msg::Ended { gen: g }) if g == gen => break None,
+                    // From a port before this call's: not ours.
+                    Ok(_) => {}
+                    Err(RecvTimeoutError::Timeout) => return Err(crate::control::gone()),
+                    Err(RecvTimeoutError::Disconnected) => return Err(self.dead()),
+                }
+            };
+            // The port ended before answering: the call again, on the next.
+            let Some((reply, handles)) = answered else { continue };
+            drop(replies);
+            if matches!(req, Request::Hello { .. } | Request::AdoptContext { .. }) {
+                if let Some(b) = Bound::of(&reply, &handles) {
+                    *lock(&self.shared.bound) = Some(b);
+                }
+            }
+            let mut carried = Vec::new();
+            for h in handles {
+                carried.push(match h {
+                    Handle::Extent { offset, .. } => (self.bar()?, offset),
+                    Handle::Bell { id, hangup } => (self.proxy(gen, id, hangup)?, 0),
+                });
+            }
+            return Ok((reply, carried));
+        }
+    }
+
+    /// Makes proxy `id` of port generation `gen`: the reader thread keeps
+    /// one end, the library gets the other.
+    fn proxy(&self, gen: u64, id: u32, hangup: bool) -> Result<OwnedFd> {
+        let ty = if hangup { SocketType::SEQPACKET } else { SocketType::DGRAM };
+        let (mine, theirs) = rustix::net::socketpair(
+            AddressFamily::UNIX,
+            ty,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        {
+            let mut p = lock(&self.shared.proxies);
+            if p.0 != gen {
+                return Err(Error::protocol("the VM moved while a doorbell was being made"));
+            }
+            p.1.insert(id, theirs);
+        }
+        let _ = rustix::io::write(&self.wake, &[1]);
+        Ok(mine)
+    }
+
+    /// The BAR, to map extents of it.
+    pub fn bar_fd(&self) -> Arc<OwnedFd> {
+        lock(&self.shared.bar).clone()
+    }
+
+    /// A descriptor of the BAR, to map extents of it.
+    pub fn bar(&self) -> Result<OwnedFd> {
+        Ok(self.bar_fd().try_clone()?)
+    }
+}
+
+/// Why [`Reader::serve`] stopped.
+enum Stop {
+    /// The link was dropped.
+    Quit,
+    /// The daemon ended the session and said why.
+    Ended(EndReason),
+    /// The port broke or closed: the device is gone.
+    Lost(String),
+}
+
+/// The thread that reads the port.
+pub(super) struct Reader {
+    pub shared: Arc<Shared>,
+    pub port: File,
+    /// The port's generation.
+    pub gen: u64,
+    pub dec: FrameDecoder,
+    replies: Sender<Msg>,
+    pub wake: OwnedFd,
+    /// Dropped with the thread: the library's `gone` end hangs up.
+    _gone: OwnedFd,
+}
+
+impl Reader {
+    fn run(mut self) {
+        loop {
+            match self.serve() {
+                Stop::Quit => break,
+                Stop::Lost(why) => {
+                    tracing::debug!(%why, "vrdma guest port closed");
+                    self.shared.set_state(State::Dead { why });
+                    break;
+                }
+                Stop::Ended(reason) => {
+                    // Calls wait from now on; one waiting for a reply on
+                    // this port goes again on the next.
+                    *lock(&self.shared.writer) = (self.gen, None);
+                    self.shared.set_state(State::Down { since: Instant::now() });
+                    let _ = self.replies.send(Msg::Ended { gen: self.gen });
+                    if let Err(why) = self.reattach(reason) {
+                        tracing::warn!(%why, "vrdma: the VM's context could not be taken back");
+                        self.shared.set_state(State::Dead { why });
+                        break;
+                    }
+                }
+            }
+        }
+        // Every proxy end closes: hang-up ends wake their pollers.
+        lock(&self.shared.proxies).1.clear();
+    }
+
+    fn send(&self, f: &Frame) -> std::result::Result<(), String> {
+        self.shared.send(self.gen, f)
+    }
+
+    /// Serves the port until it ends.
+    fn serve(&mut self) -> Stop {
+        match self.serve_inner() {
+            Ok(stop) | Err(stop) => stop,
+        }
+    }
+
+    fn serve_inner(&mut self) -> std::result::Result<Stop, Stop> {
+        let mut buf = vec![0u8; 64 << 10];
+        let lost = Stop::Lost;
+        // Frames that came with the reply that opened this port.
+        if let Some(stop) = self.frames()? {
+            return Ok(stop);
+        }
+        loop {
+            // Snapshot of the proxies to poll (raw numbers: the map may
+            // change meanwhile, a stale number only costs a spurious read).
+            let ids: Vec<(u32, i32)> =
+                lock(&self.shared.proxies).1.iter().map(|(id, fd)| (*id, fd.as_raw_fd())).collect();
+            let mut ready = Vec::new();
+            let port_ready;
+            {
+                // SAFETY: each raw fd is owned by `shared.proxies`. Entries
+                // are removed only by this thread (Close frames, hang-ups
+                // and moves, handled after the poll); another thread only
+                // inserts, under ids the daemon numbers afresh within a
+                // session (never one in the map), so no fd polled here is
+                // closed meanwhile.
+                let borrowed: Vec<_> =
+                    ids.iter().map(|(_, fd)| unsafe { std::os::fd::BorrowedFd::borrow_raw(*fd) }).collect();
+                let mut fds =
+                    vec![PollFd::new(&self.port, PollFlags::IN), PollFd::new(&self.wake, PollFlags::IN)];
+                fds.extend(borrowed.iter().map(|b| PollFd::new(b, PollFlags::IN)));
+                match rustix::event::poll(&mut fds, None) {
+                    Ok(_) => {}
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Err(lost(format!("poll: {e}"))),
+                }
+                let hit = |r: PollFlags| r.intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR);
+                port_ready = hit(fds[0].revents());
+                if hit(fds[1].revents()) {
+                    let _ = rustix::io::read(&self.wake, &mut [0u8; 64]);
+                }
+                for ((id, _), f) in ids.iter().zip(fds.iter().skip(2)) {
+                    if hit(f.revents()) {
+                        ready.push(*id);
+                    }
+                }
+            }
+            if self.shared.quit.load(Ordering::Acquire) {
+                return Ok(Stop::Quit);
+            }
+            for id in ready {
+                self.forward(id).map_err(lost)?;
+            }
+            if !port_ready {
+                continue;
+            }
+            let n = match self.port.read(&mut buf) {
+                Ok(0) => return Err(lost("the daemon closed the port".into())),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(lost(format!("port read: {e}"))),
+            };
+            self.dec.push(&buf[..n]);
+            if let Some(stop) = self.frames()? {
+                return Ok(stop);
+            }
+        }
+    }
+
+    /// Handles the complete frames decoded; `Some` when the session ended.
+    fn frames(&mut self) -> std::result::Result<Option<Stop>, Stop> {
+        loop {
+            match self.dec.next_frame() {
+                Ok(Some(Frame::Ended { reason })) => return Ok(Some(Stop::Ended(reason))),
+                Ok(Some(f)) => self.on_frame(f).map_err(Stop::Lost)?,
+                Ok(None) => return Ok(None),
+                Err(e) if e.is_fatal() => {
+                    return Err(Stop::Lost(format!("the daemon broke the frame stream: {e}")))
+                }
+                // A bad body (an end for a reason this library does not
+                // know, from a newer daemon): skipped.
+                Err(e) => tracing::debug!(error = %e, "vrdma: skipping a frame from the daemon"),
+            }
+        }
+    }
+
+    /// Forwards what the library rang on proxy `id`.
+    fn forward(&self, id: u32) -> std::result::Result<(), String> {
+        let mut count = 0;
+        let mut closed = false;
+        {
+            let proxies = lock(&self.shared.proxies);
+            let Some(fd) = proxies.1.get(&id) else { return Ok(()) };
+            let seqpacket =
+                rustix::net::sockopt::socket_type(fd.as_fd()).is_ok_and(|t| t == SocketType::SEQPACKET);
+            while count < BELLS_AT_ONCE {
+                match rustix::net::recv(fd, &mut [0u8; 8], RecvFlags::DONTWAIT) {
+                    Ok((0, _)) if seqpacket => {
+                        closed = true;
+                        break;
+                    }
+                    Ok(_) => count += 1,
+                    Err(rustix::io::Errno::INTR) => {}
+                    Err(_) => break,
+                }
+            }
+            if count == 0 && !closed {
+                closed = true;
+            }
+        }
+        if count > 0 {
+            self.send(&Frame::Bell { id, count })?;
+        }
+        if closed {
+            lock(&self.shared.proxies).1.remove(&id);
+            self.send(&Frame::Close { id })?;
+        }
+        Ok(())
+    }
+
+    fn on_frame(&self, f: Frame) -> std::result::Result<(), String> {
+        match f {
+            Frame::Reply { reply, handles } => {
+                // No caller waiting (it timed out): dropped.
+                let _ = self.replies.send(Msg::Reply { gen: self.gen, reply, handles });
+            }
+            Frame::Bell { id, count } => {
+                let proxies = lock(&self.shared.proxies);
+                if let Some(fd) = proxies.1.get(&id) {
+                    for _ in 0..count.min(BELLS_AT_ONCE) {
+                        if rustix::net::send(fd, &[1], SendFlags::DONTWAIT).is_err() {
+                            break;
+                        }
+                    }
+                }
+            }
+            Frame::Close { id } => {
+                lock(&self.shared.proxies).1.remove(&id);
+            }
+            Frame::Ping { nonce } => self.send(&Frame::Pong { nonce })?,
+            // `frames` stops at an end before handing frames here.
+            Frame::Ended { .. } => {}
+            Frame::Hello { .. } | Frame::Call(_) | Frame::Pong { .. } => {
+                return Err("the daemon sent a guest's frame".into());
+            }
+        }
+        Ok(())
+    }
+}

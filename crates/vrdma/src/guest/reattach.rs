@@ -1,0 +1,223 @@
+//! Taking a moved context back (`docs/migration.md`, "The guest takes
+//! its context back").
+//!
+//! When the VM moves, QEMU moves its memory (the BAR with every ring and
+//! region the library mapped, at the same offsets) and reconnects its
+//! ports to the destination's daemon; the daemon the context left ends the
+//! port's session with [`EndReason::Moved`] (the destination, reached
+//! under a live context, answers [`EndReason::NoSession`]). The link's
+//! reader thread then, up to the bound (`VRDMA_GUEST_REATTACH_MS`, 30 s):
+//!
+//! 1. keeps the library's ends of the context's doorbell and event signal
+//!    (the application's handles use them) and closes every other proxy
+//!    (completion and rdma_cm channels do not move);
+//! 2. closes the port and opens one again (an emulated guest's socket;
+//!    a virtio port, which QEMU reconnects to the destination, is the
+//!    same device, closed first as it is exclusive) and says Hello, then
+//!    `AdoptContext` with the
+//!    context's number, again and again (the destination may not have
+//!    imported it yet, the port may still reach the old host) until the
+//!    daemon hands the context over, with its segment where it was;
+//! 3. forwards the kept ends under the new proxies' numbers, reopens the
+//!    BAR (the same file in a real guest), and rings the new doorbell once,
+//!    so that the engine there looks at what was posted meanwhile.
+//!
+//! Meanwhile posts and polls go on in the rings (memory); calls that need
+//! the daemon wait. After the bound the link is dead: calls fail, the
+//! event signal hangs up (`IBV_EVENT_DEVICE_FATAL`).
+
+use std::collections::HashMap;
+use std::fs::File;
+use std::io::{Read, Write};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rustix::event::{PollFd, PollFlags, Timespec};
+use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, GUEST_VERSION};
+use vrdma_core::proto::{Reply, Request, PROTOCOL_VERSION};
+
+use super::link::{lock, open_bar, open_port, Bound, Reader, State};
+
+/// How long one adoption waits for the daemon's reply.
+const ADOPT_REPLY_LIMIT: Duration = Duration::from_secs(5);
+/// The first pause between tries, doubled up to [`MOST_PAUSE`].
+const FIRST_PAUSE: Duration = Duration::from_millis(10);
+const MOST_PAUSE: Duration = Duration::from_millis(200);
+
+/// Why one try failed.
+enum Failed {
+    /// Worth another try (no port yet, the context not imported yet).
+    Again(String),
+    /// Not: the daemon handed over something else than the context.
+    Never(String),
+}
+
+/// A port on which the context was adopted, and its new doorbells.
+struct Adopted {
+    port: File,
+    dec: FrameDecoder,
+    bound: Bound,
+}
+
+impl Reader {
+    /// Takes the context back after the session ended for `reason`; on
+    /// success the reader serves the new port.
+    pub(super) fn reattach(&mut self, reason: EndReason) -> Result<(), String> {
+        let Some(bound) = *lock(&self.shared.bound) else {
+            return Err(format!("the port's session ended ({reason:?}) before it had a context"));
+        };
+        tracing::info!(context = bound.context, ?reason, "vrdma: the VM's context moved; taking it back");
+        // What cannot move (channels) closes now: their waiters hear it.
+        lock(&self.shared.proxies).1.retain(|id, _| *id == bound.doorbell || *id == bound.events);
+        // The port is let go and opened again: a new connection for an
+        // emulated guest's socket; for a virtio port (exclusive: it must be
+        // closed first) the same device, which QEMU reconnects on the
+        // destination, with nothing left of the old session's stream in
+        // it. Either way no reply meant for a call of the old session can
+        // be taken for the adoption's.
+        let _ = rustix::net::shutdown(&self.port, rustix::net::Shutdown::Both);
+        match File::open("/dev/null") {
+            Ok(placeholder) => drop(std::mem::replace(&mut self.port, placeholder)),
+            Err(e) => tracing::warn!(error = %e, "vrdma: cannot let the port go (no /dev/null)"),
+        }
+        let start = Instant::now();
+        let end = start + self.shared.limit;
+        let mut pause = FIRST_PAUSE;
+        loop {
+            if self.shared.quit.load(Ordering::Acquire) {
+                return Err("the context was closed".into());
+            }
+            let last = match self.adopt(&bound, end) {
+                Ok(a) => {
+                    self.install(bound, a);
+                    tracing::info!(context = bound.context, after = ?start.elapsed(), "vrdma: context taken back");
+                    return Ok(());
+                }
+                Err(Failed::Never(why)) => return Err(why),
+                Err(Failed::Again(why)) => why,
+            };
+            let now = Instant::now();
+            if now >= end {
+                return Err(format!(
+                    "the VM's context {:#x} moved and was not taken back within {:?} (last try: {last})",
+                    bound.context, self.shared.limit
+                ));
+            }
+            self.nap(pause.min(end - now));
+            pause = (pause * 2).min(MOST_PAUSE);
+        }
+    }
+
+    /// Sleeps `d`, or less if the link is dropped.
+    fn nap(&self, d: Duration) {
+        let ts = Timespec::try_from(d).ok();
+        let mut fds = [PollFd::new(&self.wake, PollFlags::IN)];
+        let _ = rustix::event::poll(&mut fds, ts.as_ref());
+    }
+
+    /// One try: a port, Hello, `AdoptContext`, the reply.
+    fn adopt(&self, bound: &Bound, end: Instant) -> Result<Adopted, Failed> {
+        let mut errors = Vec::new();
+        // Any of the VM's ports will do: the context is named.
+        let mut port = self
+            .shared
+            .cfg
+            .ports
+            .iter()
+            .find_map(|p| open_port(p).map_err(|e| errors.push(format!("{}: {e}", p.display()))).ok())
+            .ok_or_else(|| Failed::Again(format!("no port opens ({})", errors.join(", "))))?;
+        let adopt = Request::AdoptContext { version: PROTOCOL_VERSION, context: bound.context };
+        let mut out = guest::encode(&Frame::Hello { version: GUEST_VERSION });
+        out.extend(guest::encode(&Frame::Call(adopt)));
+        port.write_all(&out).map_err(|e| Failed::Again(format!("port write: {e}")))?;
+        let until = end.min(Instant::now() + ADOPT_REPLY_LIMIT);
+        let mut dec = FrameDecoder::new();
+        let mut buf = vec![0u8; 64 << 10];
+        let (reply, handles) = loop {
+            match dec.next_frame() {
+                Ok(Some(Frame::Reply { reply, handles })) => break (reply, handles),
+                Ok(Some(Frame::Ping { nonce })) => {
+                    port.write_all(&guest::encode(&Frame::Pong { nonce }))
+                        .map_err(|e| Failed::Again(format!("port write: {e}")))?;
+                    continue;
+                }
+                // Nothing else is ours before the reply.
+                Ok(Some(_)) => continue,
+                Ok(None) => {}
+                Err(e) if e.is_fatal() => return Err(Failed::Again(format!("the frame stream broke: {e}"))),
+                Err(_) => continue,
+            }
+            let now = Instant::now();
+            if now >= until || self.shared.quit.load(Ordering::Acquire) {
+                return Err(Failed::Again("no answer to the adoption".into()));
+            }
+            let ts = Timespec::try_from(until - now).ok();
+            let mut fds = [PollFd::new(&port, PollFlags::IN), PollFd::new(&self.wake, PollFlags::IN)];
+            match rustix::event::poll(&mut fds, ts.as_ref()) {
+                Ok(_) | Err(rustix::io::Errno::INTR) => {}
+                Err(e) => return Err(Failed::Again(format!("poll: {e}"))),
+            }
+            if fds[1].revents().contains(PollFlags::IN) {
+                let _ = rustix::io::read(&self.wake, &mut [0u8; 64]);
+            }
+            if !fds[0].revents().intersects(PollFlags::IN | PollFlags::HUP | PollFlags::ERR) {
+                continue;
+            }
+            match port.read(&mut buf) {
+                Ok(0) => return Err(Failed::Again("the port closed".into())),
+                Ok(n) => dec.push(&buf[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(Failed::Again(format!("port read: {e}"))),
+            }
+        };
+        match (&reply, Bound::of(&reply, &handles)) {
+            (Reply::Error { errno, message }, _) => {
+                Err(Failed::Again(format!("adopting: {message} (errno {errno})")))
+            }
+            (_, Some(b)) if b.context == bound.context && b.segment == bound.segment => {
+                Ok(Adopted { port, dec, bound: b })
+            }
+            _ => Err(Failed::Never(format!(
+                "the daemon handed over something else than context {:#x} at {:?}: {reply:?} {handles:?}",
+                bound.context, bound.segment
+            ))),
+        }
+    }
+
+    /// Serves the adopting port from now on: the kept doorbell ends under
+    /// their new numbers, the BAR reopened, the link up again.
+    fn install(&mut self, old: Bound, a: Adopted) {
+        let gen = self.gen + 1;
+        match open_bar(&self.shared.cfg.bar) {
+            Ok(bar) => *lock(&self.shared.bar) = Arc::new(bar),
+            Err(e) => tracing::warn!(error = %e, "vrdma: the BAR did not reopen; keeping the old one"),
+        }
+        {
+            let mut p = lock(&self.shared.proxies);
+            let mut next = HashMap::new();
+            for (id, fd) in std::mem::take(&mut p.1) {
+                if id == old.doorbell {
+                    next.insert(a.bound.doorbell, fd);
+                } else if id == old.events {
+                    next.insert(a.bound.events, fd);
+                }
+            }
+            *p = (gen, next);
+        }
+        *lock(&self.shared.bound) = Some(a.bound);
+        let writer = a.port.try_clone();
+        self.port = a.port;
+        self.dec = a.dec;
+        self.gen = gen;
+        match writer {
+            Ok(w) => *lock(&self.shared.writer) = (gen, Some(w)),
+            // No writer: the first call finds the port broken, and the
+            // reader its end.
+            Err(e) => tracing::warn!(error = %e, "vrdma: cannot write to the new port"),
+        }
+        self.shared.set_state(State::Up { gen });
+        // What was posted while the context moved: the engine looks.
+        let _ = self.shared.send(gen, &Frame::Bell { id: a.bound.doorbell, count: 1 });
+    }
+}

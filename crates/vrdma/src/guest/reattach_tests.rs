@@ -1,0 +1,230 @@
+//! The link taking a moved context back, against a scripted daemon on a
+//! Unix socket (as an emulated guest's port): a call the old port left
+//! unanswered goes again on the new one, once; the context's doorbell and
+//! event signal keep their descriptors and reach the new proxies; a
+//! refused adoption is tried again; and a context never taken back ends
+//! the link after the bound, saying why.
+
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::{Duration, Instant};
+
+use vrdma_core::proto::guest::{encode, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::{Reply, Request, RingSpec, PROTOCOL_VERSION};
+
+use super::link::GuestLink;
+use super::GuestConfig;
+
+const CONTEXT: u32 = 0x0300_0007;
+const SEGMENT: Handle = Handle::Extent { offset: 4096, len: 8192 };
+
+/// The daemon's end of one port connection.
+struct Port {
+    conn: UnixStream,
+    dec: FrameDecoder,
+    /// Bells the guest rang, by proxy.
+    bells: Vec<u32>,
+}
+
+impl Port {
+    fn accept(l: &UnixListener) -> Port {
+        let (conn, _) = l.accept().unwrap();
+        conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Port { conn, dec: FrameDecoder::new(), bells: Vec::new() }
+    }
+
+    fn send(&mut self, f: &Frame) {
+        self.conn.write_all(&encode(f)).unwrap();
+    }
+
+    /// The next frame that is not a bell (recorded).
+    fn next(&mut self) -> Frame {
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.dec.next_frame().unwrap() {
+                Some(Frame::Bell { id, .. }) => self.bells.push(id),
+                Some(f) => return f,
+                None => {
+                    let n = self.conn.read(&mut buf).unwrap();
+                    assert!(n > 0, "the guest closed the port");
+                    self.dec.push(&buf[..n]);
+                }
+            }
+        }
+    }
+
+    fn call(&mut self) -> Request {
+        match self.next() {
+            Frame::Call(r) => r,
+            f => panic!("expected a call, got {f:?}"),
+        }
+    }
+
+    fn reply(&mut self, reply: Reply, handles: Vec<Handle>) {
+        self.send(&Frame::Reply { reply, handles });
+    }
+
+    /// Hello, then `first` (Hello or AdoptContext) answered as Hello with
+    /// doorbell proxies `bells`.
+    fn open_session(&mut self, adopt: bool, bells: (u32, u32)) {
+        assert_eq!(self.next(), Frame::Hello { version: GUEST_VERSION });
+        let want = if adopt {
+            Request::AdoptContext { version: PROTOCOL_VERSION, context: CONTEXT }
+        } else {
+            Request::Hello { version: PROTOCOL_VERSION }
+        };
+        assert_eq!(self.call(), want);
+        self.reply(hello(), vec![SEGMENT, bell(bells.0, false), bell(bells.1, true)]);
+    }
+}
+
+fn hello() -> Reply {
+    let ring = RingSpec { offset: 0, capacity: 4, stride: 64 };
+    Reply::Hello {
+        context: CONTEXT,
+        tenant: 1000,
+        device_name: "vrdma0".into(),
+        segment_len: 8192,
+        async_ring: ring,
+        posted_ring: ring,
+    }
+}
+
+fn bell(id: u32, hangup: bool) -> Handle {
+    Handle::Bell { id, hangup }
+}
+
+fn readable(fd: &OwnedFd, within: Duration) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(fd, PollFlags::IN)];
+    let ts = Timespec::try_from(within).unwrap();
+    matches!(rustix::event::poll(&mut fds, Some(&ts)), Ok(1))
+}
+
+#[test]
+fn a_moved_context_is_taken_back_under_the_same_descriptors_then_lost_after_the_bound() {
+    let dir = std::env::temp_dir().join(format!("vrdma-reattach-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("port");
+    let bar = dir.join("bar");
+    std::fs::write(&bar, vec![0u8; 1 << 16]).unwrap();
+    let listener = UnixListener::bind(&sock).unwrap();
+    let cfg = GuestConfig { ports: vec![sock.clone()], bar };
+    let limit = Duration::from_millis(400);
+
+    let daemon = std::thread::spawn(move || {
+        // The first port: the session, then a call it leaves unanswered.
+        let mut a = Port::accept(&listener);
+        a.open_session(false, (1, 2));
+        assert_eq!(a.call(), Request::DeallocPd { pd: 9 });
+        a.send(&Frame::Ended { reason: EndReason::Moved });
+        // The destination refuses once (not imported yet), then hands
+        // the context over with new proxies 5 and 6.
+        let mut b = Port::accept(&listener);
+        assert_eq!(b.next(), Frame::Hello { version: GUEST_VERSION });
+        assert!(matches!(b.call(), Request::AdoptContext { context: CONTEXT, .. }));
+        b.reply(Reply::Error { errno: libc::ENOENT, message: "not imported here".into() }, Vec::new());
+        let mut c = Port::accept(&listener);
+        c.open_session(true, (5, 6));
+        // The call again, once, on the new port; answered there.
+        assert_eq!(c.call(), Request::DeallocPd { pd: 9 });
+        c.reply(Reply::Done, Vec::new());
+        // The library's doorbell reaches proxy 5; proxy 6 rings its
+        // event signal.
+        assert_eq!(c.call(), Request::DeallocPd { pd: 10 });
+        c.reply(Reply::Done, Vec::new());
+        c.send(&Frame::Bell { id: 6, count: 1 });
+        // The guest rang the doorbell meanwhile (and the link once after
+        // the adoption, for what was posted while it moved).
+        let end = Instant::now() + Duration::from_secs(10);
+        while c.bells.iter().filter(|&&b| b == 5).count() < 2 {
+            assert!(Instant::now() < end, "bells at the new port: {:?}", c.bells);
+            let _ = c.next_with_timeout();
+        }
+        assert!(!c.bells.contains(&1), "a bell under the old number: {:?}", c.bells);
+        // Moved again, and this time nobody takes it back.
+        c.send(&Frame::Ended { reason: EndReason::Moved });
+        listener.set_nonblocking(true).unwrap();
+        let end = Instant::now() + Duration::from_secs(2);
+        let mut tries = 0;
+        while Instant::now() < end {
+            match listener.accept() {
+                Ok((conn, _)) => {
+                    // The link may have given up meanwhile: what fails
+                    // here is not the test's business.
+                    tries += 1;
+                    let _ = conn.set_nonblocking(false);
+                    let mut conn = conn;
+                    let no = Frame::Reply {
+                        reply: Reply::Error { errno: libc::ENOENT, message: "no such context".into() },
+                        handles: Vec::new(),
+                    };
+                    let _ = conn.write_all(&encode(&no));
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        }
+        tries
+    });
+
+    let link = GuestLink::open_with(&cfg, limit).unwrap();
+    let (reply, mut carried) = link.call(&Request::Hello { version: PROTOCOL_VERSION }).unwrap();
+    assert_eq!(reply, hello());
+    assert_eq!(carried.len(), 3);
+    let (events, _) = carried.pop().unwrap();
+    let (doorbell, _) = carried.pop().unwrap();
+    // Sent on the first port, answered on the third.
+    assert_eq!(link.call(&Request::DeallocPd { pd: 9 }).unwrap().0, Reply::Done);
+    rustix::net::send(&doorbell, &[1], rustix::net::SendFlags::DONTWAIT).unwrap();
+    assert_eq!(link.call(&Request::DeallocPd { pd: 10 }).unwrap().0, Reply::Done);
+    assert!(readable(&events, Duration::from_secs(10)), "the event signal did not ring");
+    let mut b = [0u8; 8];
+    assert_eq!(rustix::net::recv(&events, &mut b, rustix::net::RecvFlags::DONTWAIT).unwrap().0, 1);
+    // After the second move: calls wait the bound, then fail saying why,
+    // and both the link and the event signal hang up.
+    let start = Instant::now();
+    let e = loop {
+        match link.call(&Request::DeallocPd { pd: 11 }) {
+            Err(e) => break e,
+            // Answered before the second end reached the link: again.
+            Ok(_) => assert!(start.elapsed() < Duration::from_secs(10)),
+        }
+    };
+    assert!(start.elapsed() >= limit - Duration::from_millis(100), "failed after {:?}", start.elapsed());
+    assert!(e.to_string().contains("not taken back within"), "{e}");
+    assert!(readable(link.gone_fd(), Duration::from_secs(5)), "the link did not hang up");
+    assert!(readable(&events, Duration::from_secs(5)));
+    assert_eq!(rustix::net::recv(&events, &mut b, rustix::net::RecvFlags::DONTWAIT).unwrap().0, 0, "hung up");
+    drop(link);
+    let tries = daemon.join().unwrap();
+    assert!(tries >= 2, "the adoption was tried {tries} times");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
+impl Port {
+    /// One frame within 100 ms, if any (bells recorded).
+    fn next_with_timeout(&mut self) -> Option<Frame> {
+        self.conn.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        let mut buf = [0u8; 4096];
+        let f = match self.dec.next_frame().unwrap() {
+            Some(f) => Some(f),
+            None => match self.conn.read(&mut buf) {
+                Ok(n) if n > 0 => {
+                    self.dec.push(&buf[..n]);
+                    self.dec.next_frame().unwrap()
+                }
+                _ => None,
+            },
+        };
+        self.conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        match f {
+            Some(Frame::Bell { id, .. }) => {
+                self.bells.push(id);
+                None
+            }
+            f => f,
+        }
+    }
+}
