@@ -904,7 +904,7 @@ impl Session {
             e.hca.create_cq(c, cqe).map(|(cq, depth)| (cq, depth, e.direct.enabled))
         })??;
         let made = (|| {
-            let (fd, seg) = self.new_segment("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?;
+            let (fd, seg) = self.new_ring("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?;
             let ring = RingView::in_segment(seg.clone(), 0, depth, CQE_SIZE)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
             Ok::<_, Answer>((seg, ring, fd))
@@ -958,7 +958,7 @@ impl Session {
         let stride = recv_stride(granted.max_sge);
         let made = (|| {
             let (fd, seg) =
-                self.new_segment("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?;
+                self.new_ring("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?;
             let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
             Ok::<_, Answer>((seg, ring, fd))
@@ -1106,7 +1106,7 @@ impl Session {
         let (sq, rq, inbox, total) = qp_layout(cap, init.srq.is_none(), inbox_depth);
         let qpn = created.qpn;
         let made = (|| {
-            let (fd, seg) = self.new_segment("vrdma-qp", total, self.budget())?;
+            let (fd, seg) = self.new_ring("vrdma-qp", total, self.budget())?;
             let view = |r: RingSpec| {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
@@ -1207,9 +1207,8 @@ impl Session {
         }
     }
 
-    /// Memory for a ring: a block of the context's ring pool (or, for a
-    /// ring too large for it, a new memfd) for a host tenant, an extent of
-    /// the VM's region for a guest.
+    /// Memory for a ring: a new memfd for a host tenant, an extent of the
+    /// VM's region for a guest.
     fn new_segment(
         &self,
         name: &str,
@@ -1222,17 +1221,32 @@ impl Session {
                 Ok((Carry::Extent { offset, len: mem.len() as u64 }, Arc::new(mem)))
             }
             None => {
-                if let Some(pool) = &self.pool {
-                    let charge = || self.admitted.as_ref().and_then(|a| a.charge_kept());
-                    if let Some(block) = pool.alloc(len, budget, charge)? {
-                        let (chunk, len) = (block.chunk().id(), block.chunk().len() as u64);
-                        return Ok((Carry::Pool { chunk, len }, Arc::new(RingMemory::pooled(block))));
-                    }
-                }
                 let (fd, map) = Segment::create_in(name, len, budget)?.into_parts();
                 Ok((Carry::Fd(fd), Arc::new(RingMemory::host(map))))
             }
         }
+    }
+
+    /// Memory for a CQ's, QP's or SRQ's rings: for a host tenant a block
+    /// of its context's ring pool (`ring_pool`), or a memfd of its own
+    /// where the pool has none (a ring larger than a chunk, a chunk the
+    /// tenant's budgets refuse); as [`Self::new_segment`] for a guest.
+    /// (Completion channels and the context's segment keep memfds of
+    /// their own: one each per context, or a few.)
+    fn new_ring(
+        &self,
+        name: &str,
+        len: usize,
+        budget: Option<&Arc<vrdma_shm::MappingBudget>>,
+    ) -> Result<(Carry, Arc<RingMemory>), Answer> {
+        if let (None, Some(pool)) = (&self.guest, &self.pool) {
+            let charge = || self.admitted.as_ref().and_then(|a| a.charge_kept());
+            if let Some(block) = pool.alloc(len, budget, charge)? {
+                let (chunk, len) = (block.chunk().id(), block.chunk().len() as u64);
+                return Ok((Carry::Pool { chunk, len }, Arc::new(RingMemory::pooled(block))));
+            }
+        }
+        self.new_segment(name, len, budget)
     }
 
     /// RegMr from a guest: `fd_offset` names bytes of the VM's region,
