@@ -8,10 +8,10 @@
 //! the connection is marked broken: a later reply could otherwise be taken
 //! for the answer to a different request.
 
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::Path;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -77,10 +77,9 @@ impl Placed {
         match self {
             Placed::Fd(fd, at) => Ok(Arc::new(Segment::map_trusted_at(fd, at, len)?)),
             Placed::Mapped(seg) if seg.len() >= len => Ok(seg),
-            Placed::Mapped(seg) => Err(Error::protocol(format!(
-                "{what} of {len} bytes in a pool chunk of {} bytes",
-                seg.len()
-            ))),
+            Placed::Mapped(seg) => {
+                Err(Error::protocol(format!("{what} of {len} bytes in a pool chunk of {} bytes", seg.len())))
+            }
         }
     }
 }
@@ -303,7 +302,9 @@ impl Control {
                 let placed = self.place(&rings, received.fds)?;
                 Ok(Answer { reply: *reply, fds: Vec::new(), offsets: Vec::new(), rings: Some(placed) })
             }
-            reply => Ok(Answer { reply, offsets: vec![0; received.fds.len()], fds: received.fds, rings: None }),
+            reply => {
+                Ok(Answer { reply, offsets: vec![0; received.fds.len()], fds: received.fds, rings: None })
+            }
         }
     }
 
@@ -326,7 +327,11 @@ impl Control {
                 }
                 proto::PoolRing::Chunk { chunk, len, fd: false } => match chunks.get(&chunk) {
                     Some(seg) if seg.len() as u64 == len => Placed::Mapped(seg.clone()),
-                    _ => return Err(Error::protocol(format!("pool chunk {chunk} of {len} bytes is not mapped"))),
+                    _ => {
+                        return Err(Error::protocol(format!(
+                            "pool chunk {chunk} of {len} bytes is not mapped"
+                        )))
+                    }
                 },
             });
         }

@@ -298,7 +298,10 @@ impl Port {
                 // Made for host sessions only (a guest's rings are extents).
                 Carry::Pool { .. } => {
                     return (
-                        Reply::Error { errno: libc::EPROTO, message: "a pool ring in a guest's reply".into() },
+                        Reply::Error {
+                            errno: libc::EPROTO,
+                            message: "a pool ring in a guest's reply".into(),
+                        },
                         Vec::new(),
                     )
                 }

@@ -61,7 +61,6 @@ impl RingMemory {
         RingMemory { map: Memory::Pooled(block), extent: None }
     }
 
-
     /// An extent of `len` bytes of `vm`'s region, mapped and zeroed:
     /// its offset and memory.
     pub fn in_vm(
@@ -123,7 +122,10 @@ impl RingMemory {
     /// A descriptor of the segment the tenant maps, for the direct path
     /// to keep: the pool chunk's, or `own` (the ring's memfd) cloned;
     /// `None` for a guest's extent.
-    pub fn segment_fd(&self, own: Option<&std::os::fd::OwnedFd>) -> Option<std::io::Result<std::os::fd::OwnedFd>> {
+    pub fn segment_fd(
+        &self,
+        own: Option<&std::os::fd::OwnedFd>,
+    ) -> Option<std::io::Result<std::os::fd::OwnedFd>> {
         match (&self.map, own) {
             (Memory::Pooled(b), _) => Some(b.chunk().fd().try_clone_to_owned()),
             (Memory::Mapped(_), Some(f)) => Some(f.try_clone()),

@@ -957,8 +957,7 @@ impl Session {
             self.engine(move |e, c| e.hca.create_srq(c, pd, attr).map(|(s, g)| (s, g, e.direct.enabled)))??;
         let stride = recv_stride(granted.max_sge);
         let made = (|| {
-            let (fd, seg) =
-                self.new_ring("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?;
+            let (fd, seg) = self.new_ring("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?;
             let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
             Ok::<_, Answer>((seg, ring, fd))
@@ -994,10 +993,7 @@ impl Session {
             let (offset, len) = (*offset, *len);
             self.place(Kind::Srq, srq, Place::Ring(offset, len));
         }
-        Ok(Answer {
-            reply: Reply::Srq { srq, attr: granted, segment_len, ring: spec },
-            fds: vec![fd],
-        })
+        Ok(Answer { reply: Reply::Srq { srq, attr: granted, segment_len, ring: spec }, fds: vec![fd] })
     }
 
     /// `rdma_create_qp` in one call: [`Self::create_qp`], then the QP
