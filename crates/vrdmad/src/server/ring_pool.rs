@@ -184,22 +184,27 @@ impl RingPool {
         charge: impl FnOnce() -> Option<KeptDescriptor>,
     ) -> std::io::Result<Option<Block>> {
         let Some(class) = self.class_of(len) else { return Ok(None) };
+        let free_from = |st: &PoolState| (class..self.classes).find(|&c| !st.free[c].is_empty());
         let mut st = self.lock();
-        let found = (class..self.classes).find(|&c| !st.free[c].is_empty());
-        let mut from = match found {
+        let mut from = match free_from(&st) {
             Some(c) => c,
             None => {
                 if st.chunks.len() >= MAX_CHUNKS {
                     return Ok(None);
                 }
+                // Made unlocked: a ring given back meanwhile (on the
+                // engine's thread) does not wait for the system calls.
+                // Only this session allocates, so nothing else adds one.
+                drop(st);
                 let Some(charge) = charge() else { return Ok(None) };
                 let (fd, map) = Segment::create_in("vrdma-ring-pool", CHUNK_LEN, budget)?.into_parts();
+                st = self.lock();
                 let id = st.chunks.len() as u32;
                 st.chunks.push(Arc::new(Chunk { id, fd, map, _charge: Some(charge) }));
                 st.sent.push(false);
                 let top = self.classes - 1;
                 st.free[top].insert((id, 0));
-                top
+                free_from(&st).expect("a new chunk is free")
             }
         };
         let (chunk, offset) = st.free[from].pop_first().expect("a class found non-empty");
