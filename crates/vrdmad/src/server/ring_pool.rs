@@ -320,6 +320,19 @@ mod tests {
     }
 
     #[test]
+    fn a_ring_view_of_a_block_cannot_reach_past_it() {
+        let pool = RingPool::new();
+        let block = Arc::new(alloc(&pool, 4096));
+        let _neighbour = alloc(&pool, 4096);
+        // A ring that fits the block is made; one placed so that it ends
+        // past the block, in the neighbour's, is refused.
+        assert!(vrdma_shm::RingView::in_segment(block.clone(), 0, 32, 64).is_ok());
+        let fits = (4096 - vrdma_shm::ring_bytes(32, 64)) / 64 * 64;
+        assert!(vrdma_shm::RingView::in_segment(block.clone(), fits + 64, 32, 64).is_err());
+        assert!(vrdma_shm::RingView::in_segment(block, 4096, 1, 64).is_err());
+    }
+
+    #[test]
     fn the_library_gets_a_chunks_descriptor_once() {
         let pool = RingPool::new();
         let a = alloc(&pool, 4096);
