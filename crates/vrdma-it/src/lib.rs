@@ -652,10 +652,24 @@ pub enum Answer {
 }
 
 impl Answer {
-    /// The reply, failing if the connection closed.
+    /// The reply, failing if the connection closed; a host context's
+    /// `Reply::Pooled` is the reply it wraps (see [`Answer::pooled`]).
     pub fn reply(self) -> Result<vrdma_core::proto::Reply> {
         match self {
+            Answer::Reply(vrdma_core::proto::Reply::Pooled { reply, .. }, _) => Ok(*reply),
             Answer::Reply(r, _) => Ok(r),
+            Answer::Closed => bail!("the daemon closed the connection"),
+        }
+    }
+
+    /// A `Reply::Pooled`'s rings, the reply it wraps and its descriptors.
+    #[allow(clippy::type_complexity)]
+    pub fn pooled(
+        self,
+    ) -> Result<(Vec<vrdma_core::proto::PoolRing>, vrdma_core::proto::Reply, Vec<std::os::fd::OwnedFd>)> {
+        match self {
+            Answer::Reply(vrdma_core::proto::Reply::Pooled { rings, reply }, fds) => Ok((rings, *reply, fds)),
+            Answer::Reply(r, _) => bail!("expected a pooled reply, got {r:?}"),
             Answer::Closed => bail!("the daemon closed the connection"),
         }
     }

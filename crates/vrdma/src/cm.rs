@@ -609,7 +609,7 @@ impl CmId {
             return Err(control::unexpected(&req, &answer.reply));
         };
         let qpn = created.qpn;
-        let mut placed = match answer.take_placed(2, "CqQp") {
+        let mut placed = match answer.take_rings(2, "CqQp") {
             Ok(p) => p.into_iter(),
             Err(e) => {
                 // Nothing of it is ours to use: the daemon's objects go.

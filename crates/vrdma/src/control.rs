@@ -8,15 +8,16 @@
 //! the connection is marked broken: a later reply could otherwise be taken
 //! for the answer to a different request.
 
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use vrdma_core::proto::{self, Reply, Request};
-use vrdma_shm::Doorbell;
+use vrdma_shm::{Doorbell, Segment};
 
 use crate::error::{Error, Result};
 
@@ -36,6 +37,9 @@ pub(crate) struct Control {
     /// In guest mode: the port the calls go through (`State::sock` is
     /// then the link's hang-up descriptor).
     guest: Option<crate::guest::GuestLink>,
+    /// The chunks of this context's ring pool mapped so far, by number
+    /// (`Reply::Pooled`): each mapped once, for the context's life.
+    chunks: Mutex<HashMap<u32, Arc<Segment>>>,
 }
 
 impl std::fmt::Debug for Control {
@@ -53,9 +57,45 @@ pub(crate) struct Answer {
     /// daemon (a memfd each), the extent's offset in the BAR in guest
     /// mode.
     pub offsets: Vec<u64>,
+    /// For a reply the daemon sent as `Reply::Pooled`: per ring, its
+    /// segment (the descriptors are then all taken).
+    pub rings: Option<Vec<Placed>>,
+}
+
+/// Where a ring's segment comes from: a descriptor to map (and the offset
+/// its memory starts at), or a ring pool chunk this context has mapped.
+#[derive(Debug)]
+pub(crate) enum Placed {
+    Fd(OwnedFd, u64),
+    Mapped(Arc<Segment>),
+}
+
+impl Placed {
+    /// The segment, `len` bytes, mapped if it is not yet.
+    pub fn segment(self, len: u64, what: &str) -> Result<Arc<Segment>> {
+        let len = to_usize(len, what)?;
+        match self {
+            Placed::Fd(fd, at) => Ok(Arc::new(Segment::map_trusted_at(fd, at, len)?)),
+            Placed::Mapped(seg) if seg.len() >= len => Ok(seg),
+            Placed::Mapped(seg) => {
+                Err(Error::protocol(format!("{what} of {len} bytes in a pool chunk of {} bytes", seg.len())))
+            }
+        }
+    }
 }
 
 impl Answer {
+    /// The segments of the `n` rings a reply of `what` places.
+    pub fn take_rings(self, n: usize, what: &str) -> Result<Vec<Placed>> {
+        match self.rings {
+            Some(rings) if rings.len() == n => Ok(rings),
+            Some(rings) => {
+                Err(Error::protocol(format!("{what} reply placed {} rings, expected {n}", rings.len())))
+            }
+            None => Ok(self.take_placed(n, what)?.into_iter().map(|(fd, at)| Placed::Fd(fd, at)).collect()),
+        }
+    }
+
     /// The descriptors with their offsets, which must be exactly `n`.
     pub fn take_placed(self, n: usize, what: &str) -> Result<Vec<(OwnedFd, u64)>> {
         let offsets = self.offsets.clone();
@@ -97,6 +137,7 @@ impl Control {
             state: Mutex::new(State { sock, buf: vec![0; proto::MAX_MESSAGE], broken: false }),
             raw,
             guest: None,
+            chunks: Mutex::default(),
         }
     }
 
@@ -108,6 +149,7 @@ impl Control {
             state: Mutex::new(State { sock, buf: Vec::new(), broken: false }),
             raw,
             guest: Some(link),
+            chunks: Mutex::default(),
         })
     }
 
@@ -212,7 +254,7 @@ impl Control {
                 Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
                 reply => {
                     let (fds, offsets) = placed.into_iter().unzip();
-                    Ok(Answer { reply, fds, offsets })
+                    Ok(Answer { reply, fds, offsets, rings: None })
                 }
             };
         }
@@ -256,8 +298,47 @@ impl Control {
         drop(st);
         match reply {
             Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
-            reply => Ok(Answer { reply, offsets: vec![0; received.fds.len()], fds: received.fds }),
+            Reply::Pooled { rings, reply } => {
+                let placed = self.place(&rings, received.fds)?;
+                Ok(Answer { reply: *reply, fds: Vec::new(), offsets: Vec::new(), rings: Some(placed) })
+            }
+            reply => {
+                Ok(Answer { reply, offsets: vec![0; received.fds.len()], fds: received.fds, rings: None })
+            }
         }
+    }
+
+    /// The rings of a `Reply::Pooled`, with the descriptors that came with
+    /// it: each ring's own, or its chunk's (mapped and kept here the
+    /// first time), or the chunk mapped before.
+    fn place(&self, rings: &[proto::PoolRing], fds: Vec<OwnedFd>) -> Result<Vec<Placed>> {
+        let mut fds = fds.into_iter();
+        let mut chunks = self.chunks.lock().unwrap_or_else(|p| p.into_inner());
+        let mut placed = Vec::with_capacity(rings.len());
+        for r in rings {
+            let missing = || Error::protocol("a pooled reply lacks a descriptor");
+            placed.push(match *r {
+                proto::PoolRing::Own => Placed::Fd(fds.next().ok_or_else(missing)?, 0),
+                proto::PoolRing::Chunk { chunk, len, fd: true } => {
+                    let fd = fds.next().ok_or_else(missing)?;
+                    let seg = Arc::new(Segment::map_trusted(fd, to_usize(len, "pool chunk length")?)?);
+                    chunks.insert(chunk, seg.clone());
+                    Placed::Mapped(seg)
+                }
+                proto::PoolRing::Chunk { chunk, len, fd: false } => match chunks.get(&chunk) {
+                    Some(seg) if seg.len() as u64 == len => Placed::Mapped(seg.clone()),
+                    _ => {
+                        return Err(Error::protocol(format!(
+                            "pool chunk {chunk} of {len} bytes is not mapped"
+                        )))
+                    }
+                },
+            });
+        }
+        if fds.next().is_some() {
+            return Err(Error::protocol("a pooled reply with more descriptors than its rings take"));
+        }
+        Ok(placed)
     }
 
     /// [`call`](Self::call) for requests answered by `Reply::Done`.

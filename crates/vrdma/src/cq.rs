@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use vrdma_core::proto::{self, Reply, Request};
 use vrdma_core::ring::{Cqe, CQE_SIZE};
 use vrdma_core::verbs::{WcOpcode, WcStatus};
-use vrdma_shm::{RingView, Segment};
+use vrdma_shm::RingView;
 
 use crate::channel::CompletionChannel;
 use crate::context::Context;
@@ -447,7 +447,7 @@ impl CompletionQueue {
             return Err(control::unexpected(&req, &answer.reply));
         };
         let placed = answer
-            .take_placed(1, "Cq")
+            .take_rings(1, "Cq")
             .and_then(|mut p| p.pop().ok_or_else(|| Error::protocol("Cq reply lacks its descriptor")));
         CompletionQueue::from_reply(ctx, channel, (cq, depth, segment_len, ring), placed)
     }
@@ -459,16 +459,11 @@ impl CompletionQueue {
         ctx: &Context,
         channel: Option<&CompletionChannel>,
         (cq, depth, segment_len, ring): (u32, u32, u64, vrdma_core::proto::RingSpec),
-        placed: Result<(std::os::fd::OwnedFd, u64)>,
+        placed: Result<control::Placed>,
     ) -> Result<CompletionQueue> {
         // From here on a failure must still destroy the daemon's CQ.
         let setup = (|| -> Result<RingView> {
-            let (fd, at) = placed?;
-            let seg = Arc::new(Segment::map_trusted_at(
-                fd,
-                at,
-                control::to_usize(segment_len, "CQ segment length")?,
-            )?);
+            let seg = placed?.segment(segment_len, "CQ segment length")?;
             if ring.stride as usize != CQE_SIZE {
                 return Err(Error::protocol(format!(
                     "CQ slots of {} bytes, expected {CQE_SIZE}",

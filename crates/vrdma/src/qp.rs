@@ -325,7 +325,7 @@ impl QueuePair {
             return Err(control::unexpected(&req, &answer.reply));
         };
         let placed = answer
-            .take_placed(1, "Qp")
+            .take_rings(1, "Qp")
             .and_then(|mut p| p.pop().ok_or_else(|| Error::protocol("Qp reply lacks its descriptor")));
         QueuePair::from_reply(pd, init, attr, QpMade { created, segment_len, sq, rq, inbox }, placed)
     }
@@ -337,19 +337,14 @@ impl QueuePair {
         init: &QpInit<'_>,
         attr: QpInitAttr,
         made: QpMade,
-        placed: Result<(std::os::fd::OwnedFd, u64)>,
+        placed: Result<control::Placed>,
     ) -> Result<QueuePair> {
         let ctx = pd.context();
         let QpMade { created, segment_len, sq, rq, inbox } = made;
         let qpn = created.qpn;
         type Rings = (Arc<Segment>, RingView, Option<RingView>, Option<RingView>);
         let rings = (|| -> Result<Rings> {
-            let (fd, at) = placed?;
-            let seg = Arc::new(Segment::map_trusted_at(
-                fd,
-                at,
-                control::to_usize(segment_len, "QP segment length")?,
-            )?);
+            let seg = placed?.segment(segment_len, "QP segment length")?;
             let sq = ring_in(&seg, sq, "send ring offset")?;
             if sq.stride() < SEND_HEADER {
                 return Err(Error::protocol(format!("send slots of {} bytes", sq.stride())));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use vrdma_core::proto::{Reply, Request};
 use vrdma_core::ring::{RecvWr, RECV_HEADER};
 use vrdma_core::verbs::SrqAttr;
-use vrdma_shm::{RingView, Segment};
+use vrdma_shm::RingView;
 
 use crate::context::Context;
 use crate::control;
@@ -46,15 +46,11 @@ impl SharedReceiveQueue {
             return Err(control::unexpected(&req, &answer.reply));
         };
         let view = (|| -> Result<RingView> {
-            let (fd, at) = answer
-                .take_placed(1, "Srq")?
+            let seg = answer
+                .take_rings(1, "Srq")?
                 .pop()
-                .ok_or_else(|| Error::protocol("Srq reply lacks its descriptor"))?;
-            let seg = Arc::new(Segment::map_trusted_at(
-                fd,
-                at,
-                control::to_usize(segment_len, "SRQ segment length")?,
-            )?);
+                .ok_or_else(|| Error::protocol("Srq reply lacks its descriptor"))?
+                .segment(segment_len, "SRQ segment length")?;
             let view = RingView::in_segment(
                 seg,
                 control::to_usize(ring.offset, "SRQ ring offset")?,

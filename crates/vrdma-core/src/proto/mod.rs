@@ -35,7 +35,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `docs/sockets.md`; `CmRequest::CreateQpWithCq`, answered
 /// `Reply::CqQp`; an event channel's wake-up may carry its event,
 /// [`CARRIED_CM_EVENT`]; `Request::AdoptContext`, a guest taking its
-/// context back after its VM moved.)
+/// context back after its VM moved; `Reply::Pooled`, a host context's
+/// rings placed in its ring pool.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -328,6 +329,31 @@ pub enum Reply {
         rq: Option<RingSpec>,
         inbox: Option<RingSpec>,
     },
+    /// A host context's reply that places rings in its ring pool
+    /// (`Reply::Cq`, `Srq`, `Qp` or `CqQp` inside, never another
+    /// `Pooled`): per ring of `reply`, in its order, where it lies. A
+    /// pooled ring's `segment_len` is its chunk's length and its
+    /// `RingSpec` offsets count from the chunk's start. The descriptors
+    /// are, in the rings' order, each [`PoolRing::Own`] ring's segment and
+    /// each chunk's memfd where `fd` says it comes (the first ring in a
+    /// chunk the library has not mapped yet).
+    Pooled {
+        rings: Vec<PoolRing>,
+        reply: Box<Reply>,
+    },
+}
+
+/// Where one ring of a [`Reply::Pooled`] lies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PoolRing {
+    /// In a segment of its own, whose descriptor comes with the reply (a
+    /// ring larger than a chunk, or one the tenant's budgets held no
+    /// chunk for).
+    Own,
+    /// In chunk `chunk` of the context's pool, `len` bytes long; its
+    /// memfd comes with the reply when `fd`, and the library keeps it
+    /// mapped for the context's life; otherwise the library has it.
+    Chunk { chunk: u32, len: u64, fd: bool },
 }
 
 /// A direct-path receive grant as the library receives it (see
@@ -619,6 +645,22 @@ mod tests {
         let a = Reply::Sock(SockReply::Outcome(crate::sockets::Outcome::Carried));
         assert_eq!(encode_reply(&a)[0], 25);
         assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
+    }
+
+    #[test]
+    fn a_pooled_reply_is_appended_after_cq_qp_and_round_trips() {
+        let ring = RingSpec { offset: 8192, capacity: 64, stride: 64 };
+        let a = Reply::Pooled {
+            rings: vec![PoolRing::Chunk { chunk: 3, len: 4 << 20, fd: true }, PoolRing::Own],
+            reply: Box::new(Reply::Cq { cq: 7, depth: 64, segment_len: 4 << 20, ring }),
+        };
+        let bytes = encode_reply(&a);
+        assert_eq!(bytes[0], 27, "after CqQp's 26");
+        assert_eq!(bytes[2], 1, "PoolRing::Chunk is the second kind");
+        assert_eq!(decode_reply(&bytes).unwrap(), a);
+        for n in 0..bytes.len() {
+            assert!(decode_reply(&bytes[..n]).is_err());
+        }
     }
 
     #[test]

@@ -101,11 +101,13 @@ fn descriptors_the_direct_path_keeps_are_counted_and_given_back() -> Result<()> 
     let (a, b) = pair(&d, 1 << 16)?;
     exchange(&a, &b)?;
     assert_eq!(carried(&a), 2, "room enough: carried");
-    // Two regions, two QP segments, one window.
-    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 5);
+    // Two regions, two QP segments (each its context's ring pool chunk,
+    // kept for the grant), one window; and the daemon's own descriptor
+    // of each context's pool chunk.
+    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 7);
     // A deregistered region gives its descriptor back at once.
     drop(b.mr);
-    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 4);
+    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 6);
     drop(a);
     drop((b.qp, b.cq, b.pd, b.ctx));
     wait_channels_left(&keeper, share - PER_CONTEXT)

@@ -165,6 +165,14 @@ pub struct KeptDescriptor {
     count: Arc<AtomicUsize>,
 }
 
+#[cfg(test)]
+impl KeptDescriptor {
+    /// A charge counted nowhere, for tests of what holds one.
+    pub fn for_test() -> KeptDescriptor {
+        KeptDescriptor { count: Arc::new(AtomicUsize::new(1)) }
+    }
+}
+
 impl Drop for KeptDescriptor {
     fn drop(&mut self) {
         self.count.fetch_sub(1, Ordering::SeqCst);

@@ -308,6 +308,16 @@ impl Port {
         for c in fds {
             match c {
                 Carry::Extent { offset, len } => handles.push(Handle::Extent { offset, len }),
+                // Made for host sessions only (a guest's rings are extents).
+                Carry::Pool { .. } => {
+                    return (
+                        Reply::Error {
+                            errno: libc::EPROTO,
+                            message: "a pool ring in a guest's reply".into(),
+                        },
+                        Vec::new(),
+                    )
+                }
                 Carry::Fd(fd) => {
                     let Some(l) = self.live.as_mut() else {
                         return (

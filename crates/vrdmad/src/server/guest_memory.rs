@@ -16,17 +16,49 @@ use vrdma_shm::{Mapping, MappingBudget};
 
 use crate::vm::Vm;
 
-/// Memory a ring of a session lives in: a memfd's mapping (host) or an
-/// extent of the VM's region (guest), freed with it.
+/// Memory a ring of a session lives in: a memfd's mapping or a block of
+/// its context's ring pool (host), or an extent of the VM's region
+/// (guest), freed with it.
 pub(crate) struct RingMemory {
-    map: Mapping,
+    map: Memory,
     /// The VM's extent this maps, given back on drop.
     extent: Option<(Arc<Vm>, u64)>,
 }
 
+enum Memory {
+    Mapped(Mapping),
+    Pooled(super::ring_pool::Block),
+}
+
+impl Memory {
+    fn as_ptr(&self) -> *mut u8 {
+        match self {
+            Memory::Mapped(m) => m.as_ptr(),
+            Memory::Pooled(b) => b.as_ptr(),
+        }
+    }
+    fn len(&self) -> usize {
+        match self {
+            Memory::Mapped(m) => m.len(),
+            Memory::Pooled(b) => b.len(),
+        }
+    }
+}
+
+impl From<Mapping> for Memory {
+    fn from(m: Mapping) -> Memory {
+        Memory::Mapped(m)
+    }
+}
+
 impl RingMemory {
     pub fn host(map: Mapping) -> RingMemory {
-        RingMemory { map, extent: None }
+        RingMemory { map: map.into(), extent: None }
+    }
+
+    /// A block of a host context's ring pool.
+    pub fn pooled(block: super::ring_pool::Block) -> RingMemory {
+        RingMemory { map: Memory::Pooled(block), extent: None }
     }
 
     /// An extent of `len` bytes of `vm`'s region, mapped and zeroed:
@@ -59,7 +91,7 @@ impl RingMemory {
         // the guest may write it meanwhile, which a byte fill tolerates
         // (it forms no reference).
         unsafe { std::ptr::write_bytes(map.as_ptr(), 0, map.len()) };
-        Ok((offset, RingMemory { map, extent: Some((vm.clone(), offset)) }))
+        Ok((offset, RingMemory { map: map.into(), extent: Some((vm.clone(), offset)) }))
     }
 
     /// The extent `[offset, offset + len)` of `vm`'s region, which the
@@ -70,16 +102,40 @@ impl RingMemory {
             .region
             .try_clone()
             .and_then(|fd| Mapping::map_untrusted_in(fd, offset, len, None).map_err(Into::into))?;
-        Ok(RingMemory { map, extent: Some((vm.clone(), offset)) })
+        Ok(RingMemory { map: map.into(), extent: Some((vm.clone(), offset)) })
     }
 
     pub fn len(&self) -> usize {
         self.map.len()
     }
+
+    /// Where this ring's memory starts in the segment the tenant maps,
+    /// and that segment's length: a pool block's offset in its chunk and
+    /// the chunk's length, or 0 and its own length.
+    pub fn in_segment(&self) -> (u64, u64) {
+        match &self.map {
+            Memory::Pooled(b) => (b.offset(), b.chunk().len() as u64),
+            Memory::Mapped(m) => (0, m.len() as u64),
+        }
+    }
+
+    /// A descriptor of the segment the tenant maps, for the direct path
+    /// to keep: the pool chunk's, or `own` (the ring's memfd) cloned;
+    /// `None` for a guest's extent.
+    pub fn segment_fd(
+        &self,
+        own: Option<&std::os::fd::OwnedFd>,
+    ) -> Option<std::io::Result<std::os::fd::OwnedFd>> {
+        match (&self.map, own) {
+            (Memory::Pooled(b), _) => Some(b.chunk().fd().try_clone_to_owned()),
+            (Memory::Mapped(_), Some(f)) => Some(f.try_clone()),
+            (Memory::Mapped(_), None) => None,
+        }
+    }
 }
 
-// SAFETY: delegates to the `Mapping`, which is a live mapping of `len()`
-// bytes for as long as `self` holds it.
+// SAFETY: delegates to the `Mapping` or pool block, a live mapping of
+// `len()` bytes for as long as `self` holds it.
 unsafe impl Backing for RingMemory {
     fn as_ptr(&self) -> *mut u8 {
         self.map.as_ptr()

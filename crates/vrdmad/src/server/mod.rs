@@ -8,6 +8,7 @@ pub(crate) mod guest;
 mod guest_memory;
 mod migrate;
 mod migrate_vm;
+mod ring_pool;
 mod session;
 mod tenancy;
 

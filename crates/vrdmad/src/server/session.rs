@@ -25,6 +25,7 @@ use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
 use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
 
 use super::guest_memory::{GuestMemory, RingMemory};
+use super::ring_pool::RingPool;
 use super::Shared;
 use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
 use crate::vm::{Kind, Place};
@@ -41,6 +42,10 @@ pub(super) enum Carry {
     /// Guest sessions: bytes of the VM's region, where a host tenant would
     /// get a memfd.
     Extent { offset: u64, len: u64 },
+    /// Host sessions: a ring in chunk `chunk` of the context's ring pool
+    /// (`ring_pool`), `len` bytes long; [`Session::pooled`] makes the
+    /// reply say so, with the chunk's memfd the first time.
+    Pool { chunk: u32, len: u64 },
 }
 
 impl From<OwnedFd> for Carry {
@@ -52,6 +57,14 @@ impl From<OwnedFd> for Carry {
 impl From<Doorbell> for Carry {
     fn from(d: Doorbell) -> Carry {
         Carry::Fd(d.into())
+    }
+}
+
+/// The ring's own memfd, where `carry` is one.
+fn own_fd(carry: &Carry) -> Option<&OwnedFd> {
+    match carry {
+        Carry::Fd(f) => Some(f),
+        _ => None,
     }
 }
 
@@ -105,6 +118,9 @@ pub(super) struct Session {
     /// descriptors, from Hello on; dropped, like the seat, after the
     /// context is closed.
     admitted: Option<super::admission::Admitted>,
+    /// A host context's ring pool, made when its first ring is
+    /// (`ring_pool`); its rings hold it, and it ends with the last.
+    pool: Option<Arc<RingPool>>,
 }
 
 /// How long a new connection may take to open its context with Hello.
@@ -137,6 +153,7 @@ pub(crate) fn run(
         open: false,
         _seat: seat,
         admitted: None,
+        pool: Some(RingPool::new()),
     };
     tracing::debug!(ctx = id, pid = cred.pid, uid = cred.uid, tenant = tenant.0, "tenant connected");
     let mut buf = vec![0u8; MAX_MESSAGE];
@@ -212,6 +229,8 @@ pub(crate) fn run(
                 Carry::Fd(f) => Some(f.as_fd()),
                 // Made for guest sessions only.
                 Carry::Extent { .. } => None,
+                // Turned into descriptors by `Session::pooled`.
+                Carry::Pool { .. } => None,
             })
             .collect();
         if let Err(e) = fdpass::send_msg(sock.as_fd(), &bytes, &fds) {
@@ -312,8 +331,40 @@ impl Session {
             return error(EPROTO, "the first request must be Hello");
         }
         match self.dispatch(req, fds) {
-            Ok(a) | Err(a) => a,
+            Ok(a) => self.pooled(a),
+            Err(a) => a,
         }
+    }
+
+    /// An answer that places rings in the context's pool becomes
+    /// `Reply::Pooled`: where each ring lies, and the memfd of each chunk
+    /// the library has not mapped yet, once.
+    fn pooled(&self, a: Answer) -> Answer {
+        if !a.fds.iter().any(|c| matches!(c, Carry::Pool { .. })) {
+            return a;
+        }
+        let Some(pool) = &self.pool else {
+            return error(EPROTO, "a pooled ring without a pool");
+        };
+        let (mut rings, mut fds) = (Vec::with_capacity(a.fds.len()), Vec::with_capacity(a.fds.len()));
+        for c in a.fds {
+            match c {
+                Carry::Pool { chunk, len } => {
+                    let fd = match pool.fd_for_reply(chunk) {
+                        Ok(fd) => fd,
+                        Err(e) => return e.into(),
+                    };
+                    rings.push(proto::PoolRing::Chunk { chunk, len, fd: fd.is_some() });
+                    fds.extend(fd.map(Carry::Fd));
+                }
+                Carry::Fd(f) => {
+                    rings.push(proto::PoolRing::Own);
+                    fds.push(Carry::Fd(f));
+                }
+                Carry::Extent { .. } => return error(EPROTO, "a guest's extent in a host's reply"),
+            }
+        }
+        Answer { reply: Reply::Pooled { rings, reply: Box::new(a.reply) }, fds }
     }
 
     fn dispatch(&mut self, req: Request, mut fds: Vec<OwnedFd>) -> Result<Answer, Answer> {
@@ -854,7 +905,7 @@ impl Session {
             e.hca.create_cq(c, cqe).map(|(cq, depth)| (cq, depth, e.direct.enabled))
         })??;
         let made = (|| {
-            let (fd, seg) = self.new_segment("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?;
+            let (fd, seg) = self.new_ring("vrdma-cq", ring_bytes(depth, CQE_SIZE), self.budget())?;
             let ring = RingView::in_segment(seg.clone(), 0, depth, CQE_SIZE)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
             Ok::<_, Answer>((seg, ring, fd))
@@ -868,19 +919,21 @@ impl Session {
                 return Err(a);
             }
         };
-        let spec = RingSpec { offset: 0, capacity: depth, stride: CQE_SIZE as u32 };
+        // Where the tenant finds the ring: in its own segment, or in its
+        // pool's chunk (offset from the chunk's start).
+        let (base, seg_len) = seg.in_segment();
+        let spec = RingSpec { offset: base, capacity: depth, stride: CQE_SIZE as u32 };
         // With the direct path on, a CQ with a channel keeps its segment's
         // descriptor (charged; at the limit, not kept: its QPs' receives
         // stay on the engine) for requesters that complete into it.
-        let kept = match (&fd, channel.is_some() && direct) {
-            (Carry::Fd(f), true) => self
+        let kept = match channel.is_some() && direct {
+            true => self
                 .admitted
                 .as_ref()
                 .and_then(|a| a.charge_kept())
-                .and_then(|charge| Some((f.try_clone().ok()?, charge))),
-            _ => None,
+                .and_then(|charge| Some((seg.segment_fd(own_fd(&fd))?.ok()?, charge))),
+            false => None,
         };
-        let seg_len = seg.len() as u64;
         // Not waited for (see `post_to_engine`): the engine writes to the
         // ring only for a QP that names the CQ, and that QP is created
         // by a later call.
@@ -897,10 +950,7 @@ impl Session {
             let (offset, len) = (*offset, *len);
             self.place(Kind::Cq, cq, Place::Ring(offset, len));
         }
-        Ok(Answer {
-            reply: Reply::Cq { cq, depth, segment_len: seg.len() as u64, ring: spec },
-            fds: vec![fd],
-        })
+        Ok(Answer { reply: Reply::Cq { cq, depth, segment_len: seg_len, ring: spec }, fds: vec![fd] })
     }
 
     fn create_srq(&mut self, pd: u32, attr: vrdma_core::verbs::SrqAttr) -> Result<Answer, Answer> {
@@ -908,8 +958,7 @@ impl Session {
             self.engine(move |e, c| e.hca.create_srq(c, pd, attr).map(|(s, g)| (s, g, e.direct.enabled)))??;
         let stride = recv_stride(granted.max_sge);
         let made = (|| {
-            let (fd, seg) =
-                self.new_segment("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?;
+            let (fd, seg) = self.new_ring("vrdma-srq", ring_bytes(granted.max_wr, stride), self.budget())?;
             let ring = RingView::in_segment(seg.clone(), 0, granted.max_wr, stride)
                 .map_err(|e| error(ENOMEM, e.to_string()))?;
             Ok::<_, Answer>((seg, ring, fd))
@@ -927,12 +976,9 @@ impl Session {
         // do) and the daemon keeps its segment to grant it, charged to the
         // tenant's descriptors (at the limit: not kept, the engine's alone).
         let charge = if direct { self.admitted.as_ref().and_then(|a| a.charge_kept()) } else { None };
-        let kept = match (&fd, charge) {
-            (Carry::Fd(f), Some(charge)) => f.try_clone().ok().map(|f| (f, charge)),
-            _ => None,
-        };
-        let (segment_len, limit) = (seg.len() as u64, granted.srq_limit);
-        let spec = RingSpec { offset: 0, capacity: granted.max_wr, stride: stride as u32 };
+        let kept = charge.and_then(|charge| Some((seg.segment_fd(own_fd(&fd))?.ok()?, charge)));
+        let ((base, segment_len), limit) = (seg.in_segment(), granted.srq_limit);
+        let spec = RingSpec { offset: base, capacity: granted.max_wr, stride: stride as u32 };
         self.engine(move |e, c| {
             // The armed limit, for the direct path's claimers
             // (`SRQ_AUX_LIMIT`).
@@ -948,15 +994,7 @@ impl Session {
             let (offset, len) = (*offset, *len);
             self.place(Kind::Srq, srq, Place::Ring(offset, len));
         }
-        Ok(Answer {
-            reply: Reply::Srq {
-                srq,
-                attr: granted,
-                segment_len: seg.len() as u64,
-                ring: RingSpec { offset: 0, capacity: granted.max_wr, stride: stride as u32 },
-            },
-            fds: vec![fd],
-        })
+        Ok(Answer { reply: Reply::Srq { srq, attr: granted, segment_len, ring: spec }, fds: vec![fd] })
     }
 
     /// `rdma_create_qp` in one call: [`Self::create_qp`], then the QP
@@ -1065,7 +1103,7 @@ impl Session {
         let (sq, rq, inbox, total) = qp_layout(cap, init.srq.is_none(), inbox_depth);
         let qpn = created.qpn;
         let made = (|| {
-            let (fd, seg) = self.new_segment("vrdma-qp", total, self.budget())?;
+            let (fd, seg) = self.new_ring("vrdma-qp", total, self.budget())?;
             let view = |r: RingSpec| {
                 RingView::in_segment(seg.clone(), r.offset as usize, r.capacity, r.stride as usize)
                     .map_err(|e| error(ENOMEM, e.to_string()))
@@ -1090,14 +1128,12 @@ impl Session {
                     // get no direct grants.
                     // Charged to the tenant's descriptors; at its limit
                     // the segment is not kept (no receive grants for it).
-                    let kept = match &fd {
-                        Carry::Fd(f) => match self.admitted.as_ref().and_then(|a| a.charge_kept()) {
-                            Some(charge) => {
-                                Some((f.try_clone().map_err(|e| error(ENOMEM, e.to_string()))?, charge))
-                            }
+                    let kept = match seg.segment_fd(own_fd(&fd)) {
+                        Some(f) => match self.admitted.as_ref().and_then(|a| a.charge_kept()) {
+                            Some(charge) => Some((f.map_err(|e| error(ENOMEM, e.to_string()))?, charge)),
                             None => None,
                         },
-                        Carry::Extent { .. } => None,
+                        None => None,
                     };
                     (rings.with_inbox(init.recv_cq, view(spec)?), kept)
                 }
@@ -1112,10 +1148,14 @@ impl Session {
                 return Err(a);
             }
         };
+        // The tenant's (and the direct path's) offsets count from the
+        // start of the segment it maps: its pool chunk's, for a pooled QP.
+        let (base, segment_len) = seg.in_segment();
+        let shift = |r: RingSpec| RingSpec { offset: r.offset + base, ..r };
+        let (sq, rq, inbox) = (shift(sq), rq.map(shift), inbox.map(shift));
         // Not waited for (see `post_to_engine`): a new QP is in RESET,
         // where nothing may be posted to it; it leaves RESET only through
         // a later call (ModifyQp, or the connection manager's).
-        let segment_len = seg.len() as u64;
         self.post_to_engine(move |e, c| {
             e.rings.add_qp(qpn, rings);
             if let (Some((fd, charge)), Some(inbox)) = (kept, inbox) {
@@ -1143,6 +1183,7 @@ impl Session {
             open: false,
             _seat: super::Seat::none(),
             admitted: None,
+            pool: None,
         }
     }
 
@@ -1181,6 +1222,28 @@ impl Session {
                 Ok((Carry::Fd(fd), Arc::new(RingMemory::host(map))))
             }
         }
+    }
+
+    /// Memory for a CQ's, QP's or SRQ's rings: for a host tenant a block
+    /// of its context's ring pool (`ring_pool`), or a memfd of its own
+    /// where the pool has none (a ring larger than a chunk, a chunk the
+    /// tenant's budgets refuse); as [`Self::new_segment`] for a guest.
+    /// (Completion channels and the context's segment keep memfds of
+    /// their own: one each per context, or a few.)
+    fn new_ring(
+        &self,
+        name: &str,
+        len: usize,
+        budget: Option<&Arc<vrdma_shm::MappingBudget>>,
+    ) -> Result<(Carry, Arc<RingMemory>), Answer> {
+        if let (None, Some(pool)) = (&self.guest, &self.pool) {
+            let charge = || self.admitted.as_ref().and_then(|a| a.charge_kept());
+            if let Some(block) = pool.alloc(len, budget, charge)? {
+                let (chunk, len) = (block.chunk().id(), block.chunk().len() as u64);
+                return Ok((Carry::Pool { chunk, len }, Arc::new(RingMemory::pooled(block))));
+            }
+        }
+        self.new_segment(name, len, budget)
     }
 
     /// RegMr from a guest: `fd_offset` names bytes of the VM's region,
