@@ -62,6 +62,7 @@ mod dev;
 mod interpose;
 mod link;
 mod listener;
+mod progress;
 mod real;
 mod stream;
 mod table;
