@@ -63,6 +63,7 @@ mod interpose;
 mod link;
 mod listener;
 mod progress;
+mod readiness;
 mod real;
 mod stream;
 mod table;

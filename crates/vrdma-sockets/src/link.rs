@@ -258,9 +258,20 @@ impl Link {
     /// For the progress thread: reaps if no one else is, and says whether
     /// writes are still in flight (false once the connection failed).
     pub(crate) fn progress(&self) -> bool {
-        let Ok(mut p) = self.post.try_lock() else { return true };
+        let mut p = match self.post.try_lock() {
+            Ok(p) => p,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return true,
+        };
         let _ = self.reap_locked(&mut p);
         !p.failed && !p.pending.is_empty()
+    }
+
+    /// Waits until every write in flight landed; false once none is (or
+    /// the connection failed), as [`Self::progress`] says.
+    pub(crate) fn flush_all_writes(&self) -> bool {
+        let _ = self.flush();
+        self.in_flight()
     }
 
     /// Whether writes are in flight.

@@ -1,36 +1,57 @@
-//! The progress thread: reaps the completions of writes that a program
-//! left in flight and did not come back for.
+//! Writes left in flight: who reaps their completions when the program
+//! does not call on the connection again.
 //!
 //! A write returns once posted ([`Link::write`]); the wake protocol
 //! (`docs/sockets.md`) reads the reader's arming only after the bytes
 //! landed, so someone must look at the completion later. The connection's
-//! next call does; a program that wrote its answer and went to wait in
-//! `poll`/`epoll_wait` (not interposed) makes no such call, and its peer
-//! would sleep on bytes that wait in its ring. This thread covers that
-//! case: one per process, started on the first write left in flight,
-//! asleep while no connection has writes in flight.
+//! next call does. A program that wrote and then waits elsewhere makes no
+//! such call, and its peer would sleep on bytes that wait in its ring:
 //!
-//! It lets the program's own calls go first: once told of a connection it
-//! sleeps [`DELAY`] (the timer slack of this thread is set to 1 µs, so the
-//! sleep is that long, not 50 µs more) and then reaps only connections
-//! whose lock it gets at once. A request/response or streaming program
-//! reaps its completions itself in its next call and never has this
-//! thread run for long; a program in `poll` sees its peer woken at most
-//! [`DELAY`] plus the completion's own time later.
+//! - before it waits in `poll`, `ppoll`, `select`, `pselect` or
+//!   `epoll_wait`/`epoll_pwait` (interposed, [`crate::readiness`]), every
+//!   connection with writes in flight is flushed ([`flush_all`]): an event
+//!   loop's peer is woken as soon as its bytes land;
+//! - anywhere else (a blocking call on another descriptor, a sleep, a
+//!   lock), a thread of the library's, one per process, started on the
+//!   first write left in flight, reaps them within [`interval`] (500 µs
+//!   by default, `VRDMA_SOCKETS_PROGRESS_US`).
+//!
+//! The thread costs little while programs call back: it is not woken per
+//! write. Once told of a connection it looks every [`interval`], and
+//! keeps looking for [`LINGER`] after the last one drained, so that a
+//! steady exchange adds connections to its list without waking it; then
+//! it sleeps on its condvar until the next. (Reaping on every write in a
+//! thread of its own, woken each time, doubled a 64-byte round trip on 2
+//! cores: `docs/sockets.md`.)
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::link::Link;
 
-/// How long the thread leaves a connection to its program's next call.
-const DELAY: Duration = Duration::from_micros(20);
+/// Connections on the list (any process's): 0 lets a readiness call pass
+/// without a lock.
+static LISTED: AtomicUsize = AtomicUsize::new(0);
+
+/// How long the thread keeps looking after its list emptied.
+const LINGER: Duration = Duration::from_millis(20);
+
+/// How often the thread looks at the connections with writes in flight.
+fn interval() -> Duration {
+    static D: OnceLock<Duration> = OnceLock::new();
+    *D.get_or_init(|| {
+        let us = std::env::var("VRDMA_SOCKETS_PROGRESS_US").ok().and_then(|s| s.parse().ok()).unwrap_or(500);
+        Duration::from_micros(us)
+    })
+}
 
 struct Queue {
     /// The process that started the thread (a forked child has none).
     pid: u32,
+    /// Connections with writes in flight (each with its `queued` flag).
     links: Vec<Arc<Link>>,
-    /// The thread waits on the condvar.
+    /// The thread waits on the condvar (a new connection must wake it).
     idle: bool,
 }
 
@@ -43,9 +64,9 @@ fn lock(m: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// `link` has writes in flight: the thread watches it until they landed.
+/// `link` has writes in flight: it is on the list until they landed.
 pub fn watch(link: &Arc<Link>) {
-    if link.queued.swap(true, std::sync::atomic::Ordering::AcqRel) {
+    if link.queued.swap(true, Ordering::AcqRel) {
         return;
     }
     let (m, cv) = queue();
@@ -56,70 +77,99 @@ pub fn watch(link: &Arc<Link>) {
         // parent's entries are not this process's to drop (see
         // `crate::dev`).
         std::mem::forget(std::mem::take(&mut q.links));
+        LISTED.store(0, Ordering::Release);
         q.pid = pid;
         q.idle = false;
         if std::thread::Builder::new().name("vrdma-sockets".into()).spawn(run).is_err() {
-            // No thread: the program's next call (or close) reaps.
+            // No thread: the program's next call, poll or close reaps.
             q.pid = 0;
-            link.queued.store(false, std::sync::atomic::Ordering::Release);
-            return;
         }
     }
     q.links.push(link.clone());
+    LISTED.store(q.links.len(), Ordering::Release);
     if q.idle {
+        q.idle = false;
         cv.notify_one();
+    }
+}
+
+/// The connections on the list now (none in a forked child, whose list
+/// is its parent's).
+fn listed() -> Vec<Arc<Link>> {
+    let q = lock(&queue().0);
+    if q.pid != std::process::id() {
+        return Vec::new();
+    }
+    q.links.clone()
+}
+
+/// Takes `l` off the list unless a write was posted since it drained.
+fn drained(l: &Arc<Link>) {
+    let mut q = lock(&queue().0);
+    l.queued.store(false, Ordering::Release);
+    if l.in_flight() {
+        l.queued.store(true, Ordering::Release);
+        return;
+    }
+    q.links.retain(|x| !Arc::ptr_eq(x, l));
+    LISTED.store(q.links.len(), Ordering::Release);
+}
+
+/// Before the program waits for readiness: every write in flight lands
+/// and wakes its reader (`wait`), or, for a poll that does not wait, the
+/// completions there are are reaped.
+pub fn flush_all(wait: bool) {
+    if LISTED.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    for l in listed() {
+        let more = if wait { l.flush_all_writes() } else { l.progress() };
+        if !more {
+            drained(&l);
+        }
     }
 }
 
 fn run() {
     // Every call this thread makes goes straight to libc.
     let _g = crate::table::Guard::enter();
-    // SAFETY: prctl(PR_SET_TIMERSLACK) on the calling thread, no pointers.
+    // SAFETY: prctl(PR_SET_TIMERSLACK) on the calling thread, no pointers:
+    // its sleeps last what they ask, not 50 µs more.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
     let (m, cv) = queue();
-    let mut mine: Vec<Arc<Link>> = Vec::new();
+    let mut last_busy = Instant::now();
     let mut rounds = 0u32;
     loop {
         {
             let mut q = lock(m);
-            while mine.is_empty() && q.links.is_empty() {
+            if q.links.is_empty() && last_busy.elapsed() > LINGER {
                 q.idle = true;
-                q = cv.wait(q).unwrap_or_else(|e| e.into_inner());
-            }
-            q.idle = false;
-            let fresh = !q.links.is_empty();
-            mine.append(&mut q.links);
-            drop(q);
-            if fresh {
-                std::thread::sleep(DELAY);
+                while q.links.is_empty() {
+                    q = cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                q.idle = false;
             }
         }
-        mine.retain(|l| {
-            if l.progress() {
-                return true;
-            }
-            // Done; a write posted meanwhile either saw the flag still set
-            // (and is seen by the look below) or sets it again itself.
-            l.queued.store(false, std::sync::atomic::Ordering::Release);
-            l.in_flight() && !l.queued.swap(true, std::sync::atomic::Ordering::AcqRel)
-        });
-        if mine.is_empty() {
-            rounds = 0;
+        std::thread::sleep(interval());
+        let links = listed();
+        if links.is_empty() {
             continue;
         }
-        rounds += 1;
-        // Completions that never come (the daemon is gone): give up on
-        // them; the program's own calls see the error.
-        if rounds.is_multiple_of(4096) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
-            for l in mine.drain(..) {
-                l.queued.store(false, std::sync::atomic::Ordering::Release);
+        last_busy = Instant::now();
+        for l in &links {
+            if !l.progress() {
+                drained(l);
             }
-            continue;
         }
-        if rounds < 64 {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(DELAY);
+        // Completions that never come (the daemon is gone): the list is
+        // let go; the program's own calls see the error.
+        rounds = rounds.wrapping_add(1);
+        if rounds.is_multiple_of(1024) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
+            let mut q = lock(m);
+            for l in q.links.drain(..) {
+                l.queued.store(false, Ordering::Release);
+            }
+            LISTED.store(0, Ordering::Release);
         }
     }
 }
