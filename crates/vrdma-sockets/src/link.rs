@@ -645,11 +645,30 @@ impl Link {
             if used < RING {
                 return Ok(RING - used);
             }
-            if nonblocking {
-                return Ok(0);
-            }
             // The reader may be asleep until the bytes in flight wake it.
             self.reap()?;
+            if nonblocking {
+                // One more look after a yield, so that a program that
+                // polls for POLLOUT (which the kernel socket always has)
+                // and writes again lets the reader run between tries
+                // rather than spinning on EAGAIN.
+                if spins > 0 {
+                    // A peer that is gone (its kernel reset the socket)
+                    // gives no more credits: EPIPE, not EAGAIN for ever.
+                    let mut b = [0u8; 1];
+                    // SAFETY: `b` is valid for one byte; a peek takes nothing.
+                    let r = unsafe {
+                        real::recv(self.sock, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+                    };
+                    if r < 0 && matches!(crate::table::errno(), libc::ECONNRESET | libc::EPIPE) {
+                        return Err(libc::EPIPE);
+                    }
+                    return Ok(0);
+                }
+                spins += 1;
+                std::thread::yield_now();
+                continue;
+            }
             spins += 1;
             if spins > 64 {
                 std::thread::sleep(Duration::from_micros(50));
