@@ -24,7 +24,7 @@
 //! thread of its own, woken each time, doubled a 64-byte round trip on 2
 //! cores: `docs/sockets.md`.)
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -33,6 +33,11 @@ use crate::link::Link;
 /// Connections on the list (any process's): 0 lets a readiness call pass
 /// without a lock.
 static LISTED: AtomicUsize = AtomicUsize::new(0);
+
+/// The process whose list it is ([`Queue::pid`], readable without the
+/// lock: a forked child must not take a lock its parent's thread may have
+/// held at the fork just to learn that the list is not its own).
+static OWNER: AtomicU32 = AtomicU32::new(0);
 
 /// How long the thread keeps looking after its list emptied.
 const LINGER: Duration = Duration::from_millis(20);
@@ -79,10 +84,15 @@ pub fn watch(link: &Arc<Link>) {
         std::mem::forget(std::mem::take(&mut q.links));
         LISTED.store(0, Ordering::Release);
         q.pid = pid;
+        OWNER.store(pid, Ordering::Release);
         q.idle = false;
         if std::thread::Builder::new().name("vrdma-sockets".into()).spawn(run).is_err() {
-            // No thread: the program's next call, poll or close reaps.
+            // No thread (the next write tries again): the program's next
+            // call on the connection, or its close, reaps.
             q.pid = 0;
+            OWNER.store(0, Ordering::Release);
+            link.queued.store(false, Ordering::Release);
+            return;
         }
     }
     q.links.push(link.clone());
@@ -119,7 +129,7 @@ fn drained(l: &Arc<Link>) {
 /// and wakes its reader (`wait`), or, for a poll that does not wait, the
 /// completions there are are reaped.
 pub fn flush_all(wait: bool) {
-    if LISTED.load(Ordering::Acquire) == 0 {
+    if LISTED.load(Ordering::Acquire) == 0 || OWNER.load(Ordering::Acquire) != std::process::id() {
         return;
     }
     for l in listed() {
