@@ -256,6 +256,88 @@ mod preload {
         Ok(())
     }
 
+    /// The engine carries the bytes (the direct path off): a write's
+    /// completion comes later than its post, so writes are in flight
+    /// when the program moves on (`docs/sockets.md`, pipelined writes).
+    fn engine_daemon() -> Result<DaemonProc> {
+        DaemonProc::start_with_config("[direct]\nenabled = false\n")
+    }
+
+    /// Waits until a preloaded server on `port` listens and is registered.
+    fn registered(ctx: &vrdma::Context, port: u16) -> Result<()> {
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })
+    }
+
+    /// Many writes of 1 to 13 bytes, pipelined (several in flight at
+    /// once), arrive whole and in order, through the engine.
+    #[test]
+    fn many_small_pipelined_writes_arrive_in_order() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = engine_daemon()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = server(&d, true, port);
+        registered(&ctx, port)?;
+        let args = ["tiny".into(), port.to_string(), (2u64 << 20).to_string()];
+        let c = spawn(sockapp(&d, true, &args), "tiny").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        Ok(())
+    }
+
+    /// A non-blocking writer whose reader stops reading fills the ring
+    /// and gets EAGAIN (not a hang, not an error); waiting for POLLOUT and
+    /// writing on, every byte arrives in order once the reader reads
+    /// again.
+    #[test]
+    fn a_non_blocking_writer_facing_a_full_ring_gets_eagain_then_goes_on() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["lateserver".into(), port.to_string()]), "lateserver");
+        registered(&ctx, port)?;
+        // 4 ring sizes: more than the ring holds while the reader pauses.
+        let args = ["nbflood".into(), port.to_string(), (1u64 << 20).to_string()];
+        let c = spawn(sockapp(&d, true, &args), "nbflood").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        let eagain: u64 = c
+            .stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("eagain ").and_then(|n| n.parse().ok()))
+            .unwrap_or(0);
+        assert!(eagain > 0, "no EAGAIN with a full ring: {}", c.describe());
+        Ok(())
+    }
+
+    /// A writer that writes a request and then makes no call for a while
+    /// (no poll either): its bytes still reach the sleeping reader (the
+    /// library's progress thread sends the wake byte once they landed),
+    /// so the answer is there when the writer looks.
+    #[test]
+    fn a_writer_that_makes_no_call_after_writing_still_wakes_its_reader() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = engine_daemon()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["answer".into(), port.to_string()]), "answer");
+        registered(&ctx, port)?;
+        let c =
+            spawn(sockapp(&d, true, &["quietwriter".into(), port.to_string()]), "quietwriter").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        Ok(())
+    }
+
     fn have_lib() -> bool {
         Path::new(&built("libvrdma_sockets.so")).exists()
     }

@@ -32,11 +32,14 @@
 //!   every call on a descriptor that is not carried (UDP, Unix sockets,
 //!   files, connections to hosts elsewhere or to plain TCP peers).
 //! - **Readiness** (`poll`, `ppoll`, `select`, `pselect`, `epoll`) is
-//!   the kernel's view of the socket, not interposed: the library keeps a
-//!   wake byte in the socket exactly while bytes wait in the ring
-//!   (`docs/sockets.md`), so `POLLIN` is right, level- and edge-triggered.
-//!   `POLLOUT` is the kernel's (a full ring gives `EAGAIN` to a
-//!   non-blocking write; the program polls again).
+//!   the kernel's view of the socket: the library keeps a wake byte in the
+//!   socket exactly while bytes wait in the ring (`docs/sockets.md`), so
+//!   `POLLIN` is right, level- and edge-triggered. `poll`, `ppoll`,
+//!   `select`, `pselect`, `epoll_wait` and `epoll_pwait` are interposed
+//!   only to land this process's writes in flight before they wait (a
+//!   write returns once posted; [`progress`]). `POLLOUT` is the kernel's,
+//!   always set (a full ring gives `EAGAIN` to a non-blocking write; the
+//!   program polls again and gets it at once).
 //! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`
 //!   and `io_uring` would read the raw socket; after `fork` the
 //!   carried descriptors a child inherited fail with `EIO` in it (it must
@@ -55,13 +58,17 @@
 //!
 //! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns
 //! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,
-//! `VRDMA_SOCKETS_WAIT_MS` bounds a client's wait for the server's claim.
+//! `VRDMA_SOCKETS_WAIT_MS` bounds a client's wait for the server's claim,
+//! `VRDMA_SOCKETS_PROGRESS_US` sets how often the progress thread looks at
+//! writes left in flight (500 µs by default).
 
 mod addr;
 mod dev;
 mod interpose;
 mod link;
 mod listener;
+mod progress;
+mod readiness;
 mod real;
 mod stream;
 mod table;

@@ -10,7 +10,8 @@
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.
 
-use std::sync::atomic::{fence, Ordering};
+use std::collections::VecDeque;
+use std::sync::atomic::{fence, AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,10 +29,21 @@ const WRITTEN: usize = RING;
 const CONSUMED: usize = RING + 8;
 const SLEEPING: usize = RING + 16;
 const REGION: usize = RING + 64;
-/// In the staging region: the tail sent, then consumed and sleeping (16
-/// bytes sent as one write into the peer's `CONSUMED` and `SLEEPING`).
-const S_TAIL: usize = RING;
+/// In the staging region: the tail a credit wait's probe sends, then
+/// consumed and sleeping (16 bytes sent as one write into the peer's
+/// `CONSUMED` and `SLEEPING`), then one tail word per write in flight
+/// ([`TAIL_SLOTS`]: a write's tail must stay as it was posted until the
+/// daemon read it, which is when its completion comes).
+const S_PROBE: usize = RING;
 const S_ACK: usize = RING + 16;
+const S_TAILS: usize = RING + 64;
+const TAIL_SLOTS: usize = 16;
+const STAGE: usize = S_TAILS + 8 * TAIL_SLOTS;
+/// Writes posted and not completed, at most, per connection (two work
+/// requests each, beside one word write of the reader's and a probe, in a
+/// send queue of [`SEND_WRS`]). Fewer than [`TAIL_SLOTS`].
+const IN_FLIGHT: usize = 12;
+const SEND_WRS: u32 = 32;
 
 /// How long a blocked reader watches its ring, and a writer yields for
 /// its completion, before sleeping.
@@ -55,8 +67,11 @@ pub struct Link {
     stage: MemoryRegion,
     peer_addr: u64,
     peer_rkey: u32,
-    /// Held while posting and waiting for the completion.
-    post: Mutex<u64>,
+    /// Held while posting and while reaping completions (never across a
+    /// wait).
+    post: Mutex<Post>,
+    /// Whether the progress thread has this link in its list.
+    pub(crate) queued: AtomicBool,
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
 }
@@ -76,9 +91,30 @@ struct Rx {
 
 #[derive(Default)]
 struct Tx {
-    /// Bytes written into the peer's ring (a running count).
+    /// Bytes written into the peer's ring (a running count), posted: they
+    /// land in order, each write's tail once its completion came.
     wr: u64,
+    /// Writes posted so far (picks the tail slot).
+    posts: u64,
     shut: bool,
+}
+
+/// The send queue's bookkeeping: what was posted, what completed.
+#[derive(Default)]
+struct Post {
+    /// The last work request id given (ids run 1, 2, ...).
+    next: u64,
+    /// The highest id completed (RC completes in order: every id up to it
+    /// is done).
+    done: u64,
+    /// Writes in flight: the id of each one's signaled tail write, and the
+    /// tail it carries, oldest first.
+    pending: VecDeque<(u64, u64)>,
+    /// The tail of the last write whose completion came: every byte below
+    /// it is in the peer's ring, its tail too.
+    landed: u64,
+    /// A completion failed: the connection is gone.
+    failed: bool,
 }
 
 /// Errors are errnos, as the interposed calls return them.
@@ -96,12 +132,17 @@ pub struct Half {
 impl Half {
     pub fn new(dev: &Dev) -> vrdma::Result<Half> {
         let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
-        let cq = dev.ctx.create_cq(64, None)?;
-        let cap =
-            QpCap { max_send_wr: 16, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+        let cq = dev.ctx.create_cq(2 * SEND_WRS, None)?;
+        let cap = QpCap {
+            max_send_wr: SEND_WRS,
+            max_recv_wr: 1,
+            max_send_sge: 1,
+            max_recv_sge: 1,
+            max_inline_data: 0,
+        };
         let qp = dev.pd.create_rc_qp(&cq, &cq, cap)?;
         let ring = dev.pd.alloc_mr(REGION, access)?;
-        let stage = dev.pd.alloc_mr(REGION, AccessFlags::LOCAL_WRITE)?;
+        let stage = dev.pd.alloc_mr(STAGE, AccessFlags::LOCAL_WRITE)?;
         let ep = qp.endpoint(&dev.ctx)?;
         let mut hello = [0u8; HELLO_LEN];
         hello[0..4].copy_from_slice(MAGIC);
@@ -139,7 +180,8 @@ impl Half {
             stage: self.stage,
             peer_addr: u64::from_le_bytes(a),
             peer_rkey: u32_at(42),
-            post: Mutex::new(0),
+            post: Mutex::new(Post::default()),
+            queued: AtomicBool::new(false),
             // Both ends start armed with generation 1 (set just above).
             rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true }),
             tx: Mutex::new(Tx::default()),
@@ -156,43 +198,118 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Link {
-    /// Posts `wrs` (the last one signaled) and waits for its completion.
-    fn post_wait(&self, wrs: &mut [vrdma::SendWr]) -> Res<()> {
-        let mut ids = lock(&self.post);
-        for w in wrs.iter_mut() {
-            *ids += 1;
-            w.wr_id = *ids;
+    /// Posts `wrs` (the last one signaled) and returns the last one's id;
+    /// `tail`: they are a write whose bytes below `tail` land with it.
+    fn post(&self, wrs: &mut [vrdma::SendWr], tail: Option<u64>) -> Res<u64> {
+        let mut p = lock(&self.post);
+        if p.failed {
+            return Err(libc::EPIPE);
         }
-        let last = *ids;
+        for w in wrs.iter_mut() {
+            p.next += 1;
+            w.wr_id = p.next;
+        }
+        let last = p.next;
         self.qp.post_send(wrs).map_err(|e| e.error.errno())?;
-        let mut wc = vrdma::wc_buffer(4);
+        if let Some(t) = tail {
+            p.pending.push_back((last, t));
+        }
+        Ok(last)
+    }
+
+    /// Polls the completions there are (without waiting) and, where a
+    /// write landed, wakes an armed reader. Polls only while something is
+    /// in flight (an empty poll costs the CQ's back-off).
+    fn reap_locked(&self, p: &mut Post) -> Res<()> {
+        if p.done >= p.next || p.failed {
+            return if p.failed { Err(libc::EPIPE) } else { Ok(()) };
+        }
+        let mut wc = [vrdma::wc_buffer(1)[0]; 16];
+        let n = self.cq.poll(&mut wc).map_err(|e| e.errno())?;
+        let before = p.landed;
+        for c in &wc[..n] {
+            if c.status != WcStatus::Success {
+                crate::dev::debug(&format!("work completion {:?}", c.status));
+                p.failed = true;
+                return Err(libc::EPIPE);
+            }
+            p.done = p.done.max(c.wr_id);
+        }
+        while let Some(&(id, t)) = p.pending.front() {
+            if id > p.done {
+                break;
+            }
+            p.landed = t;
+            p.pending.pop_front();
+        }
+        if p.landed != before {
+            // The bytes landed: an armed reader gets a wake byte, its
+            // generation (the wake protocol reads the word only now).
+            self.wake();
+        }
+        Ok(())
+    }
+
+    /// [`Self::reap_locked`] under the post lock.
+    fn reap(&self) -> Res<()> {
+        self.reap_locked(&mut lock(&self.post))
+    }
+
+    /// For the progress thread: reaps if no one else is, and says whether
+    /// writes are still in flight (false once the connection failed).
+    pub(crate) fn progress(&self) -> bool {
+        let mut p = match self.post.try_lock() {
+            Ok(p) => p,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return true,
+        };
+        let _ = self.reap_locked(&mut p);
+        !p.failed && !p.pending.is_empty()
+    }
+
+    /// Waits until every write in flight landed; false once none is (or
+    /// the connection failed), as [`Self::progress`] says.
+    pub(crate) fn flush_all_writes(&self) -> bool {
+        let _ = self.flush();
+        self.in_flight()
+    }
+
+    /// Whether writes are in flight.
+    pub(crate) fn in_flight(&self) -> bool {
+        let p = lock(&self.post);
+        !p.failed && !p.pending.is_empty()
+    }
+
+    /// Reaps until `done(post)` holds: a completion, or room for a write.
+    fn wait_until(&self, done: impl Fn(&Post) -> bool) -> Res<()> {
         let mut spins = 0u32;
         let start = Instant::now();
         loop {
-            let n = self.cq.poll(&mut wc).map_err(|e| e.errno())?;
-            for c in &wc[..n] {
-                if c.status != WcStatus::Success {
-                    crate::dev::debug(&format!("work completion {:?}", c.status));
-                    return Err(libc::EPIPE);
-                }
-                if c.wr_id == last {
+            {
+                let mut p = lock(&self.post);
+                self.reap_locked(&mut p)?;
+                if done(&p) {
                     return Ok(());
                 }
             }
-            if n == 0 {
-                spins += 1;
-                if spins.is_multiple_of(1024) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
-                    return Err(libc::ECONNRESET);
-                }
-                // Yield for a while first: a sleep costs the timer's
-                // slack (50 µs by default), more than most completions.
-                if spins > 256 && start.elapsed() > SPIN {
-                    std::thread::sleep(Duration::from_micros(20));
-                } else {
-                    std::thread::yield_now();
-                }
+            spins += 1;
+            if spins.is_multiple_of(1024) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
+                return Err(libc::ECONNRESET);
+            }
+            // Yield for a while first: a sleep costs the timer's slack
+            // (50 µs by default), more than most completions.
+            if spins > 256 && start.elapsed() > SPIN {
+                std::thread::sleep(Duration::from_micros(20));
+            } else {
+                std::thread::yield_now();
             }
         }
+    }
+
+    /// Waits until every write posted so far has landed (and its wake
+    /// byte, if one was due, is sent).
+    fn flush(&self) -> Res<()> {
+        self.wait_until(|p| p.pending.is_empty())
     }
 
     fn write_word(&self, from: usize, len: usize, to: usize) -> Res<()> {
@@ -200,7 +317,8 @@ impl Link {
         let w = wr::rdma_write(0, &[sge], self.peer_addr + to as u64, self.peer_rkey)
             .map_err(|e| e.errno())?
             .signaled();
-        self.post_wait(&mut [w])
+        let id = self.post(&mut [w], None)?;
+        self.wait_until(|p| p.done >= id)
     }
 
     /// Bytes waiting in this end's ring (a peer's tail that is behind or
@@ -227,6 +345,9 @@ impl Link {
             return Ok(0);
         }
         let mut rx = lock(&self.rx);
+        // This end's writes in flight: their wakes go out now (a write's
+        // errors are the writer's to see).
+        let _ = self.reap();
         let mut done = 0usize;
         loop {
             let avail = self.waiting(rx.rd);
@@ -271,6 +392,12 @@ impl Link {
             if !nonblocking && self.spin_for_bytes(rx.rd) {
                 continue;
             }
+            // A blocking read waits in the kernel only once this end's
+            // writes landed and woke their reader (a request is answered
+            // only after its bytes are read).
+            if !nonblocking {
+                let _ = self.flush();
+            }
             // Armed and empty: look at the socket (a blocking read waits
             // there): its end, or a byte, which stays for the readiness it
             // gives (a stale one is taken by the next arming).
@@ -297,6 +424,7 @@ impl Link {
             if self.waiting(rd) > 0 {
                 return true;
             }
+            let _ = self.reap();
             std::thread::yield_now();
         }
         false
@@ -414,12 +542,21 @@ impl Link {
 
     /// Writes `iov` (total `len`), all of it unless `nonblocking` (then
     /// what fits, or `EAGAIN`).
-    pub fn write(&self, iov: &[(*const u8, usize)], nonblocking: bool) -> Res<usize> {
+    ///
+    /// Pipelined: a write returns once its bytes are in the staging region
+    /// and posted. Their completions are reaped later ([`Self::reap`]: in
+    /// this connection's next call, while a write waits for credits or a
+    /// send-queue slot, and by the progress thread for a writer that does
+    /// not call again), and each one that lands checks the reader's
+    /// arming, as the wake protocol asks. At most [`IN_FLIGHT`] writes and
+    /// a ring's worth of bytes are in flight per connection.
+    pub fn write(self: &Arc<Self>, iov: &[(*const u8, usize)], nonblocking: bool) -> Res<usize> {
         let total: usize = iov.iter().map(|v| v.1).sum();
         let mut tx = lock(&self.tx);
         if tx.shut {
             return Err(libc::EPIPE);
         }
+        self.reap()?;
         let mut done = 0usize;
         let (mut vi, mut voff) = (0usize, 0usize);
         while done < total {
@@ -427,6 +564,8 @@ impl Link {
             if free == 0 {
                 break;
             }
+            // A tail slot (and send-queue room) for this write.
+            self.wait_until(|p| p.pending.len() < IN_FLIGHT)?;
             let pos = (tx.wr % RING as u64) as usize;
             let n = free.min(total - done).min(RING - pos);
             // Gather into the staging region at the ring offset.
@@ -437,7 +576,9 @@ impl Link {
                 let k = (len - voff).min(n - put);
                 // SAFETY: `p + voff .. + k` is in the caller's buffer;
                 // `pos + put + k <= RING` is in the staging region, which
-                // the daemon only reads.
+                // the daemon only reads, and whose bytes there belong to
+                // ring bytes the reader consumed (credits), so their write
+                // completed before it.
                 unsafe { std::ptr::copy_nonoverlapping(p.add(voff), stage.add(pos + put), k) };
                 put += k;
                 voff += k;
@@ -446,9 +587,11 @@ impl Link {
                     voff = 0;
                 }
             }
-            let _ = self.stage.write_u64(S_TAIL, tx.wr + n as u64);
+            let tail_at = S_TAILS + 8 * (tx.posts % TAIL_SLOTS as u64) as usize;
+            let end = tx.wr + n as u64;
+            let _ = self.stage.write_u64(tail_at, end);
             let data = self.stage.sge(pos, n).map_err(|e| e.errno())?;
-            let tail = self.stage.sge(S_TAIL, 8).map_err(|e| e.errno())?;
+            let tail = self.stage.sge(tail_at, 8).map_err(|e| e.errno())?;
             let mut wrs = [
                 wr::rdma_write(0, &[data], self.peer_addr + pos as u64, self.peer_rkey)
                     .map_err(|e| e.errno())?,
@@ -456,15 +599,20 @@ impl Link {
                     .map_err(|e| e.errno())?
                     .signaled(),
             ];
-            self.post_wait(&mut wrs)?;
-            tx.wr += n as u64;
+            self.post(&mut wrs, Some(end))?;
+            tx.posts += 1;
+            tx.wr = end;
             done += n;
-            // The bytes landed: an armed reader gets a wake byte, its
-            // generation.
-            self.wake();
         }
         if done == 0 && total > 0 {
             return Err(libc::EAGAIN);
+        }
+        // Look once: a completion that is there already wakes the reader
+        // now; the rest are the progress thread's unless this connection
+        // is called again first.
+        let _ = self.reap();
+        if self.in_flight() {
+            crate::progress::watch(self);
         }
         Ok(done)
     }
@@ -497,8 +645,29 @@ impl Link {
             if used < RING {
                 return Ok(RING - used);
             }
+            // The reader may be asleep until the bytes in flight wake it.
+            self.reap()?;
             if nonblocking {
-                return Ok(0);
+                // One more look after a yield, so that a program that
+                // polls for POLLOUT (which the kernel socket always has)
+                // and writes again lets the reader run between tries
+                // rather than spinning on EAGAIN.
+                if spins > 0 {
+                    // A peer that is gone (its kernel reset the socket)
+                    // gives no more credits: EPIPE, not EAGAIN for ever.
+                    let mut b = [0u8; 1];
+                    // SAFETY: `b` is valid for one byte; a peek takes nothing.
+                    let r = unsafe {
+                        real::recv(self.sock, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+                    };
+                    if r < 0 && matches!(crate::table::errno(), libc::ECONNRESET | libc::EPIPE) {
+                        return Err(libc::EPIPE);
+                    }
+                    return Ok(0);
+                }
+                spins += 1;
+                std::thread::yield_now();
+                continue;
             }
             spins += 1;
             if spins > 64 {
@@ -508,21 +677,26 @@ impl Link {
             }
             if probe.elapsed() > Duration::from_millis(100) {
                 probe = Instant::now();
-                let _ = self.stage.write_u64(S_TAIL, wr);
-                self.write_word(S_TAIL, 8, WRITTEN)?;
+                let _ = self.stage.write_u64(S_PROBE, wr);
+                self.write_word(S_PROBE, 8, WRITTEN)?;
             }
         }
     }
 
-    /// `shutdown(SHUT_WR)`: every write has landed (they are waited for),
-    /// so the kernel's FIN comes after the last byte.
+    /// `shutdown(SHUT_WR)`: waits until every write has landed (and its
+    /// wake byte is sent), so that the kernel's FIN comes after the last
+    /// byte.
     pub fn shut_write(&self) {
-        lock(&self.tx).shut = true;
+        let mut tx = lock(&self.tx);
+        let _ = self.flush();
+        tx.shut = true;
     }
 
-    /// Before the last descriptor closes: the wake bytes still queued are
-    /// read off, so that the kernel sends FIN, not RST.
+    /// Before the last descriptor closes: every write lands first (as
+    /// for `shutdown`), then the wake bytes still queued are read off, so
+    /// that the kernel sends FIN, not RST.
     pub fn finish(&self) {
+        let _ = self.flush();
         let _ = self.drain_wakes();
     }
 }

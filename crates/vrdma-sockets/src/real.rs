@@ -70,4 +70,10 @@ real! {
     dup3(fd: c_int, to: c_int, flags: c_int) -> c_int;
     fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
     fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
+    poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int;
+    ppoll(fds: *mut libc::pollfd, n: libc::nfds_t, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
+    select(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, tv: *mut libc::timeval) -> c_int;
+    pselect(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
+    epoll_wait(ep: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int) -> c_int;
+    epoll_pwait(ep: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int, mask: *const libc::sigset_t) -> c_int;
 }

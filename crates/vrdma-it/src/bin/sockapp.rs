@@ -28,6 +28,22 @@
 //! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
 //! connects and must read the end (0), as over TCP.
 //!
+//! `tiny PORT BYTES`: `client`, but every write is 1 to 13 bytes (every
+//! fifth a vectored one of two parts): many small writes in flight at
+//! once (pipelined), checked byte for byte by `server`.
+//!
+//! `lateserver PORT`: `server`, but it stops reading for 300 ms after its
+//! first read, so that its client's ring fills. `nbflood PORT BYTES`: a
+//! non-blocking client that writes BYTES pattern bytes in 64 KiB writes,
+//! waiting with poll(POLLOUT) after each `EAGAIN`; says how many it saw
+//! (`eagain N`), then half-closes and checks the answer.
+//!
+//! `answer PORT`: accepts, reads 64 bytes (blocking), answers one byte.
+//! `quietwriter PORT`: connects, writes 64 bytes, then sleeps 3 s (no call
+//! on the socket, no poll) and must find the answer already there (a
+//! non-blocking read): the request reached the server while its writer
+//! made no call.
+//!
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
@@ -78,6 +94,18 @@ fn forkserver(port: u16) -> Result<(), String> {
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
+    serve_pausing(l, None)
+}
+
+fn lateserver(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    serve_pausing(&l, Some(std::time::Duration::from_millis(300)))
+}
+
+/// `serve`, stopping for `pause` after the first read.
+fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     let mut buf = vec![0u8; 100_003];
     let mut count = 0u64;
@@ -92,12 +120,19 @@ fn serve(l: &TcpListener) -> Result<(), String> {
             }
         }
         count += n as u64;
+        if let Some(p) = pause.take() {
+            std::thread::sleep(p);
+        }
     }
     s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
     Ok(())
 }
 
 fn client(port: u16, bytes: u64) -> Result<(), String> {
+    client_sizes(port, bytes, &[1, 7, 4096, 65_536, 100_000, 300_000])
+}
+
+fn client_sizes(port: u16, bytes: u64, sizes: &[usize]) -> Result<(), String> {
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
     {
         use std::os::fd::AsRawFd;
@@ -105,7 +140,6 @@ fn client(port: u16, bytes: u64) -> Result<(), String> {
         // means to exec a child with it would make it.
         unsafe { libc::fcntl(s.as_raw_fd(), libc::F_SETFD, 0) };
     }
-    let sizes = [1usize, 7, 4096, 65_536, 100_000, 300_000];
     let mut sent = 0u64;
     let mut i = 0;
     while sent < bytes {
@@ -290,6 +324,61 @@ fn expect_end(port: u16) -> Result<(), String> {
     }
 }
 
+fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let mut sent = 0u64;
+    let mut eagain = 0u64;
+    // Bounded: each pass writes at least a byte or waits in poll.
+    for _ in 0..(1u64 << 26) {
+        if sent == bytes {
+            break;
+        }
+        let n = (bytes - sent).min(64 * 1024) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        match s.write(&data) {
+            Ok(w) => sent += w as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                eagain += 1;
+                wait(s.as_raw_fd(), libc::POLLOUT)?;
+            }
+            Err(e) => return Err(format!("write after {sent}: {e}")),
+        }
+    }
+    if sent != bytes {
+        return Err(format!("{sent} of {bytes} bytes written"));
+    }
+    println!("eagain {eagain}");
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    half_close_and_check(&mut s, bytes)
+}
+
+fn answer(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut b = [0u8; 64];
+    s.read_exact(&mut b).map_err(|e| format!("read: {e}"))?;
+    s.write_all(&[1]).map_err(|e| format!("write: {e}"))?;
+    // The client reads the answer before it closes.
+    let mut end = [0u8; 1];
+    let _ = s.read(&mut end);
+    Ok(())
+}
+
+fn quietwriter(port: u16) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.write_all(&[9u8; 64]).map_err(|e| format!("write: {e}"))?;
+    std::thread::sleep(std::time::Duration::from_secs(3));
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(1) => Ok(()),
+        Ok(n) => Err(format!("read {n} bytes")),
+        Err(e) => Err(format!("no answer after 3 s ({e}): the request did not reach the server")),
+    }
+}
+
 fn sink(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -327,6 +416,15 @@ fn main() {
         Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("expect-end") => expect_end(port()),
         Some("flood") => flood(port()),
+        Some("tiny") => client_sizes(
+            port(),
+            args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
+            &[1, 13, 2, 11, 3, 7, 5, 12, 4, 9],
+        ),
+        Some("lateserver") => lateserver(port()),
+        Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("answer") => answer(port()),
+        Some("quietwriter") => quietwriter(port()),
         Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         _ => {
             Err("usage: vrdma-it-sockapp server PORT | client PORT BYTES | echo PORT | ping PORT ROUNDS"

@@ -1,0 +1,185 @@
+//! Writes left in flight: who reaps their completions when the program
+//! does not call on the connection again.
+//!
+//! A write returns once posted ([`Link::write`]); the wake protocol
+//! (`docs/sockets.md`) reads the reader's arming only after the bytes
+//! landed, so someone must look at the completion later. The connection's
+//! next call does. A program that wrote and then waits elsewhere makes no
+//! such call, and its peer would sleep on bytes that wait in its ring:
+//!
+//! - before it waits in `poll`, `ppoll`, `select`, `pselect` or
+//!   `epoll_wait`/`epoll_pwait` (interposed, [`crate::readiness`]), every
+//!   connection with writes in flight is flushed ([`flush_all`]): an event
+//!   loop's peer is woken as soon as its bytes land;
+//! - anywhere else (a blocking call on another descriptor, a sleep, a
+//!   lock), a thread of the library's, one per process, started on the
+//!   first write left in flight, reaps them within [`interval`] (500 µs
+//!   by default, `VRDMA_SOCKETS_PROGRESS_US`).
+//!
+//! The thread costs little while programs call back: it is not woken per
+//! write. Once told of a connection it looks every [`interval`], and
+//! keeps looking for [`LINGER`] after the last one drained, so that a
+//! steady exchange adds connections to its list without waking it; then
+//! it sleeps on its condvar until the next. (Reaping on every write in a
+//! thread of its own, woken each time, doubled a 64-byte round trip on 2
+//! cores: `docs/sockets.md`.)
+
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::time::{Duration, Instant};
+
+use crate::link::Link;
+
+/// Connections on the list (any process's): 0 lets a readiness call pass
+/// without a lock.
+static LISTED: AtomicUsize = AtomicUsize::new(0);
+
+/// The process whose list it is ([`Queue::pid`], readable without the
+/// lock: a forked child must not take a lock its parent's thread may have
+/// held at the fork just to learn that the list is not its own).
+static OWNER: AtomicU32 = AtomicU32::new(0);
+
+/// How long the thread keeps looking after its list emptied.
+const LINGER: Duration = Duration::from_millis(20);
+
+/// How often the thread looks at the connections with writes in flight.
+fn interval() -> Duration {
+    static D: OnceLock<Duration> = OnceLock::new();
+    *D.get_or_init(|| {
+        let us = std::env::var("VRDMA_SOCKETS_PROGRESS_US").ok().and_then(|s| s.parse().ok()).unwrap_or(500);
+        Duration::from_micros(us)
+    })
+}
+
+struct Queue {
+    /// The process that started the thread (a forked child has none).
+    pid: u32,
+    /// Connections with writes in flight (each with its `queued` flag).
+    links: Vec<Arc<Link>>,
+    /// The thread waits on the condvar (a new connection must wake it).
+    idle: bool,
+}
+
+fn queue() -> &'static (Mutex<Queue>, Condvar) {
+    static Q: OnceLock<(Mutex<Queue>, Condvar)> = OnceLock::new();
+    Q.get_or_init(|| (Mutex::new(Queue { pid: 0, links: Vec::new(), idle: false }), Condvar::new()))
+}
+
+fn lock(m: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// `link` has writes in flight: it is on the list until they landed.
+pub fn watch(link: &Arc<Link>) {
+    if link.queued.swap(true, Ordering::AcqRel) {
+        return;
+    }
+    let (m, cv) = queue();
+    let mut q = lock(m);
+    let pid = std::process::id();
+    if q.pid != pid {
+        // First use, or a child after fork, which has no thread: the
+        // parent's entries are not this process's to drop (see
+        // `crate::dev`).
+        std::mem::forget(std::mem::take(&mut q.links));
+        LISTED.store(0, Ordering::Release);
+        q.pid = pid;
+        OWNER.store(pid, Ordering::Release);
+        q.idle = false;
+        if std::thread::Builder::new().name("vrdma-sockets".into()).spawn(run).is_err() {
+            // No thread (the next write tries again): the program's next
+            // call on the connection, or its close, reaps.
+            q.pid = 0;
+            OWNER.store(0, Ordering::Release);
+            link.queued.store(false, Ordering::Release);
+            return;
+        }
+    }
+    q.links.push(link.clone());
+    LISTED.store(q.links.len(), Ordering::Release);
+    if q.idle {
+        q.idle = false;
+        cv.notify_one();
+    }
+}
+
+/// The connections on the list now (none in a forked child, whose list
+/// is its parent's).
+fn listed() -> Vec<Arc<Link>> {
+    let q = lock(&queue().0);
+    if q.pid != std::process::id() {
+        return Vec::new();
+    }
+    q.links.clone()
+}
+
+/// Takes `l` off the list unless a write was posted since it drained.
+fn drained(l: &Arc<Link>) {
+    let mut q = lock(&queue().0);
+    l.queued.store(false, Ordering::Release);
+    if l.in_flight() {
+        l.queued.store(true, Ordering::Release);
+        return;
+    }
+    q.links.retain(|x| !Arc::ptr_eq(x, l));
+    LISTED.store(q.links.len(), Ordering::Release);
+}
+
+/// Before the program waits for readiness: every write in flight lands
+/// and wakes its reader (`wait`), or, for a poll that does not wait, the
+/// completions there are are reaped.
+pub fn flush_all(wait: bool) {
+    if LISTED.load(Ordering::Acquire) == 0 || OWNER.load(Ordering::Acquire) != std::process::id() {
+        return;
+    }
+    for l in listed() {
+        let more = if wait { l.flush_all_writes() } else { l.progress() };
+        if !more {
+            drained(&l);
+        }
+    }
+}
+
+fn run() {
+    // Every call this thread makes goes straight to libc.
+    let _g = crate::table::Guard::enter();
+    // SAFETY: prctl(PR_SET_TIMERSLACK) on the calling thread, no pointers:
+    // its sleeps last what they ask, not 50 µs more.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+    let (m, cv) = queue();
+    let mut last_busy = Instant::now();
+    let mut rounds = 0u32;
+    loop {
+        {
+            let mut q = lock(m);
+            if q.links.is_empty() && last_busy.elapsed() > LINGER {
+                q.idle = true;
+                while q.links.is_empty() {
+                    q = cv.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                q.idle = false;
+            }
+        }
+        std::thread::sleep(interval());
+        let links = listed();
+        if links.is_empty() {
+            continue;
+        }
+        last_busy = Instant::now();
+        for l in &links {
+            if !l.progress() {
+                drained(l);
+            }
+        }
+        // Completions that never come (the daemon is gone): the list is
+        // let go; the program's own calls see the error.
+        rounds = rounds.wrapping_add(1);
+        if rounds.is_multiple_of(1024) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
+            let mut q = lock(m);
+            for l in q.links.drain(..) {
+                l.queued.store(false, Ordering::Release);
+            }
+            LISTED.store(0, Ordering::Release);
+        }
+    }
+}
