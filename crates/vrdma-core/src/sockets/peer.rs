@@ -49,9 +49,12 @@ impl Answer {
         }
     }
 
-    /// The answer as a yes or no (an outcome other than carried is no).
-    pub fn yes(self) -> bool {
-        matches!(self, Answer::Yes | Answer::Outcome(Outcome::Carried))
+    pub fn from_bool(b: bool) -> Answer {
+        if b {
+            Answer::Yes
+        } else {
+            Answer::No
+        }
     }
 }
 
@@ -59,8 +62,18 @@ impl Answer {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum SockMessage {
     /// `id`: the asker's number for the query, which the answer repeats.
-    Query { id: u32, tenant: u32, ctx: u32, query: Query },
-    Answer { id: u32, answer: Answer },
+    Query {
+        id: u32,
+        tenant: u32,
+        ctx: u32,
+        query: Query,
+    },
+    Answer {
+        id: u32,
+        answer: Answer,
+    },
     /// The asker's context `ctx` ended: what it announced goes.
-    Closed { ctx: u32 },
+    Closed {
+        ctx: u32,
+    },
 }

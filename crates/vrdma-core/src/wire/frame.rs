@@ -25,8 +25,8 @@ use super::moved::{MovedRepr, MOVED_LEN};
 use super::opcode::{ATOMIC_ACK_LEN, ATOMIC_LEN, IMM_LEN, RETH_LEN, UD_LEN};
 use super::{
     check_24, check_zero, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, Aeth, CloseRepr, Exts,
-    HelloRepr, KeepaliveRepr, Opcode, Syndrome, WireError, BASE_HEADER_LEN, DATA_HEADER_LEN, HELLO_VERSION,
-    FRAME_VERSION, MAGIC, MAX_DATA_HEADER_LEN, MAX_FRAME_PAYLOAD,
+    HelloRepr, KeepaliveRepr, Opcode, Syndrome, WireError, BASE_HEADER_LEN, DATA_HEADER_LEN, FRAME_VERSION,
+    HELLO_VERSION, MAGIC, MAX_DATA_HEADER_LEN, MAX_FRAME_PAYLOAD,
 };
 use crate::verbs::Gid;
 

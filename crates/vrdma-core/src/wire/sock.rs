@@ -48,7 +48,12 @@ mod tests {
     fn all() -> Vec<SockMessage> {
         let big = u32::MAX;
         vec![
-            SockMessage::Query { id: big, tenant: big, ctx: big, query: Query::Lookup { dst: tuple().server } },
+            SockMessage::Query {
+                id: big,
+                tenant: big,
+                ctx: big,
+                query: Query::Lookup { dst: tuple().server },
+            },
             SockMessage::Query { id: 1, tenant: 1000, ctx: 2, query: Query::Announce { tuple: tuple() } },
             SockMessage::Query {
                 id: big,
