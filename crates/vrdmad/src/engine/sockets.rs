@@ -425,6 +425,11 @@ mod tests {
         // Still there: the context's end tells the peer.
         s.close_remote_sockets(ctx);
         assert_eq!(read_msg(&mut theirs), SockMessage::Closed { ctx: 1 });
+        // A host with no link, that is no configured peer and not in
+        // net.allow, is not dialled for a connect: plain TCP at once.
+        let r =
+            s.handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.3:5000"), local: false }).unwrap();
+        assert!(matches!(r, SockCall::Now(SockReply::No)));
         // A tenant numbered by this daemon is asked nowhere.
         let local_only = TenantId(TenantId::HOST_LOCAL_BASE + 1);
         let r =

@@ -303,8 +303,9 @@ impl Net {
     }
 
     /// Sends a socket registry's message to the daemon of `host`, dialling
-    /// it if no link is up, as [`Net::send_cm`] does; `Err` if it cannot be
-    /// sent (then the client's connection stays plain TCP).
+    /// it if no link is up and the host is a configured peer or inside
+    /// `net.allow`; `Err` if it cannot be sent (then the client's
+    /// connection stays plain TCP).
     pub fn send_sock(&mut self, host: std::net::Ipv4Addr, msg: &SockMessage) -> Result<(), &'static str> {
         let gid = Gid::from_ipv4(host.octets());
         if let Some(l) = self.links.values_mut().find(|l| l.gid == gid) {
@@ -315,8 +316,17 @@ impl Net {
             };
         }
         let addr = SocketAddr::from((host, self.setup.port));
-        if !self.setup.permits(addr) {
-            return Err("the host is outside net.allow");
+        // Every connect of a program under the library asks: a daemon is
+        // dialled for it only where one is expected (a configured peer, or
+        // a host inside a configured net.allow), not at whatever address a
+        // program connects to (the connect would wait for the dial).
+        let ip = addr.ip().to_canonical();
+        let expected = self.setup.peers.iter().any(|p| p.ip().to_canonical() == ip)
+            || self.setup.allow.iter().any(|n| n.contains(&ip));
+        if !expected {
+            return Err(
+                "no link to the host's daemon, and the host is neither in net.peers nor in net.allow",
+            );
         }
         let held = self.sock_pending.entry(host).or_default();
         if held.len() >= CM_PENDING_MAX {
