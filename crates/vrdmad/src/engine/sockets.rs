@@ -104,17 +104,11 @@ impl EngineState {
             }
             SockRequest::Lookup { dst, local } => match self.elsewhere(*dst.ip(), local) {
                 Some(host) => return Ok(self.forward(ctx, tenant, host, Query::Lookup { dst }, now)),
-                None => {
-                    let local = local || self.cm.cm.is_local(*dst.ip());
-                    SockReply::from_bool(self.sockets.lookup(tenant, dst, local))
-                }
+                None => SockReply::from_bool(self.sockets.lookup(tenant, dst, local)),
             },
             SockRequest::Announce { tuple, local } => match self.elsewhere(*tuple.server.ip(), local) {
                 Some(host) => return Ok(self.forward(ctx, tenant, host, Query::Announce { tuple }, now)),
-                None => {
-                    let local = local || self.cm.cm.is_local(*tuple.server.ip());
-                    SockReply::from_bool(self.sockets.announce(ctx, tenant, tuple, local, now))
-                }
+                None => SockReply::from_bool(self.sockets.announce(ctx, tenant, tuple, local, now)),
             },
             SockRequest::Claim { tuple } => SockReply::from_bool(self.sockets.claim(tenant, tuple, now)),
             SockRequest::Resolve { tuple, give_up } => match self.remote.announced.get(&(ctx, tuple)) {
@@ -130,7 +124,10 @@ impl EngineState {
 
     /// The host whose daemon owns `ip`, when that is not this one: the
     /// client found `ip` not to be its host's (`local` false), and this
-    /// daemon does not own it either.
+    /// daemon does not own it either. (Where the daemon owns it, the
+    /// client's word on locality stands, as on one host: a client in
+    /// another network namespace than the daemon's has loopback and
+    /// addresses of its own.)
     fn elsewhere(&self, ip: Ipv4Addr, local: bool) -> Option<Ipv4Addr> {
         let here = local || self.cm.cm.is_local(ip);
         // Addresses no daemon can own: plain TCP, never asked about.
