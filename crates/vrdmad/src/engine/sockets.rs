@@ -249,7 +249,7 @@ impl EngineState {
     /// The answer to this daemon's query `id` came from `host`.
     fn answered(&mut self, host: Ipv4Addr, id: u32, answer: Answer) {
         // Only the host asked answers (a stale or forged id is dropped).
-        if !self.remote.waiting.get(&id).is_some_and(|w| w.host == host) {
+        if self.remote.waiting.get(&id).is_none_or(|w| w.host != host) {
             return;
         }
         let Some(w) = self.remote.waiting.remove(&id) else { return };

@@ -461,7 +461,7 @@ impl Hosts {
     ) -> Result<Proc> {
         check_interrupt()?;
         let name = format!("{} {} in {}", program, args.join(" "), self.hosts[i].ns);
-        spawn_in(&self.dir, Some(&self.hosts[i].ns), program, args, &env, &self.marker, &name)
+        spawn_in(&self.dir, Some(&self.hosts[i].ns), program, args, env, &self.marker, &name)
     }
 
     /// Starts a server in host 0 and waits until it listens on `port`. It
