@@ -158,7 +158,13 @@ fn sockets_client(
         h.check_daemons()?;
         bail!("{} failed ({status}){}", c.name, c.tail());
     }
-    let said = std::fs::read_to_string(&c.stderr).unwrap_or_default().matches("carried over vRDMA").count();
+    let stderr = std::fs::read_to_string(&c.stderr).unwrap_or_default();
+    let said = stderr.matches("carried over vRDMA").count();
+    // The library's line for a failed work completion: the connection
+    // broke (whatever the program made of it).
+    if stderr.contains("work completion") {
+        bail!("{}: a carried connection's work failed{}", c.name, c.tail());
+    }
     if said < carried {
         bail!("{}: {said} of its connections carried over vRDMA, not {carried}{}", c.name, c.tail());
     }
