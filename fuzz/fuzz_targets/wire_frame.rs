@@ -3,7 +3,8 @@
 //! how the stream was split into reads, nor on whether the payload was fed
 //! through the decoder or placed by the caller; and every accepted header
 //! re-emits to exactly the bytes it was parsed from. A connection
-//! manager's frame carries a message the decoder checks as hostile too.
+//! manager's frame and a socket registry's frame carry a message the
+//! decoders check as hostile too.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -112,6 +113,11 @@ fuzz_target!(|data: &[u8]| {
             assert_eq!(whole.headers.first(), Some(&h));
             if let (FrameRepr::Cm { .. }, Ok(m)) = (h, vrdma_core::wire::cm::decode(payload)) {
                 assert_eq!(vrdma_core::wire::cm::decode(&vrdma_core::wire::cm::encode(&m)), Ok(m));
+            }
+            // A socket registry's message likewise; and one that decodes
+            // took all of the payload, so it re-encodes to those bytes.
+            if let (FrameRepr::Sock { .. }, Ok(m)) = (h, vrdma_core::wire::sock::decode(payload)) {
+                assert_eq!(vrdma_core::wire::sock::decode(&vrdma_core::wire::sock::encode(&m)), Ok(m));
             }
         }
         Err(WireError::Truncated) => {}

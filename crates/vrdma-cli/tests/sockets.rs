@@ -1,6 +1,7 @@
 //! `vrdma run --sockets`: an unmodified iperf3 (select(2), non-blocking
 //! sockets, a control and a data connection, a dual-stack IPv6 listener)
-//! on both ends, carried over vRDMA (docs/sockets.md).
+//! on both ends, carried over vRDMA (docs/sockets.md), on one host and
+//! between two (network namespaces with a daemon each).
 
 use std::process::Command;
 use std::time::Duration;
@@ -87,4 +88,58 @@ fn bench_sockets_prints_its_figures_beside_plain_tcp() {
             assert!(row.contains("plain TCP, loopback") && row.contains('x'), "{row}");
         }
     }
+}
+
+/// Whether a socket of process `pid`'s network namespace listens on `port`
+/// (IPv4 or IPv6).
+fn listening_in(pid: i32, port: u16) -> bool {
+    let want = format!(":{port:04X}");
+    ["tcp", "tcp6"].iter().any(|f| {
+        std::fs::read_to_string(format!("/proc/{pid}/net/{f}")).unwrap_or_default().lines().skip(1).any(|l| {
+            let cols: Vec<&str> = l.split_whitespace().collect();
+            cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+        })
+    })
+}
+
+/// iperf3 between two hosts (two network namespaces, a daemon in each):
+/// both connections carried, the daemons asking each other.
+#[test]
+fn iperf3_runs_carried_between_two_hosts() {
+    if !have("iperf3") {
+        return;
+    }
+    let _one = one_at_a_time();
+    let Some(h) = vrdma_it::NetnsHosts::start("").expect("hosts") else { return };
+    let ctx = h.b.context().expect("context");
+    // `vrdma run` as `run` makes it, in host `i`'s namespace.
+    let in_ns = |i: usize, d: &DaemonProc, args: &[&str]| {
+        let c = run(d, args);
+        let mut ns = Command::new("ip");
+        ns.args(["netns", "exec", &h.net.ns[i]]).arg(c.get_program()).args(c.get_args());
+        for (k, v) in c.get_envs() {
+            if let Some(v) = v {
+                ns.env(k, v);
+            }
+        }
+        ns
+    };
+    let port = free_port().to_string();
+    let server = spawn(in_ns(1, &h.b, &["iperf3", "-s", "-1", "-p", &port]), "iperf3 -s in b");
+    let pid = server.pid();
+    vrdma_it::wait_until(Duration::from_secs(20), "iperf3 listens", || {
+        listening_in(pid, port.parse().unwrap()) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })
+    .expect("iperf3 server");
+    let b = h.net.addr[1].as_str();
+    let client = spawn(in_ns(0, &h.a, &["iperf3", "-c", b, "-p", &port, "-n", "16M"]), "iperf3 -c in a");
+    let c = client.finish(LIMIT);
+    let s = server.finish(LIMIT);
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains("iperf Done."), "{}", c.describe());
+    let carried = c.stderr.matches("carried over vRDMA").count();
+    assert_eq!(carried, 2, "{}\n{}", c.describe(), s.describe());
+    let counts = ctx.sock_counts().expect("counts");
+    assert_eq!((counts.announced, counts.carried), (2, 2), "{counts:?}");
 }

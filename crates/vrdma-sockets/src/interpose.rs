@@ -396,7 +396,8 @@ pub unsafe extern "C" fn connect(fd: c_int, to: *const sockaddr, len: socklen_t)
 }
 
 /// Announces the connection `fd` is about to make, when a listener of the
-/// tenant on this host owns the destination.
+/// tenant owns the destination: on this host, or on another host whose
+/// daemon this host's daemon asks (`docs/sockets.md`, "Other hosts").
 ///
 /// # Safety
 /// `to` must be valid for `len` bytes (or null).
@@ -406,13 +407,10 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
     if dst.port() == 0 || table::get(fd).is_some() || !addr::is_inet_stream(fd) {
         return None;
     }
-    // First slice: this host only (docs/sockets.md). Checked first, so a
-    // program that only reaches other hosts never opens the device.
-    if !addr::is_local(*dst.ip()) {
-        return None;
-    }
+    let local = addr::is_local(*dst.ip());
     let d = dev()?;
-    if !d.ctx.sock_lookup(dst, true).ok()? {
+    if !d.ctx.sock_lookup(dst, local).ok()? {
+        debug(&format!("no vRDMA listener of this tenant at {dst} (local: {local}): TCP"));
         return None;
     }
     let mut me = addr::local_of(fd)?;
@@ -426,7 +424,7 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
         me.set_ip(addr::source_for(dst)?);
     }
     let tuple = vrdma::sockets::Tuple { client: me, server: dst };
-    if !d.ctx.sock_announce(tuple, true).ok()? {
+    if !d.ctx.sock_announce(tuple, local).ok()? {
         return None;
     }
     debug(&format!("announced {me} -> {dst}"));

@@ -6,8 +6,8 @@
 //! connections (also those of dual-stack IPv6 sockets: a listener on `::`
 //! takes IPv4 clients as one on `0.0.0.0`, accepted v4-mapped connections
 //! are claimed) over an RC QP pair when the other end is also this library,
-//! of the same tenant, on the same host, and leaves them plain TCP
-//! otherwise. The application's descriptor is always the kernel's TCP
+//! of the same tenant, on this host or another whose daemon this host's
+//! daemon asks, and leaves them plain TCP otherwise. The application's descriptor is always the kernel's TCP
 //! socket; whether a connection is carried is decided through the daemon
 //! (listeners register, clients announce, servers claim), never by bytes
 //! in a stranger's stream.
@@ -15,8 +15,8 @@
 //! # What this slice handles
 //!
 //! - **Negotiated**: `listen` (registers the address), `connect` (announces
-//!   the 4-tuple when a listener of the tenant on this host owns the
-//!   destination; blocking or non-blocking), `accept`/`accept4` (claims).
+//!   the 4-tuple when a listener of the tenant, on this host or the
+//!   destination's, owns the destination; blocking or non-blocking), `accept`/`accept4` (claims).
 //! - **Carried** once both ends agreed: `read`, `write`, `recv`, `send`,
 //!   `recvfrom`, `sendto`, `readv`, `writev`, `recvmsg`, `sendmsg` (no
 //!   ancillary data), the `_FORTIFY_SOURCE` forms `__read_chk`,
@@ -30,7 +30,8 @@
 //!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
 //!   `getpeername`, `setsockopt`/`getsockopt`, `fcntl`'s other commands,
 //!   every call on a descriptor that is not carried (UDP, Unix sockets,
-//!   files, connections to hosts elsewhere or to plain TCP peers).
+//!   files, connections to hosts without a linked daemon or to plain TCP
+//!   peers).
 //! - **Readiness** (`poll`, `ppoll`, `select`, `pselect`, `epoll`) is
 //!   the kernel's view of the socket: the library keeps a wake byte in the
 //!   socket exactly while bytes wait in the ring (`docs/sockets.md`), so

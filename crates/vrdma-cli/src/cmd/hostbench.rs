@@ -14,6 +14,8 @@
 //! | the same | the same | a busy-polling TCP ping-pong ([`pingpong`]) | reference |
 //! | rdma_cm setup, first of a run | create id to ESTABLISHED on both sides, QP included ([`cm_setup`]) | TCP connect + accept, first | ≤ 3× |
 //! | rdma_cm setup, each of 100 in a row | the same, median | TCP connect + accept, median | ≤ 3× |
+//! | TCP stream, carried by the sockets preload | `iperf3 -P 1` under `libvrdma_sockets.so` on both hosts | `iperf3 -P 1` | ≥ 2× |
+//! | TCP 8 B, one way, carried | the busy-polling ping-pong under the preload | the same, plain TCP | ≤ 0.5× |
 //!
 //! Both latencies are one way (half a round trip), as the tools report
 //! them. Beside each bandwidth figure the report gives what it cost in
@@ -34,7 +36,7 @@ mod tools;
 
 use std::time::Instant;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context as _, Result};
 use serde::Serialize;
 
 use crate::cmd::run::{find_companions, find_library, LibDir};
@@ -70,7 +72,7 @@ pub struct Args {
     #[arg(long)]
     qos: bool,
     /// Measure only these figures (repeatable; default all).
-    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin", "cm_setup_first", "cm_setup_each"])]
+    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin", "cm_setup_first", "cm_setup_each", "sockets_stream", "sockets_lat_8b"])]
     only: Vec<String>,
 }
 
@@ -99,7 +101,7 @@ struct Spec {
 /// --cm-setup` and rdma-core's `cmtime` count them).
 const CM_SETUP_COUNT: u32 = 100;
 
-const SPECS: [Spec; 6] = [
+const SPECS: [Spec; 8] = [
     Spec {
         key: "write_bw_1qp",
         tools: ["ib_write_bw", "iperf3"],
@@ -147,6 +149,26 @@ const SPECS: [Spec; 6] = [
         anchor: "TCP connect + accept, same pair, each of 100",
         unit: "us",
         goal: Goal::AtMost(3.0),
+    },
+    // The sockets preload (docs/sockets.md): the same TCP programs, their
+    // connections carried over vRDMA between the hosts, beside themselves
+    // over the veth (issue 20's targets).
+    Spec {
+        key: "sockets_stream",
+        tools: ["iperf3", "iperf3"],
+        figure: "TCP stream carried by the sockets preload (iperf3 -P 1 under libvrdma_sockets.so)",
+        anchor: "iperf3, 1 stream, plain TCP",
+        unit: "Gbit/s",
+        goal: Goal::AtLeast(2.0),
+    },
+    Spec {
+        key: "sockets_lat_8b",
+        tools: ["ip", "ip"],
+        figure:
+            "TCP ping-pong 8 B, one way, busy-polling, carried by the sockets preload (vrdma tcp-pingpong)",
+        anchor: "the same, plain TCP",
+        unit: "us",
+        goal: Goal::AtMost(0.5),
     },
 ];
 
@@ -254,8 +276,14 @@ pub fn run(args: Args) -> Result<()> {
         (args.runs, Plan { bw_secs: 5, lat_secs: 5, lat_iters: 20000 })
     };
     hosts::catch_interrupts();
+    // The sockets figures' library, as `vrdma run --sockets` finds it.
+    let sockets = if selected(&args.only).any(|s| s.key.starts_with("sockets_")) {
+        Some(crate::cmd::run::find_sockets()?)
+    } else {
+        None
+    };
     let start = Instant::now();
-    let result = measure(LibDir::create(&lib, Some(&companions))?, runs, plan, &args);
+    let result = measure(LibDir::create(&lib, Some(&companions))?, sockets.as_deref(), runs, plan, &args);
     if hosts::interrupted() {
         eprintln!("vrdma bench-hosts: interrupted; namespaces and processes removed");
         std::process::exit(130);
@@ -353,7 +381,13 @@ fn selected(only: &[String]) -> impl Iterator<Item = &'static Spec> + '_ {
 
 /// Sets up the hosts and takes `runs` runs; per selected figure, one pair
 /// per run.
-fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<Pair>>> {
+fn measure(
+    lib: LibDir,
+    sockets: Option<&std::path::Path>,
+    runs: usize,
+    plan: Plan,
+    args: &Args,
+) -> Result<Vec<Vec<Pair>>> {
     let say = |s: &str| {
         if !args.json || args.verbose {
             eprintln!("{s}");
@@ -378,6 +412,10 @@ fn measure(lib: LibDir, runs: usize, plan: Plan, args: &Args) -> Result<Vec<Vec<
             let p = match spec.key {
                 "write_bw_1qp" => bandwidth(&mut h, 1, plan.bw_secs)?,
                 "write_bw_4qp" => bandwidth(&mut h, 4, plan.bw_secs)?,
+                "sockets_stream" | "sockets_lat_8b" => {
+                    let lib = sockets.context("the sockets library")?;
+                    sockets_pair(&mut h, lib, spec.key == "sockets_stream", plan)?
+                }
                 "write_lat_8b" => {
                     let anchor = tools::tcp_lat(&mut h, plan.lat_secs)?;
                     Pair::latency(cached(&mut lat, || tools::write_lat(&mut h, plan.lat_iters))?, anchor)
@@ -423,6 +461,23 @@ fn bandwidth(h: &mut Hosts, streams: u32, secs: u32) -> Result<Pair> {
     let anchor_cpu_ms_per_gb = sample.ms_per_gb(anchor);
     let sample = CpuSample::start(secs);
     let vrdma = tools::write_bw(h, streams, secs)?;
+    Ok(Pair { vrdma, anchor, vrdma_cpu_ms_per_gb: sample.ms_per_gb(vrdma), anchor_cpu_ms_per_gb })
+}
+
+/// A sockets figure and its anchor, the same program over plain TCP, in
+/// turn: iperf3's stream (`stream`, with the CPU each cost) or the
+/// busy-polling 8-byte ping-pong.
+fn sockets_pair(h: &mut Hosts, lib: &std::path::Path, stream: bool, plan: Plan) -> Result<Pair> {
+    if !stream {
+        let anchor = tools::spin_lat(h, plan.lat_iters)?;
+        return Ok(Pair::latency(tools::sockets_lat(h, lib, plan.lat_iters)?, anchor));
+    }
+    let secs = plan.bw_secs;
+    let sample = CpuSample::start(secs);
+    let anchor = tools::iperf3(h, 1, secs)?;
+    let anchor_cpu_ms_per_gb = sample.ms_per_gb(anchor);
+    let sample = CpuSample::start(secs);
+    let vrdma = tools::sockets_iperf3(h, lib, secs)?;
     Ok(Pair { vrdma, anchor, vrdma_cpu_ms_per_gb: sample.ms_per_gb(vrdma), anchor_cpu_ms_per_gb })
 }
 

@@ -25,6 +25,7 @@
 //! would let the two ends disagree. Another tenant's listeners and
 //! announcements are invisible: every key holds the tenant.
 
+pub mod peer;
 #[cfg(test)]
 mod tests;
 
@@ -100,9 +101,24 @@ enum State {
     Claimed,
 }
 
+/// Who announced a connection: a context of this daemon, or a context
+/// of another host's daemon (the client runs there, its destination is
+/// here), named by that daemon's address and its number for the context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Owner {
+    Local(ContextId),
+    Remote { host: Ipv4Addr, ctx: u32 },
+}
+
+impl From<ContextId> for Owner {
+    fn from(c: ContextId) -> Owner {
+        Owner::Local(c)
+    }
+}
+
 #[derive(Debug)]
 struct Entry {
-    owner: ContextId,
+    owner: Owner,
     state: State,
 }
 
@@ -177,7 +193,7 @@ impl Registry {
     /// announcement is recorded (pending); false means plain TCP.
     pub fn announce(
         &mut self,
-        ctx: ContextId,
+        owner: impl Into<Owner>,
         tenant: TenantId,
         tuple: Tuple,
         local: bool,
@@ -194,7 +210,7 @@ impl Registry {
         if !self.announced.contains_key(&key) && held >= MAX_ANNOUNCED {
             return false;
         }
-        self.announced.insert(key, Entry { owner: ctx, state: State::Pending { since: now } });
+        self.announced.insert(key, Entry { owner: owner.into(), state: State::Pending { since: now } });
         self.counts(tenant).announced += 1;
         true
     }
@@ -221,12 +237,13 @@ impl Registry {
     /// TCP (the server's later claim is refused).
     pub fn resolve(
         &mut self,
-        ctx: ContextId,
+        owner: impl Into<Owner>,
         tenant: TenantId,
         tuple: Tuple,
         give_up: bool,
         now: Instant,
     ) -> Outcome {
+        let ctx = owner.into();
         self.expire(now);
         let key = (tenant, tuple);
         match self.announced.get(&key) {
@@ -266,7 +283,17 @@ impl Registry {
         for (tenant, addr) in keys {
             self.unlisten(ctx, tenant, addr);
         }
-        self.announced.retain(|_, e| e.owner != ctx);
+        self.announced.retain(|_, e| e.owner != Owner::Local(ctx));
+    }
+
+    /// What a context of the daemon at `host` announced goes with it
+    /// (`ctx`: that context; `None`: every one of that host, whose link
+    /// went down).
+    pub fn forget_remote(&mut self, host: Ipv4Addr, ctx: Option<u32>) {
+        self.announced.retain(|_, e| match e.owner {
+            Owner::Remote { host: h, ctx: c } => h != host || ctx.is_some_and(|x| x != c),
+            Owner::Local(_) => true,
+        });
     }
 
     /// `tenant`'s counts.

@@ -137,3 +137,36 @@ fn limits_and_bad_ports() {
     let t0 = Tuple { client: addr("127.0.0.1:0"), server: addr("127.0.0.1:1") };
     assert!(!r.announce(CLI, A, t0, true, t(0)));
 }
+
+/// A client of another host's daemon announces and resolves through it:
+/// the same transitions, owned by that host's context, which only that
+/// host and context resolve, and which go with the context or the link.
+#[test]
+fn another_hosts_client_is_owned_by_its_host_and_context() {
+    let host = Ipv4Addr::new(10, 0, 0, 1);
+    let other = Ipv4Addr::new(10, 0, 0, 3);
+    let cli = Owner::Remote { host, ctx: 11 };
+    let tup = Tuple { client: addr("10.0.0.1:40000"), server: addr("10.0.0.2:5000") };
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(cli, A, tup, true, t(0)));
+    // A local context with the same number, or another host's, is not it.
+    assert_eq!(r.resolve(ContextId(11), A, tup, false, t(0)), Outcome::Tcp);
+    assert_eq!(r.resolve(Owner::Remote { host: other, ctx: 11 }, A, tup, false, t(0)), Outcome::Tcp);
+    assert_eq!(r.resolve(cli, A, tup, false, t(0)), Outcome::Pending);
+    assert!(r.claim(A, tup, t(1)));
+    assert_eq!(r.resolve(cli, A, tup, false, t(1)), Outcome::Carried);
+
+    // Closing the context, or the link to its host, drops what it holds.
+    assert!(r.announce(cli, A, tup, true, t(2)));
+    r.forget_remote(host, Some(12));
+    r.forget_remote(other, None);
+    r.close_context(ContextId(11));
+    assert_eq!(r.stats(A).pending, 1, "another context's or host's end leaves it");
+    r.forget_remote(host, Some(11));
+    assert_eq!(r.stats(A).pending, 0);
+    assert!(!r.claim(A, tup, t(2)));
+    assert!(r.announce(cli, A, tup, true, t(3)));
+    r.forget_remote(host, None);
+    assert!(!r.claim(A, tup, t(3)), "the link went down: plain TCP");
+}

@@ -25,8 +25,8 @@ use super::moved::{MovedRepr, MOVED_LEN};
 use super::opcode::{ATOMIC_ACK_LEN, ATOMIC_LEN, IMM_LEN, RETH_LEN, UD_LEN};
 use super::{
     check_24, check_zero, get_u16, get_u32, get_u64, put_u16, put_u32, put_u64, Aeth, CloseRepr, Exts,
-    HelloRepr, KeepaliveRepr, Opcode, Syndrome, WireError, BASE_HEADER_LEN, DATA_HEADER_LEN, HELLO_VERSION,
-    MAGIC, MAX_DATA_HEADER_LEN, MAX_FRAME_PAYLOAD, VERSION,
+    HelloRepr, KeepaliveRepr, Opcode, Syndrome, WireError, BASE_HEADER_LEN, DATA_HEADER_LEN, FRAME_VERSION,
+    HELLO_VERSION, MAGIC, MAX_DATA_HEADER_LEN, MAX_FRAME_PAYLOAD,
 };
 use crate::verbs::Gid;
 
@@ -59,16 +59,20 @@ pub enum FrameType {
     Cm = 0x05,
     /// A migrated QP's new location (see [`super::MovedRepr`]).
     Moved = 0x06,
+    /// A socket registry's message between daemons (see [`super::sock`]);
+    /// wire version 3 and up.
+    Sock = 0x07,
     Data = 0x10,
 }
 
 impl FrameType {
     /// The base-header version this frame carries: Hello and Close
-    /// [`HELLO_VERSION`] (readable by every version), the rest [`VERSION`].
+    /// [`HELLO_VERSION`] (readable by every version), the rest
+    /// [`FRAME_VERSION`].
     pub fn base_version(self) -> u8 {
         match self {
             FrameType::Hello | FrameType::Close => HELLO_VERSION,
-            _ => VERSION,
+            _ => FRAME_VERSION,
         }
     }
 
@@ -80,6 +84,7 @@ impl FrameType {
             0x04 => FrameType::Close,
             0x05 => FrameType::Cm,
             0x06 => FrameType::Moved,
+            0x07 => FrameType::Sock,
             0x10 => FrameType::Data,
             _ => return None,
         })
@@ -93,7 +98,7 @@ impl FrameType {
             FrameType::Auth => (AUTH_LEN, AUTH_LEN),
             FrameType::Keepalive => (KEEPALIVE_LEN, KEEPALIVE_LEN),
             FrameType::Close => (CLOSE_LEN, CLOSE_LEN),
-            FrameType::Cm => (BASE_HEADER_LEN, BASE_HEADER_LEN),
+            FrameType::Cm | FrameType::Sock => (BASE_HEADER_LEN, BASE_HEADER_LEN),
             FrameType::Moved => (MOVED_LEN, MOVED_LEN),
             FrameType::Data => (DATA_HEADER_LEN, MAX_DATA_HEADER_LEN),
         }
@@ -132,7 +137,7 @@ pub(super) fn check_base(b: &[u8]) -> Result<Base, WireError> {
         return Err(WireError::BadMagic(magic));
     }
     let version = b[field::VERSION];
-    if version != VERSION && version != HELLO_VERSION {
+    if version != FRAME_VERSION && version != HELLO_VERSION {
         return Err(WireError::UnsupportedVersion(version));
     }
     let t = b[field::TYPE];
@@ -159,6 +164,10 @@ pub(super) fn check_base(b: &[u8]) -> Result<Base, WireError> {
                 return Err(WireError::BadCmLen(payload_len));
             }
             FrameType::Cm => {}
+            FrameType::Sock if payload_len == 0 || payload_len > super::sock::MAX_SOCK_PAYLOAD => {
+                return Err(WireError::BadSockLen(payload_len));
+            }
+            FrameType::Sock => {}
             _ if payload_len != 0 => return Err(WireError::UnexpectedPayload),
             _ => {}
         }
@@ -580,6 +589,11 @@ pub enum FrameRepr {
     },
     /// A migrated QP's new location.
     Moved(MovedRepr),
+    /// A socket registry's message of `len` bytes follows (see
+    /// [`super::sock`]).
+    Sock {
+        len: u32,
+    },
     Data(DataRepr),
 }
 
@@ -601,6 +615,7 @@ impl FrameRepr {
             FrameType::Close => FrameRepr::Close(CloseRepr::read(b)?),
             FrameType::Cm => FrameRepr::Cm { len: base.payload_len },
             FrameType::Moved => FrameRepr::Moved(MovedRepr::read(b)?),
+            FrameType::Sock => FrameRepr::Sock { len: base.payload_len },
             FrameType::Data => FrameRepr::Data(DataRepr::read(b, b[field::FLAGS], base.payload_len)?),
         })
     }
@@ -613,6 +628,7 @@ impl FrameRepr {
             FrameRepr::Close(_) => FrameType::Close,
             FrameRepr::Cm { .. } => FrameType::Cm,
             FrameRepr::Moved(_) => FrameType::Moved,
+            FrameRepr::Sock { .. } => FrameType::Sock,
             FrameRepr::Data(_) => FrameType::Data,
         }
     }
@@ -625,7 +641,7 @@ impl FrameRepr {
             FrameRepr::Auth(_) => AUTH_LEN,
             FrameRepr::Keepalive(_) => KEEPALIVE_LEN,
             FrameRepr::Close(_) => CLOSE_LEN,
-            FrameRepr::Cm { .. } => BASE_HEADER_LEN,
+            FrameRepr::Cm { .. } | FrameRepr::Sock { .. } => BASE_HEADER_LEN,
             FrameRepr::Moved(_) => MOVED_LEN,
             FrameRepr::Data(d) => d.header_len(),
         }
@@ -634,7 +650,7 @@ impl FrameRepr {
     pub fn payload_len(&self) -> u32 {
         match self {
             FrameRepr::Data(d) => d.payload_len,
-            FrameRepr::Cm { len } => *len,
+            FrameRepr::Cm { len } | FrameRepr::Sock { len } => *len,
             _ => 0,
         }
     }
@@ -667,6 +683,10 @@ impl FrameRepr {
                 return Err(WireError::BadCmLen(*len));
             }
             FrameRepr::Cm { .. } => {}
+            FrameRepr::Sock { len } if *len == 0 || *len > super::sock::MAX_SOCK_PAYLOAD => {
+                return Err(WireError::BadSockLen(*len));
+            }
+            FrameRepr::Sock { .. } => {}
             FrameRepr::Moved(m) => {
                 m.check()?;
                 m.write(b);

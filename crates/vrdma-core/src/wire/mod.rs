@@ -51,6 +51,7 @@ mod decoder;
 mod frame;
 mod moved;
 mod opcode;
+pub mod sock;
 
 #[cfg(test)]
 mod tests;
@@ -64,14 +65,26 @@ pub use opcode::{Exts, Opcode};
 
 /// The first two bytes of every frame: `"vR"`.
 pub const MAGIC: u16 = 0x7652;
-/// The frame format version this code speaks. Bumped on any incompatible
-/// change; [`HelloRepr`] carries the range each side supports.
+/// The highest protocol version this code speaks; [`HelloRepr`] carries
+/// the range each side supports, and a link uses the highest both do.
 ///
 /// Version 2 is version 1 with the live-migration extension (the PAUSED
 /// NAK and the Moved frame): a version-1 daemon ends a link on either, so
 /// this code does not speak version 1 at all and a version-1 peer is
 /// refused at the Hello (`VersionMismatch`), clearly, before any traffic.
-pub const VERSION: u8 = 2;
+///
+/// Version 3 is version 2 with one more frame type, the socket registry's
+/// Sock frame ([`sock`]), and nothing else changed: its frames keep the
+/// base-header version [`FRAME_VERSION`], and a daemon sends Sock frames
+/// only on a link that negotiated 3, so a version-2 daemon (which would
+/// refuse the unknown frame type, `UnknownFrameType`, and end the link)
+/// never gets one; its hosts' sockets stay plain TCP.
+pub const VERSION: u8 = 3;
+/// The first version with the Sock frame.
+pub const SOCK_VERSION: u8 = 3;
+/// The base-header version of every frame but Hello and Close: the frame
+/// layout of version 2, which version 3 keeps.
+pub const FRAME_VERSION: u8 = 2;
 /// The oldest version this code speaks (see [`VERSION`]).
 pub const MIN_VERSION: u8 = 2;
 /// The base-header version Hello and Close frames always carry, whatever
@@ -120,6 +133,10 @@ pub enum WireError {
     BadCmLen(u32),
     #[error("a connection manager's message that does not decode")]
     BadCmMessage,
+    #[error("a socket registry's message of {0} bytes (1..={max} allowed)", max = sock::MAX_SOCK_PAYLOAD)]
+    BadSockLen(u32),
+    #[error("a socket registry's message that does not decode")]
+    BadSockMessage,
     #[error("an empty payload on a first or middle chunk")]
     EmptyChunk,
     #[error("reserved field {0} is not zero")]

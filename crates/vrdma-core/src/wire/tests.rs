@@ -82,6 +82,8 @@ fn all_frames() -> Vec<FrameRepr> {
         FrameRepr::Close(CloseRepr { reason: CloseReason::KeepaliveTimeout, detail: 0 }),
         FrameRepr::Moved(MovedRepr { vnet: 1000, qpn: 0x11, peer_qpn: MAX_24, epoch: 1 }),
         FrameRepr::Moved(MovedRepr { vnet: u32::MAX, qpn: 2, peer_qpn: 3, epoch: u32::MAX }),
+        FrameRepr::Sock { len: 1 },
+        FrameRepr::Sock { len: sock::MAX_SOCK_PAYLOAD },
     ];
     v.extend(Opcode::ALL.iter().map(|op| FrameRepr::Data(sample(*op))));
     let mut ack = sample(Opcode::Acknowledge);
@@ -168,7 +170,7 @@ fn every_frame_round_trips() {
         assert_eq!(p.magic(), MAGIC);
         let base = match f {
             FrameRepr::Hello(_) | FrameRepr::Close(_) => HELLO_VERSION,
-            _ => VERSION,
+            _ => FRAME_VERSION,
         };
         assert_eq!(p.version(), base, "{f:?}");
         assert_eq!(p.header_len() as usize, f.header_len());
@@ -394,28 +396,31 @@ fn semantic_rules_hold_on_emit_and_parse() {
 fn version_and_chunk_negotiation() {
     let a = hello(Role::Initiator, 1, 1);
     let mut b = hello(Role::Acceptor, 2, 2);
-    assert_eq!((a.min_version, a.max_version), (2, 2), "this code speaks version 2 only");
-    assert_eq!(a.negotiate_version(&b), Ok(2));
+    assert_eq!((a.min_version, a.max_version), (2, 3), "this code speaks versions 2 and 3");
+    assert_eq!(a.negotiate_version(&b), Ok(3));
+    // A daemon without the Sock frame: version 2, which this code speaks.
+    b.max_version = 2;
+    assert_eq!(a.negotiate_version(&b), Ok(2), "a version-2 peer gets version 2 (no Sock frames)");
     // A daemon without the migration extension: refused, saying why.
     b.min_version = 1;
     b.max_version = 1;
     let e = a.negotiate_version(&b).unwrap_err();
-    assert_eq!(e, WireError::NoCommonVersion { min: 2, max: 2, peer_min: 1, peer_max: 1 });
+    assert_eq!(e, WireError::NoCommonVersion { min: 2, max: 3, peer_min: 1, peer_max: 1 });
     assert!(e.to_string().contains("peer speaks 1..=1") && e.to_string().contains("upgraded"), "{e}");
-    b.min_version = 3;
-    b.max_version = 4;
+    b.min_version = 4;
+    b.max_version = 5;
     assert!(matches!(a.negotiate_version(&b), Err(WireError::NoCommonVersion { .. })));
     b.min_version = 1;
-    assert_eq!(a.negotiate_version(&b), Ok(2), "the highest both speak, and this code speaks 2");
+    assert_eq!(a.negotiate_version(&b), Ok(3), "the highest both speak, and this code speaks 3");
     b.max_chunk = 4096;
     assert_eq!(a.negotiate_chunk(&b), 4096);
     b.max_chunk = 4095;
     assert_eq!(FrameRepr::Hello(b).emit(&mut [0u8; MAX_HEADER_LEN]), Err(WireError::BadChunkSize(4095)));
     b.max_chunk = 4096;
-    b.min_version = 5;
+    b.min_version = 6;
     assert_eq!(
         FrameRepr::Hello(b).emit(&mut [0u8; MAX_HEADER_LEN]),
-        Err(WireError::BadVersionRange { min: 5, max: 4 })
+        Err(WireError::BadVersionRange { min: 6, max: 5 })
     );
 }
 

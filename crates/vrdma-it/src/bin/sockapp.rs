@@ -47,6 +47,10 @@
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
+//!
+//! `server` listens on `SOCKAPP_BIND` and `client` connects to
+//! `SOCKAPP_HOST` where they are set (an address of another network
+//! namespace, for the tests across hosts), else on 127.0.0.1.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -55,8 +59,13 @@ fn pattern(i: u64) -> u8 {
     ((i * 31 + 7) % 251) as u8
 }
 
+/// The address in `var`, or 127.0.0.1.
+fn ip_from(var: &str) -> String {
+    std::env::var(var).unwrap_or_else(|_| "127.0.0.1".into())
+}
+
 fn server(port: u16) -> Result<(), String> {
-    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     serve(&l)
@@ -133,7 +142,7 @@ fn client(port: u16, bytes: u64) -> Result<(), String> {
 }
 
 fn client_sizes(port: u16, bytes: u64, sizes: &[usize]) -> Result<(), String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
     {
         use std::os::fd::AsRawFd;
         // SAFETY: fcntl(2) on our socket: inheritable, as a program that

@@ -15,6 +15,7 @@
 mod handle;
 mod rings;
 mod sleep;
+mod sockets;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -28,6 +29,7 @@ use vrdma_shm::Doorbell;
 
 pub use handle::{EngineGone, EngineHandle};
 pub use rings::{Channel, ContextRings, CqRing, InRing, QpRings, RingTable};
+pub use sockets::{SockCall, FORWARD_WAIT};
 
 use crate::config::EngineConfig;
 
@@ -68,6 +70,8 @@ pub struct EngineState {
     pub processes: HashMap<ContextId, Origin>,
     /// The socket registry of the preload library (`docs/sockets.md`).
     pub sockets: vrdma_core::sockets::Registry,
+    /// Its calls about other hosts' addresses, and theirs about ours.
+    remote: sockets::RemoteSockets,
 }
 
 /// Where a context's calls come from, as far as the daemon can tell.
@@ -107,6 +111,7 @@ impl EngineState {
             direct: crate::direct::DirectDriver::default(),
             processes: HashMap::new(),
             sockets: vrdma_core::sockets::Registry::new(),
+            remote: sockets::RemoteSockets::default(),
         }
     }
 
@@ -133,6 +138,7 @@ impl EngineState {
         let t = self.hca.close_context(ctx, &mut self.rings);
         self.processes.remove(&ctx);
         self.sockets.close_context(ctx);
+        self.close_remote_sockets(ctx);
         // The process is gone: nothing of it copies any more, and its
         // peers' windows are closed (no wait: the pages stay mapped in the
         // peers, whose copies land in memory no one else uses).
@@ -156,6 +162,8 @@ impl EngineState {
     /// Runs the connection manager: what the links brought, its timers,
     /// and its messages out, here or over the links. Returns its next timer.
     pub fn run_cm(&mut self, now: Instant) -> Option<Instant> {
+        // (The socket registry's messages ride the same links.)
+        self.run_sockets(now);
         if let Some(net) = self.net.as_mut() {
             let mut came = std::mem::take(&mut self.cm_in);
             net.take_cm_in(&mut came);
@@ -254,37 +262,6 @@ impl EngineState {
             }
             (r, _) => r,
         }
-    }
-
-    /// A socket registry call of `ctx`'s (`docs/sockets.md`).
-    pub fn handle_sock(
-        &mut self,
-        ctx: ContextId,
-        tenant: vrdma_core::hca::TenantId,
-        req: vrdma_core::proto::SockRequest,
-    ) -> Result<vrdma_core::proto::SockReply, vrdma_core::sockets::SockError> {
-        use vrdma_core::proto::{SockReply, SockRequest};
-        let now = self.now();
-        let r = &mut self.sockets;
-        Ok(match req {
-            SockRequest::Listen { addr } => {
-                r.listen(ctx, tenant, addr)?;
-                SockReply::Done
-            }
-            SockRequest::Unlisten { addr } => {
-                r.unlisten(ctx, tenant, addr);
-                SockReply::Done
-            }
-            SockRequest::Lookup { dst, local } => SockReply::from_bool(r.lookup(tenant, dst, local)),
-            SockRequest::Announce { tuple, local } => {
-                SockReply::from_bool(r.announce(ctx, tenant, tuple, local, now))
-            }
-            SockRequest::Claim { tuple } => SockReply::from_bool(r.claim(tenant, tuple, now)),
-            SockRequest::Resolve { tuple, give_up } => {
-                SockReply::Outcome(r.resolve(ctx, tenant, tuple, give_up, now))
-            }
-            SockRequest::Counts => SockReply::Counts(r.stats(tenant)),
-        })
     }
 
     /// Whether contexts `a` and `b` are of one origin of one tenant (one

@@ -41,6 +41,8 @@ pub struct Identity {
 pub struct Peer {
     pub hello: HelloRepr,
     pub chunk: u32,
+    /// The wire version both daemons speak (which frames may be sent).
+    pub version: u8,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +81,7 @@ fn frame_name(f: &FrameRepr) -> &'static str {
         FrameRepr::Close(_) => "Close",
         FrameRepr::Cm { .. } => "a connection manager's frame",
         FrameRepr::Moved(_) => "a Moved frame",
+        FrameRepr::Sock { .. } => "a socket registry's frame",
         FrameRepr::Data(_) => "a data frame",
     }
 }
@@ -204,10 +207,13 @@ fn run(
         FrameRepr::Hello(h) => h,
         other => return Err(HandshakeError::Unexpected(frame_name(&other), "Hello")),
     };
-    if let Err(e) = hello.negotiate_version(&peer) {
-        send_close(s, CloseReason::VersionMismatch);
-        return Err(HandshakeError::Version(e));
-    }
+    let version = match hello.negotiate_version(&peer) {
+        Ok(v) => v,
+        Err(e) => {
+            send_close(s, CloseReason::VersionMismatch);
+            return Err(HandshakeError::Version(e));
+        }
+    };
     if peer.daemon_id == me.daemon_id {
         send_close(s, CloseReason::AuthFailed);
         return Err(HandshakeError::Reflected(peer.daemon_id));
@@ -246,7 +252,7 @@ fn run(
     }
     s.set_read_timeout(None)?;
     s.set_write_timeout(None)?;
-    Ok(Peer { hello: peer, chunk: hello.negotiate_chunk(&peer) })
+    Ok(Peer { hello: peer, chunk: hello.negotiate_chunk(&peer), version })
 }
 
 #[cfg(test)]

@@ -153,6 +153,13 @@ pub struct LinkIo {
     /// frame takes), and the messages read whole, for the engine.
     cm_rx: Option<Region>,
     pub cm_in: Vec<vrdma_core::cm::CmMessage>,
+    /// The frame whose payload `cm_rx` takes is a socket registry's
+    /// (read the same way), and the messages read whole, for the engine.
+    rx_sock: bool,
+    pub sock_in: Vec<vrdma_core::sockets::peer::SockMessage>,
+    /// The wire version the link speaks (see `vrdma_core::wire::VERSION`):
+    /// Sock frames go only where it is `SOCK_VERSION` or later.
+    pub version: u8,
 }
 
 /// Connection manager's messages a link holds for the engine at most;
@@ -243,6 +250,9 @@ impl LinkIo {
             rtt: None,
             cm_rx: None,
             cm_in: Vec::new(),
+            rx_sock: false,
+            sock_in: Vec::new(),
+            version: vrdma_core::wire::VERSION,
             max_queued: DEFAULT_MAX_QUEUED_KIB as usize * 1024,
             bounded: false,
             capped_since: None,
@@ -289,14 +299,26 @@ impl LinkIo {
     /// Queues a connection manager's message for the peer.
     pub fn queue_cm(&mut self, msg: &vrdma_core::cm::CmMessage) {
         let payload = vrdma_core::wire::cm::encode(msg);
-        let f = FrameRepr::Cm { len: payload.len() as u32 };
+        self.queue_small(FrameRepr::Cm { len: payload.len() as u32 }, payload);
+    }
+
+    /// Queues a socket registry's message for the peer; false if the link
+    /// does not speak them (a version-2 peer).
+    pub fn queue_sock(&mut self, msg: &vrdma_core::sockets::peer::SockMessage) -> bool {
+        if self.version < vrdma_core::wire::SOCK_VERSION {
+            return false;
+        }
+        let payload = vrdma_core::wire::sock::encode(msg);
+        self.queue_small(FrameRepr::Sock { len: payload.len() as u32 }, payload);
+        true
+    }
+
+    /// Queues a frame whose payload is `payload` (a message, not data).
+    fn queue_small(&mut self, f: FrameRepr, payload: Vec<u8>) {
         let mut t = Transmit::default();
         t.header.extend(std::iter::repeat_n(0, f.header_len()));
         if f.emit(&mut t.header).is_err() {
-            tracing::error!(
-                len = payload.len(),
-                "a connection manager's message too long for a frame; not sent"
-            );
+            tracing::error!(len = payload.len(), frame = ?f, "a message too long for its frame; not sent");
             return;
         }
         let region = Region::heap(payload.len());
@@ -380,7 +402,14 @@ impl LinkIo {
                     busy = true;
                     if matches!(self.dec.want(), Want::Header(_)) {
                         self.sink = None;
-                        if let Some(r) = self.cm_rx.take() {
+                        let sock = std::mem::take(&mut self.rx_sock);
+                        if let Some(r) = self.cm_rx.take_if(|_| sock) {
+                            let mut bytes = vec![0u8; r.len()];
+                            let _ = r.read(0, &mut bytes);
+                            let msg = vrdma_core::wire::sock::decode(&bytes)
+                                .map_err(|e| format!("protocol error: {e}"))?;
+                            self.sock_in.push(msg);
+                        } else if let Some(r) = self.cm_rx.take() {
                             let mut bytes = vec![0u8; r.len()];
                             let _ = r.read(0, &mut bytes);
                             let msg = vrdma_core::wire::cm::decode(&bytes)
@@ -463,6 +492,25 @@ impl LinkIo {
                 segs.push(IoSeg { region: region.clone(), off: 0, len: len as usize });
                 self.sink = Some(RxSink::Place { segs, done: 0 });
                 self.cm_rx = Some(region);
+                self.after_large = false;
+                Ok(())
+            }
+            FrameRepr::Sock { len } => {
+                if self.version < vrdma_core::wire::SOCK_VERSION {
+                    return Err(format!(
+                        "protocol error: a socket registry's frame on a link of wire version {}",
+                        self.version
+                    ));
+                }
+                if self.sock_in.len() >= CM_IN_MAX {
+                    return Err("protocol error: socket registry's messages faster than they are read".into());
+                }
+                let region = Region::heap(len as usize);
+                let mut segs = ArrayVec::new();
+                segs.push(IoSeg { region: region.clone(), off: 0, len: len as usize });
+                self.sink = Some(RxSink::Place { segs, done: 0 });
+                self.cm_rx = Some(region);
+                self.rx_sock = true;
                 self.after_large = false;
                 Ok(())
             }

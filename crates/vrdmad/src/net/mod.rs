@@ -33,6 +33,7 @@ use vrdma_core::{limited_info, limited_warn};
 
 pub use handshake::{dial_handshake, handshake, handshake_admitting, HandshakeError, Identity, Peer};
 pub use link::LinkIo;
+use vrdma_core::sockets::peer::SockMessage;
 
 use crate::engine::{EngineHandle, RingTable};
 
@@ -119,6 +120,12 @@ pub struct Net {
     /// Hosts the connection manager can no longer reach (a link went down,
     /// a dial for its messages failed), for the engine to tell it.
     pub cm_down: Vec<std::net::Ipv4Addr>,
+    /// The socket registry's messages for hosts with no link yet, as
+    /// `cm_pending` (`docs/sockets.md`, "Other hosts").
+    sock_pending: HashMap<std::net::Ipv4Addr, Vec<SockMessage>>,
+    /// Hosts whose registry can no longer be asked (a link went down, a
+    /// dial for its messages failed, its daemon does not speak them).
+    pub sock_down: Vec<std::net::Ipv4Addr>,
 }
 
 /// Connection manager's messages held for one host that has no link yet.
@@ -183,6 +190,8 @@ impl Net {
             log: LogLimiter::new(),
             cm_pending: HashMap::new(),
             cm_down: Vec::new(),
+            sock_pending: HashMap::new(),
+            sock_down: Vec::new(),
         }
     }
 
@@ -208,6 +217,7 @@ impl Net {
         match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
             Ok(mut l) => {
                 l.set_max_queued(self.setup.max_queued);
+                l.version = peer.version;
                 if let Some(ep) = &self.readiness {
                     if let Err(e) =
                         epoll::add(ep, l.fd(), epoll::EventData::new_u64(id.0.into()), epoll::EventFlags::IN)
@@ -225,6 +235,14 @@ impl Net {
                 if let Some(held) = info.gid.ipv4().and_then(|ip| self.cm_pending.remove(&ip.into())) {
                     for m in &held {
                         l.queue_cm(m);
+                    }
+                }
+                // And the socket registry's, if the peer speaks them.
+                if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
+                    if let Some(held) = self.sock_pending.remove(&ip) {
+                        if !held.iter().all(|m| l.queue_sock(m)) {
+                            self.sock_down.push(ip);
+                        }
                     }
                 }
                 self.links.insert(id, l);
@@ -253,6 +271,9 @@ impl Net {
             if self.cm_pending.remove(&ip).is_some() {
                 self.cm_down.push(ip);
             }
+            if self.sock_pending.remove(&ip).is_some() {
+                self.sock_down.push(ip);
+            }
         }
     }
 
@@ -279,6 +300,59 @@ impl Net {
         held.push(msg.clone());
         self.dial(addr, Some(gid));
         Ok(())
+    }
+
+    /// Sends a socket registry's message to the daemon of `host`, dialling
+    /// it if no link is up and the host is a configured peer or inside
+    /// `net.allow`; `Err` if it cannot be sent (then the client's
+    /// connection stays plain TCP).
+    pub fn send_sock(&mut self, host: std::net::Ipv4Addr, msg: &SockMessage) -> Result<(), &'static str> {
+        let gid = Gid::from_ipv4(host.octets());
+        if let Some(l) = self.links.values_mut().find(|l| l.gid == gid) {
+            return if l.queue_sock(msg) {
+                Ok(())
+            } else {
+                Err("the host's daemon speaks wire version 2, without the socket registry's frames")
+            };
+        }
+        let addr = SocketAddr::from((host, self.setup.port));
+        // Every connect of a program under the library asks: a daemon is
+        // dialled for it only where one is expected (a configured peer, or
+        // a host inside a configured net.allow), not at whatever address a
+        // program connects to (the connect would wait for the dial).
+        let ip = addr.ip().to_canonical();
+        let expected = self.setup.peers.iter().any(|p| p.ip().to_canonical() == ip)
+            || self.setup.allow.iter().any(|n| n.contains(&ip));
+        if !expected {
+            return Err(
+                "no link to the host's daemon, and the host is neither in net.peers nor in net.allow",
+            );
+        }
+        let held = self.sock_pending.entry(host).or_default();
+        if held.len() >= CM_PENDING_MAX {
+            return Err("too many messages wait for a link to the host");
+        }
+        held.push(*msg);
+        self.dial(addr, Some(gid));
+        // A dial that failed a moment ago waits to be tried again: the
+        // answer is now, not when that one fails too.
+        if self.dialling.get(&addr).is_some_and(|d| matches!(d, Dial::RetryAt(..)) && d.holds(Clock::now())) {
+            self.sock_pending.remove(&host);
+            return Err("the host's daemon cannot be reached now");
+        }
+        Ok(())
+    }
+
+    /// The socket registry's messages the links read, with the host each
+    /// came from.
+    pub fn take_sock_in(&mut self, out: &mut Vec<(std::net::Ipv4Addr, SockMessage)>) {
+        for l in self.links.values_mut().filter(|l| !l.sock_in.is_empty()) {
+            let Some(ip) = l.gid.ipv4() else {
+                l.sock_in.clear();
+                continue;
+            };
+            out.extend(l.sock_in.drain(..).map(|m| (ip.into(), m)));
+        }
     }
 
     /// The connection manager's messages the links read, with the host
@@ -451,6 +525,7 @@ impl Net {
                 hca.link_down(id);
                 if let Some(ip) = l.gid.ipv4() {
                     self.cm_down.push(ip.into());
+                    self.sock_down.push(ip.into());
                 }
             }
         }

@@ -523,7 +523,9 @@ impl Session {
             Request::Sock(req) => {
                 let tenant = self.tenant;
                 match self.engine(move |e, c| e.handle_sock(c, tenant, req))? {
-                    Ok(reply) => Reply::Sock(reply).into(),
+                    // Another host's answer is waited for here, off the
+                    // engine's lock.
+                    Ok(call) => Reply::Sock(call.reply()).into(),
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }

@@ -435,9 +435,33 @@ impl Hosts {
             env.push(("LD_LIBRARY_PATH", self.lib.path().as_os_str()));
             env.push((vrdma::SOCKET_ENV, self.hosts[i].socket.as_os_str()));
         }
+        self.spawn_env(i, program, args, &env)
+    }
+
+    /// Starts `program` under the sockets preload `lib` (its TCP
+    /// connections carried over vRDMA where the peer runs it too), on
+    /// host `i`'s daemon; the library says which connections it carried
+    /// on stderr (`VRDMA_SOCKETS_DEBUG`).
+    pub fn spawn_sockets(&mut self, i: usize, program: &str, args: &[&str], lib: &Path) -> Result<Proc> {
+        let socket = self.hosts[i].socket.clone();
+        let env: [(&str, &std::ffi::OsStr); 3] = [
+            ("LD_PRELOAD", lib.as_os_str()),
+            (vrdma::SOCKET_ENV, socket.as_os_str()),
+            ("VRDMA_SOCKETS_DEBUG", std::ffi::OsStr::new("1")),
+        ];
+        self.spawn_env(i, program, args, &env)
+    }
+
+    fn spawn_env(
+        &self,
+        i: usize,
+        program: &str,
+        args: &[&str],
+        env: &[(&str, &std::ffi::OsStr)],
+    ) -> Result<Proc> {
         check_interrupt()?;
         let name = format!("{} {} in {}", program, args.join(" "), self.hosts[i].ns);
-        spawn_in(&self.dir, Some(&self.hosts[i].ns), program, args, &env, &self.marker, &name)
+        spawn_in(&self.dir, Some(&self.hosts[i].ns), program, args, env, &self.marker, &name)
     }
 
     /// Starts a server in host 0 and waits until it listens on `port`. It
@@ -445,6 +469,29 @@ impl Hosts {
     /// stops it after the measurement.
     pub fn server(&mut self, program: &str, args: &[&str], shim: bool, port: u16) -> Result<()> {
         let p = self.spawn(0, program, args, shim)?;
+        self.serve(p, port)
+    }
+
+    /// [`Hosts::server`] under the sockets preload (see [`Hosts::spawn_sockets`]).
+    /// It is ready once the library registered its listener with the
+    /// daemon (its line says so), not only once the kernel listens: a
+    /// client before that would stay plain TCP.
+    pub fn server_sockets(&mut self, program: &str, args: &[&str], lib: &Path, port: u16) -> Result<()> {
+        let p = self.spawn_sockets(0, program, args, lib)?;
+        self.serve(p, port)?;
+        let end = Instant::now() + Duration::from_secs(20);
+        let p = self.procs.last().expect("just served");
+        while !std::fs::read_to_string(&p.stderr).unwrap_or_default().contains("]: listening on") {
+            check_interrupt()?;
+            if !p.running() || Instant::now() > end {
+                bail!("{} did not register its listener with the daemon{}", p.name, p.tail());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Ok(())
+    }
+
+    fn serve(&mut self, p: Proc, port: u16) -> Result<()> {
         let pid = p.pid();
         self.procs.push(p);
         let end = Instant::now() + Duration::from_secs(20);

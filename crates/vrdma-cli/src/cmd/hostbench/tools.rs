@@ -112,6 +112,65 @@ pub fn iperf3(h: &mut Hosts, streams: u32, secs: u32) -> Result<f64> {
     parse_iperf3(&out).context("iperf3's JSON report")
 }
 
+/// iperf3 with one stream, both ends under the sockets preload `lib`
+/// (docs/sockets.md, "Other hosts"): Gbit/s received. Both of its
+/// connections must be carried, or this fails rather than read TCP as
+/// vRDMA.
+pub fn sockets_iperf3(h: &mut Hosts, lib: &Path, secs: u32) -> Result<f64> {
+    let port = IPERF_PORT.to_string();
+    h.server_sockets("iperf3", &["-s", "-1", "-p", &port], lib, IPERF_PORT)?;
+    let server = h.hosts[0].addr.to_string();
+    let t = secs.to_string();
+    let out = sockets_client(h, lib, "iperf3", &["-c", &server, "-p", &port, "-t", &t, "-J"], secs, 2)?;
+    parse_iperf3(&out).context("iperf3's JSON report, under the sockets preload")
+}
+
+/// vrdma's busy-polling TCP ping-pong ([`spin_lat`]'s) with 8-byte
+/// messages, both ends under the sockets preload `lib`: median one-way
+/// latency in µs, its connection carried. (Not qperf: its server serves
+/// each client in a forked child, and a carried connection is not shared
+/// with a child yet, docs/sockets.md.)
+pub fn sockets_lat(h: &mut Hosts, lib: &Path, iters: u32) -> Result<f64> {
+    let exe = std::env::current_exe().context("where is the vrdma executable")?;
+    let exe = exe.to_str().context("the vrdma executable's path is not UTF-8")?.to_string();
+    let listen = format!("{}:{PINGPONG_PORT}", h.hosts[0].addr);
+    h.server_sockets(&exe, &["tcp-pingpong", "--listen", &listen], lib, PINGPONG_PORT)?;
+    let n = iters.to_string();
+    let out = sockets_client(h, lib, &exe, &["tcp-pingpong", "--connect", &listen, "--iters", &n], 10, 1)?;
+    parse_pingpong(&out).with_context(|| format!("tcp-pingpong's report:\n{out}"))
+}
+
+/// [`client`] under the sockets preload: its output, once at least
+/// `carried` of its connections said they were carried over vRDMA.
+fn sockets_client(
+    h: &mut Hosts,
+    lib: &Path,
+    program: &str,
+    args: &[&str],
+    secs: u32,
+    carried: usize,
+) -> Result<String> {
+    let mut c = h.spawn_sockets(1, program, args, lib)?;
+    let r = c.wait(Duration::from_secs(secs.into()) + SLACK);
+    h.stop_servers(GRACE);
+    let status = r?;
+    if !status.success() {
+        h.check_daemons()?;
+        bail!("{} failed ({status}){}", c.name, c.tail());
+    }
+    let stderr = std::fs::read_to_string(&c.stderr).unwrap_or_default();
+    let said = stderr.matches("carried over vRDMA").count();
+    // The library's line for a failed work completion: the connection
+    // broke (whatever the program made of it).
+    if stderr.contains("work completion") {
+        bail!("{}: a carried connection's work failed{}", c.name, c.tail());
+    }
+    if said < carried {
+        bail!("{}: {said} of its connections carried over vRDMA, not {carried}{}", c.name, c.tail());
+    }
+    Ok(c.output())
+}
+
 /// qperf tcp_lat with 8-byte messages: one-way latency in µs.
 pub fn tcp_lat(h: &mut Hosts, secs: u32) -> Result<f64> {
     let port = QPERF_PORT.to_string();

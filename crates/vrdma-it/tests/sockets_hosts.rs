@@ -1,0 +1,144 @@
+//! The preload library `libvrdma_sockets.so` across two hosts: two
+//! network namespaces joined by a veth pair, one daemon in each
+//! (`NetnsHosts`), an unmodified std::net client in host a and server in
+//! host b. The client's daemon asks the server's daemon (a Sock frame on
+//! their link, `docs/sockets.md`, "Other hosts"): carried over vRDMA when
+//! both ends run the library as one tenant, plain TCP otherwise. Each
+//! test makes and removes its own namespaces; without root or iproute2 it
+//! is skipped with a printed notice.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Result;
+use vrdma::sockets::SockCounts;
+use vrdma_it::harness::{self, built, free_port, spawn, Finished, Running};
+use vrdma_it::{DaemonProc, NetnsHosts};
+
+/// 16 MiB through the ring (64 times its size).
+const BYTES: u64 = 16 << 20;
+const LIMIT: Duration = Duration::from_secs(120);
+const CARRIED: &str = "carried over vRDMA";
+/// What a library says when the daemons found no listener of its tenant.
+const NO_LISTENER: &str = "no vRDMA listener of this tenant at";
+
+/// The sockets test program in host `i`'s namespace, on that host's
+/// daemon; `uid`: run as that user (and group).
+fn sockapp(h: &NetnsHosts, i: usize, preload: bool, uid: Option<u32>, args: &[String]) -> Command {
+    let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+    let d: &DaemonProc = if i == 0 { &h.a } else { &h.b };
+    let mut c = Command::new("ip");
+    c.args(["netns", "exec", &h.net.ns[i]]);
+    if let Some(u) = uid {
+        c.arg("setpriv").arg(format!("--reuid={u}")).arg(format!("--regid={u}")).arg("--clear-groups");
+    }
+    c.arg(exe).args(args).env(vrdma::SOCKET_ENV, &d.socket).env("VRDMA_SOCKETS_DEBUG", "1");
+    if preload {
+        c.env("LD_PRELOAD", built("libvrdma_sockets.so"));
+    }
+    c
+}
+
+/// Whether a socket of process `pid`'s network namespace listens on `port`
+/// (its /proc/PID/net/tcp: the test's own namespace is another).
+fn listening_in(pid: i32, port: u16) -> bool {
+    let want = format!(":{port:04X}");
+    std::fs::read_to_string(format!("/proc/{pid}/net/tcp")).unwrap_or_default().lines().skip(1).any(|l| {
+        let cols: Vec<&str> = l.split_whitespace().collect();
+        cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+    })
+}
+
+struct Outcome {
+    client: Finished,
+    server: Finished,
+    /// Host b's registry, of the server's tenant.
+    counts: SockCounts,
+}
+
+/// A server in host b (listening on every address) and a client in host a
+/// that connects to b's address and sends [`BYTES`], checked byte by byte
+/// by the server; both must succeed.
+fn pair(
+    h: &NetnsHosts,
+    server_preload: bool,
+    client_preload: bool,
+    client_uid: Option<u32>,
+) -> Result<Outcome> {
+    let ctx = h.b.context()?;
+    let port = free_port();
+    let mut sc = sockapp(h, 1, server_preload, None, &["server".into(), port.to_string()]);
+    sc.env("SOCKAPP_BIND", "0.0.0.0");
+    let s: Running = spawn(sc, "server in b");
+    let pid = s.pid();
+    // A preloaded server's listener is registered after the kernel's
+    // listen: wait for the registration, not only the port.
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening_in(pid, port) && (!server_preload || ctx.sock_counts().ok().map(|c| c.listeners) == Some(1))
+    })?;
+    let mut cc =
+        sockapp(h, 0, client_preload, client_uid, &["client".into(), port.to_string(), BYTES.to_string()]);
+    cc.env("SOCKAPP_HOST", &h.net.addr[1]);
+    let client = spawn(cc, "client in a").finish(LIMIT);
+    let server = s.finish(LIMIT);
+    client.assert_ok();
+    server.assert_ok();
+    Ok(Outcome { client, server, counts: ctx.sock_counts()? })
+}
+
+fn have_lib() -> bool {
+    Path::new(&built("libvrdma_sockets.so")).exists()
+}
+
+#[test]
+fn sixteen_mib_between_two_hosts_are_carried_over_vrdma() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    assert!(have_lib());
+    let Some(mut h) = NetnsHosts::start("")? else { return Ok(()) };
+    let o = pair(&h, true, true, None)?;
+    // Each library says so once its connection is carried.
+    assert!(o.client.stderr.contains(CARRIED), "{}", o.client.describe());
+    assert!(o.server.stderr.contains(CARRIED), "{}", o.server.describe());
+    // Announced at host b's daemon (by host a's, for its client), claimed
+    // by the server there.
+    let c = o.counts;
+    assert_eq!((c.announced, c.carried, c.refused_claims, c.pending), (1, 1, 0, 0), "{c:?}");
+    // Host a's registry held nothing of it: the destination is b's.
+    let a = h.a.context()?.sock_counts()?;
+    assert_eq!((a.announced, a.carried), (0, 0), "{a:?}");
+    assert!(h.a.is_alive() && h.b.is_alive());
+    Ok(())
+}
+
+#[test]
+fn a_plain_server_on_another_host_keeps_a_preloaded_client_on_tcp() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
+    let o = pair(&h, false, true, None)?;
+    assert!(!o.client.stderr.contains(CARRIED), "{}", o.client.describe());
+    assert!(o.client.stderr.contains(NO_LISTENER), "{}", o.client.describe());
+    // The client asked b's daemon, which knows no listener: nothing was
+    // announced.
+    let c = o.counts;
+    assert_eq!((c.listeners, c.announced, c.carried), (0, 0, 0), "{c:?}");
+    Ok(())
+}
+
+/// A client of another tenant (another uid) on host a: b's daemon answers
+/// its daemon "not vRDMA", as it answers a local client of another
+/// tenant, and the connection stays plain TCP (the server's claim is
+/// refused).
+#[test]
+fn another_tenants_client_on_another_host_stays_on_tcp() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
+    let o = pair(&h, true, true, Some(65534))?;
+    // Its library has a device and asked (b's daemon said no).
+    assert!(o.client.stderr.contains(NO_LISTENER), "{}", o.client.describe());
+    assert!(!o.client.stderr.contains(CARRIED), "{}", o.client.describe());
+    assert!(!o.server.stderr.contains(CARRIED), "{}", o.server.describe());
+    let c = o.counts;
+    assert_eq!((c.announced, c.carried, c.refused_claims), (0, 0, 1), "{c:?}");
+    Ok(())
+}

@@ -1,0 +1,506 @@
+//! The socket registry's calls (`docs/sockets.md`) on the engine: a
+//! client's call about an address of this host is answered by this
+//! daemon's registry; one about an address of another host goes to that
+//! host's daemon over the link between them (a Sock frame, wire version
+//! 3), dialled for it if need be, as the connection manager's messages
+//! go, and that daemon's registry answers it as it answers a client of
+//! its own. The client's session waits for the answer off the engine's
+//! lock ([`SockCall::Wait`]); no answer in time, no link, a version-2
+//! peer, another tenant: the connection stays plain TCP.
+//!
+//! Who announced what where: this daemon remembers, per context, the
+//! tuples it announced at another host (their resolves go there too) and
+//! tells that host when the context ends ([`SockMessage::Closed`]); the
+//! owning daemon keeps the entries as the client's host's and context's
+//! ([`Owner::Remote`]) and drops them with the link.
+
+use std::collections::HashMap;
+use std::net::Ipv4Addr;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use vrdma_core::hca::{ContextId, TenantId};
+use vrdma_core::proto::{SockReply, SockRequest};
+use vrdma_core::sockets::peer::{Answer, Query, SockMessage};
+use vrdma_core::sockets::{Outcome, Owner, SockError, Tuple};
+use vrdma_core::time::Instant;
+
+use super::EngineState;
+
+/// How long a client's session waits for another host's answer: a dial
+/// (one second at most to connect, then the handshake) and a round trip.
+pub const FORWARD_WAIT: Duration = Duration::from_secs(4);
+/// Queries waiting for an answer at once, and tuples announced at other
+/// hosts, that this daemon keeps at most; past them, plain TCP.
+const MAX_WAITING: usize = 4096;
+const MAX_REMOTE_ANNOUNCED: usize = 64 * 1024;
+
+/// A call's answer: now, or from another host (the session waits on it
+/// without the engine's lock, at most [`FORWARD_WAIT`]).
+pub enum SockCall {
+    Now(SockReply),
+    Wait { rx: mpsc::Receiver<Answer>, query: Query },
+}
+
+impl SockCall {
+    /// The reply for the client, waiting for another host's answer if it
+    /// must.
+    pub fn reply(self) -> SockReply {
+        match self {
+            SockCall::Now(r) => r,
+            SockCall::Wait { rx, query } => {
+                let a = rx.recv_timeout(FORWARD_WAIT).unwrap_or_else(|_| Answer::refusal(&query));
+                reply_of(&query, a)
+            }
+        }
+    }
+}
+
+fn reply_of(q: &Query, a: Answer) -> SockReply {
+    match (q, a) {
+        (Query::Resolve { .. }, Answer::Outcome(o)) => SockReply::Outcome(o),
+        (Query::Resolve { .. }, _) => SockReply::Outcome(Outcome::Tcp),
+        (_, a) => SockReply::from_bool(a == Answer::Yes),
+    }
+}
+
+struct Waiting {
+    host: Ipv4Addr,
+    ctx: ContextId,
+    tenant: TenantId,
+    query: Query,
+    since: Instant,
+    tx: mpsc::SyncSender<Answer>,
+}
+
+/// This daemon's side of the calls it sends to other hosts.
+#[derive(Default)]
+pub struct RemoteSockets {
+    next_id: u32,
+    waiting: HashMap<u32, Waiting>,
+    /// Tuples this daemon's contexts announced at another host, and that
+    /// host.
+    announced: HashMap<(ContextId, Tuple), Ipv4Addr>,
+    inbox: Vec<(Ipv4Addr, SockMessage)>,
+}
+
+impl EngineState {
+    /// A socket registry call of `ctx`'s.
+    pub fn handle_sock(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        req: SockRequest,
+    ) -> Result<SockCall, SockError> {
+        let now = self.now();
+        let reply = match req {
+            SockRequest::Listen { addr } => {
+                self.sockets.listen(ctx, tenant, addr)?;
+                SockReply::Done
+            }
+            SockRequest::Unlisten { addr } => {
+                self.sockets.unlisten(ctx, tenant, addr);
+                SockReply::Done
+            }
+            SockRequest::Lookup { dst, local } => match self.elsewhere(*dst.ip(), local) {
+                Some(host) => return Ok(self.forward(ctx, tenant, host, Query::Lookup { dst }, now)),
+                None => SockReply::from_bool(self.sockets.lookup(tenant, dst, local)),
+            },
+            SockRequest::Announce { tuple, local } => match self.elsewhere(*tuple.server.ip(), local) {
+                Some(host) => return Ok(self.forward(ctx, tenant, host, Query::Announce { tuple }, now)),
+                None => SockReply::from_bool(self.sockets.announce(ctx, tenant, tuple, local, now)),
+            },
+            SockRequest::Claim { tuple } => SockReply::from_bool(self.sockets.claim(tenant, tuple, now)),
+            SockRequest::Resolve { tuple, give_up } => match self.remote.announced.get(&(ctx, tuple)) {
+                Some(&host) => {
+                    return Ok(self.forward(ctx, tenant, host, Query::Resolve { tuple, give_up }, now))
+                }
+                None => SockReply::Outcome(self.sockets.resolve(ctx, tenant, tuple, give_up, now)),
+            },
+            SockRequest::Counts => SockReply::Counts(self.sockets.stats(tenant)),
+        };
+        Ok(SockCall::Now(reply))
+    }
+
+    /// The host whose daemon owns `ip`, when that is not this one: the
+    /// client found `ip` not to be its host's (`local` false), and this
+    /// daemon does not own it either. (Where the daemon owns it, the
+    /// client's word on locality stands, as on one host: a client in
+    /// another network namespace than the daemon's has loopback and
+    /// addresses of its own.)
+    fn elsewhere(&self, ip: Ipv4Addr, local: bool) -> Option<Ipv4Addr> {
+        let here = local || self.cm.cm.is_local(ip);
+        // Addresses no daemon can own: plain TCP, never asked about.
+        let nobody = ip.is_unspecified() || ip.is_broadcast() || ip.is_multicast();
+        (!here && !nobody).then_some(ip)
+    }
+
+    /// Sends `query` to `host`'s daemon; the answer comes to the returned
+    /// call. Refused at once where it cannot go.
+    fn forward(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        host: Ipv4Addr,
+        query: Query,
+        now: Instant,
+    ) -> SockCall {
+        let refused = SockCall::Now(reply_of(&query, Answer::refusal(&query)));
+        // A tenant numbered by this daemon exists on this host only.
+        if tenant.is_host_local() || self.remote.waiting.len() >= MAX_WAITING {
+            return refused;
+        }
+        if matches!(query, Query::Announce { .. }) && self.remote.announced.len() >= MAX_REMOTE_ANNOUNCED {
+            return refused;
+        }
+        let Some(net) = self.net.as_mut() else { return refused };
+        let id = loop {
+            self.remote.next_id = self.remote.next_id.wrapping_add(1);
+            if !self.remote.waiting.contains_key(&self.remote.next_id) {
+                break self.remote.next_id;
+            }
+        };
+        let msg = SockMessage::Query { id, tenant: tenant.0, ctx: ctx.0, query };
+        if let Err(why) = net.send_sock(host, &msg) {
+            tracing::debug!(%host, why, "a socket registry's query cannot reach its host: plain TCP");
+            return refused;
+        }
+        net.write_now();
+        let (tx, rx) = mpsc::sync_channel(1);
+        self.remote.waiting.insert(id, Waiting { host, ctx, tenant, query, since: now, tx });
+        SockCall::Wait { rx, query }
+    }
+
+    /// What the links brought for the socket registry: other hosts'
+    /// queries (answered), answers to this host's (delivered to the
+    /// waiting sessions), ended contexts; and hosts that went away.
+    pub(super) fn run_sockets(&mut self, now: Instant) {
+        let Some(net) = self.net.as_mut() else { return };
+        let mut inbox = std::mem::take(&mut self.remote.inbox);
+        net.take_sock_in(&mut inbox);
+        let down: Vec<Ipv4Addr> = net.sock_down.drain(..).collect();
+        let mut answers = Vec::new();
+        for (host, msg) in inbox.drain(..) {
+            // A link whose peer claims one of this host's own addresses
+            // speaks for no client of another host.
+            if self.cm.cm.is_local(host) {
+                tracing::debug!(%host, "a socket registry's message from a link that claims this host; dropped");
+                continue;
+            }
+            match msg {
+                SockMessage::Query { id, tenant, ctx, query } => {
+                    let answer = self.answer(host, TenantId(tenant), ctx, query, now);
+                    answers.push((host, SockMessage::Answer { id, answer }));
+                }
+                SockMessage::Answer { id, answer } => self.answered(host, id, answer),
+                SockMessage::Closed { ctx } => self.sockets.forget_remote(host, Some(ctx)),
+            }
+        }
+        self.remote.inbox = inbox;
+        for host in down {
+            self.sockets.forget_remote(host, None);
+            self.remote.announced.retain(|_, h| *h != host);
+            // Their senders go: the sessions' waits end as plain TCP.
+            self.remote.waiting.retain(|_, w| w.host != host);
+        }
+        // Queries whose answer never came (the sessions stopped waiting).
+        let stale = FORWARD_WAIT * 2;
+        self.remote.waiting.retain(|_, w| now.saturating_since(w.since) < stale);
+        if let Some(net) = self.net.as_mut().filter(|_| !answers.is_empty()) {
+            for (host, msg) in &answers {
+                // Answered on the link the query came by; a link that
+                // went since takes the asker's wait with it.
+                let _ = net.send_sock(*host, msg);
+            }
+            net.write_now();
+        }
+    }
+
+    /// Another host's daemon asks about its client `ctx` of `tenant`: this
+    /// registry answers as for a client of its own. Tenants map across
+    /// hosts as the connection manager maps them: the same number, and
+    /// none numbered by its daemon.
+    fn answer(&mut self, host: Ipv4Addr, tenant: TenantId, ctx: u32, query: Query, now: Instant) -> Answer {
+        if tenant.is_host_local() {
+            return Answer::refusal(&query);
+        }
+        let owner = Owner::Remote { host, ctx };
+        let r = &mut self.sockets;
+        match query {
+            Query::Lookup { dst } => {
+                let local = self.cm.cm.is_local(*dst.ip());
+                Answer::from_bool(r.lookup(tenant, dst, local))
+            }
+            // The client's address must be its daemon's, the one the link
+            // names (no NAT between namespaces or hosts): the 4-tuple the
+            // server accepts is then the one announced, and a daemon cannot
+            // announce for addresses of other hosts.
+            Query::Announce { tuple } if *tuple.client.ip() != host => Answer::No,
+            Query::Announce { tuple } => {
+                let local = self.cm.cm.is_local(*tuple.server.ip());
+                Answer::from_bool(r.announce(owner, tenant, tuple, local, now))
+            }
+            Query::Resolve { tuple, give_up } => {
+                Answer::Outcome(r.resolve(owner, tenant, tuple, give_up, now))
+            }
+        }
+    }
+
+    /// The answer to this daemon's query `id` came from `host`.
+    fn answered(&mut self, host: Ipv4Addr, id: u32, answer: Answer) {
+        // Only the host asked answers (a stale or forged id is dropped).
+        if self.remote.waiting.get(&id).is_none_or(|w| w.host != host) {
+            return;
+        }
+        let Some(w) = self.remote.waiting.remove(&id) else { return };
+        // The session may have stopped waiting (its client went on as
+        // plain TCP): then no one reads it.
+        let delivered = w.tx.try_send(answer).is_ok();
+        match (w.query, answer) {
+            (Query::Announce { tuple }, Answer::Yes) if delivered => {
+                self.remote.announced.insert((w.ctx, tuple), host);
+            }
+            (Query::Announce { tuple }, Answer::Yes) => {
+                // Announced after its client stopped waiting: given up at
+                // once, so that the server's claim is refused and both
+                // ends agree on TCP (the answer to this is for no one).
+                let query = Query::Resolve { tuple, give_up: true };
+                self.remote.next_id = self.remote.next_id.wrapping_add(1);
+                let msg =
+                    SockMessage::Query { id: self.remote.next_id, tenant: w.tenant.0, ctx: w.ctx.0, query };
+                if let Some(net) = self.net.as_mut() {
+                    let _ = net.send_sock(host, &msg);
+                }
+            }
+            (Query::Resolve { .. }, Answer::Outcome(Outcome::Pending)) => {}
+            (Query::Resolve { tuple, .. }, _) => {
+                self.remote.announced.remove(&(w.ctx, tuple));
+            }
+            _ => {}
+        }
+    }
+
+    /// `ctx` ended: the hosts it announced at drop what it announced.
+    pub(super) fn close_remote_sockets(&mut self, ctx: ContextId) {
+        let mut hosts: Vec<Ipv4Addr> =
+            self.remote.announced.iter().filter(|((c, _), _)| *c == ctx).map(|(_, h)| *h).collect();
+        self.remote.announced.retain(|(c, _), _| *c != ctx);
+        self.remote.waiting.retain(|_, w| w.ctx != ctx);
+        hosts.sort_unstable();
+        hosts.dedup();
+        if let Some(net) = self.net.as_mut().filter(|_| !hosts.is_empty()) {
+            for host in hosts {
+                let _ = net.send_sock(host, &SockMessage::Closed { ctx: ctx.0 });
+            }
+            net.write_now();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::net::{SocketAddrV4, TcpStream};
+
+    use vrdma_core::hca::{Hca, HcaConfig, LinkInfo};
+    use vrdma_core::verbs::Gid;
+    use vrdma_core::wire::{parse_frame, FrameRepr, BASE_HEADER_LEN};
+
+    use super::*;
+    use crate::net::{LinkIo, Net};
+    use crate::testing::{loopback, setup, Keys};
+
+    const PEER: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
+    const US: TenantId = TenantId(1000);
+
+    fn addr(s: &str) -> SocketAddrV4 {
+        s.parse().unwrap()
+    }
+
+    /// This daemon at 10.0.0.1 with a link to 10.0.0.2's daemon (its end
+    /// returned) of wire version `version`, and a context of tenant 1000.
+    fn state(version: u8) -> (EngineState, TcpStream, ContextId) {
+        let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
+        let gid = Gid::from_ipv4(PEER.octets());
+        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
+        let mut net = Net::new(std::sync::Arc::new(setup([10, 0, 0, 1], 65536)));
+        let (ours, theirs) = loopback();
+        let mut link = LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap();
+        link.version = version;
+        net.links.insert(id, link);
+        let ctx = ContextId(1);
+        hca.open_context(ctx, US).unwrap();
+        let cm = crate::cm::CmDriver::new(vrdma_core::cm::ConnectionManager::new(
+            Default::default(),
+            vec![Ipv4Addr::new(10, 0, 0, 1)],
+            Box::new(Keys(7)),
+        ));
+        (EngineState::new(hca, Some(net), cm, 100), theirs, ctx)
+    }
+
+    /// The next Sock frame's message the peer's end reads (keepalives
+    /// skipped).
+    fn read_msg(theirs: &mut TcpStream) -> SockMessage {
+        theirs.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        for _ in 0..100 {
+            let mut head = [0u8; BASE_HEADER_LEN];
+            theirs.read_exact(&mut head).unwrap();
+            let hl = u16::from_be_bytes([head[6], head[7]]) as usize;
+            let len = u32::from_be_bytes([head[8], head[9], head[10], head[11]]) as usize;
+            let mut frame = head.to_vec();
+            frame.resize(hl.max(BASE_HEADER_LEN) + len, 0);
+            theirs.read_exact(&mut frame[BASE_HEADER_LEN..]).unwrap();
+            match parse_frame(&frame).unwrap() {
+                (FrameRepr::Sock { .. }, payload) => return vrdma_core::wire::sock::decode(payload).unwrap(),
+                (FrameRepr::Keepalive(_), _) => continue,
+                (f, _) => panic!("{f:?}"),
+            }
+        }
+        panic!("no Sock frame in 100");
+    }
+
+    /// The link's next pass: what the peer sent is read.
+    fn receive(s: &mut EngineState) -> Result<bool, String> {
+        let now = s.now();
+        let net = s.net.as_mut().unwrap();
+        let Some(l) = net.links.values_mut().next() else { return Err("no link".into()) };
+        l.receive(&mut s.hca, &mut s.rings, now)
+    }
+
+    /// The peer sends `msg`; the engine runs until it has read it.
+    fn send_msg(s: &mut EngineState, theirs: &mut TcpStream, msg: SockMessage) {
+        let payload = vrdma_core::wire::sock::encode(&msg);
+        let mut frame = vec![0u8; BASE_HEADER_LEN];
+        FrameRepr::Sock { len: payload.len() as u32 }.emit(&mut frame).unwrap();
+        frame.extend_from_slice(&payload);
+        theirs.write_all(&frame).unwrap();
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(10) {
+            receive(s).unwrap();
+            if s.net.as_ref().unwrap().links.values().any(|l| !l.sock_in.is_empty()) {
+                break;
+            }
+        }
+        let now = s.now();
+        s.run_sockets(now);
+    }
+
+    fn wait(call: SockCall) -> (mpsc::Receiver<Answer>, Query) {
+        match call {
+            SockCall::Wait { rx, query } => (rx, query),
+            SockCall::Now(r) => panic!("answered at once: {r:?}"),
+        }
+    }
+
+    /// A client's calls about the peer's address go to the peer's daemon
+    /// and come back with its answers; the announcement's resolve follows
+    /// it there, and the context's end is told.
+    #[test]
+    fn a_clients_calls_about_another_host_are_asked_there() {
+        let (mut s, mut theirs, ctx) = state(3);
+        let tuple = Tuple { client: addr("10.0.0.1:40000"), server: addr("10.0.0.2:5000") };
+        let (rx, q) =
+            wait(s.handle_sock(ctx, US, SockRequest::Lookup { dst: tuple.server, local: false }).unwrap());
+        let SockMessage::Query { id, tenant, ctx: c, query } = read_msg(&mut theirs) else { panic!() };
+        assert_eq!((tenant, c, query), (1000, 1, q));
+        // An answer from no query, then the real one.
+        send_msg(&mut s, &mut theirs, SockMessage::Answer { id: id + 100, answer: Answer::No });
+        assert!(rx.try_recv().is_err());
+        send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Yes });
+        assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Yes);
+
+        let (rx, q) = wait(s.handle_sock(ctx, US, SockRequest::Announce { tuple, local: false }).unwrap());
+        let SockMessage::Query { id, .. } = read_msg(&mut theirs) else { panic!() };
+        send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Yes });
+        assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Yes);
+        // The resolve goes where the announcement is.
+        let (rx, q) = wait(s.handle_sock(ctx, US, SockRequest::Resolve { tuple, give_up: false }).unwrap());
+        let SockMessage::Query { id, query, .. } = read_msg(&mut theirs) else { panic!() };
+        assert_eq!(query, Query::Resolve { tuple, give_up: false });
+        send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Outcome(Outcome::Pending) });
+        assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Outcome(Outcome::Pending));
+        // Still there: the context's end tells the peer.
+        s.close_remote_sockets(ctx);
+        assert_eq!(read_msg(&mut theirs), SockMessage::Closed { ctx: 1 });
+        // A host with no link, that is no configured peer and not in
+        // net.allow, is not dialled for a connect: plain TCP at once.
+        let r =
+            s.handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.3:5000"), local: false }).unwrap();
+        assert!(matches!(r, SockCall::Now(SockReply::No)));
+        // A tenant numbered by this daemon is asked nowhere.
+        let local_only = TenantId(TenantId::HOST_LOCAL_BASE + 1);
+        let r =
+            s.handle_sock(ctx, local_only, SockRequest::Lookup { dst: tuple.server, local: false }).unwrap();
+        assert!(matches!(r, SockCall::Now(SockReply::No)));
+    }
+
+    /// The peer's daemon asks about its clients: this registry answers as
+    /// for its own, for the same tenant only, and only for clients at the
+    /// peer's own address.
+    #[test]
+    fn another_hosts_calls_are_answered_by_this_registry() {
+        let (mut s, mut theirs, ctx) = state(3);
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: addr("0.0.0.0:5000") }).unwrap();
+        let mut ask = |s: &mut EngineState, id: u32, tenant: TenantId, query: Query| {
+            send_msg(s, &mut theirs, SockMessage::Query { id, tenant: tenant.0, ctx: 4, query });
+            match read_msg(&mut theirs) {
+                SockMessage::Answer { id: got, answer } if got == id => answer,
+                other => panic!("{other:?}"),
+            }
+        };
+        let dst = addr("10.0.0.1:5000");
+        let tuple = Tuple { client: addr("10.0.0.2:40000"), server: dst };
+        assert_eq!(ask(&mut s, 1, US, Query::Lookup { dst }), Answer::Yes);
+        assert_eq!(ask(&mut s, 2, TenantId(1001), Query::Lookup { dst }), Answer::No, "another tenant");
+        let host_local = TenantId(TenantId::HOST_LOCAL_BASE);
+        assert_eq!(ask(&mut s, 3, host_local, Query::Lookup { dst }), Answer::No, "a host-local tenant");
+        assert_eq!(ask(&mut s, 4, US, Query::Lookup { dst: addr("10.0.0.9:5000") }), Answer::No, "not ours");
+        let spoofed = Tuple { client: addr("10.0.0.3:40000"), server: dst };
+        assert_eq!(
+            ask(&mut s, 5, US, Query::Announce { tuple: spoofed }),
+            Answer::No,
+            "not the peer's address"
+        );
+        assert_eq!(ask(&mut s, 6, TenantId(1001), Query::Announce { tuple }), Answer::No);
+        assert_eq!(ask(&mut s, 7, US, Query::Announce { tuple }), Answer::Yes);
+        assert!(matches!(
+            s.handle_sock(ctx, US, SockRequest::Claim { tuple }).unwrap(),
+            SockCall::Now(SockReply::Yes)
+        ));
+        let resolve = Query::Resolve { tuple, give_up: false };
+        assert_eq!(ask(&mut s, 8, US, resolve), Answer::Outcome(Outcome::Carried));
+        // Closed, and a link that goes down, drop what the peer announced.
+        assert_eq!(ask(&mut s, 9, US, Query::Announce { tuple }), Answer::Yes);
+        send_msg(&mut s, &mut theirs, SockMessage::Closed { ctx: 4 });
+        assert!(matches!(
+            s.handle_sock(ctx, US, SockRequest::Claim { tuple }).unwrap(),
+            SockCall::Now(SockReply::No)
+        ));
+        assert_eq!(s.sockets.stats(US).pending, 0);
+    }
+
+    /// A peer that speaks wire version 2 gets no Sock frame: the call is
+    /// answered plain TCP at once; and one that sends a Sock frame
+    /// anyway breaks the protocol (its link ends).
+    #[test]
+    fn a_version_two_peer_is_never_asked() {
+        let (mut s, mut theirs, ctx) = state(2);
+        let r =
+            s.handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.2:5000"), local: false }).unwrap();
+        assert!(matches!(r, SockCall::Now(SockReply::No)));
+        let payload = vrdma_core::wire::sock::encode(&SockMessage::Closed { ctx: 1 });
+        let mut frame = vec![0u8; BASE_HEADER_LEN];
+        FrameRepr::Sock { len: payload.len() as u32 }.emit(&mut frame).unwrap();
+        frame.extend_from_slice(&payload);
+        theirs.write_all(&frame).unwrap();
+        let started = std::time::Instant::now();
+        let ended = loop {
+            match receive(&mut s) {
+                Err(why) => break why,
+                Ok(_) if started.elapsed() < Duration::from_secs(10) => continue,
+                Ok(_) => panic!("the link took a Sock frame at version 2"),
+            }
+        };
+        assert!(ended.contains("protocol error") && ended.contains("wire version 2"), "{ended}");
+    }
+}
