@@ -156,11 +156,16 @@ fn move_tenant(from: &Path, to: &Path, tenant: u32) -> Result<()> {
     Ok(())
 }
 
-/// The snapshot memfd's `len` bytes.
+/// The snapshot memfd's `len` bytes, read from its start: the
+/// descriptor shares the daemon's file offset (it came over the socket),
+/// which the daemon's writes left at the end, so a plain read gets none.
 fn read_all(fd: std::os::fd::OwnedFd, len: u64) -> Result<Vec<u8>> {
-    use std::io::Read as _;
-    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-    std::fs::File::from(fd).read_to_end(&mut bytes).context("reading the snapshot")?;
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::File::from(fd);
+    let size = file.metadata().context("the snapshot's size")?.len();
+    anyhow::ensure!(size >= len, "the daemon said the snapshot has {len} bytes, its memfd {size}");
+    let mut bytes = vec![0u8; usize::try_from(len).context("the snapshot's size")?];
+    file.read_exact_at(&mut bytes, 0).context("reading the snapshot")?;
     Ok(bytes)
 }
 
