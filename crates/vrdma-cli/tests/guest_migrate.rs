@@ -42,14 +42,14 @@ const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
 /// A guest command's limit.
 const T: Duration = Duration::from_secs(120);
 /// Messages streamed, their length, the pace.
-const COUNT: u64 = 600;
+const COUNT: u64 = 3000;
 const LEN: usize = 64;
-const PACE_US: u32 = 2000;
+const PACE_US: u32 = 3000;
 /// B's receives, each 256 bytes, at `RECV_AT` in its region; the RDMA
 /// writes land at `[0, COUNT * LEN)`.
 const RECVS: u64 = 256;
 const RECV_AT: usize = 1 << 20;
-/// Messages B must have before the move, and after it before the end.
+/// Messages B must have before each move (since the last).
 const BEFORE: u64 = 60;
 
 /// A daemon process (`vrdma daemon`), killed by its pid on drop.
@@ -400,11 +400,21 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
             }
         };
         let moved = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            some(BEFORE);
-            let m = migrate(&img, dir.path(), &a.socket, &c.socket, guest, &qmp_a);
-            let at = received.load(Ordering::Acquire);
-            assert!(at < COUNT, "the stream ended before the move");
-            m
+            let mut g = guest;
+            let mut qmp = qmp_a;
+            let mut reports = Vec::new();
+            // A -> C -> A, each move with at least BEFORE messages before
+            // it and the stream still running after it.
+            for (k, (from, to)) in [(&a.socket, &c.socket), (&c.socket, &a.socket)].into_iter().enumerate() {
+                some(received.load(Ordering::Acquire) + BEFORE);
+                let (next, q, r) = migrate(&img, dir.path(), k, from, to, g, &qmp);
+                let at = received.load(Ordering::Acquire);
+                assert!(at < COUNT, "the stream ended before move {}", k + 1);
+                reports.push(format!("move {}: {r}", k + 1));
+                g = next;
+                qmp = q;
+            }
+            (g, reports.join("; "))
         }));
         if moved.is_err() {
             stop.store(true, Ordering::Release);
@@ -440,14 +450,22 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
 
 /// QEMU moves the VM from A to C while it runs, the operator's steps
 /// around the switch-over. Returns the guest on C and what it measured.
-fn migrate(img: &image::Image, dir: &Path, a: &Path, c: &Path, from: Guest, qmp_a: &Path) -> (Guest, String) {
-    let qmp_c = dir.join("qmp-c.sock");
-    let mig = dir.join("migration.sock");
+fn migrate(
+    img: &image::Image,
+    dir: &Path,
+    k: usize,
+    a: &Path,
+    c: &Path,
+    from: Guest,
+    qmp_a: &Path,
+) -> (Guest, PathBuf, String) {
+    let qmp_c = dir.join(format!("qmp-{k}.sock"));
+    let mig = dir.join(format!("migration-{k}.sock"));
     let mut to = Guest::incoming(
         spec(img, c, &qmp_c, &["-S", "-incoming", &format!("unix:{}", mig.display())]),
         &from,
     )
-    .expect("the destination QEMU on C");
+    .expect("the destination QEMU");
     let mut qa = Qmp::connect(qmp_a);
     let mut qc = Qmp::connect(&qmp_c);
     assert_eq!(qc.status(), "inmigrate");
@@ -498,5 +516,5 @@ fn migrate(img: &image::Image, dir: &Path, a: &Path, c: &Path, from: Guest, qmp_
         live.as_secs_f64(),
         paused.as_secs_f64() * 1e3
     );
-    (to, report)
+    (to, qmp_c, report)
 }
