@@ -15,7 +15,7 @@
 //! The guest runs `tests/c/seqstream.c` (built here with `cc` against
 //! the host's verbs headers, put in the image, run on vRDMA's drop-in):
 //! sends with immediate and RDMA writes with immediate carrying their
-//! sequence numbers, one every 2 ms, 16 in flight, querying its QP
+//! sequence numbers, one every 3 ms, 16 in flight, querying its QP
 //! every 20th; it checks that every completion comes once and in order.
 //! B's receiver (this test, through the library) checks that every
 //! message arrives once, in order, with its bytes. Nothing tells the
