@@ -409,4 +409,23 @@ fn migrate_steps_refuse_clearly() {
     std::fs::write(&junk, b"not a snapshot at all").unwrap();
     fails(&["migrate", "import", "--in", junk.to_str().unwrap()], "not a vRDMA snapshot (bad magic)");
     fails(&["migrate", "import", "--in", "/nonexistent/snap"], "opening /nonexistent/snap");
+
+    // An export writes the whole snapshot (it once wrote an empty file:
+    // the daemon's memfd came with its offset at the end), which an
+    // import reads back: here it collides with the tenant still here.
+    let ctx = vrdma::Context::open_at(&sock).expect("open");
+    let _pd = ctx.alloc_pd().expect("a PD");
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() }.to_string();
+    let ok = |args: &[&str]| {
+        let out = vrdma(&sock, args);
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    };
+    let snap = dir.path().join("t.snap");
+    ok(&["migrate", "pause", "--tenant", &uid]);
+    ok(&["migrate", "export", "--tenant", &uid, "--out", snap.to_str().unwrap()]);
+    let bytes = std::fs::read(&snap).unwrap();
+    assert!(bytes.len() > 4 && bytes.starts_with(b"vRMS"), "the exported file: {bytes:?}");
+    fails(&["migrate", "import", "--in", snap.to_str().unwrap()], "collides with this host");
+    ok(&["migrate", "resume", "--tenant", &uid]);
 }

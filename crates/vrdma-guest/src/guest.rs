@@ -182,10 +182,24 @@ impl Guest {
     pub fn boot(spec: GuestSpec) -> Result<Guest> {
         let accel = choose_accel(&spec)?;
         let deadline = spec.boot_timeout;
-        Guest::start(spec, accel, deadline)
+        Guest::start(spec, accel, deadline, None)
     }
 
-    fn start(spec: GuestSpec, accel: Accel, deadline: Duration) -> Result<Guest> {
+    /// The destination of a live migration of `from`: starts QEMU on
+    /// `spec`, whose arguments must make it wait for the migration
+    /// (`-incoming ...`, and `-S` to keep its CPUs stopped until the
+    /// caller's `cont`), with a harness port of its own that QEMU
+    /// connects at start. No guest boots: the guest arrives with the
+    /// migration, its `/init` reading the harness's port, which QEMU
+    /// now connects to this harness. Commands go on numbered after
+    /// `from`'s. Run commands only once the migration is complete and
+    /// the CPUs run (before, they wait their timeout).
+    pub fn incoming(spec: GuestSpec, from: &Guest) -> Result<Guest> {
+        let deadline = spec.boot_timeout;
+        Guest::start(spec, from.accel, deadline, Some(from))
+    }
+
+    fn start(spec: GuestSpec, accel: Accel, deadline: Duration, from: Option<&Guest>) -> Result<Guest> {
         let started = Instant::now();
         let dir = harness_dir()?;
         let sock = dir.0.join("harness.sock");
@@ -279,6 +293,11 @@ impl Guest {
                 g.port = Some(s);
             }
             Err(why) => return Err(boot_error(&mut g, why)),
+        }
+        if let Some(from) = from {
+            g.next = from.next;
+            g.release = from.release.clone();
+            return Ok(g);
         }
         let line = g.wait_for(started + deadline, |out| {
             let at = find(out, READY.as_bytes(), 0)?;
@@ -578,7 +597,7 @@ fn auto(image: &Image) -> Result<Accel> {
     if let Some((a, _)) = accel::remembered(&image.release)? {
         return Ok(a);
     }
-    let probe = Guest::start(GuestSpec::new(image.clone()), Accel::Kvm, accel::PROBE_DEADLINE);
+    let probe = Guest::start(GuestSpec::new(image.clone()), Accel::Kvm, accel::PROBE_DEADLINE, None);
     let (a, why) = match probe {
         Ok(g) => {
             (Accel::Kvm, format!("a KVM guest reached its shell in {:.1} s", g.boot_time().as_secs_f64()))

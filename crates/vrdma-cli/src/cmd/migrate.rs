@@ -11,7 +11,9 @@
 //! - `move --tenant UID --to SOCKET`: all of them, from the daemon of
 //!   `--socket` to the one of `--to` (both reachable from here, as on one
 //!   machine; across machines, run the steps on each and carry the file),
-//!   resuming at the source if the destination refuses.
+//!   resuming at the source if the destination refuses; with `--vm NAME`
+//!   it also copies the VM's region between the two daemons after the
+//!   pause (QEMU's last pass cannot see the daemon's writes).
 //!
 //! The snapshot goes through the operator's hands (a file), not over the
 //! link between daemons: see `vrdmad::server::migrate` for why.
@@ -51,7 +53,7 @@ pub enum Command {
         #[command(flatten)]
         who: Who,
     },
-    /// Every step from this daemon to the one at SOCKET: pause, export, import, finish, resume.
+    /// Every step from this daemon to the one at SOCKET: pause, export, import, finish, resume (with --vm, the VM's region copied too; run it once QEMU's migration completed).
     Move {
         #[command(flatten)]
         who: Who,
@@ -120,13 +122,18 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
             let (qps, contexts) = vrdma::migrate::finish(&socket, tenant).with_context(|| at("finish"))?;
             println!("tenant {tenant} dropped here: {qps} QPs, {contexts} contexts");
         }
-        Command::Move { who, to } => move_tenant(&socket, &to, who.tenant(&socket)?)?,
+        Command::Move { who, to } => move_tenant(&socket, &to, who.tenant(&socket)?, who.vm.as_deref())?,
     }
     Ok(())
 }
 
 /// Every step; a refusal after the pause resumes the tenant at the source.
-fn move_tenant(from: &Path, to: &Path, tenant: u32) -> Result<()> {
+/// For a VM (`vm`), the VM's region is copied from the source's daemon to
+/// the destination's after the export: the last pass over the region that
+/// QEMU's migration cannot make (it does not see the daemon's writes), so
+/// this must run once QEMU's migration has completed (the destination
+/// QEMU loaded, its CPUs not yet running: docs/migration.md).
+fn move_tenant(from: &Path, to: &Path, tenant: u32, vm: Option<&str>) -> Result<()> {
     let qps = vrdma::migrate::pause(from, tenant).with_context(|| format!("pause at {}", from.display()))?;
     let cancel = |why: anyhow::Error| -> anyhow::Error {
         match vrdma::migrate::resume(from, tenant) {
@@ -139,6 +146,9 @@ fn move_tenant(from: &Path, to: &Path, tenant: u32) -> Result<()> {
     let (snapshot, len, _) = vrdma::migrate::export(from, tenant)
         .with_context(|| format!("export at {}", from.display()))
         .map_err(cancel)?;
+    if let Some(name) = vm {
+        copy_region(from, to, name).map_err(cancel)?;
+    }
     vrdma::migrate::import(to, snapshot.as_fd())
         .with_context(|| format!("import at {}", to.display()))
         .map_err(cancel)?;
@@ -156,11 +166,46 @@ fn move_tenant(from: &Path, to: &Path, tenant: u32) -> Result<()> {
     Ok(())
 }
 
-/// The snapshot memfd's `len` bytes.
+/// Copies VM `name`'s region on the daemon at `from` into its region on
+/// the daemon at `to` (both attached here, so both on this machine).
+fn copy_region(from: &Path, to: &Path, name: &str) -> Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let a = vrdma::vm::attach_at(from, name)
+        .with_context(|| format!("VM {name:?}'s region at {}", from.display()))?;
+    let c = vrdma::vm::attach_at(to, name)
+        .with_context(|| format!("VM {name:?}'s region at {}", to.display()))?;
+    anyhow::ensure!(
+        a.region_len == c.region_len,
+        "VM {name:?} has a region of {} bytes at {} and of {} at {}: configure the same [vms.{name}] on both",
+        a.region_len,
+        from.display(),
+        c.region_len,
+        to.display()
+    );
+    let len = a.region_len;
+    let (a, c) = (std::fs::File::from(a.region), std::fs::File::from(c.region));
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        let n = buf.len().min(usize::try_from(len - at).unwrap_or(usize::MAX));
+        a.read_exact_at(&mut buf[..n], at)
+            .with_context(|| format!("reading VM {name:?}'s region at {at}"))?;
+        c.write_all_at(&buf[..n], at).with_context(|| format!("writing VM {name:?}'s region at {at}"))?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+/// The snapshot memfd's `len` bytes, read from its start: the
+/// descriptor shares the daemon's file offset (it came over the socket),
+/// which the daemon's writes left at the end, so a plain read gets none.
 fn read_all(fd: std::os::fd::OwnedFd, len: u64) -> Result<Vec<u8>> {
-    use std::io::Read as _;
-    let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
-    std::fs::File::from(fd).read_to_end(&mut bytes).context("reading the snapshot")?;
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::File::from(fd);
+    let size = file.metadata().context("the snapshot's size")?.len();
+    anyhow::ensure!(size >= len, "the daemon said the snapshot has {len} bytes, its memfd {size}");
+    let mut bytes = vec![0u8; usize::try_from(len).context("the snapshot's size")?];
+    file.read_exact_at(&mut bytes, 0).context("reading the snapshot")?;
     Ok(bytes)
 }
 

@@ -368,6 +368,7 @@ impl Port {
         if std::mem::replace(&mut self.told_no_session, true) {
             return Ok(());
         }
+        tracing::info!(vm = %self.vm.name, "a guest spoke on a port with no session here: told it so (NoSession)");
         self.send(&Frame::Ended { reason: EndReason::NoSession })
     }
 

@@ -1,0 +1,216 @@
+/*
+ * seqstream: a verbs program for tests/guest_migrate.rs, run in a guest
+ * on vRDMA's drop-in libibverbs. It streams COUNT messages of LEN bytes
+ * on an RC QP, each carrying its sequence number: even ones as SEND with
+ * immediate, odd ones as RDMA WRITE with immediate to ADDR + seq * LEN
+ * (the immediate is the sequence number, network order; the payload's
+ * first 8 bytes too, little-endian, the rest the number's low byte). At
+ * most WINDOW in flight, one post every PACE_US, and every 20th post a
+ * query of the QP (a call that needs the daemon).
+ *
+ * It prints "LOCAL lid qpn psn gid" and waits (bounded) for PEERFILE to
+ * hold "lid qpn psn gid addr rkey" (gid as 32 hex digits). Every
+ * completion must come once, in order (wr_id = seq), with success; at the
+ * end it prints "DONE completions=N in_order=1 max_gap_us=G" and exits 0,
+ * else prints why and exits 1. No step waits without a bound.
+ */
+#include <infiniband/verbs.h>
+#include <arpa/inet.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define WINDOW 16
+#define SLOTS 64
+
+static uint64_t now_us(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000u + (uint64_t)t.tv_nsec / 1000u;
+}
+
+static int fail(const char *what)
+{
+    printf("FAIL %s\n", what);
+    fflush(stdout);
+    return 1;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 5)
+        return fail("usage: seqstream COUNT LEN PACE_US PEERFILE");
+    uint64_t count = strtoull(argv[1], 0, 10);
+    size_t len = strtoul(argv[2], 0, 10);
+    useconds_t pace = (useconds_t)strtoul(argv[3], 0, 10);
+    const char *peerfile = argv[4];
+    if (len < 8 || len > 4096 || count == 0)
+        return fail("bad COUNT or LEN");
+
+    struct ibv_device **devs = ibv_get_device_list(NULL);
+    if (!devs || !devs[0])
+        return fail("no device");
+    struct ibv_context *ctx = ibv_open_device(devs[0]);
+    if (!ctx)
+        return fail("ibv_open_device");
+    struct ibv_pd *pd = ibv_alloc_pd(ctx);
+    char *buf = calloc(SLOTS, len);
+    struct ibv_mr *mr = pd && buf ? ibv_reg_mr(pd, buf, SLOTS * len, IBV_ACCESS_LOCAL_WRITE) : NULL;
+    struct ibv_cq *cq = ibv_create_cq(ctx, 256, NULL, NULL, 0);
+    if (!mr || !cq)
+        return fail("pd, mr or cq");
+    struct ibv_qp_init_attr init = {
+        .send_cq = cq,
+        .recv_cq = cq,
+        .cap = {.max_send_wr = 64, .max_recv_wr = 4, .max_send_sge = 1, .max_recv_sge = 1},
+        .qp_type = IBV_QPT_RC,
+    };
+    struct ibv_qp *qp = ibv_create_qp(pd, &init);
+    if (!qp)
+        return fail("ibv_create_qp");
+    struct ibv_port_attr port;
+    union ibv_gid gid;
+    if (ibv_query_port(ctx, 1, &port) || ibv_query_gid(ctx, 1, 0, &gid))
+        return fail("query port or gid");
+    printf("LOCAL %u %u %u ", port.lid, qp->qp_num, 0u);
+    for (int i = 0; i < 16; i++)
+        printf("%02x", gid.raw[i]);
+    printf("\n");
+    fflush(stdout);
+
+    /* The peer's endpoint and memory, within two minutes. */
+    unsigned plid = 0, pqpn = 0, ppsn = 0, rkey = 0;
+    unsigned long long raddr = 0;
+    char pgid[33] = {0};
+    int got = 0;
+    for (int tries = 0; tries < 12000 && got != 6; tries++) {
+        FILE *f = fopen(peerfile, "r");
+        if (f) {
+            got = fscanf(f, "%u %u %u %32s %llu %u", &plid, &pqpn, &ppsn, pgid, &raddr, &rkey);
+            fclose(f);
+        }
+        if (got != 6)
+            usleep(10000);
+    }
+    if (got != 6 || strlen(pgid) != 32)
+        return fail("no peer file");
+    union ibv_gid dgid;
+    for (int i = 0; i < 16; i++) {
+        unsigned b;
+        sscanf(pgid + 2 * i, "%2x", &b);
+        dgid.raw[i] = (uint8_t)b;
+    }
+
+    struct ibv_qp_attr a = {.qp_state = IBV_QPS_INIT, .pkey_index = 0, .port_num = 1,
+                            .qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE};
+    if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS))
+        return fail("to INIT");
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTR;
+    a.path_mtu = IBV_MTU_1024;
+    a.dest_qp_num = pqpn;
+    a.rq_psn = ppsn;
+    a.max_dest_rd_atomic = 1;
+    a.min_rnr_timer = 12;
+    a.ah_attr.dlid = (uint16_t)plid;
+    a.ah_attr.port_num = 1;
+    a.ah_attr.is_global = 1;
+    a.ah_attr.grh.dgid = dgid;
+    a.ah_attr.grh.hop_limit = 1;
+    if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN | IBV_QP_RQ_PSN |
+                                  IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER))
+        return fail("to RTR");
+    memset(&a, 0, sizeof a);
+    a.qp_state = IBV_QPS_RTS;
+    a.timeout = 14;
+    a.retry_cnt = 7;
+    a.rnr_retry = 7;
+    a.sq_psn = 0;
+    a.max_rd_atomic = 1;
+    if (ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN |
+                                  IBV_QP_MAX_QP_RD_ATOMIC))
+        return fail("to RTS");
+    printf("CONNECTED\n");
+    fflush(stdout);
+
+    uint64_t posted = 0, done = 0, max_gap = 0, last = now_us();
+    uint64_t deadline = now_us() + 600ull * 1000000u;
+    struct ibv_wc wc[16];
+    while (done < count) {
+        if (now_us() > deadline) {
+            printf("FAIL timed out: posted %llu, completed %llu\n", (unsigned long long)posted,
+                   (unsigned long long)done);
+            return 1;
+        }
+        if (posted < count && posted - done < WINDOW) {
+            char *p = buf + (posted % SLOTS) * len;
+            memset(p, (int)(posted & 0xff), len);
+            for (int i = 0; i < 8; i++)
+                p[i] = (char)((posted >> (8 * i)) & 0xff);
+            struct ibv_sge sge = {.addr = (uintptr_t)p, .length = (uint32_t)len, .lkey = mr->lkey};
+            struct ibv_send_wr wr = {.wr_id = posted, .sg_list = &sge, .num_sge = 1,
+                                     .send_flags = IBV_SEND_SIGNALED, .imm_data = htonl((uint32_t)posted)};
+            if (posted % 2 == 0) {
+                wr.opcode = IBV_WR_SEND_WITH_IMM;
+            } else {
+                wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+                wr.wr.rdma.remote_addr = raddr + posted * len;
+                wr.wr.rdma.rkey = rkey;
+            }
+            struct ibv_send_wr *bad;
+            if (ibv_post_send(qp, &wr, &bad)) {
+                printf("FAIL post_send %llu\n", (unsigned long long)posted);
+                return 1;
+            }
+            posted++;
+            if (posted % 20 == 0) {
+                struct ibv_qp_attr q;
+                struct ibv_qp_init_attr qi;
+                if (ibv_query_qp(qp, &q, IBV_QP_STATE, &qi) || q.qp_state != IBV_QPS_RTS) {
+                    printf("FAIL query_qp at %llu\n", (unsigned long long)posted);
+                    return 1;
+                }
+            }
+            if (pace)
+                usleep(pace);
+        }
+        int n = ibv_poll_cq(cq, 16, wc);
+        if (n < 0)
+            return fail("poll_cq");
+        for (int i = 0; i < n; i++) {
+            if (wc[i].status != IBV_WC_SUCCESS) {
+                printf("FAIL completion %llu: %s\n", (unsigned long long)wc[i].wr_id,
+                       ibv_wc_status_str(wc[i].status));
+                return 1;
+            }
+            if (wc[i].wr_id != done) {
+                printf("FAIL completion %llu where %llu was next\n", (unsigned long long)wc[i].wr_id,
+                       (unsigned long long)done);
+                return 1;
+            }
+            done++;
+            uint64_t t = now_us();
+            if (t - last > max_gap)
+                max_gap = t - last;
+            last = t;
+        }
+        if (n == 0 && (posted == count || posted - done >= WINDOW))
+            usleep(100);
+    }
+    /* Nothing more (a completion twice) within 300 ms. */
+    for (int k = 0; k < 30; k++) {
+        int n = ibv_poll_cq(cq, 16, wc);
+        if (n != 0) {
+            printf("FAIL %d completion(s) after the last\n", n);
+            return 1;
+        }
+        usleep(10000);
+    }
+    printf("DONE completions=%llu in_order=1 max_gap_us=%llu\n", (unsigned long long)done,
+           (unsigned long long)max_gap);
+    return 0;
+}
