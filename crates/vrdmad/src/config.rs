@@ -108,7 +108,8 @@
 //! shares, not this protection: each of its messages waits for the other
 //! busy tenants' shares (`engine.contended_bytes` each, 512 KiB by
 //! default), since cutting every busy share short for every tenant's
-//! message is what made four equal tenants lose a third of the engine.
+//! message costs the engine (shares of 64 KiB cost four equal tenants a
+//! tenth of its time).
 //! On links the class does not act yet: frames take turns by bytes and
 //! weights.
 //!

@@ -225,7 +225,8 @@ pub const MIGRATION_PROBE_INTERVAL: std::time::Duration = std::time::Duration::f
 /// of a chunk and made each share one turn, so the engine paid a turn's
 /// and a share's set-up (the QP's rings, the clock, the tenant's counters
 /// and buckets) per 64 KiB, and in `perf` its copying fell from 91 % of
-/// its time alone to 81 % with four (`vrdma bench --qos`, 2 cores).
+/// its time alone to 80 % with four (`vrdma bench --qos`, 2 cores; 91 %
+/// with four at 512 KiB).
 /// What it costs: a tenant not of the latency class waits for the other
 /// busy tenants' shares, each up to this (a latency-class tenant is
 /// served between their turns).

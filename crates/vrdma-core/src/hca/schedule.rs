@@ -59,19 +59,26 @@
 //! ## Latency classes
 //!
 //! A tenant of the latency class ([`LatencyClass::Latency`]) takes its
-//! share first in every pass ([`ServiceOrder::begin_pass`]). A pass ends
-//! only when every tenant had its share, so what a latency tenant's
-//! message waits for is the rest of the pass it arrived in: while such a
+//! share first in every pass ([`ServiceOrder::begin_pass`]). While such a
 //! tenant has had a share within [`LATENCY_WINDOW`], every other tenant's
 //! share is bounded in time (the engine's `latency_slice`, from the clock
-//! read after each turn) and its turns move a chunk whatever its weight.
-//! A hog's pass then lasts a slice, not 32 turns of a chunk: its next
-//! share follows at once, so it loses only the cost of more passes (work
-//! conservation), and a latency tenant that stays idle stops costing that
-//! after the window. A bulk-class tenant goes last in a pass and is
-//! bounded in time whenever another tenant contends (Justitia's
-//! splitting and pacing of bulk flows, with the engine's turns as the
-//! split and its clock as the pace).
+//! read after each turn), its turns move a chunk whatever its weight, and
+//! between two of its turns the engine reads the posted rings: a latency
+//! tenant with a QP named there ([`ServiceOrder::latency_waiting`]) has a
+//! share at once, out of its turn ([`ServiceOrder::take_share`]), and the
+//! interrupted share then goes on where it stopped, its turns, bytes and
+//! slice as they were. So a latency tenant's message waits about a turn,
+//! and a hog beside a ping-pong does not pay for a pass per message. A
+//! share whose slice is over goes on for another unless a tenant that
+//! goes before it has work waiting ([`ServiceOrder::preempts`]); a
+//! latency tenant that stays idle stops costing anything after the
+//! window. A latency tenant's few bytes do not bound another class's
+//! share in bytes either (its protection is the order and the turns),
+//! while tenants of the other classes still share by bytes among
+//! themselves. A bulk-class tenant goes last in a pass and is bounded in
+//! time whenever another tenant contends (Justitia's splitting and pacing
+//! of bulk flows, with the engine's turns as the split and its clock as
+//! the pace).
 //!
 //! What a tenant sends to another host goes out on a link, outside the
 //! engine's shares: the link charges the same buckets (each request taken
