@@ -1054,7 +1054,7 @@ mod tests {
                     if (looks && turned) || over {
                         v.notice(&mut o);
                         if let Some(t) = o.latency_waiting(v.now).filter(|_| looks) {
-                            let mut first = o.take_share(t, quantum, 32, v.now);
+                            let mut first = o.take_share(t, quantum, 1, v.now);
                             v.serve(&mut o, &mut first);
                         }
                         if over {

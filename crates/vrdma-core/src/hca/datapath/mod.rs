@@ -262,7 +262,10 @@ impl Hca {
                 act.pending |= self.wake_posted(io);
                 if looks {
                     if let Some(t) = self.order.latency_waiting(now) {
-                        let mut first = self.order.take_share(t, quantum, self.config.tenant_turns, now);
+                        // One turn: a message, not a share of a stream (a
+                        // latency tenant that streams gets a turn between
+                        // two of the others', and its share in its turn).
+                        let mut first = self.order.take_share(t, quantum, 1, now);
                         self.run_share(&mut first, quantum, now, io, act);
                         clock = self.metrics.clock_or(now);
                     }

@@ -13,13 +13,13 @@ use super::*;
 /// takes 10 µs, some three to a slice (25 µs by default).
 const TICK: u64 = 10_000;
 
-/// Queues that post `wr` to `qpn` (as its owner would, naming the QP)
-/// once `after` send WRs were pulled: a message that arrives while
+/// Queues that post each of `post` (WR to QP, as its owner would, naming
+/// the QP) once `after` send WRs were pulled: messages that arrive while
 /// another tenant's share is under way.
 struct PostsMidway<'a> {
     io: &'a mut FakeQueues,
     after: u32,
-    post: Option<(u32, SendWr)>,
+    post: Vec<(u32, SendWr)>,
     /// The QP of each completion pushed, in order.
     order: Vec<u32>,
 }
@@ -30,7 +30,7 @@ impl Queues for PostsMidway<'_> {
         if pulled.is_some() {
             self.after = self.after.saturating_sub(1);
             if self.after == 0 {
-                if let Some((q, wr)) = self.post.take() {
+                for (q, wr) in self.post.drain(..) {
                     self.io.post_send(q, wr);
                 }
             }
@@ -120,7 +120,7 @@ fn a_latency_tenants_message_is_served_between_two_turns_and_the_busy_share_goes
             .post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key));
     }
     let late = rdma(10, SendOpcode::RdmaWrite, &[x.buf.sge(0, 8)], y.buf.addr, y.buf.key);
-    let mut io = PostsMidway { io: &mut env.io, after: 1, post: Some((x.qpn, late)), order: Vec::new() };
+    let mut io = PostsMidway { io: &mut env.io, after: 1, post: vec![(x.qpn, late)], order: Vec::new() };
     env.hca.process(T0, &mut io);
     let order = std::mem::take(&mut io.order);
     let mut expected: Vec<u32> = many.iter().map(|(a, _)| a.qpn).collect();
@@ -130,4 +130,42 @@ fn a_latency_tenants_message_is_served_between_two_turns_and_the_busy_share_goes
     count(&mut env, &many, &mut done);
     assert_eq!(done, vec![1; many.len()], "each write once");
     assert_eq!(env.poll(x.cq).len(), 1);
+}
+
+/// A latency tenant that streams, its four QPs named while the streamer's
+/// share is under way, gets one turn between two of the streamer's, not
+/// a share of its stream there: the streamer's turns and its alternate.
+#[test]
+fn a_streaming_latency_tenant_gets_one_turn_between_two_of_the_busy_shares() {
+    let (mut env, chunk, many, (x, y)) = streamer_beside_an_active_latency_tenant();
+    let mut pairs = vec![(x, y)];
+    for _ in 0..3 {
+        let (a, b) = (env.end_with(C3, true), env.end(C3));
+        env.connect(a.qpn, b.qpn);
+        env.connect(b.qpn, a.qpn);
+        pairs.push((a, b));
+    }
+    for (a, b) in &many {
+        env.io
+            .post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key));
+    }
+    let post = pairs
+        .iter()
+        .map(|(a, b)| (a.qpn, rdma(7, SendOpcode::RdmaWrite, &[a.buf.sge(0, chunk)], b.buf.addr, b.buf.key)))
+        .collect();
+    let mut io = PostsMidway { io: &mut env.io, after: 1, post, order: Vec::new() };
+    env.hca.process(T0, &mut io);
+    let order = std::mem::take(&mut io.order);
+    let ours: Vec<u32> = pairs.iter().map(|(a, _)| a.qpn).collect();
+    let theirs: Vec<u32> = many.iter().map(|(a, _)| a.qpn).collect();
+    // The streamer's turns in its queue order, a latency turn between
+    // each two (until the streamer's slice ends with the latency tenant
+    // still waiting: then the pass ends, and the next serves it first).
+    let is_ours = |q: &u32| ours.contains(q);
+    assert!(order.len() >= 4, "{order:?}");
+    for (i, q) in order.iter().enumerate() {
+        assert_eq!(is_ours(q), i % 2 == 1, "alternate turns, the streamer's first: {order:?}");
+    }
+    let streamer: Vec<u32> = order.iter().copied().filter(|q| !is_ours(q)).collect();
+    assert_eq!(streamer[..], theirs[..streamer.len()], "the streamer's QPs in order: {order:?}");
 }
