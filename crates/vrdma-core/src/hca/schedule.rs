@@ -65,7 +65,8 @@
 //! read after each turn), its turns move a chunk whatever its weight, and
 //! between two of its turns the engine reads the posted rings: a latency
 //! tenant with a QP named there ([`ServiceOrder::latency_waiting`]) has a
-//! share at once, out of its turn ([`ServiceOrder::take_share`]), and the
+//! share of one turn at once, out of its turn ([`ServiceOrder::take_share`];
+//! one turn: a message, not a share of a stream), and the
 //! interrupted share then goes on where it stopped, its turns, bytes and
 //! slice as they were. So a latency tenant's message waits about a turn,
 //! and a hog beside a ping-pong does not pay for a pass per message. A
