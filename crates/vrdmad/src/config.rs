@@ -18,7 +18,7 @@
 //! realtime = false      # SCHED_FIFO for the engine thread (needs CAP_SYS_NICE)
 //! chunk_bytes = 262144  # most bytes one QP moves before the next QP's turn
 //! tenant_turns = 32     # most QPs of one tenant with work served in one pass
-//! contended_bytes = 65536  # most bytes one tenant moves in a pass while another waits
+//! contended_bytes = 524288  # most bytes one tenant moves in a pass while another waits
 //! latency_slice_us = 25 # longest share of a pass while a latency-class tenant is active
 //! yield_when_contended = false  # yield the CPU after each pass that served several tenants
 //! cpu = 1               # pin the engine thread to this CPU
@@ -95,16 +95,23 @@
 //! `latency_class` protects small messages from bulk transfers. A
 //! `"latency"` tenant's QPs are served first in every pass of the engine,
 //! and while such a tenant has been active in the last 10 ms every other
-//! tenant's share of a pass is bounded in time (`engine.latency_slice_us`,
-//! 25 µs by default) instead of in turns: the engine looks for new work
-//! at least that often, so a latency tenant's message waits about one
-//! slice per busy tenant, not a pass of 32 turns of 64 KiB. A `"bulk"`
-//! tenant goes last in a pass, and its shares are bounded in time whenever
-//! another tenant contends. The engine stays work-conserving: an idle
-//! latency tenant costs the others nothing after 10 ms, and a bounded
-//! share only ends the pass early (the tenant's next share follows at
-//! once), it does not leave the engine idle. On links the class does not
-//! act yet: frames take turns by bytes and weights.
+//! tenant's turns move a chunk each and the engine reads the posted rings
+//! between two of them: a latency tenant's message is served there, and
+//! the share it interrupted goes on where it stopped, so the message
+//! waits about a turn and the busy tenant keeps its pass. Those shares
+//! are also bounded in time (`engine.latency_slice_us`, 25 µs by
+//! default), and go on for another slice unless a tenant that goes
+//! before them has work waiting. A `"bulk"` tenant goes last in a pass,
+//! and its shares are bounded in time whenever another tenant contends.
+//! The engine stays work-conserving: an idle latency tenant costs the
+//! others nothing after 10 ms. The default class (`"normal"`) gets fair
+//! shares, not this protection: each of its messages waits for the other
+//! busy tenants' shares (`engine.contended_bytes` each, 512 KiB by
+//! default), since cutting every busy share short for every tenant's
+//! message costs the engine (shares of 64 KiB cost four equal tenants a
+//! tenth of its time).
+//! On links the class does not act yet: frames take turns by bytes and
+//! weights.
 //!
 //! ## Shared budgets: no tenant can lock the others out
 //!

@@ -217,9 +217,20 @@ pub const MIGRATION_PAUSE_LIMIT: std::time::Duration = std::time::Duration::from
 /// The default of [`HcaConfig::migration_probe_interval`].
 pub const MIGRATION_PROBE_INTERVAL: std::time::Duration = std::time::Duration::from_millis(10);
 
-/// The default of [`HcaConfig::contended_bytes`]: about 10 µs of copying
-/// on a core of today.
-pub const CONTENDED_BYTES: u64 = 64 << 10;
+/// The default of [`HcaConfig::contended_bytes`]: two of the daemon's
+/// chunks (`engine.chunk_bytes`, 256 KiB), some 50 µs of copying from
+/// memory on a core of today. Four tenants streaming at once then move
+/// 2 MiB a pass between them, where one alone moves up to `tenant_turns`
+/// chunks (8 MiB): a share of 64 KiB cut each of their turns to a quarter
+/// of a chunk and made each share one turn, so the engine paid a turn's
+/// and a share's set-up (the QP's rings, the clock, the tenant's counters
+/// and buckets) per 64 KiB, and in `perf` its copying fell from 91 % of
+/// its time alone to 80 % with four (`vrdma bench --qos`, 2 cores; 91 %
+/// with four at 512 KiB).
+/// What it costs: a tenant not of the latency class waits for the other
+/// busy tenants' shares, each up to this (a latency-class tenant is
+/// served between their turns).
+pub const CONTENDED_BYTES: u64 = 512 << 10;
 
 /// The default of [`HcaConfig::latency_slice`]: a few turns of
 /// `chunk_bytes` of copying.

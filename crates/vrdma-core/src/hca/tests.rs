@@ -16,6 +16,7 @@ use crate::verbs::{
 };
 
 mod direct;
+mod slices;
 mod three_hosts;
 mod two_hosts;
 

@@ -204,89 +204,144 @@ impl Hca {
             let Some(mut share) = self.order.next_share(quantum, self.config.tenant_turns, now) else {
                 break;
             };
-            let tenant = share.tenant;
-            // One clock read per turn (and one per share), never per
-            // message: the ends of turns bound engine time, throttled time
-            // and latency (see `metrics`).
-            let mut clock = self.metrics.clock_or(now);
-            // A tenant passed over for its rate limit has no share: its
-            // throttled time runs on from its last one.
-            let served = share.throttled.is_none();
-            if served {
-                self.counters(tenant).share_start(clock);
-            }
-            share.start(clock);
-            // A share bounded in time takes turns of a chunk whatever its
-            // weight, so that it ends close to its slice.
-            let weight = if share.slice.is_some() { 1 } else { share.weight };
-            while share.more_at(clock) {
-                let Some(qpn) = self.order.pop(tenant) else { break };
-                // An entry of a QP that stopped being served (or is gone,
-                // or whose number now names another tenant's QP) leaves.
-                let Some(qp) = self.qps.get_mut(&qpn).filter(|q| q.in_order && q.tenant == tenant) else {
-                    share.count(false);
-                    continue;
-                };
-                if !qp.served {
-                    qp.in_order = false;
-                    share.count(false);
-                    continue;
-                }
-                // A held ACK goes out with the link's next frame when due;
-                // the engine must be awake then.
-                let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
-                let chunk = self.config.chunk_bytes.max(1).saturating_mul(weight.into());
-                self.turn_bytes = share.bytes.min(chunk);
-                self.turn_spent = 0;
-                self.turn_messages = share.messages;
-                self.metrics.turn_start = clock;
-                let turn = self.turn(qpn, now, io);
-                let end = self.metrics.clock_or(now);
-                let mut pending = self.metrics.take_pending();
-                super::metrics::Metrics::turn_end(self.counters(tenant), &mut pending, clock, end);
-                self.metrics.put_pending(pending);
-                clock = end;
-                share.bytes = share.bytes.saturating_sub(self.turn_spent);
-                share.messages = self.turn_messages;
-                self.turn_messages = u64::MAX;
-                let timer = match (turn.next_timer, ack) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
-                if let Some(t) = timer {
-                    act.timer(t);
-                }
-                let parked = self.after_turn(qpn, &turn, now, io);
-                let keep = !parked && self.qps.get(&qpn).is_some_and(|q| q.served);
-                if !keep {
-                    if let Some(q) = self.qps.get_mut(&qpn) {
-                        q.in_order = false;
-                    }
-                }
-                act.busy |= turn.busy;
-                share.count(turn.busy);
-                self.order.after_turn(tenant, qpn, keep, turn.busy, timer);
-            }
-            match self.order.end_share(&share, now) {
-                Left::Work => {
-                    act.pending = true;
-                    self.counters(tenant).left_work(clock);
-                }
-                Left::Throttled(t) => {
-                    act.timer(t);
-                    let c = self.counters(tenant);
-                    c.throttled_shares += 1;
-                    if served {
-                        c.left_work(clock);
-                    }
-                }
-                Left::Quiet(Some(t)) => act.timer(t),
-                Left::Quiet(None) => {}
-            }
+            self.run_share(&mut share, quantum, now, io, &mut act);
         }
         // A sweep under way finishes before the engine may sleep.
         act.pending |= !self.sweeping.is_empty();
         act
+    }
+
+    /// Runs one tenant's share of a pass: its QPs' turns while the share
+    /// allows, then its end (what it left, charged and counted).
+    ///
+    /// While a latency-class tenant is active, another tenant's share
+    /// looks between two turns whether the posted rings named a QP of
+    /// one, and serves that tenant's share there, out of its turn: its
+    /// message waits a turn (a chunk), and the share it cut goes on
+    /// where it stopped, with its turns, bytes and slice as they were,
+    /// rather than ending with the pass (a hog beside a ping-pong would
+    /// pay for a pass a message). `quantum`: the pass's (see
+    /// `ServiceOrder::next_share`).
+    fn run_share(
+        &mut self,
+        share: &mut super::schedule::Share,
+        quantum: Option<u64>,
+        now: Instant,
+        io: &mut dyn Queues,
+        act: &mut Activity,
+    ) {
+        let tenant = share.tenant;
+        // One clock read per turn (and one per share), never per
+        // message: the ends of turns bound engine time, throttled time
+        // and latency (see `metrics`).
+        let mut clock = self.metrics.clock_or(now);
+        // A tenant passed over for its rate limit has no share: its
+        // throttled time runs on from its last one.
+        let served = share.throttled.is_none();
+        if served {
+            self.counters(tenant).share_start(clock);
+        }
+        share.start(clock);
+        // A share bounded in time takes turns of a chunk whatever its
+        // weight, so that it ends close to its slice.
+        let weight = if share.slice.is_some() { 1 } else { share.weight };
+        // Only a share bounded in time looks for latency tenants (a
+        // latency tenant's own is not), and only while one is active.
+        let looks = share.slice.is_some() && self.order.latency_active(now);
+        let mut turned = false;
+        loop {
+            // A slice over: the share goes on for another unless a tenant
+            // that goes before it waits (one the posted rings name now),
+            // so a busy tenant keeps its share between a latency tenant's
+            // messages without paying for a pass each slice.
+            let over = !share.more_at(clock);
+            if over && !share.slice_over(clock) {
+                break;
+            }
+            if (looks && turned) || over {
+                act.pending |= self.wake_posted(io);
+                if looks {
+                    if let Some(t) = self.order.latency_waiting(now) {
+                        // One turn: a message, not a share of a stream (a
+                        // latency tenant that streams gets a turn between
+                        // two of the others', and its share in its turn).
+                        let mut first = self.order.take_share(t, quantum, 1, now);
+                        self.run_share(&mut first, quantum, now, io, act);
+                        clock = self.metrics.clock_or(now);
+                    }
+                }
+                if over {
+                    if self.order.preempts(share) {
+                        break;
+                    }
+                    share.start(clock);
+                }
+            }
+            turned = false;
+            let Some(qpn) = self.order.pop(tenant) else { break };
+            // An entry of a QP that stopped being served (or is gone,
+            // or whose number now names another tenant's QP) leaves.
+            let Some(qp) = self.qps.get_mut(&qpn).filter(|q| q.in_order && q.tenant == tenant) else {
+                share.count(false);
+                continue;
+            };
+            if !qp.served {
+                qp.in_order = false;
+                share.count(false);
+                continue;
+            }
+            // A held ACK goes out with the link's next frame when due;
+            // the engine must be awake then.
+            let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
+            let chunk = self.config.chunk_bytes.max(1).saturating_mul(weight.into());
+            self.turn_bytes = share.bytes.min(chunk);
+            self.turn_spent = 0;
+            self.turn_messages = share.messages;
+            self.metrics.turn_start = clock;
+            let turn = self.turn(qpn, now, io);
+            let end = self.metrics.clock_or(now);
+            let mut pending = self.metrics.take_pending();
+            super::metrics::Metrics::turn_end(self.counters(tenant), &mut pending, clock, end);
+            self.metrics.put_pending(pending);
+            clock = end;
+            share.bytes = share.bytes.saturating_sub(self.turn_spent);
+            share.messages = self.turn_messages;
+            self.turn_messages = u64::MAX;
+            let timer = match (turn.next_timer, ack) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
+            if let Some(t) = timer {
+                act.timer(t);
+            }
+            let parked = self.after_turn(qpn, &turn, now, io);
+            let keep = !parked && self.qps.get(&qpn).is_some_and(|q| q.served);
+            if !keep {
+                if let Some(q) = self.qps.get_mut(&qpn) {
+                    q.in_order = false;
+                }
+            }
+            act.busy |= turn.busy;
+            turned = true;
+            share.count(turn.busy);
+            self.order.after_turn(tenant, qpn, keep, turn.busy, timer);
+        }
+        match self.order.end_share(share, now) {
+            Left::Work => {
+                act.pending = true;
+                self.counters(tenant).left_work(clock);
+            }
+            Left::Throttled(t) => {
+                act.timer(t);
+                let c = self.counters(tenant);
+                c.throttled_shares += 1;
+                if served {
+                    c.left_work(clock);
+                }
+            }
+            Left::Quiet(Some(t)) => act.timer(t),
+            Left::Quiet(None) => {}
+        }
     }
 
     /// One QP's turn: its send queue, or its flush.
