@@ -153,6 +153,10 @@ struct ChannelInner {
     ids: Mutex<BTreeMap<u32, bool>>,
     /// Once the daemon is gone: the ids still to hear DEVICE_REMOVAL.
     removal: Mutex<Option<VecDeque<u32>>>,
+    /// The ADDR_RESOLVED each id's program read (what its ROUTE_RESOLVED
+    /// repeats, where the library resolves the route: see
+    /// [`CmId::resolve_route`]).
+    addr_events: Mutex<HashMap<u32, CmEvent>>,
     /// Events that came in the replies of the calls that made them (see
     /// the module's notes), oldest first, each with the wake-ups it
     /// stands for, still in the doorbell; `None` where the event went with
@@ -309,6 +313,18 @@ impl ChannelInner {
         gone
     }
 
+    /// Records an ADDR_RESOLVED the program is handed.
+    fn note(&self, ev: Option<&CmEvent>) {
+        if let Some(ev) = ev.filter(|e| e.kind == EventKind::AddrResolved && e.status == 0) {
+            self.addr_events.lock().unwrap_or_else(|p| p.into_inner()).insert(ev.id, ev.clone());
+        }
+    }
+
+    /// The ADDR_RESOLVED `id`'s program read, taken.
+    fn take_addr_event(&self, id: u32) -> Option<CmEvent> {
+        self.addr_events.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)
+    }
+
     fn removed(&self) -> bool {
         self.removal.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
@@ -366,6 +382,7 @@ impl EventChannel {
             qps: Mutex::default(),
             ids: Mutex::default(),
             removal: Mutex::default(),
+            addr_events: Mutex::default(),
             ready: Mutex::default(),
         };
         Ok(EventChannel { inner: Arc::new(inner) })
@@ -384,6 +401,15 @@ impl EventChannel {
     /// `rdma_get_cm_event`: the next event, waiting up to `timeout`
     /// (`None`: as long as it takes); `Ok(None)` when the time passed.
     pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
+        self.read(timeout).inspect(|ev| self.inner.note(ev.as_ref()))
+    }
+
+    /// The next event if one waits.
+    pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
+        self.try_read().inspect(|ev| self.inner.note(ev.as_ref()))
+    }
+
+    fn read(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
         let end = timeout.map(|t| Instant::now() + t);
         let control = &self.inner.ctx.inner.control;
         loop {
@@ -402,7 +428,7 @@ impl EventChannel {
             // daemon keeps it so): a round trip to the daemon is made only
             // when it is (and its oldest wake-up carries no event).
             if !hung_up && self.inner.fd.is_readable() {
-                if let Some(ev) = self.try_get_event()? {
+                if let Some(ev) = self.try_read()? {
                     return Ok(Some(ev));
                 }
             }
@@ -425,8 +451,7 @@ impl EventChannel {
         }
     }
 
-    /// The next event if one waits.
-    pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
+    fn try_read(&self) -> Result<Option<CmEvent>> {
         if self.inner.removed() {
             return self.inner.removal_event().map(Some);
         }
@@ -474,10 +499,11 @@ pub fn is_listening(ctx: &Context, ps: PortSpace, addr: SocketAddrV4) -> Result<
 enum Route {
     /// Nothing: a resolution asks the daemon.
     Ask,
-    /// The id's address was resolved (the daemon's reply said so, with
-    /// this event) and no call since moved it: its route is the library's
-    /// to resolve.
-    Resolvable(CmEvent),
+    /// The id's address was resolved (the daemon's `ResolveAddr`
+    /// succeeded, which leaves the id in ADDR_RESOLVED, its event made)
+    /// and no call since moved it: its route is the library's to resolve
+    /// once the program read that event.
+    Resolvable,
     /// Resolved here and reported to the program; the daemon learns it
     /// with the id's next call that depends on it
     /// (`CmRequest::RouteReported`, `ConnectRouted`).
@@ -504,6 +530,7 @@ impl Drop for CmId {
         self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         // Its events not yet read go with it, as the kernel's do.
         self.channel.inner.forget(self.id);
+        self.channel.inner.take_addr_event(self.id);
         if self.channel.inner.removed() {
             return; // the daemon, and the id with it, are gone
         }
@@ -594,6 +621,9 @@ impl CmId {
         if let Some(qpn) = qp {
             channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
         }
+        if let Some(ev) = self.channel.inner.take_addr_event(self.id) {
+            channel.inner.addr_events.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, ev);
+        }
         let device = self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, device.unwrap_or(false));
         self.channel = channel.clone();
@@ -618,20 +648,16 @@ impl CmId {
     pub fn resolve_addr(&self, src: Option<SocketAddrV4>, dst: SocketAddrV4) -> Result<()> {
         let reply = self.call_settled(CmRequest::ResolveAddr { id: self.id, src, dst })?;
         self.channel.inner.set_device(self.id);
-        if let CmReply::Event { event: Some(ev), .. } = &reply {
-            if ev.id == self.id && ev.kind == EventKind::AddrResolved && ev.status == 0 {
-                *self.route() = Route::Resolvable(ev.clone());
-            }
-        }
+        *self.route() = Route::Resolvable;
         self.channel.inner.keep(reply);
         Ok(())
     }
 
     /// `rdma_resolve_route`; `RouteResolved` follows.
     ///
-    /// Where the daemon's reply to [`resolve_addr`](Self::resolve_addr)
-    /// said the address was resolved, the route is resolved here, with no
-    /// round trip: the daemon's resolution needs nothing more (it only
+    /// Where [`resolve_addr`](Self::resolve_addr) succeeded (the daemon
+    /// resolves an address at once) and the program read its
+    /// `AddrResolved`, the route is resolved here, with no round trip: the daemon's resolution needs nothing more (it only
     /// checks the id's state, which the library knows, and its event
     /// carries the address event's addresses), and the daemon hears of it
     /// with the id's next call that depends on it (the connect says so in
@@ -642,11 +668,13 @@ impl CmId {
     /// daemon is gone, the daemon is asked, as always.
     pub fn resolve_route(&self) -> Result<()> {
         let mut route = self.route();
-        if let Route::Resolvable(addr) = &*route {
-            let ev = CmEvent { kind: EventKind::RouteResolved, ..addr.clone() };
-            if self.channel.inner.keep_local(ev) {
-                *route = Route::Reported;
-                return Ok(());
+        if matches!(*route, Route::Resolvable) {
+            if let Some(addr) = self.channel.inner.take_addr_event(self.id) {
+                let ev = CmEvent { kind: EventKind::RouteResolved, ..addr };
+                if self.channel.inner.keep_local(ev) {
+                    *route = Route::Reported;
+                    return Ok(());
+                }
             }
         }
         drop(route);

@@ -132,9 +132,11 @@ pub enum CmRequest {
     /// event is made. The library sends it before any call whose outcome
     /// depends on the id's state (a connect sends `ConnectRouted`
     /// instead). The library answers `rdma_resolve_route` itself where
-    /// the reply of `ResolveAddr` carried ADDR_RESOLVED and the channel's
-    /// descriptor holds nothing unread (so that order holds): on one host
-    /// that is a round trip of the seven a connection waited on.
+    /// `ResolveAddr` succeeded (which leaves the id in ADDR_RESOLVED),
+    /// the program read its ADDR_RESOLVED (whose addresses the route's
+    /// event repeats), and the channel's descriptor holds nothing unread
+    /// (so that order holds): a round trip of the seven a connection's
+    /// setup waited on.
     RouteReported {
         id: u32,
     },
