@@ -32,6 +32,16 @@
 //! destroyed meanwhile is dropped there, as the daemon drops its kept
 //! ones; one of an id moved to another channel moves with it.
 //!
+//! A route needs nothing of the daemon once the program has read its
+//! address's `AddrResolved`: [`CmId::resolve_route`] makes
+//! `RouteResolved` here and rings the channel's descriptor (an epoll
+//! instance over the doorbell and a wake-up of the library's own,
+//! `cm_fd`), and the daemon learns of the route with the id's connect
+//! (`CmRequest::ConnectRouted`) or before its next call that depends on
+//! its state (`CmRequest::RouteReported`). It does so only while the
+//! doorbell holds nothing unread, so that the event is read after every
+//! event rung before it.
+//!
 //! When the daemon goes away (it died or was restarted), each channel's
 //! descriptor turns readable, and the channel reports
 //! `DeviceRemoval` once for each of its ids that had a device (bound to

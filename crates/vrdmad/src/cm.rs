@@ -1032,7 +1032,7 @@ mod tests {
     fn a_route_the_library_reported_moves_the_id_without_an_event() {
         let (mut d, _ends) = two_contexts();
         let now = Instant(1);
-        let mut call = |d: &mut CmDriver, ctx, req| {
+        let call = |d: &mut CmDriver, ctx, req| {
             let r = d.handle(ctx, T, req, now, &mut no_qps());
             d.run(now, |_, _| Err("not local"), &mut no_qps());
             r
