@@ -349,6 +349,76 @@ fn the_event_channels_descriptor_is_readable_exactly_while_events_wait() -> Resu
     Ok(())
 }
 
+/// A route the library resolves itself (the address's reply said the
+/// address was resolved, and nothing waits unread): ROUTE_RESOLVED is one
+/// event, read after the events rung before it and before those rung
+/// after; it makes the channel's descriptor readable, `O_NONBLOCK` or not,
+/// and wakes a thread that polls the descriptor before reading; a second
+/// resolution, or an address's, fails as the daemon's would (EINVAL: the
+/// daemon learnt of the route first); and a connect after such a route
+/// is established on both sides (the daemon learns of the route with it).
+#[test]
+fn a_route_resolved_in_the_library_is_one_event_in_order_and_wakes_a_poller() -> Result<()> {
+    use rustix::event::{PollFd, PollFlags};
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let ch = EventChannel::create(&ctx)?;
+    let flags = rustix::fs::fcntl_getfl(ch.fd())?;
+    rustix::fs::fcntl_setfl(ch.fd(), flags | rustix::fs::OFlags::NONBLOCK)?;
+    let readable = |wait: Duration| -> Result<bool> {
+        let fd = ch.fd();
+        let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+        let ts = rustix::time::Timespec::try_from(wait)?;
+        Ok(rustix::event::poll(&mut fds, Some(&ts))? == 1)
+    };
+    let a = CmId::create(&ch, PortSpace::Tcp)?;
+    a.resolve_addr(None, localhost(7))?;
+    expect(&ch, EventKind::AddrResolved)?;
+    assert!(!readable(Duration::ZERO)?);
+    std::thread::scope(|s| -> Result<()> {
+        // Polls the descriptor, as a program with an event loop does,
+        // before the route is asked for (if it runs late, the descriptor
+        // is already readable: it wakes either way).
+        let poller = s.spawn(|| readable(WAIT));
+        std::thread::sleep(Duration::from_millis(20));
+        a.resolve_route()?;
+        ensure!(poller.join().map_err(|_| anyhow::anyhow!("poller panicked"))??, "the poller never woke");
+        Ok(())
+    })?;
+    assert!(readable(Duration::ZERO)?);
+    // An event rung after the route's is read after it.
+    let b = CmId::create(&ch, PortSpace::Tcp)?;
+    b.resolve_addr(None, localhost(7))?;
+    let route = expect(&ch, EventKind::RouteResolved)?;
+    assert_eq!(route.id, a.id());
+    assert_eq!((route.local.is_some(), route.remote), (true, Some(localhost(7))));
+    assert!(readable(Duration::ZERO)?, "the address event of the other id waits");
+    assert_eq!(expect(&ch, EventKind::AddrResolved)?.id, b.id());
+    assert!(!readable(Duration::ZERO)?);
+    assert!(ch.try_get_event()?.is_none(), "ROUTE_RESOLVED once");
+    assert!(ch.get_event(Some(Duration::from_millis(50)))?.is_none());
+    let again = a.resolve_route().expect_err("a route resolved twice");
+    assert_eq!(again.errno(), libc::EINVAL, "{again}");
+    let addr = a.resolve_addr(None, localhost(7)).expect_err("an address resolved after its route");
+    assert_eq!(addr.errno(), libc::EINVAL, "{addr}");
+    assert!(ch.get_event(Some(Duration::from_millis(50)))?.is_none());
+    // A connect after a route resolved here.
+    let server = EventChannel::create(&ctx)?;
+    let l = CmId::create(&server, PortSpace::Tcp)?;
+    let at = l.bind(localhost(0))?;
+    l.listen(4)?;
+    let c = resolved(&ch, at)?;
+    c.connect(&param(b""))?;
+    let req = expect(&server, EventKind::ConnectRequest)?;
+    let s = CmId::from_request(&server, &req, PortSpace::Tcp)?;
+    s.accept(&param(b""))?;
+    // (No QP on the client's id: its program finishes the exchange.)
+    expect(&ch, EventKind::ConnectResponse)?;
+    c.establish()?;
+    expect(&server, EventKind::Established)?;
+    Ok(())
+}
+
 /// An event that came in its call's reply (a resolve's) and was not read
 /// goes with its id when the id is destroyed, and moves with it to
 /// another channel, as the kernel's unread events do; the old channel's

@@ -32,6 +32,16 @@
 //! destroyed meanwhile is dropped there, as the daemon drops its kept
 //! ones; one of an id moved to another channel moves with it.
 //!
+//! A route needs nothing of the daemon once the program has read its
+//! address's `AddrResolved`: [`CmId::resolve_route`] makes
+//! `RouteResolved` here and rings the channel's descriptor (an epoll
+//! instance over the doorbell and a wake-up of the library's own,
+//! `cm_fd`), and the daemon learns of the route with the id's connect
+//! (`CmRequest::ConnectRouted`) or before its next call that depends on
+//! its state (`CmRequest::RouteReported`). It does so only while the
+//! doorbell holds nothing unread, so that the event is read after every
+//! event rung before it.
+//!
 //! When the daemon goes away (it died or was restarted), each channel's
 //! descriptor turns readable, and the channel reports
 //! `DeviceRemoval` once for each of its ids that had a device (bound to
@@ -65,6 +75,7 @@ use vrdma_shm::Doorbell;
 
 pub use vrdma_core::cm::{reject, CmEvent, ConnInfo, EventKind, PortSpace, UD_QKEY};
 
+use crate::cm_fd::ChannelFd;
 use crate::control;
 use crate::{Context, Error, QpAttr, QpAttrMask, QpState, QueuePair, Result};
 
@@ -125,10 +136,26 @@ fn daemon_hung_up(control: &control::Control, timeout: Option<Duration>) -> bool
 /// and two addresses in postcard, well below.
 const CARRIED_MAX: usize = 2048;
 
+/// An event kept in the library until the program reads it: one that
+/// came in a call's reply (its wake-up still in the doorbell), one moved
+/// here with its id (no wake-up here), or one the library made itself
+/// (its wake-up is the library's own, [`ChannelFd`]). `None` where the
+/// event went with its id (destroyed or moved); its wake-ups stay to be
+/// taken.
+struct Kept {
+    event: Option<CmEvent>,
+    /// Wake-ups in the daemon's doorbell it stands for.
+    wakeups: u32,
+    /// Whether it stands for one wake-up of the library's own.
+    local: bool,
+}
+
 struct ChannelInner {
     ctx: Context,
     channel: u32,
     fd: Doorbell,
+    /// What the program polls: the doorbell and the library's own wake-up.
+    poll: ChannelFd,
     /// The QPs attached to this channel's ids (by number).
     qps: Mutex<HashMap<u32, u32>>,
     /// This channel's ids, and whether each has a device (what decides
@@ -136,11 +163,15 @@ struct ChannelInner {
     ids: Mutex<BTreeMap<u32, bool>>,
     /// Once the daemon is gone: the ids still to hear DEVICE_REMOVAL.
     removal: Mutex<Option<VecDeque<u32>>>,
+    /// The ADDR_RESOLVED each id's program read (what its ROUTE_RESOLVED
+    /// repeats, where the library resolves the route: see
+    /// [`CmId::resolve_route`]).
+    addr_events: Mutex<HashMap<u32, CmEvent>>,
     /// Events that came in the replies of the calls that made them (see
     /// the module's notes), oldest first, each with the wake-ups it
     /// stands for, still in the doorbell; `None` where the event went with
     /// its id (destroyed or moved).
-    ready: Mutex<VecDeque<(Option<CmEvent>, u32)>>,
+    ready: Mutex<VecDeque<Kept>>,
 }
 
 impl ChannelInner {
@@ -178,43 +209,67 @@ impl ChannelInner {
     fn keep(&self, reply: CmReply) {
         if let CmReply::Event { event, wakeups } = reply {
             if event.is_some() || wakeups > 0 {
-                self.ready.lock().unwrap_or_else(|p| p.into_inner()).push_back((event, wakeups));
+                self.ready.lock().unwrap_or_else(|p| p.into_inner()).push_back(Kept {
+                    event,
+                    wakeups,
+                    local: false,
+                });
             }
         }
     }
 
-    /// The oldest event kept from a reply, its wake-ups taken; with
-    /// `unrung`, only one with no wake-up in the descriptor (moved here
-    /// with its id), which is older than anything the descriptor holds.
-    fn pop_ready(
-        ready: &mut VecDeque<(Option<CmEvent>, u32)>,
-        fd: &Doorbell,
-        unrung: bool,
-    ) -> Option<CmEvent> {
-        while ready.front().is_some_and(|(_, w)| !unrung || *w == 0) {
-            let (event, wakeups) = ready.pop_front()?;
-            for _ in 0..wakeups {
-                fd.take_one();
+    /// Keeps `ev`, an event the library made itself, and rings the
+    /// library's own wake-up for it, if the doorbell holds nothing unread
+    /// (so that every event the daemon rang before is read before it: a
+    /// wake-up the daemon rings meanwhile is no older than this call, and
+    /// may be read first). `false`, keeping nothing, otherwise, or when the
+    /// daemon went away: the caller asks the daemon then.
+    fn keep_local(&self, ev: CmEvent) -> bool {
+        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        // (A hung-up doorbell is readable too.)
+        if self.removed() || self.fd.is_readable() {
+            return false;
+        }
+        ready.push_back(Kept { event: Some(ev), wakeups: 0, local: true });
+        self.poll.ring();
+        true
+    }
+
+    /// The oldest event kept, its wake-ups taken; with `unrung`, only one
+    /// with no wake-up in the doorbell (moved here with its id, or made
+    /// by the library), which is older than anything the doorbell holds.
+    fn pop_ready(&self, ready: &mut VecDeque<Kept>, unrung: bool) -> Option<CmEvent> {
+        // (One the library made has no wake-up in the doorbell either, and
+        // is older than all it holds: the doorbell held nothing when it
+        // was kept, and what was kept before it had no wake-up there.)
+        while ready.front().is_some_and(|k| !unrung || k.wakeups == 0) {
+            let kept = ready.pop_front()?;
+            for _ in 0..kept.wakeups {
+                self.fd.take_one();
             }
-            if event.is_some() {
-                return event;
+            if kept.local {
+                self.poll.take_one();
+            }
+            if kept.event.is_some() {
+                return kept.event;
             }
         }
         None
     }
 
     /// The next event the program reads without asking the daemon, in
-    /// order: one moved here with its id, then one carried by the
-    /// descriptor's oldest wake-up, then one kept from a reply.
+    /// order: one moved here with its id or made by the library, then one
+    /// carried by the doorbell's oldest wake-up, then one kept from a
+    /// reply.
     fn next_local(&self) -> Result<Option<CmEvent>> {
         let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(ev) = Self::pop_ready(&mut ready, &self.fd, true) {
+        if let Some(ev) = self.pop_ready(&mut ready, true) {
             return Ok(Some(ev));
         }
         if let Some(ev) = self.take_carried(None)? {
             return Ok(Some(ev));
         }
-        Ok(Self::pop_ready(&mut ready, &self.fd, false))
+        Ok(self.pop_ready(&mut ready, false))
     }
 
     /// The event the descriptor's oldest wake-up carries, taken (of `id`
@@ -260,12 +315,24 @@ impl ChannelInner {
     fn forget(&self, id: u32) -> Vec<CmEvent> {
         let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
         let mut gone = Vec::new();
-        for (event, _) in ready.iter_mut() {
-            if event.as_ref().is_some_and(|e| e.id == id) {
-                gone.extend(event.take());
+        for kept in ready.iter_mut() {
+            if kept.event.as_ref().is_some_and(|e| e.id == id) {
+                gone.extend(kept.event.take());
             }
         }
         gone
+    }
+
+    /// Records an ADDR_RESOLVED the program is handed.
+    fn note(&self, ev: Option<&CmEvent>) {
+        if let Some(ev) = ev.filter(|e| e.kind == EventKind::AddrResolved && e.status == 0) {
+            self.addr_events.lock().unwrap_or_else(|p| p.into_inner()).insert(ev.id, ev.clone());
+        }
+    }
+
+    /// The ADDR_RESOLVED `id`'s program read, taken.
+    fn take_addr_event(&self, id: u32) -> Option<CmEvent> {
+        self.addr_events.lock().unwrap_or_else(|p| p.into_inner()).remove(&id)
     }
 
     fn removed(&self) -> bool {
@@ -309,21 +376,32 @@ impl EventChannel {
                 return Err(e);
             }
         };
+        let fd = Doorbell::from_fd(fd);
+        let poll = match ChannelFd::new(&fd) {
+            Ok(p) => p,
+            Err(e) => {
+                destroy(ctx, CmRequest::DestroyChannel { channel });
+                return Err(e.into());
+            }
+        };
         let inner = ChannelInner {
             ctx: ctx.clone(),
             channel,
-            fd: Doorbell::from_fd(fd),
+            fd,
+            poll,
             qps: Mutex::default(),
             ids: Mutex::default(),
             removal: Mutex::default(),
+            addr_events: Mutex::default(),
             ready: Mutex::default(),
         };
         Ok(EventChannel { inner: Arc::new(inner) })
     }
 
-    /// `rdma_event_channel.fd`: readable while an event waits.
+    /// `rdma_event_channel.fd`: readable while an event waits (an epoll
+    /// instance: see `cm_fd`).
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.inner.fd.as_fd()
+        self.inner.poll.as_fd()
     }
 
     pub fn context(&self) -> &Context {
@@ -333,6 +411,15 @@ impl EventChannel {
     /// `rdma_get_cm_event`: the next event, waiting up to `timeout`
     /// (`None`: as long as it takes); `Ok(None)` when the time passed.
     pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
+        self.read(timeout).inspect(|ev| self.inner.note(ev.as_ref()))
+    }
+
+    /// The next event if one waits.
+    pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
+        self.try_read().inspect(|ev| self.inner.note(ev.as_ref()))
+    }
+
+    fn read(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
         let end = timeout.map(|t| Instant::now() + t);
         let control = &self.inner.ctx.inner.control;
         loop {
@@ -351,7 +438,7 @@ impl EventChannel {
             // daemon keeps it so): a round trip to the daemon is made only
             // when it is (and its oldest wake-up carries no event).
             if !hung_up && self.inner.fd.is_readable() {
-                if let Some(ev) = self.try_get_event()? {
+                if let Some(ev) = self.try_read()? {
                     return Ok(Some(ev));
                 }
             }
@@ -366,7 +453,7 @@ impl EventChannel {
                 daemon_hung_up(control, left);
                 continue;
             }
-            match control.wait_readable(&self.inner.fd, left) {
+            match control.wait_fd_readable(self.inner.poll.as_fd(), left) {
                 Ok(_) => {}
                 Err(e) if daemon_gone(&e) => return self.inner.removal_event().map(Some),
                 Err(e) => return Err(e),
@@ -374,8 +461,7 @@ impl EventChannel {
         }
     }
 
-    /// The next event if one waits.
-    pub fn try_get_event(&self) -> Result<Option<CmEvent>> {
+    fn try_read(&self) -> Result<Option<CmEvent>> {
         if self.inner.removed() {
             return self.inner.removal_event().map(Some);
         }
@@ -417,11 +503,29 @@ pub fn is_listening(ctx: &Context, ps: PortSpace, addr: SocketAddrV4) -> Result<
     }
 }
 
+/// What the library knows of an id's route (see
+/// [`CmId::resolve_route`]).
+#[derive(Debug, Clone)]
+enum Route {
+    /// Nothing: a resolution asks the daemon.
+    Ask,
+    /// The id's address was resolved (the daemon's `ResolveAddr`
+    /// succeeded, which leaves the id in ADDR_RESOLVED, its event made)
+    /// and no call since moved it: its route is the library's to resolve
+    /// once the program read that event.
+    Resolvable,
+    /// Resolved here and reported to the program; the daemon learns it
+    /// with the id's next call that depends on it
+    /// (`CmRequest::RouteReported`, `ConnectRouted`).
+    Reported,
+}
+
 /// `struct rdma_cm_id`: one end of a connection, or a listener.
 pub struct CmId {
     channel: EventChannel,
     id: u32,
     ps: PortSpace,
+    route: Mutex<Route>,
 }
 
 impl std::fmt::Debug for CmId {
@@ -436,6 +540,7 @@ impl Drop for CmId {
         self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         // Its events not yet read go with it, as the kernel's do.
         self.channel.inner.forget(self.id);
+        self.channel.inner.take_addr_event(self.id);
         if self.channel.inner.removed() {
             return; // the daemon, and the id with it, are gone
         }
@@ -452,7 +557,7 @@ impl CmId {
             return Err(Error::protocol("CreateId answered with something else"));
         };
         channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(id, false);
-        Ok(CmId { channel: channel.clone(), id, ps })
+        Ok(CmId { channel: channel.clone(), id, ps, route: Mutex::new(Route::Ask) })
     }
 
     /// The id a `ConnectRequest` event made; the program owns it from now.
@@ -461,7 +566,7 @@ impl CmId {
             return Err(Error::Daemon { errno: libc::EINVAL, message: "not a connect request".into() });
         }
         channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(ev.id, true);
-        Ok(CmId { channel: channel.clone(), id: ev.id, ps })
+        Ok(CmId { channel: channel.clone(), id: ev.id, ps, route: Mutex::new(Route::Ask) })
     }
 
     pub fn id(&self) -> u32 {
@@ -474,6 +579,24 @@ impl CmId {
 
     fn call(&self, req: CmRequest) -> Result<CmReply> {
         call(&self.channel.inner.ctx, req)
+    }
+
+    fn route(&self) -> std::sync::MutexGuard<'_, Route> {
+        self.route.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A call whose outcome depends on the id's state: a route resolved
+    /// here is told to the daemon first (a round trip, off the usual
+    /// path: a connect carries it instead), so that the call meets the
+    /// state the program was told of. The call may move the id, so the
+    /// route is the daemon's to resolve after it.
+    fn call_settled(&self, req: CmRequest) -> Result<CmReply> {
+        let mut route = self.route();
+        if matches!(*route, Route::Reported) {
+            self.call(CmRequest::RouteReported { id: self.id })?;
+        }
+        *route = Route::Ask;
+        self.call(req)
     }
 
     /// `rdma_migrate_id`: the id's next events go to `channel`, another
@@ -499,14 +622,17 @@ impl CmId {
             let mut ready = channel.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
             if other && ready.is_empty() {
                 if let Some(ev) = channel.inner.take_carried(None)? {
-                    ready.push_back((Some(ev), 0));
+                    ready.push_back(Kept { event: Some(ev), wakeups: 0, local: false });
                 }
             }
-            ready.extend(moved.into_iter().map(|ev| (Some(ev), 0)));
+            ready.extend(moved.into_iter().map(|ev| Kept { event: Some(ev), wakeups: 0, local: false }));
         }
         let qp = self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         if let Some(qpn) = qp {
             channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
+        }
+        if let Some(ev) = self.channel.inner.take_addr_event(self.id) {
+            channel.inner.addr_events.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, ev);
         }
         let device = self.channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
         channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, device.unwrap_or(false));
@@ -516,12 +642,12 @@ impl CmId {
 
     /// `rdma_set_option(RDMA_OPTION_ID_REUSEADDR)`.
     pub fn set_reuseaddr(&self, reuse: bool) -> Result<()> {
-        self.call(CmRequest::SetReuseAddr { id: self.id, reuse }).map(drop)
+        self.call_settled(CmRequest::SetReuseAddr { id: self.id, reuse }).map(drop)
     }
 
     /// `rdma_bind_addr`; returns the address bound (its port chosen if 0).
     pub fn bind(&self, addr: SocketAddrV4) -> Result<SocketAddrV4> {
-        self.call(CmRequest::Bind { id: self.id, addr })?;
+        self.call_settled(CmRequest::Bind { id: self.id, addr })?;
         if !addr.ip().is_unspecified() {
             self.channel.inner.set_device(self.id);
         }
@@ -530,22 +656,46 @@ impl CmId {
 
     /// `rdma_resolve_addr`; `AddrResolved` follows on the channel.
     pub fn resolve_addr(&self, src: Option<SocketAddrV4>, dst: SocketAddrV4) -> Result<()> {
-        let reply = self.call(CmRequest::ResolveAddr { id: self.id, src, dst })?;
+        let reply = self.call_settled(CmRequest::ResolveAddr { id: self.id, src, dst })?;
         self.channel.inner.set_device(self.id);
+        *self.route() = Route::Resolvable;
         self.channel.inner.keep(reply);
         Ok(())
     }
 
     /// `rdma_resolve_route`; `RouteResolved` follows.
+    ///
+    /// Where [`resolve_addr`](Self::resolve_addr) succeeded (the daemon
+    /// resolves an address at once) and the program read its
+    /// `AddrResolved`, the route is resolved here, with no round trip: the daemon's resolution needs nothing more (it only
+    /// checks the id's state, which the library knows, and its event
+    /// carries the address event's addresses), and the daemon hears of it
+    /// with the id's next call that depends on it (the connect says so in
+    /// the same message, `CmRequest::ConnectRouted`). Its event is kept
+    /// here and rings the channel's descriptor through the library's own
+    /// wake-up, if the daemon's doorbell holds nothing unread (so that it
+    /// comes after every event rung before it); otherwise, or once the
+    /// daemon is gone, the daemon is asked, as always.
     pub fn resolve_route(&self) -> Result<()> {
-        let reply = self.call(CmRequest::ResolveRoute { id: self.id })?;
+        let mut route = self.route();
+        if matches!(*route, Route::Resolvable) {
+            if let Some(addr) = self.channel.inner.take_addr_event(self.id) {
+                let ev = CmEvent { kind: EventKind::RouteResolved, ..addr };
+                if self.channel.inner.keep_local(ev) {
+                    *route = Route::Reported;
+                    return Ok(());
+                }
+            }
+        }
+        drop(route);
+        let reply = self.call_settled(CmRequest::ResolveRoute { id: self.id })?;
         self.channel.inner.keep(reply);
         Ok(())
     }
 
     /// `rdma_listen`.
     pub fn listen(&self, backlog: i32) -> Result<()> {
-        self.call(CmRequest::Listen { id: self.id, backlog }).map(drop)
+        self.call_settled(CmRequest::Listen { id: self.id, backlog }).map(drop)
     }
 
     /// (`rdma_get_local_addr`, `rdma_get_peer_addr`) in one call.
@@ -666,7 +816,15 @@ impl CmId {
     /// `rdma_connect`.
     pub fn connect(&self, param: &ConnParam) -> Result<()> {
         let qpn = self.qp().unwrap_or(param.qp_num);
-        self.call(CmRequest::Connect { id: self.id, conn: info(param, qpn) }).map(drop)
+        let (id, conn) = (self.id, info(param, qpn));
+        let mut route = self.route();
+        let req = match *route {
+            // The route resolved here goes with the connect.
+            Route::Reported => CmRequest::ConnectRouted { id, conn },
+            _ => CmRequest::Connect { id, conn },
+        };
+        *route = Route::Ask;
+        self.call(req).map(drop)
     }
 
     /// `rdma_accept` of a connect request: the daemon moves an attached
@@ -676,24 +834,24 @@ impl CmId {
     pub fn accept(&self, param: &ConnParam) -> Result<()> {
         let qpn = self.qp().unwrap_or(param.qp_num);
         let qkey = if self.ps.is_ud() { UD_QKEY } else { 0 };
-        let reply = self.call(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey })?;
+        let reply = self.call_settled(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey })?;
         self.channel.inner.keep(reply);
         Ok(())
     }
 
     /// `rdma_establish`: after a `ConnectResponse` on an id without a QP.
     pub fn establish(&self) -> Result<()> {
-        self.call(CmRequest::Establish { id: self.id }).map(drop)
+        self.call_settled(CmRequest::Establish { id: self.id }).map(drop)
     }
 
     /// `rdma_reject`.
     pub fn reject(&self, private_data: &[u8]) -> Result<()> {
-        self.call(CmRequest::Reject { id: self.id, private_data: private_data.to_vec() }).map(drop)
+        self.call_settled(CmRequest::Reject { id: self.id, private_data: private_data.to_vec() }).map(drop)
     }
 
     /// `rdma_disconnect`: the attached QP goes to ERR (its work is
     /// flushed; the daemon moves it), and both sides get `Disconnected`.
     pub fn disconnect(&self) -> Result<()> {
-        self.call(CmRequest::Disconnect { id: self.id }).map(drop)
+        self.call_settled(CmRequest::Disconnect { id: self.id }).map(drop)
     }
 }

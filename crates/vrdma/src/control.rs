@@ -173,17 +173,30 @@ impl Control {
     /// up the control connection: a daemon that died rings nothing, and a
     /// wait for it must not last for ever.
     pub fn wait_bell(&self, bell: &Doorbell, timeout: Option<Duration>) -> Result<bool> {
-        self.wait_on(bell, timeout, true)
+        self.wait_on(bell.as_fd(), timeout, Some(bell))
     }
 
     /// Waits like [`wait_bell`](Self::wait_bell) until `bell` is readable,
     /// but consumes nothing: for a completion channel, whose datagrams are
     /// counted (one per event) and taken with their events.
     pub fn wait_readable(&self, bell: &Doorbell, timeout: Option<Duration>) -> Result<bool> {
-        self.wait_on(bell, timeout, false)
+        self.wait_on(bell.as_fd(), timeout, None)
     }
 
-    fn wait_on(&self, bell: &Doorbell, timeout: Option<Duration>, drain: bool) -> Result<bool> {
+    /// [`wait_readable`](Self::wait_readable) on any pollable descriptor
+    /// (an rdma_cm channel's epoll instance).
+    pub fn wait_fd_readable(&self, fd: BorrowedFd<'_>, timeout: Option<Duration>) -> Result<bool> {
+        self.wait_on(fd, timeout, None)
+    }
+
+    /// Waits until `bell` is readable; with `drain`, the doorbell `bell`
+    /// is, drains it and waits again if it held nothing.
+    fn wait_on(
+        &self,
+        bell: BorrowedFd<'_>,
+        timeout: Option<Duration>,
+        drain: Option<&Doorbell>,
+    ) -> Result<bool> {
         use rustix::event::{PollFd, PollFlags, Timespec};
         let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let sock = self.hangup_fd();
@@ -194,8 +207,10 @@ impl Control {
                 _ => None,
             };
             let ts = left.and_then(|d| Timespec::try_from(d).ok());
-            let mut fds =
-                [PollFd::new(bell, PollFlags::IN), PollFd::from_borrowed_fd(sock, PollFlags::RDHUP)];
+            let mut fds = [
+                PollFd::from_borrowed_fd(bell, PollFlags::IN),
+                PollFd::from_borrowed_fd(sock, PollFlags::RDHUP),
+            ];
             match rustix::event::poll(&mut fds, ts.as_ref()) {
                 Ok(0) => return Ok(false),
                 Ok(_) => {
@@ -206,7 +221,7 @@ impl Control {
                     if rev.intersects(PollFlags::ERR | PollFlags::NVAL) {
                         return Err(Error::Io(io::Error::other("doorbell poll error")));
                     }
-                    if !drain || bell.drain() > 0 {
+                    if drain.is_none_or(|d| d.drain() > 0) {
                         return Ok(true);
                     }
                     // A bell that hangs up when the daemon goes (the

@@ -84,6 +84,7 @@
 mod ah;
 mod channel;
 pub mod cm;
+mod cm_fd;
 mod context;
 mod control;
 mod cq;

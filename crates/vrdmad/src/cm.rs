@@ -324,6 +324,15 @@ impl CmDriver {
                 self.cm.connect(ctx, id, conn, now)?;
                 done
             }
+            CmRequest::RouteReported { id } => {
+                self.cm.resolve_route_reported(ctx, id)?;
+                done
+            }
+            CmRequest::ConnectRouted { id, conn } => {
+                self.cm.resolve_route_reported(ctx, id)?;
+                self.cm.connect(ctx, id, conn, now)?;
+                done
+            }
             CmRequest::Accept { id, mut conn, qkey } => {
                 if let Some(&qp) = self.id_qp.get(&id) {
                     let ps = self.cm.port_space(ctx, id).ok_or(CmError::NoSuchId)?;
@@ -1014,5 +1023,57 @@ mod tests {
             }
         }
         assert!(!tenant_end.is_readable(), "quiet once all are read");
+    }
+
+    /// A route the library resolved (`RouteReported`, or `ConnectRouted`
+    /// with the connect) moves the id as `ResolveRoute` does, with the
+    /// same errors, and makes no event: the library reported it.
+    #[test]
+    fn a_route_the_library_reported_moves_the_id_without_an_event() {
+        let (mut d, _ends) = two_contexts();
+        let now = Instant(1);
+        let call = |d: &mut CmDriver, ctx, req| {
+            let r = d.handle(ctx, T, req, now, &mut no_qps());
+            d.run(now, |_, _| Err("not local"), &mut no_qps());
+            r
+        };
+        let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 7471);
+        let Ok(CmReply::Id { id: l }) = call(&mut d, SRV, CmRequest::CreateId { channel: 1, ps: 0x0106 })
+        else {
+            panic!()
+        };
+        call(&mut d, SRV, CmRequest::Bind { id: l, addr: at }).unwrap();
+        call(&mut d, SRV, CmRequest::Listen { id: l, backlog: 8 }).unwrap();
+        let id = |d: &mut CmDriver| {
+            let Ok(CmReply::Id { id }) =
+                d.handle(CLI, T, CmRequest::CreateId { channel: 2, ps: 0x0106 }, now, &mut no_qps())
+            else {
+                panic!()
+            };
+            id
+        };
+        // Before its address: the state is wrong, as for ResolveRoute.
+        let (a, b) = (id(&mut d), id(&mut d));
+        let e = call(&mut d, CLI, CmRequest::RouteReported { id: a }).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        let e = call(&mut d, CLI, CmRequest::ConnectRouted { id: a, conn: ConnInfo::default() }).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL);
+        // Another context's id is no id of the caller's.
+        call(&mut d, CLI, CmRequest::ResolveAddr { id: a, src: None, dst: at }).unwrap();
+        assert!(call(&mut d, SRV, CmRequest::RouteReported { id: a }).is_err());
+        call(&mut d, CLI, CmRequest::RouteReported { id: a }).unwrap();
+        assert_eq!(d.cm.state(CLI, a), Some(State::RouteResolved));
+        let e = call(&mut d, CLI, CmRequest::RouteReported { id: a }).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "once, as ResolveRoute");
+        call(&mut d, CLI, CmRequest::Connect { id: a, conn: ConnInfo::default() }).unwrap();
+        call(&mut d, CLI, CmRequest::ResolveAddr { id: b, src: None, dst: at }).unwrap();
+        call(&mut d, CLI, CmRequest::ConnectRouted { id: b, conn: ConnInfo::default() }).unwrap();
+        assert_eq!(d.cm.state(CLI, b), Some(State::ReqSent));
+        let kinds: Vec<_> =
+            std::iter::from_fn(|| next_event(&mut d, CLI, 2)).map(|e| (e.id, e.kind)).collect();
+        assert_eq!(kinds, [(a, EventKind::AddrResolved), (b, EventKind::AddrResolved)], "no ROUTE_RESOLVED");
+        let reqs =
+            std::iter::from_fn(|| next_event(&mut d, SRV, 1)).filter(|e| e.kind == EventKind::ConnectRequest);
+        assert_eq!(reqs.count(), 2, "both connects went");
     }
 }

@@ -499,13 +499,24 @@ impl ConnectionManager {
 
     /// `rdma_resolve_route`.
     pub fn resolve_route(&mut self, ctx: ContextId, id: u32) -> Result<(), CmError> {
+        self.resolve_route_reported(ctx, id)?;
+        let ev = self.event(id, EventKind::RouteResolved, 0);
+        self.events.push_back(ev);
+        Ok(())
+    }
+
+    /// `rdma_resolve_route` whose ROUTE_RESOLVED the library reported
+    /// itself (`CmRequest::RouteReported`): the same checks and the same
+    /// state as [`resolve_route`](Self::resolve_route), and no event. A
+    /// route needs nothing an address's resolution did not learn (every
+    /// path is the host's one port), so the library, which saw the
+    /// address resolved, answers the program without asking.
+    pub fn resolve_route_reported(&mut self, ctx: ContextId, id: u32) -> Result<(), CmError> {
         let i = self.own(ctx, id)?;
         if i.state != State::AddrResolved {
             return Err(CmError::WrongState);
         }
         i.state = State::RouteResolved;
-        let ev = self.event(id, EventKind::RouteResolved, 0);
-        self.events.push_back(ev);
         Ok(())
     }
 

@@ -126,6 +126,27 @@ pub enum CmRequest {
         cqe: u32,
         init: crate::verbs::QpInitAttr,
     },
+    /// The route of `id` was resolved in the library, which reported
+    /// ROUTE_RESOLVED to the program itself: the id moves as
+    /// `ResolveRoute` moves it, with the same checks and errors, and no
+    /// event is made. The library sends it before any call whose outcome
+    /// depends on the id's state (a connect sends `ConnectRouted`
+    /// instead). The library answers `rdma_resolve_route` itself where
+    /// `ResolveAddr` succeeded (which leaves the id in ADDR_RESOLVED),
+    /// the program read its ADDR_RESOLVED (whose addresses the route's
+    /// event repeats), and the channel's descriptor holds nothing unread
+    /// (so that order holds): a round trip of the seven a connection's
+    /// setup waited on.
+    RouteReported {
+        id: u32,
+    },
+    /// `RouteReported` then `Connect`, in one call: fails with the first
+    /// one's error (if `Connect` fails, the route stays resolved, as
+    /// after `ResolveRoute`).
+    ConnectRouted {
+        id: u32,
+        conn: ConnInfo,
+    },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -36,7 +36,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `Reply::CqQp`; an event channel's wake-up may carry its event,
 /// [`CARRIED_CM_EVENT`]; `Request::AdoptContext`, a guest taking its
 /// context back after its VM moved; `Reply::Pooled`, a host context's
-/// rings placed in its ring pool.)
+/// rings placed in its ring pool; `CmRequest::RouteReported` and
+/// `ConnectRouted`, a route the library resolved itself.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;

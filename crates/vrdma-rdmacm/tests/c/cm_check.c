@@ -85,6 +85,24 @@ int main(int argc, char **argv)
 	CHECK(rdma_ack_cm_event(ev) == 0, "rdma_ack_cm_event");
 	errno = 0;
 	CHECK(rdma_get_cm_event(ch, &ev) == -1 && errno == EAGAIN, "nothing else waits");
+	pfd.revents = 0;
+	CHECK(poll(&pfd, 1, 0) == 0, "the descriptor is quiet once the event is read");
+
+	/* The route (which the library resolves itself): one event, which
+	 * makes the non-blocking descriptor readable when the call returns. */
+	CHECK(rdma_resolve_route(id, 2000) == 0, "rdma_resolve_route");
+	pfd.revents = 0;
+	CHECK(poll(&pfd, 1, 5000) == 1, "ROUTE_RESOLVED makes the descriptor readable");
+	CHECK(rdma_get_cm_event(ch, &ev) == 0, "rdma_get_cm_event (route)");
+	CHECK(ev->event == RDMA_CM_EVENT_ROUTE_RESOLVED && ev->id == id && ev->status == 0,
+	      "ROUTE_RESOLVED for the id, got %s", rdma_event_str(ev->event));
+	CHECK(rdma_ack_cm_event(ev) == 0, "rdma_ack_cm_event (route)");
+	errno = 0;
+	CHECK(rdma_get_cm_event(ch, &ev) == -1 && errno == EAGAIN, "ROUTE_RESOLVED once");
+	pfd.revents = 0;
+	CHECK(poll(&pfd, 1, 0) == 0, "the descriptor is quiet once the route's event is read");
+	errno = 0;
+	CHECK(rdma_resolve_route(id, 2000) == -1 && errno == EINVAL, "a route resolved twice is EINVAL");
 	CHECK(rdma_destroy_id(id) == 0, "rdma_destroy_id");
 	rdma_destroy_event_channel(ch);
 
