@@ -67,9 +67,9 @@ fn iperf3_runs_carried_over_vrdma_under_vrdma_run_sockets() {
     assert_eq!((counts.announced, counts.carried), (2, 2), "{counts:?}");
 }
 
-/// `vrdma bench --sockets` runs its programs plain and preloaded, checks
-/// the preloaded ones were carried, and prints each figure beside its
-/// anchor with the ratio.
+/// `vrdma bench --sockets` runs its programs (its own, sockperf and
+/// redis-benchmark) plain and preloaded, checks the preloaded ones were
+/// carried, and prints each figure beside its anchor with the ratio.
 #[test]
 fn bench_sockets_prints_its_figures_beside_plain_tcp() {
     let _one = one_at_a_time();
@@ -87,6 +87,25 @@ fn bench_sockets_prints_its_figures_beside_plain_tcp() {
                 .unwrap_or_else(|| panic!("no {what} row, {path}: {}", out.describe()));
             assert!(row.contains("plain TCP, loopback") && row.contains('x'), "{row}");
         }
+    }
+    // The real applications' rows, for those installed (all under .ci/run).
+    let installed = |p: &str| {
+        let path = std::env::var_os("PATH").unwrap_or_default();
+        std::env::split_paths(&path).any(|d| d.join(p).is_file())
+    };
+    for (program, what) in [
+        ("sockperf", "sockperf ping-pong"),
+        ("sockperf", "sockperf throughput"),
+        ("redis-benchmark", "redis-benchmark SET"),
+        ("redis-benchmark", "redis-benchmark GET"),
+    ] {
+        let row = out.stdout.lines().find(|l| l.contains(what));
+        if !installed(program) {
+            vrdma_it::skip(format!("{program} is missing: no {what} row to check"));
+            continue;
+        }
+        let row = row.unwrap_or_else(|| panic!("no {what} row: {}", out.describe()));
+        assert!(row.contains("plain TCP, loopback") && row.contains('x'), "{row}");
     }
 }
 

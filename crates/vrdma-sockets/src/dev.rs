@@ -6,7 +6,13 @@
 //! its rings' memory, which it must neither use nor destroy: it opens a
 //! device of its own on first need (so a pre-forking server's workers carry
 //! the connections they accept), and the parent's stays leaked in it.
+//! The child's device is at its parent's daemon, whatever the child's
+//! environment says by then: the listeners it inherited are registered
+//! there, and servers clear their workers' environment (nginx keeps only
+//! `TZ`), which would otherwise leave the workers looking for a daemon at
+//! the default path and every connection they accept TCP.
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicPtr, Ordering};
 use std::sync::OnceLock;
 
@@ -21,17 +27,35 @@ pub struct Dev {
 struct Slot {
     pid: u32,
     dev: Option<Dev>,
+    /// The daemon's socket `dev` was opened at; none for a guest's device
+    /// (a forked child finds the VM's port as its parent did) or none.
+    socket: Option<PathBuf>,
 }
 
 static CURRENT: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
 
-fn open() -> Option<Dev> {
-    if std::env::var_os("VRDMA_SOCKETS").is_some_and(|v| v == "0") {
-        return None;
-    }
-    let ctx = Context::open().map_err(|e| debug(&format!("no vRDMA device, TCP only: {e}"))).ok()?;
-    let pd = ctx.alloc_pd().map_err(|e| debug(&format!("no PD, TCP only: {e}"))).ok()?;
-    Some(Dev { ctx, pd })
+/// Opens this process's device; `parent` is the slot of the process it
+/// was forked from, if any.
+fn open(pid: u32, parent: Option<&Slot>) -> Slot {
+    let none = Slot { pid, dev: None, socket: None };
+    let (ctx, socket) = match parent {
+        // The parent's decision stands: the library was off there, or
+        // found no device.
+        Some(p) if p.dev.is_none() => return none,
+        Some(Slot { socket: Some(path), .. }) => (Context::open_at(path), Some(path.clone())),
+        _ => {
+            if std::env::var_os("VRDMA_SOCKETS").is_some_and(|v| v == "0") {
+                return none;
+            }
+            let path = vrdma::default_socket_path();
+            let ctx = Context::open();
+            let host = ctx.as_ref().is_ok_and(|c| !c.is_guest());
+            (ctx, host.then_some(path))
+        }
+    };
+    let Ok(ctx) = ctx.map_err(|e| debug(&format!("no vRDMA device, TCP only: {e}"))) else { return none };
+    let Ok(pd) = ctx.alloc_pd().map_err(|e| debug(&format!("no PD, TCP only: {e}"))) else { return none };
+    Slot { pid, dev: Some(Dev { ctx, pd }), socket }
 }
 
 /// This process's device, or `None` (TCP only).
@@ -46,7 +70,8 @@ pub fn dev() -> Option<&'static Dev> {
             }
         }
         // None yet, or the parent's (this is a forked child): open one.
-        let mine = Box::into_raw(Box::new(Slot { pid, dev: open() }));
+        // SAFETY: as above.
+        let mine = Box::into_raw(Box::new(open(pid, unsafe { p.as_ref() })));
         match CURRENT.compare_exchange(p, mine, Ordering::AcqRel, Ordering::Acquire) {
             // SAFETY: `mine` is now published and never freed.
             Ok(_) => return unsafe { &*mine }.dev.as_ref(),

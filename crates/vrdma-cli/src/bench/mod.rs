@@ -19,6 +19,7 @@ mod reaped;
 mod report;
 mod server;
 mod sockets;
+mod sockets_apps;
 mod spec;
 mod suite;
 mod traffic;

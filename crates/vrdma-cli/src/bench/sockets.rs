@@ -245,6 +245,9 @@ pub fn figures(
             ">= 2x TCP",
         ));
     }
+    // Real applications (sockperf, redis-benchmark) on the direct path's
+    // daemon, where installed.
+    out.extend(super::sockets_apps::figures(lib, &socks[1], quick, runs, cores, progress)?);
     Ok(out)
 }
 
