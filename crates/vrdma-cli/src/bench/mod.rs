@@ -12,8 +12,11 @@ pub(crate) mod attack;
 mod client;
 pub mod cm_setup;
 mod control;
+mod direct_bw;
 mod idle;
+mod mpi;
 mod output;
+mod path;
 mod qos;
 mod reaped;
 mod report;
@@ -98,10 +101,14 @@ pub struct Args {
     /// (beside TCP connect/accept, measured in the same runs).
     #[arg(long, conflicts_with = "server")]
     pub cm_setup: bool,
-    /// Of the default report, only the 8 B RDMA write, send, read and
-    /// fetch-and-add latencies on a daemon with the direct path on and one
-    /// with it off
-    /// (docs/direct-path.md), beside the shared-memory ping-pong measured
+    /// Of the default report, only the direct path's figures
+    /// (docs/direct-path.md), on a daemon with the direct path on and one
+    /// with it off, each row proved to have measured the path it names:
+    /// the 8 B RDMA write, send, read and fetch-and-add latencies beside the
+    /// shared-memory ping-pong and UCX posix tag_lat; 64 KiB and 1 MiB
+    /// write and send bandwidth beside memcpy and UCX posix put/tag
+    /// bandwidth; an Open MPI 8 B ping-pong over UCX over vRDMA beside Open
+    /// MPI over vader (when mpicc and mpirun are installed). All measured
     /// in the same run.
     #[arg(long, conflicts_with_all = ["server", "cm_setup"])]
     pub direct: bool,

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context as _, Result};
 use serde::{Deserialize, Serialize};
 
+use super::path::{self, Path};
 use super::worker::{self, Role};
 use super::{anchors, attack, cm_setup, report, verbs, Args};
 
@@ -44,6 +45,11 @@ pub struct Outcome {
     pub bytes: u64,
     pub seconds: f64,
     pub messages: u64,
+    /// How many of the client QP's work requests its library carried on
+    /// the direct path (`QueuePair::direct_stats`), warm-up included: the
+    /// proof of which path a figure measured (`bench/path.rs`).
+    #[serde(default)]
+    pub carried: u64,
 }
 
 pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
@@ -379,38 +385,42 @@ fn direct_figures(
     let round_trip =
         pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
     let mut against_ucx = Vec::new();
-    for (direct, path) in [(true, "direct path on"), (false, "direct path off")] {
+    let mut sends = Vec::new();
+    for (direct, switch) in [(true, "direct path on"), (false, "direct path off")] {
         let dev = crate::embedded::private_device(super::engine_config(args), direct)?;
-        let write = format!("RDMA write 8 B, one way, {path} (poll on memory)");
-        progress(&write);
-        let lat = measure(dev.socket(), worker::Test::WriteLat, 8, lat_iters, runs)?;
+        let claimed = if direct { Path::Direct } else { Path::Engine };
+        // Each row's runs, proved to have taken the path its name claims.
+        let run = |name: &str, test: worker::Test, iters: u64| -> Result<Vec<Outcome>> {
+            progress(name);
+            let lat = measure(dev.socket(), test, 8, iters, runs)?;
+            path::check(name, &lat, claimed)?;
+            Ok(lat)
+        };
+        let write = format!("RDMA write 8 B, one way, {switch} (poll on memory)");
+        let lat = run(&write, worker::Test::WriteLat, lat_iters)?;
         if direct {
             against_ucx.push((write.clone(), lat.clone()));
         }
         out.push(latency(&write, lat, "2-process shm ping-pong", pingpong, cores));
-        let send = format!("send 8 B, one way, {path} (poll CQ)");
-        progress(&send);
-        let lat = measure(dev.socket(), worker::Test::SendLat, 8, lat_iters, runs)?;
+        let send = format!("send 8 B, one way, {switch} (poll CQ)");
+        let lat = run(&send, worker::Test::SendLat, lat_iters)?;
         let polled = median_of(&lat);
+        sends.push(polled);
         if direct {
             against_ucx.push((send.clone(), lat.clone()));
         }
         out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
-        let event = format!("send 8 B, one way, {path} (completion channel)");
-        progress(&event);
-        let lat = measure(dev.socket(), worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
-        out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {path}"), Some(polled), cores));
-        let imm = format!("RDMA write with immediate 8 B, one way, {path} (poll CQ)");
-        progress(&imm);
-        let lat = measure(dev.socket(), worker::Test::WriteImmLat, 8, lat_iters, runs)?;
+        let event = format!("send 8 B, one way, {switch} (completion channel)");
+        let lat = run(&event, worker::Test::SendLatEvent, lat_iters / 4)?;
+        out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {switch}"), Some(polled), cores));
+        let imm = format!("RDMA write with immediate 8 B, one way, {switch} (poll CQ)");
+        let lat = run(&imm, worker::Test::WriteImmLat, lat_iters)?;
         out.push(latency(&imm, lat, "2-process shm ping-pong", pingpong, cores));
-        let read = format!("RDMA read 8 B, whole read, {path} (poll CQ)");
-        progress(&read);
-        let lat = measure(dev.socket(), worker::Test::ReadLat, 8, lat_iters, runs)?;
+        let read = format!("RDMA read 8 B, whole read, {switch} (poll CQ)");
+        let lat = run(&read, worker::Test::ReadLat, lat_iters)?;
         out.push(latency(&read, lat, "2-process shm ping-pong, round trip", round_trip, cores));
-        let atomic = format!("fetch-and-add 8 B, whole atomic, {path} (poll CQ)");
-        progress(&atomic);
-        let lat = measure(dev.socket(), worker::Test::FetchAddLat, 8, lat_iters, runs)?;
+        let atomic = format!("fetch-and-add 8 B, whole atomic, {switch} (poll CQ)");
+        let lat = run(&atomic, worker::Test::FetchAddLat, lat_iters)?;
         out.push(latency(&atomic, lat, "2-process shm ping-pong, round trip", round_trip, cores));
     }
     if super::ucx::available() {
@@ -426,6 +436,8 @@ fn direct_figures(
     } else if !args.json {
         eprintln!("ucx_perftest not installed (ucx-utils): no UCX posix anchor");
     }
+    out.extend(super::direct_bw::figures(args, runs, cores, progress)?);
+    out.extend(super::mpi::figures(args, runs, cores, &sends, progress)?);
     Ok(out)
 }
 

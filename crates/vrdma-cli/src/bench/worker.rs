@@ -121,7 +121,7 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
     let peer: Hello = serde_json::from_str(line.trim()).context("reading the peer's endpoint")?;
     qp.connect(&peer.endpoint, access)?;
     let mut side = Side { cq, channel, qp, mr, peer, size };
-    let outcome = match test {
+    let mut outcome = match test {
         Test::WriteLat => side.write_lat(role, iters)?,
         Test::SendLat => side.send_lat(role, iters, false, SendOpcode::Send)?,
         Test::SendLatEvent => side.send_lat(role, iters, true, SendOpcode::Send)?,
@@ -134,6 +134,7 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
         Test::SendBw => side.stream_bw(role, iters, SendOpcode::Send)?,
     };
     if role == Role::Client {
+        outcome.carried = side.qp.direct_stats().0;
         println!("{}", serde_json::to_string(&outcome)?);
     }
     // Both sides stay until the parent closes stdin, so that neither tears
