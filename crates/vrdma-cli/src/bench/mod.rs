@@ -159,6 +159,9 @@ pub struct Args {
     pub worker_size: usize,
     #[arg(long, hide = true, default_value_t = 1000)]
     pub worker_iters: u64,
+    /// Internal: idle QPs (each connected to itself) on the worker's CQ.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub worker_idle_qps: u32,
     /// Internal: run as one of the plain std::net programs of `--sockets`.
     #[arg(long, hide = true, value_enum)]
     pub sock_app: Option<sockets::App>,
@@ -285,7 +288,13 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
         return sockets::app(role, args.sock_port, args.sock_n);
     }
     if let Some(role) = args.worker {
-        return worker::run(role, args.worker_test, args.worker_size, args.worker_iters);
+        return worker::run(
+            role,
+            args.worker_test,
+            args.worker_size,
+            args.worker_iters,
+            args.worker_idle_qps,
+        );
     }
     if args.server {
         if let Some(cfg) = crate::embedded::guest(socket.as_deref())? {

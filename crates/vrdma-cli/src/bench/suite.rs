@@ -410,6 +410,9 @@ fn direct_figures(
             against_ucx.push((send.clone(), lat.clone()));
         }
         out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
+        if direct {
+            out.extend(beside_idle_qps(dev.socket(), lat_iters, runs, cores, polled, progress)?);
+        }
         let event = format!("send 8 B, one way, {switch} (completion channel)");
         let lat = run(&event, worker::Test::SendLatEvent, lat_iters / 4)?;
         out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {switch}"), Some(polled), cores));
@@ -438,6 +441,37 @@ fn direct_figures(
     }
     out.extend(super::direct_bw::figures(args, runs, cores, progress)?);
     out.extend(super::mpi::figures(args, runs, cores, &sends, progress)?);
+    Ok(out)
+}
+
+/// The direct path's 8 B send with 63 and 1023 idle QPs (each with an
+/// inbox) on each worker's CQ beside the same send with none (`polled`):
+/// what a CQ's poll pays for the inboxes it looks at (issue 17, item 3).
+/// Fewer idle QPs where the tenant's share of QPs is smaller; the row
+/// names how many.
+fn beside_idle_qps(
+    sock: &std::path::Path,
+    lat_iters: u64,
+    runs: usize,
+    cores: usize,
+    polled: anchors::Stat,
+    progress: &dyn Fn(&str),
+) -> Result<Vec<Figure>> {
+    let max_qp = vrdma::Context::open_at(sock)?.query_device()?.max_qp as usize;
+    // Two workers, each with its idle QPs and one of its own.
+    let room = (max_qp.saturating_sub(64) / 2) as u32;
+    let mut out = Vec::new();
+    for want in [63u32, 1023] {
+        let idle = want.min(room);
+        let name = format!("send 8 B, one way, direct path on (poll CQ), {idle} idle QPs on each side's CQ");
+        progress(&name);
+        let lat = measure_beside_idle(sock, worker::Test::SendLat, 8, lat_iters, runs, idle)?;
+        path::check(&name, &lat, Path::Direct)?;
+        let mut f =
+            latency(&name, lat, "send 8 B, poll CQ, direct path on, no idle QPs", Some(polled), cores);
+        f.target = "none (O(QPs) poll shows as growth)".into();
+        out.push(f);
+    }
     Ok(out)
 }
 
@@ -509,7 +543,19 @@ pub(super) fn measure(
     iters: u64,
     runs: usize,
 ) -> Result<Vec<Outcome>> {
-    (0..runs).map(|_| measure_once(sock, test, size, iters)).collect()
+    measure_beside_idle(sock, test, size, iters, runs, 0)
+}
+
+/// [`measure`] with `idle` idle QPs on each worker's CQ.
+pub(super) fn measure_beside_idle(
+    sock: &std::path::Path,
+    test: worker::Test,
+    size: usize,
+    iters: u64,
+    runs: usize,
+    idle: u32,
+) -> Result<Vec<Outcome>> {
+    (0..runs).map(|_| measure_once_beside_idle(sock, test, size, iters, idle)).collect()
 }
 
 /// A worker process, killed by pid if it is still running when dropped.
@@ -525,10 +571,12 @@ impl WorkerProc {
         test: worker::Test,
         size: usize,
         iters: u64,
+        idle: u32,
     ) -> Result<WorkerProc> {
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(["bench", "--worker", role.as_str(), "--worker-test", test.as_str()])
             .args(["--worker-size", &size.to_string(), "--worker-iters", &iters.to_string()])
+            .args(["--worker-idle-qps", &idle.to_string()])
             .env("VRDMA_SOCKET", sock)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
@@ -596,8 +644,18 @@ pub(super) fn measure_once(
     size: usize,
     iters: u64,
 ) -> Result<Outcome> {
-    let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters)?;
-    let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters)?;
+    measure_once_beside_idle(sock, test, size, iters, 0)
+}
+
+fn measure_once_beside_idle(
+    sock: &std::path::Path,
+    test: worker::Test,
+    size: usize,
+    iters: u64,
+    idle: u32,
+) -> Result<Outcome> {
+    let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters, idle)?;
+    let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters, idle)?;
     let setup = Duration::from_secs(20);
     let s_hello = server.line(setup)?;
     let c_hello = client.line(setup)?;

@@ -93,7 +93,10 @@ struct Side {
     size: usize,
 }
 
-pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
+/// `idle_qps`: QPs on the worker's CQ, each connected to itself, that
+/// never post (on the direct path each has an inbox the CQ's poll looks
+/// at: `vrdma bench --direct`'s many-QP rows).
+pub fn run(role: Role, test: Test, size: usize, iters: u64, idle_qps: u32) -> Result<()> {
     let size = size.max(8);
     let ctx = Context::open().context("connecting to the daemon")?;
     let pd = ctx.alloc_pd()?;
@@ -113,6 +116,16 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
         max_inline_data: 64,
     };
     let qp = pd.create_rc_qp(&cq, &cq, cap)?;
+    let idle_cap =
+        QpCap { max_send_wr: 1, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let _idle = (0..idle_qps)
+        .map(|_| {
+            let q = pd.create_rc_qp(&cq, &cq, idle_cap)?;
+            q.connect(&q.endpoint(&ctx)?, AccessFlags::empty())?;
+            Ok(q)
+        })
+        .collect::<Result<Vec<_>>>()
+        .with_context(|| format!("creating {idle_qps} idle QPs"))?;
     let hello = Hello { endpoint: qp.endpoint(&ctx)?, addr: mr.addr(), rkey: mr.rkey() };
     println!("{}", serde_json::to_string(&hello)?);
     let mut stdin = std::io::stdin().lock();
