@@ -661,6 +661,14 @@ fn measure_once_beside_idle(
     let c_hello = client.line(setup)?;
     server.tell(&c_hello)?;
     client.tell(&s_hello)?;
+    for w in [&server, &client] {
+        let l = w.line(setup)?;
+        if l != "connected" {
+            bail!("a benchmark worker said {l:?} instead of \"connected\"");
+        }
+    }
+    server.tell("go")?;
+    client.tell("go")?;
     // Generous: the slowest test on a loaded 2-core machine.
     let result = client.line(Duration::from_secs(300))?;
     let outcome: Outcome =

@@ -133,6 +133,16 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64, idle_qps: u32) -> Re
     stdin.read_line(&mut line)?;
     let peer: Hello = serde_json::from_str(line.trim()).context("reading the peer's endpoint")?;
     qp.connect(&peer.endpoint, access)?;
+    // Both QPs connected before either posts (perftest synchronises the
+    // same way): a first WR posted while the peer's QP is not yet
+    // connected back would take the engine path and, on the direct path,
+    // put the grant off ("NotNow"), so the figure would not be the path's.
+    println!("connected");
+    line.clear();
+    stdin.read_line(&mut line)?;
+    if line.trim() != "go" {
+        bail!("expected \"go\" from the bench, got {:?}", line.trim());
+    }
     let mut side = Side { cq, channel, qp, mr, peer, size };
     let mut outcome = match test {
         Test::WriteLat => side.write_lat(role, iters)?,
