@@ -57,6 +57,15 @@ pub enum Command {
         len: usize,
         count: u64,
     },
+    /// Like `FloodSend`, each send with its sequence number (0, 1, ...)
+    /// as its immediate, so that the receiver can check once and in order.
+    FloodSendSeq {
+        len: usize,
+        count: u64,
+    },
+    /// How many of the QP's work requests the library carried on the
+    /// direct path (`QueuePair::direct_stats`): `Carried`.
+    Carried,
     Poll {
         count: usize,
         timeout_ms: u64,
@@ -206,6 +215,8 @@ pub enum Said {
         message: String,
     },
     State(u8),
+    /// The answer to `Carried`.
+    Carried(u64),
     /// An async event's type (`vrdma::AsyncEventType` as a number), if one came.
     Event(Option<u32>),
     /// Bytes a `Stream` completed, over how long (µs).

@@ -12,8 +12,11 @@ pub(crate) mod attack;
 mod client;
 pub mod cm_setup;
 mod control;
+mod direct_bw;
 mod idle;
+mod mpi;
 mod output;
+mod path;
 mod qos;
 mod reaped;
 mod report;
@@ -99,10 +102,14 @@ pub struct Args {
     /// (beside TCP connect/accept, measured in the same runs).
     #[arg(long, conflicts_with = "server")]
     pub cm_setup: bool,
-    /// Of the default report, only the 8 B RDMA write, send, read and
-    /// fetch-and-add latencies on a daemon with the direct path on and one
-    /// with it off
-    /// (docs/direct-path.md), beside the shared-memory ping-pong measured
+    /// Of the default report, only the direct path's figures
+    /// (docs/direct-path.md), on a daemon with the direct path on and one
+    /// with it off, each row proved to have measured the path it names:
+    /// the 8 B RDMA write, send, read and fetch-and-add latencies beside the
+    /// shared-memory ping-pong and UCX posix tag_lat; 64 KiB and 1 MiB
+    /// write and send bandwidth beside memcpy and UCX posix put/tag
+    /// bandwidth; an Open MPI 8 B ping-pong over UCX over vRDMA beside Open
+    /// MPI over vader (when mpicc and mpirun are installed). All measured
     /// in the same run.
     #[arg(long, conflicts_with_all = ["server", "cm_setup"])]
     pub direct: bool,
@@ -153,6 +160,9 @@ pub struct Args {
     pub worker_size: usize,
     #[arg(long, hide = true, default_value_t = 1000)]
     pub worker_iters: u64,
+    /// Internal: idle QPs (each connected to itself) on the worker's CQ.
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub worker_idle_qps: u32,
     /// Internal: run as one of the plain std::net programs of `--sockets`.
     #[arg(long, hide = true, value_enum)]
     pub sock_app: Option<sockets::App>,
@@ -279,7 +289,13 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
         return sockets::app(role, args.sock_port, args.sock_n);
     }
     if let Some(role) = args.worker {
-        return worker::run(role, args.worker_test, args.worker_size, args.worker_iters);
+        return worker::run(
+            role,
+            args.worker_test,
+            args.worker_size,
+            args.worker_iters,
+            args.worker_idle_qps,
+        );
     }
     if args.server {
         if let Some(cfg) = crate::embedded::guest(socket.as_deref())? {

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context as _, Result};
 use serde::{Deserialize, Serialize};
 
+use super::path::{self, Path};
 use super::worker::{self, Role};
 use super::{anchors, attack, cm_setup, report, verbs, Args};
 
@@ -44,6 +45,11 @@ pub struct Outcome {
     pub bytes: u64,
     pub seconds: f64,
     pub messages: u64,
+    /// How many of the client QP's work requests its library carried on
+    /// the direct path (`QueuePair::direct_stats`), warm-up included: the
+    /// proof of which path a figure measured (`bench/path.rs`).
+    #[serde(default)]
+    pub carried: u64,
 }
 
 pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
@@ -379,38 +385,45 @@ fn direct_figures(
     let round_trip =
         pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
     let mut against_ucx = Vec::new();
-    for (direct, path) in [(true, "direct path on"), (false, "direct path off")] {
+    let mut sends = Vec::new();
+    for (direct, switch) in [(true, "direct path on"), (false, "direct path off")] {
         let dev = crate::embedded::private_device(super::engine_config(args), direct)?;
-        let write = format!("RDMA write 8 B, one way, {path} (poll on memory)");
-        progress(&write);
-        let lat = measure(dev.socket(), worker::Test::WriteLat, 8, lat_iters, runs)?;
+        let claimed = if direct { Path::Direct } else { Path::Engine };
+        // Each row's runs, proved to have taken the path its name claims.
+        let run = |name: &str, test: worker::Test, iters: u64| -> Result<Vec<Outcome>> {
+            progress(name);
+            let lat = measure(dev.socket(), test, 8, iters, runs)?;
+            path::check(name, &lat, claimed)?;
+            Ok(lat)
+        };
+        let write = format!("RDMA write 8 B, one way, {switch} (poll on memory)");
+        let lat = run(&write, worker::Test::WriteLat, lat_iters)?;
         if direct {
             against_ucx.push((write.clone(), lat.clone()));
         }
         out.push(latency(&write, lat, "2-process shm ping-pong", pingpong, cores));
-        let send = format!("send 8 B, one way, {path} (poll CQ)");
-        progress(&send);
-        let lat = measure(dev.socket(), worker::Test::SendLat, 8, lat_iters, runs)?;
+        let send = format!("send 8 B, one way, {switch} (poll CQ)");
+        let lat = run(&send, worker::Test::SendLat, lat_iters)?;
         let polled = median_of(&lat);
+        sends.push(polled);
         if direct {
             against_ucx.push((send.clone(), lat.clone()));
         }
         out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
-        let event = format!("send 8 B, one way, {path} (completion channel)");
-        progress(&event);
-        let lat = measure(dev.socket(), worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
-        out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {path}"), Some(polled), cores));
-        let imm = format!("RDMA write with immediate 8 B, one way, {path} (poll CQ)");
-        progress(&imm);
-        let lat = measure(dev.socket(), worker::Test::WriteImmLat, 8, lat_iters, runs)?;
+        if direct {
+            out.extend(beside_idle_qps(dev.socket(), lat_iters, runs, cores, polled, progress)?);
+        }
+        let event = format!("send 8 B, one way, {switch} (completion channel)");
+        let lat = run(&event, worker::Test::SendLatEvent, lat_iters / 4)?;
+        out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {switch}"), Some(polled), cores));
+        let imm = format!("RDMA write with immediate 8 B, one way, {switch} (poll CQ)");
+        let lat = run(&imm, worker::Test::WriteImmLat, lat_iters)?;
         out.push(latency(&imm, lat, "2-process shm ping-pong", pingpong, cores));
-        let read = format!("RDMA read 8 B, whole read, {path} (poll CQ)");
-        progress(&read);
-        let lat = measure(dev.socket(), worker::Test::ReadLat, 8, lat_iters, runs)?;
+        let read = format!("RDMA read 8 B, whole read, {switch} (poll CQ)");
+        let lat = run(&read, worker::Test::ReadLat, lat_iters)?;
         out.push(latency(&read, lat, "2-process shm ping-pong, round trip", round_trip, cores));
-        let atomic = format!("fetch-and-add 8 B, whole atomic, {path} (poll CQ)");
-        progress(&atomic);
-        let lat = measure(dev.socket(), worker::Test::FetchAddLat, 8, lat_iters, runs)?;
+        let atomic = format!("fetch-and-add 8 B, whole atomic, {switch} (poll CQ)");
+        let lat = run(&atomic, worker::Test::FetchAddLat, lat_iters)?;
         out.push(latency(&atomic, lat, "2-process shm ping-pong, round trip", round_trip, cores));
     }
     if super::ucx::available() {
@@ -425,6 +438,42 @@ fn direct_figures(
         }
     } else if !args.json {
         eprintln!("ucx_perftest not installed (ucx-utils): no UCX posix anchor");
+    }
+    out.extend(super::direct_bw::figures(args, runs, cores, progress)?);
+    out.extend(super::mpi::figures(args, runs, cores, &sends, progress)?);
+    Ok(out)
+}
+
+/// The direct path's 8 B send with 63 and 1023 idle QPs (each with an
+/// inbox) on each worker's CQ beside the same send with none (`polled`):
+/// what a CQ's poll pays for the inboxes it looks at (issue 17, item 3).
+/// Fewer idle QPs where the tenant's share of QPs is smaller; the row
+/// names how many.
+fn beside_idle_qps(
+    sock: &std::path::Path,
+    lat_iters: u64,
+    runs: usize,
+    cores: usize,
+    polled: anchors::Stat,
+    progress: &dyn Fn(&str),
+) -> Result<Vec<Figure>> {
+    let max_qp = vrdma::Context::open_at(sock)?.query_device()?.max_qp as usize;
+    // Two workers, each with its idle QPs and one of its own.
+    let room = (max_qp.saturating_sub(64) / 2) as u32;
+    let mut out = Vec::new();
+    for want in [63u32, 1023] {
+        let idle = want.min(room);
+        let what = format!("send 8 B, one way, direct path on (poll CQ), {idle} idle QPs on each side's CQ");
+        progress(&what);
+        let lat = measure_beside_idle(sock, worker::Test::SendLat, 8, lat_iters, runs, idle)?;
+        // Each QP keeps descriptors charged to the tenant's share; a share
+        // that many QPs used up leaves the pair on the engine path
+        // ("Descriptors" in docs/direct-path.md): the row says which.
+        let name = format!("{what}: {}", path::measured(&lat));
+        let mut f =
+            latency(&name, lat, "send 8 B, poll CQ, direct path on, no idle QPs", Some(polled), cores);
+        f.target = "none (O(QPs) poll shows as growth)".into();
+        out.push(f);
     }
     Ok(out)
 }
@@ -497,7 +546,19 @@ pub(super) fn measure(
     iters: u64,
     runs: usize,
 ) -> Result<Vec<Outcome>> {
-    (0..runs).map(|_| measure_once(sock, test, size, iters)).collect()
+    measure_beside_idle(sock, test, size, iters, runs, 0)
+}
+
+/// [`measure`] with `idle` idle QPs on each worker's CQ.
+pub(super) fn measure_beside_idle(
+    sock: &std::path::Path,
+    test: worker::Test,
+    size: usize,
+    iters: u64,
+    runs: usize,
+    idle: u32,
+) -> Result<Vec<Outcome>> {
+    (0..runs).map(|_| measure_once_beside_idle(sock, test, size, iters, idle)).collect()
 }
 
 /// A worker process, killed by pid if it is still running when dropped.
@@ -513,10 +574,12 @@ impl WorkerProc {
         test: worker::Test,
         size: usize,
         iters: u64,
+        idle: u32,
     ) -> Result<WorkerProc> {
         let mut cmd = Command::new(std::env::current_exe()?);
         cmd.args(["bench", "--worker", role.as_str(), "--worker-test", test.as_str()])
             .args(["--worker-size", &size.to_string(), "--worker-iters", &iters.to_string()])
+            .args(["--worker-idle-qps", &idle.to_string()])
             .env("VRDMA_SOCKET", sock)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped());
@@ -584,13 +647,31 @@ pub(super) fn measure_once(
     size: usize,
     iters: u64,
 ) -> Result<Outcome> {
-    let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters)?;
-    let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters)?;
+    measure_once_beside_idle(sock, test, size, iters, 0)
+}
+
+fn measure_once_beside_idle(
+    sock: &std::path::Path,
+    test: worker::Test,
+    size: usize,
+    iters: u64,
+    idle: u32,
+) -> Result<Outcome> {
+    let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters, idle)?;
+    let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters, idle)?;
     let setup = Duration::from_secs(20);
     let s_hello = server.line(setup)?;
     let c_hello = client.line(setup)?;
     server.tell(&c_hello)?;
     client.tell(&s_hello)?;
+    for w in [&server, &client] {
+        let l = w.line(setup)?;
+        if l != "connected" {
+            bail!("a benchmark worker said {l:?} instead of \"connected\"");
+        }
+    }
+    server.tell("go")?;
+    client.tell("go")?;
     // Generous: the slowest test on a loaded 2-core machine.
     let result = client.line(Duration::from_secs(300))?;
     let outcome: Outcome =

@@ -93,7 +93,10 @@ struct Side {
     size: usize,
 }
 
-pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
+/// `idle_qps`: QPs on the worker's CQ, each connected to itself, that
+/// never post (on the direct path each has an inbox the CQ's poll looks
+/// at: `vrdma bench --direct`'s many-QP rows).
+pub fn run(role: Role, test: Test, size: usize, iters: u64, idle_qps: u32) -> Result<()> {
     let size = size.max(8);
     let ctx = Context::open().context("connecting to the daemon")?;
     let pd = ctx.alloc_pd()?;
@@ -113,6 +116,16 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
         max_inline_data: 64,
     };
     let qp = pd.create_rc_qp(&cq, &cq, cap)?;
+    let idle_cap =
+        QpCap { max_send_wr: 1, max_recv_wr: 1, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let _idle = (0..idle_qps)
+        .map(|_| {
+            let q = pd.create_rc_qp(&cq, &cq, idle_cap)?;
+            q.connect(&q.endpoint(&ctx)?, AccessFlags::empty())?;
+            Ok(q)
+        })
+        .collect::<Result<Vec<_>>>()
+        .with_context(|| format!("creating {idle_qps} idle QPs"))?;
     let hello = Hello { endpoint: qp.endpoint(&ctx)?, addr: mr.addr(), rkey: mr.rkey() };
     println!("{}", serde_json::to_string(&hello)?);
     let mut stdin = std::io::stdin().lock();
@@ -120,8 +133,18 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
     stdin.read_line(&mut line)?;
     let peer: Hello = serde_json::from_str(line.trim()).context("reading the peer's endpoint")?;
     qp.connect(&peer.endpoint, access)?;
+    // Both QPs connected before either posts (perftest synchronises the
+    // same way): a first WR posted while the peer's QP is not yet
+    // connected back would take the engine path and, on the direct path,
+    // put the grant off ("NotNow"), so the figure would not be the path's.
+    println!("connected");
+    line.clear();
+    stdin.read_line(&mut line)?;
+    if line.trim() != "go" {
+        bail!("expected \"go\" from the bench, got {:?}", line.trim());
+    }
     let mut side = Side { cq, channel, qp, mr, peer, size };
-    let outcome = match test {
+    let mut outcome = match test {
         Test::WriteLat => side.write_lat(role, iters)?,
         Test::SendLat => side.send_lat(role, iters, false, SendOpcode::Send)?,
         Test::SendLatEvent => side.send_lat(role, iters, true, SendOpcode::Send)?,
@@ -134,6 +157,7 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64) -> Result<()> {
         Test::SendBw => side.stream_bw(role, iters, SendOpcode::Send)?,
     };
     if role == Role::Client {
+        outcome.carried = side.qp.direct_stats().0;
         println!("{}", serde_json::to_string(&outcome)?);
     }
     // Both sides stay until the parent closes stdin, so that neither tears

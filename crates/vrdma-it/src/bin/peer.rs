@@ -152,6 +152,15 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
                 Command::FloodSend { len, count } => mr
                     .sge(0, len)
                     .and_then(|sge| flood(&qp, &cq, &mut wcs, count, |i| vrdma::wr::send(i, &[sge]))),
+                Command::FloodSendSeq { len, count } => mr.sge(0, len).and_then(|sge| {
+                    flood(&qp, &cq, &mut wcs, count, |i| {
+                        let mut wr = vrdma::wr::send(i, &[sge])?;
+                        wr.opcode = vrdma::SendOpcode::SendWithImm;
+                        wr.imm_data = i as u32;
+                        Ok(wr)
+                    })
+                }),
+                Command::Carried => Ok(Said::Carried(qp.direct_stats().0)),
                 Command::Poll { count, timeout_ms } => (|| {
                     let mut got: Vec<Wc> = Vec::new();
                     let end = Instant::now() + Duration::from_millis(timeout_ms);

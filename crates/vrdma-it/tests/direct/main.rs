@@ -13,6 +13,7 @@ mod imm;
 mod reads;
 mod send;
 mod srq;
+mod stopped;
 
 use anyhow::Result;
 use vrdma::wr::{self, SendWrExt};
