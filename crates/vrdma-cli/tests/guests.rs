@@ -20,6 +20,10 @@
 //! first, for the case of a VM and a process on another host. Without
 //! root everything runs here and that case is skipped, saying so.
 //!
+//! One case runs a small C program of this test (`tests/c/forkcopy.c`,
+//! built here with `cc` and put in the image by `vrdma vm image
+//! --program`): fork in a verbs program in a guest.
+//!
 //! Every program runs under a bound (`timeout` in the guest, a killed pid
 //! on the host) and every process is killed by its pid.
 
@@ -124,6 +128,8 @@ struct World {
     /// rdma_cm listeners are reached.
     cm_addr: Ipv4Addr,
     img: image::Image,
+    /// Whether the image has `forkcopy` (cc and the verbs headers here).
+    forkcopy: bool,
     /// Dropped last: the namespaces.
     _net: Option<vrdma_it::Netns>,
 }
@@ -270,6 +276,10 @@ fn verbs_programs_in_real_guests() {
         &mut cli_in_guest,
     );
     case("ib_write_lat -R, guest client and host server", &mut perftest_cm);
+    case(
+        "fork in a guest: the child's writes miss the parent's registered pages; its QPs work on",
+        &mut fork_in_guest,
+    );
     case("figures (VRDMA_GUEST_FIGURES=1): VM-to-host beside host-to-host", &mut figures);
     case(
         "QEMU SIGKILLed mid-transfer: the host's peer fails, the daemon serves on, the VM boots again",
@@ -294,9 +304,13 @@ fn setup() -> World {
     // those beside `vrdma` in the profile directory are only as fresh as
     // the last build of their own package, so they are named.)
     let img_dir = dir.path().join("image");
-    let out = Command::new(VRDMA)
-        .args(["vm", "image", "--out"])
-        .arg(&img_dir)
+    let forkcopy = build_forkcopy(dir.path());
+    let mut image_cmd = Command::new(VRDMA);
+    image_cmd.args(["vm", "image", "--out"]).arg(&img_dir);
+    if let Some(prog) = &forkcopy {
+        image_cmd.arg("--program").arg(prog);
+    }
+    let out = image_cmd
         .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so"))
         .env("VRDMA_RDMACM_LIB", built("libvrdma_rdmacm.so"))
         .env("VRDMA_COMPANIONS_LIB", built("libvrdma_companions.so"))
@@ -359,7 +373,54 @@ fn setup() -> World {
     let gid =
         vrdma::Context::open_at(&main.socket).and_then(|c| c.query_gid(1, 0)).expect("the daemon's GID");
     let cm_addr = Ipv4Addr::from(gid.ipv4().expect("an IPv4 GID"));
-    World { dir, ns, main, other, a: Some(a), b, fwd_a, cm_addr, img, _net: net }
+    let forkcopy = forkcopy.is_some();
+    World { dir, ns, main, other, a: Some(a), b, fwd_a, cm_addr, img, forkcopy, _net: net }
+}
+
+/// `tests/c/forkcopy.c` built in `dir`, where `cc` and the verbs headers
+/// are here (else the fork case is skipped, saying so).
+fn build_forkcopy(dir: &Path) -> Option<PathBuf> {
+    if !Path::new("/usr/include/infiniband/verbs.h").exists() || vrdma_guest::libs::which("cc").is_none() {
+        vrdma_it::skip("no fork case in the guests: cc and the verbs headers are needed (apt-get install gcc libibverbs-dev)");
+        return None;
+    }
+    let prog = dir.join("forkcopy");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/forkcopy.c");
+    let cc = Command::new("cc")
+        .args(["-O1", "-Wall", "-o"])
+        .arg(&prog)
+        .arg(&src)
+        .arg("-libverbs")
+        .output()
+        .unwrap();
+    assert!(cc.status.success(), "cc forkcopy.c: {}", String::from_utf8_lossy(&cc.stderr));
+    Some(prog)
+}
+
+/// `fork` in a verbs program in guest a (`tests/c/forkcopy.c`, docs/vms.md
+/// "fork in a guest"): its registered pages are re-backed by the VM's
+/// BAR; the child sees the parent's bytes, overwrites them all and exits;
+/// the parent's bytes are unchanged, and its loopback QP pair then moves
+/// them (an RDMA write, a send) with the right bytes at the peer. Without
+/// the fork handler the child's writes land in the parent's pages (the
+/// BAR is a shared mapping) and the parent's check fails.
+fn fork_in_guest(w: &mut World) {
+    if !w.forkcopy {
+        return;
+    }
+    let (st, out) = w.a().run("timeout 60 forkcopy", T).unwrap();
+    assert_eq!(st, 0, "forkcopy in guest a:\n{out}");
+    for want in ["CHILD_OK", "PARENT_UNCHANGED", "WRITE_OK", "SEND_OK", "DONE"] {
+        assert!(out.lines().any(|l| l.starts_with(want)), "forkcopy: no {want}\n{out}");
+    }
+    // The registered pages are re-backed: a shared mapping (of the BAR),
+    // which without the handler a child would share.
+    let mapped = out.lines().find_map(|l| l.strip_prefix("MAPPED ")).unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(mapped.split_whitespace().nth(1), Some("rw-s"), "the registered pages are not shared:\n{out}");
+    eprintln!(
+        "  forkcopy in guest a:\n{}",
+        out.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n")
+    );
 }
 
 /// What the guest library sees, for a failure's message.

@@ -13,7 +13,8 @@
 //! - `vrdma vm image --out DIR` builds the guest image
 //!   (`vrdma_guest::image::export`): a Debian cloud kernel and an
 //!   initramfs with this `vrdma`, the drop-in libraries `vrdma run` would
-//!   use, and Debian's verbs tools.
+//!   use, and Debian's verbs tools, and the operator's own programs
+//!   (`--program PATH`, at `/usr/bin/NAME` with their libraries).
 //!
 //! This module only turns the CLI into those calls and their errors into
 //! messages an operator can act on.
@@ -54,6 +55,9 @@ pub enum Command {
         /// Leave Debian's verbs tools (ibverbs-utils, perftest, qperf) out of the image.
         #[arg(long)]
         no_tools: bool,
+        /// Also put this host program (a path, or a name on PATH) in the image at /usr/bin/NAME, with the libraries it loads (repeatable).
+        #[arg(long, value_name = "PROGRAM")]
+        program: Vec<String>,
     },
 }
 
@@ -67,7 +71,7 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
             println!("{}", shell_line(&args));
             Ok(())
         }
-        Command::Image { out, no_tools } => image(&out, no_tools),
+        Command::Image { out, no_tools, program } => image(&out, no_tools, &program),
     }
 }
 
@@ -124,7 +128,7 @@ fn exec_qemu(socket: &Path, name: &str, qemu: &Path, user: Vec<OsString>) -> Res
     bail!("cannot run {}: {err}{hint}", qemu.display())
 }
 
-fn image(out: &Path, no_tools: bool) -> Result<()> {
+fn image(out: &Path, no_tools: bool, programs: &[String]) -> Result<()> {
     // The libraries `vrdma run` would give a program on this host (beside
     // this executable, or the files VRDMA_VERBS_LIB, VRDMA_RDMACM_LIB and
     // VRDMA_COMPANIONS_LIB name), so that guests run what hosts run.
@@ -139,6 +143,11 @@ fn image(out: &Path, no_tools: bool) -> Result<()> {
         spec = spec.debian_tools().context(
             "Debian's verbs tools go in the image (apt-get install ibverbs-utils perftest qperf, or --no-tools)",
         )?;
+    }
+    // The operator's own programs; their libibverbs (and the other
+    // drop-in sonames) is the drop-in's, as for Debian's tools.
+    for p in programs {
+        spec = spec.program(p).with_context(|| format!("--program {p}"))?;
     }
     let img = vrdma_guest::image::export(&spec, out)?;
     println!("kernel:    {} ({})", img.kernel.display(), img.release);
