@@ -142,3 +142,38 @@ fn another_tenants_client_on_another_host_stays_on_tcp() -> Result<()> {
     assert_eq!((c.announced, c.carried, c.refused_claims), (0, 0, 1), "{c:?}");
     Ok(())
 }
+
+/// Issue 20's hang of a timed iperf3 across hosts: a write's completion
+/// comes a link round trip after its bytes landed, by when the reader may
+/// have read them and armed again; a wake byte sent then made the socket
+/// read ready with an empty ring, and a program that waits for
+/// readability and then reads blocking (iperf3's server on its control
+/// connection) waited for ever. `selectserver` fails on a readiness with
+/// nothing behind it (a read bounded by 1 s); 200 rounds of a message
+/// written in two writes, carried across the two hosts.
+#[test]
+fn readiness_across_hosts_never_comes_without_bytes() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    assert!(have_lib());
+    let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
+    let ctx = h.b.context()?;
+    let port = free_port();
+    let rounds = "200".to_string();
+    let mut sc = sockapp(&h, 1, true, None, &["selectserver".into(), port.to_string(), rounds.clone()]);
+    sc.env("SOCKAPP_BIND", "0.0.0.0");
+    let s: Running = spawn(sc, "select server in b");
+    let pid = s.pid();
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening_in(pid, port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let mut cc = sockapp(&h, 0, true, None, &["msgclient".into(), port.to_string(), rounds]);
+    cc.env("SOCKAPP_HOST", &h.net.addr[1]);
+    let client = spawn(cc, "message client in a").finish(LIMIT);
+    let server = s.finish(LIMIT);
+    server.assert_ok();
+    client.assert_ok();
+    assert!(server.stderr.contains(CARRIED), "{}", server.describe());
+    assert!(client.stderr.contains(CARRIED), "{}", client.describe());
+    assert!(server.stdout.contains("rounds 200"), "{}", server.describe());
+    Ok(())
+}

@@ -37,8 +37,11 @@
 //!   socket exactly while bytes wait in the ring (`docs/sockets.md`), so
 //!   `POLLIN` is right, level- and edge-triggered. `poll`, `ppoll`,
 //!   `select`, `pselect`, `epoll_wait` and `epoll_pwait` are interposed
-//!   only to land this process's writes in flight before they wait (a
-//!   write returns once posted; [`progress`]). `POLLOUT` is the kernel's,
+//!   to land this process's writes in flight before they wait (a write
+//!   returns once posted; [`progress`]); `poll`, `ppoll` and `select` also
+//!   take back the readability of a carried socket whose ring is empty
+//!   and whose socket holds only stale wake bytes (one that came late,
+//!   across hosts: [`readiness`]). `POLLOUT` is the kernel's,
 //!   always set (a full ring gives `EAGAIN` to a non-blocking write; the
 //!   program polls again and gets it at once).
 //! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`

@@ -169,8 +169,9 @@ impl Half {
         let mut a = [0u8; 8];
         a.copy_from_slice(&peer[34..42]);
         self.qp.connect(&ep, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).map_err(|e| e.errno())?;
-        // The reader starts asleep: the first write wakes it.
-        self.ring.write_u64(SLEEPING, 1).map_err(|e| e.errno())?;
+        // The reader starts asleep, having read nothing: the first write
+        // wakes it.
+        self.ring.write_u64(SLEEPING, armed_word(0, 1)).map_err(|e| e.errno())?;
         Ok(Link {
             sock: sock_owner.0,
             _sock: sock_owner,
@@ -244,8 +245,9 @@ impl Link {
         }
         if p.landed != before {
             // The bytes landed: an armed reader gets a wake byte, its
-            // generation (the wake protocol reads the word only now).
-            self.wake();
+            // generation (the wake protocol reads the word only now),
+            // unless it armed after reading them.
+            self.wake(p.landed);
         }
         Ok(())
     }
@@ -441,7 +443,7 @@ impl Link {
     fn sleep(&self, rx: &mut Rx) {
         rx.gen = if rx.gen >= 255 { 1 } else { rx.gen + 1 };
         let _ = self.stage.write_u64(S_ACK, rx.rd);
-        let _ = self.stage.write_u64(S_ACK + 8, rx.gen as u64);
+        let _ = self.stage.write_u64(S_ACK + 8, armed_word(rx.rd, rx.gen));
         // A peer that is gone gets no ack; its end shows on the socket.
         let _ = self.write_word(S_ACK, 16, CONSUMED);
         rx.acked = rx.rd;
@@ -451,6 +453,35 @@ impl Link {
         }
         if let Ok(true) = self.take_stale(rx.gen as u8) {
             rx.eof = true;
+        }
+    }
+
+    /// For a readiness call that found the socket readable: whether that
+    /// readiness is only stale wake bytes (now taken off), the ring empty
+    /// and armed, no end of stream. A stale byte can reach the socket after
+    /// the arming that would have taken it (the writer took the older
+    /// arming and its byte crossed the network late): a program told
+    /// "readable" would then block in its read. A reader in a call of its
+    /// own holds the lock and settles this itself: false.
+    pub(crate) fn readable_is_stale(&self) -> bool {
+        let Ok(mut rx) = self.rx.try_lock() else { return false };
+        if !rx.armed || rx.eof || self.waiting(rx.rd) > 0 {
+            return false;
+        }
+        match self.take_stale(rx.gen as u8) {
+            Ok(true) => {
+                rx.eof = true;
+                false
+            }
+            Ok(false) => {
+                let mut b = [0u8; 1];
+                // SAFETY: `b` is valid for one byte; a peek takes nothing.
+                let r = unsafe {
+                    real::recv(self.sock, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT)
+                };
+                r < 0 && crate::table::errno() == libc::EAGAIN && self.waiting(rx.rd) == 0
+            }
+            Err(_) => false,
         }
     }
 
@@ -617,17 +648,26 @@ impl Link {
         Ok(done)
     }
 
-    /// Sends the armed generation as a wake byte, once.
-    fn wake(&self) {
+    /// Sends the armed generation as a wake byte, once, if the reader
+    /// armed before it had read every byte below `landed` (all landed).
+    /// A reader that armed having read them all needs no byte for them:
+    /// the word stays armed for the next write that lands (a byte sent
+    /// for bytes already read is a readiness with an empty ring, and a
+    /// blocking read after it waits: `docs/sockets.md`).
+    fn wake(&self, landed: u64) {
         let word = self.ring.as_ptr().wrapping_add(SLEEPING);
         // SAFETY: `SLEEPING` is an 8-aligned offset inside the ring region
         // (whose mapping is page-aligned and lives as long as `self`); the
         // daemon writes the word (the peer's arming) only with aligned
         // 8-byte stores, so an atomic view of it is right.
         let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(word.cast()) };
-        let g = word.load(Ordering::SeqCst);
-        if g != 0 && g <= 255 && word.compare_exchange(g, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
-            let b = [g as u8];
+        let w = word.load(Ordering::SeqCst);
+        let Some((rd, g)) = parse_armed(w) else { return };
+        if !needs_wake(rd, landed) {
+            return;
+        }
+        if word.compare_exchange(w, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            let b = [g];
             // SAFETY: `b` is valid for one byte.
             unsafe { real::send(self.sock, b.as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
         }
@@ -698,5 +738,55 @@ impl Link {
     pub fn finish(&self) {
         let _ = self.flush();
         let _ = self.drain_wakes();
+    }
+}
+
+/// The reader's arming as one word (so that the writer reads both at
+/// once): the consumed count when it armed, in the high 56 bits, and the
+/// generation (1..=255) in the low byte. 0: not armed.
+fn armed_word(rd: u64, gen: u32) -> u64 {
+    ((rd & RD_MASK) << 8) | u64::from(gen as u8)
+}
+
+const RD_MASK: u64 = (1 << 56) - 1;
+
+/// The consumed count (low 56 bits) and the generation of an armed word;
+/// `None` when not armed.
+fn parse_armed(w: u64) -> Option<(u64, u8)> {
+    let g = (w & 0xff) as u8;
+    (g != 0).then_some((w >> 8, g))
+}
+
+/// Whether a reader that armed having consumed `rd` (low 56 bits) needs a
+/// wake byte for bytes landed below `landed`: only if some of them were
+/// not read when it armed. A reader can be ahead of `landed` (it reads
+/// bytes whose completion the writer did not reap yet).
+fn needs_wake(rd: u64, landed: u64) -> bool {
+    let ahead = (landed & RD_MASK).wrapping_sub(rd) & RD_MASK;
+    ahead != 0 && ahead < (1 << 55)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arming_that_read_every_landed_byte_gets_no_wake_byte() {
+        let w = armed_word(4096, 7);
+        assert_eq!(parse_armed(w), Some((4096, 7)));
+        // The reader drained the write's bytes and re-armed before the
+        // writer reaped its completion: no byte (it would read ready with
+        // an empty ring).
+        assert!(!needs_wake(4096, 4096));
+        // It read past what the writer reaped so far.
+        assert!(!needs_wake(8192, 4096));
+        // It armed before these bytes: they wait, the byte is due.
+        assert!(needs_wake(4096, 4097));
+        assert!(needs_wake(0, 1));
+        assert_eq!(parse_armed(0), None);
+        assert_eq!(parse_armed(armed_word(0, 1)), Some((0, 1)));
+        // Near the 56-bit wrap.
+        assert!(needs_wake(RD_MASK, RD_MASK + 2));
+        assert!(!needs_wake(1, RD_MASK + 2));
     }
 }

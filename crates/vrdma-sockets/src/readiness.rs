@@ -3,8 +3,15 @@
 //! `epoll_wait`, `epoll_pwait` (and `__poll_chk`, their
 //! `_FORTIFY_SOURCE` form).
 //!
-//! What they report stays the kernel's (`docs/sockets.md`: wake bytes
-//! keep a carried socket's `POLLIN` right). But a write returns before its
+//! What they report is the kernel's (`docs/sockets.md`: wake bytes keep a
+//! carried socket's `POLLIN` right), with one correction in `poll`,
+//! `ppoll` and `select` (which know their descriptors): a carried socket
+//! that reads ready only for stale wake bytes (a byte that reached the
+//! socket after the arming that would have taken it) has them taken off
+//! and its readability taken back, and the call waits again while nothing
+//! else is ready. `pselect` and the epoll calls report the kernel's view
+//! as it is: a non-blocking read then returns `EAGAIN` once (and takes
+//! the byte); a blocking read waits. But a write returns before its
 //! bytes landed, and only a look at its completion afterwards sends the
 //! wake byte an asleep reader needs ([`crate::progress`]). A program that
 //! wrote and now waits for its peer's answer would wait for the progress
@@ -13,10 +20,14 @@
 //! a call that does not wait (timeout 0) reaps what completed. A process
 //! with nothing in flight pays one lock and an empty list.
 
+use std::sync::Arc;
+use std::time::Instant;
+
 use libc::{c_int, epoll_event, fd_set, nfds_t, pollfd, sigset_t, timespec, timeval};
 
+use crate::link::Link;
 use crate::real;
-use crate::table::{keep_errno, Guard};
+use crate::table::{self, keep_errno, Entry, Guard};
 
 /// Settles the writes in flight; `wait`: the call may block.
 fn settle(wait: bool) {
@@ -35,11 +46,99 @@ fn waits_ts(ts: *const timespec) -> bool {
     unsafe { ts.as_ref() }.is_none_or(|t| t.tv_sec != 0 || t.tv_nsec != 0)
 }
 
+/// The carried link of `fd`, if it is one of this process's carried
+/// connections (never negotiates).
+fn carried(fd: c_int) -> Option<Arc<Link>> {
+    match table::get(fd)? {
+        e @ Entry::Stream(_) if !e.ours() => None,
+        Entry::Stream(s) => s.link_now(),
+        _ => None,
+    }
+}
+
+/// Whether `l`'s readability is only stale wake bytes (taken off now).
+fn stale(l: &Link) -> bool {
+    match Guard::enter() {
+        Some(_g) => keep_errno(|| l.readable_is_stale()),
+        None => false,
+    }
+}
+
+/// Milliseconds left of `timeout` (negative: for ever) since `start`.
+fn left_ms(timeout: c_int, start: Instant) -> c_int {
+    if timeout < 0 {
+        return timeout;
+    }
+    let spent = start.elapsed().as_millis().min(c_int::MAX as u128) as c_int;
+    (timeout - spent).max(0)
+}
+
+/// The carried links among `fds` asked for `POLLIN`, with their index.
+fn carried_in(fds: *mut pollfd, n: nfds_t) -> Vec<(usize, Arc<Link>)> {
+    match Guard::enter() {
+        Some(_g) if !fds.is_null() => (0..n as usize)
+            .filter_map(|i| {
+                // SAFETY: `fds` holds `n` pollfds (poll's contract).
+                let p = unsafe { &*fds.add(i) };
+                if p.events & libc::POLLIN == 0 {
+                    return None;
+                }
+                carried(p.fd).map(|l| (i, l))
+            })
+            .collect(),
+        _ => Vec::new(),
+    }
+}
+
+/// Runs `call` (a poll given the milliseconds left of `timeout` since its
+/// start) until something is ready that is not only stale wake bytes on a
+/// carried socket (whose `POLLIN` is taken back), or the time is up.
+///
+/// # Safety
+/// `fds` holds the `n` pollfds that `call` polls.
+unsafe fn poll_filtered(
+    fds: *mut pollfd,
+    links: &[(usize, Arc<Link>)],
+    timeout: c_int,
+    mut call: impl FnMut(c_int) -> c_int,
+) -> c_int {
+    let start = Instant::now();
+    loop {
+        let mut r = call(left_ms(timeout, start));
+        if r <= 0 {
+            return r;
+        }
+        for (i, l) in links {
+            // SAFETY: `i` indexes one of the caller's `n` pollfds.
+            let p = unsafe { &mut *fds.add(*i) };
+            if p.revents & libc::POLLIN != 0 && stale(l) {
+                p.revents &= !(libc::POLLIN | libc::POLLRDNORM);
+                if p.revents == 0 {
+                    r -= 1;
+                }
+            }
+        }
+        if r > 0 || left_ms(timeout, start) == 0 {
+            return r;
+        }
+    }
+}
+
+/// `poll`, with the readability of a carried socket that is only stale
+/// wake bytes taken back (and waited again while nothing else is ready
+/// and time is left): a program told `POLLIN` reads, and a blocking read
+/// with an empty ring would wait (`docs/sockets.md`).
 #[no_mangle]
 pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
     settle(waits_ms(timeout));
-    // SAFETY: libc's poll with the caller's arguments.
-    unsafe { real::poll(fds, n, timeout) }
+    let links = carried_in(fds, n);
+    if links.is_empty() {
+        // SAFETY: libc's poll with the caller's arguments.
+        return unsafe { real::poll(fds, n, timeout) };
+    }
+    // SAFETY: libc's poll with the caller's arguments, its timeout less
+    // the time spent.
+    unsafe { poll_filtered(fds, &links, timeout, |ms| real::poll(fds, n, ms)) }
 }
 
 #[no_mangle]
@@ -65,8 +164,29 @@ pub unsafe extern "C" fn ppoll(
     mask: *const sigset_t,
 ) -> c_int {
     settle(waits_ts(ts));
-    // SAFETY: libc's ppoll with the caller's arguments.
-    unsafe { real::ppoll(fds, n, ts, mask) }
+    let links = carried_in(fds, n);
+    if links.is_empty() {
+        // SAFETY: libc's ppoll with the caller's arguments.
+        return unsafe { real::ppoll(fds, n, ts, mask) };
+    }
+    // As `poll` (milliseconds: a finer timeout is rounded up).
+    // SAFETY: the caller's timespec, null or valid.
+    let timeout = match unsafe { ts.as_ref() } {
+        None => -1,
+        Some(t) => {
+            let ms = (t.tv_sec.max(0) as u128) * 1000 + (t.tv_nsec.max(0) as u128).div_ceil(1_000_000);
+            ms.min(c_int::MAX as u128) as c_int
+        }
+    };
+    // SAFETY: libc's ppoll with the caller's arguments, its timeout less
+    // the time spent.
+    unsafe {
+        poll_filtered(fds, &links, timeout, |ms| {
+            let left = (ms >= 0)
+                .then(|| timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) * 1_000_000) as _ });
+            real::ppoll(fds, n, left.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
+        })
+    }
 }
 
 #[no_mangle]
@@ -80,8 +200,49 @@ pub unsafe extern "C" fn select(
     // SAFETY: the caller's timeval, null or valid (select's contract).
     let wait = unsafe { tv.as_ref() }.is_none_or(|t| t.tv_sec != 0 || t.tv_usec != 0);
     settle(wait);
-    // SAFETY: libc's select with the caller's arguments.
-    unsafe { real::select(n, r, w, e, tv) }
+    let links: Vec<(c_int, Arc<Link>)> = match Guard::enter() {
+        Some(_g) if !r.is_null() => (0..n.clamp(0, libc::FD_SETSIZE as c_int))
+            // SAFETY: `r` is a valid fd_set (select's contract); `fd` is
+            // below FD_SETSIZE.
+            .filter(|&fd| unsafe { libc::FD_ISSET(fd, r) })
+            .filter_map(|fd| carried(fd).map(|l| (fd, l)))
+            .collect(),
+        _ => Vec::new(),
+    };
+    if links.is_empty() {
+        // SAFETY: libc's select with the caller's arguments.
+        return unsafe { real::select(n, r, w, e, tv) };
+    }
+    // The sets as asked, to ask again after readability taken back
+    // (Linux's select leaves the time left in `tv`).
+    // SAFETY: each set null or valid (select's contract).
+    let asked = unsafe { [r.as_ref().copied(), w.as_ref().copied(), e.as_ref().copied()] };
+    loop {
+        // SAFETY: libc's select with the caller's arguments.
+        let mut k = unsafe { real::select(n, r, w, e, tv) };
+        if k <= 0 {
+            return k;
+        }
+        for (fd, l) in &links {
+            // SAFETY: `r` is valid, `fd` below FD_SETSIZE.
+            if unsafe { libc::FD_ISSET(*fd, r) } && stale(l) {
+                // SAFETY: as above.
+                unsafe { libc::FD_CLR(*fd, r) };
+                k -= 1;
+            }
+        }
+        // SAFETY: the caller's timeval, null or valid.
+        let time_left = unsafe { tv.as_ref() }.is_none_or(|t| t.tv_sec != 0 || t.tv_usec != 0);
+        if k > 0 || !time_left {
+            return k;
+        }
+        for (set, was) in [r, w, e].into_iter().zip(asked) {
+            if let Some(was) = was {
+                // SAFETY: `set` is the caller's valid set (it was not null).
+                unsafe { *set = was };
+            }
+        }
+    }
 }
 
 #[no_mangle]

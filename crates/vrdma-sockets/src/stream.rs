@@ -89,6 +89,15 @@ impl Stream {
         matches!(*self.phase.lock().unwrap_or_else(|e| e.into_inner()), Phase::Carried(_))
     }
 
+    /// Its link, if carried already (never negotiates, never waits: for
+    /// the readiness calls).
+    pub fn link_now(&self) -> Option<Arc<Link>> {
+        match &*self.phase.try_lock().ok()? {
+            Phase::Carried(l) => Some(l.clone()),
+            _ => None,
+        }
+    }
+
     /// A client whose connect failed: its announcement is withdrawn.
     pub fn abandon(&self) {
         let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());

@@ -48,6 +48,18 @@
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
 //!
+//! `selectserver PORT ROUNDS` and `msgclient PORT ROUNDS`: the pattern of
+//! iperf3's control connection. Each round the client writes a 4-byte
+//! length and then the message (two writes, 0 to 450 µs apart) and reads
+//! two bytes back, an
+//! answer and a go. The server waits for readability (`select`, or
+//! `poll` every other round), reads the message with blocking reads,
+//! answers, and then waits 30 ms for readability while the client is
+//! silent (waiting for the go): a readiness then must have a byte behind
+//! it, else a read (bounded by a 1 s `SO_RCVTIMEO`) finds nothing and the
+//! server fails ("stale readiness"), as iperf3's server would block in its
+//! read instead of accepting its data connection.
+//!
 //! `server` listens on `SOCKAPP_BIND` and `client` connects to
 //! `SOCKAPP_HOST` where they are set (an address of another network
 //! namespace, for the tests across hosts), else on 127.0.0.1.
@@ -411,6 +423,99 @@ fn flood(port: u16) -> Result<(), String> {
     Err("every write succeeded".into())
 }
 
+/// Whether `fd` reads ready within `ms`, asked with select(2) or poll(2).
+fn readable(fd: i32, ms: i32, use_select: bool) -> Result<bool, String> {
+    let r = if use_select {
+        // SAFETY: an fd_set on the stack, zeroed and with one descriptor
+        // below FD_SETSIZE (a fresh test process); a valid timeval.
+        unsafe {
+            let mut set: libc::fd_set = std::mem::zeroed();
+            libc::FD_ZERO(&mut set);
+            libc::FD_SET(fd, &mut set);
+            let mut tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
+            let r = libc::select(fd + 1, &mut set, std::ptr::null_mut(), std::ptr::null_mut(), &mut tv);
+            if r > 0 && !libc::FD_ISSET(fd, &set) {
+                return Err("select counted a descriptor it did not set".into());
+            }
+            r
+        }
+    } else {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        unsafe { libc::poll(&mut p, 1, ms) }
+    };
+    match r {
+        0 => Ok(false),
+        1.. => Ok(true),
+        _ => Err(format!("select/poll: {}", std::io::Error::last_os_error())),
+    }
+}
+
+fn selectserver(port: u16, rounds: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(1))).map_err(|e| format!("timeout: {e}"))?;
+    let fd = s.as_raw_fd();
+    let mut msg = vec![0u8; 4096];
+    for round in 0..rounds {
+        let sel = round % 2 == 0;
+        if !readable(fd, 10_000, sel)? {
+            return Err(format!("round {round}: no message within 10 s"));
+        }
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).map_err(|e| format!("round {round}: length: {e}"))?;
+        let n = u32::from_le_bytes(len) as usize;
+        if n > msg.len() {
+            return Err(format!("round {round}: length {n}"));
+        }
+        s.read_exact(&mut msg[..n]).map_err(|e| format!("round {round}: message: {e}"))?;
+        if let Some(i) = (0..n).find(|&i| msg[i] != pattern(round + i as u64)) {
+            return Err(format!("round {round}: byte {i} wrong"));
+        }
+        s.write_all(b"a").map_err(|e| format!("round {round}: answer: {e}"))?;
+        // The client sends nothing until the go.
+        if readable(fd, 30, sel)? {
+            let mut b = [0u8; 1];
+            return Err(match s.read(&mut b) {
+                Ok(0) => format!("round {round}: the end before the go"),
+                Ok(_) => format!("round {round}: the client wrote before the go"),
+                Err(e) => format!(
+                    "round {round}: stale readiness ({}): ready with nothing to read: {e}",
+                    if sel { "select" } else { "poll" }
+                ),
+            });
+        }
+        s.write_all(b"g").map_err(|e| format!("round {round}: go: {e}"))?;
+    }
+    println!("rounds {rounds}");
+    Ok(())
+}
+
+fn msgclient(port: u16, rounds: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    for round in 0..rounds {
+        let n = 1 + (round as usize * 37) % 3000;
+        let msg: Vec<u8> = (0..n).map(|i| pattern(round + i as u64)).collect();
+        s.write_all(&(n as u32).to_le_bytes()).map_err(|e| format!("round {round}: length: {e}"))?;
+        // The message lands while the server reads the length and arms,
+        // or just before, or after: 0 to 450 µs later.
+        let pause = (round % 16) * 30;
+        if pause > 0 {
+            std::thread::sleep(std::time::Duration::from_micros(pause));
+        }
+        s.write_all(&msg).map_err(|e| format!("round {round}: message: {e}"))?;
+        let mut b = [0u8; 2];
+        s.read_exact(&mut b).map_err(|e| format!("round {round}: answer: {e}"))?;
+        if &b != b"ag" {
+            return Err(format!("round {round}: answer {b:?}"));
+        }
+    }
+    Ok(())
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let port = || args.get(2).and_then(|p| p.parse().ok()).expect("PORT");
@@ -433,6 +538,10 @@ fn main() {
         Some("lateserver") => lateserver(port()),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("answer") => answer(port()),
+        Some("selectserver") => {
+            selectserver(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS"))
+        }
+        Some("msgclient") => msgclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("quietwriter") => quietwriter(port()),
         Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         _ => {
