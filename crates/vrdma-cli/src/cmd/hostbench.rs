@@ -628,7 +628,9 @@ mod tests {
                 "write_lat_8b",
                 "write_lat_8b_spin",
                 "cm_setup_first",
-                "cm_setup_each"
+                "cm_setup_each",
+                "sockets_stream",
+                "sockets_lat_8b"
             ]
         );
         assert_eq!(keys(&["write_lat_8b", "write_bw_1qp"]), ["write_bw_1qp", "write_lat_8b"]);
