@@ -35,10 +35,11 @@ fn skip_reason() -> Option<String> {
             return Some(format!("{program} is missing (apt-get install {package})"));
         }
     }
-    for lib in ["libvrdma_verbs.so", "libvrdma_companions.so"] {
+    for lib in ["libvrdma_verbs.so", "libvrdma_companions.so", "libvrdma_sockets.so"] {
         if built(lib).is_none() {
             return Some(format!(
-                "{lib} is not built next to {VRDMA} or the tests (cargo build -p vrdma-verbs -p vrdma-companions)"
+                "{lib} is not built next to {VRDMA} or the tests \
+                 (cargo build -p vrdma-verbs -p vrdma-companions -p vrdma-sockets)"
             ));
         }
     }
@@ -90,6 +91,7 @@ fn bench_hosts_quick_reports_each_figure_beside_its_anchor_and_leaves_nothing_be
         .args(["bench-hosts", "--quick", "--json"])
         .env("VRDMA_VERBS_LIB", built("libvrdma_verbs.so").expect("checked above"))
         .env("VRDMA_COMPANIONS_LIB", built("libvrdma_companions.so").expect("checked above"))
+        .env("VRDMA_SOCKETS_LIB", built("libvrdma_sockets.so").expect("checked above"))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
