@@ -48,19 +48,7 @@ fn figure(
     target: &str,
     cores: usize,
 ) -> Figure {
-    let per_run: Vec<f64> = runs.iter().map(|o| o.bytes as f64 / o.seconds / 1e9).collect();
-    let value = anchors::Stat::from_samples(&per_run);
-    Figure {
-        name: name.into(),
-        unit: "GB/s",
-        ratio: Some(value.median / anchor.median),
-        value,
-        anchor_name: anchor_name.into(),
-        anchor: Some(anchor),
-        target: target.into(),
-        cores,
-        p99: None,
-    }
+    Figure::beside(name, "GB/s", super::suite::gb_per_s(runs), anchor_name, anchor, target, cores)
 }
 
 pub fn figures(args: &Args, runs: usize, cores: usize, progress: &dyn Fn(&str)) -> Result<Vec<Figure>> {

@@ -89,18 +89,15 @@ fn figure(
     target: &str,
     cores: usize,
 ) -> Figure {
-    let (value, anchor) = (Stat::from_samples(value), Stat::from_samples(anchor));
-    Figure {
+    Figure::beside(
         name,
         unit,
-        ratio: Some(value.median / anchor.median),
-        value,
-        anchor_name: anchor_name.into(),
-        anchor: Some(anchor),
-        target: target.into(),
+        Stat::from_samples(value),
+        anchor_name,
+        Stat::from_samples(anchor),
+        target,
         cores,
-        p99: None,
-    }
+    )
 }
 
 pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&str)) -> Result<Vec<Figure>> {

@@ -216,17 +216,7 @@ pub fn figures(
     }
     let figure = |name: String, unit: &'static str, v: &[f64], a: &[f64], target: &str| {
         let (value, anchor) = (Stat::from_samples(v), Stat::from_samples(a));
-        Figure {
-            name,
-            unit,
-            ratio: Some(value.median / anchor.median),
-            value,
-            anchor_name: "the same programs, plain TCP, loopback".into(),
-            anchor: Some(anchor),
-            target: target.into(),
-            cores,
-            p99: None,
-        }
+        Figure::beside(name, unit, value, "the same programs, plain TCP, loopback", anchor, target, cores)
     };
     let mut out = Vec::new();
     for (i, path) in [(1, "direct path off"), (2, "direct path on")] {

@@ -204,17 +204,8 @@ pub fn figures(
     }
     let figure = |name: &str, unit: &'static str, v: &Samples, target: &str| {
         let (value, anchor) = (Stat::from_samples(&v[1]), Stat::from_samples(&v[0]));
-        Figure {
-            name: format!("sockets preload, {name}, direct path on"),
-            unit,
-            ratio: Some(value.median / anchor.median),
-            value,
-            anchor_name: "the same program, plain TCP, loopback".into(),
-            anchor: Some(anchor),
-            target: target.into(),
-            cores,
-            p99: None,
-        }
+        let name = format!("sockets preload, {name}, direct path on");
+        Figure::beside(name, unit, value, "the same program, plain TCP, loopback", anchor, target, cores)
     };
     let mut out = Vec::new();
     if sp.is_some() {

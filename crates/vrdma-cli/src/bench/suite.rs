@@ -36,6 +36,32 @@ pub struct Figure {
     pub p99: Option<f64>,
 }
 
+impl Figure {
+    /// A figure beside its anchor measured in the same run, with the
+    /// ratio of their medians.
+    pub fn beside(
+        name: impl Into<String>,
+        unit: &'static str,
+        value: anchors::Stat,
+        anchor_name: impl Into<String>,
+        anchor: anchors::Stat,
+        target: impl Into<String>,
+        cores: usize,
+    ) -> Figure {
+        Figure {
+            name: name.into(),
+            unit,
+            ratio: Some(value.median / anchor.median),
+            value,
+            anchor_name: anchor_name.into(),
+            anchor: Some(anchor),
+            target: target.into(),
+            cores,
+            p99: None,
+        }
+    }
+}
+
 /// What a worker reports.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct Outcome {
@@ -275,17 +301,7 @@ fn cm_setup_figures(sock: &std::path::Path, n: usize, runs: usize, cores: usize)
     }
     let figure = |name: String, value: &[f64], anchor_name: &str, anchor: &[f64]| {
         let (value, anchor) = (anchors::Stat::from_samples(value), anchors::Stat::from_samples(anchor));
-        Figure {
-            name,
-            unit: "ns",
-            ratio: Some(value.median / anchor.median),
-            value,
-            anchor_name: anchor_name.into(),
-            anchor: Some(anchor),
-            target: "<= 3x TCP".into(),
-            cores,
-            p99: None,
-        }
+        Figure::beside(name, "ns", value, anchor_name, anchor, "<= 3x TCP", cores)
     };
     Ok(vec![
         figure(
@@ -523,19 +539,13 @@ pub(super) fn latency(
 }
 
 fn bandwidth(name: &str, runs: Vec<Outcome>, memcpy: anchors::Stat, cores: usize) -> Figure {
+    Figure::beside(name, "GB/s", gb_per_s(&runs), "memcpy, 1 thread", memcpy, ">= 0.70x memcpy", cores)
+}
+
+/// The runs' bandwidths in GB/s (1e9 B/s).
+pub fn gb_per_s(runs: &[Outcome]) -> anchors::Stat {
     let per_run: Vec<f64> = runs.iter().map(|o| o.bytes as f64 / o.seconds / 1e9).collect();
-    let value = anchors::Stat::from_samples(&per_run);
-    Figure {
-        name: name.into(),
-        unit: "GB/s",
-        ratio: Some(value.median / memcpy.median),
-        value,
-        anchor_name: "memcpy, 1 thread".into(),
-        anchor: Some(memcpy),
-        target: ">= 0.70x memcpy".into(),
-        cores,
-        p99: None,
-    }
+    anchors::Stat::from_samples(&per_run)
 }
 
 /// Runs one test `runs` times between two worker processes.
