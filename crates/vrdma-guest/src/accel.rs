@@ -4,10 +4,14 @@
 //! Auto tries KVM once, where `/dev/kvm` opens for reading and writing,
 //! by booting the image with a short deadline, and remembers the answer
 //! in the cache directory (one file per guest kernel release), so later
-//! boots do not pay for a KVM that hangs: on some nested hosts a KVM
-//! guest hangs at boot (QEMU 7.2, the default CPU model) or QEMU aborts
-//! setting an MSR (`-cpu host`). Otherwise TCG, QEMU's emulator, which
-//! boots the cloud kernel in seconds.
+//! boots do not pay for a KVM that hangs. Where `/dev/kvm` is served by
+//! `kvm_pvm` alone (PVM, the "Pagetable-based Virtual Machine" some
+//! cloud sandboxes run KVM on, with no hardware virtualisation under
+//! it), auto does not probe at all: PVM runs only guest kernels built
+//! for it, and a stock Debian kernel spins in its decompressor (bzImage)
+//! or stalls right after its first lines (PVH entry), so the probe could
+//! only burn its deadline. Otherwise TCG, QEMU's emulator, which boots
+//! the cloud kernel in seconds.
 
 use std::time::Duration;
 
@@ -62,6 +66,21 @@ pub fn kvm_usable() -> bool {
     std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_ok()
 }
 
+/// Why KVM cannot run a stock guest here although `/dev/kvm` opens, if
+/// the loaded modules say so: `kvm_pvm` without `kvm_amd` or `kvm_intel`.
+pub fn kvm_unsuitable() -> Option<String> {
+    unsuitable_with(|m| std::path::Path::new("/sys/module").join(m).exists())
+}
+
+fn unsuitable_with(loaded: impl Fn(&str) -> bool) -> Option<String> {
+    let hardware = loaded("kvm_amd") || loaded("kvm_intel");
+    (loaded("kvm_pvm") && !hardware).then(|| {
+        "/dev/kvm is kvm_pvm (Pagetable-based Virtual Machine, no hardware virtualisation), \
+         which boots only guest kernels built for PVM, not the stock cloud kernel"
+            .to_string()
+    })
+}
+
 /// The remembered outcome of the KVM probe for a kernel release, if any.
 pub fn remembered(release: &str) -> Result<Option<(Accel, String)>> {
     let p = cache::dir()?.join(format!("accel-{release}"));
@@ -96,5 +115,18 @@ pub fn lock() -> Result<std::fs::File> {
         if e.kind() != std::io::ErrorKind::Interrupted {
             return Err(Error::path("lock", &p, e));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::unsuitable_with;
+
+    #[test]
+    fn pvm_alone_rules_kvm_out_and_hardware_kvm_does_not() {
+        assert!(unsuitable_with(|m| m == "kvm_pvm" || m == "kvm").is_some());
+        assert!(unsuitable_with(|m| m == "kvm_amd" || m == "kvm").is_none());
+        assert!(unsuitable_with(|m| m == "kvm_intel" || m == "kvm_pvm").is_none());
+        assert!(unsuitable_with(|_| false).is_none());
     }
 }

@@ -588,6 +588,10 @@ fn auto(image: &Image) -> Result<Accel> {
     if !accel::kvm_usable() {
         return Ok(Accel::Tcg);
     }
+    if let Some(why) = accel::kvm_unsuitable() {
+        tracing::info!("using TCG: {why}");
+        return Ok(Accel::Tcg);
+    }
     if let Some((a, _)) = accel::remembered(&image.release)? {
         return Ok(a);
     }

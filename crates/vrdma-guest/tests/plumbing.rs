@@ -96,7 +96,9 @@ fn guest_plumbing() {
     gspec.extra_args = vm_args(fd, REGION_LEN, &sock, PORTS).unwrap();
     let mut g = Guest::boot(gspec).expect("boot the guest");
     eprintln!("guest: accelerator {}, shell after {:.2} s", g.accel().name(), g.boot_time().as_secs_f64());
-    if let Ok(Some((a, why))) = vrdma_guest::accel::remembered(g.release()) {
+    if let Some(why) = vrdma_guest::accel::kvm_unsuitable() {
+        eprintln!("KVM not probed: {why}");
+    } else if let Ok(Some((a, why))) = vrdma_guest::accel::remembered(g.release()) {
         eprintln!("KVM probe (remembered in the cache): {} ({why})", a.name());
     }
 
