@@ -5,8 +5,8 @@
 //! 1. QEMU's migration to C is cancelled in its live pass
 //!    (`migrate_cancel`): no daemon step, the VM runs on at A;
 //! 2. the operator cancels after QEMU's switch-over, once the tenant was
-//!    paused and exported at A: `vrdma migrate resume` at A and QEMU's
-//!    `cont` there;
+//!    paused, exported and imported at C: `vrdma migrate finish` at C,
+//!    `resume` at A and QEMU's `cont` there;
 //! 3. C's daemon is killed (SIGKILL) after it imported the tenant, before
 //!    A's `finish`: the operator resumes at A and `cont`s there;
 //! 4. C's daemon is killed while C's QEMU receives the VM: `vrdma migrate
@@ -156,12 +156,17 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     let stopped = Instant::now();
     qc.wait_loaded();
     operator(&a, &["pause", "--vm", "t"]);
-    operator(&a, &["export", "--vm", "t", "--out", &snap_s]);
+    operator(&a, &["export", "--vm", "t", "--out", &snap_s, "--region", &rfile_s]);
+    operator(&c, &["import", "--in", &snap_s, "--vm", "t", "--region", &rfile_s]);
+    // The operator changes their mind: C lets go of its (never resumed)
+    // copy, A resumes.
+    operator(&c, &["finish", "--vm", "t"]);
     operator(&a, &["resume", "--vm", "t"]);
     runs_again(&mut qa);
     let held = stopped.elapsed();
     drop(dest);
     std::fs::remove_file(&snap).unwrap();
+    std::fs::remove_file(&rfile).unwrap();
     goes_on(&mut guest, received);
     report.push(format!("cancelled after the switch-over: VM stopped {:.0} ms", held.as_secs_f64() * 1e3));
 
