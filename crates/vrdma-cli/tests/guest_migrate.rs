@@ -26,9 +26,12 @@
 //! One guest boots per test (TCG: seconds to tens of seconds); the
 //! binary prints its times and the pause B saw. The faults (a
 //! destination daemon killed, a cancelled migration, a snapshot restored
-//! twice) are in `faults.rs`, on a guest of their own; what the tests
-//! share is in `world.rs`.
+//! twice) are in `faults.rs`, on a guest of their own; the downtime with
+//! and without vRDMA traffic (a figure, run by hand with `--ignored`) in
+//! `downtime.rs`; what they share is in `world.rs`.
 
+#[path = "guest_migrate/downtime.rs"]
+mod downtime;
 #[path = "guest_migrate/faults.rs"]
 mod faults;
 #[path = "guest_migrate/world.rs"]
