@@ -17,7 +17,9 @@
 //! completion once, in order, successful (it stops at the first that is
 //! not), and both go on after. Then
 //!
-//! 5. a snapshot: QEMU's migration to a file (`exec:cat > FILE`), the
+//! 5. a snapshot: QEMU's migration to a file (written by this test from
+//!    a Unix socket, so that the file is whole when QEMU says completed:
+//!    an `exec:cat > FILE` child may still be writing then), the
 //!    tenant paused and exported with its region (`export --region`) at
 //!    A, then dropped there (the VM is off); restored on C (`-incoming
 //!    "exec:cat FILE"`, then `import --region` and resume), the
@@ -118,6 +120,34 @@ fn runs_again(qa: &mut Qmp) {
         qa.exec(r#"{"execute":"cont"}"#);
     }
     assert_eq!(qa.status(), "running");
+}
+
+/// Accepts QEMU's migration on `socket` and writes it to `file` until
+/// QEMU closes it (bounded: 60 s to connect, 30 s without a byte);
+/// returns the bytes written.
+fn save_to(socket: &std::path::Path, file: &std::path::Path) -> std::thread::JoinHandle<u64> {
+    let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
+    listener.set_nonblocking(true).unwrap();
+    let file = file.to_path_buf();
+    std::thread::spawn(move || {
+        let end = Instant::now() + Duration::from_secs(60);
+        let mut s = loop {
+            match listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    assert!(Instant::now() < end, "QEMU never connected to save its state");
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(e) => panic!("accept QEMU's migration: {e}"),
+            }
+        };
+        s.set_nonblocking(false).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut f = std::fs::File::create(&file).unwrap();
+        let n = std::io::copy(&mut s, &mut f).expect("QEMU's state");
+        f.sync_all().unwrap();
+        n
+    })
 }
 
 fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &AtomicU64) -> Outcome {
@@ -225,8 +255,11 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     // 5. A snapshot: QEMU's migration to a file, the tenant's state and
     //    region saved at A, the VM off (its tenant dropped at A).
     let file = dir.join("vm.state");
-    qa.migrate(&format!("exec:cat > {}", file.display()));
+    let saving = save_to(&dir.join("save.sock"), &file);
+    qa.migrate(&format!("unix:{}", dir.join("save.sock").display()));
     qa.wait_completed();
+    let saved = saving.join().expect("the saver");
+    assert!(saved > 1 << 20, "QEMU's state: {saved} bytes");
     operator(&a, &["pause", "--vm", "t"]);
     operator(&a, &["export", "--vm", "t", "--out", &snap_s, "--region", &rfile_s]);
     operator(&a, &["finish", "--vm", "t"]);
