@@ -383,7 +383,8 @@ fn stat_shows_the_callers_own_tenants_figures_and_no_other_tenants() {
 
 /// `vrdma migrate` says clearly what it refused: a tenant with nothing on
 /// the daemon, a VM it does not have, no tenant at all, a snapshot that is not a regular file, a file that is not a
-/// snapshot, a file that is not there.
+/// snapshot, a file that is not there, a region's bytes without a VM or
+/// of another length than its region.
 #[test]
 fn migrate_steps_refuse_clearly() {
     let dir = tempfile::tempdir().unwrap();
@@ -409,6 +410,20 @@ fn migrate_steps_refuse_clearly() {
     std::fs::write(&junk, b"not a snapshot at all").unwrap();
     fails(&["migrate", "import", "--in", junk.to_str().unwrap()], "not a vRDMA snapshot (bad magic)");
     fails(&["migrate", "import", "--in", "/nonexistent/snap"], "opening /nonexistent/snap");
+    // A region's bytes go with a VM only, and only of its region's length
+    // (refused before anything is written or imported).
+    let j = junk.to_str().unwrap();
+    fails(&["migrate", "export", "--tenant", "4242", "--out", "/dev/null", "--region", j], "--vm");
+    fails(&["migrate", "import", "--in", j, "--region", j], "--vm");
+    fails(
+        &["migrate", "import", "--in", j, "--vm", "t", "--region", j],
+        "holds 21 bytes, VM \"t\"'s region here",
+    );
+    fails(&["migrate", "import", "--in", j, "--vm", "nope", "--region", j], "no VM \"nope\" is configured");
+    fails(
+        &["migrate", "import", "--in", j, "--vm", "t", "--region", "/nonexistent/r"],
+        "opening /nonexistent/r",
+    );
 
     // An export writes the whole snapshot (it once wrote an empty file:
     // the daemon's memfd came with its offset at the end), which an

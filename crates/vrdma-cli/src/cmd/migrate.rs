@@ -3,8 +3,13 @@
 //!
 //! - `pause --tenant UID` (or `--vm NAME`, any step): the tenant's QPs
 //!   stop; peers are told PAUSED.
-//! - `export --tenant UID --out FILE`: the paused tenant's snapshot.
-//! - `import --in FILE`: on the destination, paused.
+//! - `export --tenant UID --out FILE`: the paused tenant's snapshot;
+//!   with `--vm NAME --region RFILE`, the VM's region's bytes too (a
+//!   snapshot of the VM, or a move between machines: the last pass over
+//!   the region that QEMU's migration cannot make).
+//! - `import --in FILE`: on the destination, paused; with `--vm NAME
+//!   --region RFILE`, the region's bytes written into that VM's region
+//!   first.
 //! - `resume --tenant UID`: on the destination, or on the source to cancel.
 //! - `finish --tenant UID`: on the source, once the destination resumed:
 //!   its objects there go, its sessions there end.
@@ -37,11 +42,20 @@ pub enum Command {
         who: Who,
         #[arg(long, value_name = "FILE")]
         out: PathBuf,
+        /// With --vm: write the VM's region's bytes to RFILE too (after the pause, so that the daemon's writes are in it).
+        #[arg(long, value_name = "RFILE")]
+        region: Option<PathBuf>,
     },
     /// Import a snapshot (FILE, `-`: stdin) into this daemon, paused.
     Import {
         #[arg(long = "in", value_name = "FILE")]
         input: PathBuf,
+        /// Write RFILE (from `export --region`) into VM NAME's region first (once its QEMU loaded the VM, before it runs).
+        #[arg(long, value_name = "RFILE")]
+        region: Option<PathBuf>,
+        /// The VM whose region RFILE fills.
+        #[arg(long, value_name = "NAME")]
+        vm: Option<String>,
     },
     /// Resume a paused tenant (on the destination; on the source: cancel the migration).
     Resume {
@@ -95,7 +109,11 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
             let qps = vrdma::migrate::pause(&socket, tenant).with_context(|| at("pause"))?;
             println!("tenant {tenant} paused: {qps} QPs");
         }
-        Command::Export { who, out } => {
+        Command::Export { who, out, region } => {
+            anyhow::ensure!(
+                region.is_none() || who.vm.is_some(),
+                "--region goes with --vm NAME: only a VM's tenant has a region"
+            );
             let tenant = who.tenant(&socket)?;
             let (fd, len, qps) = vrdma::migrate::export(&socket, tenant).with_context(|| at("export"))?;
             let bytes = read_all(fd, len)?;
@@ -105,9 +123,20 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
                 std::fs::write(&out, &bytes).with_context(|| format!("writing {}", out.display()))?;
                 eprintln!("tenant {tenant}: {len} bytes, {qps} QPs, in {}", out.display());
             }
+            if let (Some(rfile), Some(name)) = (region, who.vm.as_deref()) {
+                let n = save_region(&socket, name, &rfile)?;
+                eprintln!("VM {name:?}: its region's {n} bytes in {}", rfile.display());
+            }
         }
-        Command::Import { input } => {
+        Command::Import { input, region, vm } => {
+            anyhow::ensure!(
+                region.is_some() == vm.is_some(),
+                "--region RFILE and --vm NAME go together: the VM whose region RFILE fills"
+            );
             let file = snapshot_file(&input)?;
+            if let (Some(rfile), Some(name)) = (region, vm.as_deref()) {
+                load_region(&socket, name, &rfile)?;
+            }
             let (tenant, qps) =
                 vrdma::migrate::import(&socket, file.as_fd()).with_context(|| at("import"))?;
             println!("tenant {tenant} imported, paused: {qps} QPs");
@@ -163,6 +192,63 @@ fn move_tenant(from: &Path, to: &Path, tenant: u32, vm: Option<&str>) -> Result<
     })?;
     vrdma::migrate::resume(to, tenant).with_context(|| format!("resume at {}", to.display()))?;
     println!("tenant {tenant} moved: {qps} QPs, {len} bytes of device state");
+    Ok(())
+}
+
+/// Writes VM `name`'s region on the daemon at `socket` to `out` (a new
+/// file, mode 0600: it is the guest's memory); returns its length.
+fn save_region(socket: &Path, name: &str, out: &Path) -> Result<u64> {
+    use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
+    let r = vrdma::vm::attach_at(socket, name)
+        .with_context(|| format!("VM {name:?}'s region at {}", socket.display()))?;
+    let (region, len) = (std::fs::File::from(r.region), r.region_len);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(out)
+        .with_context(|| format!("creating {}", out.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        let n = buf.len().min(usize::try_from(len - at).unwrap_or(usize::MAX));
+        region
+            .read_exact_at(&mut buf[..n], at)
+            .with_context(|| format!("reading VM {name:?}'s region at {at}"))?;
+        file.write_all_at(&buf[..n], at).with_context(|| format!("writing {}", out.display()))?;
+        at += n as u64;
+    }
+    Ok(len)
+}
+
+/// Writes `input` (from [`save_region`]) into VM `name`'s region on the
+/// daemon at `socket`; its length must be the region's (the same
+/// `[vms.NAME]` on both hosts).
+fn load_region(socket: &Path, name: &str, input: &Path) -> Result<()> {
+    use std::os::unix::fs::FileExt as _;
+    let file = std::fs::File::open(input).with_context(|| format!("opening {}", input.display()))?;
+    let meta = file.metadata().with_context(|| format!("reading {}", input.display()))?;
+    anyhow::ensure!(meta.is_file(), "{} is not a regular file", input.display());
+    let r = vrdma::vm::attach_at(socket, name)
+        .with_context(|| format!("VM {name:?}'s region at {}", socket.display()))?;
+    let (region, len) = (std::fs::File::from(r.region), r.region_len);
+    anyhow::ensure!(
+        meta.len() == len,
+        "{} holds {} bytes, VM {name:?}'s region here {len}: configure the same [vms.{name}] on both",
+        input.display(),
+        meta.len()
+    );
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        let n = buf.len().min(usize::try_from(len - at).unwrap_or(usize::MAX));
+        file.read_exact_at(&mut buf[..n], at)
+            .with_context(|| format!("reading {} at {at}", input.display()))?;
+        region
+            .write_all_at(&buf[..n], at)
+            .with_context(|| format!("writing VM {name:?}'s region at {at}"))?;
+        at += n as u64;
+    }
     Ok(())
 }
 

@@ -12,7 +12,9 @@
  * hold "lid qpn psn gid addr rkey" (gid as 32 hex digits). Every
  * completion must come once, in order (wr_id = seq), with success; at the
  * end it prints "DONE completions=N in_order=1 max_gap_us=G" and exits 0,
- * else prints why and exits 1. No step waits without a bound.
+ * else prints why and exits 1; after a failed completion it first checks
+ * that the rest come flushed ("DRAINED ..."). No step waits without a
+ * bound.
  */
 #include <infiniband/verbs.h>
 #include <arpa/inet.h>
@@ -38,6 +40,38 @@ static int fail(const char *what)
     printf("FAIL %s\n", what);
     fflush(stdout);
     return 1;
+}
+
+/*
+ * After a failed completion: the QP is in error, so every WR posted after
+ * the failed one must complete once, in order, flushed (the first `n` of
+ * them may already be in `wc`). Prints "DRAINED flushed=F of=W
+ * qp_state=S" (S as ibv_qp_state; 6 is ERR), within 5 s.
+ */
+static void drain(struct ibv_cq *cq, struct ibv_qp *qp, struct ibv_wc *wc, int n, uint64_t next,
+                  uint64_t posted)
+{
+    uint64_t want = posted - next, got = 0, flushed = 0, deadline = now_us() + 5000000u;
+    struct ibv_wc more[16];
+    for (;;) {
+        for (int i = 0; i < n; i++, got++)
+            if (wc[i].wr_id == next + got && wc[i].status == IBV_WC_WR_FLUSH_ERR)
+                flushed++;
+        if (got >= want || now_us() > deadline)
+            break;
+        n = ibv_poll_cq(cq, 16, more);
+        if (n < 0)
+            break;
+        wc = more;
+        if (n == 0)
+            usleep(1000);
+    }
+    struct ibv_qp_attr q;
+    struct ibv_qp_init_attr qi;
+    int st = ibv_query_qp(qp, &q, IBV_QP_STATE, &qi) ? -1 : (int)q.qp_state;
+    printf("DRAINED flushed=%llu of=%llu qp_state=%d\n", (unsigned long long)flushed,
+           (unsigned long long)want, st);
+    fflush(stdout);
 }
 
 int main(int argc, char **argv)
@@ -185,6 +219,7 @@ int main(int argc, char **argv)
             if (wc[i].status != IBV_WC_SUCCESS) {
                 printf("FAIL completion %llu: %s\n", (unsigned long long)wc[i].wr_id,
                        ibv_wc_status_str(wc[i].status));
+                drain(cq, qp, wc + i + 1, n - i - 1, wc[i].wr_id + 1, posted);
                 return 1;
             }
             if (wc[i].wr_id != done) {

@@ -120,6 +120,14 @@ pub(crate) struct Qp {
     /// dropped, and a later move must carry a higher epoch.
     pub peer_link: Option<super::LinkId>,
     pub peer_epoch: u32,
+    /// A Moved frame no newer than `peer_epoch` came on `peer_link`: a
+    /// second copy of the peer QP resumed on the host that holds (or
+    /// held) the accepted one, from an older snapshot (one restored
+    /// twice). Its frames are dropped until a newer Moved, so that it
+    /// fails by its own retry count instead of its stale PSNs being
+    /// answered as duplicates (which would complete its requests with
+    /// nothing delivered).
+    pub peer_stale: bool,
     /// The LID its peer had before its first move (what receive
     /// completions keep reporting as the source).
     pub peer_lid: u16,

@@ -92,6 +92,7 @@ impl Hca {
                 announce: false,
                 peer_link: None,
                 peer_epoch: 0,
+                peer_stale: false,
                 peer_lid: 0,
             },
         );

@@ -466,6 +466,7 @@ impl Hca {
                     announce: q.init.qp_type == QpType::Rc && connected,
                     peer_link: None,
                     peer_epoch: 0,
+                    peer_stale: false,
                     peer_lid: 0,
                 },
             );

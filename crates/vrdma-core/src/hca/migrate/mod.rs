@@ -369,6 +369,7 @@ impl Hca {
         });
         if !ok {
             self.net.dropped(link, "Moved frame for no QP of ours, or with an old epoch");
+            self.mark_stale_peer(link, m);
             return false;
         }
         let qpn = m.peer_qpn;
@@ -383,6 +384,7 @@ impl Hca {
         }
         q.peer_link = Some(link);
         q.peer_epoch = m.epoch;
+        q.peer_stale = false;
         let tenant = q.tenant;
         let old = q.remote.as_ref().map(|r| r.links());
         if let Some(r) = q.remote.as_deref_mut() {
@@ -409,6 +411,38 @@ impl Hca {
         tracing::debug!(qpn, epoch = m.epoch, link = link.0, "peer QP moved");
         self.update_service(qpn);
         true
+    }
+
+    /// A refused Moved frame that names one of our connected RC QPs and
+    /// its peer, with an epoch no newer than the one accepted, on the link
+    /// the accepted one came on: the peer QP was resumed a second time on
+    /// that host from an older snapshot (a snapshot restored twice; two
+    /// live copies of one QPN cannot share a host). Its PSNs are behind
+    /// ours, so its requests would be answered as duplicates and complete
+    /// with nothing delivered: from now on its frames are dropped, and it
+    /// fails by its retry count (`RETRY_EXC_ERR`, the rest flushed), as
+    /// for a peer that moved on. A newer Moved clears the mark.
+    fn mark_stale_peer(&mut self, link: LinkId, m: &MovedRepr) {
+        let Some(q) = self.qps.get_mut(&m.peer_qpn) else { return };
+        let stale = q.init.qp_type == QpType::Rc
+            && q.tenant.0 == m.vnet
+            && !q.tenant.is_host_local()
+            && q.attr.dest_qp_num == m.qpn
+            && q.peer_link == Some(link)
+            && m.epoch <= q.peer_epoch
+            && !q.peer_stale;
+        if stale {
+            q.peer_stale = true;
+            tracing::warn!(
+                qpn = m.peer_qpn,
+                peer_qpn = m.qpn,
+                epoch = m.epoch,
+                accepted = q.peer_epoch,
+                link = link.0,
+                "a stale copy of the peer QP resumed where the accepted one was (a snapshot restored twice?); \
+                 its frames are dropped from now on"
+            );
+        }
     }
 
     /// A data frame for a paused QP: a request from its peer is answered

@@ -647,6 +647,7 @@ impl Hca {
             // A paused QP's state is frozen for its snapshot: the
             // answers it misses come again to where it resumes.
             !q.paused
+                && !q.peer_stale
                 && q.tenant.0 == hdr.vnet
                 && !q.tenant.is_host_local()
                 && q.attr.dest_qp_num == hdr.src_qpn

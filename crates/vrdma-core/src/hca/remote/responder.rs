@@ -248,10 +248,11 @@ impl Hca {
 
     /// Whether `link` leads to where `q`'s peer QP is: the host its
     /// address names, or, once the peer moved, the link that proved it
-    /// (and no other: the host it left cannot take it back).
+    /// (and no other: the host it left cannot take it back), unless a
+    /// stale copy of the peer announced itself there (`Qp::peer_stale`).
     pub(crate) fn peer_on(&self, q: &crate::hca::objects::Qp, link: LinkId) -> bool {
         match q.peer_link {
-            Some(l) => l == link,
+            Some(l) => l == link && !q.peer_stale,
             None => self.link_serves(link, &q.attr.ah_attr),
         }
     }

@@ -754,7 +754,7 @@ fn frames_from_the_old_location_are_dropped_after_a_move() {
     t.migrate(A, C, &mem, T0);
     t.run(T0);
     assert_eq!(t.seen.moved_ok, 1);
-    let (lb_a, lb_c) = (t.link(B, A), t.link(B, C));
+    let lb_a = t.link(B, A);
     let dropped =
         |t: &ThreeHosts| t.hosts[B].hca.links().iter().find(|l| l.id == lb_a).unwrap().stats.dropped_in;
     let before = dropped(&t);
@@ -771,8 +771,9 @@ fn frames_from_the_old_location_are_dropped_after_a_move() {
     let mut next = 0;
     check_at_b(&got, &mut next, &b);
     assert_eq!(next, 1, "message 0 only, nothing from the forged frame: {got:?}");
-    // Stale claims of the QP's location.
-    for (link, epoch) in [(lb_a, 1), (lb_a, 0), (lb_c, 1)] {
+    // Stale claims of the QP's location from the host it left (one from
+    // the host it is on is a restored copy: `a_snapshot_restored_twice`).
+    for (link, epoch) in [(lb_a, 1), (lb_a, 0)] {
         let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch };
         assert!(!t.hosts[B].hca.handle_moved(link, &m, T0), "epoch {epoch} on link {link:?} accepted");
     }
@@ -791,6 +792,71 @@ fn frames_from_the_old_location_are_dropped_after_a_move() {
     assert_eq!(got[0].slid, t.hosts[A].hca.config().port.lid);
     let done: Vec<u64> = t.hosts[C].poll(a.cq).iter().map(|c| c.wr_id).collect();
     assert_eq!(done, vec![0, 1], "A's completions, the one made before the move included");
+}
+
+/// A snapshot of A's tenant (paused, exported, dropped at A: the VM saved
+/// to a file) restored on C goes on where B holds its QP; restored there a
+/// second time, after B moved on with the first copy, its Moved frame is
+/// refused (same epoch, on the link the first came on), and its requests,
+/// whose PSNs B has seen, are dropped rather than answered as duplicates:
+/// the restored QP fails `RETRY_EXC_ERR` by its retry count, what it
+/// posted after is flushed, B delivers nothing twice and stays in RTS.
+#[test]
+fn a_snapshot_restored_twice_fails_its_second_copy_cleanly() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    for k in 0..4 {
+        t.hosts[B].io.post_recv(b.qpn, recv(k, &[b.buf.sge(k * SLOT, SLOT as u32)]));
+    }
+    t.hosts[A].io.post_send(a.qpn, a_to_b(0, &a, &b));
+    t.run(T0);
+    let mut next = 0;
+    check_at_b(&t.hosts[B].poll(b.cq), &mut next, &b);
+    assert_eq!(next, 1);
+    assert_eq!(t.hosts[A].poll(a.cq).len(), 1);
+    // The snapshot: paused, exported, dropped at A.
+    t.hosts[A].hca.pause_tenant(TENANT).unwrap();
+    let snap = t.hosts[A].hca.export_tenant(TENANT).unwrap();
+    t.hosts[A].hca.finish_export(TENANT).unwrap();
+    let decoded = TenantSnapshot::decode(&snap).unwrap();
+    let restore = |t: &mut ThreeHosts, now: Instant| {
+        let (from, to) = t.two(A, C);
+        move_queues(&decoded, from, to);
+        let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+        to.hca.import_tenant(&snap, now, &mut region_of).expect("import");
+        to.hca.resume_tenant(TENANT, now).expect("resume");
+    };
+    // First restore: B follows it, message 1 goes out from C.
+    restore(&mut t, T0);
+    t.hosts[C].io.post_send(a.qpn, a_to_b(1, &a, &b));
+    t.run(T0);
+    check_at_b(&t.hosts[B].poll(b.cq), &mut next, &b);
+    assert_eq!(next, 2, "message 1 from the first restored copy");
+    assert_eq!(
+        t.hosts[C].poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        [(1, WcStatus::Success)]
+    );
+    assert_eq!((t.seen.moved_ok, t.seen.moved_refused), (1, 0));
+    // That copy goes (the VM stopped), and the same snapshot is restored
+    // again on C: it posts message 1 again (its PSN is one B has seen),
+    // then 2.
+    t.hosts[C].hca.pause_tenant(TENANT).unwrap();
+    t.hosts[C].hca.finish_export(TENANT).unwrap();
+    restore(&mut t, T0);
+    t.hosts[C].io.post_send(a.qpn, a_to_b(1, &a, &b));
+    t.run(T0);
+    assert_eq!((t.seen.moved_ok, t.seen.moved_refused), (1, 1), "the second copy's Moved is refused");
+    t.hosts[C].io.post_send(a.qpn, a_to_b(2, &a, &b));
+    let now = t.advance(T0, Duration::from_millis(100), 10);
+    let got: Vec<(u64, WcStatus)> = t.hosts[C].poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect();
+    assert_eq!(got, [(1, WcStatus::RetryExcErr), (2, WcStatus::WrFlushErr)], "the second copy's completions");
+    assert_eq!(t.hosts[C].io.state(a.qpn), Some(QpState::Err));
+    assert!(t.hosts[B].poll(b.cq).is_empty(), "B delivered something from the stale copy");
+    assert_eq!(t.hosts[B].io.state(b.qpn), Some(QpState::Rts));
+    // A copy with a newer epoch (a real move) is followed again.
+    let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch: decoded.qps[0].epoch + 1 };
+    let lb_c = t.link(B, C);
+    assert!(t.hosts[B].hca.handle_moved(lb_c, &m, now));
 }
 
 /// Pausing and exporting refuse what cannot move yet, with a reason.

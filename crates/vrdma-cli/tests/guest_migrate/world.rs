@@ -1,0 +1,482 @@
+//! What the real-guest migration tests share: three daemons in three
+//! network namespaces (A and C with VM `t`, B the peer), the guest's
+//! image with `seqstream`, QMP, the operator's `vrdma migrate` steps, the
+//! guest's background commands, and B's receiver, which checks every
+//! message's bytes as it comes. Every wait is bounded; every process is
+//! killed by its pid when its owner drops.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use vrdma::{WcOpcode, WcStatus};
+use vrdma_guest::{image, Guest, GuestSpec};
+use vrdma_it::harness::built;
+
+pub const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
+/// A guest command's limit.
+pub const T: Duration = Duration::from_secs(120);
+/// Every message's length.
+pub const LEN: usize = 64;
+/// B's receives, each 256 bytes, at `RECV_AT` in its region; the RDMA
+/// writes land at `[0, count * LEN)`, below `RECV_AT`.
+pub const RECVS: u64 = 256;
+pub const RECV_AT: usize = 1 << 20;
+/// The most messages a stream may have (its writes must fit below `RECV_AT`).
+pub const MAX_COUNT: u64 = (RECV_AT / LEN) as u64;
+
+/// A daemon process (`vrdma daemon`), killed by its pid on drop.
+pub struct Daemon {
+    pub child: Child,
+    pub socket: PathBuf,
+    config: PathBuf,
+    ns: String,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Ok(None) = self.child.try_wait() {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+impl Daemon {
+    fn spawn(socket: PathBuf, config: PathBuf, ns: &str) -> Daemon {
+        let child = Command::new("ip")
+            .args(["netns", "exec", ns, VRDMA, "daemon", "--socket"])
+            .arg(&socket)
+            .arg("--config")
+            .arg(&config)
+            .stdin(Stdio::null())
+            .spawn()
+            .expect("spawn the daemon");
+        let mut d = Daemon { child, socket, config, ns: ns.to_string() };
+        let end = Instant::now() + Duration::from_secs(20);
+        while vrdma::Context::open_at(&d.socket).is_err() {
+            assert!(Instant::now() < end, "the daemon at {} did not come up", d.socket.display());
+            assert!(matches!(d.child.try_wait(), Ok(None)), "the daemon at {} exited", d.socket.display());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        d
+    }
+
+    /// SIGKILL (by its pid: `ip netns exec` execs the daemon), reaped.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// A new daemon with the same socket and configuration, in the same
+    /// namespace (after `kill`).
+    pub fn restart(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_file(&self.socket);
+        let next = Daemon::spawn(self.socket.clone(), self.config.clone(), &self.ns);
+        *self = next;
+    }
+
+    /// Waits (bounded) until this daemon has `n` links up.
+    pub fn wait_links(&self, n: usize) {
+        let ctx = vrdma::Context::open_at(&self.socket).unwrap();
+        let end = Instant::now() + Duration::from_secs(20);
+        while ctx.stat().unwrap().links.iter().filter(|l| l.up).count() < n {
+            assert!(Instant::now() < end, "the daemon at {} did not link", self.socket.display());
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+fn start_daemon(dir: &Path, name: &str, ns: &str, toml: &str) -> Daemon {
+    // A directory each: a VM's port socket lies beside the daemon's.
+    let dir = dir.join(name);
+    std::fs::create_dir(&dir).unwrap();
+    let socket = dir.join(format!("{name}.sock"));
+    let config = dir.join(format!("{name}.toml"));
+    std::fs::write(&config, toml).unwrap();
+    Daemon::spawn(socket, config, ns)
+}
+
+/// A QMP connection to a QEMU (`-qmp unix:PATH,server=on,wait=off`).
+pub struct Qmp {
+    w: UnixStream,
+    r: BufReader<UnixStream>,
+}
+
+impl Qmp {
+    pub fn connect(path: &Path) -> Qmp {
+        let end = Instant::now() + Duration::from_secs(30);
+        let s = loop {
+            match UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(e) => {
+                    assert!(Instant::now() < end, "QMP at {}: {e}", path.display());
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            }
+        };
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        let mut q = Qmp { w: s.try_clone().unwrap(), r: BufReader::new(s) };
+        let mut greeting = String::new();
+        q.r.read_line(&mut greeting).expect("QMP greeting");
+        assert!(greeting.contains("QMP"), "QMP said {greeting}");
+        q.exec(r#"{"execute":"qmp_capabilities"}"#);
+        q
+    }
+
+    /// Sends `cmd` and returns its answer's `return` (events skipped);
+    /// an `error` fails.
+    pub fn exec(&mut self, cmd: &str) -> serde_json::Value {
+        writeln!(self.w, "{cmd}").unwrap();
+        for _ in 0..1000 {
+            let mut l = String::new();
+            let n = self.r.read_line(&mut l).unwrap_or_else(|e| panic!("QMP, after {cmd}: {e}"));
+            assert!(n > 0, "QMP closed after {cmd}");
+            let v: serde_json::Value =
+                serde_json::from_str(&l).unwrap_or_else(|e| panic!("QMP said {l}: {e}"));
+            if let Some(r) = v.get("return") {
+                return r.clone();
+            }
+            assert!(v.get("error").is_none(), "QMP {cmd}: {l}");
+        }
+        panic!("no answer to {cmd}");
+    }
+
+    pub fn status(&mut self) -> String {
+        self.exec(r#"{"execute":"query-status"}"#)["status"].as_str().unwrap_or("?").to_string()
+    }
+
+    /// Starts QEMU's migration to `uri` (`unix:PATH`, `exec:CMD`).
+    pub fn migrate(&mut self, uri: &str) {
+        let cmd = serde_json::json!({"execute": "migrate", "arguments": {"uri": uri}});
+        self.exec(&cmd.to_string());
+    }
+
+    /// Polls `query-migrate` (bounded) until `done` says so; returns its
+    /// last answer.
+    pub fn wait_migration(&mut self, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let end = Instant::now() + Duration::from_secs(240);
+        loop {
+            let m = self.exec(r#"{"execute":"query-migrate"}"#);
+            if done(&m) {
+                return m;
+            }
+            assert!(Instant::now() < end, "QEMU's migration: {m}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Waits (bounded) until QEMU's migration completed; fails if it failed
+    /// or was cancelled. Returns its dirty-sync count.
+    pub fn wait_completed(&mut self) -> u64 {
+        let m = self.wait_migration(|m| m["status"].as_str().is_some_and(|s| s != "active" && s != "setup"));
+        assert_eq!(m["status"].as_str(), Some("completed"), "QEMU's migration: {m}");
+        m["ram"]["dirty-sync-count"].as_u64().unwrap_or(0)
+    }
+
+    /// Waits (bounded) until a QEMU started with `-incoming` loaded the VM.
+    pub fn wait_loaded(&mut self) {
+        let end = Instant::now() + Duration::from_secs(60);
+        while self.status() == "inmigrate" {
+            assert!(Instant::now() < end, "the destination never finished loading");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// `vrdma --socket S migrate ARGS`: whether it succeeded, and its output.
+pub fn operator_try(socket: &Path, args: &[&str]) -> (bool, String) {
+    let out = Command::new(VRDMA).arg("--socket").arg(socket).arg("migrate").args(args).output().unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    (out.status.success(), text)
+}
+
+/// `vrdma --socket S migrate ARGS`, which must succeed.
+pub fn operator(socket: &Path, args: &[&str]) -> Duration {
+    let t0 = Instant::now();
+    let (ok, text) = operator_try(socket, args);
+    assert!(ok, "vrdma migrate {args:?}: {text}");
+    t0.elapsed()
+}
+
+/// Starts `cmd` in the background in `g` under `timeout`, its output and
+/// status in `/tmp/<tag>.*`.
+pub fn guest_bg(g: &mut Guest, tag: &str, secs: u32, cmd: &str) {
+    g.check(
+        &format!(
+            "rm -f /tmp/{tag}.*; ( timeout {secs} {cmd} >/tmp/{tag}.out 2>&1; echo $? >/tmp/{tag}.st ) \
+             </dev/null >/dev/null 2>&1 &"
+        ),
+        T,
+    )
+    .unwrap();
+}
+
+/// Waits (bounded) for a line starting `prefix` in `tag`'s output.
+pub fn guest_line(g: &mut Guest, tag: &str, prefix: &str) -> String {
+    let script = format!(
+        "i=0; while [ $i -lt 900 ]; do l=$(grep '^{prefix}' /tmp/{tag}.out) && {{ echo \"$l\"; exit 0; }}; \
+         [ -e /tmp/{tag}.st ] && {{ echo ended; cat /tmp/{tag}.out; exit 1; }}; sleep 0.1; i=$((i+1)); done; \
+         echo 'no {prefix}'; cat /tmp/{tag}.out; exit 1"
+    );
+    g.check(&script, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"))
+}
+
+/// Waits (bounded) for `tag` to end; its status and output.
+pub fn guest_wait(g: &mut Guest, tag: &str) -> (i32, String) {
+    let script = format!(
+        "i=0; while [ ! -e /tmp/{tag}.st ] && [ $i -lt 1000 ]; do sleep 0.1; i=$((i+1)); done; \
+         cat /tmp/{tag}.out; [ -e /tmp/{tag}.st ] || {{ echo '(still running)'; exit 124; }}; exit $(cat /tmp/{tag}.st)"
+    );
+    g.run(&script, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"))
+}
+
+/// Fails unless `tag` still runs in the guest (its output if not).
+pub fn guest_running(g: &mut Guest, tag: &str) {
+    let (st, out) = g.run(&format!("cat /tmp/{tag}.out; [ ! -e /tmp/{tag}.st ]"), T).unwrap();
+    assert_eq!(st, 0, "{tag} ended in the guest:\n{out}");
+}
+
+/// The three hosts, the guest's image, and where their files go.
+pub struct World {
+    pub dir: tempfile::TempDir,
+    pub img: image::Image,
+    pub a: Daemon,
+    pub b: Daemon,
+    pub c: Daemon,
+    // Dropped after the daemons (fields drop in order).
+    _net: vrdma_it::NetnsBridge,
+}
+
+impl World {
+    /// Builds the image and starts the three daemons, linked; `None`
+    /// (after saying why) where QEMU, a compiler and the verbs headers,
+    /// or network namespaces are missing.
+    pub fn new() -> Option<World> {
+        if vrdma_guest::libs::which(vrdma_guest::guest::QEMU).is_none() {
+            vrdma_it::skip(
+                "qemu-system-x86_64 is not installed (apt-get install qemu-system-x86 busybox-static)",
+            );
+            return None;
+        }
+        if !Path::new("/usr/include/infiniband/verbs.h").exists() || vrdma_guest::libs::which("cc").is_none()
+        {
+            vrdma_it::skip("cc and the verbs headers are needed (apt-get install gcc libibverbs-dev)");
+            return None;
+        }
+        if let Some(why) = vrdma_it::netns_unavailable() {
+            vrdma_it::skip(format!("three hosts need network namespaces: {why}"));
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        // The guest's program, and the image.
+        let prog = dir.path().join("seqstream");
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/seqstream.c");
+        let cc = Command::new("cc")
+            .args(["-O1", "-Wall", "-o"])
+            .arg(&prog)
+            .arg(&src)
+            .arg("-libverbs")
+            .output()
+            .unwrap();
+        assert!(cc.status.success(), "cc seqstream.c: {}", String::from_utf8_lossy(&cc.stderr));
+        let drop_in = vrdma_guest::DropIn {
+            vrdma: VRDMA.into(),
+            verbs: built("libvrdma_verbs.so"),
+            rdmacm: Some(built("libvrdma_rdmacm.so")),
+            companions: Some(built("libvrdma_companions.so")),
+        };
+        let mut ispec = vrdma_guest::ImageSpec::default().with_drop_in(drop_in);
+        ispec.files.push(vrdma_guest::GuestFile {
+            host: prog,
+            guest: "/usr/bin/seqstream".into(),
+            libraries: true,
+        });
+        let img = image::build(&ispec).expect("the guest image");
+
+        // Three hosts; VM t on A and C.
+        let net = vrdma_it::NetnsBridge::create(3).expect("three namespaces");
+        // SAFETY: geteuid has no preconditions.
+        let uid = unsafe { libc::geteuid() };
+        let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 16\nports = 2\n");
+        let port = vrdma_it::DEFAULT_WIRE_PORT;
+        let daemon = |i: usize, name: &str, extra: &str| {
+            let peers: Vec<String> =
+                (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", net.addr[j])).collect();
+            start_daemon(
+                dir.path(),
+                name,
+                &net.ns[i],
+                &vrdma_it::host_config(&net.addr[i], port, &peers, extra),
+            )
+        };
+        let (a, b, c) = (daemon(0, "a", &vm), daemon(1, "b", ""), daemon(2, "c", &vm));
+        for d in [&a, &b, &c] {
+            d.wait_links(2);
+        }
+        Some(World { dir, img, a, b, c, _net: net })
+    }
+
+    /// The spec of VM `t` on the daemon at `socket`, QMP at `qmp`.
+    pub fn spec(&self, socket: &Path, qmp: &Path, more: &[&str]) -> GuestSpec {
+        let mut s = GuestSpec::new(self.img.clone());
+        s.memory_mib = 256;
+        s.launcher = vec![
+            VRDMA.into(),
+            "--socket".into(),
+            socket.into(),
+            "vm".into(),
+            "run".into(),
+            "t".into(),
+            "--".into(),
+        ];
+        s.extra_args = vec!["-qmp".into(), format!("unix:{},server=on,wait=off", qmp.display()).into()];
+        s.extra_args.extend(more.iter().map(Into::into));
+        s.boot_timeout = Duration::from_secs(180);
+        s
+    }
+
+    /// A QEMU for VM `t` on the daemon at `socket`, its CPUs stopped,
+    /// waiting for the VM from `incoming` (a QEMU `-incoming` URI), and
+    /// its QMP.
+    pub fn incoming(&self, tag: &str, socket: &Path, incoming: &str, like: &Guest) -> (Guest, Qmp, PathBuf) {
+        let qmp = self.dir.path().join(format!("qmp-{tag}.sock"));
+        let g = Guest::incoming(self.spec(socket, &qmp, &["-S", "-incoming", incoming]), like)
+            .expect("the destination QEMU");
+        let mut q = Qmp::connect(&qmp);
+        assert_eq!(q.status(), "inmigrate");
+        (g, q, qmp)
+    }
+}
+
+/// B's end of a guest's stream: a host process's QP on B, receives
+/// posted, connected to the guest's `seqstream` (started here).
+pub struct Peer {
+    pub side: vrdma_it::Side,
+    pub count: u64,
+}
+
+impl Peer {
+    /// Starts `seqstream COUNT LEN PACE_US` in `guest` (tag `seq`), and
+    /// connects B's QP to it.
+    pub fn connect(b: &Daemon, guest: &mut Guest, count: u64, pace_us: u32) -> Peer {
+        assert!(count <= MAX_COUNT);
+        guest_bg(guest, "seq", 600, &format!("seqstream {count} {LEN} {pace_us} /tmp/peer"));
+        let local = guest_line(guest, "seq", "LOCAL ");
+        let f: Vec<&str> = local.split_whitespace().collect();
+        assert_eq!(f.len(), 5, "{local}");
+        let gid_hex = f[4];
+        let mut gid = [0u8; 16];
+        for (i, g) in gid.iter_mut().enumerate() {
+            *g = u8::from_str_radix(&gid_hex[2 * i..2 * i + 2], 16).unwrap();
+        }
+        let eg = vrdma::Endpoint {
+            lid: 0,
+            gid: vrdma::Gid(gid),
+            qpn: f[2].parse().unwrap(),
+            psn: f[3].parse().unwrap(),
+        };
+        let bctx = vrdma::Context::open_at(&b.socket).unwrap();
+        let side = vrdma_it::Side::new(&bctx, RECV_AT + (RECVS as usize) * 256).unwrap();
+        side.qp.connect(&eg, vrdma_it::access_all()).unwrap();
+        let p = Peer { side, count };
+        for k in 0..RECVS {
+            p.recv(k);
+        }
+        let eb = p.side.endpoint().unwrap();
+        let gb: String = eb.gid.0.iter().map(|x| format!("{x:02x}")).collect();
+        guest
+            .check(
+                &format!(
+                    "echo '0 {} {} {gb} {} {}' >/tmp/peer.new && mv /tmp/peer.new /tmp/peer",
+                    eb.qpn,
+                    eb.psn,
+                    p.side.mr.addr(),
+                    p.side.mr.rkey()
+                ),
+                T,
+            )
+            .unwrap();
+        p
+    }
+
+    fn recv(&self, k: u64) {
+        let sge = self.side.mr.sge(RECV_AT + (k % RECVS) as usize * 256, 256).unwrap();
+        self.side.qp.post_recv(&[vrdma::wr::recv(k, &[sge]).unwrap()]).unwrap();
+    }
+
+    fn seq_of(&self, imm: u32) -> u64 {
+        // The drop-in takes the immediate in network order; accept either.
+        if u64::from(imm) < self.count {
+            u64::from(imm)
+        } else {
+            u64::from(imm.swap_bytes())
+        }
+    }
+
+    /// B's receiver: takes messages until `count` came, `stop` is set, or
+    /// `limit` passed; checks each one's bytes as it comes, counts them in
+    /// `received`. Returns their sequence numbers and arrival times.
+    pub fn receive(
+        &self,
+        received: &AtomicU64,
+        stop: &AtomicBool,
+        limit: Duration,
+    ) -> (Vec<u64>, Vec<Instant>) {
+        let mut seqs = Vec::new();
+        let mut buf = vrdma::wc_buffer(64);
+        let mut arrived = Vec::new();
+        let end = Instant::now() + limit;
+        while (seqs.len() as u64) < self.count && !stop.load(Ordering::Acquire) {
+            if Instant::now() > end {
+                eprintln!("B received {} of {} in {limit:?}", seqs.len(), self.count);
+                break;
+            }
+            let n = self.side.cq.poll(&mut buf).unwrap();
+            if n == 0 {
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            for wc in &buf[..n] {
+                assert_eq!(wc.status, WcStatus::Success, "at B: {wc:?}");
+                let seq = self.seq_of(wc.imm_data);
+                let mut expect = vec![seq as u8; LEN];
+                expect[..8].copy_from_slice(&seq.to_le_bytes());
+                let mut got = vec![0u8; LEN];
+                match wc.opcode {
+                    WcOpcode::Recv => {
+                        self.side.mr.read(RECV_AT + (wc.wr_id % RECVS) as usize * 256, &mut got).unwrap()
+                    }
+                    WcOpcode::RecvRdmaWithImm => self.side.mr.read(seq as usize * LEN, &mut got).unwrap(),
+                    o => panic!("at B: {o:?}"),
+                }
+                assert_eq!(got, expect, "message {seq}'s bytes at B ({:?})", wc.opcode);
+                arrived.push(Instant::now());
+                seqs.push(seq);
+                received.fetch_add(1, Ordering::AcqRel);
+                // A write with immediate takes a receive too.
+                self.recv(wc.wr_id + RECVS);
+            }
+        }
+        (seqs, arrived)
+    }
+}
+
+/// Waits (bounded) until `received` reaches `least`.
+pub fn wait_received(received: &AtomicU64, least: u64) {
+    let end = Instant::now() + Duration::from_secs(120);
+    while received.load(Ordering::Acquire) < least {
+        assert!(Instant::now() < end, "B got fewer than {least} messages");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// The pause B saw around `at`: from its last message before to its
+/// first after.
+pub fn pause_around(arrived: &[Instant], at: Instant) -> Option<Duration> {
+    let k = arrived.partition_point(|&t| t < at);
+    Some(*arrived.get(k)? - arrived[k.checked_sub(1)?])
+}
