@@ -9,7 +9,9 @@
 //! every reply the thread hands on carries the generation it came on, and
 //! a call whose port ended before its reply came is sent again on the next
 //! one (the daemon answered nothing on the old one: its reply would have
-//! come before the end). The library's ends of the context's doorbells
+//! come before the end; and a call the source ran after the context left,
+//! which failed only for that, it does not answer but ends the session,
+//! `docs/migration.md`). The library's ends of the context's doorbells
 //! stay the same descriptors across a move; only the proxy numbers they
 //! are forwarded under change.
 

@@ -271,6 +271,15 @@ impl Port {
                         error(libc::EPROTO, "no guest session on this port: send Hello first")
                     }
                 };
+                if self.left_under(&answer) {
+                    // Not answered: the guest sends it again where its
+                    // context went (docs/migration.md, "A call the source
+                    // ran after the move").
+                    let moved = self.live.as_ref().is_some_and(|l| self.shared.take_moved(l.session.id()));
+                    tracing::debug!(vm = %self.vm.name, moved, "a guest's call failed as its context left; not answered");
+                    self.end_session_why(Some(EndReason::Moved));
+                    return Ok(());
+                }
                 let (reply, handles) = self.handles(answer);
                 self.send(&Frame::Reply { reply, handles })
             }
@@ -298,6 +307,20 @@ impl Port {
                 Ok(())
             }
         }
+    }
+
+    /// Whether `answer` is an error of a session whose context left this
+    /// host (`finish`) while the call ran. The engine ran the call after the
+    /// tenant's objects went (`finish` notes the move on the engine's
+    /// thread, so a call the engine ran later finds the note here): it
+    /// failed only because the context is elsewhere now, and its error is
+    /// not the call's answer. Or the engine ran it just before, and it
+    /// failed for its own reason, which changed nothing: sent again on the
+    /// destination, which holds the same state, it fails there the same
+    /// way. A call that succeeded ran before the move and is answered.
+    fn left_under(&self, answer: &Answer) -> bool {
+        matches!(answer.reply, Reply::Error { .. })
+            && self.live.as_ref().is_some_and(|l| self.shared.is_moved(l.session.id()))
     }
 
     /// The reply and its handles: extents as they are, descriptors kept
@@ -406,4 +429,83 @@ impl Port {
 
 fn is_seqpacket(fd: &OwnedFd) -> bool {
     rustix::net::sockopt::socket_type(fd.as_fd()).is_ok_and(|t| t == SocketType::SEQPACKET)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    use std::time::Duration;
+
+    use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, GUEST_VERSION};
+    use vrdma_core::proto::{Reply, Request};
+
+    /// The next frame the guest reads, pings answered and skipped (5 s at most).
+    fn next(port: &mut UnixStream, dec: &mut FrameDecoder) -> Frame {
+        let end = std::time::Instant::now() + Duration::from_secs(5);
+        let mut buf = [0u8; 4096];
+        loop {
+            match dec.next_frame() {
+                // The daemon's keepalive is answered and not counted.
+                Ok(Some(Frame::Ping { nonce })) => {
+                    port.write_all(&guest::encode(&Frame::Pong { nonce })).unwrap();
+                }
+                Ok(Some(f)) => return f,
+                Ok(None) => {}
+                Err(e) => panic!("the daemon broke the frame stream: {e}"),
+            }
+            assert!(std::time::Instant::now() < end, "nothing from the port in 5 s");
+            let n = port.read(&mut buf).unwrap();
+            assert!(n > 0, "the daemon closed the port");
+            dec.push(&buf[..n]);
+        }
+    }
+
+    /// Issue 19's race at the source: `finish` drops the tenant's objects
+    /// on the engine's thread and notes the move there, and the port hears
+    /// of it a moment later. A guest's call that the engine ran in that
+    /// moment fails only because its context left: it is not answered
+    /// (the guest hears `Ended { Moved }` and sends it again where its
+    /// context went), where it used to get its error ("no QP ... in this
+    /// context") and hand it to the application. A call that succeeds in
+    /// that moment is answered as ever.
+    #[test]
+    fn a_call_that_fails_because_its_context_left_is_not_answered() {
+        let dir = tempfile::tempdir().unwrap();
+        let uid = rustix::process::geteuid().as_raw();
+        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n");
+        let mut cfg = crate::DaemonConfig::from_toml(&toml).unwrap();
+        cfg.socket = Some(dir.path().join("vrdma.sock"));
+        let daemon = crate::Daemon::start(cfg).unwrap();
+        let mut port = UnixStream::connect(&daemon.shared.vms["t"].socket).unwrap();
+        port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut dec = FrameDecoder::new();
+        let call = |port: &mut UnixStream, req: Request| {
+            port.write_all(&guest::encode(&Frame::Call(req))).unwrap();
+        };
+        port.write_all(&guest::encode(&Frame::Hello { version: GUEST_VERSION })).unwrap();
+        call(&mut port, Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION });
+        let context = match next(&mut port, &mut dec) {
+            Frame::Reply { reply: Reply::Hello { context, .. }, .. } => context,
+            other => panic!("Hello: {other:?}"),
+        };
+        // Before the move, an error is the call's answer.
+        call(&mut port, Request::QueryQp { qp: 0x77 });
+        assert!(matches!(next(&mut port, &mut dec), Frame::Reply { reply: Reply::Error { .. }, .. }));
+        // The moment between `finish`'s note and the port's end of the
+        // session, held open: the note without the end.
+        daemon.shared.mark_moved(context);
+        call(&mut port, Request::QueryDevice);
+        match next(&mut port, &mut dec) {
+            Frame::Reply { reply: Reply::Device(_), .. } => {}
+            other => panic!("a call that succeeded, after the note: {other:?}"),
+        }
+        call(&mut port, Request::QueryQp { qp: 0x77 });
+        match next(&mut port, &mut dec) {
+            Frame::Ended { reason: EndReason::Moved } => {}
+            other => panic!("a call that failed, after the note: {other:?}"),
+        }
+        // The session is over; the note went with it.
+        assert!(!daemon.shared.is_moved(context));
+    }
 }

@@ -192,11 +192,18 @@ pub(super) fn handle(
             Reply::Migrated(MigrateReply::VmTenant { tenant: vm.config.tenant }).into()
         }
         MigrateRequest::Finish { tenant } => {
+            let noted = shared.clone();
             let r = engine
                 .call(move |e| {
                     let t = TenantId(tenant);
                     let ctxs = e.hca.tenant_contexts(t);
                     let td = e.hca.finish_export(t)?;
+                    // Noted before the engine runs anything else: a guest's
+                    // call it runs from now on fails only because its
+                    // context left, and must not be answered (`guest::Port`).
+                    for c in &ctxs {
+                        noted.mark_moved(c.0);
+                    }
                     let qps = td.qps.len();
                     e.rings.remove_torn_down(&td);
                     for c in &ctxs {

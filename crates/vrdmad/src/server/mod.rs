@@ -72,8 +72,21 @@ impl Shared {
     /// Ends session `id` because its tenant moved away: as
     /// [`end_session`](Self::end_session), and a guest hears why.
     pub fn end_session_moved(&self, id: u32) {
-        self.moved.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+        self.mark_moved(id);
         self.end_session(id);
+    }
+
+    /// Notes that session `id`'s context left this host. `finish` notes it
+    /// on the engine's thread, with the tenant's objects gone, so that a
+    /// guest's call the engine ran after that finds the note when it
+    /// returns (`guest::Port`: its error is not answered).
+    pub fn mark_moved(&self, id: u32) {
+        self.moved.lock().unwrap_or_else(|p| p.into_inner()).insert(id);
+    }
+
+    /// Whether session `id`'s context left this host (the note stays).
+    pub fn is_moved(&self, id: u32) -> bool {
+        self.moved.lock().unwrap_or_else(|p| p.into_inner()).contains(&id)
     }
 
     /// Whether session `id` was ended because its tenant moved (once).
