@@ -42,6 +42,16 @@
 //! doorbell holds nothing unread, so that the event is read after every
 //! event rung before it.
 //!
+//! Two more round trips of a connection's setup are folded away. Each
+//! channel keeps a spare id, made ahead with a request whose reply is read
+//! with the context's next call ([`CmId::create`]); and
+//! [`CmId::create_qp_with_cq_and_connect`] and
+//! [`CmId::create_qp_with_cq_and_accept`] send the QP's creation and the
+//! connect or accept in one message (`CmRequest::Batch`, run in order,
+//! stopping at the first call that fails), where the drop-in
+//! `librdmacm.so.1`'s separate `rdma_create_qp` and `rdma_accept` still
+//! take one round trip each.
+//!
 //! When the daemon goes away (it died or was restarted), each channel's
 //! descriptor turns readable, and the channel reports
 //! `DeviceRemoval` once for each of its ids that had a device (bound to

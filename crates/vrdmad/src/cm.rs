@@ -845,6 +845,27 @@ mod tests {
         a
     }
 
+    /// A connect of an id with a QP attached names that QP, whatever
+    /// number the call carried (a `CmRequest::Batch` that makes the QP
+    /// first sends 0: the library cannot know it yet).
+    #[test]
+    fn a_connect_names_the_attached_qp() {
+        let (mut d, _ends) = two_contexts();
+        let now = Instant(1);
+        let moves = Moves::default();
+        let mut call = |d: &mut CmDriver, ctx, req| {
+            let r = d.handle(ctx, T, req, now, &mut recorder(&moves));
+            d.run(now, |_, _| Err("not local"), &mut recorder(&moves));
+            r.unwrap()
+        };
+        let a = listener_and_resolved_client(&mut d, &mut call);
+        call(&mut d, CLI, CmRequest::Connect { id: a, conn: ConnInfo { qp_num: 0, ..Default::default() } });
+        while next_event(&mut d, CLI, 2).is_some() {}
+        let req = next_event(&mut d, SRV, 1).expect("a request");
+        assert_eq!(req.kind, EventKind::ConnectRequest);
+        assert_eq!(req.peer.map(|p| p.qp_num), Some(0x20));
+    }
+
     /// A connection between two contexts of this host whose ids have QPs
     /// attached: the daemon moves both QPs (INIT when attached; INIT, RTR
     /// and RTS before the REP, with the depths the acceptor gave; INIT,
