@@ -576,6 +576,10 @@ pub fn is_listening(ctx: &Context, ps: PortSpace, addr: SocketAddrV4) -> Result<
     }
 }
 
+/// A batch's outcome: its error says too whether the calls after the
+/// first may have run (see `CmId::create_qp_with_cq_then`).
+type BatchOutcome<T> = std::result::Result<T, (Error, bool)>;
+
 /// What the library knows of an id's route (see
 /// [`CmId::resolve_route`]).
 #[derive(Debug, Clone)]
@@ -909,7 +913,7 @@ impl CmId {
         cqe: u32,
         cap: crate::QpCap,
         then: Vec<CmBatchOp>,
-    ) -> std::result::Result<((crate::CompletionQueue, QueuePair), Vec<CmReply>), (Error, bool)> {
+    ) -> BatchOutcome<((crate::CompletionQueue, QueuePair), Vec<CmReply>)> {
         let ctx = pd.context();
         if !Arc::ptr_eq(&ctx.inner, &self.channel.inner.ctx.inner) {
             return Err((Error::invalid("the PD belongs to another context than the id's channel"), false));
@@ -987,7 +991,7 @@ impl CmId {
         }
         then.push(CmBatchOp::Accept { id: self.id, conn: info(param, param.qp_num), qkey });
         let (made, replies) =
-            self.settle_with(&mut *route, self.create_qp_with_cq_then(pd, qp_type, cqe, cap, then))?;
+            self.settle_with(&mut route, self.create_qp_with_cq_then(pd, qp_type, cqe, cap, then))?;
         drop(route);
         for reply in replies {
             self.channel.inner.keep(reply);
@@ -1021,7 +1025,7 @@ impl CmId {
             _ => CmBatchOp::Connect { id, conn },
         };
         let (made, _) =
-            self.settle_with(&mut *route, self.create_qp_with_cq_then(pd, qp_type, cqe, cap, vec![op]))?;
+            self.settle_with(&mut route, self.create_qp_with_cq_then(pd, qp_type, cqe, cap, vec![op]))?;
         Ok(made)
     }
 
