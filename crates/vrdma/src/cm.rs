@@ -42,6 +42,16 @@
 //! doorbell holds nothing unread, so that the event is read after every
 //! event rung before it.
 //!
+//! Two more round trips of a connection's setup are folded away. Each
+//! channel keeps a spare id, made ahead with a request whose reply is read
+//! with the context's next call ([`CmId::create`]); and
+//! [`CmId::create_qp_with_cq_and_connect`] and
+//! [`CmId::create_qp_with_cq_and_accept`] send the QP's creation and the
+//! connect or accept in one message (`CmRequest::Batch`, run in order,
+//! stopping at the first call that fails), where the drop-in
+//! `librdmacm.so.1`'s separate `rdma_create_qp` and `rdma_accept` still
+//! take one round trip each.
+//!
 //! When the daemon goes away (it died or was restarted), each channel's
 //! descriptor turns readable, and the channel reports
 //! `DeviceRemoval` once for each of its ids that had a device (bound to
@@ -70,7 +80,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vrdma_core::proto::{CmReply, CmRequest, Reply, Request};
+use vrdma_core::proto::{CmBatchOp, CmReply, CmRequest, Reply, Request};
 use vrdma_shm::Doorbell;
 
 pub use vrdma_core::cm::{reject, CmEvent, ConnInfo, EventKind, PortSpace, UD_QKEY};
@@ -172,6 +182,19 @@ struct ChannelInner {
     /// stands for, still in the doorbell; `None` where the event went with
     /// its id (destroyed or moved).
     ready: Mutex<VecDeque<Kept>>,
+    /// The id made ahead for the next [`CmId::create`] (see there).
+    spare: Arc<Mutex<Spare>>,
+}
+
+/// A channel's spare id: made ahead with a request whose reply is read
+/// with the next call's (`control::Control::send_deferred`), so that the
+/// next `rdma_create_id` of its port space costs no round trip.
+#[derive(Default)]
+struct Spare {
+    /// The id and its port space, once its reply was read.
+    id: Option<(PortSpace, u32)>,
+    /// Whether one was asked for and its reply is still unread.
+    asked: bool,
 }
 
 impl ChannelInner {
@@ -338,10 +361,59 @@ impl ChannelInner {
     fn removed(&self) -> bool {
         self.removal.lock().unwrap_or_else(|p| p.into_inner()).is_some()
     }
+
+    /// The spare id, if one of port space `ps` is made.
+    fn take_spare(&self, ps: PortSpace) -> Option<u32> {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        match spare.id {
+            Some((p, id)) if p == ps => {
+                spare.id = None;
+                Some(id)
+            }
+            _ => None,
+        }
+    }
+
+    /// Asks for a spare id of port space `ps`, unless the channel has or
+    /// awaits one: the request goes now, its reply is read with the
+    /// context's next call. Nothing is made where it cannot be sent (a
+    /// guest's context, a broken connection) or the daemon refuses it
+    /// (the tenant's id quota): `CmId::create` then asks and waits, and
+    /// reports the daemon's error as always.
+    fn ask_spare(&self, ps: PortSpace) {
+        {
+            let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+            if spare.asked || spare.id.is_some() || self.removed() {
+                return;
+            }
+            spare.asked = true;
+        }
+        let into = self.spare.clone();
+        let take: control::Deferred = Box::new(move |reply| {
+            let mut spare = into.lock().unwrap_or_else(|p| p.into_inner());
+            spare.asked = false;
+            if let Some(Reply::Cm(CmReply::Id { id })) = reply {
+                spare.id = Some((ps, id));
+            }
+        });
+        let req = Request::Cm(CmRequest::CreateId { channel: self.channel, ps: ps.raw() });
+        // (Not under `spare`'s lock: a call on another thread that reads
+        // the reply takes it under the connection's.)
+        if self.ctx.inner.control.send_deferred(&req, take).is_err() {
+            self.spare.lock().unwrap_or_else(|p| p.into_inner()).asked = false;
+        }
+    }
 }
 
 impl Drop for ChannelInner {
     fn drop(&mut self) {
+        // The spare id goes first: the daemon keeps a channel with ids.
+        if !self.removed() && self.ctx.inner.control.flush_deferred().is_ok() {
+            let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).id.take();
+            if let Some((_, id)) = spare {
+                destroy(&self.ctx, CmRequest::DestroyId { id });
+            }
+        }
         destroy(&self.ctx, CmRequest::DestroyChannel { channel: self.channel });
     }
 }
@@ -394,6 +466,7 @@ impl EventChannel {
             removal: Mutex::default(),
             addr_events: Mutex::default(),
             ready: Mutex::default(),
+            spare: Arc::default(),
         };
         Ok(EventChannel { inner: Arc::new(inner) })
     }
@@ -503,6 +576,10 @@ pub fn is_listening(ctx: &Context, ps: PortSpace, addr: SocketAddrV4) -> Result<
     }
 }
 
+/// A batch's outcome: its error says too whether the calls after the
+/// first may have run (see `CmId::create_qp_with_cq_then`).
+type BatchOutcome<T> = std::result::Result<T, (Error, bool)>;
+
 /// What the library knows of an id's route (see
 /// [`CmId::resolve_route`]).
 #[derive(Debug, Clone)]
@@ -550,13 +627,29 @@ impl Drop for CmId {
 
 impl CmId {
     /// `rdma_create_id`.
+    ///
+    /// Each channel keeps one id made ahead (a spare, of the port space
+    /// last asked for): the call takes it where there is one, with no
+    /// round trip, and asks for the next without waiting for the daemon's
+    /// reply, which is read with the context's next call (which goes out
+    /// right after, as a rule a resolve, and waits for both: one round
+    /// trip of a connection's setup saved). The first call of a channel,
+    /// of another port space, or after the daemon refused a spare (the
+    /// tenant's id quota, which a spare counts against) waits as before,
+    /// and fails with the daemon's error.
     pub fn create(channel: &EventChannel, ps: PortSpace) -> Result<CmId> {
-        let reply =
-            call(&channel.inner.ctx, CmRequest::CreateId { channel: channel.inner.channel, ps: ps.raw() })?;
-        let CmReply::Id { id } = reply else {
-            return Err(Error::protocol("CreateId answered with something else"));
+        let id = match channel.inner.take_spare(ps) {
+            Some(id) => id,
+            None => {
+                let req = CmRequest::CreateId { channel: channel.inner.channel, ps: ps.raw() };
+                let CmReply::Id { id } = call(&channel.inner.ctx, req)? else {
+                    return Err(Error::protocol("CreateId answered with something else"));
+                };
+                id
+            }
         };
         channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(id, false);
+        channel.inner.ask_spare(ps);
         Ok(CmId { channel: channel.clone(), id, ps, route: Mutex::new(Route::Ask) })
     }
 
@@ -753,10 +846,24 @@ impl CmId {
         let attr = crate::QpInitAttr { qp_type, send_cq: 0, recv_cq: 0, srq: None, cap, sq_sig_all: false };
         let req = Request::Cm(CmRequest::CreateQpWithCq { id: self.id, pd: pd.pd_id(), cqe, init: attr });
         let answer = ctx.inner.control.call(&req, &[])?;
+        self.cq_qp_made(pd, &req, attr, answer)
+    }
+
+    /// The CQ and QP of a `Reply::CqQp` (`answer`, of `req`), attached to
+    /// this id; if they cannot be used, the daemon's objects are
+    /// destroyed.
+    fn cq_qp_made(
+        &self,
+        pd: &crate::ProtectionDomain,
+        req: &Request,
+        attr: crate::QpInitAttr,
+        answer: control::Answer,
+    ) -> Result<(crate::CompletionQueue, QueuePair)> {
+        let ctx = pd.context();
         let Reply::CqQp { cq, depth, cq_segment_len, cq_ring, created, segment_len, sq, rq, inbox } =
             answer.reply
         else {
-            return Err(control::unexpected(&req, &answer.reply));
+            return Err(control::unexpected(req, &answer.reply));
         };
         let qpn = created.qpn;
         let mut placed = match answer.take_rings(2, "CqQp") {
@@ -783,12 +890,161 @@ impl CmId {
                 return Err(e);
             }
         };
+        let (qp_type, cap) = (attr.qp_type, attr.cap);
         let attr = crate::QpInitAttr { send_cq: cq.cqn(), recv_cq: cq.cqn(), ..attr };
         let init = crate::QpInit { qp_type, send_cq: &cq, recv_cq: &cq, srq: None, cap, sq_sig_all: false };
         let made = crate::qp::QpMade { created, segment_len, sq, rq, inbox };
         let qp = QueuePair::from_reply(pd, &init, attr, made, qp_fd.ok_or_else(missing))?;
         self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).insert(self.id, qpn);
         Ok((cq, qp))
+    }
+
+    /// [`create_qp_with_cq`](Self::create_qp_with_cq), then `then` (calls
+    /// on this id that need nothing of the creation's reply), in one
+    /// round trip (`CmRequest::Batch`): the CQ and QP, and the replies of
+    /// `then`. If a call of `then` fails, the CQ and QP are destroyed and
+    /// this fails with that call's error (the daemon ran none after it).
+    /// The error says too whether `then` may have run (`false`: the
+    /// creation failed, and the daemon ran nothing after it).
+    fn create_qp_with_cq_then(
+        &self,
+        pd: &crate::ProtectionDomain,
+        qp_type: crate::QpType,
+        cqe: u32,
+        cap: crate::QpCap,
+        then: Vec<CmBatchOp>,
+    ) -> BatchOutcome<((crate::CompletionQueue, QueuePair), Vec<CmReply>)> {
+        let ctx = pd.context();
+        if !Arc::ptr_eq(&ctx.inner, &self.channel.inner.ctx.inner) {
+            return Err((Error::invalid("the PD belongs to another context than the id's channel"), false));
+        }
+        let attr = crate::QpInitAttr { qp_type, send_cq: 0, recv_cq: 0, srq: None, cap, sq_sig_all: false };
+        let mut ops = vec![CmBatchOp::CreateQpWithCq { id: self.id, pd: pd.pd_id(), cqe, init: attr }];
+        let calls = 1 + then.len();
+        ops.extend(then);
+        let req = Request::Cm(CmRequest::Batch { ops });
+        // (Where the call breaks, the daemon's state is not known: the
+        // calls after the creation count as run.)
+        let control::Answer { reply, fds, offsets, rings } =
+            ctx.inner.control.call(&req, &[]).map_err(|e| (e, true))?;
+        let Reply::Batch { replies, failed } = reply else {
+            return Err((control::unexpected(&req, &reply), true));
+        };
+        let mut replies = replies.into_iter();
+        let made = match replies.next() {
+            Some(Reply::Error { errno, message }) if failed == Some(0) => {
+                return Err((Error::Daemon { errno, message }, false))
+            }
+            Some(first) => self
+                .cq_qp_made(pd, &req, attr, control::Answer { reply: first, fds, offsets, rings })
+                .map_err(|e| (e, true))?,
+            None => return Err((Error::protocol("an empty reply to a batch"), true)),
+        };
+        let mut answered = Vec::with_capacity(calls - 1);
+        for reply in replies {
+            match reply {
+                Reply::Error { errno, message } if failed.is_some() => {
+                    // The CQ and QP go (dropped: destroyed), and the id's
+                    // record of its QP with them.
+                    self.channel.inner.qps.lock().unwrap_or_else(|p| p.into_inner()).remove(&self.id);
+                    return Err((Error::Daemon { errno, message }, true));
+                }
+                Reply::Cm(r) => answered.push(r),
+                other => return Err((control::unexpected(&req, &other), true)),
+            }
+        }
+        if failed.is_some() || answered.len() + 1 != calls {
+            let n = answered.len() + 1;
+            return Err((
+                Error::protocol(format!("a batch of {calls} calls answered with {n} replies")),
+                true,
+            ));
+        }
+        Ok((made, answered))
+    }
+
+    /// [`create_qp_with_cq`](Self::create_qp_with_cq) then
+    /// [`accept`](Self::accept), in one round trip to the daemon where
+    /// they were two (a connection's passive side: `rdma_create_qp`
+    /// given no CQs, then `rdma_accept`). The accept carries the new QP's
+    /// number (the daemon takes it from the attached QP). If the accept
+    /// fails, the CQ and QP are destroyed and this fails with its error.
+    pub fn create_qp_with_cq_and_accept(
+        &self,
+        pd: &crate::ProtectionDomain,
+        qp_type: crate::QpType,
+        cqe: u32,
+        cap: crate::QpCap,
+        param: &ConnParam,
+    ) -> Result<(crate::CompletionQueue, QueuePair)> {
+        if pd.context().inner.control.guest_link().is_some() {
+            // A guest's port takes one call at a time.
+            let made = self.create_qp_with_cq(pd, qp_type, cqe, cap)?;
+            self.accept(param)?;
+            return Ok(made);
+        }
+        let qkey = if self.ps.is_ud() { UD_QKEY } else { 0 };
+        let mut then = Vec::with_capacity(2);
+        let mut route = self.route();
+        if matches!(*route, Route::Reported) {
+            then.push(CmBatchOp::RouteReported { id: self.id });
+        }
+        then.push(CmBatchOp::Accept { id: self.id, conn: info(param, param.qp_num), qkey });
+        let (made, replies) =
+            self.settle_with(&mut route, self.create_qp_with_cq_then(pd, qp_type, cqe, cap, then))?;
+        drop(route);
+        for reply in replies {
+            self.channel.inner.keep(reply);
+        }
+        Ok(made)
+    }
+
+    /// [`create_qp_with_cq`](Self::create_qp_with_cq) then
+    /// [`connect`](Self::connect), in one round trip to the daemon where
+    /// they were two (`rdma_create_qp` given no CQs, then
+    /// `rdma_connect`); the connect carries the new QP's number (the
+    /// daemon takes it from the attached QP). If the connect fails, the
+    /// CQ and QP are destroyed and this fails with its error.
+    pub fn create_qp_with_cq_and_connect(
+        &self,
+        pd: &crate::ProtectionDomain,
+        qp_type: crate::QpType,
+        cqe: u32,
+        cap: crate::QpCap,
+        param: &ConnParam,
+    ) -> Result<(crate::CompletionQueue, QueuePair)> {
+        if pd.context().inner.control.guest_link().is_some() {
+            let made = self.create_qp_with_cq(pd, qp_type, cqe, cap)?;
+            self.connect(param)?;
+            return Ok(made);
+        }
+        let (id, conn) = (self.id, info(param, param.qp_num));
+        let mut route = self.route();
+        let op = match *route {
+            Route::Reported => CmBatchOp::ConnectRouted { id, conn },
+            _ => CmBatchOp::Connect { id, conn },
+        };
+        let (made, _) =
+            self.settle_with(&mut route, self.create_qp_with_cq_then(pd, qp_type, cqe, cap, vec![op]))?;
+        Ok(made)
+    }
+
+    /// The outcome of a batch that carried this id's route where the
+    /// library resolved it: from then on the route is the daemon's, unless
+    /// the batch failed before the calls that carried it ran.
+    fn settle_with<T>(&self, route: &mut Route, outcome: std::result::Result<T, (Error, bool)>) -> Result<T> {
+        match outcome {
+            Ok(t) => {
+                *route = Route::Ask;
+                Ok(t)
+            }
+            Err((e, ran)) => {
+                if ran {
+                    *route = Route::Ask;
+                }
+                Err(e)
+            }
+        }
     }
 
     /// `rdma_create_qp`'s second half: `qp` becomes this id's, in INIT;

@@ -25,7 +25,19 @@ struct State {
     sock: OwnedFd,
     buf: Vec<u8>,
     broken: bool,
+    /// Requests sent with [`Control::send_deferred`] whose replies are
+    /// still to be read, oldest first: each is handed its reply (`None`
+    /// where it broke or was an error).
+    deferred: std::collections::VecDeque<Deferred>,
 }
+
+/// What takes a deferred request's reply.
+pub(crate) type Deferred = Box<dyn FnOnce(Option<Reply>) + Send>;
+
+/// Most requests sent ahead of their replies: far more than the library
+/// ever has (one spare rdma_cm id per channel at a time), and a bound on
+/// how far a connection may run ahead of its reader.
+const MAX_DEFERRED: usize = 16;
 
 /// A connection to the daemon.
 pub(crate) struct Control {
@@ -134,7 +146,12 @@ impl Control {
     pub fn from_socket(sock: OwnedFd) -> Control {
         let raw = sock.as_raw_fd();
         Control {
-            state: Mutex::new(State { sock, buf: vec![0; proto::MAX_MESSAGE], broken: false }),
+            state: Mutex::new(State {
+                sock,
+                buf: vec![0; proto::MAX_MESSAGE],
+                broken: false,
+                deferred: Default::default(),
+            }),
             raw,
             guest: None,
             chunks: Mutex::default(),
@@ -146,7 +163,7 @@ impl Control {
         let sock = link.gone_fd().try_clone()?;
         let raw = sock.as_raw_fd();
         Ok(Control {
-            state: Mutex::new(State { sock, buf: Vec::new(), broken: false }),
+            state: Mutex::new(State { sock, buf: Vec::new(), broken: false, deferred: Default::default() }),
             raw,
             guest: Some(link),
             chunks: Mutex::default(),
@@ -289,7 +306,23 @@ impl Control {
             }
             return Err(e.into());
         }
-        let State { sock, buf, broken } = &mut *st;
+        Self::read_deferred(&mut st)?;
+        let (reply, fds) = Self::recv_reply(&mut st)?;
+        drop(st);
+        match reply {
+            Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
+            Reply::Pooled { rings, reply } => {
+                let placed = self.place(&rings, fds)?;
+                Ok(Answer { reply: *reply, fds: Vec::new(), offsets: Vec::new(), rings: Some(placed) })
+            }
+            reply => Ok(Answer { reply, offsets: vec![0; fds.len()], fds, rings: None }),
+        }
+    }
+
+    /// One reply off the socket, decoded; the connection is marked broken
+    /// where it cannot be.
+    fn recv_reply(st: &mut State) -> Result<(Reply, Vec<OwnedFd>)> {
+        let State { sock, buf, broken, .. } = st;
         let received = match vrdma_shm::recv_msg(sock.as_fd(), buf, proto::MAX_REPLY_FDS) {
             Ok(r) => r,
             Err(e) => {
@@ -310,17 +343,69 @@ impl Control {
         }
         let reply = proto::decode_reply(&buf[..received.len])
             .map_err(|e| Error::protocol(format!("undecodable reply: {e}")))?;
-        drop(st);
-        match reply {
-            Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
-            Reply::Pooled { rings, reply } => {
-                let placed = self.place(&rings, received.fds)?;
-                Ok(Answer { reply: *reply, fds: Vec::new(), offsets: Vec::new(), rings: Some(placed) })
-            }
-            reply => {
-                Ok(Answer { reply, offsets: vec![0; received.fds.len()], fds: received.fds, rings: None })
+        Ok((reply, received.fds))
+    }
+
+    /// Reads the replies of the requests sent ahead (they come before any
+    /// later request's) and hands each to its taker; a reply that fails
+    /// to arrive breaks the connection, and its takers get `None`.
+    fn read_deferred(st: &mut State) -> Result<()> {
+        while let Some(take) = st.deferred.pop_front() {
+            match Self::recv_reply(st) {
+                // (Such requests are answered without descriptors; any
+                // that came are closed here.)
+                Ok((Reply::Error { .. }, _)) => take(None),
+                Ok((reply, _)) => take(Some(reply)),
+                Err(e) => {
+                    take(None);
+                    for take in st.deferred.drain(..) {
+                        take(None);
+                    }
+                    return Err(e);
+                }
             }
         }
+        Ok(())
+    }
+
+    /// Sends `req` without waiting for its reply: the next call on this
+    /// connection reads it, before its own, and hands it to `take` (or
+    /// [`flush_deferred`](Self::flush_deferred) does). For requests whose
+    /// reply the caller can do without until then, answered without
+    /// descriptors; a round trip's two thread wake-ups saved. Not in
+    /// guest mode (a guest's port takes one call at a time), nor past
+    /// [`MAX_DEFERRED`] replies unread: then it fails, sending nothing.
+    pub fn send_deferred(&self, req: &Request, take: Deferred) -> Result<()> {
+        if self.guest.is_some() {
+            return Err(Error::invalid("a guest's calls are not deferred"));
+        }
+        let bytes = proto::encode_request(req);
+        let mut st = self.lock();
+        if st.broken {
+            return Err(Error::Io(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the connection to vrdmad is broken",
+            )));
+        }
+        if st.deferred.len() >= MAX_DEFERRED {
+            return Err(Error::invalid("too many requests sent ahead of their replies"));
+        }
+        if let Err(e) = vrdma_shm::send_msg(st.sock.as_fd(), &bytes, &[]) {
+            if e.kind() == io::ErrorKind::WriteZero {
+                st.broken = true;
+            }
+            return Err(e.into());
+        }
+        st.deferred.push_back(take);
+        Ok(())
+    }
+
+    /// Reads the replies of all requests sent ahead, now.
+    pub fn flush_deferred(&self) -> Result<()> {
+        if self.guest.is_some() {
+            return Ok(());
+        }
+        Self::read_deferred(&mut self.lock())
     }
 
     /// The rings of a `Reply::Pooled`, with the descriptors that came with
@@ -437,6 +522,80 @@ mod tests {
         assert!(matches!(e, Error::Io(_)), "{e}");
         let e = c.call(&Request::AllocPd, &[]).unwrap_err();
         assert_eq!(e.errno(), libc::ENOTCONN);
+    }
+
+    /// Serves `replies.len()` requests in order, answering each with its
+    /// reply; returns the requests.
+    fn serve(sock: OwnedFd, replies: Vec<Reply>) -> std::thread::JoinHandle<Vec<Request>> {
+        std::thread::spawn(move || {
+            let mut buf = vec![0u8; proto::MAX_MESSAGE];
+            let mut reqs = Vec::new();
+            for reply in replies {
+                let r = vrdma_shm::recv_msg(sock.as_fd(), &mut buf, 4).unwrap();
+                reqs.push(proto::decode_request(&buf[..r.len]).unwrap());
+                vrdma_shm::send_msg(sock.as_fd(), &proto::encode_reply(&reply), &[]).unwrap();
+            }
+            reqs
+        })
+    }
+
+    /// A request sent ahead: its reply is read by the next call, before
+    /// that call's own, and handed to its taker (an error as `None`); a
+    /// flush reads what is left.
+    #[test]
+    fn a_deferred_reply_is_read_before_the_next_calls_own() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let c = Control::from_socket(a);
+        let h = serve(
+            b,
+            vec![
+                Reply::Pd { pd: 1 },
+                Reply::Error { errno: libc::ENOMEM, message: "quota".into() },
+                Reply::Pd { pd: 3 },
+                Reply::Pd { pd: 4 },
+            ],
+        );
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let taker = |got: &Arc<Mutex<Vec<Option<Reply>>>>| -> Deferred {
+            let got = got.clone();
+            Box::new(move |r| got.lock().unwrap().push(r))
+        };
+        c.send_deferred(&Request::AllocPd, taker(&got)).unwrap();
+        c.send_deferred(&Request::AllocPd, taker(&got)).unwrap();
+        assert!(got.lock().unwrap().is_empty(), "nothing read yet");
+        let ans = c.call(&Request::QueryDevice, &[]).unwrap();
+        assert_eq!(ans.reply, Reply::Pd { pd: 3 }, "the call's own reply, after the two sent ahead");
+        assert_eq!(*got.lock().unwrap(), vec![Some(Reply::Pd { pd: 1 }), None]);
+        c.send_deferred(&Request::AllocPd, taker(&got)).unwrap();
+        c.flush_deferred().unwrap();
+        assert_eq!(got.lock().unwrap().last(), Some(&Some(Reply::Pd { pd: 4 })));
+        let reqs = h.join().unwrap();
+        assert_eq!(reqs[2], Request::QueryDevice);
+    }
+
+    /// Replies sent ahead are bounded, and a broken connection hands its
+    /// takers `None`.
+    #[test]
+    fn deferred_replies_are_bounded_and_a_break_hands_none() {
+        let (a, b) = seqpacket_pair().unwrap();
+        let c = Control::from_socket(a);
+        let nones = Arc::new(Mutex::new(0));
+        for _ in 0..MAX_DEFERRED {
+            let nones = nones.clone();
+            c.send_deferred(
+                &Request::AllocPd,
+                Box::new(move |r| {
+                    if r.is_none() {
+                        *nones.lock().unwrap() += 1;
+                    }
+                }),
+            )
+            .unwrap();
+        }
+        assert!(c.send_deferred(&Request::AllocPd, Box::new(|_| {})).is_err(), "past the bound");
+        drop(b);
+        assert!(c.flush_deferred().is_err());
+        assert_eq!(*nones.lock().unwrap(), MAX_DEFERRED);
     }
 
     #[test]

@@ -27,7 +27,7 @@ use std::collections::{HashMap, VecDeque};
 
 use std::net::Ipv4Addr;
 
-use vrdma_core::cm::{CmError, CmEvent, CmMessage, ConnectionManager, EventKind, PortSpace, State};
+use vrdma_core::cm::{CmError, CmEvent, CmMessage, ConnInfo, ConnectionManager, EventKind, PortSpace, State};
 use vrdma_core::hca::{ContextId, HcaError, TenantId};
 use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
@@ -236,6 +236,17 @@ impl CmDriver {
         &self.log
     }
 
+    /// A connect's parameters with the number of the id's attached QP,
+    /// where it has one (as `Accept` takes it): the library sends the
+    /// same, except in a `CmRequest::Batch` that makes the QP first, where
+    /// it cannot know it yet.
+    fn with_qp_num(&self, id: u32, conn: ConnInfo) -> ConnInfo {
+        match self.id_qp.get(&id) {
+            Some(&(_, qp_num)) => ConnInfo { qp_num, ..conn },
+            None => conn,
+        }
+    }
+
     /// One call of a tenant's context; `modify` moves its QPs.
     pub fn handle(
         &mut self,
@@ -321,6 +332,7 @@ impl CmDriver {
                 done
             }
             CmRequest::Connect { id, conn } => {
+                let conn = self.with_qp_num(id, conn);
                 self.cm.connect(ctx, id, conn, now)?;
                 done
             }
@@ -330,6 +342,7 @@ impl CmDriver {
             }
             CmRequest::ConnectRouted { id, conn } => {
                 self.cm.resolve_route_reported(ctx, id)?;
+                let conn = self.with_qp_num(id, conn);
                 self.cm.connect(ctx, id, conn, now)?;
                 done
             }
@@ -383,7 +396,8 @@ impl CmDriver {
                 done
             }
             // The session makes the QP, then attaches it with `AttachQp`.
-            CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. } => {
+            // The session runs a batch's calls one by one.
+            CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. } | CmRequest::Batch { .. } => {
                 return Err(CmCallError::NotHere)
             }
             CmRequest::InitQpAttr { id, state } => {
@@ -829,6 +843,27 @@ mod tests {
         call(d, CLI, CmRequest::ResolveRoute { id: a });
         call(d, CLI, CmRequest::AttachQp { id: a, qp: 0x20 });
         a
+    }
+
+    /// A connect of an id with a QP attached names that QP, whatever
+    /// number the call carried (a `CmRequest::Batch` that makes the QP
+    /// first sends 0: the library cannot know it yet).
+    #[test]
+    fn a_connect_names_the_attached_qp() {
+        let (mut d, _ends) = two_contexts();
+        let now = Instant(1);
+        let moves = Moves::default();
+        let mut call = |d: &mut CmDriver, ctx, req| {
+            let r = d.handle(ctx, T, req, now, &mut recorder(&moves));
+            d.run(now, |_, _| Err("not local"), &mut recorder(&moves));
+            r.unwrap()
+        };
+        let a = listener_and_resolved_client(&mut d, &mut call);
+        call(&mut d, CLI, CmRequest::Connect { id: a, conn: ConnInfo { qp_num: 0, ..Default::default() } });
+        while next_event(&mut d, CLI, 2).is_some() {}
+        let req = next_event(&mut d, SRV, 1).expect("a request");
+        assert_eq!(req.kind, EventKind::ConnectRequest);
+        assert_eq!(req.peer.map(|p| p.qp_num), Some(0x20));
     }
 
     /// A connection between two contexts of this host whose ids have QPs

@@ -4,7 +4,11 @@
 //! many in a row (as rdma-core's `cmtime` counts them; the QP made as
 //! `rdma_create_qp` makes it when given no CQs, its CQ made with it, here
 //! [`CmId::create_qp_with_cq`]), beside TCP's `connect` and `accept` on
-//! the same pair in the same run.
+//! the same pair in the same run. Each side makes its CQ and QP in the
+//! same round trip as its connect or accept
+//! ([`CmId::create_qp_with_cq_and_connect`],
+//! [`CmId::create_qp_with_cq_and_accept`]), as a program of the Rust API
+//! would.
 //!
 //! Each side is a loop of its own ([`serve_rdma_cm`] and [`connect_rdma_cm`],
 //! [`serve_tcp`] and [`connect_tcp`]), so that the same loops run as two
@@ -85,8 +89,8 @@ pub fn serve_rdma_cm(l: CmListener, n: usize, mut done: impl FnMut(Result<Durati
         let accepted = (|| -> Result<Duration> {
             let req = event(&ch, EventKind::ConnectRequest)?;
             let id = CmId::from_request(&ch, &req, PortSpace::Tcp)?;
-            let (cq, qp) = id.create_qp_with_cq(&pd, QpType::Rc, 32, CAP)?;
-            id.accept(&ConnParam::default())?;
+            let (cq, qp) =
+                id.create_qp_with_cq_and_accept(&pd, QpType::Rc, 32, CAP, &ConnParam::default())?;
             event(&ch, EventKind::Established)?;
             let t = now();
             held.push((id, qp, cq));
@@ -124,8 +128,7 @@ pub fn connect_rdma_cm(
         event(&ch, EventKind::AddrResolved)?;
         id.resolve_route()?;
         event(&ch, EventKind::RouteResolved)?;
-        let (cq, qp) = id.create_qp_with_cq(&pd, QpType::Rc, 32, CAP)?;
-        id.connect(&ConnParam::default())?;
+        let (cq, qp) = id.create_qp_with_cq_and_connect(&pd, QpType::Rc, 32, CAP, &ConnParam::default())?;
         event(&ch, EventKind::Established)?;
         let client_done = now();
         times.push(client_done.max(server_done()?) - t0);

@@ -147,6 +147,53 @@ pub enum CmRequest {
         id: u32,
         conn: ConnInfo,
     },
+    /// Several calls in one message, run in order as if each were sent
+    /// alone, stopping at the first that fails (what ran before it
+    /// stays done, as it would have apart). Answered `Reply::Batch`: each
+    /// call's reply in order, the failed one's `Reply::Error` last, and
+    /// its index. At most [`MAX_CM_BATCH`] calls, at least one; only the
+    /// kinds of [`CmBatchOp`], so a batch never holds a batch. Its rings'
+    /// descriptors come in its calls' order (a `Reply::Pooled` around the
+    /// whole batch places them). What it is for: `rdma_create_qp` and the
+    /// `rdma_accept` (or `rdma_connect`) that follows it in one round
+    /// trip, where each was one of the few left on a connection's setup;
+    /// the accept needs nothing of the creation's reply (the daemon takes
+    /// the attached QP's number itself).
+    Batch {
+        ops: Vec<CmBatchOp>,
+    },
+}
+
+/// Most calls one [`CmRequest::Batch`] carries.
+pub const MAX_CM_BATCH: usize = 4;
+
+/// A call a [`CmRequest::Batch`] may carry: each is the [`CmRequest`] of
+/// the same name and fields.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum CmBatchOp {
+    CreateQp { id: u32, pd: u32, init: crate::verbs::QpInitAttr },
+    CreateQpWithCq { id: u32, pd: u32, cqe: u32, init: crate::verbs::QpInitAttr },
+    AttachQp { id: u32, qp: u32 },
+    RouteReported { id: u32 },
+    Connect { id: u32, conn: ConnInfo },
+    ConnectRouted { id: u32, conn: ConnInfo },
+    Accept { id: u32, conn: ConnInfo, qkey: u32 },
+}
+
+impl From<CmBatchOp> for CmRequest {
+    fn from(op: CmBatchOp) -> CmRequest {
+        match op {
+            CmBatchOp::CreateQp { id, pd, init } => CmRequest::CreateQp { id, pd, init },
+            CmBatchOp::CreateQpWithCq { id, pd, cqe, init } => {
+                CmRequest::CreateQpWithCq { id, pd, cqe, init }
+            }
+            CmBatchOp::AttachQp { id, qp } => CmRequest::AttachQp { id, qp },
+            CmBatchOp::RouteReported { id } => CmRequest::RouteReported { id },
+            CmBatchOp::Connect { id, conn } => CmRequest::Connect { id, conn },
+            CmBatchOp::ConnectRouted { id, conn } => CmRequest::ConnectRouted { id, conn },
+            CmBatchOp::Accept { id, conn, qkey } => CmRequest::Accept { id, conn, qkey },
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

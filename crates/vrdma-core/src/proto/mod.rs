@@ -13,7 +13,7 @@ mod layout;
 mod migrate;
 mod sockets;
 
-pub use cm::{CmReply, CmRequest};
+pub use cm::{CmBatchOp, CmReply, CmRequest, MAX_CM_BATCH};
 pub use layout::*;
 pub use migrate::{MigrateReply, MigrateRequest};
 pub use sockets::{SockReply, SockRequest};
@@ -37,7 +37,9 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// [`CARRIED_CM_EVENT`]; `Request::AdoptContext`, a guest taking its
 /// context back after its VM moved; `Reply::Pooled`, a host context's
 /// rings placed in its ring pool; `CmRequest::RouteReported` and
-/// `ConnectRouted`, a route the library resolved itself.)
+/// `ConnectRouted`, a route the library resolved itself;
+/// `CmRequest::Batch`, answered `Reply::Batch`, several calls in one
+/// round trip.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -341,6 +343,14 @@ pub enum Reply {
     Pooled {
         rings: Vec<PoolRing>,
         reply: Box<Reply>,
+    },
+    /// The replies of a [`CmRequest::Batch`]'s calls, in order, up to
+    /// the first that failed: then the last is its `Reply::Error` and
+    /// `failed` its index in the batch. The descriptors of its replies'
+    /// rings come in their order.
+    Batch {
+        replies: Vec<Reply>,
+        failed: Option<u32>,
     },
 }
 
@@ -658,6 +668,48 @@ mod tests {
         let bytes = encode_reply(&a);
         assert_eq!(bytes[0], 27, "after CqQp's 26");
         assert_eq!(bytes[2], 1, "PoolRing::Chunk is the second kind");
+        assert_eq!(decode_reply(&bytes).unwrap(), a);
+        for n in 0..bytes.len() {
+            assert!(decode_reply(&bytes[..n]).is_err());
+        }
+    }
+
+    #[test]
+    fn a_cm_batch_is_appended_and_round_trips() {
+        use crate::cm::ConnInfo;
+        let init = QpInitAttr {
+            qp_type: crate::verbs::QpType::Rc,
+            send_cq: 0,
+            recv_cq: 0,
+            srq: None,
+            cap: Default::default(),
+            sq_sig_all: false,
+        };
+        let r = Request::Cm(CmRequest::Batch {
+            ops: vec![
+                CmBatchOp::CreateQpWithCq { id: 5, pd: 1, cqe: 32, init },
+                CmBatchOp::Accept { id: 5, conn: ConnInfo::default(), qkey: 0 },
+            ],
+        });
+        let bytes = encode_request(&r);
+        let cm = encode_request(&Request::Cm(CmRequest::CreateChannel))[0];
+        assert_eq!(bytes[0], cm);
+        assert_eq!(bytes[1], 24, "after ConnectRouted's 23");
+        assert_eq!(bytes[2], 2, "two calls");
+        assert_eq!(bytes[3], 1, "CmBatchOp::CreateQpWithCq is the second kind");
+        assert_eq!(decode_request(&bytes).unwrap(), r);
+        for n in 0..bytes.len() {
+            assert!(decode_request(&bytes[..n]).is_err());
+        }
+        // Each op is the request of its name.
+        let op = CmBatchOp::ConnectRouted { id: 3, conn: ConnInfo::default() };
+        assert_eq!(CmRequest::from(op), CmRequest::ConnectRouted { id: 3, conn: ConnInfo::default() });
+        let a = Reply::Batch {
+            replies: vec![Reply::Done, Reply::Error { errno: 22, message: "accept: wrong state".into() }],
+            failed: Some(1),
+        };
+        let bytes = encode_reply(&a);
+        assert_eq!(bytes[0], 28, "after Pooled's 27");
         assert_eq!(decode_reply(&bytes).unwrap(), a);
         for n in 0..bytes.len() {
             assert!(decode_reply(&bytes[..n]).is_err());

@@ -30,6 +30,8 @@ use super::Shared;
 use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
 use crate::vm::{Kind, Place};
 
+mod cm_batch;
+
 const EINVAL: i32 = 22;
 const EPROTO: i32 = 71;
 const EBUSY: i32 = 16;
@@ -505,6 +507,7 @@ impl Session {
             Request::Cm(CmRequest::CreateQpWithCq { id, pd, cqe, init }) => {
                 self.create_cm_qp_with_cq(id, pd, cqe, init)?
             }
+            Request::Cm(CmRequest::Batch { ops }) => self.cm_batch(ops)?,
             Request::Cm(req) => {
                 let (tenant, destroys) = (self.tenant, matches!(req, CmRequest::DestroyChannel { .. }));
                 let r = self.engine(move |e, c| e.handle_cm(c, tenant, req))?;

@@ -1,0 +1,224 @@
+//! Connection-manager calls folded into fewer round trips, against a real
+//! daemon: `rdma_create_qp` with its connect or accept in one message
+//! (`CmRequest::Batch`), what the daemon answers to a batch it must
+//! refuse or that fails part-way (and which call failed), and the spare
+//! id each event channel keeps for its next `rdma_create_id`.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use anyhow::{bail, ensure, Result};
+use vrdma::cm::{CmEvent, CmId, ConnInfo, ConnParam, EventChannel, EventKind, PortSpace};
+use vrdma::wr::SendWrExt;
+use vrdma::{QpState, WcStatus};
+use vrdma_core::proto::{CmBatchOp, CmReply, CmRequest, Reply, Request, MAX_CM_BATCH};
+use vrdma_core::verbs::{QpInitAttr, QpType};
+use vrdma_it::{cap, poll_one, DaemonProc, RawConn, WAIT};
+
+fn expect(ch: &EventChannel, kind: EventKind) -> Result<CmEvent> {
+    match ch.get_event(Some(WAIT))? {
+        Some(ev) if ev.kind == kind => Ok(ev),
+        Some(ev) => bail!("expected {kind:?}, got {ev:?}"),
+        None => bail!("no {kind:?} within {WAIT:?}"),
+    }
+}
+
+fn localhost(port: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::LOCALHOST, port)
+}
+
+/// Both sides make their CQ and QP in the call that connects or accepts:
+/// each QP is the id's (brought up by the daemon, its number the one the
+/// peer learns), the connection is established on both sides, and a
+/// message crosses.
+#[test]
+fn create_qp_with_connect_and_with_accept_establish_in_one_call_each() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let (client, server) = (d.context()?, d.context()?);
+    let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+    let at = localhost(vrdma_it::free_port()?);
+    let listener = CmId::create(&server_ch, PortSpace::Tcp)?;
+    listener.bind(at)?;
+    listener.listen(4)?;
+
+    let id = CmId::create(&client_ch, PortSpace::Tcp)?;
+    id.resolve_addr(None, at)?;
+    expect(&client_ch, EventKind::AddrResolved)?;
+    id.resolve_route()?;
+    expect(&client_ch, EventKind::RouteResolved)?;
+    let pd = client.alloc_pd()?;
+    let param = ConnParam { private_data: b"hi".to_vec(), ..ConnParam::default() };
+    let (cq, qp) = id.create_qp_with_cq_and_connect(&pd, vrdma::QpType::Rc, 16, cap(4, 1), &param)?;
+    assert_eq!(qp.state(), QpState::Init, "attached, waiting for the reply");
+
+    let req = expect(&server_ch, EventKind::ConnectRequest)?;
+    let peer = req.peer.clone().expect("a request carries the peer's parameters");
+    assert_eq!(peer.qp_num, qp.qpn(), "the connect named the QP made with it");
+    assert_eq!(peer.private_data, b"hi");
+    let server_id = CmId::from_request(&server_ch, &req, PortSpace::Tcp)?;
+    let spd = server.alloc_pd()?;
+    let (scq, sqp) = server_id.create_qp_with_cq_and_accept(
+        &spd,
+        vrdma::QpType::Rc,
+        16,
+        cap(4, 1),
+        &ConnParam::default(),
+    )?;
+    assert_eq!(sqp.state(), QpState::Rts, "brought up before the reply went");
+    let smr = spd.alloc_mr(64, vrdma::AccessFlags::LOCAL_WRITE)?;
+    sqp.post_recv(&[vrdma::wr::recv(1, &[smr.sge(0, 64)?])?]).map_err(|e| e.error)?;
+    let est = expect(&client_ch, EventKind::Established)?;
+    assert_eq!(est.peer.map(|p| p.qp_num), Some(sqp.qpn()), "the accept named the QP made with it");
+    expect(&server_ch, EventKind::Established)?;
+    assert_eq!(qp.state(), QpState::Rts);
+
+    let mr = pd.alloc_mr(64, vrdma::AccessFlags::LOCAL_WRITE)?;
+    mr.write(0, b"batched!")?;
+    qp.post_send(&[vrdma::wr::send(2, &[mr.sge(0, 8)?])?.signaled()]).map_err(|e| e.error)?;
+    assert_eq!(poll_one(&cq, WAIT)?.status, WcStatus::Success);
+    let wc = poll_one(&scq, WAIT)?;
+    assert_eq!((wc.status, wc.byte_len), (WcStatus::Success, 8));
+    Ok(())
+}
+
+/// A connect that fails after its QP was made in the same call: the call
+/// fails with the connect's error, and neither the CQ nor the QP stays
+/// (forty such failures under a quota of 16 objects leave room for
+/// more); the id can still connect.
+#[test]
+fn a_batched_connect_that_fails_leaves_no_cq_or_qp_behind() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_objects = 16\n")?;
+    let ctx = d.context()?;
+    let ch = EventChannel::create(&ctx)?;
+    let at = localhost(vrdma_it::free_port()?);
+    let listener = CmId::create(&ch, PortSpace::Tcp)?;
+    listener.bind(at)?;
+    listener.listen(4)?;
+    let pd = ctx.alloc_pd()?;
+    // Not resolved: a connect is in the wrong state.
+    let id = CmId::create(&ch, PortSpace::Tcp)?;
+    for _ in 0..40 {
+        let e = id
+            .create_qp_with_cq_and_connect(&pd, vrdma::QpType::Rc, 16, cap(4, 1), &ConnParam::default())
+            .unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "{e}");
+        assert!(e.to_string().contains("call 1 of the batch"), "says which call failed: {e}");
+    }
+    id.resolve_addr(None, at)?;
+    expect(&ch, EventKind::AddrResolved)?;
+    id.resolve_route()?;
+    expect(&ch, EventKind::RouteResolved)?;
+    let (_cq, _qp) =
+        id.create_qp_with_cq_and_connect(&pd, vrdma::QpType::Rc, 16, cap(4, 1), &ConnParam::default())?;
+    expect(&ch, EventKind::ConnectRequest)?;
+    Ok(())
+}
+
+fn rc_init() -> QpInitAttr {
+    QpInitAttr { qp_type: QpType::Rc, send_cq: 0, recv_cq: 0, srq: None, cap: cap(4, 1), sq_sig_all: false }
+}
+
+/// What the daemon answers on the wire: an empty batch and one over the
+/// limit are refused whole (EINVAL, nothing run); a batch whose second
+/// call fails answers the first's reply, then the second's error and its
+/// index, and runs nothing after it; and the connection goes on serving.
+#[test]
+fn the_daemon_bounds_a_batch_and_says_which_call_failed() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let mut c = RawConn::connect(&d.socket)?;
+    c.hello()?;
+    let channel = match c.call(&Request::Cm(CmRequest::CreateChannel), &[])?.reply()? {
+        Reply::Cm(CmReply::Channel { channel }) => channel,
+        other => bail!("CreateChannel answered {other:?}"),
+    };
+    let new_id = |c: &mut RawConn| -> Result<u32> {
+        match c.call(&Request::Cm(CmRequest::CreateId { channel, ps: PortSpace::Tcp.raw() }), &[])?.reply()? {
+            Reply::Cm(CmReply::Id { id }) => Ok(id),
+            other => bail!("CreateId answered {other:?}"),
+        }
+    };
+    let id = new_id(&mut c)?;
+
+    let refused = |c: &mut RawConn, ops: Vec<CmBatchOp>| -> Result<(i32, String)> {
+        match c.call(&Request::Cm(CmRequest::Batch { ops }), &[])?.reply()? {
+            Reply::Error { errno, message } => Ok((errno, message)),
+            other => bail!("expected an error, got {other:?}"),
+        }
+    };
+    let (errno, message) = refused(&mut c, Vec::new())?;
+    ensure!(errno == libc::EINVAL, "an empty batch: {errno} {message}");
+    let many = vec![CmBatchOp::RouteReported { id }; MAX_CM_BATCH + 1];
+    let (errno, message) = refused(&mut c, many)?;
+    ensure!(errno == libc::EINVAL && message.contains("1 to"), "too long a batch: {errno} {message}");
+
+    // Two calls: the first (an attach of a QP that is not there) fails,
+    // so the second (which would move the id) never runs.
+    let ops = vec![CmBatchOp::AttachQp { id, qp: 0xdead }, CmBatchOp::RouteReported { id }];
+    match c.call(&Request::Cm(CmRequest::Batch { ops }), &[])?.reply()? {
+        Reply::Batch { replies, failed: Some(0) } => {
+            ensure!(replies.len() == 1 && matches!(replies[0], Reply::Error { .. }), "{replies:?}");
+        }
+        other => bail!("expected a batch failed at 0, got {other:?}"),
+    }
+
+    // A CQ and QP made, then an accept of an id that has no request:
+    // the first reply stands (with its rings' descriptors), the second is
+    // the accept's error, at index 1.
+    let pd = match c.call(&Request::AllocPd, &[])?.reply()? {
+        Reply::Pd { pd } => pd,
+        other => bail!("AllocPd answered {other:?}"),
+    };
+    let ops = vec![
+        CmBatchOp::CreateQpWithCq { id, pd, cqe: 16, init: rc_init() },
+        CmBatchOp::Accept { id, conn: ConnInfo::default(), qkey: 0 },
+        CmBatchOp::RouteReported { id },
+    ];
+    let (replies, failed) = match c.call(&Request::Cm(CmRequest::Batch { ops }), &[])?.reply()? {
+        Reply::Pooled { reply, .. } => match *reply {
+            Reply::Batch { replies, failed } => (replies, failed),
+            other => bail!("a pooled {other:?}"),
+        },
+        Reply::Batch { replies, failed } => (replies, failed),
+        other => bail!("expected a batch, got {other:?}"),
+    };
+    ensure!(failed == Some(1), "the accept failed: {failed:?} {replies:?}");
+    ensure!(replies.len() == 2, "nothing ran after it: {replies:?}");
+    ensure!(matches!(replies[0], Reply::CqQp { .. }), "{:?}", replies[0]);
+    match &replies[1] {
+        Reply::Error { errno, message } => {
+            ensure!(*errno == libc::EINVAL && message.contains("call 1 of the batch"), "{errno} {message}")
+        }
+        other => bail!("{other:?}"),
+    }
+    // Still serving.
+    new_id(&mut c)?;
+    Ok(())
+}
+
+/// The spare id a channel keeps: ids made in a row are distinct and each
+/// works; a channel whose spare's reply is still unread, or read, is
+/// destroyed cleanly (the daemon refuses to destroy a channel that still
+/// has an id, and the channel's descriptor would stay charged: the spare
+/// goes first), so that a context makes and drops many more channels
+/// than its descriptor quota holds.
+#[test]
+fn spare_ids_are_distinct_and_go_with_their_channel() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_descriptors = 32\n")?;
+    let ctx = d.context()?;
+    for round in 0..60 {
+        let ch = EventChannel::create(&ctx)?;
+        let a = CmId::create(&ch, PortSpace::Tcp)?;
+        let b = CmId::create(&ch, PortSpace::Tcp)?;
+        ensure!(a.id() != b.id(), "round {round}: two ids alike");
+        let at = localhost(vrdma_it::free_port()?);
+        a.bind(at)?;
+        a.listen(1)?;
+        b.resolve_addr(None, at)?;
+        expect(&ch, EventKind::AddrResolved)?;
+        drop((a, b));
+        if round % 2 == 0 {
+            // Its last spare's reply is read (a call of the context).
+            vrdma::cm::is_listening(&ctx, PortSpace::Tcp, at)?;
+        }
+    }
+    Ok(())
+}
