@@ -68,6 +68,7 @@
 
 mod addr;
 mod dev;
+mod epoll;
 mod interpose;
 mod link;
 mod listener;
