@@ -48,6 +48,9 @@ use crate::table::{self, keep_errno, Entry, Guard};
 const OUT: u32 = libc::EPOLLOUT as u32;
 const IN: u32 = libc::EPOLLIN as u32;
 const ONESHOT: u32 = libc::EPOLLONESHOT as u32;
+/// A registration that may not be modified (the kernel refuses): left as
+/// the program made it.
+const EXCLUSIVE: u32 = libc::EPOLLEXCLUSIVE as u32;
 
 /// One registration of a connection this library may carry.
 struct Reg {
@@ -209,7 +212,9 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
                 fired: false,
                 stripped: false,
             };
-            let strip = keep_errno(|| r.link()).is_some_and(|l| l.write_blocked()) && r.events & OUT != 0;
+            let strip = r.events & OUT != 0
+                && r.events & EXCLUSIVE == 0
+                && keep_errno(|| r.link()).is_some_and(|l| l.write_blocked());
             let mut k = epoll_event { events: if strip { r.events & !OUT } else { r.events }, u64: r.data };
             // SAFETY: libc's epoll_ctl with a valid event.
             let res = unsafe { real::epoll_ctl(ep, op, fd, &mut k) };
@@ -251,7 +256,7 @@ pub fn forget(fd: c_int) {
 /// `link`'s ring is full: its registrations lose `EPOLLOUT`.
 pub fn write_blocked(link: &Link) {
     each_of(link, |ep, fd, r| {
-        if !r.stripped && !r.fired && r.events & OUT != 0 {
+        if !r.stripped && !r.fired && r.events & OUT != 0 && r.events & EXCLUSIVE == 0 {
             r.apply(ep, fd, true);
         }
     });

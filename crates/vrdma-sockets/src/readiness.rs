@@ -73,14 +73,15 @@ fn left_ms(timeout: c_int, start: Instant) -> c_int {
     (timeout - spent).max(0)
 }
 
-/// The carried links among `fds` asked for `POLLIN`, with their index.
+/// The carried links among `fds` asked for `POLLIN` or `POLLOUT`, with
+/// their index.
 fn carried_in(fds: *mut pollfd, n: nfds_t) -> Vec<(usize, Arc<Link>)> {
     match Guard::enter() {
         Some(_g) if !fds.is_null() => (0..n as usize)
             .filter_map(|i| {
                 // SAFETY: `fds` holds `n` pollfds (poll's contract).
                 let p = unsafe { &*fds.add(i) };
-                if p.events & libc::POLLIN == 0 {
+                if p.events & (libc::POLLIN | libc::POLLOUT) == 0 {
                     return None;
                 }
                 carried(p.fd).map(|l| (i, l))
@@ -94,6 +95,11 @@ fn carried_in(fds: *mut pollfd, n: nfds_t) -> Vec<(usize, Arc<Link>)> {
 /// start) until something is ready that is not only stale wake bytes on a
 /// carried socket (whose `POLLIN` is taken back), or the time is up.
 ///
+/// `POLLOUT` of a carried socket is the ring's: while the ring is full
+/// the socket is not asked for it (the kernel socket has it), and the
+/// wait is cut into 1 ms slices to look at the ring's credits, which
+/// come without a sound; once they came, `POLLOUT` is reported.
+///
 /// # Safety
 /// `fds` holds the `n` pollfds that `call` polls.
 unsafe fn poll_filtered(
@@ -102,10 +108,37 @@ unsafe fn poll_filtered(
     timeout: c_int,
     mut call: impl FnMut(c_int) -> c_int,
 ) -> c_int {
+    const OUT: i16 = libc::POLLOUT | libc::POLLWRNORM;
     let start = Instant::now();
     loop {
-        let mut r = call(left_ms(timeout, start));
-        if r <= 0 {
+        let mut full = Vec::new();
+        for (i, l) in links {
+            // SAFETY: `i` indexes one of the caller's `n` pollfds.
+            let p = unsafe { &mut *fds.add(*i) };
+            if p.events & libc::POLLOUT != 0 && !l.writable() {
+                full.push((*i, l, p.events));
+                p.events &= !OUT;
+            }
+        }
+        let left = left_ms(timeout, start);
+        let slice = match (full.is_empty(), left) {
+            (true, _) => left,
+            (false, ..0) => 1,
+            (false, _) => left.min(1),
+        };
+        let mut r = call(slice);
+        for &(i, l, events) in &full {
+            // SAFETY: as above.
+            let p = unsafe { &mut *fds.add(i) };
+            p.events = events;
+            if r >= 0 && l.writable() {
+                if p.revents == 0 {
+                    r += 1;
+                }
+                p.revents |= events & OUT;
+            }
+        }
+        if r < 0 {
             return r;
         }
         for (i, l) in links {
