@@ -60,11 +60,12 @@
 //! server fails ("stale readiness"), as iperf3's server would block in its
 //! read instead of accepting its data connection.
 //!
-//! `epollflood PORT BYTES et|lt`: `nbflood`, but it waits for `EPOLLOUT`
-//! in epoll (registered alone, edge- or level-triggered, with a `data` it
-//! checks) after each `EAGAIN`, 10 s at most; says `eagain N` and, for
-//! `lt`, `spurious N`: reports of `EPOLLOUT` after which a write still got
-//! `EAGAIN` (a level-triggered `EPOLLOUT` that the ring does not have).
+//! `epollflood PORT BYTES et|lt|oneshot`: `nbflood`, but it waits for
+//! `EPOLLOUT` in epoll (registered alone, edge- or level-triggered, or
+//! level-triggered one-shot and armed again before each wait, with a
+//! `data` it checks) after each `EAGAIN`, 10 s at most; says `eagain N`
+//! and, unless `et`, `spurious N`: reports of `EPOLLOUT` after which a
+//! write still got `EAGAIN` (an `EPOLLOUT` that the ring does not have).
 //!
 //! `closeserver PORT N`: accepts N connections one after another; on each
 //! reads the 8-byte request, answers 16 KiB and closes (as a server
@@ -388,7 +389,8 @@ fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
     half_close_and_check(&mut s, bytes)
 }
 
-fn epollflood(port: u16, bytes: u64, edge: bool) -> Result<(), String> {
+fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
+    let (edge, oneshot) = (mode == "et", mode == "oneshot");
     use std::os::fd::AsRawFd;
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
     s.set_nonblocking(true).map_err(|e| e.to_string())?;
@@ -399,13 +401,27 @@ fn epollflood(port: u16, bytes: u64, edge: bool) -> Result<(), String> {
         return Err(format!("epoll_create1: {}", std::io::Error::last_os_error()));
     }
     let token = 0x5eed_0000_0000_0000u64 | fd as u64;
-    let flags = if edge { libc::EPOLLET as u32 } else { 0 };
+    let flags = if edge {
+        libc::EPOLLET as u32
+    } else if oneshot {
+        libc::EPOLLONESHOT as u32
+    } else {
+        0
+    };
     let mut ev = libc::epoll_event { events: libc::EPOLLOUT as u32 | flags, u64: token };
     // SAFETY: epoll_ctl(2) with a valid event, on our descriptors.
     if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
         return Err(format!("epoll_ctl: {}", std::io::Error::last_os_error()));
     }
     let wait_out = || -> Result<(), String> {
+        if oneshot {
+            let mut ev = libc::epoll_event { events: libc::EPOLLOUT as u32 | flags, u64: token };
+            // SAFETY: epoll_ctl(2) with a valid event: arms the one-shot
+            // registration again.
+            if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, fd, &mut ev) } != 0 {
+                return Err(format!("epoll_ctl MOD: {}", std::io::Error::last_os_error()));
+            }
+        }
         let mut got = [libc::epoll_event { events: 0, u64: 0 }; 4];
         // SAFETY: epoll_wait(2) into our array of 4.
         let n = unsafe { libc::epoll_wait(ep, got.as_mut_ptr(), 4, 10_000) };
@@ -665,7 +681,7 @@ fn main() {
         Some("epollflood") => epollflood(
             port(),
             args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
-            args.get(4).map(String::as_str) == Some("et"),
+            args.get(4).map(String::as_str).unwrap_or("et"),
         ),
         Some("closeserver") => closeserver(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("closeclient") => closeclient(
