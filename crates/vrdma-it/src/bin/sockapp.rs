@@ -52,8 +52,8 @@
 //! iperf3's control connection. Each round the client writes a 4-byte
 //! length and then the message (two writes, 0 to 450 µs apart) and reads
 //! two bytes back, an
-//! answer and a go. The server waits for readability (`select`, or
-//! `poll` every other round), reads the message with blocking reads,
+//! answer and a go. The server waits for readability (`select`, `poll`,
+//! level-triggered `epoll` and `pselect` in turn, a round each), reads the message with blocking reads,
 //! answers, and then waits 30 ms for readability while the client is
 //! silent (waiting for the go): a readiness then must have a byte behind
 //! it, else a read (bounded by a 1 s `SO_RCVTIMEO`) finds nothing and the
@@ -563,31 +563,73 @@ fn flood(port: u16) -> Result<(), String> {
     Err("every write succeeded".into())
 }
 
-/// Whether `fd` reads ready within `ms`, asked with select(2) or poll(2).
-fn readable(fd: i32, ms: i32, use_select: bool) -> Result<bool, String> {
-    let r = if use_select {
+/// How `selectserver` waits for readability, by round.
+#[derive(Clone, Copy, Debug)]
+enum Wait {
+    Select,
+    Poll,
+    /// A level-triggered registration in a fresh epoll set.
+    Epoll,
+    Pselect,
+}
+
+/// Whether `fd` reads ready within `ms`, asked as `how` says.
+fn readable(fd: i32, ms: i32, how: Wait) -> Result<bool, String> {
+    let r = match how {
         // SAFETY: an fd_set on the stack, zeroed and with one descriptor
-        // below FD_SETSIZE (a fresh test process); a valid timeval.
-        unsafe {
+        // below FD_SETSIZE (a fresh test process); a valid timeval or
+        // timespec.
+        Wait::Select | Wait::Pselect => unsafe {
             let mut set: libc::fd_set = std::mem::zeroed();
             libc::FD_ZERO(&mut set);
             libc::FD_SET(fd, &mut set);
-            let mut tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
-            let r = libc::select(fd + 1, &mut set, std::ptr::null_mut(), std::ptr::null_mut(), &mut tv);
+            let null = std::ptr::null_mut();
+            let r = if matches!(how, Wait::Select) {
+                let mut tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
+                libc::select(fd + 1, &mut set, null, null, &mut tv)
+            } else {
+                let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) * 1_000_000) as _ };
+                libc::pselect(fd + 1, &mut set, null, null, &ts, std::ptr::null())
+            };
             if r > 0 && !libc::FD_ISSET(fd, &set) {
                 return Err("select counted a descriptor it did not set".into());
             }
             r
+        },
+        Wait::Poll => {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, ms) }
         }
-    } else {
-        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut p, 1, ms) }
+        Wait::Epoll => {
+            // SAFETY: epoll(7) calls on a set of our own, closed here,
+            // with valid events.
+            unsafe {
+                let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+                if ep < 0 {
+                    return Err(format!("epoll_create1: {}", std::io::Error::last_os_error()));
+                }
+                let token = 0xdead_beef_0000_0000u64 | fd as u64;
+                let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
+                let mut r = libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev);
+                if r == 0 {
+                    let mut got = [libc::epoll_event { events: 0, u64: 0 }; 2];
+                    r = libc::epoll_wait(ep, got.as_mut_ptr(), 2, ms);
+                    let data = got[0].u64;
+                    if r > 0 && data != token {
+                        libc::close(ep);
+                        return Err(format!("epoll reported data {data:#x}, not {token:#x}"));
+                    }
+                }
+                libc::close(ep);
+                r
+            }
+        }
     };
     match r {
         0 => Ok(false),
         1.. => Ok(true),
-        _ => Err(format!("select/poll: {}", std::io::Error::last_os_error())),
+        _ => Err(format!("{how:?}: {}", std::io::Error::last_os_error())),
     }
 }
 
@@ -601,8 +643,8 @@ fn selectserver(port: u16, rounds: u64) -> Result<(), String> {
     let fd = s.as_raw_fd();
     let mut msg = vec![0u8; 4096];
     for round in 0..rounds {
-        let sel = round % 2 == 0;
-        if !readable(fd, 10_000, sel)? {
+        let how = [Wait::Select, Wait::Poll, Wait::Epoll, Wait::Pselect][(round % 4) as usize];
+        if !readable(fd, 10_000, how)? {
             return Err(format!("round {round}: no message within 10 s"));
         }
         let mut len = [0u8; 4];
@@ -617,15 +659,14 @@ fn selectserver(port: u16, rounds: u64) -> Result<(), String> {
         }
         s.write_all(b"a").map_err(|e| format!("round {round}: answer: {e}"))?;
         // The client sends nothing until the go.
-        if readable(fd, 30, sel)? {
+        if readable(fd, 30, how)? {
             let mut b = [0u8; 1];
             return Err(match s.read(&mut b) {
                 Ok(0) => format!("round {round}: the end before the go"),
                 Ok(_) => format!("round {round}: the client wrote before the go"),
-                Err(e) => format!(
-                    "round {round}: stale readiness ({}): ready with nothing to read: {e}",
-                    if sel { "select" } else { "poll" }
-                ),
+                Err(e) => {
+                    format!("round {round}: stale readiness ({how:?}): ready with nothing to read: {e}")
+                }
             });
         }
         s.write_all(b"g").map_err(|e| format!("round {round}: go: {e}"))?;
