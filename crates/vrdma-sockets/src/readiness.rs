@@ -21,7 +21,7 @@
 //! with nothing in flight pays one lock and an empty list.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use libc::{c_int, epoll_event, fd_set, nfds_t, pollfd, sigset_t, timespec, timeval};
 
@@ -97,8 +97,11 @@ fn carried_in(fds: *mut pollfd, n: nfds_t) -> Vec<(usize, Arc<Link>)> {
 ///
 /// `POLLOUT` of a carried socket is the ring's: while the ring is full
 /// the socket is not asked for it (the kernel socket has it), and the
-/// wait is cut into 1 ms slices to look at the ring's credits, which
-/// come without a sound; once they came, `POLLOUT` is reported.
+/// wait is cut into slices of [`FULL_SLICE`] to look at the ring's
+/// credits, which come without a sound; once they came, `POLLOUT` is
+/// reported.
+///
+/// `call` polls for the time it is given (`None`: for ever).
 ///
 /// # Safety
 /// `fds` holds the `n` pollfds that `call` polls.
@@ -106,10 +109,11 @@ unsafe fn poll_filtered(
     fds: *mut pollfd,
     links: &[(usize, Arc<Link>)],
     timeout: c_int,
-    mut call: impl FnMut(c_int) -> c_int,
+    mut call: impl FnMut(Option<Duration>) -> c_int,
 ) -> c_int {
     const OUT: i16 = libc::POLLOUT | libc::POLLWRNORM;
-    let start = Instant::now();
+    let deadline = u64::try_from(timeout).ok().map(|ms| Instant::now() + Duration::from_millis(ms));
+    let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
     loop {
         let mut full = Vec::new();
         for (i, l) in links {
@@ -120,11 +124,10 @@ unsafe fn poll_filtered(
                 p.events &= !OUT;
             }
         }
-        let left = left_ms(timeout, start);
-        let slice = match (full.is_empty(), left) {
-            (true, _) => left,
-            (false, ..0) => 1,
-            (false, _) => left.min(1),
+        let slice = match (full.is_empty(), left()) {
+            (true, l) => l,
+            (false, None) => Some(FULL_SLICE),
+            (false, Some(l)) => Some(l.min(FULL_SLICE)),
         };
         let mut r = call(slice);
         for &(i, l, events) in &full {
@@ -151,10 +154,20 @@ unsafe fn poll_filtered(
                 }
             }
         }
-        if r > 0 || left_ms(timeout, start) == 0 {
+        if r > 0 || left() == Some(Duration::ZERO) {
             return r;
         }
     }
+}
+
+/// How long a poll waits at a time while a carried socket it asks for
+/// `POLLOUT` has its ring full (100 µs: a 256 KiB ring drains in about
+/// 200 µs at 10 Gbit/s).
+const FULL_SLICE: Duration = Duration::from_micros(100);
+
+/// A duration as a timespec (`None`: none, for ever).
+fn dur_ts(d: Option<Duration>) -> Option<timespec> {
+    d.map(|d| timespec { tv_sec: d.as_secs().min(i32::MAX as u64) as _, tv_nsec: d.subsec_nanos() as _ })
 }
 
 /// `poll`, with the readability of a carried socket that is only stale
@@ -171,7 +184,18 @@ pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_
     }
     // SAFETY: libc's poll with the caller's arguments, its timeout less
     // the time spent.
-    unsafe { poll_filtered(fds, &links, timeout, |ms| real::poll(fds, n, ms)) }
+    // (ppoll without a signal mask is poll, with a finer timeout.)
+    unsafe {
+        poll_filtered(fds, &links, timeout, |d| {
+            let t = dur_ts(d);
+            real::ppoll(
+                fds,
+                n,
+                t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec),
+                std::ptr::null(),
+            )
+        })
+    }
 }
 
 #[no_mangle]
@@ -206,9 +230,9 @@ pub unsafe extern "C" fn ppoll(
     // SAFETY: libc's ppoll with the caller's arguments, its timeout less
     // the time spent.
     unsafe {
-        poll_filtered(fds, &links, ts_ms(ts), |ms| {
-            let left = ms_ts(ms);
-            real::ppoll(fds, n, left.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
+        poll_filtered(fds, &links, ts_ms(ts), |d| {
+            let t = dur_ts(d);
+            real::ppoll(fds, n, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
         })
     }
 }
