@@ -466,7 +466,10 @@ fn nginx_case(len: usize, ab: Option<&[&str]>) {
     assert_eq!(got.len(), len, "{}", fetched.describe());
     assert_eq!(Sha256::digest(&got), Sha256::digest(&body[..len]), "curl's copy differs");
     assert_eq!(carried_lines(&fetched), 1, "{}", fetched.describe());
-    let mut connections = 1;
+    // Connections made (each announced and claimed), and those that made
+    // a call (carried: the hellos exchanged).
+    let (mut connections, mut called) = (1, 1);
+    let mut detail = String::new();
     if let (Some(bench), Some(opts)) = (bench, ab) {
         bench.assert_ok();
         for want in ["Complete requests:      200", "Failed requests:        0"] {
@@ -476,12 +479,30 @@ fn nginx_case(len: usize, ab: Option<&[&str]>) {
         // A connection per request, or per client with keep-alive.
         let want = if opts.contains(&"-k") { 4 } else { 200 };
         assert_eq!(carried_lines(&bench), want, "{}", bench.describe());
-        connections += want as u64;
+        // ab may connect once more than it sends requests (a connect that
+        // was in progress when the last request was started: it closes it
+        // without a call, which nginx reads as the end, as over TCP).
+        let made = bench
+            .stderr
+            .lines()
+            .filter(|l| l.contains("vrdma-sockets[") && l.contains(": announced "))
+            .count();
+        assert!((want..=want + 4).contains(&made), "{made} connections: {}", bench.describe());
+        connections += made as u64;
+        called += want as u64;
+        detail = bench.describe();
     }
     let c = counts(&ctx);
+    let access = std::fs::read_to_string(dir.path().join("access.log")).unwrap_or_default();
     assert_all_carried(&c, connections, "nginx");
-    assert_eq!(c.carried, connections, "{c:?}");
-    assert_eq!(log().matches(CARRIED).count() as u64, connections, "nginx's log:\n{}", log());
+    assert_eq!(
+        c.carried,
+        connections,
+        "{c:?}\n{detail}\nnginx's access log: {} lines\n{}",
+        access.lines().count(),
+        log()
+    );
+    assert_eq!(log().matches(CARRIED).count() as u64, called, "nginx's log:\n{}", log());
 }
 
 /// A response that fits in the receive ring (256 KiB) with room to spare,
@@ -493,22 +514,22 @@ fn nginx_serves_curl_and_ab_carried() {
 
 /// A response four times the ring: nginx's non-blocking `sendfile` finds
 /// the ring full, gets `EAGAIN`, and waits for an edge-triggered
-/// `EPOLLOUT` that never comes (the kernel socket never stopped being
-/// writable), until its send timeout closes the connection with 768 KiB
-/// unsent (docs/sockets.md, "Writing").
+/// `EPOLLOUT`; the kernel socket never stopped being writable, so the
+/// edge comes from the library's epoll registrations once the reader's
+/// credits come back (docs/sockets.md, "Writing"; without them nginx's
+/// send timeout closed the connection with 768 KiB unsent).
 #[test]
-#[ignore = "known: edge-triggered EPOLLOUT is not raised when a full ring gets its credits back"]
 fn nginx_serves_a_1_mib_file_carried() {
     nginx_case(1 << 20, None);
 }
 
 /// `ab` without keep-alive: nginx closes each connection after its
-/// response, and `ab`'s read that empties the ring then arms towards a
-/// QP that is gone, an RDMA write that fails only at the QP's retry
-/// timeout (about 0.54 s, timeout 14 and 7 retries): 200 connections one
-/// after another take over 100 s, past the limit.
+/// response. Its close is told through the ring (docs/sockets.md, "End
+/// of stream"), so `ab`'s read that empties the ring reads the end at
+/// once; it used to arm towards the QP that is gone, an RDMA write that
+/// failed only at the QP's retry timeout (about 0.5 s a connection: 200
+/// connections took over 100 s, past the limit).
 #[test]
-#[ignore = "known: a read that arms after the peer closed waits for the RC retry timeout (~0.5 s)"]
 fn nginx_serves_ab_without_keep_alive_carried() {
     nginx_case(16 << 10, Some(&[]));
 }

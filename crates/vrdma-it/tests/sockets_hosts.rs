@@ -150,7 +150,9 @@ fn another_tenants_client_on_another_host_stays_on_tcp() -> Result<()> {
 /// readability and then reads blocking (iperf3's server on its control
 /// connection) waited for ever. `selectserver` fails on a readiness with
 /// nothing behind it (a read bounded by 1 s); 200 rounds of a message
-/// written in two writes, carried across the two hosts.
+/// written in two writes, carried across the two hosts, waiting with
+/// `select`, `poll`, `epoll` and `pselect` in turn (the last two take
+/// back a stale readiness since the library keeps epoll registrations).
 #[test]
 fn readiness_across_hosts_never_comes_without_bytes() -> Result<()> {
     let _one = harness::one_at_a_time();

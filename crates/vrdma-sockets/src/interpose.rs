@@ -475,6 +475,7 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
 /// parent's objects are not destroyed (see [`Entry::ours`]).
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
+        keep_errno(|| crate::epoll::forget(fd));
         if let Some(e) = table::remove(fd) {
             if !e.ours() {
                 std::mem::forget(e);

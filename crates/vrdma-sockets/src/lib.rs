@@ -36,14 +36,21 @@
 //!   the kernel's view of the socket: the library keeps a wake byte in the
 //!   socket exactly while bytes wait in the ring (`docs/sockets.md`), so
 //!   `POLLIN` is right, level- and edge-triggered. `poll`, `ppoll`,
-//!   `select`, `pselect`, `epoll_wait` and `epoll_pwait` are interposed
-//!   to land this process's writes in flight before they wait (a write
-//!   returns once posted; [`progress`]); `poll`, `ppoll` and `select` also
-//!   take back the readability of a carried socket whose ring is empty
-//!   and whose socket holds only stale wake bytes (one that came late,
-//!   across hosts: [`readiness`]). `POLLOUT` is the kernel's,
-//!   always set (a full ring gives `EAGAIN` to a non-blocking write; the
-//!   program polls again and gets it at once).
+//!   `select`, `pselect`, `epoll_wait`, `epoll_pwait` and `epoll_pwait2`
+//!   are interposed to land this process's writes in flight before they
+//!   wait (a write returns once posted; [`progress`]), and take back the
+//!   readability of a carried socket whose ring is empty and whose socket
+//!   holds only stale wake bytes (one that came late, across hosts:
+//!   [`readiness`]). Writability is the ring's: `epoll_ctl` is interposed
+//!   and the registrations of carried connections kept, so that a ring
+//!   found full takes `EPOLLOUT` out of the kernel's registration and
+//!   credits coming back give it back, which the kernel reports, also
+//!   edge-triggered ([`epoll`]); `poll` and `ppoll` report `POLLOUT` only
+//!   with room. `select`'s and `pselect`'s write sets are the kernel's
+//!   (always writable: a full ring gives `EAGAIN`).
+//! - **End of stream**: a close tells the peer through its ring before the
+//!   QP goes (the `CLOSED` word), so the peer's read ends at once, after
+//!   every byte ([`link`]).
 //! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`
 //!   and `io_uring` would read the raw socket; after `fork` the
 //!   carried descriptors a child inherited fail with `EIO` in it (it must
@@ -68,6 +75,7 @@
 
 mod addr;
 mod dev;
+mod epoll;
 mod interpose;
 mod link;
 mod listener;

@@ -5,13 +5,15 @@
 //! Layout of each end's ring region: [`RING`] bytes of data that the peer
 //! writes, then control words the peer writes: the peer's tail
 //! (`WRITTEN`, for this end's reader), the peer reader's consumed count of
-//! this end's bytes (`CONSUMED`, this end's writer's credits) and the peer
-//! reader's sleeping flag (`SLEEPING`, for this end's writer). The staging
+//! this end's bytes (`CONSUMED`, this end's writer's credits), the peer
+//! reader's sleeping flag (`SLEEPING`, for this end's writer) and the
+//! peer's orderly close (`CLOSED`: its last descriptor is closed, every
+//! byte it wrote has landed, and its QP is about to go). The staging
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{fence, AtomicBool, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -28,6 +30,7 @@ pub const RING: usize = 256 * 1024;
 const WRITTEN: usize = RING;
 const CONSUMED: usize = RING + 8;
 const SLEEPING: usize = RING + 16;
+const CLOSED: usize = RING + 24;
 const REGION: usize = RING + 64;
 /// In the staging region: the tail a credit wait's probe sends, then
 /// consumed and sleeping (16 bytes sent as one write into the peer's
@@ -36,6 +39,8 @@ const REGION: usize = RING + 64;
 /// daemon read it, which is when its completion comes).
 const S_PROBE: usize = RING;
 const S_ACK: usize = RING + 16;
+/// The word a close sends into the peer's `CLOSED`.
+const S_CLOSE: usize = RING + 32;
 const S_TAILS: usize = RING + 64;
 const TAIL_SLOTS: usize = 16;
 const STAGE: usize = S_TAILS + 8 * TAIL_SLOTS;
@@ -72,6 +77,13 @@ pub struct Link {
     post: Mutex<Post>,
     /// Whether the progress thread has this link in its list.
     pub(crate) queued: AtomicBool,
+    /// A non-blocking write found the peer's ring full: the program's
+    /// epoll registrations of it have `EPOLLOUT` taken out until credits
+    /// come back ([`crate::epoll`]).
+    write_blocked: AtomicBool,
+    /// `Tx::wr`, readable without the writer's lock (a blocking writer
+    /// holds it while it waits for credits).
+    wr_now: AtomicU64,
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
 }
@@ -97,6 +109,9 @@ struct Tx {
     /// Writes posted so far (picks the tail slot).
     posts: u64,
     shut: bool,
+    /// The peer closed (its `CLOSED` word) and one write was taken as
+    /// over TCP (its bytes lost with the peer); the next ones fail.
+    reset: bool,
 }
 
 /// The send queue's bookkeeping: what was posted, what completed.
@@ -183,6 +198,8 @@ impl Half {
             peer_rkey: u32_at(42),
             post: Mutex::new(Post::default()),
             queued: AtomicBool::new(false),
+            write_blocked: AtomicBool::new(false),
+            wr_now: AtomicU64::new(0),
             // Both ends start armed with generation 1 (set just above).
             rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true }),
             tx: Mutex::new(Tx::default()),
@@ -266,20 +283,74 @@ impl Link {
             Err(std::sync::TryLockError::WouldBlock) => return true,
         };
         let _ = self.reap_locked(&mut p);
-        !p.failed && !p.pending.is_empty()
+        let flying = !p.failed && !p.pending.is_empty();
+        drop(p);
+        self.still_blocked() || flying
     }
 
     /// Waits until every write in flight landed; false once none is (or
-    /// the connection failed), as [`Self::progress`] says.
+    /// the connection failed) and no write waits for credits, as
+    /// [`Self::progress`] says.
     pub(crate) fn flush_all_writes(&self) -> bool {
         let _ = self.flush();
-        self.in_flight()
+        self.still_blocked() || self.in_flight()
+    }
+
+    /// Whether the progress thread must keep looking at it: writes in
+    /// flight, or a write that found the ring full.
+    pub(crate) fn needs_watch(&self) -> bool {
+        self.in_flight() || self.write_blocked.load(Ordering::Acquire)
     }
 
     /// Whether writes are in flight.
     pub(crate) fn in_flight(&self) -> bool {
         let p = lock(&self.post);
         !p.failed && !p.pending.is_empty()
+    }
+
+    /// Whether a write would find room now: credits, or an end that
+    /// makes the write fail at once (a failed connection, a peer that
+    /// closed).
+    pub(crate) fn writable(&self) -> bool {
+        let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
+        let used = self.wr_now.load(Ordering::Acquire).saturating_sub(consumed);
+        (used as usize) < RING || self.peer_closed() || lock(&self.post).failed
+    }
+
+    /// Whether a non-blocking write found the ring full and no credits
+    /// came back since.
+    pub(crate) fn write_blocked(&self) -> bool {
+        self.write_blocked.load(Ordering::Acquire)
+    }
+
+    /// For a write-blocked link: once it is writable again, its epoll
+    /// registrations get `EPOLLOUT` back (which makes the kernel report
+    /// it, also edge-triggered). Whether it is still blocked.
+    pub(crate) fn still_blocked(&self) -> bool {
+        if !self.write_blocked.load(Ordering::Acquire) {
+            return false;
+        }
+        if !self.writable() {
+            return true;
+        }
+        self.unblock();
+        false
+    }
+
+    /// Clears the write-blocked state and gives `EPOLLOUT` back.
+    fn unblock(&self) {
+        if self.write_blocked.swap(false, Ordering::AcqRel) {
+            crate::epoll::writable_again(self);
+        }
+    }
+
+    /// Whether the peer closed its last descriptor of the connection (an
+    /// orderly close: its `CLOSED` word, written after its last byte
+    /// landed and before its QP went away).
+    pub(crate) fn peer_closed(&self) -> bool {
+        let c = self.ring.read_u64(CLOSED).unwrap_or(0) != 0;
+        fence(Ordering::SeqCst);
+        c
     }
 
     /// Reaps until `done(post)` holds: a completion, or room for a write.
@@ -293,6 +364,12 @@ impl Link {
                 if done(&p) {
                     return Ok(());
                 }
+            }
+            // A peer that closed destroys its QP once its `CLOSED` word
+            // landed: what goes there now completes only at the QP's retry
+            // timeout (and in error). Nothing it would do is needed.
+            if self.peer_closed() {
+                return Err(libc::EPIPE);
             }
             spins += 1;
             if spins.is_multiple_of(1024) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
@@ -440,7 +517,18 @@ impl Link {
     /// this arming landed, so this look saw them, and they were read. A
     /// byte of this generation stays: its bytes landed after this look,
     /// and wait.
+    ///
+    /// A peer that closed is not armed towards (its QP is gone, and the
+    /// arming would wait for the retry timeout): its `CLOSED` word came
+    /// after its last byte, so an empty ring then is the end of the
+    /// stream, as TCP's FIN after the last byte.
     fn sleep(&self, rx: &mut Rx) {
+        if self.peer_closed() {
+            if self.waiting(rx.rd) == 0 {
+                rx.eof = true;
+            }
+            return;
+        }
         rx.gen = if rx.gen >= 255 { 1 } else { rx.gen + 1 };
         let _ = self.stage.write_u64(S_ACK, rx.rd);
         let _ = self.stage.write_u64(S_ACK + 8, armed_word(rx.rd, rx.gen));
@@ -449,6 +537,12 @@ impl Link {
         rx.acked = rx.rd;
         rx.armed = true;
         if self.waiting(rx.rd) > 0 {
+            return;
+        }
+        // The peer closed while the arming was on its way (and the wait
+        // for it gave up): the end, as above.
+        if self.peer_closed() {
+            rx.eof = self.waiting(rx.rd) == 0;
             return;
         }
         if let Ok(true) = self.take_stale(rx.gen as u8) {
@@ -587,12 +681,32 @@ impl Link {
         if tx.shut {
             return Err(libc::EPIPE);
         }
+        if self.peer_closed() {
+            // As TCP after the peer's close: the first write is taken
+            // (its bytes are lost with the peer, which answers with a
+            // reset), the next ones fail.
+            if tx.reset {
+                return Err(libc::EPIPE);
+            }
+            tx.reset = true;
+            return Ok(total);
+        }
         self.reap()?;
         let mut done = 0usize;
         let (mut vi, mut voff) = (0usize, 0usize);
         while done < total {
             let free = self.credits(tx.wr, nonblocking)?;
             if free == 0 {
+                // The ring is full (a non-blocking write): the program
+                // waits for writability; epoll must not report it until
+                // credits come back, and must report it then, also
+                // edge-triggered ([`crate::epoll`]).
+                if !self.write_blocked.swap(true, Ordering::AcqRel) {
+                    crate::epoll::write_blocked(self);
+                }
+                crate::progress::watch(self);
+                // Credits that came back meanwhile.
+                let _ = self.still_blocked();
                 break;
             }
             // A tail slot (and send-queue room) for this write.
@@ -633,6 +747,7 @@ impl Link {
             self.post(&mut wrs, Some(end))?;
             tx.posts += 1;
             tx.wr = end;
+            self.wr_now.store(end, Ordering::Release);
             done += n;
         }
         if done == 0 && total > 0 {
@@ -642,7 +757,7 @@ impl Link {
         // now; the rest are the progress thread's unless this connection
         // is called again first.
         let _ = self.reap();
-        if self.in_flight() {
+        if self.needs_watch() {
             crate::progress::watch(self);
         }
         Ok(done)
@@ -684,6 +799,10 @@ impl Link {
             let used = wr.saturating_sub(consumed) as usize;
             if used < RING {
                 return Ok(RING - used);
+            }
+            // A peer that closed gives no more credits.
+            if self.peer_closed() {
+                return Err(libc::EPIPE);
             }
             // The reader may be asleep until the bytes in flight wake it.
             self.reap()?;
@@ -735,9 +854,20 @@ impl Link {
     /// Before the last descriptor closes: every write lands first (as
     /// for `shutdown`), then the wake bytes still queued are read off, so
     /// that the kernel sends FIN, not RST.
+    ///
+    /// Then the peer is told of the close (`CLOSED`, waited for: it lands
+    /// before this end's QP goes), so that its reads end at once, as at
+    /// a FIN, instead of arming towards a QP that is gone, which waits
+    /// for the QP's retry timeout. A peer that closed first is not told.
     pub fn finish(&self) {
         let _ = self.flush();
+        if !self.peer_closed() {
+            let _ = self.stage.write_u64(S_CLOSE, 1);
+            let _ = self.write_word(S_CLOSE, 8, CLOSED);
+        }
         let _ = self.drain_wakes();
+        // A program still waiting on it through another thread is told.
+        self.unblock();
     }
 }
 

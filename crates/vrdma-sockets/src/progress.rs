@@ -117,7 +117,7 @@ fn listed() -> Vec<Arc<Link>> {
 fn drained(l: &Arc<Link>) {
     let mut q = lock(&queue().0);
     l.queued.store(false, Ordering::Release);
-    if l.in_flight() {
+    if l.needs_watch() {
         l.queued.store(true, Ordering::Release);
         return;
     }

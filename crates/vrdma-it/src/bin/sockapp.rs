@@ -52,13 +52,27 @@
 //! iperf3's control connection. Each round the client writes a 4-byte
 //! length and then the message (two writes, 0 to 450 µs apart) and reads
 //! two bytes back, an
-//! answer and a go. The server waits for readability (`select`, or
-//! `poll` every other round), reads the message with blocking reads,
+//! answer and a go. The server waits for readability (`select`, `poll`,
+//! level-triggered `epoll` and `pselect` in turn, a round each), reads the message with blocking reads,
 //! answers, and then waits 30 ms for readability while the client is
 //! silent (waiting for the go): a readiness then must have a byte behind
 //! it, else a read (bounded by a 1 s `SO_RCVTIMEO`) finds nothing and the
 //! server fails ("stale readiness"), as iperf3's server would block in its
 //! read instead of accepting its data connection.
+//!
+//! `epollflood PORT BYTES et|lt|oneshot`: `nbflood`, but it waits for
+//! `EPOLLOUT` in epoll (registered alone, edge- or level-triggered, or
+//! level-triggered one-shot and armed again before each wait, with a
+//! `data` it checks) after each `EAGAIN`, 10 s at most; says `eagain N`
+//! and, unless `et`, `spurious N`: reports of `EPOLLOUT` after which a
+//! write still got `EAGAIN` (an `EPOLLOUT` that the ring does not have).
+//!
+//! `closeserver PORT N`: accepts N connections one after another; on each
+//! reads the 8-byte request, answers 16 KiB and closes (as a server
+//! without keep-alive). `closeclient PORT N MS`: makes those N
+//! connections one after another (each: write the request, read to the
+//! end, 16 KiB expected), starting none after MS milliseconds; says
+//! `done K`.
 //!
 //! `server` listens on `SOCKAPP_BIND` and `client` connects to
 //! `SOCKAPP_HOST` where they are set (an address of another network
@@ -375,6 +389,132 @@ fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
     half_close_and_check(&mut s, bytes)
 }
 
+fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
+    let (edge, oneshot) = (mode == "et", mode == "oneshot");
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let fd = s.as_raw_fd();
+    // SAFETY: epoll_create1(2), no pointers.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    if ep < 0 {
+        return Err(format!("epoll_create1: {}", std::io::Error::last_os_error()));
+    }
+    let token = 0x5eed_0000_0000_0000u64 | fd as u64;
+    let flags = if edge {
+        libc::EPOLLET as u32
+    } else if oneshot {
+        libc::EPOLLONESHOT as u32
+    } else {
+        0
+    };
+    let mut ev = libc::epoll_event { events: libc::EPOLLOUT as u32 | flags, u64: token };
+    // SAFETY: epoll_ctl(2) with a valid event, on our descriptors.
+    if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
+        return Err(format!("epoll_ctl: {}", std::io::Error::last_os_error()));
+    }
+    let wait_out = || -> Result<(), String> {
+        if oneshot {
+            let mut ev = libc::epoll_event { events: libc::EPOLLOUT as u32 | flags, u64: token };
+            // SAFETY: epoll_ctl(2) with a valid event: arms the one-shot
+            // registration again.
+            if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_MOD, fd, &mut ev) } != 0 {
+                return Err(format!("epoll_ctl MOD: {}", std::io::Error::last_os_error()));
+            }
+        }
+        let mut got = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: epoll_wait(2) into our array of 4.
+        let n = unsafe { libc::epoll_wait(ep, got.as_mut_ptr(), 4, 10_000) };
+        match n {
+            1 => {
+                let (events, data) = (got[0].events, got[0].u64);
+                if data != token {
+                    return Err(format!("epoll reported data {data:#x}, not {token:#x}"));
+                }
+                if events & libc::EPOLLOUT as u32 == 0 {
+                    return Err(format!("epoll reported {events:#x} without EPOLLOUT"));
+                }
+                Ok(())
+            }
+            0 => Err("no EPOLLOUT within 10 s after EAGAIN: writability lost".into()),
+            n => Err(format!("epoll_wait: {n}: {}", std::io::Error::last_os_error())),
+        }
+    };
+    // The registration's first report (the socket is writable).
+    wait_out()?;
+    let (mut sent, mut eagain, mut spurious, mut after_report) = (0u64, 0u64, 0u64, false);
+    // Bounded: each pass writes at least a byte or waits in epoll (10 s).
+    for _ in 0..(1u64 << 26) {
+        if sent == bytes {
+            break;
+        }
+        let n = (bytes - sent).min(64 * 1024) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        match s.write(&data) {
+            Ok(w) => {
+                sent += w as u64;
+                after_report = false;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                eagain += 1;
+                if after_report {
+                    spurious += 1;
+                }
+                wait_out()?;
+                after_report = true;
+            }
+            Err(e) => return Err(format!("write after {sent}: {e}")),
+        }
+    }
+    if sent != bytes {
+        return Err(format!("{sent} of {bytes} bytes written"));
+    }
+    println!("eagain {eagain}");
+    if !edge {
+        println!("spurious {spurious}");
+    }
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    let r = half_close_and_check(&mut s, bytes);
+    // SAFETY: our epoll descriptor, closed once.
+    unsafe { libc::close(ep) };
+    r
+}
+
+const CLOSE_ANSWER: usize = 16 << 10;
+
+fn closeserver(port: u16, n: u64) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let answer: Vec<u8> = (0..CLOSE_ANSWER as u64).map(pattern).collect();
+    for i in 0..n {
+        let (mut s, _) = l.accept().map_err(|e| format!("accept {i}: {e}"))?;
+        let mut req = [0u8; 8];
+        s.read_exact(&mut req).map_err(|e| format!("request {i}: {e}"))?;
+        s.write_all(&answer).map_err(|e| format!("answer {i}: {e}"))?;
+        drop(s);
+    }
+    Ok(())
+}
+
+fn closeclient(port: u16, n: u64, ms: u64) -> Result<(), String> {
+    let start = std::time::Instant::now();
+    let mut done = 0u64;
+    while done < n && start.elapsed() < std::time::Duration::from_millis(ms) {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+        s.write_all(b"request\n").map_err(|e| format!("request {done}: {e}"))?;
+        let mut got = Vec::new();
+        s.read_to_end(&mut got).map_err(|e| format!("answer {done}: {e}"))?;
+        if got.len() != CLOSE_ANSWER || got.iter().enumerate().any(|(k, b)| *b != pattern(k as u64)) {
+            return Err(format!("answer {done}: {} bytes, or wrong ones", got.len()));
+        }
+        done += 1;
+    }
+    println!("done {done}");
+    println!("ms {}", start.elapsed().as_millis());
+    Ok(())
+}
+
 fn answer(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -423,31 +563,73 @@ fn flood(port: u16) -> Result<(), String> {
     Err("every write succeeded".into())
 }
 
-/// Whether `fd` reads ready within `ms`, asked with select(2) or poll(2).
-fn readable(fd: i32, ms: i32, use_select: bool) -> Result<bool, String> {
-    let r = if use_select {
+/// How `selectserver` waits for readability, by round.
+#[derive(Clone, Copy, Debug)]
+enum Wait {
+    Select,
+    Poll,
+    /// A level-triggered registration in a fresh epoll set.
+    Epoll,
+    Pselect,
+}
+
+/// Whether `fd` reads ready within `ms`, asked as `how` says.
+fn readable(fd: i32, ms: i32, how: Wait) -> Result<bool, String> {
+    let r = match how {
         // SAFETY: an fd_set on the stack, zeroed and with one descriptor
-        // below FD_SETSIZE (a fresh test process); a valid timeval.
-        unsafe {
+        // below FD_SETSIZE (a fresh test process); a valid timeval or
+        // timespec.
+        Wait::Select | Wait::Pselect => unsafe {
             let mut set: libc::fd_set = std::mem::zeroed();
             libc::FD_ZERO(&mut set);
             libc::FD_SET(fd, &mut set);
-            let mut tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
-            let r = libc::select(fd + 1, &mut set, std::ptr::null_mut(), std::ptr::null_mut(), &mut tv);
+            let null = std::ptr::null_mut();
+            let r = if matches!(how, Wait::Select) {
+                let mut tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
+                libc::select(fd + 1, &mut set, null, null, &mut tv)
+            } else {
+                let ts = libc::timespec { tv_sec: (ms / 1000) as _, tv_nsec: ((ms % 1000) * 1_000_000) as _ };
+                libc::pselect(fd + 1, &mut set, null, null, &ts, std::ptr::null())
+            };
             if r > 0 && !libc::FD_ISSET(fd, &set) {
                 return Err("select counted a descriptor it did not set".into());
             }
             r
+        },
+        Wait::Poll => {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, ms) }
         }
-    } else {
-        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-        // SAFETY: one valid pollfd.
-        unsafe { libc::poll(&mut p, 1, ms) }
+        Wait::Epoll => {
+            // SAFETY: epoll(7) calls on a set of our own, closed here,
+            // with valid events.
+            unsafe {
+                let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+                if ep < 0 {
+                    return Err(format!("epoll_create1: {}", std::io::Error::last_os_error()));
+                }
+                let token = 0xdead_beef_0000_0000u64 | fd as u64;
+                let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: token };
+                let mut r = libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev);
+                if r == 0 {
+                    let mut got = [libc::epoll_event { events: 0, u64: 0 }; 2];
+                    r = libc::epoll_wait(ep, got.as_mut_ptr(), 2, ms);
+                    let data = got[0].u64;
+                    if r > 0 && data != token {
+                        libc::close(ep);
+                        return Err(format!("epoll reported data {data:#x}, not {token:#x}"));
+                    }
+                }
+                libc::close(ep);
+                r
+            }
+        }
     };
     match r {
         0 => Ok(false),
         1.. => Ok(true),
-        _ => Err(format!("select/poll: {}", std::io::Error::last_os_error())),
+        _ => Err(format!("{how:?}: {}", std::io::Error::last_os_error())),
     }
 }
 
@@ -461,8 +643,8 @@ fn selectserver(port: u16, rounds: u64) -> Result<(), String> {
     let fd = s.as_raw_fd();
     let mut msg = vec![0u8; 4096];
     for round in 0..rounds {
-        let sel = round % 2 == 0;
-        if !readable(fd, 10_000, sel)? {
+        let how = [Wait::Select, Wait::Poll, Wait::Epoll, Wait::Pselect][(round % 4) as usize];
+        if !readable(fd, 10_000, how)? {
             return Err(format!("round {round}: no message within 10 s"));
         }
         let mut len = [0u8; 4];
@@ -477,15 +659,14 @@ fn selectserver(port: u16, rounds: u64) -> Result<(), String> {
         }
         s.write_all(b"a").map_err(|e| format!("round {round}: answer: {e}"))?;
         // The client sends nothing until the go.
-        if readable(fd, 30, sel)? {
+        if readable(fd, 30, how)? {
             let mut b = [0u8; 1];
             return Err(match s.read(&mut b) {
                 Ok(0) => format!("round {round}: the end before the go"),
                 Ok(_) => format!("round {round}: the client wrote before the go"),
-                Err(e) => format!(
-                    "round {round}: stale readiness ({}): ready with nothing to read: {e}",
-                    if sel { "select" } else { "poll" }
-                ),
+                Err(e) => {
+                    format!("round {round}: stale readiness ({how:?}): ready with nothing to read: {e}")
+                }
             });
         }
         s.write_all(b"g").map_err(|e| format!("round {round}: go: {e}"))?;
@@ -538,6 +719,17 @@ fn main() {
         Some("lateserver") => lateserver(port()),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("answer") => answer(port()),
+        Some("epollflood") => epollflood(
+            port(),
+            args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
+            args.get(4).map(String::as_str).unwrap_or("et"),
+        ),
+        Some("closeserver") => closeserver(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
+        Some("closeclient") => closeclient(
+            port(),
+            args.get(3).and_then(|b| b.parse().ok()).expect("N"),
+            args.get(4).and_then(|b| b.parse().ok()).expect("MS"),
+        ),
         Some("selectserver") => {
             selectserver(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS"))
         }

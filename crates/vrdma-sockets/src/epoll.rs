@@ -1,0 +1,345 @@
+//! The program's epoll registrations of its carried connections, so that
+//! epoll reports a carried socket's writability as the ring has it, not
+//! as the kernel socket has it (`docs/sockets.md`, "Writing").
+//!
+//! The kernel socket of a carried connection is nearly always writable:
+//! the bytes go through the ring. A non-blocking write that finds the ring
+//! full returns `EAGAIN`, and the program waits for `EPOLLOUT`. Left to
+//! the kernel, a level-triggered registration would report it at once
+//! (the program spins on `EAGAIN`), and an edge-triggered one never again
+//! (no edge: the socket never stopped being writable), which stalls nginx
+//! for its send timeout. So `epoll_ctl` is interposed for the connections
+//! this library may carry, and each registration (set, descriptor) is
+//! kept as the program asked (events, `data`): while the ring is full
+//! ([`Link::write_blocked`]) the kernel's registration has `EPOLLOUT`
+//! taken out (`EPOLL_CTL_MOD`: level-triggered waiters no longer see it),
+//! and when credits come back (seen by the writer's next call, by a
+//! readiness call before it waits, or by the progress thread: [`crate::progress`])
+//! it is put back with the program's own events and data, a
+//! modification after which the kernel looks at the socket again and,
+//! finding it writable, reports `EPOLLOUT` anew, also edge-triggered.
+//!
+//! `EPOLLONESHOT`: a registration the kernel reported (seen by the
+//! interposed `epoll_wait`s) is disabled until the program modifies it;
+//! it is then neither stripped nor given back (a modification would arm
+//! it again). Limits: a report that another thread's `epoll_wait` is
+//! returning while the progress thread gives `EPOLLOUT` back can arm a
+//! one-shot registration once more (a spurious report); registrations are
+//! found from reported events by their `data`, so two registrations of
+//! one set with the same `data` are not told apart (neither is filtered);
+//! a registration made through a descriptor that is then closed while a
+//! `dup` of it stays open is forgotten here, as the kernel keeps it.
+//!
+//! The interposed `epoll_wait`s also take back a carried socket's
+//! readability that is only stale wake bytes, as `poll` does
+//! ([`crate::readiness`]).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use libc::{c_int, epoll_event};
+
+use crate::link::Link;
+use crate::real;
+use crate::stream::Stream;
+use crate::table::{self, keep_errno, Entry, Guard};
+
+const OUT: u32 = libc::EPOLLOUT as u32;
+const IN: u32 = libc::EPOLLIN as u32;
+const ONESHOT: u32 = libc::EPOLLONESHOT as u32;
+/// A registration that may not be modified (the kernel refuses): left as
+/// the program made it.
+const EXCLUSIVE: u32 = libc::EPOLLEXCLUSIVE as u32;
+
+/// One registration of a connection this library may carry.
+struct Reg {
+    /// As the program asked.
+    events: u32,
+    data: u64,
+    stream: Weak<Stream>,
+    /// Its link, once carried (found on first need).
+    link: Weak<Link>,
+    /// One-shot and reported: the kernel disabled it.
+    fired: bool,
+    /// The kernel's registration lacks the `EPOLLOUT` the program asked.
+    stripped: bool,
+}
+
+impl Reg {
+    fn link(&mut self) -> Option<Arc<Link>> {
+        if let Some(l) = self.link.upgrade() {
+            return Some(l);
+        }
+        let l = self.stream.upgrade()?.link_now()?;
+        self.link = Arc::downgrade(&l);
+        Some(l)
+    }
+
+    fn is(&mut self, link: &Link) -> bool {
+        self.link().is_some_and(|l| std::ptr::eq(Arc::as_ptr(&l), link))
+    }
+
+    /// Sets the kernel's registration of `fd` in `ep` to the program's
+    /// events, less `EPOLLOUT` if `strip`.
+    fn apply(&mut self, ep: c_int, fd: c_int, strip: bool) -> bool {
+        let events = if strip { self.events & !OUT } else { self.events };
+        let mut k = epoll_event { events, u64: self.data };
+        // SAFETY: epoll_ctl(2) with a valid event; `ep` and `fd` are a
+        // registration the program made and has not removed (closing
+        // either forgets it here first, under the same lock).
+        let ok = unsafe { real::epoll_ctl(ep, libc::EPOLL_CTL_MOD, fd, &mut k) } == 0;
+        if ok {
+            self.stripped = strip && self.events & OUT != 0;
+        }
+        ok
+    }
+}
+
+#[derive(Default)]
+struct Set {
+    regs: HashMap<c_int, Reg>,
+    /// The descriptors registered with each `data`.
+    by_data: HashMap<u64, Vec<c_int>>,
+}
+
+impl Set {
+    fn insert(&mut self, fd: c_int, r: Reg) {
+        self.remove(fd);
+        self.by_data.entry(r.data).or_default().push(fd);
+        self.regs.insert(fd, r);
+    }
+
+    fn remove(&mut self, fd: c_int) {
+        if let Some(r) = self.regs.remove(&fd) {
+            if let Some(v) = self.by_data.get_mut(&r.data) {
+                v.retain(|&x| x != fd);
+                if v.is_empty() {
+                    self.by_data.remove(&r.data);
+                }
+            }
+        }
+    }
+
+    /// The one registration reported with `data`, if only one has it.
+    fn by_data(&mut self, data: u64) -> Option<(c_int, &mut Reg)> {
+        match self.by_data.get(&data).map(Vec::as_slice) {
+            Some(&[fd]) => self.regs.get_mut(&fd).map(|r| (fd, r)),
+            _ => None,
+        }
+    }
+}
+
+struct Sets {
+    sets: HashMap<c_int, Set>,
+}
+
+/// A process's registrations, never freed once published.
+struct Slot {
+    pid: u32,
+    sets: Mutex<Sets>,
+}
+
+/// Registrations tracked (any process's): 0 lets calls pass without a lock.
+static TRACKED: AtomicUsize = AtomicUsize::new(0);
+
+/// This process's registrations. A child after fork gets new ones: its
+/// parent's are of connections it does not carry, and their lock may have
+/// been held by a thread of the parent at the fork (the parent's stay
+/// leaked in the child).
+fn sets() -> MutexGuard<'static, Sets> {
+    static CURRENT: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
+    let pid = std::process::id();
+    loop {
+        let p = CURRENT.load(Ordering::Acquire);
+        // SAFETY: a published slot is leaked, never freed.
+        if let Some(slot) = unsafe { p.as_ref() } {
+            if slot.pid == pid {
+                return slot.sets.lock().unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        let mine = Box::into_raw(Box::new(Slot { pid, sets: Mutex::new(Sets { sets: HashMap::new() }) }));
+        match CURRENT.compare_exchange(p, mine, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => TRACKED.store(0, Ordering::Release),
+            // SAFETY: `mine` came from Box::into_raw and was not published.
+            Err(_) => drop(unsafe { Box::from_raw(mine) }),
+        }
+    }
+}
+
+fn count(s: &Sets) {
+    TRACKED.store(s.sets.values().map(|x| x.regs.len()).sum(), Ordering::Release);
+}
+
+/// This process's stream on `fd`, if any.
+fn stream_of(fd: c_int) -> Option<Arc<Stream>> {
+    match table::get(fd)? {
+        e @ Entry::Stream(_) if !e.ours() => None,
+        Entry::Stream(s) => Some(s),
+        _ => None,
+    }
+}
+
+/// `epoll_ctl`: a connection this library may carry has its registration
+/// kept (and `EPOLLOUT` left out of the kernel's while its ring is full);
+/// everything else is the kernel's.
+///
+/// # Safety
+/// As epoll_ctl(2): `ev` valid for `EPOLL_CTL_ADD`/`MOD`.
+#[no_mangle]
+pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epoll_event) -> c_int {
+    let Some(_g) = Guard::enter() else {
+        // SAFETY: libc's epoll_ctl with the caller's arguments.
+        return unsafe { real::epoll_ctl(ep, op, fd, ev) };
+    };
+    let stream = keep_errno(|| stream_of(fd));
+    if stream.is_none() && TRACKED.load(Ordering::Acquire) == 0 {
+        // SAFETY: as above.
+        return unsafe { real::epoll_ctl(ep, op, fd, ev) };
+    }
+    let mut s = sets();
+    let add = op == libc::EPOLL_CTL_ADD || op == libc::EPOLL_CTL_MOD;
+    match stream {
+        Some(stream) if add && !ev.is_null() => {
+            // SAFETY: the caller's event (epoll_ctl's contract); read by
+            // value, as the struct may be packed.
+            let want = unsafe { std::ptr::read(ev) };
+            let mut r = Reg {
+                events: want.events,
+                data: want.u64,
+                stream: Arc::downgrade(&stream),
+                link: Weak::new(),
+                fired: false,
+                stripped: false,
+            };
+            let strip = r.events & OUT != 0
+                && r.events & EXCLUSIVE == 0
+                && keep_errno(|| r.link()).is_some_and(|l| l.write_blocked());
+            let mut k = epoll_event { events: if strip { r.events & !OUT } else { r.events }, u64: r.data };
+            // SAFETY: libc's epoll_ctl with a valid event.
+            let res = unsafe { real::epoll_ctl(ep, op, fd, &mut k) };
+            if res == 0 {
+                r.stripped = strip;
+                s.sets.entry(ep).or_default().insert(fd, r);
+                count(&s);
+            }
+            res
+        }
+        _ => {
+            // SAFETY: libc's epoll_ctl with the caller's arguments.
+            let res = unsafe { real::epoll_ctl(ep, op, fd, ev) };
+            if res == 0 {
+                if let Some(set) = s.sets.get_mut(&ep) {
+                    set.remove(fd);
+                }
+                count(&s);
+            }
+            res
+        }
+    }
+}
+
+/// `fd` is closed (or replaced): its registrations go with it, and, if it
+/// is an epoll set, the set's.
+pub fn forget(fd: c_int) {
+    if TRACKED.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    let mut s = sets();
+    s.sets.remove(&fd);
+    for set in s.sets.values_mut() {
+        set.remove(fd);
+    }
+    count(&s);
+}
+
+/// `link`'s ring is full: its registrations lose `EPOLLOUT`.
+pub fn write_blocked(link: &Link) {
+    each_of(link, |ep, fd, r| {
+        if !r.stripped && !r.fired && r.events & OUT != 0 && r.events & EXCLUSIVE == 0 {
+            r.apply(ep, fd, true);
+        }
+    });
+}
+
+/// `link` is writable again: its registrations get `EPOLLOUT` back, which
+/// the kernel reports (the socket is writable), also edge-triggered.
+pub fn writable_again(link: &Link) {
+    each_of(link, |ep, fd, r| {
+        if r.stripped && (r.fired || !r.apply(ep, fd, false)) {
+            // Disabled (one-shot, reported): the program's next
+            // modification arms it whole.
+            r.stripped = false;
+        }
+    });
+}
+
+fn each_of(link: &Link, mut f: impl FnMut(c_int, c_int, &mut Reg)) {
+    if TRACKED.load(Ordering::Acquire) == 0 {
+        return;
+    }
+    // Its calls are libc's own (`real`), whether or not this thread is
+    // inside the library already (the progress thread always is).
+    let _g = Guard::enter();
+    keep_errno(|| {
+        let mut s = sets();
+        for (&ep, set) in s.sets.iter_mut() {
+            for (&fd, r) in set.regs.iter_mut() {
+                if r.is(link) {
+                    f(ep, fd, r);
+                }
+            }
+        }
+    })
+}
+
+/// Whether `ep` holds registrations kept here.
+pub fn tracks(ep: c_int) -> bool {
+    TRACKED.load(Ordering::Acquire) != 0 && sets().sets.get(&ep).is_some_and(|s| !s.regs.is_empty())
+}
+
+/// After `epoll_wait` on `ep` reported the `n` events at `ev`: one-shot
+/// registrations are marked disabled, and a carried socket's `EPOLLIN`
+/// that is only stale wake bytes is taken back (the bytes taken off; an
+/// event left empty is dropped, and a one-shot registration it disabled
+/// is armed again). Returns the events left, moved to the front.
+///
+/// # Safety
+/// `ev` holds `n` events.
+pub unsafe fn reported(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
+    let Some(_g) = Guard::enter() else { return n };
+    keep_errno(|| {
+        let mut s = sets();
+        let Some(set) = s.sets.get_mut(&ep) else { return n };
+        let mut out = 0usize;
+        for i in 0..n.max(0) as usize {
+            // SAFETY: `i < n`; read by value (the struct may be packed).
+            let mut e = unsafe { std::ptr::read(ev.add(i)) };
+            if let Some((fd, r)) = set.by_data(e.u64) {
+                if r.events & ONESHOT != 0 {
+                    r.fired = true;
+                }
+                if e.events & IN != 0 {
+                    if let Some(l) = r.link() {
+                        if l.readable_is_stale() {
+                            e.events &= !(IN | libc::EPOLLRDNORM as u32);
+                        }
+                    }
+                }
+                if e.events == 0 {
+                    if r.fired {
+                        let strip = r.link().is_some_and(|l| l.write_blocked());
+                        if r.apply(ep, fd, strip) {
+                            r.fired = false;
+                        }
+                    }
+                    continue;
+                }
+            }
+            // SAFETY: `out <= i < n`.
+            unsafe { std::ptr::write(ev.add(out), e) };
+            out += 1;
+        }
+        out as c_int
+    })
+}
