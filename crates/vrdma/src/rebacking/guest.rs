@@ -4,12 +4,31 @@
 //! BAR). So a registration asks the daemon for an extent of it (for this
 //! context's session), copies the pages' bytes there and maps the BAR at
 //! that extent over the same addresses, as the host re-backs with a memfd
-//! (see the parent module). Differences: a span never grows, huge pages
-//! are refused, a span is reused only by registrations through the same
-//! context (the daemon checks that a region lies in an extent of the
-//! session registering it), and when the last region over a span goes the
-//! pages are moved back to private anonymous memory before the extent is
-//! given back, since it may then be handed to anything else of the VM.
+//! (see the parent module). Differences: huge pages are refused, a span is
+//! reused only by registrations through the same context (the daemon
+//! checks that a region lies in an extent of the session registering it),
+//! and when the last region over a span goes the pages are moved back to
+//! private anonymous memory before the extent is given back, since it may
+//! then be handed to anything else of the VM.
+//!
+//! A range that starts inside a live span of the same context and ends
+//! past it *grows* the span, as on the host (two heap buffers sharing a
+//! page, each registered on its own, are the common case): the daemon
+//! grows the span's extent in place (`Request::GuestGrow`) into the free
+//! bytes right after it, then the new pages' bytes are copied into the
+//! extension and the BAR is mapped there over them. Nothing mapped
+//! before moves, so the regions over the old pages keep their offsets and
+//! the daemon's mappings of them. The daemon allocates memory extents with
+//! headroom that other allocations leave free while they fit elsewhere,
+//! so the bytes after an extent are usually free; where they are not
+//! (taken, or past the region's end) the registration is refused with the
+//! daemon's reason (`ENOMEM`). There is no fallback to a fresh extent: the
+//! span is live only while a region holds it, and that region's
+//! daemon-side mapping still points at the old extent. The generations of
+//! a grown span share one [`GuestExtent`], which moves the pages back and
+//! gives the extent back when the last of them goes. A range that begins
+//! before a span it overlaps, or that spans two, is refused as on the host.
+//!
 //! After `fork` the child gets private copies of the BAR's mappings, as
 //! of the host's memfd spans (`super::fork`): its writes never reach the
 //! parent's registered pages or the heap objects beside them.
@@ -20,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use rustix::mm::{MapFlags, ProtFlags};
 use vrdma_shm::Segment;
 
-use super::{check_rebackable, REGISTRY};
+use super::{check_rebackable, MapEntry, REGISTRY};
 use super::{covering, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
 use crate::error::{Error, Result};
 
@@ -37,13 +56,43 @@ pub(crate) struct GuestSpan {
     maps_offset: u64,
     /// The context whose session holds the extent.
     pub owner: usize,
-    /// Gives the extent back (once, when the span goes).
-    release: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// The extent, shared by the span's generations.
+    extent: Arc<GuestExtent>,
 }
 
 impl std::fmt::Debug for GuestSpan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GuestSpan").field("offset", &self.offset).field("owner", &self.owner).finish()
+    }
+}
+
+/// An extent mapped over the application's pages, shared by every
+/// generation of its span (a grown span is a new `Span`; the regions made
+/// before hold the old one). When the last goes, the pages go back to
+/// private memory and the extent back to the daemon.
+struct GuestExtent {
+    /// The first page's address.
+    start: usize,
+    /// The BAR's inode.
+    ino: u64,
+    /// What `/proc/self/maps` shows for `start` ([`GuestSpan::maps_offset`]).
+    maps_offset: u64,
+    /// The pieces mapped from the extent, contiguous from `start`: the
+    /// first mapping, then one per growth.
+    pieces: Mutex<Vec<(usize, usize)>>,
+    /// Gives the extent back (once, when the extent goes).
+    release: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl GuestExtent {
+    /// The end of the pages mapped from the extent.
+    fn mapped_end(pieces: &[(usize, usize)], start: usize) -> usize {
+        pieces.last().map_or(start, |&(s, l)| s + l)
+    }
+
+    /// What `/proc/self/maps` shows for `addr` of the extent's pages.
+    fn maps_offset_of(&self, addr: usize) -> u64 {
+        self.maps_offset + (addr - self.start) as u64
     }
 }
 
@@ -58,6 +107,9 @@ pub(crate) struct GuestSource<'a> {
     pub alloc: &'a dyn Fn(u64) -> Result<(u64, u64)>,
     /// What gives the extent at an offset back.
     pub release: &'a dyn Fn(u64) -> Box<dyn FnOnce() + Send>,
+    /// Asks the daemon to grow the extent at an offset in place to at
+    /// least the given bytes: its new length.
+    pub grow: &'a dyn Fn(u64, u64) -> Result<u64>,
 }
 
 /// Whether `[span_start, end)` is still mapped, rw and shared, from the
@@ -139,10 +191,23 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             }
             return Ok(Rebacked { fd_offset: g.offset + (start - span.start) as u64, span: span.clone() });
         }
+        [span] if span.start <= pstart => {
+            let g = span.guest.as_ref().expect("checked above");
+            if g.owner != src.owner {
+                return Err(Error::invalid(format!(
+                    "[{start:#x}, {end:#x}) begins in pages registered through another context; \
+                     in a guest, pages are shared between registrations of one context only"
+                )));
+            }
+            let grown = grow(&maps, span, (start, end), pend, src)?;
+            let fd_offset = g.offset + (start - grown.start) as u64;
+            reg.entry(grown.start).or_default().push(Arc::downgrade(&grown));
+            return Ok(Rebacked { fd_offset, span: grown });
+        }
         [span, ..] => {
             return Err(Error::invalid(format!(
                 "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
-                 (pages [{:#x}, {:#x}); in a guest a span does not grow)",
+                 (pages [{:#x}, {:#x}) are re-backed as one span, and a span grows only at its end)",
                 span.start,
                 span.end()
             )));
@@ -157,36 +222,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
         // (the fork waits for the registry lock this holds).
         let st = rustix::fs::fstat(src.bar)?;
         super::fork::note_guest_bar(st.st_dev, st.st_ino);
-        let bar = src.bar.try_clone_to_owned()?;
-        let temp = Segment::map_trusted_at(bar, offset, span_len)?;
-        let fence = fence::WriteFence::raise(pstart, span_len);
-        // SAFETY: `[pstart, pend)` is mapped readable (checked against
-        // /proc/self/maps under the registry lock; the caller owns it) and
-        // `temp` is a separate mapping of `span_len` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(pstart as *const u8, temp.as_ptr(), span_len) };
-        // SAFETY: as in `reback`: the pages are the caller's private
-        // anonymous memory and the BAR's extent holds their bytes now, so
-        // every pointer into them stays valid and sees the same contents.
-        let mapped = unsafe {
-            rustix::mm::mmap(
-                pstart as *mut std::ffi::c_void,
-                span_len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED | MapFlags::FIXED,
-                src.bar,
-                offset,
-            )
-        };
-        drop(fence);
-        let mapped = mapped.map_err(|e| {
-            Error::Io(std::io::Error::new(
-                std::io::Error::from(e).kind(),
-                format!("cannot re-back [{pstart:#x}, {pend:#x}) with the VM's region: {e}"),
-            ))
-        })?;
-        if mapped as usize != pstart {
-            return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
-        }
+        map_extent_over(src.bar, offset, pstart, span_len)?;
         let fd = fds::span_fd(src.bar.as_fd())?;
         let ino = rustix::fs::fstat(&fd)?.st_ino;
         // Unreadable maps (never seen) leave the span unrecognised later,
@@ -204,10 +240,114 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             return Err(e);
         }
     };
-    let guest = GuestSpan { offset, maps_offset, owner: src.owner, release: Mutex::new(Some(release)) };
+    let extent = Arc::new(GuestExtent {
+        start: pstart,
+        ino,
+        maps_offset,
+        pieces: Mutex::new(vec![(pstart, span_len)]),
+        release: Mutex::new(Some(release)),
+    });
+    let guest = GuestSpan { offset, maps_offset, owner: src.owner, extent };
     let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
     Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
+}
+
+/// Extends the guest span `span` over the pages from its end to `pend`
+/// for the registration `range` (see the module's doc): the extent grows
+/// in place where no generation grew it that far already, the pages'
+/// bytes go into the extension and the BAR is mapped there over them.
+/// Returns the new generation; the caller holds the registry lock.
+fn grow(
+    maps: &[MapEntry],
+    span: &Arc<Span>,
+    range: (usize, usize),
+    pend: usize,
+    src: &GuestSource<'_>,
+) -> Result<Arc<Span>> {
+    let g = span.guest.as_ref().ok_or_else(|| Error::invalid("not a guest span"))?;
+    let ext = &g.extent;
+    let mut pieces = ext.pieces.lock().unwrap_or_else(|p| p.into_inner());
+    let mapped_end = GuestExtent::mapped_end(&pieces, ext.start);
+    // Pages a larger generation (gone now) mapped from the extension must
+    // still be so: the new region lies on them.
+    let kept_end = mapped_end.min(pend);
+    if span.end() < kept_end && !in_bar(maps, span.end(), kept_end, ext.ino, ext.maps_offset_of(span.end())) {
+        return Err(Error::invalid(format!(
+            "[{:#x}, {:#x}) were re-backed by the VM's region and have been remapped by the application",
+            span.end(),
+            kept_end
+        )));
+    }
+    if pend > mapped_end {
+        check_rebackable(maps, mapped_end, pend)?;
+        let new_len = (pend - ext.start) as u64;
+        (src.grow)(g.offset, new_len).map_err(|e| match e {
+            Error::Daemon { errno, message } => Error::Daemon {
+                errno,
+                message: format!(
+                    "[{:#x}, {:#x}) begins in the registered pages [{:#x}, {:#x}) and ends past them, \
+                     and their extent of the VM's region cannot grow: {message}",
+                    range.0,
+                    range.1,
+                    span.start,
+                    span.end()
+                ),
+            },
+            e => e,
+        })?;
+        let at = g.offset + (mapped_end - ext.start) as u64;
+        map_extent_over(src.bar, at, mapped_end, pend - mapped_end)?;
+        pieces.push((mapped_end, pend - mapped_end));
+    }
+    let fd = fds::span_fd(span.fd())?;
+    let guest =
+        GuestSpan { offset: g.offset, maps_offset: g.maps_offset, owner: g.owner, extent: ext.clone() };
+    Ok(Arc::new(Span {
+        start: span.start,
+        len: pend - span.start,
+        fd,
+        ino: span.ino,
+        growable: false,
+        guest: Some(guest),
+    }))
+}
+
+/// Copies the `len` bytes of the pages at `addr` (private anonymous, the
+/// caller checked) into the BAR at `offset` and maps the BAR there over
+/// them.
+fn map_extent_over(bar: BorrowedFd<'_>, offset: u64, addr: usize, len: usize) -> Result<()> {
+    let temp = Segment::map_trusted_at(bar.try_clone_to_owned()?, offset, len)?;
+    let fence = fence::WriteFence::raise(addr, len);
+    // SAFETY: `[addr, addr + len)` is mapped readable (checked against
+    // /proc/self/maps under the registry lock; the caller owns it) and
+    // `temp` is a separate mapping of `len` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, temp.as_ptr(), len) };
+    // SAFETY: as in `reback`: the pages are the caller's private
+    // anonymous memory (checked by the caller) and the BAR at `offset`
+    // holds their bytes now, so every pointer into them stays valid and
+    // sees the same contents.
+    let mapped = unsafe {
+        rustix::mm::mmap(
+            addr as *mut std::ffi::c_void,
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::FIXED,
+            bar,
+            offset,
+        )
+    };
+    drop(fence);
+    let mapped = mapped.map_err(|e| {
+        Error::Io(std::io::Error::new(
+            std::io::Error::from(e).kind(),
+            format!("cannot re-back [{addr:#x}, {:#x}) with the VM's region: {e}", addr + len),
+        ))
+    })?;
+    if mapped as usize != addr {
+        return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
+    }
+    Ok(())
 }
 
 /// Moves the pages `[start, start + len)`, mapped from the BAR, back to
@@ -263,16 +403,18 @@ fn move_back_to_private(start: usize, len: usize) {
     }
 }
 
-impl Drop for Span {
+impl Drop for GuestExtent {
     fn drop(&mut self) {
-        let Some(g) = self.guest.take() else { return };
-        // The pages go back to private memory with their bytes, unless the
-        // application unmapped them meanwhile: the extent may be anyone's
-        // in the VM once given back.
-        if still_in_bar(self.start, self.start + self.len, self.ino, g.maps_offset) {
-            move_back_to_private(self.start, self.len);
+        // The pages go back to private memory with their bytes, piece by
+        // piece, unless the application unmapped them meanwhile: the
+        // extent may be anyone's in the VM once given back.
+        let pieces = std::mem::take(self.pieces.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (at, len) in pieces {
+            if still_in_bar(at, at + len, self.ino, self.maps_offset_of(at)) {
+                move_back_to_private(at, len);
+            }
         }
-        let release = g.release.into_inner().unwrap_or_else(|p| p.into_inner());
+        let release = self.release.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(release) = release {
             release();
         }

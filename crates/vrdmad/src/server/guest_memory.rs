@@ -209,7 +209,7 @@ impl GuestMemory {
         };
         let grown = self.vm.extents().grow(offset, len).map_err(|e| {
             let errno = match e {
-                GrowError::Taken { .. } | GrowError::PastEnd { .. } => libc::ENOSPC,
+                GrowError::Taken { .. } | GrowError::PastEnd { .. } => libc::ENOMEM,
                 GrowError::NotAnExtent | GrowError::Overflow => libc::EINVAL,
             };
             (
@@ -298,7 +298,7 @@ mod tests {
             (0..region / page).map_while(|_| vm.extents().alloc(page)).map(|e| e.0).collect();
         assert_eq!(vm.extents().free_bytes(), 0);
         let e = a.grow(x, 4 * page).unwrap_err();
-        assert_eq!(e.0, libc::ENOSPC, "{}", e.1);
+        assert_eq!(e.0, libc::ENOMEM, "{}", e.1);
         assert!(e.1.contains("only 0 bytes after it are free"), "{}", e.1);
         assert_eq!(a.extent_of(x, 3 * page), Some(x), "unchanged");
         for f in fillers {
@@ -306,7 +306,7 @@ mod tests {
         }
         // Past the region's end, and lengths that overflow.
         let e = a.grow(x, region + page).unwrap_err();
-        assert_eq!(e.0, libc::ENOSPC, "{}", e.1);
+        assert_eq!(e.0, libc::ENOMEM, "{}", e.1);
         assert!(e.1.contains("past the region's end"), "{}", e.1);
         assert_eq!(a.grow(x, u64::MAX).unwrap_err().0, libc::EINVAL);
         // The grown extent is freed whole.
