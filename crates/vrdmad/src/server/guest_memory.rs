@@ -309,6 +309,15 @@ mod tests {
         assert_eq!(e.0, libc::ENOMEM, "{}", e.1);
         assert!(e.1.contains("past the region's end"), "{}", e.1);
         assert_eq!(a.grow(x, u64::MAX).unwrap_err().0, libc::EINVAL);
+        // A migration's snapshot carries the grown extent as one (the
+        // extents in use), which the destination reserves whole.
+        let used: Vec<(u64, u64)> = vm.extents().used().collect();
+        assert!(used.contains(&(x, 3 * page)), "{used:?}");
+        let mut there = vrdma_core::extents::Extents::new(region, page);
+        for &(at, len) in &used {
+            assert_eq!(there.reserve(at, len), Some(len));
+        }
+        assert_eq!(there.containing(x + 2 * page, 10), Some((x, 3 * page)));
         // The grown extent is freed whole.
         a.free(x).unwrap();
         b.free(y).unwrap();
