@@ -160,7 +160,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
         return Err(Error::Unsupported("registering huge pages from a guest".into()));
     }
     let overlapping: Vec<Arc<Span>> =
-        reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| s.end() > pstart).collect();
+        reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| reach(s) > pstart).collect();
     let mut live = Vec::new();
     for span in overlapping {
         let Some(g) = &span.guest else {
@@ -251,6 +251,17 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
     let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
     Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
+}
+
+/// How far a span's pages are mapped from its extent: past the span's
+/// end where a larger generation, gone now, grew it (its pages stay
+/// mapped from the extent, which the span holds, and a registration on
+/// them takes them back as a growth).
+fn reach(span: &Span) -> usize {
+    span.guest.as_ref().map_or(span.end(), |g| {
+        let pieces = g.extent.pieces.lock().unwrap_or_else(|p| p.into_inner());
+        GuestExtent::mapped_end(&pieces, g.extent.start).max(span.end())
+    })
 }
 
 /// Extends the guest span `span` over the pages from its end to `pend`
@@ -425,6 +436,124 @@ impl Drop for GuestExtent {
 mod tests {
     use super::super::parse_maps;
     use super::*;
+    use vrdma_core::extents::Extents;
+
+    /// `n` fresh private anonymous pages, filled with a pattern.
+    fn pages(n: usize) -> *mut u8 {
+        let len = n * vrdma_shm::page_size();
+        // SAFETY: a fresh private anonymous mapping at an address the
+        // kernel chooses.
+        let p = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .unwrap()
+        .cast::<u8>();
+        for i in 0..len {
+            // SAFETY: inside the mapping.
+            unsafe { p.add(i).write((i % 251) as u8) };
+        }
+        p
+    }
+
+    /// The byte at `offset` of the file `fd`.
+    fn byte_at(fd: BorrowedFd<'_>, offset: u64) -> u8 {
+        let mut b = [0u8];
+        assert_eq!(rustix::io::pread(fd, &mut b, offset).unwrap(), 1);
+        b[0]
+    }
+
+    /// A span grows in place in its extent of a stand-in BAR (a memfd,
+    /// with the daemon's allocator and headroom), its generations share
+    /// the extent, a registration on pages a gone generation grew over
+    /// takes them back, the extent goes back once after the last, and a
+    /// growth the region cannot hold is refused clearly.
+    #[test]
+    fn a_span_grows_in_its_extent_and_the_extent_goes_back_after_the_last_generation() {
+        let page = vrdma_shm::page_size();
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, 64 * page as u64).unwrap();
+        let ino = rustix::fs::fstat(&bar).unwrap().st_ino;
+        let ext = Mutex::new(Extents::new(64 * page as u64, page as u64));
+        let released = Arc::new(Mutex::new(Vec::new()));
+        let alloc =
+            |len: u64| ext.lock().unwrap().alloc_with_headroom(len, 16 * page as u64).ok_or(Error::QueueFull);
+        let grow = |offset: u64, len: u64| {
+            ext.lock()
+                .unwrap()
+                .grow(offset, len)
+                .map_err(|e| Error::Daemon { errno: libc::ENOMEM, message: format!("cannot grow: {e}") })
+        };
+        let release = |offset: u64| -> Box<dyn FnOnce() + Send> {
+            let r = released.clone();
+            Box::new(move || r.lock().unwrap().push(offset))
+        };
+        let src = GuestSource { owner: 1, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
+        let p = pages(4);
+        let base = p as usize;
+        // SAFETY: pages of this test, written by no other thread.
+        let a = unsafe { reback_guest(p.add(100), 100, &src) }.unwrap();
+        let o = a.fd_offset - 100;
+        // A thread's stand-in rings land after a's headroom.
+        let (ring, _) = ext.lock().unwrap().alloc(page as u64).unwrap();
+        assert_eq!(ring, o + 17 * page as u64);
+        // Another context's registration may not grow it.
+        let other = GuestSource { owner: 2, ..src };
+        // SAFETY: as above; refused before anything is remapped.
+        let e = unsafe { reback_guest(p.add(3000), 6000, &other) }.unwrap_err();
+        assert!(e.to_string().contains("another context"), "{e}");
+        // SAFETY: as above.
+        let b = unsafe { reback_guest(p.add(3000), 6000, &src) }.unwrap();
+        assert_eq!(b.fd_offset, o + 3000);
+        assert_eq!((b.span.start, b.span.end()), (base, base + 3 * page));
+        assert!(Arc::ptr_eq(&a.span.guest.as_ref().unwrap().extent, &b.span.guest.as_ref().unwrap().extent));
+        assert_eq!(ext.lock().unwrap().containing(o, 3 * page as u64), Some((o, 3 * page as u64)));
+        assert!(still_in_bar(base, base + 3 * page, ino, o));
+        assert_eq!(byte_at(bar.as_fd(), o + 2 * page as u64 + 5), ((2 * page + 5) % 251) as u8, "copied");
+        // SAFETY: inside the pages.
+        unsafe { p.add(2 * page + 10).write(0x42) };
+        assert_eq!(byte_at(bar.as_fd(), o + 2 * page as u64 + 10), 0x42, "shared");
+        // The larger generation goes; its pages stay in the extent, which
+        // the first holds, and a registration there takes them back.
+        drop(b);
+        assert!(still_in_bar(base, base + 3 * page, ino, o));
+        // SAFETY: as above.
+        let c = unsafe { reback_guest(p.add(page + 8), 16, &src) }.unwrap();
+        assert_eq!(c.fd_offset, o + page as u64 + 8);
+        assert!(released.lock().unwrap().is_empty());
+        drop(a);
+        assert!(released.lock().unwrap().is_empty(), "c still lies on the extent");
+        drop(c);
+        assert_eq!(*released.lock().unwrap(), vec![o], "given back once");
+        assert!(!still_in_bar(base, base + page, ino, o), "moved back to private memory");
+        assert!(!still_in_bar(base + 2 * page, base + 3 * page, ino, o + 2 * page as u64));
+        // SAFETY: inside the pages.
+        unsafe {
+            assert_eq!(p.add(2 * page + 10).read(), 0x42);
+            assert_eq!(p.add(3 * page + 1).read(), ((3 * page + 1) % 251) as u8);
+        }
+        ext.lock().unwrap().free(o);
+
+        // No room after the extent: refused, nothing remapped.
+        let q = pages(3);
+        // SAFETY: as above.
+        let d = unsafe { reback_guest(q.add(16), 16, &src) }.unwrap();
+        while ext.lock().unwrap().alloc(page as u64).is_some() {}
+        // SAFETY: as above; refused before anything is remapped.
+        let e = unsafe { reback_guest(q.add(32), 2 * page, &src) }.unwrap_err();
+        assert_eq!(e.errno(), libc::ENOMEM);
+        assert!(e.to_string().contains("cannot grow: only 0 bytes after it are free"), "{e}");
+        assert!(!still_in_bar(q as usize + page, q as usize + 2 * page, ino, d.fd_offset - 16 + page as u64));
+        drop(d);
+        for m in [p, q] {
+            // SAFETY: the test's own mappings, no longer registered.
+            unsafe { rustix::mm::munmap(m.cast(), if m == p { 4 * page } else { 3 * page }).unwrap() };
+        }
+    }
 
     /// A real guest's maps show a sysfs BAR mapping at the BAR's bus
     /// address plus the extent's offset (here 0xfe000000 + 0x5000); the
