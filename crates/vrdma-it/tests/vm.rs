@@ -658,3 +658,173 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
     unsafe { libc::munmap(buf.cast(), LEN) };
     Ok(())
 }
+
+/// Whether `[addr, addr + len)` of this process is all mapped shared from
+/// the file with inode `ino` (the VM's region).
+fn mapped_from(addr: usize, len: usize, ino: u64) -> Result<bool> {
+    let maps = std::fs::read_to_string("/proc/self/maps")?;
+    let mut at = addr;
+    for line in maps.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (Some(range), Some(perms), Some(inode)) = (f.first(), f.get(1), f.get(4)) else { continue };
+        let Some((s, e)) = range.split_once('-') else { continue };
+        let (s, e) = (usize::from_str_radix(s, 16)?, usize::from_str_radix(e, 16)?);
+        if s <= at && at < e {
+            if !perms.ends_with('s') || inode.parse::<u64>()? != ino {
+                return Ok(false);
+            }
+            at = e;
+            if at >= addr + len {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// Two buffers sharing a page, each registered on its own through a guest
+/// context (two heap allocations, the common case): the second starts in
+/// the first one's page and ends two pages on, so the span's extent of
+/// the VM's region grows in place (`Request::GuestGrow`), though the
+/// context's rings were allocated between the two registrations. Bytes
+/// written through the application's pointers into both reach the host by
+/// a send and an RDMA write, and the host's RDMA writes into both (the new
+/// pages too) are seen through the pointers. A registration whose growth
+/// cannot fit the region is refused with a clear error, the first region
+/// of that span working on. When the regions go, the pages are private
+/// again with their bytes. (Before, the second registration was refused:
+/// in a guest a span did not grow.)
+#[test]
+fn a_guest_registration_that_begins_in_a_registered_page_grows_its_span() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let d = daemon_with_vm("")?;
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let ino = rustix::fs::fstat(&vm.region)?.st_ino;
+    let cfg = vrdma::guest::GuestConfig {
+        ports: vec![vm.port_socket.clone()],
+        bar: format!("/proc/self/fd/{}", vm.region.as_raw_fd()).into(),
+    };
+    let gctx = vrdma::Context::open_guest(&cfg)?;
+    let host = d.context()?;
+    let me = Side::new(&host, 1 << 16)?;
+    let page = 4096;
+    let map = |len: usize| {
+        // SAFETY: a fresh private anonymous mapping, checked.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(p, libc::MAP_FAILED);
+        p.cast::<u8>()
+    };
+    const LEN: usize = 4 * 4096;
+    let buf = map(LEN);
+    let first = pattern(LEN, 31);
+    // SAFETY: `buf` holds LEN bytes, ours.
+    unsafe { std::ptr::copy_nonoverlapping(first.as_ptr(), buf, LEN) };
+    let (a_off, a_len, b_off, b_len) = (100, 1000, 3000, 6000);
+    let pd = gctx.alloc_pd()?;
+    // SAFETY: the mapping lives until the end of this test, after the
+    // regions; it is read and written through raw pointers and the regions.
+    let mr_a = unsafe { pd.register_raw(buf.add(a_off), a_len, access_all()) }?;
+    assert!(mapped_from(buf as usize, page, ino)?, "the first page is not in the VM's region");
+    // Rings allocated between the two registrations.
+    let cq = gctx.create_cq(64, None)?;
+    let qp = pd.create_rc_qp(&cq, &cq, vrdma_it::cap(16, 1))?;
+    // SAFETY: as above.
+    let mr_b = unsafe { pd.register_raw(buf.add(b_off), b_len, access_all()) }?;
+    assert!(mapped_from(buf as usize, 3 * page, ino)?, "the grown span's pages are not all in the region");
+    assert!(!mapped_from(buf as usize + 3 * page, page, ino)?, "the fourth page was not registered");
+    // SAFETY: inside the mapping.
+    let kept = unsafe { std::slice::from_raw_parts(buf, LEN) }.to_vec();
+    assert_eq!(kept, first, "re-backing changed the application's bytes");
+    qp.connect(&me.endpoint()?, access_all())?;
+    me.qp.connect(&qp.endpoint(&gctx)?, access_all())?;
+
+    // Through the application's pointers, into both buffers.
+    let (x, y) = (pattern(a_len, 32), pattern(b_len, 33));
+    // SAFETY: both inside the mapping.
+    unsafe {
+        std::ptr::copy_nonoverlapping(x.as_ptr(), buf.add(a_off), a_len);
+        std::ptr::copy_nonoverlapping(y.as_ptr(), buf.add(b_off), b_len);
+    }
+    // A send from the first, an RDMA write from the second: the daemon's
+    // copies read what the pointers wrote.
+    me.qp.post_recv(&[wr::recv(1, &[me.mr.sge(0, 4096)?])?])?;
+    qp.post_send(&[wr::send(2, &[mr_a.sge(0, a_len)?])?.signaled()])?;
+    assert_eq!(poll_one(&cq, WAIT)?.status, WcStatus::Success);
+    let wc = poll_one(&me.cq, WAIT)?;
+    assert_eq!((wc.wr_id, wc.status, wc.byte_len as usize), (1, WcStatus::Success, a_len));
+    let mut got = vec![0u8; a_len];
+    me.mr.read(0, &mut got)?;
+    assert_eq!(got, x, "the send from the first buffer");
+    qp.post_send(
+        &[wr::rdma_write(3, &[mr_b.sge(0, b_len)?], me.mr.addr() + 8192, me.mr.rkey())?.signaled()],
+    )?;
+    let wc = poll_one(&cq, WAIT)?;
+    assert_eq!((wc.wr_id, wc.status), (3, WcStatus::Success));
+    let mut got = vec![0u8; b_len];
+    me.mr.read(8192, &mut got)?;
+    assert_eq!(got, y, "the RDMA write from the second buffer (its new pages too)");
+
+    // The host writes into both; the pointers see it.
+    let (z, w) = (pattern(4000, 34), pattern(500, 35));
+    me.mr.write(20_000, &z)?;
+    me.mr.write(30_000, &w)?;
+    me.qp.post_send(&[
+        wr::rdma_write(4, &[me.mr.sge(20_000, z.len())?], mr_b.addr() + 2000, mr_b.rkey())?,
+        wr::rdma_write(5, &[me.mr.sge(30_000, w.len())?], mr_a.addr() + 200, mr_a.rkey())?.signaled(),
+    ])?;
+    let wc = poll_one(&me.cq, WAIT)?;
+    assert_eq!((wc.wr_id, wc.status), (5, WcStatus::Success));
+    // SAFETY: inside the mapping; the writes completed.
+    let seen = |off: usize, n: usize| unsafe { std::slice::from_raw_parts(buf.add(off), n) }.to_vec();
+    assert_eq!(seen(b_off + 2000, z.len()), z, "the host's write into the grown pages");
+    assert_eq!(seen(a_off + 200, w.len()), w, "the host's write into the first buffer");
+
+    // A growth the region cannot hold (a span in another mapping, then a
+    // range from inside it to 9 MiB on, in an 8 MiB region): refused, and
+    // that span's region works on.
+    let big_len = 10 << 20;
+    let big = map(big_len);
+    // SAFETY: inside the `big` mapping, which lives until the end of this test.
+    let mr_c = unsafe { pd.register_raw(big.add(16), 64, access_all()) }?;
+    // SAFETY: as above; refused before anything is remapped.
+    let e = unsafe { pd.register_raw(big.add(32), 9 << 20, access_all()) }.unwrap_err();
+    assert_eq!(e.errno(), libc::ENOMEM, "{e}");
+    let msg = e.to_string();
+    assert!(msg.contains("cannot grow") && msg.contains("past the region's end"), "{msg}");
+    assert!(!mapped_from(big as usize + page, page, ino)?, "a refused growth remapped pages");
+    me.qp.post_recv(&[wr::recv(6, &[me.mr.sge(40_000, 4096)?])?])?;
+    // SAFETY: inside the `big` mapping.
+    unsafe { std::ptr::write_bytes(big.add(16), 0x5a, 64) };
+    qp.post_send(&[wr::send(7, &[mr_c.sge(0, 64)?])?.signaled()])?;
+    assert_eq!(poll_one(&cq, WAIT)?.status, WcStatus::Success);
+    assert_eq!(poll_one(&me.cq, WAIT)?.byte_len, 64);
+    let mut got = vec![0u8; 64];
+    me.mr.read(40_000, &mut got)?;
+    assert!(got.iter().all(|&b| b == 0x5a), "{got:?}");
+
+    // The first region goes, then the second: only then are the pages
+    // private again, with their bytes.
+    // SAFETY: inside the mapping.
+    let before = unsafe { std::slice::from_raw_parts(buf, LEN) }.to_vec();
+    drop(mr_a);
+    assert!(mapped_from(buf as usize, 3 * page, ino)?, "the second region still needs the span");
+    drop((qp, cq, mr_b, mr_c, pd));
+    assert!(!mapped_from(buf as usize, page, ino)?, "the pages stayed in the region");
+    assert!(!mapped_from(buf as usize + 2 * page, page, ino)?, "the grown pages stayed in the region");
+    assert_eq!(seen(0, LEN), before, "the pages lost bytes going back to private memory");
+    // SAFETY: the mappings made above; their regions are gone.
+    unsafe {
+        libc::munmap(buf.cast(), LEN);
+        libc::munmap(big.cast(), big_len);
+    }
+    Ok(())
+}

@@ -178,12 +178,20 @@ impl MemoryRegion {
             let ctx = ctx.clone();
             Box::new(move || ctx.inner.control.destroy(Request::GuestFree { offset }))
         };
+        let grow = |offset: u64, len: u64| {
+            let req = Request::GuestGrow { offset, len };
+            match ctx.inner.control.call(&req, &[])?.reply {
+                Reply::GuestExtent { len, .. } => Ok(len),
+                other => Err(control::unexpected(&req, &other)),
+            }
+        };
         let bar = link.bar_fd();
         let src = rebacking::GuestSource {
             owner: Arc::as_ptr(&ctx.inner) as usize,
             bar: bar.as_fd(),
             alloc: &alloc,
             release: &release,
+            grow: &grow,
         };
         // SAFETY: the caller's contract, as for `reback`.
         let r = unsafe { rebacking::reback_guest(ptr, len, &src)? };

@@ -258,6 +258,7 @@ impl Fake {
             Request::VmAttach { .. }
             | Request::GuestAlloc { .. }
             | Request::GuestFree { .. }
+            | Request::GuestGrow { .. }
             | Request::Migrate(_)
             | Request::AdoptContext { .. }
             | Request::Sock(_) => {

@@ -39,7 +39,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// rings placed in its ring pool; `CmRequest::RouteReported` and
 /// `ConnectRouted`, a route the library resolved itself;
 /// `CmRequest::Batch`, answered `Reply::Batch`, several calls in one
-/// round trip.)
+/// round trip; `Request::GuestGrow`, a guest's memory extent grown in
+/// place.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -200,6 +201,15 @@ pub enum Request {
     AdoptContext {
         version: u32,
         context: u32,
+    },
+    /// Guest sessions only: grows this session's memory extent at
+    /// `offset` in place to at least `len` bytes (whole pages), into the
+    /// free bytes right after it; refused where they are not free (a
+    /// re-backed span that a registration extends, `docs/vms.md`).
+    /// Answered [`Reply::GuestExtent`] with its new length.
+    GuestGrow {
+        offset: u64,
+        len: u64,
     },
 }
 
@@ -720,6 +730,17 @@ mod tests {
     fn adopting_a_context_is_appended_and_round_trips() {
         let r = Request::AdoptContext { version: PROTOCOL_VERSION, context: 0x0300_0007 };
         assert_eq!(encode_request(&r)[0], 34, "after the socket registry's");
+        assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
+        let full = encode_request(&r);
+        for n in 0..full.len() {
+            assert!(decode_request(&full[..n]).is_err());
+        }
+    }
+
+    #[test]
+    fn growing_a_guest_extent_is_appended_and_round_trips() {
+        let r = Request::GuestGrow { offset: 0x4000, len: 3 * 4096 };
+        assert_eq!(encode_request(&r)[0], 35, "after AdoptContext's 34");
         assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
         let full = encode_request(&r);
         for n in 0..full.len() {

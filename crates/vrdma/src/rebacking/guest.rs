@@ -4,12 +4,31 @@
 //! BAR). So a registration asks the daemon for an extent of it (for this
 //! context's session), copies the pages' bytes there and maps the BAR at
 //! that extent over the same addresses, as the host re-backs with a memfd
-//! (see the parent module). Differences: a span never grows, huge pages
-//! are refused, a span is reused only by registrations through the same
-//! context (the daemon checks that a region lies in an extent of the
-//! session registering it), and when the last region over a span goes the
-//! pages are moved back to private anonymous memory before the extent is
-//! given back, since it may then be handed to anything else of the VM.
+//! (see the parent module). Differences: huge pages are refused, a span is
+//! reused only by registrations through the same context (the daemon
+//! checks that a region lies in an extent of the session registering it),
+//! and when the last region over a span goes the pages are moved back to
+//! private anonymous memory before the extent is given back, since it may
+//! then be handed to anything else of the VM.
+//!
+//! A range that starts inside a live span of the same context and ends
+//! past it *grows* the span, as on the host (two heap buffers sharing a
+//! page, each registered on its own, are the common case): the daemon
+//! grows the span's extent in place (`Request::GuestGrow`) into the free
+//! bytes right after it, then the new pages' bytes are copied into the
+//! extension and the BAR is mapped there over them. Nothing mapped
+//! before moves, so the regions over the old pages keep their offsets and
+//! the daemon's mappings of them. The daemon allocates memory extents with
+//! headroom that other allocations leave free while they fit elsewhere,
+//! so the bytes after an extent are usually free; where they are not
+//! (taken, or past the region's end) the registration is refused with the
+//! daemon's reason (`ENOMEM`). There is no fallback to a fresh extent: the
+//! span is live only while a region holds it, and that region's
+//! daemon-side mapping still points at the old extent. The generations of
+//! a grown span share one [`GuestExtent`], which moves the pages back and
+//! gives the extent back when the last of them goes. A range that begins
+//! before a span it overlaps, or that spans two, is refused as on the host.
+//!
 //! After `fork` the child gets private copies of the BAR's mappings, as
 //! of the host's memfd spans (`super::fork`): its writes never reach the
 //! parent's registered pages or the heap objects beside them.
@@ -20,7 +39,7 @@ use std::sync::{Arc, Mutex};
 use rustix::mm::{MapFlags, ProtFlags};
 use vrdma_shm::Segment;
 
-use super::{check_rebackable, REGISTRY};
+use super::{check_rebackable, MapEntry, REGISTRY};
 use super::{covering, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
 use crate::error::{Error, Result};
 
@@ -37,13 +56,43 @@ pub(crate) struct GuestSpan {
     maps_offset: u64,
     /// The context whose session holds the extent.
     pub owner: usize,
-    /// Gives the extent back (once, when the span goes).
-    release: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+    /// The extent, shared by the span's generations.
+    extent: Arc<GuestExtent>,
 }
 
 impl std::fmt::Debug for GuestSpan {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GuestSpan").field("offset", &self.offset).field("owner", &self.owner).finish()
+    }
+}
+
+/// An extent mapped over the application's pages, shared by every
+/// generation of its span (a grown span is a new `Span`; the regions made
+/// before hold the old one). When the last goes, the pages go back to
+/// private memory and the extent back to the daemon.
+struct GuestExtent {
+    /// The first page's address.
+    start: usize,
+    /// The BAR's inode.
+    ino: u64,
+    /// What `/proc/self/maps` shows for `start` ([`GuestSpan::maps_offset`]).
+    maps_offset: u64,
+    /// The pieces mapped from the extent, contiguous from `start`: the
+    /// first mapping, then one per growth.
+    pieces: Mutex<Vec<(usize, usize)>>,
+    /// Gives the extent back (once, when the extent goes).
+    release: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl GuestExtent {
+    /// The end of the pages mapped from the extent.
+    fn mapped_end(pieces: &[(usize, usize)], start: usize) -> usize {
+        pieces.last().map_or(start, |&(s, l)| s + l)
+    }
+
+    /// What `/proc/self/maps` shows for `addr` of the extent's pages.
+    fn maps_offset_of(&self, addr: usize) -> u64 {
+        self.maps_offset + (addr - self.start) as u64
     }
 }
 
@@ -58,6 +107,9 @@ pub(crate) struct GuestSource<'a> {
     pub alloc: &'a dyn Fn(u64) -> Result<(u64, u64)>,
     /// What gives the extent at an offset back.
     pub release: &'a dyn Fn(u64) -> Box<dyn FnOnce() + Send>,
+    /// Asks the daemon to grow the extent at an offset in place to at
+    /// least the given bytes: its new length.
+    pub grow: &'a dyn Fn(u64, u64) -> Result<u64>,
 }
 
 /// Whether `[span_start, end)` is still mapped, rw and shared, from the
@@ -108,7 +160,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
         return Err(Error::Unsupported("registering huge pages from a guest".into()));
     }
     let overlapping: Vec<Arc<Span>> =
-        reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| s.end() > pstart).collect();
+        reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| reach(s) > pstart).collect();
     let mut live = Vec::new();
     for span in overlapping {
         let Some(g) = &span.guest else {
@@ -139,10 +191,23 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             }
             return Ok(Rebacked { fd_offset: g.offset + (start - span.start) as u64, span: span.clone() });
         }
+        [span] if span.start <= pstart => {
+            let g = span.guest.as_ref().expect("checked above");
+            if g.owner != src.owner {
+                return Err(Error::invalid(format!(
+                    "[{start:#x}, {end:#x}) begins in pages registered through another context; \
+                     in a guest, pages are shared between registrations of one context only"
+                )));
+            }
+            let grown = grow(&maps, span, (start, end), pend, src)?;
+            let fd_offset = g.offset + (start - grown.start) as u64;
+            reg.entry(grown.start).or_default().push(Arc::downgrade(&grown));
+            return Ok(Rebacked { fd_offset, span: grown });
+        }
         [span, ..] => {
             return Err(Error::invalid(format!(
                 "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
-                 (pages [{:#x}, {:#x}); in a guest a span does not grow)",
+                 (pages [{:#x}, {:#x}) are re-backed as one span, and a span grows only at its end)",
                 span.start,
                 span.end()
             )));
@@ -157,36 +222,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
         // (the fork waits for the registry lock this holds).
         let st = rustix::fs::fstat(src.bar)?;
         super::fork::note_guest_bar(st.st_dev, st.st_ino);
-        let bar = src.bar.try_clone_to_owned()?;
-        let temp = Segment::map_trusted_at(bar, offset, span_len)?;
-        let fence = fence::WriteFence::raise(pstart, span_len);
-        // SAFETY: `[pstart, pend)` is mapped readable (checked against
-        // /proc/self/maps under the registry lock; the caller owns it) and
-        // `temp` is a separate mapping of `span_len` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(pstart as *const u8, temp.as_ptr(), span_len) };
-        // SAFETY: as in `reback`: the pages are the caller's private
-        // anonymous memory and the BAR's extent holds their bytes now, so
-        // every pointer into them stays valid and sees the same contents.
-        let mapped = unsafe {
-            rustix::mm::mmap(
-                pstart as *mut std::ffi::c_void,
-                span_len,
-                ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::SHARED | MapFlags::FIXED,
-                src.bar,
-                offset,
-            )
-        };
-        drop(fence);
-        let mapped = mapped.map_err(|e| {
-            Error::Io(std::io::Error::new(
-                std::io::Error::from(e).kind(),
-                format!("cannot re-back [{pstart:#x}, {pend:#x}) with the VM's region: {e}"),
-            ))
-        })?;
-        if mapped as usize != pstart {
-            return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
-        }
+        map_extent_over(src.bar, offset, pstart, span_len)?;
         let fd = fds::span_fd(src.bar.as_fd())?;
         let ino = rustix::fs::fstat(&fd)?.st_ino;
         // Unreadable maps (never seen) leave the span unrecognised later,
@@ -204,10 +240,125 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             return Err(e);
         }
     };
-    let guest = GuestSpan { offset, maps_offset, owner: src.owner, release: Mutex::new(Some(release)) };
+    let extent = Arc::new(GuestExtent {
+        start: pstart,
+        ino,
+        maps_offset,
+        pieces: Mutex::new(vec![(pstart, span_len)]),
+        release: Mutex::new(Some(release)),
+    });
+    let guest = GuestSpan { offset, maps_offset, owner: src.owner, extent };
     let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
     Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
+}
+
+/// How far a span's pages are mapped from its extent: past the span's
+/// end where a larger generation, gone now, grew it (its pages stay
+/// mapped from the extent, which the span holds, and a registration on
+/// them takes them back as a growth).
+fn reach(span: &Span) -> usize {
+    span.guest.as_ref().map_or(span.end(), |g| {
+        let pieces = g.extent.pieces.lock().unwrap_or_else(|p| p.into_inner());
+        GuestExtent::mapped_end(&pieces, g.extent.start).max(span.end())
+    })
+}
+
+/// Extends the guest span `span` over the pages from its end to `pend`
+/// for the registration `range` (see the module's doc): the extent grows
+/// in place where no generation grew it that far already, the pages'
+/// bytes go into the extension and the BAR is mapped there over them.
+/// Returns the new generation; the caller holds the registry lock.
+fn grow(
+    maps: &[MapEntry],
+    span: &Arc<Span>,
+    range: (usize, usize),
+    pend: usize,
+    src: &GuestSource<'_>,
+) -> Result<Arc<Span>> {
+    let g = span.guest.as_ref().ok_or_else(|| Error::invalid("not a guest span"))?;
+    let ext = &g.extent;
+    let mut pieces = ext.pieces.lock().unwrap_or_else(|p| p.into_inner());
+    let mapped_end = GuestExtent::mapped_end(&pieces, ext.start);
+    // Pages a larger generation (gone now) mapped from the extension must
+    // still be so: the new region lies on them.
+    let kept_end = mapped_end.min(pend);
+    if span.end() < kept_end && !in_bar(maps, span.end(), kept_end, ext.ino, ext.maps_offset_of(span.end())) {
+        return Err(Error::invalid(format!(
+            "[{:#x}, {:#x}) were re-backed by the VM's region and have been remapped by the application",
+            span.end(),
+            kept_end
+        )));
+    }
+    if pend > mapped_end {
+        check_rebackable(maps, mapped_end, pend)?;
+        let new_len = (pend - ext.start) as u64;
+        (src.grow)(g.offset, new_len).map_err(|e| match e {
+            Error::Daemon { errno, message } => Error::Daemon {
+                errno,
+                message: format!(
+                    "[{:#x}, {:#x}) begins in the registered pages [{:#x}, {:#x}) and ends past them, \
+                     and their extent of the VM's region cannot grow: {message}",
+                    range.0,
+                    range.1,
+                    span.start,
+                    span.end()
+                ),
+            },
+            e => e,
+        })?;
+        let at = g.offset + (mapped_end - ext.start) as u64;
+        map_extent_over(src.bar, at, mapped_end, pend - mapped_end)?;
+        pieces.push((mapped_end, pend - mapped_end));
+    }
+    let fd = fds::span_fd(span.fd())?;
+    let guest =
+        GuestSpan { offset: g.offset, maps_offset: g.maps_offset, owner: g.owner, extent: ext.clone() };
+    Ok(Arc::new(Span {
+        start: span.start,
+        len: pend - span.start,
+        fd,
+        ino: span.ino,
+        growable: false,
+        guest: Some(guest),
+    }))
+}
+
+/// Copies the `len` bytes of the pages at `addr` (private anonymous, the
+/// caller checked) into the BAR at `offset` and maps the BAR there over
+/// them.
+fn map_extent_over(bar: BorrowedFd<'_>, offset: u64, addr: usize, len: usize) -> Result<()> {
+    let temp = Segment::map_trusted_at(bar.try_clone_to_owned()?, offset, len)?;
+    let fence = fence::WriteFence::raise(addr, len);
+    // SAFETY: `[addr, addr + len)` is mapped readable (checked against
+    // /proc/self/maps under the registry lock; the caller owns it) and
+    // `temp` is a separate mapping of `len` bytes.
+    unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, temp.as_ptr(), len) };
+    // SAFETY: as in `reback`: the pages are the caller's private
+    // anonymous memory (checked by the caller) and the BAR at `offset`
+    // holds their bytes now, so every pointer into them stays valid and
+    // sees the same contents.
+    let mapped = unsafe {
+        rustix::mm::mmap(
+            addr as *mut std::ffi::c_void,
+            len,
+            ProtFlags::READ | ProtFlags::WRITE,
+            MapFlags::SHARED | MapFlags::FIXED,
+            bar,
+            offset,
+        )
+    };
+    drop(fence);
+    let mapped = mapped.map_err(|e| {
+        Error::Io(std::io::Error::new(
+            std::io::Error::from(e).kind(),
+            format!("cannot re-back [{addr:#x}, {:#x}) with the VM's region: {e}", addr + len),
+        ))
+    })?;
+    if mapped as usize != addr {
+        return Err(Error::Io(std::io::Error::other("MAP_FIXED mapping landed at a different address")));
+    }
+    Ok(())
 }
 
 /// Moves the pages `[start, start + len)`, mapped from the BAR, back to
@@ -263,16 +414,18 @@ fn move_back_to_private(start: usize, len: usize) {
     }
 }
 
-impl Drop for Span {
+impl Drop for GuestExtent {
     fn drop(&mut self) {
-        let Some(g) = self.guest.take() else { return };
-        // The pages go back to private memory with their bytes, unless the
-        // application unmapped them meanwhile: the extent may be anyone's
-        // in the VM once given back.
-        if still_in_bar(self.start, self.start + self.len, self.ino, g.maps_offset) {
-            move_back_to_private(self.start, self.len);
+        // The pages go back to private memory with their bytes, piece by
+        // piece, unless the application unmapped them meanwhile: the
+        // extent may be anyone's in the VM once given back.
+        let pieces = std::mem::take(self.pieces.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (at, len) in pieces {
+            if still_in_bar(at, at + len, self.ino, self.maps_offset_of(at)) {
+                move_back_to_private(at, len);
+            }
         }
-        let release = g.release.into_inner().unwrap_or_else(|p| p.into_inner());
+        let release = self.release.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         if let Some(release) = release {
             release();
         }
@@ -283,6 +436,124 @@ impl Drop for Span {
 mod tests {
     use super::super::parse_maps;
     use super::*;
+    use vrdma_core::extents::Extents;
+
+    /// `n` fresh private anonymous pages, filled with a pattern.
+    fn pages(n: usize) -> *mut u8 {
+        let len = n * vrdma_shm::page_size();
+        // SAFETY: a fresh private anonymous mapping at an address the
+        // kernel chooses.
+        let p = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }
+        .unwrap()
+        .cast::<u8>();
+        for i in 0..len {
+            // SAFETY: inside the mapping.
+            unsafe { p.add(i).write((i % 251) as u8) };
+        }
+        p
+    }
+
+    /// The byte at `offset` of the file `fd`.
+    fn byte_at(fd: BorrowedFd<'_>, offset: u64) -> u8 {
+        let mut b = [0u8];
+        assert_eq!(rustix::io::pread(fd, &mut b, offset).unwrap(), 1);
+        b[0]
+    }
+
+    /// A span grows in place in its extent of a stand-in BAR (a memfd,
+    /// with the daemon's allocator and headroom), its generations share
+    /// the extent, a registration on pages a gone generation grew over
+    /// takes them back, the extent goes back once after the last, and a
+    /// growth the region cannot hold is refused clearly.
+    #[test]
+    fn a_span_grows_in_its_extent_and_the_extent_goes_back_after_the_last_generation() {
+        let page = vrdma_shm::page_size();
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, 64 * page as u64).unwrap();
+        let ino = rustix::fs::fstat(&bar).unwrap().st_ino;
+        let ext = Mutex::new(Extents::new(64 * page as u64, page as u64));
+        let released = Arc::new(Mutex::new(Vec::new()));
+        let alloc =
+            |len: u64| ext.lock().unwrap().alloc_with_headroom(len, 16 * page as u64).ok_or(Error::QueueFull);
+        let grow = |offset: u64, len: u64| {
+            ext.lock()
+                .unwrap()
+                .grow(offset, len)
+                .map_err(|e| Error::Daemon { errno: libc::ENOMEM, message: format!("cannot grow: {e}") })
+        };
+        let release = |offset: u64| -> Box<dyn FnOnce() + Send> {
+            let r = released.clone();
+            Box::new(move || r.lock().unwrap().push(offset))
+        };
+        let src = GuestSource { owner: 1, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
+        let p = pages(4);
+        let base = p as usize;
+        // SAFETY: pages of this test, written by no other thread.
+        let a = unsafe { reback_guest(p.add(100), 100, &src) }.unwrap();
+        let o = a.fd_offset - 100;
+        // A thread's stand-in rings land after a's headroom.
+        let (ring, _) = ext.lock().unwrap().alloc(page as u64).unwrap();
+        assert_eq!(ring, o + 17 * page as u64);
+        // Another context's registration may not grow it.
+        let other = GuestSource { owner: 2, ..src };
+        // SAFETY: as above; refused before anything is remapped.
+        let e = unsafe { reback_guest(p.add(3000), 6000, &other) }.unwrap_err();
+        assert!(e.to_string().contains("another context"), "{e}");
+        // SAFETY: as above.
+        let b = unsafe { reback_guest(p.add(3000), 6000, &src) }.unwrap();
+        assert_eq!(b.fd_offset, o + 3000);
+        assert_eq!((b.span.start, b.span.end()), (base, base + 3 * page));
+        assert!(Arc::ptr_eq(&a.span.guest.as_ref().unwrap().extent, &b.span.guest.as_ref().unwrap().extent));
+        assert_eq!(ext.lock().unwrap().containing(o, 3 * page as u64), Some((o, 3 * page as u64)));
+        assert!(still_in_bar(base, base + 3 * page, ino, o));
+        assert_eq!(byte_at(bar.as_fd(), o + 2 * page as u64 + 5), ((2 * page + 5) % 251) as u8, "copied");
+        // SAFETY: inside the pages.
+        unsafe { p.add(2 * page + 10).write(0x42) };
+        assert_eq!(byte_at(bar.as_fd(), o + 2 * page as u64 + 10), 0x42, "shared");
+        // The larger generation goes; its pages stay in the extent, which
+        // the first holds, and a registration there takes them back.
+        drop(b);
+        assert!(still_in_bar(base, base + 3 * page, ino, o));
+        // SAFETY: as above.
+        let c = unsafe { reback_guest(p.add(page + 8), 16, &src) }.unwrap();
+        assert_eq!(c.fd_offset, o + page as u64 + 8);
+        assert!(released.lock().unwrap().is_empty());
+        drop(a);
+        assert!(released.lock().unwrap().is_empty(), "c still lies on the extent");
+        drop(c);
+        assert_eq!(*released.lock().unwrap(), vec![o], "given back once");
+        assert!(!still_in_bar(base, base + page, ino, o), "moved back to private memory");
+        assert!(!still_in_bar(base + 2 * page, base + 3 * page, ino, o + 2 * page as u64));
+        // SAFETY: inside the pages.
+        unsafe {
+            assert_eq!(p.add(2 * page + 10).read(), 0x42);
+            assert_eq!(p.add(3 * page + 1).read(), ((3 * page + 1) % 251) as u8);
+        }
+        ext.lock().unwrap().free(o);
+
+        // No room after the extent: refused, nothing remapped.
+        let q = pages(3);
+        // SAFETY: as above.
+        let d = unsafe { reback_guest(q.add(16), 16, &src) }.unwrap();
+        while ext.lock().unwrap().alloc(page as u64).is_some() {}
+        // SAFETY: as above; refused before anything is remapped.
+        let e = unsafe { reback_guest(q.add(32), 2 * page, &src) }.unwrap_err();
+        assert_eq!(e.errno(), libc::ENOMEM);
+        assert!(e.to_string().contains("cannot grow: only 0 bytes after it are free"), "{e}");
+        assert!(!still_in_bar(q as usize + page, q as usize + 2 * page, ino, d.fd_offset - 16 + page as u64));
+        drop(d);
+        for m in [p, q] {
+            // SAFETY: the test's own mappings, no longer registered.
+            unsafe { rustix::mm::munmap(m.cast(), if m == p { 4 * page } else { 3 * page }).unwrap() };
+        }
+    }
 
     /// A real guest's maps show a sysfs BAR mapping at the BAR's bus
     /// address plus the extent's offset (here 0xfe000000 + 0x5000); the

@@ -7,10 +7,21 @@
 //! `GuestFree` or when the session ends). A registration must lie inside
 //! one of the session's memory extents: never on a ring, never outside
 //! the region.
+//!
+//! A memory extent may grow in place (`GuestGrow`): the guest library
+//! re-backs the pages after a span with the bytes after its extent when a
+//! registration starts inside the span and ends past it (two heap buffers
+//! sharing a page). Granted only for an extent of this session and only
+//! into free bytes of the region; nothing already mapped moves, so the
+//! regions on the extent keep their offsets and the daemon's mappings of
+//! them. To leave room for that, memory extents are allocated with
+//! [`MEMORY_HEADROOM`] that other allocations avoid while they fit
+//! elsewhere (`vrdma_core::extents`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use vrdma_core::extents::GrowError;
 use vrdma_core::memory::Backing;
 use vrdma_shm::{Mapping, MappingBudget};
 
@@ -166,6 +177,12 @@ pub(crate) struct GuestMemory {
 /// little bookkeeping; the region bounds their bytes).
 pub(crate) const MAX_EXTENTS: usize = 4096;
 
+/// Bytes after each memory extent that later allocations leave free while
+/// they fit elsewhere, for the extent to grow into: 16 pages, enough for
+/// the small heap buffers that share a page with a registered one. Soft:
+/// it never makes an allocation fail.
+pub(crate) const MEMORY_HEADROOM: u64 = 64 << 10;
+
 impl GuestMemory {
     pub fn new(vm: Arc<Vm>) -> GuestMemory {
         GuestMemory { vm, memory: BTreeMap::new(), mrs: HashMap::new() }
@@ -176,11 +193,34 @@ impl GuestMemory {
         if self.memory.len() >= MAX_EXTENTS {
             return Err(format!("a guest session holds at most {MAX_EXTENTS} memory extents"));
         }
-        let (offset, span) = self.vm.extents().alloc(len).ok_or_else(|| {
-            format!("the VM's region ({} MiB) has no {len} bytes free", self.vm.config.memory_mib)
-        })?;
+        let (offset, span) =
+            self.vm.extents().alloc_with_headroom(len, MEMORY_HEADROOM).ok_or_else(|| {
+                format!("the VM's region ({} MiB) has no {len} bytes free", self.vm.config.memory_mib)
+            })?;
         self.memory.insert(offset, (span, 0));
         Ok((offset, span))
+    }
+
+    /// Grows this session's memory extent at `offset` in place to at
+    /// least `len` bytes: its new length.
+    pub fn grow(&mut self, offset: u64, len: u64) -> Result<u64, (i32, String)> {
+        let Some((have, _)) = self.memory.get_mut(&offset) else {
+            return Err((libc::EINVAL, format!("no memory extent of this session at {offset}")));
+        };
+        let grown = self.vm.extents().grow(offset, len).map_err(|e| {
+            let errno = match e {
+                GrowError::Taken { .. } | GrowError::PastEnd { .. } => libc::ENOMEM,
+                GrowError::NotAnExtent | GrowError::Overflow => libc::EINVAL,
+            };
+            (
+                errno,
+                format!(
+                    "cannot grow the memory extent at {offset} ({have} bytes) to {len} bytes in place: {e}"
+                ),
+            )
+        })?;
+        *have = grown;
+        Ok(grown)
     }
 
     /// Gives back the memory extent at `offset`.
@@ -218,5 +258,71 @@ impl GuestMemory {
                 *n = n.saturating_sub(1);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A VM of `mib` MiB whose files live in a fresh directory.
+    fn vm(mib: u64) -> (Arc<Vm>, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("vrdmad-guest-memory-{}-{mib}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = crate::config::VmConfig { memory_mib: mib, ..crate::config::VmConfig::new(0) };
+        (Arc::new(Vm::create("g", &config, &dir).unwrap()), dir)
+    }
+
+    #[test]
+    fn a_session_grows_only_its_own_extents_into_free_bytes() {
+        let (vm, dir) = vm(4);
+        let page = vrdma_shm::page_size() as u64;
+        let region = vm.region_len;
+        let (mut a, mut b) = (GuestMemory::new(vm.clone()), GuestMemory::new(vm.clone()));
+        let (x, xl) = a.alloc(1).unwrap();
+        assert_eq!(xl, page);
+        // Owned, free after (its headroom): grown, registrations fit it.
+        assert_eq!(a.grow(x, 3 * page), Ok(3 * page));
+        assert_eq!(a.extent_of(x + 2 * page, page), Some(x));
+        assert_eq!(a.grow(x, page), Ok(3 * page), "already that long");
+        // Not owned: another session's extent, no extent's start.
+        let e = b.grow(x, 4 * page).unwrap_err();
+        assert_eq!(e.0, libc::EINVAL, "{}", e.1);
+        assert!(e.1.contains("no memory extent of this session"), "{}", e.1);
+        assert_eq!(a.grow(x + page, 4 * page).unwrap_err().0, libc::EINVAL);
+        // Taken after: a ring placed right after it (once nothing else fits).
+        let (y, _) = b.alloc(1).unwrap();
+        assert_ne!(y, x + 3 * page, "headroom left free");
+        let fillers: Vec<u64> =
+            (0..region / page).map_while(|_| vm.extents().alloc(page)).map(|e| e.0).collect();
+        assert_eq!(vm.extents().free_bytes(), 0);
+        let e = a.grow(x, 4 * page).unwrap_err();
+        assert_eq!(e.0, libc::ENOMEM, "{}", e.1);
+        assert!(e.1.contains("only 0 bytes after it are free"), "{}", e.1);
+        assert_eq!(a.extent_of(x, 3 * page), Some(x), "unchanged");
+        for f in fillers {
+            vm.extents().free(f);
+        }
+        // Past the region's end, and lengths that overflow.
+        let e = a.grow(x, region + page).unwrap_err();
+        assert_eq!(e.0, libc::ENOMEM, "{}", e.1);
+        assert!(e.1.contains("past the region's end"), "{}", e.1);
+        assert_eq!(a.grow(x, u64::MAX).unwrap_err().0, libc::EINVAL);
+        // A migration's snapshot carries the grown extent as one (the
+        // extents in use), which the destination reserves whole.
+        let used: Vec<(u64, u64)> = vm.extents().used().collect();
+        assert!(used.contains(&(x, 3 * page)), "{used:?}");
+        let mut there = vrdma_core::extents::Extents::new(region, page);
+        for &(at, len) in &used {
+            assert_eq!(there.reserve(at, len), Some(len));
+        }
+        assert_eq!(there.containing(x + 2 * page, 10), Some((x, 3 * page)));
+        // The grown extent is freed whole.
+        a.free(x).unwrap();
+        b.free(y).unwrap();
+        assert_eq!(vm.extents().free_bytes(), region);
+        drop(vm);
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -452,6 +452,7 @@ impl Session {
             }
             Request::GuestAlloc { len } => self.guest_alloc(len)?,
             Request::GuestFree { offset } => self.guest_free(offset)?,
+            Request::GuestGrow { offset, len } => self.guest_grow(offset, len)?,
             Request::DirectGrant { qp, rkey } => {
                 let charge = self.admitted.as_ref().and_then(|a| a.charge_kept());
                 match self.engine(move |e, c| e.direct.grant(&mut e.hca, c, qp, rkey, charge))? {
@@ -1313,6 +1314,12 @@ impl Session {
     fn guest_alloc(&mut self, len: u64) -> Result<Answer, Answer> {
         let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestAlloc is for guest sessions only"))?;
         let (offset, len) = g.alloc(len).map_err(|m| error(ENOMEM, m))?;
+        Ok(Reply::GuestExtent { offset, len }.into())
+    }
+
+    fn guest_grow(&mut self, offset: u64, len: u64) -> Result<Answer, Answer> {
+        let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestGrow is for guest sessions only"))?;
+        let len = g.grow(offset, len).map_err(|(errno, m)| error(errno, m))?;
         Ok(Reply::GuestExtent { offset, len }.into())
     }
 
