@@ -79,6 +79,34 @@ pub fn claim_quiet_event(waiter: &std::sync::atomic::AtomicU32) -> bool {
         && waiter.compare_exchange(CQ_WAITER_SPINNING, CQ_WAITER_CLAIMED, SeqCst, SeqCst).is_ok()
 }
 
+/// CQ ring aux words 16 to 31 (the header's second aux cache line): the
+/// *ready set* of the CQ's inboxes (the direct path,
+/// `docs/direct-path.md`, "Many QPs on one CQ"). A direct-path requester
+/// that pushed a completion into the inbox of QP `qpn` sets the bit of
+/// bucket [`cq_ready_bucket`]`(qpn)` in data word
+/// `CQ_AUX_READY_FIRST + bucket / 32`, then bit `bucket / 32` of the
+/// summary word [`CQ_AUX_READY_SUMMARY`]; the CQ's owner looks only at
+/// the buckets whose bits are set, clearing each bit before it drains
+/// that bucket's inboxes, so an empty poll reads one word whatever the
+/// number of QPs. Tenant-written (both sides are the same tenant's
+/// processes): a wrong bit costs the owner a look at an empty inbox, a
+/// cleared one delays the tenant's own completions; every bucket index is
+/// computed by the reader, never read from the words.
+pub const CQ_AUX_READY_SUMMARY: usize = 16;
+/// The first of the ready set's data words (see [`CQ_AUX_READY_SUMMARY`]).
+pub const CQ_AUX_READY_FIRST: usize = 17;
+/// The ready set's data words: aux words 17 to 31.
+pub const CQ_READY_WORDS: usize = 15;
+/// The ready set's buckets (32 per data word): QPs whose numbers are equal
+/// modulo this share one.
+pub const CQ_READY_BUCKETS: u32 = CQ_READY_WORDS as u32 * 32;
+
+/// The ready-set bucket of the inbox of QP `qpn` (see
+/// [`CQ_AUX_READY_SUMMARY`]).
+pub const fn cq_ready_bucket(qpn: u32) -> u32 {
+    qpn % CQ_READY_BUCKETS
+}
+
 /// Inbox ring aux words (the direct path's completions of a QP's
 /// receives, `docs/direct-path.md`): receive completions of the QP the
 /// engine pushed into its CQ's ring, and those the client polled from
