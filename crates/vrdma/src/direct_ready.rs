@@ -223,7 +223,13 @@ mod tests {
         let set = ReadySet::of(&own);
         assert!(!set.any());
         let mut served = Vec::new();
-        assert_eq!(set.scan(0, |b| { served.push(b); Served { emptied: true, room: true } }), 0);
+        assert_eq!(
+            set.scan(0, |b| {
+                served.push(b);
+                Served { emptied: true, room: true }
+            }),
+            0
+        );
         assert!(served.is_empty());
         // Two QPs in different words, one whose number wraps.
         ReadySet::of(&req).mark(5);
@@ -292,7 +298,8 @@ mod tests {
         let mut busy_seen = 0;
         for poll in 0..6u64 {
             // The busy QP always has more than one poll can take.
-            while busy_in.try_push_bytes(&(1000 + poll).to_le_bytes()) == Ok(true) && busy_in.len() != Ok(8) {}
+            while busy_in.try_push_bytes(&(1000 + poll).to_le_bytes()) == Ok(true) && busy_in.len() != Ok(8) {
+            }
             ReadySet::of(&req).mark(busy);
             if poll == 0 {
                 late_in.try_push_bytes(&7u64.to_le_bytes()).unwrap();

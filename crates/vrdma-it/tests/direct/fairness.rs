@@ -51,7 +51,8 @@ fn a_busy_qp_made_first_does_not_delay_a_later_qp_on_the_same_cq() -> Result<()>
     ensure!(order.iter().filter(|&&id| id < BUSY).count() == 3, "the busy QP stalled: {order:?}");
     // The rest: each once, in order.
     let rest = poll_n(&b.cq, (BUSY - 3) as usize, WAIT)?;
-    let busy: Vec<u64> = order.iter().copied().filter(|&id| id < BUSY).chain(rest.iter().map(|w| w.wr_id)).collect();
+    let busy: Vec<u64> =
+        order.iter().copied().filter(|&id| id < BUSY).chain(rest.iter().map(|w| w.wr_id)).collect();
     ensure!(busy == (0..BUSY).collect::<Vec<_>>(), "{busy:?}");
     Ok(())
 }
