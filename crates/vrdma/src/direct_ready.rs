@@ -36,7 +36,8 @@
 use std::sync::atomic::{AtomicU32, Ordering::SeqCst};
 
 use vrdma_core::proto::{
-    cq_ready_bucket, CQ_AUX_READY_FIRST, CQ_AUX_READY_SUMMARY, CQ_READY_BUCKETS, CQ_READY_WORDS,
+    cq_ready_bucket, for_each_ready_bucket, CQ_AUX_READY_FIRST, CQ_AUX_READY_SUMMARY, CQ_READY_BUCKETS,
+    CQ_READY_WORDS,
 };
 use vrdma_shm::RingView;
 
@@ -92,18 +93,8 @@ impl<'a> ReadySet<'a> {
 
     /// The buckets whose bits are set now, in order (for counting what the
     /// inboxes hold; nothing is cleared).
-    pub(crate) fn for_each_set(&self, mut f: impl FnMut(u32)) {
-        let mut s = self.summary().load(SeqCst) & VALID;
-        while s != 0 {
-            let w = s.trailing_zeros() as usize;
-            s &= s - 1;
-            let mut bits = self.word(w).load(SeqCst);
-            while bits != 0 {
-                let b = bits.trailing_zeros();
-                bits &= bits - 1;
-                f(w as u32 * 32 + b);
-            }
-        }
+    pub(crate) fn for_each_set(&self, f: impl FnMut(u32)) {
+        for_each_ready_bucket(|i| self.ring.aux(i).load(SeqCst), f);
     }
 
     /// The poller's side: serves the set buckets, from bucket `start` on

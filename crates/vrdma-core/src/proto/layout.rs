@@ -107,6 +107,25 @@ pub const fn cq_ready_bucket(qpn: u32) -> u32 {
     qpn % CQ_READY_BUCKETS
 }
 
+/// Calls `f` with every bucket whose bit is set in a CQ's ready set, in
+/// order; `aux(i)` reads the CQ ring's aux word `i`. The buckets are bit
+/// positions, never numbers read from the words, so scribbled words name
+/// only buckets of the set (bits of the summary that name no word are
+/// ignored).
+pub fn for_each_ready_bucket(aux: impl Fn(usize) -> u32, mut f: impl FnMut(u32)) {
+    let mut summary = aux(CQ_AUX_READY_SUMMARY) & ((1u32 << CQ_READY_WORDS) - 1);
+    while summary != 0 {
+        let w = summary.trailing_zeros() as usize;
+        summary &= summary - 1;
+        let mut bits = aux(CQ_AUX_READY_FIRST + w);
+        while bits != 0 {
+            let b = bits.trailing_zeros();
+            bits &= bits - 1;
+            f(w as u32 * 32 + b);
+        }
+    }
+}
+
 /// Inbox ring aux words (the direct path's completions of a QP's
 /// receives, `docs/direct-path.md`): receive completions of the QP the
 /// engine pushed into its CQ's ring, and those the client polled from
