@@ -13,6 +13,7 @@ use vrdma_shm::RingView;
 use crate::channel::CompletionChannel;
 use crate::context::Context;
 use crate::control;
+use crate::direct_ready::{ReadySet, Served};
 use crate::error::{Error, Result};
 use crate::stream::CompletionStream;
 
@@ -81,12 +82,43 @@ pub(crate) struct CqInner {
     /// [`proto::INBOX_AUX_ENGINE_POLLED`] words), and those pushed after it
     /// wait behind the inbox (`docs/direct-path.md`). Their entries count
     /// against the depth (the engine adds them up before it pushes).
-    inboxes: std::sync::RwLock<Vec<(u32, Arc<RingView>)>>,
+    /// Found through the CQ ring's ready set ([`crate::direct_ready`]):
+    /// a poll looks at the inboxes of the buckets a requester marked, not
+    /// at every QP's.
+    inboxes: std::sync::RwLock<Inboxes>,
     inbox_count: std::sync::atomic::AtomicUsize,
+    /// Where the next scan of the ready set starts (fairness: the bucket
+    /// after the last one served).
+    ready_next: AtomicU32,
+    /// The ready-set bucket whose inboxes the last poll that found
+    /// anything there took completions from ([`NO_BUCKET`]: none yet):
+    /// whose requester the poller is most likely waiting for.
+    last_fed: AtomicU32,
     /// The doorbell of the CQ's completion channel (the daemon's end),
     /// asked for once the direct path first completes here; `None`: not
     /// granted (the direct path then leaves this CQ's QPs to the engine).
     bell: std::sync::OnceLock<Option<vrdma_shm::Doorbell>>,
+}
+
+/// No ready-set bucket (see `CqInner::last_fed`).
+const NO_BUCKET: u32 = u32::MAX;
+
+/// The inboxes of a CQ's QPs, by ready-set bucket
+/// ([`proto::cq_ready_bucket`] of the QP's number): a bucket holds one QP
+/// unless more than [`proto::CQ_READY_BUCKETS`] receive here.
+#[derive(Debug, Default)]
+pub(crate) struct Inboxes {
+    by_bucket: HashMap<u32, Vec<(u32, Arc<RingView>)>>,
+}
+
+impl Inboxes {
+    fn bucket(&self, bucket: u32) -> &[(u32, Arc<RingView>)] {
+        self.by_bucket.get(&bucket).map_or(&[], Vec::as_slice)
+    }
+
+    fn get(&self, qpn: u32) -> Option<&Arc<RingView>> {
+        self.bucket(proto::cq_ready_bucket(qpn)).iter().find(|(q, _)| *q == qpn).map(|(_, r)| r)
+    }
 }
 
 /// A send queue's slot counts, shared by its QP (which admits WRs) and
@@ -194,16 +226,42 @@ impl CqInner {
         Ok(n)
     }
 
-    /// Pops what the inboxes hold into `out`; how many.
+    /// Pops what the marked inboxes hold into `out`; how many. An empty
+    /// poll reads the ready set's summary word and nothing else.
     fn poll_inboxes(&self, out: &mut [WorkCompletion]) -> usize {
+        let set = ReadySet::of(&self.ring);
+        if out.is_empty() || !set.any() {
+            return 0;
+        }
         let mut slot = [0u8; CQE_SIZE];
         let mut n = 0;
+        let mut fed = NO_BUCKET;
         let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
-        for (_, inbox) in inboxes.iter() {
-            while n < out.len() && matches!(inbox.try_pop(&mut slot), Ok(true)) {
-                out[n] = Cqe::decode(&slot);
-                n += 1;
+        let start = self.ready_next.load(Ordering::Relaxed);
+        let next = set.scan(start, |bucket| {
+            let mut emptied = true;
+            for (_, inbox) in inboxes.bucket(bucket) {
+                let before = n;
+                loop {
+                    if n == out.len() {
+                        emptied = false;
+                        break;
+                    }
+                    if !matches!(inbox.try_pop(&mut slot), Ok(true)) {
+                        break;
+                    }
+                    out[n] = Cqe::decode(&slot);
+                    n += 1;
+                }
+                if n > before {
+                    fed = bucket;
+                }
             }
+            Served { emptied, room: n < out.len() }
+        });
+        self.ready_next.store(next, Ordering::Relaxed);
+        if fed != NO_BUCKET && self.last_fed.load(Ordering::Relaxed) != fed {
+            self.last_fed.store(fed, Ordering::Relaxed);
         }
         n
     }
@@ -213,23 +271,28 @@ impl CqInner {
     fn polled_from_ring(&self, wcs: &[WorkCompletion]) {
         let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
         for wc in wcs.iter().filter(|w| w.opcode.is_recv()) {
-            if let Some((_, inbox)) = inboxes.iter().find(|(q, _)| *q == wc.qp_num) {
+            if let Some(inbox) = inboxes.get(wc.qp_num) {
                 inbox.aux(proto::INBOX_AUX_ENGINE_POLLED).fetch_add(1, Ordering::SeqCst);
             }
         }
     }
 
-    /// Whether the programs completing into this CQ's inboxes last ran
-    /// on CPUs other than ours (each inbox's `INBOX_AUX_REQUESTER_CPU`;
-    /// false when none is known).
+    /// Whether the program that last completed into this CQ's inboxes
+    /// (those of the bucket the last poll took inbox completions from;
+    /// `INBOX_AUX_REQUESTER_CPU`) last ran on a CPU other than ours; false
+    /// when none is known or one runs on ours.
     fn peer_elsewhere(&self) -> bool {
         if self.inbox_count.load(Ordering::Acquire) == 0 {
+            return false;
+        }
+        let fed = self.last_fed.load(Ordering::Relaxed);
+        if fed == NO_BUCKET {
             return false;
         }
         let me = crate::idle::current_cpu_word();
         let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
         let mut known = false;
-        for (_, inbox) in inboxes.iter() {
+        for (_, inbox) in inboxes.bucket(fed) {
             match inbox.aux(proto::INBOX_AUX_REQUESTER_CPU).load(Ordering::Relaxed) {
                 0 => {}
                 cpu if cpu == me => return false,
@@ -239,21 +302,36 @@ impl CqInner {
         known
     }
 
-    /// Entries the inboxes hold (they count against the depth).
+    /// Entries the inboxes of the marked buckets hold (they count against
+    /// the depth). An inbox holds entries only while its bucket is marked,
+    /// except between a requester's push and its mark, and between a
+    /// poller's clearing of the mark and its drain (another thread's poll
+    /// of this CQ): the check is then short by what those hold, as it is
+    /// already racy against the engine (`docs/direct-path.md`).
     fn inbox_entries(&self) -> usize {
         if self.inbox_count.load(Ordering::Acquire) == 0 {
             return 0;
         }
+        let set = ReadySet::of(&self.ring);
+        if !set.any() {
+            return 0;
+        }
         let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
-        inboxes.iter().map(|(_, r)| r.len().unwrap_or(0) as usize).sum()
+        let mut held = 0usize;
+        set.for_each_set(|bucket| {
+            for (_, r) in inboxes.bucket(bucket) {
+                held = held.saturating_add(r.len().unwrap_or(0) as usize);
+            }
+        });
+        held
     }
 
     /// Polls `qpn`'s inbox from now on (a QP created with the direct path
     /// on, whose receives complete here).
     pub(crate) fn add_inbox(&self, qpn: u32, inbox: Arc<RingView>) {
         let mut inboxes = self.inboxes.write().unwrap_or_else(|p| p.into_inner());
-        inboxes.push((qpn, inbox));
-        self.inbox_count.store(inboxes.len(), Ordering::Release);
+        inboxes.by_bucket.entry(proto::cq_ready_bucket(qpn)).or_default().push((qpn, inbox));
+        self.inbox_count.fetch_add(1, Ordering::Release);
     }
 
     /// Stops polling `qpn`'s inbox (the QP is destroyed); what it still
@@ -261,9 +339,14 @@ impl CqInner {
     /// QP's completions.
     pub(crate) fn remove_inbox(&self, qpn: u32) {
         let mut inboxes = self.inboxes.write().unwrap_or_else(|p| p.into_inner());
-        let Some(i) = inboxes.iter().position(|(q, _)| *q == qpn) else { return };
-        let (_, inbox) = inboxes.swap_remove(i);
-        self.inbox_count.store(inboxes.len(), Ordering::Release);
+        let bucket = proto::cq_ready_bucket(qpn);
+        let Some(list) = inboxes.by_bucket.get_mut(&bucket) else { return };
+        let Some(i) = list.iter().position(|(q, _)| *q == qpn) else { return };
+        let (_, inbox) = list.swap_remove(i);
+        if list.is_empty() {
+            inboxes.by_bucket.remove(&bucket);
+        }
+        self.inbox_count.fetch_sub(1, Ordering::Release);
         drop(inboxes);
         let mut slot = [0u8; CQE_SIZE];
         while matches!(inbox.try_pop(&mut slot), Ok(true)) {
@@ -501,6 +584,8 @@ impl CompletionQueue {
                 local_len: Default::default(),
                 inboxes: Default::default(),
                 inbox_count: Default::default(),
+                ready_next: AtomicU32::new(0),
+                last_fed: AtomicU32::new(NO_BUCKET),
                 bell: Default::default(),
             }),
         };

@@ -30,9 +30,13 @@
 //!   granted here, a message longer than the SGEs): the entry is left
 //!   unclaimed and the WR goes to the engine, which reports
 //!   `LOC_LEN_ERR`/`LOC_PROT_ERR` as always;
+//! - **many QPs on one CQ**: the grant carries the peer's receive CQ's
+//!   segment; after each push this library marks the peer QP's bucket in
+//!   that CQ's ready set, so the owner's polls look only at marked
+//!   inboxes (`crate::direct_ready`);
 //! - **completion channels and solicited events**: when the peer's
-//!   receive CQ has a channel, the grant carries that CQ's segment and the
-//!   channel's doorbell; after pushing a completion this library takes the
+//!   receive CQ has a channel, the grant also carries the channel's
+//!   doorbell; after pushing a completion this library takes the
 //!   CQ's armed word with a compare-and-swap and rings the doorbell, as
 //!   the engine's `notify_channel` does (`crate::cq::raise_event`), so
 //!   each arming fires once, whichever side completes first.
@@ -50,6 +54,7 @@ use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
 use vrdma_shm::{Claim, Mapping, RingView, WordPage};
 
 use crate::context::Context;
+use crate::direct_ready::ReadySet;
 
 /// A standing receive grant: the peer QP's receive queue and inbox.
 pub(crate) struct RecvTarget {
@@ -62,9 +67,11 @@ pub(crate) struct RecvTarget {
     cq_depth: u32,
     /// The peer QP's receive SGEs at most.
     pub(crate) max_recv_sge: u32,
-    /// The peer's receive CQ's ring (for its armed and event words) and
-    /// its channel's doorbell, when it has a completion channel.
-    channel: Option<(RingView, vrdma_shm::Doorbell)>,
+    /// The peer's receive CQ's ring: its ready set (marked after each
+    /// push, `crate::direct_ready`), and its armed and event words.
+    cq: RingView,
+    /// The peer CQ's channel's doorbell, when it has a completion channel.
+    bell: Option<vrdma_shm::Doorbell>,
     /// A receive slot's bytes, looked at before it is claimed.
     scratch: Vec<u8>,
     /// `rq` is the peer's SRQ (shared with the engine and other
@@ -139,6 +146,9 @@ impl RecvTarget {
         // is the peer's own scribbling on its indices, which loses it this
         // completion.
         let _ = self.inbox.try_push_bytes(&out);
+        // After the push: the owner's poll finds the inbox through its
+        // bucket's bit (`crate::direct_ready`).
+        ReadySet::of(&self.cq).mark(self.responder);
         // Where we run, for the owner's choice to spin (written only when
         // it changed: the word shares its line with the two read above).
         let cpu = crate::idle::current_cpu_word();
@@ -146,8 +156,8 @@ impl RecvTarget {
         if word.load(Ordering::Relaxed) != cpu {
             word.store(cpu, Ordering::Relaxed);
         }
-        if let Some((ring, bell)) = &self.channel {
-            crate::cq::raise_event(ring, bell, solicited, true);
+        if let Some(bell) = &self.bell {
+            crate::cq::raise_event(&self.cq, bell, solicited, true);
         }
         if self.srq {
             // After the claim (SeqCst): a limit armed before it is seen.
@@ -170,17 +180,15 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
         Reply::DirectRefused(why) => return Err(Some(why)),
         _ => return Err(Some(DirectRefusal::Off)),
     };
-    let with_channel = g.cq_segment_len > 0;
+    // Without the CQ's segment there is no ready set to mark: not usable.
+    if g.cq_segment_len == 0 {
+        return Err(Some(DirectRefusal::NotGranted));
+    }
     let with_srq = g.srq_segment_len > 0;
-    let want = usize::from(g.window_len > 0) + 1 + usize::from(with_srq) + if with_channel { 2 } else { 0 };
+    let want = usize::from(g.window_len > 0) + 1 + usize::from(with_srq) + 1 + usize::from(g.channel);
     let mut fds = answer.take_fds(want, "DirectRecvGrant").map_err(|_| None)?;
-    let channel_fds = if with_channel {
-        let bell = fds.pop().ok_or(None)?;
-        let cq = fds.pop().ok_or(None)?;
-        Some((cq, bell))
-    } else {
-        None
-    };
+    let bell = if g.channel { Some(vrdma_shm::Doorbell::from_fd(fds.pop().ok_or(None)?)) } else { None };
+    let cq_fd = fds.pop().ok_or(None)?;
     let srq_fd = if with_srq { Some(fds.pop().ok_or(None)?) } else { None };
     let qp_fd = fds.pop().ok_or(None)?;
     let window = match fds.pop() {
@@ -208,17 +216,10 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
     if rq.stride() < RECV_HEADER || inbox.stride() != CQE_SIZE {
         return Err(None);
     }
-    let channel = match channel_fds {
-        Some((cq_fd, bell)) => {
-            let cq_map = map(cq_fd, g.cq_segment_len)?;
-            let ring = ring(&cq_map, g.cq_ring)?;
-            if ring.stride() != CQE_SIZE {
-                return Err(None);
-            }
-            Some((ring, vrdma_shm::Doorbell::from_fd(bell)))
-        }
-        None => None,
-    };
+    let cq = ring(&map(cq_fd, g.cq_segment_len)?, g.cq_ring)?;
+    if cq.stride() != CQE_SIZE {
+        return Err(None);
+    }
     let scratch = vec![0u8; rq.stride()];
     let (generation, responder, lid, cq_depth) = (g.generation, g.responder, g.lid, g.cq_depth);
     let max_recv_sge = g.max_recv_sge;
@@ -230,7 +231,8 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
         inbox,
         cq_depth,
         max_recv_sge,
-        channel,
+        cq,
+        bell,
         scratch,
         srq: with_srq,
         limit_due: false,

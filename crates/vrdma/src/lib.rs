@@ -89,6 +89,7 @@ mod context;
 mod control;
 mod cq;
 mod direct;
+mod direct_ready;
 mod direct_recv;
 mod error;
 #[doc(hidden)]

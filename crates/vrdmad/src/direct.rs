@@ -8,10 +8,11 @@
 //!   while the switch is on (a region's descriptor is otherwise closed once mapped): the
 //!   one thing the daemon cannot make again later, and what a grant
 //!   hands to the requester's process;
-//! - the segment of every CQ with a completion channel, while the switch
-//!   is on: a requester completing a receive there takes the CQ's armed
-//!   word itself and rings the channel's doorbell (a dup of the daemon's
-//!   end, handed out, not kept);
+//! - the segment of every CQ, while the switch is on: a requester
+//!   completing a receive there marks the CQ's ready set (so that the
+//!   owner's polls look only at inboxes with completions), and, with a
+//!   completion channel, takes the CQ's armed word itself and rings the
+//!   channel's doorbell (a dup of the daemon's end, handed out, not kept);
 //! - per requester QP with grants, a *window* page (a memfd of its own):
 //!   an open word, the count of the library's copies in flight, and one
 //!   word per granted region holding the grant's generation.
@@ -84,9 +85,9 @@ struct KeptSrq {
     _charge: KeptDescriptor,
 }
 
-/// A CQ's segment, kept for a CQ with a completion channel (created with
-/// the switch on): receive grants of QPs completing there hand it out, so
-/// that the requester takes the armed word itself.
+/// A CQ's segment (created with the switch on): receive grants of QPs
+/// completing there hand it out, so that the requester marks the CQ's
+/// ready set and, with a channel, takes the armed word itself.
 struct KeptCq {
     ctx: ContextId,
     fd: OwnedFd,
@@ -148,7 +149,7 @@ impl DirectDriver {
         self.qps.remove(&qpn);
     }
 
-    /// Keeps the segment of a CQ with a completion channel.
+    /// Keeps the segment of a CQ.
     pub fn keep_cq(
         &mut self,
         ctx: ContextId,
@@ -288,7 +289,9 @@ impl DirectDriver {
 
     /// A receive grant of `ctx`'s QP `qp` (RDMA writes with immediate),
     /// with the descriptors to send: the window's first when new, then
-    /// the responder's QP segment (its receive queue and inbox).
+    /// the responder's QP segment (its receive queue and inbox), its
+    /// SRQ's segment if it has one, its receive CQ's segment, and that
+    /// CQ's channel's doorbell if it has one.
     pub fn grant_recv(
         &mut self,
         hca: &mut Hca,
@@ -302,21 +305,22 @@ impl DirectDriver {
         }
         let g = hca.direct_grant_recv(ctx, qp)?;
         // A responder without an inbox (made before the switch, or not
-        // RC), or whose receive CQ signals a channel but was not kept (made
-        // before the switch, or no descriptor to spare): not for this QP.
+        // RC), or whose receive CQ was not kept (made before the switch, or
+        // no descriptor to spare: its ready set cannot be marked): not for
+        // this QP.
         let q = self.qps.get(&g.responder).ok_or(DirectRefusal::NotGranted)?;
         let cq = rings.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
         let cq_depth = cq.ring.capacity();
-        let channel = match cq.channel {
+        let kept = self.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
+        let bell = match cq.channel {
             None => None,
             Some(ch) => {
-                let kept = self.cqs.get(&g.recv_cq).ok_or(DirectRefusal::NotGranted)?;
                 let ch = rings.channels.get(&ch).ok_or(DirectRefusal::NotGranted)?;
-                let bell = ch.fd.as_fd().try_clone_to_owned().map_err(|_| DirectRefusal::NotNow)?;
-                let cq_fd = kept.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
-                Some((cq_fd, bell, kept.len, kept.ring))
+                Some(ch.fd.as_fd().try_clone_to_owned().map_err(|_| DirectRefusal::NotNow)?)
             }
         };
+        let cq_fd = kept.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
+        let (cq_segment_len, cq_ring) = (kept.len, kept.ring);
         let qp_fd = q.fd.try_clone().map_err(|_| DirectRefusal::NotNow)?;
         let (qp_segment_len, inbox) = (q.len, q.inbox);
         // The receive queue: the QP's own, or its SRQ's (kept when made
@@ -339,11 +343,10 @@ impl DirectDriver {
             fds.push(fd);
             srq_segment_len = len;
         }
-        let (mut cq_segment_len, mut cq_ring) = (0, RingSpec { offset: 0, capacity: 0, stride: 0 });
-        if let Some((cq_fd, bell, len, ring)) = channel {
-            fds.push(cq_fd);
+        fds.push(cq_fd);
+        let channel = bell.is_some();
+        if let Some(bell) = bell {
             fds.push(bell);
-            (cq_segment_len, cq_ring) = (len, ring);
         }
         Ok((
             DirectRecvGranted {
@@ -359,6 +362,7 @@ impl DirectDriver {
                 cq_segment_len,
                 cq_ring,
                 srq_segment_len,
+                channel,
             },
             fds,
         ))

@@ -79,6 +79,53 @@ pub fn claim_quiet_event(waiter: &std::sync::atomic::AtomicU32) -> bool {
         && waiter.compare_exchange(CQ_WAITER_SPINNING, CQ_WAITER_CLAIMED, SeqCst, SeqCst).is_ok()
 }
 
+/// CQ ring aux words 16 to 31 (the header's second aux cache line): the
+/// *ready set* of the CQ's inboxes (the direct path,
+/// `docs/direct-path.md`, "Many QPs on one CQ"). A direct-path requester
+/// that pushed a completion into the inbox of QP `qpn` sets the bit of
+/// bucket [`cq_ready_bucket`]`(qpn)` in data word
+/// `CQ_AUX_READY_FIRST + bucket / 32`, then bit `bucket / 32` of the
+/// summary word [`CQ_AUX_READY_SUMMARY`]; the CQ's owner looks only at
+/// the buckets whose bits are set, clearing each bit before it drains
+/// that bucket's inboxes, so an empty poll reads one word whatever the
+/// number of QPs. Tenant-written (both sides are the same tenant's
+/// processes): a wrong bit costs the owner a look at an empty inbox, a
+/// cleared one delays the tenant's own completions; every bucket index is
+/// computed by the reader, never read from the words.
+pub const CQ_AUX_READY_SUMMARY: usize = 16;
+/// The first of the ready set's data words (see [`CQ_AUX_READY_SUMMARY`]).
+pub const CQ_AUX_READY_FIRST: usize = 17;
+/// The ready set's data words: aux words 17 to 31.
+pub const CQ_READY_WORDS: usize = 15;
+/// The ready set's buckets (32 per data word): QPs whose numbers are equal
+/// modulo this share one.
+pub const CQ_READY_BUCKETS: u32 = CQ_READY_WORDS as u32 * 32;
+
+/// The ready-set bucket of the inbox of QP `qpn` (see
+/// [`CQ_AUX_READY_SUMMARY`]).
+pub const fn cq_ready_bucket(qpn: u32) -> u32 {
+    qpn % CQ_READY_BUCKETS
+}
+
+/// Calls `f` with every bucket whose bit is set in a CQ's ready set, in
+/// order; `aux(i)` reads the CQ ring's aux word `i`. The buckets are bit
+/// positions, never numbers read from the words, so scribbled words name
+/// only buckets of the set (bits of the summary that name no word are
+/// ignored).
+pub fn for_each_ready_bucket(aux: impl Fn(usize) -> u32, mut f: impl FnMut(u32)) {
+    let mut summary = aux(CQ_AUX_READY_SUMMARY) & ((1u32 << CQ_READY_WORDS) - 1);
+    while summary != 0 {
+        let w = summary.trailing_zeros() as usize;
+        summary &= summary - 1;
+        let mut bits = aux(CQ_AUX_READY_FIRST + w);
+        while bits != 0 {
+            let b = bits.trailing_zeros();
+            bits &= bits - 1;
+            f(w as u32 * 32 + b);
+        }
+    }
+}
+
 /// Inbox ring aux words (the direct path's completions of a QP's
 /// receives, `docs/direct-path.md`): receive completions of the QP the
 /// engine pushed into its CQ's ring, and those the client polled from

@@ -394,15 +394,19 @@ pub struct DirectRecvGranted {
     pub lid: u16,
     /// The responder's receive SGEs at most.
     pub max_recv_sge: u32,
-    /// The responder's receive CQ's segment and ring, when it has a
-    /// completion channel (0: none); its events are raised by whoever
-    /// completes into it.
+    /// The responder's receive CQ's segment and ring, sent after the QP's
+    /// (and the SRQ's) segment: the requester marks the CQ's ready set
+    /// (`CQ_AUX_READY_SUMMARY`) after each push into the inbox and, with a
+    /// completion channel, raises the CQ's events itself.
     pub cq_segment_len: u64,
     pub cq_ring: RingSpec,
     /// The responder's SRQ's segment, when its receives come from an SRQ
     /// (0: `rq` lies in the QP segment); sent after the QP segment's fd,
     /// and `rq` then lies in it.
     pub srq_segment_len: u64,
+    /// The responder's receive CQ has a completion channel: its doorbell
+    /// (the daemon's end, duplicated) comes last.
+    pub channel: bool,
 }
 
 /// A direct-path grant as the library receives it (see

@@ -1,5 +1,5 @@
 //! Descriptors the direct path keeps in the daemon (region memfds, QP
-//! segments with an inbox, window pages) are charged to the tenant's
+//! segments with an inbox, CQ segments, window pages) are charged to the tenant's
 //! share (`max_descriptors`): at the limit nothing is kept, the work
 //! requests take the engine path and still complete, and every one comes
 //! back once the objects are gone. The share is measured by what is
@@ -78,10 +78,10 @@ fn exchange(a: &vrdma_it::Side, b: &vrdma_it::Side) -> Result<()> {
 
 #[test]
 fn a_tenant_at_its_descriptor_share_takes_the_engine_and_gets_them_back() -> Result<()> {
-    // Three contexts and three kept descriptors: the two regions and the
-    // first QP's segment; the second QP's segment and the window find no
-    // room.
-    let share = 3 * PER_CONTEXT + 3;
+    // Three contexts and four kept descriptors: the first context's pool
+    // chunk, its CQ's and QP's segments and its region; the second
+    // context's find no room, nor does the window.
+    let share = 3 * PER_CONTEXT + 4;
     let d = daemon(share)?;
     let keeper = d.context()?;
     assert_eq!(channels_left(&keeper)?, share - PER_CONTEXT);
@@ -101,13 +101,13 @@ fn descriptors_the_direct_path_keeps_are_counted_and_given_back() -> Result<()> 
     let (a, b) = pair(&d, 1 << 16)?;
     exchange(&a, &b)?;
     assert_eq!(carried(&a), 2, "room enough: carried");
-    // Two regions, two QP segments (each its context's ring pool chunk,
-    // kept for the grant), one window; and the daemon's own descriptor
-    // of each context's pool chunk.
-    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 7);
+    // Two regions, two QP segments and two CQ segments (each its
+    // context's ring pool chunk, kept for the grant), one window; and the
+    // daemon's own descriptor of each context's pool chunk.
+    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 9);
     // A deregistered region gives its descriptor back at once.
     drop(b.mr);
-    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 6);
+    assert_eq!(channels_left(&keeper)?, share - 3 * PER_CONTEXT - 8);
     drop(a);
     drop((b.qp, b.cq, b.pd, b.ctx));
     wait_channels_left(&keeper, share - PER_CONTEXT)

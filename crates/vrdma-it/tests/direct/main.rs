@@ -9,6 +9,7 @@
 mod atomics;
 mod budget;
 mod channels;
+mod fairness;
 mod imm;
 mod reads;
 mod send;

@@ -365,6 +365,10 @@ pub struct RingTable {
     pub log: LogLimiter,
     /// The time of the engine's current pass, for `log`.
     pub now: Instant,
+    /// Per CQ, its inbox QPs by ready-set bucket
+    /// ([`proto::cq_ready_bucket`]): the overrun check adds up the
+    /// inboxes of the buckets the CQ's ready set marks, not every QP's.
+    inbox_buckets: HashMap<u32, HashMap<u32, Vec<u32>>>,
 }
 
 impl RingTable {
@@ -395,8 +399,10 @@ impl RingTable {
         if let Some(c) = self.contexts.get_mut(&rings.ctx) {
             c.qps.insert(qpn, ());
         }
-        if let Some(cq) = rings.inbox.as_ref().and_then(|(cq, _)| self.cqs.get_mut(cq)) {
+        if let Some((cqn, cq)) = rings.inbox.as_ref().and_then(|(cq, _)| Some((*cq, self.cqs.get_mut(cq)?))) {
             cq.inbox_qps.push(qpn);
+            let buckets = self.inbox_buckets.entry(cqn).or_default();
+            buckets.entry(proto::cq_ready_bucket(qpn)).or_default().push(qpn);
         }
         self.qps.insert(qpn, rings);
     }
@@ -408,6 +414,20 @@ impl RingTable {
             }
             if let Some(cq) = q.inbox.as_ref().and_then(|(cq, _)| self.cqs.get_mut(cq)) {
                 cq.inbox_qps.retain(|&n| n != qpn);
+            }
+            if let Some((cqn, _)) = q.inbox.as_ref() {
+                if let Some(buckets) = self.inbox_buckets.get_mut(cqn) {
+                    let bucket = proto::cq_ready_bucket(qpn);
+                    if let Some(list) = buckets.get_mut(&bucket) {
+                        list.retain(|&n| n != qpn);
+                        if list.is_empty() {
+                            buckets.remove(&bucket);
+                        }
+                    }
+                    if buckets.is_empty() {
+                        self.inbox_buckets.remove(cqn);
+                    }
+                }
             }
         }
     }
@@ -426,12 +446,26 @@ impl RingTable {
         }
     }
 
-    /// Entries the inboxes of QPs completing in `cq` hold (the direct
-    /// path's completions not yet polled).
-    fn inbox_entries(&self, cq: &CqRing) -> u32 {
+    /// Entries the inboxes of QPs completing in CQ `cqn` hold (the direct
+    /// path's completions not yet polled): those of the buckets its ready
+    /// set marks (an inbox holds entries only while marked, but for the
+    /// moments between a requester's push and its mark, and between the
+    /// owner's clearing of a mark and its drain; the words are the
+    /// tenant's, so a scribbled set costs only its own CQ's check).
+    fn inbox_entries(&self, cqn: u32, cq: &CqRing) -> u32 {
+        let Some(buckets) = self.inbox_buckets.get(&cqn) else { return 0 };
         let held =
             |n: &u32| self.qps.get(n).and_then(|q| q.inbox.as_ref()).map_or(0, |(_, r)| r.len().unwrap_or(0));
-        cq.inbox_qps.iter().map(held).fold(0u32, u32::saturating_add)
+        let mut sum = 0u32;
+        proto::for_each_ready_bucket(
+            |i| cq.ring.aux(i).load(Ordering::SeqCst),
+            |b| {
+                for n in buckets.get(&b).into_iter().flatten() {
+                    sum = sum.saturating_add(held(n));
+                }
+            },
+        );
+        sum
     }
 
     /// Contexts whose tenant broke the shared-memory protocol since the
@@ -585,7 +619,7 @@ impl Queues for RingTable {
         // CQ's depth is the ring's capacity, shared by all.
         let local = cq.ring.aux(CQ_AUX_LOCAL).load(Ordering::SeqCst);
         let local =
-            if cq.inbox_qps.is_empty() { local } else { local.saturating_add(self.inbox_entries(cq)) };
+            if cq.inbox_qps.is_empty() { local } else { local.saturating_add(self.inbox_entries(cqn, cq)) };
         if local > 0 && cq.ring.len().map_or(true, |n| n.saturating_add(local) >= cq.ring.capacity()) {
             self.dropped_events += 1;
             return Err(CqFull);

@@ -929,10 +929,11 @@ impl Session {
         // pool's chunk (offset from the chunk's start).
         let (base, seg_len) = seg.in_segment();
         let spec = RingSpec { offset: base, capacity: depth, stride: CQE_SIZE as u32 };
-        // With the direct path on, a CQ with a channel keeps its segment's
-        // descriptor (charged; at the limit, not kept: its QPs' receives
-        // stay on the engine) for requesters that complete into it.
-        let kept = match channel.is_some() && direct {
+        // With the direct path on, a CQ keeps its segment's descriptor
+        // (charged; at the limit, not kept: its QPs' receives stay on the
+        // engine) for requesters that complete into it: they mark its
+        // ready set and raise its channel's events.
+        let kept = match direct {
             true => self
                 .admitted
                 .as_ref()
