@@ -986,6 +986,47 @@ mod tests {
         }
     }
 
+    /// Weights and a rate limit at once: two uncapped tenants of weights
+    /// 1 and 2 beside a tenant of weight 3 limited to 100 MB/s (its
+    /// weight alone would give it half the engine). Per 1 s window the
+    /// capped one stays within 5 % of its limit, the other two split what
+    /// is left 1:2 within 5 %, and between them they get what they got
+    /// without it less its limit (work conservation: the capped tenant's
+    /// unused weight goes to them, nothing is left idle).
+    #[test]
+    fn under_a_rate_cap_the_uncapped_tenants_split_the_rest_by_weight() {
+        const RATE: u64 = 100_000_000;
+        let setup = |capped: bool| {
+            let mut sim = Sim::new(&[1 << 20, 64 << 10, 1 << 20]);
+            sim.o.set_qos(TenantId(2), weighted(2));
+            sim.stream(1, 4);
+            sim.stream(2, 4);
+            if capped {
+                sim.o.set_qos(TenantId(3), Qos { weight: 3, bytes_per_s: Some(RATE), ..Qos::default() });
+                sim.stream(3, 4);
+            }
+            sim
+        };
+        let (without, _) = setup(false).run_until(Instant::ZERO + SECOND);
+        let rest = (without[0] + without[1]).saturating_sub(RATE);
+        let mut sim = setup(true);
+        for w in 1..=3u32 {
+            let (bytes, _) = sim.run_until(Instant::ZERO + w * SECOND);
+            let err = bytes[2] as f64 / RATE as f64 - 1.0;
+            assert!(err.abs() < 0.05, "window {w}: the capped tenant {bytes:?}, error {err:.4}");
+            let heavy = bytes[1] as f64 / (bytes[0] + bytes[1]) as f64;
+            assert!(
+                (heavy / (2.0 / 3.0) - 1.0).abs() < 0.05,
+                "window {w}: weight 2 got {heavy:.4} of {bytes:?}"
+            );
+            let uncapped = bytes[0] + bytes[1];
+            assert!(
+                uncapped as f64 >= 0.95 * rest as f64,
+                "window {w}: the uncapped moved {uncapped}, {rest} were left them ({without:?} without the cap)"
+            );
+        }
+    }
+
     #[test]
     fn a_message_rate_limit_holds_for_small_messages() {
         const RATE: u64 = 200_000;
