@@ -38,8 +38,10 @@
 //! contend, each round of shares is deficit round robin: a tenant's share
 //! may move `contended_bytes × weight` plus what its last share left unused
 //! (at most one round's worth more), with `tenant_turns × weight` busy
-//! turns, and each turn of its QPs may move `chunk_bytes × weight`; so the
-//! bytes tenants move follow their weights whatever their message sizes and
+//! turns, and each turn of its QPs may move `chunk_bytes × weight`, or its
+//! round over its QPs if it has fewer than the round needs turns
+//! ([`Share::turn_bytes`]: no QP has two turns in a share); so the bytes
+//! tenants move follow their weights whatever their message sizes and
 //! however many QPs they stream on. Alone, or beside tenants with nothing
 //! to do, a tenant keeps the whole pass whatever its weight: an idle
 //! tenant's share goes to the busy ones.
@@ -272,17 +274,19 @@ impl Share {
     /// The bytes a turn of this share may move, of `chunk` (the engine's
     /// chunk times the share's weight): `chunk`, or, while tenants contend
     /// and the tenant has fewer QPs queued than its round needs turns of
-    /// `chunk`, its round's bytes (with its deficit) over those QPs. No QP
-    /// has two turns in a share, so a tenant streaming over one QP used to
-    /// move one chunk a round whatever its round: half its share beside
-    /// tenants of more QPs, at a `contended_bytes` of two chunks (weights
-    /// 1:2 read 1:4 between a 1-QP and a 4-QP tenant). A share bounded in
-    /// time keeps its chunk (its turns are what bounds a latency tenant's
-    /// wait).
+    /// `chunk`, its round's bytes over those QPs (what its deficit adds
+    /// comes in later shares' turns). No QP has two turns in a share, so a
+    /// tenant streaming over one QP used to move one chunk a round
+    /// whatever its round: half its share beside tenants of more QPs, at a
+    /// `contended_bytes` of two chunks (weights 1:2 read 1:4 between a
+    /// 1-QP and a 4-QP tenant). A share bounded in time keeps its chunk
+    /// (its turns are what bounds a latency tenant's wait), and so does
+    /// one whose round is unbounded (`contended_bytes = u64::MAX`: bytes
+    /// do not bound shares, turns do).
     pub(crate) fn turn_bytes(&self, chunk: u64) -> u64 {
         match self.round {
-            Some((_, allowed)) if self.slice.is_none() && self.queued > 0 => {
-                chunk.max(allowed.div_ceil(self.queued as u64))
+            Some((round, _)) if self.slice.is_none() && self.queued > 0 && round < u64::MAX => {
+                chunk.max(round.div_ceil(self.queued as u64))
             }
             _ => chunk,
         }

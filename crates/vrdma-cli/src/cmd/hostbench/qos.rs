@@ -12,8 +12,8 @@
 //! over 64 QPs from host 1 to host 2. Each class gets daemons of its own
 //! (configured with the class for our uid, or not), and in each run the
 //! victim's unloaded latency, the hog alone, then both at once, then the
-//! victim beside threads that only yield the CPU (as many as the hog
-//! keeps busy) are measured; the figures are medians over the runs, each
+//! victim beside a CPU-only load (threads that spin as the hog keeps the
+//! two engines and its own process busy) are measured; the figures are medians over the runs, each
 //! beside the unloaded (or alone, or CPU-only) figure of the same runs
 //! and the ratio. On a machine with fewer cores than busy threads the
 //! last says how much of the victim's wait beside the hog is the CPUs'
@@ -141,9 +141,9 @@ fn pct(v: &[Duration], p: usize) -> f64 {
 
 /// One run's figures: the victim's median and p99 (µs) unloaded and
 /// beside the hog; the hog's GB/s alone and beside the victim; and the
-/// victim's median and p99 beside [`CPU_THREADS`] threads that only
-/// yield the CPU (the busy threads the hog brings, its process and the
-/// two daemons' engines, without a byte on the link).
+/// victim's median and p99 beside a CPU-only load of as many busy
+/// threads as the hog brings ([`CPU_LOAD`]: its process and the two
+/// daemons' engines), without a byte on the link.
 #[derive(Debug, Clone, Copy)]
 pub struct Run {
     pub median: [f64; 2],
@@ -152,21 +152,28 @@ pub struct Run {
     pub cpu: [f64; 2],
 }
 
-/// Threads of the CPU-only load: as many as the hog keeps busy (its
-/// polling process, and the engines of both daemons, which never sleep
-/// while it streams).
-const CPU_THREADS: usize = 3;
+/// The CPU-only load: threads that spin without yielding, as the two
+/// daemons' engines do while the hog keeps them busy (a busy engine
+/// starts its next pass without a yield), and threads that spin with
+/// yields, as the hog's own polling process does.
+const CPU_LOAD: (usize, usize) = (2, 1);
 
-/// `f` while `n` threads of ours do nothing but yield the CPU.
-fn beside_yielding<T>(n: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
+/// `f` while `load.0` threads of ours spin and `load.1` spin with yields.
+fn beside_busy<T>(load: (usize, usize), f: impl FnOnce() -> Result<T>) -> Result<T> {
     let stop = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
-        for _ in 0..n {
+        for i in 0..load.0 + load.1 {
+            let yields = i >= load.0;
+            let stop = &stop;
             // Bounded: `f` returns (or fails) within its span, and then
             // `stop` is set.
-            s.spawn(|| {
+            s.spawn(move || {
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    std::thread::yield_now();
+                    if yields {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
                 }
             });
         }
@@ -229,7 +236,7 @@ pub fn measure(
             Ok(())
         })?;
         hog.stop();
-        let cpu = beside_yielding(CPU_THREADS, || victim.sample(iters, window * 2))?;
+        let cpu = beside_busy(CPU_LOAD, || victim.sample(iters, window * 2))?;
         h.check_daemons()?;
         if unloaded.is_empty() || loaded.is_empty() || cpu.is_empty() {
             bail!("the victim measured nothing");
