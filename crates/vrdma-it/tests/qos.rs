@@ -273,3 +273,97 @@ fn a_latency_class_tenant_waits_less_beside_a_hog_and_the_hog_keeps_streaming() 
     }
     Ok(())
 }
+
+/// Starts `p` streaming `len`-byte writes over 4 QPs for `millis`;
+/// returns once they are posted.
+fn start_stream(p: &mut PeerProc, len: usize, millis: u64) -> Result<()> {
+    p.send(&Command::Stream { qps: 4, len, millis })?;
+    match p.recv::<Said>(Duration::from_secs(60))? {
+        Said::Flooding => Ok(()),
+        other => bail!("the tenant answered {other:?} to Stream"),
+    }
+}
+
+/// The bytes a second of `p`'s stream, once it ends.
+fn streamed(p: &mut PeerProc) -> Result<f64> {
+    match p.recv::<Said>(Duration::from_secs(60))? {
+        Said::Streamed { bytes, micros } => Ok(bytes as f64 / (micros.max(1) as f64 / 1e6)),
+        other => bail!("the stream ended with {other:?}"),
+    }
+}
+
+/// Weights and a rate limit at once (issue 21, item 4): uid 65532
+/// (weight 1) and uid 65534 (weight 2) stream uncapped beside uid 65533,
+/// of weight 2 but limited to 40 MB/s; each streams 1 MiB writes over 4
+/// QPs from a process of its own (the same kind of process each, so that
+/// what they get is the engine's order, not which process the CPUs
+/// favour). The capped tenant stays near its limit (its weight alone
+/// would give it 40 % of the engine), the uncapped ones split the rest by
+/// weight, and what the cap leaves goes to them: they move at least a
+/// third of what they moved in the same test's window before the capped
+/// tenant began (work conservation; a third, not all: its process takes
+/// some of the 2 CPUs, and with a build beside it the two windows read
+/// 0.30x and 2.10x in a row, so a CI machine's noise needs room). The 5 % figures are the core's
+/// (`schedule::tests::under_a_rate_cap_...`); the floors here are loose
+/// for 2 noisy cores (weight 2 against 1: a ratio of at least 1.2, where
+/// 2 is the ideal; up to three windows, the first that holds counts, as
+/// in the 1:3 test above; the cap is checked in every window).
+#[test]
+fn under_a_rate_cap_the_uncapped_tenants_split_the_rest_by_weight() -> Result<()> {
+    if !root() {
+        return Ok(());
+    }
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    const RATE: f64 = 40e6;
+    const CAPPED: u32 = NOBODY - 1;
+    const LIGHT: u32 = NOBODY - 2;
+    let d = DaemonProc::start_with_config(&format!(
+        "[direct]\nenabled = false\n[tenants.{LIGHT}]\nweight = 1\n[tenants.{NOBODY}]\nweight = 2\n\
+         [tenants.{CAPPED}]\nweight = 2\nrate_bytes_per_s = \"40M\"\n"
+    ))?;
+    let mut tenants = Vec::new();
+    for uid in [LIGHT, NOBODY, CAPPED] {
+        let p = PeerProc::spawn_as(&d.socket, "tenant", &[], Some(uid))?;
+        p.hello()?;
+        tenants.push(p);
+    }
+    let mut windows = Vec::new();
+    let mut over_cap = None;
+    for _ in 0..3 {
+        // The two uncapped tenants alone, then beside the capped one.
+        for t in &mut tenants[..2] {
+            start_stream(t, BIG, 1000)?;
+        }
+        let (light_before, heavy_before) = (streamed(&mut tenants[0])?, streamed(&mut tenants[1])?);
+        start_stream(&mut tenants[0], BIG, 1500)?;
+        start_stream(&mut tenants[1], BIG, 1500)?;
+        start_stream(&mut tenants[2], LEN, 1500)?;
+        let (light, heavy) = (streamed(&mut tenants[0])?, streamed(&mut tenants[1])?);
+        let capped = streamed(&mut tenants[2])?;
+        let (before, uncapped) = (light_before + heavy_before, light + heavy);
+        let (ratio, kept) = (heavy / light.max(1.0), uncapped / before.max(1.0));
+        eprintln!(
+            "weights 1:2 beside a weight-2 tenant capped at {RATE:.0} B/s: capped {capped:.0} B/s ({:+.1} %), \
+             uncapped {light:.0} and {heavy:.0} B/s (ratio {ratio:.2}, ideal 2), together {kept:.2}x their \
+             {before:.0} B/s before the capped one began",
+            (capped / RATE - 1.0) * 100.0,
+        );
+        if !(0.25 * RATE..=1.25 * RATE).contains(&capped) {
+            over_cap = Some(capped);
+        }
+        windows.push((ratio, kept));
+        if ratio >= 1.2 && kept >= 1.0 / 3.0 {
+            break;
+        }
+    }
+    if let Some(r) = over_cap {
+        bail!("a tenant capped at {RATE:.0} B/s moved {r:.0} B/s beside two weighted ones");
+    }
+    if !windows.iter().any(|&(ratio, kept)| ratio >= 1.2 && kept >= 1.0 / 3.0) {
+        bail!(
+            "in no window did the uncapped tenants split by weight (ratio >= 1.2) and keep a third of what they had \
+             before the capped one began: (ratio, kept) {windows:.2?}"
+        );
+    }
+    Ok(())
+}

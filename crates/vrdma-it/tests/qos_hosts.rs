@@ -299,7 +299,7 @@ fn beside_a_hog_across(protected: bool) -> Result<Option<BesideHog>> {
 /// first in which it is counts. Only the order is asserted; the figures
 /// with their anchors are `vrdma bench-hosts --qos`'s.
 #[test]
-#[ignore = "on 2 shared cores the two classes' medians across hosts (20-110 ms beside the hog) differ by less than their run-to-run noise, so three pairs still lose now and then; run by hand with --ignored, and read `vrdma bench-hosts --qos`"]
+#[ignore = "on 2 shared cores the two classes' medians across hosts (20-110 ms beside the hog) differ by less than their run-to-run noise, so three pairs still lose now and then; the wait is the CPUs' (`vrdma bench-hosts --qos`: the victim waits as long beside a CPU-only load of the hog's busy threads, no byte on the link); run by hand with --ignored, and read `vrdma bench-hosts --qos`"]
 fn across_hosts_a_latency_class_tenant_waits_less_beside_a_hog() -> Result<()> {
     if !root() {
         return Ok(());

@@ -73,6 +73,23 @@ fn rates(sock: &std::path::Path, uids: &[u32], qps: u32, window: Duration) -> Re
     Ok(b0.iter().zip(&b1).map(|(a, b)| (b - a) as f64 / secs).collect())
 }
 
+/// `n` threads of ours that do nothing but yield the CPU for `window`:
+/// the CPU a polling process takes on a machine with fewer cores than
+/// busy threads, without touching the daemon.
+fn yielding_threads(n: usize, window: Duration) {
+    let end = Instant::now() + window;
+    std::thread::scope(|s| {
+        for _ in 0..n {
+            // Bounded by `window`.
+            s.spawn(|| {
+                while Instant::now() < end {
+                    std::thread::yield_now();
+                }
+            });
+        }
+    });
+}
+
 fn jain(x: &[f64]) -> f64 {
     let s: f64 = x.iter().sum();
     let s2: f64 = x.iter().map(|v| v * v).sum();
@@ -106,12 +123,16 @@ pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&st
 
     progress("four equal tenants streaming at once, and one alone");
     let d = daemon(engine, "")?;
-    let (mut j, mut total, mut alone) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut j, mut total, mut alone, mut one_tenant) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for _ in 0..runs {
         alone.push(rates(d.socket(), &UIDS[..1], QPS, plan.window)?[0] / 1e9);
         let four = rates(d.socket(), &UIDS, QPS, plan.window)?;
         j.push(jain(&four));
         total.push(four.iter().sum::<f64>() / 1e9);
+        // The same four processes and QPs as one tenant: what four
+        // streaming processes cost on this machine's CPUs, without the
+        // engine's sharing among tenants.
+        one_tenant.push(rates(d.socket(), &[UIDS[0]; 4], QPS, plan.window)?.iter().sum::<f64>() / 1e9);
     }
     drop(d);
     let four = format!("four tenants streaming 1 MiB RDMA writes at once ({QPS} QPs each), equal weights");
@@ -131,6 +152,15 @@ pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&st
         "one tenant alone",
         &alone,
         ">= 0.90x alone",
+        cores,
+    ));
+    out.push(figure(
+        format!("{four}: their total"),
+        "GB/s",
+        &total,
+        "the same four processes as one tenant",
+        &one_tenant,
+        "reference: the engine's cost of four tenants",
         cores,
     ));
 
@@ -183,21 +213,47 @@ pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&st
         progress(&format!("8 B send latency beside a 64-QP hog, latency_class = \"{class}\""));
         let d = daemon(engine, &toml)?;
         let unloaded = median_of(&measure(d.socket(), worker::Test::SendLat, 8, plan.lat_iters, runs)?);
-        let (mut loaded, mut hog, mut hog_alone) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut loaded, mut hog, mut hog_alone, mut hog_cpu) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
             let mut other = Attacker::start(d.socket(), How::Stream, 64)?;
             std::thread::sleep(Duration::from_millis(100));
-            // The hog alone, then beside the victim's ping-pong.
-            other.ask()?;
-            let (b0, t0) = (other.bytes()?, Instant::now());
-            std::thread::sleep(plan.window);
-            other.ask()?;
-            let (b1, t1) = (other.bytes()?, Instant::now());
-            loaded.extend(measure(d.socket(), worker::Test::SendLat, 8, plan.lat_iters, 1)?);
-            other.ask()?;
-            let b2 = other.bytes()?;
-            hog_alone.push((b1 - b0) as f64 / (t1 - t0).as_secs_f64() / 1e9);
-            hog.push((b2 - b1) as f64 / t1.elapsed().as_secs_f64() / 1e9);
+            // The hog's bytes a second while `during` runs.
+            let mut hog_over = |during: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+                other.ask()?;
+                let (b0, t0) = (other.bytes()?, Instant::now());
+                during()?;
+                other.ask()?;
+                Ok((other.bytes()? - b0) as f64 / t0.elapsed().as_secs_f64() / 1e9)
+            };
+            // The hog alone, beside the victim's ping-pong, beside two
+            // threads that only yield the CPU (what the victim's two
+            // polling processes take from the engine's CPUs, without a
+            // message), and alone again: its "alone" is the mean of the
+            // first and the last, as its rate drifts over a run (it read
+            // 1.10-1.15x alone beside the unprotected victim with "alone"
+            // taken only before).
+            let mut alone = hog_over(&mut || {
+                std::thread::sleep(plan.window);
+                Ok(())
+            })?;
+            hog.push(hog_over(&mut || {
+                // Ten times the unloaded round trips, so that the window
+                // is mostly the ping-pong, not its two processes' start
+                // (some 100 ms of opening contexts and connecting, which
+                // was most of the window with as many as unloaded).
+                loaded.extend(measure(d.socket(), worker::Test::SendLat, 8, 10 * plan.lat_iters, 1)?);
+                Ok(())
+            })?);
+            hog_cpu.push(hog_over(&mut || {
+                yielding_threads(2, plan.window);
+                Ok(())
+            })?);
+            alone += hog_over(&mut || {
+                std::thread::sleep(plan.window);
+                Ok(())
+            })?;
+            hog_alone.push(alone / 2.0);
             other.stop();
         }
         drop(d);
@@ -220,6 +276,15 @@ pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&st
             "the hog alone, same runs",
             &hog_alone,
             ">= 0.90x",
+            cores,
+        ));
+        out.push(figure(
+            format!("the 64-QP hog beside the latency_class = \"{class}\" tenant's ping-pong"),
+            "GB/s",
+            &hog,
+            "the hog beside two threads that only yield, same runs",
+            &hog_cpu,
+            "reference: the victim's cost beyond its CPU",
             cores,
         ));
     }

@@ -294,7 +294,7 @@ impl Hca {
             // the engine must be awake then.
             let ack = qp.remote.as_ref().and_then(|r| r.recv.as_ref()).and_then(|r| r.ack_due());
             let chunk = self.config.chunk_bytes.max(1).saturating_mul(weight.into());
-            self.turn_bytes = share.bytes.min(chunk);
+            self.turn_bytes = share.bytes.min(share.turn_bytes(chunk));
             self.turn_spent = 0;
             self.turn_messages = share.messages;
             self.metrics.turn_start = clock;
