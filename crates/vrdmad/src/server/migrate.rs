@@ -23,6 +23,9 @@
 //! memory for region`), and its QPs have no rings here (they keep their
 //! connections, their peers follow them on resume, but post and complete
 //! nothing).
+//! While a tenant is paused (from `pause`, or its import here, to
+//! `resume` or `finish`) its sessions' state-changing calls wait at its
+//! gate (`pause_gate`): pause closes it, resume and finish open it.
 //! `docs/migration.md` says what this round moves.
 
 // An `Answer` is the reply to send whichever way a call ends (as in
