@@ -149,6 +149,7 @@ impl Daemon {
         hca_cfg.default_quota = budgets.quota;
         hca_cfg.number_space = config.net.number_space_of(address);
         let number_space = hca_cfg.number_space;
+        let pause_limit = hca_cfg.migration_pause_limit;
         tracing::info!(number_space, "numbering QPNs, ids and keys in this space");
         let mut hca = Hca::new(hca_cfg, Box::new(RandomKeys));
         for &(uid, q) in &budgets.tenants {
@@ -225,6 +226,7 @@ impl Daemon {
             vm_acceptors: Mutex::default(),
             stopping: AtomicBool::new(false),
             moved: Mutex::default(),
+            gate: server::pause_gate::PauseGate::new(pause_limit),
         });
         // A context whose tenant broke the shared-memory protocol is closed
         // as if its process had gone (the engine tells it why first).

@@ -18,6 +18,12 @@ pub enum HcaError {
     Unsupported(&'static str),
     #[error("device limit reached: {0}")]
     Exhausted(&'static str),
+    /// The tenant is paused for a migration: a call that would change its
+    /// device state is not run (the snapshot would not hold it). The
+    /// daemon holds such calls before they reach the core
+    /// (`docs/migration.md`, "Calls while a tenant is paused").
+    #[error("tenant {0} is paused for a migration; the call was not run")]
+    TenantPaused(u32),
 }
 
 impl HcaError {
@@ -30,6 +36,7 @@ impl HcaError {
             HcaError::Busy(_) => 16,                                   // EBUSY
             HcaError::QuotaExceeded(_) | HcaError::Exhausted(_) => 12, // ENOMEM
             HcaError::Unsupported(_) => 95,                            // EOPNOTSUPP
+            HcaError::TenantPaused(_) => 11,                           // EAGAIN
         }
     }
 

@@ -150,6 +150,11 @@ pub struct Hca {
     pub log: crate::log_limit::LogLimiter,
     /// The direct path's grants ([`direct`]).
     direct: direct::Grants,
+    /// Tenants paused for a migration ([`Hca::pause_tenant`], or imported
+    /// paused), until [`Hca::resume_tenant`] or [`Hca::finish_export`]:
+    /// their state-changing control calls are refused
+    /// ([`HcaError::TenantPaused`]), so that the snapshot stays true.
+    paused_tenants: std::collections::HashSet<TenantId>,
 }
 
 /// QPs a sweep wakes per pass.
@@ -191,6 +196,7 @@ impl Hca {
             turn_messages: u64::MAX,
             metrics: metrics::Metrics::default(),
             direct: direct::Grants::default(),
+            paused_tenants: std::collections::HashSet::default(),
         }
     }
 

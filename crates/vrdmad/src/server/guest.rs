@@ -265,7 +265,13 @@ impl Port {
             }
             Frame::Call(req) => {
                 let answer = match self.live.as_mut() {
-                    Some(l) => l.session.handle(req, Vec::new()),
+                    Some(l) => {
+                        let a = l.session.handle(req, Vec::new());
+                        // A call held while its tenant was paused
+                        // (`pause_gate`) is not the guest's silence.
+                        l.last_heard = Instant::now();
+                        a
+                    }
                     None => {
                         self.tell_no_session()?;
                         error(libc::EPROTO, "no guest session on this port: send Hello first")
@@ -507,5 +513,92 @@ mod tests {
         }
         // The session is over; the note went with it.
         assert!(!daemon.shared.is_moved(context));
+    }
+
+    /// Issue 19: a call that changes a paused tenant's state is not run at
+    /// the source (the snapshot, taken after the pause, would not hold it,
+    /// and the destination would never see it). It is held (a query is
+    /// not): after a cancel (resume at the source) it runs there; after
+    /// `finish` it is not run, and the guest hears `Ended { Moved }` and
+    /// sends it again on the destination. Without the hold it ran at once
+    /// and its effect was lost.
+    #[test]
+    fn a_call_that_changes_a_paused_tenants_state_waits_for_resume_or_finish() {
+        use vrdma_core::proto::{MigrateReply, MigrateRequest};
+        let dir = tempfile::tempdir().unwrap();
+        let uid = rustix::process::geteuid().as_raw();
+        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n");
+        let mut cfg = crate::DaemonConfig::from_toml(&toml).unwrap();
+        cfg.socket = Some(dir.path().join("vrdma.sock"));
+        let daemon = crate::Daemon::start(cfg).unwrap();
+        let shared = daemon.shared.clone();
+        let operator =
+            |req: MigrateRequest| match super::super::migrate::handle(&shared, uid, false, req, Vec::new()) {
+                Ok(a) => a.reply,
+                Err(a) => panic!("the operator's call was refused: {:?}", a.reply),
+            };
+        let mut port = UnixStream::connect(&daemon.shared.vms["t"].socket).unwrap();
+        port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut dec = FrameDecoder::new();
+        let call = |port: &mut UnixStream, req: Request| {
+            port.write_all(&guest::encode(&Frame::Call(req))).unwrap();
+        };
+        // Nothing comes on the port for a while (the held call's thread
+        // sends no pings either).
+        let quiet = |port: &mut UnixStream, dec: &mut FrameDecoder| {
+            port.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+            let mut buf = [0u8; 4096];
+            match port.read(&mut buf) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Ok(n) => {
+                    dec.push(&buf[..n]);
+                    panic!("a held call was answered: {:?}", dec.next_frame());
+                }
+                Err(e) => panic!("{e}"),
+            }
+            port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        };
+        port.write_all(&guest::encode(&Frame::Hello { version: GUEST_VERSION })).unwrap();
+        call(&mut port, Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION });
+        assert!(matches!(next(&mut port, &mut dec), Frame::Reply { reply: Reply::Hello { .. }, .. }));
+        let tenant = vrdma_core::hca::TenantId(uid);
+        let pds = || shared.engine.call(move |e| e.hca.snapshot_tenant(tenant).map(|s| s.pds.len())).unwrap();
+
+        // Paused, then cancelled: the held call runs at the source.
+        assert!(matches!(
+            operator(MigrateRequest::Pause { tenant: uid }),
+            Reply::Migrated(MigrateReply::Paused { .. })
+        ));
+        call(&mut port, Request::QueryDevice);
+        assert!(
+            matches!(next(&mut port, &mut dec), Frame::Reply { reply: Reply::Device(_), .. }),
+            "a query runs"
+        );
+        call(&mut port, Request::AllocPd);
+        quiet(&mut port, &mut dec);
+        assert_eq!(pds(), Ok(0), "the held call ran while the tenant was paused");
+        operator(MigrateRequest::Resume { tenant: uid });
+        match next(&mut port, &mut dec) {
+            Frame::Reply { reply: Reply::Pd { .. }, .. } => {}
+            other => panic!("the held call, after the cancel: {other:?}"),
+        }
+
+        // Paused, then finished: the held call is not run here, and the
+        // guest is told its context moved.
+        operator(MigrateRequest::Pause { tenant: uid });
+        assert_eq!(pds(), Ok(1));
+        call(&mut port, Request::AllocPd);
+        quiet(&mut port, &mut dec);
+        assert_eq!(pds(), Ok(1), "the held call ran while the tenant was paused");
+        assert!(matches!(
+            operator(MigrateRequest::Finish { tenant: uid }),
+            Reply::Migrated(MigrateReply::Finished { .. })
+        ));
+        match next(&mut port, &mut dec) {
+            Frame::Ended { reason: EndReason::Moved } => {}
+            other => panic!("the held call, after finish: {other:?}"),
+        }
+        let left = shared.engine.call(move |e| e.hca.tenant_contexts(tenant).len()).unwrap();
+        assert_eq!(left, 0, "the held call made the tenant a context here again");
     }
 }

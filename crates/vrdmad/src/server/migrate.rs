@@ -23,6 +23,9 @@
 //! memory for region`), and its QPs have no rings here (they keep their
 //! connections, their peers follow them on resume, but post and complete
 //! nothing).
+//! While a tenant is paused (from `pause`, or its import here, to
+//! `resume` or `finish`) its sessions' state-changing calls wait at its
+//! gate (`pause_gate`): pause closes it, resume and finish open it.
 //! `docs/migration.md` says what this round moves.
 
 // An `Answer` is the reply to send whichever way a call ends (as in
@@ -45,6 +48,9 @@ use super::Shared;
 /// payload for one of the tenant's QPs (the core refuses a snapshot
 /// mid-frame; frames end within one chunk's bytes).
 const EXPORT_WAIT: Duration = Duration::from_secs(2);
+/// How long a pause (or an import) waits for the tenant's state-changing
+/// calls under way to end (`pause_gate`).
+const CALLS_WAIT: Duration = Duration::from_secs(2);
 
 /// Whether the peer of a control connection may drive migrations.
 fn is_operator(uid: u32) -> bool {
@@ -86,7 +92,18 @@ pub(super) fn handle(
     let engine = &shared.engine;
     Ok(match req {
         MigrateRequest::Pause { tenant } => {
-            let qps = engine.call(move |e| e.hca.pause_tenant(TenantId(tenant))).map_err(|_| gone())?;
+            // The tenant's state-changing calls wait from here, and those
+            // under way end first (`pause_gate`).
+            if !shared.gate.close(TenantId(tenant), CALLS_WAIT) {
+                return Err(error(
+                    libc::EBUSY,
+                    format!("a call of tenant {tenant} that changes its state is still running after {CALLS_WAIT:?}"),
+                ));
+            }
+            let r = engine
+                .call(move |e| (e.hca.pause_tenant(TenantId(tenant)), e.hca.is_paused(TenantId(tenant))));
+            let (qps, paused) = r.map_err(|_| gone())?;
+            shared.gate.sync(TenantId(tenant), paused);
             let qps = qps.map_err(refused)?;
             tracing::info!(tenant, qps, "operator paused a tenant for a migration");
             Reply::Migrated(MigrateReply::Paused { qps: qps as u32 }).into()
@@ -138,7 +155,28 @@ pub(super) fn handle(
                 .map_err(|e| error(libc::EINVAL, e.to_string()))?;
             // A VM's tenant: its regions and rings mapped where the
             // snapshot places them in the VM's region here.
-            let mut attached = super::migrate_vm::attach(shared, &snap)?;
+            // The tenant arrives paused: its calls here (other processes'
+            // of the same tenant, or a guest's that adopts its context
+            // before resume) wait until resume, as at the source.
+            let tenant = TenantId(snap.tenant);
+            if !shared.gate.close(tenant, CALLS_WAIT) {
+                return Err(error(
+                    libc::EBUSY,
+                    format!("a call of tenant {} that changes its state is still running", tenant.0),
+                ));
+            }
+            let synced = |shared: &Arc<Shared>| {
+                let paused = engine.call(move |e| e.hca.is_paused(tenant)).unwrap_or(false);
+                shared.gate.sync(tenant, paused);
+            };
+            let attached = super::migrate_vm::attach(shared, &snap);
+            let mut attached = match attached {
+                Ok(a) => a,
+                Err(e) => {
+                    synced(shared);
+                    return Err(e);
+                }
+            };
             let mut regions = attached.as_mut().map(|a| std::mem::take(&mut a.regions)).unwrap_or_default();
             let r = engine
                 .call(move |e| {
@@ -160,6 +198,7 @@ pub(super) fn handle(
                     if let Some(a) = attached {
                         a.give_back();
                     }
+                    synced(shared);
                     return Err(e);
                 }
             };
@@ -174,13 +213,15 @@ pub(super) fn handle(
             Reply::Migrated(MigrateReply::Imported { tenant: t.0, qps: qps as u32 }).into()
         }
         MigrateRequest::Resume { tenant } => {
-            let qps = engine
+            let (qps, paused) = engine
                 .call(move |e| {
                     let now = e.now();
-                    e.hca.resume_tenant(TenantId(tenant), now)
+                    (e.hca.resume_tenant(TenantId(tenant), now), e.hca.is_paused(TenantId(tenant)))
                 })
-                .map_err(|_| gone())?
-                .map_err(refused)?;
+                .map_err(|_| gone())?;
+            // Its held calls run now (a cancelled migration: here).
+            shared.gate.sync(TenantId(tenant), paused);
+            let qps = qps.map_err(refused)?;
             tracing::info!(tenant, qps, "operator resumed a tenant");
             Reply::Migrated(MigrateReply::Resumed { qps: qps as u32 }).into()
         }
@@ -213,12 +254,23 @@ pub(super) fn handle(
                     Ok::<_, MigrateError>((ctxs, qps))
                 })
                 .map_err(|_| gone())?;
-            let (ctxs, qps) = r.map_err(refused)?;
+            let (ctxs, qps) = match r {
+                Ok(done) => done,
+                Err(e) => {
+                    let paused = engine.call(move |e| e.hca.is_paused(TenantId(tenant))).unwrap_or(false);
+                    shared.gate.sync(TenantId(tenant), paused);
+                    return Err(refused(e));
+                }
+            };
             // The tenant lives elsewhere now: its processes' connections
             // here end (each session's close finds nothing left to free).
             for c in &ctxs {
                 shared.end_session_moved(c.0);
             }
+            // Its held calls find their sessions moved and are not run
+            // (after the ends: a host session's answer finds its
+            // connection closed).
+            shared.gate.sync(TenantId(tenant), false);
             if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
                 super::migrate_vm::moved_away(vm, &ctxs);
             }

@@ -8,6 +8,7 @@ pub(crate) mod guest;
 mod guest_memory;
 mod migrate;
 mod migrate_vm;
+pub(crate) mod pause_gate;
 mod ring_pool;
 mod session;
 mod tenancy;
@@ -57,6 +58,9 @@ pub(crate) struct Shared {
     /// ([`vrdma_core::proto::guest::EndReason::Moved`]), which may then
     /// adopt its context there. Taken by the port, or by the session's end.
     pub moved: Mutex<std::collections::BTreeSet<u32>>,
+    /// Holds a paused tenant's state-changing calls until its migration
+    /// is finished or cancelled (`pause_gate`).
+    pub gate: pause_gate::PauseGate,
 }
 
 impl Shared {

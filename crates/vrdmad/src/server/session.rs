@@ -332,6 +332,36 @@ impl Session {
         {
             return error(EPROTO, "the first request must be Hello");
         }
+        // A call that changes the tenant's device state waits while the
+        // tenant is paused for a migration (`pause_gate`), and counts as
+        // running until answered, so that a pause waits for it.
+        let shared = self.shared.clone();
+        let _pass = if changes_state(&req) {
+            let (tenant, id) = (self.tenant, self.ctx.0);
+            match shared.gate.enter(tenant, || shared.is_moved(id)) {
+                Ok(p) => Some(p),
+                Err(super::pause_gate::Held::Moved) => {
+                    // Not run: the guest's port ends the session as moved
+                    // and the guest sends it again on the destination; a
+                    // host session's connection is closed already.
+                    return error(
+                        libc::ENODEV,
+                        "the context moved to another host while the call waited; it was not run here",
+                    );
+                }
+                Err(super::pause_gate::Held::TooLong(limit)) => {
+                    return error(
+                        libc::ETIMEDOUT,
+                        format!(
+                            "the tenant has been paused for a migration for more than {limit:?}; \
+                             the call was not run"
+                        ),
+                    );
+                }
+            }
+        } else {
+            None
+        };
         match self.dispatch(req, fds) {
             Ok(a) => self.pooled(a),
             Err(a) => a,
@@ -1329,6 +1359,34 @@ impl Session {
         g.free(offset).map_err(|(errno, m)| error(errno, m))?;
         Ok(Reply::Done.into())
     }
+}
+
+/// Whether `req` changes what a tenant's snapshot holds (its PDs, MRs,
+/// CQs, SRQs, QPs and AHs, and a guest's extents in its VM's region): such
+/// a call waits while the tenant is paused for a migration. Queries, the
+/// completion and rdma_cm channels (which do not move) and the direct
+/// path's grants do not.
+fn changes_state(req: &Request) -> bool {
+    matches!(
+        req,
+        Request::AllocPd
+            | Request::DeallocPd { .. }
+            | Request::RegMr { .. }
+            | Request::DeregMr { .. }
+            | Request::CreateCq { .. }
+            | Request::DestroyCq { .. }
+            | Request::CreateSrq { .. }
+            | Request::ModifySrq { .. }
+            | Request::DestroySrq { .. }
+            | Request::CreateQp { .. }
+            | Request::ModifyQp { .. }
+            | Request::DestroyQp { .. }
+            | Request::CreateAh { .. }
+            | Request::DestroyAh { .. }
+            | Request::GuestAlloc { .. }
+            | Request::GuestFree { .. }
+            | Request::Cm(CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. })
+    )
 }
 
 /// Where a QP's rings lie in its segment: the send ring first, then the

@@ -5,6 +5,7 @@ use super::super::*;
 impl Hca {
     /// Creates a CQ of at least `cqe` entries; returns (cqn, depth granted).
     pub fn create_cq(&mut self, ctx: ContextId, cqe: u32) -> Result<(u32, u32), HcaError> {
+        self.refuse_paused(ctx)?;
         if cqe == 0 {
             return Err(HcaError::invalid("a CQ needs at least one entry"));
         }
@@ -21,6 +22,7 @@ impl Hca {
     }
 
     pub fn destroy_cq(&mut self, ctx: ContextId, cqn: u32) -> Result<(), HcaError> {
+        self.refuse_paused(ctx)?;
         match self.cqs.get(&cqn) {
             Some(c) if c.ctx == ctx && c.users > 0 => Err(HcaError::Busy("completion queue")),
             Some(c) if c.ctx == ctx => {

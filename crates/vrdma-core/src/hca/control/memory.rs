@@ -6,6 +6,7 @@ use crate::verbs::{AccessFlags, AhAttr};
 
 impl Hca {
     pub fn alloc_pd(&mut self, ctx: ContextId) -> Result<u32, HcaError> {
+        self.refuse_paused(ctx)?;
         if self.pds.len() >= self.config.device.max_pd as usize {
             return Err(HcaError::Exhausted("protection domains"));
         }
@@ -23,6 +24,7 @@ impl Hca {
     }
 
     pub fn dealloc_pd(&mut self, ctx: ContextId, pd: u32) -> Result<(), HcaError> {
+        self.refuse_paused(ctx)?;
         if self.own_pd(ctx, pd)?.users > 0 {
             return Err(HcaError::Busy("protection domain"));
         }
@@ -36,6 +38,7 @@ impl Hca {
     /// lost); the port and GID index must, and multicast addresses are not
     /// supported.
     pub fn create_ah(&mut self, ctx: ContextId, pd: u32, attr: AhAttr) -> Result<u32, HcaError> {
+        self.refuse_paused(ctx)?;
         let ports = self.config.device.phys_port_cnt;
         if attr.port_num == 0 || attr.port_num > ports {
             return Err(HcaError::invalid(format!(
@@ -68,6 +71,7 @@ impl Hca {
     /// `ibv_destroy_ah`. A send still queued with this handle fails with
     /// `LocQpOpErr` when the engine reaches it.
     pub fn destroy_ah(&mut self, ctx: ContextId, ah: u32) -> Result<(), HcaError> {
+        self.refuse_paused(ctx)?;
         match self.ahs.get(&ah) {
             Some(a) if a.ctx == ctx => {}
             _ => return Err(HcaError::NoSuchObject { kind: "AH", id: ah }),
@@ -90,6 +94,7 @@ impl Hca {
         access: AccessFlags,
         region: Region,
     ) -> Result<u32, HcaError> {
+        self.refuse_paused(ctx)?;
         let len = region.len() as u64;
         if !access.is_consistent() {
             return Err(HcaError::invalid("remote write or atomic access requires local write"));
@@ -118,6 +123,7 @@ impl Hca {
 
     /// Deregisters at once: from here on no work request can reach the region.
     pub fn dereg_mr(&mut self, ctx: ContextId, key: u32) -> Result<(), HcaError> {
+        self.refuse_paused(ctx)?;
         match self.mrs.get(&key) {
             Some(m) if m.ctx == ctx => {}
             _ => return Err(HcaError::NoSuchObject { kind: "MR", id: key }),

@@ -9,6 +9,7 @@ use crate::verbs::{AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpStat
 
 impl Hca {
     pub fn create_qp(&mut self, ctx: ContextId, pd: u32, init: QpInitAttr) -> Result<QpCreated, HcaError> {
+        self.refuse_paused(ctx)?;
         let tenant = self.tenant_of(ctx)?;
         if init.qp_type == QpType::Uc {
             return Err(HcaError::Unsupported("UC queue pairs (RC and UD are supported)"));
@@ -222,6 +223,7 @@ impl Hca {
         mask: QpAttrMask,
         io: &mut dyn Queues,
     ) -> Result<QpState, HcaError> {
+        self.refuse_paused(ctx)?;
         let limits = self.config.modify_limits();
         self.direct.touch();
         let qp = self.own_qp(ctx, qpn)?;
@@ -325,6 +327,7 @@ impl Hca {
     /// `ibv_destroy_qp`. A send WR the QP held is retired (through `io`)
     /// without a completion, as everything still posted is dropped.
     pub fn destroy_qp(&mut self, ctx: ContextId, qpn: u32, io: &mut dyn Queues) -> Result<(), HcaError> {
+        self.refuse_paused(ctx)?;
         self.own_qp(ctx, qpn)?;
         self.remove_qps(&[qpn], io);
         Ok(())

@@ -7,6 +7,7 @@ use crate::verbs::SrqAttr;
 
 impl Hca {
     pub fn create_srq(&mut self, ctx: ContextId, pd: u32, attr: SrqAttr) -> Result<(u32, SrqAttr), HcaError> {
+        self.refuse_paused(ctx)?;
         let dev = &self.config.device;
         if attr.max_wr == 0 || attr.max_sge > dev.max_srq_sge {
             return Err(HcaError::invalid(format!(
@@ -41,6 +42,7 @@ impl Hca {
         limit: Option<u32>,
         resize: bool,
     ) -> Result<(), HcaError> {
+        self.refuse_paused(ctx)?;
         let s = self.own_srq(ctx, srqn)?;
         if resize {
             return Err(HcaError::Unsupported("resizing an SRQ"));
@@ -66,6 +68,7 @@ impl Hca {
     }
 
     pub fn destroy_srq(&mut self, ctx: ContextId, srqn: u32) -> Result<(), HcaError> {
+        self.refuse_paused(ctx)?;
         if self.own_srq(ctx, srqn)?.users > 0 {
             return Err(HcaError::Busy("shared receive queue"));
         }

@@ -482,6 +482,7 @@ impl Hca {
                 x.users += 1;
             }
         }
+        self.paused_tenants.insert(tenant);
         tracing::info!(tenant = tenant.0, qps = s.qps.len(), "tenant imported, paused");
     }
 

@@ -90,6 +90,7 @@ impl Hca {
     /// requests with PAUSED, drop answers. Returns how many QPs it holds.
     pub fn pause_tenant(&mut self, tenant: TenantId) -> Result<usize, MigrateError> {
         self.check_movable(tenant)?;
+        self.paused_tenants.insert(tenant);
         let qps = self.tenant_qps(tenant);
         for &qpn in &qps {
             if let Some(q) = self.qps.get_mut(&qpn) {
@@ -110,10 +111,27 @@ impl Hca {
         v
     }
 
-    /// Whether every QP of `tenant` is paused (and it has a context here).
+    /// Whether `tenant` is paused for a migration: by
+    /// [`Hca::pause_tenant`] here, or imported here paused, and neither
+    /// resumed nor finished since. A tenant never paused is not, whatever
+    /// objects it holds.
     pub fn is_paused(&self, tenant: TenantId) -> bool {
-        self.contexts.values().any(|c| c.tenant == tenant)
-            && self.qps.values().filter(|q| q.tenant == tenant).all(|q| q.paused)
+        self.paused_tenants.contains(&tenant)
+    }
+
+    /// Refuses a control call of `ctx` that would change its tenant's
+    /// device state while the tenant is paused: the snapshot, taken after
+    /// the pause, would not hold the change, and the destination would
+    /// never see it. Queries are not refused. The daemon holds such calls
+    /// before they get here; this is what makes the rule hold for any
+    /// driver.
+    pub(crate) fn refuse_paused(&self, ctx: super::ContextId) -> Result<(), super::HcaError> {
+        match self.contexts.get(&ctx) {
+            Some(c) if self.paused_tenants.contains(&c.tenant) => {
+                Err(super::HcaError::TenantPaused(c.tenant.0))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The snapshot of a paused tenant's device state, encoded. The
@@ -260,6 +278,7 @@ impl Hca {
             self.contexts.remove(&c);
         }
         self.usage.remove(&tenant);
+        self.paused_tenants.remove(&tenant);
         tracing::info!(tenant = tenant.0, qps = t.qps.len(), "tenant moved away; its objects here are gone");
         Ok(t)
     }
@@ -271,6 +290,7 @@ impl Hca {
     /// unacknowledged request.
     pub fn resume_tenant(&mut self, tenant: TenantId, now: Instant) -> Result<usize, MigrateError> {
         self.check_movable(tenant)?;
+        self.paused_tenants.remove(&tenant);
         let qps = self.tenant_qps(tenant);
         for &qpn in &qps {
             let Some(q) = self.qps.get_mut(&qpn) else { continue };

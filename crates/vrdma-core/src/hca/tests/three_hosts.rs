@@ -952,3 +952,48 @@ fn daemons_with_their_own_number_spaces_import_onto_a_busy_host() {
     assert_eq!((later.qpn >> 16, later.pd >> 24, later.buf.key >> 24), (3, 3, 3));
     c.hca.resume_tenant(TENANT, T0).unwrap();
 }
+
+/// Issue 19: a call that changes a paused tenant's device state is
+/// refused, not run (the snapshot, taken after the pause, would not hold
+/// it, and the destination would never see it); queries run, and other
+/// tenants are not held. `is_paused` is the pause itself: a tenant with a
+/// context and no QPs, never paused, is not paused (it used to be).
+#[test]
+fn a_paused_tenants_calls_that_change_its_state_are_refused() {
+    let mut a = host_with(IPS[A], tune);
+    assert!(!a.hca.is_paused(TENANT), "a tenant with a context and no QPs, never paused");
+    assert_eq!(a.hca.export_tenant(TENANT), Err(MigrateError::NotPaused(TENANT.0)));
+    assert_eq!(a.hca.finish_export(TENANT).map(drop), Err(MigrateError::NotPaused(TENANT.0)));
+    let e = a.end(C1);
+    a.hca.pause_tenant(TENANT).unwrap();
+    assert!(a.hca.is_paused(TENANT) && !a.hca.is_paused(OTHER_TENANT));
+    let before = a.hca.snapshot_tenant(TENANT).unwrap();
+    let no = Err(HcaError::TenantPaused(TENANT.0));
+    assert_eq!(a.hca.alloc_pd(C1).map(drop), no);
+    assert_eq!(a.hca.create_cq(C2, 8).map(drop), no);
+    assert_eq!(a.hca.create_qp(C1, e.pd, qp_init(e.cq, e.cq, None)).map(drop), no);
+    let init = QpAttr { qp_state: QpState::Init, port_num: 1, qp_access_flags: FULL, ..QpAttr::default() };
+    let mask = QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::ACCESS_FLAGS;
+    assert_eq!(a.hca.modify_qp(C1, e.qpn, &init, mask, &mut a.io).map(drop), no);
+    assert_eq!(a.hca.destroy_qp(C1, e.qpn, &mut a.io), no);
+    assert_eq!(a.hca.dereg_mr(C1, e.buf.key), no);
+    assert_eq!(a.hca.destroy_cq(C1, e.cq), no);
+    assert_eq!(a.hca.dealloc_pd(C1, e.pd), no);
+    let ah = AhAttr { dlid: 1, port_num: 1, ..AhAttr::default() };
+    assert_eq!(a.hca.create_ah(C1, e.pd, ah).map(drop), no);
+    let region = Region::heap(4096);
+    assert_eq!(a.hca.reg_mr(C1, e.pd, 0x4000_0000, FULL, region).map(drop), no);
+    // Queries run; another tenant's calls run.
+    assert_eq!(a.hca.query_qp(C1, e.qpn).unwrap().0.qp_state, QpState::Reset);
+    assert!(a.hca.alloc_pd(C3).is_ok(), "another tenant is not paused");
+    // Nothing changed: the snapshot is the one taken right after the pause.
+    assert_eq!(a.hca.snapshot_tenant(TENANT).unwrap(), before);
+    // A cancelled migration: resumed where it was, its calls run again.
+    a.hca.resume_tenant(TENANT, T0).unwrap();
+    assert!(!a.hca.is_paused(TENANT));
+    assert_eq!(a.hca.modify_qp(C1, e.qpn, &init, mask, &mut a.io), Ok(QpState::Init));
+    // Paused, then gone: not paused any more, and nothing to refuse.
+    a.hca.pause_tenant(TENANT).unwrap();
+    a.hca.finish_export(TENANT).unwrap();
+    assert!(!a.hca.is_paused(TENANT));
+}
