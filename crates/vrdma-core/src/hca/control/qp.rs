@@ -278,6 +278,7 @@ impl Hca {
                 }
                 io.discard(qpn);
                 if let Some(r) = &remote {
+                    self.send_owed_acks(r, qpn, tenant.0, dest);
                     self.net.detach(r, qpn, tenant);
                 }
                 // (Connected to itself, the receive was its own: discarded
@@ -369,6 +370,7 @@ impl Hca {
         self.cancel_placements_of(qpn);
         let Some(mut qp) = self.qps.remove(&qpn) else { return };
         if let Some(r) = qp.remote.take() {
+            self.send_owed_acks(&r, qpn, qp.tenant.0, qp.attr.dest_qp_num);
             self.net.detach(&r, qpn, qp.tenant);
             if r.held_sends() > 0 {
                 io.send_retired(qpn, r.held_sends());

@@ -22,6 +22,11 @@ const MAX_RESPONSES: usize = 4096;
 /// as an HCA refuses it.
 const MAX_READS: usize = crate::hca::MAX_RD_ATOMIC as usize;
 
+/// Frames a link holds at most (with its datagrams) for QPs that went
+/// away still owing ACKs: a flood of destroyed QPs on a stalled link
+/// cannot grow it without bound.
+const MAX_OWED_FRAMES: usize = 4096;
+
 /// A message arriving in several frames.
 pub(crate) enum InMsg {
     Send {
@@ -721,6 +726,41 @@ impl Hca {
         if self.qps.get(&qpn).is_some_and(|q| q.state() != crate::verbs::QpState::Err) {
             self.enter_error(qpn, io);
             io.async_event(ctx, AsyncEvent { event_type: f.event, element: qpn });
+        }
+    }
+
+    /// `qpn` is destroyed or reset: the ACKs it owes for messages it
+    /// completed (held by `ack_delay`, or not yet polled by the link)
+    /// still go out, ahead of the link's QP frames. An HCA acknowledges a
+    /// message before its receive completes, so a program that destroys
+    /// its QP once it has seen its last completion never leaves the peer
+    /// waiting for an ACK; without this the peer's last send would end
+    /// `RETRY_EXC_ERR`. Only positive ACKs and atomic ACKs go: a NAK or a
+    /// read response of a QP that is gone answers nothing useful.
+    pub(crate) fn send_owed_acks(&mut self, r: &RemoteQp, qpn: u32, vnet: u32, dest: u32) {
+        let Some(rs) = r.recv.as_ref() else { return };
+        let Some(l) = rs.link.and_then(|link| self.net.links.get_mut(&link)).filter(|l| l.up) else { return };
+        for resp in &rs.responses {
+            let repr = match *resp {
+                Response::Ack { psn, syndrome: Syndrome::Ack, msn } => {
+                    let mut r = DataRepr::new(Opcode::Acknowledge, vnet, dest, qpn, psn);
+                    r.aeth = Some(Aeth { syndrome: Syndrome::Ack, msn });
+                    r
+                }
+                Response::AtomicAck { psn, orig, msn, .. } => {
+                    let mut r = DataRepr::new(Opcode::AtomicAcknowledge, vnet, dest, qpn, psn);
+                    r.aeth = Some(Aeth { syndrome: Syndrome::Ack, msn });
+                    r.atomic_ack = Some(orig);
+                    r
+                }
+                _ => continue,
+            };
+            if l.datagrams.len() >= MAX_OWED_FRAMES {
+                tracing::debug!(qpn, "link queue full; an owed ACK is not sent");
+                return;
+            }
+            tracing::debug!(qpn, psn = repr.psn, "QP gone: sending the ACK it owed");
+            l.datagrams.push_back(Transmit::new(&repr));
         }
     }
 

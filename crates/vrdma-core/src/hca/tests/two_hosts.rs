@@ -722,6 +722,69 @@ fn a_held_ack_goes_with_the_next_request_or_when_its_delay_is_over() {
     assert_eq!(t.a.env.poll(a.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![4]);
 }
 
+/// How a program ends its QP once it has seen its last completion.
+#[derive(Debug, Clone, Copy)]
+enum Teardown {
+    Destroy,
+    Reset,
+    Error,
+}
+
+#[test]
+fn a_qp_ended_right_after_its_last_receive_still_acknowledges_it() {
+    // The end of a ping-pong: B's QP sends too, so it holds its ACK for
+    // `ack_delay`; B's program sees the receive complete and ends its QP
+    // before the delay is over (a loaded host runs the engine late, and
+    // the destroy may come first). A's last send must still succeed.
+    for end in [Teardown::Destroy, Teardown::Reset, Teardown::Error] {
+        last_receive_then_teardown(end);
+    }
+}
+
+fn last_receive_then_teardown(end: Teardown) {
+    let mut t = TwoHosts::new(1024);
+    t.b.env.hca.config.ack_delay = Duration::from_micros(10);
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    t.connect(a.qpn, b.qpn, conn());
+    // The pong before: B has sent lately.
+    t.b.env.io.post_send(b.qpn, rdma(8, SendOpcode::RdmaWrite, &[b.buf.sge(0, 8)], a.buf.addr, a.buf.key));
+    t.run(T0);
+    assert_eq!(t.b.env.poll(b.cq).iter().map(|c| c.wr_id).collect::<Vec<_>>(), vec![8]);
+    // The last ping.
+    t.b.env.io.post_recv(b.qpn, recv(20, &[b.buf.sge(0, 64)]));
+    t.a.env.io.post_send(a.qpn, wr(1, SendOpcode::Send, &[a.buf.sge(0, 8)], SendFlags::SIGNALED));
+    t.run(T0);
+    let got = t.b.env.poll(b.cq);
+    assert_eq!(got.iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(), vec![(20, WcStatus::Success)]);
+    assert_eq!(
+        t.b.env.hca.ack_timer(b.qpn),
+        Some(T0 + Duration::from_micros(10)),
+        "{end:?}: the ACK is held"
+    );
+    match end {
+        Teardown::Destroy => t.b.env.hca.destroy_qp(C1, b.qpn, &mut t.b.env.io).unwrap(),
+        Teardown::Reset => {
+            t.b.env
+                .modify(b.qpn, &QpAttr { qp_state: QpState::Reset, ..QpAttr::default() }, QpAttrMask::STATE)
+                .unwrap();
+        }
+        Teardown::Error => {
+            t.b.env
+                .modify(b.qpn, &QpAttr { qp_state: QpState::Err, ..QpAttr::default() }, QpAttrMask::STATE)
+                .unwrap();
+        }
+    }
+    // Past the transport timer's every retry: the send succeeded, once.
+    let tick = timers::ack_timeout(conn().timeout).unwrap();
+    t.advance(T0, tick + Duration::from_nanos(1), u32::from(conn().retry_cnt) + 2);
+    assert_eq!(
+        t.a.env.poll(a.cq).iter().map(|c| (c.wr_id, c.status)).collect::<Vec<_>>(),
+        vec![(1, WcStatus::Success)],
+        "{end:?}"
+    );
+}
+
 #[test]
 fn a_receive_taken_from_an_srq_for_a_message_cut_short_goes_back_to_the_srq() {
     // Cut short by the QP's error, or by a reset straight from RTS.
