@@ -213,9 +213,9 @@ impl DirectDriver {
         self.windows.len()
     }
 
-    /// Descriptors kept now (regions, QP and SRQ segments, windows).
+    /// Descriptors kept now (regions, QP, SRQ and CQ segments, windows).
     pub fn kept(&self) -> usize {
-        self.regions.len() + self.qps.len() + self.windows.len() + self.srqs.len()
+        self.regions.len() + self.qps.len() + self.windows.len() + self.srqs.len() + self.cqs.len()
     }
 
     /// A grant of `ctx`'s QP `qp` on its peer's region `rkey`, with the
