@@ -9,7 +9,9 @@
 //! socket after the arming that would have taken it) has them taken off
 //! and its readability taken back, and the call waits again while nothing
 //! else is ready. `poll`, `ppoll`, `select` and `pselect` know their
-//! descriptors; the epoll calls know the registrations of carried
+//! descriptors (`select` and `pselect` with a carried socket in their
+//! sets are answered through `ppoll`'s path, so that a carried socket's
+//! writability is its ring's there too); the epoll calls know the registrations of carried
 //! connections that `epoll_ctl` made ([`crate::epoll`], which also keeps
 //! their `EPOLLOUT` as the ring has it). But a write returns before its
 //! bytes landed, and only a look at its completion afterwards sends the
