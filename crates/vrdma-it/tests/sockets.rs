@@ -391,6 +391,42 @@ mod preload {
         Ok(())
     }
 
+    /// `select` and `pselect` as the epoll writer above: a non-blocking
+    /// writer facing a full ring that waits for its socket in the write
+    /// set is told it is writable only when the ring has room, so it meets
+    /// few `EAGAIN`s that follow a report (the kernel socket's write set
+    /// is always there: with it, every `EAGAIN` follows one, and the
+    /// writer spins through thousands); the pipe in its read set, never
+    /// readable, stays out of the answer.
+    #[test]
+    fn a_select_writer_facing_a_full_ring_is_told_writable_when_the_reader_drains() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        for mode in ["select", "pselect"] {
+            let port = free_port();
+            let s = spawn(sockapp(&d, true, &["lateserver".into(), port.to_string()]), "lateserver");
+            registered(&ctx, port)?;
+            // 4 ring sizes: more than the ring holds while the reader pauses.
+            let args = ["epollflood".into(), port.to_string(), (1u64 << 20).to_string(), mode.into()];
+            let c = spawn(sockapp(&d, true, &args), "epollflood").finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+            let eagain = printed(&c, "eagain").unwrap_or(0);
+            assert!(eagain > 0, "{mode}: no EAGAIN with a full ring: {}", c.describe());
+            let spurious = printed(&c, "spurious").expect("spurious");
+            eprintln!("{mode}: {eagain} EAGAINs, {spurious} after a report of writability");
+            assert!(
+                spurious <= 2,
+                "{mode}: {spurious} reports of writability without room ({eagain} EAGAINs): {}",
+                c.describe()
+            );
+        }
+        Ok(())
+    }
+
     /// A server that closes each connection after its answer, and a client
     /// that makes N connections one after another, each read to its end:
     /// carried, each end is read at once (the server's close is told

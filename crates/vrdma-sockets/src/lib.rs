@@ -46,8 +46,8 @@
 //!   found full takes `EPOLLOUT` out of the kernel's registration and
 //!   credits coming back give it back, which the kernel reports, also
 //!   edge-triggered ([`epoll`]); `poll` and `ppoll` report `POLLOUT` only
-//!   with room. `select`'s and `pselect`'s write sets are the kernel's
-//!   (always writable: a full ring gives `EAGAIN`).
+//!   with room, and so do `select` and `pselect`, which take `ppoll`'s
+//!   path when a carried socket is in their sets ([`readiness`]).
 //! - **End of stream**: a close tells the peer through its ring before the
 //!   QP goes (the `CLOSED` word), so the peer's read ends at once, after
 //!   every byte ([`link`]).

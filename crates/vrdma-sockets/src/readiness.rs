@@ -9,7 +9,9 @@
 //! socket after the arming that would have taken it) has them taken off
 //! and its readability taken back, and the call waits again while nothing
 //! else is ready. `poll`, `ppoll`, `select` and `pselect` know their
-//! descriptors; the epoll calls know the registrations of carried
+//! descriptors (`select` and `pselect` with a carried socket in their
+//! sets are answered through `ppoll`'s path, so that a carried socket's
+//! writability is its ring's there too); the epoll calls know the registrations of carried
 //! connections that `epoll_ctl` made ([`crate::epoll`], which also keeps
 //! their `EPOLLOUT` as the ring has it). But a write returns before its
 //! bytes landed, and only a look at its completion afterwards sends the
@@ -246,49 +248,33 @@ pub unsafe extern "C" fn select(
     tv: *mut timeval,
 ) -> c_int {
     // SAFETY: the caller's timeval, null or valid (select's contract).
-    let wait = unsafe { tv.as_ref() }.is_none_or(|t| t.tv_sec != 0 || t.tv_usec != 0);
-    settle(wait);
-    // SAFETY: `r` null or valid (select's contract).
-    let links = unsafe { carried_in_set(n, r) };
-    if links.is_empty() {
+    let asked_tv = unsafe { tv.as_ref() }.copied();
+    settle(asked_tv.is_none_or(|t| t.tv_sec != 0 || t.tv_usec != 0));
+    // SAFETY: each set null or valid (select's contract).
+    let Some(mut fds) = (unsafe { sets_to_pollfds(n, [r, w, e]) }) else {
         // SAFETY: libc's select with the caller's arguments.
         return unsafe { real::select(n, r, w, e, tv) };
+    };
+    // Microseconds rounded up to milliseconds.
+    let timeout = asked_tv.map_or(-1, |t| {
+        let ms = (t.tv_sec.max(0) as u128) * 1000 + (t.tv_usec.max(0) as u128).div_ceil(1000);
+        ms.min(c_int::MAX as u128) as c_int
+    });
+    let start = Instant::now();
+    // SAFETY: `fds` is ours; each set null or valid (select's contract).
+    let k = unsafe { select_by_poll(&mut fds, [r, w, e], timeout, std::ptr::null()) };
+    // Linux's select leaves the time left in `tv`.
+    // SAFETY: the caller's timeval, null or valid (select's contract).
+    if let Some(t) = unsafe { tv.as_mut() } {
+        let left = left_ms(timeout, start);
+        t.tv_sec = (left / 1000) as _;
+        t.tv_usec = ((left % 1000) * 1000) as _;
     }
-    // The sets as asked, to ask again after readability taken back
-    // (Linux's select leaves the time left in `tv`).
-    // SAFETY: each set null or valid (select's contract).
-    let asked = unsafe { [r.as_ref().copied(), w.as_ref().copied(), e.as_ref().copied()] };
-    loop {
-        // SAFETY: libc's select with the caller's arguments.
-        let mut k = unsafe { real::select(n, r, w, e, tv) };
-        if k <= 0 {
-            return k;
-        }
-        for (fd, l) in &links {
-            // SAFETY: `r` is valid, `fd` below FD_SETSIZE.
-            if unsafe { libc::FD_ISSET(*fd, r) } && stale(l) {
-                // SAFETY: as above.
-                unsafe { libc::FD_CLR(*fd, r) };
-                k -= 1;
-            }
-        }
-        // SAFETY: the caller's timeval, null or valid.
-        let time_left = unsafe { tv.as_ref() }.is_none_or(|t| t.tv_sec != 0 || t.tv_usec != 0);
-        if k > 0 || !time_left {
-            return k;
-        }
-        for (set, was) in [r, w, e].into_iter().zip(asked) {
-            if let Some(was) = was {
-                // SAFETY: `set` is the caller's valid set (it was not null).
-                unsafe { *set = was };
-            }
-        }
-    }
+    k
 }
 
-/// `pselect`, with the readability of a carried socket that is only stale
-/// wake bytes taken back, as `select` (the timeout in milliseconds, a
-/// finer one rounded up, as `ppoll`'s; `pselect` leaves it as it was).
+/// `pselect`, as `select` (the timeout in milliseconds, a finer one
+/// rounded up, as `ppoll`'s; `pselect` leaves it as it was).
 #[no_mangle]
 pub unsafe extern "C" fn pselect(
     n: c_int,
@@ -299,57 +285,108 @@ pub unsafe extern "C" fn pselect(
     mask: *const sigset_t,
 ) -> c_int {
     settle(waits_ts(ts));
-    // SAFETY: `r` null or valid (pselect's contract).
-    let links = unsafe { carried_in_set(n, r) };
-    if links.is_empty() {
+    // SAFETY: each set null or valid (pselect's contract).
+    let Some(mut fds) = (unsafe { sets_to_pollfds(n, [r, w, e]) }) else {
         // SAFETY: libc's pselect with the caller's arguments.
         return unsafe { real::pselect(n, r, w, e, ts, mask) };
-    }
-    let timeout = ts_ms(ts);
-    let start = Instant::now();
-    // SAFETY: each set null or valid (pselect's contract).
-    let asked = unsafe { [r.as_ref().copied(), w.as_ref().copied(), e.as_ref().copied()] };
-    loop {
-        let left = ms_ts(left_ms(timeout, start));
-        let t = left.as_ref().map_or(std::ptr::null(), |t| t as *const timespec);
-        // SAFETY: libc's pselect with the caller's sets and mask.
-        let mut k = unsafe { real::pselect(n, r, w, e, t, mask) };
-        if k <= 0 {
-            return k;
-        }
-        for (fd, l) in &links {
-            // SAFETY: `r` is valid, `fd` below FD_SETSIZE.
-            if unsafe { libc::FD_ISSET(*fd, r) } && stale(l) {
-                // SAFETY: as above.
-                unsafe { libc::FD_CLR(*fd, r) };
-                k -= 1;
-            }
-        }
-        if k > 0 || left_ms(timeout, start) == 0 {
-            return k;
-        }
-        for (set, was) in [r, w, e].into_iter().zip(asked) {
-            if let Some(was) = was {
-                // SAFETY: `set` is the caller's valid set (it was not null).
-                unsafe { *set = was };
-            }
-        }
-    }
+    };
+    // SAFETY: `fds` is ours; each set null or valid; `mask` null or valid.
+    unsafe { select_by_poll(&mut fds, [r, w, e], ts_ms(ts), mask) }
 }
 
-/// The carried connections among the descriptors of the read set `r`
-/// (null: none).
+/// The descriptors of the sets `r`, `w`, `e` (null: none) as pollfds
+/// (`POLLIN`, `POLLOUT`, `POLLPRI`), if one of them is a carried
+/// connection asked for reading or writing; `None`: none is, the kernel's
+/// select answers as it is.
 ///
 /// # Safety
-/// `r` is null or a valid fd_set.
-unsafe fn carried_in_set(n: c_int, r: *mut fd_set) -> Vec<(c_int, Arc<Link>)> {
-    match Guard::enter() {
-        Some(_g) if !r.is_null() => (0..n.clamp(0, libc::FD_SETSIZE as c_int))
-            // SAFETY: `r` is a valid fd_set; `fd` is below FD_SETSIZE.
-            .filter(|&fd| unsafe { libc::FD_ISSET(fd, r) })
-            .filter_map(|fd| carried(fd).map(|l| (fd, l)))
-            .collect(),
-        _ => Vec::new(),
+/// Each set is null or a valid fd_set.
+unsafe fn sets_to_pollfds(n: c_int, sets: [*mut fd_set; 3]) -> Option<Vec<pollfd>> {
+    let _g = Guard::enter()?;
+    let events = [libc::POLLIN, libc::POLLOUT, libc::POLLPRI];
+    let fds: Vec<pollfd> = (0..n.clamp(0, libc::FD_SETSIZE as c_int))
+        .filter_map(|fd| {
+            let ev = sets.iter().zip(events).fold(0, |ev, (&set, bit)| {
+                // SAFETY: `set` is null or a valid fd_set; `fd` is below
+                // FD_SETSIZE.
+                if !set.is_null() && unsafe { libc::FD_ISSET(fd, set) } {
+                    ev | bit
+                } else {
+                    ev
+                }
+            });
+            (ev != 0).then_some(pollfd { fd, events: ev, revents: 0 })
+        })
+        .collect();
+    let any = fds.iter().any(|p| p.events & (libc::POLLIN | libc::POLLOUT) != 0 && carried(p.fd).is_some());
+    any.then_some(fds)
+}
+
+/// `select` (and `pselect`, with `mask`) as `poll` answers the pollfds of
+/// its sets ([`poll_filtered`]: a carried socket's readability without
+/// stale wake bytes, its writability the ring's), written back into the
+/// sets as Linux's select reads a poll mask: readable on `POLLIN`,
+/// `POLLHUP` or `POLLERR`, writable on `POLLOUT` or `POLLERR`, exceptional
+/// on `POLLPRI`; a descriptor not open fails the call with `EBADF`. The
+/// count is of the bits set. A descriptor reported for a condition the
+/// sets do not ask for (a hang-up of one asked only for writing) is left
+/// out of the next round rather than waking it again and again.
+///
+/// # Safety
+/// Each set is null or a valid fd_set; `fds` are their descriptors
+/// ([`sets_to_pollfds`]); `mask` is null or a valid sigset_t.
+unsafe fn select_by_poll(
+    fds: &mut [pollfd],
+    sets: [*mut fd_set; 3],
+    timeout: c_int,
+    mask: *const sigset_t,
+) -> c_int {
+    const RD: i16 = libc::POLLIN | libc::POLLRDNORM | libc::POLLRDBAND | libc::POLLHUP | libc::POLLERR;
+    const WR: i16 = libc::POLLOUT | libc::POLLWRNORM | libc::POLLWRBAND | libc::POLLERR;
+    const EX: i16 = libc::POLLPRI;
+    let start = Instant::now();
+    let (ptr, len) = (fds.as_mut_ptr(), fds.len() as nfds_t);
+    loop {
+        let links = carried_in(ptr, len);
+        // SAFETY: `ptr` holds our `len` pollfds, which `call` polls.
+        let k = unsafe {
+            poll_filtered(ptr, &links, left_ms(timeout, start), |d| {
+                let t = dur_ts(d);
+                real::ppoll(ptr, len, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
+            })
+        };
+        if k < 0 {
+            return k;
+        }
+        if fds.iter().any(|p| p.fd >= 0 && p.revents & libc::POLLNVAL != 0) {
+            // SAFETY: errno of this thread.
+            unsafe { *libc::__errno_location() = libc::EBADF };
+            return -1;
+        }
+        let ready = |p: &pollfd, kind: usize| {
+            let (asked, got) = [(libc::POLLIN, RD), (libc::POLLOUT, WR), (libc::POLLPRI, EX)][kind];
+            p.events & asked != 0 && p.revents & got != 0
+        };
+        let count: usize = fds.iter().map(|p| (0..3).filter(|&s| ready(p, s)).count()).sum();
+        if count > 0 || left_ms(timeout, start) == 0 {
+            for (s, &set) in sets.iter().enumerate() {
+                if set.is_null() {
+                    continue;
+                }
+                // SAFETY: `set` is the caller's valid set.
+                unsafe { libc::FD_ZERO(set) };
+                for p in fds.iter().filter(|p| p.fd >= 0 && ready(p, s)) {
+                    // SAFETY: as above; `p.fd` is below FD_SETSIZE.
+                    unsafe { libc::FD_SET(p.fd, set) };
+                }
+            }
+            return count as c_int;
+        }
+        // Only conditions not asked for: those descriptors sit the next
+        // rounds out (poll ignores a negative descriptor).
+        for p in fds.iter_mut().filter(|p| p.revents != 0) {
+            p.fd = !p.fd;
+        }
     }
 }
 

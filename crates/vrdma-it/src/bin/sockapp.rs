@@ -60,12 +60,14 @@
 //! server fails ("stale readiness"), as iperf3's server would block in its
 //! read instead of accepting its data connection.
 //!
-//! `epollflood PORT BYTES et|lt|oneshot`: `nbflood`, but it waits for
-//! `EPOLLOUT` in epoll (registered alone, edge- or level-triggered, or
-//! level-triggered one-shot and armed again before each wait, with a
-//! `data` it checks) after each `EAGAIN`, 10 s at most; says `eagain N`
-//! and, unless `et`, `spurious N`: reports of `EPOLLOUT` after which a
-//! write still got `EAGAIN` (an `EPOLLOUT` that the ring does not have).
+//! `epollflood PORT BYTES et|lt|oneshot|select|pselect`: `nbflood`, but
+//! it waits for `EPOLLOUT` in epoll (registered alone, edge- or
+//! level-triggered, or level-triggered one-shot and armed again before
+//! each wait, with a `data` it checks), or for the socket in the write
+//! set of `select` or `pselect` (with a read set of its own: a pipe that
+//! never gets ready), after each `EAGAIN`, 10 s at most; says `eagain N`
+//! and, unless `et`, `spurious N`: reports of `EPOLLOUT` (writability)
+//! after which a write still got `EAGAIN` (one the ring does not have).
 //!
 //! `closeserver PORT N`: accepts N connections one after another; on each
 //! reads the 8-byte request, answers 16 KiB and closes (as a server
@@ -413,7 +415,15 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
     if unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
         return Err(format!("epoll_ctl: {}", std::io::Error::last_os_error()));
     }
+    let mut quiet = [0 as libc::c_int; 2];
+    // SAFETY: pipe(2) into our array of 2.
+    if unsafe { libc::pipe(quiet.as_mut_ptr()) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
     let wait_out = || -> Result<(), String> {
+        if mode == "select" || mode == "pselect" {
+            return select_out(fd, quiet[0], mode == "pselect");
+        }
         if oneshot {
             let mut ev = libc::epoll_event { events: libc::EPOLLOUT as u32 | flags, u64: token };
             // SAFETY: epoll_ctl(2) with a valid event: arms the one-shot
@@ -475,9 +485,45 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
     }
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     let r = half_close_and_check(&mut s, bytes);
-    // SAFETY: our epoll descriptor, closed once.
-    unsafe { libc::close(ep) };
+    // SAFETY: our epoll and pipe descriptors, each closed once.
+    unsafe {
+        libc::close(ep);
+        libc::close(quiet[0]);
+        libc::close(quiet[1]);
+    }
     r
+}
+
+/// Waits for `fd` in the write set of `select` (`pselect`: of `pselect`),
+/// 10 s at most, with `quiet` (never readable) in the read set: the other
+/// descriptors' answers are the kernel's, and must stay so.
+fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool) -> Result<(), String> {
+    // SAFETY: fd_sets are plain bits; zeroed is empty (FD_ZERO's result).
+    let (mut r, mut w): (libc::fd_set, libc::fd_set) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+    // SAFETY: our sets; both descriptors are below FD_SETSIZE in this
+    // small program.
+    unsafe {
+        libc::FD_SET(fd, &mut w);
+        libc::FD_SET(quiet, &mut r);
+    }
+    let n = fd.max(quiet) + 1;
+    let k = if p {
+        let ts = libc::timespec { tv_sec: 10, tv_nsec: 0 };
+        // SAFETY: pselect(2) on our sets and timespec, no mask.
+        unsafe { libc::pselect(n, &mut r, &mut w, std::ptr::null_mut(), &ts, std::ptr::null()) }
+    } else {
+        let mut tv = libc::timeval { tv_sec: 10, tv_usec: 0 };
+        // SAFETY: select(2) on our sets and timeval.
+        unsafe { libc::select(n, &mut r, &mut w, std::ptr::null_mut(), &mut tv) }
+    };
+    // SAFETY: our sets, descriptors below FD_SETSIZE.
+    let (rd, wr) = unsafe { (libc::FD_ISSET(quiet, &r), libc::FD_ISSET(fd, &w)) };
+    match k {
+        1 if wr && !rd => Ok(()),
+        0 => Err("no writability within 10 s after EAGAIN: writability lost".into()),
+        k if k < 0 => Err(format!("select: {}", std::io::Error::last_os_error())),
+        k => Err(format!("select said {k}, write set {wr}, read set {rd}")),
+    }
 }
 
 const CLOSE_ANSWER: usize = 16 << 10;
