@@ -467,6 +467,33 @@ mod tests {
         }
     }
 
+    /// A guest's call, sent on its port.
+    fn call(port: &mut UnixStream, req: Request) {
+        port.write_all(&guest::encode(&Frame::Call(req))).unwrap();
+    }
+
+    /// A daemon serving VM `t` as this uid's tenant, and a guest port on
+    /// it that has said hello: the daemon's directory, the daemon, the
+    /// port, its decoder and the guest's context.
+    fn a_daemon_and_a_guest() -> (tempfile::TempDir, crate::Daemon, UnixStream, FrameDecoder, u32) {
+        let dir = tempfile::tempdir().unwrap();
+        let uid = rustix::process::geteuid().as_raw();
+        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n");
+        let mut cfg = crate::DaemonConfig::from_toml(&toml).unwrap();
+        cfg.socket = Some(dir.path().join("vrdma.sock"));
+        let daemon = crate::Daemon::start(cfg).unwrap();
+        let mut port = UnixStream::connect(&daemon.shared.vms["t"].socket).unwrap();
+        port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        let mut dec = FrameDecoder::new();
+        port.write_all(&guest::encode(&Frame::Hello { version: GUEST_VERSION })).unwrap();
+        call(&mut port, Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION });
+        let context = match next(&mut port, &mut dec) {
+            Frame::Reply { reply: Reply::Hello { context, .. }, .. } => context,
+            other => panic!("Hello: {other:?}"),
+        };
+        (dir, daemon, port, dec, context)
+    }
+
     /// Issue 19's race at the source: `finish` drops the tenant's objects
     /// on the engine's thread and notes the move there, and the port hears
     /// of it a moment later. A guest's call that the engine ran in that
@@ -477,24 +504,7 @@ mod tests {
     /// that moment is answered as ever.
     #[test]
     fn a_call_that_fails_because_its_context_left_is_not_answered() {
-        let dir = tempfile::tempdir().unwrap();
-        let uid = rustix::process::geteuid().as_raw();
-        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n");
-        let mut cfg = crate::DaemonConfig::from_toml(&toml).unwrap();
-        cfg.socket = Some(dir.path().join("vrdma.sock"));
-        let daemon = crate::Daemon::start(cfg).unwrap();
-        let mut port = UnixStream::connect(&daemon.shared.vms["t"].socket).unwrap();
-        port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut dec = FrameDecoder::new();
-        let call = |port: &mut UnixStream, req: Request| {
-            port.write_all(&guest::encode(&Frame::Call(req))).unwrap();
-        };
-        port.write_all(&guest::encode(&Frame::Hello { version: GUEST_VERSION })).unwrap();
-        call(&mut port, Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION });
-        let context = match next(&mut port, &mut dec) {
-            Frame::Reply { reply: Reply::Hello { context, .. }, .. } => context,
-            other => panic!("Hello: {other:?}"),
-        };
+        let (_dir, daemon, mut port, mut dec, context) = a_daemon_and_a_guest();
         // Before the move, an error is the call's answer.
         call(&mut port, Request::QueryQp { qp: 0x77 });
         assert!(matches!(next(&mut port, &mut dec), Frame::Reply { reply: Reply::Error { .. }, .. }));
@@ -525,24 +535,14 @@ mod tests {
     #[test]
     fn a_call_that_changes_a_paused_tenants_state_waits_for_resume_or_finish() {
         use vrdma_core::proto::{MigrateReply, MigrateRequest};
-        let dir = tempfile::tempdir().unwrap();
         let uid = rustix::process::geteuid().as_raw();
-        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n");
-        let mut cfg = crate::DaemonConfig::from_toml(&toml).unwrap();
-        cfg.socket = Some(dir.path().join("vrdma.sock"));
-        let daemon = crate::Daemon::start(cfg).unwrap();
+        let (_dir, daemon, mut port, mut dec, _) = a_daemon_and_a_guest();
         let shared = daemon.shared.clone();
         let operator =
             |req: MigrateRequest| match super::super::migrate::handle(&shared, uid, false, req, Vec::new()) {
                 Ok(a) => a.reply,
                 Err(a) => panic!("the operator's call was refused: {:?}", a.reply),
             };
-        let mut port = UnixStream::connect(&daemon.shared.vms["t"].socket).unwrap();
-        port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        let mut dec = FrameDecoder::new();
-        let call = |port: &mut UnixStream, req: Request| {
-            port.write_all(&guest::encode(&Frame::Call(req))).unwrap();
-        };
         // Nothing comes on the port for a while (the held call's thread
         // sends no pings either).
         let quiet = |port: &mut UnixStream, dec: &mut FrameDecoder| {
@@ -558,9 +558,6 @@ mod tests {
             }
             port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         };
-        port.write_all(&guest::encode(&Frame::Hello { version: GUEST_VERSION })).unwrap();
-        call(&mut port, Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION });
-        assert!(matches!(next(&mut port, &mut dec), Frame::Reply { reply: Reply::Hello { .. }, .. }));
         let tenant = vrdma_core::hca::TenantId(uid);
         let pds = || shared.engine.call(move |e| e.hca.snapshot_tenant(tenant).map(|s| s.pds.len())).unwrap();
 
