@@ -48,6 +48,16 @@ pub(crate) struct ContextInner {
     fatal_reported: AtomicBool,
 }
 
+impl Drop for ContextInner {
+    fn drop(&mut self) {
+        // Before the session ends: its deregistered pages that the
+        // library kept in the VM's region move back to private memory.
+        if self.control.guest_link().is_some() {
+            crate::rebacking::guest_context_closing(self as *const ContextInner as usize);
+        }
+    }
+}
+
 impl ContextInner {
     /// The doorbell rule, to be called after pushing into a work ring:
     /// ring the engine's doorbell only if the engine said it sleeps.

@@ -174,9 +174,16 @@ impl MemoryRegion {
                 other => Err(control::unexpected(&req, &other)),
             }
         };
+        // Not holding the context: a kept span (`rebacking::guest`) must
+        // not keep it open. Once the context is gone its session's end
+        // freed the extent.
         let release = |offset: u64| -> Box<dyn FnOnce() + Send> {
-            let ctx = ctx.clone();
-            Box::new(move || ctx.inner.control.destroy(Request::GuestFree { offset }))
+            let ctx = Arc::downgrade(&ctx.inner);
+            Box::new(move || {
+                if let Some(inner) = ctx.upgrade() {
+                    inner.control.destroy(Request::GuestFree { offset })
+                }
+            })
         };
         let grow = |offset: u64, len: u64| {
             let req = Request::GuestGrow { offset, len };

@@ -6,10 +6,20 @@
 //! that extent over the same addresses, as the host re-backs with a memfd
 //! (see the parent module). Differences: huge pages are refused, a span is
 //! reused only by registrations through the same context (the daemon
-//! checks that a region lies in an extent of the session registering it),
-//! and when the last region over a span goes the pages are moved back to
-//! private anonymous memory before the extent is given back, since it may
-//! then be handed to anything else of the VM.
+//! checks that a region lies in an extent of the session registering it).
+//!
+//! When the last region over a span goes, its pages stay mapped from the
+//! extent, which the context keeps (the kept set): moving them back to
+//! private memory cannot be fenced in a guest (see [`super::move_back`])
+//! and they are usually heap pages that other threads are using, so they
+//! move only when they must: when the context closes (its session's end
+//! frees the extent for anything else of the VM), when a registration of
+//! another context or with other page bounds needs their place, or when
+//! the VM's region is full. A registration on kept pages reuses the
+//! span, as on a live one; an extent whose pages the application unmapped
+//! goes back at the next registration, with nothing to move. The cost:
+//! a context's deregistered heap pages hold their extent of the region
+//! until then.
 //!
 //! A range that starts inside a live span of the same context and ends
 //! past it *grows* the span, as on the host (two heap buffers sharing a
@@ -33,13 +43,15 @@
 //! of the host's memfd spans (`super::fork`): its writes never reach the
 //! parent's registered pages or the heap objects beside them.
 
-use std::os::fd::{AsFd, BorrowedFd};
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
 use rustix::mm::{MapFlags, ProtFlags};
 use vrdma_shm::Segment;
 
-use super::{check_rebackable, MapEntry, REGISTRY};
+use super::move_back::move_back_to_private;
+use super::{check_rebackable, MapEntry, Spans, REGISTRY};
 use super::{covering, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
 use crate::error::{Error, Result};
 
@@ -73,6 +85,13 @@ impl std::fmt::Debug for GuestSpan {
 struct GuestExtent {
     /// The first page's address.
     start: usize,
+    /// The extent's offset in the BAR.
+    offset: u64,
+    /// The BAR, to move the pages back through.
+    bar: OwnedFd,
+    /// The process that made it: a child of `fork` holds a copy of the
+    /// parent's, whose extent is the parent's to give back.
+    pid: u32,
     /// The BAR's inode.
     ino: u64,
     /// What `/proc/self/maps` shows for `start` ([`GuestSpan::maps_offset`]).
@@ -112,6 +131,7 @@ pub(crate) struct GuestSource<'a> {
     pub grow: &'a dyn Fn(u64, u64) -> Result<u64>,
 }
 
+#[cfg(test)]
 /// Whether `[span_start, end)` is still mapped, rw and shared, from the
 /// file with inode `ino`, where maps shows offset `base + (addr -
 /// span_start)` for each address (`base`: [`GuestSpan::maps_offset`]).
@@ -144,6 +164,87 @@ fn maps_offset_at(addr: usize) -> Result<u64> {
     Ok(e.offset + (addr - e.start) as u64)
 }
 
+/// Guest spans held after their last registration may have gone, so that
+/// their pages stay mapped from the VM's region (see the module's doc),
+/// by start: each span's largest generation.
+struct Kept {
+    /// The process whose spans these are (0 before the first).
+    pid: u32,
+    spans: BTreeMap<usize, Arc<Span>>,
+}
+
+impl Kept {
+    /// The kept spans of this process. A child of `fork` forgets its
+    /// parent's without dropping them: their extents are the parent's to
+    /// give back, through the parent's connection.
+    fn of_this_process(&mut self) -> &mut BTreeMap<usize, Arc<Span>> {
+        let pid = std::process::id();
+        if self.pid != pid {
+            std::mem::forget(std::mem::take(&mut self.spans));
+            self.pid = pid;
+        }
+        &mut self.spans
+    }
+}
+
+/// Locked after [`REGISTRY`], only while it is held.
+static KEPT: Mutex<Kept> = Mutex::new(Kept { pid: 0, spans: BTreeMap::new() });
+
+/// Whether only the kept set holds `span` and its extent: no region lies
+/// on its pages.
+fn idle(span: &Arc<Span>) -> bool {
+    Arc::strong_count(span) == 1 && span.guest.as_ref().is_some_and(|g| Arc::strong_count(&g.extent) == 1)
+}
+
+/// Stops keeping the span at `start`: with no region on it, it drops,
+/// moving what is still mapped of its pages back to private memory and
+/// giving its extent back.
+fn unkeep(reg: &mut Spans, kept: &mut BTreeMap<usize, Arc<Span>>, start: usize) {
+    if let Some(span) = kept.remove(&start) {
+        if idle(&span) {
+            reg.remove(&start);
+        }
+    }
+}
+
+/// Gives back the extents of idle kept spans whose pages the application
+/// unmapped (or mapped over) since: nothing of them is left to move.
+fn sweep(reg: &mut Spans, kept: &mut BTreeMap<usize, Arc<Span>>, maps: &[MapEntry]) {
+    let gone: Vec<usize> = kept
+        .iter()
+        .filter(|(_, span)| idle(span))
+        .filter(|(_, span)| {
+            let g = span.guest.as_ref().expect("kept spans are guest spans");
+            let pieces = g.extent.pieces.lock().unwrap_or_else(|p| p.into_inner());
+            pieces.iter().all(|&(at, len)| {
+                bar_pages(maps, at, at + len, g.extent.ino, g.extent.maps_offset_of(at)).is_empty()
+            })
+        })
+        .map(|(&start, _)| start)
+        .collect();
+    for start in gone {
+        unkeep(reg, kept, start);
+    }
+}
+
+/// Called as the guest context `owner` closes (after its last region
+/// went): its kept spans' pages move back to private memory before its
+/// session ends, since the daemon then frees the session's extents for
+/// anything else of the VM.
+pub(crate) fn context_closing(owner: usize) {
+    let mut reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+    let kept = kept.of_this_process();
+    let owned: Vec<usize> = kept
+        .iter()
+        .filter(|(_, s)| s.guest.as_ref().is_some_and(|g| g.owner == owner))
+        .map(|(&start, _)| start)
+        .collect();
+    for start in owned {
+        unkeep(&mut reg, kept, start);
+    }
+}
+
 /// [`super::reback`] in guest mode (see the module's doc).
 ///
 /// # Safety
@@ -155,30 +256,56 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
         gens.retain(|w| w.strong_count() > 0);
         !gens.is_empty()
     });
+    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+    let kept = kept.of_this_process();
     let maps = read_maps()?;
+    sweep(&mut reg, kept, &maps);
     if huge_page_size(&maps, pstart, pend)?.is_some() {
         return Err(Error::Unsupported("registering huge pages from a guest".into()));
     }
+    // Taken before the spans below are cloned.
+    let idle_starts: Vec<usize> = kept.iter().filter(|(_, s)| idle(s)).map(|(&s, _)| s).collect();
     let overlapping: Vec<Arc<Span>> =
         reg.range(..pend).filter_map(|(_, gens)| largest(gens)).filter(|s| reach(s) > pstart).collect();
     let mut live = Vec::new();
+    // Whether pages moved back here: `maps` is stale then.
+    let mut moved = false;
     for span in overlapping {
         let Some(g) = &span.guest else {
             return Err(Error::invalid(format!(
                 "[{start:#x}, {end:#x}) overlaps memory re-backed for the host"
             )));
         };
-        if !still_in_bar(span.start, span.end(), span.ino, g.maps_offset) {
-            tracing::warn!(
-                start = span.start,
-                len = span.len,
-                "vrdma: re-backed memory was unmapped while registered"
-            );
+        if !in_bar(&maps, span.start, span.end(), span.ino, g.maps_offset) {
+            if !idle_starts.contains(&span.start) {
+                tracing::warn!(
+                    start = span.start,
+                    len = span.len,
+                    "vrdma: re-backed memory was unmapped while registered"
+                );
+            }
             reg.remove(&span.start);
+            unkeep(&mut reg, kept, span.start);
+            moved = true;
             continue;
         }
         live.push(span);
     }
+    // Idle spans in this registration's way (another context's, or pages
+    // it does not begin in) move back to private memory and make room.
+    let fits = |s: &Arc<Span>| s.start <= pstart && s.guest.as_ref().is_some_and(|g| g.owner == src.owner);
+    if live.len() > 1 || live.first().is_some_and(|s| !fits(s)) {
+        live.retain(|s| {
+            let in_the_way = idle_starts.contains(&s.start);
+            if in_the_way {
+                kept.remove(&s.start);
+                reg.remove(&s.start);
+                moved = true;
+            }
+            !in_the_way
+        });
+    }
+    let maps = if moved { read_maps()? } else { maps };
     match live.as_slice() {
         [] => {}
         [span] if span.start <= pstart && pend <= span.end() => {
@@ -202,6 +329,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             let grown = grow(&maps, span, (start, end), pend, src)?;
             let fd_offset = g.offset + (start - grown.start) as u64;
             reg.entry(grown.start).or_default().push(Arc::downgrade(&grown));
+            kept.insert(grown.start, grown.clone());
             return Ok(Rebacked { fd_offset, span: grown });
         }
         [span, ..] => {
@@ -213,15 +341,31 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             )));
         }
     }
+    drop(live);
     check_rebackable(&maps, pstart, pend)?;
     let span_len = pend - pstart;
-    let (offset, _) = (src.alloc)(span_len as u64)?;
+    let (offset, _) = match (src.alloc)(span_len as u64) {
+        // The region is full: idle spans' extents make room.
+        Err(e) if e.errno() == libc::ENOMEM && kept.values().any(idle) => {
+            let idle_now: Vec<usize> = kept.iter().filter(|(_, s)| idle(s)).map(|(&s, _)| s).collect();
+            tracing::debug!(
+                spans = idle_now.len(),
+                "vrdma: the VM's region is full; deregistered pages move back"
+            );
+            for s in idle_now {
+                unkeep(&mut reg, kept, s);
+            }
+            (src.alloc)(span_len as u64)?
+        }
+        r => r?,
+    };
     let release = (src.release)(offset);
     let made = (|| {
         // A child forked from now on copies the BAR's shared mappings
         // (the fork waits for the registry lock this holds).
         let st = rustix::fs::fstat(src.bar)?;
         super::fork::note_guest_bar(st.st_dev, st.st_ino);
+        let bar = fds::span_fd(src.bar)?;
         map_extent_over(src.bar, offset, pstart, span_len)?;
         let fd = fds::span_fd(src.bar.as_fd())?;
         let ino = rustix::fs::fstat(&fd)?.st_ino;
@@ -231,9 +375,9 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             tracing::warn!(pstart, "vrdma: cannot read the re-backed span's mapping: {e}");
             offset
         });
-        Ok((fd, ino, maps_offset))
+        Ok((fd, bar, ino, maps_offset))
     })();
-    let (fd, ino, maps_offset) = match made {
+    let (fd, bar, ino, maps_offset) = match made {
         Ok(x) => x,
         Err(e) => {
             release();
@@ -242,6 +386,9 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
     };
     let extent = Arc::new(GuestExtent {
         start: pstart,
+        offset,
+        bar,
+        pid: std::process::id(),
         ino,
         maps_offset,
         pieces: Mutex::new(vec![(pstart, span_len)]),
@@ -250,6 +397,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
     let guest = GuestSpan { offset, maps_offset, owner: src.owner, extent };
     let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
+    kept.insert(pstart, span.clone());
     Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
 }
 
@@ -361,75 +509,56 @@ fn map_extent_over(bar: BorrowedFd<'_>, offset: u64, addr: usize, len: usize) ->
     Ok(())
 }
 
-/// Moves the pages `[start, start + len)`, mapped from the BAR, back to
-/// private anonymous memory with their bytes.
-///
-/// The bytes wait in a mapping of their own, not on the heap: the pages
-/// are the application's, often heap pages, and a buffer allocated there
-/// could lie inside them, to be zeroed by the remap before it is copied
-/// back (qperf's heap was corrupted so in a guest).
-fn move_back_to_private(start: usize, len: usize) {
-    // SAFETY: a fresh private mapping of `len` bytes at an address the
-    // kernel chooses: nothing else refers to it.
-    let keep = match unsafe {
-        rustix::mm::mmap_anonymous(
-            std::ptr::null_mut(),
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::PRIVATE,
-        )
-    } {
-        Ok(p) => p.cast::<u8>(),
-        Err(e) => {
-            tracing::warn!(start, "vrdma: cannot move deregistered guest pages back to private memory: {e}");
+impl Drop for GuestExtent {
+    fn drop(&mut self) {
+        if self.pid != std::process::id() {
             return;
         }
-    };
-    let fence = fence::WriteFence::raise(start, len);
-    // SAFETY: the range is mapped readable (the caller checked it against
-    // /proc/self/maps) and `keep` is a separate mapping of its length.
-    unsafe { std::ptr::copy_nonoverlapping(start as *const u8, keep, len) };
-    // SAFETY: the range is mapped from the BAR (checked by the caller);
-    // replacing it with private pages that get the same bytes keeps every
-    // pointer into it valid.
-    let mapped = unsafe {
-        rustix::mm::mmap_anonymous(
-            start as *mut std::ffi::c_void,
-            len,
-            ProtFlags::READ | ProtFlags::WRITE,
-            MapFlags::PRIVATE | MapFlags::FIXED,
-        )
-    };
-    if mapped.is_ok() {
-        // SAFETY: the new private mapping covers the range; `keep` holds
-        // `len` bytes.
-        unsafe { std::ptr::copy_nonoverlapping(keep, start as *mut u8, len) };
-    } else {
-        tracing::warn!(start, "vrdma: cannot move deregistered guest pages back to private memory");
-    }
-    drop(fence);
-    // SAFETY: `keep` is the mapping made above, used by nothing else.
-    if let Err(e) = unsafe { rustix::mm::munmap(keep.cast(), len) } {
-        tracing::warn!("vrdma: cannot unmap a scratch mapping: {e}");
+        // What is still mapped of the pages goes back to private memory
+        // with its bytes (the application may have unmapped some): the
+        // extent may be anyone's in the VM once given back. Where that
+        // fails the extent is kept.
+        let pieces = std::mem::take(self.pieces.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let moved = read_maps().is_ok_and(|maps| {
+            pieces.iter().all(|&(at, len)| {
+                bar_pages(&maps, at, at + len, self.ino, self.maps_offset_of(at)).into_iter().all(|(s, n)| {
+                    let offset = self.offset + (s - self.start) as u64;
+                    move_back_to_private(self.bar.as_fd(), offset, s, n)
+                })
+            })
+        });
+        let release = self.release.get_mut().unwrap_or_else(|p| p.into_inner()).take();
+        match release {
+            Some(release) if moved => release(),
+            Some(_) => tracing::warn!(
+                start = self.start,
+                "vrdma: guest pages could not move back to private memory; their extent stays taken"
+            ),
+            None => {}
+        }
     }
 }
 
-impl Drop for GuestExtent {
-    fn drop(&mut self) {
-        // The pages go back to private memory with their bytes, piece by
-        // piece, unless the application unmapped them meanwhile: the
-        // extent may be anyone's in the VM once given back.
-        let pieces = std::mem::take(self.pieces.get_mut().unwrap_or_else(|p| p.into_inner()));
-        for (at, len) in pieces {
-            if still_in_bar(at, at + len, self.ino, self.maps_offset_of(at)) {
-                move_back_to_private(at, len);
-            }
+/// The parts of `[start, end)` mapped rw and shared from the file with
+/// inode `ino`, at the offsets maps shows `base + (addr - start)` for (as
+/// [`in_bar`], but what of the range is still so).
+fn bar_pages(maps: &[MapEntry], start: usize, end: usize, ino: u64, base: u64) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for e in maps.iter().filter(|e| e.start < end && start < e.end) {
+        let (at, to) = (e.start.max(start), e.end.min(end));
+        let ours = e.readable_writable()
+            && !e.private()
+            && e.inode == ino
+            && e.offset + (at - e.start) as u64 == base + (at - start) as u64;
+        if !ours {
+            continue;
         }
-        let release = self.release.get_mut().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(release) = release {
-            release();
+        match out.last_mut() {
+            Some((s, n)) if *s + *n == at => *n += to - at,
+            _ => out.push((at, to - at)),
         }
     }
+    out
 }
 
 #[cfg(test)]
@@ -526,17 +655,51 @@ mod tests {
         assert_eq!(c.fd_offset, o + page as u64 + 8);
         assert!(released.lock().unwrap().is_empty());
         drop(a);
-        assert!(released.lock().unwrap().is_empty(), "c still lies on the extent");
         drop(c);
+        // Kept after the last region: still in the extent, not given back,
+        // and a registration there reuses it.
+        assert!(released.lock().unwrap().is_empty(), "given back with the pages still mapped");
+        assert!(still_in_bar(base, base + 3 * page, ino, o));
+        // SAFETY: as above.
+        let again = unsafe { reback_guest(p.add(page + 8), 16, &src) }.unwrap();
+        assert_eq!(again.fd_offset, o + page as u64 + 8, "the kept span reused");
+        drop(again);
+        // Another context's registration there moves the pages back and
+        // takes a new extent; their bytes go with them.
+        // SAFETY: as above.
+        let theirs = unsafe { reback_guest(p.add(100), 100, &other) }.unwrap();
         assert_eq!(*released.lock().unwrap(), vec![o], "given back once");
-        assert!(!still_in_bar(base, base + page, ino, o), "moved back to private memory");
-        assert!(!still_in_bar(base + 2 * page, base + 3 * page, ino, o + 2 * page as u64));
+        assert_ne!(theirs.fd_offset - 100, o);
+        assert!(!still_in_bar(base + 2 * page, base + 3 * page, ino, o + 2 * page as u64), "moved back");
         // SAFETY: inside the pages.
         unsafe {
             assert_eq!(p.add(2 * page + 10).read(), 0x42);
             assert_eq!(p.add(3 * page + 1).read(), ((3 * page + 1) % 251) as u8);
         }
-        ext.lock().unwrap().free(o);
+        assert_eq!(byte_at(bar.as_fd(), theirs.fd_offset - 100 + 10), 10, "copied into the new extent");
+        let o2 = theirs.fd_offset - 100;
+        drop(theirs);
+        // That context closes: its kept pages move back, with their bytes.
+        context_closing(2);
+        assert_eq!(*released.lock().unwrap(), vec![o, o2]);
+        assert!(!still_in_bar(base, base + page, ino, o2), "moved back as the context closed");
+        // SAFETY: inside the pages.
+        assert_eq!(unsafe { p.add(10).read() }, 10);
+
+        // Kept pages the application unmapped: their extent goes back at
+        // the next registration, with nothing to move.
+        let r = pages(1);
+        // SAFETY: as above.
+        let gone = unsafe { reback_guest(r.add(8), 8, &src) }.unwrap();
+        let o3 = gone.fd_offset - 8;
+        drop(gone);
+        // SAFETY: the test's own mapping; its region is gone.
+        unsafe { rustix::mm::munmap(r.cast(), page).unwrap() };
+        assert_eq!(released.lock().unwrap().len(), 2);
+        // SAFETY: as above.
+        let next = unsafe { reback_guest(p.add(page + 8), 16, &src) }.unwrap();
+        assert_eq!(*released.lock().unwrap(), vec![o, o2, o3], "the unmapped span's extent");
+        drop(next);
 
         // No room after the extent: refused, nothing remapped.
         let q = pages(3);
@@ -549,6 +712,8 @@ mod tests {
         assert!(e.to_string().contains("cannot grow: only 0 bytes after it are free"), "{e}");
         assert!(!still_in_bar(q as usize + page, q as usize + 2 * page, ino, d.fd_offset - 16 + page as u64));
         drop(d);
+        context_closing(1);
+        assert_eq!(released.lock().unwrap().len(), 5, "p's and q's kept extents");
         for m in [p, q] {
             // SAFETY: the test's own mappings, no longer registered.
             unsafe { rustix::mm::munmap(m.cast(), if m == p { 4 * page } else { 3 * page }).unwrap() };

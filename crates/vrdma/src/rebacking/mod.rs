@@ -44,9 +44,10 @@ mod fds;
 mod fence;
 mod fork;
 mod guest;
+mod move_back;
 
 pub(crate) use fork::note_guest_bar;
-pub(crate) use guest::{reback_guest, GuestSource};
+pub(crate) use guest::{context_closing as guest_context_closing, reback_guest, GuestSource};
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};

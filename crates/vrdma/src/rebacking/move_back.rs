@@ -1,0 +1,222 @@
+//! Moving a guest's re-backed pages back to private memory while other
+//! threads use them.
+//!
+//! In a guest the pages are mapped from the VM's BAR, a PFN mapping that a
+//! userfaultfd cannot write-protect, so the host's fence
+//! ([`super::fence`]) cannot hold other threads off while the pages move.
+//! They must stay usable throughout: they are usually heap pages, and
+//! `malloc` in another thread reads and writes its chunk headers there.
+//! (An earlier version copied the bytes out, mapped fresh private pages
+//! over the range and copied the bytes back: between the two, other
+//! threads read zeros, and a guest's `rping` died of a corrupted heap.)
+//!
+//! So the new pages are filled *before* they appear: the bytes are copied
+//! into a private mapping elsewhere, which `mremap` then moves over the
+//! range in one step, under the kernel's lock of the address space. Every
+//! read sees either the BAR's page or its private copy. A write another
+//! thread makes to the BAR's page between the copy and the move lands in
+//! the BAR only: the BAR's bytes are compared afterwards with a snapshot
+//! of the copy, and each byte that changed meanwhile is carried over to
+//! the private page with a compare-and-swap that gives way where the
+//! private page was written since (a later write wins). Only a write to
+//! a byte in that window followed by another thread's write to the same
+//! byte before the carry-over can still be lost: two writes to one byte
+//! within microseconds, from two threads, with no ordering between them.
+//!
+//! Moving pages back is the rare path: deregistration keeps them in the
+//! BAR (see [`super::guest`]); they move when their context closes or a
+//! registration needs their place.
+
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use rustix::mm::{MapFlags, MremapFlags, ProtFlags};
+use vrdma_shm::Segment;
+
+/// A private anonymous mapping of `len` bytes at an address the kernel
+/// chooses, unmapped on drop unless taken.
+struct Scratch {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Scratch {
+    fn new(len: usize) -> std::io::Result<Scratch> {
+        // SAFETY: a fresh private mapping at an address the kernel
+        // chooses: nothing else refers to it.
+        let p = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE,
+            )
+        }?;
+        Ok(Scratch { ptr: p.cast(), len })
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if self.len == 0 {
+            return;
+        }
+        // SAFETY: the mapping made in `new`, used by nothing else.
+        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) } {
+            tracing::warn!("vrdma: cannot unmap a scratch mapping: {e}");
+        }
+    }
+}
+
+/// Replaces the pages `[start, start + len)`, mapped from `bar` at
+/// `offset`, with private anonymous pages holding their bytes (see the
+/// module's doc). Returns whether it did: where it did not, the pages are
+/// still the BAR's and its extent must not be given back.
+pub(super) fn move_back_to_private(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> bool {
+    match move_back(bar, offset, start, len) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::warn!(start, len, "vrdma: cannot move guest pages back to private memory: {e}");
+            false
+        }
+    }
+}
+
+fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std::io::Result<()> {
+    // A second view of the BAR's bytes, to see writes that land there
+    // after the copy.
+    let view = Segment::map_trusted_at(bar.try_clone_to_owned()?, offset, len)?;
+    let mut copy = Scratch::new(len)?;
+    let snap = Scratch::new(len)?;
+    // SAFETY: `view` maps `len` readable bytes (the same pages as the
+    // range) and `copy` and `snap` are separate mappings of `len` bytes
+    // that only this thread knows yet.
+    unsafe {
+        std::ptr::copy_nonoverlapping(view.as_ptr(), copy.ptr, len);
+        std::ptr::copy_nonoverlapping(copy.ptr, snap.ptr, len);
+    }
+    // SAFETY: `copy` is a private mapping of `len` bytes holding the
+    // range's bytes; moving it over the range replaces the BAR's mapping
+    // there in one step, so every pointer into the range stays valid and
+    // sees the same bytes.
+    let moved = unsafe {
+        rustix::mm::mremap_fixed(
+            copy.ptr.cast(),
+            len,
+            len,
+            MremapFlags::MAYMOVE,
+            start as *mut std::ffi::c_void,
+        )
+    }?;
+    // The mapping lives at the range now; it is the application's.
+    copy.len = 0;
+    if moved as usize != start {
+        return Err(std::io::Error::other("mremap moved the pages to a different address"));
+    }
+    // SAFETY: `view` and `snap` map `len` bytes each; the range is mapped
+    // readable and writable (the move above), shared with other threads.
+    unsafe { carry_over(view.as_ptr(), snap.ptr, start as *mut u8, len) };
+    Ok(())
+}
+
+/// Carries each byte that changed in the BAR (`now`) since the copy
+/// (`was`) over to the private pages at `page`, unless the byte there was
+/// written since (it no longer holds `was`).
+///
+/// # Safety
+/// `now` and `was` are readable for `len` bytes; `page` readable and
+/// writable for `len` bytes, which other threads may access concurrently.
+unsafe fn carry_over(now: *const u8, was: *const u8, page: *mut u8, len: usize) {
+    for i in 0..len {
+        // SAFETY: `i < len`: inside both (the caller's contract).
+        let (n, w) = unsafe { (now.add(i).read_volatile(), was.add(i).read()) };
+        if n != w {
+            // SAFETY: inside the pages (the caller's contract); other
+            // threads may access them, so only atomically.
+            let at = unsafe { AtomicU8::from_ptr(page.add(i)) };
+            let _ = at.compare_exchange(w, n, Ordering::SeqCst, Ordering::SeqCst);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+    use std::sync::atomic::{AtomicBool, AtomicU64};
+    use std::sync::Arc;
+
+    /// A write that reached the BAR between the copy and the move is
+    /// carried over to the private page, unless that byte was written
+    /// on the private page since (the later write wins).
+    #[test]
+    fn writes_that_landed_in_the_bar_meanwhile_are_carried_over() {
+        let was = [1u8, 2, 3, 4];
+        let now = [1u8, 9, 3, 8];
+        // Byte 3 was written again on the private page after the move.
+        let mut page = [1u8, 2, 3, 7];
+        // SAFETY: four bytes each, this thread's.
+        unsafe { carry_over(now.as_ptr(), was.as_ptr(), page.as_mut_ptr(), 4) };
+        assert_eq!(page, [1, 9, 3, 7]);
+    }
+
+    /// While pages move back, another thread reading them sees their
+    /// bytes every time, never the zeros of fresh pages (it did when the
+    /// bytes were copied out and back around a fresh mapping).
+    #[test]
+    fn readers_see_the_bytes_throughout_a_move_back() {
+        let page = vrdma_shm::page_size();
+        let len = 4 * page;
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, len as u64).unwrap();
+        const WORD: u64 = 0x5a5a_1234_8765_a5a5;
+        let map_bar = |at: *mut std::ffi::c_void, flags: MapFlags| {
+            // SAFETY: a shared mapping of the test's memfd, at an address
+            // the kernel chooses or over the test's own range.
+            unsafe {
+                rustix::mm::mmap(
+                    at,
+                    len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED | flags,
+                    &bar,
+                    0,
+                )
+            }
+            .unwrap() as usize
+        };
+        let addr = map_bar(std::ptr::null_mut(), MapFlags::empty());
+        let word = (addr + page + 64) as *mut u64;
+        // SAFETY: inside the mapping, which lives until the end of the test.
+        unsafe { AtomicU64::from_ptr(word).store(WORD, Ordering::SeqCst) };
+        let word = word as usize;
+        let stop = Arc::new(AtomicBool::new(false));
+        let reader = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let (mut reads, mut bad) = (0u64, 0u64);
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                    // SAFETY: inside the range, mapped throughout (from the
+                    // BAR or privately).
+                    let w = unsafe { AtomicU64::from_ptr(word as *mut u64).load(Ordering::SeqCst) };
+                    bad += u64::from(w != WORD);
+                    reads += 1;
+                }
+                (reads, bad)
+            })
+        };
+        for _ in 0..300 {
+            assert!(move_back_to_private(bar.as_fd(), 0, addr, len));
+            // The BAR over the range again, as a registration maps it (it
+            // still holds the same bytes).
+            assert_eq!(map_bar(addr as *mut _, MapFlags::FIXED), addr);
+        }
+        stop.store(true, Ordering::SeqCst);
+        let (reads, bad) = reader.join().unwrap();
+        assert!(reads > 0);
+        assert_eq!(bad, 0, "a reader saw other bytes while the pages moved back ({reads} reads)");
+        // SAFETY: the test's mapping.
+        unsafe { rustix::mm::munmap(addr as *mut _, len).unwrap() };
+    }
+}
