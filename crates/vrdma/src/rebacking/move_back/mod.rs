@@ -10,18 +10,26 @@
 //! over the range and copied the bytes back: between the two, other
 //! threads read zeros, and a guest's `rping` died of a corrupted heap.)
 //!
-//! So the new pages are filled *before* they appear: the bytes are copied
-//! into a private mapping elsewhere, which `mremap` then moves over the
-//! range in one step, under the kernel's lock of the address space. Every
-//! read sees either the BAR's page or its private copy. A write another
-//! thread makes to the BAR's page between the copy and the move lands in
-//! the BAR only: the BAR's bytes are compared afterwards with a snapshot
-//! of the copy, and each byte that changed meanwhile is carried over to
-//! the private page with a compare-and-swap that gives way where the
-//! private page was written since (a later write wins). Only a write to
-//! a byte in that window followed by another thread's write to the same
-//! byte before the carry-over can still be lost: two writes to one byte
-//! within microseconds, from two threads, with no ordering between them.
+//! So the new pages are filled *before* anyone sees them. Where this
+//! process may use a userfaultfd (as root in a guest), the move is exact:
+//! an untouched private mapping, registered for missing-page faults, is
+//! moved over the range with one `mremap` (under the kernel's lock of the
+//! address space); from then on a thread touching the range waits in the
+//! kernel until one `UFFDIO_COPY` has filled the pages with the BAR's
+//! bytes, read through a second view of the extent that nothing else
+//! writes any more. Nothing is lost and no zeros are seen; the wait lasts
+//! one copy. (A helper thread reads the userfaultfd's events: `mremap`
+//! waits until its event is read.)
+//!
+//! Without a userfaultfd the bytes are copied into a private mapping
+//! elsewhere, which `mremap` moves over the range: every read sees either
+//! the BAR's page or its copy. A write another thread makes to the BAR's
+//! page between the copy and the move lands in the BAR only: the BAR's
+//! bytes are compared afterwards with a snapshot of the copy, and each
+//! byte that changed meanwhile is carried over to the private page with
+//! a compare-and-swap that gives way where the private page was written
+//! since. A write in that window followed by another write to the same
+//! byte before the carry-over is still lost there.
 //!
 //! Moving pages back is the rare path: deregistration keeps them in the
 //! BAR (see [`super::guest`]); they move when their context closes or a
@@ -32,6 +40,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use rustix::mm::{MapFlags, MremapFlags, ProtFlags};
 use vrdma_shm::Segment;
+
+mod held;
 
 /// A private anonymous mapping of `len` bytes at an address the kernel
 /// chooses, unmapped on drop unless taken.
@@ -61,7 +71,8 @@ impl Drop for Scratch {
         if self.len == 0 {
             return;
         }
-        // SAFETY: the mapping made in `new`, used by nothing else.
+        // SAFETY: the mapping made in `new`, used by nothing else (a
+        // taken one has length 0).
         if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) } {
             tracing::warn!("vrdma: cannot unmap a scratch mapping: {e}");
         }
@@ -83,9 +94,12 @@ pub(super) fn move_back_to_private(bar: BorrowedFd<'_>, offset: u64, start: usiz
 }
 
 fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std::io::Result<()> {
-    // A second view of the BAR's bytes, to see writes that land there
-    // after the copy.
+    // A second view of the BAR's bytes: the source of the copy, and where
+    // writes that land after it are seen.
     let view = Segment::map_trusted_at(bar.try_clone_to_owned()?, offset, len)?;
+    if held::move_back(&view, start, len)? {
+        return Ok(());
+    }
     let mut copy = Scratch::new(len)?;
     let snap = Scratch::new(len)?;
     // SAFETY: `view` maps `len` readable bytes (the same pages as the
@@ -216,6 +230,94 @@ mod tests {
         let (reads, bad) = reader.join().unwrap();
         assert!(reads > 0);
         assert_eq!(bad, 0, "a reader saw other bytes while the pages moved back ({reads} reads)");
+        // SAFETY: the test's mapping.
+        unsafe { rustix::mm::munmap(addr as *mut _, len).unwrap() };
+    }
+
+    /// Where a userfaultfd can be had (as root: in CI, and in guests), a
+    /// move back is exact: a thread incrementing a counter in the pages
+    /// throughout loses no increment (the copy-and-carry-over fallback
+    /// can lose one written twice around the move).
+    #[test]
+    fn a_writer_loses_nothing_while_pages_move_back() {
+        if held::open().is_none() {
+            eprintln!("skipping: no userfaultfd here; a move back carries writes over instead");
+            return;
+        }
+        let page = vrdma_shm::page_size();
+        let len = 4 * page;
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, 2 * len as u64).unwrap();
+        let map_bar = |at: *mut std::ffi::c_void, flags: MapFlags, offset: u64| {
+            // SAFETY: a shared mapping of the test's memfd, at an address
+            // the kernel chooses or over the test's own range.
+            unsafe {
+                rustix::mm::mmap(
+                    at,
+                    len,
+                    ProtFlags::READ | ProtFlags::WRITE,
+                    MapFlags::SHARED | flags,
+                    &bar,
+                    offset,
+                )
+            }
+            .unwrap() as usize
+        };
+        let addr = map_bar(std::ptr::null_mut(), MapFlags::empty(), 0);
+        let counter = addr + 2 * page + 256;
+        let (stop, pause, paused) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let writer = {
+            let (stop, pause, paused) = (stop.clone(), pause.clone(), paused.clone());
+            std::thread::spawn(move || {
+                let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+                let mut n = 0u64;
+                while !stop.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                    if pause.load(Ordering::SeqCst) {
+                        paused.store(true, Ordering::SeqCst);
+                        while pause.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                            std::hint::spin_loop();
+                        }
+                        paused.store(false, Ordering::SeqCst);
+                        continue;
+                    }
+                    // SAFETY: inside the range, mapped throughout.
+                    unsafe { AtomicU64::from_ptr(counter as *mut u64).fetch_add(1, Ordering::SeqCst) };
+                    n += 1;
+                }
+                n
+            })
+        };
+        let mut offset = 0;
+        for _ in 0..200 {
+            std::thread::sleep(std::time::Duration::from_micros(200));
+            assert!(move_back_to_private(bar.as_fd(), offset, addr, len));
+            // The BAR over the range again, at the other offset, with the
+            // writer paused: as a registration maps it.
+            pause.store(true, Ordering::SeqCst);
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !paused.load(Ordering::SeqCst) && std::time::Instant::now() < deadline {
+                std::hint::spin_loop();
+            }
+            assert!(paused.load(Ordering::SeqCst), "the writer did not pause");
+            offset = len as u64 - offset;
+            let other = map_bar(std::ptr::null_mut(), MapFlags::empty(), offset);
+            // SAFETY: both map `len` bytes; the writer is paused.
+            unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, other as *mut u8, len) };
+            // SAFETY: the test's own mapping.
+            unsafe { rustix::mm::munmap(other as *mut _, len).unwrap() };
+            assert_eq!(map_bar(addr as *mut _, MapFlags::FIXED, offset), addr);
+            pause.store(false, Ordering::SeqCst);
+        }
+        stop.store(true, Ordering::SeqCst);
+        let n = writer.join().unwrap();
+        // SAFETY: inside the range; the writer is gone.
+        let seen = unsafe { AtomicU64::from_ptr(counter as *mut u64).load(Ordering::SeqCst) };
+        assert!(n > 0);
+        assert_eq!(seen, n, "increments lost while the pages moved back");
         // SAFETY: the test's mapping.
         unsafe { rustix::mm::munmap(addr as *mut _, len).unwrap() };
     }
