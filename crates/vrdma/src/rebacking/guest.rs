@@ -15,7 +15,8 @@
 //! move only when they must: when the context closes (its session's end
 //! frees the extent for anything else of the VM), when a registration of
 //! another context or with other page bounds needs their place, or when
-//! the VM's region is full. A registration on kept pages reuses the
+//! the VM's region is full, or when they would hold more than a quarter
+//! of it (the region is all the VM's processes'). A registration on kept pages reuses the
 //! span, as on a live one; an extent whose pages the application unmapped
 //! goes back at the next registration, with nothing to move. The cost:
 //! a context's deregistered heap pages hold their extent of the region
@@ -227,6 +228,28 @@ fn sweep(reg: &mut Spans, kept: &mut BTreeMap<usize, Arc<Span>>, maps: &[MapEntr
     }
 }
 
+/// The share of the VM's region a process keeps for deregistered pages at
+/// most (1/4): the region is all the VM's processes'.
+const KEPT_SHARE: u64 = 4;
+
+/// Moves idle kept spans back until they hold at most `limit` bytes of
+/// the region. Returns whether any moved.
+fn trim(reg: &mut Spans, kept: &mut BTreeMap<usize, Arc<Span>>, limit: u64) -> bool {
+    let idle_spans: Vec<(usize, u64)> =
+        kept.iter().filter(|(_, s)| idle(s)).map(|(&start, s)| (start, (reach(s) - start) as u64)).collect();
+    let mut held: u64 = idle_spans.iter().map(|&(_, n)| n).sum();
+    let mut moved = false;
+    for (start, n) in idle_spans {
+        if held <= limit {
+            break;
+        }
+        unkeep(reg, kept, start);
+        held -= n;
+        moved = true;
+    }
+    moved
+}
+
 /// Called as the guest context `owner` closes (after its last region
 /// went): its kept spans' pages move back to private memory before its
 /// session ends, since the daemon then frees the session's extents for
@@ -260,6 +283,8 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
     let kept = kept.of_this_process();
     let maps = read_maps()?;
     sweep(&mut reg, kept, &maps);
+    let region = u64::try_from(rustix::fs::fstat(src.bar)?.st_size).unwrap_or(0);
+    let maps = if trim(&mut reg, kept, region / KEPT_SHARE) { read_maps()? } else { maps };
     if huge_page_size(&maps, pstart, pend)?.is_some() {
         return Err(Error::Unsupported("registering huge pages from a guest".into()));
     }
@@ -701,6 +726,22 @@ mod tests {
         assert_eq!(*released.lock().unwrap(), vec![o, o2, o3], "the unmapped span's extent");
         drop(next);
 
+        // More than a quarter of the region kept: the next registration
+        // moves it back.
+        let big = pages(20);
+        // SAFETY: as above.
+        let whole = unsafe { reback_guest(big, 20 * page, &src) }.unwrap();
+        let o4 = whole.fd_offset;
+        drop(whole);
+        assert!(still_in_bar(big as usize, big as usize + 20 * page, ino, o4), "kept");
+        // SAFETY: as above.
+        let next = unsafe { reback_guest(p.add(page + 8), 16, &src) }.unwrap();
+        assert_eq!(released.lock().unwrap().last(), Some(&o4), "trimmed");
+        assert!(!still_in_bar(big as usize, big as usize + page, ino, o4));
+        drop(next);
+        // SAFETY: the test's own mapping, no longer registered.
+        unsafe { rustix::mm::munmap(big.cast(), 20 * page).unwrap() };
+
         // No room after the extent: refused, nothing remapped.
         let q = pages(3);
         // SAFETY: as above.
@@ -713,7 +754,7 @@ mod tests {
         assert!(!still_in_bar(q as usize + page, q as usize + 2 * page, ino, d.fd_offset - 16 + page as u64));
         drop(d);
         context_closing(1);
-        assert_eq!(released.lock().unwrap().len(), 5, "p's and q's kept extents");
+        assert_eq!(released.lock().unwrap().len(), 6, "p's and q's kept extents");
         for m in [p, q] {
             // SAFETY: the test's own mappings, no longer registered.
             unsafe { rustix::mm::munmap(m.cast(), if m == p { 4 * page } else { 3 * page }).unwrap() };
