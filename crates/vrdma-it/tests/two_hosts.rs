@@ -223,6 +223,51 @@ fn bursts_of_small_writes_complete_without_waiting_for_the_next_frame() -> Resul
     Ok(())
 }
 
+/// An engine that runs late (here: stopped) finds the ACK of its request
+/// waiting in its socket when it goes on, past the request's timer. It
+/// reads the ACK before it looks at the timer: the write completes. (It
+/// looked at the timer first, sent the request again for nothing, and a
+/// QP with no retries left failed with RETRY_EXC_ERR, its write done.)
+#[test]
+fn an_ack_waiting_when_a_late_engine_goes_on_beats_its_requests_timer() -> Result<()> {
+    let slow = "keepalive_ms = 5000\ndead_ms = 20000";
+    let mut h = TwoHosts::start_nets(true, slow, slow)?;
+    let a = Side::new(&h.a.context()?, 1 << 16)?;
+    let b = Side::new(&h.b.context()?, 1 << 16)?;
+    b.qp.connect(&a.endpoint()?, access_all())?;
+    a.qp.to_init(1, access_all())?;
+    a.qp.to_rtr(&b.endpoint()?, Mtu::Mtu4096, 12)?;
+    // Timeout 17 (2^17 × 4.096 µs: 537 ms), no retries: the first expiry
+    // of the timer fails the QP.
+    a.qp.to_rts(a.qp.psn(), 17, 0, 7)?;
+    for round in 0..3u64 {
+        a.mr.write(0, &(round + 1).to_le_bytes())?;
+        // The responder stopped: the request waits in its socket.
+        h.b.proc.stop(WAIT)?;
+        let sent = std::time::Instant::now();
+        a.qp.post_send(&[wr::rdma_write(round, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
+        std::thread::sleep(Duration::from_millis(50));
+        // The requester stopped after sending; the responder goes on,
+        // writes and ACKs into the requester's socket.
+        h.a.proc.stop(WAIT)?;
+        h.b.proc.kill(libc::SIGCONT);
+        vrdma_it::wait_until(WAIT, "the write reaching the responder", || {
+            let mut got = [0u8; 8];
+            b.mr.read(0, &mut got).is_ok() && u64::from_le_bytes(got) == round + 1
+        })?;
+        // Past the requester's timer, it goes on.
+        std::thread::sleep(Duration::from_millis(800).saturating_sub(sent.elapsed()));
+        h.a.proc.kill(libc::SIGCONT);
+        let wc = poll_one(&a.cq, WAIT)?;
+        assert_eq!(
+            (wc.wr_id, wc.status),
+            (round, WcStatus::Success),
+            "round {round}: the ACK waiting in the socket lost to the request's timer"
+        );
+    }
+    Ok(())
+}
+
 /// Live links in a daemon's `vrdma stat`.
 fn links_up(d: &vrdma_it::DaemonProc) -> Result<usize> {
     Ok(d.context()?.stat()?.links.iter().filter(|l| l.up).count())

@@ -33,6 +33,12 @@ pub use sockets::{SockCall, FORWARD_WAIT};
 
 use crate::config::EngineConfig;
 
+/// A pass this long after the one before reads the links before it looks
+/// at the QPs' timers (see `Engine::pass`): well under the shortest
+/// transport timer programs use (timeout 8: 1 ms), well over the gap
+/// between the passes of a busy engine.
+const LATE_PASS: Duration = Duration::from_micros(200);
+
 /// What the engine thread owns.
 pub struct EngineState {
     pub hca: Hca,
@@ -58,6 +64,8 @@ pub struct EngineState {
     /// until it is done.
     sweep_every: Option<Duration>,
     last_sweep: Instant,
+    /// When the last pass began.
+    last_pass: Instant,
     /// Ends the session of a context whose tenant broke the shared-memory
     /// protocol (see [`RingTable::take_broken`]); the daemon sets it.
     pub on_broken: Option<Box<dyn Fn(ContextId) + Send>>,
@@ -107,6 +115,7 @@ impl EngineState {
             epoch,
             sweep_every: (sweep_ms > 0).then(|| Duration::from_millis(sweep_ms)),
             last_sweep: Instant::ZERO,
+            last_pass: Instant::ZERO,
             on_broken: None,
             direct: crate::direct::DirectDriver::default(),
             processes: HashMap::new(),
@@ -278,12 +287,25 @@ impl EngineState {
     /// One pass over the shared-memory queues and the links.
     fn pass(&mut self) -> vrdma_core::hca::Activity {
         let now = self.now();
+        // After a late pass (the engine slept, or was not scheduled), the
+        // frames that came meanwhile are read before the QPs' timers are
+        // looked at: an ACK waiting in a socket must not lose to its own
+        // request's timer, which would send the request again, or fail a
+        // QP out of retries.
+        let late = now.saturating_since(self.last_pass) >= LATE_PASS;
+        self.last_pass = now;
+        self.rings.now = now;
+        let mut read_first = false;
+        if let (true, Some(n)) = (late, self.net.as_mut()) {
+            read_first = n.receive_waiting(&mut self.hca, &mut self.rings, now);
+        }
         if self.sweep_every.is_some_and(|every| now.saturating_since(self.last_sweep) >= every) {
             self.last_sweep = now;
             self.hca.sweep();
         }
         self.rings.now = now;
         let mut act = self.hca.process(now, &mut self.rings);
+        act.busy |= read_first;
         match self.net.as_mut() {
             Some(n) => {
                 act.busy |= n.drive(&mut self.hca, &mut self.rings, now);

@@ -105,6 +105,9 @@ pub struct Net {
     readiness: Option<std::os::fd::OwnedFd>,
     /// Links `readiness` found readable in this pass.
     readable: Vec<LinkId>,
+    /// Links whose reading in [`Net::receive_waiting`] failed, ended by
+    /// the next [`Net::drive`].
+    failed: Vec<(LinkId, link::LinkEnd)>,
     /// Connections from other daemons admitted to the handshake and not
     /// yet links: whose Hello named this GID, since then. No dial to such
     /// a daemon starts meanwhile.
@@ -185,6 +188,7 @@ impl Net {
                 .map_err(|e| tracing::warn!(error = %e, "no epoll; every link is read every pass"))
                 .ok(),
             readable: Vec::with_capacity(READY_PER_PASS),
+            failed: Vec::new(),
             incoming: HashMap::new(),
             refused: std::collections::HashSet::new(),
             log: LogLimiter::new(),
@@ -483,12 +487,34 @@ impl Net {
         }
     }
 
+    /// Reads what waits on the links, sending nothing: the engine does so
+    /// before it looks at the QPs' timers after a late pass (see
+    /// `Engine::pass`). A link whose reading fails is ended by the next
+    /// [`drive`](Self::drive).
+    pub fn receive_waiting(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> bool {
+        let mut busy = false;
+        let all = self.find_readable();
+        for (&id, l) in self.links.iter_mut() {
+            if !(all || l.has_input() || self.readable.contains(&id)) {
+                continue;
+            }
+            match l.receive(hca, rings, now) {
+                Ok(b) => busy |= b,
+                Err(why) => self.failed.push((id, why)),
+            }
+        }
+        busy
+    }
+
     /// Moves frames on every link; drops the ones that ended.
     pub fn drive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> bool {
         let mut busy = false;
-        let mut ended = Vec::new();
+        let mut ended = std::mem::take(&mut self.failed);
         let all = self.find_readable();
         for (&id, l) in self.links.iter_mut() {
+            if ended.iter().any(|(e, _)| *e == id) {
+                continue;
+            }
             let read = all || l.has_input() || self.readable.contains(&id);
             let r = if read { l.receive(hca, rings, now) } else { Ok(false) }
                 .and_then(|a| Ok(a | l.transmit(hca, rings, now)?));
