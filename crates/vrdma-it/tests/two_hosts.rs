@@ -181,14 +181,7 @@ fn bursts_of_small_writes_complete_without_waiting_for_the_next_frame() -> Resul
     // once takes milliseconds: the bound below leaves a loaded machine
     // half a second (with a keepalive every 200 ms and the default timer,
     // 67 ms, it had to allow less than 150 ms).
-    let slow = "keepalive_ms = 5000\ndead_ms = 20000";
-    let mut h = TwoHosts::start_nets(true, slow, slow)?;
-    let a = Side::new(&h.a.context()?, 1 << 16)?;
-    let b = Side::new(&h.b.context()?, 1 << 16)?;
-    b.qp.connect(&a.endpoint()?, access_all())?;
-    a.qp.to_init(1, access_all())?;
-    a.qp.to_rtr(&b.endpoint()?, Mtu::Mtu4096, 12)?;
-    a.qp.to_rts(a.qp.psn(), 18, 7, 7)?;
+    let (mut h, a, b) = slow_pair(18, 7)?;
     let mut slowest = Duration::ZERO;
     // Bursts of several lengths, so that some end with more than a pass's
     // worth of frames in the buffer, whatever the frame size.
@@ -230,16 +223,9 @@ fn bursts_of_small_writes_complete_without_waiting_for_the_next_frame() -> Resul
 /// QP with no retries left failed with RETRY_EXC_ERR, its write done.)
 #[test]
 fn an_ack_waiting_when_a_late_engine_goes_on_beats_its_requests_timer() -> Result<()> {
-    let slow = "keepalive_ms = 5000\ndead_ms = 20000";
-    let mut h = TwoHosts::start_nets(true, slow, slow)?;
-    let a = Side::new(&h.a.context()?, 1 << 16)?;
-    let b = Side::new(&h.b.context()?, 1 << 16)?;
-    b.qp.connect(&a.endpoint()?, access_all())?;
-    a.qp.to_init(1, access_all())?;
-    a.qp.to_rtr(&b.endpoint()?, Mtu::Mtu4096, 12)?;
     // Timeout 17 (2^17 × 4.096 µs: 537 ms), no retries: the first expiry
     // of the timer fails the QP.
-    a.qp.to_rts(a.qp.psn(), 17, 0, 7)?;
+    let (mut h, a, b) = slow_pair(17, 0)?;
     for round in 0..3u64 {
         a.mr.write(0, &(round + 1).to_le_bytes())?;
         // The responder stopped: the request waits in its socket.
@@ -266,6 +252,21 @@ fn an_ack_waiting_when_a_late_engine_goes_on_beats_its_requests_timer() -> Resul
         );
     }
     Ok(())
+}
+
+/// Two hosts with rare keepalives and a late link death, and a QP pair
+/// across them whose requester `a` has the transport `timeout` and
+/// `retry` count given.
+fn slow_pair(timeout: u8, retry: u8) -> Result<(TwoHosts, Side, Side)> {
+    let slow = "keepalive_ms = 5000\ndead_ms = 20000";
+    let h = TwoHosts::start_nets(true, slow, slow)?;
+    let a = Side::new(&h.a.context()?, 1 << 16)?;
+    let b = Side::new(&h.b.context()?, 1 << 16)?;
+    b.qp.connect(&a.endpoint()?, access_all())?;
+    a.qp.to_init(1, access_all())?;
+    a.qp.to_rtr(&b.endpoint()?, Mtu::Mtu4096, 12)?;
+    a.qp.to_rts(a.qp.psn(), timeout, retry, 7)?;
+    Ok((h, a, b))
 }
 
 /// Live links in a daemon's `vrdma stat`.

@@ -22,47 +22,13 @@
 //! range itself, nor allocate (the allocator's own pages may be in it):
 //! it would wait on itself for ever.
 
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 
-// From <linux/userfaultfd.h>; x86_64 ioctl numbers.
-const UFFD_API: u64 = 0xaa;
-const UFFD_USER_MODE_ONLY: libc::c_int = 1;
-const UFFD_FEATURE_PAGEFAULT_FLAG_WP: u64 = 1 << 0;
-const UFFD_FEATURE_WP_HUGETLBFS_SHMEM: u64 = 1 << 12;
-const UFFD_FEATURE_WP_UNPOPULATED: u64 = 1 << 13;
-const UFFDIO_REGISTER_MODE_WP: u64 = 1 << 1;
-const UFFDIO_WRITEPROTECT_MODE_WP: u64 = 1 << 0;
-const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
-const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
-const UFFDIO_WAKE: libc::c_ulong = 0x8010_aa02;
-const UFFDIO_WRITEPROTECT: libc::c_ulong = 0xc018_aa06;
-
-#[repr(C)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct UffdioRange {
-    start: u64,
-    len: u64,
-}
-
-#[repr(C)]
-struct UffdioRegister {
-    range: UffdioRange,
-    mode: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-struct UffdioWriteprotect {
-    range: UffdioRange,
-    mode: u64,
-}
+use super::uffd::{self, UffdioRange, UffdioWriteprotect};
+use super::uffd::{UFFDIO_REGISTER_MODE_WP, UFFDIO_WAKE, UFFDIO_WRITEPROTECT, UFFDIO_WRITEPROTECT_MODE_WP};
+use super::uffd::{
+    UFFD_FEATURE_PAGEFAULT_FLAG_WP, UFFD_FEATURE_WP_HUGETLBFS_SHMEM, UFFD_FEATURE_WP_UNPOPULATED,
+};
 
 /// Write protection of `[start, start + len)`; dropping it lifts the
 /// protection (where the range is still the one protected) and wakes the
@@ -90,29 +56,14 @@ fn open() -> Option<(OwnedFd, Untouched)> {
     let wp = UFFD_FEATURE_PAGEFAULT_FLAG_WP | UFFD_FEATURE_WP_UNPOPULATED;
     [wp | UFFD_FEATURE_WP_HUGETLBFS_SHMEM, wp]
         .into_iter()
-        .find_map(open_with)
+        .find_map(uffd::open)
         .map(|fd| (fd, Untouched::Protected))
         .or_else(open_populating)
 }
 
 /// A userfaultfd that write-protects touched anonymous pages only.
 fn open_populating() -> Option<(OwnedFd, Untouched)> {
-    open_with(UFFD_FEATURE_PAGEFAULT_FLAG_WP).map(|fd| (fd, Untouched::Populated))
-}
-
-fn open_with(features: u64) -> Option<OwnedFd> {
-    let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
-    // SAFETY: the userfaultfd system call takes only flags. Without the
-    // privilege for kernel-mode faults, a fence for user-mode writes.
-    let fd = [0, UFFD_USER_MODE_ONLY]
-        .into_iter()
-        .map(|extra| unsafe { libc::syscall(libc::SYS_userfaultfd, flags | extra) })
-        .find(|&fd| fd >= 0)?;
-    // SAFETY: a descriptor the call just returned, owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let mut api = UffdioApi { api: UFFD_API, features, ioctls: 0 };
-    // SAFETY: UFFDIO_API reads and writes a `struct uffdio_api`.
-    (unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } == 0).then_some(fd)
+    uffd::open(UFFD_FEATURE_PAGEFAULT_FLAG_WP).map(|fd| (fd, Untouched::Populated))
 }
 
 /// Whether re-backing can hold writers off (see the module documentation).
@@ -130,10 +81,7 @@ impl WriteFence {
 
     fn raise_with(start: usize, len: usize, (fd, untouched): (OwnedFd, Untouched)) -> Option<WriteFence> {
         let range = UffdioRange { start: start as u64, len: len as u64 };
-        let mut reg = UffdioRegister { range, mode: UFFDIO_REGISTER_MODE_WP, ioctls: 0 };
-        // SAFETY: UFFDIO_REGISTER reads and writes a `struct uffdio_register`;
-        // the range is the caller's, mapped, private anonymous memory.
-        if unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_REGISTER, &mut reg) } != 0 {
+        if !uffd::register(&fd, start, len, UFFDIO_REGISTER_MODE_WP) {
             return None;
         }
         // SAFETY: MADV_POPULATE_WRITE faults the caller's mapped range in
@@ -143,15 +91,7 @@ impl WriteFence {
         {
             return None;
         }
-        // SAFETY: sigset_t is plain data that sigfillset initialises; the
-        // old mask is saved to be restored on drop.
-        let signals = unsafe {
-            let mut all: libc::sigset_t = std::mem::zeroed();
-            let mut old: libc::sigset_t = std::mem::zeroed();
-            libc::sigfillset(&mut all);
-            libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-            old
-        };
+        let signals = uffd::block_signals();
         let mut wp = UffdioWriteprotect { range, mode: UFFDIO_WRITEPROTECT_MODE_WP };
         // SAFETY: UFFDIO_WRITEPROTECT reads and writes a
         // `struct uffdio_writeprotect`.
@@ -174,13 +114,12 @@ impl Drop for WriteFence {
         let mut wp = UffdioWriteprotect { range, mode: 0 };
         // SAFETY: UFFDIO_WRITEPROTECT and UFFDIO_WAKE read (and write) the
         // structs given; closing the descriptor right after wakes any
-        // writer this misses. Then the signal mask saved in `raise` is
-        // restored.
+        // writer this misses.
         unsafe {
             libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WRITEPROTECT, &mut wp);
             libc::ioctl(self.fd.as_raw_fd(), UFFDIO_WAKE, &mut range);
-            libc::pthread_sigmask(libc::SIG_SETMASK, &self.signals, std::ptr::null_mut());
         }
+        uffd::restore_signals(&self.signals);
     }
 }
 

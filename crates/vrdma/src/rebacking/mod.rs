@@ -45,6 +45,7 @@ mod fence;
 mod fork;
 mod guest;
 mod move_back;
+mod uffd;
 
 pub(crate) use fork::note_guest_bar;
 pub(crate) use guest::{context_closing as guest_context_closing, reback_guest, GuestSource};

@@ -1,54 +1,18 @@
 //! The exact move: other threads held in missing-page faults while the
 //! pages are filled (see the parent module's doc).
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::mm::MremapFlags;
 use vrdma_shm::Segment;
 
+use super::super::uffd::{self, UffdioCopy, UffdioRange};
+use super::super::uffd::{
+    UFFDIO_COPY, UFFDIO_REGISTER_MODE_MISSING, UFFDIO_UNREGISTER, UFFD_FEATURE_EVENT_REMAP,
+};
 use super::Scratch;
-
-// From <linux/userfaultfd.h>; x86_64 ioctl numbers.
-const UFFD_API: u64 = 0xaa;
-const UFFD_USER_MODE_ONLY: libc::c_int = 1;
-const UFFD_FEATURE_EVENT_REMAP: u64 = 1 << 2;
-const UFFDIO_REGISTER_MODE_MISSING: u64 = 1 << 0;
-const UFFDIO_API: libc::c_ulong = 0xc018_aa3f;
-const UFFDIO_REGISTER: libc::c_ulong = 0xc020_aa00;
-const UFFDIO_UNREGISTER: libc::c_ulong = 0x8010_aa01;
-const UFFDIO_COPY: libc::c_ulong = 0xc028_aa03;
-
-#[repr(C)]
-struct UffdioApi {
-    api: u64,
-    features: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct UffdioRange {
-    start: u64,
-    len: u64,
-}
-
-#[repr(C)]
-struct UffdioRegister {
-    range: UffdioRange,
-    mode: u64,
-    ioctls: u64,
-}
-
-#[repr(C)]
-struct UffdioCopy {
-    dst: u64,
-    src: u64,
-    len: u64,
-    mode: u64,
-    copy: i64,
-}
 
 /// How long the helper reads events at most: `mremap` waits for it only
 /// a moment, and the copy right after is one ioctl.
@@ -59,19 +23,7 @@ const HELPER_START: Duration = Duration::from_secs(5);
 
 /// A userfaultfd that reports remaps, or `None`.
 pub(super) fn open() -> Option<OwnedFd> {
-    let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
-    // SAFETY: the userfaultfd system call takes only flags. Without the
-    // privilege for kernel-mode faults, one for user-mode faults: a system
-    // call another thread makes on the range meanwhile fails (EFAULT).
-    let fd = [0, UFFD_USER_MODE_ONLY]
-        .into_iter()
-        .map(|extra| unsafe { libc::syscall(libc::SYS_userfaultfd, flags | extra) })
-        .find(|&fd| fd >= 0)?;
-    // SAFETY: a descriptor the call just returned, owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let mut api = UffdioApi { api: UFFD_API, features: UFFD_FEATURE_EVENT_REMAP, ioctls: 0 };
-    // SAFETY: UFFDIO_API reads and writes a `struct uffdio_api`.
-    (unsafe { libc::ioctl(fd.as_raw_fd(), UFFDIO_API, &mut api) } == 0).then_some(fd)
+    uffd::open(UFFD_FEATURE_EVENT_REMAP)
 }
 
 /// Moves `[start, start + len)` to private pages holding `view`'s bytes,
@@ -80,20 +32,14 @@ pub(super) fn open() -> Option<OwnedFd> {
 pub(super) fn move_back(view: &Segment, start: usize, len: usize) -> std::io::Result<bool> {
     let Some(uffd) = open() else { return Ok(false) };
     let mut fresh = Scratch::new(len)?;
-    let mut reg = UffdioRegister {
-        range: UffdioRange { start: fresh.ptr as u64, len: len as u64 },
-        mode: UFFDIO_REGISTER_MODE_MISSING,
-        ioctls: 0,
-    };
-    // SAFETY: UFFDIO_REGISTER reads and writes a `struct uffdio_register`;
-    // the range is the untouched private mapping made above.
-    if unsafe { libc::ioctl(uffd.as_raw_fd(), UFFDIO_REGISTER, &mut reg) } != 0 {
+    // The untouched private mapping made above.
+    if !uffd::register(&uffd, fresh.ptr as usize, len, UFFDIO_REGISTER_MODE_MISSING) {
         return Ok(false);
     }
     // Signals stay blocked in this thread and in the helper (which
     // inherits the mask): a handler touching the range would wait on a
     // fault that only this thread can resolve.
-    let signals = block_signals();
+    let signals = uffd::block_signals();
     let (ready, done) = (AtomicBool::new(false), AtomicBool::new(false));
     let moved = std::thread::scope(|scope| {
         let helper = std::thread::Builder::new()
@@ -114,7 +60,7 @@ pub(super) fn move_back(view: &Segment, start: usize, len: usize) -> std::io::Re
         done.store(true, Ordering::SeqCst);
         result
     });
-    restore_signals(&signals);
+    uffd::restore_signals(&signals);
     moved.transpose().map(|m| m.is_some())
 }
 
@@ -194,21 +140,4 @@ fn read_events(uffd: BorrowedFd<'_>, ready: &AtomicBool, done: &AtomicBool) {
             unsafe { libc::read(uffd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
         }
     }
-}
-
-fn block_signals() -> libc::sigset_t {
-    // SAFETY: sigset_t is plain data that sigfillset initialises; the old
-    // mask is returned to be restored.
-    unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        let mut old: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_BLOCK, &all, &mut old);
-        old
-    }
-}
-
-fn restore_signals(old: &libc::sigset_t) {
-    // SAFETY: restores a mask `block_signals` saved.
-    unsafe { libc::pthread_sigmask(libc::SIG_SETMASK, old, std::ptr::null_mut()) };
 }

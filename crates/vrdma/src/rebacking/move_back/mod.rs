@@ -157,8 +157,40 @@ unsafe fn carry_over(now: *const u8, was: *const u8, page: *mut u8, len: usize) 
 mod tests {
     use super::*;
     use std::os::fd::AsFd;
+    use std::os::fd::OwnedFd;
     use std::sync::atomic::{AtomicBool, AtomicU64};
     use std::sync::Arc;
+
+    /// A stand-in BAR of `len` bytes (a memfd).
+    fn test_bar(len: usize) -> OwnedFd {
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, len as u64).unwrap();
+        bar
+    }
+
+    /// Maps `len` bytes of `bar` at `offset`, where the kernel chooses or
+    /// (`MapFlags::FIXED`) over the test's own range at `at`.
+    fn map_test_bar(
+        bar: &OwnedFd,
+        at: *mut std::ffi::c_void,
+        len: usize,
+        flags: MapFlags,
+        offset: u64,
+    ) -> usize {
+        // SAFETY: a shared mapping of the test's memfd, at an address the
+        // kernel chooses or over the test's own range.
+        unsafe {
+            rustix::mm::mmap(
+                at,
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED | flags,
+                bar,
+                offset,
+            )
+        }
+        .unwrap() as usize
+    }
 
     /// A write that reached the BAR between the copy and the move is
     /// carried over to the private page, unless that byte was written
@@ -181,24 +213,9 @@ mod tests {
     fn readers_see_the_bytes_throughout_a_move_back() {
         let page = vrdma_shm::page_size();
         let len = 4 * page;
-        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&bar, len as u64).unwrap();
+        let bar = test_bar(len);
         const WORD: u64 = 0x5a5a_1234_8765_a5a5;
-        let map_bar = |at: *mut std::ffi::c_void, flags: MapFlags| {
-            // SAFETY: a shared mapping of the test's memfd, at an address
-            // the kernel chooses or over the test's own range.
-            unsafe {
-                rustix::mm::mmap(
-                    at,
-                    len,
-                    ProtFlags::READ | ProtFlags::WRITE,
-                    MapFlags::SHARED | flags,
-                    &bar,
-                    0,
-                )
-            }
-            .unwrap() as usize
-        };
+        let map_bar = |at: *mut std::ffi::c_void, flags: MapFlags| map_test_bar(&bar, at, len, flags, 0);
         let addr = map_bar(std::ptr::null_mut(), MapFlags::empty());
         let word = (addr + page + 64) as *mut u64;
         // SAFETY: inside the mapping, which lives until the end of the test.
@@ -246,22 +263,9 @@ mod tests {
         }
         let page = vrdma_shm::page_size();
         let len = 4 * page;
-        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&bar, 2 * len as u64).unwrap();
+        let bar = test_bar(2 * len);
         let map_bar = |at: *mut std::ffi::c_void, flags: MapFlags, offset: u64| {
-            // SAFETY: a shared mapping of the test's memfd, at an address
-            // the kernel chooses or over the test's own range.
-            unsafe {
-                rustix::mm::mmap(
-                    at,
-                    len,
-                    ProtFlags::READ | ProtFlags::WRITE,
-                    MapFlags::SHARED | flags,
-                    &bar,
-                    offset,
-                )
-            }
-            .unwrap() as usize
+            map_test_bar(&bar, at, len, flags, offset)
         };
         let addr = map_bar(std::ptr::null_mut(), MapFlags::empty(), 0);
         let counter = addr + 2 * page + 256;
