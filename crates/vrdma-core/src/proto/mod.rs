@@ -243,6 +243,11 @@ pub enum Reply {
         async_ring: RingSpec,
         /// In the same segment: the ring the tenant names posted QPs in.
         posted_ring: RingSpec,
+        /// The context's completion channels, in the order of their
+        /// doorbells after the first three fds: none on a Hello; on an
+        /// adoption (`Request::AdoptContext`) those that moved with it
+        /// (`docs/migration.md`, "Completion channels").
+        channels: Vec<u32>,
     },
     Device(DeviceAttr),
     Port(PortAttr),

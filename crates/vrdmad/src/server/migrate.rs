@@ -110,7 +110,7 @@ pub(super) fn handle(
         }
         MigrateRequest::Export { tenant } => {
             let deadline = std::time::Instant::now() + EXPORT_WAIT;
-            let (mut snap, positions) = loop {
+            let (mut snap, positions, bindings) = loop {
                 let r = engine
                     .call(move |e| {
                         e.hca.snapshot_tenant(TenantId(tenant)).map(|s| {
@@ -121,7 +121,13 @@ pub(super) fn handle(
                                 .iter()
                                 .filter_map(|q| Some((q.qpn, e.rings.qps.get(&q.qpn)?.positions())))
                                 .collect();
-                            (s, at)
+                            // Each CQ's completion channel.
+                            let on: std::collections::HashMap<u32, u32> = s
+                                .cqs
+                                .iter()
+                                .filter_map(|c| Some((c.cq, e.rings.cqs.get(&c.cq)?.channel?)))
+                                .collect();
+                            (s, at, on)
                         })
                     })
                     .map_err(|_| gone())?;
@@ -135,7 +141,7 @@ pub(super) fn handle(
             };
             // A VM's tenant: where its objects lie in the VM's region.
             if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
-                snap.placement = super::migrate_vm::placement(vm, &snap, &positions)?;
+                snap.placement = super::migrate_vm::placement(vm, &snap, &positions, &bindings)?;
             }
             let (bytes, qps) = (snap.encode(), snap.qps.len());
             let fd = sealed_memfd(&bytes).map_err(Answer::from)?;
@@ -178,8 +184,16 @@ pub(super) fn handle(
                 }
             };
             let mut regions = attached.as_mut().map(|a| std::mem::take(&mut a.regions)).unwrap_or_default();
+            let channels: Vec<u32> =
+                snap.placement.iter().flat_map(|p| p.channels.iter().map(|c| c.id)).collect();
             let r = engine
                 .call(move |e| {
+                    // Channels keep their numbers, as the core's objects do.
+                    if let Some(id) = channels.iter().find(|id| e.rings.channels.contains_key(id)) {
+                        return Err(vrdma_core::hca::migrate::SnapshotError::Collision(format!(
+                            "completion channel {id:#x} is in use here"
+                        )));
+                    }
                     let now = e.now();
                     // A tenant without a placement has no memory here: a
                     // process's memory does not move (module doc).
@@ -204,7 +218,7 @@ pub(super) fn handle(
             };
             if let Some(a) = attached {
                 // The tenant is paused: its rings are in place before resume.
-                engine.call(move |e| a.install(&mut e.rings)).map_err(|_| gone())?;
+                engine.call(move |e| a.install(&mut e.rings, &mut e.hca)).map_err(|_| gone())?;
             }
             let qps = engine
                 .call(move |e| e.hca.snapshot_tenant(t).map_or(0, |s| s.qps.len()))
@@ -247,6 +261,9 @@ pub(super) fn handle(
                     }
                     let qps = td.qps.len();
                     e.rings.remove_torn_down(&td);
+                    // Its completion channels (their rings move with the
+                    // VM's region; a session's own close finds none left).
+                    e.rings.channels.retain(|_, ch| !ctxs.contains(&ch.ctx));
                     for c in &ctxs {
                         e.direct.forget_context(*c);
                     }

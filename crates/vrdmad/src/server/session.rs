@@ -527,6 +527,7 @@ impl Session {
                     }
                     _ => Err(error(EINVAL, format!("no completion channel {channel}"))),
                 })??;
+                self.unplace(Kind::Channel, channel);
                 if let Some(a) = self.admitted.as_mut() {
                     a.refund_descriptor();
                 }
@@ -734,6 +735,7 @@ impl Session {
                     capacity: POSTED_RING_CAPACITY,
                     stride: POSTED_SLOT_SIZE as u32,
                 },
+                channels: Vec::new(),
             },
             fds,
         })
@@ -762,7 +764,7 @@ impl Session {
         // so that two sessions cannot both adopt it.
         let (at, len) = super::migrate_vm::claim_context(&vm, context)?;
         let installed = self.install_adopted(&vm, context, at, len);
-        let (doorbell_tenant, event_tenant) = match installed {
+        let (doorbell_tenant, event_tenant, channels) = match installed {
             Ok(fds) => fds,
             Err(a) => {
                 // Everything that mapped the segment is gone (its extent
@@ -786,7 +788,15 @@ impl Session {
         }
         self.open = true;
         self.admitted = Some(admitted);
-        tracing::info!(vm = %vm.name, ctx = context, "a guest session adopted its moved context");
+        // Each channel's doorbell is a descriptor here, as when made.
+        for _ in &channels {
+            if let Some(Err(e)) = self.admitted.as_mut().map(|a| a.charge_descriptor()) {
+                tracing::warn!(error = %e, "a moved completion channel's descriptor is over the limit");
+            }
+        }
+        let (ids, mut fds): (Vec<u32>, Vec<Carry>) =
+            channels.into_iter().map(|m| (m.id, m.tenant_end.into())).unzip();
+        tracing::info!(vm = %vm.name, ctx = context, channels = ids.len(), "a guest session adopted its moved context");
         Ok(Answer {
             reply: Reply::Hello {
                 context,
@@ -803,20 +813,50 @@ impl Session {
                     capacity: POSTED_RING_CAPACITY,
                     stride: POSTED_SLOT_SIZE as u32,
                 },
+                channels: ids,
             },
-            fds: vec![Carry::Extent { offset: at, len }, doorbell_tenant.into(), event_tenant.into()],
+            fds: {
+                let mut all =
+                    vec![Carry::Extent { offset: at, len }, doorbell_tenant.into(), event_tenant.into()];
+                all.append(&mut fds);
+                all
+            },
         })
     }
 
     /// The rings of an adopted context, in its segment at `at`, handed to
     /// the engine with new doorbells (checked there: the context of this
-    /// tenant, with no session): the tenant's ends of the doorbells.
+    /// tenant, with no session): the tenant's ends of the doorbells, and
+    /// the completion channels that moved with the context, each rung
+    /// once for every event raised before the import that is still
+    /// unread (`moved_wakeups`).
     fn install_adopted(
         &self,
         vm: &Arc<crate::vm::Vm>,
         context: u32,
         at: u64,
         len: u64,
+    ) -> Result<(Doorbell, Doorbell, Vec<crate::vm::MovedChannel>), Answer> {
+        let moved = vm.placed().moved_channels.remove(&context).unwrap_or_default();
+        let marks: Vec<(u32, u32)> = moved.iter().map(|m| (m.id, m.produced_at_import)).collect();
+        match self.install_adopted_rings(vm, context, at, len, marks) {
+            Ok((d, e)) => Ok((d, e, moved)),
+            Err(a) => {
+                if !moved.is_empty() {
+                    vm.placed().moved_channels.insert(context, moved);
+                }
+                Err(a)
+            }
+        }
+    }
+
+    fn install_adopted_rings(
+        &self,
+        vm: &Arc<crate::vm::Vm>,
+        context: u32,
+        at: u64,
+        len: u64,
+        marks: Vec<(u32, u32)>,
     ) -> Result<(Doorbell, Doorbell), Answer> {
         let seg = Arc::new(
             RingMemory::reserved_in_vm(vm, at, len as usize)
@@ -852,6 +892,15 @@ impl Session {
                 // Its QPs' rings are there since the import: the context
                 // names them from now on.
                 e.rings.add_context(ctx, ContextRings::new(tenant, events, event_fd, doorbell, posted));
+                for (id, produced) in marks {
+                    if let Some(ch) = e.rings.channels.get(&id).filter(|ch| ch.ctx == ctx) {
+                        for _ in 0..moved_wakeups(&ch.ring, produced) {
+                            if !ch.fd.ring_one() {
+                                break;
+                            }
+                        }
+                    }
+                }
                 Ok(())
             })
             .map_err(|_| engine_gone())??;
@@ -897,6 +946,10 @@ impl Session {
         // many as the ring holds, as far as net.core.wmem_max allows.
         let max_unread =
             fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
+        let extent = match &seg_fd {
+            Carry::Extent { offset, len } => Some((*offset, *len)),
+            _ => None,
+        };
         let fds = vec![seg_fd, tenant_end.into()];
         let seg_len = seg.len() as u64;
         // A channel counts against the tenant's object quota: it holds a
@@ -913,10 +966,15 @@ impl Session {
                 )));
             }
             e.hca.charge_object(c)?;
-            let id = e.rings.free_channel_id();
+            let id = e.rings.free_channel_id(&e.hca);
             e.rings.channels.insert(id, Channel { ctx: c, tenant, ring, fd, cqs: 0, max_unread });
             Ok::<_, HcaError>(id)
         })??;
+        // A guest's channel ring is in the VM's region: placed, so that it
+        // moves with the VM (`migrate_vm`).
+        if let Some((offset, len)) = extent {
+            self.place(Kind::Channel, channel, Place::Ring(offset, len));
+        }
         Ok(Answer {
             reply: Reply::CompChannel {
                 channel,
@@ -1460,4 +1518,23 @@ fn check_version(version: u32) -> Result<(), Answer> {
         ));
     }
     Ok(())
+}
+
+/// How many of a moved completion channel's unread events were raised
+/// before the import (its ring's producer index then: `produced`): their
+/// wake-ups stayed with the source (in its doorbell, or in the port's
+/// stream to a VM that had stopped), so the adoption rings for each again;
+/// the guest's library drops the wake-ups it still holds from the source
+/// (`docs/migration.md`, "Completion channels"). Events raised here since
+/// were rung for when they were raised. Bounded by the ring's unread
+/// count, whatever the guest wrote to its consumer index.
+pub(crate) fn moved_wakeups(ring: &RingView, produced: u32) -> u32 {
+    let Ok(unread) = ring.len() else { return 0 };
+    let consumed = ring.produced().wrapping_sub(unread);
+    let before = produced.wrapping_sub(consumed);
+    if before <= unread {
+        before
+    } else {
+        0
+    }
 }
