@@ -107,11 +107,12 @@ pub(super) struct Bound {
 
 impl Bound {
     /// The binding a Hello-like reply gives: the context, its segment
-    /// (the first handle) and its two doorbells (the next two).
+    /// (the first handle) and its two doorbells (the next two; an
+    /// adoption's reply has its completion channels' after them).
     pub fn of(reply: &Reply, handles: &[Handle]) -> Option<Bound> {
         let Reply::Hello { context, .. } = reply else { return None };
         match handles {
-            [Handle::Extent { offset, len }, Handle::Bell { id: doorbell, .. }, Handle::Bell { id: events, .. }] => {
+            [Handle::Extent { offset, len }, Handle::Bell { id: doorbell, .. }, Handle::Bell { id: events, .. }, ..] => {
                 Some(Bound {
                     context: *context,
                     segment: (*offset, *len),
@@ -140,9 +141,21 @@ pub(super) struct Shared {
     pub bound: Mutex<Option<Bound>>,
     /// The BAR (reopened after a move: the same file in a real guest).
     pub bar: Mutex<Arc<OwnedFd>>,
+    /// The completion channels' proxies (proxy id -> the channel), which
+    /// move with the context (`super::reattach`).
+    pub channels: Mutex<HashMap<u32, ChannelProxy>>,
     /// Set when the link is dropped: the reader thread ends, and with it
     /// the port is closed (so that the next opener may take it).
     pub quit: AtomicBool,
+}
+
+/// A completion channel's proxy: the daemon's number for the channel, and
+/// a second descriptor of the library's end (the channel's fd), through
+/// which a move drops the wake-ups the source sent.
+#[derive(Debug)]
+pub(super) struct ChannelProxy {
+    pub channel: u32,
+    pub library_end: OwnedFd,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -240,6 +253,7 @@ impl GuestLink {
             proxies: Mutex::new((1, HashMap::new())),
             bound: Mutex::new(None),
             bar: Mutex::new(Arc::new(bar)),
+            channels: Mutex::new(HashMap::new()),
             quit: AtomicBool::new(false),
         });
         let thread = Reader {
@@ -339,11 +353,23 @@ impl GuestLink {
                 }
             }
             let mut carried = Vec::new();
+            let bells: Vec<u32> = handles
+                .iter()
+                .filter_map(|h| if let Handle::Bell { id, .. } = h { Some(*id) } else { None })
+                .collect();
             for h in handles {
                 carried.push(match h {
                     Handle::Extent { offset, .. } => (self.bar()?, offset),
                     Handle::Bell { id, hangup } => (self.proxy(gen, id, hangup)?, 0),
                 });
+            }
+            // A completion channel's doorbell (its only bell): noted, so
+            // that the channel moves with the context.
+            if let (Reply::CompChannel { channel, .. }, [id], Some((end, _))) =
+                (&reply, bells.as_slice(), carried.get(1))
+            {
+                let library_end = end.try_clone()?;
+                lock(&self.shared.channels).insert(*id, ChannelProxy { channel: *channel, library_end });
             }
             return Ok((reply, carried));
         }
