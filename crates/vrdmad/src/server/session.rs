@@ -894,7 +894,7 @@ impl Session {
                 e.rings.add_context(ctx, ContextRings::new(tenant, events, event_fd, doorbell, posted));
                 for (id, produced) in marks {
                     if let Some(ch) = e.rings.channels.get(&id).filter(|ch| ch.ctx == ctx) {
-                        for _ in 0..moved_wakeups(&ch.ring, produced) {
+                        for _ in 0..super::migrate_vm::moved_wakeups(&ch.ring, produced) {
                             if !ch.fd.ring_one() {
                                 break;
                             }
@@ -1420,10 +1420,10 @@ impl Session {
 }
 
 /// Whether `req` changes what a tenant's snapshot holds (its PDs, MRs,
-/// CQs, SRQs, QPs and AHs, and a guest's extents in its VM's region): such
-/// a call waits while the tenant is paused for a migration. Queries, the
-/// completion and rdma_cm channels (which do not move) and the direct
-/// path's grants do not.
+/// CQs, SRQs, QPs and AHs, a guest's completion channels and extents in
+/// its VM's region): such a call waits while the tenant is paused for a
+/// migration. Queries, rdma_cm channels (which do not move) and the
+/// direct path's grants do not.
 fn changes_state(req: &Request) -> bool {
     matches!(
         req,
@@ -1443,6 +1443,8 @@ fn changes_state(req: &Request) -> bool {
             | Request::DestroyAh { .. }
             | Request::GuestAlloc { .. }
             | Request::GuestFree { .. }
+            | Request::CreateCompChannel
+            | Request::DestroyCompChannel { .. }
             | Request::Cm(CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. })
     )
 }
@@ -1518,23 +1520,4 @@ fn check_version(version: u32) -> Result<(), Answer> {
         ));
     }
     Ok(())
-}
-
-/// How many of a moved completion channel's unread events were raised
-/// before the import (its ring's producer index then: `produced`): their
-/// wake-ups stayed with the source (in its doorbell, or in the port's
-/// stream to a VM that had stopped), so the adoption rings for each again;
-/// the guest's library drops the wake-ups it still holds from the source
-/// (`docs/migration.md`, "Completion channels"). Events raised here since
-/// were rung for when they were raised. Bounded by the ring's unread
-/// count, whatever the guest wrote to its consumer index.
-pub(crate) fn moved_wakeups(ring: &RingView, produced: u32) -> u32 {
-    let Ok(unread) = ring.len() else { return 0 };
-    let consumed = ring.produced().wrapping_sub(unread);
-    let before = produced.wrapping_sub(consumed);
-    if before <= unread {
-        before
-    } else {
-        0
-    }
 }
