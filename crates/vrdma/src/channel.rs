@@ -52,7 +52,9 @@ pub(crate) struct ChannelInner {
     pub(crate) ctx: Context,
     channel: u32,
     ring: RingView,
-    pub(crate) event: Doorbell,
+    /// Shared (weakly) with a guest's link, which drops the source's
+    /// wake-ups through it when the VM moves (`guest::reattach`).
+    pub(crate) event: Arc<Doorbell>,
     /// CQs created on this channel and still alive.
     pub(crate) cqs: AtomicUsize,
     /// Those CQs, for the events the direct path raises in their rings'
@@ -278,6 +280,10 @@ impl CompletionChannel {
                 return Err(e);
             }
         };
+        let event = Arc::new(event);
+        if let Some(link) = ctx.inner.control.guest_link() {
+            link.note_channel(channel, Arc::downgrade(&event));
+        }
         Ok(CompletionChannel {
             inner: Arc::new(ChannelInner {
                 ctx: ctx.clone(),

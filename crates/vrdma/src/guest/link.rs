@@ -22,7 +22,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
@@ -141,21 +141,17 @@ pub(super) struct Shared {
     pub bound: Mutex<Option<Bound>>,
     /// The BAR (reopened after a move: the same file in a real guest).
     pub bar: Mutex<Arc<OwnedFd>>,
-    /// The completion channels' proxies (proxy id -> the channel), which
-    /// move with the context (`super::reattach`).
-    pub channels: Mutex<HashMap<u32, ChannelProxy>>,
+    /// The completion channels' proxies (proxy id -> the channel's
+    /// number), which move with the context (`super::reattach`).
+    pub channels: Mutex<HashMap<u32, u32>>,
+    /// Each channel's fd (the library's end of its proxy), by number: a
+    /// move drops the wake-ups the source sent through it. Weak: the
+    /// channel closes when the application drops it, and the reader
+    /// thread never holds the last reference for long.
+    pub channel_ends: Mutex<HashMap<u32, Weak<vrdma_shm::Doorbell>>>,
     /// Set when the link is dropped: the reader thread ends, and with it
     /// the port is closed (so that the next opener may take it).
     pub quit: AtomicBool,
-}
-
-/// A completion channel's proxy: the daemon's number for the channel, and
-/// a second descriptor of the library's end (the channel's fd), through
-/// which a move drops the wake-ups the source sent.
-#[derive(Debug)]
-pub(super) struct ChannelProxy {
-    pub channel: u32,
-    pub library_end: OwnedFd,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -254,6 +250,7 @@ impl GuestLink {
             bound: Mutex::new(None),
             bar: Mutex::new(Arc::new(bar)),
             channels: Mutex::new(HashMap::new()),
+            channel_ends: Mutex::new(HashMap::new()),
             quit: AtomicBool::new(false),
         });
         let thread = Reader {
@@ -365,11 +362,8 @@ impl GuestLink {
             }
             // A completion channel's doorbell (its only bell): noted, so
             // that the channel moves with the context.
-            if let (Reply::CompChannel { channel, .. }, [id], Some((end, _))) =
-                (&reply, bells.as_slice(), carried.get(1))
-            {
-                let library_end = end.try_clone()?;
-                lock(&self.shared.channels).insert(*id, ChannelProxy { channel: *channel, library_end });
+            if let (Reply::CompChannel { channel, .. }, [id]) = (&reply, bells.as_slice()) {
+                lock(&self.shared.channels).insert(*id, *channel);
             }
             return Ok((reply, carried));
         }
@@ -394,6 +388,14 @@ impl GuestLink {
         }
         let _ = rustix::io::write(&self.wake, &[1]);
         Ok(mine)
+    }
+
+    /// Notes completion channel `channel`'s fd, so that a move drops the
+    /// wake-ups the source sent through it (`super::reattach`).
+    pub fn note_channel(&self, channel: u32, end: Weak<vrdma_shm::Doorbell>) {
+        let mut ends = lock(&self.shared.channel_ends);
+        ends.retain(|_, e| e.strong_count() > 0);
+        ends.insert(channel, end);
     }
 
     /// The BAR, to map extents of it.
