@@ -226,11 +226,12 @@ impl Reader {
                     next.insert(a.bound.events, fd);
                 } else if let Some(ch) = chans.remove(&id) {
                     // Not handed back: it closes (its waiters hear it).
-                    let Some(&new) = a.channels.get(&ch.channel) else { continue };
+                    let Some(&new) = a.channels.get(&ch) else { continue };
                     // The source's wake-ups go; the destination's come
                     // after this, through the new proxy (module docs).
-                    let dropped = drain_wakeups(&ch.library_end);
-                    tracing::debug!(channel = ch.channel, dropped, "vrdma: a completion channel moved");
+                    let end = lock(&self.shared.channel_ends).get(&ch).and_then(|e| e.upgrade());
+                    let dropped = end.map_or(0, |e| e.drain_at_most(DROP_AT_MOST));
+                    tracing::debug!(channel = ch, dropped, "vrdma: a completion channel moved");
                     next.insert(new, fd);
                     next_chans.insert(new, ch);
                 }
@@ -255,18 +256,7 @@ impl Reader {
     }
 }
 
-/// Takes every wake-up queued on a channel's fd (the library's end of its
-/// proxy): at most the channel ring's capacity and a little (the daemon
-/// sends no more); how many.
-fn drain_wakeups(end: &std::os::fd::OwnedFd) -> u32 {
-    let most = vrdma_core::proto::CHANNEL_RING_CAPACITY * 2;
-    let mut n = 0;
-    while n < most {
-        match rustix::net::recv(end, &mut [0u8; 8], rustix::net::RecvFlags::DONTWAIT) {
-            Ok(_) => n += 1,
-            Err(rustix::io::Errno::INTR) => {}
-            Err(_) => break,
-        }
-    }
-    n
-}
+/// Most wake-ups a moved channel's fd can hold from the source: one per
+/// unread event, at most its ring's capacity (and a little, for any stale
+/// one).
+const DROP_AT_MOST: u64 = 2 * vrdma_core::proto::CHANNEL_RING_CAPACITY as u64;

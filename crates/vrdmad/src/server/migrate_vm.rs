@@ -12,6 +12,13 @@
 //! checking every offset against the region (the snapshot is untrusted),
 //! and takes the VM's extents as the source had them, so the destination
 //! never hands out bytes the guest still uses.
+//!
+//! A guest's completion channels move too (snapshot version 3): their
+//! rings are in the region (the unread events with them), and the import
+//! makes them channels of the engine again, with new doorbells whose
+//! tenant ends wait for the adopting session (`vm::MovedChannel`). The
+//! wake-ups the source sent do not move: the adoption rings again for the
+//! events from before the import still unread ([`moved_wakeups`]).
 
 // An `Answer` is the reply to send whichever way a call ends (as in
 // `session`); not on the data path.
@@ -329,7 +336,10 @@ impl Attached {
 
     /// The import succeeded: the engine takes the rings (`rings`), and the
     /// objects' places are recorded for the next move.
-    pub fn install(self, rings: &mut crate::engine::RingTable, hca: &mut vrdma_core::hca::Hca) {
+    /// Its completion channels (charged by the import) become the
+    /// engine's, with their CQs, and their tenant ends wait for the
+    /// adopting session.
+    pub fn install(self, rings: &mut crate::engine::RingTable) {
         let mut moved = HashMap::<u32, Vec<MovedChannel>>::new();
         {
             let mut placed = self.vm.placed();
@@ -351,11 +361,6 @@ impl Attached {
             rings.add_qp(qpn, r);
         }
         for ch in self.channels {
-            // A channel counts as an object of its context, as when made.
-            if let Err(e) = hca.charge_object(ContextId(ch.ctx)) {
-                tracing::warn!(channel = ch.id, error = %e, "a moved completion channel is over the quota: dropped");
-                continue;
-            }
             for cq in &ch.cqs {
                 if let Some(r) = rings.cqs.get_mut(cq) {
                     r.channel = Some(ch.id);
