@@ -225,7 +225,8 @@ pub(crate) enum Kind {
 /// has adopted yet: the tenant's end of its new doorbell, handed over at
 /// the adoption, and its ring's producer index at the import (events
 /// before it were raised where the tenant was; their wake-ups did not
-/// move: the adoption rings again for those still unread).
+/// move: the guest's library rings again for those still unread,
+/// `proto::MovedChannel`).
 #[derive(Debug)]
 pub(crate) struct MovedChannel {
     pub id: u32,

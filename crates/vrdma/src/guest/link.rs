@@ -144,11 +144,11 @@ pub(super) struct Shared {
     /// The completion channels' proxies (proxy id -> the channel's
     /// number), which move with the context (`super::reattach`).
     pub channels: Mutex<HashMap<u32, u32>>,
-    /// Each channel's fd (the library's end of its proxy), by number: a
-    /// move drops the wake-ups the source sent through it. Weak: the
+    /// Each channel's ring and fd (the library's end of its proxy), by
+    /// number: a move matches its wake-ups to its events again. Weak: the
     /// channel closes when the application drops it, and the reader
     /// thread never holds the last reference for long.
-    pub channel_ends: Mutex<HashMap<u32, Weak<vrdma_shm::Doorbell>>>,
+    pub channel_ends: Mutex<HashMap<u32, Weak<crate::channel_core::ChannelCore>>>,
     /// Set when the link is dropped: the reader thread ends, and with it
     /// the port is closed (so that the next opener may take it).
     pub quit: AtomicBool,
@@ -390,9 +390,9 @@ impl GuestLink {
         Ok(mine)
     }
 
-    /// Notes completion channel `channel`'s fd, so that a move drops the
-    /// wake-ups the source sent through it (`super::reattach`).
-    pub fn note_channel(&self, channel: u32, end: Weak<vrdma_shm::Doorbell>) {
+    /// Notes completion channel `channel`'s ring and fd, so that a move
+    /// matches its wake-ups to its events again (`crate::channel_core`).
+    pub(crate) fn note_channel(&self, channel: u32, end: Weak<crate::channel_core::ChannelCore>) {
         let mut ends = lock(&self.shared.channel_ends);
         ends.retain(|_, e| e.strong_count() > 0);
         ends.insert(channel, end);

@@ -22,10 +22,9 @@
 //!    BAR (the same file in a real guest), and rings the new doorbell once,
 //!    so that the engine there looks at what was posted meanwhile. A
 //!    completion channel the daemon handed back (by its number, in the
-//!    reply) first drops the wake-ups its fd still holds from the source:
-//!    the destination rings once for each event raised before the import
-//!    that is still unread (some of those wake-ups never reached the VM),
-//!    so that the fd is readable exactly while events are unread. A
+//!    reply) first has its fd's wake-ups matched to its events again
+//!    (`crate::channel_core`: some of the source's never reached the
+//!    VM), so that the fd is readable exactly while events are unread. A
 //!    channel not handed back closes, as before.
 //!
 //! Meanwhile posts and polls go on in the rings (memory); calls that need
@@ -43,7 +42,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, GUEST_VERSION};
 use vrdma_core::proto::{Reply, Request, PROTOCOL_VERSION};
 
-use super::link::{lock, open_bar, open_port, Bound, Reader, State};
+use super::link::{lock, open_bar, open_port, Bound, Reader, State, BELLS_AT_ONCE};
 
 /// How long one adoption waits for the daemon's reply.
 const ADOPT_REPLY_LIMIT: Duration = Duration::from_secs(5);
@@ -64,8 +63,9 @@ struct Adopted {
     port: File,
     dec: FrameDecoder,
     bound: Bound,
-    /// The completion channels handed back: number, new proxy.
-    channels: HashMap<u32, u32>,
+    /// The completion channels handed back: number -> new proxy, and the
+    /// ring's producer index at the import.
+    channels: HashMap<u32, (u32, u32)>,
 }
 
 impl Reader {
@@ -196,7 +196,9 @@ impl Reader {
                     guest::Handle::Bell { id, .. } => Some(*id),
                     guest::Handle::Extent { .. } => None,
                 });
-                let channels = channels.iter().zip(bells).filter_map(|(c, id)| Some((*c, id?))).collect();
+                let channels = (channels.iter().zip(bells))
+                    .filter_map(|(c, id)| Some((c.channel, (id?, c.raised_before))))
+                    .collect();
                 Ok(Adopted { port, dec, bound: b, channels })
             }
             _ => Err(Failed::Never(format!(
@@ -226,12 +228,22 @@ impl Reader {
                     next.insert(a.bound.events, fd);
                 } else if let Some(ch) = chans.remove(&id) {
                     // Not handed back: it closes (its waiters hear it).
-                    let Some(&new) = a.channels.get(&ch) else { continue };
-                    // The source's wake-ups go; the destination's come
-                    // after this, through the new proxy (module docs).
-                    let end = lock(&self.shared.channel_ends).get(&ch).and_then(|e| e.upgrade());
-                    let dropped = end.map_or(0, |e| e.drain_at_most(DROP_AT_MOST));
-                    tracing::debug!(channel = ch, dropped, "vrdma: a completion channel moved");
+                    let Some(&(new, raised_before)) = a.channels.get(&ch) else { continue };
+                    // The source's wake-ups go, those of the events from
+                    // before the import still unread are rung again; the
+                    // destination's come after this, through the new proxy
+                    // (`crate::channel_core`).
+                    let core = lock(&self.shared.channel_ends).get(&ch).and_then(|e| e.upgrade());
+                    if let Some(core) = core {
+                        let (dropped, rung) = core.moved(raised_before, |n| {
+                            for _ in 0..n.min(BELLS_AT_ONCE) {
+                                if rustix::net::send(&fd, &[1], rustix::net::SendFlags::DONTWAIT).is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                        tracing::debug!(channel = ch, dropped, rung, "vrdma: a completion channel moved");
+                    }
                     next.insert(new, fd);
                     next_chans.insert(new, ch);
                 }
@@ -255,8 +267,3 @@ impl Reader {
         let _ = self.shared.send(gen, &Frame::Bell { id: a.bound.doorbell, count: 1 });
     }
 }
-
-/// Most wake-ups a moved channel's fd can hold from the source: one per
-/// unread event, at most its ring's capacity (and a little, for any stale
-/// one).
-const DROP_AT_MOST: u64 = 2 * vrdma_core::proto::CHANNEL_RING_CAPACITY as u64;

@@ -17,8 +17,9 @@
 //! rings are in the region (the unread events with them), and the import
 //! makes them channels of the engine again, with new doorbells whose
 //! tenant ends wait for the adopting session (`vm::MovedChannel`). The
-//! wake-ups the source sent do not move: the adoption rings again for the
-//! events from before the import still unread ([`moved_wakeups`]).
+//! wake-ups the source sent do not move: the adoption tells the guest's
+//! library each ring's producer index at the import, and the library
+//! rings again for the events from before it still unread.
 
 // An `Answer` is the reply to send whichever way a call ends (as in
 // `session`); not on the data path.
@@ -449,81 +450,5 @@ pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32
             g.memory.insert(start, (span, 0));
         }
         g.registered(key, start);
-    }
-}
-
-/// How many of a moved completion channel's unread events were raised
-/// before the import (its ring's producer index then: `produced`): their
-/// wake-ups stayed with the source (in its doorbell, or in the port's
-/// stream to a VM that had stopped), so the adoption rings for each again;
-/// the guest's library drops the wake-ups it still holds from the source
-/// (`docs/migration.md`, "Completion channels"). Events raised here since
-/// were rung for when they were raised. Bounded by the ring's unread
-/// count, whatever the guest wrote to its consumer index.
-pub(super) fn moved_wakeups(ring: &RingView, produced: u32) -> u32 {
-    let Ok(unread) = ring.len() else { return 0 };
-    let consumed = ring.produced().wrapping_sub(unread);
-    let before = produced.wrapping_sub(consumed);
-    if before <= unread {
-        before
-    } else {
-        0
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::moved_wakeups;
-    use std::sync::Arc;
-    use vrdma_shm::{ring_bytes, RingView, Segment};
-
-    fn ring() -> RingView {
-        let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(8, 8)).unwrap());
-        RingView::in_segment(seg, 0, 8, 8).unwrap()
-    }
-
-    fn push(r: &RingView, n: u32) {
-        for _ in 0..n {
-            assert!(r.try_push_bytes(&[1u8; 8]).unwrap());
-        }
-    }
-
-    fn pop(r: &RingView, n: u32) {
-        for _ in 0..n {
-            assert!(r.try_pop(&mut [0u8; 8]).unwrap());
-        }
-    }
-
-    /// Only the events raised before the import and still unread are rung
-    /// again; those taken since, and those raised here, are not.
-    #[test]
-    fn a_moved_channel_rings_again_for_the_unread_events_from_before_the_import() {
-        let r = ring();
-        push(&r, 5);
-        pop(&r, 2);
-        let at_import = r.produced();
-        assert_eq!(moved_wakeups(&r, at_import), 3, "three unread from the source");
-        push(&r, 2);
-        assert_eq!(moved_wakeups(&r, at_import), 3, "raised here: rung when raised");
-        pop(&r, 2);
-        assert_eq!(moved_wakeups(&r, at_import), 1, "two taken since");
-        pop(&r, 2);
-        assert_eq!(moved_wakeups(&r, at_import), 0, "all from the source taken");
-        pop(&r, 1);
-        assert_eq!(moved_wakeups(&r, at_import), 0);
-        // Indices that wrapped count the same.
-        let r = ring();
-        for _ in 0..1000 {
-            push(&r, 1);
-            pop(&r, 1);
-        }
-        push(&r, 4);
-        assert_eq!(moved_wakeups(&r, r.produced()), 4);
-        // A producer index from before the ring's oldest unread entry (a
-        // guest that wrote its consumer index ahead): nothing.
-        assert_eq!(moved_wakeups(&r, r.produced().wrapping_sub(100)), 0);
-        // A ring whose indices are corrupt: nothing.
-        r.scribble_producer_index(r.produced().wrapping_add(1000));
-        assert_eq!(moved_wakeups(&r, r.produced()), 0);
     }
 }

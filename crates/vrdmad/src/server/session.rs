@@ -17,7 +17,7 @@ use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
 use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
-    self, CmReply, CmRequest, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
+    self, CmReply, CmRequest, MovedChannel, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
     CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, MAX_REPLY_FDS, POSTED_RING_CAPACITY,
     POSTED_SLOT_SIZE, PROTOCOL_VERSION,
 };
@@ -794,8 +794,13 @@ impl Session {
                 tracing::warn!(error = %e, "a moved completion channel's descriptor is over the limit");
             }
         }
-        let (ids, mut fds): (Vec<u32>, Vec<Carry>) =
-            channels.into_iter().map(|m| (m.id, m.tenant_end.into())).unzip();
+        let (ids, mut fds): (Vec<_>, Vec<Carry>) = channels
+            .into_iter()
+            .map(|m| {
+                let moved = MovedChannel { channel: m.id, raised_before: m.produced_at_import };
+                (moved, m.tenant_end.into())
+            })
+            .unzip();
         tracing::info!(vm = %vm.name, ctx = context, channels = ids.len(), "a guest session adopted its moved context");
         Ok(Answer {
             reply: Reply::Hello {
@@ -827,9 +832,9 @@ impl Session {
     /// The rings of an adopted context, in its segment at `at`, handed to
     /// the engine with new doorbells (checked there: the context of this
     /// tenant, with no session): the tenant's ends of the doorbells, and
-    /// the completion channels that moved with the context, each rung
-    /// once for every event raised before the import that is still
-    /// unread (`moved_wakeups`).
+    /// the completion channels that moved with the context (their wake-ups
+    /// from before the import are the library's to ring again: it alone
+    /// knows which it still holds).
     fn install_adopted(
         &self,
         vm: &Arc<crate::vm::Vm>,
@@ -838,8 +843,7 @@ impl Session {
         len: u64,
     ) -> Result<(Doorbell, Doorbell, Vec<crate::vm::MovedChannel>), Answer> {
         let moved = vm.placed().moved_channels.remove(&context).unwrap_or_default();
-        let marks: Vec<(u32, u32)> = moved.iter().map(|m| (m.id, m.produced_at_import)).collect();
-        match self.install_adopted_rings(vm, context, at, len, marks) {
+        match self.install_adopted_rings(vm, context, at, len) {
             Ok((d, e)) => Ok((d, e, moved)),
             Err(a) => {
                 if !moved.is_empty() {
@@ -856,7 +860,6 @@ impl Session {
         context: u32,
         at: u64,
         len: u64,
-        marks: Vec<(u32, u32)>,
     ) -> Result<(Doorbell, Doorbell), Answer> {
         let seg = Arc::new(
             RingMemory::reserved_in_vm(vm, at, len as usize)
@@ -892,15 +895,6 @@ impl Session {
                 // Its QPs' rings are there since the import: the context
                 // names them from now on.
                 e.rings.add_context(ctx, ContextRings::new(tenant, events, event_fd, doorbell, posted));
-                for (id, produced) in marks {
-                    if let Some(ch) = e.rings.channels.get(&id).filter(|ch| ch.ctx == ctx) {
-                        for _ in 0..super::migrate_vm::moved_wakeups(&ch.ring, produced) {
-                            if !ch.fd.ring_one() {
-                                break;
-                            }
-                        }
-                    }
-                }
                 Ok(())
             })
             .map_err(|_| engine_gone())??;
