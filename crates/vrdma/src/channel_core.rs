@@ -91,3 +91,72 @@ impl ChannelCore {
         (dropped, n)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ChannelCore;
+    use std::sync::atomic::Ordering;
+    use vrdma_shm::{ring_bytes, Doorbell, RingView, Segment};
+
+    /// A channel with `events` events pushed and `wakeups` of their
+    /// wake-ups on its fd; the daemon's end of the fd.
+    fn channel(events: u32, wakeups: u32) -> (ChannelCore, Doorbell) {
+        let seg = std::sync::Arc::new(Segment::create("vrdma-test", ring_bytes(16, 8)).unwrap());
+        let ring = RingView::in_segment(seg, 0, 16, 8).unwrap();
+        for _ in 0..events {
+            assert!(ring.try_push_bytes(&[7u8; 8]).unwrap());
+        }
+        let (daemon, library) = Doorbell::pair().unwrap();
+        for _ in 0..wakeups {
+            assert!(daemon.ring_one());
+        }
+        (ChannelCore::new(ring, library), daemon)
+    }
+
+    fn take(c: &ChannelCore) -> u32 {
+        let next = c.ring.consumed();
+        assert!(c.ring.try_pop(&mut [0u8; 8]).unwrap());
+        next
+    }
+
+    /// The source's wake-ups go; each event from before the import still
+    /// unread, or taken by a taker waiting for its wake-up, is rung again;
+    /// the destination's events and quiet ones are not.
+    #[test]
+    fn a_move_rings_again_once_per_event_from_before_the_import_still_unread() {
+        // Four events at the source, two wake-ups reached the VM.
+        let (c, _daemon) = channel(4, 2);
+        let raised_before = c.ring.produced();
+        // A taker took the first and its wake-up; a second taker took the
+        // next and found none (it waits).
+        take(&c);
+        assert!(c.event.take_one(), "the first's wake-up");
+        let waiting = take(&c);
+        let g = c.taking();
+        c.await_begins(g, Some(waiting));
+        // Two raised here since (their wake-ups come from the new doorbell).
+        assert!(c.ring.try_push_bytes(&[7u8; 8]).unwrap());
+        assert!(c.ring.try_push_bytes(&[7u8; 8]).unwrap());
+        let mut rung = None;
+        let (dropped, n) = c.moved(raised_before, |n| rung = Some(n));
+        assert_eq!((dropped, n, rung), (1, 3, Some(3)), "two unread from before, one waited for");
+        assert!(!c.event.is_readable(), "the source's wake-up is gone");
+        // A quiet event owed lowers the count by one.
+        let (c, _daemon) = channel(3, 0);
+        c.quiet_owed.store(1, Ordering::SeqCst);
+        assert_eq!(c.moved(c.ring.produced(), |_| {}).1, 2);
+        // A taker waiting for an event raised here is not counted (its
+        // wake-up comes from the destination).
+        let (c, _daemon) = channel(1, 0);
+        let raised_before = c.ring.produced();
+        assert!(c.ring.try_push_bytes(&[7u8; 8]).unwrap());
+        let _old = take(&c);
+        let here = take(&c);
+        let g = c.taking();
+        c.await_begins(g, Some(here));
+        assert_eq!(c.moved(raised_before, |_| {}).1, 0);
+        // Its wait ends: no longer counted.
+        assert!(c.await_ends(Some(here), true));
+        assert!(c.taking().is_empty());
+    }
+}
