@@ -154,6 +154,21 @@ pub enum Command {
     MoveBar {
         to_fd: i32,
     },
+    /// Arms the CQ for its next completion (`ibv_req_notify_cq`; the peer
+    /// started with `--channel`, whose CQ has a completion channel).
+    ArmCq {
+        solicited_only: bool,
+    },
+    /// The channel's next event within `timeout_ms`
+    /// (`ibv_get_cq_event`): `Event` with the CQ's number, or `None`.
+    CqEvent {
+        timeout_ms: u64,
+    },
+    /// Whether the channel's fd turns readable within `timeout_ms`
+    /// (`poll(2)`, taking nothing): `Readable`.
+    ChannelReadable {
+        timeout_ms: u64,
+    },
     Exit,
 }
 
@@ -219,6 +234,8 @@ pub enum Said {
     Carried(u64),
     /// An async event's type (`vrdma::AsyncEventType` as a number), if one came.
     Event(Option<u32>),
+    /// Whether the channel's fd was readable (`ChannelReadable`).
+    Readable(bool),
     /// Bytes a `Stream` completed, over how long (µs).
     Streamed {
         bytes: u64,

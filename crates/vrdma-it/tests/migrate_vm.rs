@@ -583,8 +583,14 @@ struct Move<'a> {
 
 impl Move<'_> {
     fn run(&self, guest: &mut PeerProc, uid: u32) -> Result<()> {
+        self.run_with(guest, uid, || Ok(()))
+    }
+
+    /// [`run`](Self::run), with `paused` run right after the pause.
+    fn run_with(&self, guest: &mut PeerProc, uid: u32, paused: impl FnOnce() -> Result<()>) -> Result<()> {
         use vrdma_it::protocol::Command as C;
         vrdma::migrate::pause(self.from, uid)?;
+        paused()?;
         guest.call_ok(&C::Freeze)?;
         let (snap, _, _) = vrdma::migrate::export(self.from, uid)?;
         copy_region(&self.from_vm.region, &self.to_vm.region, self.from_vm.region_len)?;
@@ -812,4 +818,131 @@ fn a_guest_whose_context_is_never_taken_back_waits_its_bound_then_the_device_is_
         other => bail!("the async event after the bound: {other:?}"),
     }
     Ok(())
+}
+
+/// Completion channels move with the VM (issue 19): an emulated guest on
+/// A whose CQ has a completion channel (`--channel`), connected RC to B,
+/// moves A → C → A. An event pending at the move (raised on A, its
+/// wake-up in the guest, not yet taken) is there once on C: the fd
+/// readable, one event, then neither readable nor a second event (the
+/// source's wake-up dropped, the destination's re-rung). A completion
+/// after the move fires the re-armed CQ once, on C. A message B sends
+/// while A is paused for the move back lands on A after the resume and
+/// fires the CQ armed before the move, once. The channel keeps its
+/// number; every receive completes once, in order.
+#[test]
+fn an_armed_cq_and_a_pending_event_move_with_the_guests_completion_channel() -> Result<()> {
+    use vrdma_it::protocol::{Command as C, Said};
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+    let h = ThreeHosts::start([&vm, "", &vm])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+    let dir = tempfile::tempdir()?;
+    let port_link = dir.path().join("port");
+    std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
+    let mut guest = PeerProc::spawn_movable_guest(
+        &port_link,
+        &[&vm_a.region, &vm_c.region],
+        &[],
+        "tenant",
+        &["--mr-len", "65536", "--channel"],
+    )?;
+    let g = guest.hello()?;
+    let b = Side::new(&h.b.context()?, 1 << 20)?;
+    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
+    eg.lid = 0;
+    eb.lid = 0;
+    b.qp.connect(&eg, access_all())?;
+    guest.call_ok(&C::Connect { peer: eb })?;
+    guest.call_ok(&C::PostRecv { count: 8, offset: 0, len: 256 })?;
+    let send = |i: u64| -> Result<()> {
+        b.qp.post_send(&[wr::send(i, &[b.mr.sge(i as usize * 256, 64)?])?.signaled()])?;
+        anyhow::ensure!(poll_n(&b.cq, 1, WAIT)?[0].status == WcStatus::Success, "B's send {i}");
+        Ok(())
+    };
+    let event = |guest: &mut PeerProc, ms: u64| -> Result<Option<u32>> {
+        match guest.call(&C::CqEvent { timeout_ms: ms })? {
+            Said::Event(e) => Ok(e),
+            other => bail!("the guest's CQ event: {other:?}"),
+        }
+    };
+    let readable = |guest: &mut PeerProc, ms: u64| -> Result<bool> {
+        match guest.call(&C::ChannelReadable { timeout_ms: ms })? {
+            Said::Readable(r) => Ok(r),
+            other => bail!("the guest's channel fd: {other:?}"),
+        }
+    };
+    // Exactly one event: `cqn`'s, and nothing after it, on the fd either.
+    let once = |guest: &mut PeerProc, what: &str| -> Result<u32> {
+        let cqn = event(guest, WAIT.as_millis() as u64)?.with_context(|| format!("{what}: no event"))?;
+        anyhow::ensure!(!readable(guest, 150)?, "{what}: the fd stays readable after its one event");
+        anyhow::ensure!(event(guest, 150)?.is_none(), "{what}: a second event");
+        Ok(cqn)
+    };
+    let polled = |guest: &mut PeerProc, n: usize| -> Result<Vec<u64>> {
+        match guest.call(&C::Poll { count: n, timeout_ms: WAIT.as_millis() as u64 })? {
+            Said::Completions(w) => {
+                anyhow::ensure!(w.iter().all(|w| w.status == WcStatus::Success.raw()), "{w:?}");
+                Ok(w.iter().map(|w| w.wr_id).collect())
+            }
+            other => bail!("the guest's poll: {other:?}"),
+        }
+    };
+    // Before any move: armed, one event for B's message.
+    guest.call_ok(&C::ArmCq { solicited_only: false })?;
+    send(0)?;
+    let cqn = once(&mut guest, "on A")?;
+    assert_eq!(polled(&mut guest, 1)?, vec![0]);
+    // Armed again; B's next message fires it on A, and the event is left
+    // unread (its wake-up in the guest) across the move.
+    guest.call_ok(&C::ArmCq { solicited_only: false })?;
+    send(1)?;
+    assert!(readable(&mut guest, WAIT.as_millis() as u64)?, "the event before the move");
+    let a_to_c = Move {
+        from: &h.a.socket,
+        to: &h.c.socket,
+        from_vm: &vm_a,
+        to_vm: &vm_c,
+        to_fd: 102,
+        port_link: &port_link,
+    };
+    let c_to_a =
+        Move { from: &h.c.socket, to: &h.a.socket, from_vm: &vm_c, to_vm: &vm_a, to_fd: 101, ..a_to_c };
+    a_to_c.run(&mut guest, uid)?;
+    // A call that needs the daemon: answered once the library took its
+    // context back on C (and with it the channel).
+    match guest.call(&C::Query)? {
+        Said::State(_) => {}
+        other => bail!("querying on C: {other:?}"),
+    }
+    assert!(readable(&mut guest, 100)?, "the pending event's fd on C");
+    assert_eq!(once(&mut guest, "the pending event on C")?, cqn);
+    // A completion after the move fires the re-armed CQ once, on C.
+    guest.call_ok(&C::ArmCq { solicited_only: false })?;
+    send(2)?;
+    assert_eq!(once(&mut guest, "a completion on C")?, cqn);
+    assert_eq!(polled(&mut guest, 2)?, vec![1, 2]);
+    // Armed before the move back; B's message, sent while C is paused,
+    // lands on A after the resume and fires it there.
+    guest.call_ok(&C::ArmCq { solicited_only: false })?;
+    c_to_a.run_with(&mut guest, uid, || {
+        b.qp.post_send(&[wr::send(3, &[b.mr.sge(3 * 256, 64)?])?.signaled()])?;
+        Ok(())
+    })?;
+    assert_eq!(poll_n(&b.cq, 1, WAIT)?[0].status, WcStatus::Success, "B's send held across the move");
+    assert_eq!(once(&mut guest, "the held message on A")?, cqn);
+    assert_eq!(polled(&mut guest, 1)?, vec![3]);
+    // Nothing more anywhere.
+    assert_eq!(polled_none(&mut guest)?, 0);
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+    Ok(())
+}
+
+/// Completions in the guest's CQ within 100 ms (none expected).
+fn polled_none(guest: &mut PeerProc) -> Result<usize> {
+    match guest.call(&vrdma_it::protocol::Command::Poll { count: 1, timeout_ms: 100 })? {
+        vrdma_it::protocol::Said::Completions(w) => Ok(w.len()),
+        other => bail!("the guest's poll: {other:?}"),
+    }
 }

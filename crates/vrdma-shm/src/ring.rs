@@ -235,6 +235,12 @@ impl RingView {
         self.producer_index().load(Ordering::Acquire)
     }
 
+    /// How many entries were ever taken (the consumer index, wrapping):
+    /// the index of the next entry to take.
+    pub fn consumed(&self) -> u32 {
+        self.consumer_index().load(Ordering::Acquire)
+    }
+
     /// Auxiliary word `i` of the header, for flags the users agree on.
     ///
     /// # Panics
@@ -423,6 +429,21 @@ impl RingView {
         Ok(Claim::Empty)
     }
 
+    /// How many of the entries still unread are among the first
+    /// `produced` ever pushed (a producer index read earlier): 0 when the
+    /// consumer is past them, or the indices are corrupt. Bounded by
+    /// [`len`](Self::len), whatever either side wrote to the indices.
+    pub fn unread_before(&self, produced: u32) -> u32 {
+        let Ok(unread) = self.len() else { return 0 };
+        let consumed = self.produced().wrapping_sub(unread);
+        let before = produced.wrapping_sub(consumed);
+        if before <= unread {
+            before
+        } else {
+            0
+        }
+    }
+
     /// Consumer side: drops every published entry (a queue reset).
     /// Returns how many were dropped.
     pub fn discard_all(&self) -> Result<u32, RingError> {
@@ -448,6 +469,36 @@ unsafe impl Sync for RingView {}
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn unread_before_counts_the_unread_entries_pushed_before_a_mark() {
+        let seg = std::sync::Arc::new(crate::Segment::create("vrdma-test", ring_bytes(8, 8)).unwrap());
+        let r = RingView::in_segment(seg, 0, 8, 8).unwrap();
+        let push = |n: u32| (0..n).for_each(|_| assert!(r.try_push_bytes(&[1u8; 8]).unwrap()));
+        let pop = |n: u32| (0..n).for_each(|_| assert!(r.try_pop(&mut [0u8; 8]).unwrap()));
+        push(5);
+        pop(2);
+        let mark = r.produced();
+        assert_eq!(r.unread_before(mark), 3);
+        push(2);
+        assert_eq!(r.unread_before(mark), 3, "pushed after the mark");
+        pop(2);
+        assert_eq!(r.unread_before(mark), 1);
+        pop(2);
+        assert_eq!(r.unread_before(mark), 0, "the consumer is past the mark");
+        pop(1);
+        assert_eq!(r.unread_before(mark), 0);
+        // Indices that wrapped count the same.
+        for _ in 0..1000 {
+            push(1);
+            pop(1);
+        }
+        push(4);
+        assert_eq!(r.unread_before(r.produced()), 4);
+        assert_eq!(r.unread_before(r.produced().wrapping_sub(100)), 0, "a mark before the oldest unread");
+        r.scribble_producer_index(r.produced().wrapping_add(1000));
+        assert_eq!(r.unread_before(r.produced()), 0, "corrupt indices");
+    }
+
     use super::*;
     use crate::Segment;
 

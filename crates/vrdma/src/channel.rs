@@ -19,13 +19,14 @@
 //! readable for it.
 
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use vrdma_core::proto::{self, Reply, Request};
 use vrdma_shm::{Doorbell, RingView, Segment};
 
+use crate::channel_core::ChannelCore;
 use crate::context::Context;
 use crate::control;
 use crate::error::{Error, Result};
@@ -51,8 +52,10 @@ pub struct CompletionChannel {
 pub(crate) struct ChannelInner {
     pub(crate) ctx: Context,
     channel: u32,
-    ring: RingView,
-    pub(crate) event: Doorbell,
+    /// The ring and the fd. Shared (weakly) with a guest's link, which
+    /// matches the fd's wake-ups to the ring's events again when the VM
+    /// moves (`crate::channel_core`).
+    pub(crate) core: Arc<ChannelCore>,
     /// CQs created on this channel and still alive.
     pub(crate) cqs: AtomicUsize,
     /// Those CQs, for the events the direct path raises in their rings'
@@ -61,10 +64,6 @@ pub(crate) struct ChannelInner {
     /// When (ns since [`elapsed_ns`]'s origin, 0: not) the fd was first
     /// seen readable with no event; see `drop_stale`.
     stale_since: AtomicU64,
-    /// Claimed events (raised without a datagram, "Quiet events") whose
-    /// claims were collected when another event was taken: as many events
-    /// still to be taken need no datagram.
-    quiet_owed: AtomicU32,
 }
 
 /// How long an event's wake-up is waited for once the event was taken.
@@ -94,17 +93,22 @@ impl ChannelInner {
     /// it may take to come), so that the fd stays readable exactly while
     /// events are unread.
     pub(crate) fn take(&self, slot: &mut [u8]) -> Result<Option<u32>> {
-        let cqn = if self.ring.try_pop(slot)? {
-            u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]])
+        // An event and its wake-up are taken together, as far as a move's
+        // resync is concerned (`channel_core`).
+        let taking = self.core.taking();
+        let next = self.core.ring.consumed();
+        let (cqn, index) = if self.core.ring.try_pop(slot)? {
+            (u32::from_le_bytes([slot[0], slot[1], slot[2], slot[3]]), Some(next))
         } else {
             match self.take_direct() {
-                Some(cqn) => cqn,
+                Some(cqn) => (cqn, None),
                 None => return Ok(None),
             }
         };
         self.stale_since.store(0, Ordering::Relaxed);
-        if !self.quiet() && !self.event.take_one() {
-            self.await_wakeup()?;
+        if !self.quiet() && !self.core.event.take_one() {
+            self.core.await_begins(taking, index);
+            self.await_wakeup(index)?;
         }
         Ok(Some(cqn))
     }
@@ -130,10 +134,10 @@ impl ChannelInner {
         if claimed > 0 {
             // One for this event; any more for events still unread (the
             // claims of two CQs, announced one after the other).
-            self.quiet_owed.fetch_add(claimed - 1, Ordering::SeqCst);
+            self.core.quiet_owed.fetch_add(claimed - 1, Ordering::SeqCst);
             return true;
         }
-        self.quiet_owed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
+        self.core.quiet_owed.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)).is_ok()
     }
 
     /// Before a spin: marks the channel's CQ as watched from shared memory
@@ -188,16 +192,20 @@ impl ChannelInner {
     /// sends it right after publishing the event; should it never come
     /// (the daemon's estimate of the socket buffer was wrong), the wait
     /// ends after [`WAKEUP_WAIT`].
-    fn await_wakeup(&self) -> Result<()> {
+    fn await_wakeup(&self, index: Option<u32>) -> Result<()> {
         let end = Instant::now() + WAKEUP_WAIT;
         loop {
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 tracing::debug!(channel = self.channel, "an event came without its wake-up");
+                self.core.await_ends(index, true);
                 return Ok(());
             }
-            self.ctx.inner.control.wait_readable(&self.event, Some(left))?;
-            if self.event.take_one() {
+            if let Err(e) = self.ctx.inner.control.wait_readable(&self.core.event, Some(left)) {
+                self.core.await_ends(index, true);
+                return Err(e);
+            }
+            if self.core.await_ends(index, false) {
                 return Ok(());
             }
         }
@@ -209,7 +217,7 @@ impl ChannelInner {
     /// nothing. Another thread that has just taken an event and not yet
     /// its datagram takes it within microseconds, well before.
     fn drop_stale(&self) {
-        if !self.event.is_readable() {
+        if !self.core.event.is_readable() {
             self.stale_since.store(0, Ordering::Relaxed);
             return;
         }
@@ -218,7 +226,7 @@ impl ChannelInner {
         if since == 0 {
             self.stale_since.store(now, Ordering::Relaxed);
         } else if now.saturating_sub(since) > STALE_AFTER.as_nanos() as u64 {
-            self.event.take_one();
+            self.core.event.take_one();
             self.stale_since.store(0, Ordering::Relaxed);
         }
     }
@@ -234,7 +242,7 @@ impl ChannelInner {
     }
 
     pub(crate) fn slot_buf(&self) -> Vec<u8> {
-        vec![0u8; self.ring.stride()]
+        vec![0u8; self.core.ring.stride()]
     }
 }
 
@@ -278,16 +286,18 @@ impl CompletionChannel {
                 return Err(e);
             }
         };
+        let core = Arc::new(ChannelCore::new(ring, event));
+        if let Some(link) = ctx.inner.control.guest_link() {
+            link.note_channel(channel, Arc::downgrade(&core));
+        }
         Ok(CompletionChannel {
             inner: Arc::new(ChannelInner {
                 ctx: ctx.clone(),
                 channel,
-                ring,
-                event,
+                core,
                 cqs: AtomicUsize::new(0),
                 direct: Default::default(),
                 stale_since: AtomicU64::new(0),
-                quiet_owed: AtomicU32::new(0),
             }),
         })
     }
@@ -300,7 +310,7 @@ impl CompletionChannel {
     /// The descriptor that becomes readable when an event is pending (the
     /// channel's doorbell; read it only through this type).
     pub fn fd(&self) -> BorrowedFd<'_> {
-        self.inner.event.as_fd()
+        self.inner.core.event.as_fd()
     }
 
     /// `ibv_get_cq_event`: the number ([`cqn`](crate::CompletionQueue::cqn))
@@ -327,7 +337,7 @@ impl CompletionChannel {
         // stack, so that taking an event allocates nothing.
         let mut small = [0u8; 64];
         let mut large = Vec::new();
-        let stride = self.inner.ring.stride();
+        let stride = self.inner.core.ring.stride();
         let slot: &mut [u8] = if stride <= small.len() {
             &mut small[..stride]
         } else {
@@ -352,7 +362,7 @@ impl CompletionChannel {
                 // taken, or stale (see `drop_stale`). Do not spin hot.
                 std::thread::sleep(Duration::from_micros(200));
             }
-            readable = self.inner.ctx.inner.control.wait_readable(&self.inner.event, left)?;
+            readable = self.inner.ctx.inner.control.wait_readable(&self.inner.core.event, left)?;
         }
     }
 
@@ -411,7 +421,7 @@ impl CompletionChannel {
     /// How many events the daemon dropped because the channel's ring was
     /// full. A dropped event's CQ still holds its completions; poll it.
     pub fn events_dropped(&self) -> u32 {
-        self.inner.ring.aux(proto::CHANNEL_AUX_DROPPED).load(Ordering::Relaxed)
+        self.inner.core.ring.aux(proto::CHANNEL_AUX_DROPPED).load(Ordering::Relaxed)
     }
 
     /// The context the channel belongs to.

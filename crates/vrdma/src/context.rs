@@ -179,7 +179,7 @@ impl Context {
     fn hello(control: Control) -> Result<Context> {
         let req = Request::Hello { version: PROTOCOL_VERSION };
         let answer = control.call(&req, &[])?;
-        let Reply::Hello { context, tenant, device_name, segment_len, async_ring, posted_ring } =
+        let Reply::Hello { context, tenant, device_name, segment_len, async_ring, posted_ring, .. } =
             answer.reply.clone()
         else {
             return Err(control::unexpected(&req, &answer.reply));

@@ -706,7 +706,7 @@ impl CompletionQueue {
             if left == Some(Duration::ZERO) {
                 return Ok(0);
             }
-            self.inner.ctx.inner.control.wait_readable(&ch.inner.event, left)?;
+            self.inner.ctx.inner.control.wait_readable(&ch.inner.core.event, left)?;
             // The events name this CQ only; the completions are polled above.
             while ch.inner.take_or_clean(&mut slot)?.is_some() {}
         }

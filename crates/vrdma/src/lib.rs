@@ -83,6 +83,7 @@
 
 mod ah;
 mod channel;
+mod channel_core;
 pub mod cm;
 mod cm_fd;
 mod context;

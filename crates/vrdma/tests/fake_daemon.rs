@@ -129,6 +129,7 @@ impl Fake {
                     segment_len: seg.len() as u64,
                     async_ring: spec,
                     posted_ring: posted_spec,
+                    channels: Vec::new(),
                 };
                 (reply, out)
             }

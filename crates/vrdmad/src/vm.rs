@@ -203,6 +203,9 @@ pub(crate) struct Placed {
     /// Extents an import took that no ring owns (the guest's memory, which
     /// a session would own): given back when the tenant moves away again.
     pub orphans: Vec<u64>,
+    /// Per context an import brought and no session adopted yet, its
+    /// completion channels (`MovedChannel`).
+    pub moved_channels: std::collections::HashMap<u32, Vec<MovedChannel>>,
 }
 
 /// Which number space an object's number is in.
@@ -214,6 +217,21 @@ pub(crate) enum Kind {
     Qp,
     /// A context's own segment (event and posted rings), by context id.
     Context,
+    /// A completion channel's ring (its events), by channel number.
+    Channel,
+}
+
+/// A completion channel an import installed for a context no session
+/// has adopted yet: the tenant's end of its new doorbell, handed over at
+/// the adoption, and its ring's producer index at the import (events
+/// before it were raised where the tenant was; their wake-ups did not
+/// move: the guest's library rings again for those still unread,
+/// `proto::MovedChannel`).
+#[derive(Debug)]
+pub(crate) struct MovedChannel {
+    pub id: u32,
+    pub tenant_end: vrdma_shm::Doorbell,
+    pub produced_at_import: u32,
 }
 
 impl Placed {
@@ -234,6 +252,7 @@ impl Placed {
 
     pub fn forget_context(&mut self, ctx: u32) {
         self.by_ctx.remove(&ctx);
+        self.moved_channels.remove(&ctx);
     }
 
     pub fn get(&self, ctx: u32, kind: Kind, id: u32) -> Option<Place> {
@@ -249,6 +268,20 @@ impl Placed {
                 _ => None,
             })
             .collect()
+    }
+
+    /// The completion channels placed for `ctx`: number, offset, length.
+    pub fn channels_of(&self, ctx: u32) -> Vec<(u32, u64, u64)> {
+        let Some(m) = self.by_ctx.get(&ctx) else { return Vec::new() };
+        let mut v: Vec<_> = m
+            .iter()
+            .filter_map(|((k, id), p)| match (k, p) {
+                (Kind::Channel, Place::Ring(at, len)) => Some((*id, *at, *len)),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v
     }
 
     pub fn has_context(&self, ctx: u32) -> bool {

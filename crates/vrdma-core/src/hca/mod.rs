@@ -410,6 +410,19 @@ impl Hca {
         id
     }
 
+    /// A number for an object the driver keeps itself (a completion
+    /// channel), in this daemon's number space as the core's ids are, so
+    /// that it keeps its value when its tenant moves to another daemon
+    /// (`hca::migrate::ChannelAt`). `counter` is the driver's (0 to start);
+    /// `taken` says whether a number is in use.
+    pub fn alloc_driver_id(&self, counter: &mut u32, taken: impl Fn(u32) -> bool) -> u32 {
+        let space = self.config.number_space;
+        if *counter == 0 || (space != 0 && *counter >> 24 != u32::from(space)) {
+            *counter = numbering::first_id(space);
+        }
+        numbering::alloc_id(space, counter, taken)
+    }
+
     /// Whether `ctx` may register `len` more bytes: asked before the daemon
     /// maps a tenant's memory, so that a region that the size limit or the
     /// quota refuses never takes the daemon's address space.

@@ -232,6 +232,17 @@ pub struct RingSpec {
     pub stride: u32,
 }
 
+/// A completion channel handed over with an adopted context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MovedChannel {
+    pub channel: u32,
+    /// Its ring's producer index at the import: the events before it were
+    /// raised where the tenant was, and their wake-ups did not move (the
+    /// library rings again for those still unread); those after it come
+    /// with their wake-ups on the new doorbell.
+    pub raised_before: u32,
+}
+
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Reply {
     /// With fds: the context segment, the engine doorbell, the async-event fd.
@@ -243,6 +254,11 @@ pub enum Reply {
         async_ring: RingSpec,
         /// In the same segment: the ring the tenant names posted QPs in.
         posted_ring: RingSpec,
+        /// The context's completion channels, in the order of their
+        /// doorbells after the first three fds: none on a Hello; on an
+        /// adoption (`Request::AdoptContext`) those that moved with it
+        /// (`docs/migration.md`, "Completion channels").
+        channels: Vec<MovedChannel>,
     },
     Device(DeviceAttr),
     Port(PortAttr),

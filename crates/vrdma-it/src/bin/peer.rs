@@ -20,7 +20,7 @@ fn main() -> Result<()> {
                 Some(n) => n.to_str().and_then(|s| s.parse().ok()).context("--mr-len takes a byte count")?,
                 None => 4 << 20,
             };
-            tenant(socket, mr_len)
+            tenant(socket, mr_len, args.iter().any(|a| a == "--channel"))
         }
         Some("vm-attach") => {
             let name = flag("--vm").context("--vm NAME is required")?;
@@ -44,7 +44,7 @@ fn main() -> Result<()> {
         }
         _ => bail!(
             "usage: vrdma-it-peer daemon|tenant|vm-attach|migrate-pause --socket PATH [--config FILE] \
-             [--mr-len BYTES] [--vm NAME] [--tenant UID]"
+             [--mr-len BYTES] [--channel] [--vm NAME] [--tenant UID]"
         ),
     }
 }
@@ -63,7 +63,8 @@ fn daemon(socket: PathBuf, config: Option<PathBuf>) -> Result<()> {
     }
 }
 
-fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
+/// `channel`: the CQ gets a completion channel (`ArmCq`, `CqEvent`).
+fn tenant(socket: PathBuf, mr_len: usize, channel: bool) -> Result<()> {
     // An emulated guest (VRDMA_GUEST_PORT set) opens its port instead.
     let opened = if vrdma::guest::GuestConfig::from_env().is_some() {
         vrdma::Context::open()
@@ -85,7 +86,8 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
         | vrdma::AccessFlags::REMOTE_READ
         | vrdma::AccessFlags::REMOTE_ATOMIC;
     let mr = pd.alloc_mr(mr_len, access)?;
-    let cq = ctx.create_cq(1024, None)?;
+    let ch = if channel { Some(ctx.create_comp_channel()?) } else { None };
+    let cq = ctx.create_cq(1024, ch.as_ref())?;
     let cap = vrdma::QpCap {
         max_send_wr: 256,
         max_recv_wr: 256,
@@ -257,6 +259,15 @@ fn tenant(socket: PathBuf, mr_len: usize) -> Result<()> {
                     Ok(()) => Said::Ok,
                     Err(e) => Said::Error { errno: 0, message: format!("{e:#}") },
                 }),
+                Command::ArmCq { solicited_only } => cq.req_notify(solicited_only).map(|_| Said::Ok),
+                Command::CqEvent { timeout_ms } => match &ch {
+                    Some(ch) => ch.get_cq_event(Some(Duration::from_millis(timeout_ms))).map(Said::Event),
+                    None => Ok(Said::Error { errno: 0, message: "no channel (--channel)".into() }),
+                },
+                Command::ChannelReadable { timeout_ms } => match &ch {
+                    Some(ch) => Ok(Said::Readable(readable(ch.fd(), Duration::from_millis(timeout_ms)))),
+                    None => Ok(Said::Error { errno: 0, message: "no channel (--channel)".into() }),
+                },
                 Command::Exit => break,
             };
             match reply {
@@ -607,4 +618,13 @@ fn stream(
         left = left.saturating_sub(cq.poll(&mut wcs)? as u64);
     }
     Ok(Said::Streamed { bytes, micros })
+}
+
+/// Whether `fd` turns readable within `within` (poll, taking nothing).
+fn readable(fd: std::os::fd::BorrowedFd<'_>, within: Duration) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(&fd, PollFlags::IN)];
+    let ts = Timespec::try_from(within).ok();
+    matches!(rustix::event::poll(&mut fds, ts.as_ref()), Ok(n) if n > 0)
+        && fds[0].revents().contains(PollFlags::IN)
 }

@@ -22,7 +22,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
@@ -107,11 +107,12 @@ pub(super) struct Bound {
 
 impl Bound {
     /// The binding a Hello-like reply gives: the context, its segment
-    /// (the first handle) and its two doorbells (the next two).
+    /// (the first handle) and its two doorbells (the next two; an
+    /// adoption's reply has its completion channels' after them).
     pub fn of(reply: &Reply, handles: &[Handle]) -> Option<Bound> {
         let Reply::Hello { context, .. } = reply else { return None };
         match handles {
-            [Handle::Extent { offset, len }, Handle::Bell { id: doorbell, .. }, Handle::Bell { id: events, .. }] => {
+            [Handle::Extent { offset, len }, Handle::Bell { id: doorbell, .. }, Handle::Bell { id: events, .. }, ..] => {
                 Some(Bound {
                     context: *context,
                     segment: (*offset, *len),
@@ -140,6 +141,14 @@ pub(super) struct Shared {
     pub bound: Mutex<Option<Bound>>,
     /// The BAR (reopened after a move: the same file in a real guest).
     pub bar: Mutex<Arc<OwnedFd>>,
+    /// The completion channels' proxies (proxy id -> the channel's
+    /// number), which move with the context (`super::reattach`).
+    pub channels: Mutex<HashMap<u32, u32>>,
+    /// Each channel's ring and fd (the library's end of its proxy), by
+    /// number: a move matches its wake-ups to its events again. Weak: the
+    /// channel closes when the application drops it, and the reader
+    /// thread never holds the last reference for long.
+    pub channel_ends: Mutex<HashMap<u32, Weak<crate::channel_core::ChannelCore>>>,
     /// Set when the link is dropped: the reader thread ends, and with it
     /// the port is closed (so that the next opener may take it).
     pub quit: AtomicBool,
@@ -240,6 +249,8 @@ impl GuestLink {
             proxies: Mutex::new((1, HashMap::new())),
             bound: Mutex::new(None),
             bar: Mutex::new(Arc::new(bar)),
+            channels: Mutex::new(HashMap::new()),
+            channel_ends: Mutex::new(HashMap::new()),
             quit: AtomicBool::new(false),
         });
         let thread = Reader {
@@ -339,11 +350,20 @@ impl GuestLink {
                 }
             }
             let mut carried = Vec::new();
+            let bells: Vec<u32> = handles
+                .iter()
+                .filter_map(|h| if let Handle::Bell { id, .. } = h { Some(*id) } else { None })
+                .collect();
             for h in handles {
                 carried.push(match h {
                     Handle::Extent { offset, .. } => (self.bar()?, offset),
                     Handle::Bell { id, hangup } => (self.proxy(gen, id, hangup)?, 0),
                 });
+            }
+            // A completion channel's doorbell (its only bell): noted, so
+            // that the channel moves with the context.
+            if let (Reply::CompChannel { channel, .. }, [id]) = (&reply, bells.as_slice()) {
+                lock(&self.shared.channels).insert(*id, *channel);
             }
             return Ok((reply, carried));
         }
@@ -368,6 +388,14 @@ impl GuestLink {
         }
         let _ = rustix::io::write(&self.wake, &[1]);
         Ok(mine)
+    }
+
+    /// Notes completion channel `channel`'s ring and fd, so that a move
+    /// matches its wake-ups to its events again (`crate::channel_core`).
+    pub(crate) fn note_channel(&self, channel: u32, end: Weak<crate::channel_core::ChannelCore>) {
+        let mut ends = lock(&self.shared.channel_ends);
+        ends.retain(|_, e| e.strong_count() > 0);
+        ends.insert(channel, end);
     }
 
     /// The BAR, to map extents of it.

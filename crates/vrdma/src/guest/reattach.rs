@@ -8,9 +8,9 @@
 //! under a live context, answers [`EndReason::NoSession`]). The link's
 //! reader thread then, up to the bound (`VRDMA_GUEST_REATTACH_MS`, 30 s):
 //!
-//! 1. keeps the library's ends of the context's doorbell and event signal
-//!    (the application's handles use them) and closes every other proxy
-//!    (completion and rdma_cm channels do not move);
+//! 1. keeps the library's ends of the context's doorbell, event signal
+//!    and completion channels (the application's handles use them) and
+//!    closes every other proxy (rdma_cm channels do not move);
 //! 2. closes the port and opens one again (an emulated guest's socket;
 //!    a virtio port, which QEMU reconnects to the destination, is the
 //!    same device, closed first as it is exclusive) and says Hello, then
@@ -20,7 +20,12 @@
 //!    daemon hands the context over, with its segment where it was;
 //! 3. forwards the kept ends under the new proxies' numbers, reopens the
 //!    BAR (the same file in a real guest), and rings the new doorbell once,
-//!    so that the engine there looks at what was posted meanwhile.
+//!    so that the engine there looks at what was posted meanwhile. A
+//!    completion channel the daemon handed back (by its number, in the
+//!    reply) first has its fd's wake-ups matched to its events again
+//!    (`crate::channel_core`: some of the source's never reached the
+//!    VM), so that the fd is readable exactly while events are unread. A
+//!    channel not handed back closes, as before.
 //!
 //! Meanwhile posts and polls go on in the rings (memory); calls that need
 //! the daemon wait. After the bound the link is dead: calls fail, the
@@ -37,7 +42,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, GUEST_VERSION};
 use vrdma_core::proto::{Reply, Request, PROTOCOL_VERSION};
 
-use super::link::{lock, open_bar, open_port, Bound, Reader, State};
+use super::link::{lock, open_bar, open_port, Bound, Reader, State, BELLS_AT_ONCE};
 
 /// How long one adoption waits for the daemon's reply.
 const ADOPT_REPLY_LIMIT: Duration = Duration::from_secs(5);
@@ -58,6 +63,9 @@ struct Adopted {
     port: File,
     dec: FrameDecoder,
     bound: Bound,
+    /// The completion channels handed back: number -> new proxy, and the
+    /// ring's producer index at the import.
+    channels: HashMap<u32, (u32, u32)>,
 }
 
 impl Reader {
@@ -68,8 +76,14 @@ impl Reader {
             return Err(format!("the port's session ended ({reason:?}) before it had a context"));
         };
         tracing::info!(context = bound.context, ?reason, "vrdma: the VM's context moved; taking it back");
-        // What cannot move (channels) closes now: their waiters hear it.
-        lock(&self.shared.proxies).1.retain(|id, _| *id == bound.doorbell || *id == bound.events);
+        // What cannot move (rdma_cm channels) closes now: their waiters
+        // hear it. Completion channels are kept for the destination.
+        {
+            let mut p = lock(&self.shared.proxies);
+            let mut chans = lock(&self.shared.channels);
+            p.1.retain(|id, _| *id == bound.doorbell || *id == bound.events || chans.contains_key(id));
+            chans.retain(|id, _| p.1.contains_key(id));
+        }
         // The port is let go and opened again: a new connection for an
         // emulated guest's socket; for a virtio port (exclusive: it must be
         // closed first) the same device, which QEMU reconnects on the
@@ -175,8 +189,17 @@ impl Reader {
             (Reply::Error { errno, message }, _) => {
                 Err(Failed::Again(format!("adopting: {message} (errno {errno})")))
             }
-            (_, Some(b)) if b.context == bound.context && b.segment == bound.segment => {
-                Ok(Adopted { port, dec, bound: b })
+            (Reply::Hello { channels, .. }, Some(b))
+                if b.context == bound.context && b.segment == bound.segment =>
+            {
+                let bells = handles.iter().skip(3).map(|h| match h {
+                    guest::Handle::Bell { id, .. } => Some(*id),
+                    guest::Handle::Extent { .. } => None,
+                });
+                let channels = (channels.iter().zip(bells))
+                    .filter_map(|(c, id)| Some((c.channel, (id?, c.raised_before))))
+                    .collect();
+                Ok(Adopted { port, dec, bound: b, channels })
             }
             _ => Err(Failed::Never(format!(
                 "the daemon handed over something else than context {:#x} at {:?}: {reply:?} {handles:?}",
@@ -195,15 +218,38 @@ impl Reader {
         }
         {
             let mut p = lock(&self.shared.proxies);
+            let mut chans = lock(&self.shared.channels);
             let mut next = HashMap::new();
+            let mut next_chans = HashMap::new();
             for (id, fd) in std::mem::take(&mut p.1) {
                 if id == old.doorbell {
                     next.insert(a.bound.doorbell, fd);
                 } else if id == old.events {
                     next.insert(a.bound.events, fd);
+                } else if let Some(ch) = chans.remove(&id) {
+                    // Not handed back: it closes (its waiters hear it).
+                    let Some(&(new, raised_before)) = a.channels.get(&ch) else { continue };
+                    // The source's wake-ups go, those of the events from
+                    // before the import still unread are rung again; the
+                    // destination's come after this, through the new proxy
+                    // (`crate::channel_core`).
+                    let core = lock(&self.shared.channel_ends).get(&ch).and_then(|e| e.upgrade());
+                    if let Some(core) = core {
+                        let (dropped, rung) = core.moved(raised_before, |n| {
+                            for _ in 0..n.min(BELLS_AT_ONCE) {
+                                if rustix::net::send(&fd, &[1], rustix::net::SendFlags::DONTWAIT).is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                        tracing::debug!(channel = ch, dropped, rung, "vrdma: a completion channel moved");
+                    }
+                    next.insert(new, fd);
+                    next_chans.insert(new, ch);
                 }
             }
             *p = (gen, next);
+            *chans = next_chans;
         }
         *lock(&self.shared.bound) = Some(a.bound);
         let writer = a.port.try_clone();

@@ -88,6 +88,7 @@ fn hello() -> Reply {
         segment_len: 8192,
         async_ring: ring,
         posted_ring: ring,
+        channels: Vec::new(),
     }
 }
 

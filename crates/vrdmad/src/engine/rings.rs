@@ -372,14 +372,12 @@ pub struct RingTable {
 }
 
 impl RingTable {
-    /// A channel number no live channel has (numbers wrap after 2^32).
-    pub fn free_channel_id(&mut self) -> u32 {
-        loop {
-            self.next_channel = self.next_channel.wrapping_add(1).max(1);
-            if !self.channels.contains_key(&self.next_channel) {
-                return self.next_channel;
-            }
-        }
+    /// A channel number no live channel has, in the daemon's number space
+    /// (`Hca::alloc_driver_id`): a channel keeps its number when its
+    /// VM's tenant moves to another daemon.
+    pub fn free_channel_id(&mut self, hca: &vrdma_core::hca::Hca) -> u32 {
+        let channels = &self.channels;
+        hca.alloc_driver_id(&mut self.next_channel, |n| channels.contains_key(&n))
     }
 
     /// Adds the rings of a context that already has QPs (one a guest

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use vrdma_core::hca::migrate::{MigrateError, MAX_SNAPSHOT_BYTES};
-use vrdma_core::hca::TenantId;
+use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::proto::{MigrateReply, MigrateRequest, Reply};
 
 use super::session::{error, Answer, Carry};
@@ -110,7 +110,7 @@ pub(super) fn handle(
         }
         MigrateRequest::Export { tenant } => {
             let deadline = std::time::Instant::now() + EXPORT_WAIT;
-            let (mut snap, positions) = loop {
+            let (mut snap, positions, bindings) = loop {
                 let r = engine
                     .call(move |e| {
                         e.hca.snapshot_tenant(TenantId(tenant)).map(|s| {
@@ -121,7 +121,13 @@ pub(super) fn handle(
                                 .iter()
                                 .filter_map(|q| Some((q.qpn, e.rings.qps.get(&q.qpn)?.positions())))
                                 .collect();
-                            (s, at)
+                            // Each CQ's completion channel.
+                            let on: std::collections::HashMap<u32, u32> = s
+                                .cqs
+                                .iter()
+                                .filter_map(|c| Some((c.cq, e.rings.cqs.get(&c.cq)?.channel?)))
+                                .collect();
+                            (s, at, on)
                         })
                     })
                     .map_err(|_| gone())?;
@@ -135,7 +141,7 @@ pub(super) fn handle(
             };
             // A VM's tenant: where its objects lie in the VM's region.
             if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
-                snap.placement = super::migrate_vm::placement(vm, &snap, &positions)?;
+                snap.placement = super::migrate_vm::placement(vm, &snap, &positions, &bindings)?;
             }
             let (bytes, qps) = (snap.encode(), snap.qps.len());
             let fd = sealed_memfd(&bytes).map_err(Answer::from)?;
@@ -178,12 +184,34 @@ pub(super) fn handle(
                 }
             };
             let mut regions = attached.as_mut().map(|a| std::mem::take(&mut a.regions)).unwrap_or_default();
+            let (channels, channel_ctxs): (Vec<u32>, Vec<u32>) =
+                snap.placement.iter().flat_map(|p| p.channels.iter().map(|c| (c.id, c.ctx))).unzip();
             let r = engine
                 .call(move |e| {
+                    // Channels keep their numbers, as the core's objects do.
+                    if let Some(id) = channels.iter().find(|id| e.rings.channels.contains_key(id)) {
+                        return Err(vrdma_core::hca::migrate::SnapshotError::Collision(format!(
+                            "completion channel {id:#x} is in use here"
+                        )));
+                    }
                     let now = e.now();
                     // A tenant without a placement has no memory here: a
                     // process's memory does not move (module doc).
                     let t = e.hca.import_tenant(&bytes, now, &mut |m| regions.remove(&m.key))?;
+                    // A completion channel is an object of its context, as
+                    // when it was made: all charged, or the import undone.
+                    for (i, ctx) in channel_ctxs.iter().enumerate() {
+                        if let Err(why) = e.hca.charge_object(ContextId(*ctx)) {
+                            for c in &channel_ctxs[..i] {
+                                e.hca.refund_object(ContextId(*c));
+                            }
+                            let _ = e.hca.finish_export(t);
+                            return Err(vrdma_core::hca::migrate::SnapshotError::Quota(format!(
+                                "its {} completion channels: {why}",
+                                channel_ctxs.len()
+                            )));
+                        }
+                    }
                     Ok::<_, vrdma_core::hca::migrate::SnapshotError>((t, e.hca.tenant_contexts(t).len()))
                 })
                 .map_err(|_| gone());
@@ -247,6 +275,9 @@ pub(super) fn handle(
                     }
                     let qps = td.qps.len();
                     e.rings.remove_torn_down(&td);
+                    // Its completion channels (their rings move with the
+                    // VM's region; a session's own close finds none left).
+                    e.rings.channels.retain(|_, ch| !ctxs.contains(&ch.ctx));
                     for c in &ctxs {
                         e.direct.forget_context(*c);
                     }

@@ -12,6 +12,14 @@
 //! checking every offset against the region (the snapshot is untrusted),
 //! and takes the VM's extents as the source had them, so the destination
 //! never hands out bytes the guest still uses.
+//!
+//! A guest's completion channels move too (snapshot version 3): their
+//! rings are in the region (the unread events with them), and the import
+//! makes them channels of the engine again, with new doorbells whose
+//! tenant ends wait for the adopting session (`vm::MovedChannel`). The
+//! wake-ups the source sent do not move: the adoption tells the guest's
+//! library each ring's producer index at the import, and the library
+//! rings again for the events from before it still unread.
 
 // An `Answer` is the reply to send whichever way a call ends (as in
 // `session`); not on the data path.
@@ -20,9 +28,10 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use vrdma_core::hca::migrate::{Extent, MrAt, Placement, QpAt, RingAt, TenantSnapshot};
+use vrdma_core::hca::migrate::{ChannelAt, Extent, MrAt, Placement, QpAt, RingAt, TenantSnapshot};
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::memory::Region;
+use vrdma_core::proto::{CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY};
 use vrdma_core::ring::CQE_SIZE;
 use vrdma_shm::RingView;
 
@@ -30,7 +39,7 @@ use super::guest_memory::RingMemory;
 use super::session::{error, qp_layout, Answer};
 use super::Shared;
 use crate::engine::{CqRing, InRing, QpRings};
-use crate::vm::{Kind, Place, Vm};
+use crate::vm::{Kind, MovedChannel, Place, Vm};
 
 /// The configured VM whose tenant is `tenant`.
 pub(super) fn vm_of(shared: &Shared, tenant: u32) -> Option<&Arc<Vm>> {
@@ -40,11 +49,13 @@ pub(super) fn vm_of(shared: &Shared, tenant: u32) -> Option<&Arc<Vm>> {
 /// The placement of `snap`'s objects in `vm`'s region: `None` when none
 /// of its contexts is a guest's (a host process of the VM's uid, whose
 /// memory is memfds); refused when some are and some are not.
-/// `positions`: each QP's retired and held send WRs.
+/// `positions`: each QP's retired and held send WRs; `bindings`: each
+/// CQ's completion channel.
 pub(super) fn placement(
     vm: &Vm,
     snap: &TenantSnapshot,
     positions: &HashMap<u32, (u32, u32)>,
+    bindings: &HashMap<u32, u32>,
 ) -> Result<Option<Placement>, Answer> {
     let placed = vm.placed();
     let guest = |c: &u32| placed.has_context(*c);
@@ -71,12 +82,28 @@ pub(super) fn placement(
         srqs: Vec::with_capacity(snap.srqs.len()),
         qps: Vec::with_capacity(snap.qps.len()),
         contexts: Vec::with_capacity(snap.contexts.len()),
+        channels: Vec::new(),
     };
     for &c in &snap.contexts {
         match placed.get(c, Kind::Context, c) {
             Some(Place::Ring(at, len)) => p.contexts.push(RingAt { id: c, at, len }),
             _ => return Err(missing("context", c)),
         }
+        for (id, at, len) in placed.channels_of(c) {
+            let mut cqs: Vec<u32> = bindings.iter().filter(|(_, ch)| **ch == id).map(|(cq, _)| *cq).collect();
+            cqs.sort_unstable();
+            p.channels.push(ChannelAt { id, ctx: c, at, len, cqs });
+        }
+    }
+    // A CQ on a channel the placement lacks (a host context's): refused,
+    // rather than moved without its events.
+    if let Some((cq, ch)) = bindings.iter().find(|(_, ch)| !p.channels.iter().any(|c| c.id == **ch)) {
+        tracing::warn!(
+            cq,
+            channel = ch,
+            "a CQ of the VM's tenant is on a channel with no place in its region"
+        );
+        return Err(missing("completion channel", *ch));
     }
     for m in &snap.mrs {
         match placed.get(m.ctx, Kind::Mr, m.key) {
@@ -114,11 +141,22 @@ pub(super) struct Attached {
     cqs: Vec<(u32, RingView)>,
     srqs: Vec<(u32, RingView)>,
     qps: Vec<(u32, QpRings)>,
+    channels: Vec<ImportedChannel>,
     /// Extents taken that no ring owns (the guest's memory): given back
     /// if the import fails.
     memory: Vec<u64>,
     contexts: Vec<u32>,
     places: Vec<(u32, Kind, u32, Place)>,
+}
+
+/// A completion channel found again in the region, with a new doorbell.
+struct ImportedChannel {
+    id: u32,
+    ctx: u32,
+    ring: RingView,
+    cqs: Vec<u32>,
+    fd: vrdma_shm::Doorbell,
+    tenant_end: vrdma_shm::Doorbell,
 }
 
 fn bad(m: String) -> Answer {
@@ -174,6 +212,7 @@ pub(super) fn attach(shared: &Shared, snap: &TenantSnapshot) -> Result<Option<At
         cqs: Vec::new(),
         srqs: Vec::new(),
         qps: Vec::new(),
+        channels: Vec::new(),
         memory: p.extents.iter().map(|e| e.at).collect(),
         contexts: snap.contexts.clone(),
         places: Vec::new(),
@@ -265,14 +304,31 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
         a.qps.push((r.qpn, rings.resume_positions(r.retired, r.held)));
         a.places.push((q.ctx, Kind::Qp, r.qpn, Place::Qp(r.at, r.len, r.inbox)));
     }
+    // Completion channels: their rings (the events not yet taken are in
+    // them) where they were, and new doorbells (wake-ups do not move).
+    for ch in &p.channels {
+        let mem = ring_at(a, ch.at, ch.len)?;
+        let ring = view(&mem, 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)?;
+        let (fd, tenant_end) = vrdma_shm::Doorbell::pair()
+            .map_err(|e| error(libc::EMFILE, format!("a completion channel's doorbell: {e}")))?;
+        a.channels.push(ImportedChannel {
+            id: ch.id,
+            ctx: ch.ctx,
+            ring,
+            cqs: ch.cqs.clone(),
+            fd,
+            tenant_end,
+        });
+        a.places.push((ch.ctx, Kind::Channel, ch.id, Place::Ring(ch.at, ch.len)));
+    }
     Ok(())
 }
 
 impl Attached {
     /// The import failed: the rings and regions go, the extents back.
     pub fn give_back(self) {
-        let Attached { vm, memory, cqs, srqs, qps, regions, .. } = self;
-        drop((cqs, srqs, qps, regions));
+        let Attached { vm, memory, cqs, srqs, qps, regions, channels, .. } = self;
+        drop((cqs, srqs, qps, regions, channels));
         let mut ext = vm.extents();
         for at in memory {
             ext.free(at);
@@ -281,7 +337,11 @@ impl Attached {
 
     /// The import succeeded: the engine takes the rings (`rings`), and the
     /// objects' places are recorded for the next move.
+    /// Its completion channels (charged by the import) become the
+    /// engine's, with their CQs, and their tenant ends wait for the
+    /// adopting session.
     pub fn install(self, rings: &mut crate::engine::RingTable) {
+        let mut moved = HashMap::<u32, Vec<MovedChannel>>::new();
         {
             let mut placed = self.vm.placed();
             for c in &self.contexts {
@@ -301,6 +361,33 @@ impl Attached {
         for (qpn, r) in self.qps {
             rings.add_qp(qpn, r);
         }
+        for ch in self.channels {
+            for cq in &ch.cqs {
+                if let Some(r) = rings.cqs.get_mut(cq) {
+                    r.channel = Some(ch.id);
+                }
+            }
+            let max_unread =
+                ch.fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
+            let produced_at_import = ch.ring.produced();
+            rings.channels.insert(
+                ch.id,
+                crate::engine::Channel {
+                    ctx: ContextId(ch.ctx),
+                    tenant: self.tenant,
+                    ring: ch.ring,
+                    fd: ch.fd,
+                    cqs: ch.cqs.len() as u32,
+                    max_unread,
+                },
+            );
+            moved.entry(ch.ctx).or_default().push(MovedChannel {
+                id: ch.id,
+                tenant_end: ch.tenant_end,
+                produced_at_import,
+            });
+        }
+        self.vm.placed().moved_channels.extend(moved);
     }
 }
 

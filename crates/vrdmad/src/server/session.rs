@@ -17,7 +17,7 @@ use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
 use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
-    self, CmReply, CmRequest, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
+    self, CmReply, CmRequest, MovedChannel, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
     CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, MAX_REPLY_FDS, POSTED_RING_CAPACITY,
     POSTED_SLOT_SIZE, PROTOCOL_VERSION,
 };
@@ -527,6 +527,7 @@ impl Session {
                     }
                     _ => Err(error(EINVAL, format!("no completion channel {channel}"))),
                 })??;
+                self.unplace(Kind::Channel, channel);
                 if let Some(a) = self.admitted.as_mut() {
                     a.refund_descriptor();
                 }
@@ -734,6 +735,7 @@ impl Session {
                     capacity: POSTED_RING_CAPACITY,
                     stride: POSTED_SLOT_SIZE as u32,
                 },
+                channels: Vec::new(),
             },
             fds,
         })
@@ -762,7 +764,7 @@ impl Session {
         // so that two sessions cannot both adopt it.
         let (at, len) = super::migrate_vm::claim_context(&vm, context)?;
         let installed = self.install_adopted(&vm, context, at, len);
-        let (doorbell_tenant, event_tenant) = match installed {
+        let (doorbell_tenant, event_tenant, channels) = match installed {
             Ok(fds) => fds,
             Err(a) => {
                 // Everything that mapped the segment is gone (its extent
@@ -786,7 +788,20 @@ impl Session {
         }
         self.open = true;
         self.admitted = Some(admitted);
-        tracing::info!(vm = %vm.name, ctx = context, "a guest session adopted its moved context");
+        // Each channel's doorbell is a descriptor here, as when made.
+        for _ in &channels {
+            if let Some(Err(e)) = self.admitted.as_mut().map(|a| a.charge_descriptor()) {
+                tracing::warn!(error = %e, "a moved completion channel's descriptor is over the limit");
+            }
+        }
+        let (ids, mut fds): (Vec<_>, Vec<Carry>) = channels
+            .into_iter()
+            .map(|m| {
+                let moved = MovedChannel { channel: m.id, raised_before: m.produced_at_import };
+                (moved, m.tenant_end.into())
+            })
+            .unzip();
+        tracing::info!(vm = %vm.name, ctx = context, channels = ids.len(), "a guest session adopted its moved context");
         Ok(Answer {
             reply: Reply::Hello {
                 context,
@@ -803,15 +818,43 @@ impl Session {
                     capacity: POSTED_RING_CAPACITY,
                     stride: POSTED_SLOT_SIZE as u32,
                 },
+                channels: ids,
             },
-            fds: vec![Carry::Extent { offset: at, len }, doorbell_tenant.into(), event_tenant.into()],
+            fds: {
+                let mut all =
+                    vec![Carry::Extent { offset: at, len }, doorbell_tenant.into(), event_tenant.into()];
+                all.append(&mut fds);
+                all
+            },
         })
     }
 
     /// The rings of an adopted context, in its segment at `at`, handed to
     /// the engine with new doorbells (checked there: the context of this
-    /// tenant, with no session): the tenant's ends of the doorbells.
+    /// tenant, with no session): the tenant's ends of the doorbells, and
+    /// the completion channels that moved with the context (their wake-ups
+    /// from before the import are the library's to ring again: it alone
+    /// knows which it still holds).
     fn install_adopted(
+        &self,
+        vm: &Arc<crate::vm::Vm>,
+        context: u32,
+        at: u64,
+        len: u64,
+    ) -> Result<(Doorbell, Doorbell, Vec<crate::vm::MovedChannel>), Answer> {
+        let moved = vm.placed().moved_channels.remove(&context).unwrap_or_default();
+        match self.install_adopted_rings(vm, context, at, len) {
+            Ok((d, e)) => Ok((d, e, moved)),
+            Err(a) => {
+                if !moved.is_empty() {
+                    vm.placed().moved_channels.insert(context, moved);
+                }
+                Err(a)
+            }
+        }
+    }
+
+    fn install_adopted_rings(
         &self,
         vm: &Arc<crate::vm::Vm>,
         context: u32,
@@ -897,6 +940,10 @@ impl Session {
         // many as the ring holds, as far as net.core.wmem_max allows.
         let max_unread =
             fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
+        let extent = match &seg_fd {
+            Carry::Extent { offset, len } => Some((*offset, *len)),
+            _ => None,
+        };
         let fds = vec![seg_fd, tenant_end.into()];
         let seg_len = seg.len() as u64;
         // A channel counts against the tenant's object quota: it holds a
@@ -913,10 +960,15 @@ impl Session {
                 )));
             }
             e.hca.charge_object(c)?;
-            let id = e.rings.free_channel_id();
+            let id = e.rings.free_channel_id(&e.hca);
             e.rings.channels.insert(id, Channel { ctx: c, tenant, ring, fd, cqs: 0, max_unread });
             Ok::<_, HcaError>(id)
         })??;
+        // A guest's channel ring is in the VM's region: placed, so that it
+        // moves with the VM (`migrate_vm`).
+        if let Some((offset, len)) = extent {
+            self.place(Kind::Channel, channel, Place::Ring(offset, len));
+        }
         Ok(Answer {
             reply: Reply::CompChannel {
                 channel,
@@ -1362,10 +1414,10 @@ impl Session {
 }
 
 /// Whether `req` changes what a tenant's snapshot holds (its PDs, MRs,
-/// CQs, SRQs, QPs and AHs, and a guest's extents in its VM's region): such
-/// a call waits while the tenant is paused for a migration. Queries, the
-/// completion and rdma_cm channels (which do not move) and the direct
-/// path's grants do not.
+/// CQs, SRQs, QPs and AHs, a guest's completion channels and extents in
+/// its VM's region): such a call waits while the tenant is paused for a
+/// migration. Queries, rdma_cm channels (which do not move) and the
+/// direct path's grants do not.
 fn changes_state(req: &Request) -> bool {
     matches!(
         req,
@@ -1385,6 +1437,8 @@ fn changes_state(req: &Request) -> bool {
             | Request::DestroyAh { .. }
             | Request::GuestAlloc { .. }
             | Request::GuestFree { .. }
+            | Request::CreateCompChannel
+            | Request::DestroyCompChannel { .. }
             | Request::Cm(CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. })
     )
 }

@@ -14,6 +14,11 @@
 //! The one ring position that lives outside the region is an SQ's count
 //! of retired send WRs: the daemon keeps it privately (a guest may
 //! scribble on the shared word) and publishes it; it travels here.
+//!
+//! Version 3 added the completion channels: each channel's ring (its
+//! unread events, CQ numbers, are in the region and move with it) and the
+//! CQs it serves. A CQ's armed state needs nothing here: it is a word of
+//! the CQ's ring (`proto::CQ_AUX_ARMED`), in the region too.
 
 use std::collections::{HashMap, HashSet};
 
@@ -51,6 +56,25 @@ pub struct Placement {
     /// reserves it at the same offset, so that a guest session adopting
     /// the context finds its rings where they were.
     pub contexts: Vec<RingAt>,
+    /// Each completion channel of the tenant's contexts (version 3): its
+    /// ring in the region and the CQs it serves, so that the destination
+    /// raises their events into the same ring.
+    pub channels: Vec<ChannelAt>,
+}
+
+/// The most completion channels a placement may hold (a tenant's limit on
+/// every daemon, as it keeps a descriptor each).
+pub const MAX_CHANNELS_PER_TENANT: usize = 1024;
+
+/// A completion channel: its number, its context, its ring's extent and
+/// the CQs created on it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChannelAt {
+    pub id: u32,
+    pub ctx: u32,
+    pub at: u64,
+    pub len: u64,
+    pub cqs: Vec<u32>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -125,7 +149,8 @@ fn qp_need(cap: crate::verbs::QpCap) -> u64 {
 
 /// Checks a snapshot's placement, if it has one: the extents sorted,
 /// disjoint and inside the region; every memory region, CQ, SRQ and QP
-/// placed once, and every context's segment, inside one extent; rings aligned, at least as long as the
+/// placed once, and every context's segment and completion channel's ring,
+/// inside one extent; rings aligned, at least as long as the
 /// ring they hold, and overlapping neither each other nor a memory region. Memory regions may overlap each other (one
 /// buffer registered twice). The driver checks the rest when it maps.
 pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
@@ -189,7 +214,13 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
         inside(&what, span)?;
         mrs.push(span);
     }
-    let mut rings = Vec::with_capacity(p.cqs.len() + p.srqs.len() + p.qps.len() + p.contexts.len());
+    let mut rings = Vec::with_capacity(
+        p.cqs.len()
+            + p.srqs.len()
+            + p.qps.len()
+            + p.contexts.len()
+            + p.channels.len().min(MAX_CHANNELS_PER_TENANT),
+    );
     let mut ring = |what: String, at: u64, len: u64, need: u64| -> Result<(), SnapshotError> {
         if !at.is_multiple_of(RING_ALIGN) {
             return Err(invalid(format!("{what}: ring at {at:#x}, not {RING_ALIGN}-byte aligned")));
@@ -222,6 +253,7 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
     for c in &p.contexts {
         ring(format!("context {}", c.id), c.at, c.len, ctx_need)?;
     }
+    check_channels(s, p, &mut ring)?;
     rings.sort_unstable();
     for w in rings.windows(2) {
         if w[1].0 < w[0].1 {
@@ -235,6 +267,49 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
         if rings.get(i).is_some_and(|r| r.0 < b) {
             return Err(invalid(format!("a memory region at {a:#x} overlaps a ring")));
         }
+    }
+    Ok(())
+}
+
+/// The channels: at most [`MAX_CHANNELS_PER_TENANT`], numbers nonzero and
+/// unique, each of a context of the snapshot, each CQ on at most one
+/// channel of its own context, each ring long enough for the channel's
+/// (`ring` checks and records its extent).
+fn check_channels(
+    s: &TenantSnapshot,
+    p: &Placement,
+    ring: &mut dyn FnMut(String, u64, u64, u64) -> Result<(), SnapshotError>,
+) -> Result<(), SnapshotError> {
+    if p.channels.len() > MAX_CHANNELS_PER_TENANT {
+        return Err(invalid(format!(
+            "{} completion channels, above the limit of {MAX_CHANNELS_PER_TENANT}",
+            p.channels.len()
+        )));
+    }
+    let contexts: HashSet<u32> = s.contexts.iter().copied().collect();
+    let cq_ctx: HashMap<u32, u32> = s.cqs.iter().map(|c| (c.cq, c.ctx)).collect();
+    // The ring's header, then its slots (as `vrdma_shm::ring_bytes`).
+    let need = crate::proto::CONTEXT_RING_HEADER
+        + u64::from(crate::proto::CHANNEL_RING_CAPACITY) * crate::proto::CHANNEL_EVENT_SIZE as u64;
+    let mut ids = HashSet::with_capacity(p.channels.len());
+    let mut bound = HashSet::new();
+    for ch in &p.channels {
+        let what = format!("completion channel {:#x}", ch.id);
+        if ch.id == 0 || !ids.insert(ch.id) {
+            return Err(invalid(format!("{what}: number 0 or placed twice")));
+        }
+        if !contexts.contains(&ch.ctx) {
+            return Err(invalid(format!("{what} of context {}, which the snapshot does not hold", ch.ctx)));
+        }
+        for cq in &ch.cqs {
+            if cq_ctx.get(cq) != Some(&ch.ctx) {
+                return Err(invalid(format!("{what} serves CQ {cq:#x}, not a CQ of its context")));
+            }
+            if !bound.insert(*cq) {
+                return Err(invalid(format!("CQ {cq:#x} on two completion channels, or twice on one")));
+            }
+        }
+        ring(what, ch.at, ch.len, need)?;
     }
     Ok(())
 }

@@ -13,7 +13,8 @@
 //! What is NOT in a snapshot: the bytes of memory regions and of the
 //! queue rings (send, receive, completion queues); they are in the
 //! tenant's shared memory, which moves with the VM. Where they lie in it
-//! is (version 2: [`super::placement`]). Nor anything that
+//! is (version 2: [`super::placement`]; version 3 adds the completion
+//! channels' rings there). Nor anything that
 //! names a link or a host-local number: links are renumbered by the host
 //! that resumes, requests by their serials.
 
@@ -26,8 +27,9 @@ use crate::verbs::{AhAttr, QpAttr, QpInitAttr, SrqAttr, WcStatus};
 /// The first four bytes of a snapshot.
 pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
 /// The version this code writes and reads.
-/// Version 2 added [`TenantSnapshot::placement`].
-pub const SNAPSHOT_VERSION: u16 = 2;
+/// Version 2 added [`TenantSnapshot::placement`], version 3 its
+/// completion channels ([`super::placement::ChannelAt`]).
+pub const SNAPSHOT_VERSION: u16 = 3;
 /// Bytes before the body.
 pub const SNAPSHOT_HEADER_LEN: usize = 6;
 /// The largest snapshot accepted: far above what a tenant within its

@@ -529,7 +529,8 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
     let cases: Vec<(&str, Vec<u8>)> = vec![
         ("magic", [b"XXXX".as_slice(), &bytes[4..]].concat()),
         ("version 1 (before placements)", [b"vRMS\x00\x01".as_slice(), &bytes[6..]].concat()),
-        ("version 3", [b"vRMS\x00\x03".as_slice(), &bytes[6..]].concat()),
+        ("version 2 (before channels)", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
+        ("version 4", [b"vRMS\x00\x04".as_slice(), &bytes[6..]].concat()),
         ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
         ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
         ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
@@ -601,7 +602,7 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
 /// region's offset.
 #[test]
 fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
-    use crate::hca::migrate::{Extent, MrAt, Placement, QpAt, RingAt};
+    use crate::hca::migrate::{ChannelAt, Extent, MrAt, Placement, QpAt, RingAt};
     let (_t, _a, _b, mem, bytes) = paused_snapshot();
     let snap = TenantSnapshot::decode(&bytes).unwrap();
     assert_eq!(snap.placement, None, "the core knows no region; the driver fills it");
@@ -619,8 +620,18 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
             .zip(0u64..)
             .map(|(&id, i)| RingAt { id, at: (9 << 20) + i * (64 << 10), len: 64 << 10 })
             .collect(),
+        // A completion channel serving the CQ, its ring after the
+        // contexts' segments.
+        channels: vec![ChannelAt {
+            id: 0x0300_0001,
+            ctx: cq.ctx,
+            at: (9 << 20) + (256 << 10),
+            len: 3 * page,
+            cqs: vec![cq.cq],
+        }],
     };
     assert_eq!(placed.contexts.len(), 2, "the tenant's two contexts");
+    let other_ctx = *snap.contexts.iter().find(|&&c| c != cq.ctx).unwrap();
     let with = |f: &dyn Fn(&mut Placement)| {
         let mut s = snap.clone();
         let mut p = placed.clone();
@@ -684,6 +695,34 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         ("extents overlapping", with(&|p| p.extents[1].at = p.extents[0].at)),
         ("extents unsorted", with(&|p| p.extents.reverse())),
         ("an extent past the end", with(&|p| p.extents[1].len = 9 << 20)),
+        ("a channel numbered 0", with(&|p| p.channels[0].id = 0)),
+        ("a channel placed twice", with(&|p| p.channels.push(p.channels[0].clone()))),
+        ("a channel of a context the snapshot lacks", with(&|p| p.channels[0].ctx = 77)),
+        ("a channel serving a CQ of another context", with(&|p| p.channels[0].ctx = other_ctx)),
+        ("a channel serving a CQ the snapshot lacks", with(&|p| p.channels[0].cqs.push(0xdead))),
+        ("a CQ twice on a channel", with(&|p| p.channels[0].cqs.push(cq.cq))),
+        ("a CQ on two channels", {
+            with(&|p| {
+                let mut second = p.channels[0].clone();
+                second.id += 1;
+                second.at += 4 * page;
+                p.channels.push(second);
+            })
+        }),
+        ("a channel's ring too short", with(&|p| p.channels[0].len = 64)),
+        ("a channel's ring misaligned", with(&|p| p.channels[0].at += 8)),
+        ("a channel's ring on a context's segment", with(&|p| p.channels[0].at = p.contexts[0].at)),
+        ("a channel's ring on a memory region", with(&|p| p.channels[0].at = p.mrs[0].at)),
+        ("a channel's ring in no extent", with(&|p| p.channels[0].at = 12 << 20)),
+        ("a channel's ring past the end", with(&|p| p.channels[0].at = p.region_len - 64)),
+        ("more channels than a tenant may hold", {
+            with(&|p| {
+                let one = p.channels[0].clone();
+                p.channels = (0..=crate::hca::migrate::MAX_CHANNELS_PER_TENANT as u32)
+                    .map(|i| ChannelAt { id: one.id + i, cqs: Vec::new(), ..one.clone() })
+                    .collect();
+            })
+        }),
     ];
     for (what, v) in cases {
         let mut c = bare_host(IPS[C], &tune);
