@@ -14,6 +14,17 @@
 //! second. Every figure is printed beside its anchor from the same run:
 //! the ideal (an index of 1, the configured share, the configured limit)
 //! or the same measurement without the load or the setting.
+//!
+//! The four tenants' total is also split into its two factors, each
+//! beside the same run's "alone": the CPU the kernel gave the engine's
+//! thread over the window (`/proc/self/task/*/schedstat`: its run time,
+//! and its wait for a CPU while runnable), and the bytes it moved per
+//! second of that CPU, which is the engine's own cost per byte. On a
+//! machine with fewer cores than busy threads the first moves with the
+//! machine's load from window to window; the second is what the engine's
+//! sharing among tenants can change (see the README's QoS section for
+//! what it showed: the copy's cache footprint, not the scheduler's
+//! bookkeeping).
 
 use std::time::{Duration, Instant};
 
@@ -50,9 +61,47 @@ fn daemon(engine: &vrdmad::EngineConfig, toml: &str) -> Result<crate::embedded::
     crate::embedded::private_device_with(engine.clone(), false, toml)
 }
 
+/// The CPU time the engine threads of this process (the embedded
+/// daemons') have had, and the time they waited runnable for a CPU, in
+/// seconds (`/proc/self/task/*/schedstat`); `None` where the kernel does
+/// not say.
+fn engine_cpu() -> Option<(f64, f64)> {
+    let (mut run, mut wait, mut found) = (0u64, 0u64, false);
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+        if comm.trim() != "vrdma-engine" {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.path().join("schedstat")).ok()?;
+        let mut f = stat.split_whitespace().map(|v| v.parse::<u64>().ok());
+        run += f.next()??;
+        wait += f.next()??;
+        found = true;
+    }
+    found.then(|| (run as f64 / 1e9, wait as f64 / 1e9))
+}
+
+/// What the engine had over a window of [`rates_and_cpu`]: its CPU time
+/// and its wait for a CPU, each a fraction of the window.
+#[derive(Clone, Copy, Default)]
+struct EngineCpu {
+    run: f64,
+    wait: f64,
+}
+
 /// Starts a streaming tenant per `uids` entry, lets them run 200 ms, and
 /// returns each one's bytes a second over `window`.
 fn rates(sock: &std::path::Path, uids: &[u32], qps: u32, window: Duration) -> Result<Vec<f64>> {
+    Ok(rates_and_cpu(sock, uids, qps, window)?.0)
+}
+
+/// [`rates`], with the engine's CPU over the window.
+fn rates_and_cpu(
+    sock: &std::path::Path,
+    uids: &[u32],
+    qps: u32,
+    window: Duration,
+) -> Result<(Vec<f64>, Option<EngineCpu>)> {
     let mut tenants = uids
         .iter()
         .map(|&u| Attacker::start_as(sock, How::Stream, qps, SIZE, u))
@@ -64,13 +113,14 @@ fn rates(sock: &std::path::Path, uids: &[u32], qps: u32, window: Duration) -> Re
         }
         ts.iter_mut().map(Attacker::bytes).collect()
     };
-    let (b0, t0) = (counts(&mut tenants)?, Instant::now());
+    let (b0, c0, t0) = (counts(&mut tenants)?, engine_cpu(), Instant::now());
     std::thread::sleep(window);
-    let (b1, secs) = (counts(&mut tenants)?, t0.elapsed().as_secs_f64());
+    let (b1, c1, secs) = (counts(&mut tenants)?, engine_cpu(), t0.elapsed().as_secs_f64());
     for t in tenants {
         t.stop();
     }
-    Ok(b0.iter().zip(&b1).map(|(a, b)| (b - a) as f64 / secs).collect())
+    let cpu = c0.zip(c1).map(|(a, b)| EngineCpu { run: (b.0 - a.0) / secs, wait: (b.1 - a.1) / secs });
+    Ok((b0.iter().zip(&b1).map(|(a, b)| (b - a) as f64 / secs).collect(), cpu))
 }
 
 /// `n` threads of ours that do nothing but yield the CPU for `window`:
@@ -124,15 +174,34 @@ pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&st
     progress("four equal tenants streaming at once, and one alone");
     let d = daemon(engine, "")?;
     let (mut j, mut total, mut alone, mut one_tenant) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    // The engine's CPU over each window (fractions of a CPU), and the
+    // bytes it moved per second of it, alone and with four tenants.
+    let (mut cpu_alone, mut cpu_four, mut per_cpu_alone, mut per_cpu_four) =
+        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut wait_alone, mut wait_four, mut per_cpu_one_tenant) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..runs {
-        alone.push(rates(d.socket(), &UIDS[..1], QPS, plan.window)?[0] / 1e9);
-        let four = rates(d.socket(), &UIDS, QPS, plan.window)?;
+        let (one, c1) = rates_and_cpu(d.socket(), &UIDS[..1], QPS, plan.window)?;
+        alone.push(one[0] / 1e9);
+        let (four, c4) = rates_and_cpu(d.socket(), &UIDS, QPS, plan.window)?;
         j.push(jain(&four));
         total.push(four.iter().sum::<f64>() / 1e9);
+        if let (Some(c1), Some(c4)) = (c1, c4) {
+            cpu_alone.push(c1.run);
+            cpu_four.push(c4.run);
+            wait_alone.push(c1.wait);
+            wait_four.push(c4.wait);
+            per_cpu_alone.push(one[0] / 1e9 / c1.run.max(1e-6));
+            per_cpu_four.push(four.iter().sum::<f64>() / 1e9 / c4.run.max(1e-6));
+        }
         // The same four processes and QPs as one tenant: what four
         // streaming processes cost on this machine's CPUs, without the
         // engine's sharing among tenants.
-        one_tenant.push(rates(d.socket(), &[UIDS[0]; 4], QPS, plan.window)?.iter().sum::<f64>() / 1e9);
+        let (same, c) = rates_and_cpu(d.socket(), &[UIDS[0]; 4], QPS, plan.window)?;
+        let same = same.iter().sum::<f64>() / 1e9;
+        one_tenant.push(same);
+        if let Some(c) = c {
+            per_cpu_one_tenant.push(same / c.run.max(1e-6));
+        }
     }
     drop(d);
     let four = format!("four tenants streaming 1 MiB RDMA writes at once ({QPS} QPs each), equal weights");
@@ -163,6 +232,49 @@ pub fn figures(engine: &vrdmad::EngineConfig, plan: &Plan, progress: &dyn Fn(&st
         "reference: the engine's cost of four tenants",
         cores,
     ));
+    // Where the total goes: the engine's CPU (what the kernel gave its
+    // thread beside the tenants' processes) and what it moved per second
+    // of it (its own cost of serving four tenants, per byte).
+    if !cpu_four.is_empty() {
+        out.push(figure(
+            format!("{four}: the engine thread's CPU"),
+            "CPUs",
+            &cpu_four,
+            "one tenant alone",
+            &cpu_alone,
+            "reference: the CPU the kernel gives the engine",
+            cores,
+        ));
+        out.push(figure(
+            format!("{four}: the engine thread's wait for a CPU (runnable, not running)"),
+            "CPUs",
+            &wait_four,
+            "one tenant alone",
+            &wait_alone,
+            "reference",
+            cores,
+        ));
+        out.push(figure(
+            format!("{four}: their total per second of the engine's CPU"),
+            "GB/CPU-s",
+            &per_cpu_four,
+            "one tenant alone",
+            &per_cpu_alone,
+            "reference: the engine's cost per byte of four tenants",
+            cores,
+        ));
+    }
+    if !per_cpu_one_tenant.is_empty() && per_cpu_one_tenant.len() == per_cpu_four.len() {
+        out.push(figure(
+            format!("{four}: their total per second of the engine's CPU"),
+            "GB/CPU-s",
+            &per_cpu_four,
+            "the same four processes as one tenant",
+            &per_cpu_one_tenant,
+            "reference: the engine's cost per byte of sharing among tenants",
+            cores,
+        ));
+    }
 
     progress("four tenants of weights 1:2:3:4 streaming at once");
     let toml: String = UIDS.iter().zip(1..).map(|(u, w)| format!("[tenants.{u}]\nweight = {w}\n")).collect();
