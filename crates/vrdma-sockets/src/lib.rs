@@ -74,6 +74,7 @@
 //! writes left in flight (500 µs by default).
 
 mod addr;
+mod credit;
 mod dev;
 mod epoll;
 mod interpose;

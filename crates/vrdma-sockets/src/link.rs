@@ -6,14 +6,16 @@
 //! writes, then control words the peer writes: the peer's tail
 //! (`WRITTEN`, for this end's reader), the peer reader's consumed count of
 //! this end's bytes (`CONSUMED`, this end's writer's credits), the peer
-//! reader's sleeping flag (`SLEEPING`, for this end's writer) and the
+//! reader's sleeping flag (`SLEEPING`, for this end's writer), the
 //! peer's orderly close (`CLOSED`: its last descriptor is closed, every
-//! byte it wrote has landed, and its QP is about to go). The staging
+//! byte it wrote has landed, and its QP is about to go) and the peer
+//! writer's request for a credit wake-up (`WANT`, [`crate::credit`]:
+//! this end's reader answers it with a send). The staging
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,6 +33,7 @@ const WRITTEN: usize = RING;
 const CONSUMED: usize = RING + 8;
 const SLEEPING: usize = RING + 16;
 const CLOSED: usize = RING + 24;
+const WANT: usize = RING + 32;
 const REGION: usize = RING + 64;
 /// In the staging region: the tail a credit wait's probe sends, then
 /// consumed and sleeping (16 bytes sent as one write into the peer's
@@ -41,18 +44,27 @@ const S_PROBE: usize = RING;
 const S_ACK: usize = RING + 16;
 /// The word a close sends into the peer's `CLOSED`.
 const S_CLOSE: usize = RING + 32;
+/// The word a writer that waits for credits sends into the peer's `WANT`.
+const S_WANT: usize = RING + 40;
 const S_TAILS: usize = RING + 64;
 const TAIL_SLOTS: usize = 16;
 const STAGE: usize = S_TAILS + 8 * TAIL_SLOTS;
 /// Writes posted and not completed, at most, per connection (two work
-/// requests each, beside one word write of the reader's and a probe, in a
-/// send queue of [`SEND_WRS`]). Fewer than [`TAIL_SLOTS`].
+/// requests each, beside one word write of the reader's, a probe, a
+/// `WANT` and the sends that answer the peer's, in a send queue of
+/// [`SEND_WRS`]). Fewer than [`TAIL_SLOTS`].
 const IN_FLIGHT: usize = 12;
-const SEND_WRS: u32 = 32;
+const SEND_WRS: u32 = 40;
+/// Receives posted for the peer's answers to `WANT` (one owed at most).
+const RECVS: usize = 2;
 
 /// How long a blocked reader watches its ring, and a writer yields for
 /// its completion, before sleeping.
 const SPIN: Duration = Duration::from_micros(50);
+
+/// How often a writer waiting for credits probes its peer (a peer that is
+/// gone fails the probe).
+const PROBE: Duration = Duration::from_millis(100);
 
 /// The hello each end sends once both decided to carry.
 pub const HELLO_LEN: usize = 64;
@@ -67,6 +79,9 @@ pub struct Link {
     _sock: Arc<Sock>,
     sock: c_int,
     cq: CompletionQueue,
+    /// Where the peer's answers to `WANT` complete, on the process's
+    /// channel; `None`: no channel, a writer waits by looking.
+    rcq: Option<CompletionQueue>,
     qp: QueuePair,
     ring: MemoryRegion,
     stage: MemoryRegion,
@@ -84,6 +99,16 @@ pub struct Link {
     /// `Tx::wr`, readable without the writer's lock (a blocking writer
     /// holds it while it waits for credits).
     wr_now: AtomicU64,
+    /// A `WANT` was sent and its answer not taken yet (the receive CQ is
+    /// armed for it).
+    asked: AtomicBool,
+    /// Held while asking and while taking answers.
+    ask: Mutex<()>,
+    /// Waits of blocking writes for an answer, and those that ran out
+    /// (no answer) with credits there: a lost or late wake-up
+    /// (`VRDMA_SOCKETS_DEBUG` prints both at the close).
+    waits: AtomicU32,
+    missed: AtomicU32,
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
 }
@@ -132,12 +157,27 @@ struct Post {
     failed: bool,
 }
 
+/// What [`Link::ask_credits`] did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Ask {
+    /// Asked before, not answered yet: the caller may wait for the answer
+    /// once it looked at its credits after this.
+    Pending,
+    /// Asked now (the `WANT` landed): look at the credits again before
+    /// waiting.
+    Sent,
+    /// No answer can come (no channel, no progress thread, a failed
+    /// write): wait by looking.
+    No,
+}
+
 /// Errors are errnos, as the interposed calls return them.
 pub type Res<T> = Result<T, c_int>;
 
 /// The resources of one end, before the peer's hello.
 pub struct Half {
     cq: CompletionQueue,
+    rcq: Option<CompletionQueue>,
     qp: QueuePair,
     ring: MemoryRegion,
     stage: MemoryRegion,
@@ -148,14 +188,16 @@ impl Half {
     pub fn new(dev: &Dev) -> vrdma::Result<Half> {
         let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
         let cq = dev.ctx.create_cq(2 * SEND_WRS, None)?;
+        let rcq =
+            crate::credit::channel(dev).and_then(|ch| dev.ctx.create_cq(2 * RECVS as u32, Some(ch)).ok());
         let cap = QpCap {
             max_send_wr: SEND_WRS,
-            max_recv_wr: 1,
+            max_recv_wr: RECVS as u32,
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: 0,
         };
-        let qp = dev.pd.create_rc_qp(&cq, &cq, cap)?;
+        let qp = dev.pd.create_rc_qp(&cq, rcq.as_ref().unwrap_or(&cq), cap)?;
         let ring = dev.pd.alloc_mr(REGION, access)?;
         let stage = dev.pd.alloc_mr(STAGE, AccessFlags::LOCAL_WRITE)?;
         let ep = qp.endpoint(&dev.ctx)?;
@@ -166,7 +208,7 @@ impl Half {
         hello[34..42].copy_from_slice(&ring.addr().to_le_bytes());
         hello[42..46].copy_from_slice(&ring.rkey().to_le_bytes());
         hello[46..50].copy_from_slice(&(RING as u32).to_le_bytes());
-        Ok(Half { cq, qp, ring, stage, hello })
+        Ok(Half { cq, rcq, qp, ring, stage, hello })
     }
 
     pub fn hello(&self) -> &[u8; HELLO_LEN] {
@@ -187,10 +229,16 @@ impl Half {
         // The reader starts asleep, having read nothing: the first write
         // wakes it.
         self.ring.write_u64(SLEEPING, armed_word(0, 1)).map_err(|e| e.errno())?;
+        // Receives for the peer's answers; without them, no asking.
+        let rcq = self.rcq.filter(|_| {
+            let wrs: Vec<_> = (0..RECVS).filter_map(|_| wr::recv(0, &[]).ok()).collect();
+            wrs.len() == RECVS && self.qp.post_recv(&wrs).is_ok()
+        });
         Ok(Link {
             sock: sock_owner.0,
             _sock: sock_owner,
             cq: self.cq,
+            rcq,
             qp: self.qp,
             ring: self.ring,
             stage: self.stage,
@@ -200,6 +248,10 @@ impl Half {
             queued: AtomicBool::new(false),
             write_blocked: AtomicBool::new(false),
             wr_now: AtomicU64::new(0),
+            asked: AtomicBool::new(false),
+            ask: Mutex::new(()),
+            waits: AtomicU32::new(0),
+            missed: AtomicU32::new(0),
             // Both ends start armed with generation 1 (set just above).
             rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true }),
             tx: Mutex::new(Tx::default()),
@@ -285,7 +337,7 @@ impl Link {
         let _ = self.reap_locked(&mut p);
         let flying = !p.failed && !p.pending.is_empty();
         drop(p);
-        self.still_blocked() || flying
+        self.still_blocked() || flying || self.asked.load(Ordering::Acquire)
     }
 
     /// Waits until every write in flight landed; false once none is (or
@@ -297,9 +349,82 @@ impl Link {
     }
 
     /// Whether the progress thread must keep looking at it: writes in
-    /// flight, or a write that found the ring full.
+    /// flight, a write that found the ring full, or an answer to take.
     pub(crate) fn needs_watch(&self) -> bool {
-        self.in_flight() || self.write_blocked.load(Ordering::Acquire)
+        self.in_flight() || self.write_blocked.load(Ordering::Acquire) || self.asked.load(Ordering::Acquire)
+    }
+
+    /// Asks the peer's reader for a sound when it gives credits back
+    /// ([`crate::credit`]): arms the receive CQ and sends `WANT`, waited
+    /// for (the caller's next look at its credits must come after it
+    /// landed), and puts the connection on the progress thread's list,
+    /// which takes the answer.
+    pub(crate) fn ask_credits(self: &Arc<Self>) -> Ask {
+        let Some(rcq) = &self.rcq else { return Ask::No };
+        {
+            let _g = lock(&self.ask);
+            if self.asked.load(Ordering::Acquire) {
+                return if self.queued.load(Ordering::Acquire) { Ask::Pending } else { Ask::No };
+            }
+            if rcq.req_notify(false).is_err() {
+                return Ask::No;
+            }
+            let _ = self.stage.write_u64(S_WANT, 1);
+            if self.write_word(S_WANT, 8, WANT).is_err() {
+                return Ask::No;
+            }
+            self.asked.store(true, Ordering::Release);
+        }
+        crate::progress::watch(self);
+        if self.queued.load(Ordering::Acquire) {
+            Ask::Sent
+        } else {
+            Ask::No
+        }
+    }
+
+    /// The number of the CQ where the peer's answers complete.
+    pub(crate) fn answer_cq(&self) -> Option<u32> {
+        self.rcq.as_ref().map(|c| c.cqn())
+    }
+
+    /// For the progress thread, on an event of [`Self::answer_cq`]: takes
+    /// the peer's answers and posts their receives again; the next wait
+    /// asks again. Whether an answer was there.
+    pub(crate) fn take_answers(&self) -> bool {
+        let Some(rcq) = &self.rcq else { return false };
+        let _g = lock(&self.ask);
+        let mut wc = [vrdma::wc_buffer(1)[0]; RECVS];
+        let n = rcq.poll(&mut wc).unwrap_or(0);
+        let ok = wc[..n].iter().filter(|c| c.status == WcStatus::Success).count();
+        if ok > 0 {
+            let wrs: Vec<_> = (0..ok).filter_map(|_| wr::recv(0, &[]).ok()).collect();
+            let _ = self.qp.post_recv(&wrs);
+        }
+        if n > 0 {
+            self.asked.store(false, Ordering::Release);
+        } else if self.asked.load(Ordering::Acquire) {
+            // No answer behind the event: armed again for the one owed.
+            let _ = rcq.req_notify(false);
+        }
+        ok > 0
+    }
+
+    /// After a credit of this end's reader landed: a peer writer that
+    /// asked for a sound (`WANT`) gets it, a zero-length send
+    /// ([`crate::credit`]).
+    fn answer_want(&self) {
+        let word = self.ring.as_ptr().wrapping_add(WANT);
+        // SAFETY: `WANT` is an 8-aligned offset inside the ring region
+        // (page-aligned, living as long as `self`); the peer writes the
+        // word only with aligned 8-byte stores, so an atomic view is right.
+        let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(word.cast()) };
+        if word.load(Ordering::SeqCst) == 0 || word.swap(0, Ordering::SeqCst) == 0 {
+            return;
+        }
+        if let Ok(w) = wr::send(0, &[]) {
+            let _ = self.post(&mut [w.signaled()], None);
+        }
     }
 
     /// Whether writes are in flight.
@@ -383,6 +508,13 @@ impl Link {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// Waits until every work request posted so far completed (the
+    /// answers' sends too).
+    fn flush_sends(&self) -> Res<()> {
+        let last = lock(&self.post).next;
+        self.wait_until(|p| p.done >= last)
     }
 
     /// Waits until every write posted so far has landed (and its wake
@@ -533,7 +665,9 @@ impl Link {
         let _ = self.stage.write_u64(S_ACK, rx.rd);
         let _ = self.stage.write_u64(S_ACK + 8, armed_word(rx.rd, rx.gen));
         // A peer that is gone gets no ack; its end shows on the socket.
-        let _ = self.write_word(S_ACK, 16, CONSUMED);
+        if self.write_word(S_ACK, 16, CONSUMED).is_ok() {
+            self.answer_want();
+        }
         rx.acked = rx.rd;
         rx.armed = true;
         if self.waiting(rx.rd) > 0 {
@@ -613,7 +747,9 @@ impl Link {
     /// Sends this end's consumed count (credits) to the peer's writer.
     fn credit(&self, rd: u64) -> Res<()> {
         let _ = self.stage.write_u64(S_ACK, rd);
-        self.write_word(S_ACK, 8, CONSUMED)
+        self.write_word(S_ACK, 8, CONSUMED)?;
+        self.answer_want();
+        Ok(())
     }
 
     /// Takes every byte waiting on the socket; true at its end.
@@ -705,7 +841,10 @@ impl Link {
                     crate::epoll::write_blocked(self);
                 }
                 crate::progress::watch(self);
-                // Credits that came back meanwhile.
+                // A sound when credits come back (the progress thread
+                // gives EPOLLOUT back then), and credits that came back
+                // meanwhile (after the ask landed).
+                let _ = self.ask_credits();
                 let _ = self.still_blocked();
                 break;
             }
@@ -790,11 +929,13 @@ impl Link {
 
     /// Room in the peer's ring; waits for some unless `nonblocking`.
     /// While waiting, a probe write every 100 ms finds a peer that is gone.
-    fn credits(&self, wr: u64, nonblocking: bool) -> Res<usize> {
+    fn credits(self: &Arc<Self>, wr: u64, nonblocking: bool) -> Res<usize> {
         let start = Instant::now();
         let mut probe = start;
         let mut spins = 0u32;
         loop {
+            // Read before the look: answers that come after it end the wait.
+            let seen = crate::credit::seq();
             let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
             let used = wr.saturating_sub(consumed) as usize;
             if used < RING {
@@ -830,11 +971,25 @@ impl Link {
             }
             spins += 1;
             if spins > 64 {
-                std::thread::sleep(Duration::from_micros(50));
+                // Asked for a sound before this look: wait for it (until
+                // the next probe at most); asked now: look once more
+                // first; no sound to come: look again in a while.
+                match self.ask_credits() {
+                    Ask::Pending => {
+                        self.waits.fetch_add(1, Ordering::Relaxed);
+                        let answered = crate::credit::wait(seen, PROBE.saturating_sub(probe.elapsed()));
+                        let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
+                        if !answered && (wr.saturating_sub(consumed) as usize) < RING {
+                            self.missed.fetch_add(1, Ordering::Relaxed);
+                        }
+                    }
+                    Ask::Sent => {}
+                    Ask::No => std::thread::sleep(Duration::from_micros(50)),
+                }
             } else {
                 std::thread::yield_now();
             }
-            if probe.elapsed() > Duration::from_millis(100) {
+            if probe.elapsed() > PROBE {
                 probe = Instant::now();
                 let _ = self.stage.write_u64(S_PROBE, wr);
                 self.write_word(S_PROBE, 8, WRITTEN)?;
@@ -863,11 +1018,20 @@ impl Link {
         let _ = self.flush();
         if !self.peer_closed() {
             let _ = self.stage.write_u64(S_CLOSE, 1);
-            let _ = self.write_word(S_CLOSE, 8, CLOSED);
+            if self.write_word(S_CLOSE, 8, CLOSED).is_ok() {
+                // A writer waiting for credits learns of the close now.
+                self.answer_want();
+                let _ = self.flush_sends();
+            }
         }
         let _ = self.drain_wakes();
         // A program still waiting on it through another thread is told.
         self.unblock();
+        crate::dev::debug(&format!(
+            "credit waits {}, missed {}",
+            self.waits.load(Ordering::Relaxed),
+            self.missed.load(Ordering::Relaxed)
+        ));
     }
 }
 

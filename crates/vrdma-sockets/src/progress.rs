@@ -16,6 +16,13 @@
 //!   first write left in flight, reaps them within [`interval`] (500 µs
 //!   by default, `VRDMA_SOCKETS_PROGRESS_US`).
 //!
+//! The same thread takes the answers of readers that give credits back
+//! to a writer that asked for them ([`crate::credit`]): between its looks
+//! it waits on the process's completion channel, not in a sleep, so a
+//! writer blocked on a full ring (in a write, or in `epoll_wait` for
+//! `EPOLLOUT`) goes on as soon as the credits landed, not at its next
+//! look.
+//!
 //! The thread costs little while programs call back: it is not woken per
 //! write. Once told of a connection it looks every [`interval`], and
 //! keeps looking for [`LINGER`] after the last one drained, so that a
@@ -160,8 +167,11 @@ fn run() {
                 q.idle = false;
             }
         }
-        std::thread::sleep(interval());
+        let fired = wait_for_answers(interval());
         let links = listed();
+        if !fired.is_empty() {
+            answers(&links, &fired);
+        }
         if links.is_empty() {
             continue;
         }
@@ -182,4 +192,54 @@ fn run() {
             LISTED.store(0, Ordering::Release);
         }
     }
+}
+
+/// Waits `d` at most for events of the connections' receive CQs (the
+/// peers' answers, [`crate::credit`]), and returns the CQs that fired;
+/// sleeps `d` where the process has no channel.
+fn wait_for_answers(d: Duration) -> Vec<u32> {
+    let Some(ch) = crate::dev::dev().and_then(crate::credit::channel) else {
+        std::thread::sleep(d);
+        return Vec::new();
+    };
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd { fd: ch.fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ts = libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ };
+    // SAFETY: ppoll(2) on one pollfd of ours and a valid timeout, no mask.
+    let r = unsafe { crate::real::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+    let mut fired = Vec::new();
+    if r <= 0 {
+        return fired;
+    }
+    // Bounded: the channel's ring holds finitely many events.
+    for _ in 0..4096 {
+        match ch.get_cq_event(Some(Duration::ZERO)) {
+            Ok(Some(cqn)) => fired.push(cqn),
+            _ => break,
+        }
+    }
+    if fired.is_empty() {
+        // Readable with no event (taken as stale by the channel in a
+        // while): do not spin on it.
+        std::thread::sleep(d);
+    }
+    fired
+}
+
+/// The peers' answers on the CQs that `fired`: taken, and each connection
+/// blocked on credits looks again: a write-blocked one gets `EPOLLOUT`
+/// back if credits came (else asks again), and threads blocked in a
+/// write wake up.
+fn answers(links: &[Arc<Link>], fired: &[u32]) {
+    for l in links {
+        if !l.answer_cq().is_some_and(|c| fired.contains(&c)) {
+            continue;
+        }
+        l.take_answers();
+        if l.still_blocked() && l.ask_credits() == crate::link::Ask::Sent {
+            // Credits that came before the new ask landed.
+            let _ = l.still_blocked();
+        }
+    }
+    crate::credit::came();
 }

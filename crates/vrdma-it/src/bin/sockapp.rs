@@ -65,7 +65,8 @@
 //! level-triggered, or level-triggered one-shot and armed again before
 //! each wait, with a `data` it checks), or for the socket in the write
 //! set of `select` or `pselect` (with a read set of its own: a pipe that
-//! never gets ready), after each `EAGAIN`, 10 s at most; says `eagain N`
+//! never gets ready), after each `EAGAIN`, 10 s at most (`WAIT_MS` where
+//! given: `epollflood PORT BYTES MODE WAIT_MS`); says `eagain N`
 //! and, unless `et`, `spurious N`: reports of `EPOLLOUT` (writability)
 //! after which a write still got `EAGAIN` (one the ring does not have).
 //!
@@ -391,7 +392,7 @@ fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
     half_close_and_check(&mut s, bytes)
 }
 
-fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
+fn epollflood(port: u16, bytes: u64, mode: &str, wait_ms: i32) -> Result<(), String> {
     let (edge, oneshot) = (mode == "et", mode == "oneshot");
     use std::os::fd::AsRawFd;
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
@@ -422,7 +423,7 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
     }
     let wait_out = || -> Result<(), String> {
         if mode == "select" || mode == "pselect" {
-            return select_out(fd, quiet[0], mode == "pselect");
+            return select_out(fd, quiet[0], mode == "pselect", wait_ms);
         }
         if oneshot {
             let mut ev = libc::epoll_event { events: libc::EPOLLOUT as u32 | flags, u64: token };
@@ -434,7 +435,7 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
         }
         let mut got = [libc::epoll_event { events: 0, u64: 0 }; 4];
         // SAFETY: epoll_wait(2) into our array of 4.
-        let n = unsafe { libc::epoll_wait(ep, got.as_mut_ptr(), 4, 10_000) };
+        let n = unsafe { libc::epoll_wait(ep, got.as_mut_ptr(), 4, wait_ms) };
         match n {
             1 => {
                 let (events, data) = (got[0].events, got[0].u64);
@@ -446,14 +447,14 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
                 }
                 Ok(())
             }
-            0 => Err("no EPOLLOUT within 10 s after EAGAIN: writability lost".into()),
+            0 => Err(format!("no EPOLLOUT within {wait_ms} ms after EAGAIN: writability lost")),
             n => Err(format!("epoll_wait: {n}: {}", std::io::Error::last_os_error())),
         }
     };
     // The registration's first report (the socket is writable).
     wait_out()?;
     let (mut sent, mut eagain, mut spurious, mut after_report) = (0u64, 0u64, 0u64, false);
-    // Bounded: each pass writes at least a byte or waits in epoll (10 s).
+    // Bounded: each pass writes at least a byte or waits in epoll (WAIT_MS).
     for _ in 0..(1u64 << 26) {
         if sent == bytes {
             break;
@@ -495,9 +496,9 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
 }
 
 /// Waits for `fd` in the write set of `select` (`pselect`: of `pselect`),
-/// 10 s at most, with `quiet` (never readable) in the read set: the other
+/// `wait_ms` at most, with `quiet` (never readable) in the read set: the other
 /// descriptors' answers are the kernel's, and must stay so.
-fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool) -> Result<(), String> {
+fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool, wait_ms: i32) -> Result<(), String> {
     // SAFETY: fd_sets are plain bits; zeroed is empty (FD_ZERO's result).
     let (mut r, mut w): (libc::fd_set, libc::fd_set) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
     // SAFETY: our sets; both descriptors are below FD_SETSIZE in this
@@ -508,11 +509,12 @@ fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool) -> Result<(), String
     }
     let n = fd.max(quiet) + 1;
     let k = if p {
-        let ts = libc::timespec { tv_sec: 10, tv_nsec: 0 };
+        let ts =
+            libc::timespec { tv_sec: (wait_ms / 1000) as _, tv_nsec: ((wait_ms % 1000) * 1_000_000) as _ };
         // SAFETY: pselect(2) on our sets and timespec, no mask.
         unsafe { libc::pselect(n, &mut r, &mut w, std::ptr::null_mut(), &ts, std::ptr::null()) }
     } else {
-        let mut tv = libc::timeval { tv_sec: 10, tv_usec: 0 };
+        let mut tv = libc::timeval { tv_sec: (wait_ms / 1000) as _, tv_usec: ((wait_ms % 1000) * 1000) as _ };
         // SAFETY: select(2) on our sets and timeval.
         unsafe { libc::select(n, &mut r, &mut w, std::ptr::null_mut(), &mut tv) }
     };
@@ -520,7 +522,7 @@ fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool) -> Result<(), String
     let (rd, wr) = unsafe { (libc::FD_ISSET(quiet, &r), libc::FD_ISSET(fd, &w)) };
     match k {
         1 if wr && !rd => Ok(()),
-        0 => Err("no writability within 10 s after EAGAIN: writability lost".into()),
+        0 => Err(format!("no writability within {wait_ms} ms after EAGAIN: writability lost")),
         k if k < 0 => Err(format!("select: {}", std::io::Error::last_os_error())),
         k => Err(format!("select said {k}, write set {wr}, read set {rd}")),
     }
@@ -769,6 +771,7 @@ fn main() {
             port(),
             args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
             args.get(4).map(String::as_str).unwrap_or("et"),
+            args.get(5).and_then(|b| b.parse().ok()).unwrap_or(10_000),
         ),
         Some("closeserver") => closeserver(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("closeclient") => closeclient(
