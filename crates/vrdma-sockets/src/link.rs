@@ -48,7 +48,11 @@ const S_CLOSE: usize = RING + 32;
 const S_WANT: usize = RING + 40;
 const S_TAILS: usize = RING + 64;
 const TAIL_SLOTS: usize = 16;
-const STAGE: usize = S_TAILS + 8 * TAIL_SLOTS;
+/// An arming's consumed count and word (16 bytes into the peer's
+/// `CONSUMED` and `SLEEPING`), posted without waiting: a slot of its own,
+/// untouched until its write completed.
+const S_ARM: usize = S_TAILS + 8 * TAIL_SLOTS;
+const STAGE: usize = S_ARM + 16;
 /// Writes posted and not completed, at most, per connection (two work
 /// requests each, beside one word write of the reader's, a probe, a
 /// `WANT` and the sends that answer the peer's, in a send queue of
@@ -104,10 +108,11 @@ pub struct Link {
     asked: AtomicBool,
     /// Held while asking and while taking answers.
     ask: Mutex<()>,
-    /// Waits of blocking writes for an answer, and those that ran out
-    /// (no answer) with credits there: a lost or late wake-up
-    /// (`VRDMA_SOCKETS_DEBUG` prints both at the close).
+    /// Waits of blocking writes for an answer, those an answer ended, and
+    /// those that ran out (no answer) with credits there: a lost or late
+    /// wake-up (`VRDMA_SOCKETS_DEBUG` prints them at the close).
     waits: AtomicU32,
+    woken: AtomicU32,
     missed: AtomicU32,
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
@@ -124,6 +129,12 @@ struct Rx {
     gen: u32,
     /// Armed since the last bytes were read.
     armed: bool,
+    /// The arming's write (its work request id) while it may not have
+    /// landed; 0 once it did.
+    arm_id: u64,
+    /// The look at the ring after the arming landed was made (and the
+    /// stale wake bytes taken off).
+    settled: bool,
 }
 
 #[derive(Default)]
@@ -155,6 +166,9 @@ struct Post {
     landed: u64,
     /// A completion failed: the connection is gone.
     failed: bool,
+    /// The id of an arming's write not reaped yet (0: none): its
+    /// completion answers a peer writer's `WANT`.
+    arm: u64,
 }
 
 /// What [`Link::ask_credits`] did.
@@ -251,9 +265,10 @@ impl Half {
             asked: AtomicBool::new(false),
             ask: Mutex::new(()),
             waits: AtomicU32::new(0),
+            woken: AtomicU32::new(0),
             missed: AtomicU32::new(0),
             // Both ends start armed with generation 1 (set just above).
-            rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true }),
+            rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true, arm_id: 0, settled: true }),
             tx: Mutex::new(Tx::default()),
         })
     }
@@ -271,7 +286,11 @@ impl Link {
     /// Posts `wrs` (the last one signaled) and returns the last one's id;
     /// `tail`: they are a write whose bytes below `tail` land with it.
     fn post(&self, wrs: &mut [vrdma::SendWr], tail: Option<u64>) -> Res<u64> {
-        let mut p = lock(&self.post);
+        self.post_locked(&mut lock(&self.post), wrs, tail)
+    }
+
+    /// [`Self::post`] under the post lock.
+    fn post_locked(&self, p: &mut Post, wrs: &mut [vrdma::SendWr], tail: Option<u64>) -> Res<u64> {
         if p.failed {
             return Err(libc::EPIPE);
         }
@@ -318,6 +337,12 @@ impl Link {
             // unless it armed after reading them.
             self.wake(p.landed);
         }
+        if p.arm != 0 && p.done >= p.arm {
+            // This end's arming landed, with its credits: a peer writer
+            // that asked for a sound gets it now.
+            p.arm = 0;
+            self.answer_want(p);
+        }
         Ok(())
     }
 
@@ -335,7 +360,7 @@ impl Link {
             Err(std::sync::TryLockError::WouldBlock) => return true,
         };
         let _ = self.reap_locked(&mut p);
-        let flying = !p.failed && !p.pending.is_empty();
+        let flying = !p.failed && (!p.pending.is_empty() || p.arm != 0);
         drop(p);
         self.still_blocked() || flying || self.asked.load(Ordering::Acquire)
     }
@@ -413,7 +438,7 @@ impl Link {
     /// After a credit of this end's reader landed: a peer writer that
     /// asked for a sound (`WANT`) gets it, a zero-length send
     /// ([`crate::credit`]).
-    fn answer_want(&self) {
+    fn answer_want(&self, p: &mut Post) {
         let word = self.ring.as_ptr().wrapping_add(WANT);
         // SAFETY: `WANT` is an 8-aligned offset inside the ring region
         // (page-aligned, living as long as `self`); the peer writes the
@@ -423,14 +448,14 @@ impl Link {
             return;
         }
         if let Ok(w) = wr::send(0, &[]) {
-            let _ = self.post(&mut [w.signaled()], None);
+            let _ = self.post_locked(p, &mut [w.signaled()], None);
         }
     }
 
-    /// Whether writes are in flight.
+    /// Whether writes are in flight (an arming too).
     pub(crate) fn in_flight(&self) -> bool {
         let p = lock(&self.post);
-        !p.failed && !p.pending.is_empty()
+        !p.failed && (!p.pending.is_empty() || p.arm != 0)
     }
 
     /// Whether a write would find room now: credits, or an end that
@@ -596,6 +621,12 @@ impl Link {
                 self.sleep(&mut rx);
                 continue;
             }
+            if !rx.settled {
+                // The arming must have landed before the look that lets
+                // this read wait (or say EAGAIN).
+                self.settle(&mut rx);
+                continue;
+            }
             // Armed and empty, blocking: watch the ring a moment before
             // waiting in the kernel, so that an answer that comes soon is
             // read without the wake byte's trip through the socket (the
@@ -642,13 +673,19 @@ impl Link {
     }
 
     /// The ring is empty: arms a new generation (sends the consumed count
-    /// and the generation into the writer's `SLEEPING` word, waiting until
-    /// it landed), looks again, and if still empty takes the wake bytes of
-    /// older generations off the socket, which are stale: a byte of an
-    /// older generation was sent after its bytes landed, which was before
-    /// this arming landed, so this look saw them, and they were read. A
-    /// byte of this generation stays: its bytes landed after this look,
-    /// and wait.
+    /// and the generation into the writer's `SLEEPING` word). The write is
+    /// posted, not waited for: a read that emptied the ring returns at once
+    /// (an engine round trip less between a request read and its answer
+    /// written). What needs the arming landed waits for it first
+    /// ([`Self::settle`]): a read that would wait or say `EAGAIN`, and a
+    /// readiness call's look at stale bytes.
+    ///
+    /// Readiness meanwhile: bytes that land before the arming did meet the
+    /// writer's look at the word before it, which holds either the
+    /// previous arming (the writer takes it and sends its byte) or nothing,
+    /// once the previous arming's byte was sent; that byte is taken off
+    /// only by a look that comes after this arming landed and finds the
+    /// ring empty, so it stays in the socket while those bytes wait.
     ///
     /// A peer that closed is not armed towards (its QP is gone, and the
     /// arming would wait for the retry timeout): its `CLOSED` word came
@@ -661,20 +698,60 @@ impl Link {
             }
             return;
         }
+        // The previous arming's slot is read by its write: landed first.
+        if rx.arm_id != 0 {
+            let id = rx.arm_id;
+            let _ = self.wait_until(|p| p.done >= id);
+            rx.arm_id = 0;
+        }
         rx.gen = if rx.gen >= 255 { 1 } else { rx.gen + 1 };
-        let _ = self.stage.write_u64(S_ACK, rx.rd);
-        let _ = self.stage.write_u64(S_ACK + 8, armed_word(rx.rd, rx.gen));
+        let _ = self.stage.write_u64(S_ARM, rx.rd);
+        let _ = self.stage.write_u64(S_ARM + 8, armed_word(rx.rd, rx.gen));
         // A peer that is gone gets no ack; its end shows on the socket.
-        if self.write_word(S_ACK, 16, CONSUMED).is_ok() {
-            self.answer_want();
+        if let Ok(id) = self.post_arm() {
+            rx.arm_id = id;
         }
         rx.acked = rx.rd;
         rx.armed = true;
+        rx.settled = false;
+    }
+
+    /// Posts the arming in [`S_ARM`] (signaled); its id.
+    fn post_arm(&self) -> Res<u64> {
+        let sge = self.stage.sge(S_ARM, 16).map_err(|e| e.errno())?;
+        let w = wr::rdma_write(0, &[sge], self.peer_addr + CONSUMED as u64, self.peer_rkey)
+            .map_err(|e| e.errno())?
+            .signaled();
+        let mut p = lock(&self.post);
+        let id = self.post_locked(&mut p, &mut [w], None)?;
+        p.arm = id;
+        Ok(id)
+    }
+
+    /// The look after the arming landed (waited for here): bytes that
+    /// came meanwhile are read by the caller; an empty ring takes the
+    /// wake bytes of older generations off the socket, which are stale:
+    /// a byte of an older generation was sent after its bytes landed,
+    /// which was before this arming landed, so this look saw them, and
+    /// they were read. A byte of this generation stays: its bytes landed
+    /// after this look, and wait.
+    fn settle(&self, rx: &mut Rx) {
+        if !rx.armed || rx.settled {
+            return;
+        }
+        if rx.arm_id != 0 {
+            let id = rx.arm_id;
+            // Gives up (an error) once the peer closed or failed: the
+            // looks below see that.
+            let _ = self.wait_until(|p| p.done >= id);
+            rx.arm_id = 0;
+        }
+        rx.settled = true;
         if self.waiting(rx.rd) > 0 {
             return;
         }
         // The peer closed while the arming was on its way (and the wait
-        // for it gave up): the end, as above.
+        // for it gave up): the end, as in `sleep`.
         if self.peer_closed() {
             rx.eof = self.waiting(rx.rd) == 0;
             return;
@@ -693,7 +770,12 @@ impl Link {
     /// own holds the lock and settles this itself: false.
     pub(crate) fn readable_is_stale(&self) -> bool {
         let Ok(mut rx) = self.rx.try_lock() else { return false };
-        if !rx.armed || rx.eof || self.waiting(rx.rd) > 0 {
+        if !rx.armed || rx.eof {
+            return false;
+        }
+        // The look must come after the arming landed (`sleep`).
+        self.settle(&mut rx);
+        if rx.eof || self.waiting(rx.rd) > 0 {
             return false;
         }
         match self.take_stale(rx.gen as u8) {
@@ -748,7 +830,7 @@ impl Link {
     fn credit(&self, rd: u64) -> Res<()> {
         let _ = self.stage.write_u64(S_ACK, rd);
         self.write_word(S_ACK, 8, CONSUMED)?;
-        self.answer_want();
+        self.answer_want(&mut lock(&self.post));
         Ok(())
     }
 
@@ -979,7 +1061,9 @@ impl Link {
                         self.waits.fetch_add(1, Ordering::Relaxed);
                         let answered = crate::credit::wait(seen, PROBE.saturating_sub(probe.elapsed()));
                         let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
-                        if !answered && (wr.saturating_sub(consumed) as usize) < RING {
+                        if answered {
+                            self.woken.fetch_add(1, Ordering::Relaxed);
+                        } else if (wr.saturating_sub(consumed) as usize) < RING {
                             self.missed.fetch_add(1, Ordering::Relaxed);
                         }
                     }
@@ -1020,7 +1104,7 @@ impl Link {
             let _ = self.stage.write_u64(S_CLOSE, 1);
             if self.write_word(S_CLOSE, 8, CLOSED).is_ok() {
                 // A writer waiting for credits learns of the close now.
-                self.answer_want();
+                self.answer_want(&mut lock(&self.post));
                 let _ = self.flush_sends();
             }
         }
@@ -1028,8 +1112,9 @@ impl Link {
         // A program still waiting on it through another thread is told.
         self.unblock();
         crate::dev::debug(&format!(
-            "credit waits {}, missed {}",
+            "credit waits {}, woken {}, missed {}",
             self.waits.load(Ordering::Relaxed),
+            self.woken.load(Ordering::Relaxed),
             self.missed.load(Ordering::Relaxed)
         ));
     }
