@@ -70,6 +70,13 @@ const SPIN: Duration = Duration::from_micros(50);
 /// gone fails the probe).
 const PROBE: Duration = Duration::from_millis(100);
 
+/// The longest a blocked writer waits for an answer before it looks at
+/// its credits itself: an answer is due when the reader's credit was
+/// reaped, which for an arming is the reader's next call (or its
+/// progress thread's look), so a reader that stops calling leaves it
+/// to this.
+const WAIT_MAX: Duration = Duration::from_millis(10);
+
 /// The hello each end sends once both decided to carry.
 pub const HELLO_LEN: usize = 64;
 const MAGIC: &[u8; 4] = b"VRSK";
@@ -710,10 +717,22 @@ impl Link {
         // A peer that is gone gets no ack; its end shows on the socket.
         if let Ok(id) = self.post_arm() {
             rx.arm_id = id;
+            // A peer writer waiting for these credits is answered once
+            // they landed: now, rather than at this end's next call (a
+            // `WANT` that lands later is seen when the arming is reaped).
+            if self.want_set() {
+                let _ = self.wait_until(|p| p.done >= id);
+                rx.arm_id = 0;
+            }
         }
         rx.acked = rx.rd;
         rx.armed = true;
         rx.settled = false;
+    }
+
+    /// Whether a peer writer asked for a sound (`WANT` set).
+    fn want_set(&self) -> bool {
+        self.ring.read_u64(WANT).unwrap_or(0) != 0
     }
 
     /// Posts the arming in [`S_ARM`] (signaled); its id.
@@ -1059,7 +1078,8 @@ impl Link {
                 match self.ask_credits() {
                     Ask::Pending => {
                         self.waits.fetch_add(1, Ordering::Relaxed);
-                        let answered = crate::credit::wait(seen, PROBE.saturating_sub(probe.elapsed()));
+                        let max = PROBE.saturating_sub(probe.elapsed()).min(WAIT_MAX);
+                        let answered = crate::credit::wait(seen, max);
                         let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
                         if answered {
                             self.woken.fetch_add(1, Ordering::Relaxed);
