@@ -33,7 +33,9 @@
 //! once (pipelined), checked byte for byte by `server`.
 //!
 //! `lateserver PORT`: `server`, but it stops reading for 300 ms after its
-//! first read, so that its client's ring fills. `nbflood PORT BYTES`: a
+//! first read, so that its client's ring fills. `slowserver PORT`:
+//! `server`, but it stops for 15 ms after every read (of 100 003 bytes at
+//! most), so that its client's ring fills again and again. `nbflood PORT BYTES`: a
 //! non-blocking client that writes BYTES pattern bytes in 64 KiB writes,
 //! waiting with poll(POLLOUT) after each `EAGAIN`; says how many it saw
 //! (`eagain N`), then half-closes and checks the answer.
@@ -132,18 +134,26 @@ fn forkserver(port: u16) -> Result<(), String> {
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
-    serve_pausing(l, None)
+    serve_pausing(l, None, false)
 }
 
 fn lateserver(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
-    serve_pausing(&l, Some(std::time::Duration::from_millis(300)))
+    serve_pausing(&l, Some(std::time::Duration::from_millis(300)), false)
 }
 
-/// `serve`, stopping for `pause` after the first read.
-fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>) -> Result<(), String> {
+fn slowserver(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    serve_pausing(&l, Some(std::time::Duration::from_millis(15)), true)
+}
+
+/// `serve`, stopping for `pause` after the first read (`every`: after
+/// each read).
+fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>, every: bool) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     let mut buf = vec![0u8; 100_003];
     let mut count = 0u64;
@@ -158,7 +168,7 @@ fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>) -> Res
             }
         }
         count += n as u64;
-        if let Some(p) = pause.take() {
+        if let Some(p) = if every { pause } else { pause.take() } {
             std::thread::sleep(p);
         }
     }
@@ -765,6 +775,7 @@ fn main() {
             &[1, 13, 2, 11, 3, 7, 5, 12, 4, 9],
         ),
         Some("lateserver") => lateserver(port()),
+        Some("slowserver") => slowserver(port()),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("answer") => answer(port()),
         Some("epollflood") => epollflood(
