@@ -405,9 +405,10 @@ mod preload {
     /// progress thread waits for a CPU for milliseconds; without answers
     /// every wait that saw credits come back is one). Engine and direct
     /// path; the epoll writers' reader pauses 300 ms after its first read,
-    /// the blocking writer's 15 ms after each read (mid-way through its
-    /// second wait of 10 ms: a wait that ran out then is a late answer), so that the ring fills
-    /// again and again.
+    /// the blocking writer's 105 ms after each read (of 100 003 bytes at
+    /// most: the ring fills again and again, and the writer, which yields
+    /// 64 times before it waits, waits even on 2 loaded cores, where a
+    /// yield can take milliseconds).
     #[test]
     fn a_writer_blocked_on_a_full_ring_wakes_when_credits_come_back() -> Result<()> {
         let _one = harness::one_at_a_time();
@@ -418,8 +419,8 @@ mod preload {
                 let reader = if mode == "blocking" { "slowserver" } else { "lateserver" };
                 let s = spawn(sockapp(&d, true, &[reader.into(), port.to_string()]), reader);
                 registered(&ctx, port)?;
-                // 16 ring sizes.
-                let bytes = (4u64 << 20).to_string();
+                // 16 ring sizes (8 for the blocking writer's slower reader).
+                let bytes = if mode == "blocking" { 2u64 << 20 } else { 4u64 << 20 }.to_string();
                 let args: Vec<String> = if mode == "blocking" {
                     vec!["client".into(), port.to_string(), bytes]
                 } else {

@@ -34,7 +34,7 @@
 //!
 //! `lateserver PORT`: `server`, but it stops reading for 300 ms after its
 //! first read, so that its client's ring fills. `slowserver PORT`:
-//! `server`, but it stops for 15 ms after every read (of 100 003 bytes at
+//! `server`, but it stops for 105 ms after every read (of 100 003 bytes at
 //! most), so that its client's ring fills again and again. `nbflood PORT BYTES`: a
 //! non-blocking client that writes BYTES pattern bytes in 64 KiB writes,
 //! waiting with poll(POLLOUT) after each `EAGAIN`; says how many it saw
@@ -148,7 +148,7 @@ fn slowserver(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
-    serve_pausing(&l, Some(std::time::Duration::from_millis(15)), true)
+    serve_pausing(&l, Some(std::time::Duration::from_millis(105)), true)
 }
 
 /// `serve`, stopping for `pause` after the first read (`every`: after
