@@ -63,7 +63,7 @@ fn open(pid: u32, parent: Option<&Slot>) -> Slot {
 
 /// This process's device, or `None` (TCP only).
 pub fn dev() -> Option<&'static Dev> {
-    let pid = std::process::id();
+    let pid = crate::pid::get();
     loop {
         let p = CURRENT.load(Ordering::Acquire);
         // SAFETY: a published slot is leaked, never freed: valid for ever.

@@ -86,6 +86,7 @@ mod epoll;
 mod interpose;
 mod link;
 mod listener;
+mod pid;
 mod progress;
 mod readiness;
 mod real;

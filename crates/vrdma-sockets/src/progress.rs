@@ -83,7 +83,7 @@ pub fn watch(link: &Arc<Link>) {
     }
     let (m, cv) = queue();
     let mut q = lock(m);
-    let pid = std::process::id();
+    let pid = crate::pid::get();
     if q.pid != pid {
         // First use, or a child after fork, which has no thread: the
         // parent's entries are not this process's to drop (see
@@ -114,7 +114,7 @@ pub fn watch(link: &Arc<Link>) {
 /// is its parent's).
 fn listed() -> Vec<Arc<Link>> {
     let q = lock(&queue().0);
-    if q.pid != std::process::id() {
+    if q.pid != crate::pid::get() {
         return Vec::new();
     }
     q.links.clone()
@@ -136,7 +136,7 @@ fn drained(l: &Arc<Link>) {
 /// and wakes its reader (`wait`), or, for a poll that does not wait, the
 /// completions there are are reaped.
 pub fn flush_all(wait: bool) {
-    if LISTED.load(Ordering::Acquire) == 0 || OWNER.load(Ordering::Acquire) != std::process::id() {
+    if LISTED.load(Ordering::Acquire) == 0 || OWNER.load(Ordering::Acquire) != crate::pid::get() {
         return;
     }
     for l in listed() {
