@@ -427,7 +427,15 @@ impl Link {
         let Some(rcq) = &self.rcq else { return false };
         let _g = lock(&self.ask);
         let mut wc = [vrdma::wc_buffer(1)[0]; RECVS];
-        let n = rcq.poll(&mut wc).unwrap_or(0);
+        let mut n = rcq.poll(&mut wc).unwrap_or(0);
+        if n == 0 && self.asked.load(Ordering::Acquire) {
+            // No answer behind the event (yet): armed again for the one
+            // owed, and a look after the arming (an answer that came
+            // before it raises no event).
+            let _ = rcq.req_notify(false);
+            n = rcq.poll(&mut wc).unwrap_or(0);
+            crate::dev::debug(&format!("credit event without an answer, {n} after arming again"));
+        }
         let ok = wc[..n].iter().filter(|c| c.status == WcStatus::Success).count();
         if ok > 0 {
             let wrs: Vec<_> = (0..ok).filter_map(|_| wr::recv(0, &[]).ok()).collect();
@@ -435,9 +443,6 @@ impl Link {
         }
         if n > 0 {
             self.asked.store(false, Ordering::Release);
-        } else if self.asked.load(Ordering::Acquire) {
-            // No answer behind the event: armed again for the one owed.
-            let _ = rcq.req_notify(false);
         }
         ok > 0
     }
@@ -940,6 +945,12 @@ impl Link {
                 // edge-triggered ([`crate::epoll`]).
                 if !self.write_blocked.swap(true, Ordering::AcqRel) {
                     crate::epoll::write_blocked(self);
+                    // An unblock (the progress thread, on credits) that
+                    // ran between the flag and the strip found nothing
+                    // to give back: `EPOLLOUT` would stay out for good.
+                    if !self.write_blocked.load(Ordering::Acquire) {
+                        crate::epoll::writable_again(self);
+                    }
                 }
                 crate::progress::watch(self);
                 // A sound when credits come back (the progress thread
