@@ -383,7 +383,7 @@ impl Link {
     /// Whether the progress thread must keep looking at it: writes in
     /// flight, a write that found the ring full, or an answer to take.
     pub(crate) fn needs_watch(&self) -> bool {
-        self.in_flight() || self.write_blocked.load(Ordering::Acquire) || self.asked.load(Ordering::Acquire)
+        self.in_flight() || self.write_blocked.load(Ordering::SeqCst) || self.asked.load(Ordering::SeqCst)
     }
 
     /// Asks the peer's reader for a sound when it gives credits back
@@ -405,7 +405,7 @@ impl Link {
             if self.write_word(S_WANT, 8, WANT).is_err() {
                 return Ask::No;
             }
-            self.asked.store(true, Ordering::Release);
+            self.asked.store(true, Ordering::SeqCst);
         }
         crate::progress::watch(self);
         if self.queued.load(Ordering::Acquire) {
@@ -943,7 +943,7 @@ impl Link {
                 // waits for writability; epoll must not report it until
                 // credits come back, and must report it then, also
                 // edge-triggered ([`crate::epoll`]).
-                if !self.write_blocked.swap(true, Ordering::AcqRel) {
+                if !self.write_blocked.swap(true, Ordering::SeqCst) {
                     crate::epoll::write_blocked(self);
                     // An unblock (the progress thread, on credits) that
                     // ran between the flag and the strip found nothing
@@ -1096,6 +1096,10 @@ impl Link {
                             self.woken.fetch_add(1, Ordering::Relaxed);
                         } else if (wr.saturating_sub(consumed) as usize) < RING {
                             self.missed.fetch_add(1, Ordering::Relaxed);
+                            // An answer that came without being taken
+                            // (no event seen) would keep this end from
+                            // asking again: taken here.
+                            self.take_answers();
                         }
                     }
                     Ask::Sent => {}

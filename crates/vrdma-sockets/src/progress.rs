@@ -78,7 +78,7 @@ fn lock(m: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
 
 /// `link` has writes in flight: it is on the list until they landed.
 pub fn watch(link: &Arc<Link>) {
-    if link.queued.swap(true, Ordering::AcqRel) {
+    if link.queued.swap(true, Ordering::SeqCst) {
         return;
     }
     let (m, cv) = queue();
@@ -123,7 +123,10 @@ fn listed() -> Vec<Arc<Link>> {
 /// Takes `l` off the list unless a write was posted since it drained.
 fn drained(l: &Arc<Link>) {
     let mut q = lock(&queue().0);
-    l.queued.store(false, Ordering::Release);
+    // Sequentially consistent with `watch` and the flags `needs_watch`
+    // reads: either this look sees a flag set just now, or that setter's
+    // `watch` sees the link off the list and puts it back.
+    l.queued.swap(false, Ordering::SeqCst);
     if l.needs_watch() {
         l.queued.store(true, Ordering::Release);
         return;
