@@ -391,6 +391,85 @@ mod preload {
         Ok(())
     }
 
+    /// Credit wake-up (`docs/sockets.md`, "Writing"): a writer blocked on
+    /// a full ring goes on as soon as its reader gives credits back, not
+    /// at the progress thread's next look. The progress thread's interval
+    /// is set to 60 s here, so each wait below would need it without the
+    /// wake-up: an epoll writer (edge- and level-triggered) waits at most
+    /// 5 s for `EPOLLOUT` after each `EAGAIN` (the program fails if one
+    /// runs out), and a blocking writer's waits for an answer are counted
+    /// by the library (`credit waits W, woken K, missed M` on its close: K
+    /// waits ended by an answer, none without the wake-up; M ran out,
+    /// after up to 10 ms, with credits there: some may, where the answer
+    /// came later than the wait's end, as on 2 loaded cores where the
+    /// progress thread waits for a CPU for milliseconds; without answers
+    /// every wait that saw credits come back is one). Engine and direct
+    /// path; the epoll writers' reader pauses 300 ms after its first read,
+    /// the blocking writer's 105 ms after each read (of 100 003 bytes at
+    /// most: the ring fills again and again, and the writer, which yields
+    /// 64 times before it waits, waits even on 2 loaded cores, where a
+    /// yield can take milliseconds).
+    #[test]
+    fn a_writer_blocked_on_a_full_ring_wakes_when_credits_come_back() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        for (path, d) in [("engine", engine_daemon()?), ("direct", DaemonProc::start()?)] {
+            let ctx = d.context()?;
+            for mode in ["et", "lt", "blocking"] {
+                let port = free_port();
+                let reader = if mode == "blocking" { "slowserver" } else { "lateserver" };
+                let s = spawn(sockapp(&d, true, &[reader.into(), port.to_string()]), reader);
+                registered(&ctx, port)?;
+                // 16 ring sizes (8 for the blocking writer's slower reader).
+                let bytes = if mode == "blocking" { 2u64 << 20 } else { 4u64 << 20 }.to_string();
+                let args: Vec<String> = if mode == "blocking" {
+                    vec!["client".into(), port.to_string(), bytes]
+                } else {
+                    vec!["epollflood".into(), port.to_string(), bytes, mode.into(), "5000".into()]
+                };
+                let mut cmd = sockapp(&d, true, &args);
+                cmd.env("VRDMA_SOCKETS_PROGRESS_US", "60000000");
+                let c = spawn(cmd, "writer").finish(LIMIT);
+                let s = s.finish(LIMIT);
+                c.assert_ok();
+                s.assert_ok();
+                assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+                if mode == "blocking" {
+                    let (waits, woken, missed) = c
+                        .stderr
+                        .lines()
+                        .find_map(|l| {
+                            let rest = l.split("credit waits ").nth(1)?;
+                            let (w, rest) = rest.split_once(", woken ")?;
+                            let (k, m) = rest.split_once(", missed ")?;
+                            Some((
+                                w.parse::<u64>().ok()?,
+                                k.parse::<u64>().ok()?,
+                                m.trim().parse::<u64>().ok()?,
+                            ))
+                        })
+                        .expect("the writer's credit counts");
+                    eprintln!(
+                        "{path}: blocking writer: {waits} waits for credits, {woken} ended by an answer, \
+                         {missed} ran out with credits there"
+                    );
+                    // Without answers no wait ends by one (K = 0), and every
+                    // wait that saw credits come back runs out (M).
+                    assert!(
+                        woken > 0 && missed <= woken,
+                        "{path}: {woken} of {waits} waits for credits ended by an answer, {missed} ran out \
+                         with credits there: {}",
+                        c.describe()
+                    );
+                } else {
+                    let eagain = printed(&c, "eagain").unwrap_or(0);
+                    eprintln!("{path}: epoll {mode}: {eagain} EAGAINs, each woken within 5 s");
+                    assert!(eagain > 0, "{path} {mode}: no EAGAIN with a full ring: {}", c.describe());
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// `select` and `pselect` as the epoll writer above: a non-blocking
     /// writer facing a full ring that waits for its socket in the write
     /// set is told it is writable only when the ring has room, so it meets

@@ -21,6 +21,9 @@ use vrdma::{Context, ProtectionDomain};
 pub struct Dev {
     pub ctx: Context,
     pub pd: ProtectionDomain,
+    /// The completion channel of the connections' receive CQs, made on
+    /// first need ([`crate::credit::channel`]).
+    pub credit_chan: OnceLock<Option<vrdma::CompletionChannel>>,
 }
 
 /// A process's device, or its absence, never freed once published.
@@ -55,12 +58,12 @@ fn open(pid: u32, parent: Option<&Slot>) -> Slot {
     };
     let Ok(ctx) = ctx.map_err(|e| debug(&format!("no vRDMA device, TCP only: {e}"))) else { return none };
     let Ok(pd) = ctx.alloc_pd().map_err(|e| debug(&format!("no PD, TCP only: {e}"))) else { return none };
-    Slot { pid, dev: Some(Dev { ctx, pd }), socket }
+    Slot { pid, dev: Some(Dev { ctx, pd, credit_chan: OnceLock::new() }), socket }
 }
 
 /// This process's device, or `None` (TCP only).
 pub fn dev() -> Option<&'static Dev> {
-    let pid = std::process::id();
+    let pid = crate::pid::get();
     loop {
         let p = CURRENT.load(Ordering::Acquire);
         // SAFETY: a published slot is leaked, never freed: valid for ever.

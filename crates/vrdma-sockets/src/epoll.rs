@@ -149,7 +149,7 @@ static TRACKED: AtomicUsize = AtomicUsize::new(0);
 /// leaked in the child).
 fn sets() -> MutexGuard<'static, Sets> {
     static CURRENT: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
-    let pid = std::process::id();
+    let pid = crate::pid::get();
     loop {
         let p = CURRENT.load(Ordering::Acquire);
         // SAFETY: a published slot is leaked, never freed.

@@ -366,7 +366,7 @@ fn register_listener(fd: c_int) {
     match d.ctx.sock_listen(a) {
         Ok(()) => {
             debug(&format!("listening on {a}"));
-            table::insert(fd, Entry::Listener(Arc::new(Listener { addr: a, pid: std::process::id() })));
+            table::insert(fd, Entry::Listener(Arc::new(Listener { addr: a, pid: crate::pid::get() })));
         }
         Err(e) => debug(&format!("listener {a} not registered (its clients stay TCP): {e}")),
     }

@@ -48,6 +48,11 @@
 //!   edge-triggered ([`epoll`]); `poll` and `ppoll` report `POLLOUT` only
 //!   with room, and so do `select` and `pselect`, which take `ppoll`'s
 //!   path when a carried socket is in their sets ([`readiness`]).
+//!   Credits coming back are heard at once: a writer about to wait on a
+//!   full ring asks its reader, which answers its next credit with a
+//!   send that wakes the progress thread through the process's
+//!   completion channel; it gives `EPOLLOUT` back and wakes blocked
+//!   writes ([`credit`]).
 //! - **End of stream**: a close tells the peer through its ring before the
 //!   QP goes (the `CLOSED` word), so the peer's read ends at once, after
 //!   every byte ([`link`]).
@@ -71,14 +76,17 @@
 //! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,
 //! `VRDMA_SOCKETS_WAIT_MS` bounds a client's wait for the server's claim,
 //! `VRDMA_SOCKETS_PROGRESS_US` sets how often the progress thread looks at
-//! writes left in flight (500 µs by default).
+//! writes left in flight and write-blocked connections (500 µs by
+//! default; credit answers wake it sooner).
 
 mod addr;
+mod credit;
 mod dev;
 mod epoll;
 mod interpose;
 mod link;
 mod listener;
+mod pid;
 mod progress;
 mod readiness;
 mod real;

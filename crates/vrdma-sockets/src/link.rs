@@ -6,14 +6,16 @@
 //! writes, then control words the peer writes: the peer's tail
 //! (`WRITTEN`, for this end's reader), the peer reader's consumed count of
 //! this end's bytes (`CONSUMED`, this end's writer's credits), the peer
-//! reader's sleeping flag (`SLEEPING`, for this end's writer) and the
+//! reader's sleeping flag (`SLEEPING`, for this end's writer), the
 //! peer's orderly close (`CLOSED`: its last descriptor is closed, every
-//! byte it wrote has landed, and its QP is about to go). The staging
+//! byte it wrote has landed, and its QP is about to go) and the peer
+//! writer's request for a credit wake-up (`WANT`, [`crate::credit`]:
+//! this end's reader answers it with a send). The staging
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{fence, AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -31,6 +33,7 @@ const WRITTEN: usize = RING;
 const CONSUMED: usize = RING + 8;
 const SLEEPING: usize = RING + 16;
 const CLOSED: usize = RING + 24;
+const WANT: usize = RING + 32;
 const REGION: usize = RING + 64;
 /// In the staging region: the tail a credit wait's probe sends, then
 /// consumed and sleeping (16 bytes sent as one write into the peer's
@@ -41,18 +44,38 @@ const S_PROBE: usize = RING;
 const S_ACK: usize = RING + 16;
 /// The word a close sends into the peer's `CLOSED`.
 const S_CLOSE: usize = RING + 32;
+/// The word a writer that waits for credits sends into the peer's `WANT`.
+const S_WANT: usize = RING + 40;
 const S_TAILS: usize = RING + 64;
 const TAIL_SLOTS: usize = 16;
-const STAGE: usize = S_TAILS + 8 * TAIL_SLOTS;
+/// An arming's consumed count and word (16 bytes into the peer's
+/// `CONSUMED` and `SLEEPING`), posted without waiting: a slot of its own,
+/// untouched until its write completed.
+const S_ARM: usize = S_TAILS + 8 * TAIL_SLOTS;
+const STAGE: usize = S_ARM + 16;
 /// Writes posted and not completed, at most, per connection (two work
-/// requests each, beside one word write of the reader's and a probe, in a
-/// send queue of [`SEND_WRS`]). Fewer than [`TAIL_SLOTS`].
+/// requests each, beside one word write of the reader's, a probe, a
+/// `WANT` and the sends that answer the peer's, in a send queue of
+/// [`SEND_WRS`]). Fewer than [`TAIL_SLOTS`].
 const IN_FLIGHT: usize = 12;
-const SEND_WRS: u32 = 32;
+const SEND_WRS: u32 = 40;
+/// Receives posted for the peer's answers to `WANT` (one owed at most).
+const RECVS: usize = 2;
 
 /// How long a blocked reader watches its ring, and a writer yields for
 /// its completion, before sleeping.
 const SPIN: Duration = Duration::from_micros(50);
+
+/// How often a writer waiting for credits probes its peer (a peer that is
+/// gone fails the probe).
+const PROBE: Duration = Duration::from_millis(100);
+
+/// The longest a blocked writer waits for an answer before it looks at
+/// its credits itself: an answer is due when the reader's credit was
+/// reaped, which for an arming is the reader's next call (or its
+/// progress thread's look), so a reader that stops calling leaves it
+/// to this.
+const WAIT_MAX: Duration = Duration::from_millis(10);
 
 /// The hello each end sends once both decided to carry.
 pub const HELLO_LEN: usize = 64;
@@ -67,6 +90,9 @@ pub struct Link {
     _sock: Arc<Sock>,
     sock: c_int,
     cq: CompletionQueue,
+    /// Where the peer's answers to `WANT` complete, on the process's
+    /// channel; `None`: no channel, a writer waits by looking.
+    rcq: Option<CompletionQueue>,
     qp: QueuePair,
     ring: MemoryRegion,
     stage: MemoryRegion,
@@ -84,6 +110,17 @@ pub struct Link {
     /// `Tx::wr`, readable without the writer's lock (a blocking writer
     /// holds it while it waits for credits).
     wr_now: AtomicU64,
+    /// A `WANT` was sent and its answer not taken yet (the receive CQ is
+    /// armed for it).
+    asked: AtomicBool,
+    /// Held while asking and while taking answers.
+    ask: Mutex<()>,
+    /// Waits of blocking writes for an answer, those an answer ended, and
+    /// those that ran out (no answer) with credits there: a lost or late
+    /// wake-up (`VRDMA_SOCKETS_DEBUG` prints them at the close).
+    waits: AtomicU32,
+    woken: AtomicU32,
+    missed: AtomicU32,
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
 }
@@ -99,6 +136,12 @@ struct Rx {
     gen: u32,
     /// Armed since the last bytes were read.
     armed: bool,
+    /// The arming's write (its work request id) while it may not have
+    /// landed; 0 once it did.
+    arm_id: u64,
+    /// The look at the ring after the arming landed was made (and the
+    /// stale wake bytes taken off).
+    settled: bool,
 }
 
 #[derive(Default)]
@@ -130,6 +173,23 @@ struct Post {
     landed: u64,
     /// A completion failed: the connection is gone.
     failed: bool,
+    /// The id of an arming's write not reaped yet (0: none): its
+    /// completion answers a peer writer's `WANT`.
+    arm: u64,
+}
+
+/// What [`Link::ask_credits`] did.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Ask {
+    /// Asked before, not answered yet: the caller may wait for the answer
+    /// once it looked at its credits after this.
+    Pending,
+    /// Asked now (the `WANT` landed): look at the credits again before
+    /// waiting.
+    Sent,
+    /// No answer can come (no channel, no progress thread, a failed
+    /// write): wait by looking.
+    No,
 }
 
 /// Errors are errnos, as the interposed calls return them.
@@ -138,6 +198,7 @@ pub type Res<T> = Result<T, c_int>;
 /// The resources of one end, before the peer's hello.
 pub struct Half {
     cq: CompletionQueue,
+    rcq: Option<CompletionQueue>,
     qp: QueuePair,
     ring: MemoryRegion,
     stage: MemoryRegion,
@@ -148,14 +209,16 @@ impl Half {
     pub fn new(dev: &Dev) -> vrdma::Result<Half> {
         let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
         let cq = dev.ctx.create_cq(2 * SEND_WRS, None)?;
+        let rcq =
+            crate::credit::channel(dev).and_then(|ch| dev.ctx.create_cq(2 * RECVS as u32, Some(ch)).ok());
         let cap = QpCap {
             max_send_wr: SEND_WRS,
-            max_recv_wr: 1,
+            max_recv_wr: RECVS as u32,
             max_send_sge: 1,
             max_recv_sge: 1,
             max_inline_data: 0,
         };
-        let qp = dev.pd.create_rc_qp(&cq, &cq, cap)?;
+        let qp = dev.pd.create_rc_qp(&cq, rcq.as_ref().unwrap_or(&cq), cap)?;
         let ring = dev.pd.alloc_mr(REGION, access)?;
         let stage = dev.pd.alloc_mr(STAGE, AccessFlags::LOCAL_WRITE)?;
         let ep = qp.endpoint(&dev.ctx)?;
@@ -166,7 +229,7 @@ impl Half {
         hello[34..42].copy_from_slice(&ring.addr().to_le_bytes());
         hello[42..46].copy_from_slice(&ring.rkey().to_le_bytes());
         hello[46..50].copy_from_slice(&(RING as u32).to_le_bytes());
-        Ok(Half { cq, qp, ring, stage, hello })
+        Ok(Half { cq, rcq, qp, ring, stage, hello })
     }
 
     pub fn hello(&self) -> &[u8; HELLO_LEN] {
@@ -187,10 +250,16 @@ impl Half {
         // The reader starts asleep, having read nothing: the first write
         // wakes it.
         self.ring.write_u64(SLEEPING, armed_word(0, 1)).map_err(|e| e.errno())?;
+        // Receives for the peer's answers; without them, no asking.
+        let rcq = self.rcq.filter(|_| {
+            let wrs: Vec<_> = (0..RECVS).filter_map(|_| wr::recv(0, &[]).ok()).collect();
+            wrs.len() == RECVS && self.qp.post_recv(&wrs).is_ok()
+        });
         Ok(Link {
             sock: sock_owner.0,
             _sock: sock_owner,
             cq: self.cq,
+            rcq,
             qp: self.qp,
             ring: self.ring,
             stage: self.stage,
@@ -200,8 +269,13 @@ impl Half {
             queued: AtomicBool::new(false),
             write_blocked: AtomicBool::new(false),
             wr_now: AtomicU64::new(0),
+            asked: AtomicBool::new(false),
+            ask: Mutex::new(()),
+            waits: AtomicU32::new(0),
+            woken: AtomicU32::new(0),
+            missed: AtomicU32::new(0),
             // Both ends start armed with generation 1 (set just above).
-            rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true }),
+            rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true, arm_id: 0, settled: true }),
             tx: Mutex::new(Tx::default()),
         })
     }
@@ -219,7 +293,11 @@ impl Link {
     /// Posts `wrs` (the last one signaled) and returns the last one's id;
     /// `tail`: they are a write whose bytes below `tail` land with it.
     fn post(&self, wrs: &mut [vrdma::SendWr], tail: Option<u64>) -> Res<u64> {
-        let mut p = lock(&self.post);
+        self.post_locked(&mut lock(&self.post), wrs, tail)
+    }
+
+    /// [`Self::post`] under the post lock.
+    fn post_locked(&self, p: &mut Post, wrs: &mut [vrdma::SendWr], tail: Option<u64>) -> Res<u64> {
         if p.failed {
             return Err(libc::EPIPE);
         }
@@ -266,6 +344,12 @@ impl Link {
             // unless it armed after reading them.
             self.wake(p.landed);
         }
+        if p.arm != 0 && p.done >= p.arm {
+            // This end's arming landed, with its credits: a peer writer
+            // that asked for a sound gets it now.
+            p.arm = 0;
+            self.answer_want(p);
+        }
         Ok(())
     }
 
@@ -283,9 +367,9 @@ impl Link {
             Err(std::sync::TryLockError::WouldBlock) => return true,
         };
         let _ = self.reap_locked(&mut p);
-        let flying = !p.failed && !p.pending.is_empty();
+        let flying = !p.failed && (!p.pending.is_empty() || p.arm != 0);
         drop(p);
-        self.still_blocked() || flying
+        self.still_blocked() || flying || self.asked.load(Ordering::Acquire)
     }
 
     /// Waits until every write in flight landed; false once none is (or
@@ -297,15 +381,93 @@ impl Link {
     }
 
     /// Whether the progress thread must keep looking at it: writes in
-    /// flight, or a write that found the ring full.
+    /// flight, a write that found the ring full, or an answer to take.
     pub(crate) fn needs_watch(&self) -> bool {
-        self.in_flight() || self.write_blocked.load(Ordering::Acquire)
+        self.in_flight() || self.write_blocked.load(Ordering::SeqCst) || self.asked.load(Ordering::SeqCst)
     }
 
-    /// Whether writes are in flight.
+    /// Asks the peer's reader for a sound when it gives credits back
+    /// ([`crate::credit`]): arms the receive CQ and sends `WANT`, waited
+    /// for (the caller's next look at its credits must come after it
+    /// landed), and puts the connection on the progress thread's list,
+    /// which takes the answer.
+    pub(crate) fn ask_credits(self: &Arc<Self>) -> Ask {
+        let Some(rcq) = &self.rcq else { return Ask::No };
+        {
+            let _g = lock(&self.ask);
+            if self.asked.load(Ordering::Acquire) {
+                return if self.queued.load(Ordering::Acquire) { Ask::Pending } else { Ask::No };
+            }
+            if rcq.req_notify(false).is_err() {
+                return Ask::No;
+            }
+            let _ = self.stage.write_u64(S_WANT, 1);
+            if self.write_word(S_WANT, 8, WANT).is_err() {
+                return Ask::No;
+            }
+            self.asked.store(true, Ordering::SeqCst);
+        }
+        crate::progress::watch(self);
+        if self.queued.load(Ordering::Acquire) {
+            Ask::Sent
+        } else {
+            Ask::No
+        }
+    }
+
+    /// The number of the CQ where the peer's answers complete.
+    pub(crate) fn answer_cq(&self) -> Option<u32> {
+        self.rcq.as_ref().map(|c| c.cqn())
+    }
+
+    /// For the progress thread, on an event of [`Self::answer_cq`]: takes
+    /// the peer's answers and posts their receives again; the next wait
+    /// asks again. Whether an answer was there.
+    pub(crate) fn take_answers(&self) -> bool {
+        let Some(rcq) = &self.rcq else { return false };
+        let _g = lock(&self.ask);
+        let mut wc = [vrdma::wc_buffer(1)[0]; RECVS];
+        let mut n = rcq.poll(&mut wc).unwrap_or(0);
+        if n == 0 && self.asked.load(Ordering::Acquire) {
+            // No answer behind the event (yet): armed again for the one
+            // owed, and a look after the arming (an answer that came
+            // before it raises no event).
+            let _ = rcq.req_notify(false);
+            n = rcq.poll(&mut wc).unwrap_or(0);
+            crate::dev::debug(&format!("credit event without an answer, {n} after arming again"));
+        }
+        let ok = wc[..n].iter().filter(|c| c.status == WcStatus::Success).count();
+        if ok > 0 {
+            let wrs: Vec<_> = (0..ok).filter_map(|_| wr::recv(0, &[]).ok()).collect();
+            let _ = self.qp.post_recv(&wrs);
+        }
+        if n > 0 {
+            self.asked.store(false, Ordering::Release);
+        }
+        ok > 0
+    }
+
+    /// After a credit of this end's reader landed: a peer writer that
+    /// asked for a sound (`WANT`) gets it, a zero-length send
+    /// ([`crate::credit`]).
+    fn answer_want(&self, p: &mut Post) {
+        let word = self.ring.as_ptr().wrapping_add(WANT);
+        // SAFETY: `WANT` is an 8-aligned offset inside the ring region
+        // (page-aligned, living as long as `self`); the peer writes the
+        // word only with aligned 8-byte stores, so an atomic view is right.
+        let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(word.cast()) };
+        if word.load(Ordering::SeqCst) == 0 || word.swap(0, Ordering::SeqCst) == 0 {
+            return;
+        }
+        if let Ok(w) = wr::send(0, &[]) {
+            let _ = self.post_locked(p, &mut [w.signaled()], None);
+        }
+    }
+
+    /// Whether writes are in flight (an arming too).
     pub(crate) fn in_flight(&self) -> bool {
         let p = lock(&self.post);
-        !p.failed && !p.pending.is_empty()
+        !p.failed && (!p.pending.is_empty() || p.arm != 0)
     }
 
     /// Whether a write would find room now: credits, or an end that
@@ -383,6 +545,13 @@ impl Link {
                 std::thread::yield_now();
             }
         }
+    }
+
+    /// Waits until every work request posted so far completed (the
+    /// answers' sends too).
+    fn flush_sends(&self) -> Res<()> {
+        let last = lock(&self.post).next;
+        self.wait_until(|p| p.done >= last)
     }
 
     /// Waits until every write posted so far has landed (and its wake
@@ -464,6 +633,12 @@ impl Link {
                 self.sleep(&mut rx);
                 continue;
             }
+            if !rx.settled {
+                // The arming must have landed before the look that lets
+                // this read wait (or say EAGAIN).
+                self.settle(&mut rx);
+                continue;
+            }
             // Armed and empty, blocking: watch the ring a moment before
             // waiting in the kernel, so that an answer that comes soon is
             // read without the wake byte's trip through the socket (the
@@ -510,13 +685,19 @@ impl Link {
     }
 
     /// The ring is empty: arms a new generation (sends the consumed count
-    /// and the generation into the writer's `SLEEPING` word, waiting until
-    /// it landed), looks again, and if still empty takes the wake bytes of
-    /// older generations off the socket, which are stale: a byte of an
-    /// older generation was sent after its bytes landed, which was before
-    /// this arming landed, so this look saw them, and they were read. A
-    /// byte of this generation stays: its bytes landed after this look,
-    /// and wait.
+    /// and the generation into the writer's `SLEEPING` word). The write is
+    /// posted, not waited for: a read that emptied the ring returns at once
+    /// (an engine round trip less between a request read and its answer
+    /// written). What needs the arming landed waits for it first
+    /// ([`Self::settle`]): a read that would wait or say `EAGAIN`, and a
+    /// readiness call's look at stale bytes.
+    ///
+    /// Readiness meanwhile: bytes that land before the arming did meet the
+    /// writer's look at the word before it, which holds either the
+    /// previous arming (the writer takes it and sends its byte) or nothing,
+    /// once the previous arming's byte was sent; that byte is taken off
+    /// only by a look that comes after this arming landed and finds the
+    /// ring empty, so it stays in the socket while those bytes wait.
     ///
     /// A peer that closed is not armed towards (its QP is gone, and the
     /// arming would wait for the retry timeout): its `CLOSED` word came
@@ -529,18 +710,72 @@ impl Link {
             }
             return;
         }
+        // The previous arming's slot is read by its write: landed first.
+        if rx.arm_id != 0 {
+            let id = rx.arm_id;
+            let _ = self.wait_until(|p| p.done >= id);
+            rx.arm_id = 0;
+        }
         rx.gen = if rx.gen >= 255 { 1 } else { rx.gen + 1 };
-        let _ = self.stage.write_u64(S_ACK, rx.rd);
-        let _ = self.stage.write_u64(S_ACK + 8, armed_word(rx.rd, rx.gen));
+        let _ = self.stage.write_u64(S_ARM, rx.rd);
+        let _ = self.stage.write_u64(S_ARM + 8, armed_word(rx.rd, rx.gen));
         // A peer that is gone gets no ack; its end shows on the socket.
-        let _ = self.write_word(S_ACK, 16, CONSUMED);
+        if let Ok(id) = self.post_arm() {
+            rx.arm_id = id;
+            // A peer writer waiting for these credits is answered once
+            // they landed: now, rather than at this end's next call (a
+            // `WANT` that lands later is seen when the arming is reaped).
+            if self.want_set() {
+                let _ = self.wait_until(|p| p.done >= id);
+                rx.arm_id = 0;
+            }
+        }
         rx.acked = rx.rd;
         rx.armed = true;
+        rx.settled = false;
+    }
+
+    /// Whether a peer writer asked for a sound (`WANT` set).
+    fn want_set(&self) -> bool {
+        self.ring.read_u64(WANT).unwrap_or(0) != 0
+    }
+
+    /// Posts the arming in [`S_ARM`] (signaled); its id.
+    fn post_arm(&self) -> Res<u64> {
+        let sge = self.stage.sge(S_ARM, 16).map_err(|e| e.errno())?;
+        let w = wr::rdma_write(0, &[sge], self.peer_addr + CONSUMED as u64, self.peer_rkey)
+            .map_err(|e| e.errno())?
+            .signaled();
+        let mut p = lock(&self.post);
+        let id = self.post_locked(&mut p, &mut [w], None)?;
+        p.arm = id;
+        Ok(id)
+    }
+
+    /// The look after the arming landed (waited for here): bytes that
+    /// came meanwhile are read by the caller; an empty ring takes the
+    /// wake bytes of older generations off the socket, which are stale:
+    /// a byte of an older generation was sent after its bytes landed,
+    /// which was before this arming landed, so this look saw them, and
+    /// they were read. A byte of this generation stays: its bytes landed
+    /// after this look, and wait.
+    fn settle(&self, rx: &mut Rx) {
+        if !rx.armed || rx.settled {
+            return;
+        }
+        if rx.arm_id != 0 {
+            let id = rx.arm_id;
+            // Gives up (an error) once the peer closed or failed: the
+            // looks below see that.
+            let _ = self.wait_until(|p| p.done >= id);
+            rx.arm_id = 0;
+        }
+        rx.settled = true;
         if self.waiting(rx.rd) > 0 {
             return;
         }
         // The peer closed while the arming was on its way (and the wait
-        // for it gave up): the end, as above.
+        // for it gave up): the end, as in `sleep`.
         if self.peer_closed() {
             rx.eof = self.waiting(rx.rd) == 0;
             return;
@@ -559,7 +794,12 @@ impl Link {
     /// own holds the lock and settles this itself: false.
     pub(crate) fn readable_is_stale(&self) -> bool {
         let Ok(mut rx) = self.rx.try_lock() else { return false };
-        if !rx.armed || rx.eof || self.waiting(rx.rd) > 0 {
+        if !rx.armed || rx.eof {
+            return false;
+        }
+        // The look must come after the arming landed (`sleep`).
+        self.settle(&mut rx);
+        if rx.eof || self.waiting(rx.rd) > 0 {
             return false;
         }
         match self.take_stale(rx.gen as u8) {
@@ -613,7 +853,9 @@ impl Link {
     /// Sends this end's consumed count (credits) to the peer's writer.
     fn credit(&self, rd: u64) -> Res<()> {
         let _ = self.stage.write_u64(S_ACK, rd);
-        self.write_word(S_ACK, 8, CONSUMED)
+        self.write_word(S_ACK, 8, CONSUMED)?;
+        self.answer_want(&mut lock(&self.post));
+        Ok(())
     }
 
     /// Takes every byte waiting on the socket; true at its end.
@@ -701,11 +943,20 @@ impl Link {
                 // waits for writability; epoll must not report it until
                 // credits come back, and must report it then, also
                 // edge-triggered ([`crate::epoll`]).
-                if !self.write_blocked.swap(true, Ordering::AcqRel) {
+                if !self.write_blocked.swap(true, Ordering::SeqCst) {
                     crate::epoll::write_blocked(self);
+                    // An unblock (the progress thread, on credits) that
+                    // ran between the flag and the strip found nothing
+                    // to give back: `EPOLLOUT` would stay out for good.
+                    if !self.write_blocked.load(Ordering::Acquire) {
+                        crate::epoll::writable_again(self);
+                    }
                 }
                 crate::progress::watch(self);
-                // Credits that came back meanwhile.
+                // A sound when credits come back (the progress thread
+                // gives EPOLLOUT back then), and credits that came back
+                // meanwhile (after the ask landed).
+                let _ = self.ask_credits();
                 let _ = self.still_blocked();
                 break;
             }
@@ -790,11 +1041,13 @@ impl Link {
 
     /// Room in the peer's ring; waits for some unless `nonblocking`.
     /// While waiting, a probe write every 100 ms finds a peer that is gone.
-    fn credits(&self, wr: u64, nonblocking: bool) -> Res<usize> {
+    fn credits(self: &Arc<Self>, wr: u64, nonblocking: bool) -> Res<usize> {
         let start = Instant::now();
         let mut probe = start;
         let mut spins = 0u32;
         loop {
+            // Read before the look: answers that come after it end the wait.
+            let seen = crate::credit::seq();
             let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
             let used = wr.saturating_sub(consumed) as usize;
             if used < RING {
@@ -830,11 +1083,32 @@ impl Link {
             }
             spins += 1;
             if spins > 64 {
-                std::thread::sleep(Duration::from_micros(50));
+                // Asked for a sound before this look: wait for it (until
+                // the next probe at most); asked now: look once more
+                // first; no sound to come: look again in a while.
+                match self.ask_credits() {
+                    Ask::Pending => {
+                        self.waits.fetch_add(1, Ordering::Relaxed);
+                        let max = PROBE.saturating_sub(probe.elapsed()).min(WAIT_MAX);
+                        let answered = crate::credit::wait(seen, max);
+                        let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
+                        if answered {
+                            self.woken.fetch_add(1, Ordering::Relaxed);
+                        } else if (wr.saturating_sub(consumed) as usize) < RING {
+                            self.missed.fetch_add(1, Ordering::Relaxed);
+                            // An answer that came without being taken
+                            // (no event seen) would keep this end from
+                            // asking again: taken here.
+                            self.take_answers();
+                        }
+                    }
+                    Ask::Sent => {}
+                    Ask::No => std::thread::sleep(Duration::from_micros(50)),
+                }
             } else {
                 std::thread::yield_now();
             }
-            if probe.elapsed() > Duration::from_millis(100) {
+            if probe.elapsed() > PROBE {
                 probe = Instant::now();
                 let _ = self.stage.write_u64(S_PROBE, wr);
                 self.write_word(S_PROBE, 8, WRITTEN)?;
@@ -863,11 +1137,21 @@ impl Link {
         let _ = self.flush();
         if !self.peer_closed() {
             let _ = self.stage.write_u64(S_CLOSE, 1);
-            let _ = self.write_word(S_CLOSE, 8, CLOSED);
+            if self.write_word(S_CLOSE, 8, CLOSED).is_ok() {
+                // A writer waiting for credits learns of the close now.
+                self.answer_want(&mut lock(&self.post));
+                let _ = self.flush_sends();
+            }
         }
         let _ = self.drain_wakes();
         // A program still waiting on it through another thread is told.
         self.unblock();
+        crate::dev::debug(&format!(
+            "credit waits {}, woken {}, missed {}",
+            self.waits.load(Ordering::Relaxed),
+            self.woken.load(Ordering::Relaxed),
+            self.missed.load(Ordering::Relaxed)
+        ));
     }
 }
 

@@ -16,6 +16,13 @@
 //!   first write left in flight, reaps them within [`interval`] (500 µs
 //!   by default, `VRDMA_SOCKETS_PROGRESS_US`).
 //!
+//! The same thread takes the answers of readers that give credits back
+//! to a writer that asked for them ([`crate::credit`]): between its looks
+//! it waits on the process's completion channel, not in a sleep, so a
+//! writer blocked on a full ring (in a write, or in `epoll_wait` for
+//! `EPOLLOUT`) goes on as soon as the credits landed, not at its next
+//! look.
+//!
 //! The thread costs little while programs call back: it is not woken per
 //! write. Once told of a connection it looks every [`interval`], and
 //! keeps looking for [`LINGER`] after the last one drained, so that a
@@ -71,12 +78,12 @@ fn lock(m: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
 
 /// `link` has writes in flight: it is on the list until they landed.
 pub fn watch(link: &Arc<Link>) {
-    if link.queued.swap(true, Ordering::AcqRel) {
+    if link.queued.swap(true, Ordering::SeqCst) {
         return;
     }
     let (m, cv) = queue();
     let mut q = lock(m);
-    let pid = std::process::id();
+    let pid = crate::pid::get();
     if q.pid != pid {
         // First use, or a child after fork, which has no thread: the
         // parent's entries are not this process's to drop (see
@@ -107,7 +114,7 @@ pub fn watch(link: &Arc<Link>) {
 /// is its parent's).
 fn listed() -> Vec<Arc<Link>> {
     let q = lock(&queue().0);
-    if q.pid != std::process::id() {
+    if q.pid != crate::pid::get() {
         return Vec::new();
     }
     q.links.clone()
@@ -116,7 +123,10 @@ fn listed() -> Vec<Arc<Link>> {
 /// Takes `l` off the list unless a write was posted since it drained.
 fn drained(l: &Arc<Link>) {
     let mut q = lock(&queue().0);
-    l.queued.store(false, Ordering::Release);
+    // Sequentially consistent with `watch` and the flags `needs_watch`
+    // reads: either this look sees a flag set just now, or that setter's
+    // `watch` sees the link off the list and puts it back.
+    l.queued.swap(false, Ordering::SeqCst);
     if l.needs_watch() {
         l.queued.store(true, Ordering::Release);
         return;
@@ -129,7 +139,7 @@ fn drained(l: &Arc<Link>) {
 /// and wakes its reader (`wait`), or, for a poll that does not wait, the
 /// completions there are are reaped.
 pub fn flush_all(wait: bool) {
-    if LISTED.load(Ordering::Acquire) == 0 || OWNER.load(Ordering::Acquire) != std::process::id() {
+    if LISTED.load(Ordering::Acquire) == 0 || OWNER.load(Ordering::Acquire) != crate::pid::get() {
         return;
     }
     for l in listed() {
@@ -160,8 +170,11 @@ fn run() {
                 q.idle = false;
             }
         }
-        std::thread::sleep(interval());
+        let fired = wait_for_answers(interval());
         let links = listed();
+        if !fired.is_empty() {
+            answers(&links, &fired);
+        }
         if links.is_empty() {
             continue;
         }
@@ -182,4 +195,56 @@ fn run() {
             LISTED.store(0, Ordering::Release);
         }
     }
+}
+
+/// Waits `d` at most for events of the connections' receive CQs (the
+/// peers' answers, [`crate::credit`]), and returns the CQs that fired;
+/// sleeps `d` where the process has no channel.
+fn wait_for_answers(d: Duration) -> Vec<u32> {
+    let Some(ch) = crate::dev::dev().and_then(crate::credit::channel) else {
+        std::thread::sleep(d);
+        return Vec::new();
+    };
+    use std::os::fd::AsRawFd;
+    let mut p = libc::pollfd { fd: ch.fd().as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    let ts = libc::timespec { tv_sec: d.as_secs() as _, tv_nsec: d.subsec_nanos() as _ };
+    // SAFETY: ppoll(2) on one pollfd of ours and a valid timeout, no mask.
+    let r = unsafe { crate::real::ppoll(&mut p, 1, &ts, std::ptr::null()) };
+    let mut fired = Vec::new();
+    if r <= 0 {
+        return fired;
+    }
+    // Bounded: the channel's ring holds finitely many events.
+    for _ in 0..4096 {
+        match ch.get_cq_event(Some(Duration::ZERO)) {
+            Ok(Some(cqn)) => fired.push(cqn),
+            _ => break,
+        }
+    }
+    if fired.is_empty() {
+        // Readable with no event (a wake-up the channel takes as stale
+        // after a while): not a spin on it, nor a whole interval asleep
+        // (an answer may come meanwhile).
+        crate::dev::debug("credit channel readable without an event");
+        std::thread::sleep(d.min(Duration::from_micros(200)));
+    }
+    fired
+}
+
+/// The peers' answers on the CQs that `fired`: taken, and each connection
+/// blocked on credits looks again: a write-blocked one gets `EPOLLOUT`
+/// back if credits came (else asks again), and threads blocked in a
+/// write wake up.
+fn answers(links: &[Arc<Link>], fired: &[u32]) {
+    for l in links {
+        if !l.answer_cq().is_some_and(|c| fired.contains(&c)) {
+            continue;
+        }
+        l.take_answers();
+        if l.still_blocked() && l.ask_credits() == crate::link::Ask::Sent {
+            // Credits that came before the new ask landed.
+            let _ = l.still_blocked();
+        }
+    }
+    crate::credit::came();
 }

@@ -69,7 +69,7 @@ impl Stream {
         // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor the caller holds.
         let sock = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
         (sock >= 0).then(|| {
-            Arc::new(Stream { pid: std::process::id(), sock: Arc::new(Sock(sock)), phase: Mutex::new(phase) })
+            Arc::new(Stream { pid: crate::pid::get(), sock: Arc::new(Sock(sock)), phase: Mutex::new(phase) })
         })
     }
 

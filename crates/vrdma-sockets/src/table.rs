@@ -98,7 +98,7 @@ impl Entry {
     /// parent's entries: it must neither use their rings and daemon
     /// connection nor destroy them (see [`crate::dev`]).
     pub fn ours(&self) -> bool {
-        let pid = std::process::id();
+        let pid = crate::pid::get();
         match self {
             Entry::Listener(l) => l.pid == pid,
             Entry::Stream(s) => s.pid == pid,

@@ -33,7 +33,9 @@
 //! once (pipelined), checked byte for byte by `server`.
 //!
 //! `lateserver PORT`: `server`, but it stops reading for 300 ms after its
-//! first read, so that its client's ring fills. `nbflood PORT BYTES`: a
+//! first read, so that its client's ring fills. `slowserver PORT`:
+//! `server`, but it stops for 105 ms after every read (of 100 003 bytes at
+//! most), so that its client's ring fills again and again. `nbflood PORT BYTES`: a
 //! non-blocking client that writes BYTES pattern bytes in 64 KiB writes,
 //! waiting with poll(POLLOUT) after each `EAGAIN`; says how many it saw
 //! (`eagain N`), then half-closes and checks the answer.
@@ -65,7 +67,8 @@
 //! level-triggered, or level-triggered one-shot and armed again before
 //! each wait, with a `data` it checks), or for the socket in the write
 //! set of `select` or `pselect` (with a read set of its own: a pipe that
-//! never gets ready), after each `EAGAIN`, 10 s at most; says `eagain N`
+//! never gets ready), after each `EAGAIN`, 10 s at most (`WAIT_MS` where
+//! given: `epollflood PORT BYTES MODE WAIT_MS`); says `eagain N`
 //! and, unless `et`, `spurious N`: reports of `EPOLLOUT` (writability)
 //! after which a write still got `EAGAIN` (one the ring does not have).
 //!
@@ -131,18 +134,26 @@ fn forkserver(port: u16) -> Result<(), String> {
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
-    serve_pausing(l, None)
+    serve_pausing(l, None, false)
 }
 
 fn lateserver(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
-    serve_pausing(&l, Some(std::time::Duration::from_millis(300)))
+    serve_pausing(&l, Some(std::time::Duration::from_millis(300)), false)
 }
 
-/// `serve`, stopping for `pause` after the first read.
-fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>) -> Result<(), String> {
+fn slowserver(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    serve_pausing(&l, Some(std::time::Duration::from_millis(105)), true)
+}
+
+/// `serve`, stopping for `pause` after the first read (`every`: after
+/// each read).
+fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>, every: bool) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     let mut buf = vec![0u8; 100_003];
     let mut count = 0u64;
@@ -157,7 +168,7 @@ fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>) -> Res
             }
         }
         count += n as u64;
-        if let Some(p) = pause.take() {
+        if let Some(p) = if every { pause } else { pause.take() } {
             std::thread::sleep(p);
         }
     }
@@ -391,7 +402,7 @@ fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
     half_close_and_check(&mut s, bytes)
 }
 
-fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
+fn epollflood(port: u16, bytes: u64, mode: &str, wait_ms: i32) -> Result<(), String> {
     let (edge, oneshot) = (mode == "et", mode == "oneshot");
     use std::os::fd::AsRawFd;
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
@@ -422,7 +433,7 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
     }
     let wait_out = || -> Result<(), String> {
         if mode == "select" || mode == "pselect" {
-            return select_out(fd, quiet[0], mode == "pselect");
+            return select_out(fd, quiet[0], mode == "pselect", wait_ms);
         }
         if oneshot {
             let mut ev = libc::epoll_event { events: libc::EPOLLOUT as u32 | flags, u64: token };
@@ -434,7 +445,7 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
         }
         let mut got = [libc::epoll_event { events: 0, u64: 0 }; 4];
         // SAFETY: epoll_wait(2) into our array of 4.
-        let n = unsafe { libc::epoll_wait(ep, got.as_mut_ptr(), 4, 10_000) };
+        let n = unsafe { libc::epoll_wait(ep, got.as_mut_ptr(), 4, wait_ms) };
         match n {
             1 => {
                 let (events, data) = (got[0].events, got[0].u64);
@@ -446,14 +457,14 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
                 }
                 Ok(())
             }
-            0 => Err("no EPOLLOUT within 10 s after EAGAIN: writability lost".into()),
+            0 => Err(format!("no EPOLLOUT within {wait_ms} ms after EAGAIN: writability lost")),
             n => Err(format!("epoll_wait: {n}: {}", std::io::Error::last_os_error())),
         }
     };
     // The registration's first report (the socket is writable).
     wait_out()?;
     let (mut sent, mut eagain, mut spurious, mut after_report) = (0u64, 0u64, 0u64, false);
-    // Bounded: each pass writes at least a byte or waits in epoll (10 s).
+    // Bounded: each pass writes at least a byte or waits in epoll (WAIT_MS).
     for _ in 0..(1u64 << 26) {
         if sent == bytes {
             break;
@@ -495,9 +506,9 @@ fn epollflood(port: u16, bytes: u64, mode: &str) -> Result<(), String> {
 }
 
 /// Waits for `fd` in the write set of `select` (`pselect`: of `pselect`),
-/// 10 s at most, with `quiet` (never readable) in the read set: the other
+/// `wait_ms` at most, with `quiet` (never readable) in the read set: the other
 /// descriptors' answers are the kernel's, and must stay so.
-fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool) -> Result<(), String> {
+fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool, wait_ms: i32) -> Result<(), String> {
     // SAFETY: fd_sets are plain bits; zeroed is empty (FD_ZERO's result).
     let (mut r, mut w): (libc::fd_set, libc::fd_set) = unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
     // SAFETY: our sets; both descriptors are below FD_SETSIZE in this
@@ -508,11 +519,12 @@ fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool) -> Result<(), String
     }
     let n = fd.max(quiet) + 1;
     let k = if p {
-        let ts = libc::timespec { tv_sec: 10, tv_nsec: 0 };
+        let ts =
+            libc::timespec { tv_sec: (wait_ms / 1000) as _, tv_nsec: ((wait_ms % 1000) * 1_000_000) as _ };
         // SAFETY: pselect(2) on our sets and timespec, no mask.
         unsafe { libc::pselect(n, &mut r, &mut w, std::ptr::null_mut(), &ts, std::ptr::null()) }
     } else {
-        let mut tv = libc::timeval { tv_sec: 10, tv_usec: 0 };
+        let mut tv = libc::timeval { tv_sec: (wait_ms / 1000) as _, tv_usec: ((wait_ms % 1000) * 1000) as _ };
         // SAFETY: select(2) on our sets and timeval.
         unsafe { libc::select(n, &mut r, &mut w, std::ptr::null_mut(), &mut tv) }
     };
@@ -520,7 +532,7 @@ fn select_out(fd: libc::c_int, quiet: libc::c_int, p: bool) -> Result<(), String
     let (rd, wr) = unsafe { (libc::FD_ISSET(quiet, &r), libc::FD_ISSET(fd, &w)) };
     match k {
         1 if wr && !rd => Ok(()),
-        0 => Err("no writability within 10 s after EAGAIN: writability lost".into()),
+        0 => Err(format!("no writability within {wait_ms} ms after EAGAIN: writability lost")),
         k if k < 0 => Err(format!("select: {}", std::io::Error::last_os_error())),
         k => Err(format!("select said {k}, write set {wr}, read set {rd}")),
     }
@@ -763,12 +775,14 @@ fn main() {
             &[1, 13, 2, 11, 3, 7, 5, 12, 4, 9],
         ),
         Some("lateserver") => lateserver(port()),
+        Some("slowserver") => slowserver(port()),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("answer") => answer(port()),
         Some("epollflood") => epollflood(
             port(),
             args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
             args.get(4).map(String::as_str).unwrap_or("et"),
+            args.get(5).and_then(|b| b.parse().ok()).unwrap_or(10_000),
         ),
         Some("closeserver") => closeserver(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("closeclient") => closeclient(
