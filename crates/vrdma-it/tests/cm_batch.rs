@@ -222,3 +222,124 @@ fn spare_ids_are_distinct_and_go_with_their_channel() -> Result<()> {
     }
     Ok(())
 }
+
+/// `rdma_resolve_addr` right after `rdma_create_id` carries the request
+/// for the channel's next spare id (a batch of `ResolveAddr` then
+/// `CreateId`): in a row of create-and-resolve, each id is distinct and
+/// resolves, the spare made there is the next create's, and a channel
+/// dropped with such a spare goes cleanly (the descriptor quota would run
+/// out otherwise). A resolve that fails there fails exactly as alone
+/// (same errno, same message) and makes no spare; the next create still
+/// works.
+#[test]
+fn a_resolve_carries_the_spare_request_and_fails_as_alone() -> Result<()> {
+    let d = DaemonProc::start_with_config("[quota]\nmax_descriptors = 32\n")?;
+    let ctx = d.context()?;
+    let server_ch = EventChannel::create(&ctx)?;
+    let listener = CmId::create(&server_ch, PortSpace::Tcp)?;
+    let at = localhost(vrdma_it::free_port()?);
+    listener.bind(at)?;
+    listener.listen(8)?;
+    for round in 0..40 {
+        let ch = EventChannel::create(&ctx)?;
+        let mut seen = Vec::new();
+        for _ in 0..3 {
+            let id = CmId::create(&ch, PortSpace::Tcp)?;
+            ensure!(!seen.contains(&id.id()), "round {round}: id {} made twice", id.id());
+            seen.push(id.id());
+            id.resolve_addr(None, at)?;
+            let ev = expect(&ch, EventKind::AddrResolved)?;
+            ensure!(ev.id == id.id() && ev.remote == Some(at), "round {round}: {ev:?}");
+        }
+        if round == 0 {
+            // A failed resolve, batched (the channel wants a spare after
+            // the create) and then alone: the same error.
+            let id = CmId::create(&ch, PortSpace::Tcp)?;
+            let nowhere = SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, at.port());
+            let batched = id.resolve_addr(None, nowhere).expect_err("a resolve to 0.0.0.0");
+            let alone = id.resolve_addr(None, nowhere).expect_err("a resolve to 0.0.0.0");
+            ensure!(batched.to_string() == alone.to_string(), "{batched} against {alone}");
+            ensure!(!batched.to_string().contains("batch"), "{batched}");
+            // No spare was made: the next create asks for its id and works.
+            let next = CmId::create(&ch, PortSpace::Tcp)?;
+            next.resolve_addr(None, at)?;
+            expect(&ch, EventKind::AddrResolved)?;
+        }
+    }
+    Ok(())
+}
+
+/// What the daemon answers to the kinds a resolve's batch carries: the
+/// resolve's event and the new id; a `CreateId` it refuses (another's
+/// channel, a port space rdma_cm has not) fails as call 1, the resolve
+/// done; a resolve it refuses fails as call 0, and no id is made after
+/// it.
+#[test]
+fn the_daemon_answers_a_resolve_and_create_id_batch() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let mut c = RawConn::connect(&d.socket)?;
+    c.hello()?;
+    let channel = match c.call(&Request::Cm(CmRequest::CreateChannel), &[])?.reply()? {
+        Reply::Cm(CmReply::Channel { channel }) => channel,
+        other => bail!("CreateChannel answered {other:?}"),
+    };
+    let tcp = PortSpace::Tcp.raw();
+    let new_id = |c: &mut RawConn| -> Result<u32> {
+        match c.call(&Request::Cm(CmRequest::CreateId { channel, ps: tcp }), &[])?.reply()? {
+            Reply::Cm(CmReply::Id { id }) => Ok(id),
+            other => bail!("CreateId answered {other:?}"),
+        }
+    };
+    let batch = |c: &mut RawConn, ops: Vec<CmBatchOp>| -> Result<(Vec<Reply>, Option<u32>)> {
+        match c.call(&Request::Cm(CmRequest::Batch { ops }), &[])?.reply()? {
+            Reply::Batch { replies, failed } => Ok((replies, failed)),
+            other => bail!("expected a batch, got {other:?}"),
+        }
+    };
+    let dst = localhost(vrdma_it::free_port()?);
+
+    let id = new_id(&mut c)?;
+    let (replies, failed) = batch(
+        &mut c,
+        vec![CmBatchOp::ResolveAddr { id, src: None, dst }, CmBatchOp::CreateId { channel, ps: tcp }],
+    )?;
+    ensure!(failed.is_none() && replies.len() == 2, "{replies:?} {failed:?}");
+    ensure!(matches!(replies[0], Reply::Cm(CmReply::Event { .. })), "{:?}", replies[0]);
+    match replies[1] {
+        Reply::Cm(CmReply::Id { id: spare }) => ensure!(spare != id, "the spare is a new id"),
+        ref other => bail!("CreateId answered {other:?}"),
+    }
+
+    for bad in
+        [CmBatchOp::CreateId { channel: channel + 1000, ps: tcp }, CmBatchOp::CreateId { channel, ps: 0x999 }]
+    {
+        let id = new_id(&mut c)?;
+        let (replies, failed) =
+            batch(&mut c, vec![CmBatchOp::ResolveAddr { id, src: None, dst }, bad.clone()])?;
+        ensure!(failed == Some(1) && replies.len() == 2, "{bad:?}: {replies:?} {failed:?}");
+        ensure!(
+            matches!(replies[0], Reply::Cm(CmReply::Event { .. })),
+            "{bad:?}: the resolve ran: {replies:?}"
+        );
+        match &replies[1] {
+            Reply::Error { errno, message } => {
+                ensure!(
+                    *errno == libc::EINVAL && message.contains("call 1 of the batch"),
+                    "{errno} {message}"
+                )
+            }
+            other => bail!("{bad:?}: {other:?}"),
+        }
+    }
+
+    // A resolve of an id that is not there: call 0 fails, nothing after.
+    let (replies, failed) = batch(
+        &mut c,
+        vec![CmBatchOp::ResolveAddr { id: 0xdead, src: None, dst }, CmBatchOp::CreateId { channel, ps: tcp }],
+    )?;
+    ensure!(failed == Some(0) && replies.len() == 1, "{replies:?} {failed:?}");
+    ensure!(matches!(&replies[0], Reply::Error { message, .. } if message.contains("call 0 of the batch")));
+    // Still serving.
+    new_id(&mut c)?;
+    Ok(())
+}

@@ -43,8 +43,10 @@
 //! event rung before it.
 //!
 //! Two more round trips of a connection's setup are folded away. Each
-//! channel keeps a spare id, made ahead with a request whose reply is read
-//! with the context's next call ([`CmId::create`]); and
+//! channel keeps a spare id, made ahead ([`CmId::create`]): its request
+//! goes in the same message as the id's `rdma_resolve_addr` (a batch of
+//! `ResolveAddr` then `CreateId`), or, before a call of another kind, on
+//! its own with its reply read with the context's next call; and
 //! [`CmId::create_qp_with_cq_and_connect`] and
 //! [`CmId::create_qp_with_cq_and_accept`] send the QP's creation and the
 //! connect or accept in one message (`CmRequest::Batch`, run in order,
@@ -195,6 +197,11 @@ struct Spare {
     id: Option<(PortSpace, u32)>,
     /// Whether one was asked for and its reply is still unread.
     asked: bool,
+    /// A spare of this port space is wanted and not asked for yet: it is
+    /// asked for with the id's `rdma_resolve_addr`, in the same message
+    /// ([`CmId::resolve_addr`]), or on its own before the context's next
+    /// call of another kind ([`ChannelInner::settle_spare`]).
+    wanted: Option<PortSpace>,
 }
 
 impl ChannelInner {
@@ -371,6 +378,49 @@ impl ChannelInner {
                 Some(id)
             }
             _ => None,
+        }
+    }
+
+    /// Notes that a spare of port space `ps` is wanted, unless the channel
+    /// has or awaits one: asked for with the next `rdma_resolve_addr` (see
+    /// [`CmId::resolve_addr`]), or before another call
+    /// ([`settle_spare`](Self::settle_spare)).
+    fn want_spare(&self, ps: PortSpace) {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if !spare.asked && spare.id.is_none() && !self.removed() {
+            spare.wanted = Some(ps);
+        }
+    }
+
+    /// The spare wanted, taken, to be asked for in the caller's message;
+    /// marked asked until [`spare_answered`](Self::spare_answered).
+    fn take_wanted(&self) -> Option<PortSpace> {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        let ps = spare.wanted.take()?;
+        if spare.asked || spare.id.is_some() || self.removed() {
+            return None;
+        }
+        spare.asked = true;
+        Some(ps)
+    }
+
+    /// The outcome of a spare asked for with another call (`None`: not
+    /// made, or its reply never came).
+    fn spare_answered(&self, made: Option<(PortSpace, u32)>) {
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        spare.asked = false;
+        if made.is_some() {
+            spare.id = made;
+        }
+    }
+
+    /// Asks now (a request sent ahead, as [`ask_spare`](Self::ask_spare))
+    /// for a spare still wanted: before a call that does not carry the
+    /// request itself.
+    fn settle_spare(&self) {
+        let wanted = self.spare.lock().unwrap_or_else(|p| p.into_inner()).wanted.take();
+        if let Some(ps) = wanted {
+            self.ask_spare(ps);
         }
     }
 
@@ -630,14 +680,20 @@ impl CmId {
     ///
     /// Each channel keeps one id made ahead (a spare, of the port space
     /// last asked for): the call takes it where there is one, with no
-    /// round trip, and asks for the next without waiting for the daemon's
-    /// reply, which is read with the context's next call (which goes out
-    /// right after, as a rule a resolve, and waits for both: one round
-    /// trip of a connection's setup saved). The first call of a channel,
+    /// round trip, and the next is asked for with this id's
+    /// [`resolve_addr`](Self::resolve_addr), in its message (the
+    /// daemon's `ResolveAddr` then `CreateId`: one round trip of a
+    /// connection's setup saved, and no message of its own), or, if
+    /// another call of the channel's ids or another create comes first,
+    /// before it, without waiting for the daemon's reply, which is read
+    /// with the context's next call. The first call of a channel,
     /// of another port space, or after the daemon refused a spare (the
     /// tenant's id quota, which a spare counts against) waits as before,
     /// and fails with the daemon's error.
     pub fn create(channel: &EventChannel, ps: PortSpace) -> Result<CmId> {
+        // (One wanted by an id that made no call since goes now: a program
+        // that makes ids in a row still finds every other one made.)
+        channel.inner.settle_spare();
         let id = match channel.inner.take_spare(ps) {
             Some(id) => id,
             None => {
@@ -649,7 +705,7 @@ impl CmId {
             }
         };
         channel.inner.ids.lock().unwrap_or_else(|p| p.into_inner()).insert(id, false);
-        channel.inner.ask_spare(ps);
+        channel.inner.want_spare(ps);
         Ok(CmId { channel: channel.clone(), id, ps, route: Mutex::new(Route::Ask) })
     }
 
@@ -671,6 +727,7 @@ impl CmId {
     }
 
     fn call(&self, req: CmRequest) -> Result<CmReply> {
+        self.channel.inner.settle_spare();
         call(&self.channel.inner.ctx, req)
     }
 
@@ -748,12 +805,90 @@ impl CmId {
     }
 
     /// `rdma_resolve_addr`; `AddrResolved` follows on the channel.
+    ///
+    /// Where the channel wants a spare id (see [`CmId::create`]), its
+    /// request goes in the same message (`CmRequest::Batch` of
+    /// `ResolveAddr` then `CreateId`: a resolve that fails makes none),
+    /// so that the spare costs the daemon no message, and the library no
+    /// read, of its own. The resolve's outcome and errors are those of
+    /// the call alone; a spare the daemon refuses is not made (the next
+    /// `rdma_create_id` asks and waits, as always).
     pub fn resolve_addr(&self, src: Option<SocketAddrV4>, dst: SocketAddrV4) -> Result<()> {
-        let reply = self.call_settled(CmRequest::ResolveAddr { id: self.id, src, dst })?;
+        let batched = {
+            let route = self.route();
+            let inner = &self.channel.inner;
+            (!matches!(*route, Route::Reported) && inner.ctx.inner.control.guest_link().is_none())
+                .then(|| inner.take_wanted())
+                .flatten()
+        };
+        let reply = match batched {
+            Some(ps) => self.resolve_addr_and_spare(src, dst, ps)?,
+            None => self.call_settled(CmRequest::ResolveAddr { id: self.id, src, dst })?,
+        };
         self.channel.inner.set_device(self.id);
         *self.route() = Route::Resolvable;
         self.channel.inner.keep(reply);
         Ok(())
+    }
+
+    /// `ResolveAddr` and the channel's spare of port space `ps` in one
+    /// round trip (see [`resolve_addr`](Self::resolve_addr)): the
+    /// resolve's reply, or its error as it would have come alone.
+    fn resolve_addr_and_spare(
+        &self,
+        src: Option<SocketAddrV4>,
+        dst: SocketAddrV4,
+        ps: PortSpace,
+    ) -> Result<CmReply> {
+        let inner = &self.channel.inner;
+        // (As `call_settled`: the route was not the library's, and the
+        // resolve may move the id.)
+        *self.route() = Route::Ask;
+        let ops = vec![
+            CmBatchOp::ResolveAddr { id: self.id, src, dst },
+            CmBatchOp::CreateId { channel: inner.channel, ps: ps.raw() },
+        ];
+        let req = Request::Cm(CmRequest::Batch { ops });
+        let answer = match inner.ctx.inner.control.call(&req, &[]) {
+            Ok(a) => a,
+            Err(e) => {
+                inner.spare_answered(None);
+                return Err(e);
+            }
+        };
+        let (mut replies, failed) = match answer.reply {
+            Reply::Batch { replies, failed } => (replies.into_iter(), failed),
+            other => {
+                inner.spare_answered(None);
+                return Err(control::unexpected(&req, &other));
+            }
+        };
+        let resolved = match (replies.next(), failed) {
+            (Some(Reply::Error { errno, message }), Some(0)) => {
+                inner.spare_answered(None);
+                // The resolve's own error, as it reads when sent alone.
+                let message = match message.strip_prefix("call 0 of the batch: ") {
+                    Some(m) => m.to_string(),
+                    None => message,
+                };
+                return Err(Error::Daemon { errno, message });
+            }
+            (Some(Reply::Cm(r)), _) => r,
+            (other, _) => {
+                inner.spare_answered(None);
+                return Err(Error::protocol(format!("a resolve's batch answered {other:?} first")));
+            }
+        };
+        match (replies.next(), failed) {
+            (Some(Reply::Cm(CmReply::Id { id })), None) => inner.spare_answered(Some((ps, id))),
+            // The daemon refused the spare (the tenant's id quota): none.
+            (Some(Reply::Error { .. }), Some(1)) => inner.spare_answered(None),
+            (other, _) => {
+                inner.spare_answered(None);
+                return Err(Error::protocol(format!("a resolve's batch answered {other:?} second")));
+            }
+        }
+        Ok(resolved)
     }
 
     /// `rdma_resolve_route`; `RouteResolved` follows.

@@ -158,7 +158,9 @@ pub enum CmRequest {
     /// `rdma_accept` (or `rdma_connect`) that follows it in one round
     /// trip, where each was one of the few left on a connection's setup;
     /// the accept needs nothing of the creation's reply (the daemon takes
-    /// the attached QP's number itself).
+    /// the attached QP's number itself); and `rdma_resolve_addr` with the
+    /// request for the channel's next spare id (`ResolveAddr` then
+    /// `CreateId`: a resolve that fails makes no id).
     Batch {
         ops: Vec<CmBatchOp>,
     },
@@ -171,13 +173,49 @@ pub const MAX_CM_BATCH: usize = 4;
 /// the same name and fields.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum CmBatchOp {
-    CreateQp { id: u32, pd: u32, init: crate::verbs::QpInitAttr },
-    CreateQpWithCq { id: u32, pd: u32, cqe: u32, init: crate::verbs::QpInitAttr },
-    AttachQp { id: u32, qp: u32 },
-    RouteReported { id: u32 },
-    Connect { id: u32, conn: ConnInfo },
-    ConnectRouted { id: u32, conn: ConnInfo },
-    Accept { id: u32, conn: ConnInfo, qkey: u32 },
+    CreateQp {
+        id: u32,
+        pd: u32,
+        init: crate::verbs::QpInitAttr,
+    },
+    CreateQpWithCq {
+        id: u32,
+        pd: u32,
+        cqe: u32,
+        init: crate::verbs::QpInitAttr,
+    },
+    AttachQp {
+        id: u32,
+        qp: u32,
+    },
+    RouteReported {
+        id: u32,
+    },
+    Connect {
+        id: u32,
+        conn: ConnInfo,
+    },
+    ConnectRouted {
+        id: u32,
+        conn: ConnInfo,
+    },
+    Accept {
+        id: u32,
+        conn: ConnInfo,
+        qkey: u32,
+    },
+    /// With `CreateId` after it: an address resolved, and the next
+    /// `rdma_create_id`'s id (the channel's spare) made in the same round
+    /// trip, where the spare's request was one of its own.
+    ResolveAddr {
+        id: u32,
+        src: Option<SocketAddrV4>,
+        dst: SocketAddrV4,
+    },
+    CreateId {
+        channel: u32,
+        ps: u32,
+    },
 }
 
 impl From<CmBatchOp> for CmRequest {
@@ -192,6 +230,8 @@ impl From<CmBatchOp> for CmRequest {
             CmBatchOp::Connect { id, conn } => CmRequest::Connect { id, conn },
             CmBatchOp::ConnectRouted { id, conn } => CmRequest::ConnectRouted { id, conn },
             CmBatchOp::Accept { id, conn, qkey } => CmRequest::Accept { id, conn, qkey },
+            CmBatchOp::ResolveAddr { id, src, dst } => CmRequest::ResolveAddr { id, src, dst },
+            CmBatchOp::CreateId { channel, ps } => CmRequest::CreateId { channel, ps },
         }
     }
 }

@@ -734,6 +734,25 @@ mod tests {
         // Each op is the request of its name.
         let op = CmBatchOp::ConnectRouted { id: 3, conn: ConnInfo::default() };
         assert_eq!(CmRequest::from(op), CmRequest::ConnectRouted { id: 3, conn: ConnInfo::default() });
+        // The kinds added later come after the first seven, in order.
+        let dst = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, 7471);
+        let later = Request::Cm(CmRequest::Batch {
+            ops: vec![
+                CmBatchOp::ResolveAddr { id: 3, src: None, dst },
+                CmBatchOp::CreateId { channel: 2, ps: 0x106 },
+            ],
+        });
+        let bytes = encode_request(&later);
+        assert_eq!(bytes[3], 7, "CmBatchOp::ResolveAddr is the eighth kind");
+        assert_eq!(decode_request(&bytes).unwrap(), later);
+        let create = encode_request(&Request::Cm(CmRequest::Batch {
+            ops: vec![CmBatchOp::CreateId { channel: 2, ps: 0x106 }],
+        }));
+        assert_eq!(create[3], 8, "CmBatchOp::CreateId is the ninth kind");
+        let create = CmBatchOp::CreateId { channel: 2, ps: 0x106 };
+        assert_eq!(CmRequest::from(create), CmRequest::CreateId { channel: 2, ps: 0x106 });
+        let resolve = CmBatchOp::ResolveAddr { id: 3, src: None, dst };
+        assert_eq!(CmRequest::from(resolve), CmRequest::ResolveAddr { id: 3, src: None, dst });
         let a = Reply::Batch {
             replies: vec![Reply::Done, Reply::Error { errno: 22, message: "accept: wrong state".into() }],
             failed: Some(1),

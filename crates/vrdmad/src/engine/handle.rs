@@ -52,6 +52,10 @@ pub(super) struct Core {
     /// The engine has stopped; what is queued is dropped (its callers
     /// hear [`EngineGone`]).
     pub(super) stopped: AtomicBool,
+    /// The engine thread runs at real-time priority: it sleeps on the lock
+    /// (its yields would let no normal thread run: see
+    /// [`Core::lock_yielding`]).
+    pub(super) realtime: AtomicBool,
 }
 
 impl Core {
@@ -63,6 +67,7 @@ impl Core {
             waiting: AtomicU32::new(0),
             asleep: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
+            realtime: AtomicBool::new(false),
         }
     }
 
@@ -70,6 +75,35 @@ impl Core {
     /// caught where the state is used, so poisoning is not expected).
     pub(super) fn lock(&self) -> MutexGuard<'_, Option<EngineState>> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The lock if it is free now (`None`: held).
+    fn try_lock(&self) -> Option<MutexGuard<'_, Option<EngineState>>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// The lock, for the engine thread between its passes: it yields
+    /// while a caller holds it rather than sleeping on it, so that the
+    /// caller's unlock never has a sleeper to wake (a system call and a
+    /// cross-CPU wake-up on the caller's path, several per rdma_cm
+    /// connection while a setup's calls come one after another). The
+    /// engine polled with yields at that point anyway. (A real-time
+    /// engine's yield lets no normal thread run, the lock's holder
+    /// included: it sleeps on the lock as before.)
+    pub(super) fn lock_yielding(&self) -> MutexGuard<'_, Option<EngineState>> {
+        if self.realtime.load(Ordering::Relaxed) {
+            return self.lock();
+        }
+        loop {
+            if let Some(g) = self.try_lock() {
+                return g;
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// The lock, for a caller (see [`Core::waiting`]); `None` once the
@@ -100,7 +134,7 @@ impl Core {
             }
             std::thread::yield_now();
         }
-        self.lock()
+        self.lock_yielding()
     }
 
     /// Drops what is queued, once the engine has stopped.

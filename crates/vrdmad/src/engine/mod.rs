@@ -497,6 +497,7 @@ fn run(
 ) {
     if cfg.realtime {
         set_realtime();
+        core.realtime.store(true, Ordering::Relaxed);
     }
     if let Some(cpu) = cfg.cpu {
         pin_to(cpu);
@@ -558,7 +559,7 @@ fn run(
             Then::Yield => {
                 drop(guard);
                 std::thread::yield_now();
-                guard = core.lock();
+                guard = core.lock_yielding();
             }
             Then::Sleep => {
                 guard = try_sleep(&core, guard, &wake, &stop, &stats);
