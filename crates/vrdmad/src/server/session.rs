@@ -17,9 +17,8 @@ use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
 use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
-    self, CmReply, CmRequest, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
-    CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, MAX_REPLY_FDS, POSTED_RING_CAPACITY,
-    POSTED_SLOT_SIZE, PROTOCOL_VERSION,
+    self, CmReply, CmRequest, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, MAX_FDS,
+    MAX_MESSAGE, MAX_REPLY_FDS, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE, PROTOCOL_VERSION,
 };
 use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
 use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
@@ -27,11 +26,12 @@ use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segm
 use super::guest_memory::{GuestMemory, RingMemory};
 use super::ring_pool::RingPool;
 use super::Shared;
-use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
+use crate::engine::{ContextRings, CqRing, InRing, QpRings};
 use crate::vm::{Kind, Place};
 
 mod adopt;
 mod cm_batch;
+mod comp_channel;
 mod vm_region;
 
 const EINVAL: i32 = 22;
@@ -770,59 +770,6 @@ impl Session {
             }
         }
         made
-    }
-
-    fn create_channel(&mut self) -> Result<Answer, Answer> {
-        let len = ring_bytes(CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE);
-        let (seg_fd, seg) = self.new_segment("vrdma-channel", len, self.budget())?;
-        let ring = RingView::in_segment(seg.clone(), 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)
-            .map_err(|e| error(ENOMEM, e.to_string()))?;
-        let (fd, tenant_end) = Doorbell::pair()?;
-        // One datagram per unread event (see engine::rings): room for as
-        // many as the ring holds, as far as net.core.wmem_max allows.
-        let max_unread =
-            fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
-        let extent = match &seg_fd {
-            Carry::Extent { offset, len } => Some((*offset, *len)),
-            _ => None,
-        };
-        let fds = vec![seg_fd, tenant_end.into()];
-        let seg_len = seg.len() as u64;
-        // A channel counts against the tenant's object quota: it holds a
-        // mapping and descriptors in the daemon. The descriptor cannot be
-        // spared (the daemon signals the tenant's end through it), so a
-        // tenant's channels are bounded apart, well below the objects: the
-        // daemon's descriptors are shared by every tenant.
-        let tenant = self.tenant;
-        let channel = self.engine(move |e, c| {
-            let held = e.rings.channels.values().filter(|ch| ch.tenant == tenant).count();
-            if held >= MAX_CHANNELS_PER_TENANT {
-                return Err(HcaError::QuotaExceeded(format!(
-                    "a tenant may hold at most {MAX_CHANNELS_PER_TENANT} completion channels"
-                )));
-            }
-            e.hca.charge_object(c)?;
-            let id = e.rings.free_channel_id(&e.hca);
-            e.rings.channels.insert(id, Channel { ctx: c, tenant, ring, fd, cqs: 0, max_unread });
-            Ok::<_, HcaError>(id)
-        })??;
-        // A guest's channel ring is in the VM's region: placed, so that it
-        // moves with the VM (`migrate_vm`).
-        if let Some((offset, len)) = extent {
-            self.place(Kind::Channel, channel, Place::Ring(offset, len));
-        }
-        Ok(Answer {
-            reply: Reply::CompChannel {
-                channel,
-                segment_len: seg_len,
-                ring: RingSpec {
-                    offset: 0,
-                    capacity: CHANNEL_RING_CAPACITY,
-                    stride: CHANNEL_EVENT_SIZE as u32,
-                },
-            },
-            fds,
-        })
     }
 
     fn create_cq(&mut self, cqe: u32, channel: Option<u32>) -> Result<Answer, Answer> {
