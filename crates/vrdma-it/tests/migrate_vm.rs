@@ -588,12 +588,35 @@ impl Move<'_> {
 
     /// [`run`](Self::run), with `paused` run right after the pause.
     fn run_with(&self, guest: &mut PeerProc, uid: u32, paused: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.steps(guest, uid, paused, |_| Ok(()))
+    }
+
+    /// [`run`](Self::run), with `refused` given the snapshot just before
+    /// the destination imports it (the region copied already): for an
+    /// import the destination refuses first.
+    fn run_refusing(
+        &self,
+        guest: &mut PeerProc,
+        uid: u32,
+        refused: impl FnOnce(&OwnedFd) -> Result<()>,
+    ) -> Result<()> {
+        self.steps(guest, uid, || Ok(()), refused)
+    }
+
+    fn steps(
+        &self,
+        guest: &mut PeerProc,
+        uid: u32,
+        paused: impl FnOnce() -> Result<()>,
+        before_import: impl FnOnce(&OwnedFd) -> Result<()>,
+    ) -> Result<()> {
         use vrdma_it::protocol::Command as C;
         vrdma::migrate::pause(self.from, uid)?;
         paused()?;
         guest.call_ok(&C::Freeze)?;
         let (snap, _, _) = vrdma::migrate::export(self.from, uid)?;
         copy_region(&self.from_vm.region, &self.to_vm.region, self.from_vm.region_len)?;
+        before_import(&snap)?;
         vrdma::migrate::import(self.to, snap.as_fd())?;
         guest.call_ok(&C::MoveBar { to_fd: self.to_fd })?;
         let next = self.port_link.with_extension("next");
@@ -945,4 +968,148 @@ fn polled_none(guest: &mut PeerProc) -> Result<usize> {
         vrdma_it::protocol::Said::Completions(w) => Ok(w.len()),
         other => bail!("the guest's poll: {other:?}"),
     }
+}
+
+/// Issue 19's refusals of a completion channel at the import: an emulated
+/// guest on A whose CQ has a channel, armed, connected RC to B, moves to C;
+/// `refuse` (given C's daemon and the snapshot, after the region's copy)
+/// has C refuse an import first and checks what C still serves. Then the
+/// genuine import goes through and the move ends on C as usual: so the
+/// refused one left nothing there (no context open, no extent of the
+/// VM's region taken, no channel, no charge), or this import would be
+/// refused too. On C the guest's library takes its context and channel
+/// back, and B's message fires the CQ armed on A once.
+fn a_move_after_a_refused_import(
+    c_extra: &str,
+    refuse: impl FnOnce(&ThreeHosts, &OwnedFd) -> Result<()>,
+) -> Result<()> {
+    use vrdma_it::protocol::{Command as C, Said};
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+    let h = ThreeHosts::start([&vm, "", &format!("{vm}{c_extra}")])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+    let dir = tempfile::tempdir()?;
+    let port_link = dir.path().join("port");
+    std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
+    let mut guest = PeerProc::spawn_movable_guest(
+        &port_link,
+        &[&vm_a.region, &vm_c.region],
+        &[],
+        "tenant",
+        &["--mr-len", "65536", "--channel"],
+    )?;
+    let g = guest.hello()?;
+    let b = Side::new(&h.b.context()?, 1 << 20)?;
+    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
+    eg.lid = 0;
+    eb.lid = 0;
+    b.qp.connect(&eg, access_all())?;
+    guest.call_ok(&C::Connect { peer: eb })?;
+    guest.call_ok(&C::PostRecv { count: 4, offset: 0, len: 256 })?;
+    guest.call_ok(&C::ArmCq { solicited_only: false })?;
+    let a_to_c = Move {
+        from: &h.a.socket,
+        to: &h.c.socket,
+        from_vm: &vm_a,
+        to_vm: &vm_c,
+        to_fd: 102,
+        port_link: &port_link,
+    };
+    a_to_c.run_refusing(&mut guest, uid, |snap| refuse(&h, snap))?;
+    match guest.call(&C::Query)? {
+        Said::State(_) => {}
+        other => bail!("querying on C: {other:?}"),
+    }
+    b.qp.post_send(&[wr::send(0, &[b.mr.sge(0, 64)?])?.signaled()])?;
+    assert_eq!(poll_n(&b.cq, 1, WAIT)?[0].status, WcStatus::Success, "B's send to C");
+    match guest.call(&C::CqEvent { timeout_ms: WAIT.as_millis() as u64 })? {
+        Said::Event(Some(_)) => {}
+        other => bail!("the CQ armed on A, on C: {other:?}"),
+    }
+    match guest.call(&C::CqEvent { timeout_ms: 150 })? {
+        Said::Event(None) => {}
+        other => bail!("a second event on C: {other:?}"),
+    }
+    match guest.call(&C::Poll { count: 1, timeout_ms: WAIT.as_millis() as u64 })? {
+        Said::Completions(w) => assert_eq!(w.iter().map(|w| w.wr_id).collect::<Vec<_>>(), vec![0]),
+        other => bail!("the guest's poll on C: {other:?}"),
+    }
+    assert_eq!(polled_none(&mut guest)?, 0);
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+    Ok(())
+}
+
+/// The objects a snapshot charges to its tenant, completion channels apart.
+fn objects_of(s: &TenantSnapshot) -> usize {
+    s.pds.len() + s.mrs.len() + s.cqs.len() + s.srqs.len() + s.ahs.len() + s.qps.len()
+}
+
+/// An import whose completion channels would pass the tenant's object
+/// quota on the destination is refused, all of it: C's quota for the
+/// tenant is 16 objects, of which a host process of the tenant on C holds
+/// all but the snapshot's other objects; the core's checks pass, the
+/// channel's charge does not. C refuses with the quota named, and the
+/// tenant's quota there is as before: the host process may make exactly
+/// as many objects as before the import, and no more. Freed, the same
+/// snapshot imports (`a_move_after_a_refused_import`).
+#[test]
+fn an_import_whose_completion_channels_pass_the_tenants_quota_is_refused_and_leaves_nothing() -> Result<()> {
+    const MAX_OBJECTS: usize = 16;
+    let uid = rustix::process::geteuid().as_raw();
+    let quota = format!("[tenants.{uid}]\nmax_objects = {MAX_OBJECTS}\n");
+    a_move_after_a_refused_import(&quota, |h, snap| {
+        let s = TenantSnapshot::decode(&read_all(snap)?)?;
+        let channels = s.placement.as_ref().map_or(0, |p| p.channels.len());
+        assert_eq!(channels, 1, "the guest's one channel is in the snapshot");
+        let n = objects_of(&s);
+        assert!(n < MAX_OBJECTS, "{n} objects");
+        let host = h.c.context()?;
+        let held: Vec<_> = (0..MAX_OBJECTS - n).map(|_| host.alloc_pd()).collect::<Result<_, _>>()?;
+        let e = vrdma::migrate::import(&h.c.socket, snap.as_fd()).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "{e}");
+        let m = e.to_string();
+        assert!(m.contains("quota") && m.contains(&format!("{} objects to import", n + 1)), "{m}");
+        // The quota as before: room for exactly `n` more objects.
+        let more: Vec<_> = (0..n).map(|_| host.alloc_pd()).collect::<Result<_, _>>()?;
+        let e = host.alloc_pd().map(|_| ()).unwrap_err();
+        assert!(e.to_string().contains("limit"), "{e}");
+        drop((more, held, host));
+        Ok(())
+    })
+}
+
+/// An import naming a completion channel whose number is in use on the
+/// destination is refused: a host process on C holds a channel, and a
+/// snapshot of the guest's names it (the guest's channel renumbered: two
+/// daemons' number spaces apart, only a forged snapshot or two daemons
+/// configured with one space can do that). C refuses with the channel
+/// named; the host's channel is still its own (a CQ is made on it), and
+/// the genuine snapshot then imports (`a_move_after_a_refused_import`).
+#[test]
+fn an_import_naming_a_completion_channel_in_use_here_is_refused_and_leaves_nothing() -> Result<()> {
+    a_move_after_a_refused_import("", |h, snap| {
+        let host = h.c.context()?;
+        let ch = host.create_comp_channel()?;
+        let mine = ch.channel_id();
+        let mut s = TenantSnapshot::decode(&read_all(snap)?)?;
+        let p = s.placement.as_mut().context("a VM's tenant is exported with its placement")?;
+        assert_eq!(p.channels.len(), 1, "the guest's one channel is in the snapshot");
+        assert_ne!(p.channels[0].id, mine, "the daemons' number spaces are apart");
+        p.channels[0].id = mine;
+        let forged = rustix::fs::memfd_create("forged-snapshot", rustix::fs::MemfdFlags::CLOEXEC)?;
+        let bytes = s.encode();
+        let mut done = 0;
+        while done < bytes.len() {
+            done += rustix::io::write(&forged, &bytes[done..])?;
+        }
+        let e = vrdma::migrate::import(&h.c.socket, forged.as_fd()).unwrap_err();
+        assert_eq!(e.errno(), libc::EINVAL, "{e}");
+        let m = e.to_string();
+        assert!(m.contains(&format!("completion channel {mine:#x} is in use here")), "{m}");
+        // The host's channel is still its context's.
+        let cq = host.create_cq(16, Some(&ch))?;
+        drop((cq, ch, host));
+        Ok(())
+    })
 }

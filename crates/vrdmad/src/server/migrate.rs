@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use vrdma_core::hca::migrate::{MigrateError, MAX_SNAPSHOT_BYTES};
-use vrdma_core::hca::{ContextId, TenantId};
+use vrdma_core::hca::TenantId;
 use vrdma_core::proto::{MigrateReply, MigrateRequest, Reply};
 
 use super::session::{error, Answer, Carry};
@@ -184,8 +184,8 @@ pub(super) fn handle(
                 }
             };
             let mut regions = attached.as_mut().map(|a| std::mem::take(&mut a.regions)).unwrap_or_default();
-            let (channels, channel_ctxs): (Vec<u32>, Vec<u32>) =
-                snap.placement.iter().flat_map(|p| p.channels.iter().map(|c| (c.id, c.ctx))).unzip();
+            let channels: Vec<u32> =
+                snap.placement.iter().flat_map(|p| p.channels.iter().map(|c| c.id)).collect();
             let r = engine
                 .call(move |e| {
                     // Channels keep their numbers, as the core's objects do.
@@ -197,21 +197,17 @@ pub(super) fn handle(
                     let now = e.now();
                     // A tenant without a placement has no memory here: a
                     // process's memory does not move (module doc).
-                    let t = e.hca.import_tenant(&bytes, now, &mut |m| regions.remove(&m.key))?;
                     // A completion channel is an object of its context, as
-                    // when it was made: all charged, or the import undone.
-                    for (i, ctx) in channel_ctxs.iter().enumerate() {
-                        if let Err(why) = e.hca.charge_object(ContextId(*ctx)) {
-                            for c in &channel_ctxs[..i] {
-                                e.hca.refund_object(ContextId(*c));
-                            }
-                            let _ = e.hca.finish_export(t);
-                            return Err(vrdma_core::hca::migrate::SnapshotError::Quota(format!(
-                                "its {} completion channels: {why}",
-                                channel_ctxs.len()
-                            )));
-                        }
-                    }
+                    // when it was made: the core's quota check counts them
+                    // with the rest, so an import that cannot hold them is
+                    // refused before anything changes (the tenant's other
+                    // contexts here untouched).
+                    let t = e.hca.import_tenant_with(
+                        &bytes,
+                        now,
+                        &mut |m| regions.remove(&m.key),
+                        channels.len() as u32,
+                    )?;
                     Ok::<_, vrdma_core::hca::migrate::SnapshotError>((t, e.hca.tenant_contexts(t).len()))
                 })
                 .map_err(|_| gone());

@@ -17,9 +17,8 @@ use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
 use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
-    self, CmReply, CmRequest, MovedChannel, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY,
-    CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY, MAX_FDS, MAX_MESSAGE, MAX_REPLY_FDS, POSTED_RING_CAPACITY,
-    POSTED_SLOT_SIZE, PROTOCOL_VERSION,
+    self, CmReply, CmRequest, Reply, Request, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, MAX_FDS,
+    MAX_MESSAGE, MAX_REPLY_FDS, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE, PROTOCOL_VERSION,
 };
 use vrdma_core::ring::{recv_stride, send_stride, CQE_SIZE};
 use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segment};
@@ -27,10 +26,13 @@ use vrdma_shm::{fdpass, page_size, ring_bytes, Doorbell, Mapping, RingView, Segm
 use super::guest_memory::{GuestMemory, RingMemory};
 use super::ring_pool::RingPool;
 use super::Shared;
-use crate::engine::{Channel, ContextRings, CqRing, InRing, QpRings};
+use crate::engine::{ContextRings, CqRing, InRing, QpRings};
 use crate::vm::{Kind, Place};
 
+mod adopt;
 mod cm_batch;
+mod comp_channel;
+mod vm_region;
 
 const EINVAL: i32 = 22;
 const EPROTO: i32 = 71;
@@ -741,166 +743,6 @@ impl Session {
         })
     }
 
-    /// A guest session takes over `context`, imported with its VM
-    /// (`migrate_vm::claim_context` says which may be): its context
-    /// segment found again where the guest left it, new doorbells, the
-    /// memory extents its regions lie on, and the session's number becomes
-    /// the context's. Answered as Hello.
-    fn adopt(&mut self, version: u32, context: u32) -> Result<Answer, Answer> {
-        if self.open {
-            return Err(error(EPROTO, "this session has a context already"));
-        }
-        check_version(version)?;
-        let Some(g) = &self.guest else {
-            return Err(error(
-                libc::EPERM,
-                "only a guest session adopts a context: a host process's context does not move",
-            ));
-        };
-        let vm = g.vm.clone();
-        let admitted = self.admit()?;
-        let tenant = self.tenant;
-        // Claimed (out of the VM's unowned extents) before anything else,
-        // so that two sessions cannot both adopt it.
-        let (at, len) = super::migrate_vm::claim_context(&vm, context)?;
-        let installed = self.install_adopted(&vm, context, at, len);
-        let (doorbell_tenant, event_tenant, channels) = match installed {
-            Ok(fds) => fds,
-            Err(a) => {
-                // Everything that mapped the segment is gone (its extent
-                // freed with it): the context's again, to adopt later.
-                super::migrate_vm::unclaim_context(&vm, at, len);
-                return Err(a);
-            }
-        };
-        let (posted_at, _) = vrdma_core::proto::context_segment_layout();
-        // The session is the context's now: its number (which `Shared`
-        // ends it by) and its memory.
-        let old = self.ctx.0;
-        self.ctx = ContextId(context);
-        for s in self.shared.sessions.lock().unwrap_or_else(|p| p.into_inner()).iter_mut() {
-            if s.0 == old {
-                s.0 = context;
-            }
-        }
-        if let Some(g) = self.guest.as_mut() {
-            super::migrate_vm::hand_memory(g, context);
-        }
-        self.open = true;
-        self.admitted = Some(admitted);
-        // Each channel's doorbell is a descriptor here, as when made.
-        for _ in &channels {
-            if let Some(Err(e)) = self.admitted.as_mut().map(|a| a.charge_descriptor()) {
-                tracing::warn!(error = %e, "a moved completion channel's descriptor is over the limit");
-            }
-        }
-        let (ids, mut fds): (Vec<_>, Vec<Carry>) = channels
-            .into_iter()
-            .map(|m| {
-                let moved = MovedChannel { channel: m.id, raised_before: m.produced_at_import };
-                (moved, m.tenant_end.into())
-            })
-            .unzip();
-        tracing::info!(vm = %vm.name, ctx = context, channels = ids.len(), "a guest session adopted its moved context");
-        Ok(Answer {
-            reply: Reply::Hello {
-                context,
-                tenant: tenant.0,
-                device_name: self.shared.device_name.clone(),
-                segment_len: len,
-                async_ring: RingSpec {
-                    offset: 0,
-                    capacity: ASYNC_RING_CAPACITY,
-                    stride: ASYNC_EVENT_SIZE as u32,
-                },
-                posted_ring: RingSpec {
-                    offset: posted_at,
-                    capacity: POSTED_RING_CAPACITY,
-                    stride: POSTED_SLOT_SIZE as u32,
-                },
-                channels: ids,
-            },
-            fds: {
-                let mut all =
-                    vec![Carry::Extent { offset: at, len }, doorbell_tenant.into(), event_tenant.into()];
-                all.append(&mut fds);
-                all
-            },
-        })
-    }
-
-    /// The rings of an adopted context, in its segment at `at`, handed to
-    /// the engine with new doorbells (checked there: the context of this
-    /// tenant, with no session): the tenant's ends of the doorbells, and
-    /// the completion channels that moved with the context (their wake-ups
-    /// from before the import are the library's to ring again: it alone
-    /// knows which it still holds).
-    fn install_adopted(
-        &self,
-        vm: &Arc<crate::vm::Vm>,
-        context: u32,
-        at: u64,
-        len: u64,
-    ) -> Result<(Doorbell, Doorbell, Vec<crate::vm::MovedChannel>), Answer> {
-        let moved = vm.placed().moved_channels.remove(&context).unwrap_or_default();
-        match self.install_adopted_rings(vm, context, at, len) {
-            Ok((d, e)) => Ok((d, e, moved)),
-            Err(a) => {
-                if !moved.is_empty() {
-                    vm.placed().moved_channels.insert(context, moved);
-                }
-                Err(a)
-            }
-        }
-    }
-
-    fn install_adopted_rings(
-        &self,
-        vm: &Arc<crate::vm::Vm>,
-        context: u32,
-        at: u64,
-        len: u64,
-    ) -> Result<(Doorbell, Doorbell), Answer> {
-        let seg = Arc::new(
-            RingMemory::reserved_in_vm(vm, at, len as usize)
-                .map_err(|e| error(ENOMEM, format!("cannot map the context's segment at {at:#x}: {e}")))?,
-        );
-        let (posted_at, need) = vrdma_core::proto::context_segment_layout();
-        let view = |off: u64, cap: u32, stride: usize| {
-            RingView::in_segment(seg.clone(), off as usize, cap, stride).map_err(|e| {
-                error(EINVAL, format!("the context's segment ({len} bytes, {need} needed): {e}"))
-            })
-        };
-        let events = view(0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)?;
-        let posted = view(posted_at, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE)?;
-        drop(seg);
-        let (doorbell, doorbell_tenant) = Doorbell::pair()?;
-        let doorbell = Arc::new(doorbell);
-        let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
-        let origin = crate::engine::Origin::Vm(vm.name.clone());
-        let (ctx, tenant) = (ContextId(context), self.tenant);
-        self.shared
-            .engine
-            .call(move |e| {
-                if e.hca.context_tenant(ctx) != Some(tenant) {
-                    return Err(error(
-                        libc::ENOENT,
-                        format!("no context {context} of tenant {} here", tenant.0),
-                    ));
-                }
-                if e.rings.contexts.contains_key(&ctx) {
-                    return Err(error(libc::EBUSY, format!("context {context} has a session already")));
-                }
-                e.processes.insert(ctx, origin);
-                // Its QPs' rings are there since the import: the context
-                // names them from now on.
-                e.rings.add_context(ctx, ContextRings::new(tenant, events, event_fd, doorbell, posted));
-                Ok(())
-            })
-            .map_err(|_| engine_gone())??;
-        Ok((doorbell_tenant, event_tenant))
-    }
-
     /// An rdma_cm event channel: a doorbell whose other end the tenant
     /// polls (`rdma_event_channel.fd`), readable while events wait.
     fn create_cm_channel(&mut self) -> Result<Answer, Answer> {
@@ -928,59 +770,6 @@ impl Session {
             }
         }
         made
-    }
-
-    fn create_channel(&mut self) -> Result<Answer, Answer> {
-        let len = ring_bytes(CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE);
-        let (seg_fd, seg) = self.new_segment("vrdma-channel", len, self.budget())?;
-        let ring = RingView::in_segment(seg.clone(), 0, CHANNEL_RING_CAPACITY, CHANNEL_EVENT_SIZE)
-            .map_err(|e| error(ENOMEM, e.to_string()))?;
-        let (fd, tenant_end) = Doorbell::pair()?;
-        // One datagram per unread event (see engine::rings): room for as
-        // many as the ring holds, as far as net.core.wmem_max allows.
-        let max_unread =
-            fd.reserve(CHANNEL_RING_CAPACITY as usize).clamp(1, CHANNEL_RING_CAPACITY as usize) as u32;
-        let extent = match &seg_fd {
-            Carry::Extent { offset, len } => Some((*offset, *len)),
-            _ => None,
-        };
-        let fds = vec![seg_fd, tenant_end.into()];
-        let seg_len = seg.len() as u64;
-        // A channel counts against the tenant's object quota: it holds a
-        // mapping and descriptors in the daemon. The descriptor cannot be
-        // spared (the daemon signals the tenant's end through it), so a
-        // tenant's channels are bounded apart, well below the objects: the
-        // daemon's descriptors are shared by every tenant.
-        let tenant = self.tenant;
-        let channel = self.engine(move |e, c| {
-            let held = e.rings.channels.values().filter(|ch| ch.tenant == tenant).count();
-            if held >= MAX_CHANNELS_PER_TENANT {
-                return Err(HcaError::QuotaExceeded(format!(
-                    "a tenant may hold at most {MAX_CHANNELS_PER_TENANT} completion channels"
-                )));
-            }
-            e.hca.charge_object(c)?;
-            let id = e.rings.free_channel_id(&e.hca);
-            e.rings.channels.insert(id, Channel { ctx: c, tenant, ring, fd, cqs: 0, max_unread });
-            Ok::<_, HcaError>(id)
-        })??;
-        // A guest's channel ring is in the VM's region: placed, so that it
-        // moves with the VM (`migrate_vm`).
-        if let Some((offset, len)) = extent {
-            self.place(Kind::Channel, channel, Place::Ring(offset, len));
-        }
-        Ok(Answer {
-            reply: Reply::CompChannel {
-                channel,
-                segment_len: seg_len,
-                ring: RingSpec {
-                    offset: 0,
-                    capacity: CHANNEL_RING_CAPACITY,
-                    stride: CHANNEL_EVENT_SIZE as u32,
-                },
-            },
-            fds,
-        })
     }
 
     fn create_cq(&mut self, cqe: u32, channel: Option<u32>) -> Result<Answer, Answer> {
@@ -1361,55 +1150,6 @@ impl Session {
         }
         self.place(Kind::Mr, key, Place::Mr(fd_offset));
         Ok(Reply::Mr { key }.into())
-    }
-
-    /// VmAttach: the region and port socket of VM `name`, for root or
-    /// the VM's tenant uid.
-    fn vm_attach(&mut self, name: &str) -> Result<Answer, Answer> {
-        if self.guest.is_some() {
-            return Err(error(libc::EPERM, "a guest cannot attach VMs"));
-        }
-        let vm = self
-            .shared
-            .vms
-            .get(name)
-            .ok_or_else(|| error(libc::ENOENT, format!("no VM {name:?} is configured in this daemon")))?;
-        if self.uid != 0 && self.uid != vm.config.tenant {
-            return Err(error(
-                libc::EPERM,
-                format!(
-                    "VM {name:?} belongs to uid {}: only that uid or root may attach it, not uid {}",
-                    vm.config.tenant, self.uid
-                ),
-            ));
-        }
-        let region = vm.region.try_clone().map_err(|e| error(libc::EMFILE, e.to_string()))?;
-        Ok(Answer {
-            reply: Reply::VmAttached {
-                region_len: vm.region_len,
-                port_socket: vm.socket.to_string_lossy().into_owned(),
-                ports: vm.config.ports,
-            },
-            fds: vec![Carry::Fd(region)],
-        })
-    }
-
-    fn guest_alloc(&mut self, len: u64) -> Result<Answer, Answer> {
-        let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestAlloc is for guest sessions only"))?;
-        let (offset, len) = g.alloc(len).map_err(|m| error(ENOMEM, m))?;
-        Ok(Reply::GuestExtent { offset, len }.into())
-    }
-
-    fn guest_grow(&mut self, offset: u64, len: u64) -> Result<Answer, Answer> {
-        let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestGrow is for guest sessions only"))?;
-        let len = g.grow(offset, len).map_err(|(errno, m)| error(errno, m))?;
-        Ok(Reply::GuestExtent { offset, len }.into())
-    }
-
-    fn guest_free(&mut self, offset: u64) -> Result<Answer, Answer> {
-        let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestFree is for guest sessions only"))?;
-        g.free(offset).map_err(|(errno, m)| error(errno, m))?;
-        Ok(Reply::Done.into())
     }
 }
 

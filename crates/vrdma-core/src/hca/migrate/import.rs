@@ -70,8 +70,25 @@ impl Hca {
         now: Instant,
         region_of: &mut dyn FnMut(&MrImport) -> Option<Region>,
     ) -> Result<TenantId, SnapshotError> {
+        self.import_tenant_with(bytes, now, region_of, 0)
+    }
+
+    /// [`Hca::import_tenant`], charging the tenant `driver_objects` more
+    /// objects that the driver keeps for it (a guest's completion
+    /// channels, which the snapshot's placement carries): counted in the
+    /// one quota check, so that an import that cannot hold them is refused
+    /// before anything here changes (the tenant's objects and usage here
+    /// as they were), and charged with the rest. The driver refunds each
+    /// with [`Hca::refund_object`] when it goes.
+    pub fn import_tenant_with(
+        &mut self,
+        bytes: &[u8],
+        now: Instant,
+        region_of: &mut dyn FnMut(&MrImport) -> Option<Region>,
+        driver_objects: u32,
+    ) -> Result<TenantId, SnapshotError> {
         let snap = TenantSnapshot::decode(bytes)?;
-        let plan = self.check_import(&snap)?;
+        let plan = self.check_import(&snap, driver_objects)?;
         // Memory last among the checks: mapping is the costly part.
         let mut regions = Vec::with_capacity(snap.mrs.len());
         let placed: HashMap<u32, u64> =
@@ -96,7 +113,7 @@ impl Hca {
         Ok(tenant)
     }
 
-    fn check_import(&self, s: &TenantSnapshot) -> Result<Plan, SnapshotError> {
+    fn check_import(&self, s: &TenantSnapshot, driver_objects: u32) -> Result<Plan, SnapshotError> {
         let tenant = TenantId(s.tenant);
         if tenant.is_host_local() {
             return Err(invalid(format!("tenant {:#x} is a host-local number", s.tenant)));
@@ -246,9 +263,16 @@ impl Hca {
             return Err(SnapshotError::Quota("the device's object limits".into()));
         }
         let objects = s.pds.len() + s.mrs.len() + s.cqs.len() + s.srqs.len() + s.ahs.len() + s.qps.len();
-        let objects = u32::try_from(objects).map_err(|_| SnapshotError::Quota("objects".into()))?;
+        let objects = u32::try_from(objects)
+            .ok()
+            .and_then(|n| n.checked_add(driver_objects))
+            .ok_or_else(|| SnapshotError::Quota("objects".into()))?;
         let all_bytes = bytes.saturating_add(queue_bytes);
-        self.within_quota(tenant, objects, all_bytes).map_err(|e| SnapshotError::Quota(e.to_string()))?;
+        self.within_quota(tenant, objects, all_bytes).map_err(|e| {
+            SnapshotError::Quota(format!(
+                "{objects} objects to import ({driver_objects} of them the driver's): {e}"
+            ))
+        })?;
         if let Some(most) = quota.max_queue_bytes {
             let held = self.usage.get(&tenant).map_or(0, |u| u.queue_bytes);
             if held.saturating_add(queue_bytes) > most {

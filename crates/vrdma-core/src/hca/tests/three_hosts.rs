@@ -776,6 +776,18 @@ fn an_import_that_collides_or_passes_the_quota_is_refused() {
     let (objects, registered) = c.hca.usage(TENANT);
     assert_eq!(objects, 4, "a PD, an MR, a CQ and a QP");
     assert!(registered >= 64 << 10);
+    // The driver's objects (a guest's completion channels) are counted in
+    // the same check: room for the snapshot's four, not for a fifth, is a
+    // refusal that changes nothing; room for five charges five.
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.set_quota(TENANT, Quota { max_objects: 4, ..Quota::default() });
+    let r = c.hca.import_tenant_with(&bytes, T0, &mut region_of, 1);
+    assert!(matches!(&r, Err(SnapshotError::Quota(m)) if m.contains("1 of them the driver's")), "{r:?}");
+    assert!(c.hca.qps.is_empty() && c.hca.usage(TENANT) == (0, 0));
+    let mut c = bare_host(IPS[C], &tune);
+    c.hca.set_quota(TENANT, Quota { max_objects: 5, ..Quota::default() });
+    c.hca.import_tenant_with(&bytes, T0, &mut region_of, 1).unwrap();
+    assert_eq!(c.hca.usage(TENANT).0, 5);
 }
 
 /// After a move, the host the tenant left cannot speak for its QP: a
