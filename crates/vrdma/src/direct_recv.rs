@@ -23,8 +23,10 @@
 //!   compare-and-swap); a claim that leaves fewer posted than the SRQ's
 //!   armed limit (`SRQ_AUX_LIMIT`) has the daemon check and raise the
 //!   limit event, which it disarms, so it fires once;
-//! - **RNR**: no receive posted, the WR goes to the engine, whose RNR
-//!   timer and retry count apply;
+//! - **RNR**: no receive posted, the requester waits up to
+//!   `crate::direct::RECV_WAIT` for one (a SEND; never inside an announced
+//!   copy), then the WR goes to the engine, whose RNR timer and retry
+//!   count apply;
 //! - **a receive a SEND does not fit** (more SGEs than the QP's
 //!   `max_recv_sge`, an SGE outside a local-write region of the peer's PD
 //!   granted here, a message longer than the SGEs): the entry is left
@@ -87,8 +89,12 @@ pub(crate) struct RecvTarget {
 pub(crate) enum Delivered {
     /// Claimed, placed and completed.
     Done,
-    /// Not now (no receive, the peer's CQ not empty or full, the inbox
-    /// full, an entry this path cannot prove valid): the engine's.
+    /// No receive posted: the peer may post one in a moment
+    /// ([`crate::direct`] waits a little before leaving the WR to the
+    /// engine's RNR).
+    Empty,
+    /// Not now (the peer's CQ not empty or full, the inbox full, an entry
+    /// this path cannot prove valid): the engine's.
     NotNow,
 }
 
@@ -122,7 +128,7 @@ impl RecvTarget {
             _ => false,
         });
         let (Ok(Claim::Taken), Some(recv)) = (claimed, taken) else {
-            return Delivered::NotNow;
+            return if matches!(claimed, Ok(Claim::Empty)) { Delivered::Empty } else { Delivered::NotNow };
         };
         place(&recv);
         let opcode = if wr.opcode == SendOpcode::RdmaWriteWithImm {

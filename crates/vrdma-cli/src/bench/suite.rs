@@ -183,6 +183,11 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         drop(device);
         return report::print(&figures, &skipped, None, args.json);
     }
+    if args.direct_bw {
+        figures.extend(super::direct_bw::figures(args, runs, cores, &progress)?);
+        drop(device);
+        return report::print(&figures, &[], None, args.json);
+    }
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
     if args.direct {
