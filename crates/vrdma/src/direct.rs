@@ -53,16 +53,18 @@ pub const DIRECT_MAX_BYTES: u64 = 64 << 10;
 /// `DRAIN_LIMIT`); larger ones take the engine path.
 pub const DIRECT_MAX_RDMA_BYTES: u64 = 1 << 20;
 
-/// How long a SEND that finds no receive posted waits for the peer to post
-/// one before it goes to the engine (whose RNR timer and retries then
-/// apply). A receiver reposting its receives as it polls is usually a
+/// How long a SEND that finds the peer behind (no receive posted, or its
+/// inbox as full as its CQ may be) waits for it to catch up before the WR
+/// goes to the engine (whose RNR timer and retries, or overrun check, then
+/// apply). A receiver reposting its receives as it polls is often a
 /// moment behind a sender that copies as fast as memory allows; without
 /// the wait one such moment sent the WR to the engine, and the order rule
-/// kept the QP's next sends there until the engine's were polled (a
-/// 64 KiB send stream was then mostly the engine's). Never inside an
-/// announced copy; shorter than any RNR timer but the smallest (10 µs)
-/// after which hardware would retry.
-pub(crate) const RECV_WAIT: std::time::Duration = std::time::Duration::from_micros(200);
+/// kept the QP's next sends there until the engine's were polled, which a
+/// stream with WRs always in flight never does (a 64 KiB send stream was
+/// mostly the engine's). Never inside an announced copy. Only the timing
+/// differs from sending to the engine at once: hardware, too, delivers
+/// the message once a receive is posted (after its RNR timer).
+pub(crate) const RECV_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The regions of a PD registered in this process, by key: what a direct
 /// write may read its local SGEs from, and a direct read or atomic write
@@ -127,10 +129,10 @@ struct State {
     /// Keys of the peer's receive SGEs a SEND found no grant for: asked
     /// for before the next SEND (never while a copy is announced).
     wanted: Vec<u32>,
-    /// The last wait for a receive (`RECV_WAIT`) saw none posted: SENDs
-    /// finding none go to the engine at once until one finds a receive
-    /// (a program that posts its receive only after its peer's send is
-    /// not made to wait on every message).
+    /// The last wait for the peer (`RECV_WAIT`) ran out: SENDs finding it
+    /// behind go to the engine at once until one is carried (a program
+    /// that posts its receive only after its peer's send is not made to
+    /// wait on every message).
     recv_wait_failed: bool,
 }
 
@@ -333,8 +335,9 @@ impl DirectQp {
         }
         // A receive whose SGEs lie in regions without a grant yet is left
         // unclaimed; their grants are asked for (never while a copy is
-        // announced) and the receive tried once more. No receive posted:
-        // tried again until one is or `RECV_WAIT` passed.
+        // announced) and the receive tried once more. The peer behind (no
+        // receive, its inbox full): tried again until it caught up or
+        // `RECV_WAIT` passed.
         let mut attempt = 0;
         let mut waiting: Option<std::time::Instant> = None;
         let mut looks = 0u32;
@@ -377,7 +380,8 @@ enum SendAttempt {
     Done,
     /// The receive's SGEs need grants this QP lacks (now in `wanted`).
     Retry,
-    /// No receive posted (nothing claimed, nothing copied).
+    /// The peer is behind (`Delivered::Behind`; nothing claimed, nothing
+    /// copied).
     NoReceive,
     Engine,
 }
@@ -447,7 +451,7 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
             unsafe { gather_to(wr, dst) }
         };
         let d = target.deliver(qpn, wr, fits, place);
-        empty = matches!(d, crate::direct_recv::Delivered::Empty);
+        empty = matches!(d, crate::direct_recv::Delivered::Behind);
         matches!(d, crate::direct_recv::Delivered::Done)
     };
     inflight.fetch_sub(1, Ordering::SeqCst);
