@@ -61,10 +61,14 @@ pub const DIRECT_MAX_RDMA_BYTES: u64 = 1 << 20;
 /// the wait one such moment sent the WR to the engine, and the order rule
 /// kept the QP's next sends there until the engine's were polled, which a
 /// stream with WRs always in flight never does (a 64 KiB send stream was
-/// mostly the engine's). Never inside an announced copy. Only the timing
-/// differs from sending to the engine at once: hardware, too, delivers
-/// the message once a receive is posted (after its RNR timer).
-pub(crate) const RECV_WAIT: std::time::Duration = std::time::Duration::from_millis(1);
+/// mostly the engine's). 10 ms, not less: on a loaded machine a receiver
+/// is often off its CPU for milliseconds, and with 1 ms a 64 KiB stream
+/// still fell to the engine in about half the runs. Never inside an
+/// announced copy. Only the timing differs from sending to the engine at
+/// once: hardware, too, delivers the message once a receive is posted
+/// (after its RNR timer), and a stream's sender would wait as long for
+/// its completions.
+pub(crate) const RECV_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The regions of a PD registered in this process, by key: what a direct
 /// write may read its local SGEs from, and a direct read or atomic write
