@@ -41,10 +41,34 @@ use vrdma_shm::{page_size, Mapping, WordPage};
 
 use crate::context::Context;
 
-/// Largest message the library copies itself; larger ones take the engine
-/// path, which cuts them into chunks (and a revocation never waits on a
-/// long copy).
+/// Largest SEND (with or without immediate) the library copies itself;
+/// larger ones take the engine path, which cuts them into chunks.
 pub const DIRECT_MAX_BYTES: u64 = 64 << 10;
+
+/// Largest RDMA write (with or without immediate) or RDMA read the library
+/// copies itself: one `memcpy` straight into (or out of) the peer's
+/// region, where the engine would make the same copy in 64 KiB turns
+/// (`docs/direct-path.md`, "Large writes"). Bounded so that a revocation
+/// waits on at most one such copy (about 0.1 ms, far below the daemon's
+/// `DRAIN_LIMIT`); larger ones take the engine path.
+pub const DIRECT_MAX_RDMA_BYTES: u64 = 1 << 20;
+
+/// How long a SEND that finds the peer behind (no receive posted, or its
+/// inbox as full as its CQ may be) waits for it to catch up before the WR
+/// goes to the engine (whose RNR timer and retries, or overrun check, then
+/// apply). A receiver reposting its receives as it polls is often a
+/// moment behind a sender that copies as fast as memory allows; without
+/// the wait one such moment sent the WR to the engine, and the order rule
+/// kept the QP's next sends there until the engine's were polled, which a
+/// stream with WRs always in flight never does (a 64 KiB send stream was
+/// mostly the engine's). 10 ms, not less: on a loaded machine a receiver
+/// is often off its CPU for milliseconds, and with 1 ms a 64 KiB stream
+/// still fell to the engine in about half the runs. Never inside an
+/// announced copy. Only the timing differs from sending to the engine at
+/// once: hardware, too, delivers the message once a receive is posted
+/// (after its RNR timer), and a stream's sender would wait as long for
+/// its completions.
+pub(crate) const RECV_WAIT: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// The regions of a PD registered in this process, by key: what a direct
 /// write may read its local SGEs from, and a direct read or atomic write
@@ -109,6 +133,11 @@ struct State {
     /// Keys of the peer's receive SGEs a SEND found no grant for: asked
     /// for before the next SEND (never while a copy is announced).
     wanted: Vec<u32>,
+    /// The last wait for the peer (`RECV_WAIT`) ran out: SENDs finding it
+    /// behind go to the engine at once until one is carried (a program
+    /// that posts its receive only after its peer's send is not made to
+    /// wait on every message).
+    recv_wait_failed: bool,
 }
 
 /// A QP's direct-path state.
@@ -164,7 +193,7 @@ impl DirectQp {
             }
             _ => return Carried::Engine,
         };
-        if len > DIRECT_MAX_BYTES {
+        if len > DIRECT_MAX_RDMA_BYTES {
             return Carried::Engine;
         }
         // A write with immediate consumes the peer's receive: it needs the
@@ -239,9 +268,9 @@ impl DirectQp {
             // SAFETY: as for a write below (the same checks, the same
             // announced copy).
             let place = || unsafe { copy_into(&g.map, dst, wr) };
-            busy = matches!(
+            busy = !matches!(
                 target.deliver(qpn, wr, |_| true, |_| place()),
-                crate::direct_recv::Delivered::NotNow
+                crate::direct_recv::Delivered::Done
             );
         } else if granted {
             // SAFETY: `dst..dst+remote_len` lies inside the region (checked
@@ -310,8 +339,13 @@ impl DirectQp {
         }
         // A receive whose SGEs lie in regions without a grant yet is left
         // unclaimed; their grants are asked for (never while a copy is
-        // announced) and the receive tried once more.
-        for attempt in 0..2 {
+        // announced) and the receive tried once more. The peer behind (no
+        // receive, its inbox full): tried again until it caught up or
+        // `RECV_WAIT` passed.
+        let mut attempt = 0;
+        let mut waiting: Option<std::time::Instant> = None;
+        let mut looks = 0u32;
+        loop {
             for key in std::mem::take(&mut st.wanted) {
                 if !st.grants.contains_key(&key) {
                     obtain(st, ctx, qpn, key);
@@ -319,15 +353,29 @@ impl DirectQp {
             }
             match send_once(st, qpn, local, wr, len) {
                 SendAttempt::Done => {
+                    st.recv_wait_failed = false;
                     srq_limit(st, ctx, qpn);
                     self.carried.fetch_add(1, Ordering::Relaxed);
                     return Carried::Done { byte_len: 0 };
                 }
-                SendAttempt::Retry if attempt == 0 => {}
+                SendAttempt::Retry if attempt == 0 => attempt += 1,
+                SendAttempt::NoReceive if !st.recv_wait_failed => {
+                    let since = *waiting.get_or_insert_with(std::time::Instant::now);
+                    if since.elapsed() >= RECV_WAIT {
+                        st.recv_wait_failed = true;
+                        return Carried::Engine;
+                    }
+                    // Spin a little, then let a receiver sharing this CPU run.
+                    looks += 1;
+                    if looks.is_multiple_of(64) {
+                        std::thread::yield_now();
+                    } else {
+                        std::hint::spin_loop();
+                    }
+                }
                 _ => return Carried::Engine,
             }
         }
-        Carried::Engine
     }
 }
 
@@ -336,6 +384,9 @@ enum SendAttempt {
     Done,
     /// The receive's SGEs need grants this QP lacks (now in `wanted`).
     Retry,
+    /// The peer is behind (`Delivered::Behind`; nothing claimed, nothing
+    /// copied).
+    NoReceive,
     Engine,
 }
 
@@ -364,6 +415,7 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
     };
     let max_sge = target.max_recv_sge as usize;
     let mut stale = Vec::new();
+    let mut empty = false;
     let delivered = recv_ok && {
         let fits = |r: &RecvWr| {
             let sges = r.sg.as_slice();
@@ -403,6 +455,7 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
             unsafe { gather_to(wr, dst) }
         };
         let d = target.deliver(qpn, wr, fits, place);
+        empty = matches!(d, crate::direct_recv::Delivered::Behind);
         matches!(d, crate::direct_recv::Delivered::Done)
     };
     inflight.fetch_sub(1, Ordering::SeqCst);
@@ -421,7 +474,13 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
         st.grants.remove(&k);
     }
     if !delivered {
-        return if st.wanted.is_empty() { SendAttempt::Engine } else { SendAttempt::Retry };
+        return if !st.wanted.is_empty() {
+            SendAttempt::Retry
+        } else if empty {
+            SendAttempt::NoReceive
+        } else {
+            SendAttempt::Engine
+        };
     }
     SendAttempt::Done
 }

@@ -23,8 +23,10 @@
 //!   compare-and-swap); a claim that leaves fewer posted than the SRQ's
 //!   armed limit (`SRQ_AUX_LIMIT`) has the daemon check and raise the
 //!   limit event, which it disarms, so it fires once;
-//! - **RNR**: no receive posted, the WR goes to the engine, whose RNR
-//!   timer and retry count apply;
+//! - **RNR**: no receive posted (or the peer's inbox as full as its CQ
+//!   may be), a SEND waits up to `crate::direct::RECV_WAIT` for the peer
+//!   to catch up (never inside an announced copy), then the WR goes to the
+//!   engine, whose RNR timer and retry count (or overrun check) apply;
 //! - **a receive a SEND does not fit** (more SGEs than the QP's
 //!   `max_recv_sge`, an SGE outside a local-write region of the peer's PD
 //!   granted here, a message longer than the SGEs): the entry is left
@@ -87,8 +89,13 @@ pub(crate) struct RecvTarget {
 pub(crate) enum Delivered {
     /// Claimed, placed and completed.
     Done,
-    /// Not now (no receive, the peer's CQ not empty or full, the inbox
-    /// full, an entry this path cannot prove valid): the engine's.
+    /// The peer is behind: no receive posted, or its inbox holds as many
+    /// completions as its CQ may (it has not polled). It may catch up in
+    /// a moment ([`crate::direct`] waits a little for a SEND before
+    /// leaving it to the engine, whose RNR or overrun then applies).
+    Behind,
+    /// Not now (engine completions of the peer QP not yet polled, an
+    /// entry this path cannot prove valid): the engine's.
     NotNow,
 }
 
@@ -110,8 +117,10 @@ impl RecvTarget {
         if self.inbox.aux(INBOX_AUX_ENGINE_POLLED).load(Ordering::SeqCst) != pushed {
             return Delivered::NotNow;
         }
-        if !matches!(self.inbox.len(), Ok(n) if n < self.cq_depth && n < self.inbox.capacity()) {
-            return Delivered::NotNow;
+        match self.inbox.len() {
+            Ok(n) if n < self.cq_depth && n < self.inbox.capacity() => {}
+            Ok(_) => return Delivered::Behind,
+            Err(_) => return Delivered::NotNow,
         }
         let mut taken = None;
         let claimed = self.rq.try_claim(&mut self.scratch, |b| match RecvWr::decode(b) {
@@ -122,7 +131,7 @@ impl RecvTarget {
             _ => false,
         });
         let (Ok(Claim::Taken), Some(recv)) = (claimed, taken) else {
-            return Delivered::NotNow;
+            return if matches!(claimed, Ok(Claim::Empty)) { Delivered::Behind } else { Delivered::NotNow };
         };
         place(&recv);
         let opcode = if wr.opcode == SendOpcode::RdmaWriteWithImm {

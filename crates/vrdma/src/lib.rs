@@ -115,7 +115,7 @@ pub use ah::AddressHandle;
 pub use channel::{event_spin, CompletionChannel};
 pub use context::Context;
 pub use cq::{spin_polls, wc_buffer, CompletionQueue, WorkCompletion};
-pub use direct::DIRECT_MAX_BYTES;
+pub use direct::{DIRECT_MAX_BYTES, DIRECT_MAX_RDMA_BYTES};
 pub use error::{Error, PostError, Result};
 pub use mr::MemoryRegion;
 pub use pd::ProtectionDomain;

@@ -113,6 +113,11 @@ pub struct Args {
     /// in the same run.
     #[arg(long, conflicts_with_all = ["server", "cm_setup"])]
     pub direct: bool,
+    /// Of `--direct`, only the bandwidth rows (64 KiB and 1 MiB write and
+    /// send on both paths beside memcpy and UCX posix): a shorter run when
+    /// working on the copy path.
+    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct"])]
+    pub direct_bw: bool,
     /// Of the default report, only the tenant QoS figures: fairness of
     /// four equal tenants, shares by weight, a rate limit's error, and an
     /// 8 B latency beside a 64-QP hog with and without

@@ -72,8 +72,10 @@ pub struct Outcome {
     pub seconds: f64,
     pub messages: u64,
     /// How many of the client QP's work requests its library carried on
-    /// the direct path (`QueuePair::direct_stats`), warm-up included: the
-    /// proof of which path a figure measured (`bench/path.rs`).
+    /// the direct path (`QueuePair::direct_stats`), warm-up included for
+    /// the latency tests, excluded for the streams (a warm-up carried
+    /// made up for timed WRs that were not): the proof of which path a
+    /// figure measured (`bench/path.rs`).
     #[serde(default)]
     pub carried: u64,
 }
@@ -182,6 +184,11 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         attack_figures(&mut figures, &mut skipped);
         drop(device);
         return report::print(&figures, &skipped, None, args.json);
+    }
+    if args.direct_bw {
+        figures.extend(super::direct_bw::figures(args, runs, cores, &progress)?);
+        drop(device);
+        return report::print(&figures, &[], None, args.json);
     }
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();

@@ -157,7 +157,8 @@ pub fn run(role: Role, test: Test, size: usize, iters: u64, idle_qps: u32) -> Re
         Test::SendBw => side.stream_bw(role, iters, SendOpcode::Send)?,
     };
     if role == Role::Client {
-        outcome.carried = side.qp.direct_stats().0;
+        // A stream reports what its warm-up carried: only the timed WRs count.
+        outcome.carried = side.qp.direct_stats().0.saturating_sub(outcome.carried);
         println!("{}", serde_json::to_string(&outcome)?);
     }
     // Both sides stay until the parent closes stdin, so that neither tears
@@ -392,9 +393,11 @@ impl Side {
         let deadline = start + Duration::from_secs(120);
         let iters = iters + warmup;
         let mut timed_from = None;
+        let mut warm_carried = 0;
         while done < iters {
             if timed_from.is_none() && done >= warmup {
                 timed_from = Some(done);
+                warm_carried = self.qp.direct_stats().0;
                 start = Instant::now();
             }
             while posted < iters && posted - done < DEPTH as u64 {
@@ -416,6 +419,12 @@ impl Side {
         }
         let seconds = start.elapsed().as_secs_f64();
         let timed = iters - timed_from.unwrap_or(0);
-        Ok(Outcome { bytes: timed * self.size as u64, seconds, messages: timed, ..Default::default() })
+        Ok(Outcome {
+            bytes: timed * self.size as u64,
+            seconds,
+            messages: timed,
+            carried: warm_carried,
+            ..Default::default()
+        })
     }
 }

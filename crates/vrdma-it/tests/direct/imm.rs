@@ -85,8 +85,9 @@ fn without_a_receive_the_write_waits_on_the_engines_rnr_and_then_completes() -> 
 #[test]
 fn direct_and_engine_receive_completions_keep_their_order_in_the_peers_cq() -> Result<()> {
     let d = DaemonProc::start_with_config(ON)?;
-    let big = 1 << 20; // the engine's
-    let (a, b) = pair(&d, 2 << 20)?;
+    let big = 2 << 20; // the engine's (above the direct limit)
+    assert!(big as u64 > vrdma::DIRECT_MAX_RDMA_BYTES);
+    let (a, b) = pair(&d, 4 << 20)?;
     for id in 1..=4 {
         recv(&b, id)?;
     }

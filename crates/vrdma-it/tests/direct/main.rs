@@ -11,6 +11,7 @@ mod budget;
 mod channels;
 mod fairness;
 mod imm;
+mod large;
 mod reads;
 mod send;
 mod srq;
@@ -91,9 +92,9 @@ fn an_unsignaled_write_completes_nowhere_and_the_next_signaled_one_does() -> Res
 #[test]
 fn an_engine_write_then_direct_ones_land_in_order() -> Result<()> {
     let d = DaemonProc::start_with_config(ON)?;
-    let len = 1 << 20; // above the direct limit: the engine's
-    assert!(len as u64 > vrdma::DIRECT_MAX_BYTES);
-    let (a, b) = pair(&d, 2 << 20)?;
+    let len = 2 << 20; // above the direct limit: the engine's
+    assert!(len as u64 > vrdma::DIRECT_MAX_RDMA_BYTES);
+    let (a, b) = pair(&d, 4 << 20)?;
     a.mr.fill(0, len, 0xee)?;
     a.mr.fill(len, 64, 0x11)?;
     let rkey = b.mr.rkey();

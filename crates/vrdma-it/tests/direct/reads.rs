@@ -41,8 +41,9 @@ fn reads_carry_the_bytes_and_complete() -> Result<()> {
 #[test]
 fn a_write_then_a_read_of_the_same_bytes_sees_the_write() -> Result<()> {
     let d = DaemonProc::start_with_config(ON)?;
-    let (a, b) = pair(&d, 1 << 21)?;
-    let big = 1 << 20; // the engine's (above the direct limit)
+    let (a, b) = pair(&d, 4 << 20)?;
+    let big = 2 << 20; // the engine's (above the direct limit)
+    assert!(big as u64 > vrdma::DIRECT_MAX_RDMA_BYTES);
     a.mr.fill(0, big, 0x3c)?;
     // Engine write, then a direct read of its last bytes: the read waits
     // for the write's completion to be polled, so it goes to the engine
