@@ -856,29 +856,7 @@ fn a_guest_whose_context_is_never_taken_back_waits_its_bound_then_the_device_is_
 #[test]
 fn an_armed_cq_and_a_pending_event_move_with_the_guests_completion_channel() -> Result<()> {
     use vrdma_it::protocol::{Command as C, Said};
-    let uid = rustix::process::geteuid().as_raw();
-    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
-    let h = ThreeHosts::start([&vm, "", &vm])?;
-    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
-    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
-    let dir = tempfile::tempdir()?;
-    let port_link = dir.path().join("port");
-    std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
-    let mut guest = PeerProc::spawn_movable_guest(
-        &port_link,
-        &[&vm_a.region, &vm_c.region],
-        &[],
-        "tenant",
-        &["--mr-len", "65536", "--channel"],
-    )?;
-    let g = guest.hello()?;
-    let b = Side::new(&h.b.context()?, 1 << 20)?;
-    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
-    eg.lid = 0;
-    eb.lid = 0;
-    b.qp.connect(&eg, access_all())?;
-    guest.call_ok(&C::Connect { peer: eb })?;
-    guest.call_ok(&C::PostRecv { count: 8, offset: 0, len: 256 })?;
+    let ChannelGuest { uid, h, vm_a, vm_c, _dir, port_link, mut guest, b } = ChannelGuest::start("", 8)?;
     let send = |i: u64| -> Result<()> {
         b.qp.post_send(&[wr::send(i, &[b.mr.sge(i as usize * 256, 64)?])?.signaled()])?;
         anyhow::ensure!(poll_n(&b.cq, 1, WAIT)?[0].status == WcStatus::Success, "B's send {i}");
@@ -962,6 +940,50 @@ fn an_armed_cq_and_a_pending_event_move_with_the_guests_completion_channel() -> 
     Ok(())
 }
 
+/// Three hosts; an emulated guest of VM `t` on A (movable to C, whose
+/// config ends with `c_extra`) whose CQ has a completion channel,
+/// connected RC to a host process on B, with `recvs` receives posted.
+struct ChannelGuest {
+    uid: u32,
+    h: ThreeHosts,
+    vm_a: vrdma::vm::VmAttachment,
+    vm_c: vrdma::vm::VmAttachment,
+    _dir: tempfile::TempDir,
+    port_link: std::path::PathBuf,
+    guest: PeerProc,
+    b: Side,
+}
+
+impl ChannelGuest {
+    fn start(c_extra: &str, recvs: usize) -> Result<ChannelGuest> {
+        use vrdma_it::protocol::Command as C;
+        let uid = rustix::process::geteuid().as_raw();
+        let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+        let h = ThreeHosts::start([&vm, "", &format!("{vm}{c_extra}")])?;
+        let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+        let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+        let dir = tempfile::tempdir()?;
+        let port_link = dir.path().join("port");
+        std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
+        let mut guest = PeerProc::spawn_movable_guest(
+            &port_link,
+            &[&vm_a.region, &vm_c.region],
+            &[],
+            "tenant",
+            &["--mr-len", "65536", "--channel"],
+        )?;
+        let g = guest.hello()?;
+        let b = Side::new(&h.b.context()?, 1 << 20)?;
+        let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
+        eg.lid = 0;
+        eb.lid = 0;
+        b.qp.connect(&eg, access_all())?;
+        guest.call_ok(&C::Connect { peer: eb })?;
+        guest.call_ok(&C::PostRecv { count: recvs, offset: 0, len: 256 })?;
+        Ok(ChannelGuest { uid, h, vm_a, vm_c, _dir: dir, port_link, guest, b })
+    }
+}
+
 /// Completions in the guest's CQ within 100 ms (none expected).
 fn polled_none(guest: &mut PeerProc) -> Result<usize> {
     match guest.call(&vrdma_it::protocol::Command::Poll { count: 1, timeout_ms: 100 })? {
@@ -984,29 +1006,7 @@ fn a_move_after_a_refused_import(
     refuse: impl FnOnce(&ThreeHosts, &OwnedFd) -> Result<()>,
 ) -> Result<()> {
     use vrdma_it::protocol::{Command as C, Said};
-    let uid = rustix::process::geteuid().as_raw();
-    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
-    let h = ThreeHosts::start([&vm, "", &format!("{vm}{c_extra}")])?;
-    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
-    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
-    let dir = tempfile::tempdir()?;
-    let port_link = dir.path().join("port");
-    std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
-    let mut guest = PeerProc::spawn_movable_guest(
-        &port_link,
-        &[&vm_a.region, &vm_c.region],
-        &[],
-        "tenant",
-        &["--mr-len", "65536", "--channel"],
-    )?;
-    let g = guest.hello()?;
-    let b = Side::new(&h.b.context()?, 1 << 20)?;
-    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
-    eg.lid = 0;
-    eb.lid = 0;
-    b.qp.connect(&eg, access_all())?;
-    guest.call_ok(&C::Connect { peer: eb })?;
-    guest.call_ok(&C::PostRecv { count: 4, offset: 0, len: 256 })?;
+    let ChannelGuest { uid, h, vm_a, vm_c, _dir, port_link, mut guest, b } = ChannelGuest::start(c_extra, 4)?;
     guest.call_ok(&C::ArmCq { solicited_only: false })?;
     let a_to_c = Move {
         from: &h.a.socket,
