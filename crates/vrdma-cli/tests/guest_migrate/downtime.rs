@@ -148,19 +148,20 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-/// Waits (bounded, 60 s) until B has `more` messages beyond what it has
-/// now; if it does not, fails with what the guest's stream printed (a
-/// stream stalled after a hop: `what` says which).
+/// Waits (bounded, 90 s: past the guest library's 60 s reply limit, so
+/// that a call stuck across a hop has failed and says so) until B has
+/// `more` messages beyond what it has now; if it does not, fails with
+/// what the guest's stream printed (`what` says after which hop).
 fn wait_more(received: &AtomicU64, more: u64, g: &mut Guest, what: &str) {
     let least = received.load(Ordering::Acquire) + more;
-    let end = Instant::now() + Duration::from_secs(60);
+    let end = Instant::now() + Duration::from_secs(90);
     while received.load(Ordering::Acquire) < least {
         if Instant::now() > end {
             let (_, out) = g
                 .run("tail -5 /tmp/seq.out; cat /tmp/seq.st 2>/dev/null || echo '(still running)'", T)
                 .unwrap_or((-1, "(the guest did not answer)".into()));
             panic!(
-                "B stalled at {} messages {what} (waited 60 s for {least}); the guest's stream:\n{out}",
+                "B stalled at {} messages {what} (waited 90 s for {least}); the guest's stream:\n{out}",
                 received.load(Ordering::Acquire)
             );
         }
