@@ -27,8 +27,9 @@
 //! binary prints its times and the pause B saw. The faults (a
 //! destination daemon killed, a cancelled migration, a snapshot restored
 //! twice) are in `faults.rs`, on a guest of their own; the downtime with
-//! and without vRDMA traffic (a figure, run by hand with `--ignored`) in
-//! `downtime.rs`; what they share is in `world.rs`.
+//! and without vRDMA traffic and B's throughput dip (a figure, run by
+//! hand with `--ignored`, its number of hops from `VRDMA_DOWNTIME_HOPS`)
+//! in `downtime.rs`; what they share is in `world.rs`.
 
 #[path = "guest_migrate/downtime.rs"]
 mod downtime;
