@@ -275,6 +275,25 @@ fn a_guest_that_breaks_the_frame_stream_is_disconnected_and_the_daemon_serves_on
     let (reply, _) = q.call(Request::AllocPd)?;
     assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
     assert_eq!(q.ended, None);
+    // A guest's probe (a Pong while it waits for a reply) on a port with
+    // no session is told so; on a port with one it is ignored.
+    // (On a port of its own: q's is given back once the daemon saw it
+    // close.)
+    drop(q);
+    let end = Instant::now() + WAIT;
+    let told = loop {
+        let mut r = RawPort::connect(&vm)?;
+        r.send(&Frame::Pong { nonce: 0 })?;
+        match r.recv(WAIT)? {
+            None if Instant::now() < end => std::thread::sleep(Duration::from_millis(20)),
+            told => break told,
+        }
+    };
+    assert_eq!(told, Some(Frame::Ended { reason: guest::EndReason::NoSession }));
+    p.send(&Frame::Pong { nonce: 0 })?;
+    let (reply, _) = p.call(Request::AllocPd)?;
+    assert!(matches!(reply, Reply::Pd { .. }), "{reply:?}");
+    assert_eq!(p.ended, None);
     // VmAttach from a guest is refused; the host-only direct path is off.
     let (reply, _) = p.call(Request::VmAttach { name: "t".into() })?;
     assert_eq!(errno_of(&reply), Some(libc::EPERM), "{reply:?}");

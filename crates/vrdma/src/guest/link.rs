@@ -11,7 +11,13 @@
 //! one (the daemon answered nothing on the old one: its reply would have
 //! come before the end; and a call the source ran after the context left,
 //! which failed only for that, it does not answer but ends the session,
-//! `docs/migration.md`). The library's ends of the context's doorbells
+//! `docs/migration.md`). A reply, or the source's end, can also be lost
+//! with the source's port (written after QEMU stopped the VM): a call
+//! that waits probes the port every second, and the destination answers
+//! that it holds no session there, so the context is taken back and the
+//! call sent again. Such a call may have run on the source before the
+//! move: sent again, a query answers as before, but a call that changes
+//! state may fail (or make a second object) on the destination. The library's ends of the context's doorbells
 //! stay the same descriptors across a move; only the proxy numbers they
 //! are forwarded under change.
 
@@ -36,6 +42,9 @@ use crate::error::{Error, Result};
 /// How long a call waits for its reply: a daemon that answers nothing for
 /// this long is treated as gone (host calls have the socket's hang-up).
 const REPLY_LIMIT: Duration = Duration::from_secs(60);
+/// How often a call that waits for its reply probes the port (see the
+/// module's doc).
+const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Most wake-ups one read of a proxy forwards in one frame.
 pub(super) const BELLS_AT_ONCE: u32 = 1024;
 /// Beyond the reattach bound, how long a call waits for the reader thread
@@ -331,13 +340,26 @@ impl GuestLink {
                 self.wait_past(gen);
                 continue;
             }
+            let sent = Instant::now();
             let answered = loop {
-                match replies.recv_timeout(REPLY_LIMIT) {
+                match replies.recv_timeout(PROBE_EVERY) {
                     Ok(Msg::Reply { gen: g, reply, handles }) if g == gen => break Some((reply, handles)),
                     Ok(Msg::Ended { gen: g }) if g == gen => break None,
                     // From a port before this call's: not ours.
                     Ok(_) => {}
-                    Err(RecvTimeoutError::Timeout) => return Err(crate::control::gone()),
+                    Err(RecvTimeoutError::Timeout) if sent.elapsed() >= REPLY_LIMIT => {
+                        return Err(crate::control::gone())
+                    }
+                    // A reply the VM's move lost (written into the source
+                    // host's port after QEMU stopped the VM) never comes,
+                    // nor does the source's `Ended`: a probe lets the daemon
+                    // the port reaches now say that it holds no session
+                    // (`NoSession`), and the context is taken back there,
+                    // this call sent again. A daemon holding the session
+                    // ignores it.
+                    Err(RecvTimeoutError::Timeout) => {
+                        let _ = self.shared.send(gen, &Frame::Pong { nonce: 0 });
+                    }
                     Err(RecvTimeoutError::Disconnected) => return Err(self.dead()),
                 }
             };

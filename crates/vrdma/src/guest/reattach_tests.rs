@@ -204,6 +204,54 @@ fn a_moved_context_is_taken_back_under_the_same_descriptors_then_lost_after_the_
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+/// A call whose reply the VM's move lost (the source wrote it into its
+/// port after QEMU stopped the VM; no `Ended` follows): the call probes
+/// the port, which now reaches the destination; told there that the port
+/// holds no session, the link takes the context back and sends the call
+/// again. (It waited 60 s, then the device was gone.)
+#[test]
+fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went() {
+    let dir = std::env::temp_dir().join(format!("vrdma-reattach-lost-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("port");
+    let bar = dir.join("bar");
+    std::fs::write(&bar, vec![0u8; 1 << 16]).unwrap();
+    let listener = UnixListener::bind(&sock).unwrap();
+    let cfg = GuestConfig { ports: vec![sock.clone()], bar };
+
+    let daemon = std::thread::spawn(move || {
+        let mut a = Port::accept(&listener);
+        a.open_session(false, (1, 2));
+        // The call, whose reply is lost: nothing more comes from the
+        // source. The port now reaches the destination, which hears the
+        // probe on a port with no session, and says so.
+        assert_eq!(a.call(), Request::QueryQp { qp: 9 });
+        let probed = Instant::now();
+        let f = a.next();
+        assert!(matches!(f, Frame::Pong { .. }), "no probe: {f:?}");
+        let waited = probed.elapsed();
+        a.send(&Frame::Ended { reason: EndReason::NoSession });
+        let mut c = Port::accept(&listener);
+        c.open_session(true, (5, 6));
+        assert_eq!(c.call(), Request::QueryQp { qp: 9 });
+        c.reply(Reply::Done, Vec::new());
+        waited
+    });
+
+    let link = GuestLink::open_with(&cfg, Duration::from_secs(10)).unwrap();
+    // The context's doorbell and event signal, kept open.
+    let (_, _carried) = link.call(&Request::Hello { version: PROTOCOL_VERSION }).unwrap();
+    let start = Instant::now();
+    assert_eq!(link.call(&Request::QueryQp { qp: 9 }).unwrap().0, Reply::Done);
+    let took = start.elapsed();
+    let waited = daemon.join().unwrap();
+    assert!(took < Duration::from_secs(30), "the call took {took:?}");
+    assert!(waited < Duration::from_secs(5), "the probe came {waited:?} after the call");
+    drop(link);
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 impl Port {
     /// One frame within 100 ms, if any (bells recorded).
     fn next_with_timeout(&mut self) -> Option<Frame> {

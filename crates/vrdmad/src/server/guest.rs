@@ -307,6 +307,10 @@ impl Port {
                 }
                 Ok(())
             }
+            // A guest's probe while it waits for a reply (its VM may have
+            // moved here, the reply lost with the source's port): a port
+            // with no session says so, and the guest adopts its context.
+            Frame::Pong { .. } if self.live.is_none() => self.tell_no_session(),
             Frame::Pong { .. } => Ok(()),
             Frame::Ping { .. } | Frame::Reply { .. } | Frame::Ended { .. } => {
                 tracing::debug!(vm = %self.vm.name, "a guest sent a daemon's frame; ignored");
