@@ -283,8 +283,9 @@ fn a_guest_that_breaks_the_frame_stream_is_disconnected_and_the_daemon_serves_on
     let end = Instant::now() + WAIT;
     let told = loop {
         let mut r = RawPort::connect(&vm)?;
-        r.send(&Frame::Pong { nonce: 0 })?;
-        match r.recv(WAIT)? {
+        // Closed at once while q's port is still counted: again.
+        let got = if r.send(&Frame::Pong { nonce: 0 }).is_ok() { r.recv(WAIT)? } else { None };
+        match got {
             None if Instant::now() < end => std::thread::sleep(Duration::from_millis(20)),
             told => break told,
         }
