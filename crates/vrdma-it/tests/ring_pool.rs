@@ -4,8 +4,9 @@
 //! and a tenant whose descriptors are spent still gets its rings, each in
 //! a memfd of its own as before.
 //!
-//! The tests that count this process's mappings run one at a time (the
-//! test harness's threads share one process).
+//! The tests that count this process's mappings, or map a chunk in it,
+//! run one at a time (the test harness's threads share one process: a
+//! chunk another test unmapped meanwhile read as no chunk mapped).
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -80,6 +81,8 @@ fn raw_cq(c: &mut RawConn, cqe: u32) -> Result<(u32, PoolRing, u64, Vec<std::os:
 
 #[test]
 fn a_destroyed_rings_space_is_reused_and_starts_from_zeros() -> Result<()> {
+    // It maps a chunk in this process: not while another test counts.
+    let _s = serial();
     let d = DaemonProc::start()?;
     let mut c = RawConn::connect(&d.socket)?;
     c.hello()?;

@@ -226,23 +226,29 @@ fn an_ack_waiting_when_a_late_engine_goes_on_beats_its_requests_timer() -> Resul
     // Timeout 17 (2^17 × 4.096 µs: 537 ms), no retries: the first expiry
     // of the timer fails the QP.
     let (mut h, a, b) = slow_pair(17, 0)?;
-    for round in 0..3u64 {
+    let mut exercised = 0;
+    for round in 0..6u64 {
         a.mr.write(0, &(round + 1).to_le_bytes())?;
         // The responder stopped: the request waits in its socket.
         h.b.proc.stop(WAIT)?;
         let sent = std::time::Instant::now();
         a.qp.post_send(&[wr::rdma_write(round, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(100));
         // The requester stopped after sending; the responder goes on,
         // writes and ACKs into the requester's socket.
         h.a.proc.stop(WAIT)?;
         h.b.proc.kill(libc::SIGCONT);
-        vrdma_it::wait_until(WAIT, "the write reaching the responder", || {
-            let mut got = [0u8; 8];
-            b.mr.read(0, &mut got).is_ok() && u64::from_le_bytes(got) == round + 1
-        })?;
-        // Past the requester's timer, it goes on.
-        std::thread::sleep(Duration::from_millis(800).saturating_sub(sent.elapsed()));
+        let reached =
+            vrdma_it::wait_until(Duration::from_secs(2), "the write reaching the responder", || {
+                let mut got = [0u8; 8];
+                b.mr.read(0, &mut got).is_ok() && u64::from_le_bytes(got) == round + 1
+            });
+        if reached.is_ok() {
+            // Past the requester's timer, it goes on.
+            std::thread::sleep(Duration::from_millis(800).saturating_sub(sent.elapsed()));
+        }
+        // (Not reached: a loaded machine stopped the requester before it
+        // sent; the round shows nothing, and completes as usual.)
         h.a.proc.kill(libc::SIGCONT);
         let wc = poll_one(&a.cq, WAIT)?;
         assert_eq!(
@@ -250,7 +256,12 @@ fn an_ack_waiting_when_a_late_engine_goes_on_beats_its_requests_timer() -> Resul
             (round, WcStatus::Success),
             "round {round}: the ACK waiting in the socket lost to the request's timer"
         );
+        exercised += usize::from(reached.is_ok());
+        if exercised == 3 {
+            break;
+        }
     }
+    assert!(exercised > 0, "no round had the requester stopped after it sent");
     Ok(())
 }
 
