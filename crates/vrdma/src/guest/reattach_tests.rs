@@ -79,6 +79,38 @@ impl Port {
     }
 }
 
+/// A test's folder with the port's socket and a stand-in BAR, removed
+/// when the test ends (also when it fails).
+struct Scene {
+    dir: std::path::PathBuf,
+}
+
+impl Scene {
+    fn new(tag: &str) -> Scene {
+        let dir = std::env::temp_dir().join(format!("{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("bar"), vec![0u8; 1 << 16]).unwrap();
+        Scene { dir }
+    }
+
+    /// The daemon's end: the port's listening socket.
+    fn listener(&self) -> UnixListener {
+        UnixListener::bind(self.dir.join("port")).unwrap()
+    }
+
+    /// The guest's configuration: that port and the BAR.
+    fn cfg(&self) -> GuestConfig {
+        GuestConfig { ports: vec![self.dir.join("port")], bar: self.dir.join("bar") }
+    }
+}
+
+impl Drop for Scene {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 fn hello() -> Reply {
     let ring = RingSpec { offset: 0, capacity: 4, stride: 64 };
     Reply::Hello {
@@ -105,14 +137,8 @@ fn readable(fd: &OwnedFd, within: Duration) -> bool {
 
 #[test]
 fn a_moved_context_is_taken_back_under_the_same_descriptors_then_lost_after_the_bound() {
-    let dir = std::env::temp_dir().join(format!("vrdma-reattach-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("port");
-    let bar = dir.join("bar");
-    std::fs::write(&bar, vec![0u8; 1 << 16]).unwrap();
-    let listener = UnixListener::bind(&sock).unwrap();
-    let cfg = GuestConfig { ports: vec![sock.clone()], bar };
+    let scene = Scene::new("vrdma-reattach");
+    let (listener, cfg) = (scene.listener(), scene.cfg());
     let limit = Duration::from_millis(400);
 
     let daemon = std::thread::spawn(move || {
@@ -201,7 +227,6 @@ fn a_moved_context_is_taken_back_under_the_same_descriptors_then_lost_after_the_
     drop(link);
     let tries = daemon.join().unwrap();
     assert!(tries >= 2, "the adoption was tried {tries} times");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A call whose reply the VM's move lost (the source wrote it into its
@@ -211,14 +236,8 @@ fn a_moved_context_is_taken_back_under_the_same_descriptors_then_lost_after_the_
 /// again. (It waited 60 s, then the device was gone.)
 #[test]
 fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went() {
-    let dir = std::env::temp_dir().join(format!("vrdma-reattach-lost-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let sock = dir.join("port");
-    let bar = dir.join("bar");
-    std::fs::write(&bar, vec![0u8; 1 << 16]).unwrap();
-    let listener = UnixListener::bind(&sock).unwrap();
-    let cfg = GuestConfig { ports: vec![sock.clone()], bar };
+    let scene = Scene::new("vrdma-reattach-lost");
+    let (listener, cfg) = (scene.listener(), scene.cfg());
 
     let daemon = std::thread::spawn(move || {
         let mut a = Port::accept(&listener);
@@ -249,7 +268,6 @@ fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went
     assert!(took < Duration::from_secs(30), "the call took {took:?}");
     assert!(waited < Duration::from_secs(5), "the probe came {waited:?} after the call");
     drop(link);
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 impl Port {
