@@ -86,6 +86,7 @@ mod epoll;
 mod interpose;
 mod link;
 mod listener;
+mod owner;
 mod pid;
 mod progress;
 mod readiness;

@@ -94,14 +94,14 @@ impl Entry {
         matches!(self, Entry::Stream(s) if s.is_carried())
     }
 
-    /// Whether this process made it. A child after fork inherits its
-    /// parent's entries: it must neither use their rings and daemon
-    /// connection nor destroy them (see [`crate::dev`]).
+    /// Whether this process may use it: a listener it made (a child
+    /// after fork inherits its parent's entries, whose daemon connection
+    /// it must neither use nor destroy: see [`crate::dev`]), a connection
+    /// it drives or that nobody took yet ([`crate::owner`]).
     pub fn ours(&self) -> bool {
-        let pid = crate::pid::get();
         match self {
-            Entry::Listener(l) => l.pid == pid,
-            Entry::Stream(s) => s.pid == pid,
+            Entry::Listener(l) => l.pid == crate::pid::get(),
+            Entry::Stream(s) => s.owner.may_use(),
         }
     }
 }
