@@ -135,20 +135,27 @@ mod preload {
 
     /// The classic forking server: accept, fork, the parent closes its
     /// copy at once and the child serves. The parent's close does not end
-    /// the child's connection; the child's close ends it.
+    /// the child's connection; the child's close (or its exit) ends it.
     #[test]
     fn a_connection_accepted_before_fork_is_served_by_the_child() -> Result<()> {
-        let s = fork_echo("child")?;
-        assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
+        for mode in ["child", "child-exit"] {
+            let s = fork_echo(mode)?;
+            assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{mode}: {}", s.describe());
+        }
         Ok(())
     }
 
-    /// The child served it; the parent, which kept its copy, is told
-    /// `EIO` by a read of it afterwards (never given bytes).
+    /// Only one process drives a connection shared by fork: the other is
+    /// told `EIO` by a read of it (never given bytes). The child served
+    /// it and the parent kept its copy; or the parent carried it before
+    /// the fork and the child tries it (and the parent goes on).
     #[test]
     fn the_process_that_did_not_take_a_forked_connection_gets_eio() -> Result<()> {
         let s = fork_echo("child-then-parent")?;
         assert!(s.stdout.contains("parent: EIO"), "{}", s.describe());
+        let s = fork_echo("early-child")?;
+        assert!(s.stdout.contains("child: EIO"), "{}", s.describe());
+        assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
         Ok(())
     }
 

@@ -21,14 +21,18 @@
 //! `forkecho PORT MODE`: accepts one connection and forks; one process
 //! echoes it (every byte back, until the end) and closes it, saying
 //! `echoed N`. MODE `child`: the parent closes its copy right after the
-//! fork and the child echoes (a classic forking server); `parent-close`:
+//! fork and the child echoes (a classic forking server); `child-exit`:
+//! the same, but the child exits without closing it; `parent-close`:
 //! the child closes its copy and exits, and the parent echoes after
 //! that; `parent-exit`: the child exits without touching it; `early-`
 //! before either `parent-` mode: the parent first echoes one 16 KiB
-//! chunk (so the connection is carried before the fork); `child-then-parent`:
-//! `child`, but the parent keeps its copy and, once the child is gone,
-//! must get `EIO` from a read of it (the process that did not take the
-//! connection is told so, never given bytes). `echoclient PORT BYTES`:
+//! chunk (so the connection is carried before the fork);
+//! `child-then-parent`: `child`, but the parent keeps its copy and, once
+//! the child is gone, must get `EIO` from a read of it (the process that
+//! did not take the connection is told so, never given bytes);
+//! `early-child`: the parent echoes a chunk, then the child must get
+//! `EIO` (a connection carried before the fork stays its parent's), and
+//! the parent echoes the rest once the child is gone. `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
 //!
@@ -160,20 +164,27 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     if mode.starts_with("early-") {
         echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
     }
-    let child_serves = mode == "child" || mode == "child-then-parent";
+    let child_serves = matches!(mode, "child" | "child-exit" | "child-then-parent");
     std::io::stdout().flush().ok();
     // SAFETY: fork(2) in a single-threaded program (the library's threads
     // are not the program's); the child only serves or closes, and exits.
     match unsafe { libc::fork() } {
         -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
         0 => {
-            let r = if child_serves {
-                echo_all(&mut s).map(|n| println!("echoed {n}"))
-            } else {
-                if mode.ends_with("parent-close") {
+            let r = match mode {
+                _ if child_serves => echo_all(&mut s).map(|n| {
+                    println!("echoed {n}");
+                    // `child-exit` leaves without closing it.
+                    if mode != "child-exit" {
+                        drop(s);
+                    }
+                }),
+                "early-child" => eio(&mut s, "child"),
+                "parent-close" | "early-parent-close" => {
                     drop(s);
+                    Ok(())
                 }
-                Ok(())
+                _ => Ok(()),
             };
             std::io::stdout().flush().ok();
             std::process::exit(match r {
@@ -185,7 +196,7 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
             })
         }
         child => {
-            let keep = if mode == "child" {
+            let keep = if mode == "child" || mode == "child-exit" {
                 // The parent's copy goes at once: the child's connection
                 // must live on.
                 drop(s);
@@ -203,19 +214,25 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
             }
             let Some(mut s) = keep else { return Ok(()) };
             if child_serves {
-                let mut b = [0u8; 1];
-                return match s.read(&mut b) {
-                    Err(e) if e.raw_os_error() == Some(libc::EIO) => {
-                        println!("parent: EIO");
-                        Ok(())
-                    }
-                    other => Err(format!("the parent's read of the child's connection: {other:?}")),
-                };
+                return eio(&mut s, "parent");
             }
             let n = echo_all(&mut s)?;
             println!("echoed {}", echoed + n);
             Ok(())
         }
+    }
+}
+
+/// A read of `s` must fail with `EIO` (a connection another process
+/// drives); says `WHO: EIO`.
+fn eio(s: &mut TcpStream, who: &str) -> Result<(), String> {
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Err(e) if e.raw_os_error() == Some(libc::EIO) => {
+            println!("{who}: EIO");
+            Ok(())
+        }
+        other => Err(format!("{who}'s read of a connection the other process drives: {other:?}")),
     }
 }
 
