@@ -145,6 +145,38 @@ mod preload {
         Ok(())
     }
 
+    /// A forking server's accept loop (a child per connection, the
+    /// parent closing its copy at once and accepting the next), with
+    /// four carried clients at once: each child carries its own.
+    #[test]
+    fn a_forking_server_carries_a_child_per_connection() -> Result<()> {
+        const N: usize = 4;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["forkechos".into(), port.to_string(), N.to_string()]), "forkechos");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["echoclient".into(), port.to_string(), ECHO_BYTES.to_string()];
+        let clients: Vec<_> =
+            (0..N).map(|i| spawn(sockapp(&d, true, &args), &format!("echoclient {i}"))).collect();
+        let clients: Vec<_> = clients.into_iter().map(|c| c.finish(LIMIT)).collect();
+        let s = s.finish(LIMIT);
+        s.assert_ok();
+        for c in &clients {
+            c.assert_ok();
+            assert!(c.stdout.contains(&format!("echoed {ECHO_BYTES}, then the end")), "{}", c.describe());
+            assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        }
+        assert_eq!(s.stdout.matches(&format!("echoed {ECHO_BYTES}")).count(), N, "{}", s.describe());
+        assert_eq!(s.stderr.matches("carried over vRDMA").count(), N, "{}", s.describe());
+        let counts = ctx.sock_counts()?;
+        assert_eq!((counts.announced, counts.carried), (N as u64, N as u64), "{counts:?}");
+        Ok(())
+    }
+
     /// Only one process drives a connection shared by fork: the other is
     /// told `EIO` by a read of it (never given bytes). The child served
     /// it and the parent kept its copy; or the parent carried it before

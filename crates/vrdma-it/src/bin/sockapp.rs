@@ -35,6 +35,8 @@
 //! the parent echoes the rest once the child is gone. `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
+//! `forkechos PORT N`: a forking server's accept loop, a child per
+//! connection (echoing it as `forkecho`'s), N connections.
 //!
 //! `sendfile PORT BYTES`: `client`, but the bytes go from a file with
 //! sendfile(2), half with an offset and half from the file's position.
@@ -221,6 +223,56 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
             Ok(())
         }
     }
+}
+
+/// `forkechos PORT N`: a forking server's accept loop: a child per
+/// connection echoes it and closes it, the parent closes its copy at
+/// once and accepts the next; then it waits for every child.
+fn forkechos(port: u16, n: usize) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let mut children = Vec::new();
+    for _ in 0..n {
+        let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+        // SAFETY: fork(2) in a single-threaded program; the child only
+        // echoes its connection and exits.
+        match unsafe { libc::fork() } {
+            -1 => return Err(format!("fork: {}", std::io::Error::last_os_error())),
+            0 => {
+                drop(l);
+                let code = match echo_all(&mut s) {
+                    Ok(k) => {
+                        println!("echoed {k}");
+                        drop(s);
+                        0
+                    }
+                    Err(e) => {
+                        eprintln!("sockapp child: {e}");
+                        1
+                    }
+                };
+                std::io::stdout().flush().ok();
+                std::process::exit(code)
+            }
+            child => {
+                drop(s);
+                children.push(child);
+            }
+        }
+    }
+    for child in children {
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our child.
+        if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+            return Err("waitpid".into());
+        }
+        if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+            return Err(format!("a child ended with {status:#x}"));
+        }
+    }
+    Ok(())
 }
 
 /// A read of `s` must fail with `EIO` (a connection another process
@@ -913,6 +965,7 @@ fn main() {
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
         Some("forkserver") => forkserver(port()),
+        Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
