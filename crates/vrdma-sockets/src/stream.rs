@@ -225,12 +225,14 @@ impl Drop for Stream {
     fn drop(&mut self) {
         // No lock: a forked child's copy of it may be held for ever by a
         // thread of the parent that the child does not have.
-        let phase = std::mem::replace(self.phase.get_mut().unwrap_or_else(|e| e.into_inner()), Phase::Tcp);
-        let Phase::Carried(l) = phase else { return };
+        let phase = self.phase.get_mut().unwrap_or_else(|e| e.into_inner());
         if self.owner.mine() {
-            l.finish();
+            if let Phase::Carried(l) = phase {
+                l.finish();
+            }
             return;
         }
+        let Phase::Carried(l) = std::mem::replace(phase, Phase::Tcp) else { return };
         // Another process's link (its parent's, inherited through fork):
         // its QP, rings and daemon connection are not this process's to
         // use or destroy, and its end of stream is not this process's to
