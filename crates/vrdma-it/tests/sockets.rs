@@ -99,6 +99,110 @@ mod preload {
         Ok(())
     }
 
+    /// Echoed by `forkecho`: four rings' worth, in 16 KiB round trips.
+    const ECHO_BYTES: u64 = 1 << 20;
+
+    /// A carried connection accepted before `fork` (`sockapp forkecho
+    /// PORT MODE`), echoed to a carried `echoclient` that checks every
+    /// byte and then the end. Returns the server's output.
+    fn fork_echo(mode: &str) -> Result<harness::Finished> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["forkecho".into(), port.to_string(), mode.into()]), "forkecho");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["echoclient".into(), port.to_string(), ECHO_BYTES.to_string()];
+        let c = spawn(sockapp(&d, true, &args), "echoclient").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("echoed {ECHO_BYTES}, then the end")), "{}", c.describe());
+        // Carried: both libraries said so, and the daemon counted it.
+        const CARRIED: &str = "carried over vRDMA";
+        assert!(
+            c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED),
+            "{}\n{}",
+            c.describe(),
+            s.describe()
+        );
+        let counts = ctx.sock_counts()?;
+        assert_eq!((counts.announced, counts.carried), (1, 1), "{counts:?}");
+        Ok(s)
+    }
+
+    /// The classic forking server: accept, fork, the parent closes its
+    /// copy at once and the child serves. The parent's close does not end
+    /// the child's connection; the child's close (or its exit) ends it.
+    #[test]
+    fn a_connection_accepted_before_fork_is_served_by_the_child() -> Result<()> {
+        for mode in ["child", "child-exit"] {
+            let s = fork_echo(mode)?;
+            assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{mode}: {}", s.describe());
+        }
+        Ok(())
+    }
+
+    /// A forking server's accept loop (a child per connection, the
+    /// parent closing its copy at once and accepting the next), with
+    /// four carried clients at once: each child carries its own.
+    #[test]
+    fn a_forking_server_carries_a_child_per_connection() -> Result<()> {
+        const N: usize = 4;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["forkechos".into(), port.to_string(), N.to_string()]), "forkechos");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["echoclient".into(), port.to_string(), ECHO_BYTES.to_string()];
+        let clients: Vec<_> =
+            (0..N).map(|i| spawn(sockapp(&d, true, &args), &format!("echoclient {i}"))).collect();
+        let clients: Vec<_> = clients.into_iter().map(|c| c.finish(LIMIT)).collect();
+        let s = s.finish(LIMIT);
+        s.assert_ok();
+        for c in &clients {
+            c.assert_ok();
+            assert!(c.stdout.contains(&format!("echoed {ECHO_BYTES}, then the end")), "{}", c.describe());
+            assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        }
+        assert_eq!(s.stdout.matches(&format!("echoed {ECHO_BYTES}")).count(), N, "{}", s.describe());
+        assert_eq!(s.stderr.matches("carried over vRDMA").count(), N, "{}", s.describe());
+        let counts = ctx.sock_counts()?;
+        assert_eq!((counts.announced, counts.carried), (N as u64, N as u64), "{counts:?}");
+        Ok(())
+    }
+
+    /// Only one process drives a connection shared by fork: the other is
+    /// told `EIO` by a read of it (never given bytes). The child served
+    /// it and the parent kept its copy; or the parent carried it before
+    /// the fork and the child tries it (and the parent goes on).
+    #[test]
+    fn the_process_that_did_not_take_a_forked_connection_gets_eio() -> Result<()> {
+        let s = fork_echo("child-then-parent")?;
+        assert!(s.stdout.contains("parent: EIO"), "{}", s.describe());
+        let s = fork_echo("early-child")?;
+        assert!(s.stdout.contains("child: EIO"), "{}", s.describe());
+        assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
+        Ok(())
+    }
+
+    /// The mirror case: the child closes its copy (or exits without
+    /// touching it) and the parent goes on, with the connection carried
+    /// before the fork or not yet.
+    #[test]
+    fn a_child_that_closes_or_leaves_a_forked_connection_leaves_it_to_the_parent() -> Result<()> {
+        for mode in ["parent-close", "parent-exit", "early-parent-close", "early-parent-exit"] {
+            let s = fork_echo(mode)?;
+            assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{mode}: {}", s.describe());
+        }
+        Ok(())
+    }
+
     fn client(d: &DaemonProc, preload: bool, port: u16) -> Running {
         spawn(sockapp(d, preload, &["client".into(), port.to_string(), BYTES.to_string()]), "client")
     }

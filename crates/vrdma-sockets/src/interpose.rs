@@ -12,6 +12,7 @@ use crate::addr;
 use crate::dev::{debug, dev};
 use crate::link::Link;
 use crate::listener::Listener;
+use crate::owner::Take;
 use crate::real;
 use crate::stream::{Route, Stream, ENDED};
 use crate::table::{self, keep_errno, set_errno, Entry, Guard};
@@ -26,12 +27,20 @@ enum Target {
 fn target(fd: c_int) -> Target {
     let Some(_g) = Guard::enter() else { return Target::Pass };
     match table::get(fd) {
-        // The parent's, inherited through fork: not handled yet.
-        Some(e @ Entry::Stream(_)) if !e.ours() => Target::Fail(libc::EIO),
-        Some(Entry::Stream(s)) => match s.route() {
-            Ok(Route::Link(l)) => Target::Link(l),
-            Ok(Route::Tcp) => Target::Pass,
-            Err(e) => Target::Fail(e),
+        Some(Entry::Stream(s)) => match s.take() {
+            Take::Mine => match s.route() {
+                Ok(Route::Link(l)) => Target::Link(l),
+                Ok(Route::Tcp) => Target::Pass,
+                Err(e) => Target::Fail(e),
+            },
+            // Another holder (after fork) found it plain TCP.
+            Take::Tcp => {
+                table::forget_stream(&s);
+                Target::Pass
+            }
+            // Another process (parent or child) drives it: its QP and
+            // rings are not this one's (`crate::owner`).
+            Take::Other => Target::Fail(libc::EIO),
         },
         _ => Target::Pass,
     }
@@ -472,16 +481,16 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
 // ---- descriptors ----
 
 /// `fd` is closed (or replaced): its entry goes. In a forked child the
-/// parent's objects are not destroyed (see [`Entry::ours`]).
+/// parent's listeners are not unregistered (see [`Entry::ours`]); a
+/// connection's drop leaves another process's link alone itself
+/// ([`crate::owner`]).
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
         keep_errno(|| crate::epoll::forget(fd));
-        if let Some(e) = table::remove(fd) {
-            if !e.ours() {
-                std::mem::forget(e);
-            } else {
-                keep_errno(|| drop(e));
-            }
+        match table::remove(fd) {
+            Some(e @ Entry::Listener(_)) if !e.ours() => std::mem::forget(e),
+            Some(e) => keep_errno(|| drop(e)),
+            None => {}
         }
     }
 }

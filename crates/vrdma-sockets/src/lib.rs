@@ -57,11 +57,15 @@
 //!   QP goes (the `CLOSED` word), so the peer's read ends at once, after
 //!   every byte ([`link`]).
 //! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`
-//!   and `io_uring` would read the raw socket; after `fork` the
-//!   carried descriptors a child inherited fail with `EIO` in it (it must
-//!   not share the parent's rings or daemon connection; the connections it
-//!   accepts, also on an inherited listener, or makes itself are carried
-//!   through a device of its own), and an exec'd program does not get a
+//!   and `io_uring` would read the raw socket; after `fork` a connection
+//!   is driven by the process that calls on it first, through its own
+//!   device ([`owner`]: a forking server's child serves what its parent
+//!   accepted), and a data call in the other fails with `EIO`, which is
+//!   also what a child gets from a connection its parent carried before
+//!   the fork (it must not share the parent's rings or daemon
+//!   connection; the connections it accepts, also on an inherited
+//!   listener, or makes itself are carried through a device of its
+//!   own), and an exec'd program does not get a
 //!   carried descriptor (it is made close-on-exec once carried, and kept
 //!   so through `F_SETFD` and `dup`s: the program would read the raw
 //!   socket past the rings); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
@@ -86,6 +90,7 @@ mod epoll;
 mod interpose;
 mod link;
 mod listener;
+mod owner;
 mod pid;
 mod progress;
 mod readiness;

@@ -14,6 +14,7 @@ use vrdma::sockets::{Outcome, Tuple};
 
 use crate::dev::{debug, dev};
 use crate::link::{self, Half, Link, Res, HELLO_LEN};
+use crate::owner::{Owner, Take};
 use crate::real;
 
 enum Phase {
@@ -30,8 +31,13 @@ enum Phase {
 }
 
 pub struct Stream {
-    /// The process whose device carries it.
-    pub pid: u32,
+    /// Which of the processes holding it (after `fork`) drives it.
+    pub owner: Owner,
+    /// The process that made it, and whether it is a client's (made
+    /// announced): only that process may resolve the announcement (the
+    /// registry answers the context that made it).
+    creator: u32,
+    client: bool,
     sock: Arc<Sock>,
     phase: Mutex<Phase>,
 }
@@ -69,8 +75,26 @@ impl Stream {
         // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor the caller holds.
         let sock = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
         (sock >= 0).then(|| {
-            Arc::new(Stream { pid: crate::pid::get(), sock: Arc::new(Sock(sock)), phase: Mutex::new(phase) })
+            Arc::new(Stream {
+                owner: Owner::new(),
+                creator: crate::pid::get(),
+                client: matches!(phase, Phase::Announced(_)),
+                sock: Arc::new(Sock(sock)),
+                phase: Mutex::new(phase),
+            })
         })
+    }
+
+    /// Takes it for this process if no other drives it ([`Owner::take`]),
+    /// but for a client's connection that nobody took in a process that
+    /// did not announce it (a child forked before the first call): the
+    /// registry answers the announcement only to the context that made
+    /// it, the parent's, which may still take it.
+    pub fn take(&self) -> Take {
+        if self.client && self.creator != crate::pid::get() && self.owner.is_free() {
+            return Take::Other;
+        }
+        self.owner.take()
     }
 
     /// A client's stream after its announcement.
@@ -105,11 +129,12 @@ impl Stream {
             let _ = d.ctx.sock_resolve(*t, true);
         }
         *p = Phase::Tcp;
+        self.owner.set_tcp();
     }
 
     /// Finishes the negotiation if it is not (the client waits for the
     /// server's claim, both ends exchange hellos) and says where the call
-    /// goes.
+    /// goes. Only for the process that took it ([`Owner::take`]).
     pub fn route(self: &Arc<Stream>) -> Res<Route> {
         let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
         loop {
@@ -125,6 +150,8 @@ impl Stream {
                     };
                     if matches!(*p, Phase::Tcp) {
                         debug(&format!("{t:?}: TCP"));
+                        // For the other holders too (after fork).
+                        self.owner.set_tcp();
                         crate::table::forget_stream(self);
                         return Ok(Route::Tcp);
                     }
@@ -196,9 +223,25 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        if let Phase::Carried(l) = &*self.phase.lock().unwrap_or_else(|e| e.into_inner()) {
-            l.finish();
+        // No lock: a forked child's copy of it may be held for ever by a
+        // thread of the parent that the child does not have.
+        let phase = self.phase.get_mut().unwrap_or_else(|e| e.into_inner());
+        if self.owner.mine() {
+            if let Phase::Carried(l) = phase {
+                l.finish();
+            }
+            return;
         }
+        let Phase::Carried(l) = std::mem::replace(phase, Phase::Tcp) else { return };
+        // Another process's link (its parent's, inherited through fork):
+        // its QP, rings and daemon connection are not this process's to
+        // use or destroy, and its end of stream is not this process's to
+        // send. Only this process's copy of the socket goes.
+        // SAFETY: this process's copy of the library's descriptor; the
+        // link, which holds the other reference to it, is leaked here, so
+        // the descriptor is never closed again by this library.
+        unsafe { real::close(self.sock.0) };
+        std::mem::forget(l);
     }
 }
 

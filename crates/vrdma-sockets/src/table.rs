@@ -7,10 +7,10 @@
 //! call, so a call made while handling one (the `vrdma` library writing a
 //! doorbell, logging to stderr) finds the table free.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 
 use libc::c_int;
 
@@ -34,6 +34,34 @@ fn table() -> MutexGuard<'static, HashMap<c_int, Entry>> {
     T.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner())
 }
 
+thread_local! {
+    /// The table's lock, held by the forking thread across `fork`.
+    static HELD: RefCell<Option<MutexGuard<'static, HashMap<c_int, Entry>>>> = const { RefCell::new(None) };
+}
+
+/// A forked child has only the thread that forked, and uses the table it
+/// inherited (the connections it shares with its parent, `crate::owner`):
+/// a lock another thread of the parent held at that moment would stay
+/// held in the child for ever. So the forking thread takes the lock
+/// before `fork` (waiting for the holder, who never holds it across a
+/// call) and both sides release it after.
+fn hold_across_fork() {
+    extern "C" fn prepare() {
+        let g = table();
+        // During the thread's teardown the guard is dropped at once.
+        let _ = HELD.try_with(|h| *h.borrow_mut() = Some(g));
+    }
+    extern "C" fn release() {
+        let _ = HELD.try_with(|h| h.borrow_mut().take());
+    }
+    static ONCE: Once = Once::new();
+    // SAFETY: handlers that take and release a lock in the forking thread
+    // and do not unwind.
+    ONCE.call_once(|| unsafe {
+        libc::pthread_atfork(Some(prepare), Some(release), Some(release));
+    });
+}
+
 pub fn get(fd: c_int) -> Option<Entry> {
     if fd < 0 || COUNT.load(Ordering::Acquire) == 0 {
         return None;
@@ -42,6 +70,7 @@ pub fn get(fd: c_int) -> Option<Entry> {
 }
 
 pub fn insert(fd: c_int, e: Entry) -> Option<Entry> {
+    hold_across_fork();
     let mut t = table();
     let old = t.insert(fd, e);
     COUNT.store(t.len(), Ordering::Release);
@@ -94,14 +123,14 @@ impl Entry {
         matches!(self, Entry::Stream(s) if s.is_carried())
     }
 
-    /// Whether this process made it. A child after fork inherits its
-    /// parent's entries: it must neither use their rings and daemon
-    /// connection nor destroy them (see [`crate::dev`]).
+    /// Whether this process may use it: a listener it made (a child
+    /// after fork inherits its parent's entries, whose daemon connection
+    /// it must neither use nor destroy: see [`crate::dev`]), a connection
+    /// it drives or that nobody took yet ([`crate::owner`]).
     pub fn ours(&self) -> bool {
-        let pid = crate::pid::get();
         match self {
-            Entry::Listener(l) => l.pid == pid,
-            Entry::Stream(s) => s.pid == pid,
+            Entry::Listener(l) => l.pid == crate::pid::get(),
+            Entry::Stream(s) => s.owner.may_use(),
         }
     }
 }
@@ -146,4 +175,70 @@ pub fn set_errno(e: c_int) {
 pub fn errno() -> c_int {
     // SAFETY: errno is thread-local.
     unsafe { *libc::__errno_location() }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::listener::Listener;
+
+    /// A thread that looks the table up without pause while this one
+    /// forks: every child must find the table free (before the fork
+    /// handlers, a child forked while the other thread held the lock
+    /// waited for ever).
+    #[test]
+    fn a_child_forked_while_another_thread_looks_up_finds_the_table_free() {
+        let addr = "127.0.0.1:1".parse().unwrap();
+        let fd = 1 << 20;
+        // Forgotten, never dropped (its drop would ask a daemon).
+        std::mem::forget(insert(fd, Entry::Listener(Arc::new(Listener { addr, pid: 0 }))));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let s = stop.clone();
+        let t = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                if let Some(e) = get(fd) {
+                    std::mem::forget(e);
+                }
+            }
+        });
+        let mut stuck = 0;
+        for _ in 0..100 {
+            // SAFETY: fork(2) in a test; the child looks the table up and
+            // leaves with _exit.
+            let pid = unsafe { libc::fork() };
+            if pid == 0 {
+                let found = get(fd).map(std::mem::forget).is_some();
+                // SAFETY: _exit(2) in the child.
+                unsafe { libc::_exit(if found { 0 } else { 2 }) };
+            }
+            assert!(pid > 0);
+            let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+            let mut status = 0;
+            loop {
+                // SAFETY: waitpid(2) on our child.
+                let r = unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+                if r == pid {
+                    assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0, "{status:#x}");
+                    break;
+                }
+                if std::time::Instant::now() > end {
+                    stuck += 1;
+                    // SAFETY: kill(2) and waitpid(2) on our child, not yet reaped.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, &mut status, 0);
+                    }
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            if stuck > 0 {
+                break;
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+        t.join().unwrap();
+        std::mem::forget(remove(fd));
+        assert_eq!(stuck, 0, "a child found the table's lock held for ever");
+    }
 }

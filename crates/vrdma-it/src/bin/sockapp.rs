@@ -18,6 +18,26 @@
 //! `forkserver PORT`: `server`, but a child forked after listen accepts
 //! and serves (a pre-forking server's worker); the parent waits for it.
 //!
+//! `forkecho PORT MODE`: accepts one connection and forks; one process
+//! echoes it (every byte back, until the end) and closes it, saying
+//! `echoed N`. MODE `child`: the parent closes its copy right after the
+//! fork and the child echoes (a classic forking server); `child-exit`:
+//! the same, but the child exits without closing it; `parent-close`:
+//! the child closes its copy and exits, and the parent echoes after
+//! that; `parent-exit`: the child exits without touching it; `early-`
+//! before either `parent-` mode: the parent first echoes one 16 KiB
+//! chunk (so the connection is carried before the fork);
+//! `child-then-parent`: `child`, but the parent keeps its copy and, once
+//! the child is gone, must get `EIO` from a read of it (the process that
+//! did not take the connection is told so, never given bytes);
+//! `early-child`: the parent echoes a chunk, then the child must get
+//! `EIO` (a connection carried before the fork stays its parent's), and
+//! the parent echoes the rest once the child is gone. `echoclient PORT BYTES`:
+//! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
+//! and checking it byte by byte, then half-closes and must read the end.
+//! `forkechos PORT N`: a forking server's accept loop, a child per
+//! connection (echoing it as `forkecho`'s), N connections.
+//!
 //! `sendfile PORT BYTES`: `client`, but the bytes go from a file with
 //! sendfile(2), half with an offset and half from the file's position.
 //!
@@ -130,6 +150,188 @@ fn forkserver(port: u16) -> Result<(), String> {
                 Err(format!("the child ended with {status:#x}"))
             }
         }
+    }
+}
+
+/// Echo chunks of `echoclient`.
+const ECHO_CHUNK: usize = 16 * 1024;
+
+fn forkecho(port: u16, mode: &str) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let mut echoed = 0;
+    if mode.starts_with("early-") {
+        echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+    }
+    let child_serves = matches!(mode, "child" | "child-exit" | "child-then-parent");
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program (the library's threads
+    // are not the program's); the child only serves or closes, and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let r = match mode {
+                _ if child_serves => echo_all(&mut s).map(|n| {
+                    println!("echoed {n}");
+                    // `child-exit` leaves without closing it.
+                    if mode != "child-exit" {
+                        drop(s);
+                    }
+                }),
+                "early-child" => eio(&mut s, "child"),
+                "parent-close" | "early-parent-close" => {
+                    drop(s);
+                    Ok(())
+                }
+                _ => Ok(()),
+            };
+            std::io::stdout().flush().ok();
+            std::process::exit(match r {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            })
+        }
+        child => {
+            let keep = if mode == "child" || mode == "child-exit" {
+                // The parent's copy goes at once: the child's connection
+                // must live on.
+                drop(s);
+                None
+            } else {
+                Some(s)
+            };
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            let Some(mut s) = keep else { return Ok(()) };
+            if child_serves {
+                return eio(&mut s, "parent");
+            }
+            let n = echo_all(&mut s)?;
+            println!("echoed {}", echoed + n);
+            Ok(())
+        }
+    }
+}
+
+/// `forkechos PORT N`: a forking server's accept loop: a child per
+/// connection echoes it and closes it, the parent closes its copy at
+/// once and accepts the next; then it waits for every child.
+fn forkechos(port: u16, n: usize) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let mut children = Vec::new();
+    for _ in 0..n {
+        let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+        // SAFETY: fork(2) in a single-threaded program; the child only
+        // echoes its connection and exits.
+        match unsafe { libc::fork() } {
+            -1 => return Err(format!("fork: {}", std::io::Error::last_os_error())),
+            0 => {
+                drop(l);
+                let code = match echo_all(&mut s) {
+                    Ok(k) => {
+                        println!("echoed {k}");
+                        drop(s);
+                        0
+                    }
+                    Err(e) => {
+                        eprintln!("sockapp child: {e}");
+                        1
+                    }
+                };
+                std::io::stdout().flush().ok();
+                std::process::exit(code)
+            }
+            child => {
+                drop(s);
+                children.push(child);
+            }
+        }
+    }
+    for child in children {
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our child.
+        if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+            return Err("waitpid".into());
+        }
+        if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+            return Err(format!("a child ended with {status:#x}"));
+        }
+    }
+    Ok(())
+}
+
+/// A read of `s` must fail with `EIO` (a connection another process
+/// drives); says `WHO: EIO`.
+fn eio(s: &mut TcpStream, who: &str) -> Result<(), String> {
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Err(e) if e.raw_os_error() == Some(libc::EIO) => {
+            println!("{who}: EIO");
+            Ok(())
+        }
+        other => Err(format!("{who}'s read of a connection the other process drives: {other:?}")),
+    }
+}
+
+/// Echoes until the end; the bytes echoed.
+fn echo_all(s: &mut TcpStream) -> Result<u64, String> {
+    echo_upto(s, u64::MAX)
+}
+
+/// Echoes `limit` bytes, or until the end.
+fn echo_upto(s: &mut TcpStream, limit: u64) -> Result<u64, String> {
+    let mut buf = vec![0u8; 65_536];
+    let mut n = 0u64;
+    while n < limit {
+        let want = (limit - n).min(buf.len() as u64) as usize;
+        let r = s.read(&mut buf[..want]).map_err(|e| format!("read after {n}: {e}"))?;
+        if r == 0 {
+            break;
+        }
+        s.write_all(&buf[..r]).map_err(|e| format!("write after {n}: {e}"))?;
+        n += r as u64;
+    }
+    Ok(n)
+}
+
+fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let mut sent = 0u64;
+    let mut back = vec![0u8; ECHO_CHUNK];
+    while sent < bytes {
+        let n = (ECHO_CHUNK as u64).min(bytes - sent) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write at {sent}: {e}"))?;
+        s.read_exact(&mut back[..n]).map_err(|e| format!("read back at {sent}: {e}"))?;
+        if let Some(i) = (0..n).find(|&i| back[i] != data[i]) {
+            return Err(format!("byte {} echoed as {}, sent {}", sent + i as u64, back[i], data[i]));
+        }
+        sent += n as u64;
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    let mut b = [0u8; 1];
+    match s.read(&mut b) {
+        Ok(0) => {
+            println!("echoed {sent}, then the end");
+            Ok(())
+        }
+        other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
     }
 }
 
@@ -763,6 +965,9 @@ fn main() {
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
         Some("forkserver") => forkserver(port()),
+        Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
+        Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
         Some("quiet") => quiet(port()),
         Some("rr") => rr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),

@@ -1,0 +1,195 @@
+//! Which process drives a connection that `fork` shared.
+//!
+//! After `fork` parent and child hold the same kernel socket, and each
+//! holds a copy of the library's [`crate::stream::Stream`] for it. Only one
+//! of them may negotiate it and carry it: two hellos on one socket, or two
+//! processes posting on one QP, would corrupt the stream. The choice is
+//! one word in a page that every holder shares (`MAP_SHARED`, so a forked
+//! child sees the same word), set by the first process that makes a call
+//! on the connection ([`Owner::take`]):
+//!
+//! - [`FREE`]: nobody made a call yet; the first caller takes it (the
+//!   classic forking server: accept in the parent, fork, the child
+//!   serves: its first call exchanges the hellos through its own device);
+//! - a process id: that process drives it; in any other process a call
+//!   fails with `EIO` (the parent's QP and rings are not the child's to
+//!   use, and the other way round);
+//! - [`TCP`]: it turned out plain TCP: every holder passes its calls to
+//!   the kernel.
+//!
+//! A process that does not drive the connection only closes its own
+//! descriptors of it when the program closes them: the driver's rings,
+//! QP and end of stream are untouched ([`crate::stream::Stream`]'s drop).
+//!
+//! Where the page cannot be mapped, the word is the creating process's
+//! own memory, set to its id: a child never takes such a connection (it
+//! fails with `EIO`, as before this module).
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// Nobody made a call on the connection yet.
+pub const FREE: u32 = 0;
+/// The connection is plain TCP, for every holder.
+pub const TCP: u32 = u32::MAX;
+
+/// What [`Owner::take`] found.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Take {
+    /// This process drives the connection (it took it now or before).
+    Mine,
+    /// It is plain TCP: the call goes to the kernel.
+    Tcp,
+    /// Another process drives it.
+    Other,
+}
+
+pub struct Owner {
+    word: *const AtomicU32,
+    /// Whether `word` is a mapped page (unmapped at drop) or leaked heap.
+    mapped: bool,
+}
+
+// SAFETY: `word` points to an atomic that lives as long as the Owner (a
+// page unmapped only by its drop, or leaked heap); atomics may be used
+// from any thread.
+unsafe impl Send for Owner {}
+// SAFETY: as above.
+unsafe impl Sync for Owner {}
+
+const PAGE: usize = 4096;
+
+impl Owner {
+    /// A new connection's word: free, in a shared page.
+    pub fn new() -> Owner {
+        // SAFETY: a fresh anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                PAGE,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            // Ours only: a child will not take it.
+            let w: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(crate::pid::get())));
+            return Owner { word: w, mapped: false };
+        }
+        // An anonymous mapping is zeroed: the word reads FREE.
+        Owner { word: p.cast::<AtomicU32>(), mapped: true }
+    }
+
+    fn word(&self) -> &AtomicU32 {
+        // SAFETY: see the `Send` impl: valid while `self` lives.
+        unsafe { &*self.word }
+    }
+
+    /// Takes the connection for this process if nobody has it.
+    pub fn take(&self) -> Take {
+        let me = crate::pid::get();
+        // Every call asks: a load where it is decided already.
+        match self.word().load(Ordering::Acquire) {
+            w if w == me => return Take::Mine,
+            TCP => return Take::Tcp,
+            FREE => {}
+            _ => return Take::Other,
+        }
+        match self.word().compare_exchange(FREE, me, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => Take::Mine,
+            Err(w) if w == me => Take::Mine,
+            Err(TCP) => Take::Tcp,
+            Err(_) => Take::Other,
+        }
+    }
+
+    /// Whether this process drives the connection, or may still take it
+    /// (nobody made a call yet).
+    pub fn may_use(&self) -> bool {
+        let w = self.word().load(Ordering::Acquire);
+        w == FREE || w == TCP || w == crate::pid::get()
+    }
+
+    /// Whether nobody took it yet.
+    pub fn is_free(&self) -> bool {
+        self.word().load(Ordering::Acquire) == FREE
+    }
+
+    /// Whether this process drives the connection (took it).
+    pub fn mine(&self) -> bool {
+        self.word().load(Ordering::Acquire) == crate::pid::get()
+    }
+
+    /// The driver found it plain TCP: so it is for every holder.
+    pub fn set_tcp(&self) {
+        self.word().store(TCP, Ordering::Release);
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        if self.mapped {
+            // SAFETY: this process's mapping of the page, made in `new`
+            // (or inherited through fork), unmapped once; the atomic is
+            // not used after (the Owner is going).
+            unsafe { libc::munmap(self.word as *mut libc::c_void, PAGE) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_first_caller_takes_it_and_tcp_is_everyones() {
+        let o = Owner::new();
+        assert!(o.may_use());
+        assert!(!o.mine());
+        assert_eq!(o.take(), Take::Mine);
+        assert!(o.mine());
+        assert_eq!(o.take(), Take::Mine);
+        o.set_tcp();
+        assert_eq!(o.take(), Take::Tcp);
+        assert!(o.may_use());
+        assert!(!o.mine());
+    }
+
+    /// A forked child sees the same word: the process that calls first
+    /// drives the connection, the other is told so.
+    #[test]
+    fn a_forked_child_and_its_parent_see_one_word() {
+        let o = Owner::new();
+        let mut fds = [0; 2];
+        // SAFETY: pipe(2) into our array.
+        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+        // SAFETY: fork(2) in a test; the child only uses the word, writes
+        // one byte to the pipe and leaves with _exit.
+        match unsafe { libc::fork() } {
+            0 => {
+                let ok = o.take() == Take::Mine && o.mine();
+                let b = [ok as u8];
+                // SAFETY: write(2) of one byte to our pipe, then _exit.
+                unsafe {
+                    libc::write(fds[1], b.as_ptr().cast(), 1);
+                    libc::_exit(0);
+                }
+            }
+            child => {
+                assert!(child > 0);
+                let mut b = [0u8; 1];
+                // SAFETY: read(2) of one byte from our pipe; waitpid on our child.
+                unsafe {
+                    assert_eq!(libc::read(fds[0], b.as_mut_ptr().cast(), 1), 1);
+                    libc::waitpid(child, std::ptr::null_mut(), 0);
+                    libc::close(fds[0]);
+                    libc::close(fds[1]);
+                }
+                assert_eq!(b[0], 1, "the child did not take the free word");
+                assert_eq!(o.take(), Take::Other, "the parent took what its child drives");
+                assert!(!o.may_use());
+            }
+        }
+    }
+}
