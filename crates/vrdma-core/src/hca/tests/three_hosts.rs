@@ -790,6 +790,76 @@ fn an_import_that_collides_or_passes_the_quota_is_refused() {
     assert_eq!(c.hca.usage(TENANT).0, 5);
 }
 
+/// A guest context's remembered answer (the number and reply of the last
+/// numbered call its session answered, snapshot version 4) travels with
+/// the snapshot, and a forged one is refused with nothing imported: of a
+/// context the snapshot lacks, twice for one context, numbered 0, over
+/// the size cap, or bytes that are no reply.
+#[test]
+fn remembered_answers_travel_and_forged_ones_are_refused() {
+    use crate::hca::migrate::AnswerSnap;
+    use crate::proto::guest::{encode_reply_body, Handle, MAX_REMEMBERED_REPLY};
+    let (_t, _a, _b, mem, bytes) = paused_snapshot();
+    let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+    let snap = TenantSnapshot::decode(&bytes).unwrap();
+    assert!(snap.answers.is_empty(), "the core remembers nothing: the daemon fills them");
+    let ctx = snap.contexts[0];
+    let reply = encode_reply_body(
+        &crate::proto::Reply::Pd { pd: 0x77 },
+        &[Handle::Extent { offset: 4096, len: 4096 }],
+    );
+    let good = AnswerSnap { ctx, number: 41, reply: reply.clone() };
+    let with = |answers: Vec<AnswerSnap>| {
+        let mut s = snap.clone();
+        s.answers = answers;
+        s.encode()
+    };
+    // Round trip; the header says version 4.
+    let carried = with(vec![good.clone()]);
+    assert_eq!(u16::from_be_bytes([carried[4], carried[5]]), 4);
+    assert_eq!(TenantSnapshot::decode(&carried).unwrap().answers, vec![good.clone()]);
+    let mut c = bare_host(IPS[C], &tune);
+    assert_eq!(c.hca.import_tenant(&carried, T0, &mut region_of), Ok(TENANT));
+    // A reply too large to keep travels as answered, without its bytes.
+    let empty = AnswerSnap { reply: Vec::new(), ..good.clone() };
+    let mut c = bare_host(IPS[C], &tune);
+    assert_eq!(c.hca.import_tenant(&with(vec![empty]), T0, &mut region_of), Ok(TENANT));
+    let huge = encode_reply_body(
+        &crate::proto::Reply::Error { errno: 5, message: "x".repeat(MAX_REMEMBERED_REPLY) },
+        &[],
+    );
+    let cases = [
+        ("a context the snapshot lacks", vec![AnswerSnap { ctx: ctx ^ 0x40, ..good.clone() }]),
+        ("twice for one context", vec![good.clone(), AnswerSnap { number: 42, ..good.clone() }]),
+        ("numbered 0", vec![AnswerSnap { number: 0, ..good.clone() }]),
+        ("over the cap", vec![AnswerSnap { reply: huge, ..good.clone() }]),
+        ("bytes that are no reply", vec![AnswerSnap { reply: vec![0xff; 16], ..good.clone() }]),
+        (
+            "more handles than a reply holds",
+            vec![AnswerSnap {
+                reply: encode_reply_body(
+                    &crate::proto::Reply::Done,
+                    &vec![Handle::Bell { id: 1, hangup: false }; crate::proto::guest::MAX_HANDLES + 1],
+                ),
+                ..good.clone()
+            }],
+        ),
+    ];
+    for (what, answers) in cases {
+        let mut c = bare_host(IPS[C], &tune);
+        let r = c.hca.import_tenant(&with(answers), T0, &mut region_of);
+        assert!(
+            matches!(&r, Err(SnapshotError::Invalid(m)) if m.contains("remembered answer")),
+            "{what}: {r:?}"
+        );
+        assert!(c.hca.qps.is_empty() && c.hca.mrs.is_empty() && c.hca.contexts.is_empty(), "{what}");
+    }
+    // A snapshot of version 3 (no answers) is refused as another version.
+    let mut old = bytes.clone();
+    old[4..6].copy_from_slice(&3u16.to_be_bytes());
+    assert_eq!(TenantSnapshot::decode(&old), Err(SnapshotError::UnsupportedVersion(3)));
+}
+
 /// After a move, the host the tenant left cannot speak for its QP: a
 /// request frame from the old link is dropped, a Moved frame from there
 /// with the old or the same epoch is refused; the new location's traffic
