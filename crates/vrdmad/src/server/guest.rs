@@ -582,7 +582,8 @@ mod tests {
 
     /// A guest's numbered call sent twice (its reply lost): the second is
     /// answered from memory with the first's reply, and runs not again (one
-    /// PD); an older number is refused, as is number 0; a newer one runs.
+    /// PD); an older number is refused, as are number 0 and a numbered
+    /// Hello; a newer one runs.
     /// Without the memory the second made a second PD.
     #[test]
     fn a_numbered_call_sent_again_is_answered_from_memory_and_runs_once() {
@@ -600,10 +601,12 @@ mod tests {
         numbered(&mut port, 1, Request::AllocPd);
         assert_eq!(next(&mut port, &mut dec), first, "the same number: the same reply");
         assert_eq!(pds(), 1, "the call sent again ran again");
-        for (number, errno) in [(0, libc::EINVAL)] {
-            numbered(&mut port, number, Request::AllocPd);
+        // Number 0, and a numbered call that opens a context, are refused.
+        let hello = Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION };
+        for (number, req) in [(0, Request::AllocPd), (2, hello)] {
+            numbered(&mut port, number, req);
             match next(&mut port, &mut dec) {
-                Frame::Reply { reply: Reply::Error { errno: e, .. }, .. } => assert_eq!(e, errno),
+                Frame::Reply { reply: Reply::Error { errno, .. }, .. } => assert_eq!(errno, libc::EINVAL),
                 other => panic!("number {number}: {other:?}"),
             }
         }

@@ -840,7 +840,7 @@ fn remembered_answers_travel_and_forged_ones_are_refused() {
             vec![AnswerSnap {
                 reply: encode_reply_body(
                     &crate::proto::Reply::Done,
-                    &vec![Handle::Bell { id: 1, hangup: false }; crate::proto::guest::MAX_HANDLES + 1],
+                    &[Handle::Bell { id: 1, hangup: false }; crate::proto::guest::MAX_HANDLES + 1],
                 ),
                 ..good.clone()
             }],
