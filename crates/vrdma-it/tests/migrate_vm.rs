@@ -240,6 +240,17 @@ impl RawPort {
     /// A call and its reply with its handles.
     fn call(&mut self, req: Request) -> Result<(Reply, Vec<Handle>)> {
         self.send(&Frame::Call(req))?;
+        self.reply()
+    }
+
+    /// A numbered call and its reply with its handles.
+    fn numbered(&mut self, number: u64, req: Request) -> Result<(Reply, Vec<Handle>)> {
+        self.send(&Frame::NumberedCall { number, req })?;
+        self.reply()
+    }
+
+    /// The next reply and its handles.
+    fn reply(&mut self) -> Result<(Reply, Vec<Handle>)> {
         loop {
             match self.next()? {
                 Frame::Reply { reply, handles } => return Ok((reply, handles)),
@@ -1112,4 +1123,78 @@ fn an_import_naming_a_completion_channel_in_use_here_is_refused_and_leaves_nothi
         drop((cq, ch, host));
         Ok(())
     })
+}
+
+/// Issue 19: a state-changing call whose reply the move lost runs once.
+/// A raw guest port on A makes a CQ by numbered call 1 (sent twice there:
+/// the second is answered from memory, one CQ); the tenant moves to C
+/// (the snapshot carries the context's remembered answer); on C the guest
+/// adopts its context and sends call 1 again, as the library does after a
+/// lost reply: it gets A's answer (the same CQ, its ring at the same
+/// extent), and C holds one CQ. Then call 2 destroys the CQ and, sent
+/// again, is answered `Done` from memory where running it again would
+/// fail (the CQ is gone); an older number is refused. Without the memory
+/// C made a second CQ (and the second destroy failed).
+#[test]
+fn a_numbered_call_sent_again_after_a_move_gets_the_sources_answer_and_runs_once() -> Result<()> {
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+    let h = ThreeHosts::start([&vm, "", &vm])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+    let mut on_a = RawPort::open(&vm_a.port_socket)?;
+    let ctx = match on_a.call(Request::Hello { version: PROTOCOL_VERSION })?.0 {
+        Reply::Hello { context, .. } => context,
+        r => bail!("Hello: {r:?}"),
+    };
+    let create = Request::CreateCq { cqe: 16, channel: None };
+    let first = on_a.numbered(1, create.clone())?;
+    let cq = match &first {
+        (Reply::Cq { cq, .. }, handles) if matches!(handles[..], [Handle::Extent { .. }]) => *cq,
+        r => bail!("creating the CQ: {r:?}"),
+    };
+    assert_eq!(on_a.numbered(1, create.clone())?, first, "sent again on A: from memory");
+    let cqs = |socket: &std::path::Path| -> Result<Vec<u32>> {
+        vrdma::migrate::pause(socket, uid)?;
+        let (fd, _, _) = vrdma::migrate::export(socket, uid)?;
+        let snap = TenantSnapshot::decode(&read_all(&fd)?)?;
+        vrdma::migrate::resume(socket, uid)?;
+        Ok(snap.cqs.iter().map(|c| c.cq).collect())
+    };
+    assert_eq!(cqs(&h.a.socket)?, vec![cq], "one CQ on A");
+
+    // The move; the snapshot carries call 1's answer.
+    vrdma::migrate::pause(&h.a.socket, uid)?;
+    let (snap_fd, _, _) = vrdma::migrate::export(&h.a.socket, uid)?;
+    let snap = TenantSnapshot::decode(&read_all(&snap_fd)?)?;
+    assert_eq!(snap.answers.len(), 1, "{:?}", snap.answers);
+    assert_eq!((snap.answers[0].ctx, snap.answers[0].number), (ctx, 1));
+    assert_eq!(guest::decode_reply_body(&snap.answers[0].reply)?, first);
+    copy_region(&vm_a.region, &vm_c.region, vm_a.region_len)?;
+    vrdma::migrate::import(&h.c.socket, snap_fd.as_fd())?;
+    vrdma::migrate::finish(&h.a.socket, uid)?;
+    vrdma::migrate::resume(&h.c.socket, uid)?;
+    drop(on_a);
+
+    // On C: adopted, call 1 again gets A's answer and makes nothing.
+    let mut on_c = RawPort::open(&vm_c.port_socket)?;
+    match on_c.call(adopt(ctx))?.0 {
+        Reply::Hello { context, .. } if context == ctx => {}
+        r => bail!("adopting on C: {r:?}"),
+    }
+    assert_eq!(on_c.numbered(1, create.clone())?, first, "call 1 sent again on C: A's answer");
+    assert_eq!(cqs(&h.c.socket)?, vec![cq], "one CQ on C: call 1 did not run again");
+    // Call 2 destroys it; sent again, answered from memory (run again, it
+    // would fail: the CQ is gone).
+    let destroy = Request::DestroyCq { cq };
+    assert_eq!(on_c.numbered(2, destroy.clone())?.0, Reply::Done);
+    assert_eq!(on_c.numbered(2, destroy.clone())?.0, Reply::Done, "call 2 sent again");
+    assert_eq!(cqs(&h.c.socket)?, Vec::<u32>::new());
+    // An older number is refused; the same destroy unnumbered runs, and
+    // fails.
+    let (r, _) = on_c.numbered(1, create)?;
+    assert_eq!(errno_of(&r), Some(libc::EINVAL), "an older number: {r:?}");
+    let (r, _) = on_c.call(destroy)?;
+    assert!(errno_of(&r).is_some(), "the CQ is gone: {r:?}");
+    Ok(())
 }

@@ -206,6 +206,10 @@ pub(crate) struct Placed {
     /// Per context an import brought and no session adopted yet, its
     /// completion channels (`MovedChannel`).
     pub moved_channels: std::collections::HashMap<u32, Vec<MovedChannel>>,
+    /// Per guest context, the last numbered call its session answered
+    /// (`server::guest_answers`): kept here, beside the places, because the
+    /// export carries it and the import brings it for the adopter.
+    pub answers: std::collections::HashMap<u32, crate::server::guest_answers::Remembered>,
 }
 
 /// Which number space an object's number is in.
@@ -253,6 +257,7 @@ impl Placed {
     pub fn forget_context(&mut self, ctx: u32) {
         self.by_ctx.remove(&ctx);
         self.moved_channels.remove(&ctx);
+        self.answers.remove(&ctx);
     }
 
     pub fn get(&self, ctx: u32, kind: Kind, id: u32) -> Option<Place> {

@@ -72,6 +72,13 @@ pub enum Frame {
     /// from a device that is gone. A port closed without it is the
     /// daemon's death or the device's removal.
     Ended { reason: EndReason },
+    /// Guest to daemon: a control request numbered by the guest, per
+    /// context, from 1 (kind 9, appended in protocol 7). The daemon
+    /// remembers the number and reply of the last one it answered: the
+    /// same number again (a call re-sent after its reply was lost in a
+    /// move) is answered from memory without running, an older one is
+    /// refused, a newer one runs. `docs/vms.md`, "Numbered calls".
+    NumberedCall { number: u64, req: Request },
 }
 
 /// Why a port's session ended ([`Frame::Ended`]).
@@ -107,6 +114,16 @@ const CLOSE: u8 = 5;
 const PING: u8 = 6;
 const PONG: u8 = 7;
 const ENDED: u8 = 8;
+const NUMBERED_CALL: u8 = 9;
+/// The last kind this decoder knows (kinds are appended only).
+const LAST_KIND: u8 = NUMBERED_CALL;
+
+/// The most bytes of an encoded reply body ([`encode_reply_body`]) a daemon
+/// remembers for a numbered call, and a snapshot may carry per context. A
+/// reply that changes state is far smaller (a handle or two, a few
+/// numbers; an error's message); a larger one (a query's) is remembered
+/// as answered, without its bytes, and a query sent again runs again.
+pub const MAX_REMEMBERED_REPLY: usize = 4096;
 
 /// Why a frame could not be decoded. Any of them ends the session: the
 /// stream can no longer be trusted to be in step.
@@ -142,6 +159,27 @@ struct ReplyBody {
     handles: Vec<Handle>,
 }
 
+/// The body of a [`Frame::Reply`]: what a daemon remembers of a numbered
+/// call's answer.
+pub fn encode_reply_body(reply: &Reply, handles: &[Handle]) -> Vec<u8> {
+    postcard::to_stdvec(&ReplyBody { reply: reply.clone(), handles: handles.to_vec() })
+        .expect("protocol values always serialize")
+}
+
+/// A [`Frame::Reply`]'s body decoded (untrusted: a remembered answer that
+/// came in a snapshot), at most [`MAX_HANDLES`] handles.
+pub fn decode_reply_body(body: &[u8]) -> Result<(Reply, Vec<Handle>), FrameError> {
+    if body.len() > MAX_FRAME_BODY {
+        return Err(FrameError::TooLarge(body.len() as u64));
+    }
+    let r: ReplyBody =
+        postcard::from_bytes(body).map_err(|e| FrameError::Body(ProtoError::Malformed(e.to_string())))?;
+    if r.handles.len() > MAX_HANDLES {
+        return Err(FrameError::TooManyHandles(r.handles.len()));
+    }
+    Ok((r.reply, r.handles))
+}
+
 fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(HEADER + body.len());
     out.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -156,11 +194,7 @@ pub fn encode(f: &Frame) -> Vec<u8> {
     match f {
         Frame::Hello { version } => frame(HELLO, &version.to_le_bytes()),
         Frame::Call(r) => frame(CALL, &super::encode_request(r)),
-        Frame::Reply { reply, handles } => {
-            let body = postcard::to_stdvec(&ReplyBody { reply: reply.clone(), handles: handles.clone() })
-                .expect("protocol values always serialize");
-            frame(REPLY, &body)
-        }
+        Frame::Reply { reply, handles } => frame(REPLY, &encode_reply_body(reply, handles)),
         Frame::Bell { id, count } => {
             b[..4].copy_from_slice(&id.to_le_bytes());
             b[4..8].copy_from_slice(&count.to_le_bytes());
@@ -170,6 +204,11 @@ pub fn encode(f: &Frame) -> Vec<u8> {
         Frame::Ping { nonce } => frame(PING, &nonce.to_le_bytes()),
         Frame::Pong { nonce } => frame(PONG, &nonce.to_le_bytes()),
         Frame::Ended { reason } => frame(ENDED, &(*reason as u32).to_le_bytes()),
+        Frame::NumberedCall { number, req } => {
+            let mut body = number.to_le_bytes().to_vec();
+            body.extend(super::encode_request(req));
+            frame(NUMBERED_CALL, &body)
+        }
     }
 }
 
@@ -186,12 +225,8 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
         HELLO => Frame::Hello { version: u32::from_le_bytes(fixed(kind, body)?) },
         CALL => Frame::Call(super::decode_request(body)?),
         REPLY => {
-            let r: ReplyBody = postcard::from_bytes(body)
-                .map_err(|e| FrameError::Body(ProtoError::Malformed(e.to_string())))?;
-            if r.handles.len() > MAX_HANDLES {
-                return Err(FrameError::TooManyHandles(r.handles.len()));
-            }
-            Frame::Reply { reply: r.reply, handles: r.handles }
+            let (reply, handles) = decode_reply_body(body)?;
+            Frame::Reply { reply, handles }
         }
         BELL => {
             let b: [u8; 8] = fixed(kind, body)?;
@@ -206,6 +241,14 @@ pub fn decode_body(kind: u8, body: &[u8]) -> Result<Frame, FrameError> {
         ENDED => {
             let v = u32::from_le_bytes(fixed(kind, body)?);
             Frame::Ended { reason: EndReason::from_u32(v).ok_or(FrameError::UnknownReason(v))? }
+        }
+        NUMBERED_CALL => {
+            let (n, req) =
+                body.split_at_checked(8).ok_or(FrameError::BadLength { kind, want: 8, got: body.len() })?;
+            Frame::NumberedCall {
+                number: u64::from_le_bytes(n.try_into().expect("8 bytes")),
+                req: super::decode_request(req)?,
+            }
         }
         k => return Err(FrameError::UnknownKind(k)),
     })
@@ -279,7 +322,7 @@ impl FrameDecoder {
         if len as usize > MAX_FRAME_BODY {
             return Err(FrameError::TooLarge(len.into()));
         }
-        if !(HELLO..=ENDED).contains(&kind) {
+        if !(HELLO..=LAST_KIND).contains(&kind) {
             return Err(FrameError::UnknownKind(kind));
         }
         let end = HEADER + len as usize;
@@ -314,6 +357,8 @@ mod tests {
             Frame::Pong { nonce: 1 },
             Frame::Ended { reason: EndReason::Moved },
             Frame::Ended { reason: EndReason::NoSession },
+            Frame::NumberedCall { number: 1, req: Request::CreateCq { cqe: 16, channel: None } },
+            Frame::NumberedCall { number: u64::MAX, req: Request::QueryDevice },
         ]
     }
 
@@ -321,7 +366,7 @@ mod tests {
     fn kinds_and_reasons_keep_their_numbers() {
         // Released guests decode these numbers: appended only, never moved.
         let kinds: Vec<u8> = all().iter().map(|f| encode(f)[4]).collect();
-        assert_eq!(kinds, [1, 2, 2, 3, 4, 5, 6, 7, 8, 8]);
+        assert_eq!(kinds, [1, 2, 2, 3, 4, 5, 6, 7, 8, 8, 9, 9]);
         assert_eq!((EndReason::Moved as u32, EndReason::NoSession as u32), (1, 2));
         assert_eq!(&encode(&Frame::Ended { reason: EndReason::Moved })[8..], &1u32.to_le_bytes());
         // An unknown reason is a bad body: skipped, the stream in step.
@@ -387,6 +432,34 @@ mod tests {
         d.push(&[CALL, 0, 0, 0]);
         assert_eq!(d.next_frame(), Ok(None));
         assert_eq!(d.wanted(), MAX_FRAME_BODY);
+    }
+
+    /// Kind 9: the number (u64 LE) first, then the request as in a Call;
+    /// a body too short for the number, or with a bad request after it,
+    /// is a bad body (skipped, the stream in step).
+    #[test]
+    fn a_numbered_call_carries_its_number_before_the_request() {
+        let f = Frame::NumberedCall { number: 0x0102_0304_0506_0708, req: Request::AllocPd };
+        let bytes = encode(&f);
+        assert_eq!(bytes[4], 9);
+        assert_eq!(&bytes[8..16], &0x0102_0304_0506_0708u64.to_le_bytes());
+        assert_eq!(&bytes[16..], &crate::proto::encode_request(&Request::AllocPd)[..]);
+        let mut d = FrameDecoder::new();
+        d.push(&frame(NUMBERED_CALL, &[1, 2, 3]));
+        d.push(&frame(NUMBERED_CALL, &[1, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff]));
+        d.push(&bytes);
+        assert!(matches!(d.next_frame(), Err(FrameError::BadLength { kind: 9, want: 8, got: 3 })));
+        assert!(matches!(d.next_frame(), Err(FrameError::Body(_))));
+        assert_eq!(d.next_frame(), Ok(Some(f)));
+        // A remembered answer's bytes are a Reply frame's body.
+        let handles = [Handle::Extent { offset: 8192, len: 4096 }];
+        let body = encode_reply_body(&Reply::Pd { pd: 9 }, &handles);
+        assert_eq!(
+            &encode(&Frame::Reply { reply: Reply::Pd { pd: 9 }, handles: handles.to_vec() })[8..],
+            &body[..]
+        );
+        assert_eq!(decode_reply_body(&body), Ok((Reply::Pd { pd: 9 }, handles.to_vec())));
+        assert!(decode_reply_body(&[0xff; 8]).is_err());
     }
 
     #[test]

@@ -16,8 +16,10 @@
 //! that waits probes the port every second, and the destination answers
 //! that it holds no session there, so the context is taken back and the
 //! call sent again. Such a call may have run on the source before the
-//! move: sent again, a query answers as before, but a call that changes
-//! state may fail (or make a second object) on the destination. The library's ends of the context's doorbells
+//! move: calls are numbered (`Frame::NumberedCall`, per context, from 1;
+//! the same number when sent again), and a daemon that answered that
+//! number already (the source's answer moves with the snapshot) answers
+//! it from memory without running it again. The library's ends of the context's doorbells
 //! stay the same descriptors across a move; only the proxy numbers they
 //! are forwarded under change.
 
@@ -189,8 +191,9 @@ impl Shared {
 /// The guest's end of one port.
 pub(crate) struct GuestLink {
     shared: Arc<Shared>,
-    /// One call at a time on a port: the reply that comes is ours.
-    replies: Mutex<Receiver<Msg>>,
+    /// One call at a time on a port: the reply that comes is ours. Under
+    /// it, the number of the context's next numbered call (from 1).
+    replies: Mutex<(Receiver<Msg>, u64)>,
     /// Written to make the reader thread poll the new proxies too, or
     /// notice that the link is dropped.
     wake: OwnedFd,
@@ -272,7 +275,7 @@ impl GuestLink {
             _gone: gone_far,
         };
         std::thread::Builder::new().name("vrdma-guest".into()).spawn(move || thread.run())?;
-        let link = GuestLink { shared, replies: Mutex::new(rx), wake: wake_tx, gone };
+        let link = GuestLink { shared, replies: Mutex::new((rx, 1)), wake: wake_tx, gone };
         link.shared
             .send(1, &Frame::Hello { version: GUEST_VERSION })
             .map_err(|e| Error::Io(std::io::Error::other(e)))?;
@@ -333,10 +336,22 @@ impl GuestLink {
     /// taken back after a move, the call waits for it (bounded); a call
     /// the old port did not answer goes again on the new one.
     pub fn call(&self, req: &Request) -> Result<(Reply, Carried)> {
-        let replies = lock(&self.replies);
+        let mut calls = lock(&self.replies);
+        // Numbered, but for the calls that open a context: sent again
+        // after a move (below), it is answered with the first one's reply
+        // if the source ran it, and not run twice (`docs/vms.md`,
+        // "Numbered calls"). The number is the call's, whichever port.
+        let frame = if matches!(req, Request::Hello { .. } | Request::AdoptContext { .. }) {
+            Frame::Call(req.clone())
+        } else {
+            let number = calls.1;
+            calls.1 += 1;
+            Frame::NumberedCall { number, req: req.clone() }
+        };
+        let replies = &calls.0;
         loop {
             let gen = self.wait_up()?;
-            if self.shared.send(gen, &Frame::Call(req.clone())).is_err() {
+            if self.shared.send(gen, &frame).is_err() {
                 self.wait_past(gen);
                 continue;
             }
@@ -365,7 +380,7 @@ impl GuestLink {
             };
             // The port ended before answering: the call again, on the next.
             let Some((reply, handles)) = answered else { continue };
-            drop(replies);
+            drop(calls);
             if matches!(req, Request::Hello { .. } | Request::AdoptContext { .. }) {
                 if let Some(b) = Bound::of(&reply, &handles) {
                     *lock(&self.shared.bound) = Some(b);
@@ -630,7 +645,7 @@ impl Reader {
             Frame::Ping { nonce } => self.send(&Frame::Pong { nonce })?,
             // `frames` stops at an end before handing frames here.
             Frame::Ended { .. } => {}
-            Frame::Hello { .. } | Frame::Call(_) | Frame::Pong { .. } => {
+            Frame::Hello { .. } | Frame::Call(_) | Frame::NumberedCall { .. } | Frame::Pong { .. } => {
                 return Err("the daemon sent a guest's frame".into());
             }
         }

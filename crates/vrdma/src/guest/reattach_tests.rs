@@ -25,13 +25,15 @@ struct Port {
     dec: FrameDecoder,
     /// Bells the guest rang, by proxy.
     bells: Vec<u32>,
+    /// The number of the last call (`None`: an unnumbered `Call`).
+    number: Option<u64>,
 }
 
 impl Port {
     fn accept(l: &UnixListener) -> Port {
         let (conn, _) = l.accept().unwrap();
         conn.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Port { conn, dec: FrameDecoder::new(), bells: Vec::new() }
+        Port { conn, dec: FrameDecoder::new(), bells: Vec::new(), number: None }
     }
 
     fn send(&mut self, f: &Frame) {
@@ -55,10 +57,13 @@ impl Port {
     }
 
     fn call(&mut self) -> Request {
-        match self.next() {
-            Frame::Call(r) => r,
+        let (number, r) = match self.next() {
+            Frame::Call(r) => (None, r),
+            Frame::NumberedCall { number, req } => (Some(number), req),
             f => panic!("expected a call, got {f:?}"),
-        }
+        };
+        self.number = number;
+        r
     }
 
     fn reply(&mut self, reply: Reply, handles: Vec<Handle>) {
@@ -146,6 +151,8 @@ fn a_moved_context_is_taken_back_under_the_same_descriptors_then_lost_after_the_
         let mut a = Port::accept(&listener);
         a.open_session(false, (1, 2));
         assert_eq!(a.call(), Request::DeallocPd { pd: 9 });
+        // Hello opens the context unnumbered; its first call is number 1.
+        assert_eq!(a.number, Some(1));
         a.send(&Frame::Ended { reason: EndReason::Moved });
         // The destination refuses once (not imported yet), then hands
         // the context over with new proxies 5 and 6.
@@ -155,12 +162,17 @@ fn a_moved_context_is_taken_back_under_the_same_descriptors_then_lost_after_the_
         b.reply(Reply::Error { errno: libc::ENOENT, message: "not imported here".into() }, Vec::new());
         let mut c = Port::accept(&listener);
         c.open_session(true, (5, 6));
-        // The call again, once, on the new port; answered there.
+        assert_eq!(c.number, None, "AdoptContext is not numbered");
+        // The call again, once, on the new port, with its number (the
+        // daemon there answers it from memory if the source ran it);
+        // answered there.
         assert_eq!(c.call(), Request::DeallocPd { pd: 9 });
+        assert_eq!(c.number, Some(1), "sent again under its own number");
         c.reply(Reply::Done, Vec::new());
         // The library's doorbell reaches proxy 5; proxy 6 rings its
         // event signal.
         assert_eq!(c.call(), Request::DeallocPd { pd: 10 });
+        assert_eq!(c.number, Some(2), "the next call, the next number");
         c.reply(Reply::Done, Vec::new());
         c.send(&Frame::Bell { id: 6, count: 1 });
         // The guest rang the doorbell meanwhile (and the link once after
@@ -246,6 +258,7 @@ fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went
         // source. The port now reaches the destination, which hears the
         // probe on a port with no session, and says so.
         assert_eq!(a.call(), Request::QueryQp { qp: 9 });
+        let first = a.number;
         let probed = Instant::now();
         let f = a.next();
         assert!(matches!(f, Frame::Pong { .. }), "no probe: {f:?}");
@@ -254,6 +267,7 @@ fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went
         let mut c = Port::accept(&listener);
         c.open_session(true, (5, 6));
         assert_eq!(c.call(), Request::QueryQp { qp: 9 });
+        assert_eq!((first, c.number), (Some(1), Some(1)), "sent again under its own number");
         c.reply(Reply::Done, Vec::new());
         waited
     });

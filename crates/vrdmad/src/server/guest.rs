@@ -20,7 +20,7 @@
 //! stream (bad header, oversized length) disconnects the port; a frame
 //! with a bad body is answered with an error and skipped.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::Ordering;
@@ -32,9 +32,10 @@ use rustix::net::{RecvFlags, SendFlags, SocketType};
 use vrdma_core::hca::TenantId;
 use vrdma_core::log_limit::Source;
 use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION};
-use vrdma_core::proto::Reply;
+use vrdma_core::proto::{Reply, Request};
 
-use super::session::{error, Answer, Carry, Session};
+use super::guest_answers::{self, Seen};
+use super::session::{changes_state, error, Answer, Carry, Session};
 use super::Shared;
 use crate::vm::Vm;
 
@@ -59,6 +60,11 @@ struct Live {
     last_heard: Instant,
     next_ping: Instant,
     nonce: u64,
+    /// After an adoption: the proxy it made for each completion channel
+    /// that moved (channel number -> proxy), which a remembered reply
+    /// brought by the move names instead of the source's
+    /// (`guest_answers::replay`).
+    moved_bells: HashMap<u32, u32>,
 }
 
 struct Port {
@@ -263,7 +269,9 @@ impl Port {
                 self.told_no_session = false;
                 self.start_session()
             }
+            Frame::NumberedCall { number, req } => self.numbered(number, req),
             Frame::Call(req) => {
+                let adopting = matches!(req, Request::AdoptContext { .. });
                 let answer = match self.live.as_mut() {
                     Some(l) => {
                         let a = l.session.handle(req, Vec::new());
@@ -287,6 +295,9 @@ impl Port {
                     return Ok(());
                 }
                 let (reply, handles) = self.handles(answer);
+                if adopting {
+                    self.note_moved_bells(&reply, &handles);
+                }
                 self.send(&Frame::Reply { reply, handles })
             }
             Frame::Bell { .. } if self.live.is_none() => self.tell_no_session(),
@@ -317,6 +328,76 @@ impl Port {
                 Ok(())
             }
         }
+    }
+
+    fn reply_error(&mut self, errno: i32, message: String) -> Result<(), String> {
+        self.send(&Frame::Reply { reply: Reply::Error { errno, message }, handles: Vec::new() })
+    }
+
+    /// A numbered call (`guest_answers`): the same number as the last
+    /// answered is answered from memory, an older one refused, a newer
+    /// one runs and its reply is remembered before its pass of the pause
+    /// gate goes (so that an export after a pause carries it).
+    fn numbered(&mut self, number: u64, req: Request) -> Result<(), String> {
+        let Some(l) = self.live.as_mut() else {
+            self.tell_no_session()?;
+            return self.reply_error(libc::EPROTO, "no guest session on this port: send Hello first".into());
+        };
+        l.last_heard = Instant::now();
+        if number == 0 || matches!(req, Request::Hello { .. } | Request::AdoptContext { .. }) {
+            let m = "calls are numbered from 1, and Hello and AdoptContext (which open a context) are not numbered";
+            return self.reply_error(libc::EINVAL, m.into());
+        }
+        let ctx = l.session.id();
+        match guest_answers::seen(&self.vm, ctx, number) {
+            Seen::New => {}
+            Seen::Again(r) => match guest_answers::replay(&r, &l.moved_bells) {
+                Some((reply, handles)) => {
+                    tracing::debug!(vm = %self.vm.name, ctx, number, moved = r.moved, "a numbered call sent again: answered from memory");
+                    return self.send(&Frame::Reply { reply, handles });
+                }
+                // Too large to keep: a query runs again.
+                None if !changes_state(&req) => {}
+                None => {
+                    let reply = guest_answers::not_kept("its reply was too large to keep");
+                    return self.send(&Frame::Reply { reply, handles: Vec::new() });
+                }
+            },
+            Seen::Older(last) => {
+                let m = format!(
+                    "call number {number} is older than the last this context's calls answered ({last}): \
+                     it was answered already, and is not run again"
+                );
+                return self.reply_error(libc::EINVAL, m);
+            }
+        }
+        let shared = self.shared.clone();
+        let (answer, pass) = l.session.handle_gated(&shared, req, Vec::new());
+        l.last_heard = Instant::now();
+        if self.left_under(&answer) {
+            // As for an unnumbered call: not answered, nor remembered (it
+            // did not run here); the guest sends it again where its context
+            // went.
+            drop(pass);
+            tracing::debug!(vm = %self.vm.name, number, "a guest's numbered call failed as its context left; not answered");
+            self.end_session_why(Some(EndReason::Moved));
+            return Ok(());
+        }
+        let (reply, handles) = self.handles(answer);
+        guest_answers::remember(&self.vm, ctx, number, &reply, &handles);
+        drop(pass);
+        self.send(&Frame::Reply { reply, handles })
+    }
+
+    /// After an adoption's answer: the proxy made for each completion
+    /// channel that moved, by its number.
+    fn note_moved_bells(&mut self, reply: &Reply, handles: &[Handle]) {
+        let (Reply::Hello { channels, .. }, Some(l)) = (reply, self.live.as_mut()) else { return };
+        let bells = handles.iter().skip(3).filter_map(|h| match h {
+            Handle::Bell { id, .. } => Some(*id),
+            Handle::Extent { .. } => None,
+        });
+        l.moved_bells = channels.iter().map(|c| c.channel).zip(bells).collect();
     }
 
     /// Whether `answer` is an error of a session whose context left this
@@ -390,6 +471,7 @@ impl Port {
             last_heard: now,
             next_ping: now + self.ping_every(),
             nonce: 1,
+            moved_bells: HashMap::new(),
         });
         Ok(())
     }
@@ -496,6 +578,56 @@ mod tests {
             other => panic!("Hello: {other:?}"),
         };
         (dir, daemon, port, dec, context)
+    }
+
+    /// A guest's numbered call sent twice (its reply lost): the second is
+    /// answered from memory with the first's reply, and runs not again (one
+    /// PD); an older number is refused, as are number 0 and a numbered
+    /// Hello; a newer one runs.
+    /// Without the memory the second made a second PD.
+    #[test]
+    fn a_numbered_call_sent_again_is_answered_from_memory_and_runs_once() {
+        let (_dir, daemon, mut port, mut dec, _) = a_daemon_and_a_guest();
+        let uid = rustix::process::geteuid().as_raw();
+        let tenant = vrdma_core::hca::TenantId(uid);
+        let shared = daemon.shared.clone();
+        let pds = || shared.engine.call(move |e| e.hca.usage(tenant).0).unwrap();
+        let numbered = |port: &mut UnixStream, number: u64, req: Request| {
+            port.write_all(&guest::encode(&Frame::NumberedCall { number, req })).unwrap();
+        };
+        numbered(&mut port, 1, Request::AllocPd);
+        let first = next(&mut port, &mut dec);
+        assert!(matches!(first, Frame::Reply { reply: Reply::Pd { .. }, .. }), "{first:?}");
+        numbered(&mut port, 1, Request::AllocPd);
+        assert_eq!(next(&mut port, &mut dec), first, "the same number: the same reply");
+        assert_eq!(pds(), 1, "the call sent again ran again");
+        // Number 0, and a numbered call that opens a context, are refused.
+        let hello = Request::Hello { version: vrdma_core::proto::PROTOCOL_VERSION };
+        for (number, req) in [(0, Request::AllocPd), (2, hello)] {
+            numbered(&mut port, number, req);
+            match next(&mut port, &mut dec) {
+                Frame::Reply { reply: Reply::Error { errno, .. }, .. } => assert_eq!(errno, libc::EINVAL),
+                other => panic!("number {number}: {other:?}"),
+            }
+        }
+        numbered(&mut port, 5, Request::AllocPd);
+        let fifth = next(&mut port, &mut dec);
+        assert!(matches!(&fifth, Frame::Reply { reply: Reply::Pd { .. }, .. }) && fifth != first);
+        numbered(&mut port, 1, Request::AllocPd);
+        match next(&mut port, &mut dec) {
+            Frame::Reply { reply: Reply::Error { errno, message }, .. } => {
+                assert_eq!(errno, libc::EINVAL);
+                assert!(message.contains("older than"), "{message}");
+            }
+            other => panic!("an older number: {other:?}"),
+        }
+        assert_eq!(pds(), 2);
+        // An unnumbered call runs as ever, and leaves the memory alone.
+        call(&mut port, Request::AllocPd);
+        assert!(matches!(next(&mut port, &mut dec), Frame::Reply { reply: Reply::Pd { .. }, .. }));
+        numbered(&mut port, 5, Request::AllocPd);
+        assert_eq!(next(&mut port, &mut dec), fifth);
+        assert_eq!(pds(), 3);
     }
 
     /// Issue 19's race at the source: `finish` drops the tenant's objects

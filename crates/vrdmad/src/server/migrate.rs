@@ -142,6 +142,12 @@ pub(super) fn handle(
             // A VM's tenant: where its objects lie in the VM's region.
             if let Some(vm) = super::migrate_vm::vm_of(shared, tenant) {
                 snap.placement = super::migrate_vm::placement(vm, &snap, &positions, &bindings)?;
+                // Its guests' remembered answers: taken after the pause,
+                // which waited for every state-changing call's answer to
+                // be remembered (`guest_answers`).
+                if snap.placement.is_some() {
+                    snap.answers = super::guest_answers::of(vm, &snap.contexts);
+                }
             }
             let (bytes, qps) = (snap.encode(), snap.qps.len());
             let fd = sealed_memfd(&bytes).map_err(Answer::from)?;
@@ -228,7 +234,11 @@ pub(super) fn handle(
             };
             if let Some(a) = attached {
                 // The tenant is paused: its rings are in place before resume.
+                let vm = a.vm.clone();
                 engine.call(move |e| a.install(&mut e.rings)).map_err(|_| gone())?;
+                // The guests' remembered answers (checked by the core's
+                // import), for the sessions that adopt their contexts.
+                super::guest_answers::brought(&vm, &snap.answers);
             }
             let qps = engine
                 .call(move |e| e.hca.snapshot_tenant(t).map_or(0, |s| s.qps.len()))

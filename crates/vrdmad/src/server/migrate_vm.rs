@@ -135,7 +135,7 @@ pub(super) fn placement(
 
 /// A moved VM's objects mapped on this host, ready for the engine.
 pub(super) struct Attached {
-    vm: Arc<Vm>,
+    pub vm: Arc<Vm>,
     tenant: TenantId,
     pub regions: HashMap<u32, Region>,
     cqs: Vec<(u32, RingView)>,

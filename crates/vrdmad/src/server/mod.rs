@@ -5,6 +5,7 @@
 
 mod admission;
 pub(crate) mod guest;
+pub(crate) mod guest_answers;
 mod guest_memory;
 mod migrate;
 mod migrate_vm;

@@ -323,6 +323,22 @@ impl Session {
     }
 
     pub(super) fn handle(&mut self, req: Request, fds: Vec<OwnedFd>) -> Answer {
+        let shared = self.shared.clone();
+        let (answer, _pass) = self.handle_gated(&shared, req, fds);
+        answer
+    }
+
+    /// [`handle`](Self::handle), and the pause gate's pass of a call that
+    /// changes state (`gate` is this session's `Shared`): the call counts
+    /// as running until the caller drops it, so that what the caller does
+    /// with the answer first (a guest port remembers a numbered call's
+    /// reply) happens before a pause, and so before an export.
+    pub(super) fn handle_gated<'g>(
+        &mut self,
+        gate: &'g Shared,
+        req: Request,
+        fds: Vec<OwnedFd>,
+    ) -> (Answer, Option<super::pause_gate::Pass<'g>>) {
         if !self.open
             && !matches!(
                 req,
@@ -332,42 +348,44 @@ impl Session {
                     | Request::Migrate(_)
             )
         {
-            return error(EPROTO, "the first request must be Hello");
+            return (error(EPROTO, "the first request must be Hello"), None);
         }
         // A call that changes the tenant's device state waits while the
         // tenant is paused for a migration (`pause_gate`), and counts as
         // running until answered, so that a pause waits for it.
-        let shared = self.shared.clone();
-        let _pass = if changes_state(&req) {
+        let pass = if changes_state(&req) {
             let (tenant, id) = (self.tenant, self.ctx.0);
-            match shared.gate.enter(tenant, || shared.is_moved(id)) {
+            match gate.gate.enter(tenant, || gate.is_moved(id)) {
                 Ok(p) => Some(p),
                 Err(super::pause_gate::Held::Moved) => {
                     // Not run: the guest's port ends the session as moved
                     // and the guest sends it again on the destination; a
                     // host session's connection is closed already.
-                    return error(
+                    let a = error(
                         libc::ENODEV,
                         "the context moved to another host while the call waited; it was not run here",
                     );
+                    return (a, None);
                 }
                 Err(super::pause_gate::Held::TooLong(limit)) => {
-                    return error(
+                    let a = error(
                         libc::ETIMEDOUT,
                         format!(
                             "the tenant has been paused for a migration for more than {limit:?}; \
                              the call was not run"
                         ),
                     );
+                    return (a, None);
                 }
             }
         } else {
             None
         };
-        match self.dispatch(req, fds) {
+        let a = match self.dispatch(req, fds) {
             Ok(a) => self.pooled(a),
             Err(a) => a,
-        }
+        };
+        (a, pass)
     }
 
     /// An answer that places rings in the context's pool becomes
@@ -1158,7 +1176,7 @@ impl Session {
 /// its VM's region): such a call waits while the tenant is paused for a
 /// migration. Queries, rdma_cm channels (which do not move) and the
 /// direct path's grants do not.
-fn changes_state(req: &Request) -> bool {
+pub(super) fn changes_state(req: &Request) -> bool {
     matches!(
         req,
         Request::AllocPd

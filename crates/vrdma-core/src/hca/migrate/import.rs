@@ -138,6 +138,7 @@ impl Hca {
                 quota.max_contexts
             )));
         }
+        s.check_answers()?;
         let in_ctx = |c: u32| -> Result<(), SnapshotError> {
             if ctxs.contains(&c) {
                 Ok(())

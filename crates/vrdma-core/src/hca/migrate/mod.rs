@@ -40,8 +40,8 @@ mod snapshot;
 pub use import::MrImport;
 pub use placement::{ChannelAt, Extent, MrAt, Placement, QpAt, RingAt, MAX_CHANNELS_PER_TENANT};
 pub use snapshot::{
-    AhSnap, CqSnap, InMsgSnap, MrSnap, PdSnap, QpSnap, RecvSnap, SendSnap, SentSnap, SnapshotError, SrqSnap,
-    TenantSnapshot, WrBytes, MAX_SNAPSHOT_BYTES, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,
+    AhSnap, AnswerSnap, CqSnap, InMsgSnap, MrSnap, PdSnap, QpSnap, RecvSnap, SendSnap, SentSnap,
+    SnapshotError, SrqSnap, TenantSnapshot, WrBytes, MAX_SNAPSHOT_BYTES, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,
 };
 
 use super::remote::{LinkId, Transmit};
@@ -168,6 +168,7 @@ impl Hca {
             ahs: Vec::new(),
             qps: Vec::new(),
             placement: None,
+            answers: Vec::new(),
         };
         for (&pd, p) in self.pds.iter().filter(|(_, p)| mine(&p.ctx)) {
             snap.pds.push(PdSnap { pd, ctx: p.ctx.0 });

@@ -28,8 +28,9 @@ use crate::verbs::{AhAttr, QpAttr, QpInitAttr, SrqAttr, WcStatus};
 pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
 /// The version this code writes and reads.
 /// Version 2 added [`TenantSnapshot::placement`], version 3 its
-/// completion channels ([`super::placement::ChannelAt`]).
-pub const SNAPSHOT_VERSION: u16 = 3;
+/// completion channels ([`super::placement::ChannelAt`]), version 4 the
+/// guests' remembered answers ([`TenantSnapshot::answers`]).
+pub const SNAPSHOT_VERSION: u16 = 4;
 /// Bytes before the body.
 pub const SNAPSHOT_HEADER_LEN: usize = 6;
 /// The largest snapshot accepted: far above what a tenant within its
@@ -112,6 +113,24 @@ pub struct TenantSnapshot {
     /// VM's region (filled by the daemon, which knows; `None` for a
     /// tenant whose memory is not one region).
     pub placement: Option<Placement>,
+    /// For a VM's tenant (version 4): per guest context, the number and
+    /// encoded reply of the last numbered call its session answered
+    /// (filled by the daemon), so that the same call re-sent on the
+    /// destination after its reply was lost in the move is answered from
+    /// there, not run a second time.
+    pub answers: Vec<AnswerSnap>,
+}
+
+/// The last numbered call a guest context's session answered: its number
+/// and its reply, a guest `Reply` frame's body
+/// (`proto::guest::encode_reply_body`), at most
+/// `proto::guest::MAX_REMEMBERED_REPLY` bytes; empty when the reply was
+/// larger (a query's: sent again, it runs again).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AnswerSnap {
+    pub ctx: u32,
+    pub number: u64,
+    pub reply: Vec<u8>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -217,6 +236,37 @@ pub enum InMsgSnap {
 }
 
 impl TenantSnapshot {
+    /// Checks the remembered answers (untrusted, like the rest): each of
+    /// a context of the snapshot, one per context, numbered (not 0), its
+    /// reply at most `MAX_REMEMBERED_REPLY` bytes and, unless empty, a
+    /// reply frame's body.
+    pub fn check_answers(&self) -> Result<(), SnapshotError> {
+        use crate::proto::guest::{decode_reply_body, MAX_REMEMBERED_REPLY};
+        let mut seen = std::collections::HashSet::with_capacity(self.answers.len().min(self.contexts.len()));
+        for a in &self.answers {
+            let what = format!("the remembered answer of context {}", a.ctx);
+            if !self.contexts.contains(&a.ctx) {
+                return Err(invalid(format!("{what}: not a context of the snapshot")));
+            }
+            if !seen.insert(a.ctx) {
+                return Err(invalid(format!("{what}: appears twice")));
+            }
+            if a.number == 0 {
+                return Err(invalid(format!("{what}: call number 0 (calls are numbered from 1)")));
+            }
+            if a.reply.len() > MAX_REMEMBERED_REPLY {
+                return Err(invalid(format!(
+                    "{what}: {} bytes, above the limit of {MAX_REMEMBERED_REPLY}",
+                    a.reply.len()
+                )));
+            }
+            if !a.reply.is_empty() {
+                decode_reply_body(&a.reply).map_err(|e| invalid(format!("{what}: {e}")))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The snapshot's bytes: header, then the body.
     pub fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(1024);

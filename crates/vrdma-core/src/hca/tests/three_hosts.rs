@@ -530,7 +530,8 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
         ("magic", [b"XXXX".as_slice(), &bytes[4..]].concat()),
         ("version 1 (before placements)", [b"vRMS\x00\x01".as_slice(), &bytes[6..]].concat()),
         ("version 2 (before channels)", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
-        ("version 4", [b"vRMS\x00\x04".as_slice(), &bytes[6..]].concat()),
+        ("version 3 (before remembered answers)", [b"vRMS\x00\x03".as_slice(), &bytes[6..]].concat()),
+        ("version 5", [b"vRMS\x00\x05".as_slice(), &bytes[6..]].concat()),
         ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
         ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
         ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
@@ -788,6 +789,72 @@ fn an_import_that_collides_or_passes_the_quota_is_refused() {
     c.hca.set_quota(TENANT, Quota { max_objects: 5, ..Quota::default() });
     c.hca.import_tenant_with(&bytes, T0, &mut region_of, 1).unwrap();
     assert_eq!(c.hca.usage(TENANT).0, 5);
+}
+
+/// A guest context's remembered answer (the number and reply of the last
+/// numbered call its session answered, snapshot version 4) travels with
+/// the snapshot, and a forged one is refused with nothing imported: of a
+/// context the snapshot lacks, twice for one context, numbered 0, over
+/// the size cap, or bytes that are no reply.
+#[test]
+fn remembered_answers_travel_and_forged_ones_are_refused() {
+    use crate::hca::migrate::AnswerSnap;
+    use crate::proto::guest::{encode_reply_body, Handle, MAX_REMEMBERED_REPLY};
+    let (_t, _a, _b, mem, bytes) = paused_snapshot();
+    let mut region_of = |m: &crate::hca::migrate::MrImport| mem.get(&m.key).cloned();
+    let snap = TenantSnapshot::decode(&bytes).unwrap();
+    assert!(snap.answers.is_empty(), "the core remembers nothing: the daemon fills them");
+    let ctx = snap.contexts[0];
+    let reply = encode_reply_body(
+        &crate::proto::Reply::Pd { pd: 0x77 },
+        &[Handle::Extent { offset: 4096, len: 4096 }],
+    );
+    let good = AnswerSnap { ctx, number: 41, reply: reply.clone() };
+    let with = |answers: Vec<AnswerSnap>| {
+        let mut s = snap.clone();
+        s.answers = answers;
+        s.encode()
+    };
+    // Round trip; the header says version 4.
+    let carried = with(vec![good.clone()]);
+    assert_eq!(u16::from_be_bytes([carried[4], carried[5]]), 4);
+    assert_eq!(TenantSnapshot::decode(&carried).unwrap().answers, vec![good.clone()]);
+    let mut c = bare_host(IPS[C], &tune);
+    assert_eq!(c.hca.import_tenant(&carried, T0, &mut region_of), Ok(TENANT));
+    // A reply too large to keep travels as answered, without its bytes.
+    let empty = AnswerSnap { reply: Vec::new(), ..good.clone() };
+    let mut c = bare_host(IPS[C], &tune);
+    assert_eq!(c.hca.import_tenant(&with(vec![empty]), T0, &mut region_of), Ok(TENANT));
+    let huge = encode_reply_body(
+        &crate::proto::Reply::Error { errno: 5, message: "x".repeat(MAX_REMEMBERED_REPLY) },
+        &[],
+    );
+    let cases = [
+        ("a context the snapshot lacks", vec![AnswerSnap { ctx: ctx ^ 0x40, ..good.clone() }]),
+        ("twice for one context", vec![good.clone(), AnswerSnap { number: 42, ..good.clone() }]),
+        ("numbered 0", vec![AnswerSnap { number: 0, ..good.clone() }]),
+        ("over the cap", vec![AnswerSnap { reply: huge, ..good.clone() }]),
+        ("bytes that are no reply", vec![AnswerSnap { reply: vec![0xff; 16], ..good.clone() }]),
+        (
+            "more handles than a reply holds",
+            vec![AnswerSnap {
+                reply: encode_reply_body(
+                    &crate::proto::Reply::Done,
+                    &[Handle::Bell { id: 1, hangup: false }; crate::proto::guest::MAX_HANDLES + 1],
+                ),
+                ..good.clone()
+            }],
+        ),
+    ];
+    for (what, answers) in cases {
+        let mut c = bare_host(IPS[C], &tune);
+        let r = c.hca.import_tenant(&with(answers), T0, &mut region_of);
+        assert!(
+            matches!(&r, Err(SnapshotError::Invalid(m)) if m.contains("remembered answer")),
+            "{what}: {r:?}"
+        );
+        assert!(c.hca.qps.is_empty() && c.hca.mrs.is_empty() && c.hca.contexts.is_empty(), "{what}");
+    }
 }
 
 /// After a move, the host the tenant left cannot speak for its QP: a
