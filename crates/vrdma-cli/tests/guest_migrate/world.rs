@@ -366,9 +366,24 @@ impl Peer {
     /// Starts `seqstream COUNT LEN PACE_US` in `guest` (tag `seq`), and
     /// connects B's QP to it.
     pub fn connect(b: &Daemon, guest: &mut Guest, count: u64, pace_us: u32) -> Peer {
+        Peer::connect_as(b, guest, "seq", "", count, pace_us)
+    }
+
+    /// As `connect`, the program's tag `tag` (its peer file
+    /// `/tmp/peer-TAG`), `mode` its fifth argument (`chan`: it waits on a
+    /// completion channel) or empty.
+    pub fn connect_as(
+        b: &Daemon,
+        guest: &mut Guest,
+        tag: &str,
+        mode: &str,
+        count: u64,
+        pace_us: u32,
+    ) -> Peer {
         assert!(count <= MAX_COUNT);
-        guest_bg(guest, "seq", 600, &format!("seqstream {count} {LEN} {pace_us} /tmp/peer"));
-        let local = guest_line(guest, "seq", "LOCAL ");
+        let peerfile = format!("/tmp/peer-{tag}");
+        guest_bg(guest, tag, 600, &format!("seqstream {count} {LEN} {pace_us} {peerfile} {mode}"));
+        let local = guest_line(guest, tag, "LOCAL ");
         let f: Vec<&str> = local.split_whitespace().collect();
         assert_eq!(f.len(), 5, "{local}");
         let gid_hex = f[4];
@@ -394,7 +409,7 @@ impl Peer {
         guest
             .check(
                 &format!(
-                    "echo '0 {} {} {gb} {} {}' >/tmp/peer.new && mv /tmp/peer.new /tmp/peer",
+                    "echo '0 {} {} {gb} {} {}' >{peerfile}.new && mv {peerfile}.new {peerfile}",
                     eb.qpn,
                     eb.psn,
                     p.side.mr.addr(),
