@@ -39,6 +39,8 @@
 mod downtime;
 #[path = "guest_migrate/faults.rs"]
 mod faults;
+#[path = "guest_migrate/savevm.rs"]
+mod savevm;
 #[path = "guest_migrate/world.rs"]
 mod world;
 

@@ -250,6 +250,10 @@ pub struct World {
     pub a: Daemon,
     pub b: Daemon,
     pub c: Daemon,
+    /// A blank qcow2 scratch disk every QEMU of this world gets (one
+    /// file: source and destination share it, as on shared storage), for
+    /// QEMU's `savevm` (`with_disk`); `None`: no disk.
+    pub disk: Option<PathBuf>,
     // Dropped after the daemons (fields drop in order).
     _net: vrdma_it::NetnsBridge,
 }
@@ -320,7 +324,27 @@ impl World {
         for d in [&a, &b, &c] {
             d.wait_links(2);
         }
-        Some(World { dir, img, a, b, c, _net: net })
+        Some(World { dir, img, a, b, c, disk: None, _net: net })
+    }
+
+    /// Gives every QEMU started from now on a blank 16 MiB qcow2 disk
+    /// (`qemu-img create` in the world's folder), which QEMU's `savevm`
+    /// needs; `false` (after saying why) where `qemu-img` is missing.
+    pub fn with_disk(&mut self) -> bool {
+        if vrdma_guest::libs::which("qemu-img").is_none() {
+            vrdma_it::skip("qemu-img is not installed (apt-get install qemu-utils): no savevm/loadvm");
+            return false;
+        }
+        let disk = self.dir.path().join("scratch.qcow2");
+        let out = Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&disk)
+            .arg("16M")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "qemu-img create: {}", String::from_utf8_lossy(&out.stderr));
+        self.disk = Some(disk);
+        true
     }
 
     /// The spec of VM `t` on the daemon at `socket`, QMP at `qmp`.
@@ -337,6 +361,18 @@ impl World {
             "--".into(),
         ];
         s.extra_args = vec!["-qmp".into(), format!("unix:{},server=on,wait=off", qmp.display()).into()];
+        if let Some(disk) = &self.disk {
+            s.extra_args.push("-drive".into());
+            // Unlocked: a cancelled migration's destination took the
+            // image's write lock at the switch-over, and the source's
+            // `cont` failed ("Failed to get \"write\" lock"); the tests
+            // run one of them at a time, and the guest never writes it.
+            s.extra_args.push(
+                format!("file={},if=none,id=scratch,format=qcow2,file.locking=off", disk.display()).into(),
+            );
+            s.extra_args.push("-device".into());
+            s.extra_args.push("virtio-blk-pci,drive=scratch".into());
+        }
         s.extra_args.extend(more.iter().map(Into::into));
         s.boot_timeout = Duration::from_secs(180);
         s
