@@ -403,7 +403,7 @@ impl Port {
     /// once, so that it adopts its context if it had one.
     fn tell_no_session(&mut self) -> Result<(), String> {
         let imports = self.vm.imports.load(Ordering::Acquire);
-        if std::mem::replace(&mut self.told_no_session, Some(imports)) == Some(imports) {
+        if self.told_no_session.replace(imports) == Some(imports) {
             return Ok(());
         }
         tracing::info!(vm = %self.vm.name, "a guest spoke on a port with no session here: told it so (NoSession)");
