@@ -100,7 +100,9 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
             goes_on(g, &received);
             // 2. Saved, and the VM runs on (the tenant resumed where it
             //    was): B moves on past the snapshot.
+            let t3 = Instant::now();
             save(w, q, at, "sv2");
+            let saved2 = t3.elapsed();
             operator(at, &["resume", "--vm", "t"]);
             q.exec(r#"{"execute":"cont"}"#);
             goes_on(g, &received);
@@ -142,10 +144,11 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
             (
                 at_restore,
                 format!(
-                    "savevm then loadvm at once: went on (save {:.1} s, restore {:.1} s); savevm, ran on, \
-                     loadvm: its QP failed in {:.1} s ({drained})",
+                    "savevm then loadvm at once: went on (save {:.1} s, restore {:.1} s); savevm (save {:.1} s), \
+                     ran on, loadvm: its QP failed in {:.1} s ({drained})",
                     saved.as_secs_f64(),
                     restored.as_secs_f64(),
+                    saved2.as_secs_f64(),
                     failed.as_secs_f64()
                 ),
             )

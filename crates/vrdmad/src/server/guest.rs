@@ -12,7 +12,9 @@
 //!
 //! A guest process that dies leaves the port open in the guest kernel:
 //! the session is pinged every `ping_ms` and torn down when nothing came
-//! from the guest for `dead_ms`, or when a new Hello comes on the port.
+//! from the guest for `dead_ms` (not counting the time its tenant is
+//! paused for a migration or a snapshot, its VM stopped), or when a new
+//! Hello comes on the port.
 //! QEMU going closes the socket: the session is torn down as a killed host
 //! process's context is (peers' QPs go to the error state).
 //!
@@ -116,11 +118,23 @@ impl Port {
         let mut buf = vec![0u8; 64 << 10];
         loop {
             let now = Instant::now();
-            if let Some(l) = &self.live {
-                if now.duration_since(l.last_heard) > self.dead_after() {
-                    tracing::info!(vm = %self.vm.name, ctx = l.session.id(), "guest session silent too long; torn down");
-                    self.end_session();
-                    continue;
+            let dead_after = self.dead_after();
+            let tenant = TenantId(self.vm.config.tenant);
+            if let Some(l) = self.live.as_mut() {
+                if now.duration_since(l.last_heard) > dead_after {
+                    if self.shared.gate.is_paused(tenant) {
+                        // The VM's tenant is paused for a migration or a
+                        // snapshot, the VM stopped meanwhile: not the
+                        // guest's silence (a `savevm` on a loaded machine
+                        // took over `dead_ms`, and the session, its
+                        // context with it, was torn down under the
+                        // operator's steps). Counted from now again.
+                        l.last_heard = now;
+                    } else {
+                        tracing::info!(vm = %self.vm.name, ctx = l.session.id(), "guest session silent too long; torn down");
+                        self.end_session();
+                        continue;
+                    }
                 }
                 if now >= l.next_ping {
                     let nonce = l.nonce;
@@ -485,9 +499,16 @@ mod tests {
     /// it that has said hello: the daemon's directory, the daemon, the
     /// port, its decoder and the guest's context.
     fn a_daemon_and_a_guest() -> (tempfile::TempDir, crate::Daemon, UnixStream, FrameDecoder, u32) {
+        a_daemon_and_a_guest_with("")
+    }
+
+    /// [`a_daemon_and_a_guest`], `more` added to `[vms.t]`.
+    fn a_daemon_and_a_guest_with(
+        more: &str,
+    ) -> (tempfile::TempDir, crate::Daemon, UnixStream, FrameDecoder, u32) {
         let dir = tempfile::tempdir().unwrap();
         let uid = rustix::process::geteuid().as_raw();
-        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n");
+        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n{more}");
         let mut cfg = crate::DaemonConfig::from_toml(&toml).unwrap();
         cfg.socket = Some(dir.path().join("vrdma.sock"));
         let daemon = crate::Daemon::start(cfg).unwrap();
@@ -684,5 +705,39 @@ mod tests {
         probe(&mut port);
         let got = frames(&mut port, &mut dec);
         assert!(!no_session(&got), "NoSession twice: {got:?}");
+    }
+
+    /// A VM stopped for a snapshot or a migration says nothing on its
+    /// ports (issue 19: a `savevm` on a loaded machine took over
+    /// `dead_ms`). While its tenant is paused that is not its silence:
+    /// the session (and its context) stays, where it was torn down under
+    /// the operator's steps and the resume failed ("no context on this
+    /// host"). Unpaused, silence ends it as before.
+    #[test]
+    fn a_guest_silent_while_its_tenant_is_paused_keeps_its_session() {
+        use vrdma_core::proto::MigrateRequest;
+        let uid = rustix::process::geteuid().as_raw();
+        let (_dir, daemon, mut port, mut dec, _) = a_daemon_and_a_guest_with("ping_ms = 50\ndead_ms = 300\n");
+        let shared = daemon.shared.clone();
+        let operator = |req: MigrateRequest| {
+            if let Err(a) = super::super::migrate::handle(&shared, uid, false, req, Vec::new()) {
+                panic!("the operator's call was refused: {:?}", a.reply);
+            }
+        };
+        let tenant = vrdma_core::hca::TenantId(uid);
+        let contexts = || shared.engine.call(move |e| e.hca.tenant_contexts(tenant).len()).unwrap();
+        // Paused, and silent (no pong) for three times `dead_ms`.
+        operator(MigrateRequest::Pause { tenant: uid });
+        std::thread::sleep(Duration::from_millis(900));
+        assert_eq!(contexts(), 1, "the paused guest's session was torn down");
+        operator(MigrateRequest::Resume { tenant: uid });
+        call(&mut port, Request::QueryDevice);
+        match next(&mut port, &mut dec) {
+            Frame::Reply { reply: Reply::Device(_), .. } => {}
+            other => panic!("the session after the pause: {other:?}"),
+        }
+        // Unpaused, silence still ends it.
+        std::thread::sleep(Duration::from_millis(900));
+        assert_eq!(contexts(), 0, "a silent guest's session stayed");
     }
 }
