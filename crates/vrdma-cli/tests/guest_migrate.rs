@@ -71,6 +71,8 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         guest.boot_time().as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
+    // Two programs, a port each (VM `t` has two).
+    guest_ports(&mut guest, 2);
     let peer = Peer::connect(&w.b, &mut guest, COUNT, PACE_US);
     // Beside it, the same stream from a program that waits on a
     // completion channel (`seqstream ... chan`), to a second QP on B.

@@ -31,11 +31,11 @@ const PACE_US: u32 = 3000;
 /// Messages B must have after each step.
 const AFTER: u64 = 40;
 
-/// An HMP command through QMP; its text must be empty (HMP reports
-/// errors as text).
+/// An HMP command through QMP (its answer within 120 s); its text must
+/// be empty (HMP reports errors as text).
 fn hmp(q: &mut Qmp, line: &str) {
     let cmd = serde_json::json!({"execute": "human-monitor-command", "arguments": {"command-line": line}});
-    let out = q.exec(&cmd.to_string());
+    let out = q.exec_within(&cmd.to_string(), Duration::from_secs(120));
     let text = out.as_str().unwrap_or("");
     assert!(text.trim().is_empty(), "QEMU's `{line}`: {text}");
 }

@@ -148,6 +148,15 @@ impl Qmp {
         panic!("no answer to {cmd}");
     }
 
+    /// [`exec`](Self::exec), waiting up to `limit` for the answer (a
+    /// `savevm` or `loadvm` writes or reads the VM's whole state).
+    pub fn exec_within(&mut self, cmd: &str, limit: Duration) -> serde_json::Value {
+        self.r.get_ref().set_read_timeout(Some(limit)).unwrap();
+        let v = self.exec(cmd);
+        self.r.get_ref().set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        v
+    }
+
     pub fn status(&mut self) -> String {
         self.exec(r#"{"execute":"query-status"}"#)["status"].as_str().unwrap_or("?").to_string()
     }
@@ -235,6 +244,19 @@ pub fn guest_wait(g: &mut Guest, tag: &str) -> (i32, String) {
          cat /tmp/{tag}.out; [ -e /tmp/{tag}.st ] || {{ echo '(still running)'; exit 124; }}; exit $(cat /tmp/{tag}.st)"
     );
     g.run(&script, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"))
+}
+
+/// Waits (bounded, 20 s) until the guest has `n` of vRDMA's ports
+/// (`org.vrdma.K`) as devices: they appear a while after boot (under
+/// load, a second program found only the port the first held and failed
+/// `ibv_open_device`).
+pub fn guest_ports(g: &mut Guest, n: u32) {
+    let script = format!(
+        "i=0; while [ $i -lt 400 ]; do k=0; for p in /sys/class/virtio-ports/*; do case \"$(cat $p/name \
+         2>/dev/null)\" in org.vrdma.*) [ -c /dev/${{p##*/}} ] && k=$((k+1));; esac; done; [ $k -ge {n} ] && \
+         exit 0; sleep 0.05; i=$((i+1)); done; ls -l /sys/class/virtio-ports/ /dev/vport*; exit 1"
+    );
+    g.check(&script, T).unwrap_or_else(|e| panic!("{n} vRDMA ports in the guest: {e}"));
 }
 
 /// Fails unless `tag` still runs in the guest (its output if not).
@@ -367,8 +389,15 @@ impl World {
             // image's write lock at the switch-over, and the source's
             // `cont` failed ("Failed to get \"write\" lock"); the tests
             // run one of them at a time, and the guest never writes it.
+            // No flushes (`cache=unsafe`): on the loaded machine a second
+            // `savevm`'s flush took from 2 to over 30 s; a test's scratch
+            // disk needs no durability.
             s.extra_args.push(
-                format!("file={},if=none,id=scratch,format=qcow2,file.locking=off", disk.display()).into(),
+                format!(
+                    "file={},if=none,id=scratch,format=qcow2,file.locking=off,cache=unsafe",
+                    disk.display()
+                )
+                .into(),
             );
             s.extra_args.push("-device".into());
             s.extra_args.push("virtio-blk-pci,drive=scratch".into());
