@@ -21,7 +21,11 @@
 //! message arrives once, in order, with its bytes. Nothing tells the
 //! guest's program or its library about the move: the library finds
 //! its port answered by C's daemon (`Ended { NoSession }`), adopts its
-//! context there and carries on.
+//! context there and carries on. Beside it, in the same guest, a second
+//! `seqstream` to a second QP on B waits on a completion channel
+//! (`seqstream ... chan`: it takes completions only after an event), so
+//! a waiter on its channel moves A -> C -> A while its traffic flows;
+//! an event lost would leave it stuck (it fails after 30 s without one).
 //!
 //! One guest boots per test (TCG: seconds to tens of seconds); the
 //! binary prints its times and the pause B saw. The faults (a
@@ -35,6 +39,8 @@
 mod downtime;
 #[path = "guest_migrate/faults.rs"]
 mod faults;
+#[path = "guest_migrate/savevm.rs"]
+mod savevm;
 #[path = "guest_migrate/world.rs"]
 mod world;
 
@@ -65,27 +71,40 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         guest.boot_time().as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
+    // Two programs, a port each (VM `t` has two).
+    guest_ports(&mut guest, 2);
     let peer = Peer::connect(&w.b, &mut guest, COUNT, PACE_US);
+    // Beside it, the same stream from a program that waits on a
+    // completion channel (`seqstream ... chan`), to a second QP on B.
+    let chan_peer = Peer::connect_as(&w.b, &mut guest, "chan", "chan", COUNT, PACE_US);
 
     let received = AtomicU64::new(0);
+    let chan_received = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
-    let (seqs, arrived, moved) = std::thread::scope(|s| {
+    let (seqs, arrived, chan_seqs, moved) = std::thread::scope(|s| {
         let receiver = s.spawn(|| peer.receive(&received, &stop, Duration::from_secs(120)));
+        let chan_receiver = s.spawn(|| chan_peer.receive(&chan_received, &stop, Duration::from_secs(120)));
         let moved = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let mut g = guest;
             let mut qmp = qmp_a;
             let mut reports = Vec::new();
             let mut switchovers = Vec::new();
-            // A -> C -> A, each move with at least BEFORE messages before
-            // it and the stream still running after it.
+            // A -> C -> A, each move with at least BEFORE messages of each
+            // stream before it and both still running after it.
             for (k, (from, to)) in
                 [(&w.a.socket, &w.c.socket), (&w.c.socket, &w.a.socket)].into_iter().enumerate()
             {
-                wait_received(&received, received.load(Ordering::Acquire) + BEFORE);
+                let (at, chan_at) = (received.load(Ordering::Acquire), chan_received.load(Ordering::Acquire));
+                wait_received(&received, at + BEFORE);
+                wait_received(&chan_received, chan_at + BEFORE);
                 let (next, q, r, stopped) = migrate(&w, k, from, to, g, &qmp);
                 switchovers.push(stopped);
-                let at = received.load(Ordering::Acquire);
-                assert!(at < COUNT, "the stream ended before move {}", k + 1);
+                assert!(received.load(Ordering::Acquire) < COUNT, "the stream ended before move {}", k + 1);
+                assert!(
+                    chan_received.load(Ordering::Acquire) < COUNT,
+                    "the channel's stream ended before move {}",
+                    k + 1
+                );
                 reports.push(format!("move {}: {r}", k + 1));
                 g = next;
                 qmp = q;
@@ -96,31 +115,57 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
             stop.store(true, Ordering::Release);
         }
         let (seqs, gap) = receiver.join().expect("B's receiver");
-        (seqs, gap, moved)
+        let (chan_seqs, _) = chan_receiver.join().expect("B's receiver of the channel's stream");
+        (seqs, gap, chan_seqs, moved)
     });
     let (mut guest, report, switchovers) = match moved {
         Ok(x) => x,
         Err(p) => std::panic::resume_unwind(p),
     };
     let (st, out) = guest_wait(&mut guest, "seq");
-    if seqs.len() as u64 != COUNT {
+    let (chan_st, chan_out) = guest_wait(&mut guest, "chan");
+    if seqs.len() as u64 != COUNT || chan_seqs.len() as u64 != COUNT {
         let stat = std::process::Command::new(VRDMA)
             .arg("--socket")
-            .arg(&w.c.socket)
+            .arg(&w.a.socket)
             .args(["stat"])
             .output()
             .unwrap();
-        eprintln!("the guest's stream:\n{out}\nC's stat:\n{}", String::from_utf8_lossy(&stat.stdout));
+        eprintln!(
+            "the guest's stream:\n{out}\nthe channel's stream:\n{chan_out}\nA's stat:\n{}",
+            String::from_utf8_lossy(&stat.stdout)
+        );
     }
     assert_eq!(seqs, (0..COUNT).collect::<Vec<_>>(), "every message once, in order, at B");
+    assert_eq!(
+        chan_seqs,
+        (0..COUNT).collect::<Vec<_>>(),
+        "every message of the channel's stream once, in order, at B"
+    );
     assert_eq!(st, 0, "the guest's stream:\n{out}");
     assert!(out.contains(&format!("DONE completions={COUNT} in_order=1")), "the guest's stream:\n{out}");
-    std::thread::sleep(Duration::from_millis(200));
+    // The channel's program took every completion after an event, none
+    // lost (it would have failed "event lost" or "stalled").
+    assert_eq!(chan_st, 0, "the channel's stream:\n{chan_out}");
+    let chan_done = chan_out.lines().find(|l| l.starts_with("DONE")).unwrap_or("");
     assert!(
-        vrdma_it::poll_for(&peer.side.cq, Duration::from_millis(50)).unwrap().is_empty(),
-        "a message twice at B"
+        chan_done.starts_with(&format!("DONE completions={COUNT} in_order=1")),
+        "the channel's stream:\n{chan_out}"
     );
-    assert_eq!(peer.side.qp.query().unwrap().0.qp_state, vrdma::QpState::Rts);
+    let events: u64 = chan_done
+        .split_whitespace()
+        .find_map(|f| f.strip_prefix("events="))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("the channel's stream:\n{chan_out}"));
+    assert!((1..=COUNT).contains(&events), "the channel's events: {chan_done}");
+    std::thread::sleep(Duration::from_millis(200));
+    for p in [&peer, &chan_peer] {
+        assert!(
+            vrdma_it::poll_for(&p.side.cq, Duration::from_millis(50)).unwrap().is_empty(),
+            "a message twice at B"
+        );
+        assert_eq!(p.side.qp.query().unwrap().0.qp_state, vrdma::QpState::Rts);
+    }
     // The pause B saw at each switch-over: from its last message before
     // QEMU's migration completed to its first after.
     let pauses: Vec<String> = switchovers
@@ -132,7 +177,7 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         .collect();
     eprintln!(
         "guest_migrate: {report}; the pause B saw at each switch-over (last message before to first \
-         after): {}; the guest: {}; {:.1} s in all",
+         after): {}; the guest: {}; the channel's: {chan_done}; {:.1} s in all",
         pauses.join(", "),
         out.lines().find(|l| l.starts_with("DONE")).unwrap_or(""),
         started.elapsed().as_secs_f64()

@@ -16,7 +16,7 @@
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -42,6 +42,12 @@ pub(crate) struct Vm {
     pub placed: Mutex<Placed>,
     /// Ports connected now (QEMU connects `ports` at most).
     pub connected: AtomicU32,
+    /// Imports of the VM's tenant installed here. A port whose session
+    /// ended (or that said `NoSession`) may say `NoSession` again after
+    /// the next import: the same QEMU's guest, restored by `loadvm` to a
+    /// point where its session was live, speaks on the port it had
+    /// (`server::guest`).
+    pub imports: AtomicU64,
     /// The port connections, shut down to end them when the daemon stops.
     conns: Mutex<(u64, Vec<(u64, OwnedFd)>)>,
 }
@@ -108,6 +114,7 @@ impl Vm {
             extents: Mutex::new(Extents::new(region_len, vrdma_shm::page_size() as u64)),
             placed: Mutex::default(),
             connected: AtomicU32::new(0),
+            imports: AtomicU64::new(0),
             conns: Mutex::default(),
         })
     }

@@ -15,6 +15,16 @@
  * else prints why and exits 1; after a failed completion it first checks
  * that the rest come flushed ("DRAINED ..."). No step waits without a
  * bound.
+ *
+ * With a fifth argument "chan" it waits on a completion channel instead
+ * of polling: the CQ is made on a channel (its fd non-blocking), armed
+ * with ibv_req_notify_cq, and the program takes completions only after
+ * an event (poll() on the channel's fd, ibv_get_cq_event, ack, arm
+ * again, then drain the CQ), its pace spent waiting on the fd. An event
+ * lost leaves completions in the CQ that nothing takes: after WAIT_S
+ * seconds without an event while work is outstanding it looks at the CQ
+ * and fails "FAIL event lost" if a completion is there ("FAIL stalled"
+ * if none). "DONE" then adds "events=E".
  */
 #include <infiniband/verbs.h>
 #include <arpa/inet.h>
@@ -22,11 +32,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <time.h>
 #include <unistd.h>
 
 #define WINDOW 16
 #define SLOTS 64
+/* A channel waiter's bound without an event while work is outstanding
+ * (past a migration's pause and the library's reattach). */
+#define WAIT_S 30
 
 static uint64_t now_us(void)
 {
@@ -74,10 +90,39 @@ static void drain(struct ibv_cq *cq, struct ibv_qp *qp, struct ibv_wc *wc, int n
     fflush(stdout);
 }
 
+/*
+ * Waits up to `ms` on the channel's fd for an event of `cq`; takes it,
+ * acks it and arms the CQ again (so that a completion after this raises
+ * the next event; the caller then drains the CQ). 1: an event; 0: none
+ * (a timeout, or a wake-up with no event behind it); -1: an error.
+ */
+static int wait_event(struct ibv_comp_channel *ch, struct ibv_cq *cq, int ms)
+{
+    struct pollfd p = {.fd = ch->fd, .events = POLLIN};
+    int r = poll(&p, 1, ms);
+    if (r < 0)
+        return errno == EINTR ? 0 : -1;
+    if (r == 0)
+        return 0;
+    if (p.revents & (POLLERR | POLLHUP | POLLNVAL))
+        return -1;
+    struct ibv_cq *ev_cq;
+    void *ev_ctx;
+    if (ibv_get_cq_event(ch, &ev_cq, &ev_ctx))
+        return errno == EAGAIN ? 0 : -1;
+    if (ev_cq != cq)
+        return -1;
+    ibv_ack_cq_events(cq, 1);
+    if (ibv_req_notify_cq(cq, 0))
+        return -1;
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
-    if (argc != 5)
-        return fail("usage: seqstream COUNT LEN PACE_US PEERFILE");
+    if (argc != 5 && !(argc == 6 && strcmp(argv[5], "chan") == 0))
+        return fail("usage: seqstream COUNT LEN PACE_US PEERFILE [chan]");
+    int chan = argc == 6;
     uint64_t count = strtoull(argv[1], 0, 10);
     size_t len = strtoul(argv[2], 0, 10);
     useconds_t pace = (useconds_t)strtoul(argv[3], 0, 10);
@@ -94,9 +139,20 @@ int main(int argc, char **argv)
     struct ibv_pd *pd = ibv_alloc_pd(ctx);
     char *buf = calloc(SLOTS, len);
     struct ibv_mr *mr = pd && buf ? ibv_reg_mr(pd, buf, SLOTS * len, IBV_ACCESS_LOCAL_WRITE) : NULL;
-    struct ibv_cq *cq = ibv_create_cq(ctx, 256, NULL, NULL, 0);
+    struct ibv_comp_channel *ch = NULL;
+    if (chan) {
+        ch = ibv_create_comp_channel(ctx);
+        if (!ch)
+            return fail("ibv_create_comp_channel");
+        int fl = fcntl(ch->fd, F_GETFL);
+        if (fl < 0 || fcntl(ch->fd, F_SETFL, fl | O_NONBLOCK) < 0)
+            return fail("the channel's fd non-blocking");
+    }
+    struct ibv_cq *cq = ibv_create_cq(ctx, 256, NULL, ch, 0);
     if (!mr || !cq)
         return fail("pd, mr or cq");
+    if (chan && ibv_req_notify_cq(cq, 0))
+        return fail("ibv_req_notify_cq");
     struct ibv_qp_init_attr init = {
         .send_cq = cq,
         .recv_cq = cq,
@@ -172,6 +228,11 @@ int main(int argc, char **argv)
     fflush(stdout);
 
     uint64_t posted = 0, done = 0, max_gap = 0, last = now_us();
+    /* Channel mode: events taken, when the last came. */
+    uint64_t events = 0, last_event = now_us();
+    int draining = 0;
+    /* Channel mode: when the next post may go (the pace). */
+    uint64_t next_post = 0;
     /* The QP read as ERR: post no more; its failed completion is due. */
     int in_error = 0;
     uint64_t deadline = now_us() + 600ull * 1000000u;
@@ -182,7 +243,7 @@ int main(int argc, char **argv)
                    (unsigned long long)done);
             return 1;
         }
-        if (!in_error && posted < count && posted - done < WINDOW) {
+        if (!in_error && posted < count && posted - done < WINDOW && (!chan || now_us() >= next_post)) {
             char *p = buf + (posted % SLOTS) * len;
             memset(p, (int)(posted & 0xff), len);
             for (int i = 0; i < 8; i++)
@@ -220,10 +281,38 @@ int main(int argc, char **argv)
                     return 1;
                 }
             }
-            if (pace)
+            if (pace && !chan)
                 usleep(pace);
+            next_post = now_us() + pace;
         }
-        int n = ibv_poll_cq(cq, 16, wc);
+        int n;
+        if (chan) {
+            /* Wait on the channel: the pace while posts may go on, else
+             * up to a second at a time, bounded by WAIT_S without an
+             * event. */
+            int can_post = !in_error && posted < count && posted - done < WINDOW;
+            uint64_t t = now_us();
+            int ms = !can_post ? 1000 : t >= next_post ? 0 : (int)((next_post - t + 999) / 1000);
+            int woke = draining ? 0 : wait_event(ch, cq, ms);
+            if (woke < 0)
+                return fail("the channel");
+            if (woke > 0) {
+                events++;
+                last_event = now_us();
+                draining = 1;
+            } else if (!draining && posted > done && now_us() - last_event > WAIT_S * 1000000ull) {
+                n = ibv_poll_cq(cq, 16, wc);
+                printf("FAIL %s: no event for %d s with %llu outstanding\n", n > 0 ? "event lost" : "stalled",
+                       WAIT_S, (unsigned long long)(posted - done));
+                return 1;
+            }
+            /* Only after an event: what the CQ holds, all of it. */
+            n = draining ? ibv_poll_cq(cq, 16, wc) : 0;
+            if (n < 16)
+                draining = 0;
+        } else {
+            n = ibv_poll_cq(cq, 16, wc);
+        }
         if (n < 0)
             return fail("poll_cq");
         for (int i = 0; i < n; i++) {
@@ -244,7 +333,7 @@ int main(int argc, char **argv)
                 max_gap = t - last;
             last = t;
         }
-        if (n == 0 && (in_error || posted == count || posted - done >= WINDOW))
+        if (!chan && n == 0 && (in_error || posted == count || posted - done >= WINDOW))
             usleep(100);
     }
     /* Nothing more (a completion twice) within 300 ms. */
@@ -256,7 +345,11 @@ int main(int argc, char **argv)
         }
         usleep(10000);
     }
-    printf("DONE completions=%llu in_order=1 max_gap_us=%llu\n", (unsigned long long)done,
-           (unsigned long long)max_gap);
+    if (chan)
+        printf("DONE completions=%llu in_order=1 max_gap_us=%llu events=%llu\n", (unsigned long long)done,
+               (unsigned long long)max_gap, (unsigned long long)events);
+    else
+        printf("DONE completions=%llu in_order=1 max_gap_us=%llu\n", (unsigned long long)done,
+               (unsigned long long)max_gap);
     return 0;
 }

@@ -29,7 +29,13 @@
 //!    epoch is the one the first copy proved) and drops its frames; the
 //!    guest's program sees its oldest request fail `RETRY_EXC_ERR`, the
 //!    rest flushed, its QP in ERR, within its retry budget; B delivers
-//!    nothing more and stays in RTS.
+//!    nothing more and stays in RTS;
+//! 6. QEMU's own snapshots (`savevm`/`loadvm`, on a blank qcow2 scratch
+//!    disk every QEMU here has) of that guest, streaming anew
+//!    (`savevm.rs`).
+//!
+//! The guest boots once; the savevm part runs only where `qemu-img`
+//! exists (`apt-get install qemu-utils`).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -50,12 +56,18 @@ struct Outcome {
     /// Messages B had when the restored copy stopped for good.
     at_second_restore: u64,
     report: Vec<String>,
+    /// The twice-restored guest (on C) and its QMP, for QEMU's own
+    /// snapshots next (`savevm.rs`).
+    guest: Guest,
+    qmp: Qmp,
 }
 
 #[test]
 fn a_dead_destination_a_cancelled_migration_and_a_snapshot_restored_twice() {
     let started = Instant::now();
     let Some(mut w) = World::new() else { return };
+    // A scratch disk for QEMU's savevm, at the end.
+    let disk = w.with_disk();
     let qmp_a = w.dir.path().join("qmp-fa.sock");
     let mut guest = Guest::boot(w.spec(&w.a.socket, &qmp_a, &[])).expect("boot the guest on A");
     let boot = guest.boot_time();
@@ -72,7 +84,7 @@ fn a_dead_destination_a_cancelled_migration_and_a_snapshot_restored_twice() {
         let (seqs, _) = receiver.join().expect("B's receiver");
         (seqs, outcome)
     });
-    let outcome = match outcome {
+    let mut outcome = match outcome {
         Ok(o) => o,
         Err(p) => std::panic::resume_unwind(p),
     };
@@ -83,6 +95,12 @@ fn a_dead_destination_a_cancelled_migration_and_a_snapshot_restored_twice() {
         "a message twice at B"
     );
     assert_eq!(peer.side.qp.query().unwrap().0.qp_state, vrdma::QpState::Rts);
+    // QEMU's own snapshots (savevm, loadvm) of the same guest, on C.
+    if disk {
+        let t0 = Instant::now();
+        let r = super::savevm::savevm_and_loadvm(&w, &mut outcome.guest, &mut outcome.qmp, &w.c.socket);
+        outcome.report.push(format!("{r} ({:.1} s)", t0.elapsed().as_secs_f64()));
+    }
     eprintln!(
         "guest_migrate faults: boot {:.1} s; {}; {n} messages at B; {:.1} s in all",
         boot.as_secs_f64(),
@@ -288,7 +306,7 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     let at_second_restore = received.load(Ordering::Acquire);
     // Restored again, after B moved on: the copy's QP fails cleanly.
     let t0 = Instant::now();
-    let (mut g2, _q2) = restore("restore-2");
+    let (mut g2, q2) = restore("restore-2");
     let (st, out) = guest_wait(&mut g2, "seq");
     let failed = t0.elapsed();
     assert_eq!(st, 1, "the twice-restored stream:\n{out}");
@@ -309,7 +327,6 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     // Nothing more reaches B.
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(received.load(Ordering::Acquire), at_second_restore, "B took a message from the stale copy");
-    drop(g2);
     std::fs::remove_file(&file).unwrap();
     std::fs::remove_file(&snap).unwrap();
     std::fs::remove_file(&rfile).unwrap();
@@ -318,5 +335,5 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
         at_second_restore,
         failed.as_secs_f64()
     ));
-    Outcome { at_second_restore, report }
+    Outcome { at_second_restore, report, guest: g2, qmp: q2 }
 }

@@ -148,6 +148,15 @@ impl Qmp {
         panic!("no answer to {cmd}");
     }
 
+    /// [`exec`](Self::exec), waiting up to `limit` for the answer (a
+    /// `savevm` or `loadvm` writes or reads the VM's whole state).
+    pub fn exec_within(&mut self, cmd: &str, limit: Duration) -> serde_json::Value {
+        self.r.get_ref().set_read_timeout(Some(limit)).unwrap();
+        let v = self.exec(cmd);
+        self.r.get_ref().set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        v
+    }
+
     pub fn status(&mut self) -> String {
         self.exec(r#"{"execute":"query-status"}"#)["status"].as_str().unwrap_or("?").to_string()
     }
@@ -237,6 +246,19 @@ pub fn guest_wait(g: &mut Guest, tag: &str) -> (i32, String) {
     g.run(&script, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"))
 }
 
+/// Waits (bounded, 20 s) until the guest has `n` of vRDMA's ports
+/// (`org.vrdma.K`) as devices: they appear a while after boot (under
+/// load, a second program found only the port the first held and failed
+/// `ibv_open_device`).
+pub fn guest_ports(g: &mut Guest, n: u32) {
+    let script = format!(
+        "i=0; while [ $i -lt 400 ]; do k=0; for p in /sys/class/virtio-ports/*; do case \"$(cat $p/name \
+         2>/dev/null)\" in org.vrdma.*) [ -c /dev/${{p##*/}} ] && k=$((k+1));; esac; done; [ $k -ge {n} ] && \
+         exit 0; sleep 0.05; i=$((i+1)); done; ls -l /sys/class/virtio-ports/ /dev/vport*; exit 1"
+    );
+    g.check(&script, T).unwrap_or_else(|e| panic!("{n} vRDMA ports in the guest: {e}"));
+}
+
 /// Fails unless `tag` still runs in the guest (its output if not).
 pub fn guest_running(g: &mut Guest, tag: &str) {
     let (st, out) = g.run(&format!("cat /tmp/{tag}.out; [ ! -e /tmp/{tag}.st ]"), T).unwrap();
@@ -250,6 +272,10 @@ pub struct World {
     pub a: Daemon,
     pub b: Daemon,
     pub c: Daemon,
+    /// A blank qcow2 scratch disk every QEMU of this world gets (one
+    /// file: source and destination share it, as on shared storage), for
+    /// QEMU's `savevm` (`with_disk`); `None`: no disk.
+    pub disk: Option<PathBuf>,
     // Dropped after the daemons (fields drop in order).
     _net: vrdma_it::NetnsBridge,
 }
@@ -320,7 +346,27 @@ impl World {
         for d in [&a, &b, &c] {
             d.wait_links(2);
         }
-        Some(World { dir, img, a, b, c, _net: net })
+        Some(World { dir, img, a, b, c, disk: None, _net: net })
+    }
+
+    /// Gives every QEMU started from now on a blank 16 MiB qcow2 disk
+    /// (`qemu-img create` in the world's folder), which QEMU's `savevm`
+    /// needs; `false` (after saying why) where `qemu-img` is missing.
+    pub fn with_disk(&mut self) -> bool {
+        if vrdma_guest::libs::which("qemu-img").is_none() {
+            vrdma_it::skip("qemu-img is not installed (apt-get install qemu-utils): no savevm/loadvm");
+            return false;
+        }
+        let disk = self.dir.path().join("scratch.qcow2");
+        let out = Command::new("qemu-img")
+            .args(["create", "-q", "-f", "qcow2"])
+            .arg(&disk)
+            .arg("16M")
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "qemu-img create: {}", String::from_utf8_lossy(&out.stderr));
+        self.disk = Some(disk);
+        true
     }
 
     /// The spec of VM `t` on the daemon at `socket`, QMP at `qmp`.
@@ -337,6 +383,25 @@ impl World {
             "--".into(),
         ];
         s.extra_args = vec!["-qmp".into(), format!("unix:{},server=on,wait=off", qmp.display()).into()];
+        if let Some(disk) = &self.disk {
+            s.extra_args.push("-drive".into());
+            // Unlocked: a cancelled migration's destination took the
+            // image's write lock at the switch-over, and the source's
+            // `cont` failed ("Failed to get \"write\" lock"); the tests
+            // run one of them at a time, and the guest never writes it.
+            // No flushes (`cache=unsafe`): on the loaded machine a second
+            // `savevm`'s flush took from 2 to over 30 s; a test's scratch
+            // disk needs no durability.
+            s.extra_args.push(
+                format!(
+                    "file={},if=none,id=scratch,format=qcow2,file.locking=off,cache=unsafe",
+                    disk.display()
+                )
+                .into(),
+            );
+            s.extra_args.push("-device".into());
+            s.extra_args.push("virtio-blk-pci,drive=scratch".into());
+        }
         s.extra_args.extend(more.iter().map(Into::into));
         s.boot_timeout = Duration::from_secs(180);
         s
@@ -366,9 +431,24 @@ impl Peer {
     /// Starts `seqstream COUNT LEN PACE_US` in `guest` (tag `seq`), and
     /// connects B's QP to it.
     pub fn connect(b: &Daemon, guest: &mut Guest, count: u64, pace_us: u32) -> Peer {
+        Peer::connect_as(b, guest, "seq", "", count, pace_us)
+    }
+
+    /// As `connect`, the program's tag `tag` (its peer file
+    /// `/tmp/peer-TAG`), `mode` its fifth argument (`chan`: it waits on a
+    /// completion channel) or empty.
+    pub fn connect_as(
+        b: &Daemon,
+        guest: &mut Guest,
+        tag: &str,
+        mode: &str,
+        count: u64,
+        pace_us: u32,
+    ) -> Peer {
         assert!(count <= MAX_COUNT);
-        guest_bg(guest, "seq", 600, &format!("seqstream {count} {LEN} {pace_us} /tmp/peer"));
-        let local = guest_line(guest, "seq", "LOCAL ");
+        let peerfile = format!("/tmp/peer-{tag}");
+        guest_bg(guest, tag, 600, &format!("seqstream {count} {LEN} {pace_us} {peerfile} {mode}"));
+        let local = guest_line(guest, tag, "LOCAL ");
         let f: Vec<&str> = local.split_whitespace().collect();
         assert_eq!(f.len(), 5, "{local}");
         let gid_hex = f[4];
@@ -394,7 +474,7 @@ impl Peer {
         guest
             .check(
                 &format!(
-                    "echo '0 {} {} {gb} {} {}' >/tmp/peer.new && mv /tmp/peer.new /tmp/peer",
+                    "echo '0 {} {} {gb} {} {}' >{peerfile}.new && mv {peerfile}.new {peerfile}",
                     eb.qpn,
                     eb.psn,
                     p.side.mr.addr(),

@@ -15,11 +15,14 @@
 //! with the source's port (written after QEMU stopped the VM): a call
 //! that waits probes the port every second, and the destination answers
 //! that it holds no session there, so the context is taken back and the
-//! call sent again. Such a call may have run on the source before the
-//! move: calls are numbered (`Frame::NumberedCall`, per context, from 1;
-//! the same number when sent again), and a daemon that answered that
-//! number already (the source's answer moves with the snapshot) answers
-//! it from memory without running it again. The library's ends of the context's doorbells
+//! call sent again; so does the reader thread when the port has been
+//! silent for a second (a guest that makes no call, waiting on a
+//! completion channel, learns it moved the same way). Such a call may
+//! have run on the source before the move: calls are numbered
+//! (`Frame::NumberedCall`, per context, from 1; the same number when sent
+//! again), and a daemon that answered that number already (the source's
+//! answer moves with the snapshot) answers it from memory without running
+//! it again. The library's ends of the context's doorbells
 //! stay the same descriptors across a move; only the proxy numbers they
 //! are forwarded under change.
 
@@ -44,8 +47,8 @@ use crate::error::{Error, Result};
 /// How long a call waits for its reply: a daemon that answers nothing for
 /// this long is treated as gone (host calls have the socket's hang-up).
 const REPLY_LIMIT: Duration = Duration::from_secs(60);
-/// How often a call that waits for its reply probes the port (see the
-/// module's doc).
+/// How often a call that waits for its reply probes the port, and after
+/// how long a silent port is probed (see the module's doc).
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// Most wake-ups one read of a proxy forwards in one frame.
 pub(super) const BELLS_AT_ONCE: u32 = 1024;
@@ -515,6 +518,10 @@ impl Reader {
         if let Some(stop) = self.frames()? {
             return Ok(stop);
         }
+        // When the port last brought a byte, and when this thread last
+        // probed it (see `probe_if_silent`).
+        let mut heard = Instant::now();
+        let mut probed = heard;
         loop {
             // Snapshot of the proxies to poll (raw numbers: the map may
             // change meanwhile, a stale number only costs a spurious read).
@@ -534,7 +541,13 @@ impl Reader {
                 let mut fds =
                     vec![PollFd::new(&self.port, PollFlags::IN), PollFd::new(&self.wake, PollFlags::IN)];
                 fds.extend(borrowed.iter().map(|b| PollFd::new(b, PollFlags::IN)));
-                match rustix::event::poll(&mut fds, None) {
+                let quiet =
+                    PROBE_EVERY.saturating_sub(heard.max(probed).elapsed()).max(Duration::from_millis(1));
+                let timeout = rustix::event::Timespec {
+                    tv_sec: quiet.as_secs() as _,
+                    tv_nsec: quiet.subsec_nanos() as _,
+                };
+                match rustix::event::poll(&mut fds, Some(&timeout)) {
                     Ok(_) => {}
                     Err(rustix::io::Errno::INTR) => continue,
                     Err(e) => return Err(lost(format!("poll: {e}"))),
@@ -557,8 +570,10 @@ impl Reader {
                 self.forward(id).map_err(lost)?;
             }
             if !port_ready {
+                self.probe_if_silent(heard, &mut probed);
                 continue;
             }
+            heard = Instant::now();
             let n = match self.port.read(&mut buf) {
                 Ok(0) => return Err(lost("the daemon closed the port".into())),
                 Ok(n) => n,
@@ -569,6 +584,26 @@ impl Reader {
             if let Some(stop) = self.frames()? {
                 return Ok(stop);
             }
+        }
+    }
+
+    /// Probes the port (`Pong` with nonce 0) once a second while it is
+    /// silent and the link has a context. A daemon holding the session
+    /// pings it every `ping_ms` and ignores the probe; a port that stays
+    /// silent may reach a daemon with no session on it: the destination
+    /// of a move whose source's `Ended` was lost with the source QEMU.
+    /// That daemon answers `Ended { NoSession }`, and the context is
+    /// taken back. Without the probe nothing would tell a guest that
+    /// makes no call (a program waiting on a completion channel, its
+    /// CQ's wake-ups held in the destination's doorbell until the
+    /// adoption) that it moved: it would wait for ever.
+    fn probe_if_silent(&self, heard: Instant, probed: &mut Instant) {
+        if heard.elapsed() < PROBE_EVERY || probed.elapsed() < PROBE_EVERY {
+            return;
+        }
+        *probed = Instant::now();
+        if lock(&self.shared.bound).is_some() {
+            let _ = self.send(&Frame::Pong { nonce: 0 });
         }
     }
 

@@ -2,8 +2,9 @@
 //! Unix socket (as an emulated guest's port): a call the old port left
 //! unanswered goes again on the new one, once; the context's doorbell and
 //! event signal keep their descriptors and reach the new proxies; a
-//! refused adoption is tried again; and a context never taken back ends
-//! the link after the bound, saying why.
+//! refused adoption is tried again; a context never taken back ends
+//! the link after the bound, saying why; and a silent port is probed, so
+//! that a context making no call is taken back too.
 
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
@@ -40,8 +41,19 @@ impl Port {
         self.conn.write_all(&encode(f)).unwrap();
     }
 
-    /// The next frame that is not a bell (recorded).
+    /// The next frame that is neither a bell (recorded) nor a probe (a
+    /// `Pong` the link sends on a port silent for a second).
     fn next(&mut self) -> Frame {
+        loop {
+            match self.next_any() {
+                Frame::Pong { .. } => {}
+                f => return f,
+            }
+        }
+    }
+
+    /// The next frame that is not a bell (recorded).
+    fn next_any(&mut self) -> Frame {
         let mut buf = [0u8; 4096];
         loop {
             match self.dec.next_frame().unwrap() {
@@ -260,7 +272,7 @@ fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went
         assert_eq!(a.call(), Request::QueryQp { qp: 9 });
         let first = a.number;
         let probed = Instant::now();
-        let f = a.next();
+        let f = a.next_any();
         assert!(matches!(f, Frame::Pong { .. }), "no probe: {f:?}");
         let waited = probed.elapsed();
         a.send(&Frame::Ended { reason: EndReason::NoSession });
@@ -281,6 +293,51 @@ fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went
     let waited = daemon.join().unwrap();
     assert!(took < Duration::from_secs(30), "the call took {took:?}");
     assert!(waited < Duration::from_secs(5), "the probe came {waited:?} after the call");
+    drop(link);
+}
+
+/// A guest that makes no call (its program waits on a completion
+/// channel) and whose port went silent, reaching a daemon with no session
+/// on it (the destination of a move whose `Ended` was lost with the
+/// source): the link probes the silent port by itself, is told
+/// `NoSession`, takes the context back, and the wake-up the destination
+/// holds reaches the waiter. (Without the probe nothing told the guest:
+/// its waiter waited for ever.)
+#[test]
+fn a_silent_port_is_probed_and_a_context_making_no_call_is_taken_back() {
+    let scene = Scene::new("vrdma-reattach-silent");
+    let (listener, cfg) = (scene.listener(), scene.cfg());
+
+    let daemon = std::thread::spawn(move || {
+        let mut a = Port::accept(&listener);
+        a.open_session(false, (1, 2));
+        // Silence: no ping, no reply. The link probes within a second or
+        // so of it; the port reaches the destination now, which says it
+        // holds no session here.
+        let silent = Instant::now();
+        let f = a.next_any();
+        assert!(matches!(f, Frame::Pong { nonce: 0 }), "no probe: {f:?}");
+        let waited = silent.elapsed();
+        a.send(&Frame::Ended { reason: EndReason::NoSession });
+        let mut c = Port::accept(&listener);
+        c.open_session(true, (5, 6));
+        // The wake-up the destination held for the context: its event
+        // signal rings.
+        c.send(&Frame::Bell { id: 6, count: 1 });
+        // Kept open until the guest heard it.
+        let _ = c.next_with_timeout();
+        (waited, c)
+    });
+
+    let link = GuestLink::open_with(&cfg, Duration::from_secs(10)).unwrap();
+    let (_, mut carried) = link.call(&Request::Hello { version: PROTOCOL_VERSION }).unwrap();
+    let (events, _) = carried.pop().unwrap();
+    // No call from here on: only a waiter on the event signal.
+    assert!(readable(&events, Duration::from_secs(20)), "the waiter was never woken");
+    let mut b = [0u8; 8];
+    assert_eq!(rustix::net::recv(&events, &mut b, rustix::net::RecvFlags::DONTWAIT).unwrap().0, 1);
+    let (waited, _c) = daemon.join().unwrap();
+    assert!(waited < Duration::from_secs(5), "the probe came {waited:?} into the silence");
     drop(link);
 }
 

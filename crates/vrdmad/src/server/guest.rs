@@ -12,7 +12,9 @@
 //!
 //! A guest process that dies leaves the port open in the guest kernel:
 //! the session is pinged every `ping_ms` and torn down when nothing came
-//! from the guest for `dead_ms`, or when a new Hello comes on the port.
+//! from the guest for `dead_ms` (not counting the time its tenant is
+//! paused for a migration or a snapshot, its VM stopped), or when a new
+//! Hello comes on the port.
 //! QEMU going closes the socket: the session is torn down as a killed host
 //! process's context is (peers' QPs go to the error state).
 //!
@@ -74,8 +76,12 @@ struct Port {
     live: Option<Live>,
     /// Whether the guest was told, since its last Hello, that this port
     /// has no session ([`EndReason::NoSession`]): once is enough, and
-    /// never after a session of this connection ended.
-    told_no_session: bool,
+    /// never after a session of this connection ended; until the VM's
+    /// tenant is imported here again (`Vm::imports`, the count noted
+    /// here): a guest restored by `loadvm` in the same QEMU, at a point
+    /// where its session was live, speaks on this port as to that
+    /// session, and must be told to adopt its context, imported again.
+    told_no_session: Option<u64>,
 }
 
 /// Serves one port connection; the VM's count of connected ports is
@@ -88,7 +94,7 @@ pub(crate) fn run(conn: OwnedFd, vm: Arc<Vm>, shared: Arc<Shared>) {
     };
     let key = vm.add_conn(dup.into());
     tracing::debug!(vm = %vm.name, "VM port connected");
-    let mut port = Port { conn, vm: vm.clone(), shared, live: None, told_no_session: false };
+    let mut port = Port { conn, vm: vm.clone(), shared, live: None, told_no_session: None };
     if let Err(why) = port.serve() {
         tracing::debug!(vm = %vm.name, %why, "VM port disconnected");
     }
@@ -118,11 +124,23 @@ impl Port {
         let mut buf = vec![0u8; 64 << 10];
         loop {
             let now = Instant::now();
-            if let Some(l) = &self.live {
-                if now.duration_since(l.last_heard) > self.dead_after() {
-                    tracing::info!(vm = %self.vm.name, ctx = l.session.id(), "guest session silent too long; torn down");
-                    self.end_session();
-                    continue;
+            let dead_after = self.dead_after();
+            let tenant = TenantId(self.vm.config.tenant);
+            if let Some(l) = self.live.as_mut() {
+                if now.duration_since(l.last_heard) > dead_after {
+                    if self.shared.gate.is_paused(tenant) {
+                        // The VM's tenant is paused for a migration or a
+                        // snapshot, the VM stopped meanwhile: not the
+                        // guest's silence (a `savevm` on a loaded machine
+                        // took over `dead_ms`, and the session, its
+                        // context with it, was torn down under the
+                        // operator's steps). Counted from now again.
+                        l.last_heard = now;
+                    } else {
+                        tracing::info!(vm = %self.vm.name, ctx = l.session.id(), "guest session silent too long; torn down");
+                        self.end_session();
+                        continue;
+                    }
                 }
                 if now >= l.next_ping {
                     let nonce = l.nonce;
@@ -266,7 +284,7 @@ impl Port {
             Frame::Hello { .. } => {
                 // A new opener: whoever had the port before is gone.
                 self.end_session();
-                self.told_no_session = false;
+                self.told_no_session = None;
                 self.start_session()
             }
             Frame::NumberedCall { number, req } => self.numbered(number, req),
@@ -480,7 +498,8 @@ impl Port {
     /// VM resumed on this host with its port reconnected here): tells it
     /// once, so that it adopts its context if it had one.
     fn tell_no_session(&mut self) -> Result<(), String> {
-        if std::mem::replace(&mut self.told_no_session, true) {
+        let imports = self.vm.imports.load(Ordering::Acquire);
+        if self.told_no_session.replace(imports) == Some(imports) {
             return Ok(());
         }
         tracing::info!(vm = %self.vm.name, "a guest spoke on a port with no session here: told it so (NoSession)");
@@ -500,7 +519,7 @@ impl Port {
         // The guest's session is over, for the reason it hears (or, with
         // none, for good: its proxies close): a call after it gets EPROTO
         // only. NoSession is for a port that never had a session.
-        self.told_no_session = true;
+        self.told_no_session = Some(self.vm.imports.load(Ordering::Acquire));
         let ids: Vec<u32> = l.proxies.keys().copied().collect();
         // Dropping the session closes the context (and removes it from
         // `shared.sessions`); calls from now on find no session.
@@ -562,9 +581,16 @@ mod tests {
     /// it that has said hello: the daemon's directory, the daemon, the
     /// port, its decoder and the guest's context.
     fn a_daemon_and_a_guest() -> (tempfile::TempDir, crate::Daemon, UnixStream, FrameDecoder, u32) {
+        a_daemon_and_a_guest_with("")
+    }
+
+    /// [`a_daemon_and_a_guest`], `more` added to `[vms.t]`.
+    fn a_daemon_and_a_guest_with(
+        more: &str,
+    ) -> (tempfile::TempDir, crate::Daemon, UnixStream, FrameDecoder, u32) {
         let dir = tempfile::tempdir().unwrap();
         let uid = rustix::process::geteuid().as_raw();
-        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n");
+        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 4\nports = 1\n{more}");
         let mut cfg = crate::DaemonConfig::from_toml(&toml).unwrap();
         cfg.socket = Some(dir.path().join("vrdma.sock"));
         let daemon = crate::Daemon::start(cfg).unwrap();
@@ -733,5 +759,117 @@ mod tests {
         }
         let left = shared.engine.call(move |e| e.hca.tenant_contexts(tenant).len()).unwrap();
         assert_eq!(left, 0, "the held call made the tenant a context here again");
+    }
+    /// QEMU's `loadvm` in the same QEMU (issue 19, snapshots): the
+    /// guest, restored to a point where its session was live, speaks on
+    /// the port whose session `finish` ended (the `Ended { Moved }` it
+    /// was sent may be lost with the guest's state that `loadvm` threw
+    /// away). That connection said nothing to such a guest any more (no
+    /// `NoSession` after a session ended), and it waited for ever; once
+    /// the VM's tenant is imported here again, its probe is answered
+    /// `NoSession`, so that it adopts its context.
+    #[test]
+    fn a_port_whose_session_moved_away_says_no_session_again_after_an_import_here() {
+        use super::super::session::Carry;
+        use vrdma_core::proto::{MigrateReply, MigrateRequest};
+        let uid = rustix::process::geteuid().as_raw();
+        let (_dir, daemon, mut port, mut dec, _) = a_daemon_and_a_guest();
+        let shared = daemon.shared.clone();
+        let operator =
+            |req: MigrateRequest, fds: Vec<std::os::fd::OwnedFd>| match super::super::migrate::handle(
+                &shared, uid, false, req, fds,
+            ) {
+                Ok(a) => a,
+                Err(a) => panic!("the operator's call was refused: {:?}", a.reply),
+            };
+        let probe =
+            |port: &mut UnixStream| port.write_all(&guest::encode(&Frame::Pong { nonce: 0 })).unwrap();
+        // Frames within 300 ms, pings answered.
+        let frames = |port: &mut UnixStream, dec: &mut FrameDecoder| {
+            port.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            loop {
+                while let Some(f) = dec.next_frame().unwrap() {
+                    match f {
+                        Frame::Ping { nonce } => {
+                            port.write_all(&guest::encode(&Frame::Pong { nonce })).unwrap()
+                        }
+                        f => got.push(f),
+                    }
+                }
+                match port.read(&mut buf) {
+                    Ok(n) if n > 0 => dec.push(&buf[..n]),
+                    Ok(_) => panic!("the daemon closed the port"),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            port.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            got
+        };
+        let no_session =
+            |fs: &[Frame]| fs.iter().any(|f| matches!(f, Frame::Ended { reason: EndReason::NoSession }));
+
+        // Saved (paused, exported), then the running tenant dropped here.
+        operator(MigrateRequest::Pause { tenant: uid }, Vec::new());
+        let exported = operator(MigrateRequest::Export { tenant: uid }, Vec::new());
+        assert!(matches!(exported.reply, Reply::Migrated(MigrateReply::Exported { .. })));
+        let Some(Carry::Fd(snap)) = exported.fds.into_iter().next() else { panic!("no snapshot") };
+        operator(MigrateRequest::Finish { tenant: uid }, Vec::new());
+        match next(&mut port, &mut dec) {
+            Frame::Ended { reason: EndReason::Moved } => {}
+            other => panic!("after finish: {other:?}"),
+        }
+        // The guest, restored, probes: nothing imported here yet, so no
+        // answer (once told its session ended, the port says no more).
+        probe(&mut port);
+        let got = frames(&mut port, &mut dec);
+        assert!(!no_session(&got), "NoSession before the import: {got:?}");
+        // Imported here again: the probe is answered NoSession, once.
+        assert!(matches!(
+            operator(MigrateRequest::Import, vec![snap]).reply,
+            Reply::Migrated(MigrateReply::Imported { .. })
+        ));
+        probe(&mut port);
+        let got = frames(&mut port, &mut dec);
+        assert!(no_session(&got), "no NoSession after the import: {got:?}");
+        probe(&mut port);
+        let got = frames(&mut port, &mut dec);
+        assert!(!no_session(&got), "NoSession twice: {got:?}");
+    }
+
+    /// A VM stopped for a snapshot or a migration says nothing on its
+    /// ports (issue 19: a `savevm` on a loaded machine took over
+    /// `dead_ms`). While its tenant is paused that is not its silence:
+    /// the session (and its context) stays, where it was torn down under
+    /// the operator's steps and the resume failed ("no context on this
+    /// host"). Unpaused, silence ends it as before.
+    #[test]
+    fn a_guest_silent_while_its_tenant_is_paused_keeps_its_session() {
+        use vrdma_core::proto::MigrateRequest;
+        let uid = rustix::process::geteuid().as_raw();
+        let (_dir, daemon, mut port, mut dec, _) = a_daemon_and_a_guest_with("ping_ms = 50\ndead_ms = 300\n");
+        let shared = daemon.shared.clone();
+        let operator = |req: MigrateRequest| {
+            if let Err(a) = super::super::migrate::handle(&shared, uid, false, req, Vec::new()) {
+                panic!("the operator's call was refused: {:?}", a.reply);
+            }
+        };
+        let tenant = vrdma_core::hca::TenantId(uid);
+        let contexts = || shared.engine.call(move |e| e.hca.tenant_contexts(tenant).len()).unwrap();
+        // Paused, and silent (no pong) for three times `dead_ms`.
+        operator(MigrateRequest::Pause { tenant: uid });
+        std::thread::sleep(Duration::from_millis(900));
+        assert_eq!(contexts(), 1, "the paused guest's session was torn down");
+        operator(MigrateRequest::Resume { tenant: uid });
+        call(&mut port, Request::QueryDevice);
+        match next(&mut port, &mut dec) {
+            Frame::Reply { reply: Reply::Device(_), .. } => {}
+            other => panic!("the session after the pause: {other:?}"),
+        }
+        // Unpaused, silence still ends it.
+        std::thread::sleep(Duration::from_millis(900));
+        assert_eq!(contexts(), 0, "a silent guest's session stayed");
     }
 }

@@ -388,6 +388,7 @@ impl Attached {
             });
         }
         self.vm.placed().moved_channels.extend(moved);
+        self.vm.imports.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 }
 

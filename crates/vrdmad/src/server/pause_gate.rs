@@ -112,6 +112,12 @@ impl PauseGate {
         Ok(Pass { gate: self, tenant })
     }
 
+    /// Whether `tenant`'s gate is closed: paused for a migration or a
+    /// snapshot (its VM, if it is one, normally stopped meanwhile).
+    pub(crate) fn is_paused(&self, tenant: TenantId) -> bool {
+        self.lock().get(&tenant).is_some_and(|e| e.paused_since.is_some())
+    }
+
     /// Closes the gate for `tenant` and waits, at most `wait`, for its
     /// state-changing calls under way to end. Returns whether they did; if
     /// not, the gate is open again (the caller refuses its step).
