@@ -312,7 +312,7 @@ fn no_event_is_lost_while_the_waiter_decides_to_sleep() -> Result<()> {
             let sent = sender.join().expect("the sender's thread");
             receiver.and(sent)
         })?;
-        assert_eq!(carried(&a), if direct { ROUNDS } else { 0 }, "{config:?}");
+        assert_eq!(carried(a), if direct { ROUNDS } else { 0 }, "{config:?}");
     }
     Ok(())
 }
