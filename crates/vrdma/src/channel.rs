@@ -66,6 +66,13 @@ pub(crate) struct ChannelInner {
     stale_since: AtomicU64,
 }
 
+/// A spin's looks at the one CQ it watches between two full looks at the
+/// channel (`spin_for_event`).
+const FULL_LOOK_EVERY: u32 = 16;
+/// A spin reads the clock every this many looks while it spins (and at
+/// every look once it yields).
+const CLOCK_EVERY: u32 = 16;
+
 /// How long an event's wake-up is waited for once the event was taken.
 const WAKEUP_WAIT: Duration = Duration::from_secs(1);
 /// How long the fd may be readable with no event before the wake-up is
@@ -159,6 +166,14 @@ impl ChannelInner {
             )
             .ok()?;
         Some(cq)
+    }
+
+    /// Whether `cq`, the one CQ a spin watches, or the channel's ring may
+    /// hold an event: the two words an event is published in before it is
+    /// claimed (`cq::raise_event`, the engine's `notify_channel`). A look
+    /// without the locks of [`take`](Self::take).
+    fn may_hold_event(&self, cq: &crate::cq::CqInner) -> bool {
+        self.core.ring.produced() != self.core.ring.consumed() || cq.has_direct_event()
     }
 
     /// After a spin that found nothing: takes the mark back. `false` when
@@ -374,7 +389,16 @@ impl CompletionChannel {
     /// the message itself; a quiet channel still sleeps after the window.
     ///
     /// While it looks, an event of the channel's CQ needs no wake-up
-    /// ("Quiet events" above).
+    /// ("Quiet events" above). As a NIC's interrupt moderation or the
+    /// kernel's socket busy-polling, the spin is bounded (the window) and
+    /// adapts to the peer, as an empty CQ poll does (`idle::spin_limit`):
+    /// it spins where the program raising the CQ's events last ran on
+    /// another CPU, yields at every look where it ran on this one (it can
+    /// raise the event only once this thread lets go of the CPU), and
+    /// spins the usual few looks otherwise. A look at the one CQ watched is
+    /// two loads ([`ChannelInner::may_hold_event`]); the channel's locks
+    /// are taken only when they show something, and every
+    /// [`FULL_LOOK_EVERY`] looks.
     fn spin_for_event(&self, slot: &mut [u8], timeout: Option<Duration>) -> Result<Option<u32>> {
         let window = event_spin().min(timeout.unwrap_or(Duration::MAX));
         if window.is_zero() {
@@ -385,23 +409,43 @@ impl CompletionChannel {
         // Empty looks that spin before each further one yields: as an
         // empty poll of the CQ would (`idle`), so that an event a program
         // on another CPU raises is not waited for behind a trip through
-        // the scheduler.
-        let spins = crate::idle::spin_limit(spinner.as_ref().is_some_and(|cq| cq.fed_from_elsewhere()));
+        // the scheduler, and one that a program on this CPU raises is not
+        // held up by looks it cannot answer before it runs.
+        let peer = spinner.as_ref().map_or(crate::idle::Peer::Unknown, |cq| cq.peer());
+        let spins = crate::idle::spin_limit(peer);
         let mut looks = 0u32;
+        // Empty looks since the last full one (`FULL_LOOK_EVERY`).
+        let mut cheap = 0u32;
         let got = (|| -> Result<Option<u32>> {
             loop {
-                if let Some(cqn) = self.inner.take(slot)? {
-                    return Ok(Some(cqn));
+                // While one CQ is watched, a look is two loads of shared
+                // words until either shows an event; the channel's full
+                // look (its locks) only then, and every few looks for a
+                // CQ created on the channel meanwhile.
+                let nothing = cheap < FULL_LOOK_EVERY
+                    && spinner.as_ref().is_some_and(|cq| !self.inner.may_hold_event(cq));
+                if nothing {
+                    cheap += 1;
+                } else {
+                    cheap = 0;
+                    if let Some(cqn) = self.inner.take(slot)? {
+                        return Ok(Some(cqn));
+                    }
                 }
-                if start.elapsed() >= window {
+                let spinning = looks < spins;
+                // The clock at every yield, and every few spinning looks.
+                if (!spinning || looks.is_multiple_of(CLOCK_EVERY)) && start.elapsed() >= window {
                     match &spinner {
                         // Claimed meanwhile: the event is there (or another
                         // thread took it, and the mark with it).
-                        Some(cq) if !ChannelInner::end_spin(cq) => continue,
+                        Some(cq) if !ChannelInner::end_spin(cq) => {
+                            cheap = FULL_LOOK_EVERY;
+                            continue;
+                        }
                         _ => return Ok(None),
                     }
                 }
-                if looks < spins {
+                if spinning {
                     looks += 1;
                     std::hint::spin_loop();
                 } else {

@@ -15,6 +15,7 @@ use crate::context::Context;
 use crate::control;
 use crate::direct_ready::{ReadySet, Served};
 use crate::error::{Error, Result};
+use crate::idle::{self, Peer};
 use crate::stream::CompletionStream;
 
 /// A work completion (`ibv_wc`), as the daemon reports it.
@@ -277,29 +278,29 @@ impl CqInner {
         }
     }
 
-    /// Whether the program that last completed into this CQ's inboxes
+    /// Where the program that last completed into this CQ's inboxes
     /// (those of the bucket the last poll took inbox completions from;
-    /// `INBOX_AUX_REQUESTER_CPU`) last ran on a CPU other than ours; false
-    /// when none is known or one runs on ours.
-    fn peer_elsewhere(&self) -> bool {
+    /// `INBOX_AUX_REQUESTER_CPU`) last ran, beside our CPU: `Here` when one
+    /// ran on ours, `Elsewhere` when all known ran on others.
+    fn peer_cpu(&self) -> Peer {
         if self.inbox_count.load(Ordering::Acquire) == 0 {
-            return false;
+            return Peer::Unknown;
         }
         let fed = self.last_fed.load(Ordering::Relaxed);
         if fed == NO_BUCKET {
-            return false;
+            return Peer::Unknown;
         }
         let me = crate::idle::current_cpu_word();
         let inboxes = self.inboxes.read().unwrap_or_else(|p| p.into_inner());
-        let mut known = false;
+        let mut peer = Peer::Unknown;
         for (_, inbox) in inboxes.bucket(fed) {
             match inbox.aux(proto::INBOX_AUX_REQUESTER_CPU).load(Ordering::Relaxed) {
                 0 => {}
-                cpu if cpu == me => return false,
-                _ => known = true,
+                cpu if cpu == me => return Peer::Here,
+                _ => peer = Peer::Elsewhere,
             }
         }
-        known
+        peer
     }
 
     /// Entries the inboxes of the marked buckets hold (they count against
@@ -428,16 +429,27 @@ impl CqInner {
         raise_event(&self.ring, bell, solicited, success);
     }
 
-    /// Whether this CQ's last completions came from the direct path and
-    /// the programs writing them last ran on other CPUs: a waiter for its
-    /// next one spins rather than yield (`idle::DIRECT_SPIN_POLLS`).
-    pub(crate) fn fed_from_elsewhere(&self) -> bool {
-        self.direct_fed.load(Ordering::Relaxed) && self.peer_elsewhere()
+    /// Where the programs writing this CQ's completions last ran, when its
+    /// last completions came from the direct path (`Unknown` otherwise): a
+    /// waiter for its next one spins or yields by it ([`idle::spin_limit`]).
+    pub(crate) fn peer(&self) -> Peer {
+        if self.direct_fed.load(Ordering::Relaxed) {
+            self.peer_cpu()
+        } else {
+            Peer::Unknown
+        }
     }
 
     /// This CQ's [`proto::CQ_AUX_WAITER`] word.
     pub(crate) fn waiter(&self) -> &AtomicU32 {
         self.ring.aux(proto::CQ_AUX_WAITER)
+    }
+
+    /// Whether the direct path raised an event for this CQ that no one
+    /// took yet (a look; [`take_direct_event`](Self::take_direct_event)
+    /// takes it).
+    pub(crate) fn has_direct_event(&self) -> bool {
+        self.ring.aux(proto::CQ_AUX_DIRECT_EVENTS).load(Ordering::Acquire) != 0
     }
 
     /// Takes one event the direct path raised for this CQ, if any.
@@ -625,7 +637,8 @@ impl CompletionQueue {
     /// engine, which produces the completions, can run (after
     /// [`DIRECT_SPIN_POLLS`](crate::idle::DIRECT_SPIN_POLLS) where the
     /// CQ's last completions came from the direct path, which needs no
-    /// engine, written by a program on another CPU); on a machine with
+    /// engine, written by a program on another CPU; at once where that
+    /// program ran on this CPU, unless the CQ has a completion channel); on a machine with
     /// two cores or fewer, once the calling thread has found nothing and
     /// posted nothing for 200 µs, empty polls sleep briefly instead
     /// ([`crate::idle`] has the rule and its knobs). The count resets when a
@@ -643,15 +656,24 @@ impl CompletionQueue {
             }
         } else {
             let count = empty.load(Ordering::Relaxed);
-            // Past the usual spin, spin on only for completions that a
-            // program on another CPU writes (`idle::DIRECT_SPIN_POLLS`).
-            let direct = count >= spin_polls()
-                && self.inner.direct_fed.load(Ordering::Relaxed)
-                && self.inner.peer_elsewhere();
-            if count < crate::idle::spin_limit(direct) {
+            // Completions the direct path writes: past the usual spin, spin
+            // on only for a program on another CPU; for one on ours, yield
+            // at once (`idle::DIRECT_SPIN_POLLS`), but for a CQ with a
+            // completion channel. There the poll is the one before or after
+            // arming, and a yield in it lets the peer complete while no
+            // thread waits in `get_cq_event`: the event, if armed, then
+            // costs the peer a doorbell, and an arming left standing (the
+            // completion found by the poll after it) costs our own next
+            // carried send one (measured: a second system call per message
+            // in a same-CPU ping-pong; docs/direct-path.md, round 11).
+            let peer = match self.inner.peer() {
+                Peer::Here if self.inner.has_channel() => Peer::Unknown,
+                p => p,
+            };
+            if count < idle::spin_limit(peer) {
                 empty.store(count + 1, Ordering::Relaxed);
             }
-            crate::idle::wait_after_empty_poll(count, direct);
+            idle::wait_after_empty_poll(count, peer);
         }
         Ok(n)
     }

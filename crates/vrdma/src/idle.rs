@@ -26,7 +26,10 @@
 //! involved) spins [`DIRECT_SPIN_POLLS`] empty polls in step 1 instead,
 //! as long as that program last completed from another CPU: there a
 //! yield helps no one who is needed and, on a loaded machine, costs the
-//! poller its CPU; on the peer's own CPU, the usual rule.
+//! poller its CPU. Where that program last ran on the poller's own CPU,
+//! none: every empty poll yields at once, since the completion can come
+//! only once the peer runs ([`Peer::Here`]; not for a CQ with a completion
+//! channel, whose polls around an arming keep the usual spin, `cq.rs`).
 //!
 //! Step 3 counts per thread, not per CQ, so that a loop polling one idle
 //! and one busy CQ, or spinning on memory and posting, never naps; it ends
@@ -145,18 +148,36 @@ pub(crate) fn activity() {
 /// CPU when other programs wait for one; on a loaded 2-core machine that
 /// trip through the scheduler was most of a direct SEND's latency. About
 /// 50–80 µs of polling at most. Where the peer last ran on this CPU, the
-/// poller yields after the usual spin instead: spinning would only delay
-/// the peer (measured: 1024 polls made a same-CPU ping-pong 70 µs one way).
+/// poller yields at its first empty poll instead ([`Peer::Here`]):
+/// spinning would only delay the peer (measured: 1024 polls made a
+/// same-CPU ping-pong 70 µs one way, and even the usual 4 cost it some
+/// 0.3 µs one way, `docs/direct-path.md`, round 11).
 pub const DIRECT_SPIN_POLLS: u32 = 1024;
 
-/// The spin of [`policy`], or, where `direct` (see [`DIRECT_SPIN_POLLS`]),
-/// at least [`DIRECT_SPIN_POLLS`].
-pub(crate) fn spin_limit(direct: bool) -> u32 {
+/// Where the program that last completed into a CQ from the direct path
+/// ran, as its inbox's `INBOX_AUX_REQUESTER_CPU` word says, beside the
+/// CPU of the thread that waits for the CQ's next completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Peer {
+    /// Not known, or the CQ's last completions did not come from the
+    /// direct path (the engine's may come from any CPU): the usual spin.
+    Unknown,
+    /// On this CPU: it can write the next completion only once this
+    /// thread lets go of the CPU, so every empty look yields at once.
+    Here,
+    /// On another CPU: spin [`DIRECT_SPIN_POLLS`] looks before yielding.
+    Elsewhere,
+}
+
+/// Empty polls (or looks at a completion channel) in a row before each
+/// further one yields: [`policy`]'s spin, at least [`DIRECT_SPIN_POLLS`]
+/// for a peer [`Peer::Elsewhere`], none for a peer [`Peer::Here`].
+pub(crate) fn spin_limit(peer: Peer) -> u32 {
     let spin = policy().spin_polls;
-    if direct {
-        spin.max(DIRECT_SPIN_POLLS)
-    } else {
-        spin
+    match peer {
+        Peer::Unknown => spin,
+        Peer::Here => 0,
+        Peer::Elsewhere => spin.max(DIRECT_SPIN_POLLS),
     }
 }
 
@@ -167,10 +188,10 @@ pub(crate) fn current_cpu_word() -> u32 {
 }
 
 /// Called after an empty poll that was the `empty`-th in a row on its CQ:
-/// spins, yields or naps as [`policy`] says, spinning [`spin_limit`]`(direct)`
+/// spins, yields or naps as [`policy`] says, spinning [`spin_limit`]`(peer)`
 /// polls.
-pub(crate) fn wait_after_empty_poll(empty: u32, direct: bool) {
-    let p = PollPolicy { spin_polls: spin_limit(direct), ..policy() };
+pub(crate) fn wait_after_empty_poll(empty: u32, peer: Peer) {
+    let p = PollPolicy { spin_polls: spin_limit(peer), ..policy() };
     match next_wait(&p, empty) {
         Wait::Spin => std::hint::spin_loop(),
         Wait::Yield => std::thread::yield_now(),
@@ -233,6 +254,15 @@ mod tests {
             assert!(n >= last, "{us} µs");
             last = n;
         }
+    }
+
+    #[test]
+    fn a_peer_on_this_cpu_is_yielded_to_at_once_and_one_elsewhere_spun_for() {
+        assert_eq!(spin_limit(Peer::Here), 0);
+        assert_eq!(spin_limit(Peer::Unknown), policy().spin_polls);
+        assert!(spin_limit(Peer::Elsewhere) >= DIRECT_SPIN_POLLS);
+        let p = PollPolicy { spin_polls: spin_limit(Peer::Here), ..PollPolicy::for_cores(2) };
+        assert_eq!(p.decide(0, US(0)), Wait::Yield, "the first empty poll yields");
     }
 
     #[test]

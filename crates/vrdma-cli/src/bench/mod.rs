@@ -118,6 +118,13 @@ pub struct Args {
     /// working on the copy path.
     #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct"])]
     pub direct_bw: bool,
+    /// Of `--direct`, only the 8 B latency rows (write, send polling and on
+    /// a completion channel, write with immediate, read, fetch-and-add, the
+    /// send beside idle QPs; both paths) beside the shared-memory ping-pong
+    /// and UCX posix tag_lat: a shorter run when working on the latency
+    /// path.
+    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "direct_bw"])]
+    pub direct_lat: bool,
     /// Of the default report, only the tenant QoS figures: fairness of
     /// four equal tenants, shares by weight, a rate limit's error, and an
     /// 8 B latency beside a 64-QP hog with and without

@@ -192,7 +192,7 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     }
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
-    if args.direct {
+    if args.direct || args.direct_lat {
         figures.extend(direct_figures(args, pingpong, lat_iters, runs, cores, &progress)?);
         drop(device);
         return report::print(&figures, &[], None, args.json);
@@ -462,8 +462,10 @@ fn direct_figures(
     } else if !args.json {
         eprintln!("ucx_perftest not installed (ucx-utils): no UCX posix anchor");
     }
-    out.extend(super::direct_bw::figures(args, runs, cores, progress)?);
-    out.extend(super::mpi::figures(args, runs, cores, &sends, progress)?);
+    if !args.direct_lat {
+        out.extend(super::direct_bw::figures(args, runs, cores, progress)?);
+        out.extend(super::mpi::figures(args, runs, cores, &sends, progress)?);
+    }
     Ok(out)
 }
 

@@ -237,3 +237,82 @@ fn the_channel_fd_stays_in_step_with_events_taken_while_waiting() -> Result<()> 
     }
     Ok(())
 }
+
+/// A pseudo-random delay in `0..max` (xorshift; the seed fixes the run).
+fn next_delay(state: &mut u64, max: Duration) -> Duration {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    Duration::from_nanos(*state % max.as_nanos() as u64)
+}
+
+/// Waits `d` without sleeping (a sleep of a few µs lasts 50 µs or more).
+fn spin_for(d: Duration) {
+    let start = std::time::Instant::now();
+    while start.elapsed() < d {
+        std::hint::spin_loop();
+    }
+}
+
+/// No event is lost to the waiter's decision to sleep, and none doubled:
+/// each round the receiver arms its CQ, and the sender posts after a
+/// random delay from nothing to three times the spin `get_cq_event` makes
+/// before it sleeps (`vrdma::event_spin`), so that sends land while the
+/// waiter polls after arming, spins, gives its mark back
+/// ("Quiet events": the compare-and-swap against the raiser's claim) and
+/// sleeps on the fd. Every round must give exactly one event within
+/// `WAIT`, its completion, and leave neither another event nor a readable
+/// fd behind. Both paths: the library's claim and the engine's.
+#[test]
+fn no_event_is_lost_while_the_waiter_decides_to_sleep() -> Result<()> {
+    const ROUNDS: u64 = 400;
+    let max = 3 * vrdma::event_spin().max(Duration::from_micros(20));
+    for (config, direct) in [(ON, true), (OFF, false)] {
+        let d = DaemonProc::start_with_config(config)?;
+        let ((a, _ach), (b, bch)) = channel_pair(&d)?;
+        a.mr.write(0, b"racing!!")?;
+        let (armed_tx, armed_rx) = std::sync::mpsc::channel::<u64>();
+        let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+        let a = &a;
+        std::thread::scope(|sc| -> Result<()> {
+            let sender = sc.spawn(move || -> Result<()> {
+                let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+                for i in 0..ROUNDS {
+                    // Bounded: the receiver answers each round within WAIT.
+                    let round = armed_rx.recv_timeout(2 * WAIT)?;
+                    assert_eq!(round, i);
+                    spin_for(next_delay(&mut seed, max));
+                    a.qp.post_send(&[wr::send(i, &[a.mr.sge(0, 8)?])?.signaled()])?;
+                    assert_eq!(poll_one(&a.cq, WAIT)?.wr_id, i);
+                    done_rx.recv_timeout(2 * WAIT)?;
+                }
+                Ok(())
+            });
+            let receiver = (|| -> Result<()> {
+                let mut buf = vrdma::wc_buffer(4);
+                for i in 0..ROUNDS {
+                    b.qp.post_recv(&[wr::recv(i, &[b.mr.sge(0, 8)?])?])?;
+                    b.cq.req_notify(false)?;
+                    armed_tx.send(i)?;
+                    // Every other round the race rule's poll after arming;
+                    // what it finds fired the arming all the same.
+                    let mut got = if i % 2 == 0 { b.cq.poll(&mut buf)? } else { 0 };
+                    let ev = bch.get_cq_event(Some(WAIT))?;
+                    assert_eq!(ev, Some(b.cq.cqn()), "round {i}: the event was lost ({config:?})");
+                    if got == 0 {
+                        got = poll_n(&b.cq, 1, WAIT)?.len();
+                    }
+                    assert_eq!(got, 1, "round {i}");
+                    assert_eq!(bch.get_cq_event(Some(Duration::ZERO))?, None, "round {i}: a second event");
+                    assert!(!readable(&bch, 0), "round {i}: a wake-up outlived its event ({config:?})");
+                    done_tx.send(())?;
+                }
+                Ok(())
+            })();
+            let sent = sender.join().expect("the sender's thread");
+            receiver.and(sent)
+        })?;
+        assert_eq!(carried(a), if direct { ROUNDS } else { 0 }, "{config:?}");
+    }
+    Ok(())
+}
