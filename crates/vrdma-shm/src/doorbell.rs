@@ -117,6 +117,18 @@ impl Doorbell {
             && fds[0].revents().contains(PollFlags::HUP)
     }
 
+    /// Whether a ring is pending at this end now, and whether the other
+    /// end is gone (hung up), in one poll: what
+    /// [`is_readable`](Self::is_readable) and [`hung_up`](Self::hung_up)
+    /// say, for a waiter that asks both before it blocks.
+    pub fn readable_and_hung_up(&self) -> (bool, bool) {
+        let mut fds = [PollFd::new(&self.0, PollFlags::IN)];
+        match rustix::event::poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })) {
+            Ok(n) if n > 0 => (true, fds[0].revents().contains(PollFlags::HUP)),
+            _ => (false, false),
+        }
+    }
+
     /// Wraps an end received from the daemon.
     pub fn from_fd(fd: OwnedFd) -> Doorbell {
         Doorbell(fd)
@@ -319,8 +331,13 @@ mod tests {
         assert!(a.ring_one() && a.ring_one());
         assert!(b.take_one() && b.take_one());
         assert!(!b.take_one() && !b.is_readable() && !b.hung_up());
+        assert_eq!(b.readable_and_hung_up(), (false, false));
+        assert!(a.ring_one());
+        assert_eq!(b.readable_and_hung_up(), (true, false));
+        assert!(b.take_one());
         drop(a);
         assert!(b.is_readable() && b.hung_up());
+        assert_eq!(b.readable_and_hung_up(), (true, true));
         // The end of the stream is no wake-up: taking and draining stop.
         assert!(!b.take_one());
         assert_eq!(b.drain(), 0);

@@ -292,12 +292,23 @@ impl ChannelInner {
     /// carried by the doorbell's oldest wake-up, then one kept from a
     /// reply.
     fn next_local(&self) -> Result<Option<CmEvent>> {
+        self.next_local_polled(true)
+    }
+
+    /// [`next_local`](Self::next_local), told whether the doorbell was
+    /// readable a moment ago: if not, it holds no carried event older than
+    /// what is kept here (a wake-up that comes after the poll was rung
+    /// after all of it), and the peek is spared (a system call on each
+    /// wait for an event).
+    fn next_local_polled(&self, readable: bool) -> Result<Option<CmEvent>> {
         let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(ev) = self.pop_ready(&mut ready, true) {
             return Ok(Some(ev));
         }
-        if let Some(ev) = self.take_carried(None)? {
-            return Ok(Some(ev));
+        if readable {
+            if let Some(ev) = self.take_carried(None)? {
+                return Ok(Some(ev));
+            }
         }
         Ok(self.pop_ready(&mut ready, false))
     }
@@ -550,17 +561,20 @@ impl EventChannel {
             // away, or (it still answers) the program destroyed this
             // channel while waiting on it, where the kernel's wait goes on:
             // then only the daemon's going ends it.
-            let hung_up = self.inner.fd.hung_up();
+            // (One poll says both.)
+            let (readable, hung_up) = self.inner.fd.readable_and_hung_up();
             if self.inner.removed() || hung_up && daemon_hung_up(control, Some(Duration::ZERO)) {
                 return self.inner.removal_event().map(Some);
             }
-            if let Some(ev) = self.inner.next_local()? {
+            if let Some(ev) = self.inner.next_local_polled(readable)? {
                 return Ok(Some(ev));
             }
             // The descriptor is readable exactly while an event waits (the
             // daemon keeps it so): a round trip to the daemon is made only
-            // when it is (and its oldest wake-up carries no event).
-            if !hung_up && self.inner.fd.is_readable() {
+            // when it is (and its oldest wake-up carries no event; asked
+            // again, as the kept events just looked at may have taken the
+            // wake-ups the poll saw).
+            if !hung_up && readable && self.inner.fd.is_readable() {
                 if let Some(ev) = self.try_read()? {
                     return Ok(Some(ev));
                 }
