@@ -470,7 +470,7 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
         let tuple = vrdma::sockets::Tuple { client: peer, server: me };
         if d.ctx.sock_claim(tuple).unwrap_or(false) {
             debug(&format!("claimed {peer} -> {me}"));
-            if let Some(s) = Stream::claimed(c) {
+            if let Some(s) = Stream::claimed(c, tuple) {
                 table::insert(c, Entry::Stream(s));
             }
         }

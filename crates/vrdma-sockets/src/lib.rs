@@ -87,6 +87,7 @@ mod addr;
 mod credit;
 mod dev;
 mod epoll;
+mod exec;
 mod interpose;
 mod link;
 mod listener;

@@ -38,6 +38,8 @@ pub struct Stream {
     /// registry answers the context that made it).
     creator: u32,
     client: bool,
+    /// The connection as the registry names it (announced or claimed).
+    tuple: Tuple,
     sock: Arc<Sock>,
     phase: Mutex<Phase>,
 }
@@ -71,7 +73,7 @@ fn claim_wait() -> Duration {
 }
 
 impl Stream {
-    fn new(fd: c_int, phase: Phase) -> Option<Arc<Stream>> {
+    fn new(fd: c_int, tuple: Tuple, phase: Phase) -> Option<Arc<Stream>> {
         // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor the caller holds.
         let sock = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
         (sock >= 0).then(|| {
@@ -79,6 +81,7 @@ impl Stream {
                 owner: Owner::new(),
                 creator: crate::pid::get(),
                 client: matches!(phase, Phase::Announced(_)),
+                tuple,
                 sock: Arc::new(Sock(sock)),
                 phase: Mutex::new(phase),
             })
@@ -99,12 +102,12 @@ impl Stream {
 
     /// A client's stream after its announcement.
     pub fn announced(fd: c_int, tuple: Tuple) -> Option<Arc<Stream>> {
-        Stream::new(fd, Phase::Announced(tuple))
+        Stream::new(fd, tuple, Phase::Announced(tuple))
     }
 
-    /// A server's stream after a successful claim.
-    pub fn claimed(fd: c_int) -> Option<Arc<Stream>> {
-        Stream::new(fd, Phase::Agreed)
+    /// A server's stream after a successful claim of `tuple`.
+    pub fn claimed(fd: c_int, tuple: Tuple) -> Option<Arc<Stream>> {
+        Stream::new(fd, tuple, Phase::Agreed)
     }
 
     /// Whether both ends exchanged their hellos: the bytes go through the
@@ -158,11 +161,21 @@ impl Stream {
                 }
                 Phase::Agreed => {
                     *p = match self.exchange() {
-                        Ok(l) => {
+                        Ok(Hello::Carried(l)) => {
                             for fd in crate::table::fds_of(self) {
                                 crate::table::set_cloexec(fd);
                             }
                             Phase::Carried(Arc::new(l))
+                        }
+                        Ok(Hello::Declined) => {
+                            debug(&format!(
+                                "{:?}: the peer declined (it settled it before an exec): TCP",
+                                self.tuple
+                            ));
+                            self.owner.set_tcp();
+                            crate::table::forget_stream(self);
+                            *p = Phase::Tcp;
+                            return Ok(Route::Tcp);
                         }
                         Err(ENDED) => {
                             debug("the peer closed before its first call");
@@ -196,10 +209,14 @@ impl Stream {
     }
 
     /// Exchanges hellos and one ready byte each way over the socket, now
-    /// private to two vRDMA libraries, and connects the QP.
-    fn exchange(&self) -> Res<Link> {
+    /// private to two vRDMA libraries, and connects the QP. The client
+    /// sends its hello first; the server reads it before it sends its own,
+    /// so that a client that settled the connection as TCP before an exec
+    /// (a [`link::decline`] in place of its hello) finds nothing of the
+    /// server's in its stream, and a server that settled it answers the
+    /// client's hello with a decline ([`Stream::settle_for_exec`]).
+    fn exchange(&self) -> Res<Hello> {
         let d = dev().ok_or(libc::ECONNRESET)?;
-        let half = Half::new(d).map_err(|e| e.errno())?;
         let fd = self.sock.0;
         // A peer that closed before its first call sent no hello: its end
         // is read as the end (a hello sent now would be answered by RST).
@@ -208,17 +225,148 @@ impl Stream {
         if unsafe { real::recv(fd, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) } == 0 {
             return Err(ENDED);
         }
-        send_all(fd, half.hello())?;
         let mut peer = [0u8; HELLO_LEN];
-        recv_exact(fd, &mut peer)?;
+        let half = if self.client {
+            let half = Half::new(d).map_err(|e| e.errno())?;
+            send_all(fd, half.hello())?;
+            recv_exact(fd, &mut peer)?;
+            half
+        } else {
+            recv_exact(fd, &mut peer)?;
+            if link::is_decline(&peer) {
+                return Ok(Hello::Declined);
+            }
+            let half = Half::new(d).map_err(|e| e.errno())?;
+            send_all(fd, half.hello())?;
+            half
+        };
+        if link::is_decline(&peer) {
+            return Ok(Hello::Declined);
+        }
         let link = half.connect(self.sock.clone(), &peer)?;
         // Both QPs are connected before either writes.
         send_all(fd, &[link::ready_byte()])?;
         let mut b = [0u8; 1];
         recv_exact(fd, &mut b)?;
         debug("carried over vRDMA");
-        Ok(link)
+        Ok(Hello::Carried(link))
     }
+
+    /// Before an `exec` that this connection's descriptor survives (not
+    /// close-on-exec): a connection not decided yet is settled as plain
+    /// TCP, so that the exec'd program (which does not know it: the
+    /// library starts afresh there, or is not loaded at all) reads a clean
+    /// stream. A connection carried already is close-on-exec and not
+    /// touched (the program does not get it); one that another process
+    /// drives (after fork) is that process's and not touched either.
+    ///
+    /// - A client that announced it gives up waiting ([`Outcome`] `Tcp`
+    ///   for both ends if the server has not claimed it); if the server
+    ///   claimed it, it reads the client's hello at its first call, and
+    ///   reads a decline instead.
+    /// - A server that claimed it declines it through the daemon: the
+    ///   client, which has not resolved it yet, reads TCP and sends no
+    ///   hello. If the client resolved it already its hello is on its
+    ///   way (it is in its first call): it is read off the socket (5 s at
+    ///   most, `VRDMA_SOCKETS_WAIT_MS`) and answered with a decline, which
+    ///   the client reads in place of the server's hello.
+    pub fn settle_for_exec(self: &Arc<Stream>) {
+        match self.take() {
+            Take::Mine => {}
+            Take::Tcp => {
+                crate::table::forget_stream(self);
+                return;
+            }
+            Take::Other => return,
+        }
+        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        match &*p {
+            Phase::Announced(t) => {
+                let t = *t;
+                let out = dev().map_or(Outcome::Tcp, |d| d.ctx.sock_resolve(t, true).unwrap_or(Outcome::Tcp));
+                if out == Outcome::Carried {
+                    let r = send_all(self.sock.0, &link::decline());
+                    debug(&format!("{t:?}: declined before an exec ({r:?}): TCP"));
+                } else {
+                    debug(&format!("{t:?}: given up before an exec: TCP"));
+                }
+            }
+            Phase::Agreed if !self.client => {
+                let t = self.tuple;
+                match dev().map(|d| d.ctx.sock_decline(t)) {
+                    Some(Ok(true)) => {
+                        debug(&format!("{t:?}: declined through the daemon before an exec: TCP"))
+                    }
+                    // The client resolved it (its hello comes), or the
+                    // daemon cannot say (gone, or without `Decline`).
+                    _ => {
+                        let r = self.answer_with_decline();
+                        debug(&format!(
+                            "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
+                        ));
+                    }
+                }
+            }
+            _ => return,
+        }
+        *p = Phase::Tcp;
+        self.owner.set_tcp();
+        drop(p);
+        crate::table::forget_stream(self);
+    }
+
+    /// Reads the client's hello off the socket and answers it with a
+    /// decline. Leaves the socket alone if what comes is not a hello (a
+    /// client that turned out TCP after all: application data), if the
+    /// peer ends, or if nothing comes within the claim wait.
+    fn answer_with_decline(&self) -> Res<()> {
+        let fd = self.sock.0;
+        let end = Instant::now() + claim_wait();
+        let mut b = [0u8; HELLO_LEN];
+        loop {
+            // SAFETY: `b` is valid for its length.
+            let r = unsafe {
+                real::recv(fd, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+            };
+            match r {
+                0 => return Err(ENDED),
+                1.. if !link::may_be_hello(&b[..r as usize]) => return Err(libc::EPROTO),
+                1.. if r as usize == HELLO_LEN => break,
+                1.. => {}
+                _ => match crate::table::errno() {
+                    libc::EAGAIN | libc::EINTR => {}
+                    e => return Err(e),
+                },
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(libc::ETIMEDOUT);
+            }
+            if r > 0 {
+                // Part of it: the rest is on its way.
+                std::thread::sleep(left.min(Duration::from_millis(1)));
+            } else {
+                let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+                // SAFETY: one valid pollfd.
+                unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 100) as c_int) };
+            }
+        }
+        let peer_declined = link::is_decline(&b);
+        recv_exact(fd, &mut b)?;
+        if peer_declined {
+            // Its client settled it too: neither end answers.
+            return Ok(());
+        }
+        send_all(fd, &link::decline())
+    }
+}
+
+/// What the exchange of hellos gave.
+enum Hello {
+    Carried(Link),
+    /// The peer settled the connection as TCP (a decline in place of its
+    /// hello, or in answer to ours).
+    Declined,
 }
 
 impl Drop for Stream {

@@ -35,6 +35,7 @@
 //! the parent echoes the rest once the child is gone. `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
+//! `SOCKAPP_ACCEPT_DELAY_MS`: `forkecho` pauses before its accept.
 //! `forkechos PORT N`: a forking server's accept loop, a child per
 //! connection (echoing it as `forkecho`'s), N connections.
 //!
@@ -99,6 +100,24 @@
 //! end, 16 KiB expected), starting none after MS milliseconds; says
 //! `done K`.
 //!
+//! `inetd PORT MODE`: an inetd-style server: accepts one connection
+//! and, before any call on it, gives it to another program as its stdin
+//! and stdout. MODE `exec`: `dup2`s it onto 0 and 1 and `execv`s
+//! `stdecho` (this program); `fork-exec`: forks, the child does so with
+//! `execvp("cat")`, the parent closes its copy and waits; `spawn`:
+//! `std::process::Command` runs `stdecho` with it as stdin and stdout
+//! (glibc's `posix_spawn`, the socket `dup2`ed by its file actions) and
+//! waits; `carried-exec`: first echoes one 16 KiB chunk (the connection
+//! is carried), then `exec`. `SOCKAPP_EXEC_DELAY_MS`: a pause after the
+//! accept. `stdecho`: copies stdin to stdout until the end, then says
+//! `stdecho N` on stderr.
+//!
+//! `execclient PORT BYTES`: connects, `dup2`s the socket onto descriptor
+//! 10 (inherited) and, before any call on it, `execv`s `fdclient BYTES`
+//! (this program), which runs `echoclient` on descriptor 10.
+//! `SOCKAPP_EXEC_DELAY_MS`: a pause after the connect. `echoclient`
+//! waits `SOCKAPP_CONNECT_DELAY_MS` after its connect where set.
+//!
 //! `server` listens on `SOCKAPP_BIND` and `client` connects to
 //! `SOCKAPP_HOST` where they are set (an address of another network
 //! namespace, for the tests across hosts), else on 127.0.0.1.
@@ -160,6 +179,7 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
+    pause("SOCKAPP_ACCEPT_DELAY_MS");
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
@@ -310,7 +330,20 @@ fn echo_upto(s: &mut TcpStream, limit: u64) -> Result<u64, String> {
 }
 
 fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    pause("SOCKAPP_CONNECT_DELAY_MS");
+    echo_check(s, bytes)
+}
+
+/// Sleeps for the milliseconds in `var`, if set.
+fn pause(var: &str) {
+    if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// `echoclient`'s work on a connected stream.
+fn echo_check(mut s: TcpStream, bytes: u64) -> Result<(), String> {
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut sent = 0u64;
     let mut back = vec![0u8; ECHO_CHUNK];
@@ -333,6 +366,149 @@ fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
         }
         other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
     }
+}
+
+/// `dup2`s `fd` onto each of `to` (the copies are inherited by an exec).
+fn dup_onto(fd: i32, to: &[i32]) -> Result<(), String> {
+    for &t in to {
+        // SAFETY: dup2(2) on descriptors of ours.
+        if unsafe { libc::dup2(fd, t) } != t {
+            return Err(format!("dup2 onto {t}: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// `execv`s this program with `args` (returns only on failure).
+fn exec_self(args: &[&str]) -> String {
+    let exe = std::env::current_exe().map(|p| p.into_os_string());
+    let Ok(exe) = exe else { return "current_exe".into() };
+    use std::os::unix::ffi::OsStrExt;
+    let c = |b: &[u8]| std::ffi::CString::new(b).expect("no NUL");
+    let path = c(exe.as_bytes());
+    let argv: Vec<std::ffi::CString> =
+        std::iter::once(path.clone()).chain(args.iter().map(|a| c(a.as_bytes()))).collect();
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    // SAFETY: a NUL-terminated path and a null-terminated argv of
+    // NUL-terminated strings, alive across the call.
+    unsafe { libc::execv(path.as_ptr(), ptrs.as_ptr()) };
+    format!("execv: {}", std::io::Error::last_os_error())
+}
+
+fn inetd(port: u16, mode: &str) -> Result<(), String> {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    drop(l);
+    pause("SOCKAPP_EXEC_DELAY_MS");
+    match mode {
+        "exec" | "carried-exec" => {
+            if mode == "carried-exec" {
+                s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+                let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+                eprintln!("echoed {n} before the exec");
+            }
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(exec_self(&["stdecho"]))
+        }
+        "fork-exec" => {
+            // SAFETY: fork(2) in a single-threaded program; the child only
+            // dup2s and execs.
+            match unsafe { libc::fork() } {
+                -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+                0 => {
+                    let r = dup_onto(s.as_raw_fd(), &[0, 1]).map(|()| {
+                        drop(s);
+                        let argv = [c"cat".as_ptr(), std::ptr::null()];
+                        // SAFETY: a NUL-terminated name and a
+                        // null-terminated argv of static strings.
+                        unsafe { libc::execvp(c"cat".as_ptr(), argv.as_ptr()) };
+                        std::io::Error::last_os_error()
+                    });
+                    eprintln!("sockapp child: exec cat: {r:?}");
+                    std::process::exit(1)
+                }
+                child => {
+                    drop(s);
+                    let mut status = 0;
+                    // SAFETY: waitpid(2) on our child.
+                    if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                        return Err("waitpid".into());
+                    }
+                    if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                        return Err(format!("cat ended with {status:#x}"));
+                    }
+                    Ok(())
+                }
+            }
+        }
+        "spawn" => {
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            let a = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
+            let b = OwnedFd::from(s);
+            let st = std::process::Command::new(exe)
+                .arg("stdecho")
+                .stdin(a)
+                .stdout(b)
+                .status()
+                .map_err(|e| format!("spawn: {e}"))?;
+            if !st.success() {
+                return Err(format!("stdecho ended with {st}"));
+            }
+            Ok(())
+        }
+        _ => Err(format!("inetd: unknown mode {mode}")),
+    }
+}
+
+/// Copies stdin to stdout until the end; says `stdecho N` on stderr.
+fn stdecho() -> Result<(), String> {
+    let mut buf = vec![0u8; 65_536];
+    let mut n = 0u64;
+    loop {
+        // SAFETY: read(2) into our buffer.
+        let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+        if r < 0 {
+            return Err(format!("read after {n}: {}", std::io::Error::last_os_error()));
+        }
+        if r == 0 {
+            break;
+        }
+        let mut off = 0;
+        while off < r as usize {
+            // SAFETY: write(2) from our buffer.
+            let w = unsafe { libc::write(1, buf[off..r as usize].as_ptr().cast(), r as usize - off) };
+            if w <= 0 {
+                return Err(format!("write after {n}: {}", std::io::Error::last_os_error()));
+            }
+            off += w as usize;
+        }
+        n += r as u64;
+    }
+    eprintln!("stdecho {n}");
+    Ok(())
+}
+
+/// `execclient PORT BYTES`: connects, and execs `fdclient` with the socket
+/// as descriptor 10, before any call on it.
+fn execclient(port: u16, bytes: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    pause("SOCKAPP_EXEC_DELAY_MS");
+    dup_onto(s.as_raw_fd(), &[10])?;
+    drop(s);
+    Err(exec_self(&["fdclient", &bytes.to_string()]))
+}
+
+fn fdclient(bytes: u64) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: descriptor 10 is the socket `execclient` left us, ours alone.
+    let s = unsafe { TcpStream::from_raw_fd(10) };
+    echo_check(s, bytes)
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
@@ -967,6 +1143,10 @@ fn main() {
         Some("forkserver") => forkserver(port()),
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("stdecho") => stdecho(),
+        Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
         Some("quiet") => quiet(port()),
