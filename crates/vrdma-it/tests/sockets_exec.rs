@@ -171,3 +171,43 @@ fn a_client_that_execs_before_its_first_call_falls_back() -> Result<()> {
     }
     Ok(())
 }
+
+/// A Python server that runs `cat` on each accepted connection with
+/// `subprocess` (its stdin and stdout the socket: `_posixsubprocess`
+/// `dup2`s it in a `vfork`ed child and execs there), as CGI-like servers
+/// do: the connection falls back to plain TCP and every byte is echoed.
+#[test]
+fn a_python_server_running_cat_through_subprocess_hands_over_a_clean_tcp_stream() -> Result<()> {
+    const SERVER: &str = "import socket, subprocess, sys
+l = socket.socket()
+l.bind(('127.0.0.1', int(sys.argv[1])))
+l.listen()
+print('listening', flush=True)
+c, _ = l.accept()
+r = subprocess.run(['cat'], stdin=c, stdout=c)
+c.close()
+sys.exit(r.returncode)
+";
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    for client_delay in ["0", "800"] {
+        let port = free_port();
+        let mut py = Command::new("python3");
+        py.args(["-c", SERVER, &port.to_string()])
+            .env(vrdma::SOCKET_ENV, &d.socket)
+            .env("VRDMA_SOCKETS_DEBUG", "1")
+            .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+        let s = spawn(py, "python server");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
+        let c = spawn(sockapp(&d, &args, &[("SOCKAPP_CONNECT_DELAY_MS", client_delay)]), "echoclient")
+            .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        fell_back(&c, &s);
+        assert!(s.stderr.contains("before an exec"), "{}", s.describe());
+    }
+    Ok(())
+}

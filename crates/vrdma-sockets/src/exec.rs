@@ -48,7 +48,7 @@ fn settle() {
     keep_errno(|| {
         for (fd, s) in table::streams() {
             if !table::is_cloexec(fd) {
-                s.settle_for_exec();
+                s.settle_for_exec(fd);
             }
         }
     });
@@ -59,7 +59,7 @@ fn settle_fd(fd: c_int) {
     let Some(_g) = Guard::enter() else { return };
     keep_errno(|| {
         if let Some(Entry::Stream(s)) = table::get(fd) {
-            Stream::settle_for_exec(&s);
+            Stream::settle_for_exec(&s, fd);
             drop::<Arc<Stream>>(s);
         }
     });

@@ -270,7 +270,11 @@ impl Stream {
     ///   way (it is in its first call): it is read off the socket (5 s at
     ///   most, `VRDMA_SOCKETS_WAIT_MS`) and answered with a decline, which
     ///   the client reads in place of the server's hello.
-    pub fn settle_for_exec(self: &Arc<Stream>) {
+    ///
+    /// `fd` is a descriptor of the connection that the program keeps (the
+    /// socket's I/O goes through it: the library's own copy is
+    /// close-on-exec, and a program may have closed it before the exec).
+    pub fn settle_for_exec(self: &Arc<Stream>, fd: c_int) {
         match self.take() {
             Take::Mine => {}
             Take::Tcp => {
@@ -285,7 +289,7 @@ impl Stream {
                 let t = *t;
                 let out = dev().map_or(Outcome::Tcp, |d| d.ctx.sock_resolve(t, true).unwrap_or(Outcome::Tcp));
                 if out == Outcome::Carried {
-                    let r = send_all(self.sock.0, &link::decline());
+                    let r = send_all(fd, &link::decline());
                     debug(&format!("{t:?}: declined before an exec ({r:?}): TCP"));
                 } else {
                     debug(&format!("{t:?}: given up before an exec: TCP"));
@@ -293,14 +297,17 @@ impl Stream {
             }
             Phase::Agreed if !self.client => {
                 let t = self.tuple;
-                match dev().map(|d| d.ctx.sock_decline(t)) {
+                match crate::dev::call_before_exec(|c| c.sock_decline(t)) {
                     Some(Ok(true)) => {
                         debug(&format!("{t:?}: declined through the daemon before an exec: TCP"))
                     }
                     // The client resolved it (its hello comes), or the
                     // daemon cannot say (gone, or without `Decline`).
-                    _ => {
-                        let r = self.answer_with_decline();
+                    r => {
+                        if let Some(Err(e)) = r {
+                            debug(&format!("{t:?}: the daemon did not take the decline: {e}"));
+                        }
+                        let r = Stream::answer_with_decline(fd);
                         debug(&format!(
                             "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
                         ));
@@ -319,8 +326,7 @@ impl Stream {
     /// decline. Leaves the socket alone if what comes is not a hello (a
     /// client that turned out TCP after all: application data), if the
     /// peer ends, or if nothing comes within the claim wait.
-    fn answer_with_decline(&self) -> Res<()> {
-        let fd = self.sock.0;
+    fn answer_with_decline(fd: c_int) -> Res<()> {
         let end = Instant::now() + claim_wait();
         let mut b = [0u8; HELLO_LEN];
         loop {
