@@ -211,3 +211,27 @@ sys.exit(r.returncode)
     }
     Ok(())
 }
+
+/// Why both ends send their hello before they read the other's (the
+/// order the exec settling relies on, `docs/sockets.md`): a server that
+/// speaks first, to a client that waits in `poll` for the banner before
+/// its first call, wakes it with its hello. A server that read the
+/// client's hello first would wait for a call the client does not make,
+/// until its 10 s bound, and fail.
+#[test]
+fn a_server_that_speaks_first_wakes_a_client_polling_before_its_first_call() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["banner".into(), port.to_string()], &[]), "banner");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let c = spawn(sockapp(&d, &["pollbanner".into(), port.to_string()], &[]), "pollbanner").finish(LIMIT);
+    let s = s.finish(LIMIT);
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    Ok(())
+}

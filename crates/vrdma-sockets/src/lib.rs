@@ -53,6 +53,15 @@
 //!   send that wakes the progress thread through the process's
 //!   completion channel; it gives `EPOLLOUT` back and wakes blocked
 //!   writes ([`credit`]).
+//! - **Exec**: before `execve` and its family (`execv`, `execvp`,
+//!   `execvpe`, `fexecve`, `execveat`, and on x86-64 the variadic
+//!   `execl`, `execle`, `execlp`), `posix_spawn`/`posix_spawnp`,
+//!   `system` and `popen`, every connection the new program inherits
+//!   that is not negotiated yet (an inetd-style server's, accepted and
+//!   handed on before any call) is settled as plain TCP for both ends:
+//!   declined through the daemon, or the client's hello answered with a
+//!   decline ([`exec`]); a descriptor that a spawn's file action
+//!   `dup2`s is settled when the action is added.
 //! - **End of stream**: a close tells the peer through its ring before the
 //!   QP goes (the `CLOSED` word), so the peer's read ends at once, after
 //!   every byte ([`link`]).
@@ -68,7 +77,7 @@
 //!   own), and an exec'd program does not get a
 //!   carried descriptor (it is made close-on-exec once carried, and kept
 //!   so through `F_SETFD` and `dup`s: the program would read the raw
-//!   socket past the rings); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
+//!   socket past the rings; its peer reads the end); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
 //!   `SHUT_RD` is the kernel's only; `recvmmsg`/`sendmmsg` are not
 //!   interposed. A client's first call on a connection blocks (even
 //!   non-blocking) until the server accepted and made its first call, and

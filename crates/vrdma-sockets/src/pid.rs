@@ -7,8 +7,10 @@
 //! child made by `fork` asks again. A child made without glibc's fork
 //! handlers (a raw `clone`, `_Fork`, or `vfork`) would see its parent's
 //! id: `vfork` and `posix_spawn` children only `exec`, which loads the
-//! library afresh; a program that clones a process by hand and uses its
-//! carried sockets in it is not supported.
+//! library afresh (a `vfork` child settles the connections it hands on
+//! first, and tells itself from its parent by the real id:
+//! `crate::dev::call_before_exec`); a program that clones a process by
+//! hand and uses its carried sockets in it is not supported.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Once;

@@ -165,7 +165,7 @@ impl Stream {
                             for fd in crate::table::fds_of(self) {
                                 crate::table::set_cloexec(fd);
                             }
-                            Phase::Carried(Arc::new(l))
+                            Phase::Carried(Arc::new(*l))
                         }
                         Ok(Hello::Declined) => {
                             debug(&format!(
@@ -209,12 +209,14 @@ impl Stream {
     }
 
     /// Exchanges hellos and one ready byte each way over the socket, now
-    /// private to two vRDMA libraries, and connects the QP. The client
-    /// sends its hello first; the server reads it before it sends its own,
-    /// so that a client that settled the connection as TCP before an exec
-    /// (a [`link::decline`] in place of its hello) finds nothing of the
-    /// server's in its stream, and a server that settled it answers the
-    /// client's hello with a decline ([`Stream::settle_for_exec`]).
+    /// private to two vRDMA libraries, and connects the QP. Each end sends
+    /// one 64-byte message and reads one: its hello, or a decline where
+    /// its program settled the connection before an exec
+    /// ([`Stream::settle_for_exec`]); a decline either way makes it plain
+    /// TCP for both, and only two hellos are followed by ready bytes.
+    /// Both ends send before they read: a server that speaks first to a
+    /// client that waits in `poll` before its first call wakes it with its
+    /// hello.
     fn exchange(&self) -> Res<Hello> {
         let d = dev().ok_or(libc::ECONNRESET)?;
         let fd = self.sock.0;
@@ -225,21 +227,10 @@ impl Stream {
         if unsafe { real::recv(fd, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) } == 0 {
             return Err(ENDED);
         }
+        let half = Half::new(d).map_err(|e| e.errno())?;
+        send_all(fd, half.hello())?;
         let mut peer = [0u8; HELLO_LEN];
-        let half = if self.client {
-            let half = Half::new(d).map_err(|e| e.errno())?;
-            send_all(fd, half.hello())?;
-            recv_exact(fd, &mut peer)?;
-            half
-        } else {
-            recv_exact(fd, &mut peer)?;
-            if link::is_decline(&peer) {
-                return Ok(Hello::Declined);
-            }
-            let half = Half::new(d).map_err(|e| e.errno())?;
-            send_all(fd, half.hello())?;
-            half
-        };
+        recv_exact(fd, &mut peer)?;
         if link::is_decline(&peer) {
             return Ok(Hello::Declined);
         }
@@ -249,7 +240,7 @@ impl Stream {
         let mut b = [0u8; 1];
         recv_exact(fd, &mut b)?;
         debug("carried over vRDMA");
-        Ok(Hello::Carried(link))
+        Ok(Hello::Carried(Box::new(link)))
     }
 
     /// Before an `exec` that this connection's descriptor survives (not
@@ -261,9 +252,13 @@ impl Stream {
     /// drives (after fork) is that process's and not touched either.
     ///
     /// - A client that announced it gives up waiting ([`Outcome`] `Tcp`
-    ///   for both ends if the server has not claimed it); if the server
-    ///   claimed it, it reads the client's hello at its first call, and
-    ///   reads a decline instead.
+    ///   for both ends if the server has not claimed it). If the server
+    ///   claimed it, the client sends a decline in place of its hello and
+    ///   reads the server's message off the socket (its hello, sent at its
+    ///   first call, which the decline makes readable for an event loop;
+    ///   or its own decline), the claim wait at most: a server that makes
+    ///   no call on the connection for that long would put its hello into
+    ///   the exec'd program's stream later.
     /// - A server that claimed it declines it through the daemon: the
     ///   client, which has not resolved it yet, reads TCP and sends no
     ///   hello. If the client resolved it already its hello is on its
@@ -289,7 +284,9 @@ impl Stream {
                 let t = *t;
                 let out = dev().map_or(Outcome::Tcp, |d| d.ctx.sock_resolve(t, true).unwrap_or(Outcome::Tcp));
                 if out == Outcome::Carried {
-                    let r = send_all(fd, &link::decline());
+                    // The server sends its hello (or its own decline) at
+                    // its first call, which our decline makes readable.
+                    let r = send_all(fd, &link::decline()).and_then(|()| read_message(fd)).map(|_| ());
                     debug(&format!("{t:?}: declined before an exec ({r:?}): TCP"));
                 } else {
                     debug(&format!("{t:?}: given up before an exec: TCP"));
@@ -307,7 +304,10 @@ impl Stream {
                         if let Some(Err(e)) = r {
                             debug(&format!("{t:?}: the daemon did not take the decline: {e}"));
                         }
-                        let r = Stream::answer_with_decline(fd);
+                        // Its message is a hello, or a decline (its
+                        // program execs too): answered by a decline either
+                        // way, which it reads in place of our hello.
+                        let r = read_message(fd).and_then(|_| send_all(fd, &link::decline()));
                         debug(&format!(
                             "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
                         ));
@@ -321,55 +321,50 @@ impl Stream {
         drop(p);
         crate::table::forget_stream(self);
     }
+}
 
-    /// Reads the client's hello off the socket and answers it with a
-    /// decline. Leaves the socket alone if what comes is not a hello (a
-    /// client that turned out TCP after all: application data), if the
-    /// peer ends, or if nothing comes within the claim wait.
-    fn answer_with_decline(fd: c_int) -> Res<()> {
-        let end = Instant::now() + claim_wait();
-        let mut b = [0u8; HELLO_LEN];
-        loop {
-            // SAFETY: `b` is valid for its length.
-            let r = unsafe {
-                real::recv(fd, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
-            };
-            match r {
-                0 => return Err(ENDED),
-                1.. if !link::may_be_hello(&b[..r as usize]) => return Err(libc::EPROTO),
-                1.. if r as usize == HELLO_LEN => break,
-                1.. => {}
-                _ => match crate::table::errno() {
-                    libc::EAGAIN | libc::EINTR => {}
-                    e => return Err(e),
-                },
-            }
-            let left = end.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(libc::ETIMEDOUT);
-            }
-            if r > 0 {
-                // Part of it: the rest is on its way.
-                std::thread::sleep(left.min(Duration::from_millis(1)));
-            } else {
-                let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
-                // SAFETY: one valid pollfd.
-                unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 100) as c_int) };
-            }
+/// Reads the peer's 64-byte message (a hello or a decline) off `fd`,
+/// waiting for it at most the claim wait (`VRDMA_SOCKETS_WAIT_MS`). Takes
+/// nothing if what comes is not one (a first byte that is not the
+/// magic: application data), if the peer ends, or if nothing whole comes
+/// in time.
+fn read_message(fd: c_int) -> Res<[u8; HELLO_LEN]> {
+    let end = Instant::now() + claim_wait();
+    let mut b = [0u8; HELLO_LEN];
+    loop {
+        // SAFETY: `b` is valid for its length.
+        let r =
+            unsafe { real::recv(fd, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        match r {
+            0 => return Err(ENDED),
+            1.. if !link::may_be_hello(&b[..r as usize]) => return Err(libc::EPROTO),
+            1.. if r as usize == HELLO_LEN => break,
+            1.. => {}
+            _ => match crate::table::errno() {
+                libc::EAGAIN | libc::EINTR => {}
+                e => return Err(e),
+            },
         }
-        let peer_declined = link::is_decline(&b);
-        recv_exact(fd, &mut b)?;
-        if peer_declined {
-            // Its client settled it too: neither end answers.
-            return Ok(());
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(libc::ETIMEDOUT);
         }
-        send_all(fd, &link::decline())
+        if r > 0 {
+            // Part of it: the rest is on its way.
+            std::thread::sleep(left.min(Duration::from_millis(1)));
+        } else {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 100) as c_int) };
+        }
     }
+    recv_exact(fd, &mut b)?;
+    Ok(b)
 }
 
 /// What the exchange of hellos gave.
 enum Hello {
-    Carried(Link),
+    Carried(Box<Link>),
     /// The peer settled the connection as TCP (a decline in place of its
     /// hello, or in answer to ours).
     Declined,

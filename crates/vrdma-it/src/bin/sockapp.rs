@@ -36,6 +36,12 @@
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
 //! `SOCKAPP_ACCEPT_DELAY_MS`: `forkecho` pauses before its accept.
+//!
+//! `banner PORT`: a server that speaks first (SMTP, FTP, MySQL): accepts,
+//! writes a 64-byte banner, reads a 64-byte reply and checks it.
+//! `pollbanner PORT`: its client, which waits in poll(2) for the banner
+//! before its first call (10 s at most), reads it, checks it and
+//! replies; says `banner after N ms`.
 //! `forkechos PORT N`: a forking server's accept loop, a child per
 //! connection (echoing it as `forkecho`'s), N connections.
 //!
@@ -951,6 +957,41 @@ fn closeclient(port: u16, n: u64, ms: u64) -> Result<(), String> {
     Ok(())
 }
 
+fn banner(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let out: Vec<u8> = (0..64).map(pattern).collect();
+    s.write_all(&out).map_err(|e| format!("banner: {e}"))?;
+    let mut b = [0u8; 64];
+    s.read_exact(&mut b).map_err(|e| format!("read the reply: {e}"))?;
+    if b.iter().enumerate().any(|(i, &x)| x != pattern(i as u64 + 64)) {
+        return Err(format!("reply {b:?}"));
+    }
+    Ok(())
+}
+
+fn pollbanner(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let t = std::time::Instant::now();
+    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    if unsafe { libc::poll(&mut p, 1, 10_000) } != 1 {
+        return Err(format!("no banner within 10 s: {}", std::io::Error::last_os_error()));
+    }
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 64];
+    s.read_exact(&mut b).map_err(|e| format!("read the banner: {e}"))?;
+    if b.iter().enumerate().any(|(i, &x)| x != pattern(i as u64)) {
+        return Err(format!("banner {b:?}"));
+    }
+    println!("banner after {} ms", t.elapsed().as_millis());
+    let out: Vec<u8> = (64..128).map(pattern).collect();
+    s.write_all(&out).map_err(|e| format!("reply: {e}"))?;
+    Ok(())
+}
+
 fn answer(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -1145,6 +1186,8 @@ fn main() {
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("stdecho") => stdecho(),
+        Some("banner") => banner(port()),
+        Some("pollbanner") => pollbanner(port()),
         Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
