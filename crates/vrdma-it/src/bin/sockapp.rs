@@ -124,7 +124,8 @@
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the connect. `echoclient`
 //! waits `SOCKAPP_CONNECT_DELAY_MS` after its connect where set.
 //!
-//! `server` listens on `SOCKAPP_BIND` and `client` connects to
+//! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
+//! `echoclient` connect to
 //! `SOCKAPP_HOST` where they are set (an address of another network
 //! namespace, for the tests across hosts), else on 127.0.0.1.
 
@@ -336,7 +337,7 @@ fn echo_upto(s: &mut TcpStream, limit: u64) -> Result<u64, String> {
 }
 
 fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
-    let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
     pause("SOCKAPP_CONNECT_DELAY_MS");
     echo_check(s, bytes)
 }
@@ -404,7 +405,7 @@ fn exec_self(args: &[&str]) -> String {
 
 fn inetd(port: u16, mode: &str) -> Result<(), String> {
     use std::os::fd::{AsRawFd, OwnedFd};
-    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
