@@ -128,6 +128,25 @@ fn a_connection_carried_before_exec_is_not_inherited_and_its_peer_is_told() -> R
     Ok(())
 }
 
+/// A carried connection handed to a spawned program through
+/// `posix_spawn`'s file actions (`std::process::Command` with the socket
+/// as its stdin and stdout): the program does not get it (the actions
+/// close its stdin and stdout instead, as close-on-exec would; it reads
+/// nothing), and the server goes on echoing the rest itself, carried.
+/// Without this the program would read the raw socket under the rings
+/// (wake bytes) while the client's bytes went through the ring.
+#[test]
+fn a_carried_connection_is_not_given_to_a_spawned_program() -> Result<()> {
+    let (c, s, _) = inetd("carried-spawn", &[], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    Ok(())
+}
+
 /// A client that connects and execs a program with the connection before
 /// any call on it: it gives its announcement up (the server's claim is
 /// refused) or, if the server claimed it already, sends a decline in

@@ -11,7 +11,7 @@
 //! program would read the client's hello as data while the client waits
 //! for an answer that never comes. So before every exec each connection
 //! the program will inherit (not close-on-exec) that is not decided yet
-//! is settled as plain TCP ([`Stream::settle_for_exec`]: through the
+//! is settled as plain TCP ([`crate::stream::Stream::settle_for_exec`]: through the
 //! daemon, or by answering the client's hello with a decline), and the
 //! program reads a clean stream. A carried connection is close-on-exec
 //! (the program does not get it: [`crate::table::set_cloexec`]).
@@ -25,7 +25,9 @@
 //! (which `system`, `popen` and Rust's `Command` use, through glibc's
 //! internal `__spawni`) settle what their child inherits; a descriptor
 //! that their file actions `dup2` (close-on-exec or not: the copy is
-//! inherited) is settled when the action is added. `system` and `popen`
+//! inherited) is settled when the action is added, and a carried one's
+//! action becomes a close of its target (the child does not get it, as
+//! close-on-exec keeps it from an exec'd program). `system` and `popen`
 //! are interposed as well, since they reach `__spawni` without a PLT
 //! entry. `vfork` followed by an exec settles in the child, which shares
 //! the parent's memory: the parent then finds the connection TCP too.
@@ -33,12 +35,9 @@
 //! Not seen: an exec made by a raw system call, and a program that a
 //! `clone` without exec runs.
 
-use std::sync::Arc;
-
 use libc::{c_char, c_int, c_void, pid_t};
 
 use crate::real;
-use crate::stream::Stream;
 use crate::table::{self, keep_errno, Entry, Guard};
 
 /// Settles every undecided connection a program started now would
@@ -54,15 +53,17 @@ fn settle() {
     });
 }
 
-/// Settles the connection of `fd`, which a child is about to get.
-fn settle_fd(fd: c_int) {
-    let Some(_g) = Guard::enter() else { return };
-    keep_errno(|| {
-        if let Some(Entry::Stream(s)) = table::get(fd) {
-            Stream::settle_for_exec(&s, fd);
-            drop::<Arc<Stream>>(s);
+/// Settles the connection of `fd`, which a child is about to get; true
+/// when it is carried (the child must not get it).
+fn settle_fd(fd: c_int) -> bool {
+    let Some(_g) = Guard::enter() else { return false };
+    keep_errno(|| match table::get(fd) {
+        Some(Entry::Stream(s)) => {
+            s.settle_for_exec(fd);
+            s.is_carried()
         }
-    });
+        _ => false,
+    })
 }
 
 #[no_mangle]
@@ -150,10 +151,19 @@ pub unsafe extern "C" fn posix_spawnp(
 }
 
 /// A spawned child will get a copy of `fd` (inherited whatever `fd`'s
-/// close-on-exec flag): its connection is settled now.
+/// close-on-exec flag): its connection is settled now if it is not
+/// decided yet. A carried one is not given: the action closes `to` in
+/// the child instead, as the close-on-exec flag of a carried descriptor
+/// would (the child reads its stdin's end, say, while the parent keeps
+/// the connection).
 #[no_mangle]
 pub unsafe extern "C" fn posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c_int, to: c_int) -> c_int {
-    settle_fd(fd);
+    if settle_fd(fd) {
+        crate::dev::debug(&format!("a spawned program does not get carried descriptor {fd} (as {to})"));
+        // SAFETY: libc's posix_spawn_file_actions_addclose with the
+        // caller's actions and target.
+        return unsafe { real::posix_spawn_file_actions_addclose(fa, to) };
+    }
     // SAFETY: libc's posix_spawn_file_actions_adddup2 with the caller's
     // arguments.
     unsafe { real::posix_spawn_file_actions_adddup2(fa, fd, to) }

@@ -87,6 +87,7 @@ real! {
     posix_spawn(pid: *mut libc::pid_t, path: *const c_char, fa: *const c_void, attr: *const c_void, argv: *const *mut c_char, envp: *const *mut c_char) -> c_int;
     posix_spawnp(pid: *mut libc::pid_t, file: *const c_char, fa: *const c_void, attr: *const c_void, argv: *const *mut c_char, envp: *const *mut c_char) -> c_int;
     posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c_int, to: c_int) -> c_int;
+    posix_spawn_file_actions_addclose(fa: *mut c_void, fd: c_int) -> c_int;
     system(cmd: *const c_char) -> c_int;
     popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void;
 }

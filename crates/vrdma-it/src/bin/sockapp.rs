@@ -114,7 +114,8 @@
 //! `std::process::Command` runs `stdecho` with it as stdin and stdout
 //! (glibc's `posix_spawn`, the socket `dup2`ed by its file actions) and
 //! waits; `carried-exec`: first echoes one 16 KiB chunk (the connection
-//! is carried), then `exec`. `SOCKAPP_EXEC_DELAY_MS`: a pause after the
+//! is carried), then `exec`; `carried-spawn`: first echoes one chunk,
+//! then `spawn`, then echoes the rest itself and says `echoed N`. `SOCKAPP_EXEC_DELAY_MS`: a pause after the
 //! accept. `stdecho`: copies stdin to stdout until the end, then says
 //! `stdecho N` on stderr.
 //!
@@ -453,10 +454,16 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
                 }
             }
         }
-        "spawn" => {
+        "spawn" | "carried-spawn" => {
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let mut echoed = 0;
+            if mode == "carried-spawn" {
+                echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+                eprintln!("echoed {echoed} before the spawn");
+            }
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
             let a = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
-            let b = OwnedFd::from(s);
+            let b = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
             let st = std::process::Command::new(exe)
                 .arg("stdecho")
                 .stdin(a)
@@ -465,6 +472,11 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
                 .map_err(|e| format!("spawn: {e}"))?;
             if !st.success() {
                 return Err(format!("stdecho ended with {st}"));
+            }
+            if mode == "carried-spawn" {
+                // The program did not get it: this process echoes the rest.
+                echoed += echo_all(&mut s)?;
+                println!("echoed {echoed}");
             }
             Ok(())
         }
