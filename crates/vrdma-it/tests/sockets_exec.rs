@@ -254,3 +254,33 @@ fn a_server_that_speaks_first_wakes_a_client_polling_before_its_first_call() -> 
     assert!(c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
     Ok(())
 }
+
+/// A master that listens and starts a worker program (fork and exec) on
+/// its inherited listening socket, which accepts: the worker's library
+/// did not register the listener (the master's did) and registers it at
+/// its first accept, and claims the connection, so it is carried. Before
+/// this, nobody claimed it: the client waited its whole claim wait (here
+/// 20 s) and fell back to TCP.
+#[test]
+fn a_worker_program_execd_on_an_inherited_listener_carries_what_it_accepts() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["execlisten".into(), port.to_string()], &[]), "execlisten");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
+    let start = std::time::Instant::now();
+    let c = spawn(sockapp(&d, &args, &[("VRDMA_SOCKETS_WAIT_MS", "20000")]), "echoclient").finish(LIMIT);
+    let took = start.elapsed();
+    let s = s.finish(LIMIT);
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
+    assert!(c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(took < Duration::from_secs(20), "the client waited {took:?} for a claim");
+    Ok(())
+}

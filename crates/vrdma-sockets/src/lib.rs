@@ -16,7 +16,9 @@
 //!
 //! - **Negotiated**: `listen` (registers the address), `connect` (announces
 //!   the 4-tuple when a listener of the tenant, on this host or the
-//!   destination's, owns the destination; blocking or non-blocking), `accept`/`accept4` (claims).
+//!   destination's, owns the destination; blocking or non-blocking), `accept`/`accept4` (claims;
+//!   a listening socket inherited through exec is registered at its
+//!   first `accept`).
 //! - **Carried** once both ends agreed: `read`, `write`, `recv`, `send`,
 //!   `recvfrom`, `sendto`, `readv`, `writev`, `recvmsg`, `sendmsg` (no
 //!   ancillary data), the `_FORTIFY_SOURCE` forms `__read_chk`,

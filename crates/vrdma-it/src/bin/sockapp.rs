@@ -119,6 +119,11 @@
 //! accept. `stdecho`: copies stdin to stdout until the end, then says
 //! `stdecho N` on stderr.
 //!
+//! `execlisten PORT`: listens, forks, and the child execs `fdecho` with
+//! the listening socket as descriptor 10; `fdecho` accepts one
+//! connection there and echoes it, saying `echoed N` (a master that
+//! starts worker programs on its inherited listener).
+//!
 //! `execclient PORT BYTES`: connects, `dup2`s the socket onto descriptor
 //! 10 (inherited) and, before any call on it, `execv`s `fdclient BYTES`
 //! (this program), which runs `echoclient` on descriptor 10.
@@ -482,6 +487,51 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
         }
         _ => Err(format!("inetd: unknown mode {mode}")),
     }
+}
+
+/// `execlisten PORT`: listens, forks, and the child execs `fdecho` with
+/// the listening socket as descriptor 10 (a master that starts worker
+/// programs on its listener); the parent keeps its copy and waits.
+fn execlisten(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only dup2s
+    // and execs.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let e = dup_onto(l.as_raw_fd(), &[10]).err().unwrap_or_else(|| exec_self(&["fdecho"]));
+            eprintln!("sockapp child: {e}");
+            std::process::exit(1)
+        }
+        child => {
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("fdecho ended with {status:#x}"));
+            }
+            drop(l);
+            Ok(())
+        }
+    }
+}
+
+/// `fdecho`: accepts one connection on the listening socket at
+/// descriptor 10 and echoes it; says `echoed N`.
+fn fdecho() -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: descriptor 10 is the listener `execlisten` left us, ours alone.
+    let l = unsafe { TcpListener::from_raw_fd(10) };
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = echo_all(&mut s)?;
+    println!("echoed {n}");
+    Ok(())
 }
 
 /// Copies stdin to stdout until the end; says `stdecho N` on stderr.
@@ -1199,6 +1249,8 @@ fn main() {
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("stdecho") => stdecho(),
+        Some("execlisten") => execlisten(port()),
+        Some("fdecho") => fdecho(),
         Some("banner") => banner(port()),
         Some("pollbanner") => pollbanner(port()),
         Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
