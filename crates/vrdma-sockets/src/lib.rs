@@ -71,7 +71,9 @@
 //!   and `io_uring` would read the raw socket; after `fork` a connection
 //!   is driven by the process that calls on it first, through its own
 //!   device ([`owner`]: a forking server's child serves what its parent
-//!   accepted), and a data call in the other fails with `EIO`, which is
+//!   accepted; a client's child makes the first call on what its parent
+//!   connected, adopting the announcement at the daemon where it is
+//!   this host's), and a data call in the other fails with `EIO`, which is
 //!   also what a child gets from a connection its parent carried before
 //!   the fork (it must not share the parent's rings or daemon
 //!   connection; the connections it accepts, also on an inherited

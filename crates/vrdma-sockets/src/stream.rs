@@ -35,7 +35,8 @@ pub struct Stream {
     pub owner: Owner,
     /// The process that made it, and whether it is a client's (made
     /// announced): only that process may resolve the announcement (the
-    /// registry answers the context that made it).
+    /// registry answers the context that made it), or one that adopted
+    /// it ([`Stream::adopt`]).
     creator: u32,
     client: bool,
     /// The connection as the registry names it (announced or claimed).
@@ -88,16 +89,38 @@ impl Stream {
         })
     }
 
-    /// Takes it for this process if no other drives it ([`Owner::take`]),
-    /// but for a client's connection that nobody took in a process that
-    /// did not announce it (a child forked before the first call): the
-    /// registry answers the announcement only to the context that made
-    /// it, the parent's, which may still take it.
+    /// Takes it for this process if no other drives it ([`Owner::take`]).
+    /// A client's connection taken in a process that did not announce it
+    /// (a child forked before the first call) is adopted from the
+    /// announcing context first ([`Stream::adopt`]).
     pub fn take(&self) -> Take {
-        if self.client && self.creator != crate::pid::get() && self.owner.is_free() {
-            return Take::Other;
-        }
         self.owner.take()
+    }
+
+    /// In a process that did not announce this client's connection (a
+    /// child forked before its first call, which took it): takes the
+    /// announcement over at the daemon, so that this process's context may
+    /// resolve it (the registry answers only the announcing context).
+    /// Where it cannot (the announcement is gone with its context, or
+    /// another host's daemon holds it), the connection is given back
+    /// untouched (the parent may still take it) and the call fails with
+    /// `EIO`: resolving it otherwise could read TCP while the server
+    /// carries it, and put its hello into the stream.
+    fn adopt(&self, t: Tuple) -> Res<()> {
+        if self.creator == crate::pid::get() {
+            return Ok(());
+        }
+        match dev().map(|d| d.ctx.sock_adopt(t)) {
+            Some(Ok(true)) => {
+                debug(&format!("{t:?}: adopted from the process that announced it"));
+                Ok(())
+            }
+            r => {
+                debug(&format!("{t:?}: not adopted ({r:?}): left to the process that announced it"));
+                self.owner.release();
+                Err(libc::EIO)
+            }
+        }
     }
 
     /// A client's stream after its announcement.
@@ -147,6 +170,7 @@ impl Stream {
                 Phase::Broken(e) => return Err(*e),
                 Phase::Announced(t) => {
                     let t = *t;
+                    self.adopt(t)?;
                     *p = match self.resolve(t) {
                         Outcome::Carried => Phase::Agreed,
                         _ => Phase::Tcp,
@@ -282,6 +306,10 @@ impl Stream {
         match &*p {
             Phase::Announced(t) => {
                 let t = *t;
+                if self.adopt(t).is_err() {
+                    // Not this process's to settle; the parent's may.
+                    return;
+                }
                 let out = dev().map_or(Outcome::Tcp, |d| d.ctx.sock_resolve(t, true).unwrap_or(Outcome::Tcp));
                 if out == Outcome::Carried {
                     // The server sends its hello (or its own decline) at

@@ -33,6 +33,11 @@ pub enum SockRequest {
     /// that the other requests keep their encoding; a daemon without it
     /// fails the call, and the library then reads the client's hello.
     Decline { tuple: Tuple },
+    /// The caller takes over the announcement of `tuple` that another
+    /// context of this daemon made (a client forked before its first
+    /// call, whose child makes it); answered `Yes` (it may resolve it
+    /// now) or `No` (gone, or another host's daemon holds it).
+    Adopt { tuple: Tuple },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

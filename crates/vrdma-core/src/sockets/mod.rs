@@ -286,6 +286,24 @@ impl Registry {
         }
     }
 
+    /// `owner` (a context of this daemon) takes over the announcement of
+    /// `tuple` that another context of this daemon made: a client's
+    /// connection announced in a process that forked before its first
+    /// call, whose child makes the first call (the child drives it, and
+    /// only the announcement's context may resolve it). True when there
+    /// was one, pending or claimed; false when it is gone (the announcing
+    /// context closed, or it expired) or another host's daemon holds it,
+    /// and then the caller cannot learn its outcome.
+    pub fn adopt(&mut self, owner: ContextId, tenant: TenantId, tuple: Tuple) -> bool {
+        match self.announced.get_mut(&(tenant, tuple)) {
+            Some(e) if matches!(e.owner, Owner::Local(_)) => {
+                e.owner = Owner::Local(owner);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Drops pending announcements older than [`PENDING_TTL`].
     pub fn expire(&mut self, now: Instant) {
         let mut gone = Vec::new();

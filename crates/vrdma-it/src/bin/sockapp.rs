@@ -124,6 +124,10 @@
 //! connection there and echoes it, saying `echoed N` (a master that
 //! starts worker programs on its inherited listener).
 //!
+//! `forkclient PORT BYTES`: connects, forks, and the child runs
+//! `echoclient`'s work on it (its first call); the parent closes its
+//! copy and waits.
+//!
 //! `execclient PORT BYTES`: connects, `dup2`s the socket onto descriptor
 //! 10 (inherited) and, before any call on it, `execv`s `fdclient BYTES`
 //! (this program), which runs `echoclient` on descriptor 10.
@@ -560,6 +564,42 @@ fn stdecho() -> Result<(), String> {
     }
     eprintln!("stdecho {n}");
     Ok(())
+}
+
+/// `forkclient PORT BYTES`: connects, forks, and the child runs
+/// `echoclient`'s work on the connection (its first call); the parent
+/// closes its copy at once and waits for the child.
+fn forkclient(port: u16, bytes: u64) -> Result<(), String> {
+    let s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only uses
+    // the connection and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let code = match echo_check(s, bytes) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            };
+            std::io::stdout().flush().ok();
+            std::process::exit(code)
+        }
+        child => {
+            drop(s);
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            Ok(())
+        }
+    }
 }
 
 /// `execclient PORT BYTES`: connects, and execs `fdclient` with the socket
@@ -1253,6 +1293,7 @@ fn main() {
         Some("fdecho") => fdecho(),
         Some("banner") => banner(port()),
         Some("pollbanner") => pollbanner(port()),
+        Some("forkclient") => forkclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
