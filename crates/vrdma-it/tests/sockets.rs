@@ -191,6 +191,40 @@ mod preload {
         Ok(())
     }
 
+    /// A client that connects and forks, and whose child makes the first
+    /// call (`sockapp forkclient`): the child adopts its parent's
+    /// announcement at the daemon and carries the connection through its
+    /// own device (1 MiB echoed in 16 KiB round trips, every byte checked,
+    /// then the end). Before, the child got `EIO`.
+    #[test]
+    fn a_client_forked_before_its_first_call_is_carried_by_the_child() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["forkecho".into(), port.to_string(), "child".into()]), "forkecho");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["forkclient".into(), port.to_string(), ECHO_BYTES.to_string()];
+        let c = spawn(sockapp(&d, true, &args), "forkclient").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("echoed {ECHO_BYTES}, then the end")), "{}", c.describe());
+        assert!(c.stderr.contains("adopted from the process that announced it"), "{}", c.describe());
+        const CARRIED: &str = "carried over vRDMA";
+        assert!(
+            c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED),
+            "{}\n{}",
+            c.describe(),
+            s.describe()
+        );
+        let counts = ctx.sock_counts()?;
+        assert_eq!((counts.announced, counts.carried), (1, 1), "{counts:?}");
+        Ok(())
+    }
+
     /// The mirror case: the child closes its copy (or exits without
     /// touching it) and the parent goes on, with the connection carried
     /// before the fork or not yet.

@@ -179,3 +179,48 @@ fn readiness_across_hosts_never_comes_without_bytes() -> Result<()> {
     assert!(server.stdout.contains("rounds 200"), "{}", server.describe());
     Ok(())
 }
+
+/// An inetd-style server in host b execs its echo program with an
+/// accepted connection before any call on it (`sockapp inetd PORT exec`,
+/// `docs/sockets.md`, "Exec"), and a carried-capable client in host a
+/// sends 1 MiB through it in 16 KiB round trips: the connection falls back
+/// to plain TCP cleanly. Declined at b's daemon before the client's first
+/// call (its resolve, forwarded there, reads TCP), or, once the client's
+/// hello is on its way, the hello answered with a decline.
+#[test]
+fn an_inetd_server_on_another_host_hands_its_program_a_clean_tcp_stream() -> Result<()> {
+    const ECHO: u64 = 1 << 20;
+    let _one = harness::one_at_a_time();
+    assert!(have_lib());
+    let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
+    let ctx = h.b.context()?;
+    for (server_delay, client_delay, said) in [
+        ("0", "800", "declined through the daemon before an exec"),
+        ("800", "0", "answered with a decline before an exec"),
+    ] {
+        let port = free_port();
+        let mut sc = sockapp(&h, 1, true, None, &["inetd".into(), port.to_string(), "exec".into()]);
+        sc.env("SOCKAPP_BIND", "0.0.0.0").env("SOCKAPP_EXEC_DELAY_MS", server_delay);
+        let s: Running = spawn(sc, "inetd in b");
+        let pid = s.pid();
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening_in(pid, port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let mut cc = sockapp(&h, 0, true, None, &["echoclient".into(), port.to_string(), ECHO.to_string()]);
+        cc.env("SOCKAPP_HOST", &h.net.addr[1]).env("SOCKAPP_CONNECT_DELAY_MS", client_delay);
+        let client = spawn(cc, "echoclient in a").finish(LIMIT);
+        let server = s.finish(LIMIT);
+        client.assert_ok();
+        server.assert_ok();
+        assert!(client.stdout.contains(&format!("echoed {ECHO}, then the end")), "{}", client.describe());
+        assert!(server.stderr.contains(&format!("stdecho {ECHO}")), "{}", server.describe());
+        assert!(server.stderr.contains(said), "{}", server.describe());
+        assert!(
+            !client.stderr.contains(CARRIED) && !server.stderr.contains(CARRIED),
+            "{}\n{}",
+            client.describe(),
+            server.describe()
+        );
+    }
+    Ok(())
+}

@@ -86,6 +86,35 @@ pub fn dev() -> Option<&'static Dev> {
     }
 }
 
+/// Runs `f`, one daemon call that does not need this process's device
+/// (its context, its QPs), for a process about to `exec`. Such a process
+/// may have closed descriptors it does not know, the library's control
+/// socket among them (Python's `subprocess` closes every one above 2 in
+/// its child), or be a child made by `vfork`, which shares its parent's
+/// memory and so its device (the cached process id is the parent's) but
+/// not its descriptors. So `f` goes through this process's device where
+/// it can, and else through a context opened for it at the same daemon
+/// and closed after.
+pub fn call_before_exec<T>(f: impl Fn(&Context) -> vrdma::Result<T>) -> Option<vrdma::Result<T>> {
+    let vforked = crate::pid::get() != std::process::id();
+    if !vforked {
+        let r = f(&dev()?.ctx);
+        if r.is_ok() {
+            return Some(r);
+        }
+    }
+    // SAFETY: a published slot is leaked, never freed: valid for ever.
+    let slot = unsafe { CURRENT.load(Ordering::Acquire).as_ref() }?;
+    let path = slot.socket.as_ref()?;
+    let ctx = Context::open_at(path).map_err(|e| debug(&format!("no context before an exec: {e}"))).ok()?;
+    debug(if vforked {
+        "a context of its own before an exec (a vfork child)"
+    } else {
+        "a context of its own before an exec (the device's is gone)"
+    });
+    Some(f(&ctx))
+}
+
 /// One line on stderr when `VRDMA_SOCKETS_DEBUG` is set.
 pub fn debug(msg: &str) {
     static ON: OnceLock<bool> = OnceLock::new();

@@ -463,6 +463,15 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
     keep_errno(|| {
         // An inherited listener (a pre-forked worker) claims as well: the
         // registry knows tenants, and this process has its own device.
+        // So does one this program inherited through exec (a master that
+        // starts worker programs on its listener, socket activation): the
+        // library starts afresh there and registers it at its first
+        // accept. Else the master's registration would make its clients
+        // announce, nobody would claim, and each would wait its whole
+        // claim wait before going TCP.
+        if table::get(fd).is_none() && is_listening(fd) {
+            register_listener(fd);
+        }
         if !matches!(table::get(fd), Some(Entry::Listener(_))) {
             return;
         }
@@ -470,12 +479,23 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
         let tuple = vrdma::sockets::Tuple { client: peer, server: me };
         if d.ctx.sock_claim(tuple).unwrap_or(false) {
             debug(&format!("claimed {peer} -> {me}"));
-            if let Some(s) = Stream::claimed(c) {
+            if let Some(s) = Stream::claimed(c, tuple) {
                 table::insert(c, Entry::Stream(s));
             }
         }
     });
     c
+}
+
+/// Whether `fd` is a listening socket.
+fn is_listening(fd: c_int) -> bool {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as socklen_t;
+    // SAFETY: `v` is valid for `len` bytes.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ACCEPTCONN, (&mut v as *mut c_int).cast(), &mut len)
+    };
+    r == 0 && v != 0
 }
 
 // ---- descriptors ----

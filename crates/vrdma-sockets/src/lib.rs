@@ -16,7 +16,9 @@
 //!
 //! - **Negotiated**: `listen` (registers the address), `connect` (announces
 //!   the 4-tuple when a listener of the tenant, on this host or the
-//!   destination's, owns the destination; blocking or non-blocking), `accept`/`accept4` (claims).
+//!   destination's, owns the destination; blocking or non-blocking), `accept`/`accept4` (claims;
+//!   a listening socket inherited through exec is registered at its
+//!   first `accept`).
 //! - **Carried** once both ends agreed: `read`, `write`, `recv`, `send`,
 //!   `recvfrom`, `sendto`, `readv`, `writev`, `recvmsg`, `sendmsg` (no
 //!   ancillary data), the `_FORTIFY_SOURCE` forms `__read_chk`,
@@ -53,6 +55,15 @@
 //!   send that wakes the progress thread through the process's
 //!   completion channel; it gives `EPOLLOUT` back and wakes blocked
 //!   writes ([`credit`]).
+//! - **Exec**: before `execve` and its family (`execv`, `execvp`,
+//!   `execvpe`, `fexecve`, `execveat`, and on x86-64 the variadic
+//!   `execl`, `execle`, `execlp`), `posix_spawn`/`posix_spawnp`,
+//!   `system` and `popen`, every connection the new program inherits
+//!   that is not negotiated yet (an inetd-style server's, accepted and
+//!   handed on before any call) is settled as plain TCP for both ends:
+//!   declined through the daemon, or the client's hello answered with a
+//!   decline ([`exec`]); a descriptor that a spawn's file action
+//!   `dup2`s is settled when the action is added.
 //! - **End of stream**: a close tells the peer through its ring before the
 //!   QP goes (the `CLOSED` word), so the peer's read ends at once, after
 //!   every byte ([`link`]).
@@ -60,7 +71,9 @@
 //!   and `io_uring` would read the raw socket; after `fork` a connection
 //!   is driven by the process that calls on it first, through its own
 //!   device ([`owner`]: a forking server's child serves what its parent
-//!   accepted), and a data call in the other fails with `EIO`, which is
+//!   accepted; a client's child makes the first call on what its parent
+//!   connected, adopting the announcement at the daemon where it is
+//!   this host's), and a data call in the other fails with `EIO`, which is
 //!   also what a child gets from a connection its parent carried before
 //!   the fork (it must not share the parent's rings or daemon
 //!   connection; the connections it accepts, also on an inherited
@@ -68,7 +81,7 @@
 //!   own), and an exec'd program does not get a
 //!   carried descriptor (it is made close-on-exec once carried, and kept
 //!   so through `F_SETFD` and `dup`s: the program would read the raw
-//!   socket past the rings); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
+//!   socket past the rings; its peer reads the end); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
 //!   `SHUT_RD` is the kernel's only; `recvmmsg`/`sendmmsg` are not
 //!   interposed. A client's first call on a connection blocks (even
 //!   non-blocking) until the server accepted and made its first call, and
@@ -87,6 +100,7 @@ mod addr;
 mod credit;
 mod dev;
 mod epoll;
+mod exec;
 mod interpose;
 mod link;
 mod listener;

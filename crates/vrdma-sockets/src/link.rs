@@ -82,6 +82,28 @@ pub const HELLO_LEN: usize = 64;
 const MAGIC: &[u8; 4] = b"VRSK";
 const VERSION: u32 = 1;
 
+/// In place of a hello: "this end stays plain TCP" (its program is about
+/// to `exec` a program that inherits the connection, which must find a
+/// clean stream). The magic with version 0; a library of version 1 that
+/// predates it reads it as a protocol error (a reset), never as data.
+pub fn decline() -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[0..4].copy_from_slice(MAGIC);
+    b
+}
+
+/// Whether `b` is [`decline`].
+pub fn is_decline(b: &[u8; HELLO_LEN]) -> bool {
+    *b == decline()
+}
+
+/// Whether `b` (the first bytes a peer sent) may be the start of a hello
+/// or a decline: the magic, as far as it goes.
+pub fn may_be_hello(b: &[u8]) -> bool {
+    let n = b.len().min(MAGIC.len());
+    b[..n] == MAGIC[..n]
+}
+
 /// The byte each end sends once its QP is connected.
 const READY: u8 = 0;
 

@@ -111,14 +111,16 @@ impl Owner {
         w == FREE || w == TCP || w == crate::pid::get()
     }
 
-    /// Whether nobody took it yet.
-    pub fn is_free(&self) -> bool {
-        self.word().load(Ordering::Acquire) == FREE
-    }
-
     /// Whether this process drives the connection (took it).
     pub fn mine(&self) -> bool {
         self.word().load(Ordering::Acquire) == crate::pid::get()
+    }
+
+    /// This process gives back a connection it took and could not use
+    /// (nothing was sent on it): another holder may take it.
+    pub fn release(&self) {
+        let me = crate::pid::get();
+        let _ = self.word().compare_exchange(me, FREE, Ordering::AcqRel, Ordering::Acquire);
     }
 
     /// The driver found it plain TCP: so it is for every holder.

@@ -7,11 +7,12 @@
 //! child made by `fork` asks again. A child made without glibc's fork
 //! handlers (a raw `clone`, `_Fork`, or `vfork`) would see its parent's
 //! id: `vfork` and `posix_spawn` children only `exec`, which loads the
-//! library afresh; a program that clones a process by hand and uses its
-//! carried sockets in it is not supported.
+//! library afresh (a `vfork` child settles the connections it hands on
+//! first, and tells itself from its parent by the real id:
+//! `crate::dev::call_before_exec`); a program that clones a process by
+//! hand and uses its carried sockets in it is not supported.
 
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Once;
 
 static PID: AtomicU32 = AtomicU32::new(0);
 
@@ -19,18 +20,29 @@ extern "C" fn forked() {
     PID.store(0, Ordering::SeqCst);
 }
 
+/// Registers [`forked`] as a child handler when the library is loaded,
+/// before any thread of the program runs. (Registered lazily, under a
+/// `Once`, at the first [`get`], a child forked while another thread was
+/// inside that `Once` inherited it running and waited for ever at its own
+/// first call; one forked between another thread's store of the id and
+/// the handler's registration kept its parent's id. Both were seen in
+/// this crate's parallel fork tests.)
+extern "C" fn register() {
+    // SAFETY: registers a child handler that only stores to a static
+    // atomic (async-signal-safe); no prepare or parent handler.
+    unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+}
+
+#[used]
+#[link_section = ".init_array"]
+static REGISTER: extern "C" fn() = register;
+
 /// This process's id.
 pub fn get() -> u32 {
     let p = PID.load(Ordering::Acquire);
     if p != 0 {
         return p;
     }
-    static HANDLER: Once = Once::new();
-    HANDLER.call_once(|| {
-        // SAFETY: registers a child handler that only stores to a static
-        // atomic (async-signal-safe); no prepare or parent handler.
-        unsafe { libc::pthread_atfork(None, None, Some(forked)) };
-    });
     let p = std::process::id();
     PID.store(p, Ordering::Release);
     p

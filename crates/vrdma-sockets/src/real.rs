@@ -7,9 +7,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use libc::{c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
+use libc::{c_char, c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 
-fn lookup(slot: &AtomicUsize, name: &'static [u8]) -> usize {
+pub fn lookup(slot: &AtomicUsize, name: &'static [u8]) -> usize {
     let p = slot.load(Ordering::Acquire);
     if p != 0 {
         return p;
@@ -78,4 +78,16 @@ real! {
     epoll_pwait(ep: c_int, ev: *mut libc::epoll_event, max: c_int, timeout: c_int, mask: *const libc::sigset_t) -> c_int;
     epoll_pwait2(ep: c_int, ev: *mut libc::epoll_event, max: c_int, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
     epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut libc::epoll_event) -> c_int;
+    execve(path: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
+    execv(path: *const c_char, argv: *const *const c_char) -> c_int;
+    execvp(file: *const c_char, argv: *const *const c_char) -> c_int;
+    execvpe(file: *const c_char, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
+    fexecve(fd: c_int, argv: *const *const c_char, envp: *const *const c_char) -> c_int;
+    execveat(dirfd: c_int, path: *const c_char, argv: *const *const c_char, envp: *const *const c_char, flags: c_int) -> c_int;
+    posix_spawn(pid: *mut libc::pid_t, path: *const c_char, fa: *const c_void, attr: *const c_void, argv: *const *mut c_char, envp: *const *mut c_char) -> c_int;
+    posix_spawnp(pid: *mut libc::pid_t, file: *const c_char, fa: *const c_void, attr: *const c_void, argv: *const *mut c_char, envp: *const *mut c_char) -> c_int;
+    posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c_int, to: c_int) -> c_int;
+    posix_spawn_file_actions_addclose(fa: *mut c_void, fd: c_int) -> c_int;
+    system(cmd: *const c_char) -> c_int;
+    popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void;
 }

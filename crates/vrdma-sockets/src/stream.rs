@@ -35,9 +35,12 @@ pub struct Stream {
     pub owner: Owner,
     /// The process that made it, and whether it is a client's (made
     /// announced): only that process may resolve the announcement (the
-    /// registry answers the context that made it).
+    /// registry answers the context that made it), or one that adopted
+    /// it ([`Stream::adopt`]).
     creator: u32,
     client: bool,
+    /// The connection as the registry names it (announced or claimed).
+    tuple: Tuple,
     sock: Arc<Sock>,
     phase: Mutex<Phase>,
 }
@@ -71,7 +74,7 @@ fn claim_wait() -> Duration {
 }
 
 impl Stream {
-    fn new(fd: c_int, phase: Phase) -> Option<Arc<Stream>> {
+    fn new(fd: c_int, tuple: Tuple, phase: Phase) -> Option<Arc<Stream>> {
         // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor the caller holds.
         let sock = unsafe { real::fcntl(fd, libc::F_DUPFD_CLOEXEC, 0) };
         (sock >= 0).then(|| {
@@ -79,32 +82,55 @@ impl Stream {
                 owner: Owner::new(),
                 creator: crate::pid::get(),
                 client: matches!(phase, Phase::Announced(_)),
+                tuple,
                 sock: Arc::new(Sock(sock)),
                 phase: Mutex::new(phase),
             })
         })
     }
 
-    /// Takes it for this process if no other drives it ([`Owner::take`]),
-    /// but for a client's connection that nobody took in a process that
-    /// did not announce it (a child forked before the first call): the
-    /// registry answers the announcement only to the context that made
-    /// it, the parent's, which may still take it.
+    /// Takes it for this process if no other drives it ([`Owner::take`]).
+    /// A client's connection taken in a process that did not announce it
+    /// (a child forked before the first call) is adopted from the
+    /// announcing context first ([`Stream::adopt`]).
     pub fn take(&self) -> Take {
-        if self.client && self.creator != crate::pid::get() && self.owner.is_free() {
-            return Take::Other;
-        }
         self.owner.take()
+    }
+
+    /// In a process that did not announce this client's connection (a
+    /// child forked before its first call, which took it): takes the
+    /// announcement over at the daemon, so that this process's context may
+    /// resolve it (the registry answers only the announcing context).
+    /// Where it cannot (the announcement is gone with its context, or
+    /// another host's daemon holds it), the connection is given back
+    /// untouched (the parent may still take it) and the call fails with
+    /// `EIO`: resolving it otherwise could read TCP while the server
+    /// carries it, and put its hello into the stream.
+    fn adopt(&self, t: Tuple) -> Res<()> {
+        if self.creator == crate::pid::get() {
+            return Ok(());
+        }
+        match dev().map(|d| d.ctx.sock_adopt(t)) {
+            Some(Ok(true)) => {
+                debug(&format!("{t:?}: adopted from the process that announced it"));
+                Ok(())
+            }
+            r => {
+                debug(&format!("{t:?}: not adopted ({r:?}): left to the process that announced it"));
+                self.owner.release();
+                Err(libc::EIO)
+            }
+        }
     }
 
     /// A client's stream after its announcement.
     pub fn announced(fd: c_int, tuple: Tuple) -> Option<Arc<Stream>> {
-        Stream::new(fd, Phase::Announced(tuple))
+        Stream::new(fd, tuple, Phase::Announced(tuple))
     }
 
-    /// A server's stream after a successful claim.
-    pub fn claimed(fd: c_int) -> Option<Arc<Stream>> {
-        Stream::new(fd, Phase::Agreed)
+    /// A server's stream after a successful claim of `tuple`.
+    pub fn claimed(fd: c_int, tuple: Tuple) -> Option<Arc<Stream>> {
+        Stream::new(fd, tuple, Phase::Agreed)
     }
 
     /// Whether both ends exchanged their hellos: the bytes go through the
@@ -144,6 +170,7 @@ impl Stream {
                 Phase::Broken(e) => return Err(*e),
                 Phase::Announced(t) => {
                     let t = *t;
+                    self.adopt(t)?;
                     *p = match self.resolve(t) {
                         Outcome::Carried => Phase::Agreed,
                         _ => Phase::Tcp,
@@ -158,11 +185,21 @@ impl Stream {
                 }
                 Phase::Agreed => {
                     *p = match self.exchange() {
-                        Ok(l) => {
+                        Ok(Hello::Carried(l)) => {
                             for fd in crate::table::fds_of(self) {
                                 crate::table::set_cloexec(fd);
                             }
-                            Phase::Carried(Arc::new(l))
+                            Phase::Carried(Arc::new(*l))
+                        }
+                        Ok(Hello::Declined) => {
+                            debug(&format!(
+                                "{:?}: the peer declined (it settled it before an exec): TCP",
+                                self.tuple
+                            ));
+                            self.owner.set_tcp();
+                            crate::table::forget_stream(self);
+                            *p = Phase::Tcp;
+                            return Ok(Route::Tcp);
                         }
                         Err(ENDED) => {
                             debug("the peer closed before its first call");
@@ -196,10 +233,16 @@ impl Stream {
     }
 
     /// Exchanges hellos and one ready byte each way over the socket, now
-    /// private to two vRDMA libraries, and connects the QP.
-    fn exchange(&self) -> Res<Link> {
+    /// private to two vRDMA libraries, and connects the QP. Each end sends
+    /// one 64-byte message and reads one: its hello, or a decline where
+    /// its program settled the connection before an exec
+    /// ([`Stream::settle_for_exec`]); a decline either way makes it plain
+    /// TCP for both, and only two hellos are followed by ready bytes.
+    /// Both ends send before they read: a server that speaks first to a
+    /// client that waits in `poll` before its first call wakes it with its
+    /// hello.
+    fn exchange(&self) -> Res<Hello> {
         let d = dev().ok_or(libc::ECONNRESET)?;
-        let half = Half::new(d).map_err(|e| e.errno())?;
         let fd = self.sock.0;
         // A peer that closed before its first call sent no hello: its end
         // is read as the end (a hello sent now would be answered by RST).
@@ -208,17 +251,151 @@ impl Stream {
         if unsafe { real::recv(fd, b.as_mut_ptr().cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) } == 0 {
             return Err(ENDED);
         }
+        let half = Half::new(d).map_err(|e| e.errno())?;
         send_all(fd, half.hello())?;
         let mut peer = [0u8; HELLO_LEN];
         recv_exact(fd, &mut peer)?;
+        if link::is_decline(&peer) {
+            return Ok(Hello::Declined);
+        }
         let link = half.connect(self.sock.clone(), &peer)?;
         // Both QPs are connected before either writes.
         send_all(fd, &[link::ready_byte()])?;
         let mut b = [0u8; 1];
         recv_exact(fd, &mut b)?;
         debug("carried over vRDMA");
-        Ok(link)
+        Ok(Hello::Carried(Box::new(link)))
     }
+
+    /// Before an `exec` that this connection's descriptor survives (not
+    /// close-on-exec): a connection not decided yet is settled as plain
+    /// TCP, so that the exec'd program (which does not know it: the
+    /// library starts afresh there, or is not loaded at all) reads a clean
+    /// stream. A connection carried already is close-on-exec and not
+    /// touched (the program does not get it); one that another process
+    /// drives (after fork) is that process's and not touched either.
+    ///
+    /// - A client that announced it gives up waiting ([`Outcome`] `Tcp`
+    ///   for both ends if the server has not claimed it). If the server
+    ///   claimed it, the client sends a decline in place of its hello and
+    ///   reads the server's message off the socket (its hello, sent at its
+    ///   first call, which the decline makes readable for an event loop;
+    ///   or its own decline), the claim wait at most: a server that makes
+    ///   no call on the connection for that long would put its hello into
+    ///   the exec'd program's stream later.
+    /// - A server that claimed it declines it through the daemon: the
+    ///   client, which has not resolved it yet, reads TCP and sends no
+    ///   hello. If the client resolved it already its hello is on its
+    ///   way (it is in its first call): it is read off the socket (5 s at
+    ///   most, `VRDMA_SOCKETS_WAIT_MS`) and answered with a decline, which
+    ///   the client reads in place of the server's hello.
+    ///
+    /// `fd` is a descriptor of the connection that the program keeps (the
+    /// socket's I/O goes through it: the library's own copy is
+    /// close-on-exec, and a program may have closed it before the exec).
+    pub fn settle_for_exec(self: &Arc<Stream>, fd: c_int) {
+        match self.take() {
+            Take::Mine => {}
+            Take::Tcp => {
+                crate::table::forget_stream(self);
+                return;
+            }
+            Take::Other => return,
+        }
+        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        match &*p {
+            Phase::Announced(t) => {
+                let t = *t;
+                if self.adopt(t).is_err() {
+                    // Not this process's to settle; the parent's may.
+                    return;
+                }
+                let out = dev().map_or(Outcome::Tcp, |d| d.ctx.sock_resolve(t, true).unwrap_or(Outcome::Tcp));
+                if out == Outcome::Carried {
+                    // The server sends its hello (or its own decline) at
+                    // its first call, which our decline makes readable.
+                    let r = send_all(fd, &link::decline()).and_then(|()| read_message(fd)).map(|_| ());
+                    debug(&format!("{t:?}: declined before an exec ({r:?}): TCP"));
+                } else {
+                    debug(&format!("{t:?}: given up before an exec: TCP"));
+                }
+            }
+            Phase::Agreed if !self.client => {
+                let t = self.tuple;
+                match crate::dev::call_before_exec(|c| c.sock_decline(t)) {
+                    Some(Ok(true)) => {
+                        debug(&format!("{t:?}: declined through the daemon before an exec: TCP"))
+                    }
+                    // The client resolved it (its hello comes), or the
+                    // daemon cannot say (gone, or without `Decline`).
+                    r => {
+                        if let Some(Err(e)) = r {
+                            debug(&format!("{t:?}: the daemon did not take the decline: {e}"));
+                        }
+                        // Its message is a hello, or a decline (its
+                        // program execs too): answered by a decline either
+                        // way, which it reads in place of our hello.
+                        let r = read_message(fd).and_then(|_| send_all(fd, &link::decline()));
+                        debug(&format!(
+                            "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
+                        ));
+                    }
+                }
+            }
+            _ => return,
+        }
+        *p = Phase::Tcp;
+        self.owner.set_tcp();
+        drop(p);
+        crate::table::forget_stream(self);
+    }
+}
+
+/// Reads the peer's 64-byte message (a hello or a decline) off `fd`,
+/// waiting for it at most the claim wait (`VRDMA_SOCKETS_WAIT_MS`). Takes
+/// nothing if what comes is not one (a first byte that is not the
+/// magic: application data), if the peer ends, or if nothing whole comes
+/// in time.
+fn read_message(fd: c_int) -> Res<[u8; HELLO_LEN]> {
+    let end = Instant::now() + claim_wait();
+    let mut b = [0u8; HELLO_LEN];
+    loop {
+        // SAFETY: `b` is valid for its length.
+        let r =
+            unsafe { real::recv(fd, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        match r {
+            0 => return Err(ENDED),
+            1.. if !link::may_be_hello(&b[..r as usize]) => return Err(libc::EPROTO),
+            1.. if r as usize == HELLO_LEN => break,
+            1.. => {}
+            _ => match crate::table::errno() {
+                libc::EAGAIN | libc::EINTR => {}
+                e => return Err(e),
+            },
+        }
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(libc::ETIMEDOUT);
+        }
+        if r > 0 {
+            // Part of it: the rest is on its way.
+            std::thread::sleep(left.min(Duration::from_millis(1)));
+        } else {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            unsafe { libc::poll(&mut p, 1, left.as_millis().clamp(1, 100) as c_int) };
+        }
+    }
+    recv_exact(fd, &mut b)?;
+    Ok(b)
+}
+
+/// What the exchange of hellos gave.
+enum Hello {
+    Carried(Box<Link>),
+    /// The peer settled the connection as TCP (a decline in place of its
+    /// hello, or in answer to ours).
+    Declined,
 }
 
 impl Drop for Stream {

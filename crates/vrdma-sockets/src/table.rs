@@ -94,6 +94,27 @@ pub fn forget_stream(s: &Arc<Stream>) {
     COUNT.store(t.len(), Ordering::Release);
 }
 
+/// Every connection's descriptors, with their connection.
+pub fn streams() -> Vec<(c_int, Arc<Stream>)> {
+    if COUNT.load(Ordering::Acquire) == 0 {
+        return Vec::new();
+    }
+    table()
+        .iter()
+        .filter_map(|(fd, e)| match e {
+            Entry::Stream(s) => Some((*fd, s.clone())),
+            Entry::Listener(_) => None,
+        })
+        .collect()
+}
+
+/// Whether `fd` is close-on-exec (or not open).
+pub fn is_cloexec(fd: c_int) -> bool {
+    // SAFETY: fcntl(2) F_GETFD takes no argument.
+    let f = unsafe { crate::real::fcntl(fd, libc::F_GETFD, 0) };
+    f < 0 || f & libc::FD_CLOEXEC != 0
+}
+
 /// The descriptors of `s`.
 pub fn fds_of(s: &Arc<Stream>) -> Vec<c_int> {
     table()

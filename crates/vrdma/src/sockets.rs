@@ -63,6 +63,22 @@ impl Context {
         self.sock_bool(SockRequest::Claim { tuple })
     }
 
+    /// Gives up a claimed connection before the first call on it (the
+    /// process execs a program that inherits it): true when its client
+    /// had not resolved it (TCP for both, nothing in the stream), false
+    /// when the client resolved it as carried (its hello comes) or it is
+    /// gone.
+    pub fn sock_decline(&self, tuple: Tuple) -> Result<bool> {
+        self.sock_bool(SockRequest::Decline { tuple })
+    }
+
+    /// Takes over another context's announcement of `tuple` (a child
+    /// process making the first call on a connection its parent
+    /// announced): true when this context may now resolve it.
+    pub fn sock_adopt(&self, tuple: Tuple) -> Result<bool> {
+        self.sock_bool(SockRequest::Adopt { tuple })
+    }
+
     /// The outcome of this context's announcement of `tuple`; `give_up`
     /// turns a pending one into TCP.
     pub fn sock_resolve(&self, tuple: Tuple, give_up: bool) -> Result<Outcome> {

@@ -26,6 +26,18 @@ pub enum SockRequest {
     Resolve { tuple: Tuple, give_up: bool },
     /// The tenant's counts; answered [`SockReply::Counts`].
     Counts,
+    /// The caller claimed `tuple` and gives it up before its first call
+    /// on it (it execs a program that inherits it); answered `Yes` (the
+    /// client had not resolved it: TCP for both) or `No` (the client
+    /// resolved it as carried, or it is gone). Added after `Counts`, so
+    /// that the other requests keep their encoding; a daemon without it
+    /// fails the call, and the library then reads the client's hello.
+    Decline { tuple: Tuple },
+    /// The caller takes over the announcement of `tuple` that another
+    /// context of this daemon made (a client forked before its first
+    /// call, whose child makes it); answered `Yes` (it may resolve it
+    /// now) or `No` (gone, or another host's daemon holds it).
+    Adopt { tuple: Tuple },
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

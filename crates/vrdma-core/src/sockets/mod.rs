@@ -15,7 +15,10 @@
 //! - the client learns the outcome ([`Registry::resolve`]) before it moves
 //!   a byte: carried once claimed, TCP once refused, still pending before
 //!   the server accepted. A client that waited long enough gives up, which
-//!   turns a pending announcement into TCP for both ends.
+//!   turns a pending announcement into TCP for both ends;
+//! - a server that claimed a connection and is about to `exec` a program
+//!   that inherits it declines it ([`Registry::decline`]): TCP for both,
+//!   if the client has not resolved it yet.
 //!
 //! Every transition is made here, one call at a time, so the two ends
 //! always agree: an announcement is either claimed (both carry) or gone
@@ -74,7 +77,8 @@ pub struct SockCounts {
     pub carried: u64,
     /// Claims that found no announcement (a plain client, or one too late).
     pub refused_claims: u64,
-    /// Announcements that ended as TCP (expired or given up).
+    /// Announcements that ended as TCP (expired, given up, or declined by
+    /// their server after its claim).
     pub abandoned: u64,
 }
 
@@ -259,6 +263,44 @@ impl Registry {
             }
             Some(_) => Outcome::Pending,
             None => Outcome::Tcp,
+        }
+    }
+
+    /// The server of `tenant` gives up carrying `tuple`, which it claimed
+    /// (it is about to `exec` a program that inherits the connection
+    /// before its first call on it). True when the client had not
+    /// resolved it yet: the entry goes, so the client's resolve reads TCP
+    /// and neither end puts a byte of negotiation in the stream. False
+    /// when it is not claimed and waiting for its client (the client
+    /// resolved it as carried, and its hello is on its way; or it is
+    /// gone, or still pending, which no claim of this server made).
+    pub fn decline(&mut self, tenant: TenantId, tuple: Tuple) -> bool {
+        let key = (tenant, tuple);
+        match self.announced.get(&key) {
+            Some(Entry { state: State::Claimed, .. }) => {
+                self.announced.remove(&key);
+                self.counts(tenant).abandoned += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// `owner` (a context of this daemon) takes over the announcement of
+    /// `tuple` that another context of this daemon made: a client's
+    /// connection announced in a process that forked before its first
+    /// call, whose child makes the first call (the child drives it, and
+    /// only the announcement's context may resolve it). True when there
+    /// was one, pending or claimed; false when it is gone (the announcing
+    /// context closed, or it expired) or another host's daemon holds it,
+    /// and then the caller cannot learn its outcome.
+    pub fn adopt(&mut self, owner: ContextId, tenant: TenantId, tuple: Tuple) -> bool {
+        match self.announced.get_mut(&(tenant, tuple)) {
+            Some(e) if matches!(e.owner, Owner::Local(_)) => {
+                e.owner = Owner::Local(owner);
+                true
+            }
+            _ => false,
         }
     }
 

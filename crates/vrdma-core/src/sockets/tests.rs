@@ -170,3 +170,51 @@ fn another_hosts_client_is_owned_by_its_host_and_context() {
     r.forget_remote(host, None);
     assert!(!r.claim(A, tup, t(3)), "the link went down: plain TCP");
 }
+
+#[test]
+fn an_adopted_announcement_is_resolved_by_its_new_context_only() {
+    const CHILD: ContextId = ContextId(12);
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(!r.adopt(CHILD, A, tuple()), "nothing announced");
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    assert!(!r.adopt(CHILD, B, tuple()), "another tenant's");
+    assert!(r.adopt(CHILD, A, tuple()));
+    assert!(r.claim(A, tuple(), t(1)));
+    // The parent's context no longer owns it: it reads TCP, and its end
+    // takes nothing with it.
+    assert_eq!(r.resolve(CLI, A, tuple(), false, t(1)), Outcome::Tcp);
+    r.close_context(CLI);
+    assert_eq!(r.resolve(CHILD, A, tuple(), false, t(1)), Outcome::Carried);
+    // Gone with its announcing context: nothing to adopt.
+    assert!(r.announce(CLI, A, tuple(), true, t(2)));
+    r.close_context(CLI);
+    assert!(!r.adopt(CHILD, A, tuple()));
+    // Another host's announcement is not this daemon's to hand over.
+    let remote = Owner::Remote { host: Ipv4Addr::new(10, 0, 0, 2), ctx: 7 };
+    assert!(r.announce(remote, A, tuple(), true, t(3)));
+    assert!(!r.adopt(CHILD, A, tuple()));
+}
+
+#[test]
+fn a_claim_declined_before_the_client_resolved_is_tcp_for_both() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(CLI, A, tuple(), true, t(0)));
+    // Not claimed yet: nothing to decline (the claim would be the
+    // server's, and it has not made it).
+    assert!(!r.decline(A, tuple()));
+    assert!(r.claim(A, tuple(), t(1)));
+    // Another tenant cannot decline it.
+    assert!(!r.decline(B, tuple()));
+    assert!(r.decline(A, tuple()));
+    assert_eq!(r.resolve(CLI, A, tuple(), false, t(1)), Outcome::Tcp);
+    assert!(!r.decline(A, tuple()), "declined twice");
+    // Resolved before the decline: carried, and the decline says so.
+    assert!(r.announce(CLI, A, tuple(), true, t(2)));
+    assert!(r.claim(A, tuple(), t(2)));
+    assert_eq!(r.resolve(CLI, A, tuple(), false, t(2)), Outcome::Carried);
+    assert!(!r.decline(A, tuple()));
+    let c = r.stats(A);
+    assert_eq!((c.announced, c.carried, c.abandoned, c.pending), (2, 2, 1, 0));
+}

@@ -35,6 +35,13 @@
 //! the parent echoes the rest once the child is gone. `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
+//! `SOCKAPP_ACCEPT_DELAY_MS`: `forkecho` pauses before its accept.
+//!
+//! `banner PORT`: a server that speaks first (SMTP, FTP, MySQL): accepts,
+//! writes a 64-byte banner, reads a 64-byte reply and checks it.
+//! `pollbanner PORT`: its client, which waits in poll(2) for the banner
+//! before its first call (10 s at most), reads it, checks it and
+//! replies; says `banner after N ms`.
 //! `forkechos PORT N`: a forking server's accept loop, a child per
 //! connection (echoing it as `forkecho`'s), N connections.
 //!
@@ -99,7 +106,36 @@
 //! end, 16 KiB expected), starting none after MS milliseconds; says
 //! `done K`.
 //!
-//! `server` listens on `SOCKAPP_BIND` and `client` connects to
+//! `inetd PORT MODE`: an inetd-style server: accepts one connection
+//! and, before any call on it, gives it to another program as its stdin
+//! and stdout. MODE `exec`: `dup2`s it onto 0 and 1 and `execv`s
+//! `stdecho` (this program); `fork-exec`: forks, the child does so with
+//! `execvp("cat")`, the parent closes its copy and waits; `spawn`:
+//! `std::process::Command` runs `stdecho` with it as stdin and stdout
+//! (glibc's `posix_spawn`, the socket `dup2`ed by its file actions) and
+//! waits; `carried-exec`: first echoes one 16 KiB chunk (the connection
+//! is carried), then `exec`; `carried-spawn`: first echoes one chunk,
+//! then `spawn`, then echoes the rest itself and says `echoed N`. `SOCKAPP_EXEC_DELAY_MS`: a pause after the
+//! accept. `stdecho`: copies stdin to stdout until the end, then says
+//! `stdecho N` on stderr.
+//!
+//! `execlisten PORT`: listens, forks, and the child execs `fdecho` with
+//! the listening socket as descriptor 10; `fdecho` accepts one
+//! connection there and echoes it, saying `echoed N` (a master that
+//! starts worker programs on its inherited listener).
+//!
+//! `forkclient PORT BYTES`: connects, forks, and the child runs
+//! `echoclient`'s work on it (its first call); the parent closes its
+//! copy and waits.
+//!
+//! `execclient PORT BYTES`: connects, `dup2`s the socket onto descriptor
+//! 10 (inherited) and, before any call on it, `execv`s `fdclient BYTES`
+//! (this program), which runs `echoclient` on descriptor 10.
+//! `SOCKAPP_EXEC_DELAY_MS`: a pause after the connect. `echoclient`
+//! waits `SOCKAPP_CONNECT_DELAY_MS` after its connect where set.
+//!
+//! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
+//! `echoclient` connect to
 //! `SOCKAPP_HOST` where they are set (an address of another network
 //! namespace, for the tests across hosts), else on 127.0.0.1.
 
@@ -160,6 +196,7 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
+    pause("SOCKAPP_ACCEPT_DELAY_MS");
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
@@ -310,7 +347,20 @@ fn echo_upto(s: &mut TcpStream, limit: u64) -> Result<u64, String> {
 }
 
 fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
-    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    pause("SOCKAPP_CONNECT_DELAY_MS");
+    echo_check(s, bytes)
+}
+
+/// Sleeps for the milliseconds in `var`, if set.
+fn pause(var: &str) {
+    if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+    }
+}
+
+/// `echoclient`'s work on a connected stream.
+fn echo_check(mut s: TcpStream, bytes: u64) -> Result<(), String> {
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut sent = 0u64;
     let mut back = vec![0u8; ECHO_CHUNK];
@@ -333,6 +383,241 @@ fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
         }
         other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
     }
+}
+
+/// `dup2`s `fd` onto each of `to` (the copies are inherited by an exec).
+fn dup_onto(fd: i32, to: &[i32]) -> Result<(), String> {
+    for &t in to {
+        // SAFETY: dup2(2) on descriptors of ours.
+        if unsafe { libc::dup2(fd, t) } != t {
+            return Err(format!("dup2 onto {t}: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Ok(())
+}
+
+/// `execv`s this program with `args` (returns only on failure).
+fn exec_self(args: &[&str]) -> String {
+    let exe = std::env::current_exe().map(|p| p.into_os_string());
+    let Ok(exe) = exe else { return "current_exe".into() };
+    use std::os::unix::ffi::OsStrExt;
+    let c = |b: &[u8]| std::ffi::CString::new(b).expect("no NUL");
+    let path = c(exe.as_bytes());
+    let argv: Vec<std::ffi::CString> =
+        std::iter::once(path.clone()).chain(args.iter().map(|a| c(a.as_bytes()))).collect();
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    // SAFETY: a NUL-terminated path and a null-terminated argv of
+    // NUL-terminated strings, alive across the call.
+    unsafe { libc::execv(path.as_ptr(), ptrs.as_ptr()) };
+    format!("execv: {}", std::io::Error::last_os_error())
+}
+
+fn inetd(port: u16, mode: &str) -> Result<(), String> {
+    use std::os::fd::{AsRawFd, OwnedFd};
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    drop(l);
+    pause("SOCKAPP_EXEC_DELAY_MS");
+    match mode {
+        "exec" | "carried-exec" => {
+            if mode == "carried-exec" {
+                s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+                let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+                eprintln!("echoed {n} before the exec");
+            }
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(exec_self(&["stdecho"]))
+        }
+        "fork-exec" => {
+            // SAFETY: fork(2) in a single-threaded program; the child only
+            // dup2s and execs.
+            match unsafe { libc::fork() } {
+                -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+                0 => {
+                    let r = dup_onto(s.as_raw_fd(), &[0, 1]).map(|()| {
+                        drop(s);
+                        let argv = [c"cat".as_ptr(), std::ptr::null()];
+                        // SAFETY: a NUL-terminated name and a
+                        // null-terminated argv of static strings.
+                        unsafe { libc::execvp(c"cat".as_ptr(), argv.as_ptr()) };
+                        std::io::Error::last_os_error()
+                    });
+                    eprintln!("sockapp child: exec cat: {r:?}");
+                    std::process::exit(1)
+                }
+                child => {
+                    drop(s);
+                    let mut status = 0;
+                    // SAFETY: waitpid(2) on our child.
+                    if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                        return Err("waitpid".into());
+                    }
+                    if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                        return Err(format!("cat ended with {status:#x}"));
+                    }
+                    Ok(())
+                }
+            }
+        }
+        "spawn" | "carried-spawn" => {
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let mut echoed = 0;
+            if mode == "carried-spawn" {
+                echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+                eprintln!("echoed {echoed} before the spawn");
+            }
+            let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+            let a = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
+            let b = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
+            let st = std::process::Command::new(exe)
+                .arg("stdecho")
+                .stdin(a)
+                .stdout(b)
+                .status()
+                .map_err(|e| format!("spawn: {e}"))?;
+            if !st.success() {
+                return Err(format!("stdecho ended with {st}"));
+            }
+            if mode == "carried-spawn" {
+                // The program did not get it: this process echoes the rest.
+                echoed += echo_all(&mut s)?;
+                println!("echoed {echoed}");
+            }
+            Ok(())
+        }
+        _ => Err(format!("inetd: unknown mode {mode}")),
+    }
+}
+
+/// `execlisten PORT`: listens, forks, and the child execs `fdecho` with
+/// the listening socket as descriptor 10 (a master that starts worker
+/// programs on its listener); the parent keeps its copy and waits.
+fn execlisten(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only dup2s
+    // and execs.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let e = dup_onto(l.as_raw_fd(), &[10]).err().unwrap_or_else(|| exec_self(&["fdecho"]));
+            eprintln!("sockapp child: {e}");
+            std::process::exit(1)
+        }
+        child => {
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("fdecho ended with {status:#x}"));
+            }
+            drop(l);
+            Ok(())
+        }
+    }
+}
+
+/// `fdecho`: accepts one connection on the listening socket at
+/// descriptor 10 and echoes it; says `echoed N`.
+fn fdecho() -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: descriptor 10 is the listener `execlisten` left us, ours alone.
+    let l = unsafe { TcpListener::from_raw_fd(10) };
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = echo_all(&mut s)?;
+    println!("echoed {n}");
+    Ok(())
+}
+
+/// Copies stdin to stdout until the end; says `stdecho N` on stderr.
+fn stdecho() -> Result<(), String> {
+    let mut buf = vec![0u8; 65_536];
+    let mut n = 0u64;
+    loop {
+        // SAFETY: read(2) into our buffer.
+        let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+        if r < 0 {
+            return Err(format!("read after {n}: {}", std::io::Error::last_os_error()));
+        }
+        if r == 0 {
+            break;
+        }
+        let mut off = 0;
+        while off < r as usize {
+            // SAFETY: write(2) from our buffer.
+            let w = unsafe { libc::write(1, buf[off..r as usize].as_ptr().cast(), r as usize - off) };
+            if w <= 0 {
+                return Err(format!("write after {n}: {}", std::io::Error::last_os_error()));
+            }
+            off += w as usize;
+        }
+        n += r as u64;
+    }
+    eprintln!("stdecho {n}");
+    Ok(())
+}
+
+/// `forkclient PORT BYTES`: connects, forks, and the child runs
+/// `echoclient`'s work on the connection (its first call); the parent
+/// closes its copy at once and waits for the child.
+fn forkclient(port: u16, bytes: u64) -> Result<(), String> {
+    let s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only uses
+    // the connection and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let code = match echo_check(s, bytes) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            };
+            std::io::stdout().flush().ok();
+            std::process::exit(code)
+        }
+        child => {
+            drop(s);
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `execclient PORT BYTES`: connects, and execs `fdclient` with the socket
+/// as descriptor 10, before any call on it.
+fn execclient(port: u16, bytes: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    pause("SOCKAPP_EXEC_DELAY_MS");
+    dup_onto(s.as_raw_fd(), &[10])?;
+    drop(s);
+    Err(exec_self(&["fdclient", &bytes.to_string()]))
+}
+
+fn fdclient(bytes: u64) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: descriptor 10 is the socket `execclient` left us, ours alone.
+    let s = unsafe { TcpStream::from_raw_fd(10) };
+    echo_check(s, bytes)
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
@@ -775,6 +1060,41 @@ fn closeclient(port: u16, n: u64, ms: u64) -> Result<(), String> {
     Ok(())
 }
 
+fn banner(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let out: Vec<u8> = (0..64).map(pattern).collect();
+    s.write_all(&out).map_err(|e| format!("banner: {e}"))?;
+    let mut b = [0u8; 64];
+    s.read_exact(&mut b).map_err(|e| format!("read the reply: {e}"))?;
+    if b.iter().enumerate().any(|(i, &x)| x != pattern(i as u64 + 64)) {
+        return Err(format!("reply {b:?}"));
+    }
+    Ok(())
+}
+
+fn pollbanner(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let t = std::time::Instant::now();
+    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    if unsafe { libc::poll(&mut p, 1, 10_000) } != 1 {
+        return Err(format!("no banner within 10 s: {}", std::io::Error::last_os_error()));
+    }
+    s.set_read_timeout(Some(std::time::Duration::from_secs(30))).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 64];
+    s.read_exact(&mut b).map_err(|e| format!("read the banner: {e}"))?;
+    if b.iter().enumerate().any(|(i, &x)| x != pattern(i as u64)) {
+        return Err(format!("banner {b:?}"));
+    }
+    println!("banner after {} ms", t.elapsed().as_millis());
+    let out: Vec<u8> = (64..128).map(pattern).collect();
+    s.write_all(&out).map_err(|e| format!("reply: {e}"))?;
+    Ok(())
+}
+
 fn answer(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -967,6 +1287,15 @@ fn main() {
         Some("forkserver") => forkserver(port()),
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("stdecho") => stdecho(),
+        Some("execlisten") => execlisten(port()),
+        Some("fdecho") => fdecho(),
+        Some("banner") => banner(port()),
+        Some("pollbanner") => pollbanner(port()),
+        Some("forkclient") => forkclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
         Some("quiet") => quiet(port()),

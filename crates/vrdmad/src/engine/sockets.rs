@@ -118,6 +118,15 @@ impl EngineState {
                 None => SockReply::Outcome(self.sockets.resolve(ctx, tenant, tuple, give_up, now)),
             },
             SockRequest::Counts => SockReply::Counts(self.sockets.stats(tenant)),
+            // Local, as the claim is: the announcement lives at the
+            // server's daemon, also for a client of another host.
+            SockRequest::Decline { tuple } => SockReply::from_bool(self.sockets.decline(tenant, tuple)),
+            // An announcement made at another host's daemon stays its
+            // announcing context's (the forwarding is keyed by it).
+            SockRequest::Adopt { tuple } => SockReply::from_bool(
+                !self.remote.announced.keys().any(|(_, t)| *t == tuple)
+                    && self.sockets.adopt(ctx, tenant, tuple),
+            ),
         };
         Ok(SockCall::Now(reply))
     }

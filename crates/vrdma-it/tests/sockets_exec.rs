@@ -1,0 +1,286 @@
+//! `exec` under the sockets preload library (`docs/sockets.md`, "Exec"):
+//! a connection that an exec'd program inherits before any call on it
+//! falls back to plain TCP cleanly (inetd-style servers, and a client
+//! that execs), and a carried one is not inherited.
+//!
+//! Each test starts a daemon of its own and `vrdma-it-sockapp` roles
+//! under `LD_PRELOAD`, on loopback; every process is waited for with a
+//! bound and killed by its pid past it.
+
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::Result;
+use vrdma_it::harness::{self, built, free_port, listening, spawn, Finished};
+use vrdma_it::DaemonProc;
+
+/// Echoed through the exec'd program: four rings' worth, in 16 KiB round
+/// trips checked byte by byte.
+const BYTES: u64 = 1 << 20;
+const LIMIT: Duration = Duration::from_secs(60);
+const CARRIED: &str = "carried over vRDMA";
+
+fn sockapp(d: &DaemonProc, args: &[String], env: &[(&str, &str)]) -> Command {
+    let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+    let mut c = Command::new(exe);
+    c.args(args)
+        .env(vrdma::SOCKET_ENV, &d.socket)
+        .env("VRDMA_SOCKETS_DEBUG", "1")
+        .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    c
+}
+
+/// An `inetd PORT MODE` server and a carried-capable `echoclient`, each
+/// with its environment; both run to their ends (bounded). Returns the
+/// client's and the server's output, and the daemon's counts.
+fn inetd(
+    mode: &str,
+    server_env: &[(&str, &str)],
+    client_env: &[(&str, &str)],
+) -> Result<(Finished, Finished, vrdma::sockets::SockCounts)> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["inetd".into(), port.to_string(), mode.into()], server_env), "inetd");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
+    let c = spawn(sockapp(&d, &args, client_env), "echoclient").finish(LIMIT);
+    let s = s.finish(LIMIT);
+    Ok((c, s, ctx.sock_counts()?))
+}
+
+/// The connection fell back to plain TCP and every byte came back, then
+/// the end: checked by the client; neither end carried it.
+fn fell_back(c: &Finished, s: &Finished) {
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    assert!(!c.stderr.contains(CARRIED) && !s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(c.stderr.contains(": TCP"), "the client did not say TCP\n{}", c.describe());
+}
+
+/// The client's first call comes after the server's exec: the server
+/// declines the claimed connection through the daemon, the client's
+/// resolve reads TCP, and nothing of the negotiation enters the stream.
+#[test]
+fn an_inetd_server_that_execs_before_the_clients_first_call_falls_back_through_the_daemon() -> Result<()> {
+    let (c, s, counts) = inetd("exec", &[], &[("SOCKAPP_CONNECT_DELAY_MS", "800")])?;
+    fell_back(&c, &s);
+    assert!(s.stderr.contains(&format!("stdecho {BYTES}")), "{}", s.describe());
+    assert!(s.stderr.contains("declined through the daemon before an exec"), "{}", s.describe());
+    // Announced, claimed (counted carried at the claim), then declined.
+    assert_eq!((counts.announced, counts.carried, counts.abandoned), (1, 1, 1), "{counts:?}");
+    Ok(())
+}
+
+/// The client's first call comes before the server's exec: its hello is
+/// on the socket, the server reads it and answers it with a decline, which
+/// the client reads in place of the server's hello.
+#[test]
+fn an_inetd_server_that_execs_after_the_clients_hello_answers_it_with_a_decline() -> Result<()> {
+    let (c, s, counts) = inetd("exec", &[("SOCKAPP_EXEC_DELAY_MS", "800")], &[])?;
+    fell_back(&c, &s);
+    assert!(s.stderr.contains(&format!("stdecho {BYTES}")), "{}", s.describe());
+    assert!(s.stderr.contains("answered with a decline before an exec"), "{}", s.describe());
+    assert!(c.stderr.contains("the peer declined"), "{}", c.describe());
+    assert_eq!((counts.announced, counts.carried, counts.abandoned), (1, 1, 0), "{counts:?}");
+    Ok(())
+}
+
+/// The classic inetd: fork, the child `dup2`s the connection onto its
+/// stdin and stdout and `execvp`s `cat` (glibc's execvp does not go
+/// through `execve`'s PLT entry); and a server that runs its program with
+/// `std::process::Command` (glibc's `posix_spawn`, the socket `dup2`ed by
+/// its file actions from a close-on-exec descriptor).
+#[test]
+fn a_forking_inetd_and_a_spawning_server_hand_over_a_clean_tcp_stream() -> Result<()> {
+    for delay in ["0", "800"] {
+        let (c, s, _) = inetd("fork-exec", &[("SOCKAPP_EXEC_DELAY_MS", delay)], &[])?;
+        fell_back(&c, &s);
+        let (c, s, _) = inetd("spawn", &[("SOCKAPP_EXEC_DELAY_MS", delay)], &[])?;
+        fell_back(&c, &s);
+        assert!(s.stderr.contains(&format!("stdecho {BYTES}")), "{}", s.describe());
+    }
+    Ok(())
+}
+
+/// A connection carried before the exec is close-on-exec: the exec'd
+/// program does not get it (its stdin and stdout are closed, it reads
+/// nothing), the kernel socket closes with the exec, and the client's
+/// next read ends (the end or an error, never wrong bytes) within the
+/// bound instead of hanging.
+#[test]
+fn a_connection_carried_before_exec_is_not_inherited_and_its_peer_is_told() -> Result<()> {
+    let (c, s, counts) = inetd("carried-exec", &[], &[])?;
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(!c.status.success(), "{}", c.describe());
+    // The first chunk came back; the second never did.
+    assert!(c.stderr.contains("at 16384"), "{}", c.describe());
+    assert_eq!((counts.announced, counts.carried), (1, 1), "{counts:?}");
+    Ok(())
+}
+
+/// A carried connection handed to a spawned program through
+/// `posix_spawn`'s file actions (`std::process::Command` with the socket
+/// as its stdin and stdout): the program does not get it (the actions
+/// close its stdin and stdout instead, as close-on-exec would; it reads
+/// nothing), and the server goes on echoing the rest itself, carried.
+/// Without this the program would read the raw socket under the rings
+/// (wake bytes) while the client's bytes went through the ring.
+#[test]
+fn a_carried_connection_is_not_given_to_a_spawned_program() -> Result<()> {
+    let (c, s, _) = inetd("carried-spawn", &[], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    Ok(())
+}
+
+/// A client that connects and execs a program with the connection before
+/// any call on it: it gives its announcement up (the server's claim is
+/// refused) or, if the server claimed it already, sends a decline in
+/// place of its hello, which the server reads at its first call. Either
+/// way the exec'd program's bytes are echoed over plain TCP.
+#[test]
+fn a_client_that_execs_before_its_first_call_falls_back() -> Result<()> {
+    // The server accepts (and claims) after the client's exec, or
+    // before it.
+    for (accept_delay, exec_delay, said) in
+        [("800", "0", "given up before an exec"), ("0", "800", "declined before an exec")]
+    {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let args = ["forkecho".into(), port.to_string(), "child".into()];
+        let s = spawn(sockapp(&d, &args, &[("SOCKAPP_ACCEPT_DELAY_MS", accept_delay)]), "forkecho");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["execclient".into(), port.to_string(), BYTES.to_string()];
+        let c =
+            spawn(sockapp(&d, &args, &[("SOCKAPP_EXEC_DELAY_MS", exec_delay)]), "execclient").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+        assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
+        assert!(
+            !c.stderr.contains(CARRIED) && !s.stderr.contains(CARRIED),
+            "{}\n{}",
+            c.describe(),
+            s.describe()
+        );
+        assert!(c.stderr.contains(said), "{}", c.describe());
+        let counts = ctx.sock_counts()?;
+        // Given up: the server's claim is refused; declined: claimed.
+        let refused = u64::from(accept_delay != "0");
+        assert_eq!((counts.announced, counts.refused_claims), (1, refused), "{counts:?}");
+    }
+    Ok(())
+}
+
+/// A Python server that runs `cat` on each accepted connection with
+/// `subprocess` (its stdin and stdout the socket: `_posixsubprocess`
+/// `dup2`s it in a `vfork`ed child and execs there), as CGI-like servers
+/// do: the connection falls back to plain TCP and every byte is echoed.
+#[test]
+fn a_python_server_running_cat_through_subprocess_hands_over_a_clean_tcp_stream() -> Result<()> {
+    const SERVER: &str = "import socket, subprocess, sys
+l = socket.socket()
+l.bind(('127.0.0.1', int(sys.argv[1])))
+l.listen()
+print('listening', flush=True)
+c, _ = l.accept()
+r = subprocess.run(['cat'], stdin=c, stdout=c)
+c.close()
+sys.exit(r.returncode)
+";
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    for client_delay in ["0", "800"] {
+        let port = free_port();
+        let mut py = Command::new("python3");
+        py.args(["-c", SERVER, &port.to_string()])
+            .env(vrdma::SOCKET_ENV, &d.socket)
+            .env("VRDMA_SOCKETS_DEBUG", "1")
+            .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+        let s = spawn(py, "python server");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
+        let c = spawn(sockapp(&d, &args, &[("SOCKAPP_CONNECT_DELAY_MS", client_delay)]), "echoclient")
+            .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        fell_back(&c, &s);
+        assert!(s.stderr.contains("before an exec"), "{}", s.describe());
+    }
+    Ok(())
+}
+
+/// Why both ends send their hello before they read the other's (the
+/// order the exec settling relies on, `docs/sockets.md`): a server that
+/// speaks first, to a client that waits in `poll` for the banner before
+/// its first call, wakes it with its hello. A server that read the
+/// client's hello first would wait for a call the client does not make,
+/// until its 10 s bound, and fail.
+#[test]
+fn a_server_that_speaks_first_wakes_a_client_polling_before_its_first_call() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["banner".into(), port.to_string()], &[]), "banner");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let c = spawn(sockapp(&d, &["pollbanner".into(), port.to_string()], &[]), "pollbanner").finish(LIMIT);
+    let s = s.finish(LIMIT);
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    Ok(())
+}
+
+/// A master that listens and starts a worker program (fork and exec) on
+/// its inherited listening socket, which accepts: the worker's library
+/// did not register the listener (the master's did) and registers it at
+/// its first accept, and claims the connection, so it is carried. Before
+/// this, nobody claimed it: the client waited its whole claim wait (here
+/// 20 s) and fell back to TCP.
+#[test]
+fn a_worker_program_execd_on_an_inherited_listener_carries_what_it_accepts() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["execlisten".into(), port.to_string()], &[]), "execlisten");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
+    let start = std::time::Instant::now();
+    let c = spawn(sockapp(&d, &args, &[("VRDMA_SOCKETS_WAIT_MS", "20000")]), "echoclient").finish(LIMIT);
+    let took = start.elapsed();
+    let s = s.finish(LIMIT);
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
+    assert!(c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(took < Duration::from_secs(20), "the client waited {took:?} for a claim");
+    Ok(())
+}

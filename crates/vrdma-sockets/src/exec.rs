@@ -1,0 +1,243 @@
+//! `exec` and the calls that start programs: the connections a program
+//! inherits are settled first.
+//!
+//! An exec'd program starts without this library's state: it loads the
+//! library afresh (`LD_PRELOAD` is in its environment) or not at all (a
+//! static binary, a cleared environment), and sees its inherited
+//! descriptors as plain sockets. An inetd-style server (inetd, xinetd,
+//! systemd's `Accept=yes`, `socat EXEC:`, tcpserver, CGI) accepts a
+//! connection and execs a program with it as its stdin and stdout before
+//! any call on it: the connection is claimed but not negotiated, and the
+//! program would read the client's hello as data while the client waits
+//! for an answer that never comes. So before every exec each connection
+//! the program will inherit (not close-on-exec) that is not decided yet
+//! is settled as plain TCP ([`crate::stream::Stream::settle_for_exec`]: through the
+//! daemon, or by answering the client's hello with a decline), and the
+//! program reads a clean stream. A carried connection is close-on-exec
+//! (the program does not get it: [`crate::table::set_cloexec`]).
+//!
+//! glibc's exec family does not go through `execve`'s PLT entry (each
+//! calls glibc's internal `__execve` or `__execvpe`), so each is
+//! interposed: `execve`, `execv`, `execvp`, `execvpe`, `fexecve`,
+//! `execveat`, and the variadic `execl`, `execle` and `execlp` (x86-64:
+//! a trampoline that settles and jumps to libc's with the caller's
+//! registers and stack untouched). `posix_spawn` and `posix_spawnp`
+//! (which `system`, `popen` and Rust's `Command` use, through glibc's
+//! internal `__spawni`) settle what their child inherits; a descriptor
+//! that their file actions `dup2` (close-on-exec or not: the copy is
+//! inherited) is settled when the action is added, and a carried one's
+//! action becomes a close of its target (the child does not get it, as
+//! close-on-exec keeps it from an exec'd program). `system` and `popen`
+//! are interposed as well, since they reach `__spawni` without a PLT
+//! entry. `vfork` followed by an exec settles in the child, which shares
+//! the parent's memory: the parent then finds the connection TCP too.
+//!
+//! Not seen: an exec made by a raw system call, and a program that a
+//! `clone` without exec runs.
+
+use libc::{c_char, c_int, c_void, pid_t};
+
+use crate::real;
+use crate::table::{self, keep_errno, Entry, Guard};
+
+/// Settles every undecided connection a program started now would
+/// inherit (every descriptor not close-on-exec).
+fn settle() {
+    let Some(_g) = Guard::enter() else { return };
+    keep_errno(|| {
+        for (fd, s) in table::streams() {
+            if !table::is_cloexec(fd) {
+                s.settle_for_exec(fd);
+            }
+        }
+    });
+}
+
+/// Settles the connection of `fd`, which a child is about to get; true
+/// when it is carried (the child must not get it).
+fn settle_fd(fd: c_int) -> bool {
+    let Some(_g) = Guard::enter() else { return false };
+    keep_errno(|| match table::get(fd) {
+        Some(Entry::Stream(s)) => {
+            s.settle_for_exec(fd);
+            s.is_carried()
+        }
+        _ => false,
+    })
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execve(
+    path: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    settle();
+    // SAFETY: libc's execve with the caller's arguments.
+    unsafe { real::execve(path, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
+    settle();
+    // SAFETY: libc's execv with the caller's arguments.
+    unsafe { real::execv(path, argv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
+    settle();
+    // SAFETY: libc's execvp with the caller's arguments.
+    unsafe { real::execvp(file, argv) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execvpe(
+    file: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+) -> c_int {
+    settle();
+    // SAFETY: libc's execvpe with the caller's arguments.
+    unsafe { real::execvpe(file, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn fexecve(fd: c_int, argv: *const *const c_char, envp: *const *const c_char) -> c_int {
+    settle();
+    // SAFETY: libc's fexecve with the caller's arguments.
+    unsafe { real::fexecve(fd, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn execveat(
+    dirfd: c_int,
+    path: *const c_char,
+    argv: *const *const c_char,
+    envp: *const *const c_char,
+    flags: c_int,
+) -> c_int {
+    settle();
+    // SAFETY: libc's execveat with the caller's arguments.
+    unsafe { real::execveat(dirfd, path, argv, envp, flags) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_spawn(
+    pid: *mut pid_t,
+    path: *const c_char,
+    fa: *const c_void,
+    attr: *const c_void,
+    argv: *const *mut c_char,
+    envp: *const *mut c_char,
+) -> c_int {
+    settle();
+    // SAFETY: libc's posix_spawn with the caller's arguments.
+    unsafe { real::posix_spawn(pid, path, fa, attr, argv, envp) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn posix_spawnp(
+    pid: *mut pid_t,
+    file: *const c_char,
+    fa: *const c_void,
+    attr: *const c_void,
+    argv: *const *mut c_char,
+    envp: *const *mut c_char,
+) -> c_int {
+    settle();
+    // SAFETY: libc's posix_spawnp with the caller's arguments.
+    unsafe { real::posix_spawnp(pid, file, fa, attr, argv, envp) }
+}
+
+/// A spawned child will get a copy of `fd` (inherited whatever `fd`'s
+/// close-on-exec flag): its connection is settled now if it is not
+/// decided yet. A carried one is not given: the action closes `to` in
+/// the child instead, as the close-on-exec flag of a carried descriptor
+/// would (the child reads its stdin's end, say, while the parent keeps
+/// the connection).
+#[no_mangle]
+pub unsafe extern "C" fn posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c_int, to: c_int) -> c_int {
+    if settle_fd(fd) {
+        crate::dev::debug(&format!("a spawned program does not get carried descriptor {fd} (as {to})"));
+        // SAFETY: libc's posix_spawn_file_actions_addclose with the
+        // caller's actions and target.
+        return unsafe { real::posix_spawn_file_actions_addclose(fa, to) };
+    }
+    // SAFETY: libc's posix_spawn_file_actions_adddup2 with the caller's
+    // arguments.
+    unsafe { real::posix_spawn_file_actions_adddup2(fa, fd, to) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn system(cmd: *const c_char) -> c_int {
+    // `system(NULL)` only asks whether a shell exists.
+    if !cmd.is_null() {
+        settle();
+    }
+    // SAFETY: libc's system with the caller's argument.
+    unsafe { real::system(cmd) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void {
+    settle();
+    // SAFETY: libc's popen with the caller's arguments.
+    unsafe { real::popen(cmd, mode) }
+}
+
+/// Settles, then gives the address of libc's function of that name.
+fn settle_then(slot: &std::sync::atomic::AtomicUsize, name: &'static [u8]) -> usize {
+    settle();
+    real::lookup(slot, name)
+}
+
+/// An exported variadic function of libc's exec family (its arguments
+/// are a list ended by a null pointer, which stable Rust cannot take): a
+/// trampoline that keeps the caller's argument registers (and `rax`, the
+/// count of vector registers a variadic call passes), calls `$prep`
+/// (settle, then libc's function's address), restores them and jumps to
+/// libc's function, whose stack arguments are where the caller put them.
+#[cfg(target_arch = "x86_64")]
+macro_rules! variadic_exec {
+    ($name:ident, $prep:ident, $libc:literal) => {
+        #[unsafe(naked)]
+        #[no_mangle]
+        pub unsafe extern "C" fn $name() {
+            // Entry: rsp is 8 past a 16-byte boundary (the return
+            // address); seven pushes make it 16-aligned for the call.
+            core::arch::naked_asm!(
+                "push rdi",
+                "push rsi",
+                "push rdx",
+                "push rcx",
+                "push r8",
+                "push r9",
+                "push rax",
+                "call {prep}",
+                "mov r11, rax",
+                "pop rax",
+                "pop r9",
+                "pop r8",
+                "pop rcx",
+                "pop rdx",
+                "pop rsi",
+                "pop rdi",
+                "jmp r11",
+                prep = sym $prep,
+            )
+        }
+
+        extern "C" fn $prep() -> usize {
+            static SLOT: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+            settle_then(&SLOT, $libc)
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+variadic_exec!(execl, execl_prep, b"execl\0");
+#[cfg(target_arch = "x86_64")]
+variadic_exec!(execle, execle_prep, b"execle\0");
+#[cfg(target_arch = "x86_64")]
+variadic_exec!(execlp, execlp_prep, b"execlp\0");
