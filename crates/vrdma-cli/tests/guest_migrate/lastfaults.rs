@@ -1,0 +1,264 @@
+//! The last two real-guest faults, on the faults test's guest (its one
+//! boot), after the others: each ends a stream for good, and the second
+//! the guest's device, so they come last, each on a stream of its own
+//! (`seqstream`, tags `cut` and `dd`) from the guest on C to B.
+//!
+//! 1. **The cable of the destination cut mid-migration.** QEMU moves the
+//!    VM from C to A; the tenant is paused and exported at C and imported
+//!    at A; then A's cable is pulled (its veth end down: every link of A
+//!    goes silent, nothing is closed), C finishes, A resumes (its Moved
+//!    frame to B goes into the silent link) and QEMU `cont`s at A. The
+//!    cable stays out past the links' `dead_ms` (1.5 s in the tests'
+//!    daemons), so both ends declare the link dead, and is plugged back
+//!    in. Clean outcomes only: the guest's QP fails (`RETRY_EXC_ERR`, the
+//!    rest flushed, in ERR) within a bound, or the stream goes on; B gets
+//!    every message once, in order, and its QP stays in RTS.
+//! 2. **The destination's daemon dies after the source's `finish`.** QEMU
+//!    moves the VM from A to C with `vrdma migrate move --vm t` between
+//!    its switch-over and `cont`; the stream runs on at C; then C's daemon
+//!    is killed (SIGKILL). The guest's program (its library's reattach
+//!    bound `VRDMA_GUEST_REATTACH_MS` set to 3 s) reports
+//!    `IBV_EVENT_DEVICE_FATAL`; B got every message once, in order, and a
+//!    request B sends to the dead QP fails `RETRY_EXC_ERR` within a bound
+//!    (no PAUSED holds it: C had resumed), its receives then flushed.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use vrdma::{WcOpcode, WcStatus};
+use vrdma_guest::Guest;
+
+use super::world::*;
+
+/// Each stream: long enough to outlast its migration (about 12 s of
+/// traffic at 3 ms).
+const COUNT: u64 = 4000;
+const PACE_US: u32 = 3000;
+/// Messages B must have before each fault.
+const AFTER: u64 = 40;
+/// How long A's cable stays out: past the links' `dead_ms` (1.5 s).
+const CUT: Duration = Duration::from_secs(3);
+/// The guest library's reattach bound in the second fault, ms.
+const REATTACH_MS: u64 = 3000;
+
+/// A stream from `g` to B (tag `tag`, `env` before the program) while
+/// `f` runs; B's messages once, in order, checked as they come. Returns
+/// `f`'s result and B's sequence numbers, once `f` returned and B's
+/// receiver stopped.
+fn streaming<R>(
+    w: &World,
+    g: &mut Guest,
+    tag: &str,
+    env: &str,
+    f: impl FnOnce(&mut Guest, &AtomicU64) -> R,
+) -> (R, Vec<u64>, Peer) {
+    let peer = Peer::connect_with(&w.b, g, tag, env, "", COUNT, PACE_US);
+    let received = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let (seqs, r) = std::thread::scope(|s| {
+        let receiver = s.spawn(|| peer.receive(&received, &stop, Duration::from_secs(300)));
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            wait_received(&received, AFTER);
+            f(g, &received)
+        }));
+        stop.store(true, Ordering::Release);
+        let (seqs, _) = receiver.join().expect("B's receiver");
+        (seqs, r)
+    });
+    match r {
+        Ok(r) => (r, seqs, peer),
+        Err(p) => std::panic::resume_unwind(p),
+    }
+}
+
+/// The `DRAINED flushed=F of=W qp_state=S` line of a failed stream: the
+/// rest flushed, once each, and the QP in ERR.
+fn drained(out: &str) -> String {
+    let drained = out.lines().find(|l| l.starts_with("DRAINED ")).unwrap_or_else(|| panic!("{out}"));
+    let field = |k: &str| {
+        drained
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix(k))
+            .and_then(|v| v.parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("{drained}"))
+    };
+    assert_eq!(field("flushed="), field("of="), "the rest flushed, once each, in order: {drained}");
+    assert_eq!(field("qp_state="), 6, "the QP in ERR: {drained}");
+    drained.to_string()
+}
+
+/// QEMU's migration of `from` (QMP `q`) to a new QEMU on `to`'s daemon,
+/// up to the destination's VM loaded (stopped): the new guest and QMP.
+fn qemu_moves(w: &World, tag: &str, from: &Guest, q: &mut Qmp, to: &Path) -> (Guest, Qmp) {
+    let mig = format!("unix:{}", w.dir.path().join(format!("mig-{tag}.sock")).display());
+    let (dest, mut qd, _) = w.incoming(tag, to, &mig, from);
+    q.migrate(&mig);
+    q.wait_completed();
+    qd.wait_loaded();
+    (dest, qd)
+}
+
+/// Both faults, the guest on C (QMP `q`); a line each for the report.
+pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> {
+    let mut report = Vec::new();
+    let (a, c) = (w.a.socket.clone(), w.c.socket.clone());
+    let dir = w.dir.path().to_path_buf();
+    let snap = dir.join("cut.snap");
+    let rfile = dir.join("cut.region");
+    let (snap_s, rfile_s) = (snap.to_str().unwrap().to_string(), rfile.to_str().unwrap().to_string());
+
+    // 1. A's cable pulled between A's import and its resume.
+    let mut g = g;
+    let mut q = q;
+    let t0 = Instant::now();
+    let ((mut ga, qa, went_on, at_cut, st, out), seqs, peer) =
+        streaming(w, &mut g, "cut", "", |g, received| {
+            let (mut ga, mut qa) = qemu_moves(w, "cut", g, &mut q, &a);
+            operator(&c, &["pause", "--vm", "t"]);
+            operator(&c, &["export", "--vm", "t", "--out", &snap_s, "--region", &rfile_s]);
+            operator(&a, &["import", "--in", &snap_s, "--vm", "t", "--region", &rfile_s]);
+            let cut = Instant::now();
+            w.set_link(0, false);
+            let at_cut = received.load(Ordering::Acquire);
+            operator(&c, &["finish", "--vm", "t"]);
+            operator(&a, &["resume", "--vm", "t"]);
+            qa.exec(r#"{"execute":"cont"}"#);
+            assert_eq!(qa.status(), "running");
+            std::thread::sleep(CUT.saturating_sub(cut.elapsed()));
+            w.set_link(0, true);
+            for d in [&w.a, &w.b, &w.c] {
+                d.wait_links(2);
+            }
+            // The guest answers on A; its stream fails or goes on.
+            let out = ga.check("echo here", T).unwrap_or_else(|e| panic!("the guest on A: {e}"));
+            assert!(out.contains("here"), "{out}");
+            let end = Instant::now() + Duration::from_secs(60);
+            let went_on = loop {
+                let (st, out) = ga.run("cat /tmp/cut.out; [ -e /tmp/cut.st ]", T).unwrap();
+                if st == 0 {
+                    break None;
+                }
+                let k = received.load(Ordering::Acquire);
+                if k >= at_cut + AFTER {
+                    break Some(k);
+                }
+                assert!(Instant::now() < end, "the stream neither failed nor went on after the cut:\n{out}");
+                std::thread::sleep(Duration::from_millis(200));
+            };
+            // Its end (bounded), B's receiver still taking what comes.
+            let (st, out) = guest_wait(&mut ga, "cut");
+            std::thread::sleep(Duration::from_millis(300));
+            (ga, qa, went_on, at_cut, st, out)
+        });
+    drop(g);
+    std::fs::remove_file(&snap).unwrap();
+    std::fs::remove_file(&rfile).unwrap();
+    let n = seqs.len() as u64;
+    assert_eq!(seqs, (0..n).collect::<Vec<_>>(), "every message once, in order, at B (the cut)");
+    assert!(
+        vrdma_it::poll_for(&peer.side.cq, Duration::from_millis(50)).unwrap().is_empty(),
+        "B took a message after the cut stream ended"
+    );
+    let how = match went_on {
+        None => {
+            assert_eq!(st, 1, "the cut stream:\n{out}");
+            assert!(
+                out.contains("FAIL completion") && out.contains(": transport retry counter exceeded"),
+                "the cut stream's oldest request fails RETRY_EXC_ERR:\n{out}"
+            );
+            let d = drained(&out);
+            format!("the guest's QP failed RETRY_EXC_ERR ({d}), {n} messages at B ({at_cut} before the cut)")
+        }
+        Some(k) => {
+            // The stream went on and ended by itself: every message once.
+            assert_eq!(st, 0, "the cut stream:\n{out}");
+            assert!(out.contains(&format!("DONE completions={COUNT} in_order=1")), "{out}");
+            assert_eq!(n, COUNT, "every message of the cut stream at B");
+            format!("the stream went on ({k} messages at B when seen going on, {n} in all)")
+        }
+    };
+    assert_eq!(peer.side.qp.query().unwrap().0.qp_state, vrdma::QpState::Rts);
+    report.push(format!(
+        "A's cable cut {:.1} s between its import and resume: {how} ({:.1} s)",
+        CUT.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    ));
+    drop(peer);
+
+    // 2. C's daemon dies after A's finish (inside `move`), the VM run on
+    //    at C.
+    let t0 = Instant::now();
+    let mut q = qa;
+    let env = format!("{}={REATTACH_MS}", vrdma::guest::REATTACH_ENV);
+    let ((mut gc, _qc, killed), seqs, peer) = streaming(w, &mut ga, "dd", &env, |g, received| {
+        let (mut gc, mut qc) = qemu_moves(w, "dd", g, &mut q, &c);
+        operator(&a, &["move", "--vm", "t", "--to", c.to_str().unwrap()]);
+        qc.exec(r#"{"execute":"cont"}"#);
+        assert_eq!(qc.status(), "running");
+        let out = gc.check("echo here", T).unwrap_or_else(|e| panic!("the guest on C: {e}"));
+        assert!(out.contains("here"), "{out}");
+        wait_received(received, received.load(Ordering::Acquire) + AFTER);
+        guest_running(&mut gc, "dd");
+        // SIGKILL by its pid (reaped below, by `Daemon::kill`).
+        let pid = libc::pid_t::try_from(w.c.child.id()).unwrap();
+        // SAFETY: kill(2) touches no memory of ours; the pid is our child,
+        // not yet reaped, so it names that process.
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        let killed = Instant::now();
+        // Frames already on their way to B are taken by its receiver.
+        std::thread::sleep(Duration::from_millis(500));
+        (gc, qc, killed)
+    });
+    w.c.kill();
+    drop(ga);
+    let (st, out) = guest_wait(&mut gc, "dd");
+    let fatal = killed.elapsed();
+    assert_eq!(st, 1, "the stream on the dead daemon:\n{out}");
+    let line = out
+        .lines()
+        .find(|l| l.starts_with("DEVICE_FATAL "))
+        .unwrap_or_else(|| panic!("the guest's program saw no IBV_EVENT_DEVICE_FATAL:\n{out}"));
+    // Bounded (the library's bound, the 10 ms look, the guest's slowness).
+    assert!(fatal < Duration::from_secs(60), "DEVICE_FATAL after {fatal:?}: {out}");
+    let n = seqs.len() as u64;
+    assert_eq!(seqs, (0..n).collect::<Vec<_>>(), "every message once, in order, at B (the dead destination)");
+    // B's request to the dead QP fails RETRY_EXC_ERR (its link gone, no
+    // PAUSED: C had resumed), then B's receives are flushed; nothing
+    // delivered.
+    let sge = peer.side.mr.sge(0, 8).unwrap();
+    let id = u64::MAX - 1;
+    let t1 = Instant::now();
+    peer.side.qp.post_send(&[vrdma::wr::rdma_write(id, &[sge], 0, 0).unwrap()]).unwrap();
+    let end = Instant::now() + Duration::from_secs(30);
+    let mut mine = None;
+    let mut flushed = 0;
+    let mut buf = vrdma::wc_buffer(64);
+    while Instant::now() < end && (mine.is_none() || flushed < RECVS) {
+        let k = peer.side.cq.poll(&mut buf).unwrap();
+        for wc in &buf[..k] {
+            if wc.wr_id == id {
+                assert_eq!(wc.opcode, WcOpcode::RdmaWrite, "{wc:?}");
+                mine = Some((wc.status, t1.elapsed()));
+            } else {
+                assert_eq!(wc.status, WcStatus::WrFlushErr, "at B after the dead destination: {wc:?}");
+                flushed += 1;
+            }
+        }
+        if k == 0 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    let (status, failed) = mine.expect("B's request to the dead QP never completed");
+    assert_eq!(status, WcStatus::RetryExcErr, "B's request to the dead QP");
+    assert_eq!(flushed, RECVS, "B's receives flushed, once each");
+    report.push(format!(
+        "C's daemon killed after A's finish: the guest's program saw DEVICE_FATAL {:.1} s after ({line}; \
+         library bound {:.1} s), {n} messages at B, B's request failed RETRY_EXC_ERR in {:.1} s ({:.1} s)",
+        fatal.as_secs_f64(),
+        REATTACH_MS as f64 / 1e3,
+        failed.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    ));
+    report
+}
