@@ -27,8 +27,8 @@
  * if none). "DONE" then adds "events=E".
  *
  * The device gone (its daemon dead, past the library's reattach bound):
- * while idle (every 10 ms) and after a failed post or query it looks at
- * the context's async events (its fd non-blocking, each acknowledged);
+ * while idle (every 10 ms) and after a failed post or query (then for up
+ * to 5 s) it looks at the context's async events (its fd non-blocking, each acknowledged);
  * on IBV_EVENT_DEVICE_FATAL it prints "DEVICE_FATAL posted=P
  * completed=D" and exits 1.
  */
@@ -75,10 +75,18 @@ static int device_fatal(struct ibv_context *ctx)
     return 0;
 }
 
-/* Prints "DEVICE_FATAL ..." if the device is gone; 1 if so. */
-static int report_fatal(struct ibv_context *ctx, uint64_t posted, uint64_t done)
+/*
+ * Prints "DEVICE_FATAL ..." if the device is gone, looking for up to
+ * `wait_ms` (after a failed call the event may follow it); 1 if so.
+ */
+static int report_fatal(struct ibv_context *ctx, uint64_t posted, uint64_t done, int wait_ms)
 {
-    if (!device_fatal(ctx))
+    int fatal = device_fatal(ctx);
+    for (int k = 0; !fatal && k < wait_ms / 10; k++) {
+        usleep(10000);
+        fatal = device_fatal(ctx);
+    }
+    if (!fatal)
         return 0;
     printf("DEVICE_FATAL posted=%llu completed=%llu\n", (unsigned long long)posted, (unsigned long long)done);
     fflush(stdout);
@@ -299,7 +307,7 @@ int main(int argc, char **argv)
             }
             struct ibv_send_wr *bad;
             if (ibv_post_send(qp, &wr, &bad)) {
-                report_fatal(ctx, posted, done);
+                report_fatal(ctx, posted, done, 5000);
                 printf("FAIL post_send %llu\n", (unsigned long long)posted);
                 return 1;
             }
@@ -308,7 +316,7 @@ int main(int argc, char **argv)
                 struct ibv_qp_attr q;
                 struct ibv_qp_init_attr qi;
                 if (ibv_query_qp(qp, &q, IBV_QP_STATE, &qi)) {
-                    report_fatal(ctx, posted, done);
+                    report_fatal(ctx, posted, done, 5000);
                     printf("FAIL query_qp at %llu\n", (unsigned long long)posted);
                     return 1;
                 }
@@ -358,7 +366,7 @@ int main(int argc, char **argv)
             return fail("poll_cq");
         if (n == 0 && now_us() - looked > 10000) {
             looked = now_us();
-            if (report_fatal(ctx, posted, done))
+            if (report_fatal(ctx, posted, done, 0))
                 return 1;
         }
         for (int i = 0; i < n; i++) {

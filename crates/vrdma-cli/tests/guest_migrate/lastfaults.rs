@@ -1,26 +1,40 @@
-//! The last two real-guest faults, on the faults test's guest (its one
-//! boot), after the others: each ends a stream for good, and the second
-//! the guest's device, so they come last, each on a stream of its own
-//! (`seqstream`, tags `cut` and `dd`) from the guest on C to B.
+//! The last real-guest faults, on the faults test's guest (its one
+//! boot), after the others: each ends a stream for good (the guest's QP
+//! fails, or its device goes), so they come last, each on a stream of its
+//! own (`seqstream`, tags `cut`, `df`, `dd`) from the guest to B.
 //!
-//! 1. **The cable of the destination cut mid-migration.** QEMU moves the
-//!    VM from C to A; the tenant is paused and exported at C and imported
-//!    at A; then A's cable is pulled (its veth end down: every link of A
-//!    goes silent, nothing is closed), C finishes, A resumes (its Moved
-//!    frame to B goes into the silent link) and QEMU `cont`s at A. The
-//!    cable stays out past the links' `dead_ms` (1.5 s in the tests'
-//!    daemons), so both ends declare the link dead, and is plugged back
-//!    in. Clean outcomes only: the guest's QP fails (`RETRY_EXC_ERR`, the
-//!    rest flushed, in ERR) within a bound, or the stream goes on; B gets
-//!    every message once, in order, and its QP stays in RTS.
-//! 2. **The destination's daemon dies after the source's `finish`.** QEMU
-//!    moves the VM from A to C with `vrdma migrate move --vm t` between
-//!    its switch-over and `cont`; the stream runs on at C; then C's daemon
-//!    is killed (SIGKILL). The guest's program (its library's reattach
-//!    bound `VRDMA_GUEST_REATTACH_MS` set to 3 s) reports
-//!    `IBV_EVENT_DEVICE_FATAL`; B got every message once, in order, and a
-//!    request B sends to the dead QP fails `RETRY_EXC_ERR` within a bound
-//!    (no PAUSED holds it: C had resumed), its receives then flushed.
+//! 1. **The destination's cable cut mid-migration.** QEMU moves the VM
+//!    from C to A; the tenant is paused and exported at C and imported at
+//!    A; then A's cable is pulled (its veth end down: every link of A goes
+//!    silent, nothing is closed), C finishes, A resumes (its Moved frame
+//!    to B goes into the silent link) and QEMU `cont`s at A. The cable
+//!    stays out past the links' `dead_ms` (1.5 s in the tests' daemons),
+//!    so both ends declare the link dead, then is plugged back in (the
+//!    links come back). Clean outcomes only: the guest's QP fails
+//!    (`RETRY_EXC_ERR`, the rest flushed, in ERR: what happens) or the
+//!    stream goes on to its end; B gets every message once, in order, and
+//!    its QP stays in RTS.
+//! 2. **The destination's daemon dies between the source's `finish` and
+//!    its own `resume`** (the window `move` keeps to milliseconds, opened
+//!    here by the steps one by one). QEMU had moved the VM from A to C;
+//!    the operator gives up on C and `cont`s A's QEMU. B, which sent a
+//!    request to the guest's QP after A paused it (A answered PAUSED),
+//!    holds it for the migration's bound (`migration_pause_limit`, 5 s),
+//!    then it fails `RETRY_EXC_ERR`: not for ever. The guest's program
+//!    (its library's reattach bound `VRDMA_GUEST_REATTACH_MS` set to 3 s)
+//!    finds its context gone from A and, after that bound, reports
+//!    `IBV_EVENT_DEVICE_FATAL`.
+//! 3. **The destination's daemon dies after the whole move** (`vrdma
+//!    migrate move --vm t` between QEMU's switch-over and `cont`, the
+//!    stream running on at C): the guest's port closes, its program
+//!    reports `IBV_EVENT_DEVICE_FATAL` at once; B's request to the dead
+//!    QP fails `RETRY_EXC_ERR` by its retry count, as for a dead host.
+//!
+//! In each, B gets every message once, in order, with its bytes, and
+//! nothing after the stream ended; B's receives are flushed once its QP
+//! fails. The guest's outstanding requests are not completed when its
+//! device goes (its library reports the device gone instead; mlx5 makes
+//! up flushed completions only for kernel consumers).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,8 +53,14 @@ const PACE_US: u32 = 3000;
 const AFTER: u64 = 40;
 /// How long A's cable stays out: past the links' `dead_ms` (1.5 s).
 const CUT: Duration = Duration::from_secs(3);
-/// The guest library's reattach bound in the second fault, ms.
+/// The guest library's reattach bound in the faults of a dead
+/// destination, ms.
 const REATTACH_MS: u64 = 3000;
+/// The daemons' `migration_pause_limit` (`HcaConfig`'s default, not
+/// public outside the core).
+const PAUSE_LIMIT: Duration = Duration::from_secs(5);
+/// The id of B's request to the guest's QP.
+const PROBE: u64 = u64::MAX - 1;
 
 /// A stream from `g` to B (tag `tag`, `env` before the program) while
 /// `f` runs; B's messages once, in order, checked as they come. Returns
@@ -51,16 +71,21 @@ fn streaming<R>(
     g: &mut Guest,
     tag: &str,
     env: &str,
-    f: impl FnOnce(&mut Guest, &AtomicU64) -> R,
+    f: impl FnOnce(&mut Guest, &AtomicU64, &Stream) -> R,
 ) -> (R, Vec<u64>, Peer) {
     let peer = Peer::connect_with(&w.b, g, tag, env, "", COUNT, PACE_US);
     let received = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
+    let done = AtomicBool::new(false);
     let (seqs, r) = std::thread::scope(|s| {
-        let receiver = s.spawn(|| peer.receive(&received, &stop, Duration::from_secs(300)));
+        let receiver = s.spawn(|| {
+            let r = peer.receive(&received, &stop, Duration::from_secs(300));
+            done.store(true, Ordering::Release);
+            r
+        });
         let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             wait_received(&received, AFTER);
-            f(g, &received)
+            f(g, &received, &Stream { peer: &peer, stop: &stop, done: &done })
         }));
         stop.store(true, Ordering::Release);
         let (seqs, _) = receiver.join().expect("B's receiver");
@@ -69,6 +94,25 @@ fn streaming<R>(
     match r {
         Ok(r) => (r, seqs, peer),
         Err(p) => std::panic::resume_unwind(p),
+    }
+}
+
+/// What a fault may do with B's end of the stream while it runs.
+struct Stream<'a> {
+    peer: &'a Peer,
+    stop: &'a AtomicBool,
+    done: &'a AtomicBool,
+}
+
+impl Stream<'_> {
+    /// Stops B's receiver (bounded), so that B's CQ is the caller's.
+    fn halt(&self) {
+        self.stop.store(true, Ordering::Release);
+        let end = Instant::now() + Duration::from_secs(10);
+        while !self.done.load(Ordering::Acquire) {
+            assert!(Instant::now() < end, "B's receiver did not stop");
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 }
 
@@ -99,7 +143,8 @@ fn qemu_moves(w: &World, tag: &str, from: &Guest, q: &mut Qmp, to: &Path) -> (Gu
     (dest, qd)
 }
 
-/// Both faults, the guest on C (QMP `q`); a line each for the report.
+/// The three faults, the guest on C (QMP `q`); a line each for the
+/// report.
 pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> {
     let mut report = Vec::new();
     let (a, c) = (w.a.socket.clone(), w.c.socket.clone());
@@ -113,7 +158,7 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
     let mut q = q;
     let t0 = Instant::now();
     let ((mut ga, qa, went_on, at_cut, st, out), seqs, peer) =
-        streaming(w, &mut g, "cut", "", |g, received| {
+        streaming(w, &mut g, "cut", "", |g, received, _| {
             let (mut ga, mut qa) = qemu_moves(w, "cut", g, &mut q, &a);
             operator(&c, &["pause", "--vm", "t"]);
             operator(&c, &["export", "--vm", "t", "--out", &snap_s, "--region", &rfile_s]);
@@ -186,12 +231,70 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
     ));
     drop(peer);
 
-    // 2. C's daemon dies after A's finish (inside `move`), the VM run on
-    //    at C.
+    // 2. C's daemon dies after A's finish, before its resume: the
+    //    operator gives up on C and `cont`s A's QEMU.
     let t0 = Instant::now();
     let mut q = qa;
     let env = format!("{}={REATTACH_MS}", vrdma::guest::REATTACH_ENV);
-    let ((mut gc, _qc, killed), seqs, peer) = streaming(w, &mut ga, "dd", &env, |g, received| {
+    let ((_qc, resumed_at_a, posted), seqs, peer) = streaming(w, &mut ga, "df", &env, |g, _, b| {
+        let (gc, qc) = qemu_moves(w, "df", g, &mut q, &c);
+        operator(&a, &["pause", "--vm", "t"]);
+        // B sends to the paused QP: A answers PAUSED, B holds the request
+        // (its receiver stopped first, B's CQ is this test's now).
+        std::thread::sleep(Duration::from_millis(300));
+        b.halt();
+        let posted = b_post(b.peer);
+        operator(&a, &["export", "--vm", "t", "--out", &snap_s, "--region", &rfile_s]);
+        operator(&c, &["import", "--in", &snap_s, "--vm", "t", "--region", &rfile_s]);
+        operator(&a, &["finish", "--vm", "t"]);
+        kill_daemon(&w.c);
+        drop(gc);
+        // The VM runs on at A, its tenant gone from there.
+        q.exec(r#"{"execute":"cont"}"#);
+        assert_eq!(q.status(), "running");
+        let resumed = Instant::now();
+        let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the guest back on A: {e}"));
+        assert!(out.contains("here"), "{out}");
+        (qc, resumed, posted)
+    });
+    w.c.kill();
+    std::fs::remove_file(&snap).unwrap();
+    std::fs::remove_file(&rfile).unwrap();
+    let (line, fatal) = device_fatal(&mut ga, "df", resumed_at_a);
+    // The library waited its bound for its context to come back.
+    assert!(fatal >= Duration::from_millis(REATTACH_MS), "DEVICE_FATAL {fatal:?} after the cont: {line}");
+    let n = seqs.len() as u64;
+    assert_eq!(
+        seqs,
+        (0..n).collect::<Vec<_>>(),
+        "every message once, in order, at B (C dead before its resume)"
+    );
+    // B held its request (PAUSED) for the migration's bound, not for ever.
+    let held = b_fails(&peer, posted);
+    assert!(
+        held >= PAUSE_LIMIT - Duration::from_millis(100),
+        "B's request failed after {held:?}, before the bound"
+    );
+    report.push(format!(
+        "C's daemon killed between A's finish and C's resume, the VM run on at A: the guest's program saw \
+         DEVICE_FATAL {:.1} s after the cont ({line}; library bound {:.1} s), {n} messages at B, B's request \
+         sent to the paused QP held PAUSED then failed RETRY_EXC_ERR after {:.1} s (bound {:.0} s) ({:.1} s)",
+        fatal.as_secs_f64(),
+        REATTACH_MS as f64 / 1e3,
+        held.as_secs_f64(),
+        PAUSE_LIMIT.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    ));
+    drop(peer);
+    w.c.restart();
+    for d in [&w.a, &w.b, &w.c] {
+        d.wait_links(2);
+    }
+
+    // 3. C's daemon dies after the whole move (A's finish and C's resume,
+    //    inside `move`), the VM run on at C.
+    let t0 = Instant::now();
+    let ((mut gc, _qc, killed), seqs, peer) = streaming(w, &mut ga, "dd", &env, |g, received, _| {
         let (mut gc, mut qc) = qemu_moves(w, "dd", g, &mut q, &c);
         operator(&a, &["move", "--vm", "t", "--to", c.to_str().unwrap()]);
         qc.exec(r#"{"execute":"cont"}"#);
@@ -200,11 +303,7 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
         assert!(out.contains("here"), "{out}");
         wait_received(received, received.load(Ordering::Acquire) + AFTER);
         guest_running(&mut gc, "dd");
-        // SIGKILL by its pid (reaped below, by `Daemon::kill`).
-        let pid = libc::pid_t::try_from(w.c.child.id()).unwrap();
-        // SAFETY: kill(2) touches no memory of ours; the pid is our child,
-        // not yet reaped, so it names that process.
-        assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+        kill_daemon(&w.c);
         let killed = Instant::now();
         // Frames already on their way to B are taken by its receiver.
         std::thread::sleep(Duration::from_millis(500));
@@ -212,24 +311,59 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
     });
     w.c.kill();
     drop(ga);
-    let (st, out) = guest_wait(&mut gc, "dd");
-    let fatal = killed.elapsed();
-    assert_eq!(st, 1, "the stream on the dead daemon:\n{out}");
+    let (line, fatal) = device_fatal(&mut gc, "dd", killed);
+    let n = seqs.len() as u64;
+    assert_eq!(seqs, (0..n).collect::<Vec<_>>(), "every message once, in order, at B (the dead destination)");
+    let failed = b_fails(&peer, b_post(&peer));
+    report.push(format!(
+        "C's daemon killed after the move (the VM on C): the guest's program saw DEVICE_FATAL {:.1} s after \
+         ({line}), {n} messages at B, B's request failed RETRY_EXC_ERR in {:.1} s ({:.1} s)",
+        fatal.as_secs_f64(),
+        failed.as_secs_f64(),
+        t0.elapsed().as_secs_f64()
+    ));
+    report
+}
+
+/// SIGKILL to a daemon, by its pid (reaped later, by `Daemon::kill`).
+fn kill_daemon(d: &Daemon) {
+    let pid = libc::pid_t::try_from(d.child.id()).unwrap();
+    // SAFETY: kill(2) touches no memory of ours; the pid is our child,
+    // not yet reaped, so it names that process.
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
+}
+
+/// The guest's program `tag` ends (bounded) reporting
+/// `IBV_EVENT_DEVICE_FATAL`: its line, and how long after `since`.
+fn device_fatal(g: &mut Guest, tag: &str, since: Instant) -> (String, Duration) {
+    let (st, out) = guest_wait(g, tag);
+    let after = since.elapsed();
+    assert_eq!(st, 1, "the stream whose device went:\n{out}");
     let line = out
         .lines()
         .find(|l| l.starts_with("DEVICE_FATAL "))
         .unwrap_or_else(|| panic!("the guest's program saw no IBV_EVENT_DEVICE_FATAL:\n{out}"));
-    // Bounded (the library's bound, the 10 ms look, the guest's slowness).
-    assert!(fatal < Duration::from_secs(60), "DEVICE_FATAL after {fatal:?}: {out}");
-    let n = seqs.len() as u64;
-    assert_eq!(seqs, (0..n).collect::<Vec<_>>(), "every message once, in order, at B (the dead destination)");
-    // B's request to the dead QP fails RETRY_EXC_ERR (its link gone, no
-    // PAUSED: C had resumed), then B's receives are flushed; nothing
-    // delivered.
+    // Bounded: the library's bound, the program's 10 ms look, the guest's
+    // slowness.
+    assert!(after < Duration::from_secs(60), "DEVICE_FATAL after {after:?}: {out}");
+    (line.to_string(), after)
+}
+
+/// B's request to the guest's QP (an RDMA write, its id `PROBE`), B's
+/// receiver stopped: when it was posted.
+fn b_post(peer: &Peer) -> Instant {
     let sge = peer.side.mr.sge(0, 8).unwrap();
-    let id = u64::MAX - 1;
-    let t1 = Instant::now();
-    peer.side.qp.post_send(&[vrdma::wr::rdma_write(id, &[sge], 0, 0).unwrap()]).unwrap();
+    let t = Instant::now();
+    peer.side.qp.post_send(&[vrdma::wr::rdma_write(PROBE, &[sge], 0, 0).unwrap()]).unwrap();
+    t
+}
+
+/// B's request (`b_post`) to the guest's dead QP fails `RETRY_EXC_ERR`
+/// within a bound, and B's receives are flushed, once each, nothing
+/// delivered; how long after `posted`.
+fn b_fails(peer: &Peer, posted: Instant) -> Duration {
+    let id = PROBE;
+    let t1 = posted;
     let end = Instant::now() + Duration::from_secs(30);
     let mut mine = None;
     let mut flushed = 0;
@@ -241,7 +375,7 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
                 assert_eq!(wc.opcode, WcOpcode::RdmaWrite, "{wc:?}");
                 mine = Some((wc.status, t1.elapsed()));
             } else {
-                assert_eq!(wc.status, WcStatus::WrFlushErr, "at B after the dead destination: {wc:?}");
+                assert_eq!(wc.status, WcStatus::WrFlushErr, "at B after the guest's QP died: {wc:?}");
                 flushed += 1;
             }
         }
@@ -252,13 +386,5 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
     let (status, failed) = mine.expect("B's request to the dead QP never completed");
     assert_eq!(status, WcStatus::RetryExcErr, "B's request to the dead QP");
     assert_eq!(flushed, RECVS, "B's receives flushed, once each");
-    report.push(format!(
-        "C's daemon killed after A's finish: the guest's program saw DEVICE_FATAL {:.1} s after ({line}; \
-         library bound {:.1} s), {n} messages at B, B's request failed RETRY_EXC_ERR in {:.1} s ({:.1} s)",
-        fatal.as_secs_f64(),
-        REATTACH_MS as f64 / 1e3,
-        failed.as_secs_f64(),
-        t0.elapsed().as_secs_f64()
-    ));
-    report
+    failed
 }
