@@ -34,8 +34,9 @@
 //!    disk every QEMU here has) of that guest, streaming anew
 //!    (`savevm.rs`);
 //! 7. the destination's cable cut between its import and its resume, and
-//!    a destination daemon that dies after the source's `finish`, each on
-//!    a stream of its own (`lastfaults.rs`).
+//!    a destination daemon that dies after the source's `finish` (before
+//!    its own resume, and after the whole move), each on a stream of its
+//!    own (`lastfaults.rs`).
 //!
 //! The guest boots once; the savevm part runs only where `qemu-img`
 //! exists (`apt-get install qemu-utils`).
