@@ -455,7 +455,7 @@ impl Peer {
     }
 
     /// As `connect_as`, the program started with `env` (`NAME=VALUE ...`,
-    /// or empty) before it.
+    /// or empty) in its environment.
     pub fn connect_with(
         b: &Daemon,
         guest: &mut Guest,
@@ -467,8 +467,13 @@ impl Peer {
     ) -> Peer {
         assert!(count <= MAX_COUNT);
         let peerfile = format!("/tmp/peer-{tag}");
-        let env = if env.is_empty() { String::new() } else { format!("env {env} ") };
-        guest_bg(guest, tag, 600, &format!("{env}seqstream {count} {LEN} {pace_us} {peerfile} {mode}"));
+        // The drop-in says why a verb failed (on stderr, in the output).
+        guest_bg(
+            guest,
+            tag,
+            600,
+            &format!("env VRDMA_VERBS_DEBUG=1 {env} seqstream {count} {LEN} {pace_us} {peerfile} {mode}"),
+        );
         let local = guest_line(guest, tag, "LOCAL ");
         let f: Vec<&str> = local.split_whitespace().collect();
         assert_eq!(f.len(), 5, "{local}");
