@@ -30,7 +30,9 @@
 //! One guest boots per test (TCG: seconds to tens of seconds); the
 //! binary prints its times and the pause B saw. The faults (a
 //! destination daemon killed, a cancelled migration, a snapshot restored
-//! twice) are in `faults.rs`, on a guest of their own; the downtime with
+//! twice) are in `faults.rs`, on a guest of their own, the last ones (the
+//! destination's cable cut, the destination dead after the source's
+//! `finish`) in `lastfaults.rs`; the downtime with
 //! and without vRDMA traffic and B's throughput dip (a figure, run by
 //! hand with `--ignored`, its number of hops from `VRDMA_DOWNTIME_HOPS`)
 //! in `downtime.rs`; what they share is in `world.rs`.
@@ -39,6 +41,8 @@
 mod downtime;
 #[path = "guest_migrate/faults.rs"]
 mod faults;
+#[path = "guest_migrate/lastfaults.rs"]
+mod lastfaults;
 #[path = "guest_migrate/savevm.rs"]
 mod savevm;
 #[path = "guest_migrate/world.rs"]

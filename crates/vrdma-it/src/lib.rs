@@ -1215,16 +1215,30 @@ pub struct NetnsBridge {
     pub switch: String,
     pub ns: Vec<String>,
     pub addr: Vec<String>,
+    /// Host `i`'s end of its veth pair, in its namespace.
+    pub dev: Vec<String>,
 }
 
 impl NetnsBridge {
+    /// Cuts host `i`'s cable (its veth end down) or plugs it back in
+    /// (up): every link of that host to the others goes silent, as when
+    /// a cable is pulled, without closing any connection.
+    pub fn set_link(&self, i: usize, up: bool) -> Result<()> {
+        let (ns, dev) = (self.ns.get(i).context("no such host")?, &self.dev[i]);
+        run_cmd(&["ip", "-n", ns, "link", "set", dev, if up { "up" } else { "down" }])
+    }
+
     /// The namespaces, named after the pid and a counter as [`Netns`]'s.
     pub fn create(n: usize) -> Result<NetnsBridge> {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let k = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
-        let mut net =
-            NetnsBridge { switch: format!("vrdma-it-{pid}-{k}-sw"), ns: Vec::new(), addr: Vec::new() };
+        let mut net = NetnsBridge {
+            switch: format!("vrdma-it-{pid}-{k}-sw"),
+            ns: Vec::new(),
+            addr: Vec::new(),
+            dev: Vec::new(),
+        };
         run_cmd(&["ip", "netns", "add", &net.switch])?;
         let sw = net.switch.clone();
         run_cmd(&["ip", "-n", &sw, "link", "add", "br0", "type", "bridge"])?;
@@ -1245,6 +1259,7 @@ impl NetnsBridge {
             run_cmd(&["ip", "-n", &ns, "addr", "add", &format!("{addr}/24"), "dev", &host_end])?;
             run_cmd(&["ip", "-n", &ns, "link", "set", &host_end, "up"])?;
             run_cmd(&["ip", "-n", &ns, "link", "set", "lo", "up"])?;
+            net.dev.push(host_end);
         }
         Ok(net)
     }

@@ -25,6 +25,12 @@
  * seconds without an event while work is outstanding it looks at the CQ
  * and fails "FAIL event lost" if a completion is there ("FAIL stalled"
  * if none). "DONE" then adds "events=E".
+ *
+ * The device gone (its daemon dead, past the library's reattach bound):
+ * while idle (every 10 ms) and after a failed post or query (then for up
+ * to 5 s) it looks at the context's async events (its fd non-blocking, each acknowledged);
+ * on IBV_EVENT_DEVICE_FATAL it prints "DEVICE_FATAL posted=P
+ * completed=D" and exits 1.
  */
 #include <infiniband/verbs.h>
 #include <arpa/inet.h>
@@ -49,6 +55,42 @@ static uint64_t now_us(void)
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (uint64_t)t.tv_sec * 1000000u + (uint64_t)t.tv_nsec / 1000u;
+}
+
+/*
+ * A non-blocking look at `ctx`'s async events (up to 8, each
+ * acknowledged): 1 if IBV_EVENT_DEVICE_FATAL came.
+ */
+static int device_fatal(struct ibv_context *ctx)
+{
+    for (int k = 0; k < 8; k++) {
+        struct ibv_async_event ev;
+        if (ibv_get_async_event(ctx, &ev))
+            return 0;
+        int fatal = ev.event_type == IBV_EVENT_DEVICE_FATAL;
+        ibv_ack_async_event(&ev);
+        if (fatal)
+            return 1;
+    }
+    return 0;
+}
+
+/*
+ * Prints "DEVICE_FATAL ..." if the device is gone, looking for up to
+ * `wait_ms` (after a failed call the event may follow it); 1 if so.
+ */
+static int report_fatal(struct ibv_context *ctx, uint64_t posted, uint64_t done, int wait_ms)
+{
+    int fatal = device_fatal(ctx);
+    for (int k = 0; !fatal && k < wait_ms / 10; k++) {
+        usleep(10000);
+        fatal = device_fatal(ctx);
+    }
+    if (!fatal)
+        return 0;
+    printf("DEVICE_FATAL posted=%llu completed=%llu\n", (unsigned long long)posted, (unsigned long long)done);
+    fflush(stdout);
+    return 1;
 }
 
 static int fail(const char *what)
@@ -136,6 +178,9 @@ int main(int argc, char **argv)
     struct ibv_context *ctx = ibv_open_device(devs[0]);
     if (!ctx)
         return fail("ibv_open_device");
+    int afl = fcntl(ctx->async_fd, F_GETFL);
+    if (afl < 0 || fcntl(ctx->async_fd, F_SETFL, afl | O_NONBLOCK) < 0)
+        return fail("the async fd non-blocking");
     struct ibv_pd *pd = ibv_alloc_pd(ctx);
     char *buf = calloc(SLOTS, len);
     struct ibv_mr *mr = pd && buf ? ibv_reg_mr(pd, buf, SLOTS * len, IBV_ACCESS_LOCAL_WRITE) : NULL;
@@ -236,6 +281,8 @@ int main(int argc, char **argv)
     /* The QP read as ERR: post no more; its failed completion is due. */
     int in_error = 0;
     uint64_t deadline = now_us() + 600ull * 1000000u;
+    /* When the async events were last looked at. */
+    uint64_t looked = now_us();
     struct ibv_wc wc[16];
     while (done < count) {
         if (now_us() > deadline) {
@@ -260,6 +307,7 @@ int main(int argc, char **argv)
             }
             struct ibv_send_wr *bad;
             if (ibv_post_send(qp, &wr, &bad)) {
+                report_fatal(ctx, posted, done, 5000);
                 printf("FAIL post_send %llu\n", (unsigned long long)posted);
                 return 1;
             }
@@ -268,6 +316,7 @@ int main(int argc, char **argv)
                 struct ibv_qp_attr q;
                 struct ibv_qp_init_attr qi;
                 if (ibv_query_qp(qp, &q, IBV_QP_STATE, &qi)) {
+                    report_fatal(ctx, posted, done, 5000);
                     printf("FAIL query_qp at %llu\n", (unsigned long long)posted);
                     return 1;
                 }
@@ -315,6 +364,11 @@ int main(int argc, char **argv)
         }
         if (n < 0)
             return fail("poll_cq");
+        if (n == 0 && now_us() - looked > 10000) {
+            looked = now_us();
+            if (report_fatal(ctx, posted, done, 0))
+                return 1;
+        }
         for (int i = 0; i < n; i++) {
             if (wc[i].status != IBV_WC_SUCCESS) {
                 printf("FAIL completion %llu: %s\n", (unsigned long long)wc[i].wr_id,

@@ -32,7 +32,11 @@
 //!    nothing more and stays in RTS;
 //! 6. QEMU's own snapshots (`savevm`/`loadvm`, on a blank qcow2 scratch
 //!    disk every QEMU here has) of that guest, streaming anew
-//!    (`savevm.rs`).
+//!    (`savevm.rs`);
+//! 7. the destination's cable cut between its import and its resume, and
+//!    a destination daemon that dies after the source's `finish` (before
+//!    its own resume, and after the whole move), each on a stream of its
+//!    own (`lastfaults.rs`).
 //!
 //! The guest boots once; the savevm part runs only where `qemu-img`
 //! exists (`apt-get install qemu-utils`).
@@ -63,7 +67,7 @@ struct Outcome {
 }
 
 #[test]
-fn a_dead_destination_a_cancelled_migration_and_a_snapshot_restored_twice() {
+fn a_dead_destination_a_cancelled_migration_a_cut_cable_and_a_snapshot_restored_twice() {
     let started = Instant::now();
     let Some(mut w) = World::new() else { return };
     // A scratch disk for QEMU's savevm, at the end.
@@ -101,10 +105,15 @@ fn a_dead_destination_a_cancelled_migration_and_a_snapshot_restored_twice() {
         let r = super::savevm::savevm_and_loadvm(&w, &mut outcome.guest, &mut outcome.qmp, &w.c.socket);
         outcome.report.push(format!("{r} ({:.1} s)", t0.elapsed().as_secs_f64()));
     }
+    // The faults that end the guest's streams, then its device, for good
+    // (`lastfaults.rs`): the destination's cable cut, a destination that
+    // dies after the source's finish.
+    let Outcome { guest, qmp, mut report, .. } = outcome;
+    report.extend(super::lastfaults::cut_and_dead_destination(&mut w, guest, qmp));
     eprintln!(
         "guest_migrate faults: boot {:.1} s; {}; {n} messages at B; {:.1} s in all",
         boot.as_secs_f64(),
-        outcome.report.join("; "),
+        report.join("; "),
         started.elapsed().as_secs_f64()
     );
 }

@@ -369,6 +369,12 @@ impl World {
         true
     }
 
+    /// Cuts (`up` false) or restores host `host`'s cable (0 A, 1 B, 2 C):
+    /// its veth end down or up, its links silent meanwhile.
+    pub fn set_link(&self, host: usize, up: bool) {
+        self._net.set_link(host, up).unwrap_or_else(|e| panic!("host {host}'s cable: {e:#}"));
+    }
+
     /// The spec of VM `t` on the daemon at `socket`, QMP at `qmp`.
     pub fn spec(&self, socket: &Path, qmp: &Path, more: &[&str]) -> GuestSpec {
         let mut s = GuestSpec::new(self.img.clone());
@@ -445,9 +451,29 @@ impl Peer {
         count: u64,
         pace_us: u32,
     ) -> Peer {
+        Peer::connect_with(b, guest, tag, "", mode, count, pace_us)
+    }
+
+    /// As `connect_as`, the program started with `env` (`NAME=VALUE ...`,
+    /// or empty) in its environment.
+    pub fn connect_with(
+        b: &Daemon,
+        guest: &mut Guest,
+        tag: &str,
+        env: &str,
+        mode: &str,
+        count: u64,
+        pace_us: u32,
+    ) -> Peer {
         assert!(count <= MAX_COUNT);
         let peerfile = format!("/tmp/peer-{tag}");
-        guest_bg(guest, tag, 600, &format!("seqstream {count} {LEN} {pace_us} {peerfile} {mode}"));
+        // The drop-in says why a verb failed (on stderr, in the output).
+        guest_bg(
+            guest,
+            tag,
+            600,
+            &format!("env VRDMA_VERBS_DEBUG=1 {env} seqstream {count} {LEN} {pace_us} {peerfile} {mode}"),
+        );
         let local = guest_line(guest, tag, "LOCAL ");
         let f: Vec<&str> = local.split_whitespace().collect();
         assert_eq!(f.len(), 5, "{local}");
