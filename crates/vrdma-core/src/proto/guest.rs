@@ -33,6 +33,12 @@ pub const MAX_FRAME_BODY: usize = MAX_MESSAGE + 1024;
 pub const MAX_HANDLES: usize = super::MAX_FDS;
 /// The guest transport's version, in [`Frame::Hello`].
 pub const GUEST_VERSION: u32 = 1;
+/// The nonce of the [`Frame::Ping`] a daemon sends first after a port's
+/// [`Frame::Hello`]: what the guest reads on the port before it was
+/// written for an earlier opener (QEMU keeps what the daemon writes while
+/// no program has the port open, and hands it to the next), so the guest
+/// drops it. Its periodic pings count from 1 and never reach it.
+pub const HELLO_ACK: u64 = u64::MAX;
 
 /// What stands for a descriptor in a reply to a guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags};
 use rustix::net::{AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType};
-use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION, HELLO_ACK};
 use vrdma_core::proto::{Reply, Request};
 
 use super::GuestConfig;
@@ -273,6 +273,7 @@ impl GuestLink {
             port: reader,
             gen: 1,
             dec: FrameDecoder::new(),
+            synced: false,
             replies: tx,
             wake: wake_rx,
             _gone: gone_far,
@@ -466,6 +467,9 @@ pub(super) struct Reader {
     /// The port's generation.
     pub gen: u64,
     pub dec: FrameDecoder,
+    /// The daemon's `HELLO_ACK` came on this port: frames before it were
+    /// written for an earlier opener and are dropped.
+    pub synced: bool,
     replies: Sender<Msg>,
     pub wake: OwnedFd,
     /// Dropped with the thread: the library's `gone` end hangs up.
@@ -611,6 +615,7 @@ impl Reader {
     fn frames(&mut self) -> std::result::Result<Option<Stop>, Stop> {
         loop {
             match self.dec.next_frame() {
+                Ok(Some(f)) if !self.synced => self.before_ack(f),
                 Ok(Some(Frame::Ended { reason })) => return Ok(Some(Stop::Ended(reason))),
                 Ok(Some(f)) => self.on_frame(f).map_err(Stop::Lost)?,
                 Ok(None) => return Ok(None),
@@ -656,6 +661,20 @@ impl Reader {
             self.send(&Frame::Close { id })?;
         }
         Ok(())
+    }
+
+    /// A frame before the daemon's `HELLO_ACK`: the ack syncs the port;
+    /// anything else was written for an earlier opener of the port (a
+    /// program that exited before reading its last reply, or an `Ended`
+    /// for its session) and is dropped: taken as this program's, a stale
+    /// reply answered its Hello and the device was not found.
+    fn before_ack(&mut self, f: Frame) {
+        match f {
+            Frame::Ping { nonce: HELLO_ACK } => self.synced = true,
+            f => {
+                tracing::debug!(frame = ?f, "vrdma: dropping a frame written for the port's previous opener")
+            }
+        }
     }
 
     fn on_frame(&self, f: Frame) -> std::result::Result<(), String> {

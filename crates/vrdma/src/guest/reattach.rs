@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
-use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, GUEST_VERSION};
+use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, GUEST_VERSION, HELLO_ACK};
 use vrdma_core::proto::{Reply, Request, PROTOCOL_VERSION};
 
 use super::link::{lock, open_bar, open_port, Bound, Reader, State, BELLS_AT_ONCE};
@@ -148,9 +148,16 @@ impl Reader {
         let until = end.min(Instant::now() + ADOPT_REPLY_LIMIT);
         let mut dec = FrameDecoder::new();
         let mut buf = vec![0u8; 64 << 10];
+        // Frames before the daemon's `HELLO_ACK` were written for an
+        // earlier opener of the port: not this adoption's reply.
+        let mut synced = false;
         let (reply, handles) = loop {
             match dec.next_frame() {
-                Ok(Some(Frame::Reply { reply, handles })) => break (reply, handles),
+                Ok(Some(Frame::Ping { nonce: HELLO_ACK })) => {
+                    synced = true;
+                    continue;
+                }
+                Ok(Some(Frame::Reply { reply, handles })) if synced => break (reply, handles),
                 Ok(Some(Frame::Ping { nonce })) => {
                     port.write_all(&guest::encode(&Frame::Pong { nonce }))
                         .map_err(|e| Failed::Again(format!("port write: {e}")))?;
@@ -255,6 +262,7 @@ impl Reader {
         let writer = a.port.try_clone();
         self.port = a.port;
         self.dec = a.dec;
+        self.synced = true;
         self.gen = gen;
         match writer {
             Ok(w) => *lock(&self.shared.writer) = (gen, Some(w)),

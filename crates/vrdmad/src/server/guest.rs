@@ -33,7 +33,7 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::net::{RecvFlags, SendFlags, SocketType};
 use vrdma_core::hca::TenantId;
 use vrdma_core::log_limit::Source;
-use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION};
+use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION, HELLO_ACK};
 use vrdma_core::proto::{Reply, Request};
 
 use super::guest_answers::{self, Seen};
@@ -276,6 +276,7 @@ impl Port {
                 let message = format!(
                     "guest transport version {version} is not supported; the daemon speaks {GUEST_VERSION}"
                 );
+                self.send(&Frame::Ping { nonce: HELLO_ACK })?;
                 self.send(&Frame::Reply {
                     reply: Reply::Error { errno: libc::EPROTO, message },
                     handles: Vec::new(),
@@ -285,7 +286,10 @@ impl Port {
                 // A new opener: whoever had the port before is gone.
                 self.end_session();
                 self.told_no_session = None;
-                self.start_session()
+                self.start_session()?;
+                // What the opener reads before this was written for an
+                // earlier one: it drops that (`HELLO_ACK`).
+                self.send(&Frame::Ping { nonce: HELLO_ACK })
             }
             Frame::NumberedCall { number, req } => self.numbered(number, req),
             Frame::Call(req) => {
