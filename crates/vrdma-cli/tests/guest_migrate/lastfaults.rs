@@ -334,13 +334,13 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
     });
     w.c.kill();
     drop(ga);
-    // The guest's side, bounded to 10 s and reported, not asserted: its
-    // library learns of the death only from its port's hang-up, which
-    // came within 0.7 s in most runs and not in 100 s in some (the
-    // program then waits on: docs/migration.md, "What is not done").
+    // The guest's side: its library learns of the death from its port's
+    // hang-up (within 0.7 s in most runs) or, where that never comes
+    // (4 runs of 18 before the bound), from its probes going unanswered
+    // for 8 s (`DAEMON_SILENT_LIMIT`); bounded here to 30 s.
     let (ended, out) = gc
         .run(
-            "i=0; while [ ! -e /tmp/dd.st ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i+1)); done; cat /tmp/dd.out; \
+            "i=0; while [ ! -e /tmp/dd.st ] && [ $i -lt 300 ]; do sleep 0.1; i=$((i+1)); done; cat /tmp/dd.out; \
              [ -e /tmp/dd.st ]",
             T,
         )
@@ -354,7 +354,10 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
             .unwrap_or_else(|| panic!("the guest's program ended without IBV_EVENT_DEVICE_FATAL:\n{out}"));
         format!("saw DEVICE_FATAL {:.1} s after ({line})", fatal.as_secs_f64())
     } else {
-        format!("saw nothing in {:.1} s (its port never hung up)", fatal.as_secs_f64())
+        panic!(
+            "the guest's program saw nothing in {:.1} s after its daemon died:\n{out}",
+            fatal.as_secs_f64()
+        )
     };
     let n = seqs.len() as u64;
     assert_eq!(seqs, (0..n).collect::<Vec<_>>(), "every message once, in order, at B (the dead destination)");

@@ -39,6 +39,11 @@ pub const GUEST_VERSION: u32 = 1;
 /// no program has the port open, and hands it to the next), so the guest
 /// drops it. Its periodic pings count from 1 and never reach it.
 pub const HELLO_ACK: u64 = u64::MAX;
+/// The nonce of the [`Frame::Ping`] that answers a guest's probe (a
+/// [`Frame::Pong`] with nonce 0) on a port whose session is live: a guest
+/// whose probes go unanswered for long knows the daemon is gone, also
+/// where the port's hang-up never reaches it.
+pub const PROBE_ACK: u64 = u64::MAX - 1;
 
 /// What stands for a descriptor in a reply to a guest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

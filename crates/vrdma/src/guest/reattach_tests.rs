@@ -410,3 +410,33 @@ impl Port {
         }
     }
 }
+
+/// A daemon that dies under a running guest whose port never hangs up
+/// (seen with real guests: the chardev's end went, the guest's port
+/// stayed open and silent): a live daemon answers every probe, so a port
+/// that answers none for `DAEMON_SILENT_LIMIT` is the device gone, and
+/// the link says so (its `gone` descriptor hangs up, calls fail). Without
+/// the bound the guest waited for ever.
+#[test]
+fn a_port_that_answers_no_probe_is_the_device_gone() {
+    let scene = Scene::new("vrdma-reattach-silent-daemon");
+    let (listener, cfg) = (scene.listener(), scene.cfg());
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let daemon = std::thread::spawn(move || {
+        let mut a = Port::accept(&listener);
+        a.open_session(false, (1, 2));
+        // Silent from now on, the connection kept open (probes unread).
+        let _ = done_rx.recv_timeout(Duration::from_secs(30));
+        drop(a);
+    });
+
+    let link = GuestLink::open_with(&cfg, Duration::from_secs(10)).unwrap();
+    let (_, _carried) = link.call(&Request::Hello { version: PROTOCOL_VERSION }).unwrap();
+    let start = Instant::now();
+    assert!(readable(link.gone_fd(), Duration::from_secs(20)), "the link never gave the device up");
+    let took = start.elapsed();
+    assert!(took >= Duration::from_secs(7), "given up after {took:?}, before the bound");
+    assert!(link.call(&Request::DeallocPd { pd: 1 }).is_err(), "a call on a gone device succeeded");
+    done_tx.send(()).unwrap();
+    daemon.join().unwrap();
+}

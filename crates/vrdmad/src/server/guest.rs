@@ -33,7 +33,9 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use rustix::net::{RecvFlags, SendFlags, SocketType};
 use vrdma_core::hca::TenantId;
 use vrdma_core::log_limit::Source;
-use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION, HELLO_ACK};
+use vrdma_core::proto::guest::{
+    self, EndReason, Frame, FrameDecoder, Handle, GUEST_VERSION, HELLO_ACK, PROBE_ACK,
+};
 use vrdma_core::proto::{Reply, Request};
 
 use super::guest_answers::{self, Seen};
@@ -344,6 +346,10 @@ impl Port {
             // moved here, the reply lost with the source's port): a port
             // with no session says so, and the guest adopts its context.
             Frame::Pong { .. } if self.live.is_none() => self.tell_no_session(),
+            // A live session answers the probe, so that a guest hearing
+            // nothing for long knows the daemon is gone (its port's
+            // hang-up does not always reach it).
+            Frame::Pong { nonce: 0 } => self.send(&Frame::Ping { nonce: PROBE_ACK }),
             Frame::Pong { .. } => Ok(()),
             Frame::Ping { .. } | Frame::Reply { .. } | Frame::Ended { .. } => {
                 tracing::debug!(vm = %self.vm.name, "a guest sent a daemon's frame; ignored");
