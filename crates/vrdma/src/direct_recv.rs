@@ -174,10 +174,12 @@ impl RecvTarget {
             return Delivered::Done;
         }
         self.inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
-        // This is the inbox's only producer but for the daemon, which now
-        // leaves the slot alone: a failure is the peer's own scribbling on
-        // its indices, which loses it this completion.
-        let _ = self.inbox.publish_staged(at);
+        // A failure: the daemon published the slot first (this process was
+        // stopped right here while the peer QP was flushed: the receive
+        // completed once), or the peer's own scribbling on its indices.
+        if !self.inbox.publish_staged(at) {
+            return Delivered::Done;
+        }
         // After the push: the owner's poll finds the inbox through its
         // bucket's bit (`crate::direct_ready`).
         ReadySet::of(&self.cq).mark(self.responder);

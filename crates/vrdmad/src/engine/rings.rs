@@ -607,41 +607,45 @@ impl Queues for RingTable {
         }
         // The inbox's producer index before the receive queue's consumer
         // index: a claim counted in the latter whose completion is not in
-        // the former has its completion staged in slot `pushed`, and the
-        // swaps below publish that slot only if the requester has not
-        // taken it to publish itself.
+        // the former has its completion staged in slot `pushed`.
         let pushed = inbox.produced();
         let claimed = rq.ring.consumed().wrapping_sub(rq.took);
         // One claim at most is ever unpublished (a requester QP delivers
         // one message at a time and stages in the next slot); any other
         // difference is a tenant's scribbling, which gets nothing.
-        if claimed.wrapping_sub(pushed) != 1 {
-            return false;
+        let mut published = false;
+        if claimed.wrapping_sub(pushed) == 1 {
+            // The staged word first: won, the requester (if it ever runs
+            // again) leaves the slot alone and it is published as staged, a
+            // flush. Lost, the requester had placed the message and was
+            // making it a success (one byte, which may land after this
+            // publication, success being then as true as the flush).
+            // Either way the compare-and-swap of the producer index
+            // publishes the slot once: the requester's own fails after it.
+            let staged = inbox.aux(INBOX_AUX_STAGED);
+            let next = pushed.wrapping_add(1);
+            let _ = staged.compare_exchange(pushed, next, Ordering::SeqCst, Ordering::SeqCst);
+            published = inbox.publish_staged(pushed);
         }
-        // The slot's publication is whoever's swap of the staged word wins:
-        // the requester's, once it placed the message (it then makes the
-        // completion a success), or this one (the flush it staged).
-        let staged = inbox.aux(INBOX_AUX_STAGED);
-        let next = pushed.wrapping_add(1);
-        if staged.compare_exchange(pushed, next, Ordering::SeqCst, Ordering::SeqCst).is_err()
-            || !inbox.publish_staged(pushed)
-        {
-            return false;
-        }
-        let cqn = *cqn;
         // The owner's poll finds the inbox through its bucket's bit, set
-        // after the publication as a requester does.
-        if let Some(cq) = self.cqs.get(&cqn) {
-            let bucket = proto::cq_ready_bucket(qpn);
-            let (w, b) = ((bucket / 32) as usize, bucket % 32);
-            cq.ring.aux(proto::CQ_AUX_READY_FIRST + w).fetch_or(1 << b, Ordering::SeqCst);
-            cq.ring.aux(proto::CQ_AUX_READY_SUMMARY).fetch_or(1 << w, Ordering::SeqCst);
+        // after the publication as a requester does; set too when the
+        // inbox holds completions anyway (a requester stopped or killed
+        // between its push and its mark), and the CQ's event raised for
+        // them, as the requester would have (`notify_channel` raises it
+        // only for an arming; a flush fires any).
+        let waiting = published || inbox.len().is_ok_and(|n| n > 0);
+        if waiting {
+            let cqn = *cqn;
+            if let Some(cq) = self.cqs.get(&cqn) {
+                let bucket = proto::cq_ready_bucket(qpn);
+                let (w, b) = ((bucket / 32) as usize, bucket % 32);
+                cq.ring.aux(proto::CQ_AUX_READY_FIRST + w).fetch_or(1 << b, Ordering::SeqCst);
+                cq.ring.aux(proto::CQ_AUX_READY_SUMMARY).fetch_or(1 << w, Ordering::SeqCst);
+            }
+            let cqe = Cqe::new(0, WcStatus::WrFlushErr, vrdma_core::verbs::WcOpcode::Recv, qpn);
+            self.notify_channel(cqn, &cqe);
         }
-        // Its event, as for any flushed completion (its `wr_id` is the
-        // tenant's to say: only the status matters to an arming).
-        let cqe = Cqe::new(0, WcStatus::WrFlushErr, vrdma_core::verbs::WcOpcode::Recv, qpn);
-        self.notify_channel(cqn, &cqe);
-        true
+        published
     }
 
     fn discard(&mut self, qpn: u32) {
@@ -940,7 +944,25 @@ mod tests {
             assert_eq!(requester_inbox.produced(), forged);
         }
         requester_inbox.scribble_producer_index(pushed);
-        assert_eq!(owner_inbox.len().unwrap(), 0, "nothing published by forged indices");
+        // Stopped after taking the staged word (the message placed), before
+        // publishing: published by the flush, as a success, once.
+        let at = staged(WcStatus::WrFlushErr, 3);
+        claim(&mut buf);
+        let word = requester_inbox.aux(INBOX_AUX_STAGED);
+        assert!(word.compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok());
+        requester_inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
+        assert!(table.flush_claimed(qpn));
+        assert!(!requester_inbox.publish_staged(at), "the requester's own publication fails");
+        assert!(!table.flush_claimed(qpn), "once");
+        // Stopped between its publication and its mark: the flush marks.
+        let ready_word = owner_cq.aux(proto::CQ_AUX_READY_SUMMARY);
+        ready_word.store(0, Ordering::SeqCst);
+        assert!(!table.flush_claimed(qpn));
+        assert_ne!(ready_word.load(Ordering::SeqCst), 0, "an inbox with completions is marked");
+        assert!(owner_inbox.try_pop(&mut slot).unwrap());
+        let c = Cqe::decode(&slot);
+        assert_eq!((c.wr_id, c.status), (3, WcStatus::Success));
+        assert_eq!(owner_inbox.len().unwrap(), 0, "nothing else published (forged indices included)");
     }
 
     /// A context whose QPs' rings came first (an import: a guest adopts
