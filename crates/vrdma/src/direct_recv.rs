@@ -152,7 +152,10 @@ impl RecvTarget {
                 cqe.encode(&mut out);
                 match inbox.stage(&out) {
                     Ok(Some(at)) => {
-                        inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::SeqCst);
+                        // Release is enough: the claim's compare-and-swap
+                        // (AcqRel) follows, and the daemon reads this only
+                        // after it has seen the claim.
+                        inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::Release);
                         taken = Some((r, at));
                         true
                     }
