@@ -8,6 +8,14 @@
 //!   compare-and-swap on its consumer index, as the engine's pulls do for
 //!   such queues, so a receive completes once, by this path or by the
 //!   engine (a flush included);
+//! - **a requester stopped or killed mid-delivery**: the completion is
+//!   staged in the inbox (as a flush, `RingView::stage`) and its slot named
+//!   in `INBOX_AUX_STAGED` before the claim; after placing the message this
+//!   library takes that word with a compare-and-swap, makes the completion
+//!   a success and publishes it with a compare-and-swap of the producer
+//!   index. The daemon's flush of the peer QP publishes a claim's staged
+//!   completion that was never published, so the receive completes once
+//!   whenever this process stops or dies (`docs/direct-path.md`);
 //! - **order in the peer's CQ**: a receive is claimed only while every
 //!   receive completion of the peer QP that the engine pushed into its
 //!   CQ's ring was polled (the inbox's `INBOX_AUX_ENGINE_PUSHED` and
