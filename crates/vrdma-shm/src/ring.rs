@@ -334,6 +334,63 @@ impl RingView {
         Ok(true)
     }
 
+    /// Producer side, for a ring with a second producer that may publish
+    /// on the first one's behalf (a direct-path inbox, whose entry the
+    /// daemon publishes when the requester that wrote it died before it
+    /// could, `docs/direct-path.md`): copies `src` (exactly `stride`
+    /// bytes) into the next free slot *without* publishing it; returns the
+    /// slot's free-running index, `None` if the ring is full. The entry is
+    /// published by [`publish_staged`](Self::publish_staged), by whichever
+    /// producer gets there first. Staging again before that overwrites it.
+    pub fn stage(&self, src: &[u8]) -> Result<Option<u32>, RingError> {
+        if src.len() != self.stride {
+            return Err(RingError::BadBuffer { got: src.len(), stride: self.stride });
+        }
+        let _guard = lock(&self.producer);
+        let Some(producer) = self.reserve()? else {
+            return Ok(None);
+        };
+        // SAFETY: as in `publish`: the slot is `stride` bytes inside the
+        // mapping, `src` is `stride` bytes of private memory; the slot is
+        // not published, so the consumer does not read it.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot(producer), self.stride) };
+        Ok(Some(producer))
+    }
+
+    /// Producer side: stores byte `offset` of the staged (unpublished)
+    /// slot of free-running index `at` atomically, so that whichever
+    /// producer publishes it publishes the slot with the byte either
+    /// before or after, never torn. Ignored if `offset` is past the slot.
+    pub fn set_staged_byte(&self, at: u32, offset: usize, value: u8) {
+        if offset >= self.stride {
+            return;
+        }
+        // SAFETY: `offset < stride`, so the byte is inside the slot, inside
+        // the mapping (see `slot`); an `AtomicU8` has no alignment
+        // requirement, and every access to a staged slot's byte that may
+        // race (this store, the other producer's publication of the slot,
+        // the consumer's copy after it) is atomic or ordered by the
+        // producer index.
+        let byte = unsafe { &*(self.slot(at).add(offset) as *const std::sync::atomic::AtomicU8) };
+        byte.store(value, Ordering::Release);
+    }
+
+    /// Producer side: publishes the slot staged at free-running index `at`
+    /// ([`stage`](Self::stage)) with a compare-and-swap of the producer
+    /// index from `at` to `at + 1`, so that of two producers publishing
+    /// the same slot exactly one does. `false` when the index was not
+    /// `at` (the other producer published it, or it moved on), or the
+    /// slot would not fit (`at` full capacity ahead of the consumer).
+    pub fn publish_staged(&self, at: u32) -> bool {
+        let consumer = self.consumer_index().load(Ordering::Acquire);
+        if at.wrapping_sub(consumer) >= self.capacity {
+            return false;
+        }
+        self.producer_index()
+            .compare_exchange(at, at.wrapping_add(1), Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
     /// The producer index of a free slot, `None` if full.
     fn reserve(&self) -> Result<Option<u32>, RingError> {
         // Our own index: only we advance it (a hostile peer may overwrite
@@ -469,6 +526,30 @@ unsafe impl Sync for RingView {}
 
 #[cfg(test)]
 mod tests {
+    /// A staged slot is invisible until published, and of two producers
+    /// publishing it exactly one does, with the bytes as they stood then.
+    #[test]
+    fn a_staged_slot_is_published_once_by_either_producer() {
+        let seg = std::sync::Arc::new(crate::Segment::create("vrdma-test", ring_bytes(4, 8)).unwrap());
+        let r = RingView::in_segment(seg, 0, 4, 8).unwrap();
+        let at = r.stage(&[7u8; 8]).unwrap().unwrap();
+        assert_eq!(r.len().unwrap(), 0, "staged is not published");
+        r.set_staged_byte(at, 0, 9);
+        r.set_staged_byte(at, 8, 1); // past the slot: ignored
+        assert!(r.publish_staged(at), "the first publication wins");
+        assert!(!r.publish_staged(at), "the second finds it published");
+        let mut out = [0u8; 8];
+        assert!(r.try_pop(&mut out).unwrap());
+        assert_eq!(out, [9, 7, 7, 7, 7, 7, 7, 7]);
+        assert!(!r.try_pop(&mut out).unwrap(), "once");
+        // A full ring stages nothing; an index a capacity ahead of the
+        // consumer is never published.
+        (0..4).for_each(|_| assert!(r.try_push_bytes(&[1u8; 8]).unwrap()));
+        assert_eq!(r.stage(&[2u8; 8]).unwrap(), None);
+        assert!(!r.publish_staged(r.produced()));
+        assert_eq!(r.len().unwrap(), 4);
+    }
+
     #[test]
     fn unread_before_counts_the_unread_entries_pushed_before_a_mark() {
         let seg = std::sync::Arc::new(crate::Segment::create("vrdma-test", ring_bytes(8, 8)).unwrap());

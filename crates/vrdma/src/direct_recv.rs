@@ -8,6 +8,14 @@
 //!   compare-and-swap on its consumer index, as the engine's pulls do for
 //!   such queues, so a receive completes once, by this path or by the
 //!   engine (a flush included);
+//! - **a requester stopped or killed mid-delivery**: the completion is
+//!   staged in the inbox (as a flush, `RingView::stage`) and its slot named
+//!   in `INBOX_AUX_STAGED` before the claim; after placing the message this
+//!   library takes that word with a compare-and-swap, makes the completion
+//!   a success and publishes it with a compare-and-swap of the producer
+//!   index. The daemon's flush of the peer QP publishes a claim's staged
+//!   completion that was never published, so the receive completes once
+//!   whenever this process stops or dies (`docs/direct-path.md`);
 //! - **order in the peer's CQ**: a receive is claimed only while every
 //!   receive completion of the peer QP that the engine pushed into its
 //!   CQ's ring was polled (the inbox's `INBOX_AUX_ENGINE_PUSHED` and
@@ -49,9 +57,9 @@ use std::sync::Arc;
 use vrdma_core::hca::DirectRefusal;
 use vrdma_core::proto::{
     DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
-    INBOX_AUX_REQUESTER_CPU, SRQ_AUX_LIMIT,
+    INBOX_AUX_REQUESTER_CPU, INBOX_AUX_STAGED, SRQ_AUX_LIMIT,
 };
-use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, RECV_HEADER};
+use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, CQE_STATUS_BYTE, RECV_HEADER};
 use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
 use vrdma_shm::{Claim, Mapping, RingView, WordPage};
 
@@ -122,39 +130,67 @@ impl RecvTarget {
             Ok(_) => return Delivered::Behind,
             Err(_) => return Delivered::NotNow,
         }
-        let mut taken = None;
-        let claimed = self.rq.try_claim(&mut self.scratch, |b| match RecvWr::decode(b) {
-            Ok(r) if fits(&r) => {
-                taken = Some(r);
-                true
-            }
-            _ => false,
-        });
-        let (Ok(Claim::Taken), Some(recv)) = (claimed, taken) else {
-            return if matches!(claimed, Ok(Claim::Empty)) { Delivered::Behind } else { Delivered::NotNow };
-        };
-        place(&recv);
         let opcode = if wr.opcode == SendOpcode::RdmaWriteWithImm {
             WcOpcode::RecvRdmaWithImm
         } else {
             WcOpcode::Recv
         };
-        let mut cqe = Cqe::new(recv.wr_id, WcStatus::Success, opcode, self.responder);
-        cqe.byte_len = wr.msg_len() as u32;
-        cqe.src_qp = requester;
-        cqe.slid = self.lid;
-        if wr.opcode.has_imm() {
-            cqe.wc_flags = WcFlags::WITH_IMM;
-            cqe.imm_data = wr.imm_data;
-        }
         let solicited = wr.flags.contains(SendFlags::SOLICITED);
-        cqe.solicited = solicited;
-        let mut out = [0u8; CQE_SIZE];
-        cqe.encode(&mut out);
-        // Room was checked and this is the inbox's only producer: a failure
-        // is the peer's own scribbling on its indices, which loses it this
-        // completion.
-        let _ = self.inbox.try_push_bytes(&out);
+        let inbox = &self.inbox;
+        let (responder, lid) = (self.responder, self.lid);
+        let mut taken = None;
+        // The completion is staged in the inbox's next slot *before* the
+        // claim, as a flush, and the slot named in `INBOX_AUX_STAGED`: if
+        // this process stops or dies between the claim and the
+        // publication, the daemon's flush of the peer QP publishes it
+        // (`Queues::flush_claimed`), so the receive still completes
+        // exactly once.
+        let claimed = self.rq.try_claim(&mut self.scratch, |b| match RecvWr::decode(b) {
+            Ok(r) if fits(&r) => {
+                let mut cqe = Cqe::new(r.wr_id, WcStatus::WrFlushErr, opcode, responder);
+                cqe.byte_len = wr.msg_len() as u32;
+                cqe.src_qp = requester;
+                cqe.slid = lid;
+                if wr.opcode.has_imm() {
+                    cqe.wc_flags = WcFlags::WITH_IMM;
+                    cqe.imm_data = wr.imm_data;
+                }
+                cqe.solicited = solicited;
+                let mut out = [0u8; CQE_SIZE];
+                cqe.encode(&mut out);
+                match inbox.stage(&out) {
+                    Ok(Some(at)) => {
+                        // Release is enough: the claim's compare-and-swap
+                        // (AcqRel) follows, and the daemon reads this only
+                        // after it has seen the claim.
+                        inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::Release);
+                        taken = Some((r, at));
+                        true
+                    }
+                    _ => false,
+                }
+            }
+            _ => false,
+        });
+        let (Ok(Claim::Taken), Some((recv, at))) = (claimed, taken) else {
+            return if matches!(claimed, Ok(Claim::Empty)) { Delivered::Behind } else { Delivered::NotNow };
+        };
+        place(&recv);
+        // Placed: the staged completion is ours to publish unless the
+        // daemon took it first (the peer QP was flushed while this process
+        // was stopped between its claim and here: the receive completed
+        // once, flushed, and nothing more is done for it).
+        let staged = self.inbox.aux(INBOX_AUX_STAGED);
+        if staged.compare_exchange(at, at.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst).is_err() {
+            return Delivered::Done;
+        }
+        self.inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
+        // A failure: the daemon published the slot first (this process was
+        // stopped right here while the peer QP was flushed: the receive
+        // completed once), or the peer's own scribbling on its indices.
+        if !self.inbox.publish_staged(at) {
+            return Delivered::Done;
+        }
         // After the push: the owner's poll finds the inbox through its
         // bucket's bit (`crate::direct_ready`).
         ReadySet::of(&self.cq).mark(self.responder);

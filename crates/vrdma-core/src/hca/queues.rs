@@ -49,6 +49,15 @@ pub trait Queues {
     fn pull_recv(&mut self, src: RecvSource) -> Option<Pulled<RecvWr>>;
     /// How many receive work requests are posted and not yet pulled.
     fn recv_posted(&mut self, src: RecvSource) -> u32;
+    /// A QP in ERR is being flushed: completes, flushed, the receive a
+    /// direct-path requester claimed from its receive queue and did not
+    /// complete (it stopped or died between its claim and its push, and
+    /// had staged the completion as a flush, `docs/direct-path.md`).
+    /// `true` when there was one. At most one; never one the requester
+    /// completes too.
+    fn flush_claimed(&mut self, _qpn: u32) -> bool {
+        false
+    }
     /// Drops everything posted to a QP's queues (the QP went to RESET).
     /// The core has retired every send WR it pulled before it calls this;
     /// the driver counts the WRs it drops from the send queue as retired.

@@ -139,6 +139,17 @@ pub const INBOX_AUX_ENGINE_POLLED: usize = 1;
 /// CPU, an empty poll spins on rather than yield its CPU to no one who is
 /// needed (`vrdma::idle`). Tenant-written; nothing else reads it.
 pub const INBOX_AUX_REQUESTER_CPU: usize = 2;
+/// Inbox ring aux word: the inbox slot (its free-running index) where the
+/// direct-path requester staged, as a flush, the completion of the
+/// receive it is about to claim, stored before the claim. Whoever swaps it
+/// from that index to the next one owns the slot's publication: the
+/// requester once it has placed the message (it turns the completion into
+/// a success and publishes it), or the daemon when it flushes the QP and
+/// finds a claim without its completion (the requester stopped or died
+/// between its claim and its push), which publishes the flush. So the
+/// receive completes exactly once. Tenant-written: a forged value costs
+/// the tenant its own QP's completions, nothing outside the inbox.
+pub const INBOX_AUX_STAGED: usize = 3;
 /// SRQ ring aux word: the SRQ's armed limit (0: disarmed), written by the
 /// daemon when it is set and when its event fires. A direct-path
 /// requester that claimed an SRQ's receive and finds fewer posted than

@@ -18,6 +18,10 @@ use super::{get_u16, get_u32, get_u64, put_u16, put_u32, put_u64};
 use crate::verbs::{WcFlags, WcOpcode, WcStatus};
 
 pub const CQE_SIZE: usize = 64;
+/// The byte of an encoded completion that holds its status (a
+/// direct-path requester turns its staged flush into a success with one
+/// store there, `docs/direct-path.md`).
+pub const CQE_STATUS_BYTE: usize = 8;
 
 /// `struct ibv_wc`, plus whether the event was solicited (for
 /// `ibv_req_notify_cq(cq, 1)`).
@@ -67,7 +71,7 @@ impl Cqe {
 
     pub fn encode(&self, slot: &mut [u8; CQE_SIZE]) {
         put_u64(slot, 0, self.wr_id);
-        slot[8] = self.status.raw();
+        slot[CQE_STATUS_BYTE] = self.status.raw();
         slot[9] = self.opcode.raw();
         slot[10] = self.wc_flags.bits() as u8;
         slot[11] = self.solicited as u8;

@@ -10,7 +10,7 @@
 mod cqe;
 mod wqe;
 
-pub use cqe::{Cqe, CQE_SIZE};
+pub use cqe::{Cqe, CQE_SIZE, CQE_STATUS_BYTE};
 pub use wqe::{
     recv_stride, send_stride, RecvWr, SendWr, Sge, SgeList, UdDest, WqeError, MAX_INLINE, MAX_SGE,
     RECV_HEADER, SEND_HEADER, SGE_SIZE,

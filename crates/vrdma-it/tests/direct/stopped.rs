@@ -172,3 +172,31 @@ fn a_sender_killed_while_stopped_breaks_our_qp_and_flushes() -> Result<()> {
     assert!(carried(&a) > 0);
     Ok(())
 }
+
+/// The symmetric case: our QP goes to ERR (we move it there) while the
+/// sender is stopped, perhaps between its claim of one of our receives and
+/// its push of the completion; every posted receive is flushed once (that
+/// one by the daemon, from the completion the sender staged), and the
+/// sender, continued, completes nothing a second time.
+#[test]
+fn a_sender_stopped_while_we_flush_completes_nothing_twice_when_continued() -> Result<()> {
+    let d = DaemonProc::start_with_config(ON)?;
+    let (mut me, mut peer) = connected(&d)?;
+    peer.send(&Command::FloodSendSeq { len: LEN, count: 1 << 30 })?;
+    me.until(1_000, WAIT)?;
+    peer.proc.stop(WAIT)?;
+    me.for_a_while(Duration::from_millis(100))?;
+    let want: Vec<u32> = (0..me.got.len() as u32).collect();
+    assert!(me.got == want, "messages out of order or repeated before the stop");
+    let err = vrdma::QpAttr { qp_state: QpState::Err, ..Default::default() };
+    me.side.qp.modify(&err, vrdma::QpAttrMask::STATE)?;
+    let flushed = vrdma_it::poll_n(&me.side.cq, DEPTH as usize, WAIT)?;
+    assert!(flushed.iter().all(|w| w.status == WcStatus::WrFlushErr), "{flushed:?}");
+    let mut ids: Vec<u64> = flushed.iter().map(|w| w.wr_id).collect();
+    ids.sort_unstable();
+    assert!(ids == (0..DEPTH).collect::<Vec<_>>(), "not each receive once: {ids:?}");
+    peer.proc.kill(libc::SIGCONT);
+    let late = vrdma_it::poll_for(&me.side.cq, Duration::from_millis(200))?;
+    assert!(late.is_empty(), "a completion twice after the sender continued: {late:?}");
+    Ok(())
+}

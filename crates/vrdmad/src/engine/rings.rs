@@ -21,8 +21,8 @@ use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CQ_AUX_LOCAL, CTX_AUX_ENGINE_SLEEPING,
-    CTX_AUX_EVENTS_DROPPED, INBOX_AUX_ENGINE_PUSHED, POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED, SQ_AUX_RETIRED,
-    SQ_AUX_STATE,
+    CTX_AUX_EVENTS_DROPPED, INBOX_AUX_ENGINE_PUSHED, INBOX_AUX_STAGED, POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED,
+    SQ_AUX_RETIRED, SQ_AUX_STATE,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::time::Instant;
@@ -239,11 +239,16 @@ pub struct InRing {
     /// A direct-path requester may take entries too (a receive queue with
     /// the direct path on): entries are claimed with a compare-and-swap.
     shared: bool,
+    /// Entries the engine took (claimed or discarded), free-running, from
+    /// the base [`QpRings::with_inbox`] sets: the consumer index less this
+    /// is what direct-path requesters claimed. Kept here, never read back
+    /// from tenant memory.
+    took: u32,
 }
 
 impl InRing {
     pub fn new(ring: RingView, tenant: TenantId) -> Self {
-        InRing { ring, dead: false, tenant, shared: false }
+        InRing { ring, dead: false, tenant, shared: false, took: 0 }
     }
 
     /// A ring whose entries a direct-path requester may claim too
@@ -271,7 +276,10 @@ impl InRing {
             self.ring.try_pop(buf)
         };
         match popped {
-            Ok(true) => Some(decode(buf)),
+            Ok(true) => {
+                self.took = self.took.wrapping_add(1);
+                Some(decode(buf))
+            }
             Ok(false) => None,
             Err(e) => {
                 let tenant = Source::Tenant(self.tenant);
@@ -308,6 +316,12 @@ impl QpRings {
     /// The QP's receives may be claimed by a direct-path requester, which
     /// completes them into `inbox`; they complete in CQ `recv_cq`.
     pub fn with_inbox(mut self, recv_cq: u32, inbox: RingView) -> Self {
+        // What requesters claimed so far (0 for a new QP) is what they
+        // completed: the count of claims starts level with the inbox's
+        // pushes (a QP resumed here after a move included).
+        if let Some(rq) = self.rq.as_mut() {
+            rq.took = rq.ring.consumed().wrapping_sub(inbox.produced());
+        }
         self.inbox = Some((recv_cq, inbox));
         self
     }
@@ -585,6 +599,55 @@ impl Queues for RingTable {
         ring.and_then(|r| r.ring.len().ok()).unwrap_or(0)
     }
 
+    fn flush_claimed(&mut self, qpn: u32) -> bool {
+        let Some(q) = self.qps.get(&qpn) else { return false };
+        let (Some(rq), Some((cqn, inbox))) = (q.rq.as_ref(), q.inbox.as_ref()) else { return false };
+        if rq.dead || !rq.shared {
+            return false;
+        }
+        // The inbox's producer index before the receive queue's consumer
+        // index: a claim counted in the latter whose completion is not in
+        // the former has its completion staged in slot `pushed`.
+        let pushed = inbox.produced();
+        let claimed = rq.ring.consumed().wrapping_sub(rq.took);
+        // One claim at most is ever unpublished (a requester QP delivers
+        // one message at a time and stages in the next slot); any other
+        // difference is a tenant's scribbling, which gets nothing.
+        let mut published = false;
+        if claimed.wrapping_sub(pushed) == 1 {
+            // The staged word first: won, the requester (if it ever runs
+            // again) leaves the slot alone and it is published as staged, a
+            // flush. Lost, the requester had placed the message and was
+            // making it a success (one byte, which may land after this
+            // publication, success being then as true as the flush).
+            // Either way the compare-and-swap of the producer index
+            // publishes the slot once: the requester's own fails after it.
+            let staged = inbox.aux(INBOX_AUX_STAGED);
+            let next = pushed.wrapping_add(1);
+            let _ = staged.compare_exchange(pushed, next, Ordering::SeqCst, Ordering::SeqCst);
+            published = inbox.publish_staged(pushed);
+        }
+        // The owner's poll finds the inbox through its bucket's bit, set
+        // after the publication as a requester does; set too when the
+        // inbox holds completions anyway (a requester stopped or killed
+        // between its push and its mark), and the CQ's event raised for
+        // them, as the requester would have (`notify_channel` raises it
+        // only for an arming; a flush fires any).
+        let waiting = published || inbox.len().is_ok_and(|n| n > 0);
+        if waiting {
+            let cqn = *cqn;
+            if let Some(cq) = self.cqs.get(&cqn) {
+                let bucket = proto::cq_ready_bucket(qpn);
+                let (w, b) = ((bucket / 32) as usize, bucket % 32);
+                cq.ring.aux(proto::CQ_AUX_READY_FIRST + w).fetch_or(1 << b, Ordering::SeqCst);
+                cq.ring.aux(proto::CQ_AUX_READY_SUMMARY).fetch_or(1 << w, Ordering::SeqCst);
+            }
+            let cqe = Cqe::new(0, WcStatus::WrFlushErr, vrdma_core::verbs::WcOpcode::Recv, qpn);
+            self.notify_channel(cqn, &cqe);
+        }
+        published
+    }
+
     fn discard(&mut self, qpn: u32) {
         if let Some(q) = self.qps.get_mut(&qpn) {
             // What is dropped from the ring is retired; so is anything the
@@ -594,8 +657,9 @@ impl Queues for RingTable {
             let dropped = q.sq.ring.discard_all().unwrap_or(0);
             let held = std::mem::take(&mut q.held);
             q.retire(dropped.wrapping_add(held));
-            if let Some(rq) = &q.rq {
-                let _ = rq.ring.discard_all();
+            if let Some(rq) = q.rq.as_mut() {
+                let dropped = rq.ring.discard_all().unwrap_or(0);
+                rq.took = rq.took.wrapping_add(dropped);
             }
         }
     }
@@ -791,6 +855,114 @@ mod tests {
         let mut slot = [0u8; proto::POSTED_SLOT_SIZE];
         slot[..4].copy_from_slice(&qpn.to_le_bytes());
         ring.try_push_bytes(&slot).unwrap()
+    }
+
+    /// A receive a direct-path requester claimed and never completed (it
+    /// died between its claim and its push, having staged the completion
+    /// as a flush) is published by the QP's flush, once; one the
+    /// requester completed, or completes after, never twice; forged
+    /// indices get nothing.
+    #[test]
+    fn a_claimed_receive_whose_requester_died_is_flushed_once() {
+        use vrdma_core::ring::CQE_STATUS_BYTE;
+        use vrdma_core::verbs::WcOpcode;
+        // Views of one ring: the engine's first, then the tenant's.
+        let ring = |cap: u32, stride: usize, n: usize| {
+            let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(cap, stride)).unwrap());
+            (0..n).map(|_| RingView::in_segment(seg.clone(), 0, cap, stride).unwrap()).collect::<Vec<_>>()
+        };
+        let (qpn, cqn) = (40, 3);
+        let mut table = RingTable::default();
+        let (c, _) = context(1, [qpn]);
+        table.contexts.insert(ContextId(7), c);
+        let sq = ring(4, 64, 1).remove(0);
+        let [rq, owner_rq, requester_rq]: [RingView; 3] = ring(8, 64, 3).try_into().unwrap();
+        let [inbox, requester_inbox, owner_inbox]: [RingView; 3] = ring(8, CQE_SIZE, 3).try_into().unwrap();
+        let [cq, owner_cq]: [RingView; 2] = ring(8, CQE_SIZE, 2).try_into().unwrap();
+        table.cqs.insert(cqn, CqRing { ring: cq, channel: None, inbox_qps: vec![qpn] });
+        let (t, ctx) = (TenantId(1), ContextId(7));
+        let rings =
+            QpRings::new(ctx, InRing::new(sq, t), Some(InRing::new(rq, t).shared())).with_inbox(cqn, inbox);
+        table.add_qp(qpn, rings);
+        for _ in 0..6 {
+            assert!(owner_rq.try_push_bytes(&[0u8; 64]).unwrap());
+        }
+        let mut buf = [0u8; 64];
+        let staged = |status: WcStatus, wr_id: u64| {
+            let mut out = [0u8; CQE_SIZE];
+            Cqe::new(wr_id, status, WcOpcode::Recv, qpn).encode(&mut out);
+            let at = requester_inbox.stage(&out).unwrap().unwrap();
+            requester_inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::SeqCst);
+            at
+        };
+        // The requester's side once it placed the message: the slot is its
+        // to publish unless the daemon took it.
+        let finish = |at: u32| {
+            let staged = requester_inbox.aux(INBOX_AUX_STAGED);
+            if staged.compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+                return false;
+            }
+            requester_inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
+            requester_inbox.publish_staged(at)
+        };
+        let claim = |buf: &mut [u8; 64]| {
+            assert_eq!(requester_rq.try_claim(buf, |_| true).unwrap(), vrdma_shm::Claim::Taken);
+        };
+        // Completed by the requester, then one taken by the engine: nothing
+        // lost.
+        let at = staged(WcStatus::WrFlushErr, 1);
+        claim(&mut buf);
+        assert!(finish(at));
+        assert!(table.pull_recv(RecvSource::Qp(qpn)).is_some());
+        assert!(!table.flush_claimed(qpn), "nothing was lost");
+        // Staged, not yet claimed (it may still be): not the flush's.
+        let at = staged(WcStatus::WrFlushErr, 2);
+        assert!(!table.flush_claimed(qpn));
+        // Claimed, then the requester stopped: flushed, once.
+        claim(&mut buf);
+        assert!(table.flush_claimed(qpn));
+        assert!(!table.flush_claimed(qpn), "once");
+        // The requester continued: its completion is not published again.
+        assert!(!finish(at));
+        let mut got = Vec::new();
+        let mut slot = [0u8; CQE_SIZE];
+        while owner_inbox.try_pop(&mut slot).unwrap() {
+            let c = Cqe::decode(&slot);
+            got.push((c.wr_id, c.status));
+        }
+        assert_eq!(got, vec![(1, WcStatus::Success), (2, WcStatus::WrFlushErr)]);
+        let ready = |i: usize| owner_cq.aux(i).load(Ordering::SeqCst);
+        let mut marked = Vec::new();
+        proto::for_each_ready_bucket(ready, |b| marked.push(b));
+        assert_eq!(marked, vec![proto::cq_ready_bucket(qpn)], "the owner's poll looks at the inbox");
+        // Forged indices (the inbox's producer index ahead of or behind
+        // the claims): nothing published, nothing read outside the ring.
+        let pushed = requester_inbox.produced();
+        for forged in [pushed.wrapping_add(3), pushed.wrapping_sub(2), pushed.wrapping_add(1 << 31)] {
+            requester_inbox.scribble_producer_index(forged);
+            assert!(!table.flush_claimed(qpn));
+            assert_eq!(requester_inbox.produced(), forged);
+        }
+        requester_inbox.scribble_producer_index(pushed);
+        // Stopped after taking the staged word (the message placed), before
+        // publishing: published by the flush, as a success, once.
+        let at = staged(WcStatus::WrFlushErr, 3);
+        claim(&mut buf);
+        let word = requester_inbox.aux(INBOX_AUX_STAGED);
+        assert!(word.compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok());
+        requester_inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
+        assert!(table.flush_claimed(qpn));
+        assert!(!requester_inbox.publish_staged(at), "the requester's own publication fails");
+        assert!(!table.flush_claimed(qpn), "once");
+        // Stopped between its publication and its mark: the flush marks.
+        let ready_word = owner_cq.aux(proto::CQ_AUX_READY_SUMMARY);
+        ready_word.store(0, Ordering::SeqCst);
+        assert!(!table.flush_claimed(qpn));
+        assert_ne!(ready_word.load(Ordering::SeqCst), 0, "an inbox with completions is marked");
+        assert!(owner_inbox.try_pop(&mut slot).unwrap());
+        let c = Cqe::decode(&slot);
+        assert_eq!((c.wr_id, c.status), (3, WcStatus::Success));
+        assert_eq!(owner_inbox.len().unwrap(), 0, "nothing else published (forged indices included)");
     }
 
     /// A context whose QPs' rings came first (an import: a guest adopts

@@ -420,6 +420,12 @@ impl Hca {
             }
             return;
         }
+        // A receive a direct-path requester claimed and never completed
+        // comes before every receive still in the ring (it was claimed
+        // first) and those given back (no claim while any is given back).
+        if io.flush_claimed(qpn) {
+            act.busy = true;
+        }
         for _ in 0..bound {
             let wr_id = match requeued.pop_front() {
                 Some(r) => r.wr_id,
