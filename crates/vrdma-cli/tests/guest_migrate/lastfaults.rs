@@ -139,22 +139,6 @@ impl Stream<'_> {
     }
 }
 
-/// The `DRAINED flushed=F of=W qp_state=S` line of a failed stream: the
-/// rest flushed, once each, and the QP in ERR.
-fn drained(out: &str) -> String {
-    let drained = out.lines().find(|l| l.starts_with("DRAINED ")).unwrap_or_else(|| panic!("{out}"));
-    let field = |k: &str| {
-        drained
-            .split_whitespace()
-            .find_map(|f| f.strip_prefix(k))
-            .and_then(|v| v.parse::<i64>().ok())
-            .unwrap_or_else(|| panic!("{drained}"))
-    };
-    assert_eq!(field("flushed="), field("of="), "the rest flushed, once each, in order: {drained}");
-    assert_eq!(field("qp_state="), 6, "the QP in ERR: {drained}");
-    drained.to_string()
-}
-
 /// QEMU's migration of `from` (QMP `q`) to a new QEMU on `to`'s daemon,
 /// up to the destination's VM loaded (stopped): the new guest and QMP.
 fn qemu_moves(w: &World, tag: &str, from: &Guest, q: &mut Qmp, to: &Path) -> (Guest, Qmp) {

@@ -588,3 +588,19 @@ pub fn pause_around(arrived: &[Instant], at: Instant) -> Option<Duration> {
     let k = arrived.partition_point(|&t| t < at);
     Some(*arrived.get(k)? - arrived[k.checked_sub(1)?])
 }
+
+/// The `DRAINED flushed=F of=W qp_state=S` line of a failed stream: the
+/// rest flushed, once each, and the QP in ERR.
+pub fn drained(out: &str) -> String {
+    let drained = out.lines().find(|l| l.starts_with("DRAINED ")).unwrap_or_else(|| panic!("{out}"));
+    let field = |k: &str| {
+        drained
+            .split_whitespace()
+            .find_map(|f| f.strip_prefix(k))
+            .and_then(|v| v.parse::<i64>().ok())
+            .unwrap_or_else(|| panic!("{drained}"))
+    };
+    assert_eq!(field("flushed="), field("of="), "the rest flushed, once each, in order: {drained}");
+    assert_eq!(field("qp_state="), 6, "the QP in ERR: {drained}");
+    drained.to_string()
+}
