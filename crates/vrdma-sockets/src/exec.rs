@@ -45,6 +45,18 @@ use crate::table::{self, keep_errno, Entry, Guard};
 fn settle() {
     let Some(_g) = Guard::enter() else { return };
     keep_errno(|| {
+        // What this process wrote on its carried connections lands before
+        // its address space (the rings, the QP's context) goes with the
+        // exec, as a TCP socket's sent bytes would: a server that echoed
+        // and then exec'd lost its last write (the peer read a reset
+        // instead, 1 CI run).
+        for (_, s) in table::streams() {
+            if s.owner.mine() {
+                if let Some(l) = s.link_now() {
+                    l.flush_all_writes();
+                }
+            }
+        }
         for (fd, s) in table::streams() {
             if !table::is_cloexec(fd) {
                 s.settle_for_exec(fd);
