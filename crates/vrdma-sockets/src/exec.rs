@@ -50,14 +50,10 @@ fn settle() {
         // exec, as a TCP socket's sent bytes would: a server that echoed
         // and then exec'd lost its last write (the peer read a reset
         // instead, 1 CI run).
-        for (_, s) in table::streams() {
-            if s.owner.mine() {
-                if let Some(l) = s.link_now() {
-                    l.flush_all_writes();
-                }
-            }
-        }
         for (fd, s) in table::streams() {
+            if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
+                l.flush_all_writes();
+            }
             if !table::is_cloexec(fd) {
                 s.settle_for_exec(fd);
             }

@@ -140,18 +140,31 @@ fn bad_bounds_and_keys_are_remote_access_errors_on_both_sides() -> Result<()> {
             0 => wr::rdma_write(2, &[a.mr.sge(0, 16)?], b.mr.addr() + 4090, b.mr.rkey())?,
             _ => wr::rdma_write(2, &[a.mr.sge(0, 16)?], b.mr.addr(), b.mr.rkey() ^ 0x5555)?,
         };
-        a.qp.post_send(&[bad.signaled()])?;
-        let wc = poll_one(&a.cq, WAIT)?;
-        assert_eq!((wc.wr_id, wc.status), (2, WcStatus::RemAccessErr));
-        wait_state(&a.qp, QpState::Err, WAIT)?;
-        wait_state(&b.qp, QpState::Err, WAIT)?;
-        assert_eq!(carried(&a), 1, "the bad write went to the engine");
-        assert!(b.mr.to_vec().iter().all(|&x| x == 0x5a), "a byte landed");
-        // What follows is flushed, not carried.
-        a.qp.post_send(&[wr::rdma_write(3, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
-        assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::WrFlushErr);
-        assert_eq!(carried(&a), 1);
+        a_bad_write_breaks_both_and_lands_nothing(&a, &b, bad, case)?;
     }
+    Ok(())
+}
+
+/// Posts `bad` (wr_id 2, a write with bad bounds or key, after one
+/// carried write; `b`'s region filled with 0x5a): REM_ACCESS_ERR from the
+/// engine, both QPs in ERR, no byte landed, and what follows is flushed,
+/// not carried.
+fn a_bad_write_breaks_both_and_lands_nothing(
+    a: &Side,
+    b: &Side,
+    bad: vrdma::SendWr,
+    case: u32,
+) -> Result<()> {
+    a.qp.post_send(&[bad.signaled()])?;
+    let wc = poll_one(&a.cq, WAIT)?;
+    assert_eq!((wc.wr_id, wc.status), (2, WcStatus::RemAccessErr), "case {case}");
+    wait_state(&a.qp, QpState::Err, WAIT)?;
+    wait_state(&b.qp, QpState::Err, WAIT)?;
+    assert_eq!(carried(a), 1, "the bad write went to the engine");
+    assert!(b.mr.to_vec().iter().all(|&x| x == 0x5a), "a byte landed");
+    a.qp.post_send(&[wr::rdma_write(3, &[a.mr.sge(0, 8)?], b.mr.addr(), b.mr.rkey())?.signaled()])?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::WrFlushErr);
+    assert_eq!(carried(a), 1);
     Ok(())
 }
 
