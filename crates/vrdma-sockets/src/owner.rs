@@ -163,35 +163,9 @@ mod tests {
     #[test]
     fn a_forked_child_and_its_parent_see_one_word() {
         let o = Owner::new();
-        let mut fds = [0; 2];
-        // SAFETY: pipe(2) into our array.
-        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-        // SAFETY: fork(2) in a test; the child only uses the word, writes
-        // one byte to the pipe and leaves with _exit.
-        match unsafe { libc::fork() } {
-            0 => {
-                let ok = o.take() == Take::Mine && o.mine();
-                let b = [ok as u8];
-                // SAFETY: write(2) of one byte to our pipe, then _exit.
-                unsafe {
-                    libc::write(fds[1], b.as_ptr().cast(), 1);
-                    libc::_exit(0);
-                }
-            }
-            child => {
-                assert!(child > 0);
-                let mut b = [0u8; 1];
-                // SAFETY: read(2) of one byte from our pipe; waitpid on our child.
-                unsafe {
-                    assert_eq!(libc::read(fds[0], b.as_mut_ptr().cast(), 1), 1);
-                    libc::waitpid(child, std::ptr::null_mut(), 0);
-                    libc::close(fds[0]);
-                    libc::close(fds[1]);
-                }
-                assert_eq!(b[0], 1, "the child did not take the free word");
-                assert_eq!(o.take(), Take::Other, "the parent took what its child drives");
-                assert!(!o.may_use());
-            }
-        }
+        let took = crate::pid::in_forked_child(|| o.take() == Take::Mine && o.mine());
+        assert!(took, "the child did not take the free word");
+        assert_eq!(o.take(), Take::Other, "the parent took what its child drives");
+        assert!(!o.may_use());
     }
 }

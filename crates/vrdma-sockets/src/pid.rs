@@ -48,39 +48,48 @@ pub fn get() -> u32 {
     p
 }
 
+/// Runs `check` in a forked child and gives back its answer (a test's
+/// way to look from the other side of a `fork`).
+#[cfg(test)]
+pub(crate) fn in_forked_child(check: impl FnOnce() -> bool) -> bool {
+    let mut fds = [0; 2];
+    // SAFETY: pipe(2) into our array.
+    assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
+    // SAFETY: fork(2) in a test; the child only runs `check`, writes one
+    // byte to the pipe and leaves with _exit.
+    match unsafe { libc::fork() } {
+        0 => {
+            let b = [check() as u8];
+            // SAFETY: write(2) of one byte to our pipe, then _exit.
+            unsafe {
+                libc::write(fds[1], b.as_ptr().cast(), 1);
+                libc::_exit(0);
+            }
+        }
+        child => {
+            assert!(child > 0);
+            let mut b = [0u8; 1];
+            // SAFETY: read(2) of one byte from our pipe; waitpid on our
+            // child; the pipe's two ends closed once.
+            unsafe {
+                assert_eq!(libc::read(fds[0], b.as_mut_ptr().cast(), 1), 1);
+                libc::waitpid(child, std::ptr::null_mut(), 0);
+                libc::close(fds[0]);
+                libc::close(fds[1]);
+            }
+            b[0] == 1
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn a_forked_child_gets_its_own_id() {
         let parent = super::get();
         assert_eq!(parent, std::process::id());
-        // SAFETY: fork(2) in a test; the child only computes, writes
-        // its answer to the pipe and exits.
-        let mut fds = [0; 2];
-        assert_eq!(unsafe { libc::pipe(fds.as_mut_ptr()) }, 0);
-        match unsafe { libc::fork() } {
-            0 => {
-                let ok = super::get() == std::process::id() && super::get() != parent;
-                let b = [ok as u8];
-                // SAFETY: write(2) of one byte to our pipe, then _exit.
-                unsafe {
-                    libc::write(fds[1], b.as_ptr().cast(), 1);
-                    libc::_exit(0);
-                }
-            }
-            child => {
-                assert!(child > 0);
-                let mut b = [0u8; 1];
-                // SAFETY: read(2) of one byte from our pipe; waitpid on our child.
-                unsafe {
-                    assert_eq!(libc::read(fds[0], b.as_mut_ptr().cast(), 1), 1);
-                    libc::waitpid(child, std::ptr::null_mut(), 0);
-                    libc::close(fds[0]);
-                    libc::close(fds[1]);
-                }
-                assert_eq!(b[0], 1, "the child saw its parent's id");
-                assert_eq!(super::get(), parent);
-            }
-        }
+        let ok = super::in_forked_child(|| super::get() == std::process::id() && super::get() != parent);
+        assert!(ok, "the child saw its parent's id");
+        assert_eq!(super::get(), parent);
     }
 }
