@@ -84,6 +84,29 @@ pub fn guest(socket: Option<&Path>) -> Result<Option<vrdma::guest::GuestConfig>>
     Ok(Some(cfg))
 }
 
+/// Refuses a host operator's command (`vrdma vm run`/`args`, `vrdma
+/// migrate`, `vrdma daemon` on the default socket) in a QEMU guest that
+/// has vRDMA's device, when no daemon socket is named (`--socket`,
+/// `VRDMA_SOCKET`, a daemon config's `socket`) and none is at the default
+/// path: the VM's device is the host's daemon, which these commands
+/// cannot reach from inside (its control socket is the host's), and a
+/// daemon started in the guest on the default path would hide that
+/// device from the guest's programs, which would then see only the
+/// guest's own daemon. `what` names the command; `hint` says what to do.
+pub fn host_only(what: &str, socket: Option<&Path>, hint: &str) -> Result<()> {
+    if socket.is_some() || vrdmad::default_socket_path().exists() {
+        return Ok(());
+    }
+    let Some(cfg) = vrdma::guest::GuestConfig::from_env().or_else(vrdma::guest::GuestConfig::detect) else {
+        return Ok(());
+    };
+    anyhow::bail!(
+        "`vrdma {what}` is the host operator's command, and this is a QEMU guest whose vRDMA device is \
+         the host's daemon (BAR {}): {hint}",
+        cfg.bar.display()
+    )
+}
+
 /// A context on the device: the VM's (through its ports, see [`guest`])
 /// where this is a guest, else the daemon's at `socket` or the default
 /// path; for the commands that only ask the device (`vrdma stat`,

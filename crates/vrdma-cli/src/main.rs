@@ -81,8 +81,24 @@ fn main() -> Result<()> {
         }
         Command::Study(a) => study::run(cli.socket, a),
         Command::Run(a) => std::process::exit(cmd::run::run(cli.socket, a)?),
-        Command::Vm(c) => cmd::vm::run(cli.socket, c),
-        Command::Migrate(c) => cmd::migrate::run(cli.socket, c),
+        Command::Vm(c) => {
+            if let Some(what) = c.needs_daemon() {
+                embedded::host_only(
+                    what,
+                    cli.socket.as_deref(),
+                    "run it on the host, where the daemon's config names this VM (or name a daemon with --socket)",
+                )?;
+            }
+            cmd::vm::run(cli.socket, c)
+        }
+        Command::Migrate(c) => {
+            embedded::host_only(
+                "migrate",
+                cli.socket.as_deref(),
+                "run it on the host (the guest's side of a move needs nothing: its library takes its contexts back)",
+            )?;
+            cmd::migrate::run(cli.socket, c)
+        }
         Command::TcpPingpong(a) => cmd::hostbench::pingpong::run(a),
         Command::CmSetup(a) => cmd::hostbench::cm_setup::run(cli.socket, a),
         Command::Misbehave(a) => bench::attack::misbehave(cli.socket, a),

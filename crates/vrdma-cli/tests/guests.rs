@@ -20,9 +20,11 @@
 //! first, for the case of a VM and a process on another host. Without
 //! root everything runs here and that case is skipped, saying so.
 //!
-//! One case runs a small C program of this test (`tests/c/forkcopy.c`,
-//! built here with `cc` and put in the image by `vrdma vm image
-//! --program`): fork in a verbs program in a guest.
+//! Two cases run small C programs of this test (`tests/c/forkcopy.c` and
+//! `tests/c/guestmem.c`, built here with `cc` and put in the image by
+//! `vrdma vm image --program`): fork in a verbs program in a guest, and
+//! a guest's registered memory against the VM's region (a span grown in
+//! place, a region too small for a registration, huge pages).
 //!
 //! Every program runs under a bound (`timeout` in the guest, a killed pid
 //! on the host) and every process is killed by its pid.
@@ -128,8 +130,9 @@ struct World {
     /// rdma_cm listeners are reached.
     cm_addr: Ipv4Addr,
     img: image::Image,
-    /// Whether the image has `forkcopy` (cc and the verbs headers here).
-    forkcopy: bool,
+    /// Whether the image has `forkcopy` and `guestmem` (cc and the verbs
+    /// headers here).
+    c_programs: bool,
     /// Dropped last: the namespaces.
     _net: Option<vrdma_it::Netns>,
 }
@@ -280,6 +283,11 @@ fn verbs_programs_in_real_guests() {
         "fork in a guest: the child's writes miss the parent's registered pages; its QPs work on",
         &mut fork_in_guest,
     );
+    case(
+        "a guest's memory: a span grows in place; a region too small refuses one program (ENOMEM), \
+         others work on; huge pages refused",
+        &mut guest_memory,
+    );
     case("figures (VRDMA_GUEST_FIGURES=1): VM-to-host beside host-to-host", &mut figures);
     case(
         "QEMU SIGKILLed mid-transfer: the host's peer fails, the daemon serves on, the VM boots again",
@@ -304,10 +312,10 @@ fn setup() -> World {
     // those beside `vrdma` in the profile directory are only as fresh as
     // the last build of their own package, so they are named.)
     let img_dir = dir.path().join("image");
-    let forkcopy = build_forkcopy(dir.path());
+    let c_programs = c_tools_here().then(|| ["forkcopy", "guestmem"].map(|p| build_c(dir.path(), p)));
     let mut image_cmd = Command::new(VRDMA);
     image_cmd.args(["vm", "image", "--out"]).arg(&img_dir);
-    if let Some(prog) = &forkcopy {
+    for prog in c_programs.iter().flatten() {
         image_cmd.arg("--program").arg(prog);
     }
     let out = image_cmd
@@ -373,19 +381,27 @@ fn setup() -> World {
     let gid =
         vrdma::Context::open_at(&main.socket).and_then(|c| c.query_gid(1, 0)).expect("the daemon's GID");
     let cm_addr = Ipv4Addr::from(gid.ipv4().expect("an IPv4 GID"));
-    let forkcopy = forkcopy.is_some();
-    World { dir, ns, main, other, a: Some(a), b, fwd_a, cm_addr, img, forkcopy, _net: net }
+    let c_programs = c_programs.is_some();
+    World { dir, ns, main, other, a: Some(a), b, fwd_a, cm_addr, img, c_programs, _net: net }
 }
 
-/// `tests/c/forkcopy.c` built in `dir`, where `cc` and the verbs headers
-/// are here (else the fork case is skipped, saying so).
-fn build_forkcopy(dir: &Path) -> Option<PathBuf> {
+/// Whether `cc` and the verbs headers are here to build this test's C
+/// programs (else their cases are skipped, saying so).
+fn c_tools_here() -> bool {
     if !Path::new("/usr/include/infiniband/verbs.h").exists() || vrdma_guest::libs::which("cc").is_none() {
-        vrdma_it::skip("no fork case in the guests: cc and the verbs headers are needed (apt-get install gcc libibverbs-dev)");
-        return None;
+        vrdma_it::skip(
+            "no fork or guest-memory case in the guests: cc and the verbs headers are needed \
+             (apt-get install gcc libibverbs-dev)",
+        );
+        return false;
     }
-    let prog = dir.join("forkcopy");
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/forkcopy.c");
+    true
+}
+
+/// `tests/c/NAME.c` built in `dir`.
+fn build_c(dir: &Path, name: &str) -> PathBuf {
+    let prog = dir.join(name);
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
     let cc = Command::new("cc")
         .args(["-O1", "-Wall", "-o"])
         .arg(&prog)
@@ -393,8 +409,8 @@ fn build_forkcopy(dir: &Path) -> Option<PathBuf> {
         .arg("-libverbs")
         .output()
         .unwrap();
-    assert!(cc.status.success(), "cc forkcopy.c: {}", String::from_utf8_lossy(&cc.stderr));
-    Some(prog)
+    assert!(cc.status.success(), "cc {name}.c: {}", String::from_utf8_lossy(&cc.stderr));
+    prog
 }
 
 /// `fork` in a verbs program in guest a (`tests/c/forkcopy.c`, docs/vms.md
@@ -405,7 +421,7 @@ fn build_forkcopy(dir: &Path) -> Option<PathBuf> {
 /// the fork handler the child's writes land in the parent's pages (the
 /// BAR is a shared mapping) and the parent's check fails.
 fn fork_in_guest(w: &mut World) {
-    if !w.forkcopy {
+    if !w.c_programs {
         return;
     }
     let (st, out) = w.a().run("timeout 60 forkcopy", T).unwrap();
@@ -421,6 +437,73 @@ fn fork_in_guest(w: &mut World) {
         "  forkcopy in guest a:\n{}",
         out.lines().map(|l| format!("    {l}")).collect::<Vec<_>>().join("\n")
     );
+}
+
+/// A guest's registered memory against its VM's region (`tests/c/guestmem.c`,
+/// docs/vms.md "Memory"; the region is 64 MiB, fixed: the daemon seals
+/// it and QEMU maps it as the BAR, so it never grows):
+/// - a registration that begins in a registered page and ends past its
+///   span grows that span's extent in place (`GuestGrow`), with the QP
+///   rings allocated in between, and moves the right bytes both ways;
+/// - while one program holds 40 MiB registered, a second asking for 40 MiB
+///   more is refused with `ENOMEM` and the daemon's reason (the region's
+///   fixed size, what is free) on its stderr, a third registers 4 MiB and moves it, and the first
+///   program's 40 MiB still moves afterwards; once it ended, 40 MiB
+///   registers again (its extents went back with its session);
+/// - a registration of huge pages (`MAP_HUGETLB`) is refused with
+///   `EOPNOTSUPP`, saying why, where the guest kernel gives a huge page.
+fn guest_memory(w: &mut World) {
+    if !w.c_programs {
+        return;
+    }
+    let g = w.a();
+    let (st, out) = g.run("VRDMA_VERBS_DEBUG=1 timeout 60 guestmem grow", T).unwrap();
+    assert_eq!(st, 0, "guestmem grow in guest a:\n{out}");
+    assert!(out.lines().any(|l| l.starts_with("GROW_OK")), "guestmem grow:\n{out}");
+    let mapped = out.lines().find_map(|l| l.strip_prefix("MAPPED ")).unwrap_or_else(|| panic!("{out}"));
+    assert_eq!(mapped.split_whitespace().nth(1), Some("rw-s"), "the grown pages are not the BAR's:\n{out}");
+
+    g.check("rm -f /tmp/guestmem.go", T).unwrap();
+    guest_bg(g, "hold", 120, "guestmem reg 40 100");
+    let held = "i=0; while [ $i -lt 900 ]; do grep -q REG_OK /tmp/hold.out && exit 0; \
+                [ -e /tmp/hold.st ] && { cat /tmp/hold.out; exit 1; }; sleep 0.1; i=$((i+1)); done; \
+                echo 'never registered'; cat /tmp/hold.out; exit 1";
+    g.check(held, T).unwrap_or_else(|e| panic!("guestmem reg 40 (held): {e}"));
+    let (st, refused) = g.run("timeout 60 guestmem reg 40", T).unwrap();
+    let (st_small, small) = g.run("timeout 60 guestmem reg 4", T).unwrap();
+    g.check("touch /tmp/guestmem.go", T).unwrap();
+    let (st_held, held) = guest_wait(g, "hold");
+    assert_eq!(st, 2, "a second 40 MiB in a 64 MiB region was not refused:\n{refused}");
+    let line = refused.lines().find(|l| l.starts_with("REG_REFUSED")).unwrap_or_else(|| panic!("{refused}"));
+    assert!(line.starts_with(&format!("REG_REFUSED errno {}", libc::ENOMEM)), "{refused}");
+    let why = refused.lines().find(|l| l.starts_with("libibverbs (vRDMA): Warning: ibv_reg_mr:"));
+    assert!(
+        why.is_some_and(|l| l.contains("VM \"a\"'s region (64 MiB, fixed by the host's [vms.a] memory_mib)")),
+        "the refusal does not say why:\n{refused}"
+    );
+    assert_eq!(st_small, 0, "guestmem reg 4 beside the held 40 MiB:\n{small}");
+    assert!(small.contains("REG_OK 4 MiB"), "{small}");
+    assert_eq!(st_held, 0, "the program holding 40 MiB:\n{held}");
+    assert!(held.contains("HELD_OK 40 MiB"), "{held}");
+    let (st, again) = g.run("timeout 60 guestmem reg 40", T).unwrap();
+    assert_eq!(st, 0, "40 MiB after the holder ended:\n{again}");
+    eprintln!("  refused in guest a: {}", why.unwrap_or(line));
+
+    // Huge pages: the guest's own (the guest kernel's pool, set here).
+    let (st, out) = g
+        .run(
+            "echo 2 > /proc/sys/vm/nr_hugepages; VRDMA_VERBS_DEBUG=1 timeout 60 guestmem huge; s=$?; \
+             echo 0 > /proc/sys/vm/nr_hugepages; exit $s",
+            T,
+        )
+        .unwrap();
+    if st == 3 {
+        vrdma_it::skip(format!("no huge page in the guest: the huge-page case is not run\n{out}"));
+        return;
+    }
+    assert_eq!(st, 2, "huge pages registered in a guest:\n{out}");
+    assert!(out.contains(&format!("HUGE_REFUSED errno {}", libc::EOPNOTSUPP)), "{out}");
+    assert!(out.contains("registering huge pages from a guest"), "the refusal does not say why:\n{out}");
 }
 
 /// What the guest library sees, for a failure's message.
@@ -814,6 +897,58 @@ fn counter(v: &serde_json::Value, name: &str) -> u64 {
 /// bytes checked on both ends), and `vrdma stat --json`, which shows the
 /// VM's tenant (this test's uid) and its counters moving with that
 /// traffic. Then a guest device named but not there is a clear error.
+/// As root: a host tenant other than the VM's (uid 61071, by `setpriv`)
+/// runs a ping-pong on the same daemon; guest a's `vrdma stat` shows
+/// none of it: not its QP while it waits, nor its messages after
+/// (`after`: guest a's figures before).
+fn other_tenant_unseen(w: &mut World, after: &serde_json::Value) {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        vrdma_it::skip("not root: no other tenant's ping-pong beside guest a's vrdma stat");
+        return;
+    }
+    const OTHER: &str = "61071";
+    // The other uid reaches the daemon's socket (0666) and the drop-in.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(w.dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let as_other = |w: &World| {
+        let mut c = w.host(false, "/usr/bin/setpriv");
+        c.args([
+            &format!("--reuid={OTHER}"),
+            &format!("--regid={OTHER}"),
+            "--clear-groups",
+            "/usr/bin/ibv_rc_pingpong",
+        ]);
+        c
+    };
+    let qpns = |v: &serde_json::Value| -> Vec<u64> {
+        v["qps"].as_array().map(|q| q.iter().filter_map(|q| q["qpn"].as_u64()).collect()).unwrap_or_default()
+    };
+    let port = free_port();
+    let mut server = as_other(w);
+    server.args(["-p", &port.to_string(), "-n", ITERS, "-c"]);
+    let server = host_server(server, "ibv_rc_pingpong (host server, another tenant)", port);
+    let waiting = guest_stat(w);
+    let mut client = as_other(w);
+    client.args(["-p", &port.to_string(), "-n", ITERS, "-c", "127.0.0.1"]);
+    let client = spawn(client, "ibv_rc_pingpong (host client, another tenant)").finish(LIMIT);
+    let server = server.finish(LIMIT);
+    host_ok(&client);
+    host_ok(&server);
+    let done = guest_stat(w);
+    assert_eq!(qpns(&waiting), qpns(after), "guest a sees another tenant's QP:\n{after}\n{waiting}");
+    for c in ["messages_sent", "messages_received", "bytes_sent", "bytes_received"] {
+        assert_eq!(
+            counter(&done, c),
+            counter(after, c),
+            "guest a counts another tenant's {c}:\n{after}\n{done}"
+        );
+    }
+    for v in [&waiting, &done] {
+        assert_eq!(v["tenant"]["tenant"].as_u64(), after["tenant"]["tenant"].as_u64(), "{v}");
+    }
+}
+
 fn cli_in_guest(w: &mut World) {
     // SAFETY: geteuid has no preconditions.
     let uid = u64::from(unsafe { libc::geteuid() });
@@ -893,6 +1028,26 @@ fn cli_in_guest(w: &mut World) {
         counter(&after, "bytes_sent") >= counter(&before, "bytes_sent") + CP_KIB * 1024,
         "bytes_sent did not grow by the file: {before}\n{after}"
     );
+
+    // vrdma run of a program that only asks the device.
+    let out = w.a().check("timeout 60 vrdma run -- ibv_devinfo", T).unwrap();
+    assert!(
+        out.contains("hca_id:\tvrdma0") && out.contains("PORT_ACTIVE"),
+        "vrdma run -- ibv_devinfo:\n{out}"
+    );
+
+    other_tenant_unseen(w, &after);
+
+    // The host operator's commands: an error saying they are the host's,
+    // not a daemon of the guest's own that would hide the VM's device.
+    for cmd in ["vrdma vm args a --fd 3", "vrdma migrate pause --vm a", "vrdma daemon"] {
+        let (st, out) = w.a().run(&format!("timeout 60 {cmd}"), T).unwrap();
+        assert_ne!(st, 0, "{cmd} in a guest:\n{out}");
+        assert!(
+            out.contains("is the host operator's command") && out.contains("QEMU guest"),
+            "{cmd} in a guest does not say it is the host's:\n{out}"
+        );
+    }
 
     // A guest device named but not there: an error saying so, no daemon.
     let bad = "VRDMA_GUEST_PORT=/dev/vrdma-none VRDMA_GUEST_BAR=/vrdma-none";

@@ -123,6 +123,18 @@ impl Vm {
         self.extents.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Why an extent of `len` bytes found no room, `free` bytes being
+    /// free in all: for the guest program that asked (its registration's
+    /// `ENOMEM`), which cannot see the region's size or who holds it.
+    pub fn no_room(&self, len: u64, free: u64) -> String {
+        let name = &self.name;
+        format!(
+            "VM {name:?}'s region ({} MiB, fixed by the host's [vms.{name}] memory_mib) has no run of \
+             {len} bytes free ({free} bytes free in all; this VM's rings and registered memory hold the rest)",
+            self.config.memory_mib
+        )
+    }
+
     pub fn placed(&self) -> std::sync::MutexGuard<'_, Placed> {
         self.placed.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -37,6 +37,12 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     if socket.is_some() {
         config.socket = socket;
     }
+    crate::embedded::host_only(
+        "daemon",
+        config.socket.as_deref(),
+        "a daemon here on the default socket would hide that device from this guest's programs; \
+         name a socket of its own with --socket for a daemon of the guest's own",
+    )?;
     if args.address.is_some() {
         config.address = args.address;
     }

@@ -61,6 +61,18 @@ pub enum Command {
     },
 }
 
+impl Command {
+    /// The subcommand's name where it asks the daemon (the host's:
+    /// `embedded::host_only`); `image` needs none.
+    pub fn needs_daemon(&self) -> Option<&'static str> {
+        match self {
+            Command::Run { .. } => Some("vm run"),
+            Command::Args { .. } => Some("vm args"),
+            Command::Image { .. } => None,
+        }
+    }
+}
+
 pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
     let socket = socket.unwrap_or_else(vrdmad::default_socket_path);
     match cmd {

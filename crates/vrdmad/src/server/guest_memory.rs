@@ -79,11 +79,12 @@ impl RingMemory {
         len: usize,
         budget: Option<&Arc<MappingBudget>>,
     ) -> std::io::Result<(u64, RingMemory)> {
-        let (offset, span) = vm.extents().alloc(len as u64).ok_or_else(|| {
-            std::io::Error::new(
-                std::io::ErrorKind::OutOfMemory,
-                format!("the VM's region ({} MiB) has no {len} bytes free", vm.config.memory_mib),
-            )
+        let mut extents = vm.extents();
+        let allocated = extents.alloc(len as u64);
+        let free = extents.free_bytes();
+        drop(extents);
+        let (offset, span) = allocated.ok_or_else(|| {
+            std::io::Error::new(std::io::ErrorKind::OutOfMemory, vm.no_room(len as u64, free))
         })?;
         let mapped = vm
             .region
@@ -193,10 +194,11 @@ impl GuestMemory {
         if self.memory.len() >= MAX_EXTENTS {
             return Err(format!("a guest session holds at most {MAX_EXTENTS} memory extents"));
         }
-        let (offset, span) =
-            self.vm.extents().alloc_with_headroom(len, MEMORY_HEADROOM).ok_or_else(|| {
-                format!("the VM's region ({} MiB) has no {len} bytes free", self.vm.config.memory_mib)
-            })?;
+        let mut extents = self.vm.extents();
+        let allocated = extents.alloc_with_headroom(len, MEMORY_HEADROOM);
+        let free = extents.free_bytes();
+        drop(extents);
+        let (offset, span) = allocated.ok_or_else(|| self.vm.no_room(len, free))?;
         self.memory.insert(offset, (span, 0));
         Ok((offset, span))
     }
@@ -272,6 +274,29 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let config = crate::config::VmConfig { memory_mib: mib, ..crate::config::VmConfig::new(0) };
         (Arc::new(Vm::create("g", &config, &dir).unwrap()), dir)
+    }
+
+    /// A registration the region cannot hold is refused with what the
+    /// guest cannot see for itself: the VM, the region's fixed size and
+    /// where it comes from, and the bytes free.
+    #[test]
+    fn an_allocation_past_the_free_bytes_says_what_the_region_lacks() {
+        let (vm, dir) = vm(8);
+        let mut a = GuestMemory::new(vm.clone());
+        let (_, held) = a.alloc(7 << 20).unwrap();
+        let e = a.alloc(2 << 20).unwrap_err();
+        let free = (8 << 20) - held;
+        for want in [
+            "VM \"g\"'s region (8 MiB, fixed by the host's [vms.g] memory_mib)".to_string(),
+            format!("no run of {} bytes free ({free} bytes free in all", 2 << 20),
+        ] {
+            assert!(e.contains(&want), "{want:?} not in {e:?}");
+        }
+        let e = RingMemory::in_vm(&vm, 2 << 20, None).map(|_| ()).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::OutOfMemory);
+        assert!(e.to_string().contains("fixed by the host's [vms.g] memory_mib"), "{e}");
+        drop((a, vm));
+        let _ = std::fs::remove_dir_all(dir);
     }
 
     #[test]
