@@ -180,7 +180,7 @@ fn a_server_and_a_client_on_loopback() {
 fn bad_arguments_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("none.sock");
-    let cases: [(&[&str], &str); 14] = [
+    let cases: [(&[&str], &str); 16] = [
         (&["rc_bw", "--size", "64M", "--qps", "64", "--streams", "16"], "need more than"),
         (&["rc_bww"], "unknown test 'rc_bww'"),
         (&["rc_bw", "--size", "0"], "a message size must be"),
@@ -195,6 +195,8 @@ fn bad_arguments_are_clear_errors() {
         (&["rc_lat", "host1"], "a host comes first"),
         (&["--server", "rc_bw"], "cannot be used with"),
         (&["rc_lat", "--qos"], "--qos selects part of the default report"),
+        (&["rc_lat", "--migrate"], "--migrate selects part of the default report"),
+        (&["--migrate", "--vm"], "cannot be used with"),
     ];
     for (args, want) in cases {
         let mut all = vec!["bench"];

@@ -123,7 +123,11 @@ pub enum Command {
     /// between them; a `query_every`-th one also queries the QP (a call
     /// that needs the daemon). Each post and poll holds the guest's
     /// "vCPU" (see [`Command::Freeze`]). Answers at once; the result
-    /// comes with [`Command::SeqStreamWait`].
+    /// comes with [`Command::SeqStreamWait`]: every completion, in the
+    /// order polled. After a failed completion, or a query that finds the
+    /// QP out of RTS, it posts no more and waits (at most 10 s) for the
+    /// completions of what it posted (flushed), so a stream that failed
+    /// shows how: the caller checks the statuses and the count.
     SeqStream {
         count: u64,
         len: usize,

@@ -58,6 +58,21 @@ impl ThreeHosts {
         Ok(h)
     }
 
+    /// Whether the hosts are namespaces with cables to cut ([`set_link`](Self::set_link)).
+    pub fn has_cables(&self) -> bool {
+        self._net.is_some()
+    }
+
+    /// Cuts (`up` false) or restores host `i`'s cable (0 A, 1 B, 2 C): its
+    /// veth end down or up, its links silent meanwhile. An error where the
+    /// hosts are loopback addresses.
+    pub fn set_link(&self, i: usize, up: bool) -> Result<()> {
+        match &self._net {
+            Some(n) => n.set_link(i, up),
+            None => bail!("the hosts are loopback addresses: no cable to cut"),
+        }
+    }
+
     /// Host `i`'s GID (its address as an IPv4-mapped GID).
     pub fn gid(&self, i: usize) -> vrdma::Gid {
         let ip: std::net::Ipv4Addr = self.ips[i].parse().expect("an address");

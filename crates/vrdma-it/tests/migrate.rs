@@ -195,3 +195,29 @@ fn a_tenant_without_memory_moves_to_a_busy_host_and_its_peer_follows() -> Result
     drop(other_c);
     Ok(())
 }
+
+/// `migration_pause_limit_ms` (the peer's daemon configuration) bounds how
+/// long a peer's request waits on a paused QP: with 1 s configured on B,
+/// B's send to A's paused QP fails `RETRY_EXC_ERR` after about a second,
+/// not the default 5 s, and B's QP goes to ERR. The bounds are loose (a
+/// loaded machine): not before most of the second, well before 5 s.
+#[test]
+fn a_shorter_migration_pause_limit_fails_the_peers_request_after_it() -> Result<()> {
+    const LIMIT: Duration = Duration::from_millis(1000);
+    let b_extra = format!("migration_pause_limit_ms = {}", LIMIT.as_millis());
+    let h = ThreeHosts::start(["", &b_extra, ""])?;
+    let (a, b) = vrdma_it::across::pair(&h.a, &h.b, true)?;
+    let tenant = uid();
+    a.qp.post_recv(&[wr::recv(100, &[a.mr.sge(0, 64)?])?])?;
+    assert_eq!(vrdma::migrate::pause(&h.a.socket, tenant)?, 1);
+    let posted = Instant::now();
+    b.qp.post_send(&[wr::send(1, &[b.mr.sge(0, 64)?])?.signaled()])?;
+    let wc = poll_n(&b.cq, 1, Duration::from_secs(15))?;
+    let waited = posted.elapsed();
+    assert_eq!((wc[0].wr_id, wc[0].status), (1, WcStatus::RetryExcErr), "{wc:?}");
+    assert!(waited >= LIMIT - Duration::from_millis(100), "failed after {waited:?}, before the bound");
+    assert!(waited < Duration::from_millis(3500), "failed after {waited:?}: the default 5 s, not {LIMIT:?}?");
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Err);
+    assert_eq!(vrdma::migrate::resume(&h.a.socket, tenant)?, 1);
+    Ok(())
+}

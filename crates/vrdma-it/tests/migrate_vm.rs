@@ -622,21 +622,21 @@ impl Move<'_> {
         before_import: impl FnOnce(&OwnedFd) -> Result<()>,
     ) -> Result<()> {
         use vrdma_it::protocol::Command as C;
-        vrdma::migrate::pause(self.from, uid)?;
+        vrdma::migrate::pause(self.from, uid).context("pause")?;
         paused()?;
-        guest.call_ok(&C::Freeze)?;
-        let (snap, _, _) = vrdma::migrate::export(self.from, uid)?;
+        guest.call_ok(&C::Freeze).context("the guest's freeze")?;
+        let (snap, _, _) = vrdma::migrate::export(self.from, uid).context("export")?;
         copy_region(&self.from_vm.region, &self.to_vm.region, self.from_vm.region_len)?;
         before_import(&snap)?;
-        vrdma::migrate::import(self.to, snap.as_fd())?;
-        guest.call_ok(&C::MoveBar { to_fd: self.to_fd })?;
+        vrdma::migrate::import(self.to, snap.as_fd()).context("import")?;
+        guest.call_ok(&C::MoveBar { to_fd: self.to_fd }).context("the guest's move")?;
         let next = self.port_link.with_extension("next");
         let _ = std::fs::remove_file(&next);
         std::os::unix::fs::symlink(&self.to_vm.port_socket, &next)?;
         std::fs::rename(&next, self.port_link)?;
-        guest.call_ok(&C::Thaw)?;
-        vrdma::migrate::finish(self.from, uid)?;
-        vrdma::migrate::resume(self.to, uid)?;
+        guest.call_ok(&C::Thaw).context("the guest's thaw")?;
+        vrdma::migrate::finish(self.from, uid).context("finish")?;
+        vrdma::migrate::resume(self.to, uid).context("resume")?;
         Ok(())
     }
 }
@@ -652,143 +652,34 @@ impl Move<'_> {
 /// comes once in the guest, in order, and both QPs stay in RTS.
 #[test]
 fn a_guest_library_takes_its_context_back_by_itself_while_it_streams() -> Result<()> {
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
     use vrdma_it::protocol::{Command as C, Said};
     const COUNT: u64 = 500;
-    const LEN: usize = 64;
     // A call every 4th message: calls are in flight at the moves (one the
     // source ran after `finish` used to come back as an error).
     const QUERY_EVERY: u64 = 4;
-    let uid = rustix::process::geteuid().as_raw();
-    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
-    let h = ThreeHosts::start([&vm, "", &vm])?;
-    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
-    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
-    let dir = tempfile::tempdir()?;
-    let port_link = dir.path().join("port");
-    std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
-    // Descriptor 101: A's region, 102: C's.
-    let mut guest = PeerProc::spawn_movable_guest(
-        &port_link,
-        &[&vm_a.region, &vm_c.region],
-        &[],
-        "tenant",
-        &["--mr-len", "65536"],
-    )?;
-    let g = guest.hello()?;
-    let b = Side::new(&h.b.context()?, 1 << 20)?;
-    let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
-    eg.lid = 0;
-    eb.lid = 0;
-    b.qp.connect(&eg, access_all())?;
-    guest.call_ok(&C::Connect { peer: eb })?;
-
-    // B's receiver: 256 receives of 256 bytes each at 512 KiB, posted
-    // again as they complete; the writes land at [0, COUNT * LEN).
-    const RECV_AT: usize = 512 << 10;
-    let received = AtomicU64::new(0);
-    let stop = AtomicBool::new(false);
-    let recv = |k: u64| -> Result<()> {
-        let sge = b.mr.sge(RECV_AT + (k as usize % 256) * 256, 256)?;
-        b.qp.post_recv(&[wr::recv(k, &[sge])?])?;
-        Ok(())
+    let ChannelGuest { uid, h, vm_a, vm_c, _dir, port_link, mut guest, b } = ChannelGuest::streaming()?;
+    let a_to_c = Move {
+        from: &h.a.socket,
+        to: &h.c.socket,
+        from_vm: &vm_a,
+        to_vm: &vm_c,
+        to_fd: 102,
+        port_link: &port_link,
     };
-    for k in 0..256 {
-        recv(k)?;
-    }
-    let (at_b, wcs) = std::thread::scope(|s| -> Result<(Vec<u64>, Vec<vrdma_it::protocol::Wc>)> {
-        let receiver = s.spawn(|| -> Result<Vec<u64>> {
-            let mut seqs = Vec::new();
-            let mut buf = vrdma::wc_buffer(64);
-            let end = Instant::now() + Duration::from_secs(120);
-            while (seqs.len() as u64) < COUNT && !stop.load(Ordering::Acquire) {
-                anyhow::ensure!(Instant::now() < end, "B received {} of {COUNT} in two minutes", seqs.len());
-                let n = b.cq.poll(&mut buf)?;
-                if n == 0 {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-                for wc in &buf[..n] {
-                    anyhow::ensure!(wc.status == WcStatus::Success, "at B: {wc:?}");
-                    let seq = u64::from(wc.imm_data);
-                    let mut expect = vec![seq as u8; LEN];
-                    expect[..8].copy_from_slice(&seq.to_le_bytes());
-                    let mut got = vec![0u8; LEN];
-                    match wc.opcode {
-                        WcOpcode::Recv => b.mr.read(RECV_AT + (wc.wr_id as usize % 256) * 256, &mut got)?,
-                        WcOpcode::RecvRdmaWithImm => b.mr.read(seq as usize * LEN, &mut got)?,
-                        o => anyhow::bail!("at B: {o:?}"),
-                    }
-                    anyhow::ensure!(got == expect, "message {seq}'s bytes at B ({:?})", wc.opcode);
-                    seqs.push(seq);
-                    received.fetch_add(1, Ordering::AcqRel);
-                    recv(wc.wr_id + 256)?;
-                }
-            }
-            Ok(seqs)
-        });
-        let moves = (|| -> Result<Vec<vrdma_it::protocol::Wc>> {
-            guest.call_ok(&C::SeqStream {
-                count: COUNT,
-                len: LEN,
-                remote_addr: b.mr.addr(),
-                rkey: b.mr.rkey(),
-                pace_us: 2000,
-                query_every: QUERY_EVERY,
-            })?;
-            let some = |least: u64| -> Result<()> {
-                let end = Instant::now() + WAIT;
-                while received.load(Ordering::Acquire) < least {
-                    anyhow::ensure!(Instant::now() < end, "B got no more than {least} messages");
-                    std::thread::sleep(Duration::from_millis(2));
-                }
-                Ok(())
-            };
-            let a_to_c = Move {
-                from: &h.a.socket,
-                to: &h.c.socket,
-                from_vm: &vm_a,
-                to_vm: &vm_c,
-                to_fd: 102,
-                port_link: &port_link,
-            };
-            let c_to_a = Move {
-                from: &h.c.socket,
-                to: &h.a.socket,
-                from_vm: &vm_c,
-                to_vm: &vm_a,
-                to_fd: 101,
-                ..a_to_c
-            };
-            some(40)?;
-            a_to_c.run(&mut guest, uid)?;
-            let before = received.load(Ordering::Acquire);
-            some(before + 40)?;
-            let at_second = received.load(Ordering::Acquire);
-            c_to_a.run(&mut guest, uid)?;
-            // The stream ran through both moves.
-            anyhow::ensure!(at_second < COUNT, "the stream ended before the second move");
-            // Its end: every completion, or why not (so that a stream that
-            // failed fails the test now, rather than leave B waiting).
-            match guest.call(&C::SeqStreamWait)? {
-                Said::Completions(w) => Ok(w),
-                other => bail!("the guest's stream: {other:?}"),
-            }
-        })();
-        let moves = moves.map_err(|e| {
-            stop.store(true, Ordering::Release);
-            // The guest's own account, if its stream ended (a stalled one
-            // answers nothing within the peer's timeout).
-            match guest.call(&C::SeqStreamWait) {
-                Ok(Said::Error { message, .. }) if message != "no stream" => {
-                    e.context(format!("the guest's stream: {message}"))
-                }
-                _ => e,
-            }
-        });
-        let seqs = receiver.join().map_err(|_| anyhow::anyhow!("B's receiver panicked"))?;
-        Ok((seqs?, moves?))
+    let c_to_a =
+        Move { from: &h.c.socket, to: &h.a.socket, from_vm: &vm_c, to_vm: &vm_a, to_fd: 101, ..a_to_c };
+    let s = stream_while(&mut guest, &b, COUNT, QUERY_EVERY, |guest, some| {
+        some(40)?;
+        a_to_c.run(guest, uid)?;
+        let at_second = some(40)?;
+        c_to_a.run(guest, uid)?;
+        // The stream ran through both moves.
+        anyhow::ensure!(at_second < COUNT, "the stream ended before the second move");
+        Ok(())
     })?;
-    assert_eq!(at_b, (0..COUNT).collect::<Vec<_>>(), "every message once, in order, at B");
+    let wcs = s.guest.map_err(|e| anyhow::anyhow!("the guest's stream: {e}"))?;
+    assert!(s.b_failed.is_empty(), "failed completions at B: {:?}", s.b_failed);
+    assert_eq!(s.at_b, (0..COUNT).collect::<Vec<_>>(), "every message once, in order, at B");
     assert!(wcs.iter().all(|w| w.status == WcStatus::Success.raw()), "{wcs:?}");
     assert_eq!(
         wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
@@ -805,6 +696,132 @@ fn a_guest_library_takes_its_context_back_by_itself_while_it_streams() -> Result
         other => bail!("the guest's QP state: {other:?}"),
     }
     Ok(())
+}
+
+/// What a guest's stream to B came to ([`stream_while`]).
+struct Streamed {
+    /// B's messages' sequence numbers, in the order they came.
+    at_b: Vec<u64>,
+    /// B's completions that failed (flushed, once B's QP is in ERR).
+    b_failed: Vec<vrdma::WorkCompletion>,
+    /// The guest's completions in the order polled, or why its stream failed.
+    guest: std::result::Result<Vec<vrdma_it::protocol::Wc>, String>,
+}
+
+/// The guest's stream (`SeqStream`: sends and RDMA writes with immediate,
+/// each carrying its sequence number, one every 2 ms, a query every
+/// `query_every`th) of `count` messages to B, with `during` run meanwhile
+/// (given `some(n)`, which waits until B has `n` messages more than it had,
+/// and returns how many it has). B's receiver checks each message's bytes
+/// (256 receives of 256 bytes at 512 KiB, posted again as they complete;
+/// the writes land at `[0, count * 64)`). When `during` is done, the
+/// guest's stream is waited for, and B's receiver for up to 3 s more.
+fn stream_while(
+    guest: &mut PeerProc,
+    b: &Side,
+    count: u64,
+    query_every: u64,
+    during: impl FnOnce(&mut PeerProc, &dyn Fn(u64) -> Result<u64>) -> Result<()>,
+) -> Result<Streamed> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use vrdma_it::protocol::{Command as C, Said};
+    const LEN: usize = 64;
+    const RECV_AT: usize = 512 << 10;
+    let received = AtomicU64::new(0);
+    let stop = AtomicBool::new(false);
+    let recv = |k: u64| -> Result<()> {
+        let sge = b.mr.sge(RECV_AT + (k as usize % 256) * 256, 256)?;
+        b.qp.post_recv(&[wr::recv(k, &[sge])?])?;
+        Ok(())
+    };
+    for k in 0..256 {
+        recv(k)?;
+    }
+    std::thread::scope(|s| -> Result<Streamed> {
+        let receiver = s.spawn(|| -> Result<(Vec<u64>, Vec<vrdma::WorkCompletion>)> {
+            let (mut seqs, mut failed) = (Vec::new(), Vec::new());
+            let mut buf = vrdma::wc_buffer(64);
+            let end = Instant::now() + Duration::from_secs(120);
+            while (seqs.len() as u64) < count && !stop.load(Ordering::Acquire) {
+                anyhow::ensure!(Instant::now() < end, "B received {} of {count} in two minutes", seqs.len());
+                let n = b.cq.poll(&mut buf)?;
+                if n == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+                for wc in &buf[..n] {
+                    if wc.status != WcStatus::Success {
+                        failed.push(*wc);
+                        continue;
+                    }
+                    let seq = u64::from(wc.imm_data);
+                    let mut expect = vec![seq as u8; LEN];
+                    expect[..8].copy_from_slice(&seq.to_le_bytes());
+                    let mut got = vec![0u8; LEN];
+                    match wc.opcode {
+                        WcOpcode::Recv => b.mr.read(RECV_AT + (wc.wr_id as usize % 256) * 256, &mut got)?,
+                        WcOpcode::RecvRdmaWithImm => b.mr.read(seq as usize * LEN, &mut got)?,
+                        o => anyhow::bail!("at B: {o:?}"),
+                    }
+                    anyhow::ensure!(got == expect, "message {seq}'s bytes at B ({:?})", wc.opcode);
+                    seqs.push(seq);
+                    received.fetch_add(1, Ordering::AcqRel);
+                    recv(wc.wr_id + 256)?;
+                }
+            }
+            Ok((seqs, failed))
+        });
+        let some = |more: u64| -> Result<u64> {
+            let least = received.load(Ordering::Acquire) + more;
+            let end = Instant::now() + WAIT;
+            loop {
+                let n = received.load(Ordering::Acquire);
+                if n >= least {
+                    return Ok(n);
+                }
+                anyhow::ensure!(Instant::now() < end, "B got no more than {n} messages (waited for {least})");
+                std::thread::sleep(Duration::from_millis(2));
+            }
+        };
+        let ran = (|| -> Result<std::result::Result<Vec<vrdma_it::protocol::Wc>, String>> {
+            guest.call_ok(&C::SeqStream {
+                count,
+                len: LEN,
+                remote_addr: b.mr.addr(),
+                rkey: b.mr.rkey(),
+                pace_us: 2000,
+                query_every,
+            })?;
+            let during = during(guest, &some);
+            // The stream's end: every completion, or why not (so that a
+            // stream that failed says so rather than leave B waiting).
+            match (during, guest.call(&C::SeqStreamWait)) {
+                (Ok(()), Ok(Said::Completions(w))) => Ok(Ok(w)),
+                (Ok(()), Ok(Said::Error { message, .. })) => Ok(Err(message)),
+                (Ok(()), Ok(other)) => bail!("the guest's stream: {other:?}"),
+                (Ok(()), Err(e)) => Err(e.context("waiting for the guest's stream")),
+                (Err(e), Ok(Said::Error { message, .. })) => {
+                    Err(e.context(format!("the guest's stream: {message}")))
+                }
+                (Err(e), Ok(Said::Completions(w))) => {
+                    let bad = w.iter().find(|c| c.status != WcStatus::Success.raw());
+                    Err(e.context(format!(
+                        "the guest's stream ended with {} completions, the first failed {bad:?}",
+                        w.len()
+                    )))
+                }
+                (Err(e), _) => Err(e),
+            }
+        })();
+        let end = Instant::now() + Duration::from_secs(3);
+        while received.load(Ordering::Acquire) < count && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        stop.store(true, Ordering::Release);
+        let at_b = receiver.join().map_err(|_| anyhow::anyhow!("B's receiver panicked"))?;
+        let guest = ran?;
+        let (at_b, b_failed) = at_b?;
+        Ok(Streamed { at_b, b_failed, guest })
+    })
 }
 
 /// A guest whose context moved and is never taken back (its tenant
@@ -967,6 +984,15 @@ struct ChannelGuest {
 
 impl ChannelGuest {
     fn start(c_extra: &str, recvs: usize) -> Result<ChannelGuest> {
+        Self::start_with(c_extra, recvs, &["--mr-len", "65536", "--channel"])
+    }
+
+    /// The guest of [`stream_while`]: no channel, no receives.
+    fn streaming() -> Result<ChannelGuest> {
+        Self::start_with("", 0, &["--mr-len", "65536"])
+    }
+
+    fn start_with(c_extra: &str, recvs: usize, args: &[&str]) -> Result<ChannelGuest> {
         use vrdma_it::protocol::Command as C;
         let uid = rustix::process::geteuid().as_raw();
         let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
@@ -976,13 +1002,8 @@ impl ChannelGuest {
         let dir = tempfile::tempdir()?;
         let port_link = dir.path().join("port");
         std::os::unix::fs::symlink(&vm_a.port_socket, &port_link)?;
-        let mut guest = PeerProc::spawn_movable_guest(
-            &port_link,
-            &[&vm_a.region, &vm_c.region],
-            &[],
-            "tenant",
-            &["--mr-len", "65536", "--channel"],
-        )?;
+        let mut guest =
+            PeerProc::spawn_movable_guest(&port_link, &[&vm_a.region, &vm_c.region], &[], "tenant", args)?;
         let g = guest.hello()?;
         let b = Side::new(&h.b.context()?, 1 << 20)?;
         let (mut eg, mut eb) = (g.endpoint, b.endpoint()?);
@@ -990,7 +1011,9 @@ impl ChannelGuest {
         eb.lid = 0;
         b.qp.connect(&eg, access_all())?;
         guest.call_ok(&C::Connect { peer: eb })?;
-        guest.call_ok(&C::PostRecv { count: recvs, offset: 0, len: 256 })?;
+        if recvs > 0 {
+            guest.call_ok(&C::PostRecv { count: recvs, offset: 0, len: 256 })?;
+        }
         Ok(ChannelGuest { uid, h, vm_a, vm_c, _dir: dir, port_link, guest, b })
     }
 }
@@ -1196,5 +1219,226 @@ fn a_numbered_call_sent_again_after_a_move_gets_the_sources_answer_and_runs_once
     assert_eq!(errno_of(&r), Some(libc::EINVAL), "an older number: {r:?}");
     let (r, _) = on_c.call(destroy)?;
     assert!(errno_of(&r).is_some(), "the CQ is gone: {r:?}");
+    Ok(())
+}
+
+/// The links' `dead_ms` in the tests' daemons (`vrdma_it::host_config`).
+const DEAD: Duration = Duration::from_millis(1500);
+
+/// Waits (bounded) until B's and C's daemons see their links to A dead.
+/// (They look, not A's: a context on A would be one of the moving
+/// tenant's, a host process's, which the export refuses.)
+fn wait_a_cut_off(h: &ThreeHosts) -> Result<()> {
+    let (ctx_b, ctx_c) = (h.b.context()?, h.c.context()?);
+    let gid_a = h.gid(0);
+    let end = Instant::now() + DEAD + WAIT;
+    loop {
+        let mut up = false;
+        for c in [&ctx_b, &ctx_c] {
+            up |= c.stat()?.links.iter().any(|l| l.up && l.info.gid == gid_a);
+        }
+        if !up {
+            return Ok(());
+        }
+        anyhow::ensure!(Instant::now() < end, "A's links outlived its cable by {WAIT:?} past dead_ms");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Every message once, in order, at B and every completion once, in
+/// order, in the guest, nothing twice afterwards, both QPs in RTS.
+fn all_once_in_order(s: Streamed, count: u64, guest: &mut PeerProc, b: &Side) -> Result<()> {
+    use vrdma_it::protocol::{Command as C, Said};
+    let wcs = s.guest.map_err(|e| anyhow::anyhow!("the guest's stream: {e}"))?;
+    assert!(s.b_failed.is_empty(), "failed completions at B: {:?}", s.b_failed);
+    assert_eq!(s.at_b, (0..count).collect::<Vec<_>>(), "every message once, in order, at B");
+    assert!(wcs.iter().all(|w| w.status == WcStatus::Success.raw()), "{wcs:?}");
+    assert_eq!(
+        wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(),
+        (0..count).collect::<Vec<_>>(),
+        "every completion once, in order, in the guest"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(vrdma_it::poll_for(&b.cq, Duration::from_millis(50))?.is_empty(), "a message twice at B");
+    assert_eq!(guest.poll(1, Duration::from_millis(100))?, Vec::new(), "a completion twice in the guest");
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
+    match guest.call(&C::State)? {
+        Said::State(s) => assert_eq!(s, QpState::Rts.raw(), "the guest's QP"),
+        other => bail!("the guest's QP state: {other:?}"),
+    }
+    Ok(())
+}
+
+/// Issue 19's faults, the source's side: the guest streams to B and moves
+/// A → C; right after A's pause A's cable is cut (its veth down: its links
+/// to B and C silent) and plugged back in `CUT` later, well within
+/// `dead_ms`, before the move's steps go on (they go over the operator's
+/// sockets, not the links). No link is lost (the frames wait in TCP): a
+/// longer pause. Every message once, in order; both QPs in RTS; A's links
+/// the same ones.
+///
+/// `CUT` is short of `dead_ms` by more than TCP's backoff: the frames sent
+/// into the cut go again only when TCP's retransmission timer fires
+/// (200, 400, 800 ms ... apart), so the silence outlasts the cut; a cut of
+/// 900 ms with a `dead_ms` of 1.5 s was seen to lose a link.
+#[test]
+fn a_cut_of_the_sources_cable_shorter_than_dead_ms_during_the_pause_loses_nothing() -> Result<()> {
+    short_cut_of_the_sources_cable(false)
+}
+
+/// The same, the cable plugged back in while the move's steps run: C's
+/// resume and its Moved frame to B come while A is cut off. Ignored: about
+/// one run in twelve here B's daemon handled none of C's requests from the
+/// Moved frame until A's held TCP segments came in (0.8 s later), so C's
+/// QP ran out of retries (`RETRY_EXC_ERR` for messages B had received; a
+/// burst of duplicates at B after it); not explained yet (docs/migration.md,
+/// "What is not done").
+#[test]
+#[ignore = "a stall about one run in twelve, not explained yet (docs/migration.md, What is not done)"]
+fn a_cut_of_the_sources_cable_across_the_destinations_resume_loses_nothing() -> Result<()> {
+    short_cut_of_the_sources_cable(true)
+}
+
+fn short_cut_of_the_sources_cable(across_the_steps: bool) -> Result<()> {
+    const COUNT: u64 = 400;
+    const CUT: Duration = Duration::from_millis(400);
+    let ChannelGuest { uid, h, vm_a, vm_c, _dir, port_link, mut guest, b } = ChannelGuest::streaming()?;
+    if !h.has_cables() {
+        vrdma_it::skip("a cable cut needs the hosts in network namespaces (root and iproute2)");
+        return Ok(());
+    }
+    let links_a = h.a.context()?.stat()?.links.iter().map(|l| l.id).collect::<Vec<_>>();
+    let a_to_c = Move {
+        from: &h.a.socket,
+        to: &h.c.socket,
+        from_vm: &vm_a,
+        to_vm: &vm_c,
+        to_fd: 102,
+        port_link: &port_link,
+    };
+    let hosts = &h;
+    let s = stream_while(&mut guest, &b, COUNT, 4, |guest, some| {
+        some(40)?;
+        std::thread::scope(|sc| -> Result<()> {
+            let mut plug = None;
+            a_to_c.run_with(guest, uid, || {
+                hosts.set_link(0, false)?;
+                let cut = Instant::now();
+                let p = sc.spawn(move || {
+                    std::thread::sleep(CUT);
+                    (hosts.set_link(0, true), cut.elapsed())
+                });
+                if across_the_steps {
+                    plug = Some(p);
+                } else {
+                    let (plugged, _) = p.join().expect("the plug's thread");
+                    plugged?;
+                }
+                Ok(())
+            })?;
+            if let Some(p) = plug {
+                let (plugged, out) = p.join().expect("the plug's thread");
+                plugged?;
+                anyhow::ensure!(out < DEAD / 2, "A's cable was out {out:?}, not well within dead_ms");
+            }
+            Ok(())
+        })?;
+        some(40)?;
+        Ok(())
+    })?;
+    all_once_in_order(s, COUNT, &mut guest, &b)?;
+    // A's links lived through the cut (the same links, up).
+    let after = h.a.context()?.stat()?.links;
+    assert!(
+        links_a.iter().all(|id| after.iter().any(|l| l.id == *id && l.up)),
+        "A's links {links_a:?} after the cut: {after:?}"
+    );
+    Ok(())
+}
+
+/// The same with A's cable out past `dead_ms`: A's links to B and C die
+/// during the pause (B and C see them down), the move's steps run with
+/// the cable still out, and it is plugged back in after C's resume. The
+/// QP resumes at C, whose link to B never went down: B follows C's Moved
+/// frame, and nothing is lost (A's dead links held nothing the move
+/// needed: the snapshot goes over the operator's sockets, and the QP's
+/// oldest unacknowledged request is sent again from C).
+#[test]
+fn a_cut_of_the_sources_cable_longer_than_dead_ms_during_a_move_loses_nothing() -> Result<()> {
+    const COUNT: u64 = 400;
+    let ChannelGuest { uid, h, vm_a, vm_c, _dir, port_link, mut guest, b } = ChannelGuest::streaming()?;
+    if !h.has_cables() {
+        vrdma_it::skip("a cable cut needs the hosts in network namespaces (root and iproute2)");
+        return Ok(());
+    }
+    let a_to_c = Move {
+        from: &h.a.socket,
+        to: &h.c.socket,
+        from_vm: &vm_a,
+        to_vm: &vm_c,
+        to_fd: 102,
+        port_link: &port_link,
+    };
+    let s = stream_while(&mut guest, &b, COUNT, 4, |guest, some| {
+        some(40)?;
+        a_to_c.run_with(guest, uid, || {
+            h.set_link(0, false)?;
+            wait_a_cut_off(&h)
+        })?;
+        std::thread::sleep(Duration::from_millis(300));
+        h.set_link(0, true)?;
+        some(40)?;
+        Ok(())
+    })?;
+    all_once_in_order(s, COUNT, &mut guest, &b)
+}
+
+/// A's cable out past `dead_ms` during the pause, and the migration
+/// cancelled (resumed at A) while it is out: the QP resumes at A on a
+/// link that is dead, and fails as any QP whose link goes down ("Links
+/// and QPs": the link that comes back is not its): its oldest request
+/// `RETRY_EXC_ERR`, the rest flushed, each completion once, in order, the
+/// QP in ERR; nothing hangs. B got every message before the pause once,
+/// in order, and none after (the paused QP sent none); B's QP stays in
+/// RTS (a responder does not learn that its requester died).
+#[test]
+fn a_cut_of_the_sources_cable_longer_than_dead_ms_then_a_cancel_fails_the_qp_cleanly() -> Result<()> {
+    use vrdma_it::protocol::{Command as C, Said};
+    const COUNT: u64 = 400;
+    let ChannelGuest { uid, h, mut guest, b, .. } = ChannelGuest::streaming()?;
+    if !h.has_cables() {
+        vrdma_it::skip("a cable cut needs the hosts in network namespaces (root and iproute2)");
+        return Ok(());
+    }
+    let mut before_pause = 0;
+    let s = stream_while(&mut guest, &b, COUNT, 4, |_guest, some| {
+        some(40)?;
+        vrdma::migrate::pause(&h.a.socket, uid)?;
+        h.set_link(0, false)?;
+        wait_a_cut_off(&h)?;
+        before_pause = some(0)?;
+        vrdma::migrate::resume(&h.a.socket, uid)?;
+        std::thread::sleep(Duration::from_millis(300));
+        h.set_link(0, true)?;
+        Ok(())
+    })?;
+    let wcs = s.guest.map_err(|e| anyhow::anyhow!("the guest's stream: {e}"))?;
+    assert!(s.b_failed.is_empty(), "failed completions at B: {:?}", s.b_failed);
+    assert_eq!(s.at_b, (0..s.at_b.len() as u64).collect::<Vec<_>>(), "once, in order, at B");
+    assert_eq!(s.at_b.len() as u64, before_pause, "B got messages after the pause");
+    // The guest: a prefix of successes, one RETRY_EXC_ERR, the rest
+    // flushed, each work request once, in order.
+    assert_eq!(wcs.iter().map(|w| w.wr_id).collect::<Vec<_>>(), (0..wcs.len() as u64).collect::<Vec<_>>());
+    let ok = wcs.iter().take_while(|w| w.status == WcStatus::Success.raw()).count();
+    assert!(ok as u64 <= before_pause && ok < wcs.len(), "{ok} successes of {}: {wcs:?}", wcs.len());
+    assert_eq!(wcs[ok].status, WcStatus::RetryExcErr.raw(), "{wcs:?}");
+    assert!(wcs[ok + 1..].iter().all(|w| w.status == WcStatus::WrFlushErr.raw()), "{wcs:?}");
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(guest.poll(1, Duration::from_millis(100))?, Vec::new(), "a completion twice in the guest");
+    match guest.call(&C::State)? {
+        Said::State(s) => assert_eq!(s, QpState::Err.raw(), "the guest's QP"),
+        other => bail!("the guest's QP state: {other:?}"),
+    }
+    assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
     Ok(())
 }

@@ -10,6 +10,8 @@
 //!                       # than the daemon's is a tenant of this host only
 //! metrics_listen = "127.0.0.1:9464"  # serve Prometheus metrics here (default: off);
 //!                       # every tenant's figures, to whoever can connect
+//! migration_pause_limit_ms = 5000  # how long a paused tenant (a migration) holds its
+//!                       # peers' QPs and its own held calls, 100..=7000 (docs/migration.md)
 //!
 //! [engine]
 //! spin_us = 20          # busy-poll this long after the last work,
@@ -552,6 +554,14 @@ pub struct DaemonConfig {
     /// `crate::metrics`); off when unset. Anyone who can connect sees
     /// every tenant's figures: keep it on loopback or a management network.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// How long a requester here waits for a peer QP that answers PAUSED
+    /// (its tenant migrating) before it fails `RETRY_EXC_ERR`, and how long
+    /// a paused tenant's state-changing call waits at the pause gate
+    /// (`HcaConfig::migration_pause_limit`; default 5000). At most
+    /// [`MAX_MIGRATION_PAUSE_LIMIT_MS`]: a guest's library counts a port
+    /// silent for 8 s as the device gone, and a held call keeps its port's
+    /// answer that long.
+    pub migration_pause_limit_ms: Option<u64>,
     pub engine: EngineConfig,
     pub net: NetConfig,
     pub direct: DirectConfig,
@@ -811,7 +821,18 @@ pub enum ConfigError {
     Invalid(String),
 }
 
+/// The bounds of `migration_pause_limit_ms`: ten probe intervals at
+/// least; below the guest library's 8 s limit of a silent port at most.
+pub const MIN_MIGRATION_PAUSE_LIMIT_MS: u64 = 100;
+pub const MAX_MIGRATION_PAUSE_LIMIT_MS: u64 = 7000;
+
 impl DaemonConfig {
+    /// The bound of a tenant's pause, where the configuration sets one
+    /// (else the core's default, `HcaConfig::migration_pause_limit`).
+    pub fn migration_pause_limit(&self) -> Option<std::time::Duration> {
+        self.migration_pause_limit_ms.map(std::time::Duration::from_millis)
+    }
+
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
         let c: DaemonConfig = toml::from_str(text)?;
         c.validate()?;
@@ -848,6 +869,15 @@ impl DaemonConfig {
                 return Err(ConfigError::Invalid(format!(
                     "[vms.{name}]: uid {} lies in the numbers kept for tenants of this host only",
                     vm.tenant
+                )));
+            }
+        }
+        if let Some(ms) = self.migration_pause_limit_ms {
+            if !(MIN_MIGRATION_PAUSE_LIMIT_MS..=MAX_MIGRATION_PAUSE_LIMIT_MS).contains(&ms) {
+                return Err(ConfigError::Invalid(format!(
+                    "migration_pause_limit_ms = {ms}: give {MIN_MIGRATION_PAUSE_LIMIT_MS} to \
+                     {MAX_MIGRATION_PAUSE_LIMIT_MS} (below a probe's few intervals a pause fails its \
+                     peers at once; above it a guest whose call is held takes its device for gone)"
                 )));
             }
         }
@@ -982,6 +1012,19 @@ mod tests {
         assert!(!DaemonConfig::from_toml("[direct]\nenabled = false").unwrap().direct.enabled);
         assert!(DaemonConfig::from_toml("[direct]\nenabled = true").unwrap().direct.enabled);
         assert!(DaemonConfig::from_toml("[direct]\nenabled = 1").is_err());
+    }
+
+    #[test]
+    fn the_migration_pause_limit_is_the_cores_default_unless_set_and_is_bounded() {
+        let d = DaemonConfig::from_toml("").unwrap();
+        assert_eq!(d.migration_pause_limit(), None);
+        let c = DaemonConfig::from_toml("migration_pause_limit_ms = 800").unwrap();
+        assert_eq!(c.migration_pause_limit(), Some(std::time::Duration::from_millis(800)));
+        for bad in ["0", "99", "7001", "3600000"] {
+            let e = DaemonConfig::from_toml(&format!("migration_pause_limit_ms = {bad}")).unwrap_err();
+            assert!(e.to_string().contains("give 100 to 7000"), "{bad}: {e}");
+        }
+        assert!(DaemonConfig::from_toml("migration_pause_limit_ms = \"5s\"").is_err());
     }
 
     #[test]

@@ -148,6 +148,9 @@ impl Daemon {
         hca_cfg.ack_delay = std::time::Duration::from_micros(config.engine.ack_delay_us);
         hca_cfg.default_quota = budgets.quota;
         hca_cfg.number_space = config.net.number_space_of(address);
+        if let Some(limit) = config.migration_pause_limit() {
+            hca_cfg.migration_pause_limit = limit;
+        }
         let number_space = hca_cfg.number_space;
         let pause_limit = hca_cfg.migration_pause_limit;
         tracing::info!(number_space, "numbering QPNs, ids and keys in this space");

@@ -14,6 +14,7 @@ pub mod cm_setup;
 mod control;
 mod direct_bw;
 mod idle;
+mod migrate;
 mod mpi;
 mod output;
 mod path;
@@ -145,11 +146,21 @@ pub struct Args {
     /// busybox-static; two guests boot in about 30 s under TCG).
     #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "qos", "attacks"])]
     pub vm: bool,
+    /// Of the default report, only the VM migration figures (issue 19): a
+    /// QEMU guest live-migrated between two daemons of this run `--runs`
+    /// times without vRDMA traffic (QEMU's own downtime: the anchor) and
+    /// as many while it streams to a third daemon, with the operator's
+    /// daemon step: QEMU's downtime, the time the step adds before `cont`,
+    /// the peer's pause and throughput dip, each beside the anchor, the
+    /// accelerator named (needs qemu-system-x86, busybox-static, cc and
+    /// the verbs headers; under TCG about 10 s a hop).
+    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "qos", "attacks", "vm"])]
+    pub migrate: bool,
     /// Of the default report, only the sockets figures: an unmodified
     /// std::net request/response pair and a streaming pair under the
     /// sockets preload library (docs/sockets.md), direct path off and on,
     /// beside the same programs over plain TCP in the same run.
-    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "qos", "attacks", "vm"])]
+    #[arg(long, conflicts_with_all = ["server", "cm_setup", "direct", "qos", "attacks", "vm", "migrate"])]
     pub sockets: bool,
     /// Run the embedded daemon's engine at real-time priority (needs root or CAP_SYS_NICE).
     #[arg(long)]
@@ -192,6 +203,7 @@ Examples:
   vrdma bench                                  the default report with anchors
   vrdma bench --cm-setup --runs 5              only its rdma_cm connection setup figures
   vrdma bench --sockets --runs 5               only the sockets preload's figures beside plain TCP
+  vrdma bench --migrate --runs 3               a VM's migration downtime with and without vRDMA traffic
   vrdma bench rc_lat rc_bw tcp_lat tcp_bw      named tests, both sides on this host
   vrdma bench --server                         serve clients on port 19765
   vrdma bench host2 rc_bw --sweep=1M --csv     against the server on host2
@@ -245,11 +257,13 @@ impl Args {
                 return Err(format!("{name} applies to named tests, e.g. vrdma bench rc_bw {name} ..."));
             }
         }
-        if named && (self.cm_setup || self.qos || self.vm || self.sockets) {
+        if named && (self.cm_setup || self.qos || self.vm || self.sockets || self.migrate) {
             let flag = if self.qos {
                 "--qos"
             } else if self.vm {
                 "--vm"
+            } else if self.migrate {
+                "--migrate"
             } else if self.sockets {
                 "--sockets"
             } else {

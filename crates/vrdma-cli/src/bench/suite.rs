@@ -92,6 +92,19 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         let figures = super::vm::figures(args, runs, cores, &progress)?;
         return report::print(&figures, &[], None, args.json);
     }
+    if args.migrate {
+        let progress = |what: &str| {
+            if !args.json {
+                eprintln!("{what} ...");
+            }
+        };
+        let out = super::migrate::figures(runs, cores, &progress);
+        report::print(&out.figures, &out.skipped, None, args.json)?;
+        if let Some(fault) = out.fault {
+            bail!("the migration bench ended early: {fault}");
+        }
+        return Ok(());
+    }
     if args.sockets {
         let progress = |what: &str| {
             if !args.json {

@@ -20,7 +20,7 @@ mod data;
 mod netns;
 pub(crate) mod placement;
 mod plan;
-mod proc;
+pub(crate) mod proc;
 mod progress;
 mod protect;
 mod report;

@@ -138,7 +138,7 @@ pub(super) fn host_pair(
 }
 
 /// A daemon process (`vrdma daemon`) on `sock`, in `netns`, with `toml`.
-pub(super) fn daemon(env: &Env, name: &str, sock: &Path, netns: Option<&Path>, toml: &str) -> Result<Proc> {
+pub(crate) fn daemon(env: &Env, name: &str, sock: &Path, netns: Option<&Path>, toml: &str) -> Result<Proc> {
     let config = env.dir.join(format!("{name}.toml"));
     std::fs::write(&config, toml)?;
     let mut cmd = std::process::Command::new(env.exe);
@@ -180,7 +180,7 @@ fn wait_linked(sock: &Path, limit: Duration) -> Result<()> {
 }
 
 /// A fresh pre-shared key for the two hosts' daemons.
-fn psk() -> String {
+pub(crate) fn psk() -> String {
     let mut b = [0u8; 16];
     if std::fs::File::open("/dev/urandom")
         .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
