@@ -644,6 +644,58 @@ mod preload {
         Ok(())
     }
 
+    /// A writer idle on a full ring, waiting for writability in `poll`,
+    /// `select` or a level-triggered `epoll` while its reader does not read
+    /// (3 s), sleeps: the library neither looks at the ring again and
+    /// again (it asks the reader for a sound, `WANT`, and polls an eventfd
+    /// that the answer rings) nor keeps its progress thread ticking; and
+    /// it is told writable once the reader reads. Its voluntary context
+    /// switches (every thread's) during one idle second are compared with
+    /// a plain TCP writer's on a full socket buffer in the same run: before,
+    /// `poll`/`select` looked every 100 µs and the progress thread every
+    /// 500 µs (thousands a second).
+    #[test]
+    fn a_writer_idle_on_a_full_ring_sleeps_until_credits_come() -> Result<()> {
+        // Generous: a few wake-ups of the library's threads (the
+        // progress thread's slow look, the daemon's probes) are allowed.
+        const MORE: u64 = 40;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let mut rows = Vec::new();
+        for (preload, mode) in [(false, "poll"), (true, "poll"), (true, "select"), (true, "epoll")] {
+            let port = free_port();
+            let s = spawn(sockapp(&d, preload, &["stallserver".into(), port.to_string()]), "stallserver");
+            if preload {
+                registered(&ctx, port)?;
+            } else {
+                vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || listening(port))?;
+            }
+            let args = ["idlewriter".into(), port.to_string(), mode.into()];
+            let c = spawn(sockapp(&d, preload, &args), "idlewriter").finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            assert_eq!(c.stderr.contains("carried over vRDMA"), preload, "{}", c.describe());
+            let w = printed(&c, "idle-wakeups").expect("idle-wakeups");
+            eprintln!(
+                "{} {mode}: {w} voluntary switches in {} ms idle; writable {} after",
+                if preload { "carried" } else { "plain TCP" },
+                printed(&c, "idle-ms").unwrap_or(0),
+                c.stdout.lines().find_map(|l| l.strip_prefix("writable after ")).unwrap_or("?")
+            );
+            rows.push((preload, mode, w));
+        }
+        let plain = rows[0].2;
+        for &(_, mode, w) in &rows[1..] {
+            assert!(
+                w <= 2 * plain + MORE,
+                "carried {mode}: {w} wake-ups in an idle second against plain TCP's {plain}: a periodic look"
+            );
+        }
+        Ok(())
+    }
+
     /// A server that closes each connection after its answer, and a client
     /// that makes N connections one after another, each read to its end:
     /// carried, each end is read at once (the server's close is told

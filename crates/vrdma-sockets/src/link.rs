@@ -408,6 +408,13 @@ impl Link {
         self.in_flight() || self.write_blocked.load(Ordering::SeqCst) || self.asked.load(Ordering::SeqCst)
     }
 
+    /// Whether only the peer's answer is awaited (asked, with a channel
+    /// for it, nothing in flight): the progress thread needs no look
+    /// until the answer's event.
+    pub(crate) fn awaits_answer_only(&self) -> bool {
+        self.rcq.is_some() && self.asked.load(Ordering::SeqCst) && !self.in_flight()
+    }
+
     /// Asks the peer's reader for a sound when it gives credits back
     /// ([`crate::credit`]): arms the receive CQ and sends `WANT`, waited
     /// for (the caller's next look at its credits must come after it

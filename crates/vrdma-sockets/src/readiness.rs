@@ -98,20 +98,27 @@ fn carried_in(fds: *mut pollfd, n: nfds_t) -> Vec<(usize, Arc<Link>)> {
 /// carried socket (whose `POLLIN` is taken back), or the time is up.
 ///
 /// `POLLOUT` of a carried socket is the ring's: while the ring is full
-/// the socket is not asked for it (the kernel socket has it), and the
-/// wait is cut into slices of [`FULL_SLICE`] to look at the ring's
-/// credits, which come without a sound; once they came, `POLLOUT` is
-/// reported.
+/// the socket is not asked for it (the kernel socket has it). Instead the
+/// call asks the peer's reader for a sound when it gives credits back
+/// ([`crate::credit`]: `WANT`, answered by a send that the progress
+/// thread takes) and polls a [`crate::credit::Waiter`] of its own beside
+/// the program's descriptors, which the answer makes readable; so a call
+/// that waits on a full ring sleeps until credits come (or something else
+/// is ready), with no periodic look. Where no sound can come (no
+/// completion channel, a peer library without answers), it looks at the
+/// ring every [`FULL_SLICE`], as before.
 ///
-/// `call` polls for the time it is given (`None`: for ever).
+/// `call` polls the pollfds it is given for the time it is given
+/// (`None`: for ever).
 ///
 /// # Safety
-/// `fds` holds the `n` pollfds that `call` polls.
+/// `fds` holds `n` pollfds.
 unsafe fn poll_filtered(
     fds: *mut pollfd,
+    n: nfds_t,
     links: &[(usize, Arc<Link>)],
     timeout: c_int,
-    mut call: impl FnMut(Option<Duration>) -> c_int,
+    mut call: impl FnMut(*mut pollfd, nfds_t, Option<Duration>) -> c_int,
 ) -> c_int {
     const OUT: i16 = libc::POLLOUT | libc::POLLWRNORM;
     let deadline = u64::try_from(timeout).ok().map(|ms| Instant::now() + Duration::from_millis(ms));
@@ -126,12 +133,36 @@ unsafe fn poll_filtered(
                 p.events &= !OUT;
             }
         }
-        let slice = match (full.is_empty(), left()) {
+        let waiter = (!full.is_empty() && left() != Some(Duration::ZERO))
+            .then(|| sound_for_credits(full.iter().map(|f| f.1)))
+            .flatten();
+        // Credits that came before the asks landed: no wait.
+        let came = waiter.is_some() && full.iter().any(|f| f.1.writable());
+        let slice = match (full.is_empty() || waiter.is_some(), left()) {
+            _ if came => Some(Duration::ZERO),
             (true, l) => l,
             (false, None) => Some(FULL_SLICE),
             (false, Some(l)) => Some(l.min(FULL_SLICE)),
         };
-        let mut r = call(slice);
+        let mut r = match &waiter {
+            None => call(fds, n, slice),
+            Some(w) => {
+                // The program's pollfds and the waiter's, in a copy.
+                // SAFETY: `fds` holds `n` pollfds.
+                let mut all = unsafe { std::slice::from_raw_parts(fds, n as usize) }.to_vec();
+                all.push(pollfd { fd: w.fd(), events: libc::POLLIN, revents: 0 });
+                let mut r = call(all.as_mut_ptr(), all.len() as nfds_t, slice);
+                if r > 0 && all[n as usize].revents != 0 {
+                    r -= 1;
+                }
+                for (k, p) in all[..n as usize].iter().enumerate() {
+                    // SAFETY: `k < n`.
+                    unsafe { (*fds.add(k)).revents = p.revents };
+                }
+                r
+            }
+        };
+        drop(waiter);
         for &(i, l, events) in &full {
             // SAFETY: as above.
             let p = unsafe { &mut *fds.add(i) };
@@ -162,9 +193,22 @@ unsafe fn poll_filtered(
     }
 }
 
+/// A [`crate::credit::Waiter`] that the answers of each of `full` will
+/// ring (registered first, then each asks: an answer that comes after the
+/// ask finds it); `None` where one of them cannot be answered (the caller
+/// looks at the rings itself).
+fn sound_for_credits<'a>(full: impl Iterator<Item = &'a Arc<Link>>) -> Option<crate::credit::Waiter> {
+    let _g = Guard::enter()?;
+    keep_errno(|| {
+        let w = crate::credit::Waiter::new()?;
+        let mut full = full;
+        full.all(|l| l.ask_credits() != crate::link::Ask::No).then_some(w)
+    })
+}
+
 /// How long a poll waits at a time while a carried socket it asks for
-/// `POLLOUT` has its ring full (100 µs: a 256 KiB ring drains in about
-/// 200 µs at 10 Gbit/s).
+/// `POLLOUT` has its ring full and no sound can come for its credits
+/// (100 µs: a 256 KiB ring drains in about 200 µs at 10 Gbit/s).
 const FULL_SLICE: Duration = Duration::from_micros(100);
 
 /// A duration as a timespec (`None`: none, for ever).
@@ -188,7 +232,7 @@ pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_
     // the time spent.
     // (ppoll without a signal mask is poll, with a finer timeout.)
     unsafe {
-        poll_filtered(fds, &links, timeout, |d| {
+        poll_filtered(fds, n, &links, timeout, |fds, n, d| {
             let t = dur_ts(d);
             real::ppoll(
                 fds,
@@ -232,7 +276,7 @@ pub unsafe extern "C" fn ppoll(
     // SAFETY: libc's ppoll with the caller's arguments, its timeout less
     // the time spent.
     unsafe {
-        poll_filtered(fds, &links, ts_ms(ts), |d| {
+        poll_filtered(fds, n, &links, ts_ms(ts), |fds, n, d| {
             let t = dur_ts(d);
             real::ppoll(fds, n, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
         })
@@ -350,7 +394,7 @@ unsafe fn select_by_poll(
         let links = carried_in(ptr, len);
         // SAFETY: `ptr` holds our `len` pollfds, which `call` polls.
         let k = unsafe {
-            poll_filtered(ptr, &links, left_ms(timeout, start), |d| {
+            poll_filtered(ptr, len, &links, left_ms(timeout, start), |ptr, len, d| {
                 let t = dur_ts(d);
                 real::ppoll(ptr, len, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
             })
