@@ -58,6 +58,16 @@ fn carried(fd: c_int) -> Option<Arc<Link>> {
     }
 }
 
+/// Whether bytes wait in `l`'s ring that its socket may not show (a lazy
+/// read left it unarmed: [`Link::arm_for_readiness`], which arms it
+/// otherwise).
+fn unarmed_ready(l: &Link) -> bool {
+    match Guard::enter() {
+        Some(_g) => keep_errno(|| l.arm_for_readiness()),
+        None => false,
+    }
+}
+
 /// Whether `l`'s readability is only stale wake bytes (taken off now).
 fn stale(l: &Link) -> bool {
     match Guard::enter() {
@@ -121,8 +131,18 @@ unsafe fn poll_filtered(
     mut call: impl FnMut(*mut pollfd, nfds_t, Option<Duration>) -> c_int,
 ) -> c_int {
     const OUT: i16 = libc::POLLOUT | libc::POLLWRNORM;
+    const IN: i16 = libc::POLLIN | libc::POLLRDNORM;
     let deadline = u64::try_from(timeout).ok().map(|ms| Instant::now() + Duration::from_millis(ms));
     let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    // Bytes that wait without a wake byte (left by a lazy read): readable.
+    let mut ready_in: Vec<usize> = links
+        .iter()
+        .filter(|(i, l)| {
+            // SAFETY: `i` indexes one of the caller's `n` pollfds.
+            unsafe { &*fds.add(*i) }.events & libc::POLLIN != 0 && unarmed_ready(l)
+        })
+        .map(|(i, _)| *i)
+        .collect();
     loop {
         let mut full = Vec::new();
         for (i, l) in links {
@@ -139,7 +159,7 @@ unsafe fn poll_filtered(
         // Credits that came before the asks landed: no wait.
         let came = waiter.is_some() && full.iter().any(|f| f.1.writable());
         let slice = match (full.is_empty() || waiter.is_some(), left()) {
-            _ if came => Some(Duration::ZERO),
+            _ if came || !ready_in.is_empty() => Some(Duration::ZERO),
             (true, l) => l,
             (false, None) => Some(FULL_SLICE),
             (false, Some(l)) => Some(l.min(FULL_SLICE)),
@@ -176,6 +196,14 @@ unsafe fn poll_filtered(
         }
         if r < 0 {
             return r;
+        }
+        for i in ready_in.drain(..) {
+            // SAFETY: `i` indexes one of the caller's `n` pollfds.
+            let p = unsafe { &mut *fds.add(i) };
+            if p.revents == 0 {
+                r += 1;
+            }
+            p.revents |= p.events & IN;
         }
         for (i, l) in links {
             // SAFETY: `i` indexes one of the caller's `n` pollfds.
@@ -468,13 +496,38 @@ fn tracked(ep: c_int) -> bool {
 unsafe fn epoll_filtered(
     ep: c_int,
     ev: *mut epoll_event,
+    max: c_int,
     timeout: c_int,
     mut call: impl FnMut(c_int) -> c_int,
 ) -> c_int {
     let start = Instant::now();
     loop {
-        let n = call(left_ms(timeout, start));
-        if n <= 0 {
+        // Bytes that no wake byte announces: reported without waiting.
+        let extra = crate::epoll::pending(ep);
+        let mut n = call(if extra.is_empty() { left_ms(timeout, start) } else { 0 });
+        if n < 0 {
+            return n;
+        }
+        for x in extra {
+            // SAFETY: `call` wrote `n` events at `ev`, which has room for
+            // `max`; read and written by value (the struct may be packed).
+            let same = (0..n as usize).find(|&i| unsafe { std::ptr::read(ev.add(i)) }.u64 == x.u64);
+            match same {
+                // SAFETY: `i < n`, an event `call` wrote.
+                Some(i) => unsafe {
+                    let mut e = std::ptr::read(ev.add(i));
+                    e.events |= x.events;
+                    std::ptr::write(ev.add(i), e);
+                },
+                None if n < max => {
+                    // SAFETY: as above, `n < max`.
+                    unsafe { std::ptr::write(ev.add(n as usize), x) };
+                    n += 1;
+                }
+                None => {}
+            }
+        }
+        if n == 0 {
             return n;
         }
         // SAFETY: `call` wrote `n` events at `ev`.
@@ -494,7 +547,7 @@ pub unsafe extern "C" fn epoll_wait(ep: c_int, ev: *mut epoll_event, max: c_int,
     }
     // SAFETY: libc's epoll_wait with the caller's arguments, its timeout
     // less the time spent.
-    unsafe { epoll_filtered(ep, ev, timeout, |ms| real::epoll_wait(ep, ev, max, ms)) }
+    unsafe { epoll_filtered(ep, ev, max, timeout, |ms| real::epoll_wait(ep, ev, max, ms)) }
 }
 
 #[no_mangle]
@@ -511,7 +564,7 @@ pub unsafe extern "C" fn epoll_pwait(
         return unsafe { real::epoll_pwait(ep, ev, max, timeout, mask) };
     }
     // SAFETY: as `epoll_wait`.
-    unsafe { epoll_filtered(ep, ev, timeout, |ms| real::epoll_pwait(ep, ev, max, ms, mask)) }
+    unsafe { epoll_filtered(ep, ev, max, timeout, |ms| real::epoll_pwait(ep, ev, max, ms, mask)) }
 }
 
 /// `epoll_pwait2` (a timespec timeout; glibc 2.35 and later).
@@ -530,7 +583,7 @@ pub unsafe extern "C" fn epoll_pwait2(
     }
     // SAFETY: as `epoll_wait` (milliseconds: a finer timeout is rounded up).
     unsafe {
-        epoll_filtered(ep, ev, ts_ms(ts), |ms| {
+        epoll_filtered(ep, ev, max, ts_ms(ts), |ms| {
             let left = ms_ts(ms);
             real::epoll_pwait2(
                 ep,

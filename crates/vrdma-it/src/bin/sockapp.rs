@@ -48,9 +48,20 @@
 //! `sendfile PORT BYTES`: `client`, but the bytes go from a file with
 //! sendfile(2), half with an offset and half from the file's position.
 //!
-//! `rr PORT ROUNDS`: blocking 64-byte requests answered by `echo`, each
-//! read whole; prints the median round trip in nanoseconds (for figures
-//! measured by hand, not by the tests).
+//! `rr PORT ROUNDS`: blocking 64-byte requests answered by `echo` (or
+//! `becho`), each read whole; prints the median round trip in
+//! nanoseconds. `becho PORT`: answers 64-byte requests with blocking
+//! reads and writes until the end (no readiness call).
+//!
+//! `lazyserver PORT poll|epoll` and `lazyclient PORT`: readiness after
+//! blocking reads. The client writes 64 bytes, reads a 1-byte answer,
+//! waits 600 ms, writes 64 more, reads a second answer and ends. The
+//! server reads the first 64 with a blocking read (no readiness call
+//! before: a read that does not arm), answers, then waits 300 ms for
+//! readability in `poll` (or in a level-triggered `epoll` set it
+//! registers the socket in then), which must not come (nothing was
+//! sent: a stale wake byte must not read as bytes), then up to 5 s,
+//! which must come, reads the second 64 and answers.
 //!
 //! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
 //! connects and must read the end (0), as over TCP.
@@ -969,6 +980,94 @@ fn rr(port: u16, rounds: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// Waits up to `ms` for `fd` to be readable in `mode` (`epoll`: the set
+/// `ep`, made by the caller); whether it is.
+fn wait_readable(fd: i32, mode: &str, ep: i32, ms: i32) -> Result<bool, String> {
+    if mode == "poll" {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        return match unsafe { libc::poll(&mut p, 1, ms) } {
+            k if k < 0 => Err(format!("poll: {}", std::io::Error::last_os_error())),
+            _ => Ok(p.revents & libc::POLLIN != 0),
+        };
+    }
+    let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    // SAFETY: room for 4 events.
+    match unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 4, ms) } {
+        k if k < 0 => Err(format!("epoll_wait: {}", std::io::Error::last_os_error())),
+        k => Ok(out[..k as usize].iter().any(|e| e.events & libc::EPOLLIN as u32 != 0)),
+    }
+}
+
+fn lazyserver(port: u16, mode: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut b = [0u8; 64];
+    s.read_exact(&mut b).map_err(|e| format!("first read: {e}"))?;
+    s.write_all(b"a").map_err(|e| format!("first answer: {e}"))?;
+    let fd = s.as_raw_fd();
+    let mut ep = -1;
+    if mode == "epoll" {
+        // SAFETY: epoll_create1(2), no pointers.
+        ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        let mut e = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 9 };
+        // SAFETY: a valid event for our own set.
+        if ep < 0 || unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut e) } != 0 {
+            return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+        }
+    }
+    if wait_readable(fd, mode, ep, 300)? {
+        return Err(format!("{mode}: readable while the client sent nothing (stale readiness)"));
+    }
+    let start = std::time::Instant::now();
+    if !wait_readable(fd, mode, ep, 5000)? {
+        return Err(format!("{mode}: the second message not readable within 5 s: readiness lost"));
+    }
+    println!("readable after {} ms", start.elapsed().as_millis());
+    s.read_exact(&mut b).map_err(|e| format!("second read: {e}"))?;
+    s.write_all(b"b").map_err(|e| format!("second answer: {e}"))?;
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).map_err(|e| format!("end: {e}"))?;
+    if ep >= 0 {
+        // SAFETY: our own set.
+        unsafe { libc::close(ep) };
+    }
+    Ok(())
+}
+
+fn lazyclient(port: u16) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let mut a = [0u8; 1];
+    s.write_all(&[1u8; 64]).map_err(|e| format!("first write: {e}"))?;
+    s.read_exact(&mut a).map_err(|e| format!("first answer: {e}"))?;
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    s.write_all(&[2u8; 64]).map_err(|e| format!("second write: {e}"))?;
+    s.read_exact(&mut a).map_err(|e| format!("second answer: {e}"))?;
+    if &a != b"b" {
+        return Err(format!("second answer {a:?}"));
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))
+}
+
+fn becho(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 64];
+    loop {
+        match s.read_exact(&mut b) {
+            Ok(()) => s.write_all(&b).map_err(|e| format!("answer: {e}"))?,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
+}
+
 fn quiet(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -1428,6 +1527,9 @@ fn main() {
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
         Some("quiet") => quiet(port()),
+        Some("becho") => becho(port()),
+        Some("lazyserver") => lazyserver(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("lazyclient") => lazyclient(port()),
         Some("rr") => rr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("expect-end") => expect_end(port()),
