@@ -644,6 +644,142 @@ mod preload {
         Ok(())
     }
 
+    /// A writer idle on a full ring, waiting for writability in `poll`,
+    /// `select` or a level-triggered `epoll` while its reader does not read
+    /// (3 s), sleeps: the library neither looks at the ring again and
+    /// again (it asks the reader for a sound, `WANT`, and polls an eventfd
+    /// that the answer rings) nor keeps its progress thread ticking; and
+    /// it is told writable once the reader reads. Its voluntary context
+    /// switches (every thread's) during one idle second are compared with
+    /// a plain TCP writer's on a full socket buffer in the same run: before,
+    /// `poll`/`select` looked every 100 µs and the progress thread every
+    /// 500 µs (thousands a second).
+    #[test]
+    fn a_writer_idle_on_a_full_ring_sleeps_until_credits_come() -> Result<()> {
+        // Generous: a few wake-ups of the library's threads (the
+        // progress thread's slow look, the daemon's probes) are allowed.
+        const MORE: u64 = 40;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let mut rows = Vec::new();
+        for (preload, mode) in [(false, "poll"), (true, "poll"), (true, "select"), (true, "epoll")] {
+            let port = free_port();
+            let s = spawn(sockapp(&d, preload, &["stallserver".into(), port.to_string()]), "stallserver");
+            if preload {
+                registered(&ctx, port)?;
+            } else {
+                vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || listening(port))?;
+            }
+            let args = ["idlewriter".into(), port.to_string(), mode.into()];
+            let c = spawn(sockapp(&d, preload, &args), "idlewriter").finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            assert_eq!(c.stderr.contains("carried over vRDMA"), preload, "{}", c.describe());
+            let w = printed(&c, "idle-wakeups").expect("idle-wakeups");
+            eprintln!(
+                "{} {mode}: {w} voluntary switches in {} ms idle; writable {} after",
+                if preload { "carried" } else { "plain TCP" },
+                printed(&c, "idle-ms").unwrap_or(0),
+                c.stdout.lines().find_map(|l| l.strip_prefix("writable after ")).unwrap_or("?")
+            );
+            rows.push((preload, mode, w));
+        }
+        let plain = rows[0].2;
+        for &(_, mode, w) in &rows[1..] {
+            assert!(
+                w <= 2 * plain + MORE,
+                "carried {mode}: {w} wake-ups in an idle second against plain TCP's {plain}: a periodic look"
+            );
+        }
+        Ok(())
+    }
+
+    /// Blocking 64-byte request/response (`rr` against `becho`, no
+    /// readiness call on either side): a read that empties its ring does
+    /// not arm; the next read watches the ring first and arms only if the
+    /// answer did not come within its spin. So most round trips cost no
+    /// arming (an RDMA write) and no wake byte (a `send`, and two `recv`s
+    /// to take it off); before, every read that emptied the ring armed
+    /// (one arming per message, and about one wake byte). Bounded
+    /// generously: at most half of the messages arm, on the engine path
+    /// and the direct path (a loaded machine can outlast a spin).
+    #[test]
+    fn a_blocking_request_response_arms_only_when_it_must_wait() -> Result<()> {
+        const ROUNDS: u64 = 2000;
+        let _one = harness::one_at_a_time();
+        for (path, d) in [("engine", engine_daemon()?), ("direct", DaemonProc::start()?)] {
+            let ctx = d.context()?;
+            let port = free_port();
+            // A debug build's answers take longer than the default
+            // 50 µs watch (an engine round trip each way).
+            let app = |args: &[String]| {
+                let mut c = sockapp(&d, true, args);
+                c.env("VRDMA_SOCKETS_SPIN_US", "5000");
+                c
+            };
+            let s = spawn(app(&["becho".into(), port.to_string()]), "becho");
+            registered(&ctx, port)?;
+            let c = spawn(app(&["rr".into(), port.to_string(), ROUNDS.to_string()]), "rr").finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            let counts = |f: &harness::Finished| {
+                f.stderr.lines().find_map(|l| {
+                    let rest = l.split("armings ").nth(1)?;
+                    let (a, w) = rest.split_once(", wake bytes sent ")?;
+                    Some((a.parse::<u64>().ok()?, w.trim().parse::<u64>().ok()?))
+                })
+            };
+            let (ca, cw) = counts(&c).expect("the client's counts");
+            let (sa, sw) = counts(&s).expect("the server's counts");
+            eprintln!(
+                "{path}: {ROUNDS} round trips, median {} ns; client armed {ca} times and sent {cw} wake \
+                 bytes, server {sa} and {sw}",
+                printed(&c, "median_rtt_ns").unwrap_or(0)
+            );
+            for (who, armings) in [("client", ca), ("server", sa)] {
+                assert!(
+                    armings <= ROUNDS / 2,
+                    "{path}: the {who} armed {armings} times in {ROUNDS} round trips: {}",
+                    c.describe()
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A connection read with blocking reads (which do not arm: above)
+    /// and then waited on in `poll`, or registered in an `epoll` set: the
+    /// readiness call arms it first, so that a wake byte left over from
+    /// the blocking reads does not read as bytes (300 ms with nothing
+    /// sent must report nothing), and bytes sent later are reported
+    /// (`sockapp lazyserver`). Engine path and direct path.
+    #[test]
+    fn a_connection_read_blocking_and_then_polled_reports_exactly_its_bytes() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        for (path, d) in [("engine", engine_daemon()?), ("direct", DaemonProc::start()?)] {
+            let ctx = d.context()?;
+            for mode in ["poll", "epoll"] {
+                let port = free_port();
+                let s = spawn(
+                    sockapp(&d, true, &["lazyserver".into(), port.to_string(), mode.into()]),
+                    "lazyserver",
+                );
+                registered(&ctx, port)?;
+                let c = spawn(sockapp(&d, true, &["lazyclient".into(), port.to_string()]), "lazyclient")
+                    .finish(LIMIT);
+                let s = s.finish(LIMIT);
+                c.assert_ok();
+                s.assert_ok();
+                assert!(s.stderr.contains("carried over vRDMA"), "{}", s.describe());
+                eprintln!("{path} {mode}: {}", s.stdout.lines().last().unwrap_or(""));
+            }
+        }
+        Ok(())
+    }
+
     /// A server that closes each connection after its answer, and a client
     /// that makes N connections one after another, each read to its end:
     /// carried, each end is read at once (the server's close is told

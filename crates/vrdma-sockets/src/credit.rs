@@ -25,8 +25,11 @@
 //! posted per connection never run out (an answer finding none would
 //! wait for the RNR timer and hold the reader's later writes back).
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
+
+use libc::c_int;
 
 use vrdma::CompletionChannel;
 
@@ -70,9 +73,11 @@ pub fn wait(seen: u32, max: Duration) -> bool {
     seq() != seen
 }
 
-/// Answers came: every thread waiting in [`wait`] looks again.
+/// Answers came: every thread waiting in [`wait`], and every readiness
+/// call waiting with a [`Waiter`], looks again.
 pub fn came() {
     SEQ.fetch_add(1, Ordering::SeqCst);
+    ring_pollers();
     if WAITERS.load(Ordering::SeqCst) > 0 {
         // SAFETY: FUTEX_WAKE on a static word, no other pointers.
         unsafe {
@@ -83,5 +88,92 @@ pub fn came() {
                 i32::MAX,
             )
         };
+    }
+}
+
+/// The eventfds of `poll`/`select` calls waiting for a carried socket's
+/// credits ([`Waiter`]); [`came`] writes to each. One list per process,
+/// never freed once published: a child after `fork` makes its own (its
+/// parent's lock may have been held by another thread at the fork).
+struct Pollers {
+    pid: u32,
+    fds: Mutex<Vec<c_int>>,
+}
+
+/// The lists' total length (any process's), readable without a lock.
+static POLLING: AtomicUsize = AtomicUsize::new(0);
+
+fn pollers() -> MutexGuard<'static, Vec<c_int>> {
+    static CURRENT: AtomicPtr<Pollers> = AtomicPtr::new(std::ptr::null_mut());
+    let pid = crate::pid::get();
+    loop {
+        let p = CURRENT.load(Ordering::Acquire);
+        // SAFETY: a published list is leaked, never freed.
+        if let Some(list) = unsafe { p.as_ref() } {
+            if list.pid == pid {
+                return list.fds.lock().unwrap_or_else(|e| e.into_inner());
+            }
+        }
+        let mine = Box::into_raw(Box::new(Pollers { pid, fds: Mutex::new(Vec::new()) }));
+        match CURRENT.compare_exchange(p, mine, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => POLLING.store(0, Ordering::SeqCst),
+            // SAFETY: `mine` came from Box::into_raw and was not published.
+            Err(_) => drop(unsafe { Box::from_raw(mine) }),
+        }
+    }
+}
+
+/// A readiness call's sound for credits: an eventfd that [`came`] makes
+/// readable, which the call polls beside the program's descriptors. The
+/// kernel socket of a carried connection is writable whatever its ring
+/// holds, and credits land without a sound, so without it the call could
+/// only look at the ring again and again (`docs/sockets.md`, "Writing").
+///
+/// Made before the call asks for its credits (`WANT`): an answer that
+/// comes after the ask finds it registered. One per waiting call, so a
+/// call that wakes takes nothing from another (a shared one would have
+/// to be emptied by someone, and another waiter could miss it).
+pub struct Waiter(c_int);
+
+impl Waiter {
+    pub fn new() -> Option<Waiter> {
+        // SAFETY: eventfd(2), no pointers.
+        let fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if fd < 0 {
+            return None;
+        }
+        let mut p = pollers();
+        p.push(fd);
+        POLLING.store(p.len(), Ordering::SeqCst);
+        Some(Waiter(fd))
+    }
+
+    pub fn fd(&self) -> c_int {
+        self.0
+    }
+}
+
+impl Drop for Waiter {
+    fn drop(&mut self) {
+        let mut p = pollers();
+        p.retain(|&x| x != self.0);
+        POLLING.store(p.len(), Ordering::SeqCst);
+        // Closed under the lock: `came` never writes to a number that is
+        // reused meanwhile.
+        // SAFETY: close(2) of our own eventfd, taken off the list.
+        unsafe { crate::real::close(self.0) };
+    }
+}
+
+/// Makes every [`Waiter`] readable.
+fn ring_pollers() {
+    if POLLING.load(Ordering::SeqCst) == 0 {
+        return;
+    }
+    let one = 1u64.to_ne_bytes();
+    for &fd in pollers().iter() {
+        // SAFETY: write(2) of 8 bytes to one of our eventfds (registered,
+        // so not closed yet), straight to the kernel.
+        unsafe { libc::syscall(libc::SYS_write, fd, one.as_ptr(), one.len()) };
     }
 }

@@ -64,6 +64,10 @@ struct Reg {
     fired: bool,
     /// The kernel's registration lacks the `EPOLLOUT` the program asked.
     stripped: bool,
+    /// Made while bytes waited in the link's ring that no wake byte
+    /// announces (a lazy read left it unarmed): the epoll waits report
+    /// `EPOLLIN` themselves until they are read ([`pending`]).
+    pending: bool,
 }
 
 impl Reg {
@@ -169,6 +173,41 @@ fn sets() -> MutexGuard<'static, Sets> {
 
 fn count(s: &Sets) {
     TRACKED.store(s.sets.values().map(|x| x.regs.len()).sum(), Ordering::Release);
+    let pending = s.sets.values().flat_map(|x| x.regs.values()).filter(|r| r.pending).count();
+    PENDING.store(pending, Ordering::Release);
+}
+
+/// Registrations with [`Reg::pending`] set (any process's): 0 lets the
+/// waits pass without a lock.
+static PENDING: AtomicUsize = AtomicUsize::new(0);
+
+/// Before an epoll wait on `ep`: an `EPOLLIN` event for each registration
+/// whose link holds bytes that no wake byte announces (made while a lazy
+/// read had left it unarmed), which the kernel cannot report. Level-
+/// triggered, until the ring is read empty (a read then arms); edge-
+/// triggered and one-shot registrations get one.
+pub fn pending(ep: c_int) -> Vec<epoll_event> {
+    if PENDING.load(Ordering::Acquire) == 0 {
+        return Vec::new();
+    }
+    let Some(_g) = Guard::enter() else { return Vec::new() };
+    keep_errno(|| {
+        let mut s = sets();
+        let mut out = Vec::new();
+        if let Some(set) = s.sets.get_mut(&ep) {
+            for r in set.regs.values_mut().filter(|r| r.pending) {
+                let waits = r.link().is_some_and(|l| l.unannounced_bytes());
+                if !waits || r.events & (libc::EPOLLET as u32 | ONESHOT) != 0 {
+                    r.pending = false;
+                }
+                if waits && !r.fired {
+                    out.push(epoll_event { events: IN, u64: r.data });
+                }
+            }
+        }
+        count(&s);
+        out
+    })
 }
 
 /// This process's stream on `fd`, if any.
@@ -211,7 +250,17 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
                 link: Weak::new(),
                 fired: false,
                 stripped: false,
+                pending: false,
             };
+            // Its reads arm at once from now on; an arming a lazy read
+            // left undone is made now, and bytes that wait without a
+            // wake byte are reported by the waits.
+            stream.watch();
+            if let Some(l) = keep_errno(|| r.link()) {
+                if r.events & IN != 0 && keep_errno(|| l.arm_for_readiness()) {
+                    r.pending = true;
+                }
+            }
             let strip = r.events & OUT != 0
                 && r.events & EXCLUSIVE == 0
                 && keep_errno(|| r.link()).is_some_and(|l| l.write_blocked());

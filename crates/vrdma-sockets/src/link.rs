@@ -66,6 +66,19 @@ const RECVS: usize = 2;
 /// its completion, before sleeping.
 const SPIN: Duration = Duration::from_micros(50);
 
+/// How long a blocked reader watches its ring before it arms and sleeps:
+/// [`SPIN`], or `VRDMA_SOCKETS_SPIN_US` (a slow build's tests, whose
+/// answers take longer).
+fn watch_for() -> Duration {
+    static D: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
+    *D.get_or_init(|| {
+        std::env::var("VRDMA_SOCKETS_SPIN_US")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .map_or(SPIN, Duration::from_micros)
+    })
+}
+
 /// How often a writer waiting for credits probes its peer (a peer that is
 /// gone fails the probe).
 const PROBE: Duration = Duration::from_millis(100);
@@ -108,8 +121,9 @@ pub fn may_be_hello(b: &[u8]) -> bool {
 const READY: u8 = 0;
 
 pub struct Link {
-    /// The library's own descriptor of the kernel socket.
-    _sock: Arc<Sock>,
+    /// The library's own descriptor of the kernel socket (and whether a
+    /// readiness call knows it).
+    owner_sock: Arc<Sock>,
     sock: c_int,
     cq: CompletionQueue,
     /// Where the peer's answers to `WANT` complete, on the process's
@@ -143,6 +157,10 @@ pub struct Link {
     waits: AtomicU32,
     woken: AtomicU32,
     missed: AtomicU32,
+    /// Armings posted and wake bytes sent (`VRDMA_SOCKETS_DEBUG` prints
+    /// them at the close).
+    armings: AtomicU32,
+    wakes: AtomicU32,
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
 }
@@ -279,7 +297,7 @@ impl Half {
         });
         Ok(Link {
             sock: sock_owner.0,
-            _sock: sock_owner,
+            owner_sock: sock_owner,
             cq: self.cq,
             rcq,
             qp: self.qp,
@@ -296,6 +314,8 @@ impl Half {
             waits: AtomicU32::new(0),
             woken: AtomicU32::new(0),
             missed: AtomicU32::new(0),
+            armings: AtomicU32::new(0),
+            wakes: AtomicU32::new(0),
             // Both ends start armed with generation 1 (set just above).
             rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true, arm_id: 0, settled: true }),
             tx: Mutex::new(Tx::default()),
@@ -406,6 +426,13 @@ impl Link {
     /// flight, a write that found the ring full, or an answer to take.
     pub(crate) fn needs_watch(&self) -> bool {
         self.in_flight() || self.write_blocked.load(Ordering::SeqCst) || self.asked.load(Ordering::SeqCst)
+    }
+
+    /// Whether only the peer's answer is awaited (asked, with a channel
+    /// for it, nothing in flight): the progress thread needs no look
+    /// until the answer's event.
+    pub(crate) fn awaits_answer_only(&self) -> bool {
+        self.rcq.is_some() && self.asked.load(Ordering::SeqCst) && !self.in_flight()
     }
 
     /// Asks the peer's reader for a sound when it gives credits back
@@ -618,6 +645,10 @@ impl Link {
         // This end's writes in flight: their wakes go out now (a write's
         // errors are the writer's to see).
         let _ = self.reap();
+        // A blocking read of a connection that no readiness call knows
+        // arms only when it is about to wait: see `Self::arm_for_readiness`.
+        let lazy = !nonblocking && !self.owner_sock.watched();
+        let mut spun = false;
         let mut done = 0usize;
         loop {
             let avail = self.waiting(rx.rd);
@@ -632,7 +663,8 @@ impl Link {
                 done += n;
                 rx.rd += n as u64;
                 rx.armed = false;
-                if self.waiting(rx.rd) == 0 {
+                let empty = self.waiting(rx.rd) == 0;
+                if empty && !lazy {
                     self.sleep(&mut rx);
                 } else if rx.rd - rx.acked >= (RING / 4) as u64 {
                     // Credits back. A peer that is gone no longer needs
@@ -652,6 +684,15 @@ impl Link {
                 return Ok(done);
             }
             if !rx.armed {
+                // Not armed yet (a lazy read): watch the ring a moment
+                // first; an answer that comes meanwhile is read with no
+                // arming and no wake byte at all.
+                if lazy && !spun {
+                    spun = true;
+                    if self.spin_for_bytes(rx.rd) {
+                        continue;
+                    }
+                }
                 self.sleep(&mut rx);
                 continue;
             }
@@ -665,8 +706,11 @@ impl Link {
             // waiting in the kernel, so that an answer that comes soon is
             // read without the wake byte's trip through the socket (the
             // byte still comes, and the next arming takes it as stale).
-            if !nonblocking && self.spin_for_bytes(rx.rd) {
-                continue;
+            if !nonblocking && !spun {
+                spun = true;
+                if self.spin_for_bytes(rx.rd) {
+                    continue;
+                }
             }
             // A blocking read waits in the kernel only once this end's
             // writes landed and woke their reader (a request is answered
@@ -692,18 +736,23 @@ impl Link {
         }
     }
 
-    /// Whether bytes came into the ring within [`SPIN`] (yielding between
+    /// Whether bytes came into the ring within [`watch_for`] (yielding between
     /// looks, so that on a busy machine the writer and the daemon run).
     fn spin_for_bytes(&self, rd: u64) -> bool {
         let start = Instant::now();
-        while start.elapsed() < SPIN {
+        loop {
+            // A look after the last yield too: on a loaded machine one
+            // yield can outlast the whole spin, and the bytes came
+            // meanwhile.
             if self.waiting(rd) > 0 {
                 return true;
+            }
+            if start.elapsed() >= watch_for() {
+                return false;
             }
             let _ = self.reap();
             std::thread::yield_now();
         }
-        false
     }
 
     /// The ring is empty: arms a new generation (sends the consumed count
@@ -743,6 +792,7 @@ impl Link {
         let _ = self.stage.write_u64(S_ARM + 8, armed_word(rx.rd, rx.gen));
         // A peer that is gone gets no ack; its end shows on the socket.
         if let Ok(id) = self.post_arm() {
+            self.armings.fetch_add(1, Ordering::Relaxed);
             rx.arm_id = id;
             // A peer writer waiting for these credits is answered once
             // they landed: now, rather than at this end's next call (a
@@ -805,6 +855,46 @@ impl Link {
         if let Ok(true) = self.take_stale(rx.gen as u8) {
             rx.eof = true;
         }
+    }
+
+    /// For a readiness call about to look at this connection: it knows it
+    /// from now on (reads that empty the ring arm at once, as the wake
+    /// protocol needs for a program that waits in `poll` or `epoll`),
+    /// and an arming a lazy read left undone is made now. A blocking read
+    /// of a connection that no readiness call knows does not arm when it
+    /// empties the ring, only when it is about to wait (after watching
+    /// the ring for [`watch_for`]): a request/response exchange whose answer
+    /// comes while the reader watches then costs no arming (an RDMA
+    /// write), no wake byte (a `send`) and no stale byte taken off (two
+    /// `recv`s) per message. But bytes that land while the reader is not
+    /// armed make the socket readable for nobody; so here an unarmed
+    /// empty ring arms and, once the arming landed, looks again (the wake
+    /// protocol's second look; the stale bytes are taken off with it).
+    /// Once per connection: its reads arm at once from now on.
+    /// Whether bytes wait (or the stream ended) without the socket having
+    /// to say so: the call reports the connection readable itself. A
+    /// reader in a call of its own holds the lock and arms itself before
+    /// it waits: false.
+    pub(crate) fn arm_for_readiness(&self) -> bool {
+        self.owner_sock.watch();
+        let Ok(mut rx) = self.rx.try_lock() else { return false };
+        if rx.armed || rx.eof {
+            return false;
+        }
+        if self.waiting(rx.rd) > 0 {
+            return true;
+        }
+        self.sleep(&mut rx);
+        self.settle(&mut rx);
+        rx.eof || self.waiting(rx.rd) > 0
+    }
+
+    /// Whether bytes wait in the ring while the reader is not armed (no
+    /// wake byte announces them); true while a read of the program holds
+    /// the ring (it may be so).
+    pub(crate) fn unannounced_bytes(&self) -> bool {
+        let Ok(rx) = self.rx.try_lock() else { return true };
+        !rx.armed && !rx.eof && self.waiting(rx.rd) > 0
     }
 
     /// For a readiness call that found the socket readable: whether that
@@ -1055,6 +1145,7 @@ impl Link {
             return;
         }
         if word.compare_exchange(w, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+            self.wakes.fetch_add(1, Ordering::Relaxed);
             let b = [g];
             // SAFETY: `b` is valid for one byte.
             unsafe { real::send(self.sock, b.as_ptr().cast(), 1, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
@@ -1173,6 +1264,11 @@ impl Link {
             self.waits.load(Ordering::Relaxed),
             self.woken.load(Ordering::Relaxed),
             self.missed.load(Ordering::Relaxed)
+        ));
+        crate::dev::debug(&format!(
+            "armings {}, wake bytes sent {}",
+            self.armings.load(Ordering::Relaxed),
+            self.wakes.load(Ordering::Relaxed)
         ));
     }
 }

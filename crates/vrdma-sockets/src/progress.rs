@@ -24,7 +24,11 @@
 //! look.
 //!
 //! The thread costs little while programs call back: it is not woken per
-//! write. Once told of a connection it looks every [`interval`], and
+//! write. While every connection on its list only waits for an answer
+//! (a writer on a full ring, nothing in flight), it waits on the channel
+//! alone (looking every [`QUIET_LOOK`] in case an answer never comes), so
+//! a program idle on a full ring is not woken. Otherwise, once told of a
+//! connection it looks every [`interval`], and
 //! keeps looking for [`LINGER`] after the last one drained, so that a
 //! steady exchange adds connections to its list without waking it; then
 //! it sleeps on its condvar until the next. (Reaping on every write in a
@@ -48,6 +52,10 @@ static OWNER: AtomicU32 = AtomicU32::new(0);
 
 /// How long the thread keeps looking after its list emptied.
 const LINGER: Duration = Duration::from_millis(20);
+
+/// How often the thread looks while every connection on its list only
+/// waits for its peer's answer ([`crate::credit`]), which wakes it.
+const QUIET_LOOK: Duration = Duration::from_secs(1);
 
 /// How often the thread looks at the connections with writes in flight.
 fn interval() -> Duration {
@@ -170,10 +178,20 @@ fn run() {
                 q.idle = false;
             }
         }
-        let fired = wait_for_answers(interval());
+        // Only answers to wait for: no periodic look (an idle writer on a
+        // full ring costs no wake-ups), only a slow one in case an
+        // answer never comes.
+        let quiet = {
+            let links = listed();
+            !links.is_empty() && links.iter().all(|l| l.awaits_answer_only())
+        };
+        let fired = wait_for_answers(if quiet { QUIET_LOOK } else { interval() });
         let links = listed();
         if !fired.is_empty() {
             answers(&links, &fired);
+        } else if quiet {
+            // The slow look: whoever waits for credits looks again.
+            crate::credit::came();
         }
         if links.is_empty() {
             continue;

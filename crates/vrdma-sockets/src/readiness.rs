@@ -58,6 +58,16 @@ fn carried(fd: c_int) -> Option<Arc<Link>> {
     }
 }
 
+/// Whether bytes wait in `l`'s ring that its socket may not show (a lazy
+/// read left it unarmed: [`Link::arm_for_readiness`], which arms it
+/// otherwise).
+fn unarmed_ready(l: &Link) -> bool {
+    match Guard::enter() {
+        Some(_g) => keep_errno(|| l.arm_for_readiness()),
+        None => false,
+    }
+}
+
 /// Whether `l`'s readability is only stale wake bytes (taken off now).
 fn stale(l: &Link) -> bool {
     match Guard::enter() {
@@ -98,24 +108,41 @@ fn carried_in(fds: *mut pollfd, n: nfds_t) -> Vec<(usize, Arc<Link>)> {
 /// carried socket (whose `POLLIN` is taken back), or the time is up.
 ///
 /// `POLLOUT` of a carried socket is the ring's: while the ring is full
-/// the socket is not asked for it (the kernel socket has it), and the
-/// wait is cut into slices of [`FULL_SLICE`] to look at the ring's
-/// credits, which come without a sound; once they came, `POLLOUT` is
-/// reported.
+/// the socket is not asked for it (the kernel socket has it). Instead the
+/// call asks the peer's reader for a sound when it gives credits back
+/// ([`crate::credit`]: `WANT`, answered by a send that the progress
+/// thread takes) and polls a [`crate::credit::Waiter`] of its own beside
+/// the program's descriptors, which the answer makes readable; so a call
+/// that waits on a full ring sleeps until credits come (or something else
+/// is ready), with no periodic look. Where no sound can come (no
+/// completion channel, a peer library without answers), it looks at the
+/// ring every [`FULL_SLICE`], as before.
 ///
-/// `call` polls for the time it is given (`None`: for ever).
+/// `call` polls the pollfds it is given for the time it is given
+/// (`None`: for ever).
 ///
 /// # Safety
-/// `fds` holds the `n` pollfds that `call` polls.
+/// `fds` holds `n` pollfds.
 unsafe fn poll_filtered(
     fds: *mut pollfd,
+    n: nfds_t,
     links: &[(usize, Arc<Link>)],
     timeout: c_int,
-    mut call: impl FnMut(Option<Duration>) -> c_int,
+    mut call: impl FnMut(*mut pollfd, nfds_t, Option<Duration>) -> c_int,
 ) -> c_int {
     const OUT: i16 = libc::POLLOUT | libc::POLLWRNORM;
+    const IN: i16 = libc::POLLIN | libc::POLLRDNORM;
     let deadline = u64::try_from(timeout).ok().map(|ms| Instant::now() + Duration::from_millis(ms));
     let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    // Bytes that wait without a wake byte (left by a lazy read): readable.
+    let mut ready_in: Vec<usize> = links
+        .iter()
+        .filter(|(i, l)| {
+            // SAFETY: `i` indexes one of the caller's `n` pollfds.
+            unsafe { &*fds.add(*i) }.events & libc::POLLIN != 0 && unarmed_ready(l)
+        })
+        .map(|(i, _)| *i)
+        .collect();
     loop {
         let mut full = Vec::new();
         for (i, l) in links {
@@ -126,12 +153,36 @@ unsafe fn poll_filtered(
                 p.events &= !OUT;
             }
         }
-        let slice = match (full.is_empty(), left()) {
+        let waiter = (!full.is_empty() && left() != Some(Duration::ZERO))
+            .then(|| sound_for_credits(full.iter().map(|f| f.1)))
+            .flatten();
+        // Credits that came before the asks landed: no wait.
+        let came = waiter.is_some() && full.iter().any(|f| f.1.writable());
+        let slice = match (full.is_empty() || waiter.is_some(), left()) {
+            _ if came || !ready_in.is_empty() => Some(Duration::ZERO),
             (true, l) => l,
             (false, None) => Some(FULL_SLICE),
             (false, Some(l)) => Some(l.min(FULL_SLICE)),
         };
-        let mut r = call(slice);
+        let mut r = match &waiter {
+            None => call(fds, n, slice),
+            Some(w) => {
+                // The program's pollfds and the waiter's, in a copy.
+                // SAFETY: `fds` holds `n` pollfds.
+                let mut all = unsafe { std::slice::from_raw_parts(fds, n as usize) }.to_vec();
+                all.push(pollfd { fd: w.fd(), events: libc::POLLIN, revents: 0 });
+                let mut r = call(all.as_mut_ptr(), all.len() as nfds_t, slice);
+                if r > 0 && all[n as usize].revents != 0 {
+                    r -= 1;
+                }
+                for (k, p) in all[..n as usize].iter().enumerate() {
+                    // SAFETY: `k < n`.
+                    unsafe { (*fds.add(k)).revents = p.revents };
+                }
+                r
+            }
+        };
+        drop(waiter);
         for &(i, l, events) in &full {
             // SAFETY: as above.
             let p = unsafe { &mut *fds.add(i) };
@@ -145,6 +196,14 @@ unsafe fn poll_filtered(
         }
         if r < 0 {
             return r;
+        }
+        for i in ready_in.drain(..) {
+            // SAFETY: `i` indexes one of the caller's `n` pollfds.
+            let p = unsafe { &mut *fds.add(i) };
+            if p.revents == 0 {
+                r += 1;
+            }
+            p.revents |= p.events & IN;
         }
         for (i, l) in links {
             // SAFETY: `i` indexes one of the caller's `n` pollfds.
@@ -162,9 +221,22 @@ unsafe fn poll_filtered(
     }
 }
 
+/// A [`crate::credit::Waiter`] that the answers of each of `full` will
+/// ring (registered first, then each asks: an answer that comes after the
+/// ask finds it); `None` where one of them cannot be answered (the caller
+/// looks at the rings itself).
+fn sound_for_credits<'a>(full: impl Iterator<Item = &'a Arc<Link>>) -> Option<crate::credit::Waiter> {
+    let _g = Guard::enter()?;
+    keep_errno(|| {
+        let w = crate::credit::Waiter::new()?;
+        let mut full = full;
+        full.all(|l| l.ask_credits() != crate::link::Ask::No).then_some(w)
+    })
+}
+
 /// How long a poll waits at a time while a carried socket it asks for
-/// `POLLOUT` has its ring full (100 µs: a 256 KiB ring drains in about
-/// 200 µs at 10 Gbit/s).
+/// `POLLOUT` has its ring full and no sound can come for its credits
+/// (100 µs: a 256 KiB ring drains in about 200 µs at 10 Gbit/s).
 const FULL_SLICE: Duration = Duration::from_micros(100);
 
 /// A duration as a timespec (`None`: none, for ever).
@@ -188,7 +260,7 @@ pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_
     // the time spent.
     // (ppoll without a signal mask is poll, with a finer timeout.)
     unsafe {
-        poll_filtered(fds, &links, timeout, |d| {
+        poll_filtered(fds, n, &links, timeout, |fds, n, d| {
             let t = dur_ts(d);
             real::ppoll(
                 fds,
@@ -232,7 +304,7 @@ pub unsafe extern "C" fn ppoll(
     // SAFETY: libc's ppoll with the caller's arguments, its timeout less
     // the time spent.
     unsafe {
-        poll_filtered(fds, &links, ts_ms(ts), |d| {
+        poll_filtered(fds, n, &links, ts_ms(ts), |fds, n, d| {
             let t = dur_ts(d);
             real::ppoll(fds, n, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
         })
@@ -350,7 +422,7 @@ unsafe fn select_by_poll(
         let links = carried_in(ptr, len);
         // SAFETY: `ptr` holds our `len` pollfds, which `call` polls.
         let k = unsafe {
-            poll_filtered(ptr, &links, left_ms(timeout, start), |d| {
+            poll_filtered(ptr, len, &links, left_ms(timeout, start), |ptr, len, d| {
                 let t = dur_ts(d);
                 real::ppoll(ptr, len, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
             })
@@ -424,13 +496,38 @@ fn tracked(ep: c_int) -> bool {
 unsafe fn epoll_filtered(
     ep: c_int,
     ev: *mut epoll_event,
+    max: c_int,
     timeout: c_int,
     mut call: impl FnMut(c_int) -> c_int,
 ) -> c_int {
     let start = Instant::now();
     loop {
-        let n = call(left_ms(timeout, start));
-        if n <= 0 {
+        // Bytes that no wake byte announces: reported without waiting.
+        let extra = crate::epoll::pending(ep);
+        let mut n = call(if extra.is_empty() { left_ms(timeout, start) } else { 0 });
+        if n < 0 {
+            return n;
+        }
+        for x in extra {
+            // SAFETY: `call` wrote `n` events at `ev`, which has room for
+            // `max`; read and written by value (the struct may be packed).
+            let same = (0..n as usize).find(|&i| unsafe { std::ptr::read(ev.add(i)) }.u64 == x.u64);
+            match same {
+                // SAFETY: `i < n`, an event `call` wrote.
+                Some(i) => unsafe {
+                    let mut e = std::ptr::read(ev.add(i));
+                    e.events |= x.events;
+                    std::ptr::write(ev.add(i), e);
+                },
+                None if n < max => {
+                    // SAFETY: as above, `n < max`.
+                    unsafe { std::ptr::write(ev.add(n as usize), x) };
+                    n += 1;
+                }
+                None => {}
+            }
+        }
+        if n == 0 {
             return n;
         }
         // SAFETY: `call` wrote `n` events at `ev`.
@@ -450,7 +547,7 @@ pub unsafe extern "C" fn epoll_wait(ep: c_int, ev: *mut epoll_event, max: c_int,
     }
     // SAFETY: libc's epoll_wait with the caller's arguments, its timeout
     // less the time spent.
-    unsafe { epoll_filtered(ep, ev, timeout, |ms| real::epoll_wait(ep, ev, max, ms)) }
+    unsafe { epoll_filtered(ep, ev, max, timeout, |ms| real::epoll_wait(ep, ev, max, ms)) }
 }
 
 #[no_mangle]
@@ -467,7 +564,7 @@ pub unsafe extern "C" fn epoll_pwait(
         return unsafe { real::epoll_pwait(ep, ev, max, timeout, mask) };
     }
     // SAFETY: as `epoll_wait`.
-    unsafe { epoll_filtered(ep, ev, timeout, |ms| real::epoll_pwait(ep, ev, max, ms, mask)) }
+    unsafe { epoll_filtered(ep, ev, max, timeout, |ms| real::epoll_pwait(ep, ev, max, ms, mask)) }
 }
 
 /// `epoll_pwait2` (a timespec timeout; glibc 2.35 and later).
@@ -486,7 +583,7 @@ pub unsafe extern "C" fn epoll_pwait2(
     }
     // SAFETY: as `epoll_wait` (milliseconds: a finer timeout is rounded up).
     unsafe {
-        epoll_filtered(ep, ev, ts_ms(ts), |ms| {
+        epoll_filtered(ep, ev, max, ts_ms(ts), |ms| {
             let left = ms_ts(ms);
             real::epoll_pwait2(
                 ep,

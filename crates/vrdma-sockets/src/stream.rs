@@ -6,6 +6,7 @@
 //! and its FIN waits, until the last of the application's descriptors of
 //! it is closed.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -46,8 +47,26 @@ pub struct Stream {
 }
 
 /// The library's own duplicate of the socket, closed when both the stream
-/// and its link are gone.
-pub struct Sock(pub c_int);
+/// and its link are gone; and whether the program waits for the
+/// connection's readiness (`poll`, `select`, `epoll`): a link that no
+/// readiness call knows arms only when a read waits
+/// ([`crate::link::Link::read`]).
+pub struct Sock(pub c_int, AtomicBool);
+
+impl Sock {
+    pub fn new(fd: c_int) -> Sock {
+        Sock(fd, AtomicBool::new(false))
+    }
+
+    /// A readiness call or an epoll registration knows it (for good).
+    pub fn watch(&self) {
+        self.1.store(true, Ordering::SeqCst);
+    }
+
+    pub fn watched(&self) -> bool {
+        self.1.load(Ordering::SeqCst)
+    }
+}
 
 impl Drop for Sock {
     fn drop(&mut self) {
@@ -83,7 +102,7 @@ impl Stream {
                 creator: crate::pid::get(),
                 client: matches!(phase, Phase::Announced(_)),
                 tuple,
-                sock: Arc::new(Sock(sock)),
+                sock: Arc::new(Sock::new(sock)),
                 phase: Mutex::new(phase),
             })
         })
@@ -137,6 +156,12 @@ impl Stream {
     /// rings.
     pub fn is_carried(&self) -> bool {
         matches!(*self.phase.lock().unwrap_or_else(|e| e.into_inner()), Phase::Carried(_))
+    }
+
+    /// The program waits for its readiness (an epoll registration): its
+    /// link arms whenever a read empties its ring.
+    pub fn watch(&self) {
+        self.sock.watch();
     }
 
     /// Its link, if carried already (never negotiates, never waits: for

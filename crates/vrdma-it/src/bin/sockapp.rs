@@ -48,9 +48,20 @@
 //! `sendfile PORT BYTES`: `client`, but the bytes go from a file with
 //! sendfile(2), half with an offset and half from the file's position.
 //!
-//! `rr PORT ROUNDS`: blocking 64-byte requests answered by `echo`, each
-//! read whole; prints the median round trip in nanoseconds (for figures
-//! measured by hand, not by the tests).
+//! `rr PORT ROUNDS`: blocking 64-byte requests answered by `echo` (or
+//! `becho`), each read whole; prints the median round trip in
+//! nanoseconds. `becho PORT`: answers 64-byte requests with blocking
+//! reads and writes until the end (no readiness call).
+//!
+//! `lazyserver PORT poll|epoll` and `lazyclient PORT`: readiness after
+//! blocking reads. The client writes 64 bytes, reads a 1-byte answer,
+//! waits 600 ms, writes 64 more, reads a second answer and ends. The
+//! server reads the first 64 with a blocking read (no readiness call
+//! before: a read that does not arm), answers, then waits 300 ms for
+//! readability in `poll` (or in a level-triggered `epoll` set it
+//! registers the socket in then), which must not come (nothing was
+//! sent: a stale wake byte must not read as bytes), then up to 5 s,
+//! which must come, reads the second 64 and answers.
 //!
 //! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
 //! connects and must read the end (0), as over TCP.
@@ -66,6 +77,17 @@
 //! non-blocking client that writes BYTES pattern bytes in 64 KiB writes,
 //! waiting with poll(POLLOUT) after each `EAGAIN`; says how many it saw
 //! (`eagain N`), then half-closes and checks the answer.
+//!
+//! `stallserver PORT`: `server`, but it stops reading for 3 s after its
+//! first read. `idlewriter PORT poll|select|epoll`: writes one byte
+//! (blocking), fills the ring (or the kernel's buffers) with
+//! non-blocking 64 KiB writes until `EAGAIN`, then waits 1 s for
+//! writability (and readability) in `poll`, `select` or a
+//! level-triggered `epoll`, which must not report it (the server does
+//! not read), and says `idle-wakeups N`: its voluntary context
+//! switches, all threads, during that second (`getrusage`); then waits
+//! (20 s at most) until writable, says `writable after N ms`, and
+//! half-closes and checks the answer.
 //!
 //! `answer PORT`: accepts, reads 64 bytes (blocking), answers one byte.
 //! `quietwriter PORT`: connects, writes 64 bytes, then sleeps 3 s (no call
@@ -631,6 +653,124 @@ fn lateserver(port: u16) -> Result<(), String> {
     serve_pausing(&l, Some(std::time::Duration::from_millis(300)), false)
 }
 
+fn stallserver(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    serve_pausing(&l, Some(std::time::Duration::from_secs(3)), false)
+}
+
+/// This process's voluntary context switches so far (every thread's).
+fn voluntary_switches() -> i64 {
+    // SAFETY: an all-zero rusage is valid; getrusage(2) fills it.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: getrusage(2) into our struct.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+    u.ru_nvcsw
+}
+
+/// Waits up to `ms` for `fd` to be writable (asked for reading too) in
+/// `mode`; whether it is (readable is an error: the server sends nothing).
+fn wait_writable(fd: i32, mode: &str, ms: i32) -> Result<bool, String> {
+    let (rd, wr) = match mode {
+        "poll" => {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN | libc::POLLOUT, revents: 0 };
+            // SAFETY: one valid pollfd.
+            match unsafe { libc::poll(&mut p, 1, ms) } {
+                k if k < 0 => return Err(format!("poll: {}", std::io::Error::last_os_error())),
+                _ => (p.revents & libc::POLLIN != 0, p.revents & libc::POLLOUT != 0),
+            }
+        }
+        "select" => {
+            // SAFETY: zeroed fd_sets are empty sets.
+            let (mut r, mut w): (libc::fd_set, libc::fd_set) =
+                unsafe { (std::mem::zeroed(), std::mem::zeroed()) };
+            // SAFETY: FD_SET of a descriptor below FD_SETSIZE into our sets.
+            unsafe {
+                libc::FD_SET(fd, &mut r);
+                libc::FD_SET(fd, &mut w);
+            }
+            let mut tv = libc::timeval { tv_sec: (ms / 1000) as _, tv_usec: ((ms % 1000) * 1000) as _ };
+            // SAFETY: valid sets and timeval.
+            let k = unsafe { libc::select(fd + 1, &mut r, &mut w, std::ptr::null_mut(), &mut tv) };
+            if k < 0 {
+                return Err(format!("select: {}", std::io::Error::last_os_error()));
+            }
+            // SAFETY: valid sets.
+            unsafe { (libc::FD_ISSET(fd, &r), libc::FD_ISSET(fd, &w)) }
+        }
+        "epoll" => {
+            // SAFETY: epoll_create1(2), no pointers.
+            let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+            let mut e = libc::epoll_event { events: (libc::EPOLLIN | libc::EPOLLOUT) as u32, u64: 7 };
+            // SAFETY: a valid event for our own set.
+            if ep < 0 || unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut e) } != 0 {
+                return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+            }
+            let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+            // SAFETY: room for 4 events.
+            let k = unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 4, ms) };
+            let err = std::io::Error::last_os_error();
+            // SAFETY: our own set.
+            unsafe { libc::close(ep) };
+            if k < 0 {
+                return Err(format!("epoll_wait: {err}"));
+            }
+            let ev = out[..k as usize].iter().fold(0u32, |a, e| a | e.events);
+            (ev & libc::EPOLLIN as u32 != 0, ev & libc::EPOLLOUT as u32 != 0)
+        }
+        _ => return Err(format!("idlewriter: unknown mode {mode}")),
+    };
+    if rd {
+        return Err(format!("{mode}: readable, but the server sent nothing"));
+    }
+    Ok(wr)
+}
+
+fn idlewriter(port: u16, mode: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.write_all(&[pattern(0)]).map_err(|e| format!("first write: {e}"))?;
+    let mut sent = 1u64;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // Twice, 200 ms apart: credits for the first byte (the server's
+    // arming after its first read) may land after the first EAGAIN.
+    for _ in 0..2 {
+        // Bounded: the kernel's buffers hold a few MiB, the ring 256 KiB.
+        let mut full = false;
+        for _ in 0..4096 {
+            let data: Vec<u8> = (0..65_536u64).map(|k| pattern(sent + k)).collect();
+            match s.write(&data) {
+                Ok(w) => sent += w as u64,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    full = true;
+                    break;
+                }
+                Err(e) => return Err(format!("write after {sent}: {e}")),
+            }
+        }
+        if !full {
+            return Err(format!("no EAGAIN after {sent} bytes"));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let (before, start) = (voluntary_switches(), std::time::Instant::now());
+    if wait_writable(s.as_raw_fd(), mode, 1000)? {
+        return Err(format!("{mode}: writable after {} ms while nobody reads", start.elapsed().as_millis()));
+    }
+    println!("idle-wakeups {}", voluntary_switches() - before);
+    println!("idle-ms {}", start.elapsed().as_millis());
+    let start = std::time::Instant::now();
+    while !wait_writable(s.as_raw_fd(), mode, 1000)? {
+        if start.elapsed() > std::time::Duration::from_secs(20) {
+            return Err(format!("{mode}: not writable within 20 s of the server's reading"));
+        }
+    }
+    println!("writable after {} ms", start.elapsed().as_millis());
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    half_close_and_check(&mut s, sent)
+}
+
 fn slowserver(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
@@ -838,6 +978,94 @@ fn rr(port: u16, rounds: usize) -> Result<(), String> {
     times.sort_unstable();
     println!("median_rtt_ns {}", times.get(rounds / 2).copied().unwrap_or(0));
     Ok(())
+}
+
+/// Waits up to `ms` for `fd` to be readable in `mode` (`epoll`: the set
+/// `ep`, made by the caller); whether it is.
+fn wait_readable(fd: i32, mode: &str, ep: i32, ms: i32) -> Result<bool, String> {
+    if mode == "poll" {
+        let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+        // SAFETY: one valid pollfd.
+        return match unsafe { libc::poll(&mut p, 1, ms) } {
+            k if k < 0 => Err(format!("poll: {}", std::io::Error::last_os_error())),
+            _ => Ok(p.revents & libc::POLLIN != 0),
+        };
+    }
+    let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    // SAFETY: room for 4 events.
+    match unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 4, ms) } {
+        k if k < 0 => Err(format!("epoll_wait: {}", std::io::Error::last_os_error())),
+        k => Ok(out[..k as usize].iter().any(|e| e.events & libc::EPOLLIN as u32 != 0)),
+    }
+}
+
+fn lazyserver(port: u16, mode: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut b = [0u8; 64];
+    s.read_exact(&mut b).map_err(|e| format!("first read: {e}"))?;
+    s.write_all(b"a").map_err(|e| format!("first answer: {e}"))?;
+    let fd = s.as_raw_fd();
+    let mut ep = -1;
+    if mode == "epoll" {
+        // SAFETY: epoll_create1(2), no pointers.
+        ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        let mut e = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 9 };
+        // SAFETY: a valid event for our own set.
+        if ep < 0 || unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut e) } != 0 {
+            return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+        }
+    }
+    if wait_readable(fd, mode, ep, 300)? {
+        return Err(format!("{mode}: readable while the client sent nothing (stale readiness)"));
+    }
+    let start = std::time::Instant::now();
+    if !wait_readable(fd, mode, ep, 5000)? {
+        return Err(format!("{mode}: the second message not readable within 5 s: readiness lost"));
+    }
+    println!("readable after {} ms", start.elapsed().as_millis());
+    s.read_exact(&mut b).map_err(|e| format!("second read: {e}"))?;
+    s.write_all(b"b").map_err(|e| format!("second answer: {e}"))?;
+    let mut rest = Vec::new();
+    s.read_to_end(&mut rest).map_err(|e| format!("end: {e}"))?;
+    if ep >= 0 {
+        // SAFETY: our own set.
+        unsafe { libc::close(ep) };
+    }
+    Ok(())
+}
+
+fn lazyclient(port: u16) -> Result<(), String> {
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let mut a = [0u8; 1];
+    s.write_all(&[1u8; 64]).map_err(|e| format!("first write: {e}"))?;
+    s.read_exact(&mut a).map_err(|e| format!("first answer: {e}"))?;
+    std::thread::sleep(std::time::Duration::from_millis(600));
+    s.write_all(&[2u8; 64]).map_err(|e| format!("second write: {e}"))?;
+    s.read_exact(&mut a).map_err(|e| format!("second answer: {e}"))?;
+    if &a != b"b" {
+        return Err(format!("second answer {a:?}"));
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))
+}
+
+fn becho(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    let mut b = [0u8; 64];
+    loop {
+        match s.read_exact(&mut b) {
+            Ok(()) => s.write_all(&b).map_err(|e| format!("answer: {e}"))?,
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(format!("read: {e}")),
+        }
+    }
 }
 
 fn quiet(port: u16) -> Result<(), String> {
@@ -1299,6 +1527,9 @@ fn main() {
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
         Some("quiet") => quiet(port()),
+        Some("becho") => becho(port()),
+        Some("lazyserver") => lazyserver(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("lazyclient") => lazyclient(port()),
         Some("rr") => rr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("expect-end") => expect_end(port()),
@@ -1310,6 +1541,8 @@ fn main() {
         ),
         Some("lateserver") => lateserver(port()),
         Some("slowserver") => slowserver(port()),
+        Some("stallserver") => stallserver(port()),
+        Some("idlewriter") => idlewriter(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("answer") => answer(port()),
         Some("epollflood") => epollflood(
