@@ -426,6 +426,12 @@ pub struct NetConfig {
     /// is active on it: a later latency frame waits behind no more (see
     /// `net::link`). 16..=65536.
     pub max_queued_kib: u32,
+    /// A latency-class tenant's frame goes ahead of the other tenants'
+    /// frames already in the daemon's queue for the link (behind the one
+    /// being written): it waits for at most that frame there, not for
+    /// `max_queued_kib` (see `net::link`). Default true; false only to
+    /// compare.
+    pub latency_first: bool,
     /// The networks of the other daemons: a QP's GID is dialled, and a
     /// connection taken, only from these (and the configured peers).
     /// Empty: any address.
@@ -452,6 +458,7 @@ impl Default for NetConfig {
             dead_ms: 5000,
             max_chunk: vrdma_core::wire::MAX_CHUNK,
             max_queued_kib: crate::net::DEFAULT_MAX_QUEUED_KIB,
+            latency_first: true,
             allow: Vec::new(),
             number_space: None,
         }

@@ -174,6 +174,7 @@ impl Daemon {
                     keepalive: std::time::Duration::from_millis(config.net.keepalive_ms),
                     dead: std::time::Duration::from_millis(config.net.dead_ms),
                     max_queued: config.net.max_queued_kib as usize * 1024,
+                    latency_first: config.net.latency_first,
                 }))
             }
             None => None,

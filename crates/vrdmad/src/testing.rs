@@ -30,6 +30,7 @@ pub(crate) fn setup(ip: [u8; 4], max_chunk: u32) -> NetSetup {
         keepalive: Duration::from_secs(1),
         dead: Duration::from_secs(3),
         max_queued: crate::net::DEFAULT_MAX_QUEUED_KIB as usize * 1024,
+        latency_first: true,
     }
 }
 

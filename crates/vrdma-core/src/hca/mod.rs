@@ -47,8 +47,8 @@ pub use direct::{
 pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 pub use remote::{
-    IoSeg, LinkId, LinkInfo, LinkReport, LinkStats, LinkThrottle, Path, QpPathReport, Sink, StatCursor,
-    StatPage, StatReport, Transmit, STAT_PAGE_LINKS, STAT_PAGE_QPS, TX_HEADER_CAP,
+    IoSeg, LinkId, LinkInfo, LinkQueues, LinkReport, LinkStats, LinkThrottle, Path, QpPathReport, Sampled,
+    Sink, StatCursor, StatPage, StatReport, Transmit, STAT_PAGE_LINKS, STAT_PAGE_QPS, TX_HEADER_CAP,
 };
 
 use crate::verbs::QpCap;

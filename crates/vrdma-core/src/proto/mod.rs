@@ -586,6 +586,24 @@ mod tests {
                     cut_frames: u64::MAX,
                     cut_bytes: u64::MAX,
                 },
+                queues: {
+                    let m = Sampled { sum: u64::MAX, max: u64::MAX };
+                    LinkQueues {
+                        tx_samples: u64::MAX,
+                        daemon: m,
+                        unsent: m,
+                        in_flight: m,
+                        rx_samples: u64::MAX,
+                        rx_waiting: m,
+                        rx_frames: m,
+                        rx_payload: m,
+                        latency_frames: u64::MAX,
+                        ahead_daemon: m,
+                        ahead_kernel: m,
+                        daemon_wait_ns: m,
+                        capped_ns: u64::MAX,
+                    }
+                },
             },
         };
         let latency = metrics::Histogram {

@@ -16,7 +16,14 @@
 //! buffer, which autotuning grows to megabytes. While such a tenant is
 //! active on the link the core sends its frames first and cuts the
 //! others' (`hca::remote`), and this side bounds each of those queues to
-//! `net.max_queued_kib` (see [`DEFAULT_MAX_QUEUED_KIB`]).
+//! `net.max_queued_kib` (see [`DEFAULT_MAX_QUEUED_KIB`]), for
+//! [`BOUND_LINGER`] after the tenant was last active, so that one slow
+//! round trip does not let the kernel's buffers fill again. In the
+//! daemon's own queue that tenant's frame goes ahead of the others'
+//! (`net.latency_first`), behind the frame being written: it waits there
+//! for one frame, not for the queue. What waits ahead of such a frame at
+//! each stage is sampled into the link's `LinkQueues` (`vrdma stat`,
+//! `vrdma bench-hosts --qos`).
 
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read};
@@ -25,7 +32,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant as Clock};
 
 use arrayvec::ArrayVec;
-use vrdma_core::hca::{Hca, IoSeg, LinkId, Sink, Transmit};
+use vrdma_core::hca::{Hca, IoSeg, LinkId, Sampled, Sink, Transmit};
 use vrdma_core::memory::Region;
 use vrdma_core::ring::MAX_SGE;
 use vrdma_core::time::Instant;
@@ -64,6 +71,36 @@ const TX_FRAMES_AHEAD: usize = 32;
 /// without the class in every run); smaller bought nothing measurable
 /// there, and each KiB less is a write and a wake-up more per KiB moved.
 pub const DEFAULT_MAX_QUEUED_KIB: u32 = 128;
+
+/// How long the bounds of [`DEFAULT_MAX_QUEUED_KIB`] hold after the core
+/// last said a latency-class tenant was active on the link (it sent there
+/// within `LATENCY_WINDOW`, 10 ms). Without it a victim whose round trip
+/// once took longer than the window (its frame behind what the kernel
+/// took in while unbounded) let the bounds lapse on both hosts; the hog
+/// then filled the kernel's buffers again (megabytes: 3 MB on average,
+/// up to 26, waited in the receiver's socket as its passes began, on the
+/// 2-core machine), and the victim's next frame waited behind them: a
+/// cycle of round trips of tens of milliseconds. A hog alone keeps its
+/// throughput once the victim has been idle this long.
+const BOUND_LINGER: Duration = Duration::from_millis(100);
+
+/// While a latency-class tenant is active, one pass in this many samples
+/// the queues ahead of its next frame (three `ioctl`s a sampled pass).
+const SAMPLE_EVERY: u32 = 8;
+
+/// `ioctl`s of a TCP socket (linux/sockios.h): bytes not yet acknowledged
+/// by the peer (unsent and in flight), and bytes not yet sent.
+const SIOCOUTQ: libc::c_ulong = 0x5411;
+const SIOCOUTQNSD: libc::c_ulong = 0x894B;
+
+/// An `ioctl` of `fd` that reads an int (bytes queued), if it succeeds.
+fn queued_bytes(fd: std::os::fd::RawFd, req: libc::c_ulong) -> Option<u64> {
+    let mut v: libc::c_int = 0;
+    // SAFETY: each request used here writes one int at the pointer, which
+    // is valid for writes for the call.
+    let r = unsafe { libc::ioctl(fd, req as _, &mut v as *mut libc::c_int) };
+    (r == 0 && v >= 0).then_some(v as u64)
+}
 
 /// Bytes read after a large payload: a data header and no more, so that
 /// in a stream of large frames each one's payload is read straight into
@@ -134,6 +171,23 @@ pub struct LinkIo {
     /// time it was held so, in ns, for the metrics.
     capped_since: Option<Instant>,
     capped_ns: u64,
+    /// Passes of `receive` and `transmit` while bounded, for sampling
+    /// one in [`SAMPLE_EVERY`] (see [`vrdma_core::hca::LinkQueues`]).
+    rx_passes: u32,
+    tx_passes: u32,
+    /// When the core last said a latency-class tenant was active on the
+    /// link (see [`BOUND_LINGER`]).
+    active_at: Option<Instant>,
+    /// `net.latency_first` (see [`Self::set_latency_first`]).
+    latency_first: bool,
+    /// When each latency-class frame in `txq` was queued, in their order
+    /// (they keep it among themselves).
+    latency_marks: VecDeque<Clock>,
+    /// Their waits since the core last took them.
+    latency_waits: Sampled,
+    /// The socket's receive buffer (`SO_RCVBUF`, as the kernel reports
+    /// it) when the bound began, given back when it ends (0: none taken).
+    rcvbuf: libc::c_int,
     /// The socket's window clamp when the link came up, given back when
     /// the bound ends (0: unknown; the clamp is then never set).
     window_clamp: libc::c_int,
@@ -182,14 +236,38 @@ fn tcp_option(fd: std::os::fd::RawFd, opt: libc::c_int) -> Option<libc::c_int> {
     (r == 0).then_some(v)
 }
 
+/// An integer option of a socket (`SOL_SOCKET`).
+fn socket_option(fd: std::os::fd::RawFd, opt: libc::c_int) -> Option<libc::c_int> {
+    let mut v: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: as in `tcp_option`.
+    let r =
+        unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, opt, (&mut v as *mut libc::c_int).cast(), &mut len) };
+    (r == 0).then_some(v)
+}
+
+/// Sets an integer option of a socket (`SOL_SOCKET`).
+fn set_socket_option(fd: std::os::fd::RawFd, opt: libc::c_int, v: libc::c_int) -> std::io::Result<()> {
+    set_option(fd, libc::SOL_SOCKET, opt, v)
+}
+
 /// Sets an integer option of a TCP socket.
 fn set_tcp_option(fd: std::os::fd::RawFd, opt: libc::c_int, v: libc::c_int) -> std::io::Result<()> {
+    set_option(fd, libc::IPPROTO_TCP, opt, v)
+}
+
+fn set_option(
+    fd: std::os::fd::RawFd,
+    level: libc::c_int,
+    opt: libc::c_int,
+    v: libc::c_int,
+) -> std::io::Result<()> {
     // SAFETY: a plain integer option; the pointer and length are those of
     // `v`, which outlives the call.
     let r = unsafe {
         libc::setsockopt(
             fd,
-            libc::IPPROTO_TCP,
+            level,
             opt,
             (&v as *const libc::c_int).cast(),
             std::mem::size_of::<libc::c_int>() as libc::socklen_t,
@@ -257,7 +335,14 @@ impl LinkIo {
             bounded: false,
             capped_since: None,
             capped_ns: 0,
+            rx_passes: 0,
+            tx_passes: 0,
+            active_at: None,
+            latency_first: true,
+            latency_marks: VecDeque::new(),
+            latency_waits: Sampled::default(),
             window_clamp,
+            rcvbuf: 0,
         })
     }
 
@@ -265,6 +350,17 @@ impl LinkIo {
     /// (`net.max_queued_kib`).
     pub fn set_max_queued(&mut self, bytes: usize) {
         self.max_queued = bytes.max(1);
+    }
+
+    /// Whether a latency-class tenant's frame goes ahead of the other
+    /// frames in the daemon's queue (`net.latency_first`), behind the one
+    /// being written and that tenant's own earlier ones: it then waits
+    /// there for at most one frame of another tenant (64 KiB and a
+    /// header), not for the queue's `max_queued` or `TX_AHEAD`. Frames of
+    /// different QPs carry no order between them on the wire (each QP's
+    /// are numbered), and a latency tenant's own stay in order.
+    pub fn set_latency_first(&mut self, on: bool) {
+        self.latency_first = on;
     }
 
     /// Bounds what the kernel holds for the link to about `max_queued`
@@ -293,7 +389,41 @@ impl LinkIo {
                 tracing::debug!(error = %e, opt, "a TCP option refused");
             }
         }
+        // The window clamp bounds each window we advertise, not what waits
+        // unread: the peer may send a clamp's worth more at every ACK until
+        // the receive buffer is full (megabytes once autotuning grew it),
+        // so the buffer is bounded too. The kernel doubles what it is
+        // given (for its bookkeeping) and reports the doubled figure.
+        // Setting it ends autotuning for the socket: when the bound ends
+        // the buffer gets back the size it had grown to.
+        if bound {
+            self.rcvbuf = socket_option(fd, libc::SO_RCVBUF).unwrap_or(0);
+        }
+        let rcvbuf = if bound { q } else { self.rcvbuf / 2 };
+        if rcvbuf > 0 {
+            // Given back past `net.core.rmem_max` only with CAP_NET_ADMIN
+            // (`SO_RCVBUFFORCE`); without, the kernel caps it there.
+            let r = if bound {
+                set_socket_option(fd, libc::SO_RCVBUF, rcvbuf)
+            } else {
+                set_socket_option(fd, libc::SO_RCVBUFFORCE, rcvbuf)
+                    .or_else(|_| set_socket_option(fd, libc::SO_RCVBUF, rcvbuf))
+            };
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "SO_RCVBUF refused");
+            }
+        }
         self.bounded = bound;
+    }
+
+    /// Whether the link's bounds hold at `now`, the core saying whether a
+    /// latency-class tenant is `active` on it: while it is and for
+    /// [`BOUND_LINGER`] after.
+    fn bound_at(&mut self, active: bool, now: Instant) -> bool {
+        if active {
+            self.active_at = Some(now);
+        }
+        self.active_at.is_some_and(|t| now.saturating_since(t) < BOUND_LINGER)
     }
 
     /// Queues a connection manager's message for the peer.
@@ -326,7 +456,7 @@ impl LinkIo {
             return;
         }
         t.payload.push(IoSeg { region, off: 0, len: payload.len() });
-        self.txq.push_back(t);
+        self.push(t);
     }
 
     pub fn fd(&self) -> std::os::fd::BorrowedFd<'_> {
@@ -343,7 +473,7 @@ impl LinkIo {
             return 0;
         }
         let n = t.len();
-        self.txq.push_back(t);
+        self.push(t);
         n
     }
 
@@ -359,16 +489,47 @@ impl LinkIo {
 
     /// Reads and handles what the peer sent, up to a bound.
     pub fn receive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> Result<bool, LinkEnd> {
-        let mut busy = false;
-        let mut frames = 0;
-        self.drained = false;
         // While a latency-class tenant is active on the link, a pass reads
         // no more than `max_queued` bytes of payload, so that the engine
         // serves that tenant's QPs on this host between passes rather than
         // after 64 frames of a hog (4 MiB, milliseconds of copying).
-        let budget = if hca.link_latency_active(self.id, now) { self.max_queued } else { usize::MAX };
-        let mut bytes = 0usize;
-        while frames < FRAMES_PER_PASS && bytes < budget {
+        let bounded = self.bound_at(hca.link_latency_active(self.id, now), now);
+        let budget = if bounded { self.max_queued } else { usize::MAX };
+        let sample = bounded && {
+            self.rx_passes = self.rx_passes.wrapping_add(1);
+            self.rx_passes.is_multiple_of(SAMPLE_EVERY)
+        };
+        let waiting = if sample {
+            queued_bytes(self.sock.as_raw_fd(), libc::FIONREAD as libc::c_ulong)
+                .map(|n| n + (self.rend - self.rstart) as u64)
+        } else {
+            None
+        };
+        let (mut frames, mut bytes) = (0, 0);
+        let r = self.receive_pass(hca, rings, now, budget, &mut frames, &mut bytes);
+        if let (Some(w), Some(q)) = (waiting, hca.link_queues_mut(self.id)) {
+            q.rx_samples += 1;
+            q.rx_waiting.add(w);
+            q.rx_frames.add(frames as u64);
+            q.rx_payload.add(bytes as u64);
+        }
+        r
+    }
+
+    /// One pass of [`Self::receive`]: up to [`FRAMES_PER_PASS`] frames and
+    /// `budget` payload bytes, counted in `frames` and `bytes`.
+    fn receive_pass(
+        &mut self,
+        hca: &mut Hca,
+        rings: &mut RingTable,
+        now: Instant,
+        budget: usize,
+        frames: &mut usize,
+        bytes: &mut usize,
+    ) -> Result<bool, LinkEnd> {
+        let mut busy = false;
+        self.drained = false;
+        while *frames < FRAMES_PER_PASS && *bytes < budget {
             match self.dec.want() {
                 Want::Failed(e) => return Err(format!("protocol error: {e}")),
                 Want::Header(_) => {
@@ -381,10 +542,10 @@ impl LinkIo {
                         .map_err(|e| format!("protocol error: {e}"))?;
                     self.rstart += used;
                     if let Some(Event::Header(f)) = ev {
-                        frames += 1;
+                        *frames += 1;
                         busy = true;
                         if let FrameRepr::Data(d) = &f {
-                            bytes += d.payload_len as usize;
+                            *bytes += d.payload_len as usize;
                         }
                         self.on_header(f, hca, rings, now)?;
                     }
@@ -404,15 +565,15 @@ impl LinkIo {
                         self.sink = None;
                         let sock = std::mem::take(&mut self.rx_sock);
                         if let Some(r) = self.cm_rx.take_if(|_| sock) {
-                            let mut bytes = vec![0u8; r.len()];
-                            let _ = r.read(0, &mut bytes);
-                            let msg = vrdma_core::wire::sock::decode(&bytes)
+                            let mut buf = vec![0u8; r.len()];
+                            let _ = r.read(0, &mut buf);
+                            let msg = vrdma_core::wire::sock::decode(&buf)
                                 .map_err(|e| format!("protocol error: {e}"))?;
                             self.sock_in.push(msg);
                         } else if let Some(r) = self.cm_rx.take() {
-                            let mut bytes = vec![0u8; r.len()];
-                            let _ = r.read(0, &mut bytes);
-                            let msg = vrdma_core::wire::cm::decode(&bytes)
+                            let mut buf = vec![0u8; r.len()];
+                            let _ = r.read(0, &mut buf);
+                            let msg = vrdma_core::wire::cm::decode(&buf)
                                 .map_err(|e| format!("protocol error: {e}"))?;
                             self.cm_in.push(msg);
                         } else if std::mem::take(&mut self.lost) {
@@ -683,19 +844,64 @@ impl LinkIo {
 
     #[cfg(test)]
     pub(crate) fn queue(&mut self, t: Transmit) {
-        self.txq.push_back(t);
+        self.push(t);
     }
 
     /// Writes what the core has for this link until the socket is full.
     pub fn transmit(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> Result<bool, LinkEnd> {
-        let mut busy = false;
         // While a latency-class tenant is active, what waits ahead of its
         // next frame is bounded here and in the kernel.
-        let bound = hca.link_latency_active(self.id, now);
+        let bound = self.bound_at(hca.link_latency_active(self.id, now), now);
         self.bound_kernel_queue(bound);
+        let r = self.transmit_pass(hca, rings, now, bound);
+        if self.latency_waits != Sampled::default() {
+            let w = std::mem::take(&mut self.latency_waits);
+            if let Some(q) = hca.link_queues_mut(self.id) {
+                q.daemon_wait_ns.sum = q.daemon_wait_ns.sum.saturating_add(w.sum);
+                q.daemon_wait_ns.max = q.daemon_wait_ns.max.max(w.max);
+            }
+        }
+        let sample = bound && {
+            self.tx_passes = self.tx_passes.wrapping_add(1);
+            self.tx_passes.is_multiple_of(SAMPLE_EVERY)
+        };
+        if sample {
+            let fd = self.sock.as_raw_fd();
+            let daemon = self.queued_bytes() as u64;
+            let (outq, unsent) = (queued_bytes(fd, SIOCOUTQ), queued_bytes(fd, SIOCOUTQNSD));
+            let capped = self.capped_ns(now);
+            if let Some(q) = hca.link_queues_mut(self.id) {
+                q.tx_samples += 1;
+                q.daemon.add(daemon);
+                q.unsent.add(unsent.unwrap_or(0));
+                q.in_flight.add(outq.unwrap_or(0).saturating_sub(unsent.unwrap_or(0)));
+                q.capped_ns = capped;
+            }
+        }
+        r
+    }
+
+    /// Queues `t` last.
+    fn push(&mut self, t: Transmit) {
+        self.txq.push_back(t);
+    }
+
+    /// Bytes in the daemon's queue for the link, not yet written.
+    fn queued_bytes(&self) -> usize {
+        self.txq.iter().map(Transmit::len).sum::<usize>() - self.tx_off
+    }
+
+    fn transmit_pass(
+        &mut self,
+        hca: &mut Hca,
+        rings: &mut RingTable,
+        now: Instant,
+        bound: bool,
+    ) -> Result<bool, LinkEnd> {
+        let mut busy = false;
         let ahead = if bound { self.max_queued.min(TX_AHEAD) } else { TX_AHEAD };
         for _ in 0..FRAMES_PER_PASS {
-            let mut queued: usize = self.txq.iter().map(Transmit::len).sum::<usize>() - self.tx_off;
+            let mut queued = self.queued_bytes();
             while queued < ahead && self.txq.len() < TX_FRAMES_AHEAD {
                 if let Some(seq) = self.reply_due.take() {
                     queued += self.queue_control(FrameRepr::Keepalive(KeepaliveRepr { seq, reply: true }));
@@ -704,7 +910,7 @@ impl LinkIo {
                 match hca.poll_transmit(self.id, now, rings) {
                     Some(t) => {
                         queued += t.len();
-                        self.txq.push_back(t);
+                        self.enqueue(hca, t);
                     }
                     None => break,
                 }
@@ -725,6 +931,34 @@ impl LinkIo {
             }
         }
         Ok(busy)
+    }
+
+    /// Queues a frame the core handed over. A latency-class tenant's goes
+    /// ahead of the others' if `latency_first`, and what waits ahead of it
+    /// in the daemon's queue and in the kernel's is counted, and then its
+    /// wait to be written ([`vrdma_core::hca::LinkQueues`]).
+    fn enqueue(&mut self, hca: &mut Hca, t: Transmit) {
+        if !t.latency {
+            self.txq.push_back(t);
+            return;
+        }
+        let at = if self.latency_first {
+            // Behind the frame being written, and this class's own.
+            let own = self.txq.iter().rposition(|x| x.latency).map_or(0, |i| i + 1);
+            own.max(usize::from(self.tx_off > 0)).min(self.txq.len())
+        } else {
+            self.txq.len()
+        };
+        let ahead =
+            self.txq.iter().take(at).map(Transmit::len).sum::<usize>() - if at > 0 { self.tx_off } else { 0 };
+        let outq = queued_bytes(self.sock.as_raw_fd(), SIOCOUTQ).unwrap_or(0);
+        if let Some(q) = hca.link_queues_mut(self.id) {
+            q.latency_frames += 1;
+            q.ahead_daemon.add(ahead as u64);
+            q.ahead_kernel.add(outq);
+        }
+        self.latency_marks.push_back(Clock::now());
+        self.txq.insert(at, t);
     }
 
     /// The daemon's queue for the link is held at `max_queued` at `now`
@@ -799,7 +1033,12 @@ impl LinkIo {
                 break;
             }
             n -= len;
-            self.txq.pop_front();
+            if self.txq.pop_front().is_some_and(|t| t.latency) {
+                // Written whole: its wait in the daemon's queue.
+                if let Some(at) = self.latency_marks.pop_front() {
+                    self.latency_waits.add(at.elapsed().as_nanos() as u64);
+                }
+            }
         }
         self.tx_off = n;
         Ok(r > 0)
@@ -905,7 +1144,7 @@ mod tests {
             if link.stalled_since.is_some() {
                 return;
             }
-            link.txq.push_back(Transmit { data: vec![0; 60 << 10], ..Transmit::default() });
+            link.push(Transmit { data: vec![0; 60 << 10], ..Transmit::default() });
             link.transmit(hca, rings, Instant::ZERO).unwrap();
         }
         panic!("600 MB did not fill a socket of 64 KiB");
@@ -934,6 +1173,20 @@ mod tests {
         link.write_now();
         assert_eq!(link.txq.len(), before + 1, "a full socket took nothing");
         assert!(link.want_write, "the engine is to write it when the socket drains");
+    }
+
+    /// The bounds hold while the core says a latency-class tenant is
+    /// active and for `BOUND_LINGER` after, however long its own window.
+    #[test]
+    fn the_bounds_linger_after_the_latency_tenant_was_last_active() {
+        let (mut link, _theirs, _hca, _rings) = pair();
+        let ms = |n: u64| Instant::ZERO + Duration::from_millis(n);
+        assert!(!link.bound_at(false, ms(1)), "never active: unbounded");
+        assert!(link.bound_at(true, ms(10)));
+        assert!(link.bound_at(false, ms(30)), "20 ms on: past the core's window, still bounded");
+        assert!(link.bound_at(false, ms(10) + (BOUND_LINGER - Duration::from_nanos(1))));
+        assert!(!link.bound_at(false, ms(10) + BOUND_LINGER), "idle for the linger: the hog's own settings");
+        assert!(link.bound_at(true, ms(500)), "active again");
     }
 
     /// The time the queue sits at its bound is counted from the pass
@@ -969,6 +1222,99 @@ mod tests {
         link.bound_kernel_queue(false);
         assert_eq!(tcp_option(fd, libc::TCP_WINDOW_CLAMP), Some(clamp));
         assert_ne!(tcp_option(fd, libc::TCP_NOTSENT_LOWAT), Some(48 << 10));
+    }
+
+    /// Writes every queued frame while the peer reads them; returns the
+    /// bytes it read, in order, with the `before` bytes written earlier
+    /// (the peer had read nothing).
+    fn write_all_queued(link: &mut LinkIo, theirs: &mut TcpStream, before: usize) -> Vec<u8> {
+        let want = link.queued_bytes() + before;
+        let mut r = theirs.try_clone().unwrap();
+        r.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; want];
+            std::io::Read::read_exact(&mut r, &mut got).map(|_| got)
+        });
+        // Bounded: the peer reads everything within 10 s.
+        let end = Clock::now() + Duration::from_secs(10);
+        while !link.txq.is_empty() && Clock::now() < end {
+            if !link.write_queued().unwrap() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        assert!(link.txq.is_empty(), "the peer read nothing for 10 s");
+        reader.join().unwrap().unwrap()
+    }
+
+    /// A latency-class tenant's frame handed over behind 2 MiB of another
+    /// tenant's frames in the daemon's queue is written after at most the
+    /// frame being written when it came (`net.latency_first`), its own
+    /// class's frames keep their order, and the bytes ahead of it are
+    /// counted; without `latency_first` it waits for the whole queue.
+    #[test]
+    fn a_latency_frame_queued_behind_megabytes_of_bulk_frames_is_written_after_at_most_one() {
+        const BULK: usize = 64 << 10;
+        const FRAMES: usize = 32;
+        for first in [true, false] {
+            let (mut link, mut theirs, mut hca, _rings) = pair();
+            link.set_latency_first(first);
+            for _ in 0..FRAMES {
+                link.push(Transmit { data: vec![0xAA; BULK], ..Transmit::default() });
+            }
+            // A frame is under way when the latency frames come.
+            assert!(link.write_queued().unwrap());
+            let before = FRAMES * BULK - link.queued_bytes();
+            assert!(link.tx_off > 0 && before < BULK * FRAMES / 2, "{before} written");
+            let under_way_ends = before.div_ceil(BULK) * BULK;
+            for b in [0x55u8, 0x66] {
+                link.enqueue(&mut hca, Transmit { data: vec![b; 8], latency: true, ..Transmit::default() });
+            }
+            let got = write_all_queued(&mut link, &mut theirs, before);
+            let at = |b: u8| got.iter().position(|&x| x == b).unwrap();
+            assert_eq!(got.len(), FRAMES * BULK + 16);
+            assert!(at(0x55) < at(0x66), "the latency class's own frames keep their order");
+            let q = hca.link_queues_mut(link.id).unwrap();
+            assert_eq!(q.latency_frames, 2);
+            if first {
+                assert_eq!(at(0x55), under_way_ends, "written right after the frame under way");
+                assert!(q.ahead_daemon.max <= BULK as u64, "{q:?}");
+            } else {
+                assert_eq!(at(0x55), FRAMES * BULK, "behind the whole queue");
+                assert!(q.ahead_daemon.max >= (FRAMES * BULK - under_way_ends) as u64, "{q:?}");
+            }
+            assert!(link.latency_marks.is_empty(), "each latency frame's wait counted once written");
+        }
+    }
+
+    /// While bounded, what the peer can leave unread in our socket is
+    /// about `max_queued`, however large autotuning had grown the receive
+    /// buffer (the window clamp alone bounds each window, not the sum);
+    /// after, the buffer is as large as before.
+    #[test]
+    fn while_bounded_the_peer_leaves_at_most_about_the_bound_unread() {
+        let (mut link, mut theirs, _hca, _rings) = pair();
+        let fd = link.sock.as_raw_fd();
+        set_socket_option(fd, libc::SO_RCVBUF, 4 << 20).unwrap();
+        let grown = socket_option(fd, libc::SO_RCVBUF).unwrap();
+        link.set_max_queued(64 << 10);
+        link.bound_kernel_queue(true);
+        theirs.set_nonblocking(true).unwrap();
+        let chunk = vec![0u8; 64 << 10];
+        // Bounded: 64 MB at most, and three rounds of window updates.
+        for _ in 0..3 {
+            for _ in 0..1000 {
+                match theirs.write(&chunk) {
+                    Ok(_) => {}
+                    Err(e) if would_block(&e) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let unread = queued_bytes(fd, libc::FIONREAD as libc::c_ulong).unwrap();
+        assert!(unread <= 4 * (64 << 10), "{unread} bytes unread behind a bound of 64 KiB");
+        link.bound_kernel_queue(false);
+        assert_eq!(socket_option(fd, libc::SO_RCVBUF), Some(grown));
     }
 
     #[test]
@@ -1034,7 +1380,7 @@ mod tests {
         for k in 0..4 {
             t.payload.push(IoSeg { region: r.clone(), off: k * (LEN / 4), len: LEN / 4 });
         }
-        link.txq.push_back(t);
+        link.push(t);
         link.transmit(&mut hca, &mut rings, Instant::ZERO).unwrap();
         assert!(link.tx_off > 3 && link.tx_off < 3 + LEN, "partly written: {}", link.tx_off);
         // The tenant deregisters, then reuses the memory.
@@ -1056,7 +1402,7 @@ mod tests {
         let mut t = Transmit::default();
         t.header.extend([1, 2, 3]);
         t.payload.push(IoSeg { region: r.clone(), off: 0, len: 4096 });
-        link.txq.push_back(t);
+        link.push(t);
         r.revoke();
         link.transmit(&mut hca, &mut rings, Instant::ZERO).unwrap();
         let mut got = vec![0xff; 3 + 4096];
@@ -1250,7 +1596,7 @@ mod tests {
         assert!(why.contains("read nothing"), "{why}");
 
         // A peer that reads again ends the stall.
-        link.txq.push_back(Transmit { data: vec![0; 60 << 10], ..Transmit::default() });
+        link.push(Transmit { data: vec![0; 60 << 10], ..Transmit::default() });
         theirs.set_nonblocking(true).unwrap();
         let mut sink = vec![0u8; 1 << 20];
         let started = Clock::now();

@@ -76,6 +76,8 @@ pub struct NetSetup {
     /// Bytes a link keeps queued ahead of its next frame while a
     /// latency-class tenant is active on it (`net.max_queued_kib`).
     pub max_queued: usize,
+    /// `net.latency_first`: see [`LinkIo::set_latency_first`].
+    pub latency_first: bool,
 }
 
 impl NetSetup {
@@ -221,6 +223,7 @@ impl Net {
         match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
             Ok(mut l) => {
                 l.set_max_queued(self.setup.max_queued);
+                l.set_latency_first(self.setup.latency_first);
                 l.version = peer.version;
                 if let Some(ep) = &self.readiness {
                     if let Err(e) =

@@ -311,8 +311,17 @@ impl Hosts {
             std::fs::remove_dir_all(&dir).with_context(|| format!("clear {}", dir.display()))?;
         }
         std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        // `VRDMA_HOSTBENCH_NS`: the namespaces' name prefix (default
+        // `vrdma-hb`), for machines where each user of it keeps to names
+        // of its own.
+        let prefix = std::env::var("VRDMA_HOSTBENCH_NS")
+            .ok()
+            .filter(|p| {
+                !p.is_empty() && p.len() <= 24 && p.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+            })
+            .unwrap_or_else(|| "vrdma-hb".into());
         let mk = |i: usize| Host {
-            ns: format!("vrdma-hb{pid}-{}", i + 1),
+            ns: format!("{prefix}{pid}-{}", i + 1),
             addr: std::net::Ipv4Addr::new(10, 78, 0, i as u8 + 1),
             socket: dir.join(format!("host{}.sock", i + 1)),
         };

@@ -25,6 +25,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context as _, Result};
 use vrdma::wr::{self as wrs, SendWrExt as _};
 use vrdma::{AccessFlags, Context, QpCap, WcStatus, WorkCompletion};
+use vrdma_core::hca::{LinkQueues, Sampled};
 
 use super::hosts::{check_interrupt, Hosts};
 use crate::bench::attack::{Attacker, How, NOBODY};
@@ -150,6 +151,39 @@ pub struct Run {
     pub p99: [f64; 2],
     pub hog: [f64; 2],
     pub cpu: [f64; 2],
+    /// Each host's samples of its link's queues while the victim ran
+    /// beside the hog (see [`LinkQueues`]; none without the class).
+    pub queues: [LinkQueues; 2],
+}
+
+/// The samples of each host's link (one link each) so far.
+fn link_queues(v: &Victim) -> Result<[LinkQueues; 2]> {
+    let mut out = [LinkQueues::default(); 2];
+    for (o, e) in out.iter_mut().zip([&v.a, &v.b]) {
+        *o = e._ctx.stat()?.links.iter().map(|l| l.stats.queues).next().unwrap_or_default();
+    }
+    Ok(out)
+}
+
+/// `b`'s samples less `a`'s (the sums and counts; a largest value is
+/// `b`'s, since the daemon started).
+fn since(a: &LinkQueues, b: &LinkQueues) -> LinkQueues {
+    let d = |x: &Sampled, y: &Sampled| Sampled { sum: y.sum.saturating_sub(x.sum), max: y.max };
+    LinkQueues {
+        tx_samples: b.tx_samples.saturating_sub(a.tx_samples),
+        daemon: d(&a.daemon, &b.daemon),
+        unsent: d(&a.unsent, &b.unsent),
+        in_flight: d(&a.in_flight, &b.in_flight),
+        rx_samples: b.rx_samples.saturating_sub(a.rx_samples),
+        rx_waiting: d(&a.rx_waiting, &b.rx_waiting),
+        rx_frames: d(&a.rx_frames, &b.rx_frames),
+        rx_payload: d(&a.rx_payload, &b.rx_payload),
+        latency_frames: b.latency_frames.saturating_sub(a.latency_frames),
+        ahead_daemon: d(&a.ahead_daemon, &b.ahead_daemon),
+        ahead_kernel: d(&a.ahead_kernel, &b.ahead_kernel),
+        daemon_wait_ns: d(&a.daemon_wait_ns, &b.daemon_wait_ns),
+        capped_ns: b.capped_ns.saturating_sub(a.capped_ns),
+    }
 }
 
 /// The CPU-only load: threads that spin without yielding, as the two
@@ -231,10 +265,12 @@ pub fn measure(
         std::thread::sleep(Duration::from_millis(200));
         let alone = hog_rate(&mut hog, window, || Ok(()))?;
         let mut loaded = Vec::new();
+        let q0 = link_queues(&victim)?;
         let beside = hog_rate(&mut hog, Duration::ZERO, || {
             loaded = victim.sample(iters, window * 2)?;
             Ok(())
         })?;
+        let q1 = link_queues(&victim)?;
         hog.stop();
         let cpu = beside_busy(CPU_LOAD, || victim.sample(iters, window * 2))?;
         h.check_daemons()?;
@@ -246,6 +282,7 @@ pub fn measure(
             p99: [pct(&unloaded, 99), pct(&loaded, 99)],
             hog: [alone, beside],
             cpu: [pct(&cpu, 50), pct(&cpu, 99)],
+            queues: [since(&q0[0], &q1[0]), since(&q0[1], &q1[1])],
         });
     }
     Ok(out)
@@ -297,6 +334,73 @@ pub fn render(classes: &[(&str, Vec<Run>)]) -> String {
                 }
             ));
         }
+        out.push_str(&breakdown(class, runs));
+    }
+    out
+}
+
+/// Where the victim's frames waited, per host, from the daemons' samples
+/// of their link's queues while the victim ran beside the hog (summed
+/// over the runs; a pass in a few is sampled, only while the class is
+/// active): sending, the daemon's own queue, the kernel's unsent bytes
+/// and its bytes in flight; receiving, the bytes waiting in the kernel as
+/// a pass began, and the frames and payload a pass took. Host 1 sends the
+/// hog's writes and receives its ACKs; host 2 the other way.
+fn breakdown(class: &str, runs: &[Run]) -> String {
+    let mut out = String::new();
+    for h in 0..2 {
+        let mut q = LinkQueues::default();
+        for r in runs {
+            let x = &r.queues[h];
+            q.tx_samples += x.tx_samples;
+            q.rx_samples += x.rx_samples;
+            q.capped_ns += x.capped_ns;
+            q.latency_frames += x.latency_frames;
+            for (a, b) in [
+                (&mut q.daemon, &x.daemon),
+                (&mut q.unsent, &x.unsent),
+                (&mut q.in_flight, &x.in_flight),
+                (&mut q.rx_waiting, &x.rx_waiting),
+                (&mut q.rx_frames, &x.rx_frames),
+                (&mut q.rx_payload, &x.rx_payload),
+                (&mut q.ahead_daemon, &x.ahead_daemon),
+                (&mut q.ahead_kernel, &x.ahead_kernel),
+                (&mut q.daemon_wait_ns, &x.daemon_wait_ns),
+            ] {
+                a.sum += b.sum;
+                a.max = a.max.max(b.max);
+            }
+        }
+        if q.tx_samples == 0 && q.rx_samples == 0 && q.latency_frames == 0 {
+            continue;
+        }
+        let kib = |s: &Sampled, n: u64| format!("{:.0}/{:.0}", s.mean(n) / 1024.0, s.max as f64 / 1024.0);
+        out.push_str(&format!(
+            "latency_class = {class:<9} host {} link queues, KiB mean/max: daemon {} unsent {} in flight {}              ({} tx samples, capped {:.1} ms); rx waiting {} KiB, a pass {} KiB in {:.1}/{} frames ({} rx samples)\n",
+            h + 1,
+            kib(&q.daemon, q.tx_samples),
+            kib(&q.unsent, q.tx_samples),
+            kib(&q.in_flight, q.tx_samples),
+            q.tx_samples,
+            q.capped_ns as f64 / 1e6,
+            kib(&q.rx_waiting, q.rx_samples),
+            kib(&q.rx_payload, q.rx_samples),
+            q.rx_frames.mean(q.rx_samples),
+            q.rx_frames.max,
+            q.rx_samples,
+        ));
+        if q.latency_frames > 0 {
+            let n = q.latency_frames;
+            out.push_str(&format!(
+                "latency_class = {class:<9} host {} victim frames sent {n}: ahead of each, KiB mean/max: daemon {} \
+                 kernel (unsent + in flight) {}; its wait to be written, µs mean/max {:.1}/{:.1}\n",
+                h + 1,
+                kib(&q.ahead_daemon, n),
+                kib(&q.ahead_kernel, n),
+                q.daemon_wait_ns.mean(n) / 1e3,
+                q.daemon_wait_ns.max as f64 / 1e3,
+            ));
+        }
     }
     out
 }
@@ -307,7 +411,13 @@ mod tests {
 
     #[test]
     fn the_table_gives_each_figure_its_anchor_and_ratio() {
-        let run = Run { median: [10.0, 15.0], p99: [20.0, 50.0], hog: [2.0, 1.9], cpu: [30.0, 100.0] };
+        let run = Run {
+            median: [10.0, 15.0],
+            p99: [20.0, 50.0],
+            hog: [2.0, 1.9],
+            cpu: [30.0, 100.0],
+            queues: [LinkQueues::default(); 2],
+        };
         let t = render(&[("\"latency\"", vec![run, run, run])]);
         assert!(t.contains("victim median") && t.contains("1.50x"), "{t}");
         assert!(t.contains("2.50x  <= 2x     NOT met"), "{t}");

@@ -118,6 +118,60 @@ pub struct LinkStats {
     pub dropped_in: u64,
     /// What the link's scheduler held back (see [`LinkThrottle`]).
     pub throttle: LinkThrottle,
+    /// What waited ahead of the next frame in the driver's and the
+    /// kernel's queues while a latency-class tenant was active (counted
+    /// by the driver: [`Hca::link_queues_mut`]).
+    pub queues: LinkQueues,
+}
+
+/// Samples of the queues a latency-class tenant's frame waits behind on a
+/// link, taken by the driver while such a tenant is active on it (one
+/// pass in a few), so that a benchmark can say at which stage the bytes
+/// were: each a count of samples, and over them the sum and the largest
+/// value. Sending: the daemon's own queue, the kernel's unsent bytes and
+/// its bytes in flight (sent, not yet acknowledged by the peer's kernel).
+/// Receiving: the bytes waiting in the kernel's receive queue as a pass
+/// began, and the frames and payload bytes the pass took.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LinkQueues {
+    pub tx_samples: u64,
+    pub daemon: Sampled,
+    pub unsent: Sampled,
+    pub in_flight: Sampled,
+    pub rx_samples: u64,
+    pub rx_waiting: Sampled,
+    pub rx_frames: Sampled,
+    pub rx_payload: Sampled,
+    /// Frames of a latency-class tenant sent, and for each as the core
+    /// handed it to the driver: the bytes ahead of it in the daemon's
+    /// queue and in the kernel's (unsent and in flight), and then the time
+    /// until its last byte was written to the socket, in ns.
+    pub latency_frames: u64,
+    pub ahead_daemon: Sampled,
+    pub ahead_kernel: Sampled,
+    pub daemon_wait_ns: Sampled,
+    /// Time the daemon's queue was held at `net.max_queued_kib`, in ns.
+    pub capped_ns: u64,
+}
+
+/// The sum and the largest of a series of samples (their count is kept
+/// beside).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Sampled {
+    pub sum: u64,
+    pub max: u64,
+}
+
+impl Sampled {
+    pub fn add(&mut self, v: u64) {
+        self.sum = self.sum.saturating_add(v);
+        self.max = self.max.max(v);
+    }
+
+    /// The mean over `n` samples.
+    pub fn mean(&self, n: u64) -> f64 {
+        self.sum as f64 / n.max(1) as f64
+    }
 }
 
 /// What a link's scheduler held back, in the core; the driver's own
@@ -159,6 +213,9 @@ pub struct Transmit {
     /// A payload copied out of the sender's memory (UD datagrams only).
     pub data: Vec<u8>,
     pub payload: ArrayVec<IoSeg, MAX_SGE>,
+    /// A latency-class tenant's frame (the driver samples what it waits
+    /// behind: [`LinkQueues`]).
+    pub latency: bool,
 }
 
 impl Transmit {
@@ -583,8 +640,9 @@ pub struct StatPage {
 }
 
 /// Links in one [`StatPage`]. With [`STAT_PAGE_QPS`] they bound a page
-/// well under the control protocol's message size, whatever the values.
-pub const STAT_PAGE_LINKS: usize = 256;
+/// well under the control protocol's message size, whatever the values
+/// (a link's report is about 400 bytes at most with its queue samples).
+pub const STAT_PAGE_LINKS: usize = 64;
 /// QPs in one [`StatPage`]: a tenant may hold thousands, more than one
 /// control message carries.
 pub const STAT_PAGE_QPS: usize = 1024;
@@ -632,6 +690,11 @@ impl Hca {
     /// others' frames).
     pub fn link_latency_active(&self, link: LinkId, now: Instant) -> bool {
         self.net.latency_active(link, now)
+    }
+
+    /// The driver's samples of `link`'s queues (see [`LinkQueues`]).
+    pub fn link_queues_mut(&mut self, link: LinkId) -> Option<&mut LinkQueues> {
+        self.net.links.get_mut(&link).map(|l| &mut l.stats.queues)
     }
 
     /// The connection is gone. Its QPs' outstanding requests can no
@@ -809,8 +872,10 @@ impl Hca {
                     }
                     l.stats.frames_out += 1;
                     l.stats.payload_out += payload;
+                    let mut tx = tx;
                     if self.order.is_latency(tenant) {
                         l.latency_seen = Some(now);
+                        tx.latency = true;
                     }
                     self.order.charge(tenant, payload, 0);
                     return Some(tx);
@@ -855,7 +920,8 @@ impl Hca {
                 continue;
             }
             let throttled = self.rate_check(link, ti, tenant, now);
-            let Some(tx) = self.tenant_transmit(link, ti, throttled.is_none(), now, io) else { continue };
+            let Some(mut tx) = self.tenant_transmit(link, ti, throttled.is_none(), now, io) else { continue };
+            tx.latency = true;
             let payload = tx.payload.iter().map(|s| s.len as u64).sum::<u64>() + tx.data.len() as u64;
             let l = self.net.links.get_mut(&link)?;
             if let Some(t) = l.tenants.get_mut(ti) {
