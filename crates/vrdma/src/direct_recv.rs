@@ -63,8 +63,8 @@ use std::sync::Arc;
 use vrdma_core::hca::DirectRefusal;
 use vrdma_core::proto::{
     DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
-    INBOX_AUX_REQUESTER_CPU, INBOX_AUX_STAGED, SRQ_AUX_CLAIMER, SRQ_AUX_CLAIM_AT, SRQ_AUX_LIMIT,
-    SRQ_CLAIMER_NOTED,
+    INBOX_AUX_REQUESTER_CPU, INBOX_AUX_STAGED, SRQ_AUX_CLAIMER, SRQ_AUX_CLAIM_AT, SRQ_AUX_CLAIM_SLOT,
+    SRQ_AUX_LIMIT, SRQ_CLAIMER_NOTED,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, CQE_STATUS_BYTE, RECV_HEADER};
 use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
@@ -154,7 +154,8 @@ impl RecvTarget {
             },
             false => None,
         };
-        let claim_at = self.rq.aux(SRQ_AUX_CLAIM_AT);
+        let (claim_at, claim_slot) = (self.rq.aux(SRQ_AUX_CLAIM_AT), self.rq.aux(SRQ_AUX_CLAIM_SLOT));
+        let srq = self.srq;
         let inbox = &self.inbox;
         let (responder, lid) = (self.responder, self.lid);
         let mut taken = None;
@@ -192,6 +193,11 @@ impl RecvTarget {
                         // (AcqRel) follows, and the daemon reads this only
                         // after it has seen the claim.
                         inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::Release);
+                        if srq {
+                            // Before the claim: the daemon publishes this
+                            // slot only while it is still unpublished.
+                            claim_slot.store(at, Ordering::SeqCst);
+                        }
                         taken = Some((r, at));
                         true
                     }

@@ -184,6 +184,13 @@ pub const SRQ_CLAIMER_NOTED: u32 = 1 << 31;
 /// its own claims of the SRQ, so an index both tried is known to be the
 /// engine's.
 pub const SRQ_AUX_CLAIM_AT: usize = 2;
+/// SRQ ring aux word: the inbox slot (free-running index) in which the
+/// requester holding [`SRQ_AUX_CLAIMER`] staged the completion of the
+/// receive it is claiming, stored before its claim. The daemon publishes
+/// that slot only while the inbox's producer index still names it: a
+/// requester killed after its publication and before it gave the turn
+/// back gets nothing published a second time.
+pub const SRQ_AUX_CLAIM_SLOT: usize = 3;
 
 /// Whether a completion fires an armed CQ's event.
 pub fn arm_fires(armed: u32, solicited: bool, success: bool) -> bool {

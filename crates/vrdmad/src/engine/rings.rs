@@ -22,7 +22,7 @@ use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CQ_AUX_LOCAL, CTX_AUX_ENGINE_SLEEPING,
     CTX_AUX_EVENTS_DROPPED, INBOX_AUX_ENGINE_PUSHED, INBOX_AUX_STAGED, POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED,
-    SQ_AUX_RETIRED, SQ_AUX_STATE, SRQ_AUX_CLAIMER, SRQ_AUX_CLAIM_AT, SRQ_CLAIMER_NOTED,
+    SQ_AUX_RETIRED, SQ_AUX_STATE, SRQ_AUX_CLAIMER, SRQ_AUX_CLAIM_AT, SRQ_AUX_CLAIM_SLOT, SRQ_CLAIMER_NOTED,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::time::Instant;
@@ -613,8 +613,9 @@ impl RingTable {
     /// QP, and an index in `SRQ_AUX_CLAIM_AT` that the consumer index has
     /// passed and that the engine did not claim (it notes the one it
     /// claims), is this QP's requester's claim: nobody else could have
-    /// made it. Its completion is staged in the slot the inbox's producer
-    /// index names, and is published as a flush on this QP's CQ, as
+    /// made it. Its completion is staged in the slot `SRQ_AUX_CLAIM_SLOT`
+    /// names, and, if that slot is still the inbox's next, is published as
+    /// a flush on this QP's CQ, as
     /// hardware flushes a WQE a QP took from its SRQ when the QP goes to
     /// ERR. The turn is given back, so that the SRQ's other QPs' requesters
     /// claim again.
@@ -637,7 +638,13 @@ impl RingTable {
         let passed = rq.ring.consumed().wrapping_sub(at);
         let claimed =
             held & SRQ_CLAIMER_NOTED != 0 && passed != 0 && passed < 1 << 31 && rq.claimed_noted != Some(at);
-        let published = claimed && publish_staged_flush(inbox, inbox.produced());
+        // The slot its completion was staged in, read after the claim was
+        // seen (the requester stored it before claiming), and published
+        // only while the producer index names it: one published already
+        // (the requester killed after its publication, before giving the
+        // turn back) is not published again.
+        let slot = rq.ring.aux(SRQ_AUX_CLAIM_SLOT).load(Ordering::SeqCst);
+        let published = claimed && inbox.produced() == slot && publish_staged_flush(inbox, slot);
         let _ = turn.compare_exchange(held, 0, Ordering::SeqCst, Ordering::SeqCst);
         published
     }
@@ -1091,6 +1098,7 @@ mod tests {
             Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, x).encode(&mut out);
             let at = x_inbox.stage(&out).unwrap().unwrap();
             x_inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::SeqCst);
+            requester_srq.aux(SRQ_AUX_CLAIM_SLOT).store(at, Ordering::SeqCst);
             at
         };
         let finish = |at: u32| {
@@ -1118,13 +1126,14 @@ mod tests {
         };
         let flush = |table: &mut RingTable, qpn: u32| table.flush_claimed(qpn, RecvSource::Srq(srqn));
 
-        // Completed by the requester, the turn given back: nothing lost.
+        // Completed by the requester, killed before it gave the turn back:
+        // nothing published again.
         assert!(take_turn(x));
         let at = stage(0);
         assert_eq!(claim(), 0);
         assert!(finish(at));
-        turn.store(0, Ordering::SeqCst);
         assert!(!flush(&mut table, x), "nothing was lost");
+        assert_eq!(turn.load(Ordering::SeqCst), 0, "the daemon gave the turn back");
         // The turn taken, nothing noted yet (the index there is the last
         // turn's, claimed and published): nothing; the turn given back.
         assert!(take_turn(x));
