@@ -445,6 +445,17 @@ impl RingTable {
 
     pub fn remove_qp(&mut self, qpn: u32) {
         if let Some(q) = self.qps.remove(&qpn) {
+            // An SRQ's claiming turn held for it (its requester died or
+            // stopped holding it) is given back: no flush of it will.
+            if q.inbox.is_some() {
+                for srq in self.srqs.values().filter(|r| r.srq) {
+                    let turn = srq.ring.aux(SRQ_AUX_CLAIMER);
+                    let held = turn.load(Ordering::SeqCst);
+                    if held & !SRQ_CLAIMER_NOTED == qpn.wrapping_add(1) {
+                        let _ = turn.compare_exchange(held, 0, Ordering::SeqCst, Ordering::SeqCst);
+                    }
+                }
+            }
             if let Some(c) = self.contexts.get_mut(&q.ctx) {
                 c.qps.remove(&qpn);
             }
@@ -1191,6 +1202,16 @@ mod tests {
         stage(5);
         assert!(!flush(&mut table, x));
         assert!(popped(x_owner).is_empty());
+        // A turn held for a QP destroyed without a flush is given back;
+        // another QP's is not.
+        assert!(take_turn(y));
+        table.remove_qp(x);
+        assert_eq!(turn.load(Ordering::SeqCst), y + 1);
+        turn.store(0, Ordering::SeqCst);
+        assert!(take_turn(y));
+        note(y, requester_srq.consumed());
+        table.remove_qp(y);
+        assert_eq!(turn.load(Ordering::SeqCst), 0, "the destroyed QP's turn given back");
     }
 
     /// A context whose QPs' rings came first (an import: a guest adopts
