@@ -450,19 +450,36 @@ impl RingView {
     /// each entry is taken by exactly one consumer. An entry the other
     /// consumer took first is let go and the next one looked at (bounded:
     /// after `capacity` such races it answers `Empty`).
-    pub fn try_claim(&self, out: &mut [u8], mut take: impl FnMut(&[u8]) -> bool) -> Result<Claim, RingError> {
+    pub fn try_claim(&self, out: &mut [u8], take: impl FnMut(&[u8]) -> bool) -> Result<Claim, RingError> {
+        self.try_claim_noting(out, |_| {}, take)
+    }
+
+    /// [`try_claim`](Self::try_claim), telling `note` the consumer index
+    /// each attempt is about to claim, before the attempt reads the index
+    /// again and before its compare-and-swap (all `SeqCst`). A consumer
+    /// that publishes the index it means to claim in `note` (a direct-path
+    /// requester on an SRQ, `docs/direct-path.md`) and another that reads
+    /// it after its own successful claim form a Dekker pair: if the other
+    /// took that index, it sees it noted.
+    pub fn try_claim_noting(
+        &self,
+        out: &mut [u8],
+        mut note: impl FnMut(u32),
+        mut take: impl FnMut(&[u8]) -> bool,
+    ) -> Result<Claim, RingError> {
         if out.len() < self.stride {
             return Err(RingError::BadBuffer { got: out.len(), stride: self.stride });
         }
         let _guard = lock(&self.consumer);
         for _ in 0..=self.capacity {
-            let consumer = self.consumer_index().load(Ordering::Acquire);
+            let consumer = self.consumer_index().load(Ordering::SeqCst);
+            note(consumer);
             let producer = self.producer_index().load(Ordering::Acquire);
             // The other consumer may have moved the index (and the
             // producer refilled) between the two loads: a distance read
             // so is no corruption. Only one read between two equal
             // consumer indices is believed.
-            if self.consumer_index().load(Ordering::Acquire) != consumer {
+            if self.consumer_index().load(Ordering::SeqCst) != consumer {
                 continue;
             }
             if self.distance(producer, consumer)? == 0 {
@@ -477,7 +494,7 @@ impl RingView {
             }
             if self
                 .consumer_index()
-                .compare_exchange(consumer, consumer.wrapping_add(1), Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange(consumer, consumer.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
             {
                 return Ok(Claim::Taken);
@@ -502,14 +519,37 @@ impl RingView {
     }
 
     /// Consumer side: drops every published entry (a queue reset).
-    /// Returns how many were dropped.
+    /// Returns how many were dropped: exactly those this call moved the
+    /// consumer index past, so that a second consumer's claim racing it (a
+    /// direct-path requester's compare-and-swap on a receive queue being
+    /// reset) is counted by whoever made it, never by both. Bounded: a
+    /// call that loses the index to the other consumer more than
+    /// `capacity` times in a row drops nothing and answers 0.
     pub fn discard_all(&self) -> Result<u32, RingError> {
+        self.discard_all_between(|| {})
+    }
+
+    /// [`discard_all`](Self::discard_all), running `between` after each
+    /// read of the indices and before the compare-and-swap that drops the
+    /// entries read: where a test puts the other consumer's claim.
+    fn discard_all_between(&self, mut between: impl FnMut()) -> Result<u32, RingError> {
         let _guard = lock(&self.consumer);
-        let consumer = self.consumer_index().load(Ordering::Relaxed);
-        let producer = self.producer_index().load(Ordering::Acquire);
-        let dropped = self.distance(producer, consumer)?;
-        self.consumer_index().store(producer, Ordering::Release);
-        Ok(dropped)
+        for _ in 0..=self.capacity {
+            let consumer = self.consumer_index().load(Ordering::SeqCst);
+            let producer = self.producer_index().load(Ordering::Acquire);
+            let dropped = self.distance(producer, consumer)?;
+            between();
+            // A compare-and-swap, not a store: a store would also drop an
+            // entry the other consumer claimed meanwhile, and count it.
+            if self
+                .consumer_index()
+                .compare_exchange(consumer, producer, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+            {
+                return Ok(dropped);
+            }
+        }
+        Ok(0)
     }
 }
 
@@ -799,6 +839,76 @@ mod tests {
         assert_eq!(c.discard_all(), Ok(5));
         assert_eq!(c.len(), Ok(0));
         assert_eq!(p.free_slots(), Ok(8));
+    }
+
+    /// A reset's discard racing a second consumer's claim (a direct-path
+    /// requester's compare-and-swap on the receive queue being reset),
+    /// interleaved deterministically: the claim lands between the
+    /// discard's read of the indices and its move of the consumer index.
+    /// The discard drops, and counts, only what the claim did not take:
+    /// each entry is taken by one of the two and counted by that one
+    /// (with a plain store the discard counted the claimed entry too).
+    #[test]
+    fn a_discard_racing_a_claim_counts_only_what_it_dropped() {
+        let seg = Arc::new(Segment::create("vrdma-ring", 4096 + ring_bytes(8, 8)).unwrap());
+        let view = || {
+            let m = Arc::new(Segment::map_trusted(seg.try_clone_fd().unwrap(), seg.len()).unwrap());
+            RingView::in_segment(m, 4096, 8, 8).unwrap()
+        };
+        let (p, engine, requester) = (view(), view(), view());
+        for i in 0..3u64 {
+            assert!(p.try_push_bytes(&i.to_le_bytes()).unwrap());
+        }
+        let mut claimed = Vec::new();
+        let mut races = 0;
+        let dropped = engine
+            .discard_all_between(|| {
+                if races == 0 {
+                    let mut out = [0u8; 8];
+                    assert_eq!(requester.try_claim(&mut out, |_| true), Ok(Claim::Taken));
+                    claimed.push(u64::from_le_bytes(out));
+                }
+                races += 1;
+            })
+            .unwrap();
+        assert_eq!(claimed, vec![0], "the claim took the oldest entry");
+        assert_eq!(races, 2, "the discard read the indices again after losing them");
+        assert_eq!(dropped, 2, "the discard counts only the entries it dropped");
+        assert_eq!(engine.consumed(), 3);
+        assert_eq!(engine.len(), Ok(0));
+        // And a claim after the discard finds nothing.
+        assert_eq!(requester.try_claim(&mut [0u8; 8], |_| true), Ok(Claim::Empty));
+    }
+
+    /// `try_claim_noting` tells each attempt's index before it re-reads
+    /// the index and claims: an attempt whose index another consumer took
+    /// in between is noted, then dropped, and the next index noted.
+    #[test]
+    fn a_noting_claim_notes_every_index_it_tries() {
+        let seg = Arc::new(Segment::create("vrdma-ring", 4096 + ring_bytes(8, 8)).unwrap());
+        let view = || {
+            let m = Arc::new(Segment::map_trusted(seg.try_clone_fd().unwrap(), seg.len()).unwrap());
+            RingView::in_segment(m, 4096, 8, 8).unwrap()
+        };
+        let (p, c, other) = (view(), view(), view());
+        for i in 0..3u64 {
+            assert!(p.try_push_bytes(&i.to_le_bytes()).unwrap());
+        }
+        let mut noted = Vec::new();
+        let mut out = [0u8; 8];
+        let got = c.try_claim_noting(
+            &mut out,
+            |at| {
+                if noted.is_empty() {
+                    assert_eq!(other.try_claim(&mut [0u8; 8], |_| true), Ok(Claim::Taken));
+                }
+                noted.push(at);
+            },
+            |_| true,
+        );
+        assert_eq!(got, Ok(Claim::Taken));
+        assert_eq!(u64::from_le_bytes(out), 1);
+        assert_eq!(noted, vec![0, 1]);
     }
 
     #[test]

@@ -177,6 +177,9 @@ impl Context {
     }
 
     fn hello(control: Control) -> Result<Context> {
+        // Keeps the build id's marker in every binary that opens a context
+        // (the drop-in libraries included), where `vrdma bench` reads it.
+        std::hint::black_box(crate::BUILD_ID);
         let req = Request::Hello { version: PROTOCOL_VERSION };
         let answer = control.call(&req, &[])?;
         let Reply::Hello { context, tenant, device_name, segment_len, async_ring, posted_ring, .. } =

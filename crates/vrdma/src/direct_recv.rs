@@ -28,7 +28,13 @@
 //!   here: the peer CQ's other completions (see `docs/direct-path.md`);
 //! - **an SRQ**: the peer's receives may come from an SRQ, claimed the same
 //!   way (the engine and every requester claim its entries with the same
-//!   compare-and-swap); a claim that leaves fewer posted than the SRQ's
+//!   compare-and-swap), requesters one at a time: each takes the SRQ's
+//!   claiming turn (`SRQ_AUX_CLAIMER`, named by the peer QP) before its
+//!   claim and notes the index it is about to claim (`SRQ_AUX_CLAIM_AT`),
+//!   and gives the turn back after its publication, so that the daemon's
+//!   flush of the peer QP can tell this process's claim from another's
+//!   and publish its staged completion as a flush on that QP's CQ if this
+//!   process died in between; a claim that leaves fewer posted than the SRQ's
 //!   armed limit (`SRQ_AUX_LIMIT`) has the daemon check and raise the
 //!   limit event, which it disarms, so it fires once;
 //! - **RNR**: no receive posted (or the peer's inbox as full as its CQ
@@ -51,13 +57,14 @@
 //!   the engine's `notify_channel` does (`crate::cq::raise_event`), so
 //!   each arming fires once, whichever side completes first.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use vrdma_core::hca::DirectRefusal;
 use vrdma_core::proto::{
     DirectRecvGranted, Reply, Request, RingSpec, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_ENGINE_PUSHED,
-    INBOX_AUX_REQUESTER_CPU, INBOX_AUX_STAGED, SRQ_AUX_LIMIT,
+    INBOX_AUX_REQUESTER_CPU, INBOX_AUX_STAGED, SRQ_AUX_CLAIMER, SRQ_AUX_CLAIM_AT, SRQ_AUX_CLAIM_SLOT,
+    SRQ_AUX_LIMIT, SRQ_CLAIMER_NOTED,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, CQE_STATUS_BYTE, RECV_HEADER};
 use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
@@ -136,6 +143,19 @@ impl RecvTarget {
             WcOpcode::Recv
         };
         let solicited = wr.flags.contains(SendFlags::SOLICITED);
+        // An SRQ's receives are claimed by one requester at a time: the
+        // turn is taken before the claim and given back after the
+        // publication (or when nothing was claimed); another's turn is a
+        // peer a moment behind, as one without a receive posted.
+        let turn = match self.srq {
+            true => match Turn::take(self.rq.aux(SRQ_AUX_CLAIMER), self.responder) {
+                Some(t) => Some(t),
+                None => return Delivered::Behind,
+            },
+            false => None,
+        };
+        let (claim_at, claim_slot) = (self.rq.aux(SRQ_AUX_CLAIM_AT), self.rq.aux(SRQ_AUX_CLAIM_SLOT));
+        let srq = self.srq;
         let inbox = &self.inbox;
         let (responder, lid) = (self.responder, self.lid);
         let mut taken = None;
@@ -145,7 +165,16 @@ impl RecvTarget {
         // publication, the daemon's flush of the peer QP publishes it
         // (`Queues::flush_claimed`), so the receive still completes
         // exactly once.
-        let claimed = self.rq.try_claim(&mut self.scratch, |b| match RecvWr::decode(b) {
+        // On an SRQ, each index is noted before it is looked at again and
+        // claimed: an index the engine claimed instead is then known to
+        // the daemon as the engine's (`Queues::flush_claimed`).
+        let note = |at: u32| {
+            if let Some(t) = &turn {
+                claim_at.store(at, Ordering::SeqCst);
+                t.noted();
+            }
+        };
+        let claimed = self.rq.try_claim_noting(&mut self.scratch, note, |b| match RecvWr::decode(b) {
             Ok(r) if fits(&r) => {
                 let mut cqe = Cqe::new(r.wr_id, WcStatus::WrFlushErr, opcode, responder);
                 cqe.byte_len = wr.msg_len() as u32;
@@ -164,6 +193,11 @@ impl RecvTarget {
                         // (AcqRel) follows, and the daemon reads this only
                         // after it has seen the claim.
                         inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::Release);
+                        if srq {
+                            // Before the claim: the daemon publishes this
+                            // slot only while it is still unpublished.
+                            claim_slot.store(at, Ordering::SeqCst);
+                        }
                         taken = Some((r, at));
                         true
                     }
@@ -191,6 +225,7 @@ impl RecvTarget {
         if !self.inbox.publish_staged(at) {
             return Delivered::Done;
         }
+        drop(turn);
         // After the push: the owner's poll finds the inbox through its
         // bucket's bit (`crate::direct_ready`).
         ReadySet::of(&self.cq).mark(self.responder);
@@ -212,6 +247,40 @@ impl RecvTarget {
             }
         }
         Delivered::Done
+    }
+}
+
+/// An SRQ's claiming turn (`SRQ_AUX_CLAIMER`), held by this requester
+/// for peer QP `responder`: given back when dropped, with a
+/// compare-and-swap, so that a turn the daemon took back meanwhile (it
+/// flushed the peer QP) and another requester took is left alone.
+struct Turn<'a> {
+    word: &'a AtomicU32,
+    mine: u32,
+}
+
+impl<'a> Turn<'a> {
+    fn take(word: &'a AtomicU32, responder: u32) -> Option<Turn<'a>> {
+        let mine = responder.wrapping_add(1);
+        word.compare_exchange(0, mine, Ordering::SeqCst, Ordering::SeqCst).ok()?;
+        Some(Turn { word, mine })
+    }
+
+    /// An index is noted in `SRQ_AUX_CLAIM_AT` (stored before this):
+    /// the daemon reads it as this turn's from now on.
+    fn noted(&self) {
+        let noted = self.mine | SRQ_CLAIMER_NOTED;
+        let _ = self.word.compare_exchange(self.mine, noted, Ordering::SeqCst, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        for held in [self.mine | SRQ_CLAIMER_NOTED, self.mine] {
+            if self.word.compare_exchange(held, 0, Ordering::SeqCst, Ordering::SeqCst).is_ok() {
+                return;
+            }
+        }
     }
 }
 

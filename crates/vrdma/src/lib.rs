@@ -111,6 +111,18 @@ pub mod wr;
 use std::ffi::OsString;
 use std::path::PathBuf;
 
+/// This build of the library, as a marker that stays in every binary
+/// that links it (a context's opening refers to it): `VRDMA-BUILD-ID:`
+/// and a hash of the sources of this crate, `vrdma-core` and `vrdma-shm`
+/// (`build.rs`). `vrdma bench` looks for it in the drop-in library's file
+/// to tell a stale one ([`build_id`]).
+pub const BUILD_ID: &str = concat!("VRDMA-BUILD-ID:", env!("VRDMA_BUILD_ID"));
+
+/// The hash part of [`BUILD_ID`] (16 hex digits).
+pub fn build_id() -> &'static str {
+    env!("VRDMA_BUILD_ID")
+}
+
 pub use ah::AddressHandle;
 pub use channel::{event_spin, CompletionChannel};
 pub use context::Context;

@@ -183,7 +183,7 @@ pub fn figures(
     args: &Args,
     runs: usize,
     cores: usize,
-    sends: &[Stat],
+    sends: &[Option<Stat>],
     progress: &dyn Fn(&str),
 ) -> Result<Vec<Figure>> {
     if let Some(why) = unavailable() {
@@ -193,6 +193,9 @@ pub fn figures(
     let n: u64 = if args.quick { 5_000 } else { 20_000 };
     // Both ranks send n + n/10 messages (the warm-up untimed).
     let messages = 2 * (n + n / 10);
+    // The ranks load the drop-in library: a stale one fails here, saying
+    // so, rather than in UCX's first call.
+    crate::cmd::run::check_build_id(&crate::cmd::run::find_library()?)?;
     progress("building the MPI ping-pong (mpicc)");
     let program = build()?;
     progress("Open MPI 8 B ping-pong over vader");
@@ -231,7 +234,7 @@ pub fn figures(
         );
         (f.p99, f.target) = (None, "none (reference)".into());
         out.push(f);
-        if let Some(own) = sends.get(i) {
+        if let Some(Some(own)) = sends.get(i) {
             let anchor = format!("vrdma bench send 8 B, poll CQ, {switch}");
             let mut f = latency(&name, lat, &anchor, Some(*own), cores);
             (f.p99, f.target) = (None, "<= 1.5x vrdma bench".into());

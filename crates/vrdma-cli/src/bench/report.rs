@@ -20,7 +20,18 @@ pub struct Skipped {
     pub reason: String,
 }
 
+/// Prints the report; fails after printing it whole if any row failed
+/// (so that `vrdma bench` exits non-zero), naming them.
 pub fn print(figures: &[Figure], skipped: &[Skipped], tools: Option<&Tools>, json: bool) -> Result<()> {
+    write(figures, skipped, tools, json)?;
+    let failed: Vec<&str> = figures.iter().filter(|f| f.error.is_some()).map(|f| f.name.as_str()).collect();
+    if !failed.is_empty() {
+        anyhow::bail!("{} row(s) of the report failed: {}", failed.len(), failed.join("; "));
+    }
+    Ok(())
+}
+
+fn write(figures: &[Figure], skipped: &[Skipped], tools: Option<&Tools>, json: bool) -> Result<()> {
     if json {
         let all = serde_json::json!({ "figures": figures, "skipped": skipped, "tools": tools });
         println!("{}", serde_json::to_string_pretty(&all)?);
@@ -32,6 +43,10 @@ pub fn print(figures: &[Figure], skipped: &[Skipped], tools: Option<&Tools>, jso
     println!("| figure | vRDMA | p99 | anchor | anchor value | ratio | target |");
     println!("|---|---|---|---|---|---|---|");
     for f in figures {
+        if let Some(e) = &f.error {
+            println!("| {} | failed: {} | | | | | |", f.name, e.replace('|', "/").replace('\n', " "));
+            continue;
+        }
         let v = format!(
             "{} [{}-{}]",
             fmt(f.value.median, f.unit),
@@ -90,4 +105,22 @@ fn print_tools(tools: &Tools) {
     println!(
         "The methods differ beyond the shim: ib_*_bw keep up to 128 requests in flight, vrdma bench 16."
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bench::anchors::Stat;
+
+    /// A failed row does not end the report: it is printed in its place
+    /// and the report fails only after every row was printed.
+    #[test]
+    fn a_failed_row_fails_the_report_after_printing_it_whole() {
+        let ok =
+            Figure::beside("a", "ns", Stat::from_samples(&[1.0]), "b", Stat::from_samples(&[2.0]), "t", 2);
+        assert!(print(std::slice::from_ref(&ok), &[], None, false).is_ok());
+        let bad = Figure::failed("the MPI row", &anyhow::anyhow!("libvrdma_verbs.so is stale"), 2);
+        let e = print(&[ok.clone(), bad, ok], &[], None, true).unwrap_err().to_string();
+        assert!(e.contains("1 row(s)") && e.contains("the MPI row"), "{e}");
+    }
 }

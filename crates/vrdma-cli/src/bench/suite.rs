@@ -34,6 +34,10 @@ pub struct Figure {
     pub cores: usize,
     /// Latency only: the 99th percentile over every sample of every run.
     pub p99: Option<f64>,
+    /// The row failed: why (printed in its place; the report goes on and
+    /// `vrdma bench` exits non-zero at its end).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 impl Figure {
@@ -58,6 +62,35 @@ impl Figure {
             target: target.into(),
             cores,
             p99: None,
+            error: None,
+        }
+    }
+
+    /// A row that could not be measured: `error` in place of its figures.
+    pub fn failed(name: impl Into<String>, error: &anyhow::Error, cores: usize) -> Figure {
+        Figure {
+            name: name.into(),
+            unit: "ns",
+            value: anchors::Stat::from_samples(&[]),
+            anchor_name: String::new(),
+            anchor: None,
+            ratio: None,
+            target: String::new(),
+            cores,
+            p99: None,
+            error: Some(format!("{error:#}")),
+        }
+    }
+}
+
+/// `got`'s value, or, if it failed, `None` with a failed row named `name`
+/// pushed to `figures` (the report goes on; `report::print` then fails).
+pub(super) fn row<T>(figures: &mut Vec<Figure>, name: &str, cores: usize, got: Result<T>) -> Option<T> {
+    match got {
+        Ok(v) => Some(v),
+        Err(e) => {
+            figures.push(Figure::failed(name, &e, cores));
+            None
         }
     }
 }
@@ -199,83 +232,90 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         return report::print(&figures, &skipped, None, args.json);
     }
     if args.direct_bw {
-        figures.extend(super::direct_bw::figures(args, runs, cores, &progress)?);
+        let bw = super::direct_bw::figures(args, runs, cores, &progress);
+        let bw = row(&mut figures, "direct path bandwidth rows", cores, bw);
+        figures.extend(bw.unwrap_or_default());
         drop(device);
         return report::print(&figures, &[], None, args.json);
     }
     progress("shared-memory ping-pong anchor");
     let pingpong = anchors::shm_pingpong_one_way_ns(anchor_time, runs, None).ok();
     if args.direct || args.direct_lat {
-        figures.extend(direct_figures(args, pingpong, lat_iters, runs, cores, &progress)?);
+        direct_figures(&mut figures, args, pingpong, lat_iters, runs, cores, &progress);
         drop(device);
         return report::print(&figures, &[], None, args.json);
     }
+    // Each row below that fails prints its error in its place and the
+    // report goes on (rows read against a failed one lose their anchor).
+    let write_name = "RDMA write 8 B, one way (poll on memory)";
     progress("8 B RDMA write latency (memory polling)");
-    let write_lat = measure(&sock, worker::Test::WriteLat, 8, lat_iters, runs)?;
-    figures.push(latency(
-        "RDMA write 8 B, one way (poll on memory)",
-        write_lat.clone(),
-        "2-process shm ping-pong",
-        pingpong,
-        cores,
-    ));
-    figures.extend(direct_figures(args, pingpong, lat_iters, runs, cores, &progress)?);
+    let write_lat =
+        row(&mut figures, write_name, cores, measure(&sock, worker::Test::WriteLat, 8, lat_iters, runs));
+    if let Some(lat) = &write_lat {
+        figures.push(latency(write_name, lat.clone(), "2-process shm ping-pong", pingpong, cores));
+    }
+    direct_figures(&mut figures, args, pingpong, lat_iters, runs, cores, &progress);
+    let send_name = "send 8 B, one way (poll CQ)";
     progress("8 B send latency (CQ polling)");
-    let send_lat = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
-    let send_stat = median_of(&send_lat);
-    figures.push(latency(
-        "send 8 B, one way (poll CQ)",
-        send_lat,
-        "2-process shm ping-pong",
-        pingpong,
-        cores,
-    ));
+    let send_lat =
+        row(&mut figures, send_name, cores, measure(&sock, worker::Test::SendLat, 8, lat_iters, runs));
+    let send_stat = send_lat.as_deref().map(median_of);
+    if let Some(lat) = send_lat {
+        figures.push(latency(send_name, lat, "2-process shm ping-pong", pingpong, cores));
+    }
     let idle_n = if args.quick { 1024 } else { 4096 };
     progress(&format!("8 B send latency with up to {idle_n} idle QPs on the device"));
-    let idle = super::idle::IdleQps::create_up_to(&sock, idle_n)?;
-    let crowded = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
-    let mut f = latency(
-        &format!("send 8 B, one way (poll CQ), {} idle QPs", idle.len()),
-        crowded,
-        "send 8 B, poll CQ, no idle QPs",
-        Some(send_stat),
-        cores,
-    );
-    f.target = "<= 1.2x without them".into();
-    figures.push(f);
-    drop(idle);
+    let idle_name = format!("send 8 B, one way (poll CQ), up to {idle_n} idle QPs");
+    let crowded = (|| {
+        let idle = super::idle::IdleQps::create_up_to(&sock, idle_n)?;
+        let lat = measure(&sock, worker::Test::SendLat, 8, lat_iters, runs)?;
+        Ok((idle.len(), lat))
+    })();
+    if let Some((n, crowded)) = row(&mut figures, &idle_name, cores, crowded) {
+        let mut f = latency(
+            &format!("send 8 B, one way (poll CQ), {n} idle QPs"),
+            crowded,
+            "send 8 B, poll CQ, no idle QPs",
+            send_stat,
+            cores,
+        );
+        f.target = "<= 1.2x without them".into();
+        figures.push(f);
+    }
     let mut skipped = Vec::new();
     attack_figures(&mut figures, &mut skipped);
     qos_figures(&mut figures, &mut skipped);
     progress("8 B send latency (completion channel)");
-    let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs)?;
-    figures.push(latency(
-        "send 8 B, one way (completion channel)",
-        event_lat,
-        "send 8 B, poll CQ",
-        Some(send_stat),
-        cores,
-    ));
+    let event_name = "send 8 B, one way (completion channel)";
+    let event_lat = measure(&sock, worker::Test::SendLatEvent, 8, lat_iters / 4, runs);
+    if let Some(lat) = row(&mut figures, event_name, cores, event_lat) {
+        figures.push(latency(event_name, lat, "send 8 B, poll CQ", send_stat, cores));
+    }
     progress("rdma_cm connection setup, and TCP connect/accept");
-    figures.extend(cm_setup_figures(&sock, if args.quick { 20 } else { 100 }, runs, cores)?);
+    let cm = cm_setup_figures(&sock, if args.quick { 20 } else { 100 }, runs, cores);
+    let cm = row(&mut figures, "rdma_cm connection setup", cores, cm);
+    figures.extend(cm.unwrap_or_default());
     progress("8 B RDMA read latency (CQ polling)");
-    let read_lat = measure(&sock, worker::Test::ReadLat, 8, lat_iters, runs)?;
-    // A read is a round trip: read it against the ping-pong's round trip.
-    let round_trip =
-        pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
-    figures.push(latency(
-        "RDMA read 8 B, whole read (poll CQ)",
-        read_lat,
-        "2-process shm ping-pong, round trip",
-        round_trip,
-        cores,
-    ));
+    let read_name = "RDMA read 8 B, whole read (poll CQ)";
+    let read_lat =
+        row(&mut figures, read_name, cores, measure(&sock, worker::Test::ReadLat, 8, lat_iters, runs));
     let mut own = verbs::Own {
-        write_lat_ns: Some(median_of(&write_lat).median),
-        send_lat_ns: Some(send_stat.median),
-        read_lat_ns: figures.last().map(|f| f.value.median),
+        write_lat_ns: write_lat.as_deref().map(|l| median_of(l).median),
+        send_lat_ns: send_stat.map(|s| s.median),
         ..Default::default()
     };
+    if let Some(lat) = read_lat {
+        // A read is a round trip: read it against the ping-pong's round trip.
+        let round_trip = pingpong.map(|p| anchors::Stat {
+            median: 2.0 * p.median,
+            min: 2.0 * p.min,
+            max: 2.0 * p.max,
+            ..p
+        });
+        let f = latency(read_name, lat, "2-process shm ping-pong, round trip", round_trip, cores);
+        own.read_lat_ns = Some(f.value.median);
+        figures.push(f);
+    }
     let bw_tests = [
         (worker::Test::WriteBw, "RDMA write", 64usize << 10),
         (worker::Test::ReadBw, "RDMA read", 64 << 10),
@@ -285,11 +325,14 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     let mut memcpy = std::collections::HashMap::new();
     for (test, what, size) in bw_tests {
         progress(&format!("{} {what} bandwidth", human(size)));
+        let name = format!("{what} {} bandwidth", human(size));
         let iters = (bw_bytes / size as u64).max(16);
-        let bw = measure(&sock, test, size, iters, runs)?;
+        let Some(bw) = row(&mut figures, &name, cores, measure(&sock, test, size, iters, runs)) else {
+            continue;
+        };
         let anchor =
             *memcpy.entry(size).or_insert_with(|| anchors::memcpy_bandwidth(size, anchor_time, runs));
-        let f = bandwidth(&format!("{what} {} bandwidth", human(size)), bw, anchor, cores);
+        let f = bandwidth(&name, bw, anchor, cores);
         if size == 64 << 10 {
             let v = Some(f.value.median);
             match test {
@@ -410,57 +453,77 @@ fn human(size: usize) -> String {
 /// `tag_lat` is measured in the same run and the direct path's 8 B write
 /// and send are printed again against it (issue 17: at most 2x).
 fn direct_figures(
+    out: &mut Vec<Figure>,
     args: &Args,
     pingpong: Option<anchors::Stat>,
     lat_iters: u64,
     runs: usize,
     cores: usize,
     progress: &dyn Fn(&str),
-) -> Result<Vec<Figure>> {
-    let mut out = Vec::new();
+) {
     let round_trip =
         pingpong.map(|p| anchors::Stat { median: 2.0 * p.median, min: 2.0 * p.min, max: 2.0 * p.max, ..p });
     let mut against_ucx = Vec::new();
     let mut sends = Vec::new();
+    let mut writes = Vec::new();
     for (direct, switch) in [(true, "direct path on"), (false, "direct path off")] {
-        let dev = crate::embedded::private_device(super::engine_config(args), direct)?;
+        let dev = crate::embedded::private_device(super::engine_config(args), direct);
+        let Some(dev) = row(out, &format!("the daemon with the {switch}"), cores, dev) else { continue };
         let claimed = if direct { Path::Direct } else { Path::Engine };
-        // Each row's runs, proved to have taken the path its name claims.
-        let run = |name: &str, test: worker::Test, iters: u64| -> Result<Vec<Outcome>> {
-            progress(name);
-            let lat = measure(dev.socket(), test, 8, iters, runs)?;
-            path::check(name, &lat, claimed)?;
-            Ok(lat)
-        };
+        // Each row's runs, proved to have taken the path its name claims;
+        // a row that fails says why in its place.
+        let run =
+            |out: &mut Vec<Figure>, name: &str, test: worker::Test, iters: u64| -> Option<Vec<Outcome>> {
+                progress(name);
+                let lat = measure(dev.socket(), test, 8, iters, runs).and_then(|lat| {
+                    path::check(name, &lat, claimed)?;
+                    Ok(lat)
+                });
+                row(out, name, cores, lat)
+            };
         let write = format!("RDMA write 8 B, one way, {switch} (poll on memory)");
-        let lat = run(&write, worker::Test::WriteLat, lat_iters)?;
-        if direct {
-            against_ucx.push((write.clone(), lat.clone()));
+        if let Some(lat) = run(out, &write, worker::Test::WriteLat, lat_iters) {
+            writes.push((switch, median_of(&lat)));
+            if direct {
+                against_ucx.push((write.clone(), lat.clone()));
+            }
+            out.push(latency(&write, lat, "2-process shm ping-pong", pingpong, cores));
         }
-        out.push(latency(&write, lat, "2-process shm ping-pong", pingpong, cores));
         let send = format!("send 8 B, one way, {switch} (poll CQ)");
-        let lat = run(&send, worker::Test::SendLat, lat_iters)?;
-        let polled = median_of(&lat);
+        let polled = run(out, &send, worker::Test::SendLat, lat_iters).map(|lat| {
+            let polled = median_of(&lat);
+            if direct {
+                against_ucx.push((send.clone(), lat.clone()));
+            }
+            out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
+            polled
+        });
         sends.push(polled);
-        if direct {
-            against_ucx.push((send.clone(), lat.clone()));
-        }
-        out.push(latency(&send, lat, "2-process shm ping-pong", pingpong, cores));
-        if direct {
-            out.extend(beside_idle_qps(args, lat_iters, runs, cores, polled, progress)?);
+        if let (true, Some(polled)) = (direct, polled) {
+            let idle = beside_idle_qps(args, lat_iters, runs, cores, polled, progress);
+            let idle = row(out, "send 8 B beside idle QPs, direct path on", cores, idle);
+            out.extend(idle.unwrap_or_default());
         }
         let event = format!("send 8 B, one way, {switch} (completion channel)");
-        let lat = run(&event, worker::Test::SendLatEvent, lat_iters / 4)?;
-        out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {switch}"), Some(polled), cores));
+        if let Some(lat) = run(out, &event, worker::Test::SendLatEvent, lat_iters / 4) {
+            out.push(latency(&event, lat, &format!("send 8 B, poll CQ, {switch}"), polled, cores));
+        }
         let imm = format!("RDMA write with immediate 8 B, one way, {switch} (poll CQ)");
-        let lat = run(&imm, worker::Test::WriteImmLat, lat_iters)?;
-        out.push(latency(&imm, lat, "2-process shm ping-pong", pingpong, cores));
+        if let Some(lat) = run(out, &imm, worker::Test::WriteImmLat, lat_iters) {
+            out.push(latency(&imm, lat, "2-process shm ping-pong", pingpong, cores));
+        }
         let read = format!("RDMA read 8 B, whole read, {switch} (poll CQ)");
-        let lat = run(&read, worker::Test::ReadLat, lat_iters)?;
-        out.push(latency(&read, lat, "2-process shm ping-pong, round trip", round_trip, cores));
+        if let Some(lat) = run(out, &read, worker::Test::ReadLat, lat_iters) {
+            out.push(latency(&read, lat, "2-process shm ping-pong, round trip", round_trip, cores));
+        }
         let atomic = format!("fetch-and-add 8 B, whole atomic, {switch} (poll CQ)");
-        let lat = run(&atomic, worker::Test::FetchAddLat, lat_iters)?;
-        out.push(latency(&atomic, lat, "2-process shm ping-pong, round trip", round_trip, cores));
+        if let Some(lat) = run(out, &atomic, worker::Test::FetchAddLat, lat_iters) {
+            out.push(latency(&atomic, lat, "2-process shm ping-pong, round trip", round_trip, cores));
+        }
+        if !args.direct_lat {
+            let own = writes.iter().find(|w| w.0 == switch).map(|w| w.1);
+            perftest_beside_own(out, dev.socket(), switch, own, args.quick, runs, cores, progress);
+        }
     }
     if super::ucx::available() {
         progress("UCX posix tag_lat 8 B (ucx_perftest, UCX_TLS=posix,self)");
@@ -476,10 +539,46 @@ fn direct_figures(
         eprintln!("ucx_perftest not installed (ucx-utils): no UCX posix anchor");
     }
     if !args.direct_lat {
-        out.extend(super::direct_bw::figures(args, runs, cores, progress)?);
-        out.extend(super::mpi::figures(args, runs, cores, &sends, progress)?);
+        let bw = super::direct_bw::figures(args, runs, cores, progress);
+        let bw = row(out, "direct path bandwidth rows", cores, bw);
+        out.extend(bw.unwrap_or_default());
+        let mpi = super::mpi::figures(args, runs, cores, &sends, progress);
+        let mpi = row(out, "Open MPI 8 B ping-pong over UCX over vRDMA", cores, mpi);
+        out.extend(mpi.unwrap_or_default());
     }
-    Ok(out)
+}
+
+/// perftest's `ib_write_lat` (8 B, its t_typical) through the drop-in
+/// library on the daemon at `sock`, beside `vrdma bench`'s own 8 B write
+/// on the same daemon (`own`): issue 17's check that an unmodified verbs
+/// program gets the library's latency, within 1.5x. When perftest is
+/// installed; a failed run (a stale drop-in library, say) is the row's.
+#[allow(clippy::too_many_arguments)]
+fn perftest_beside_own(
+    out: &mut Vec<Figure>,
+    sock: &std::path::Path,
+    switch: &str,
+    own: Option<anchors::Stat>,
+    quick: bool,
+    runs: usize,
+    cores: usize,
+    progress: &dyn Fn(&str),
+) {
+    if !verbs::write_lat_installed() {
+        return;
+    }
+    let name = format!("perftest ib_write_lat 8 B, t_typical, one way, {switch} (drop-in libibverbs.so.1)");
+    progress(&name);
+    let n = if quick { 2_000 } else { 10_000 };
+    let got = (0..runs)
+        .map(|_| verbs::write_lat_ns(sock, n).map(|t| Outcome { lat_ns: vec![t], ..Default::default() }))
+        .collect::<Result<Vec<_>>>();
+    if let Some(lat) = row(out, &name, cores, got) {
+        let anchor = format!("vrdma bench RDMA write 8 B, {switch}");
+        let mut f = latency(&name, lat, &anchor, own, cores);
+        (f.p99, f.target) = (None, "<= 1.5x vrdma bench".into());
+        out.push(f);
+    }
 }
 
 /// The direct path's 8 B send with 63 and 1023 idle QPs (each with an
@@ -562,6 +661,7 @@ pub(super) fn latency(
         target,
         cores,
         p99,
+        error: None,
     }
 }
 

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context as _, Result};
 use serde::Serialize;
 
-use crate::cmd::run::{find_companions, find_library, LibDir};
+use crate::cmd::run::{check_build_id, find_companions, find_library, LibDir};
 use crate::tool_output::{listening, perftest_column, qperf_figure};
 
 /// vrdma bench's own figures for the compared tests (latency in ns, with
@@ -158,6 +158,12 @@ pub fn compare(sock: &Path, own: &Own, quick: bool, progress: bool) -> Tools {
             return tools;
         }
     };
+    if let Err(e) = check_build_id(&lib) {
+        let why = format!("{e:#}");
+        tools.perftest_unavailable = Some(why.clone());
+        tools.qperf_unavailable = Some(why);
+        return tools;
+    }
     let companions = find_companions().ok().flatten();
     let dir = match LibDir::create(&lib, companions.as_deref()) {
         Ok(d) => d,
@@ -206,6 +212,26 @@ pub fn compare(sock: &Path, own: &Own, quick: bool, progress: bool) -> Tools {
         },
     }
     tools
+}
+
+/// Whether perftest's `ib_write_lat` is installed.
+pub fn write_lat_installed() -> bool {
+    which("ib_write_lat").is_some()
+}
+
+/// perftest's `ib_write_lat` 8 B, `n` iterations, through the drop-in
+/// library against the daemon at `sock`: its t_typical (median) in ns. A
+/// stale drop-in library is refused with the reason.
+pub fn write_lat_ns(sock: &Path, n: u64) -> Result<f64> {
+    let lib = find_library()?;
+    check_build_id(&lib)?;
+    let companions = find_companions()?.ok_or_else(|| {
+        anyhow!("libvrdma_companions.so (perftest needs it to load) is not next to the vrdma executable; {BUILD_HINT}")
+    })?;
+    let dir = LibDir::create(&lib, Some(&companions))?;
+    let env = Env { lib_dir: dir.path().to_owned(), sock: sock.to_owned() };
+    let (line, got) = env.perftest("ib_write_lat", "8", n);
+    got.map(|(t, _)| t).with_context(|| line)
 }
 
 /// A measured (value, avg, command) or the error, as a table cell.

@@ -183,6 +183,36 @@ pub(crate) fn find_library() -> Result<PathBuf> {
     )
 }
 
+/// Whether the drop-in library `lib` was built from the same sources of
+/// `vrdma`, `vrdma-core` and `vrdma-shm` as this executable: it carries
+/// the marker [`vrdma::BUILD_ID`] of its build, which must be ours. A
+/// stale library (the workspace rebuilt without it, say `cargo build -p
+/// vrdma-cli` after a protocol change) fails in ways that say nothing of
+/// the cause (its first exchange with the daemon, or a shared-memory
+/// layout read differently), so callers refuse it with this error.
+pub(crate) fn check_build_id(lib: &Path) -> Result<()> {
+    let bytes = std::fs::read(lib).with_context(|| format!("read {}", lib.display()))?;
+    let mark = b"VRDMA-BUILD-ID:";
+    let ours = vrdma::build_id();
+    let theirs = bytes
+        .windows(mark.len())
+        .position(|w| w == mark)
+        .and_then(|i| bytes.get(i + mark.len()..i + mark.len() + ours.len()))
+        .map(|id| String::from_utf8_lossy(id).into_owned());
+    let rebuild = "rebuild it with the same profile (cargo build [--release] -p vrdma-verbs -p vrdma-rdmacm)";
+    match theirs {
+        Some(id) if id == ours => Ok(()),
+        Some(id) => bail!(
+            "{} is stale: built from other sources of the vrdma library than this vrdma executable \
+             (build id {id}, ours {ours}); {rebuild}",
+            lib.display()
+        ),
+        None => {
+            bail!("{} is stale: it carries no vRDMA build id (built before them); {rebuild}", lib.display())
+        }
+    }
+}
+
 /// A directory removed on drop, holding the `libibverbs.so.1` link.
 pub(crate) struct LibDir(PathBuf);
 
@@ -375,5 +405,41 @@ mod tests {
         assert_eq!(preload_with(lib, Some("/x/a.so".into())).unwrap(), "/opt/v/libvrdma_sockets.so:/x/a.so");
         assert!(preload_with(Path::new("/a b/l.so"), None).is_err());
         assert!(preload_with(Path::new("/a:b/l.so"), None).is_err());
+    }
+
+    /// A drop-in library is current only if it carries this build's id:
+    /// one of another build, or one without an id, is stale, and the
+    /// error says so and how to rebuild it.
+    #[test]
+    fn a_drop_in_library_of_another_build_is_stale() {
+        let dir = std::env::temp_dir().join(format!("vrdma-build-id-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let lib = dir.join("libvrdma_verbs.so");
+        let with = |body: &[u8]| {
+            let mut bytes = b"\x7fELF....".to_vec();
+            bytes.extend_from_slice(body);
+            bytes.extend_from_slice(b"\0more");
+            std::fs::write(&lib, bytes).unwrap();
+            check_build_id(&lib)
+        };
+        assert!(with(vrdma::BUILD_ID.as_bytes()).is_ok(), "this build's id");
+        let other = format!("VRDMA-BUILD-ID:{}", "0".repeat(vrdma::build_id().len()));
+        assert_ne!(other, vrdma::BUILD_ID);
+        let e = format!("{:#}", with(other.as_bytes()).unwrap_err());
+        assert!(e.contains("is stale") && e.contains("cargo build"), "{e}");
+        let e = format!("{:#}", with(b"no marker").unwrap_err());
+        assert!(e.contains("carries no vRDMA build id"), "{e}");
+        assert!(with(b"VRDMA-BUILD-ID:12").is_err(), "a marker cut short");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The library as cargo builds it next to this test carries the id of
+    /// its own build: a library built from these sources is current.
+    #[test]
+    fn the_marker_is_in_every_binary_that_links_the_library() {
+        let exe = std::env::current_exe().unwrap();
+        let bytes = std::fs::read(exe).unwrap();
+        let mark = vrdma::BUILD_ID.as_bytes();
+        assert!(bytes.windows(mark.len()).any(|w| w == mark), "no {} in the test binary", vrdma::BUILD_ID);
     }
 }

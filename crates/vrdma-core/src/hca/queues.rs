@@ -50,12 +50,12 @@ pub trait Queues {
     /// How many receive work requests are posted and not yet pulled.
     fn recv_posted(&mut self, src: RecvSource) -> u32;
     /// A QP in ERR is being flushed: completes, flushed, the receive a
-    /// direct-path requester claimed from its receive queue and did not
-    /// complete (it stopped or died between its claim and its push, and
-    /// had staged the completion as a flush, `docs/direct-path.md`).
-    /// `true` when there was one. At most one; never one the requester
-    /// completes too.
-    fn flush_claimed(&mut self, _qpn: u32) -> bool {
+    /// direct-path requester claimed for it from `rq` (its own receive
+    /// queue or its SRQ) and did not complete (it stopped or died between
+    /// its claim and its push, and had staged the completion as a flush,
+    /// `docs/direct-path.md`). `true` when there was one. At most one;
+    /// never one the requester completes too.
+    fn flush_claimed(&mut self, _qpn: u32, _rq: RecvSource) -> bool {
         false
     }
     /// Drops everything posted to a QP's queues (the QP went to RESET).

@@ -157,6 +157,40 @@ pub const INBOX_AUX_STAGED: usize = 3;
 /// the daemon's own state decides, so a scribbled word costs its tenant
 /// calls, nothing else.
 pub const SRQ_AUX_LIMIT: usize = 0;
+/// SRQ ring aux word: whose turn it is to claim the SRQ's receives on
+/// the direct path: 0 when no requester's, else the number, plus one, of
+/// the responder QP (on this SRQ) whose requester takes it with a
+/// compare-and-swap from 0, sets [`SRQ_CLAIMER_NOTED`] in it once it has
+/// noted an index in [`SRQ_AUX_CLAIM_AT`] (so a value left there by an
+/// earlier turn is never read as this one's), and gives it back with a
+/// compare-and-swap once the claimed receive's completion is published
+/// (or nothing was claimed). Direct-path requesters
+/// claim one at a time, so that the daemon can tell which of them claimed
+/// an index (the engine claims as ever, never waiting on it): when it
+/// flushes a QP whose requester held the turn, the index in
+/// [`SRQ_AUX_CLAIM_AT`], claimed and not by the engine, was that
+/// requester's, and its staged completion is published as a flush on
+/// that QP's CQ (`docs/direct-path.md`, "Receives from an SRQ").
+/// Tenant-written: a forged value costs the tenant its own SRQ's direct
+/// claims or publishes at most one staged slot of its own inbox.
+pub const SRQ_AUX_CLAIMER: usize = 1;
+/// In [`SRQ_AUX_CLAIMER`]: the holder noted the index it is claiming in
+/// [`SRQ_AUX_CLAIM_AT`] (QP numbers have 24 bits, so it is never part of
+/// one).
+pub const SRQ_CLAIMER_NOTED: u32 = 1 << 31;
+/// SRQ ring aux word: the consumer index the requester holding
+/// [`SRQ_AUX_CLAIMER`] is about to claim, stored (`SeqCst`) before it
+/// reads the index again and claims it; the engine reads it after each of
+/// its own claims of the SRQ, so an index both tried is known to be the
+/// engine's.
+pub const SRQ_AUX_CLAIM_AT: usize = 2;
+/// SRQ ring aux word: the inbox slot (free-running index) in which the
+/// requester holding [`SRQ_AUX_CLAIMER`] staged the completion of the
+/// receive it is claiming, stored before its claim. The daemon publishes
+/// that slot only while the inbox's producer index still names it: a
+/// requester killed after its publication and before it gave the turn
+/// back gets nothing published a second time.
+pub const SRQ_AUX_CLAIM_SLOT: usize = 3;
 
 /// Whether a completion fires an armed CQ's event.
 pub fn arm_fires(armed: u32, solicited: bool, success: bool) -> bool {

@@ -15,6 +15,7 @@ mod large;
 mod reads;
 mod send;
 mod srq;
+mod srq_killed;
 mod stopped;
 
 use anyhow::Result;

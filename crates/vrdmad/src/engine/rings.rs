@@ -22,7 +22,7 @@ use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{
     self, CHANNEL_AUX_DROPPED, CQ_ARM_NONE, CQ_AUX_ARMED, CQ_AUX_LOCAL, CTX_AUX_ENGINE_SLEEPING,
     CTX_AUX_EVENTS_DROPPED, INBOX_AUX_ENGINE_PUSHED, INBOX_AUX_STAGED, POSTED_AUX_OVERFLOW, SQ_AUX_NOTIFIED,
-    SQ_AUX_RETIRED, SQ_AUX_STATE,
+    SQ_AUX_RETIRED, SQ_AUX_STATE, SRQ_AUX_CLAIMER, SRQ_AUX_CLAIM_AT, SRQ_AUX_CLAIM_SLOT, SRQ_CLAIMER_NOTED,
 };
 use vrdma_core::ring::{Cqe, RecvWr, SendWr, WqeError, CQE_SIZE};
 use vrdma_core::time::Instant;
@@ -244,17 +244,33 @@ pub struct InRing {
     /// is what direct-path requesters claimed. Kept here, never read back
     /// from tenant memory.
     took: u32,
+    /// An SRQ's ring: after each of its claims the engine reads the index
+    /// the requester holding the SRQ's claiming turn is about to claim
+    /// (`SRQ_AUX_CLAIM_AT`).
+    srq: bool,
+    /// The last index the engine claimed that was the one named in
+    /// `SRQ_AUX_CLAIM_AT` then: that requester's compare-and-swap of it
+    /// failed, so its staged completion is not to be published.
+    claimed_noted: Option<u32>,
 }
 
 impl InRing {
     pub fn new(ring: RingView, tenant: TenantId) -> Self {
-        InRing { ring, dead: false, tenant, shared: false, took: 0 }
+        InRing { ring, dead: false, tenant, shared: false, took: 0, srq: false, claimed_noted: None }
     }
 
     /// A ring whose entries a direct-path requester may claim too
     /// (`docs/direct-path.md`).
     pub fn shared(mut self) -> Self {
         self.shared = true;
+        self
+    }
+
+    /// An SRQ's ring whose entries direct-path requesters may claim
+    /// ([`Self::shared`]), one requester at a time (`SRQ_AUX_CLAIMER`).
+    pub fn shared_srq(mut self) -> Self {
+        self.shared = true;
+        self.srq = true;
         self
     }
 
@@ -270,14 +286,22 @@ impl InRing {
             return None;
         }
         buf.resize(self.ring.stride(), 0);
+        let mut at = 0;
         let popped = if self.shared {
-            self.ring.try_claim(buf, |_| true).map(|c| c == vrdma_shm::Claim::Taken)
+            self.ring.try_claim_noting(buf, |c| at = c, |_| true).map(|c| c == vrdma_shm::Claim::Taken)
         } else {
             self.ring.try_pop(buf)
         };
         match popped {
             Ok(true) => {
                 self.took = self.took.wrapping_add(1);
+                // After the claim (SeqCst), the index the SRQ's claiming
+                // requester noted before its own last look at the index
+                // (SeqCst): if it is this one, the requester's claim of it
+                // failed or will (`Queues::flush_claimed`).
+                if self.srq && self.ring.aux(SRQ_AUX_CLAIM_AT).load(Ordering::SeqCst) == at {
+                    self.claimed_noted = Some(at);
+                }
                 Some(decode(buf))
             }
             Ok(false) => None,
@@ -421,6 +445,17 @@ impl RingTable {
 
     pub fn remove_qp(&mut self, qpn: u32) {
         if let Some(q) = self.qps.remove(&qpn) {
+            // An SRQ's claiming turn held for it (its requester died or
+            // stopped holding it) is given back: no flush of it will.
+            if q.inbox.is_some() {
+                for srq in self.srqs.values().filter(|r| r.srq) {
+                    let turn = srq.ring.aux(SRQ_AUX_CLAIMER);
+                    let held = turn.load(Ordering::SeqCst);
+                    if held & !SRQ_CLAIMER_NOTED == qpn.wrapping_add(1) {
+                        let _ = turn.compare_exchange(held, 0, Ordering::SeqCst, Ordering::SeqCst);
+                    }
+                }
+            }
             if let Some(c) = self.contexts.get_mut(&q.ctx) {
                 c.qps.remove(&qpn);
             }
@@ -561,6 +596,84 @@ fn decode_recv(b: &[u8]) -> Pulled<RecvWr> {
     RecvWr::decode(b)
 }
 
+impl RingTable {
+    /// [`Queues::flush_claimed`] for a QP's own receive queue: the queue's
+    /// consumer index less the entries the engine itself took is what
+    /// requesters claimed; one more than the inbox's pushes is a claim
+    /// whose completion is staged in the slot the producer index names.
+    fn flush_claimed_own(&mut self, qpn: u32) -> bool {
+        let Some(q) = self.qps.get(&qpn) else { return false };
+        let (Some(rq), Some((_, inbox))) = (q.rq.as_ref(), q.inbox.as_ref()) else { return false };
+        if rq.dead || !rq.shared {
+            return false;
+        }
+        let pushed = inbox.produced();
+        let claimed = rq.ring.consumed().wrapping_sub(rq.took);
+        // One claim at most is ever unpublished (a requester QP delivers
+        // one message at a time and stages in the next slot); any other
+        // difference is a tenant's scribbling, which gets nothing.
+        claimed.wrapping_sub(pushed) == 1 && publish_staged_flush(inbox, pushed)
+    }
+
+    /// [`Queues::flush_claimed`] for a QP whose receives come from SRQ
+    /// `srq`. Its consumer index is claimed for every QP on it, so counts
+    /// cannot tell whose claim lacks its completion; the claiming turn
+    /// can (`SRQ_AUX_CLAIMER`): direct-path requesters claim one at a
+    /// time, each holding the turn, named by its responder QP, from before
+    /// its claim until after its publication. So a turn that names this
+    /// QP, and an index in `SRQ_AUX_CLAIM_AT` that the consumer index has
+    /// passed and that the engine did not claim (it notes the one it
+    /// claims), is this QP's requester's claim: nobody else could have
+    /// made it. Its completion is staged in the slot `SRQ_AUX_CLAIM_SLOT`
+    /// names, and, if that slot is still the inbox's next, is published as
+    /// a flush on this QP's CQ, as
+    /// hardware flushes a WQE a QP took from its SRQ when the QP goes to
+    /// ERR. The turn is given back, so that the SRQ's other QPs' requesters
+    /// claim again.
+    fn flush_claimed_srq(&mut self, qpn: u32, srq: u32) -> bool {
+        let Some((_, inbox)) = self.qps.get(&qpn).and_then(|q| q.inbox.as_ref()) else { return false };
+        let Some(rq) = self.srqs.get(&srq) else { return false };
+        if rq.dead || !rq.shared || !rq.srq {
+            return false;
+        }
+        let turn = rq.ring.aux(SRQ_AUX_CLAIMER);
+        let mine = qpn.wrapping_add(1);
+        let held = turn.load(Ordering::SeqCst);
+        if held & !SRQ_CLAIMER_NOTED != mine {
+            return false;
+        }
+        // Noted: the index is this turn's (before it, nothing was claimed).
+        let at = rq.ring.aux(SRQ_AUX_CLAIM_AT).load(Ordering::SeqCst);
+        // Passed: claimed by someone; a distance of half the index space
+        // or more is an index from the future (scribbled), not claimed.
+        let passed = rq.ring.consumed().wrapping_sub(at);
+        let claimed =
+            held & SRQ_CLAIMER_NOTED != 0 && passed != 0 && passed < 1 << 31 && rq.claimed_noted != Some(at);
+        // The slot its completion was staged in, read after the claim was
+        // seen (the requester stored it before claiming), and published
+        // only while the producer index names it: one published already
+        // (the requester killed after its publication, before giving the
+        // turn back) is not published again.
+        let slot = rq.ring.aux(SRQ_AUX_CLAIM_SLOT).load(Ordering::SeqCst);
+        let published = claimed && inbox.produced() == slot && publish_staged_flush(inbox, slot);
+        let _ = turn.compare_exchange(held, 0, Ordering::SeqCst, Ordering::SeqCst);
+        published
+    }
+}
+
+/// Publishes, as staged, the completion a requester staged in slot
+/// `pushed` of `inbox` (a flush, unless it had placed the message and was
+/// making it a success): the staged word first (won, a requester that runs
+/// again leaves the slot alone; lost, it had placed the message, whose
+/// one status byte may land after this publication, success being then as
+/// true as the flush), then the compare-and-swap of the producer index,
+/// which publishes the slot once (the requester's own fails after it).
+fn publish_staged_flush(inbox: &RingView, pushed: u32) -> bool {
+    let staged = inbox.aux(INBOX_AUX_STAGED);
+    let _ = staged.compare_exchange(pushed, pushed.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst);
+    inbox.publish_staged(pushed)
+}
+
 impl Queues for RingTable {
     fn pull_send(&mut self, qpn: u32) -> Option<Pulled<SendWr>> {
         let q = self.qps.get_mut(&qpn)?;
@@ -599,40 +712,18 @@ impl Queues for RingTable {
         ring.and_then(|r| r.ring.len().ok()).unwrap_or(0)
     }
 
-    fn flush_claimed(&mut self, qpn: u32) -> bool {
-        let Some(q) = self.qps.get(&qpn) else { return false };
-        let (Some(rq), Some((cqn, inbox))) = (q.rq.as_ref(), q.inbox.as_ref()) else { return false };
-        if rq.dead || !rq.shared {
-            return false;
-        }
-        // The inbox's producer index before the receive queue's consumer
-        // index: a claim counted in the latter whose completion is not in
-        // the former has its completion staged in slot `pushed`.
-        let pushed = inbox.produced();
-        let claimed = rq.ring.consumed().wrapping_sub(rq.took);
-        // One claim at most is ever unpublished (a requester QP delivers
-        // one message at a time and stages in the next slot); any other
-        // difference is a tenant's scribbling, which gets nothing.
-        let mut published = false;
-        if claimed.wrapping_sub(pushed) == 1 {
-            // The staged word first: won, the requester (if it ever runs
-            // again) leaves the slot alone and it is published as staged, a
-            // flush. Lost, the requester had placed the message and was
-            // making it a success (one byte, which may land after this
-            // publication, success being then as true as the flush).
-            // Either way the compare-and-swap of the producer index
-            // publishes the slot once: the requester's own fails after it.
-            let staged = inbox.aux(INBOX_AUX_STAGED);
-            let next = pushed.wrapping_add(1);
-            let _ = staged.compare_exchange(pushed, next, Ordering::SeqCst, Ordering::SeqCst);
-            published = inbox.publish_staged(pushed);
-        }
+    fn flush_claimed(&mut self, qpn: u32, rq: RecvSource) -> bool {
+        let published = match rq {
+            RecvSource::Qp(_) => self.flush_claimed_own(qpn),
+            RecvSource::Srq(srq) => self.flush_claimed_srq(qpn, srq),
+        };
         // The owner's poll finds the inbox through its bucket's bit, set
         // after the publication as a requester does; set too when the
         // inbox holds completions anyway (a requester stopped or killed
         // between its push and its mark), and the CQ's event raised for
         // them, as the requester would have (`notify_channel` raises it
         // only for an arming; a flush fires any).
+        let Some((cqn, inbox)) = self.qps.get(&qpn).and_then(|q| q.inbox.as_ref()) else { return published };
         let waiting = published || inbox.len().is_ok_and(|n| n > 0);
         if waiting {
             let cqn = *cqn;
@@ -914,14 +1005,14 @@ mod tests {
         claim(&mut buf);
         assert!(finish(at));
         assert!(table.pull_recv(RecvSource::Qp(qpn)).is_some());
-        assert!(!table.flush_claimed(qpn), "nothing was lost");
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)), "nothing was lost");
         // Staged, not yet claimed (it may still be): not the flush's.
         let at = staged(WcStatus::WrFlushErr, 2);
-        assert!(!table.flush_claimed(qpn));
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)));
         // Claimed, then the requester stopped: flushed, once.
         claim(&mut buf);
-        assert!(table.flush_claimed(qpn));
-        assert!(!table.flush_claimed(qpn), "once");
+        assert!(table.flush_claimed(qpn, RecvSource::Qp(qpn)));
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)), "once");
         // The requester continued: its completion is not published again.
         assert!(!finish(at));
         let mut got = Vec::new();
@@ -940,7 +1031,7 @@ mod tests {
         let pushed = requester_inbox.produced();
         for forged in [pushed.wrapping_add(3), pushed.wrapping_sub(2), pushed.wrapping_add(1 << 31)] {
             requester_inbox.scribble_producer_index(forged);
-            assert!(!table.flush_claimed(qpn));
+            assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)));
             assert_eq!(requester_inbox.produced(), forged);
         }
         requester_inbox.scribble_producer_index(pushed);
@@ -951,18 +1042,176 @@ mod tests {
         let word = requester_inbox.aux(INBOX_AUX_STAGED);
         assert!(word.compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok());
         requester_inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
-        assert!(table.flush_claimed(qpn));
+        assert!(table.flush_claimed(qpn, RecvSource::Qp(qpn)));
         assert!(!requester_inbox.publish_staged(at), "the requester's own publication fails");
-        assert!(!table.flush_claimed(qpn), "once");
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)), "once");
         // Stopped between its publication and its mark: the flush marks.
         let ready_word = owner_cq.aux(proto::CQ_AUX_READY_SUMMARY);
         ready_word.store(0, Ordering::SeqCst);
-        assert!(!table.flush_claimed(qpn));
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)));
         assert_ne!(ready_word.load(Ordering::SeqCst), 0, "an inbox with completions is marked");
         assert!(owner_inbox.try_pop(&mut slot).unwrap());
         let c = Cqe::decode(&slot);
         assert_eq!((c.wr_id, c.status), (3, WcStatus::Success));
         assert_eq!(owner_inbox.len().unwrap(), 0, "nothing else published (forged indices included)");
+    }
+
+    /// A receive a direct-path requester claimed from an SRQ for QP `x`
+    /// and never completed (it died between its claim and its push) is
+    /// published by `x`'s flush, as a flush on `x`'s CQ, once; nothing is
+    /// published for a claim that was not made (a turn taken and nothing
+    /// noted yet, an index noted and not claimed, an index noted and
+    /// claimed by the engine instead), none into another QP of the SRQ,
+    /// and the turn is given back; the requester, continued, publishes
+    /// nothing more.
+    #[test]
+    fn a_claimed_srq_receive_whose_requester_died_is_flushed_once_on_its_qp() {
+        use vrdma_core::ring::CQE_STATUS_BYTE;
+        use vrdma_core::verbs::WcOpcode;
+        use vrdma_shm::Claim;
+        let ring = |cap: u32, stride: usize, n: usize| {
+            let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(cap, stride)).unwrap());
+            (0..n).map(|_| RingView::in_segment(seg.clone(), 0, cap, stride).unwrap()).collect::<Vec<_>>()
+        };
+        let (x, y, srqn, cqn) = (40, 41, 9, 3);
+        let (t, ctx) = (TenantId(1), ContextId(7));
+        let mut table = RingTable::default();
+        table.contexts.insert(ctx, context(1, [x, y]).0);
+        let [srq, owner_srq, requester_srq]: [RingView; 3] = ring(8, 64, 3).try_into().unwrap();
+        table.srqs.insert(srqn, InRing::new(srq, t).shared_srq());
+        let [cq, owner_cq]: [RingView; 2] = ring(8, CQE_SIZE, 2).try_into().unwrap();
+        table.cqs.insert(cqn, CqRing { ring: cq, channel: None, inbox_qps: Vec::new() });
+        // Each QP's inbox: the daemon's view, the requester's, the owner's.
+        let mut inboxes = Vec::new();
+        for qpn in [x, y] {
+            let [inbox, requester, owner]: [RingView; 3] = ring(8, CQE_SIZE, 3).try_into().unwrap();
+            let sq = ring(4, 64, 1).remove(0);
+            table.add_qp(qpn, QpRings::new(ctx, InRing::new(sq, t), None).with_inbox(cqn, inbox));
+            inboxes.push((requester, owner));
+        }
+        let [(x_inbox, x_owner), (_, y_owner)] = &inboxes[..] else { unreachable!() };
+        for i in 0..8u64 {
+            let mut slot = [0u8; 64];
+            slot[..8].copy_from_slice(&i.to_le_bytes());
+            assert!(owner_srq.try_push_bytes(&slot).unwrap());
+        }
+        let turn = requester_srq.aux(SRQ_AUX_CLAIMER);
+        let claim_at = requester_srq.aux(SRQ_AUX_CLAIM_AT);
+        let take_turn =
+            |qpn: u32| turn.compare_exchange(0, qpn + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok();
+        // The library's note: the index, then the turn marked noted.
+        let note = |qpn: u32, at: u32| {
+            claim_at.store(at, Ordering::SeqCst);
+            turn.store((qpn + 1) | SRQ_CLAIMER_NOTED, Ordering::SeqCst);
+        };
+        let stage = |wr_id: u64| {
+            let mut out = [0u8; CQE_SIZE];
+            Cqe::new(wr_id, WcStatus::WrFlushErr, WcOpcode::Recv, x).encode(&mut out);
+            let at = x_inbox.stage(&out).unwrap().unwrap();
+            x_inbox.aux(INBOX_AUX_STAGED).store(at, Ordering::SeqCst);
+            requester_srq.aux(SRQ_AUX_CLAIM_SLOT).store(at, Ordering::SeqCst);
+            at
+        };
+        let finish = |at: u32| {
+            let staged = x_inbox.aux(INBOX_AUX_STAGED);
+            if staged.compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst).is_err() {
+                return false;
+            }
+            x_inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
+            x_inbox.publish_staged(at)
+        };
+        let claim = || {
+            let mut buf = [0u8; 64];
+            let got = requester_srq.try_claim_noting(&mut buf, |at| note(x, at), |_| true).unwrap();
+            assert_eq!(got, Claim::Taken);
+            u64::from_le_bytes(buf[..8].try_into().unwrap())
+        };
+        let popped = |owner: &RingView| {
+            let mut slot = [0u8; CQE_SIZE];
+            let mut got = Vec::new();
+            while owner.try_pop(&mut slot).unwrap() {
+                let c = Cqe::decode(&slot);
+                got.push((c.wr_id, c.status, c.qp_num));
+            }
+            got
+        };
+        let flush = |table: &mut RingTable, qpn: u32| table.flush_claimed(qpn, RecvSource::Srq(srqn));
+
+        // Completed by the requester, killed before it gave the turn back:
+        // nothing published again.
+        assert!(take_turn(x));
+        let at = stage(0);
+        assert_eq!(claim(), 0);
+        assert!(finish(at));
+        assert!(!flush(&mut table, x), "nothing was lost");
+        assert_eq!(turn.load(Ordering::SeqCst), 0, "the daemon gave the turn back");
+        // The turn taken, nothing noted yet (the index there is the last
+        // turn's, claimed and published): nothing; the turn given back.
+        assert!(take_turn(x));
+        assert!(!flush(&mut table, x));
+        assert_eq!(turn.load(Ordering::SeqCst), 0, "the daemon gave the turn back");
+        // Noted and staged, not claimed: nothing.
+        assert!(take_turn(x));
+        note(x, requester_srq.consumed());
+        stage(1);
+        assert!(!flush(&mut table, x));
+        // Noted and staged, then the engine claimed that index first (the
+        // requester's compare-and-swap would fail): nothing.
+        assert!(take_turn(x));
+        note(x, requester_srq.consumed());
+        stage(1);
+        assert!(table.pull_recv(RecvSource::Srq(srqn)).is_some());
+        assert!(!flush(&mut table, x), "the engine's claim is not the requester's");
+        // Claimed, then the requester died: flushed on x, once; y's flush
+        // while another QP's requester holds the turn publishes nothing.
+        assert!(take_turn(x));
+        let at = stage(2);
+        assert_eq!(claim(), 2);
+        assert!(!flush(&mut table, y), "not y's claim");
+        assert!(flush(&mut table, x));
+        assert!(!flush(&mut table, x), "once");
+        assert_eq!(turn.load(Ordering::SeqCst), 0, "the daemon gave the turn back");
+        // The requester continued: its completion is not published again.
+        assert!(!finish(at));
+        assert_eq!(popped(x_owner), vec![(0, WcStatus::Success, x), (2, WcStatus::WrFlushErr, x)]);
+        assert!(popped(y_owner).is_empty(), "nothing in the other QP's inbox");
+        let ready = |i: usize| owner_cq.aux(i).load(Ordering::SeqCst);
+        let mut marked = Vec::new();
+        proto::for_each_ready_bucket(ready, |b| marked.push(b));
+        assert_eq!(marked, vec![proto::cq_ready_bucket(x)], "the owner's poll looks at x's inbox");
+        // Another QP's requester's turn: x's flush leaves it alone.
+        assert!(take_turn(y));
+        note(y, requester_srq.consumed());
+        assert!(!flush(&mut table, x));
+        assert_eq!(turn.load(Ordering::SeqCst), (y + 1) | SRQ_CLAIMER_NOTED);
+        turn.store(0, Ordering::SeqCst);
+        // Stopped after taking the staged word (the message placed),
+        // before publishing: published by the flush, as a success, once.
+        assert!(take_turn(x));
+        let at = stage(3);
+        assert_eq!(claim(), 3);
+        let word = x_inbox.aux(INBOX_AUX_STAGED);
+        assert!(word.compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok());
+        x_inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
+        assert!(flush(&mut table, x));
+        assert!(!x_inbox.publish_staged(at), "the requester's own publication fails");
+        assert_eq!(popped(x_owner), vec![(3, WcStatus::Success, x)]);
+        // A forged index (ahead of the consumer): nothing.
+        assert!(take_turn(x));
+        note(x, requester_srq.consumed().wrapping_add(5));
+        stage(5);
+        assert!(!flush(&mut table, x));
+        assert!(popped(x_owner).is_empty());
+        // A turn held for a QP destroyed without a flush is given back;
+        // another QP's is not.
+        assert!(take_turn(y));
+        table.remove_qp(x);
+        assert_eq!(turn.load(Ordering::SeqCst), y + 1);
+        turn.store(0, Ordering::SeqCst);
+        assert!(take_turn(y));
+        note(y, requester_srq.consumed());
+        table.remove_qp(y);
+        assert_eq!(turn.load(Ordering::SeqCst), 0, "the destroyed QP's turn given back");
     }
 
     /// A context whose QPs' rings came first (an import: a guest adopts

@@ -881,7 +881,7 @@ impl Session {
             ring.aux(vrdma_core::proto::SRQ_AUX_LIMIT).store(limit, std::sync::atomic::Ordering::SeqCst);
             let shared = kept.is_some();
             let r = InRing::new(ring, tenant);
-            e.rings.srqs.insert(srq, if shared { r.shared() } else { r });
+            e.rings.srqs.insert(srq, if shared { r.shared_srq() } else { r });
             if let Some((f, charge)) = kept {
                 e.direct.keep_srq(c, srq, f, segment_len, spec, charge);
             }

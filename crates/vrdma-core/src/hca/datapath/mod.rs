@@ -411,6 +411,16 @@ impl Hca {
             requeued.push_front(r);
         }
         self.flush_sends(qpn, io, act);
+        // A receive a direct-path requester claimed for this QP and never
+        // completed is flushed on this QP's CQ, as hardware flushes a WQE
+        // a QP consumed when it goes to ERR, an SRQ's included (its entry
+        // may be reused once claimed: it cannot go back). It comes before
+        // every receive still in the ring (it was claimed first) and those
+        // given back (no claim while any is given back).
+        let rq = srq.map_or(RecvSource::Qp(qpn), RecvSource::Srq);
+        if io.flush_claimed(qpn, rq) {
+            act.busy = true;
+        }
         if srq.is_some() {
             // A receive this QP took from its SRQ for a message that never
             // finished goes back to the SRQ, as on this host when the
@@ -419,12 +429,6 @@ impl Hca {
                 self.requeue_recv(qpn, r);
             }
             return;
-        }
-        // A receive a direct-path requester claimed and never completed
-        // comes before every receive still in the ring (it was claimed
-        // first) and those given back (no claim while any is given back).
-        if io.flush_claimed(qpn) {
-            act.busy = true;
         }
         for _ in 0..bound {
             let wr_id = match requeued.pop_front() {
