@@ -393,9 +393,13 @@ impl ConnectionManager {
 
     /// The peer of our connection `to` says it moved to `host`.
     pub(super) fn handle_moved(&mut self, host: Ipv4Addr, to: u32, from: u32, tenant: TenantId) {
-        let ours = self.ids.get(&to).is_some_and(|i| {
-            i.tenant == tenant && !self.paused.contains(&tenant) && i.peer.is_some_and(|(_, n)| n == from)
-        });
+        // Both ends moving at once (not handled, docs/migration.md): this
+        // side, paused, holds still rather than end the connection.
+        if self.ids.get(&to).is_some_and(|i| self.paused.contains(&i.tenant)) {
+            return;
+        }
+        let ours =
+            self.ids.get(&to).is_some_and(|i| i.tenant == tenant && i.peer.is_some_and(|(_, n)| n == from));
         let dreq = CmMessage::Dreq { to: from, from: to };
         if !ours {
             // No such connection here (ended and destroyed, or never ours):

@@ -343,3 +343,16 @@ fn ids_are_numbered_in_the_daemons_space() {
     assert_eq!((a >> 24, c >> 24), (1, 3));
     assert_ne!(a, c);
 }
+
+/// Both ends moving at once is not handled, but a Moved that reaches a
+/// paused peer ends nothing: the peer holds still (no DREQ).
+#[test]
+fn a_moved_for_a_paused_peer_ends_nothing() {
+    let mut h = Hosts::new();
+    let (g, b) = h.connected();
+    h.cm(B).pause_tenant(T);
+    h.moved(|_| {});
+    assert!(h.sent_by(B).is_empty(), "{:?}", h.log);
+    assert_eq!(h.cm(C).state(CG, g), Some(State::Established));
+    assert_eq!(h.cm(B).state(CB, b), Some(State::Established));
+}
