@@ -26,6 +26,9 @@
 //! (`seqstream ... chan`: it takes completions only after an event), so
 //! a waiter on its channel moves A -> C -> A while its traffic flows;
 //! an event lost would leave it stuck (it fails after 30 s without one).
+//! And beside both, Debian's `rping` (where the host has it): its client
+//! in the guest, connected through rdma_cm to its server on B, moves
+//! with the VM and finishes its iterations and its disconnect cleanly.
 //!
 //! One guest boots per test (TCG: seconds to tens of seconds); the
 //! binary prints its times and the pause B saw. The faults (a
@@ -48,6 +51,7 @@ mod savevm;
 #[path = "guest_migrate/world.rs"]
 mod world;
 
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -60,6 +64,30 @@ const COUNT: u64 = 3000;
 const PACE_US: u32 = 3000;
 /// Messages B must have before each move (since the last).
 const BEFORE: u64 = 60;
+/// rping's iterations (`-C`) and port, for the rdma_cm program that
+/// moves beside the streams.
+const RPING_COUNT: u32 = 1000;
+const RPING_PORT: u16 = 7496;
+
+/// A host process, killed (by its pid) and reaped if still running when
+/// dropped.
+struct Reaped(std::process::Child);
+
+/// rping's server on B and the lines it printed (a thread drains them:
+/// `-v` prints one per iteration, more than a pipe holds).
+struct RpingServer {
+    proc: Reaped,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
 
 #[test]
 fn qemu_moves_a_streaming_guest_to_another_host() {
@@ -75,12 +103,31 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         guest.boot_time().as_secs_f64(),
         started.elapsed().as_secs_f64()
     );
-    // Two programs, a port each (VM `t` has two).
-    guest_ports(&mut guest, 2);
+    // Two programs, a port each, and rping's two (VM `t` has four).
+    guest_ports(&mut guest, if w.rping { 4 } else { 2 });
     let peer = Peer::connect(&w.b, &mut guest, COUNT, PACE_US);
     // Beside it, the same stream from a program that waits on a
     // completion channel (`seqstream ... chan`), to a second QP on B.
     let chan_peer = Peer::connect_as(&w.b, &mut guest, "chan", "chan", COUNT, PACE_US);
+    // And Debian's rping, unmodified, on the drop-in librdmacm: its
+    // client in the guest, connected through rdma_cm to its server on B,
+    // moves with the VM (its event channel, id and QP); it must finish
+    // its iterations (`-V`: each validated) and disconnect cleanly.
+    let rping_server = w.rping.then(|| start_rping_server(&w));
+    if let Some(server) = &rping_server {
+        let cmd = format!("rping -c -a {} -p {RPING_PORT} -C {RPING_COUNT} -V", w.addr(1));
+        guest_bg(&mut guest, "rping", 170, &cmd);
+        // Connected and its buffers registered before the first move (a
+        // region the guest registers while its VM moves is a gap of its
+        // own: docs/migration.md, "Memory not registered").
+        let end = Instant::now() + Duration::from_secs(60);
+        while server.lines.lock().unwrap().is_empty() {
+            assert!(Instant::now() < end, "rping's first ping never reached B");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let rping_started = Instant::now();
+    let mut rping_spans = Vec::new();
 
     let received = AtomicU64::new(0);
     let chan_received = AtomicU64::new(0);
@@ -101,7 +148,13 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
                 let (at, chan_at) = (received.load(Ordering::Acquire), chan_received.load(Ordering::Acquire));
                 wait_received(&received, at + BEFORE);
                 wait_received(&chan_received, chan_at + BEFORE);
-                let (next, q, r, stopped) = migrate(&w, k, from, to, g, &qmp);
+                let rping_before = rping_server.is_some() && rping_running(&mut g);
+                let (mut next, q, r, stopped) = migrate(&w, k, from, to, g, &qmp);
+                if rping_server.is_some() {
+                    // Whether rping's connection was up across the move
+                    // (running before it, and still after).
+                    rping_spans.push(rping_before && rping_running(&mut next));
+                }
                 switchovers.push(stopped);
                 assert!(received.load(Ordering::Acquire) < COUNT, "the stream ended before move {}", k + 1);
                 assert!(
@@ -128,6 +181,9 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
     };
     let (st, out) = guest_wait(&mut guest, "seq");
     let (chan_st, chan_out) = guest_wait(&mut guest, "chan");
+    if let Some(server) = rping_server {
+        check_rping(&mut guest, server, &rping_spans, rping_started);
+    }
     if seqs.len() as u64 != COUNT || chan_seqs.len() as u64 != COUNT {
         let stat = std::process::Command::new(VRDMA)
             .arg("--socket")
@@ -239,4 +295,89 @@ fn migrate(
         paused.as_secs_f64() * 1e3
     );
     (to, qmp_c, report, stopped)
+}
+
+/// rping's server on B (`-s`, every address, `RPING_COUNT` iterations),
+/// on the drop-in librdmacm, listening.
+fn start_rping_server(w: &World) -> RpingServer {
+    let mut server = w
+        .host(1, "rping")
+        .args(["-s", "-v", "-a", "0.0.0.0", "-p", &RPING_PORT.to_string(), "-C", &RPING_COUNT.to_string()])
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("rping -s on B");
+    let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let out = server.stdout.take().expect("piped");
+    let kept = lines.clone();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            kept.lock().unwrap().push(l);
+        }
+    });
+    let server = RpingServer { proc: Reaped(server), lines };
+    let ctx = vrdma::Context::open_at(&w.b.socket).expect("a context on B");
+    let at = std::net::SocketAddrV4::new(w.addr(1).parse().unwrap(), RPING_PORT);
+    let end = Instant::now() + Duration::from_secs(20);
+    while !vrdma::cm::is_listening(&ctx, vrdma::cm::PortSpace::Tcp, at).expect("HasListener") {
+        assert!(Instant::now() < end, "rping -s on B never listened on {at}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    server
+}
+
+/// Whether the guest's rping is still running (its status not written).
+fn rping_running(g: &mut Guest) -> bool {
+    g.run("test ! -e /tmp/rping.st", T).map(|(st, _)| st == 0).unwrap_or(false)
+}
+
+/// The guest's rping finished its iterations, each validated, and both
+/// ends exited 0 (the client disconnects at the end; the server exits
+/// on its DISCONNECTED); its connection was up across at least the
+/// first move.
+fn check_rping(guest: &mut Guest, server: RpingServer, spans: &[bool], started: Instant) {
+    let RpingServer { proc: mut server, lines } = server;
+    let (st, out) = guest_wait(guest, "rping");
+    let took = started.elapsed();
+    let end = Instant::now() + Duration::from_secs(30);
+    let server_st = loop {
+        if let Some(s) = server.0.try_wait().expect("rping -s") {
+            break Some(s);
+        }
+        if Instant::now() > end {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let server_out = match server_st {
+        Some(_) => {
+            let mut o = String::new();
+            use std::io::Read;
+            if let Some(mut p) = server.0.stderr.take() {
+                let _ = p.read_to_string(&mut o);
+            }
+            o
+        }
+        None => "(still running after 30 s)".into(),
+    };
+    eprintln!(
+        "guest_migrate: rping -c -C {RPING_COUNT} in the guest: status {st} after {:.1} s; up across the moves: \
+         {spans:?}",
+        took.as_secs_f64()
+    );
+    assert_eq!(st, 0, "the guest's rping:\n{out}\nB's rping -s:\n{server_out}");
+    for bad in ["error", "failed", "mismatch", "vrdma"] {
+        assert!(!out.contains(bad), "the guest's rping said {bad:?}:\n{out}");
+    }
+    assert!(server_st.is_some_and(|s| s.success()), "B's rping -s: {server_st:?}\n{server_out}");
+    // Every iteration once, in order, at B.
+    let lines = lines.lock().unwrap();
+    let pings: Vec<&String> =
+        lines.iter().filter(|l| l.starts_with("server ping data: rdma-ping-")).collect();
+    assert_eq!(pings.len(), RPING_COUNT as usize, "B's rping -s printed:\n{}", lines.join("\n"));
+    for (n, l) in pings.iter().enumerate() {
+        assert!(l.starts_with(&format!("server ping data: rdma-ping-{n}: ")), "B's ping {n}: {l:?}");
+    }
+    assert!(spans.first() == Some(&true), "rping's connection did not span the first move: {spans:?}");
 }

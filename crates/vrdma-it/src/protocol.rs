@@ -173,6 +173,28 @@ pub enum Command {
     ChannelReadable {
         timeout_ms: u64,
     },
+    /// Connects the peer's QP through rdma_cm (a channel and an id of
+    /// its context, as rping does): resolves `to`, attaches the QP (in
+    /// RESET: no `Connect` before), connects and waits for ESTABLISHED
+    /// (`Ok`), or the error.
+    CmConnect {
+        to: std::net::SocketAddrV4,
+    },
+    /// The rdma_cm channel's next event within `timeout_ms`
+    /// (`rdma_get_cm_event`): `CmEvent`.
+    CmEvent {
+        timeout_ms: u64,
+    },
+    /// Whether the rdma_cm channel's fd turns readable within
+    /// `timeout_ms` (`poll(2)`, taking nothing): `Readable`.
+    CmReadable {
+        timeout_ms: u64,
+    },
+    /// Listens through rdma_cm on `at` (a channel and an id of its
+    /// context): `Ok`, or the error.
+    CmListen {
+        at: std::net::SocketAddrV4,
+    },
     Exit,
 }
 
@@ -249,6 +271,9 @@ pub enum Said {
         errno: i32,
         message: String,
     },
+    /// An rdma_cm event (`CmEvent`): its kind (`enum rdma_cm_event_type`)
+    /// and status, or `None` if none came.
+    Cm(Option<(u32, i32)>),
 }
 
 /// FNV-1a over `bytes`: a cheap digest to compare large buffers across

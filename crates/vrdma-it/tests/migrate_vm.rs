@@ -37,6 +37,9 @@ use vrdma_core::verbs::{SendFlags, SendOpcode};
 use vrdma_it::protocol::Command;
 use vrdma_it::{access_all, pattern, poll_n, PeerProc, Side, ThreeHosts, WAIT};
 
+#[path = "migrate_vm/cm.rs"]
+mod cm;
+
 /// Copies `len` bytes of one region memfd into another (QEMU's part).
 fn copy_region(from: &OwnedFd, to: &OwnedFd, len: u64) -> Result<()> {
     let mut buf = vec![0u8; 1 << 20];

@@ -529,7 +529,13 @@ impl EventChannel {
             ready: Mutex::default(),
             spare: Arc::default(),
         };
-        Ok(EventChannel { inner: Arc::new(inner) })
+        let inner = Arc::new(inner);
+        // A guest's channel moves with its VM: its library side is told.
+        if let Some(link) = ctx.inner.control.guest_link() {
+            let end: std::sync::Weak<dyn crate::guest::MovedCmChannel> = Arc::downgrade(&inner) as _;
+            link.note_cm_channel(channel, end);
+        }
+        Ok(EventChannel { inner })
     }
 
     /// `rdma_event_channel.fd`: readable while an event waits (an epoll
@@ -616,6 +622,8 @@ impl EventChannel {
         };
         // The event's wake-up, and those of events that went with their
         // ids: the descriptor stays readable exactly while events wait.
+        // (Under the lock a move's resync takes: see `MovedCmChannel`.)
+        let _held = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
         for _ in 0..wakeups {
             self.inner.fd.take_one();
         }
@@ -1258,5 +1266,18 @@ impl CmId {
     /// flushed; the daemon moves it), and both sides get `Disconnected`.
     pub fn disconnect(&self) -> Result<()> {
         self.call_settled(CmRequest::Disconnect { id: self.id }).map(drop)
+    }
+}
+
+impl crate::guest::MovedCmChannel for ChannelInner {
+    fn moved(&self, ring: &mut dyn FnMut(usize)) -> (usize, usize) {
+        let ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        let mut dropped = 0;
+        while self.fd.take_one() {
+            dropped += 1;
+        }
+        let kept: usize = ready.iter().map(|k| k.wakeups as usize).sum();
+        ring(kept);
+        (dropped, kept)
     }
 }

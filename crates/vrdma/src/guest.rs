@@ -29,7 +29,7 @@ mod reattach;
 #[cfg(test)]
 mod reattach_tests;
 
-pub(crate) use link::GuestLink;
+pub(crate) use link::{GuestLink, MovedCmChannel};
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;

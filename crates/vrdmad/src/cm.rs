@@ -23,6 +23,8 @@
 //! then the modify), and a connection's setup paid for about fifteen of
 //! them on the path between the two sides.
 
+mod migrate;
+
 use std::collections::{HashMap, VecDeque};
 
 use std::net::Ipv4Addr;
@@ -176,6 +178,33 @@ impl CmDriver {
         };
         self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0, carry });
         Ok(id)
+    }
+
+    /// [`add_channel_with`](Self::add_channel_with) under number `id`
+    /// (the daemon's number space, shared with completion channels: the
+    /// session picks a free one, `RingTable::free_channel_id`), so that
+    /// the channel keeps its number when its VM's tenant moves.
+    pub fn add_channel_as(
+        &mut self,
+        id: u32,
+        ctx: ContextId,
+        tenant: TenantId,
+        fd: Doorbell,
+        carry: bool,
+    ) -> Result<u32, CmCallError> {
+        if self.channels.values().filter(|c| c.tenant == tenant).count() >= MAX_CHANNELS_PER_TENANT {
+            return Err(CmCallError::Channels);
+        }
+        if id == 0 || self.channels.contains_key(&id) {
+            return Err(CmCallError::NoChannel(id));
+        }
+        self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0, carry });
+        Ok(id)
+    }
+
+    /// Whether an event channel numbered `id` is in use.
+    pub fn has_channel(&self, id: u32) -> bool {
+        self.channels.contains_key(&id)
     }
 
     fn own_channel(&self, ctx: ContextId, channel: u32) -> Result<(), CmCallError> {

@@ -185,6 +185,9 @@ impl Daemon {
             vec![address],
             Box::new(RandomKeys),
         );
+        // Its ids in this daemon's number space: a VM's keep their
+        // numbers when it moves (docs/migration.md).
+        manager.set_number_space(number_space);
         // And each VM's address, for its tenant (docs/vms.md).
         for (name, vc) in &config.vms {
             if let Some(a) = vc.address {

@@ -276,6 +276,8 @@ pub struct World {
     /// file: source and destination share it, as on shared storage), for
     /// QEMU's `savevm` (`with_disk`); `None`: no disk.
     pub disk: Option<PathBuf>,
+    /// Whether the image has Debian's `rping` (the host has it).
+    pub rping: bool,
     // Dropped after the daemons (fields drop in order).
     _net: vrdma_it::NetnsBridge,
 }
@@ -319,6 +321,20 @@ impl World {
             companions: Some(built("libvrdma_companions.so")),
         };
         let mut ispec = vrdma_guest::ImageSpec::default().with_drop_in(drop_in);
+        // Debian's rping, where the host has it (an rdma_cm program that
+        // moves with the VM: `guest_migrate.rs`).
+        let rping = vrdma_guest::libs::which("rping").is_some();
+        if rping {
+            ispec = ispec.program("rping").expect("rping in the image");
+        } else {
+            vrdma_it::skip("rping is missing (apt-get install rdmacm-utils): no rdma_cm program moves");
+        }
+        // The host's drop-in directory (`vrdma run`'s layout), for host
+        // programs on vRDMA (`World::host`).
+        let lib = dir.path().join("lib");
+        std::fs::create_dir(&lib).unwrap();
+        std::os::unix::fs::symlink(built("libvrdma_verbs.so"), lib.join("libibverbs.so.1")).unwrap();
+        std::os::unix::fs::symlink(built("libvrdma_rdmacm.so"), lib.join("librdmacm.so.1")).unwrap();
         ispec.files.push(vrdma_guest::GuestFile {
             host: prog,
             guest: "/usr/bin/seqstream".into(),
@@ -330,7 +346,9 @@ impl World {
         let net = vrdma_it::NetnsBridge::create(3).expect("three namespaces");
         // SAFETY: geteuid has no preconditions.
         let uid = unsafe { libc::geteuid() };
-        let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 16\nports = 2\n");
+        // Four ports: two seqstreams, and rping (its librdmacm's context
+        // and its libibverbs').
+        let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 16\nports = 4\n");
         let port = vrdma_it::DEFAULT_WIRE_PORT;
         let daemon = |i: usize, name: &str, extra: &str| {
             let peers: Vec<String> =
@@ -346,7 +364,25 @@ impl World {
         for d in [&a, &b, &c] {
             d.wait_links(2);
         }
-        Some(World { dir, img, a, b, c, disk: None, _net: net })
+        Some(World { dir, img, a, b, c, disk: None, rping, _net: net })
+    }
+
+    /// `program` as a process of host `i` (0 A, 1 B, 2 C: in its
+    /// namespace, `ip netns exec` execs it, so the pid is the
+    /// program's), on vRDMA's drop-in libraries and that host's daemon.
+    pub fn host(&self, i: usize, program: &str) -> Command {
+        let socket = [&self.a.socket, &self.b.socket, &self.c.socket][i];
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self._net.ns[i], "env"])
+            .arg(format!("LD_LIBRARY_PATH={}", self.dir.path().join("lib").display()))
+            .arg(format!("VRDMA_SOCKET={}", socket.display()))
+            .arg(program);
+        c
+    }
+
+    /// Host `i`'s address.
+    pub fn addr(&self, i: usize) -> &str {
+        &self._net.addr[i]
     }
 
     /// Gives every QEMU started from now on a blank 16 MiB qcow2 disk

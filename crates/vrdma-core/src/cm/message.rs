@@ -95,6 +95,15 @@ pub enum CmMessage {
         to: u32,
         from: u32,
     },
+    /// The connection `from` of `tenant` moved with its tenant (a VM's
+    /// migration) to the host this comes from: its peer `to` sends there
+    /// from now on (`super::migrate`). Appended: variants are numbered by
+    /// position on the wire.
+    Moved {
+        to: u32,
+        from: u32,
+        tenant: u32,
+    },
 }
 
 impl CmMessage {
@@ -107,7 +116,8 @@ impl CmMessage {
             | CmMessage::Rtu { to, .. }
             | CmMessage::Rej { to, .. }
             | CmMessage::Dreq { to, .. }
-            | CmMessage::Drep { to, .. } => Some(*to),
+            | CmMessage::Drep { to, .. }
+            | CmMessage::Moved { to, .. } => Some(*to),
         }
     }
 
@@ -119,7 +129,8 @@ impl CmMessage {
             | CmMessage::Rtu { from, .. }
             | CmMessage::Rej { from, .. }
             | CmMessage::Dreq { from, .. }
-            | CmMessage::Drep { from, .. } => *from,
+            | CmMessage::Drep { from, .. }
+            | CmMessage::Moved { from, .. } => *from,
         }
     }
 }

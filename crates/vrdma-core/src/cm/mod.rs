@@ -40,6 +40,7 @@
 
 mod linger;
 pub mod message;
+pub mod migrate;
 pub mod ports;
 #[cfg(test)]
 mod tests;
@@ -185,8 +186,9 @@ impl From<PortError> for CmError {
 }
 
 /// Where an id is, from the kernel's `enum rdma_cm_state` and the IB CM's
-/// states, merged.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// states, merged. (Serialized in a migration's snapshot: new states go
+/// last.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum State {
     Idle,
     Bound,
@@ -266,6 +268,13 @@ pub struct ConnectionManager {
     /// Ports whose listener went a moment ago, holding their tenant's
     /// requests for the next.
     linger: linger::Linger,
+    /// The high bits of every id this manager hands out (the daemon's
+    /// number space, `hca::numbering`), so that an id keeps its number
+    /// when its tenant moves to a daemon of another space.
+    space: u8,
+    /// Tenants paused for a migration: messages for their ids are
+    /// dropped and their timers do not run (see `migrate`).
+    paused: std::collections::HashSet<TenantId>,
 }
 
 impl ConnectionManager {
@@ -286,7 +295,16 @@ impl ConnectionManager {
             psns,
             next_id: 1,
             linger: linger::Linger::default(),
+            space: 0,
+            paused: Default::default(),
         }
+    }
+
+    /// Numbers ids from now on in number space `space` (its high 8 bits;
+    /// 0: from 1 across all of u32, as before).
+    pub fn set_number_space(&mut self, space: u8) {
+        self.space = space;
+        self.next_id = if space == 0 { 1 } else { (u32::from(space) << 24) | 1 };
     }
 
     /// The addresses this host's device owns.
@@ -337,8 +355,12 @@ impl ConnectionManager {
         *held += 1;
         let id = loop {
             let id = self.next_id;
-            self.next_id = self.next_id.wrapping_add(1).max(1);
-            if !self.ids.contains_key(&id) {
+            self.next_id = if self.space == 0 {
+                self.next_id.wrapping_add(1).max(1)
+            } else {
+                (u32::from(self.space) << 24) | (self.next_id.wrapping_add(1) & 0xff_ffff)
+            };
+            if id != 0 && !self.ids.contains_key(&id) {
                 break id;
             }
         };
@@ -791,6 +813,16 @@ impl ConnectionManager {
             self.handle_req(host, from, TenantId(tenant), ps, src, dst, conn);
             return;
         }
+        if let CmMessage::Moved { to, from, tenant } = msg {
+            self.handle_moved(host, to, from, TenantId(tenant));
+            return;
+        }
+        // A paused tenant's ids hold still (the state being exported must
+        // not change); what the peer said is asked again by the Moved
+        // frame of the resume (`migrate`).
+        if msg.to().and_then(|to| self.ids.get(&to)).is_some_and(|i| self.paused.contains(&i.tenant)) {
+            return;
+        }
         let (Some(mut to), from) = (msg.to(), msg.from()) else { return };
         if to == 0 {
             if matches!(msg, CmMessage::Rej { .. }) {
@@ -994,6 +1026,7 @@ impl ConnectionManager {
             self.timers.remove(&(t, id));
             let Some(i) = self.ids.get_mut(&id) else { continue };
             i.deadline = None;
+            // (A paused tenant's timers were disarmed at the pause.)
             let (state, peer) = (i.state, i.peer);
             match state {
                 State::ReqSent | State::RepSent => {

@@ -112,6 +112,8 @@ fn tenant(socket: PathBuf, mr_len: usize, channel: bool) -> Result<()> {
     // The emulated guest's "vCPU": `SeqStream` posts and polls holding it,
     // `Freeze` takes it until `Thaw`.
     let vcpu = std::sync::Mutex::new(());
+    // `CmConnect`/`CmListen`'s channel and id.
+    let mut cm: Option<(vrdma::cm::EventChannel, vrdma::cm::CmId)> = None;
     std::thread::scope(|scope| -> Result<()> {
         let mut frozen = None;
         let mut streaming = None;
@@ -268,6 +270,50 @@ fn tenant(socket: PathBuf, mr_len: usize, channel: bool) -> Result<()> {
                 Command::ChannelReadable { timeout_ms } => match &ch {
                     Some(ch) => Ok(Said::Readable(readable(ch.fd(), Duration::from_millis(timeout_ms)))),
                     None => Ok(Said::Error { errno: 0, message: "no channel (--channel)".into() }),
+                },
+                Command::CmConnect { to } => (|| {
+                    use vrdma::cm::{CmId, ConnParam, EventChannel, EventKind, PortSpace};
+                    let ch = EventChannel::create(&ctx)?;
+                    let id = CmId::create(&ch, PortSpace::Tcp)?;
+                    let expect = |kind: EventKind| -> vrdma::Result<()> {
+                        match ch.get_event(Some(Duration::from_secs(10)))? {
+                            Some(e) if e.kind == kind => Ok(()),
+                            other => Err(vrdma::Error::Daemon {
+                                errno: libc::EPROTO,
+                                message: format!("expected {kind:?}, got {other:?}"),
+                            }),
+                        }
+                    };
+                    id.resolve_addr(None, to)?;
+                    expect(EventKind::AddrResolved)?;
+                    id.resolve_route()?;
+                    expect(EventKind::RouteResolved)?;
+                    id.attach_qp(&qp)?;
+                    let param =
+                        ConnParam { responder_resources: 1, initiator_depth: 1, ..ConnParam::default() };
+                    id.connect(&param)?;
+                    expect(EventKind::Established)?;
+                    cm = Some((ch, id));
+                    Ok(Said::Ok)
+                })(),
+                Command::CmListen { at } => (|| {
+                    use vrdma::cm::{CmId, EventChannel, PortSpace};
+                    let ch = EventChannel::create(&ctx)?;
+                    let id = CmId::create(&ch, PortSpace::Tcp)?;
+                    id.bind(at)?;
+                    id.listen(8)?;
+                    cm = Some((ch, id));
+                    Ok(Said::Ok)
+                })(),
+                Command::CmEvent { timeout_ms } => match &cm {
+                    Some((ch, _)) => ch
+                        .get_event(Some(Duration::from_millis(timeout_ms)))
+                        .map(|e| Said::Cm(e.map(|e| (e.kind as u32, e.status)))),
+                    None => Ok(Said::Error { errno: 0, message: "no rdma_cm channel (CmConnect)".into() }),
+                },
+                Command::CmReadable { timeout_ms } => match &cm {
+                    Some((ch, _)) => Ok(Said::Readable(readable(ch.fd(), Duration::from_millis(timeout_ms)))),
+                    None => Ok(Said::Error { errno: 0, message: "no rdma_cm channel (CmConnect)".into() }),
                 },
                 Command::Exit => break,
             };

@@ -171,6 +171,12 @@ pub(super) struct Shared {
     /// channel closes when the application drops it, and the reader
     /// thread never holds the last reference for long.
     pub channel_ends: Mutex<HashMap<u32, Weak<crate::channel_core::ChannelCore>>>,
+    /// The rdma_cm event channels' proxies (proxy id -> the channel's
+    /// number), which move with the context too (snapshot version 5).
+    pub cm_channels: Mutex<HashMap<u32, u32>>,
+    /// Each rdma_cm channel's library side, by number: a move matches its
+    /// descriptor's wake-ups to its events again (`MovedCmChannel`).
+    pub cm_ends: Mutex<HashMap<u32, Weak<dyn MovedCmChannel>>>,
     /// Set when the link is dropped: the reader thread ends, and with it
     /// the port is closed (so that the next opener may take it).
     pub quit: AtomicBool,
@@ -274,6 +280,8 @@ impl GuestLink {
             bar: Mutex::new(Arc::new(bar)),
             channels: Mutex::new(HashMap::new()),
             channel_ends: Mutex::new(HashMap::new()),
+            cm_channels: Mutex::new(HashMap::new()),
+            cm_ends: Mutex::new(HashMap::new()),
             quit: AtomicBool::new(false),
         });
         let thread = Reader {
@@ -414,6 +422,12 @@ impl GuestLink {
             if let (Reply::CompChannel { channel, .. }, [id]) = (&reply, bells.as_slice()) {
                 lock(&self.shared.channels).insert(*id, *channel);
             }
+            // An rdma_cm event channel's too.
+            if let (Reply::Cm(vrdma_core::proto::CmReply::Channel { channel }), [id]) =
+                (&reply, bells.as_slice())
+            {
+                lock(&self.shared.cm_channels).insert(*id, *channel);
+            }
             return Ok((reply, carried));
         }
     }
@@ -443,6 +457,14 @@ impl GuestLink {
     /// matches its wake-ups to its events again (`crate::channel_core`).
     pub(crate) fn note_channel(&self, channel: u32, end: Weak<crate::channel_core::ChannelCore>) {
         let mut ends = lock(&self.shared.channel_ends);
+        ends.retain(|_, e| e.strong_count() > 0);
+        ends.insert(channel, end);
+    }
+
+    /// Notes rdma_cm event channel `channel`'s library side, so that a
+    /// move matches its descriptor's wake-ups to its events again.
+    pub(crate) fn note_cm_channel(&self, channel: u32, end: Weak<dyn MovedCmChannel>) {
+        let mut ends = lock(&self.shared.cm_ends);
         ends.retain(|_, e| e.strong_count() > 0);
         ends.insert(channel, end);
     }
@@ -725,4 +747,16 @@ impl Reader {
         }
         Ok(())
     }
+}
+
+/// An rdma_cm event channel's library side, told that its context moved
+/// (`super::reattach`). Its events wait in the daemon (they moved with
+/// the snapshot, and the destination rang one wake-up for each on the new
+/// doorbell); the wake-ups the source rang do not move (some never reached
+/// the VM). So, with its readers held off: every wake-up its descriptor
+/// holds is dropped, and `ring` is told how many to ring again for the
+/// events the library kept from replies whose wake-ups were in it. The
+/// count of (dropped, rung).
+pub(crate) trait MovedCmChannel: Send + Sync {
+    fn moved(&self, ring: &mut dyn FnMut(usize)) -> (usize, usize);
 }

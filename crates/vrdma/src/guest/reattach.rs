@@ -8,9 +8,9 @@
 //! under a live context, answers [`EndReason::NoSession`]). The link's
 //! reader thread then, up to the bound (`VRDMA_GUEST_REATTACH_MS`, 30 s):
 //!
-//! 1. keeps the library's ends of the context's doorbell, event signal
-//!    and completion channels (the application's handles use them) and
-//!    closes every other proxy (rdma_cm channels do not move);
+//! 1. keeps the library's ends of the context's doorbell, event signal,
+//!    completion channels and rdma_cm event channels (the application's
+//!    handles use them) and closes every other proxy;
 //! 2. closes the port and opens one again (an emulated guest's socket;
 //!    a virtio port, which QEMU reconnects to the destination, is the
 //!    same device, closed first as it is exclusive) and says Hello, then
@@ -76,13 +76,17 @@ impl Reader {
             return Err(format!("the port's session ended ({reason:?}) before it had a context"));
         };
         tracing::info!(context = bound.context, ?reason, "vrdma: the VM's context moved; taking it back");
-        // What cannot move (rdma_cm channels) closes now: their waiters
-        // hear it. Completion channels are kept for the destination.
+        // Completion and rdma_cm event channels are kept for the
+        // destination; any other proxy closes now.
         {
             let mut p = lock(&self.shared.proxies);
             let mut chans = lock(&self.shared.channels);
-            p.1.retain(|id, _| *id == bound.doorbell || *id == bound.events || chans.contains_key(id));
+            let mut cm = lock(&self.shared.cm_channels);
+            p.1.retain(|id, _| {
+                *id == bound.doorbell || *id == bound.events || chans.contains_key(id) || cm.contains_key(id)
+            });
             chans.retain(|id, _| p.1.contains_key(id));
+            cm.retain(|id, _| p.1.contains_key(id));
         }
         // The port is let go and opened again: a new connection for an
         // emulated guest's socket; for a virtio port (exclusive: it must be
@@ -226,8 +230,10 @@ impl Reader {
         {
             let mut p = lock(&self.shared.proxies);
             let mut chans = lock(&self.shared.channels);
+            let mut cm = lock(&self.shared.cm_channels);
             let mut next = HashMap::new();
             let mut next_chans = HashMap::new();
+            let mut next_cm = HashMap::new();
             for (id, fd) in std::mem::take(&mut p.1) {
                 if id == old.doorbell {
                     next.insert(a.bound.doorbell, fd);
@@ -253,10 +259,32 @@ impl Reader {
                     }
                     next.insert(new, fd);
                     next_chans.insert(new, ch);
+                } else if let Some(ch) = cm.remove(&id) {
+                    // An rdma_cm channel: not handed back, it closes (its
+                    // waiters hear DEVICE_REMOVAL). Else the source's
+                    // wake-ups go, and those of the events the library
+                    // kept are rung again; the destination rang one for
+                    // each event it holds, which follow on the new proxy.
+                    let Some(&(new, _)) = a.channels.get(&ch) else { continue };
+                    let end = lock(&self.shared.cm_ends).get(&ch).and_then(|e| e.upgrade());
+                    if let Some(end) = end {
+                        let (dropped, rung) = end.moved(&mut |n| {
+                            // (At most a channel's unread events.)
+                            for _ in 0..n.min(4096) {
+                                if rustix::net::send(&fd, &[1], rustix::net::SendFlags::DONTWAIT).is_err() {
+                                    break;
+                                }
+                            }
+                        });
+                        tracing::debug!(channel = ch, dropped, rung, "vrdma: an rdma_cm event channel moved");
+                    }
+                    next.insert(new, fd);
+                    next_cm.insert(new, ch);
                 }
             }
             *p = (gen, next);
             *chans = next_chans;
+            *cm = next_cm;
         }
         *lock(&self.shared.bound) = Some(a.bound);
         let writer = a.port.try_clone();

@@ -413,9 +413,12 @@ impl RingTable {
     /// A channel number no live channel has, in the daemon's number space
     /// (`Hca::alloc_driver_id`): a channel keeps its number when its
     /// VM's tenant moves to another daemon.
-    pub fn free_channel_id(&mut self, hca: &vrdma_core::hca::Hca) -> u32 {
+    /// `also`: numbers in use elsewhere (the rdma_cm event channels',
+    /// which share the space, so that a guest's library tells a moved
+    /// channel of one kind from one of the other by its number).
+    pub fn free_channel_id(&mut self, hca: &vrdma_core::hca::Hca, also: impl Fn(u32) -> bool) -> u32 {
         let channels = &self.channels;
-        hca.alloc_driver_id(&mut self.next_channel, |n| channels.contains_key(&n))
+        hca.alloc_driver_id(&mut self.next_channel, |n| channels.contains_key(&n) || also(n))
     }
 
     /// Adds the rings of a context that already has QPs (one a guest

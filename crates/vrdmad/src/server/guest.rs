@@ -261,6 +261,15 @@ impl Port {
             self.send(&Frame::Bell { id, count })?;
         }
         if closed {
+            // A moved session's doorbells close as `finish` drops its
+            // objects (an rdma_cm channel's hangs up): the guest hears
+            // first that its context moved, and keeps them for the
+            // destination.
+            if self.live.as_ref().is_some_and(|l| self.shared.take_moved(l.session.id())) {
+                tracing::debug!(vm = %self.vm.name, "a doorbell of a moved session closed: the session ends as moved");
+                self.end_session_why(Some(EndReason::Moved));
+                return Ok(());
+            }
             if let Some(l) = self.live.as_mut() {
                 l.proxies.remove(&id);
             }

@@ -29,9 +29,9 @@
 //! refused (`EIO`).
 //!
 //! A remembered reply that came with the move names the source port's
-//! doorbell proxies: a completion channel's is the one the adoption
-//! handed over for that channel (the port's `moved_bells`), any other
-//! (an rdma_cm channel's: they do not move) is refused (`ENODEV`).
+//! doorbell proxies: a completion channel's or an rdma_cm event channel's
+//! is the one the adoption handed over for that channel (the port's
+//! `moved_bells`), any other is refused (`ENODEV`).
 
 use std::collections::HashMap;
 
@@ -84,7 +84,7 @@ pub(super) fn remember(vm: &Vm, ctx: u32, number: u64, reply: &Reply, handles: &
 
 /// The reply of a call sent again, from memory: `None` when it was too
 /// large to keep. A reply that came with the move has its completion
-/// channel's doorbell renamed to the proxy the adoption made for it
+/// (or rdma_cm event) channel's doorbell renamed to the proxy the adoption made for it
 /// (`moved_bells`: channel number -> proxy); any other doorbell did not
 /// move, and the call is answered with an error saying so.
 pub(super) fn replay(r: &Remembered, moved_bells: &HashMap<u32, u32>) -> Option<(Reply, Vec<Handle>)> {
@@ -100,7 +100,9 @@ pub(super) fn replay(r: &Remembered, moved_bells: &HashMap<u32, u32>) -> Option<
         return Some((reply, handles));
     }
     let proxy = match &reply {
-        Reply::CompChannel { channel, .. } => moved_bells.get(channel).copied(),
+        Reply::CompChannel { channel, .. } | Reply::Cm(vrdma_core::proto::CmReply::Channel { channel }) => {
+            moved_bells.get(channel).copied()
+        }
         _ => None,
     };
     let Some(proxy) = proxy else {
@@ -181,6 +183,10 @@ mod tests {
             Some((Reply::Error { errno, .. }, h)) => assert_eq!((errno, h.len()), (libc::ENODEV, 0)),
             other => panic!("a doorbell that did not move: {other:?}"),
         }
+        // An rdma_cm event channel's too (snapshot version 5).
+        let cm = Reply::Cm(vrdma_core::proto::CmReply::Channel { channel: 0x300_0001 });
+        let cm_moved = kept(cm.clone(), &[Handle::Bell { id: 4, hangup: true }], true);
+        assert_eq!(replay(&cm_moved, &bells), Some((cm, vec![Handle::Bell { id: 9, hangup: true }])));
         let cq = Reply::Pd { pd: 5 };
         assert_eq!(replay(&kept(cq.clone(), &[seg], true), &bells), Some((cq, vec![seg])));
         assert_eq!(replay(&Remembered { reply: Vec::new(), ..here }, &bells), None);

@@ -38,7 +38,7 @@ use std::time::Duration;
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use vrdma_core::hca::migrate::{MigrateError, MAX_SNAPSHOT_BYTES};
-use vrdma_core::hca::TenantId;
+use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::proto::{MigrateReply, MigrateRequest, Reply};
 
 use super::session::{error, Answer, Carry};
@@ -100,8 +100,14 @@ pub(super) fn handle(
                     format!("a call of tenant {tenant} that changes its state is still running after {CALLS_WAIT:?}"),
                 ));
             }
-            let r = engine
-                .call(move |e| (e.hca.pause_tenant(TenantId(tenant)), e.hca.is_paused(TenantId(tenant))));
+            let r = engine.call(move |e| {
+                let r = e.hca.pause_tenant(TenantId(tenant));
+                if r.is_ok() {
+                    // Its rdma_cm ids hold still too (they move with it).
+                    e.cm.cm.pause_tenant(TenantId(tenant));
+                }
+                (r, e.hca.is_paused(TenantId(tenant)))
+            });
             let (qps, paused) = r.map_err(|_| gone())?;
             shared.gate.sync(TenantId(tenant), paused);
             let qps = qps.map_err(refused)?;
@@ -110,10 +116,12 @@ pub(super) fn handle(
         }
         MigrateRequest::Export { tenant } => {
             let deadline = std::time::Instant::now() + EXPORT_WAIT;
-            let (mut snap, positions, bindings) = loop {
+            let (mut snap, positions, bindings, cm) = loop {
                 let r = engine
                     .call(move |e| {
                         e.hca.snapshot_tenant(TenantId(tenant)).map(|s| {
+                            let ctxs: Vec<_> = s.contexts.iter().map(|&c| ContextId(c)).collect();
+                            let cm = e.cm.export(&ctxs);
                             // The SQ positions the daemon keeps outside the
                             // rings, for a VM's placement.
                             let at: std::collections::HashMap<u32, (u32, u32)> = s
@@ -127,7 +135,7 @@ pub(super) fn handle(
                                 .iter()
                                 .filter_map(|c| Some((c.cq, e.rings.cqs.get(&c.cq)?.channel?)))
                                 .collect();
-                            (s, at, on)
+                            (s, at, on, cm)
                         })
                     })
                     .map_err(|_| gone())?;
@@ -147,6 +155,10 @@ pub(super) fn handle(
                 // be remembered (`guest_answers`).
                 if snap.placement.is_some() {
                     snap.answers = super::guest_answers::of(vm, &snap.contexts);
+                    // A guest's rdma_cm ids and channels move with it (its
+                    // library keeps the channels' descriptors); a host
+                    // process's connections end with it, as before.
+                    snap.cm = cm;
                 }
             }
             let (bytes, qps) = (snap.encode(), snap.qps.len());
@@ -192,8 +204,18 @@ pub(super) fn handle(
             let mut regions = attached.as_mut().map(|a| std::mem::take(&mut a.regions)).unwrap_or_default();
             let channels: Vec<u32> =
                 snap.placement.iter().flat_map(|p| p.channels.iter().map(|c| c.id)).collect();
+            let cm_snap = snap.cm.clone();
             let r = engine
                 .call(move |e| {
+                    if let Some(id) = channels.iter().find(|id| e.cm.has_channel(**id)) {
+                        return Err(vrdma_core::hca::migrate::SnapshotError::Collision(format!(
+                            "completion channel {id:#x} is in use here"
+                        )));
+                    }
+                    let rings = &e.rings;
+                    e.cm.check_import(tenant, &cm_snap, |n| {
+                        rings.channels.contains_key(&n) || channels.contains(&n)
+                    })?;
                     // Channels keep their numbers, as the core's objects do.
                     if let Some(id) = channels.iter().find(|id| e.rings.channels.contains_key(id)) {
                         return Err(vrdma_core::hca::migrate::SnapshotError::Collision(format!(
@@ -214,7 +236,22 @@ pub(super) fn handle(
                         &mut |m| regions.remove(&m.key),
                         channels.len() as u32,
                     )?;
-                    Ok::<_, vrdma_core::hca::migrate::SnapshotError>((t, e.hca.tenant_contexts(t).len()))
+                    // Checked above, before anything changed; a doorbell
+                    // that cannot be made undoes the import.
+                    let cm_made = match e.cm.import(t, &cm_snap) {
+                        Ok(made) => made,
+                        Err(err) => {
+                            let _ = e.hca.finish_export(t);
+                            return Err(err);
+                        }
+                    };
+                    // (Ids that cannot go on here have their events now.)
+                    e.run_cm(now);
+                    Ok::<_, vrdma_core::hca::migrate::SnapshotError>((
+                        t,
+                        e.hca.tenant_contexts(t).len(),
+                        cm_made,
+                    ))
                 })
                 .map_err(|_| gone());
             let r = match r {
@@ -222,7 +259,7 @@ pub(super) fn handle(
                 Ok(Err(e)) => Err(error(libc::EINVAL, e.to_string())),
                 Err(e) => Err(e),
             };
-            let (t, contexts) = match r {
+            let (t, contexts, cm_made) = match r {
                 Ok(done) => done,
                 Err(e) => {
                     if let Some(a) = attached {
@@ -239,6 +276,16 @@ pub(super) fn handle(
                 // The guests' remembered answers (checked by the core's
                 // import), for the sessions that adopt their contexts.
                 super::guest_answers::brought(&vm, &snap.answers);
+                // Its rdma_cm channels wait for the adopting sessions as
+                // its completion channels do.
+                let mut placed = vm.placed();
+                for c in cm_made {
+                    placed.moved_channels.entry(c.ctx.0).or_default().push(crate::vm::MovedChannel {
+                        id: c.id,
+                        tenant_end: c.tenant_end,
+                        produced_at_import: 0,
+                    });
+                }
             }
             let qps = engine
                 .call(move |e| e.hca.snapshot_tenant(t).map_or(0, |s| s.qps.len()))
@@ -250,7 +297,13 @@ pub(super) fn handle(
             let (qps, paused) = engine
                 .call(move |e| {
                     let now = e.now();
-                    (e.hca.resume_tenant(TenantId(tenant), now), e.hca.is_paused(TenantId(tenant)))
+                    let r = e.hca.resume_tenant(TenantId(tenant), now);
+                    if r.is_ok() {
+                        // Its connections tell their peers where they are.
+                        e.cm.cm.resume_tenant(TenantId(tenant), now);
+                        e.run_cm(now);
+                    }
+                    (r, e.hca.is_paused(TenantId(tenant)))
                 })
                 .map_err(|_| gone())?;
             // Its held calls run now (a cancelled migration: here).
@@ -279,6 +332,15 @@ pub(super) fn handle(
                     for c in &ctxs {
                         noted.mark_moved(c.0);
                     }
+                    // A guest's rdma_cm ids moved (its peers follow it);
+                    // a host process's end with its session, as before.
+                    // (After the note: a port that sees its channel's
+                    // doorbell hang up tells its guest that it moved.)
+                    let guests: Vec<ContextId> = (ctxs.iter())
+                        .filter(|c| !matches!(e.processes.get(c), Some(crate::engine::Origin::Process(_))))
+                        .copied()
+                        .collect();
+                    e.cm.forget(t, &guests);
                     let qps = td.qps.len();
                     e.rings.remove_torn_down(&td);
                     // Its completion channels (their rings move with the

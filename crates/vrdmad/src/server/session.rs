@@ -775,7 +775,10 @@ impl Session {
             // A host tenant's library reads an event in its wake-up; a
             // guest's channel is signalled through its port.
             let carry = self.guest.is_none();
-            let channel = self.engine(move |e, c| e.cm.add_channel_with(c, tenant, fd, carry))?;
+            let channel = self.engine(move |e, c| {
+                let id = e.rings.free_channel_id(&e.hca, |n| e.cm.has_channel(n));
+                e.cm.add_channel_as(id, c, tenant, fd, carry)
+            })?;
             let channel = channel.map_err(|e| error(e.errno(), e.to_string()))?;
             Ok::<_, Answer>(Answer {
                 reply: Reply::Cm(CmReply::Channel { channel }),
@@ -1197,7 +1200,15 @@ pub(super) fn changes_state(req: &Request) -> bool {
             | Request::GuestFree { .. }
             | Request::CreateCompChannel
             | Request::DestroyCompChannel { .. }
-            | Request::Cm(CmRequest::CreateQp { .. } | CmRequest::CreateQpWithCq { .. })
+    ) || matches!(
+        req,
+        // rdma_cm's ids and channels move with a VM's tenant (snapshot
+        // version 5): every call but its queries changes what moves (a
+        // `GetEvent` takes an event out of its channel).
+        Request::Cm(r) if !matches!(
+            r,
+            CmRequest::QueryAddr { .. } | CmRequest::InitQpAttr { .. } | CmRequest::HasListener { .. }
+        )
     )
 }
 

@@ -139,6 +139,7 @@ impl Hca {
             )));
         }
         s.check_answers()?;
+        s.check_cm()?;
         let in_ctx = |c: u32| -> Result<(), SnapshotError> {
             if ctxs.contains(&c) {
                 Ok(())

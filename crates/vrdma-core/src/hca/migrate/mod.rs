@@ -169,6 +169,7 @@ impl Hca {
             qps: Vec::new(),
             placement: None,
             answers: Vec::new(),
+            cm: Default::default(),
         };
         for (&pd, p) in self.pds.iter().filter(|(_, p)| mine(&p.ctx)) {
             snap.pds.push(PdSnap { pd, ctx: p.ctx.0 });

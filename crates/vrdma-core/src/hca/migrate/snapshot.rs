@@ -29,8 +29,9 @@ pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
 /// The version this code writes and reads.
 /// Version 2 added [`TenantSnapshot::placement`], version 3 its
 /// completion channels ([`super::placement::ChannelAt`]), version 4 the
-/// guests' remembered answers ([`TenantSnapshot::answers`]).
-pub const SNAPSHOT_VERSION: u16 = 4;
+/// guests' remembered answers ([`TenantSnapshot::answers`]), version 5
+/// the rdma_cm ids and event channels ([`TenantSnapshot::cm`]).
+pub const SNAPSHOT_VERSION: u16 = 5;
 /// Bytes before the body.
 pub const SNAPSHOT_HEADER_LEN: usize = 6;
 /// The largest snapshot accepted: far above what a tenant within its
@@ -119,6 +120,9 @@ pub struct TenantSnapshot {
     /// destination after its reply was lost in the move is answered from
     /// there, not run a second time.
     pub answers: Vec<AnswerSnap>,
+    /// The tenant's rdma_cm ids and event channels (version 5; filled by
+    /// the daemon, which keeps the channels; `crate::cm::migrate`).
+    pub cm: crate::cm::migrate::CmSnapshot,
 }
 
 /// The last numbered call a guest context's session answered: its number
@@ -265,6 +269,16 @@ impl TenantSnapshot {
             }
         }
         Ok(())
+    }
+
+    /// Checks the rdma_cm part (untrusted, like the rest): see
+    /// [`crate::cm::migrate::CmSnapshot::check`].
+    pub fn check_cm(&self) -> Result<(), SnapshotError> {
+        if self.placement.is_none() && (!self.cm.channels.is_empty() || !self.cm.ids.is_empty()) {
+            return Err(invalid("rdma_cm state without a placement: only a VM's tenant moves its ids"));
+        }
+        let qps: Vec<(u32, u32)> = self.qps.iter().map(|q| (q.ctx, q.qpn)).collect();
+        self.cm.check(&self.contexts, &qps)
     }
 
     /// The snapshot's bytes: header, then the body.

@@ -531,7 +531,8 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
         ("version 1 (before placements)", [b"vRMS\x00\x01".as_slice(), &bytes[6..]].concat()),
         ("version 2 (before channels)", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
         ("version 3 (before remembered answers)", [b"vRMS\x00\x03".as_slice(), &bytes[6..]].concat()),
-        ("version 5", [b"vRMS\x00\x05".as_slice(), &bytes[6..]].concat()),
+        ("version 4 (before rdma_cm state)", [b"vRMS\x00\x04".as_slice(), &bytes[6..]].concat()),
+        ("version 6", [b"vRMS\x00\x06".as_slice(), &bytes[6..]].concat()),
         ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
         ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
         ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
@@ -815,9 +816,9 @@ fn remembered_answers_travel_and_forged_ones_are_refused() {
         s.answers = answers;
         s.encode()
     };
-    // Round trip; the header says version 4.
+    // Round trip; the header says version 5 (4 added the answers).
     let carried = with(vec![good.clone()]);
-    assert_eq!(u16::from_be_bytes([carried[4], carried[5]]), 4);
+    assert_eq!(u16::from_be_bytes([carried[4], carried[5]]), 5);
     assert_eq!(TenantSnapshot::decode(&carried).unwrap().answers, vec![good.clone()]);
     let mut c = bare_host(IPS[C], &tune);
     assert_eq!(c.hca.import_tenant(&carried, T0, &mut region_of), Ok(TENANT));

@@ -47,7 +47,7 @@ impl Session {
                 )));
             }
             e.hca.charge_object(c)?;
-            let id = e.rings.free_channel_id(&e.hca);
+            let id = e.rings.free_channel_id(&e.hca, |n| e.cm.has_channel(n));
             e.rings.channels.insert(id, Channel { ctx: c, tenant, ring, fd, cqs: 0, max_unread });
             Ok::<_, HcaError>(id)
         })??;
