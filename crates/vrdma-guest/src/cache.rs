@@ -99,7 +99,13 @@ pub fn publish(dest: &Path, make: impl FnOnce(&Path) -> Result<()>) -> Result<Pa
     let parent = dest.parent().ok_or_else(|| Error::Invalid(format!("{} has no parent", dest.display())))?;
     std::fs::create_dir_all(parent).map_err(|e| Error::path("create", parent, e))?;
     let name = dest.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    let tmp = parent.join(format!(".{name}.tmp-{}", std::process::id()));
+    // Unique per call, not only per process: two threads of one test
+    // binary (two tests booting guests at once) may publish the same piece
+    // together, and a shared name let one clear the other's half-made
+    // directory under it.
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let tmp = parent.join(format!(".{name}.tmp-{}-{call}", std::process::id()));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp).map_err(|e| Error::path("clear", &tmp, e))?;
     }
@@ -144,6 +150,37 @@ pub fn keep_newest(dir: &Path, used: &Path, keep: usize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn two_threads_publishing_one_piece_at_once_both_get_it() {
+        let d = tempfile::tempdir().unwrap();
+        let dest = d.path().join("kernel");
+        // Both makers are inside `make` at once: each writes its file, waits
+        // for the other, then finds its own file still there.
+        let both = std::sync::Barrier::new(2);
+        std::thread::scope(|s| {
+            let runs: Vec<_> = (0..2)
+                .map(|i| {
+                    let (dest, both) = (&dest, &both);
+                    s.spawn(move || {
+                        publish(dest, |t| {
+                            let f = t.join(format!("f{i}"));
+                            std::fs::write(&f, b"1").map_err(|e| Error::io("write", e))?;
+                            both.wait();
+                            std::fs::read(&f).map(drop).map_err(|e| Error::io("read back", e))
+                        })
+                    })
+                })
+                .collect();
+            for r in runs {
+                let got = r.join().unwrap();
+                assert!(got.is_ok(), "a publisher failed: {got:?}");
+            }
+        });
+        assert!(dest.is_dir());
+        let left: Vec<_> = std::fs::read_dir(d.path()).unwrap().flatten().map(|e| e.file_name()).collect();
+        assert_eq!(left, vec![std::ffi::OsString::from("kernel")], "temporary directories left: {left:?}");
+    }
 
     #[test]
     fn keys_differ_by_input_and_publish_runs_once() {
