@@ -167,9 +167,7 @@ impl CmDriver {
         fd: Doorbell,
         carry: bool,
     ) -> Result<u32, CmCallError> {
-        if self.channels.values().filter(|c| c.tenant == tenant).count() >= MAX_CHANNELS_PER_TENANT {
-            return Err(CmCallError::Channels);
-        }
+        self.check_channel_quota(tenant)?;
         let id = loop {
             self.next_channel = self.next_channel.wrapping_add(1).max(1);
             if !self.channels.contains_key(&self.next_channel) {
@@ -178,6 +176,13 @@ impl CmDriver {
         };
         self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0, carry });
         Ok(id)
+    }
+
+    fn check_channel_quota(&self, tenant: TenantId) -> Result<(), CmCallError> {
+        if self.channels.values().filter(|c| c.tenant == tenant).count() >= MAX_CHANNELS_PER_TENANT {
+            return Err(CmCallError::Channels);
+        }
+        Ok(())
     }
 
     /// [`add_channel_with`](Self::add_channel_with) under number `id`
@@ -192,9 +197,7 @@ impl CmDriver {
         fd: Doorbell,
         carry: bool,
     ) -> Result<u32, CmCallError> {
-        if self.channels.values().filter(|c| c.tenant == tenant).count() >= MAX_CHANNELS_PER_TENANT {
-            return Err(CmCallError::Channels);
-        }
+        self.check_channel_quota(tenant)?;
         if id == 0 || self.channels.contains_key(&id) {
             return Err(CmCallError::NoChannel(id));
         }
