@@ -578,12 +578,9 @@ mod preload {
                         .find_map(|l| {
                             let rest = l.split("credit waits ").nth(1)?;
                             let (w, rest) = rest.split_once(", woken ")?;
-                            let (k, m) = rest.split_once(", missed ")?;
-                            Some((
-                                w.parse::<u64>().ok()?,
-                                k.parse::<u64>().ok()?,
-                                m.trim().parse::<u64>().ok()?,
-                            ))
+                            let (k, rest) = rest.split_once(", missed ")?;
+                            let (m, _late) = rest.split_once(", late ")?;
+                            Some((w.parse::<u64>().ok()?, k.parse::<u64>().ok()?, m.parse::<u64>().ok()?))
                         })
                         .expect("the writer's credit counts");
                     eprintln!(

@@ -20,6 +20,15 @@
 //! `WANT` only after its credit landed. Either the reader sees `WANT`
 //! (and answers) or the writer's second look sees the credit.
 //!
+//! Two things the argument needs besides. The writer is marked as asking,
+//! and listed for the progress thread, before its `WANT` goes: the
+//! reader may see the word and answer before the writer reaps the
+//! `WANT`'s own completion, and an answer whose event finds no listed
+//! connection is lost. And "after its credit landed" must not wait for
+//! the reader's next call: an arming posted without waiting lists its
+//! connection too, so the progress thread (or a readiness call about to
+//! wait) reaps it and answers.
+//!
 //! At most one answer is owed at a time: the writer asks again only once
 //! the last answer was taken (its receive reposted), so the two receives
 //! posted per connection never run out (an answer finding none would

@@ -157,6 +157,11 @@ pub struct Link {
     waits: AtomicU32,
     woken: AtomicU32,
     missed: AtomicU32,
+    /// Slow looks of the progress thread that found credits back while
+    /// an answer was still awaited: an answer lost or never sent (each
+    /// cost its waiter up to a second; `VRDMA_SOCKETS_DEBUG` prints them
+    /// at the close).
+    late: AtomicU32,
     /// Armings posted and wake bytes sent (`VRDMA_SOCKETS_DEBUG` prints
     /// them at the close).
     armings: AtomicU32,
@@ -314,6 +319,7 @@ impl Half {
             waits: AtomicU32::new(0),
             woken: AtomicU32::new(0),
             missed: AtomicU32::new(0),
+            late: AtomicU32::new(0),
             armings: AtomicU32::new(0),
             wakes: AtomicU32::new(0),
             // Both ends start armed with generation 1 (set just above).
@@ -419,6 +425,9 @@ impl Link {
     /// [`Self::progress`] says.
     pub(crate) fn flush_all_writes(&self) -> bool {
         let _ = self.flush();
+        // This end's arming too: once landed, a peer writer that asked
+        // for a sound meanwhile is answered before this program sleeps.
+        let _ = self.wait_until(|p| p.arm == 0);
         self.still_blocked() || self.in_flight()
     }
 
@@ -450,17 +459,34 @@ impl Link {
             if rcq.req_notify(false).is_err() {
                 return Ask::No;
             }
+            // Asked, and on the progress thread's list, before the `WANT`
+            // goes: its answer can come before this end reaps the `WANT`'s
+            // own completion (the peer's placement comes before the ack),
+            // and the thread takes an answer only for a connection it
+            // lists; an event it finds no connection for is lost with the
+            // answer (the CQ stays unarmed, and the writer sleeps on).
+            self.asked.store(true, Ordering::SeqCst);
+            crate::progress::watch(self);
             let _ = self.stage.write_u64(S_WANT, 1);
             if self.write_word(S_WANT, 8, WANT).is_err() {
+                self.asked.store(false, Ordering::SeqCst);
                 return Ask::No;
             }
-            self.asked.store(true, Ordering::SeqCst);
         }
-        crate::progress::watch(self);
         if self.queued.load(Ordering::Acquire) {
             Ask::Sent
         } else {
             Ask::No
+        }
+    }
+
+    /// For the progress thread's slow look (no answer's event for a
+    /// while): credits back while the answer is still awaited are an
+    /// answer lost or never sent, counted.
+    pub(crate) fn note_slow_look(&self) {
+        if self.asked.load(Ordering::Acquire) && self.writable() {
+            self.late.fetch_add(1, Ordering::Relaxed);
+            crate::dev::debug("credits came back with no answer seen");
         }
     }
 
@@ -636,7 +662,13 @@ impl Link {
     ///
     /// Whenever a read leaves the ring empty, the reader arms ([`Self::sleep`]),
     /// so that the kernel socket is readable exactly while bytes wait.
-    pub fn read(&self, iov: &[(*mut u8, usize)], nonblocking: bool, peek: bool, all: bool) -> Res<usize> {
+    pub fn read(
+        self: &Arc<Self>,
+        iov: &[(*mut u8, usize)],
+        nonblocking: bool,
+        peek: bool,
+        all: bool,
+    ) -> Res<usize> {
         let cap: usize = iov.iter().map(|v| v.1).sum();
         if cap == 0 {
             return Ok(0);
@@ -774,7 +806,7 @@ impl Link {
     /// arming would wait for the retry timeout): its `CLOSED` word came
     /// after its last byte, so an empty ring then is the end of the
     /// stream, as TCP's FIN after the last byte.
-    fn sleep(&self, rx: &mut Rx) {
+    fn sleep(self: &Arc<Self>, rx: &mut Rx) {
         if self.peer_closed() {
             if self.waiting(rx.rd) == 0 {
                 rx.eof = true;
@@ -800,6 +832,14 @@ impl Link {
             if self.want_set() {
                 let _ = self.wait_until(|p| p.done >= id);
                 rx.arm_id = 0;
+            } else {
+                // A `WANT` that lands after this look is seen when the
+                // arming is reaped, and that must not wait for this end's
+                // next call: the program may next wait for the very bytes
+                // the peer's writer holds until it is answered (both ends
+                // asleep). The progress thread reaps it, and a readiness
+                // call that waits first lets it land ([`Self::flush_all_writes`]).
+                crate::progress::watch(self);
             }
         }
         rx.acked = rx.rd;
@@ -875,7 +915,7 @@ impl Link {
     /// to say so: the call reports the connection readable itself. A
     /// reader in a call of its own holds the lock and arms itself before
     /// it waits: false.
-    pub(crate) fn arm_for_readiness(&self) -> bool {
+    pub(crate) fn arm_for_readiness(self: &Arc<Self>) -> bool {
         self.owner_sock.watch();
         let Ok(mut rx) = self.rx.try_lock() else { return false };
         if rx.armed || rx.eof {
@@ -1260,10 +1300,11 @@ impl Link {
         // A program still waiting on it through another thread is told.
         self.unblock();
         crate::dev::debug(&format!(
-            "credit waits {}, woken {}, missed {}",
+            "credit waits {}, woken {}, missed {}, late {}",
             self.waits.load(Ordering::Relaxed),
             self.woken.load(Ordering::Relaxed),
-            self.missed.load(Ordering::Relaxed)
+            self.missed.load(Ordering::Relaxed),
+            self.late.load(Ordering::Relaxed)
         ));
         crate::dev::debug(&format!(
             "armings {}, wake bytes sent {}",

@@ -191,6 +191,9 @@ fn run() {
             answers(&links, &fired);
         } else if quiet {
             // The slow look: whoever waits for credits looks again.
+            for l in &links {
+                l.note_slow_look();
+            }
             crate::credit::came();
         }
         if links.is_empty() {

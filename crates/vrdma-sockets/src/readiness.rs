@@ -61,7 +61,7 @@ fn carried(fd: c_int) -> Option<Arc<Link>> {
 /// Whether bytes wait in `l`'s ring that its socket may not show (a lazy
 /// read left it unarmed: [`Link::arm_for_readiness`], which arms it
 /// otherwise).
-fn unarmed_ready(l: &Link) -> bool {
+fn unarmed_ready(l: &Arc<Link>) -> bool {
     match Guard::enter() {
         Some(_g) => keep_errno(|| l.arm_for_readiness()),
         None => false,

@@ -95,6 +95,9 @@
 //! non-blocking read): the request reached the server while its writer
 //! made no call.
 //!
+//! `pollserver PORT`: `server`, non-blocking, one read after each `poll`
+//! (as iperf3's server reads); says the socket's `nodelay` after its
+//! first read (`nbflood` says it at its end).
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
@@ -803,6 +806,47 @@ fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>, every:
     Ok(())
 }
 
+/// `pollserver PORT`: reads as iperf3's server does, non-blocking, one
+/// read after each `poll` for `POLLIN` (10 s at most: a lost wake-up is
+/// an error), checks the pattern, and answers `ok COUNT` at the end.
+fn pollserver(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 128 * 1024];
+    let mut told = false;
+    let mut count = 0u64;
+    // Bounded: each pass reads a byte, or waits in poll (10 s at most).
+    for _ in 0..(1u64 << 30) {
+        wait(s.as_raw_fd(), libc::POLLIN)?;
+        let n = match s.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => return Err(format!("read after {count}: {e}")),
+        };
+        if let Some(k) = (0..n).find(|&k| buf[k] != pattern(count + k as u64)) {
+            return Err(format!(
+                "byte {} is {}, not {}",
+                count + k as u64,
+                buf[k],
+                pattern(count + k as u64)
+            ));
+        }
+        count += n as u64;
+        if !told {
+            told = true;
+            println!("nodelay {}", nodelay(s.as_raw_fd()));
+        }
+    }
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
+    Ok(())
+}
+
 fn client(port: u16, bytes: u64) -> Result<(), String> {
     client_sizes(port, bytes, &[1, 7, 4096, 65_536, 100_000, 300_000])
 }
@@ -1087,9 +1131,26 @@ fn expect_end(port: u16) -> Result<(), String> {
     }
 }
 
+/// The kernel's `TCP_NODELAY` of socket `fd` (-1 if it cannot say).
+fn nodelay(fd: i32) -> i32 {
+    let mut v: libc::c_int = -1;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into an int of ours, with its size.
+    unsafe {
+        libc::getsockopt(
+            fd,
+            libc::IPPROTO_TCP,
+            libc::TCP_NODELAY,
+            (&mut v as *mut libc::c_int).cast(),
+            &mut len,
+        )
+    };
+    v
+}
+
 fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
     use std::os::fd::AsRawFd;
-    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
     s.set_nonblocking(true).map_err(|e| e.to_string())?;
     let mut sent = 0u64;
     let mut eagain = 0u64;
@@ -1113,6 +1174,7 @@ fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
         return Err(format!("{sent} of {bytes} bytes written"));
     }
     println!("eagain {eagain}");
+    println!("nodelay {}", nodelay(s.as_raw_fd()));
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     half_close_and_check(&mut s, bytes)
 }
@@ -1206,6 +1268,7 @@ fn epollflood(port: u16, bytes: u64, mode: &str, wait_ms: i32) -> Result<(), Str
         return Err(format!("{sent} of {bytes} bytes written"));
     }
     println!("eagain {eagain}");
+    println!("nodelay {}", nodelay(s.as_raw_fd()));
     if !edge {
         println!("spurious {spurious}");
     }
@@ -1526,6 +1589,7 @@ fn main() {
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
+        Some("pollserver") => pollserver(port()),
         Some("quiet") => quiet(port()),
         Some("becho") => becho(port()),
         Some("lazyserver") => lazyserver(port(), args.get(3).map(String::as_str).expect("MODE")),
