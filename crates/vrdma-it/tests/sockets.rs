@@ -317,6 +317,67 @@ mod preload {
         Ok(())
     }
 
+    /// `TCP_NODELAY` on a carried connection is the program's
+    /// (`docs/sockets.md`, "Writing"): the library keeps the kernel
+    /// socket's on (it carries only wake bytes, which Nagle's algorithm
+    /// would hold for the peer's delayed ACK), and the program reads what
+    /// it set, 0 if it set nothing, as over TCP. `optclient` reads the
+    /// option on a connection it never sets, and on one it sets before
+    /// its first call (which the kernel gets: not decided yet), clears
+    /// once carried, reads with a one-byte option, sets wrongly (the
+    /// kernel's errnos) and sets again: it sees the same carried
+    /// (preloaded both ends), as plain TCP without the library, and as TCP
+    /// under the library (a plain server). Each library says the kernel
+    /// socket's value, read back, at the carry and at each change.
+    #[test]
+    fn tcp_nodelay_on_a_carried_connection_is_the_programs() -> Result<()> {
+        const SEEN: &str = "unset fresh=0 carried=0\n\
+            set fresh=0 early=1 carried=1 cleared=0 short=0/1 errs=22,14,14 again=1\n";
+        let _one = harness::one_at_a_time();
+        assert!(have_lib());
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        for (server_preload, client_preload) in [(true, true), (false, false), (false, true)] {
+            let case = format!("server preloaded {server_preload}, client {client_preload}");
+            let port = free_port();
+            let s =
+                spawn(sockapp(&d, server_preload, &["echos".into(), port.to_string(), "2".into()]), "echos");
+            vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+                listening(port) && (!server_preload || ctx.sock_counts().ok().map(|c| c.listeners) == Some(1))
+            })?;
+            let c = spawn(sockapp(&d, client_preload, &["optclient".into(), port.to_string()]), "optclient");
+            let c = c.finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            assert!(c.stdout.contains(SEEN), "{case}: {}", c.describe());
+            let carried = server_preload && client_preload;
+            assert_eq!(
+                c.stderr.matches("carried over vRDMA").count(),
+                2 * carried as usize,
+                "{case}: {}",
+                c.describe()
+            );
+            if !carried {
+                assert!(!c.stderr.contains("TCP_NODELAY"), "{case}: {}", c.describe());
+                continue;
+            }
+            for said in [
+                // The first connection's, never set; the second's, set
+                // before its first call.
+                "TCP_NODELAY 1 on the carried connection's socket (the program's: 0)",
+                "TCP_NODELAY 1 on the carried connection's socket (the program's: 1)",
+                "TCP_NODELAY kept at 1 on a carried connection (the program asked 0)",
+                "TCP_NODELAY kept at 1 on a carried connection (the program asked 1)",
+            ] {
+                assert!(c.stderr.contains(said), "{case}: {said:?} missing: {}", c.describe());
+            }
+            let said = "TCP_NODELAY 1 on the carried connection's socket (the program's: 0)";
+            assert_eq!(s.stderr.matches(said).count(), 2, "{case}: {}", s.describe());
+        }
+        Ok(())
+    }
+
     /// Python's asyncio (epoll, non-blocking sockets, a stream reader and
     /// writer) on both ends, carried.
     #[test]

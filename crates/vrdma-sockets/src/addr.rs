@@ -84,7 +84,7 @@ pub fn is_inet_stream(fd: c_int) -> bool {
         let mut v: c_int = 0;
         let mut len = std::mem::size_of::<c_int>() as socklen_t;
         // SAFETY: `v` is valid for `len` bytes.
-        let r = unsafe { libc::getsockopt(fd, level, opt, (&mut v as *mut c_int).cast(), &mut len) };
+        let r = unsafe { crate::real::getsockopt(fd, level, opt, (&mut v as *mut c_int).cast(), &mut len) };
         (r == 0).then_some(v)
     };
     if get(libc::SOL_SOCKET, libc::SO_TYPE) != Some(libc::SOCK_STREAM) {

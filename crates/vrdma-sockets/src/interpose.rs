@@ -493,9 +493,60 @@ fn is_listening(fd: c_int) -> bool {
     let mut len = std::mem::size_of::<c_int>() as socklen_t;
     // SAFETY: `v` is valid for `len` bytes.
     let r = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ACCEPTCONN, (&mut v as *mut c_int).cast(), &mut len)
+        real::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ACCEPTCONN, (&mut v as *mut c_int).cast(), &mut len)
     };
     r == 0 && v != 0
+}
+
+// ---- options ----
+
+/// The library's connection on `fd`, for `TCP_NODELAY` at
+/// `level`/`name`: the library's own connections keep the kernel's on
+/// once carried, and the program's value aside ([`crate::nodelay`]).
+fn nodelay_stream(fd: c_int, level: c_int, name: c_int) -> Option<Arc<Stream>> {
+    if level != libc::IPPROTO_TCP || name != libc::TCP_NODELAY {
+        return None;
+    }
+    match table::get(fd) {
+        Some(Entry::Stream(s)) => Some(s),
+        _ => None,
+    }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn setsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *const c_void,
+    len: socklen_t,
+) -> c_int {
+    if let Some(_g) = Guard::enter() {
+        if let Some(s) = nodelay_stream(fd, level, name) {
+            // SAFETY: the caller's arguments, as setsockopt(2) takes them.
+            return unsafe { crate::nodelay::set(s.owner.option(), fd, val, len) };
+        }
+    }
+    // SAFETY: libc's setsockopt with the caller's arguments.
+    unsafe { real::setsockopt(fd, level, name, val, len) }
+}
+
+#[no_mangle]
+pub unsafe extern "C" fn getsockopt(
+    fd: c_int,
+    level: c_int,
+    name: c_int,
+    val: *mut c_void,
+    len: *mut socklen_t,
+) -> c_int {
+    if let Some(_g) = Guard::enter() {
+        if let Some(s) = nodelay_stream(fd, level, name) {
+            // SAFETY: the caller's arguments, as getsockopt(2) takes them.
+            return unsafe { crate::nodelay::get(s.owner.option(), fd, val, len) };
+        }
+    }
+    // SAFETY: libc's getsockopt with the caller's arguments.
+    unsafe { real::getsockopt(fd, level, name, val, len) }
 }
 
 // ---- descriptors ----

@@ -30,7 +30,10 @@
 //!   connection.
 //! - **Passed through** (the kernel's, which are right for the descriptor
 //!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
-//!   `getpeername`, `setsockopt`/`getsockopt`, `fcntl`'s other commands,
+//!   `getpeername`, `setsockopt`/`getsockopt` (but `TCP_NODELAY` on a
+//!   carried connection, which stays on in the kernel for its wake bytes
+//!   and is the program's own value to the program: [`nodelay`]),
+//!   `fcntl`'s other commands,
 //!   every call on a descriptor that is not carried (UDP, Unix sockets,
 //!   files, connections to hosts without a linked daemon or to plain TCP
 //!   peers).
@@ -104,6 +107,7 @@ mod exec;
 mod interpose;
 mod link;
 mod listener;
+mod nodelay;
 mod owner;
 mod pid;
 mod progress;

@@ -24,6 +24,10 @@
 //! Where the page cannot be mapped, the word is the creating process's
 //! own memory, set to its id: a child never takes such a connection (it
 //! fails with `EIO`, as before this module).
+//!
+//! The page's second word is the program's `TCP_NODELAY` on a carried
+//! connection ([`crate::nodelay`]): a socket option every holder sees
+//! alike, as it would the kernel's.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -44,12 +48,13 @@ pub enum Take {
 }
 
 pub struct Owner {
-    word: *const AtomicU32,
-    /// Whether `word` is a mapped page (unmapped at drop) or leaked heap.
+    /// The driver's word and the option word.
+    words: *const [AtomicU32; 2],
+    /// Whether `words` is a mapped page (unmapped at drop) or leaked heap.
     mapped: bool,
 }
 
-// SAFETY: `word` points to an atomic that lives as long as the Owner (a
+// SAFETY: `words` points to atomics that live as long as the Owner (a
 // page unmapped only by its drop, or leaked heap); atomics may be used
 // from any thread.
 unsafe impl Send for Owner {}
@@ -74,16 +79,25 @@ impl Owner {
         };
         if p == libc::MAP_FAILED {
             // Ours only: a child will not take it.
-            let w: &'static AtomicU32 = Box::leak(Box::new(AtomicU32::new(crate::pid::get())));
-            return Owner { word: w, mapped: false };
+            let w: &'static [AtomicU32; 2] =
+                Box::leak(Box::new([AtomicU32::new(crate::pid::get()), AtomicU32::new(0)]));
+            return Owner { words: w, mapped: false };
         }
-        // An anonymous mapping is zeroed: the word reads FREE.
-        Owner { word: p.cast::<AtomicU32>(), mapped: true }
+        // An anonymous mapping is zeroed: the word reads FREE, the option
+        // word "the kernel's".
+        Owner { words: p.cast::<[AtomicU32; 2]>(), mapped: true }
     }
 
     fn word(&self) -> &AtomicU32 {
         // SAFETY: see the `Send` impl: valid while `self` lives.
-        unsafe { &*self.word }
+        unsafe { &(*self.words)[0] }
+    }
+
+    /// The program's `TCP_NODELAY` on the connection, shared by every
+    /// holder ([`crate::nodelay`]; 0 until the connection is carried).
+    pub fn option(&self) -> &AtomicU32 {
+        // SAFETY: see the `Send` impl: valid while `self` lives.
+        unsafe { &(*self.words)[1] }
     }
 
     /// Takes the connection for this process if nobody has it.
@@ -135,7 +149,7 @@ impl Drop for Owner {
             // SAFETY: this process's mapping of the page, made in `new`
             // (or inherited through fork), unmapped once; the atomic is
             // not used after (the Owner is going).
-            unsafe { libc::munmap(self.word as *mut libc::c_void, PAGE) };
+            unsafe { libc::munmap(self.words as *mut libc::c_void, PAGE) };
         }
     }
 }

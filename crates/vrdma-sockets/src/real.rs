@@ -64,6 +64,8 @@ real! {
     sendfile(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
     sendfile64(out: c_int, inp: c_int, off: *mut off_t, n: size_t) -> ssize_t;
     close(fd: c_int) -> c_int;
+    setsockopt(fd: c_int, level: c_int, name: c_int, val: *const c_void, len: socklen_t) -> c_int;
+    getsockopt(fd: c_int, level: c_int, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int;
     shutdown(fd: c_int, how: c_int) -> c_int;
     dup(fd: c_int) -> c_int;
     dup2(fd: c_int, to: c_int) -> c_int;

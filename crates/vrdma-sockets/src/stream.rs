@@ -288,7 +288,7 @@ impl Stream {
         send_all(fd, &[link::ready_byte()])?;
         let mut b = [0u8; 1];
         recv_exact(fd, &mut b)?;
-        nodelay(fd);
+        crate::nodelay::keep(self.owner.option(), fd);
         debug("carried over vRDMA");
         Ok(Hello::Carried(Box::new(link)))
     }
@@ -498,24 +498,4 @@ fn recv_exact(fd: c_int, b: &mut [u8]) -> Res<()> {
         }
     }
     Ok(())
-}
-
-/// A carried connection's kernel socket carries only wake bytes, one
-/// each time a reader that armed gets bytes: each must go out at once.
-/// With Nagle's algorithm a byte sent while an earlier one is unacked
-/// waits for its ACK, which the peer's kernel may delay by up to 40 ms
-/// (both ends then sleep: the reader for the byte, the writer for
-/// credits the reader gives back only once woken).
-fn nodelay(fd: c_int) {
-    let one: c_int = 1;
-    // SAFETY: setsockopt(2) with a valid pointer to an int and its size.
-    unsafe {
-        libc::setsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_NODELAY,
-            (&one as *const c_int).cast(),
-            std::mem::size_of::<c_int>() as libc::socklen_t,
-        )
-    };
 }

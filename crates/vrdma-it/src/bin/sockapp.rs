@@ -96,8 +96,8 @@
 //! made no call.
 //!
 //! `pollserver PORT`: `server`, non-blocking, one read after each `poll`
-//! (as iperf3's server reads); says the socket's `nodelay` after its
-//! first read (`nbflood` says it at its end).
+//! (as iperf3's server reads); says the socket's `nodelay` (as the
+//! program sees it) after its first read (`nbflood` says it at its end).
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
@@ -158,6 +158,16 @@
 //! (this program), which runs `echoclient` on descriptor 10.
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the connect. `echoclient`
 //! waits `SOCKAPP_CONNECT_DELAY_MS` after its connect where set.
+//!
+//! `echos PORT N`: accepts N connections one after another and echoes
+//! each until its end. `optclient PORT`: its client, reading
+//! `TCP_NODELAY` as a program sees it on two connections: one it never
+//! sets (says `unset fresh=V carried=V`, before its first call and after
+//! a round trip), and one it sets to 1 before its first call, clears
+//! after a round trip, reads with a one-byte option, sets wrongly (a
+//! two-byte option, a null one, a null buffer to read into: the errnos)
+//! and sets again (says `set fresh=V early=V carried=V cleared=V
+//! short=BYTE/LEN errs=E,E,E again=V`).
 //!
 //! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
 //! `echoclient` connect to
@@ -1112,6 +1122,107 @@ fn becho(port: u16) -> Result<(), String> {
     }
 }
 
+/// `echos PORT N`: accepts N connections one after another and echoes
+/// each (blocking) until its end.
+fn echos(port: u16, n: u64) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    for i in 0..n {
+        let (mut s, _) = l.accept().map_err(|e| format!("accept {i}: {e}"))?;
+        s.set_read_timeout(Some(std::time::Duration::from_secs(30))).map_err(|e| e.to_string())?;
+        echo_all(&mut s).map_err(|e| format!("connection {i}: {e}"))?;
+    }
+    Ok(())
+}
+
+/// Sets `TCP_NODELAY` of `fd` to `v` with an option of `len` bytes at
+/// `val` (an int of `v` where null is not asked); the errno if it fails.
+fn set_nodelay_raw(fd: i32, v: i32, len: u32, null: bool) -> Result<(), i32> {
+    let val: *const libc::c_int = if null { std::ptr::null() } else { &v };
+    // SAFETY: setsockopt(2) with an int of ours (or null, which the kernel
+    // refuses) and a length of at most its size.
+    let r = unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, val.cast(), len) };
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(-1))
+    }
+}
+
+fn set_nodelay(fd: i32, v: i32) -> Result<(), String> {
+    set_nodelay_raw(fd, v, 4, false).map_err(|e| format!("setsockopt(TCP_NODELAY, {v}): errno {e}"))
+}
+
+/// One 64-byte round trip through `echos`.
+fn round_trip(s: &mut TcpStream, r: u64) -> Result<(), String> {
+    let msg: Vec<u8> = (0..64u64).map(|k| pattern(r * 64 + k)).collect();
+    s.write_all(&msg).map_err(|e| format!("write: {e}"))?;
+    let mut got = [0u8; 64];
+    s.read_exact(&mut got).map_err(|e| format!("read: {e}"))?;
+    if got[..] != msg[..] {
+        return Err(format!("round {r}: the answer differs"));
+    }
+    Ok(())
+}
+
+/// `optclient PORT`: `TCP_NODELAY` as a program sees it, on two
+/// connections to `echos PORT 2`, each read before its first call, after
+/// a round trip and after changes.
+fn optclient(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let connect = || TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"));
+    let end = |mut s: TcpStream| -> Result<(), String> {
+        s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).map_err(|e| format!("the end: {e}"))?;
+        if rest.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} bytes after the last answer", rest.len()))
+        }
+    };
+    // Never set by the program.
+    let mut a = connect()?;
+    let fresh = nodelay(a.as_raw_fd());
+    round_trip(&mut a, 0)?;
+    println!("unset fresh={fresh} carried={}", nodelay(a.as_raw_fd()));
+    end(a)?;
+    // Set before the first call (not decided yet), then cleared.
+    let mut b = connect()?;
+    let fd = b.as_raw_fd();
+    let fresh = nodelay(fd);
+    set_nodelay(fd, 1)?;
+    let early = nodelay(fd);
+    round_trip(&mut b, 1)?;
+    let carried = nodelay(fd);
+    set_nodelay(fd, 0)?;
+    let cleared = nodelay(fd);
+    // A one-byte option: the kernel writes one byte of the int.
+    let (mut short, mut len) = (0xAAu8, 1 as libc::socklen_t);
+    // SAFETY: getsockopt(2) into a byte of ours, with its size.
+    unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, (&mut short as *mut u8).cast(), &mut len)
+    };
+    // A short option, a null one, and a null buffer to read into.
+    let e1 = set_nodelay_raw(fd, 1, 2, false).err().unwrap_or(0);
+    let e2 = set_nodelay_raw(fd, 1, 4, true).err().unwrap_or(0);
+    let mut len4 = 4 as libc::socklen_t;
+    // SAFETY: getsockopt(2) with a null buffer, which the kernel refuses.
+    let r = unsafe {
+        libc::getsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, std::ptr::null_mut(), &mut len4)
+    };
+    let e3 = if r == 0 { 0 } else { std::io::Error::last_os_error().raw_os_error().unwrap_or(-1) };
+    round_trip(&mut b, 2)?;
+    set_nodelay(fd, 1)?;
+    let again = nodelay(fd);
+    println!(
+        "set fresh={fresh} early={early} carried={carried} cleared={cleared} short={short}/{len} \
+         errs={e1},{e2},{e3} again={again}"
+    );
+    end(b)
+}
+
 fn quiet(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
@@ -1131,7 +1242,8 @@ fn expect_end(port: u16) -> Result<(), String> {
     }
 }
 
-/// The kernel's `TCP_NODELAY` of socket `fd` (-1 if it cannot say).
+/// The `TCP_NODELAY` of socket `fd` as the program sees it (-1 if it
+/// cannot say).
 fn nodelay(fd: i32) -> i32 {
     let mut v: libc::c_int = -1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
@@ -1626,6 +1738,8 @@ fn main() {
         }
         Some("msgclient") => msgclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("quietwriter") => quietwriter(port()),
+        Some("echos") => echos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
+        Some("optclient") => optclient(port()),
         Some("ping") => ping(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         _ => {
             Err("usage: vrdma-it-sockapp server PORT | client PORT BYTES | echo PORT | ping PORT ROUNDS"
