@@ -96,7 +96,7 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
 
     // The guest on A, its program streaming to B.
     let qmp_a = w.dir.path().join("qmp-a.sock");
-    let mut guest = Guest::boot(w.spec(&w.a.socket, &qmp_a, &[])).expect("boot the guest on A");
+    let mut guest = Guest::boot(w.vm.spec(&w.a.socket, &qmp_a, &[])).expect("boot the guest on A");
     eprintln!(
         "guest_migrate: accelerator {}, shell after {:.1} s, set up in {:.1} s",
         guest.accel().name(),
@@ -255,16 +255,18 @@ fn migrate(
     qmp_a: &Path,
 ) -> (Guest, PathBuf, String, Instant) {
     let mig = w.dir.path().join(format!("migration-{k}.sock"));
-    let (mut to, mut qc, qmp_c) = w.incoming(&k.to_string(), c, &format!("unix:{}", mig.display()), &from);
-    let mut qa = Qmp::connect(qmp_a);
+    let (mut to, mut qc, qmp_c) =
+        w.vm.incoming(&k.to_string(), c, &format!("unix:{}", mig.display()), &from)
+            .expect("the destination QEMU");
+    let mut qa = Qmp::connect(qmp_a).unwrap();
     let t0 = Instant::now();
-    qa.migrate(&format!("unix:{}", mig.display()));
-    let passes = qa.wait_completed();
+    qa.migrate(&format!("unix:{}", mig.display())).unwrap();
+    let passes = qa.wait_completed().unwrap()["ram"]["dirty-sync-count"].as_u64().unwrap_or(0);
     // The source's CPUs stopped at the switch-over; from here the guest
     // is paused until the destination's `cont`.
     let stopped = Instant::now();
     let live = stopped - t0;
-    qc.wait_loaded();
+    qc.wait_loaded().unwrap();
     if k == 0 {
         // The operator's steps one by one, the region's bytes carried
         // as a file beside the snapshot (as between two machines).
@@ -281,9 +283,9 @@ fn migrate(
         // The one daemon step: `move --vm` copies the region itself.
         operator(a, &["move", "--vm", "t", "--to", c.to_str().unwrap()]);
     }
-    qc.exec(r#"{"execute":"cont"}"#);
+    qc.exec(r#"{"execute":"cont"}"#).unwrap();
     let paused = stopped.elapsed();
-    assert_eq!(qc.status(), "running");
+    assert_eq!(qc.status().unwrap(), "running");
     drop(from);
     // The guest answers on C.
     let out = to.check("echo here", T).unwrap_or_else(|e| panic!("the guest on C: {e}"));

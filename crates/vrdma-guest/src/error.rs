@@ -29,6 +29,9 @@ pub enum Error {
     /// QEMU exited (or its console closed) while a command ran.
     #[error("the guest is gone ({why}); its console's end:\n{console}")]
     Gone { why: String, console: String },
+    /// A QEMU's QMP failed or answered otherwise than expected.
+    #[error(transparent)]
+    Qmp(#[from] crate::qmp::Error),
 }
 
 pub type Result<T> = std::result::Result<T, Error>;

@@ -15,7 +15,11 @@
 //!   and drop-in libraries, Debian's verbs tools), cached under
 //!   `target/guest/` by their inputs;
 //! - [`guest`]: [`Guest::boot`] runs QEMU on such an image,
-//!   [`Guest::run`] runs shell commands in it, and dropping it kills QEMU.
+//!   [`Guest::run`] runs shell commands in it, and dropping it kills QEMU;
+//! - [`qmp`] and [`migration`]: the QMP client and the QEMUs of a VM that
+//!   migrates (`vrdma vm run` on a daemon, its QMP socket, the stopped
+//!   destination), which `vrdma bench --migrate` and the real-guest
+//!   migration tests share.
 //!
 //! Everything here runs on the host and trusts the host; what comes back
 //! from the guest (console output) is only parsed for markers, bounded
@@ -29,11 +33,15 @@ pub mod guest;
 pub mod image;
 pub mod kernel;
 pub mod libs;
+pub mod migration;
 pub mod modules;
 pub mod qemu;
+pub mod qmp;
 
 pub use accel::Accel;
 pub use error::{Error, Result};
 pub use guest::{Guest, GuestSpec};
 pub use image::{DropIn, GuestFile, Image, ImageSpec};
+pub use migration::MigrationVm;
 pub use qemu::vm_args;
+pub use qmp::Qmp;

@@ -23,7 +23,6 @@
 
 mod figures;
 mod peer;
-mod qmp;
 mod world;
 
 use std::path::{Path, PathBuf};
@@ -31,7 +30,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
-use vrdma_guest::Guest;
+use vrdma_guest::{Guest, Qmp};
 
 use super::report::Skipped;
 use super::Figure;
@@ -114,7 +113,7 @@ impl Run<'_> {
         let w = self.w;
         progress("booting the guest on A");
         let qmp_a = w.dir().join("qmp-a.sock");
-        let mut g = Guest::boot(w.spec(&w.a.socket, &qmp_a, &[])).context("booting the guest on A")?;
+        let mut g = Guest::boot(w.vm.spec(&w.a.socket, &qmp_a, &[])).context("booting the guest on A")?;
         self.accel = g.accel().name();
         let mut qmp = qmp_a;
         let ends = [w.a.socket.clone(), w.c.socket.clone()];
@@ -192,8 +191,8 @@ fn hop(
 ) -> Result<(Guest, PathBuf, Hop)> {
     let mig = w.dir().join(format!("mig-{tag}.sock"));
     let uri = format!("unix:{}", mig.display());
-    let (mut next, mut qc, qmp_c) = w.incoming(tag, to, &uri, &g)?;
-    let mut qa = qmp::Qmp::connect(qmp)?;
+    let (mut next, mut qc, qmp_c) = w.vm.incoming(tag, to, &uri, &g).context("the destination QEMU")?;
+    let mut qa = Qmp::connect(qmp)?;
     let start = Instant::now();
     qa.migrate(&uri)?;
     let m = qa.wait_completed()?;

@@ -73,7 +73,7 @@ fn a_dead_destination_a_cancelled_migration_a_cut_cable_and_a_snapshot_restored_
     // A scratch disk for QEMU's savevm, at the end.
     let disk = w.with_disk();
     let qmp_a = w.dir.path().join("qmp-fa.sock");
-    let mut guest = Guest::boot(w.spec(&w.a.socket, &qmp_a, &[])).expect("boot the guest on A");
+    let mut guest = Guest::boot(w.vm.spec(&w.a.socket, &qmp_a, &[])).expect("boot the guest on A");
     let boot = guest.boot_time();
     let peer = Peer::connect(&w.b, &mut guest, COUNT, PACE_US);
     let received = AtomicU64::new(0);
@@ -127,13 +127,15 @@ fn goes_on(g: &mut Guest, received: &AtomicU64) {
 
 /// QEMU's migration bandwidth, bytes/s.
 fn bandwidth(q: &mut Qmp) -> u64 {
-    q.exec(r#"{"execute":"query-migrate-parameters"}"#)["max-bandwidth"].as_u64().expect("max-bandwidth")
+    q.exec(r#"{"execute":"query-migrate-parameters"}"#).unwrap()["max-bandwidth"]
+        .as_u64()
+        .expect("max-bandwidth")
 }
 
 fn set_bandwidth(q: &mut Qmp, bytes_per_s: u64) {
     let cmd =
         serde_json::json!({"execute": "migrate-set-parameters", "arguments": {"max-bandwidth": bytes_per_s}});
-    q.exec(&cmd.to_string());
+    q.exec(&cmd.to_string()).unwrap();
 }
 
 /// Until QEMU's migration is under way, some RAM sent.
@@ -143,10 +145,10 @@ fn sending(m: &serde_json::Value) -> bool {
 
 /// A's VM runs again (its CPUs), after a migration that did not happen.
 fn runs_again(qa: &mut Qmp) {
-    if qa.status() != "running" {
-        qa.exec(r#"{"execute":"cont"}"#);
+    if qa.status().unwrap() != "running" {
+        qa.exec(r#"{"execute":"cont"}"#).unwrap();
     }
-    assert_eq!(qa.status(), "running");
+    assert_eq!(qa.status().unwrap(), "running");
 }
 
 /// Accepts QEMU's migration on `socket` and writes it to `file` until
@@ -187,31 +189,33 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     let rfile = dir.join("t.region");
     let rfile_s = rfile.to_str().unwrap().to_string();
     wait_received(received, AFTER);
-    let mut qa = Qmp::connect(qmp_a);
+    let mut qa = Qmp::connect(qmp_a).unwrap();
     let full = bandwidth(&mut qa);
 
     // 1. QEMU's migration cancelled in its live pass (slowed so that the
     //    cancel falls in it): the daemons were never told; the VM runs on.
-    let (dest, _qc, _) = w.incoming("cancel", &c, &mig("cancel"), &guest);
+    let (dest, _qc, _) = w.vm.incoming("cancel", &c, &mig("cancel"), &guest).expect("the destination QEMU");
     set_bandwidth(&mut qa, 4 << 20);
-    qa.migrate(&mig("cancel"));
-    qa.wait_migration(sending);
-    qa.exec(r#"{"execute":"migrate_cancel"}"#);
-    let m = qa.wait_migration(|m| m["status"].as_str().is_some_and(|s| s != "active" && s != "cancelling"));
+    qa.migrate(&mig("cancel")).unwrap();
+    qa.wait_migration(sending).unwrap();
+    qa.exec(r#"{"execute":"migrate_cancel"}"#).unwrap();
+    let m = qa
+        .wait_migration(|m| m["status"].as_str().is_some_and(|s| s != "active" && s != "cancelling"))
+        .unwrap();
     assert_eq!(m["status"].as_str(), Some("cancelled"), "{m}");
     set_bandwidth(&mut qa, full);
-    assert_eq!(qa.status(), "running");
+    assert_eq!(qa.status().unwrap(), "running");
     drop(dest);
     goes_on(&mut guest, received);
     report.push("QEMU's migrate_cancel in the live pass: the VM ran on at A".to_string());
 
     // 2. Cancelled by the operator after QEMU's switch-over, the tenant
     //    paused and exported: resume at A, A's CPUs again.
-    let (dest, mut qc, _) = w.incoming("abort", &c, &mig("abort"), &guest);
-    qa.migrate(&mig("abort"));
-    qa.wait_completed();
+    let (dest, mut qc, _) = w.vm.incoming("abort", &c, &mig("abort"), &guest).expect("the destination QEMU");
+    qa.migrate(&mig("abort")).unwrap();
+    qa.wait_completed().unwrap();
     let stopped = Instant::now();
-    qc.wait_loaded();
+    qc.wait_loaded().unwrap();
     operator(&a, &["pause", "--vm", "t"]);
     operator(&a, &["export", "--vm", "t", "--out", &snap_s, "--region", &rfile_s]);
     operator(&c, &["import", "--in", &snap_s, "--vm", "t", "--region", &rfile_s]);
@@ -229,10 +233,10 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
 
     // 3. C's daemon killed after its import, before A's finish: the
     //    operator resumes at A.
-    let (dest, mut qc, _) = w.incoming("dies", &c, &mig("dies"), &guest);
-    qa.migrate(&mig("dies"));
-    qa.wait_completed();
-    qc.wait_loaded();
+    let (dest, mut qc, _) = w.vm.incoming("dies", &c, &mig("dies"), &guest).expect("the destination QEMU");
+    qa.migrate(&mig("dies")).unwrap();
+    qa.wait_completed().unwrap();
+    qc.wait_loaded().unwrap();
     operator(&a, &["pause", "--vm", "t"]);
     operator(&a, &["export", "--vm", "t", "--out", &snap_s, "--region", &rfile_s]);
     operator(&c, &["import", "--in", &snap_s, "--vm", "t", "--region", &rfile_s]);
@@ -253,13 +257,15 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     for d in [&w.a, &w.b, &w.c] {
         d.wait_links(2);
     }
-    let (dest, _qc, _) = w.incoming("dies-early", &c, &mig("dies-early"), &guest);
+    let (dest, _qc, _) =
+        w.vm.incoming("dies-early", &c, &mig("dies-early"), &guest).expect("the destination QEMU");
     set_bandwidth(&mut qa, 4 << 20);
-    qa.migrate(&mig("dies-early"));
-    qa.wait_migration(sending);
+    qa.migrate(&mig("dies-early")).unwrap();
+    qa.wait_migration(sending).unwrap();
     w.c.kill();
     set_bandwidth(&mut qa, full);
-    let m = qa.wait_migration(|m| m["status"].as_str().is_some_and(|s| s != "active" && s != "setup"));
+    let m =
+        qa.wait_migration(|m| m["status"].as_str().is_some_and(|s| s != "active" && s != "setup")).unwrap();
     let how = match m["status"].as_str() {
         Some("completed") => {
             let (ok, text) = operator_try(&a, &["move", "--vm", "t", "--to", c.to_str().unwrap()]);
@@ -283,8 +289,8 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     //    region saved at A, the VM off (its tenant dropped at A).
     let file = dir.join("vm.state");
     let saving = save_to(&dir.join("save.sock"), &file);
-    qa.migrate(&format!("unix:{}", dir.join("save.sock").display()));
-    qa.wait_completed();
+    qa.migrate(&format!("unix:{}", dir.join("save.sock").display())).unwrap();
+    qa.wait_completed().unwrap();
     let saved = saving.join().expect("the saver");
     assert!(saved > 1 << 20, "QEMU's state: {saved} bytes");
     operator(&a, &["pause", "--vm", "t"]);
@@ -293,12 +299,14 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     drop(qa);
     guest.kill().unwrap();
     let restore = |tag: &str| {
-        let (mut g, mut q, _) = w.incoming(tag, &c, &format!("exec:cat {}", file.display()), &guest);
-        q.wait_loaded();
+        let (mut g, mut q, _) =
+            w.vm.incoming(tag, &c, &format!("exec:cat {}", file.display()), &guest)
+                .expect("the destination QEMU");
+        q.wait_loaded().unwrap();
         operator(&c, &["import", "--in", &snap_s, "--vm", "t", "--region", &rfile_s]);
         operator(&c, &["resume", "--vm", "t"]);
-        q.exec(r#"{"execute":"cont"}"#);
-        assert_eq!(q.status(), "running");
+        q.exec(r#"{"execute":"cont"}"#).unwrap();
+        assert_eq!(q.status().unwrap(), "running");
         let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the restored guest: {e}"));
         assert!(out.contains("here"), "{out}");
         (g, q)
@@ -307,7 +315,7 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     let (mut g1, mut q1) = restore("restore-1");
     goes_on(&mut g1, received);
     // That copy stops for good.
-    q1.exec(r#"{"execute":"stop"}"#);
+    q1.exec(r#"{"execute":"stop"}"#).unwrap();
     operator(&c, &["pause", "--vm", "t"]);
     operator(&c, &["finish", "--vm", "t"]);
     g1.kill().unwrap();

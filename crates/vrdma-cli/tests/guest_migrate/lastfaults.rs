@@ -143,10 +143,10 @@ impl Stream<'_> {
 /// up to the destination's VM loaded (stopped): the new guest and QMP.
 fn qemu_moves(w: &World, tag: &str, from: &Guest, q: &mut Qmp, to: &Path) -> (Guest, Qmp) {
     let mig = format!("unix:{}", w.dir.path().join(format!("mig-{tag}.sock")).display());
-    let (dest, mut qd, _) = w.incoming(tag, to, &mig, from);
-    q.migrate(&mig);
-    q.wait_completed();
-    qd.wait_loaded();
+    let (dest, mut qd, _) = w.vm.incoming(tag, to, &mig, from).expect("the destination QEMU");
+    q.migrate(&mig).unwrap();
+    q.wait_completed().unwrap();
+    qd.wait_loaded().unwrap();
     (dest, qd)
 }
 
@@ -175,8 +175,8 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
             let at_cut = received.load(Ordering::Acquire);
             operator(&c, &["finish", "--vm", "t"]);
             operator(&a, &["resume", "--vm", "t"]);
-            qa.exec(r#"{"execute":"cont"}"#);
-            assert_eq!(qa.status(), "running");
+            qa.exec(r#"{"execute":"cont"}"#).unwrap();
+            assert_eq!(qa.status().unwrap(), "running");
             std::thread::sleep(CUT.saturating_sub(cut.elapsed()));
             w.set_link(0, true);
             for d in [&w.a, &w.b, &w.c] {
@@ -257,8 +257,8 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
         kill_daemon(&w.c);
         drop(gc);
         // The VM runs on at A, its tenant gone from there.
-        q.exec(r#"{"execute":"cont"}"#);
-        assert_eq!(q.status(), "running");
+        q.exec(r#"{"execute":"cont"}"#).unwrap();
+        assert_eq!(q.status().unwrap(), "running");
         let resumed = Instant::now();
         let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the guest back on A: {e}"));
         assert!(out.contains("here"), "{out}");
@@ -304,8 +304,8 @@ pub fn cut_and_dead_destination(w: &mut World, g: Guest, q: Qmp) -> Vec<String> 
     let ((mut gc, _qc, killed), seqs, peer) = streaming(w, &mut ga, "dd", &env, |g, received, _| {
         let (mut gc, mut qc) = qemu_moves(w, "dd", g, &mut q, &c);
         operator(&a, &["move", "--vm", "t", "--to", c.to_str().unwrap()]);
-        qc.exec(r#"{"execute":"cont"}"#);
-        assert_eq!(qc.status(), "running");
+        qc.exec(r#"{"execute":"cont"}"#).unwrap();
+        assert_eq!(qc.status().unwrap(), "running");
         let out = gc.check("echo here", T).unwrap_or_else(|e| panic!("the guest on C: {e}"));
         assert!(out.contains("here"), "{out}");
         wait_received(received, received.load(Ordering::Acquire) + AFTER);

@@ -35,7 +35,7 @@ const AFTER: u64 = 40;
 /// be empty (HMP reports errors as text).
 fn hmp(q: &mut Qmp, line: &str) {
     let cmd = serde_json::json!({"execute": "human-monitor-command", "arguments": {"command-line": line}});
-    let out = q.exec_within(&cmd.to_string(), Duration::from_secs(120));
+    let out = q.exec_within(&cmd.to_string(), Duration::from_secs(120)).unwrap();
     let text = out.as_str().unwrap_or("");
     assert!(text.trim().is_empty(), "QEMU's `{line}`: {text}");
 }
@@ -58,7 +58,7 @@ fn files(w: &World, name: &str) -> (String, String) {
 /// paused.
 fn save(w: &World, q: &mut Qmp, at: &Path, name: &str) {
     let (snap, region) = files(w, name);
-    q.exec(r#"{"execute":"stop"}"#);
+    q.exec(r#"{"execute":"stop"}"#).unwrap();
     operator(at, &["pause", "--vm", "t"]);
     operator(at, &["export", "--vm", "t", "--out", &snap, "--region", &region]);
     hmp(q, &format!("savevm {name}"));
@@ -73,8 +73,8 @@ fn restore(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path, name: &str) {
     hmp(q, &format!("loadvm {name}"));
     operator(at, &["import", "--in", &snap, "--vm", "t", "--region", &region]);
     operator(at, &["resume", "--vm", "t"]);
-    q.exec(r#"{"execute":"cont"}"#);
-    assert_eq!(q.status(), "running");
+    q.exec(r#"{"execute":"cont"}"#).unwrap();
+    assert_eq!(q.status().unwrap(), "running");
     let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the guest after loadvm {name}: {e}"));
     assert!(out.contains("here"), "{out}");
 }
@@ -104,10 +104,10 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
             save(w, q, at, "sv2");
             let saved2 = t3.elapsed();
             operator(at, &["resume", "--vm", "t"]);
-            q.exec(r#"{"execute":"cont"}"#);
+            q.exec(r#"{"execute":"cont"}"#).unwrap();
             goes_on(g, &received);
             // Restored after that: the restored QP is a stale copy.
-            q.exec(r#"{"execute":"stop"}"#);
+            q.exec(r#"{"execute":"stop"}"#).unwrap();
             operator(at, &["pause", "--vm", "t"]);
             std::thread::sleep(Duration::from_millis(300));
             let at_restore = received.load(Ordering::Acquire);

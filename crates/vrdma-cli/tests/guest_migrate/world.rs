@@ -5,15 +5,14 @@
 //! message's bytes as it comes. Every wait is bounded; every process is
 //! killed by its pid when its owner drops.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use vrdma::{WcOpcode, WcStatus};
-use vrdma_guest::{image, Guest, GuestSpec};
+pub use vrdma_guest::Qmp;
+use vrdma_guest::{image, Guest, MigrationVm};
 use vrdma_it::harness::built;
 
 pub const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
@@ -103,102 +102,6 @@ fn start_daemon(dir: &Path, name: &str, ns: &str, toml: &str) -> Daemon {
     Daemon::spawn(socket, config, ns)
 }
 
-/// A QMP connection to a QEMU (`-qmp unix:PATH,server=on,wait=off`).
-pub struct Qmp {
-    w: UnixStream,
-    r: BufReader<UnixStream>,
-}
-
-impl Qmp {
-    pub fn connect(path: &Path) -> Qmp {
-        let end = Instant::now() + Duration::from_secs(30);
-        let s = loop {
-            match UnixStream::connect(path) {
-                Ok(s) => break s,
-                Err(e) => {
-                    assert!(Instant::now() < end, "QMP at {}: {e}", path.display());
-                    std::thread::sleep(Duration::from_millis(20));
-                }
-            }
-        };
-        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        let mut q = Qmp { w: s.try_clone().unwrap(), r: BufReader::new(s) };
-        let mut greeting = String::new();
-        q.r.read_line(&mut greeting).expect("QMP greeting");
-        assert!(greeting.contains("QMP"), "QMP said {greeting}");
-        q.exec(r#"{"execute":"qmp_capabilities"}"#);
-        q
-    }
-
-    /// Sends `cmd` and returns its answer's `return` (events skipped);
-    /// an `error` fails.
-    pub fn exec(&mut self, cmd: &str) -> serde_json::Value {
-        writeln!(self.w, "{cmd}").unwrap();
-        for _ in 0..1000 {
-            let mut l = String::new();
-            let n = self.r.read_line(&mut l).unwrap_or_else(|e| panic!("QMP, after {cmd}: {e}"));
-            assert!(n > 0, "QMP closed after {cmd}");
-            let v: serde_json::Value =
-                serde_json::from_str(&l).unwrap_or_else(|e| panic!("QMP said {l}: {e}"));
-            if let Some(r) = v.get("return") {
-                return r.clone();
-            }
-            assert!(v.get("error").is_none(), "QMP {cmd}: {l}");
-        }
-        panic!("no answer to {cmd}");
-    }
-
-    /// [`exec`](Self::exec), waiting up to `limit` for the answer (a
-    /// `savevm` or `loadvm` writes or reads the VM's whole state).
-    pub fn exec_within(&mut self, cmd: &str, limit: Duration) -> serde_json::Value {
-        self.r.get_ref().set_read_timeout(Some(limit)).unwrap();
-        let v = self.exec(cmd);
-        self.r.get_ref().set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-        v
-    }
-
-    pub fn status(&mut self) -> String {
-        self.exec(r#"{"execute":"query-status"}"#)["status"].as_str().unwrap_or("?").to_string()
-    }
-
-    /// Starts QEMU's migration to `uri` (`unix:PATH`, `exec:CMD`).
-    pub fn migrate(&mut self, uri: &str) {
-        let cmd = serde_json::json!({"execute": "migrate", "arguments": {"uri": uri}});
-        self.exec(&cmd.to_string());
-    }
-
-    /// Polls `query-migrate` (bounded) until `done` says so; returns its
-    /// last answer.
-    pub fn wait_migration(&mut self, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
-        let end = Instant::now() + Duration::from_secs(240);
-        loop {
-            let m = self.exec(r#"{"execute":"query-migrate"}"#);
-            if done(&m) {
-                return m;
-            }
-            assert!(Instant::now() < end, "QEMU's migration: {m}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
-    /// Waits (bounded) until QEMU's migration completed; fails if it failed
-    /// or was cancelled. Returns its dirty-sync count.
-    pub fn wait_completed(&mut self) -> u64 {
-        let m = self.wait_migration(|m| m["status"].as_str().is_some_and(|s| s != "active" && s != "setup"));
-        assert_eq!(m["status"].as_str(), Some("completed"), "QEMU's migration: {m}");
-        m["ram"]["dirty-sync-count"].as_u64().unwrap_or(0)
-    }
-
-    /// Waits (bounded) until a QEMU started with `-incoming` loaded the VM.
-    pub fn wait_loaded(&mut self) {
-        let end = Instant::now() + Duration::from_secs(60);
-        while self.status() == "inmigrate" {
-            assert!(Instant::now() < end, "the destination never finished loading");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-}
-
 /// `vrdma --socket S migrate ARGS`: whether it succeeded, and its output.
 pub fn operator_try(socket: &Path, args: &[&str]) -> (bool, String) {
     let out = Command::new(VRDMA).arg("--socket").arg(socket).arg("migrate").args(args).output().unwrap();
@@ -268,14 +171,11 @@ pub fn guest_running(g: &mut Guest, tag: &str) {
 /// The three hosts, the guest's image, and where their files go.
 pub struct World {
     pub dir: tempfile::TempDir,
-    pub img: image::Image,
+    /// VM `t`'s QEMUs (the same as `vrdma bench --migrate`'s).
+    pub vm: MigrationVm,
     pub a: Daemon,
     pub b: Daemon,
     pub c: Daemon,
-    /// A blank qcow2 scratch disk every QEMU of this world gets (one
-    /// file: source and destination share it, as on shared storage), for
-    /// QEMU's `savevm` (`with_disk`); `None`: no disk.
-    pub disk: Option<PathBuf>,
     /// Whether the image has Debian's `rping` (the host has it).
     pub rping: bool,
     // Dropped after the daemons (fields drop in order).
@@ -364,7 +264,8 @@ impl World {
         for d in [&a, &b, &c] {
             d.wait_links(2);
         }
-        Some(World { dir, img, a, b, c, disk: None, rping, _net: net })
+        let vm = MigrationVm::new(img, VRDMA.into(), "t", dir.path());
+        Some(World { dir, vm, a, b, c, rping, _net: net })
     }
 
     /// `program` as a process of host `i` (0 A, 1 B, 2 C: in its
@@ -401,7 +302,21 @@ impl World {
             .output()
             .unwrap();
         assert!(out.status.success(), "qemu-img create: {}", String::from_utf8_lossy(&out.stderr));
-        self.disk = Some(disk);
+        // One file: source and destination share it, as on shared
+        // storage. Unlocked: a cancelled migration's destination took the
+        // image's write lock at the switch-over, and the source's `cont`
+        // failed ("Failed to get \"write\" lock"); the tests run one of
+        // them at a time, and the guest never writes it. No flushes
+        // (`cache=unsafe`): on the loaded machine a second `savevm`'s
+        // flush took from 2 to over 30 s; a test's scratch disk needs no
+        // durability.
+        self.vm.extra_args.push("-drive".into());
+        self.vm.extra_args.push(
+            format!("file={},if=none,id=scratch,format=qcow2,file.locking=off,cache=unsafe", disk.display())
+                .into(),
+        );
+        self.vm.extra_args.push("-device".into());
+        self.vm.extra_args.push("virtio-blk-pci,drive=scratch".into());
         true
     }
 
@@ -409,56 +324,6 @@ impl World {
     /// its veth end down or up, its links silent meanwhile.
     pub fn set_link(&self, host: usize, up: bool) {
         self._net.set_link(host, up).unwrap_or_else(|e| panic!("host {host}'s cable: {e:#}"));
-    }
-
-    /// The spec of VM `t` on the daemon at `socket`, QMP at `qmp`.
-    pub fn spec(&self, socket: &Path, qmp: &Path, more: &[&str]) -> GuestSpec {
-        let mut s = GuestSpec::new(self.img.clone());
-        s.memory_mib = 256;
-        s.launcher = vec![
-            VRDMA.into(),
-            "--socket".into(),
-            socket.into(),
-            "vm".into(),
-            "run".into(),
-            "t".into(),
-            "--".into(),
-        ];
-        s.extra_args = vec!["-qmp".into(), format!("unix:{},server=on,wait=off", qmp.display()).into()];
-        if let Some(disk) = &self.disk {
-            s.extra_args.push("-drive".into());
-            // Unlocked: a cancelled migration's destination took the
-            // image's write lock at the switch-over, and the source's
-            // `cont` failed ("Failed to get \"write\" lock"); the tests
-            // run one of them at a time, and the guest never writes it.
-            // No flushes (`cache=unsafe`): on the loaded machine a second
-            // `savevm`'s flush took from 2 to over 30 s; a test's scratch
-            // disk needs no durability.
-            s.extra_args.push(
-                format!(
-                    "file={},if=none,id=scratch,format=qcow2,file.locking=off,cache=unsafe",
-                    disk.display()
-                )
-                .into(),
-            );
-            s.extra_args.push("-device".into());
-            s.extra_args.push("virtio-blk-pci,drive=scratch".into());
-        }
-        s.extra_args.extend(more.iter().map(Into::into));
-        s.boot_timeout = Duration::from_secs(180);
-        s
-    }
-
-    /// A QEMU for VM `t` on the daemon at `socket`, its CPUs stopped,
-    /// waiting for the VM from `incoming` (a QEMU `-incoming` URI), and
-    /// its QMP.
-    pub fn incoming(&self, tag: &str, socket: &Path, incoming: &str, like: &Guest) -> (Guest, Qmp, PathBuf) {
-        let qmp = self.dir.path().join(format!("qmp-{tag}.sock"));
-        let g = Guest::incoming(self.spec(socket, &qmp, &["-S", "-incoming", incoming]), like)
-            .expect("the destination QEMU");
-        let mut q = Qmp::connect(&qmp);
-        assert_eq!(q.status(), "inmigrate");
-        (g, q, qmp)
     }
 }
 

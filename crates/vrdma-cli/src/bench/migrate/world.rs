@@ -14,16 +14,14 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
-use vrdma_guest::{Guest, GuestSpec};
+use vrdma_guest::MigrationVm;
 
-use super::qmp::Qmp;
 use crate::study::placement::{self, Env};
 use crate::study::proc::Proc;
 
 /// The stream's program, the same source `tests/guest_migrate` builds.
 const SEQSTREAM_C: &str = include_str!("../../../tests/c/seqstream.c");
-/// The VM's memory (MiB) and its vRDMA region (MiB).
-const GUEST_MIB: u32 = 256;
+/// The VM's vRDMA region (MiB).
 const REGION_MIB: u32 = 16;
 
 /// Something the bench needs that this host lacks: no rows, and why.
@@ -58,7 +56,8 @@ pub struct World {
     pub a: Host,
     pub b: Host,
     pub c: Host,
-    pub image: vrdma_guest::Image,
+    /// VM `t`'s QEMUs (the same as the real-guest tests').
+    pub vm: MigrationVm,
     exe: PathBuf,
     // Dropped last: the daemons' sockets and logs are in it.
     dir: WorkDir,
@@ -144,50 +143,12 @@ impl World {
         for h in [&a, &b, &c] {
             wait_links(&h.socket, 2)?;
         }
-        Ok(World { a, b, c, image, exe, dir })
+        let vm = MigrationVm::new(image, exe.clone(), "t", &dir.0);
+        Ok(World { a, b, c, vm, exe, dir })
     }
 
     pub fn dir(&self) -> &Path {
         &self.dir.0
-    }
-
-    /// VM `t` on the daemon at `socket`, QMP at `qmp`, `more` QEMU arguments.
-    pub fn spec(&self, socket: &Path, qmp: &Path, more: &[&str]) -> GuestSpec {
-        let mut s = GuestSpec::new(self.image.clone());
-        s.memory_mib = GUEST_MIB;
-        s.launcher = vec![
-            self.exe.clone().into(),
-            "--socket".into(),
-            socket.into(),
-            "vm".into(),
-            "run".into(),
-            "t".into(),
-            "--".into(),
-        ];
-        s.extra_args = vec!["-qmp".into(), format!("unix:{},server=on,wait=off", qmp.display()).into()];
-        s.extra_args.extend(more.iter().map(Into::into));
-        s.boot_timeout = Duration::from_secs(180);
-        s
-    }
-
-    /// A QEMU for VM `t` on the daemon at `socket`, its CPUs stopped,
-    /// waiting for the VM from `incoming`, and its QMP.
-    pub fn incoming(
-        &self,
-        tag: &str,
-        socket: &Path,
-        incoming: &str,
-        like: &Guest,
-    ) -> Result<(Guest, Qmp, PathBuf)> {
-        let qmp = self.dir().join(format!("qmp-{tag}.sock"));
-        let g = Guest::incoming(self.spec(socket, &qmp, &["-S", "-incoming", incoming]), like)
-            .context("the destination QEMU")?;
-        let mut q = Qmp::connect(&qmp)?;
-        let st = q.status()?;
-        if st != "inmigrate" {
-            bail!("the destination QEMU is {st}, not waiting for the VM");
-        }
-        Ok((g, q, qmp))
     }
 
     /// The operator's one daemon step: `vrdma --socket FROM migrate move
