@@ -323,9 +323,10 @@ mod preload {
     /// only wake bytes, which Nagle's algorithm would hold for the peer's
     /// delayed ACK, and a cork for 200 ms), and the program reads what it
     /// set, 0 if it set nothing, as over TCP. `optclient` reads
-    /// `TCP_NODELAY` on a connection it never sets, and on one it sets
-    /// before its first call (which the kernel gets: not decided yet),
-    /// clears once carried, reads with a one-byte option, sets wrongly
+    /// `TCP_NODELAY` on a connection it never sets (but corks before its
+    /// first call: uncorked at the carry, 1 to the program), and on one
+    /// it sets before its first call (which the kernel gets: not decided
+    /// yet), clears once carried, reads with a one-byte option, sets wrongly
     /// (the kernel's errnos) and sets again; then corks that one, reads 1,
     /// makes round trips (each read bounded), uncorks it and reads 0: it
     /// sees the same carried (preloaded both ends), as plain TCP without
@@ -335,6 +336,7 @@ mod preload {
     #[test]
     fn tcp_nodelay_and_cork_on_a_carried_connection_are_the_programs() -> Result<()> {
         const SEEN: &str = "unset fresh=0 carried=0\n\
+            early cork=1 carried=1\n\
             set fresh=0 early=1 carried=1 cleared=0 short=0/1 errs=22,14,14 again=1\n\
             cork before=0 corked=1 uncorked=0\n";
         let _one = harness::one_at_a_time();
@@ -377,6 +379,9 @@ mod preload {
                 // The kernel's never corked: not at the carry, nor when
                 // the program corks.
                 "TCP_CORK 0 on the carried connection's socket (the program's: 0)",
+                // The first connection's, corked before its first call:
+                // taken off at the carry, the program's.
+                "TCP_CORK 0 on the carried connection's socket (the program's: 1)",
                 "TCP_CORK kept at 0 on a carried connection (the program asked 1)",
                 "TCP_CORK kept at 0 on a carried connection (the program asked 0)",
             ] {

@@ -163,7 +163,8 @@
 //! each until its end. `optclient PORT`: its client, reading
 //! `TCP_NODELAY` as a program sees it on two connections: one it never
 //! sets (says `unset fresh=V carried=V`, before its first call and after
-//! a round trip), and one it sets to 1 before its first call, clears
+//! a round trip; it corks that one before its first call and says `early
+//! cork=V carried=V`, then uncorks it), and one it sets to 1 before its first call, clears
 //! after a round trip, reads with a one-byte option, sets wrongly (a
 //! two-byte option, a null one, a null buffer to read into: the errnos)
 //! and sets again (says `set fresh=V early=V carried=V cleared=V
@@ -1193,11 +1194,16 @@ fn optclient(port: u16) -> Result<(), String> {
             Err(format!("{} bytes after the last answer", rest.len()))
         }
     };
-    // Never set by the program.
+    // `TCP_NODELAY` never set by the program; `TCP_CORK` set before the
+    // first call (the kernel's then), cleared before the end.
     let mut a = connect()?;
     let fresh = nodelay(a.as_raw_fd());
+    set_cork(a.as_raw_fd(), 1)?;
+    let early = tcp_opt(a.as_raw_fd(), libc::TCP_CORK);
     round_trip(&mut a, 0)?;
     println!("unset fresh={fresh} carried={}", nodelay(a.as_raw_fd()));
+    println!("early cork={early} carried={}", tcp_opt(a.as_raw_fd(), libc::TCP_CORK));
+    set_cork(a.as_raw_fd(), 0)?;
     end(a)?;
     // Set before the first call (not decided yet), then cleared.
     let mut b = connect()?;
