@@ -317,22 +317,28 @@ mod preload {
         Ok(())
     }
 
-    /// `TCP_NODELAY` on a carried connection is the program's
-    /// (`docs/sockets.md`, "Writing"): the library keeps the kernel
-    /// socket's on (it carries only wake bytes, which Nagle's algorithm
-    /// would hold for the peer's delayed ACK), and the program reads what
-    /// it set, 0 if it set nothing, as over TCP. `optclient` reads the
-    /// option on a connection it never sets, and on one it sets before
-    /// its first call (which the kernel gets: not decided yet), clears
-    /// once carried, reads with a one-byte option, sets wrongly (the
-    /// kernel's errnos) and sets again: it sees the same carried
-    /// (preloaded both ends), as plain TCP without the library, and as TCP
-    /// under the library (a plain server). Each library says the kernel
-    /// socket's value, read back, at the carry and at each change.
+    /// `TCP_NODELAY` and `TCP_CORK` on a carried connection are the
+    /// program's (`docs/sockets.md`, "Writing"): the library keeps the
+    /// kernel socket's `TCP_NODELAY` on and its `TCP_CORK` off (it carries
+    /// only wake bytes, which Nagle's algorithm would hold for the peer's
+    /// delayed ACK, and a cork for 200 ms), and the program reads what it
+    /// set, 0 if it set nothing, as over TCP. `optclient` reads
+    /// `TCP_NODELAY` on a connection it never sets (but corks before its
+    /// first call: uncorked at the carry, 1 to the program), and on one
+    /// it sets before its first call (which the kernel gets: not decided
+    /// yet), clears once carried, reads with a one-byte option, sets wrongly
+    /// (the kernel's errnos) and sets again; then corks that one, reads 1,
+    /// makes round trips (each read bounded), uncorks it and reads 0: it
+    /// sees the same carried (preloaded both ends), as plain TCP without
+    /// the library, and as TCP under the library (a plain server). Each
+    /// library says the kernel socket's values, read back, at the carry
+    /// and at each change.
     #[test]
-    fn tcp_nodelay_on_a_carried_connection_is_the_programs() -> Result<()> {
+    fn tcp_nodelay_and_cork_on_a_carried_connection_are_the_programs() -> Result<()> {
         const SEEN: &str = "unset fresh=0 carried=0\n\
-            set fresh=0 early=1 carried=1 cleared=0 short=0/1 errs=22,14,14 again=1\n";
+            early cork=1 carried=1\n\
+            set fresh=0 early=1 carried=1 cleared=0 short=0/1 errs=22,14,14 again=1\n\
+            cork before=0 corked=1 uncorked=0\n";
         let _one = harness::one_at_a_time();
         assert!(have_lib());
         let d = DaemonProc::start()?;
@@ -360,6 +366,7 @@ mod preload {
             );
             if !carried {
                 assert!(!c.stderr.contains("TCP_NODELAY"), "{case}: {}", c.describe());
+                assert!(!c.stderr.contains("TCP_CORK"), "{case}: {}", c.describe());
                 continue;
             }
             for said in [
@@ -369,11 +376,24 @@ mod preload {
                 "TCP_NODELAY 1 on the carried connection's socket (the program's: 1)",
                 "TCP_NODELAY kept at 1 on a carried connection (the program asked 0)",
                 "TCP_NODELAY kept at 1 on a carried connection (the program asked 1)",
+                // The kernel's never corked: not at the carry, nor when
+                // the program corks.
+                "TCP_CORK 0 on the carried connection's socket (the program's: 0)",
+                // The first connection's, corked before its first call:
+                // taken off at the carry, the program's.
+                "TCP_CORK 0 on the carried connection's socket (the program's: 1)",
+                "TCP_CORK kept at 0 on a carried connection (the program asked 1)",
+                "TCP_CORK kept at 0 on a carried connection (the program asked 0)",
             ] {
                 assert!(c.stderr.contains(said), "{case}: {said:?} missing: {}", c.describe());
             }
-            let said = "TCP_NODELAY 1 on the carried connection's socket (the program's: 0)";
-            assert_eq!(s.stderr.matches(said).count(), 2, "{case}: {}", s.describe());
+            for said in [
+                "TCP_NODELAY 1 on the carried connection's socket (the program's: 0)",
+                "TCP_CORK 0 on the carried connection's socket (the program's: 0)",
+            ] {
+                assert_eq!(s.stderr.matches(said).count(), 2, "{case}: {}", s.describe());
+            }
+            assert!(!c.stderr.contains("TCP_CORK 1") && !s.stderr.contains("TCP_CORK 1"), "{case}");
         }
         Ok(())
     }

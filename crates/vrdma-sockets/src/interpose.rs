@@ -500,15 +500,14 @@ fn is_listening(fd: c_int) -> bool {
 
 // ---- options ----
 
-/// The library's connection on `fd`, for `TCP_NODELAY` at
-/// `level`/`name`: the library's own connections keep the kernel's on
-/// once carried, and the program's value aside ([`crate::nodelay`]).
-fn nodelay_stream(fd: c_int, level: c_int, name: c_int) -> Option<Arc<Stream>> {
-    if level != libc::IPPROTO_TCP || name != libc::TCP_NODELAY {
-        return None;
-    }
+/// The library's connection on `fd`, for an option at `level`/`name` it
+/// keeps (`TCP_NODELAY`, `TCP_CORK`): the library's own connections keep
+/// the kernel's value once carried, and the program's aside
+/// ([`crate::kept`]).
+fn kept_stream(fd: c_int, level: c_int, name: c_int) -> Option<(&'static crate::kept::Kept, Arc<Stream>)> {
+    let k = crate::kept::find(level, name)?;
     match table::get(fd) {
-        Some(Entry::Stream(s)) => Some(s),
+        Some(Entry::Stream(s)) => Some((k, s)),
         _ => None,
     }
 }
@@ -522,9 +521,9 @@ pub unsafe extern "C" fn setsockopt(
     len: socklen_t,
 ) -> c_int {
     if let Some(_g) = Guard::enter() {
-        if let Some(s) = nodelay_stream(fd, level, name) {
+        if let Some((k, s)) = kept_stream(fd, level, name) {
             // SAFETY: the caller's arguments, as setsockopt(2) takes them.
-            return unsafe { crate::nodelay::set(s.owner.option(), fd, val, len) };
+            return unsafe { k.set(&s.owner, fd, val, len) };
         }
     }
     // SAFETY: libc's setsockopt with the caller's arguments.
@@ -540,9 +539,9 @@ pub unsafe extern "C" fn getsockopt(
     len: *mut socklen_t,
 ) -> c_int {
     if let Some(_g) = Guard::enter() {
-        if let Some(s) = nodelay_stream(fd, level, name) {
+        if let Some((k, s)) = kept_stream(fd, level, name) {
             // SAFETY: the caller's arguments, as getsockopt(2) takes them.
-            return unsafe { crate::nodelay::get(s.owner.option(), fd, val, len) };
+            return unsafe { k.get(&s.owner, fd, val, len) };
         }
     }
     // SAFETY: libc's getsockopt with the caller's arguments.

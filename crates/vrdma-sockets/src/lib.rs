@@ -30,9 +30,9 @@
 //!   connection.
 //! - **Passed through** (the kernel's, which are right for the descriptor
 //!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
-//!   `getpeername`, `setsockopt`/`getsockopt` (but `TCP_NODELAY` on a
-//!   carried connection, which stays on in the kernel for its wake bytes
-//!   and is the program's own value to the program: [`nodelay`]),
+//!   `getpeername`, `setsockopt`/`getsockopt` (but `TCP_NODELAY` and
+//!   `TCP_CORK` on a carried connection: the kernel's kept on and off for
+//!   its wake bytes, the program's own values to the program: [`kept`]),
 //!   `fcntl`'s other commands,
 //!   every call on a descriptor that is not carried (UDP, Unix sockets,
 //!   files, connections to hosts without a linked daemon or to plain TCP
@@ -105,9 +105,9 @@ mod dev;
 mod epoll;
 mod exec;
 mod interpose;
+mod kept;
 mod link;
 mod listener;
-mod nodelay;
 mod owner;
 mod pid;
 mod progress;

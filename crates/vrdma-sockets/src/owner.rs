@@ -25,9 +25,10 @@
 //! own memory, set to its id: a child never takes such a connection (it
 //! fails with `EIO`, as before this module).
 //!
-//! The page's second word is the program's `TCP_NODELAY` on a carried
-//! connection ([`crate::nodelay`]): a socket option every holder sees
-//! alike, as it would the kernel's.
+//! The page's next words are the program's values of the socket options
+//! the library keeps in the kernel on a carried connection, one each
+//! ([`crate::kept::OPTIONS`]: `TCP_NODELAY`, `TCP_CORK`): options every
+//! holder sees alike, as it would the kernel's.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -48,8 +49,8 @@ pub enum Take {
 }
 
 pub struct Owner {
-    /// The driver's word and the option word.
-    words: *const [AtomicU32; 2],
+    /// The driver's word and the option words.
+    words: *const Words,
     /// Whether `words` is a mapped page (unmapped at drop) or leaked heap.
     mapped: bool,
 }
@@ -62,6 +63,10 @@ unsafe impl Send for Owner {}
 unsafe impl Sync for Owner {}
 
 const PAGE: usize = 4096;
+
+/// The driver's word, then one word per kept option.
+type Words = [AtomicU32; 1 + OPTIONS];
+const OPTIONS: usize = crate::kept::OPTIONS.len();
 
 impl Owner {
     /// A new connection's word: free, in a shared page.
@@ -79,13 +84,15 @@ impl Owner {
         };
         if p == libc::MAP_FAILED {
             // Ours only: a child will not take it.
-            let w: &'static [AtomicU32; 2] =
-                Box::leak(Box::new([AtomicU32::new(crate::pid::get()), AtomicU32::new(0)]));
+            let w: &'static Words = Box::leak(Box::new(std::array::from_fn(|i| {
+                AtomicU32::new(if i == 0 { crate::pid::get() } else { 0 })
+            })));
             return Owner { words: w, mapped: false };
         }
         // An anonymous mapping is zeroed: the word reads FREE, the option
-        // word "the kernel's".
-        Owner { words: p.cast::<[AtomicU32; 2]>(), mapped: true }
+        // words "the kernel's".
+        const _: () = assert!(std::mem::size_of::<Words>() <= PAGE);
+        Owner { words: p.cast::<Words>(), mapped: true }
     }
 
     fn word(&self) -> &AtomicU32 {
@@ -93,11 +100,12 @@ impl Owner {
         unsafe { &(*self.words)[0] }
     }
 
-    /// The program's `TCP_NODELAY` on the connection, shared by every
-    /// holder ([`crate::nodelay`]; 0 until the connection is carried).
-    pub fn option(&self) -> &AtomicU32 {
+    /// The program's value of kept option `slot` on the connection,
+    /// shared by every holder ([`crate::kept`]; 0 until the connection is
+    /// carried).
+    pub fn option(&self, slot: usize) -> &AtomicU32 {
         // SAFETY: see the `Send` impl: valid while `self` lives.
-        unsafe { &(*self.words)[1] }
+        unsafe { &(*self.words)[1 + slot] }
     }
 
     /// Takes the connection for this process if nobody has it.

@@ -288,7 +288,7 @@ impl Stream {
         send_all(fd, &[link::ready_byte()])?;
         let mut b = [0u8; 1];
         recv_exact(fd, &mut b)?;
-        crate::nodelay::keep(self.owner.option(), fd);
+        crate::kept::keep_all(&self.owner, fd);
         debug("carried over vRDMA");
         Ok(Hello::Carried(Box::new(link)))
     }

@@ -163,11 +163,14 @@
 //! each until its end. `optclient PORT`: its client, reading
 //! `TCP_NODELAY` as a program sees it on two connections: one it never
 //! sets (says `unset fresh=V carried=V`, before its first call and after
-//! a round trip), and one it sets to 1 before its first call, clears
+//! a round trip; it corks that one before its first call and says `early
+//! cork=V carried=V`, then uncorks it), and one it sets to 1 before its first call, clears
 //! after a round trip, reads with a one-byte option, sets wrongly (a
 //! two-byte option, a null one, a null buffer to read into: the errnos)
 //! and sets again (says `set fresh=V early=V carried=V cleared=V
-//! short=BYTE/LEN errs=E,E,E again=V`).
+//! short=BYTE/LEN errs=E,E,E again=V`); then corks it (`TCP_CORK`),
+//! makes three round trips, uncorks it and makes one more (says `cork
+//! before=V corked=V uncorked=V`).
 //!
 //! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
 //! `echoclient` connect to
@@ -1139,10 +1142,15 @@ fn echos(port: u16, n: u64) -> Result<(), String> {
 /// Sets `TCP_NODELAY` of `fd` to `v` with an option of `len` bytes at
 /// `val` (an int of `v` where null is not asked); the errno if it fails.
 fn set_nodelay_raw(fd: i32, v: i32, len: u32, null: bool) -> Result<(), i32> {
+    set_tcp_raw(fd, libc::TCP_NODELAY, v, len, null)
+}
+
+/// Sets option `name` of `IPPROTO_TCP`, as [`set_nodelay_raw`].
+fn set_tcp_raw(fd: i32, name: i32, v: i32, len: u32, null: bool) -> Result<(), i32> {
     let val: *const libc::c_int = if null { std::ptr::null() } else { &v };
     // SAFETY: setsockopt(2) with an int of ours (or null, which the kernel
     // refuses) and a length of at most its size.
-    let r = unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, libc::TCP_NODELAY, val.cast(), len) };
+    let r = unsafe { libc::setsockopt(fd, libc::IPPROTO_TCP, name, val.cast(), len) };
     if r == 0 {
         Ok(())
     } else {
@@ -1152,6 +1160,10 @@ fn set_nodelay_raw(fd: i32, v: i32, len: u32, null: bool) -> Result<(), i32> {
 
 fn set_nodelay(fd: i32, v: i32) -> Result<(), String> {
     set_nodelay_raw(fd, v, 4, false).map_err(|e| format!("setsockopt(TCP_NODELAY, {v}): errno {e}"))
+}
+
+fn set_cork(fd: i32, v: i32) -> Result<(), String> {
+    set_tcp_raw(fd, libc::TCP_CORK, v, 4, false).map_err(|e| format!("setsockopt(TCP_CORK, {v}): errno {e}"))
 }
 
 /// One 64-byte round trip through `echos`.
@@ -1182,11 +1194,16 @@ fn optclient(port: u16) -> Result<(), String> {
             Err(format!("{} bytes after the last answer", rest.len()))
         }
     };
-    // Never set by the program.
+    // `TCP_NODELAY` never set by the program; `TCP_CORK` set before the
+    // first call (the kernel's then), cleared before the end.
     let mut a = connect()?;
     let fresh = nodelay(a.as_raw_fd());
+    set_cork(a.as_raw_fd(), 1)?;
+    let early = tcp_opt(a.as_raw_fd(), libc::TCP_CORK);
     round_trip(&mut a, 0)?;
     println!("unset fresh={fresh} carried={}", nodelay(a.as_raw_fd()));
+    println!("early cork={early} carried={}", tcp_opt(a.as_raw_fd(), libc::TCP_CORK));
+    set_cork(a.as_raw_fd(), 0)?;
     end(a)?;
     // Set before the first call (not decided yet), then cleared.
     let mut b = connect()?;
@@ -1220,6 +1237,19 @@ fn optclient(port: u16) -> Result<(), String> {
         "set fresh={fresh} early={early} carried={carried} cleared={cleared} short={short}/{len} \
          errs={e1},{e2},{e3} again={again}"
     );
+    // Corked (as a server around a header and a sendfile): the round trips
+    // still complete (the read bounded), then uncorked.
+    b.set_read_timeout(Some(std::time::Duration::from_secs(10))).map_err(|e| e.to_string())?;
+    let before = tcp_opt(fd, libc::TCP_CORK);
+    set_cork(fd, 1)?;
+    let corked = tcp_opt(fd, libc::TCP_CORK);
+    for r in 3..6 {
+        round_trip(&mut b, r)?;
+    }
+    set_cork(fd, 0)?;
+    let uncorked = tcp_opt(fd, libc::TCP_CORK);
+    round_trip(&mut b, 6)?;
+    println!("cork before={before} corked={corked} uncorked={uncorked}");
     end(b)
 }
 
@@ -1245,18 +1275,16 @@ fn expect_end(port: u16) -> Result<(), String> {
 /// The `TCP_NODELAY` of socket `fd` as the program sees it (-1 if it
 /// cannot say).
 fn nodelay(fd: i32) -> i32 {
+    tcp_opt(fd, libc::TCP_NODELAY)
+}
+
+/// Option `name` of `IPPROTO_TCP` of socket `fd` as the program sees it
+/// (-1 if it cannot say).
+fn tcp_opt(fd: i32, name: i32) -> i32 {
     let mut v: libc::c_int = -1;
     let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: getsockopt(2) into an int of ours, with its size.
-    unsafe {
-        libc::getsockopt(
-            fd,
-            libc::IPPROTO_TCP,
-            libc::TCP_NODELAY,
-            (&mut v as *mut libc::c_int).cast(),
-            &mut len,
-        )
-    };
+    unsafe { libc::getsockopt(fd, libc::IPPROTO_TCP, name, (&mut v as *mut libc::c_int).cast(), &mut len) };
     v
 }
 
