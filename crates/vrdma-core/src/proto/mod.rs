@@ -605,6 +605,7 @@ mod tests {
                         ahead_kernel: m,
                         daemon_wait_ns: m,
                         capped_ns: u64::MAX,
+                        ahead_kernel_samples: u64::MAX,
                     }
                 },
             },

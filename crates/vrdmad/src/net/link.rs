@@ -32,7 +32,7 @@ use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant as Clock};
 
 use arrayvec::ArrayVec;
-use vrdma_core::hca::{Hca, IoSeg, LinkId, Sampled, Sink, Transmit};
+use vrdma_core::hca::{Hca, IoSeg, LinkId, LinkQueues, Sampled, Sink, Transmit};
 use vrdma_core::memory::Region;
 use vrdma_core::ring::MAX_SGE;
 use vrdma_core::time::Instant;
@@ -85,8 +85,27 @@ pub const DEFAULT_MAX_QUEUED_KIB: u32 = 128;
 const BOUND_LINGER: Duration = Duration::from_millis(100);
 
 /// While a latency-class tenant is active, one pass in this many samples
-/// the queues ahead of its next frame (three `ioctl`s a sampled pass).
+/// the queues ahead of its next frame (three `ioctl`s a sampled pass),
+/// and one of its frames in this many the kernel's queue ahead of it
+/// (one `ioctl`: [`count_latency_frame`]).
 const SAMPLE_EVERY: u32 = 8;
+
+/// Counts a latency-class frame handed to the driver with `ahead` bytes
+/// ahead of it in the daemon's queue, and samples the kernel's queue
+/// (`kernel`, an `ioctl`) for one such frame in [`SAMPLE_EVERY`]: the
+/// link's first, then every [`SAMPLE_EVERY`]th. The victim's frames are
+/// small and many; a system call each would cost it more than the
+/// figure is worth. The same rate as the passes' samples, for the same
+/// reason; the count of samples is kept beside their sum, so the mean is
+/// over the sampled frames.
+fn count_latency_frame(q: &mut LinkQueues, ahead: u64, kernel: impl FnOnce() -> Option<u64>) {
+    if q.latency_frames.is_multiple_of(u64::from(SAMPLE_EVERY)) {
+        q.ahead_kernel_samples += 1;
+        q.ahead_kernel.add(kernel().unwrap_or(0));
+    }
+    q.latency_frames += 1;
+    q.ahead_daemon.add(ahead);
+}
 
 /// `ioctl`s of a TCP socket (linux/sockios.h): bytes not yet acknowledged
 /// by the peer (unsent and in flight), and bytes not yet sent.
@@ -951,11 +970,9 @@ impl LinkIo {
         };
         let ahead =
             self.txq.iter().take(at).map(Transmit::len).sum::<usize>() - if at > 0 { self.tx_off } else { 0 };
-        let outq = queued_bytes(self.sock.as_raw_fd(), SIOCOUTQ).unwrap_or(0);
         if let Some(q) = hca.link_queues_mut(self.id) {
-            q.latency_frames += 1;
-            q.ahead_daemon.add(ahead as u64);
-            q.ahead_kernel.add(outq);
+            let fd = self.sock.as_raw_fd();
+            count_latency_frame(q, ahead as u64, || queued_bytes(fd, SIOCOUTQ));
         }
         self.latency_marks.push_back(Clock::now());
         self.txq.insert(at, t);
@@ -1275,6 +1292,7 @@ mod tests {
             assert!(at(0x55) < at(0x66), "the latency class's own frames keep their order");
             let q = hca.link_queues_mut(link.id).unwrap();
             assert_eq!(q.latency_frames, 2);
+            assert_eq!(q.ahead_kernel_samples, 1, "the kernel's queue asked for the first frame only");
             if first {
                 assert_eq!(at(0x55), under_way_ends, "written right after the frame under way");
                 assert!(q.ahead_daemon.max <= BULK as u64, "{q:?}");
@@ -1283,6 +1301,33 @@ mod tests {
                 assert!(q.ahead_daemon.max >= (FRAMES * BULK - under_way_ends) as u64, "{q:?}");
             }
             assert!(link.latency_marks.is_empty(), "each latency frame's wait counted once written");
+        }
+    }
+
+    /// Of K latency-class frames the kernel's queue is asked for
+    /// ceil(K / SAMPLE_EVERY), the link's first and every
+    /// `SAMPLE_EVERY`th, and the mean is over those: the bytes ahead in
+    /// the daemon's queue are still counted for each frame.
+    #[test]
+    fn the_kernel_queue_ahead_of_latency_frames_is_asked_for_one_frame_in_sample_every() {
+        let n = u64::from(SAMPLE_EVERY);
+        for k in [1, n - 1, n, n + 1, 3 * n + 2] {
+            let mut q = LinkQueues::default();
+            let mut asked = Vec::new();
+            for i in 0..k {
+                count_latency_frame(&mut q, 10, || {
+                    asked.push(i);
+                    Some(1000 * (i + 1))
+                });
+            }
+            let sampled: Vec<u64> = (0..k).step_by(n as usize).collect();
+            assert_eq!(asked, sampled, "K = {k}: one ioctl per {n} frames");
+            assert_eq!(q.ahead_kernel_samples, k.div_ceil(n));
+            assert_eq!(q.latency_frames, k);
+            assert_eq!(q.ahead_daemon.sum, 10 * k, "the daemon's queue counted for every frame");
+            let mean = sampled.iter().map(|i| 1000 * (i + 1)).sum::<u64>() as f64 / sampled.len() as f64;
+            assert_eq!(q.ahead_kernel.mean(q.ahead_kernel_samples), mean, "K = {k}");
+            assert_eq!(q.ahead_kernel.max, 1000 * (sampled.last().unwrap() + 1));
         }
     }
 

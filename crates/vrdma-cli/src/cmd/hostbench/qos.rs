@@ -183,6 +183,7 @@ fn since(a: &LinkQueues, b: &LinkQueues) -> LinkQueues {
         ahead_kernel: d(&a.ahead_kernel, &b.ahead_kernel),
         daemon_wait_ns: d(&a.daemon_wait_ns, &b.daemon_wait_ns),
         capped_ns: b.capped_ns.saturating_sub(a.capped_ns),
+        ahead_kernel_samples: b.ahead_kernel_samples.saturating_sub(a.ahead_kernel_samples),
     }
 }
 
@@ -356,6 +357,7 @@ fn breakdown(class: &str, runs: &[Run]) -> String {
             q.rx_samples += x.rx_samples;
             q.capped_ns += x.capped_ns;
             q.latency_frames += x.latency_frames;
+            q.ahead_kernel_samples += x.ahead_kernel_samples;
             for (a, b) in [
                 (&mut q.daemon, &x.daemon),
                 (&mut q.unsent, &x.unsent),
@@ -393,10 +395,11 @@ fn breakdown(class: &str, runs: &[Run]) -> String {
             let n = q.latency_frames;
             out.push_str(&format!(
                 "latency_class = {class:<9} host {} victim frames sent {n}: ahead of each, KiB mean/max: daemon {} \
-                 kernel (unsent + in flight) {}; its wait to be written, µs mean/max {:.1}/{:.1}\n",
+                 kernel (unsent + in flight) {} ({} sampled); its wait to be written, µs mean/max {:.1}/{:.1}\n",
                 h + 1,
                 kib(&q.ahead_daemon, n),
-                kib(&q.ahead_kernel, n),
+                kib(&q.ahead_kernel, q.ahead_kernel_samples),
+                q.ahead_kernel_samples,
                 q.daemon_wait_ns.mean(n) / 1e3,
                 q.daemon_wait_ns.max as f64 / 1e3,
             ));
@@ -423,5 +426,22 @@ mod tests {
         assert!(t.contains("2.50x  <= 2x     NOT met"), "{t}");
         assert!(t.contains("0.95x  >= 0.90x  met"), "{t}");
         assert!(t.contains("cpu-only") && t.contains("0.50x  reference"), "{t}");
+    }
+
+    /// The kernel's queue ahead of the victim's frames is sampled for one
+    /// frame in a few: its mean is over the sampled frames, not all.
+    #[test]
+    fn the_kernel_queue_ahead_of_the_victim_is_a_mean_over_its_samples() {
+        let mut q = LinkQueues {
+            latency_frames: 16,
+            ahead_daemon: Sampled { sum: 16 << 10, max: 1 << 10 },
+            ahead_kernel: Sampled { sum: 8 << 10, max: 6 << 10 },
+            ahead_kernel_samples: 2,
+            ..LinkQueues::default()
+        };
+        q.daemon_wait_ns = Sampled { sum: 16_000, max: 2_000 };
+        let run = Run { median: [1.0; 2], p99: [1.0; 2], hog: [1.0; 2], cpu: [1.0; 2], queues: [q, q] };
+        let t = breakdown("\"latency\"", &[run, run]);
+        assert!(t.contains("victim frames sent 32: ahead of each, KiB mean/max: daemon 1/1 kernel (unsent + in flight) 4/6 (4 sampled)"), "{t}");
     }
 }

@@ -144,14 +144,21 @@ pub struct LinkQueues {
     pub rx_payload: Sampled,
     /// Frames of a latency-class tenant sent, and for each as the core
     /// handed it to the driver: the bytes ahead of it in the daemon's
-    /// queue and in the kernel's (unsent and in flight), and then the time
-    /// until its last byte was written to the socket, in ns.
+    /// queue, and then the time until its last byte was written to the
+    /// socket, in ns. The bytes ahead of it in the kernel's queue (unsent
+    /// and in flight) are `ahead_kernel`, over `ahead_kernel_samples`
+    /// of these frames only.
     pub latency_frames: u64,
     pub ahead_daemon: Sampled,
     pub ahead_kernel: Sampled,
     pub daemon_wait_ns: Sampled,
     /// Time the daemon's queue was held at `net.max_queued_kib`, in ns.
     pub capped_ns: u64,
+    /// The latency-class frames whose `ahead_kernel` was sampled: asking
+    /// the kernel is a system call, so the driver does it for one frame
+    /// in a few (the first of the link's, then every few), not for each
+    /// small frame. `ahead_kernel`'s mean is over these.
+    pub ahead_kernel_samples: u64,
 }
 
 /// The sum and the largest of a series of samples (their count is kept
