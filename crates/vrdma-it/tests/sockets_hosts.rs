@@ -87,6 +87,36 @@ fn pair(
     Ok(Outcome { client, server, counts: ctx.sock_counts()? })
 }
 
+/// `sockapp SERVER PORT ARGS..` in host b (listening on every address,
+/// registered) and `sockapp CLIENT PORT ARGS..` in host a towards b, both
+/// preloaded; both must succeed with their connection carried.
+fn carried_pair(h: &NetnsHosts, server: &[&str], client: &[&str]) -> Result<(Finished, Finished)> {
+    let ctx = h.b.context()?;
+    let port = free_port().to_string();
+    let args = |a: &[&str]| -> Vec<String> {
+        let mut v = vec![a[0].to_string(), port.clone()];
+        v.extend(a[1..].iter().map(|s| s.to_string()));
+        v
+    };
+    let mut sc = sockapp(h, 1, true, None, &args(server));
+    sc.env("SOCKAPP_BIND", "0.0.0.0");
+    let s: Running = spawn(sc, &format!("{} in b", server[0]));
+    let pid = s.pid();
+    let p: u16 = port.parse()?;
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening_in(pid, p) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let mut cc = sockapp(h, 0, true, None, &args(client));
+    cc.env("SOCKAPP_HOST", &h.net.addr[1]);
+    let c = spawn(cc, &format!("{} in a", client[0])).finish(LIMIT);
+    let s = s.finish(LIMIT);
+    s.assert_ok();
+    c.assert_ok();
+    assert!(s.stderr.contains(CARRIED), "{}", s.describe());
+    assert!(c.stderr.contains(CARRIED), "{}", c.describe());
+    Ok((s, c))
+}
+
 fn have_lib() -> bool {
     Path::new(&built("libvrdma_sockets.so")).exists()
 }
@@ -158,24 +188,7 @@ fn readiness_across_hosts_never_comes_without_bytes() -> Result<()> {
     let _one = harness::one_at_a_time();
     assert!(have_lib());
     let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
-    let ctx = h.b.context()?;
-    let port = free_port();
-    let rounds = "200".to_string();
-    let mut sc = sockapp(&h, 1, true, None, &["selectserver".into(), port.to_string(), rounds.clone()]);
-    sc.env("SOCKAPP_BIND", "0.0.0.0");
-    let s: Running = spawn(sc, "select server in b");
-    let pid = s.pid();
-    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
-        listening_in(pid, port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
-    })?;
-    let mut cc = sockapp(&h, 0, true, None, &["msgclient".into(), port.to_string(), rounds]);
-    cc.env("SOCKAPP_HOST", &h.net.addr[1]);
-    let client = spawn(cc, "message client in a").finish(LIMIT);
-    let server = s.finish(LIMIT);
-    server.assert_ok();
-    client.assert_ok();
-    assert!(server.stderr.contains(CARRIED), "{}", server.describe());
-    assert!(client.stderr.contains(CARRIED), "{}", client.describe());
+    let (server, _) = carried_pair(&h, &["selectserver", "200"], &["msgclient", "200"])?;
     assert!(server.stdout.contains("rounds 200"), "{}", server.describe());
     Ok(())
 }
@@ -198,24 +211,9 @@ fn a_poll_driven_stream_across_hosts_never_waits_for_a_lost_credit_answer() -> R
     let _one = harness::one_at_a_time();
     assert!(have_lib());
     let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
-    let ctx = h.b.context()?;
-    let port = free_port();
-    let mut sc = sockapp(&h, 1, true, None, &["pollserver".into(), port.to_string()]);
-    sc.env("SOCKAPP_BIND", "0.0.0.0");
-    let s: Running = spawn(sc, "poll server in b");
-    let pid = s.pid();
-    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
-        listening_in(pid, port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
-    })?;
     // 256 ring sizes: the ring fills again and again.
-    let mut cc = sockapp(&h, 0, true, None, &["nbflood".into(), port.to_string(), (64u64 << 20).to_string()]);
-    cc.env("SOCKAPP_HOST", &h.net.addr[1]);
-    let client = spawn(cc, "poll writer in a").finish(LIMIT);
-    let server = s.finish(LIMIT);
-    server.assert_ok();
-    client.assert_ok();
-    assert!(server.stderr.contains(CARRIED), "{}", server.describe());
-    assert!(client.stderr.contains(CARRIED), "{}", client.describe());
+    let bytes = (64u64 << 20).to_string();
+    let (server, client) = carried_pair(&h, &["pollserver"], &["nbflood", &bytes])?;
     // Each end's kernel socket is `TCP_NODELAY` and not corked (its
     // library read them back once carried), and each program reads its
     // own `TCP_NODELAY`: 0, as it set none.
