@@ -504,52 +504,32 @@ impl CmDriver {
     pub fn run(
         &mut self,
         now: Instant,
-        send: impl FnMut(Ipv4Addr, &CmMessage) -> Result<(), &'static str>,
-        modify: ModifyQp,
-    ) -> Option<Instant> {
-        self.run_flushing(now, send, || {}, modify)
-    }
-
-    /// [`run`](Self::run), with `flush` called after messages went to
-    /// `send` and before the events of the same round are rung, so that
-    /// the driver writes them to the links first. A REP's RTU is the
-    /// acceptor's ESTABLISHED, the last event of a connection's setup;
-    /// rung first, the requester's ESTABLISHED woke its program, which
-    /// took the CPU from the thread about to send the RTU on a busy host
-    /// (across two namespaces on two loaded cores, the RTU was written
-    /// 62 µs after its REP came in; 38 µs once written first).
-    pub fn run_flushing(
-        &mut self,
-        now: Instant,
         mut send: impl FnMut(Ipv4Addr, &CmMessage) -> Result<(), &'static str>,
-        mut flush: impl FnMut(),
         modify: ModifyQp,
     ) -> Option<Instant> {
         if self.cm.poll_timeout().is_some_and(|t| t <= now) {
             self.cm.handle_timeout(now);
         }
-        // Rounds until nothing moves: delivering an event may answer a
-        // request (a refusal), and that answer goes now, and a message
-        // handed to a manager of this host may make an event. Bounded: a
-        // message answered locally makes at most one more (REQ → REP →
-        // RTU, DREQ → DREP), and calls come one at a time.
-        let mut ready = Vec::new();
-        for _ in 0..3 {
-            let (mut handed, mut sent) = self.transmit(now, &mut send);
-            // A REP's QP moves here, and its RTU (or REJ) joins what goes
-            // out before any event is rung.
+        // Twice: delivering an event may answer a request (a refusal), and
+        // that answer goes now. Bounded: a message answered locally makes at
+        // most one more (REQ → REP → RTU, DREQ → DREP), and calls come one
+        // at a time.
+        for _ in 0..2 {
+            for _ in 0..1024 {
+                let Some((host, msg)) = self.cm.poll_transmit() else { break };
+                if self.cm.is_local(host) {
+                    // Both ends are here: the sender is named by the address
+                    // the message went to, which is the one each side knows
+                    // the other by.
+                    self.cm.handle_message(host, msg);
+                } else if let Err(why) = send(host, &msg) {
+                    const UNREACHABLE: &str = "an rdma_cm message cannot reach its host: its connections end";
+                    limited_warn!(self.log, Source::Address(host.into()), now, UNREACHABLE, %host, why);
+                    self.cm.link_down(host);
+                }
+            }
             while let Some(ev) = self.cm.poll_event() {
-                ready.push(self.complete_connect(ev, &mut *modify));
-            }
-            let (more, more_sent) = self.transmit(now, &mut send);
-            (handed, sent) = (handed | more, sent | more_sent);
-            if sent {
-                flush();
-            }
-            if !handed && ready.is_empty() {
-                break;
-            }
-            for ev in ready.drain(..) {
+                let ev = self.complete_connect(ev, &mut *modify);
                 self.deliver(ev, now);
             }
         }
@@ -560,34 +540,6 @@ impl CmDriver {
             return Some(now);
         }
         self.cm.poll_timeout()
-    }
-
-    /// Hands the manager's messages (up to a bound) to their managers: here
-    /// at once, or through `send`. Whether any was handed, and whether any
-    /// went through `send`.
-    fn transmit(
-        &mut self,
-        now: Instant,
-        send: &mut impl FnMut(Ipv4Addr, &CmMessage) -> Result<(), &'static str>,
-    ) -> (bool, bool) {
-        let (mut handed, mut sent) = (false, false);
-        for _ in 0..1024 {
-            let Some((host, msg)) = self.cm.poll_transmit() else { break };
-            handed = true;
-            if self.cm.is_local(host) {
-                // Both ends are here: the sender is named by the address
-                // the message went to, which is the one each side knows
-                // the other by.
-                self.cm.handle_message(host, msg);
-            } else if let Err(why) = send(host, &msg) {
-                const UNREACHABLE: &str = "an rdma_cm message cannot reach its host: its connections end";
-                limited_warn!(self.log, Source::Address(host.into()), now, UNREACHABLE, %host, why);
-                self.cm.link_down(host);
-            } else {
-                sent = true;
-            }
-        }
-        (handed, sent)
     }
 
     /// The kernel's handling of a REP for an id with a QP: the QP to RTR
@@ -1138,74 +1090,6 @@ mod tests {
             }
         }
         assert!(!tenant_end.is_readable(), "quiet once all are read");
-    }
-
-    /// Across hosts, a REP's RTU is handed to the links and flushed
-    /// before the requester's ESTABLISHED is rung: the acceptor's
-    /// ESTABLISHED, the last event of a setup, waits on the RTU, and the
-    /// requester's program, woken first, would take the CPU from the
-    /// thread about to write it.
-    #[test]
-    fn a_reps_rtu_is_written_before_the_requesters_established_is_rung() {
-        let (a_ip, b_ip) = (Ipv4Addr::new(10, 0, 0, 2), Ipv4Addr::new(10, 0, 0, 1));
-        let driver =
-            |ip| CmDriver::new(ConnectionManager::new(Default::default(), vec![ip], Box::new(Keys(1))));
-        let (mut a, mut b) = (driver(a_ip), driver(b_ip));
-        let (fd, c_end) = Doorbell::pair().unwrap();
-        let c_ch = a.add_channel(CLI, T, fd).unwrap();
-        let (fd, _s_end) = Doorbell::pair().unwrap();
-        let s_ch = b.add_channel(SRV, T, fd).unwrap();
-        let now = Instant(1);
-        let out = std::cell::RefCell::new(Vec::new());
-        let send = |_: Ipv4Addr, m: &CmMessage| {
-            out.borrow_mut().push(m.clone());
-            Ok(())
-        };
-        let ok = || |_: ContextId, _: u32, _: &QpAttr, _: QpAttrMask| Ok::<(), HcaError>(());
-        let call = |d: &mut CmDriver, ctx, req| match d.handle(ctx, T, req, now, &mut ok()) {
-            Ok(r) => r,
-            Err(e) => panic!("{e}"),
-        };
-        let at = SocketAddrV4::new(b_ip, 7471);
-        let CmReply::Id { id: l } = call(&mut b, SRV, CmRequest::CreateId { channel: s_ch, ps: 0x0106 })
-        else {
-            panic!()
-        };
-        call(&mut b, SRV, CmRequest::Bind { id: l, addr: at });
-        call(&mut b, SRV, CmRequest::Listen { id: l, backlog: 8 });
-        let CmReply::Id { id } = call(&mut a, CLI, CmRequest::CreateId { channel: c_ch, ps: 0x0106 }) else {
-            panic!()
-        };
-        call(&mut a, CLI, CmRequest::ResolveAddr { id, src: None, dst: at });
-        call(&mut a, CLI, CmRequest::ResolveRoute { id });
-        call(&mut a, CLI, CmRequest::AttachQp { id, qp: 0x20 });
-        call(&mut a, CLI, CmRequest::Connect { id, conn: ConnInfo::default() });
-        a.run(now, send, &mut ok());
-        for m in out.take() {
-            b.cm.handle_message(a_ip, m);
-        }
-        b.run(now, send, &mut ok());
-        let req = next_event(&mut b, SRV, s_ch).expect("a request");
-        call(&mut b, SRV, CmRequest::AttachQp { id: req.id, qp: 0x30 });
-        call(&mut b, SRV, CmRequest::Accept { id: req.id, conn: ConnInfo::default(), qkey: 0 });
-        b.run(now, send, &mut ok());
-        let rep = out.take();
-        assert!(matches!(rep[..], [CmMessage::Rep { .. }]), "{rep:?}");
-        // What the requester read so far is taken, as its library would.
-        while next_event(&mut a, CLI, c_ch).is_some() {}
-        while c_end.take_one() {}
-        for m in rep {
-            a.cm.handle_message(b_ip, m);
-        }
-        // At each flush: what had gone out, and whether ESTABLISHED was rung.
-        let flushes = std::cell::RefCell::new(Vec::new());
-        let flush = || flushes.borrow_mut().push((out.borrow().len(), c_end.is_readable()));
-        a.run_flushing(now, send, flush, &mut ok());
-        let sent = out.take();
-        assert!(matches!(sent[..], [CmMessage::Rtu { .. }]), "{sent:?}");
-        assert_eq!(flushes.take(), [(1, false)], "one flush, after the RTU went and before any wake-up");
-        let ev = next_event(&mut a, CLI, c_ch).expect("the requester's event");
-        assert_eq!((ev.id, ev.kind), (id, EventKind::Established));
     }
 
     /// A route the library resolved (`RouteReported`, or `ConnectRouted`

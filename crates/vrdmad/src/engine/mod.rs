@@ -190,28 +190,29 @@ impl EngineState {
                 self.cm.cm.link_down(host);
             }
         }
-        // The links are the sender's and the flusher's in turn.
-        let net = std::cell::RefCell::new(&mut self.net);
+        let net = &mut self.net;
         let (hca, rings) = (&mut self.hca, &mut self.rings);
         let mut modify = |c, qp, attr: &_, mask| hca.modify_qp(c, qp, attr, mask, rings).map(drop);
-        // What the manager sent to other hosts is written before its
-        // events are rung (see `CmDriver::run_flushing`): a call runs on its
-        // caller's thread, and the engine's next pass may be a wake-up away.
-        let next = self.cm.run_flushing(
+        let mut sent = false;
+        let next = self.cm.run(
             now,
-            |host, msg| match net.borrow_mut().as_mut() {
-                Some(n) => n.send_cm(host, msg),
+            |host, msg| match net.as_mut() {
+                Some(n) => {
+                    sent = true;
+                    n.send_cm(host, msg)
+                }
                 None => {
                     Err("the transport between daemons is off: set net.psk (or net.psk_file) on both hosts")
                 }
             },
-            || {
-                if let Some(n) = net.borrow_mut().as_mut() {
-                    n.write_now();
-                }
-            },
             &mut modify,
         );
+        // What the manager sent to other hosts goes now: a call runs on
+        // its caller's thread, and the engine's next pass may be a wake-up
+        // away.
+        if let Some(n) = self.net.as_mut().filter(|_| sent) {
+            n.write_now();
+        }
         next
     }
 
