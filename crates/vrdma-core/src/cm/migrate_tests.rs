@@ -3,8 +3,8 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use super::*;
+use crate::cm::tests::Counter;
 use crate::cm::CmConfig;
-use crate::hca::KeySource;
 
 const A: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 1);
 const B: Ipv4Addr = Ipv4Addr::new(10, 0, 0, 2);
@@ -14,15 +14,6 @@ const T: TenantId = TenantId(1000);
 const CG: ContextId = ContextId(0x0100_0001);
 const CB: ContextId = ContextId(0x0200_0001);
 const T0: Instant = Instant(1_000_000_000);
-
-struct Counter(u32);
-
-impl KeySource for Counter {
-    fn next_key(&mut self) -> u32 {
-        self.0 += 0x101;
-        self.0
-    }
-}
 
 struct Hosts {
     cms: [ConnectionManager; 3],

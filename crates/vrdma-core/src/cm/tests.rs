@@ -14,7 +14,8 @@ const CA: ContextId = ContextId(1);
 const CB: ContextId = ContextId(2);
 const T0: Instant = Instant(1_000_000_000);
 
-struct Counter(u32);
+/// Keys 0x101 apart from a start (also the migration tests' key source).
+pub(super) struct Counter(pub(super) u32);
 
 impl KeySource for Counter {
     fn next_key(&mut self) -> u32 {
