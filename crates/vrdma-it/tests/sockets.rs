@@ -394,6 +394,19 @@ mod preload {
                 assert_eq!(s.stderr.matches(said).count(), 2, "{case}: {}", s.describe());
             }
             assert!(!c.stderr.contains("TCP_CORK 1") && !s.stderr.contains("TCP_CORK 1"), "{case}");
+            // Each hello went with the library's values, also that of the
+            // connection the program corked before its first call (its
+            // hello would have waited for the cork's 200 ms).
+            for out in [&c, &s] {
+                let hellos: Vec<&str> = out.stderr.lines().filter(|l| l.contains("hello sent")).collect();
+                assert_eq!(hellos.len(), 2, "{case}: {}", out.describe());
+                for l in hellos {
+                    assert!(
+                        l.ends_with("hello sent (the kernel's TCP_NODELAY 1, TCP_CORK 0)"),
+                        "{case}: {l}"
+                    );
+                }
+            }
         }
         Ok(())
     }

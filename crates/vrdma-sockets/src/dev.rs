@@ -115,10 +115,15 @@ pub fn call_before_exec<T>(f: impl Fn(&Context) -> vrdma::Result<T>) -> Option<v
     Some(f(&ctx))
 }
 
+/// Whether `VRDMA_SOCKETS_DEBUG` is set: [`debug`] prints.
+pub fn debugging() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var_os("VRDMA_SOCKETS_DEBUG").is_some())
+}
+
 /// One line on stderr when `VRDMA_SOCKETS_DEBUG` is set.
 pub fn debug(msg: &str) {
-    static ON: OnceLock<bool> = OnceLock::new();
-    if *ON.get_or_init(|| std::env::var_os("VRDMA_SOCKETS_DEBUG").is_some()) {
+    if debugging() {
         eprintln!("vrdma-sockets[{}]: {msg}", std::process::id());
     }
 }

@@ -24,12 +24,15 @@
 //! wake bytes need nor see a value it did not set. On a carried
 //! connection each option of [`OPTIONS`] is therefore the program's view:
 //! the library remembers the program's value (at first what the kernel
-//! had when the connection was carried: what the program set before its
-//! first call, or what its listener passed on, 0 by default), `getsockopt`
-//! reports it, and `setsockopt` records it and puts the kernel's back
-//! ([`Kept::keep`] at the carry takes a cork set before off). On any other
-//! connection (plain TCP, not decided yet) both go to the kernel, as they
-//! would without the library.
+//! had when the library began to carry it: what the program set before
+//! its first call, or what its listener passed on, 0 by default),
+//! `getsockopt` reports it, and `setsockopt` records it and puts the
+//! kernel's back. The library's values are set before the two libraries'
+//! hellos and ready bytes, which would otherwise wait too (a cork set
+//! before the first call held each hello 200 ms); if the connection stays
+//! plain TCP after all (the peer declined) the program's go back into the
+//! kernel ([`give_back_all`]). On any other connection (plain TCP, not
+//! decided yet) both go to the kernel, as they would without the library.
 //!
 //! The kernel still checks each call as it would (a short option is
 //! `EINVAL`, a bad pointer `EFAULT`): it gets the program's arguments
@@ -89,6 +92,22 @@ pub fn keep_all(owner: &Owner, fd: c_int) {
     }
 }
 
+/// The connection on `fd` stays plain TCP after all (the peer declined,
+/// or the exchange failed) after [`keep_all`]: the program's values go
+/// back into the kernel, which holds them from now on.
+pub fn give_back_all(owner: &Owner, fd: c_int) {
+    for k in &OPTIONS {
+        k.give_back(owner.option(k.slot), fd);
+    }
+}
+
+/// The kernel's values of the options on `fd`, for a debug line.
+pub fn kernel_values(fd: c_int) -> String {
+    let v: Vec<String> =
+        OPTIONS.iter().map(|k| format!("{} {}", k.label, k.kernel(fd).unwrap_or(-1))).collect();
+    v.join(", ")
+}
+
 /// The kernel's value is the program's (the connection is not carried).
 const KERNEL: u32 = 0;
 const BUSY: u32 = 1 << 31;
@@ -140,7 +159,11 @@ impl Kept {
 
     /// Sets the kernel's value to the library's.
     fn put_back(&self, fd: c_int) {
-        let v: c_int = self.kernel;
+        self.set_kernel(fd, self.kernel);
+    }
+
+    /// Sets the kernel's value to `v`.
+    fn set_kernel(&self, fd: c_int, v: c_int) {
         // SAFETY: setsockopt(2) with a valid pointer to an int and its size.
         unsafe {
             real::setsockopt(
@@ -168,6 +191,18 @@ impl Kept {
             self.kernel(fd).unwrap_or(-1),
             h.v - 1
         ));
+    }
+
+    /// The connection on `fd`, whose option word is `word`, stays plain
+    /// TCP: the program's value goes back into the kernel, which is the
+    /// program's view again.
+    fn give_back(&self, word: &AtomicU32, fd: c_int) {
+        let mut h = lock(word);
+        if let Some(v) = h.kept() {
+            self.set_kernel(fd, v);
+            h.v = KERNEL;
+            debug(&format!("{} {} given back to the kernel (plain TCP)", self.label, v));
+        }
     }
 
     /// `setsockopt(fd, IPPROTO_TCP, name, val, len)` on a connection of
@@ -328,6 +363,34 @@ mod tests {
             asks(k, &word, fd, 0, 4).unwrap();
             k.keep(&word, fd);
             assert_eq!((seen(k, &word, fd), k.kernel(fd)), (0, Some(k.kernel)), "{}", k.label);
+        }
+    }
+
+    /// A connection that stays plain TCP after its options were kept
+    /// gets the program's values back in the kernel, including one set
+    /// meanwhile, and the kernel's is the program's view again.
+    #[test]
+    fn a_connection_that_stays_tcp_gets_the_programs_values_back() {
+        for k in &OPTIONS {
+            let (c, _s) = pair();
+            let fd = c.as_raw_fd();
+            let word = AtomicU32::new(KERNEL);
+            let programs = 1 - k.kernel;
+            asks(k, &word, fd, programs, 4).unwrap();
+            k.keep(&word, fd);
+            assert_eq!(k.kernel(fd), Some(k.kernel), "{}", k.label);
+            k.give_back(&word, fd);
+            assert_eq!((seen(k, &word, fd), k.kernel(fd)), (programs, Some(programs)), "{}", k.label);
+            assert_eq!(word.load(Ordering::Acquire), KERNEL, "{}", k.label);
+            // Set while kept: that is what goes back.
+            k.keep(&word, fd);
+            asks(k, &word, fd, k.kernel, 4).unwrap();
+            k.give_back(&word, fd);
+            assert_eq!(k.kernel(fd), Some(k.kernel), "{}", k.label);
+            // Nothing kept: nothing changes.
+            asks(k, &word, fd, programs, 4).unwrap();
+            k.give_back(&word, fd);
+            assert_eq!(k.kernel(fd), Some(programs), "{}", k.label);
         }
     }
 

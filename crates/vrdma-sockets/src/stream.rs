@@ -277,7 +277,25 @@ impl Stream {
             return Err(ENDED);
         }
         let half = Half::new(d).map_err(|e| e.errno())?;
+        // The hellos and ready bytes go at once: a cork or Nagle the
+        // program set before its first call would hold each for up to
+        // 200 ms (a cork's timeout) or a delayed ACK. The program's
+        // values are kept from here, and given back if the connection
+        // stays plain TCP.
+        crate::kept::keep_all(&self.owner, fd);
+        let r = self.hellos(fd, half);
+        if !matches!(r, Ok(Hello::Carried(_))) {
+            crate::kept::give_back_all(&self.owner, fd);
+        }
+        r
+    }
+
+    /// [`Stream::exchange`]'s messages, the socket's options kept.
+    fn hellos(&self, fd: c_int, half: Half) -> Res<Hello> {
         send_all(fd, half.hello())?;
+        if crate::dev::debugging() {
+            debug(&format!("hello sent (the kernel's {})", crate::kept::kernel_values(fd)));
+        }
         let mut peer = [0u8; HELLO_LEN];
         recv_exact(fd, &mut peer)?;
         if link::is_decline(&peer) {
@@ -288,7 +306,6 @@ impl Stream {
         send_all(fd, &[link::ready_byte()])?;
         let mut b = [0u8; 1];
         recv_exact(fd, &mut b)?;
-        crate::kept::keep_all(&self.owner, fd);
         debug("carried over vRDMA");
         Ok(Hello::Carried(Box::new(link)))
     }
