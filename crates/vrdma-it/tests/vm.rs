@@ -497,6 +497,55 @@ fn dropped_guest_contexts_give_their_ports_back() -> Result<()> {
     Ok(())
 }
 
+/// A guest that makes and destroys completion channels, over and over,
+/// holds no descriptor in the daemon for those it destroyed: each one's
+/// doorbell proxy closes with it (the guest is told, so its library
+/// closes its end too). They stayed open until the session ended, one
+/// per channel ever destroyed: a guest looping on it ran the daemon out
+/// of descriptors, for every tenant.
+#[test]
+fn a_destroyed_completion_channels_doorbell_closes_with_it() -> Result<()> {
+    const ROUNDS: usize = 64;
+    let d = daemon_with_vm("")?;
+    let open_fds = || std::fs::read_dir(format!("/proc/{}/fd", d.proc.pid())).map(|r| r.count());
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let mut p = RawPort::connect(&vm)?;
+    p.open()?;
+    let before = open_fds()?;
+    for round in 0..ROUNDS {
+        let (reply, handles) = p.call(Request::CreateCompChannel)?;
+        let Reply::CompChannel { channel, .. } = reply else { bail!("round {round}: {reply:?}") };
+        let bell = match handles.as_slice() {
+            [.., Handle::Bell { id, .. }] => *id,
+            other => bail!("round {round}: the channel came with {other:?}"),
+        };
+        assert_eq!(p.call(Request::DestroyCompChannel { channel })?.0, Reply::Done, "round {round}");
+        match p.recv(WAIT)? {
+            Some(Frame::Close { id }) => assert_eq!(id, bell, "round {round}"),
+            other => bail!("round {round}: expected the doorbell's close, got {other:?}"),
+        }
+    }
+    // A channel still in use keeps its doorbell; a failed destroy too.
+    let (reply, _) = p.call(Request::CreateCompChannel)?;
+    let Reply::CompChannel { channel, .. } = reply else { bail!("{reply:?}") };
+    let cq = match p.call(Request::CreateCq { cqe: 4, channel: Some(channel) })?.0 {
+        Reply::Cq { cq, .. } => cq,
+        other => bail!("{other:?}"),
+    };
+    let (reply, _) = p.call(Request::DestroyCompChannel { channel })?;
+    assert_eq!(errno_of(&reply), Some(libc::EBUSY), "{reply:?}");
+    assert_eq!(p.call(Request::DestroyCq { cq })?.0, Reply::Done);
+    let after = open_fds()?;
+    assert!(
+        after < before + ROUNDS / 4,
+        "the daemon holds {after} descriptors, {before} before {ROUNDS} channels"
+    );
+    assert_eq!(p.call(Request::DestroyCompChannel { channel })?.0, Reply::Done);
+    assert!(matches!(p.recv(WAIT)?, Some(Frame::Close { .. })));
+    daemon_serves(&d)?;
+    Ok(())
+}
+
 /// The drop-in `librdmacm.so.1` holds a context of its own beside the
 /// program's `libibverbs.so.1`: an rdma_cm id of one and a QP of the
 /// other are joined in one call when both contexts are of one origin, a

@@ -735,6 +735,9 @@ impl Reader {
             }
             Frame::Close { id } => {
                 lock(&self.shared.proxies).1.remove(&id);
+                // A destroyed channel's: nothing of it moves any more.
+                lock(&self.shared.channels).remove(&id);
+                lock(&self.shared.cm_channels).remove(&id);
             }
             // Answers to this link's own probes and Hello: nothing owed.
             Frame::Ping { nonce: PROBE_ACK | HELLO_ACK } => {}

@@ -69,6 +69,10 @@ struct Live {
     /// brought by the move names instead of the source's
     /// (`guest_answers::replay`).
     moved_bells: HashMap<u32, u32>,
+    /// Each live completion channel's proxy (channel number -> proxy):
+    /// its doorbell, which the daemon's end being dropped never hangs up
+    /// (not a seqpacket), goes with a successful `DestroyCompChannel`.
+    channel_bells: HashMap<u32, u32>,
 }
 
 struct Port {
@@ -305,6 +309,7 @@ impl Port {
             Frame::NumberedCall { number, req } => self.numbered(number, req),
             Frame::Call(req) => {
                 let adopting = matches!(req, Request::AdoptContext { .. });
+                let destroying = destroyed_channel(&req);
                 let answer = match self.live.as_mut() {
                     Some(l) => {
                         let a = l.session.handle(req, Vec::new());
@@ -331,7 +336,9 @@ impl Port {
                 if adopting {
                     self.note_moved_bells(&reply, &handles);
                 }
-                self.send(&Frame::Reply { reply, handles })
+                let gone = self.note_channel_bells(destroying, &reply, &handles);
+                self.send(&Frame::Reply { reply, handles })?;
+                self.close_proxy(gone)
             }
             Frame::Bell { .. } if self.live.is_none() => self.tell_no_session(),
             Frame::Bell { id, count } => {
@@ -409,6 +416,7 @@ impl Port {
             }
         }
         let shared = self.shared.clone();
+        let destroying = destroyed_channel(&req);
         let (answer, pass) = l.session.handle_gated(&shared, req, Vec::new());
         l.last_heard = Instant::now();
         if self.left_under(&answer) {
@@ -423,7 +431,41 @@ impl Port {
         let (reply, handles) = self.handles(answer);
         guest_answers::remember(&self.vm, ctx, number, &reply, &handles);
         drop(pass);
-        self.send(&Frame::Reply { reply, handles })
+        let gone = self.note_channel_bells(destroying, &reply, &handles);
+        self.send(&Frame::Reply { reply, handles })?;
+        self.close_proxy(gone)
+    }
+
+    /// Keeps [`Live::channel_bells`] as a reply changes the completion
+    /// channels: a made channel's proxy is noted; a destroyed one's is
+    /// returned, for [`Port::close_proxy`] once the reply is out.
+    fn note_channel_bells(
+        &mut self,
+        destroying: Option<u32>,
+        reply: &Reply,
+        handles: &[Handle],
+    ) -> Option<u32> {
+        let l = self.live.as_mut()?;
+        match (reply, handles) {
+            (Reply::CompChannel { channel, .. }, [.., Handle::Bell { id, .. }]) => {
+                l.channel_bells.insert(*channel, *id);
+                None
+            }
+            (Reply::Done, _) => l.channel_bells.remove(&destroying?),
+            _ => None,
+        }
+    }
+
+    /// Drops proxy `id` (a destroyed completion channel's doorbell) and
+    /// tells the guest, whose library drops its end: without it both
+    /// stayed open until the session ended, a descriptor on each side per
+    /// channel a guest ever destroyed.
+    fn close_proxy(&mut self, id: Option<u32>) -> Result<(), String> {
+        let (Some(id), Some(l)) = (id, self.live.as_mut()) else { return Ok(()) };
+        if l.proxies.remove(&id).is_none() {
+            return Ok(());
+        }
+        self.send(&Frame::Close { id })
     }
 
     /// After an adoption's answer: the proxy made for each completion
@@ -435,6 +477,7 @@ impl Port {
             Handle::Extent { .. } => None,
         });
         l.moved_bells = channels.iter().map(|c| c.channel).zip(bells).collect();
+        l.channel_bells = l.moved_bells.clone();
     }
 
     /// Whether `answer` is an error of a session whose context left this
@@ -509,6 +552,7 @@ impl Port {
             next_ping: now + self.ping_every(),
             nonce: 1,
             moved_bells: HashMap::new(),
+            channel_bells: HashMap::new(),
         });
         Ok(())
     }
@@ -554,6 +598,14 @@ impl Port {
                 break;
             }
         }
+    }
+}
+
+/// The completion channel `req` destroys, if it is a `DestroyCompChannel`.
+fn destroyed_channel(req: &Request) -> Option<u32> {
+    match req {
+        Request::DestroyCompChannel { channel } => Some(*channel),
+        _ => None,
     }
 }
 
