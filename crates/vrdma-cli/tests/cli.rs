@@ -275,6 +275,65 @@ fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
     assert!(!out.status.success() && se.contains("memory_mib 100 is not a power of two"), "{se}");
 }
 
+/// With `metrics_token_file`, the metrics endpoint answers a scrape only
+/// with the token: `vrdma stat --metrics` says how to give it, and with
+/// `--metrics-token-file` shows the figures; a plain scrape (`curl`,
+/// where installed) gets 401 and none of them.
+#[test]
+fn a_metrics_endpoint_with_a_token_answers_only_scrapes_that_send_it() {
+    let text = |o: &Output| {
+        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("metrics.token");
+    std::fs::write(&token, "t0k3n-for-the-test\n").unwrap();
+    let wrong = dir.path().join("wrong.token");
+    std::fs::write(&wrong, "another").unwrap();
+    let port = vrdma_it::free_port().expect("a free port");
+    let addr = format!("127.0.0.1:{port}");
+    let config = format!("metrics_listen = \"{addr}\"\nmetrics_token_file = \"{}\"\n", token.display());
+    let d = vrdma_it::DaemonProc::start_with_config(&config).expect("a daemon");
+    let _ctx = d.context().expect("a context");
+    let out = vrdma(&d.socket, &["stat", "--metrics", &addr]);
+    let (_, se) = text(&out);
+    assert!(!out.status.success() && se.contains("--metrics-token-file"), "{se}");
+    let out =
+        vrdma(&d.socket, &["stat", "--metrics", &addr, "--metrics-token-file", wrong.to_str().unwrap()]);
+    let (_, se) = text(&out);
+    assert!(!out.status.success() && se.contains("the one given is not it"), "{se}");
+    let out = vrdma(
+        &d.socket,
+        &["stat", "--metrics", &addr, "--prometheus", "--metrics-token-file", token.to_str().unwrap()],
+    );
+    let (so, se) = text(&out);
+    assert!(out.status.success(), "{se}");
+    assert!(so.contains("# TYPE vrdma_tenant_objects gauge"), "{so}");
+    if let Ok(o) = Command::new("curl")
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time", "20"])
+        .arg(format!("http://{addr}/metrics"))
+        .output()
+    {
+        assert_eq!(String::from_utf8_lossy(&o.stdout), "401");
+    }
+    // A token file the daemon cannot take: it does not start.
+    std::fs::write(&wrong, "two words").unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        format!("metrics_listen = \"127.0.0.1:{port}\"\nmetrics_token_file = \"{}\"\n", wrong.display()),
+    )
+    .unwrap();
+    let out = Command::new(VRDMA)
+        .args(["daemon", "--socket"])
+        .arg(dir.path().join("bad.sock"))
+        .arg("--config")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    let (_, se) = text(&out);
+    assert!(!out.status.success() && se.contains("characters a bearer token cannot have"), "{se}");
+}
+
 /// `vrdma stat --json` run as `uid` (or as we are), parsed.
 fn stat_json(socket: &Path, uid: Option<u32>) -> serde_json::Value {
     use std::os::unix::process::CommandExt;

@@ -10,6 +10,8 @@
 //!                       # than the daemon's is a tenant of this host only
 //! metrics_listen = "127.0.0.1:9464"  # serve Prometheus metrics here (default: off);
 //!                       # every tenant's figures, to whoever can connect
+//! metrics_token_file = "/etc/vrdma/metrics.token"  # and only to a scrape that sends
+//!                       # this bearer token (default: none needed)
 //! migration_pause_limit_ms = 5000  # how long a paused tenant (a migration) holds its
 //!                       # peers' QPs and its own held calls, 100..=7000 (docs/migration.md)
 //!
@@ -561,6 +563,10 @@ pub struct DaemonConfig {
     /// `crate::metrics`); off when unset. Anyone who can connect sees
     /// every tenant's figures: keep it on loopback or a management network.
     pub metrics_listen: Option<std::net::SocketAddr>,
+    /// A file holding a bearer token that every scrape of the metrics
+    /// endpoint must send (`Authorization: Bearer ...`; read when the
+    /// daemon starts, `crate::metrics::auth`); none needed when unset.
+    pub metrics_token_file: Option<std::path::PathBuf>,
     /// How long a requester here waits for a peer QP that answers PAUSED
     /// (its tenant migrating) before it fails `RETRY_EXC_ERR`, and how long
     /// a paused tenant's state-changing call waits at the pause gate
@@ -891,6 +897,11 @@ impl DaemonConfig {
         if self.metrics_listen.is_some_and(|a| a.port() == 0) {
             return Err(ConfigError::Invalid("metrics_listen needs a port (the usual one is 9464)".into()));
         }
+        if self.metrics_token_file.is_some() && self.metrics_listen.is_none() {
+            return Err(ConfigError::Invalid(
+                "metrics_token_file guards the metrics endpoint, which is off: set metrics_listen too".into(),
+            ));
+        }
         if self.engine.chunk_bytes == 0 {
             return Err(ConfigError::Invalid("engine.chunk_bytes must be positive".into()));
         }
@@ -1042,6 +1053,12 @@ mod tests {
         assert!(DaemonConfig::from_toml("metrics_listen = \"127.0.0.1\"").is_err());
         let e = DaemonConfig::from_toml("metrics_listen = \"127.0.0.1:0\"").unwrap_err();
         assert!(e.to_string().contains("needs a port"), "{e}");
+        assert_eq!(c.metrics_token_file, None);
+        let c = DaemonConfig::from_toml("metrics_listen = \"127.0.0.1:9464\"\nmetrics_token_file = \"/t\"")
+            .unwrap();
+        assert_eq!(c.metrics_token_file, Some("/t".into()));
+        let e = DaemonConfig::from_toml("metrics_token_file = \"/t\"").unwrap_err();
+        assert!(e.to_string().contains("set metrics_listen too"), "{e}");
     }
 
     #[test]

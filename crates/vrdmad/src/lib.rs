@@ -92,6 +92,8 @@ pub enum DaemonError {
     Listen { addr: std::net::SocketAddr, source: std::io::Error },
     #[error("cannot serve metrics on {addr}: {source}")]
     Metrics { addr: std::net::SocketAddr, source: std::io::Error },
+    #[error(transparent)]
+    MetricsToken(#[from] metrics::auth::TokenError),
     #[error("cannot make VM {name:?}'s region or port socket: {source}")]
     Vm { name: String, source: std::io::Error },
     #[error("cannot start the daemon: {0}")]
@@ -251,10 +253,12 @@ impl Daemon {
                 "direct path on: same-tenant QPs on this host may write, read and apply atomics to each other's regions"
             );
         }
+        let token = config.metrics_token_file.as_deref().map(metrics::auth::load_token).transpose()?;
         let metrics = match config.metrics_listen {
             Some(addr) => Some(Box::new(
                 metrics::MetricsServer::start(
                     addr,
+                    token,
                     metrics::Sources {
                         engine: engine.handle(),
                         shared: Arc::downgrade(&shared),

@@ -26,11 +26,16 @@ pub struct Args {
     /// With --metrics: print the Prometheus text as served.
     #[arg(long, requires = "metrics")]
     prometheus: bool,
+    /// With --metrics: send the bearer token in this file (the daemon's
+    /// `metrics_token_file`).
+    #[arg(long, value_name = "PATH", requires = "metrics")]
+    metrics_token_file: Option<PathBuf>,
 }
 
 pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     if let Some(addr) = args.metrics {
-        let text = scrape(addr)?;
+        let token = args.metrics_token_file.as_deref().map(read_token).transpose()?;
+        let text = scrape(addr, token.as_deref())?;
         if args.prometheus {
             emit(&text)?;
         } else {
@@ -222,19 +227,42 @@ fn render(s: &StatReport) -> String {
     out
 }
 
-/// `GET /metrics` from `addr` (the body), with timeouts.
-fn scrape(addr: std::net::SocketAddr) -> Result<String> {
+/// The token in the file at `path`: its content without surrounding
+/// whitespace, one line of visible characters.
+fn read_token(path: &std::path::Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read the metrics token file {}", path.display()))?;
+    let token = text.trim();
+    if token.is_empty() || !token.bytes().all(|b| b.is_ascii_graphic()) {
+        anyhow::bail!("the metrics token file {} does not hold one token on one line", path.display());
+    }
+    Ok(token.to_string())
+}
+
+/// `GET /metrics` from `addr` (the body), with timeouts, sending `token`
+/// if given.
+fn scrape(addr: std::net::SocketAddr, token: Option<&str>) -> Result<String> {
     use std::io::{Read, Write};
     let t = std::time::Duration::from_secs(10);
     let mut c = std::net::TcpStream::connect_timeout(&addr, t)
         .with_context(|| format!("no metrics endpoint answers on {addr} (the daemon's metrics_listen)"))?;
     c.set_read_timeout(Some(t))?;
     c.set_write_timeout(Some(t))?;
-    c.write_all(format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes())?;
+    let auth = token.map(|t| format!("Authorization: Bearer {t}\r\n")).unwrap_or_default();
+    c.write_all(
+        format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\n{auth}Connection: close\r\n\r\n").as_bytes(),
+    )?;
     let mut out = Vec::new();
     c.take(64 << 20).read_to_end(&mut out)?;
     let out = String::from_utf8(out).context("the metrics endpoint answered something other than text")?;
     let (head, body) = out.split_once("\r\n\r\n").context("a truncated HTTP answer")?;
+    if head.starts_with("HTTP/1.1 401") {
+        anyhow::bail!(
+            "the metrics endpoint wants a bearer token: give the daemon's metrics_token_file with \
+             --metrics-token-file{}",
+            if token.is_some() { " (the one given is not it)" } else { "" }
+        );
+    }
     if !head.starts_with("HTTP/1.1 200") {
         anyhow::bail!("the metrics endpoint answered {}", head.lines().next().unwrap_or(""));
     }

@@ -7,7 +7,8 @@
 //! holds the endpoint for that long at most), parsed without panicking,
 //! and answered once; then the connection is closed. Only `GET` (and
 //! `HEAD`) of `/metrics` is served; other paths are 404, other methods
-//! 405, anything unparsable 400. A request body is never read.
+//! 405, anything unparsable 400; with a token configured, a scrape
+//! without it 401 ([`super::auth`]). A request body is never read.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -101,6 +102,7 @@ fn reason(status: u16) -> &'static str {
     match status {
         200 => "OK",
         400 => "Bad Request",
+        401 => "Unauthorized",
         404 => "Not Found",
         405 => "Method Not Allowed",
         408 => "Request Timeout",
@@ -118,6 +120,9 @@ fn respond(conn: &mut TcpStream, status: u16, content_type: &str, body: &str, wi
     if status == 405 {
         out.push_str("Allow: GET, HEAD\r\n");
     }
+    if status == 401 {
+        out.push_str("WWW-Authenticate: Bearer realm=\"vrdma metrics\"\r\n");
+    }
     out.push_str("\r\n");
     if with_body {
         out.push_str(body);
@@ -130,8 +135,9 @@ fn respond(conn: &mut TcpStream, status: u16, content_type: &str, body: &str, wi
 /// The content type of the Prometheus text format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// Serves one connection: reads its request, answers it.
-pub fn handle(mut conn: TcpStream, deadline: Duration, render: &dyn Fn() -> String) {
+/// Serves one connection: reads its request, answers it (a scrape only
+/// with `token`, if one is set).
+pub fn handle(mut conn: TcpStream, deadline: Duration, token: Option<&str>, render: &dyn Fn() -> String) {
     let text = "text/plain; charset=utf-8";
     match read_head(&mut conn, deadline) {
         Err(status) => {
@@ -148,7 +154,17 @@ pub fn handle(mut conn: TcpStream, deadline: Duration, render: &dyn Fn() -> Stri
                 }
             }
         }
-        Ok(head) => match parse(&head) {
+        Ok(req) => match parse(&req) {
+            Parsed::Metrics { .. } if token.is_some_and(|t| !super::auth::authorized(&req, t)) => {
+                tracing::debug!("metrics endpoint: a scrape without the token; 401");
+                respond(
+                    &mut conn,
+                    401,
+                    text,
+                    "a bearer token is needed (the daemon's metrics_token_file)\n",
+                    true,
+                )
+            }
             Parsed::Metrics { head } => respond(&mut conn, 200, CONTENT_TYPE, &render(), !head),
             Parsed::NotFound => respond(&mut conn, 404, text, "only /metrics is served here\n", true),
             Parsed::MethodNotAllowed => respond(&mut conn, 405, text, "only GET and HEAD\n", true),
@@ -160,7 +176,7 @@ pub fn handle(mut conn: TcpStream, deadline: Duration, render: &dyn Fn() -> Stri
 
 /// Accepts and serves connections one at a time until `stop` is set
 /// (looked at every 200 ms).
-pub fn serve(listener: TcpListener, stop: &AtomicBool, render: &dyn Fn() -> String) {
+pub fn serve(listener: TcpListener, stop: &AtomicBool, token: Option<&str>, render: &dyn Fn() -> String) {
     while !stop.load(Ordering::Relaxed) {
         let mut fds = [rustix::event::PollFd::new(&listener, rustix::event::PollFlags::IN)];
         let ts = rustix::time::Timespec { tv_sec: 0, tv_nsec: 200_000_000 };
@@ -176,7 +192,7 @@ pub fn serve(listener: TcpListener, stop: &AtomicBool, render: &dyn Fn() -> Stri
             Ok((conn, _)) => {
                 // The listener is non-blocking; the connection must not be.
                 let _ = conn.set_nonblocking(false);
-                handle(conn, REQUEST_DEADLINE, render);
+                handle(conn, REQUEST_DEADLINE, token, render);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
             Err(e) => {
@@ -232,11 +248,15 @@ mod tests {
     /// Sends `req` to a server thread serving one connection with
     /// `deadline`, returns the answer.
     fn exchange(req: &[u8], deadline: Duration, then_wait: bool) -> String {
+        exchange_with(req, deadline, then_wait, None)
+    }
+
+    fn exchange_with(req: &[u8], deadline: Duration, then_wait: bool, token: Option<&'static str>) -> String {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
         let addr = l.local_addr().unwrap();
         let server = std::thread::spawn(move || {
             let (c, _) = l.accept().unwrap();
-            handle(c, deadline, &|| "vrdma_up 1\n".to_string());
+            handle(c, deadline, token, &|| "vrdma_up 1\n".to_string());
         });
         let mut c = TcpStream::connect(addr).unwrap();
         c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
@@ -266,6 +286,27 @@ mod tests {
         assert!(exchange(b"garbage\r\n\r\n", REQUEST_DEADLINE, true).starts_with("HTTP/1.1 400"));
         // Ended before the head did.
         assert!(exchange(b"GET /metrics HTTP/1.1\r\n", REQUEST_DEADLINE, false).starts_with("HTTP/1.1 400"));
+    }
+
+    /// With a token set, a scrape needs it; the other answers are as
+    /// without one.
+    #[test]
+    fn with_a_token_only_a_scrape_that_carries_it_gets_the_metrics() {
+        let token = Some("tok3n");
+        let ask = |req: &[u8]| exchange_with(req, REQUEST_DEADLINE, true, token);
+        let ok = ask(b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer tok3n\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.ends_with("vrdma_up 1\n"), "{ok}");
+        for req in [
+            &b"GET /metrics HTTP/1.1\r\n\r\n"[..],
+            b"HEAD /metrics HTTP/1.1\r\n\r\n",
+            b"GET /metrics HTTP/1.1\r\nAuthorization: Bearer tok3m\r\n\r\n",
+        ] {
+            let out = ask(req);
+            assert!(out.starts_with("HTTP/1.1 401 Unauthorized\r\n"), "{out}");
+            assert!(out.contains("WWW-Authenticate: Bearer"), "{out}");
+            assert!(!out.contains("vrdma_up"), "{out}");
+        }
+        assert!(ask(b"GET /x HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
     }
 
     #[test]

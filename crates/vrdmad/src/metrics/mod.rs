@@ -12,7 +12,9 @@
 //! a time ([`http`]): scrapes are rare, and whoever connects is untrusted.
 //!
 //! Every tenant's figures are shown to whoever can connect: the address
-//! is the operator's choice (loopback, or a management network).
+//! is the operator's choice (loopback, or a management network), and a
+//! bearer token (`metrics_token_file`, [`auth`]) keeps out whoever can
+//! connect but does not hold it (on loopback: every local user).
 //! Cardinality is bounded: tenants by `max_tenants` (and the core's
 //! [`MAX_TRACKED`](vrdma_core::hca::metrics::MAX_TRACKED) for those that
 //! left), links by the peers, and messages of rejected inputs by the log
@@ -20,6 +22,7 @@
 //!
 //! The metric list and what each means is in the README ("Metrics").
 
+pub mod auth;
 pub mod http;
 pub mod text;
 
@@ -343,16 +346,22 @@ pub struct MetricsServer {
 }
 
 impl MetricsServer {
-    pub(crate) fn start(addr: SocketAddr, src: Sources) -> std::io::Result<MetricsServer> {
+    /// Serves `src` on `addr`; with `token`, a scrape must carry it.
+    pub(crate) fn start(
+        addr: SocketAddr,
+        token: Option<String>,
+        src: Sources,
+    ) -> std::io::Result<MetricsServer> {
         let listener = TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
-        let thread = std::thread::Builder::new()
-            .name("vrdma-metrics".into())
-            .spawn(move || http::serve(listener, &s, &|| render(&src)))?;
-        tracing::info!(%addr, "serving metrics on http://{addr}/metrics");
+        let thread = std::thread::Builder::new().name("vrdma-metrics".into()).spawn({
+            let token = token.clone();
+            move || http::serve(listener, &s, token.as_deref(), &|| render(&src))
+        })?;
+        tracing::info!(%addr, token = token.is_some(), "serving metrics on http://{addr}/metrics");
         Ok(MetricsServer { addr, stop, thread: Some(thread) })
     }
 
