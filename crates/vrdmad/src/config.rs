@@ -561,7 +561,8 @@ pub struct DaemonConfig {
     pub max_queue_memory: Option<u64>,
     /// Where to serve the Prometheus metrics (`GET /metrics`, see
     /// `crate::metrics`); off when unset. Anyone who can connect sees
-    /// every tenant's figures: keep it on loopback or a management network.
+    /// every tenant's figures: keep it on loopback or a management
+    /// network, and set `metrics_token_file`.
     pub metrics_listen: Option<std::net::SocketAddr>,
     /// A file holding a bearer token that every scrape of the metrics
     /// endpoint must send (`Authorization: Bearer ...`; read when the
