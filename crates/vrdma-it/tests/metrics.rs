@@ -183,6 +183,59 @@ fn listening_inodes() -> Result<Vec<String>> {
     Ok(out)
 }
 
+/// `vrdma_vm_*{vm="t",tenant="uid:N"}`'s value, if the series is there.
+fn vm_value(text: &str, name: &str, uid: u32) -> Option<f64> {
+    let prefix = format!("{name}{{vm=\"t\",tenant=\"uid:{uid}\"}} ");
+    text.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok())
+}
+
+/// A configured VM's ports, sessions and region use are series of their
+/// own: a guest's context (emulated: a process whose library runs in
+/// guest mode over the VM's port and region) shows as a port connected,
+/// a session and bytes of the region held, and they go back when it
+/// closes.
+#[test]
+fn a_vms_ports_sessions_and_region_use_are_scraped() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    if !have_curl() {
+        return Ok(());
+    }
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    let port = vrdma_it::free_port()?;
+    let config = format!(
+        "metrics_listen = \"127.0.0.1:{port}\"\n[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n"
+    );
+    let d = DaemonProc::start_with_config(&config)?;
+    let idle = scrape(port)?;
+    let v = |text: &str, name: &str| vm_value(text, name, uid);
+    assert_eq!(v(&idle, "vrdma_vm_region_bytes"), Some((8u64 << 20) as f64), "{idle}");
+    for name in ["vrdma_vm_ports_connected", "vrdma_vm_sessions", "vrdma_vm_region_used_bytes"] {
+        assert!(idle.contains(&format!("# TYPE {name} gauge\n")), "{idle}");
+        assert_eq!(v(&idle, name), Some(0.0), "{name}: {idle}");
+    }
+    let vm = vrdma::vm::attach_at(&d.socket, "t")?;
+    let cfg = vrdma::guest::GuestConfig {
+        ports: vec![vm.port_socket.clone()],
+        bar: format!("/proc/self/fd/{}", vm.region.as_raw_fd()).into(),
+    };
+    let ctx = vrdma::Context::open_guest(&cfg)?;
+    let pd = ctx.alloc_pd()?;
+    let mr = pd.alloc_mr(1 << 16, vrdma_it::access_all())?;
+    let busy = scrape(port)?;
+    assert_eq!(v(&busy, "vrdma_vm_ports_connected"), Some(1.0), "{busy}");
+    assert_eq!(v(&busy, "vrdma_vm_sessions"), Some(1.0), "{busy}");
+    let used = v(&busy, "vrdma_vm_region_used_bytes").unwrap_or(0.0);
+    assert!(used >= (1u64 << 16) as f64, "the context's ring and a 64 KiB region: {used}");
+    drop((mr, pd, ctx));
+    vrdma_it::wait_until(WAIT, "the session's end to show", || {
+        scrape(port).is_ok_and(|t| {
+            v(&t, "vrdma_vm_sessions") == Some(0.0) && v(&t, "vrdma_vm_region_used_bytes") == Some(0.0)
+        })
+    })?;
+    Ok(())
+}
+
 #[test]
 fn without_metrics_listen_the_daemon_listens_on_no_tcp_port() -> Result<()> {
     let d = DaemonProc::start()?;

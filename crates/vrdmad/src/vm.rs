@@ -42,6 +42,9 @@ pub(crate) struct Vm {
     pub placed: Mutex<Placed>,
     /// Ports connected now (QEMU connects `ports` at most).
     pub connected: AtomicU32,
+    /// Guest sessions open now (a guest process with a context), for the
+    /// metrics (`server::guest` counts them).
+    pub sessions: AtomicU32,
     /// Imports of the VM's tenant installed here. A port whose session
     /// ended (or that said `NoSession`) may say `NoSession` again after
     /// the next import: the same QEMU's guest, restored by `loadvm` to a
@@ -114,6 +117,7 @@ impl Vm {
             extents: Mutex::new(Extents::new(region_len, vrdma_shm::page_size() as u64)),
             placed: Mutex::default(),
             connected: AtomicU32::new(0),
+            sessions: AtomicU32::new(0),
             imports: AtomicU64::new(0),
             conns: Mutex::default(),
         })

@@ -138,6 +138,9 @@ pub(crate) fn render(src: &Sources) -> String {
         links(&mut w, &e.links);
     }
     refused(&mut w, engine.as_ref(), src);
+    if let Some(s) = src.shared.upgrade() {
+        vms(&mut w, &s.vms);
+    }
     w.finish()
 }
 
@@ -300,6 +303,39 @@ fn links(w: &mut Writer, ls: &[LinkFigures]) {
             [("rate_limit", l.report.stats.throttle.rate_limited_ns), ("queue_cap", l.queue_capped_ns)]
         {
             w.sample(name, &[("link", id), ("peer", peer), ("reason", reason)], ns as f64 / 1e9);
+        }
+    }
+}
+
+/// The configured VMs: their ports and sessions now, and how much of
+/// each one's region its rings and registered memory hold.
+fn vms(w: &mut Writer, vms: &BTreeMap<String, Arc<crate::vm::Vm>>) {
+    if vms.is_empty() {
+        return;
+    }
+    type Get = fn(&crate::vm::Vm) -> u64;
+    let families: [(&str, &str, Get); 4] = [
+        ("vrdma_vm_ports_connected", "The VM's ports QEMU holds connected now", |v| {
+            u64::from(v.connected.load(Ordering::Relaxed))
+        }),
+        ("vrdma_vm_sessions", "Guest processes holding a context through the VM's ports now", |v| {
+            u64::from(v.sessions.load(Ordering::Relaxed))
+        }),
+        ("vrdma_vm_region_bytes", "The size of the VM's shared region (memory_mib)", |v| v.region_len),
+        (
+            "vrdma_vm_region_used_bytes",
+            "Bytes of the VM's region its rings and registered memory hold now",
+            |v| {
+                let e = v.extents();
+                e.len() - e.free_bytes()
+            },
+        ),
+    ];
+    for (name, help, get) in families {
+        w.family(name, Kind::Gauge, help);
+        for (vm_name, vm) in vms {
+            let tenant = tenant_label(TenantId(vm.config.tenant));
+            w.sample_u64(name, &[("vm", vm_name), ("tenant", &tenant)], get(vm));
         }
     }
 }

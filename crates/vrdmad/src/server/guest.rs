@@ -53,9 +53,26 @@ struct Proxy {
     fd: OwnedFd,
 }
 
+/// Counts a VM's open sessions ([`Vm::sessions`]) while it lives.
+struct Counted(Arc<Vm>);
+
+impl Counted {
+    fn new(vm: &Arc<Vm>) -> Counted {
+        vm.sessions.fetch_add(1, Ordering::Relaxed);
+        Counted(vm.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.sessions.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// One guest session on the port and what belongs to it.
 struct Live {
     session: Session,
+    _counted: Counted,
     proxies: BTreeMap<u32, Proxy>,
     next_proxy: u32,
     /// Shut down by `Shared::end_session` (the engine ending a context
@@ -545,6 +562,7 @@ impl Port {
         tracing::debug!(vm = %self.vm.name, ctx = id, tenant = tenant.0, "guest session opened");
         self.live = Some(Live {
             session,
+            _counted: Counted::new(&self.vm),
             proxies: BTreeMap::new(),
             next_proxy: 1,
             kill,
