@@ -168,13 +168,23 @@ impl RecvTarget {
         // On an SRQ, each index is noted before it is looked at again and
         // claimed: an index the engine claimed instead is then known to
         // the daemon as the engine's (`Queues::flush_claimed`).
+        // A turn no longer ours (the daemon gave it back: our peer QP was
+        // destroyed while we were on our way; or scribbled on) is another
+        // requester's from then on: its index stays unwritten and nothing
+        // is claimed without it (`lost`).
+        let lost = std::cell::Cell::new(false);
         let note = |at: u32| {
             if let Some(t) = &turn {
+                if !t.held() {
+                    lost.set(true);
+                    return;
+                }
                 claim_at.store(at, Ordering::SeqCst);
                 t.noted();
             }
         };
         let claimed = self.rq.try_claim_noting(&mut self.scratch, note, |b| match RecvWr::decode(b) {
+            _ if lost.get() => false,
             Ok(r) if fits(&r) => {
                 let mut cqe = Cqe::new(r.wr_id, WcStatus::WrFlushErr, opcode, responder);
                 cqe.byte_len = wr.msg_len() as u32;
@@ -266,6 +276,11 @@ impl<'a> Turn<'a> {
         Some(Turn { word, mine })
     }
 
+    /// Whether the turn is still this one's (noted or not).
+    fn held(&self) -> bool {
+        self.word.load(Ordering::SeqCst) & !SRQ_CLAIMER_NOTED == self.mine
+    }
+
     /// An index is noted in `SRQ_AUX_CLAIM_AT` (stored before this):
     /// the daemon reads it as this turn's from now on.
     fn noted(&self) {
@@ -352,4 +367,35 @@ pub(crate) fn ask(ctx: &Context, qpn: u32) -> Result<(RecvTarget, Option<WordPag
         limit_due: false,
     };
     Ok((target, window))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A turn the daemon gave back under its holder (its peer QP was
+    /// destroyed) and another requester took is no longer held: the
+    /// holder notes nothing into it and leaves it to the other when it
+    /// drops it.
+    #[test]
+    fn a_turn_taken_over_is_no_longer_held_and_left_alone() {
+        let word = AtomicU32::new(0);
+        let (x, y) = (40, 41);
+        let t = Turn::take(&word, x).unwrap();
+        assert!(t.held());
+        t.noted();
+        assert!(t.held(), "noted, still its own");
+        assert!(Turn::take(&word, y).is_none(), "one holder at a time");
+        // The daemon gives it back; y's requester takes it.
+        word.store(0, Ordering::SeqCst);
+        let other = Turn::take(&word, y).unwrap();
+        assert!(!t.held());
+        t.noted();
+        assert_eq!(word.load(Ordering::SeqCst), y + 1, "x's note leaves y's turn alone");
+        drop(t);
+        assert_eq!(word.load(Ordering::SeqCst), y + 1, "and so does its drop");
+        assert!(other.held());
+        drop(other);
+        assert_eq!(word.load(Ordering::SeqCst), 0);
+    }
 }

@@ -54,8 +54,16 @@ pub trait Queues {
     /// queue or its SRQ) and did not complete (it stopped or died between
     /// its claim and its push, and had staged the completion as a flush,
     /// `docs/direct-path.md`). `true` when there was one. At most one;
-    /// never one the requester completes too.
-    fn flush_claimed(&mut self, _qpn: u32, _rq: RecvSource) -> bool {
+    /// never one the requester completes too. `requester_gone`: the QP
+    /// connected to `qpn` on this host (the only one a receive grant on
+    /// `qpn` is made to) no longer exists, so nothing of it claims any
+    /// more and the driver may give back what it holds for it (an SRQ's
+    /// claiming turn); while it exists the requester's process may still
+    /// be running (stopped, or about to claim), and what it holds stays
+    /// its own. The core calls this again with `requester_gone` when the
+    /// requester of a QP already in ERR goes (it may have claimed after
+    /// the first flush).
+    fn flush_claimed(&mut self, _qpn: u32, _rq: RecvSource, _requester_gone: bool) -> bool {
         false
     }
     /// Drops everything posted to a QP's queues (the QP went to RESET).

@@ -41,6 +41,9 @@ struct FakeQueues {
     /// QPs posted to and not yet taken by the core; QPs it left idle.
     posted: Vec<u32>,
     parked: Vec<u32>,
+    /// `flush_claimed` calls: the QP, its receive source, whether its
+    /// requester was gone.
+    claimed_flushes: Vec<(u32, RecvSource, bool)>,
 }
 
 impl Queues for FakeQueues {
@@ -103,6 +106,10 @@ impl Queues for FakeQueues {
     }
     fn named_since_parked(&mut self, qpn: u32) -> bool {
         self.posted.contains(&qpn)
+    }
+    fn flush_claimed(&mut self, qpn: u32, rq: RecvSource, requester_gone: bool) -> bool {
+        self.claimed_flushes.push((qpn, rq, requester_gone));
+        false
     }
     fn park_queues(&mut self, qpn: u32, recv_too: bool) -> bool {
         self.parked.push(qpn);

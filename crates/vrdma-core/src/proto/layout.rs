@@ -170,7 +170,10 @@ pub const SRQ_AUX_LIMIT: usize = 0;
 /// flushes a QP whose requester held the turn, the index in
 /// [`SRQ_AUX_CLAIM_AT`], claimed and not by the engine, was that
 /// requester's, and its staged completion is published as a flush on
-/// that QP's CQ (`docs/direct-path.md`, "Receives from an SRQ").
+/// that QP's CQ (`docs/direct-path.md`, "Receives from an SRQ"). The
+/// daemon gives a turn back only once its holder cannot claim any more
+/// (its QP gone, or the responder QP destroyed); a holder that finds the
+/// turn no longer its own claims nothing.
 /// Tenant-written: a forged value costs the tenant its own SRQ's direct
 /// claims or publishes at most one staged slot of its own inbox.
 pub const SRQ_AUX_CLAIMER: usize = 1;

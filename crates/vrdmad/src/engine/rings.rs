@@ -632,8 +632,13 @@ impl RingTable {
     /// a flush on this QP's CQ, as
     /// hardware flushes a WQE a QP took from its SRQ when the QP goes to
     /// ERR. The turn is given back, so that the SRQ's other QPs' requesters
-    /// claim again.
-    fn flush_claimed_srq(&mut self, qpn: u32, srq: u32) -> bool {
+    /// claim again, only once the requester is gone (`requester_gone`):
+    /// while its QP exists its process may still run (stopped on its way
+    /// to a claim, say), and a turn given back under it would let it claim
+    /// beside the next holder, whose claims the daemon could then no
+    /// longer tell from its own. Its holder gives it back itself after
+    /// its claim, or the core asks again when it goes.
+    fn flush_claimed_srq(&mut self, qpn: u32, srq: u32, requester_gone: bool) -> bool {
         let Some((_, inbox)) = self.qps.get(&qpn).and_then(|q| q.inbox.as_ref()) else { return false };
         let Some(rq) = self.srqs.get(&srq) else { return false };
         if rq.dead || !rq.shared || !rq.srq {
@@ -659,7 +664,9 @@ impl RingTable {
         // turn back) is not published again.
         let slot = rq.ring.aux(SRQ_AUX_CLAIM_SLOT).load(Ordering::SeqCst);
         let published = claimed && inbox.produced() == slot && publish_staged_flush(inbox, slot);
-        let _ = turn.compare_exchange(held, 0, Ordering::SeqCst, Ordering::SeqCst);
+        if requester_gone {
+            let _ = turn.compare_exchange(held, 0, Ordering::SeqCst, Ordering::SeqCst);
+        }
         published
     }
 }
@@ -715,10 +722,10 @@ impl Queues for RingTable {
         ring.and_then(|r| r.ring.len().ok()).unwrap_or(0)
     }
 
-    fn flush_claimed(&mut self, qpn: u32, rq: RecvSource) -> bool {
+    fn flush_claimed(&mut self, qpn: u32, rq: RecvSource, requester_gone: bool) -> bool {
         let published = match rq {
             RecvSource::Qp(_) => self.flush_claimed_own(qpn),
-            RecvSource::Srq(srq) => self.flush_claimed_srq(qpn, srq),
+            RecvSource::Srq(srq) => self.flush_claimed_srq(qpn, srq, requester_gone),
         };
         // The owner's poll finds the inbox through its bucket's bit, set
         // after the publication as a requester does; set too when the
@@ -1008,14 +1015,14 @@ mod tests {
         claim(&mut buf);
         assert!(finish(at));
         assert!(table.pull_recv(RecvSource::Qp(qpn)).is_some());
-        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)), "nothing was lost");
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn), true), "nothing was lost");
         // Staged, not yet claimed (it may still be): not the flush's.
         let at = staged(WcStatus::WrFlushErr, 2);
-        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)));
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn), true));
         // Claimed, then the requester stopped: flushed, once.
         claim(&mut buf);
-        assert!(table.flush_claimed(qpn, RecvSource::Qp(qpn)));
-        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)), "once");
+        assert!(table.flush_claimed(qpn, RecvSource::Qp(qpn), true));
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn), true), "once");
         // The requester continued: its completion is not published again.
         assert!(!finish(at));
         let mut got = Vec::new();
@@ -1034,7 +1041,7 @@ mod tests {
         let pushed = requester_inbox.produced();
         for forged in [pushed.wrapping_add(3), pushed.wrapping_sub(2), pushed.wrapping_add(1 << 31)] {
             requester_inbox.scribble_producer_index(forged);
-            assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)));
+            assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn), true));
             assert_eq!(requester_inbox.produced(), forged);
         }
         requester_inbox.scribble_producer_index(pushed);
@@ -1045,13 +1052,13 @@ mod tests {
         let word = requester_inbox.aux(INBOX_AUX_STAGED);
         assert!(word.compare_exchange(at, at + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok());
         requester_inbox.set_staged_byte(at, CQE_STATUS_BYTE, WcStatus::Success.raw());
-        assert!(table.flush_claimed(qpn, RecvSource::Qp(qpn)));
+        assert!(table.flush_claimed(qpn, RecvSource::Qp(qpn), true));
         assert!(!requester_inbox.publish_staged(at), "the requester's own publication fails");
-        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)), "once");
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn), true), "once");
         // Stopped between its publication and its mark: the flush marks.
         let ready_word = owner_cq.aux(proto::CQ_AUX_READY_SUMMARY);
         ready_word.store(0, Ordering::SeqCst);
-        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn)));
+        assert!(!table.flush_claimed(qpn, RecvSource::Qp(qpn), true));
         assert_ne!(ready_word.load(Ordering::SeqCst), 0, "an inbox with completions is marked");
         assert!(owner_inbox.try_pop(&mut slot).unwrap());
         let c = Cqe::decode(&slot);
@@ -1138,7 +1145,9 @@ mod tests {
             }
             got
         };
-        let flush = |table: &mut RingTable, qpn: u32| table.flush_claimed(qpn, RecvSource::Srq(srqn));
+        // Each flush here is one with the requester gone (its process died):
+        // the turn is given back (`a_flush_while_the_srq_claimer_lives_leaves_it_its_turn`).
+        let flush = |table: &mut RingTable, qpn: u32| table.flush_claimed(qpn, RecvSource::Srq(srqn), true);
 
         // Completed by the requester, killed before it gave the turn back:
         // nothing published again.
@@ -1215,6 +1224,85 @@ mod tests {
         note(y, requester_srq.consumed());
         table.remove_qp(y);
         assert_eq!(turn.load(Ordering::SeqCst), 0, "the destroyed QP's turn given back");
+    }
+
+    /// A flush of an SRQ's QP whose requester still exists (its process
+    /// stopped on its way to a claim: turn taken, index noted, completion
+    /// staged) publishes nothing and leaves it the turn: given back then,
+    /// another QP's requester would take it while this one can still
+    /// claim, and the daemon could then no longer tell their claims apart
+    /// (that one's flush would publish a completion for a receive the
+    /// other took, a second completion). Once the requester goes (the core
+    /// asks again), the claim it made meanwhile is flushed, once, and the
+    /// turn is given back.
+    #[test]
+    fn a_flush_while_the_srq_claimer_lives_leaves_it_its_turn() {
+        use vrdma_core::verbs::WcOpcode;
+        use vrdma_shm::Claim;
+        let ring = |cap: u32, stride: usize, n: usize| {
+            let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(cap, stride)).unwrap());
+            (0..n).map(|_| RingView::in_segment(seg.clone(), 0, cap, stride).unwrap()).collect::<Vec<_>>()
+        };
+        let (x, y, srqn, cqn) = (40, 41, 9, 3);
+        let (t, ctx) = (TenantId(1), ContextId(7));
+        let mut table = RingTable::default();
+        table.contexts.insert(ctx, context(1, [x, y]).0);
+        let [srq, owner_srq, requester_srq]: [RingView; 3] = ring(8, 64, 3).try_into().unwrap();
+        table.srqs.insert(srqn, InRing::new(srq, t).shared_srq());
+        let cq = ring(8, CQE_SIZE, 1).remove(0);
+        table.cqs.insert(cqn, CqRing { ring: cq, channel: None, inbox_qps: Vec::new() });
+        let mut inboxes = Vec::new();
+        for qpn in [x, y] {
+            let [inbox, requester, owner]: [RingView; 3] = ring(8, CQE_SIZE, 3).try_into().unwrap();
+            let sq = ring(4, 64, 1).remove(0);
+            table.add_qp(qpn, QpRings::new(ctx, InRing::new(sq, t), None).with_inbox(cqn, inbox));
+            inboxes.push((requester, owner));
+        }
+        let [(x_inbox, x_owner), (_, y_owner)] = &inboxes[..] else { unreachable!() };
+        for i in 0..4u64 {
+            let mut slot = [0u8; 64];
+            slot[..8].copy_from_slice(&i.to_le_bytes());
+            assert!(owner_srq.try_push_bytes(&slot).unwrap());
+        }
+        let turn = requester_srq.aux(SRQ_AUX_CLAIMER);
+        let take_turn =
+            |qpn: u32| turn.compare_exchange(0, qpn + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok();
+        let popped = |owner: &RingView| {
+            let mut slot = [0u8; CQE_SIZE];
+            let mut got = Vec::new();
+            while owner.try_pop(&mut slot).unwrap() {
+                let c = Cqe::decode(&slot);
+                got.push((c.wr_id, c.status, c.qp_num));
+            }
+            got
+        };
+        // x's requester: the turn, the index noted, the completion staged
+        // (as the library does inside `try_claim_noting`); then stopped.
+        assert!(take_turn(x));
+        let at = requester_srq.consumed();
+        requester_srq.aux(SRQ_AUX_CLAIM_AT).store(at, Ordering::SeqCst);
+        turn.store((x + 1) | SRQ_CLAIMER_NOTED, Ordering::SeqCst);
+        let mut out = [0u8; CQE_SIZE];
+        Cqe::new(0, WcStatus::WrFlushErr, WcOpcode::Recv, x).encode(&mut out);
+        let slot = x_inbox.stage(&out).unwrap().unwrap();
+        x_inbox.aux(INBOX_AUX_STAGED).store(slot, Ordering::SeqCst);
+        requester_srq.aux(SRQ_AUX_CLAIM_SLOT).store(slot, Ordering::SeqCst);
+        // x flushed (its owner moved it to ERR) while the requester lives.
+        assert!(!table.flush_claimed(x, RecvSource::Srq(srqn), false), "nothing claimed yet");
+        assert!(!take_turn(y), "the turn stays with the requester that may still claim");
+        assert_eq!(turn.load(Ordering::SeqCst), (x + 1) | SRQ_CLAIMER_NOTED);
+        // It continues and claims (with its turn), then dies before its
+        // publication.
+        let mut buf = [0u8; 64];
+        assert_eq!(requester_srq.try_claim(&mut buf, |_| true).unwrap(), Claim::Taken);
+        assert_eq!(u64::from_le_bytes(buf[..8].try_into().unwrap()), 0);
+        // Its QP gone, the core asks again: flushed on x, once.
+        assert!(table.flush_claimed(x, RecvSource::Srq(srqn), true));
+        assert!(!table.flush_claimed(x, RecvSource::Srq(srqn), true), "once");
+        assert_eq!(popped(x_owner), vec![(0, WcStatus::WrFlushErr, x)]);
+        assert!(popped(y_owner).is_empty());
+        assert_eq!(turn.load(Ordering::SeqCst), 0, "given back once the requester is gone");
+        assert!(take_turn(y), "the SRQ's other requesters claim again");
     }
 
     /// A context whose QPs' rings came first (an import: a guest adopts

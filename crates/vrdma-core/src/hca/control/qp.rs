@@ -359,8 +359,28 @@ impl Hca {
                 self.direct.touch();
             }
         }
+        // A QP already in ERR whose requester goes: its flush may have
+        // found the requester's claim not yet made (the process stopped on
+        // its way to it) and left it what it held; the requester can
+        // claim no more now, so the driver looks once more, and gives
+        // back what it held (`Queues::flush_claimed`).
+        let mut flushed = Vec::new();
+        for (&n, other) in &self.qps {
+            let dest = other.attr.dest_qp_num;
+            if !gone.contains(&n)
+                && gone.contains(&dest)
+                && other.state() == QpState::Err
+                && self.is_local(&other.attr.ah_attr)
+                && self.qps.get(&dest).is_some_and(|d| d.tenant == other.tenant)
+            {
+                flushed.push((n, other.init.srq.map_or(RecvSource::Qp(n), RecvSource::Srq)));
+            }
+        }
         for &qpn in qpns {
             self.remove_one_qp(qpn, io);
+        }
+        for (n, rq) in flushed {
+            io.flush_claimed(n, rq, true);
         }
     }
 

@@ -402,7 +402,7 @@ impl Hca {
     /// Completes everything queued on a QP in ERR with WR_FLUSH_ERR.
     fn flush(&mut self, qpn: u32, io: &mut dyn Queues, act: &mut Activity) {
         let Some(qp) = self.qps.get_mut(&qpn) else { return };
-        let (recv_cq, srq) = (qp.init.recv_cq, qp.init.srq);
+        let (recv_cq, srq, dest, ah) = (qp.init.recv_cq, qp.init.srq, qp.attr.dest_qp_num, qp.attr.ah_attr);
         let bound = flush_bound(qp);
         let mut requeued: std::collections::VecDeque<RecvWr> = std::mem::take(&mut qp.requeued);
         // A receive claimed by a message arriving from another host.
@@ -417,8 +417,11 @@ impl Hca {
         // may be reused once claimed: it cannot go back). It comes before
         // every receive still in the ring (it was claimed first) and those
         // given back (no claim while any is given back).
+        // While the requester exists it may still claim (a process
+        // stopped, or on its way to its claim): what it holds for this QP
+        // stays its own until it goes (`Hca::remove_qps` asks again then).
         let rq = srq.map_or(RecvSource::Qp(qpn), RecvSource::Srq);
-        if io.flush_claimed(qpn, rq) {
+        if io.flush_claimed(qpn, rq, !self.requester_exists(qpn, dest, &ah)) {
             act.busy = true;
         }
         if srq.is_some() {
@@ -709,6 +712,14 @@ impl Hca {
         } else {
             ah.dlid == self.config.port.lid
         }
+    }
+
+    /// Whether the QP `qpn` is connected to (`dest`, through `ah`) is a QP
+    /// of this host connected back to it: the one QP a direct-path receive
+    /// grant on `qpn` can have been made to, whose process may claim
+    /// `qpn`'s receives while it exists.
+    pub(crate) fn requester_exists(&self, qpn: u32, dest: u32, ah: &AhAttr) -> bool {
+        self.is_local(ah) && self.qps.get(&dest).is_some_and(|d| d.attr.dest_qp_num == qpn)
     }
 
     pub(crate) fn responder(&self, req: &Requester) -> Option<Responder> {

@@ -296,3 +296,49 @@ fn the_peer_leaving_rts_revokes_the_receive_grant_with_its_window() {
     env.modify(b.qpn, &err, QpAttrMask::STATE).unwrap();
     revoked_window(&mut env, a.qpn);
 }
+
+/// The driver is told, at each flush of a QP whose receives a requester
+/// on this host may claim, whether that requester still exists (while it
+/// does, its process may still claim: what it holds stays its own), and
+/// is asked once more when the requester goes while the QP is in ERR
+/// (`Queues::flush_claimed`); for an SRQ's QP and a QP's own queue, the
+/// requester destroyed or its context closed.
+#[test]
+fn a_flush_says_whether_the_requester_is_gone_and_asks_again_when_it_goes() {
+    let err = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+    for (case, with_srq) in [(0, true), (1, true), (0, false), (1, false)] {
+        let mut env = Env::new();
+        let a = env.end(C1);
+        let pd = env.hca.alloc_pd(C2).unwrap();
+        let (cq, _) = env.hca.create_cq(C2, 64).unwrap();
+        let srq = with_srq
+            .then(|| env.hca.create_srq(C2, pd, SrqAttr { max_wr: 8, max_sge: 1, srq_limit: 0 }).unwrap().0);
+        let b = env.qp(C2, pd, qp_init(cq, cq, srq));
+        env.connect(a.qpn, b);
+        env.connect(b, a.qpn);
+        let rq = srq.map_or(RecvSource::Qp(b), RecvSource::Srq);
+        // b flushed by its owner: the requester (a) exists.
+        env.modify(b, &err, QpAttrMask::STATE).unwrap();
+        env.run(T0);
+        let calls = std::mem::take(&mut env.io.claimed_flushes);
+        assert!(!calls.is_empty() && calls.iter().all(|&c| c == (b, rq, false)), "{calls:?}");
+        // a goes: asked once more, the requester gone.
+        match case {
+            0 => env.hca.destroy_qp(C1, a.qpn, &mut env.io).unwrap(),
+            _ => drop(env.hca.close_context(C1, &mut env.io)),
+        }
+        assert_eq!(env.io.claimed_flushes, vec![(b, rq, true)], "case {case}, SRQ {with_srq}");
+        env.run(T0);
+        assert!(env.io.claimed_flushes.iter().all(|&c| c == (b, rq, true)));
+    }
+    // The requester's process dies while b is in RTS: b goes to ERR
+    // (peer lost), and every look finds the requester gone.
+    let (mut env, _a, b) = Env::pair();
+    drop(env.hca.close_context(C1, &mut env.io));
+    env.run(T0);
+    let calls = &env.io.claimed_flushes;
+    assert!(
+        !calls.is_empty() && calls.iter().all(|&c| c == (b.qpn, RecvSource::Qp(b.qpn), true)),
+        "{calls:?}"
+    );
+}
