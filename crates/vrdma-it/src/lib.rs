@@ -230,6 +230,31 @@ impl DaemonProc {
     }
 }
 
+/// Set to a directory, each daemon a test starts writes its log (its
+/// stderr, filtered by `VRDMA_LOG`) to a file of its own there, named
+/// after its network namespace (whose name ends in the host's index: `-0`
+/// is host A, `-1` B) or, outside one, after a counter, instead of into
+/// the test's output, where the lines of several daemons cannot be told
+/// apart. A file is appended to, never truncated.
+pub const DAEMON_LOGS_ENV: &str = "VRDMA_IT_DAEMON_LOGS";
+
+/// The file a daemon's stderr goes to under [`DAEMON_LOGS_ENV`], if set.
+fn daemon_log_file(netns: Option<&str>) -> Result<Option<std::fs::File>> {
+    static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let Some(dir) = std::env::var_os(DAEMON_LOGS_ENV) else { return Ok(None) };
+    let name = match netns {
+        Some(ns) => format!("{ns}.log"),
+        None => format!(
+            "daemon-{}-{}.log",
+            std::process::id(),
+            N.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+        ),
+    };
+    let path = Path::new(&dir).join(name);
+    let f = std::fs::OpenOptions::new().create(true).append(true).open(&path);
+    Ok(Some(f.with_context(|| format!("the daemon's log {}", path.display()))?))
+}
+
 fn spawn_daemon(socket: &Path, config: &Path, netns: Option<&str>) -> Result<Proc> {
     let mut cmd = match netns {
         Some(ns) => {
@@ -239,14 +264,11 @@ fn spawn_daemon(socket: &Path, config: &Path, netns: Option<&str>) -> Result<Pro
         }
         None => OsCommand::new(peer_exe()),
     };
-    let child = cmd
-        .args(["daemon", "--socket"])
-        .arg(socket)
-        .arg("--config")
-        .arg(config)
-        .stdin(Stdio::null())
-        .spawn()
-        .context("spawning the daemon")?;
+    cmd.args(["daemon", "--socket"]).arg(socket).arg("--config").arg(config).stdin(Stdio::null());
+    if let Some(f) = daemon_log_file(netns)? {
+        cmd.stderr(f);
+    }
+    let child = cmd.spawn().context("spawning the daemon")?;
     let mut proc = Proc { child };
     let end = Instant::now() + Duration::from_secs(20);
     // Listening is enough: a probe that said Hello would hold a context

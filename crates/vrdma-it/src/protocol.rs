@@ -19,6 +19,12 @@ pub enum Command {
     Connect {
         peer: vrdma::Endpoint,
     },
+    /// `Connect` with the transport timer `timeout` (4.096 µs × 2^timeout
+    /// per try) instead of the library's default 14 (67 ms).
+    ConnectTimeout {
+        peer: vrdma::Endpoint,
+        timeout: u8,
+    },
     /// Moves the peer's QP to RESET, ready to `Connect` again.
     Reset,
     /// Posts `count` receives (wr_id 0, 1, ...), each of `[offset, +len)`.

@@ -25,6 +25,13 @@ impl ThreeHosts {
     /// configuration, and waits (at most [`WAIT`]) until each has both
     /// its links up.
     pub fn start(extra: [&str; 3]) -> Result<ThreeHosts> {
+        Self::start_nets(extra, "")
+    }
+
+    /// [`start`](Self::start), every daemon's `[net]` table ending with
+    /// the lines `net`; a key they set replaces the test default
+    /// (`keepalive_ms = 200`, `dead_ms = 1500`).
+    pub fn start_nets(extra: [&str; 3], net_lines: &str) -> Result<ThreeHosts> {
         let net = match crate::netns_unavailable() {
             None => NetnsBridge::create(3)
                 .map_err(|e| eprintln!("three loopback addresses: namespaces cannot be made here: {e:#}"))
@@ -41,7 +48,7 @@ impl ThreeHosts {
         let start = |i: usize| {
             let peers: Vec<String> =
                 (0..3).filter(|&j| j != i).map(|j| format!("{}:{port}", ips[j])).collect();
-            let cfg = crate::host_config(&ips[i], port, &peers, extra[i]);
+            let cfg = crate::with_net_lines(crate::host_config(&ips[i], port, &peers, extra[i]), net_lines);
             DaemonProc::start_in(net.as_ref().map(|n| n.ns[i].as_str()), &cfg)
         };
         let h = ThreeHosts { a: start(0)?, b: start(1)?, c: start(2)?, ips, _net: net };

@@ -51,7 +51,9 @@ fn main() -> Result<()> {
 
 fn daemon(socket: PathBuf, config: Option<PathBuf>) -> Result<()> {
     let filter = std::env::var("VRDMA_LOG").unwrap_or_else(|_| "warn".into());
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colours only on a terminal (not in a log file, `VRDMA_IT_DAEMON_LOGS`).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
     let mut cfg = match config {
         Some(p) => vrdmad::DaemonConfig::load(&p)?,
         None => vrdmad::DaemonConfig::default(),
@@ -121,6 +123,13 @@ fn tenant(socket: PathBuf, mr_len: usize, channel: bool) -> Result<()> {
             let cmd: Command = serde_json::from_str(&line?)?;
             let reply = match cmd {
                 Command::Connect { peer } => qp.connect(&peer, access).map(|_| Said::Ok),
+                Command::ConnectTimeout { peer, timeout } => (|| {
+                    use vrdma::defaults as d;
+                    qp.to_init(d::PORT, access)?;
+                    qp.to_rtr(&peer, ctx.query_port(d::PORT)?.active_mtu, d::MIN_RNR_TIMER)?;
+                    qp.to_rts(qp.psn(), timeout, d::RETRY_CNT, d::RNR_RETRY)
+                })()
+                .map(|_| Said::Ok),
                 Command::Reset => {
                     let attr = vrdma::QpAttr { qp_state: vrdma::QpState::Reset, ..Default::default() };
                     qp.modify(&attr, vrdma::QpAttrMask::STATE).map(|_| Said::Ok)

@@ -13,6 +13,7 @@
 //! until a post, a control request or its next timer wakes it.
 
 mod handle;
+mod late;
 mod rings;
 mod sleep;
 mod sockets;
@@ -511,10 +512,14 @@ fn run(
     // Held while the engine works and sleeps; let go between passes to
     // callers that wait for it (see `handle`).
     let mut guard = core.lock();
+    let mut turns = late::Turns::new(std::time::Instant::now());
     while !stop.load(Ordering::Relaxed) {
+        turns.end_and_log();
         let Some(s) = guard.as_mut() else { break };
+        let started = std::time::Instant::now();
         if handle::run_queued(&core.rx, s) {
             idle_since = None;
+            turns.since(late::Part::Callers, started);
         }
         let started = std::time::Instant::now();
         let act = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.pass())) {
@@ -524,6 +529,7 @@ fn run(
                 Default::default()
             }
         };
+        turns.since(late::Part::Pass, started);
         stats.passes.fetch_add(1, Ordering::Relaxed);
         let then = if act.busy {
             stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -557,19 +563,23 @@ fn run(
         match then {
             Then::Pass => {}
             Then::Yield => {
+                let t = std::time::Instant::now();
                 drop(guard);
                 std::thread::yield_now();
                 guard = core.lock_yielding();
+                turns.since(late::Part::Yield, t);
             }
             Then::Sleep => {
-                guard = try_sleep(&core, guard, &wake, &stop, &stats);
+                guard = try_sleep(&core, guard, &wake, &stop, &stats, &mut turns);
                 idle_since = None;
             }
         }
         if core.waiting.load(Ordering::SeqCst) > 0 {
             // A call is work, as a queued one was: the engine stays awake
             // for the calls that follow.
+            let t = std::time::Instant::now();
             guard = core.let_callers_in(guard);
+            turns.since(late::Part::Callers, t);
             idle_since = None;
         }
     }
@@ -593,6 +603,7 @@ fn try_sleep<'a>(
     wake: &Doorbell,
     stop: &AtomicBool,
     stats: &EngineStats,
+    turns: &mut late::Turns,
 ) -> MutexGuard<'a, Option<EngineState>> {
     let Some(s) = guard.as_mut() else { return guard };
     if core.waiting.load(Ordering::SeqCst) > 0 {
@@ -601,7 +612,9 @@ fn try_sleep<'a>(
     s.rings.set_sleeping(true);
     std::sync::atomic::fence(Ordering::SeqCst);
     let now = s.now();
+    let t = std::time::Instant::now();
     let act = s.pass();
+    turns.since(late::Part::Pass, t);
     if act.again() || !core.rx.is_empty() || stop.load(Ordering::Relaxed) {
         s.rings.set_sleeping(false);
         return guard;
@@ -619,8 +632,13 @@ fn try_sleep<'a>(
     stats.sleeps.fetch_add(1, Ordering::Relaxed);
     core.asleep.store(true, Ordering::SeqCst);
     drop(guard);
+    turns.planned_sleep(set.timeout());
+    let t = std::time::Instant::now();
     set.wait(wake);
+    turns.since(late::Part::Sleep, t);
+    let t = std::time::Instant::now();
     let mut guard = core.lock();
+    turns.since(late::Part::Callers, t);
     core.asleep.store(false, Ordering::SeqCst);
     stats.wakeups.fetch_add(1, Ordering::Relaxed);
     if let Some(s) = guard.as_mut() {

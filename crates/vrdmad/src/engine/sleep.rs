@@ -47,6 +47,11 @@ impl PollSet {
         Ok(PollSet { bells, links, timeout })
     }
 
+    /// The longest [`wait`](Self::wait) blocks.
+    pub(super) fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// Blocks until `wake` or a doorbell rings, a link is ready, or the
     /// time passes; then reads the doorbells that rang.
     pub(super) fn wait(&self, wake: &Doorbell) {
