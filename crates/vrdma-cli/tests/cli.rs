@@ -315,16 +315,18 @@ fn a_metrics_endpoint_with_a_token_answers_only_scrapes_that_send_it() {
     {
         assert_eq!(String::from_utf8_lossy(&o.stdout), "401");
     }
-    // A token file the daemon cannot take: it does not start.
+    // A token file the daemon cannot take: it does not start (bounded,
+    // should it start after all).
     std::fs::write(&wrong, "two words").unwrap();
     let bad = dir.path().join("bad.toml");
+    let other = vrdma_it::free_port().expect("a free port");
     std::fs::write(
         &bad,
-        format!("metrics_listen = \"127.0.0.1:{port}\"\nmetrics_token_file = \"{}\"\n", wrong.display()),
+        format!("metrics_listen = \"127.0.0.1:{other}\"\nmetrics_token_file = \"{}\"\n", wrong.display()),
     )
     .unwrap();
-    let out = Command::new(VRDMA)
-        .args(["daemon", "--socket"])
+    let out = Command::new("timeout")
+        .args(["20", VRDMA, "daemon", "--socket"])
         .arg(dir.path().join("bad.sock"))
         .arg("--config")
         .arg(&bad)

@@ -230,7 +230,9 @@ fn a_vms_ports_sessions_and_region_use_are_scraped() -> Result<()> {
     drop((mr, pd, ctx));
     vrdma_it::wait_until(WAIT, "the session's end to show", || {
         scrape(port).is_ok_and(|t| {
-            v(&t, "vrdma_vm_sessions") == Some(0.0) && v(&t, "vrdma_vm_region_used_bytes") == Some(0.0)
+            ["vrdma_vm_ports_connected", "vrdma_vm_sessions", "vrdma_vm_region_used_bytes"]
+                .iter()
+                .all(|name| v(&t, name) == Some(0.0))
         })
     })?;
     Ok(())

@@ -372,24 +372,24 @@ mod preload {
             for said in [
                 // The first connection's, never set; the second's, set
                 // before its first call.
-                "TCP_NODELAY 1 on the carried connection's socket (the program's: 0)",
-                "TCP_NODELAY 1 on the carried connection's socket (the program's: 1)",
+                "TCP_NODELAY 1 on the socket of a connection being carried (the program's: 0)",
+                "TCP_NODELAY 1 on the socket of a connection being carried (the program's: 1)",
                 "TCP_NODELAY kept at 1 on a carried connection (the program asked 0)",
                 "TCP_NODELAY kept at 1 on a carried connection (the program asked 1)",
                 // The kernel's never corked: not at the carry, nor when
                 // the program corks.
-                "TCP_CORK 0 on the carried connection's socket (the program's: 0)",
+                "TCP_CORK 0 on the socket of a connection being carried (the program's: 0)",
                 // The first connection's, corked before its first call:
                 // taken off at the carry, the program's.
-                "TCP_CORK 0 on the carried connection's socket (the program's: 1)",
+                "TCP_CORK 0 on the socket of a connection being carried (the program's: 1)",
                 "TCP_CORK kept at 0 on a carried connection (the program asked 1)",
                 "TCP_CORK kept at 0 on a carried connection (the program asked 0)",
             ] {
                 assert!(c.stderr.contains(said), "{case}: {said:?} missing: {}", c.describe());
             }
             for said in [
-                "TCP_NODELAY 1 on the carried connection's socket (the program's: 0)",
-                "TCP_CORK 0 on the carried connection's socket (the program's: 0)",
+                "TCP_NODELAY 1 on the socket of a connection being carried (the program's: 0)",
+                "TCP_CORK 0 on the socket of a connection being carried (the program's: 0)",
             ] {
                 assert_eq!(s.stderr.matches(said).count(), 2, "{case}: {}", s.describe());
             }

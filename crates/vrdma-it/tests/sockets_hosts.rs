@@ -219,8 +219,8 @@ fn a_poll_driven_stream_across_hosts_never_waits_for_a_lost_credit_answer() -> R
     // own `TCP_NODELAY`: 0, as it set none.
     for p in [&client, &server] {
         for said in [
-            "TCP_NODELAY 1 on the carried connection's socket (the program's: 0)",
-            "TCP_CORK 0 on the carried connection's socket (the program's: 0)",
+            "TCP_NODELAY 1 on the socket of a connection being carried (the program's: 0)",
+            "TCP_CORK 0 on the socket of a connection being carried (the program's: 0)",
         ] {
             assert!(p.stderr.contains(said), "{}", p.describe());
         }

@@ -186,7 +186,7 @@ impl Kept {
         }
         self.put_back(fd);
         debug(&format!(
-            "{} {} on the carried connection's socket (the program's: {})",
+            "{} {} on the socket of a connection being carried (the program's: {})",
             self.label,
             self.kernel(fd).unwrap_or(-1),
             h.v - 1

@@ -240,6 +240,17 @@ impl Stream {
         }
     }
 
+    /// Runs `send` (a decline before an exec) with the library's socket
+    /// options on `fd`, the program's put back after: a cork or Nagle the
+    /// program set would hold the decline, and the peer in its first
+    /// call, for up to 200 ms.
+    fn unheld(&self, fd: c_int, send: impl FnOnce() -> Res<()>) -> Res<()> {
+        crate::kept::keep_all(&self.owner, fd);
+        let r = send();
+        crate::kept::give_back_all(&self.owner, fd);
+        r
+    }
+
     fn resolve(&self, t: Tuple) -> Outcome {
         let Some(d) = dev() else { return Outcome::Tcp };
         let end = Instant::now() + claim_wait();
@@ -357,7 +368,8 @@ impl Stream {
                 if out == Outcome::Carried {
                     // The server sends its hello (or its own decline) at
                     // its first call, which our decline makes readable.
-                    let r = send_all(fd, &link::decline()).and_then(|()| read_message(fd)).map(|_| ());
+                    let r = self.unheld(fd, || send_all(fd, &link::decline()));
+                    let r = r.and_then(|()| read_message(fd)).map(|_| ());
                     debug(&format!("{t:?}: declined before an exec ({r:?}): TCP"));
                 } else {
                     debug(&format!("{t:?}: given up before an exec: TCP"));
@@ -378,7 +390,8 @@ impl Stream {
                         // Its message is a hello, or a decline (its
                         // program execs too): answered by a decline either
                         // way, which it reads in place of our hello.
-                        let r = read_message(fd).and_then(|_| send_all(fd, &link::decline()));
+                        let r =
+                            read_message(fd).and_then(|_| self.unheld(fd, || send_all(fd, &link::decline())));
                         debug(&format!(
                             "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
                         ));

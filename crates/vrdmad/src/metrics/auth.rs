@@ -47,7 +47,7 @@ pub fn load_token(path: &Path) -> Result<String, TokenError> {
     let token = text.trim();
     check_token(token).map_err(invalid)?;
     if std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o077 != 0 {
-        tracing::warn!(path = %shown, "the metrics token file can be read by others than its owner");
+        tracing::warn!(path = %shown, "the metrics token file is open to others than its owner (mode 0600 keeps it theirs)");
     }
     Ok(token.to_string())
 }
@@ -81,9 +81,9 @@ pub fn authorized(head: &[u8], token: &str) -> bool {
         if !name.eq_ignore_ascii_case("authorization") {
             continue;
         }
-        let Some((scheme, given)) = value.trim().split_once(' ') else { continue };
-        // Every Authorization header must match: a second one is not a
-        // second chance.
+        // Every Authorization header must be the token's: one that is
+        // not (or does not parse) is not made good by another.
+        let Some((scheme, given)) = value.trim().split_once(' ') else { return false };
         if !scheme.eq_ignore_ascii_case("bearer") || !same(given.trim().as_bytes(), token.as_bytes()) {
             return false;
         }
@@ -126,6 +126,8 @@ mod tests {
             // A wrong one beside the right one.
             format!("Authorization: Bearer nope\r\nAuthorization: Bearer {T}"),
             format!("Authorization: Bearer {T}\r\nAuthorization: Bearer nope"),
+            format!("Authorization: junk\r\nAuthorization: Bearer {T}"),
+            format!("Authorization: Bearer\t{T}"),
         ] {
             assert!(!authorized(&head(&bad), T), "{bad:?}");
         }

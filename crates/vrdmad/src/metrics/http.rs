@@ -155,15 +155,10 @@ pub fn handle(mut conn: TcpStream, deadline: Duration, token: Option<&str>, rend
             }
         }
         Ok(req) => match parse(&req) {
-            Parsed::Metrics { .. } if token.is_some_and(|t| !super::auth::authorized(&req, t)) => {
+            Parsed::Metrics { head } if token.is_some_and(|t| !super::auth::authorized(&req, t)) => {
                 tracing::debug!("metrics endpoint: a scrape without the token; 401");
-                respond(
-                    &mut conn,
-                    401,
-                    text,
-                    "a bearer token is needed (the daemon's metrics_token_file)\n",
-                    true,
-                )
+                let body = "a bearer token is needed (the daemon's metrics_token_file)\n";
+                respond(&mut conn, 401, text, body, !head)
             }
             Parsed::Metrics { head } => respond(&mut conn, 200, CONTENT_TYPE, &render(), !head),
             Parsed::NotFound => respond(&mut conn, 404, text, "only /metrics is served here\n", true),
@@ -305,6 +300,8 @@ mod tests {
             assert!(out.starts_with("HTTP/1.1 401 Unauthorized\r\n"), "{out}");
             assert!(out.contains("WWW-Authenticate: Bearer"), "{out}");
             assert!(!out.contains("vrdma_up"), "{out}");
+            // A HEAD's answer has no body, a 401 as a 200.
+            assert_eq!(req.starts_with(b"HEAD"), out.ends_with("\r\n\r\n"), "{out}");
         }
         assert!(ask(b"GET /x HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
     }

@@ -72,7 +72,8 @@ impl Drop for Counted {
 /// One guest session on the port and what belongs to it.
 struct Live {
     session: Session,
-    _counted: Counted,
+    /// Set once the session holds a context.
+    counted: Option<Counted>,
     proxies: BTreeMap<u32, Proxy>,
     next_proxy: u32,
     /// Shut down by `Shared::end_session` (the engine ending a context
@@ -353,9 +354,7 @@ impl Port {
                 if adopting {
                     self.note_moved_bells(&reply, &handles);
                 }
-                let gone = self.note_channel_bells(destroying, &reply, &handles);
-                self.send(&Frame::Reply { reply, handles })?;
-                self.close_proxy(gone)
+                self.answer(destroying, reply, handles)
             }
             Frame::Bell { .. } if self.live.is_none() => self.tell_no_session(),
             Frame::Bell { id, count } => {
@@ -448,22 +447,31 @@ impl Port {
         let (reply, handles) = self.handles(answer);
         guest_answers::remember(&self.vm, ctx, number, &reply, &handles);
         drop(pass);
-        let gone = self.note_channel_bells(destroying, &reply, &handles);
+        self.answer(destroying, reply, handles)
+    }
+
+    /// Sends a call's reply, numbered or not, and keeps what it changed
+    /// ([`Port::note_reply`]); a destroyed channel's doorbell closes after
+    /// it.
+    fn answer(&mut self, destroying: Option<u32>, reply: Reply, handles: Vec<Handle>) -> Result<(), String> {
+        let gone = self.note_reply(destroying, &reply, &handles);
         self.send(&Frame::Reply { reply, handles })?;
         self.close_proxy(gone)
     }
 
-    /// Keeps [`Live::channel_bells`] as a reply changes the completion
-    /// channels: a made channel's proxy is noted; a destroyed one's is
-    /// returned, for [`Port::close_proxy`] once the reply is out.
-    fn note_channel_bells(
-        &mut self,
-        destroying: Option<u32>,
-        reply: &Reply,
-        handles: &[Handle],
-    ) -> Option<u32> {
+    /// What a reply changes on the port: a context opened (Hello or an
+    /// adoption) counts the session in [`Vm::sessions`]; a made completion
+    /// channel's proxy is noted in [`Live::channel_bells`]; a destroyed
+    /// one's is returned, for [`Port::close_proxy`] once the reply is out.
+    fn note_reply(&mut self, destroying: Option<u32>, reply: &Reply, handles: &[Handle]) -> Option<u32> {
         let l = self.live.as_mut()?;
         match (reply, handles) {
+            (Reply::Hello { .. }, _) => {
+                if l.counted.is_none() {
+                    l.counted = Some(Counted::new(&self.vm));
+                }
+                None
+            }
             (Reply::CompChannel { channel, .. }, [.., Handle::Bell { id, .. }]) => {
                 l.channel_bells.insert(*channel, *id);
                 None
@@ -562,7 +570,7 @@ impl Port {
         tracing::debug!(vm = %self.vm.name, ctx = id, tenant = tenant.0, "guest session opened");
         self.live = Some(Live {
             session,
-            _counted: Counted::new(&self.vm),
+            counted: None,
             proxies: BTreeMap::new(),
             next_proxy: 1,
             kill,
