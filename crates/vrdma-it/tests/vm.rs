@@ -515,7 +515,7 @@ fn a_destroyed_completion_channels_doorbell_closes_with_it() -> Result<()> {
     // Unnumbered calls, and numbered ones as the guest's library sends.
     let mut number = 0;
     let mut call = |p: &mut RawPort, round: usize, req: Request| -> Result<(Reply, Vec<Handle>)> {
-        if round % 2 == 0 {
+        if round.is_multiple_of(2) {
             return p.call(req);
         }
         number += 1;
