@@ -152,6 +152,68 @@ fn stat_shows_each_qps_path_and_devinfo_the_links() {
     assert!(dev.lines().any(|l| l.trim_start().starts_with("link ") && l.contains(" UP, 1 QPs,")), "{dev}");
 }
 
+/// `vrdma stat --prometheus` (no `--metrics`): the caller's own figures in
+/// the endpoint's names and labels. A link's counters are the caller's
+/// tenant's own traffic: another tenant (uid 65534, when we are root)
+/// sees the link and none of our bytes, nor the operator-only families;
+/// we, the operator (the daemon's uid), see the totals.
+#[test]
+fn stat_prometheus_shows_the_callers_own_traffic_on_each_link() {
+    use std::os::unix::process::CommandExt;
+    use vrdma::wr::{self, SendWrExt};
+    const LEN: usize = 50_000;
+    let h = vrdma_it::TwoHosts::start(true).expect("two daemons");
+    let (a, b) = vrdma_it::across::pair(&h.a, &h.b, false).expect("a pair across the hosts");
+    b.qp.post_recv(&[wr::recv(1, &[b.mr.sge(0, LEN).unwrap()]).unwrap()]).unwrap();
+    a.qp.post_send(&[wr::send(1, &[a.mr.sge(0, LEN).unwrap()]).unwrap().signaled()]).unwrap();
+    let wc = vrdma_it::poll_n(&a.cq, 1, vrdma_it::WAIT).unwrap();
+    assert_eq!(wc[0].status, vrdma::WcStatus::Success, "{wc:?}");
+    let prometheus = |uid: Option<u32>| {
+        let mut cmd = Command::new(VRDMA);
+        if let Some(u) = uid {
+            cmd.uid(u).gid(u);
+        }
+        let out = cmd.arg("--socket").arg(&h.a.socket).args(["stat", "--prometheus"]).output().unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    // The sum of a family's samples.
+    let sum = |text: &str, name: &str| -> f64 {
+        let head = format!("{name}{{");
+        text.lines()
+            .filter(|l| l.starts_with(&head))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let ours = prometheus(None);
+    assert!(sum(&ours, "vrdma_link_bytes_sent_total") >= LEN as f64, "{ours}");
+    assert!(sum(&ours, "vrdma_tenant_bytes_sent_total") >= LEN as f64, "{ours}");
+    assert!(ours.contains("vrdma_engine_missed_wakeups_total "), "the daemon's count: {ours}");
+
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        vrdma_it::skip("the other tenant needs root (to run vrdma stat as uid 65534)");
+        return;
+    }
+    let theirs = prometheus(Some(65534));
+    assert_eq!(sum(&theirs, "vrdma_link_up"), 1.0, "the link shows: {theirs}");
+    for name in
+        ["vrdma_link_bytes_sent_total", "vrdma_link_frames_sent_total", "vrdma_link_frames_received_total"]
+    {
+        assert_eq!(sum(&theirs, name), 0.0, "another tenant sees {name}: {theirs}");
+    }
+    assert!(theirs.contains("vrdma_tenant_bytes_sent_total{tenant=\"uid:65534\"} 0"), "{theirs}");
+    for never in [
+        "uid:0",
+        "vrdma_link_retransmissions_total",
+        "vrdma_link_rtt",
+        "vrdma_link_throttled",
+        "vrdma_engine_",
+    ] {
+        assert!(!theirs.contains(never), "another tenant sees {never}: {theirs}");
+    }
+}
+
 /// `vrdma run` ended by SIGTERM or SIGHUP (a service manager, `kill`)
 /// hands the signal to its program, which ends, and still removes its
 /// library folder; before, the program ran on and the folder stayed.

@@ -122,7 +122,24 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         // own: docs/migration.md, "Memory not registered").
         let end = Instant::now() + Duration::from_secs(60);
         while server.lines.lock().unwrap().is_empty() {
-            assert!(Instant::now() < end, "rping's first ping never reached B");
+            if Instant::now() >= end {
+                // What each end said: the guest's client (and its status,
+                // if it ended) and the daemons' view of the links.
+                let guest_side = guest
+                    .run("cat /tmp/rping.out; echo \"status: $(cat /tmp/rping.st 2>/dev/null || echo running)\"", T)
+                    .map_or_else(|e| format!("(the guest did not answer: {e})"), |(_, out)| out);
+                let stat = |socket: &Path| {
+                    let out =
+                        std::process::Command::new(VRDMA).arg("--socket").arg(socket).arg("stat").output();
+                    out.map_or_else(|e| e.to_string(), |o| String::from_utf8_lossy(&o.stdout).into_owned())
+                };
+                panic!(
+                    "rping's first ping never reached B in 60 s\nthe guest's rping -c:\n{guest_side}\nA's \
+                     stat:\n{}\nB's stat:\n{}",
+                    stat(&w.a.socket),
+                    stat(&w.b.socket)
+                );
+            }
             std::thread::sleep(Duration::from_millis(20));
         }
     }

@@ -202,6 +202,8 @@ pub enum Command {
         at: std::net::SocketAddrV4,
     },
     Exit,
+    /// `vrdma stat` of the peer's context (`Context::stat`): `Stat`.
+    Stat,
 }
 
 /// What a hostile tenant does to the memory it shares with the daemon
@@ -280,6 +282,8 @@ pub enum Said {
     /// An rdma_cm event (`CmEvent`): its kind (`enum rdma_cm_event_type`)
     /// and status, or `None` if none came.
     Cm(Option<(u32, i32)>),
+    /// The answer to `Stat`.
+    Stat(Box<vrdma_core::hca::StatReport>),
 }
 
 /// FNV-1a over `bytes`: a cheap digest to compare large buffers across

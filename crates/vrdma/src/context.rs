@@ -263,8 +263,9 @@ impl Context {
 
     /// This tenant's own figures (its counters as the metrics endpoint
     /// shows them, for it alone), the device's links to other hosts'
-    /// daemons, and the path (shared memory or a link) each QP of this
-    /// tenant takes.
+    /// daemons (with this tenant's own traffic on each; the daemon's
+    /// totals when the caller is the host's operator: `totals`), and the
+    /// path (shared memory or a link) each QP of this tenant takes.
     ///
     /// The daemon answers in pages; this asks for each in turn. Objects
     /// created or destroyed meanwhile may or may not show.
@@ -291,6 +292,7 @@ impl Context {
             if all.tenant.is_none() {
                 all.tenant = page.report.tenant;
             }
+            all.totals = page.report.totals;
             match page.next {
                 None => return Ok(all),
                 Some(next) if advances(from.link, next.link) && advances(from.qpn, next.qpn) => from = next,

@@ -998,11 +998,18 @@ fn stat_joins_the_daemons_pages() {
                 qps: vec![qp_report(3), qp_report(5)],
                 missed_wakeups: 0,
                 tenant: None,
+                totals: false,
             },
             next: Some(next),
         },
         StatPage {
-            report: StatReport { links: vec![], qps: vec![qp_report(9)], missed_wakeups: 2, tenant: None },
+            report: StatReport {
+                links: vec![],
+                qps: vec![qp_report(9)],
+                missed_wakeups: 2,
+                tenant: None,
+                totals: false,
+            },
             next: None,
         },
     ]);

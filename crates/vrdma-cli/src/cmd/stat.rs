@@ -3,6 +3,11 @@
 //! over the control socket: no endpoint needed, and never another
 //! tenant's), the links to other hosts' daemons, and the path each QP of
 //! the caller's tenant takes (shared memory on this host, or a link).
+//! The links' counters are the caller's own tenant's traffic on each,
+//! unless the caller is the host's operator (root or the daemon's uid,
+//! never a guest): then they are every tenant's together, which would
+//! tell a tenant how much the others send (`--prometheus`: the same
+//! figures in the endpoint's format).
 //! With `--metrics ADDR`: the daemon's metrics endpoint (`metrics_listen`)
 //! read and shown for a person: a table per tenant, the engine and the
 //! links (`--prometheus`: the exposition as served).
@@ -23,8 +28,10 @@ pub struct Args {
     /// figures, the engine's and the links'.
     #[arg(long, value_name = "ADDR")]
     metrics: Option<std::net::SocketAddr>,
-    /// With --metrics: print the Prometheus text as served.
-    #[arg(long, requires = "metrics")]
+    /// Print Prometheus text: with --metrics, the endpoint's as served;
+    /// without, this caller's own figures (as `vrdma stat` shows them) in
+    /// the endpoint's names and labels.
+    #[arg(long, conflicts_with = "json")]
     prometheus: bool,
     /// With --metrics: send the bearer token in this file (the daemon's
     /// `metrics_token_file`).
@@ -47,7 +54,9 @@ pub fn run(socket: Option<PathBuf>, args: Args) -> Result<()> {
     // daemon through them: the VM's tenant's figures.
     let ctx = crate::embedded::open_existing(socket)?;
     let s = ctx.stat()?;
-    if args.json {
+    if args.prometheus {
+        emit(&vrdmad::metrics::render_stat(&s))?;
+    } else if args.json {
         emit(&format!("{}\n", serde_json::to_string_pretty(&to_json(&s)?)?))?;
     } else {
         emit(&render(&s))?;
@@ -173,6 +182,10 @@ pub fn render_links(s: &StatReport) -> String {
     let mut out = String::new();
     if s.links.is_empty() {
         out.push_str("links:\t\tnone (same-host transfers only; see [net] in the daemon config)\n");
+    } else if s.totals {
+        out.push_str("links:\t\tevery tenant's traffic (the operator's view)\n");
+    } else {
+        out.push_str("links:\t\tthis tenant's own traffic and QPs on each (the operator sees the totals)\n");
     }
     for l in &s.links {
         out.push_str(&format!(
@@ -219,9 +232,10 @@ fn render(s: &StatReport) -> String {
     }
     if s.missed_wakeups > 0 {
         out.push_str(&format!(
-            "missed wake-ups:	{} (QPs found with work by the engine's sweep, not named after a post)
+            "missed wake-ups:	{} ({}QPs found with work by the engine's sweep, not named after a post)
 ",
-            s.missed_wakeups
+            s.missed_wakeups,
+            if s.totals { "" } else { "this tenant's " }
         ));
     }
     out

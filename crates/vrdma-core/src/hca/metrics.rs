@@ -130,6 +130,10 @@ pub struct TenantCounters {
     #[serde(default)]
     pub link_throttled_ns: u64,
     pub latency: Histogram,
+    /// Turns of its QPs in which a sweep found work nothing had woken
+    /// (its share of [`super::Hca::missed_wakeups`]).
+    #[serde(default)]
+    pub missed_wakeups: u64,
     /// The end of a share that left work, not yet followed by another.
     #[serde(skip)]
     waiting_since: Option<Instant>,

@@ -48,7 +48,8 @@ pub use error::HcaError;
 pub use queues::{AsyncEvent, CqFull, Pulled, Queues, RecvSource};
 pub use remote::{
     IoSeg, LinkId, LinkInfo, LinkQueues, LinkReport, LinkStats, LinkThrottle, Path, QpPathReport, Sampled,
-    Sink, StatCursor, StatPage, StatReport, Transmit, STAT_PAGE_LINKS, STAT_PAGE_QPS, TX_HEADER_CAP,
+    Sink, StatCursor, StatPage, StatReport, StatView, Transmit, MAX_LINK_TENANTS, STAT_PAGE_LINKS,
+    STAT_PAGE_QPS, TX_HEADER_CAP,
 };
 
 use crate::verbs::QpCap;

@@ -1384,7 +1384,7 @@ fn stat_pages_list_each_link_and_each_qp_of_the_tenant_once_in_order() {
     let (mut seen_qps, mut seen_links, mut pages) = (Vec::new(), Vec::new(), 0);
     let mut from = StatCursor::START;
     loop {
-        let page = env.hca.stat(C1, from).unwrap();
+        let page = env.hca.stat(C1, from, StatView::Tenant).unwrap();
         assert!(page.report.qps.len() <= STAT_PAGE_QPS && page.report.links.len() <= STAT_PAGE_LINKS);
         seen_qps.extend(page.report.qps.iter().map(|q| q.qpn));
         seen_links.extend(page.report.links.iter().map(|l| l.id.0));
@@ -1401,11 +1401,18 @@ fn stat_pages_list_each_link_and_each_qp_of_the_tenant_once_in_order() {
     assert!(!seen_qps.contains(&theirs));
     assert_eq!(seen_links, links);
     // The other tenant sees only its own QP, and every link.
-    let page = env.hca.stat(C3, StatCursor::START).unwrap();
+    let page = env.hca.stat(C3, StatCursor::START, StatView::Tenant).unwrap();
     assert_eq!(page.report.qps.iter().map(|q| q.qpn).collect::<Vec<_>>(), vec![theirs]);
     assert_eq!(page.next, Some(StatCursor { link: Some(links[STAT_PAGE_LINKS]), qpn: None }));
     // Each sees its own tenant's figures, and only those.
-    let own = |c| env.hca.stat(c, StatCursor::START).unwrap().report.tenant.expect("the tenant's figures");
+    let own = |c| {
+        env.hca
+            .stat(c, StatCursor::START, StatView::Tenant)
+            .unwrap()
+            .report
+            .tenant
+            .expect("the tenant's figures")
+    };
     let (mine, theirs) = (own(C1), own(C3));
     assert_eq!((mine.tenant, theirs.tenant), (TENANT, OTHER_TENANT));
     assert_eq!(*mine, env.hca.tenant_report(TENANT));
@@ -1490,6 +1497,12 @@ fn a_sweep_finds_a_qp_whose_wake_up_was_missed() {
     env.hca.sweep();
     env.run(T0);
     assert_eq!(env.hca.missed_wakeups(), 1);
+    // Its tenant's own count, which is all its `vrdma stat` shows; another
+    // tenant's shows none, the operator's the daemon's.
+    let missed = |c, view| env.hca.stat(c, StatCursor::START, view).unwrap().report.missed_wakeups;
+    assert_eq!(env.hca.tenant_report(TENANT).counters.missed_wakeups, 1);
+    assert_eq!((missed(C1, StatView::Tenant), missed(C3, StatView::Tenant)), (1, 0));
+    assert_eq!(missed(C3, StatView::Operator), 1);
 }
 
 /// A receive a requester held (a send cut short) goes back to its

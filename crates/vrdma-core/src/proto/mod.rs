@@ -30,7 +30,10 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `CmRequest::AttachQp` (and `CreateQp`) may name an id and a QP of two
 /// contexts of one process, and a `CmEvent` carries its id's addresses.
 /// 7: a `StatReport` carries the asking tenant's own figures, and a
-/// link's stats what its scheduler held back; `Request::Migrate`, the
+/// link's stats what its scheduler held back; its links' counters and
+/// missed wake-ups are the tenant's own share unless the operator asked
+/// (`totals`, appended; a tenant's counters end with its missed
+/// wake-ups); `Request::Migrate`, the
 /// operator's migration steps; `Request::Sock`, the socket registry of
 /// `docs/sockets.md`; `CmRequest::CreateQpWithCq`, answered
 /// `Reply::CqQp`; an event channel's wake-up may carry its event,
@@ -630,6 +633,7 @@ mod tests {
             &mut c.throttled_ns,
             &mut c.throttled_shares,
             &mut c.link_throttled_ns,
+            &mut c.missed_wakeups,
         ] {
             *v = u64::MAX;
         }
@@ -648,6 +652,7 @@ mod tests {
                 qps: vec![qp; STAT_PAGE_QPS],
                 missed_wakeups: u64::MAX,
                 tenant: Some(Box::new(tenant)),
+                totals: true,
             },
             next: Some(StatCursor { link: Some(u32::MAX), qpn: Some(u32::MAX) }),
         };

@@ -325,6 +325,7 @@ fn tenant(socket: PathBuf, mr_len: usize, channel: bool) -> Result<()> {
                     None => Ok(Said::Error { errno: 0, message: "no rdma_cm channel (CmConnect)".into() }),
                 },
                 Command::Exit => break,
+                Command::Stat => ctx.stat().map(|s| Said::Stat(Box::new(s))),
             };
             match reply {
                 Ok(s) => say(&s),

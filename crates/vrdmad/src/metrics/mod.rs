@@ -11,10 +11,13 @@
 //! from atomics or under their locks. One thread serves one connection at
 //! a time ([`http`]): scrapes are rare, and whoever connects is untrusted.
 //!
-//! Every tenant's figures are shown to whoever can connect: the address
-//! is the operator's choice (loopback, or a management network), and a
-//! bearer token (`metrics_token_file`, [`auth`]) keeps out whoever can
-//! connect but does not hold it (on loopback: every local user).
+//! Every tenant's figures and the links' totals are shown to whoever can
+//! connect: TCP carries no peer credentials, so the endpoint is the
+//! operator's, on an address only the operator reaches, or behind a
+//! bearer token (`metrics_token_file`, [`auth`]; loopback is every local
+//! user's, and user-mode QEMU guests'; see the README, "Metrics"). A
+//! tenant reads its own share over the control socket, whose peer
+//! credentials say who asks (`vrdma stat`, [`render_stat`]).
 //! Cardinality is bounded: tenants by `max_tenants` (and the core's
 //! [`MAX_TRACKED`](vrdma_core::hca::metrics::MAX_TRACKED) for those that
 //! left), links by the peers, and messages of rejected inputs by the log
@@ -135,7 +138,7 @@ pub(crate) fn render(src: &Sources) -> String {
         );
         w.sample_u64("vrdma_engine_missed_wakeups_total", &[], e.missed_wakeups);
         tenants(&mut w, &e.tenants);
-        links(&mut w, &e.links);
+        links(&mut w, &e.links, true);
     }
     refused(&mut w, engine.as_ref(), src);
     if let Some(s) = src.shared.upgrade() {
@@ -147,7 +150,7 @@ pub(crate) fn render(src: &Sources) -> String {
 fn tenants(w: &mut Writer, ts: &[TenantReport]) {
     let labels: Vec<String> = ts.iter().map(|t| tenant_label(t.tenant)).collect();
     type Get = fn(&TenantReport) -> f64;
-    let families: [(&str, Kind, &str, Get); 12] = [
+    let families: [(&str, Kind, &str, Get); 13] = [
         (
             "vrdma_tenant_objects",
             Kind::Gauge,
@@ -217,6 +220,12 @@ fn tenants(w: &mut Writer, ts: &[TenantReport]) {
             "Time the tenant's requests on links to other hosts waited for its rate limit while its QPs there had frames to send, summed over the links",
             |t| t.counters.link_throttled_ns as f64 / 1e9,
         ),
+        (
+            "vrdma_tenant_missed_wakeups_total",
+            Kind::Counter,
+            "Turns of the tenant's QPs in which a sweep found work that nothing had woken",
+            |t| t.counters.missed_wakeups as f64,
+        ),
     ];
     for (name, kind, help, get) in families {
         w.family(name, kind, help);
@@ -232,7 +241,41 @@ fn tenants(w: &mut Writer, ts: &[TenantReport]) {
     }
 }
 
-fn links(w: &mut Writer, ls: &[LinkFigures]) {
+/// Families of a link that `vrdma stat` does not carry (the endpoint's
+/// only, see [`render_stat`]): what they count is every tenant's
+/// together, and kept by the link drivers.
+const ENDPOINT_LINK_FAMILIES: [&str; 2] = ["vrdma_link_retransmissions_total", "vrdma_link_rtt_seconds"];
+
+/// A caller's `vrdma stat` (its own tenant's figures; the links as the
+/// daemon showed them to it: a tenant's own traffic, or the operator's
+/// totals) in the exposition's format, with the endpoint's names and
+/// labels: what `vrdma stat --prometheus` prints without `--metrics`.
+/// Without the link families that only the endpoint has (retransmissions,
+/// round trips, the links' held time): a tenant may not see them, and the
+/// operator reads them there. The daemon's missed wake-ups only for the
+/// operator; a tenant's own are in its tenant series.
+pub fn render_stat(s: &vrdma_core::hca::StatReport) -> String {
+    let mut w = Writer::default();
+    if let Some(t) = s.tenant.as_deref() {
+        tenants(&mut w, std::slice::from_ref(t));
+    }
+    if s.totals {
+        let name = "vrdma_engine_missed_wakeups_total";
+        w.family(name, Kind::Counter, "QPs a sweep found with work that nothing had woken");
+        w.sample_u64(name, &[], s.missed_wakeups);
+    }
+    let ls: Vec<LinkFigures> = s
+        .links
+        .iter()
+        .map(|&report| LinkFigures { report, retransmits: 0, rtt: None, queue_capped_ns: 0 })
+        .collect();
+    links(&mut w, &ls, false);
+    w.finish()
+}
+
+/// The links' families (`all`: the endpoint-only ones too, see
+/// [`ENDPOINT_LINK_FAMILIES`]).
+fn links(w: &mut Writer, ls: &[LinkFigures], all: bool) {
     let ids: Vec<(String, String)> =
         ls.iter().map(|l| (l.report.id.0.to_string(), l.report.info.gid.to_string())).collect();
     type Get = fn(&LinkFigures) -> Option<f64>;
@@ -285,12 +328,18 @@ fn links(w: &mut Writer, ls: &[LinkFigures]) {
         ),
     ];
     for (name, kind, help, get) in families {
+        if !all && ENDPOINT_LINK_FAMILIES.contains(&name) {
+            continue;
+        }
         w.family(name, kind, help);
         for (l, (id, peer)) in ls.iter().zip(&ids) {
             if let Some(v) = get(l) {
                 w.sample(name, &[("link", id), ("peer", peer)], v);
             }
         }
+    }
+    if !all {
+        return;
     }
     let name = "vrdma_link_throttled_seconds_total";
     w.family(

@@ -52,8 +52,9 @@ const EXPORT_WAIT: Duration = Duration::from_secs(2);
 /// calls under way to end (`pause_gate`).
 const CALLS_WAIT: Duration = Duration::from_secs(2);
 
-/// Whether the peer of a control connection may drive migrations.
-fn is_operator(uid: u32) -> bool {
+/// Whether the peer of a control connection is the host's operator: it
+/// may drive migrations, and `vrdma stat` shows it the daemon's totals.
+pub(super) fn is_operator(uid: u32) -> bool {
     uid == 0 || uid == rustix::process::geteuid().as_raw()
 }
 

@@ -13,7 +13,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::Arc;
 
-use vrdma_core::hca::{ContextId, HcaError, StatCursor, TenantId};
+use vrdma_core::hca::{ContextId, HcaError, StatCursor, StatView, TenantId};
 use vrdma_core::log_limit::Source;
 use vrdma_core::memory::{Backing, Region};
 use vrdma_core::proto::{
@@ -662,12 +662,26 @@ impl Session {
                 Reply::Done.into()
             }
             Request::Stat => {
-                Reply::Stat(self.engine(move |e, c| e.hca.stat(c, StatCursor::START))??.report).into()
+                let view = self.stat_view();
+                Reply::Stat(self.engine(move |e, c| e.hca.stat(c, StatCursor::START, view))??.report).into()
             }
             Request::StatPage { from } => {
-                Reply::StatPage(self.engine(move |e, c| e.hca.stat(c, from))??).into()
+                let view = self.stat_view();
+                Reply::StatPage(self.engine(move |e, c| e.hca.stat(c, from, view))??).into()
             }
         })
+    }
+
+    /// What `vrdma stat` shows this session: the links' totals over every
+    /// tenant and the daemon's missed wake-ups to the operator (root or
+    /// the daemon's uid, as for migrations; never a guest), its own
+    /// tenant's share of them to anyone else (README, "Trust").
+    fn stat_view(&self) -> StatView {
+        if self.guest.is_none() && super::migrate::is_operator(self.uid) {
+            StatView::Operator
+        } else {
+            StatView::Tenant
+        }
     }
 
     /// Admits this session's tenant under its quota (`admission`),

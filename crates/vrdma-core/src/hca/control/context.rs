@@ -91,6 +91,11 @@ impl Hca {
             self.refund(ctx, 1, 0);
         }
         self.contexts.remove(&ctx);
+        // Its tenant's last context: its traffic on the links is no longer
+        // kept apart (bounded by the tenants present, not those that were).
+        if let Some(tenant) = tenant.filter(|&tn| !self.contexts.values().any(|c| c.tenant == tn)) {
+            self.net.forget_tenant(tenant);
+        }
         t
     }
 }

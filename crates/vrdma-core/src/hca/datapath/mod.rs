@@ -380,6 +380,7 @@ impl Hca {
     fn after_turn(&mut self, qpn: u32, turn: &Activity, now: Instant, io: &mut dyn Queues) -> bool {
         let Some(qp) = self.qps.get_mut(&qpn) else { return false };
         let idle = !turn.busy && turn.next_timer.is_none() && qp.is_quiescent();
+        let mut missed_by = None;
         // Work a post brought that its notice has yet to announce was not
         // missed. (A post whose owner has pushed its WRs and not yet
         // named it, a window of nanoseconds, can still count.)
@@ -388,10 +389,16 @@ impl Hca {
             // A tenant that never names its QPs makes one per QP per sweep:
             // the count says how many, the log only now and then.
             const MISSED: &str = "a sweep found work on a QP that was left idle: a wake-up was missed";
-            let (missed, tenant) = (self.missed_wakeups, crate::log_limit::Source::Tenant(qp.tenant));
+            let (missed, owner) = (self.missed_wakeups, qp.tenant);
+            let tenant = crate::log_limit::Source::Tenant(owner);
             crate::limited_warn!(self.log, tenant, now, MISSED, qpn, missed);
+            missed_by = Some(owner);
         }
         let recv_too = qp.state() == QpState::Err && qp.init.srq.is_none();
+        if let Some(owner) = missed_by {
+            // Its own count too: a tenant sees its own, never the daemon's.
+            self.counters(owner).missed_wakeups += 1;
+        }
         if idle && io.park_queues(qpn, recv_too) {
             self.park(qpn);
             return true;

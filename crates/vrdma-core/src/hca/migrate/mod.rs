@@ -281,6 +281,7 @@ impl Hca {
         }
         self.usage.remove(&tenant);
         self.paused_tenants.remove(&tenant);
+        self.net.forget_tenant(tenant);
         tracing::info!(tenant = tenant.0, qps = t.qps.len(), "tenant moved away; its objects here are gone");
         Ok(t)
     }
@@ -378,9 +379,10 @@ impl Hca {
     /// epoch above any seen, the QP's peer is now reached over `link`.
     /// Returns whether it was accepted.
     pub fn handle_moved(&mut self, link: LinkId, m: &MovedRepr, now: Instant) -> bool {
-        if !self.net.links.contains_key(&link) {
-            return false;
-        }
+        let Some(l) = self.net.links.get_mut(&link) else { return false };
+        // A drop of it counts in the link's totals only (the last data
+        // frame's tenant is not this one's).
+        l.rx_tenant = None;
         let ok = self.qps.get(&m.peer_qpn).is_some_and(|q| {
             q.init.qp_type == QpType::Rc
                 && q.tenant.0 == m.vnet
@@ -491,7 +493,7 @@ impl Hca {
         let mut r = DataRepr::new(Opcode::Acknowledge, q.tenant.0, hdr.src_qpn, hdr.dest_qpn, epsn);
         r.aeth = Some(Aeth { syndrome: Syndrome::Nak(NakCode::QpPaused), msn });
         if let Some(l) = self.net.links.get_mut(&link).filter(|l| l.datagrams.len() < MAX_PAUSED_NAKS) {
-            l.datagrams.push_back(Transmit::new(&r));
+            l.datagrams.push_back((q.tenant, Transmit::new(&r)));
         }
         self.net.dropped(link, "request for a paused QP (PAUSED NAK)");
         true

@@ -66,7 +66,7 @@ impl Hca {
         t.data = data;
         if let Some(l) = self.net.links.get_mut(&link) {
             if l.datagrams.len() < MAX_QUEUED {
-                l.datagrams.push_back(t);
+                l.datagrams.push_back((req.tenant, t));
             }
         }
         Exec::Complete { byte_len: 0 }
@@ -210,5 +210,5 @@ impl Hca {
     }
 }
 
-/// The datagrams waiting on a link.
-pub(crate) type DatagramQueue = VecDeque<Transmit>;
+/// The datagrams waiting on a link, each with the tenant it is traffic of.
+pub(crate) type DatagramQueue = VecDeque<(crate::hca::TenantId, Transmit)>;

@@ -200,6 +200,39 @@ pub struct LinkThrottle {
     pub cut_bytes: u64,
 }
 
+/// One tenant's own traffic on a link: what `vrdma stat` shows a tenant
+/// of the link's counters ([`LinkStats`] are every tenant's together,
+/// which only the operator sees). A frame counts for the tenant of the
+/// QP of ours that sends it or that it is addressed to; a received frame
+/// for no QP of ours counts in the link's totals only.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct TenantTraffic {
+    pub frames_out: u64,
+    pub payload_out: u64,
+    pub frames_in: u64,
+    pub payload_in: u64,
+    pub dropped_in: u64,
+    pub cut_frames: u64,
+    pub cut_bytes: u64,
+}
+
+/// Tenants whose traffic a link keeps apart at most. A tenant's entries
+/// go when its last context closes (or it moves away), so the daemon's
+/// `max_tenants` bounds them; this bounds them whatever the driver
+/// admits. Past it a new tenant's frames count in the link's totals only.
+pub const MAX_LINK_TENANTS: usize = super::metrics::MAX_TRACKED;
+
+/// Whose figures a [`StatReport`] holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StatView {
+    /// The asking tenant's: its own traffic on each link, its own QPs
+    /// there and its own missed wake-ups; never another tenant's.
+    Tenant,
+    /// The host operator's (the driver decides who that is): the links'
+    /// totals over every tenant, and the daemon's missed wake-ups.
+    Operator,
+}
+
 /// A window of a mapped region: where a payload comes from or goes to.
 #[derive(Debug, Clone)]
 pub struct IoSeg {
@@ -323,6 +356,11 @@ pub(crate) struct Link {
     /// Since when at least one of `tenants` is held back by its rate
     /// limit (see [`LinkThrottle::rate_limited_ns`]).
     pub rate_held_since: Option<Instant>,
+    /// Each tenant's share of `stats` (see [`TenantTraffic`]).
+    pub traffic: HashMap<TenantId, TenantTraffic>,
+    /// The tenant of the QP the frame being received is for, if it is
+    /// ours: a drop of that frame counts for it.
+    pub rx_tenant: Option<TenantId>,
 }
 
 /// One tenant's QPs on a link, served in turn.
@@ -399,6 +437,26 @@ impl QpSet {
 }
 
 impl Link {
+    /// `t`'s traffic on the link, made on first use (`None` past
+    /// [`MAX_LINK_TENANTS`]).
+    pub(crate) fn traffic_of(&mut self, t: TenantId) -> Option<&mut TenantTraffic> {
+        if !self.traffic.contains_key(&t) && self.traffic.len() >= MAX_LINK_TENANTS {
+            return None;
+        }
+        Some(self.traffic.entry(t).or_default())
+    }
+
+    /// Counts a frame sent for `tenant` (`None`: no tenant's) with
+    /// `payload` bytes.
+    fn sent(&mut self, tenant: Option<TenantId>, payload: u64) {
+        self.stats.frames_out += 1;
+        self.stats.payload_out += payload;
+        if let Some(c) = tenant.and_then(|t| self.traffic_of(t)) {
+            c.frames_out += 1;
+            c.payload_out += payload;
+        }
+    }
+
     fn qp_count(&self) -> usize {
         self.tenants.iter().map(|t| t.qps.len()).sum()
     }
@@ -544,6 +602,20 @@ impl Network {
         tracing::debug!(link = link.0, why, "frame dropped");
         if let Some(l) = self.links.get_mut(&link) {
             l.stats.dropped_in += 1;
+            if let Some(c) = l.rx_tenant.and_then(|t| l.traffic_of(t)) {
+                c.dropped_in += 1;
+            }
+        }
+    }
+
+    /// `tenant` is gone from this host (its last context closed, or it
+    /// moved away): its traffic on each link is no longer kept apart.
+    pub fn forget_tenant(&mut self, tenant: TenantId) {
+        for l in self.links.values_mut() {
+            l.traffic.remove(&tenant);
+            if l.rx_tenant == Some(tenant) {
+                l.rx_tenant = None;
+            }
         }
     }
 
@@ -625,6 +697,10 @@ pub struct StatReport {
     /// a page stays bounded.
     /// Boxed: the control protocol's replies stay small.
     pub tenant: Option<Box<super::metrics::TenantReport>>,
+    /// The links' counters and `missed_wakeups` are the daemon's totals
+    /// over every tenant (the operator asked); otherwise they are the
+    /// asking tenant's own (see [`StatView`]).
+    pub totals: bool,
 }
 
 /// Where a page of a [`StatReport`] starts: the lowest link id and QP
@@ -685,6 +761,8 @@ impl Hca {
                 datagrams: Default::default(),
                 latency_seen: None,
                 rate_held_since: None,
+                traffic: HashMap::default(),
+                rx_tenant: None,
             },
         );
         n.wanted.retain(|g| *g != info.gid);
@@ -749,12 +827,61 @@ impl Hca {
         v
     }
 
+    /// The links as `tenant` sees them: each link's peer and state, and
+    /// of its counters only the tenant's own traffic and QPs (the queue
+    /// samples and the link's rate-limited time are every tenant's
+    /// together: shown to the operator only; the tenant's own held time
+    /// is its `link_throttled_ns`).
+    pub fn links_of(&self, tenant: TenantId) -> Vec<LinkReport> {
+        let mut v: Vec<LinkReport> = self
+            .net
+            .links
+            .iter()
+            .map(|(&id, l)| {
+                let c = l.traffic.get(&tenant).copied().unwrap_or_default();
+                LinkReport {
+                    id,
+                    info: l.info,
+                    up: l.up,
+                    qps: l.tenants.iter().find(|t| t.tenant == tenant).map_or(0, |t| t.qps.len() as u32),
+                    stats: LinkStats {
+                        frames_out: c.frames_out,
+                        payload_out: c.payload_out,
+                        frames_in: c.frames_in,
+                        payload_in: c.payload_in,
+                        dropped_in: c.dropped_in,
+                        throttle: LinkThrottle {
+                            rate_limited_ns: 0,
+                            cut_frames: c.cut_frames,
+                            cut_bytes: c.cut_bytes,
+                        },
+                        queues: LinkQueues::default(),
+                    },
+                }
+            })
+            .collect();
+        v.sort_by_key(|r| r.id);
+        v
+    }
+
     /// A page of the links and of the QPs of `ctx`'s tenant with their
-    /// paths, each list in ascending order from `from`.
-    pub fn stat(&self, ctx: super::ContextId, from: StatCursor) -> Result<StatPage, super::HcaError> {
+    /// paths, each list in ascending order from `from`; the links'
+    /// counters and the missed wake-ups as `view` may see them.
+    pub fn stat(
+        &self,
+        ctx: super::ContextId,
+        from: StatCursor,
+        view: StatView,
+    ) -> Result<StatPage, super::HcaError> {
         let tenant = self.tenant_of(ctx)?;
         let mut links: Vec<LinkReport> = match from.link {
-            Some(first) => self.links().into_iter().filter(|l| l.id.0 >= first).collect(),
+            Some(first) => {
+                let all = match view {
+                    StatView::Operator => self.links(),
+                    StatView::Tenant => self.links_of(tenant),
+                };
+                all.into_iter().filter(|l| l.id.0 >= first).collect()
+            }
             None => Vec::new(),
         };
         let mut qps: Vec<QpPathReport> = match from.qpn {
@@ -782,12 +909,12 @@ impl Hca {
         qps.truncate(STAT_PAGE_QPS);
         let next = (next_link.is_some() || next_qpn.is_some())
             .then_some(StatCursor { link: next_link, qpn: next_qpn });
-        let report = StatReport {
-            links,
-            qps,
-            missed_wakeups: self.missed_wakeups,
-            tenant: Some(Box::new(self.tenant_report(tenant))),
+        let own = self.tenant_report(tenant);
+        let (missed_wakeups, totals) = match view {
+            StatView::Operator => (self.missed_wakeups, true),
+            StatView::Tenant => (own.counters.missed_wakeups, false),
         };
+        let report = StatReport { links, qps, missed_wakeups, tenant: Some(Box::new(own)), totals };
         Ok(StatPage { report, next })
     }
 
@@ -817,10 +944,9 @@ impl Hca {
     /// The next frame to write on `link`, if any QP has one.
     pub fn poll_transmit(&mut self, link: LinkId, now: Instant, io: &mut dyn Queues) -> Option<Transmit> {
         // Datagrams first: each is at most one MTU.
-        if let Some(t) = self.net.links.get_mut(&link)?.datagrams.pop_front() {
+        if let Some((tenant, t)) = self.net.links.get_mut(&link)?.datagrams.pop_front() {
             let l = self.net.links.get_mut(&link)?;
-            l.stats.frames_out += 1;
-            l.stats.payload_out += t.data.len() as u64;
+            l.sent(Some(tenant), t.data.len() as u64);
             return Some(t);
         }
         // Tenant after tenant (deficit round robin in bytes, by weight);
@@ -877,8 +1003,7 @@ impl Hca {
                         t.visiting = false;
                         l.next = ti + 1;
                     }
-                    l.stats.frames_out += 1;
-                    l.stats.payload_out += payload;
+                    l.sent(Some(tenant), payload);
                     let mut tx = tx;
                     if self.order.is_latency(tenant) {
                         l.latency_seen = Some(now);
@@ -934,8 +1059,7 @@ impl Hca {
             if let Some(t) = l.tenants.get_mut(ti) {
                 t.deficit -= tx.len() as i64;
             }
-            l.stats.frames_out += 1;
-            l.stats.payload_out += payload;
+            l.sent(Some(tenant), payload);
             l.latency_seen = Some(now);
             self.order.charge(tenant, payload, 0);
             return Some(tx);
@@ -1016,9 +1140,17 @@ impl Hca {
     /// its payload goes. Call [`Hca::data_placed`] once the payload is in
     /// (at once when it has none).
     pub fn handle_data(&mut self, link: LinkId, hdr: &DataRepr, now: Instant, io: &mut dyn Queues) -> Sink {
+        // The frame is the traffic of the tenant of the QP it names, if
+        // that QP is ours and of the tenant the frame says.
+        let rx_tenant = self.qps.get(&hdr.dest_qpn).map(|q| q.tenant).filter(|t| t.0 == hdr.vnet);
         let Some(l) = self.net.links.get_mut(&link) else { return Sink::Discard };
         l.stats.frames_in += 1;
         l.stats.payload_in += u64::from(hdr.payload_len);
+        l.rx_tenant = rx_tenant;
+        if let Some(c) = rx_tenant.and_then(|t| l.traffic_of(t)) {
+            c.frames_in += 1;
+            c.payload_in += u64::from(hdr.payload_len);
+        }
         l.after = AfterPayload::Nothing;
         l.cancelled = false;
         let ud = matches!(hdr.opcode, crate::wire::Opcode::UdSendOnly | crate::wire::Opcode::UdSendOnlyImm);

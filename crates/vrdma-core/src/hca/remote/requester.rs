@@ -578,6 +578,10 @@ impl Hca {
                     if let Some(l) = self.net.links.get_mut(&link) {
                         l.stats.throttle.cut_frames += 1;
                         l.stats.throttle.cut_bytes += n;
+                        if let Some(c) = l.traffic_of(crate::hca::TenantId(vnet)) {
+                            c.cut_frames += 1;
+                            c.cut_bytes += n;
+                        }
                     }
                 }
                 (r, n, Some((off, n)))

@@ -760,7 +760,7 @@ impl Hca {
                 return;
             }
             tracing::debug!(qpn, psn = repr.psn, "QP gone: sending the ACK it owed");
-            l.datagrams.push_back(Transmit::new(&repr));
+            l.datagrams.push_back((crate::hca::TenantId(vnet), Transmit::new(&repr)));
         }
     }
 

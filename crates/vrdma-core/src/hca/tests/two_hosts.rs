@@ -1646,3 +1646,54 @@ fn a_responder_whose_requests_move_to_another_link_leaves_the_old_one() {
 }
 
 mod qos;
+
+/// `vrdma stat`'s links: a tenant sees its own frames and bytes on each
+/// link (and its own QPs there), never another tenant's; the operator
+/// sees the totals. A tenant's share is freed with its last context.
+#[test]
+fn a_tenant_sees_only_its_own_traffic_on_a_link_and_the_operator_the_totals() {
+    let (mut t, a, b) = TwoHosts::pair(1024, conn());
+    let x = t.a.env.end(C3);
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 3000)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq).len(), 1);
+    let links = |env: &Env, c, view| env.hca.stat(c, StatCursor::START, view).unwrap().report;
+    let total = links(&t.a.env, C1, StatView::Operator);
+    let (mine, theirs) = (links(&t.a.env, C1, StatView::Tenant), links(&t.a.env, C3, StatView::Tenant));
+    assert!(total.totals && !mine.totals && !theirs.totals);
+    let (tl, ml, ol) = (total.links[0], mine.links[0], theirs.links[0]);
+    assert_eq!(tl.stats, t.a.env.hca.links()[0].stats, "the operator: the link's totals");
+    assert_eq!((ml.stats.frames_out, ml.stats.payload_out), (3, 3000), "the writer's three frames");
+    assert!(ml.stats.frames_in >= 1, "and the ACK it got: {ml:?}");
+    assert_eq!((ml.stats.frames_out, ml.stats.frames_in), (tl.stats.frames_out, tl.stats.frames_in));
+    assert_eq!(ml.qps, 1);
+    // The other tenant: the link (peer, state), none of the traffic.
+    assert_eq!((ol.id, ol.info, ol.up), (tl.id, tl.info, tl.up));
+    assert_eq!(ol.stats, LinkStats::default(), "{ol:?}");
+    assert_eq!(ol.qps, 0);
+    // B's side: the bytes came in for the writer's tenant only.
+    let bl = |c| links(&t.b.env, c, StatView::Tenant).links[0].stats;
+    assert_eq!(bl(C1).payload_in, 3000);
+    assert_eq!(bl(C3), LinkStats::default());
+    // The other tenant's traffic is its own, and the totals grow by it.
+    let y = t.b.env.end(C3);
+    t.connect(x.qpn, y.qpn, conn());
+    t.a.env.io.post_send(x.qpn, rdma(2, SendOpcode::RdmaWrite, &[x.buf.sge(0, 100)], y.buf.addr, y.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(x.cq).len(), 1);
+    assert_eq!(links(&t.a.env, C3, StatView::Tenant).links[0].stats.payload_out, 100);
+    assert_eq!(links(&t.a.env, C1, StatView::Tenant).links[0].stats.payload_out, 3000);
+    assert_eq!(links(&t.a.env, C1, StatView::Operator).links[0].stats.payload_out, 3100);
+    // Its last context gone, a tenant's share goes (C1 and C2 are one
+    // tenant: closing one keeps it).
+    let a_link = t.a.link;
+    let shares = |env: &Env| env.hca.net.links[&a_link].traffic.len();
+    assert_eq!(shares(&t.a.env), 2);
+    t.a.env.hca.close_context(C3, &mut t.a.env.io);
+    assert_eq!(shares(&t.a.env), 1);
+    t.a.env.hca.close_context(C2, &mut t.a.env.io);
+    assert_eq!(shares(&t.a.env), 1);
+    t.a.env.hca.close_context(C1, &mut t.a.env.io);
+    assert_eq!(shares(&t.a.env), 0);
+    assert_eq!(t.a.env.hca.links()[0].stats.payload_out, 3100, "the totals stay");
+}
