@@ -141,7 +141,6 @@ pub(super) fn run(wake: Arc<LinkWake>, core: Arc<Core>, engine_bell: Arc<Doorbel
         let Some(mut guard) = core.try_lock() else { continue };
         let Some(s) = guard.as_mut() else { return };
         super::handle::run_queued(&core.rx, s);
-        crate::net::probe::PHASE.store(5, Ordering::Relaxed); // PROBE
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.pass())).is_err() {
             tracing::error!("the engine pass panicked on the links' waker; continuing");
         }

@@ -612,19 +612,14 @@ fn run(
             }
         };
         match then {
-            Then::Pass => {
-                crate::net::probe::PHASE.store(if act.busy { 0 } else { 1 }, Ordering::Relaxed);
-            }
+            Then::Pass => {}
             Then::Yield => {
                 drop(guard);
                 std::thread::yield_now();
                 guard = core.lock_yielding();
-                crate::net::probe::PHASE.store(2, Ordering::Relaxed);
             }
             Then::Sleep => {
-                crate::net::probe::PHASE.store(4, Ordering::Relaxed);
                 guard = try_sleep(&core, guard, &wake, &stop, &stats);
-                crate::net::probe::PHASE.store(3, Ordering::Relaxed);
                 idle_since = None;
             }
         }

@@ -317,9 +317,6 @@ impl LinkIo {
         sock.set_nonblocking(true)?;
         sock.set_nodelay(true)?;
         let window_clamp = tcp_option(sock.as_raw_fd(), libc::TCP_WINDOW_CLAMP).unwrap_or(0);
-        if super::probe::on() {
-            super::probe::enable(sock.as_raw_fd());
-        }
         let now = Clock::now();
         Ok(LinkIo {
             id,
@@ -615,12 +612,7 @@ impl LinkIo {
         self.rstart = 0;
         self.rend = 0;
         let cap = if self.after_large { TAIL_AFTER_LARGE } else { READ_BUF };
-        let r = if super::probe::on() {
-            super::probe::read(self.sock.as_raw_fd(), &mut self.rbuf[..cap])
-        } else {
-            self.sock.read(&mut self.rbuf[..cap])
-        };
-        match r {
+        match self.sock.read(&mut self.rbuf[..cap]) {
             Ok(0) => Err("the peer closed the connection".into()),
             Ok(n) => {
                 self.rend = n;

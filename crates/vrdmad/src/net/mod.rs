@@ -15,7 +15,6 @@
 
 mod handshake;
 mod link;
-pub mod probe;
 pub use link::DEFAULT_MAX_QUEUED_KIB;
 
 use std::collections::{BTreeMap, HashMap};
