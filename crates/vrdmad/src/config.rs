@@ -28,6 +28,9 @@
 //! cpu = 1               # pin the engine thread to this CPU
 //! ack_delay_us = 20     # across hosts: hold an ACK this long to send it with a request
 //! sweep_ms = 100        # give every QP with work a turn this often, woken or not (0: never)
+//! link_wake = false     # across hosts: a thread blocked on the links runs the pass when
+//!                       # a frame comes while the engine idles (engine/link_wake.rs);
+//!                       # VRDMA_LINK_WAKE=1 in the environment makes the default true
 //!
 //! [direct]              # same host, same tenant: the library moves the bytes
 //! enabled = true        # on by default (docs/direct-path.md); false sends
@@ -336,6 +339,16 @@ pub struct EngineConfig {
     /// needs it: a tenant that posts without naming the QP, or a bug
     /// (`vrdma stat` counts them as missed wake-ups).
     pub sweep_ms: u64,
+    /// Across hosts: while the engine idles, a thread blocked on the
+    /// links' sockets runs its pass as soon as a frame comes, rather than
+    /// the frame waiting for the yielding engine to be scheduled again
+    /// (`engine::link_wake`). Ignored with `busy_poll`. Off by default:
+    /// on 2 loaded vCPUs it cut the slow crossings (a link frame's mean
+    /// wait 55 -> 31 µs) but not the median, and the extra thread on the
+    /// CPUs made ping-pong latency worse (README, "Across hosts").
+    /// `VRDMA_LINK_WAKE=1` in the daemon's environment makes the default
+    /// true (to run a test suite with it on).
+    pub link_wake: bool,
 }
 
 impl Default for EngineConfig {
@@ -360,6 +373,7 @@ impl Default for EngineConfig {
             cpu: None,
             ack_delay_us: 20,
             sweep_ms: 100,
+            link_wake: matches!(std::env::var("VRDMA_LINK_WAKE").as_deref(), Ok("1")),
         }
     }
 }

@@ -56,6 +56,12 @@ pub(super) struct Core {
     /// (its yields would let no normal thread run: see
     /// [`Core::lock_yielding`]).
     pub(super) realtime: AtomicBool,
+    /// Tests: the engine thread stops taking turns (as if it were not
+    /// scheduled) while set, and says so in `held`.
+    #[cfg(test)]
+    pub(super) hold: AtomicBool,
+    #[cfg(test)]
+    pub(super) held: AtomicBool,
 }
 
 impl Core {
@@ -68,6 +74,10 @@ impl Core {
             asleep: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             realtime: AtomicBool::new(false),
+            #[cfg(test)]
+            hold: AtomicBool::new(false),
+            #[cfg(test)]
+            held: AtomicBool::new(false),
         }
     }
 
@@ -78,7 +88,7 @@ impl Core {
     }
 
     /// The lock if it is free now (`None`: held).
-    fn try_lock(&self) -> Option<MutexGuard<'_, Option<EngineState>>> {
+    pub(super) fn try_lock(&self) -> Option<MutexGuard<'_, Option<EngineState>>> {
         match self.state.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
@@ -108,7 +118,7 @@ impl Core {
 
     /// The lock, for a caller (see [`Core::waiting`]); `None` once the
     /// engine has stopped.
-    fn lock_for_call(&self) -> Option<MutexGuard<'_, Option<EngineState>>> {
+    pub(super) fn lock_for_call(&self) -> Option<MutexGuard<'_, Option<EngineState>>> {
         if self.stopped.load(Ordering::SeqCst) {
             return None;
         }
@@ -171,7 +181,7 @@ pub struct EngineHandle {
     tx: Sender<Command>,
     pub(super) wake: Arc<Doorbell>,
     pub stats: Arc<EngineStats>,
-    core: Arc<Core>,
+    pub(super) core: Arc<Core>,
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -10,10 +10,14 @@
 //! yielding the CPU (`yield_us`), then announces that it sleeps in
 //! every context's segment, looks once more (so a post that raced with
 //! the announcement is not missed), and blocks on the contexts' doorbells
-//! until a post, a control request or its next timer wakes it.
+//! until a post, a control request or its next timer wakes it. With
+//! `engine.link_wake`, a frame from another host that comes while it
+//! idles is taken by a thread blocked on the links, which runs the pass
+//! itself (`link_wake`).
 
 mod handle;
 mod late;
+mod link_wake;
 mod rings;
 mod sleep;
 mod sockets;
@@ -408,6 +412,8 @@ pub struct Engine {
     handle: EngineHandle,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The links' waker and its thread, when there are links to wait on.
+    link_wake: Option<(Arc<link_wake::LinkWake>, std::thread::JoinHandle<()>)>,
 }
 
 impl Engine {
@@ -431,12 +437,38 @@ impl Engine {
             n.set_handle(handle.clone());
             n
         });
+        let waker = match net.as_ref().and_then(|n| n.readiness()) {
+            Some(links) if config.link_wake && !config.busy_poll => match link_wake::LinkWake::new(links) {
+                Ok(w) => Some(Arc::new(w)),
+                Err(e) => {
+                    tracing::warn!(error = %e, "no links' waker; the engine alone reads the links");
+                    None
+                }
+            },
+            _ => None,
+        };
         *core.lock() = Some(EngineState::new(hca, net, cm, config.sweep_ms));
+        let link_wake = match waker.clone() {
+            Some(w) => {
+                let (core, bell, stats) = (core.clone(), handle.wake.clone(), stats.clone());
+                let w2 = w.clone();
+                let t = std::thread::Builder::new()
+                    .name("vrdma-linkwake".into())
+                    .spawn(move || link_wake::run(w2, core, bell, stats))?;
+                Some((w, t))
+            }
+            None => None,
+        };
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("vrdma-engine".into())
-            .spawn(move || run(core, wake, s, stats, config))?;
-        Ok(Engine { handle, stop, thread: Some(thread) })
+            .spawn(move || run(core, wake, s, stats, config, waker))?;
+        Ok(Engine { handle, stop, thread: Some(thread), link_wake })
+    }
+
+    /// Passes the links' waker ran (0 without one).
+    pub fn link_wake_passes(&self) -> u64 {
+        self.link_wake.as_ref().map_or(0, |(w, _)| w.passes.load(Ordering::Relaxed))
     }
 
     pub fn handle(&self) -> EngineHandle {
@@ -449,6 +481,10 @@ impl Drop for Engine {
         self.stop.store(true, Ordering::SeqCst);
         self.handle.wake.ring();
         if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        if let Some((w, t)) = self.link_wake.take() {
+            w.stop();
             let _ = t.join();
         }
     }
@@ -495,6 +531,7 @@ fn run(
     stop: Arc<AtomicBool>,
     stats: Arc<EngineStats>,
     cfg: EngineConfig,
+    link_wake: Option<Arc<link_wake::LinkWake>>,
 ) {
     if cfg.realtime {
         set_realtime();
@@ -515,6 +552,16 @@ fn run(
     let mut turns = late::Turns::new(std::time::Instant::now());
     while !stop.load(Ordering::Relaxed) {
         turns.end_and_log();
+        #[cfg(test)]
+        if core.hold.load(Ordering::SeqCst) {
+            drop(guard);
+            core.held.store(true, Ordering::SeqCst);
+            while core.hold.load(Ordering::SeqCst) && !stop.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            core.held.store(false, Ordering::SeqCst);
+            guard = core.lock();
+        }
         let Some(s) = guard.as_mut() else { break };
         let started = std::time::Instant::now();
         if handle::run_queued(&core.rx, s) {
@@ -531,6 +578,11 @@ fn run(
         };
         turns.since(late::Part::Pass, started);
         stats.passes.fetch_add(1, Ordering::Relaxed);
+        // Frames the links' waker took since the last pass are work too:
+        // the engine stays awake (polling) while they come.
+        if link_wake.as_ref().is_some_and(|w| w.served.swap(false, Ordering::SeqCst)) {
+            idle_since = None;
+        }
         let then = if act.busy {
             stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             idle_since = None;
@@ -545,6 +597,11 @@ fn run(
             std::hint::spin_loop();
             Then::Pass
         } else {
+            // Idle: the next frame from a link wakes the waker rather than
+            // waiting for this thread's next turn.
+            if let Some(w) = &link_wake {
+                w.arm();
+            }
             let idle = idle_since.get_or_insert_with(std::time::Instant::now).elapsed();
             if idle < spin {
                 std::hint::spin_loop();
@@ -704,6 +761,103 @@ mod tests {
             }
         }
         got
+    }
+
+    /// An engine with the transport on and one link over loopback (the
+    /// peer's end returned), yielding for a second after work before it
+    /// would sleep.
+    fn engine_with_link(link_wake: bool) -> (Engine, TcpStream) {
+        let hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
+        let cm = crate::cm::CmDriver::new(vrdma_core::cm::ConnectionManager::new(
+            Default::default(),
+            vec![std::net::Ipv4Addr::new(10, 0, 0, 1)],
+            Box::new(Keys(7)),
+        ));
+        let cfg = EngineConfig { spin_us: 0, yield_us: 1_000_000, link_wake, ..EngineConfig::default() };
+        let e = Engine::start(hca, cm, cfg, Some(Arc::new(setup([10, 0, 0, 1], 65536)))).unwrap();
+        let (ours, theirs) = loopback();
+        e.handle()
+            .call(move |s| {
+                let gid = Gid::from_ipv4([10, 0, 0, 2]);
+                let hello = vrdma_core::wire::HelloRepr::new(
+                    vrdma_core::wire::Role::Acceptor,
+                    9,
+                    gid,
+                    2,
+                    [0; vrdma_core::wire::NONCE_LEN],
+                );
+                let peer = crate::net::Peer { hello, chunk: 65536, version: vrdma_core::wire::VERSION };
+                let addr = "10.0.0.2:4791".parse().unwrap();
+                s.net.as_mut().unwrap().add(&mut s.hca, ours, peer, addr, None);
+            })
+            .unwrap();
+        (e, theirs)
+    }
+
+    /// Whether a keepalive request written by the peer while the engine
+    /// thread takes no turns (as when it is not scheduled) is answered
+    /// within `within`.
+    fn answered_while_the_engine_is_held(link_wake: bool, within: Duration) -> bool {
+        use std::io::{Read, Write};
+        use vrdma_core::wire::{FrameRepr, KeepaliveRepr};
+        let (e, mut theirs) = engine_with_link(link_wake);
+        let core = e.handle().core.clone();
+        // The engine goes idle (arming the waker), then stops taking turns.
+        std::thread::sleep(Duration::from_millis(50));
+        core.hold.store(true, Ordering::SeqCst);
+        let started = std::time::Instant::now();
+        while !core.held.load(Ordering::SeqCst) {
+            assert!(started.elapsed() < Duration::from_secs(10), "the engine was never held");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let f = FrameRepr::Keepalive(KeepaliveRepr { seq: 7, reply: false });
+        let mut b = vec![0u8; f.header_len()];
+        f.emit(&mut b).unwrap();
+        theirs.write_all(&b).unwrap();
+        // The reply: a keepalive frame with `reply` set (the link may have
+        // sent a request of its own first).
+        theirs.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        let started = std::time::Instant::now();
+        let want = {
+            let r = FrameRepr::Keepalive(KeepaliveRepr { seq: 7, reply: true });
+            let mut v = vec![0u8; r.header_len()];
+            r.emit(&mut v).unwrap();
+            v
+        };
+        let mut answered = false;
+        while started.elapsed() < within {
+            if let Ok(n) = theirs.read(&mut buf) {
+                got.extend_from_slice(&buf[..n]);
+            }
+            if got.windows(want.len()).any(|w| w == want) {
+                answered = true;
+                break;
+            }
+        }
+        if answered && link_wake {
+            // (It counts its pass after the pass wrote the reply.)
+            let started = std::time::Instant::now();
+            while e.link_wake_passes() == 0 && started.elapsed() < Duration::from_secs(10) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            assert!(e.link_wake_passes() > 0, "answered, but not by the waker");
+        }
+        core.hold.store(false, Ordering::SeqCst);
+        answered
+    }
+
+    /// A frame that comes while the engine idles is acted on by the links'
+    /// waker, without the engine thread taking a turn; without the waker
+    /// it waits for the engine (here: held for good, so unanswered).
+    #[test]
+    fn a_frame_that_comes_while_the_engine_idles_is_handled_by_the_links_waker() {
+        assert!(answered_while_the_engine_is_held(true, Duration::from_secs(10)), "the waker did not answer");
+        assert!(
+            !answered_while_the_engine_is_held(false, Duration::from_millis(300)),
+            "without the waker, a held engine answered: the test shows nothing"
+        );
     }
 
     /// With the transport off, QPs naming other hosts make one warning per

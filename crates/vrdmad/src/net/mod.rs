@@ -205,6 +205,13 @@ impl Net {
         self.handle = Some(h);
     }
 
+    /// The epoll set of the links' sockets (readable ones), if the kernel
+    /// gave one: what the engine's links' waker waits on.
+    pub fn readiness(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        self.readiness.as_ref().map(|f| f.as_fd())
+    }
+
     /// An authenticated connection joins the engine.
     pub fn add(
         &mut self,
