@@ -15,7 +15,7 @@ pub enum Device {
     /// A daemon in this process; `_dir` is the private directory of its
     /// socket when it could not serve on the shared path.
     Embedded {
-        daemon: vrdmad::Daemon,
+        daemon: Box<vrdmad::Daemon>,
         _dir: Option<PathBuf>,
     },
 }
@@ -149,7 +149,7 @@ pub fn device(socket: Option<PathBuf>, engine: vrdmad::EngineConfig) -> Result<D
     match vrdmad::Daemon::start(config) {
         Ok(daemon) => {
             tracing::info!(socket = %path.display(), "no daemon running: started one in this process");
-            return Ok(Device::Embedded { daemon, _dir: None });
+            return Ok(Device::Embedded { daemon: Box::new(daemon), _dir: None });
         }
         Err(vrdmad::DaemonError::Bind { source, .. }) if source.kind() == std::io::ErrorKind::AddrInUse => {
             // Another program won the race to start one: use it.
@@ -164,7 +164,7 @@ pub fn device(socket: Option<PathBuf>, engine: vrdmad::EngineConfig) -> Result<D
     let config = vrdmad::DaemonConfig { socket: Some(sock.clone()), engine, ..Default::default() };
     let daemon = vrdmad::Daemon::start(config)?;
     tracing::info!(socket = %sock.display(), "no daemon running: started one in this process");
-    Ok(Device::Embedded { daemon, _dir: Some(dir) })
+    Ok(Device::Embedded { daemon: Box::new(daemon), _dir: Some(dir) })
 }
 
 /// A daemon of this process's own on a private socket, with the direct
@@ -189,5 +189,5 @@ pub fn private_device_with(engine: vrdmad::EngineConfig, direct: bool, toml: &st
         ..vrdmad::DaemonConfig::from_toml(toml)?
     };
     let daemon = vrdmad::Daemon::start(config)?;
-    Ok(Device::Embedded { daemon, _dir: Some(dir) })
+    Ok(Device::Embedded { daemon: Box::new(daemon), _dir: Some(dir) })
 }
