@@ -1066,6 +1066,56 @@ mod tests {
         assert_eq!(owner_inbox.len().unwrap(), 0, "nothing else published (forged indices included)");
     }
 
+    /// QP `x` of [`srq_claim_fixture`] (and `y`, the SRQ's other QP).
+    const SRQ_X: u32 = 40;
+    const SRQ_Y: u32 = 41;
+    /// The fixture's SRQ and CQ.
+    const SRQ_N: u32 = 9;
+    const SRQ_CQ: u32 = 3;
+
+    /// QPs [`SRQ_X`] and [`SRQ_Y`] of one context on SRQ [`SRQ_N`] with
+    /// `posted` receives, their inboxes on CQ [`SRQ_CQ`]: the daemon's
+    /// table, and the views through which a test plays the library's
+    /// parts (the SRQ's requester, the CQ's owner, `x`'s inbox
+    /// as its requester sees it, each QP's inbox as its owner sees it).
+    struct SrqClaimFixture {
+        table: RingTable,
+        requester_srq: RingView,
+        owner_cq: RingView,
+        x_inbox: RingView,
+        x_owner: RingView,
+        y_owner: RingView,
+    }
+
+    fn srq_claim_fixture(posted: u64) -> SrqClaimFixture {
+        let ring = |cap: u32, stride: usize, n: usize| {
+            let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(cap, stride)).unwrap());
+            (0..n).map(|_| RingView::in_segment(seg.clone(), 0, cap, stride).unwrap()).collect::<Vec<_>>()
+        };
+        let (t, ctx) = (TenantId(1), ContextId(7));
+        let mut table = RingTable::default();
+        table.contexts.insert(ctx, context(1, [SRQ_X, SRQ_Y]).0);
+        let [srq, owner_srq, requester_srq]: [RingView; 3] = ring(8, 64, 3).try_into().unwrap();
+        table.srqs.insert(SRQ_N, InRing::new(srq, t).shared_srq());
+        let [cq, owner_cq]: [RingView; 2] = ring(8, CQE_SIZE, 2).try_into().unwrap();
+        table.cqs.insert(SRQ_CQ, CqRing { ring: cq, channel: None, inbox_qps: Vec::new() });
+        // Each QP's inbox: the daemon's view, the requester's, the owner's.
+        let mut inboxes = Vec::new();
+        for qpn in [SRQ_X, SRQ_Y] {
+            let [inbox, requester, owner]: [RingView; 3] = ring(8, CQE_SIZE, 3).try_into().unwrap();
+            let sq = ring(4, 64, 1).remove(0);
+            table.add_qp(qpn, QpRings::new(ctx, InRing::new(sq, t), None).with_inbox(SRQ_CQ, inbox));
+            inboxes.push((requester, owner));
+        }
+        let [(x_inbox, x_owner), (_, y_owner)]: [(RingView, RingView); 2] = inboxes.try_into().unwrap();
+        for i in 0..posted {
+            let mut slot = [0u8; 64];
+            slot[..8].copy_from_slice(&i.to_le_bytes());
+            assert!(owner_srq.try_push_bytes(&slot).unwrap());
+        }
+        SrqClaimFixture { table, requester_srq, owner_cq, x_inbox, x_owner, y_owner }
+    }
+
     /// A receive a direct-path requester claimed from an SRQ for QP `x`
     /// and never completed (it died between its claim and its push) is
     /// published by `x`'s flush, as a flush on `x`'s CQ, once; nothing is
@@ -1079,32 +1129,10 @@ mod tests {
         use vrdma_core::ring::CQE_STATUS_BYTE;
         use vrdma_core::verbs::WcOpcode;
         use vrdma_shm::Claim;
-        let ring = |cap: u32, stride: usize, n: usize| {
-            let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(cap, stride)).unwrap());
-            (0..n).map(|_| RingView::in_segment(seg.clone(), 0, cap, stride).unwrap()).collect::<Vec<_>>()
-        };
-        let (x, y, srqn, cqn) = (40, 41, 9, 3);
-        let (t, ctx) = (TenantId(1), ContextId(7));
-        let mut table = RingTable::default();
-        table.contexts.insert(ctx, context(1, [x, y]).0);
-        let [srq, owner_srq, requester_srq]: [RingView; 3] = ring(8, 64, 3).try_into().unwrap();
-        table.srqs.insert(srqn, InRing::new(srq, t).shared_srq());
-        let [cq, owner_cq]: [RingView; 2] = ring(8, CQE_SIZE, 2).try_into().unwrap();
-        table.cqs.insert(cqn, CqRing { ring: cq, channel: None, inbox_qps: Vec::new() });
-        // Each QP's inbox: the daemon's view, the requester's, the owner's.
-        let mut inboxes = Vec::new();
-        for qpn in [x, y] {
-            let [inbox, requester, owner]: [RingView; 3] = ring(8, CQE_SIZE, 3).try_into().unwrap();
-            let sq = ring(4, 64, 1).remove(0);
-            table.add_qp(qpn, QpRings::new(ctx, InRing::new(sq, t), None).with_inbox(cqn, inbox));
-            inboxes.push((requester, owner));
-        }
-        let [(x_inbox, x_owner), (_, y_owner)] = &inboxes[..] else { unreachable!() };
-        for i in 0..8u64 {
-            let mut slot = [0u8; 64];
-            slot[..8].copy_from_slice(&i.to_le_bytes());
-            assert!(owner_srq.try_push_bytes(&slot).unwrap());
-        }
+        let (x, y, srqn) = (SRQ_X, SRQ_Y, SRQ_N);
+        let SrqClaimFixture { mut table, requester_srq, owner_cq, x_inbox, x_owner, y_owner } =
+            srq_claim_fixture(8);
+        let (x_inbox, x_owner, y_owner) = (&x_inbox, &x_owner, &y_owner);
         let turn = requester_srq.aux(SRQ_AUX_CLAIMER);
         let claim_at = requester_srq.aux(SRQ_AUX_CLAIM_AT);
         let take_turn =
@@ -1239,31 +1267,10 @@ mod tests {
     fn a_flush_while_the_srq_claimer_lives_leaves_it_its_turn() {
         use vrdma_core::verbs::WcOpcode;
         use vrdma_shm::Claim;
-        let ring = |cap: u32, stride: usize, n: usize| {
-            let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(cap, stride)).unwrap());
-            (0..n).map(|_| RingView::in_segment(seg.clone(), 0, cap, stride).unwrap()).collect::<Vec<_>>()
-        };
-        let (x, y, srqn, cqn) = (40, 41, 9, 3);
-        let (t, ctx) = (TenantId(1), ContextId(7));
-        let mut table = RingTable::default();
-        table.contexts.insert(ctx, context(1, [x, y]).0);
-        let [srq, owner_srq, requester_srq]: [RingView; 3] = ring(8, 64, 3).try_into().unwrap();
-        table.srqs.insert(srqn, InRing::new(srq, t).shared_srq());
-        let cq = ring(8, CQE_SIZE, 1).remove(0);
-        table.cqs.insert(cqn, CqRing { ring: cq, channel: None, inbox_qps: Vec::new() });
-        let mut inboxes = Vec::new();
-        for qpn in [x, y] {
-            let [inbox, requester, owner]: [RingView; 3] = ring(8, CQE_SIZE, 3).try_into().unwrap();
-            let sq = ring(4, 64, 1).remove(0);
-            table.add_qp(qpn, QpRings::new(ctx, InRing::new(sq, t), None).with_inbox(cqn, inbox));
-            inboxes.push((requester, owner));
-        }
-        let [(x_inbox, x_owner), (_, y_owner)] = &inboxes[..] else { unreachable!() };
-        for i in 0..4u64 {
-            let mut slot = [0u8; 64];
-            slot[..8].copy_from_slice(&i.to_le_bytes());
-            assert!(owner_srq.try_push_bytes(&slot).unwrap());
-        }
+        let (x, y, srqn) = (SRQ_X, SRQ_Y, SRQ_N);
+        let SrqClaimFixture { mut table, requester_srq, x_inbox, x_owner, y_owner, .. } =
+            srq_claim_fixture(4);
+        let (x_inbox, x_owner, y_owner) = (&x_inbox, &x_owner, &y_owner);
         let turn = requester_srq.aux(SRQ_AUX_CLAIMER);
         let take_turn =
             |qpn: u32| turn.compare_exchange(0, qpn + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok();
