@@ -28,7 +28,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -58,6 +58,55 @@ const PROBE_EVERY: Duration = Duration::from_secs(1);
 /// for a migration (a call held at the pause gate holds the port's
 /// answers), which its peers' bound limits to 5 s.
 const DAEMON_SILENT_LIMIT: Duration = Duration::from_secs(8);
+/// How long a write may wait for the port to take bytes. A virtio port
+/// whose host end died can stop taking them for good (QEMU throttles it
+/// when its chardev's write fails): a write that blocked there held the
+/// reader thread, which then never found the daemon silent, and a guest
+/// program waited for ever (`wait_port_writable` in the guest kernel).
+/// Longer than a tenant's longest pause (7 s), during which its port's
+/// calls are held.
+pub(super) const WRITE_LIMIT: Duration = Duration::from_secs(10);
+
+/// Writes all of `bytes` on `port`, each piece only once the port says it
+/// takes bytes (`POLLOUT`), within `limit` in all: an error when the port
+/// takes nothing for that long, or fails.
+pub(super) fn write_within(
+    port: &File,
+    mut bytes: &[u8],
+    limit: Duration,
+) -> std::result::Result<(), String> {
+    let end = Instant::now() + limit;
+    while !bytes.is_empty() {
+        let left = end.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(format!("port write: the port took no bytes for {limit:?} (its host end is gone)"));
+        }
+        let mut fds = [PollFd::new(port, PollFlags::OUT)];
+        let ts = rustix::event::Timespec { tv_sec: left.as_secs() as _, tv_nsec: left.subsec_nanos() as _ };
+        match rustix::event::poll(&mut fds, Some(&ts)) {
+            Ok(0) | Err(rustix::io::Errno::INTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(format!("port write: poll: {e}")),
+        }
+        let r = fds[0].revents();
+        if r.intersects(PollFlags::ERR | PollFlags::NVAL)
+            || (r.contains(PollFlags::HUP) && !r.contains(PollFlags::OUT))
+        {
+            return Err("port write: the port hung up".into());
+        }
+        if !r.contains(PollFlags::OUT) {
+            continue;
+        }
+        match rustix::io::write(port, bytes) {
+            Ok(0) => return Err("port write: the port took nothing".into()),
+            Ok(n) => bytes = &bytes[n..],
+            Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => {}
+            Err(e) => return Err(format!("port write: {e}")),
+        }
+    }
+    Ok(())
+}
+
 /// Most wake-ups one read of a proxy forwards in one frame.
 pub(super) const BELLS_AT_ONCE: u32 = 1024;
 /// Beyond the reattach bound, how long a call waits for the reader thread
@@ -192,9 +241,7 @@ impl Shared {
     pub fn send(&self, gen: u64, f: &Frame) -> std::result::Result<(), String> {
         let mut w = lock(&self.writer);
         match &mut *w {
-            (g, Some(port)) if *g == gen => {
-                port.write_all(&guest::encode(f)).map_err(|e| format!("port write: {e}"))
-            }
+            (g, Some(port)) if *g == gen => write_within(port, &guest::encode(f), WRITE_LIMIT),
             _ => Err("the port changed".into()),
         }
     }

@@ -33,7 +33,7 @@
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{Read, Write};
+use std::io::Read;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -42,7 +42,9 @@ use rustix::event::{PollFd, PollFlags, Timespec};
 use vrdma_core::proto::guest::{self, EndReason, Frame, FrameDecoder, GUEST_VERSION, HELLO_ACK};
 use vrdma_core::proto::{Reply, Request, PROTOCOL_VERSION};
 
-use super::link::{lock, open_bar, open_port, Bound, Reader, State, BELLS_AT_ONCE};
+use super::link::{
+    lock, open_bar, open_port, write_within, Bound, Reader, State, BELLS_AT_ONCE, WRITE_LIMIT,
+};
 
 /// How long one adoption waits for the daemon's reply.
 const ADOPT_REPLY_LIMIT: Duration = Duration::from_secs(5);
@@ -148,7 +150,7 @@ impl Reader {
         let adopt = Request::AdoptContext { version: PROTOCOL_VERSION, context: bound.context };
         let mut out = guest::encode(&Frame::Hello { version: GUEST_VERSION });
         out.extend(guest::encode(&Frame::Call(adopt)));
-        port.write_all(&out).map_err(|e| Failed::Again(format!("port write: {e}")))?;
+        write_within(&port, &out, WRITE_LIMIT).map_err(Failed::Again)?;
         let until = end.min(Instant::now() + ADOPT_REPLY_LIMIT);
         let mut dec = FrameDecoder::new();
         let mut buf = vec![0u8; 64 << 10];
@@ -163,8 +165,8 @@ impl Reader {
                 }
                 Ok(Some(Frame::Reply { reply, handles })) if synced => break (reply, handles),
                 Ok(Some(Frame::Ping { nonce })) => {
-                    port.write_all(&guest::encode(&Frame::Pong { nonce }))
-                        .map_err(|e| Failed::Again(format!("port write: {e}")))?;
+                    write_within(&port, &guest::encode(&Frame::Pong { nonce }), WRITE_LIMIT)
+                        .map_err(Failed::Again)?;
                     continue;
                 }
                 // Nothing else is ours before the reply.
