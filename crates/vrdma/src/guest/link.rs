@@ -810,3 +810,52 @@ impl Reader {
 pub(crate) trait MovedCmChannel: Send + Sync {
     fn moved(&self, ring: &mut dyn FnMut(usize)) -> (usize, usize);
 }
+
+#[cfg(test)]
+mod write_tests {
+    use super::*;
+
+    fn pair() -> (File, OwnedFd) {
+        let (a, b) =
+            rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
+                .unwrap();
+        (File::from(a), b)
+    }
+
+    /// A port whose far end takes no more bytes (a throttled virtio port,
+    /// a daemon that stopped reading) fails the write within its limit
+    /// instead of holding the writer for ever; one that hung up fails at
+    /// once; a reading one takes every byte.
+    #[test]
+    fn a_write_on_a_port_that_takes_nothing_fails_within_its_limit() {
+        let (port, far) = pair();
+        let chunk = vec![0x5au8; 64 << 10];
+        // Fill what the socket buffers hold: the far end never reads.
+        let start = Instant::now();
+        let e = loop {
+            if let Err(e) = write_within(&port, &chunk, Duration::from_millis(200)) {
+                break e;
+            }
+            assert!(start.elapsed() < Duration::from_secs(20), "the buffers never filled");
+        };
+        assert!(e.contains("took no bytes"), "{e}");
+        drop(far);
+        let e = write_within(&port, b"x", Duration::from_secs(20)).unwrap_err();
+        assert!(e.contains("hung up") || e.contains("port write"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(20));
+
+        let (port, far) = pair();
+        let reader = std::thread::spawn(move || {
+            let mut got = 0usize;
+            let mut buf = vec![0u8; 64 << 10];
+            while let Ok(n @ 1..) = rustix::io::read(&far, &mut buf) {
+                got += n;
+            }
+            got
+        });
+        let big = vec![7u8; 4 << 20];
+        write_within(&port, &big, Duration::from_secs(20)).unwrap();
+        drop(port);
+        assert_eq!(reader.join().unwrap(), big.len());
+    }
+}
