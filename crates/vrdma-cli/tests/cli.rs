@@ -23,6 +23,27 @@ fn vrdma(socket: &Path, args: &[&str]) -> Output {
     Command::new(VRDMA).arg("--socket").arg(socket).args(args).output().expect("run vrdma")
 }
 
+/// A command's stdout and stderr, as text.
+fn text(o: &Output) -> (String, String) {
+    (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
+/// Starts `vrdma daemon` with the config file `config` (socket in `dir`),
+/// which it must refuse: its stderr (bounded by timeout(1), should it
+/// start after all).
+fn refused_config(dir: &Path, config: &Path) -> String {
+    let out = Command::new("timeout")
+        .args(["20", VRDMA, "daemon", "--socket"])
+        .arg(dir.join("bad.sock"))
+        .arg("--config")
+        .arg(config)
+        .output()
+        .unwrap();
+    let (_, se) = text(&out);
+    assert!(!out.status.success(), "the daemon took {}: {se}", config.display());
+    se
+}
+
 fn start_daemon(socket: &Path, extra: &[&str]) -> Daemon {
     let child = Command::new(VRDMA)
         .args(["daemon", "--socket"])
@@ -268,9 +289,6 @@ fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
     let uid = unsafe { libc::geteuid() };
     std::fs::write(&config, format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n")).unwrap();
     let _d = start_daemon(&sock, &["--config", config.to_str().unwrap()]);
-    let text = |o: &Output| {
-        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
-    };
 
     let out = vrdma(&sock, &["vm", "args", "t", "--fd", "9"]);
     let (so, se) = text(&out);
@@ -326,15 +344,8 @@ fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
     );
     let bad = dir.path().join("bad.toml");
     std::fs::write(&bad, format!("[vms.t]\ntenant = {uid}\nmemory_mib = 100\n")).unwrap();
-    let out = Command::new(VRDMA)
-        .args(["daemon", "--socket"])
-        .arg(dir.path().join("bad.sock"))
-        .arg("--config")
-        .arg(&bad)
-        .output()
-        .unwrap();
-    let (_, se) = text(&out);
-    assert!(!out.status.success() && se.contains("memory_mib 100 is not a power of two"), "{se}");
+    let se = refused_config(dir.path(), &bad);
+    assert!(se.contains("memory_mib 100 is not a power of two"), "{se}");
 }
 
 /// With `metrics_token_file`, the metrics endpoint answers a scrape only
@@ -343,9 +354,6 @@ fn vm_args_and_run_hand_qemu_the_vms_region_and_ports() {
 /// where installed) gets 401 and none of them.
 #[test]
 fn a_metrics_endpoint_with_a_token_answers_only_scrapes_that_send_it() {
-    let text = |o: &Output| {
-        (String::from_utf8_lossy(&o.stdout).into_owned(), String::from_utf8_lossy(&o.stderr).into_owned())
-    };
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("metrics.token");
     std::fs::write(&token, "t0k3n-for-the-test\n").unwrap();
@@ -387,15 +395,8 @@ fn a_metrics_endpoint_with_a_token_answers_only_scrapes_that_send_it() {
         format!("metrics_listen = \"127.0.0.1:{other}\"\nmetrics_token_file = \"{}\"\n", wrong.display()),
     )
     .unwrap();
-    let out = Command::new("timeout")
-        .args(["20", VRDMA, "daemon", "--socket"])
-        .arg(dir.path().join("bad.sock"))
-        .arg("--config")
-        .arg(&bad)
-        .output()
-        .unwrap();
-    let (_, se) = text(&out);
-    assert!(!out.status.success() && se.contains("characters a bearer token cannot have"), "{se}");
+    let se = refused_config(dir.path(), &bad);
+    assert!(se.contains("characters a bearer token cannot have"), "{se}");
 }
 
 /// `vrdma stat --json` run as `uid` (or as we are), parsed.

@@ -1087,6 +1087,17 @@ mod tests {
         y_owner: RingView,
     }
 
+    /// The completions an inbox's owner pops: (wr_id, status, QP).
+    fn popped(owner: &RingView) -> Vec<(u64, WcStatus, u32)> {
+        let mut slot = [0u8; CQE_SIZE];
+        let mut got = Vec::new();
+        while owner.try_pop(&mut slot).unwrap() {
+            let c = Cqe::decode(&slot);
+            got.push((c.wr_id, c.status, c.qp_num));
+        }
+        got
+    }
+
     fn srq_claim_fixture(posted: u64) -> SrqClaimFixture {
         let ring = |cap: u32, stride: usize, n: usize| {
             let seg = Arc::new(Segment::create("vrdma-test", ring_bytes(cap, stride)).unwrap());
@@ -1163,15 +1174,6 @@ mod tests {
             let got = requester_srq.try_claim_noting(&mut buf, |at| note(x, at), |_| true).unwrap();
             assert_eq!(got, Claim::Taken);
             u64::from_le_bytes(buf[..8].try_into().unwrap())
-        };
-        let popped = |owner: &RingView| {
-            let mut slot = [0u8; CQE_SIZE];
-            let mut got = Vec::new();
-            while owner.try_pop(&mut slot).unwrap() {
-                let c = Cqe::decode(&slot);
-                got.push((c.wr_id, c.status, c.qp_num));
-            }
-            got
         };
         // Each flush here is one with the requester gone (its process died):
         // the turn is given back (`a_flush_while_the_srq_claimer_lives_leaves_it_its_turn`).
@@ -1274,15 +1276,6 @@ mod tests {
         let turn = requester_srq.aux(SRQ_AUX_CLAIMER);
         let take_turn =
             |qpn: u32| turn.compare_exchange(0, qpn + 1, Ordering::SeqCst, Ordering::SeqCst).is_ok();
-        let popped = |owner: &RingView| {
-            let mut slot = [0u8; CQE_SIZE];
-            let mut got = Vec::new();
-            while owner.try_pop(&mut slot).unwrap() {
-                let c = Cqe::decode(&slot);
-                got.push((c.wr_id, c.status, c.qp_num));
-            }
-            got
-        };
         // x's requester: the turn, the index noted, the completion staged
         // (as the library does inside `try_claim_noting`); then stopped.
         assert!(take_turn(x));
