@@ -12,6 +12,11 @@
 //! At most one line a second, the ones left out counted in the next: a
 //! tenant's slow control calls hold the lock, so a tenant can make the
 //! daemon log this.
+//!
+//! The loop reads the clock once at each boundary between parts and hands
+//! the reading in ([`Turns::lap`]): the end of one part is the start of
+//! the next, so a busy turn costs one clock read (the pass's end), which
+//! the loop needs anyway for its busy time.
 
 use std::time::{Duration, Instant};
 
@@ -35,6 +40,8 @@ pub(super) enum Part {
 #[derive(Debug)]
 pub(super) struct Turns {
     began: Instant,
+    /// Where the part now running began (the last lap).
+    mark: Instant,
     parts: [Duration; 4],
     /// The longest this turn's sleep was to last.
     planned: Option<Duration>,
@@ -57,17 +64,20 @@ pub(super) struct Late {
 
 impl Turns {
     pub(super) fn new(now: Instant) -> Turns {
-        Turns { began: now, parts: [Duration::ZERO; 4], planned: None, last_line: None, left_out: 0 }
+        Turns {
+            began: now,
+            mark: now,
+            parts: [Duration::ZERO; 4],
+            planned: None,
+            last_line: None,
+            left_out: 0,
+        }
     }
 
-    /// `part` took `d`.
-    pub(super) fn spent(&mut self, part: Part, d: Duration) {
-        self.parts[part as usize] += d;
-    }
-
-    /// `part` ran from `since` until now.
-    pub(super) fn since(&mut self, part: Part, since: Instant) {
-        self.spent(part, since.elapsed());
+    /// `part` ran from the last lap (or the turn's start) until `now`.
+    pub(super) fn lap(&mut self, part: Part, now: Instant) {
+        self.parts[part as usize] += now.saturating_duration_since(self.mark);
+        self.mark = now;
     }
 
     /// This turn's sleep was to last `d` at most.
@@ -104,9 +114,9 @@ impl Turns {
         out
     }
 
-    /// [`end`](Self::end) now, logging a late turn at debug level.
-    pub(super) fn end_and_log(&mut self) {
-        if let Some(l) = self.end(Instant::now()) {
+    /// [`end`](Self::end) at `now`, logging a late turn at debug level.
+    pub(super) fn end_and_log(&mut self, now: Instant) {
+        if let Some(l) = self.end(now) {
             let ms = |d: Duration| d.as_millis() as u64;
             tracing::debug!(
                 total_ms = ms(l.total),
@@ -131,16 +141,17 @@ mod tests {
     #[test]
     fn a_late_turn_says_which_part_took_the_time_and_a_sleep_within_its_timeout_is_not_late() {
         let t0 = Instant::now();
+        let at = |ms: u32| t0 + ms * MS;
         let mut t = Turns::new(t0);
-        // A sleep of 900 ms of a planned second, and a short pass: on time.
-        t.spent(Part::Pass, MS);
+        // A short pass and a sleep of 900 ms of a planned second: on time.
+        t.lap(Part::Pass, at(1));
         t.planned_sleep(1000 * MS);
-        t.spent(Part::Sleep, 900 * MS);
-        assert_eq!(t.end(t0 + 901 * MS), None);
+        t.lap(Part::Sleep, at(901));
+        assert_eq!(t.end(at(901)), None);
         // A yield that came back 700 ms later.
-        t.spent(Part::Pass, MS);
-        t.spent(Part::Yield, 700 * MS);
-        let l = t.end(t0 + 1602 * MS).expect("late");
+        t.lap(Part::Pass, at(902));
+        t.lap(Part::Yield, at(1602));
+        let l = t.end(at(1602)).expect("late");
         assert_eq!(
             (l.total, l.pass, l.yielded, l.slept, l.left_out),
             (701 * MS, MS, 700 * MS, Duration::ZERO, 0)
@@ -148,11 +159,12 @@ mod tests {
         // A sleep 200 ms past its timeout is late; within the second
         // after the last line it is only counted...
         t.planned_sleep(100 * MS);
-        t.spent(Part::Sleep, 300 * MS);
-        assert_eq!(t.end(t0 + 1902 * MS), None);
+        t.lap(Part::Sleep, at(1902));
+        assert_eq!(t.end(at(1902)), None);
         // ...and said with the next line due.
-        t.spent(Part::Callers, 80 * MS);
-        let l = t.end(t0 + 2700 * MS).expect("late");
-        assert_eq!((l.callers, l.left_out, l.planned), (80 * MS, 1, None));
+        t.lap(Part::Pass, at(2620));
+        t.lap(Part::Callers, at(2700));
+        let l = t.end(at(2700)).expect("late");
+        assert_eq!((l.callers, l.pass, l.left_out, l.planned), (80 * MS, 718 * MS, 1, None));
     }
 }

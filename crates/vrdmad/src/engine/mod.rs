@@ -549,9 +549,11 @@ fn run(
     // Held while the engine works and sleeps; let go between passes to
     // callers that wait for it (see `handle`).
     let mut guard = core.lock();
-    let mut turns = late::Turns::new(std::time::Instant::now());
+    // The clock at the last boundary between parts of a turn (see `late`).
+    let mut now = std::time::Instant::now();
+    let mut turns = late::Turns::new(now);
     while !stop.load(Ordering::Relaxed) {
-        turns.end_and_log();
+        turns.end_and_log(now);
         #[cfg(test)]
         if core.hold.load(Ordering::SeqCst) {
             drop(guard);
@@ -563,12 +565,12 @@ fn run(
             guard = core.lock();
         }
         let Some(s) = guard.as_mut() else { break };
-        let started = std::time::Instant::now();
         if handle::run_queued(&core.rx, s) {
             idle_since = None;
-            turns.since(late::Part::Callers, started);
+            now = std::time::Instant::now();
+            turns.lap(late::Part::Callers, now);
         }
-        let started = std::time::Instant::now();
+        let started = now;
         let act = match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| s.pass())) {
             Ok(a) => a,
             Err(_) => {
@@ -576,7 +578,8 @@ fn run(
                 Default::default()
             }
         };
-        turns.since(late::Part::Pass, started);
+        now = std::time::Instant::now();
+        turns.lap(late::Part::Pass, now);
         stats.passes.fetch_add(1, Ordering::Relaxed);
         // Frames the links' waker took since the last pass are work too:
         // the engine stays awake (polling) while they come.
@@ -584,7 +587,9 @@ fn run(
             idle_since = None;
         }
         let then = if act.busy {
-            stats.busy_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            stats
+                .busy_ns
+                .fetch_add(now.saturating_duration_since(started).as_nanos() as u64, Ordering::Relaxed);
             idle_since = None;
             // Tenants contend: let the others' threads have the CPU between
             // passes (see `engine.yield_when_contended`).
@@ -602,7 +607,7 @@ fn run(
             if let Some(w) = &link_wake {
                 w.arm();
             }
-            let idle = idle_since.get_or_insert_with(std::time::Instant::now).elapsed();
+            let idle = now.saturating_duration_since(*idle_since.get_or_insert(now));
             if idle < spin {
                 std::hint::spin_loop();
                 Then::Pass
@@ -620,23 +625,25 @@ fn run(
         match then {
             Then::Pass => {}
             Then::Yield => {
-                let t = std::time::Instant::now();
                 drop(guard);
                 std::thread::yield_now();
                 guard = core.lock_yielding();
-                turns.since(late::Part::Yield, t);
+                now = std::time::Instant::now();
+                turns.lap(late::Part::Yield, now);
             }
             Then::Sleep => {
                 guard = try_sleep(&core, guard, &wake, &stop, &stats, &mut turns);
+                now = std::time::Instant::now();
+                turns.lap(late::Part::Callers, now);
                 idle_since = None;
             }
         }
         if core.waiting.load(Ordering::SeqCst) > 0 {
             // A call is work, as a queued one was: the engine stays awake
             // for the calls that follow.
-            let t = std::time::Instant::now();
             guard = core.let_callers_in(guard);
-            turns.since(late::Part::Callers, t);
+            now = std::time::Instant::now();
+            turns.lap(late::Part::Callers, now);
             idle_since = None;
         }
     }
@@ -669,9 +676,8 @@ fn try_sleep<'a>(
     s.rings.set_sleeping(true);
     std::sync::atomic::fence(Ordering::SeqCst);
     let now = s.now();
-    let t = std::time::Instant::now();
     let act = s.pass();
-    turns.since(late::Part::Pass, t);
+    turns.lap(late::Part::Pass, std::time::Instant::now());
     if act.again() || !core.rx.is_empty() || stop.load(Ordering::Relaxed) {
         s.rings.set_sleeping(false);
         return guard;
@@ -690,12 +696,12 @@ fn try_sleep<'a>(
     core.asleep.store(true, Ordering::SeqCst);
     drop(guard);
     turns.planned_sleep(set.timeout());
-    let t = std::time::Instant::now();
+    // The part up to here (gathering the set) counts with the pass.
+    turns.lap(late::Part::Pass, std::time::Instant::now());
     set.wait(wake);
-    turns.since(late::Part::Sleep, t);
-    let t = std::time::Instant::now();
+    turns.lap(late::Part::Sleep, std::time::Instant::now());
+    // The lock, taken next, counts with the callers (the loop's lap).
     let mut guard = core.lock();
-    turns.since(late::Part::Callers, t);
     core.asleep.store(false, Ordering::SeqCst);
     stats.wakeups.fetch_add(1, Ordering::Relaxed);
     if let Some(s) = guard.as_mut() {
