@@ -39,6 +39,8 @@ use vrdma_it::{access_all, pattern, poll_n, PeerProc, Side, ThreeHosts, WAIT};
 
 #[path = "migrate_vm/cm.rs"]
 mod cm;
+#[path = "migrate_vm/memory.rs"]
+mod memory;
 
 /// Copies `len` bytes of one region memfd into another (QEMU's part).
 fn copy_region(from: &OwnedFd, to: &OwnedFd, len: u64) -> Result<()> {

@@ -233,6 +233,12 @@ pub(crate) struct Placed {
     /// (`server::guest_answers`): kept here, beside the places, because the
     /// export carries it and the import brings it for the adopter.
     pub answers: std::collections::HashMap<u32, crate::server::guest_answers::Remembered>,
+    /// Per guest context, its memory extents (offset -> length): those its
+    /// session took to register in (`GuestAlloc`, grown by `GuestGrow`),
+    /// or an import brought for it. The export names each one's owner, so
+    /// that the session adopting the context on the destination owns them
+    /// all, not only those its memory regions lie on.
+    memory: std::collections::HashMap<u32, std::collections::BTreeMap<u64, u64>>,
 }
 
 /// Which number space an object's number is in.
@@ -281,6 +287,28 @@ impl Placed {
         self.by_ctx.remove(&ctx);
         self.moved_channels.remove(&ctx);
         self.answers.remove(&ctx);
+        self.memory.remove(&ctx);
+    }
+
+    /// Context `ctx`'s memory extent at `at` is `len` bytes long now (new,
+    /// or grown).
+    pub fn memory_is(&mut self, ctx: u32, at: u64, len: u64) {
+        self.memory.entry(ctx).or_default().insert(at, len);
+    }
+
+    /// Context `ctx`'s memory extent at `at` was given back.
+    pub fn memory_freed(&mut self, ctx: u32, at: u64) {
+        if let Some(m) = self.memory.get_mut(&ctx) {
+            m.remove(&at);
+            if m.is_empty() {
+                self.memory.remove(&ctx);
+            }
+        }
+    }
+
+    /// Context `ctx`'s memory extents (offset, length), by offset.
+    pub fn memory_of(&self, ctx: u32) -> Vec<(u64, u64)> {
+        self.memory.get(&ctx).map(|m| m.iter().map(|(&a, &l)| (a, l)).collect()).unwrap_or_default()
     }
 
     pub fn get(&self, ctx: u32, kind: Kind, id: u32) -> Option<Place> {

@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use vrdma_core::hca::migrate::{ChannelAt, Extent, MrAt, Placement, QpAt, RingAt, TenantSnapshot};
+use vrdma_core::hca::migrate::{ChannelAt, Extent, MemoryAt, MrAt, Placement, QpAt, RingAt, TenantSnapshot};
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::memory::Region;
 use vrdma_core::proto::{CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY};
@@ -83,12 +83,15 @@ pub(super) fn placement(
         qps: Vec::with_capacity(snap.qps.len()),
         contexts: Vec::with_capacity(snap.contexts.len()),
         channels: Vec::new(),
+        memory: Vec::new(),
     };
     for &c in &snap.contexts {
         match placed.get(c, Kind::Context, c) {
             Some(Place::Ring(at, len)) => p.contexts.push(RingAt { id: c, at, len }),
             _ => return Err(missing("context", c)),
         }
+        // Its memory extents, with regions on them or not.
+        p.memory.extend(placed.memory_of(c).into_iter().map(|(at, len)| MemoryAt { ctx: c, at, len }));
         for (id, at, len) in placed.channels_of(c) {
             let mut cqs: Vec<u32> = bindings.iter().filter(|(_, ch)| **ch == id).map(|(cq, _)| *cq).collect();
             cqs.sort_unstable();
@@ -145,6 +148,9 @@ pub(super) struct Attached {
     /// Extents taken that no ring owns (the guest's memory): given back
     /// if the import fails.
     memory: Vec<u64>,
+    /// The guest contexts' memory extents among them, by owner (the
+    /// adopting session takes its context's).
+    owners: Vec<MemoryAt>,
     contexts: Vec<u32>,
     places: Vec<(u32, Kind, u32, Place)>,
 }
@@ -214,6 +220,7 @@ pub(super) fn attach(shared: &Shared, snap: &TenantSnapshot) -> Result<Option<At
         qps: Vec::new(),
         channels: Vec::new(),
         memory: p.extents.iter().map(|e| e.at).collect(),
+        owners: p.memory.clone(),
         contexts: snap.contexts.clone(),
         places: Vec::new(),
     };
@@ -351,6 +358,9 @@ impl Attached {
             for (ctx, kind, id, place) in self.places {
                 placed.record(ctx, kind, id, place);
             }
+            for m in &self.owners {
+                placed.memory_is(m.ctx, m.at, m.len);
+            }
         }
         for (cq, ring) in self.cqs {
             rings.cqs.insert(cq, CqRing { ring, channel: None, inbox_qps: Vec::new() });
@@ -437,19 +447,27 @@ pub(super) fn unclaim_context(vm: &Vm, at: u64, len: u64) {
     }
 }
 
-/// The memory extents an import took on which `context`'s regions lie go
-/// to the guest session that adopted it (they are no longer unowned: the
-/// session gives them back when it ends, and may register in them).
+/// The memory extents an import took for `context` (the snapshot names
+/// their owner, version 6) go to the guest session that adopted it, with
+/// the regions on them or none: they are no longer unowned, the session
+/// registers in them, grows and frees them, and gives them back when it
+/// ends. (A session adopts before it takes any extent: `AdoptContext` is
+/// its first call.)
 pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32) {
     let vm = g.vm.clone();
     let mut placed = vm.placed();
-    let ext = vm.extents();
-    for (key, at) in placed.mrs_of(context) {
-        let Some((start, span)) = ext.containing(at, 1) else { continue };
+    for (start, span) in placed.memory_of(context) {
         if let Some(i) = placed.orphans.iter().position(|&o| o == start) {
             placed.orphans.swap_remove(i);
             g.memory.insert(start, (span, 0));
         }
-        g.registered(key, start);
+    }
+    // The import checked that each region lies in a memory extent of its
+    // context.
+    let ext = vm.extents();
+    for (key, at) in placed.mrs_of(context) {
+        if let Some((start, _)) = ext.containing(at, 1) {
+            g.registered(key, start);
+        }
     }
 }

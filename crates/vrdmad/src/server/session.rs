@@ -1212,6 +1212,7 @@ pub(super) fn changes_state(req: &Request) -> bool {
             | Request::DestroyAh { .. }
             | Request::GuestAlloc { .. }
             | Request::GuestFree { .. }
+            | Request::GuestGrow { .. }
             | Request::CreateCompChannel
             | Request::DestroyCompChannel { .. }
     ) || matches!(

@@ -19,6 +19,13 @@
 //! unread events, CQ numbers, are in the region and move with it) and the
 //! CQs it serves. A CQ's armed state needs nothing here: it is a word of
 //! the CQ's ring (`proto::CQ_AUX_ARMED`), in the region too.
+//!
+//! Version 6 added each memory extent's owner ([`MemoryAt`]): the extents
+//! a guest context took to register in (`GuestAlloc`), registered in or
+//! not, so that the context's session on the destination owns them again
+//! (registers in them, grows and frees them) rather than only those its
+//! memory regions lay on at the move (a guest may allocate an extent, or
+//! deregister everything in it and keep it, right before a move).
 
 use std::collections::{HashMap, HashSet};
 
@@ -60,6 +67,21 @@ pub struct Placement {
     /// ring in the region and the CQs it serves, so that the destination
     /// raises their events into the same ring.
     pub channels: Vec<ChannelAt>,
+    /// Each memory extent of a guest context (version 6): the extents the
+    /// context's session took to register in, with memory regions on them
+    /// or not, each one of `extents`, so that the session adopting the
+    /// context owns them again. An extent of `extents` that is no ring's
+    /// and not here (a session's without a context) stays reserved on the
+    /// destination and unowned until the tenant moves away again.
+    pub memory: Vec<MemoryAt>,
+}
+
+/// A memory extent of a guest context: its owner and where it lies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MemoryAt {
+    pub ctx: u32,
+    pub at: u64,
+    pub len: u64,
 }
 
 /// The most completion channels a placement may hold (a tenant's limit on
@@ -152,7 +174,10 @@ fn qp_need(cap: crate::verbs::QpCap) -> u64 {
 /// placed once, and every context's segment and completion channel's ring,
 /// inside one extent; rings aligned, at least as long as the
 /// ring they hold, and overlapping neither each other nor a memory region. Memory regions may overlap each other (one
-/// buffer registered twice). The driver checks the rest when it maps.
+/// buffer registered twice). Memory extents ([`check_memory`]) each an
+/// extent of the placement, of a context of the snapshot, holding no ring,
+/// and each memory region inside one of its own context's. The driver
+/// checks the rest when it maps.
 pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
     let Some(p) = &s.placement else { return Ok(()) };
     if p.region_len == 0 {
@@ -212,7 +237,7 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
         let what = format!("memory region {:#x}", at.key);
         let span = within(&what, at.at, len, p.region_len)?;
         inside(&what, span)?;
-        mrs.push(span);
+        mrs.push((at.key, span));
     }
     let mut rings = Vec::with_capacity(
         p.cqs.len()
@@ -260,12 +285,65 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
             return Err(invalid(format!("rings overlap at {:#x}", w[1].0)));
         }
     }
-    for &(a, b) in &mrs {
-        // The first ring ending after the region starts: it must start at
-        // or after the region's end.
+    // The first ring ending after `a`: one starting before `b` overlaps
+    // `[a, b)`.
+    let on_a_ring = |(a, b): (u64, u64)| {
         let i = rings.partition_point(|r| r.1 <= a);
-        if rings.get(i).is_some_and(|r| r.0 < b) {
+        rings.get(i).is_some_and(|r| r.0 < b)
+    };
+    for &(_, (a, b)) in &mrs {
+        if on_a_ring((a, b)) {
             return Err(invalid(format!("a memory region at {a:#x} overlaps a ring")));
+        }
+    }
+    check_memory(s, p, &mrs, &on_a_ring)
+}
+
+/// The memory extents: each inside the region, one of the placement's
+/// extents exactly (so disjoint from each other), listed once, of a
+/// context of the snapshot, holding no ring; each memory region inside a
+/// memory extent of its own context (as the source let it register: in
+/// one of its session's extents).
+fn check_memory(
+    s: &TenantSnapshot,
+    p: &Placement,
+    mrs: &[(u32, (u64, u64))],
+    on_a_ring: &dyn Fn((u64, u64)) -> bool,
+) -> Result<(), SnapshotError> {
+    let contexts: HashSet<u32> = s.contexts.iter().copied().collect();
+    let extents: HashMap<u64, u64> = p.extents.iter().map(|e| (e.at, e.len)).collect();
+    // Start -> (end, owner), sorted: a memory region's extent is the last
+    // starting at or before it.
+    let mut owned = std::collections::BTreeMap::new();
+    for m in &p.memory {
+        let what = format!("memory extent of context {}", m.ctx);
+        let (a, b) = within(&what, m.at, m.len, p.region_len)?;
+        if extents.get(&a) != Some(&m.len) {
+            return Err(invalid(format!(
+                "{what}: {} bytes at {a:#x}, which is not an extent of the placement (overlapping one, or none)",
+                m.len
+            )));
+        }
+        if !contexts.contains(&m.ctx) {
+            return Err(invalid(format!("{what} at {a:#x}: the snapshot holds no such context")));
+        }
+        if on_a_ring((a, b)) {
+            return Err(invalid(format!("{what} at {a:#x} holds a ring")));
+        }
+        if owned.insert(a, (b, m.ctx)).is_some() {
+            return Err(invalid(format!("memory extent at {a:#x} listed twice")));
+        }
+    }
+    let mr_ctx: HashMap<u32, u32> = s.mrs.iter().map(|m| (m.key, m.ctx)).collect();
+    for &(key, (a, b)) in mrs {
+        let ctx = mr_ctx.get(&key).copied();
+        match owned.range(..=a).next_back() {
+            Some((_, &(end, owner))) if b <= end && Some(owner) == ctx => {}
+            _ => {
+                return Err(invalid(format!(
+                    "memory region {key:#x} at {a:#x} lies in no memory extent of its context"
+                )))
+            }
         }
     }
     Ok(())

@@ -14,7 +14,8 @@
 //! queue rings (send, receive, completion queues); they are in the
 //! tenant's shared memory, which moves with the VM. Where they lie in it
 //! is (version 2: [`super::placement`]; version 3 adds the completion
-//! channels' rings there). Nor anything that
+//! channels' rings there, version 6 the owners of a guest's memory
+//! extents). Nor anything that
 //! names a link or a host-local number: links are renumbered by the host
 //! that resumes, requests by their serials.
 
@@ -30,8 +31,11 @@ pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
 /// Version 2 added [`TenantSnapshot::placement`], version 3 its
 /// completion channels ([`super::placement::ChannelAt`]), version 4 the
 /// guests' remembered answers ([`TenantSnapshot::answers`]), version 5
-/// the rdma_cm ids and event channels ([`TenantSnapshot::cm`]).
-pub const SNAPSHOT_VERSION: u16 = 5;
+/// the rdma_cm ids and event channels ([`TenantSnapshot::cm`]), version
+/// 6 the owners of a guest's memory extents
+/// ([`super::placement::MemoryAt`], at the end of the placement: postcard
+/// is not self-describing, so a field added anywhere is a new version).
+pub const SNAPSHOT_VERSION: u16 = 6;
 /// Bytes before the body.
 pub const SNAPSHOT_HEADER_LEN: usize = 6;
 /// The largest snapshot accepted: far above what a tenant within its

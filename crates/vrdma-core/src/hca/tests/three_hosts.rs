@@ -532,7 +532,8 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
         ("version 2 (before channels)", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
         ("version 3 (before remembered answers)", [b"vRMS\x00\x03".as_slice(), &bytes[6..]].concat()),
         ("version 4 (before rdma_cm state)", [b"vRMS\x00\x04".as_slice(), &bytes[6..]].concat()),
-        ("version 6", [b"vRMS\x00\x06".as_slice(), &bytes[6..]].concat()),
+        ("version 5 (before memory extents' owners)", [b"vRMS\x00\x05".as_slice(), &bytes[6..]].concat()),
+        ("version 7", [b"vRMS\x00\x07".as_slice(), &bytes[6..]].concat()),
         ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
         ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
         ("QP of a context not in it", forge(&|s| s.qps[0].ctx = 99)),
@@ -604,16 +605,24 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
 /// region's offset.
 #[test]
 fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
-    use crate::hca::migrate::{ChannelAt, Extent, MrAt, Placement, QpAt, RingAt};
+    use crate::hca::migrate::{ChannelAt, Extent, MemoryAt, MrAt, Placement, QpAt, RingAt};
     let (_t, _a, _b, mem, bytes) = paused_snapshot();
     let snap = TenantSnapshot::decode(&bytes).unwrap();
     assert_eq!(snap.placement, None, "the core knows no region; the driver fills it");
     let (mr, cq, qp) = (&snap.mrs[0], &snap.cqs[0], &snap.qps[0]);
     let page = 4096u64;
     let mr_span = mr.len.next_multiple_of(page);
+    // The MR's context's memory extent (the MR a page into it), then an
+    // extent holding the CQ's ring, one the QP's, one the contexts'
+    // segments and the channel's ring.
+    let cq_extent = 3 * page + mr_span;
     let placed = Placement {
         region_len: 16 << 20,
-        extents: vec![Extent { at: 2 * page, len: 1 << 20 }, Extent { at: 8 << 20, len: 2 << 20 }],
+        extents: vec![
+            Extent { at: 2 * page, len: page + mr_span },
+            Extent { at: cq_extent, len: (1 << 20) - page - mr_span },
+            Extent { at: 8 << 20, len: 2 << 20 },
+        ],
         mrs: vec![MrAt { key: mr.key, at: 3 * page }],
         cqs: vec![RingAt { id: cq.cq, at: 3 * page + mr_span, len: cq.ring_bytes.next_multiple_of(page) }],
         srqs: Vec::new(),
@@ -631,6 +640,7 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
             len: 3 * page,
             cqs: vec![cq.cq],
         }],
+        memory: vec![MemoryAt { ctx: mr.ctx, at: 2 * page, len: page + mr_span }],
     };
     assert_eq!(placed.contexts.len(), 2, "the tenant's two contexts");
     let other_ctx = *snap.contexts.iter().find(|&&c| c != cq.ctx).unwrap();
@@ -693,10 +703,10 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         ("a memory region on a ring", with(&|p| p.mrs[0].at = p.qps[0].at + page)),
         ("a memory region in no extent", with(&|p| p.mrs[0].at = 0)),
         ("a ring in no extent", with(&|p| p.qps[0].at = 12 << 20)),
-        ("a ring whose extent is elsewhere", with(&|p| p.extents[1].at = p.extents[0].at + p.extents[0].len)),
-        ("extents overlapping", with(&|p| p.extents[1].at = p.extents[0].at)),
+        ("a ring whose extent is elsewhere", with(&|p| p.extents[2].at = p.extents[1].at + p.extents[1].len)),
+        ("extents overlapping", with(&|p| p.extents[2].at = p.extents[1].at)),
         ("extents unsorted", with(&|p| p.extents.reverse())),
-        ("an extent past the end", with(&|p| p.extents[1].len = 9 << 20)),
+        ("an extent past the end", with(&|p| p.extents[2].len = 9 << 20)),
         ("a channel numbered 0", with(&|p| p.channels[0].id = 0)),
         ("a channel placed twice", with(&|p| p.channels.push(p.channels[0].clone()))),
         ("a channel of a context the snapshot lacks", with(&|p| p.channels[0].ctx = 77)),
@@ -730,6 +740,57 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         let mut c = bare_host(IPS[C], &tune);
         let r = c.hca.import_tenant(&v, T0, &mut |m| mem.get(&m.key).cloned());
         assert!(matches!(r, Err(SnapshotError::Invalid(_))), "{what}: {r:?}");
+        assert!(c.hca.qps.is_empty() && c.hca.mrs.is_empty() && c.hca.contexts.is_empty(), "{what}");
+    }
+    // Memory extents (version 6), each refused for its reason.
+    let memory: Vec<(&str, Vec<u8>, &str)> = vec![
+        (
+            "a memory region in no memory extent",
+            with(&|p| p.memory.clear()),
+            "in no memory extent of its context",
+        ),
+        (
+            "a memory region in another context's memory extent",
+            with(&|p| p.memory[0].ctx = other_ctx),
+            "in no memory extent of its context",
+        ),
+        (
+            "a memory extent of a context the snapshot lacks",
+            with(&|p| p.memory[0].ctx = 77),
+            "no such context",
+        ),
+        ("a memory extent listed twice", with(&|p| p.memory.push(p.memory[0])), "listed twice"),
+        ("a memory extent past the end", with(&|p| p.memory[0].at = p.region_len - page), "outside a region"),
+        ("a memory extent wrapping", with(&|p| p.memory[0].at = u64::MAX - page + 1), "outside a region"),
+        ("a memory extent of 0 bytes", with(&|p| p.memory[0].len = 0), "outside a region"),
+        (
+            "a memory extent overlapping another",
+            with(&|p| {
+                p.memory[0].len = page;
+                p.memory.push(MemoryAt { ctx: mr.ctx, at: 2 * page, len: page + mr_span });
+            }),
+            "not an extent of the placement",
+        ),
+        (
+            "a memory extent across two extents",
+            with(&|p| p.memory[0].len = page + mr_span + p.extents[1].len),
+            "not an extent of the placement",
+        ),
+        (
+            "a memory extent in free bytes",
+            with(&|p| p.memory.push(MemoryAt { ctx: mr.ctx, at: 12 << 20, len: page })),
+            "not an extent of the placement",
+        ),
+        (
+            "a memory extent holding a ring",
+            with(&|p| p.memory.push(MemoryAt { ctx: mr.ctx, at: p.extents[1].at, len: p.extents[1].len })),
+            "holds a ring",
+        ),
+    ];
+    for (what, v, why) in memory {
+        let mut c = bare_host(IPS[C], &tune);
+        let r = c.hca.import_tenant(&v, T0, &mut |m| mem.get(&m.key).cloned());
+        assert!(matches!(&r, Err(SnapshotError::Invalid(m)) if m.contains(why)), "{what}: {r:?}");
         assert!(c.hca.qps.is_empty() && c.hca.mrs.is_empty() && c.hca.contexts.is_empty(), "{what}");
     }
     // Two memory regions on the same bytes are fine (a buffer registered
@@ -816,9 +877,10 @@ fn remembered_answers_travel_and_forged_ones_are_refused() {
         s.answers = answers;
         s.encode()
     };
-    // Round trip; the header says version 5 (4 added the answers).
+    // Round trip; the header says version 6 (4 added the answers, 6 the
+    // owners of memory extents).
     let carried = with(vec![good.clone()]);
-    assert_eq!(u16::from_be_bytes([carried[4], carried[5]]), 5);
+    assert_eq!(u16::from_be_bytes([carried[4], carried[5]]), 6);
     assert_eq!(TenantSnapshot::decode(&carried).unwrap().answers, vec![good.clone()]);
     let mut c = bare_host(IPS[C], &tune);
     assert_eq!(c.hca.import_tenant(&carried, T0, &mut region_of), Ok(TENANT));

@@ -1,8 +1,8 @@
 //! A guest session adopts a context that moved here with its VM
 //! (`AdoptContext`, issue 19): the context's segment found again where the
-//! guest left it in the VM's region, new doorbells, the memory extents its
-//! regions lie on, and the completion channels the import made again for
-//! it, whose doorbells the guest's library takes here.
+//! guest left it in the VM's region, new doorbells, its memory extents
+//! (regions on them or not), and the completion channels the import made
+//! again for it, whose doorbells the guest's library takes here.
 //!
 //! Apart from `session` because it is one step of a migration, not a call
 //! that makes objects: it reads what the import (`migrate_vm`) left for it
@@ -24,9 +24,9 @@ use crate::engine::ContextRings;
 impl Session {
     /// A guest session takes over `context`, imported with its VM
     /// (`migrate_vm::claim_context` says which may be): its context
-    /// segment found again where the guest left it, new doorbells, the
-    /// memory extents its regions lie on, and the session's number becomes
-    /// the context's. Answered as Hello.
+    /// segment found again where the guest left it, new doorbells, its
+    /// memory extents, and the session's number becomes the context's.
+    /// Answered as Hello.
     pub(super) fn adopt(&mut self, version: u32, context: u32) -> Result<Answer, Answer> {
         if self.open {
             return Err(error(EPROTO, "this session has a context already"));

@@ -43,21 +43,50 @@ impl Session {
         })
     }
 
+    // Each also records the extent under the session's context
+    // (`Placed::memory_is`): a migration's snapshot names its owner, so
+    // that it moves as the context's whether or not a region lies on it.
+
     pub(super) fn guest_alloc(&mut self, len: u64) -> Result<Answer, Answer> {
+        let ctx = self.ctx.0;
         let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestAlloc is for guest sessions only"))?;
         let (offset, len) = g.alloc(len).map_err(|m| error(ENOMEM, m))?;
+        g.vm.placed().memory_is(ctx, offset, len);
         Ok(Reply::GuestExtent { offset, len }.into())
     }
 
     pub(super) fn guest_grow(&mut self, offset: u64, len: u64) -> Result<Answer, Answer> {
+        let ctx = self.ctx.0;
         let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestGrow is for guest sessions only"))?;
         let len = g.grow(offset, len).map_err(|(errno, m)| error(errno, m))?;
+        g.vm.placed().memory_is(ctx, offset, len);
         Ok(Reply::GuestExtent { offset, len }.into())
     }
 
     pub(super) fn guest_free(&mut self, offset: u64) -> Result<Answer, Answer> {
+        let ctx = self.ctx.0;
         let g = self.guest.as_mut().ok_or_else(|| error(EINVAL, "GuestFree is for guest sessions only"))?;
         g.free(offset).map_err(|(errno, m)| error(errno, m))?;
+        g.vm.placed().memory_freed(ctx, offset);
         Ok(Reply::Done.into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use vrdma_core::proto::Request;
+
+    /// A guest's extents are in a migration's placement, their lengths
+    /// too: taking, growing or freeing one waits while its tenant is
+    /// paused, as any call that changes what moves.
+    #[test]
+    fn a_guests_extent_calls_wait_while_its_tenant_is_paused() {
+        for req in [
+            Request::GuestAlloc { len: 1 },
+            Request::GuestGrow { offset: 0, len: 2 },
+            Request::GuestFree { offset: 0 },
+        ] {
+            assert!(super::super::changes_state(&req), "{req:?}");
+        }
     }
 }
