@@ -269,6 +269,46 @@ mod preload {
         Ok((ctx.sock_counts()?, carried))
     }
 
+    /// On the direct path a write goes from the program's buffer straight
+    /// into the peer's ring (one copy, not two through the staging
+    /// region): the client's writes of varying sizes, vectored ones among
+    /// them, are checked byte for byte by the server, and the client
+    /// says how many of its ring writes went so. The engine path stages
+    /// every one.
+    #[test]
+    fn a_stream_on_the_direct_path_is_written_from_the_programs_buffer() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        for (path, d) in [("engine", engine_daemon()?), ("direct", DaemonProc::start()?)] {
+            let ctx = d.context()?;
+            let port = free_port();
+            let s = server(&d, true, port);
+            registered(&ctx, port)?;
+            let c = client(&d, true, port).finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            let (writes, direct) = c
+                .stderr
+                .lines()
+                .find_map(|l| {
+                    let rest = l.split("ring writes ").nth(1)?;
+                    let (w, d) = rest.split_once(", from the caller's buffer ")?;
+                    Some((w.parse::<u64>().ok()?, d.trim().parse::<u64>().ok()?))
+                })
+                .unwrap_or_else(|| panic!("{path}: the client's counts: {}", c.describe()));
+            eprintln!("{path}: {writes} ring writes, {direct} from the caller's buffer");
+            assert!(writes > 0, "{path}: {}", c.describe());
+            if path == "engine" {
+                assert_eq!(direct, 0, "{}", c.describe());
+            } else {
+                // Some may stage (a write while the engine still has one
+                // of the QP's in flight); most must not.
+                assert!(direct * 2 > writes, "{path}: {direct} of {writes}: {}", c.describe());
+            }
+        }
+        Ok(())
+    }
+
     #[test]
     fn an_event_loop_pair_on_poll_sees_every_byte_ready() -> Result<()> {
         let _one = harness::one_at_a_time();

@@ -181,7 +181,38 @@ impl DirectQp {
         if matches!(wr.opcode, SendOpcode::Send | SendOpcode::SendWithImm) {
             return self.carry_send(ctx, qpn, local, wr);
         }
-        let len = wr.msg_len();
+        self.carry_rdma(ctx, qpn, local, wr, None)
+    }
+
+    /// Carries an RDMA write (`wr`'s opcode, address and key; no SGEs)
+    /// whose payload is `src`, memory of the caller that need not be
+    /// registered: copied before this returns, as inline bytes are.
+    pub(crate) fn try_write_from(
+        &self,
+        ctx: &Context,
+        qpn: u32,
+        local: &LocalKeys,
+        wr: &SendWr,
+        src: &[&[u8]],
+    ) -> Carried {
+        debug_assert_eq!(wr.opcode, SendOpcode::RdmaWrite);
+        self.carry_rdma(ctx, qpn, local, wr, Some(src))
+    }
+
+    /// [`Self::try_carry`] of an RDMA write, read or atomic; a write's
+    /// payload is `src` where given, else `wr`'s.
+    fn carry_rdma(
+        &self,
+        ctx: &Context,
+        qpn: u32,
+        local: &LocalKeys,
+        wr: &SendWr,
+        src: Option<&[&[u8]]>,
+    ) -> Carried {
+        let len = match src {
+            Some(s) => s.iter().map(|b| b.len() as u64).sum(),
+            None => wr.msg_len(),
+        };
         // The right the opcode needs and the remote bytes it touches.
         // Inline reads and atomics, and atomics shorter than their word,
         // are the engine's errors to report.
@@ -246,7 +277,7 @@ impl DirectQp {
         // Every local SGE inside a region of this PD registered here, one
         // registered with local write where the result lands there (the
         // engine says LOC_PROT_ERR otherwise).
-        if !local_ok(&keys, wr, wr.opcode.writes_local()) {
+        if src.is_none() && !local_ok(&keys, wr, wr.opcode.writes_local()) {
             return Carried::Engine;
         }
         let (Some(inflight), Some(open), Some(slot), Some(recv_word)) = (
@@ -282,7 +313,10 @@ impl DirectQp {
             // above and kept registered by the read lock held.
             unsafe {
                 match right {
-                    AccessFlags::REMOTE_WRITE => copy_into(&g.map, dst, wr),
+                    AccessFlags::REMOTE_WRITE => match src {
+                        Some(src) => copy_slices(&g.map, dst, src),
+                        None => copy_into(&g.map, dst, wr),
+                    },
                     AccessFlags::REMOTE_READ => scatter(wr, g.map.as_ptr().add(dst), len as usize),
                     _ => {
                         let old = atomic_op(g.map.as_ptr().add(dst), wr).to_le_bytes();
@@ -656,6 +690,21 @@ unsafe fn copy_into(map: &Mapping, mut dst: usize, wr: &SendWr) {
         // Raw copies only: both may be shared memory.
         unsafe { std::ptr::copy(s.addr as *const u8, base.add(dst), n) };
         dst += n;
+    }
+}
+
+/// Copies `src`, slice after slice, to `dst` in `map`.
+///
+/// # Safety
+/// `dst` plus the slices' total must lie within `map`.
+unsafe fn copy_slices(map: &Mapping, mut dst: usize, src: &[&[u8]]) {
+    let base = map.as_ptr();
+    for b in src {
+        // SAFETY: the caller's contract for the destination; `b` is
+        // borrowed memory of this process. Raw copies: the destination is
+        // shared memory.
+        unsafe { std::ptr::copy(b.as_ptr(), base.add(dst), b.len()) };
+        dst += b.len();
     }
 }
 

@@ -761,6 +761,42 @@ impl QueuePair {
         Ok(done)
     }
 
+    /// An unsignaled RDMA write of `src` (in order, `remote_addr` on) to
+    /// the peer's region `rkey`, carried by the direct path within this
+    /// call, from memory that need not be registered: the bytes are copied
+    /// into the peer's region before it returns, as a hardware QP copies
+    /// inline data into its work request. `Ok(false)`, nothing posted,
+    /// where the direct path cannot take it now (the QP is not in RTS,
+    /// its peer is not on this host or of this tenant, no grant for the
+    /// key, work still on the engine path, the send queue full): the
+    /// caller then posts it the usual way, from registered memory. What
+    /// it posts after this keeps its order after it (the write landed).
+    ///
+    /// It holds a send-queue slot until a later signaled completion of the
+    /// QP is polled, as any unsignaled WR does.
+    pub fn write_now(&self, src: &[&[u8]], remote_addr: u64, rkey: u32) -> Result<bool> {
+        if self.init.qp_type != QpType::Rc || self.state() != QpState::Rts {
+            return Ok(false);
+        }
+        let bell_needed = self.send_cq.inner.has_channel() && self.send_cq.inner.direct_bell().is_none();
+        let slots = &self.sq_freed;
+        if bell_needed
+            || self.sq.produced() != slots.freed.load(Ordering::Acquire)
+            || slots.carried_outstanding() >= self.cap.max_send_wr
+        {
+            return Ok(false);
+        }
+        let wr = crate::wr::rdma_write(0, &[], remote_addr, rkey)?;
+        match self.direct.try_write_from(&self.ctx, self.qpn, &self.pd.inner.local_keys, &wr, src) {
+            crate::direct::Carried::Engine => Ok(false),
+            crate::direct::Carried::Done { .. } => {
+                slots.carried.fetch_add(1, Ordering::AcqRel);
+                crate::idle::activity();
+                Ok(true)
+            }
+        }
+    }
+
     /// How many of this QP's work requests the library carried itself
     /// on the direct path (`docs/direct-path.md`), and whether the daemon
     /// ever granted it a window.

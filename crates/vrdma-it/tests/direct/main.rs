@@ -17,6 +17,7 @@ mod send;
 mod srq;
 mod srq_killed;
 mod stopped;
+mod write_now;
 
 use anyhow::Result;
 use vrdma::wr::{self, SendWrExt};
