@@ -38,7 +38,11 @@
 //! daemon-side mapping still points at the old extent. The generations of
 //! a grown span share one [`GuestExtent`], which moves the pages back and
 //! gives the extent back when the last of them goes. A range that begins
-//! before a span it overlaps, or that spans two, is refused as on the host.
+//! before a span it overlaps, or that covers several, is made of pieces
+//! as on the host (`super::pieces`), except that each gap between the
+//! spans becomes a new extent of its own (growing one needs free bytes
+//! after it; a fresh one does not), and the pieces are offsets of the
+//! region, with no descriptors to count.
 //!
 //! After `fork` the child gets private copies of the BAR's mappings, as
 //! of the host's memfd spans (`super::fork`): its writes never reach the
@@ -53,7 +57,7 @@ use vrdma_shm::Segment;
 
 use super::move_back::move_back_to_private;
 use super::{check_rebackable, MapEntry, Spans, REGISTRY};
-use super::{covering, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
+use super::{covering, fds, fence, huge_page_size, largest, read_maps, Piece, Rebacked, Span};
 use crate::error::{Error, Result};
 
 /// What makes a span an extent of the VM's region.
@@ -341,7 +345,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
                      in a guest, pages are shared between registrations of one context only"
                 )));
             }
-            return Ok(Rebacked { fd_offset: g.offset + (start - span.start) as u64, span: span.clone() });
+            return Ok(Rebacked::one(span.clone(), g.offset + (start - span.start) as u64));
         }
         [span] if span.start <= pstart => {
             let g = span.guest.as_ref().expect("checked above");
@@ -355,19 +359,31 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             let fd_offset = g.offset + (start - grown.start) as u64;
             reg.entry(grown.start).or_default().push(Arc::downgrade(&grown));
             kept.insert(grown.start, grown.clone());
-            return Ok(Rebacked { fd_offset, span: grown });
+            return Ok(Rebacked::one(grown, fd_offset));
         }
-        [span, ..] => {
-            return Err(Error::invalid(format!(
-                "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
-                 (pages [{:#x}, {:#x}) are re-backed as one span, and a span grows only at its end)",
-                span.start,
-                span.end()
-            )));
-        }
+        // Begins before a span, or covers several: re-backed by pieces.
+        _ => return reback_guest_pieces(&mut reg, kept, &maps, &live, (start, end), (pstart, pend), src),
     }
     drop(live);
-    check_rebackable(&maps, pstart, pend)?;
+    let span = new_span(&mut reg, kept, &maps, pstart, pend, src)?;
+    Ok(Rebacked::one(
+        span.clone(),
+        span.guest.as_ref().expect("a guest span").offset + (start - pstart) as u64,
+    ))
+}
+
+/// Re-backs the pages `[pstart, pend)` (no span's) by a new extent of the
+/// VM's region and enters the span in the registry `reg` and the kept set
+/// (both held).
+fn new_span(
+    reg: &mut Spans,
+    kept: &mut BTreeMap<usize, Arc<Span>>,
+    maps: &[MapEntry],
+    pstart: usize,
+    pend: usize,
+    src: &GuestSource<'_>,
+) -> Result<Arc<Span>> {
+    check_rebackable(maps, pstart, pend)?;
     let span_len = pend - pstart;
     let (offset, _) = match (src.alloc)(span_len as u64) {
         // The region is full: idle spans' extents make room.
@@ -378,7 +394,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
                 "vrdma: the VM's region is full; deregistered pages move back"
             );
             for s in idle_now {
-                unkeep(&mut reg, kept, s);
+                unkeep(reg, kept, s);
             }
             (src.alloc)(span_len as u64)?
         }
@@ -423,7 +439,75 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
     let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
     kept.insert(pstart, span.clone());
-    Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
+    Ok(span)
+}
+
+/// [`reback_guest`] of `range` (page bounds `pages`) over the live spans
+/// `live` (sorted, in the VM's region, not all holding it), under the
+/// registry lock: the parent module's `pieces`, except that the pages
+/// between spans become spans of their own (a new extent each: an extent
+/// grows only into free bytes after it, which a fresh one need not find),
+/// and there is no descriptor to count (the daemon bounds the pieces,
+/// `proto::MAX_MR_PIECES`).
+fn reback_guest_pieces(
+    reg: &mut Spans,
+    kept: &mut BTreeMap<usize, Arc<Span>>,
+    maps: &[MapEntry],
+    live: &[Arc<Span>],
+    (start, end): (usize, usize),
+    (pstart, pend): (usize, usize),
+    src: &GuestSource<'_>,
+) -> Result<Rebacked> {
+    if let Some(s) = live.iter().find(|s| s.guest.as_ref().is_none_or(|g| g.owner != src.owner)) {
+        return Err(Error::invalid(format!(
+            "[{start:#x}, {end:#x}) covers pages [{:#x}, {:#x}) registered through another context; \
+             in a guest, pages are shared between registrations of one context only",
+            s.start,
+            s.end()
+        )));
+    }
+    // The parts: each span's, and the gaps around them.
+    let mut parts: Vec<(usize, usize, Option<&Arc<Span>>)> = Vec::new();
+    let mut at = pstart;
+    for s in live {
+        if at < s.start {
+            parts.push((at, s.start, None));
+        }
+        let to = s.end().min(pend);
+        parts.push((at.max(s.start), to, Some(s)));
+        at = to;
+    }
+    if at < pend {
+        parts.push((at, pend, None));
+    }
+    if parts.len() > vrdma_core::proto::MAX_MR_PIECES {
+        return Err(Error::invalid(format!(
+            "[{start:#x}, {end:#x}) covers {} registered spans and the pages between them: \
+             a region is made of at most {} pieces",
+            live.len(),
+            vrdma_core::proto::MAX_MR_PIECES
+        )));
+    }
+    for &(from, to, s) in &parts {
+        if s.is_none() {
+            check_rebackable(maps, from, to)?;
+        }
+    }
+    let mut pieces = Vec::with_capacity(parts.len());
+    for (from, to, s) in parts {
+        let span = match s {
+            Some(s) => s.clone(),
+            None => new_span(reg, kept, maps, from, to, src)?,
+        };
+        let offset = span.guest.as_ref().expect("a guest span").offset;
+        pieces.push(Piece { fd_offset: offset + (from - span.start) as u64, len: to - from, span });
+    }
+    let first = pieces.first_mut().expect("at least one span");
+    first.fd_offset += (start - pstart) as u64;
+    first.len -= start - pstart;
+    pieces.last_mut().expect("at least one span").len -= pend - end;
+    let first = &pieces[0];
+    Ok(Rebacked { span: first.span.clone(), fd_offset: first.fd_offset, pieces })
 }
 
 /// How far a span's pages are mapped from its extent: past the span's

@@ -28,7 +28,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use vrdma_core::hca::migrate::{ChannelAt, Extent, MrAt, Placement, QpAt, RingAt, TenantSnapshot};
+use vrdma_core::hca::migrate::{
+    ChannelAt, Extent, MrAt, MrPiecesAt, Placement, QpAt, RingAt, TenantSnapshot,
+};
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::memory::Region;
 use vrdma_core::proto::{CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY};
@@ -83,6 +85,7 @@ pub(super) fn placement(
         qps: Vec::with_capacity(snap.qps.len()),
         contexts: Vec::with_capacity(snap.contexts.len()),
         channels: Vec::new(),
+        mr_pieces: Vec::new(),
     };
     for &c in &snap.contexts {
         match placed.get(c, Kind::Context, c) {
@@ -108,6 +111,10 @@ pub(super) fn placement(
     for m in &snap.mrs {
         match placed.get(m.ctx, Kind::Mr, m.key) {
             Some(Place::Mr(at)) => p.mrs.push(MrAt { key: m.key, at }),
+            Some(Place::MrPieces(v)) => p.mr_pieces.push(MrPiecesAt {
+                key: m.key,
+                pieces: v.iter().map(|&(at, len)| Extent { at, len }).collect(),
+            }),
             _ => return Err(missing("memory region", m.key)),
         }
     }
@@ -257,6 +264,16 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
         let region = super::session::map_region(fd, m.at, len, None)?;
         a.regions.insert(m.key, region);
         a.places.push((ctx, Kind::Mr, m.key, Place::Mr(m.at)));
+    }
+    for m in &p.mr_pieces {
+        let (ctx, len) = mr_len.get(&m.key).copied().unwrap_or((0, 0));
+        let pieces: Vec<vrdma_core::proto::MrPiece> =
+            m.pieces.iter().map(|e| vrdma_core::proto::MrPiece { fd_offset: e.at, len: e.len }).collect();
+        let files = vec![std::os::fd::AsFd::as_fd(&vm.region); pieces.len()];
+        let region = super::session::map_pieces(&files, &pieces, len, None)?;
+        a.regions.insert(m.key, region);
+        let at = m.pieces.iter().map(|e| (e.at, e.len)).collect();
+        a.places.push((ctx, Kind::Mr, m.key, Place::MrPieces(at)));
     }
     let cq_of: HashMap<u32, &vrdma_core::hca::migrate::CqSnap> = snap.cqs.iter().map(|c| (c.cq, c)).collect();
     for r in &p.cqs {
@@ -444,12 +461,18 @@ pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32
     let vm = g.vm.clone();
     let mut placed = vm.placed();
     let ext = vm.extents();
-    for (key, at) in placed.mrs_of(context) {
-        let Some((start, span)) = ext.containing(at, 1) else { continue };
-        if let Some(i) = placed.orphans.iter().position(|&o| o == start) {
-            placed.orphans.swap_remove(i);
-            g.memory.insert(start, (span, 0));
+    for (key, ats) in placed.mrs_of(context) {
+        let mut held = Vec::with_capacity(ats.len());
+        for at in ats {
+            let Some((start, span)) = ext.containing(at, 1) else { continue };
+            if let Some(i) = placed.orphans.iter().position(|&o| o == start) {
+                placed.orphans.swap_remove(i);
+                g.memory.insert(start, (span, 0));
+            }
+            if !held.contains(&start) {
+                held.push(start);
+            }
         }
-        g.registered(key, start);
+        g.registered_in(key, &held);
     }
 }

@@ -30,8 +30,9 @@ pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
 /// Version 2 added [`TenantSnapshot::placement`], version 3 its
 /// completion channels ([`super::placement::ChannelAt`]), version 4 the
 /// guests' remembered answers ([`TenantSnapshot::answers`]), version 5
-/// the rdma_cm ids and event channels ([`TenantSnapshot::cm`]).
-pub const SNAPSHOT_VERSION: u16 = 5;
+/// the rdma_cm ids and event channels ([`TenantSnapshot::cm`]), version 6
+/// the memory regions of pieces ([`super::placement::MrPiecesAt`]).
+pub const SNAPSHOT_VERSION: u16 = 6;
 /// Bytes before the body.
 pub const SNAPSHOT_HEADER_LEN: usize = 6;
 /// The largest snapshot accepted: far above what a tenant within its
