@@ -466,14 +466,20 @@ fn reback_guest_pieces(
             s.end()
         )));
     }
-    // The parts: each span's, and the gaps around them.
+    // The parts: each span's, and the gaps around them. A span's part
+    // reaches over the pages a larger generation (gone now) grew it over,
+    // where they are still mapped from its extent.
     let mut parts: Vec<(usize, usize, Option<&Arc<Span>>)> = Vec::new();
     let mut at = pstart;
-    for s in live {
+    for (i, s) in live.iter().enumerate() {
         if at < s.start {
             parts.push((at, s.start, None));
         }
-        let to = s.end().min(pend);
+        let g = s.guest.as_ref().expect("checked above");
+        let limit = live.get(i + 1).map_or(pend, |next| next.start.min(pend));
+        let r = reach(s).min(limit);
+        let whole = r > s.end() && in_bar(maps, s.end(), r, g.extent.ino, g.extent.maps_offset_of(s.end()));
+        let to = if whole { r } else { s.end().min(pend) };
         parts.push((at.max(s.start), to, Some(s)));
         at = to;
     }
@@ -843,6 +849,57 @@ mod tests {
             // SAFETY: the test's own mappings, no longer registered.
             unsafe { rustix::mm::munmap(m.cast(), if m == p { 4 * page } else { 3 * page }).unwrap() };
         }
+    }
+
+    /// A range beginning before a span that grew, and ending past it: the
+    /// span's part covers its grown pages (the kept generation), and new
+    /// extents hold the pages before and after; every page keeps its
+    /// bytes.
+    #[test]
+    fn pieces_take_a_spans_grown_pages_and_new_extents_around_it() {
+        let page = vrdma_shm::page_size();
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, 64 * page as u64).unwrap();
+        let ext = Mutex::new(Extents::new(64 * page as u64, page as u64));
+        let alloc =
+            |len: u64| ext.lock().unwrap().alloc_with_headroom(len, 4 * page as u64).ok_or(Error::QueueFull);
+        let grow = |offset: u64, len: u64| {
+            ext.lock()
+                .unwrap()
+                .grow(offset, len)
+                .map_err(|e| Error::Daemon { errno: libc::ENOMEM, message: format!("cannot grow: {e}") })
+        };
+        let release = |_: u64| -> Box<dyn FnOnce() + Send> { Box::new(|| {}) };
+        let src = GuestSource { owner: 7, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
+        let p = pages(6);
+        let base = p as usize;
+        // SAFETY: pages of this test, written by no other thread.
+        let a = unsafe { reback_guest(p.add(2 * page + 8), 8, &src) }.unwrap();
+        // SAFETY: as above.
+        let grown = unsafe { reback_guest(p.add(2 * page + 16), 2 * page, &src) }.unwrap();
+        assert_eq!(grown.span.end(), base + 5 * page);
+        drop(grown);
+        // SAFETY: as above.
+        let r = unsafe { reback_guest(p.add(page + 3), 5 * page - 6, &src) }.unwrap();
+        let shape: Vec<(usize, usize)> = r.pieces.iter().map(|x| (x.span.start, x.len)).collect();
+        assert_eq!(
+            shape,
+            vec![(base + page, page - 3), (base + 2 * page, 3 * page), (base + 5 * page, page - 3)]
+        );
+        let o = a.fd_offset - 8;
+        assert_eq!(r.pieces[1].fd_offset, o, "the span's extent, grown pages and all");
+        let extent = |s: &Span| s.guest.as_ref().unwrap().extent.clone();
+        assert!(Arc::ptr_eq(&extent(&r.pieces[1].span), &extent(&a.span)));
+        for (i, x) in r.pieces.iter().enumerate() {
+            let first = if i == 0 { page + 3 } else { x.span.start - base };
+            assert_eq!(byte_at(bar.as_fd(), x.fd_offset), (first % 251) as u8, "piece {i}'s first byte");
+        }
+        drop((r, a));
+        context_closing(7);
+        // SAFETY: inside the pages, private again.
+        assert_eq!(unsafe { p.add(4 * page + 1).read() }, ((4 * page + 1) % 251) as u8);
+        // SAFETY: the test's own mapping, no longer registered.
+        unsafe { rustix::mm::munmap(p.cast(), 6 * page).unwrap() };
     }
 
     /// A real guest's maps show a sysfs BAR mapping at the BAR's bus

@@ -32,6 +32,16 @@ pub(super) fn reback_pieces(
     pages: (usize, usize),
 ) -> Result<Rebacked> {
     let ((start, end), (pstart, pend)) = (range, pages);
+    // Huge pages are re-backed whole, by a file that cannot grow; no range
+    // ends in the middle of one.
+    if let Some(s) = live.iter().find(|s| !s.growable) {
+        return Err(Error::invalid(format!(
+            "[{start:#x}, {end:#x}) overlaps a registration of huge pages with different page bounds \
+             (pages [{:#x}, {:#x}) are re-backed as one span)",
+            s.start,
+            s.end()
+        )));
+    }
     let leading = live.first().is_some_and(|s| s.start > pstart);
     let n = live.len() + usize::from(leading);
     if n > MAX_FDS {
