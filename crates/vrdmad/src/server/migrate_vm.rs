@@ -476,3 +476,39 @@ pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32
         g.registered_in(key, &held);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::guest_memory::GuestMemory;
+    use super::*;
+
+    /// A session adopting a moved context takes every extent its region of
+    /// pieces lies on (an import left them unowned), and holds each while
+    /// the region lives.
+    #[test]
+    fn an_adopting_session_holds_every_extent_a_region_of_pieces_lies_on() {
+        let dir = std::env::temp_dir().join(format!("vrdmad-hand-memory-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = crate::config::VmConfig { memory_mib: 8, ..crate::config::VmConfig::new(0) };
+        let vm = Arc::new(Vm::create("g", &config, &dir).unwrap());
+        let (x, y) = (0x10000, 0x20000);
+        for at in [x, y] {
+            assert_eq!(vm.extents().reserve(at, 0x4000), Some(0x4000));
+        }
+        {
+            let mut placed = vm.placed();
+            placed.orphans = vec![x, y];
+            placed.record(5, Kind::Mr, 9, Place::MrPieces(vec![(x + 0x100, 0x3f00), (y, 10)]));
+        }
+        let mut g = GuestMemory::new(vm.clone());
+        hand_memory(&mut g, 5);
+        assert!(vm.placed().orphans.is_empty(), "both extents went to the session");
+        assert_eq!((g.memory.get(&x), g.memory.get(&y)), (Some(&(0x4000, 1)), Some(&(0x4000, 1))));
+        assert_eq!(g.free(x).unwrap_err().0, libc::EBUSY);
+        g.deregistered(9);
+        assert_eq!((g.free(x), g.free(y)), (Ok(()), Ok(())));
+        drop((g, vm));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
