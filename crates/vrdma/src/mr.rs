@@ -228,6 +228,12 @@ impl MemoryRegion {
         pieces: Vec<rebacking::Piece>,
         with_fds: bool,
     ) -> Result<MemoryRegion> {
+        tracing::debug!(
+            addr = ptr as usize,
+            len,
+            pieces = pieces.len(),
+            "vrdma: a registration over earlier spans, made of pieces"
+        );
         let req = Request::RegMrPieces {
             pd: pd.pd_id(),
             addr: ptr as u64,
