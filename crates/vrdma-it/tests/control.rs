@@ -217,6 +217,83 @@ fn reg_mr_descriptors_are_checked() -> Result<()> {
     still_serving(&mut d)
 }
 
+/// `RegMrPieces` from a host tenant: the pieces' count, lengths,
+/// alignment, overlaps and files are the tenant's word, each wrong one a
+/// clear EINVAL that leaves the connection working and no descriptor
+/// behind; good pieces of two files make one region.
+#[test]
+fn reg_mr_pieces_are_checked() -> Result<()> {
+    use vrdma_core::proto::MrPiece;
+    let mut d = DaemonProc::start()?;
+    let before = settled_fds(&d)?;
+    let mut c = open(&d)?;
+    let pd = conn_works(&mut c)?;
+    let (one, two) =
+        (vrdma_shm::Segment::create("it-piece", 8192)?, vrdma_shm::Segment::create("it-piece", 4096)?);
+    let unsealed = rustix::fs::memfd_create("it-unsealed", rustix::fs::MemfdFlags::CLOEXEC)?;
+    rustix::fs::ftruncate(&unsealed, 4096)?;
+    let p = |fd_offset: u64, len: u64| MrPiece { fd_offset, len };
+    let req = |len: u64, pieces: Vec<MrPiece>| Request::RegMrPieces {
+        pd,
+        addr: 0x7000_0000_0000,
+        len,
+        access: AccessFlags::LOCAL_WRITE,
+        pieces,
+    };
+    let both = vec![one.fd(), two.fd()];
+    let cases: Vec<(&str, Request, Vec<BorrowedFd>, &str)> = vec![
+        ("no piece", req(0, vec![]), vec![], "1 to 64 pieces"),
+        ("an empty piece", req(10, vec![p(0, 0), p(0, 10)]), both.clone(), "empty"),
+        ("lengths that do not sum", req(4097, vec![p(0, 4096), p(0, 10)]), both.clone(), "the region 4097"),
+        (
+            "a first piece ending inside a page",
+            req(20, vec![p(0, 10), p(0, 10)]),
+            both.clone(),
+            "inside a page",
+        ),
+        (
+            "a piece beginning inside a page",
+            req(4106, vec![p(0, 4096), p(8, 10)]),
+            both.clone(),
+            "inside a page",
+        ),
+        (
+            "overlapping pieces of one file",
+            req(8192, vec![p(0, 4096), p(0, 4096)]),
+            vec![one.fd(), one.fd()],
+            "overlap",
+        ),
+        ("a piece past its file", req(8192, vec![p(0, 4096), p(4096, 4096)]), both.clone(), "too small"),
+        (
+            "a file without seals",
+            req(4106, vec![p(0, 4096), p(0, 10)]),
+            vec![one.fd(), unsealed.as_fd()],
+            "SEAL",
+        ),
+        ("fewer files than pieces", req(4106, vec![p(0, 4096), p(0, 10)]), vec![one.fd()], "fds"),
+        ("a wrapping piece", req(10, vec![p(u64::MAX - 4, 10)]), vec![one.fd()], "wraps"),
+    ];
+    for (what, r, fds, says) in &cases {
+        let (errno, msg) = c.call(r, fds)?.errno()?;
+        assert_eq!(errno, EINVAL, "{what}: {msg}");
+        assert!(msg.contains(says), "{what}: {msg}");
+        conn_works(&mut c)?;
+    }
+    let key = match c
+        .call(&req(4096 - 100 + 10, vec![p(8192 - 4096 + 100, 4096 - 100), p(0, 10)]), &both)?
+        .reply()?
+    {
+        Reply::Mr { key } => key,
+        other => bail!("RegMrPieces answered {other:?}"),
+    };
+    assert!(matches!(c.call(&Request::DeregMr { key }, &[])?.reply()?, Reply::Done));
+    drop(c);
+    wait_until(WAIT, "the daemon's descriptors back to their count", || {
+        d.open_fds().is_ok_and(|n| n <= before)
+    })?;
+    still_serving(&mut d)
+}
+
 #[test]
 fn hello_comes_first_and_once_in_the_right_version() -> Result<()> {
     let mut d = DaemonProc::start()?;

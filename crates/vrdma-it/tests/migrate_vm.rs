@@ -1507,3 +1507,87 @@ fn a_cut_of_the_sources_cable_longer_than_dead_ms_then_a_cancel_fails_the_qp_cle
     assert_eq!(b.qp.query()?.0.qp_state, QpState::Rts);
     Ok(())
 }
+
+/// A guest's region of pieces (a registration beginning before pages it
+/// registered, and running past them: rping's buffers) moves with its VM:
+/// the snapshot places each piece (version 6), C maps them again, and B's
+/// RDMA write by the region's rkey after the move lands in C's region at
+/// every piece. The guest is emulated in this process (a library in guest
+/// mode over A's port and region); it is not used after A's finish.
+#[test]
+fn a_guests_region_of_pieces_moves_with_its_vm() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 2\n");
+    let h = ThreeHosts::start([&vm, "", &vm])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+    let cfg = vrdma::guest::GuestConfig {
+        ports: vec![vm_a.port_socket.clone()],
+        bar: format!("/proc/self/fd/{}", vm_a.region.as_raw_fd()).into(),
+    };
+    let gctx = vrdma::Context::open_guest(&cfg)?;
+    let b = Side::new(&h.b.context()?, 1 << 16)?;
+    let page = 4096;
+    const LEN: usize = 4 * 4096;
+    // SAFETY: a fresh private anonymous mapping, checked.
+    let buf = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            LEN,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(buf, libc::MAP_FAILED);
+    let buf = buf.cast::<u8>();
+    let pd = gctx.alloc_pd()?;
+    let cq = gctx.create_cq(16, None)?;
+    let qp = pd.create_rc_qp(&cq, &cq, vrdma_it::cap(4, 1))?;
+    // SAFETY: the mapping outlives the regions (both are left to the
+    // process's end).
+    let small = unsafe { pd.register_raw(buf.add(page + 8), 8, access_all()) }?;
+    // SAFETY: as above.
+    let over = unsafe { pd.register_raw(buf.add(100), 3 * page, access_all()) }?;
+    let (mut eg, mut eb) = (qp.endpoint(&gctx)?, b.endpoint()?);
+    eg.lid = 0;
+    eb.lid = 0;
+    b.qp.connect(&eg, access_all())?;
+    qp.connect(&eb, access_all())?;
+
+    assert_eq!(vrdma::migrate::pause(&h.a.socket, uid)?, 1);
+    let (snap_fd, _, _) = vrdma::migrate::export(&h.a.socket, uid)?;
+    let snap = TenantSnapshot::decode(&read_all(&snap_fd)?)?;
+    let p = snap.placement.clone().context("a VM's tenant is exported with its placement")?;
+    let pieces = p.mr_pieces.iter().find(|m| m.key == over.rkey()).context("the region of pieces placed")?;
+    assert_eq!(pieces.pieces.len(), 3, "the pages before, the small region's page, the pages after");
+    assert_eq!(pieces.pieces.iter().map(|e| e.len).sum::<u64>(), over.len() as u64);
+    assert!(p.mrs.iter().any(|m| m.key == small.rkey()), "the small region placed as one piece");
+    copy_region(&vm_a.region, &vm_c.region, vm_a.region_len)?;
+    assert_eq!(vrdma::migrate::import(&h.c.socket, snap_fd.as_fd())?, (uid, 1));
+    vrdma::migrate::finish(&h.a.socket, uid)?;
+    assert_eq!(vrdma::migrate::resume(&h.c.socket, uid)?, 1);
+
+    // B writes the whole region by its rkey; C's region holds it, piece
+    // by piece.
+    let data = pattern(over.len(), 91);
+    b.mr.write(0, &data)?;
+    b.qp.post_send(&[wr::rdma_write(1, &[b.mr.sge(0, data.len())?], over.addr(), over.rkey())?.signaled()])?;
+    let wc = poll_n(&b.cq, 1, WAIT)?;
+    assert_eq!((wc[0].wr_id, wc[0].status), (1, WcStatus::Success));
+    let mut landed = Vec::new();
+    for e in &pieces.pieces {
+        let mut v = vec![0u8; e.len as usize];
+        rustix::io::pread(&vm_c.region, &mut v, e.at)?;
+        landed.extend_from_slice(&v);
+    }
+    assert!(landed == data, "B's write by the moved region's rkey did not land in C's region piece by piece");
+    // The guest's session ended with A's finish, and its library would
+    // wait its bound (10 s) for the context to be taken back at each
+    // destroy: the objects are left to the process's end, and so is the
+    // mapping under them.
+    std::mem::forget((over, small, qp, cq, pd, gctx));
+    Ok(())
+}

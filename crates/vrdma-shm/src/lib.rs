@@ -33,6 +33,7 @@ pub use doorbell::Doorbell;
 pub use fdpass::{peer_credentials, recv_msg, send_msg, seqpacket_pair, PeerCred, Received, MAX_FDS_PER_MSG};
 pub use ring::{ring_bytes, Claim, RingError, RingView, RING_ALIGN, RING_AUX_WORDS, RING_HEADER};
 pub use segment::{
-    live_mappings, page_size, set_mapping_limit, Mapping, MappingBudget, Segment, SegmentError,
+    live_mappings, page_size, set_mapping_limit, Mapping, MappingBudget, Piece, PiecedMapping, Segment,
+    SegmentError,
 };
 pub use window::WordPage;

@@ -36,6 +36,9 @@ use std::sync::Arc;
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
+mod pieced;
+pub use pieced::{Piece, PiecedMapping};
+
 /// Why a file descriptor from a peer could not be mapped.
 #[derive(Debug, thiserror::Error)]
 pub enum SegmentError {
@@ -420,7 +423,7 @@ impl Mapping {
 }
 
 /// Checks that the file behind `fd` covers `[offset, offset+len)`.
-fn check_size(fd: &OwnedFd, offset: u64, len: usize) -> Result<(), SegmentError> {
+fn check_size(fd: impl AsFd, offset: u64, len: usize) -> Result<(), SegmentError> {
     let st = rustix::fs::fstat(fd).map_err(io::Error::from)?;
     if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
         return Err(SegmentError::NotRegular);
@@ -486,7 +489,7 @@ unsafe impl vrdma_core::memory::Backing for Segment {
 /// `HUGETLBFS_MAGIC` of `statfs(2)`.
 const HUGETLBFS_MAGIC: i64 = 0x9584_58f6;
 
-fn is_hugetlbfs(fd: &OwnedFd) -> Result<bool, SegmentError> {
+fn is_hugetlbfs(fd: impl AsFd) -> Result<bool, SegmentError> {
     let st = rustix::fs::fstatfs(fd).map_err(|e| SegmentError::Io(e.into()))?;
     #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
     Ok(st.f_type as i64 == HUGETLBFS_MAGIC)

@@ -4,7 +4,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use vrdma_core::proto::{Reply, Request};
+use vrdma_core::proto::{MrPiece, Reply, Request};
 use vrdma_core::ring::Sge;
 use vrdma_core::verbs::AccessFlags;
 use vrdma_shm::Segment;
@@ -23,6 +23,9 @@ enum Backing {
     Owned(Segment),
     /// Application memory re-backed by a shared span.
     Rebacked(Arc<Span>),
+    /// Application memory re-backed by several spans, one after the other
+    /// (`rebacking::pieces`).
+    Pieces(Vec<Arc<Span>>),
     /// In guest mode: memory the region allocated in an extent of the
     /// VM's region (the BAR), given back after deregistration.
     Guest { seg: Segment, offset: u64 },
@@ -149,6 +152,9 @@ impl MemoryRegion {
         // SAFETY: the caller owns `ptr..ptr + len` (this function's
         // contract); `reback` checks the rest against /proc/self/maps.
         let r = unsafe { rebacking::reback(ptr, len)? };
+        if !r.pieces.is_empty() {
+            return Self::register_pieces(pd, ptr, len, access, r.pieces, true);
+        }
         let key = reg_mr(pd, ptr, len, access, Some(r.span.fd()), r.fd_offset)?;
         pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
@@ -202,9 +208,49 @@ impl MemoryRegion {
         };
         // SAFETY: the caller's contract, as for `reback`.
         let r = unsafe { rebacking::reback_guest(ptr, len, &src)? };
+        if !r.pieces.is_empty() {
+            return Self::register_pieces(pd, ptr, len, access, r.pieces, false);
+        }
         let key = reg_mr(pd, ptr, len, access, None, r.fd_offset)?;
         pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
         Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Rebacked(r.span) })
+    }
+
+    /// Registers `[ptr, ptr + len)`, re-backed by `pieces` of several
+    /// spans (`Request::RegMrPieces`): on a host (`with_fds`) each piece's
+    /// span's memfd goes with it; in a guest the offsets are the VM's
+    /// region's.
+    fn register_pieces(
+        pd: &ProtectionDomain,
+        ptr: *mut u8,
+        len: usize,
+        access: AccessFlags,
+        pieces: Vec<rebacking::Piece>,
+        with_fds: bool,
+    ) -> Result<MemoryRegion> {
+        tracing::debug!(
+            addr = ptr as usize,
+            len,
+            pieces = pieces.len(),
+            "vrdma: a registration over earlier spans, made of pieces"
+        );
+        let req = Request::RegMrPieces {
+            pd: pd.pd_id(),
+            addr: ptr as u64,
+            len: len as u64,
+            access,
+            pieces: pieces.iter().map(|p| MrPiece { fd_offset: p.fd_offset, len: p.len as u64 }).collect(),
+        };
+        let fds: Vec<BorrowedFd<'_>> =
+            if with_fds { pieces.iter().map(|p| p.span.fd()).collect() } else { Vec::new() };
+        let key = match pd.context().inner.control.call(&req, &fds)?.reply {
+            Reply::Mr { key } => key,
+            other => return Err(control::unexpected(&req, &other)),
+        };
+        drop(fds);
+        pd.inner.local_keys.insert(key, ptr as u64, len as u64, access);
+        let spans = pieces.into_iter().map(|p| p.span).collect();
+        Ok(MemoryRegion { pd: pd.clone(), key, ptr, len, access, _backing: Backing::Pieces(spans) })
     }
 
     /// The local key, for SGEs.

@@ -253,10 +253,11 @@ impl Fake {
             Request::Stat => (Reply::Stat(Default::default()), vec![]),
             // The connection manager is tested against the real daemon.
             Request::Cm(_) => (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![]),
-            // VMs, migration and the socket registry are tested against the real daemon
-            // (vrdma-it's vm.rs,
-            // migrate.rs and sockets.rs).
+            // VMs, migration, the socket registry and regions of pieces are
+            // tested against the real daemon (vrdma-it's vm.rs, migrate.rs,
+            // sockets.rs and memory.rs).
             Request::VmAttach { .. }
+            | Request::RegMrPieces { .. }
             | Request::GuestAlloc { .. }
             | Request::GuestFree { .. }
             | Request::GuestGrow { .. }

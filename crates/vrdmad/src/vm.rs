@@ -207,7 +207,7 @@ impl Vm {
 }
 
 /// Where one object of a VM's context lies in the VM's region.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Place {
     /// A memory region's first byte.
     Mr(u64),
@@ -215,6 +215,9 @@ pub(crate) enum Place {
     Ring(u64, u64),
     /// A QP's rings' extent (offset, length) and whether it has an inbox.
     Qp(u64, u64, bool),
+    /// A memory region of several pieces (`RegMrPieces`): each piece's
+    /// offset and length, in order.
+    MrPieces(Vec<(u64, u64)>),
 }
 
 /// The places of the objects of a VM's contexts: recorded when a guest
@@ -312,15 +315,17 @@ impl Placed {
     }
 
     pub fn get(&self, ctx: u32, kind: Kind, id: u32) -> Option<Place> {
-        self.by_ctx.get(&ctx)?.get(&(kind, id)).copied()
+        self.by_ctx.get(&ctx)?.get(&(kind, id)).cloned()
     }
 
-    /// The memory regions of context `ctx` and where each begins.
-    pub fn mrs_of(&self, ctx: u32) -> Vec<(u32, u64)> {
+    /// The memory regions of context `ctx` and where each begins (each
+    /// piece, for a region of several).
+    pub fn mrs_of(&self, ctx: u32) -> Vec<(u32, Vec<u64>)> {
         let Some(m) = self.by_ctx.get(&ctx) else { return Vec::new() };
         m.iter()
             .filter_map(|((k, id), p)| match (k, p) {
-                (Kind::Mr, Place::Mr(at)) => Some((*id, *at)),
+                (Kind::Mr, Place::Mr(at)) => Some((*id, vec![*at])),
+                (Kind::Mr, Place::MrPieces(v)) => Some((*id, v.iter().map(|&(at, _)| at).collect())),
                 _ => None,
             })
             .collect()

@@ -43,7 +43,7 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `ConnectRouted`, a route the library resolved itself;
 /// `CmRequest::Batch`, answered `Reply::Batch`, several calls in one
 /// round trip; `Request::GuestGrow`, a guest's memory extent grown in
-/// place.)
+/// place; `Request::RegMrPieces`, a region of several pieces.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -214,6 +214,35 @@ pub enum Request {
         offset: u64,
         len: u64,
     },
+    /// [`Request::RegMr`] of a region whose pages come from several
+    /// pieces, one after the other (a registration covering pages
+    /// registered before and pages between them, `docs/vms.md`): on a host
+    /// with one fd per piece, each a memfd sealed against shrinking holding
+    /// the piece from its `fd_offset`; from a guest with none, each
+    /// `fd_offset` an offset of the VM's region in a memory extent of the
+    /// session. The region's first byte is the first piece's; the pieces'
+    /// lengths sum to `len`; every boundary between two pieces is on a
+    /// page in both the address space and the files; at most
+    /// [`MAX_MR_PIECES`] (and on a host [`MAX_FDS`]). Answered
+    /// [`Reply::Mr`].
+    RegMrPieces {
+        pd: u32,
+        addr: u64,
+        len: u64,
+        access: AccessFlags,
+        pieces: Vec<MrPiece>,
+    },
+}
+
+/// Most pieces one [`Request::RegMrPieces`] names.
+pub const MAX_MR_PIECES: usize = 64;
+
+/// One piece of a [`Request::RegMrPieces`] region: `len` bytes from
+/// `fd_offset` of its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MrPiece {
+    pub fd_offset: u64,
+    pub len: u64,
 }
 
 impl Request {
@@ -221,6 +250,8 @@ impl Request {
     pub fn expected_fds(&self) -> usize {
         match self {
             Request::RegMr { .. } => 1,
+            // On a host; guest sessions pass no fds (and are not asked).
+            Request::RegMrPieces { pieces, .. } => pieces.len(),
             Request::Migrate(MigrateRequest::Import) => 1,
             _ => 0,
         }
@@ -804,6 +835,25 @@ mod tests {
     fn growing_a_guest_extent_is_appended_and_round_trips() {
         let r = Request::GuestGrow { offset: 0x4000, len: 3 * 4096 };
         assert_eq!(encode_request(&r)[0], 35, "after AdoptContext's 34");
+        assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
+        let full = encode_request(&r);
+        for n in 0..full.len() {
+            assert!(decode_request(&full[..n]).is_err());
+        }
+    }
+
+    #[test]
+    fn registering_a_region_of_pieces_is_appended_and_round_trips() {
+        let pieces = vec![MrPiece { fd_offset: 0x123, len: 4096 - 0x123 }, MrPiece { fd_offset: 0, len: 10 }];
+        let r = Request::RegMrPieces {
+            pd: 1,
+            addr: 0x1123,
+            len: 4096 - 0x123 + 10,
+            access: AccessFlags::LOCAL_WRITE,
+            pieces,
+        };
+        assert_eq!(encode_request(&r)[0], 36, "after GuestGrow's 35");
+        assert_eq!(r.expected_fds(), 2, "one fd a piece, on a host");
         assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);
         let full = encode_request(&r);
         for n in 0..full.len() {

@@ -38,7 +38,11 @@
 //! daemon-side mapping still points at the old extent. The generations of
 //! a grown span share one [`GuestExtent`], which moves the pages back and
 //! gives the extent back when the last of them goes. A range that begins
-//! before a span it overlaps, or that spans two, is refused as on the host.
+//! before a span it overlaps, or that covers several, is made of pieces
+//! as on the host (`super::pieces`), except that each gap between the
+//! spans becomes a new extent of its own (growing one needs free bytes
+//! after it; a fresh one does not), and the pieces are offsets of the
+//! region, with no descriptors to count.
 //!
 //! After `fork` the child gets private copies of the BAR's mappings, as
 //! of the host's memfd spans (`super::fork`): its writes never reach the
@@ -53,7 +57,7 @@ use vrdma_shm::Segment;
 
 use super::move_back::move_back_to_private;
 use super::{check_rebackable, MapEntry, Spans, REGISTRY};
-use super::{covering, fds, fence, huge_page_size, largest, read_maps, Rebacked, Span};
+use super::{covering, fds, fence, huge_page_size, largest, read_maps, Piece, Rebacked, Span};
 use crate::error::{Error, Result};
 
 /// What makes a span an extent of the VM's region.
@@ -341,7 +345,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
                      in a guest, pages are shared between registrations of one context only"
                 )));
             }
-            return Ok(Rebacked { fd_offset: g.offset + (start - span.start) as u64, span: span.clone() });
+            return Ok(Rebacked::one(span.clone(), g.offset + (start - span.start) as u64));
         }
         [span] if span.start <= pstart => {
             let g = span.guest.as_ref().expect("checked above");
@@ -355,19 +359,31 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
             let fd_offset = g.offset + (start - grown.start) as u64;
             reg.entry(grown.start).or_default().push(Arc::downgrade(&grown));
             kept.insert(grown.start, grown.clone());
-            return Ok(Rebacked { fd_offset, span: grown });
+            return Ok(Rebacked::one(grown, fd_offset));
         }
-        [span, ..] => {
-            return Err(Error::invalid(format!(
-                "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
-                 (pages [{:#x}, {:#x}) are re-backed as one span, and a span grows only at its end)",
-                span.start,
-                span.end()
-            )));
-        }
+        // Begins before a span, or covers several: re-backed by pieces.
+        _ => return reback_guest_pieces(&mut reg, kept, &maps, &live, (start, end), (pstart, pend), src),
     }
     drop(live);
-    check_rebackable(&maps, pstart, pend)?;
+    let span = new_span(&mut reg, kept, &maps, pstart, pend, src)?;
+    Ok(Rebacked::one(
+        span.clone(),
+        span.guest.as_ref().expect("a guest span").offset + (start - pstart) as u64,
+    ))
+}
+
+/// Re-backs the pages `[pstart, pend)` (no span's) by a new extent of the
+/// VM's region and enters the span in the registry `reg` and the kept set
+/// (both held).
+fn new_span(
+    reg: &mut Spans,
+    kept: &mut BTreeMap<usize, Arc<Span>>,
+    maps: &[MapEntry],
+    pstart: usize,
+    pend: usize,
+    src: &GuestSource<'_>,
+) -> Result<Arc<Span>> {
+    check_rebackable(maps, pstart, pend)?;
     let span_len = pend - pstart;
     let (offset, _) = match (src.alloc)(span_len as u64) {
         // The region is full: idle spans' extents make room.
@@ -378,7 +394,7 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
                 "vrdma: the VM's region is full; deregistered pages move back"
             );
             for s in idle_now {
-                unkeep(&mut reg, kept, s);
+                unkeep(reg, kept, s);
             }
             (src.alloc)(span_len as u64)?
         }
@@ -423,7 +439,81 @@ pub(crate) unsafe fn reback_guest(ptr: *mut u8, len: usize, src: &GuestSource<'_
     let span = Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: false, guest: Some(guest) });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
     kept.insert(pstart, span.clone());
-    Ok(Rebacked { fd_offset: offset + (start - pstart) as u64, span })
+    Ok(span)
+}
+
+/// [`reback_guest`] of `range` (page bounds `pages`) over the live spans
+/// `live` (sorted, in the VM's region, not all holding it), under the
+/// registry lock: the parent module's `pieces`, except that the pages
+/// between spans become spans of their own (a new extent each: an extent
+/// grows only into free bytes after it, which a fresh one need not find),
+/// and there is no descriptor to count (the daemon bounds the pieces,
+/// `proto::MAX_MR_PIECES`).
+fn reback_guest_pieces(
+    reg: &mut Spans,
+    kept: &mut BTreeMap<usize, Arc<Span>>,
+    maps: &[MapEntry],
+    live: &[Arc<Span>],
+    (start, end): (usize, usize),
+    (pstart, pend): (usize, usize),
+    src: &GuestSource<'_>,
+) -> Result<Rebacked> {
+    if let Some(s) = live.iter().find(|s| s.guest.as_ref().is_none_or(|g| g.owner != src.owner)) {
+        return Err(Error::invalid(format!(
+            "[{start:#x}, {end:#x}) covers pages [{:#x}, {:#x}) registered through another context; \
+             in a guest, pages are shared between registrations of one context only",
+            s.start,
+            s.end()
+        )));
+    }
+    // The parts: each span's, and the gaps around them. A span's part
+    // reaches over the pages a larger generation (gone now) grew it over,
+    // where they are still mapped from its extent.
+    let mut parts: Vec<(usize, usize, Option<&Arc<Span>>)> = Vec::new();
+    let mut at = pstart;
+    for (i, s) in live.iter().enumerate() {
+        if at < s.start {
+            parts.push((at, s.start, None));
+        }
+        let g = s.guest.as_ref().expect("checked above");
+        let limit = live.get(i + 1).map_or(pend, |next| next.start.min(pend));
+        let r = reach(s).min(limit);
+        let whole = r > s.end() && in_bar(maps, s.end(), r, g.extent.ino, g.extent.maps_offset_of(s.end()));
+        let to = if whole { r } else { s.end().min(pend) };
+        parts.push((at.max(s.start), to, Some(s)));
+        at = to;
+    }
+    if at < pend {
+        parts.push((at, pend, None));
+    }
+    if parts.len() > vrdma_core::proto::MAX_MR_PIECES {
+        return Err(Error::invalid(format!(
+            "[{start:#x}, {end:#x}) covers {} registered spans and the pages between them: \
+             a region is made of at most {} pieces",
+            live.len(),
+            vrdma_core::proto::MAX_MR_PIECES
+        )));
+    }
+    for &(from, to, s) in &parts {
+        if s.is_none() {
+            check_rebackable(maps, from, to)?;
+        }
+    }
+    let mut pieces = Vec::with_capacity(parts.len());
+    for (from, to, s) in parts {
+        let span = match s {
+            Some(s) => s.clone(),
+            None => new_span(reg, kept, maps, from, to, src)?,
+        };
+        let offset = span.guest.as_ref().expect("a guest span").offset;
+        pieces.push(Piece { fd_offset: offset + (from - span.start) as u64, len: to - from, span });
+    }
+    let first = pieces.first_mut().expect("at least one span");
+    first.fd_offset += (start - pstart) as u64;
+    first.len -= start - pstart;
+    pieces.last_mut().expect("at least one span").len -= pend - end;
+    let first = &pieces[0];
+    Ok(Rebacked { span: first.span.clone(), fd_offset: first.fd_offset, pieces })
 }
 
 /// How far a span's pages are mapped from its extent: past the span's
@@ -759,6 +849,57 @@ mod tests {
             // SAFETY: the test's own mappings, no longer registered.
             unsafe { rustix::mm::munmap(m.cast(), if m == p { 4 * page } else { 3 * page }).unwrap() };
         }
+    }
+
+    /// A range beginning before a span that grew, and ending past it: the
+    /// span's part covers its grown pages (the kept generation), and new
+    /// extents hold the pages before and after; every page keeps its
+    /// bytes.
+    #[test]
+    fn pieces_take_a_spans_grown_pages_and_new_extents_around_it() {
+        let page = vrdma_shm::page_size();
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, 64 * page as u64).unwrap();
+        let ext = Mutex::new(Extents::new(64 * page as u64, page as u64));
+        let alloc =
+            |len: u64| ext.lock().unwrap().alloc_with_headroom(len, 4 * page as u64).ok_or(Error::QueueFull);
+        let grow = |offset: u64, len: u64| {
+            ext.lock()
+                .unwrap()
+                .grow(offset, len)
+                .map_err(|e| Error::Daemon { errno: libc::ENOMEM, message: format!("cannot grow: {e}") })
+        };
+        let release = |_: u64| -> Box<dyn FnOnce() + Send> { Box::new(|| {}) };
+        let src = GuestSource { owner: 7, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
+        let p = pages(6);
+        let base = p as usize;
+        // SAFETY: pages of this test, written by no other thread.
+        let a = unsafe { reback_guest(p.add(2 * page + 8), 8, &src) }.unwrap();
+        // SAFETY: as above.
+        let grown = unsafe { reback_guest(p.add(2 * page + 16), 2 * page, &src) }.unwrap();
+        assert_eq!(grown.span.end(), base + 5 * page);
+        drop(grown);
+        // SAFETY: as above.
+        let r = unsafe { reback_guest(p.add(page + 3), 5 * page - 6, &src) }.unwrap();
+        let shape: Vec<(usize, usize)> = r.pieces.iter().map(|x| (x.span.start, x.len)).collect();
+        assert_eq!(
+            shape,
+            vec![(base + page, page - 3), (base + 2 * page, 3 * page), (base + 5 * page, page - 3)]
+        );
+        let o = a.fd_offset - 8;
+        assert_eq!(r.pieces[1].fd_offset, o, "the span's extent, grown pages and all");
+        let extent = |s: &Span| s.guest.as_ref().unwrap().extent.clone();
+        assert!(Arc::ptr_eq(&extent(&r.pieces[1].span), &extent(&a.span)));
+        for (i, x) in r.pieces.iter().enumerate() {
+            let first = if i == 0 { page + 3 } else { x.span.start - base };
+            assert_eq!(byte_at(bar.as_fd(), x.fd_offset), (first % 251) as u8, "piece {i}'s first byte");
+        }
+        drop((r, a));
+        context_closing(7);
+        // SAFETY: inside the pages, private again.
+        assert_eq!(unsafe { p.add(4 * page + 1).read() }, ((4 * page + 1) % 251) as u8);
+        // SAFETY: the test's own mapping, no longer registered.
+        unsafe { rustix::mm::munmap(p.cast(), 6 * page).unwrap() };
     }
 
     /// A real guest's maps show a sysfs BAR mapping at the BAR's bus

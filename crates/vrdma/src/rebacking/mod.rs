@@ -26,9 +26,11 @@
 //! pages (which the daemon mapped from the same file) and the new one
 //! share one file. Small buffers that share a page are the common case
 //! (two heap allocations, each registered on its own). A range that
-//! begins before a span it overlaps, or that spans two, is still refused:
-//! a file can grow only at its end, and the daemon's mapping of a region
-//! is one contiguous piece of one file.
+//! begins before a span it overlaps, or that covers several, cannot be
+//! one piece of one file (a file grows only at its end, and the regions
+//! over a span's pages keep the daemon's mappings of its file): it is
+//! made of pieces ([`pieces`]), each span's part and new pages for the
+//! gaps, which the daemon maps one after the other into one range.
 //!
 //! A process-global registry remembers the live spans. It holds them
 //! weakly: when the last memory region over a span is deregistered the
@@ -45,6 +47,7 @@ mod fence;
 mod fork;
 mod guest;
 mod move_back;
+mod pieces;
 mod uffd;
 
 pub(crate) use fork::note_guest_bar;
@@ -101,6 +104,25 @@ impl Span {
 pub(crate) struct Rebacked {
     pub span: Arc<Span>,
     pub fd_offset: u64,
+    /// For a range over several spans ([`pieces`]): each span's part, in
+    /// order (the first is `span`'s from `fd_offset`); empty for a range
+    /// in one span.
+    pub pieces: Vec<Piece>,
+}
+
+impl Rebacked {
+    fn one(span: Arc<Span>, fd_offset: u64) -> Rebacked {
+        Rebacked { span, fd_offset, pieces: Vec::new() }
+    }
+}
+
+/// A part of a range re-backed by several spans: `len` bytes of `span`'s
+/// file from `fd_offset` (in a guest: of the VM's region).
+#[derive(Debug)]
+pub(crate) struct Piece {
+    pub span: Arc<Span>,
+    pub fd_offset: u64,
+    pub len: usize,
 }
 
 /// Live spans by start address, each with its generations (a span that
@@ -447,24 +469,39 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     match live.as_slice() {
         [] => {}
         [span] if span.start <= pstart && pend <= span.end() => {
-            return Ok(Rebacked { fd_offset: (start - span.start) as u64, span: span.clone() });
+            return Ok(Rebacked::one(span.clone(), (start - span.start) as u64));
         }
         [span] if span.start <= pstart && huge.is_none() && span.growable => {
             let grown = grow(&maps, span, pend)?;
             reg.entry(grown.start).or_default().push(Arc::downgrade(&grown));
-            return Ok(Rebacked { fd_offset: (start - grown.start) as u64, span: grown });
+            return Ok(Rebacked::one(grown.clone(), (start - grown.start) as u64));
         }
-        [span, ..] => {
+        [span, ..] if huge.is_some() || !span.growable => {
             return Err(Error::invalid(format!(
-                "[{start:#x}, {end:#x}) overlaps a registration with different page bounds \
-                 (pages [{:#x}, {:#x}) are re-backed as one span, and a span grows only at its end)",
+                "[{start:#x}, {end:#x}) overlaps a registration of huge pages with different page bounds \
+                 (pages [{:#x}, {:#x}) are re-backed as one span)",
                 span.start,
                 span.end()
             )));
         }
+        // Begins before a span, or covers several: re-backed by pieces.
+        _ => return pieces::reback_pieces(&mut reg, &maps, &live, (start, end), (pstart, pend)),
     }
 
-    check_rebackable(&maps, pstart, pend)?;
+    let span = new_span(&mut reg, &maps, pstart, pend, huge)?;
+    Ok(Rebacked::one(span, (start - pstart) as u64))
+}
+
+/// Re-backs the pages `[pstart, pend)` (no span's) by a new span and
+/// enters it in the registry `reg` (held).
+fn new_span(
+    reg: &mut Spans,
+    maps: &[MapEntry],
+    pstart: usize,
+    pend: usize,
+    huge: Option<usize>,
+) -> Result<Arc<Span>> {
+    check_rebackable(maps, pstart, pend)?;
     let span_len = pend - pstart;
     let seg = match huge {
         None => Segment::create_growable(MEMFD_NAME, span_len)?,
@@ -516,7 +553,7 @@ pub(crate) unsafe fn reback(ptr: *mut u8, len: usize) -> Result<Rebacked> {
     let span =
         Arc::new(Span { start: pstart, len: span_len, fd, ino, growable: huge.is_none(), guest: None });
     reg.insert(pstart, vec![Arc::downgrade(&span)]);
-    Ok(Rebacked { fd_offset: (start - pstart) as u64, span })
+    Ok(span)
 }
 
 /// Extends `span` over the pages from its end to `pend`: the file grows
@@ -761,21 +798,30 @@ mod tests {
         drop(again_inner);
         drop(whole);
 
-        // A range beginning before a span it overlaps cannot be described
-        // by one file. (With no region left over the old span, the middle
-        // page is re-backed as a span of its own first.)
+        // A range beginning before a span it overlaps is made of pieces:
+        // a new span for the page before, and the span's part. (With no
+        // region left over the old span, the middle page is re-backed as
+        // a span of its own first.)
         drop((inner, r, other));
         // SAFETY: as above.
         let inside = unsafe { reback(pages.ptr.add(p + 8), 16) }.unwrap();
         assert_eq!(inside.span.start(), pages.ptr as usize + p);
         // SAFETY: as above.
-        let e = unsafe { reback(pages.ptr, 2 * p) }.unwrap_err();
-        assert!(e.to_string().contains("different page bounds"), "{e}");
-        assert_eq!(e.errno(), libc::EINVAL);
+        let pieced = unsafe { reback(pages.ptr.add(5), 2 * p - 10) }.unwrap();
+        let shape: Vec<(usize, u64, usize)> =
+            pieced.pieces.iter().map(|x| (x.span.start(), x.fd_offset, x.len)).collect();
+        assert_eq!(shape, vec![(pages.ptr as usize, 5, p - 5), (pages.ptr as usize + p, 0, p - 5)]);
+        assert!(Arc::ptr_eq(&pieced.pieces[1].span, &inside.span), "the span's own file");
+        assert_eq!((pieced.span.start(), pieced.fd_offset), (pages.ptr as usize, 5));
+        // SAFETY: inside the allocation.
+        unsafe {
+            assert_eq!(pages.ptr.add(100).read(), 0xee, "kept its bytes");
+            assert_eq!(pages.ptr.add(p + 7).read(), 0x11);
+        }
 
-        // Once no region holds the span, its pages may be re-backed anew
-        // with other bounds.
-        drop(inside);
+        // Once no region holds the spans, their pages may be re-backed
+        // anew with other bounds.
+        drop((inside, pieced));
         // SAFETY: as above.
         let again = unsafe { reback(pages.ptr, 3 * p) }.unwrap();
         assert_eq!(again.span.start(), pages.ptr as usize);

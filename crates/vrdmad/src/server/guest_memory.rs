@@ -170,8 +170,9 @@ pub(crate) struct GuestMemory {
     pub vm: Arc<Vm>,
     /// Extent offset -> (length, memory regions registered on it).
     pub memory: BTreeMap<u64, (u64, u32)>,
-    /// Memory region key -> the extent it lies on.
-    mrs: HashMap<u32, u64>,
+    /// Memory region key -> the extents it lies on (one, or several for
+    /// a region of pieces).
+    mrs: HashMap<u32, Vec<u64>>,
 }
 
 /// Most memory extents one guest session holds (each costs the daemon a
@@ -248,14 +249,22 @@ impl GuestMemory {
     }
 
     pub fn registered(&mut self, key: u32, extent: u64) {
-        if let Some((_, n)) = self.memory.get_mut(&extent) {
-            *n += 1;
-            self.mrs.insert(key, extent);
+        self.registered_in(key, &[extent]);
+    }
+
+    /// A region on the extents `extents` (distinct): several for a region
+    /// of pieces (`RegMrPieces`).
+    pub fn registered_in(&mut self, key: u32, extents: &[u64]) {
+        for &extent in extents {
+            if let Some((_, n)) = self.memory.get_mut(&extent) {
+                *n += 1;
+                self.mrs.entry(key).or_default().push(extent);
+            }
         }
     }
 
     pub fn deregistered(&mut self, key: u32) {
-        if let Some(at) = self.mrs.remove(&key) {
+        for at in self.mrs.remove(&key).unwrap_or_default() {
             if let Some((_, n)) = self.memory.get_mut(&at) {
                 *n = n.saturating_sub(1);
             }

@@ -28,7 +28,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use vrdma_core::hca::migrate::{ChannelAt, Extent, MemoryAt, MrAt, Placement, QpAt, RingAt, TenantSnapshot};
+use vrdma_core::hca::migrate::{
+    ChannelAt, Extent, MemoryAt, MrAt, MrPiecesAt, Placement, QpAt, RingAt, TenantSnapshot,
+};
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::memory::Region;
 use vrdma_core::proto::{CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY};
@@ -84,6 +86,7 @@ pub(super) fn placement(
         contexts: Vec::with_capacity(snap.contexts.len()),
         channels: Vec::new(),
         memory: Vec::new(),
+        mr_pieces: Vec::new(),
     };
     for &c in &snap.contexts {
         match placed.get(c, Kind::Context, c) {
@@ -111,6 +114,10 @@ pub(super) fn placement(
     for m in &snap.mrs {
         match placed.get(m.ctx, Kind::Mr, m.key) {
             Some(Place::Mr(at)) => p.mrs.push(MrAt { key: m.key, at }),
+            Some(Place::MrPieces(v)) => p.mr_pieces.push(MrPiecesAt {
+                key: m.key,
+                pieces: v.iter().map(|&(at, len)| Extent { at, len }).collect(),
+            }),
             _ => return Err(missing("memory region", m.key)),
         }
     }
@@ -264,6 +271,16 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
         let region = super::session::map_region(fd, m.at, len, None)?;
         a.regions.insert(m.key, region);
         a.places.push((ctx, Kind::Mr, m.key, Place::Mr(m.at)));
+    }
+    for m in &p.mr_pieces {
+        let (ctx, len) = mr_len.get(&m.key).copied().unwrap_or((0, 0));
+        let pieces: Vec<vrdma_core::proto::MrPiece> =
+            m.pieces.iter().map(|e| vrdma_core::proto::MrPiece { fd_offset: e.at, len: e.len }).collect();
+        let files = vec![std::os::fd::AsFd::as_fd(&vm.region); pieces.len()];
+        let region = super::session::map_pieces(&files, &pieces, len, None)?;
+        a.regions.insert(m.key, region);
+        let at = m.pieces.iter().map(|e| (e.at, e.len)).collect();
+        a.places.push((ctx, Kind::Mr, m.key, Place::MrPieces(at)));
     }
     let cq_of: HashMap<u32, &vrdma_core::hca::migrate::CqSnap> = snap.cqs.iter().map(|c| (c.cq, c)).collect();
     for r in &p.cqs {
@@ -462,12 +479,58 @@ pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32
             g.memory.insert(start, (span, 0));
         }
     }
-    // The import checked that each region lies in a memory extent of its
-    // context.
+    // The import checked that each region (each of its pieces) lies in a
+    // memory extent of its context; one still unowned under a region is
+    // taken with it.
     let ext = vm.extents();
-    for (key, at) in placed.mrs_of(context) {
-        if let Some((start, _)) = ext.containing(at, 1) {
-            g.registered(key, start);
+    for (key, ats) in placed.mrs_of(context) {
+        let mut held = Vec::with_capacity(ats.len());
+        for at in ats {
+            let Some((start, span)) = ext.containing(at, 1) else { continue };
+            if let Some(i) = placed.orphans.iter().position(|&o| o == start) {
+                placed.orphans.swap_remove(i);
+                g.memory.insert(start, (span, 0));
+            }
+            if !held.contains(&start) {
+                held.push(start);
+            }
         }
+        g.registered_in(key, &held);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::guest_memory::GuestMemory;
+    use super::*;
+
+    /// A session adopting a moved context takes every extent its region of
+    /// pieces lies on (an import left them unowned), and holds each while
+    /// the region lives.
+    #[test]
+    fn an_adopting_session_holds_every_extent_a_region_of_pieces_lies_on() {
+        let dir = std::env::temp_dir().join(format!("vrdmad-hand-memory-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = crate::config::VmConfig { memory_mib: 8, ..crate::config::VmConfig::new(0) };
+        let vm = Arc::new(Vm::create("g", &config, &dir).unwrap());
+        let (x, y) = (0x10000, 0x20000);
+        for at in [x, y] {
+            assert_eq!(vm.extents().reserve(at, 0x4000), Some(0x4000));
+        }
+        {
+            let mut placed = vm.placed();
+            placed.orphans = vec![x, y];
+            placed.record(5, Kind::Mr, 9, Place::MrPieces(vec![(x + 0x100, 0x3f00), (y, 10)]));
+        }
+        let mut g = GuestMemory::new(vm.clone());
+        hand_memory(&mut g, 5);
+        assert!(vm.placed().orphans.is_empty(), "both extents went to the session");
+        assert_eq!((g.memory.get(&x), g.memory.get(&y)), (Some(&(0x4000, 1)), Some(&(0x4000, 1))));
+        assert_eq!(g.free(x).unwrap_err().0, libc::EBUSY);
+        g.deregistered(9);
+        assert_eq!((g.free(x), g.free(y)), (Ok(()), Ok(())));
+        drop((g, vm));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

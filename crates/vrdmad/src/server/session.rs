@@ -32,6 +32,8 @@ use crate::vm::{Kind, Place};
 mod adopt;
 mod cm_batch;
 mod comp_channel;
+mod mr_pieces;
+pub(super) use mr_pieces::map_pieces;
 mod vm_region;
 
 const EINVAL: i32 = 22;
@@ -478,6 +480,9 @@ impl Session {
                     Ok::<_, HcaError>(key)
                 })??;
                 Reply::Mr { key }.into()
+            }
+            Request::RegMrPieces { pd, addr, len, access, pieces } => {
+                self.reg_mr_pieces(pd, addr, len, access, pieces, fds)?
             }
             Request::DeregMr { key } => {
                 let wait = self.engine(move |e, c| e.dereg_mr(c, key))??;
@@ -1199,6 +1204,7 @@ pub(super) fn changes_state(req: &Request) -> bool {
         Request::AllocPd
             | Request::DeallocPd { .. }
             | Request::RegMr { .. }
+            | Request::RegMrPieces { .. }
             | Request::DeregMr { .. }
             | Request::CreateCq { .. }
             | Request::DestroyCq { .. }

@@ -38,7 +38,9 @@ pub mod placement;
 mod snapshot;
 
 pub use import::MrImport;
-pub use placement::{ChannelAt, Extent, MemoryAt, MrAt, Placement, QpAt, RingAt, MAX_CHANNELS_PER_TENANT};
+pub use placement::{
+    ChannelAt, Extent, MemoryAt, MrAt, MrPiecesAt, Placement, QpAt, RingAt, MAX_CHANNELS_PER_TENANT,
+};
 pub use snapshot::{
     AhSnap, AnswerSnap, CqSnap, InMsgSnap, MrSnap, PdSnap, QpSnap, RecvSnap, SendSnap, SentSnap,
     SnapshotError, SrqSnap, TenantSnapshot, WrBytes, MAX_SNAPSHOT_BYTES, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,

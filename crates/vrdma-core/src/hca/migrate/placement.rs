@@ -74,6 +74,10 @@ pub struct Placement {
     /// and not here (a session's without a context) stays reserved on the
     /// destination and unowned until the tenant moves away again.
     pub memory: Vec<MemoryAt>,
+    /// Each memory region of several pieces (version 6; `RegMrPieces`):
+    /// its pieces in order, each inside one extent. A region is placed
+    /// here or in `mrs`, not both.
+    pub mr_pieces: Vec<MrPiecesAt>,
 }
 
 /// A memory extent of a guest context: its owner and where it lies.
@@ -82,6 +86,14 @@ pub struct MemoryAt {
     pub ctx: u32,
     pub at: u64,
     pub len: u64,
+}
+
+/// A memory region of pieces: its key and its pieces (offset, length) in
+/// order, their lengths summing to the region's.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MrPiecesAt {
+    pub key: u32,
+    pub pieces: Vec<Extent>,
 }
 
 /// The most completion channels a placement may hold (a tenant's limit on
@@ -202,7 +214,7 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
     same_objects(
         "memory region",
         &s.mrs.iter().map(|m| m.key).collect(),
-        &p.mrs.iter().map(|m| m.key).collect::<Vec<_>>(),
+        &p.mrs.iter().map(|m| m.key).chain(p.mr_pieces.iter().map(|m| m.key)).collect::<Vec<_>>(),
     )?;
     same_objects(
         "CQ",
@@ -238,6 +250,24 @@ pub(crate) fn check(s: &TenantSnapshot) -> Result<(), SnapshotError> {
         let span = within(&what, at.at, len, p.region_len)?;
         inside(&what, span)?;
         mrs.push((at.key, span));
+    }
+    for m in &p.mr_pieces {
+        let what = format!("memory region {:#x}", m.key);
+        let n = m.pieces.len();
+        if n == 0 || n > crate::proto::MAX_MR_PIECES {
+            return Err(invalid(format!("{what}: {n} pieces, not 1 to {}", crate::proto::MAX_MR_PIECES)));
+        }
+        let mut sum = 0u64;
+        for e in &m.pieces {
+            let span = within(&what, e.at, e.len, p.region_len)?;
+            inside(&what, span)?;
+            mrs.push((m.key, span));
+            sum = sum.saturating_add(e.len);
+        }
+        let len = mr_len.get(&m.key).copied().unwrap_or(0);
+        if sum != len {
+            return Err(invalid(format!("{what}: pieces of {sum} bytes for a region of {len}")));
+        }
     }
     let mut rings = Vec::with_capacity(
         p.cqs.len()

@@ -33,8 +33,10 @@ pub const SNAPSHOT_MAGIC: [u8; 4] = *b"vRMS";
 /// guests' remembered answers ([`TenantSnapshot::answers`]), version 5
 /// the rdma_cm ids and event channels ([`TenantSnapshot::cm`]), version
 /// 6 the owners of a guest's memory extents
-/// ([`super::placement::MemoryAt`], at the end of the placement: postcard
-/// is not self-describing, so a field added anywhere is a new version).
+/// ([`super::placement::MemoryAt`]) and the memory regions of pieces
+/// ([`super::placement::MrPiecesAt`]), at the end of the placement:
+/// postcard is not self-describing, so a field added anywhere is a new
+/// version.
 pub const SNAPSHOT_VERSION: u16 = 6;
 /// Bytes before the body.
 pub const SNAPSHOT_HEADER_LEN: usize = 6;

@@ -532,7 +532,10 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
         ("version 2 (before channels)", [b"vRMS\x00\x02".as_slice(), &bytes[6..]].concat()),
         ("version 3 (before remembered answers)", [b"vRMS\x00\x03".as_slice(), &bytes[6..]].concat()),
         ("version 4 (before rdma_cm state)", [b"vRMS\x00\x04".as_slice(), &bytes[6..]].concat()),
-        ("version 5 (before memory extents' owners)", [b"vRMS\x00\x05".as_slice(), &bytes[6..]].concat()),
+        (
+            "version 5 (before memory extents' owners and regions of pieces)",
+            [b"vRMS\x00\x05".as_slice(), &bytes[6..]].concat(),
+        ),
         ("version 7", [b"vRMS\x00\x07".as_slice(), &bytes[6..]].concat()),
         ("trailing bytes", [bytes.as_slice(), &[0]].concat()),
         ("host-local tenant", forge(&|s| s.tenant = TenantId::HOST_LOCAL_BASE + 1)),
@@ -605,7 +608,7 @@ fn a_corrupt_truncated_or_forged_snapshot_is_refused_without_a_panic() {
 /// region's offset.
 #[test]
 fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
-    use crate::hca::migrate::{ChannelAt, Extent, MemoryAt, MrAt, Placement, QpAt, RingAt};
+    use crate::hca::migrate::{ChannelAt, Extent, MemoryAt, MrAt, MrPiecesAt, Placement, QpAt, RingAt};
     let (_t, _a, _b, mem, bytes) = paused_snapshot();
     let snap = TenantSnapshot::decode(&bytes).unwrap();
     assert_eq!(snap.placement, None, "the core knows no region; the driver fills it");
@@ -641,6 +644,7 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
             cqs: vec![cq.cq],
         }],
         memory: vec![MemoryAt { ctx: mr.ctx, at: 2 * page, len: page + mr_span }],
+        mr_pieces: Vec::new(),
     };
     assert_eq!(placed.contexts.len(), 2, "the tenant's two contexts");
     let other_ctx = *snap.contexts.iter().find(|&&c| c != cq.ctx).unwrap();
@@ -651,6 +655,17 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         s.placement = Some(p);
         s.encode()
     };
+    // A region placed in pieces (version 6) passes, as one placed whole.
+    let mut pieced = snap.clone();
+    let mut p = placed.clone();
+    let key = p.mrs.remove(0).key;
+    p.mr_pieces = vec![MrPiecesAt {
+        key,
+        pieces: vec![Extent { at: 8 * page, len: 1 }, Extent { at: 3 * page, len: mr.len - 1 }],
+    }];
+    pieced.placement = Some(p.clone());
+    pieced.check_placement().unwrap();
+    assert_eq!(TenantSnapshot::decode(&pieced.encode()).unwrap().placement, Some(p));
     // The good one imports, and decodes to what was encoded.
     let good = with(&|_| {});
     assert_eq!(TenantSnapshot::decode(&good).unwrap().placement.as_ref(), Some(&placed));
@@ -667,6 +682,54 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         ("a region of 0 bytes", with(&|p| p.region_len = 0)),
         ("a memory region unplaced", with(&|p| p.mrs.clear())),
         ("a memory region placed twice", with(&|p| p.mrs.push(p.mrs[0]))),
+        (
+            "a memory region placed whole and in pieces",
+            with(&|p| {
+                p.mr_pieces
+                    .push(MrPiecesAt { key: mr.key, pieces: vec![Extent { at: 3 * page, len: mr.len }] })
+            }),
+        ),
+        (
+            "a region of no pieces",
+            with(&|p| p.mr_pieces = vec![MrPiecesAt { key: p.mrs.remove(0).key, pieces: vec![] }]),
+        ),
+        (
+            "a region of 65 pieces",
+            with(&|p| {
+                let key = p.mrs.remove(0).key;
+                p.mr_pieces = vec![MrPiecesAt { key, pieces: vec![Extent { at: 3 * page, len: 1 }; 65] }];
+            }),
+        ),
+        (
+            "a region's pieces short of its length",
+            with(&|p| {
+                p.mr_pieces = vec![MrPiecesAt {
+                    key: p.mrs.remove(0).key,
+                    pieces: vec![Extent { at: 3 * page, len: mr.len - 1 }],
+                }]
+            }),
+        ),
+        (
+            "a region's piece in no extent",
+            with(&|p| {
+                let key = p.mrs.remove(0).key;
+                p.mr_pieces = vec![MrPiecesAt {
+                    key,
+                    pieces: vec![Extent { at: 3 * page, len: 1 }, Extent { at: 0, len: mr.len - 1 }],
+                }];
+            }),
+        ),
+        (
+            "a region's piece on a ring",
+            with(&|p| {
+                let key = p.mrs.remove(0).key;
+                let at = p.qps[0].at;
+                p.mr_pieces = vec![MrPiecesAt {
+                    key,
+                    pieces: vec![Extent { at: 3 * page, len: 1 }, Extent { at, len: mr.len - 1 }],
+                }];
+            }),
+        ),
         ("a key the snapshot lacks", with(&|p| p.mrs.push(MrAt { key: 0xdead, at: 0 }))),
         ("a CQ unplaced", with(&|p| p.cqs.clear())),
         ("a QP unplaced", with(&|p| p.qps.clear())),
@@ -878,7 +941,7 @@ fn remembered_answers_travel_and_forged_ones_are_refused() {
         s.encode()
     };
     // Round trip; the header says version 6 (4 added the answers, 6 the
-    // owners of memory extents).
+    // owners of memory extents and the regions of pieces).
     let carried = with(vec![good.clone()]);
     assert_eq!(u16::from_be_bytes([carried[4], carried[5]]), 6);
     assert_eq!(TenantSnapshot::decode(&carried).unwrap().answers, vec![good.clone()]);
