@@ -158,6 +158,40 @@ fn rstream_nonblocking_with_rpoll_is_carried() {
     }
 }
 
+/// Where rdma-core's rsockets need an rsocket at both ends, ours talk to
+/// a plain TCP peer as TCP: rstream's rsocket client to its plain sockets
+/// server (`-T s`), and the reverse, verified.
+#[test]
+fn an_rsocket_and_a_plain_tcp_peer_talk_tcp() {
+    let Some(s) = setup(RSTREAM) else { return };
+    let _turn = one_at_a_time();
+    for (server_mode, client_mode) in [(&["-T", "s"][..], &[][..]), (&[][..], &["-T", "s"][..])] {
+        let port = free_port();
+        let p = port.to_string();
+        let common = ["-p", p.as_str(), "-S", "65536", "-C", "20", "-T", "v"];
+        let mut srv = s.command(RSTREAM);
+        srv.args(["-b", "127.0.0.1"]).args(common).args(server_mode);
+        let mut server = spawn(srv, &format!("rstream (server) {server_mode:?}"));
+        let end = Instant::now() + LISTEN_WAIT;
+        while !common::listening(port) && !server.exited() && Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut cli = s.command(RSTREAM);
+        cli.args(["-s", "127.0.0.1"]).args(common).args(client_mode);
+        let client = spawn(cli, &format!("rstream (client) {client_mode:?}")).finish(LIMIT);
+        let server = server.finish(LIMIT);
+        for f in [&server, &client] {
+            f.assert_ok();
+            assert_rstream_ran(f, "64k");
+            assert!(!f.stderr.contains("carried over vRDMA"), "{}", f.describe());
+        }
+        // The rsocket client asked and was told there is no listener.
+        if client_mode.is_empty() {
+            assert!(client.stderr.contains("no vRDMA listener"), "{}", client.describe());
+        }
+    }
+}
+
 /// A sockets program under rdma-core's `librspreload.so`, which turns its
 /// socket calls into rsocket calls of this library: rstream in its plain
 /// sockets mode (`-T s`), with `poll` (`-T a`).
