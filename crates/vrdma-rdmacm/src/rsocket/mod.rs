@@ -456,3 +456,113 @@ pub unsafe extern "C" fn riowrite(
     no_iomap("riowrite", &TOLD);
     size_t::MAX
 }
+
+#[cfg(test)]
+mod tests {
+    //! The checks made before the carrier is reached (none of these
+    //! calls loads it).
+
+    use super::*;
+
+    fn errno() -> c_int {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    }
+
+    #[test]
+    fn iovecs_are_checked_as_the_kernel_would() {
+        let mut b = [0u8; 4];
+        let good = [iovec { iov_base: b.as_mut_ptr().cast(), iov_len: 4 }];
+        let null_base = [iovec { iov_base: std::ptr::null_mut(), iov_len: 1 }];
+        let empty_null = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }];
+        let huge = [
+            iovec { iov_base: b.as_mut_ptr().cast(), iov_len: usize::MAX / 2 + 1 },
+            iovec { iov_base: b.as_mut_ptr().cast(), iov_len: usize::MAX / 2 + 1 },
+        ];
+        // SAFETY: each array holds the count given.
+        unsafe {
+            assert_eq!(iov_ok(good.as_ptr(), 1), Ok(()));
+            assert_eq!(iov_ok(empty_null.as_ptr(), 1), Ok(()));
+            assert_eq!(iov_ok(std::ptr::null(), 0), Ok(()));
+            assert_eq!(iov_ok(std::ptr::null(), 1).unwrap_err().0, libc::EFAULT);
+            assert_eq!(iov_ok(null_base.as_ptr(), 1).unwrap_err().0, libc::EFAULT);
+            assert_eq!(iov_ok(good.as_ptr(), libc::UIO_MAXIOV as usize + 1).unwrap_err().0, libc::EINVAL);
+            assert_eq!(iov_ok(huge.as_ptr(), 2).unwrap_err().0, libc::EINVAL);
+        }
+    }
+
+    #[test]
+    fn a_message_header_is_checked() {
+        // SAFETY: null, or a zeroed msghdr (no iovecs, no control).
+        unsafe {
+            assert_eq!(msg_ok(std::ptr::null()).unwrap_err().0, libc::EFAULT);
+            let mut m: msghdr = std::mem::zeroed();
+            assert_eq!(msg_ok(&m), Ok(()));
+            m.msg_controllen = 8;
+            assert_eq!(msg_ok(&m).unwrap_err().0, libc::EFAULT);
+        }
+    }
+
+    #[test]
+    fn refused_before_the_carrier() {
+        // SAFETY: each call fails on its arguments before using them.
+        unsafe {
+            assert_eq!(rsocket(libc::AF_UNIX, libc::SOCK_STREAM, 0), -1);
+            assert_eq!(errno(), libc::ENOTSUP);
+            assert_eq!(rsocket(libc::AF_INET, libc::SOCK_DGRAM, libc::IPPROTO_TCP), -1);
+            assert_eq!(errno(), libc::ENOTSUP);
+            assert_eq!(rshutdown(0, 3), -1);
+            assert_eq!(errno(), libc::EINVAL);
+            assert_eq!(
+                rselect(
+                    libc::FD_SETSIZE as c_int + 1,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut()
+                ),
+                -1
+            );
+            assert_eq!(errno(), libc::EINVAL);
+            assert_eq!(rpoll(std::ptr::null_mut(), 1, 0), -1);
+            assert_eq!(errno(), libc::EFAULT);
+            assert_eq!(rread(0, std::ptr::null_mut(), 1), -1);
+            assert_eq!(errno(), libc::EFAULT);
+            assert_eq!(rwritev(0, std::ptr::null(), -1), -1);
+            assert_eq!(errno(), libc::EINVAL);
+        }
+    }
+
+    #[test]
+    fn sol_rdma_options_are_taken_and_read_back_as_rdma_cores_defaults() {
+        // SAFETY: a socket of this test, closed at the end; our buffers.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+            assert!(fd >= 0);
+            let v: u32 = 1000;
+            let p = (&raw const v).cast();
+            assert_eq!(rsetsockopt(fd, SOL_RDMA, RDMA_SQSIZE, p, 4), 0);
+            assert_eq!(rsetsockopt(fd, SOL_RDMA, RDMA_SQSIZE, p, 2), -1);
+            assert_eq!(errno(), libc::EINVAL);
+            assert_eq!(rsetsockopt(fd, SOL_RDMA, 42, p, 4), -1);
+            assert_eq!(errno(), libc::ENOPROTOOPT);
+            for (name, want) in
+                [(RDMA_SQSIZE, 384), (RDMA_RQSIZE, 384), (RDMA_INLINE, 64), (RDMA_IOMAPSIZE, 0)]
+            {
+                let mut got: u32 = 7;
+                let mut len: socklen_t = 8;
+                assert_eq!(rgetsockopt(fd, SOL_RDMA, name, (&raw mut got).cast(), &mut len), 0);
+                assert_eq!((got, len), (want, 4));
+            }
+            let mut got: u32 = 0;
+            let mut len: socklen_t = 2;
+            assert_eq!(rgetsockopt(fd, SOL_RDMA, RDMA_INLINE, (&raw mut got).cast(), &mut len), -1);
+            assert_eq!(errno(), libc::EINVAL);
+            assert_eq!(rgetsockopt(fd, SOL_RDMA, RDMA_ROUTE, (&raw mut got).cast(), &mut len), -1);
+            assert_eq!(errno(), libc::ENOPROTOOPT);
+            libc::close(fd);
+            // A closed descriptor is the kernel's EBADF.
+            assert_eq!(rsetsockopt(fd, SOL_RDMA, RDMA_SQSIZE, p, 4), -1);
+            assert_eq!(errno(), libc::EBADF);
+        }
+    }
+}
