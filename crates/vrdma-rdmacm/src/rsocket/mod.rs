@@ -17,7 +17,9 @@
 //! buffers of non-zero length, null or oversized vectors and message
 //! headers, poll sets and select sizes out of range, and an unknown
 //! `shutdown` or `SOL_RDMA` option fail with -1 and `errno`. A descriptor
-//! that is no socket fails as the kernel fails it (`EBADF`, `ENOTSOCK`).
+//! is taken as the kernel takes it: one not open is `EBADF`, one that is
+//! no socket `ENOTSOCK` where the call needs a socket (`rread` of a file
+//! reads the file, where rdma-core's refuses it).
 //!
 //! Not carried: `riomap`, `riounmap` and `riowrite` (rdma-core's direct
 //! placement into a peer's mapped buffer) fail with `ENOSYS`, said once
