@@ -28,10 +28,18 @@
 //! rdma-core's defaults.
 
 mod carrier;
+mod check;
+mod iomap;
+mod options;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use libc::{c_int, c_void, iovec, msghdr, nfds_t, pollfd, size_t, sockaddr, socklen_t, ssize_t};
 
-use libc::{c_int, c_void, iovec, msghdr, nfds_t, off_t, pollfd, size_t, sockaddr, socklen_t, ssize_t};
+use check::{buf_ok, iov_ok, msg_ok};
+// Exported from src/lib.rs (which the unit-test build leaves out).
+#[cfg_attr(test, allow(unused_imports))]
+pub use iomap::{riomap, riounmap, riowrite};
+#[cfg_attr(test, allow(unused_imports))]
+pub use options::{rgetsockopt, rsetsockopt};
 
 pub(crate) fn set_errno(e: c_int) {
     // SAFETY: errno is this thread's.
@@ -45,55 +53,6 @@ fn fail(what: &str, e: c_int, why: &str) -> c_int {
     }
     set_errno(e);
     -1
-}
-
-/// Whether a buffer of `n` bytes at `p` can be handed on: not null unless
-/// empty.
-fn buf_ok(p: *const c_void, n: size_t) -> bool {
-    !p.is_null() || n == 0
-}
-
-/// Checks `n` iovecs at `iov` as the kernel would before a copy: a count
-/// in `0..=UIO_MAXIOV`, no null array or base with a length, a total that
-/// fits `ssize_t`.
-///
-/// # Safety
-/// `iov` is null or points to `n` iovecs.
-unsafe fn iov_ok(iov: *const iovec, n: usize) -> Result<(), (c_int, &'static str)> {
-    if n > libc::UIO_MAXIOV as usize {
-        return Err((libc::EINVAL, "more iovecs than UIO_MAXIOV"));
-    }
-    if n == 0 {
-        return Ok(());
-    }
-    if iov.is_null() {
-        return Err((libc::EFAULT, "a null iovec array"));
-    }
-    // SAFETY: as the caller promised.
-    let v = unsafe { std::slice::from_raw_parts(iov, n) };
-    if v.iter().any(|v| v.iov_base.is_null() && v.iov_len > 0) {
-        return Err((libc::EFAULT, "an iovec with a null base"));
-    }
-    let total = v.iter().try_fold(0usize, |t, v| t.checked_add(v.iov_len));
-    if total.is_none_or(|t| t > isize::MAX as usize) {
-        return Err((libc::EINVAL, "the iovecs' lengths overflow"));
-    }
-    Ok(())
-}
-
-/// Checks a message header for `rrecvmsg` / `rsendmsg`.
-///
-/// # Safety
-/// `msg` is null or a valid msghdr whose `msg_iov` holds `msg_iovlen`
-/// iovecs.
-unsafe fn msg_ok(msg: *const msghdr) -> Result<(), (c_int, &'static str)> {
-    // SAFETY: as the caller promised.
-    let Some(m) = (unsafe { msg.as_ref() }) else { return Err((libc::EFAULT, "a null msghdr")) };
-    if m.msg_control.is_null() && m.msg_controllen > 0 {
-        return Err((libc::EFAULT, "a null control buffer with a length"));
-    }
-    // SAFETY: as the caller promised.
-    unsafe { iov_ok(m.msg_iov, m.msg_iovlen) }
 }
 
 // ---- set-up ----
@@ -314,99 +273,6 @@ pub unsafe extern "C" fn rgetsockname(fd: c_int, addr: *mut sockaddr, len: *mut 
     unsafe { carrier::getsockname(fd, addr, len) }
 }
 
-/// rsocket.h's option level for its RDMA options, and the options.
-const SOL_RDMA: c_int = 0x10000;
-const RDMA_SQSIZE: c_int = 0;
-const RDMA_RQSIZE: c_int = 1;
-const RDMA_INLINE: c_int = 2;
-const RDMA_IOMAPSIZE: c_int = 3;
-const RDMA_ROUTE: c_int = 4;
-
-/// rdma-core's default of an integer `SOL_RDMA` option.
-fn rdma_default(name: c_int) -> Option<u32> {
-    match name {
-        RDMA_SQSIZE | RDMA_RQSIZE => Some(384),
-        RDMA_INLINE => Some(64),
-        RDMA_IOMAPSIZE => Some(0),
-        _ => None,
-    }
-}
-
-/// Whether `fd` is a socket (else the kernel's errno).
-fn is_socket(fd: c_int) -> Result<(), c_int> {
-    let mut ty: c_int = 0;
-    let mut len = std::mem::size_of::<c_int>() as socklen_t;
-    // SAFETY: getsockopt(2) into our int.
-    let r = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&raw mut ty).cast(), &mut len) };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(libc::EBADF))
-    }
-}
-
-pub unsafe extern "C" fn rsetsockopt(
-    fd: c_int,
-    level: c_int,
-    name: c_int,
-    val: *const c_void,
-    len: socklen_t,
-) -> c_int {
-    if level != SOL_RDMA {
-        // SAFETY: the carrier's setsockopt (it keeps TCP_NODELAY's and
-        // TCP_CORK's values of a carried connection); the kernel checks
-        // the rest.
-        return unsafe { carrier::setsockopt(fd, level, name, val, len) };
-    }
-    if let Err(e) = is_socket(fd) {
-        return fail("rsetsockopt", e, "not a socket");
-    }
-    match name {
-        RDMA_ROUTE => 0,
-        _ if rdma_default(name).is_some() => {
-            if val.is_null() || (len as usize) < std::mem::size_of::<u32>() {
-                return fail("rsetsockopt", libc::EINVAL, "SOL_RDMA takes an integer");
-            }
-            // Accepted: the carrier sizes its own queues and rings.
-            0
-        }
-        _ => fail("rsetsockopt", libc::ENOPROTOOPT, "unknown SOL_RDMA option"),
-    }
-}
-
-pub unsafe extern "C" fn rgetsockopt(
-    fd: c_int,
-    level: c_int,
-    name: c_int,
-    val: *mut c_void,
-    len: *mut socklen_t,
-) -> c_int {
-    if level != SOL_RDMA {
-        // SAFETY: the carrier's getsockopt; the kernel checks the pointers.
-        return unsafe { carrier::getsockopt(fd, level, name, val, len) };
-    }
-    if let Err(e) = is_socket(fd) {
-        return fail("rgetsockopt", e, "not a socket");
-    }
-    let Some(v) = rdma_default(name) else {
-        return fail("rgetsockopt", libc::ENOPROTOOPT, "no such SOL_RDMA option to read");
-    };
-    if val.is_null() || len.is_null() {
-        return fail("rgetsockopt", libc::EFAULT, "a null value or length");
-    }
-    // SAFETY: the caller's length, not null.
-    let room = unsafe { *len } as usize;
-    if room < std::mem::size_of::<u32>() {
-        return fail("rgetsockopt", libc::EINVAL, "room for less than an integer");
-    }
-    // SAFETY: `val` has `room` (at least 4) bytes; unaligned is allowed.
-    unsafe {
-        val.cast::<u32>().write_unaligned(v);
-        *len = std::mem::size_of::<u32>() as socklen_t;
-    }
-    0
-}
-
 /// `int rfcntl(int socket, int cmd, ... /* arg */)`: on x86-64 a variadic
 /// argument is passed as a fixed one would be, so the third is taken as
 /// an integer (a pointer for the commands that take one), as the carrier's
@@ -416,92 +282,15 @@ pub unsafe extern "C" fn rfcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_
     unsafe { carrier::fcntl(fd, cmd, arg) }
 }
 
-// ---- direct placement: not carried ----
-
-fn no_iomap(name: &str, told: &AtomicBool) {
-    if !told.swap(true, Ordering::Relaxed) {
-        eprintln!(
-            "vrdma librdmacm: {name} is not implemented: vRDMA's rsockets carry streams, not writes into a peer's \
-             mapped buffer; failing with ENOSYS"
-        );
-    }
-    set_errno(libc::ENOSYS);
-}
-
-pub unsafe extern "C" fn riomap(
-    _fd: c_int,
-    _buf: *mut c_void,
-    _len: size_t,
-    _prot: c_int,
-    _flags: c_int,
-    _offset: off_t,
-) -> off_t {
-    static TOLD: AtomicBool = AtomicBool::new(false);
-    no_iomap("riomap", &TOLD);
-    -1
-}
-
-pub unsafe extern "C" fn riounmap(_fd: c_int, _buf: *mut c_void, _len: size_t) -> c_int {
-    static TOLD: AtomicBool = AtomicBool::new(false);
-    no_iomap("riounmap", &TOLD);
-    -1
-}
-
-pub unsafe extern "C" fn riowrite(
-    _fd: c_int,
-    _buf: *const c_void,
-    _n: size_t,
-    _offset: off_t,
-    _flags: c_int,
-) -> size_t {
-    static TOLD: AtomicBool = AtomicBool::new(false);
-    no_iomap("riowrite", &TOLD);
-    size_t::MAX
-}
-
 #[cfg(test)]
 mod tests {
-    //! The checks made before the carrier is reached (none of these
-    //! calls loads it).
+    //! Calls refused before the carrier is reached (none of these loads
+    //! it).
 
     use super::*;
 
     fn errno() -> c_int {
         std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
-    }
-
-    #[test]
-    fn iovecs_are_checked_as_the_kernel_would() {
-        let mut b = [0u8; 4];
-        let good = [iovec { iov_base: b.as_mut_ptr().cast(), iov_len: 4 }];
-        let null_base = [iovec { iov_base: std::ptr::null_mut(), iov_len: 1 }];
-        let empty_null = [iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }];
-        let huge = [
-            iovec { iov_base: b.as_mut_ptr().cast(), iov_len: usize::MAX / 2 + 1 },
-            iovec { iov_base: b.as_mut_ptr().cast(), iov_len: usize::MAX / 2 + 1 },
-        ];
-        // SAFETY: each array holds the count given.
-        unsafe {
-            assert_eq!(iov_ok(good.as_ptr(), 1), Ok(()));
-            assert_eq!(iov_ok(empty_null.as_ptr(), 1), Ok(()));
-            assert_eq!(iov_ok(std::ptr::null(), 0), Ok(()));
-            assert_eq!(iov_ok(std::ptr::null(), 1).unwrap_err().0, libc::EFAULT);
-            assert_eq!(iov_ok(null_base.as_ptr(), 1).unwrap_err().0, libc::EFAULT);
-            assert_eq!(iov_ok(good.as_ptr(), libc::UIO_MAXIOV as usize + 1).unwrap_err().0, libc::EINVAL);
-            assert_eq!(iov_ok(huge.as_ptr(), 2).unwrap_err().0, libc::EINVAL);
-        }
-    }
-
-    #[test]
-    fn a_message_header_is_checked() {
-        // SAFETY: null, or a zeroed msghdr (no iovecs, no control).
-        unsafe {
-            assert_eq!(msg_ok(std::ptr::null()).unwrap_err().0, libc::EFAULT);
-            let mut m: msghdr = std::mem::zeroed();
-            assert_eq!(msg_ok(&m), Ok(()));
-            m.msg_controllen = 8;
-            assert_eq!(msg_ok(&m).unwrap_err().0, libc::EFAULT);
-        }
     }
 
     #[test]
@@ -531,40 +320,6 @@ mod tests {
             assert_eq!(errno(), libc::EFAULT);
             assert_eq!(rwritev(0, std::ptr::null(), -1), -1);
             assert_eq!(errno(), libc::EINVAL);
-        }
-    }
-
-    #[test]
-    fn sol_rdma_options_are_taken_and_read_back_as_rdma_cores_defaults() {
-        // SAFETY: a socket of this test, closed at the end; our buffers.
-        unsafe {
-            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
-            assert!(fd >= 0);
-            let v: u32 = 1000;
-            let p = (&raw const v).cast();
-            assert_eq!(rsetsockopt(fd, SOL_RDMA, RDMA_SQSIZE, p, 4), 0);
-            assert_eq!(rsetsockopt(fd, SOL_RDMA, RDMA_SQSIZE, p, 2), -1);
-            assert_eq!(errno(), libc::EINVAL);
-            assert_eq!(rsetsockopt(fd, SOL_RDMA, 42, p, 4), -1);
-            assert_eq!(errno(), libc::ENOPROTOOPT);
-            for (name, want) in
-                [(RDMA_SQSIZE, 384), (RDMA_RQSIZE, 384), (RDMA_INLINE, 64), (RDMA_IOMAPSIZE, 0)]
-            {
-                let mut got: u32 = 7;
-                let mut len: socklen_t = 8;
-                assert_eq!(rgetsockopt(fd, SOL_RDMA, name, (&raw mut got).cast(), &mut len), 0);
-                assert_eq!((got, len), (want, 4));
-            }
-            let mut got: u32 = 0;
-            let mut len: socklen_t = 2;
-            assert_eq!(rgetsockopt(fd, SOL_RDMA, RDMA_INLINE, (&raw mut got).cast(), &mut len), -1);
-            assert_eq!(errno(), libc::EINVAL);
-            assert_eq!(rgetsockopt(fd, SOL_RDMA, RDMA_ROUTE, (&raw mut got).cast(), &mut len), -1);
-            assert_eq!(errno(), libc::ENOPROTOOPT);
-            libc::close(fd);
-            // A closed descriptor is the kernel's EBADF.
-            assert_eq!(rsetsockopt(fd, SOL_RDMA, RDMA_SQSIZE, p, 4), -1);
-            assert_eq!(errno(), libc::EBADF);
         }
     }
 }
