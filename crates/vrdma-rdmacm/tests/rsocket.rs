@@ -158,6 +158,22 @@ fn rstream_nonblocking_with_rpoll_is_carried() {
     }
 }
 
+/// rstream with the carrier also preloaded (`vrdma run --sockets` with an
+/// rsocket program): the library's `dlopen` gets the preloaded object, one
+/// table of connections for both, and the connection is carried once.
+#[test]
+fn rstream_with_the_carrier_also_preloaded_is_carried() {
+    let Some(s) = setup(RSTREAM) else { return };
+    let _turn = one_at_a_time();
+    let carrier = built("libvrdma_sockets.so");
+    let carrier = carrier.to_str().expect("utf-8 path");
+    let (server, client) = rstream(s, &[("LD_PRELOAD", carrier)], &["-S", "65536", "-C", "20", "-T", "v"]);
+    for f in [&server, &client] {
+        assert_carried(f, 1);
+        assert_rstream_ran(f, "64k");
+    }
+}
+
 /// Where rdma-core's rsockets need an rsocket at both ends, ours talk to
 /// a plain TCP peer as TCP: rstream's rsocket client to its plain sockets
 /// server (`-T s`), and the reverse, verified.
