@@ -73,15 +73,20 @@
 //! `rdma_destroy_qp` destroys them. `ai_connect` private data is not
 //! kept by `rdma_create_ep` (`rdma_getaddrinfo` gives none).
 //!
+//! The rsocket API (`rsocket`, `rconnect`, `rpoll`, ... all the `r*`
+//! functions) runs on vRDMA's sockets carrier (`docs/sockets.md`,
+//! "rsocket"; module `rsocket`): an rsocket is a kernel socket whose
+//! stream connections the carrier negotiates through the daemons and
+//! carries over vRDMA, or leaves TCP; datagram rsockets are kernel UDP.
+//!
 //! Not implemented yet, failing with `ENOSYS` and one line on stderr
 //! naming the function the first time it is called: multicast
 //! (`rdma_join_multicast*`, `rdma_leave_multicast`, and already
 //! `rdma_resolve_addr` to a multicast group, which is where `mckey`
-//! stops), `rdma_notify`, `rdma_create_srq*` / `rdma_destroy_srq` and the
+//! stops), `rdma_notify`, `rdma_create_srq*` / `rdma_destroy_srq`, the
 //! ECE pair (`rdma_set_local_ece`, `rdma_get_remote_ece`; `rdma_reject_ece`
-//! rejects). The rsocket API (`rsocket`, `rconnect`, `rpoll`, ... all the
-//! `r*` functions) fails the same way: vRDMA's socket support (the
-//! sockets issue) is where it will be implemented.
+//! rejects) and rsocket's direct placement (`riomap`, `riounmap`,
+//! `riowrite`: `riostream` stops there).
 //!
 //! # Differences from rdma-core that programs can observe
 //!
@@ -107,6 +112,7 @@
 mod abi;
 mod addrinfo;
 mod cma;
+mod rsocket;
 mod stubs;
 mod verbs;
 
@@ -248,33 +254,33 @@ exports! {
     stubs::rdma_destroy_srq @ "RDMACM_1.0",
     stubs::rdma_create_srq_ex @ "RDMACM_1.0",
     cma::rdma_create_qp_ex @ "RDMACM_1.0",
-    stubs::rsocket @ "RDMACM_1.0",
-    stubs::rbind @ "RDMACM_1.0",
-    stubs::rlisten @ "RDMACM_1.0",
-    stubs::raccept @ "RDMACM_1.0",
-    stubs::rconnect @ "RDMACM_1.0",
-    stubs::rshutdown @ "RDMACM_1.0",
-    stubs::rclose @ "RDMACM_1.0",
-    stubs::rrecv @ "RDMACM_1.0",
-    stubs::rrecvfrom @ "RDMACM_1.0",
-    stubs::rrecvmsg @ "RDMACM_1.0",
-    stubs::rsend @ "RDMACM_1.0",
-    stubs::rsendto @ "RDMACM_1.0",
-    stubs::rsendmsg @ "RDMACM_1.0",
-    stubs::rread @ "RDMACM_1.0",
-    stubs::rreadv @ "RDMACM_1.0",
-    stubs::rwrite @ "RDMACM_1.0",
-    stubs::rwritev @ "RDMACM_1.0",
-    stubs::rpoll @ "RDMACM_1.0",
-    stubs::rselect @ "RDMACM_1.0",
-    stubs::rgetpeername @ "RDMACM_1.0",
-    stubs::rgetsockname @ "RDMACM_1.0",
-    stubs::rsetsockopt @ "RDMACM_1.0",
-    stubs::rgetsockopt @ "RDMACM_1.0",
-    stubs::rfcntl @ "RDMACM_1.0",
-    stubs::riomap @ "RDMACM_1.0",
-    stubs::riounmap @ "RDMACM_1.0",
-    stubs::riowrite @ "RDMACM_1.0",
+    rsocket::rsocket @ "RDMACM_1.0",
+    rsocket::rbind @ "RDMACM_1.0",
+    rsocket::rlisten @ "RDMACM_1.0",
+    rsocket::raccept @ "RDMACM_1.0",
+    rsocket::rconnect @ "RDMACM_1.0",
+    rsocket::rshutdown @ "RDMACM_1.0",
+    rsocket::rclose @ "RDMACM_1.0",
+    rsocket::rrecv @ "RDMACM_1.0",
+    rsocket::rrecvfrom @ "RDMACM_1.0",
+    rsocket::rrecvmsg @ "RDMACM_1.0",
+    rsocket::rsend @ "RDMACM_1.0",
+    rsocket::rsendto @ "RDMACM_1.0",
+    rsocket::rsendmsg @ "RDMACM_1.0",
+    rsocket::rread @ "RDMACM_1.0",
+    rsocket::rreadv @ "RDMACM_1.0",
+    rsocket::rwrite @ "RDMACM_1.0",
+    rsocket::rwritev @ "RDMACM_1.0",
+    rsocket::rpoll @ "RDMACM_1.0",
+    rsocket::rselect @ "RDMACM_1.0",
+    rsocket::rgetpeername @ "RDMACM_1.0",
+    rsocket::rgetsockname @ "RDMACM_1.0",
+    rsocket::rsetsockopt @ "RDMACM_1.0",
+    rsocket::rgetsockopt @ "RDMACM_1.0",
+    rsocket::rfcntl @ "RDMACM_1.0",
+    rsocket::riomap @ "RDMACM_1.0",
+    rsocket::riounmap @ "RDMACM_1.0",
+    rsocket::riowrite @ "RDMACM_1.0",
     stubs::rdma_join_multicast_ex @ "RDMACM_1.1",
     cma::rdma_establish @ "RDMACM_1.2",
     cma::rdma_init_qp_attr @ "RDMACM_1.2",

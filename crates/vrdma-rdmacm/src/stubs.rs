@@ -9,34 +9,27 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-fn fail(name: &str, told: &AtomicBool, rsocket: bool) {
+fn fail(name: &str, told: &AtomicBool) {
     if !told.swap(true, Ordering::Relaxed) {
-        if rsocket {
-            eprintln!(
-                "vrdma librdmacm: {name} is not implemented: the rsocket API comes with vRDMA's socket \
-                 support (the sockets issue); failing with ENOSYS"
-            );
-        } else {
-            eprintln!("vrdma librdmacm: {name} is not implemented yet; failing with ENOSYS");
-        }
+        eprintln!("vrdma librdmacm: {name} is not implemented yet; failing with ENOSYS");
     }
     // SAFETY: errno is this thread's.
     unsafe { *libc::__errno_location() = libc::ENOSYS };
 }
 
 macro_rules! stubs {
-    ($rsocket:literal: $($name:ident),* $(,)?) => {
+    ($($name:ident),* $(,)?) => {
         $(
             pub unsafe extern "C" fn $name() -> isize {
                 static TOLD: AtomicBool = AtomicBool::new(false);
-                fail(stringify!($name), &TOLD, $rsocket);
+                fail(stringify!($name), &TOLD);
                 -1
             }
         )*
     };
 }
 
-stubs!(false:
+stubs!(
     rdma_notify,
     rdma_join_multicast,
     rdma_leave_multicast,
@@ -47,14 +40,8 @@ stubs!(false:
     rdma_set_local_ece,
 );
 
-stubs!(true:
-    rsocket, rbind, rlisten, raccept, rconnect, rshutdown, rclose, rrecv, rrecvfrom, rrecvmsg, rsend,
-    rsendto, rsendmsg, rread, rreadv, rwrite, rwritev, rpoll, rselect, rgetpeername, rgetsockname,
-    rsetsockopt, rgetsockopt, rfcntl, riomap, riounmap, riowrite,
-);
-
 /// `void rdma_destroy_srq(struct rdma_cm_id *)`: no SRQ can exist.
 pub unsafe extern "C" fn rdma_destroy_srq() {
     static TOLD: AtomicBool = AtomicBool::new(false);
-    fail("rdma_destroy_srq", &TOLD, false);
+    fail("rdma_destroy_srq", &TOLD);
 }

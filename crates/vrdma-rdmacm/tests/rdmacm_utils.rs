@@ -230,8 +230,8 @@ fn c_checks_of_channels_ids_and_addresses() {
     let f = spawn(c, "cm_check").finish(LIMIT);
     f.assert_ok();
     assert!(f.stdout.contains("cm_check: OK"), "{}", f.describe());
-    // The one-time notice of an rsocket call names it.
-    assert!(f.stderr.contains("rsocket is not implemented"), "{}", f.describe());
+    // The one-time notice of a call that is not implemented names it.
+    assert!(f.stderr.contains("riomap is not implemented"), "{}", f.describe());
 }
 
 /// `tests/c/cm_destroy_waiting.c`: a channel destroyed while another

@@ -98,6 +98,11 @@
 //! `VRDMA_SOCKETS_PROGRESS_US` sets how often the progress thread looks at
 //! writes left in flight and write-blocked connections (500 µs by
 //! default; credit answers wake it sooner).
+//!
+//! The drop-in `librdmacm.so.1` also loads this library (`dlopen`,
+//! `RTLD_LOCAL | RTLD_DEEPBIND`) and calls its exports by name for its
+//! rsocket API (`rread` is this `read`, ...: `docs/sockets.md`,
+//! "rsocket"), so the exports' names and C prototypes are an interface.
 
 mod addr;
 mod credit;
