@@ -309,6 +309,25 @@ mod preload {
         Ok(())
     }
 
+    /// A null buffer of some length on a carried connection is EFAULT, as
+    /// on the kernel, never a crash of the program; the stream goes on.
+    #[test]
+    fn a_null_buffer_on_a_carried_connection_is_efault() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = server(&d, true, port);
+        registered(&ctx, port)?;
+        let c = spawn(sockapp(&d, true, &["badbuf".into(), port.to_string()]), "badbuf").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        assert!(c.stdout.contains("efault 3"), "{}", c.describe());
+        Ok(())
+    }
+
     #[test]
     fn an_event_loop_pair_on_poll_sees_every_byte_ready() -> Result<()> {
         let _one = harness::one_at_a_time();

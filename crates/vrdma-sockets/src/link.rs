@@ -679,7 +679,7 @@ impl Link {
         peek: bool,
         all: bool,
     ) -> Res<usize> {
-        let cap: usize = iov.iter().map(|v| v.1).sum();
+        let cap = vector_len(iov.iter().map(|&(p, n)| (p.is_null(), n)))?;
         if cap == 0 {
             return Ok(0);
         }
@@ -1080,7 +1080,7 @@ impl Link {
     /// arming, as the wake protocol asks. At most [`IN_FLIGHT`] writes and
     /// a ring's worth of bytes are in flight per connection.
     pub fn write(self: &Arc<Self>, iov: &[(*const u8, usize)], nonblocking: bool) -> Res<usize> {
-        let total: usize = iov.iter().map(|v| v.1).sum();
+        let total = vector_len(iov.iter().map(|&(p, n)| (p.is_null(), n)))?;
         let mut tx = lock(&self.tx);
         if tx.shut {
             return Err(libc::EPIPE);
@@ -1373,6 +1373,20 @@ impl Link {
     }
 }
 
+/// The total length of a program's I/O vector, given each entry's
+/// (null, length), as the kernel checks it: `EFAULT` for a null buffer of
+/// some length, `EINVAL` for a total above `ssize_t`'s range.
+fn vector_len(iov: impl Iterator<Item = (bool, usize)>) -> Res<usize> {
+    let mut total = 0usize;
+    for (null, n) in iov {
+        if null && n > 0 {
+            return Err(libc::EFAULT);
+        }
+        total = total.checked_add(n).filter(|&t| t <= isize::MAX as usize).ok_or(libc::EINVAL)?;
+    }
+    Ok(total)
+}
+
 /// Moves `(vi, voff)` `n` bytes further along `iov`, as the staging
 /// loop of [`Link::write`] does while it copies.
 fn advance(iov: &[(*const u8, usize)], vi: &mut usize, voff: &mut usize, n: usize) {
@@ -1417,6 +1431,14 @@ fn needs_wake(rd: u64, landed: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_vectors_length_is_checked_as_the_kernel_checks_it() {
+        assert_eq!(vector_len([(false, 3), (true, 0), (false, 4)].into_iter()), Ok(7));
+        assert_eq!(vector_len([(false, 3), (true, 1)].into_iter()), Err(libc::EFAULT));
+        assert_eq!(vector_len([(false, usize::MAX), (false, 1)].into_iter()), Err(libc::EINVAL));
+        assert_eq!(vector_len([(false, isize::MAX as usize + 1)].into_iter()), Err(libc::EINVAL));
+    }
 
     #[test]
     fn an_arming_that_read_every_landed_byte_gets_no_wake_byte() {

@@ -63,6 +63,9 @@
 //! sent: a stale wake byte must not read as bytes), then up to 5 s,
 //! which must come, reads the second 64 and answers.
 //!
+//! `badbuf PORT`: a 64-byte `client` whose read, readv and write of a null
+//! buffer must fail with EFAULT in between (says `efault 3`).
+//!
 //! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
 //! connects and must read the end (0), as over TCP.
 //!
@@ -858,6 +861,35 @@ fn pollserver(port: u16) -> Result<(), String> {
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
     Ok(())
+}
+
+/// `badbuf PORT`: `client` of 64 bytes, then read, readv and write with a
+/// null buffer of 10 bytes on the (carried) connection: each must fail
+/// with EFAULT, as on the kernel, the connection unharmed.
+fn badbuf(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let data: Vec<u8> = (0..64).map(pattern).collect();
+    s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+    let fd = s.as_raw_fd();
+    let iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 10 }];
+    let calls: [(&str, &dyn Fn() -> isize); 3] = [
+        // SAFETY: a null buffer on purpose: the call must refuse it.
+        ("read", &|| unsafe { libc::read(fd, std::ptr::null_mut(), 10) }),
+        // SAFETY: as above, one iovec with a null base.
+        ("readv", &|| unsafe { libc::readv(fd, iov.as_ptr(), 1) }),
+        // SAFETY: as above.
+        ("write", &|| unsafe { libc::write(fd, std::ptr::null(), 10) }),
+    ];
+    for (name, call) in calls {
+        let r = call();
+        let e = std::io::Error::last_os_error().raw_os_error();
+        if r != -1 || e != Some(libc::EFAULT) {
+            return Err(format!("{name} of a null buffer gave {r} ({e:?}), not EFAULT"));
+        }
+    }
+    println!("efault 3");
+    half_close_and_check(&mut s, 64)
 }
 
 fn client(port: u16, bytes: u64) -> Result<(), String> {
@@ -1729,6 +1761,7 @@ fn main() {
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
+        Some("badbuf") => badbuf(port()),
         Some("pollserver") => pollserver(port()),
         Some("quiet") => quiet(port()),
         Some("becho") => becho(port()),
