@@ -445,6 +445,9 @@ fn fork_in_guest(w: &mut World) {
 /// - a registration that begins in a registered page and ends past its
 ///   span grows that span's extent in place (`GuestGrow`), with the QP
 ///   rings allocated in between, and moves the right bytes both ways;
+/// - a registration that begins before a registered span and covers two
+///   is made of pieces (`RegMrPieces`) and moves the right bytes both
+///   ways, the small regions under it still by their own keys;
 /// - while one program holds 40 MiB registered, a second asking for 40 MiB
 ///   more is refused with `ENOMEM` and the daemon's reason (the region's
 ///   fixed size, what is free) on its stderr, a third registers 4 MiB and moves it, and the first
@@ -462,6 +465,9 @@ fn guest_memory(w: &mut World) {
     assert!(out.lines().any(|l| l.starts_with("GROW_OK")), "guestmem grow:\n{out}");
     let mapped = out.lines().find_map(|l| l.strip_prefix("MAPPED ")).unwrap_or_else(|| panic!("{out}"));
     assert_eq!(mapped.split_whitespace().nth(1), Some("rw-s"), "the grown pages are not the BAR's:\n{out}");
+    let (st, out) = g.run("VRDMA_VERBS_DEBUG=1 timeout 60 guestmem pieces", T).unwrap();
+    assert_eq!(st, 0, "guestmem pieces in guest a:\n{out}");
+    assert!(out.lines().any(|l| l.starts_with("PIECES_OK")), "guestmem pieces:\n{out}");
 
     g.check("rm -f /tmp/guestmem.go", T).unwrap();
     guest_bg(g, "hold", 120, "guestmem reg 40 100");

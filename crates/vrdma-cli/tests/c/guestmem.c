@@ -15,6 +15,13 @@
  *     second region into a third buffer and back into the first region,
  *     checking the bytes through the program's pointers ("GROW_OK"; "MAPPED"
  *     with the maps line over the grown pages: one shared mapping).
+ *   guestmem pieces
+ *     Registers 100 bytes in page 2 and 200 bytes in page 5 of a
+ *     page-aligned heap buffer, then the bytes from page 1 (plus 8) to the
+ *     end of page 6: a registration that begins before a registered span
+ *     and covers two, made of pieces (RegMrPieces). RDMA-writes its bytes
+ *     out and a new pattern in, and reads the first small region's bytes
+ *     out by its own key ("PIECES_OK"; "PIECES_REFUSED errno E" and exit 2).
  *   guestmem reg MIB [HOLD_S]
  *     Registers MIB MiB of page-aligned heap. Refused: "REG_REFUSED errno
  *     E (text)" and exit 2. Registered: RDMA-writes the first and last
@@ -239,6 +246,45 @@ static int grow(void)
     return 0;
 }
 
+static int pieces(void)
+{
+    enum { FROM = PAGE + 8, LEN = 6 * PAGE - 8, SMALL_A = 2 * PAGE + 16 };
+    unsigned char *buf, *other;
+    if (posix_memalign((void **)&buf, PAGE, 8 * PAGE) || posix_memalign((void **)&other, PAGE, 8 * PAGE))
+        return fail("buffers");
+    for (size_t i = 0; i < 8 * PAGE; i++)
+        buf[i] = pattern(i, 4);
+    memset(other, 0, 8 * PAGE);
+    if (open_ctx())
+        return 1;
+    struct ibv_mr *a = ibv_reg_mr(pd, buf + SMALL_A, 100, ACCESS);
+    struct ibv_mr *b = ibv_reg_mr(pd, buf + 5 * PAGE, 200, ACCESS);
+    if (!a || !b)
+        return fail("registering the two small regions");
+    if (make_qps())
+        return 1;
+    struct ibv_mr *dst = ibv_reg_mr(pd, other, 8 * PAGE, ACCESS);
+    if (!dst)
+        return fail("registering the destination");
+    struct ibv_mr *big = ibv_reg_mr(pd, buf + FROM, LEN, ACCESS);
+    if (!big)
+        return refused("PIECES_REFUSED");
+    if (check("the buffer's bytes after the registrations", buf, 8 * PAGE, 0, 4))
+        return 1;
+    if (rdma_write(buf + FROM, big->lkey, other, dst->rkey, LEN) || check("the region written out", other, LEN, FROM, 4))
+        return 1;
+    for (size_t i = 0; i < LEN; i++)
+        other[i] = pattern(i, 11);
+    if (rdma_write(other, dst->lkey, buf + FROM, big->rkey, LEN) || check("the region written into", buf + FROM, LEN, 0, 11))
+        return 1;
+    memset(other, 0, 8 * PAGE);
+    if (rdma_write(buf + SMALL_A, a->lkey, other, dst->rkey, 100) ||
+        check("the first small region by its own key", other, 100, SMALL_A - FROM, 11))
+        return 1;
+    printf("PIECES_OK %d bytes over two registered spans, data both ways\n", LEN);
+    return 0;
+}
+
 /* The first and last MiB of the region, written out into `small` and checked. */
 static int ends(unsigned char *buf, size_t len, struct ibv_mr *mr, unsigned char *small, struct ibv_mr *smr)
 {
@@ -312,10 +358,12 @@ int main(int argc, char **argv)
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (argc >= 2 && !strcmp(argv[1], "grow"))
         return grow();
+    if (argc >= 2 && !strcmp(argv[1], "pieces"))
+        return pieces();
     if (argc >= 3 && !strcmp(argv[1], "reg"))
         return reg(strtoul(argv[2], NULL, 10), argc >= 4 ? atoi(argv[3]) : 0);
     if (argc >= 2 && !strcmp(argv[1], "huge"))
         return huge();
-    fprintf(stderr, "usage: guestmem grow | reg MIB [HOLD_S] | huge\n");
+    fprintf(stderr, "usage: guestmem grow | pieces | reg MIB [HOLD_S] | huge\n");
     return 64;
 }
