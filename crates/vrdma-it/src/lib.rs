@@ -644,6 +644,26 @@ pub fn le(v: u64) -> Vec<u8> {
 }
 
 /// `len` bytes of a pattern that depends on `seed` and the position.
+/// `len` bytes of fresh private anonymous memory (page-aligned), left
+/// mapped for the rest of the process: what a program's own buffer is
+/// before it registers it (the registration re-backs it).
+pub fn anon_pages(len: usize) -> *mut u8 {
+    // SAFETY: a fresh private anonymous mapping, checked; never unmapped,
+    // so pointers into it stay valid for the process's life.
+    let buf = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(buf, libc::MAP_FAILED, "mmap of {len} bytes");
+    buf.cast()
+}
+
 pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
     (0..len)

@@ -1530,19 +1530,7 @@ fn a_guests_region_of_pieces_moves_with_its_vm() -> Result<()> {
     let b = Side::new(&h.b.context()?, 1 << 16)?;
     let page = 4096;
     const LEN: usize = 4 * 4096;
-    // SAFETY: a fresh private anonymous mapping, checked.
-    let buf = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(buf, libc::MAP_FAILED);
-    let buf = buf.cast::<u8>();
+    let buf = vrdma_it::anon_pages(LEN);
     let pd = gctx.alloc_pd()?;
     let cq = gctx.create_cq(16, None)?;
     let qp = pd.create_rc_qp(&cq, &cq, vrdma_it::cap(4, 1))?;

@@ -705,19 +705,7 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
 
     // The application's own pages, registered: re-backed by an extent.
     const LEN: usize = 4 * 4096;
-    // SAFETY: a fresh private anonymous mapping, checked.
-    let buf = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(buf, libc::MAP_FAILED);
-    let buf = buf.cast::<u8>();
+    let buf = vrdma_it::anon_pages(LEN);
     let first = pattern(LEN, 21);
     // SAFETY: `buf` holds LEN bytes, ours.
     unsafe { std::ptr::copy_nonoverlapping(first.as_ptr(), buf, LEN) };
@@ -1029,19 +1017,7 @@ fn guest_registrations_before_and_over_registered_spans_are_made_of_pieces() -> 
     let page = 4096;
     const PAGES: usize = 10;
     const LEN: usize = PAGES * 4096;
-    // SAFETY: a fresh private anonymous mapping, checked.
-    let buf = unsafe {
-        libc::mmap(
-            std::ptr::null_mut(),
-            LEN,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-            -1,
-            0,
-        )
-    };
-    assert_ne!(buf, libc::MAP_FAILED);
-    let buf = buf.cast::<u8>();
+    let buf = vrdma_it::anon_pages(LEN);
     let orig = pattern(LEN, 41);
     // SAFETY: `buf` holds LEN bytes, ours.
     unsafe { std::ptr::copy_nonoverlapping(orig.as_ptr(), buf, LEN) };

@@ -79,9 +79,21 @@ fn iov_in(iov: *const iovec, n: c_int) -> Result<Vec<(*mut u8, usize)>, c_int> {
     if !(0..=libc::UIO_MAXIOV).contains(&n) || (iov.is_null() && n > 0) {
         return Err(libc::EINVAL);
     }
-    // SAFETY: the caller passes `n` iovecs at `iov` (readv's contract).
+    if n == 0 {
+        // (`iov` may be null: no slice of it, even an empty one.)
+        return Ok(Vec::new());
+    }
+    // SAFETY: the caller passes `n` iovecs at `iov` (readv's contract),
+    // `iov` not null (checked).
     let v = unsafe { std::slice::from_raw_parts(iov, n as usize) };
     Ok(v.iter().map(|v| (v.iov_base.cast::<u8>(), v.iov_len)).collect())
+}
+
+/// A msghdr's vector count as `iov_in` takes it: one above every limit
+/// where it does not fit (`msg_iovlen` is a `size_t`; a cast would wrap
+/// 2^32 to 0 vectors).
+fn iov_count(n: usize) -> c_int {
+    c_int::try_from(n).unwrap_or(c_int::MAX)
 }
 
 fn iov_out(iov: *const iovec, n: c_int) -> Result<Vec<(*const u8, usize)>, c_int> {
@@ -161,7 +173,7 @@ pub unsafe extern "C" fn recvmsg(fd: c_int, msg: *mut msghdr, flags: c_int) -> s
             // SAFETY: the caller passes a valid msghdr.
             let m = unsafe { &mut *msg };
             let (nb, peek, all) = recv_flags(fd, flags);
-            let r = iov_in(m.msg_iov, m.msg_iovlen as c_int).and_then(|v| l.read(&v, nb, peek, all));
+            let r = iov_in(m.msg_iov, iov_count(m.msg_iovlen)).and_then(|v| l.read(&v, nb, peek, all));
             if r.is_ok() {
                 // No ancillary data and no address on a stream.
                 m.msg_controllen = 0;
@@ -293,7 +305,7 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
             // SAFETY: the caller passes a valid msghdr.
             let m = unsafe { &*msg };
             let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
-            let r = iov_out(m.msg_iov, m.msg_iovlen as c_int).and_then(|v| l.write(&v, nb));
+            let r = iov_out(m.msg_iov, iov_count(m.msg_iovlen)).and_then(|v| l.write(&v, nb));
             done_write(r, flags & libc::MSG_NOSIGNAL != 0)
         }
         Target::Link(_) => done(Err(libc::EFAULT)),

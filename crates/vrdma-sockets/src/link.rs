@@ -1205,10 +1205,16 @@ impl Link {
             if left == 0 {
                 break;
             }
+            let take = (len - off).min(left);
+            if take == 0 {
+                // An empty entry (perhaps a null one): no piece, and no
+                // slice of its pointer.
+                off = 0;
+                continue;
+            }
             if k == DIRECT_PIECES {
                 return Ok(false);
             }
-            let take = (len - off).min(left);
             // SAFETY: the caller's buffer: `p .. p + len` is readable for
             // the call (the staging path reads the same bytes), and
             // `off + take <= len`.

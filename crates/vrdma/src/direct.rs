@@ -187,6 +187,12 @@ impl DirectQp {
     /// Carries an RDMA write (`wr`'s opcode, address and key; no SGEs)
     /// whose payload is `src`, memory of the caller that need not be
     /// registered: copied before this returns, as inline bytes are.
+    ///
+    /// The source pages are touched first, before the copy is announced in
+    /// the window: memory that is not registered may be swapped out or
+    /// behind a fault handler, and a revocation waits for an announced
+    /// copy only a bounded time (`DRAIN_LIMIT` in the daemon), which a
+    /// copy that faults must not outlast.
     pub(crate) fn try_write_from(
         &self,
         ctx: &Context,
@@ -196,6 +202,13 @@ impl DirectQp {
         src: &[&[u8]],
     ) -> Carried {
         debug_assert_eq!(wr.opcode, SendOpcode::RdmaWrite);
+        let page = page_size();
+        for b in src {
+            for i in (0..b.len()).step_by(page).chain(b.len().checked_sub(1)) {
+                // SAFETY: `i < b.len()`: a byte of the borrowed slice.
+                unsafe { std::ptr::read_volatile(b.as_ptr().add(i)) };
+            }
+        }
         self.carry_rdma(ctx, qpn, local, wr, Some(src))
     }
 

@@ -773,9 +773,11 @@ impl QueuePair {
     /// it posts after this keeps its order after it (the write landed).
     ///
     /// It holds a send-queue slot until a later signaled completion of the
-    /// QP is polled, as any unsignaled WR does.
+    /// QP is polled, as any unsignaled WR does. A QP made with
+    /// `sq_sig_all` takes none (its every WR completes).
     pub fn write_now(&self, src: &[&[u8]], remote_addr: u64, rkey: u32) -> Result<bool> {
-        if self.init.qp_type != QpType::Rc || self.state() != QpState::Rts {
+        // A QP that signals every WR (`sq_sig_all`) has no unsignaled write.
+        if self.init.qp_type != QpType::Rc || self.init.sq_sig_all || self.state() != QpState::Rts {
             return Ok(false);
         }
         let bell_needed = self.send_cq.inner.has_channel() && self.send_cq.inner.direct_bell().is_none();

@@ -309,6 +309,17 @@ impl Placed {
         }
     }
 
+    /// The memory extents recorded under `from` are `to`'s now (a session
+    /// that took memory before it adopted a moved context).
+    pub fn memory_moves(&mut self, from: u32, to: u32) {
+        if from == to {
+            return;
+        }
+        if let Some(m) = self.memory.remove(&from) {
+            self.memory.entry(to).or_default().extend(m);
+        }
+    }
+
     /// Context `ctx`'s memory extents (offset, length), by offset.
     pub fn memory_of(&self, ctx: u32) -> Vec<(u64, u64)> {
         self.memory.get(&ctx).map(|m| m.iter().map(|(&a, &l)| (a, l)).collect()).unwrap_or_default()
@@ -353,5 +364,25 @@ impl Placed {
 impl Drop for Vm {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Placed;
+
+    /// Memory a guest session took before it adopted a moved context is
+    /// the adopted context's (its snapshot names that owner), none left
+    /// under the session's first number.
+    #[test]
+    fn memory_taken_before_an_adoption_moves_to_the_adopted_context() {
+        let mut p = Placed::default();
+        p.memory_is(7, 0x1000, 0x2000);
+        p.memory_is(9, 0x8000, 0x1000);
+        p.memory_moves(7, 9);
+        assert_eq!(p.memory_of(7), vec![]);
+        assert_eq!(p.memory_of(9), vec![(0x1000, 0x2000), (0x8000, 0x1000)]);
+        p.memory_moves(9, 9);
+        assert_eq!(p.memory_of(9).len(), 2);
     }
 }

@@ -63,8 +63,10 @@
 //! sent: a stale wake byte must not read as bytes), then up to 5 s,
 //! which must come, reads the second 64 and answers.
 //!
-//! `badbuf PORT`: a 64-byte `client` whose read, readv and write of a null
-//! buffer must fail with EFAULT in between (says `efault 3`).
+//! `badbuf PORT`: a 64-byte `client` (its second half a writev whose first
+//! entry is null and empty; then an empty null readv and writev, which
+//! give 0) whose read, readv and write of a null buffer of 10 bytes must
+//! fail with EFAULT in between (says `efault 3`).
 //!
 //! `quiet PORT`: accepts and closes without a call; `expect-end PORT`:
 //! connects and must read the end (0), as over TCP.
@@ -870,8 +872,21 @@ fn badbuf(port: u16) -> Result<(), String> {
     use std::os::fd::AsRawFd;
     let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
     let data: Vec<u8> = (0..64).map(pattern).collect();
-    s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+    s.write_all(&data[..32]).map_err(|e| format!("write: {e}"))?;
     let fd = s.as_raw_fd();
+    // An empty null entry is no fault (the kernel skips it), nor is an
+    // empty null vector.
+    let two = [
+        libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 },
+        libc::iovec { iov_base: data[32..].as_ptr() as *mut libc::c_void, iov_len: 32 },
+    ];
+    // SAFETY: two iovecs, the second over `data`.
+    let w = unsafe { libc::writev(fd, two.as_ptr(), 2) };
+    // SAFETY: an empty vector, null on purpose.
+    let (rv, wv) = unsafe { (libc::readv(fd, std::ptr::null(), 0), libc::writev(fd, std::ptr::null(), 0)) };
+    if (w, rv, wv) != (32, 0, 0) {
+        return Err(format!("writev with an empty null entry {w}, empty readv {rv}, empty writev {wv}"));
+    }
     let iov = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 10 }];
     let calls: [(&str, &dyn Fn() -> isize); 3] = [
         // SAFETY: a null buffer on purpose: the call must refuse it.

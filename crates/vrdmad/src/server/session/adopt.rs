@@ -65,6 +65,8 @@ impl Session {
             }
         }
         if let Some(g) = self.guest.as_mut() {
+            // Memory the session took before it adopted goes with it.
+            g.vm.placed().memory_moves(old, context);
             super::super::migrate_vm::hand_memory(g, context);
         }
         self.open = true;
