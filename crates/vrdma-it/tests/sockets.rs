@@ -278,7 +278,9 @@ mod preload {
     #[test]
     fn a_stream_on_the_direct_path_is_written_from_the_programs_buffer() -> Result<()> {
         let _one = harness::one_at_a_time();
-        for (path, d) in [("engine", engine_daemon()?), ("direct", DaemonProc::start()?)] {
+        // The path named, whatever the default is (CI's VRDMA_DIRECT=0 run).
+        let direct = DaemonProc::start_with_config("[direct]\nenabled = true\n")?;
+        for (path, d) in [("engine", engine_daemon()?), ("direct", direct)] {
             let ctx = d.context()?;
             let port = free_port();
             let s = server(&d, true, port);
