@@ -54,6 +54,12 @@ fn nothing_is_posted_where_the_direct_path_cannot_take_it_now() -> Result<()> {
     let mut got = [0u8; 8];
     b.mr.read((1 << 16) - 8, &mut got)?;
     assert_eq!(got, [0; 8], "nothing landed");
+    // A QP that signals every WR has no unsignaled write to carry.
+    let all = a.pd.create_qp(&vrdma::QpInit::rc(&a.cq, &a.cq, vrdma_it::cap(16, 1)).sig_all(true))?;
+    let peer = b.another_qp(vrdma_it::cap(16, 1))?;
+    all.connect(&peer.endpoint(&b.ctx)?, vrdma_it::access_all())?;
+    peer.connect(&all.endpoint(&a.ctx)?, vrdma_it::access_all())?;
+    assert!(!all.write_now(&[&data], b.mr.addr(), b.mr.rkey())?);
     // With the switch off nothing is ever carried this way.
     let off = DaemonProc::start_with_config("[direct]\nenabled = false\n")?;
     let (c, e) = pair(&off, 4096)?;
