@@ -325,25 +325,7 @@ impl Mapping {
         len: usize,
         budget: Option<&Arc<MappingBudget>>,
     ) -> Result<Mapping, SegmentError> {
-        if len == 0 {
-            return Err(SegmentError::Empty);
-        }
-        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| SegmentError::NotMemfd(e.into()))?;
-        if !seals.contains(SealFlags::SHRINK) {
-            return Err(SegmentError::NotSealed);
-        }
-        // A hole punched into a hugetlbfs file frees its reservation; once
-        // the huge pages are gone, touching the hole raises SIGBUS. No seal
-        // prevents hole punching, so such files are refused outright.
-        if is_hugetlbfs(&fd)? {
-            return Err(SegmentError::HugeTlb);
-        }
-        // The page size is a power of two.
-        if offset & (page_size() as u64 - 1) != 0 {
-            return Err(SegmentError::Unaligned { offset });
-        }
-        // The size is checked after the seal: from now on it cannot drop.
-        check_size(&fd, offset, len)?;
+        check_untrusted(fd.as_fd(), offset, len)?;
         // The descriptor closes here; the mapping keeps the file.
         Ok(Mapping::map(&fd, offset, len, budget)?)
     }
@@ -358,30 +340,11 @@ impl Mapping {
     ) -> io::Result<Mapping> {
         let map_len = round_to_page(len)
             .ok_or_else(|| io::Error::new(io::ErrorKind::InvalidInput, "segment length overflows"))?;
-        // The owner's share first: a tenant past its share is told so, not
-        // that the daemon as a whole is full.
-        if let Some(b) = budget {
-            b.take()?;
-        }
-        let give_back = || {
-            if let Some(b) = budget {
-                b.give_back();
-            }
-        };
-        let limit = MAPPING_LIMIT.load(Ordering::Relaxed);
-        if LIVE_MAPPINGS.fetch_add(1, Ordering::Relaxed) >= limit {
-            LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
-            give_back();
-            return Err(io::Error::new(
-                io::ErrorKind::OutOfMemory,
-                format!("the daemon holds its limit of {limit} memory mappings (see vm.max_map_count)"),
-            ));
-        }
+        charge(1, budget)?;
         match Self::mmap(fd, offset, map_len) {
             Ok(ptr) => Ok(Mapping { ptr, len, map_len, budget: budget.cloned() }),
             Err(e) => {
-                LIVE_MAPPINGS.fetch_sub(1, Ordering::Relaxed);
-                give_back();
+                uncharge(1, budget);
                 Err(e)
             }
         }
@@ -419,6 +382,67 @@ impl Mapping {
     /// Always false: a mapping has at least one byte.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+}
+
+/// The checks a file from a peer that may be hostile passes before
+/// `[offset, offset + len)` of it is mapped: a memfd sealed against
+/// shrinking, not hugetlbfs, the offset page-aligned, the bytes there.
+fn check_untrusted(fd: BorrowedFd<'_>, offset: u64, len: usize) -> Result<(), SegmentError> {
+    if len == 0 {
+        return Err(SegmentError::Empty);
+    }
+    let seals = rustix::fs::fcntl_get_seals(fd).map_err(|e| SegmentError::NotMemfd(e.into()))?;
+    if !seals.contains(SealFlags::SHRINK) {
+        return Err(SegmentError::NotSealed);
+    }
+    // A hole punched into a hugetlbfs file frees its reservation; once
+    // the huge pages are gone, touching the hole raises SIGBUS. No seal
+    // prevents hole punching, so such files are refused outright.
+    if is_hugetlbfs(fd)? {
+        return Err(SegmentError::HugeTlb);
+    }
+    // The page size is a power of two.
+    if offset & (page_size() as u64 - 1) != 0 {
+        return Err(SegmentError::Unaligned { offset });
+    }
+    // The size is checked after the seal: from now on it cannot drop.
+    check_size(fd, offset, len)
+}
+
+/// Charges `n` mappings to `budget` (when given) and to the process's
+/// limit, or neither. The owner's share first: a tenant past its share
+/// is told so, not that the daemon as a whole is full.
+fn charge(n: usize, budget: Option<&Arc<MappingBudget>>) -> io::Result<()> {
+    let mut taken = 0;
+    if let Some(b) = budget {
+        while taken < n {
+            if let Err(e) = b.take() {
+                (0..taken).for_each(|_| b.give_back());
+                return Err(e);
+            }
+            taken += 1;
+        }
+    }
+    let limit = MAPPING_LIMIT.load(Ordering::Relaxed);
+    if LIVE_MAPPINGS.fetch_add(n, Ordering::Relaxed).saturating_add(n) > limit {
+        LIVE_MAPPINGS.fetch_sub(n, Ordering::Relaxed);
+        if let Some(b) = budget {
+            (0..taken).for_each(|_| b.give_back());
+        }
+        return Err(io::Error::new(
+            io::ErrorKind::OutOfMemory,
+            format!("the daemon holds its limit of {limit} memory mappings (see vm.max_map_count)"),
+        ));
+    }
+    Ok(())
+}
+
+/// Gives back what [`charge`] took for `n` mappings.
+fn uncharge(n: usize, budget: Option<&Arc<MappingBudget>>) {
+    LIVE_MAPPINGS.fetch_sub(n, Ordering::Relaxed);
+    if let Some(b) = budget {
+        (0..n).for_each(|_| b.give_back());
     }
 }
 

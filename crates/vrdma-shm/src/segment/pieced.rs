@@ -14,16 +14,11 @@
 use std::io;
 use std::os::fd::BorrowedFd;
 use std::ptr::NonNull;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use rustix::fs::SealFlags;
 use rustix::mm::{MapFlags, ProtFlags};
 
-use super::{
-    check_size, is_hugetlbfs, page_size, round_to_page, MappingBudget, SegmentError, LIVE_MAPPINGS,
-    MAPPING_LIMIT,
-};
+use super::{charge, check_untrusted, page_size, round_to_page, uncharge, MappingBudget, SegmentError};
 
 /// One piece: `len` bytes of `fd` from `offset` (page-aligned).
 #[derive(Debug, Clone, Copy)]
@@ -76,58 +71,21 @@ impl PiecedMapping {
         }
         let mut len = 0usize;
         for (i, p) in pieces.iter().enumerate() {
-            if p.len == 0 {
-                return Err(SegmentError::Empty);
-            }
-            if !p.offset.is_multiple_of(page as u64) {
-                return Err(SegmentError::Unaligned { offset: p.offset });
-            }
             if i + 1 < n && !p.len.is_multiple_of(page) {
                 return Err(SegmentError::Io(io::Error::new(
                     io::ErrorKind::InvalidInput,
                     format!("piece {i} of {n} is {} bytes, not whole pages", p.len),
                 )));
             }
-            let seals = rustix::fs::fcntl_get_seals(p.fd).map_err(|e| SegmentError::NotMemfd(e.into()))?;
-            if !seals.contains(SealFlags::SHRINK) {
-                return Err(SegmentError::NotSealed);
-            }
-            if is_hugetlbfs(p.fd)? {
-                return Err(SegmentError::HugeTlb);
-            }
-            check_size(p.fd, p.offset, p.len)?;
+            check_untrusted(p.fd, p.offset, p.len)?;
             len = len.checked_add(p.len).ok_or_else(overflow)?;
         }
         let map_len = round_to_page(len).ok_or_else(overflow)?;
-        let mut taken = 0;
-        let give_back = |taken: usize| {
-            if let Some(b) = budget {
-                (0..taken).for_each(|_| b.give_back());
-            }
-        };
-        if let Some(b) = budget {
-            while taken < n {
-                if let Err(e) = b.take() {
-                    give_back(taken);
-                    return Err(e.into());
-                }
-                taken += 1;
-            }
-        }
-        let limit = MAPPING_LIMIT.load(Ordering::Relaxed);
-        if LIVE_MAPPINGS.fetch_add(n, Ordering::Relaxed).saturating_add(n) > limit {
-            LIVE_MAPPINGS.fetch_sub(n, Ordering::Relaxed);
-            give_back(taken);
-            return Err(SegmentError::Io(io::Error::new(
-                io::ErrorKind::OutOfMemory,
-                format!("the daemon holds its limit of {limit} memory mappings (see vm.max_map_count)"),
-            )));
-        }
+        charge(n, budget)?;
         match Self::map(pieces, map_len) {
             Ok(ptr) => Ok(PiecedMapping { ptr, len, map_len, pieces: n, budget: budget.cloned() }),
             Err(e) => {
-                LIVE_MAPPINGS.fetch_sub(n, Ordering::Relaxed);
-                give_back(taken);
+                uncharge(n, budget);
                 Err(e.into())
             }
         }
@@ -219,10 +177,7 @@ impl Drop for PiecedMapping {
         if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.as_ptr().cast(), self.map_len) } {
             tracing::warn!(error = %e, "munmap of a pieced mapping failed");
         }
-        LIVE_MAPPINGS.fetch_sub(self.pieces, Ordering::Relaxed);
-        if let Some(b) = &self.budget {
-            (0..self.pieces).for_each(|_| b.give_back());
-        }
+        uncharge(self.pieces, self.budget.as_ref());
     }
 }
 
