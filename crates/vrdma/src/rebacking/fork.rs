@@ -27,10 +27,14 @@
 //! In a guest (`docs/vms.md`) re-backed pages are shared mappings of the
 //! VM's BAR (sysfs `resource2`, or the region memfd a host test maps), not
 //! of our memfds: the BAR's file is noted when a guest context opens it
-//! ([`note_guest_bar`]) and the child copies every shared mapping of it
-//! the same way, the rings and `alloc_mr` memory mapped from it too (the
-//! child may not use the parent's objects anyway, as with rdma-core, and
-//! a copy keeps whatever it does to them away from the parent's).
+//! ([`note_guest_bar`]) and the child copies the parts of its shared
+//! mappings that lie in a re-backed span, read from the registry whose
+//! lock the forking thread holds (reading a map allocates nothing). The
+//! rings and `alloc_mr` memory mapped from the BAR stay shared, as a host
+//! child shares the memfds they are made of: the same program behaves the
+//! same on a host and in a guest, and a fork copies only what must be
+//! copied. Were the registry's lock not taken, every shared mapping of the
+//! BAR is copied, as the safe side.
 //!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
@@ -120,12 +124,12 @@ fn is_guest_bar(dev: u64, ino: u64) -> bool {
 }
 
 extern "C" fn in_child() {
-    release();
-    if !REBACKED.load(Ordering::SeqCst) {
-        return;
+    // A panic must not unwind into the C caller of fork. The registry's
+    // lock is released after the copies, which read the registry.
+    if REBACKED.load(Ordering::SeqCst) {
+        let _ = std::panic::catch_unwind(privatize_all);
     }
-    // A panic must not unwind into the C caller of fork.
-    let _ = std::panic::catch_unwind(privatize_all);
+    release();
 }
 
 fn privatize_all() {
@@ -166,12 +170,41 @@ fn privatize_all() {
         }
         libc::close(fd);
         let text = std::slice::from_raw_parts(buf.cast::<u8>(), len);
-        for line in text.split(|&b| b == b'\n') {
-            if let Some((start, end, perms)) = rebacked_mapping(line, is_guest_bar) {
-                privatize(start, end, perms);
+        HELD.with(|held| {
+            let held = held.borrow();
+            for line in text.split(|&b| b == b'\n') {
+                let Some((start, end, perms)) = rebacked_mapping(line, is_guest_bar) else { continue };
+                match (held.as_deref(), line_is_ours(line)) {
+                    (Some(spans), false) => in_guest_spans(spans, start, end, |s, e| privatize(s, e, perms)),
+                    _ => privatize(start, end, perms),
+                }
             }
-        }
+        });
         libc::munmap(buf, cap);
+    }
+}
+
+/// Whether a maps line is a mapping of our memfd (the host's re-backed
+/// pages, copied whole) rather than of a VM's BAR.
+fn line_is_ours(line: &[u8]) -> bool {
+    let path = line.split(|&b| b == b' ').filter(|f| !f.is_empty()).nth(5).unwrap_or(&[]);
+    path.starts_with(super::MAPS_PATH_PREFIX.as_bytes())
+}
+
+/// Calls `each` with the parts of `[start, end)` that lie in a guest's
+/// re-backed span of `spans`, in order; allocates nothing.
+fn in_guest_spans(spans: &Spans, start: usize, end: usize, mut each: impl FnMut(usize, usize)) {
+    // The span that begins before `start` may reach into the range.
+    let first = spans.range(..start).next_back().map(|(&k, _)| k).unwrap_or(start);
+    for gens in spans.range(first..end).map(|(_, gens)| gens) {
+        let Some(span) = super::largest(gens) else { continue };
+        if span.guest.is_none() {
+            continue;
+        }
+        let (s, e) = (span.start.max(start), span.end().min(end));
+        if s < e {
+            each(s, e);
+        }
     }
 }
 
