@@ -5,6 +5,9 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "cli/vm_migrate.rs"]
+mod vm_migrate;
+
 const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
 
 /// A daemon process, killed by pid if the test did not stop it.

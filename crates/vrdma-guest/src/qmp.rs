@@ -97,7 +97,13 @@ impl Qmp {
     /// Connects (retrying for up to [`LIMIT`] while QEMU starts), reads
     /// the greeting and enters command mode.
     pub fn connect(path: &Path) -> Result<Qmp> {
-        let end = Instant::now() + LIMIT;
+        Qmp::connect_within(path, LIMIT)
+    }
+
+    /// [`Qmp::connect`], retrying for up to `limit` (an operator's
+    /// command, whose QEMU runs already, need not wait for one to start).
+    pub fn connect_within(path: &Path, limit: Duration) -> Result<Qmp> {
+        let end = Instant::now() + limit;
         let s = loop {
             match UnixStream::connect(path) {
                 Ok(s) => break s,

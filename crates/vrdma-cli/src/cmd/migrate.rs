@@ -156,20 +156,60 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
     Ok(())
 }
 
+/// Why a [`move_tenant`] stopped, and where that left the tenant.
+#[derive(Debug)]
+pub(crate) enum MoveError {
+    /// Nothing moved: the tenant serves on at the source (never paused,
+    /// or resumed there after a refusal).
+    AtSource(anyhow::Error),
+    /// Stopped past the point of return, or the source's resume failed:
+    /// the error says where the tenant is and what to do.
+    Stuck(anyhow::Error),
+}
+
+impl MoveError {
+    pub(crate) fn into_inner(self) -> anyhow::Error {
+        match self {
+            MoveError::AtSource(e) | MoveError::Stuck(e) => e,
+        }
+    }
+}
+
+/// What a [`move_tenant`] moved: QPs and bytes of device state.
+pub(crate) struct Moved {
+    pub qps: u32,
+    pub bytes: u64,
+}
+
+fn move_tenant(from: &Path, to: &Path, tenant: u32, vm: Option<&str>) -> Result<()> {
+    let m = move_steps(from, to, tenant, vm).map_err(MoveError::into_inner)?;
+    println!("tenant {tenant} moved: {} QPs, {} bytes of device state", m.qps, m.bytes);
+    Ok(())
+}
+
 /// Every step; a refusal after the pause resumes the tenant at the source.
 /// For a VM (`vm`), the VM's region is copied from the source's daemon to
 /// the destination's after the export: the last pass over the region that
 /// QEMU's migration cannot make (it does not see the daemon's writes), so
 /// this must run once QEMU's migration has completed (the destination
 /// QEMU loaded, its CPUs not yet running: docs/migration.md).
-fn move_tenant(from: &Path, to: &Path, tenant: u32, vm: Option<&str>) -> Result<()> {
-    let qps = vrdma::migrate::pause(from, tenant).with_context(|| format!("pause at {}", from.display()))?;
-    let cancel = |why: anyhow::Error| -> anyhow::Error {
+pub(crate) fn move_steps(
+    from: &Path,
+    to: &Path,
+    tenant: u32,
+    vm: Option<&str>,
+) -> std::result::Result<Moved, MoveError> {
+    let qps = vrdma::migrate::pause(from, tenant)
+        .with_context(|| format!("pause at {}", from.display()))
+        .map_err(MoveError::AtSource)?;
+    let cancel = |why: anyhow::Error| -> MoveError {
         match vrdma::migrate::resume(from, tenant) {
-            Ok(_) => {
-                why.context(format!("migration cancelled; tenant {tenant} resumed at {}", from.display()))
-            }
-            Err(e) => why.context(format!("migration failed and resuming at the source failed too: {e}")),
+            Ok(_) => MoveError::AtSource(
+                why.context(format!("migration cancelled; tenant {tenant} resumed at {}", from.display())),
+            ),
+            Err(e) => MoveError::Stuck(
+                why.context(format!("migration failed and resuming at the source failed too: {e}")),
+            ),
         }
     };
     let (snapshot, len, _) = vrdma::migrate::export(from, tenant)
@@ -183,22 +223,25 @@ fn move_tenant(from: &Path, to: &Path, tenant: u32, vm: Option<&str>) -> Result<
         .map_err(cancel)?;
     // From here the destination holds it: the source lets go first, so
     // that the two never both serve it.
-    vrdma::migrate::finish(from, tenant).with_context(|| {
-        format!(
-            "finish at {} (the tenant is imported, paused, at {}: pause and finish it there to cancel)",
-            from.display(),
-            to.display()
-        )
-    })?;
-    vrdma::migrate::resume(to, tenant).with_context(|| format!("resume at {}", to.display()))?;
-    println!("tenant {tenant} moved: {qps} QPs, {len} bytes of device state");
-    Ok(())
+    vrdma::migrate::finish(from, tenant)
+        .with_context(|| {
+            format!(
+                "finish at {} (the tenant is imported, paused, at {}: pause and finish it there to cancel)",
+                from.display(),
+                to.display()
+            )
+        })
+        .map_err(MoveError::Stuck)?;
+    vrdma::migrate::resume(to, tenant)
+        .with_context(|| format!("resume at {}", to.display()))
+        .map_err(MoveError::Stuck)?;
+    Ok(Moved { qps, bytes: len })
 }
 
 /// Writes VM `name`'s region on the daemon at `socket` to `out` (a new
 /// file, mode 0600: it is the guest's memory); returns its length.
 fn save_region(socket: &Path, name: &str, out: &Path) -> Result<u64> {
-    use std::os::unix::fs::{FileExt as _, OpenOptionsExt as _};
+    use std::os::unix::fs::OpenOptionsExt as _;
     let r = vrdma::vm::attach_at(socket, name)
         .with_context(|| format!("VM {name:?}'s region at {}", socket.display()))?;
     let (region, len) = (std::fs::File::from(r.region), r.region_len);
@@ -208,16 +251,7 @@ fn save_region(socket: &Path, name: &str, out: &Path) -> Result<u64> {
         .mode(0o600)
         .open(out)
         .with_context(|| format!("creating {}", out.display()))?;
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0u64;
-    while at < len {
-        let n = buf.len().min(usize::try_from(len - at).unwrap_or(usize::MAX));
-        region
-            .read_exact_at(&mut buf[..n], at)
-            .with_context(|| format!("reading VM {name:?}'s region at {at}"))?;
-        file.write_all_at(&buf[..n], at).with_context(|| format!("writing {}", out.display()))?;
-        at += n as u64;
-    }
+    copy_bytes(&region, &file, len, &format!("VM {name:?}'s region"), &out.display().to_string())?;
     Ok(len)
 }
 
@@ -225,7 +259,6 @@ fn save_region(socket: &Path, name: &str, out: &Path) -> Result<u64> {
 /// daemon at `socket`; its length must be the region's (the same
 /// `[vms.NAME]` on both hosts).
 fn load_region(socket: &Path, name: &str, input: &Path) -> Result<()> {
-    use std::os::unix::fs::FileExt as _;
     let file = std::fs::File::open(input).with_context(|| format!("opening {}", input.display()))?;
     let meta = file.metadata().with_context(|| format!("reading {}", input.display()))?;
     anyhow::ensure!(meta.is_file(), "{} is not a regular file", input.display());
@@ -238,24 +271,12 @@ fn load_region(socket: &Path, name: &str, input: &Path) -> Result<()> {
         input.display(),
         meta.len()
     );
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0u64;
-    while at < len {
-        let n = buf.len().min(usize::try_from(len - at).unwrap_or(usize::MAX));
-        file.read_exact_at(&mut buf[..n], at)
-            .with_context(|| format!("reading {} at {at}", input.display()))?;
-        region
-            .write_all_at(&buf[..n], at)
-            .with_context(|| format!("writing VM {name:?}'s region at {at}"))?;
-        at += n as u64;
-    }
-    Ok(())
+    copy_bytes(&file, &region, len, &input.display().to_string(), &format!("VM {name:?}'s region"))
 }
 
 /// Copies VM `name`'s region on the daemon at `from` into its region on
 /// the daemon at `to` (both attached here, so both on this machine).
 fn copy_region(from: &Path, to: &Path, name: &str) -> Result<()> {
-    use std::os::unix::fs::FileExt as _;
     let a = vrdma::vm::attach_at(from, name)
         .with_context(|| format!("VM {name:?}'s region at {}", from.display()))?;
     let c = vrdma::vm::attach_at(to, name)
@@ -270,13 +291,26 @@ fn copy_region(from: &Path, to: &Path, name: &str) -> Result<()> {
     );
     let len = a.region_len;
     let (a, c) = (std::fs::File::from(a.region), std::fs::File::from(c.region));
+    let what = format!("VM {name:?}'s region");
+    copy_bytes(&a, &c, len, &format!("{what} at {}", from.display()), &format!("{what} at {}", to.display()))
+}
+
+/// Copies the first `len` bytes of `src` to the same offsets of `dst`, a
+/// MiB at a time; `src_name` and `dst_name` say which in an error.
+fn copy_bytes(
+    src: &std::fs::File,
+    dst: &std::fs::File,
+    len: u64,
+    src_name: &str,
+    dst_name: &str,
+) -> Result<()> {
+    use std::os::unix::fs::FileExt as _;
     let mut buf = vec![0u8; 1 << 20];
     let mut at = 0u64;
     while at < len {
         let n = buf.len().min(usize::try_from(len - at).unwrap_or(usize::MAX));
-        a.read_exact_at(&mut buf[..n], at)
-            .with_context(|| format!("reading VM {name:?}'s region at {at}"))?;
-        c.write_all_at(&buf[..n], at).with_context(|| format!("writing VM {name:?}'s region at {at}"))?;
+        src.read_exact_at(&mut buf[..n], at).with_context(|| format!("reading {src_name} at {at}"))?;
+        dst.write_all_at(&buf[..n], at).with_context(|| format!("writing {dst_name} at {at}"))?;
         at += n as u64;
     }
     Ok(())

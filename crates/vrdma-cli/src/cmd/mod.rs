@@ -7,3 +7,4 @@ pub mod migrate;
 pub mod run;
 pub mod stat;
 pub mod vm;
+pub mod vm_migrate;

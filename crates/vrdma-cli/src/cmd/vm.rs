@@ -15,6 +15,9 @@
 //!   initramfs with this `vrdma`, the drop-in libraries `vrdma run` would
 //!   use, and Debian's verbs tools, and the operator's own programs
 //!   (`--program PATH`, at `/usr/bin/NAME` with their libraries).
+//! - `vrdma vm migrate NAME --to SOCKET --qmp PATH --to-qmp PATH --uri
+//!   URI` live-migrates the VM: QEMU's migration and the daemon step in
+//!   their order ([`super::vm_migrate`]).
 //!
 //! This module only turns the CLI into those calls and their errors into
 //! messages an operator can act on.
@@ -59,6 +62,8 @@ pub enum Command {
         #[arg(long, value_name = "PROGRAM")]
         program: Vec<String>,
     },
+    /// Live-migrate VM NAME to another daemon: QEMU's migration, then the daemon step, then the destination's cont.
+    Migrate(super::vm_migrate::Args),
 }
 
 impl Command {
@@ -69,6 +74,7 @@ impl Command {
             Command::Run { .. } => Some("vm run"),
             Command::Args { .. } => Some("vm args"),
             Command::Image { .. } => None,
+            Command::Migrate(_) => Some("vm migrate"),
         }
     }
 }
@@ -84,6 +90,15 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
             Ok(())
         }
         Command::Image { out, no_tools, program } => image(&out, no_tools, &program),
+        Command::Migrate(a) => super::vm_migrate::run(&super::vm_migrate::Request {
+            name: &a.name,
+            from: &socket,
+            to: &a.to,
+            qmp: &a.qmp,
+            to_qmp: &a.to_qmp,
+            uri: &a.uri,
+            quit_source: a.quit_source,
+        }),
     }
 }
 

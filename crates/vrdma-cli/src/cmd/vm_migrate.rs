@@ -1,0 +1,172 @@
+//! `vrdma vm migrate NAME --to SOCKET --qmp PATH --to-qmp PATH --uri URI`:
+//! a live migration of a VM with vRDMA attached, QEMU's part and the
+//! daemons' in one command (issue 19, `docs/migration.md`, "Worked
+//! example: QEMU moves a VM").
+//!
+//! The order is the one the worked example gives, and it is the point of
+//! the command: QEMU's live pass runs while the guest and its RDMA
+//! traffic go on; only once QEMU's migration completed (the source's
+//! CPUs stopped) and the destination loaded the VM does the daemon step
+//! run (`migrate::move_steps`: pause, export, the region's last copy,
+//! import, finish, resume), and only then do the destination's CPUs run.
+//! Each failure leaves one copy of the VM running, and says which:
+//!
+//! - QEMU's migration fails or is cancelled: QEMU itself runs the VM on
+//!   at the source; nothing of vRDMA was touched. One that does not
+//!   complete within QEMU's wait (`qmp::MIGRATION_LIMIT`) is cancelled.
+//! - The destination does not load the VM, or the daemon step is refused
+//!   before the point of return (the tenant resumed at the source): the
+//!   source's CPUs are continued (`cont`, which QEMU allows after a
+//!   completed migration), the destination's QEMU is left stopped with a
+//!   copy that never ran, for the operator to quit.
+//! - The daemon step fails past that point: both QEMUs stay stopped and
+//!   the error says where the tenant is.
+//!
+//! Both QEMUs' QMP sockets and both daemons' control sockets must be
+//! reachable from here (one machine, or sockets forwarded); between
+//! machines without that, run the worked example's steps by hand.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context as _, Result};
+use vrdma_guest::qmp::Qmp;
+
+use super::migrate::{move_steps, MoveError};
+
+/// How long a QMP socket may take to accept: the QEMUs run already.
+const QMP_CONNECT: Duration = Duration::from_secs(5);
+
+/// What the command is told.
+pub struct Request<'a> {
+    pub name: &'a str,
+    /// The source's and the destination's daemons.
+    pub from: &'a Path,
+    pub to: &'a Path,
+    /// The source's and the destination's QMP sockets.
+    pub qmp: &'a Path,
+    pub to_qmp: &'a Path,
+    /// Where the source's QEMU sends the VM (the destination's
+    /// `-incoming`), as QMP's `migrate` takes it.
+    pub uri: &'a str,
+    /// Quit the source's QEMU once the VM runs at the destination.
+    pub quit_source: bool,
+}
+
+pub fn run(r: &Request<'_>) -> Result<()> {
+    let tenant = vrdma::migrate::vm_tenant(r.from, r.name)
+        .with_context(|| format!("the tenant of VM {:?} (daemon at {})", r.name, r.from.display()))?;
+    let mut qa = qmp(r.qmp, "the source's")?;
+    let mut qc = qmp(r.to_qmp, "the destination's")?;
+    let (sa, sc) = (qa.status()?, qc.status()?);
+    if sc != "inmigrate" {
+        bail!(
+            "the destination's QEMU ({}) is {sc:?}, not waiting for a VM: start it with `-incoming {}` \
+             (and -S), attached with `vrdma --socket {} vm run {}`",
+            r.to_qmp.display(),
+            r.uri,
+            r.to.display(),
+            r.name
+        );
+    }
+    if !matches!(sa.as_str(), "running" | "paused") {
+        bail!("the source's QEMU ({}) is {sa:?}: it has no VM to migrate", r.qmp.display());
+    }
+
+    // QEMU's live pass, the guest and its traffic running meanwhile.
+    let t0 = Instant::now();
+    qa.migrate(r.uri).context("the source's QEMU refused to migrate")?;
+    let m = match qa.wait_completed() {
+        Ok(m) => m,
+        // Still running after QEMU's limit: cancelled, or it might complete
+        // later with nobody to make the daemon step and continue the VM.
+        Err(e @ vrdma_guest::qmp::Error::Waited { .. }) => {
+            let why = match qa.exec(r#"{"execute":"migrate_cancel"}"#) {
+                Ok(_) => "QEMU's migration did not complete in time and was cancelled; the VM runs on at the source",
+                Err(_) => "QEMU's migration did not complete in time, and cancelling it failed: see the source's query-migrate",
+            };
+            return Err(anyhow::Error::new(e).context(why));
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e)
+                .context("QEMU's migration did not complete; the VM runs on at the source"))
+        }
+    };
+    let completed = Instant::now();
+    let resume_source = |qa: &mut Qmp, why: anyhow::Error| -> anyhow::Error {
+        match qa.exec(r#"{"execute":"cont"}"#) {
+            Ok(_) => why.context(format!(
+                "the VM runs on at the source; the destination's QEMU ({}) holds a copy that never ran: quit it",
+                r.to_qmp.display()
+            )),
+            Err(e) => why.context(format!("and continuing the source's QEMU failed too: {e}")),
+        }
+    };
+    if let Err(e) = qc.wait_loaded() {
+        return Err(resume_source(
+            &mut qa,
+            anyhow::Error::new(e).context("the destination did not load the VM"),
+        ));
+    }
+    let step = Instant::now();
+    let moved = match move_steps(r.from, r.to, tenant, Some(r.name)) {
+        Ok(m) => m,
+        Err(MoveError::AtSource(e)) => return Err(resume_source(&mut qa, e)),
+        Err(MoveError::Stuck(e)) => {
+            return Err(
+                e.context("both QEMUs are left stopped (`cont` the one whose daemon serves the tenant)")
+            )
+        }
+    };
+    let step = step.elapsed();
+    qc.exec(r#"{"execute":"cont"}"#).context("continuing the destination's QEMU")?;
+    let stopped = completed.elapsed();
+    if r.quit_source {
+        // QEMU answers `quit` and closes: an error here is its going.
+        let _ = qa.exec(r#"{"execute":"quit"}"#);
+    }
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    println!(
+        "VM {:?} moved to {}: QEMU's live pass {:.0} ms ({} dirty syncs, its downtime {} ms); the vRDMA step \
+         {:.0} ms ({} QPs, {} bytes of device state); the VM stopped {:.0} ms from QEMU's completion to the \
+         destination's cont",
+        r.name,
+        r.to.display(),
+        ms(completed - t0),
+        m["ram"]["dirty-sync-count"].as_u64().unwrap_or(0),
+        m["downtime"].as_u64().map_or("?".to_string(), |d| d.to_string()),
+        ms(step),
+        moved.qps,
+        moved.bytes,
+        ms(stopped),
+    );
+    Ok(())
+}
+
+fn qmp(path: &Path, whose: &str) -> Result<Qmp> {
+    Qmp::connect_within(path, QMP_CONNECT).with_context(|| {
+        format!("{whose} QEMU's QMP socket {} (QEMU's `-qmp unix:PATH,server=on,wait=off`)", path.display())
+    })
+}
+
+/// The CLI's arguments of `vrdma vm migrate`.
+#[derive(clap::Args)]
+pub struct Args {
+    /// The VM's name in both daemons' configs (the same `[vms.NAME]`).
+    pub name: String,
+    /// The destination daemon's control socket (`--socket` is the source's).
+    #[arg(long, value_name = "SOCKET")]
+    pub to: PathBuf,
+    /// The source QEMU's QMP socket.
+    #[arg(long, value_name = "PATH")]
+    pub qmp: PathBuf,
+    /// The destination QEMU's QMP socket (started with -incoming URI and -S).
+    #[arg(long, value_name = "PATH")]
+    pub to_qmp: PathBuf,
+    /// Where the source's QEMU sends the VM: the destination's -incoming URI (e.g. unix:/run/mig.sock).
+    #[arg(long, value_name = "URI")]
+    pub uri: String,
+    /// Quit the source's QEMU once the VM runs at the destination.
+    #[arg(long)]
+    pub quit_source: bool,
+}
