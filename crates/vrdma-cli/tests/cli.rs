@@ -5,8 +5,12 @@ use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+#[path = "cli/stand_in.rs"]
+mod stand_in;
 #[path = "cli/vm_migrate.rs"]
 mod vm_migrate;
+#[path = "cli/vm_snapshot.rs"]
+mod vm_snapshot;
 
 const VRDMA: &str = env!("CARGO_BIN_EXE_vrdma");
 

@@ -240,7 +240,7 @@ pub(crate) fn move_steps(
 
 /// Writes VM `name`'s region on the daemon at `socket` to `out` (a new
 /// file, mode 0600: it is the guest's memory); returns its length.
-fn save_region(socket: &Path, name: &str, out: &Path) -> Result<u64> {
+pub(crate) fn save_region(socket: &Path, name: &str, out: &Path) -> Result<u64> {
     use std::os::unix::fs::OpenOptionsExt as _;
     let r = vrdma::vm::attach_at(socket, name)
         .with_context(|| format!("VM {name:?}'s region at {}", socket.display()))?;
@@ -258,7 +258,7 @@ fn save_region(socket: &Path, name: &str, out: &Path) -> Result<u64> {
 /// Writes `input` (from [`save_region`]) into VM `name`'s region on the
 /// daemon at `socket`; its length must be the region's (the same
 /// `[vms.NAME]` on both hosts).
-fn load_region(socket: &Path, name: &str, input: &Path) -> Result<()> {
+pub(crate) fn load_region(socket: &Path, name: &str, input: &Path) -> Result<()> {
     let file = std::fs::File::open(input).with_context(|| format!("opening {}", input.display()))?;
     let meta = file.metadata().with_context(|| format!("reading {}", input.display()))?;
     anyhow::ensure!(meta.is_file(), "{} is not a regular file", input.display());
@@ -319,7 +319,7 @@ fn copy_bytes(
 /// The snapshot memfd's `len` bytes, read from its start: the
 /// descriptor shares the daemon's file offset (it came over the socket),
 /// which the daemon's writes left at the end, so a plain read gets none.
-fn read_all(fd: std::os::fd::OwnedFd, len: u64) -> Result<Vec<u8>> {
+pub(crate) fn read_all(fd: std::os::fd::OwnedFd, len: u64) -> Result<Vec<u8>> {
     use std::os::unix::fs::FileExt as _;
     let file = std::fs::File::from(fd);
     let size = file.metadata().context("the snapshot's size")?.len();

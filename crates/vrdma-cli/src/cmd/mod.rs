@@ -8,3 +8,4 @@ pub mod run;
 pub mod stat;
 pub mod vm;
 pub mod vm_migrate;
+pub mod vm_snapshot;

@@ -18,6 +18,8 @@
 //! - `vrdma vm migrate NAME --to SOCKET --qmp PATH --to-qmp PATH --uri
 //!   URI` live-migrates the VM: QEMU's migration and the daemon step in
 //!   their order ([`super::vm_migrate`]).
+//! - `vrdma vm savevm|loadvm NAME --qmp PATH --tag TAG --dir DIR`: QEMU's
+//!   snapshots with the daemon's step beside each ([`super::vm_snapshot`]).
 //!
 //! This module only turns the CLI into those calls and their errors into
 //! messages an operator can act on.
@@ -64,6 +66,10 @@ pub enum Command {
     },
     /// Live-migrate VM NAME to another daemon: QEMU's migration, then the daemon step, then the destination's cont.
     Migrate(super::vm_migrate::Args),
+    /// QEMU's savevm TAG with the daemon's step: the tenant's state and the region's bytes kept beside it in DIR.
+    Savevm(super::vm_snapshot::SaveArgs),
+    /// QEMU's loadvm TAG with the daemon's step: the running copy's state dropped, the saved one imported.
+    Loadvm(super::vm_snapshot::Args),
 }
 
 impl Command {
@@ -75,6 +81,8 @@ impl Command {
             Command::Args { .. } => Some("vm args"),
             Command::Image { .. } => None,
             Command::Migrate(_) => Some("vm migrate"),
+            Command::Savevm(_) => Some("vm savevm"),
+            Command::Loadvm(_) => Some("vm loadvm"),
         }
     }
 }
@@ -99,6 +107,8 @@ pub fn run(socket: Option<PathBuf>, cmd: Command) -> Result<()> {
             uri: &a.uri,
             quit_source: a.quit_source,
         }),
+        Command::Savevm(a) => super::vm_snapshot::save(&socket, &a),
+        Command::Loadvm(a) => super::vm_snapshot::load(&socket, &a),
     }
 }
 
