@@ -78,15 +78,16 @@
 //! "rsocket"; module `rsocket`): an rsocket is a kernel socket whose
 //! stream connections the carrier negotiates through the daemons and
 //! carries over vRDMA, or leaves TCP; datagram rsockets are kernel UDP.
+//! Direct placement (`riomap`, `riounmap`, `riowrite`) works on carried
+//! connections (`riostream` runs).
 //!
 //! Not implemented yet, failing with `ENOSYS` and one line on stderr
 //! naming the function the first time it is called: multicast
 //! (`rdma_join_multicast*`, `rdma_leave_multicast`, and already
 //! `rdma_resolve_addr` to a multicast group, which is where `mckey`
 //! stops), `rdma_notify`, `rdma_create_srq*` / `rdma_destroy_srq`, the
-//! ECE pair (`rdma_set_local_ece`, `rdma_get_remote_ece`; `rdma_reject_ece`
-//! rejects) and rsocket's direct placement (`riomap`, `riounmap`,
-//! `riowrite`: `riostream` stops there).
+//! ECE pair (`rdma_set_local_ece`, `rdma_get_remote_ece`;
+//! `rdma_reject_ece` rejects).
 //!
 //! # Differences from rdma-core that programs can observe
 //!

@@ -11,8 +11,9 @@
 //!   (many connections set up and torn down at once), `rdma_server` /
 //!   `rdma_client` (`rdma_getaddrinfo`, `rdma_create_ep`,
 //!   `rdma_get_request`, synchronous ids, `rdma_verbs.h`), `mckey`
-//!   (multicast, not implemented: it must fail clearly) and `rstream`/
-//!   `riostream` (rsockets, which come with the socket issue: the same);
+//!   (multicast, not implemented: it must fail clearly) and `rstream`
+//!   to no listener (the rsocket API itself, `riostream` too, is tested in
+//!   `rsocket.rs`);
 //! - across two hosts in network namespaces (a daemon in each, joined
 //!   by a veth pair, as `vrdma_it::NetnsHosts` makes them): `rping`, `ucmatose`,
 //!   `udaddy`, `cmtime`, `rdma_server`/`rdma_client`, every perftest
@@ -842,8 +843,7 @@ fn a_tenant_flooding_connection_requests_leaves_another_tenant_unaffected() {
 /// must fail at once, as rstream over plain sockets (`-T s`) fails: its
 /// non-blocking connect's `rpoll` gives POLLERR, and rstream says
 /// "rpoll" (with the connect's stale EINPROGRESS). (The rsocket API
-/// itself is tested in `rsocket.rs`; riostream's missing riomap there
-/// too.)
+/// itself is tested in `rsocket.rs`, riostream too.)
 #[test]
 fn rstream_to_no_listener_fails_at_once_refused() {
     let Some(s) = setup(RSTREAM, "rdmacm-utils") else { return };

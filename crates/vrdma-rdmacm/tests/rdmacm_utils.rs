@@ -231,7 +231,7 @@ fn c_checks_of_channels_ids_and_addresses() {
     f.assert_ok();
     assert!(f.stdout.contains("cm_check: OK"), "{}", f.describe());
     // The one-time notice of a call that is not implemented names it.
-    assert!(f.stderr.contains("riomap is not implemented"), "{}", f.describe());
+    assert!(f.stderr.contains("rdma_notify is not implemented"), "{}", f.describe());
 }
 
 /// `tests/c/cm_destroy_waiting.c`: a channel destroyed while another

@@ -1,8 +1,9 @@
 //! The rsocket API of the drop-in `librdmacm.so.1`, run by Debian's
 //! `rdmacm-utils` (`rstream`, `rcopy`, `udpong`, `riostream`), by a
 //! sockets program under rdma-core's `librspreload.so`, and by
-//! `tests/c/rsocket_check.c` (bad input and the calls the tools do not
-//! make), against a daemon this test process runs.
+//! `tests/c/rsocket_check.c` and `tests/c/riomap_check.c` (bad input and
+//! the calls the tools do not make), against a daemon this test process
+//! runs.
 //!
 //! Stream rsockets are the sockets carrier's (`libvrdma_sockets.so`,
 //! which cargo builds beside this library as a dev-dependency): each test
@@ -287,42 +288,44 @@ fn udpong_ping_pongs_over_datagram_rsockets() {
     drop(server);
 }
 
-/// riostream needs riomap (direct placement), which vRDMA's rsockets do
-/// not have: it fails at once, saying so, rather than hang or crash.
+/// riostream's direct placement: each end maps its buffer (`riomap`),
+/// the other `riowrite`s into it and the receiver watches the buffer's
+/// last byte, verified byte for byte (`-T v`); blocking (`-T b`) and
+/// asynchronous (`-T a`: non-blocking, `rpoll` before each call), both
+/// ends carried, each end's ten transfers `riowrite`s.
 #[test]
-fn riostream_is_told_riomap_is_not_implemented() {
+fn riostream_places_verified_transfers_over_carried_rsockets() {
     let Some(s) = setup(RIOSTREAM) else { return };
     let _turn = one_at_a_time();
-    let port = free_port();
-    let p = port.to_string();
-    let mut srv = s.command(RIOSTREAM);
-    srv.args(["-b", "127.0.0.1", "-p", &p, "-S", "4096", "-C", "10"]);
-    let mut server = spawn(srv, "riostream (server)");
-    assert!(s.wait_listening(port, &mut server), "the riostream server never listened");
-    let mut cli = s.command(RIOSTREAM);
-    cli.args(["-s", "127.0.0.1", "-p", &p, "-S", "4096", "-C", "10"]);
-    let client = spawn(cli, "riostream (client)").finish(LIMIT);
-    let server = server.finish(LIMIT);
-    for f in [&client, &server] {
-        assert!(!f.status.success(), "{}", f.describe());
-        assert!(f.status.code().is_some(), "an exit, not a signal\n{}", f.describe());
-        assert!(f.stderr.contains("riomap is not implemented"), "{}", f.describe());
-        assert!(f.stderr.contains("riomap: Function not implemented"), "{}", f.describe());
+    for mode in ["b", "a"] {
+        let args = ["-S", "4096", "-C", "10", "-T", "v", "-T", mode];
+        let port = free_port();
+        let p = port.to_string();
+        let mut srv = s.command(RIOSTREAM);
+        srv.args(["-b", "127.0.0.1", "-p", &p]).args(args);
+        let mut server = spawn(srv, &format!("riostream (server) -T {mode}"));
+        assert!(s.wait_listening(port, &mut server), "the riostream server never listened");
+        let mut cli = s.command(RIOSTREAM);
+        cli.args(["-s", "127.0.0.1", "-p", &p]).args(args);
+        let client = spawn(cli, &format!("riostream (client) -T {mode}")).finish(LIMIT);
+        let server = server.finish(LIMIT);
+        for f in [&server, &client] {
+            assert_carried(f, 1);
+            assert_rstream_ran(f, "4k");
+            assert!(f.stderr.contains("riowrites 10,"), "the transfers were riowrites\n{}", f.describe());
+        }
     }
 }
 
-/// `tests/c/rsocket_check.c`: bad input fails with errno (also on a
-/// carried connection, where the carrier copies in user space), and the
-/// calls the tools do not make work.
-#[test]
-fn c_checks_of_rsocket_calls_and_bad_input() {
-    let Some(s) = setup(RSTREAM) else { return };
+/// Compiles `tests/c/NAME.c` against the drop-in libraries; `None` (said)
+/// without the header or a C compiler.
+fn compile_c(s: &Setup, name: &str) -> Option<PathBuf> {
     if !Path::new("/usr/include/rdma/rsocket.h").exists() {
         vrdma_it::skip("/usr/include/rdma/rsocket.h is missing (apt-get install librdmacm-dev)");
-        return;
+        return None;
     }
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/rsocket_check.c");
-    let exe = s.dir.path().join("rsocket_check");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("tests/c/{name}.c"));
+    let exe = s.dir.path().join(name);
     let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
     let out = Command::new(&cc)
         .args(["-O2", "-Wall", "-o"])
@@ -334,13 +337,36 @@ fn c_checks_of_rsocket_calls_and_bad_input() {
         .stdin(Stdio::null())
         .output();
     match out {
-        Ok(o) if o.status.success() => {}
+        Ok(o) if o.status.success() => Some(exe),
         Ok(o) => panic!("{cc} failed:\n{}", String::from_utf8_lossy(&o.stderr)),
         Err(e) => {
             vrdma_it::skip(format!("no C compiler ({cc}: {e})"));
-            return;
+            None
         }
     }
+}
+
+/// `tests/c/riomap_check.c`: direct placement's bad input and edges (a
+/// write before the peer mapped, past the end, after riounmap, a full
+/// table, descriptors that carry nothing) fail with errno, and a
+/// riowrite's bytes are in place when a message sent after it arrives.
+#[test]
+fn c_checks_of_direct_placement() {
+    let Some(s) = setup(RSTREAM) else { return };
+    let _turn = one_at_a_time();
+    let Some(exe) = compile_c(s, "riomap_check") else { return };
+    let f = spawn(s.command(exe.to_str().expect("utf-8 path")), "riomap_check").finish(LIMIT);
+    assert!(f.stdout.contains("riomap_check: OK"), "{}", f.describe());
+    assert_carried(&f, 2);
+}
+
+/// `tests/c/rsocket_check.c`: bad input fails with errno (also on a
+/// carried connection, where the carrier copies in user space), and the
+/// calls the tools do not make work.
+#[test]
+fn c_checks_of_rsocket_calls_and_bad_input() {
+    let Some(s) = setup(RSTREAM) else { return };
+    let Some(exe) = compile_c(s, "rsocket_check") else { return };
     let f = spawn(s.command(exe.to_str().expect("utf-8 path")), "rsocket_check").finish(LIMIT);
     assert!(f.stdout.contains("rsocket_check: OK"), "{}", f.describe());
     // Its connection's two ends, both in this one process.

@@ -18,13 +18,13 @@ use crate::stream::{Route, Stream, ENDED};
 use crate::table::{self, keep_errno, set_errno, Entry, Guard};
 
 /// Where a data call on `fd` goes.
-enum Target {
+pub(crate) enum Target {
     Pass,
     Link(Arc<Link>),
     Fail(c_int),
 }
 
-fn target(fd: c_int) -> Target {
+pub(crate) fn target(fd: c_int) -> Target {
     let Some(_g) = Guard::enter() else { return Target::Pass };
     match table::get(fd) {
         Some(Entry::Stream(s)) => match s.take() {

@@ -102,7 +102,9 @@
 //! The drop-in `librdmacm.so.1` also loads this library (`dlopen`,
 //! `RTLD_LOCAL | RTLD_DEEPBIND`) and calls its exports by name for its
 //! rsocket API (`rread` is this `read`, ...: `docs/sockets.md`,
-//! "rsocket"), so the exports' names and C prototypes are an interface.
+//! "rsocket"), so the exports' names and C prototypes are an interface;
+//! rsocket's direct placement (`riomap`, `riounmap`, `riowrite`) has
+//! exports of its own, `vrdma_sockets_riomap` and the like ([`rio`]).
 
 mod addr;
 mod credit;
@@ -118,5 +120,6 @@ mod pid;
 mod progress;
 mod readiness;
 mod real;
+mod rio;
 mod stream;
 mod table;

@@ -10,7 +10,8 @@
 //! peer's orderly close (`CLOSED`: its last descriptor is closed, every
 //! byte it wrote has landed, and its QP is about to go) and the peer
 //! writer's request for a credit wake-up (`WANT`, [`crate::credit`]:
-//! this end's reader answers it with a send). The staging
+//! this end's reader answers it with a send), then the table of the
+//! peer's mappings for direct placement (`IOMAP`, [`iomap`]). The staging
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.
 
@@ -27,6 +28,8 @@ use crate::dev::Dev;
 use crate::real;
 use crate::stream::Sock;
 
+mod iomap;
+
 /// Bytes of each direction's ring.
 pub const RING: usize = 256 * 1024;
 const WRITTEN: usize = RING;
@@ -34,7 +37,9 @@ const CONSUMED: usize = RING + 8;
 const SLEEPING: usize = RING + 16;
 const CLOSED: usize = RING + 24;
 const WANT: usize = RING + 32;
-const REGION: usize = RING + 64;
+/// The peer's mappings ([`iomap`]).
+const IOMAP: usize = RING + 64;
+const REGION: usize = IOMAP + iomap::SLOTS * iomap::ENTRY;
 /// A write's pieces of the caller's vector that the direct path takes at
 /// once; a write gathered from more goes through the staging region.
 const DIRECT_PIECES: usize = 8;
@@ -55,13 +60,16 @@ const TAIL_SLOTS: usize = 16;
 /// `CONSUMED` and `SLEEPING`), posted without waiting: a slot of its own,
 /// untouched until its write completed.
 const S_ARM: usize = S_TAILS + 8 * TAIL_SLOTS;
-const STAGE: usize = S_ARM + 16;
+/// A mapping's entry, sent into the peer's table (waited for).
+const S_IOMAP: usize = S_ARM + 16;
+const STAGE: usize = S_IOMAP + iomap::ENTRY;
 /// Writes posted and not completed, at most, per connection (two work
 /// requests each, beside one word write of the reader's, a probe, a
-/// `WANT` and the sends that answer the peer's, in a send queue of
-/// [`SEND_WRS`]). Fewer than [`TAIL_SLOTS`].
+/// `WANT`, the sends that answer the peer's and up to 12 of direct
+/// placement's ([`iomap`]), in a send queue of [`SEND_WRS`]). Fewer than
+/// [`TAIL_SLOTS`].
 const IN_FLIGHT: usize = 12;
-const SEND_WRS: u32 = 40;
+const SEND_WRS: u32 = 48;
 /// Receives posted for the peer's answers to `WANT` (one owed at most).
 const RECVS: usize = 2;
 
@@ -96,7 +104,9 @@ const WAIT_MAX: Duration = Duration::from_millis(10);
 /// The hello each end sends once both decided to carry.
 pub const HELLO_LEN: usize = 64;
 const MAGIC: &[u8; 4] = b"VRSK";
-const VERSION: u32 = 1;
+/// 2: the ring region holds the peer's mapping table ([`iomap`]). A peer
+/// of another version is refused (`EPROTO`: the connection is reset).
+const VERSION: u32 = 2;
 
 /// In place of a hello: "this end stays plain TCP" (its program is about
 /// to `exec` a program that inherits the connection, which must find a
@@ -174,8 +184,17 @@ pub struct Link {
     /// close).
     writes: AtomicU32,
     direct_writes: AtomicU32,
+    /// `riowrite`s, their pieces the direct path took from the caller's
+    /// buffer (`VRDMA_SOCKETS_DEBUG` prints them at the close), and those
+    /// since the last signaled write ([`iomap`]).
+    iowrites: AtomicU32,
+    io_direct: AtomicU32,
+    io_unsignaled: AtomicU32,
     rx: Mutex<Rx>,
     tx: Mutex<Tx>,
+    /// This end's mappings for the peer's direct placement (taken after
+    /// `tx`).
+    iomaps: Mutex<iomap::Local>,
 }
 
 struct Rx {
@@ -332,9 +351,13 @@ impl Half {
             wakes: AtomicU32::new(0),
             writes: AtomicU32::new(0),
             direct_writes: AtomicU32::new(0),
+            iowrites: AtomicU32::new(0),
+            io_direct: AtomicU32::new(0),
+            io_unsignaled: AtomicU32::new(0),
             // Both ends start armed with generation 1 (set just above).
             rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true, arm_id: 0, settled: true }),
             tx: Mutex::new(Tx::default()),
+            iomaps: Mutex::new(iomap::Local::default()),
         })
     }
 }
@@ -1376,6 +1399,13 @@ impl Link {
             self.writes.load(Ordering::Relaxed),
             self.direct_writes.load(Ordering::Relaxed)
         ));
+        let io = self.iowrites.load(Ordering::Relaxed);
+        if io > 0 {
+            crate::dev::debug(&format!(
+                "riowrites {io}, pieces from the caller's buffer {}",
+                self.io_direct.load(Ordering::Relaxed)
+            ));
+        }
     }
 }
 

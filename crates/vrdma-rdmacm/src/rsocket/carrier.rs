@@ -174,4 +174,7 @@ carried! {
     setsockopt(fd: c_int, level: c_int, name: c_int, val: *const c_void, len: socklen_t) -> c_int;
     getsockopt(fd: c_int, level: c_int, name: c_int, val: *mut c_void, len: *mut socklen_t) -> c_int;
     fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
+    vrdma_sockets_riomap(fd: c_int, buf: *mut c_void, len: size_t, prot: c_int, flags: c_int, offset: libc::off_t) -> libc::off_t;
+    vrdma_sockets_riounmap(fd: c_int, buf: *mut c_void, len: size_t) -> c_int;
+    vrdma_sockets_riowrite(fd: c_int, buf: *const c_void, n: size_t, offset: libc::off_t, flags: c_int) -> ssize_t;
 }

@@ -21,9 +21,9 @@
 //! no socket `ENOTSOCK` where the call needs a socket (`rread` of a file
 //! reads the file, where rdma-core's refuses it).
 //!
-//! Not carried: `riomap`, `riounmap` and `riowrite` (rdma-core's direct
-//! placement into a peer's mapped buffer) fail with `ENOSYS`, said once
-//! on stderr; `SOL_RDMA` options are accepted and have no effect (the
+//! Direct placement (`riomap`, `riounmap`, `riowrite`: a peer's writes
+//! into a buffer this end mapped) is the carrier's too, on carried
+//! connections ([`iomap`]). `SOL_RDMA` options are accepted and have no effect (the
 //! carrier sizes its own rings and queues), and `rgetsockopt` gives
 //! rdma-core's defaults.
 
