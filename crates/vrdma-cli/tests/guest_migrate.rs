@@ -40,6 +40,8 @@
 //! hand with `--ignored`, its number of hops from `VRDMA_DOWNTIME_HOPS`)
 //! in `downtime.rs`; what they share is in `world.rs`.
 
+#[path = "guest_migrate/cmtools.rs"]
+mod cmtools;
 #[path = "guest_migrate/downtime.rs"]
 mod downtime;
 #[path = "guest_migrate/faults.rs"]
@@ -183,7 +185,7 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
                 g = next;
                 qmp = q;
             }
-            (g, reports.join("; "), switchovers)
+            (g, qmp, reports.join("; "), switchovers)
         }));
         if moved.is_err() {
             stop.store(true, Ordering::Release);
@@ -192,7 +194,7 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         let (chan_seqs, _) = chan_receiver.join().expect("B's receiver of the channel's stream");
         (seqs, gap, chan_seqs, moved)
     });
-    let (mut guest, report, switchovers) = match moved {
+    let (mut guest, qmp, report, switchovers) = match moved {
         Ok(x) => x,
         Err(p) => std::panic::resume_unwind(p),
     };
@@ -259,6 +261,25 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         out.lines().find(|l| l.starts_with("DONE")).unwrap_or(""),
         started.elapsed().as_secs_f64()
     );
+    // A third move, A -> C, in the middle of Debian's ucmatose's data
+    // transfers (two connections, 10000 messages each way on each:
+    // `cmtools.rs`), on the
+    // same boot (the streams and rping ended: their ports are free).
+    // And a fourth, C -> A, in the middle of perftest's ib_write_lat -R
+    // (its exchanges; two rdma_cm event channels on one context).
+    if w.cm_tools {
+        let t0 = Instant::now();
+        let t = cmtools::start_ucmatose(&w, &mut guest);
+        cmtools::wait_data(&t);
+        let (mut g, qmp, r, stopped) = migrate(&w, 2, &w.a.socket, &w.c.socket, guest, &qmp);
+        cmtools::check_ucmatose(&mut g, t, stopped);
+        eprintln!("guest_migrate: move 3 (ucmatose): {r}; {:.1} s", t0.elapsed().as_secs_f64());
+        let t0 = Instant::now();
+        let t = cmtools::start_lat(&w, &mut g);
+        let (mut g, _, r, stopped) = migrate(&w, 3, &w.c.socket, &w.a.socket, g, &qmp);
+        cmtools::check_lat(&mut g, t, stopped);
+        eprintln!("guest_migrate: move 4 (ib_write_lat): {r}; {:.1} s", t0.elapsed().as_secs_f64());
+    }
 }
 
 /// QEMU moves the VM from A to C while it runs, the operator's steps

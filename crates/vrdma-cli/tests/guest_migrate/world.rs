@@ -178,6 +178,9 @@ pub struct World {
     pub c: Daemon,
     /// Whether the image has Debian's `rping` (the host has it).
     pub rping: bool,
+    /// Whether the image has Debian's `ucmatose` and perftest's
+    /// `ib_write_lat` (the host has both).
+    pub cm_tools: bool,
     // Dropped after the daemons (fields drop in order).
     _net: vrdma_it::NetnsBridge,
 }
@@ -229,12 +232,24 @@ impl World {
         } else {
             vrdma_it::skip("rping is missing (apt-get install rdmacm-utils): no rdma_cm program moves");
         }
+        // And `ucmatose` and `ib_write_lat -R` (`cmtools.rs`).
+        let cm_tools = ["ucmatose", "ib_write_lat"].iter().all(|t| vrdma_guest::libs::which(t).is_some());
+        if cm_tools {
+            ispec = ispec.program("ucmatose").and_then(|s| s.program("ib_write_lat")).expect("the image");
+        } else {
+            vrdma_it::skip("ucmatose or ib_write_lat is missing (rdmacm-utils, perftest): they do not move");
+        }
         // The host's drop-in directory (`vrdma run`'s layout), for host
         // programs on vRDMA (`World::host`).
         let lib = dir.path().join("lib");
         std::fs::create_dir(&lib).unwrap();
         std::os::unix::fs::symlink(built("libvrdma_verbs.so"), lib.join("libibverbs.so.1")).unwrap();
         std::os::unix::fs::symlink(built("libvrdma_rdmacm.so"), lib.join("librdmacm.so.1")).unwrap();
+        // perftest links the providers' libraries itself (`vrdma run`'s
+        // layout has the companions that stand in for them).
+        for soname in vrdma_companions::SONAMES {
+            std::os::unix::fs::symlink(built("libvrdma_companions.so"), lib.join(soname)).unwrap();
+        }
         ispec.files.push(vrdma_guest::GuestFile {
             host: prog,
             guest: "/usr/bin/seqstream".into(),
@@ -247,7 +262,7 @@ impl World {
         // SAFETY: geteuid has no preconditions.
         let uid = unsafe { libc::geteuid() };
         // Four ports: two seqstreams, and rping (its librdmacm's context
-        // and its libibverbs').
+        // and its libibverbs'); later ucmatose (two) or ib_write_lat (three).
         let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 16\nports = 4\n");
         let port = vrdma_it::DEFAULT_WIRE_PORT;
         let daemon = |i: usize, name: &str, extra: &str| {
@@ -265,7 +280,7 @@ impl World {
             d.wait_links(2);
         }
         let vm = MigrationVm::new(img, VRDMA.into(), "t", dir.path());
-        Some(World { dir, vm, a, b, c, rping, _net: net })
+        Some(World { dir, vm, a, b, c, rping, cm_tools, _net: net })
     }
 
     /// `program` as a process of host `i` (0 A, 1 B, 2 C: in its

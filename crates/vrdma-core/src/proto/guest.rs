@@ -29,8 +29,20 @@ pub const HEADER: usize = 8;
 /// Largest frame body either side sends or accepts: a control message
 /// and its handles.
 pub const MAX_FRAME_BODY: usize = MAX_MESSAGE + 1024;
-/// Most handles one reply carries (as fds: [`super::MAX_FDS`]).
-pub const MAX_HANDLES: usize = super::MAX_FDS;
+/// Most channels a context that moved takes back in one reply: a
+/// tenant's completion channels
+/// ([`crate::hca::migrate::MAX_CHANNELS_PER_TENANT`]) and rdma_cm event
+/// channels (the daemon's limit, 256).
+pub const MAX_MOVED_CHANNELS: usize = crate::hca::migrate::MAX_CHANNELS_PER_TENANT + 256;
+/// Most handles one reply carries. A call's reply carries what a host
+/// process would get as fds ([`super::MAX_FDS`]), but an adoption's
+/// (`AdoptContext`, answered as `Hello`) carries the context's segment,
+/// doorbell and event signal and then a doorbell for each channel that
+/// moved with the context: a program with two rdma_cm event channels
+/// (perftest's `-R`: its test connection's and its exchange's) needs five,
+/// and with the fds' four its context was never taken back after a move.
+/// Bounded all the same (the frame's length bounds it too).
+pub const MAX_HANDLES: usize = 3 + MAX_MOVED_CHANNELS;
 /// The guest transport's version, in [`Frame::Hello`].
 pub const GUEST_VERSION: u32 = 1;
 /// The nonce of the [`Frame::Ping`] a daemon sends first after a port's
@@ -371,6 +383,49 @@ mod tests {
             Frame::NumberedCall { number: 1, req: Request::CreateCq { cqe: 16, channel: None } },
             Frame::NumberedCall { number: u64::MAX, req: Request::QueryDevice },
         ]
+    }
+
+    /// An adoption's reply: the context's segment, doorbell and event
+    /// signal, then a doorbell per channel that moved with the context.
+    fn adoption(channels: usize) -> (Reply, Vec<Handle>) {
+        let ring = crate::proto::RingSpec { offset: u64::MAX, capacity: u32::MAX, stride: u32::MAX };
+        let reply = Reply::Hello {
+            context: u32::MAX,
+            tenant: u32::MAX,
+            device_name: "vrdma0".into(),
+            segment_len: u64::MAX,
+            async_ring: ring,
+            posted_ring: ring,
+            channels: (0..channels)
+                .map(|k| crate::proto::MovedChannel { channel: u32::MAX - k as u32, raised_before: u32::MAX })
+                .collect(),
+        };
+        let mut handles = vec![
+            Handle::Extent { offset: u64::MAX, len: u64::MAX },
+            Handle::Bell { id: u32::MAX, hangup: false },
+            Handle::Bell { id: u32::MAX - 1, hangup: true },
+        ];
+        handles.extend((0..channels).map(|k| Handle::Bell { id: u32::MAX - 2 - k as u32, hangup: false }));
+        (reply, handles)
+    }
+
+    #[test]
+    fn an_adoptions_reply_carries_a_handle_for_each_channel_that_moved() {
+        // perftest's -R holds two rdma_cm event channels on one context:
+        // five handles, refused when a reply held the fds' four (the
+        // guest never took its context back after a move).
+        for channels in [2, 5, MAX_MOVED_CHANNELS] {
+            let (reply, handles) = adoption(channels);
+            let f = Frame::Reply { reply, handles };
+            let bytes = encode(&f);
+            assert!(bytes.len() - HEADER <= MAX_FRAME_BODY, "{channels} channels: {} bytes", bytes.len());
+            let mut d = FrameDecoder::new();
+            d.push(&bytes);
+            assert_eq!(d.next_frame(), Ok(Some(f)), "{channels} channels");
+        }
+        let (reply, handles) = adoption(MAX_MOVED_CHANNELS + 1);
+        let body = encode_reply_body(&reply, &handles);
+        assert_eq!(decode_body(REPLY, &body), Err(FrameError::TooManyHandles(MAX_HANDLES + 1)));
     }
 
     #[test]

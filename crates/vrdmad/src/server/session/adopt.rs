@@ -21,6 +21,14 @@ use super::super::guest_memory::RingMemory;
 use super::{check_version, engine_gone, error, Answer, Carry, Session, EINVAL, ENOMEM, EPROTO};
 use crate::engine::ContextRings;
 
+// An adoption's reply carries three handles and one per channel of the
+// context (a tenant's completion and rdma_cm event channels at most):
+// the guest's decoder takes that many.
+const _: () = assert!(
+    3 + super::MAX_CHANNELS_PER_TENANT + crate::cm::MAX_CHANNELS_PER_TENANT
+        <= vrdma_core::proto::guest::MAX_HANDLES
+);
+
 impl Session {
     /// A guest session takes over `context`, imported with its VM
     /// (`migrate_vm::claim_context` says which may be): its context
