@@ -41,6 +41,7 @@
 //! The guest boots once; the savevm part runs only where `qemu-img`
 //! exists (`apt-get install qemu-utils`).
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -64,6 +65,7 @@ struct Outcome {
     /// snapshots next (`savevm.rs`).
     guest: Guest,
     qmp: Qmp,
+    qmp_path: PathBuf,
 }
 
 #[test]
@@ -102,7 +104,14 @@ fn a_dead_destination_a_cancelled_migration_a_cut_cable_and_a_snapshot_restored_
     // QEMU's own snapshots (savevm, loadvm) of the same guest, on C.
     if disk {
         let t0 = Instant::now();
-        let r = super::savevm::savevm_and_loadvm(&w, &mut outcome.guest, &mut outcome.qmp, &w.c.socket);
+        let (r, q) = super::savevm::savevm_and_loadvm(
+            &w,
+            &mut outcome.guest,
+            outcome.qmp,
+            &outcome.qmp_path,
+            &w.c.socket,
+        );
+        outcome.qmp = q;
         outcome.report.push(format!("{r} ({:.1} s)", t0.elapsed().as_secs_f64()));
     }
     // The faults that end the guest's streams, then its device, for good
@@ -299,7 +308,7 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     drop(qa);
     guest.kill().unwrap();
     let restore = |tag: &str| {
-        let (mut g, mut q, _) =
+        let (mut g, mut q, path) =
             w.vm.incoming(tag, &c, &format!("exec:cat {}", file.display()), &guest)
                 .expect("the destination QEMU");
         q.wait_loaded().unwrap();
@@ -309,10 +318,10 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
         assert_eq!(q.status().unwrap(), "running");
         let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the restored guest: {e}"));
         assert!(out.contains("here"), "{out}");
-        (g, q)
+        (g, q, path)
     };
     // Restored once: the stream goes on where B held it.
-    let (mut g1, mut q1) = restore("restore-1");
+    let (mut g1, mut q1, _) = restore("restore-1");
     goes_on(&mut g1, received);
     // That copy stops for good.
     q1.exec(r#"{"execute":"stop"}"#).unwrap();
@@ -323,7 +332,7 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
     let at_second_restore = received.load(Ordering::Acquire);
     // Restored again, after B moved on: the copy's QP fails cleanly.
     let t0 = Instant::now();
-    let (mut g2, q2) = restore("restore-2");
+    let (mut g2, q2, qmp_path) = restore("restore-2");
     let (st, out) = guest_wait(&mut g2, "seq");
     let failed = t0.elapsed();
     assert_eq!(st, 1, "the twice-restored stream:\n{out}");
@@ -343,5 +352,5 @@ fn faults(w: &mut World, mut guest: Guest, qmp_a: &std::path::Path, received: &A
         at_second_restore,
         failed.as_secs_f64()
     ));
-    Outcome { at_second_restore, report, guest: g2, qmp: q2 }
+    Outcome { at_second_restore, report, guest: g2, qmp: q2, qmp_path }
 }

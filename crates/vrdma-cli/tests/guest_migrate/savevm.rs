@@ -3,11 +3,12 @@
 //! VM's qcow2 scratch disk), with the daemon's step beside each
 //! (`docs/migration.md`, "Snapshots with savevm and loadvm"):
 //!
-//! - save: QEMU's `stop`, `vrdma migrate pause` and `export --region`
-//!   (the tenant's state and its region's bytes, as QEMU saves them), then
-//!   `savevm`;
-//! - restore: QEMU's `stop`, the running tenant dropped (`pause`,
-//!   `finish`), `loadvm`, `import --region` and `resume`, `cont`.
+//! - save (`vrdma vm savevm --stay-stopped`): QEMU's `stop`, `vrdma
+//!   migrate pause` and `export --region` (the tenant's state and its
+//!   region's bytes, as QEMU saves them), then `savevm`;
+//! - restore (`vrdma vm loadvm`): QEMU's `stop`, the running tenant
+//!   dropped (`pause`, `finish`), `loadvm`, `import --region` and
+//!   `resume`, `cont`.
 //!
 //! A guest on the daemon at `at` streams to B (`seqstream`, tag `sv`).
 //! Restored while B still holds its QP (nothing ran on since the save),
@@ -18,7 +19,7 @@
 //! its session gone after `loadvm` (its port probed, `NoSession`) and
 //! takes its context back on the same port.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -31,57 +32,65 @@ const PACE_US: u32 = 3000;
 /// Messages B must have after each step.
 const AFTER: u64 = 40;
 
-/// An HMP command through QMP (its answer within 120 s); its text must
-/// be empty (HMP reports errors as text).
-fn hmp(q: &mut Qmp, line: &str) {
-    let cmd = serde_json::json!({"execute": "human-monitor-command", "arguments": {"command-line": line}});
-    let out = q.exec_within(&cmd.to_string(), Duration::from_secs(120)).unwrap();
-    let text = out.as_str().unwrap_or("");
-    assert!(text.trim().is_empty(), "QEMU's `{line}`: {text}");
-}
-
 /// Waits for `AFTER` more messages at B; the stream still runs.
 fn goes_on(g: &mut Guest, received: &AtomicU64) {
     wait_received(received, received.load(Ordering::Acquire) + AFTER);
     guest_running(g, "sv");
 }
 
-/// The files of snapshot `name`: the tenant's state and its region.
-fn files(w: &World, name: &str) -> (String, String) {
+/// The files `vrdma vm savevm` keeps for snapshot `tag` of VM `t`.
+fn files(w: &World, tag: &str) -> [PathBuf; 2] {
     let d = w.dir.path();
-    let f = |ext: &str| d.join(format!("{name}.{ext}")).to_str().unwrap().to_string();
-    (f("snap"), f("region"))
+    [d.join(format!("t-{tag}.snap")), d.join(format!("t-{tag}.region"))]
 }
 
-/// The save: the VM stopped, the tenant paused and exported with its
-/// region, then QEMU's `savevm NAME`. The VM stays stopped, the tenant
-/// paused.
-fn save(w: &World, q: &mut Qmp, at: &Path, name: &str) {
-    let (snap, region) = files(w, name);
-    q.exec(r#"{"execute":"stop"}"#).unwrap();
-    operator(at, &["pause", "--vm", "t"]);
-    operator(at, &["export", "--vm", "t", "--out", &snap, "--region", &region]);
-    hmp(q, &format!("savevm {name}"));
+/// Runs `vrdma --socket AT vm VERB t --qmp QMP --tag TAG --dir DIR ...`
+/// with the test's own QMP connection closed (QEMU's QMP takes one
+/// client at a time); the connection again after it.
+fn vm_command(w: &World, q: Qmp, qmp: &Path, at: &Path, verb: &str, tag: &str, extra: &[&str]) -> Qmp {
+    drop(q);
+    let out = std::process::Command::new(VRDMA)
+        .arg("--socket")
+        .arg(at)
+        .args(["vm", verb, "t", "--tag", tag, "--dir"])
+        .arg(w.dir.path())
+        .arg("--qmp")
+        .arg(qmp)
+        .args(extra)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "vrdma vm {verb} {tag}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Qmp::connect(qmp).unwrap()
 }
 
-/// The restore, the VM stopped: the running tenant dropped, QEMU's
-/// `loadvm NAME`, the tenant's state and region imported and resumed,
+/// The save (`vrdma vm savevm --stay-stopped`): the VM stopped, the
+/// tenant paused and exported with its region, then QEMU's `savevm TAG`.
+/// The VM stays stopped, the tenant paused.
+fn save(w: &World, q: Qmp, qmp: &Path, at: &Path, tag: &str) -> Qmp {
+    let mut q = vm_command(w, q, qmp, at, "savevm", tag, &["--stay-stopped"]);
+    assert_eq!(q.status().unwrap(), "paused");
+    q
+}
+
+/// The restore (`vrdma vm loadvm`): the running tenant dropped, QEMU's
+/// `loadvm TAG`, the tenant's state and region imported and resumed,
 /// `cont`.
-fn restore(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path, name: &str) {
-    let (snap, region) = files(w, name);
-    operator(at, &["finish", "--vm", "t"]);
-    hmp(q, &format!("loadvm {name}"));
-    operator(at, &["import", "--in", &snap, "--vm", "t", "--region", &region]);
-    operator(at, &["resume", "--vm", "t"]);
-    q.exec(r#"{"execute":"cont"}"#).unwrap();
+fn restore(w: &World, g: &mut Guest, q: Qmp, qmp: &Path, at: &Path, tag: &str) -> Qmp {
+    let mut q = vm_command(w, q, qmp, at, "loadvm", tag, &[]);
     assert_eq!(q.status().unwrap(), "running");
-    let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the guest after loadvm {name}: {e}"));
+    let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the guest after loadvm {tag}: {e}"));
     assert!(out.contains("here"), "{out}");
+    q
 }
 
 /// Runs both cases on `g` (on the daemon at `at`, its QMP `q`, with the
 /// world's scratch disk); returns what it saw.
-pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> String {
+pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: Qmp, qmp: &Path, at: &Path) -> (String, Qmp) {
     let peer = Peer::connect_as(&w.b, g, "sv", "", COUNT, PACE_US);
     let received = AtomicU64::new(0);
     let stop = AtomicBool::new(false);
@@ -92,16 +101,16 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
             // 1. Saved, then restored at once: B still holds the QP
             //    (it has nothing newer than the snapshot).
             let t0 = Instant::now();
-            save(w, q, at, "sv1");
+            let q = save(w, q, qmp, at, "sv1");
             let saved = t0.elapsed();
             let t1 = Instant::now();
-            restore(w, g, q, at, "sv1");
+            let q = restore(w, g, q, qmp, at, "sv1");
             let restored = t1.elapsed();
             goes_on(g, &received);
             // 2. Saved, and the VM runs on (the tenant resumed where it
             //    was): B moves on past the snapshot.
             let t3 = Instant::now();
-            save(w, q, at, "sv2");
+            let mut q = save(w, q, qmp, at, "sv2");
             let saved2 = t3.elapsed();
             operator(at, &["resume", "--vm", "t"]);
             q.exec(r#"{"execute":"cont"}"#).unwrap();
@@ -112,7 +121,7 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
             std::thread::sleep(Duration::from_millis(300));
             let at_restore = received.load(Ordering::Acquire);
             let t2 = Instant::now();
-            restore(w, g, q, at, "sv2");
+            let q = restore(w, g, q, qmp, at, "sv2");
             let (st, out) = guest_wait(g, "sv");
             let failed = t2.elapsed();
             assert_eq!(st, 1, "the stream restored after B moved on:\n{out}");
@@ -128,11 +137,12 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
                 "B took a message from the restored copy"
             );
             for n in ["sv1", "sv2"] {
-                let (snap, region) = files(w, n);
-                std::fs::remove_file(snap).unwrap();
-                std::fs::remove_file(region).unwrap();
+                for f in files(w, n) {
+                    std::fs::remove_file(f).unwrap();
+                }
             }
             (
+                q,
                 at_restore,
                 format!(
                     "savevm then loadvm at once: went on (save {:.1} s, restore {:.1} s); savevm (save {:.1} s), \
@@ -148,7 +158,7 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
         let (seqs, _) = receiver.join().expect("B's receiver");
         (seqs, outcome)
     });
-    let (at_restore, report) = match outcome {
+    let (q, at_restore, report) = match outcome {
         Ok(o) => o,
         Err(p) => std::panic::resume_unwind(p),
     };
@@ -158,5 +168,5 @@ pub fn savevm_and_loadvm(w: &World, g: &mut Guest, q: &mut Qmp, at: &Path) -> St
         "a message twice at B"
     );
     assert_eq!(peer.side.qp.query().unwrap().0.qp_state, vrdma::QpState::Rts);
-    report
+    (report, q)
 }
