@@ -1376,6 +1376,10 @@ impl Link {
             self.writes.load(Ordering::Relaxed),
             self.direct_writes.load(Ordering::Relaxed)
         ));
+        crate::dev::debug(&format!(
+            "readiness calls without a timeout that yielded (this process) {}",
+            crate::readiness::SPIN_YIELDS.load(Ordering::Relaxed)
+        ));
     }
 }
 
