@@ -52,7 +52,12 @@
 //!   credits coming back give it back, which the kernel reports, also
 //!   edge-triggered ([`epoll`]); `poll` and `ppoll` report `POLLOUT` only
 //!   with room, and so do `select` and `pselect`, which take `ppoll`'s
-//!   path when a carried socket is in their sets ([`readiness`]).
+//!   path when a carried socket is in their sets ([`readiness`]). A call
+//!   of theirs that does not wait (a zero timeout) and finds nothing
+//!   ready, less than 20 µs after the thread's previous one found
+//!   nothing, yields the CPU once and looks again: a program spinning on
+//!   them (rstream's asynchronous mode) lets its peer, perhaps on the
+//!   same CPU, fill or drain the ring.
 //!   Credits coming back are heard at once: a writer about to wait on a
 //!   full ring asks its reader, which answers its next credit with a
 //!   send that wakes the progress thread through the process's

@@ -1406,6 +1406,10 @@ impl Link {
                 self.io_direct.load(Ordering::Relaxed)
             ));
         }
+        crate::dev::debug(&format!(
+            "readiness calls without a timeout that yielded (this process) {}",
+            crate::readiness::SPIN_YIELDS.load(Ordering::Relaxed)
+        ));
     }
 }
 

@@ -134,6 +134,7 @@ unsafe fn poll_filtered(
     const IN: i16 = libc::POLLIN | libc::POLLRDNORM;
     let deadline = u64::try_from(timeout).ok().map(|ms| Instant::now() + Duration::from_millis(ms));
     let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
+    let mut yielded = false;
     // Bytes that wait without a wake byte (left by a lazy read): readable.
     let mut ready_in: Vec<usize> = links
         .iter()
@@ -215,11 +216,62 @@ unsafe fn poll_filtered(
                 }
             }
         }
-        if r > 0 || left() == Some(Duration::ZERO) {
+        if r > 0 {
+            return r;
+        }
+        if left() == Some(Duration::ZERO) {
+            // A call that does not wait, and nothing ready: a program
+            // spinning on it would hold the CPU its peer needs to make it
+            // ready ([`spin_yield`]); one more look after the yield.
+            if timeout == 0 && !yielded && spin_yield() {
+                yielded = true;
+                continue;
+            }
             return r;
         }
     }
 }
+
+/// For a readiness call that does not wait (a zero timeout) and found
+/// nothing ready among descriptors that include a carried connection:
+/// if this thread's previous such call (one that found nothing) came
+/// less than [`TIGHT`] ago, the program spins on them, and the call gives
+/// the CPU up once (whether it did: the caller then looks once more). A program that
+/// spins so (rstream's asynchronous mode, a busy-polling event loop)
+/// waits for its peer to read or write the ring; where the two share a
+/// CPU, the spinner would otherwise hold it for the rest of its time
+/// slice (milliseconds) each time the ring's 256 KiB are full or empty,
+/// where a kernel socket's buffers (megabytes) hand over far less often
+/// (`docs/sockets.md`, "Costs, and the benchmark"). A program that looks
+/// now and then between work of its own (a frame loop) is not a spinner
+/// and keeps its CPU. Alone on its CPU the yield returns at once.
+/// (Yielding only after 50 µs of such calls was tried: two spinners
+/// sharing a CPU then paid the 50 µs at each hand-over, a 64-byte round
+/// trip of 140 µs against 32.)
+fn spin_yield() -> bool {
+    let now = Instant::now();
+    let last = LAST_EMPTY.with(|c| c.replace(Some(now)));
+    if last.is_none_or(|t| now.duration_since(t) >= TIGHT) {
+        return false;
+    }
+    SPIN_YIELDS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    std::thread::yield_now();
+    LAST_EMPTY.with(|c| c.set(Some(Instant::now())));
+    true
+}
+
+/// Calls that find nothing this close together are a spin ([`spin_yield`]).
+const TIGHT: Duration = Duration::from_micros(20);
+
+thread_local! {
+    /// When this thread's last readiness call that did not wait found
+    /// nothing ready ([`spin_yield`]).
+    static LAST_EMPTY: std::cell::Cell<Option<Instant>> = const { std::cell::Cell::new(None) };
+}
+
+/// How many times [`spin_yield`] gave the CPU up (the library's
+/// `VRDMA_SOCKETS_DEBUG` output at a close).
+pub(crate) static SPIN_YIELDS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
 
 /// A [`crate::credit::Waiter`] that the answers of each of `full` will
 /// ring (registered first, then each asks: an answer that comes after the
@@ -501,6 +553,7 @@ unsafe fn epoll_filtered(
     mut call: impl FnMut(c_int) -> c_int,
 ) -> c_int {
     let start = Instant::now();
+    let mut yielded = false;
     loop {
         // Bytes that no wake byte announces: reported without waiting.
         let extra = crate::epoll::pending(ep);
@@ -527,12 +580,18 @@ unsafe fn epoll_filtered(
                 None => {}
             }
         }
-        if n == 0 {
-            return n;
+        let waited = n == 0;
+        if n > 0 {
+            // SAFETY: `call` wrote `n` events at `ev`.
+            n = unsafe { crate::epoll::reported(ep, ev, n) };
         }
-        // SAFETY: `call` wrote `n` events at `ev`.
-        let n = unsafe { crate::epoll::reported(ep, ev, n) };
-        if n > 0 || left_ms(timeout, start) == 0 {
+        if n > 0 || waited || left_ms(timeout, start) == 0 {
+            // As `poll_filtered`: a program spinning on calls that do not
+            // wait lets its peer run.
+            if n == 0 && timeout == 0 && !yielded && spin_yield() {
+                yielded = true;
+                continue;
+            }
             return n;
         }
     }
