@@ -372,3 +372,65 @@ fn c_checks_of_rsocket_calls_and_bad_input() {
     // Its connection's two ends, both in this one process.
     assert_carried(&f, 2);
 }
+
+/// Two hosts, each a network namespace with a daemon, joined by a veth
+/// pair (`vrdma_it::NetnsHosts`; loopback addresses would not do: the
+/// carrier takes a loopback destination for its own host's), each tool's
+/// server on the second and its client on the first: `rstream` (`-T v`)
+/// and `riostream` (`-T v`, its `riowrite`s staged through the carrier's
+/// registered slots, the peer's buffer on the other host) are carried
+/// over the link at both ends.
+#[test]
+fn rstream_and_riostream_across_two_hosts_are_carried() {
+    let Some(s) = setup(RIOSTREAM) else { return };
+    let _turn = one_at_a_time();
+    let Some(hosts) = vrdma_it::NetnsHosts::start("").expect("two hosts in network namespaces") else {
+        return;
+    };
+    let in_ns = |i: usize, tool: &str| {
+        let d = if i == 0 { &hosts.a } else { &hosts.b };
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &hosts.net.ns[i], tool]);
+        let template = s.command(tool);
+        for (k, v) in template.get_envs() {
+            match v {
+                Some(v) => c.env(k, v),
+                None => c.env_remove(k),
+            };
+        }
+        c.env("VRDMA_SOCKET", &d.socket);
+        c
+    };
+    let addr = hosts.net.addr[1].as_str();
+    for (tool, args) in [
+        (RSTREAM, ["-S", "65536", "-C", "20", "-T", "v"]),
+        (RIOSTREAM, ["-S", "65536", "-C", "20", "-T", "v"]),
+    ] {
+        let port = free_port();
+        let p = port.to_string();
+        let mut srv = in_ns(1, tool);
+        srv.args(["-b", addr, "-p", &p]).args(args);
+        let mut server = spawn(srv, &format!("{tool} (server, host B)"));
+        // Listening once host B's daemon knows the listener.
+        let ctx = vrdma::Context::open_at(&hosts.b.socket).expect("a context on B");
+        let dst = SocketAddrV4::new(addr.parse().expect("B's address"), port);
+        let end = Instant::now() + LISTEN_WAIT;
+        while !ctx.sock_lookup(dst, true).unwrap_or(false) {
+            assert!(Instant::now() < end && !server.exited(), "the {tool} server never listened");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let mut cli = in_ns(0, tool);
+        cli.args(["-s", addr, "-p", &p]).args(args);
+        let client = spawn(cli, &format!("{tool} (client, host A)")).finish(LIMIT);
+        let server = server.finish(LIMIT);
+        for f in [&server, &client] {
+            assert_carried(f, 1);
+            assert_rstream_ran(f, "64k");
+        }
+        if tool == RIOSTREAM {
+            for f in [&server, &client] {
+                assert!(f.stderr.contains("riowrites 20,"), "the transfers were riowrites\n{}", f.describe());
+            }
+        }
+    }
+}
