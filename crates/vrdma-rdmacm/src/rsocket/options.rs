@@ -1,6 +1,7 @@
 //! `rsetsockopt` / `rgetsockopt`: rsocket's own `SOL_RDMA` level is
 //! accepted here and has no effect (the carrier sizes its own queues and
-//! rings; `rgetsockopt` gives rdma-core 44's defaults); every other level
+//! rings; `rgetsockopt` gives rdma-core 44's defaults, and for
+//! `RDMA_IOMAPSIZE` the mappings a connection holds); every other level
 //! is the carrier's (which keeps `TCP_NODELAY` and `TCP_CORK` of a carried
 //! connection) and the kernel's.
 
@@ -16,12 +17,20 @@ const RDMA_INLINE: c_int = 2;
 const RDMA_IOMAPSIZE: c_int = 3;
 const RDMA_ROUTE: c_int = 4;
 
-/// rdma-core's default of an integer `SOL_RDMA` option.
+/// The direct-placement mappings a carried connection holds at once
+/// (`riomap`), whatever `RDMA_IOMAPSIZE` was set to: the carrier's table
+/// (`vrdma_sockets::link::iomap::SLOTS`; `tests/c/riomap_check.c` checks
+/// that this reads what the table takes).
+const IOMAP_SLOTS: u32 = 16;
+
+/// What an integer `SOL_RDMA` option reads: rdma-core 44's defaults,
+/// except the mappings, which are what a connection really holds (rdma-core
+/// reads 0 there, and maps nothing until a program raises it).
 fn rdma_default(name: c_int) -> Option<u32> {
     match name {
         RDMA_SQSIZE | RDMA_RQSIZE => Some(384),
         RDMA_INLINE => Some(64),
-        RDMA_IOMAPSIZE => Some(0),
+        RDMA_IOMAPSIZE => Some(IOMAP_SLOTS),
         _ => None,
     }
 }
@@ -110,7 +119,7 @@ mod tests {
     }
 
     #[test]
-    fn sol_rdma_options_are_taken_and_read_back_as_rdma_cores_defaults() {
+    fn sol_rdma_options_are_taken_and_read_back_as_rdma_cores_defaults_and_the_mappings_held() {
         // SAFETY: a socket of this test, closed at the end; our buffers.
         unsafe {
             let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
@@ -123,7 +132,7 @@ mod tests {
             assert_eq!(rsetsockopt(fd, SOL_RDMA, 42, p, 4), -1);
             assert_eq!(errno(), libc::ENOPROTOOPT);
             for (name, want) in
-                [(RDMA_SQSIZE, 384), (RDMA_RQSIZE, 384), (RDMA_INLINE, 64), (RDMA_IOMAPSIZE, 0)]
+                [(RDMA_SQSIZE, 384), (RDMA_RQSIZE, 384), (RDMA_INLINE, 64), (RDMA_IOMAPSIZE, 16)]
             {
                 let mut got: u32 = 7;
                 let mut len: socklen_t = 8;

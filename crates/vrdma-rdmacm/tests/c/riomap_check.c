@@ -75,7 +75,14 @@ static void *server(void *arg)
 	CHECK(riomap(fd, buf, PAGE, PROT_WRITE, 0, 0) == 0, "riomap at offset 0");
 	more[0] = page();
 	FAILS(riomap(fd, more[0], 64, PROT_WRITE, 0, 100), EINVAL, "riomap overlapping a mapping");
-	/* Offset -1: the buffer's address. The table holds 16. */
+	/* Offset -1: the buffer's address. The table holds 16, what
+	 * RDMA_IOMAPSIZE reads. */
+	{
+		int size = -1;
+		socklen_t len = sizeof(size);
+		CHECK(rgetsockopt(fd, SOL_RDMA, RDMA_IOMAPSIZE, &size, &len) == 0, "rgetsockopt RDMA_IOMAPSIZE");
+		CHECK(size == SLOTS, "RDMA_IOMAPSIZE reads %d, the table holds %d", size, SLOTS);
+	}
 	for (i = 1; i < SLOTS; i++) {
 		more[i] = page();
 		CHECK(riomap(fd, more[i], 64, PROT_WRITE, 0, -1) == (off_t) (uintptr_t) more[i], "riomap at -1");
