@@ -716,6 +716,17 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
     // region; it is read and written through the region or raw pointers.
     let mr = unsafe { pd.register_raw(buf, LEN, access_all()) }?;
     assert!(bar_mapped(std::process::id(), &vm)?, "the registered pages are not in the VM's region");
+    // Pages a larger registration grew a span over, still mapped from the
+    // region after that registration went (a smaller one lives on over
+    // the first page): copied for the child too.
+    const GROWN: usize = 16 * 4096;
+    let grown = vrdma_it::anon_pages(GROWN);
+    // SAFETY: `grown` holds GROWN bytes, ours.
+    unsafe { std::ptr::write_bytes(grown, 0x5a, GROWN) };
+    // SAFETY: the mapping lives until the end of this test.
+    let small = unsafe { pd.register_raw(grown, 4096, access_all()) }?;
+    // SAFETY: as above.
+    drop(unsafe { pd.register_raw(grown, GROWN, access_all()) }?);
     // And memory the library allocated in the region (`alloc_mr`).
     let amr = pd.alloc_mr(4096, access_all())?;
     amr.write(0, &first[..4096])?;
@@ -728,6 +739,7 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
     // them all, and the `alloc_mr` region (shared), then leaves.
     let addr = buf as usize;
     let aaddr = amr.addr() as usize;
+    let gaddr = grown as usize;
     let expected = first.as_slice();
     let code = in_forked_child(move || {
         let p = addr as *mut u8;
@@ -742,6 +754,8 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
         // SAFETY: the `alloc_mr` mapping, shared with the parent, 4096
         // bytes that the parent reads only after this child exited.
         unsafe { std::ptr::write_bytes(aaddr as *mut u8, 0xee, 4096) };
+        // SAFETY: the child's copy of the grown span's pages.
+        unsafe { std::ptr::write_bytes(gaddr as *mut u8, 0xee, GROWN) };
         0
     })?;
     assert_eq!(code, 0, "the child did not see the parent's bytes (2) or failed");
@@ -749,6 +763,14 @@ fn a_forked_guest_child_gets_copies_and_the_parent_works_on() -> Result<()> {
     mr.read(0, &mut got)?;
     let changed = got.iter().zip(&first).filter(|(a, b)| a != b).count();
     assert_eq!(changed, 0, "the forked child wrote {changed} bytes of the parent's registered memory");
+    // SAFETY: `grown` holds GROWN bytes; the child has exited.
+    let g = unsafe { std::slice::from_raw_parts(grown, GROWN) };
+    let changed = g.iter().filter(|&&b| b != 0x5a).count();
+    assert_eq!(
+        changed, 0,
+        "the child wrote {changed} bytes of pages a span reaches past its live registration"
+    );
+    drop(small);
     // The library's own memory in the region (`alloc_mr`, and the rings)
     // stays shared, as a host child shares the memfds it is made of: the
     // fork copies only the re-backed pages.

@@ -1380,6 +1380,7 @@ impl Link {
             }
         }
         let _ = self.drain_wakes();
+        self.unmap_all();
         // A program still waiting on it through another thread is told.
         self.unblock();
         crate::dev::debug(&format!(

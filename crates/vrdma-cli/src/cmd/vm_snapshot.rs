@@ -8,7 +8,8 @@
 //! saved region back under a daemon whose state ran on: the guest's next
 //! post fails. These commands make the step QEMU cannot: the tenant's
 //! snapshot and the region's bytes as of the save go to two files (0600:
-//! the region is guest memory) named after the VM and QEMU's tag, and a
+//! the region is guest memory) named after the VM and QEMU's tag
+//! (`NAME@TAG.snap`, `NAME@TAG.region`), and a
 //! load drops the running copy's state, loads QEMU's snapshot and imports
 //! the saved state, in the order the document gives. A VM with no vRDMA
 //! context when saved gets an empty state file: its load imports nothing.
@@ -42,7 +43,7 @@ pub struct Args {
     /// QEMU's snapshot tag (HMP's `savevm TAG`).
     #[arg(long, value_name = "TAG")]
     pub tag: String,
-    /// Where the tenant's state and the region's bytes of the snapshot are kept (NAME-TAG.snap, NAME-TAG.region).
+    /// Where the tenant's state and the region's bytes of the snapshot are kept (NAME@TAG.snap, NAME@TAG.region).
     #[arg(long, value_name = "DIR")]
     pub dir: PathBuf,
 }
@@ -70,7 +71,8 @@ impl Args {
             "the tag {:?}: letters, digits, '-', '_' and '.' (not first) only (it names files)",
             self.tag
         );
-        let base = format!("{}-{}", self.name, self.tag);
+        // '@' is in neither a VM's name nor a tag: one file per pair.
+        let base = format!("{}@{}", self.name, self.tag);
         Ok(Files {
             snap: self.dir.join(format!("{base}.snap")),
             region: self.dir.join(format!("{base}.region")),
@@ -175,21 +177,38 @@ pub fn save(socket: &Path, s: &SaveArgs) -> Result<()> {
         }
         Ok((state, region))
     })();
-    let go_on = saved.is_err() || !s.stay_stopped;
-    if go_on {
-        if paused {
-            vrdma::migrate::resume(socket, tenant)
-                .with_context(|| format!("resume at {}", socket.display()))?;
-        }
-        if running {
-            cont(&mut q)?;
-        }
-    }
-    let (state, region) = saved.map_err(|e| {
+    if saved.is_err() {
         let _ = std::fs::remove_file(temporary(&files.snap));
         let _ = std::fs::remove_file(temporary(&files.region));
-        e.context("nothing saved; the VM goes on as before")
-    })?;
+    }
+    let go_on = saved.is_err() || !s.stay_stopped;
+    if go_on {
+        // Both are tried whatever the other did, and each failure said.
+        let resumed = match paused {
+            true => vrdma::migrate::resume(socket, tenant)
+                .with_context(|| format!("resuming the tenant at {} (it stays paused)", socket.display())),
+            false => Ok(0),
+        };
+        let continued = match running {
+            true => cont(&mut q).context("the VM stays stopped"),
+            false => Ok(()),
+        };
+        let undone =
+            resumed.err().into_iter().chain(continued.err()).fold(None, |acc: Option<anyhow::Error>, e| {
+                Some(match acc {
+                    None => e,
+                    Some(a) => a.context(format!("{e:#}")),
+                })
+            });
+        if let Some(u) = undone {
+            let what = match &saved {
+                Ok(_) => "saved, but going on failed".to_string(),
+                Err(e) => format!("nothing saved ({e:#}), and going on failed"),
+            };
+            return Err(u.context(what));
+        }
+    }
+    let (state, region) = saved.map_err(|e| e.context("nothing saved; the VM goes on as before"))?;
     let after = match (go_on, running) {
         (true, true) => "it runs on",
         (true, false) => "it stays stopped, as it was",
@@ -236,7 +255,8 @@ pub fn load(socket: &Path, a: &Args) -> Result<()> {
     }
     let mut q = qmp(&a.qmp)?;
     anyhow::ensure!(has_snapshot(&mut q, &a.tag)?, "QEMU has no snapshot {:?} (`info snapshots`)", a.tag);
-    if q.status()? == "running" {
+    let running = q.status()? == "running";
+    if running {
         q.exec(r#"{"execute":"stop"}"#).context("stopping QEMU")?;
     }
     // The running copy's state goes first (its guest sessions end); from
@@ -260,7 +280,10 @@ pub fn load(socket: &Path, a: &Args) -> Result<()> {
             .with_context(|| format!("resume at {}", socket.display()))
             .map_err(stuck)?;
     }
-    cont(&mut q)?;
-    println!("VM {:?} restored from {:?}: {qps} QPs of vRDMA state; it runs", a.name, a.tag);
+    if running {
+        cont(&mut q)?;
+    }
+    let after = if running { "it runs" } else { "it stays stopped, as it was" };
+    println!("VM {:?} restored from {:?}: {qps} QPs of vRDMA state; {after}", a.name, a.tag);
     Ok(())
 }

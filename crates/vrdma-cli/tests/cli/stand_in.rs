@@ -22,6 +22,9 @@ pub(super) struct Qemus {
     pub fail_migration: bool,
     /// The destination was not started with `-incoming`.
     pub destination_running: bool,
+    /// The destination was started without `-S`: it runs once loaded.
+    pub destination_autostart: bool,
+    pub destination_stopped: bool,
     pub migrated: bool,
     pub source_running: bool,
     pub destination_cont: bool,
@@ -117,12 +120,23 @@ pub(super) fn stand_in(path: &Path, who: char, q: Arc<Mutex<Qemus>>) -> JoinHand
                     serde_json::json!({ "status": st })
                 }
                 ('C', "query-status") => {
-                    let st = match (q.destination_running || q.destination_cont, q.migrated) {
+                    let autostarted = q.migrated && q.destination_autostart && !q.destination_stopped;
+                    let st = match (q.destination_running || q.destination_cont || autostarted, q.migrated) {
                         (true, _) => "running",
                         (false, true) => "paused",
                         (false, false) => "inmigrate",
                     };
                     serde_json::json!({ "status": st })
+                }
+                ('C', "migrate-set-capabilities") => {
+                    let caps = &cmd["arguments"]["capabilities"][0];
+                    q.log.push(format!("C:{}={}", caps["capability"].as_str().unwrap_or("?"), caps["state"]));
+                    serde_json::json!({})
+                }
+                ('C', "stop") => {
+                    q.log.push("C:stop".into());
+                    q.destination_stopped = true;
+                    serde_json::json!({})
                 }
                 ('A', "migrate") => {
                     q.log.push("A:migrate".into());

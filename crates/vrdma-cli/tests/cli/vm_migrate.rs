@@ -17,7 +17,7 @@ fn vm_migrate_runs_qemus_migration_then_the_daemon_step_then_the_destinations_co
     let (so, se) = text(&out);
     assert!(out.status.success(), "{se}");
     assert!(so.contains("VM \"t\" moved to") && so.contains("3 dirty syncs, its downtime 7 ms"), "{so}");
-    assert_eq!(log, ["A:migrate", "C:cont", "A:quit"], "{so}{se}");
+    assert_eq!(log, ["C:late-block-activate=true", "A:migrate", "C:cont", "A:quit"], "{so}{se}");
     // The tenant's device state left A and is served at C.
     let (_, e) = text(&vrdma(&w.a, &["migrate", "pause", "--vm", "t"]));
     assert!(e.contains("has no context on this host"), "A still holds the tenant: {e}");
@@ -39,7 +39,7 @@ fn vm_migrate_leaves_the_vm_running_at_the_source_when_a_step_fails() {
     let (_, se) = text(&out);
     assert!(!out.status.success());
     assert!(se.contains("QEMU's migration did not complete; the VM runs on at the source"), "{se}");
-    assert_eq!(log, ["A:migrate"]);
+    assert_eq!(log, ["C:late-block-activate=true", "A:migrate"]);
     // The tenant was never paused at A (a pause there works, and undoes).
     let paused = vrdma(&w.a, &["migrate", "pause", "--vm", "t"]);
     assert!(paused.status.success(), "{}", text(&paused).1);
@@ -63,9 +63,29 @@ fn vm_migrate_leaves_the_vm_running_at_the_source_when_a_step_fails() {
     let (out, log) = w.migrate(q, &[]);
     let (_, se) = text(&out);
     assert!(!out.status.success());
-    assert!(se.contains("the VM runs on at the source") && se.contains("quit it"), "{se}");
+    assert!(se.contains("the VM runs on at the source; the destination's QEMU quit"), "{se}");
     assert!(se.contains("no VM \"t\""), "{se}");
-    assert_eq!(log, ["A:migrate", "A:cont"]);
+    // The destination's copy goes before the source's runs again.
+    assert_eq!(log, ["C:late-block-activate=true", "A:migrate", "C:quit", "A:cont"]);
     let paused = vrdma(&w.a, &["migrate", "pause", "--vm", "t"]);
     assert!(paused.status.success(), "the tenant did not resume at A: {}", text(&paused).1);
+    assert!(vrdma(&w.a, &["migrate", "resume", "--vm", "t"]).status.success());
+
+    // A VM the operator had paused is continued nowhere.
+    let q = Qemus { source_running: false, ..Default::default() };
+    let (out, log) = w.migrate(q, &[]);
+    let se = text(&out).1;
+    assert!(se.contains("stays paused at the source, as it was"), "{se}");
+    assert_eq!(log, ["C:late-block-activate=true", "A:migrate", "C:quit"]);
+
+    // A destination started without -S runs the VM as soon as it loaded
+    // it: stopped, and nothing of vRDMA moves; the source is not
+    // continued (the destination's copy is ahead of it).
+    let q = Qemus { source_running: true, destination_autostart: true, ..Default::default() };
+    let (out, log) = w.migrate(q, &[]);
+    let se = text(&out).1;
+    assert!(se.contains("started without -S") && se.contains("nothing of vRDMA moved"), "{se}");
+    assert_eq!(log, ["C:late-block-activate=true", "A:migrate", "C:stop"]);
+    let paused = vrdma(&w.a, &["migrate", "pause", "--vm", "t"]);
+    assert!(paused.status.success(), "the tenant left A: {}", text(&paused).1);
 }

@@ -35,9 +35,9 @@ fn vm_savevm_and_loadvm_keep_the_daemons_state_beside_qemus_snapshot() {
     assert!(out.status.success(), "{se}");
     assert!(so.contains("saved as \"sv1\"") && so.contains("it runs on"), "{so}");
     assert_eq!(q.log, ["A:stop", "A:savevm sv1", "A:cont"]);
-    let snap = std::fs::read(keep.join("t-sv1.snap")).unwrap();
+    let snap = std::fs::read(keep.join("t@sv1.snap")).unwrap();
     assert!(snap.starts_with(b"vRMS"), "not a snapshot");
-    let region = std::fs::metadata(keep.join("t-sv1.region")).unwrap();
+    let region = std::fs::metadata(keep.join("t@sv1.region")).unwrap();
     assert_eq!(region.len(), 8 << 20);
     assert_eq!(region.permissions().mode() & 0o777, 0o600, "the region is guest memory");
     assert!(export_says(&w).contains("is not paused"), "the tenant was not resumed");
@@ -48,7 +48,7 @@ fn vm_savevm_and_loadvm_keep_the_daemons_state_beside_qemus_snapshot() {
     assert!(!out.status.success());
     assert!(text(&out).1.contains("(was \"sv2\" saved with `vrdma vm savevm`"), "{}", text(&out).1);
     assert!(q.log.is_empty(), "{:?}", q.log);
-    std::fs::write(keep.join("t-sv3.snap"), b"").unwrap();
+    std::fs::write(keep.join("t@sv3.snap"), b"").unwrap();
     let q = Qemus { snapshots: vec!["sv1".into()], ..running() };
     let (out, q) = with_source(&w, q, &["loadvm", "t", "--tag", "sv3", "--dir", dir]);
     assert!(text(&out).1.contains("QEMU has no snapshot \"sv3\""), "{}", text(&out).1);
@@ -84,6 +84,12 @@ fn vm_savevm_and_loadvm_keep_the_daemons_state_beside_qemus_snapshot() {
     assert!(so.contains("restored from \"sv1\""), "{so}");
     assert_eq!(q.log, ["A:stop", "A:loadvm sv1", "A:cont"]);
     assert!(export_says(&w).contains("is not paused"), "the saved state is not back, resumed");
+
+    // A VM that was stopped stays stopped after its restore.
+    let q = Qemus { snapshots: vec!["sv1".into()], ..Default::default() };
+    let (out, q) = with_source(&w, q, &["loadvm", "t", "--tag", "sv1", "--dir", dir]);
+    assert!(text(&out).0.contains("it stays stopped, as it was"), "{}", text(&out).1);
+    assert_eq!(q.log, ["A:loadvm sv1"]);
 
     // The guest's session ended with the restore's drop of its state, and
     // no port leads this stand-in guest back: destroying its objects

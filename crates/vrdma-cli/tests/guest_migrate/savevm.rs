@@ -41,7 +41,7 @@ fn goes_on(g: &mut Guest, received: &AtomicU64) {
 /// The files `vrdma vm savevm` keeps for snapshot `tag` of VM `t`.
 fn files(w: &World, tag: &str) -> [PathBuf; 2] {
     let d = w.dir.path();
-    [d.join(format!("t-{tag}.snap")), d.join(format!("t-{tag}.region"))]
+    [d.join(format!("t@{tag}.snap")), d.join(format!("t@{tag}.region"))]
 }
 
 /// Runs `vrdma --socket AT vm VERB t --qmp QMP --tag TAG --dir DIR ...`

@@ -174,17 +174,30 @@ impl Link {
         self.write_word(S_IOMAP, ENTRY, IOMAP + slot * ENTRY)
     }
 
-    /// The peer's mappings, from its table in this end's ring region.
+    /// The peer's mappings, from its table in this end's ring region. An
+    /// entry's words are read last to first: the write that brings one
+    /// stores them first to last (a copy of 48 bytes, head before tail),
+    /// so a new last generation word means the rest is new too, and an
+    /// entry caught half-written has generation words that differ.
     fn peer_entries(&self) -> Vec<Entry> {
         (0..SLOTS)
             .filter_map(|s| {
                 let mut w = [0u64; ENTRY / 8];
-                for (i, x) in w.iter_mut().enumerate() {
+                for (i, x) in w.iter_mut().enumerate().rev() {
                     *x = self.ring.read_u64(IOMAP + s * ENTRY + 8 * i).ok()?;
                 }
                 decode(&w)
             })
             .collect()
+    }
+
+    /// At the close: this end's mappings are deregistered (a peer's
+    /// `riowrite` that comes after fails, as with rdma-core, instead of
+    /// landing in a buffer the program may free once `rclose` returned).
+    pub(super) fn unmap_all(&self) {
+        let mut local = lock(&self.iomaps);
+        local.maps.clear();
+        local.stage = None;
     }
 
     /// `riowrite(buf, count, offset)`: RDMA-writes the bytes into the

@@ -28,13 +28,14 @@
 //! VM's BAR (sysfs `resource2`, or the region memfd a host test maps), not
 //! of our memfds: the BAR's file is noted when a guest context opens it
 //! ([`note_guest_bar`]) and the child copies the parts of its shared
-//! mappings that lie in a re-backed span, read from the registry whose
-//! lock the forking thread holds (reading a map allocates nothing). The
-//! rings and `alloc_mr` memory mapped from the BAR stay shared, as a host
-//! child shares the memfds they are made of: the same program behaves the
-//! same on a host and in a guest, and a fork copies only what must be
-//! copied. Were the registry's lock not taken, every shared mapping of the
-//! BAR is copied, as the safe side.
+//! mappings that lie in a re-backed span's pages, noted in a static table
+//! by the prepare handler under the registry's lock (the child must not
+//! read the registry itself: see [`NOTED`]). The rings and `alloc_mr`
+//! memory mapped from the BAR stay shared, as a host child shares the
+//! memfds they are made of: the same program behaves the same on a host
+//! and in a guest, and a fork copies only what must be copied. Where
+//! nothing was noted (the lock not taken, or more spans than the table
+//! holds), every shared mapping of the BAR is copied, as the safe side.
 //!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
@@ -44,7 +45,7 @@
 //! rather than stay shared.
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::MutexGuard;
 
 use super::{Spans, REGISTRY};
@@ -73,8 +74,50 @@ thread_local! {
 extern "C" fn prepare() {
     let _ = std::panic::catch_unwind(|| {
         let guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        note_guest_ranges(&guard);
         HELD.with(|h| *h.borrow_mut() = Some(guard));
     });
+}
+
+/// Guest spans' page ranges noted for the child at most; with more, the
+/// child copies every shared mapping of the BAR.
+const NOTED_MAX: usize = 256;
+
+/// The pages the guest spans map from the BAR, `[start, reach)` each
+/// (past a span's end where a larger generation, gone now, left its pages
+/// mapped), noted by [`prepare`] in the parent under the registry's lock,
+/// where the heap may be used. The child reads only these: the registry's
+/// nodes and the spans' counts are heap objects, possibly on pages still
+/// shared with the parent until they are copied, which the parent's other
+/// threads may change under the child (and a count the child dropped to
+/// zero would run a span's drop in the child).
+static NOTED: [(AtomicUsize, AtomicUsize); NOTED_MAX] =
+    [const { (AtomicUsize::new(0), AtomicUsize::new(0)) }; NOTED_MAX];
+static NOTED_LEN: AtomicUsize = AtomicUsize::new(0);
+/// More guest spans than [`NOTED`] holds: copy every BAR mapping.
+static NOTED_ALL: AtomicBool = AtomicBool::new(false);
+
+fn note_guest_ranges(spans: &Spans) {
+    if !GUEST_BARS.iter().any(|(_, i)| i.load(Ordering::SeqCst) != 0) {
+        return;
+    }
+    let mut n = 0;
+    let mut all = false;
+    for gens in spans.values() {
+        let Some(span) = super::largest(gens) else { continue };
+        if span.guest.is_none() {
+            continue;
+        }
+        if n == NOTED_MAX {
+            all = true;
+            break;
+        }
+        NOTED[n].0.store(span.start, Ordering::SeqCst);
+        NOTED[n].1.store(super::guest::reach(&span), Ordering::SeqCst);
+        n += 1;
+    }
+    NOTED_LEN.store(n, Ordering::SeqCst);
+    NOTED_ALL.store(all, Ordering::SeqCst);
 }
 
 /// Releases the lock `prepare` took. In the child the lock is a copy that
@@ -170,16 +213,15 @@ fn privatize_all() {
         }
         libc::close(fd);
         let text = std::slice::from_raw_parts(buf.cast::<u8>(), len);
-        HELD.with(|held| {
-            let held = held.borrow();
-            for line in text.split(|&b| b == b'\n') {
-                let Some((start, end, perms)) = rebacked_mapping(line, is_guest_bar) else { continue };
-                match (held.as_deref(), line_is_ours(line)) {
-                    (Some(spans), false) => in_guest_spans(spans, start, end, |s, e| privatize(s, e, perms)),
-                    _ => privatize(start, end, perms),
-                }
+        // Noted by this fork's `prepare` only where it took the lock.
+        let noted = HELD.with(|h| h.borrow().is_some()) && !NOTED_ALL.load(Ordering::SeqCst);
+        for line in text.split(|&b| b == b'\n') {
+            let Some((start, end, perms)) = rebacked_mapping(line, is_guest_bar) else { continue };
+            match noted && !line_is_ours(line) {
+                true => in_noted_ranges(start, end, |s, e| privatize(s, e, perms)),
+                false => privatize(start, end, perms),
             }
-        });
+        }
         libc::munmap(buf, cap);
     }
 }
@@ -191,17 +233,12 @@ fn line_is_ours(line: &[u8]) -> bool {
     path.starts_with(super::MAPS_PATH_PREFIX.as_bytes())
 }
 
-/// Calls `each` with the parts of `[start, end)` that lie in a guest's
-/// re-backed span of `spans`, in order; allocates nothing.
-fn in_guest_spans(spans: &Spans, start: usize, end: usize, mut each: impl FnMut(usize, usize)) {
-    // The span that begins before `start` may reach into the range.
-    let first = spans.range(..start).next_back().map(|(&k, _)| k).unwrap_or(start);
-    for gens in spans.range(first..end).map(|(_, gens)| gens) {
-        let Some(span) = super::largest(gens) else { continue };
-        if span.guest.is_none() {
-            continue;
-        }
-        let (s, e) = (span.start.max(start), span.end().min(end));
+/// Calls `each` with the parts of `[start, end)` that lie in a noted
+/// guest span's pages ([`NOTED`]); allocates nothing.
+fn in_noted_ranges(start: usize, end: usize, mut each: impl FnMut(usize, usize)) {
+    let n = NOTED_LEN.load(Ordering::SeqCst).min(NOTED_MAX);
+    for (a, b) in &NOTED[..n] {
+        let (s, e) = (a.load(Ordering::SeqCst).max(start), b.load(Ordering::SeqCst).min(end));
         if s < e {
             each(s, e);
         }

@@ -520,7 +520,7 @@ fn reback_guest_pieces(
 /// end where a larger generation, gone now, grew it (its pages stay
 /// mapped from the extent, which the span holds, and a registration on
 /// them takes them back as a growth).
-fn reach(span: &Span) -> usize {
+pub(super) fn reach(span: &Span) -> usize {
     span.guest.as_ref().map_or(span.end(), |g| {
         let pieces = g.extent.pieces.lock().unwrap_or_else(|p| p.into_inner());
         GuestExtent::mapped_end(&pieces, g.extent.start).max(span.end())
