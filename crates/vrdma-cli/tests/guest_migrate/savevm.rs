@@ -77,11 +77,14 @@ fn save(w: &World, q: Qmp, qmp: &Path, at: &Path, tag: &str) -> Qmp {
     q
 }
 
-/// The restore (`vrdma vm loadvm`): the running tenant dropped, QEMU's
-/// `loadvm TAG`, the tenant's state and region imported and resumed,
-/// `cont`.
+/// The restore of the stopped VM (`vrdma vm loadvm`): the running tenant
+/// dropped, QEMU's `loadvm TAG`, the tenant's state and region imported
+/// and resumed; the VM stays stopped, as it was (QEMU's own `loadvm`
+/// keeps the run state too), and is continued here.
 fn restore(w: &World, g: &mut Guest, q: Qmp, qmp: &Path, at: &Path, tag: &str) -> Qmp {
     let mut q = vm_command(w, q, qmp, at, "loadvm", tag, &[]);
+    assert_eq!(q.status().unwrap(), "paused");
+    q.exec(r#"{"execute":"cont"}"#).unwrap();
     assert_eq!(q.status().unwrap(), "running");
     let out = g.check("echo here", T).unwrap_or_else(|e| panic!("the guest after loadvm {tag}: {e}"));
     assert!(out.contains("here"), "{out}");
