@@ -370,7 +370,9 @@ fn migrate_in_one_command(
         .unwrap();
     let done = Instant::now();
     let said = String::from_utf8_lossy(&out.stdout).trim().to_string();
-    assert!(out.status.success(), "vrdma vm migrate: {said}\n{}", String::from_utf8_lossy(&out.stderr));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "vrdma vm migrate: {said}\n{err}");
+    assert!(!err.contains("late-block-activate"), "QEMU refused the capability: {err}");
     let stopped_ms: f64 = said
         .split("the VM stopped ")
         .nth(1)
