@@ -21,21 +21,8 @@
 #include <sys/mman.h>
 #include <rdma/rsocket.h>
 
-#define CHECK(cond, ...)                                                      \
-	do {                                                                  \
-		if (!(cond)) {                                                \
-			fprintf(stderr, "riomap_check: line %d: ", __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                         \
-			fprintf(stderr, " (errno %d)\n", errno);              \
-			exit(1);                                              \
-		}                                                             \
-	} while (0)
-
-#define FAILS(call, err, what)                                               \
-	do {                                                                 \
-		errno = 0;                                                   \
-		CHECK((long) (call) == -1 && errno == (err), "%s", what);    \
-	} while (0)
+#define CHECK_NAME "riomap_check"
+#include "rcheck.h"
 
 #define PAGE 4096
 #define SLOTS 16

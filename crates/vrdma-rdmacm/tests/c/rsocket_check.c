@@ -25,21 +25,8 @@
 #include <sys/uio.h>
 #include <rdma/rsocket.h>
 
-#define CHECK(cond, ...)                                                      \
-	do {                                                                  \
-		if (!(cond)) {                                                \
-			fprintf(stderr, "rsocket_check: line %d: ", __LINE__); \
-			fprintf(stderr, __VA_ARGS__);                         \
-			fprintf(stderr, " (errno %d)\n", errno);              \
-			exit(1);                                              \
-		}                                                             \
-	} while (0)
-
-#define FAILS(call, err, what)                                               \
-	do {                                                                 \
-		errno = 0;                                                   \
-		CHECK((call) == -1 && errno == (err), "%s", what);           \
-	} while (0)
+#define CHECK_NAME "rsocket_check"
+#include "rcheck.h"
 
 static int lfd;
 
