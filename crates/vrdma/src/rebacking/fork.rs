@@ -37,6 +37,15 @@
 //! nothing was noted (the lock not taken, or more spans than the table
 //! holds), every shared mapping of the BAR is copied, as the safe side.
 //!
+//! glibc's own reset of its allocator in the child writes into the
+//! arenas' headers (each thread arena's lock, free-list link and thread
+//! count, at the start of its first heap) before this handler runs: a
+//! header in a page still mapped from a guest's BAR took those writes for
+//! the parent, which aborted at the exit of that arena's thread. So the
+//! prepare handler moves kept guest spans' pages (deregistered, see
+//! [`super::guest`]) back to private memory first; pages a live region
+//! lies on stay shared, since the device may write them.
+//!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
 //! child starts, so bytes the parent's other threads or the device write
@@ -74,6 +83,11 @@ thread_local! {
 extern "C" fn prepare() {
     let _ = std::panic::catch_unwind(|| {
         let guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        // Kept pages go back to private memory before the child's glibc
+        // writes its allocator's state (see `guest::fork_preparing`).
+        if REBACKED.load(Ordering::SeqCst) {
+            super::guest::fork_preparing();
+        }
         note_guest_ranges(&guard);
         HELD.with(|h| *h.borrow_mut() = Some(guard));
     });
@@ -336,6 +350,128 @@ unsafe fn privatize(start: usize, end: usize, perms: [u8; 4]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::fd::AsFd;
+    use std::sync::{mpsc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use super::super::guest::{context_closing, reback_guest, GuestSource};
+    use crate::error::Error;
+
+    /// Set in the process the arena test runs alone in.
+    const ALONE: &str = "VRDMA_TEST_FORK_ARENA_ALONE";
+
+    /// glibc reserves a thread arena's heaps at multiples of this (64 MiB
+    /// on 64-bit): the arena's header lies at the start of its first one.
+    const HEAP_MAX: usize = 64 << 20;
+
+    /// Runs the test `name` of this binary in a process of its own (a
+    /// lost arena update aborts the whole process at a thread's exit):
+    /// whether it passed, and its output.
+    fn alone(name: &str) -> (bool, String) {
+        let exe = std::env::current_exe().unwrap();
+        let mut child = std::process::Command::new(exe)
+            .args(["--exact", name, "--test-threads=1", "--nocapture"])
+            .env(ALONE, "1")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let end = Instant::now() + Duration::from_secs(120);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break Some(status);
+            }
+            if Instant::now() > end {
+                let _ = child.kill();
+                let _ = child.wait();
+                break None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut text = String::new();
+        for mut out in [
+            child.stdout.take().map(|o| Box::new(o) as Box<dyn std::io::Read>),
+            child.stderr.take().map(|e| Box::new(e) as Box<dyn std::io::Read>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let _ = out.read_to_string(&mut text);
+        }
+        let passed = status.is_some_and(|s| s.success()) && text.contains("1 passed");
+        (passed, format!("{status:?}\n{text}"))
+    }
+
+    /// A thread arena's header (`malloc_state`, at the start of the
+    /// arena's first heap) in pages kept in the VM's region after their
+    /// region went, and a `fork`: glibc resets every arena's thread count
+    /// and lock in the child, before any handler of ours runs, and those
+    /// writes reached the parent's arena through the shared page; the
+    /// parent aborted when the arena's thread exited ("malloc assertion
+    /// failure in __malloc_arena_thread_freeres: a->attached_threads >
+    /// 0"). Now a fork moves kept pages back to private memory first.
+    #[test]
+    fn a_fork_leaves_a_thread_arenas_header_in_kept_pages_whole() {
+        let name = "rebacking::fork::tests::a_fork_leaves_a_thread_arenas_header_in_kept_pages_whole";
+        if std::env::var_os(ALONE).is_none() {
+            let (passed, out) = alone(name);
+            assert!(passed, "the test failed in its own process: {out}");
+            return;
+        }
+        let page = vrdma_shm::page_size();
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, 64 * page as u64).unwrap();
+        let ext = Mutex::new(vrdma_core::extents::Extents::new(64 * page as u64, page as u64));
+        let alloc = |len: u64| ext.lock().unwrap().alloc(len).ok_or(Error::QueueFull);
+        let release = |_: u64| -> Box<dyn FnOnce() + Send> { Box::new(|| {}) };
+        let grow = |_: u64, _: u64| -> crate::error::Result<u64> { Err(Error::QueueFull) };
+        let src = GuestSource { owner: 11, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
+        let mut tried = 0;
+        for _ in 0..3 {
+            let (tx_at, rx_at) = mpsc::channel();
+            let (tx_go, rx_go) = mpsc::channel::<()>();
+            // A fresh thread: its first allocation attaches it to an arena
+            // of its own (this process runs one test).
+            let t = std::thread::spawn(move || {
+                let b = Box::new([7u8; 64]);
+                tx_at.send(b.as_ptr() as usize).unwrap();
+                let _ = rx_go.recv_timeout(Duration::from_secs(60));
+                drop(b);
+            });
+            let h = rx_at.recv_timeout(Duration::from_secs(60)).unwrap() & !(HEAP_MAX - 1);
+            let maps = super::super::read_maps().unwrap();
+            // The heap's header (`heap_info`) begins with its arena's
+            // address, right after it.
+            let arena = super::super::covering(&maps, h, h + page).is_ok_and(|e| {
+                e.iter().all(|e| e.readable_writable() && e.private())
+                    // SAFETY: the first word of a mapped, readable page.
+                    && (h + 8..h + 128).contains(&unsafe { (h as *const usize).read() })
+            });
+            if arena {
+                tried += 1;
+                // SAFETY: the last bytes of the arena's first page: the
+                // registration reads and shares them, nothing more.
+                let r = unsafe { reback_guest((h + page - 64) as *mut u8, 64, &src) }.unwrap();
+                // Its region goes; the page stays in the region, kept.
+                drop(r);
+                // SAFETY: the child only exits.
+                let pid = unsafe { libc::fork() };
+                if pid == 0 {
+                    // SAFETY: ends the child at once.
+                    unsafe { libc::_exit(0) };
+                }
+                assert!(pid > 0, "fork failed");
+                let mut st = 0;
+                // SAFETY: waits for the child forked above.
+                assert_eq!(unsafe { libc::waitpid(pid, &mut st, 0) }, pid);
+            }
+            // The thread exits: glibc checks its arena's thread count.
+            tx_go.send(()).unwrap();
+            t.join().unwrap();
+            context_closing(11);
+        }
+        assert!(tried > 0, "no thread arena found");
+    }
 
     #[test]
     fn finds_rebacked_mappings_in_maps_lines_without_allocating() {

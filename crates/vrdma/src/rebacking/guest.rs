@@ -16,7 +16,10 @@
 //! frees the extent for anything else of the VM), when a registration of
 //! another context or with other page bounds needs their place, or when
 //! the VM's region is full, or when they would hold more than a quarter
-//! of it (the region is all the VM's processes'). A registration on kept pages reuses the
+//! of it (the region is all the VM's processes'), or before a `fork`
+//! (glibc's reset of its allocator in the child would write into a kept
+//! heap page's arena header for the parent: [`fork_preparing`]; their
+//! extents then go back at the next registration). A registration on kept pages reuses the
 //! span, as on a live one; an extent whose pages the application unmapped
 //! goes back at the next registration, with nothing to move. The cost:
 //! a context's deregistered heap pages hold their extent of the region
@@ -117,6 +120,19 @@ impl GuestExtent {
     /// What `/proc/self/maps` shows for `addr` of the extent's pages.
     fn maps_offset_of(&self, addr: usize) -> u64 {
         self.maps_offset + (addr - self.start) as u64
+    }
+
+    /// Moves what is still mapped from the extent of `pieces` back to
+    /// private memory with its bytes; whether all of it went.
+    fn move_back(&self, pieces: &[(usize, usize)]) -> bool {
+        read_maps().is_ok_and(|maps| {
+            pieces.iter().all(|&(at, len)| {
+                bar_pages(&maps, at, at + len, self.ino, self.maps_offset_of(at)).into_iter().all(|(s, n)| {
+                    let offset = self.offset + (s - self.start) as u64;
+                    move_back_to_private(self.bar.as_fd(), offset, s, n)
+                })
+            })
+        })
     }
 }
 
@@ -269,6 +285,27 @@ pub(crate) fn context_closing(owner: usize) {
         .collect();
     for start in owned {
         unkeep(&mut reg, kept, start);
+    }
+}
+
+/// Called by the forking thread before `fork`, with the registry's lock
+/// held: the pages of idle kept spans move back to private memory. In
+/// the child, glibc resets each malloc arena's lock and thread count (in
+/// the arena's header, at the start of its first heap) before any
+/// handler of ours runs; a header in a page still mapped from the BAR
+/// took those writes for the parent, whose thread of that arena then
+/// aborted at its exit (`a->attached_threads > 0`). Deregistered heap
+/// pages are what kept a header there for long; pages a live region lies
+/// on stay (see `super::fork`). The spans stay kept, with nothing mapped
+/// from their extents: the next registration's sweep, or the context's
+/// close, gives the extents back (a daemon round trip, and a context
+/// that might drop, have no place in a fork).
+pub(crate) fn fork_preparing() {
+    let mut kept = KEPT.lock().unwrap_or_else(|p| p.into_inner());
+    for span in kept.of_this_process().values().filter(|s| idle(s)) {
+        let g = span.guest.as_ref().expect("kept spans are guest spans");
+        let pieces = g.extent.pieces.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        g.extent.move_back(&pieces);
     }
 }
 
@@ -634,14 +671,7 @@ impl Drop for GuestExtent {
         // extent may be anyone's in the VM once given back. Where that
         // fails the extent is kept.
         let pieces = std::mem::take(self.pieces.get_mut().unwrap_or_else(|p| p.into_inner()));
-        let moved = read_maps().is_ok_and(|maps| {
-            pieces.iter().all(|&(at, len)| {
-                bar_pages(&maps, at, at + len, self.ino, self.maps_offset_of(at)).into_iter().all(|(s, n)| {
-                    let offset = self.offset + (s - self.start) as u64;
-                    move_back_to_private(self.bar.as_fd(), offset, s, n)
-                })
-            })
-        });
+        let moved = self.move_back(&pieces);
         let release = self.release.get_mut().unwrap_or_else(|p| p.into_inner()).take();
         match release {
             Some(release) if moved => release(),
