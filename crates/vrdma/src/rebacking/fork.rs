@@ -43,8 +43,9 @@
 //! header in a page still mapped from a guest's BAR took those writes for
 //! the parent, which aborted at the exit of that arena's thread. So the
 //! prepare handler moves kept guest spans' pages (deregistered, see
-//! [`super::guest`]) back to private memory first; pages a live region
-//! lies on stay shared, since the device may write them.
+//! [`super::guest`]) back to private memory first, and on a host the
+//! pages of spans whose last region went ([`super::idle_pages`]); pages
+//! a live region lies on stay shared, since the device may write them.
 //!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
@@ -83,10 +84,12 @@ thread_local! {
 extern "C" fn prepare() {
     let _ = std::panic::catch_unwind(|| {
         let guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-        // Kept pages go back to private memory before the child's glibc
-        // writes its allocator's state (see `guest::fork_preparing`).
+        // Kept and idle pages go back to private memory before the
+        // child's glibc writes its allocator's state (see
+        // `guest::fork_preparing` and `idle_pages`).
         if REBACKED.load(Ordering::SeqCst) {
             super::guest::fork_preparing();
+            super::idle_pages::fork_preparing(&guard);
         }
         note_guest_ranges(&guard);
         HELD.with(|h| *h.borrow_mut() = Some(guard));
@@ -426,6 +429,38 @@ mod tests {
         let release = |_: u64| -> Box<dyn FnOnce() + Send> { Box::new(|| {}) };
         let grow = |_: u64, _: u64| -> crate::error::Result<u64> { Err(Error::QueueFull) };
         let src = GuestSource { owner: 11, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
+        fork_over_a_thread_arenas_header(
+            // SAFETY: the last bytes of the arena's first page: the
+            // registration reads and shares them, nothing more.
+            |at| drop(unsafe { reback_guest(at as *mut u8, 64, &src) }.unwrap()),
+            || context_closing(11),
+        );
+    }
+
+    /// As above on a host: the pages of a span whose last region went stay
+    /// mapped from its memfd (the abort was reproduced so); a fork moves
+    /// them back to private memory first.
+    #[test]
+    fn a_fork_leaves_a_thread_arenas_header_in_idle_host_pages_whole() {
+        let name = "rebacking::fork::tests::a_fork_leaves_a_thread_arenas_header_in_idle_host_pages_whole";
+        if std::env::var_os(ALONE).is_none() {
+            let (passed, out) = alone(name);
+            assert!(passed, "the test failed in its own process: {out}");
+            return;
+        }
+        fork_over_a_thread_arenas_header(
+            // SAFETY: as above.
+            |at| drop(unsafe { super::super::reback(at as *mut u8, 64) }.unwrap()),
+            || {},
+        );
+    }
+
+    /// Three times: a fresh thread's arena, the last 64 bytes of its first
+    /// page registered and deregistered by `register_and_drop`, a `fork`
+    /// whose child only exits, the thread's exit (where glibc checks its
+    /// arena's thread count), then `after`.
+    fn fork_over_a_thread_arenas_header(register_and_drop: impl Fn(usize), after: impl Fn()) {
+        let page = vrdma_shm::page_size();
         let mut tried = 0;
         for _ in 0..3 {
             let (tx_at, rx_at) = mpsc::channel();
@@ -449,11 +484,7 @@ mod tests {
             });
             if arena {
                 tried += 1;
-                // SAFETY: the last bytes of the arena's first page: the
-                // registration reads and shares them, nothing more.
-                let r = unsafe { reback_guest((h + page - 64) as *mut u8, 64, &src) }.unwrap();
-                // Its region goes; the page stays in the region, kept.
-                drop(r);
+                register_and_drop(h + page - 64);
                 // SAFETY: the child only exits.
                 let pid = unsafe { libc::fork() };
                 if pid == 0 {
@@ -468,7 +499,7 @@ mod tests {
             // The thread exits: glibc checks its arena's thread count.
             tx_go.send(()).unwrap();
             t.join().unwrap();
-            context_closing(11);
+            after();
         }
         assert!(tried > 0, "no thread arena found");
     }

@@ -6,7 +6,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use rustix::mm::MremapFlags;
-use vrdma_shm::Segment;
 
 use super::super::uffd::{self, UffdioCopy, UffdioRange};
 use super::super::uffd::{
@@ -26,10 +25,11 @@ pub(super) fn open() -> Option<OwnedFd> {
     uffd::open(UFFD_FEATURE_EVENT_REMAP)
 }
 
-/// Moves `[start, start + len)` to private pages holding `view`'s bytes,
+/// Moves `[start, start + len)` to private pages holding the bytes `view`
+/// maps (`len` readable bytes, a second view of the range's pages),
 /// holding other threads off the range meanwhile. `Ok(false)`: a
 /// userfaultfd cannot be had here, and nothing was changed.
-pub(super) fn move_back(view: &Segment, start: usize, len: usize) -> std::io::Result<bool> {
+pub(super) fn move_back(view: *const u8, start: usize, len: usize) -> std::io::Result<bool> {
     let Some(uffd) = open() else { return Ok(false) };
     let mut fresh = Scratch::new(len)?;
     // The untouched private mapping made above.
@@ -69,7 +69,7 @@ pub(super) fn move_back(view: &Segment, start: usize, len: usize) -> std::io::Re
 fn fill(
     uffd: &OwnedFd,
     fresh: &mut Scratch,
-    view: &Segment,
+    view: *const u8,
     start: usize,
     len: usize,
 ) -> std::io::Result<()> {
@@ -95,7 +95,7 @@ fn fill(
     while at < len {
         let mut copy = UffdioCopy {
             dst: (start + at) as u64,
-            src: view.as_ptr() as u64 + at as u64,
+            src: view as u64 + at as u64,
             len: (len - at) as u64,
             mode: 0,
             copy: 0,

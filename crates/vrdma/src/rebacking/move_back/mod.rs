@@ -97,7 +97,52 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
     // A second view of the BAR's bytes: the source of the copy, and where
     // writes that land after it are seen.
     let view = Segment::map_trusted_at(bar.try_clone_to_owned()?, offset, len)?;
-    if held::move_back(&view, start, len)? {
+    move_back_from(view.as_ptr(), start, len)
+}
+
+/// Replaces the pages `[start, start + len)`, a shared mapping of a
+/// memfd whose descriptor may be gone (a host's re-backed pages that no
+/// region uses any more), with private anonymous pages holding their
+/// bytes, as [`move_back_to_private`] does for a guest's. Returns whether
+/// it did; where it did not, the pages are still the memfd's.
+pub(super) fn move_shared_back_to_private(start: usize, len: usize) -> bool {
+    let moved = Alias::of(start, len).and_then(|view| move_back_from(view.ptr, start, len));
+    if let Err(e) = &moved {
+        tracing::warn!(start, len, "vrdma: cannot move re-backed pages back to private memory: {e}");
+    }
+    moved.is_ok()
+}
+
+/// A second mapping of the same pages as a shared mapping, made from the
+/// mapping itself (`mremap` with an old size of 0), unmapped on drop.
+struct Alias {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Alias {
+    fn of(start: usize, len: usize) -> std::io::Result<Alias> {
+        // SAFETY: with an old size of 0, `mremap` maps the pages of the
+        // shared mapping at `start` a second time, at an address the
+        // kernel chooses; the range stays as it is.
+        let p = unsafe { rustix::mm::mremap(start as *mut std::ffi::c_void, 0, len, MremapFlags::MAYMOVE) }?;
+        Ok(Alias { ptr: p.cast(), len })
+    }
+}
+
+impl Drop for Alias {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `of`, used by nothing else.
+        if let Err(e) = unsafe { rustix::mm::munmap(self.ptr.cast(), self.len) } {
+            tracing::warn!("vrdma: cannot unmap a second view of re-backed pages: {e}");
+        }
+    }
+}
+
+/// Moves `[start, start + len)` back to private pages holding the bytes
+/// of `view`, a second mapping of the same `len` bytes.
+fn move_back_from(view: *const u8, start: usize, len: usize) -> std::io::Result<()> {
+    if held::move_back(view, start, len)? {
         return Ok(());
     }
     let mut copy = Scratch::new(len)?;
@@ -106,11 +151,11 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
     // range) and `copy` and `snap` are separate mappings of `len` bytes
     // that only this thread knows yet.
     unsafe {
-        std::ptr::copy_nonoverlapping(view.as_ptr(), copy.ptr, len);
+        std::ptr::copy_nonoverlapping(view, copy.ptr, len);
         std::ptr::copy_nonoverlapping(copy.ptr, snap.ptr, len);
     }
     // SAFETY: `copy` is a private mapping of `len` bytes holding the
-    // range's bytes; moving it over the range replaces the BAR's mapping
+    // range's bytes; moving it over the range replaces the shared mapping
     // there in one step, so every pointer into the range stays valid and
     // sees the same bytes.
     let moved = unsafe {
@@ -129,7 +174,7 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
     }
     // SAFETY: `view` and `snap` map `len` bytes each; the range is mapped
     // readable and writable (the move above), shared with other threads.
-    unsafe { carry_over(view.as_ptr(), snap.ptr, start as *mut u8, len) };
+    unsafe { carry_over(view, snap.ptr, start as *mut u8, len) };
     Ok(())
 }
 
@@ -204,6 +249,40 @@ mod tests {
         // SAFETY: four bytes each, this thread's.
         unsafe { carry_over(now.as_ptr(), was.as_ptr(), page.as_mut_ptr(), 4) };
         assert_eq!(page, [1, 9, 3, 7]);
+    }
+
+    /// Pages mapped from a memfd whose descriptor is closed (a host's
+    /// span after its last region) move back to private memory with
+    /// their bytes: from then on the file no longer sees their writes.
+    #[test]
+    fn shared_pages_of_a_closed_memfd_move_back_with_their_bytes() {
+        let page = vrdma_shm::page_size();
+        let len = 3 * page;
+        let fd = test_bar(len);
+        let addr = map_test_bar(&fd, std::ptr::null_mut(), len, MapFlags::empty(), 0);
+        let watch = map_test_bar(&fd, std::ptr::null_mut(), len, MapFlags::empty(), 0);
+        drop(fd);
+        for i in 0..len {
+            // SAFETY: inside the test's mapping.
+            unsafe { *((addr + i) as *mut u8) = (i % 251) as u8 };
+        }
+        assert!(move_shared_back_to_private(addr, len));
+        for i in 0..len {
+            // SAFETY: inside the range, mapped (now privately).
+            assert_eq!(unsafe { *((addr + i) as *const u8) }, (i % 251) as u8, "byte {i}");
+        }
+        // SAFETY: inside the range.
+        unsafe { *((addr + page) as *mut u8) = 0xee };
+        // SAFETY: inside the watching mapping.
+        assert_eq!(unsafe { *((watch + page) as *const u8) }, (page % 251) as u8, "the file saw a write");
+        let maps = super::super::read_maps().unwrap();
+        let e = maps.iter().find(|e| e.start <= addr && addr < e.end).unwrap();
+        assert!(e.is_private_anonymous(), "{e:?}");
+        // SAFETY: the test's mappings.
+        unsafe {
+            rustix::mm::munmap(addr as *mut _, len).unwrap();
+            rustix::mm::munmap(watch as *mut _, len).unwrap();
+        }
     }
 
     /// While pages move back, another thread reading them sees their
