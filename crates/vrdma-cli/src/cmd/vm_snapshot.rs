@@ -193,13 +193,10 @@ pub fn save(socket: &Path, s: &SaveArgs) -> Result<()> {
             true => cont(&mut q).context("the VM stays stopped"),
             false => Ok(()),
         };
-        let undone =
-            resumed.err().into_iter().chain(continued.err()).fold(None, |acc: Option<anyhow::Error>, e| {
-                Some(match acc {
-                    None => e,
-                    Some(a) => a.context(format!("{e:#}")),
-                })
-            });
+        let undone = match (resumed.err(), continued.err()) {
+            (Some(r), Some(c)) => Some(r.context(format!("{c:#}"))),
+            (r, c) => r.or(c),
+        };
         if let Some(u) = undone {
             let what = match &saved {
                 Ok(_) => "saved, but going on failed".to_string(),
