@@ -97,7 +97,22 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
     // A second view of the BAR's bytes: the source of the copy, and where
     // writes that land after it are seen.
     let view = Segment::map_trusted_at(bar.try_clone_to_owned()?, offset, len)?;
-    move_back_from(view.as_ptr(), start, len)
+    move_back_from(view.as_ptr(), start, len, None)
+}
+
+/// [`move_back_to_private`], where `filled_with` (as long as the range)
+/// receives the bytes the private pages were filled with: the file's
+/// bytes at the moment the range stopped being its mapping. A byte of the
+/// file that differs from it later was written by the device since.
+pub(super) fn move_back_to_private_noting(
+    file: BorrowedFd<'_>,
+    offset: u64,
+    start: usize,
+    filled_with: &mut [u8],
+) -> std::io::Result<()> {
+    let len = filled_with.len();
+    let view = Segment::map_trusted_at(file.try_clone_to_owned()?, offset, len)?;
+    move_back_from(view.as_ptr(), start, len, Some(filled_with))
 }
 
 /// Replaces the pages `[start, start + len)`, a shared mapping of a
@@ -106,7 +121,7 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
 /// bytes, as [`move_back_to_private`] does for a guest's. Returns whether
 /// it did; where it did not, the pages are still the memfd's.
 pub(super) fn move_shared_back_to_private(start: usize, len: usize) -> bool {
-    let moved = Alias::of(start, len).and_then(|view| move_back_from(view.ptr, start, len));
+    let moved = Alias::of(start, len).and_then(|view| move_back_from(view.ptr, start, len, None));
     if let Err(e) = &moved {
         tracing::warn!(start, len, "vrdma: cannot move re-backed pages back to private memory: {e}");
     }
@@ -140,9 +155,16 @@ impl Drop for Alias {
 }
 
 /// Moves `[start, start + len)` back to private pages holding the bytes
-/// of `view`, a second mapping of the same `len` bytes.
-fn move_back_from(view: *const u8, start: usize, len: usize) -> std::io::Result<()> {
-    if held::move_back(view, start, len)? {
+/// of `view`, a second mapping of the same `len` bytes; `filled_with`
+/// (`len` bytes) as in [`move_back_to_private_noting`].
+fn move_back_from(
+    view: *const u8,
+    start: usize,
+    len: usize,
+    mut filled_with: Option<&mut [u8]>,
+) -> std::io::Result<()> {
+    let noting = filled_with.as_deref_mut().map(|b| b.as_mut_ptr());
+    if held::move_back(view, start, len, noting)? {
         return Ok(());
     }
     let mut copy = Scratch::new(len)?;
@@ -175,6 +197,12 @@ fn move_back_from(view: *const u8, start: usize, len: usize) -> std::io::Result<
     // SAFETY: `view` and `snap` map `len` bytes each; the range is mapped
     // readable and writable (the move above), shared with other threads.
     unsafe { carry_over(view, snap.ptr, start as *mut u8, len) };
+    if let Some(b) = filled_with {
+        // SAFETY: `snap` maps `len` bytes; `b` holds `len` (the caller's).
+        // The file's bytes that differ from it were written since the
+        // copy, and were carried over to the pages.
+        unsafe { std::ptr::copy_nonoverlapping(snap.ptr, b.as_mut_ptr(), len) };
+    }
     Ok(())
 }
 
@@ -185,7 +213,7 @@ fn move_back_from(view: *const u8, start: usize, len: usize) -> std::io::Result<
 /// # Safety
 /// `now` and `was` are readable for `len` bytes; `page` readable and
 /// writable for `len` bytes, which other threads may access concurrently.
-unsafe fn carry_over(now: *const u8, was: *const u8, page: *mut u8, len: usize) {
+pub(super) unsafe fn carry_over(now: *const u8, was: *const u8, page: *mut u8, len: usize) {
     for i in 0..len {
         // SAFETY: `i < len`: inside both (the caller's contract).
         let (n, w) = unsafe { (now.add(i).read_volatile(), was.add(i).read()) };
