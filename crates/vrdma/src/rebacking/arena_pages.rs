@@ -31,8 +31,8 @@
 //! first word points right after it (at the arena) and whose second (the
 //! previous heap) is null for an arena's first heap. A page of the
 //! program's own data that looks so is parked too, which costs a copy
-//! and nothing else. A guest's live spans (pages of the VM's BAR) are not
-//! parked yet.
+//! and nothing else. A guest's pages are parked the same way, the VM's
+//! BAR in the place of the memfd.
 
 use std::cell::RefCell;
 use std::os::fd::AsFd;
@@ -41,8 +41,9 @@ use std::sync::Arc;
 use vrdma_shm::Segment;
 
 use super::fence::WriteFence;
+use super::guest::in_bar;
 use super::move_back::{carry_over, move_back_to_private_noting};
-use super::{largest, Span, Spans};
+use super::{largest, read_maps, Span, Spans};
 
 /// glibc reserves a thread arena's heaps at multiples of this
 /// (`HEAP_MAX_SIZE`, 64 MiB on 64-bit).
@@ -76,30 +77,44 @@ unsafe fn holds_an_arena_header(at: usize) -> bool {
 }
 
 /// Called by the forking thread before `fork`, with the registry `reg`
-/// held: parks the pages of live host spans that hold an arena's header.
+/// held: parks the pages of live spans that hold an arena's header.
 pub(super) fn fork_preparing(reg: &Spans) {
     if !cfg!(all(target_os = "linux", target_pointer_width = "64")) {
         return;
     }
     let page = vrdma_shm::page_size();
-    let spans: Vec<Arc<Span>> =
-        reg.values().filter_map(|gens| largest(gens)).filter(|s| s.guest.is_none()).collect();
-    let mut parked = Vec::new();
-    for span in spans {
+    let mut candidates: Vec<(Arc<Span>, usize)> = Vec::new();
+    for span in reg.values().filter_map(|gens| largest(gens)) {
         let mut at = span.start.next_multiple_of(HEAP_MAX);
         while at < span.end() {
-            // SAFETY: inside a live span: mapped readable and writable.
-            if unsafe { holds_an_arena_header(at) } {
-                // Taken as the page moves: an allocation (the header's
-                // page!) between a copy and the move would differ.
-                let mut before = vec![0; page];
-                parked.reserve(1);
-                match move_back_to_private_noting(span.fd(), (at - span.start) as u64, at, &mut before) {
-                    Ok(()) => parked.push(Parked { span: span.clone(), page: at, before }),
-                    Err(e) => tracing::warn!(page = at, "vrdma: cannot park a page for a fork: {e}"),
-                }
-            }
+            candidates.push((span.clone(), at));
             at += HEAP_MAX;
+        }
+    }
+    if candidates.is_empty() {
+        return;
+    }
+    // A span's page is read only where it is still the span's mapping: a
+    // guest's kept span whose pages moved back, or memory the program
+    // unmapped while registered (its bug), is not parked.
+    let Ok(maps) = read_maps() else { return };
+    let mut parked = Vec::new();
+    for (span, at) in candidates {
+        let base = span.guest.as_ref().map_or(0, |g| g.maps_offset) + (at - span.start) as u64;
+        if !in_bar(&maps, at, at + page, span.ino, base) {
+            continue;
+        }
+        // SAFETY: mapped readable and writable from the span's file
+        // (checked just now, under the registry's lock).
+        if unsafe { holds_an_arena_header(at) } {
+            // Taken as the page moves: an allocation (the header's
+            // page!) between a copy and the move would differ.
+            let mut before = vec![0; page];
+            parked.reserve(1);
+            match move_back_to_private_noting(span.fd(), file_offset(&span, at), at, &mut before) {
+                Ok(()) => parked.push(Parked { span: span.clone(), page: at, before }),
+                Err(e) => tracing::warn!(page = at, "vrdma: cannot park a page for a fork: {e}"),
+            }
         }
     }
     PARKED.with(|p| *p.borrow_mut() = parked);
@@ -124,9 +139,15 @@ pub(super) fn forked_child() {
     PARKED.with(|p| std::mem::forget(std::mem::take(&mut *p.borrow_mut())));
 }
 
+/// Where the page at `at` of `span` lies in the span's file (a guest's:
+/// in the VM's BAR, from the extent's offset).
+fn file_offset(span: &Span, at: usize) -> u64 {
+    span.guest.as_ref().map_or(0, |g| g.offset) + (at - span.start) as u64
+}
+
 fn put_back(p: &Parked) -> std::io::Result<()> {
     let len = p.before.len();
-    let offset = (p.page - p.span.start) as u64;
+    let offset = file_offset(&p.span, p.page);
     let file = Segment::map_trusted_at(p.span.fd().try_clone_to_owned()?, offset, len)?;
     // Other threads' writes to the page wait from here until the file is
     // mapped over it; this thread neither allocates nor writes the page.
@@ -165,8 +186,18 @@ mod tests {
     /// parked for a fork, it takes both the parent's write and the
     /// device's (through the span's file) made while it was parked, and is
     /// shared with the device again after.
-    #[test]
-    fn a_parked_page_keeps_the_parents_and_the_devices_writes() {
+    /// A registry of `r`'s span alone (other tests' spans are not parked
+    /// here; the global registry's lock, held by the tests, keeps other
+    /// tests' forks from parking it meanwhile).
+    fn only(r: &crate::rebacking::Rebacked) -> Spans {
+        Spans::from([(r.span.start, vec![Arc::downgrade(&r.span)])])
+    }
+
+    /// A mapping of `2 * HEAP_MAX` bytes and, in it, a page at a multiple
+    /// of [`HEAP_MAX`] that looks like a thread arena's first heap (arena
+    /// right after its `heap_info`, no previous heap, 132 KiB), the rest of
+    /// the page 0x11.
+    fn fake_first_heap() -> (usize, usize) {
         let page = vrdma_shm::page_size();
         // SAFETY: a fresh private mapping, twice the alignment wanted.
         let base = unsafe {
@@ -180,20 +211,28 @@ mod tests {
         .unwrap() as usize;
         let at = base.next_multiple_of(HEAP_MAX);
         let words = at as *mut usize;
-        // SAFETY: inside the mapping: a `heap_info` (arena right after it,
-        // no previous heap, 132 KiB) and bytes to recognise.
+        // SAFETY: inside the mapping.
         unsafe {
             words.write(at + 48);
             words.add(1).write(0);
             words.add(2).write(132 << 10);
             std::ptr::write_bytes((at + 64) as *mut u8, 0x11, page - 64);
         }
+        (base, at)
+    }
+
+    /// That page registered: parked for a fork, it takes both the parent's
+    /// write and the device's (through the span's file) made while it was
+    /// parked, and is shared with the device again after.
+    #[test]
+    fn a_parked_page_keeps_the_parents_and_the_devices_writes() {
+        let (base, at) = fake_first_heap();
         // SAFETY: the test's memory; the region lives to the end.
         let r = unsafe { reback((at + 1024) as *mut u8, 256) }.unwrap();
         // Held to the end: a fork elsewhere in this binary parks pages too.
         let reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
         {
-            fork_preparing(&reg);
+            fork_preparing(&only(&r));
             assert_eq!(PARKED.with(|p| p.borrow().len()), 1, "the page was not parked");
             let maps = read_maps().unwrap();
             assert!(
@@ -214,6 +253,24 @@ mod tests {
         // The device's writes land again.
         rustix::io::pwrite(r.span.fd(), &[0x44], (at + 2500 - r.span.start) as u64).unwrap();
         assert_eq!(byte(2500), 0x44);
+        drop(reg);
+        drop(r);
+        // SAFETY: the test's mapping.
+        unsafe { rustix::mm::munmap(base as *mut _, 2 * HEAP_MAX).unwrap() };
+    }
+
+    /// A registered page the program unmapped (its bug) is not read.
+    #[test]
+    fn an_unmapped_registered_page_is_left_alone() {
+        let (base, at) = fake_first_heap();
+        // SAFETY: the test's memory; the region lives to the end.
+        let r = unsafe { reback((at + 1024) as *mut u8, 256) }.unwrap();
+        // SAFETY: the test's mapping (the region dangles now).
+        unsafe { rustix::mm::munmap(at as *mut _, vrdma_shm::page_size()).unwrap() };
+        let reg = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
+        fork_preparing(&only(&r));
+        assert_eq!(PARKED.with(|p| p.borrow().len()), 0);
+        forked_parent();
         drop(reg);
         drop(r);
         // SAFETY: the test's mapping.

@@ -461,6 +461,46 @@ mod tests {
         );
     }
 
+    /// As the first with the region live across the fork and the
+    /// thread's exit: the page is parked and mapped from the VM's region
+    /// again after (a write through the region, as the device's, is seen).
+    #[test]
+    fn a_fork_leaves_a_thread_arenas_header_in_a_live_guest_regions_page_whole() {
+        let name =
+            "rebacking::fork::tests::a_fork_leaves_a_thread_arenas_header_in_a_live_guest_regions_page_whole";
+        if std::env::var_os(ALONE).is_none() {
+            let (passed, out) = alone(name);
+            assert!(passed, "the test failed in its own process: {out}");
+            return;
+        }
+        let page = vrdma_shm::page_size();
+        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&bar, 64 * page as u64).unwrap();
+        let ext = Mutex::new(vrdma_core::extents::Extents::new(64 * page as u64, page as u64));
+        let alloc = |len: u64| ext.lock().unwrap().alloc(len).ok_or(Error::QueueFull);
+        let release = |_: u64| -> Box<dyn FnOnce() + Send> { Box::new(|| {}) };
+        let grow = |_: u64, _: u64| -> crate::error::Result<u64> { Err(Error::QueueFull) };
+        let src = GuestSource { owner: 11, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
+        let live = RefCell::new(None);
+        fork_over_a_thread_arenas_header(
+            // SAFETY: as above; the region lives until `after`.
+            |at| *live.borrow_mut() = Some(unsafe { reback_guest(at as *mut u8, 64, &src) }.unwrap()),
+            |at| {
+                let r: super::super::Rebacked = live.borrow_mut().take().unwrap();
+                let off = r.span.guest.as_ref().unwrap().offset + (at - r.span.start) as u64;
+                rustix::io::pwrite(&bar, &[0x5a; 8], off).unwrap();
+                // SAFETY: the region's bytes, mapped from the BAR.
+                assert_eq!(
+                    unsafe { (at as *const [u8; 8]).read_volatile() },
+                    [0x5a; 8],
+                    "a device write not seen"
+                );
+                drop(r);
+                context_closing(11);
+            },
+        );
+    }
+
     /// As above with the region live across the fork and the thread's
     /// exit: its page (the header's) is parked in private memory for the
     /// fork, then shared with the device again (a write through the
