@@ -418,7 +418,9 @@ fn a_guests_region_of_pieces_lies_only_in_its_own_extents() -> Result<()> {
 
 #[test]
 fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
-    let d = daemon_with_vm("ping_ms = 100\ndead_ms = 600")?;
+    // dead_ms well above a stall of this test's thread on a loaded
+    // machine (600 ms was met once in 40 runs: "unexpected Close").
+    let d = daemon_with_vm("ping_ms = 100\ndead_ms = 1000")?;
     let vm = vrdma::vm::attach_at(&d.socket, "t")?;
     let mut p = RawPort::connect(&vm)?;
     p.send(&Frame::Hello { version: GUEST_VERSION })?;
@@ -447,7 +449,7 @@ fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
     // Its proxies (the doorbell and the async-event fd) were closed.
     assert_eq!(closes.len(), 2, "after {:?}, {pings} pings", start.elapsed());
     assert!(pings >= 2, "{pings} pings before the teardown");
-    assert!(start.elapsed() >= Duration::from_millis(600), "torn down after {:?}", start.elapsed());
+    assert!(start.elapsed() >= Duration::from_millis(1000), "torn down after {:?}", start.elapsed());
     // The port stays, the session is gone (for good: no reason given,
     // then or now); a new Hello opens another.
     let (reply, _) = p.call(Request::AllocPd)?;
@@ -455,7 +457,7 @@ fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
     assert_eq!(p.ended, None);
     p.open()?;
     // A session that answers its pings stays past dead_ms.
-    let end = Instant::now() + Duration::from_millis(1500);
+    let end = Instant::now() + Duration::from_millis(2200);
     while Instant::now() < end {
         match p.recv(Duration::from_millis(100)) {
             Ok(Some(f)) => bail!("unexpected {f:?}"),

@@ -150,8 +150,10 @@ impl Port {
             let now = Instant::now();
             let dead_after = self.dead_after();
             let tenant = TenantId(self.vm.config.tenant);
+            let silent = self.live.as_ref().is_some_and(|l| now.duration_since(l.last_heard) > dead_after);
+            let input_waits = silent && self.port_has_input();
             if let Some(l) = self.live.as_mut() {
-                if now.duration_since(l.last_heard) > dead_after {
+                if silent {
                     if self.shared.gate.is_paused(tenant) {
                         // The VM's tenant is paused for a migration or a
                         // snapshot, the VM stopped meanwhile: not the
@@ -160,6 +162,12 @@ impl Port {
                         // context with it, was torn down under the
                         // operator's steps). Counted from now again.
                         l.last_heard = now;
+                    } else if input_waits {
+                        // What waits in the port is read first: a daemon
+                        // thread that ran late (a loaded host) must not take
+                        // its own lateness for the guest's silence. A frame
+                        // counts as hearing from it; anything else is read
+                        // and the silence judged again.
                     } else {
                         tracing::info!(vm = %self.vm.name, ctx = l.session.id(), "guest session silent too long; torn down");
                         self.end_session();
@@ -228,6 +236,14 @@ impl Port {
                 }
             }
         }
+    }
+
+    /// Whether bytes wait in the port now.
+    fn port_has_input(&self) -> bool {
+        let mut fds = [PollFd::new(&self.conn, PollFlags::IN)];
+        let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
+        matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0)
+            && fds[0].revents().contains(PollFlags::IN)
     }
 
     /// Polls the port, the session's kill switch and its proxies:
