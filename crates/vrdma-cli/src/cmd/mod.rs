@@ -8,4 +8,5 @@ pub mod run;
 pub mod stat;
 pub mod vm;
 pub mod vm_migrate;
+pub mod vm_qemu;
 pub mod vm_snapshot;

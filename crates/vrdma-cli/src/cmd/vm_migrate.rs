@@ -42,9 +42,7 @@ use anyhow::{bail, Context as _, Result};
 use vrdma_guest::qmp::Qmp;
 
 use super::migrate::{move_steps, MoveError};
-
-/// How long a QMP socket may take to accept: the QEMUs run already.
-const QMP_CONNECT: Duration = Duration::from_secs(5);
+use super::vm_qemu::{check_runs_vm, qmp};
 
 /// What the command is told.
 pub struct Request<'a> {
@@ -81,6 +79,9 @@ pub fn run(r: &Request<'_>) -> Result<()> {
     if !matches!(sa.as_str(), "running" | "paused") {
         bail!("the source's QEMU ({}) is {sa:?}: it has no VM to migrate", r.qmp.display());
     }
+    // Each QEMU is VM NAME of its daemon (`vm_qemu`), before any step.
+    check_runs_vm(&mut qa, r.qmp, "the source's", r.from, r.name)?;
+    check_runs_vm(&mut qc, r.to_qmp, "the destination's", r.to, r.name)?;
     // Where the VM ran before: only a running VM is continued, here or
     // there.
     let was_running = sa == "running";
@@ -216,12 +217,6 @@ fn source_state(qa: &mut Qmp, what: &str) -> String {
             format!("{what}; the source's QEMU does not say where the VM is ({e}): see its query-migrate")
         }
     }
-}
-
-fn qmp(path: &Path, whose: &str) -> Result<Qmp> {
-    Qmp::connect_within(path, QMP_CONNECT).with_context(|| {
-        format!("{whose} QEMU's QMP socket {} (QEMU's `-qmp unix:PATH,server=on,wait=off`)", path.display())
-    })
 }
 
 /// The CLI's arguments of `vrdma vm migrate`.

@@ -26,6 +26,8 @@ use std::time::Duration;
 use anyhow::{bail, Context as _, Result};
 use vrdma_guest::qmp::Qmp;
 
+use super::vm_qemu::{check_runs_vm, qmp};
+
 use super::migrate::{load_region, read_all, save_region};
 
 /// How long QEMU's `savevm`/`loadvm` may take (they write or read the
@@ -78,12 +80,6 @@ impl Args {
             region: self.dir.join(format!("{base}.region")),
         })
     }
-}
-
-fn qmp(path: &Path) -> Result<Qmp> {
-    Qmp::connect_within(path, Duration::from_secs(5)).with_context(|| {
-        format!("QEMU's QMP socket {} (`-qmp unix:PATH,server=on,wait=off`)", path.display())
-    })
 }
 
 /// Runs an HMP command through QMP; its text is empty on success.
@@ -146,7 +142,8 @@ pub fn save(socket: &Path, s: &SaveArgs) -> Result<()> {
     let files = a.files()?;
     let tenant = vrdma::migrate::vm_tenant(socket, &a.name)
         .with_context(|| format!("the tenant of VM {:?} (daemon at {})", a.name, socket.display()))?;
-    let mut q = qmp(&a.qmp)?;
+    let mut q = qmp(&a.qmp, "the")?;
+    check_runs_vm(&mut q, &a.qmp, "the", socket, &a.name)?;
     let running = q.status()? == "running";
     if running {
         q.exec(r#"{"execute":"stop"}"#).context("stopping QEMU")?;
@@ -250,7 +247,8 @@ pub fn load(socket: &Path, a: &Args) -> Result<()> {
             vm.region_len
         );
     }
-    let mut q = qmp(&a.qmp)?;
+    let mut q = qmp(&a.qmp, "the")?;
+    check_runs_vm(&mut q, &a.qmp, "the", socket, &a.name)?;
     anyhow::ensure!(has_snapshot(&mut q, &a.tag)?, "QEMU has no snapshot {:?} (`info snapshots`)", a.tag);
     let running = q.status()? == "running";
     if running {

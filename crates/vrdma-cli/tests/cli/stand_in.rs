@@ -38,6 +38,11 @@ pub(super) struct Qemus {
     pub savevm_fails: Option<String>,
     /// "A:migrate", "C:cont", ... in the order they came.
     pub log: Vec<String>,
+    /// The Unix sockets A's and C's chardevs are connected to (as
+    /// `query-chardev` shows them); the VM's port socket at A's and C's
+    /// daemon where not set.
+    pub source_port: Option<PathBuf>,
+    pub destination_port: Option<PathBuf>,
 }
 
 impl Qemus {
@@ -111,6 +116,21 @@ pub(super) fn stand_in(path: &Path, who: char, q: Arc<Mutex<Qemus>>) -> JoinHand
             let mut q = q.lock().unwrap();
             let answer = match (who, verb.as_str()) {
                 (_, "qmp_capabilities") => serde_json::json!({}),
+                (_, "query-chardev") => {
+                    let port = if who == 'A' { &q.source_port } else { &q.destination_port };
+                    let mut devs =
+                        vec![serde_json::json!({"label": "serial0", "filename": "pty:/dev/pts/9"})];
+                    if port.is_some() {
+                        // As QEMU shows a connected client socket: no path.
+                        devs.push(serde_json::json!({"label": "vrdma-p0", "filename": "unix:"}));
+                    }
+                    serde_json::Value::Array(devs)
+                }
+                (_, "qom-get") if cmd["arguments"]["path"] == "/chardevs/vrdma-p0" => {
+                    let port = if who == 'A' { &q.source_port } else { &q.destination_port };
+                    let path = port.as_ref().map(|p| p.display().to_string()).unwrap_or_default();
+                    serde_json::json!({"type": "unix", "path": path})
+                }
                 ('A', "query-status") => {
                     let st = match (q.source_running, q.migrated) {
                         (true, _) => "running",
@@ -191,7 +211,8 @@ pub(super) fn stand_in(path: &Path, who: char, q: Arc<Mutex<Qemus>>) -> JoinHand
 }
 
 /// Two daemons, A with VM `t` and a guest context of its tenant (so
-/// there is device state to move), and C with the same VM or none.
+/// there is device state to move), and C with VM `t` (of the same region
+/// size, or another) or none.
 pub(super) struct World {
     pub dir: tempfile::TempDir,
     pub a: PathBuf,
@@ -204,19 +225,20 @@ pub(super) struct World {
 }
 
 impl World {
-    pub fn start(c_has_the_vm: bool) -> World {
+    /// `c_vm_mib`: C's VM `t`'s region in MiB (A's is 8), or no VM `t` at C.
+    pub fn start(c_vm_mib: Option<u32>) -> World {
         let dir = tempfile::tempdir().unwrap();
         // SAFETY: geteuid has no preconditions.
         let uid = unsafe { libc::geteuid() };
+        let vm_of = |mib: u32| format!("[vms.t]\ntenant = {uid}\nmemory_mib = {mib}\nports = 1\n");
         let vm = dir.path().join("vm.toml");
-        std::fs::write(&vm, format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 1\n")).unwrap();
-        let none = dir.path().join("none.toml");
-        std::fs::write(&none, "").unwrap();
+        std::fs::write(&vm, vm_of(8)).unwrap();
+        let c_config = dir.path().join("c.toml");
+        std::fs::write(&c_config, c_vm_mib.map(vm_of).unwrap_or_default()).unwrap();
         let (a, c) = (dir.path().join("a/a.sock"), dir.path().join("c/c.sock"));
         std::fs::create_dir_all(a.parent().unwrap()).unwrap();
         std::fs::create_dir_all(c.parent().unwrap()).unwrap();
         let da = start_daemon(&a, &["--config", vm.to_str().unwrap()]);
-        let c_config = if c_has_the_vm { &vm } else { &none };
         let dc = start_daemon(&c, &["--config", c_config.to_str().unwrap()]);
         let at = vrdma::vm::attach_at(&a, "t").expect("attach VM t at A");
         let cfg = vrdma::guest::GuestConfig {
@@ -228,9 +250,16 @@ impl World {
         World { dir, a, c, _daemons: (da, dc), _guest: guest, _pd: pd, _region: at.region }
     }
 
+    /// VM `t`'s port socket at the daemon at `socket`, if it has the VM.
+    fn port(&self, socket: &Path) -> Option<PathBuf> {
+        vrdma::vm::attach_at(socket, "t").ok().map(|a| a.port_socket)
+    }
+
     /// Runs `vrdma vm migrate t` from A to C against stand-ins in state
     /// `q`; the command's output and what the stand-ins were told.
-    pub fn migrate(&self, q: Qemus, extra: &[&str]) -> (std::process::Output, Vec<String>) {
+    pub fn migrate(&self, mut q: Qemus, extra: &[&str]) -> (std::process::Output, Vec<String>) {
+        q.source_port = q.source_port.or_else(|| self.port(&self.a));
+        q.destination_port = q.destination_port.or_else(|| self.port(&self.c));
         let q = Arc::new(Mutex::new(q));
         let (qa, qc) = (self.dir.path().join("qmp-a.sock"), self.dir.path().join("qmp-c.sock"));
         let _ = std::fs::remove_file(&qa);
@@ -259,7 +288,8 @@ impl World {
 
 /// Runs `vrdma --socket A vm ARGS --qmp QMP` against a stand-in A in
 /// state `q`; the command's output and the stand-in's state after.
-pub(super) fn with_source(w: &World, q: Qemus, args: &[&str]) -> (std::process::Output, Qemus) {
+pub(super) fn with_source(w: &World, mut q: Qemus, args: &[&str]) -> (std::process::Output, Qemus) {
+    q.source_port = q.source_port.or_else(|| w.port(&w.a));
     let q = Arc::new(Mutex::new(q));
     let qa = w.dir.path().join("qmp-a.sock");
     let _ = std::fs::remove_file(&qa);

@@ -11,7 +11,7 @@ use super::{text, vrdma};
 
 #[test]
 fn vm_migrate_runs_qemus_migration_then_the_daemon_step_then_the_destinations_cont() {
-    let w = World::start(true);
+    let w = World::start(Some(8));
     let q = Qemus { source_running: true, source_daemon: Some(w.a.clone()), ..Default::default() };
     let (out, log) = w.migrate(q, &["--quit-source"]);
     let (so, se) = text(&out);
@@ -33,7 +33,7 @@ fn vm_migrate_runs_qemus_migration_then_the_daemon_step_then_the_destinations_co
 #[test]
 fn vm_migrate_leaves_the_vm_running_at_the_source_when_a_step_fails() {
     // QEMU's migration fails: QEMU runs the VM on; nothing else is done.
-    let w = World::start(true);
+    let w = World::start(Some(8));
     let q = Qemus { source_running: true, fail_migration: true, ..Default::default() };
     let (out, log) = w.migrate(q, &[]);
     let (_, se) = text(&out);
@@ -56,15 +56,48 @@ fn vm_migrate_leaves_the_vm_running_at_the_source_when_a_step_fails() {
     );
     assert!(log.is_empty(), "{log:?}");
 
-    // The daemon step is refused (C has no VM `t`): the tenant resumes at
-    // A, and so does A's QEMU; C's stays stopped, never continued.
-    let w = World::start(false);
+    // The source's QEMU is another VM (none of its chardevs on VM t's
+    // port at A): refused before anything.
+    let q = Qemus {
+        source_running: true,
+        source_port: Some(w.dir.path().join("another-vm.sock")),
+        ..Default::default()
+    };
+    let (out, log) = w.migrate(q, &[]);
+    let (_, se) = text(&out);
+    assert!(!out.status.success());
+    assert!(se.contains("the source's QEMU") && se.contains("does not run VM \"t\""), "{se}");
+    assert!(se.contains("another-vm.sock") && se.contains("nothing was done"), "{se}");
+    assert!(log.is_empty(), "{log:?}");
+    // So is the destination's.
+    let q = Qemus {
+        source_running: true,
+        destination_port: Some(w.dir.path().join("another-vm.sock")),
+        ..Default::default()
+    };
+    let (out, log) = w.migrate(q, &[]);
+    let (_, se) = text(&out);
+    assert!(se.contains("the destination's QEMU") && se.contains("does not run VM \"t\""), "{se}");
+    assert!(log.is_empty(), "{log:?}");
+
+    // C's daemon has no VM `t`: refused before anything.
+    let w = World::start(None);
+    let q = Qemus { source_running: true, ..Default::default() };
+    let (out, log) = w.migrate(q, &[]);
+    let (_, se) = text(&out);
+    assert!(!out.status.success());
+    assert!(se.contains("no VM \"t\""), "{se}");
+    assert!(log.is_empty(), "{log:?}");
+
+    // The daemon step is refused (C's VM `t` has another region size): the
+    // tenant resumes at A, and so does A's QEMU; C's stays stopped, never
+    // continued.
+    let w = World::start(Some(16));
     let q = Qemus { source_running: true, ..Default::default() };
     let (out, log) = w.migrate(q, &[]);
     let (_, se) = text(&out);
     assert!(!out.status.success());
     assert!(se.contains("the VM runs on at the source; the destination's QEMU quit"), "{se}");
-    assert!(se.contains("no VM \"t\""), "{se}");
     // The destination's copy goes before the source's runs again.
     assert_eq!(log, ["C:late-block-activate=true", "A:migrate", "C:quit", "A:cont"]);
     let paused = vrdma(&w.a, &["migrate", "pause", "--vm", "t"]);

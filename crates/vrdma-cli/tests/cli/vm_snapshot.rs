@@ -22,7 +22,7 @@ fn export_says(w: &World) -> String {
 
 #[test]
 fn vm_savevm_and_loadvm_keep_the_daemons_state_beside_qemus_snapshot() {
-    let w = World::start(true);
+    let w = World::start(Some(8));
     let keep = w.dir.path().join("keep");
     std::fs::create_dir(&keep).unwrap();
     let dir = keep.to_str().unwrap();
@@ -55,6 +55,19 @@ fn vm_savevm_and_loadvm_keep_the_daemons_state_beside_qemus_snapshot() {
     assert!(q.log.is_empty(), "{:?}", q.log);
     let (out, _) = with_source(&w, running(), &["savevm", "t", "--tag", "../x", "--dir", dir]);
     assert!(text(&out).1.contains("it names files"), "{}", text(&out).1);
+    // Another VM's QEMU (none of its chardevs on VM t's port): refused,
+    // neither saved nor loaded, the VM untouched.
+    let other = || Some(w.dir.path().join("another-vm.sock"));
+    let q = Qemus { source_port: other(), ..running() };
+    let (out, q) = with_source(&w, q, &["savevm", "t", "--tag", "sv6", "--dir", dir]);
+    assert!(text(&out).1.contains("does not run VM \"t\""), "{}", text(&out).1);
+    assert!(q.log.is_empty() && q.source_running, "{:?}", q.log);
+    assert!(!keep.join("t@sv6.snap").exists());
+    let q = Qemus { source_port: other(), snapshots: vec!["sv1".into()], ..running() };
+    let (out, q) = with_source(&w, q, &["loadvm", "t", "--tag", "sv1", "--dir", dir]);
+    assert!(text(&out).1.contains("does not run VM \"t\""), "{}", text(&out).1);
+    assert!(q.log.is_empty(), "{:?}", q.log);
+    assert!(export_says(&w).contains("is not paused"), "the tenant was touched");
 
     // QEMU refuses the save: the VM goes on as before, nothing kept.
     let q = Qemus { savevm_fails: Some("Error: no block device can store vmstate\r\n".into()), ..running() };

@@ -45,9 +45,7 @@
 //! prepare handler moves kept guest spans' pages (deregistered, see
 //! [`super::guest`]) back to private memory first, and on a host the
 //! pages of spans whose last region went ([`super::idle_pages`]); pages
-//! a live region lies on stay shared, since the device may write them,
-//! but a host's page that holds an arena's header is parked in private
-//! memory for the moment of the fork ([`super::arena_pages`]).
+//! a live region lies on stay shared, since the device may write them.
 //!
 //! What it costs and leaves: every `fork` copies the re-backed pages, as
 //! the kernel copies pinned pages for rdma-core; the copy is taken as the
@@ -92,7 +90,6 @@ extern "C" fn prepare() {
         if REBACKED.load(Ordering::SeqCst) {
             super::guest::fork_preparing();
             super::idle_pages::fork_preparing(&guard);
-            super::arena_pages::fork_preparing(&guard);
         }
         note_guest_ranges(&guard);
         HELD.with(|h| *h.borrow_mut() = Some(guard));
@@ -147,7 +144,6 @@ fn release() {
 }
 
 extern "C" fn in_parent() {
-    let _ = std::panic::catch_unwind(super::arena_pages::forked_parent);
     release();
 }
 
@@ -193,7 +189,6 @@ extern "C" fn in_child() {
     if REBACKED.load(Ordering::SeqCst) {
         let _ = std::panic::catch_unwind(privatize_all);
     }
-    super::arena_pages::forked_child();
     release();
 }
 
@@ -358,7 +353,6 @@ unsafe fn privatize(start: usize, end: usize, perms: [u8; 4]) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::cell::RefCell;
     use std::os::fd::AsFd;
     use std::sync::{mpsc, Mutex};
     use std::time::{Duration, Instant};
@@ -439,7 +433,7 @@ mod tests {
             // SAFETY: the last bytes of the arena's first page: the
             // registration reads and shares them, nothing more.
             |at| drop(unsafe { reback_guest(at as *mut u8, 64, &src) }.unwrap()),
-            |_| context_closing(11),
+            || context_closing(11),
         );
     }
 
@@ -457,91 +451,15 @@ mod tests {
         fork_over_a_thread_arenas_header(
             // SAFETY: as above.
             |at| drop(unsafe { super::super::reback(at as *mut u8, 64) }.unwrap()),
-            |_| {},
-        );
-    }
-
-    /// As the first with the region live across the fork and the
-    /// thread's exit: the page is parked and mapped from the VM's region
-    /// again after (a write through the region, as the device's, is seen).
-    #[test]
-    fn a_fork_leaves_a_thread_arenas_header_in_a_live_guest_regions_page_whole() {
-        let name =
-            "rebacking::fork::tests::a_fork_leaves_a_thread_arenas_header_in_a_live_guest_regions_page_whole";
-        if std::env::var_os(ALONE).is_none() {
-            let (passed, out) = alone(name);
-            assert!(passed, "the test failed in its own process: {out}");
-            return;
-        }
-        let page = vrdma_shm::page_size();
-        let bar = rustix::fs::memfd_create("vrdma-test-bar", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
-        rustix::fs::ftruncate(&bar, 64 * page as u64).unwrap();
-        let ext = Mutex::new(vrdma_core::extents::Extents::new(64 * page as u64, page as u64));
-        let alloc = |len: u64| ext.lock().unwrap().alloc(len).ok_or(Error::QueueFull);
-        let release = |_: u64| -> Box<dyn FnOnce() + Send> { Box::new(|| {}) };
-        let grow = |_: u64, _: u64| -> crate::error::Result<u64> { Err(Error::QueueFull) };
-        let src = GuestSource { owner: 11, bar: bar.as_fd(), alloc: &alloc, release: &release, grow: &grow };
-        let live = RefCell::new(None);
-        fork_over_a_thread_arenas_header(
-            // SAFETY: as above; the region lives until `after`.
-            |at| *live.borrow_mut() = Some(unsafe { reback_guest(at as *mut u8, 64, &src) }.unwrap()),
-            |at| {
-                let r: super::super::Rebacked = live.borrow_mut().take().unwrap();
-                let off = r.span.guest.as_ref().unwrap().offset + (at - r.span.start) as u64;
-                rustix::io::pwrite(&bar, &[0x5a; 8], off).unwrap();
-                // SAFETY: the region's bytes, mapped from the BAR.
-                assert_eq!(
-                    unsafe { (at as *const [u8; 8]).read_volatile() },
-                    [0x5a; 8],
-                    "a device write not seen"
-                );
-                drop(r);
-                context_closing(11);
-            },
-        );
-    }
-
-    /// As above with the region live across the fork and the thread's
-    /// exit: its page (the header's) is parked in private memory for the
-    /// fork, then shared with the device again (a write through the
-    /// span's file, as the device's, is seen at the page).
-    #[test]
-    fn a_fork_leaves_a_thread_arenas_header_in_a_live_regions_page_whole() {
-        let name =
-            "rebacking::fork::tests::a_fork_leaves_a_thread_arenas_header_in_a_live_regions_page_whole";
-        if std::env::var_os(ALONE).is_none() {
-            let (passed, out) = alone(name);
-            assert!(passed, "the test failed in its own process: {out}");
-            return;
-        }
-        let live = RefCell::new(None);
-        fork_over_a_thread_arenas_header(
-            // SAFETY: as above; the region lives until `after`.
-            |at| *live.borrow_mut() = Some(unsafe { super::super::reback(at as *mut u8, 64) }.unwrap()),
-            |at| {
-                let r = live.borrow_mut().take().unwrap();
-                let maps = super::super::read_maps().unwrap();
-                assert!(
-                    super::super::still_mapped(&maps, r.span.start, r.span.end(), r.span.ino),
-                    "not shared again"
-                );
-                let off = (at - r.span.start) as u64;
-                rustix::io::pwrite(r.span.fd(), &[0xa5; 8], off).unwrap();
-                // SAFETY: the region's bytes, mapped from the span's file.
-                assert_eq!(
-                    unsafe { (at as *const [u8; 8]).read_volatile() },
-                    [0xa5; 8],
-                    "a device write not seen"
-                );
-            },
+            || {},
         );
     }
 
     /// Three times: a fresh thread's arena, the last 64 bytes of its first
-    /// page registered (and deregistered, or not) by `register`, a `fork`
+    /// page registered and deregistered by `register_and_drop`, a `fork`
     /// whose child only exits, the thread's exit (where glibc checks its
-    /// arena's thread count), then `after` with the address registered.
-    fn fork_over_a_thread_arenas_header(register: impl Fn(usize), after: impl Fn(usize)) {
+    /// arena's thread count), then `after`.
+    fn fork_over_a_thread_arenas_header(register_and_drop: impl Fn(usize), after: impl Fn()) {
         let page = vrdma_shm::page_size();
         let mut tried = 0;
         for _ in 0..3 {
@@ -566,7 +484,7 @@ mod tests {
             });
             if arena {
                 tried += 1;
-                register(h + page - 64);
+                register_and_drop(h + page - 64);
                 // SAFETY: the child only exits.
                 let pid = unsafe { libc::fork() };
                 if pid == 0 {
@@ -581,9 +499,7 @@ mod tests {
             // The thread exits: glibc checks its arena's thread count.
             tx_go.send(()).unwrap();
             t.join().unwrap();
-            if arena {
-                after(h + page - 64);
-            }
+            after();
         }
         assert!(tried > 0, "no thread arena found");
     }

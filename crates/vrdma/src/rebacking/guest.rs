@@ -73,7 +73,7 @@ pub(crate) struct GuestSpan {
     /// the mapping's page offset (`pci_mmap_resource_range`), so maps
     /// shows the BAR's bus address plus `offset`; the region memfd that
     /// host tests map shows `offset` itself.
-    pub(super) maps_offset: u64,
+    maps_offset: u64,
     /// The context whose session holds the extent.
     pub owner: usize,
     /// The extent, shared by the span's generations.
@@ -160,9 +160,8 @@ fn still_in_bar(span_start: usize, end: usize, ino: u64, base: u64) -> bool {
     read_maps().is_ok_and(|maps| in_bar(&maps, span_start, end, ino, base))
 }
 
-/// [`still_in_bar`] on the lines `maps` (also for a host's memfd: `base`
-/// 0).
-pub(super) fn in_bar(maps: &[super::MapEntry], span_start: usize, end: usize, ino: u64, base: u64) -> bool {
+/// [`still_in_bar`] on the lines `maps`.
+fn in_bar(maps: &[super::MapEntry], span_start: usize, end: usize, ino: u64, base: u64) -> bool {
     covering(maps, span_start, end).is_ok_and(|entries| {
         entries.iter().all(|e| {
             // The first address of the span in this entry (an entry may

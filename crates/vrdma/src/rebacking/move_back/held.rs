@@ -28,16 +28,8 @@ pub(super) fn open() -> Option<OwnedFd> {
 /// Moves `[start, start + len)` to private pages holding the bytes `view`
 /// maps (`len` readable bytes, a second view of the range's pages),
 /// holding other threads off the range meanwhile. `Ok(false)`: a
-/// userfaultfd cannot be had here, and nothing was changed. With
-/// `filled_with` (`len` writable bytes), the pages are filled from a copy
-/// of `view` taken there once the range is held: the exact bytes the
-/// private pages start with.
-pub(super) fn move_back(
-    view: *const u8,
-    start: usize,
-    len: usize,
-    filled_with: Option<*mut u8>,
-) -> std::io::Result<bool> {
+/// userfaultfd cannot be had here, and nothing was changed.
+pub(super) fn move_back(view: *const u8, start: usize, len: usize) -> std::io::Result<bool> {
     let Some(uffd) = open() else { return Ok(false) };
     let mut fresh = Scratch::new(len)?;
     // The untouched private mapping made above.
@@ -64,7 +56,7 @@ pub(super) fn move_back(
             }
             ready.load(Ordering::SeqCst)
         };
-        let result = started.then(|| fill(&uffd, &mut fresh, (view, filled_with), start, len));
+        let result = started.then(|| fill(&uffd, &mut fresh, view, start, len));
         done.store(true, Ordering::SeqCst);
         result
     });
@@ -72,13 +64,12 @@ pub(super) fn move_back(
     moved.transpose().map(|m| m.is_some())
 }
 
-/// Moves `fresh` over the range and fills it from `view` (through
-/// `filled_with`, a copy taken once the range is held, where given); the range's
+/// Moves `fresh` over the range and fills it from `view`; the range's
 /// other users wait in a missing-page fault until the copy.
 fn fill(
     uffd: &OwnedFd,
     fresh: &mut Scratch,
-    (view, filled_with): (*const u8, Option<*mut u8>),
+    view: *const u8,
     start: usize,
     len: usize,
 ) -> std::io::Result<()> {
@@ -99,17 +90,6 @@ fn fill(
     if moved as usize != start {
         return Err(std::io::Error::other("mremap moved the pages to a different address"));
     }
-    // From here no thread writes the range's bytes into the view's file:
-    // a copy now is what the pages will hold.
-    let view = match filled_with {
-        Some(copy) => {
-            // SAFETY: `view` maps `len` readable bytes, `copy` holds `len`
-            // writable bytes (the caller's contract), distinct mappings.
-            unsafe { std::ptr::copy_nonoverlapping(view, copy, len) };
-            copy.cast_const()
-        }
-        None => view,
-    };
     let mut at = 0usize;
     let deadline = Instant::now() + HELPER_BOUND;
     while at < len {

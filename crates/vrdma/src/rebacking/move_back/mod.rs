@@ -97,22 +97,7 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
     // A second view of the BAR's bytes: the source of the copy, and where
     // writes that land after it are seen.
     let view = Segment::map_trusted_at(bar.try_clone_to_owned()?, offset, len)?;
-    move_back_from(view.as_ptr(), start, len, None)
-}
-
-/// [`move_back_to_private`], where `filled_with` (as long as the range)
-/// receives the bytes the private pages were filled with: the file's
-/// bytes at the moment the range stopped being its mapping. A byte of the
-/// file that differs from it later was written by the device since.
-pub(super) fn move_back_to_private_noting(
-    file: BorrowedFd<'_>,
-    offset: u64,
-    start: usize,
-    filled_with: &mut [u8],
-) -> std::io::Result<()> {
-    let len = filled_with.len();
-    let view = Segment::map_trusted_at(file.try_clone_to_owned()?, offset, len)?;
-    move_back_from(view.as_ptr(), start, len, Some(filled_with))
+    move_back_from(view.as_ptr(), start, len)
 }
 
 /// Replaces the pages `[start, start + len)`, a shared mapping of a
@@ -121,7 +106,7 @@ pub(super) fn move_back_to_private_noting(
 /// bytes, as [`move_back_to_private`] does for a guest's. Returns whether
 /// it did; where it did not, the pages are still the memfd's.
 pub(super) fn move_shared_back_to_private(start: usize, len: usize) -> bool {
-    let moved = Alias::of(start, len).and_then(|view| move_back_from(view.ptr, start, len, None));
+    let moved = Alias::of(start, len).and_then(|view| move_back_from(view.ptr, start, len));
     if let Err(e) = &moved {
         tracing::warn!(start, len, "vrdma: cannot move re-backed pages back to private memory: {e}");
     }
@@ -155,16 +140,9 @@ impl Drop for Alias {
 }
 
 /// Moves `[start, start + len)` back to private pages holding the bytes
-/// of `view`, a second mapping of the same `len` bytes; `filled_with`
-/// (`len` bytes) as in [`move_back_to_private_noting`].
-fn move_back_from(
-    view: *const u8,
-    start: usize,
-    len: usize,
-    mut filled_with: Option<&mut [u8]>,
-) -> std::io::Result<()> {
-    let noting = filled_with.as_deref_mut().map(|b| b.as_mut_ptr());
-    if held::move_back(view, start, len, noting)? {
+/// of `view`, a second mapping of the same `len` bytes.
+fn move_back_from(view: *const u8, start: usize, len: usize) -> std::io::Result<()> {
+    if held::move_back(view, start, len)? {
         return Ok(());
     }
     let mut copy = Scratch::new(len)?;
@@ -197,12 +175,6 @@ fn move_back_from(
     // SAFETY: `view` and `snap` map `len` bytes each; the range is mapped
     // readable and writable (the move above), shared with other threads.
     unsafe { carry_over(view, snap.ptr, start as *mut u8, len) };
-    if let Some(b) = filled_with {
-        // SAFETY: `snap` maps `len` bytes; `b` holds `len` (the caller's).
-        // The file's bytes that differ from it were written since the
-        // copy, and were carried over to the pages.
-        unsafe { std::ptr::copy_nonoverlapping(snap.ptr, b.as_mut_ptr(), len) };
-    }
     Ok(())
 }
 
@@ -213,7 +185,7 @@ fn move_back_from(
 /// # Safety
 /// `now` and `was` are readable for `len` bytes; `page` readable and
 /// writable for `len` bytes, which other threads may access concurrently.
-pub(super) unsafe fn carry_over(now: *const u8, was: *const u8, page: *mut u8, len: usize) {
+unsafe fn carry_over(now: *const u8, was: *const u8, page: *mut u8, len: usize) {
     for i in 0..len {
         // SAFETY: `i < len`: inside both (the caller's contract).
         let (n, w) = unsafe { (now.add(i).read_volatile(), was.add(i).read()) };
