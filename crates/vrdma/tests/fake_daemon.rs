@@ -540,6 +540,14 @@ fn a_forked_child_gets_a_private_copy_of_rebacked_memory() {
     // SAFETY: the allocation is ours and outlives the region.
     let mr = unsafe { pd.register_raw(base, 64, AccessFlags::LOCAL_WRITE) }.unwrap();
     assert!(rebacked_at(base as usize));
+    // Another buffer registered and deregistered: the fork moves its
+    // idle pages back to private memory, and only those (the daemon, in
+    // this process, maps the live region's memfd too: not the
+    // application's pages).
+    let other = vec![0u8; 3 * p];
+    // SAFETY: `other` outlives its region, dropped at once.
+    drop(unsafe { pd.register_raw(other.as_ptr().add(p).cast_mut(), 64, AccessFlags::LOCAL_WRITE) }.unwrap());
+    assert!(rebacked_at(other.as_ptr() as usize + p));
     // SAFETY: the child only reads and writes the buffer and /proc, then
     // leaves with _exit (no destructors, no test harness).
     let pid = unsafe { libc::fork() };
@@ -566,6 +574,7 @@ fn a_forked_child_gets_a_private_copy_of_rebacked_memory() {
     // SAFETY: inside the allocation.
     assert_eq!(unsafe { base.read_volatile() }, b'P');
     assert!(rebacked_at(base as usize));
+    assert!(!rebacked_at(other.as_ptr() as usize + p), "the idle pages did not move back at the fork");
     drop(mr);
     // SAFETY: allocated above with this layout; the region is gone.
     unsafe { std::alloc::dealloc(base, layout) };

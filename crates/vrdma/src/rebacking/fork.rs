@@ -145,6 +145,7 @@ fn release() {
 
 extern "C" fn in_parent() {
     release();
+    let _ = std::panic::catch_unwind(super::idle_pages::forked);
 }
 
 /// Called before the first re-backing: from then on each child copies.
@@ -190,6 +191,7 @@ extern "C" fn in_child() {
         let _ = std::panic::catch_unwind(privatize_all);
     }
     release();
+    let _ = std::panic::catch_unwind(super::idle_pages::forked);
 }
 
 fn privatize_all() {

@@ -58,6 +58,13 @@ pub(super) fn move_back(view: *const u8, start: usize, len: usize) -> std::io::R
         };
         let result = started.then(|| fill(&uffd, &mut fresh, view, start, len));
         done.store(true, Ordering::SeqCst);
+        // Joined, not only finished: the scope waits for the helper's
+        // closure, but its thread may still be exiting (glibc frees its
+        // malloc state then); a fork right after this, in the prepare
+        // handler, must not copy an allocator lock that thread holds.
+        if let Ok(h) = helper {
+            let _ = h.join();
+        }
         result
     });
     uffd::restore_signals(&signals);

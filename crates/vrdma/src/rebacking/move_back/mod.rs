@@ -103,7 +103,9 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
 /// Replaces the pages `[start, start + len)`, a shared mapping of a
 /// memfd whose descriptor may be gone (a host's re-backed pages that no
 /// region uses any more), with private anonymous pages holding their
-/// bytes, as [`move_back_to_private`] does for a guest's. Returns whether
+/// bytes, as [`move_back_to_private`] does for a guest's. The range must
+/// lie in one mapping (one line of `/proc/self/maps`): the second view
+/// maps the file linearly from the range's first page. Returns whether
 /// it did; where it did not, the pages are still the memfd's.
 pub(super) fn move_shared_back_to_private(start: usize, len: usize) -> bool {
     let moved = Alias::of(start, len).and_then(|view| move_back_from(view.ptr, start, len));
