@@ -957,6 +957,33 @@ mod preload {
         Ok(())
     }
 
+    /// An epoll set inside another (`nestecho`: the program waits on the
+    /// outer set, then takes the inner set's events without waiting, and
+    /// reads until `EAGAIN`), nested before and after the connection is
+    /// registered in it: the outer wait sleeps on the inner set without
+    /// the library arming its connection, so its reads must arm (no lazy
+    /// arming): 200 round trips complete. With the nesting not seen (lazy
+    /// arming under the inner set), the server waits on the outer set
+    /// after its first read for ever (its 10 s, then fails).
+    #[test]
+    fn a_nested_epoll_set_keeps_waking_its_waiter() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        for mode in ["before", "after"] {
+            let port = free_port();
+            let s = spawn(sockapp(&d, true, &["nestecho".into(), port.to_string(), mode.into()]), "nestecho");
+            registered(&ctx, port)?;
+            let c = spawn(sockapp(&d, true, &["eprr".into(), port.to_string(), "200".into()]), "eprr")
+                .finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            assert!(s.stderr.contains("carried over vRDMA"), "{}", s.describe());
+        }
+        Ok(())
+    }
+
     /// A connection read with blocking reads (which do not arm: above)
     /// and then waited on in `poll`, or registered in an `epoll` set: the
     /// readiness call arms it first, so that a wake byte left over from

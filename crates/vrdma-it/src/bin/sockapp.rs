@@ -132,7 +132,10 @@
 //! `epecho PORT` and `eprr PORT ROUNDS`: `becho` and `rr` as event
 //! loops: non-blocking sockets, each end waiting for its reads in a
 //! level-triggered `epoll` set (`epoll_wait` with a 10 s timeout, reads
-//! until `EAGAIN`); `eprr` says `median_rtt_ns N`.
+//! until `EAGAIN`); `eprr` says `median_rtt_ns N`. `nestecho PORT
+//! before|after`: `epecho` whose set is inside an outer epoll set (added
+//! to it before or after the connection is registered in it): it waits
+//! on the outer set, then takes the inner set's events without waiting.
 //!
 //! `closeserver PORT N`: accepts N connections one after another; on each
 //! reads the 8-byte request, answers 16 KiB and closes (as a server
@@ -1150,6 +1153,63 @@ fn epecho(port: u16) -> Result<(), String> {
     }
 }
 
+fn nestecho(port: u16, mode: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // SAFETY: epoll_create1(2), no pointers.
+    let (outer, inner) =
+        unsafe { (libc::epoll_create1(libc::EPOLL_CLOEXEC), libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+    if outer < 0 || inner < 0 {
+        return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+    }
+    let nest = || {
+        let mut e = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 1 };
+        // SAFETY: a valid event.
+        match unsafe { libc::epoll_ctl(outer, libc::EPOLL_CTL_ADD, inner, &mut e) } {
+            0 => Ok(()),
+            _ => Err(format!("nest: {}", std::io::Error::last_os_error())),
+        }
+    };
+    if mode == "before" {
+        nest()?;
+    }
+    let mut e = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 2 };
+    // SAFETY: a valid event.
+    if unsafe { libc::epoll_ctl(inner, libc::EPOLL_CTL_ADD, s.as_raw_fd(), &mut e) } != 0 {
+        return Err(format!("epoll_ctl: {}", std::io::Error::last_os_error()));
+    }
+    if mode != "before" {
+        nest()?;
+    }
+    let mut b = [0u8; 256];
+    let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    loop {
+        // SAFETY: room for 4 events.
+        let k = unsafe { libc::epoll_wait(outer, out.as_mut_ptr(), 4, 10_000) };
+        if k == 0 {
+            return Err("the outer set: nothing in 10 s".into());
+        }
+        // SAFETY: room for 4 events.
+        if k < 0 || unsafe { libc::epoll_wait(inner, out.as_mut_ptr(), 4, 0) } <= 0 {
+            continue;
+        }
+        loop {
+            let n = match s.read(&mut b) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(format!("read: {e}")),
+            };
+            s.write_all(&b[..n]).map_err(|e| format!("answer: {e}"))?;
+        }
+    }
+}
+
 fn eprr(port: u16, rounds: usize) -> Result<(), String> {
     use std::os::fd::AsRawFd;
     let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
@@ -1878,6 +1938,7 @@ fn main() {
         Some("lazyserver") => lazyserver(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("lazyclient") => lazyclient(port()),
         Some("epecho") => epecho(port()),
+        Some("nestecho") => nestecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("eprr") => eprr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("rr") => rr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
