@@ -902,6 +902,88 @@ mod preload {
         Ok(())
     }
 
+    /// An event-loop request/response (`eprr` against `epecho`: both ends
+    /// non-blocking, waiting in a level-triggered `epoll` set) with lazy
+    /// arming under epoll on (`VRDMA_SOCKETS_LAZY_EPOLL=1`): a
+    /// non-blocking read that empties its ring does not arm, the epoll
+    /// wait watches the ring first and arms only before it sleeps, so an
+    /// answer that comes meanwhile costs its writer no wake byte. At most
+    /// half of the messages may send one at either end; the same pair
+    /// with it off, in the same run, is the anchor (every read arms: about
+    /// one wake byte per message at each end). Direct path, a 5 ms watch
+    /// (a debug build).
+    #[test]
+    fn an_epoll_request_response_sends_no_wake_bytes_with_lazy_arming() -> Result<()> {
+        const ROUNDS: u64 = 1000;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        for lazy in [false, true] {
+            let port = free_port();
+            let app = |args: &[String]| {
+                let mut c = sockapp(&d, true, args);
+                c.env("VRDMA_SOCKETS_SPIN_US", "5000")
+                    .env("VRDMA_SOCKETS_LAZY_EPOLL", if lazy { "1" } else { "0" });
+                c
+            };
+            let s = spawn(app(&["epecho".into(), port.to_string()]), "epecho");
+            registered(&ctx, port)?;
+            let c = spawn(app(&["eprr".into(), port.to_string(), ROUNDS.to_string()]), "eprr").finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            let counts = |f: &harness::Finished| {
+                f.stderr.lines().find_map(|l| {
+                    let rest = l.split("armings ").nth(1)?;
+                    let (a, w) = rest.split_once(", wake bytes sent ")?;
+                    Some((a.parse::<u64>().ok()?, w.trim().parse::<u64>().ok()?))
+                })
+            };
+            let (ca, cw) = counts(&c).expect("the client's counts");
+            let (sa, sw) = counts(&s).expect("the server's counts");
+            eprintln!(
+                "lazy {lazy}: {ROUNDS} round trips, median {} ns; client armed {ca} times and sent {cw} wake \
+                 bytes, server {sa} and {sw}",
+                printed(&c, "median_rtt_ns").unwrap_or(0)
+            );
+            for (who, wakes) in [("client", cw), ("server", sw)] {
+                if lazy {
+                    assert!(wakes <= ROUNDS / 2, "the {who} sent {wakes} wake bytes in {ROUNDS} round trips");
+                } else {
+                    assert!(wakes >= ROUNDS / 2, "anchor: the {who} sent only {wakes} wake bytes");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// An epoll set inside another (`nestecho`: the program waits on the
+    /// outer set, then takes the inner set's events without waiting, and
+    /// reads until `EAGAIN`), nested before and after the connection is
+    /// registered in it: the outer wait sleeps on the inner set without
+    /// the library arming its connection, so its reads must arm (no lazy
+    /// arming): 200 round trips complete. With the nesting not seen (lazy
+    /// arming under the inner set), the server waits on the outer set
+    /// after its first read for ever (its 10 s, then fails).
+    #[test]
+    fn a_nested_epoll_set_keeps_waking_its_waiter() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        for mode in ["before", "after"] {
+            let port = free_port();
+            let s = spawn(sockapp(&d, true, &["nestecho".into(), port.to_string(), mode.into()]), "nestecho");
+            registered(&ctx, port)?;
+            let c = spawn(sockapp(&d, true, &["eprr".into(), port.to_string(), "200".into()]), "eprr")
+                .finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            assert!(s.stderr.contains("carried over vRDMA"), "{}", s.describe());
+        }
+        Ok(())
+    }
+
     /// A connection read with blocking reads (which do not arm: above)
     /// and then waited on in `poll`, or registered in an `epoll` set: the
     /// readiness call arms it first, so that a wake byte left over from

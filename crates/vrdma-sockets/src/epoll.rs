@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use libc::{c_int, epoll_event};
 
-use crate::link::Link;
+use crate::link::{Link, Look};
 use crate::real;
 use crate::stream::Stream;
 use crate::table::{self, keep_errno, Entry, Guard};
@@ -48,6 +48,7 @@ use crate::table::{self, keep_errno, Entry, Guard};
 const OUT: u32 = libc::EPOLLOUT as u32;
 const IN: u32 = libc::EPOLLIN as u32;
 const ONESHOT: u32 = libc::EPOLLONESHOT as u32;
+const ET: u32 = libc::EPOLLET as u32;
 /// A registration that may not be modified (the kernel refuses): left as
 /// the program made it.
 const EXCLUSIVE: u32 = libc::EPOLLEXCLUSIVE as u32;
@@ -102,6 +103,10 @@ impl Reg {
 
 #[derive(Default)]
 struct Set {
+    /// Inside another epoll set, or polled (`poll`, `select`): a wait on
+    /// the outer one sleeps on this set without arming its connections,
+    /// so none of them may leave its ring unarmed.
+    nested: bool,
     regs: HashMap<c_int, Reg>,
     /// The descriptors registered with each `data`.
     by_data: HashMap<u64, Vec<c_int>>,
@@ -136,6 +141,10 @@ impl Set {
 
 struct Sets {
     sets: HashMap<c_int, Set>,
+    /// Descriptors other than connections added to an epoll set: an
+    /// epoll set among them is nested ([`Set::nested`]) once it holds
+    /// connections.
+    inner: std::collections::HashSet<c_int>,
 }
 
 /// A process's registrations, never freed once published.
@@ -162,7 +171,10 @@ fn sets() -> MutexGuard<'static, Sets> {
                 return slot.sets.lock().unwrap_or_else(|e| e.into_inner());
             }
         }
-        let mine = Box::into_raw(Box::new(Slot { pid, sets: Mutex::new(Sets { sets: HashMap::new() }) }));
+        let mine = Box::into_raw(Box::new(Slot {
+            pid,
+            sets: Mutex::new(Sets { sets: HashMap::new(), inner: Default::default() }),
+        }));
         match CURRENT.compare_exchange(p, mine, Ordering::AcqRel, Ordering::Acquire) {
             Ok(_) => TRACKED.store(0, Ordering::Release),
             // SAFETY: `mine` came from Box::into_raw and was not published.
@@ -232,6 +244,13 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
         return unsafe { real::epoll_ctl(ep, op, fd, ev) };
     };
     let stream = keep_errno(|| stream_of(fd));
+    if stream.is_none() && op == libc::EPOLL_CTL_ADD && crate::link::lazy_epoll() {
+        // Perhaps an epoll set: its connections must then arm at once.
+        let mut s = sets();
+        s.inner.insert(fd);
+        INNER.store(true, Ordering::Release);
+        nest(&mut s, fd);
+    }
     if stream.is_none() && TRACKED.load(Ordering::Acquire) == 0 {
         // SAFETY: as above.
         return unsafe { real::epoll_ctl(ep, op, fd, ev) };
@@ -256,8 +275,21 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
             // left undone is made now, and bytes that wait without a
             // wake byte are reported by the waits.
             stream.watch();
+            let nested = s.inner.contains(&ep) || s.sets.get(&ep).is_some_and(|x| x.nested);
+            // (A registration for writing only says nothing of how its
+            // reads are waited for.)
+            if r.events & IN != 0 {
+                let lt = r.events & (ET | ONESHOT | EXCLUSIVE) == 0;
+                stream.lazy(crate::link::lazy_epoll() && !nested && lt);
+            }
             if let Some(l) = keep_errno(|| r.link()) {
-                if r.events & IN != 0 && keep_errno(|| l.arm_for_readiness()) {
+                if r.events & IN != 0 && stream.lazy_ok() && !crate::readiness::sleeping() {
+                    // Armed (if need be) by the next wait on the set,
+                    // after it watched the ring: a program that registers
+                    // for reading after each write (redis-benchmark's
+                    // event loop) then pays no arming per message.
+                    l.mark_unarmed();
+                } else if r.events & IN != 0 && keep_errno(|| l.arm_for_readiness()) {
                     r.pending = true;
                 }
             }
@@ -269,7 +301,9 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
             let res = unsafe { real::epoll_ctl(ep, op, fd, &mut k) };
             if res == 0 {
                 r.stripped = strip;
-                s.sets.entry(ep).or_default().insert(fd, r);
+                let set = s.sets.entry(ep).or_default();
+                set.nested |= nested;
+                set.insert(fd, r);
                 count(&s);
             }
             res
@@ -291,15 +325,91 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
 /// `fd` is closed (or replaced): its registrations go with it, and, if it
 /// is an epoll set, the set's.
 pub fn forget(fd: c_int) {
-    if TRACKED.load(Ordering::Acquire) == 0 {
+    if TRACKED.load(Ordering::Acquire) == 0 && !INNER.load(Ordering::Acquire) {
         return;
     }
     let mut s = sets();
+    s.inner.remove(&fd);
     s.sets.remove(&fd);
     for set in s.sets.values_mut() {
         set.remove(fd);
     }
     count(&s);
+}
+
+/// Some descriptor was added to an epoll set without being a connection
+/// ([`Sets::inner`]): `forget` must look.
+static INNER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `ep`, if it is a set holding connections, is inside another set or
+/// polled: its connections arm at once from now on, and those a
+/// non-blocking read left unarmed are armed now.
+fn nest(s: &mut Sets, ep: c_int) {
+    let Some(set) = s.sets.get_mut(&ep) else { return };
+    if set.nested {
+        return;
+    }
+    set.nested = true;
+    for r in set.regs.values_mut() {
+        if let Some(st) = r.stream.upgrade() {
+            st.lazy(false);
+        }
+        if let Some(l) = r.link() {
+            if l.is_unarmed() && l.lazy_look(true) == Look::Bytes {
+                r.pending = true;
+            }
+        }
+    }
+    count(s);
+}
+
+/// For `poll` and `select`: those of `fds` that are epoll sets holding
+/// connections are nested ([`nest`]).
+pub fn polled(fds: impl Iterator<Item = c_int>) {
+    if TRACKED.load(Ordering::Acquire) == 0 || !crate::link::lazy_epoll() {
+        return;
+    }
+    let mut s = sets();
+    for fd in fds {
+        nest(&mut s, fd);
+    }
+}
+
+/// For an epoll wait on `ep`: an `EPOLLIN` event for each registration
+/// whose connection a non-blocking read left unarmed and whose ring holds
+/// bytes (or ended); with `arm` (the wait is about to sleep), those left
+/// empty are armed ([`Link::lazy_look`]). Also whether the set holds such
+/// connections at all (a wait may watch their rings a moment before it
+/// sleeps), and whether a read of the program held one of them (the wait
+/// must look again soon).
+pub fn lazy_scan(ep: c_int, arm: bool) -> (Vec<epoll_event>, bool, bool) {
+    let mut out = Vec::new();
+    if TRACKED.load(Ordering::Acquire) == 0 || !crate::link::lazy_epoll() {
+        return (out, false, false);
+    }
+    let Some(_g) = Guard::enter() else { return (out, false, false) };
+    keep_errno(|| {
+        let mut s = sets();
+        let (mut any, mut busy) = (false, false);
+        if let Some(set) = s.sets.get_mut(&ep) {
+            for r in set.regs.values_mut() {
+                if r.fired || r.events & IN == 0 {
+                    continue;
+                }
+                let Some(l) = r.link() else { continue };
+                if !l.is_unarmed() {
+                    continue;
+                }
+                any = true;
+                match l.lazy_look(arm) {
+                    Look::Bytes => out.push(epoll_event { events: IN, u64: r.data }),
+                    Look::Busy => busy = true,
+                    Look::Quiet => {}
+                }
+            }
+        }
+        (out, any, busy)
+    })
 }
 
 /// `link`'s ring is full: its registrations lose `EPOLLOUT`.
@@ -370,7 +480,11 @@ pub unsafe fn reported(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
                 }
                 if e.events & IN != 0 {
                     if let Some(l) = r.link() {
-                        if l.readable_is_stale() {
+                        // Left unarmed by a non-blocking read: every wake
+                        // byte is stale (taken off, not armed: an arming
+                        // here would cost the writer a wake byte again).
+                        let unarmed = if l.is_unarmed() { l.unarmed_is_stale() } else { None };
+                        if unarmed.unwrap_or_else(|| l.readable_is_stale()) {
                             e.events &= !(IN | libc::EPOLLRDNORM as u32);
                         }
                     }

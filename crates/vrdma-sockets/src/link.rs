@@ -80,7 +80,7 @@ const SPIN: Duration = Duration::from_micros(50);
 /// How long a blocked reader watches its ring before it arms and sleeps:
 /// [`SPIN`], or `VRDMA_SOCKETS_SPIN_US` (a slow build's tests, whose
 /// answers take longer).
-fn watch_for() -> Duration {
+pub(crate) fn watch_for() -> Duration {
     static D: std::sync::OnceLock<Duration> = std::sync::OnceLock::new();
     *D.get_or_init(|| {
         std::env::var("VRDMA_SOCKETS_SPIN_US")
@@ -88,6 +88,15 @@ fn watch_for() -> Duration {
             .and_then(|s| s.parse().ok())
             .map_or(SPIN, Duration::from_micros)
     })
+}
+
+/// Whether epoll waits watch and arm the rings of connections that
+/// non-blocking reads leave unarmed (on unless `VRDMA_SOCKETS_LAZY_EPOLL=0`:
+/// `docs/sockets.md`, "Lazy arming under epoll"). Off, every non-blocking
+/// read that empties its ring arms at once, as before 2026-11-27.
+pub(crate) fn lazy_epoll() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("VRDMA_SOCKETS_LAZY_EPOLL").map_or(true, |v| v != "0"))
 }
 
 /// How often a writer waiting for credits probes its peer (a peer that is
@@ -191,6 +200,10 @@ pub struct Link {
     io_direct: AtomicU32,
     io_unsignaled: AtomicU32,
     rx: Mutex<Rx>,
+    /// A non-blocking read left the ring unarmed (the connection is
+    /// waited for only in epoll sets: [`Self::lazy_look`]); cleared by an
+    /// arming.
+    unarmed: AtomicBool,
     tx: Mutex<Tx>,
     /// This end's mappings for the peer's direct placement (taken after
     /// `tx`).
@@ -262,6 +275,17 @@ pub(crate) enum Ask {
     /// No answer can come (no channel, no progress thread, a failed
     /// write): wait by looking.
     No,
+}
+
+/// What [`Link::lazy_look`] found.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Look {
+    /// Bytes wait (or the stream ended) with no wake byte for them.
+    Bytes,
+    /// Nothing to report (armed, or empty and not asked to arm).
+    Quiet,
+    /// A read of the program holds the ring.
+    Busy,
 }
 
 /// Errors are errnos, as the interposed calls return them.
@@ -340,6 +364,7 @@ impl Half {
             post: Mutex::new(Post::default()),
             queued: AtomicBool::new(false),
             write_blocked: AtomicBool::new(false),
+            unarmed: AtomicBool::new(false),
             wr_now: AtomicU64::new(0),
             asked: AtomicBool::new(false),
             ask: Mutex::new(()),
@@ -713,6 +738,10 @@ impl Link {
         // A blocking read of a connection that no readiness call knows
         // arms only when it is about to wait: see `Self::arm_for_readiness`.
         let lazy = !nonblocking && !self.owner_sock.watched();
+        // A non-blocking read of a connection waited for only in epoll
+        // sets leaves the ring unarmed: the epoll wait arms it before it
+        // sleeps, and watches the ring a moment first (`Self::lazy_look`).
+        let lazy_nb = nonblocking && self.owner_sock.lazy_ok();
         let mut spun = false;
         let mut done = 0usize;
         loop {
@@ -729,7 +758,10 @@ impl Link {
                 rx.rd += n as u64;
                 rx.armed = false;
                 let empty = self.waiting(rx.rd) == 0;
-                if empty && !lazy {
+                // (A lazy non-blocking read arms only if a thread of the
+                // process waits: `Self::leave_unarmed`.)
+                let arm = if lazy_nb { !self.leave_unarmed() } else { !lazy };
+                if empty && arm {
                     self.sleep(&mut rx);
                 } else if rx.rd - rx.acked >= (RING / 4) as u64 {
                     // Credits back. A peer that is gone no longer needs
@@ -747,6 +779,9 @@ impl Link {
             }
             if rx.eof {
                 return Ok(done);
+            }
+            if !rx.armed && lazy_nb && !self.peer_closed() && self.leave_unarmed() {
+                return Err(libc::EAGAIN);
             }
             if !rx.armed {
                 // Not armed yet (a lazy read): watch the ring a moment
@@ -798,6 +833,60 @@ impl Link {
                     e => return if done > 0 { Ok(done) } else { Err(e) },
                 },
             }
+        }
+    }
+
+    /// For a non-blocking read that leaves the ring empty and unarmed:
+    /// marks it so ([`Self::lazy_look`]), then whether it may stay so: no
+    /// thread of this process is in a readiness call's wait (which
+    /// marked itself before it looked at the marks: either it sees this
+    /// mark, or this sees it: `crate::readiness::SLEEPERS`).
+    fn leave_unarmed(&self) -> bool {
+        self.unarmed.store(true, Ordering::SeqCst);
+        crate::readiness::SLEEPERS.load(Ordering::SeqCst) == 0
+    }
+
+    /// Waited for by `poll` or `select`: reads arm at once, for good.
+    pub(crate) fn never_lazy(&self) {
+        self.owner_sock.never_lazy();
+    }
+
+    /// For an epoll registration: the next wait on its set looks at the
+    /// ring (and arms it) as if a non-blocking read had left it unarmed.
+    pub(crate) fn mark_unarmed(&self) {
+        self.unarmed.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether a non-blocking read left the ring unarmed.
+    pub(crate) fn is_unarmed(&self) -> bool {
+        self.unarmed.load(Ordering::SeqCst)
+    }
+
+    /// For an epoll wait, about a connection a non-blocking read left
+    /// unarmed ([`Self::is_unarmed`]): whether bytes wait (or the stream
+    /// ended), which no wake byte announces: the wait reports them. With
+    /// `arm` (the wait is about to sleep) an empty ring is armed, and
+    /// looked at again once the arming landed (the wake protocol's second
+    /// look, which takes stale bytes off). `Busy`: a read of the program
+    /// holds the ring.
+    pub(crate) fn lazy_look(self: &Arc<Self>, arm: bool) -> Look {
+        let Ok(mut rx) = self.rx.try_lock() else { return Look::Busy };
+        if rx.armed || rx.eof {
+            self.unarmed.store(false, Ordering::SeqCst);
+            return Look::Quiet;
+        }
+        if self.waiting(rx.rd) > 0 {
+            return Look::Bytes;
+        }
+        if !arm {
+            return Look::Quiet;
+        }
+        self.sleep(&mut rx);
+        self.settle(&mut rx);
+        if rx.eof || self.waiting(rx.rd) > 0 {
+            Look::Bytes
+        } else {
+            Look::Quiet
         }
     }
 
@@ -878,6 +967,7 @@ impl Link {
         rx.acked = rx.rd;
         rx.armed = true;
         rx.settled = false;
+        self.unarmed.store(false, Ordering::SeqCst);
     }
 
     /// Whether a peer writer asked for a sound (`WANT` set).
@@ -1001,6 +1091,30 @@ impl Link {
                 r < 0 && crate::table::errno() == libc::EAGAIN && self.waiting(rx.rd) == 0
             }
             Err(_) => false,
+        }
+    }
+
+    /// As [`Self::readable_is_stale`], for a ring a non-blocking read
+    /// left unarmed (`None` if it is armed): every wake byte in the
+    /// socket is stale (each was sent after its bytes landed, and the
+    /// reader read every byte since, or it would still be armed), so all
+    /// are taken off, and the ring is looked at after that (bytes that
+    /// landed meanwhile are reported: the socket is readable for them).
+    pub(crate) fn unarmed_is_stale(&self) -> Option<bool> {
+        let Ok(mut rx) = self.rx.try_lock() else { return Some(false) };
+        if rx.armed {
+            return None;
+        }
+        if rx.eof {
+            return Some(false);
+        }
+        match self.take_stale(0) {
+            Ok(true) => {
+                rx.eof = true;
+                Some(false)
+            }
+            Ok(false) => Some(self.waiting(rx.rd) == 0),
+            Err(_) => Some(false),
         }
     }
 

@@ -63,7 +63,12 @@ fn carried(fd: c_int) -> Option<Arc<Link>> {
 /// otherwise).
 fn unarmed_ready(l: &Arc<Link>) -> bool {
     match Guard::enter() {
-        Some(_g) => keep_errno(|| l.arm_for_readiness()),
+        // Waited for here: its reads arm at once from now on (only an
+        // epoll wait arms what they leave unarmed).
+        Some(_g) => keep_errno(|| {
+            l.never_lazy();
+            l.arm_for_readiness()
+        }),
         None => false,
     }
 }
@@ -89,17 +94,59 @@ fn left_ms(timeout: c_int, start: Instant) -> c_int {
 /// their index.
 fn carried_in(fds: *mut pollfd, n: nfds_t) -> Vec<(usize, Arc<Link>)> {
     match Guard::enter() {
-        Some(_g) if !fds.is_null() => (0..n as usize)
-            .filter_map(|i| {
-                // SAFETY: `fds` holds `n` pollfds (poll's contract).
-                let p = unsafe { &*fds.add(i) };
-                if p.events & (libc::POLLIN | libc::POLLOUT) == 0 {
-                    return None;
-                }
-                carried(p.fd).map(|l| (i, l))
-            })
-            .collect(),
+        Some(_g) if !fds.is_null() => keep_errno(|| {
+            let mut others = Vec::new();
+            let links = (0..n as usize)
+                .filter_map(|i| {
+                    // SAFETY: `fds` holds `n` pollfds (poll's contract).
+                    let p = unsafe { &*fds.add(i) };
+                    if p.events & (libc::POLLIN | libc::POLLOUT) == 0 {
+                        return None;
+                    }
+                    let l = carried(p.fd);
+                    match &l {
+                        Some(l) => l.never_lazy(),
+                        None => others.push(p.fd),
+                    }
+                    l.map(|l| (i, l))
+                })
+                .collect();
+            // An epoll set polled: its connections arm at once.
+            if !others.is_empty() {
+                crate::epoll::polled(others.into_iter());
+            }
+            links
+        }),
         _ => Vec::new(),
+    }
+}
+
+/// Threads of this process in a readiness call that may wait (from before
+/// it arms what it waits for until its wait returned). A non-blocking
+/// read leaves a connection's ring unarmed only while there are none
+/// ([`Link::read`]): the wait of another thread may be for it.
+pub(crate) static SLEEPERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Whether a thread of this process is in a readiness call that may wait.
+pub(crate) fn sleeping() -> bool {
+    SLEEPERS.load(std::sync::atomic::Ordering::SeqCst) != 0
+}
+
+/// One thread counted in [`SLEEPERS`] while it lives.
+struct Sleeper;
+
+impl Sleeper {
+    fn new(waits: bool) -> Option<Sleeper> {
+        waits.then(|| {
+            SLEEPERS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Sleeper
+        })
+    }
+}
+
+impl Drop for Sleeper {
+    fn drop(&mut self) {
+        SLEEPERS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -135,6 +182,7 @@ unsafe fn poll_filtered(
     let deadline = u64::try_from(timeout).ok().map(|ms| Instant::now() + Duration::from_millis(ms));
     let left = || deadline.map(|d| d.saturating_duration_since(Instant::now()));
     let mut yielded = false;
+    let _sleeper = Sleeper::new(timeout != 0);
     // Bytes that wait without a wake byte (left by a lazy read): readable.
     let mut ready_in: Vec<usize> = links
         .iter()
@@ -554,10 +602,50 @@ unsafe fn epoll_filtered(
 ) -> c_int {
     let start = Instant::now();
     let mut yielded = false;
+    if timeout != 0 && crate::link::lazy_epoll() {
+        // Connections that non-blocking reads left unarmed: their rings
+        // are watched a moment before the wait arms them and sleeps, so
+        // that bytes that come meanwhile cost their writer no wake byte
+        // (a `send`) and this end no kernel wake-up.
+        let watch = crate::link::watch_for();
+        loop {
+            let (found, any, _) = crate::epoll::lazy_scan(ep, false);
+            if !any || !found.is_empty() {
+                break;
+            }
+            let n = call(0);
+            if n < 0 {
+                return n;
+            }
+            if n > 0 {
+                // SAFETY: `call` wrote `n` events at `ev`.
+                let n = unsafe { crate::epoll::reported(ep, ev, n) };
+                if n > 0 {
+                    return n;
+                }
+            }
+            if start.elapsed() >= watch {
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+    // From here this thread may sleep: other threads' reads arm at once.
+    let _sleeper = Sleeper::new(timeout != 0);
     loop {
-        // Bytes that no wake byte announces: reported without waiting.
-        let extra = crate::epoll::pending(ep);
-        let mut n = call(if extra.is_empty() { left_ms(timeout, start) } else { 0 });
+        // Bytes that no wake byte announces: reported without waiting;
+        // rings left unarmed and empty are armed before the wait sleeps.
+        let mut extra = crate::epoll::pending(ep);
+        let (lazy, _, busy) = crate::epoll::lazy_scan(ep, timeout != 0);
+        extra.extend(lazy);
+        let left = left_ms(timeout, start);
+        // A ring a read held could not be armed: a short wait, then again.
+        let ms = match left {
+            _ if !extra.is_empty() => 0,
+            l if busy && !(0..=1).contains(&l) => 1,
+            l => l,
+        };
+        let mut n = call(ms);
         if n < 0 {
             return n;
         }
@@ -585,7 +673,7 @@ unsafe fn epoll_filtered(
             // SAFETY: `call` wrote `n` events at `ev`.
             n = unsafe { crate::epoll::reported(ep, ev, n) };
         }
-        if n > 0 || waited || left_ms(timeout, start) == 0 {
+        if n > 0 || (waited && !busy) || left_ms(timeout, start) == 0 {
             // As `poll_filtered`: a program spinning on calls that do not
             // wait lets its peer run.
             if n == 0 && timeout == 0 && !yielded && spin_yield() {

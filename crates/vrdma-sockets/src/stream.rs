@@ -51,11 +51,33 @@ pub struct Stream {
 /// connection's readiness (`poll`, `select`, `epoll`): a link that no
 /// readiness call knows arms only when a read waits
 /// ([`crate::link::Link::read`]).
-pub struct Sock(pub c_int, AtomicBool);
+///
+/// The third field says whether its non-blocking reads may leave the ring
+/// unarmed (0: not known yet, 1: yes, 2: never): only while every wait
+/// for it goes through an interposed epoll wait that arms it first
+/// ([`crate::epoll::lazy_scan`]).
+pub struct Sock(pub c_int, AtomicBool, std::sync::atomic::AtomicU8);
 
 impl Sock {
     pub fn new(fd: c_int) -> Sock {
-        Sock(fd, AtomicBool::new(false))
+        Sock(fd, AtomicBool::new(false), std::sync::atomic::AtomicU8::new(0))
+    }
+
+    /// Level-triggered epoll registrations only so far: its non-blocking
+    /// reads may leave the ring unarmed (unless already ruled out).
+    pub fn allow_lazy(&self) {
+        let _ = self.2.compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Waited for some other way (`poll`, `select`, an edge-triggered or
+    /// one-shot registration, a set inside another): every read that
+    /// empties its ring arms at once, for good.
+    pub fn never_lazy(&self) {
+        self.2.store(2, Ordering::SeqCst);
+    }
+
+    pub fn lazy_ok(&self) -> bool {
+        self.2.load(Ordering::SeqCst) == 1
     }
 
     /// A readiness call or an epoll registration knows it (for good).
@@ -162,6 +184,19 @@ impl Stream {
     /// link arms whenever a read empties its ring.
     pub fn watch(&self) {
         self.sock.watch();
+    }
+
+    pub fn lazy_ok(&self) -> bool {
+        self.sock.lazy_ok()
+    }
+
+    /// See [`Sock::allow_lazy`] and [`Sock::never_lazy`].
+    pub fn lazy(&self, ok: bool) {
+        if ok {
+            self.sock.allow_lazy()
+        } else {
+            self.sock.never_lazy()
+        }
     }
 
     /// Its link, if carried already (never negotiates, never waits: for

@@ -129,6 +129,14 @@
 //! and, unless `et`, `spurious N`: reports of `EPOLLOUT` (writability)
 //! after which a write still got `EAGAIN` (one the ring does not have).
 //!
+//! `epecho PORT` and `eprr PORT ROUNDS`: `becho` and `rr` as event
+//! loops: non-blocking sockets, each end waiting for its reads in a
+//! level-triggered `epoll` set (`epoll_wait` with a 10 s timeout, reads
+//! until `EAGAIN`); `eprr` says `median_rtt_ns N`. `nestecho PORT
+//! before|after`: `epecho` whose set is inside an outer epoll set (added
+//! to it before or after the connection is registered in it): it waits
+//! on the outer set, then takes the inner set's events without waiting.
+//!
 //! `closeserver PORT N`: accepts N connections one after another; on each
 //! reads the 8-byte request, answers 16 KiB and closes (as a server
 //! without keep-alive). `closeclient PORT N MS`: makes those N
@@ -1084,6 +1092,153 @@ fn rr(port: u16, rounds: usize) -> Result<(), String> {
     Ok(())
 }
 
+/// A level-triggered epoll set holding `fd` for reading.
+fn ep_for(fd: i32) -> Result<i32, String> {
+    // SAFETY: epoll_create1(2), no pointers.
+    let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+    let mut e = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 3 };
+    // SAFETY: a valid event.
+    if ep < 0 || unsafe { libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut e) } != 0 {
+        return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+    }
+    Ok(ep)
+}
+
+/// Reads what waits on the non-blocking `s` into `buf` (at its end at
+/// most `buf.len()`), after an `epoll_wait` on `ep`; the count (0: the
+/// end of the stream).
+fn ep_read(s: &mut TcpStream, ep: i32, buf: &mut [u8]) -> Result<usize, String> {
+    for _ in 0..10_000 {
+        match s.read(buf) {
+            Ok(n) => return Ok(n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(format!("read: {e}")),
+        }
+        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: room for 4 events.
+        let k = unsafe { libc::epoll_wait(ep, out.as_mut_ptr(), 4, 10_000) };
+        if k == 0 {
+            return Err("nothing in 10 s".into());
+        }
+        if k < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::Interrupted {
+            return Err(format!("epoll_wait: {}", std::io::Error::last_os_error()));
+        }
+    }
+    Err("10000 wake-ups without bytes".into())
+}
+
+fn epecho(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let ep = ep_for(s.as_raw_fd())?;
+    let mut b = [0u8; 256];
+    loop {
+        let n = ep_read(&mut s, ep, &mut b)?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mut off = 0;
+        while off < n {
+            match s.write(&b[off..n]) {
+                Ok(k) => off += k,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => std::thread::yield_now(),
+                Err(e) => return Err(format!("answer: {e}")),
+            }
+        }
+    }
+}
+
+fn nestecho(port: u16, mode: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    // SAFETY: epoll_create1(2), no pointers.
+    let (outer, inner) =
+        unsafe { (libc::epoll_create1(libc::EPOLL_CLOEXEC), libc::epoll_create1(libc::EPOLL_CLOEXEC)) };
+    if outer < 0 || inner < 0 {
+        return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+    }
+    let nest = || {
+        let mut e = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 1 };
+        // SAFETY: a valid event.
+        match unsafe { libc::epoll_ctl(outer, libc::EPOLL_CTL_ADD, inner, &mut e) } {
+            0 => Ok(()),
+            _ => Err(format!("nest: {}", std::io::Error::last_os_error())),
+        }
+    };
+    if mode == "before" {
+        nest()?;
+    }
+    let mut e = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 2 };
+    // SAFETY: a valid event.
+    if unsafe { libc::epoll_ctl(inner, libc::EPOLL_CTL_ADD, s.as_raw_fd(), &mut e) } != 0 {
+        return Err(format!("epoll_ctl: {}", std::io::Error::last_os_error()));
+    }
+    if mode != "before" {
+        nest()?;
+    }
+    let mut b = [0u8; 256];
+    let mut out = [libc::epoll_event { events: 0, u64: 0 }; 4];
+    loop {
+        // SAFETY: room for 4 events.
+        let k = unsafe { libc::epoll_wait(outer, out.as_mut_ptr(), 4, 10_000) };
+        if k == 0 {
+            return Err("the outer set: nothing in 10 s".into());
+        }
+        // SAFETY: room for 4 events.
+        if k < 0 || unsafe { libc::epoll_wait(inner, out.as_mut_ptr(), 4, 0) } <= 0 {
+            continue;
+        }
+        loop {
+            let n = match s.read(&mut b) {
+                Ok(0) => return Ok(()),
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(format!("read: {e}")),
+            };
+            s.write_all(&b[..n]).map_err(|e| format!("answer: {e}"))?;
+        }
+    }
+}
+
+fn eprr(port: u16, rounds: usize) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nodelay(true).map_err(|e| e.to_string())?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let ep = ep_for(s.as_raw_fd())?;
+    let msg = [5u8; 64];
+    let mut got = [0u8; 64];
+    let mut times = Vec::with_capacity(rounds);
+    for r in 0..rounds {
+        let t = std::time::Instant::now();
+        // A 64-byte write into an empty ring is whole.
+        if s.write(&msg).map_err(|e| format!("write: {e}"))? != 64 {
+            return Err(format!("round {r}: a short write"));
+        }
+        let mut have = 0;
+        while have < 64 {
+            match ep_read(&mut s, ep, &mut got[have..])? {
+                0 => return Err(format!("round {r}: the end after {have} bytes")),
+                n => have += n,
+            }
+        }
+        times.push(t.elapsed().as_nanos() as u64);
+    }
+    times.sort_unstable();
+    println!("median_rtt_ns {}", times.get(rounds / 2).copied().unwrap_or(0));
+    Ok(())
+}
+
 /// Waits up to `ms` for `fd` to be readable in `mode` (`epoll`: the set
 /// `ep`, made by the caller); whether it is.
 fn wait_readable(fd: i32, mode: &str, ep: i32, ms: i32) -> Result<bool, String> {
@@ -1782,6 +1937,9 @@ fn main() {
         Some("becho") => becho(port()),
         Some("lazyserver") => lazyserver(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("lazyclient") => lazyclient(port()),
+        Some("epecho") => epecho(port()),
+        Some("nestecho") => nestecho(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("eprr") => eprr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("rr") => rr(port(), args.get(3).and_then(|b| b.parse().ok()).expect("ROUNDS")),
         Some("sendfile") => sendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("expect-end") => expect_end(port()),
