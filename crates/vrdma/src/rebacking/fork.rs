@@ -87,11 +87,13 @@ extern "C" fn prepare() {
         // Kept and idle pages go back to private memory before the
         // child's glibc writes its allocator's state (see
         // `guest::fork_preparing` and `idle_pages`).
+        // Noted first: it drops the spans it looks at, and a last one
+        // notes itself in the idle list, whose lock the sweep then holds.
+        note_guest_ranges(&guard);
         if REBACKED.load(Ordering::SeqCst) {
             super::guest::fork_preparing();
             super::idle_pages::fork_preparing(&guard);
         }
-        note_guest_ranges(&guard);
         HELD.with(|h| *h.borrow_mut() = Some(guard));
     });
 }
@@ -145,7 +147,7 @@ fn release() {
 
 extern "C" fn in_parent() {
     release();
-    let _ = std::panic::catch_unwind(super::idle_pages::forked);
+    let _ = std::panic::catch_unwind(|| super::idle_pages::forked(false));
 }
 
 /// Called before the first re-backing: from then on each child copies.
@@ -191,7 +193,9 @@ extern "C" fn in_child() {
         let _ = std::panic::catch_unwind(privatize_all);
     }
     release();
-    let _ = std::panic::catch_unwind(super::idle_pages::forked);
+    if REBACKED.load(Ordering::SeqCst) {
+        let _ = std::panic::catch_unwind(|| super::idle_pages::forked(true));
+    }
 }
 
 fn privatize_all() {

@@ -35,9 +35,9 @@
 //! A process-global registry remembers the live spans. It holds them
 //! weakly: when the last memory region over a span is deregistered the
 //! span's memfd is closed, while the application's pages stay mapped from
-//! it (the mapping holds its own reference), until the next `fork` moves
-//! them back to private memory ([`idle_pages`]). Such pages may be
-//! re-backed again later. Before a span is reused its mapping is checked against
+//! it (the mapping holds its own reference); the next `fork` moves them
+//! back to private memory where it can ([`idle_pages`]). Such pages may
+//! be re-backed again later. Before a span is reused its mapping is checked against
 //! `/proc/self/maps`, so memory the application unmapped and mapped anew
 //! at the same address is never mistaken for the old span.
 //!

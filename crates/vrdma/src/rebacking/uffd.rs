@@ -61,11 +61,20 @@ pub(super) struct UffdioCopy {
 /// kernel-mode faults, one for user-mode faults only: a system call
 /// another thread makes on a range it holds then fails (`EFAULT`).
 pub(super) fn open(features: u64) -> Option<OwnedFd> {
+    open_with(&[0, UFFD_USER_MODE_ONLY], features)
+}
+
+/// [`open`], but only one that holds kernel-mode faults too.
+pub(super) fn open_kernel_mode(features: u64) -> Option<OwnedFd> {
+    open_with(&[0], features)
+}
+
+fn open_with(modes: &[libc::c_int], features: u64) -> Option<OwnedFd> {
     let flags = libc::O_CLOEXEC | libc::O_NONBLOCK;
     // SAFETY: the userfaultfd system call takes only flags.
-    let fd = [0, UFFD_USER_MODE_ONLY]
-        .into_iter()
-        .map(|extra| unsafe { libc::syscall(libc::SYS_userfaultfd, flags | extra) })
+    let fd = modes
+        .iter()
+        .map(|&extra| unsafe { libc::syscall(libc::SYS_userfaultfd, flags | extra) })
         .find(|&fd| fd >= 0)?;
     // SAFETY: a descriptor the call just returned, owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };

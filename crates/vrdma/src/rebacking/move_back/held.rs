@@ -25,6 +25,13 @@ pub(super) fn open() -> Option<OwnedFd> {
     uffd::open(UFFD_FEATURE_EVENT_REMAP)
 }
 
+/// Whether [`open`] gives one that holds the kernel's accesses too (not
+/// a user-mode-only one), asked once.
+pub(super) fn exact_available() -> bool {
+    static EXACT: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *EXACT.get_or_init(|| uffd::open_kernel_mode(UFFD_FEATURE_EVENT_REMAP).is_some())
+}
+
 /// Moves `[start, start + len)` to private pages holding the bytes `view`
 /// maps (`len` readable bytes, a second view of the range's pages),
 /// holding other threads off the range meanwhile. `Ok(false)`: a

@@ -100,6 +100,12 @@ fn move_back(bar: BorrowedFd<'_>, offset: u64, start: usize, len: usize) -> std:
     move_back_from(view.as_ptr(), start, len)
 }
 
+/// Whether a move back is exact here: a userfaultfd that holds the
+/// kernel's accesses too can be had (see `held`).
+pub(super) fn exact_move_available() -> bool {
+    held::exact_available()
+}
+
 /// Replaces the pages `[start, start + len)`, a shared mapping of a
 /// memfd whose descriptor may be gone (a host's re-backed pages that no
 /// region uses any more), with private anonymous pages holding their
