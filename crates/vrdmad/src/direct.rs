@@ -50,6 +50,13 @@ use crate::server::KeptDescriptor;
 /// (see the design notes).
 pub const DRAIN_LIMIT: Duration = Duration::from_millis(200);
 
+/// A kept ring segment's memfd. Shared, not a copy: a host context's
+/// pooled rings all lie in a few chunks (`server::ring_pool`), and a
+/// descriptor of its own for each ring was a `fcntl(F_DUPFD)` on every
+/// CQ and QP made (two on each side of an rdma_cm connection's setup) and
+/// a `close` on each destroyed. A grant still hands out a copy.
+pub type SegmentFd = Arc<OwnedFd>;
+
 struct Region {
     ctx: ContextId,
     fd: OwnedFd,
@@ -68,7 +75,7 @@ struct Window {
 /// come from an SRQ (its segment holds the inbox only).
 struct QpSegment {
     ctx: ContextId,
-    fd: OwnedFd,
+    fd: SegmentFd,
     len: u64,
     rq: Option<RingSpec>,
     inbox: RingSpec,
@@ -79,7 +86,7 @@ struct QpSegment {
 /// taking their receives from it hand it out.
 struct KeptSrq {
     ctx: ContextId,
-    fd: OwnedFd,
+    fd: SegmentFd,
     len: u64,
     ring: RingSpec,
     _charge: KeptDescriptor,
@@ -90,7 +97,7 @@ struct KeptSrq {
 /// ready set and, with a channel, takes the armed word itself.
 struct KeptCq {
     ctx: ContextId,
-    fd: OwnedFd,
+    fd: SegmentFd,
     len: u64,
     ring: RingSpec,
     _charge: KeptDescriptor,
@@ -134,7 +141,7 @@ impl DirectDriver {
         &mut self,
         ctx: ContextId,
         qpn: u32,
-        fd: OwnedFd,
+        fd: SegmentFd,
         len: u64,
         rq: Option<RingSpec>,
         inbox: RingSpec,
@@ -154,7 +161,7 @@ impl DirectDriver {
         &mut self,
         ctx: ContextId,
         cqn: u32,
-        fd: OwnedFd,
+        fd: SegmentFd,
         len: u64,
         ring: RingSpec,
         charge: KeptDescriptor,
@@ -173,7 +180,7 @@ impl DirectDriver {
         &mut self,
         ctx: ContextId,
         srqn: u32,
-        fd: OwnedFd,
+        fd: SegmentFd,
         len: u64,
         ring: RingSpec,
         charge: KeptDescriptor,

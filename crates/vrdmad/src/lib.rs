@@ -18,6 +18,7 @@ pub mod devnode;
 pub mod direct;
 pub mod engine;
 pub mod host;
+mod keys;
 mod logs;
 pub mod metrics;
 pub mod net;
@@ -31,7 +32,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 pub use config::{Budgets, ConfigError, DaemonConfig, DirectConfig, EngineConfig, TenantBy, VmConfig};
-use vrdma_core::hca::{Hca, HcaConfig, KeySource, TenantId};
+use vrdma_core::hca::{Hca, HcaConfig, TenantId};
 
 /// Name the device reports, as `ibv_get_device_name` does.
 pub const DEVICE_NAME: &str = "vrdma0";
@@ -68,17 +69,6 @@ fn raise_fd_limit() {
         if let Err(e) = setrlimit(Resource::Nofile, raised) {
             tracing::warn!(error = %e, "cannot raise the open-file limit");
         }
-    }
-}
-
-/// Memory keys from the kernel's CSPRNG: a tenant cannot guess another's rkey.
-struct RandomKeys;
-
-impl KeySource for RandomKeys {
-    fn next_key(&mut self) -> u32 {
-        let mut b = [0u8; 4];
-        getrandom::fill(&mut b).expect("the kernel's random source is available");
-        u32::from_ne_bytes(b)
     }
 }
 
@@ -156,7 +146,7 @@ impl Daemon {
         let number_space = hca_cfg.number_space;
         let pause_limit = hca_cfg.migration_pause_limit;
         tracing::info!(number_space, "numbering QPNs, ids and keys in this space");
-        let mut hca = Hca::new(hca_cfg, Box::new(RandomKeys));
+        let mut hca = Hca::new(hca_cfg, Box::new(keys::RandomKeys::new()));
         for &(uid, q) in &budgets.tenants {
             hca.set_quota(TenantId(uid), q);
         }
@@ -185,7 +175,7 @@ impl Daemon {
         let mut manager = vrdma_core::cm::ConnectionManager::new(
             vrdma_core::cm::CmConfig::default(),
             vec![address],
-            Box::new(RandomKeys),
+            Box::new(keys::RandomKeys::new()),
         );
         // Its ids in this daemon's number space: a VM's keep their
         // numbers when it moves (docs/migration.md).

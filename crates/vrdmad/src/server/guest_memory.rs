@@ -132,15 +132,15 @@ impl RingMemory {
     }
 
     /// A descriptor of the segment the tenant maps, for the direct path
-    /// to keep: the pool chunk's, or `own` (the ring's memfd) cloned;
-    /// `None` for a guest's extent.
+    /// to keep: the pool chunk's, shared (no new descriptor), or `own`
+    /// (the ring's memfd) cloned; `None` for a guest's extent.
     pub fn segment_fd(
         &self,
         own: Option<&std::os::fd::OwnedFd>,
-    ) -> Option<std::io::Result<std::os::fd::OwnedFd>> {
+    ) -> Option<std::io::Result<crate::direct::SegmentFd>> {
         match (&self.map, own) {
-            (Memory::Pooled(b), _) => Some(b.chunk().fd().try_clone_to_owned()),
-            (Memory::Mapped(_), Some(f)) => Some(f.try_clone()),
+            (Memory::Pooled(b), _) => Some(Ok(b.chunk().shared_fd())),
+            (Memory::Mapped(_), Some(f)) => Some(f.try_clone().map(std::sync::Arc::new)),
             (Memory::Mapped(_), None) => None,
         }
     }
@@ -283,6 +283,25 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         let config = crate::config::VmConfig { memory_mib: mib, ..crate::config::VmConfig::new(0) };
         (Arc::new(Vm::create("g", &config, &dir).unwrap()), dir)
+    }
+
+    /// The direct path keeps one descriptor for all the rings of a pool
+    /// chunk, not a copy per ring (a `fcntl` on each CQ and QP made).
+    #[test]
+    fn pooled_rings_keep_their_chunks_descriptor_not_a_copy_each() {
+        use std::os::fd::AsRawFd;
+        let pool = super::super::ring_pool::RingPool::new();
+        let ring = || {
+            let block = pool
+                .alloc(4096, None, || Some(super::super::admission::KeptDescriptor::for_test()))
+                .unwrap()
+                .expect("room in the pool");
+            RingMemory::pooled(block)
+        };
+        let (cq, qp) = (ring(), ring());
+        let kept_cq = cq.segment_fd(None).expect("a host ring").unwrap();
+        let kept_qp = qp.segment_fd(None).expect("a host ring").unwrap();
+        assert_eq!(kept_cq.as_raw_fd(), kept_qp.as_raw_fd(), "one descriptor for both");
     }
 
     /// A registration the region cannot hold is refused with what the

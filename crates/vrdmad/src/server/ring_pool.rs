@@ -33,7 +33,7 @@
 //! new chunk for, gets a memfd of its own as before.
 
 use std::collections::BTreeSet;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use vrdma_core::memory::Backing;
@@ -53,7 +53,7 @@ pub(crate) const MAX_CHUNKS: usize = 256;
 /// peers), the daemon's mapping of it and the descriptor's charge.
 pub(crate) struct Chunk {
     id: u32,
-    fd: OwnedFd,
+    fd: Arc<OwnedFd>,
     map: Mapping,
     _charge: Option<KeptDescriptor>,
 }
@@ -67,8 +67,9 @@ impl Chunk {
         self.map.len()
     }
 
-    pub fn fd(&self) -> BorrowedFd<'_> {
-        self.fd.as_fd()
+    /// Its memfd, shared (what the direct path keeps of a ring in it).
+    pub fn shared_fd(&self) -> Arc<OwnedFd> {
+        self.fd.clone()
     }
 }
 
@@ -200,7 +201,7 @@ impl RingPool {
                 let (fd, map) = Segment::create_in("vrdma-ring-pool", CHUNK_LEN, budget)?.into_parts();
                 st = self.lock();
                 let id = st.chunks.len() as u32;
-                st.chunks.push(Arc::new(Chunk { id, fd, map, _charge: Some(charge) }));
+                st.chunks.push(Arc::new(Chunk { id, fd: Arc::new(fd), map, _charge: Some(charge) }));
                 st.sent.push(false);
                 let top = self.classes - 1;
                 st.free[top].insert((id, 0));
