@@ -962,7 +962,8 @@ mod preload {
     /// reads until `EAGAIN`), nested before and after the connection is
     /// registered in it: the outer wait sleeps on the inner set without
     /// the library arming its connection, so its reads must arm (no lazy
-    /// arming): 200 round trips complete. With the nesting not seen (lazy
+    /// arming): 200 round trips complete, lazy arming on
+    /// (`VRDMA_SOCKETS_LAZY_EPOLL=1`). With the nesting not seen (lazy
     /// arming under the inner set), the server waits on the outer set
     /// after its first read for ever (its 10 s, then fails).
     #[test]
@@ -972,10 +973,15 @@ mod preload {
         let ctx = d.context()?;
         for mode in ["before", "after"] {
             let port = free_port();
-            let s = spawn(sockapp(&d, true, &["nestecho".into(), port.to_string(), mode.into()]), "nestecho");
+            // Lazy arming on (off by default): the nesting must turn it off.
+            let lazy = |args: &[String]| {
+                let mut c = sockapp(&d, true, args);
+                c.env("VRDMA_SOCKETS_LAZY_EPOLL", "1");
+                c
+            };
+            let s = spawn(lazy(&["nestecho".into(), port.to_string(), mode.into()]), "nestecho");
             registered(&ctx, port)?;
-            let c = spawn(sockapp(&d, true, &["eprr".into(), port.to_string(), "200".into()]), "eprr")
-                .finish(LIMIT);
+            let c = spawn(lazy(&["eprr".into(), port.to_string(), "200".into()]), "eprr").finish(LIMIT);
             let s = s.finish(LIMIT);
             c.assert_ok();
             s.assert_ok();

@@ -91,12 +91,13 @@ pub(crate) fn watch_for() -> Duration {
 }
 
 /// Whether epoll waits watch and arm the rings of connections that
-/// non-blocking reads leave unarmed (on unless `VRDMA_SOCKETS_LAZY_EPOLL=0`:
-/// `docs/sockets.md`, "Lazy arming under epoll"). Off, every non-blocking
-/// read that empties its ring arms at once, as before 2026-11-27.
+/// non-blocking reads leave unarmed (off unless `VRDMA_SOCKETS_LAZY_EPOLL=1`:
+/// `docs/sockets.md`, "Lazy arming under epoll", which lists the lost
+/// wake-ups a review found that keep it off by default). Off, every
+/// non-blocking read that empties its ring arms at once.
 pub(crate) fn lazy_epoll() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("VRDMA_SOCKETS_LAZY_EPOLL").map_or(true, |v| v != "0"))
+    *ON.get_or_init(|| std::env::var("VRDMA_SOCKETS_LAZY_EPOLL").is_ok_and(|v| v == "1"))
 }
 
 /// How often a writer waiting for credits probes its peer (a peer that is
