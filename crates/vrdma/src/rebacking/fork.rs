@@ -84,12 +84,12 @@ thread_local! {
 extern "C" fn prepare() {
     let _ = std::panic::catch_unwind(|| {
         let guard = REGISTRY.lock().unwrap_or_else(|p| p.into_inner());
-        // Kept and idle pages go back to private memory before the
-        // child's glibc writes its allocator's state (see
-        // `guest::fork_preparing` and `idle_pages`).
         // Noted first: it drops the spans it looks at, and a last one
         // notes itself in the idle list, whose lock the sweep then holds.
         note_guest_ranges(&guard);
+        // Kept and idle pages go back to private memory before the
+        // child's glibc writes its allocator's state (see
+        // `guest::fork_preparing` and `idle_pages`).
         if REBACKED.load(Ordering::SeqCst) {
             super::guest::fork_preparing();
             super::idle_pages::fork_preparing(&guard);
@@ -373,6 +373,18 @@ mod tests {
     /// on 64-bit): the arena's header lies at the start of its first one.
     const HEAP_MAX: usize = 64 << 20;
 
+    /// In the test harness's process: runs the test `name` in a process
+    /// of its own, asserts that it passed there, and says so (the caller
+    /// returns). In that process (`ALONE` set): false, the test runs.
+    fn ran_alone(name: &str) -> bool {
+        if std::env::var_os(ALONE).is_some() {
+            return false;
+        }
+        let (passed, out) = alone(name);
+        assert!(passed, "the test failed in its own process: {out}");
+        true
+    }
+
     /// Runs the test `name` of this binary in a process of its own (a
     /// lost arena update aborts the whole process at a thread's exit):
     /// whether it passed, and its output.
@@ -422,9 +434,7 @@ mod tests {
     #[test]
     fn a_fork_leaves_a_thread_arenas_header_in_kept_pages_whole() {
         let name = "rebacking::fork::tests::a_fork_leaves_a_thread_arenas_header_in_kept_pages_whole";
-        if std::env::var_os(ALONE).is_none() {
-            let (passed, out) = alone(name);
-            assert!(passed, "the test failed in its own process: {out}");
+        if ran_alone(name) {
             return;
         }
         let page = vrdma_shm::page_size();
@@ -449,9 +459,7 @@ mod tests {
     #[test]
     fn a_fork_leaves_a_thread_arenas_header_in_idle_host_pages_whole() {
         let name = "rebacking::fork::tests::a_fork_leaves_a_thread_arenas_header_in_idle_host_pages_whole";
-        if std::env::var_os(ALONE).is_none() {
-            let (passed, out) = alone(name);
-            assert!(passed, "the test failed in its own process: {out}");
+        if ran_alone(name) {
             return;
         }
         fork_over_a_thread_arenas_header(
