@@ -130,12 +130,19 @@ pub fn guest_bg(g: &mut Guest, tag: &str, secs: u32, cmd: &str) {
     .unwrap();
 }
 
+/// What the guest's kernel said last, for a program that ended early: a
+/// death by a signal (the OOM killer's, a segfault's) prints nothing of
+/// its own, and its exit status (128 + the signal, or 124 from
+/// `timeout`) and the kernel's lines tell it from a failure the program
+/// reported.
+const KERNEL_TAIL: &str = "echo '(the kernel, last lines:)'; dmesg | tail -n 15";
+
 /// Waits (bounded) for a line starting `prefix` in `tag`'s output.
 pub fn guest_line(g: &mut Guest, tag: &str, prefix: &str) -> String {
     let script = format!(
         "i=0; while [ $i -lt 900 ]; do l=$(grep '^{prefix}' /tmp/{tag}.out) && {{ echo \"$l\"; exit 0; }}; \
-         [ -e /tmp/{tag}.st ] && {{ echo ended; cat /tmp/{tag}.out; exit 1; }}; sleep 0.1; i=$((i+1)); done; \
-         echo 'no {prefix}'; cat /tmp/{tag}.out; exit 1"
+         [ -e /tmp/{tag}.st ] && {{ echo \"ended, status $(cat /tmp/{tag}.st)\"; cat /tmp/{tag}.out; {KERNEL_TAIL}; \
+         exit 1; }}; sleep 0.1; i=$((i+1)); done; echo 'no {prefix}'; cat /tmp/{tag}.out; exit 1"
     );
     g.check(&script, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"))
 }
@@ -164,7 +171,15 @@ pub fn guest_ports(g: &mut Guest, n: u32) {
 
 /// Fails unless `tag` still runs in the guest (its output if not).
 pub fn guest_running(g: &mut Guest, tag: &str) {
-    let (st, out) = g.run(&format!("cat /tmp/{tag}.out; [ ! -e /tmp/{tag}.st ]"), T).unwrap();
+    let (st, out) = g
+        .run(
+            &format!(
+                "cat /tmp/{tag}.out; [ ! -e /tmp/{tag}.st ] || {{ echo \"(status $(cat /tmp/{tag}.st))\"; \
+                 {KERNEL_TAIL}; exit 1; }}"
+            ),
+            T,
+        )
+        .unwrap();
     assert_eq!(st, 0, "{tag} ended in the guest:\n{out}");
 }
 

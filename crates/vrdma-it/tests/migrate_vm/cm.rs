@@ -171,7 +171,12 @@ fn a_guests_rdma_cm_connection_moves_with_it_and_hears_its_peers_disconnect_once
     message(&mut guest, &b.side, 1)?;
     match guest.call(&C::CmReadable { timeout_ms: 200 })? {
         Said::Readable(false) => {}
-        other => bail!("the guest's rdma_cm descriptor after the move, before any event: {other:?}"),
+        other => {
+            // What made it readable, if anything: an event, none (a stray
+            // wake-up), or the device gone.
+            let behind = guest.call(&C::CmEvent { timeout_ms: 200 });
+            bail!("the guest's rdma_cm descriptor after the move, before any event: {other:?}; behind it: {behind:?}")
+        }
     }
     message(&mut guest, &b.side, 2)?;
     b.id.disconnect()?;
