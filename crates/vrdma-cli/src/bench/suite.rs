@@ -796,7 +796,10 @@ fn measure_once_beside_idle(
 ) -> Result<Outcome> {
     let mut server = WorkerProc::spawn(sock, Role::Server, test, size, iters, idle)?;
     let mut client = WorkerProc::spawn(sock, Role::Client, test, size, iters, idle)?;
-    let setup = Duration::from_secs(20);
+    // A worker makes its idle QPs before its hello: on a loaded 2-core
+    // machine 1024 of them once took the 20 s meant for none (a CI run's
+    // report failed on that row), so each adds to the wait.
+    let setup = Duration::from_secs(20) + Duration::from_millis(40) * idle;
     let s_hello = server.line(setup)?;
     let c_hello = client.line(setup)?;
     server.tell(&c_hello)?;
