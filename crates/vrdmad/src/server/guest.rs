@@ -300,26 +300,9 @@ impl Port {
     /// a guest's program could take the event before the `Bell` came: the
     /// library found no wake-up to take, and the one that came later stayed
     /// in the descriptor with no event behind it (readable for good, each
-    /// wait for an event a round trip to the daemon, and after a move one
-    /// wake-up too many).
+    /// wait for an event a round trip to the daemon).
     fn forward_before_reply(&mut self) -> Result<(), String> {
-        let ready: Vec<u32> = {
-            let Some(l) = &self.live else { return Ok(()) };
-            if l.proxies.is_empty() {
-                return Ok(());
-            }
-            let (ids, mut fds): (Vec<u32>, Vec<PollFd>) =
-                l.proxies.iter().map(|(id, p)| (*id, PollFd::new(&p.fd, PollFlags::IN))).unzip();
-            let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
-            if !matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0) {
-                return Ok(());
-            }
-            ids.into_iter()
-                .zip(&fds)
-                .filter(|(_, f)| f.revents().contains(PollFlags::IN))
-                .map(|(i, _)| i)
-                .collect()
-        };
+        let (_, _, ready) = self.wait(Some(Duration::ZERO))?;
         for id in ready {
             // (A closed end is the loop's to see, as before.)
             let (count, _) = self.take_bells(id);
@@ -1042,7 +1025,7 @@ mod tests {
     /// descriptor when the reply comes. The `Bell` came after the reply
     /// before; a guest's program that took the event in between left the
     /// late wake-up in its channel's descriptor with no event behind it
-    /// (`migrate_vm`'s rdma_cm move test, about 1 run in 50 under load).
+    /// (`migrate_vm`'s rdma_cm move test, 3 runs in about 400 under load).
     #[test]
     fn an_events_wake_up_reaches_the_guest_before_the_reply_that_carries_the_event() {
         use vrdma_core::proto::guest::Handle;
