@@ -1128,8 +1128,11 @@ fn alone(name: &str) -> Result<()> {
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()?;
-    // Read as the child writes, so that a full pipe never stalls it.
-    let mut pipes = Vec::new();
+    // Read as the child writes, so that a full pipe never stalls it; each
+    // reader hands its text over a channel, waited for with a bound (a
+    // descendant that outlives the child keeps the pipe open).
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut readers = 0;
     for mut out in [
         child.stdout.take().map(|o| Box::new(o) as Box<dyn Read + Send>),
         child.stderr.take().map(|e| Box::new(e) as Box<dyn Read + Send>),
@@ -1137,11 +1140,13 @@ fn alone(name: &str) -> Result<()> {
     .into_iter()
     .flatten()
     {
-        pipes.push(std::thread::spawn(move || {
+        let tx = tx.clone();
+        readers += 1;
+        std::thread::spawn(move || {
             let mut text = String::new();
             let _ = out.read_to_string(&mut text);
-            text
-        }));
+            let _ = tx.send(text);
+        });
     }
     let end = Instant::now() + Duration::from_secs(180);
     let status = loop {
@@ -1155,7 +1160,13 @@ fn alone(name: &str) -> Result<()> {
         }
         std::thread::sleep(Duration::from_millis(20));
     };
-    let text: String = pipes.into_iter().map(|p| p.join().unwrap_or_default()).collect();
+    let mut text = String::new();
+    for _ in 0..readers {
+        match rx.recv_timeout(Duration::from_secs(10)) {
+            Ok(part) => text.push_str(&part),
+            Err(_) => text.push_str("\n(an output pipe stayed open 10 s after the child ended)\n"),
+        }
+    }
     if !status.is_some_and(|s| s.success()) || !text.contains("1 passed") {
         bail!("{name} in a process of its own: {status:?}\n{text}");
     }

@@ -397,6 +397,26 @@ mod tests {
             .stderr(std::process::Stdio::piped())
             .spawn()
             .unwrap();
+        // Read as the child writes, so that a full pipe never stalls it;
+        // each reader hands its text over a channel, waited for with a
+        // bound (a descendant that outlives the child keeps the pipe open).
+        let (tx, rx) = mpsc::channel();
+        let mut readers = 0;
+        for mut out in [
+            child.stdout.take().map(|o| Box::new(o) as Box<dyn std::io::Read + Send>),
+            child.stderr.take().map(|e| Box::new(e) as Box<dyn std::io::Read + Send>),
+        ]
+        .into_iter()
+        .flatten()
+        {
+            let tx = tx.clone();
+            readers += 1;
+            std::thread::spawn(move || {
+                let mut text = String::new();
+                let _ = out.read_to_string(&mut text);
+                let _ = tx.send(text);
+            });
+        }
         let end = Instant::now() + Duration::from_secs(120);
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {
@@ -410,14 +430,11 @@ mod tests {
             std::thread::sleep(Duration::from_millis(20));
         };
         let mut text = String::new();
-        for mut out in [
-            child.stdout.take().map(|o| Box::new(o) as Box<dyn std::io::Read>),
-            child.stderr.take().map(|e| Box::new(e) as Box<dyn std::io::Read>),
-        ]
-        .into_iter()
-        .flatten()
-        {
-            let _ = out.read_to_string(&mut text);
+        for _ in 0..readers {
+            match rx.recv_timeout(Duration::from_secs(10)) {
+                Ok(part) => text.push_str(&part),
+                Err(_) => text.push_str("\n(an output pipe stayed open 10 s after the child ended)\n"),
+            }
         }
         let passed = status.is_some_and(|s| s.success()) && text.contains("1 passed");
         (passed, format!("{status:?}\n{text}"))
