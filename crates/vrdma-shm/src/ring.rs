@@ -19,7 +19,11 @@
 //! Either index may be scribbled on by a hostile peer. Slot addresses are
 //! masked, so no value can make an access leave the ring; and a
 //! `producer - consumer` distance above `capacity` is reported as
-//! [`RingError::Corrupt`] rather than acted on. Slot bytes are only ever
+//! [`RingError::Corrupt`] rather than acted on. A producer reads the
+//! consumer's index only when its own copy of it says full (or looks
+//! corrupt), so a consumer index scribbled ahead is found up to
+//! `capacity` pushes later; until then the pushes go where the copy
+//! allows, into that consumer's own ring. Slot bytes are only ever
 //! moved with raw copies: no Rust reference into the shared slots is
 //! formed, because the peer may be writing them at the same moment.
 
@@ -198,7 +202,7 @@ impl RingView {
             consumer: Mutex::new(()),
             seen_consumer: AtomicU32::new(0),
         };
-        view.seen_consumer.store(view.consumer_index().load(Ordering::Acquire), Ordering::Relaxed);
+        view.refresh_consumer_copy();
         view
     }
 
@@ -423,14 +427,28 @@ impl RingView {
     /// `Acquire` then, so the consumer had finished copying out the slots
     /// it released before that read, as before any later push.
     fn below(&self, producer: u32, limit: u32) -> Result<bool, RingError> {
-        let seen = self.seen_consumer.load(Ordering::Relaxed);
+        let seen = self.seen_consumer.load(Ordering::Acquire);
         if matches!(self.distance(producer, seen), Ok(used) if used < limit) {
             return Ok(true);
         }
         // Acquire: the consumer finished copying out the slots it released.
         let consumer = self.consumer_index().load(Ordering::Acquire);
-        self.seen_consumer.store(consumer, Ordering::Relaxed);
+        // Release, with the Acquire load above: a thread that counts
+        // against the copy without the producer lock (`fewer_than`,
+        // `publish_staged`) sees the slots released as this one did.
+        self.seen_consumer.store(consumer, Ordering::Release);
         Ok(self.distance(producer, consumer)? < limit)
+    }
+
+    /// Producer side: takes a fresh copy of the consumer's index, for a
+    /// producer that pushes into this ring rarely while another producer
+    /// (in another process, with a copy of its own) moves the producer
+    /// index on: a copy older than 2^32 of the other's pushes could count
+    /// a full ring as having room (the daemon's flush of an inbox that a
+    /// requester has been publishing into).
+    pub fn refresh_consumer_copy(&self) {
+        let consumer = self.consumer_index().load(Ordering::Acquire);
+        self.seen_consumer.store(consumer, Ordering::Release);
     }
 
     /// Producer side: whether fewer than `limit` entries are unread, as
