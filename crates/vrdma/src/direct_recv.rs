@@ -132,9 +132,13 @@ impl RecvTarget {
         if self.inbox.aux(INBOX_AUX_ENGINE_POLLED).load(Ordering::SeqCst) != pushed {
             return Delivered::NotNow;
         }
-        match self.inbox.len() {
-            Ok(n) if n < self.cq_depth && n < self.inbox.capacity() => {}
-            Ok(_) => return Delivered::Behind,
+        // The inbox's consumer index (the owner writes it on every poll)
+        // is read only when this view's copy of it says the inbox is at
+        // the CQ's depth (`RingView::fewer_than`): an older copy counts
+        // more entries, never fewer.
+        match self.inbox.fewer_than(self.cq_depth) {
+            Ok(true) => {}
+            Ok(false) => return Delivered::Behind,
             Err(_) => return Delivered::NotNow,
         }
         let opcode = if wr.opcode == SendOpcode::RdmaWriteWithImm {

@@ -149,7 +149,16 @@ pub const INBOX_AUX_REQUESTER_CPU: usize = 2;
 /// between its claim and its push), which publishes the flush. So the
 /// receive completes exactly once. Tenant-written: a forged value costs
 /// the tenant its own QP's completions, nothing outside the inbox.
-pub const INBOX_AUX_STAGED: usize = 3;
+///
+/// Word 16, the header's second aux cache line, alone: the requester
+/// writes it twice per message and nobody else looks at it but the daemon
+/// at a flush, while the first aux line holds the words the requester and
+/// the owner read on every message or poll (`INBOX_AUX_ENGINE_*`,
+/// `INBOX_AUX_REQUESTER_CPU`). Beside them, each message's two writes
+/// took that line from the owner's spinning poll and gave it back.
+pub const INBOX_AUX_STAGED: usize = 16;
+// An aux word of the ring's header (32 of them), in every build.
+const _: () = assert!(INBOX_AUX_STAGED < 32);
 /// SRQ ring aux word: the SRQ's armed limit (0: disarmed), written by the
 /// daemon when it is set and when its event fires. A direct-path
 /// requester that claimed an SRQ's receive and finds fewer posted than
@@ -229,3 +238,19 @@ pub const CHANNEL_RING_CAPACITY: u32 = 1024;
 pub const CHANNEL_EVENT_SIZE: usize = 8;
 /// Channel ring aux word: events dropped because the ring was full.
 pub const CHANNEL_AUX_DROPPED: usize = 0;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The aux word a direct-path requester writes on every message
+    /// (`INBOX_AUX_STAGED`) shares no cache line (16 words) with those the
+    /// requester and the inbox's owner read on every message or poll.
+    #[test]
+    fn the_staged_word_has_an_aux_cache_line_of_its_own() {
+        let line = |w: usize| w / 16;
+        for read in [INBOX_AUX_ENGINE_PUSHED, INBOX_AUX_ENGINE_POLLED, INBOX_AUX_REQUESTER_CPU] {
+            assert_ne!(line(INBOX_AUX_STAGED), line(read), "word {read}");
+        }
+    }
+}

@@ -681,6 +681,10 @@ impl RingTable {
 fn publish_staged_flush(inbox: &RingView, pushed: u32) -> bool {
     let staged = inbox.aux(INBOX_AUX_STAGED);
     let _ = staged.compare_exchange(pushed, pushed.wrapping_add(1), Ordering::SeqCst, Ordering::SeqCst);
+    // The engine's view pushes into an inbox only here, while the
+    // requester publishes on: its copy of the consumer index may be any
+    // age.
+    inbox.refresh_consumer_copy();
     inbox.publish_staged(pushed)
 }
 
