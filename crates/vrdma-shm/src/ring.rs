@@ -431,12 +431,7 @@ impl RingView {
         if matches!(self.distance(producer, seen), Ok(used) if used < limit) {
             return Ok(true);
         }
-        // Acquire: the consumer finished copying out the slots it released.
-        let consumer = self.consumer_index().load(Ordering::Acquire);
-        // Release, with the Acquire load above: a thread that counts
-        // against the copy without the producer lock (`fewer_than`,
-        // `publish_staged`) sees the slots released as this one did.
-        self.seen_consumer.store(consumer, Ordering::Release);
+        let consumer = self.refresh_consumer_copy();
         Ok(self.distance(producer, consumer)? < limit)
     }
 
@@ -445,10 +440,15 @@ impl RingView {
     /// (in another process, with a copy of its own) moves the producer
     /// index on: a copy older than 2^32 of the other's pushes could count
     /// a full ring as having room (the daemon's flush of an inbox that a
-    /// requester has been publishing into).
-    pub fn refresh_consumer_copy(&self) {
+    /// requester has been publishing into). Returns the index it copied.
+    pub fn refresh_consumer_copy(&self) -> u32 {
+        // Acquire: the consumer finished copying out the slots it released.
         let consumer = self.consumer_index().load(Ordering::Acquire);
+        // Release, with the Acquire load above: a thread that counts
+        // against the copy without the producer lock (`fewer_than`,
+        // `publish_staged`) sees the slots released as this one did.
         self.seen_consumer.store(consumer, Ordering::Release);
+        consumer
     }
 
     /// Producer side: whether fewer than `limit` entries are unread, as
