@@ -582,6 +582,31 @@ mod preload {
         Ok(())
     }
 
+    /// A signal the program handles (no `SA_RESTART`, every 50 ms) while
+    /// its first call waits in the exchange of hellos (the server makes
+    /// its first call 400 ms after its accept): the exchange goes on and
+    /// the connection is carried, every byte checked. Before, the
+    /// exchange failed with `EINTR` and every later call said `EINTR`:
+    /// `pgbench -C -T` spun for ever in libpq, which retries such a send
+    /// at once (the client here gives up after 1000 in a row).
+    #[test]
+    fn a_signal_during_the_exchange_of_hellos_does_not_break_the_connection() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["sleepyserver".into(), port.to_string()]), "sleepyserver");
+        registered(&ctx, port)?;
+        let args = ["alarmclient".into(), port.to_string(), (1u64 << 20).to_string()];
+        let c = spawn(sockapp(&d, true, &args), "alarmclient").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        assert!(printed(&c, "alarms").unwrap_or(0) > 0, "no alarm came: {}", c.describe());
+        Ok(())
+    }
+
     /// A non-blocking writer whose reader stops reading fills the ring
     /// and gets EAGAIN (not a hang, not an error); waiting for POLLOUT and
     /// writing on, every byte arrives in order once the reader reads

@@ -267,7 +267,7 @@ impl Stream {
                         }
                         Err(e) => {
                             debug(&format!("the exchange of hellos failed: errno {e}"));
-                            Phase::Broken(if e == libc::EPROTO { libc::ECONNRESET } else { e })
+                            Phase::Broken(broken_errno(e))
                         }
                     };
                 }
@@ -513,16 +513,44 @@ impl Drop for Stream {
     }
 }
 
+/// What every later call on a connection whose exchange of hellos failed
+/// with `e` answers: the connection is gone (`ECONNRESET`) unless `e` says
+/// why for good. An errno that asks the caller to try again (`EINTR`,
+/// `EAGAIN`) is never kept: a program that does try again would be told
+/// so for ever.
+fn broken_errno(e: c_int) -> c_int {
+    match e {
+        libc::EPROTO | libc::EINTR | libc::EAGAIN | libc::EINPROGRESS | libc::EALREADY => libc::ECONNRESET,
+        e => e,
+    }
+}
+
 /// Waits (10 s at most) until `fd` is ready for `events`, whether or not
 /// the application made it non-blocking.
+///
+/// A signal the program handles does not end the wait: the exchange is
+/// the library's, half done (a hello sent, the peer's awaited), and it
+/// cannot be left and taken up again by the program's next call. Ending
+/// it with `EINTR` broke the connection for good, and that errno was
+/// then every later call's answer: libpq retries a send that says
+/// `EINTR` at once, so `pgbench -C -T` (its `SIGALRM` at the end of the
+/// run) spun for ever in a connection being set up.
 fn wait(fd: c_int, events: i16) -> Res<()> {
-    let mut p = libc::pollfd { fd, events, revents: 0 };
-    // SAFETY: one valid pollfd.
-    let r = unsafe { libc::poll(&mut p, 1, 10_000) };
-    match r {
-        1.. => Ok(()),
-        0 => Err(libc::ETIMEDOUT),
-        _ => Err(crate::table::errno()),
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        let mut p = libc::pollfd { fd, events, revents: 0 };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, left.as_millis().max(1) as c_int) };
+        match r {
+            1.. => return Ok(()),
+            0 => return Err(libc::ETIMEDOUT),
+            _ => match crate::table::errno() {
+                libc::EINTR if !left.is_zero() => {}
+                libc::EINTR => return Err(libc::ETIMEDOUT),
+                e => return Err(e),
+            },
+        }
     }
 }
 

@@ -83,6 +83,15 @@
 //! waiting with poll(POLLOUT) after each `EAGAIN`; says how many it saw
 //! (`eagain N`), then half-closes and checks the answer.
 //!
+//! `sleepyserver PORT`: `server`, but it waits 400 ms after its `accept`
+//! before its first call, so that a carried client's first call waits for
+//! the server's hello. `alarmclient PORT BYTES`: `client` (one plain
+//! `write` loop), with a `SIGALRM` handler installed without `SA_RESTART`
+//! and a timer that fires every 50 ms from before its `connect` until its
+//! writes are done: says `alarms N` and `eintr N` (writes that said
+//! `EINTR`), and fails if 1000 writes in a row say `EINTR` (a connection
+//! stuck on it).
+//!
 //! `stallserver PORT`: `server`, but it stops reading for 3 s after its
 //! first read. `idlewriter PORT poll|select|epoll`: writes one byte
 //! (blocking), fills the ring (or the kernel's buffers) with
@@ -809,8 +818,81 @@ fn slowserver(port: u16) -> Result<(), String> {
 
 /// `serve`, stopping for `pause` after the first read (`every`: after
 /// each read).
-fn serve_pausing(l: &TcpListener, mut pause: Option<std::time::Duration>, every: bool) -> Result<(), String> {
-    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+fn sleepyserver(port: u16) -> Result<(), String> {
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    serve_stream(s, None, false)
+}
+
+static ALARMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+extern "C" fn count_alarm(_: libc::c_int) {
+    ALARMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Fires `SIGALRM` every `ms` (0: stops it).
+fn alarm_every(ms: i64) {
+    let t = libc::timeval { tv_sec: 0, tv_usec: ms * 1000 };
+    let it = libc::itimerval { it_interval: t, it_value: t };
+    // SAFETY: setitimer(2) with a valid itimerval and no old value asked.
+    unsafe { libc::setitimer(libc::ITIMER_REAL, &it, std::ptr::null_mut()) };
+}
+
+fn alarmclient(port: u16, bytes: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an all-zero sigaction is valid; the handler only bumps an
+    // atomic counter (async-signal-safe). No SA_RESTART: a blocking call
+    // the signal interrupts returns EINTR, as with signal handlers that
+    // programs install for timeouts (pgbench's SIGALRM).
+    unsafe {
+        let mut sa: libc::sigaction = std::mem::zeroed();
+        sa.sa_sigaction = count_alarm as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut sa.sa_mask);
+        sa.sa_flags = 0;
+        libc::sigaction(libc::SIGALRM, &sa, std::ptr::null_mut());
+    }
+    alarm_every(50);
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let data: Vec<u8> = (0..bytes).map(pattern).collect();
+    let (mut sent, mut eintr, mut in_a_row) = (0usize, 0u64, 0u32);
+    while sent < data.len() {
+        let n = (data.len() - sent).min(65_536);
+        // SAFETY: write(2) of `n` bytes of `data` from `sent`.
+        let r = unsafe { libc::write(s.as_raw_fd(), data[sent..].as_ptr().cast(), n) };
+        if r > 0 {
+            sent += r as usize;
+            in_a_row = 0;
+            continue;
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(format!("write after {sent}: {e}"));
+        }
+        eintr += 1;
+        in_a_row += 1;
+        if in_a_row >= 1000 {
+            return Err(format!(
+                "1000 writes in a row said EINTR after {sent} bytes: the connection is stuck"
+            ));
+        }
+    }
+    alarm_every(0);
+    println!("alarms {}", ALARMS.load(std::sync::atomic::Ordering::Relaxed));
+    println!("eintr {eintr}");
+    half_close_and_check(&mut s, bytes)
+}
+
+fn serve_pausing(l: &TcpListener, pause: Option<std::time::Duration>, every: bool) -> Result<(), String> {
+    let (s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    serve_stream(s, pause, every)
+}
+
+/// Reads `s` to its end checking the pattern (pausing as
+/// [`serve_pausing`] says), then answers `ok COUNT`.
+fn serve_stream(mut s: TcpStream, mut pause: Option<std::time::Duration>, every: bool) -> Result<(), String> {
     let mut buf = vec![0u8; 100_003];
     let mut count = 0u64;
     loop {
@@ -1952,6 +2034,8 @@ fn main() {
         Some("lateserver") => lateserver(port()),
         Some("slowserver") => slowserver(port()),
         Some("stallserver") => stallserver(port()),
+        Some("sleepyserver") => sleepyserver(port()),
+        Some("alarmclient") => alarmclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("idlewriter") => idlewriter(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("answer") => answer(port()),
