@@ -582,6 +582,30 @@ mod preload {
         Ok(())
     }
 
+    /// `ioctl(FIONREAD)` on a carried connection counts the bytes waiting
+    /// in its ring, as the kernel counts a TCP socket's: after a first
+    /// read and a pause, the rest of the client's bytes (the kernel
+    /// socket under it holds a wake byte at most: that was the count
+    /// before).
+    #[test]
+    fn fionread_counts_the_bytes_a_carried_connection_holds() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["fionreadserver".into(), port.to_string()]), "fionreadserver");
+        registered(&ctx, port)?;
+        let c = spawn(sockapp(&d, true, &["client".into(), port.to_string(), "100000".into()]), "client")
+            .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(s.stderr.contains("carried over vRDMA"), "{}", s.describe());
+        let (first, counted) = (printed(&s, "first").unwrap_or(0), printed(&s, "fionread").unwrap_or(0));
+        assert_eq!(first + counted, 100_000, "after a first read of {first}: {}", s.describe());
+        Ok(())
+    }
+
     /// A signal the program handles (no `SA_RESTART`, every 50 ms) while
     /// its first call waits in the exchange of hellos (the server makes
     /// its first call 400 ms after its accept): the exchange goes on and

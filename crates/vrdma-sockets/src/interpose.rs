@@ -510,6 +510,70 @@ fn is_listening(fd: c_int) -> bool {
     r == 0 && v != 0
 }
 
+// ---- ioctl ----
+
+/// `ioctl`: `FIONREAD` (the same request as `SIOCINQ`) on a carried
+/// connection counts the bytes waiting in its ring, as the kernel counts
+/// a TCP socket's unread bytes: the kernel socket under it holds only
+/// wake bytes (or, before the first call, the peer's hello), and a
+/// program that sizes its reads by it (libevent's `evbuffer_read`,
+/// Java's `available()`) would read a byte at a time, or take an idle
+/// connection for a busy one. A connection not decided yet is decided
+/// first when the peer's first message (its hello, or a decline) is in
+/// the socket, so that this does not wait for the peer: the exchange
+/// then needs only the peer's ready byte, which it sends on reading
+/// ours. Without that message nothing can have been written to it yet
+/// (0). Every other request and descriptor is libc's. Declared with the
+/// one argument every request takes, as glibc passes it.
+#[no_mangle]
+pub unsafe extern "C" fn ioctl(fd: c_int, request: libc::c_ulong, arg: *mut c_void) -> c_int {
+    if request == libc::FIONREAD as libc::c_ulong && !arg.is_null() {
+        if let Some(n) = ring_bytes(fd) {
+            // SAFETY: FIONREAD's argument is an int the caller gave us
+            // to fill (checked non-null above), as the kernel writes it.
+            unsafe { *arg.cast::<c_int>() = n.min(c_int::MAX as usize) as c_int };
+            return 0;
+        }
+    }
+    // SAFETY: libc's ioctl with the caller's arguments.
+    unsafe { real::ioctl(fd, request, arg) }
+}
+
+/// What `FIONREAD` on `fd` answers, if not the kernel's count.
+fn ring_bytes(fd: c_int) -> Option<usize> {
+    let negotiate = {
+        let _g = Guard::enter()?;
+        let s = match table::get(fd) {
+            Some(Entry::Stream(s)) => s,
+            _ => return None,
+        };
+        if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
+            return Some(keep_errno(|| l.readable_bytes()));
+        }
+        if !s.undecided() {
+            return None;
+        }
+        keep_errno(|| peer_message_waiting(fd))
+    };
+    if !negotiate {
+        return Some(0);
+    }
+    // The peer's message is there: deciding now does not wait for it.
+    match keep_errno(|| target(fd)) {
+        Target::Link(l) => Some(keep_errno(|| l.readable_bytes())),
+        Target::Pass | Target::Fail(_) => None,
+    }
+}
+
+/// Whether a whole first message of the peer (a hello or a decline) is
+/// in `fd`'s socket.
+fn peer_message_waiting(fd: c_int) -> bool {
+    let mut b = [0u8; crate::link::HELLO_LEN];
+    // SAFETY: `b` is valid for its length.
+    let r = unsafe { real::recv(fd, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    r == b.len() as ssize_t
+}
+
 // ---- options ----
 
 /// The library's connection on `fd`, for an option at `level`/`name` it

@@ -27,7 +27,8 @@
 //!   written through the ring); `shutdown` (half-close: the peer reads
 //!   EOF after the last byte); `close` (FIN after the last descriptor);
 //!   `dup`, `dup2`, `dup3`, `fcntl`/`fcntl64` (`F_DUPFD*`) share the
-//!   connection.
+//!   connection; `ioctl(FIONREAD)` (`SIOCINQ`) counts the bytes waiting
+//!   in the ring (other requests are the kernel's).
 //! - **Passed through** (the kernel's, which are right for the descriptor
 //!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
 //!   `getpeername`, `setsockopt`/`getsockopt` (but `TCP_NODELAY` and

@@ -714,6 +714,17 @@ impl Link {
         }
     }
 
+    /// Bytes a read would find now, for `FIONREAD`: those waiting in the
+    /// ring; none while another thread's read holds it (that read is
+    /// taking them, or waits for more).
+    pub fn readable_bytes(&self) -> usize {
+        match self.rx.try_lock() {
+            Ok(rx) => self.waiting(rx.rd),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.waiting(p.into_inner().rd),
+            Err(std::sync::TryLockError::WouldBlock) => 0,
+        }
+    }
+
     /// Reads into `iov` (total `cap` bytes): at least one byte, 0 at the
     /// end of the stream, or an errno (`EAGAIN` when `nonblocking` and
     /// nothing waits). `peek` leaves the bytes in the ring; `all` waits

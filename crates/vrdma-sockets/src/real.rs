@@ -72,6 +72,7 @@ real! {
     dup3(fd: c_int, to: c_int, flags: c_int) -> c_int;
     fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
     fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
+    ioctl(fd: c_int, request: libc::c_ulong, arg: *mut c_void) -> c_int;
     poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int;
     ppoll(fds: *mut libc::pollfd, n: libc::nfds_t, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
     select(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, tv: *mut libc::timeval) -> c_int;

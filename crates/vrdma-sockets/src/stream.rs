@@ -180,6 +180,18 @@ impl Stream {
         matches!(*self.phase.lock().unwrap_or_else(|e| e.into_inner()), Phase::Carried(_))
     }
 
+    /// Not decided yet: the outcome or the hellos are still to come (or
+    /// another thread is negotiating it now).
+    pub fn undecided(&self) -> bool {
+        match self.phase.try_lock() {
+            Ok(p) => matches!(*p, Phase::Announced(_) | Phase::Agreed),
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                matches!(*p.into_inner(), Phase::Announced(_) | Phase::Agreed)
+            }
+            Err(std::sync::TryLockError::WouldBlock) => true,
+        }
+    }
+
     /// The program waits for its readiness (an epoll registration): its
     /// link arms whenever a read empties its ring.
     pub fn watch(&self) {

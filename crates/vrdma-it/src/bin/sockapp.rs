@@ -92,6 +92,11 @@
 //! `EINTR`), and fails if 1000 writes in a row say `EINTR` (a connection
 //! stuck on it).
 //!
+//! `fionreadserver PORT`: `server`, but after a first read of 1000
+//! bytes at most (`first N`: the bytes it got) it waits 300 ms and says
+//! `fionread N`: what `ioctl(FIONREAD)` counts then (the rest of a
+//! client's 100 000 bytes has arrived by then, as over TCP).
+//!
 //! `stallserver PORT`: `server`, but it stops reading for 3 s after its
 //! first read. `idlewriter PORT poll|select|epoll`: writes one byte
 //! (blocking), fills the ring (or the kernel's buffers) with
@@ -818,6 +823,41 @@ fn slowserver(port: u16) -> Result<(), String> {
 
 /// `serve`, stopping for `pause` after the first read (`every`: after
 /// each read).
+fn fionreadserver(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut first = vec![0u8; 1000];
+    let got = s.read(&mut first).map_err(|e| format!("first read: {e}"))?;
+    if let Some(k) = (0..got).find(|&k| first[k] != pattern(k as u64)) {
+        return Err(format!("byte {k} is {}, not {}", first[k], pattern(k as u64)));
+    }
+    println!("first {got}");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut n: libc::c_int = -1;
+    // SAFETY: FIONREAD writes one int through the valid pointer.
+    if unsafe { libc::ioctl(s.as_raw_fd(), libc::FIONREAD, &mut n) } != 0 {
+        return Err(format!("FIONREAD: {}", std::io::Error::last_os_error()));
+    }
+    println!("fionread {n}");
+    let mut rest = vec![0u8; 100_000];
+    let mut count = got as u64;
+    loop {
+        let k = s.read(&mut rest).map_err(|e| format!("read after {count}: {e}"))?;
+        if k == 0 {
+            break;
+        }
+        if let Some(j) = (0..k).find(|&j| rest[j] != pattern(count + j as u64)) {
+            return Err(format!("byte {} is wrong", count + j as u64));
+        }
+        count += k as u64;
+    }
+    s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
+    Ok(())
+}
+
 fn sleepyserver(port: u16) -> Result<(), String> {
     let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
@@ -2035,6 +2075,7 @@ fn main() {
         Some("slowserver") => slowserver(port()),
         Some("stallserver") => stallserver(port()),
         Some("sleepyserver") => sleepyserver(port()),
+        Some("fionreadserver") => fionreadserver(port()),
         Some("alarmclient") => alarmclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("idlewriter") => idlewriter(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
