@@ -582,6 +582,38 @@ mod preload {
         Ok(())
     }
 
+    /// `sendmmsg` and `recvmmsg` on carried connections move the stream's
+    /// bytes in order through the ring (the kernel's would write into, or
+    /// read from, the TCP socket under it: the peer took them for wake
+    /// bytes), and `splice` to one is refused with `EINVAL`, nothing lost
+    /// (the kernel's moved the pipe's bytes past the ring).
+    #[test]
+    fn several_messages_at_once_and_splice_on_carried_connections() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        for (server, client) in
+            [("server", "mmsgclient"), ("mmsgserver", "client"), ("server", "spliceclient")]
+        {
+            let port = free_port();
+            let s = spawn(sockapp(&d, true, &[server.into(), port.to_string()]), server);
+            registered(&ctx, port)?;
+            let mut args = vec![client.to_string(), port.to_string()];
+            if client == "client" {
+                args.push("300000".into());
+            }
+            let c = spawn(sockapp(&d, true, &args), client).finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            assert!(c.stderr.contains("carried over vRDMA"), "{client}: {}", c.describe());
+            if client == "spliceclient" {
+                assert!(c.stdout.contains("splice EINVAL"), "{}", c.describe());
+            }
+        }
+        Ok(())
+    }
+
     /// `ioctl(FIONREAD)` on a carried connection counts the bytes waiting
     /// in its ring, as the kernel counts a TCP socket's: after a first
     /// read and a pause, the rest of the client's bytes (the kernel

@@ -510,6 +510,134 @@ fn is_listening(fd: c_int) -> bool {
     r == 0 && v != 0
 }
 
+// ---- several messages, and splice ----
+
+/// `sendmmsg` on a carried connection: each message in turn through
+/// [`sendmsg`] (the kernel's would write into the TCP socket under the
+/// ring, which the peer's library reads as wake bytes). As the kernel's:
+/// the count of messages sent, each one's `msg_len` set; an error after
+/// the first message ends the call with those sent so far.
+#[no_mangle]
+pub unsafe extern "C" fn sendmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: libc::c_uint,
+    flags: c_int,
+) -> c_int {
+    if !is_stream(fd) {
+        // SAFETY: libc's sendmmsg with the caller's arguments.
+        return unsafe { real::sendmmsg(fd, msgs, n, flags) };
+    }
+    if msgs.is_null() && n > 0 {
+        return done(Err(libc::EFAULT)) as c_int;
+    }
+    // The kernel's bound on one call (UIO_MAXIOV).
+    let n = n.min(1024) as usize;
+    let mut sent = 0;
+    while sent < n {
+        // SAFETY: the caller passes `n` valid mmsghdrs.
+        let m = unsafe { &mut *msgs.add(sent) };
+        // SAFETY: one of the caller's valid msghdrs.
+        let r = unsafe { sendmsg(fd, &m.msg_hdr, flags) };
+        if r < 0 {
+            return if sent == 0 { -1 } else { sent as c_int };
+        }
+        m.msg_len = r as libc::c_uint;
+        sent += 1;
+    }
+    sent as c_int
+}
+
+/// `recvmmsg` on a carried connection: each message in turn through
+/// [`recvmsg`], as the kernel's loop takes them (`MSG_WAITFORONE` makes
+/// the ones after the first non-blocking; `timeout` is looked at between
+/// messages); the count received, each one's `msg_len` set.
+#[no_mangle]
+pub unsafe extern "C" fn recvmmsg(
+    fd: c_int,
+    msgs: *mut libc::mmsghdr,
+    n: libc::c_uint,
+    flags: c_int,
+    timeout: *mut libc::timespec,
+) -> c_int {
+    if !is_stream(fd) {
+        // SAFETY: libc's recvmmsg with the caller's arguments.
+        return unsafe { real::recvmmsg(fd, msgs, n, flags, timeout) };
+    }
+    if msgs.is_null() && n > 0 {
+        return done(Err(libc::EFAULT)) as c_int;
+    }
+    let end = if timeout.is_null() {
+        None
+    } else {
+        // SAFETY: a non-null timeout is the caller's valid timespec.
+        let t = unsafe { *timeout };
+        if t.tv_sec < 0 || !(0..1_000_000_000).contains(&t.tv_nsec) {
+            return done(Err(libc::EINVAL)) as c_int;
+        }
+        Some(std::time::Instant::now() + std::time::Duration::new(t.tv_sec as u64, t.tv_nsec as u32))
+    };
+    let n = n.min(1024) as usize;
+    let wait_for_one = flags & libc::MSG_WAITFORONE != 0;
+    let (mut got, mut flags) = (0, flags & !libc::MSG_WAITFORONE);
+    while got < n {
+        // SAFETY: the caller passes `n` valid mmsghdrs.
+        let m = unsafe { &mut *msgs.add(got) };
+        // SAFETY: one of the caller's valid msghdrs.
+        let r = unsafe { recvmsg(fd, &mut m.msg_hdr, flags) };
+        if r < 0 {
+            return if got == 0 { -1 } else { got as c_int };
+        }
+        m.msg_len = r as libc::c_uint;
+        got += 1;
+        if end.is_some_and(|e| std::time::Instant::now() >= e) {
+            break;
+        }
+        if wait_for_one {
+            flags |= libc::MSG_DONTWAIT;
+        }
+    }
+    got as c_int
+}
+
+/// `splice` to or from a carried connection would move the raw TCP
+/// socket's bytes (wake bytes) past the ring: refused with `EINVAL`, as
+/// the kernel refuses a descriptor it cannot splice, which proxies that
+/// splice when they can (HAProxy) take as "copy instead". A connection
+/// not decided yet is decided first (it is a data call); a plain one
+/// and every other descriptor are libc's.
+#[no_mangle]
+pub unsafe extern "C" fn splice(
+    fd_in: c_int,
+    off_in: *mut libc::loff_t,
+    fd_out: c_int,
+    off_out: *mut libc::loff_t,
+    len: size_t,
+    flags: libc::c_uint,
+) -> ssize_t {
+    for fd in [fd_in, fd_out] {
+        match target(fd) {
+            Target::Pass => {}
+            Target::Link(_) => {
+                if let Some(_g) = Guard::enter() {
+                    debug("splice on a carried connection: EINVAL (read and write it instead)");
+                }
+                return done(Err(libc::EINVAL));
+            }
+            Target::Fail(e) => return done(Err(e)),
+        }
+    }
+    // SAFETY: libc's splice with the caller's arguments.
+    unsafe { real::splice(fd_in, off_in, fd_out, off_out, len, flags) }
+}
+
+/// Whether `fd` is a connection this library carries or may carry (a
+/// stream of its table): the calls above then take it message by message.
+fn is_stream(fd: c_int) -> bool {
+    let Some(_g) = Guard::enter() else { return false };
+    matches!(table::get(fd), Some(Entry::Stream(_)))
+}
+
 // ---- ioctl ----
 
 /// `ioctl`: `FIONREAD` (the same request as `SIOCINQ`) on a carried

@@ -28,7 +28,11 @@
 //!   EOF after the last byte); `close` (FIN after the last descriptor);
 //!   `dup`, `dup2`, `dup3`, `fcntl`/`fcntl64` (`F_DUPFD*`) share the
 //!   connection; `ioctl(FIONREAD)` (`SIOCINQ`) counts the bytes waiting
-//!   in the ring (other requests are the kernel's).
+//!   in the ring (other requests are the kernel's); `sendmmsg` and
+//!   `recvmmsg` take their messages one by one through the ring.
+//!   `splice` to or from a carried connection fails with `EINVAL` (it
+//!   would move the raw socket's bytes past the ring; programs that
+//!   splice fall back to reading and writing).
 //! - **Passed through** (the kernel's, which are right for the descriptor
 //!   as it is a real TCP socket): `socket`, `bind`, `getsockname`,
 //!   `getpeername`, `setsockopt`/`getsockopt` (but `TCP_NODELAY` and
@@ -76,8 +80,8 @@
 //! - **End of stream**: a close tells the peer through its ring before the
 //!   QP goes (the `CLOSED` word), so the peer's read ends at once, after
 //!   every byte ([`link`]).
-//! - **Not handled yet** on a carried descriptor: `splice`/`vmsplice`/`tee`
-//!   and `io_uring` would read the raw socket; after `fork` a connection
+//! - **Not handled yet** on a carried descriptor: `io_uring` would read
+//!   the raw socket; after `fork` a connection
 //!   is driven by the process that calls on it first, through its own
 //!   device ([`owner`]: a forking server's child serves what its parent
 //!   accepted; a client's child makes the first call on what its parent
@@ -91,8 +95,7 @@
 //!   carried descriptor (it is made close-on-exec once carried, and kept
 //!   so through `F_SETFD` and `dup`s: the program would read the raw
 //!   socket past the rings; its peer reads the end); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
-//!   `SHUT_RD` is the kernel's only; `recvmmsg`/`sendmmsg` are not
-//!   interposed. A client's first call on a connection blocks (even
+//!   `SHUT_RD` is the kernel's only. A client's first call on a connection blocks (even
 //!   non-blocking) until the server accepted and made its first call, and
 //!   a server's first call until the client made its first. IPv6
 //!   connections (not v4-mapped), an unbound IPv6 socket connecting to a

@@ -73,6 +73,9 @@ real! {
     fcntl(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
     fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c_int;
     ioctl(fd: c_int, request: libc::c_ulong, arg: *mut c_void) -> c_int;
+    splice(fd_in: c_int, off_in: *mut libc::loff_t, fd_out: c_int, off_out: *mut libc::loff_t, len: size_t, flags: libc::c_uint) -> ssize_t;
+    sendmmsg(fd: c_int, msgs: *mut libc::mmsghdr, n: libc::c_uint, flags: c_int) -> c_int;
+    recvmmsg(fd: c_int, msgs: *mut libc::mmsghdr, n: libc::c_uint, flags: c_int, timeout: *mut libc::timespec) -> c_int;
     poll(fds: *mut libc::pollfd, n: libc::nfds_t, timeout: c_int) -> c_int;
     ppoll(fds: *mut libc::pollfd, n: libc::nfds_t, ts: *const libc::timespec, mask: *const libc::sigset_t) -> c_int;
     select(n: c_int, r: *mut libc::fd_set, w: *mut libc::fd_set, e: *mut libc::fd_set, tv: *mut libc::timeval) -> c_int;

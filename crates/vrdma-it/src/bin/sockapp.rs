@@ -97,6 +97,15 @@
 //! `fionread N`: what `ioctl(FIONREAD)` counts then (the rest of a
 //! client's 100 000 bytes has arrived by then, as over TCP).
 //!
+//! `mmsgclient PORT`: `client`, its 300 000 bytes in `sendmmsg` calls of
+//! three messages each (of two pieces each). `mmsgserver PORT`: `server`,
+//! reading with `recvmmsg` (four 1000-byte messages a call,
+//! `MSG_WAITFORONE`) until an empty message (the end). `spliceclient
+//! PORT`: writes a first byte, then tries to `splice` 4096 bytes from a
+//! pipe to the connection and says `splice ERRNO-NAME` (`EINVAL` where
+//! carried) or `splice N`, then writes the rest as `client` does (the
+//! spliced bytes count as written where they went).
+//!
 //! `stallserver PORT`: `server`, but it stops reading for 3 s after its
 //! first read. `idlewriter PORT poll|select|epoll`: writes one byte
 //! (blocking), fills the ring (or the kernel's buffers) with
@@ -856,6 +865,127 @@ fn fionreadserver(port: u16) -> Result<(), String> {
     }
     s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
     Ok(())
+}
+
+fn mmsgclient(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    const BYTES: usize = 300_000;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    let data: Vec<u8> = (0..BYTES as u64).map(pattern).collect();
+    let mut sent = 0;
+    // Bounded: each call sends at least one byte or fails.
+    while sent < BYTES {
+        // Three messages of two pieces each, 1000 bytes at most a piece.
+        let mut iovs = [libc::iovec { iov_base: std::ptr::null_mut(), iov_len: 0 }; 6];
+        let mut at = sent;
+        for v in iovs.iter_mut() {
+            let n = (BYTES - at).min(1000);
+            *v = libc::iovec { iov_base: data[at..].as_ptr() as *mut _, iov_len: n };
+            at += n;
+        }
+        // SAFETY: an all-zero mmsghdr is valid; each points at two iovecs.
+        let mut msgs: [libc::mmsghdr; 3] = unsafe { std::mem::zeroed() };
+        for (k, m) in msgs.iter_mut().enumerate() {
+            m.msg_hdr.msg_iov = iovs[2 * k..].as_mut_ptr();
+            m.msg_hdr.msg_iovlen = 2;
+        }
+        // SAFETY: three valid mmsghdrs over live buffers.
+        let r = unsafe { libc::sendmmsg(s.as_raw_fd(), msgs.as_mut_ptr(), 3, 0) };
+        if r <= 0 {
+            return Err(format!("sendmmsg after {sent}: {}", std::io::Error::last_os_error()));
+        }
+        // Messages go whole in order; a short one ends what was taken.
+        for (k, m) in msgs[..r as usize].iter().enumerate() {
+            let want = iovs[2 * k].iov_len + iovs[2 * k + 1].iov_len;
+            sent += m.msg_len as usize;
+            if (m.msg_len as usize) < want {
+                break;
+            }
+        }
+    }
+    half_close_and_check(&mut s, BYTES as u64)
+}
+
+fn mmsgserver(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    println!("listening");
+    std::io::stdout().flush().ok();
+    let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    let mut bufs = vec![[0u8; 1000]; 4];
+    let mut count = 0u64;
+    // Bounded: each call takes at least one message, and an empty one ends.
+    'read: for _ in 0..1_000_000 {
+        let mut iovs: Vec<libc::iovec> = bufs
+            .iter_mut()
+            .map(|b| libc::iovec { iov_base: b.as_mut_ptr().cast(), iov_len: b.len() })
+            .collect();
+        // SAFETY: an all-zero mmsghdr is valid; each points at one iovec.
+        let mut msgs: [libc::mmsghdr; 4] = unsafe { std::mem::zeroed() };
+        for (m, v) in msgs.iter_mut().zip(iovs.iter_mut()) {
+            m.msg_hdr.msg_iov = v;
+            m.msg_hdr.msg_iovlen = 1;
+        }
+        // SAFETY: four valid mmsghdrs over live buffers.
+        let r = unsafe {
+            libc::recvmmsg(s.as_raw_fd(), msgs.as_mut_ptr(), 4, libc::MSG_WAITFORONE, std::ptr::null_mut())
+        };
+        if r <= 0 {
+            return Err(format!("recvmmsg after {count}: {}", std::io::Error::last_os_error()));
+        }
+        for (m, b) in msgs[..r as usize].iter().zip(&bufs) {
+            let n = m.msg_len as usize;
+            if n == 0 {
+                break 'read;
+            }
+            for (k, byte) in b[..n].iter().enumerate() {
+                if *byte != pattern(count + k as u64) {
+                    return Err(format!("byte {} is {byte}", count + k as u64));
+                }
+            }
+            count += n as u64;
+        }
+    }
+    s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
+    Ok(())
+}
+
+fn spliceclient(port: u16) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    const BYTES: u64 = 100_000;
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.write_all(&[pattern(0)]).map_err(|e| format!("first byte: {e}"))?;
+    let mut sent = 1u64;
+    let mut p = [0; 2];
+    // SAFETY: pipe(2) into a valid array of two ints.
+    if unsafe { libc::pipe(p.as_mut_ptr()) } != 0 {
+        return Err("pipe".into());
+    }
+    let chunk: Vec<u8> = (1..4097).map(pattern).collect();
+    // SAFETY: write(2) of a live buffer into our pipe (it holds 64 KiB).
+    unsafe { libc::write(p[1], chunk.as_ptr().cast(), chunk.len()) };
+    // SAFETY: splice(2) from our pipe to our socket, no offsets.
+    let r = unsafe {
+        libc::splice(p[0], std::ptr::null_mut(), s.as_raw_fd(), std::ptr::null_mut(), chunk.len(), 0)
+    };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        println!(
+            "splice {}",
+            if e.raw_os_error() == Some(libc::EINVAL) { "EINVAL".into() } else { e.to_string() }
+        );
+    } else {
+        println!("splice {r}");
+        sent += r as u64;
+    }
+    // SAFETY: closing the two ends of our pipe.
+    unsafe {
+        libc::close(p[0]);
+        libc::close(p[1]);
+    }
+    let rest: Vec<u8> = (sent..BYTES).map(pattern).collect();
+    s.write_all(&rest).map_err(|e| format!("the rest: {e}"))?;
+    half_close_and_check(&mut s, BYTES)
 }
 
 fn sleepyserver(port: u16) -> Result<(), String> {
@@ -2075,6 +2205,9 @@ fn main() {
         Some("slowserver") => slowserver(port()),
         Some("stallserver") => stallserver(port()),
         Some("sleepyserver") => sleepyserver(port()),
+        Some("mmsgclient") => mmsgclient(port()),
+        Some("mmsgserver") => mmsgserver(port()),
+        Some("spliceclient") => spliceclient(port()),
         Some("fionreadserver") => fionreadserver(port()),
         Some("alarmclient") => alarmclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("idlewriter") => idlewriter(port(), args.get(3).map(String::as_str).expect("MODE")),
