@@ -187,6 +187,10 @@ mod preload {
         assert!(s.stdout.contains("parent: EIO"), "{}", s.describe());
         let s = fork_echo("early-child")?;
         assert!(s.stdout.contains("child: EIO"), "{}", s.describe());
+        // Said once, whether or not debugging, with what to do.
+        let why = "a forked process cannot share a carried connection yet";
+        assert_eq!(s.stderr.matches(why).count(), 1, "{}", s.describe());
+        assert!(s.stderr.contains("VRDMA_SOCKETS=0"), "{}", s.describe());
         assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
         Ok(())
     }

@@ -121,6 +121,17 @@ pub fn debugging() -> bool {
     *ON.get_or_init(|| std::env::var_os("VRDMA_SOCKETS_DEBUG").is_some())
 }
 
+/// One line on stderr whether or not `VRDMA_SOCKETS_DEBUG` is set, once
+/// per process for each `said` (a process forked after it was said says
+/// it again): a call is about to fail for a reason the program cannot
+/// see, and the person running it needs that reason.
+pub fn warn_once(said: &std::sync::atomic::AtomicU32, msg: &str) {
+    let me = std::process::id();
+    if said.swap(me, std::sync::atomic::Ordering::Relaxed) != me {
+        eprintln!("vrdma-sockets[{me}]: {msg}");
+    }
+}
+
 /// One line on stderr when `VRDMA_SOCKETS_DEBUG` is set.
 pub fn debug(msg: &str) {
     if debugging() {

@@ -40,7 +40,19 @@ pub(crate) fn target(fd: c_int) -> Target {
             }
             // Another process (parent or child) drives it: its QP and
             // rings are not this one's (`crate::owner`).
-            Take::Other => Target::Fail(libc::EIO),
+            Take::Other => {
+                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(
+                    &SAID,
+                    &format!(
+                        "descriptor {fd}: another process (parent or child, after a fork) carries this connection \
+                         over vRDMA, and a forked process cannot share a carried connection yet: its calls \
+                         fail with EIO (docs/sockets.md, \"Fork\"). Run programs that use a connection from \
+                         two processes (rsync's client) without the preload: VRDMA_SOCKETS=0"
+                    ),
+                );
+                Target::Fail(libc::EIO)
+            }
         },
         _ => Target::Pass,
     }
