@@ -380,16 +380,25 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 }
 
 fn register_listener(fd: c_int) {
-    if matches!(table::get(fd), Some(Entry::Listener(_))) || !addr::is_inet_stream(fd) {
+    if matches!(table::get(fd), Some(Entry::Listener(_))) {
         return;
     }
-    let (Some(d), Some(a)) = (dev(), addr::local_of(fd)) else { return };
-    match d.ctx.sock_listen(a) {
-        Ok(()) => {
-            debug(&format!("listening on {a}"));
-            table::insert(fd, Entry::Listener(Arc::new(Listener { addr: a, pid: crate::pid::get() })));
+    let Some(family) = addr::inet_stream(fd) else { return };
+    let (Some(d), Some(at)) = (dev(), addr::local_of(fd)) else { return };
+    // A dual-stack `::` listener owns both families' destinations (two
+    // registrations); one that fails leaves that family's clients TCP.
+    let mut addrs = Vec::new();
+    for a in addr::listen_addrs(family, at) {
+        match d.ctx.sock_listen(a) {
+            Ok(()) => {
+                debug(&format!("listening on {a}"));
+                addrs.push(a);
+            }
+            Err(e) => debug(&format!("listener {a} not registered (its clients stay TCP): {e}")),
         }
-        Err(e) => debug(&format!("listener {a} not registered (its clients stay TCP): {e}")),
+    }
+    if !addrs.is_empty() {
+        table::insert(fd, Entry::Listener(Arc::new(Listener { addrs, pid: crate::pid::get() })));
     }
 }
 
@@ -424,11 +433,18 @@ pub unsafe extern "C" fn connect(fd: c_int, to: *const sockaddr, len: socklen_t)
 /// `to` must be valid for `len` bytes (or null).
 unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc<Stream>> {
     // SAFETY: as the caller promised.
-    let dst = unsafe { addr::from_raw(to, len) }?;
-    if dst.port() == 0 || table::get(fd).is_some() || !addr::is_inet_stream(fd) {
+    let dst = addr::connect_target(unsafe { addr::from_raw(to, len) }?);
+    if dst.port() == 0 || table::get(fd).is_some() {
         return None;
     }
-    let local = addr::is_local(*dst.ip());
+    // A connection the kernel would refuse (an IPv4 destination of a
+    // v6only socket, the other family's address) is not announced; nor
+    // is a link-local one (its interface is not in the registry's key).
+    let family = addr::inet_stream(fd).filter(|f| f.reaches(dst))?;
+    if vrdma::sockets::is_link_local(dst.ip()) {
+        return None;
+    }
+    let local = addr::is_local(dst.ip());
     let d = dev()?;
     if !d.ctx.sock_lookup(dst, local).ok()? {
         debug(&format!("no vRDMA listener of this tenant at {dst} (local: {local}): TCP"));
@@ -436,7 +452,7 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
     }
     let mut me = addr::local_of(fd)?;
     if me.port() == 0 {
-        if !addr::bind(fd, std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0)) {
+        if !addr::bind(fd, addr::any(family)) {
             return None;
         }
         me = addr::local_of(fd)?;
@@ -488,6 +504,10 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
             return;
         }
         let (Some(d), Some(me), Some(peer)) = (dev(), addr::local_of(c), addr::peer_of(c)) else { return };
+        // Link-local: never announced, so never claimed (nor counted).
+        if vrdma::sockets::is_link_local(me.ip()) {
+            return;
+        }
         let tuple = vrdma::sockets::Tuple { client: peer, server: me };
         if d.ctx.sock_claim(tuple).unwrap_or(false) {
             debug(&format!("claimed {peer} -> {me}"));

@@ -188,7 +188,9 @@
 //! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
 //! `echoclient` connect to
 //! `SOCKAPP_HOST` where they are set (an address of another network
-//! namespace, for the tests across hosts), else on 127.0.0.1.
+//! namespace, for the tests across hosts, or an IPv6 one such as `::1`),
+//! else on 127.0.0.1. `SOCKAPP_V6ONLY=1`: `server`'s socket (IPv6) sets
+//! `IPV6_V6ONLY` before it binds.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -203,10 +205,51 @@ fn ip_from(var: &str) -> String {
 }
 
 fn server(port: u16) -> Result<(), String> {
-    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
+    let l = if std::env::var("SOCKAPP_V6ONLY").is_ok_and(|v| v == "1") {
+        v6only_listener(&ip_from("SOCKAPP_BIND"), port)?
+    } else {
+        TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?
+    };
     println!("listening");
     std::io::stdout().flush().ok();
     serve(&l)
+}
+
+/// A listener on IPv6 address `ip` with `IPV6_V6ONLY` set.
+fn v6only_listener(ip: &str, port: u16) -> Result<TcpListener, String> {
+    use std::os::fd::FromRawFd;
+    let ip: std::net::Ipv6Addr = ip.parse().map_err(|e| format!("{ip}: {e}"))?;
+    let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
+    // SAFETY: socket(2) with constant arguments.
+    let fd = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(err("socket"));
+    }
+    // SAFETY: the descriptor was just made and is ours alone.
+    let l = unsafe { TcpListener::from_raw_fd(fd) };
+    let on: libc::c_int = 1;
+    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    for opt in [(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY), (libc::SOL_SOCKET, libc::SO_REUSEADDR)] {
+        // SAFETY: `on` is valid for `len` bytes.
+        if unsafe { libc::setsockopt(fd, opt.0, opt.1, (&on as *const libc::c_int).cast(), len) } != 0 {
+            return Err(err("setsockopt"));
+        }
+    }
+    // SAFETY: sockaddr_in6 is plain data; all zeroes is valid.
+    let mut sin6: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+    sin6.sin6_port = port.to_be();
+    sin6.sin6_addr.s6_addr = ip.octets();
+    let sl = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
+    // SAFETY: `sin6` is a valid sockaddr_in6 of `sl` bytes.
+    if unsafe { libc::bind(fd, (&sin6 as *const libc::sockaddr_in6).cast(), sl) } != 0 {
+        return Err(err("bind"));
+    }
+    // SAFETY: listen(2) on our socket.
+    if unsafe { libc::listen(fd, 128) } != 0 {
+        return Err(err("listen"));
+    }
+    Ok(l)
 }
 
 fn forkserver(port: u16) -> Result<(), String> {
