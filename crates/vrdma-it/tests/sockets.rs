@@ -1190,7 +1190,8 @@ mod preload {
         /// client to `127.0.0.1` (a v4-mapped connection at the server),
         /// one to `[::1]` and an unbound IPv6 client to
         /// `[::ffff:127.0.0.1]` (bound to `[::]:0` before it announces)
-        /// are carried.
+        /// are carried, and so is one to `localhost`, whichever family
+        /// it resolves to first (Debian's is `::1` for many programs).
         #[test]
         fn ipv6_a_dual_stack_server_carries_both_families() -> Result<()> {
             if !have_ipv6() {
@@ -1199,7 +1200,7 @@ mod preload {
             let _one = harness::one_at_a_time();
             let d = DaemonProc::start()?;
             let ctx = d.context()?;
-            for (i, host) in ["127.0.0.1", "::1", "::ffff:127.0.0.1"].into_iter().enumerate() {
+            for (i, host) in ["127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost"].into_iter().enumerate() {
                 let port = free_port();
                 let s = server(&d, &ctx, "::", false, port, 2)?;
                 assert!(client(&d, s, host, port)?, "{host}: not carried");
