@@ -160,14 +160,34 @@ pub fn listen_addrs(family: Family, at: SocketAddr) -> Vec<SocketAddr> {
     }
 }
 
-/// Where a connection to `dst` goes: the kernel takes an unspecified
-/// destination for the loopback address of its family.
-pub fn connect_target(dst: SocketAddr) -> SocketAddr {
-    match dst.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => SocketAddr::new(Ipv4Addr::LOCALHOST.into(), dst.port()),
-        IpAddr::V6(ip) if ip.is_unspecified() => SocketAddr::new(Ipv6Addr::LOCALHOST.into(), dst.port()),
-        _ => dst,
-    }
+/// Where a connection to `dst` goes from a socket whose local address
+/// is `me` (as [`key`] names it; unspecified when unbound), as the
+/// kernel routes an unspecified destination: IPv4's `0.0.0.0` goes to
+/// the socket's bound source address, or to `127.0.0.1` when it has
+/// none; IPv6's `::` to `127.0.0.1` from a v4-mapped source (IPv4 here)
+/// and to `::1` from any other, even one bound to another address.
+pub fn connect_target(dst: SocketAddr, me: SocketAddr) -> SocketAddr {
+    let ip: IpAddr = match dst.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => match me.ip() {
+            IpAddr::V4(src) if !src.is_unspecified() => src.into(),
+            _ => Ipv4Addr::LOCALHOST.into(),
+        },
+        IpAddr::V6(ip) if ip.is_unspecified() => match me {
+            SocketAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+            SocketAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+        },
+        _ => return dst,
+    };
+    SocketAddr::new(ip, dst.port())
+}
+
+/// Whether a connection between `a` and `b` (as [`key`] names them) may
+/// be carried: both of one family (the kernel connects no other) and
+/// neither link-local (its scope is not in the registry's key). Both
+/// ends ask it, the client of its own address and the server of its
+/// accepted peer's, so the scope id never matters.
+pub fn carriable(a: SocketAddr, b: SocketAddr) -> bool {
+    a.is_ipv4() == b.is_ipv4() && !is_link_local(a.ip()) && !is_link_local(b.ip())
 }
 
 /// Binds `fd` to `a` (`fd` of `a`'s family).
@@ -273,8 +293,36 @@ mod tests {
         assert!(!Family::V6 { v6only: true }.reaches(a("127.0.0.1:80")));
         assert!(dual.reaches(a("127.0.0.1:80")) && dual.reaches(a("[::1]:80")));
         assert!(!Family::V4.reaches(a("[::1]:80")));
-        assert_eq!(connect_target(a("[::]:80")), a("[::1]:80"));
-        assert_eq!(connect_target(a("0.0.0.0:80")), a("127.0.0.1:80"));
+    }
+
+    /// As the kernel routes them (checked with plain sockets on Linux 6):
+    /// IPv4's `0.0.0.0` to the bound source, IPv6's `::` to loopback of
+    /// the source's family whatever it is bound to.
+    #[test]
+    fn an_unspecified_destination_goes_where_the_kernel_sends_it() {
+        let t = |dst, me| connect_target(a(dst), a(me));
+        assert_eq!(t("0.0.0.0:80", "0.0.0.0:0"), a("127.0.0.1:80"));
+        assert_eq!(t("0.0.0.0:80", "0.0.0.0:4000"), a("127.0.0.1:80"));
+        assert_eq!(t("0.0.0.0:80", "127.0.0.2:4000"), a("127.0.0.2:80"));
+        assert_eq!(t("0.0.0.0:80", "192.0.2.7:0"), a("192.0.2.7:80"));
+        // A dual-stack socket's `::ffff:0.0.0.0` is `0.0.0.0` once keyed.
+        assert_eq!(t("0.0.0.0:80", "[::]:0"), a("127.0.0.1:80"));
+        assert_eq!(t("[::]:80", "[::]:0"), a("[::1]:80"));
+        assert_eq!(t("[::]:80", "[fd00::2]:4000"), a("[::1]:80"));
+        // Bound to `::ffff:127.0.0.2`, keyed `127.0.0.2`.
+        assert_eq!(t("[::]:80", "127.0.0.2:4000"), a("127.0.0.1:80"));
+        assert_eq!(t("127.0.0.3:80", "127.0.0.2:4000"), a("127.0.0.3:80"));
+        assert_eq!(t("[::1]:80", "127.0.0.2:4000"), a("[::1]:80"));
+    }
+
+    #[test]
+    fn a_link_local_end_or_two_families_are_not_carried() {
+        assert!(carriable(a("127.0.0.2:4000"), a("127.0.0.1:80")));
+        assert!(carriable(a("[fd00::2]:4000"), a("[::1]:80")));
+        assert!(!carriable(a("[fe80::1]:4000"), a("[fd00::2]:80")), "a link-local client");
+        assert!(!carriable(a("[fd00::2]:4000"), a("[fe80::2]:80")), "a link-local server");
+        assert!(!carriable(a("127.0.0.2:4000"), a("[::1]:80")));
+        assert!(!carriable(a("[::1]:4000"), a("127.0.0.1:80")));
     }
 
     #[test]

@@ -384,11 +384,17 @@ fn register_listener(fd: c_int) {
         return;
     }
     let Some(family) = addr::inet_stream(fd) else { return };
-    let (Some(d), Some(at)) = (dev(), addr::local_of(fd)) else { return };
+    let Some(at) = addr::local_of(fd) else { return };
     // A dual-stack `::` listener owns both families' destinations (two
-    // registrations); one that fails leaves that family's clients TCP.
+    // registrations); one that fails leaves that family's clients TCP. A
+    // link-local one owns none: no daemon context is opened for it.
+    let owned = addr::listen_addrs(family, at);
+    if owned.is_empty() {
+        return;
+    }
+    let Some(d) = dev() else { return };
     let mut addrs = Vec::new();
-    for a in addr::listen_addrs(family, at) {
+    for a in owned {
         match d.ctx.sock_listen(a) {
             Ok(()) => {
                 debug(&format!("listening on {a}"));
@@ -433,15 +439,23 @@ pub unsafe extern "C" fn connect(fd: c_int, to: *const sockaddr, len: socklen_t)
 /// `to` must be valid for `len` bytes (or null).
 unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc<Stream>> {
     // SAFETY: as the caller promised.
-    let dst = addr::connect_target(unsafe { addr::from_raw(to, len) }?);
-    if dst.port() == 0 || table::get(fd).is_some() {
+    let to = unsafe { addr::from_raw(to, len) }?;
+    if to.port() == 0 || table::get(fd).is_some() {
         return None;
     }
+    // Where the kernel sends it depends on the address `fd` is bound to
+    // (an unspecified one when unbound).
+    let bound = addr::local_of(fd)?;
+    let dst = addr::connect_target(to, bound);
     // A connection the kernel would refuse (an IPv4 destination of a
     // v6only socket, the other family's address) is not announced; nor
-    // is a link-local one (its interface is not in the registry's key).
+    // is one with a link-local address at either end (its interface is
+    // not in the registry's key). A bound socket's address is the
+    // client's, checked before any daemon is asked; an unbound one's is
+    // the kernel's pick, checked once known.
     let family = addr::inet_stream(fd).filter(|f| f.reaches(dst))?;
-    if vrdma::sockets::is_link_local(dst.ip()) {
+    let known = if bound.ip().is_unspecified() { dst } else { bound };
+    if !addr::carriable(known, dst) {
         return None;
     }
     let local = addr::is_local(dst.ip());
@@ -450,7 +464,7 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
         debug(&format!("no vRDMA listener of this tenant at {dst} (local: {local}): TCP"));
         return None;
     }
-    let mut me = addr::local_of(fd)?;
+    let mut me = bound;
     if me.port() == 0 {
         if !addr::bind(fd, addr::any(family)) {
             return None;
@@ -459,6 +473,10 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
     }
     if me.ip().is_unspecified() {
         me.set_ip(addr::source_for(dst)?);
+    }
+    if !addr::carriable(me, dst) {
+        debug(&format!("{me} -> {dst} is not carried (link-local, or two families): TCP"));
+        return None;
     }
     let tuple = vrdma::sockets::Tuple { client: me, server: dst };
     if !d.ctx.sock_announce(tuple, local).ok()? {
@@ -503,11 +521,13 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
         if !matches!(table::get(fd), Some(Entry::Listener(_))) {
             return;
         }
-        let (Some(d), Some(me), Some(peer)) = (dev(), addr::local_of(c), addr::peer_of(c)) else { return };
-        // Link-local: never announced, so never claimed (nor counted).
-        if vrdma::sockets::is_link_local(me.ip()) {
+        let (Some(me), Some(peer)) = (addr::local_of(c), addr::peer_of(c)) else { return };
+        // Link-local at either end: never announced, so never claimed
+        // (nor counted).
+        if !addr::carriable(peer, me) {
             return;
         }
+        let Some(d) = dev() else { return };
         let tuple = vrdma::sockets::Tuple { client: peer, server: me };
         if d.ctx.sock_claim(tuple).unwrap_or(false) {
             debug(&format!("claimed {peer} -> {me}"));

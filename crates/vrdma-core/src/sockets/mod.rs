@@ -240,7 +240,9 @@ impl Registry {
 
     /// `ctx` of `tenant` will connect from `tuple.client` to
     /// `tuple.server`. True when a listener owns the destination and the
-    /// announcement is recorded (pending); false means plain TCP.
+    /// announcement is recorded (pending); false means plain TCP, as for
+    /// a tuple whose ends are of two families or whose client is
+    /// link-local.
     pub fn announce(
         &mut self,
         owner: impl Into<Owner>,
@@ -251,7 +253,14 @@ impl Registry {
     ) -> bool {
         self.expire(now);
         let tuple = tuple.key();
-        if tuple.client.port() == 0 || !self.lookup(tenant, tuple.server, local) {
+        // Two families (after `key`) name no connection the kernel
+        // makes; a link-local client is as unkeyable as a link-local
+        // server (`lookup` refuses that one).
+        let mixed = tuple.client.is_ipv4() != tuple.server.is_ipv4();
+        if tuple.client.port() == 0 || mixed || is_link_local(tuple.client.ip()) {
+            return false;
+        }
+        if !self.lookup(tenant, tuple.server, local) {
             return false;
         }
         let key = (tenant, tuple);

@@ -313,3 +313,27 @@ fn an_ipv6_tuple_is_announced_claimed_and_resolved() {
     let c = r.stats(A);
     assert_eq!((c.announced, c.carried, c.abandoned, c.refused_claims, c.pending), (3, 2, 1, 2, 0));
 }
+
+/// A tuple whose ends are of two families once keyed names no connection
+/// the kernel makes (a library of another build could still send one),
+/// nor does one with a link-local client: both are refused, and counted
+/// nowhere.
+#[test]
+fn a_tuple_of_two_families_or_a_link_local_client_is_not_announced() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("[::]:5000")).unwrap();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    let mixed = [
+        Tuple { client: addr("127.0.0.1:40000"), server: addr("[::1]:5000") },
+        Tuple { client: addr("[::1]:40000"), server: addr("127.0.0.1:5000") },
+        Tuple { client: addr("[::1]:40000"), server: addr("[::ffff:127.0.0.1]:5000") },
+        Tuple { client: addr("[fe80::1]:40000"), server: addr("[::1]:5000") },
+    ];
+    for tuple in mixed {
+        assert!(!r.announce(CLI, A, tuple, true, t(0)), "{tuple:?}");
+        assert!(!r.claim(A, tuple, t(0)), "{tuple:?}");
+    }
+    // The same client's tuple of one family is announced.
+    assert!(r.announce(CLI, A, tuple6(), true, t(0)));
+    assert_eq!(r.stats(A).announced, 1);
+}
