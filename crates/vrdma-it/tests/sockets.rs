@@ -3,13 +3,13 @@
 //! programs: carried over vRDMA between two libraries, plain TCP when
 //! either end is not one.
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use anyhow::Result;
 use vrdma::sockets::{Outcome, Tuple};
 use vrdma_it::DaemonProc;
 
-fn addr(s: &str) -> SocketAddrV4 {
+fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
@@ -1189,5 +1189,195 @@ mod preload {
         // No listener was registered, so nothing was announced.
         assert_eq!((c.announced, c.carried, c.refused_claims, c.listeners), (0, 0, 0, 0), "{c:?}");
         Ok(())
+    }
+
+    /// IPv6 between two programs on one host (`docs/sockets.md`,
+    /// "IPv6"): 4 MiB, every byte checked by the server.
+    mod ipv6 {
+        use super::*;
+
+        const BYTES: u64 = 4 << 20;
+
+        /// Whether this host has IPv6 loopback (else the tests skip: a
+        /// kernel or container without IPv6; under
+        /// `VRDMA_TEST_STRICT=1`, as CI runs them, they fail instead).
+        fn have_ipv6() -> bool {
+            let ok = std::net::TcpListener::bind("[::1]:0").is_ok();
+            if !ok {
+                vrdma_it::skip("no IPv6 loopback on this host");
+            }
+            ok
+        }
+
+        fn run(d: &DaemonProc, preload: bool, args: &[&str], env: &[(&str, &str)], name: &str) -> Running {
+            let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+            let mut c = sockapp(d, preload, &args);
+            c.envs(env.iter().copied());
+            spawn(c, name)
+        }
+
+        /// A preloaded server on `bind` (`v6only`: `IPV6_V6ONLY` set),
+        /// registered as `listeners` addresses.
+        fn server(
+            d: &DaemonProc,
+            ctx: &vrdma::Context,
+            bind: &str,
+            v6only: bool,
+            port: u16,
+            listeners: u32,
+        ) -> Result<Running> {
+            let v6only = if v6only { "1" } else { "0" };
+            let env = [("SOCKAPP_BIND", bind), ("SOCKAPP_V6ONLY", v6only)];
+            let s = run(d, true, &["server", &port.to_string()], &env, "server");
+            vrdma_it::wait_until(Duration::from_secs(20), "the server's listener registered", || {
+                listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(listeners)
+            })?;
+            Ok(s)
+        }
+
+        /// A preloaded client to `host`; both ends must succeed, and
+        /// whether it was carried is returned.
+        fn client(d: &DaemonProc, s: Running, host: &str, port: u16) -> Result<bool> {
+            client_from(d, s, None, host, port)
+        }
+
+        /// [`client`], its socket bound to `from` (port 0) first if given.
+        fn client_from(
+            d: &DaemonProc,
+            s: Running,
+            from: Option<&str>,
+            host: &str,
+            port: u16,
+        ) -> Result<bool> {
+            let mut env = vec![("SOCKAPP_HOST", host)];
+            env.extend(from.map(|f| ("SOCKAPP_CLIENT_BIND", f)));
+            let c = run(d, true, &["client", &port.to_string(), &BYTES.to_string()], &env, "client");
+            let c = c.finish(LIMIT);
+            let s = s.finish(LIMIT);
+            c.assert_ok();
+            s.assert_ok();
+            const CARRIED: &str = "carried over vRDMA";
+            let carried = c.stderr.contains(CARRIED);
+            assert_eq!(carried, s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+            Ok(carried)
+        }
+
+        /// `[::1]` to a server on `[::1]`: carried, as `127.0.0.1` is.
+        #[test]
+        fn ipv6_loopback_is_carried() -> Result<()> {
+            if !have_ipv6() {
+                return Ok(());
+            }
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let s = server(&d, &ctx, "::1", false, port, 1)?;
+            assert!(client(&d, s, "::1", port)?, "not carried");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried, c.refused_claims), (1, 1, 0), "{c:?}");
+            Ok(())
+        }
+
+        /// A dual-stack `::` server registers `0.0.0.0` and `[::]`: a
+        /// client to `127.0.0.1` (a v4-mapped connection at the server),
+        /// one to `[::1]` and an unbound IPv6 client to
+        /// `[::ffff:127.0.0.1]` (bound to `[::]:0` before it announces)
+        /// are carried, and so is one to `localhost`, whichever family
+        /// it resolves to first (Debian's is `::1` for many programs).
+        #[test]
+        fn ipv6_a_dual_stack_server_carries_both_families() -> Result<()> {
+            if !have_ipv6() {
+                return Ok(());
+            }
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            for (i, host) in ["127.0.0.1", "::1", "::ffff:127.0.0.1", "localhost"].into_iter().enumerate() {
+                let port = free_port();
+                let s = server(&d, &ctx, "::", false, port, 2)?;
+                assert!(client(&d, s, host, port)?, "{host}: not carried");
+                let c = ctx.sock_counts()?;
+                let n = i as u64 + 1;
+                assert_eq!((c.announced, c.carried, c.refused_claims), (n, n, 0), "{host}: {c:?}");
+                vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                    ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+                })?;
+            }
+            Ok(())
+        }
+
+        /// A connection to an unspecified address goes where the kernel
+        /// sends it from the client's bound address: an IPv4 client
+        /// bound to `127.0.0.2` connecting to `0.0.0.0` reaches
+        /// `127.0.0.2`, and an IPv6 one bound to `::ffff:127.0.0.2`
+        /// connecting to `::` reaches `::ffff:127.0.0.1`. Announced as
+        /// such, both are claimed at once: carried, and no announcement
+        /// was abandoned (a wrong tuple waits the whole claim wait, is
+        /// abandoned and goes TCP).
+        #[test]
+        fn ipv6_a_bound_client_of_the_unspecified_address_is_carried() -> Result<()> {
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let mut cases = vec![("0.0.0.0", 1, "127.0.0.2", "0.0.0.0")];
+            if have_ipv6() {
+                cases.push(("::", 2, "::ffff:127.0.0.2", "::"));
+            }
+            for (i, (bind, listeners, from, host)) in cases.into_iter().enumerate() {
+                let port = free_port();
+                let s = server(&d, &ctx, bind, false, port, listeners)?;
+                assert!(client_from(&d, s, Some(from), host, port)?, "{from} -> {host}: not carried");
+                let c = ctx.sock_counts()?;
+                let n = i as u64 + 1;
+                assert_eq!(
+                    (c.announced, c.carried, c.abandoned, c.refused_claims),
+                    (n, n, 0, 0),
+                    "{from} -> {host}: {c:?}"
+                );
+                vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                    ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+                })?;
+            }
+            Ok(())
+        }
+
+        /// A v6only `[::]` server is registered (it refuses nothing) but
+        /// owns IPv6 only: a v4 client to `127.0.0.1` of that port, which
+        /// reaches a plain IPv4 server there, stays TCP and is announced
+        /// nowhere; a client to `[::1]` is carried.
+        #[test]
+        fn ipv6_a_v6only_server_carries_only_ipv6() -> Result<()> {
+            if !have_ipv6() {
+                return Ok(());
+            }
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let s6 = server(&d, &ctx, "::", true, port, 1)?;
+            let s4 = run(
+                &d,
+                false,
+                &["server", &port.to_string()],
+                &[("SOCKAPP_BIND", "127.0.0.1")],
+                "plain v4 server",
+            );
+            // /proc/net/tcp has the IPv4 listener (the v6only one is in tcp6).
+            let want = format!(":{port:04X}");
+            vrdma_it::wait_until(Duration::from_secs(20), "the v4 server listens", || {
+                std::fs::read_to_string("/proc/net/tcp").unwrap_or_default().lines().skip(1).any(|l| {
+                    let cols: Vec<&str> = l.split_whitespace().collect();
+                    cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+                })
+            })?;
+            assert!(!client(&d, s4, "127.0.0.1", port)?, "a v4 connection carried by a v6only listener");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried), (0, 0), "{c:?}");
+            assert!(client(&d, s6, "::1", port)?, "not carried");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried, c.refused_claims), (1, 1, 0), "{c:?}");
+            Ok(())
+        }
     }
 }

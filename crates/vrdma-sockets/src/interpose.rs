@@ -392,16 +392,31 @@ pub unsafe extern "C" fn listen(fd: c_int, backlog: c_int) -> c_int {
 }
 
 fn register_listener(fd: c_int) {
-    if matches!(table::get(fd), Some(Entry::Listener(_))) || !addr::is_inet_stream(fd) {
+    if matches!(table::get(fd), Some(Entry::Listener(_))) {
         return;
     }
-    let (Some(d), Some(a)) = (dev(), addr::local_of(fd)) else { return };
-    match d.ctx.sock_listen(a) {
-        Ok(()) => {
-            debug(&format!("listening on {a}"));
-            table::insert(fd, Entry::Listener(Arc::new(Listener { addr: a, pid: crate::pid::get() })));
+    let Some(family) = addr::inet_stream(fd) else { return };
+    let Some(at) = addr::local_of(fd) else { return };
+    // A dual-stack `::` listener owns both families' destinations (two
+    // registrations); one that fails leaves that family's clients TCP. A
+    // link-local one owns none: no daemon context is opened for it.
+    let owned = addr::listen_addrs(family, at);
+    if owned.is_empty() {
+        return;
+    }
+    let Some(d) = dev() else { return };
+    let mut addrs = Vec::new();
+    for a in owned {
+        match d.ctx.sock_listen(a) {
+            Ok(()) => {
+                debug(&format!("listening on {a}"));
+                addrs.push(a);
+            }
+            Err(e) => debug(&format!("listener {a} not registered (its clients stay TCP): {e}")),
         }
-        Err(e) => debug(&format!("listener {a} not registered (its clients stay TCP): {e}")),
+    }
+    if !addrs.is_empty() {
+        table::insert(fd, Entry::Listener(Arc::new(Listener { addrs, pid: crate::pid::get() })));
     }
 }
 
@@ -436,25 +451,44 @@ pub unsafe extern "C" fn connect(fd: c_int, to: *const sockaddr, len: socklen_t)
 /// `to` must be valid for `len` bytes (or null).
 unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc<Stream>> {
     // SAFETY: as the caller promised.
-    let dst = unsafe { addr::from_raw(to, len) }?;
-    if dst.port() == 0 || table::get(fd).is_some() || !addr::is_inet_stream(fd) {
+    let to = unsafe { addr::from_raw(to, len) }?;
+    if to.port() == 0 || table::get(fd).is_some() {
         return None;
     }
-    let local = addr::is_local(*dst.ip());
+    // Where the kernel sends it depends on the address `fd` is bound to
+    // (an unspecified one when unbound).
+    let bound = addr::local_of(fd)?;
+    let dst = addr::connect_target(to, bound);
+    // A connection the kernel would refuse (an IPv4 destination of a
+    // v6only socket, the other family's address) is not announced; nor
+    // is one with a link-local address at either end (its interface is
+    // not in the registry's key). A bound socket's address is the
+    // client's, checked before any daemon is asked; an unbound one's is
+    // the kernel's pick, checked once known.
+    let family = addr::inet_stream(fd).filter(|f| f.reaches(dst))?;
+    let known = if bound.ip().is_unspecified() { dst } else { bound };
+    if !addr::carriable(known, dst) {
+        return None;
+    }
+    let local = addr::is_local(dst.ip());
     let d = dev()?;
     if !d.ctx.sock_lookup(dst, local).ok()? {
         debug(&format!("no vRDMA listener of this tenant at {dst} (local: {local}): TCP"));
         return None;
     }
-    let mut me = addr::local_of(fd)?;
+    let mut me = bound;
     if me.port() == 0 {
-        if !addr::bind(fd, std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 0)) {
+        if !addr::bind(fd, addr::any(family)) {
             return None;
         }
         me = addr::local_of(fd)?;
     }
     if me.ip().is_unspecified() {
         me.set_ip(addr::source_for(dst)?);
+    }
+    if !addr::carriable(me, dst) {
+        debug(&format!("{me} -> {dst} is not carried (link-local, or two families): TCP"));
+        return None;
     }
     let tuple = vrdma::sockets::Tuple { client: me, server: dst };
     if !d.ctx.sock_announce(tuple, local).ok()? {
@@ -499,7 +533,13 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
         if !matches!(table::get(fd), Some(Entry::Listener(_))) {
             return;
         }
-        let (Some(d), Some(me), Some(peer)) = (dev(), addr::local_of(c), addr::peer_of(c)) else { return };
+        let (Some(me), Some(peer)) = (addr::local_of(c), addr::peer_of(c)) else { return };
+        // Link-local at either end: never announced, so never claimed
+        // (nor counted).
+        if !addr::carriable(peer, me) {
+            return;
+        }
+        let Some(d) = dev() else { return };
         let tuple = vrdma::sockets::Tuple { client: peer, server: me };
         if d.ctx.sock_claim(tuple).unwrap_or(false) {
             debug(&format!("claimed {peer} -> {me}"));

@@ -2,12 +2,12 @@
 //! (`docs/sockets.md`, issue 20).
 //!
 //! Preloaded into a dynamically linked program (`vrdma run --sockets --
-//! APP`, or `LD_PRELOAD` by hand), it carries the program's IPv4 TCP
-//! connections (also those of dual-stack IPv6 sockets: a listener on `::`
-//! takes IPv4 clients as one on `0.0.0.0`, accepted v4-mapped connections
-//! are claimed) over an RC QP pair when the other end is also this library,
-//! of the same tenant, on this host or another whose daemon this host's
-//! daemon asks, and leaves them plain TCP otherwise. The application's descriptor is always the kernel's TCP
+//! APP`, or `LD_PRELOAD` by hand), it carries the program's IPv4 and IPv6
+//! TCP connections (a dual-stack listener on `::` owns IPv4 and IPv6
+//! clients, a v6only one IPv6 clients only, v4-mapped connections are
+//! IPv4 ones: `addr.rs`) over an RC QP pair when the other end is also this
+//! library, of the same tenant, on this host or (IPv4 only) another whose
+//! daemon this host's daemon asks, and leaves them plain TCP otherwise. The application's descriptor is always the kernel's TCP
 //! socket; whether a connection is carried is decided through the daemon
 //! (listeners register, clients announce, servers claim), never by bytes
 //! in a stranger's stream.
@@ -98,8 +98,9 @@
 //!   `SHUT_RD` is the kernel's only. A client's first call on a connection blocks (even
 //!   non-blocking) until the server accepted and made its first call, and
 //!   a server's first call until the client made its first. IPv6
-//!   connections (not v4-mapped), an unbound IPv6 socket connecting to a
-//!   v4-mapped address, and connections to other hosts stay TCP.
+//!   connections to other hosts (the daemons' links are IPv4) and to
+//!   link-local addresses (`fe80::/10`: the interface is not in the
+//!   registry's key) stay TCP.
 //!
 //! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns
 //! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,

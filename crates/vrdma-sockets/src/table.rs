@@ -212,7 +212,7 @@ mod tests {
         let addr = "127.0.0.1:1".parse().unwrap();
         let fd = 1 << 20;
         // Forgotten, never dropped (its drop would ask a daemon).
-        std::mem::forget(insert(fd, Entry::Listener(Arc::new(Listener { addr, pid: 0 }))));
+        std::mem::forget(insert(fd, Entry::Listener(Arc::new(Listener { addrs: vec![addr], pid: 0 }))));
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let s = stop.clone();
         let t = std::thread::spawn(move || {

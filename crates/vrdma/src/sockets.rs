@@ -1,11 +1,12 @@
 //! The socket registry's calls (`docs/sockets.md`): how the preload
 //! library `vrdma-sockets` decides, through the daemon and never in a
-//! stream, which TCP connections vRDMA carries.
+//! stream, which TCP connections vRDMA carries. Addresses are IPv4 or
+//! IPv6 (`docs/sockets.md`, "IPv6").
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use vrdma_core::proto::{Reply, Request, SockReply, SockRequest};
-pub use vrdma_core::sockets::{Outcome, SockCounts, Tuple};
+pub use vrdma_core::sockets::{is_link_local, key, Outcome, SockCounts, Tuple};
 
 use crate::control;
 use crate::error::{Error, Result};
@@ -29,13 +30,13 @@ impl Context {
     }
 
     /// Registers a listening socket at `addr` for this context's tenant.
-    pub fn sock_listen(&self, addr: SocketAddrV4) -> Result<()> {
-        self.sock_done(SockRequest::Listen { addr })
+    pub fn sock_listen(&self, addr: impl Into<SocketAddr>) -> Result<()> {
+        self.sock_done(SockRequest::Listen { addr: addr.into() })
     }
 
     /// The listening socket at `addr` closed.
-    pub fn sock_unlisten(&self, addr: SocketAddrV4) -> Result<()> {
-        self.sock_done(SockRequest::Unlisten { addr })
+    pub fn sock_unlisten(&self, addr: impl Into<SocketAddr>) -> Result<()> {
+        self.sock_done(SockRequest::Unlisten { addr: addr.into() })
     }
 
     fn sock_done(&self, req: SockRequest) -> Result<()> {
@@ -47,8 +48,8 @@ impl Context {
 
     /// Whether a listener of this tenant owns `dst` (`local`: `dst` is an
     /// address of this host).
-    pub fn sock_lookup(&self, dst: SocketAddrV4, local: bool) -> Result<bool> {
-        self.sock_bool(SockRequest::Lookup { dst, local })
+    pub fn sock_lookup(&self, dst: impl Into<SocketAddr>, local: bool) -> Result<bool> {
+        self.sock_bool(SockRequest::Lookup { dst: dst.into(), local })
     }
 
     /// Announces a connection about to be made along `tuple`; true when

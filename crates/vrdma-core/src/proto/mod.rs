@@ -43,7 +43,11 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `ConnectRouted`, a route the library resolved itself;
 /// `CmRequest::Batch`, answered `Reply::Batch`, several calls in one
 /// round trip; `Request::GuestGrow`, a guest's memory extent grown in
-/// place; `Request::RegMrPieces`, a region of several pieces.)
+/// place; `Request::RegMrPieces`, a region of several pieces;
+/// `SockRequest`'s addresses and `Tuple`'s ends are IPv4 or IPv6.
+/// Version 7 is unreleased: a library and a daemon of different builds
+/// within it may disagree on these encodings; they then refuse the call
+/// or answer plain TCP, and never corrupt a stream.)
 pub const PROTOCOL_VERSION: u32 = 7;
 /// Largest message either side sends or accepts.
 pub const MAX_MESSAGE: usize = 64 * 1024;
@@ -730,6 +734,7 @@ mod tests {
             Request::Sock(SockRequest::Announce { tuple, local: true }),
             Request::Sock(SockRequest::Resolve { tuple, give_up: false }),
             Request::Sock(SockRequest::Counts),
+            Request::Sock(SockRequest::Lookup { dst: "[fd00::1]:5000".parse().unwrap(), local: true }),
         ] {
             assert_eq!(encode_request(&r)[0], 33);
             assert_eq!(decode_request(&encode_request(&r)).unwrap(), r);

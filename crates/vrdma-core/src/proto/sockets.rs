@@ -1,7 +1,8 @@
 //! The socket registry's requests and replies on the control socket (the
-//! preload library's negotiation, `docs/sockets.md`).
+//! preload library's negotiation, `docs/sockets.md`). Addresses are IPv4
+//! or IPv6 (`std::net::SocketAddr`, since protocol version 7).
 
-use std::net::SocketAddrV4;
+use std::net::SocketAddr;
 
 use serde::{Deserialize, Serialize};
 
@@ -10,13 +11,13 @@ use crate::sockets::{Outcome, SockCounts, Tuple};
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum SockRequest {
     /// A listening socket at `addr`; answered [`SockReply::Done`].
-    Listen { addr: SocketAddrV4 },
+    Listen { addr: SocketAddr },
     /// It closed; answered [`SockReply::Done`].
-    Unlisten { addr: SocketAddrV4 },
+    Unlisten { addr: SocketAddr },
     /// Does a listener of the caller's tenant own `dst`? `local`: the
     /// caller found `dst` to be an address of its host. Answered
     /// [`SockReply::Yes`] or [`SockReply::No`].
-    Lookup { dst: SocketAddrV4, local: bool },
+    Lookup { dst: SocketAddr, local: bool },
     /// The caller will connect along `tuple`; answered `Yes` (announced)
     /// or `No` (plain TCP).
     Announce { tuple: Tuple, local: bool },

@@ -27,13 +27,22 @@
 //! the client has resolved it or its context closed, since expiring it
 //! would let the two ends disagree. Another tenant's listeners and
 //! announcements are invisible: every key holds the tenant.
+//!
+//! Addresses are IPv4 or IPv6 ([`key`] makes every one the same key as
+//! its connection's other end names it: a v4-mapped IPv6 address is its
+//! IPv4 one, flow label and scope id are dropped). A listener on an
+//! unspecified address owns that family's local destinations only, as
+//! the kernel's: `0.0.0.0` the IPv4 ones, `[::]` the IPv6 ones; a
+//! dual-stack `::` socket registers both. Link-local IPv6 destinations
+//! (`fe80::/10`) are owned by no listener: their scope (which interface)
+//! is not in the key, so two connections could share it.
 
 pub mod peer;
 #[cfg(test)]
 mod tests;
 
 use std::collections::HashMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV6};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -52,9 +61,46 @@ pub const MAX_ANNOUNCED: usize = 16 * 1024;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct Tuple {
     /// The connecting end's address.
-    pub client: SocketAddrV4,
+    pub client: SocketAddr,
     /// The accepting end's address.
-    pub server: SocketAddrV4,
+    pub server: SocketAddr,
+}
+
+impl Tuple {
+    /// Both ends as [`key`]s.
+    pub fn key(self) -> Tuple {
+        Tuple { client: key(self.client), server: key(self.server) }
+    }
+}
+
+/// `a` as the registry keys it: a v4-mapped IPv6 address (a dual-stack
+/// socket's IPv4 connection) is its IPv4 address, and an IPv6 one has no
+/// flow label and no scope id (neither names the address).
+pub fn key(a: SocketAddr) -> SocketAddr {
+    match a {
+        SocketAddr::V4(_) => a,
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
+            None => SocketAddr::V6(SocketAddrV6::new(*v6.ip(), v6.port(), 0, 0)),
+        },
+    }
+}
+
+/// Whether `ip` is a link-local IPv6 address (`fe80::/10`): one that
+/// names an address only with its interface, which no key holds.
+pub fn is_link_local(ip: IpAddr) -> bool {
+    match ip {
+        IpAddr::V6(v6) => v6.segments()[0] & 0xffc0 == 0xfe80,
+        IpAddr::V4(_) => false,
+    }
+}
+
+/// The unspecified address of `ip`'s family.
+fn unspecified_like(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+        IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
+    }
 }
 
 /// What a client learns about its announced connection.
@@ -131,7 +177,7 @@ struct Entry {
 pub struct Registry {
     /// (tenant, address) → the contexts listening there (a listener may be
     /// shared by processes, after fork).
-    listeners: HashMap<(TenantId, SocketAddrV4), Vec<ContextId>>,
+    listeners: HashMap<(TenantId, SocketAddr), Vec<ContextId>>,
     announced: HashMap<(TenantId, Tuple), Entry>,
     counts: HashMap<TenantId, SockCounts>,
 }
@@ -146,12 +192,13 @@ impl Registry {
     }
 
     /// `ctx` of `tenant` listens on `addr` (its unspecified address means
-    /// every local one).
-    pub fn listen(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddrV4) -> Result<(), SockError> {
+    /// every local one of its family: a dual-stack `::` socket registers
+    /// `0.0.0.0` and `[::]`).
+    pub fn listen(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddr) -> Result<(), SockError> {
         if addr.port() == 0 {
             return Err(SockError::PortZero);
         }
-        let key = (tenant, addr);
+        let key = (tenant, key(addr));
         if !self.listeners.contains_key(&key) {
             if self.counts(tenant).listeners as usize >= MAX_LISTENERS {
                 return Err(SockError::TooManyListeners);
@@ -166,8 +213,8 @@ impl Registry {
     }
 
     /// `ctx` no longer listens on `addr`; unknown ones are ignored.
-    pub fn unlisten(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddrV4) {
-        let key = (tenant, addr);
+    pub fn unlisten(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddr) {
+        let key = (tenant, key(addr));
         if let Some(owners) = self.listeners.get_mut(&key) {
             owners.retain(|&c| c != ctx);
             if owners.is_empty() {
@@ -179,22 +226,23 @@ impl Registry {
     }
 
     /// Whether a listener of `tenant` owns `dst`: one on that exact
-    /// address, or on its port at the unspecified address when the caller
-    /// says `dst` is an address of its own host (`local`).
-    pub fn lookup(&self, tenant: TenantId, dst: SocketAddrV4, local: bool) -> bool {
-        if dst.port() == 0 {
+    /// address, or on its port at the unspecified address of its family
+    /// when the caller says `dst` is an address of its own host (`local`).
+    /// A link-local IPv6 destination is nobody's.
+    pub fn lookup(&self, tenant: TenantId, dst: SocketAddr, local: bool) -> bool {
+        let dst = key(dst);
+        if dst.port() == 0 || is_link_local(dst.ip()) {
             return false;
         }
-        self.listeners.contains_key(&(tenant, dst))
-            || (local
-                && self
-                    .listeners
-                    .contains_key(&(tenant, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, dst.port()))))
+        let any = SocketAddr::new(unspecified_like(dst.ip()), dst.port());
+        self.listeners.contains_key(&(tenant, dst)) || (local && self.listeners.contains_key(&(tenant, any)))
     }
 
     /// `ctx` of `tenant` will connect from `tuple.client` to
     /// `tuple.server`. True when a listener owns the destination and the
-    /// announcement is recorded (pending); false means plain TCP.
+    /// announcement is recorded (pending); false means plain TCP, as for
+    /// a tuple whose ends are of two families or whose client is
+    /// link-local.
     pub fn announce(
         &mut self,
         owner: impl Into<Owner>,
@@ -204,7 +252,15 @@ impl Registry {
         now: Instant,
     ) -> bool {
         self.expire(now);
-        if tuple.client.port() == 0 || !self.lookup(tenant, tuple.server, local) {
+        let tuple = tuple.key();
+        // Two families (after `key`) name no connection the kernel
+        // makes; a link-local client is as unkeyable as a link-local
+        // server (`lookup` refuses that one).
+        let mixed = tuple.client.is_ipv4() != tuple.server.is_ipv4();
+        if tuple.client.port() == 0 || mixed || is_link_local(tuple.client.ip()) {
+            return false;
+        }
+        if !self.lookup(tenant, tuple.server, local) {
             return false;
         }
         let key = (tenant, tuple);
@@ -223,7 +279,7 @@ impl Registry {
     /// announced and is still pending; it is claimed then.
     pub fn claim(&mut self, tenant: TenantId, tuple: Tuple, now: Instant) -> bool {
         self.expire(now);
-        match self.announced.get_mut(&(tenant, tuple)) {
+        match self.announced.get_mut(&(tenant, tuple.key())) {
             Some(e) if matches!(e.state, State::Pending { .. }) => {
                 e.state = State::Claimed;
                 self.counts(tenant).carried += 1;
@@ -249,7 +305,7 @@ impl Registry {
     ) -> Outcome {
         let ctx = owner.into();
         self.expire(now);
-        let key = (tenant, tuple);
+        let key = (tenant, tuple.key());
         match self.announced.get(&key) {
             Some(e) if e.owner != ctx => Outcome::Tcp,
             Some(Entry { state: State::Claimed, .. }) => {
@@ -275,7 +331,7 @@ impl Registry {
     /// resolved it as carried, and its hello is on its way; or it is
     /// gone, or still pending, which no claim of this server made).
     pub fn decline(&mut self, tenant: TenantId, tuple: Tuple) -> bool {
-        let key = (tenant, tuple);
+        let key = (tenant, tuple.key());
         match self.announced.get(&key) {
             Some(Entry { state: State::Claimed, .. }) => {
                 self.announced.remove(&key);
@@ -295,7 +351,7 @@ impl Registry {
     /// context closed, or it expired) or another host's daemon holds it,
     /// and then the caller cannot learn its outcome.
     pub fn adopt(&mut self, owner: ContextId, tenant: TenantId, tuple: Tuple) -> bool {
-        match self.announced.get_mut(&(tenant, tuple)) {
+        match self.announced.get_mut(&(tenant, tuple.key())) {
             Some(e) if matches!(e.owner, Owner::Local(_)) => {
                 e.owner = Owner::Local(owner);
                 true

@@ -11,12 +11,44 @@
 //! hosts as the connection manager maps it: the same number on both hosts,
 //! and a tenant numbered by its daemon (host-local) is no tenant of any
 //! other host, so its calls are answered "not vRDMA".
+//!
+//! The exchange is IPv4 only, and its encoding stays wire version 3's:
+//! the daemons' links and hosts are IPv4, so an IPv6 destination is one
+//! of this host or plain TCP, never asked about here. [`PeerTuple`] is
+//! the registry's [`Tuple`] of two IPv4 ends, converted at the engine's
+//! edge.
 
-use std::net::SocketAddrV4;
+use std::net::{SocketAddr, SocketAddrV4};
 
 use serde::{Deserialize, Serialize};
 
 use super::{Outcome, Tuple};
+
+/// A connection of two IPv4 ends, as the daemons' exchange names it (the
+/// same fields, so the same encoding, as the registry's tuple had before
+/// it took IPv6).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PeerTuple {
+    pub client: SocketAddrV4,
+    pub server: SocketAddrV4,
+}
+
+impl PeerTuple {
+    /// `t` when both its ends are IPv4 (v4-mapped ones included).
+    pub fn of(t: Tuple) -> Option<PeerTuple> {
+        let t = t.key();
+        match (t.client, t.server) {
+            (SocketAddr::V4(client), SocketAddr::V4(server)) => Some(PeerTuple { client, server }),
+            _ => None,
+        }
+    }
+}
+
+impl From<PeerTuple> for Tuple {
+    fn from(t: PeerTuple) -> Tuple {
+        Tuple { client: t.client.into(), server: t.server.into() }
+    }
+}
 
 /// What a daemon asks about a client of its own.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -24,9 +56,9 @@ pub enum Query {
     /// Does a listener of the tenant own `dst`?
     Lookup { dst: SocketAddrV4 },
     /// The client will connect along `tuple`.
-    Announce { tuple: Tuple },
+    Announce { tuple: PeerTuple },
     /// The announcement's outcome (`give_up`: end a pending one as TCP).
-    Resolve { tuple: Tuple, give_up: bool },
+    Resolve { tuple: PeerTuple, give_up: bool },
 }
 
 /// The owning daemon's answer.

@@ -5,7 +5,7 @@ const B: TenantId = TenantId(2);
 const SRV: ContextId = ContextId(10);
 const CLI: ContextId = ContextId(11);
 
-fn addr(s: &str) -> SocketAddrV4 {
+fn addr(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
@@ -127,7 +127,7 @@ fn limits_and_bad_ports() {
     let mut r = Registry::new();
     assert_eq!(r.listen(SRV, A, addr("0.0.0.0:0")), Err(SockError::PortZero));
     for p in 1..=MAX_LISTENERS as u16 {
-        r.listen(SRV, A, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, p)).unwrap();
+        r.listen(SRV, A, SocketAddr::new(Ipv4Addr::UNSPECIFIED.into(), p)).unwrap();
     }
     assert_eq!(r.listen(SRV, A, addr("0.0.0.0:60000")), Err(SockError::TooManyListeners));
     // The same address again is no new listener; another tenant has its own budget.
@@ -217,4 +217,123 @@ fn a_claim_declined_before_the_client_resolved_is_tcp_for_both() {
     assert!(!r.decline(A, tuple()));
     let c = r.stats(A);
     assert_eq!((c.announced, c.carried, c.abandoned, c.pending), (2, 2, 1, 0));
+}
+
+fn tuple6() -> Tuple {
+    Tuple { client: addr("[::1]:40000"), server: addr("[::1]:5000") }
+}
+
+#[test]
+fn an_ipv6_destination_is_owned_by_its_exact_address_or_by_a_local_unspecified_one() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("[fd00::1]:6000")).unwrap();
+    assert!(r.lookup(A, addr("[fd00::1]:6000"), false));
+    assert!(!r.lookup(A, addr("[fd00::2]:6000"), true));
+    // Flow label and scope id are no part of the key.
+    assert!(r.lookup(
+        A,
+        "[fd00::1%3]:6000"
+            .parse::<SocketAddrV6>()
+            .map(|mut a| {
+                a.set_flowinfo(7);
+                a.into()
+            })
+            .unwrap(),
+        false
+    ));
+    r.listen(SRV, A, addr("[::]:5000")).unwrap();
+    assert!(r.lookup(A, addr("[::1]:5000"), true));
+    assert!(r.lookup(A, addr("[fd00::9]:5000"), true));
+    assert!(
+        !r.lookup(A, addr("[fd00::9]:5000"), false),
+        "not local: the unspecified address does not own it"
+    );
+    assert!(!r.lookup(B, addr("[::1]:5000"), true));
+    // Link-local destinations are nobody's: the key holds no interface.
+    assert!(!r.lookup(A, addr("[fe80::1]:5000"), true));
+    r.listen(SRV, A, addr("[fe80::1]:7000")).unwrap();
+    assert!(!r.lookup(A, addr("[fe80::1]:7000"), true));
+}
+
+/// The kernel's listeners: `[::]` with IPV6_V6ONLY owns IPv6 only, a v4
+/// one IPv4 only; a dual-stack `::` socket registers both and owns both.
+#[test]
+fn each_family_has_its_own_unspecified_listener() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("[::]:5000")).unwrap();
+    assert!(!r.lookup(A, addr("127.0.0.1:5000"), true), "a v6only listener owns no IPv4 destination");
+    assert!(!r.lookup(A, addr("[::ffff:127.0.0.1]:5000"), true), "nor a v4-mapped one");
+    r.listen(SRV, A, addr("0.0.0.0:6000")).unwrap();
+    assert!(!r.lookup(A, addr("[::1]:6000"), true), "a v4 listener owns no IPv6 destination");
+    assert!(r.lookup(A, addr("127.0.0.1:6000"), true));
+    assert!(r.lookup(A, addr("[::ffff:127.0.0.1]:6000"), true), "a v4-mapped destination is its IPv4 one");
+
+    // Dual-stack: both registrations, both families owned, one listener
+    // going leaves the other family's.
+    r.listen(SRV, A, addr("0.0.0.0:7000")).unwrap();
+    r.listen(SRV, A, addr("[::]:7000")).unwrap();
+    assert!(r.lookup(A, addr("127.0.0.1:7000"), true));
+    assert!(r.lookup(A, addr("[::1]:7000"), true));
+    assert_eq!(r.stats(A).listeners, 4);
+    r.unlisten(SRV, A, addr("[::]:7000"));
+    assert!(!r.lookup(A, addr("[::1]:7000"), true));
+    assert!(r.lookup(A, addr("127.0.0.1:7000"), true));
+    // A v4-mapped registration is the IPv4 one.
+    r.listen(SRV, A, addr("[::ffff:127.0.0.2]:8000")).unwrap();
+    assert!(r.lookup(A, addr("127.0.0.2:8000"), false));
+    r.unlisten(SRV, A, addr("127.0.0.2:8000"));
+    assert!(!r.lookup(A, addr("127.0.0.2:8000"), false));
+}
+
+#[test]
+fn an_ipv6_tuple_is_announced_claimed_and_resolved() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("[::]:5000")).unwrap();
+    assert!(r.announce(CLI, A, tuple6(), true, t(0)));
+    assert_eq!(r.resolve(CLI, A, tuple6(), false, t(0)), Outcome::Pending);
+    // The server names it with a scope id of 0 and maybe a flow label.
+    let mut accepted = tuple6();
+    if let SocketAddr::V6(ref mut a) = accepted.client {
+        a.set_flowinfo(0x12345);
+    }
+    assert!(r.claim(A, accepted, t(1)));
+    assert_eq!(r.resolve(CLI, A, tuple6(), false, t(1)), Outcome::Carried);
+    // Given up: TCP for both.
+    assert!(r.announce(CLI, A, tuple6(), true, t(2)));
+    assert_eq!(r.resolve(CLI, A, tuple6(), true, t(2)), Outcome::Tcp);
+    assert!(!r.claim(A, tuple6(), t(3)));
+    // An IPv4 tuple of the same ports is another connection.
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(CLI, A, tuple(), true, t(4)));
+    assert!(!r.claim(A, tuple6(), t(4)));
+    // The v4-mapped names of the IPv4 tuple are that tuple.
+    let mapped = Tuple { client: addr("[::ffff:127.0.0.1]:40000"), server: addr("[::ffff:127.0.0.1]:5000") };
+    assert!(r.claim(A, mapped, t(4)));
+    assert_eq!(r.resolve(CLI, A, tuple(), false, t(4)), Outcome::Carried);
+    let c = r.stats(A);
+    assert_eq!((c.announced, c.carried, c.abandoned, c.refused_claims, c.pending), (3, 2, 1, 2, 0));
+}
+
+/// A tuple whose ends are of two families once keyed names no connection
+/// the kernel makes (a library of another build could still send one),
+/// nor does one with a link-local client: both are refused, and counted
+/// nowhere.
+#[test]
+fn a_tuple_of_two_families_or_a_link_local_client_is_not_announced() {
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("[::]:5000")).unwrap();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    let mixed = [
+        Tuple { client: addr("127.0.0.1:40000"), server: addr("[::1]:5000") },
+        Tuple { client: addr("[::1]:40000"), server: addr("127.0.0.1:5000") },
+        Tuple { client: addr("[::1]:40000"), server: addr("[::ffff:127.0.0.1]:5000") },
+        Tuple { client: addr("[fe80::1]:40000"), server: addr("[::1]:5000") },
+    ];
+    for tuple in mixed {
+        assert!(!r.announce(CLI, A, tuple, true, t(0)), "{tuple:?}");
+        assert!(!r.claim(A, tuple, t(0)), "{tuple:?}");
+    }
+    // The same client's tuple of one family is announced.
+    assert!(r.announce(CLI, A, tuple6(), true, t(0)));
+    assert_eq!(r.stats(A).announced, 1);
 }

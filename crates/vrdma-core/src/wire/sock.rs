@@ -34,12 +34,12 @@ mod tests {
     use std::net::{Ipv4Addr, SocketAddrV4};
 
     use super::*;
-    use crate::sockets::peer::{Answer, Query};
-    use crate::sockets::{Outcome, Tuple};
+    use crate::sockets::peer::{Answer, PeerTuple, Query};
+    use crate::sockets::Outcome;
     use crate::wire::{parse_frame, FrameRepr, BASE_HEADER_LEN};
 
-    fn tuple() -> Tuple {
-        Tuple {
+    fn tuple() -> PeerTuple {
+        PeerTuple {
             client: SocketAddrV4::new(Ipv4Addr::new(255, 255, 255, 255), u16::MAX),
             server: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 5001),
         }
@@ -81,6 +81,27 @@ mod tests {
             assert_eq!(parsed, f);
             assert_eq!(decode(body), Ok(msg));
         }
+    }
+
+    /// Wire version 3's bytes: the registry's addresses took IPv6, the
+    /// daemons' exchange did not (its tuples are IPv4, encoded as before).
+    #[test]
+    fn an_announcement_keeps_wire_version_threes_bytes() {
+        let tuple = PeerTuple {
+            client: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 40000),
+            server: SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 2), 5000),
+        };
+        let msg = SockMessage::Query { id: 1, tenant: 1000, ctx: 2, query: Query::Announce { tuple } };
+        let want =
+            [0x00, 0x01, 0xe8, 0x07, 0x02, 0x01, 10, 0, 0, 1, 0xc0, 0xb8, 0x02, 10, 0, 0, 2, 0x88, 0x27];
+        assert_eq!(encode(&msg), want);
+        let resolve = SockMessage::Query {
+            id: 1,
+            tenant: 1000,
+            ctx: 2,
+            query: Query::Resolve { tuple, give_up: true },
+        };
+        assert_eq!(encode(&resolve)[5..], [&[0x02][..], &want[6..], &[0x01][..]].concat());
     }
 
     #[test]

@@ -211,7 +211,11 @@
 //! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
 //! `echoclient` connect to
 //! `SOCKAPP_HOST` where they are set (an address of another network
-//! namespace, for the tests across hosts), else on 127.0.0.1.
+//! namespace, for the tests across hosts, or an IPv6 one such as `::1`),
+//! else on 127.0.0.1. `SOCKAPP_V6ONLY=1`: `server`'s socket (IPv6) sets
+//! `IPV6_V6ONLY` before it binds. `SOCKAPP_CLIENT_BIND`: `client` binds
+//! its socket to that address (port 0) before it connects to the literal
+//! address `SOCKAPP_HOST`.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -226,10 +230,51 @@ fn ip_from(var: &str) -> String {
 }
 
 fn server(port: u16) -> Result<(), String> {
-    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
+    let l = if std::env::var("SOCKAPP_V6ONLY").is_ok_and(|v| v == "1") {
+        v6only_listener(&ip_from("SOCKAPP_BIND"), port)?
+    } else {
+        TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?
+    };
     println!("listening");
     std::io::stdout().flush().ok();
     serve(&l)
+}
+
+/// A listener on IPv6 address `ip` with `IPV6_V6ONLY` set.
+fn v6only_listener(ip: &str, port: u16) -> Result<TcpListener, String> {
+    use std::os::fd::FromRawFd;
+    let ip: std::net::Ipv6Addr = ip.parse().map_err(|e| format!("{ip}: {e}"))?;
+    let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
+    // SAFETY: socket(2) with constant arguments.
+    let fd = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(err("socket"));
+    }
+    // SAFETY: the descriptor was just made and is ours alone.
+    let l = unsafe { TcpListener::from_raw_fd(fd) };
+    let on: libc::c_int = 1;
+    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    for opt in [(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY), (libc::SOL_SOCKET, libc::SO_REUSEADDR)] {
+        // SAFETY: `on` is valid for `len` bytes.
+        if unsafe { libc::setsockopt(fd, opt.0, opt.1, (&on as *const libc::c_int).cast(), len) } != 0 {
+            return Err(err("setsockopt"));
+        }
+    }
+    // SAFETY: sockaddr_in6 is plain data; all zeroes is valid.
+    let mut sin6: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+    sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+    sin6.sin6_port = port.to_be();
+    sin6.sin6_addr.s6_addr = ip.octets();
+    let sl = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
+    // SAFETY: `sin6` is a valid sockaddr_in6 of `sl` bytes.
+    if unsafe { libc::bind(fd, (&sin6 as *const libc::sockaddr_in6).cast(), sl) } != 0 {
+        return Err(err("bind"));
+    }
+    // SAFETY: listen(2) on our socket.
+    if unsafe { libc::listen(fd, 128) } != 0 {
+        return Err(err("listen"));
+    }
+    Ok(l)
 }
 
 fn forkserver(port: u16) -> Result<(), String> {
@@ -1167,12 +1212,73 @@ fn badbuf(port: u16) -> Result<(), String> {
     half_close_and_check(&mut s, 64)
 }
 
+/// A socket of `from`'s family, bound to `from` port 0, connected to
+/// `host`:`port` (a literal address; `0.0.0.0` and `::` as the kernel
+/// routes them from that source).
+fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> {
+    use std::net::{IpAddr, SocketAddr};
+    use std::os::fd::FromRawFd;
+    let parse = |a: &str| a.parse::<IpAddr>().map_err(|e| format!("{a}: {e}"));
+    let raw = |a: SocketAddr| -> (libc::sockaddr_storage, libc::socklen_t) {
+        // SAFETY: sockaddr_storage is plain data; all zeroes is valid.
+        let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+        let len = match a {
+            SocketAddr::V4(v4) => {
+                // SAFETY: sockaddr_in is plain data; all zeroes is valid.
+                let mut sin: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+                sin.sin_family = libc::AF_INET as libc::sa_family_t;
+                sin.sin_port = v4.port().to_be();
+                sin.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
+                // SAFETY: a sockaddr_in fits in (aligned) storage.
+                unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin) };
+                std::mem::size_of::<libc::sockaddr_in>()
+            }
+            SocketAddr::V6(v6) => {
+                // SAFETY: sockaddr_in6 is plain data; all zeroes is valid.
+                let mut sin6: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+                sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+                sin6.sin6_port = v6.port().to_be();
+                sin6.sin6_addr.s6_addr = v6.ip().octets();
+                // SAFETY: as above, for a sockaddr_in6.
+                unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
+                std::mem::size_of::<libc::sockaddr_in6>()
+            }
+        };
+        (ss, len as libc::socklen_t)
+    };
+    let src = SocketAddr::new(parse(from)?, 0);
+    let dst = SocketAddr::new(parse(host)?, port);
+    let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
+    let domain = if src.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: socket(2) with constant arguments.
+    let fd = unsafe { libc::socket(domain, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(err("socket"));
+    }
+    // SAFETY: the descriptor was just made and is ours alone.
+    let s = unsafe { TcpStream::from_raw_fd(fd) };
+    let (ss, len) = raw(src);
+    // SAFETY: `ss` holds a valid sockaddr of `len` bytes.
+    if unsafe { libc::bind(fd, (&ss as *const libc::sockaddr_storage).cast(), len) } != 0 {
+        return Err(err("bind"));
+    }
+    let (ss, len) = raw(dst);
+    // SAFETY: as above; connect(2) through the preload library, if any.
+    if unsafe { libc::connect(fd, (&ss as *const libc::sockaddr_storage).cast(), len) } != 0 {
+        return Err(err("connect"));
+    }
+    Ok(s)
+}
+
 fn client(port: u16, bytes: u64) -> Result<(), String> {
     client_sizes(port, bytes, &[1, 7, 4096, 65_536, 100_000, 300_000])
 }
 
 fn client_sizes(port: u16, bytes: u64, sizes: &[usize]) -> Result<(), String> {
-    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let mut s = match std::env::var("SOCKAPP_CLIENT_BIND") {
+        Ok(from) => connect_from(&from, &ip_from("SOCKAPP_HOST"), port)?,
+        Err(_) => TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?,
+    };
     {
         use std::os::fd::AsRawFd;
         // SAFETY: fcntl(2) on our socket: inheritable, as a program that

@@ -13,16 +13,21 @@
 //! tells that host when the context ends ([`SockMessage::Closed`]); the
 //! owning daemon keeps the entries as the client's host's and context's
 //! ([`Owner::Remote`]) and drops them with the link.
+//!
+//! IPv6: the daemons' links and hosts are IPv4, and their exchange stays
+//! so (its encoding is wire version 3's, [`PeerTuple`]). An IPv6
+//! destination is answered here when the client found it an address of
+//! its host, and is plain TCP otherwise: never forwarded.
 
 use std::collections::HashMap;
-use std::net::Ipv4Addr;
+use std::net::{IpAddr, Ipv4Addr};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::proto::{SockReply, SockRequest};
-use vrdma_core::sockets::peer::{Answer, Query, SockMessage};
-use vrdma_core::sockets::{Outcome, Owner, SockError, Tuple};
+use vrdma_core::sockets::peer::{Answer, PeerTuple, Query, SockMessage};
+use vrdma_core::sockets::{key, Outcome, Owner, SockError};
 use vrdma_core::time::Instant;
 
 use super::EngineState;
@@ -64,6 +69,16 @@ fn reply_of(q: &Query, a: Answer) -> SockReply {
     }
 }
 
+/// Whose registry answers a call about a destination.
+enum Where {
+    /// This daemon's.
+    Here,
+    /// The daemon of this host.
+    Host(Ipv4Addr),
+    /// None: plain TCP (an IPv6 address of no host of the client).
+    Nowhere,
+}
+
 struct Waiting {
     host: Ipv4Addr,
     ctx: ContextId,
@@ -80,7 +95,7 @@ pub struct RemoteSockets {
     waiting: HashMap<u32, Waiting>,
     /// Tuples this daemon's contexts announced at another host, and that
     /// host.
-    announced: HashMap<(ContextId, Tuple), Ipv4Addr>,
+    announced: HashMap<(ContextId, PeerTuple), Ipv4Addr>,
     inbox: Vec<(Ipv4Addr, SockMessage)>,
 }
 
@@ -102,21 +117,39 @@ impl EngineState {
                 self.sockets.unlisten(ctx, tenant, addr);
                 SockReply::Done
             }
-            SockRequest::Lookup { dst, local } => match self.elsewhere(*dst.ip(), local) {
-                Some(host) => return Ok(self.forward(ctx, tenant, host, Query::Lookup { dst }, now)),
-                None => SockReply::from_bool(self.sockets.lookup(tenant, dst, local)),
+            SockRequest::Lookup { dst, local } => match self.elsewhere(dst.ip(), local) {
+                Where::Here => SockReply::from_bool(self.sockets.lookup(tenant, dst, local)),
+                Where::Host(host) => match key(dst) {
+                    std::net::SocketAddr::V4(dst) => {
+                        return Ok(self.forward(ctx, tenant, host, Query::Lookup { dst }, now))
+                    }
+                    std::net::SocketAddr::V6(_) => SockReply::No,
+                },
+                Where::Nowhere => SockReply::No,
             },
-            SockRequest::Announce { tuple, local } => match self.elsewhere(*tuple.server.ip(), local) {
-                Some(host) => return Ok(self.forward(ctx, tenant, host, Query::Announce { tuple }, now)),
-                None => SockReply::from_bool(self.sockets.announce(ctx, tenant, tuple, local, now)),
+            SockRequest::Announce { tuple, local } => match self.elsewhere(tuple.server.ip(), local) {
+                Where::Here => SockReply::from_bool(self.sockets.announce(ctx, tenant, tuple, local, now)),
+                Where::Host(host) => match PeerTuple::of(tuple) {
+                    Some(tuple) => {
+                        return Ok(self.forward(ctx, tenant, host, Query::Announce { tuple }, now))
+                    }
+                    None => SockReply::No,
+                },
+                Where::Nowhere => SockReply::No,
             },
             SockRequest::Claim { tuple } => SockReply::from_bool(self.sockets.claim(tenant, tuple, now)),
-            SockRequest::Resolve { tuple, give_up } => match self.remote.announced.get(&(ctx, tuple)) {
-                Some(&host) => {
-                    return Ok(self.forward(ctx, tenant, host, Query::Resolve { tuple, give_up }, now))
+            SockRequest::Resolve { tuple, give_up } => {
+                // Announced at another host: an IPv4 tuple (the only ones
+                // forwarded), resolved there.
+                let there =
+                    PeerTuple::of(tuple).and_then(|t| Some((t, *self.remote.announced.get(&(ctx, t))?)));
+                match there {
+                    Some((tuple, host)) => {
+                        return Ok(self.forward(ctx, tenant, host, Query::Resolve { tuple, give_up }, now))
+                    }
+                    None => SockReply::Outcome(self.sockets.resolve(ctx, tenant, tuple, give_up, now)),
                 }
-                None => SockReply::Outcome(self.sockets.resolve(ctx, tenant, tuple, give_up, now)),
-            },
+            }
             SockRequest::Counts => SockReply::Counts(self.sockets.stats(tenant)),
             // Local, as the claim is: the announcement lives at the
             // server's daemon, also for a client of another host.
@@ -124,24 +157,36 @@ impl EngineState {
             // An announcement made at another host's daemon stays its
             // announcing context's (the forwarding is keyed by it).
             SockRequest::Adopt { tuple } => SockReply::from_bool(
-                !self.remote.announced.keys().any(|(_, t)| *t == tuple)
+                !PeerTuple::of(tuple).is_some_and(|p| self.remote.announced.keys().any(|(_, t)| *t == p))
                     && self.sockets.adopt(ctx, tenant, tuple),
             ),
         };
         Ok(SockCall::Now(reply))
     }
 
-    /// The host whose daemon owns `ip`, when that is not this one: the
-    /// client found `ip` not to be its host's (`local` false), and this
-    /// daemon does not own it either. (Where the daemon owns it, the
-    /// client's word on locality stands, as on one host: a client in
+    /// Whose registry answers about `ip`: this daemon's, when the client
+    /// found `ip` to be its host's (`local`) or this daemon owns it (then
+    /// the client's word on locality stands, as on one host: a client in
     /// another network namespace than the daemon's has loopback and
-    /// addresses of its own.)
-    fn elsewhere(&self, ip: Ipv4Addr, local: bool) -> Option<Ipv4Addr> {
-        let here = local || self.cm.cm.is_local(ip);
-        // Addresses no daemon can own: plain TCP, never asked about.
+    /// addresses of its own); else the daemon of the host `ip` names.
+    /// An IPv6 address of no host of the client is nobody's: the
+    /// daemons' links and hosts are IPv4.
+    fn elsewhere(&self, ip: IpAddr, local: bool) -> Where {
+        let ip = match ip {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => v4,
+                None if local => return Where::Here,
+                None => return Where::Nowhere,
+            },
+            IpAddr::V4(v4) => v4,
+        };
+        // Addresses no host's daemon can own (unspecified, broadcast,
+        // multicast) are asked of no other host: this registry answers.
         let nobody = ip.is_unspecified() || ip.is_broadcast() || ip.is_multicast();
-        (!here && !nobody).then_some(ip)
+        if local || nobody || self.cm.cm.is_local(ip) {
+            return Where::Here;
+        }
+        Where::Host(ip)
     }
 
     /// Sends `query` to `host`'s daemon; the answer comes to the returned
@@ -238,7 +283,7 @@ impl EngineState {
         match query {
             Query::Lookup { dst } => {
                 let local = self.cm.cm.is_local(*dst.ip());
-                Answer::from_bool(r.lookup(tenant, dst, local))
+                Answer::from_bool(r.lookup(tenant, dst.into(), local))
             }
             // The client's address must be its daemon's, the one the link
             // names (no NAT between namespaces or hosts): the 4-tuple the
@@ -247,10 +292,10 @@ impl EngineState {
             Query::Announce { tuple } if *tuple.client.ip() != host => Answer::No,
             Query::Announce { tuple } => {
                 let local = self.cm.cm.is_local(*tuple.server.ip());
-                Answer::from_bool(r.announce(owner, tenant, tuple, local, now))
+                Answer::from_bool(r.announce(owner, tenant, tuple.into(), local, now))
             }
             Query::Resolve { tuple, give_up } => {
-                Answer::Outcome(r.resolve(owner, tenant, tuple, give_up, now))
+                Answer::Outcome(r.resolve(owner, tenant, tuple.into(), give_up, now))
             }
         }
     }
@@ -407,9 +452,10 @@ mod tests {
     #[test]
     fn a_clients_calls_about_another_host_are_asked_there() {
         let (mut s, mut theirs, ctx) = state(3);
-        let tuple = Tuple { client: addr("10.0.0.1:40000"), server: addr("10.0.0.2:5000") };
-        let (rx, q) =
-            wait(s.handle_sock(ctx, US, SockRequest::Lookup { dst: tuple.server, local: false }).unwrap());
+        let tuple = PeerTuple { client: addr("10.0.0.1:40000"), server: addr("10.0.0.2:5000") };
+        let (rx, q) = wait(
+            s.handle_sock(ctx, US, SockRequest::Lookup { dst: tuple.server.into(), local: false }).unwrap(),
+        );
         let SockMessage::Query { id, tenant, ctx: c, query } = read_msg(&mut theirs) else { panic!() };
         assert_eq!((tenant, c, query), (1000, 1, q));
         // An answer from no query, then the real one.
@@ -418,12 +464,16 @@ mod tests {
         send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Yes });
         assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Yes);
 
-        let (rx, q) = wait(s.handle_sock(ctx, US, SockRequest::Announce { tuple, local: false }).unwrap());
+        let (rx, q) = wait(
+            s.handle_sock(ctx, US, SockRequest::Announce { tuple: tuple.into(), local: false }).unwrap(),
+        );
         let SockMessage::Query { id, .. } = read_msg(&mut theirs) else { panic!() };
         send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Yes });
         assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Yes);
         // The resolve goes where the announcement is.
-        let (rx, q) = wait(s.handle_sock(ctx, US, SockRequest::Resolve { tuple, give_up: false }).unwrap());
+        let (rx, q) = wait(
+            s.handle_sock(ctx, US, SockRequest::Resolve { tuple: tuple.into(), give_up: false }).unwrap(),
+        );
         let SockMessage::Query { id, query, .. } = read_msg(&mut theirs) else { panic!() };
         assert_eq!(query, Query::Resolve { tuple, give_up: false });
         send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Outcome(Outcome::Pending) });
@@ -433,13 +483,15 @@ mod tests {
         assert_eq!(read_msg(&mut theirs), SockMessage::Closed { ctx: 1 });
         // A host with no link, that is no configured peer and not in
         // net.allow, is not dialled for a connect: plain TCP at once.
-        let r =
-            s.handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.3:5000"), local: false }).unwrap();
+        let r = s
+            .handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.3:5000").into(), local: false })
+            .unwrap();
         assert!(matches!(r, SockCall::Now(SockReply::No)));
         // A tenant numbered by this daemon is asked nowhere.
         let local_only = TenantId(TenantId::HOST_LOCAL_BASE + 1);
-        let r =
-            s.handle_sock(ctx, local_only, SockRequest::Lookup { dst: tuple.server, local: false }).unwrap();
+        let r = s
+            .handle_sock(ctx, local_only, SockRequest::Lookup { dst: tuple.server.into(), local: false })
+            .unwrap();
         assert!(matches!(r, SockCall::Now(SockReply::No)));
     }
 
@@ -449,7 +501,7 @@ mod tests {
     #[test]
     fn another_hosts_calls_are_answered_by_this_registry() {
         let (mut s, mut theirs, ctx) = state(3);
-        s.handle_sock(ctx, US, SockRequest::Listen { addr: addr("0.0.0.0:5000") }).unwrap();
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: addr("0.0.0.0:5000").into() }).unwrap();
         let mut ask = |s: &mut EngineState, id: u32, tenant: TenantId, query: Query| {
             send_msg(s, &mut theirs, SockMessage::Query { id, tenant: tenant.0, ctx: 4, query });
             match read_msg(&mut theirs) {
@@ -458,13 +510,13 @@ mod tests {
             }
         };
         let dst = addr("10.0.0.1:5000");
-        let tuple = Tuple { client: addr("10.0.0.2:40000"), server: dst };
+        let tuple = PeerTuple { client: addr("10.0.0.2:40000"), server: dst };
         assert_eq!(ask(&mut s, 1, US, Query::Lookup { dst }), Answer::Yes);
         assert_eq!(ask(&mut s, 2, TenantId(1001), Query::Lookup { dst }), Answer::No, "another tenant");
         let host_local = TenantId(TenantId::HOST_LOCAL_BASE);
         assert_eq!(ask(&mut s, 3, host_local, Query::Lookup { dst }), Answer::No, "a host-local tenant");
         assert_eq!(ask(&mut s, 4, US, Query::Lookup { dst: addr("10.0.0.9:5000") }), Answer::No, "not ours");
-        let spoofed = Tuple { client: addr("10.0.0.3:40000"), server: dst };
+        let spoofed = PeerTuple { client: addr("10.0.0.3:40000"), server: dst };
         assert_eq!(
             ask(&mut s, 5, US, Query::Announce { tuple: spoofed }),
             Answer::No,
@@ -473,7 +525,7 @@ mod tests {
         assert_eq!(ask(&mut s, 6, TenantId(1001), Query::Announce { tuple }), Answer::No);
         assert_eq!(ask(&mut s, 7, US, Query::Announce { tuple }), Answer::Yes);
         assert!(matches!(
-            s.handle_sock(ctx, US, SockRequest::Claim { tuple }).unwrap(),
+            s.handle_sock(ctx, US, SockRequest::Claim { tuple: tuple.into() }).unwrap(),
             SockCall::Now(SockReply::Yes)
         ));
         let resolve = Query::Resolve { tuple, give_up: false };
@@ -482,10 +534,43 @@ mod tests {
         assert_eq!(ask(&mut s, 9, US, Query::Announce { tuple }), Answer::Yes);
         send_msg(&mut s, &mut theirs, SockMessage::Closed { ctx: 4 });
         assert!(matches!(
-            s.handle_sock(ctx, US, SockRequest::Claim { tuple }).unwrap(),
+            s.handle_sock(ctx, US, SockRequest::Claim { tuple: tuple.into() }).unwrap(),
             SockCall::Now(SockReply::No)
         ));
         assert_eq!(s.sockets.stats(US).pending, 0);
+    }
+
+    /// An IPv6 destination is answered by this registry when the client
+    /// found it local, and is plain TCP at once otherwise: never asked
+    /// about at another host (the daemons' exchange is IPv4). A v4-mapped
+    /// one is its IPv4 address, asked about as before.
+    #[test]
+    fn an_ipv6_destination_is_this_hosts_or_plain_tcp() {
+        let (mut s, mut theirs, ctx) = state(3);
+        let v6 = |a: &str| -> std::net::SocketAddr { a.parse().unwrap() };
+        let now = |r: SockCall| match r {
+            SockCall::Now(r) => r,
+            SockCall::Wait { query, .. } => panic!("asked another host: {query:?}"),
+        };
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[::]:5000") }).unwrap();
+        let lookup = |dst: &str, local| SockRequest::Lookup { dst: v6(dst), local };
+        assert_eq!(now(s.handle_sock(ctx, US, lookup("[::1]:5000", true)).unwrap()), SockReply::Yes);
+        assert_eq!(now(s.handle_sock(ctx, US, lookup("[fd00::2]:5000", false)).unwrap()), SockReply::No);
+        let far = vrdma_core::sockets::Tuple { client: v6("[fd00::1]:40000"), server: v6("[fd00::2]:5000") };
+        let r = s.handle_sock(ctx, US, SockRequest::Announce { tuple: far, local: false }).unwrap();
+        assert_eq!(now(r), SockReply::No);
+        let r = s.handle_sock(ctx, US, SockRequest::Resolve { tuple: far, give_up: false }).unwrap();
+        assert_eq!(now(r), SockReply::Outcome(Outcome::Tcp));
+        let near = vrdma_core::sockets::Tuple { client: v6("[::1]:40000"), server: v6("[::1]:5000") };
+        let r = s.handle_sock(ctx, US, SockRequest::Announce { tuple: near, local: true }).unwrap();
+        assert_eq!(now(r), SockReply::Yes);
+        assert_eq!(s.sockets.stats(US).pending, 1);
+        // The first message on the link is the v4-mapped destination's
+        // lookup: nothing went for the IPv6 ones.
+        let (_rx, q) = wait(s.handle_sock(ctx, US, lookup("[::ffff:10.0.0.2]:5000", false)).unwrap());
+        assert_eq!(q, Query::Lookup { dst: addr("10.0.0.2:5000") });
+        let SockMessage::Query { query, .. } = read_msg(&mut theirs) else { panic!() };
+        assert_eq!(query, q);
     }
 
     /// A peer that speaks wire version 2 gets no Sock frame: the call is
@@ -494,8 +579,9 @@ mod tests {
     #[test]
     fn a_version_two_peer_is_never_asked() {
         let (mut s, mut theirs, ctx) = state(2);
-        let r =
-            s.handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.2:5000"), local: false }).unwrap();
+        let r = s
+            .handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.2:5000").into(), local: false })
+            .unwrap();
         assert!(matches!(r, SockCall::Now(SockReply::No)));
         let payload = vrdma_core::wire::sock::encode(&SockMessage::Closed { ctx: 1 });
         let mut frame = vec![0u8; BASE_HEADER_LEN];
