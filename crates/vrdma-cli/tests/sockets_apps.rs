@@ -643,52 +643,68 @@ fn said(f: &Finished, what: &str) -> u64 {
     f.stderr.matches(what).count() as u64
 }
 
-/// SIGHUP to a postmaster every 20 ms, from a thread, until stopped.
+/// SIGHUP to a postmaster every 20 ms, from a thread, until stopped or
+/// dropped; through a pidfd, so never to another process should the
+/// postmaster be gone.
 struct Reloads {
     stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    thread: std::thread::JoinHandle<u32>,
+    thread: Option<std::thread::JoinHandle<u32>>,
 }
 
 impl Reloads {
     fn start(data: &Path) -> Reloads {
         let pid_file = std::fs::read_to_string(data.join("postmaster.pid")).expect("postmaster.pid");
-        let pid: i32 =
-            pid_file.lines().next().and_then(|l| l.trim().parse().ok()).expect("the postmaster's pid");
+        let pid = pid_file
+            .lines()
+            .next()
+            .and_then(|l| rustix::process::Pid::from_raw(l.trim().parse().ok()?))
+            .expect("the postmaster's pid");
+        let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .expect("a pidfd of the postmaster");
         let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::spawn(move || {
             let mut sent = 0;
             while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
-                // SAFETY: kill(2) on the postmaster this test started (a
-                // descendant still running: the test stops the server
-                // only after this thread).
-                if unsafe { libc::kill(pid, libc::SIGHUP) } == 0 {
+                if rustix::process::pidfd_send_signal(&fd, rustix::process::Signal::HUP).is_ok() {
                     sent += 1;
                 }
                 std::thread::sleep(Duration::from_millis(20));
             }
             sent
         });
-        Reloads { stop, thread }
+        Reloads { stop, thread: Some(thread) }
     }
 
     /// Stops the reloads; how many were sent.
-    fn stop(self) -> u32 {
+    fn stop(mut self) -> u32 {
         self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        self.thread.join().expect("the reloading thread")
+        self.thread.take().map_or(0, |t| t.join().expect("the reloading thread"))
     }
 }
 
-/// A pgbench run: exit 0, no failed transaction; how many it processed.
-fn pgbench_processed(f: &Finished) -> u64 {
-    f.assert_ok();
-    assert!(f.stdout.contains("number of failed transactions: 0"), "{}", f.describe());
-    f.stdout
+impl Drop for Reloads {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A pgbench run: exit 0, no failed transaction; how many it processed
+/// (`server`: the server's output, for the message).
+fn pgbench_processed(f: &Finished, server: &Finished) -> u64 {
+    let processed = f
+        .stdout
         .lines()
         .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
         .and_then(|n| n.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
-        .filter(|&n| n > 0)
-        .unwrap_or_else(|| panic!("no transaction processed: {}", f.describe()))
+        .filter(|&n| n > 0);
+    match processed {
+        Some(n) if f.status.success() && f.stdout.contains("number of failed transactions: 0") => n,
+        _ => panic!("a failed pgbench run: {}\n{}", f.describe(), server.describe()),
+    }
 }
 
 /// PostgreSQL, the server and its clients all preloaded, as one non-root
@@ -732,12 +748,11 @@ fn postgresql_serves_pgbench_and_psql_carried() {
         let cmd = as_user(preloaded(&d, &bin.join(program), &all), user, home);
         spawn(cmd, &format!("{program} {}", args.join(" "))).finish(LIMIT)
     };
+    // Each run to its end (or its limit) first, checked once the server's
+    // output is in, for the messages.
     let init = client("pgbench", &["-i", "-s", "1", "-q", "postgres"]);
-    init.assert_ok();
     let select = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-S", "-n", "postgres"]);
-    let select_n = pgbench_processed(&select);
     let tpcb = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-n", "postgres"]);
-    let tpcb_n = pgbench_processed(&tpcb);
     // Meanwhile the configuration is reloaded every 20 ms (`pg_ctl
     // reload`: SIGHUP to the postmaster, which passes it on to every
     // backend): handled signals land in backends waiting on carried
@@ -749,7 +764,6 @@ fn postgresql_serves_pgbench_and_psql_carried() {
     let reloads = Reloads::start(&data);
     let each = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-C", "-n", "postgres"]);
     let reloaded = reloads.stop();
-    let each_n = pgbench_processed(&each);
     // Each TPC-B transaction adds its delta to an account's balance and
     // writes it to the history (which -n keeps from one run to the next).
     let query = "select (select count(*) from pgbench_accounts), \
@@ -757,7 +771,9 @@ fn postgresql_serves_pgbench_and_psql_carried() {
                  (select count(*) from pgbench_history)";
     let psql = client("psql", &["-X", "-A", "-t", "-c", query, "postgres"]);
     let s = server.stop();
-    psql.assert_ok();
+    assert!(init.status.success(), "{}\n{}", init.describe(), s.describe());
+    let [select_n, tpcb_n, each_n] = [&select, &tpcb, &each].map(|f| pgbench_processed(f, &s));
+    assert!(psql.status.success(), "{}\n{}", psql.describe(), s.describe());
     let got: Vec<&str> = psql.stdout.trim().split('|').collect();
     let history: u64 = got.get(2).and_then(|n| n.parse().ok()).unwrap_or(0);
     assert!(
