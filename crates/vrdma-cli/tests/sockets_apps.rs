@@ -83,6 +83,7 @@ fn plain(program: &Path, args: &[&str]) -> Command {
 /// descendants (nginx's worker, the program under `vrdma run`).
 struct Server {
     run: Option<Running>,
+    name: String,
 }
 
 impl Server {
@@ -98,7 +99,7 @@ impl Server {
     /// Starts `cmd` and waits until `ready` (`what` says what it waits
     /// for), or fails with the server's output should it exit first.
     fn start_until(cmd: Command, name: &str, what: &str, mut ready: impl FnMut() -> bool) -> Server {
-        let mut s = Server { run: Some(spawn(cmd, name)) };
+        let mut s = Server { run: Some(spawn(cmd, name)), name: name.to_string() };
         let up = vrdma_it::wait_until(SERVER_LIMIT, &format!("{name}: {what}"), || {
             s.run.as_mut().is_some_and(|r| r.exited()) || ready()
         });
@@ -118,7 +119,10 @@ impl Server {
         // in `finish` only), so the pid is still its own.
         unsafe { libc::kill(run.pid(), libc::SIGTERM) };
         let pid = run.pid();
-        let f = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.finish(SERVER_LIMIT)));
+        let name = format!("{} (told to stop)", self.name);
+        let f = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            finish_within(run, SERVER_LIMIT, &name)
+        }));
         kill_descendants(pid);
         match f {
             Ok(f) => f,
@@ -136,6 +140,26 @@ impl Drop for Server {
         // `Running`'s own drop kills and reaps the process itself.
         drop(self.run.take());
     }
+}
+
+/// Waits for `run` to end; at `limit`, kills the processes below it
+/// first (the program under `vrdma run`), then it, and fails. The
+/// harness's own limit kills the process it started alone, and then waits
+/// for the end of its output, which a program left running holds open:
+/// a client hung under `vrdma run` hung the test.
+fn finish_within(mut run: Running, limit: Duration, name: &str) -> Finished {
+    let end = std::time::Instant::now() + limit;
+    while !run.exited() {
+        if std::time::Instant::now() > end {
+            // Not reaped yet (`exited` said so): its descendants are still
+            // found below it.
+            kill_descendants(run.pid());
+            let f = run.finish(Duration::from_secs(5));
+            panic!("{name} ran past {limit:?}, killed: {}", f.describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    run.finish(limit)
 }
 
 /// SIGKILL to every process below `pid` (children first found through
@@ -746,7 +770,8 @@ fn postgresql_serves_pgbench_and_psql_carried() {
         let mut all = vec!["-h", "127.0.0.1", "-p", &p];
         all.extend(args);
         let cmd = as_user(preloaded(&d, &bin.join(program), &all), user, home);
-        spawn(cmd, &format!("{program} {}", args.join(" "))).finish(LIMIT)
+        let name = format!("{program} {}", args.join(" "));
+        finish_within(spawn(cmd, &name), LIMIT, &name)
     };
     // Each run to its end (or its limit) first, checked once the server's
     // output is in, for the messages.
