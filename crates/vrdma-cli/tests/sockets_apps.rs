@@ -775,27 +775,35 @@ fn postgresql_serves_pgbench_and_psql_carried() {
     };
     // Each run to its end (or its limit) first, checked once the server's
     // output is in, for the messages.
-    let init = client("pgbench", &["-i", "-s", "1", "-q", "postgres"]);
-    let select = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-S", "-n", "postgres"]);
-    let tpcb = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-n", "postgres"]);
-    // Meanwhile the configuration is reloaded every 20 ms (`pg_ctl
-    // reload`: SIGHUP to the postmaster, which passes it on to every
-    // backend): handled signals land in backends waiting on carried
-    // connections. (Not during their hellos: a new backend blocks them
-    // while it reads its start-up packet, its first call. pgbench's own
-    // SIGALRM at the end of -T may land in a client's exchange, the case
-    // of issue 20's fix, but seldom: vrdma-it's tests/sockets.rs,
-    // a_signal_during_the_exchange_of_hellos..., covers that one.)
-    let reloads = Reloads::start(&data);
-    let each = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-C", "-n", "postgres"]);
-    let reloaded = reloads.stop();
-    // Each TPC-B transaction adds its delta to an account's balance and
-    // writes it to the history (which -n keeps from one run to the next).
-    let query = "select (select count(*) from pgbench_accounts), \
-                 (select sum(abalance) from pgbench_accounts) = (select sum(delta) from pgbench_history), \
-                 (select count(*) from pgbench_history)";
-    let psql = client("psql", &["-X", "-A", "-t", "-c", query, "postgres"]);
+    // A client past its limit panics: the server's output goes with it.
+    let clients = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let init = client("pgbench", &["-i", "-s", "1", "-q", "postgres"]);
+        let select = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-S", "-n", "postgres"]);
+        let tpcb = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-n", "postgres"]);
+        // Meanwhile the configuration is reloaded every 20 ms (`pg_ctl
+        // reload`: SIGHUP to the postmaster, which passes it on to every
+        // backend): handled signals land in backends waiting on carried
+        // connections. (Not during their hellos: a new backend blocks them
+        // while it reads its start-up packet, its first call. pgbench's own
+        // SIGALRM at the end of -T may land in a client's exchange, the case
+        // of issue 20's fix, but seldom: vrdma-it's tests/sockets.rs,
+        // a_signal_during_the_exchange_of_hellos..., covers that one.)
+        let reloads = Reloads::start(&data);
+        let each = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-C", "-n", "postgres"]);
+        let reloaded = reloads.stop();
+        // Each TPC-B transaction adds its delta to an account's balance and
+        // writes it to the history (which -n keeps from one run to the next).
+        let query = "select (select count(*) from pgbench_accounts), \
+                     (select sum(abalance) from pgbench_accounts) = (select sum(delta) from pgbench_history), \
+                     (select count(*) from pgbench_history)";
+        let psql = client("psql", &["-X", "-A", "-t", "-c", query, "postgres"]);
+        (init, select, tpcb, each, reloaded, psql)
+    }));
     let s = server.stop();
+    let (init, select, tpcb, each, reloaded, psql) = clients.unwrap_or_else(|e| {
+        let why = e.downcast_ref::<String>().map(String::as_str).or(e.downcast_ref::<&str>().copied());
+        panic!("{}\n{}", why.unwrap_or("a client panicked"), s.describe())
+    });
     assert!(init.status.success(), "{}\n{}", init.describe(), s.describe());
     let [select_n, tpcb_n, each_n] = [&select, &tpcb, &each].map(|f| pgbench_processed(f, &s));
     assert!(psql.status.success(), "{}\n{}", psql.describe(), s.describe());
