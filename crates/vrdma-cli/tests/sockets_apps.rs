@@ -1,8 +1,9 @@
 //! Real applications, Debian's packages, over carried sockets
 //! (docs/sockets.md, issue 20): redis (`redis-server`, `redis-benchmark`,
-//! `redis-cli`), memcached, nginx with `curl` and `ab`, sockperf, each run
-//! unmodified under `vrdma run --sockets` on loopback, and the mixed
-//! cases (one end preloaded, the other plain).
+//! `redis-cli`), memcached, nginx with `curl` and `ab`, sockperf,
+//! PostgreSQL with `pgbench` and `psql`, each run unmodified under `vrdma
+//! run --sockets` on loopback, and the mixed cases (one end preloaded,
+//! the other plain).
 //!
 //! Each test proves what happened to its connections twice: the daemon's
 //! registry counts (every announced connection claimed, nothing refused
@@ -82,23 +83,29 @@ fn plain(program: &Path, args: &[&str]) -> Command {
 /// descendants (nginx's worker, the program under `vrdma run`).
 struct Server {
     run: Option<Running>,
+    name: String,
 }
 
 impl Server {
     /// Starts `cmd` and waits until something listens on `port` and the
     /// tenant has `listeners` listening addresses registered.
     fn start(cmd: Command, name: &str, port: u16, ctx: &vrdma::Context, listeners: u32) -> Server {
-        let mut s = Server { run: Some(spawn(cmd, name)) };
-        let ready = vrdma_it::wait_until(SERVER_LIMIT, &format!("{name} listens on {port}"), || {
-            s.run.as_mut().is_some_and(|r| r.exited())
-                || (listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(listeners))
+        let what = format!("listening on {port} ({listeners} listener(s) registered)");
+        Server::start_until(cmd, name, &what, || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(listeners)
+        })
+    }
+
+    /// Starts `cmd` and waits until `ready` (`what` says what it waits
+    /// for), or fails with the server's output should it exit first.
+    fn start_until(cmd: Command, name: &str, what: &str, mut ready: impl FnMut() -> bool) -> Server {
+        let mut s = Server { run: Some(spawn(cmd, name)), name: name.to_string() };
+        let up = vrdma_it::wait_until(SERVER_LIMIT, &format!("{name}: {what}"), || {
+            s.run.as_mut().is_some_and(|r| r.exited()) || ready()
         });
-        if ready.is_err() || s.run.as_mut().is_some_and(|r| r.exited()) {
+        if up.is_err() || s.run.as_mut().is_some_and(|r| r.exited()) {
             let f = s.stop();
-            panic!(
-                "{name} did not come up listening on {port} ({listeners} listener(s) registered): {}",
-                f.describe()
-            );
+            panic!("{name} did not come up {what}: {}", f.describe());
         }
         s
     }
@@ -112,7 +119,10 @@ impl Server {
         // in `finish` only), so the pid is still its own.
         unsafe { libc::kill(run.pid(), libc::SIGTERM) };
         let pid = run.pid();
-        let f = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.finish(SERVER_LIMIT)));
+        let name = format!("{} (told to stop)", self.name);
+        let f = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            finish_within(run, SERVER_LIMIT, &name)
+        }));
         kill_descendants(pid);
         match f {
             Ok(f) => f,
@@ -130,6 +140,26 @@ impl Drop for Server {
         // `Running`'s own drop kills and reaps the process itself.
         drop(self.run.take());
     }
+}
+
+/// Waits for `run` to end; at `limit`, kills the processes below it
+/// first (the program under `vrdma run`), then it, and fails. The
+/// harness's own limit kills the process it started alone, and then waits
+/// for the end of its output, which a program left running holds open:
+/// a client hung under `vrdma run` hung the test.
+fn finish_within(mut run: Running, limit: Duration, name: &str) -> Finished {
+    let end = std::time::Instant::now() + limit;
+    while !run.exited() {
+        if std::time::Instant::now() > end {
+            // Not reaped yet (`exited` said so): its descendants are still
+            // found below it.
+            kill_descendants(run.pid());
+            let f = run.finish(Duration::from_secs(5));
+            panic!("{name} ran past {limit:?}, killed: {}", f.describe());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    run.finish(limit)
 }
 
 /// SIGKILL to every process below `pid` (children first found through
@@ -569,4 +599,257 @@ fn sockperf_ping_pong_and_throughput_run_carried() {
     assert_all_carried(&c, 2, "sockperf");
     assert_eq!(c.carried, 2, "{c:?}");
     assert_eq!(carried_lines(&s), 2, "{}", s.describe());
+}
+
+// ---- PostgreSQL ----
+
+/// The binaries of the newest PostgreSQL installed (Debian keeps them
+/// off PATH, in /usr/lib/postgresql/VERSION/bin), or a skip.
+fn postgresql_bin() -> Option<PathBuf> {
+    let wanted = ["postgres", "initdb", "pgbench", "psql"];
+    let mut found: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path().join("bin"))))
+        .filter(|(_, bin): &(u32, PathBuf)| wanted.iter().all(|p| bin.join(p).is_file()))
+        .collect();
+    found.sort();
+    let bin = found.pop().map(|(_, bin)| bin);
+    if bin.is_none() {
+        vrdma_it::skip("PostgreSQL is missing (apt-get install postgresql)");
+    }
+    bin
+}
+
+/// The uid and gid PostgreSQL runs as, server and clients alike (one
+/// tenant): the `postgres` user the package creates when this test runs
+/// as root (initdb and postgres refuse root), else this process's own.
+fn postgresql_user() -> Option<(u32, u32)> {
+    if !is_root() {
+        // SAFETY: geteuid(2) and getegid(2) have no preconditions.
+        return Some(unsafe { (libc::geteuid(), libc::getegid()) });
+    }
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap_or_default();
+    let user = passwd.lines().find_map(|l| {
+        let f: Vec<&str> = l.split(':').collect();
+        (f.len() > 3 && f[0] == "postgres").then(|| Some((f[2].parse().ok()?, f[3].parse().ok()?)))?
+    });
+    if user.is_none() {
+        vrdma_it::skip("no postgres user (apt-get install postgresql creates it)");
+    }
+    user
+}
+
+/// `cmd` as `user`, at home in `home` (its own files there, not root's).
+fn as_user(mut cmd: Command, (uid, gid): (u32, u32), home: &Path) -> Command {
+    use std::os::unix::process::CommandExt;
+    cmd.uid(uid).gid(gid).current_dir(home).env("HOME", home).env("LC_ALL", "C");
+    for v in ["PGHOST", "PGPORT", "PGUSER", "PGDATABASE", "PGDATA", "PGPASSWORD"] {
+        cmd.env_remove(v);
+    }
+    cmd
+}
+
+/// Whether the postmaster of `data` says it accepts connections: the
+/// status its pid file ends with (after its listening sockets, and so
+/// their registration, and after the start-up process is done).
+fn postmaster_ready(data: &Path) -> bool {
+    let pid = std::fs::read_to_string(data.join("postmaster.pid")).unwrap_or_default();
+    pid.lines().nth(7).is_some_and(|l| l.trim() == "ready")
+}
+
+/// How often the library said `what` on `f`'s stderr. Counted in the
+/// whole text, not by line: the processes of a server share its stderr,
+/// and the library writes the parts of a line (its prefix, the message)
+/// one by one, so two processes' lines may interleave.
+fn said(f: &Finished, what: &str) -> u64 {
+    f.stderr.matches(what).count() as u64
+}
+
+/// SIGHUP to a postmaster every 20 ms, from a thread, until stopped or
+/// dropped; through a pidfd, so never to another process should the
+/// postmaster be gone.
+struct Reloads {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<u32>>,
+}
+
+impl Reloads {
+    fn start(data: &Path) -> Reloads {
+        let pid_file = std::fs::read_to_string(data.join("postmaster.pid")).expect("postmaster.pid");
+        let pid = pid_file
+            .lines()
+            .next()
+            .and_then(|l| rustix::process::Pid::from_raw(l.trim().parse().ok()?))
+            .expect("the postmaster's pid");
+        let fd = rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty())
+            .expect("a pidfd of the postmaster");
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut sent = 0;
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                if rustix::process::pidfd_send_signal(&fd, rustix::process::Signal::HUP).is_ok() {
+                    sent += 1;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            sent
+        });
+        Reloads { stop, thread: Some(thread) }
+    }
+
+    /// Stops the reloads; how many were sent.
+    fn stop(mut self) -> u32 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.take().map_or(0, |t| t.join().expect("the reloading thread"))
+    }
+}
+
+impl Drop for Reloads {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A pgbench run: exit 0, no failed transaction; how many it processed
+/// (`server`: the server's output, for the message).
+fn pgbench_processed(f: &Finished, server: &Finished) -> u64 {
+    let processed = f
+        .stdout
+        .lines()
+        .find_map(|l| l.strip_prefix("number of transactions actually processed: "))
+        .and_then(|n| n.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok())
+        .filter(|&n| n > 0);
+    match processed {
+        Some(n) if f.status.success() && f.stdout.contains("number of failed transactions: 0") => n,
+        _ => panic!("a failed pgbench run: {}\n{}", f.describe(), server.describe()),
+    }
+}
+
+/// PostgreSQL, the server and its clients all preloaded, as one non-root
+/// user: the postmaster accepts each connection and forks a backend that
+/// serves it (the first call on the accepted descriptor is the
+/// backend's), libpq on the client side. pgbench initialises its tables,
+/// then runs select-only and TPC-B for 3 s each on 4 clients, and TPC-B
+/// again with a new connection (and a new backend) per transaction
+/// (`-C`) while the configuration is reloaded every 20 ms; psql checks
+/// what the TPC-B transactions left. Every connection of every client is
+/// carried, and the server claimed and carried as many as the clients
+/// announced (counted in the library's lines on each side: the daemon's
+/// registry counts are the tenant's, here the postgres user's, which
+/// this test's own context, root's, does not see).
+#[test]
+fn postgresql_serves_pgbench_and_psql_carried() {
+    let Some(bin) = postgresql_bin() else { return };
+    let Some(user) = postgresql_user() else { return };
+    let _one = one_at_a_time();
+    let d = DaemonProc::start().expect("daemon");
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::os::unix::fs::chown(dir.path(), Some(user.0), Some(user.1)).expect("chown the temp dir");
+    let home = dir.path();
+    let data = home.join("data");
+    let (data_s, home_s) = (data.display().to_string(), home.display().to_string());
+    let initdb = plain(&bin.join("initdb"), &["-D", &data_s, "-A", "trust", "-N"]);
+    spawn(as_user(initdb, user, home), "initdb").finish(LIMIT).assert_ok();
+
+    let port = free_port();
+    let p = port.to_string();
+    let args = ["-D", &data_s, "-k", &home_s, "-h", "127.0.0.1", "-p", &p, "-c", "fsync=off"];
+    let server = Server::start_until(
+        as_user(preloaded(&d, &bin.join("postgres"), &args), user, home),
+        "postgres",
+        &format!("accepting connections on {port}"),
+        || listening(port) && postmaster_ready(&data),
+    );
+    let client = |program: &str, args: &[&str]| {
+        let mut all = vec!["-h", "127.0.0.1", "-p", &p];
+        all.extend(args);
+        let cmd = as_user(preloaded(&d, &bin.join(program), &all), user, home);
+        let name = format!("{program} {}", args.join(" "));
+        finish_within(spawn(cmd, &name), LIMIT, &name)
+    };
+    // Each run to its end (or its limit) first, checked once the server's
+    // output is in, for the messages.
+    // A client past its limit panics: the server's output goes with it.
+    let clients = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // The tables are made over plain TCP (a client without the
+        // library: the server's claim is refused, nothing is announced).
+        // Carried, `pgbench -i`'s COPY FROM STDIN hangs about once in
+        // twenty runs, a lost wake-up not found yet (docs/sockets.md,
+        // "Real applications"): until it is, CI does not depend on it.
+        let init_args = ["-h", "127.0.0.1", "-p", &p, "-i", "-s", "1", "-q", "postgres"];
+        let init_cmd = as_user(plain(&bin.join("pgbench"), &init_args), user, home);
+        let init = finish_within(spawn(init_cmd, "pgbench -i (plain TCP)"), LIMIT, "pgbench -i (plain TCP)");
+        let select = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-S", "-n", "postgres"]);
+        let tpcb = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-n", "postgres"]);
+        // Meanwhile the configuration is reloaded every 20 ms (`pg_ctl
+        // reload`: SIGHUP to the postmaster, which passes it on to every
+        // backend): handled signals land in backends waiting on carried
+        // connections. (Not during their hellos: a new backend blocks them
+        // while it reads its start-up packet, its first call. pgbench's own
+        // SIGALRM at the end of -T may land in a client's exchange, the case
+        // of issue 20's fix, but seldom: vrdma-it's tests/sockets.rs,
+        // a_signal_during_the_exchange_of_hellos..., covers that one.)
+        let reloads = Reloads::start(&data);
+        let each = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-C", "-n", "postgres"]);
+        let reloaded = reloads.stop();
+        // Each TPC-B transaction adds its delta to an account's balance and
+        // writes it to the history (which -n keeps from one run to the next).
+        let query = "select (select count(*) from pgbench_accounts), \
+                     (select sum(abalance) from pgbench_accounts) = (select sum(delta) from pgbench_history), \
+                     (select count(*) from pgbench_history)";
+        let psql = client("psql", &["-X", "-A", "-t", "-c", query, "postgres"]);
+        (init, select, tpcb, each, reloaded, psql)
+    }));
+    let s = server.stop();
+    let (init, select, tpcb, each, reloaded, psql) = clients.unwrap_or_else(|e| {
+        let why = e.downcast_ref::<String>().map(String::as_str).or(e.downcast_ref::<&str>().copied());
+        panic!("{}\n{}", why.unwrap_or("a client panicked"), s.describe())
+    });
+    assert!(init.status.success(), "{}\n{}", init.describe(), s.describe());
+    let [select_n, tpcb_n, each_n] = [&select, &tpcb, &each].map(|f| pgbench_processed(f, &s));
+    assert!(psql.status.success(), "{}\n{}", psql.describe(), s.describe());
+    let got: Vec<&str> = psql.stdout.trim().split('|').collect();
+    let history: u64 = got.get(2).and_then(|n| n.parse().ok()).unwrap_or(0);
+    assert!(
+        got.len() == 3 && got[0] == "100000" && got[1] == "t" && history >= tpcb_n + each_n,
+        "accounts, whether their balances add up to the history's deltas, and history rows \
+         (at least {} expected): {}",
+        tpcb_n + each_n,
+        psql.describe()
+    );
+
+    // Each client carried every connection it made: pgbench one per
+    // client (and one of its own first) and, under -C, one per
+    // transaction.
+    assert_eq!(said(&init, "announced 127.0.0.1:"), 0, "{}", init.describe());
+    let clients = [(&select, 4), (&tpcb, 4), (&each, each_n), (&psql, 1)];
+    let (mut announced, mut carried) = (0, 0);
+    for (f, least) in clients {
+        let (a, c) = (said(f, "announced 127.0.0.1:"), said(f, CARRIED));
+        assert!(
+            c >= least && a == c,
+            "{a} connection(s) announced, {c} carried (at least {least} expected): {}",
+            f.describe()
+        );
+        announced += a;
+        carried += c;
+    }
+    // And the server (the postmaster's claims, its backends' hellos).
+    let (claimed, served) = (said(&s, "claimed 127.0.0.1:"), said(&s, CARRIED));
+    assert!(
+        claimed == announced && served == carried,
+        "the clients announced {announced} connections and carried {carried}; the server claimed \
+         {claimed} and carried {served}: {}",
+        s.describe()
+    );
+    eprintln!(
+        "postgresql: {select_n} select-only, {tpcb_n} TPC-B, {each_n} TPC-B with -C \
+         ({reloaded} reloads); {carried} carried"
+    );
 }

@@ -24,6 +24,7 @@ mod report;
 mod server;
 mod sockets;
 mod sockets_apps;
+mod sockets_pg;
 mod spec;
 mod suite;
 mod traffic;

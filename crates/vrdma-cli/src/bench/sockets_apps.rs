@@ -1,7 +1,8 @@
 //! `vrdma bench --sockets`, real applications: Debian's `sockperf`
 //! (ping-pong latency and throughput's message rate, 64-byte messages over
-//! TCP) and `redis-benchmark` (GET and SET requests per second, 4
-//! clients), each pair run plain and preloaded (on the direct-path
+//! TCP), `redis-benchmark` (GET and SET requests per second, 4 clients)
+//! and PostgreSQL's `pgbench` (select-only transactions per second, 4
+//! clients: [`super::sockets_pg`]), each pair run plain and preloaded (on the direct-path
 //! daemon of [`super::sockets`]), interleaved in the same run, each figure
 //! beside its plain-TCP anchor with the ratio. A program that is not
 //! installed leaves its rows out, saying so. A preloaded client must print
@@ -35,13 +36,13 @@ fn find(program: &str) -> Option<PathBuf> {
 }
 
 /// A port nobody listens on now (bound then released).
-fn free_port() -> Result<u16> {
+pub(super) fn free_port() -> Result<u16> {
     Ok(std::net::TcpListener::bind(("127.0.0.1", 0))?.local_addr()?.port())
 }
 
 /// Whether a socket listens on `port`, from /proc (a probe connection
 /// would be a client of the server's).
-fn listening(port: u16) -> bool {
+pub(super) fn listening(port: u16) -> bool {
     let want = format!(":{port:04X}");
     ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|f| {
         std::fs::read_to_string(f).unwrap_or_default().lines().skip(1).any(|l| {
@@ -52,7 +53,7 @@ fn listening(port: u16) -> bool {
 }
 
 /// Preloaded on the daemon at `sock`, or plain (`None`).
-fn command(program: &Path, args: &[&str], preload: Option<(&Path, &Path)>) -> Command {
+pub(super) fn command(program: &Path, args: &[&str], preload: Option<(&Path, &Path)>) -> Command {
     let mut c = Command::new(program);
     c.args(args).env_remove("LD_PRELOAD").env_remove("VRDMA_SOCKETS_DEBUG");
     if let Some((lib, sock)) = preload {
@@ -79,7 +80,7 @@ fn server(mut c: Command, port: u16) -> Result<Reaped> {
 
 /// Runs a client to its end (killed at [`LIMIT`]): its stdout, checked
 /// for the carried line when preloaded.
-fn client(c: Command, preloaded: bool) -> Result<String> {
+pub(super) fn client(c: Command, preloaded: bool) -> Result<String> {
     let what = format!("{c:?}");
     let mut c = c;
     let mut p = Reaped(c.spawn().with_context(|| format!("starting {what}"))?);
@@ -115,7 +116,7 @@ fn client(c: Command, preloaded: bool) -> Result<String> {
 }
 
 /// The number after `key` on the first line holding it.
-fn after(out: &str, key: &str) -> Result<f64> {
+pub(super) fn after(out: &str, key: &str) -> Result<f64> {
     out.lines()
         .find_map(|l| {
             let rest = &l[l.find(key)? + key.len()..];
@@ -186,7 +187,14 @@ pub fn figures(
     if rd.is_none() {
         progress("sockets: redis is not installed (apt-get install redis-server redis-tools), its rows are left out");
     }
-    let [mut sp_lat, mut sp_rate, mut set, mut get]: [Samples; 4] = Default::default();
+    let pg = match super::sockets_pg::find() {
+        Ok((bin, user)) => Some(super::sockets_pg::Cluster::init(bin, user)?),
+        Err(why) => {
+            progress(&format!("sockets: {why}, its row is left out"));
+            None
+        }
+    };
+    let [mut sp_lat, mut sp_rate, mut set, mut get, mut pg_tps]: [Samples; 5] = Default::default();
     for run in 0..runs {
         progress(&format!("sockets, real applications: run {}/{runs}", run + 1));
         for (i, preload) in [None, Some((lib, sock))].into_iter().enumerate() {
@@ -199,6 +207,9 @@ pub fn figures(
                 let [s, g] = redis(srv, bench, preload, n)?;
                 set[i].push(s);
                 get[i].push(g);
+            }
+            if let Some(c) = &pg {
+                pg_tps[i].push(c.select_tps(preload, secs)?);
             }
         }
     }
@@ -215,6 +226,9 @@ pub fn figures(
     if rd.is_some() {
         out.push(figure("redis-benchmark SET, 4 clients", "req/s", &set, ">= 1.5x TCP"));
         out.push(figure("redis-benchmark GET, 4 clients", "req/s", &get, ">= 1.5x TCP"));
+    }
+    if pg.is_some() {
+        out.push(figure("pgbench select-only, 4 clients (PostgreSQL)", "tx/s", &pg_tps, ">= 1.5x TCP"));
     }
     Ok(out)
 }
