@@ -262,7 +262,7 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
         started.elapsed().as_secs_f64()
     );
     // A third move, A -> C, in the middle of Debian's ucmatose's data
-    // transfers (two connections, 10000 messages each way on each:
+    // transfers (two connections, 16000 messages each way on each:
     // `cmtools.rs`), on the
     // same boot (the streams and rping ended: their ports are free).
     // And a fourth, C -> A, in the middle of perftest's ib_write_lat -R

@@ -35,8 +35,14 @@ const UCM_PORT: u16 = 7497;
 const LAT_PORT: u16 = 7498;
 /// ucmatose's connections and messages (each way, per connection; at
 /// most the device's `max_qp_wr`, 16384: ucmatose sizes its queues so).
+/// As many messages as that allows, so that the transfers outlast QEMU's
+/// live pass (1.4-2.1 s under TCG): 10000 were once enough (6-8 s of
+/// transfers), but on 2026-11-28 two runs in three finished theirs in
+/// 1.2-1.4 s, before the switch-over; 16000 gave 2.1 s against the
+/// switch-over's 1.7 s. (Three or four connections of 16000 never began
+/// their transfers within 120 s in the guest: not looked into yet.)
 pub const UCM_CONNECTIONS: u32 = 2;
-pub const UCM_MESSAGES: u32 = 10000;
+pub const UCM_MESSAGES: u32 = 16000;
 /// ib_write_lat's exchanges (2 to 5 ms each under TCG on the loaded
 /// machine: the move falls in them).
 pub const LAT_ITERS: u32 = 3000;
