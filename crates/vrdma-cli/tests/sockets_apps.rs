@@ -777,14 +777,11 @@ fn postgresql_serves_pgbench_and_psql_carried() {
     // output is in, for the messages.
     // A client past its limit panics: the server's output goes with it.
     let clients = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // The tables are made over plain TCP (a client without the
-        // library: the server's claim is refused, nothing is announced).
-        // Carried, `pgbench -i`'s COPY FROM STDIN hangs about once in
-        // twenty runs, a lost wake-up not found yet (docs/sockets.md,
-        // "Real applications"): until it is, CI does not depend on it.
-        let init_args = ["-h", "127.0.0.1", "-p", &p, "-i", "-s", "1", "-q", "postgres"];
-        let init_cmd = as_user(plain(&bin.join("pgbench"), &init_args), user, home);
-        let init = finish_within(spawn(init_cmd, "pgbench -i (plain TCP)"), LIMIT, "pgbench -i (plain TCP)");
+        // The tables are made by a carried `pgbench -i` (its COPY FROM
+        // STDIN streams 10 MB to the backend): until the progress thread's
+        // lost notification was fixed (2026-11-28) it hung about once in
+        // twenty runs here, about once in ten under load.
+        let init = client("pgbench", &["-i", "-s", "1", "-q", "postgres"]);
         let select = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-S", "-n", "postgres"]);
         let tpcb = client("pgbench", &["-c", "4", "-j", "2", "-T", "3", "-n", "postgres"]);
         // Meanwhile the configuration is reloaded every 20 ms (`pg_ctl
@@ -827,8 +824,7 @@ fn postgresql_serves_pgbench_and_psql_carried() {
     // Each client carried every connection it made: pgbench one per
     // client (and one of its own first) and, under -C, one per
     // transaction.
-    assert_eq!(said(&init, "announced 127.0.0.1:"), 0, "{}", init.describe());
-    let clients = [(&select, 4), (&tpcb, 4), (&each, each_n), (&psql, 1)];
+    let clients = [(&init, 1), (&select, 4), (&tpcb, 4), (&each, each_n), (&psql, 1)];
     let (mut announced, mut carried) = (0, 0);
     for (f, least) in clients {
         let (a, c) = (said(f, "announced 127.0.0.1:"), said(f, CARRIED));

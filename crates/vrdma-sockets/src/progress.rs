@@ -110,8 +110,16 @@ pub fn watch(link: &Arc<Link>) {
             return;
         }
     }
-    q.links.push(link.clone());
-    LISTED.store(q.links.len(), Ordering::Release);
+    list(&mut q, link, cv);
+}
+
+/// Puts `l` on the list if it is not there (under the list's lock, with
+/// its `queued` flag set by the caller), and wakes an idle thread.
+fn list(q: &mut Queue, l: &Arc<Link>, cv: &Condvar) {
+    if !q.links.iter().any(|x| Arc::ptr_eq(x, l)) {
+        q.links.push(l.clone());
+        LISTED.store(q.links.len(), Ordering::Release);
+    }
     if q.idle {
         q.idle = false;
         cv.notify_one();
@@ -129,14 +137,30 @@ fn listed() -> Vec<Arc<Link>> {
 }
 
 /// Takes `l` off the list unless a write was posted since it drained.
+///
+/// `queued` set means "on the list", under the list's lock: a `watch`
+/// that finds it set does not list the link again. So where the link
+/// still needs watching this puts it back on the list if it is not
+/// there: two `drained` of one link can race (the thread's, from its
+/// copy of the list, and a readiness call's `flush_all`), and the later
+/// one may find the link already taken off by the earlier. Keeping the
+/// flag without the entry lost the link for good: its writer asked for
+/// credits (`asked`, then `watch`, which saw the flag and returned), the
+/// thread slept on an empty list instead of waiting for the answer's
+/// event, and the writer in `poll` waited for ever with credits back
+/// (pgbench -i's COPY, about one run in twenty, 2026-11-28).
 fn drained(l: &Arc<Link>) {
-    let mut q = lock(&queue().0);
+    let (m, cv) = queue();
+    let mut q = lock(m);
     // Sequentially consistent with `watch` and the flags `needs_watch`
     // reads: either this look sees a flag set just now, or that setter's
     // `watch` sees the link off the list and puts it back.
     l.queued.swap(false, Ordering::SeqCst);
     if l.needs_watch() {
         l.queued.store(true, Ordering::Release);
+        if q.pid == crate::pid::get() {
+            list(&mut q, l, cv);
+        }
         return;
     }
     q.links.retain(|x| !Arc::ptr_eq(x, l));
@@ -171,8 +195,16 @@ fn run() {
         {
             let mut q = lock(m);
             if q.links.is_empty() && last_busy.elapsed() > LINGER {
-                q.idle = true;
+                // `idle` is set again before each wait: a `watch` clears it
+                // when it notifies, and a link drained before this thread
+                // took the lock back leaves the list empty again. With the
+                // flag left clear, the next `watch` did not notify, and
+                // this thread slept on a non-empty list: a writer waiting
+                // for the answer to its ask for credits waited for ever
+                // (pgbench -i's COPY under a loaded CPU, about one run in
+                // ten, 2026-11-28).
                 while q.links.is_empty() {
+                    q.idle = true;
                     q = cv.wait(q).unwrap_or_else(|e| e.into_inner());
                 }
                 q.idle = false;
