@@ -9,9 +9,10 @@
 # it is, uncommitted changes included; another REV in a worktree of its own),
 # strips `vrdma` and the libraries it puts beside programs, and collects
 # the anchor tools the benchmarks compare with (perftest, qperf, UCX's
-# ucx_perftest, sockperf, redis) with every shared library they load
-# except glibc's and the verbs libraries vRDMA replaces. Everything goes to
-# `.bench-kit/` (ignored by git; some 20 MB per build plus the tools).
+# ucx_perftest, sockperf, redis, iperf3, and `ip` for bench-hosts) with
+# every shared library they load except glibc's and the verbs libraries
+# vRDMA replaces. Everything goes to `.bench-kit/` (ignored by git; some
+# 20 MB per build plus the tools).
 #
 # `run` unpacks the tools to a scratch folder, puts them first on PATH and
 # LD_LIBRARY_PATH, and runs `vrdma bench` rows for every packed build in
@@ -29,8 +30,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 kit=.bench-kit
 libs=(vrdma libvrdma_verbs.so libvrdma_rdmacm.so libvrdma_sockets.so libvrdma_companions.so)
-tools=(ib_write_lat ib_send_lat ib_read_lat ib_write_bw ib_send_bw ib_read_bw qperf ucx_perftest ucx_info
-    sockperf redis-server redis-benchmark redis-cli)
+tools=(ib_write_lat ib_send_lat ib_read_lat ib_write_bw ib_send_bw ib_read_bw qperf ucx_perftest ucx_info ip
+    sockperf redis-server redis-benchmark redis-cli iperf3)
 
 die() {
     echo "offline-bench: $*" >&2
@@ -134,6 +135,13 @@ run() {
     for f in "$kit"/*.tar.xz; do tar -C "$scratch" -xJf "$f"; done
     export PATH="$scratch/tools/bin:$PATH"
     export LD_LIBRARY_PATH="$scratch/tools/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # `bench-hosts` runs `ip` with an environment of its own: the kit's
+    # `ip` finds its libraries through a wrapper.
+    if [ -x "$scratch/tools/bin/ip" ]; then
+        mv "$scratch/tools/bin/ip" "$scratch/tools/ip.bin"
+        printf '#!/bin/sh\nLD_LIBRARY_PATH=%s exec %s "$@"\n' "$scratch/tools/lib" "$scratch/tools/ip.bin" >"$scratch/tools/bin/ip"
+        chmod +x "$scratch/tools/bin/ip"
+    fi
     for mode in "$@"; do
         case $mode in
         env)

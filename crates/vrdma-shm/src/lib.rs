@@ -17,6 +17,8 @@
 //! - [`fdpass`]: the control socket, `SOCK_SEQPACKET` with `SCM_RIGHTS`,
 //!   which carries requests together with the descriptors of segments and
 //!   doorbells, and `SO_PEERCRED` to know which process is asking.
+//! - [`spin`]: a short look at a descriptor before blocking on it, where
+//!   cores are spare enough that a wake-up costs more than the look.
 //!
 //! Everything here is written for a peer that may be malicious: sizes and
 //! seals are checked before mapping, shared bytes are only moved with raw
@@ -27,6 +29,7 @@ pub mod doorbell;
 pub mod fdpass;
 pub mod ring;
 pub mod segment;
+pub mod spin;
 pub mod window;
 
 pub use doorbell::Doorbell;

@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
 use vrdma_core::proto::{self, Reply, Request};
-use vrdma_shm::{Doorbell, Segment};
+use vrdma_shm::{spin, Doorbell, Segment};
 
 use crate::error::{Error, Result};
 
@@ -201,8 +201,18 @@ impl Control {
     }
 
     /// [`wait_readable`](Self::wait_readable) on any pollable descriptor
-    /// (an rdma_cm channel's epoll instance).
+    /// (an rdma_cm channel's epoll instance), after a short look where
+    /// cores are spare (`vrdma_shm::spin`: an rdma_cm event usually comes
+    /// within tens of microseconds of the call that caused it).
     pub fn wait_fd_readable(&self, fd: BorrowedFd<'_>, timeout: Option<Duration>) -> Result<bool> {
+        use rustix::event::{PollFd, PollFlags, Timespec};
+        let look = timeout.map_or(spin::budget(), |t| t.min(spin::budget()));
+        let zero = Timespec { tv_sec: 0, tv_nsec: 0 };
+        let mut fds = [
+            PollFd::from_borrowed_fd(fd, PollFlags::IN),
+            PollFd::from_borrowed_fd(self.hangup_fd(), PollFlags::RDHUP),
+        ];
+        spin::spin_until(look, || matches!(rustix::event::poll(&mut fds, Some(&zero)), Ok(n) if n > 0));
         self.wait_on(fd, timeout, None)
     }
 
@@ -306,6 +316,9 @@ impl Control {
             }
             return Err(e.into());
         }
+        // A short look for the (first) reply before blocking on it, where
+        // cores are spare (`vrdma_shm::spin`).
+        spin::before_blocking_on(st.sock.as_fd(), None);
         Self::read_deferred(&mut st)?;
         let (reply, fds) = Self::recv_reply(&mut st)?;
         drop(st);
