@@ -14,7 +14,7 @@
 //! on 2 vCPUs: 332 µs with a 50 µs look against 116 µs without), so the
 //! look is off there by default.
 //!
-//! `VRDMA_SPIN_US` sets the look's length in microseconds for the library
+//! `VRDMA_WAIT_SPIN_US` sets the look's length in microseconds for the library
 //! and the daemon alike (0 turns it off; at most [`MAX_SPIN`]); unset or
 //! unreadable, it is [`DEFAULT_SPIN`] with more than two CPUs and 0 with
 //! two or fewer.
@@ -25,10 +25,10 @@ use std::time::{Duration, Instant};
 
 use rustix::event::{PollFd, PollFlags, Timespec};
 
-/// The look's length where `VRDMA_SPIN_US` is unset and the machine has
+/// The look's length where `VRDMA_WAIT_SPIN_US` is unset and the machine has
 /// more than two CPUs.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(100);
-/// The longest look `VRDMA_SPIN_US` may ask for.
+/// The longest look `VRDMA_WAIT_SPIN_US` may ask for.
 pub const MAX_SPIN: Duration = Duration::from_millis(1);
 
 /// The look's length for this process (read once).
@@ -36,11 +36,11 @@ pub fn budget() -> Duration {
     static BUDGET: OnceLock<Duration> = OnceLock::new();
     *BUDGET.get_or_init(|| {
         let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-        budget_for(std::env::var("VRDMA_SPIN_US").ok().as_deref(), cpus)
+        budget_for(std::env::var("VRDMA_WAIT_SPIN_US").ok().as_deref(), cpus)
     })
 }
 
-/// The look's length given `VRDMA_SPIN_US`'s value and the CPUs this
+/// The look's length given `VRDMA_WAIT_SPIN_US`'s value and the CPUs this
 /// process may run on.
 pub fn budget_for(env: Option<&str>, cpus: usize) -> Duration {
     match env.map(str::trim).and_then(|s| s.parse::<u64>().ok()) {
