@@ -9,6 +9,7 @@ use std::sync::Arc;
 use libc::{c_int, c_void, iovec, msghdr, off_t, size_t, sockaddr, socklen_t, ssize_t};
 
 use crate::addr;
+use crate::blocking::Blocking;
 use crate::dev::{debug, dev};
 use crate::link::Link;
 use crate::listener::Listener;
@@ -260,7 +261,7 @@ pub unsafe extern "C" fn write(fd: c_int, buf: *const c_void, n: size_t) -> ssiz
     match target(fd) {
         // SAFETY: libc's write with the caller's arguments.
         Target::Pass => unsafe { real::write(fd, buf, n) },
-        Target::Link(l) => done_write(l.write(&[(buf.cast(), n)], nonblocking(fd)), false),
+        Target::Link(l) => done_write(l.write(&[(buf.cast(), n)], &Blocking::of(fd, false)), false),
         Target::Fail(e) => done_write(Err(e), false),
     }
 }
@@ -271,8 +272,8 @@ pub unsafe extern "C" fn send(fd: c_int, buf: *const c_void, n: size_t, flags: c
         // SAFETY: libc's send with the caller's arguments.
         Target::Pass => unsafe { real::send(fd, buf, n, flags) },
         Target::Link(l) => {
-            let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
-            done_write(l.write(&[(buf.cast(), n)], nb), flags & libc::MSG_NOSIGNAL != 0)
+            let nb = Blocking::of(fd, flags & libc::MSG_DONTWAIT != 0);
+            done_write(l.write(&[(buf.cast(), n)], &nb), flags & libc::MSG_NOSIGNAL != 0)
         }
         Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
     }
@@ -291,8 +292,8 @@ pub unsafe extern "C" fn sendto(
         // SAFETY: libc's sendto with the caller's arguments.
         Target::Pass => unsafe { real::sendto(fd, buf, n, flags, to, len) },
         Target::Link(l) => {
-            let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
-            done_write(l.write(&[(buf.cast(), n)], nb), flags & libc::MSG_NOSIGNAL != 0)
+            let nb = Blocking::of(fd, flags & libc::MSG_DONTWAIT != 0);
+            done_write(l.write(&[(buf.cast(), n)], &nb), flags & libc::MSG_NOSIGNAL != 0)
         }
         Target::Fail(e) => done_write(Err(e), flags & libc::MSG_NOSIGNAL != 0),
     }
@@ -303,7 +304,9 @@ pub unsafe extern "C" fn writev(fd: c_int, iov: *const iovec, n: c_int) -> ssize
     match target(fd) {
         // SAFETY: libc's writev with the caller's arguments.
         Target::Pass => unsafe { real::writev(fd, iov, n) },
-        Target::Link(l) => done_write(iov_out(iov, n).and_then(|v| l.write(&v, nonblocking(fd))), false),
+        Target::Link(l) => {
+            done_write(iov_out(iov, n).and_then(|v| l.write(&v, &Blocking::of(fd, false))), false)
+        }
         Target::Fail(e) => done_write(Err(e), false),
     }
 }
@@ -316,8 +319,8 @@ pub unsafe extern "C" fn sendmsg(fd: c_int, msg: *const msghdr, flags: c_int) ->
         Target::Link(l) if !msg.is_null() => {
             // SAFETY: the caller passes a valid msghdr.
             let m = unsafe { &*msg };
-            let nb = flags & libc::MSG_DONTWAIT != 0 || nonblocking(fd);
-            let r = iov_out(m.msg_iov, iov_count(m.msg_iovlen)).and_then(|v| l.write(&v, nb));
+            let nb = Blocking::of(fd, flags & libc::MSG_DONTWAIT != 0);
+            let r = iov_out(m.msg_iov, iov_count(m.msg_iovlen)).and_then(|v| l.write(&v, &nb));
             done_write(r, flags & libc::MSG_NOSIGNAL != 0)
         }
         Target::Link(_) => done(Err(libc::EFAULT)),
@@ -369,7 +372,7 @@ unsafe fn sendfile_with(
     if got <= 0 {
         return got;
     }
-    let r = l.write(&[(buf.as_ptr(), got as usize)], nonblocking(out));
+    let r = l.write(&[(buf.as_ptr(), got as usize)], &Blocking::of(out, false));
     if let (Ok(w), false) = (&r, off.is_null()) {
         // SAFETY: the caller's offset.
         unsafe { *off += *w as off_t };

@@ -117,6 +117,7 @@
 //! exports of its own, `vrdma_sockets_riomap` and the like ([`rio`]).
 
 mod addr;
+mod blocking;
 mod credit;
 mod dev;
 mod epoll;

@@ -7,8 +7,8 @@
 //! call, so a call made while handling one (the `vrdma` library writing a
 //! doorbell, logging to stderr) finds the table free.
 
+use rustc_hash::FxHashMap as HashMap;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock};
 
@@ -31,7 +31,7 @@ static COUNT: AtomicUsize = AtomicUsize::new(0);
 
 fn table() -> MutexGuard<'static, HashMap<c_int, Entry>> {
     static T: OnceLock<Mutex<HashMap<c_int, Entry>>> = OnceLock::new();
-    T.get_or_init(|| Mutex::new(HashMap::new())).lock().unwrap_or_else(|e| e.into_inner())
+    T.get_or_init(|| Mutex::new(HashMap::default())).lock().unwrap_or_else(|e| e.into_inner())
 }
 
 thread_local! {

@@ -1,6 +1,6 @@
 //! Completion queues.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,6 +36,12 @@ fn blank() -> WorkCompletion {
 /// `n` placeholder completions, a buffer for [`CompletionQueue::poll`].
 pub fn wc_buffer(n: usize) -> Vec<WorkCompletion> {
     vec![blank(); n]
+}
+
+/// `N` placeholder completions on the stack: a buffer for
+/// [`CompletionQueue::poll`] on a path that polls often (no allocation).
+pub fn wc_array<const N: usize>() -> [WorkCompletion; N] {
+    [blank(); N]
 }
 
 /// A completion queue (`ibv_cq`).
@@ -591,7 +597,7 @@ impl CompletionQueue {
                 channel: channel.cloned(),
                 empty_polls: AtomicU32::new(0),
                 direct_fed: Default::default(),
-                send_queues: Mutex::new(HashMap::new()),
+                send_queues: Mutex::new(HashMap::default()),
                 local: Mutex::default(),
                 local_len: Default::default(),
                 inboxes: Default::default(),

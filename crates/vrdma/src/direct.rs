@@ -26,7 +26,7 @@
 //! unchanged, which then does what it always did, errors included: the
 //! direct path never reports an error of its own.
 
-use std::collections::{HashMap, HashSet};
+use rustc_hash::{FxHashMap as HashMap, FxHashSet as HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 

@@ -126,7 +126,7 @@ pub fn build_id() -> &'static str {
 pub use ah::AddressHandle;
 pub use channel::{event_spin, CompletionChannel};
 pub use context::Context;
-pub use cq::{spin_polls, wc_buffer, CompletionQueue, WorkCompletion};
+pub use cq::{spin_polls, wc_array, wc_buffer, CompletionQueue, WorkCompletion};
 pub use direct::{DIRECT_MAX_BYTES, DIRECT_MAX_RDMA_BYTES};
 pub use error::{Error, PostError, Result};
 pub use mr::MemoryRegion;

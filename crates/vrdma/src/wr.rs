@@ -28,14 +28,17 @@ use crate::ah::AddressHandle;
 use crate::error::{Error, Result};
 
 fn sges(list: &[Sge]) -> Result<SgeList> {
-    SgeList::from_slice(list)
-        .map_err(|_| Error::invalid(format!("{} SGEs in one work request, at most {MAX_SGE}", list.len())))
+    SgeList::from_slice(list).map_err(|_| too_many(list.len()))
 }
 
 fn with_sges(wr_id: u64, opcode: SendOpcode, list: &[Sge]) -> Result<SendWr> {
     let mut wr = SendWr::new(wr_id, opcode);
-    wr.sg = sges(list)?;
+    wr.sg.set(list).map_err(|_| too_many(list.len()))?;
     Ok(wr)
+}
+
+fn too_many(n: usize) -> Error {
+    Error::invalid(format!("{n} SGEs in one work request, at most {MAX_SGE}"))
 }
 
 /// A send of the bytes the SGEs gather, consuming a receive request at

@@ -63,12 +63,20 @@ impl std::fmt::Debug for SgeList {
 
 impl SgeList {
     pub fn from_slice(sges: &[Sge]) -> Result<Self, WqeError> {
+        let mut l = SgeList::default();
+        l.set(sges)?;
+        Ok(l)
+    }
+    /// Makes the list `sges`, in place (a list is a few hundred bytes: a
+    /// work request filled where it lies is not copied again). A list
+    /// too long leaves `self` as it was.
+    pub fn set(&mut self, sges: &[Sge]) -> Result<(), WqeError> {
         if sges.len() > MAX_SGE {
             return Err(WqeError::TooManySge(sges.len()));
         }
-        let mut l = SgeList { len: sges.len() as u8, ..Default::default() };
-        l.items[..sges.len()].copy_from_slice(sges);
-        Ok(l)
+        self.items[..sges.len()].copy_from_slice(sges);
+        self.len = sges.len() as u8;
+        Ok(())
     }
     pub fn as_slice(&self) -> &[Sge] {
         &self.items[..self.len as usize]
@@ -298,6 +306,19 @@ pub enum WqeError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_list_set_in_place_is_the_new_one_or_unchanged() {
+        let a = Sge { addr: 1, length: 2, lkey: 3 };
+        let b = Sge { addr: 4, length: 5, lkey: 6 };
+        let mut l = SgeList::from_slice(&[a, a, a]).unwrap();
+        l.set(&[b]).unwrap();
+        assert_eq!(l.as_slice(), &[b]);
+        assert!(l.set(&[a; MAX_SGE + 1]).is_err());
+        assert_eq!(l.as_slice(), &[b], "a list too long leaves it as it was");
+        l.set(&[]).unwrap();
+        assert!(l.as_slice().is_empty());
+    }
 
     #[test]
     fn send_round_trip_sge_and_inline() {
