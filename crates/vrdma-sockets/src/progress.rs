@@ -26,36 +26,44 @@
 //! The thread costs little while programs call back: it is not woken per
 //! write. While every connection on its list only waits for an answer
 //! (a writer on a full ring, nothing in flight), it waits on the channel
-//! alone (looking every [`QUIET_LOOK`] in case an answer never comes), so
+//! alone (looking every [`pace::QUIET_LOOK`] in case an answer never comes), so
 //! a program idle on a full ring is not woken. Otherwise, once told of a
 //! connection it looks every [`interval`], and
-//! keeps looking for [`LINGER`] after the last one drained, so that a
+//! keeps looking for [`pace::LINGER`] after the last one drained, so that a
 //! steady exchange adds connections to its list without waking it; then
 //! it sleeps on its condvar until the next. (Reaping on every write in a
 //! thread of its own, woken each time, doubled a 64-byte round trip on 2
 //! cores: `docs/sockets.md`.)
+//!
+//! This file holds the lock, the condvar and the thread; what they
+//! decide is in [`list`] (which connections stay listed, when the thread
+//! may sleep, when a writer must notify: the `idle` flag) and [`pace`]
+//! (linger, slow look, daemon check, with the time passed in), without
+//! locks, sockets or threads, so that `progress/tests.rs` plays the
+//! interleavings that matter step by step (the lost wake-up fixed in
+//! 12f49b0 among them) instead of hoping a loaded `pgbench -i` hits them.
 
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+mod list;
+mod pace;
+#[cfg(test)]
+mod tests;
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::link::Link;
+use list::{claim, Entry, ProgressList};
+use pace::Pace;
 
 /// Connections on the list (any process's): 0 lets a readiness call pass
 /// without a lock.
 static LISTED: AtomicUsize = AtomicUsize::new(0);
 
-/// The process whose list it is ([`Queue::pid`], readable without the
-/// lock: a forked child must not take a lock its parent's thread may have
-/// held at the fork just to learn that the list is not its own).
+/// The process whose list it is (`ProgressList`'s pid, readable without
+/// the lock: a forked child must not take a lock its parent's thread may
+/// have held at the fork just to learn that the list is not its own).
 static OWNER: AtomicU32 = AtomicU32::new(0);
-
-/// How long the thread keeps looking after its list emptied.
-const LINGER: Duration = Duration::from_millis(20);
-
-/// How often the thread looks while every connection on its list only
-/// waits for its peer's answer ([`crate::credit`]), which wakes it.
-const QUIET_LOOK: Duration = Duration::from_secs(1);
 
 /// How often the thread looks at the connections with writes in flight.
 fn interval() -> Duration {
@@ -66,18 +74,26 @@ fn interval() -> Duration {
     })
 }
 
-struct Queue {
-    /// The process that started the thread (a forked child has none).
-    pid: u32,
-    /// Connections with writes in flight (each with its `queued` flag).
-    links: Vec<Arc<Link>>,
-    /// The thread waits on the condvar (a new connection must wake it).
-    idle: bool,
+impl Entry for Arc<Link> {
+    fn same(&self, other: &Self) -> bool {
+        Arc::ptr_eq(self, other)
+    }
+    fn queued(&self) -> &AtomicBool {
+        &self.queued
+    }
+    fn needs_watch(&self) -> bool {
+        Link::needs_watch(self)
+    }
+    fn awaits_answer_only(&self) -> bool {
+        Link::awaits_answer_only(self)
+    }
 }
 
+type Queue = ProgressList<Arc<Link>>;
+
 fn queue() -> &'static (Mutex<Queue>, Condvar) {
-    static Q: OnceLock<(Mutex<Queue>, Condvar)> = OnceLock::new();
-    Q.get_or_init(|| (Mutex::new(Queue { pid: 0, links: Vec::new(), idle: false }), Condvar::new()))
+    static Q: (Mutex<Queue>, Condvar) = (Mutex::new(ProgressList::new()), Condvar::new());
+    &Q
 }
 
 fn lock(m: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
@@ -86,42 +102,28 @@ fn lock(m: &Mutex<Queue>) -> MutexGuard<'_, Queue> {
 
 /// `link` has writes in flight: it is on the list until they landed.
 pub fn watch(link: &Arc<Link>) {
-    if link.queued.swap(true, Ordering::SeqCst) {
+    if !claim(link) {
         return;
     }
     let (m, cv) = queue();
     let mut q = lock(m);
     let pid = crate::pid::get();
-    if q.pid != pid {
-        // First use, or a child after fork, which has no thread: the
-        // parent's entries are not this process's to drop (see
-        // `crate::dev`).
-        std::mem::forget(std::mem::take(&mut q.links));
+    if q.adopt(pid) {
+        // First use, or a child after fork, which has no thread.
         LISTED.store(0, Ordering::Release);
-        q.pid = pid;
         OWNER.store(pid, Ordering::Release);
-        q.idle = false;
         if std::thread::Builder::new().name("vrdma-sockets".into()).spawn(run).is_err() {
             // No thread (the next write tries again): the program's next
             // call on the connection, or its close, reaps.
-            q.pid = 0;
+            q.abandon();
             OWNER.store(0, Ordering::Release);
             link.queued.store(false, Ordering::Release);
             return;
         }
     }
-    list(&mut q, link, cv);
-}
-
-/// Puts `l` on the list if it is not there (under the list's lock, with
-/// its `queued` flag set by the caller), and wakes an idle thread.
-fn list(q: &mut Queue, l: &Arc<Link>, cv: &Condvar) {
-    if !q.links.iter().any(|x| Arc::ptr_eq(x, l)) {
-        q.links.push(l.clone());
-        LISTED.store(q.links.len(), Ordering::Release);
-    }
-    if q.idle {
-        q.idle = false;
+    let notify = q.list(link);
+    LISTED.store(q.len(), Ordering::Release);
+    if notify {
         cv.notify_one();
     }
 }
@@ -129,42 +131,20 @@ fn list(q: &mut Queue, l: &Arc<Link>, cv: &Condvar) {
 /// The connections on the list now (none in a forked child, whose list
 /// is its parent's).
 fn listed() -> Vec<Arc<Link>> {
-    let q = lock(&queue().0);
-    if q.pid != crate::pid::get() {
-        return Vec::new();
-    }
-    q.links.clone()
+    lock(&queue().0).snapshot(crate::pid::get())
 }
 
-/// Takes `l` off the list unless a write was posted since it drained.
-///
-/// `queued` set means "on the list", under the list's lock: a `watch`
-/// that finds it set does not list the link again. So where the link
-/// still needs watching this puts it back on the list if it is not
-/// there: two `drained` of one link can race (the thread's, from its
-/// copy of the list, and a readiness call's `flush_all`), and the later
-/// one may find the link already taken off by the earlier. Keeping the
-/// flag without the entry lost the link for good: its writer asked for
-/// credits (`asked`, then `watch`, which saw the flag and returned), the
-/// thread slept on an empty list instead of waiting for the answer's
-/// event, and the writer in `poll` waited for ever with credits back
-/// (pgbench -i's COPY, about one run in twenty, 2026-11-28).
+/// Takes `l` off the list unless a write was posted since it drained
+/// (`ProgressList::drained`: one it keeps is put back if a racing drain
+/// took it off).
 fn drained(l: &Arc<Link>) {
     let (m, cv) = queue();
     let mut q = lock(m);
-    // Sequentially consistent with `watch` and the flags `needs_watch`
-    // reads: either this look sees a flag set just now, or that setter's
-    // `watch` sees the link off the list and puts it back.
-    l.queued.swap(false, Ordering::SeqCst);
-    if l.needs_watch() {
-        l.queued.store(true, Ordering::Release);
-        if q.pid == crate::pid::get() {
-            list(&mut q, l, cv);
-        }
-        return;
+    let notify = q.drained(l, crate::pid::get());
+    LISTED.store(q.len(), Ordering::Release);
+    if notify {
+        cv.notify_one();
     }
-    q.links.retain(|x| !Arc::ptr_eq(x, l));
-    LISTED.store(q.links.len(), Ordering::Release);
 }
 
 /// Before the program waits for readiness: every write in flight lands
@@ -189,35 +169,20 @@ fn run() {
     // its sleeps last what they ask, not 50 µs more.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
     let (m, cv) = queue();
-    let mut last_busy = Instant::now();
-    let mut rounds = 0u32;
+    let mut pace = Pace::new(Instant::now());
     loop {
-        {
-            let mut q = lock(m);
-            if q.links.is_empty() && last_busy.elapsed() > LINGER {
-                // `idle` is set again before each wait: a `watch` clears it
-                // when it notifies, and a link drained before this thread
-                // took the lock back leaves the list empty again. With the
-                // flag left clear, the next `watch` did not notify, and
-                // this thread slept on a non-empty list: a writer waiting
-                // for the answer to its ask for credits waited for ever
-                // (pgbench -i's COPY under a loaded CPU, about one run in
-                // ten, 2026-11-28).
-                while q.links.is_empty() {
-                    q.idle = true;
-                    q = cv.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-                q.idle = false;
-            }
-        }
-        // Only answers to wait for: no periodic look (an idle writer on a
-        // full ring costs no wake-ups), only a slow one in case an
-        // answer never comes.
+        // Sleeps only on an empty list, `idle` set before each wait
+        // (`ProgressList::may_sleep`); only answers to wait for: no
+        // periodic look (an idle writer on a full ring costs no
+        // wake-ups), only a slow one in case an answer never comes.
         let quiet = {
-            let links = listed();
-            !links.is_empty() && links.iter().all(|l| l.awaits_answer_only())
+            let mut q = lock(m);
+            while q.may_sleep(&pace, Instant::now()) {
+                q = cv.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            q.quiet()
         };
-        let fired = wait_for_answers(if quiet { QUIET_LOOK } else { interval() });
+        let fired = wait_for_answers(Pace::wait(quiet, interval()));
         let links = listed();
         if !fired.is_empty() {
             answers(&links, &fired);
@@ -231,7 +196,7 @@ fn run() {
         if links.is_empty() {
             continue;
         }
-        last_busy = Instant::now();
+        let check = pace.busy(Instant::now());
         for l in &links {
             if !l.progress() {
                 drained(l);
@@ -239,12 +204,8 @@ fn run() {
         }
         // Completions that never come (the daemon is gone): the list is
         // let go; the program's own calls see the error.
-        rounds = rounds.wrapping_add(1);
-        if rounds.is_multiple_of(1024) && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
-            let mut q = lock(m);
-            for l in q.links.drain(..) {
-                l.queued.store(false, Ordering::Release);
-            }
+        if check && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
+            lock(m).clear();
             LISTED.store(0, Ordering::Release);
         }
     }
