@@ -270,7 +270,7 @@ fn qemu_moves_a_streaming_guest_to_another_host() {
     if w.cm_tools {
         let t0 = Instant::now();
         let t = cmtools::start_ucmatose(&w, &mut guest);
-        cmtools::wait_data(&t);
+        cmtools::wait_data(&t, &mut guest);
         let (mut g, qmp, r, stopped) = migrate(&w, 2, &w.a.socket, &w.c.socket, guest, &qmp);
         cmtools::check_ucmatose(&mut g, t, stopped);
         eprintln!("guest_migrate: move 3 (ucmatose): {r}; {:.1} s", t0.elapsed().as_secs_f64());

@@ -75,7 +75,7 @@ pub unsafe extern "C" fn ibv_create_comp_channel(context: *mut ibv_context) -> *
     ret_ptr(W, || {
         // SAFETY: a live context (the verb's contract).
         let ctx = unsafe { Ctx::get(W, context)? };
-        let inner = ctx.inner.create_comp_channel().map_err(|e| fail(W, &e))?;
+        let inner = ctx.inner.create_comp_channel().map_err(|e| fail_in_guest(W, &ctx.inner, &e))?;
         let fd = inner.fd().as_raw_fd();
         make_blocking(fd);
         let ch = ibv_comp_channel { context: ctx.as_ptr(), fd, refcnt: 0 };
@@ -149,7 +149,7 @@ pub unsafe fn create(
             // SAFETY: a live channel (the verb's contract).
             Some(unsafe { &*addr_of!((*channel.cast::<Channel>()).inner) })
         };
-        let inner = ctx.inner.create_cq(cqe, ch).map_err(|e| fail(W, &e))?;
+        let inner = ctx.inner.create_cq(cqe, ch).map_err(|e| fail_in_guest(W, &ctx.inner, &e))?;
         let cq = ibv_cq {
             context,
             channel,

@@ -100,28 +100,11 @@ fn reg_mr(
         .ok_or_else(|| refuse(what, "unknown access flags", libc::EINVAL))?;
     // SAFETY: the application registers memory it owns and keeps mapped
     // until ibv_dereg_mr (the verbs contract, which is register_raw's).
-    let inner = unsafe { p.inner.register_raw(addr.cast(), length, access) }.map_err(|e| {
-        if e.errno() == libc::ENOMEM && p.inner.context().is_guest() {
-            region_full(what, &e);
-        }
-        fail(what, &e)
-    })?;
+    let inner = unsafe { p.inner.register_raw(addr.cast(), length, access) }
+        .map_err(|e| fail_in_guest(what, p.inner.context(), &e))?;
     let key = inner.lkey();
     let mr = ibv_mr { context: p.pd.context, pd, addr, length, handle: key, lkey: key, rkey: inner.rkey() };
     Ok(Box::into_raw(Box::new(Mr { mr, inner })).cast())
-}
-
-/// A guest's registration refused for want of room in the VM's region
-/// (`ENOMEM`; the region's size is fixed by the host's config, whatever
-/// memory the guest has): said once per process on stderr, as rdma-core
-/// warns of a `RLIMIT_MEMLOCK` that will refuse registrations, since the
-/// program's own message ("Cannot allocate memory") would send its user
-/// looking at the guest's memory. `VRDMA_VERBS_DEBUG` prints every one.
-fn region_full(what: &str, e: &vrdma::Error) {
-    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
-    if !crate::util::debug_enabled() && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
-        eprintln!("libibverbs (vRDMA): Warning: {what}: {e}");
-    }
 }
 
 /// `ibv_reg_mr@IBVERBS_1.1` (the `ibv_reg_mr` macro calls it, or

@@ -176,7 +176,7 @@ unsafe fn create_for(
             None => p.inner.create_qp(&init),
             Some(id) => p.inner.create_qp_for_cm_id(&init, id),
         }
-        .map_err(|e| fail(W, &e))?;
+        .map_err(|e| fail_in_guest(W, p.inner.context(), &e))?;
         a.cap = cap_to_c(&inner.cap());
         let qpn = inner.qpn();
         let qp = ibv_qp {

@@ -50,7 +50,7 @@ pub unsafe extern "C" fn ibv_create_srq(
         // SAFETY: a valid ibv_srq_init_attr.
         let a = unsafe { &mut *srq_init_attr };
         let want = SrqAttr { max_wr: a.attr.max_wr, max_sge: a.attr.max_sge, srq_limit: a.attr.srq_limit };
-        let inner = p.inner.create_srq(want).map_err(|e| fail(W, &e))?;
+        let inner = p.inner.create_srq(want).map_err(|e| fail_in_guest(W, p.inner.context(), &e))?;
         let got = inner.attr();
         a.attr.max_wr = got.max_wr;
         a.attr.max_sge = got.max_sge;

@@ -45,6 +45,28 @@ pub fn fail(what: &str, err: &vrdma::Error) -> c_int {
     e
 }
 
+/// As [`fail`], for a call that takes room in a guest's VM region (a
+/// registration, or a queue's ring: CQ, QP, SRQ, completion channel).
+/// Refused with `ENOMEM` there, the reason is said once per process on
+/// stderr even without `VRDMA_VERBS_DEBUG`, as rdma-core warns of an
+/// `RLIMIT_MEMLOCK` that will refuse registrations: the region's size is
+/// fixed by the host's config whatever memory the guest has, so the
+/// program's own message ("unable to create QP: Cannot allocate memory")
+/// would send its user looking at the guest's memory. A client of a
+/// server waiting for all its connections (`ucmatose -c 3 -C 16000` in a
+/// 16 MiB region) left its server silent with only that message.
+pub fn fail_in_guest(what: &str, ctx: &vrdma::Context, err: &vrdma::Error) -> c_int {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if err.errno() == libc::ENOMEM
+        && ctx.is_guest()
+        && !debug_enabled()
+        && !SAID.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
+        eprintln!("libibverbs (vRDMA): Warning: {what}: {err}");
+    }
+    fail(what, err)
+}
+
 /// Logs a failure the shim itself decided, and returns `e`.
 pub fn refuse(what: &str, why: &str, e: c_int) -> c_int {
     if debug_enabled() {

@@ -39,8 +39,13 @@ const LAT_PORT: u16 = 7498;
 /// live pass (1.4-2.1 s under TCG): 10000 were once enough (6-8 s of
 /// transfers), but on 2026-11-28 two runs in three finished theirs in
 /// 1.2-1.4 s, before the switch-over; 16000 gave 2.1 s against the
-/// switch-over's 1.7 s. (Three or four connections of 16000 never began
-/// their transfers within 120 s in the guest: not looked into yet.)
+/// switch-over's 1.7 s. Each connection's queues take 4.5 MiB of the
+/// VM's 16 MiB region (two CQs of 16384 64-byte entries, a QP of 16384
+/// 128-byte send and 32-byte receive slots): three fit, four do not
+/// (the guest's client fails at its fourth QP, saying the region is
+/// full, and B's server waits for the fourth connection for ever).
+/// Before a guest's QPs stopped taking a direct-path inbox (1 MiB more
+/// each), three did not fit either.
 pub const UCM_CONNECTIONS: u32 = 2;
 pub const UCM_MESSAGES: u32 = 16000;
 /// ib_write_lat's exchanges (2 to 5 ms each under TCG on the loaded
@@ -169,12 +174,22 @@ pub fn start_ucmatose(w: &World, g: &mut Guest) -> Pair {
     Pair { server, tag: "ucm", started }
 }
 
-/// Waits (bounded, 120 s) until B's ucmatose has both connections and
-/// begins to send.
-pub fn wait_data(t: &Pair) {
+/// Waits (bounded, 120 s) until B's ucmatose has all its connections
+/// and begins to send; if it never does, fails with what the guest's
+/// client said (B's server waits for ever for a connection its client
+/// could not make, e.g. for want of room in the VM's region).
+pub fn wait_data(t: &Pair, g: &mut Guest) {
     let end = Instant::now() + Duration::from_secs(120);
     while t.server.line_at("initiating data transfers").is_none() {
-        assert!(Instant::now() < end, "ucmatose never began its data transfers");
+        if Instant::now() > end {
+            let tag = t.tag;
+            let now =
+                format!("cat /tmp/{tag}.out; [ -e /tmp/{tag}.st ] || exit 124; exit $(cat /tmp/{tag}.st)");
+            let (st, out) = g.run(&now, T).unwrap_or_else(|e| panic!("{tag} in the guest: {e}"));
+            panic!(
+                "ucmatose never began its data transfers; the guest's (status {st}, 124: running):\n{out}"
+            );
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -1013,7 +1013,12 @@ impl Session {
         // With the direct path on, an RC QP gets an inbox: completions of
         // its receives that a direct-path requester claimed
         // (`docs/direct-path.md`), as many as it has receive WRs; a QP of
-        // an SRQ gets one as deep as the SRQ.
+        // an SRQ gets one as deep as the SRQ. Not a guest's: no requester
+        // is ever granted its rings (an extent of the VM's region, kept by
+        // no descriptor), and the inbox would take 64 bytes per receive WR
+        // of the region, whose size the guest cannot change (1 MiB for
+        // ucmatose's 16000, a third of a 16 MiB VM's region for three).
+        let direct = direct && self.guest.is_none();
         let srq_depth = match init.srq {
             Some(srq) if direct && init.qp_type == vrdma_core::verbs::QpType::Rc => {
                 self.engine(move |e, c| e.hca.query_srq(c, srq).map(|a| a.max_wr).ok())?
@@ -1048,8 +1053,7 @@ impl Session {
             let (rings, kept) = match inbox {
                 Some(spec) => {
                     // The direct path keeps a descriptor of the segment to
-                    // grant it; a guest's segment is an extent, and guests
-                    // get no direct grants.
+                    // grant it (a host's: a guest's QP has no inbox).
                     // Charged to the tenant's descriptors; at its limit
                     // the segment is not kept (no receive grants for it).
                     let kept = match seg.segment_fd(own_fd(&fd)) {
