@@ -99,6 +99,34 @@ mod preload {
         Ok(())
     }
 
+    /// A non-blocking server whose first call comes after `poll` or
+    /// `select` reported the connection readable: that readiness was the
+    /// client's hello, which the readiness call now decides (the exchange
+    /// of hellos) before it answers, so the read that follows finds bytes
+    /// and never `EAGAIN` (ncat `--exec`'s relay took that `EAGAIN` for the
+    /// end and closed the connection).
+    #[test]
+    fn a_connection_reported_readable_before_its_first_call_has_bytes_to_read() -> Result<()> {
+        for how in ["poll", "select"] {
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let mut cmd = sockapp(&d, true, &["pollserver".into(), port.to_string()]);
+            cmd.env("SOCKAPP_STRICT_READY", how);
+            let s = spawn(cmd, "pollserver");
+            vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+                listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+            })?;
+            let c = client(&d, true, port).finish(LIMIT);
+            let s = s.finish(LIMIT);
+            s.assert_ok();
+            c.assert_ok();
+            assert!(s.stderr.contains("carried over vRDMA"), "{how}: {}", s.describe());
+        }
+        Ok(())
+    }
+
     /// Echoed by `forkecho`: four rings' worth, in 16 KiB round trips.
     const ECHO_BYTES: u64 = 1 << 20;
 

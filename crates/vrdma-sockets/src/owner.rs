@@ -17,6 +17,14 @@
 //! - [`TCP`]: it turned out plain TCP: every holder passes its calls to
 //!   the kernel.
 //!
+//! A process that takes the connection only to settle it as TCP before an
+//! `exec` ([`crate::exec`]) says so in the page's *settler* word while it
+//! does: another holder's call then waits for the outcome (TCP, or the
+//! connection given back) instead of failing with `EIO`. ncat's `--exec`
+//! forks a relay that polls and reads the connection while the relay's own
+//! child, about to exec the command with the socket inherited, settles it:
+//! the relay's read failed with `EIO` in about one connection in four.
+//!
 //! A process that does not drive the connection only closes its own
 //! descriptors of it when the program closes them: the driver's rings,
 //! QP and end of stream are untouched ([`crate::stream::Stream`]'s drop).
@@ -31,6 +39,7 @@
 //! holder sees alike, as it would the kernel's.
 
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 /// Nobody made a call on the connection yet.
 pub const FREE: u32 = 0;
@@ -64,9 +73,11 @@ unsafe impl Sync for Owner {}
 
 const PAGE: usize = 4096;
 
-/// The driver's word, then one word per kept option.
-type Words = [AtomicU32; 1 + OPTIONS];
+/// The driver's word, one word per kept option, then the settler's word
+/// (the id of the process settling it before an exec, or 0).
+type Words = [AtomicU32; 2 + OPTIONS];
 const OPTIONS: usize = crate::kept::OPTIONS.len();
+const SETTLER: usize = 1 + OPTIONS;
 
 impl Owner {
     /// A new connection's word: free, in a shared page.
@@ -108,22 +119,57 @@ impl Owner {
         unsafe { &(*self.words)[1 + slot] }
     }
 
-    /// Takes the connection for this process if nobody has it.
-    pub fn take(&self) -> Take {
+    fn settler(&self) -> &AtomicU32 {
+        // SAFETY: see the `Send` impl: valid while `self` lives.
+        unsafe { &(*self.words)[SETTLER] }
+    }
+
+    /// Takes the connection for this process if nobody has it. While
+    /// another process that took it settles it before an exec
+    /// ([`Owner::settling`]), waits for the outcome, at most `bound()`
+    /// (the longest a settling waits for its peer, and some).
+    pub fn take(&self, bound: impl Fn() -> Duration) -> Take {
         let me = crate::pid::get();
-        // Every call asks: a load where it is decided already.
-        match self.word().load(Ordering::Acquire) {
-            w if w == me => return Take::Mine,
-            TCP => return Take::Tcp,
-            FREE => {}
-            _ => return Take::Other,
+        let mut since: Option<Instant> = None;
+        loop {
+            // Every call asks: a load where it is decided already.
+            let w = match self.word().load(Ordering::Acquire) {
+                w if w == me => return Take::Mine,
+                TCP => return Take::Tcp,
+                FREE => match self.word().compare_exchange(FREE, me, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return Take::Mine,
+                    Err(w) if w == me => return Take::Mine,
+                    Err(TCP) => return Take::Tcp,
+                    Err(w) => w,
+                },
+                w => w,
+            };
+            // Another process has it. The settler's word is cleared only
+            // after the driver's word changed (to TCP, or given back), so
+            // a settler seen here has not finished yet.
+            if self.settler().load(Ordering::Acquire) != w {
+                return Take::Other;
+            }
+            let start = *since.get_or_insert_with(Instant::now);
+            if start.elapsed() > bound() {
+                return Take::Other;
+            }
+            std::thread::sleep(Duration::from_millis(1));
         }
-        match self.word().compare_exchange(FREE, me, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => Take::Mine,
-            Err(w) if w == me => Take::Mine,
-            Err(TCP) => Take::Tcp,
-            Err(_) => Take::Other,
-        }
+    }
+
+    /// Whether another process settles it before an exec now: this one
+    /// waits for the outcome at its next call ([`Owner::take`]).
+    pub fn settled_elsewhere(&self) -> bool {
+        let w = self.word().load(Ordering::Acquire);
+        w != crate::pid::get() && w != FREE && w != TCP && self.settler().load(Ordering::Acquire) == w
+    }
+
+    /// This process, which took the connection, settles it before an exec
+    /// (`on`), or is done (after [`Owner::set_tcp`] or
+    /// [`Owner::release`]): see [`Owner::take`].
+    pub fn settling(&self, on: bool) {
+        self.settler().store(if on { crate::pid::get() } else { 0 }, Ordering::Release);
     }
 
     /// Whether this process drives the connection, or may still take it
@@ -166,16 +212,20 @@ impl Drop for Owner {
 mod tests {
     use super::*;
 
+    fn no_wait() -> Duration {
+        Duration::ZERO
+    }
+
     #[test]
     fn the_first_caller_takes_it_and_tcp_is_everyones() {
         let o = Owner::new();
         assert!(o.may_use());
         assert!(!o.mine());
-        assert_eq!(o.take(), Take::Mine);
+        assert_eq!(o.take(no_wait), Take::Mine);
         assert!(o.mine());
-        assert_eq!(o.take(), Take::Mine);
+        assert_eq!(o.take(no_wait), Take::Mine);
         o.set_tcp();
-        assert_eq!(o.take(), Take::Tcp);
+        assert_eq!(o.take(no_wait), Take::Tcp);
         assert!(o.may_use());
         assert!(!o.mine());
     }
@@ -185,9 +235,35 @@ mod tests {
     #[test]
     fn a_forked_child_and_its_parent_see_one_word() {
         let o = Owner::new();
-        let took = crate::pid::in_forked_child(|| o.take() == Take::Mine && o.mine());
+        let took = crate::pid::in_forked_child(|| o.take(no_wait) == Take::Mine && o.mine());
         assert!(took, "the child did not take the free word");
-        assert_eq!(o.take(), Take::Other, "the parent took what its child drives");
+        assert_eq!(o.take(no_wait), Take::Other, "the parent took what its child drives");
         assert!(!o.may_use());
+    }
+
+    /// A holder whose sibling settles the connection before an exec waits
+    /// for the outcome (TCP) instead of being told another process drives
+    /// it (`EIO`: ncat `--exec`'s relay).
+    #[test]
+    fn a_holder_waits_while_another_settles_it_before_an_exec() {
+        let o = std::sync::Arc::new(Owner::new());
+        assert_eq!(o.take(no_wait), Take::Mine);
+        o.settling(true);
+        let settler = {
+            let o = o.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                o.set_tcp();
+                o.settling(false);
+            })
+        };
+        let waited = crate::pid::in_forked_child(|| o.take(|| Duration::from_secs(20)) == Take::Tcp);
+        settler.join().unwrap();
+        assert!(waited, "the child did not wait for the settling parent");
+        // Not settling: another process's connection, at once.
+        let o = Owner::new();
+        assert_eq!(o.take(no_wait), Take::Mine);
+        let other = crate::pid::in_forked_child(|| o.take(|| Duration::from_secs(20)) == Take::Other);
+        assert!(other);
     }
 }

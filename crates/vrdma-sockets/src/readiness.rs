@@ -21,6 +21,18 @@
 //! process's writes in flight to land (an engine round trip at most), and
 //! a call that does not wait (timeout 0) reaps what completed. A process
 //! with nothing in flight pays one lock and an empty list.
+//!
+//! A connection not decided yet (claimed or announced, no call on it yet)
+//! reads ready in the kernel when the peer's first message comes: its
+//! hello, its decline, or its end. Those bytes are the library's, not the
+//! program's: `poll`, `ppoll`, `select` and `pselect` decide such a
+//! connection there and then ([`decide_readable`]: the exchange of hellos,
+//! quick, since the peer is in its own) and answer for what it is then (a
+//! carried connection's readability is its ring's). Before, a program told
+//! "readable" read `EAGAIN` from a non-blocking socket, and one that takes
+//! that for the end (ncat `--exec`'s relay) closed the connection. Not
+//! done for the epoll calls (an event loop on epoll reads until `EAGAIN`
+//! anyway).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -82,6 +94,90 @@ fn stale(l: &Link) -> bool {
 }
 
 /// Milliseconds left of `timeout` (negative: for ever) since `start`.
+/// The connections among `fds` asked for reading that this process may
+/// take (or that a sibling settles before its exec) and that are not
+/// decided yet, by index.
+fn undecided_in(fds: *const pollfd, n: nfds_t) -> Vec<(usize, c_int)> {
+    let Some(_g) = Guard::enter() else { return Vec::new() };
+    if fds.is_null() {
+        return Vec::new();
+    }
+    keep_errno(|| {
+        (0..n as usize)
+            .filter_map(|i| {
+                // SAFETY: `fds` holds `n` pollfds (poll's contract).
+                let p = unsafe { &*fds.add(i) };
+                if p.fd < 0 || p.events & libc::POLLIN == 0 {
+                    return None;
+                }
+                // One that another process settles before its exec (it
+                // takes the peer's message off) is decided here too: the
+                // call waits for the outcome ([`crate::owner::Owner::take`]).
+                match table::get(p.fd)? {
+                    e @ Entry::Stream(_) if !e.ours() && !e.settled_elsewhere() => None,
+                    Entry::Stream(s) if s.undecided() => Some((i, p.fd)),
+                    _ => None,
+                }
+            })
+            .collect()
+    })
+}
+
+/// Decides each of `undecided` whose socket holds something (the peer's
+/// hello or decline, its end, an error): the peer is in its exchange, so
+/// this one is quick. Returns the indices of those left undecided.
+fn decide_readable(undecided: &[(usize, c_int)]) -> Vec<usize> {
+    keep_errno(|| {
+        undecided
+            .iter()
+            .filter(|&&(_, fd)| {
+                let mut b = 0u8;
+                // SAFETY: a one-byte peek into `b`.
+                let r =
+                    unsafe { real::recv(fd, (&raw mut b).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+                if r < 0 && table::errno() == libc::EAGAIN {
+                    return true;
+                }
+                // Takes it and negotiates, as the program's read would.
+                let _ = crate::interpose::target(fd);
+                false
+            })
+            .map(|&(i, _)| i)
+            .collect()
+    })
+}
+
+/// Runs a readiness call (`once`, given the milliseconds left of
+/// `timeout`) with the undecided connections among `fds` decided first
+/// where their peer's first message is there, and again (with what is
+/// left of the timeout) when such a message is what woke it: the call
+/// then answers for the connection as it turned out ([`decide_readable`]).
+///
+/// # Safety
+/// `fds` holds `n` pollfds, which `once` polls.
+unsafe fn deciding(
+    fds: *mut pollfd,
+    n: nfds_t,
+    timeout: c_int,
+    mut once: impl FnMut(c_int) -> c_int,
+) -> c_int {
+    const WOKE: i16 = libc::POLLIN | libc::POLLHUP | libc::POLLERR;
+    let start = Instant::now();
+    let mut rounds = 0;
+    loop {
+        let left = decide_readable(&undecided_in(fds, n));
+        let r = once(left_ms(timeout, start));
+        rounds += 1;
+        // SAFETY: each index is one of the caller's `n` pollfds.
+        let woke = left.iter().any(|&i| unsafe { &*fds.add(i) }.revents & WOKE != 0);
+        // Bounded: a message that no decision takes off (never seen) is
+        // reported as the kernel has it.
+        if r <= 0 || !woke || rounds >= 8 {
+            return r;
+        }
+    }
+}
+
 fn left_ms(timeout: c_int, start: Instant) -> c_int {
     if timeout < 0 {
         return timeout;
@@ -351,6 +447,15 @@ fn dur_ts(d: Option<Duration>) -> Option<timespec> {
 #[no_mangle]
 pub unsafe extern "C" fn poll(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
     settle(waits_ms(timeout));
+    // SAFETY: the caller's `n` pollfds, polled by `poll_once`.
+    unsafe { deciding(fds, n, timeout, |timeout| poll_once(fds, n, timeout)) }
+}
+
+/// `poll` with the undecided connections as they are.
+///
+/// # Safety
+/// `fds` holds `n` pollfds (poll's contract).
+unsafe fn poll_once(fds: *mut pollfd, n: nfds_t, timeout: c_int) -> c_int {
     let links = carried_in(fds, n);
     if links.is_empty() {
         // SAFETY: libc's poll with the caller's arguments.
@@ -395,8 +500,7 @@ pub unsafe extern "C" fn ppoll(
     mask: *const sigset_t,
 ) -> c_int {
     settle(waits_ts(ts));
-    let links = carried_in(fds, n);
-    if links.is_empty() {
+    if carried_in(fds, n).is_empty() && undecided_in(fds, n).is_empty() {
         // SAFETY: libc's ppoll with the caller's arguments.
         return unsafe { real::ppoll(fds, n, ts, mask) };
     }
@@ -404,9 +508,12 @@ pub unsafe extern "C" fn ppoll(
     // SAFETY: libc's ppoll with the caller's arguments, its timeout less
     // the time spent.
     unsafe {
-        poll_filtered(fds, n, &links, ts_ms(ts), |fds, n, d| {
-            let t = dur_ts(d);
-            real::ppoll(fds, n, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
+        deciding(fds, n, ts_ms(ts), |timeout| {
+            let links = carried_in(fds, n);
+            poll_filtered(fds, n, &links, timeout, |fds, n, d| {
+                let t = dur_ts(d);
+                real::ppoll(fds, n, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
+            })
         })
     }
 }
@@ -468,8 +575,8 @@ pub unsafe extern "C" fn pselect(
 
 /// The descriptors of the sets `r`, `w`, `e` (null: none) as pollfds
 /// (`POLLIN`, `POLLOUT`, `POLLPRI`), if one of them is a carried
-/// connection asked for reading or writing; `None`: none is, the kernel's
-/// select answers as it is.
+/// connection asked for reading or writing, or an undecided one asked for
+/// reading; `None`: none is, the kernel's select answers as it is.
 ///
 /// # Safety
 /// Each set is null or a valid fd_set.
@@ -491,7 +598,8 @@ unsafe fn sets_to_pollfds(n: c_int, sets: [*mut fd_set; 3]) -> Option<Vec<pollfd
         })
         .collect();
     let any = fds.iter().any(|p| p.events & (libc::POLLIN | libc::POLLOUT) != 0 && carried(p.fd).is_some());
-    any.then_some(fds)
+    drop(_g);
+    (any || !undecided_in(fds.as_ptr(), fds.len() as nfds_t).is_empty()).then_some(fds)
 }
 
 /// `select` (and `pselect`, with `mask`) as `poll` answers the pollfds of
@@ -519,12 +627,14 @@ unsafe fn select_by_poll(
     let start = Instant::now();
     let (ptr, len) = (fds.as_mut_ptr(), fds.len() as nfds_t);
     loop {
-        let links = carried_in(ptr, len);
         // SAFETY: `ptr` holds our `len` pollfds, which `call` polls.
         let k = unsafe {
-            poll_filtered(ptr, len, &links, left_ms(timeout, start), |ptr, len, d| {
-                let t = dur_ts(d);
-                real::ppoll(ptr, len, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
+            deciding(ptr, len, left_ms(timeout, start), |timeout| {
+                let links = carried_in(ptr, len);
+                poll_filtered(ptr, len, &links, timeout, |ptr, len, d| {
+                    let t = dur_ts(d);
+                    real::ppoll(ptr, len, t.as_ref().map_or(std::ptr::null(), |t| t as *const timespec), mask)
+                })
             })
         };
         if k < 0 {

@@ -114,6 +114,12 @@ fn claim_wait() -> Duration {
     Duration::from_millis(ms)
 }
 
+/// The longest another holder's settling before an exec may take: its
+/// wait for the peer's message, its daemon calls, and some.
+fn settle_wait() -> Duration {
+    claim_wait() + Duration::from_secs(5)
+}
+
 impl Stream {
     fn new(fd: c_int, tuple: Tuple, phase: Phase) -> Option<Arc<Stream>> {
         // SAFETY: fcntl(F_DUPFD_CLOEXEC) on a descriptor the caller holds.
@@ -135,7 +141,7 @@ impl Stream {
     /// (a child forked before the first call) is adopted from the
     /// announcing context first ([`Stream::adopt`]).
     pub fn take(&self) -> Take {
-        self.owner.take()
+        self.owner.take(settle_wait)
     }
 
     /// In a process that did not announce this client's connection (a
@@ -404,6 +410,19 @@ impl Stream {
             Take::Other => return,
         }
         let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        // Another holder (ncat's relay, whose child execs) waits for the
+        // outcome rather than failing with EIO ([`Owner::take`]); cleared
+        // once the driver's word changed, at every return below.
+        struct Settling<'a>(&'a Owner);
+        impl Drop for Settling<'_> {
+            fn drop(&mut self) {
+                self.0.settling(false);
+            }
+        }
+        let _settling = matches!(*p, Phase::Announced(_) | Phase::Agreed).then(|| {
+            self.owner.settling(true);
+            Settling(&self.owner)
+        });
         match &*p {
             Phase::Announced(t) => {
                 let t = *t;

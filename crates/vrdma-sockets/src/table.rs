@@ -154,6 +154,12 @@ impl Entry {
             Entry::Stream(s) => s.owner.may_use(),
         }
     }
+
+    /// A connection another process settles now before its exec
+    /// ([`crate::owner::Owner::settled_elsewhere`]).
+    pub fn settled_elsewhere(&self) -> bool {
+        matches!(self, Entry::Stream(s) if s.owner.settled_elsewhere())
+    }
 }
 
 thread_local! {

@@ -126,6 +126,9 @@
 //! `pollserver PORT`: `server`, non-blocking, one read after each `poll`
 //! (as iperf3's server reads); says the socket's `nodelay` (as the
 //! program sees it) after its first read (`nbflood` says it at its end).
+//! `SOCKAPP_STRICT_READY=poll|select`: it waits with that call, and a read
+//! that says `EAGAIN` right after it reported the socket readable fails
+//! it (as ncat `--exec`'s relay takes it for the end).
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
@@ -1142,12 +1145,19 @@ fn pollserver(port: u16) -> Result<(), String> {
     let mut buf = vec![0u8; 128 * 1024];
     let mut told = false;
     let mut count = 0u64;
+    let strict = std::env::var("SOCKAPP_STRICT_READY").ok();
     // Bounded: each pass reads a byte, or waits in poll (10 s at most).
     for _ in 0..(1u64 << 30) {
-        wait(s.as_raw_fd(), libc::POLLIN)?;
+        match strict.as_deref() {
+            Some("select") => wait_select(s.as_raw_fd())?,
+            _ => wait(s.as_raw_fd(), libc::POLLIN)?,
+        }
         let n = match s.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && strict.is_some() => {
+                return Err(format!("readable after {count}, but the read says EAGAIN"))
+            }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             Err(e) => return Err(format!("read after {count}: {e}")),
         };
@@ -1328,6 +1338,21 @@ fn wait(fd: i32, events: i16) -> Result<(), String> {
         1 => Ok(()),
         0 => Err(format!("poll({events:#x}) timed out: readiness lost")),
         _ => Err(format!("poll: {}", std::io::Error::last_os_error())),
+    }
+}
+
+/// `wait` for reading, with select(2).
+fn wait_select(fd: i32) -> Result<(), String> {
+    // SAFETY: a zeroed fd_set is an empty set.
+    let mut r: libc::fd_set = unsafe { std::mem::zeroed() };
+    // SAFETY: FD_SET of a descriptor below FD_SETSIZE into our set.
+    unsafe { libc::FD_SET(fd, &mut r) };
+    let mut tv = libc::timeval { tv_sec: 10, tv_usec: 0 };
+    // SAFETY: a valid set and timeval.
+    match unsafe { libc::select(fd + 1, &mut r, std::ptr::null_mut(), std::ptr::null_mut(), &mut tv) } {
+        1 => Ok(()),
+        0 => Err("select timed out: readiness lost".into()),
+        _ => Err(format!("select: {}", std::io::Error::last_os_error())),
     }
 }
 
