@@ -60,7 +60,10 @@ impl Vm {
         let socket = dir.path().join("vrdma.sock");
         // SAFETY: geteuid has no preconditions.
         let uid = unsafe { libc::geteuid() };
-        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 16\nports = 2\n");
+        // Four ports: the client holds up to three contexts at once (with
+        // two, its third was refused now and then, as a VM of two ports
+        // would refuse it).
+        let toml = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 16\nports = 4\n");
         let mut config = vrdmad::DaemonConfig::from_toml(&toml).expect("config");
         config.socket = Some(socket.clone());
         let daemon = vrdmad::Daemon::start(config).expect("start daemon");
@@ -121,8 +124,10 @@ impl Vm {
 
 #[test]
 fn three_deep_connections_from_a_16_mib_guest_transfer_all_their_messages() {
-    let Some(vm) = Vm::start() else { return };
+    // One daemon at a time (its VM, its port, its address's rdma_cm
+    // port space), not only one pair of programs.
     let _turn = one_at_a_time();
+    let Some(vm) = Vm::start() else { return };
     let port = free_port().to_string();
     let server = vm.server(&port, "3");
     let client = vm.client(&port, "3");
@@ -144,8 +149,10 @@ fn three_deep_connections_from_a_16_mib_guest_transfer_all_their_messages() {
 
 #[test]
 fn four_deep_connections_from_a_16_mib_guest_fail_saying_the_region_is_full() {
-    let Some(vm) = Vm::start() else { return };
+    // One daemon at a time (its VM, its port, its address's rdma_cm
+    // port space), not only one pair of programs.
     let _turn = one_at_a_time();
+    let Some(vm) = Vm::start() else { return };
     let port = free_port().to_string();
     // Listening, so that the client's first three connections are not
     // turned away before it makes its fourth's queues. It then waits for

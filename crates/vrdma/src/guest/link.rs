@@ -97,7 +97,7 @@ pub(super) fn write_within(
         if !r.contains(PollFlags::OUT) {
             continue;
         }
-        match rustix::io::write(port, bytes) {
+        match write_port(port, bytes) {
             Ok(0) => return Err("port write: the port took nothing".into()),
             Ok(n) => bytes = &bytes[n..],
             Err(rustix::io::Errno::INTR | rustix::io::Errno::AGAIN) => {}
@@ -105,6 +105,23 @@ pub(super) fn write_within(
         }
     }
     Ok(())
+}
+
+/// One write to the port. A Unix socket (an emulated guest's port, its
+/// daemon's end gone or refusing a port more than the VM has) is sent to
+/// with `MSG_NOSIGNAL`: `write(2)` would raise `SIGPIPE`, which kills a
+/// C program (ucmatose died so, where it should have read an error); a
+/// virtio-serial port is a character device (`ENOTSOCK`), written.
+fn write_port(port: &File, bytes: &[u8]) -> rustix::io::Result<usize> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static NOT_A_SOCKET: AtomicBool = AtomicBool::new(false);
+    if !NOT_A_SOCKET.load(Ordering::Relaxed) {
+        match rustix::net::send(port, bytes, rustix::net::SendFlags::NOSIGNAL) {
+            Err(rustix::io::Errno::NOTSOCK) => NOT_A_SOCKET.store(true, Ordering::Relaxed),
+            r => return r,
+        }
+    }
+    rustix::io::write(port, bytes)
 }
 
 /// Most wake-ups one read of a proxy forwards in one frame.
@@ -820,6 +837,34 @@ mod write_tests {
             rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, SocketFlags::CLOEXEC, None)
                 .unwrap();
         (File::from(a), b)
+    }
+
+    /// A write on a port socket whose far end is gone is an error, not a
+    /// `SIGPIPE`: checked in a child process of this test binary with the
+    /// signal's default action (Rust programs ignore it; C programs do
+    /// not), where the signal would kill the child.
+    #[test]
+    fn a_write_on_a_port_whose_far_end_is_gone_raises_no_sigpipe() {
+        const CHILD: &str = "VRDMA_TEST_SIGPIPE_CHILD";
+        if std::env::var_os(CHILD).is_some() {
+            // SAFETY: restores the default action of one signal.
+            unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+            let (port, far) = pair();
+            drop(far);
+            let r = write_within(&port, b"hello", Duration::from_secs(1));
+            assert!(r.is_err(), "{r:?}");
+            return;
+        }
+        let name = "guest::link::write_tests::a_write_on_a_port_whose_far_end_is_gone_raises_no_sigpipe";
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([name, "--exact", "--nocapture", "--test-threads", "1"])
+            .env(CHILD, "1")
+            .output()
+            .unwrap();
+        let said =
+            format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "the child: {:?}\n{said}", out.status);
+        assert!(said.contains("1 passed"), "the child ran no test\n{said}");
     }
 
     /// A port whose far end takes no more bytes (a throttled virtio port,
