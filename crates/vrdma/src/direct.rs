@@ -35,7 +35,7 @@ use vrdma_core::proto::{
     DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_RECV,
     DIRECT_WINDOW_SLOTS,
 };
-use vrdma_core::ring::{RecvWr, SendWr, Sge};
+use vrdma_core::ring::{RecvSlot, SendWr, Sge};
 use vrdma_core::verbs::{AccessFlags, SendOpcode};
 use vrdma_shm::{page_size, Mapping, WordPage};
 
@@ -172,6 +172,14 @@ impl DirectQp {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a carried WR. Every count is made holding the state lock
+    /// (`_held` proves it), so a load and a store do, without the atomic
+    /// read-modify-write (a locked instruction per WR); readers only load.
+    fn count_carried(&self, _held: &mut State) {
+        let n = self.carried.load(Ordering::Relaxed);
+        self.carried.store(n.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// Carries `wr` (an RDMA write, an RDMA read or an atomic, already
@@ -313,7 +321,7 @@ impl DirectQp {
             // announced copy).
             let place = || unsafe { copy_into(&g.map, dst, wr) };
             busy = !matches!(
-                target.deliver(qpn, wr, |_| true, |_| place()),
+                target.deliver(qpn, wr, |_| Some(()), |_, ()| place()),
                 crate::direct_recv::Delivered::Done
             );
         } else if granted {
@@ -362,7 +370,7 @@ impl DirectQp {
         if needs_recv {
             srq_limit(st, ctx, qpn);
         }
-        self.carried.fetch_add(1, Ordering::Relaxed);
+        self.count_carried(st);
         Carried::Done { byte_len: if right == AccessFlags::REMOTE_WRITE { 0 } else { len as u32 } }
     }
 
@@ -402,7 +410,7 @@ impl DirectQp {
                 SendAttempt::Done => {
                     st.recv_wait_failed = false;
                     srq_limit(st, ctx, qpn);
-                    self.carried.fetch_add(1, Ordering::Relaxed);
+                    self.count_carried(st);
                     return Carried::Done { byte_len: 0 };
                 }
                 SendAttempt::Retry if attempt == 0 => attempt += 1,
@@ -426,6 +434,16 @@ impl DirectQp {
     }
 }
 
+/// Where a SEND's bytes go in the receive it claims, as `fits` found it
+/// in [`send_once`].
+enum Dest {
+    /// The receive's one non-empty SGE, at this address of its grant's
+    /// mapping, this long.
+    One(*mut u8, usize),
+    /// Several: each looked up again as it is filled.
+    Each,
+}
+
 /// What one try of [`DirectQp::carry_send`] came to.
 enum SendAttempt {
     Done,
@@ -440,9 +458,14 @@ enum SendAttempt {
 /// One try to claim the peer's next receive for the SEND `wr` and copy
 /// it there (see [`DirectQp::carry_send`]).
 fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64) -> SendAttempt {
-    let Some(window) = st.window.clone() else { return SendAttempt::Engine };
-    let keys = local.keys.read().unwrap_or_else(|p| p.into_inner());
-    if !local_ok(&keys, wr, false) {
+    let State { window, grants, recv, wanted, refused, .. } = st;
+    let Some(window) = window.as_ref() else { return SendAttempt::Engine };
+    // Inline bytes are the WR's own: no local key to check or hold.
+    let keys = match wr.is_inline() {
+        true => None,
+        false => Some(local.keys.read().unwrap_or_else(|p| p.into_inner())),
+    };
+    if keys.as_ref().is_some_and(|k| !local_ok(k, wr, false)) {
         return SendAttempt::Engine;
     }
     let (Some(inflight), Some(open), Some(recv_word)) = (
@@ -452,7 +475,6 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
     ) else {
         return SendAttempt::Engine;
     };
-    let State { grants, recv, wanted, refused, .. } = st;
     let Some(target) = recv.as_mut() else { return SendAttempt::Engine };
     inflight.fetch_add(1, Ordering::SeqCst);
     let window_ok = open.load(Ordering::SeqCst) == 1;
@@ -463,42 +485,60 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
     let max_sge = target.max_recv_sge as usize;
     let mut stale = Vec::new();
     let mut empty = false;
+    let grants = &*grants;
     let delivered = recv_ok && {
-        let fits = |r: &RecvWr| {
-            let sges = r.sg.as_slice();
-            if sges.len() > max_sge || r.sg.total_len() < len {
-                return false;
+        // `Some` if it fits, with the one destination of a receive with one
+        // non-empty SGE (the usual case: no second grant look-up to place
+        // it).
+        let fits = |r: &RecvSlot| -> Option<Dest> {
+            if r.len() > max_sge || r.total_len() < len {
+                return None;
             }
-            for s in sges.iter().filter(|s| s.length > 0) {
+            let mut dest = None;
+            let mut places = 0;
+            for s in r.sges().filter(|s| s.length > 0) {
                 let Some(g) = grants.get(&s.lkey) else {
                     if !refused.contains(&s.lkey) && !wanted.contains(&s.lkey) {
                         wanted.push(s.lkey);
                     }
-                    return false;
+                    return None;
                 };
-                if recv_sge_at(g, s, standing).is_none() {
+                let Some(at) = recv_sge_at(g, &s, standing) else {
                     if !standing(g) {
                         stale.push(s.lkey);
                     }
-                    return false;
-                }
+                    return None;
+                };
+                // SAFETY: `at..at+length` lies inside the grant's mapping
+                // (checked against the grant's length).
+                dest = Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize));
+                places += 1;
             }
-            true
+            Some(match (places, dest) {
+                (1, Some((p, n))) => Dest::One(p, n),
+                _ => Dest::Each,
+            })
         };
         // The claimed receive passed `fits`: each SGE in a granted,
         // standing region (words read after announcing the copy).
-        let place = |r: &RecvWr| {
-            let dst = r.sg.as_slice().iter().filter(|s| s.length > 0).filter_map(|s| {
+        let place = |r: &RecvSlot, dest: Dest| {
+            let (one, each) = match dest {
+                Dest::One(p, n) => (Some((p, n)), None),
+                Dest::Each => (None, Some(r.sges())),
+            };
+            let each = each.into_iter().flatten().filter(|s| s.length > 0).filter_map(|s| {
                 let g = grants.get(&s.lkey)?;
-                let at = recv_sge_at(g, s, |_| true)?;
+                let at = recv_sge_at(g, &s, |_| true)?;
                 // SAFETY: `at..at+length` lies inside the grant's mapping
                 // (checked against the grant's length).
                 Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize))
             });
+            let dst = one.into_iter().chain(each);
             // SAFETY: the destinations lie in granted regions that still
             // stand (checked by `fits` inside the announced copy) and
             // total at least the message; the sources are inline bytes or
-            // local regions registered here (read lock held).
+            // local regions registered here (read lock held, unless
+            // inline).
             unsafe { gather_to(wr, dst) }
         };
         let d = target.deliver(qpn, wr, fits, place);
