@@ -134,6 +134,64 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// `copy_nonoverlapping(src, dst, len)` for one slot. The strides most
+/// copied (a CQ entry or inbox entry, 64 bytes; a one-SGE receive, 32)
+/// go as 16-byte words read and written one by one, which the compiler
+/// keeps as a few vector moves: a length known only at run time is a call
+/// to `memcpy`, which costs more than these copies themselves. (Arms that
+/// copy a fixed size with `copy_nonoverlapping`, or a fixed-size array,
+/// are not enough: the compiler turns them into `memcpy` calls and merges
+/// those back into the one call with `len`.)
+///
+/// # Safety
+/// As `std::ptr::copy_nonoverlapping`: `src` readable and `dst` writable
+/// for `len` bytes, not overlapping.
+#[inline]
+unsafe fn copy_slot(src: *const u8, dst: *mut u8, len: usize) {
+    let (s, d) = (src.cast::<u128>(), dst.cast::<u128>());
+    // SAFETY: the caller's contract; unaligned reads and writes, each arm
+    // exactly `len` bytes (word `i` is bytes `16 i .. 16 i + 16`).
+    unsafe {
+        match len {
+            64 => {
+                d.write_unaligned(s.read_unaligned());
+                d.add(1).write_unaligned(s.add(1).read_unaligned());
+                d.add(2).write_unaligned(s.add(2).read_unaligned());
+                d.add(3).write_unaligned(s.add(3).read_unaligned());
+            }
+            32 => {
+                d.write_unaligned(s.read_unaligned());
+                d.add(1).write_unaligned(s.add(1).read_unaligned());
+            }
+            _ => std::ptr::copy_nonoverlapping(src, dst, len),
+        }
+    }
+}
+
+/// Zeroes one slot's private buffer, the common strides word by word as
+/// [`copy_slot`] copies them (a `memset` call otherwise).
+#[inline]
+fn zero_slot(buf: &mut [u8]) {
+    let d = buf.as_mut_ptr().cast::<u128>();
+    // SAFETY: each arm writes exactly `buf.len()` bytes of `buf`
+    // (unaligned writes).
+    unsafe {
+        match buf.len() {
+            64 => {
+                d.write_unaligned(0);
+                d.add(1).write_unaligned(0);
+                d.add(2).write_unaligned(0);
+                d.add(3).write_unaligned(0);
+            }
+            32 => {
+                d.write_unaligned(0);
+                d.add(1).write_unaligned(0);
+            }
+            _ => buf.fill(0),
+        }
+    }
+}
+
 fn check_shape(capacity: u32, stride: usize) -> Result<usize, RingError> {
     if !capacity.is_power_of_two() {
         return Err(RingError::BadCapacity(capacity));
@@ -207,17 +265,20 @@ impl RingView {
     }
 
     /// Number of slots.
+    #[inline]
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
 
     /// Bytes per slot.
+    #[inline]
     pub fn stride(&self) -> usize {
         self.stride
     }
 
     /// The atomic word at `offset` in the header (offset < RING_HEADER,
     /// multiple of 4).
+    #[inline]
     fn word(&self, offset: usize) -> &AtomicU32 {
         debug_assert!(offset < RING_HEADER && offset & 3 == 0);
         // SAFETY: `base` is 64-aligned and valid for RING_HEADER bytes (the
@@ -228,10 +289,12 @@ impl RingView {
         unsafe { &*(self.base.add(offset) as *const AtomicU32) }
     }
 
+    #[inline]
     fn producer_index(&self) -> &AtomicU32 {
         self.word(PRODUCER_OFFSET)
     }
 
+    #[inline]
     fn consumer_index(&self) -> &AtomicU32 {
         self.word(CONSUMER_OFFSET)
     }
@@ -246,12 +309,14 @@ impl RingView {
     /// How many entries were ever pushed (the producer index, wrapping):
     /// the producer's own count, e.g. to compare with a count of entries
     /// the consumer says it finished with.
+    #[inline]
     pub fn produced(&self) -> u32 {
         self.producer_index().load(Ordering::Acquire)
     }
 
     /// How many entries were ever taken (the consumer index, wrapping):
     /// the index of the next entry to take.
+    #[inline]
     pub fn consumed(&self) -> u32 {
         self.consumer_index().load(Ordering::Acquire)
     }
@@ -261,12 +326,14 @@ impl RingView {
     /// # Panics
     /// If `i >= RING_AUX_WORDS` (32): a programming error, never caused by
     /// the peer.
+    #[inline]
     pub fn aux(&self, i: usize) -> &AtomicU32 {
         assert!(i < RING_AUX_WORDS, "ring aux word {i} out of range");
         self.word(AUX_OFFSET + 4 * i)
     }
 
     /// Pointer to the slot of free-running index `idx`.
+    #[inline]
     fn slot(&self, idx: u32) -> *mut u8 {
         let i = (idx & (self.capacity - 1)) as usize;
         // SAFETY: i < capacity, so RING_HEADER + i * stride + stride <=
@@ -275,6 +342,7 @@ impl RingView {
     }
 
     /// `producer - consumer`, or `Corrupt` if that exceeds the capacity.
+    #[inline]
     fn distance(&self, producer: u32, consumer: u32) -> Result<u32, RingError> {
         let used = producer.wrapping_sub(consumer);
         if used > self.capacity {
@@ -284,6 +352,7 @@ impl RingView {
     }
 
     /// Entries the producer has published and the consumer not yet taken.
+    #[inline]
     pub fn len(&self) -> Result<u32, RingError> {
         let consumer = self.consumer_index().load(Ordering::Acquire);
         let producer = self.producer_index().load(Ordering::Acquire);
@@ -329,7 +398,7 @@ impl RingView {
         if !admit(producer) {
             return Ok(false);
         }
-        scratch.fill(0);
+        zero_slot(&mut scratch);
         write(&mut scratch);
         self.publish(producer, &scratch);
         Ok(true)
@@ -362,13 +431,29 @@ impl RingView {
             return Err(RingError::BadBuffer { got: src.len(), stride: self.stride });
         }
         let _guard = lock(&self.producer);
+        self.stage_held(src)
+    }
+
+    /// [`stage`](Self::stage) through a view no other thread can reach
+    /// (`&mut`): the same, without taking the producer lock, which only
+    /// orders this view's users among themselves (a direct-path
+    /// requester's inbox view, used under its QP's own lock).
+    pub fn stage_mut(&mut self, src: &[u8]) -> Result<Option<u32>, RingError> {
+        if src.len() != self.stride {
+            return Err(RingError::BadBuffer { got: src.len(), stride: self.stride });
+        }
+        self.stage_held(src)
+    }
+
+    /// `stage` with the producer side held (its lock, or `&mut self`).
+    fn stage_held(&self, src: &[u8]) -> Result<Option<u32>, RingError> {
         let Some(producer) = self.reserve()? else {
             return Ok(None);
         };
         // SAFETY: as in `publish`: the slot is `stride` bytes inside the
         // mapping, `src` is `stride` bytes of private memory; the slot is
         // not published, so the consumer does not read it.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot(producer), self.stride) };
+        unsafe { copy_slot(src.as_ptr(), self.slot(producer), self.stride) };
         Ok(Some(producer))
     }
 
@@ -376,6 +461,7 @@ impl RingView {
     /// slot of free-running index `at` atomically, so that whichever
     /// producer publishes it publishes the slot with the byte either
     /// before or after, never torn. Ignored if `offset` is past the slot.
+    #[inline]
     pub fn set_staged_byte(&self, at: u32, offset: usize, value: u8) {
         if offset >= self.stride {
             return;
@@ -396,6 +482,7 @@ impl RingView {
     /// the same slot exactly one does. `false` when the index was not
     /// `at` (the other producer published it, or it moved on), or the
     /// slot would not fit (`at` full capacity ahead of the consumer).
+    #[inline]
     pub fn publish_staged(&self, at: u32) -> bool {
         // Against this view's copy of the consumer index first, as a push
         // (`below`): the stage just read it when it had to.
@@ -408,6 +495,7 @@ impl RingView {
     }
 
     /// The producer index of a free slot, `None` if full.
+    #[inline]
     fn reserve(&self) -> Result<Option<u32>, RingError> {
         // Our own index: only we advance it (a hostile peer may overwrite
         // it, which `distance` then catches or which only garbles the data
@@ -426,6 +514,7 @@ impl RingView {
     /// entries it is sent). A consumer index read here was read with
     /// `Acquire` then, so the consumer had finished copying out the slots
     /// it released before that read, as before any later push.
+    #[inline]
     fn below(&self, producer: u32, limit: u32) -> Result<bool, RingError> {
         let seen = self.seen_consumer.load(Ordering::Acquire);
         if matches!(self.distance(producer, seen), Ok(used) if used < limit) {
@@ -456,6 +545,7 @@ impl RingView {
     /// index only when this view's last copy of it says `limit` or more
     /// (see `seen_consumer`): a producer's check before a push that needs
     /// no cache line the consumer writes on every pop.
+    #[inline]
     pub fn fewer_than(&self, limit: u32) -> Result<bool, RingError> {
         let producer = self.producer_index().load(Ordering::Acquire);
         self.below(producer, limit.min(self.capacity))
@@ -468,7 +558,7 @@ impl RingView {
         // valid and disjoint. The consumer does not touch a slot the
         // producer owns; a hostile one racing here only garbles its own
         // data, and no reference into the slot exists.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), self.slot(producer), self.stride) };
+        unsafe { copy_slot(src.as_ptr(), self.slot(producer), self.stride) };
         // Release: the slot bytes are visible before the new index.
         self.producer_index().store(producer.wrapping_add(1), Ordering::Release);
     }
@@ -480,6 +570,15 @@ impl RingView {
     pub fn try_pop(&self, out: &mut [u8]) -> Result<bool, RingError> {
         if out.len() < self.stride {
             return Err(RingError::BadBuffer { got: out.len(), stride: self.stride });
+        }
+        // Empty, without the consumer lock (two atomic read-modify-writes
+        // per poll of an empty ring otherwise): the consumer index is read
+        // first and only moves forward, up to the producer index, so equal
+        // indices mean the ring was empty when the producer index was
+        // read, as the locked look would have answered then.
+        let consumer = self.consumer_index().load(Ordering::Acquire);
+        if self.producer_index().load(Ordering::Acquire) == consumer {
+            return Ok(false);
         }
         let _guard = lock(&self.consumer);
         let consumer = self.consumer_index().load(Ordering::Relaxed);
@@ -493,7 +592,7 @@ impl RingView {
         // valid and disjoint. The copy is raw: a hostile producer writing
         // the slot concurrently can only change the bytes we get, which
         // the caller validates anyway.
-        unsafe { std::ptr::copy_nonoverlapping(self.slot(consumer), out.as_mut_ptr(), self.stride) };
+        unsafe { copy_slot(self.slot(consumer), out.as_mut_ptr(), self.stride) };
         // Release: our reads of the slot happen before the producer may
         // reuse it.
         self.consumer_index().store(consumer.wrapping_add(1), Ordering::Release);
@@ -546,7 +645,7 @@ impl RingView {
             // SAFETY: as in `try_pop`. The slot may be released by the
             // other consumer meanwhile and refilled; the compare-and-swap
             // below then fails and the copy is dropped.
-            unsafe { std::ptr::copy_nonoverlapping(self.slot(consumer), out.as_mut_ptr(), self.stride) };
+            unsafe { copy_slot(self.slot(consumer), out.as_mut_ptr(), self.stride) };
             if !take(&out[..self.stride]) {
                 return Ok(Claim::Refused);
             }
@@ -742,6 +841,30 @@ mod tests {
         let mut all: Vec<u64> = taken.0.into_iter().chain(taken.1).collect();
         all.sort_unstable();
         assert!(all.iter().copied().eq(0..N as u64));
+    }
+
+    /// A slot copy copies exactly `len` bytes, in order, for the strides
+    /// it copies word by word and for others.
+    #[test]
+    fn a_slot_copy_copies_exactly_its_length() {
+        for len in [0, 1, 16, 31, 32, 33, 48, 64, 65, 100] {
+            let src: Vec<u8> = (0..128u8).map(|b| b.wrapping_mul(7).wrapping_add(1)).collect();
+            let mut dst = vec![0xeeu8; 128];
+            // SAFETY: both buffers hold 128 >= len bytes; distinct vectors.
+            unsafe { copy_slot(src.as_ptr(), dst.as_mut_ptr(), len) };
+            assert_eq!(&dst[..len], &src[..len], "{len} bytes");
+            assert!(dst[len..].iter().all(|&b| b == 0xee), "nothing past {len} bytes");
+        }
+    }
+
+    /// A slot zeroed is zero, whatever its length.
+    #[test]
+    fn a_zeroed_slot_is_all_zero() {
+        for len in [0, 1, 16, 31, 32, 33, 48, 64, 65, 100] {
+            let mut buf = vec![0xeeu8; len];
+            zero_slot(&mut buf);
+            assert!(buf.iter().all(|&b| b == 0), "{len} bytes");
+        }
     }
 
     #[test]

@@ -57,6 +57,7 @@ impl WordPage {
     }
 
     /// Word `i`, or `None` past the page.
+    #[inline]
     pub fn word(&self, i: usize) -> Option<&AtomicU32> {
         if i >= self.words {
             return None;

@@ -506,13 +506,17 @@ unsafe fn sges<'a>(list: *const ibv_sge, num: c_int) -> Res<&'a [ibv_sge]> {
     Ok(unsafe { std::slice::from_raw_parts(list, n) })
 }
 
-fn sge_list(s: &[ibv_sge]) -> SgeList {
+/// Makes `dst` the list `s`, in place (a list is a few hundred bytes: a
+/// request's list built elsewhere and moved in costs a copy per request).
+fn set_sges(dst: &mut SgeList, s: &[ibv_sge]) {
     let mut items = [Sge::default(); MAX_SGE];
     for (d, s) in items.iter_mut().zip(s) {
         *d = Sge { addr: s.addr, length: s.length, lkey: s.lkey };
     }
     // `s.len() <= MAX_SGE` was checked by `sges`.
-    SgeList::from_slice(&items[..s.len()]).unwrap_or_default()
+    if dst.set(&items[..s.len().min(MAX_SGE)]).is_err() {
+        *dst = SgeList::default();
+    }
 }
 
 /// Converts one C send request, in place in `out` (which a failed
@@ -584,7 +588,7 @@ unsafe fn send_wr(wr: &ibv_send_wr, ud: bool, out: &mut MaybeUninit<SendWr>) -> 
         }
         s.inline_len = total as u16;
     } else {
-        s.sg = sge_list(list);
+        set_sges(&mut s.sg, list);
     }
     Ok(())
 }
@@ -596,7 +600,8 @@ unsafe fn send_wr(wr: &ibv_send_wr, ud: bool, out: &mut MaybeUninit<SendWr>) -> 
 pub unsafe fn recv_wr(wr: &ibv_recv_wr, out: &mut MaybeUninit<RecvWr>) -> Res<()> {
     // SAFETY: per the contract.
     let list = unsafe { sges(wr.sg_list, wr.num_sge)? };
-    out.write(RecvWr { wr_id: wr.wr_id, sg: sge_list(list) });
+    let r = out.write(RecvWr { wr_id: wr.wr_id, sg: SgeList::default() });
+    set_sges(&mut r.sg, list);
     Ok(())
 }
 

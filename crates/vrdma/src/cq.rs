@@ -221,7 +221,9 @@ impl CqInner {
             held += 1;
         }
         self.free_send_slots(&freed[..held]);
-        if inboxes {
+        // Only receive completions taken from the ring count (and the
+        // inboxes' lock is not taken for a poll that took none there).
+        if inboxes && n > from_ring {
             self.polled_from_ring(&out[from_ring..n]);
         }
         if n > 0 {
@@ -383,10 +385,17 @@ impl CqInner {
         }
     }
 
+    /// Publishes the local queue's length (called holding its lock).
+    /// `Release`, not `SeqCst`: the engine's overrun check reads the word
+    /// as a count, with no store of its own that this store must be
+    /// ordered against (the check and this library's `has_room` are not
+    /// one atomic step either way: `docs/direct-path.md`, "Queue
+    /// limits"), and a `SeqCst` store is a locked instruction, twice per
+    /// carried signaled WR (its push and its poll).
     fn publish_local(&self, len: usize) {
         self.local_len.store(len, Ordering::Release);
         let len = u32::try_from(len).unwrap_or(u32::MAX);
-        self.ring.aux(proto::CQ_AUX_LOCAL).store(len, Ordering::SeqCst);
+        self.ring.aux(proto::CQ_AUX_LOCAL).store(len, Ordering::Release);
     }
 
     /// Whether one more completion fits: the ring's entries and the local

@@ -35,7 +35,7 @@ use vrdma_core::proto::{
     DirectGranted, Reply, Request, DIRECT_WINDOW_INFLIGHT, DIRECT_WINDOW_OPEN, DIRECT_WINDOW_RECV,
     DIRECT_WINDOW_SLOTS,
 };
-use vrdma_core::ring::{RecvWr, SendWr, Sge};
+use vrdma_core::ring::{RecvSlot, SendWr, Sge};
 use vrdma_core::verbs::{AccessFlags, SendOpcode};
 use vrdma_shm::{page_size, Mapping, WordPage};
 
@@ -172,6 +172,14 @@ impl DirectQp {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a carried WR. Every count is made holding the state lock
+    /// (`_held` proves it), so a load and a store do, without the atomic
+    /// read-modify-write (a locked instruction per WR); readers only load.
+    fn count_carried(&self, _held: &mut State) {
+        let n = self.carried.load(Ordering::Relaxed);
+        self.carried.store(n.wrapping_add(1), Ordering::Relaxed);
     }
 
     /// Carries `wr` (an RDMA write, an RDMA read or an atomic, already
@@ -313,7 +321,7 @@ impl DirectQp {
             // announced copy).
             let place = || unsafe { copy_into(&g.map, dst, wr) };
             busy = !matches!(
-                target.deliver(qpn, wr, |_| true, |_| place()),
+                target.deliver(qpn, wr, |_| Some(()), |_, ()| place()),
                 crate::direct_recv::Delivered::Done
             );
         } else if granted {
@@ -362,7 +370,7 @@ impl DirectQp {
         if needs_recv {
             srq_limit(st, ctx, qpn);
         }
-        self.carried.fetch_add(1, Ordering::Relaxed);
+        self.count_carried(st);
         Carried::Done { byte_len: if right == AccessFlags::REMOTE_WRITE { 0 } else { len as u32 } }
     }
 
@@ -402,7 +410,7 @@ impl DirectQp {
                 SendAttempt::Done => {
                     st.recv_wait_failed = false;
                     srq_limit(st, ctx, qpn);
-                    self.carried.fetch_add(1, Ordering::Relaxed);
+                    self.count_carried(st);
                     return Carried::Done { byte_len: 0 };
                 }
                 SendAttempt::Retry if attempt == 0 => attempt += 1,
@@ -426,6 +434,16 @@ impl DirectQp {
     }
 }
 
+/// Where a SEND's bytes go in the receive it claims, as `fits` found it
+/// in [`send_once`].
+enum Dest {
+    /// The receive's one non-empty SGE, at this address of its grant's
+    /// mapping, this long.
+    One(*mut u8, usize),
+    /// Several: each looked up again as it is filled.
+    Each,
+}
+
 /// What one try of [`DirectQp::carry_send`] came to.
 enum SendAttempt {
     Done,
@@ -440,9 +458,14 @@ enum SendAttempt {
 /// One try to claim the peer's next receive for the SEND `wr` and copy
 /// it there (see [`DirectQp::carry_send`]).
 fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64) -> SendAttempt {
-    let Some(window) = st.window.clone() else { return SendAttempt::Engine };
-    let keys = local.keys.read().unwrap_or_else(|p| p.into_inner());
-    if !local_ok(&keys, wr, false) {
+    let State { window, grants, recv, wanted, refused, .. } = st;
+    let Some(window) = window.as_ref() else { return SendAttempt::Engine };
+    // Inline bytes are the WR's own: no local key to check or hold.
+    let keys = match wr.is_inline() {
+        true => None,
+        false => Some(local.keys.read().unwrap_or_else(|p| p.into_inner())),
+    };
+    if keys.as_ref().is_some_and(|k| !local_ok(k, wr, false)) {
         return SendAttempt::Engine;
     }
     let (Some(inflight), Some(open), Some(recv_word)) = (
@@ -452,7 +475,6 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
     ) else {
         return SendAttempt::Engine;
     };
-    let State { grants, recv, wanted, refused, .. } = st;
     let Some(target) = recv.as_mut() else { return SendAttempt::Engine };
     inflight.fetch_add(1, Ordering::SeqCst);
     let window_ok = open.load(Ordering::SeqCst) == 1;
@@ -463,42 +485,60 @@ fn send_once(st: &mut State, qpn: u32, local: &LocalKeys, wr: &SendWr, len: u64)
     let max_sge = target.max_recv_sge as usize;
     let mut stale = Vec::new();
     let mut empty = false;
+    let grants = &*grants;
     let delivered = recv_ok && {
-        let fits = |r: &RecvWr| {
-            let sges = r.sg.as_slice();
-            if sges.len() > max_sge || r.sg.total_len() < len {
-                return false;
+        // `Some` if it fits, with the one destination of a receive with one
+        // non-empty SGE (the usual case: no second grant look-up to place
+        // it).
+        let fits = |r: &RecvSlot| -> Option<Dest> {
+            if r.len() > max_sge || r.total_len() < len {
+                return None;
             }
-            for s in sges.iter().filter(|s| s.length > 0) {
+            let mut dest = None;
+            let mut places = 0;
+            for s in r.sges().filter(|s| s.length > 0) {
                 let Some(g) = grants.get(&s.lkey) else {
                     if !refused.contains(&s.lkey) && !wanted.contains(&s.lkey) {
                         wanted.push(s.lkey);
                     }
-                    return false;
+                    return None;
                 };
-                if recv_sge_at(g, s, standing).is_none() {
+                let Some(at) = recv_sge_at(g, &s, standing) else {
                     if !standing(g) {
                         stale.push(s.lkey);
                     }
-                    return false;
-                }
+                    return None;
+                };
+                // SAFETY: `at..at+length` lies inside the grant's mapping
+                // (checked against the grant's length).
+                dest = Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize));
+                places += 1;
             }
-            true
+            Some(match (places, dest) {
+                (1, Some((p, n))) => Dest::One(p, n),
+                _ => Dest::Each,
+            })
         };
         // The claimed receive passed `fits`: each SGE in a granted,
         // standing region (words read after announcing the copy).
-        let place = |r: &RecvWr| {
-            let dst = r.sg.as_slice().iter().filter(|s| s.length > 0).filter_map(|s| {
+        let place = |r: &RecvSlot, dest: Dest| {
+            let (one, each) = match dest {
+                Dest::One(p, n) => (Some((p, n)), None),
+                Dest::Each => (None, Some(r.sges())),
+            };
+            let each = each.into_iter().flatten().filter(|s| s.length > 0).filter_map(|s| {
                 let g = grants.get(&s.lkey)?;
-                let at = recv_sge_at(g, s, |_| true)?;
+                let at = recv_sge_at(g, &s, |_| true)?;
                 // SAFETY: `at..at+length` lies inside the grant's mapping
                 // (checked against the grant's length).
                 Some((unsafe { g.map.as_ptr().add(at) }, s.length as usize))
             });
+            let dst = one.into_iter().chain(each);
             // SAFETY: the destinations lie in granted regions that still
             // stand (checked by `fits` inside the announced copy) and
             // total at least the message; the sources are inline bytes or
-            // local regions registered here (read lock held).
+            // local regions registered here (read lock held, unless
+            // inline).
             unsafe { gather_to(wr, dst) }
         };
         let d = target.deliver(qpn, wr, fits, place);
@@ -664,7 +704,7 @@ unsafe fn gather_to(wr: &SendWr, dst: impl Iterator<Item = (*mut u8, usize)>) {
             let k = room.min(n);
             // SAFETY: the caller's contract; raw copies only, both sides
             // may be shared memory.
-            unsafe { std::ptr::copy(src, p, k) };
+            unsafe { copy_bytes(src, p, k) };
             // SAFETY: within the chunks just checked.
             unsafe {
                 src = src.add(k);
@@ -679,6 +719,38 @@ unsafe fn gather_to(wr: &SendWr, dst: impl Iterator<Item = (*mut u8, usize)>) {
     } else {
         for s in wr.sg.as_slice() {
             put(s.addr as *const u8, s.length as usize);
+        }
+    }
+}
+
+/// `std::ptr::copy(src, dst, n)` (the ranges may overlap). From 4 to 16
+/// bytes (the small messages that latency is measured with) as two words
+/// that may overlap each other, both read before either is written: a
+/// length known only at run time is otherwise a call to `memmove`, which
+/// costs more than such a copy.
+///
+/// # Safety
+/// As `std::ptr::copy`: `src` readable and `dst` writable for `n` bytes.
+#[inline]
+unsafe fn copy_bytes(src: *const u8, dst: *mut u8, n: usize) {
+    // SAFETY: the caller's contract; every access is unaligned and inside
+    // `..n` (the second word ends at byte `n`); both words are read before
+    // either is written, so overlapping ranges copy as `ptr::copy` does.
+    unsafe {
+        match n {
+            8..=16 => {
+                let (a, b) =
+                    (src.cast::<u64>().read_unaligned(), src.add(n - 8).cast::<u64>().read_unaligned());
+                dst.cast::<u64>().write_unaligned(a);
+                dst.add(n - 8).cast::<u64>().write_unaligned(b);
+            }
+            4..=7 => {
+                let (a, b) =
+                    (src.cast::<u32>().read_unaligned(), src.add(n - 4).cast::<u32>().read_unaligned());
+                dst.cast::<u32>().write_unaligned(a);
+                dst.add(n - 4).cast::<u32>().write_unaligned(b);
+            }
+            _ => std::ptr::copy(src, dst, n),
         }
     }
 }
@@ -793,4 +865,36 @@ fn ask(ctx: &Context, qpn: u32, rkey: u32) -> Result<Asked, Option<DirectRefusal
         return Err(None);
     }
     Ok((g, window, map))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A copy is `ptr::copy`'s, byte for byte, for every short length,
+    /// between distinct buffers and within one (overlapping, either way).
+    #[test]
+    fn a_short_copy_is_a_memmove() {
+        let pattern: Vec<u8> = (0..96u8).map(|b| b.wrapping_mul(13).wrapping_add(5)).collect();
+        for n in 0..=40 {
+            let mut got = vec![0xeeu8; 64];
+            let mut want = got.clone();
+            // SAFETY: `n <= 40` bytes inside each 64- or 96-byte buffer.
+            unsafe {
+                copy_bytes(pattern.as_ptr().add(3), got.as_mut_ptr().add(5), n);
+                std::ptr::copy(pattern.as_ptr().add(3), want.as_mut_ptr().add(5), n);
+            }
+            assert_eq!(got, want, "{n} bytes between buffers");
+            for (from, to) in [(0, 3), (3, 0), (10, 11), (11, 10), (8, 8)] {
+                let (mut got, mut want) = (pattern.clone(), pattern.clone());
+                // SAFETY: `from`/`to` + `n` <= 51 < 96: inside the buffer.
+                unsafe {
+                    let (g, w) = (got.as_mut_ptr(), want.as_mut_ptr());
+                    copy_bytes(g.add(from), g.add(to), n);
+                    std::ptr::copy(w.add(from), w.add(to), n);
+                }
+                assert_eq!(got, want, "{n} bytes from {from} to {to} in one buffer");
+            }
+        }
+    }
 }

@@ -120,11 +120,7 @@ impl<'a> ReadySet<'a> {
         let mut next = start;
         // The start word twice: its bits from `sb` first, those below it
         // last.
-        for step in 0..=CQ_READY_WORDS {
-            let w = (sw + step) % CQ_READY_WORDS;
-            if s & (1 << w) == 0 {
-                continue;
-            }
+        for (step, w) in marked_words(s, sw) {
             let mask = match step {
                 0 => u32::MAX << sb,
                 CQ_READY_WORDS => (1u32 << sb).wrapping_sub(1),
@@ -161,6 +157,29 @@ impl<'a> ReadySet<'a> {
         }
         next
     }
+}
+
+/// The data words a scan starting in word `sw` visits, given the
+/// summary `s` (only its [`VALID`] bits): `(step, word)` for each word
+/// whose summary bit is set, in the order `sw, sw + 1, …` around, and
+/// `sw` once more last (step `CQ_READY_WORDS`, for its bits below the
+/// start). The same as looking at every step `0..=CQ_READY_WORDS` and
+/// skipping clear words, without the look (and the division) per word.
+fn marked_words(s: u32, sw: usize) -> impl Iterator<Item = (usize, usize)> {
+    let s = s & VALID;
+    // Rotated right by `sw` within the 15 bits: bit k is word sw + k.
+    let rotated = ((s >> sw) | (s << (CQ_READY_WORDS - sw))) & VALID;
+    let again = (rotated & 1 != 0).then_some((CQ_READY_WORDS, sw));
+    let mut bits = rotated;
+    std::iter::from_fn(move || {
+        if bits == 0 {
+            return None;
+        }
+        let k = bits.trailing_zeros() as usize;
+        bits &= bits - 1;
+        Some((k, (sw + k) % CQ_READY_WORDS))
+    })
+    .chain(again)
 }
 
 #[cfg(test)]
@@ -206,6 +225,31 @@ mod tests {
             }
         }
         Served { emptied: false, room: false }
+    }
+
+    /// The words a scan visits, in order, are those of a look at every
+    /// step with the clear ones skipped, for every start word and many
+    /// summaries (junk bits above the valid ones included).
+    #[test]
+    fn marked_words_are_every_step_with_a_set_summary_bit() {
+        let every_step = |s: u32, sw: usize| -> Vec<(usize, usize)> {
+            (0..=CQ_READY_WORDS)
+                .map(|step| (step, (sw + step) % CQ_READY_WORDS))
+                .filter(|&(_, w)| s & (1 << w) != 0)
+                .collect()
+        };
+        let mut summaries: Vec<u32> = (0..CQ_READY_WORDS).map(|w| 1 << w).collect();
+        summaries.extend([0, VALID, u32::MAX, 0b101, 0x4001, 0x5555, 0x2aaa, 0x7ffe, 0x8000_0003]);
+        summaries.extend((0..64u32).map(|i| i.wrapping_mul(0x9e37_79b9) >> 7));
+        for s in summaries {
+            for sw in 0..CQ_READY_WORDS {
+                assert_eq!(
+                    marked_words(s, sw).collect::<Vec<_>>(),
+                    every_step(s & VALID, sw),
+                    "s {s:#x} sw {sw}"
+                );
+            }
+        }
     }
 
     #[test]

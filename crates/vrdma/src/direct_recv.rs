@@ -66,7 +66,7 @@ use vrdma_core::proto::{
     INBOX_AUX_REQUESTER_CPU, INBOX_AUX_STAGED, SRQ_AUX_CLAIMER, SRQ_AUX_CLAIM_AT, SRQ_AUX_CLAIM_SLOT,
     SRQ_AUX_LIMIT, SRQ_CLAIMER_NOTED,
 };
-use vrdma_core::ring::{Cqe, RecvWr, SendWr, CQE_SIZE, CQE_STATUS_BYTE, RECV_HEADER};
+use vrdma_core::ring::{Cqe, RecvSlot, SendWr, CQE_SIZE, CQE_STATUS_BYTE, RECV_HEADER};
 use vrdma_core::verbs::{SendFlags, SendOpcode, WcFlags, WcOpcode, WcStatus};
 use vrdma_shm::{Claim, Mapping, RingView, WordPage};
 
@@ -89,7 +89,8 @@ pub(crate) struct RecvTarget {
     cq: RingView,
     /// The peer CQ's channel's doorbell, when it has a completion channel.
     bell: Option<vrdma_shm::Doorbell>,
-    /// A receive slot's bytes, looked at before it is claimed.
+    /// A receive slot's bytes, looked at before it is claimed (read in
+    /// place, `RecvSlot`: no decoded request is built per SEND).
     scratch: Vec<u8>,
     /// `rq` is the peer's SRQ (shared with the engine and other
     /// requesters), whose limit event the daemon raises.
@@ -118,15 +119,16 @@ impl RecvTarget {
     /// Claims the peer's next receive for `wr` (a SEND or an RDMA write
     /// with immediate of requester QP `requester`) if its completion can
     /// be delivered in order and within the CQ's depth now and `fits` the
-    /// receive; then `place`s the payload (into the receive's SGEs for a
-    /// SEND) and pushes the peer's completion. The caller holds the grant
+    /// receive (saying `Some`); then `place`s the payload (into the
+    /// receive's SGEs for a SEND, with what `fits` found of them) and
+    /// pushes the peer's completion. The caller holds the grant
     /// (window words checked after announcing itself).
-    pub(crate) fn deliver(
+    pub(crate) fn deliver<P>(
         &mut self,
         requester: u32,
         wr: &SendWr,
-        mut fits: impl FnMut(&RecvWr) -> bool,
-        place: impl FnOnce(&RecvWr),
+        mut fits: impl FnMut(&RecvSlot) -> Option<P>,
+        place: impl FnOnce(&RecvSlot, P),
     ) -> Delivered {
         let pushed = self.inbox.aux(INBOX_AUX_ENGINE_PUSHED).load(Ordering::SeqCst);
         if self.inbox.aux(INBOX_AUX_ENGINE_POLLED).load(Ordering::SeqCst) != pushed {
@@ -160,7 +162,9 @@ impl RecvTarget {
         };
         let (claim_at, claim_slot) = (self.rq.aux(SRQ_AUX_CLAIM_AT), self.rq.aux(SRQ_AUX_CLAIM_SLOT));
         let srq = self.srq;
-        let inbox = &self.inbox;
+        // Ours alone (`&mut self`, under the QP's direct-path lock): staged
+        // without the view's producer lock.
+        let inbox = &mut self.inbox;
         let (responder, lid) = (self.responder, self.lid);
         let mut taken = None;
         // The completion is staged in the inbox's next slot *before* the
@@ -187,9 +191,10 @@ impl RecvTarget {
                 t.noted();
             }
         };
-        let claimed = self.rq.try_claim_noting(&mut self.scratch, note, |b| match RecvWr::decode(b) {
+        let claimed = self.rq.try_claim_noting(&mut self.scratch, note, |b| match RecvSlot::parse(b) {
             _ if lost.get() => false,
-            Ok(r) if fits(&r) => {
+            Ok(r) => {
+                let Some(fit) = fits(&r) else { return false };
                 let mut cqe = Cqe::new(r.wr_id, WcStatus::WrFlushErr, opcode, responder);
                 cqe.byte_len = wr.msg_len() as u32;
                 cqe.src_qp = requester;
@@ -201,7 +206,7 @@ impl RecvTarget {
                 cqe.solicited = solicited;
                 let mut out = [0u8; CQE_SIZE];
                 cqe.encode(&mut out);
-                match inbox.stage(&out) {
+                match inbox.stage_mut(&out) {
                     Ok(Some(at)) => {
                         // Release is enough: the claim's compare-and-swap
                         // (AcqRel) follows, and the daemon reads this only
@@ -212,18 +217,22 @@ impl RecvTarget {
                             // slot only while it is still unpublished.
                             claim_slot.store(at, Ordering::SeqCst);
                         }
-                        taken = Some((r, at));
+                        taken = Some((at, fit));
                         true
                     }
                     _ => false,
                 }
             }
-            _ => false,
+            Err(_) => false,
         });
-        let (Ok(Claim::Taken), Some((recv, at))) = (claimed, taken) else {
+        let (Ok(Claim::Taken), Some((at, fit))) = (claimed, taken) else {
             return if matches!(claimed, Ok(Claim::Empty)) { Delivered::Behind } else { Delivered::NotNow };
         };
-        place(&recv);
+        // The claimed entry's bytes are still in `scratch` (the claim copies
+        // each entry it looks at there, and stops at the one taken): the
+        // same private bytes that parsed and passed `fits` above.
+        let recv = RecvSlot::parse(&self.scratch).expect("the claimed entry parsed when claimed");
+        place(&recv, fit);
         // Placed: the staged completion is ours to publish unless the
         // daemon took it first (the peer QP was flushed while this process
         // was stopped between its claim and here: the receive completed

@@ -50,6 +50,7 @@ impl Default for Cqe {
 }
 
 impl Cqe {
+    #[inline]
     pub fn new(wr_id: u64, status: WcStatus, opcode: WcOpcode, qp_num: u32) -> Cqe {
         Cqe {
             wr_id,
@@ -69,6 +70,7 @@ impl Cqe {
         }
     }
 
+    #[inline]
     pub fn encode(&self, slot: &mut [u8; CQE_SIZE]) {
         put_u64(slot, 0, self.wr_id);
         slot[CQE_STATUS_BYTE] = self.status.raw();
@@ -94,6 +96,7 @@ impl Cqe {
     }
 
     /// What [`set_sq_retired`](Self::set_sq_retired) noted, if anything.
+    #[inline]
     pub fn sq_retired(slot: &[u8; CQE_SIZE]) -> Option<u32> {
         (slot[38] != 0).then(|| get_u32(slot, 40))
     }
@@ -101,6 +104,7 @@ impl Cqe {
     /// Decodes an entry the daemon wrote. The client trusts the daemon, but a
     /// value outside the enums still decodes (as a general error) rather than
     /// panicking.
+    #[inline]
     pub fn decode(slot: &[u8; CQE_SIZE]) -> Cqe {
         Cqe {
             wr_id: get_u64(slot, 0),

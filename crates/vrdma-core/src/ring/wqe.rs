@@ -70,6 +70,7 @@ impl SgeList {
     /// Makes the list `sges`, in place (a list is a few hundred bytes: a
     /// work request filled where it lies is not copied again). A list
     /// too long leaves `self` as it was.
+    #[inline]
     pub fn set(&mut self, sges: &[Sge]) -> Result<(), WqeError> {
         if sges.len() > MAX_SGE {
             return Err(WqeError::TooManySge(sges.len()));
@@ -78,10 +79,12 @@ impl SgeList {
         self.len = sges.len() as u8;
         Ok(())
     }
+    #[inline]
     pub fn as_slice(&self) -> &[Sge] {
         &self.items[..self.len as usize]
     }
     /// Sum of the lengths, which may exceed `u32`.
+    #[inline]
     pub fn total_len(&self) -> u64 {
         self.as_slice().iter().map(|s| s.length as u64).sum()
     }
@@ -145,15 +148,18 @@ impl SendWr {
         }
     }
 
+    #[inline]
     pub fn is_inline(&self) -> bool {
         self.flags.contains(SendFlags::INLINE)
     }
 
+    #[inline]
     pub fn inline_data(&self) -> &[u8] {
         &self.inline[..self.inline_len as usize]
     }
 
     /// Message length in bytes.
+    #[inline]
     pub fn msg_len(&self) -> u64 {
         if self.is_inline() {
             self.inline_len as u64
@@ -263,6 +269,64 @@ impl RecvWr {
     }
 }
 
+/// A receive slot read where it lies: what [`RecvWr::decode`] checks,
+/// without building the decoded request (a [`SgeList`] of [`MAX_SGE`]
+/// entries, a few hundred bytes, zeroed and then moved on every claim: a
+/// direct-path requester looks at the peer's receive once per SEND).
+#[derive(Debug, Clone, Copy)]
+pub struct RecvSlot<'a> {
+    /// The request's `wr_id`.
+    pub wr_id: u64,
+    /// The SGEs' bytes, exactly `len() * SGE_SIZE` of them.
+    body: &'a [u8],
+}
+
+impl<'a> RecvSlot<'a> {
+    /// Checks `slot` as [`RecvWr::decode`] does (the same errors, with
+    /// `wr_id`), reading nothing but the header yet.
+    #[inline]
+    pub fn parse(slot: &'a [u8]) -> Result<RecvSlot<'a>, (u64, WqeError)> {
+        if slot.len() < RECV_HEADER {
+            return Err((0, WqeError::SlotTooSmall));
+        }
+        let wr_id = get_u64(slot, 0);
+        let n = slot[8] as usize;
+        if n > MAX_SGE {
+            return Err((wr_id, WqeError::TooManySge(n)));
+        }
+        let body = slot[RECV_HEADER..].get(..n * SGE_SIZE).ok_or((wr_id, WqeError::SlotTooSmall))?;
+        Ok(RecvSlot { wr_id, body })
+    }
+
+    /// Number of SGEs.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.body.len() / SGE_SIZE
+    }
+
+    /// Whether the request has no SGE.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.body.is_empty()
+    }
+
+    /// The SGEs, in order.
+    #[inline]
+    pub fn sges(&self) -> impl Iterator<Item = Sge> + 'a {
+        self.body.chunks_exact(SGE_SIZE).map(|b| Sge {
+            addr: get_u64(b, 0),
+            length: get_u32(b, 8),
+            lkey: get_u32(b, 12),
+        })
+    }
+
+    /// Sum of the lengths, which may exceed `u32`.
+    #[inline]
+    pub fn total_len(&self) -> u64 {
+        self.sges().map(|s| u64::from(s.length)).sum()
+    }
+}
+
 fn encode_sges(body: &mut [u8], sges: &[Sge]) {
     for (i, s) in sges.iter().enumerate() {
         let at = i * SGE_SIZE;
@@ -318,6 +382,33 @@ mod tests {
         assert_eq!(l.as_slice(), &[b], "a list too long leaves it as it was");
         l.set(&[]).unwrap();
         assert!(l.as_slice().is_empty());
+    }
+
+    /// A slot read in place says what its decoding says, for every SGE
+    /// count the slot may claim (hostile ones included).
+    #[test]
+    fn a_receive_slot_read_in_place_agrees_with_its_decoding() {
+        let sges: Vec<Sge> = (0..MAX_SGE as u64)
+            .map(|i| Sge { addr: 0x1000 * i + 1, length: i as u32 * 3, lkey: 7 + i as u32 })
+            .collect();
+        for stride_sges in [0, 1, 2, MAX_SGE] {
+            let mut slot = vec![0u8; recv_stride(stride_sges as u32)];
+            for n in 0..=stride_sges {
+                let wr = RecvWr { wr_id: 40 + n as u64, sg: SgeList::from_slice(&sges[..n]).unwrap() };
+                wr.encode(&mut slot).unwrap();
+                let view = RecvSlot::parse(&slot).unwrap();
+                assert_eq!(view.wr_id, wr.wr_id);
+                assert_eq!((view.len(), view.is_empty()), (n, n == 0));
+                assert_eq!(view.sges().collect::<Vec<_>>(), wr.sg.as_slice());
+                assert_eq!(view.total_len(), wr.sg.total_len());
+            }
+            for claimed in [stride_sges + 1, MAX_SGE + 1, 255] {
+                slot[8] = claimed as u8;
+                let (decoded, viewed) = (RecvWr::decode(&slot), RecvSlot::parse(&slot));
+                assert_eq!(viewed.map(|v| v.wr_id), decoded.map(|d| d.wr_id), "{claimed} SGEs claimed");
+            }
+        }
+        assert_eq!(RecvSlot::parse(&[0u8; 3]).map(|v| v.wr_id), Err((0, WqeError::SlotTooSmall)));
     }
 
     #[test]

@@ -99,6 +99,7 @@ verbs_enum!(
 
 impl WcOpcode {
     /// A completion of a receive WR (the others complete send WRs).
+    #[inline]
     pub fn is_recv(self) -> bool {
         matches!(self, WcOpcode::Recv | WcOpcode::RecvRdmaWithImm)
     }
@@ -106,6 +107,7 @@ impl WcOpcode {
 
 impl SendOpcode {
     /// The opcode of the requester's completion.
+    #[inline]
     pub fn wc_opcode(self) -> WcOpcode {
         match self {
             SendOpcode::Send | SendOpcode::SendWithImm => WcOpcode::Send,
@@ -125,6 +127,7 @@ impl SendOpcode {
         matches!(self, SendOpcode::Send | SendOpcode::SendWithImm | SendOpcode::RdmaWriteWithImm)
     }
 
+    #[inline]
     pub fn has_imm(self) -> bool {
         matches!(self, SendOpcode::SendWithImm | SendOpcode::RdmaWriteWithImm)
     }
