@@ -575,7 +575,11 @@ impl RingView {
         // per poll of an empty ring otherwise): the consumer index is read
         // first and only moves forward, up to the producer index, so equal
         // indices mean the ring was empty when the producer index was
-        // read, as the locked look would have answered then.
+        // read, as the locked look would have answered then. This look is
+        // no fence: a waiter that marks itself asleep and then looks here
+        // needs its own `fence(SeqCst)` between the two (the engine's
+        // sleep, `park_queues` and CQ arming have theirs), or a producer
+        // that published meanwhile may not see the mark.
         let consumer = self.consumer_index().load(Ordering::Acquire);
         if self.producer_index().load(Ordering::Acquire) == consumer {
             return Ok(false);
