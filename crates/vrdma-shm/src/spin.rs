@@ -75,11 +75,10 @@ pub fn fd_ready(fd: BorrowedFd<'_>) -> bool {
     matches!(rustix::event::poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0)
 }
 
-/// Looks at `fd` for up to this process's [`budget`] (or `limit`, if
-/// shorter) before the caller blocks on it; whether it became ready.
-pub fn before_blocking_on(fd: BorrowedFd<'_>, limit: Option<Duration>) -> bool {
-    let b = limit.map_or(budget(), |l| l.min(budget()));
-    spin_until(b, || fd_ready(fd))
+/// Looks at `fd` for up to this process's [`budget`] before the caller
+/// blocks on it; whether it became ready.
+pub fn before_blocking_on(fd: BorrowedFd<'_>) -> bool {
+    spin_until(budget(), || fd_ready(fd))
 }
 
 #[cfg(test)]

@@ -318,7 +318,7 @@ impl Control {
         }
         // A short look for the (first) reply before blocking on it, where
         // cores are spare (`vrdma_shm::spin`).
-        spin::before_blocking_on(st.sock.as_fd(), None);
+        spin::before_blocking_on(st.sock.as_fd());
         Self::read_deferred(&mut st)?;
         let (reply, fds) = Self::recv_reply(&mut st)?;
         drop(st);

@@ -194,7 +194,7 @@ pub(crate) fn run(
             // A tenant's next request often follows its last reply within
             // microseconds (a connection's setup is several calls in a
             // row): a short look first where cores are spare.
-            vrdma_shm::spin::before_blocking_on(sock.as_fd(), None);
+            vrdma_shm::spin::before_blocking_on(sock.as_fd());
         }
         let msg = match fdpass::recv_msg(sock.as_fd(), &mut buf, MAX_FDS) {
             Ok(m) => m,
