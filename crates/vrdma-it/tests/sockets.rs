@@ -127,6 +127,37 @@ mod preload {
         Ok(())
     }
 
+    /// As `a_connection_reported_readable_before_its_first_call_has_bytes_to_read`,
+    /// with the connection registered in an epoll set right after its
+    /// accept (before any call on it): level-triggered, edge-triggered and
+    /// level-triggered one-shot. The interposed `epoll_wait` decides the
+    /// connection when the client's hello is what it reports, and answers
+    /// for it as it then is: the first report has bytes behind it (before,
+    /// it was the hello, and the read said `EAGAIN`), and the reports that
+    /// follow still come (an edge the decision took is not lost: the
+    /// server's waits would time out).
+    #[test]
+    fn an_epoll_connection_reported_readable_before_its_first_call_has_bytes_to_read() -> Result<()> {
+        for how in ["epoll", "epoll-et", "epoll-oneshot"] {
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let mut cmd = sockapp(&d, true, &["pollserver".into(), port.to_string()]);
+            cmd.env("SOCKAPP_STRICT_READY", how);
+            let s = spawn(cmd, "pollserver");
+            vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+                listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+            })?;
+            let c = client(&d, true, port).finish(LIMIT);
+            let s = s.finish(LIMIT);
+            // (The client checks the server's count of the bytes.)
+            assert!(s.status.success() && c.status.success(), "{how}:\n{}\n{}", s.describe(), c.describe());
+            assert!(s.stderr.contains("carried over vRDMA"), "{how}: {}", s.describe());
+        }
+        Ok(())
+    }
+
     /// Echoed by `forkecho`: four rings' worth, in 16 KiB round trips.
     const ECHO_BYTES: u64 = 1 << 20;
 

@@ -191,6 +191,39 @@ fn a_client_that_execs_before_its_first_call_falls_back() -> Result<()> {
     Ok(())
 }
 
+/// A client that connects, and declines at its exec (the server claimed
+/// the connection first), to a non-blocking server that registered the
+/// connection in epoll right after its accept (`pollserver` with
+/// `SOCKAPP_STRICT_READY`): the server's `epoll_wait` is woken by the
+/// decline, decides the connection (plain TCP) and answers for it as the
+/// kernel then has it: no `EPOLLIN` until the exec'd program's bytes are
+/// there (before, the decline's report was handed out and the read said
+/// `EAGAIN`), and the report of those bytes still comes, also
+/// edge-triggered.
+#[test]
+fn an_epoll_server_woken_by_a_decline_is_told_of_the_bytes_after_it() -> Result<()> {
+    for how in ["epoll", "epoll-et", "epoll-oneshot"] {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let args = ["pollserver".into(), port.to_string()];
+        let s = spawn(sockapp(&d, &args, &[("SOCKAPP_STRICT_READY", how)]), "pollserver");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["execclient".into(), port.to_string(), BYTES.to_string()];
+        let env = [("SOCKAPP_EXEC_DELAY_MS", "800"), ("SOCKAPP_FD_SEND", "1")];
+        let c = spawn(sockapp(&d, &args, &env), "execclient").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        // (The client checks the server's count of the bytes.)
+        assert!(s.status.success() && c.status.success(), "{how}:\n{}\n{}", s.describe(), c.describe());
+        assert!(c.stderr.contains("declined before an exec"), "{how}: {}", c.describe());
+        assert!(!s.stderr.contains(CARRIED), "{how}: {}", s.describe());
+    }
+    Ok(())
+}
+
 /// A Python server that runs `cat` on each accepted connection with
 /// `subprocess` (its stdin and stdout the socket: `_posixsubprocess`
 /// `dup2`s it in a `vfork`ed child and execs there), as CGI-like servers

@@ -32,7 +32,9 @@
 //!
 //! The interposed `epoll_wait`s also take back a carried socket's
 //! readability that is only stale wake bytes, as `poll` does
-//! ([`crate::readiness`]).
+//! ([`crate::readiness`]), and decide a connection registered before its
+//! first call when its report may be the peer's first message (a hello:
+//! the library's bytes, not the program's; [`undecided`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
@@ -69,6 +71,9 @@ struct Reg {
     /// announces (a lazy read left it unarmed): the epoll waits report
     /// `EPOLLIN` themselves until they are read ([`pending`]).
     pending: bool,
+    /// Made for reading while its connection was not decided yet (no call
+    /// on it): its first report may be the peer's hello ([`undecided`]).
+    undecided: bool,
 }
 
 impl Reg {
@@ -176,7 +181,10 @@ fn sets() -> MutexGuard<'static, Sets> {
             sets: Mutex::new(Sets { sets: HashMap::new(), inner: Default::default() }),
         }));
         match CURRENT.compare_exchange(p, mine, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => TRACKED.store(0, Ordering::Release),
+            Ok(_) => {
+                TRACKED.store(0, Ordering::Release);
+                UNDECIDED.store(0, Ordering::Release);
+            }
             // SAFETY: `mine` came from Box::into_raw and was not published.
             Err(_) => drop(unsafe { Box::from_raw(mine) }),
         }
@@ -185,8 +193,56 @@ fn sets() -> MutexGuard<'static, Sets> {
 
 fn count(s: &Sets) {
     TRACKED.store(s.sets.values().map(|x| x.regs.len()).sum(), Ordering::Release);
-    let pending = s.sets.values().flat_map(|x| x.regs.values()).filter(|r| r.pending).count();
-    PENDING.store(pending, Ordering::Release);
+    let regs = || s.sets.values().flat_map(|x| x.regs.values());
+    PENDING.store(regs().filter(|r| r.pending).count(), Ordering::Release);
+    UNDECIDED.store(regs().filter(|r| r.undecided).count(), Ordering::Release);
+}
+
+/// Registrations with [`Reg::undecided`] set (any process's): 0 lets the
+/// waits pass without a look at their events.
+static UNDECIDED: AtomicUsize = AtomicUsize::new(0);
+
+/// After an epoll wait on `ep` reported the `n` events at `ev`: those of
+/// connections not decided yet (registered before their first call) that
+/// the peer's first message may have made ready (`EPOLLIN`, `EPOLLHUP`,
+/// `EPOLLERR`), by index, with their descriptor. That message is the
+/// library's (a hello, a decline) or the end, not the program's bytes:
+/// the wait decides them before it answers ([`crate::readiness`]). A
+/// registration is looked at here until a report finds it decided (by
+/// the wait, or by the program's own call): so a second thread's wait
+/// that got the same report decides it too (it waits for the first's
+/// decision) and answers for it as it turned out.
+///
+/// # Safety
+/// `ev` holds `n` events.
+pub unsafe fn undecided(ep: c_int, ev: *const epoll_event, n: c_int) -> Vec<(usize, c_int)> {
+    let mut out = Vec::new();
+    if UNDECIDED.load(Ordering::Acquire) == 0 {
+        return out;
+    }
+    let Some(_g) = Guard::enter() else { return out };
+    keep_errno(|| {
+        let mut s = sets();
+        let Some(set) = s.sets.get_mut(&ep) else { return };
+        let mut cleared = 0;
+        for i in 0..n.max(0) as usize {
+            // SAFETY: `i < n`; read by value (the struct may be packed).
+            let e = unsafe { std::ptr::read(ev.add(i)) };
+            let Some((fd, r)) = set.by_data(e.u64) else { continue };
+            if !r.undecided {
+                continue;
+            }
+            if !r.stream.upgrade().is_some_and(|st| st.undecided()) {
+                r.undecided = false;
+                cleared += 1;
+            } else if e.events & (IN | (libc::EPOLLHUP | libc::EPOLLERR) as u32) != 0 {
+                // (Writable only: not the peer's message.)
+                out.push((i, fd));
+            }
+        }
+        UNDECIDED.fetch_sub(cleared, Ordering::AcqRel);
+    });
+    out
 }
 
 /// Registrations with [`Reg::pending`] set (any process's): 0 lets the
@@ -270,6 +326,7 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
                 fired: false,
                 stripped: false,
                 pending: false,
+                undecided: want.events & IN != 0 && stream.undecided(),
             };
             // Its reads arm at once from now on; an arming a lazy read
             // left undone is made now, and bytes that wait without a

@@ -51,7 +51,9 @@
 //!   wait (a write returns once posted; [`progress`]), and take back the
 //!   readability of a carried socket whose ring is empty and whose socket
 //!   holds only stale wake bytes (one that came late, across hosts:
-//!   [`readiness`]). Writability is the ring's: `epoll_ctl` is interposed
+//!   [`readiness`]); a connection they report before its first call
+//!   (the peer's hello is no data) is decided first, and answered for as
+//!   it then is ([`readiness`]). Writability is the ring's: `epoll_ctl` is interposed
 //!   and the registrations of carried connections kept, so that a ring
 //!   found full takes `EPOLLOUT` out of the kernel's registration and
 //!   credits coming back give it back, which the kernel reports, also

@@ -30,9 +30,13 @@
 //! quick, since the peer is in its own) and answer for what it is then (a
 //! carried connection's readability is its ring's). Before, a program told
 //! "readable" read `EAGAIN` from a non-blocking socket, and one that takes
-//! that for the end (ncat `--exec`'s relay) closed the connection. Not
-//! done for the epoll calls (an event loop on epoll reads until `EAGAIN`
-//! anyway).
+//! that for the end (ncat `--exec`'s relay) closed the connection. The
+//! epoll waits do the same for the registrations `epoll_ctl` made before
+//! a connection's first call, once the kernel reported one of them
+//! ([`report`]: the kernel says which; a process with no registration
+//! made before a first call pays one atomic load a wait): an event loop told `EPOLLIN` for the hello read
+//! `EAGAIN`, and one that reads once per report (or takes `EAGAIN` after
+//! a report for an error) stalled or closed.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -697,9 +701,63 @@ fn tracked(ep: c_int) -> bool {
     }
 }
 
+/// After an epoll wait on `ep` reported the `n` events at `ev`: the
+/// connections among them not decided yet whose report may be the peer's
+/// first message are decided now, as `poll` does ([`decide_readable`]),
+/// and their events answer for what they turned out: plain TCP, the
+/// kernel's readiness, so `EPOLLIN` is taken back where the socket holds
+/// nothing after the decline; carried, the ring's, which
+/// [`crate::epoll::reported`] then sees to (readability that is only the
+/// socket's, with an empty ring, is taken back as stale). A report left
+/// empty is dropped (a one-shot registration armed again), and the wait
+/// goes on. Nothing is lost to an edge-triggered registration: bytes that
+/// came before the look are reported now, and those that come after it
+/// raise an edge of their own (a wake byte, once carried). Returns the
+/// events left ([`crate::epoll::reported`]).
+///
+/// # Safety
+/// `ev` holds `n` events.
+unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
+    // SAFETY: `ev` holds `n` events.
+    let undecided = unsafe { crate::epoll::undecided(ep, ev, n) };
+    if !undecided.is_empty() {
+        let left = decide_readable(&undecided);
+        for &(i, fd) in undecided.iter().filter(|(i, _)| !left.contains(i)) {
+            if tcp_and_empty(fd) {
+                // SAFETY: `i < n`; read and written by value (the struct
+                // may be packed).
+                unsafe {
+                    let mut e = std::ptr::read(ev.add(i));
+                    e.events &= !(libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
+                    std::ptr::write(ev.add(i), e);
+                }
+            }
+        }
+    }
+    // SAFETY: `ev` holds `n` events.
+    unsafe { crate::epoll::reported(ep, ev, n) }
+}
+
+/// Whether `fd`, just decided, turned out plain TCP with nothing to read
+/// (no byte, no end, no error).
+fn tcp_and_empty(fd: c_int) -> bool {
+    let Some(_g) = Guard::enter() else { return false };
+    keep_errno(|| {
+        if matches!(table::get(fd), Some(Entry::Stream(_))) {
+            return false;
+        }
+        let mut b = 0u8;
+        // SAFETY: a one-byte peek into `b`.
+        let r = unsafe { real::recv(fd, (&raw mut b).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        r < 0 && table::errno() == libc::EAGAIN
+    })
+}
+
 /// Runs `call` (an epoll wait given the milliseconds left of `timeout`)
 /// until it reports something that is not only stale wake bytes of a
-/// carried socket, or the time is up ([`crate::epoll::reported`]).
+/// carried socket, or the time is up ([`crate::epoll::reported`]), the
+/// connections it reports before their first call decided first
+/// ([`report`]).
 ///
 /// # Safety
 /// `ev` has room for the events `call` reports.
@@ -729,7 +787,7 @@ unsafe fn epoll_filtered(
             }
             if n > 0 {
                 // SAFETY: `call` wrote `n` events at `ev`.
-                let n = unsafe { crate::epoll::reported(ep, ev, n) };
+                let n = unsafe { report(ep, ev, n) };
                 if n > 0 {
                     return n;
                 }
@@ -781,7 +839,7 @@ unsafe fn epoll_filtered(
         let waited = n == 0;
         if n > 0 {
             // SAFETY: `call` wrote `n` events at `ev`.
-            n = unsafe { crate::epoll::reported(ep, ev, n) };
+            n = unsafe { report(ep, ev, n) };
         }
         if n > 0 || (waited && !busy) || left_ms(timeout, start) == 0 {
             // As `poll_filtered`: a program spinning on calls that do not

@@ -129,6 +129,13 @@
 //! `SOCKAPP_STRICT_READY=poll|select`: it waits with that call, and a read
 //! that says `EAGAIN` right after it reported the socket readable fails
 //! it (as ncat `--exec`'s relay takes it for the end).
+//! `SOCKAPP_STRICT_READY=epoll|epoll-et|epoll-oneshot`: the same with an
+//! epoll set (the connection registered for `EPOLLIN` right after its
+//! accept, before any call on it: level-triggered, edge-triggered, or
+//! level-triggered one-shot and armed again after each report); edge-
+//! triggered, it reads until `EAGAIN` after each report, and only the
+//! first read after the first report must have bytes (a later report may
+//! be for bytes a read took already, as edge-triggered epoll allows).
 //! `sink PORT`: accepts, reads 1 MiB, says `stalled` on stderr and stops
 //! reading (the test kills it). `flood PORT`: writes until a write fails,
 //! and exits 0 saying the error (1 if the connection never fails).
@@ -194,7 +201,9 @@
 //!
 //! `execclient PORT BYTES`: connects, `dup2`s the socket onto descriptor
 //! 10 (inherited) and, before any call on it, `execv`s `fdclient BYTES`
-//! (this program), which runs `echoclient` on descriptor 10.
+//! (this program), which runs `echoclient` on descriptor 10 (`client`'s
+//! work where `SOCKAPP_FD_SEND=1`: the pattern sent, then the half-close
+//! and the server's `ok COUNT` checked).
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the connect. `echoclient`
 //! waits `SOCKAPP_CONNECT_DELAY_MS` after its connect where set.
 //!
@@ -738,8 +747,18 @@ fn execclient(port: u16, bytes: u64) -> Result<(), String> {
 fn fdclient(bytes: u64) -> Result<(), String> {
     use std::os::fd::FromRawFd;
     // SAFETY: descriptor 10 is the socket `execclient` left us, ours alone.
-    let s = unsafe { TcpStream::from_raw_fd(10) };
-    echo_check(s, bytes)
+    let mut s = unsafe { TcpStream::from_raw_fd(10) };
+    if std::env::var("SOCKAPP_FD_SEND").as_deref() != Ok("1") {
+        return echo_check(s, bytes);
+    }
+    let mut sent = 0u64;
+    while sent < bytes {
+        let n = (64u64 << 10).min(bytes - sent);
+        let data: Vec<u8> = (0..n).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+        sent += n;
+    }
+    half_close_and_check(&mut s, bytes)
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
@@ -1146,38 +1165,123 @@ fn pollserver(port: u16) -> Result<(), String> {
     let mut told = false;
     let mut count = 0u64;
     let strict = std::env::var("SOCKAPP_STRICT_READY").ok();
-    // Bounded: each pass reads a byte, or waits in poll (10 s at most).
-    for _ in 0..(1u64 << 30) {
-        match strict.as_deref() {
-            Some("select") => wait_select(s.as_raw_fd())?,
+    let ep = match strict.as_deref() {
+        Some(mode @ ("epoll" | "epoll-et" | "epoll-oneshot")) => Some(EpollOne::new(s.as_raw_fd(), mode)?),
+        _ => None,
+    };
+    let et = strict.as_deref() == Some("epoll-et");
+    // Bounded: each pass reads a byte, or waits (10 s at most).
+    'reads: for reports in 0..(1u64 << 30) {
+        match (strict.as_deref(), &ep) {
+            (_, Some(ep)) => ep.wait()?,
+            (Some("select"), _) => wait_select(s.as_raw_fd())?,
             _ => wait(s.as_raw_fd(), libc::POLLIN)?,
         }
-        let n = match s.read(&mut buf) {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && strict.is_some() => {
-                return Err(format!("readable after {count}, but the read says EAGAIN"))
+        // Edge-triggered: read until EAGAIN (no report comes otherwise).
+        for first in std::iter::once(true).chain(std::iter::repeat(false)) {
+            let n = match s.read(&mut buf) {
+                Ok(0) => break 'reads,
+                Ok(n) => n,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock
+                        && first
+                        && strict.is_some()
+                        && (!et || reports == 0) =>
+                {
+                    return Err(format!("readable after {count}, but the read says EAGAIN"))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(format!("read after {count}: {e}")),
+            };
+            if let Some(k) = (0..n).find(|&k| buf[k] != pattern(count + k as u64)) {
+                return Err(format!(
+                    "byte {} is {}, not {}",
+                    count + k as u64,
+                    buf[k],
+                    pattern(count + k as u64)
+                ));
             }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
-            Err(e) => return Err(format!("read after {count}: {e}")),
-        };
-        if let Some(k) = (0..n).find(|&k| buf[k] != pattern(count + k as u64)) {
-            return Err(format!(
-                "byte {} is {}, not {}",
-                count + k as u64,
-                buf[k],
-                pattern(count + k as u64)
-            ));
-        }
-        count += n as u64;
-        if !told {
-            told = true;
-            println!("nodelay {}", nodelay(s.as_raw_fd()));
+            count += n as u64;
+            if !told {
+                told = true;
+                println!("nodelay {}", nodelay(s.as_raw_fd()));
+            }
+            if !et {
+                break;
+            }
         }
     }
     s.set_nonblocking(false).map_err(|e| e.to_string())?;
     s.write_all(format!("ok {count}\n").as_bytes()).map_err(|e| format!("answer: {e}"))?;
     Ok(())
+}
+
+/// One connection in an epoll set of its own, registered for `EPOLLIN`
+/// as `pollserver`'s `SOCKAPP_STRICT_READY` says (`epoll`: level-triggered,
+/// `epoll-et`: edge-triggered, `epoll-oneshot`: level-triggered one-shot).
+struct EpollOne {
+    ep: i32,
+    fd: i32,
+    events: u32,
+    /// Reported once (a one-shot registration is disabled since).
+    waited: std::cell::Cell<bool>,
+}
+
+impl EpollOne {
+    const DATA: u64 = 0x5eed;
+
+    fn new(fd: i32, mode: &str) -> Result<EpollOne, String> {
+        let events = libc::EPOLLIN as u32
+            | match mode {
+                "epoll-et" => libc::EPOLLET as u32,
+                "epoll-oneshot" => libc::EPOLLONESHOT as u32,
+                _ => 0,
+            };
+        // SAFETY: epoll_create1(2), no pointers.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        let one = EpollOne { ep, fd, events, waited: std::cell::Cell::new(false) };
+        if ep < 0 || one.ctl(libc::EPOLL_CTL_ADD) != 0 {
+            return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+        }
+        Ok(one)
+    }
+
+    fn ctl(&self, op: i32) -> i32 {
+        let mut e = libc::epoll_event { events: self.events, u64: Self::DATA };
+        // SAFETY: a valid event for our own set.
+        unsafe { libc::epoll_ctl(self.ep, op, self.fd, &mut e) }
+    }
+
+    /// Waits (10 s at most) for the connection's report; a one-shot
+    /// registration is armed again first (after the reads of the last
+    /// report, as an event loop does).
+    fn wait(&self) -> Result<(), String> {
+        if self.events & libc::EPOLLONESHOT as u32 != 0
+            && self.waited.replace(true)
+            && self.ctl(libc::EPOLL_CTL_MOD) != 0
+        {
+            return Err(format!("epoll_ctl MOD: {}", std::io::Error::last_os_error()));
+        }
+        let mut out = [libc::epoll_event { events: 0, u64: 0 }; 2];
+        // SAFETY: room for 2 events.
+        let k = unsafe { libc::epoll_wait(self.ep, out.as_mut_ptr(), 2, 10_000) };
+        let (events, data) = (out[0].events, out[0].u64);
+        match k {
+            1 if data == Self::DATA
+                && events & (libc::EPOLLIN | libc::EPOLLHUP | libc::EPOLLERR) as u32 != 0 => {}
+            0 => return Err("epoll_wait timed out: readiness lost".into()),
+            k if k < 0 => return Err(format!("epoll_wait: {}", std::io::Error::last_os_error())),
+            k => return Err(format!("epoll_wait: {k} events, the first {events:#x} with data {data:#x}")),
+        }
+        Ok(())
+    }
+}
+
+impl Drop for EpollOne {
+    fn drop(&mut self) {
+        // SAFETY: our own set, closed once.
+        unsafe { libc::close(self.ep) };
+    }
 }
 
 /// `badbuf PORT`: `client` of 64 bytes, then read, readv and write with a
