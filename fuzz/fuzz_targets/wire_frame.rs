@@ -116,7 +116,12 @@ fuzz_target!(|data: &[u8]| {
             }
             // A socket registry's message likewise; and one that decodes
             // took all of the payload, so it re-encodes to those bytes.
+            // A host's IPv6 address list (wire version 4) never holds more
+            // than its bound, whatever count it claimed.
             if let (FrameRepr::Sock { .. }, Ok(m)) = (h, vrdma_core::wire::sock::decode(payload)) {
+                if let vrdma_core::sockets::peer::SockMessage::Hosts6 { addrs } = &m {
+                    assert!(addrs.as_slice().len() <= vrdma_core::sockets::peer::MAX_HOST6);
+                }
                 assert_eq!(vrdma_core::wire::sock::decode(&vrdma_core::wire::sock::encode(&m)), Ok(m));
             }
         }

@@ -35,3 +35,72 @@ pub fn detect_ipv4() -> Ipv4Addr {
     unsafe { libc::freeifaddrs(ifap) };
     found.unwrap_or(Ipv4Addr::LOCALHOST)
 }
+
+/// The host's IPv6 addresses that another host can reach it at, in
+/// order: of interfaces that are up, neither loopback, link-local
+/// (`fe80::/10`, which names an address only with its interface),
+/// v4-mapped, multicast nor unspecified. What the daemon advertises to
+/// its peers (`docs/sockets.md`, "Other hosts").
+pub fn ipv6_addrs() -> Vec<std::net::Ipv6Addr> {
+    let mut found = Vec::new();
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs writes a list head into `ifap` that we free below
+    // with freeifaddrs; we only read the list in between.
+    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
+        return found;
+    }
+    let mut cur = ifap;
+    while !cur.is_null() {
+        // SAFETY: `cur` is a node of the list getifaddrs returned, alive
+        // until freeifaddrs.
+        let ifa = unsafe { &*cur };
+        let up = ifa.ifa_flags & libc::IFF_UP as u32 != 0;
+        let lo = ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0;
+        // SAFETY: ifa_addr, when non-null, points to a sockaddr of the
+        // family it names; we read its family only.
+        if up
+            && !lo
+            && !ifa.ifa_addr.is_null()
+            && unsafe { (*ifa.ifa_addr).sa_family } as i32 == libc::AF_INET6
+        {
+            // SAFETY: the family is AF_INET6, so this is a sockaddr_in6.
+            let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+            let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+            if is_advertisable(ip) {
+                found.push(ip);
+            }
+        }
+        cur = ifa.ifa_next;
+    }
+    // SAFETY: `ifap` came from a successful getifaddrs and is freed once.
+    unsafe { libc::freeifaddrs(ifap) };
+    found.sort_unstable();
+    found.dedup();
+    found
+}
+
+/// Whether `ip` is an IPv6 address another host may reach this one at.
+pub fn is_advertisable(ip: std::net::Ipv6Addr) -> bool {
+    !(ip.is_loopback()
+        || ip.is_unspecified()
+        || ip.is_multicast()
+        || ip.to_ipv4_mapped().is_some()
+        || vrdma_core::sockets::is_link_local(ip.into()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_addresses_other_hosts_reach_are_advertised() {
+        let a = |s: &str| s.parse::<std::net::Ipv6Addr>().unwrap();
+        assert!(is_advertisable(a("fd00:77::2")));
+        assert!(is_advertisable(a("2001:db8::1")));
+        for no in ["::1", "::", "fe80::1", "febf::1", "ff02::1", "::ffff:10.0.0.1"] {
+            assert!(!is_advertisable(a(no)), "{no}");
+        }
+        // This host's (whatever they are) pass the same test.
+        assert!(ipv6_addrs().into_iter().all(is_advertisable));
+    }
+}

@@ -79,9 +79,20 @@ pub const MAGIC: u16 = 0x7652;
 /// only on a link that negotiated 3, so a version-2 daemon (which would
 /// refuse the unknown frame type, `UnknownFrameType`, and end the link)
 /// never gets one; its hosts' sockets stay plain TCP.
-pub const VERSION: u8 = 3;
+///
+/// Version 4 is version 3 with more kinds of Sock message, appended
+/// (IPv6 across hosts: a host's IPv6 addresses, and IPv6 lookups,
+/// announcements and resolves, [`sock`]), and Sock payloads up to
+/// [`sock::MAX_SOCK_PAYLOAD`] bytes (version 3: 128); nothing else
+/// changed and the old kinds keep their bytes. A version-3 daemon's
+/// decoder refuses an unknown kind and ends the link, so a daemon sends
+/// the new kinds only on a link that negotiated 4; a version-3 peer's
+/// hosts' IPv6 connections stay plain TCP.
+pub const VERSION: u8 = 4;
 /// The first version with the Sock frame.
 pub const SOCK_VERSION: u8 = 3;
+/// The first version with the IPv6 Sock messages.
+pub const SOCK6_VERSION: u8 = 4;
 /// The base-header version of every frame but Hello and Close: the frame
 /// layout of version 2, which version 3 keeps.
 pub const FRAME_VERSION: u8 = 2;

@@ -396,8 +396,12 @@ fn semantic_rules_hold_on_emit_and_parse() {
 fn version_and_chunk_negotiation() {
     let a = hello(Role::Initiator, 1, 1);
     let mut b = hello(Role::Acceptor, 2, 2);
-    assert_eq!((a.min_version, a.max_version), (2, 3), "this code speaks versions 2 and 3");
-    assert_eq!(a.negotiate_version(&b), Ok(3));
+    assert_eq!((a.min_version, a.max_version), (2, 4), "this code speaks versions 2 to 4");
+    assert_eq!(a.negotiate_version(&b), Ok(4));
+    // A daemon without the IPv6 Sock messages: version 3, which this
+    // code speaks (no IPv6 kinds on that link).
+    b.max_version = 3;
+    assert_eq!(a.negotiate_version(&b), Ok(3), "a version-3 peer gets version 3 (no IPv6 Sock messages)");
     // A daemon without the Sock frame: version 2, which this code speaks.
     b.max_version = 2;
     assert_eq!(a.negotiate_version(&b), Ok(2), "a version-2 peer gets version 2 (no Sock frames)");
@@ -405,22 +409,22 @@ fn version_and_chunk_negotiation() {
     b.min_version = 1;
     b.max_version = 1;
     let e = a.negotiate_version(&b).unwrap_err();
-    assert_eq!(e, WireError::NoCommonVersion { min: 2, max: 3, peer_min: 1, peer_max: 1 });
+    assert_eq!(e, WireError::NoCommonVersion { min: 2, max: 4, peer_min: 1, peer_max: 1 });
     assert!(e.to_string().contains("peer speaks 1..=1") && e.to_string().contains("upgraded"), "{e}");
-    b.min_version = 4;
-    b.max_version = 5;
+    b.min_version = 5;
+    b.max_version = 6;
     assert!(matches!(a.negotiate_version(&b), Err(WireError::NoCommonVersion { .. })));
     b.min_version = 1;
-    assert_eq!(a.negotiate_version(&b), Ok(3), "the highest both speak, and this code speaks 3");
+    assert_eq!(a.negotiate_version(&b), Ok(4), "the highest both speak, and this code speaks 4");
     b.max_chunk = 4096;
     assert_eq!(a.negotiate_chunk(&b), 4096);
     b.max_chunk = 4095;
     assert_eq!(FrameRepr::Hello(b).emit(&mut [0u8; MAX_HEADER_LEN]), Err(WireError::BadChunkSize(4095)));
     b.max_chunk = 4096;
-    b.min_version = 6;
+    b.min_version = 7;
     assert_eq!(
         FrameRepr::Hello(b).emit(&mut [0u8; MAX_HEADER_LEN]),
-        Err(WireError::BadVersionRange { min: 6, max: 5 })
+        Err(WireError::BadVersionRange { min: 7, max: 6 })
     );
 }
 

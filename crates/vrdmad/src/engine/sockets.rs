@@ -14,20 +14,29 @@
 //! owning daemon keeps the entries as the client's host's and context's
 //! ([`Owner::Remote`]) and drops them with the link.
 //!
-//! IPv6: the daemons' links and hosts are IPv4, and their exchange stays
-//! so (its encoding is wire version 3's, [`PeerTuple`]). An IPv6
-//! destination is answered here when the client found it an address of
-//! its host, and is plain TCP otherwise: never forwarded.
+//! IPv6: the daemons' links stay IPv4 (a daemon is found by its IPv4
+//! address), so a daemon learns which daemon owns an IPv6 address from
+//! that daemon: each tells its peers of wire version 4 its host's IPv6
+//! addresses ([`SockMessage::Hosts6`]) when their link comes up and
+//! whenever they change (it reads them every [`ADDR_SCAN`], and when a
+//! listener of IPv6 registers). An IPv6 destination is answered here
+//! when the client found it an address of its host or it is one of this
+//! host's; it is asked of the daemon that advertised it (exactly one did)
+//! in the IPv6 kinds of the exchange, as an IPv4 one is asked of the
+//! daemon at that address; and it is plain TCP otherwise. The owning
+//! daemon takes an IPv6 announcement only for a client address that the
+//! asking daemon advertised, as it takes an IPv4 one only for the asking
+//! daemon's own address.
 
 use std::collections::HashMap;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::proto::{SockReply, SockRequest};
-use vrdma_core::sockets::peer::{Answer, PeerTuple, Query, SockMessage};
-use vrdma_core::sockets::{key, Outcome, Owner, SockError};
+use vrdma_core::sockets::peer::{Addrs6, Answer, Query, SockMessage};
+use vrdma_core::sockets::{Outcome, Owner, SockError, Tuple};
 use vrdma_core::time::Instant;
 
 use super::EngineState;
@@ -39,6 +48,9 @@ pub const FORWARD_WAIT: Duration = Duration::from_secs(4);
 /// hosts, that this daemon keeps at most; past them, plain TCP.
 const MAX_WAITING: usize = 4096;
 const MAX_REMOTE_ANNOUNCED: usize = 64 * 1024;
+/// How often this daemon reads its host's IPv6 addresses (to tell its
+/// peers when they changed).
+pub const ADDR_SCAN: Duration = Duration::from_secs(1);
 
 /// A call's answer: now, or from another host (the session waits on it
 /// without the engine's lock, at most [`FORWARD_WAIT`]).
@@ -63,8 +75,8 @@ impl SockCall {
 
 fn reply_of(q: &Query, a: Answer) -> SockReply {
     match (q, a) {
-        (Query::Resolve { .. }, Answer::Outcome(o)) => SockReply::Outcome(o),
-        (Query::Resolve { .. }, _) => SockReply::Outcome(Outcome::Tcp),
+        (Query::Resolve { .. } | Query::Resolve6 { .. }, Answer::Outcome(o)) => SockReply::Outcome(o),
+        (Query::Resolve { .. } | Query::Resolve6 { .. }, _) => SockReply::Outcome(Outcome::Tcp),
         (_, a) => SockReply::from_bool(a == Answer::Yes),
     }
 }
@@ -73,9 +85,9 @@ fn reply_of(q: &Query, a: Answer) -> SockReply {
 enum Where {
     /// This daemon's.
     Here,
-    /// The daemon of this host.
+    /// The daemon of this host (found by its IPv4 address).
     Host(Ipv4Addr),
-    /// None: plain TCP (an IPv6 address of no host of the client).
+    /// None: plain TCP (an IPv6 address no linked daemon advertised).
     Nowhere,
 }
 
@@ -93,10 +105,19 @@ struct Waiting {
 pub struct RemoteSockets {
     next_id: u32,
     waiting: HashMap<u32, Waiting>,
-    /// Tuples this daemon's contexts announced at another host, and that
-    /// host.
-    announced: HashMap<(ContextId, PeerTuple), Ipv4Addr>,
+    /// Tuples this daemon's contexts announced at another host (as the
+    /// registry keys them), and that host.
+    announced: HashMap<(ContextId, Tuple), Ipv4Addr>,
     inbox: Vec<(Ipv4Addr, SockMessage)>,
+    /// This host's IPv6 addresses as last read (what its peers were
+    /// told), and when they were read (`None`: read at the next run).
+    own6: Vec<Ipv6Addr>,
+    scanned: Option<Instant>,
+    /// How they are read (`None`: [`crate::host::ipv6_addrs`]; tests set
+    /// their own).
+    scan6: Option<fn() -> Vec<Ipv6Addr>>,
+    /// The IPv6 addresses each linked host's daemon advertised.
+    hosts6: HashMap<Ipv4Addr, Vec<Ipv6Addr>>,
 }
 
 impl EngineState {
@@ -111,6 +132,11 @@ impl EngineState {
         let reply = match req {
             SockRequest::Listen { addr } => {
                 self.sockets.listen(ctx, tenant, addr)?;
+                // A listener of IPv6: its host's addresses are read (and
+                // told, where they changed) now, not at the next scan.
+                if addr.is_ipv6() {
+                    self.refresh6(now, true);
+                }
                 SockReply::Done
             }
             SockRequest::Unlisten { addr } => {
@@ -119,19 +145,23 @@ impl EngineState {
             }
             SockRequest::Lookup { dst, local } => match self.elsewhere(dst.ip(), local) {
                 Where::Here => SockReply::from_bool(self.sockets.lookup(tenant, dst, local)),
-                Where::Host(host) => match key(dst) {
-                    std::net::SocketAddr::V4(dst) => {
-                        return Ok(self.forward(ctx, tenant, host, Query::Lookup { dst }, now))
-                    }
-                    std::net::SocketAddr::V6(_) => SockReply::No,
-                },
+                Where::Host(host) => return Ok(self.forward(ctx, tenant, host, Query::lookup(dst), now)),
                 Where::Nowhere => SockReply::No,
             },
             SockRequest::Announce { tuple, local } => match self.elsewhere(tuple.server.ip(), local) {
                 Where::Here => SockReply::from_bool(self.sockets.announce(ctx, tenant, tuple, local, now)),
-                Where::Host(host) => match PeerTuple::of(tuple) {
-                    Some(tuple) => {
-                        return Ok(self.forward(ctx, tenant, host, Query::Announce { tuple }, now))
+                Where::Host(host) => match Query::announce(tuple) {
+                    Some(q) => {
+                        // The owner takes an IPv6 client address only if
+                        // this daemon advertised it: one new since the
+                        // last scan is read, and told (before the query,
+                        // on the same link), now.
+                        if let IpAddr::V6(ip) = tuple.key().client.ip() {
+                            if !self.remote.own6.contains(&ip) {
+                                self.refresh6(now, true);
+                            }
+                        }
+                        return Ok(self.forward(ctx, tenant, host, q, now));
                     }
                     None => SockReply::No,
                 },
@@ -139,15 +169,11 @@ impl EngineState {
             },
             SockRequest::Claim { tuple } => SockReply::from_bool(self.sockets.claim(tenant, tuple, now)),
             SockRequest::Resolve { tuple, give_up } => {
-                // Announced at another host: an IPv4 tuple (the only ones
-                // forwarded), resolved there.
-                let there =
-                    PeerTuple::of(tuple).and_then(|t| Some((t, *self.remote.announced.get(&(ctx, t))?)));
-                match there {
-                    Some((tuple, host)) => {
-                        return Ok(self.forward(ctx, tenant, host, Query::Resolve { tuple, give_up }, now))
-                    }
-                    None => SockReply::Outcome(self.sockets.resolve(ctx, tenant, tuple, give_up, now)),
+                // Announced at another host: resolved there.
+                let there = self.remote.announced.get(&(ctx, tuple.key())).copied();
+                match (there, Query::resolve(tuple, give_up)) {
+                    (Some(host), Some(q)) => return Ok(self.forward(ctx, tenant, host, q, now)),
+                    _ => SockReply::Outcome(self.sockets.resolve(ctx, tenant, tuple, give_up, now)),
                 }
             }
             SockRequest::Counts => SockReply::Counts(self.sockets.stats(tenant)),
@@ -157,7 +183,7 @@ impl EngineState {
             // An announcement made at another host's daemon stays its
             // announcing context's (the forwarding is keyed by it).
             SockRequest::Adopt { tuple } => SockReply::from_bool(
-                !PeerTuple::of(tuple).is_some_and(|p| self.remote.announced.keys().any(|(_, t)| *t == p))
+                !self.remote.announced.keys().any(|(_, t)| *t == tuple.key())
                     && self.sockets.adopt(ctx, tenant, tuple),
             ),
         };
@@ -169,14 +195,12 @@ impl EngineState {
     /// the client's word on locality stands, as on one host: a client in
     /// another network namespace than the daemon's has loopback and
     /// addresses of its own); else the daemon of the host `ip` names.
-    /// An IPv6 address of no host of the client is nobody's: the
-    /// daemons' links and hosts are IPv4.
+    /// An IPv6 address is asked of the daemon that advertised it.
     fn elsewhere(&self, ip: IpAddr, local: bool) -> Where {
         let ip = match ip {
             IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
                 Some(v4) => v4,
-                None if local => return Where::Here,
-                None => return Where::Nowhere,
+                None => return self.elsewhere6(v6, local),
             },
             IpAddr::V4(v4) => v4,
         };
@@ -187,6 +211,47 @@ impl EngineState {
             return Where::Here;
         }
         Where::Host(ip)
+    }
+
+    /// [`Self::elsewhere`] of an IPv6 address: this daemon's when the
+    /// client found it its host's, when it is one of this host's, or when
+    /// no host can own it (loopback, link-local, multicast, unspecified:
+    /// the registry answers, no for the link-local ones); the daemon's
+    /// that advertised it, when exactly one linked daemon did; nobody's
+    /// otherwise (plain TCP: no host's daemon is dialled for an IPv6
+    /// address, which names no daemon).
+    fn elsewhere6(&self, ip: Ipv6Addr, local: bool) -> Where {
+        if local || self.remote.own6.contains(&ip) || !crate::host::is_advertisable(ip) {
+            return Where::Here;
+        }
+        let mut owners = self.remote.hosts6.iter().filter(|(_, a)| a.contains(&ip)).map(|(h, _)| *h);
+        match (owners.next(), owners.next()) {
+            (Some(host), None) => Where::Host(host),
+            _ => Where::Nowhere,
+        }
+    }
+
+    /// Reads this host's IPv6 addresses when [`ADDR_SCAN`] has passed
+    /// since the last read (or `force`), and tells every peer of wire
+    /// version 4 when they changed.
+    fn refresh6(&mut self, now: Instant, force: bool) {
+        let due = self.remote.scanned.is_none_or(|t| now.saturating_since(t) >= ADDR_SCAN);
+        if !(force || due) {
+            return;
+        }
+        self.remote.scanned = Some(now);
+        let mut addrs = self.remote.scan6.unwrap_or(crate::host::ipv6_addrs)();
+        addrs.truncate(vrdma_core::sockets::peer::MAX_HOST6);
+        if addrs == self.remote.own6 {
+            return;
+        }
+        tracing::debug!(?addrs, "this host's IPv6 addresses changed; telling the linked daemons");
+        self.remote.own6 = addrs;
+        let msg = SockMessage::Hosts6 { addrs: Addrs6::new(self.remote.own6.clone()) };
+        if let Some(net) = self.net.as_mut() {
+            net.tell_linked(None, &msg);
+            net.write_now();
+        }
     }
 
     /// Sends `query` to `host`'s daemon; the answer comes to the returned
@@ -204,7 +269,7 @@ impl EngineState {
         if tenant.is_host_local() || self.remote.waiting.len() >= MAX_WAITING {
             return refused;
         }
-        if matches!(query, Query::Announce { .. }) && self.remote.announced.len() >= MAX_REMOTE_ANNOUNCED {
+        if query.announced().is_some() && self.remote.announced.len() >= MAX_REMOTE_ANNOUNCED {
             return refused;
         }
         let Some(net) = self.net.as_mut() else { return refused };
@@ -233,6 +298,7 @@ impl EngineState {
         let mut inbox = std::mem::take(&mut self.remote.inbox);
         net.take_sock_in(&mut inbox);
         let down: Vec<Ipv4Addr> = net.sock_down.drain(..).collect();
+        let up: Vec<Ipv4Addr> = net.sock6_up.drain(..).collect();
         let mut answers = Vec::new();
         for (host, msg) in inbox.drain(..) {
             // A link whose peer claims one of this host's own addresses
@@ -248,11 +314,34 @@ impl EngineState {
                 }
                 SockMessage::Answer { id, answer } => self.answered(host, id, answer),
                 SockMessage::Closed { ctx } => self.sockets.forget_remote(host, Some(ctx)),
+                SockMessage::Hosts6 { addrs } => {
+                    // This host's own addresses (a daemon of this host
+                    // on another address) are this daemon's to answer.
+                    let own = &self.remote.own6;
+                    let theirs: Vec<Ipv6Addr> = addrs
+                        .as_slice()
+                        .iter()
+                        .copied()
+                        .filter(|a| crate::host::is_advertisable(*a) && !own.contains(a))
+                        .collect();
+                    tracing::debug!(%host, addrs = ?theirs, "a linked daemon's IPv6 addresses");
+                    self.remote.hosts6.insert(host, theirs);
+                }
             }
         }
         self.remote.inbox = inbox;
+        // Peers whose link just came up (of version 4) learn this host's
+        // IPv6 addresses; all of them do, when the addresses changed.
+        let told = self.remote.own6.clone();
+        self.refresh6(now, false);
+        if let Some(net) = self.net.as_mut().filter(|_| !up.is_empty() && told == self.remote.own6) {
+            let msg = SockMessage::Hosts6 { addrs: Addrs6::new(told) };
+            net.tell_linked(Some(&up), &msg);
+            net.write_now();
+        }
         for host in down {
             self.sockets.forget_remote(host, None);
+            self.remote.hosts6.remove(&host);
             self.remote.announced.retain(|_, h| *h != host);
             // Their senders go: the sessions' waits end as plain TCP.
             self.remote.waiting.retain(|_, w| w.host != host);
@@ -297,6 +386,27 @@ impl EngineState {
             Query::Resolve { tuple, give_up } => {
                 Answer::Outcome(r.resolve(owner, tenant, tuple.into(), give_up, now))
             }
+            Query::Lookup6 { dst } => {
+                let local = self.remote.own6.contains(dst.ip());
+                Answer::from_bool(r.lookup(tenant, dst.into(), local))
+            }
+            // The client's address must be one the asking daemon
+            // advertised as its host's (and not this host's): as for IPv4,
+            // the 4-tuple the server accepts is then the one announced, and
+            // a daemon cannot announce for addresses of other hosts.
+            Query::Announce6 { tuple }
+                if self.remote.own6.contains(tuple.client.ip())
+                    || !self.remote.hosts6.get(&host).is_some_and(|a| a.contains(tuple.client.ip())) =>
+            {
+                Answer::No
+            }
+            Query::Announce6 { tuple } => {
+                let local = self.remote.own6.contains(tuple.server.ip());
+                Answer::from_bool(r.announce(owner, tenant, tuple.into(), local, now))
+            }
+            Query::Resolve6 { tuple, give_up } => {
+                Answer::Outcome(r.resolve(owner, tenant, tuple.into(), give_up, now))
+            }
         }
     }
 
@@ -310,15 +420,15 @@ impl EngineState {
         // The session may have stopped waiting (its client went on as
         // plain TCP): then no one reads it.
         let delivered = w.tx.try_send(answer).is_ok();
-        match (w.query, answer) {
-            (Query::Announce { tuple }, Answer::Yes) if delivered => {
+        match (w.query.announced(), w.query.resolved(), answer) {
+            (Some(tuple), _, Answer::Yes) if delivered => {
                 self.remote.announced.insert((w.ctx, tuple), host);
             }
-            (Query::Announce { tuple }, Answer::Yes) => {
+            (Some(tuple), _, Answer::Yes) => {
                 // Announced after its client stopped waiting: given up at
                 // once, so that the server's claim is refused and both
                 // ends agree on TCP (the answer to this is for no one).
-                let query = Query::Resolve { tuple, give_up: true };
+                let Some(query) = Query::resolve(tuple, true) else { return };
                 self.remote.next_id = self.remote.next_id.wrapping_add(1);
                 let msg =
                     SockMessage::Query { id: self.remote.next_id, tenant: w.tenant.0, ctx: w.ctx.0, query };
@@ -326,8 +436,8 @@ impl EngineState {
                     let _ = net.send_sock(host, &msg);
                 }
             }
-            (Query::Resolve { .. }, Answer::Outcome(Outcome::Pending)) => {}
-            (Query::Resolve { tuple, .. }, _) => {
+            (_, Some(_), Answer::Outcome(Outcome::Pending)) => {}
+            (_, Some(tuple), _) => {
                 self.remote.announced.remove(&(w.ctx, tuple));
             }
             _ => {}
@@ -360,6 +470,8 @@ mod tests {
     use vrdma_core::verbs::Gid;
     use vrdma_core::wire::{parse_frame, FrameRepr, BASE_HEADER_LEN};
 
+    use vrdma_core::sockets::peer::{PeerTuple, PeerTuple6};
+
     use super::*;
     use crate::net::{LinkIo, Net};
     use crate::testing::{loopback, setup, Keys};
@@ -389,7 +501,10 @@ mod tests {
             vec![Ipv4Addr::new(10, 0, 0, 1)],
             Box::new(Keys(7)),
         ));
-        (EngineState::new(hca, Some(net), cm, 100), theirs, ctx)
+        let mut s = EngineState::new(hca, Some(net), cm, 100);
+        // This host has no IPv6 address unless a test says so.
+        s.remote.scan6 = Some(Vec::new);
+        (s, theirs, ctx)
     }
 
     /// The next Sock frame's message the peer's end reads (keepalives
@@ -541,9 +656,10 @@ mod tests {
     }
 
     /// An IPv6 destination is answered by this registry when the client
-    /// found it local, and is plain TCP at once otherwise: never asked
-    /// about at another host (the daemons' exchange is IPv4). A v4-mapped
-    /// one is its IPv4 address, asked about as before.
+    /// found it local, and is plain TCP at once when no linked daemon
+    /// advertised it (here: a link of wire version 3, whose peer cannot):
+    /// never asked about at another host. A v4-mapped one is its IPv4
+    /// address, asked about as before.
     #[test]
     fn an_ipv6_destination_is_this_hosts_or_plain_tcp() {
         let (mut s, mut theirs, ctx) = state(3);
@@ -571,6 +687,183 @@ mod tests {
         assert_eq!(q, Query::Lookup { dst: addr("10.0.0.2:5000") });
         let SockMessage::Query { query, .. } = read_msg(&mut theirs) else { panic!() };
         assert_eq!(query, q);
+    }
+
+    fn v6(a: &str) -> std::net::SocketAddr {
+        a.parse().unwrap()
+    }
+
+    fn hosts6(addrs: &[&str]) -> SockMessage {
+        SockMessage::Hosts6 { addrs: Addrs6::new(addrs.iter().map(|a| a.parse().unwrap()).collect()) }
+    }
+
+    /// An IPv6 destination that the peer's daemon advertised is asked of
+    /// it in the IPv6 kinds, as an IPv4 one is: the lookup, the
+    /// announcement and its resolve go there; one nobody advertised, one
+    /// that two daemons claim, and a link-local one stay plain TCP at
+    /// once; the link's end forgets what the peer advertised.
+    #[test]
+    fn an_ipv6_destination_is_asked_of_the_daemon_that_advertised_it() {
+        let (mut s, mut theirs, ctx) = state(4);
+        let now = |r: SockCall| match r {
+            SockCall::Now(r) => r,
+            SockCall::Wait { query, .. } => panic!("asked another host: {query:?}"),
+        };
+        let lookup = |dst: &str| SockRequest::Lookup { dst: v6(dst), local: false };
+        // Before the advertisement: nobody's.
+        assert_eq!(now(s.handle_sock(ctx, US, lookup("[fd00::2]:5000")).unwrap()), SockReply::No);
+        send_msg(&mut s, &mut theirs, hosts6(&["fd00::2", "fe80::2", "::1"]));
+        let (rx, q) = wait(s.handle_sock(ctx, US, lookup("[fd00::2]:5000")).unwrap());
+        assert_eq!(q, Query::Lookup6 { dst: "[fd00::2]:5000".parse().unwrap() });
+        let SockMessage::Query { id, tenant, ctx: c, query } = read_msg(&mut theirs) else { panic!() };
+        assert_eq!((tenant, c, query), (1000, 1, q));
+        send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Yes });
+        assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Yes);
+
+        let tuple = Tuple { client: v6("[fd00::1]:40000"), server: v6("[fd00::2]:5000") };
+        let (rx, q) = wait(s.handle_sock(ctx, US, SockRequest::Announce { tuple, local: false }).unwrap());
+        let SockMessage::Query { id, query, .. } = read_msg(&mut theirs) else { panic!() };
+        assert_eq!(query, Query::announce(tuple).unwrap());
+        assert!(matches!(query, Query::Announce6 { .. }));
+        send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Yes });
+        assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Yes);
+        // The resolve follows the announcement there, IPv6 as well.
+        let (rx, q) = wait(s.handle_sock(ctx, US, SockRequest::Resolve { tuple, give_up: false }).unwrap());
+        let SockMessage::Query { id, query, .. } = read_msg(&mut theirs) else { panic!() };
+        assert_eq!(query, Query::Resolve6 { tuple: PeerTuple6::of(tuple).unwrap(), give_up: false });
+        send_msg(&mut s, &mut theirs, SockMessage::Answer { id, answer: Answer::Outcome(Outcome::Carried) });
+        assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Outcome(Outcome::Carried));
+        assert!(s.remote.announced.is_empty());
+
+        // Addresses nobody advertised, and the ones the peer could not
+        // have (its link-local and loopback ones were not taken).
+        for dst in ["[fd00::3]:5000", "[fe80::2]:5000"] {
+            assert_eq!(now(s.handle_sock(ctx, US, lookup(dst)).unwrap()), SockReply::No, "{dst}");
+        }
+        // The peer's next advertisement replaces its last.
+        send_msg(&mut s, &mut theirs, hosts6(&["fd00::3"]));
+        assert_eq!(now(s.handle_sock(ctx, US, lookup("[fd00::2]:5000")).unwrap()), SockReply::No);
+        let _ = wait(s.handle_sock(ctx, US, lookup("[fd00::3]:5000")).unwrap());
+        // Claimed by two daemons (here: by this host too, as a daemon
+        // of this host would): not asked elsewhere.
+        s.remote.hosts6.insert(Ipv4Addr::new(10, 0, 0, 3), vec!["fd00::3".parse().unwrap()]);
+        assert_eq!(now(s.handle_sock(ctx, US, lookup("[fd00::3]:5000")).unwrap()), SockReply::No);
+        // The link's end forgets the peer's addresses.
+        s.net.as_mut().unwrap().sock_down.push(PEER);
+        let t = s.now();
+        s.run_sockets(t);
+        assert!(!s.remote.hosts6.contains_key(&PEER));
+    }
+
+    /// A link of wire version 4 that comes up is told this host's IPv6
+    /// addresses, and every such link is told again when they change; a
+    /// link of version 3 is told nothing (its decoder would end it).
+    #[test]
+    fn this_hosts_ipv6_addresses_are_told_to_peers_of_version_four() {
+        static ADDRS: std::sync::Mutex<Vec<Ipv6Addr>> = std::sync::Mutex::new(Vec::new());
+        let scan: fn() -> Vec<Ipv6Addr> = || ADDRS.lock().unwrap().clone();
+        *ADDRS.lock().unwrap() = vec!["fd00::1".parse().unwrap()];
+        let (mut s, mut theirs, _) = state(4);
+        s.remote.scan6 = Some(scan);
+        s.net.as_mut().unwrap().sock6_up.push(PEER);
+        let t = s.now();
+        s.run_sockets(t);
+        assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::1"]));
+        // A new address: told at the next scan.
+        ADDRS.lock().unwrap().push("fd00::9".parse().unwrap());
+        let later = t + ADDR_SCAN;
+        s.run_sockets(later);
+        assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::1", "fd00::9"]));
+        // A listener of IPv6 reads them at once.
+        ADDRS.lock().unwrap().remove(0);
+        s.handle_sock(ContextId(1), US, SockRequest::Listen { addr: v6("[::]:5000") }).unwrap();
+        assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::9"]));
+        // An announcement from an address new since the last scan: the
+        // addresses go first (the owner takes the client's address only
+        // if it was told it), then the announcement.
+        ADDRS.lock().unwrap().push("fd00::5".parse().unwrap());
+        send_msg(&mut s, &mut theirs, hosts6(&["fd00::2"]));
+        let tuple = Tuple { client: v6("[fd00::5]:40000"), server: v6("[fd00::2]:5000") };
+        let _ = wait(s.handle_sock(ContextId(1), US, SockRequest::Announce { tuple, local: false }).unwrap());
+        assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::9", "fd00::5"]));
+        assert!(matches!(read_msg(&mut theirs), SockMessage::Query { query: Query::Announce6 { .. }, .. }));
+
+        // A peer of version 3: nothing (its next frame is a keepalive's
+        // or an IPv4 query's, here the query).
+        let (mut s, mut theirs, ctx) = state(3);
+        s.remote.scan6 = Some(scan);
+        let t = s.now();
+        s.run_sockets(t);
+        assert_eq!(s.remote.own6, ADDRS.lock().unwrap().clone());
+        let _ = wait(
+            s.handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.2:5000").into(), local: false })
+                .unwrap(),
+        );
+        assert!(matches!(read_msg(&mut theirs), SockMessage::Query { query: Query::Lookup { .. }, .. }));
+    }
+
+    /// The peer's daemon asks about IPv6 destinations and its clients'
+    /// IPv6 tuples: answered as for IPv4, an announcement taken only for
+    /// a client address the peer advertised (not this host's, not one it
+    /// did not advertise).
+    #[test]
+    fn another_hosts_ipv6_calls_are_answered_for_the_addresses_it_advertised() {
+        let (mut s, mut theirs, ctx) = state(4);
+        s.remote.scan6 = Some(|| vec!["fd00::1".parse().unwrap()]);
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[::]:5000") }).unwrap();
+        assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::1"]));
+        send_msg(&mut s, &mut theirs, hosts6(&["fd00::2"]));
+        let mut ask = |s: &mut EngineState, id: u32, query: Query| {
+            send_msg(s, &mut theirs, SockMessage::Query { id, tenant: US.0, ctx: 4, query });
+            match read_msg(&mut theirs) {
+                SockMessage::Answer { id: got, answer } if got == id => answer,
+                other => panic!("{other:?}"),
+            }
+        };
+        let sa = |a: &str| a.parse::<std::net::SocketAddrV6>().unwrap();
+        let dst = sa("[fd00::1]:5000");
+        assert_eq!(ask(&mut s, 1, Query::Lookup6 { dst }), Answer::Yes, "this host's, on [::]");
+        assert_eq!(ask(&mut s, 2, Query::Lookup6 { dst: sa("[fd00::7]:5000") }), Answer::No, "not ours");
+        let t = |c: &str| PeerTuple6 { client: sa(c), server: dst };
+        for (id, client) in [(3, "[fd00::9]:40000"), (4, "[fd00::1]:40000")] {
+            assert_eq!(ask(&mut s, id, Query::Announce6 { tuple: t(client) }), Answer::No, "{client}");
+        }
+        let tuple = t("[fd00::2]:40000");
+        assert_eq!(ask(&mut s, 5, Query::Announce6 { tuple }), Answer::Yes);
+        assert!(matches!(
+            s.handle_sock(ctx, US, SockRequest::Claim { tuple: tuple.into() }).unwrap(),
+            SockCall::Now(SockReply::Yes)
+        ));
+        let resolve = Query::Resolve6 { tuple, give_up: false };
+        assert_eq!(ask(&mut s, 6, resolve), Answer::Outcome(Outcome::Carried));
+    }
+
+    /// A peer of version 3 that sends a kind of version 4, or a Sock
+    /// payload past version 3's bound, breaks the protocol as its
+    /// version's decoder would see it: the link ends.
+    #[test]
+    fn a_version_three_peer_sending_what_version_four_has_ends_its_link() {
+        let long: Vec<&str> = vec!["fd00::2"; 10];
+        for (msg, why) in
+            [(hosts6(&["fd00::2"]), "message of wire version 4"), (hosts6(&long), "of 162 bytes")]
+        {
+            let (mut s, mut theirs, _) = state(3);
+            let payload = vrdma_core::wire::sock::encode(&msg);
+            let mut frame = vec![0u8; BASE_HEADER_LEN];
+            FrameRepr::Sock { len: payload.len() as u32 }.emit(&mut frame).unwrap();
+            frame.extend_from_slice(&payload);
+            theirs.write_all(&frame).unwrap();
+            let started = std::time::Instant::now();
+            let ended = loop {
+                match receive(&mut s) {
+                    Err(why) => break why,
+                    Ok(_) if started.elapsed() < Duration::from_secs(10) => continue,
+                    Ok(_) => panic!("the link took {msg:?} at version 3"),
+                }
+            };
+            assert!(ended.contains("protocol error") && ended.contains("wire version 3"), "{ended}");
+            assert!(ended.contains(why), "{ended}");
+        }
     }
 
     /// A peer that speaks wire version 2 gets no Sock frame: the call is

@@ -452,9 +452,10 @@ impl LinkIo {
     }
 
     /// Queues a socket registry's message for the peer; false if the link
-    /// does not speak them (a version-2 peer).
+    /// does not speak it (a version-2 peer; a version-3 one for the IPv6
+    /// kinds, whose decoder would end the link on them).
     pub fn queue_sock(&mut self, msg: &vrdma_core::sockets::peer::SockMessage) -> bool {
-        if self.version < vrdma_core::wire::SOCK_VERSION {
+        if self.version < msg.min_version() {
             return false;
         }
         let payload = vrdma_core::wire::sock::encode(msg);
@@ -588,6 +589,15 @@ impl LinkIo {
                             let _ = r.read(0, &mut buf);
                             let msg = vrdma_core::wire::sock::decode(&buf)
                                 .map_err(|e| format!("protocol error: {e}"))?;
+                            // A kind of a later version than the link's
+                            // is refused as that version's peer would.
+                            if msg.min_version() > self.version {
+                                return Err(format!(
+                                    "protocol error: a socket registry's message of wire version {} on a link of wire version {}",
+                                    msg.min_version(),
+                                    self.version
+                                ));
+                            }
                             self.sock_in.push(msg);
                         } else if let Some(r) = self.cm_rx.take() {
                             let mut buf = vec![0u8; r.len()];
@@ -679,6 +689,14 @@ impl LinkIo {
                 if self.version < vrdma_core::wire::SOCK_VERSION {
                     return Err(format!(
                         "protocol error: a socket registry's frame on a link of wire version {}",
+                        self.version
+                    ));
+                }
+                if self.version < vrdma_core::wire::SOCK6_VERSION
+                    && len > vrdma_core::wire::sock::MAX_SOCK_PAYLOAD_V3
+                {
+                    return Err(format!(
+                        "protocol error: a socket registry's frame of {len} bytes on a link of wire version {}",
                         self.version
                     ));
                 }

@@ -131,6 +131,10 @@ pub struct Net {
     /// Hosts whose registry can no longer be asked (a link went down, a
     /// dial for its messages failed, its daemon does not speak them).
     pub sock_down: Vec<std::net::Ipv4Addr>,
+    /// Hosts whose link came up speaking the IPv6 kinds of the socket
+    /// registry's messages (wire version 4): the engine tells them this
+    /// host's IPv6 addresses.
+    pub sock6_up: Vec<std::net::Ipv4Addr>,
 }
 
 /// Connection manager's messages held for one host that has no link yet.
@@ -198,6 +202,7 @@ impl Net {
             cm_down: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
+            sock6_up: Vec::new(),
         }
     }
 
@@ -257,6 +262,9 @@ impl Net {
                         if !held.iter().all(|m| l.queue_sock(m)) {
                             self.sock_down.push(ip);
                         }
+                    }
+                    if l.version >= vrdma_core::wire::SOCK6_VERSION {
+                        self.sock6_up.push(ip);
                     }
                 }
                 self.links.insert(id, l);
@@ -346,7 +354,7 @@ impl Net {
         if held.len() >= CM_PENDING_MAX {
             return Err("too many messages wait for a link to the host");
         }
-        held.push(*msg);
+        held.push(msg.clone());
         self.dial(addr, Some(gid));
         // A dial that failed a moment ago waits to be tried again: the
         // answer is now, not when that one fails too.
@@ -355,6 +363,18 @@ impl Net {
             return Err("the host's daemon cannot be reached now");
         }
         Ok(())
+    }
+
+    /// Queues a socket registry's message on every link whose peer speaks
+    /// it (of `hosts` only, when given), dialling nothing: what a daemon
+    /// tells the daemons it is linked to.
+    pub fn tell_linked(&mut self, hosts: Option<&[std::net::Ipv4Addr]>, msg: &SockMessage) {
+        for l in self.links.values_mut() {
+            let Some(ip) = l.gid.ipv4().map(std::net::Ipv4Addr::from) else { continue };
+            if hosts.is_none_or(|h| h.contains(&ip)) {
+                l.queue_sock(msg);
+            }
+        }
     }
 
     /// The socket registry's messages the links read, with the host each
