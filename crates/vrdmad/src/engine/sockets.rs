@@ -18,8 +18,9 @@
 //! address), so a daemon learns which daemon owns an IPv6 address from
 //! that daemon: each tells its peers of wire version 4 its host's IPv6
 //! addresses ([`SockMessage::Hosts6`]) when their link comes up and
-//! whenever they change (it reads them every [`ADDR_SCAN`], and when a
-//! listener of IPv6 registers). An IPv6 destination is answered here
+//! whenever they change (a thread of its own reads them every
+//! [`ADDR_SCAN`], off the engine's, and a listener of IPv6 registering
+//! reads them at once). An IPv6 destination is answered here
 //! when the client found it an address of its host or it is one of this
 //! host's; it is asked of the daemon that advertised it (exactly one did)
 //! in the IPv6 kinds of the exchange, as an IPv4 one is asked of the
@@ -113,9 +114,11 @@ pub struct RemoteSockets {
     /// told), and when they were read (`None`: read at the next run).
     own6: Vec<Ipv6Addr>,
     scanned: Option<Instant>,
-    /// How they are read (`None`: [`crate::host::ipv6_addrs`]; tests set
-    /// their own).
+    /// How they are read (`None`: [`crate::host::ipv6_addrs`], then every
+    /// [`ADDR_SCAN`] by `watch`'s thread; tests set their own, read on the
+    /// engine's passes).
     scan6: Option<fn() -> Vec<Ipv6Addr>>,
+    watch: Option<std::sync::Arc<crate::host::Ipv6Watch>>,
     /// The IPv6 addresses each linked host's daemon advertised.
     hosts6: HashMap<Ipv4Addr, Vec<Ipv6Addr>>,
 }
@@ -231,16 +234,27 @@ impl EngineState {
         }
     }
 
-    /// Reads this host's IPv6 addresses when [`ADDR_SCAN`] has passed
-    /// since the last read (or `force`), and tells every peer of wire
-    /// version 4 when they changed.
+    /// This host's IPv6 addresses: read now when `force`d (a control
+    /// call's) or never read yet, else as the watch's thread read them
+    /// every [`ADDR_SCAN`] (a test's own reader: read here when that has
+    /// passed); tells every peer of wire version 4 when they changed.
     fn refresh6(&mut self, now: Instant, force: bool) {
+        let first = self.remote.scanned.is_none();
         let due = self.remote.scanned.is_none_or(|t| now.saturating_since(t) >= ADDR_SCAN);
-        if !(force || due) {
-            return;
-        }
-        self.remote.scanned = Some(now);
-        let mut addrs = self.remote.scan6.unwrap_or(crate::host::ipv6_addrs)();
+        let watched = self.remote.scan6.is_none() && self.remote.watch.is_some();
+        let mut addrs = if force || first || (due && !watched) {
+            self.remote.scanned = Some(now);
+            let addrs = self.remote.scan6.unwrap_or(crate::host::ipv6_addrs)();
+            if first && self.remote.scan6.is_none() {
+                self.remote.watch = crate::host::Ipv6Watch::spawn(ADDR_SCAN, addrs.clone());
+            }
+            addrs
+        } else {
+            match self.remote.watch.as_ref().and_then(|w| w.take()) {
+                Some(addrs) if watched => addrs,
+                _ => return,
+            }
+        };
         addrs.truncate(vrdma_core::sockets::peer::MAX_HOST6);
         if addrs == self.remote.own6 {
             return;
