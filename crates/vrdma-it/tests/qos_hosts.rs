@@ -3,7 +3,8 @@
 //! for is the link. A rate-limited tenant's writes to the other host's
 //! daemon are counted per 1 s window and stay near its limit; of two
 //! tenants writing over the link at once, the one of weight 3 gets more
-//! of it. The bounds are loose as in `qos.rs` (2 noisy cores, debug
+//! of it (asserted, as in `qos.rs`, only with `VRDMA_TEST_QOS_RATIO=1`).
+//! The bounds are loose as in `qos.rs` (2 noisy cores, debug
 //! builds); the 5 % figures are the core's simulated-link tests
 //! (`hca::tests::two_hosts::qos`). They need root (namespaces, and a
 //! tenant as uid 65534).
@@ -138,10 +139,20 @@ fn across_hosts_the_heavier_weight_gets_more_of_the_link() -> Result<()> {
         light as f64 / (light + heavy) as f64,
         heavy as f64 / (light + heavy) as f64
     );
+    // A timed figure (the standards keep those in benchmarks; the shares
+    // themselves are the simulated-link tests'): asserted only where
+    // asked, as in `qos.rs`; both streams must still have moved.
+    if light == 0 || heavy == 0 {
+        bail!("across hosts a tenant moved nothing: {light} B and {heavy} B");
+    }
     if ratio < 1.3 {
-        bail!(
+        let msg = format!(
             "across hosts the tenant of weight 3 moved {heavy} B while the one of weight 1 moved {light} B"
         );
+        if std::env::var_os("VRDMA_TEST_QOS_RATIO").is_some() {
+            bail!("{msg}");
+        }
+        eprintln!("not asserted (VRDMA_TEST_QOS_RATIO=1 asserts it): {msg}");
     }
     // Weights hold nothing back: no rate limit counted on the link.
     let held = held_back(&h.a)?;
