@@ -11,6 +11,8 @@ pub mod anchors;
 pub(crate) mod attack;
 mod client;
 pub mod cm_setup;
+mod cmtime;
+mod cmtime_table;
 mod control;
 mod direct_bw;
 mod idle;
