@@ -349,3 +349,48 @@ fn the_misbehaving_tenant_says_ready_and_stops_when_told() {
     let out = Command::new(VRDMA).arg("--help").output().unwrap();
     assert!(!String::from_utf8_lossy(&out.stdout).contains("misbehave"), "a hidden subcommand");
 }
+
+/// `vrdma bench --cm-setup --quick` (20 connections, one run) runs
+/// rdma-core's `cmtime` through the drop-in librdmacm: where cmtime is
+/// installed and the drop-in libraries are built next to `vrdma`, its
+/// three rows carry figures beside TCP anchors and a ratio; where not, the
+/// report says why they were skipped. (No figure is asserted.)
+#[test]
+fn cm_setup_runs_rdma_cores_cmtime_through_the_drop_in() {
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("v.sock");
+    let _d = daemon(&sock, None);
+    let (status, out, err) =
+        run(&sock, &["bench", "--cm-setup", "--quick", "--json"], Duration::from_secs(240));
+    assert!(status.success(), "{err}\n{out}");
+    let v = json(&out);
+    let rows: Vec<&serde_json::Value> = v["figures"]
+        .as_array()
+        .expect("figures")
+        .iter()
+        .filter(|f| f["name"].as_str().is_some_and(|n| n.starts_with("cmtime")))
+        .collect();
+    let installed = std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default())
+        .any(|d| d.join("cmtime").is_file());
+    let exe_dir = Path::new(VRDMA).parent().unwrap();
+    let built = ["libvrdma_verbs.so", "libvrdma_rdmacm.so"].iter().all(|l| exe_dir.join(l).is_file());
+    if !installed || !built {
+        let skipped = v["skipped"].to_string();
+        assert!(rows.is_empty() && skipped.contains("cmtime"), "{out}");
+        if !installed {
+            assert!(skipped.contains("cmtime not installed"), "{out}");
+        }
+        eprintln!("cmtime rows skipped here (cmtime installed: {installed}, drop-in built: {built})");
+        return;
+    }
+    assert_eq!(rows.len(), 3, "{out}");
+    assert!(rows[1]["name"].as_str().unwrap().contains("-c 20"), "{out}");
+    for r in rows {
+        assert!(r["error"].is_null(), "{r}");
+        assert!(r["value"]["median"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["anchor"]["median"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["ratio"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["target"], "<= 3x TCP", "{r}");
+        assert!(r["anchor_name"].as_str().unwrap().starts_with("TCP"), "{r}");
+    }
+}

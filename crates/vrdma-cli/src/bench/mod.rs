@@ -11,6 +11,8 @@ pub mod anchors;
 pub(crate) mod attack;
 mod client;
 pub mod cm_setup;
+mod cmtime;
+mod cmtime_table;
 mod control;
 mod direct_bw;
 mod idle;
@@ -101,7 +103,10 @@ pub struct Args {
     #[arg(long)]
     pub json: bool,
     /// Of the default report, only the rdma_cm connection setup figures
-    /// (beside TCP connect/accept, measured in the same runs).
+    /// (beside TCP connect/accept, measured in the same runs), and
+    /// rdma-core's `cmtime` through the drop-in librdmacm (`-c 1` and `-c
+    /// 100`, 20 with --quick) beside TCP connect/accept in cmtime's phases,
+    /// where cmtime is installed.
     #[arg(long, conflicts_with = "server")]
     pub cm_setup: bool,
     /// Of the default report, only the direct path's figures

@@ -162,9 +162,12 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
     let mut figures = Vec::new();
     if args.cm_setup {
         progress("rdma_cm connection setup, and TCP connect/accept");
-        figures.extend(cm_setup_figures(&sock, if args.quick { 20 } else { 100 }, runs, cores)?);
+        let n = if args.quick { 20 } else { 100 };
+        figures.extend(cm_setup_figures(&sock, n, runs, cores)?);
+        let mut skipped = Vec::new();
+        cmtime_figures(&sock, n, runs, cores, &progress, &mut figures, &mut skipped);
         drop(device);
-        return report::print(&figures, &[], None, args.json);
+        return report::print(&figures, &skipped, None, args.json);
     }
 
     let qos_plan = super::qos::Plan {
@@ -292,9 +295,11 @@ pub fn run(socket: Option<PathBuf>, args: &Args) -> Result<()> {
         figures.push(latency(event_name, lat, "send 8 B, poll CQ", send_stat, cores));
     }
     progress("rdma_cm connection setup, and TCP connect/accept");
-    let cm = cm_setup_figures(&sock, if args.quick { 20 } else { 100 }, runs, cores);
+    let cm_n = if args.quick { 20 } else { 100 };
+    let cm = cm_setup_figures(&sock, cm_n, runs, cores);
     let cm = row(&mut figures, "rdma_cm connection setup", cores, cm);
     figures.extend(cm.unwrap_or_default());
+    cmtime_figures(&sock, cm_n, runs, cores, &progress, &mut figures, &mut skipped);
     progress("8 B RDMA read latency (CQ polling)");
     let read_name = "RDMA read 8 B, whole read (poll CQ)";
     let read_lat =
@@ -380,6 +385,27 @@ fn cm_setup_figures(sock: &std::path::Path, n: usize, runs: usize, cores: usize)
             &tcp_each,
         ),
     ])
+}
+
+/// rdma-core's `cmtime` through the drop-in librdmacm beside TCP in its
+/// phases ([`super::cmtime`]), or why not (not installed, the drop-in
+/// libraries not built).
+fn cmtime_figures(
+    sock: &std::path::Path,
+    n: usize,
+    runs: usize,
+    cores: usize,
+    progress: &dyn Fn(&str),
+    figures: &mut Vec<Figure>,
+    skipped: &mut Vec<report::Skipped>,
+) {
+    match super::cmtime::figures(sock, n, runs, cores, progress) {
+        Ok(f) => figures.extend(f),
+        Err(reason) => skipped.push(report::Skipped {
+            figures: "rdma-core's cmtime through the drop-in librdmacm, beside TCP in its phases".into(),
+            reason: format!("skipped: {reason}"),
+        }),
+    }
 }
 
 /// The victim's 8 B send latency beside each of `cases`, a fresh attacker
