@@ -49,6 +49,10 @@ pub(super) struct Core {
     /// The engine sleeps (without `state`'s lock): a call rings its
     /// doorbell after.
     pub(super) asleep: AtomicBool,
+    /// The doorbell was rung since the engine last went to sleep: a call
+    /// after the first (a batch's several, a connection's setup's) need
+    /// not ring it again ([`Core::wake_if_asleep`]).
+    pub(super) rung: AtomicBool,
     /// The engine has stopped; what is queued is dropped (its callers
     /// hear [`EngineGone`]).
     pub(super) stopped: AtomicBool,
@@ -72,6 +76,7 @@ impl Core {
             rx,
             waiting: AtomicU32::new(0),
             asleep: AtomicBool::new(false),
+            rung: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             realtime: AtomicBool::new(false),
             #[cfg(test)]
@@ -113,6 +118,25 @@ impl Core {
                 return g;
             }
             std::thread::yield_now();
+        }
+    }
+
+    /// The engine's part, with the lock held, just before it sleeps: from
+    /// now on a call rings it (once).
+    pub(super) fn going_to_sleep(&self) {
+        self.rung.store(false, Ordering::SeqCst);
+        self.asleep.store(true, Ordering::SeqCst);
+    }
+
+    /// After a call (or a pass on another thread) changed the state while
+    /// the engine sleeps: rings `bell` so that it looks, unless a ring
+    /// since it went to sleep is already on its way (each ring was a
+    /// system call, and a wake-up for the engine to drain one by one:
+    /// three or four per rdma_cm batch before). The engine takes the lock
+    /// after it wakes, so it sees every change made before then.
+    pub(super) fn wake_if_asleep(&self, bell: &Doorbell) {
+        if self.asleep.load(Ordering::SeqCst) && !self.rung.swap(true, Ordering::SeqCst) {
+            bell.ring();
         }
     }
 
@@ -212,9 +236,7 @@ impl EngineHandle {
             EngineGone
         });
         drop(guard);
-        if self.core.asleep.load(Ordering::SeqCst) {
-            self.wake.ring();
-        }
+        self.core.wake_if_asleep(&self.wake);
         r
     }
 
@@ -360,6 +382,33 @@ mod tests {
                 t.join().unwrap();
             }
         }
+    }
+
+    /// Calls made while the engine sleeps ring its doorbell once, until
+    /// it goes to sleep again.
+    #[test]
+    fn calls_while_the_engine_sleeps_ring_it_once() {
+        let (_tx, rx) = crossbeam_channel::unbounded();
+        let core = Core::new(rx);
+        let (bell, engine_end) = Doorbell::pair().unwrap();
+        let rings = || {
+            let mut n = 0;
+            while engine_end.take_one() {
+                n += 1;
+            }
+            n
+        };
+        core.wake_if_asleep(&bell);
+        assert_eq!(rings(), 0, "an awake engine is not rung");
+        core.going_to_sleep();
+        for _ in 0..3 {
+            core.wake_if_asleep(&bell);
+        }
+        assert_eq!(rings(), 1);
+        core.going_to_sleep();
+        core.wake_if_asleep(&bell);
+        core.wake_if_asleep(&bell);
+        assert_eq!(rings(), 1, "rung again after the next sleep");
     }
 
     /// A call that panics fails alone; the engine goes on. Once the engine

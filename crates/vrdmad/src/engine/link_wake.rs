@@ -150,9 +150,7 @@ pub(super) fn run(wake: Arc<LinkWake>, core: Arc<Core>, engine_bell: Arc<Doorbel
         drop(guard);
         // A sleeping engine gathers its timers again (the pass may have
         // set one), as after a control call.
-        if core.asleep.load(Ordering::SeqCst) {
-            engine_bell.ring();
-        }
+        core.wake_if_asleep(&engine_bell);
     }
 }
 

@@ -693,7 +693,7 @@ fn try_sleep<'a>(
         }
     };
     stats.sleeps.fetch_add(1, Ordering::Relaxed);
-    core.asleep.store(true, Ordering::SeqCst);
+    core.going_to_sleep();
     drop(guard);
     turns.planned_sleep(set.timeout());
     // The part up to here (gathering the set) counts with the pass.
