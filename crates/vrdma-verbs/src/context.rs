@@ -96,16 +96,28 @@ impl Ctx {
     }
 }
 
-/// `ibv_open_device`: connects to the daemon the device list found.
+/// `ibv_open_device`: connects to the daemon the device list found (or
+/// takes the list's spare context, see `device`).
 pub unsafe extern "C" fn ibv_open_device(device: *mut ibv_device) -> *mut ibv_context {
     const W: &str = "ibv_open_device";
     ret_ptr(W, || {
         let dev = ours(W, device)?;
-        let path = dev.socket.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let opened =
-            if path.as_os_str().is_empty() { vrdma::Context::open() } else { vrdma::Context::open_at(&path) };
-        let inner = opened.map_err(|e| fail(W, &e))?;
-        let attr = inner.query_device().map_err(|e| fail(W, &e))?;
+        // The context the device list was taken with, if it is still
+        // there (see `device`); else a new one.
+        let (inner, attr) = match dev.take_spare() {
+            Some(s) => (s.ctx, s.attr),
+            None => {
+                let path = dev.socket.lock().unwrap_or_else(|e| e.into_inner()).clone();
+                let opened = if path.as_os_str().is_empty() {
+                    vrdma::Context::open()
+                } else {
+                    vrdma::Context::open_at(&path)
+                };
+                let inner = opened.map_err(|e| fail(W, &e))?;
+                let attr = inner.query_device().map_err(|e| fail(W, &e))?;
+                (inner, attr)
+            }
+        };
         let port = inner.query_port(1).map_err(|e| fail(W, &e))?;
         let async_fd = inner.async_event_fd().as_raw_fd();
         make_blocking(async_fd);

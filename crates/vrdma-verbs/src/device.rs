@@ -7,6 +7,18 @@
 //! an empty list (not NULL) if nobody does, as rdma-core does on a host
 //! without RDMA hardware.
 //!
+//! The context that answered is kept as the device's spare ([`Spare`]):
+//! the `ibv_open_device` that nearly always follows takes it instead of
+//! connecting again, so that a list then an open (librdmacm's first
+//! address resolution, every verbs tool's start) costs one context
+//! opened, not one opened and closed and another opened. A spare is
+//! taken once, only by the process that made it (not a child after
+//! `fork`, which shares its connection), only while its daemon is there,
+//! and is closed when a device list is freed or a newer list replaces
+//! it. So a process that holds a list it has not opened holds one more
+//! context of the daemon's (counted in its tenant's `max_contexts`) until
+//! it frees the list.
+//!
 //! The `struct ibv_device` is allocated once and never freed: programs
 //! keep device pointers after `ibv_free_device_list` (they are needed by
 //! open contexts), exactly as rdma-core keeps its devices alive. Its
@@ -35,6 +47,41 @@ pub struct Device {
     pub socket: Mutex<PathBuf>,
     /// The node GUID the daemon reported, host order.
     pub node_guid: AtomicU64,
+    /// The context the last list was taken with, until opened (see the
+    /// module's notes).
+    spare: Mutex<Option<Spare>>,
+}
+
+/// A context `ibv_get_device_list` opened, for the next `ibv_open_device`.
+pub struct Spare {
+    pub ctx: vrdma::Context,
+    /// Its `query_device`, which the list asked for anyway.
+    pub attr: vrdma::DeviceAttr,
+    /// The process that opened it.
+    pid: u32,
+}
+
+impl Device {
+    /// The spare context, if this process made one and its daemon is
+    /// still there; it is taken (the next open connects anew).
+    pub fn take_spare(&self) -> Option<Spare> {
+        let s = self.spare.lock().unwrap_or_else(|e| e.into_inner()).take()?;
+        if s.pid != std::process::id() {
+            // A child after fork: the connection is its parent's.
+            std::mem::forget(s);
+            return None;
+        }
+        (!s.ctx.daemon_gone()).then_some(s)
+    }
+
+    /// Closes the spare context, if any (its list was freed). A child
+    /// after `fork` only forgets it: the connection is its parent's.
+    pub fn drop_spare(&self) {
+        let s = self.spare.lock().unwrap_or_else(|e| e.into_inner()).take();
+        if let Some(s) = s.filter(|s| s.pid != std::process::id()) {
+            std::mem::forget(s);
+        }
+    }
 }
 
 // The application's pointer is the object's address.
@@ -67,7 +114,12 @@ fn device(name: &str) -> *mut Device {
     copy_cstr(&mut dev.dev_name, &format!("uverbs-{name}"));
     copy_cstr(&mut dev.dev_path, &format!("/sys/class/infiniband_verbs/uverbs-{name}"));
     copy_cstr(&mut dev.ibdev_path, &format!("/sys/class/infiniband/{name}"));
-    let d = Box::new(Device { dev, socket: Mutex::new(PathBuf::new()), node_guid: AtomicU64::new(0) });
+    let d = Box::new(Device {
+        dev,
+        socket: Mutex::new(PathBuf::new()),
+        node_guid: AtomicU64::new(0),
+        spare: Mutex::new(None),
+    });
     let p = Box::into_raw(d);
     DEVICE.store(p as usize, Ordering::Release);
     p
@@ -94,8 +146,8 @@ fn probe() -> Option<*mut Device> {
             return None;
         }
     };
-    let guid = match ctx.query_device() {
-        Ok(a) => a.node_guid,
+    let attr = match ctx.query_device() {
+        Ok(a) => a,
         Err(e) => {
             fail("ibv_get_device_list: query_device", &e);
             return None;
@@ -107,7 +159,17 @@ fn probe() -> Option<*mut Device> {
     // An empty path: open the device as `probe` did (a guest's port).
     let path = if ctx.is_guest() { PathBuf::new() } else { vrdma::default_socket_path() };
     *dev.socket.lock().unwrap_or_else(|e| e.into_inner()) = path;
-    dev.node_guid.store(guid, Ordering::Relaxed);
+    dev.node_guid.store(attr.node_guid, Ordering::Relaxed);
+    let old = dev.spare.lock().unwrap_or_else(|e| e.into_inner()).replace(Spare {
+        ctx,
+        attr,
+        pid: std::process::id(),
+    });
+    // A child after fork forgets its parent's spare rather than closing
+    // the parent's connection's objects through it.
+    if let Some(o) = old.filter(|o| o.pid != std::process::id()) {
+        std::mem::forget(o);
+    }
     Some(d)
 }
 
@@ -135,9 +197,18 @@ pub unsafe extern "C" fn ibv_get_device_list(num_devices: *mut c_int) -> *mut *m
     })
 }
 
-/// `ibv_free_device_list`: frees the array; the devices stay valid.
+/// `ibv_free_device_list`: frees the array; the devices stay valid. The
+/// spare context of a list that holds our device goes with it.
 pub unsafe extern "C" fn ibv_free_device_list(list: *mut *mut ibv_device) {
     guard("ibv_free_device_list", (), || {
+        // SAFETY: `list` came from ibv_get_device_list (or is NULL): NULL
+        // or a NULL-terminated array, whose first slot is read.
+        let first = if list.is_null() { ptr::null_mut() } else { unsafe { *list } };
+        let d = DEVICE.load(Ordering::Acquire);
+        if d != 0 && first as usize == d {
+            // SAFETY: `d` was leaked by `device` and is never freed.
+            unsafe { &*(d as *const Device) }.drop_spare();
+        }
         // SAFETY: `list` came from ibv_get_device_list's calloc (or is NULL).
         unsafe { libc::free(list.cast()) }
     })
@@ -248,4 +319,57 @@ pub unsafe extern "C" fn ibv_read_sysfs_file(
 /// The device's pointer for a context opened on it.
 pub fn device_ptr(d: &'static Device) -> *mut ibv_device {
     ptr::from_ref(&d.dev).cast_mut()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::{ibv_close_device, ibv_open_device, Ctx};
+
+    /// The context of `ibv_open_device` after `ibv_get_device_list` is
+    /// the one the list was taken with: the daemon numbers contexts in
+    /// the order it accepts them, so the open's is the next one after a
+    /// context opened just before the list. A second open, the spare
+    /// taken, and one after the list was freed connect anew.
+    #[test]
+    fn the_open_after_a_list_takes_the_lists_context() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let socket = dir.path().join("vrdma.sock");
+        let _daemon = vrdmad::Daemon::start(vrdmad::DaemonConfig {
+            socket: Some(socket.clone()),
+            ..Default::default()
+        })
+        .expect("daemon");
+        // The only test of this crate that reaches a daemon.
+        std::env::set_var(vrdma::SOCKET_ENV, &socket);
+        let before = vrdma::Context::open_at(&socket).expect("context").context_id();
+        let mut n: c_int = 0;
+        // SAFETY: the verbs as a C program calls them; every list is
+        // freed once and every context closed once.
+        unsafe {
+            let list = ibv_get_device_list(&mut n);
+            assert_eq!(n, 1);
+            let c = ibv_open_device(*list);
+            assert!(!c.is_null());
+            assert_eq!(Ctx::from_ptr(c).inner.context_id(), before + 1, "the list's context, not a new one");
+            let c2 = ibv_open_device(*list);
+            assert!(!c2.is_null());
+            assert_eq!(Ctx::from_ptr(c2).inner.context_id(), before + 2, "the spare is taken once");
+            ibv_free_device_list(list);
+
+            let list = ibv_get_device_list(&mut n);
+            let dev = *list;
+            ibv_free_device_list(list);
+            let c3 = ibv_open_device(dev);
+            assert!(!c3.is_null());
+            assert_eq!(
+                Ctx::from_ptr(c3).inner.context_id(),
+                before + 4,
+                "the freed list's context was closed; the open made a new one"
+            );
+            for c in [c, c2, c3] {
+                assert_eq!(ibv_close_device(c), 0);
+            }
+        }
+    }
 }
