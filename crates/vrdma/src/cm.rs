@@ -296,16 +296,22 @@ impl ChannelInner {
     }
 
     /// [`next_local`](Self::next_local), told whether the doorbell was
-    /// readable a moment ago: if not, it holds no carried event older than
-    /// what is kept here (a wake-up that comes after the poll was rung
-    /// after all of it), and the peek is spared (a system call on each
-    /// wait for an event).
+    /// readable a moment ago: if not, and nothing kept here stands for a
+    /// wake-up in it, the peek is spared (a system call on each wait for
+    /// an event). An event kept since the poll (another thread's reply)
+    /// whose wake-up is in the doorbell may sit behind a carried one that
+    /// came after the poll too (the daemon carries an event only into an
+    /// empty doorbell, so that one is older): its wake-up is not the
+    /// doorbell's first, and taking the first for it lost the carried
+    /// event (found in review, 2026-11-28: a server's CONNECT_REQUEST
+    /// gone, its client UNREACHABLE after its timeout).
     fn next_local_polled(&self, readable: bool) -> Result<Option<CmEvent>> {
         let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(ev) = self.pop_ready(&mut ready, true) {
             return Ok(Some(ev));
         }
-        if readable {
+        // (What is left kept, if anything, has its wake-ups in the doorbell.)
+        if readable || !ready.is_empty() {
             if let Some(ev) = self.take_carried(None)? {
                 return Ok(Some(ev));
             }
@@ -623,7 +629,19 @@ impl EventChannel {
         // The event's wake-up, and those of events that went with their
         // ids: the descriptor stays readable exactly while events wait.
         // (Under the lock a move's resync takes: see `MovedCmChannel`.)
-        let _held = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+        let mut held = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+        // The doorbell may have been empty at the look above (a
+        // non-blocking reader asks without polling) or emptied since (by
+        // another reader of the channel), and then taken a carried event,
+        // older than this one, whose wake-ups are behind it: taking the
+        // first wake-ups for this one lost that event. It is the
+        // program's first; this one is kept, first, with its wake-ups.
+        if wakeups > 0 {
+            if let Some(older) = self.inner.take_carried(None)? {
+                held.push_front(Kept { event, wakeups, local: false });
+                return Ok(Some(older));
+            }
+        }
         for _ in 0..wakeups {
             self.inner.fd.take_one();
         }
