@@ -56,7 +56,7 @@ mod preload {
 
     use anyhow::Result;
     use vrdma::sockets::SockCounts;
-    use vrdma_it::harness::{self, built, free_port, listening, spawn, Running};
+    use vrdma_it::harness::{self, built, free_port, listening, spawn, Finished, Running};
     use vrdma_it::DaemonProc;
 
     /// 16 MiB through the ring (64 times its size).
@@ -108,23 +108,30 @@ mod preload {
     #[test]
     fn a_connection_reported_readable_before_its_first_call_has_bytes_to_read() -> Result<()> {
         for how in ["poll", "select"] {
-            let _one = harness::one_at_a_time();
-            let d = DaemonProc::start()?;
-            let ctx = d.context()?;
-            let port = free_port();
-            let mut cmd = sockapp(&d, true, &["pollserver".into(), port.to_string()]);
-            cmd.env("SOCKAPP_STRICT_READY", how);
-            let s = spawn(cmd, "pollserver");
-            vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
-                listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
-            })?;
-            let c = client(&d, true, port).finish(LIMIT);
-            let s = s.finish(LIMIT);
+            let (s, c) = strict_ready_pair(how)?;
             s.assert_ok();
             c.assert_ok();
             assert!(s.stderr.contains("carried over vRDMA"), "{how}: {}", s.describe());
         }
         Ok(())
+    }
+
+    /// A preloaded `pollserver` that waits with `how` (`SOCKAPP_STRICT_READY`)
+    /// and fails on a report with nothing to read, and a preloaded client
+    /// of it, both finished (on a daemon of their own, one pair at a time).
+    fn strict_ready_pair(how: &str) -> Result<(Finished, Finished)> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let mut cmd = sockapp(&d, true, &["pollserver".into(), port.to_string()]);
+        cmd.env("SOCKAPP_STRICT_READY", how);
+        let s = spawn(cmd, "pollserver");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = client(&d, true, port).finish(LIMIT);
+        Ok((s.finish(LIMIT), c))
     }
 
     /// As `a_connection_reported_readable_before_its_first_call_has_bytes_to_read`,
@@ -139,18 +146,7 @@ mod preload {
     #[test]
     fn an_epoll_connection_reported_readable_before_its_first_call_has_bytes_to_read() -> Result<()> {
         for how in ["epoll", "epoll-et", "epoll-oneshot"] {
-            let _one = harness::one_at_a_time();
-            let d = DaemonProc::start()?;
-            let ctx = d.context()?;
-            let port = free_port();
-            let mut cmd = sockapp(&d, true, &["pollserver".into(), port.to_string()]);
-            cmd.env("SOCKAPP_STRICT_READY", how);
-            let s = spawn(cmd, "pollserver");
-            vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
-                listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
-            })?;
-            let c = client(&d, true, port).finish(LIMIT);
-            let s = s.finish(LIMIT);
+            let (s, c) = strict_ready_pair(how)?;
             // (The client checks the server's count of the bytes.)
             assert!(s.status.success() && c.status.success(), "{how}:\n{}\n{}", s.describe(), c.describe());
             assert!(s.stderr.contains("carried over vRDMA"), "{how}: {}", s.describe());

@@ -862,21 +862,27 @@ mod tests {
             [(hosts6(&["fd00::2"]), "message of wire version 4"), (hosts6(&long), "of 162 bytes")]
         {
             let (mut s, mut theirs, _) = state(3);
-            let payload = vrdma_core::wire::sock::encode(&msg);
-            let mut frame = vec![0u8; BASE_HEADER_LEN];
-            FrameRepr::Sock { len: payload.len() as u32 }.emit(&mut frame).unwrap();
-            frame.extend_from_slice(&payload);
-            theirs.write_all(&frame).unwrap();
-            let started = std::time::Instant::now();
-            let ended = loop {
-                match receive(&mut s) {
-                    Err(why) => break why,
-                    Ok(_) if started.elapsed() < Duration::from_secs(10) => continue,
-                    Ok(_) => panic!("the link took {msg:?} at version 3"),
-                }
-            };
+            let ended = sock_frame_ends_the_link(&mut s, &mut theirs, &msg);
             assert!(ended.contains("protocol error") && ended.contains("wire version 3"), "{ended}");
             assert!(ended.contains(why), "{ended}");
+        }
+    }
+
+    /// Sends `msg` in a Sock frame from the peer's end, and returns why the
+    /// link ended on it (it must, within 10 s).
+    fn sock_frame_ends_the_link(s: &mut EngineState, theirs: &mut TcpStream, msg: &SockMessage) -> String {
+        let payload = vrdma_core::wire::sock::encode(msg);
+        let mut frame = vec![0u8; BASE_HEADER_LEN];
+        FrameRepr::Sock { len: payload.len() as u32 }.emit(&mut frame).unwrap();
+        frame.extend_from_slice(&payload);
+        theirs.write_all(&frame).unwrap();
+        let started = std::time::Instant::now();
+        loop {
+            match receive(s) {
+                Err(why) => return why,
+                Ok(_) if started.elapsed() < Duration::from_secs(10) => continue,
+                Ok(_) => panic!("the link took {msg:?}"),
+            }
         }
     }
 
@@ -890,19 +896,7 @@ mod tests {
             .handle_sock(ctx, US, SockRequest::Lookup { dst: addr("10.0.0.2:5000").into(), local: false })
             .unwrap();
         assert!(matches!(r, SockCall::Now(SockReply::No)));
-        let payload = vrdma_core::wire::sock::encode(&SockMessage::Closed { ctx: 1 });
-        let mut frame = vec![0u8; BASE_HEADER_LEN];
-        FrameRepr::Sock { len: payload.len() as u32 }.emit(&mut frame).unwrap();
-        frame.extend_from_slice(&payload);
-        theirs.write_all(&frame).unwrap();
-        let started = std::time::Instant::now();
-        let ended = loop {
-            match receive(&mut s) {
-                Err(why) => break why,
-                Ok(_) if started.elapsed() < Duration::from_secs(10) => continue,
-                Ok(_) => panic!("the link took a Sock frame at version 2"),
-            }
-        };
+        let ended = sock_frame_ends_the_link(&mut s, &mut theirs, &SockMessage::Closed { ctx: 1 });
         assert!(ended.contains("protocol error") && ended.contains("wire version 2"), "{ended}");
     }
 }
