@@ -86,6 +86,9 @@ pub fn ipv6_addrs() -> Vec<std::net::Ipv6Addr> {
 /// its passes; the thread ends when the engine drops its watch.
 pub struct Ipv6Watch {
     changed: std::sync::Mutex<Option<Vec<std::net::Ipv6Addr>>>,
+    /// Set once `changed` holds a list: the engine's passes look at this
+    /// flag, not the lock.
+    fresh: std::sync::atomic::AtomicBool,
 }
 
 impl Ipv6Watch {
@@ -95,7 +98,10 @@ impl Ipv6Watch {
         every: std::time::Duration,
         first: Vec<std::net::Ipv6Addr>,
     ) -> Option<std::sync::Arc<Ipv6Watch>> {
-        let watch = std::sync::Arc::new(Ipv6Watch { changed: std::sync::Mutex::new(None) });
+        let watch = std::sync::Arc::new(Ipv6Watch {
+            changed: std::sync::Mutex::new(None),
+            fresh: std::sync::atomic::AtomicBool::new(false),
+        });
         let weak = std::sync::Arc::downgrade(&watch);
         let spawned = std::thread::Builder::new().name("vrdma-addrs".into()).spawn(move || {
             let mut last = first;
@@ -106,6 +112,7 @@ impl Ipv6Watch {
                 if now != last {
                     last = now.clone();
                     *watch.changed.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
+                    watch.fresh.store(true, std::sync::atomic::Ordering::Release);
                 }
             }
         });
@@ -120,6 +127,9 @@ impl Ipv6Watch {
 
     /// The addresses as read since the last take, if they changed.
     pub fn take(&self) -> Option<Vec<std::net::Ipv6Addr>> {
+        if !self.fresh.swap(false, std::sync::atomic::Ordering::AcqRel) {
+            return None;
+        }
         self.changed.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 }

@@ -237,27 +237,29 @@ impl EngineState {
     /// This host's IPv6 addresses: read now when `force`d (a control
     /// call's) or never read yet, else as the watch's thread read them
     /// every [`ADDR_SCAN`] (a test's own reader: read here when that has
-    /// passed); tells every peer of wire version 4 when they changed.
-    fn refresh6(&mut self, now: Instant, force: bool) {
+    /// passed); tells every peer of wire version 4 when they changed, and
+    /// says whether it did.
+    fn refresh6(&mut self, now: Instant, force: bool) -> bool {
         let first = self.remote.scanned.is_none();
         let due = self.remote.scanned.is_none_or(|t| now.saturating_since(t) >= ADDR_SCAN);
         let watched = self.remote.scan6.is_none() && self.remote.watch.is_some();
         let mut addrs = if force || first || (due && !watched) {
             self.remote.scanned = Some(now);
             let addrs = self.remote.scan6.unwrap_or(crate::host::ipv6_addrs)();
-            if first && self.remote.scan6.is_none() {
+            // (Watched only where there are peers to tell.)
+            if first && self.remote.scan6.is_none() && self.net.is_some() {
                 self.remote.watch = crate::host::Ipv6Watch::spawn(ADDR_SCAN, addrs.clone());
             }
             addrs
         } else {
             match self.remote.watch.as_ref().and_then(|w| w.take()) {
                 Some(addrs) if watched => addrs,
-                _ => return,
+                _ => return false,
             }
         };
         addrs.truncate(vrdma_core::sockets::peer::MAX_HOST6);
         if addrs == self.remote.own6 {
-            return;
+            return false;
         }
         tracing::debug!(?addrs, "this host's IPv6 addresses changed; telling the linked daemons");
         self.remote.own6 = addrs;
@@ -266,6 +268,7 @@ impl EngineState {
             net.tell_linked(None, &msg);
             net.write_now();
         }
+        true
     }
 
     /// Sends `query` to `host`'s daemon; the answer comes to the returned
@@ -346,10 +349,11 @@ impl EngineState {
         self.remote.inbox = inbox;
         // Peers whose link just came up (of version 4) learn this host's
         // IPv6 addresses; all of them do, when the addresses changed.
-        let told = self.remote.own6.clone();
-        self.refresh6(now, false);
-        if let Some(net) = self.net.as_mut().filter(|_| !up.is_empty() && told == self.remote.own6) {
-            let msg = SockMessage::Hosts6 { addrs: Addrs6::new(told) };
+        // (Nothing is copied on a pass where neither happens: this runs on
+        // every pass of the engine.)
+        let told_all = self.refresh6(now, false);
+        if let Some(net) = self.net.as_mut().filter(|_| !up.is_empty() && !told_all) {
+            let msg = SockMessage::Hosts6 { addrs: Addrs6::new(self.remote.own6.clone()) };
             net.tell_linked(Some(&up), &msg);
             net.write_now();
         }
