@@ -34,7 +34,7 @@
 //! readability that is only stale wake bytes, as `poll` does
 //! ([`crate::readiness`]), and decide a connection registered before its
 //! first call when its report may be the peer's first message (a hello:
-//! the library's bytes, not the program's; [`undecided`]).
+//! the library's bytes, not the program's; [`report_or_undecided`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
@@ -72,7 +72,8 @@ struct Reg {
     /// `EPOLLIN` themselves until they are read ([`pending`]).
     pending: bool,
     /// Made for reading while its connection was not decided yet (no call
-    /// on it): its first report may be the peer's hello ([`undecided`]).
+    /// on it): its first report may be the peer's hello
+    /// ([`report_or_undecided`]).
     undecided: bool,
 }
 
@@ -299,7 +300,7 @@ impl Sets {
     }
 
     /// The undecided registrations among the events `ev` reported on `ep`
-    /// ([`report`]); those that need no look any more (decided, or another
+    /// ([`report_or_undecided`]); those that need no look any more (decided, or another
     /// process's) are cleared.
     fn undecided(&mut self, ep: c_int, ev: impl Iterator<Item = (usize, epoll_event)>) -> Vec<Undecided> {
         let mut out = Vec::new();

@@ -33,8 +33,10 @@
 //! that for the end (ncat `--exec`'s relay) closed the connection. The
 //! epoll waits do the same for the registrations `epoll_ctl` made before
 //! a connection's first call, once the kernel reported one of them
-//! ([`report`]: the kernel says which; a process with no registration
-//! made before a first call pays one atomic load a wait): an event loop told `EPOLLIN` for the hello read
+//! ([`report`]: the kernel says which; the look is made in the same pass
+//! under the registrations' lock that every report of a carried
+//! connection gets, and costs a set with no undecided registration
+//! nothing): an event loop told `EPOLLIN` for the hello read
 //! `EAGAIN`, and one that reads once per report (or takes `EAGAIN` after
 //! a report for an error) stalled or closed.
 
