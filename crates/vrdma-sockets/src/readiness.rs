@@ -754,17 +754,15 @@ unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
                 Some(true) => true,
                 // Nothing there: perhaps another thread's decision took
                 // the message off (its negotiation still running).
-                Some(false) => match u.stream.decided_after() {
-                    true => true,
-                    false => {
-                        // (One that another process settles now before
-                        // its exec, or took meanwhile, is left as it is.)
-                        if u.stream.owner.may_use() {
-                            nothing.push(u.fd);
-                        }
-                        false
+                Some(false) => {
+                    let decided = u.stream.decided_after();
+                    // (One that another process settles now before its
+                    // exec, or took meanwhile, is left as it is.)
+                    if !decided && u.stream.owner.may_use() {
+                        nothing.push(u.fd);
                     }
-                },
+                    decided
+                }
                 None => false,
             };
         if decided && tcp_and_empty(u.fd) {
