@@ -34,7 +34,7 @@
 //! readability that is only stale wake bytes, as `poll` does
 //! ([`crate::readiness`]), and decide a connection registered before its
 //! first call when its report may be the peer's first message (a hello:
-//! the library's bytes, not the program's; [`undecided`]).
+//! the library's bytes, not the program's; [`report_or_undecided`]).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicPtr, AtomicUsize, Ordering};
@@ -72,7 +72,8 @@ struct Reg {
     /// `EPOLLIN` themselves until they are read ([`pending`]).
     pending: bool,
     /// Made for reading while its connection was not decided yet (no call
-    /// on it): its first report may be the peer's hello ([`undecided`]).
+    /// on it): its first report may be the peer's hello
+    /// ([`report_or_undecided`]).
     undecided: bool,
 }
 
@@ -106,6 +107,45 @@ impl Reg {
     }
 }
 
+/// How many registrations are kept, and how many of them have
+/// [`Reg::pending`] and [`Reg::undecided`] set: kept up to date by every
+/// change under the registrations' lock (a count over every registration
+/// on each `epoll_ctl` cost a server with 10k connections a walk of them
+/// all per call), and mirrored in [`TRACKED`] and [`PENDING`] for the
+/// calls that pass without the lock.
+#[derive(Default, Clone, Copy, PartialEq, Eq, Debug)]
+struct Counts {
+    tracked: usize,
+    pending: usize,
+    undecided: usize,
+}
+
+impl Counts {
+    fn of(r: &Reg) -> Counts {
+        Counts { tracked: 1, pending: r.pending as usize, undecided: r.undecided as usize }
+    }
+
+    fn add(&mut self, c: Counts) {
+        self.tracked += c.tracked;
+        self.pending += c.pending;
+        self.undecided += c.undecided;
+    }
+
+    fn sub(&mut self, c: Counts) {
+        self.tracked -= c.tracked;
+        self.pending -= c.pending;
+        self.undecided -= c.undecided;
+    }
+
+    fn pending(n: usize) -> Counts {
+        Counts { pending: n, ..Counts::default() }
+    }
+
+    fn undecided(n: usize) -> Counts {
+        Counts { undecided: n, ..Counts::default() }
+    }
+}
+
 #[derive(Default)]
 struct Set {
     /// Inside another epoll set, or polled (`poll`, `select`): a wait on
@@ -115,17 +155,26 @@ struct Set {
     regs: HashMap<c_int, Reg>,
     /// The descriptors registered with each `data`.
     by_data: HashMap<u64, Vec<c_int>>,
+    /// Of `regs` (a wait on a set with no undecided registration looks
+    /// at none of its events for them).
+    counts: Counts,
 }
 
 impl Set {
-    fn insert(&mut self, fd: c_int, r: Reg) {
-        self.remove(fd);
+    fn insert(&mut self, fd: c_int, r: Reg, total: &mut Counts) {
+        self.remove(fd, total);
+        let c = Counts::of(&r);
+        self.counts.add(c);
+        total.add(c);
         self.by_data.entry(r.data).or_default().push(fd);
         self.regs.insert(fd, r);
     }
 
-    fn remove(&mut self, fd: c_int) {
+    fn remove(&mut self, fd: c_int, total: &mut Counts) {
         if let Some(r) = self.regs.remove(&fd) {
+            let c = Counts::of(&r);
+            self.counts.sub(c);
+            total.sub(c);
             if let Some(v) = self.by_data.get_mut(&r.data) {
                 v.retain(|&x| x != fd);
                 if v.is_empty() {
@@ -135,12 +184,32 @@ impl Set {
         }
     }
 
+    /// `c` (flags set or cleared in its registrations) less.
+    fn less(&mut self, c: Counts, total: &mut Counts) {
+        self.counts.sub(c);
+        total.sub(c);
+    }
+
+    /// `c` more.
+    fn more(&mut self, c: Counts, total: &mut Counts) {
+        self.counts.add(c);
+        total.add(c);
+    }
+
     /// The one registration reported with `data`, if only one has it.
     fn by_data(&mut self, data: u64) -> Option<(c_int, &mut Reg)> {
         match self.by_data.get(&data).map(Vec::as_slice) {
             Some(&[fd]) => self.regs.get_mut(&fd).map(|r| (fd, r)),
             _ => None,
         }
+    }
+
+    fn recount(&self) -> Counts {
+        let mut c = Counts::default();
+        for r in self.regs.values() {
+            c.add(Counts::of(r));
+        }
+        c
     }
 }
 
@@ -150,6 +219,176 @@ struct Sets {
     /// epoll set among them is nested ([`Set::nested`]) once it holds
     /// connections.
     inner: std::collections::HashSet<c_int>,
+    /// Of every set.
+    counts: Counts,
+}
+
+impl Sets {
+    fn new() -> Sets {
+        Sets { sets: HashMap::new(), inner: Default::default(), counts: Counts::default() }
+    }
+
+    /// Keeps `r`, the registration of `fd` in `ep` (replacing one made
+    /// before).
+    fn add(&mut self, ep: c_int, fd: c_int, r: Reg, nested: bool) {
+        let set = self.sets.entry(ep).or_default();
+        set.nested |= nested;
+        set.insert(fd, r, &mut self.counts);
+    }
+
+    /// Forgets the registration of `fd` in `ep`.
+    fn remove(&mut self, ep: c_int, fd: c_int) {
+        if let Some(set) = self.sets.get_mut(&ep) {
+            set.remove(fd, &mut self.counts);
+        }
+    }
+
+    /// `fd` is closed: its registrations go, and, if it is a set, the
+    /// set's.
+    fn forget(&mut self, fd: c_int) {
+        self.inner.remove(&fd);
+        if let Some(set) = self.sets.remove(&fd) {
+            self.counts.sub(set.counts);
+        }
+        for set in self.sets.values_mut() {
+            set.remove(fd, &mut self.counts);
+        }
+    }
+
+    /// [`pending`] for `ep`, under the lock.
+    fn take_pending(&mut self, ep: c_int) -> Vec<epoll_event> {
+        let mut out = Vec::new();
+        let Some(set) = self.sets.get_mut(&ep) else { return out };
+        if set.counts.pending == 0 {
+            return out;
+        }
+        let mut cleared = 0;
+        for r in set.regs.values_mut().filter(|r| r.pending) {
+            let waits = r.link().is_some_and(|l| l.unannounced_bytes());
+            if !waits || r.events & (libc::EPOLLET as u32 | ONESHOT) != 0 {
+                r.pending = false;
+                cleared += 1;
+            }
+            if waits && !r.fired {
+                out.push(epoll_event { events: IN, u64: r.data });
+            }
+        }
+        set.less(Counts::pending(cleared), &mut self.counts);
+        out
+    }
+
+    /// [`nest`], under the lock.
+    fn nest(&mut self, ep: c_int) {
+        let Some(set) = self.sets.get_mut(&ep) else { return };
+        if set.nested {
+            return;
+        }
+        set.nested = true;
+        let mut marked = 0;
+        for r in set.regs.values_mut() {
+            if let Some(st) = r.stream.upgrade() {
+                st.lazy(false);
+            }
+            if let Some(l) = r.link() {
+                if l.is_unarmed() && l.lazy_look(true) == Look::Bytes {
+                    marked += !r.pending as usize;
+                    r.pending = true;
+                }
+            }
+        }
+        set.more(Counts::pending(marked), &mut self.counts);
+    }
+
+    /// The undecided registrations among the events `ev` reported on `ep`
+    /// ([`report_or_undecided`]); those that need no look any more (decided, or another
+    /// process's) are cleared.
+    fn undecided(&mut self, ep: c_int, ev: impl Iterator<Item = (usize, epoll_event)>) -> Vec<Undecided> {
+        let mut out = Vec::new();
+        let Some(set) = self.sets.get_mut(&ep) else { return out };
+        if set.counts.undecided == 0 {
+            return out;
+        }
+        let mut cleared = 0;
+        for (index, e) in ev {
+            let Some((fd, r)) = set.by_data(e.u64) else { continue };
+            if !r.undecided {
+                continue;
+            }
+            let Some(stream) = r.stream.upgrade() else {
+                r.undecided = false;
+                cleared += 1;
+                continue;
+            };
+            // (Writable only: not the peer's message.)
+            let woke = e.events & (IN | (libc::EPOLLHUP | libc::EPOLLERR) as u32) != 0;
+            if stream.owner.elsewhere() {
+                // Another process (after a fork) took it: this one's calls
+                // fail with EIO, and a decision here would too, at every
+                // report. The kernel's report stands.
+                r.undecided = false;
+                cleared += 1;
+            } else if !stream.undecided() {
+                // Decided since (by the program's call, or by another
+                // thread's wait, which may have taken the message this
+                // report was for off the socket): answered as it
+                // turned out, once.
+                r.undecided = false;
+                cleared += 1;
+                if woke {
+                    out.push(Undecided { index, fd, stream, decided: true });
+                }
+            } else if woke {
+                out.push(Undecided { index, fd, stream, decided: false });
+            }
+        }
+        set.less(Counts::undecided(cleared), &mut self.counts);
+        out
+    }
+
+    /// The registration of `fd` in `ep` is not looked at for a decision
+    /// any more: a report found nothing to decide on, and nothing can
+    /// come ([`nothing_to_decide`]).
+    fn decided(&mut self, ep: c_int, fd: c_int) {
+        let Some(set) = self.sets.get_mut(&ep) else { return };
+        let Some(r) = set.regs.get_mut(&fd) else { return };
+        if r.undecided {
+            r.undecided = false;
+            set.less(Counts::undecided(1), &mut self.counts);
+        }
+    }
+
+    fn recount(&self) -> Counts {
+        let mut c = Counts::default();
+        for set in self.sets.values() {
+            c.add(set.recount());
+        }
+        c
+    }
+
+    /// Whether every count is its registrations' (each set's, and the
+    /// total).
+    fn counted(&self) -> bool {
+        self.sets.values().all(|x| x.counts == x.recount()) && self.counts == self.recount()
+    }
+
+    /// Mirrors the counts for the calls that pass without the lock. Under
+    /// the lock: the mirror is always a state the registrations were in.
+    fn publish(&self) {
+        debug_assert!(self.counted(), "epoll registrations miscounted");
+        TRACKED.store(self.counts.tracked, Ordering::Release);
+        PENDING.store(self.counts.pending, Ordering::Release);
+    }
+}
+
+/// A registration not decided yet that a report may be the peer's first
+/// message for ([`Sets::undecided`]).
+pub struct Undecided {
+    /// The event's index in the report.
+    pub index: usize,
+    pub fd: c_int,
+    pub stream: Arc<Stream>,
+    /// Decided since (by another thread): only answered as it turned out.
+    pub decided: bool,
 }
 
 /// A process's registrations, never freed once published.
@@ -158,15 +397,18 @@ struct Slot {
     sets: Mutex<Sets>,
 }
 
-/// Registrations tracked (any process's): 0 lets calls pass without a lock.
+/// Registrations tracked (this process's): 0 lets calls pass without a
+/// lock.
 static TRACKED: AtomicUsize = AtomicUsize::new(0);
+
+/// This process's registrations ([`sets`]).
+static CURRENT: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
 
 /// This process's registrations. A child after fork gets new ones: its
 /// parent's are of connections it does not carry, and their lock may have
 /// been held by a thread of the parent at the fork (the parent's stay
 /// leaked in the child).
 fn sets() -> MutexGuard<'static, Sets> {
-    static CURRENT: AtomicPtr<Slot> = AtomicPtr::new(std::ptr::null_mut());
     let pid = crate::pid::get();
     loop {
         let p = CURRENT.load(Ordering::Acquire);
@@ -176,76 +418,92 @@ fn sets() -> MutexGuard<'static, Sets> {
                 return slot.sets.lock().unwrap_or_else(|e| e.into_inner());
             }
         }
-        let mine = Box::into_raw(Box::new(Slot {
-            pid,
-            sets: Mutex::new(Sets { sets: HashMap::new(), inner: Default::default() }),
-        }));
+        let mine = Box::into_raw(Box::new(Slot { pid, sets: Mutex::new(Sets::new()) }));
         match CURRENT.compare_exchange(p, mine, Ordering::AcqRel, Ordering::Acquire) {
-            Ok(_) => {
-                TRACKED.store(0, Ordering::Release);
-                UNDECIDED.store(0, Ordering::Release);
-            }
+            // A child forked without the fork handlers ([`forked`]): the
+            // mirrors still say the parent's. Set from the new sets under
+            // their lock, as every change is: another thread of this
+            // process that changed them meanwhile has its change counted.
+            // SAFETY: `mine` is published now, and never freed.
+            Ok(_) => unsafe { &*mine }.sets.lock().unwrap_or_else(|e| e.into_inner()).publish(),
             // SAFETY: `mine` came from Box::into_raw and was not published.
             Err(_) => drop(unsafe { Box::from_raw(mine) }),
         }
     }
 }
 
-fn count(s: &Sets) {
-    TRACKED.store(s.sets.values().map(|x| x.regs.len()).sum(), Ordering::Release);
-    let regs = || s.sets.values().flat_map(|x| x.regs.values());
-    PENDING.store(regs().filter(|r| r.pending).count(), Ordering::Release);
-    UNDECIDED.store(regs().filter(|r| r.undecided).count(), Ordering::Release);
+/// In a child just forked (a `pthread_atfork` child handler, [`crate::pid`];
+/// the only thread there is): its parent's registrations are not its own,
+/// and the mirrored counts go with them, before any other thread of the
+/// child can count its own. Only atomic stores (async-signal-safe).
+pub(crate) fn forked() {
+    CURRENT.store(std::ptr::null_mut(), Ordering::SeqCst);
+    TRACKED.store(0, Ordering::SeqCst);
+    PENDING.store(0, Ordering::SeqCst);
+    INNER.store(false, Ordering::SeqCst);
 }
-
-/// Registrations with [`Reg::undecided`] set (any process's): 0 lets the
-/// waits pass without a look at their events.
-static UNDECIDED: AtomicUsize = AtomicUsize::new(0);
 
 /// After an epoll wait on `ep` reported the `n` events at `ev`: those of
 /// connections not decided yet (registered before their first call) that
 /// the peer's first message may have made ready (`EPOLLIN`, `EPOLLHUP`,
-/// `EPOLLERR`), by index, with their descriptor. That message is the
-/// library's (a hello, a decline) or the end, not the program's bytes:
-/// the wait decides them before it answers ([`crate::readiness`]). A
-/// registration is looked at here until a report finds it decided (by
-/// the wait, or by the program's own call): so a second thread's wait
-/// that got the same report decides it too (it waits for the first's
-/// decision) and answers for it as it turned out.
+/// `EPOLLERR`), with their descriptor. That message is the library's (a
+/// hello, a decline) or the end, not the program's bytes: the wait
+/// decides them before it answers ([`crate::readiness`]), then calls
+/// [`reported`]. With none, `Ok`: [`reported`] was done, under the same
+/// lock (a wait with nothing to decide pays no second look), with the
+/// events left.
+///
+/// A registration is looked at here until a report finds it decided (by
+/// the wait, by another thread's, or by the program's own call; one
+/// found decided is answered as it turned out, once: another thread's
+/// wait may have taken the message that this report was for), taken by
+/// another process (after a fork; [`crate::owner::Owner::elsewhere`]),
+/// or left with nothing to decide on ([`nothing_to_decide`]).
 ///
 /// # Safety
 /// `ev` holds `n` events.
-pub unsafe fn undecided(ep: c_int, ev: *const epoll_event, n: c_int) -> Vec<(usize, c_int)> {
-    let mut out = Vec::new();
-    if UNDECIDED.load(Ordering::Acquire) == 0 {
-        return out;
-    }
-    let Some(_g) = Guard::enter() else { return out };
+pub unsafe fn report_or_undecided(
+    ep: c_int,
+    ev: *mut epoll_event,
+    n: c_int,
+) -> Result<c_int, Vec<Undecided>> {
+    let Some(_g) = Guard::enter() else { return Ok(n) };
     keep_errno(|| {
         let mut s = sets();
-        let Some(set) = s.sets.get_mut(&ep) else { return };
-        let mut cleared = 0;
-        for i in 0..n.max(0) as usize {
+        let events = (0..n.max(0) as usize).map(|i| {
             // SAFETY: `i < n`; read by value (the struct may be packed).
-            let e = unsafe { std::ptr::read(ev.add(i)) };
-            let Some((fd, r)) = set.by_data(e.u64) else { continue };
-            if !r.undecided {
-                continue;
-            }
-            if !r.stream.upgrade().is_some_and(|st| st.undecided()) {
-                r.undecided = false;
-                cleared += 1;
-            } else if e.events & (IN | (libc::EPOLLHUP | libc::EPOLLERR) as u32) != 0 {
-                // (Writable only: not the peer's message.)
-                out.push((i, fd));
-            }
+            (i, unsafe { std::ptr::read(ev.add(i)) })
+        });
+        let out = s.undecided(ep, events);
+        s.publish();
+        if !out.is_empty() {
+            return Err(out);
         }
-        UNDECIDED.fetch_sub(cleared, Ordering::AcqRel);
-    });
-    out
+        // SAFETY: `ev` holds `n` events.
+        Ok(unsafe { reported_in(&mut s, ep, ev, n) })
+    })
 }
 
-/// Registrations with [`Reg::pending`] set (any process's): 0 lets the
+/// The registrations of `fds` in `ep`, reported undecided with nothing on
+/// their sockets while nobody decided them (the peer's end or an error
+/// before the first call, which no hello can follow), are not looked at
+/// again: a level-triggered report of the end would otherwise cost every
+/// wait a look and a count of the bytes.
+pub fn nothing_to_decide(ep: c_int, fds: &[c_int]) {
+    if fds.is_empty() {
+        return;
+    }
+    let Some(_g) = Guard::enter() else { return };
+    keep_errno(|| {
+        let mut s = sets();
+        for &fd in fds {
+            s.decided(ep, fd);
+        }
+        s.publish();
+    })
+}
+
+/// Registrations with [`Reg::pending`] set (this process's): 0 lets the
 /// waits pass without a lock.
 static PENDING: AtomicUsize = AtomicUsize::new(0);
 
@@ -261,19 +519,8 @@ pub fn pending(ep: c_int) -> Vec<epoll_event> {
     let Some(_g) = Guard::enter() else { return Vec::new() };
     keep_errno(|| {
         let mut s = sets();
-        let mut out = Vec::new();
-        if let Some(set) = s.sets.get_mut(&ep) {
-            for r in set.regs.values_mut().filter(|r| r.pending) {
-                let waits = r.link().is_some_and(|l| l.unannounced_bytes());
-                if !waits || r.events & (libc::EPOLLET as u32 | ONESHOT) != 0 {
-                    r.pending = false;
-                }
-                if waits && !r.fired {
-                    out.push(epoll_event { events: IN, u64: r.data });
-                }
-            }
-        }
-        count(&s);
+        let out = s.take_pending(ep);
+        s.publish();
         out
     })
 }
@@ -305,7 +552,8 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
         let mut s = sets();
         s.inner.insert(fd);
         INNER.store(true, Ordering::Release);
-        nest(&mut s, fd);
+        s.nest(fd);
+        s.publish();
     }
     if stream.is_none() && TRACKED.load(Ordering::Acquire) == 0 {
         // SAFETY: as above.
@@ -358,10 +606,8 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
             let res = unsafe { real::epoll_ctl(ep, op, fd, &mut k) };
             if res == 0 {
                 r.stripped = strip;
-                let set = s.sets.entry(ep).or_default();
-                set.nested |= nested;
-                set.insert(fd, r);
-                count(&s);
+                s.add(ep, fd, r, nested);
+                s.publish();
             }
             res
         }
@@ -369,10 +615,8 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
             // SAFETY: libc's epoll_ctl with the caller's arguments.
             let res = unsafe { real::epoll_ctl(ep, op, fd, ev) };
             if res == 0 {
-                if let Some(set) = s.sets.get_mut(&ep) {
-                    set.remove(fd);
-                }
-                count(&s);
+                s.remove(ep, fd);
+                s.publish();
             }
             res
         }
@@ -386,12 +630,8 @@ pub fn forget(fd: c_int) {
         return;
     }
     let mut s = sets();
-    s.inner.remove(&fd);
-    s.sets.remove(&fd);
-    for set in s.sets.values_mut() {
-        set.remove(fd);
-    }
-    count(&s);
+    s.forget(fd);
+    s.publish();
 }
 
 /// Some descriptor was added to an epoll set without being a connection
@@ -402,22 +642,8 @@ static INNER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new
 /// polled: its connections arm at once from now on, and those a
 /// non-blocking read left unarmed are armed now.
 fn nest(s: &mut Sets, ep: c_int) {
-    let Some(set) = s.sets.get_mut(&ep) else { return };
-    if set.nested {
-        return;
-    }
-    set.nested = true;
-    for r in set.regs.values_mut() {
-        if let Some(st) = r.stream.upgrade() {
-            st.lazy(false);
-        }
-        if let Some(l) = r.link() {
-            if l.is_unarmed() && l.lazy_look(true) == Look::Bytes {
-                r.pending = true;
-            }
-        }
-    }
-    count(s);
+    s.nest(ep);
+    s.publish();
 }
 
 /// For `poll` and `select`: those of `fds` that are epoll sets holding
@@ -524,42 +750,51 @@ pub fn tracks(ep: c_int) -> bool {
 /// `ev` holds `n` events.
 pub unsafe fn reported(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
     let Some(_g) = Guard::enter() else { return n };
-    keep_errno(|| {
-        let mut s = sets();
-        let Some(set) = s.sets.get_mut(&ep) else { return n };
-        let mut out = 0usize;
-        for i in 0..n.max(0) as usize {
-            // SAFETY: `i < n`; read by value (the struct may be packed).
-            let mut e = unsafe { std::ptr::read(ev.add(i)) };
-            if let Some((fd, r)) = set.by_data(e.u64) {
-                if r.events & ONESHOT != 0 {
-                    r.fired = true;
-                }
-                if e.events & IN != 0 {
-                    if let Some(l) = r.link() {
-                        // Left unarmed by a non-blocking read: every wake
-                        // byte is stale (taken off, not armed: an arming
-                        // here would cost the writer a wake byte again).
-                        let unarmed = if l.is_unarmed() { l.unarmed_is_stale() } else { None };
-                        if unarmed.unwrap_or_else(|| l.readable_is_stale()) {
-                            e.events &= !(IN | libc::EPOLLRDNORM as u32);
-                        }
+    // SAFETY: `ev` holds `n` events.
+    keep_errno(|| unsafe { reported_in(&mut sets(), ep, ev, n) })
+}
+
+/// [`reported`], under the lock.
+///
+/// # Safety
+/// `ev` holds `n` events.
+unsafe fn reported_in(s: &mut Sets, ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
+    let Some(set) = s.sets.get_mut(&ep) else { return n };
+    let mut out = 0usize;
+    for i in 0..n.max(0) as usize {
+        // SAFETY: `i < n`; read by value (the struct may be packed).
+        let mut e = unsafe { std::ptr::read(ev.add(i)) };
+        if let Some((fd, r)) = set.by_data(e.u64) {
+            if r.events & ONESHOT != 0 {
+                r.fired = true;
+            }
+            if e.events & IN != 0 {
+                if let Some(l) = r.link() {
+                    // Left unarmed by a non-blocking read: every wake
+                    // byte is stale (taken off, not armed: an arming
+                    // here would cost the writer a wake byte again).
+                    let unarmed = if l.is_unarmed() { l.unarmed_is_stale() } else { None };
+                    if unarmed.unwrap_or_else(|| l.readable_is_stale()) {
+                        e.events &= !(IN | libc::EPOLLRDNORM as u32);
                     }
-                }
-                if e.events == 0 {
-                    if r.fired {
-                        let strip = r.link().is_some_and(|l| l.write_blocked());
-                        if r.apply(ep, fd, strip) {
-                            r.fired = false;
-                        }
-                    }
-                    continue;
                 }
             }
-            // SAFETY: `out <= i < n`.
-            unsafe { std::ptr::write(ev.add(out), e) };
-            out += 1;
+            if e.events == 0 {
+                if r.fired {
+                    let strip = r.link().is_some_and(|l| l.write_blocked());
+                    if r.apply(ep, fd, strip) {
+                        r.fired = false;
+                    }
+                }
+                continue;
+            }
         }
-        out as c_int
-    })
+        // SAFETY: `out <= i < n`.
+        unsafe { std::ptr::write(ev.add(out), e) };
+        out += 1;
+    }
+    out as c_int
 }
+
+#[cfg(test)]
+mod tests;

@@ -172,6 +172,13 @@ impl Owner {
         self.settler().store(if on { crate::pid::get() } else { 0 }, Ordering::Release);
     }
 
+    /// Whether another process drives it for good (it took it and is not
+    /// settling it before an exec): this one's calls fail with `EIO`, and
+    /// a readiness call need not try to decide it ([`crate::epoll`]).
+    pub fn elsewhere(&self) -> bool {
+        !self.may_use() && !self.settled_elsewhere()
+    }
+
     /// Whether this process drives the connection, or may still take it
     /// (nobody made a call yet).
     pub fn may_use(&self) -> bool {

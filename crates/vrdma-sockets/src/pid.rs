@@ -4,7 +4,8 @@
 //! (about 0.4 µs here; five of them per 64-byte round trip and side).
 //!
 //! The cache is cleared in a child by a `pthread_atfork` handler, so a
-//! child made by `fork` asks again. A child made without glibc's fork
+//! child made by `fork` asks again (the same handler gives the child empty
+//! epoll registrations: `crate::epoll::forked`). A child made without glibc's fork
 //! handlers (a raw `clone`, `_Fork`, or `vfork`) would see its parent's
 //! id: `vfork` and `posix_spawn` children only `exec`, which loads the
 //! library afresh (a `vfork` child settles the connections it hands on
@@ -18,6 +19,7 @@ static PID: AtomicU32 = AtomicU32::new(0);
 
 extern "C" fn forked() {
     PID.store(0, Ordering::SeqCst);
+    crate::epoll::forked();
 }
 
 /// Registers [`forked`] as a child handler when the library is loaded,

@@ -33,8 +33,10 @@
 //! that for the end (ncat `--exec`'s relay) closed the connection. The
 //! epoll waits do the same for the registrations `epoll_ctl` made before
 //! a connection's first call, once the kernel reported one of them
-//! ([`report`]: the kernel says which; a process with no registration
-//! made before a first call pays one atomic load a wait): an event loop told `EPOLLIN` for the hello read
+//! ([`report`]: the kernel says which; the look is made in the same pass
+//! under the registrations' lock that every report of a carried
+//! connection gets, and costs a set with no undecided registration
+//! nothing): an event loop told `EPOLLIN` for the hello read
 //! `EAGAIN`, and one that reads once per report (or takes `EAGAIN` after
 //! a report for an error) stalled or closed.
 
@@ -132,30 +134,34 @@ fn undecided_in(fds: *const pollfd, n: nfds_t) -> Vec<(usize, c_int)> {
 /// Returns the indices of those left undecided (also those the peer ended
 /// or that failed: their report is the kernel's, for the program's call).
 fn decide_readable(undecided: &[(usize, c_int)]) -> Vec<usize> {
+    undecided.iter().filter(|&&(_, fd)| decide_if_bytes(fd) != Some(true)).map(|&(i, _)| i).collect()
+}
+
+/// Decides `fd` if its socket holds bytes (the peer's hello or decline):
+/// `Some(true)` decided (or tried), `Some(false)` nothing there, `None`
+/// not known (the count failed).
+fn decide_if_bytes(fd: c_int) -> Option<bool> {
     keep_errno(|| {
-        undecided
-            .iter()
-            .filter(|&&(_, fd)| {
-                // Bytes there (the peer's hello or decline) are counted,
-                // not peeked: a peek of a socket with an error pending
-                // clears the error (the kernel's `sock_error`), which the
-                // program's `SO_ERROR` or read should get, and deciding a
-                // connection that ended or failed before its first call
-                // could wait the whole settle wait for a claim that never
-                // comes (found in review, 2026-11-28). Those are left to
-                // the program's own call, as the kernel reports them.
-                let mut n: c_int = 0;
-                // SAFETY: FIONREAD writes one int to the valid pointer given.
-                let r = unsafe { real::ioctl(fd, libc::FIONREAD, (&raw mut n).cast()) };
-                if r < 0 || n <= 0 {
-                    return true;
-                }
-                // Takes it and negotiates, as the program's read would.
-                let _ = crate::interpose::target(fd);
-                false
-            })
-            .map(|&(i, _)| i)
-            .collect()
+        // Bytes there (the peer's hello or decline) are counted, not
+        // peeked: a peek of a socket with an error pending clears the
+        // error (the kernel's `sock_error`), which the program's
+        // `SO_ERROR` or read should get, and deciding a connection that
+        // ended or failed before its first call could wait the whole
+        // settle wait for a claim that never comes (found in review,
+        // 2026-11-28). Those are left to the program's own call, as the
+        // kernel reports them.
+        let mut n: c_int = 0;
+        // SAFETY: FIONREAD writes one int to the valid pointer given.
+        let r = unsafe { real::ioctl(fd, libc::FIONREAD, (&raw mut n).cast()) };
+        if r < 0 {
+            return None;
+        }
+        if n <= 0 {
+            return Some(false);
+        }
+        // Takes it and negotiates, as the program's read would.
+        let _ = crate::interpose::target(fd);
+        Some(true)
     })
 }
 
@@ -711,7 +717,7 @@ fn tracked(ep: c_int) -> bool {
 
 /// After an epoll wait on `ep` reported the `n` events at `ev`: the
 /// connections among them not decided yet whose report may be the peer's
-/// first message are decided now, as `poll` does ([`decide_readable`]),
+/// first message are decided now, as `poll` does ([`decide_if_bytes`]),
 /// and their events answer for what they turned out: plain TCP, the
 /// kernel's readiness, so `EPOLLIN` is taken back where the socket holds
 /// nothing after the decline; carried, the ring's, which
@@ -723,25 +729,53 @@ fn tracked(ep: c_int) -> bool {
 /// raise an edge of their own (a wake byte, once carried). Returns the
 /// events left ([`crate::epoll::reported`]).
 ///
+/// Another thread's wait given the same report is answered the same: one
+/// whose message is gone from the socket when it counts waits for the
+/// decision that took it (the first thread's, still running) and answers
+/// as it turned out, and so does one that finds it decided already
+/// ([`crate::epoll::report_or_undecided`]). One whose message is gone and
+/// that nobody decides (the peer's end or an error: nothing can follow
+/// them) is not looked at again ([`crate::epoll::nothing_to_decide`]).
+///
 /// # Safety
 /// `ev` holds `n` events.
 unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
+    #[cfg(test)]
+    hook::after_kernel();
     // SAFETY: `ev` holds `n` events.
-    let undecided = unsafe { crate::epoll::undecided(ep, ev, n) };
-    if !undecided.is_empty() {
-        let left = decide_readable(&undecided);
-        for &(i, fd) in undecided.iter().filter(|(i, _)| !left.contains(i)) {
-            if tcp_and_empty(fd) {
-                // SAFETY: `i < n`; read and written by value (the struct
-                // may be packed).
-                unsafe {
-                    let mut e = std::ptr::read(ev.add(i));
-                    e.events &= !(libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
-                    std::ptr::write(ev.add(i), e);
+    let undecided = match unsafe { crate::epoll::report_or_undecided(ep, ev, n) } {
+        Ok(n) => return n,
+        Err(u) => u,
+    };
+    let mut nothing = Vec::new();
+    for u in &undecided {
+        let decided = u.decided
+            || match decide_if_bytes(u.fd) {
+                Some(true) => true,
+                // Nothing there: perhaps another thread's decision took
+                // the message off (its negotiation still running).
+                Some(false) => {
+                    let decided = u.stream.decided_after();
+                    // (One that another process settles now before its
+                    // exec, or took meanwhile, is left as it is.)
+                    if !decided && u.stream.owner.may_use() {
+                        nothing.push(u.fd);
+                    }
+                    decided
                 }
+                None => false,
+            };
+        if decided && tcp_and_empty(u.fd) {
+            // SAFETY: `index < n`; read and written by value (the struct
+            // may be packed).
+            unsafe {
+                let mut e = std::ptr::read(ev.add(u.index));
+                e.events &= !(libc::EPOLLIN | libc::EPOLLRDNORM) as u32;
+                std::ptr::write(ev.add(u.index), e);
             }
         }
     }
+    crate::epoll::nothing_to_decide(ep, &nothing);
     // SAFETY: `ev` holds `n` events.
     unsafe { crate::epoll::reported(ep, ev, n) }
 }
@@ -917,5 +951,28 @@ pub unsafe extern "C" fn epoll_pwait2(
                 mask,
             )
         })
+    }
+}
+
+/// Test only: what a test runs in a wait of its thread right after the
+/// kernel's report, before the library looks at it (another thread's
+/// decision in that window).
+#[cfg(test)]
+pub(crate) mod hook {
+    use std::cell::RefCell;
+
+    thread_local! {
+        static AFTER_KERNEL: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
+    }
+
+    /// `f` runs once, in this thread's next report.
+    pub fn set(f: impl FnOnce() + 'static) {
+        AFTER_KERNEL.with(|h| *h.borrow_mut() = Some(Box::new(f)));
+    }
+
+    pub(super) fn after_kernel() {
+        if let Some(f) = AFTER_KERNEL.with(|h| h.borrow_mut().take()) {
+            f();
+        }
     }
 }

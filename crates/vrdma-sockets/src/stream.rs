@@ -198,6 +198,28 @@ impl Stream {
         }
     }
 
+    /// Whether it is decided, once a negotiation that another thread is
+    /// making now is done (waits for it: the phase's lock is held for the
+    /// whole of it). For a readiness call that found the peer's first
+    /// message gone from the socket: another thread's decision may have
+    /// taken it ([`crate::readiness`]).
+    pub fn decided_after(&self) -> bool {
+        let p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        !matches!(*p, Phase::Announced(_) | Phase::Agreed)
+    }
+
+    /// Test only: another thread's decision, as [`Stream::route`] makes
+    /// one that turns out plain TCP: the phase's lock held while `during`
+    /// runs, then TCP for every holder.
+    #[cfg(test)]
+    pub fn decide_tcp_for_test(self: &Arc<Stream>, during: impl FnOnce()) {
+        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        during();
+        self.owner.set_tcp();
+        crate::table::forget_stream(self);
+        *p = Phase::Tcp;
+    }
+
     /// The program waits for its readiness (an epoll registration): its
     /// link arms whenever a read empties its ring.
     pub fn watch(&self) {
