@@ -50,6 +50,9 @@ enum Command {
     /// rdma_cm connection setup between two processes beside TCP connect + accept (bench-hosts' figure).
     #[command(hide = true)]
     CmSetup(cmd::hostbench::cm_setup::Args),
+    /// TCP in cmtime's phases between two processes (bench-hosts' cmtime anchor).
+    #[command(hide = true)]
+    TcpPhases(cmd::hostbench::tcp_phases::Args),
     /// A tenant that breaks the shared-memory protocol on purpose (`vrdma bench`'s other tenant).
     #[command(hide = true)]
     Misbehave(bench::attack::Args),
@@ -101,6 +104,7 @@ fn main() -> Result<()> {
         }
         Command::TcpPingpong(a) => cmd::hostbench::pingpong::run(a),
         Command::CmSetup(a) => cmd::hostbench::cm_setup::run(cli.socket, a),
+        Command::TcpPhases(a) => cmd::hostbench::tcp_phases::run(a),
         Command::Misbehave(a) => bench::attack::misbehave(cli.socket, a),
     }
 }

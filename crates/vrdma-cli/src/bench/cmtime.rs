@@ -182,9 +182,7 @@ fn table(env: &DropIn, bin: &Path, ctx: &vrdma::Context, n: usize) -> Result<Tab
 /// accepted (see the module documentation), each phase's wall time over
 /// `n`, on loopback.
 pub fn tcp_phases(n: usize) -> Result<[f64; 2]> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))?;
-    // Room for all n at once (std listens with a backlog of 128).
-    rustix::net::listen(&listener, n.max(128).min(i32::MAX as usize) as i32)?;
+    let listener = tcp_listener(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 0), n)?;
     let std::net::SocketAddr::V4(at) = listener.local_addr()? else { bail!("loopback is not IPv4") };
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stopped = stop.clone();
@@ -193,46 +191,89 @@ pub fn tcp_phases(n: usize) -> Result<[f64; 2]> {
     let its = ready.clone();
     let server = std::thread::spawn(move || {
         its.wait();
-        accept_all(&listener, n, &stopped)
+        accept_all(&listener, n, &stopped, WAIT)
     });
     ready.wait();
-    let client = (|| -> Result<(Duration, Duration, Vec<OwnedFd>)> {
-        let t0 = now();
-        let flags = SocketFlags::NONBLOCK | SocketFlags::CLOEXEC;
-        let socks = (0..n)
-            .map(|_| rustix::net::socket_with(AddressFamily::INET, SocketType::STREAM, flags, None))
-            .collect::<rustix::io::Result<Vec<OwnedFd>>>()
-            .context("socket")?;
-        let t1 = now();
-        for s in &socks {
-            match rustix::net::connect(s, &at) {
-                Ok(()) | Err(rustix::io::Errno::INPROGRESS) => {}
-                Err(e) => bail!("connect to {at}: {e}"),
-            }
-        }
-        wait_connected(&socks)?;
-        Ok((t0, t1, socks))
-    })();
-    let client_done = now();
+    let client = connect_all(at, n, WAIT);
     if client.is_err() {
         // The acceptor ends now rather than at its deadline.
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     let accepted = server.join();
-    let (t0, t1, socks) = client?;
+    let client = client?;
     let accepted = match accepted {
         Ok(r) => r.context("the TCP listener")?,
         Err(_) => bail!("the TCP listener's thread panicked"),
     };
-    drop(socks);
-    let n = n as f64;
-    Ok([(t1 - t0).as_nanos() as f64 / n, (client_done.max(accepted) - t1).as_nanos() as f64 / n])
+    Ok(client.per_conn(accepted))
+}
+
+/// A TCP listener on `at` with room for `n` connections at once (std
+/// listens with a backlog of 128).
+pub fn tcp_listener(at: SocketAddrV4, n: usize) -> Result<TcpListener> {
+    let listener = TcpListener::bind(at).with_context(|| format!("listen on {at}"))?;
+    rustix::net::listen(&listener, n.max(128).min(i32::MAX as usize) as i32)?;
+    Ok(listener)
+}
+
+/// The connecting side of TCP in cmtime's phases: when it began making
+/// its sockets, when it began issuing their connects and when the last
+/// was connected ([`now`]'s clock), and the sockets.
+pub struct Connected {
+    pub start: Duration,
+    pub issued: Duration,
+    pub connected: Duration,
+    pub socks: Vec<OwnedFd>,
+}
+
+impl Connected {
+    /// Per connection, in ns: the sockets phase, and the connect phase
+    /// until all were connected and (`accepted`, when the listener had
+    /// the last) accepted.
+    pub fn per_conn(&self, accepted: Duration) -> [f64; 2] {
+        self.per_conn_of(self.socks.len(), accepted)
+    }
+
+    /// [`Connected::per_conn`] for `n` connections (whose sockets another
+    /// process held).
+    pub fn per_conn_of(&self, n: usize, accepted: Duration) -> [f64; 2] {
+        let n = n.max(1) as f64;
+        [
+            (self.issued - self.start).as_nanos() as f64 / n,
+            (self.connected.max(accepted) - self.issued).as_nanos() as f64 / n,
+        ]
+    }
+}
+
+/// `n` non-blocking sockets made, then their connects to `at` issued
+/// together, until all are connected (bounded by `wait`).
+pub fn connect_all(at: SocketAddrV4, n: usize, wait: Duration) -> Result<Connected> {
+    let start = now();
+    let flags = SocketFlags::NONBLOCK | SocketFlags::CLOEXEC;
+    let socks = (0..n)
+        .map(|_| rustix::net::socket_with(AddressFamily::INET, SocketType::STREAM, flags, None))
+        .collect::<rustix::io::Result<Vec<OwnedFd>>>()
+        .context("socket")?;
+    let issued = now();
+    for s in &socks {
+        match rustix::net::connect(s, &at) {
+            Ok(()) | Err(rustix::io::Errno::INPROGRESS) => {}
+            Err(e) => bail!("connect to {at}: {e}"),
+        }
+    }
+    wait_connected(&socks, wait)?;
+    Ok(Connected { start, issued, connected: now(), socks })
 }
 
 /// Accepts `n` connections (kept until all are in); when the last was.
-/// Gives up at [`WAIT`], or once `stop` is set (the client failed).
-fn accept_all(l: &TcpListener, n: usize, stop: &std::sync::atomic::AtomicBool) -> Result<Duration> {
-    let end = Instant::now() + WAIT;
+/// Gives up after `wait`, or once `stop` is set (the client failed).
+pub fn accept_all(
+    l: &TcpListener,
+    n: usize,
+    stop: &std::sync::atomic::AtomicBool,
+    wait: Duration,
+) -> Result<Duration> {
+    let end = Instant::now() + wait;
     let mut held = Vec::with_capacity(n);
     while held.len() < n {
         let left = end.saturating_duration_since(Instant::now());
@@ -252,13 +293,13 @@ fn accept_all(l: &TcpListener, n: usize, stop: &std::sync::atomic::AtomicBool) -
 
 /// Until every socket's non-blocking connect has completed (an error if
 /// one failed).
-fn wait_connected(socks: &[OwnedFd]) -> Result<()> {
-    let end = Instant::now() + WAIT;
+fn wait_connected(socks: &[OwnedFd], wait: Duration) -> Result<()> {
+    let end = Instant::now() + wait;
     let mut pending: Vec<&OwnedFd> = socks.iter().collect();
     while !pending.is_empty() {
         let left = end.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            bail!("{} of {} TCP connects still pending after {WAIT:?}", pending.len(), socks.len());
+            bail!("{} of {} TCP connects still pending after {wait:?}", pending.len(), socks.len());
         }
         let mut fds: Vec<PollFd<'_>> = pending.iter().map(|s| PollFd::new(*s, PollFlags::OUT)).collect();
         let timeout = Timespec::try_from(left).unwrap_or(Timespec { tv_sec: 10, tv_nsec: 0 });

@@ -14,6 +14,9 @@
 //! | the same | the same | a busy-polling TCP ping-pong ([`pingpong`]) | reference |
 //! | rdma_cm setup, first of a run | create id to ESTABLISHED on both sides, QP included ([`cm_setup`]) | TCP connect + accept, first | ≤ 3× |
 //! | rdma_cm setup, each of 100 in a row | the same, median | TCP connect + accept, median | ≤ 3× |
+//! | rdma-core's `cmtime -c 1`, create id to ESTABLISHED | through the drop-in librdmacm, server on host 1 ([`cmtime`]) | TCP socket + connect, accepted | ≤ 3× |
+//! | `cmtime -c 100` (20 `--quick`), the same per connection | the same | TCP in cmtime's phases, 100 together | ≤ 3× |
+//! | `cmtime -c 100`, its connect step alone | the same | TCP's connect phase alone | ≤ 3× |
 //! | TCP stream, carried by the sockets preload | `iperf3 -P 1` under `libvrdma_sockets.so` on both hosts | `iperf3 -P 1` | ≥ 2× |
 //! | TCP 8 B, one way, carried | the busy-polling ping-pong under the preload | the same, plain TCP | ≤ 0.5× |
 //!
@@ -25,13 +28,15 @@
 //! medians. The connection setup figures come from one measurement per
 //! run (the rdma_cm loop, then the TCP loop, between the same two
 //! processes). Needs root (namespaces) and the tools `ip`, `iperf3`, `qperf`,
-//! perftest.
+//! perftest, `cmtime` (`rdmacm-utils`).
 
 pub mod cm_setup;
+mod cmtime;
 mod cpu;
 mod hosts;
 pub mod pingpong;
 mod qos;
+pub mod tcp_phases;
 mod tools;
 
 use std::time::Instant;
@@ -39,7 +44,7 @@ use std::time::Instant;
 use anyhow::{bail, Context as _, Result};
 use serde::Serialize;
 
-use crate::cmd::run::{find_companions, find_library, LibDir};
+use crate::cmd::run::{check_build_id, find_companions, find_library, find_rdmacm, LibDir};
 use cpu::CpuSample;
 use hosts::Hosts;
 use tools::Plan;
@@ -72,7 +77,7 @@ pub struct Args {
     #[arg(long)]
     qos: bool,
     /// Measure only these figures (repeatable; default all).
-    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin", "cm_setup_first", "cm_setup_each", "sockets_stream", "sockets_lat_8b"])]
+    #[arg(long, value_name = "FIGURE", value_parser = ["write_bw_1qp", "write_bw_4qp", "write_lat_8b", "write_lat_8b_spin", "cm_setup_first", "cm_setup_each", "cmtime_c1", "cmtime_cn", "cmtime_connect", "sockets_stream", "sockets_lat_8b"])]
     only: Vec<String>,
 }
 
@@ -91,17 +96,30 @@ struct Spec {
     key: &'static str,
     /// The programs this figure runs (besides `ip`, which every run needs).
     tools: [&'static str; 2],
+    /// `{n}` stands for cmtime's connection count (see [`Spec::names`]).
     figure: &'static str,
     anchor: &'static str,
     unit: &'static str,
     goal: Goal,
 }
 
+impl Spec {
+    /// The figure's and the anchor's names, `{n}` replaced by `conns`.
+    fn names(&self, conns: usize) -> (String, String) {
+        let n = conns.to_string();
+        (self.figure.replace("{n}", &n), self.anchor.replace("{n}", &n))
+    }
+}
+
 /// Connections in a row per connection setup measurement (as `vrdma bench
 /// --cm-setup` and rdma-core's `cmtime` count them).
 const CM_SETUP_COUNT: u32 = 100;
 
-const SPECS: [Spec; 8] = [
+/// cmtime's connections for its `-c N` rows (`--quick`: fewer).
+const CMTIME_COUNT: usize = 100;
+const CMTIME_COUNT_QUICK: usize = 20;
+
+const SPECS: [Spec; 11] = [
     Spec {
         key: "write_bw_1qp",
         tools: ["ib_write_bw", "iperf3"],
@@ -150,6 +168,36 @@ const SPECS: [Spec; 8] = [
         unit: "us",
         goal: Goal::AtMost(3.0),
     },
+    // rdma-core's cmtime through the drop-in librdmacm ([`cmtime`]), as
+    // `vrdma bench --cm-setup` runs it on one host.
+    Spec {
+        key: "cmtime_c1",
+        tools: [cmtime::PROGRAM, "ip"],
+        figure: "cmtime -c 1 (rdma-core, drop-in librdmacm): create id + resolve addr + resolve route + \
+                 create qp + connect steps, one connection (a fresh process's first)",
+        anchor: "TCP socket + non-blocking connect, accepted, same pair",
+        unit: "us",
+        goal: Goal::AtMost(3.0),
+    },
+    Spec {
+        key: "cmtime_cn",
+        tools: [cmtime::PROGRAM, "ip"],
+        figure: "cmtime -c {n}: the same five steps, per connection of {n} issued together",
+        anchor:
+            "TCP: {n} sockets, then {n} non-blocking connects issued together, all accepted, per connection",
+        unit: "us",
+        goal: Goal::AtMost(3.0),
+    },
+    Spec {
+        key: "cmtime_connect",
+        tools: [cmtime::PROGRAM, "ip"],
+        figure: "cmtime -c {n}: connect step alone ({n} rdma_connect to all ESTABLISHED at the client), \
+                 per connection",
+        anchor:
+            "TCP: {n} non-blocking connects issued together to all connected and accepted, per connection",
+        unit: "us",
+        goal: Goal::AtMost(3.0),
+    },
     // The sockets preload (docs/sockets.md): the same TCP programs, their
     // connections carried over vRDMA between the hosts, beside themselves
     // over the veth (issue 20's targets).
@@ -191,8 +239,8 @@ impl Pair {
 #[derive(Serialize)]
 struct Figure {
     key: &'static str,
-    figure: &'static str,
-    anchor_name: &'static str,
+    figure: String,
+    anchor_name: String,
     unit: &'static str,
     /// Medians over the runs.
     vrdma: f64,
@@ -215,6 +263,8 @@ struct Report {
     bw_secs: u32,
     lat_secs: u32,
     lat_iters: u32,
+    /// cmtime's `-c N`.
+    cmtime_conns: usize,
     seconds: f64,
     /// The daemons' engine settings given with --engine, if any.
     engine: String,
@@ -268,12 +318,12 @@ pub fn run(args: Args) -> Result<()> {
         );
     };
     let (runs, plan) = if args.quick {
-        (1, Plan { bw_secs: 2, lat_secs: 2, lat_iters: 2000 })
+        (1, Plan { bw_secs: 2, lat_secs: 2, lat_iters: 2000, cm_conns: CMTIME_COUNT_QUICK })
     } else {
         if args.runs == 0 {
             bail!("--runs must be at least 1");
         }
-        (args.runs, Plan { bw_secs: 5, lat_secs: 5, lat_iters: 20000 })
+        (args.runs, Plan { bw_secs: 5, lat_secs: 5, lat_iters: 20000, cm_conns: CMTIME_COUNT })
     };
     hosts::catch_interrupts();
     // The sockets figures' library, as `vrdma run --sockets` finds it.
@@ -282,8 +332,21 @@ pub fn run(args: Args) -> Result<()> {
     } else {
         None
     };
+    let libs = LibDir::create(&lib, Some(&companions))?;
+    // cmtime's rows: the drop-in librdmacm beside libibverbs, both of
+    // this build (as `vrdma run` checks them).
+    if selected(&args.only).any(|s| s.key.starts_with("cmtime_")) {
+        let cm = find_rdmacm()?.context(
+            "the drop-in librdmacm (libvrdma_rdmacm.so) is not next to the vrdma executable; cmtime's rows \
+             need it (cargo build -p vrdma-verbs -p vrdma-rdmacm, with the same profile, or name it with \
+             VRDMA_RDMACM_LIB)",
+        )?;
+        check_build_id(&lib)?;
+        check_build_id(&cm)?;
+        libs.add_rdmacm(&cm)?;
+    }
     let start = Instant::now();
-    let result = measure(LibDir::create(&lib, Some(&companions))?, sockets.as_deref(), runs, plan, &args);
+    let result = measure(libs, sockets.as_deref(), runs, plan, &args);
     if hosts::interrupted() {
         eprintln!("vrdma bench-hosts: interrupted; namespaces and processes removed");
         std::process::exit(130);
@@ -307,10 +370,11 @@ pub fn run(args: Args) -> Result<()> {
                 Goal::AtMost(t) => (Some(ratio <= t), format!("<= {t:.2}x")),
                 Goal::Reference => (None, "reference".to_string()),
             };
+            let (figure, anchor_name) = s.names(plan.cm_conns);
             Figure {
                 key: s.key,
-                figure: s.figure,
-                anchor_name: s.anchor,
+                figure,
+                anchor_name,
                 unit: s.unit,
                 vrdma,
                 anchor,
@@ -329,6 +393,7 @@ pub fn run(args: Args) -> Result<()> {
         bw_secs: plan.bw_secs,
         lat_secs: plan.lat_secs,
         lat_iters: plan.lat_iters,
+        cmtime_conns: plan.cm_conns,
         seconds: start.elapsed().as_secs_f64(),
         engine,
         machine: machine(),
@@ -408,6 +473,8 @@ fn measure(
         // connection setup measurement for both of its figures.
         let mut lat: Option<f64> = None;
         let mut setup: Option<[(f64, f64); 2]> = None;
+        // One cmtime measurement (-c 1 and -c N) for its three figures.
+        let mut cmtime: Option<[(f64, f64); 3]> = None;
         for (spec, v) in specs.iter().zip(out.iter_mut()) {
             let p = match spec.key {
                 "write_bw_1qp" => bandwidth(&mut h, 1, plan.bw_secs)?,
@@ -430,6 +497,18 @@ fn measure(
                     } else {
                         Pair::latency(cm.1, tcp.1)
                     }
+                }
+                "cmtime_c1" | "cmtime_cn" | "cmtime_connect" => {
+                    let three = match cmtime {
+                        Some(c) => c,
+                        None => *cmtime.insert(cmtime::measure(&mut h, plan.cm_conns)?),
+                    };
+                    let (v, a) = match spec.key {
+                        "cmtime_c1" => three[0],
+                        "cmtime_cn" => three[1],
+                        _ => three[2],
+                    };
+                    Pair::latency(v, a)
                 }
                 _ => {
                     let anchor = tools::spin_lat(&mut h, plan.lat_iters)?;
@@ -629,6 +708,9 @@ mod tests {
                 "write_lat_8b_spin",
                 "cm_setup_first",
                 "cm_setup_each",
+                "cmtime_c1",
+                "cmtime_cn",
+                "cmtime_connect",
                 "sockets_stream",
                 "sockets_lat_8b"
             ]

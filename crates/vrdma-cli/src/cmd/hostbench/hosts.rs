@@ -501,33 +501,66 @@ impl Hosts {
     }
 
     fn serve(&mut self, p: Proc, port: u16) -> Result<()> {
-        let pid = p.pid();
+        let pid = u32::try_from(p.pid()).ok();
+        self.serve_when(p, &format!("listening on port {port}"), &mut || {
+            Ok(crate::tool_output::listening(pid, port))
+        })
+    }
+
+    /// Starts a server in host 0 and waits until `ready` says it is
+    /// (`what` it waits for, to say in an error), as [`Hosts::server`]:
+    /// for a server whose readiness no socket table shows (an rdma_cm
+    /// listener, which its daemon knows of).
+    pub fn server_when(
+        &mut self,
+        program: &str,
+        args: &[&str],
+        shim: bool,
+        what: &str,
+        ready: &mut dyn FnMut() -> Result<bool>,
+    ) -> Result<()> {
+        let p = self.spawn(0, program, args, shim)?;
+        self.serve_when(p, what, ready)
+    }
+
+    fn serve_when(&mut self, p: Proc, what: &str, ready: &mut dyn FnMut() -> Result<bool>) -> Result<()> {
         self.procs.push(p);
         let end = Instant::now() + Duration::from_secs(20);
-        while !crate::tool_output::listening(u32::try_from(pid).ok(), port) {
+        while !ready()? {
             check_interrupt()?;
             let p = self.procs.last().expect("just pushed");
             if !p.running() {
-                bail!("{} exited before it listened{}", p.name, p.tail());
+                bail!("{} exited before {what}{}", p.name, p.tail());
             }
             if Instant::now() > end {
-                bail!("{} did not listen on port {port} within 20 s{}", p.name, p.tail());
+                bail!("{}: not {what} after 20 s{}", p.name, p.tail());
             }
             std::thread::sleep(Duration::from_millis(10));
         }
         Ok(())
     }
 
+    /// Whether every server started since the last [`Hosts::stop_servers`]
+    /// still runs.
+    pub fn servers_running(&self) -> bool {
+        self.procs.iter().all(|p| p.running())
+    }
+
     /// Waits a bounded time for the servers to finish on their own (they
     /// may still be printing their side's report), then stops them.
-    pub fn stop_servers(&mut self, grace: Duration) {
+    /// Returns their output (stdout), in the order they started.
+    pub fn stop_servers(&mut self, grace: Duration) -> Vec<String> {
         let end = Instant::now() + grace;
         while self.procs.iter().any(|p| p.running()) && Instant::now() < end && !interrupted() {
             std::thread::sleep(Duration::from_millis(10));
         }
+        let mut out = Vec::new();
         for mut p in self.procs.drain(..).rev() {
             p.stop();
+            out.push(p.output());
         }
+        out.reverse();
+        out
     }
 }
 

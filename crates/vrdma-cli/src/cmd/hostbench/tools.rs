@@ -21,12 +21,13 @@ pub struct Tool {
     pub package: &'static str,
 }
 
-pub const TOOLS: [Tool; 5] = [
+pub const TOOLS: [Tool; 6] = [
     Tool { program: "ip", package: "iproute2" },
     Tool { program: "iperf3", package: "iperf3" },
     Tool { program: "qperf", package: "qperf" },
     Tool { program: "ib_write_bw", package: "perftest" },
     Tool { program: "ib_write_lat", package: "perftest" },
+    Tool { program: super::cmtime::PROGRAM, package: "rdmacm-utils" },
 ];
 
 /// Which of the `needed` programs are missing from `PATH`, as "program
@@ -55,6 +56,8 @@ pub struct Plan {
     pub lat_secs: u32,
     /// Iterations of ib_write_lat.
     pub lat_iters: u32,
+    /// Connections of cmtime's `-c N` row and its TCP anchor.
+    pub cm_conns: usize,
 }
 
 /// TCP ports inside the namespaces (private to them, so fixed ones do).
