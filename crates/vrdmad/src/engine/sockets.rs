@@ -1042,14 +1042,14 @@ mod tests {
     /// name is; with neither list, any keyed daemon is.
     #[test]
     fn ipv6_addresses_are_believed_from_configured_peers_only() {
-        let peer = |p: &str| -> std::net::SocketAddr { p.parse().unwrap() };
-        let cases: [(&str, fn(&mut crate::net::NetSetup), bool); 4] = [
+        type Setup = fn(&mut crate::net::NetSetup);
+        let cases: [(&str, Setup, bool); 5] = [
             ("no list", |_| {}, true),
             ("another peer", |n| n.peers = vec!["10.0.0.3:4791".parse().unwrap()], false),
             ("a peer", |n| n.peers = vec!["10.0.0.2:4791".parse().unwrap()], true),
             ("inside net.allow", |n| n.allow = vec!["10.0.0.0/24".parse().unwrap()], true),
+            ("outside net.allow", |n| n.allow = vec!["10.0.1.0/24".parse().unwrap()], false),
         ];
-        let _ = peer;
         for (what, f, believed) in cases {
             let (mut s, mut theirs, ctx) = state_with(4, f);
             send_msg(&mut s, &mut theirs, hosts6(&["fd00::2"]));
@@ -1141,6 +1141,13 @@ mod tests {
         let dst = sa("[fd00::1]:5000");
         assert_eq!(ask(&mut s, 1, Query::Lookup6 { dst }), Answer::Yes, "this host's, on [::]");
         assert_eq!(ask(&mut s, 2, Query::Lookup6 { dst: sa("[fd00::7]:5000") }), Answer::No, "not ours");
+        // Loopback and link-local name no address of this host for a
+        // client of another: "not ours", whatever listens here (a
+        // listener on [::1] answered yes).
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[::1]:5001") }).unwrap();
+        for (id, dst) in [(20, "[::1]:5000"), (21, "[::1]:5001"), (22, "[fe80::1]:5000")] {
+            assert_eq!(ask(&mut s, id, Query::Lookup6 { dst: sa(dst) }), Answer::No, "{dst}");
+        }
         let t = |c: &str| PeerTuple6 { client: sa(c), server: dst };
         for (id, client) in [(3, "[fd00::9]:40000"), (4, "[fd00::1]:40000")] {
             assert_eq!(ask(&mut s, id, Query::Announce6 { tuple: t(client) }), Answer::No, "{client}");
