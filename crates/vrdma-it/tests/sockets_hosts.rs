@@ -379,3 +379,43 @@ fn an_ipv6_destination_on_another_host_stays_tcp_without_a_listener_or_when_link
     assert_eq!((a.announced, a.carried), (0, 0), "{a:?}");
     Ok(())
 }
+
+/// Host b's daemon restarted while its last link to host a's was still up
+/// (here: a second daemon at b's address links to a's before the first
+/// goes): when that first link goes down, a's daemon keeps what the new
+/// link told it (b's IPv6 addresses), and a client in a of b's IPv6
+/// address is carried to a server on the new daemon (review: the old
+/// link's end wiped, by host, what the new link had installed, and the
+/// client stayed plain TCP until b's addresses next changed).
+#[test]
+fn an_old_links_end_leaves_what_a_restarted_peers_new_link_told() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    assert!(have_lib());
+    let Some(mut h) = NetnsHosts::start("")? else { return Ok(()) };
+    if add_ipv6(&h).is_none() {
+        return Ok(());
+    }
+    let links_up =
+        |d: &DaemonProc| -> Result<usize> { Ok(d.context()?.stat()?.links.iter().filter(|l| l.up).count()) };
+    // The new daemon at b's address, on another port (the old one holds
+    // b's), dials a's as its configured peer.
+    let peer_a = format!("{}:{}", h.net.addr[0], h.port);
+    let cfg = vrdma_it::host_config(&h.net.addr[1], h.port + 1, &[peer_a], "");
+    let b2 = DaemonProc::start_in(Some(&h.net.ns[1]), &cfg)?;
+    vrdma_it::wait_until(Duration::from_secs(20), "a's daemon has both links", || {
+        links_up(&h.a).ok() == Some(2) && links_up(&b2).ok() == Some(1)
+    })?;
+    // (The new link's first message is its host's addresses: let a's
+    // daemon read it before the old link ends.)
+    std::thread::sleep(Duration::from_millis(500));
+    let old = std::mem::replace(&mut h.b, b2);
+    drop(old);
+    vrdma_it::wait_until(Duration::from_secs(20), "the old link goes down", || {
+        links_up(&h.a).ok() == Some(1)
+    })?;
+    let o = ipv6_pair(&h, true, V6[1])?;
+    assert!(o.client.stderr.contains(CARRIED), "{}", o.client.describe());
+    assert!(o.server.stderr.contains(CARRIED), "{}", o.server.describe());
+    assert_eq!((o.counts.announced, o.counts.carried), (1, 1), "{:?}", o.counts);
+    Ok(())
+}

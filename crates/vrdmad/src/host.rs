@@ -84,11 +84,30 @@ pub fn ipv6_addrs() -> Vec<std::net::Ipv6Addr> {
 /// machine, which the engine's thread (the data path) should not pay
 /// once a second. The engine takes what changed ([`Ipv6Watch::take`]) in
 /// its passes; the thread ends when the engine drops its watch.
+///
+/// A read the engine needs at once ([`Ipv6Watch::read_now`]) goes through
+/// the same list under the same lock as the thread's rounds: the thread
+/// compares its next read with the newest read by either, so an address
+/// that comes and goes again between two rounds is reported (with a list
+/// of its own per reader, the thread's round found "no change" against
+/// its older read, and the engine kept the forced read's list). Forced
+/// reads are at most one per gap: a caller within it is served by the
+/// last read (what a caller waiting on the lock meanwhile gets too).
 pub struct Ipv6Watch {
-    changed: std::sync::Mutex<Option<Vec<std::net::Ipv6Addr>>>,
-    /// Set once `changed` holds a list: the engine's passes look at this
-    /// flag, not the lock.
+    state: std::sync::Mutex<WatchState>,
+    /// Set once `state.changed` holds a list: the engine's passes look at
+    /// this flag, not the lock.
     fresh: std::sync::atomic::AtomicBool,
+    read: fn() -> Vec<std::net::Ipv6Addr>,
+}
+
+struct WatchState {
+    /// The newest read, by the thread or forced.
+    last: Vec<std::net::Ipv6Addr>,
+    /// A change the thread found that the engine has not taken.
+    changed: Option<Vec<std::net::Ipv6Addr>>,
+    /// When the last forced read was.
+    forced_at: Option<std::time::Instant>,
 }
 
 impl Ipv6Watch {
@@ -98,23 +117,12 @@ impl Ipv6Watch {
         every: std::time::Duration,
         first: Vec<std::net::Ipv6Addr>,
     ) -> Option<std::sync::Arc<Ipv6Watch>> {
-        let watch = std::sync::Arc::new(Ipv6Watch {
-            changed: std::sync::Mutex::new(None),
-            fresh: std::sync::atomic::AtomicBool::new(false),
-        });
+        let watch = Ipv6Watch::unthreaded(ipv6_addrs, first);
         let weak = std::sync::Arc::downgrade(&watch);
-        let spawned = std::thread::Builder::new().name("vrdma-addrs".into()).spawn(move || {
-            let mut last = first;
-            loop {
-                std::thread::sleep(every);
-                let Some(watch) = weak.upgrade() else { return };
-                let now = ipv6_addrs();
-                if now != last {
-                    last = now.clone();
-                    *watch.changed.lock().unwrap_or_else(|p| p.into_inner()) = Some(now);
-                    watch.fresh.store(true, std::sync::atomic::Ordering::Release);
-                }
-            }
+        let spawned = std::thread::Builder::new().name("vrdma-addrs".into()).spawn(move || loop {
+            std::thread::sleep(every);
+            let Some(watch) = weak.upgrade() else { return };
+            watch.poll();
         });
         match spawned {
             Ok(_) => Some(watch),
@@ -125,12 +133,57 @@ impl Ipv6Watch {
         }
     }
 
+    /// A watch with no thread, reading with `read` when [`Ipv6Watch::poll`]
+    /// is called (the engine's passes where no thread could be made;
+    /// tests, with a reader of their own).
+    pub fn unthreaded(
+        read: fn() -> Vec<std::net::Ipv6Addr>,
+        first: Vec<std::net::Ipv6Addr>,
+    ) -> std::sync::Arc<Ipv6Watch> {
+        std::sync::Arc::new(Ipv6Watch {
+            state: std::sync::Mutex::new(WatchState { last: first, changed: None, forced_at: None }),
+            fresh: std::sync::atomic::AtomicBool::new(false),
+            read,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, WatchState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// One round of the thread: reads, and keeps the list for
+    /// [`Ipv6Watch::take`] if it differs from the newest read.
+    pub fn poll(&self) {
+        let mut st = self.lock();
+        let now = (self.read)();
+        if now != st.last {
+            st.last = now.clone();
+            st.changed = Some(now);
+            self.fresh.store(true, std::sync::atomic::Ordering::Release);
+        }
+    }
+
+    /// The addresses now: read, unless a forced read was less than `gap`
+    /// ago (then the newest read's, the thread's or that one's). The
+    /// thread's next round compares with what this returns, and a change
+    /// it found before is taken with it.
+    pub fn read_now(&self, gap: std::time::Duration) -> Vec<std::net::Ipv6Addr> {
+        let mut st = self.lock();
+        if st.forced_at.is_none_or(|t| t.elapsed() >= gap) {
+            st.last = (self.read)();
+            st.forced_at = Some(std::time::Instant::now());
+        }
+        st.changed = None;
+        self.fresh.store(false, std::sync::atomic::Ordering::Release);
+        st.last.clone()
+    }
+
     /// The addresses as read since the last take, if they changed.
     pub fn take(&self) -> Option<Vec<std::net::Ipv6Addr>> {
         if !self.fresh.swap(false, std::sync::atomic::Ordering::AcqRel) {
             return None;
         }
-        self.changed.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.lock().changed.take()
     }
 }
 
@@ -185,4 +238,77 @@ mod tests {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
     }
+
+    static ADDRS: std::sync::Mutex<Vec<std::net::Ipv6Addr>> = std::sync::Mutex::new(Vec::new());
+    static READS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+    fn a(s: &str) -> std::net::Ipv6Addr {
+        s.parse().unwrap()
+    }
+
+    /// An address that went and came back between two of the thread's
+    /// rounds, with a forced read in between that saw it gone: the next
+    /// round reports it back (review: the thread compared with its own
+    /// last read, saw no change, and the engine kept the forced read's
+    /// list, without the address, until the next change).
+    #[test]
+    fn a_forced_read_is_the_threads_last_too() {
+        let read: fn() -> Vec<std::net::Ipv6Addr> = || ADDRS.lock().unwrap().clone();
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        *ADDRS.lock().unwrap() = vec![a("fd00::1")];
+        let watch = Ipv6Watch::unthreaded(read, vec![a("fd00::1")]);
+        ADDRS.lock().unwrap().clear();
+        assert_eq!(watch.read_now(std::time::Duration::ZERO), Vec::<std::net::Ipv6Addr>::new());
+        *ADDRS.lock().unwrap() = vec![a("fd00::1")];
+        watch.poll();
+        assert_eq!(watch.take(), Some(vec![a("fd00::1")]), "the address came back");
+        watch.poll();
+        assert_eq!(watch.take(), None);
+        // A change the thread found and the engine did not take yet goes
+        // with a forced read, which returns the newer list.
+        *ADDRS.lock().unwrap() = vec![a("fd00::2")];
+        watch.poll();
+        *ADDRS.lock().unwrap() = vec![a("fd00::3")];
+        assert_eq!(watch.read_now(std::time::Duration::ZERO), vec![a("fd00::3")]);
+        assert_eq!(watch.take(), None);
+    }
+
+    /// Forced reads are one per gap: callers within it, also ones that
+    /// waited on the lock meanwhile, get that read's list (or the
+    /// thread's newer one), with no read of their own.
+    #[test]
+    fn forced_reads_are_one_per_gap() {
+        let read: fn() -> Vec<std::net::Ipv6Addr> = || {
+            READS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            ADDRS.lock().unwrap().clone()
+        };
+        let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+        *ADDRS.lock().unwrap() = vec![a("fd00::1")];
+        READS.store(0, std::sync::atomic::Ordering::SeqCst);
+        let watch = Ipv6Watch::unthreaded(read, Vec::new());
+        let hour = std::time::Duration::from_secs(3600);
+        let callers: Vec<_> = (0..8)
+            .map(|_| {
+                let w = watch.clone();
+                std::thread::spawn(move || w.read_now(hour))
+            })
+            .collect();
+        for c in callers {
+            assert_eq!(c.join().unwrap(), vec![a("fd00::1")]);
+        }
+        assert_eq!(READS.load(std::sync::atomic::Ordering::SeqCst), 1, "one read for eight callers");
+        // Within the gap, a change is seen by the thread's round, and
+        // the next forced call gets that.
+        *ADDRS.lock().unwrap() = vec![a("fd00::2")];
+        assert_eq!(watch.read_now(hour), vec![a("fd00::1")], "served by the last read");
+        watch.poll();
+        assert_eq!(watch.read_now(hour), vec![a("fd00::2")]);
+        assert_eq!(READS.load(std::sync::atomic::Ordering::SeqCst), 2);
+        // Past the gap (none here), a forced call reads.
+        assert_eq!(watch.read_now(std::time::Duration::ZERO), vec![a("fd00::2")]);
+        assert_eq!(READS.load(std::sync::atomic::Ordering::SeqCst), 3);
+    }
+
+    /// The tests that share `ADDRS` run one at a time.
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 }

@@ -153,11 +153,14 @@ enum State {
 
 /// Who announced a connection: a context of this daemon, or a context
 /// of another host's daemon (the client runs there, its destination is
-/// here), named by that daemon's address and its number for the context.
+/// here), named by that daemon's address, the link it asked by (this
+/// daemon's number for it: a daemon of that address restarted makes a
+/// second link while the first is not yet found dead, and each link's
+/// end takes only its own entries) and its number for the context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Owner {
     Local(ContextId),
-    Remote { host: Ipv4Addr, ctx: u32 },
+    Remote { host: Ipv4Addr, link: u32, ctx: u32 },
 }
 
 impl From<ContextId> for Owner {
@@ -384,12 +387,14 @@ impl Registry {
         self.announced.retain(|_, e| e.owner != Owner::Local(ctx));
     }
 
-    /// What a context of the daemon at `host` announced goes with it
-    /// (`ctx`: that context; `None`: every one of that host, whose link
-    /// went down).
-    pub fn forget_remote(&mut self, host: Ipv4Addr, ctx: Option<u32>) {
+    /// What a context of the daemon at `host` announced by `link` goes
+    /// with it (`ctx`: that context; `None`: every one of that link, which
+    /// went down). Another link's, to the same host, stays.
+    pub fn forget_remote(&mut self, host: Ipv4Addr, link: u32, ctx: Option<u32>) {
         self.announced.retain(|_, e| match e.owner {
-            Owner::Remote { host: h, ctx: c } => h != host || ctx.is_some_and(|x| x != c),
+            Owner::Remote { host: h, link: l, ctx: c } => {
+                h != host || l != link || ctx.is_some_and(|x| x != c)
+            }
             Owner::Local(_) => true,
         });
     }

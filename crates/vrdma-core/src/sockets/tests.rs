@@ -145,30 +145,53 @@ fn limits_and_bad_ports() {
 fn another_hosts_client_is_owned_by_its_host_and_context() {
     let host = Ipv4Addr::new(10, 0, 0, 1);
     let other = Ipv4Addr::new(10, 0, 0, 3);
-    let cli = Owner::Remote { host, ctx: 11 };
+    let cli = Owner::Remote { host, link: 1, ctx: 11 };
     let tup = Tuple { client: addr("10.0.0.1:40000"), server: addr("10.0.0.2:5000") };
     let mut r = Registry::new();
     r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
     assert!(r.announce(cli, A, tup, true, t(0)));
     // A local context with the same number, or another host's, is not it.
     assert_eq!(r.resolve(ContextId(11), A, tup, false, t(0)), Outcome::Tcp);
-    assert_eq!(r.resolve(Owner::Remote { host: other, ctx: 11 }, A, tup, false, t(0)), Outcome::Tcp);
+    assert_eq!(r.resolve(Owner::Remote { host: other, link: 1, ctx: 11 }, A, tup, false, t(0)), Outcome::Tcp);
     assert_eq!(r.resolve(cli, A, tup, false, t(0)), Outcome::Pending);
     assert!(r.claim(A, tup, t(1)));
     assert_eq!(r.resolve(cli, A, tup, false, t(1)), Outcome::Carried);
 
     // Closing the context, or the link to its host, drops what it holds.
     assert!(r.announce(cli, A, tup, true, t(2)));
-    r.forget_remote(host, Some(12));
-    r.forget_remote(other, None);
+    r.forget_remote(host, 1, Some(12));
+    r.forget_remote(other, 1, None);
     r.close_context(ContextId(11));
     assert_eq!(r.stats(A).pending, 1, "another context's or host's end leaves it");
-    r.forget_remote(host, Some(11));
+    r.forget_remote(host, 1, Some(11));
     assert_eq!(r.stats(A).pending, 0);
     assert!(!r.claim(A, tup, t(2)));
     assert!(r.announce(cli, A, tup, true, t(3)));
-    r.forget_remote(host, None);
+    r.forget_remote(host, 1, None);
     assert!(!r.claim(A, tup, t(3)), "the link went down: plain TCP");
+}
+
+/// A daemon of the same address restarted and linked again before its
+/// first link was found dead: that link's end (and its contexts' ends)
+/// take only what was announced by it, not what the new link announced
+/// (review: the old link's end wiped the new one's entries).
+#[test]
+fn a_links_end_takes_only_what_was_announced_by_it() {
+    let host = Ipv4Addr::new(10, 0, 0, 1);
+    let (old, new) = (Owner::Remote { host, link: 1, ctx: 11 }, Owner::Remote { host, link: 2, ctx: 11 });
+    let tup = Tuple { client: addr("10.0.0.1:40000"), server: addr("10.0.0.2:5000") };
+    let tup2 = Tuple { client: addr("10.0.0.1:40001"), server: addr("10.0.0.2:5000") };
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("0.0.0.0:5000")).unwrap();
+    assert!(r.announce(old, A, tup, true, t(0)));
+    assert!(r.announce(new, A, tup2, true, t(0)));
+    // The old link's context of the same number, and then the link, end.
+    r.forget_remote(host, 1, Some(11));
+    r.forget_remote(host, 1, None);
+    assert!(!r.claim(A, tup, t(1)));
+    assert!(r.claim(A, tup2, t(1)), "the new link's announcement stays");
+    assert_eq!(r.resolve(old, A, tup2, false, t(1)), Outcome::Tcp, "not the old link's to resolve");
+    assert_eq!(r.resolve(new, A, tup2, false, t(1)), Outcome::Carried);
 }
 
 #[test]
@@ -191,7 +214,7 @@ fn an_adopted_announcement_is_resolved_by_its_new_context_only() {
     r.close_context(CLI);
     assert!(!r.adopt(CHILD, A, tuple()));
     // Another host's announcement is not this daemon's to hand over.
-    let remote = Owner::Remote { host: Ipv4Addr::new(10, 0, 0, 2), ctx: 7 };
+    let remote = Owner::Remote { host: Ipv4Addr::new(10, 0, 0, 2), link: 1, ctx: 7 };
     assert!(r.announce(remote, A, tuple(), true, t(3)));
     assert!(!r.adopt(CHILD, A, tuple()));
 }

@@ -12,7 +12,11 @@
 //! tuples it announced at another host (their resolves go there too) and
 //! tells that host when the context ends ([`SockMessage::Closed`]); the
 //! owning daemon keeps the entries as the client's host's and context's
-//! ([`Owner::Remote`]) and drops them with the link.
+//! ([`Owner::Remote`]) and drops them with the link. Both sides key what
+//! they keep by the link too (the one it was asked or answered by): a
+//! daemon that restarted links again while its last link is not yet found
+//! dead, and that link's end takes only its own entries, not the new
+//! link's.
 //!
 //! IPv6: the daemons' links stay IPv4 (a daemon is found by its IPv4
 //! address), so a daemon learns which daemon owns an IPv6 address from
@@ -20,21 +24,26 @@
 //! addresses ([`SockMessage::Hosts6`]) when their link comes up and
 //! whenever they change (a thread of its own reads them every
 //! [`ADDR_SCAN`], off the engine's, and a listener of IPv6 registering
-//! reads them at once). An IPv6 destination is answered here
+//! reads them at once, at most once per [`FORCE_GAP`]: a read is a netlink
+//! dump, under the engine's lock). An IPv6 destination is answered here
 //! when the client found it an address of its host or it is one of this
 //! host's; it is asked of the daemon that advertised it (exactly one did)
 //! in the IPv6 kinds of the exchange, as an IPv4 one is asked of the
 //! daemon at that address; and it is plain TCP otherwise. The owning
 //! daemon takes an IPv6 announcement only for a client address that the
-//! asking daemon advertised, as it takes an IPv4 one only for the asking
-//! daemon's own address.
+//! asking daemon advertised (and no other daemon did), as it takes an IPv4
+//! one only for the asking daemon's own address. A peer's list is kept
+//! whole, this host's own addresses filtered out when it is used, so that
+//! an address that moves from this host to a peer is the peer's once this
+//! host no longer has it. Where `net.peers` or `net.allow` is configured,
+//! only the daemons they name are believed about their addresses.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::sync::mpsc;
 use std::time::Duration;
 
-use vrdma_core::hca::{ContextId, TenantId};
+use vrdma_core::hca::{ContextId, LinkId, TenantId};
 use vrdma_core::proto::{SockReply, SockRequest};
 use vrdma_core::sockets::peer::{Addrs6, Answer, Query, SockMessage};
 use vrdma_core::sockets::{Outcome, Owner, SockError, Tuple};
@@ -52,6 +61,10 @@ const MAX_REMOTE_ANNOUNCED: usize = 64 * 1024;
 /// How often this daemon reads its host's IPv6 addresses (to tell its
 /// peers when they changed).
 pub const ADDR_SCAN: Duration = Duration::from_secs(1);
+/// Reads of them at once (an IPv6 listener, an announcement from an
+/// address not told yet) are at most one per this; a call within it is
+/// served by the last read.
+pub const FORCE_GAP: Duration = Duration::from_millis(100);
 
 /// A call's answer: now, or from another host (the session waits on it
 /// without the engine's lock, at most [`FORWARD_WAIT`]).
@@ -94,6 +107,8 @@ enum Where {
 
 struct Waiting {
     host: Ipv4Addr,
+    /// The link the query went by (`None`: held for a dial).
+    link: Option<LinkId>,
     ctx: ContextId,
     tenant: TenantId,
     query: Query,
@@ -107,20 +122,38 @@ pub struct RemoteSockets {
     next_id: u32,
     waiting: HashMap<u32, Waiting>,
     /// Tuples this daemon's contexts announced at another host (as the
-    /// registry keys them), and that host.
-    announced: HashMap<(ContextId, Tuple), Ipv4Addr>,
-    inbox: Vec<(Ipv4Addr, SockMessage)>,
+    /// registry keys them), that host and the link it answered by.
+    announced: HashMap<(ContextId, Tuple), (Ipv4Addr, LinkId)>,
+    inbox: Vec<(LinkId, Ipv4Addr, SockMessage)>,
     /// This host's IPv6 addresses as last read (what its peers were
-    /// told), and when they were read (`None`: read at the next run).
+    /// told), and when the engine last polled them (`None`: never read).
     own6: Vec<Ipv6Addr>,
     scanned: Option<Instant>,
-    /// How they are read (`None`: [`crate::host::ipv6_addrs`], then every
+    /// How they are read (`None`: [`crate::host::ipv6_addrs`], every
     /// [`ADDR_SCAN`] by `watch`'s thread; tests set their own, read on the
     /// engine's passes).
     scan6: Option<fn() -> Vec<Ipv6Addr>>,
+    /// The reads (made at the first run); `polled`: it has no thread, the
+    /// engine's passes poll it.
     watch: Option<std::sync::Arc<crate::host::Ipv6Watch>>,
-    /// The IPv6 addresses each linked host's daemon advertised.
-    hosts6: HashMap<Ipv4Addr, Vec<Ipv6Addr>>,
+    polled: bool,
+    /// [`FORCE_GAP`] unless a test says otherwise.
+    force_gap: Option<Duration>,
+    /// Whether more addresses than a `Hosts6` names were found (said once).
+    truncated: bool,
+    /// The IPv6 addresses each linked daemon advertised, by the link it
+    /// told them on, with its host.
+    hosts6: HashMap<LinkId, (Ipv4Addr, Vec<Ipv6Addr>)>,
+}
+
+impl RemoteSockets {
+    /// The host whose daemon advertised `ip`, when exactly one did (two
+    /// links of one host, a restarted daemon's and its last, count once).
+    fn advertiser6(&self, ip: Ipv6Addr) -> Option<Ipv4Addr> {
+        let mut hosts = self.hosts6.values().filter(|(_, a)| a.contains(&ip)).map(|(h, _)| *h);
+        let first = hosts.next()?;
+        hosts.all(|h| h == first).then_some(first)
+    }
 }
 
 impl EngineState {
@@ -172,10 +205,13 @@ impl EngineState {
             },
             SockRequest::Claim { tuple } => SockReply::from_bool(self.sockets.claim(tenant, tuple, now)),
             SockRequest::Resolve { tuple, give_up } => {
-                // Announced at another host: resolved there.
+                // Announced at another host: resolved there, by the link
+                // it was announced by.
                 let there = self.remote.announced.get(&(ctx, tuple.key())).copied();
                 match (there, Query::resolve(tuple, give_up)) {
-                    (Some(host), Some(q)) => return Ok(self.forward(ctx, tenant, host, q, now)),
+                    (Some((host, link)), Some(q)) => {
+                        return Ok(self.forward_by(ctx, tenant, host, Some(link), q, now))
+                    }
                     _ => SockReply::Outcome(self.sockets.resolve(ctx, tenant, tuple, give_up, now)),
                 }
             }
@@ -227,43 +263,63 @@ impl EngineState {
         if local || self.remote.own6.contains(&ip) || !crate::host::is_advertisable(ip) {
             return Where::Here;
         }
-        let mut owners = self.remote.hosts6.iter().filter(|(_, a)| a.contains(&ip)).map(|(h, _)| *h);
-        match (owners.next(), owners.next()) {
-            (Some(host), None) => Where::Host(host),
-            _ => Where::Nowhere,
+        match self.remote.advertiser6(ip) {
+            Some(host) => Where::Host(host),
+            None => Where::Nowhere,
         }
     }
 
     /// This host's IPv6 addresses: read now when `force`d (a control
-    /// call's) or never read yet, else as the watch's thread read them
-    /// every [`ADDR_SCAN`] (a test's own reader: read here when that has
-    /// passed); tells every peer of wire version 4 when they changed, and
-    /// says whether it did.
+    /// call's; at most once per [`FORCE_GAP`], else as last read) or
+    /// never read yet, else as the watch's thread read them every
+    /// [`ADDR_SCAN`] (a watch with no thread, or a test's reader: polled
+    /// here when that has passed); tells every peer of wire version 4
+    /// when they changed, and says whether it did.
     fn refresh6(&mut self, now: Instant, force: bool) -> bool {
-        let first = self.remote.scanned.is_none();
-        let due = self.remote.scanned.is_none_or(|t| now.saturating_since(t) >= ADDR_SCAN);
-        let watched = self.remote.scan6.is_none() && self.remote.watch.is_some();
-        let mut addrs = if force || first || (due && !watched) {
-            self.remote.scanned = Some(now);
-            let addrs = self.remote.scan6.unwrap_or(crate::host::ipv6_addrs)();
-            // (Watched only where there are peers to tell.)
-            if first && self.remote.scan6.is_none() && self.net.is_some() {
-                self.remote.watch = crate::host::Ipv6Watch::spawn(ADDR_SCAN, addrs.clone());
+        let r = &mut self.remote;
+        let mut addrs = if let Some(w) = r.watch.as_ref() {
+            if force {
+                w.read_now(r.force_gap.unwrap_or(FORCE_GAP))
+            } else {
+                if r.polled && r.scanned.is_none_or(|t| now.saturating_since(t) >= ADDR_SCAN) {
+                    r.scanned = Some(now);
+                    w.poll();
+                }
+                match w.take() {
+                    Some(addrs) => addrs,
+                    None => return false,
+                }
             }
-            addrs
         } else {
-            match self.remote.watch.as_ref().and_then(|w| w.take()) {
-                Some(addrs) if watched => addrs,
-                _ => return false,
-            }
+            let read = r.scan6.unwrap_or(crate::host::ipv6_addrs);
+            let first = read();
+            // (A thread only where there are peers to tell.)
+            let thread = match r.scan6.is_none() && self.net.is_some() {
+                true => crate::host::Ipv6Watch::spawn(ADDR_SCAN, first.clone()),
+                false => None,
+            };
+            r.polled = thread.is_none();
+            r.watch = Some(thread.unwrap_or_else(|| crate::host::Ipv6Watch::unthreaded(read, first.clone())));
+            r.scanned = Some(now);
+            first
         };
-        addrs.truncate(vrdma_core::sockets::peer::MAX_HOST6);
-        if addrs == self.remote.own6 {
+        let max = vrdma_core::sockets::peer::MAX_HOST6;
+        if addrs.len() > max && !r.truncated {
+            r.truncated = true;
+            tracing::warn!(
+                found = addrs.len(),
+                told = max,
+                "this host has more IPv6 addresses than its daemon tells its peers; \
+                 connections from other hosts to the others stay plain TCP (said once)"
+            );
+        }
+        addrs.truncate(max);
+        if addrs == r.own6 {
             return false;
         }
         tracing::debug!(?addrs, "this host's IPv6 addresses changed; telling the linked daemons");
-        self.remote.own6 = addrs;
-        let msg = SockMessage::Hosts6 { addrs: Addrs6::new(self.remote.own6.clone()) };
+        r.own6 = addrs;
+        let msg = SockMessage::Hosts6 { addrs: Addrs6::new(r.own6.clone()) };
         if let Some(net) = self.net.as_mut() {
             net.tell_linked(None, &msg);
             net.write_now();
@@ -278,6 +334,20 @@ impl EngineState {
         ctx: ContextId,
         tenant: TenantId,
         host: Ipv4Addr,
+        query: Query,
+        now: Instant,
+    ) -> SockCall {
+        self.forward_by(ctx, tenant, host, None, query, now)
+    }
+
+    /// [`Self::forward`] by `link` when given (refused if it is gone),
+    /// else by the host's newest link (dialled if need be).
+    fn forward_by(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        host: Ipv4Addr,
+        by: Option<LinkId>,
         query: Query,
         now: Instant,
     ) -> SockCall {
@@ -297,13 +367,21 @@ impl EngineState {
             }
         };
         let msg = SockMessage::Query { id, tenant: tenant.0, ctx: ctx.0, query };
-        if let Err(why) = net.send_sock(host, &msg) {
-            tracing::debug!(%host, why, "a socket registry's query cannot reach its host: plain TCP");
-            return refused;
-        }
+        let sent = match by {
+            Some(l) if net.send_sock_on(l, &msg) => Ok(Some(l)),
+            Some(_) => Err("the link it was announced by is gone"),
+            None => net.send_sock(host, &msg),
+        };
+        let link = match sent {
+            Ok(link) => link,
+            Err(why) => {
+                tracing::debug!(%host, why, "a socket registry's query cannot reach its host: plain TCP");
+                return refused;
+            }
+        };
         net.write_now();
         let (tx, rx) = mpsc::sync_channel(1);
-        self.remote.waiting.insert(id, Waiting { host, ctx, tenant, query, since: now, tx });
+        self.remote.waiting.insert(id, Waiting { host, link, ctx, tenant, query, since: now, tx });
         SockCall::Wait { rx, query }
     }
 
@@ -314,10 +392,10 @@ impl EngineState {
         let Some(net) = self.net.as_mut() else { return };
         let mut inbox = std::mem::take(&mut self.remote.inbox);
         net.take_sock_in(&mut inbox);
-        let down: Vec<Ipv4Addr> = net.sock_down.drain(..).collect();
-        let up: Vec<Ipv4Addr> = net.sock6_up.drain(..).collect();
+        let down: Vec<(Ipv4Addr, Option<LinkId>)> = net.sock_down.drain(..).collect();
+        let up: Vec<LinkId> = net.sock6_up.drain(..).collect();
         let mut answers = Vec::new();
-        for (host, msg) in inbox.drain(..) {
+        for (link, host, msg) in inbox.drain(..) {
             // A link whose peer claims one of this host's own addresses
             // speaks for no client of another host.
             if self.cm.cm.is_local(host) {
@@ -326,23 +404,30 @@ impl EngineState {
             }
             match msg {
                 SockMessage::Query { id, tenant, ctx, query } => {
-                    let answer = self.answer(host, TenantId(tenant), ctx, query, now);
-                    answers.push((host, SockMessage::Answer { id, answer }));
+                    let answer = self.answer(host, link, TenantId(tenant), ctx, query, now);
+                    answers.push((link, SockMessage::Answer { id, answer }));
                 }
-                SockMessage::Answer { id, answer } => self.answered(host, id, answer),
-                SockMessage::Closed { ctx } => self.sockets.forget_remote(host, Some(ctx)),
+                SockMessage::Answer { id, answer } => self.answered(host, link, id, answer),
+                SockMessage::Closed { ctx } => self.sockets.forget_remote(host, link.0, Some(ctx)),
                 SockMessage::Hosts6 { addrs } => {
-                    // This host's own addresses (a daemon of this host
-                    // on another address) are this daemon's to answer.
-                    let own = &self.remote.own6;
+                    // Where net.peers or net.allow is configured, a daemon
+                    // they do not name is not believed about its host's
+                    // addresses (it could draw connections to any).
+                    if !self.net.as_ref().is_some_and(|n| n.trusts_hosts6(host)) {
+                        tracing::debug!(%host, "IPv6 addresses from a daemon outside net.peers and net.allow; ignored");
+                        continue;
+                    }
+                    // Kept whole: this host's own addresses among them are
+                    // filtered out where the list is used, so that one
+                    // this host gives up is the peer's from then on.
                     let theirs: Vec<Ipv6Addr> = addrs
                         .as_slice()
                         .iter()
                         .copied()
-                        .filter(|a| crate::host::is_advertisable(*a) && !own.contains(a))
+                        .filter(|a| crate::host::is_advertisable(*a))
                         .collect();
                     tracing::debug!(%host, addrs = ?theirs, "a linked daemon's IPv6 addresses");
-                    self.remote.hosts6.insert(host, theirs);
+                    self.remote.hosts6.insert(link, (host, theirs));
                 }
             }
         }
@@ -357,21 +442,30 @@ impl EngineState {
             net.tell_linked(Some(&up), &msg);
             net.write_now();
         }
-        for host in down {
-            self.sockets.forget_remote(host, None);
-            self.remote.hosts6.remove(&host);
-            self.remote.announced.retain(|_, h| *h != host);
-            // Their senders go: the sessions' waits end as plain TCP.
-            self.remote.waiting.retain(|_, w| w.host != host);
+        for (host, link) in down {
+            // What went by that link goes; another link's to the same
+            // host (its daemon restarted) stays.
+            let Some(link) = link else {
+                // Held for a dial that failed, or for a link that does
+                // not speak them: those senders' waits end as plain TCP.
+                self.remote.waiting.retain(|_, w| w.link.is_some() || w.host != host);
+                continue;
+            };
+            self.sockets.forget_remote(host, link.0, None);
+            self.remote.hosts6.remove(&link);
+            self.remote.announced.retain(|_, (_, l)| *l != link);
+            // Their senders go: the sessions' waits end as plain TCP (those
+            // held for a dial went by the first link made, maybe this one).
+            self.remote.waiting.retain(|_, w| w.link.map_or(w.host != host, |l| l != link));
         }
         // Queries whose answer never came (the sessions stopped waiting).
         let stale = FORWARD_WAIT * 2;
         self.remote.waiting.retain(|_, w| now.saturating_since(w.since) < stale);
         if let Some(net) = self.net.as_mut().filter(|_| !answers.is_empty()) {
-            for (host, msg) in &answers {
+            for (link, msg) in &answers {
                 // Answered on the link the query came by; a link that
                 // went since takes the asker's wait with it.
-                let _ = net.send_sock(*host, msg);
+                let _ = net.send_sock_on(*link, msg);
             }
             net.write_now();
         }
@@ -381,11 +475,19 @@ impl EngineState {
     /// registry answers as for a client of its own. Tenants map across
     /// hosts as the connection manager maps them: the same number, and
     /// none numbered by its daemon.
-    fn answer(&mut self, host: Ipv4Addr, tenant: TenantId, ctx: u32, query: Query, now: Instant) -> Answer {
+    fn answer(
+        &mut self,
+        host: Ipv4Addr,
+        link: LinkId,
+        tenant: TenantId,
+        ctx: u32,
+        query: Query,
+        now: Instant,
+    ) -> Answer {
         if tenant.is_host_local() {
             return Answer::refusal(&query);
         }
-        let owner = Owner::Remote { host, ctx };
+        let owner = Owner::Remote { host, link: link.0, ctx };
         let r = &mut self.sockets;
         match query {
             Query::Lookup { dst } => {
@@ -404,17 +506,23 @@ impl EngineState {
             Query::Resolve { tuple, give_up } => {
                 Answer::Outcome(r.resolve(owner, tenant, tuple.into(), give_up, now))
             }
+            // Loopback, link-local and the like name no address of this
+            // host for a client of another (its own `::1` is its own).
+            Query::Lookup6 { dst } if !crate::host::is_advertisable(*dst.ip()) => Answer::No,
             Query::Lookup6 { dst } => {
                 let local = self.remote.own6.contains(dst.ip());
                 Answer::from_bool(r.lookup(tenant, dst.into(), local))
             }
             // The client's address must be one the asking daemon
-            // advertised as its host's (and not this host's): as for IPv4,
-            // the 4-tuple the server accepts is then the one announced, and
-            // a daemon cannot announce for addresses of other hosts.
+            // advertised as its host's on this link (and not this host's,
+            // nor another daemon's too): as for IPv4, the 4-tuple the
+            // server accepts is then the one announced, and a daemon
+            // cannot announce for addresses of other hosts.
             Query::Announce6 { tuple }
                 if self.remote.own6.contains(tuple.client.ip())
-                    || !self.remote.hosts6.get(&host).is_some_and(|a| a.contains(tuple.client.ip())) =>
+                    || !crate::host::is_advertisable(*tuple.server.ip())
+                    || !self.remote.hosts6.get(&link).is_some_and(|(_, a)| a.contains(tuple.client.ip()))
+                    || self.remote.advertiser6(*tuple.client.ip()) != Some(host) =>
             {
                 Answer::No
             }
@@ -428,10 +536,11 @@ impl EngineState {
         }
     }
 
-    /// The answer to this daemon's query `id` came from `host`.
-    fn answered(&mut self, host: Ipv4Addr, id: u32, answer: Answer) {
-        // Only the host asked answers (a stale or forged id is dropped).
-        if self.remote.waiting.get(&id).is_none_or(|w| w.host != host) {
+    /// The answer to this daemon's query `id` came from `host` by `link`.
+    fn answered(&mut self, host: Ipv4Addr, link: LinkId, id: u32, answer: Answer) {
+        // Only the host asked answers, by the link asked by (a stale or
+        // forged id is dropped).
+        if self.remote.waiting.get(&id).is_none_or(|w| w.host != host || w.link.is_some_and(|l| l != link)) {
             return;
         }
         let Some(w) = self.remote.waiting.remove(&id) else { return };
@@ -440,7 +549,7 @@ impl EngineState {
         let delivered = w.tx.try_send(answer).is_ok();
         match (w.query.announced(), w.query.resolved(), answer) {
             (Some(tuple), _, Answer::Yes) if delivered => {
-                self.remote.announced.insert((w.ctx, tuple), host);
+                self.remote.announced.insert((w.ctx, tuple), (host, link));
             }
             (Some(tuple), _, Answer::Yes) => {
                 // Announced after its client stopped waiting: given up at
@@ -451,7 +560,7 @@ impl EngineState {
                 let msg =
                     SockMessage::Query { id: self.remote.next_id, tenant: w.tenant.0, ctx: w.ctx.0, query };
                 if let Some(net) = self.net.as_mut() {
-                    let _ = net.send_sock(host, &msg);
+                    let _ = net.send_sock_on(link, &msg);
                 }
             }
             (_, Some(_), Answer::Outcome(Outcome::Pending)) => {}
@@ -462,17 +571,18 @@ impl EngineState {
         }
     }
 
-    /// `ctx` ended: the hosts it announced at drop what it announced.
+    /// `ctx` ended: the hosts it announced at drop what it announced (told
+    /// by the links it was announced by).
     pub(super) fn close_remote_sockets(&mut self, ctx: ContextId) {
-        let mut hosts: Vec<Ipv4Addr> =
-            self.remote.announced.iter().filter(|((c, _), _)| *c == ctx).map(|(_, h)| *h).collect();
+        let mut links: Vec<LinkId> =
+            self.remote.announced.iter().filter(|((c, _), _)| *c == ctx).map(|(_, (_, l))| *l).collect();
         self.remote.announced.retain(|(c, _), _| *c != ctx);
         self.remote.waiting.retain(|_, w| w.ctx != ctx);
-        hosts.sort_unstable();
-        hosts.dedup();
-        if let Some(net) = self.net.as_mut().filter(|_| !hosts.is_empty()) {
-            for host in hosts {
-                let _ = net.send_sock(host, &SockMessage::Closed { ctx: ctx.0 });
+        links.sort_unstable();
+        links.dedup();
+        if let Some(net) = self.net.as_mut().filter(|_| !links.is_empty()) {
+            for link in links {
+                let _ = net.send_sock_on(link, &SockMessage::Closed { ctx: ctx.0 });
             }
             net.write_now();
         }
@@ -504,10 +614,20 @@ mod tests {
     /// This daemon at 10.0.0.1 with a link to 10.0.0.2's daemon (its end
     /// returned) of wire version `version`, and a context of tenant 1000.
     fn state(version: u8) -> (EngineState, TcpStream, ContextId) {
+        state_with(version, |_| {})
+    }
+
+    /// [`state`], its transport's setup changed by `f`.
+    fn state_with(
+        version: u8,
+        f: impl FnOnce(&mut crate::net::NetSetup),
+    ) -> (EngineState, TcpStream, ContextId) {
         let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
         let gid = Gid::from_ipv4(PEER.octets());
         let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
-        let mut net = Net::new(std::sync::Arc::new(setup([10, 0, 0, 1], 65536)));
+        let mut setup = setup([10, 0, 0, 1], 65536);
+        f(&mut setup);
+        let mut net = Net::new(std::sync::Arc::new(setup));
         let (ours, theirs) = loopback();
         let mut link = LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap();
         link.version = version;
@@ -546,12 +666,35 @@ mod tests {
         panic!("no Sock frame in 100");
     }
 
-    /// The link's next pass: what the peer sent is read.
+    /// The links' next pass: what the peers sent is read.
     fn receive(s: &mut EngineState) -> Result<bool, String> {
         let now = s.now();
         let net = s.net.as_mut().unwrap();
-        let Some(l) = net.links.values_mut().next() else { return Err("no link".into()) };
-        l.receive(&mut s.hca, &mut s.rings, now)
+        if net.links.is_empty() {
+            return Err("no link".into());
+        }
+        let mut any = false;
+        for l in net.links.values_mut() {
+            any |= l.receive(&mut s.hca, &mut s.rings, now)?;
+        }
+        Ok(any)
+    }
+
+    /// The first link's id (the one [`state`] made).
+    fn first_link(s: &EngineState) -> LinkId {
+        *s.net.as_ref().unwrap().links.keys().next().unwrap()
+    }
+
+    /// A second link to the peer's address, of wire version 4: its
+    /// daemon restarted and linked again (its end returned).
+    fn second_link(s: &mut EngineState) -> (LinkId, TcpStream) {
+        let gid = Gid::from_ipv4(PEER.octets());
+        let id = s.hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
+        let (ours, theirs) = loopback();
+        let mut link = LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 10, false).unwrap();
+        link.version = 4;
+        s.net.as_mut().unwrap().links.insert(id, link);
+        (id, theirs)
     }
 
     /// The peer sends `msg`; the engine runs until it has read it.
@@ -753,8 +896,8 @@ mod tests {
         assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Outcome(Outcome::Carried));
         assert!(s.remote.announced.is_empty());
 
-        // Addresses nobody advertised, and the ones the peer could not
-        // have (its link-local and loopback ones were not taken).
+        // Addresses nobody advertised, and the ones the peer cannot have
+        // (link-local and loopback ones name no other host's).
         for dst in ["[fd00::3]:5000", "[fe80::2]:5000"] {
             assert_eq!(now(s.handle_sock(ctx, US, lookup(dst)).unwrap()), SockReply::No, "{dst}");
         }
@@ -764,13 +907,157 @@ mod tests {
         let _ = wait(s.handle_sock(ctx, US, lookup("[fd00::3]:5000")).unwrap());
         // Claimed by two daemons (here: by this host too, as a daemon
         // of this host would): not asked elsewhere.
-        s.remote.hosts6.insert(Ipv4Addr::new(10, 0, 0, 3), vec!["fd00::3".parse().unwrap()]);
+        s.remote.hosts6.insert(LinkId(99), (Ipv4Addr::new(10, 0, 0, 3), vec!["fd00::3".parse().unwrap()]));
         assert_eq!(now(s.handle_sock(ctx, US, lookup("[fd00::3]:5000")).unwrap()), SockReply::No);
         // The link's end forgets the peer's addresses.
-        s.net.as_mut().unwrap().sock_down.push(PEER);
+        let link = first_link(&s);
+        s.net.as_mut().unwrap().sock_down.push((PEER, Some(link)));
         let t = s.now();
         s.run_sockets(t);
-        assert!(!s.remote.hosts6.contains_key(&PEER));
+        assert!(!s.remote.hosts6.contains_key(&link));
+    }
+
+    /// A daemon of the peer's address restarted and linked again while its
+    /// last link was not yet found dead: when that one goes down, what
+    /// the new link brought stays (its IPv6 addresses, what its clients
+    /// announced here, IPv4 and IPv6) and so do this daemon's
+    /// announcements and queries there by the new link (review: the old
+    /// link's end wiped them all, by host, for IPv4 too).
+    #[test]
+    fn an_old_links_end_leaves_a_restarted_peers_new_link_whole() {
+        let (mut s, mut old, ctx) = state(4);
+        let old_link = first_link(&s);
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: "0.0.0.0:5000".parse().unwrap() }).unwrap();
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[::]:5000") }).unwrap();
+        s.remote.own6 = vec!["fd00::1".parse().unwrap()];
+        send_msg(&mut s, &mut old, hosts6(&["fd00::2"]));
+        let (new_link, mut new) = second_link(&mut s);
+        send_msg(&mut s, &mut new, hosts6(&["fd00::2"]));
+        // The new daemon's clients announce here, IPv4 and IPv6, by the
+        // new link (answered by it).
+        let tuple4 = PeerTuple { client: addr("10.0.0.2:40000"), server: addr("10.0.0.1:5000") };
+        let tuple6 = PeerTuple6 {
+            client: "[fd00::2]:40000".parse().unwrap(),
+            server: "[fd00::1]:5000".parse().unwrap(),
+        };
+        for (id, query) in [(1, Query::Announce { tuple: tuple4 }), (2, Query::Announce6 { tuple: tuple6 })] {
+            send_msg(&mut s, &mut new, SockMessage::Query { id, tenant: US.0, ctx: 4, query });
+            assert_eq!(read_msg(&mut new), SockMessage::Answer { id, answer: Answer::Yes });
+        }
+        // This daemon's client asks there: by the newest link; and one
+        // announcement there is answered.
+        let tuple = Tuple { client: v6("[fd00::1]:40001"), server: v6("[fd00::2]:6000") };
+        let (rx, q) = wait(s.handle_sock(ctx, US, SockRequest::Announce { tuple, local: false }).unwrap());
+        let SockMessage::Query { id, .. } = read_msg(&mut new) else { panic!() };
+        send_msg(&mut s, &mut new, SockMessage::Answer { id, answer: Answer::Yes });
+        assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Yes);
+        let lookup = SockRequest::Lookup { dst: v6("[fd00::2]:6000"), local: false };
+        let (rx, _) = wait(s.handle_sock(ctx, US, lookup).unwrap());
+        let SockMessage::Query { id: lookup_id, .. } = read_msg(&mut new) else { panic!() };
+
+        // The old link goes down.
+        s.net.as_mut().unwrap().sock_down.push((PEER, Some(old_link)));
+        let t = s.now();
+        s.run_sockets(t);
+        assert!(!s.remote.hosts6.contains_key(&old_link));
+        assert_eq!(s.remote.hosts6.get(&new_link).map(|(h, a)| (*h, a.len())), Some((PEER, 1)));
+        assert_eq!(s.remote.announced.len(), 1, "this daemon's announcement there stays");
+        assert_eq!(s.sockets.stats(US).pending, 2, "the new link's clients' announcements stay");
+        for t in [Tuple::from(tuple4), Tuple::from(tuple6)] {
+            assert!(matches!(
+                s.handle_sock(ctx, US, SockRequest::Claim { tuple: t }).unwrap(),
+                SockCall::Now(SockReply::Yes)
+            ));
+        }
+        // The query waiting on the new link is still answered.
+        send_msg(&mut s, &mut new, SockMessage::Answer { id: lookup_id, answer: Answer::Yes });
+        assert_eq!(rx.try_recv(), Ok(Answer::Yes));
+        // And its resolve goes by the link it was announced by.
+        let _ = wait(s.handle_sock(ctx, US, SockRequest::Resolve { tuple, give_up: false }).unwrap());
+        assert!(matches!(read_msg(&mut new), SockMessage::Query { query: Query::Resolve6 { .. }, .. }));
+        // The new link's own end takes the rest.
+        s.net.as_mut().unwrap().sock_down.push((PEER, Some(new_link)));
+        let t = s.now();
+        s.run_sockets(t);
+        assert!(s.remote.hosts6.is_empty() && s.remote.announced.is_empty() && s.remote.waiting.is_empty());
+    }
+
+    /// A peer's list is kept whole: an address that this host had, and
+    /// the peer advertised too, is the peer's once this host no longer
+    /// has it (review: it was dropped from the peer's list at receipt,
+    /// and never learned).
+    #[test]
+    fn an_address_that_moves_from_this_host_to_a_peer_is_learned() {
+        static ADDRS: std::sync::Mutex<Vec<Ipv6Addr>> = std::sync::Mutex::new(Vec::new());
+        *ADDRS.lock().unwrap() = vec!["fd00::5".parse().unwrap()];
+        let (mut s, mut theirs, ctx) = state(4);
+        s.remote.scan6 = Some(|| ADDRS.lock().unwrap().clone());
+        let t = s.now();
+        s.run_sockets(t);
+        assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::5"]));
+        send_msg(&mut s, &mut theirs, hosts6(&["fd00::2", "fd00::5"]));
+        let lookup = || SockRequest::Lookup { dst: v6("[fd00::5]:5000"), local: false };
+        assert!(
+            matches!(s.handle_sock(ctx, US, lookup()).unwrap(), SockCall::Now(SockReply::No)),
+            "ours, no listener"
+        );
+        // It moves: this host loses it (at the next scan).
+        ADDRS.lock().unwrap().clear();
+        s.run_sockets(t + ADDR_SCAN);
+        assert_eq!(read_msg(&mut theirs), hosts6(&[]));
+        let (_rx, q) = wait(s.handle_sock(ctx, US, lookup()).unwrap());
+        assert_eq!(q, Query::Lookup6 { dst: "[fd00::5]:5000".parse().unwrap() });
+    }
+
+    /// The owner refuses an IPv6 announcement whose client address
+    /// another linked daemon advertises too, as lookups do (review: the
+    /// asking daemon's advertisement alone was checked).
+    #[test]
+    fn an_announcement_from_an_address_two_daemons_claim_is_refused() {
+        let (mut s, mut theirs, ctx) = state(4);
+        s.remote.scan6 = Some(|| vec!["fd00::1".parse().unwrap()]);
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[::]:5000") }).unwrap();
+        assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::1"]));
+        send_msg(&mut s, &mut theirs, hosts6(&["fd00::2"]));
+        let other = (Ipv4Addr::new(10, 0, 0, 3), vec!["fd00::2".parse().unwrap()]);
+        s.remote.hosts6.insert(LinkId(99), other);
+        let sa = |a: &str| a.parse::<std::net::SocketAddrV6>().unwrap();
+        let tuple = PeerTuple6 { client: sa("[fd00::2]:40000"), server: sa("[fd00::1]:5000") };
+        let mut ask = |s: &mut EngineState, id: u32| {
+            send_msg(
+                s,
+                &mut theirs,
+                SockMessage::Query { id, tenant: US.0, ctx: 4, query: Query::Announce6 { tuple } },
+            );
+            let SockMessage::Answer { answer, .. } = read_msg(&mut theirs) else { panic!() };
+            answer
+        };
+        assert_eq!(ask(&mut s, 1), Answer::No, "claimed by two daemons");
+        s.remote.hosts6.remove(&LinkId(99));
+        assert_eq!(ask(&mut s, 2), Answer::Yes, "by the asker alone");
+    }
+
+    /// Where net.peers or net.allow is configured, a daemon they do not
+    /// name is not believed about its host's IPv6 addresses; one they
+    /// name is; with neither list, any keyed daemon is.
+    #[test]
+    fn ipv6_addresses_are_believed_from_configured_peers_only() {
+        type Setup = fn(&mut crate::net::NetSetup);
+        let cases: [(&str, Setup, bool); 5] = [
+            ("no list", |_| {}, true),
+            ("another peer", |n| n.peers = vec!["10.0.0.3:4791".parse().unwrap()], false),
+            ("a peer", |n| n.peers = vec!["10.0.0.2:4791".parse().unwrap()], true),
+            ("inside net.allow", |n| n.allow = vec!["10.0.0.0/24".parse().unwrap()], true),
+            ("outside net.allow", |n| n.allow = vec!["10.0.1.0/24".parse().unwrap()], false),
+        ];
+        for (what, f, believed) in cases {
+            let (mut s, mut theirs, ctx) = state_with(4, f);
+            send_msg(&mut s, &mut theirs, hosts6(&["fd00::2"]));
+            let r = s
+                .handle_sock(ctx, US, SockRequest::Lookup { dst: v6("[fd00::2]:5000"), local: false })
+                .unwrap();
+            assert_eq!(matches!(r, SockCall::Wait { .. }), believed, "{what}");
+        }
     }
 
     /// A link of wire version 4 that comes up is told this host's IPv6
@@ -783,7 +1070,8 @@ mod tests {
         *ADDRS.lock().unwrap() = vec!["fd00::1".parse().unwrap()];
         let (mut s, mut theirs, _) = state(4);
         s.remote.scan6 = Some(scan);
-        s.net.as_mut().unwrap().sock6_up.push(PEER);
+        let link = first_link(&s);
+        s.net.as_mut().unwrap().sock6_up.push(link);
         let t = s.now();
         s.run_sockets(t);
         assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::1"]));
@@ -792,16 +1080,27 @@ mod tests {
         let later = t + ADDR_SCAN;
         s.run_sockets(later);
         assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::1", "fd00::9"]));
-        // A listener of IPv6 reads them at once.
+        // A listener of IPv6 reads them at once (forced reads are one per
+        // gap: an hour here, so that the next is within it whatever the
+        // machine's pace).
+        s.remote.force_gap = Some(Duration::from_secs(3600));
         ADDRS.lock().unwrap().remove(0);
         s.handle_sock(ContextId(1), US, SockRequest::Listen { addr: v6("[::]:5000") }).unwrap();
         assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::9"]));
-        // An announcement from an address new since the last scan: the
-        // addresses go first (the owner takes the client's address only
-        // if it was told it), then the announcement.
+        // An announcement from an address new since the last read, within
+        // the gap: served by that read (not read again), the announcement
+        // goes alone (its owner will refuse it: plain TCP).
         ADDRS.lock().unwrap().push("fd00::5".parse().unwrap());
         send_msg(&mut s, &mut theirs, hosts6(&["fd00::2"]));
         let tuple = Tuple { client: v6("[fd00::5]:40000"), server: v6("[fd00::2]:5000") };
+        let _ = wait(s.handle_sock(ContextId(1), US, SockRequest::Announce { tuple, local: false }).unwrap());
+        assert!(matches!(read_msg(&mut theirs), SockMessage::Query { query: Query::Announce6 { .. }, .. }));
+        assert_eq!(s.remote.own6, vec!["fd00::9".parse::<Ipv6Addr>().unwrap()]);
+        // Past the gap (none now): the forced read is made, the addresses
+        // go first (the owner takes the client's address only if it was
+        // told it), then the announcement.
+        s.remote.force_gap = Some(Duration::ZERO);
+        let tuple = Tuple { client: v6("[fd00::5]:40001"), server: v6("[fd00::2]:5000") };
         let _ = wait(s.handle_sock(ContextId(1), US, SockRequest::Announce { tuple, local: false }).unwrap());
         assert_eq!(read_msg(&mut theirs), hosts6(&["fd00::9", "fd00::5"]));
         assert!(matches!(read_msg(&mut theirs), SockMessage::Query { query: Query::Announce6 { .. }, .. }));
@@ -842,6 +1141,13 @@ mod tests {
         let dst = sa("[fd00::1]:5000");
         assert_eq!(ask(&mut s, 1, Query::Lookup6 { dst }), Answer::Yes, "this host's, on [::]");
         assert_eq!(ask(&mut s, 2, Query::Lookup6 { dst: sa("[fd00::7]:5000") }), Answer::No, "not ours");
+        // Loopback and link-local name no address of this host for a
+        // client of another: "not ours", whatever listens here (a
+        // listener on [::1] answered yes).
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[::1]:5001") }).unwrap();
+        for (id, dst) in [(20, "[::1]:5000"), (21, "[::1]:5001"), (22, "[fe80::1]:5000")] {
+            assert_eq!(ask(&mut s, id, Query::Lookup6 { dst: sa(dst) }), Answer::No, "{dst}");
+        }
         let t = |c: &str| PeerTuple6 { client: sa(c), server: dst };
         for (id, client) in [(3, "[fd00::9]:40000"), (4, "[fd00::1]:40000")] {
             assert_eq!(ask(&mut s, id, Query::Announce6 { tuple: t(client) }), Answer::No, "{client}");

@@ -91,6 +91,21 @@ impl NetSetup {
             || self.allow.iter().any(|n| n.contains(&ip))
             || self.peers.iter().any(|p| p.ip().to_canonical() == ip)
     }
+
+    /// Whether a daemon at `ip` is one this daemon expects: a configured
+    /// peer, or inside a configured `net.allow` (neither list: none).
+    pub fn expects(&self, ip: std::net::IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.peers.iter().any(|p| p.ip().to_canonical() == ip) || self.allow.iter().any(|n| n.contains(&ip))
+    }
+
+    /// Whether the daemon at `ip` is believed about its host's IPv6
+    /// addresses (`docs/sockets.md`, "IPv6"): where `net.peers` or
+    /// `net.allow` is configured, only a daemon they name; else any
+    /// daemon that holds the key.
+    pub fn trusts_hosts6(&self, ip: std::net::Ipv4Addr) -> bool {
+        (self.peers.is_empty() && self.allow.is_empty()) || self.expects(ip.into())
+    }
 }
 
 /// The engine's side: every live link.
@@ -128,13 +143,15 @@ pub struct Net {
     /// The socket registry's messages for hosts with no link yet, as
     /// `cm_pending` (`docs/sockets.md`, "Other hosts").
     sock_pending: HashMap<std::net::Ipv4Addr, Vec<SockMessage>>,
-    /// Hosts whose registry can no longer be asked (a link went down, a
-    /// dial for its messages failed, its daemon does not speak them).
-    pub sock_down: Vec<std::net::Ipv4Addr>,
-    /// Hosts whose link came up speaking the IPv6 kinds of the socket
+    /// Hosts whose registry can no longer be asked: by the link named (it
+    /// went down; another link to the same host, a daemon there restarted,
+    /// stays), or, with `None`, by the messages held for a dial (it
+    /// failed, or the link it made does not speak them).
+    pub sock_down: Vec<(std::net::Ipv4Addr, Option<LinkId>)>,
+    /// Links that came up speaking the IPv6 kinds of the socket
     /// registry's messages (wire version 4): the engine tells them this
     /// host's IPv6 addresses.
-    pub sock6_up: Vec<std::net::Ipv4Addr>,
+    pub sock6_up: Vec<LinkId>,
 }
 
 /// Connection manager's messages held for one host that has no link yet.
@@ -260,11 +277,11 @@ impl Net {
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
                     if let Some(held) = self.sock_pending.remove(&ip) {
                         if !held.iter().all(|m| l.queue_sock(m)) {
-                            self.sock_down.push(ip);
+                            self.sock_down.push((ip, None));
                         }
                     }
                     if l.version >= vrdma_core::wire::SOCK6_VERSION {
-                        self.sock6_up.push(ip);
+                        self.sock6_up.push(id);
                     }
                 }
                 self.links.insert(id, l);
@@ -294,7 +311,7 @@ impl Net {
                 self.cm_down.push(ip);
             }
             if self.sock_pending.remove(&ip).is_some() {
-                self.sock_down.push(ip);
+                self.sock_down.push((ip, None));
             }
         }
     }
@@ -324,15 +341,21 @@ impl Net {
         Ok(())
     }
 
-    /// Sends a socket registry's message to the daemon of `host`, dialling
-    /// it if no link is up and the host is a configured peer or inside
-    /// `net.allow`; `Err` if it cannot be sent (then the client's
-    /// connection stays plain TCP).
-    pub fn send_sock(&mut self, host: std::net::Ipv4Addr, msg: &SockMessage) -> Result<(), &'static str> {
+    /// Sends a socket registry's message to the daemon of `host`, on its
+    /// newest link (an older one is a restarted daemon's last, not yet
+    /// found dead), dialling it if no link is up and the host is a
+    /// configured peer or inside `net.allow`; `Err` if it cannot be sent
+    /// (then the client's connection stays plain TCP). The link it went
+    /// by, `None` when it waits for the dial.
+    pub fn send_sock(
+        &mut self,
+        host: std::net::Ipv4Addr,
+        msg: &SockMessage,
+    ) -> Result<Option<LinkId>, &'static str> {
         let gid = Gid::from_ipv4(host.octets());
-        if let Some(l) = self.links.values_mut().find(|l| l.gid == gid) {
+        if let Some((id, l)) = self.links.iter_mut().rev().find(|(_, l)| l.gid == gid) {
             return if l.queue_sock(msg) {
-                Ok(())
+                Ok(Some(*id))
             } else {
                 Err("the host's daemon speaks wire version 2, without the socket registry's frames")
             };
@@ -342,10 +365,7 @@ impl Net {
         // dialled for it only where one is expected (a configured peer, or
         // a host inside a configured net.allow), not at whatever address a
         // program connects to (the connect would wait for the dial).
-        let ip = addr.ip().to_canonical();
-        let expected = self.setup.peers.iter().any(|p| p.ip().to_canonical() == ip)
-            || self.setup.allow.iter().any(|n| n.contains(&ip));
-        if !expected {
+        if !self.setup.expects(addr.ip()) {
             return Err(
                 "no link to the host's daemon, and the host is neither in net.peers nor in net.allow",
             );
@@ -362,30 +382,42 @@ impl Net {
             self.sock_pending.remove(&host);
             return Err("the host's daemon cannot be reached now");
         }
-        Ok(())
+        Ok(None)
+    }
+
+    /// Queues a socket registry's message on `link` (an answer goes by
+    /// the link its query came by); false if it is gone or does not
+    /// speak it.
+    pub fn send_sock_on(&mut self, link: LinkId, msg: &SockMessage) -> bool {
+        self.links.get_mut(&link).is_some_and(|l| l.queue_sock(msg))
+    }
+
+    /// Whether the daemon at `ip` is believed about its host's IPv6
+    /// addresses ([`NetSetup::trusts_hosts6`]).
+    pub fn trusts_hosts6(&self, ip: std::net::Ipv4Addr) -> bool {
+        self.setup.trusts_hosts6(ip)
     }
 
     /// Queues a socket registry's message on every link whose peer speaks
-    /// it (of `hosts` only, when given), dialling nothing: what a daemon
+    /// it (of `links` only, when given), dialling nothing: what a daemon
     /// tells the daemons it is linked to.
-    pub fn tell_linked(&mut self, hosts: Option<&[std::net::Ipv4Addr]>, msg: &SockMessage) {
-        for l in self.links.values_mut() {
-            let Some(ip) = l.gid.ipv4().map(std::net::Ipv4Addr::from) else { continue };
-            if hosts.is_none_or(|h| h.contains(&ip)) {
+    pub fn tell_linked(&mut self, links: Option<&[LinkId]>, msg: &SockMessage) {
+        for (id, l) in self.links.iter_mut() {
+            if l.gid.ipv4().is_some() && links.is_none_or(|h| h.contains(id)) {
                 l.queue_sock(msg);
             }
         }
     }
 
-    /// The socket registry's messages the links read, with the host each
-    /// came from.
-    pub fn take_sock_in(&mut self, out: &mut Vec<(std::net::Ipv4Addr, SockMessage)>) {
-        for l in self.links.values_mut().filter(|l| !l.sock_in.is_empty()) {
+    /// The socket registry's messages the links read, with the link and
+    /// the host each came from.
+    pub fn take_sock_in(&mut self, out: &mut Vec<(LinkId, std::net::Ipv4Addr, SockMessage)>) {
+        for (id, l) in self.links.iter_mut().filter(|(_, l)| !l.sock_in.is_empty()) {
             let Some(ip) = l.gid.ipv4() else {
                 l.sock_in.clear();
                 continue;
             };
-            out.extend(l.sock_in.drain(..).map(|m| (ip.into(), m)));
+            out.extend(l.sock_in.drain(..).map(|m| (*id, ip.into(), m)));
         }
     }
 
@@ -581,7 +613,7 @@ impl Net {
                 hca.link_down(id);
                 if let Some(ip) = l.gid.ipv4() {
                     self.cm_down.push(ip.into());
-                    self.sock_down.push(ip.into());
+                    self.sock_down.push((ip.into(), Some(id)));
                 }
             }
         }
