@@ -753,8 +753,10 @@ unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int, left: c_int) -> c_in
         Err(u) => u,
     };
     let mut nothing = Vec::new();
-    let within = (left >= 0).then(|| Duration::from_millis(left as u64));
+    // (One bound for all of them: the wait's time left.)
+    let (start, left) = (Instant::now(), (left >= 0).then(|| Duration::from_millis(left as u64)));
     for u in &undecided {
+        let within = left.map(|l| l.saturating_sub(start.elapsed()));
         let decided = match &u.stream {
             Some(stream) if !u.decided => match decide_if_bytes(u.fd) {
                 Some(true) => true,
