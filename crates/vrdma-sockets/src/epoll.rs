@@ -44,7 +44,7 @@ use libc::{c_int, epoll_event};
 
 use crate::link::{Link, Look};
 use crate::real;
-use crate::stream::Stream;
+use crate::stream::{Elsewhere, Stream};
 use crate::table::{self, keep_errno, Entry, Guard};
 
 const OUT: u32 = libc::EPOLLOUT as u32;
@@ -300,8 +300,8 @@ impl Sets {
     }
 
     /// The undecided registrations among the events `ev` reported on `ep`
-    /// ([`report_or_undecided`]); those that need no look any more (decided, or another
-    /// process's) are cleared.
+    /// ([`report_or_undecided`]); those that need no look any more
+    /// (decided, or another process's for good) are cleared.
     fn undecided(&mut self, ep: c_int, ev: impl Iterator<Item = (usize, epoll_event)>) -> Vec<Undecided> {
         let mut out = Vec::new();
         let Some(set) = self.sets.get_mut(&ep) else { return out };
@@ -314,19 +314,31 @@ impl Sets {
             if !r.undecided {
                 continue;
             }
-            let Some(stream) = r.stream.upgrade() else {
-                r.undecided = false;
-                cleared += 1;
-                continue;
-            };
             // (Writable only: not the peer's message.)
             let woke = e.events & (IN | (libc::EPOLLHUP | libc::EPOLLERR) as u32) != 0;
-            if stream.owner.elsewhere() {
+            let Some(stream) = r.stream.upgrade() else {
+                // Gone: a decision (another thread's, since the kernel's
+                // report) turned it into plain TCP and took it off the
+                // table, and its last holder let it go. Answered as it
+                // turned out, once, as one found decided below (its
+                // message may be gone: the decision took it).
+                r.undecided = false;
+                cleared += 1;
+                if woke {
+                    out.push(Undecided { index, fd, stream: None, decided: true });
+                }
+                continue;
+            };
+            let elsewhere = stream.elsewhere();
+            if elsewhere == Elsewhere::ForGood {
                 // Another process (after a fork) took it: this one's calls
                 // fail with EIO, and a decision here would too, at every
                 // report. The kernel's report stands.
                 r.undecided = false;
                 cleared += 1;
+            } else if elsewhere == Elsewhere::ForNow {
+                // Taken by a process that may give it back (its adoption
+                // failed): the kernel's report stands, this time only.
             } else if !stream.undecided() {
                 // Decided since (by the program's call, or by another
                 // thread's wait, which may have taken the message this
@@ -335,23 +347,24 @@ impl Sets {
                 r.undecided = false;
                 cleared += 1;
                 if woke {
-                    out.push(Undecided { index, fd, stream, decided: true });
+                    out.push(Undecided { index, fd, stream: Some(stream), decided: true });
                 }
             } else if woke {
-                out.push(Undecided { index, fd, stream, decided: false });
+                out.push(Undecided { index, fd, stream: Some(stream), decided: false });
             }
         }
         set.less(Counts::undecided(cleared), &mut self.counts);
         out
     }
 
-    /// The registration of `fd` in `ep` is not looked at for a decision
-    /// any more: a report found nothing to decide on, and nothing can
-    /// come ([`nothing_to_decide`]).
-    fn decided(&mut self, ep: c_int, fd: c_int) {
+    /// The registration of `fd` in `ep`, if still of `stream` (not a
+    /// later connection given the same descriptor number), is not looked
+    /// at for a decision any more: a report found nothing to decide on,
+    /// and nothing can come ([`nothing_to_decide`]).
+    fn decided(&mut self, ep: c_int, fd: c_int, stream: &Weak<Stream>) {
         let Some(set) = self.sets.get_mut(&ep) else { return };
         let Some(r) = set.regs.get_mut(&fd) else { return };
-        if r.undecided {
+        if r.undecided && Weak::ptr_eq(&r.stream, stream) {
             r.undecided = false;
             set.less(Counts::undecided(1), &mut self.counts);
         }
@@ -373,10 +386,24 @@ impl Sets {
 
     /// Mirrors the counts for the calls that pass without the lock. Under
     /// the lock: the mirror is always a state the registrations were in.
+    /// A mirror that says so already is left alone ([`mirror`]).
     fn publish(&self) {
         debug_assert!(self.counted(), "epoll registrations miscounted");
-        TRACKED.store(self.counts.tracked, Ordering::Release);
-        PENDING.store(self.counts.pending, Ordering::Release);
+        mirror(&TRACKED, self.counts.tracked);
+        mirror(&PENDING, self.counts.pending);
+    }
+}
+
+/// Sets `a` to `v` unless it is `v` already (under the registrations'
+/// lock, which every other change of it holds: a child's fork handler
+/// aside, run while it is the child's only thread). A load leaves the
+/// shared line in every core's cache; a store takes it from them, and
+/// every wait of every thread stored both mirrors.
+fn mirror(a: &AtomicUsize, v: usize) {
+    if a.load(Ordering::Relaxed) != v {
+        a.store(v, Ordering::Release);
+        #[cfg(test)]
+        tests::MIRROR_STORES.with(|c| c.set(c.get() + 1));
     }
 }
 
@@ -386,7 +413,9 @@ pub struct Undecided {
     /// The event's index in the report.
     pub index: usize,
     pub fd: c_int,
-    pub stream: Arc<Stream>,
+    /// `None`: gone, turned into plain TCP by another thread's decision
+    /// (then `decided`).
+    pub stream: Option<Arc<Stream>>,
     /// Decided since (by another thread): only answered as it turned out.
     pub decided: bool,
 }
@@ -456,9 +485,11 @@ pub(crate) fn forked() {
 /// A registration is looked at here until a report finds it decided (by
 /// the wait, by another thread's, or by the program's own call; one
 /// found decided is answered as it turned out, once: another thread's
-/// wait may have taken the message that this report was for), taken by
-/// another process (after a fork; [`crate::owner::Owner::elsewhere`]),
-/// or left with nothing to decide on ([`nothing_to_decide`]).
+/// wait may have taken the message that this report was for; one whose
+/// stream is gone, turned plain TCP by another thread, too), taken by
+/// another process for good (after a fork; [`Stream::elsewhere`]: one
+/// that may give it back is only left as the kernel reported it, that
+/// time), or left with nothing to decide on ([`nothing_to_decide`]).
 ///
 /// # Safety
 /// `ev` holds `n` events.
@@ -474,8 +505,11 @@ pub unsafe fn report_or_undecided(
             // SAFETY: `i < n`; read by value (the struct may be packed).
             (i, unsafe { std::ptr::read(ev.add(i)) })
         });
+        let before = s.counts;
         let out = s.undecided(ep, events);
-        s.publish();
+        if s.counts != before {
+            s.publish();
+        }
         if !out.is_empty() {
             return Err(out);
         }
@@ -488,16 +522,18 @@ pub unsafe fn report_or_undecided(
 /// their sockets while nobody decided them (the peer's end or an error
 /// before the first call, which no hello can follow), are not looked at
 /// again: a level-triggered report of the end would otherwise cost every
-/// wait a look and a count of the bytes.
-pub fn nothing_to_decide(ep: c_int, fds: &[c_int]) {
+/// wait a look and a count of the bytes. Each is named with its stream:
+/// a descriptor closed since and given to another connection registered
+/// in its place keeps that one's registration looked at.
+pub fn nothing_to_decide(ep: c_int, fds: &[(c_int, Weak<Stream>)]) {
     if fds.is_empty() {
         return;
     }
     let Some(_g) = Guard::enter() else { return };
     keep_errno(|| {
         let mut s = sets();
-        for &fd in fds {
-            s.decided(ep, fd);
+        for (fd, stream) in fds {
+            s.decided(ep, *fd, stream);
         }
         s.publish();
     })
@@ -519,8 +555,11 @@ pub fn pending(ep: c_int) -> Vec<epoll_event> {
     let Some(_g) = Guard::enter() else { return Vec::new() };
     keep_errno(|| {
         let mut s = sets();
+        let before = s.counts;
         let out = s.take_pending(ep);
-        s.publish();
+        if s.counts != before {
+            s.publish();
+        }
         out
     })
 }

@@ -172,11 +172,23 @@ impl Owner {
         self.settler().store(if on { crate::pid::get() } else { 0 }, Ordering::Release);
     }
 
-    /// Whether another process drives it for good (it took it and is not
-    /// settling it before an exec): this one's calls fail with `EIO`, and
-    /// a readiness call need not try to decide it ([`crate::epoll`]).
-    pub fn elsewhere(&self) -> bool {
-        !self.may_use() && !self.settled_elsewhere()
+    /// The other process that drives it now (it took it and is not
+    /// settling it before an exec: this one's calls fail with `EIO`, and
+    /// a readiness call need not try to decide it, [`crate::epoll`]), if
+    /// any. Each word is read once: two reads of the driver's word could
+    /// mix two states (another process's id, then `TCP`).
+    pub fn driver_elsewhere(&self) -> Option<u32> {
+        let w = self.word().load(Ordering::Acquire);
+        if w == FREE || w == TCP || w == crate::pid::get() {
+            return None;
+        }
+        (self.settler().load(Ordering::Acquire) != w).then_some(w)
+    }
+
+    /// Whether it turned out plain TCP (for every holder: never changes
+    /// again).
+    pub fn is_tcp(&self) -> bool {
+        self.word().load(Ordering::Acquire) == TCP
     }
 
     /// Whether this process drives the connection, or may still take it
@@ -231,8 +243,10 @@ mod tests {
         assert_eq!(o.take(no_wait), Take::Mine);
         assert!(o.mine());
         assert_eq!(o.take(no_wait), Take::Mine);
+        assert!(!o.is_tcp());
         o.set_tcp();
         assert_eq!(o.take(no_wait), Take::Tcp);
+        assert!(o.is_tcp() && o.driver_elsewhere().is_none());
         assert!(o.may_use());
         assert!(!o.mine());
     }
@@ -246,6 +260,7 @@ mod tests {
         assert!(took, "the child did not take the free word");
         assert_eq!(o.take(no_wait), Take::Other, "the parent took what its child drives");
         assert!(!o.may_use());
+        assert!(o.driver_elsewhere().is_some());
     }
 
     /// A holder whose sibling settles the connection before an exec waits

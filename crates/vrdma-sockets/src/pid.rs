@@ -71,15 +71,18 @@ pub(crate) fn in_forked_child(check: impl FnOnce() -> bool) -> bool {
         child => {
             assert!(child > 0);
             let mut b = [0u8; 1];
-            // SAFETY: read(2) of one byte from our pipe; waitpid on our
-            // child; the pipe's two ends closed once.
-            unsafe {
-                assert_eq!(libc::read(fds[0], b.as_mut_ptr().cast(), 1), 1);
+            // SAFETY: read(2) of one byte from our pipe, whose write end
+            // is closed here first (a child killed before it answers, by
+            // a test's alarm, then reads as no); waitpid on our child;
+            // the pipe's two ends closed once.
+            let got = unsafe {
+                libc::close(fds[1]);
+                let got = libc::read(fds[0], b.as_mut_ptr().cast(), 1);
                 libc::waitpid(child, std::ptr::null_mut(), 0);
                 libc::close(fds[0]);
-                libc::close(fds[1]);
-            }
-            b[0] == 1
+                got
+            };
+            got == 1 && b[0] == 1
         }
     }
 }

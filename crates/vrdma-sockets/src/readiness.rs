@@ -736,10 +736,15 @@ fn tracked(ep: c_int) -> bool {
 /// ([`crate::epoll::report_or_undecided`]). One whose message is gone and
 /// that nobody decides (the peer's end or an error: nothing can follow
 /// them) is not looked at again ([`crate::epoll::nothing_to_decide`]).
+/// The wait for another thread's decision is bounded by `left`, the
+/// milliseconds left of the wait's timeout (negative: none;
+/// [`crate::stream::Stream::decided_after`]): one not known by then is
+/// answered as the kernel reported it, and looked at again at the next
+/// report.
 ///
 /// # Safety
 /// `ev` holds `n` events.
-unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
+unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int, left: c_int) -> c_int {
     #[cfg(test)]
     hook::after_kernel();
     // SAFETY: `ev` holds `n` events.
@@ -748,23 +753,34 @@ unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
         Err(u) => u,
     };
     let mut nothing = Vec::new();
+    // (One bound for all of them: the wait's time left.)
+    let (start, left) = (Instant::now(), (left >= 0).then(|| Duration::from_millis(left as u64)));
     for u in &undecided {
-        let decided = u.decided
-            || match decide_if_bytes(u.fd) {
+        let within = left.map(|l| l.saturating_sub(start.elapsed()));
+        let decided = match &u.stream {
+            Some(stream) if !u.decided => match decide_if_bytes(u.fd) {
                 Some(true) => true,
                 // Nothing there: perhaps another thread's decision took
                 // the message off (its negotiation still running).
-                Some(false) => {
-                    let decided = u.stream.decided_after();
+                Some(false) => match stream.decided_after(within) {
+                    Some(true) => true,
                     // (One that another process settles now before its
                     // exec, or took meanwhile, is left as it is.)
-                    if !decided && u.stream.owner.may_use() {
-                        nothing.push(u.fd);
+                    Some(false) => {
+                        if stream.owner.may_use() {
+                            nothing.push((u.fd, Arc::downgrade(stream)));
+                        }
+                        false
                     }
-                    decided
-                }
+                    // Not known in the wait's time: the next report looks
+                    // again.
+                    None => false,
+                },
                 None => false,
-            };
+            },
+            // Decided since, or gone (plain TCP).
+            _ => true,
+        };
         if decided && tcp_and_empty(u.fd) {
             // SAFETY: `index < n`; read and written by value (the struct
             // may be packed).
@@ -775,6 +791,8 @@ unsafe fn report(ep: c_int, ev: *mut epoll_event, n: c_int) -> c_int {
             }
         }
     }
+    #[cfg(test)]
+    hook::before_nothing();
     crate::epoll::nothing_to_decide(ep, &nothing);
     // SAFETY: `ev` holds `n` events.
     unsafe { crate::epoll::reported(ep, ev, n) }
@@ -830,7 +848,7 @@ unsafe fn epoll_filtered(
             }
             if n > 0 {
                 // SAFETY: `call` wrote `n` events at `ev`.
-                let n = unsafe { report(ep, ev, n) };
+                let n = unsafe { report(ep, ev, n, left_ms(timeout, start)) };
                 if n > 0 {
                     return n;
                 }
@@ -882,7 +900,7 @@ unsafe fn epoll_filtered(
         let waited = n == 0;
         if n > 0 {
             // SAFETY: `call` wrote `n` events at `ev`.
-            n = unsafe { report(ep, ev, n) };
+            n = unsafe { report(ep, ev, n, left_ms(timeout, start)) };
         }
         if n > 0 || (waited && !busy) || left_ms(timeout, start) == 0 {
             // As `poll_filtered`: a program spinning on calls that do not
@@ -961,8 +979,11 @@ pub unsafe extern "C" fn epoll_pwait2(
 pub(crate) mod hook {
     use std::cell::RefCell;
 
+    type Hook = RefCell<Option<Box<dyn FnOnce()>>>;
+
     thread_local! {
-        static AFTER_KERNEL: RefCell<Option<Box<dyn FnOnce()>>> = const { RefCell::new(None) };
+        static AFTER_KERNEL: Hook = const { RefCell::new(None) };
+        static BEFORE_NOTHING: Hook = const { RefCell::new(None) };
     }
 
     /// `f` runs once, in this thread's next report.
@@ -970,8 +991,23 @@ pub(crate) mod hook {
         AFTER_KERNEL.with(|h| *h.borrow_mut() = Some(Box::new(f)));
     }
 
+    /// `f` runs once, in this thread's next report that decided its
+    /// connections, before it says which had nothing to decide on (the
+    /// program's close and a new connection in that window).
+    pub fn set_before_nothing(f: impl FnOnce() + 'static) {
+        BEFORE_NOTHING.with(|h| *h.borrow_mut() = Some(Box::new(f)));
+    }
+
     pub(super) fn after_kernel() {
-        if let Some(f) = AFTER_KERNEL.with(|h| h.borrow_mut().take()) {
+        run(&AFTER_KERNEL);
+    }
+
+    pub(super) fn before_nothing() {
+        run(&BEFORE_NOTHING);
+    }
+
+    fn run(h: &'static std::thread::LocalKey<Hook>) {
+        if let Some(f) = h.with(|h| h.borrow_mut().take()) {
             f();
         }
     }

@@ -97,6 +97,20 @@ impl Drop for Sock {
     }
 }
 
+/// Another process's hold on a connection, for this process's readiness
+/// calls ([`Stream::elsewhere`]).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Elsewhere {
+    /// No other process drives it (this one does or may take it, it is
+    /// plain TCP, or another settles it before an exec: the outcome comes).
+    No,
+    /// Another process took it and may give it back (the connection is
+    /// free again): not decided here now, but perhaps later.
+    ForNow,
+    /// Another process drives it for good.
+    ForGood,
+}
+
 /// Not an errno: the peer closed the connection before its first call
 /// (reads return 0, writes fail with `EPIPE`, as over TCP).
 pub const ENDED: c_int = -1;
@@ -199,13 +213,49 @@ impl Stream {
     }
 
     /// Whether it is decided, once a negotiation that another thread is
-    /// making now is done (waits for it: the phase's lock is held for the
-    /// whole of it). For a readiness call that found the peer's first
-    /// message gone from the socket: another thread's decision may have
-    /// taken it ([`crate::readiness`]).
-    pub fn decided_after(&self) -> bool {
-        let p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
-        !matches!(*p, Phase::Announced(_) | Phase::Agreed)
+    /// making now is done (the phase's lock is held for the whole of it):
+    /// waits for it at most `within` (`None`: no bound of the caller's),
+    /// and never beyond [`settle_wait`]; `None` if it is not known by
+    /// then. For a readiness call that found the peer's first message
+    /// gone from the socket: another thread's decision may have taken it
+    /// ([`crate::readiness`]).
+    ///
+    /// Plain TCP is known from the owner word, without the lock: a forked
+    /// child's copy of the lock stays locked for ever if a thread of its
+    /// parent held it at the fork (deciding it), and the wait's own
+    /// timeout bounds the rest (an `epoll_wait(.., 0)` waited for the
+    /// whole of another thread's negotiation, seconds).
+    pub fn decided_after(&self, within: Option<Duration>) -> Option<bool> {
+        let decided = |p: &Phase| !matches!(p, Phase::Announced(_) | Phase::Agreed);
+        let bound = within.map_or(settle_wait(), |d| d.min(settle_wait()));
+        let start = Instant::now();
+        loop {
+            if self.owner.is_tcp() {
+                return Some(true);
+            }
+            match self.phase.try_lock() {
+                Ok(p) => return Some(decided(&p)),
+                Err(std::sync::TryLockError::Poisoned(p)) => return Some(decided(&p.into_inner())),
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+            if start.elapsed() >= bound {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
+    /// Whether another process holds it, as this process's readiness
+    /// calls see it (one look at the owner's words).
+    pub fn elsewhere(&self) -> Elsewhere {
+        match self.owner.driver_elsewhere() {
+            None => Elsewhere::No,
+            // A client's connection taken by a process that did not
+            // announce it: that process adopts it at its first call, and
+            // gives it back if it cannot ([`Stream::adopt`]).
+            Some(w) if self.client && w != self.creator => Elsewhere::ForNow,
+            Some(_) => Elsewhere::ForGood,
+        }
     }
 
     /// Test only: another thread's decision, as [`Stream::route`] makes
