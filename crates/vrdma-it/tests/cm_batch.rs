@@ -343,3 +343,51 @@ fn the_daemon_answers_a_resolve_and_create_id_batch() -> Result<()> {
     new_id(&mut c)?;
     Ok(())
 }
+
+/// Whether `fd` is readable now.
+fn readable(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::from_borrowed_fd(fd, PollFlags::IN)];
+    matches!(rustix::event::poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0)
+}
+
+/// Requests queued on a listener's channel behind bare wake-ups (the
+/// first rides its own; the daemon keeps the rest, as for a server that
+/// many clients connect to at once) come from the daemon in one call
+/// (`CmRequest::GetEvents`), where each took a `GetEvent` round trip of
+/// its own; the program still reads them one by one, in the order they
+/// came, and the channel's descriptor is readable exactly while some wait.
+#[test]
+fn queued_events_come_in_one_call_in_order_while_the_descriptor_shows_them() -> Result<()> {
+    const N: u8 = 6;
+    let d = DaemonProc::start()?;
+    let (client, server) = (d.context()?, d.context()?);
+    let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+    let at = localhost(vrdma_it::free_port()?);
+    let listener = CmId::create(&server_ch, PortSpace::Tcp)?;
+    listener.bind(at)?;
+    listener.listen(16)?;
+    let pd = client.alloc_pd()?;
+    let mut held = Vec::new();
+    for i in 0..N {
+        let id = CmId::create(&client_ch, PortSpace::Tcp)?;
+        id.resolve_addr(None, at)?;
+        expect(&client_ch, EventKind::AddrResolved)?;
+        id.resolve_route()?;
+        expect(&client_ch, EventKind::RouteResolved)?;
+        let param = ConnParam { private_data: vec![i], ..ConnParam::default() };
+        let made = id.create_qp_with_cq_and_connect(&pd, vrdma::QpType::Rc, 4, cap(1, 1), &param)?;
+        held.push((id, made));
+    }
+    let before = server_ch.event_calls();
+    for i in 0..N {
+        ensure!(readable(server_ch.fd()), "the descriptor shows the requests still waiting ({i} read)");
+        let req = expect(&server_ch, EventKind::ConnectRequest)?;
+        let data = req.peer.map(|p| p.private_data);
+        ensure!(data == Some(vec![i]), "request {i} read in its place: {data:?}");
+    }
+    ensure!(!readable(server_ch.fd()), "nothing waits: the descriptor is quiet");
+    let calls = server_ch.event_calls() - before;
+    ensure!(calls <= 2, "{calls} calls to the daemon for {N} requests read (one each before GetEvents)");
+    Ok(())
+}

@@ -79,10 +79,11 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddrV4;
 use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use vrdma_core::proto::{CmBatchOp, CmReply, CmRequest, Reply, Request};
+use vrdma_core::proto::{CmBatchOp, CmReply, CmRequest, Reply, Request, MAX_CM_EVENTS};
 use vrdma_shm::Doorbell;
 
 pub use vrdma_core::cm::{reject, CmEvent, ConnInfo, EventKind, PortSpace, UD_QKEY};
@@ -186,6 +187,14 @@ struct ChannelInner {
     ready: Mutex<VecDeque<Kept>>,
     /// The id made ahead for the next [`CmId::create`] (see there).
     spare: Arc<Mutex<Spare>>,
+    /// Whether the daemon is asked for the events queued behind the next
+    /// one too (`CmRequest::GetEvents`, see [`EventChannel::try_read`]):
+    /// not in a guest (its port takes `GetEvent`), nor once a daemon
+    /// refused it (an older one).
+    batch_events: AtomicBool,
+    /// `GetEvent` and `GetEvents` calls made (for tests:
+    /// [`EventChannel::event_calls`]).
+    event_calls: AtomicU64,
 }
 
 /// A channel's spare id: made ahead with a request whose reply is read
@@ -534,6 +543,8 @@ impl EventChannel {
             addr_events: Mutex::default(),
             ready: Mutex::default(),
             spare: Arc::default(),
+            batch_events: AtomicBool::new(ctx.inner.control.guest_link().is_none()),
+            event_calls: AtomicU64::new(0),
         };
         let inner = Arc::new(inner);
         // A guest's channel moves with its VM: its library side is told.
@@ -558,6 +569,14 @@ impl EventChannel {
     /// (`None`: as long as it takes); `Ok(None)` when the time passed.
     pub fn get_event(&self, timeout: Option<Duration>) -> Result<Option<CmEvent>> {
         self.read(timeout).inspect(|ev| self.inner.note(ev.as_ref()))
+    }
+
+    /// How many times this channel asked the daemon for events
+    /// (`GetEvent`, `GetEvents`): the reads that cost a round trip. For
+    /// tests of the library's folding; not a stable interface.
+    #[doc(hidden)]
+    pub fn event_calls(&self) -> u64 {
+        self.inner.event_calls.load(Ordering::Relaxed)
     }
 
     /// The next event if one waits.
@@ -617,6 +636,17 @@ impl EventChannel {
         if let Some(ev) = self.inner.next_local()? {
             return Ok(Some(ev));
         }
+        if self.inner.batch_events.load(Ordering::Relaxed) {
+            match self.get_events() {
+                Ok(ev) => return Ok(ev),
+                Err(e) if daemon_gone(&e) => return self.inner.removal_event().map(Some),
+                // An older daemon, which knows no `GetEvents` (or a failure
+                // `GetEvent` reports again, as it always did).
+                Err(Error::Daemon { .. }) => self.inner.batch_events.store(false, Ordering::Relaxed),
+                Err(e) => return Err(e),
+            }
+        }
+        self.inner.event_calls.fetch_add(1, Ordering::Relaxed);
         let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
             Err(e) if daemon_gone(&e) => {
                 return self.inner.removal_event().map(Some);
@@ -646,6 +676,33 @@ impl EventChannel {
             self.inner.fd.take_one();
         }
         Ok(event)
+    }
+
+    /// The next event from the daemon, and those queued behind it there
+    /// (up to `MAX_CM_EVENTS`, `CmRequest::GetEvents`) kept for the next
+    /// reads, their wake-ups left in the descriptor until each is handed
+    /// out (as an event that came in a call's reply), so that the
+    /// descriptor stays readable exactly while events wait. One round
+    /// trip where each event after the first took one of its own.
+    ///
+    /// `ready` is held across the call, so that an event that comes in
+    /// the reply of another thread's call made after this one (an
+    /// accept's ESTABLISHED, which the daemon hands out only when nothing
+    /// is queued before it) is kept after these, in the daemon's order.
+    fn get_events(&self) -> Result<Option<CmEvent>> {
+        let mut ready = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
+        let req = CmRequest::GetEvents { channel: self.inner.channel, max: MAX_CM_EVENTS };
+        self.inner.event_calls.fetch_add(1, Ordering::Relaxed);
+        let CmReply::Events { events } = call(&self.inner.ctx, req)? else {
+            return Err(Error::protocol("GetEvents answered with something else"));
+        };
+        let mut events = events.into_iter();
+        let Some((first, wakeups)) = events.next() else { return Ok(None) };
+        for _ in 0..wakeups {
+            self.inner.fd.take_one();
+        }
+        ready.extend(events.map(|(event, wakeups)| Kept { event, wakeups, local: false }));
+        Ok(first)
     }
 }
 
