@@ -332,6 +332,40 @@ impl Control {
         }
     }
 
+    /// [`call`](Self::call) for a reply with no descriptors or rings (the
+    /// connection manager's), which `then` takes before the connection is
+    /// free for another call: what `then` does comes before what any
+    /// later call's caller does with its own reply (so that events one
+    /// reply hands over are kept before those of a reply the daemon sent
+    /// after it). Not in guest mode. `Reply::Error` becomes
+    /// [`Error::Daemon`], as in `call`, without `then`.
+    pub fn call_then<R>(&self, req: &Request, then: impl FnOnce(Reply) -> R) -> Result<R> {
+        if self.guest.is_some() {
+            return Err(Error::invalid("a guest's calls go one by one through its port"));
+        }
+        let bytes = proto::encode_request(req);
+        let mut st = self.lock();
+        if st.broken {
+            return Err(Error::Io(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "the connection to vrdmad is broken",
+            )));
+        }
+        if let Err(e) = vrdma_shm::send_msg(st.sock.as_fd(), &bytes, &[]) {
+            if e.kind() == io::ErrorKind::WriteZero {
+                st.broken = true;
+            }
+            return Err(e.into());
+        }
+        spin::before_blocking_on(st.sock.as_fd());
+        Self::read_deferred(&mut st)?;
+        // (Descriptors that came anyway are closed here.)
+        match Self::recv_reply(&mut st)?.0 {
+            Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
+            reply => Ok(then(reply)),
+        }
+    }
+
     /// One reply off the socket, decoded; the connection is marked broken
     /// where it cannot be.
     fn recv_reply(st: &mut State) -> Result<(Reply, Vec<OwnedFd>)> {
