@@ -103,6 +103,7 @@ use vrdma_shm::Doorbell;
 pub use vrdma_core::cm::{reject, CmEvent, ConnInfo, EventKind, PortSpace, UD_QKEY};
 
 use crate::cm_fd::ChannelFd;
+use crate::cm_reply;
 use crate::control;
 use crate::{Context, Error, QpAttr, QpAttrMask, QpState, QueuePair, Result};
 
@@ -258,17 +259,57 @@ impl ChannelInner {
         }
     }
 
-    /// Keeps the event a call's reply carried, if any.
-    fn keep(&self, reply: CmReply) {
-        if let CmReply::Event { event, wakeups } = reply {
-            if event.is_some() || wakeups > 0 {
-                self.ready.lock().unwrap_or_else(|p| p.into_inner()).push_back(Kept {
-                    event,
-                    wakeups,
-                    local: false,
-                });
+    /// Keeps the events a reply hands over (a call's, or a batch's calls',
+    /// `CmReply::Event`; `GetEvent`'s; `GetEvents`' list), with the
+    /// wake-ups each stands for, after those kept before: the library
+    /// hands them out from here, in order (see
+    /// [`next_local`](Self::next_local)). Run before the connection takes
+    /// another call (`Control::call_noting`), so that events are kept in
+    /// the order the daemon handed them over, whichever thread made the
+    /// call: kept after the control lock was let go, an accept's
+    /// ESTABLISHED could come after the later events of a `GetEvent`
+    /// another thread sent meanwhile (found in review, 2026-11-28). A
+    /// reply that cannot be right (`cm_reply`) keeps nothing and is an
+    /// error.
+    fn keep_reply(&self, reply: &Reply, get_events_max: Option<u32>) -> Result<()> {
+        let entries: Vec<(&Option<CmEvent>, u32)> = match reply {
+            Reply::Cm(CmReply::Events { events }) => {
+                let Some(max) = get_events_max else {
+                    return Err(Error::protocol("an event list in the reply of another call than GetEvents"));
+                };
+                cm_reply::check_events(events, max)?;
+                events.iter().map(|(e, w)| (e, *w)).collect()
+            }
+            Reply::Cm(CmReply::Event { event, wakeups }) => vec![(event, *wakeups)],
+            Reply::Batch { replies, .. } => replies
+                .iter()
+                .filter_map(|r| match r {
+                    Reply::Cm(CmReply::Event { event, wakeups }) => Some((event, *wakeups)),
+                    _ => None,
+                })
+                .collect(),
+            _ => Vec::new(),
+        };
+        if get_events_max.is_none() {
+            for (event, wakeups) in &entries {
+                cm_reply::check_entry(event.as_ref(), *wakeups)?;
             }
         }
+        let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
+        for (event, wakeups) in entries {
+            if event.is_some() || wakeups > 0 {
+                ready.push_back(Kept { event: event.clone(), wakeups, local: false });
+            }
+        }
+        Ok(())
+    }
+
+    /// A call whose reply may hand over events: they are kept before the
+    /// connection takes another call ([`keep_reply`](Self::keep_reply)).
+    fn call_keeping(&self, req: &Request, get_events_max: Option<u32>) -> Result<control::Answer> {
+        let (answer, kept) =
+            self.ctx.inner.control.call_noting(req, &[], |reply| self.keep_reply(reply, get_events_max))?;
+        kept.map(|()| answer)
     }
 
     /// Keeps `ev`, an event the library made itself, and rings the
@@ -650,78 +691,58 @@ impl EventChannel {
         if let Some(ev) = self.inner.next_local()? {
             return Ok(Some(ev));
         }
-        if self.inner.batch_events.load(Ordering::Relaxed) {
-            match self.get_events() {
-                Ok(ev) => return Ok(ev),
-                Err(e) if daemon_gone(&e) => return self.inner.removal_event().map(Some),
-                // An older daemon, which knows no `GetEvents` (or a failure
-                // `GetEvent` reports again, as it always did).
-                Err(Error::Daemon { .. }) => self.inner.batch_events.store(false, Ordering::Relaxed),
-                Err(e) => return Err(e),
-            }
+        match self.fetch() {
+            Ok(()) => {}
+            Err(e) if daemon_gone(&e) => return self.inner.removal_event().map(Some),
+            Err(e) => return Err(e),
         }
-        self.inner.event_calls.fetch_add(1, Ordering::Relaxed);
-        let reply = match call(&self.inner.ctx, CmRequest::GetEvent { channel: self.inner.channel }) {
-            Err(e) if daemon_gone(&e) => {
-                return self.inner.removal_event().map(Some);
-            }
-            r => r?,
-        };
-        let CmReply::Event { event, wakeups } = reply else {
-            return Err(Error::protocol("GetEvent answered with something else"));
-        };
-        // The event's wake-up, and those of events that went with their
-        // ids: the descriptor stays readable exactly while events wait.
-        // (Under the lock a move's resync takes: see `MovedCmChannel`.)
-        let mut held = self.inner.ready.lock().unwrap_or_else(|p| p.into_inner());
-        // The doorbell may have been empty at the look above (a
-        // non-blocking reader asks without polling) or emptied since (by
-        // another reader of the channel), and then taken a carried event,
-        // older than this one, whose wake-ups are behind it: taking the
-        // first wake-ups for this one lost that event. It is the
-        // program's first; this one is kept, first, with its wake-ups.
-        if wakeups > 0 {
-            if let Some(older) = self.inner.take_carried(None)? {
-                held.push_front(Kept { event, wakeups, local: false });
-                return Ok(Some(older));
-            }
-        }
-        for _ in 0..wakeups {
-            self.inner.fd.take_one();
-        }
-        Ok(event)
+        // The events fetched are kept behind any kept before (older: see
+        // `keep_reply`), their wake-ups still in the descriptor, and come
+        // out as those do: after one moved here or made by the library,
+        // and after a carried one the descriptor took meanwhile (the
+        // daemon carries an event only into an empty descriptor, so that
+        // one is older than all the fetched ones, whose wake-ups are
+        // behind it: taking the first wake-ups for them lost it, found in
+        // review, 2026-11-28). (Another reader of the channel may take
+        // them first: then there is nothing for this one.)
+        self.inner.next_local()
     }
 
-    /// The next event from the daemon, and those queued behind it there
-    /// (up to `MAX_CM_EVENTS`, `CmRequest::GetEvents`) kept for the next
-    /// reads, their wake-ups left in the descriptor until each is handed
-    /// out (as an event that came in a call's reply), so that the
-    /// descriptor stays readable exactly while events wait. One round
-    /// trip where each event after the first took one of its own.
-    ///
-    /// They are kept before the connection takes another call
-    /// (`Control::call_then`), so that an event that comes in the reply
-    /// of another thread's call the daemon ran after this one (an accept's
-    /// ESTABLISHED, which the daemon hands out in its reply only when
-    /// nothing is queued before it) is kept after them, in the daemon's
-    /// order.
-    fn get_events(&self) -> Result<Option<CmEvent>> {
+    /// Asks the daemon for the channel's next events, which are kept (see
+    /// `ChannelInner::keep_reply`): with `GetEvents` (up to
+    /// `MAX_CM_EVENTS`: those queued behind the first whose wake-ups are
+    /// in the descriptor come in the same round trip, where each took one
+    /// of its own), or with `GetEvent` where the daemon is an older one,
+    /// which answers `GetEvents` `EINVAL` (from then on), or in a guest
+    /// (its port takes `GetEvent` only).
+    fn fetch(&self) -> Result<()> {
         let inner = &self.inner;
-        let req = Request::Cm(CmRequest::GetEvents { channel: inner.channel, max: MAX_CM_EVENTS });
-        inner.event_calls.fetch_add(1, Ordering::Relaxed);
-        inner.ctx.inner.control.call_then(&req, |reply| {
-            let Reply::Cm(CmReply::Events { events }) = reply else {
-                return Err(Error::protocol("GetEvents answered with something else"));
+        if inner.batch_events.load(Ordering::Relaxed) {
+            let req = Request::Cm(CmRequest::GetEvents { channel: inner.channel, max: MAX_CM_EVENTS });
+            inner.event_calls.fetch_add(1, Ordering::Relaxed);
+            let answer = match inner.call_keeping(&req, Some(MAX_CM_EVENTS)) {
+                // An older daemon, which knows no `GetEvents` (a failure
+                // `GetEvent` would report comes again from it).
+                Err(Error::Daemon { errno: libc::EINVAL, .. }) => {
+                    inner.batch_events.store(false, Ordering::Relaxed);
+                    None
+                }
+                r => Some(r?),
             };
-            let mut ready = inner.ready.lock().unwrap_or_else(|p| p.into_inner());
-            let mut events = events.into_iter();
-            let Some((first, wakeups)) = events.next() else { return Ok(None) };
-            for _ in 0..wakeups {
-                inner.fd.take_one();
+            if let Some(answer) = answer {
+                return match answer.reply {
+                    Reply::Cm(CmReply::Events { .. }) => Ok(()),
+                    other => Err(control::unexpected(&req, &other)),
+                };
             }
-            ready.extend(events.map(|(event, wakeups)| Kept { event, wakeups, local: false }));
-            Ok(first)
-        })?
+        }
+        let req = Request::Cm(CmRequest::GetEvent { channel: inner.channel });
+        inner.event_calls.fetch_add(1, Ordering::Relaxed);
+        let answer = inner.call_keeping(&req, None)?;
+        match answer.reply {
+            Reply::Cm(CmReply::Event { .. }) => Ok(()),
+            other => Err(control::unexpected(&req, &other)),
+        }
     }
 }
 
@@ -788,6 +809,11 @@ impl Drop for CmId {
             return; // the daemon, and the id with it, are gone
         }
         destroy(&self.channel.inner.ctx, CmRequest::DestroyId { id: self.id });
+        // And those a fetch in flight on another thread brought (the
+        // daemon sent them before it destroyed the id): they were kept
+        // before the destroy was sent (`ChannelInner::keep_reply`), so
+        // they are found now, and never handed out (found in review).
+        self.channel.inner.forget(self.id);
     }
 }
 
@@ -842,9 +868,17 @@ impl CmId {
         self.ps
     }
 
+    /// A call of this id's: an event its reply hands over (a resolve's,
+    /// an accept's: see the module's notes) is kept before the connection
+    /// takes another call (`ChannelInner::keep_reply`).
     fn call(&self, req: CmRequest) -> Result<CmReply> {
         self.channel.inner.settle_spare();
-        call(&self.channel.inner.ctx, req)
+        let req = Request::Cm(req);
+        let answer = self.channel.inner.call_keeping(&req, None)?;
+        match answer.reply {
+            Reply::Cm(r) => Ok(r),
+            other => Err(control::unexpected(&req, &other)),
+        }
     }
 
     fn route(&self) -> std::sync::MutexGuard<'_, Route> {
@@ -937,13 +971,13 @@ impl CmId {
                 .then(|| inner.take_wanted())
                 .flatten()
         };
-        let reply = match batched {
+        // (The event its reply carries, if any, is kept.)
+        match batched {
             Some(ps) => self.resolve_addr_and_spare(src, dst, ps)?,
             None => self.call_settled(CmRequest::ResolveAddr { id: self.id, src, dst })?,
         };
         self.channel.inner.set_device(self.id);
         *self.route() = Route::Resolvable;
-        self.channel.inner.keep(reply);
         Ok(())
     }
 
@@ -965,7 +999,8 @@ impl CmId {
             CmBatchOp::CreateId { channel: inner.channel, ps: ps.raw() },
         ];
         let req = Request::Cm(CmRequest::Batch { ops });
-        let answer = match inner.ctx.inner.control.call(&req, &[]) {
+        // (The resolve's event, if its reply carries one, is kept.)
+        let answer = match inner.call_keeping(&req, None) {
             Ok(a) => a,
             Err(e) => {
                 inner.spare_answered(None);
@@ -1032,8 +1067,7 @@ impl CmId {
             }
         }
         drop(route);
-        let reply = self.call_settled(CmRequest::ResolveRoute { id: self.id })?;
-        self.channel.inner.keep(reply);
+        self.call_settled(CmRequest::ResolveRoute { id: self.id })?;
         Ok(())
     }
 
@@ -1176,8 +1210,9 @@ impl CmId {
         let req = Request::Cm(CmRequest::Batch { ops });
         // (Where the call breaks, the daemon's state is not known: the
         // calls after the creation count as run.)
+        // (An accept's event, if its reply carries one, is kept.)
         let control::Answer { reply, fds, offsets, rings } =
-            ctx.inner.control.call(&req, &[]).map_err(|e| (e, true))?;
+            self.channel.inner.call_keeping(&req, None).map_err(|e| (e, true))?;
         let Reply::Batch { replies, failed } = reply else {
             return Err((control::unexpected(&req, &reply), true));
         };
@@ -1241,12 +1276,9 @@ impl CmId {
             then.push(CmBatchOp::RouteReported { id: self.id });
         }
         then.push(CmBatchOp::Accept { id: self.id, conn: info(param, param.qp_num), qkey });
-        let (made, replies) =
+        // (The accept's event, if its reply carried one, is kept.)
+        let (made, _) =
             self.settle_with(&mut route, self.create_qp_with_cq_then(pd, qp_type, cqe, cap, then))?;
-        drop(route);
-        for reply in replies {
-            self.channel.inner.keep(reply);
-        }
         Ok(made)
     }
 
@@ -1341,8 +1373,7 @@ impl CmId {
     pub fn accept(&self, param: &ConnParam) -> Result<()> {
         let qpn = self.qp().unwrap_or(param.qp_num);
         let qkey = if self.ps.is_ud() { UD_QKEY } else { 0 };
-        let reply = self.call_settled(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey })?;
-        self.channel.inner.keep(reply);
+        self.call_settled(CmRequest::Accept { id: self.id, conn: info(param, qpn), qkey })?;
         Ok(())
     }
 

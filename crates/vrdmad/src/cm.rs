@@ -46,7 +46,7 @@ pub const MAX_CHANNELS_PER_TENANT: usize = 256;
 /// its ids, which the tenant's id quota bounds, a few each; past this the
 /// tenant is not reading them, and its listeners' new requests are
 /// refused rather than queued without end (see [`CmDriver::deliver`]).
-pub const MAX_UNREAD: usize = 4096;
+pub const MAX_UNREAD: usize = vrdma_core::proto::MAX_CM_UNREAD as usize;
 
 /// A tenant's event channel: events wait here until its owner asks for
 /// them; its doorbell is readable while any do.

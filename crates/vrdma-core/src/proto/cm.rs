@@ -188,6 +188,12 @@ pub const MAX_CM_BATCH: usize = 4;
 /// hundred bytes: private data and two addresses).
 pub const MAX_CM_EVENTS: u32 = 16;
 
+/// Most events a daemon keeps unread on one channel (a tenant that reads
+/// none of its events has its listeners' new requests refused past it),
+/// and so the most wake-ups one reply can hand the library to take: the
+/// library refuses a reply that says more (`vrdma::cm`).
+pub const MAX_CM_UNREAD: u32 = 4096;
+
 /// A call a [`CmRequest::Batch`] may carry: each is the [`CmRequest`] of
 /// the same name and fields.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -13,7 +13,7 @@ mod layout;
 mod migrate;
 mod sockets;
 
-pub use cm::{CmBatchOp, CmReply, CmRequest, MAX_CM_BATCH, MAX_CM_EVENTS};
+pub use cm::{CmBatchOp, CmReply, CmRequest, MAX_CM_BATCH, MAX_CM_EVENTS, MAX_CM_UNREAD};
 pub use layout::*;
 pub use migrate::{MigrateReply, MigrateRequest};
 pub use sockets::{SockReply, SockRequest};
