@@ -42,9 +42,22 @@
 //! descriptor until each is handed out, so it is readable exactly while
 //! they wait, and each comes in its place. (cmtime's server asked 229
 //! and 189 times in two runs for the 300 events of its 100 connections,
-//! set up and torn down; now 7 and 25 times.) An older daemon answers the request `EINVAL`, and the
-//! channel asks with `GetEvent` from then on; a guest's port takes
-//! `GetEvent` only.
+//! set up and torn down; now 7 and 25 times.) An older daemon answers
+//! the request `EINVAL`, and the channel asks with `GetEvent` from then
+//! on; a guest's port takes `GetEvent` only.
+//!
+//! Whatever events a reply hands over (a call's, `GetEvent`'s,
+//! `GetEvents`') are kept before the control connection takes another
+//! call (`control::Control::call_noting`), behind those kept before: the
+//! daemon serves one connection's calls in order, so the channel's queue
+//! is in the daemon's order whichever threads made the calls, and a
+//! reader hands out the oldest (one moved here or made by the library,
+//! then a carried one, then the queue's), not necessarily the one its own
+//! fetch brought. An id's kept events go when it is destroyed, those a
+//! fetch in flight brought too (they are kept before its `DestroyId` is
+//! sent). A reply is checked before any of it is kept (`cm_reply`: the
+//! counts of events and wake-ups, each event's fields); one that cannot
+//! be right is an error.
 //!
 //! A route needs nothing of the daemon once the program has read its
 //! address's `AddrResolved`: [`CmId::resolve_route`] makes
