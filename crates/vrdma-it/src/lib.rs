@@ -11,6 +11,7 @@
 //! own tenants ([`Side`], [`poll_n`], [`wait_until`], ...) and a raw control
 //! connection ([`RawConn`]) for sending what the library never would.
 
+pub mod control_proxy;
 pub mod harness;
 mod pingpong;
 pub mod protocol;

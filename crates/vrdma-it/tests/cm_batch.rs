@@ -5,13 +5,19 @@
 //! id each event channel keeps for its next `rdma_create_id`.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::Duration;
 
 use anyhow::{bail, ensure, Result};
 use vrdma::cm::{CmEvent, CmId, ConnInfo, ConnParam, EventChannel, EventKind, PortSpace};
 use vrdma::wr::SendWrExt;
 use vrdma::{QpState, WcStatus};
-use vrdma_core::proto::{CmBatchOp, CmReply, CmRequest, Reply, Request, MAX_CM_BATCH};
+use vrdma_core::proto::{
+    CmBatchOp, CmReply, CmRequest, Reply, Request, MAX_CM_BATCH, MAX_CM_EVENTS, MAX_CM_UNREAD,
+};
 use vrdma_core::verbs::{QpInitAttr, QpType};
+use vrdma_it::control_proxy::{context_through_proxy, Seen};
 use vrdma_it::{cap, poll_one, DaemonProc, RawConn, WAIT};
 
 fn expect(ch: &EventChannel, kind: EventKind) -> Result<CmEvent> {
@@ -341,5 +347,341 @@ fn the_daemon_answers_a_resolve_and_create_id_batch() -> Result<()> {
     ensure!(matches!(&replies[0], Reply::Error { message, .. } if message.contains("call 0 of the batch")));
     // Still serving.
     new_id(&mut c)?;
+    Ok(())
+}
+
+/// Whether `fd` is readable now.
+fn readable(fd: std::os::fd::BorrowedFd<'_>) -> bool {
+    use rustix::event::{PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::from_borrowed_fd(fd, PollFlags::IN)];
+    matches!(rustix::event::poll(&mut fds, Some(&Timespec { tv_sec: 0, tv_nsec: 0 })), Ok(n) if n > 0)
+}
+
+/// Requests queued on a listener's channel behind bare wake-ups (the
+/// first rides its own; the daemon keeps the rest, as for a server that
+/// many clients connect to at once) come from the daemon in one call
+/// (`CmRequest::GetEvents`), where each took a `GetEvent` round trip of
+/// its own; the program still reads them one by one, in the order they
+/// came, and the channel's descriptor is readable exactly while some wait.
+#[test]
+fn queued_events_come_in_one_call_in_order_while_the_descriptor_shows_them() -> Result<()> {
+    const N: u8 = 6;
+    let d = DaemonProc::start()?;
+    let (client, server) = (d.context()?, d.context()?);
+    let (server_ch, client_ch) = (EventChannel::create(&server)?, EventChannel::create(&client)?);
+    let at = localhost(vrdma_it::free_port()?);
+    let listener = CmId::create(&server_ch, PortSpace::Tcp)?;
+    listener.bind(at)?;
+    listener.listen(16)?;
+    let pd = client.alloc_pd()?;
+    let mut held = Vec::new();
+    for i in 0..N {
+        let id = CmId::create(&client_ch, PortSpace::Tcp)?;
+        id.resolve_addr(None, at)?;
+        expect(&client_ch, EventKind::AddrResolved)?;
+        id.resolve_route()?;
+        expect(&client_ch, EventKind::RouteResolved)?;
+        let param = ConnParam { private_data: vec![i], ..ConnParam::default() };
+        let made = id.create_qp_with_cq_and_connect(&pd, vrdma::QpType::Rc, 4, cap(1, 1), &param)?;
+        held.push((id, made));
+    }
+    let before = server_ch.event_calls();
+    for i in 0..N {
+        ensure!(readable(server_ch.fd()), "the descriptor shows the requests still waiting ({i} read)");
+        let req = expect(&server_ch, EventKind::ConnectRequest)?;
+        let data = req.peer.map(|p| p.private_data);
+        ensure!(data == Some(vec![i]), "request {i} read in its place: {data:?}");
+    }
+    ensure!(!readable(server_ch.fd()), "nothing waits: the descriptor is quiet");
+    let calls = server_ch.event_calls() - before;
+    ensure!(calls <= 2, "{calls} calls to the daemon for {N} requests read (one each before GetEvents)");
+    Ok(())
+}
+
+/// A hook for [`context_through_proxy`] that, once armed, holds the first
+/// request (or the reply to it) that `pick` chooses until released.
+struct Gate {
+    armed: Arc<AtomicBool>,
+    held: mpsc::Receiver<()>,
+    release: mpsc::Sender<()>,
+}
+
+impl Gate {
+    /// A context of `d` whose calls pass the gate (`reply`: held after
+    /// the daemon answered, else before it saw the request).
+    fn context(
+        d: &DaemonProc,
+        reply: bool,
+        pick: impl Fn(&Request) -> bool + Send + 'static,
+    ) -> Result<(vrdma::Context, Gate)> {
+        let armed = Arc::new(AtomicBool::new(false));
+        let (held_tx, held) = mpsc::channel();
+        let (release, released) = mpsc::channel::<()>();
+        let on = armed.clone();
+        let ctx = context_through_proxy(&d.socket, move |seen| {
+            let req = match (seen, reply) {
+                (Seen::Request(req), false) | (Seen::Reply(req, _), true) => req,
+                _ => return,
+            };
+            if pick(req) && on.swap(false, Ordering::SeqCst) {
+                let _ = held_tx.send(());
+                let _ = released.recv_timeout(WAIT);
+            }
+        })?;
+        Ok((ctx, Gate { armed, held, release }))
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until the gate holds its call.
+    fn holding(&self) -> Result<()> {
+        self.held.recv_timeout(WAIT).map_err(|_| anyhow::anyhow!("the gate never held its call"))
+    }
+
+    /// Lets the call go once the other threads had the time to reach
+    /// where they wait (the connection's lock); if one is late, it finds
+    /// the library's state the call left, and the test shows nothing.
+    fn release_later(&self) {
+        std::thread::sleep(Duration::from_millis(200));
+        let _ = self.release.send(());
+    }
+}
+
+fn is_get_events(req: &Request) -> bool {
+    matches!(req, Request::Cm(CmRequest::GetEvents { .. }))
+}
+
+/// `n` ids of `ch` whose connects to a port no one listens on end in
+/// REJECTED: the first rides its wake-up, the daemon keeps the others.
+fn rejected_ids(ch: &EventChannel, n: usize) -> Result<Vec<CmId>> {
+    let dead = localhost(vrdma_it::free_port()?);
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let id = CmId::create(ch, PortSpace::Tcp)?;
+        id.resolve_addr(None, dead)?;
+        expect(ch, EventKind::AddrResolved)?;
+        id.resolve_route()?;
+        expect(ch, EventKind::RouteResolved)?;
+        ids.push(id);
+    }
+    for id in &ids {
+        id.connect(&ConnParam::default())?;
+    }
+    Ok(ids)
+}
+
+/// An event a call's reply hands over (a resolve's ADDR_RESOLVED) while a
+/// reader of the channel waits for the connection, to fetch the events
+/// the daemon queued after it, is read before those: the reply's event is
+/// kept before the connection serves the fetch, and the fetched ones go
+/// behind it (found in review: kept after the connection's lock was let
+/// go, it came after a later CONNECT_REQUEST).
+#[test]
+fn an_event_kept_from_a_reply_is_read_before_the_events_a_waiting_reader_fetches_after_it() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let resolve = |r: &Request| match r {
+        Request::Cm(CmRequest::ResolveAddr { .. }) => true,
+        Request::Cm(CmRequest::Batch { ops }) => matches!(ops.first(), Some(CmBatchOp::ResolveAddr { .. })),
+        _ => false,
+    };
+    let (server, gate) = Gate::context(&d, true, resolve)?;
+    let ch = EventChannel::create(&server)?;
+    let listener = CmId::create(&ch, PortSpace::Tcp)?;
+    let at = listener.bind(localhost(0))?;
+    listener.listen(4)?;
+    // P's ADDR_RESOLVED rides its wake-up into the empty descriptor; A's,
+    // behind it, comes in its resolve's reply.
+    let p = CmId::create(&ch, PortSpace::Tcp)?;
+    p.resolve_addr(None, localhost(7))?;
+    let a = CmId::create(&ch, PortSpace::Tcp)?;
+    gate.arm();
+    std::thread::scope(|s| -> Result<()> {
+        let resolving = s.spawn(|| a.resolve_addr(None, localhost(7)));
+        gate.holding()?;
+        let first = ch.try_get_event()?.ok_or_else(|| anyhow::anyhow!("P's event, carried"))?;
+        ensure!((first.id, first.kind) == (p.id(), EventKind::AddrResolved), "{first:?}");
+        // A request, queued behind A's event.
+        let client = d.context()?;
+        let client_ch = EventChannel::create(&client)?;
+        let c = CmId::create(&client_ch, PortSpace::Tcp)?;
+        c.resolve_addr(None, at)?;
+        expect(&client_ch, EventKind::AddrResolved)?;
+        c.resolve_route()?;
+        expect(&client_ch, EventKind::RouteResolved)?;
+        c.connect(&ConnParam::default())?;
+        let reader = s.spawn(|| ch.try_get_event());
+        gate.release_later();
+        resolving.join().map_err(|_| anyhow::anyhow!("resolve panicked"))??;
+        let read = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))??;
+        let read = read.map(|e| (e.id, e.kind));
+        ensure!(read == Some((a.id(), EventKind::AddrResolved)), "A's event first, got {read:?}");
+        expect(&ch, EventKind::ConnectRequest)?;
+        ensure!(ch.try_get_event()?.is_none());
+        ensure!(!readable(ch.fd()));
+        Ok(())
+    })
+}
+
+/// An event of an id destroyed while a fetch that took it is on its way
+/// goes with the id, as one kept before does: never handed out later
+/// (found in review).
+#[test]
+fn an_event_fetched_while_its_id_is_destroyed_goes_with_it() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let (ctx, gate) = Gate::context(&d, true, is_get_events)?;
+    let ch = EventChannel::create(&ctx)?;
+    let mut ids = rejected_ids(&ch, 3)?;
+    let x = ids.pop().expect("three");
+    let first = expect(&ch, EventKind::Rejected)?;
+    ensure!(first.id == ids[0].id(), "{first:?}");
+    gate.arm();
+    std::thread::scope(|s| -> Result<()> {
+        let reader = s.spawn(|| ch.try_get_event());
+        gate.holding()?;
+        let destroying = s.spawn(move || drop(x));
+        gate.release_later();
+        let read = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))??;
+        let read = read.map(|e| (e.id, e.kind));
+        ensure!(read == Some((ids[1].id(), EventKind::Rejected)), "the second id's, got {read:?}");
+        destroying.join().map_err(|_| anyhow::anyhow!("destroy panicked"))?;
+        Ok(())
+    })?;
+    let after = ch.get_event(Some(Duration::from_millis(50)))?;
+    ensure!(after.is_none(), "the destroyed id's event was handed out: {after:?}");
+    ensure!(!readable(ch.fd()), "its wake-up went with it");
+    Ok(())
+}
+
+/// A carried event that came while a fetch was on its way (the reader
+/// found the descriptor empty; the daemon then carried one request in its
+/// wake-up and queued the next behind it) is read first: it is older
+/// than every fetched one (3ecc662's rule, kept by `GetEvents`).
+#[test]
+fn a_carried_event_that_came_during_a_fetch_is_read_before_the_fetched_ones() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let (server, gate) = Gate::context(&d, false, is_get_events)?;
+    let ch = EventChannel::create(&server)?;
+    let listener = CmId::create(&ch, PortSpace::Tcp)?;
+    let at = listener.bind(localhost(0))?;
+    listener.listen(4)?;
+    let client = d.context()?;
+    let client_ch = EventChannel::create(&client)?;
+    gate.arm();
+    std::thread::scope(|s| -> Result<()> {
+        let reader = s.spawn(|| ch.try_get_event());
+        gate.holding()?;
+        let mut held = Vec::new();
+        for i in 0..2u8 {
+            let c = CmId::create(&client_ch, PortSpace::Tcp)?;
+            c.resolve_addr(None, at)?;
+            expect(&client_ch, EventKind::AddrResolved)?;
+            c.resolve_route()?;
+            expect(&client_ch, EventKind::RouteResolved)?;
+            c.connect(&ConnParam { private_data: vec![i], ..ConnParam::default() })?;
+            held.push(c);
+        }
+        gate.release_later();
+        let read = reader.join().map_err(|_| anyhow::anyhow!("reader panicked"))??;
+        let data = |e: Option<CmEvent>| e.and_then(|e| e.peer).map(|p| p.private_data);
+        ensure!(data(read.clone()) == Some(vec![0]), "the carried request first, got {read:?}");
+        ensure!(data(Some(expect(&ch, EventKind::ConnectRequest)?)) == Some(vec![1]));
+        ensure!(ch.try_get_event()?.is_none());
+        ensure!(!readable(ch.fd()));
+        Ok(())
+    })
+}
+
+/// A `GetEvents` reply that cannot be right (more events than asked for,
+/// more wake-ups than a channel holds, an empty entry before others, an
+/// event whose fields are out of range) is an error, with nothing of it
+/// kept; the channel goes on working.
+#[test]
+fn a_get_events_reply_that_cannot_be_right_is_an_error_and_keeps_nothing() -> Result<()> {
+    use vrdma_core::cm::ConnInfo as Conn;
+    let d = DaemonProc::start()?;
+    let forged: Arc<Mutex<Option<Reply>>> = Arc::default();
+    let swap = forged.clone();
+    let ctx = context_through_proxy(&d.socket, move |seen| {
+        if let Seen::Reply(req, bytes) = seen {
+            if is_get_events(req) {
+                if let Some(r) = swap.lock().unwrap().take() {
+                    *bytes = vrdma_core::proto::encode_reply(&r);
+                }
+            }
+        }
+    })?;
+    let ch = EventChannel::create(&ctx)?;
+    let id = CmId::create(&ch, PortSpace::Tcp)?;
+    let ev = CmEvent {
+        ctx: vrdma_core::hca::ContextId(0),
+        id: id.id(),
+        kind: EventKind::Established,
+        status: 0,
+        listen_id: None,
+        peer: None,
+        qkey: 0,
+        local: None,
+        remote: None,
+    };
+    let good = (Some(ev.clone()), 1);
+    let bad = [
+        vec![good.clone(); MAX_CM_EVENTS as usize + 1],
+        vec![(Some(ev.clone()), MAX_CM_UNREAD + 1)],
+        vec![(None, 1), good.clone()],
+        vec![good.clone(), (Some(ev.clone()), 0)],
+        vec![(Some(CmEvent { status: 3, ..ev.clone() }), 1)],
+        vec![(Some(CmEvent { listen_id: Some(1), ..ev.clone() }), 1)],
+        vec![(
+            Some(CmEvent {
+                peer: Some(Conn { private_data: vec![0; 300], ..Conn::default() }),
+                ..ev.clone()
+            }),
+            1,
+        )],
+    ];
+    for events in bad {
+        let n = events.len();
+        *forged.lock().unwrap() = Some(Reply::Cm(CmReply::Events { events }));
+        match ch.try_get_event() {
+            Err(vrdma::Error::Protocol(_)) => {}
+            other => bail!("a reply of {n} entries taken: {other:?}"),
+        }
+        ensure!(forged.lock().unwrap().is_none(), "the forged reply was read");
+        ensure!(ch.try_get_event()?.is_none(), "nothing of it was kept");
+    }
+    // Still working.
+    id.resolve_addr(None, localhost(7))?;
+    expect(&ch, EventKind::AddrResolved)?;
+    Ok(())
+}
+
+/// A daemon that knows no `GetEvents` (an older one answers `EINVAL`)
+/// is asked with `GetEvent` from then on, and the events come as before.
+#[test]
+fn an_older_daemons_einval_turns_get_events_into_get_event() -> Result<()> {
+    let d = DaemonProc::start()?;
+    let asked: Arc<Mutex<Vec<&'static str>>> = Arc::default();
+    let log = asked.clone();
+    let ctx = context_through_proxy(&d.socket, move |seen| match seen {
+        Seen::Reply(Request::Cm(CmRequest::GetEvents { .. }), bytes) => {
+            log.lock().unwrap().push("GetEvents");
+            // (The daemon's answer was an empty list: nothing is lost.)
+            let refused = Reply::Error { errno: libc::EINVAL, message: "unknown request".into() };
+            *bytes = vrdma_core::proto::encode_reply(&refused);
+        }
+        Seen::Reply(Request::Cm(CmRequest::GetEvent { .. }), _) => log.lock().unwrap().push("GetEvent"),
+        _ => {}
+    })?;
+    let ch = EventChannel::create(&ctx)?;
+    ensure!(ch.try_get_event()?.is_none());
+    ensure!(*asked.lock().unwrap() == ["GetEvents", "GetEvent"], "{:?}", asked.lock().unwrap());
+    let ids = rejected_ids(&ch, 3)?;
+    for id in &ids {
+        ensure!(expect(&ch, EventKind::Rejected)?.id == id.id());
+    }
+    let asked = asked.lock().unwrap();
+    ensure!(asked[2..].iter().all(|k| *k == "GetEvent") && asked.len() > 2, "{asked:?}");
     Ok(())
 }

@@ -287,18 +287,34 @@ impl Control {
     ///
     /// `Reply::Error` becomes [`Error::Daemon`] with its errno.
     pub fn call(&self, req: &Request, fds: &[BorrowedFd<'_>]) -> Result<Answer> {
+        self.call_noting(req, fds, |_| ()).map(|(answer, ())| answer)
+    }
+
+    /// [`call`](Self::call), with `note` run on the reply (not an error's)
+    /// before the connection is free for another call: what `note` does
+    /// comes before what any later call's caller does with its own reply.
+    /// The connection manager keeps the events a reply hands over so
+    /// (`cm`), in the order the daemon sent them, which is the order of
+    /// the calls it served. (`note` sees a pooled reply's inner reply, and
+    /// must not call the daemon itself.)
+    pub fn call_noting<R>(
+        &self,
+        req: &Request,
+        fds: &[BorrowedFd<'_>],
+        note: impl FnOnce(&Reply) -> R,
+    ) -> Result<(Answer, R)> {
         if let Some(g) = &self.guest {
             if !fds.is_empty() {
                 return Err(Error::protocol("a guest cannot pass descriptors to the daemon"));
             }
-            let (reply, placed) = g.call(req)?;
-            return match reply {
-                Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
-                reply => {
-                    let (fds, offsets) = placed.into_iter().unzip();
-                    Ok(Answer { reply, fds, offsets, rings: None })
-                }
-            };
+            let ((reply, placed), noted) =
+                g.call_noting(req, |reply| (!matches!(reply, Reply::Error { .. })).then(|| note(reply)))?;
+            if let Reply::Error { errno, message } = reply {
+                return Err(Error::Daemon { errno, message });
+            }
+            let noted = noted.ok_or_else(|| Error::protocol("a reply not noted"))?;
+            let (fds, offsets) = placed.into_iter().unzip();
+            return Ok((Answer { reply, fds, offsets, rings: None }, noted));
         }
         let bytes = proto::encode_request(req);
         let mut st = self.lock();
@@ -321,14 +337,23 @@ impl Control {
         spin::before_blocking_on(st.sock.as_fd());
         Self::read_deferred(&mut st)?;
         let (reply, fds) = Self::recv_reply(&mut st)?;
+        if let Reply::Error { errno, message } = reply {
+            return Err(Error::Daemon { errno, message });
+        }
+        let noted = note(match &reply {
+            Reply::Pooled { reply, .. } => reply,
+            reply => reply,
+        });
         drop(st);
         match reply {
-            Reply::Error { errno, message } => Err(Error::Daemon { errno, message }),
             Reply::Pooled { rings, reply } => {
                 let placed = self.place(&rings, fds)?;
-                Ok(Answer { reply: *reply, fds: Vec::new(), offsets: Vec::new(), rings: Some(placed) })
+                Ok((
+                    Answer { reply: *reply, fds: Vec::new(), offsets: Vec::new(), rings: Some(placed) },
+                    noted,
+                ))
             }
-            reply => Ok(Answer { reply, offsets: vec![0; fds.len()], fds, rings: None }),
+            reply => Ok((Answer { reply, offsets: vec![0; fds.len()], fds, rings: None }, noted)),
         }
     }
 
@@ -550,6 +575,58 @@ mod tests {
             }
             reqs
         })
+    }
+
+    /// What a call notes of its reply is done before the connection takes
+    /// another call: a second thread's call waits for it (the connection
+    /// manager keeps a reply's events so, in the daemon's order). An
+    /// error is not noted.
+    #[test]
+    fn a_note_on_a_reply_comes_before_the_next_call() {
+        use std::sync::mpsc;
+        let (a, b) = seqpacket_pair().unwrap();
+        let c = Arc::new(Control::from_socket(a));
+        let h = serve(
+            b,
+            vec![
+                Reply::Pd { pd: 1 },
+                Reply::Pd { pd: 2 },
+                Reply::Error { errno: libc::EINVAL, message: "no".into() },
+            ],
+        );
+        let (entered, in_note) = mpsc::channel();
+        let (release, released) = mpsc::channel::<()>();
+        let first = {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                c.call_noting(&Request::AllocPd, &[], |reply| {
+                    entered.send(()).unwrap();
+                    released.recv().unwrap();
+                    reply.clone()
+                })
+            })
+        };
+        in_note.recv().unwrap();
+        let (done, answered) = mpsc::channel();
+        let second = {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let r = c.call(&Request::AllocPd, &[]).map(|a| a.reply);
+                done.send(()).unwrap();
+                r
+            })
+        };
+        // (Long enough for the second call's round trip, were it let go.)
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(answered.try_recv().is_err(), "another call was served while a reply was being noted");
+        release.send(()).unwrap();
+        let (answer, noted) = first.join().unwrap().unwrap();
+        assert_eq!((answer.reply, noted), (Reply::Pd { pd: 1 }, Reply::Pd { pd: 1 }));
+        assert_eq!(second.join().unwrap().unwrap(), Reply::Pd { pd: 2 });
+        let mut ran = false;
+        let e = c.call_noting(&Request::AllocPd, &[], |_| ran = true).unwrap_err();
+        assert_eq!((e.errno(), ran), (libc::EINVAL, false));
+        h.join().unwrap();
     }
 
     /// A request sent ahead: its reply is read by the next call, before

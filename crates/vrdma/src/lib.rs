@@ -86,6 +86,7 @@ mod channel;
 mod channel_core;
 pub mod cm;
 mod cm_fd;
+mod cm_reply;
 mod context;
 mod control;
 mod cq;

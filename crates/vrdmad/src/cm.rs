@@ -46,7 +46,7 @@ pub const MAX_CHANNELS_PER_TENANT: usize = 256;
 /// its ids, which the tenant's id quota bounds, a few each; past this the
 /// tenant is not reading them, and its listeners' new requests are
 /// refused rather than queued without end (see [`CmDriver::deliver`]).
-pub const MAX_UNREAD: usize = 4096;
+pub const MAX_UNREAD: usize = vrdma_core::proto::MAX_CM_UNREAD as usize;
 
 /// A tenant's event channel: events wait here until its owner asks for
 /// them; its doorbell is readable while any do.
@@ -83,6 +83,32 @@ impl EventChannel {
         while self.owed > 0 && self.fd.ring_one() {
             self.owed -= 1;
         }
+    }
+
+    /// `GetEvent`'s take: the next event and the wake-ups the tenant
+    /// takes with it (one per entry, those of events gone with their ids
+    /// included). Only entries whose wake-ups are in the doorbell go;
+    /// `first`: at least one entry even where none is rung (a channel
+    /// whose doorbell took none: the tenant's takes find nothing, and the
+    /// count stays right), as `GetEvent` always did.
+    fn take_event(&mut self, first: bool) -> (Option<CmEvent>, u32) {
+        // (The tenant takes the wake-ups from its end of the doorbell:
+        // readable while any event is left.)
+        self.ring_owed();
+        let rung = self.events.len() - self.owed;
+        let floor = if first { rung.max(1) } else { rung };
+        let mut wakeups = 0;
+        let mut event = None;
+        while wakeups < floor {
+            let Some(e) = self.events.pop_front() else { break };
+            wakeups += 1;
+            if e.is_some() {
+                event = e;
+                break;
+            }
+        }
+        self.owed = self.owed.min(self.events.len());
+        (event, wakeups as u32)
     }
 }
 
@@ -443,27 +469,28 @@ impl CmDriver {
             }
             CmRequest::GetEvent { channel } => {
                 self.own_channel(ctx, channel)?;
-                // (The tenant takes the wake-ups from its end of the
-                // doorbell: readable while any event is left.)
                 let c = self.channels.get_mut(&channel).expect("checked above");
-                c.ring_owed();
-                // Only entries whose wake-ups are in the doorbell go (the
-                // tenant takes one per entry); the rest wait for theirs.
-                let rung = c.events.len() - c.owed;
-                let mut wakeups = 0;
-                let mut event = None;
-                while wakeups < rung.max(1) {
-                    let Some(e) = c.events.pop_front() else { break };
-                    wakeups += 1;
-                    if e.is_some() {
-                        event = e;
+                let (event, wakeups) = c.take_event(true);
+                CmReply::Event { event, wakeups }
+            }
+            CmRequest::GetEvents { channel, max } => {
+                self.own_channel(ctx, channel)?;
+                let c = self.channels.get_mut(&channel).expect("checked above");
+                let max = max.clamp(1, vrdma_core::proto::MAX_CM_EVENTS) as usize;
+                let mut events = Vec::new();
+                // As `GetEvent`s in a row, the later ones only while rung
+                // wake-ups are left.
+                loop {
+                    let (event, wakeups) = c.take_event(events.is_empty());
+                    let got = event.is_some();
+                    if got || wakeups > 0 {
+                        events.push((event, wakeups));
+                    }
+                    if !got || events.len() >= max {
                         break;
                     }
                 }
-                // (A channel whose doorbell took none: the tenant's takes
-                // find nothing, and the count stays right.)
-                c.owed = c.owed.min(c.events.len());
-                CmReply::Event { event, wakeups: wakeups as u32 }
+                CmReply::Events { events }
             }
         };
         Ok(reply)
@@ -729,6 +756,73 @@ mod tests {
         resolve(&mut d, c);
         let (len, _) = tenant_end.peek(&mut buf).unwrap();
         assert_eq!(carried(&buf[..len]).map(|e| e.id), Some(c), "nothing unread: carried again");
+    }
+
+    /// `GetEvents` takes what `GetEvent`s in a row would: the events
+    /// queued behind bare wake-ups, in order, each with its wake-ups (an
+    /// event gone with its id folded into the next one's), at most `max`,
+    /// and nothing (an empty list) where none waits.
+    #[test]
+    fn get_events_takes_the_queued_events_in_order_with_their_wake_ups() {
+        let cm = ConnectionManager::new(Default::default(), vec![Ipv4Addr::LOCALHOST], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair_with_hangup().unwrap();
+        let channel = d.add_channel_with(C, T, fd, true).unwrap();
+        let now = Instant(1);
+        let id = |d: &mut CmDriver| match d.handle(
+            C,
+            T,
+            CmRequest::CreateId { channel, ps: 0x0106 },
+            now,
+            &mut no_qps(),
+        ) {
+            Ok(CmReply::Id { id }) => id,
+            other => panic!("{other:?}"),
+        };
+        let ids: Vec<u32> = (0..6).map(|_| id(&mut d)).collect();
+        let dst = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7471);
+        for &id in &ids[..4] {
+            d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
+            d.run(now, |_, _| Ok(()), &mut no_qps());
+        }
+        // The first rode its wake-up; the other three wait behind bare ones.
+        assert!(tenant_end.take_one());
+        d.handle(C, T, CmRequest::DestroyId { id: ids[2] }, now, &mut no_qps()).unwrap();
+        let get =
+            |d: &mut CmDriver, max| d.handle(C, T, CmRequest::GetEvents { channel, max }, now, &mut no_qps());
+        match get(&mut d, 16) {
+            Ok(CmReply::Events { events }) => {
+                let got: Vec<(Option<u32>, u32)> =
+                    events.iter().map(|(e, w)| (e.as_ref().map(|e| e.id), *w)).collect();
+                assert_eq!(got, vec![(Some(ids[1]), 1), (Some(ids[3]), 2)], "{events:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        for _ in 0..3 {
+            assert!(tenant_end.take_one());
+        }
+        assert!(!tenant_end.is_readable());
+        assert!(matches!(get(&mut d, 16), Ok(CmReply::Events { events }) if events.is_empty()));
+        // At most `max`: the rest stay for the next call.
+        for &id in &ids[4..] {
+            d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
+            d.run(now, |_, _| Ok(()), &mut no_qps());
+        }
+        assert!(tenant_end.take_one(), "the first rode its wake-up again");
+        let id6 = id(&mut d);
+        d.handle(C, T, CmRequest::ResolveAddr { id: id6, src: None, dst }, now, &mut no_qps()).unwrap();
+        d.run(now, |_, _| Ok(()), &mut no_qps());
+        match get(&mut d, 1) {
+            Ok(CmReply::Events { events }) => {
+                assert_eq!(events.len(), 1);
+                assert_eq!(events[0].0.as_ref().map(|e| e.id), Some(ids[5]));
+            }
+            other => panic!("{other:?}"),
+        }
+        match get(&mut d, 0) {
+            Ok(CmReply::Events { events }) => assert_eq!(events[0].0.as_ref().map(|e| e.id), Some(id6)),
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A tenant that reads none of its events cannot make the daemon queue

@@ -164,10 +164,35 @@ pub enum CmRequest {
     Batch {
         ops: Vec<CmBatchOp>,
     },
+    /// `GetEvent` for up to `max` events (at least one, at most
+    /// [`MAX_CM_EVENTS`]): the first as `GetEvent` takes it, then each
+    /// next one whose wake-up is in the descriptor, as many `GetEvent`s in
+    /// a row would take them, stopping where one finds none. Answered
+    /// [`CmReply::Events`]. What it is for: a channel whose events pile up
+    /// behind bare wake-ups (a server taking many requests at once, a
+    /// client with many connects in flight: rdma-core's `cmtime`) paid a
+    /// round trip per event; the library keeps the ones after the first,
+    /// their wake-ups left in the descriptor until it hands each out. An
+    /// older daemon answers it `EINVAL` (an unknown request), and the
+    /// library sends `GetEvent` from then on.
+    GetEvents {
+        channel: u32,
+        max: u32,
+    },
 }
 
 /// Most calls one [`CmRequest::Batch`] carries.
 pub const MAX_CM_BATCH: usize = 4;
+
+/// Most events one [`CmRequest::GetEvents`] takes (each at most a few
+/// hundred bytes: private data and two addresses).
+pub const MAX_CM_EVENTS: u32 = 16;
+
+/// Most events a daemon keeps unread on one channel (a tenant that reads
+/// none of its events has its listeners' new requests refused past it),
+/// and so the most wake-ups one reply can hand the library to take: the
+/// library refuses a reply that says more (`vrdma::cm`).
+pub const MAX_CM_UNREAD: u32 = 4096;
 
 /// A call a [`CmRequest::Batch`] may carry: each is the [`CmRequest`] of
 /// the same name and fields.
@@ -265,4 +290,11 @@ pub enum CmReply {
         wakeups: u32,
     },
     Listening(bool),
+    /// The reply of [`CmRequest::GetEvents`]: events in order, each with
+    /// the wake-ups to take with it, as [`CmReply::Event`] says them (the
+    /// last may be `None`: wake-ups of events that went with their ids,
+    /// and none after them; an empty list: nothing at all).
+    Events {
+        events: Vec<(Option<CmEvent>, u32)>,
+    },
 }

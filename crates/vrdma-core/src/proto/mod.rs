@@ -13,7 +13,7 @@ mod layout;
 mod migrate;
 mod sockets;
 
-pub use cm::{CmBatchOp, CmReply, CmRequest, MAX_CM_BATCH};
+pub use cm::{CmBatchOp, CmReply, CmRequest, MAX_CM_BATCH, MAX_CM_EVENTS, MAX_CM_UNREAD};
 pub use layout::*;
 pub use migrate::{MigrateReply, MigrateRequest};
 pub use sockets::{SockReply, SockRequest};
@@ -762,6 +762,24 @@ mod tests {
         for n in 0..bytes.len() {
             assert!(decode_reply(&bytes[..n]).is_err());
         }
+    }
+
+    #[test]
+    fn get_events_and_its_reply_are_appended_and_round_trip() {
+        let r = Request::Cm(CmRequest::GetEvents { channel: 7, max: MAX_CM_EVENTS });
+        let bytes = encode_request(&r);
+        let cm = encode_request(&Request::Cm(CmRequest::CreateChannel))[0];
+        assert_eq!(bytes[0], cm);
+        assert_eq!(bytes[1], 25, "after Batch's 24");
+        assert_eq!(&bytes[2..], &[7, MAX_CM_EVENTS as u8]);
+        assert_eq!(decode_request(&bytes).unwrap(), r);
+        let reply = Reply::Cm(CmReply::Events { events: vec![(None, 2)] });
+        let bytes = encode_reply(&reply);
+        let listening = encode_reply(&Reply::Cm(CmReply::Listening(true)));
+        assert_eq!(bytes[0], listening[0]);
+        assert_eq!(bytes[1], listening[1] + 1, "after Listening");
+        assert_eq!(&bytes[2..], &[1, 0, 2], "one entry: no event, two wake-ups");
+        assert_eq!(decode_reply(&bytes).unwrap(), reply);
     }
 
     #[test]

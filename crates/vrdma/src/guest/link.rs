@@ -414,12 +414,24 @@ impl GuestLink {
         }
     }
 
+    /// [`call_noting`](Self::call_noting) with nothing to note.
+    #[cfg(test)]
+    pub fn call(&self, req: &Request) -> Result<(Reply, Carried)> {
+        self.call_noting(req, |_| ()).map(|(answer, ())| answer)
+    }
+
     /// Sends `req` and waits for its reply; the handles become
     /// descriptors (a BAR descriptor and the extent's offset, or the
     /// library's end of a new proxy and 0). While the context is being
     /// taken back after a move, the call waits for it (bounded); a call
-    /// the old port did not answer goes again on the new one.
-    pub fn call(&self, req: &Request) -> Result<(Reply, Carried)> {
+    /// the old port did not answer goes again on the new one. `note` runs
+    /// on the reply before the port takes another call (see
+    /// `Control::call_noting`).
+    pub fn call_noting<R>(
+        &self,
+        req: &Request,
+        note: impl FnOnce(&Reply) -> R,
+    ) -> Result<((Reply, Carried), R)> {
         let mut calls = lock(&self.replies);
         // Numbered, but for the calls that open a context: sent again
         // after a move (below), it is answered with the first one's reply
@@ -464,6 +476,7 @@ impl GuestLink {
             };
             // The port ended before answering: the call again, on the next.
             let Some((reply, handles)) = answered else { continue };
+            let noted = note(&reply);
             drop(calls);
             if matches!(req, Request::Hello { .. } | Request::AdoptContext { .. }) {
                 if let Some(b) = Bound::of(&reply, &handles) {
@@ -492,7 +505,7 @@ impl GuestLink {
             {
                 lock(&self.shared.cm_channels).insert(*id, *channel);
             }
-            return Ok((reply, carried));
+            return Ok(((reply, carried), noted));
         }
     }
 
