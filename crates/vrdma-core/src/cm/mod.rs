@@ -1079,7 +1079,9 @@ impl ConnectionManager {
         let gone: Vec<(u32, State)> = self
             .ids
             .iter()
-            .filter(|(_, i)| i.peer.is_some_and(|(h, _)| h == host) && i.link == link && i.state != State::Closed)
+            .filter(|(_, i)| {
+                i.peer.is_some_and(|(h, _)| h == host) && i.link == link && i.state != State::Closed
+            })
             .map(|(&n, i)| (n, i.state))
             .collect();
         for (id, state) in gone {
