@@ -291,6 +291,95 @@ fn across_hosts_a_dead_peer_daemon_ends_its_connections_in_disconnected() -> Res
     Ok(())
 }
 
+/// B's daemon restarted: a second daemon at b's address (its own port)
+/// links to a's while a's link to the first is up. A connection a makes
+/// to b's address goes by the newest link, to the new daemon, and so do
+/// its QP's messages; when the first daemon dies and its link ends, what
+/// was made over that link ends, and only that: the new link's connection
+/// carries a message still, and a request of the new daemon's that a had
+/// not answered is answered (issue 16 review: the old link's end ended
+/// every connection with its host, and a's requests went by the oldest).
+#[test]
+fn across_hosts_an_old_links_end_leaves_what_a_restarted_peers_new_link_made() -> Result<()> {
+    let mut hosts = TwoHosts::start(false)?;
+    let (a_ip, b_ip) = (Ipv4Addr::new(127, 0, 0, 2), Ipv4Addr::new(127, 0, 0, 3));
+    let links_up =
+        |d: &DaemonProc| -> Result<usize> { Ok(d.context()?.stat()?.links.iter().filter(|l| l.up).count()) };
+    let (a_ctx, b1_ctx) = (hosts.a.context()?, hosts.b.context()?);
+    // A connection over the first link (a dials b's daemon for it).
+    let (old_srv_ch, old_ch) = (EventChannel::create(&b1_ctx)?, EventChannel::create(&a_ctx)?);
+    let old_at = SocketAddrV4::new(b_ip, vrdma_it::free_port()?);
+    let _old_listener = listener_at(&old_srv_ch, old_at, 1)?;
+    let old = resolved(&old_ch, old_at)?;
+    old.connect(&param(b""))?;
+    let req = expect(&old_srv_ch, EventKind::ConnectRequest)?;
+    let old_srv = CmId::from_request(&old_srv_ch, &req, PortSpace::Tcp)?;
+    old_srv.accept(&param(b""))?;
+    expect(&old_ch, EventKind::ConnectResponse)?;
+    old.establish()?;
+    expect(&old_srv_ch, EventKind::Established)?;
+
+    // The new daemon at b's address dials a's, its configured peer. (Its
+    // own daemon id: a dialled the first, and would take a link from a
+    // daemon of the same id for the other half of a simultaneous dial.)
+    let peer_a = format!("{a_ip}:{}", hosts.port);
+    let cfg = vrdma_it::host_config(&b_ip.to_string(), vrdma_it::free_port()?, &[peer_a], "");
+    let b2 = DaemonProc::start_with_config(&format!("{cfg}id = 3303\n"))?;
+    vrdma_it::wait_until(Duration::from_secs(20), "a's daemon has both links", || {
+        links_up(&hosts.a).ok() == Some(2) && links_up(&b2).ok() == Some(1)
+    })?;
+    let b2_ctx = b2.context()?;
+
+    // a's connection, with QPs, to a listener of the new daemon.
+    let (srv_ch, ch) = (EventChannel::create(&b2_ctx)?, EventChannel::create(&a_ctx)?);
+    let at = SocketAddrV4::new(b_ip, vrdma_it::free_port()?);
+    let _listener = listener_at(&srv_ch, at, 8)?;
+    let id = resolved(&ch, at)?;
+    let a = Side::with(&a_ctx, 4096, 64, cap(16, 1), None)?;
+    id.attach_qp(&a.qp)?;
+    id.connect(&param(b""))?;
+    let req = expect(&srv_ch, EventKind::ConnectRequest)?;
+    let srv = CmId::from_request(&srv_ch, &req, PortSpace::Tcp)?;
+    let b = Side::with(&b2_ctx, 4096, 64, cap(16, 1), None)?;
+    srv.attach_qp(&b.qp)?;
+    b.qp.post_recv(&[vrdma::wr::recv(1, &[b.mr.sge(0, 64)?])?]).map_err(|e| e.error)?;
+    srv.accept(&param(b""))?;
+    expect(&ch, EventKind::Established)?;
+    expect(&srv_ch, EventKind::Established)?;
+    // The new daemon's request to a listener of a's, not answered yet.
+    let a_at = SocketAddrV4::new(a_ip, vrdma_it::free_port()?);
+    let (a_srv_ch, b_ch) = (EventChannel::create(&a_ctx)?, EventChannel::create(&b2_ctx)?);
+    let _a_listener = listener_at(&a_srv_ch, a_at, 8)?;
+    let b_id = resolved(&b_ch, a_at)?;
+    b_id.connect(&param(b""))?;
+    let pending = expect(&a_srv_ch, EventKind::ConnectRequest)?;
+
+    // The first daemon dies: its link ends, and its connection with it.
+    std::mem::forget((old_srv, old_srv_ch, b1_ctx));
+    hosts.b.proc.kill(libc::SIGKILL);
+    expect(&old_ch, EventKind::Disconnected)?;
+    vrdma_it::wait_until(Duration::from_secs(20), "the old link goes down", || {
+        links_up(&hosts.a).ok() == Some(1)
+    })?;
+
+    // The new link's connection carries a message, and the request is
+    // answered.
+    a.mr.write(0, b"new link")?;
+    a.qp.post_send(&[vrdma::wr::send(2, &[a.mr.sge(0, 8)?])?.signaled()]).map_err(|e| e.error)?;
+    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::Success);
+    assert_eq!(poll_one(&b.cq, WAIT)?.byte_len, 8);
+    let answered = CmId::from_request(&a_srv_ch, &pending, PortSpace::Tcp)?;
+    answered.accept(&param(b""))?;
+    expect(&b_ch, EventKind::ConnectResponse)?;
+    b_id.establish()?;
+    expect(&a_srv_ch, EventKind::Established)?;
+    // a's connection ends when a ends it, not before.
+    id.disconnect()?;
+    expect(&ch, EventKind::Disconnected)?;
+    expect(&srv_ch, EventKind::Disconnected)?;
+    Ok(())
+}
+
 #[test]
 fn a_port_without_a_listener_answers_rejected_with_reason_8() -> Result<()> {
     let d = DaemonProc::start()?;

@@ -30,7 +30,7 @@ use std::collections::{HashMap, VecDeque};
 use std::net::Ipv4Addr;
 
 use vrdma_core::cm::{CmError, CmEvent, CmMessage, ConnInfo, ConnectionManager, EventKind, PortSpace, State};
-use vrdma_core::hca::{ContextId, HcaError, TenantId};
+use vrdma_core::hca::{ContextId, HcaError, LinkId, TenantId};
 use vrdma_core::limited_warn;
 use vrdma_core::log_limit::{LogLimiter, Source};
 use vrdma_core::proto::{CmReply, CmRequest};
@@ -526,12 +526,13 @@ impl CmDriver {
 
     /// Carries the manager's messages and delivers its events; runs its
     /// timers due at `now`. A message for another host goes through
-    /// `send`, whose refusal ends the connections with that host (as a
-    /// dead host would, promptly). Returns when it next needs to run.
+    /// `send`, by the link its connection belongs to (`None`: the host's
+    /// newest, or a dial), whose refusal ends the connections of that link
+    /// (as a dead host would, promptly). Returns when it next needs to run.
     pub fn run(
         &mut self,
         now: Instant,
-        mut send: impl FnMut(Ipv4Addr, &CmMessage) -> Result<(), &'static str>,
+        mut send: impl FnMut(Ipv4Addr, Option<LinkId>, &CmMessage) -> Result<(), &'static str>,
         modify: ModifyQp,
     ) -> Option<Instant> {
         if self.cm.poll_timeout().is_some_and(|t| t <= now) {
@@ -543,16 +544,16 @@ impl CmDriver {
         // at a time.
         for _ in 0..2 {
             for _ in 0..1024 {
-                let Some((host, msg)) = self.cm.poll_transmit() else { break };
+                let Some((host, link, msg)) = self.cm.poll_transmit_by() else { break };
                 if self.cm.is_local(host) {
                     // Both ends are here: the sender is named by the address
                     // the message went to, which is the one each side knows
                     // the other by.
                     self.cm.handle_message(host, msg);
-                } else if let Err(why) = send(host, &msg) {
+                } else if let Err(why) = send(host, link, &msg) {
                     const UNREACHABLE: &str = "an rdma_cm message cannot reach its host: its connections end";
                     limited_warn!(self.log, Source::Address(host.into()), now, UNREACHABLE, %host, why);
-                    self.cm.link_down(host);
+                    self.cm.link_down(host, link);
                 }
             }
             while let Some(ev) = self.cm.poll_event() {
@@ -696,7 +697,7 @@ mod tests {
                     CmRequest::Connect { id, conn: ConnInfo::default() },
                 ] {
                     d.handle(C, T, req, now, &mut no_qps()).unwrap();
-                    d.run(now, |_, _| Err("the transport between daemons is off"), &mut no_qps());
+                    d.run(now, |_, _, _| Err("the transport between daemons is off"), &mut no_qps());
                 }
             }
         });
@@ -735,7 +736,7 @@ mod tests {
         let dst = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7471);
         let resolve = |d: &mut CmDriver, id| {
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
-            d.run(now, |_, _| Ok(()), &mut no_qps());
+            d.run(now, |_, _, _| Ok(()), &mut no_qps());
         };
         resolve(&mut d, a);
         resolve(&mut d, b);
@@ -858,7 +859,7 @@ mod tests {
                 d.cm.handle_message(*src.ip(), req);
                 d.run(
                     now,
-                    |_, m| {
+                    |_, _, m| {
                         refused += usize::from(matches!(m, CmMessage::Rej { .. }));
                         if let CmMessage::Rej { reason, .. } = m {
                             assert_eq!(
@@ -903,7 +904,7 @@ mod tests {
         let (gone, kept) = (id(&mut d), id(&mut d));
         d.handle(C, T, CmRequest::ResolveAddr { id: gone, src: None, dst }, now, &mut no_qps()).unwrap();
         d.handle(C, T, CmRequest::ResolveAddr { id: kept, src: None, dst }, now, &mut no_qps()).unwrap();
-        d.run(now, |_, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(()), &mut no_qps());
         d.handle(C, T, CmRequest::DestroyId { id: gone }, now, &mut no_qps()).unwrap();
         let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps()).unwrap();
         let CmReply::Event { event: Some(ev), wakeups: 2 } = reply else { panic!("{reply:?}") };
@@ -981,7 +982,7 @@ mod tests {
         let moves = Moves::default();
         let mut call = |d: &mut CmDriver, ctx, req| {
             let r = d.handle(ctx, T, req, now, &mut recorder(&moves));
-            d.run(now, |_, _| Err("not local"), &mut recorder(&moves));
+            d.run(now, |_, _, _| Err("not local"), &mut recorder(&moves));
             r.unwrap()
         };
         let a = listener_and_resolved_client(&mut d, &mut call);
@@ -1005,7 +1006,7 @@ mod tests {
         let moves = Moves::default();
         let mut call = |d: &mut CmDriver, ctx, req| {
             let r = d.handle(ctx, T, req, now, &mut recorder(&moves));
-            d.run(now, |_, _| Err("not local"), &mut recorder(&moves));
+            d.run(now, |_, _, _| Err("not local"), &mut recorder(&moves));
             r.unwrap()
         };
         let a = listener_and_resolved_client(&mut d, &mut call);
@@ -1070,7 +1071,7 @@ mod tests {
         };
         let mut call = |d: &mut CmDriver, ctx, req| {
             let r = d.handle(ctx, T, req, now, &mut watch);
-            d.run(now, |_, _| Err("not local"), &mut watch);
+            d.run(now, |_, _, _| Err("not local"), &mut watch);
             r.unwrap()
         };
         let a = listener_and_resolved_client(&mut d, &mut call);
@@ -1122,7 +1123,7 @@ mod tests {
         };
         let mut call = |d: &mut CmDriver, ctx, req| {
             let r = d.handle(ctx, T, req, now, &mut modify);
-            d.run(now, |_, _| Err("not local"), &mut modify);
+            d.run(now, |_, _, _| Err("not local"), &mut modify);
             r.unwrap()
         };
         let a = listener_and_resolved_client(&mut d, &mut call);
@@ -1170,7 +1171,7 @@ mod tests {
             };
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
         }
-        d.run(now, |_, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(()), &mut no_qps());
         assert!(d.channels[&channel].owed > 0, "the doorbell held {holds}, fewer than {n}: some were owed");
         for read in 0..n {
             assert!(tenant_end.is_readable(), "readable with {} of {n} events unread", n - read);
@@ -1195,7 +1196,7 @@ mod tests {
         let now = Instant(1);
         let call = |d: &mut CmDriver, ctx, req| {
             let r = d.handle(ctx, T, req, now, &mut no_qps());
-            d.run(now, |_, _| Err("not local"), &mut no_qps());
+            d.run(now, |_, _, _| Err("not local"), &mut no_qps());
             r
         };
         let at = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 1), 7471);

@@ -26,16 +26,26 @@ use std::net::Ipv4Addr;
 
 use super::message::CmMessage;
 use super::ports::PortSpace;
-use crate::hca::TenantId;
+use crate::hca::{LinkId, TenantId};
 use crate::time::Instant;
 
 /// Requests one lingering port holds at most; more are refused at once.
 const HELD_PER_PORT: usize = 64;
 
-/// A request held for a lingering port.
+/// A request held for a lingering port, from `host` by `link`.
 struct Held {
     host: Ipv4Addr,
+    link: Option<LinkId>,
     req: CmMessage,
+}
+
+/// A held request given back: its host, its link and itself.
+pub(super) type Given = (Ipv4Addr, Option<LinkId>, CmMessage);
+
+impl Held {
+    fn given(self) -> Given {
+        (self.host, self.link, self.req)
+    }
 }
 
 /// Ports whose listener went a moment ago, and the requests they hold.
@@ -60,12 +70,12 @@ impl Linger {
         port: u16,
         tenant: TenantId,
         until: Instant,
-    ) -> Vec<(Ipv4Addr, CmMessage)> {
+    ) -> Vec<Given> {
         let old = self.ports.insert((ps, port), Port { tenant, until, held: Vec::new() });
-        old.map(|p| p.held.into_iter().map(|h| (h.host, h.req)).collect()).unwrap_or_default()
+        old.map(|p| p.held.into_iter().map(Held::given).collect()).unwrap_or_default()
     }
 
-    /// Holds `req` (a REQ of `tenant` from `host`, numbered `from` there)
+    /// Holds `req` (a REQ of `tenant` from `host` by `link`, numbered `from` there)
     /// if `port` lingers for `tenant` and has room; `false`: refuse it.
     /// A request sent again is held once.
     pub fn hold(
@@ -74,48 +84,50 @@ impl Linger {
         port: u16,
         tenant: TenantId,
         host: Ipv4Addr,
+        link: Option<LinkId>,
         req: CmMessage,
     ) -> bool {
         let Some(p) = self.ports.get_mut(&(ps, port)).filter(|p| p.tenant == tenant) else {
             return false;
         };
         let from = req.from();
-        if p.held.iter().any(|h| h.host == host && h.req.from() == from) {
+        if p.held.iter().any(|h| h.host == host && h.link == link && h.req.from() == from) {
             return true;
         }
         if p.held.len() >= HELD_PER_PORT {
             return false;
         }
-        p.held.push(Held { host, req });
+        p.held.push(Held { host, link, req });
         true
     }
 
     /// A new listener on `port`: it lingers no more; its held requests,
     /// in the order they came, to be handled now.
-    pub fn listening(&mut self, ps: PortSpace, port: u16) -> Vec<(Ipv4Addr, CmMessage)> {
+    pub fn listening(&mut self, ps: PortSpace, port: u16) -> Vec<Given> {
         let p = self.ports.remove(&(ps, port));
-        p.map(|p| p.held.into_iter().map(|h| (h.host, h.req)).collect()).unwrap_or_default()
+        p.map(|p| p.held.into_iter().map(Held::given).collect()).unwrap_or_default()
     }
 
     /// Ports whose time is up at `now` linger no more; the requests they
     /// held, to be refused.
-    pub fn expire(&mut self, now: Instant) -> Vec<(Ipv4Addr, CmMessage)> {
+    pub fn expire(&mut self, now: Instant) -> Vec<Given> {
         let mut refused = Vec::new();
         self.ports.retain(|_, p| {
             if p.until > now {
                 return true;
             }
-            refused.extend(p.held.drain(..).map(|h| (h.host, h.req)));
+            refused.extend(p.held.drain(..).map(Held::given));
             false
         });
         refused
     }
 
-    /// The requester gave up (its REJ names it by `from`), or (`from`
-    /// `None`) the link to its host went: its held requests go.
-    pub fn forget(&mut self, host: Ipv4Addr, from: Option<u32>) {
+    /// The requester gave up (its REJ, by `link`, names it by `from`),
+    /// or (`from` `None`) `link` to its host went: its held requests go
+    /// (another link's, to the same host, stay).
+    pub fn forget(&mut self, host: Ipv4Addr, link: Option<LinkId>, from: Option<u32>) {
         for p in self.ports.values_mut() {
-            p.held.retain(|h| h.host != host || from.is_some_and(|f| h.req.from() != f));
+            p.held.retain(|h| h.host != host || h.link != link || from.is_some_and(|f| h.req.from() != f));
         }
     }
 

@@ -47,7 +47,7 @@ use super::{
     errno, message, CmEvent, CmId, CmMessage, ConnInfo, ConnectionManager, EventKind, PortSpace, State,
 };
 use crate::hca::migrate::SnapshotError;
-use crate::hca::{ContextId, TenantId};
+use crate::hca::{ContextId, LinkId, TenantId};
 use crate::time::Instant;
 
 /// Event channels one tenant may hold (the daemon's limit).
@@ -302,6 +302,8 @@ impl ConnectionManager {
                     remote: s.remote,
                     reuse: s.reuse,
                     peer: s.peer,
+                    // Taken at its first message (the Moved of the resume).
+                    link: None,
                     backlog: s.backlog.min(self.config.max_backlog),
                     pending: 0,
                     listener: None,
@@ -380,19 +382,27 @@ impl ConnectionManager {
             .filter(|(_, i)| i.tenant == tenant)
             .filter_map(|(&n, i)| Some((n, i.state, i.peer?)))
             .collect();
-        for (id, state, (host, theirs)) in mine {
+        for (id, state, (_, theirs)) in mine {
             if theirs == 0 || !matches!(state, State::Established | State::DreqSent) {
                 continue;
             }
-            self.transmit.push_back((host, CmMessage::Moved { to: theirs, from: id, tenant: tenant.0 }));
+            self.send_for(id, CmMessage::Moved { to: theirs, from: id, tenant: tenant.0 });
             if state == State::DreqSent {
                 self.arm(id, Some(now + self.config.disconnect_timeout));
             }
         }
     }
 
-    /// The peer of our connection `to` says it moved to `host`.
-    pub(super) fn handle_moved(&mut self, host: Ipv4Addr, to: u32, from: u32, tenant: TenantId) {
+    /// The peer of our connection `to` says it moved to `host` (the
+    /// connection goes by the link the Moved came by from now on).
+    pub(super) fn handle_moved(
+        &mut self,
+        host: Ipv4Addr,
+        link: Option<LinkId>,
+        to: u32,
+        from: u32,
+        tenant: TenantId,
+    ) {
         // Both ends moving at once (not handled, docs/migration.md): this
         // side, paused, holds still rather than end the connection.
         if self.ids.get(&to).is_some_and(|i| self.paused.contains(&i.tenant)) {
@@ -404,15 +414,16 @@ impl ConnectionManager {
         if !ours {
             // No such connection here (ended and destroyed, or never ours):
             // it is over, and the mover hears so.
-            self.transmit.push_back((host, dreq));
+            self.transmit.push_back((host, link, dreq));
             return;
         }
         let i = self.ids.get_mut(&to).expect("looked up above");
         i.peer = Some((host, from));
+        i.link = link;
         match i.state {
             // Ours went to the old host while the peer was paused (and was
             // dropped there), or the connection ended here meanwhile.
-            State::DreqSent | State::Closed => self.transmit.push_back((host, dreq)),
+            State::DreqSent | State::Closed => self.send_for(to, dreq),
             _ => {}
         }
     }

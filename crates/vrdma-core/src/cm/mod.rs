@@ -11,11 +11,17 @@
 //! Like the HCA, it is a state machine with no I/O and no clock. The
 //! driver hands it the tenants' calls (`create_id`, `connect`, `accept`,
 //! ...), the messages other managers sent ([`handle_message`]), the
-//! time ([`handle_timeout`]) and the loss of a link to a host
-//! ([`link_down`]); it takes back the events for the tenants
-//! ([`poll_event`]) and the messages to send ([`poll_transmit`]), each
-//! addressed to a host, this one included: a connection between two
+//! time ([`handle_timeout`]) and the links to other hosts as they come
+//! ([`link_up`]) and go ([`link_down`]); it takes back the events for the
+//! tenants ([`poll_event`]) and the messages to send ([`poll_transmit`]),
+//! each addressed to a host, this one included: a connection between two
 //! processes of one host is the same exchange, looped back.
+//!
+//! A connection belongs to the link its REQ went or came by (a message
+//! for it goes by that link, a new REQ by the host's newest): a daemon of
+//! a host that restarted makes a second link to it while the first is
+//! not yet found dead, and that first link's end must take only what was
+//! made over it, not what the restarted daemon's link carries since.
 //!
 //! The rules kept from the kernel: the port space belongs to the host
 //! ([`ports`]); a listener belongs to its tenant, and a request from
@@ -25,7 +31,7 @@
 //! bounded as rdma_cm over IB bounds it; a REQ unanswered within the
 //! connect timeout ends in UNREACHABLE, a REP without RTU in CONNECT_ERROR,
 //! a DREQ without DREP in DISCONNECTED all the same; and a lost link ends
-//! every connection to that host as the peer's death would.
+//! every connection it carried as the peer's death would.
 //!
 //! The QPs themselves are the library's to move, as with rdma-core's
 //! librdmacm: [`ConnectionManager::init_qp_attr`] gives the attributes for
@@ -34,6 +40,7 @@
 //!
 //! [`handle_message`]: ConnectionManager::handle_message
 //! [`handle_timeout`]: ConnectionManager::handle_timeout
+//! [`link_up`]: ConnectionManager::link_up
 //! [`link_down`]: ConnectionManager::link_down
 //! [`poll_event`]: ConnectionManager::poll_event
 //! [`poll_transmit`]: ConnectionManager::poll_transmit
@@ -52,7 +59,7 @@ use std::time::Duration;
 pub use message::{reject, CmMessage, ConnInfo};
 pub use ports::{PortError, PortSpace};
 
-use crate::hca::{lid_of_ipv4, ContextId, KeySource, TenantId};
+use crate::hca::{lid_of_ipv4, ContextId, KeySource, LinkId, TenantId};
 use crate::time::Instant;
 use crate::verbs::{AccessFlags, AhAttr, Gid, Mtu, QpAttr, QpAttrMask, QpState};
 
@@ -223,6 +230,11 @@ struct CmId {
     reuse: bool,
     /// The peer's host and its number for this connection.
     peer: Option<(Ipv4Addr, u32)>,
+    /// The link to the peer's host that this connection's messages go by:
+    /// the one its REQ went or came by (`None`: the peer is on this host,
+    /// or no link to it was up yet and the driver holds the messages for
+    /// its dial, which [`ConnectionManager::link_up`] ends).
+    link: Option<LinkId>,
     /// A listener's backlog and requests not yet answered; a child's
     /// listener while it counts there.
     backlog: u32,
@@ -254,15 +266,21 @@ pub struct ConnectionManager {
     /// its tenant only.
     tenant_addrs: HashMap<Ipv4Addr, TenantId>,
     ids: HashMap<u32, CmId>,
-    /// The ids made for requests, by the requester's host and number, so
-    /// that a REQ sent again or a REJ for one is found without a walk of
-    /// every id (a peer's flood of them costs a lookup each).
-    requested: HashMap<(Ipv4Addr, u32), u32>,
+    /// The ids made for requests, by the requester's host, the link the
+    /// request came by and the requester's number, so that a REQ sent
+    /// again or a REJ for one is found without a walk of every id (a
+    /// peer's flood of them costs a lookup each). The link is part of the
+    /// key: a restarted daemon numbers its ids from 1 again, and its REQ
+    /// is not one its last life sent over the old link.
+    requested: HashMap<(Ipv4Addr, Option<LinkId>, u32), u32>,
+    /// The live links to each other host, as the driver reported them; a
+    /// new REQ goes by the newest (the highest number).
+    links: HashMap<Ipv4Addr, BTreeSet<LinkId>>,
     per_tenant: HashMap<TenantId, u32>,
     ports: ports::Ports,
     timers: BTreeSet<(Instant, u32)>,
     events: VecDeque<CmEvent>,
-    transmit: VecDeque<(Ipv4Addr, CmMessage)>,
+    transmit: VecDeque<(Ipv4Addr, Option<LinkId>, CmMessage)>,
     psns: Box<dyn KeySource>,
     next_id: u32,
     /// Ports whose listener went a moment ago, holding their tenant's
@@ -287,6 +305,7 @@ impl ConnectionManager {
             tenant_addrs: HashMap::new(),
             ids: HashMap::new(),
             requested: HashMap::new(),
+            links: HashMap::new(),
             per_tenant: HashMap::new(),
             ports: ports::Ports::default(),
             timers: BTreeSet::new(),
@@ -373,6 +392,7 @@ impl ConnectionManager {
             remote: None,
             reuse: false,
             peer: None,
+            link: None,
             backlog: 0,
             pending: 0,
             listener: None,
@@ -558,8 +578,8 @@ impl ConnectionManager {
         i.backlog = if backlog <= 0 { max } else { (backlog as u32).min(max) };
         i.state = State::Listening;
         // Requests that came while the port lingered come now.
-        for (host, req) in self.linger.listening(ps, port) {
-            self.handle_message(host, req);
+        for (host, link, req) in self.linger.listening(ps, port) {
+            self.handle_message_by(host, link, req);
         }
         Ok(())
     }
@@ -590,13 +610,14 @@ impl ConnectionManager {
         }
         conn.start_psn = i.psn;
         let msg = CmMessage::Req { from: id, tenant: i.tenant.0, ps: i.ps, src, dst, conn: conn.clone() };
-        self.transmit.push_back((*dst.ip(), msg));
         let deadline = now + self.config.connect_timeout;
         let i = self.ids.get_mut(&id).ok_or(CmError::NoSuchId)?;
         i.ours = Some(conn);
         i.active = true;
         i.peer = Some((*dst.ip(), 0));
+        i.link = None;
         i.state = State::ReqSent;
+        self.send_for(id, msg);
         self.arm(id, Some(deadline));
         Ok(())
     }
@@ -618,9 +639,9 @@ impl ConnectionManager {
         if i.state != State::ReqReceived {
             return Err(CmError::WrongState);
         }
-        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        let Some((_, theirs)) = i.peer else { return Err(CmError::WrongState) };
         conn.start_psn = i.psn;
-        self.transmit.push_back((host, CmMessage::Rep { to: theirs, from: id, conn: conn.clone(), qkey }));
+        self.send_for(id, CmMessage::Rep { to: theirs, from: id, conn: conn.clone(), qkey });
         self.leave_listener(id);
         let i = self.ids.get_mut(&id).ok_or(CmError::NoSuchId)?;
         i.ours = Some(conn);
@@ -643,13 +664,13 @@ impl ConnectionManager {
         if i.state != State::RepReceived {
             return Err(CmError::WrongState);
         }
-        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        let Some((_, theirs)) = i.peer else { return Err(CmError::WrongState) };
         i.state = State::Established;
         let dreq = std::mem::take(&mut i.dreq_waiting);
-        self.transmit.push_back((host, CmMessage::Rtu { to: theirs, from: id }));
+        self.send_for(id, CmMessage::Rtu { to: theirs, from: id });
         if dreq {
             // The peer's DREQ, taken now as its resend would be.
-            self.transmit.push_back((host, CmMessage::Drep { to: theirs, from: id }));
+            self.send_for(id, CmMessage::Drep { to: theirs, from: id });
             self.close(id, EventKind::Disconnected, 0);
         }
         Ok(())
@@ -675,10 +696,10 @@ impl ConnectionManager {
         if !matches!(i.state, State::ReqReceived | State::RepReceived) {
             return Err(CmError::WrongState);
         }
-        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        let Some((_, theirs)) = i.peer else { return Err(CmError::WrongState) };
         i.state = State::Closed;
         let msg = CmMessage::Rej { to: theirs, from: id, reason, private_data };
-        self.transmit.push_back((host, msg));
+        self.send_for(id, msg);
         self.leave_listener(id);
         Ok(())
     }
@@ -692,9 +713,9 @@ impl ConnectionManager {
             State::DreqSent | State::Closed => return Ok(()),
             _ => return Err(CmError::WrongState),
         }
-        let Some((host, theirs)) = i.peer else { return Err(CmError::WrongState) };
+        let Some((_, theirs)) = i.peer else { return Err(CmError::WrongState) };
         i.state = State::DreqSent;
-        self.transmit.push_back((host, CmMessage::Dreq { to: theirs, from: id }));
+        self.send_for(id, CmMessage::Dreq { to: theirs, from: id });
         let deadline = now + self.config.disconnect_timeout;
         self.arm(id, Some(deadline));
         Ok(())
@@ -708,23 +729,48 @@ impl ConnectionManager {
         if let (State::Listening, Some(local)) = (i.state, i.local) {
             let (ps, tenant) = (i.ps, i.tenant);
             let until = now + self.config.listen_linger;
-            for (host, req) in self.linger.listener_gone(ps, local.port(), tenant, until) {
-                self.refuse_req(host, &req);
+            for (host, link, req) in self.linger.listener_gone(ps, local.port(), tenant, until) {
+                self.refuse_req(host, link, &req);
             }
         }
         self.remove(id);
         Ok(())
     }
 
-    /// Answers a REQ as a port without a listener is answered.
-    fn refuse_req(&mut self, host: Ipv4Addr, req: &CmMessage) {
+    /// Answers a REQ (from `host`, by `link`) as a port without a
+    /// listener is answered.
+    fn refuse_req(&mut self, host: Ipv4Addr, link: Option<LinkId>, req: &CmMessage) {
         let msg = CmMessage::Rej {
             to: req.from(),
             from: 0,
             reason: reject::INVALID_SERVICE_ID,
             private_data: vec![],
         };
-        self.transmit.push_back((host, msg));
+        self.transmit.push_back((host, link, msg));
+    }
+
+    /// Queues `msg` of connection `id` for its peer, by the link the
+    /// connection belongs to. Its first message to another host (a REQ,
+    /// or the Moved of a connection imported here) goes by the host's
+    /// newest link, which the connection keeps from then on; with none up
+    /// yet, the driver holds it for its dial (see [`Self::link_up`]).
+    fn send_for(&mut self, id: u32, msg: CmMessage) {
+        let Some(i) = self.ids.get(&id) else { return };
+        let Some((host, _)) = i.peer else { return };
+        let link = match i.link {
+            Some(l) => Some(l),
+            None if self.is_local(host) => None,
+            None => self.newest_link(host),
+        };
+        if let Some(i) = self.ids.get_mut(&id) {
+            i.link = link;
+        }
+        self.transmit.push_back((host, link, msg));
+    }
+
+    /// The newest live link to `host` the driver reported.
+    fn newest_link(&self, host: Ipv4Addr) -> Option<LinkId> {
+        self.links.get(&host).and_then(|l| l.last().copied())
     }
 
     /// Destroys every id of `ctx` (its process closed the device or died).
@@ -739,9 +785,13 @@ impl ConnectionManager {
         self.leave_listener(id);
         self.arm(id, None);
         let Some(i) = self.ids.remove(&id) else { return };
-        if let Some(p) = i.peer.filter(|_| !i.active) {
-            if self.requested.get(&p) == Some(&id) {
-                self.requested.remove(&p);
+        if let Some((host, from)) = i.peer.filter(|_| !i.active) {
+            // (By the link its REQ came by: the connection's, or none if it
+            // was bound to one only when its answer went.)
+            for key in [(host, i.link, from), (host, None, from)] {
+                if self.requested.get(&key) == Some(&id) {
+                    self.requested.remove(&key);
+                }
             }
         }
         if let Some(n) = self.per_tenant.get_mut(&i.tenant) {
@@ -767,7 +817,9 @@ impl ConnectionManager {
             _ => None,
         };
         if let Some(m) = msg {
-            self.transmit.push_back((host, m));
+            // (Gone from `ids`: sent by its link here, as `send_for` would.)
+            let link = i.link.or_else(|| if self.is_local(host) { None } else { self.newest_link(host) });
+            self.transmit.push_back((host, link, m));
         }
     }
 
@@ -807,14 +859,22 @@ impl ConnectionManager {
         self.events.push_back(ev);
     }
 
-    /// A message from the manager of `host`.
+    /// A message from the manager of `host`, on this host or by no link
+    /// the driver reported ([`Self::handle_message_by`] without a link).
     pub fn handle_message(&mut self, host: Ipv4Addr, msg: CmMessage) {
+        self.handle_message_by(host, None, msg);
+    }
+
+    /// A message from the manager of `host` that came by `link`: a
+    /// connection a REQ makes belongs to the link it came by, and its
+    /// answers go by it.
+    pub fn handle_message_by(&mut self, host: Ipv4Addr, link: Option<LinkId>, msg: CmMessage) {
         if let CmMessage::Req { from, tenant, ps, src, dst, conn } = msg {
-            self.handle_req(host, from, TenantId(tenant), ps, src, dst, conn);
+            self.handle_req(host, link, from, TenantId(tenant), ps, src, dst, conn);
             return;
         }
         if let CmMessage::Moved { to, from, tenant } = msg {
-            self.handle_moved(host, to, from, TenantId(tenant));
+            self.handle_moved(host, link, to, from, TenantId(tenant));
             return;
         }
         // A paused tenant's ids hold still (the state being exported must
@@ -827,11 +887,11 @@ impl ConnectionManager {
         if to == 0 {
             if matches!(msg, CmMessage::Rej { .. }) {
                 // It may be held for a lingering port.
-                self.linger.forget(host, Some(from));
+                self.linger.forget(host, link, Some(from));
             }
             // A REJ from a requester that had not heard from us yet names
             // the connection by its own number.
-            let child = self.requested.get(&(host, from)).copied().filter(|n| {
+            let child = self.requested.get(&(host, link, from)).copied().filter(|n| {
                 self.ids.get(n).is_some_and(|i| matches!(i.state, State::ReqReceived | State::RepSent))
             });
             match child {
@@ -886,17 +946,17 @@ impl ConnectionManager {
             },
             CmMessage::Dreq { .. } => match state {
                 State::Established | State::RepSent => {
-                    self.transmit.push_back((host, CmMessage::Drep { to: from, from: to }));
+                    self.send_for(to, CmMessage::Drep { to: from, from: to });
                     self.close(to, EventKind::Disconnected, 0);
                 }
                 // Both sides disconnected at once: each answers the
                 // other's DREQ, and reports one DISCONNECTED.
                 State::DreqSent => {
-                    self.transmit.push_back((host, CmMessage::Drep { to: from, from: to }));
+                    self.send_for(to, CmMessage::Drep { to: from, from: to });
                     self.close(to, EventKind::Disconnected, 0);
                 }
                 // Ours is gone already: answer, so the peer need not wait.
-                State::Closed => self.transmit.push_back((host, CmMessage::Drep { to: from, from: to })),
+                State::Closed => self.send_for(to, CmMessage::Drep { to: from, from: to }),
                 // The REP not yet answered: as the IB CM, not now (see
                 // `dreq_waiting`), but once the RTU has gone.
                 State::RepReceived => {
@@ -915,6 +975,7 @@ impl ConnectionManager {
     fn handle_req(
         &mut self,
         host: Ipv4Addr,
+        link: Option<LinkId>,
         from: u32,
         tenant: TenantId,
         ps: PortSpace,
@@ -924,13 +985,13 @@ impl ConnectionManager {
     ) {
         let refuse = |cm: &mut Self, reason| {
             let msg = CmMessage::Rej { to: from, from: 0, reason, private_data: Vec::new() };
-            cm.transmit.push_back((host, msg));
+            cm.transmit.push_back((host, link, msg));
         };
         // A REQ sent again (the peer's driver retried) is the same one.
         // (A connection that ended no longer holds its numbers: a peer
         // daemon that restarted numbers its ids from 1 again.)
         let pending = |i: &CmId| matches!(i.state, State::ReqReceived | State::RepSent);
-        if self.requested.get(&(host, from)).and_then(|c| self.ids.get(c)).is_some_and(pending) {
+        if self.requested.get(&(host, link, from)).and_then(|c| self.ids.get(c)).is_some_and(pending) {
             return;
         }
         // A tenant numbered by another host's daemon is not ours, whatever
@@ -945,7 +1006,7 @@ impl ConnectionManager {
             // A port whose listener this tenant just destroyed waits a
             // moment for its next (see `linger`).
             let req = CmMessage::Req { from, tenant: tenant.0, ps, src, dst, conn };
-            if foreign || !self.linger.hold(ps, dst.port(), tenant, host, req) {
+            if foreign || !self.linger.hold(ps, dst.port(), tenant, host, link, req) {
                 // No listener, or another tenant's: the same answer.
                 refuse(self, reject::INVALID_SERVICE_ID);
             }
@@ -967,7 +1028,7 @@ impl ConnectionManager {
         if let Some(li) = self.ids.get_mut(&l) {
             li.pending += 1;
         }
-        self.requested.insert((host, from), child);
+        self.requested.insert((host, link, from), child);
         // The requester's address is the host its REQ came from (the
         // link's authenticated peer), whatever its `src` claims; its port
         // is only a name.
@@ -976,6 +1037,7 @@ impl ConnectionManager {
         c.local = Some(dst);
         c.remote = Some(SocketAddrV4::new(from_ip, src.port()));
         c.peer = Some((host, from));
+        c.link = link;
         c.listener = Some(l);
         c.theirs = Some(conn.clone());
         let mut ev = self.event(child, EventKind::ConnectRequest, 0);
@@ -984,14 +1046,42 @@ impl ConnectionManager {
         self.events.push_back(ev);
     }
 
-    /// The link to `host` is gone: every connection with it ends as if
-    /// its peer had died.
-    pub fn link_down(&mut self, host: Ipv4Addr) {
-        self.linger.forget(host, None);
+    /// A link to `host` is up: a new REQ to that host goes by it (the
+    /// newest), and the connections whose messages waited for a link to
+    /// that host (the driver held them for its dial, and sends them by the
+    /// first link that comes up) belong to it.
+    pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId) {
+        if self.is_local(host) {
+            return;
+        }
+        self.links.entry(host).or_default().insert(link);
+        for i in self.ids.values_mut() {
+            if i.link.is_none() && i.state != State::Closed && i.peer.is_some_and(|(h, _)| h == host) {
+                i.link = Some(link);
+            }
+        }
+    }
+
+    /// `link` to `host` is gone: every connection it carried ends as if
+    /// its peer had died; another link's to the same host (a daemon there
+    /// restarted and linked again before the first was found dead) go on.
+    /// With `link` `None`, no link came for the messages held for a dial
+    /// to `host` (it failed, or the host cannot be reached): the
+    /// connections that waited for one end.
+    pub fn link_down(&mut self, host: Ipv4Addr, link: Option<LinkId>) {
+        if let (Some(l), Some(set)) = (link, self.links.get_mut(&host)) {
+            set.remove(&l);
+            if set.is_empty() {
+                self.links.remove(&host);
+            }
+        }
+        self.linger.forget(host, link, None);
         let gone: Vec<(u32, State)> = self
             .ids
             .iter()
-            .filter(|(_, i)| i.peer.is_some_and(|(h, _)| h == host) && i.state != State::Closed)
+            .filter(|(_, i)| {
+                i.peer.is_some_and(|(h, _)| h == host) && i.link == link && i.state != State::Closed
+            })
             .map(|(&n, i)| (n, i.state))
             .collect();
         for (id, state) in gone {
@@ -1016,8 +1106,8 @@ impl ConnectionManager {
 
     /// Runs the timers due at `now`.
     pub fn handle_timeout(&mut self, now: Instant) {
-        for (host, req) in self.linger.expire(now) {
-            self.refuse_req(host, &req);
+        for (host, link, req) in self.linger.expire(now) {
+            self.refuse_req(host, link, &req);
         }
         while let Some(&(t, id)) = self.timers.first() {
             if t > now {
@@ -1027,19 +1117,19 @@ impl ConnectionManager {
             let Some(i) = self.ids.get_mut(&id) else { continue };
             i.deadline = None;
             // (A paused tenant's timers were disarmed at the pause.)
-            let (state, peer) = (i.state, i.peer);
+            let (state, peer) = (i.state, i.peer.map(|(_, n)| n));
             match state {
                 State::ReqSent | State::RepSent => {
                     // Tell the peer, so that a late answer finds no one
                     // waiting (by our number, if it never answered).
-                    if let Some((host, theirs)) = peer {
+                    if let Some(theirs) = peer {
                         let msg = CmMessage::Rej {
                             to: theirs,
                             from: id,
                             reason: reject::TIMEOUT,
                             private_data: vec![],
                         };
-                        self.transmit.push_back((host, msg));
+                        self.send_for(id, msg);
                     }
                     let kind = if state == State::ReqSent {
                         EventKind::Unreachable
@@ -1058,8 +1148,17 @@ impl ConnectionManager {
         self.events.pop_front()
     }
 
-    /// The next message to send, and the host it goes to.
+    /// The next message to send, and the host it goes to (the link it
+    /// goes by left out: for a driver that has none).
     pub fn poll_transmit(&mut self) -> Option<(Ipv4Addr, CmMessage)> {
+        self.transmit.pop_front().map(|(host, _, msg)| (host, msg))
+    }
+
+    /// The next message to send, the host it goes to, and the link it
+    /// goes by: its connection's (`None`: the host's newest, or a dial if
+    /// there is none; or this host). A message for a link that is gone
+    /// cannot be sent: the driver reports it down.
+    pub fn poll_transmit_by(&mut self) -> Option<(Ipv4Addr, Option<LinkId>, CmMessage)> {
         self.transmit.pop_front()
     }
 

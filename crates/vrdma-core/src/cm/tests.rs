@@ -333,7 +333,7 @@ fn a_lost_link_ends_every_connection_with_that_host() {
     net.b_alive = false;
     net.a.connect(CA, pending, conn(0x11, b""), T0).unwrap();
     net.run();
-    net.a.link_down(B);
+    net.a.link_down(B, None);
     let mut ev = net.events(A);
     ev.sort_by_key(|e| e.id);
     assert_eq!(ev.len(), 2);
@@ -530,7 +530,7 @@ fn an_address_resolves_once_and_a_restarted_peers_numbers_are_new_requests() {
     };
     net.a.handle_message(B, req());
     assert_eq!(kinds(&net.events(A)), [EventKind::ConnectRequest]);
-    net.a.link_down(B);
+    net.a.link_down(B, None);
     net.events(A);
     net.a.handle_message(B, req());
     assert_eq!(kinds(&net.events(A)), [EventKind::ConnectRequest], "a new request");
@@ -719,4 +719,164 @@ fn a_tenants_address_is_local_and_only_its_tenant_binds_it() {
     // The port on the host's own address stays free for the other
     // tenant: the listener holds the VM's address only.
     assert!(cm.bind(CB, other, SocketAddrV4::new(A, 7471)).is_ok());
+}
+
+/// Carries every message `from` (at `from_ip`) queued to `to`, checking
+/// that each goes by `by` (`from`'s number for its link), and hands it to
+/// `to` as come by `at` (`to`'s number for the same link); how many.
+fn carry(
+    from: &mut ConnectionManager,
+    from_ip: Ipv4Addr,
+    to: &mut ConnectionManager,
+    by: LinkId,
+    at: LinkId,
+) -> usize {
+    let mut n = 0;
+    while let Some((_, link, msg)) = from.poll_transmit_by() {
+        assert_eq!(link, Some(by), "{msg:?} went by another link");
+        to.handle_message_by(from_ip, Some(at), msg);
+        n += 1;
+    }
+    n
+}
+
+/// Carries messages both ways between A and one daemon of B until none
+/// is left (A's number for the link is `by_a`, that daemon's `by_b`).
+fn exchange(a: &mut ConnectionManager, b: &mut ConnectionManager, by_a: LinkId, by_b: LinkId) {
+    for _ in 0..100 {
+        if carry(a, A, b, by_a, by_b) + carry(b, B, a, by_b, by_a) == 0 {
+            return;
+        }
+    }
+    panic!("messages without end");
+}
+
+fn drain(cm: &mut ConnectionManager) -> Vec<CmEvent> {
+    std::iter::from_fn(|| cm.poll_event()).collect()
+}
+
+/// What one life of B's daemon does with A over its link: listens on
+/// 7471, takes A's `a`'s connection there to ESTABLISHED, and sends a
+/// request of its own that A leaves unanswered. Returns A's id for that
+/// request.
+fn one_life_of_b(a: &mut ConnectionManager, b: &mut ConnectionManager, by_a: LinkId, a_id: u32) -> u32 {
+    let by_b = LinkId(1);
+    let l = b.create_id(CB, TENANT, PortSpace::Tcp).unwrap();
+    b.bind(CB, l, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7471)).unwrap();
+    b.listen(CB, l, 8).unwrap();
+    a.resolve_addr(CA, a_id, None, SocketAddrV4::new(B, 7471)).unwrap();
+    a.resolve_route(CA, a_id).unwrap();
+    a.connect(CA, a_id, conn(0x11, b""), T0).unwrap();
+    exchange(a, b, by_a, by_b);
+    let ev = drain(b);
+    assert_eq!(kinds(&ev), [EventKind::ConnectRequest]);
+    b.accept(CB, ev[0].id, conn(0x22, b""), 0, T0).unwrap();
+    exchange(a, b, by_a, by_b);
+    a.establish(CA, a_id).unwrap();
+    exchange(a, b, by_a, by_b);
+    assert_eq!(kinds(&drain(b)), [EventKind::Established]);
+    // B's request to A's listener, not answered yet.
+    let r = b.create_id(CB, TENANT, PortSpace::Tcp).unwrap();
+    b.resolve_addr(CB, r, None, SocketAddrV4::new(A, 7471)).unwrap();
+    b.resolve_route(CB, r).unwrap();
+    b.connect(CB, r, conn(0x33, b""), T0).unwrap();
+    exchange(a, b, by_a, by_b);
+    let ev: Vec<_> = drain(a).into_iter().filter(|e| e.kind == EventKind::ConnectRequest).collect();
+    assert_eq!(ev.len(), 1, "B's request reaches A: {ev:?}");
+    ev[0].id
+}
+
+/// B's daemon restarted and linked to A again (A's link 2) before A found
+/// its first link (1) dead. The first link's end takes what was made over
+/// it only: the new link's connection stays ESTABLISHED and its request,
+/// numbered as the last life's was, is answered (review, issue 16: the
+/// end of a link ended every connection with its host). And what goes to
+/// B goes by the newest link.
+#[test]
+fn an_old_links_end_leaves_what_a_restarted_peers_new_link_made() {
+    let (l1, l2) = (LinkId(1), LinkId(2));
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let al = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    a.bind(CA, al, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7471)).unwrap();
+    a.listen(CA, al, 8).unwrap();
+    let (old_conn, new_conn) =
+        (a.create_id(CA, TENANT, PortSpace::Tcp).unwrap(), a.create_id(CA, TENANT, PortSpace::Tcp).unwrap());
+    a.link_up(B, l1);
+    let mut b1 = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(7)));
+    b1.link_up(A, LinkId(1));
+    let old_req = one_life_of_b(&mut a, &mut b1, l1, old_conn);
+    drain(&mut a);
+    // B's daemon restarts (its ids numbered from 1 again) and links again.
+    let mut b2 = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(7)));
+    b2.link_up(A, LinkId(1));
+    a.link_up(B, l2);
+    let new_req = one_life_of_b(&mut a, &mut b2, l2, new_conn);
+    assert_ne!(old_req, new_req, "a request of the new life is not one the old sent again");
+    drain(&mut a);
+
+    // The old link is found dead now.
+    a.link_down(B, Some(l1));
+    let mut ev = drain(&mut a);
+    ev.sort_by_key(|e| e.id);
+    let got: Vec<_> = ev.iter().map(|e| (e.id, e.kind)).collect();
+    let mut want = vec![(old_conn, EventKind::Disconnected), (old_req, EventKind::ConnectError)];
+    want.sort_by_key(|w| w.0);
+    assert_eq!(got, want, "the old link's connection and request end, and nothing else");
+    assert!(a.poll_transmit_by().is_none());
+    assert_eq!(a.state(CA, new_conn), Some(State::Established));
+    assert_eq!(a.state(CA, new_req), Some(State::ReqReceived));
+
+    // The new link's request is answered, by the new link.
+    a.accept(CA, new_req, conn(0x44, b""), 0, T0).unwrap();
+    exchange(&mut a, &mut b2, l2, LinkId(1));
+    let ev: Vec<_> = drain(&mut b2).into_iter().filter(|e| e.kind == EventKind::ConnectResponse).collect();
+    assert_eq!(ev.len(), 1, "A's answer reaches the new life of B");
+    b2.establish(CB, ev[0].id).unwrap();
+    exchange(&mut a, &mut b2, l2, LinkId(1));
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::Established]);
+
+    // The new link's end takes the rest.
+    a.link_down(B, Some(l2));
+    let mut ev = drain(&mut a);
+    ev.sort_by_key(|e| e.id);
+    let got: Vec<_> = ev.iter().map(|e| (e.id, e.kind)).collect();
+    let mut want = vec![(new_conn, EventKind::Disconnected), (new_req, EventKind::Disconnected)];
+    want.sort_by_key(|w| w.0);
+    assert_eq!(got, want);
+}
+
+/// A request sent while no link to its host was up waits for the dial:
+/// it belongs to the link that comes (the driver sends it by that one),
+/// and a failed dial (no link) ends it.
+#[test]
+fn a_request_that_waited_for_a_dial_belongs_to_the_link_that_came() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let connect = |a: &mut ConnectionManager| {
+        let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+        a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+        a.resolve_route(CA, id).unwrap();
+        a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+        drain(a);
+        id
+    };
+    // The dial fails: no link came.
+    let failed = connect(&mut a);
+    assert!(matches!(a.poll_transmit_by(), Some((B, None, CmMessage::Req { .. }))));
+    a.link_down(B, Some(LinkId(9)));
+    assert!(drain(&mut a).is_empty(), "another link's end is not its");
+    a.link_down(B, None);
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::Unreachable]);
+    assert_eq!(a.state(CA, failed), Some(State::Closed));
+    // The dial makes link 3: the waiting request is that link's.
+    let waited = connect(&mut a);
+    a.poll_transmit_by();
+    a.link_up(B, LinkId(3));
+    a.link_down(B, None);
+    assert!(drain(&mut a).is_empty(), "it waits for no dial any more");
+    let next = connect(&mut a);
+    assert!(matches!(a.poll_transmit_by(), Some((B, Some(LinkId(3)), CmMessage::Req { .. }))));
+    a.link_down(B, Some(LinkId(3)));
+    let mut ev: Vec<_> = drain(&mut a).iter().map(|e| (e.id, e.kind)).collect();
+    ev.sort_by_key(|e| e.0);
+    assert_eq!(ev, [(waited, EventKind::Unreachable), (next, EventKind::Unreachable)]);
 }

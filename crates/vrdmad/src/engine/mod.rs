@@ -53,7 +53,7 @@ pub struct EngineState {
     /// The connection manager (rdma_cm).
     pub cm: crate::cm::CmDriver,
     /// Its messages from the links (a buffer kept between passes).
-    cm_in: Vec<(std::net::Ipv4Addr, vrdma_core::cm::CmMessage)>,
+    cm_in: Vec<(std::net::Ipv4Addr, vrdma_core::hca::LinkId, vrdma_core::cm::CmMessage)>,
     /// What QPs that name other hosts make the daemon log while the
     /// transport is off, limited per host.
     unreachable_log: vrdma_core::log_limit::LogLimiter,
@@ -179,20 +179,25 @@ impl EngineState {
         // (The socket registry's messages ride the same links.)
         self.run_sockets(now);
         if let Some(net) = self.net.as_mut() {
+            // Links up first: what a link brought came after it was up,
+            // and what the manager held for a dial went by it.
+            for (host, link) in net.cm_up.drain(..) {
+                self.cm.cm.link_up(host, link);
+            }
             let mut came = std::mem::take(&mut self.cm_in);
             net.take_cm_in(&mut came);
-            for (host, msg) in came.drain(..) {
+            for (host, link, msg) in came.drain(..) {
                 // A link whose peer claims one of this host's own addresses
                 // must not speak for this host's connections.
                 if self.cm.cm.is_local(host) {
                     tracing::debug!(%host, "a connection manager's message from a link that claims this host; dropped");
                     continue;
                 }
-                self.cm.cm.handle_message(host, msg);
+                self.cm.cm.handle_message_by(host, Some(link), msg);
             }
             self.cm_in = came;
-            for host in net.cm_down.drain(..) {
-                self.cm.cm.link_down(host);
+            for (host, link) in net.cm_down.drain(..) {
+                self.cm.cm.link_down(host, link);
             }
         }
         let net = &mut self.net;
@@ -201,10 +206,10 @@ impl EngineState {
         let mut sent = false;
         let next = self.cm.run(
             now,
-            |host, msg| match net.as_mut() {
+            |host, link, msg| match net.as_mut() {
                 Some(n) => {
                     sent = true;
-                    n.send_cm(host, msg)
+                    n.send_cm(host, link, msg)
                 }
                 None => {
                     Err("the transport between daemons is off: set net.psk (or net.psk_file) on both hosts")

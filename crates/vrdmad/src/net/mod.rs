@@ -137,9 +137,15 @@ pub struct Net {
     /// Connection manager's messages for hosts with no link yet: sent when
     /// one comes up, or given up on (`cm_down`) when the dial fails.
     cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
-    /// Hosts the connection manager can no longer reach (a link went down,
-    /// a dial for its messages failed), for the engine to tell it.
-    pub cm_down: Vec<std::net::Ipv4Addr>,
+    /// Links to other hosts that came up, for the engine to tell the
+    /// connection manager (a new REQ goes by the newest; what it held for
+    /// a dial went by the first).
+    pub cm_up: Vec<(std::net::Ipv4Addr, LinkId)>,
+    /// What the connection manager can no longer reach, for the engine to
+    /// tell it: a link that went down (its connections end; another
+    /// link's to the same host, a daemon there restarted, stay), or, with
+    /// `None`, the host of messages held for a dial that failed.
+    pub cm_down: Vec<(std::net::Ipv4Addr, Option<LinkId>)>,
     /// The socket registry's messages for hosts with no link yet, as
     /// `cm_pending` (`docs/sockets.md`, "Other hosts").
     sock_pending: HashMap<std::net::Ipv4Addr, Vec<SockMessage>>,
@@ -216,6 +222,7 @@ impl Net {
             refused: std::collections::HashSet::new(),
             log: LogLimiter::new(),
             cm_pending: HashMap::new(),
+            cm_up: Vec::new(),
             cm_down: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
@@ -267,11 +274,13 @@ impl Net {
                     self.log, log_source(addr), now, "link up",
                     link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id
                 );
-                // What the connection manager held for this host goes now.
-                if let Some(held) = info.gid.ipv4().and_then(|ip| self.cm_pending.remove(&ip.into())) {
-                    for m in &held {
+                // What the connection manager held for this host goes now,
+                // by this link, which it learns of.
+                if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
+                    for m in self.cm_pending.remove(&ip).iter().flatten() {
                         l.queue_cm(m);
                     }
+                    self.cm_up.push((ip, id));
                 }
                 // And the socket registry's, if the peer speaks them.
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
@@ -308,7 +317,7 @@ impl Net {
         self.dialling.insert(addr, next);
         if let std::net::IpAddr::V4(ip) = addr.ip() {
             if self.cm_pending.remove(&ip).is_some() {
-                self.cm_down.push(ip);
+                self.cm_down.push((ip, None));
             }
             if self.sock_pending.remove(&ip).is_some() {
                 self.sock_down.push((ip, None));
@@ -316,15 +325,24 @@ impl Net {
         }
     }
 
-    /// Sends a connection manager's message to the daemon of `host`,
-    /// dialling it if no link is up; `Err` if it cannot be sent.
+    /// Sends a connection manager's message to the daemon of `host` by
+    /// `link` (its connection's), or, with `None`, by the host's newest
+    /// link (an older one is a restarted daemon's last, not yet found
+    /// dead), dialling it if no link is up; `Err` if it cannot be sent
+    /// (the link named is gone, or the host cannot be dialled).
     pub fn send_cm(
         &mut self,
         host: std::net::Ipv4Addr,
+        link: Option<LinkId>,
         msg: &vrdma_core::cm::CmMessage,
     ) -> Result<(), &'static str> {
         let gid = Gid::from_ipv4(host.octets());
-        if let Some(l) = self.links.values_mut().find(|l| l.gid == gid) {
+        if let Some(id) = link {
+            let l = self.links.get_mut(&id).filter(|l| l.gid == gid).ok_or("the link to the host is gone")?;
+            l.queue_cm(msg);
+            return Ok(());
+        }
+        if let Some(l) = self.links.values_mut().rev().find(|l| l.gid == gid) {
             l.queue_cm(msg);
             return Ok(());
         }
@@ -422,16 +440,16 @@ impl Net {
     }
 
     /// The connection manager's messages the links read, with the host
-    /// each came from.
-    pub fn take_cm_in(&mut self, out: &mut Vec<(std::net::Ipv4Addr, vrdma_core::cm::CmMessage)>) {
-        for l in self.links.values_mut().filter(|l| !l.cm_in.is_empty()) {
+    /// each came from and the link it came by.
+    pub fn take_cm_in(&mut self, out: &mut Vec<(std::net::Ipv4Addr, LinkId, vrdma_core::cm::CmMessage)>) {
+        for (&id, l) in self.links.iter_mut().filter(|(_, l)| !l.cm_in.is_empty()) {
             // A link's peer is the daemon of its GID's address (a GID that
             // is not IPv4-mapped names no rdma_cm host).
             let Some(ip) = l.gid.ipv4() else {
                 l.cm_in.clear();
                 continue;
             };
-            out.extend(l.cm_in.drain(..).map(|m| (ip.into(), m)));
+            out.extend(l.cm_in.drain(..).map(|m| (ip.into(), id, m)));
         }
     }
 
@@ -612,7 +630,7 @@ impl Net {
                 });
                 hca.link_down(id);
                 if let Some(ip) = l.gid.ipv4() {
-                    self.cm_down.push(ip.into());
+                    self.cm_down.push((ip.into(), Some(id)));
                     self.sock_down.push((ip.into(), Some(id)));
                 }
             }
@@ -1108,6 +1126,31 @@ mod tests {
         let mut c = net_of([10, 0, 0, 3]);
         let _b3 = link_to(&mut c, 1, b_gid, 9, true);
         assert!(c.admits(b_gid, 9, now));
+    }
+
+    /// A connection manager's message goes by the link its connection
+    /// belongs to, or, for none, by the host's newest (a daemon there
+    /// restarted: the older link is its last life's, not yet found dead);
+    /// a link that is gone, or another host's, takes none.
+    #[test]
+    fn a_cm_message_goes_by_its_connections_link_or_the_hosts_newest() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let mut a = net_of([10, 0, 0, 1]);
+        let _old = link_to(&mut a, 1, b_gid, 9, true);
+        let _new = link_to(&mut a, 2, b_gid, 10, false);
+        let _c = link_to(&mut a, 3, Gid::from_ipv4([10, 0, 0, 3]), 11, true);
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let queued = |a: &Net| -> Vec<u32> {
+            a.links.iter().filter(|(_, l)| l.has_output()).map(|(i, _)| i.0).collect()
+        };
+        a.send_cm(b, None, &msg).unwrap();
+        assert_eq!(queued(&a), [2], "the newest link to the host");
+        a.send_cm(b, Some(LinkId(1)), &msg).unwrap();
+        assert_eq!(queued(&a), [1, 2], "the connection's link");
+        assert!(a.send_cm(b, Some(LinkId(3)), &msg).is_err(), "another host's link");
+        assert!(a.send_cm(b, Some(LinkId(4)), &msg).is_err(), "a link that is gone");
+        assert!(a.cm_pending.is_empty(), "no dial for a connection whose link is gone");
     }
 
     #[test]

@@ -527,13 +527,16 @@ pub(crate) struct Network {
 }
 
 impl Network {
-    /// The live link to the host an address vector names.
+    /// The live link to the host an address vector names: the newest,
+    /// where there are two (the host's daemon restarted and linked again
+    /// while its last life's link is not yet found dead; a QP bound to
+    /// that one would fail when it is, whatever the peer it reached).
     pub fn route(&self, ah: &AhAttr) -> Option<LinkId> {
         self.links
             .iter()
             .filter(|(_, l)| l.up && if ah.is_global { l.info.gid == ah.dgid } else { l.info.lid == ah.dlid })
             .map(|(&id, _)| id)
-            .min()
+            .max()
     }
 
     pub fn want(&mut self, gid: Gid) {

@@ -552,6 +552,28 @@ fn a_link_that_goes_down_fails_its_qps_and_a_new_link_serves_new_qps() {
     assert_eq!(t.a.env.poll(a2.cq), vec![req_cqe(7, WcStatus::Success, WcOpcode::RdmaWrite, a2.qpn, 0)]);
 }
 
+/// B's daemon restarted and linked again while A's first link to it is
+/// not yet found dead: a QP connected now runs over the newest link (the
+/// oldest took it to the dead daemon, and the QP failed when that link's
+/// end was found), and the old link's end leaves it (issue 16 review).
+#[test]
+fn a_new_qp_runs_over_the_newest_link_to_its_host_and_outlives_the_old_one() {
+    let mut t = TwoHosts::new(256);
+    let old = t.a.link;
+    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: 2, chunk: 256 });
+    let a = t.a.env.end(C1);
+    let b = t.b.env.end(C1);
+    t.connect(a.qpn, b.qpn, conn());
+    t.a.env.io.post_send(a.qpn, rdma(1, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.hca.qp_path(a.qpn), Some(Path::Link(Some(t.a.link))));
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+    t.a.env.hca.link_down(old);
+    t.a.env.io.post_send(a.qpn, rdma(2, SendOpcode::RdmaWrite, &[a.buf.sge(0, 8)], b.buf.addr, b.buf.key));
+    t.run(T0);
+    assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(2, WcStatus::Success, WcOpcode::RdmaWrite, a.qpn, 0)]);
+}
+
 #[test]
 fn with_no_link_the_peer_is_wanted_and_the_request_times_out() {
     let (mut t, a, b) = TwoHosts::new(256).unlinked_pair();
