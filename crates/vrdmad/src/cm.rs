@@ -784,7 +784,7 @@ mod tests {
         let dst = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7471);
         for &id in &ids[..4] {
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
-            d.run(now, |_, _| Ok(()), &mut no_qps());
+            d.run(now, |_, _, _| Ok(()), &mut no_qps());
         }
         // The first rode its wake-up; the other three wait behind bare ones.
         assert!(tenant_end.take_one());
@@ -807,12 +807,12 @@ mod tests {
         // At most `max`: the rest stay for the next call.
         for &id in &ids[4..] {
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
-            d.run(now, |_, _| Ok(()), &mut no_qps());
+            d.run(now, |_, _, _| Ok(()), &mut no_qps());
         }
         assert!(tenant_end.take_one(), "the first rode its wake-up again");
         let id6 = id(&mut d);
         d.handle(C, T, CmRequest::ResolveAddr { id: id6, src: None, dst }, now, &mut no_qps()).unwrap();
-        d.run(now, |_, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(()), &mut no_qps());
         match get(&mut d, 1) {
             Ok(CmReply::Events { events }) => {
                 assert_eq!(events.len(), 1);
