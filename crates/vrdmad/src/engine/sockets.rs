@@ -1148,7 +1148,8 @@ mod tests {
     fn a_late_yes_to_an_abandoned_announcement_is_given_up() {
         let (mut s, mut theirs, ctx) = state(3);
         let announce = |port: u16| {
-            let tuple = PeerTuple { client: addr(&format!("10.0.0.1:{port}")), server: addr("10.0.0.2:5000") };
+            let tuple =
+                PeerTuple { client: addr(&format!("10.0.0.1:{port}")), server: addr("10.0.0.2:5000") };
             (tuple, SockRequest::Announce { tuple: tuple.into(), local: false })
         };
         // The context ends while its announcement waits.
