@@ -35,8 +35,17 @@
 //! one only for the asking daemon's own address. A peer's list is kept
 //! whole, this host's own addresses filtered out when it is used, so that
 //! an address that moves from this host to a peer is the peer's once this
-//! host no longer has it. Where `net.peers` or `net.allow` is configured,
-//! only the daemons they name are believed about their addresses.
+//! host no longer has it. Only a link that counts as its host's (one this
+//! daemon dialled, or that came from its GID's address: see the
+//! transport's `sock_host`) speaks for a host at all; where `net.peers` or
+//! `net.allow` is configured, only the daemons they name are believed
+//! about their addresses.
+//!
+//! A query held for a dial is the dialled link's once that link took it
+//! (the transport reports it: `Net::sock_sent`), so that only that link's
+//! end ends its wait; an announcement whose wait ended unanswered is
+//! remembered a while ([`MAX_ABANDONED`]), so that a "yes" that still
+//! comes is given up at its owner.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -140,6 +149,9 @@ pub struct RemoteSockets {
     next_id: u32,
     waiting: HashMap<u32, Waiting>,
     abandoned: HashMap<u32, Abandoned>,
+    /// When `abandoned` is next swept for entries past [`ABANDONED_FOR`]
+    /// (once a second, not on every pass of the engine).
+    abandoned_sweep: Option<Instant>,
     /// Tuples this daemon's contexts announced at another host (as the
     /// registry keys them), that host and the link it answered by.
     announced: HashMap<(ContextId, Tuple), (Ipv4Addr, LinkId)>,
@@ -517,8 +529,10 @@ impl EngineState {
         if self.remote.waiting.values().any(|w| now.saturating_since(w.since) >= stale) {
             self.remote.abandon(now, |w| now.saturating_since(w.since) >= stale);
         }
-        if !self.remote.abandoned.is_empty() {
-            self.remote.abandoned.retain(|_, a| now.saturating_since(a.since) < ABANDONED_FOR);
+        let r = &mut self.remote;
+        if !r.abandoned.is_empty() && r.abandoned_sweep.is_none_or(|t| now >= t) {
+            r.abandoned_sweep = Some(now + Duration::from_secs(1));
+            r.abandoned.retain(|_, a| now.saturating_since(a.since) < ABANDONED_FOR);
         }
         if let Some(net) = self.net.as_mut().filter(|_| !answers.is_empty()) {
             for (link, msg) in &answers {
