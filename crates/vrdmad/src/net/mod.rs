@@ -155,9 +155,18 @@ pub struct Net {
     /// failed, or the link it made does not speak them).
     pub sock_down: Vec<(std::net::Ipv4Addr, Option<LinkId>)>,
     /// Links that came up speaking the IPv6 kinds of the socket
-    /// registry's messages (wire version 4): the engine tells them this
-    /// host's IPv6 addresses.
+    /// registry's messages (wire version 4) before this host's IPv6
+    /// addresses were first read: told them with the first
+    /// [`Net::set_hosts6`]. (A link that comes up later is told them in
+    /// [`Net::add`], before anything else it carries: an `Announce6`
+    /// ahead of them would be refused, its client's address unknown.)
     pub sock6_up: Vec<LinkId>,
+    /// This host's IPv6 addresses as last told (`None`: not read yet).
+    hosts6: Option<SockMessage>,
+    /// Queries held for a dial that went by the link it made, as (host,
+    /// link, query id): the engine's waits for them are pinned to that
+    /// link (another link's end to the same host leaves them alone).
+    pub sock_sent: Vec<(std::net::Ipv4Addr, LinkId, u32)>,
 }
 
 /// Connection manager's messages held for one host that has no link yet.
@@ -227,6 +236,8 @@ impl Net {
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
             sock6_up: Vec::new(),
+            hosts6: None,
+            sock_sent: Vec::new(),
         }
     }
 
@@ -282,15 +293,30 @@ impl Net {
                     }
                     self.cm_up.push((ip, id));
                 }
-                // And the socket registry's, if the peer speaks them.
-                if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
-                    if let Some(held) = self.sock_pending.remove(&ip) {
-                        if !held.iter().all(|m| l.queue_sock(m)) {
-                            self.sock_down.push((ip, None));
+                // A peer of version 4 hears this host's IPv6 addresses
+                // first (the owner takes an IPv6 client address only
+                // once told it), then what the socket registry held for
+                // its host (if the link counts as that host's; see
+                // [`sock_host`]).
+                if info.gid.ipv4().is_some() && l.version >= vrdma_core::wire::SOCK6_VERSION {
+                    match &self.hosts6 {
+                        Some(m) => {
+                            l.queue_sock(m);
                         }
+                        None => self.sock6_up.push(id),
                     }
-                    if l.version >= vrdma_core::wire::SOCK6_VERSION {
-                        self.sock6_up.push(id);
+                }
+                if let Some(ip) = sock_host(&l) {
+                    for m in self.sock_pending.remove(&ip).unwrap_or_default() {
+                        if !l.queue_sock(&m) {
+                            // The rest (and this one) wait for no link:
+                            // their waits end; the ones sent stay.
+                            self.sock_down.push((ip, None));
+                            break;
+                        }
+                        if let SockMessage::Query { id: q, .. } = m {
+                            self.sock_sent.push((ip, id, q));
+                        }
                     }
                 }
                 self.links.insert(id, l);
@@ -371,12 +397,17 @@ impl Net {
         msg: &SockMessage,
     ) -> Result<Option<LinkId>, &'static str> {
         let gid = Gid::from_ipv4(host.octets());
-        if let Some((id, l)) = self.links.iter_mut().rev().find(|(_, l)| l.gid == gid) {
+        if let Some((id, l)) = self.links.iter_mut().rev().find(|(_, l)| sock_host(l) == Some(host)) {
             return if l.queue_sock(msg) {
                 Ok(Some(*id))
             } else {
                 Err("the host's daemon speaks wire version 2, without the socket registry's frames")
             };
+        }
+        // A link whose peer says it is that host's daemon but connected
+        // from another address: not asked (nor dialled: the link is up).
+        if self.links.values().any(|l| l.gid == gid) {
+            return Err("the host's daemon linked in from another address than its own");
         }
         let addr = SocketAddr::from((host, self.setup.port));
         // Every connect of a program under the library asks: a daemon is
@@ -416,6 +447,20 @@ impl Net {
         self.setup.trusts_hosts6(ip)
     }
 
+    /// This host's IPv6 addresses (a `Hosts6`), as read: told to every
+    /// linked daemon that speaks it when `changed`, else to the links
+    /// that came up before the first read; and to each link that comes
+    /// up from now on, first thing ([`Net::add`]).
+    pub fn set_hosts6(&mut self, msg: SockMessage, changed: bool) {
+        let up = std::mem::take(&mut self.sock6_up);
+        if changed {
+            self.tell_linked(None, &msg);
+        } else if !up.is_empty() {
+            self.tell_linked(Some(&up), &msg);
+        }
+        self.hosts6 = Some(msg);
+    }
+
     /// Queues a socket registry's message on every link whose peer speaks
     /// it (of `links` only, when given), dialling nothing: what a daemon
     /// tells the daemons it is linked to.
@@ -428,14 +473,26 @@ impl Net {
     }
 
     /// The socket registry's messages the links read, with the link and
-    /// the host each came from.
+    /// the host each came from. A link that counts as no host's
+    /// ([`sock_host`]) speaks for none: its queries are refused at once
+    /// (its clients go plain TCP without waiting), the rest is dropped.
     pub fn take_sock_in(&mut self, out: &mut Vec<(LinkId, std::net::Ipv4Addr, SockMessage)>) {
         for (id, l) in self.links.iter_mut().filter(|(_, l)| !l.sock_in.is_empty()) {
-            let Some(ip) = l.gid.ipv4() else {
-                l.sock_in.clear();
+            let Some(ip) = sock_host(l) else {
+                let msgs = std::mem::take(&mut l.sock_in);
+                tracing::debug!(
+                    peer = %l.peer, gid = %l.gid,
+                    "socket registry's messages from a link whose peer is not at its GID's address; refused"
+                );
+                for m in msgs {
+                    if let SockMessage::Query { id, query, .. } = m {
+                        let answer = vrdma_core::sockets::peer::Answer::refusal(&query);
+                        l.queue_sock(&SockMessage::Answer { id, answer });
+                    }
+                }
                 continue;
             };
-            out.extend(l.sock_in.drain(..).map(|m| (*id, ip.into(), m)));
+            out.extend(l.sock_in.drain(..).map(|m| (*id, ip, m)));
         }
     }
 
@@ -705,6 +762,21 @@ impl Net {
 /// The links' sockets a sleeping engine waits on, each with what it
 /// waits for.
 pub type LinkPollFds = Vec<(std::os::fd::OwnedFd, PollFlags)>;
+
+/// The host a link counts as for the socket registry (`docs/sockets.md`,
+/// "Other hosts"): its GID's IPv4 address, for a link this daemon dialled
+/// (to that address, or to a configured peer's) or one whose connection
+/// came from that address; `None` for one that came from another address.
+/// A daemon's Hello may claim any GID (the key is all it proves), so a
+/// link that came in counts as the host it came from, and only if that is
+/// the host its GID names: a daemon holding the key cannot take over
+/// another host's queries, nor speak for its addresses, by claiming its
+/// GID. (A daemon whose route here leaves from another address than its
+/// GID's is then asked nothing by this one over its own link.)
+fn sock_host(l: &LinkIo) -> Option<std::net::Ipv4Addr> {
+    let ip = std::net::Ipv4Addr::from(l.gid.ipv4()?);
+    (l.dialled || l.peer.ip().to_canonical() == std::net::IpAddr::V4(ip)).then_some(ip)
+}
 
 /// Whether a link to `peer` (the socket's far end) whose daemon said its
 /// GID is `gid` already reaches the daemon listening at `addr`: the link
