@@ -56,8 +56,14 @@
 //! fetch brought. An id's kept events go when it is destroyed, those a
 //! fetch in flight brought too (they are kept before its `DestroyId` is
 //! sent). A reply is checked before any of it is kept (`cm_reply`: the
-//! counts of events and wake-ups, each event's fields); one that cannot
-//! be right is an error.
+//! counts of events and wake-ups, each event's fields, and that
+//! `GetEvents` is answered with a list); one that cannot be right is an
+//! error, and the channel is unusable from then on: what the reply stood
+//! for is lost and its wake-ups may stay in the descriptor, which nothing
+//! accounts for any more, so every later read fails with `EPROTO` at
+//! once rather than find the descriptor readable with nothing to read.
+//! (The daemon hands out at most `proto::MAX_CM_UNREAD` wake-ups a reply,
+//! as the check wants.)
 //!
 //! A route needs nothing of the daemon once the program has read its
 //! address's `AddrResolved`: [`CmId::resolve_route`] makes
