@@ -595,10 +595,14 @@ fn a_carried_event_that_came_during_a_fetch_is_read_before_the_fetched_ones() ->
 
 /// A `GetEvents` reply that cannot be right (more events than asked for,
 /// more wake-ups than a channel holds, an empty entry before others, an
-/// event whose fields are out of range) is an error, with nothing of it
-/// kept; the channel goes on working.
+/// event whose fields are out of range, a reply of another shape) is an
+/// error, with nothing of it kept; the channel is unusable from then on
+/// (what the reply stood for is lost, and its wake-ups may stay in the
+/// descriptor): every later read fails with `EPROTO` at once, rather than
+/// find the descriptor readable and nothing to read for ever. Other
+/// channels go on working.
 #[test]
-fn a_get_events_reply_that_cannot_be_right_is_an_error_and_keeps_nothing() -> Result<()> {
+fn a_get_events_reply_that_cannot_be_right_is_an_error_and_breaks_the_channel() -> Result<()> {
     use vrdma_core::cm::ConnInfo as Conn;
     let d = DaemonProc::start()?;
     let forged: Arc<Mutex<Option<Reply>>> = Arc::default();
@@ -612,9 +616,7 @@ fn a_get_events_reply_that_cannot_be_right_is_an_error_and_keeps_nothing() -> Re
             }
         }
     })?;
-    let ch = EventChannel::create(&ctx)?;
-    let id = CmId::create(&ch, PortSpace::Tcp)?;
-    let ev = CmEvent {
+    let ev = |id: &CmId| CmEvent {
         ctx: vrdma_core::hca::ContextId(0),
         id: id.id(),
         kind: EventKind::Established,
@@ -625,33 +627,57 @@ fn a_get_events_reply_that_cannot_be_right_is_an_error_and_keeps_nothing() -> Re
         local: None,
         remote: None,
     };
-    let good = (Some(ev.clone()), 1);
-    let bad = [
-        vec![good.clone(); MAX_CM_EVENTS as usize + 1],
-        vec![(Some(ev.clone()), MAX_CM_UNREAD + 1)],
-        vec![(None, 1), good.clone()],
-        vec![good.clone(), (Some(ev.clone()), 0)],
-        vec![(Some(CmEvent { status: 3, ..ev.clone() }), 1)],
-        vec![(Some(CmEvent { listen_id: Some(1), ..ev.clone() }), 1)],
-        vec![(
-            Some(CmEvent {
-                peer: Some(Conn { private_data: vec![0; 300], ..Conn::default() }),
-                ..ev.clone()
-            }),
-            1,
-        )],
+    type Forge = fn(CmEvent) -> Reply;
+    let bad: Vec<(&str, Forge)> = vec![
+        ("too many", |ev| {
+            Reply::Cm(CmReply::Events { events: vec![(Some(ev), 1); MAX_CM_EVENTS as usize + 1] })
+        }),
+        ("too many wake-ups", |ev| {
+            Reply::Cm(CmReply::Events { events: vec![(Some(ev), MAX_CM_UNREAD + 1)] })
+        }),
+        ("an empty entry first", |ev| Reply::Cm(CmReply::Events { events: vec![(None, 1), (Some(ev), 1)] })),
+        ("no wake-up", |ev| {
+            Reply::Cm(CmReply::Events { events: vec![(Some(ev.clone()), 1), (Some(ev), 0)] })
+        }),
+        ("a status", |ev| {
+            Reply::Cm(CmReply::Events { events: vec![(Some(CmEvent { status: 3, ..ev }), 1)] })
+        }),
+        ("a listener", |ev| {
+            Reply::Cm(CmReply::Events { events: vec![(Some(CmEvent { listen_id: Some(1), ..ev }), 1)] })
+        }),
+        ("private data", |ev| {
+            let peer = Some(Conn { private_data: vec![0; 300], ..Conn::default() });
+            Reply::Cm(CmReply::Events { events: vec![(Some(CmEvent { peer, ..ev }), 1)] })
+        }),
+        // Another shape: kept unchecked, a count of wake-ups of u32::MAX
+        // had the next read take ~4e9 of them.
+        ("an Event", |ev| Reply::Cm(CmReply::Event { event: Some(ev), wakeups: 1 })),
+        ("a huge Event", |_| Reply::Cm(CmReply::Event { event: None, wakeups: u32::MAX })),
     ];
-    for events in bad {
-        let n = events.len();
-        *forged.lock().unwrap() = Some(Reply::Cm(CmReply::Events { events }));
+    for (what, forge) in bad {
+        let ch = EventChannel::create(&ctx)?;
+        let id = CmId::create(&ch, PortSpace::Tcp)?;
+        *forged.lock().unwrap() = Some(forge(ev(&id)));
         match ch.try_get_event() {
             Err(vrdma::Error::Protocol(_)) => {}
-            other => bail!("a reply of {n} entries taken: {other:?}"),
+            other => bail!("{what}: a reply taken: {other:?}"),
         }
-        ensure!(forged.lock().unwrap().is_none(), "the forged reply was read");
-        ensure!(ch.try_get_event()?.is_none(), "nothing of it was kept");
+        ensure!(forged.lock().unwrap().is_none(), "{what}: the forged reply was read");
+        for _ in 0..2 {
+            match ch.try_get_event() {
+                Err(e @ vrdma::Error::Protocol(_)) => ensure!(e.errno() == libc::EPROTO, "{what}: {e}"),
+                other => bail!("{what}: the channel still read: {other:?}"),
+            }
+        }
+        match ch.get_event(Some(Duration::from_millis(50))) {
+            Err(vrdma::Error::Protocol(_)) => {}
+            other => bail!("{what}: a blocking read on the broken channel: {other:?}"),
+        }
+        drop(id);
     }
-    // Still working.
+    // Other channels still work.
+    let ch = EventChannel::create(&ctx)?;
+    let id = CmId::create(&ch, PortSpace::Tcp)?;
     id.resolve_addr(None, localhost(7))?;
     expect(&ch, EventKind::AddrResolved)?;
     Ok(())

@@ -12,6 +12,13 @@
 //!   finds its `rdma_cm_id` (and its listener's).
 //! - [`Event`]: `struct rdma_cm_event` and the bytes its private data
 //!   pointer points at, valid until `rdma_ack_cm_event` frees the box.
+//!   Each holds its id (a connect request: its listener) as librdmacm's
+//!   `events_reported`/`events_completed` do: `rdma_destroy_id` waits
+//!   until every event handed out for the id was acknowledged, so an
+//!   event never points at a freed id, and the lookup of an event's id
+//!   in the table takes the hold under the table's lock, so that a
+//!   destroy on another thread cannot free the id in between (found in
+//!   review, 2026-11-28: a use after free of the C `rdma_cm_id`).
 //!
 //! QPs are the program's: libibverbs ones that `rdma_create_qp` makes with
 //! `ibv_create_qp`. A connected (RC) QP is attached to the id in the
@@ -78,7 +85,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::ptr::{self, null_mut};
 use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock};
+use std::sync::{Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
 use vrdma::cm::{CmEvent, CmId, ConnParam, EventChannel, EventKind, PortSpace};
@@ -206,6 +213,12 @@ pub struct Id {
     /// The requester's (responder resources, initiator depth), for an id
     /// a connect request made: an accept's defaults.
     request: Option<(u8, u8)>,
+    /// Events handed out that hold this id, not yet acknowledged
+    /// (librdmacm's `events_reported - events_completed`): its own, and a
+    /// listener's connect requests. `rdma_destroy_id` waits for none.
+    unacked: Mutex<u64>,
+    /// Signalled as `unacked` falls.
+    acked: Condvar,
 }
 
 /// `struct rdma_cm_event` and the private data it points at.
@@ -213,6 +226,46 @@ pub struct Id {
 pub struct Event {
     c: rdma_cm_event,
     private_data: Vec<u8>,
+    /// The id this event holds (see [`Hold`]), let go when the event is
+    /// freed (acknowledged).
+    hold: Hold,
+}
+
+/// An event's hold on an id ([`Id::unacked`]): taken where the event's id
+/// is looked up in the table, under its lock, and let go when dropped,
+/// so that `rdma_destroy_id`, which takes the id out of the table first,
+/// frees it only once no event holds it (librdmacm's contract: destroy
+/// waits for the acknowledgements of the id's events).
+struct Hold(*mut Id);
+
+impl Hold {
+    /// Holds the id the table has for `num`, if any.
+    fn take(lib: &Lib, num: u32) -> Option<Hold> {
+        let ids = lib.ids();
+        let p = *ids.get(&num)? as *mut Id;
+        // SAFETY: ids in the table are live; destroy takes one out (under
+        // this lock) before it waits for the holds, then frees it.
+        let i = unsafe { &*p };
+        *i.unacked.lock().unwrap_or_else(|p| p.into_inner()) += 1;
+        drop(ids);
+        Some(Hold(p))
+    }
+
+    fn id(&self) -> *mut Id {
+        self.0
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        // SAFETY: a held id is live: its destroy waits for this.
+        let i = unsafe { &*self.0 };
+        let mut n = i.unacked.lock().unwrap_or_else(|p| p.into_inner());
+        *n -= 1;
+        if *n == 0 {
+            i.acked.notify_all();
+        }
+    }
 }
 
 /// The `Channel` behind a program's pointer.
@@ -607,6 +660,8 @@ unsafe fn new_id(ch: *mut Channel, cm: CmId, ps: PortSpace, context: *mut c_void
         attached: AtomicBool::new(false),
         qp_init_attr: Mutex::new(None),
         request: None,
+        unacked: Mutex::new(0),
+        acked: Condvar::new(),
     }))
 }
 
@@ -683,6 +738,15 @@ fn destroy_id(p: *mut rdma_cm_id) -> Res<()> {
         // SAFETY: an event of rdma_get_cm_event kept by `complete`.
         drop(unsafe { Box::from_raw(ev.cast::<Event>()) });
     }
+    // Out of the table, no event holds it any more once those handed out
+    // are acknowledged (as librdmacm's destroy waits; a program that
+    // destroys an id before it acknowledges the id's events waits for
+    // ever there too).
+    let mut unacked = i.unacked.lock().unwrap_or_else(|p| p.into_inner());
+    while *unacked > 0 {
+        unacked = i.acked.wait(unacked).unwrap_or_else(|p| p.into_inner());
+    }
+    drop(unacked);
     // SAFETY: the id is the caller's to destroy, once.
     let b = unsafe { Box::from_raw(p.cast::<Id>()) };
     let (pd, ch) = (b.own_pd.load(Ordering::Acquire), b.own_channel.load(Ordering::Acquire));
@@ -1388,14 +1452,19 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
     let mut kind = ev.kind;
     let mut status = ev.status;
     let mut listen: *mut Id = null_mut();
+    // The id this event holds (its listener's, for a request: the new id
+    // is the program's from now on, and librdmacm counts the request on
+    // the listener).
+    let hold;
     let idp: *mut Id = if kind == EventKind::ConnectRequest {
         let lnum = ev.listen_id.ok_or(Error::sys(libc::EPROTO, "a connect request without its listener"))?;
         // SAFETY: the channel the event came from is live (we are in
         // rdma_get_cm_event on it).
         let lib = unsafe { (*ch).lib };
-        let Some(&l) = lib.ids().get(&lnum) else { return Ok(None) };
-        listen = l as *mut Id;
-        // SAFETY: ids in the table are live (removed before they go).
+        let Some(h) = Hold::take(lib, lnum) else { return Ok(None) };
+        listen = h.id();
+        hold = h;
+        // SAFETY: held: live until the hold goes.
         let (ps, context) = unsafe { ((*listen).ps, (*(*listen).c()).context) };
         // SAFETY: the channel the event came from is live (we are in
         // rdma_get_cm_event on it).
@@ -1410,10 +1479,12 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
         p
     } else {
         // SAFETY: as above.
-        let Some(&p) = unsafe { (*ch).lib }.ids().get(&ev.id) else { return Ok(None) };
-        p as *mut Id
+        let Some(h) = Hold::take(unsafe { (*ch).lib }, ev.id) else { return Ok(None) };
+        let p = h.id();
+        hold = h;
+        p
     };
-    // SAFETY: live, from the table (or just made).
+    // SAFETY: held (or just made, and the program's only from this event).
     let i = unsafe { &*idp };
     match kind {
         // The addresses the resolution or the request set (librdmacm
@@ -1456,6 +1527,7 @@ fn convert(ch: *mut Channel, ev: CmEvent) -> Res<Option<*mut Event>> {
         // SAFETY: all-zero is valid for the C structure.
         c: unsafe { std::mem::zeroed() },
         private_data: peer.private_data.clone(),
+        hold,
     });
     e.c.id = idp.cast();
     e.c.listen_id = listen.cast();

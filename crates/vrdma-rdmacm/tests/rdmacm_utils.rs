@@ -252,6 +252,25 @@ fn a_channel_destroyed_under_a_waiting_thread_leaves_it_waiting() {
     check_clean(&f);
 }
 
+/// `tests/c/cm_destroy_race.c`: a thread reads a channel's events,
+/// holding each a moment, while the main thread destroys their ids (300
+/// rounds): `rdma_destroy_id` waits until the id's events handed out are
+/// acknowledged, as librdmacm's does, so no event's id is freed under its
+/// reader (it was: the event's lookup of its id raced the destroy).
+#[test]
+fn c_an_id_is_not_destroyed_under_an_event_a_thread_holds() {
+    let Some(s) = setup() else { return };
+    if !Path::new("/usr/include/rdma/rdma_cma.h").exists() {
+        vrdma_it::skip("/usr/include/rdma/rdma_cma.h is missing (apt-get install librdmacm-dev)");
+        return;
+    }
+    let Some(exe) = compile_c(s, "cm_destroy_race") else { return };
+    let f = spawn(s.command(exe.to_str().expect("utf-8 path")), "cm_destroy_race").finish(LIMIT);
+    f.assert_ok();
+    assert!(f.stdout.contains("cm_destroy_race: OK"), "{}", f.describe());
+    check_clean(&f);
+}
+
 /// `tests/c/NAME.c` compiled against rdma-core's headers and linked
 /// against both drop-in libraries; `None` (the test skips, saying why)
 /// without a C compiler.

@@ -56,8 +56,14 @@
 //! fetch brought. An id's kept events go when it is destroyed, those a
 //! fetch in flight brought too (they are kept before its `DestroyId` is
 //! sent). A reply is checked before any of it is kept (`cm_reply`: the
-//! counts of events and wake-ups, each event's fields); one that cannot
-//! be right is an error.
+//! counts of events and wake-ups, each event's fields, and that
+//! `GetEvents` is answered with a list); one that cannot be right is an
+//! error, and the channel is unusable from then on: what the reply stood
+//! for is lost and its wake-ups may stay in the descriptor, which nothing
+//! accounts for any more, so every later read fails with `EPROTO` at
+//! once rather than find the descriptor readable with nothing to read.
+//! (The daemon hands out at most `proto::MAX_CM_UNREAD` wake-ups a reply,
+//! as the check wants.)
 //!
 //! A route needs nothing of the daemon once the program has read its
 //! address's `AddrResolved`: [`CmId::resolve_route`] makes
@@ -223,6 +229,11 @@ struct ChannelInner {
     /// `GetEvent` and `GetEvents` calls made (for tests:
     /// [`EventChannel::event_calls`]).
     event_calls: AtomicU64,
+    /// Why the channel is unusable, once a reply was refused
+    /// ([`keep_reply`](Self::keep_reply)): every later read fails with
+    /// `EPROTO` ([`check_usable`](Self::check_usable)), where it would
+    /// spin on a descriptor readable for ever.
+    broken: Mutex<Option<String>>,
 }
 
 /// A channel's spare id: made ahead with a request whose reply is read
@@ -284,7 +295,24 @@ impl ChannelInner {
     /// another thread sent meanwhile (found in review, 2026-11-28). A
     /// reply that cannot be right (`cm_reply`) keeps nothing and is an
     /// error.
+    ///
+    /// A refused reply breaks the channel for good (see
+    /// [`broken`](Self::broken)): what it said was lost, and the wake-ups
+    /// it stood for stay in the descriptor, which no later reply accounts
+    /// for (a reader would find the descriptor readable and nothing to
+    /// read, for ever: found in review, 2026-11-28).
     fn keep_reply(&self, reply: &Reply, get_events_max: Option<u32>) -> Result<()> {
+        let kept = self.check_and_keep(reply, get_events_max);
+        if let Err(e) = &kept {
+            tracing::warn!(channel = self.channel, error = %e, "an rdma_cm reply refused: the event channel is unusable");
+            let mut broken = self.broken.lock().unwrap_or_else(|p| p.into_inner());
+            broken.get_or_insert_with(|| e.to_string());
+        }
+        kept
+    }
+
+    /// [`keep_reply`](Self::keep_reply)'s checks and keep.
+    fn check_and_keep(&self, reply: &Reply, get_events_max: Option<u32>) -> Result<()> {
         let entries: Vec<(&Option<CmEvent>, u32)> = match reply {
             Reply::Cm(CmReply::Events { events }) => {
                 let Some(max) = get_events_max else {
@@ -292,6 +320,12 @@ impl ChannelInner {
                 };
                 cm_reply::check_events(events, max)?;
                 events.iter().map(|(e, w)| (e, *w)).collect()
+            }
+            // `GetEvents` is answered with a list only: another reply
+            // kept unchecked could say any count of wake-ups (found in
+            // review, 2026-11-28).
+            _ if get_events_max.is_some() => {
+                return Err(Error::protocol("GetEvents answered with something else than an event list"));
             }
             Reply::Cm(CmReply::Event { event, wakeups }) => vec![(event, *wakeups)],
             Reply::Batch { replies, .. } => replies
@@ -304,8 +338,12 @@ impl ChannelInner {
             _ => Vec::new(),
         };
         if get_events_max.is_none() {
+            let mut total: u32 = 0;
             for (event, wakeups) in &entries {
+                // (A batch's replies together, as one reply's.)
+                total = total.saturating_add(*wakeups);
                 cm_reply::check_entry(event.as_ref(), *wakeups)?;
+                cm_reply::check_entry(None, total)?;
             }
         }
         let mut ready = self.ready.lock().unwrap_or_else(|p| p.into_inner());
@@ -315,6 +353,17 @@ impl ChannelInner {
             }
         }
         Ok(())
+    }
+
+    /// An error if a refused reply broke the channel (see
+    /// [`keep_reply`](Self::keep_reply)).
+    fn check_usable(&self) -> Result<()> {
+        match &*self.broken.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(why) => Err(Error::protocol(format!(
+                "the rdma_cm event channel is unusable: a reply of the daemon was refused ({why})"
+            ))),
+            None => Ok(()),
+        }
     }
 
     /// A call whose reply may hand over events: they are kept before the
@@ -613,6 +662,7 @@ impl EventChannel {
             spare: Arc::default(),
             batch_events: AtomicBool::new(ctx.inner.control.guest_link().is_none()),
             event_calls: AtomicU64::new(0),
+            broken: Mutex::default(),
         };
         let inner = Arc::new(inner);
         // A guest's channel moves with its VM: its library side is told.
@@ -656,6 +706,7 @@ impl EventChannel {
         let end = timeout.map(|t| Instant::now() + t);
         let control = &self.inner.ctx.inner.control;
         loop {
+            self.inner.check_usable()?;
             // The daemon's end of the descriptor closed: the daemon went
             // away, or (it still answers) the program destroyed this
             // channel while waiting on it, where the kernel's wait goes on:
@@ -698,6 +749,7 @@ impl EventChannel {
     }
 
     fn try_read(&self) -> Result<Option<CmEvent>> {
+        self.inner.check_usable()?;
         if self.inner.removed() {
             return self.inner.removal_event().map(Some);
         }

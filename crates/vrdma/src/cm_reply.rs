@@ -10,7 +10,9 @@
 //! can hold, more events than were asked for, an event whose fields
 //! cannot be (a status that is no errno nor REJ reason, private data
 //! over any CM message's limit) is refused as a protocol error, and
-//! nothing of it is kept or taken, rather than acted on in part.
+//! nothing of it is kept or taken, rather than acted on in part (the
+//! channel is unusable after it: `crate::cm`). A daemon hands out at
+//! most `MAX_CM_UNREAD` wake-ups in a reply, all its entries together.
 
 use vrdma_core::cm::{CmEvent, EventKind};
 use vrdma_core::proto::{MAX_CM_EVENTS, MAX_CM_UNREAD};

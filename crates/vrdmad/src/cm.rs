@@ -56,14 +56,28 @@ struct EventChannel {
     fd: Doorbell,
     /// Events in order; `None` where one went with its id (destroyed, or
     /// moved to another channel) after its wake-up was rung: the tenant
-    /// takes that wake-up with the next event it reads.
+    /// takes that wake-up with the next event it reads. (One that goes
+    /// before its wake-up was rung goes from here at once: see
+    /// [`drop_gone_unrung`](Self::drop_gone_unrung). So the `None`s are
+    /// among the rung entries, which [`max_rung`](Self::max_rung) bounds:
+    /// a tenant that makes and destroys ids without reading their events
+    /// cannot make the queue grow without end.)
     events: VecDeque<Option<CmEvent>>,
-    /// Wake-ups of `events` not yet rung: the doorbell's buffer was full
-    /// (it holds what `net.core.wmem_max` allows, which may be fewer than
-    /// [`MAX_UNREAD`]). Rung as the tenant reads and room frees, so that
-    /// rung + owed = events, and the descriptor is readable exactly while
-    /// events wait (a buffer that cannot take one more holds some).
+    /// Wake-ups of `events` not yet rung (the last `owed` entries): the
+    /// doorbell's buffer was full (it holds what `net.core.wmem_max`
+    /// allows, which may be fewer than [`MAX_UNREAD`]), or it holds
+    /// `max_rung` of this queue's already. Rung as the tenant reads and
+    /// room frees, so that rung + owed = events, and the descriptor is
+    /// readable exactly while events wait (see
+    /// [`take_event`](Self::take_event): a rung one is left while any is
+    /// owed).
     owed: usize,
+    /// Most entries of `events` rung at once ([`MAX_UNREAD`]; lower in
+    /// tests): a doorbell may hold more (some 5400 where `wmem_max` is
+    /// 2 MiB or more), but the library takes at most [`MAX_UNREAD`]
+    /// wake-ups in a reply (`vrdma::cm_reply`), and the entries of
+    /// destroyed ids are bounded by it.
+    max_rung: usize,
     /// Whether an event may go in its wake-up (see [`CmDriver::deliver`]):
     /// a host tenant's library reads it there. (A guest's channel is
     /// signalled through its port, which carries no bytes.)
@@ -71,32 +85,68 @@ struct EventChannel {
 }
 
 impl EventChannel {
-    /// One more wake-up, or owed if the doorbell holds all it can.
+    fn new(ctx: ContextId, tenant: TenantId, fd: Doorbell, carry: bool) -> EventChannel {
+        EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0, max_rung: MAX_UNREAD, carry }
+    }
+
+    /// Entries whose wake-ups are rung.
+    fn rung(&self) -> usize {
+        self.events.len() - self.owed
+    }
+
+    /// One more wake-up (for the entry just queued), or owed if the
+    /// doorbell holds all it can; with those owed before, if room freed
+    /// (the tenant took some since).
     fn ring(&mut self) {
-        if self.owed > 0 || !self.fd.ring_one() {
-            self.owed += 1;
-        }
+        self.owed += 1;
+        self.ring_owed();
     }
 
     /// Rings what is owed while the doorbell takes it.
     fn ring_owed(&mut self) {
-        while self.owed > 0 && self.fd.ring_one() {
+        while self.owed > 0 && self.rung() < self.max_rung && self.fd.ring_one() {
             self.owed -= 1;
         }
     }
 
+    /// Drops the entries gone with their ids (`None`) whose wake-ups were
+    /// not rung: they owe nothing to the tenant, and kept they would let
+    /// the queue grow without end (found in review, 2026-11-28: 4300 ids
+    /// made, resolved and destroyed unread left 4300 entries, and the
+    /// next `GetEvent` handed out 4301 wake-ups, more than the library
+    /// takes in a reply).
+    fn drop_gone_unrung(&mut self) {
+        let rung = self.rung();
+        let mut i = 0;
+        let before = self.events.len();
+        self.events.retain(|e| {
+            i += 1;
+            i <= rung || e.is_some()
+        });
+        self.owed -= before - self.events.len();
+    }
+
     /// `GetEvent`'s take: the next event and the wake-ups the tenant
     /// takes with it (one per entry, those of events gone with their ids
-    /// included). Only entries whose wake-ups are in the doorbell go;
+    /// included), at most `budget` (what is left of a reply's
+    /// [`MAX_UNREAD`]). Only entries whose wake-ups are in the doorbell
+    /// go, and while any are owed, not the last of those: the doorbell
+    /// must keep a wake-up of this queue, which brings the tenant back to
+    /// ask, and then the owed ones are rung (the library may hold the
+    /// wake-ups of up to `MAX_CM_EVENTS` fetched events in its
+    /// descriptor, so the doorbell has no room at the call; taking every
+    /// rung entry left the tenant with an empty descriptor and events
+    /// owed that nothing would ring, found in review, 2026-11-28).
     /// `first`: at least one entry even where none is rung (a channel
     /// whose doorbell took none: the tenant's takes find nothing, and the
     /// count stays right), as `GetEvent` always did.
-    fn take_event(&mut self, first: bool) -> (Option<CmEvent>, u32) {
+    fn take_event(&mut self, first: bool, budget: usize) -> (Option<CmEvent>, u32) {
         // (The tenant takes the wake-ups from its end of the doorbell:
         // readable while any event is left.)
         self.ring_owed();
-        let rung = self.events.len() - self.owed;
-        let floor = if first { rung.max(1) } else { rung };
+        let rung = self.rung();
+        let room = if self.owed > 0 { rung.saturating_sub(1) } else { rung };
+        let floor = if first { room.max(1) } else { room }.min(budget);
         let mut wakeups = 0;
         let mut event = None;
         while wakeups < floor {
@@ -200,7 +250,7 @@ impl CmDriver {
                 break self.next_channel;
             }
         };
-        self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0, carry });
+        self.channels.insert(id, EventChannel::new(ctx, tenant, fd, carry));
         Ok(id)
     }
 
@@ -227,7 +277,7 @@ impl CmDriver {
         if id == 0 || self.channels.contains_key(&id) {
             return Err(CmCallError::NoChannel(id));
         }
-        self.channels.insert(id, EventChannel { ctx, tenant, fd, events: VecDeque::new(), owed: 0, carry });
+        self.channels.insert(id, EventChannel::new(ctx, tenant, fd, carry));
         Ok(id)
     }
 
@@ -344,6 +394,7 @@ impl CmDriver {
                             *e = None;
                         }
                     }
+                    c.drop_gone_unrung();
                 }
                 done
             }
@@ -359,6 +410,7 @@ impl CmDriver {
                                 moved.extend(e.take());
                             }
                         }
+                        c.drop_gone_unrung();
                     }
                 }
                 if let Some(c) = self.channels.get_mut(&channel) {
@@ -470,7 +522,7 @@ impl CmDriver {
             CmRequest::GetEvent { channel } => {
                 self.own_channel(ctx, channel)?;
                 let c = self.channels.get_mut(&channel).expect("checked above");
-                let (event, wakeups) = c.take_event(true);
+                let (event, wakeups) = c.take_event(true, MAX_UNREAD);
                 CmReply::Event { event, wakeups }
             }
             CmRequest::GetEvents { channel, max } => {
@@ -479,14 +531,17 @@ impl CmDriver {
                 let max = max.clamp(1, vrdma_core::proto::MAX_CM_EVENTS) as usize;
                 let mut events = Vec::new();
                 // As `GetEvent`s in a row, the later ones only while rung
-                // wake-ups are left.
+                // wake-ups are left, and no more than `MAX_UNREAD` in all
+                // (what the library takes in one reply).
+                let mut total = 0;
                 loop {
-                    let (event, wakeups) = c.take_event(events.is_empty());
+                    let (event, wakeups) = c.take_event(events.is_empty(), MAX_UNREAD - total);
+                    total += wakeups as usize;
                     let got = event.is_some();
                     if got || wakeups > 0 {
                         events.push((event, wakeups));
                     }
-                    if !got || events.len() >= max {
+                    if !got || events.len() >= max || total >= MAX_UNREAD {
                         break;
                     }
                 }
@@ -509,9 +564,10 @@ impl CmDriver {
         let channel = *self.id_channel.get(&id)?;
         let c = self.channels.get_mut(&channel).filter(|c| c.ctx == ctx)?;
         c.ring_owed();
-        let rung = c.events.len() - c.owed;
+        // (While any are owed, the last rung one stays, as in `take_event`.)
+        let room = c.rung().saturating_sub(usize::from(c.owed > 0));
         let ids = |e: &Option<CmEvent>| e.as_ref().is_some_and(|e| e.id == id);
-        if rung == 0 || !c.events.front().is_some_and(ids) {
+        if room == 0 || !c.events.front().is_some_and(ids) {
             return None;
         }
         let ev = c.events.pop_front().flatten();
@@ -1184,6 +1240,178 @@ mod tests {
                 assert!(tenant_end.take_one(), "each wake-up handed out was rung");
             }
         }
+        assert!(!tenant_end.is_readable(), "quiet once all are read");
+    }
+
+    /// As above, read as the library reads with `GetEvents`: each reply's
+    /// events kept, their wake-ups left in the descriptor until each is
+    /// handed out, so the doorbell has no room at the call. A reply leaves
+    /// a rung wake-up of the daemon's queue while any is owed, so the
+    /// descriptor never empties with events waiting (it did: "readable
+    /// with 23 of 29 events unread").
+    #[test]
+    fn a_small_doorbell_read_with_get_events_stays_readable_until_the_last_is_read() {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair().unwrap();
+        let holds = fd.reserve(1);
+        let channel = d.add_channel(C, T, fd).unwrap();
+        let now = Instant(1);
+        let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
+        let n = 3 * holds.max(8) + 5;
+        for _ in 0..n {
+            let Ok(CmReply::Id { id }) =
+                d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now, &mut no_qps())
+            else {
+                panic!("no id");
+            };
+            d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
+        }
+        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        assert!(d.channels[&channel].owed > 0, "the doorbell held {holds}, fewer than {n}: some were owed");
+        let mut read = 0;
+        while read < n {
+            let owed = d.channels[&channel].owed;
+            assert!(
+                tenant_end.is_readable(),
+                "holds {holds}: readable with {} of {n} unread (owed {owed})",
+                n - read
+            );
+            let Ok(CmReply::Events { events }) =
+                d.handle(C, T, CmRequest::GetEvents { channel, max: 16 }, now, &mut no_qps())
+            else {
+                panic!("no reply");
+            };
+            assert!(!events.is_empty(), "events {read} of {n} missing");
+            for (event, wakeups) in events {
+                assert!(event.is_some());
+                read += 1;
+                for _ in 0..wakeups {
+                    assert!(tenant_end.take_one(), "each wake-up handed out was rung");
+                }
+            }
+        }
+        assert!(!tenant_end.is_readable(), "quiet once all are read");
+    }
+
+    /// A run of entries of destroyed ids that covers every rung wake-up
+    /// is not taken whole while some are owed: `GetEvent` hands out all
+    /// but the last (an entry with no event), and the descriptor stays
+    /// readable until the last event is read.
+    #[test]
+    fn destroyed_ids_covering_the_rung_wake_ups_leave_the_descriptor_readable() {
+        let cm =
+            ConnectionManager::new(Default::default(), vec![Ipv4Addr::new(10, 0, 0, 1)], Box::new(Keys(1)));
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair().unwrap();
+        let holds = fd.reserve(1);
+        let channel = d.add_channel(C, T, fd).unwrap();
+        let now = Instant(1);
+        let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
+        let n = 3 * holds.max(8) + 5;
+        let mut ids = Vec::new();
+        for _ in 0..n {
+            let Ok(CmReply::Id { id }) =
+                d.handle(C, T, CmRequest::CreateId { channel, ps: 0x0106 }, now, &mut no_qps())
+            else {
+                panic!("no id");
+            };
+            d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
+            ids.push(id);
+        }
+        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        let rung = d.channels[&channel].rung();
+        assert!(d.channels[&channel].owed > 0, "the doorbell held {holds}, fewer than {n}: some were owed");
+        let gone = rung + 2;
+        for &id in &ids[..gone] {
+            d.handle(C, T, CmRequest::DestroyId { id }, now, &mut no_qps()).unwrap();
+        }
+        let mut read = 0;
+        while read < n - gone {
+            assert!(tenant_end.is_readable(), "holds {holds}: readable with {} unread", n - gone - read);
+            let Ok(CmReply::Event { event, wakeups }) =
+                d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps())
+            else {
+                panic!("no reply");
+            };
+            read += usize::from(event.is_some());
+            for _ in 0..wakeups {
+                assert!(tenant_end.take_one(), "each wake-up handed out was rung");
+            }
+        }
+        assert!(!tenant_end.is_readable(), "quiet once all are read");
+    }
+
+    /// Ids made, resolved and destroyed without their events read leave
+    /// no more entries than a reply may hand out wake-ups for
+    /// (`MAX_UNREAD`, whatever the doorbell holds): those never rung go
+    /// at once, the rung ones are bounded. A reply never hands out more
+    /// than `MAX_UNREAD` wake-ups (the library refuses one that does),
+    /// and the live event after them comes, the descriptor readable until
+    /// then.
+    #[test]
+    fn entries_of_destroyed_ids_are_bounded_and_a_reply_hands_out_at_most_max_unread() {
+        let cm = ConnectionManager::new(
+            vrdma_core::cm::CmConfig { max_ids_per_tenant: 100_000, ..Default::default() },
+            vec![Ipv4Addr::new(10, 0, 0, 1)],
+            Box::new(Keys(1)),
+        );
+        let mut d = CmDriver::new(cm);
+        let (fd, tenant_end) = Doorbell::pair().unwrap();
+        // (As the session reserves, and more: a doorbell may hold more
+        // than `MAX_UNREAD`, where `wmem_max` allows.)
+        fd.reserve(2 * MAX_UNREAD);
+        let channel = d.add_channel_with(C, T, fd, true).unwrap();
+        let now = Instant(1);
+        let dst = SocketAddrV4::new(Ipv4Addr::new(10, 0, 0, 9), 7471);
+        let create = |d: &mut CmDriver| match d.handle(
+            C,
+            T,
+            CmRequest::CreateId { channel, ps: 0x0106 },
+            now,
+            &mut no_qps(),
+        ) {
+            Ok(CmReply::Id { id }) => id,
+            other => panic!("{other:?}"),
+        };
+        for _ in 0..MAX_UNREAD + 200 {
+            let id = create(&mut d);
+            d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
+            d.run(now, |_, _, _| Ok(()), &mut no_qps());
+            d.handle(C, T, CmRequest::DestroyId { id }, now, &mut no_qps()).unwrap();
+        }
+        let live = create(&mut d);
+        d.handle(C, T, CmRequest::ResolveAddr { id: live, src: None, dst }, now, &mut no_qps()).unwrap();
+        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        assert!(
+            d.channels[&channel].events.len() <= MAX_UNREAD + 1,
+            "{} entries",
+            d.channels[&channel].events.len()
+        );
+        // (The first rode its wake-up: taken as the library takes it.)
+        assert!(tenant_end.take_one());
+        let mut got = None;
+        for _ in 0..4 {
+            assert!(tenant_end.is_readable(), "readable while the live event waits");
+            let Ok(CmReply::Events { events }) =
+                d.handle(C, T, CmRequest::GetEvents { channel, max: 16 }, now, &mut no_qps())
+            else {
+                panic!("no reply");
+            };
+            let total: u64 = events.iter().map(|(_, w)| u64::from(*w)).sum();
+            assert!(total <= MAX_UNREAD as u64, "a reply of {total} wake-ups");
+            for (event, wakeups) in events {
+                for _ in 0..wakeups {
+                    assert!(tenant_end.take_one(), "each wake-up handed out was rung");
+                }
+                got = got.or(event);
+            }
+            if got.is_some() {
+                break;
+            }
+        }
+        assert_eq!(got.map(|e| e.id), Some(live));
         assert!(!tenant_end.is_readable(), "quiet once all are read");
     }
 

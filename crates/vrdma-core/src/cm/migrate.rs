@@ -48,12 +48,11 @@ use super::{
 };
 use crate::hca::migrate::SnapshotError;
 use crate::hca::{ContextId, LinkId, TenantId};
+use crate::proto::MAX_CM_UNREAD;
 use crate::time::Instant;
 
 /// Event channels one tenant may hold (the daemon's limit).
 pub const MAX_CM_CHANNELS: usize = 256;
-/// Events one channel holds unread at most (the daemon's limit).
-pub const MAX_CM_UNREAD: usize = 4096;
 /// Ids one snapshot may carry (the manager's default quota).
 pub const MAX_CM_IDS: usize = 4096;
 
@@ -128,7 +127,7 @@ impl CmSnapshot {
                     c.channel, c.ctx
                 )));
             }
-            if c.events.len() > MAX_CM_UNREAD {
+            if c.events.len() > MAX_CM_UNREAD as usize {
                 return Err(bad(format!(
                     "event channel {:#x} holds more than {MAX_CM_UNREAD} events",
                     c.channel

@@ -307,7 +307,7 @@ fn forged_or_colliding_cm_state_is_refused() {
         }),
         ("too many events", {
             let mut s = good.clone();
-            s.channels[0].events = vec![ev.clone(); MAX_CM_UNREAD + 1];
+            s.channels[0].events = vec![ev.clone(); MAX_CM_UNREAD as usize + 1];
             s
         }),
     ];

@@ -189,9 +189,13 @@ pub const MAX_CM_BATCH: usize = 4;
 pub const MAX_CM_EVENTS: u32 = 16;
 
 /// Most events a daemon keeps unread on one channel (a tenant that reads
-/// none of its events has its listeners' new requests refused past it),
-/// and so the most wake-ups one reply can hand the library to take: the
-/// library refuses a reply that says more (`vrdma::cm`).
+/// none of its events has its listeners' new requests refused past it;
+/// a snapshot's channel holds no more), and the most wake-ups one reply
+/// hands the library to take: the daemon rings at most this many of a
+/// channel's queue at once (entries of destroyed ids among them), and
+/// caps each `GetEvent`'s and `GetEvents`' reply at it, leaving the rest
+/// for the next call. The library refuses a reply that says more
+/// (`vrdma::cm_reply`), and its channel is unusable from then on.
 pub const MAX_CM_UNREAD: u32 = 4096;
 
 /// A call a [`CmRequest::Batch`] may carry: each is the [`CmRequest`] of

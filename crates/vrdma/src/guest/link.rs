@@ -246,6 +246,16 @@ pub(super) struct Shared {
     /// Set when the link is dropped: the reader thread ends, and with it
     /// the port is closed (so that the next opener may take it).
     pub quit: AtomicBool,
+    /// Replies the reader thread handed to callers and whose notes
+    /// (`call_noting`'s `note`, which keeps an rdma_cm reply's events)
+    /// have not finished: a move waits for none before it matches the
+    /// rdma_cm channels' wake-ups to their kept events again
+    /// (`super::reattach`, `MovedCmChannel`). Noted after the move, a
+    /// reply's event was kept with a wake-up the move had dropped and not
+    /// rung again (found in review, 2026-11-28).
+    pub unnoted: Mutex<u64>,
+    /// Signalled as `unnoted` falls to 0.
+    pub noted: Condvar,
 }
 
 pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -254,6 +264,34 @@ pub(super) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Shared {
+    /// A reply handed to callers was noted, or dropped (see `unnoted`).
+    pub fn reply_noted(&self) {
+        let mut n = lock(&self.unnoted);
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            self.noted.notify_all();
+        }
+    }
+
+    /// Waits until every reply handed to callers is noted, at most
+    /// `limit`: one no caller takes (it gave up waiting) is dropped by the
+    /// next call only.
+    pub fn wait_replies_noted(&self, limit: Duration) {
+        let end = Instant::now() + limit;
+        let mut n = lock(&self.unnoted);
+        while *n > 0 {
+            let now = Instant::now();
+            if now >= end {
+                tracing::debug!(
+                    unnoted = *n,
+                    "vrdma: moving on with replies not noted (no caller took them)"
+                );
+                return;
+            }
+            n = self.noted.wait_timeout(n, end - now).unwrap_or_else(|p| p.into_inner()).0;
+        }
+    }
+
     /// Writes `f` on port generation `gen`, if that is the port now.
     pub fn send(&self, gen: u64, f: &Frame) -> std::result::Result<(), String> {
         let mut w = lock(&self.writer);
@@ -347,6 +385,8 @@ impl GuestLink {
             cm_channels: Mutex::new(HashMap::new()),
             cm_ends: Mutex::new(HashMap::new()),
             quit: AtomicBool::new(false),
+            unnoted: Mutex::new(0),
+            noted: Condvar::new(),
         });
         let thread = Reader {
             shared: shared.clone(),
@@ -457,6 +497,7 @@ impl GuestLink {
                     Ok(Msg::Reply { gen: g, reply, handles }) if g == gen => break Some((reply, handles)),
                     Ok(Msg::Ended { gen: g }) if g == gen => break None,
                     // From a port before this call's: not ours.
+                    Ok(Msg::Reply { .. }) => self.shared.reply_noted(),
                     Ok(_) => {}
                     Err(RecvTimeoutError::Timeout) if sent.elapsed() >= REPLY_LIMIT => {
                         return Err(crate::control::gone())
@@ -477,6 +518,7 @@ impl GuestLink {
             // The port ended before answering: the call again, on the next.
             let Some((reply, handles)) = answered else { continue };
             let noted = note(&reply);
+            self.shared.reply_noted();
             drop(calls);
             if matches!(req, Request::Hello { .. } | Request::AdoptContext { .. }) {
                 if let Some(b) = Bound::of(&reply, &handles) {
@@ -797,8 +839,11 @@ impl Reader {
     fn on_frame(&self, f: Frame) -> std::result::Result<(), String> {
         match f {
             Frame::Reply { reply, handles } => {
-                // No caller waiting (it timed out): dropped.
-                let _ = self.replies.send(Msg::Reply { gen: self.gen, reply, handles });
+                // No caller waiting (it timed out): dropped by the next.
+                *lock(&self.shared.unnoted) += 1;
+                if self.replies.send(Msg::Reply { gen: self.gen, reply, handles }).is_err() {
+                    self.shared.reply_noted();
+                }
             }
             Frame::Bell { id, count } => {
                 let proxies = lock(&self.shared.proxies);

@@ -51,6 +51,10 @@ const ADOPT_REPLY_LIMIT: Duration = Duration::from_secs(5);
 /// The first pause between tries, doubled up to [`MOST_PAUSE`].
 const FIRST_PAUSE: Duration = Duration::from_millis(10);
 const MOST_PAUSE: Duration = Duration::from_millis(200);
+/// Longest a move waits for the replies of the old port handed to callers
+/// to be noted (see `Shared::unnoted`): a note takes microseconds; a
+/// reply no caller takes is waited for this long.
+const NOTE_WAIT: Duration = Duration::from_secs(1);
 
 /// Why one try failed.
 enum Failed {
@@ -225,6 +229,10 @@ impl Reader {
     /// their new numbers, the BAR reopened, the link up again.
     fn install(&mut self, old: Bound, a: Adopted) {
         let gen = self.gen + 1;
+        // The replies of the old port handed to callers are noted first
+        // (an rdma_cm reply's events kept): `moved` below counts the kept
+        // events' wake-ups to ring again.
+        self.shared.wait_replies_noted(NOTE_WAIT);
         match open_bar(&self.shared.cfg.bar) {
             Ok(bar) => *lock(&self.shared.bar) = Arc::new(bar),
             Err(e) => tracing::warn!(error = %e, "vrdma: the BAR did not reopen; keeping the old one"),

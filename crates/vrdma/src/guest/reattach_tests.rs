@@ -440,3 +440,88 @@ fn a_port_that_answers_no_probe_is_the_device_gone() {
     done_tx.send(()).unwrap();
     daemon.join().unwrap();
 }
+
+/// An rdma_cm channel's library side as a move sees it: whether the
+/// note of the call's reply had finished when the move matched the
+/// channel's wake-ups again.
+struct Probe {
+    noted: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    seen: std::sync::Mutex<Option<bool>>,
+}
+
+impl super::link::MovedCmChannel for Probe {
+    fn moved(&self, _ring: &mut dyn FnMut(usize)) -> (usize, usize) {
+        *self.seen.lock().unwrap() = Some(self.noted.load(std::sync::atomic::Ordering::SeqCst));
+        (0, 0)
+    }
+}
+
+/// A reply's note (an rdma_cm reply's events kept, with the wake-ups
+/// they stand for) finishes before a move that came right after the
+/// reply matches the rdma_cm channels' wake-ups to their kept events
+/// again: noted after it, the event was kept with a wake-up the move had
+/// dropped and not rung again.
+#[test]
+fn a_move_right_after_a_reply_waits_for_the_reply_to_be_noted() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+    use vrdma_core::proto::{CmReply, MovedChannel};
+    let scene = Scene::new("vrdma-reattach-note");
+    let (listener, cfg) = (scene.listener(), scene.cfg());
+
+    let daemon = std::thread::spawn(move || {
+        let mut a = Port::accept(&listener);
+        a.open_session(false, (1, 2));
+        // An rdma_cm event channel, its doorbell proxy 3.
+        assert_eq!(a.call(), Request::DeallocPd { pd: 1 });
+        a.reply(Reply::Cm(CmReply::Channel { channel: 9 }), vec![bell(3, true)]);
+        // A call answered, and the VM moves right after.
+        assert_eq!(a.call(), Request::DeallocPd { pd: 2 });
+        a.reply(Reply::Done, Vec::new());
+        a.send(&Frame::Ended { reason: EndReason::Moved });
+        let mut c = Port::accept(&listener);
+        c.hello();
+        assert!(matches!(c.call(), Request::AdoptContext { context: CONTEXT, .. }));
+        let Reply::Hello { context, tenant, device_name, segment_len, async_ring, posted_ring, .. } = hello()
+        else {
+            unreachable!()
+        };
+        let adopted = Reply::Hello {
+            context,
+            tenant,
+            device_name,
+            segment_len,
+            async_ring,
+            posted_ring,
+            channels: vec![MovedChannel { channel: 9, raised_before: 0 }],
+        };
+        c.reply(adopted, vec![SEGMENT, bell(5, false), bell(6, true), bell(7, true)]);
+        assert_eq!(c.call(), Request::DeallocPd { pd: 3 });
+        c.reply(Reply::Done, Vec::new());
+    });
+
+    let link = GuestLink::open_with(&cfg, Duration::from_secs(10)).unwrap();
+    let (_, _carried) = link.call(&Request::Hello { version: PROTOCOL_VERSION }).unwrap();
+    let (_, _channel) = link.call(&Request::DeallocPd { pd: 1 }).unwrap();
+    let noted = Arc::new(AtomicBool::new(false));
+    let probe = Arc::new(Probe { noted: noted.clone(), seen: Mutex::new(None) });
+    let end: Arc<dyn super::link::MovedCmChannel> = probe.clone();
+    link.note_cm_channel(9, Arc::downgrade(&end));
+    let (answer, ()) = link
+        .call_noting(&Request::DeallocPd { pd: 2 }, |_| {
+            // (The move is taken back meanwhile: its Ended and adoption
+            // come right after this reply.)
+            std::thread::sleep(Duration::from_millis(300));
+            noted.store(true, Ordering::SeqCst);
+        })
+        .unwrap();
+    assert_eq!(answer.0, Reply::Done);
+    assert_eq!(link.call(&Request::DeallocPd { pd: 3 }).unwrap().0, Reply::Done);
+    assert_eq!(
+        *probe.seen.lock().unwrap(),
+        Some(true),
+        "the move matched the wake-ups before the reply was noted"
+    );
+    daemon.join().unwrap();
+    drop(link);
+}

@@ -93,14 +93,7 @@ impl CmDriver {
         }
         self.cm.import_ids(tenant, &snap.ids)?;
         for (c, (fd, tenant_end)) in snap.channels.iter().zip(pairs) {
-            let mut ch = EventChannel {
-                ctx: ContextId(c.ctx),
-                tenant,
-                fd,
-                events: Default::default(),
-                owed: 0,
-                carry: false,
-            };
+            let mut ch = EventChannel::new(ContextId(c.ctx), tenant, fd, false);
             for ev in &c.events {
                 ch.events.push_back(Some(ev.clone()));
                 ch.ring();
