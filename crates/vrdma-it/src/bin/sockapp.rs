@@ -32,7 +32,17 @@
 //! did not take the connection is told so, never given bytes);
 //! `early-child`: the parent echoes a chunk, then the child must get
 //! `EIO` (a connection carried before the fork stays its parent's), and
-//! the parent echoes the rest once the child is gone. `echoclient PORT BYTES`:
+//! the parent echoes the rest once the child is gone. `early-split`: the
+//! parent echoes a chunk, forks, then the child reads the connection
+//! (reads of random sizes) and hands each piece through a pipe to the
+//! parent, which writes it back (rsync's receiver and generator: both
+//! processes use a connection carried before the fork at once);
+//! `early-handover`: the parent echoes a chunk, forks and closes its copy
+//! at once, and the child echoes the rest; `early-stopped`: the parent
+//! echoes a chunk, forks and is stopped (`SIGSTOP`, by the child), whose
+//! read must fail with `ECONNRESET` within the library's wait (says
+//! `child: ECONNRESET`), then the child resumes it and exits and the
+//! parent echoes the rest. `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
 //! `SOCKAPP_ACCEPT_DELAY_MS`: `forkecho` pauses before its accept.
@@ -334,7 +344,10 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     if mode.starts_with("early-") {
         echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
     }
-    let child_serves = matches!(mode, "child" | "child-exit" | "child-then-parent");
+    let child_serves = matches!(mode, "child" | "child-exit" | "child-then-parent" | "early-handover");
+    if mode == "early-split" {
+        return split_echo(s, echoed);
+    }
     std::io::stdout().flush().ok();
     // SAFETY: fork(2) in a single-threaded program (the library's threads
     // are not the program's); the child only serves or closes, and exits.
@@ -350,6 +363,7 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
                     }
                 }),
                 "early-child" => eio(&mut s, "child"),
+                "early-stopped" => stopped_parent(&mut s),
                 "parent-close" | "early-parent-close" => {
                     drop(s);
                     Ok(())
@@ -366,7 +380,7 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
             })
         }
         child => {
-            let keep = if mode == "child" || mode == "child-exit" {
+            let keep = if matches!(mode, "child" | "child-exit" | "early-handover") {
                 // The parent's copy goes at once: the child's connection
                 // must live on.
                 drop(s);
@@ -441,6 +455,104 @@ fn forkechos(port: u16, n: usize) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// `forkecho`'s `early-split`: after the parent echoed `echoed` bytes
+/// (carried), the child reads the connection in pieces of random sizes
+/// and hands them through a pipe to the parent, which writes them back;
+/// the child's end of stream closes the pipe, and the parent's close (the
+/// last holder's) ends the stream.
+fn split_echo(s: TcpStream, echoed: u64) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe(2) into a two-element array.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: both descriptors were just made by pipe(2) and are owned
+    // here, once each.
+    let (mut rd, mut wr) = unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only reads
+    // the connection into the pipe and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            drop(rd);
+            let mut s = s;
+            let mut buf = vec![0u8; 65_536];
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+            let mut n = 0u64;
+            let r = loop {
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                let want = 1 + (seed >> 33) as usize % buf.len();
+                match s.read(&mut buf[..want]) {
+                    Ok(0) => break Ok(()),
+                    Ok(k) => {
+                        if let Err(e) = wr.write_all(&buf[..k]) {
+                            break Err(format!("child: pipe write after {n}: {e}"));
+                        }
+                        n += k as u64;
+                    }
+                    Err(e) => break Err(format!("child: read after {n}: {e}")),
+                }
+            };
+            drop(wr);
+            drop(s);
+            std::process::exit(match r {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            })
+        }
+        child => {
+            drop(wr);
+            let mut s = s;
+            let mut buf = vec![0u8; 65_536];
+            let mut n = 0u64;
+            loop {
+                let k = rd.read(&mut buf).map_err(|e| format!("pipe read after {n}: {e}"))?;
+                if k == 0 {
+                    break;
+                }
+                s.write_all(&buf[..k]).map_err(|e| format!("parent: write after {n}: {e}"))?;
+                n += k as u64;
+            }
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            println!("echoed {}", echoed + n);
+            Ok(())
+        }
+    }
+}
+
+/// `forkecho`'s `early-stopped`, in the child: stops the parent (which
+/// drives the connection), then a read must fail with `ECONNRESET` (the
+/// driver cannot hand it over), not hang; resumes the parent.
+fn stopped_parent(s: &mut TcpStream) -> Result<(), String> {
+    // SAFETY: getppid(2) and kill(2) on our parent.
+    let parent = unsafe { libc::getppid() };
+    // SAFETY: as above.
+    unsafe { libc::kill(parent, libc::SIGSTOP) };
+    let mut b = [0u8; 1];
+    let r = s.read(&mut b);
+    // SAFETY: as above.
+    unsafe { libc::kill(parent, libc::SIGCONT) };
+    match r {
+        Err(e) if e.raw_os_error() == Some(libc::ECONNRESET) => {
+            println!("child: ECONNRESET");
+            Ok(())
+        }
+        other => Err(format!("child's read while the driver is stopped: {other:?}")),
+    }
 }
 
 /// A read of `s` must fail with `EIO` (a connection another process
