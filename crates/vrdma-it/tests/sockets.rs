@@ -239,21 +239,20 @@ mod preload {
         Ok(())
     }
 
-    /// Only one process drives a connection shared by fork: the other is
-    /// told `EIO` by a read of it (never given bytes). The child served
-    /// it and the parent kept its copy; or the parent carried it before
-    /// the fork and the child tries it (and the parent goes on).
+    /// A holder whose copy of a forked connection was not carried before
+    /// the fork (the child took it and carried it; the parent kept its
+    /// copy) is told `EIO` by a read of it once the child is gone, never
+    /// given bytes: it cannot ask a driver to demote it. A connection
+    /// carried before the fork is shared instead
+    /// (`a_connection_carried_before_fork_is_shared_by_parent_and_child`).
     #[test]
     fn the_process_that_did_not_take_a_forked_connection_gets_eio() -> Result<()> {
         let s = fork_echo("child-then-parent")?;
         assert!(s.stdout.contains("parent: EIO"), "{}", s.describe());
-        let s = fork_echo("early-child")?;
-        assert!(s.stdout.contains("child: EIO"), "{}", s.describe());
         // Said once, whether or not debugging, with what to do.
-        let why = "a forked process cannot share a carried connection yet";
+        let why = "it cannot be shared";
         assert_eq!(s.stderr.matches(why).count(), 1, "{}", s.describe());
         assert!(s.stderr.contains("VRDMA_SOCKETS=0"), "{}", s.describe());
-        assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
         Ok(())
     }
 
@@ -264,7 +263,6 @@ mod preload {
     /// Needs the fork demotion (`docs/sockets.md`, "Fork": designed, not
     /// built): today the child gets `EIO`.
     #[test]
-    #[ignore = "needs the fork demotion (docs/sockets.md, Fork): the child gets EIO today"]
     fn a_connection_carried_before_fork_is_shared_by_parent_and_child() -> Result<()> {
         let s = fork_echo("early-split")?;
         assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
@@ -275,7 +273,6 @@ mod preload {
     /// closes its copy: the child serves the rest alone. Needs the fork
     /// demotion: today the child gets `EIO`.
     #[test]
-    #[ignore = "needs the fork demotion (docs/sockets.md, Fork): the child gets EIO today"]
     fn a_child_takes_over_a_connection_its_parent_carried_and_closed() -> Result<()> {
         let s = fork_echo("early-handover")?;
         assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
@@ -287,7 +284,6 @@ mod preload {
     /// not a hang; resumed, the parent echoes the rest. Needs the fork
     /// demotion: today the child gets `EIO` at once.
     #[test]
-    #[ignore = "needs the fork demotion (docs/sockets.md, Fork): the child gets EIO today"]
     fn a_child_asking_a_stopped_driver_gets_econnreset() -> Result<()> {
         let s = fork_echo_with("early-stopped", &[("VRDMA_SOCKETS_WAIT_MS", "2000")])?;
         assert!(s.stdout.contains("child: ECONNRESET"), "{}", s.describe());
@@ -301,7 +297,6 @@ mod preload {
     /// MiB of random files, pulled and compared byte by byte. Needs the
     /// fork demotion: today the receiver gets `EIO` (exit 12).
     #[test]
-    #[ignore = "needs the fork demotion (docs/sockets.md, Fork): rsync's receiver gets EIO today"]
     fn rsync_pulls_from_an_rsync_daemon_both_under_the_preload() -> Result<()> {
         if Command::new("rsync").arg("--version").output().is_err() {
             eprintln!("no rsync: skipped");

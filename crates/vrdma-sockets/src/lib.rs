@@ -124,6 +124,7 @@ mod credit;
 mod dev;
 mod epoll;
 mod exec;
+mod forkshare;
 mod interpose;
 mod kept;
 mod link;

@@ -30,9 +30,7 @@
 //! `child-then-parent`: `child`, but the parent keeps its copy and, once
 //! the child is gone, must get `EIO` from a read of it (the process that
 //! did not take the connection is told so, never given bytes);
-//! `early-child`: the parent echoes a chunk, then the child must get
-//! `EIO` (a connection carried before the fork stays its parent's), and
-//! the parent echoes the rest once the child is gone. `early-split`: the
+//! `early-split`: the
 //! parent echoes a chunk, forks, then the child reads the connection
 //! (reads of random sizes) and hands each piece through a pipe to the
 //! parent, which writes it back (rsync's receiver and generator: both
@@ -356,13 +354,12 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
         0 => {
             let r = match mode {
                 _ if child_serves => echo_all(&mut s).map(|n| {
-                    println!("echoed {n}");
+                    println!("echoed {}", echoed + n);
                     // `child-exit` leaves without closing it.
                     if mode != "child-exit" {
                         drop(s);
                     }
                 }),
-                "early-child" => eio(&mut s, "child"),
                 "early-stopped" => stopped_parent(&mut s),
                 "parent-close" | "early-parent-close" => {
                     drop(s);
@@ -471,7 +468,8 @@ fn split_echo(s: TcpStream, echoed: u64) -> Result<(), String> {
     }
     // SAFETY: both descriptors were just made by pipe(2) and are owned
     // here, once each.
-    let (mut rd, mut wr) = unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+    let (mut rd, mut wr) =
+        unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
     std::io::stdout().flush().ok();
     // SAFETY: fork(2) in a single-threaded program; the child only reads
     // the connection into the pipe and exits.
