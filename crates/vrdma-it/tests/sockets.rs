@@ -264,8 +264,10 @@ mod preload {
     /// built): today the child gets `EIO`.
     #[test]
     fn a_connection_carried_before_fork_is_shared_by_parent_and_child() -> Result<()> {
-        let s = fork_echo("early-split")?;
-        assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
+        for mode in ["early-split", "early-split-poll"] {
+            let s = fork_echo(mode)?;
+            assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{mode}: {}", s.describe());
+        }
         Ok(())
     }
 

@@ -37,8 +37,20 @@ pub fn init() {
     ONCE.call_once(|| {
         // SAFETY: registers a handler with no pointers but the function;
         // it runs in the parent after each fork.
-        unsafe { libc::pthread_atfork(None, Some(forked), None) };
+        unsafe { libc::pthread_atfork(Some(prepare), Some(forked), Some(child)) };
     });
+}
+
+/// Before a fork (in the process that forks; before the table's own
+/// prepare handler takes its lock): the child will hold every carried
+/// connection, once its handler ran ([`child`]).
+extern "C" fn prepare() {
+    let Some(_g) = crate::table::Guard::enter() else { return };
+    for (_, s) in crate::table::streams() {
+        if let (Some(_), Some(d)) = (s.link_now(), s.owner.demote()) {
+            d.forking();
+        }
+    }
 }
 
 /// In the parent after a fork: every carried connection it drives may be
@@ -71,6 +83,28 @@ extern "C" fn forked() {
     }
 }
 
+/// In a child after a fork: it holds every connection carried in the
+/// parent (the parent's close demotes rather than ends such a one while
+/// the child may still hold it).
+extern "C" fn child() {
+    let Some(_g) = crate::table::Guard::enter() else { return };
+    let me = crate::pid::get();
+    for (_, s) in crate::table::streams() {
+        if let (Some(_), Some(d)) = (s.link_now(), s.owner.demote()) {
+            d.hold(me);
+        }
+    }
+}
+
+/// This process lets `s` go (its close of its last descriptor, or an
+/// exec, which closes its carried connections): the driver's close need
+/// not demote it for this process.
+pub fn leaving(s: &Stream) {
+    if let Some(d) = s.owner.demote() {
+        d.unhold(crate::pid::get());
+    }
+}
+
 fn watch() {
     // Every call this thread makes goes straight to libc.
     let _g = crate::table::Guard::enter();
@@ -99,10 +133,29 @@ fn watch() {
     }
 }
 
-/// Whether the watcher still looks at `s`: this process drives it, and
-/// it is not demoted yet.
+/// Whether the watcher still looks at `s`: this process drives it, it
+/// is not demoted yet, and another process may still hold it (a child
+/// that exec'd or closed its copy does not).
 fn watched(s: &Stream) -> bool {
-    s.owner.mine() && s.owner.demote().is_some_and(|d| d.state.load(Ordering::Acquire) == D_NONE)
+    s.owner.mine()
+        && s.owner.demote().is_some_and(|d| {
+            d.state.load(Ordering::Acquire) == D_NONE
+                && (d.held_elsewhere() || d.req.load(Ordering::Acquire) != 0)
+        })
+}
+
+/// In a process that holds `s` and does not drive it, before it waits
+/// for its readiness (`poll`, `select`, `epoll_wait`): asks the driver
+/// to demote it, without waiting (the wait then sees the demoted
+/// connection's readiness: the kernel socket's). A connection carried
+/// before the fork may hold bytes that no wake byte announces (the
+/// driver's reader had not armed): the peer's marker, which follows the
+/// demotion, makes the socket readable.
+pub fn nudge(s: &Stream) {
+    let (Some(d), Some(l)) = (s.owner.demote(), s.link_now()) else { return };
+    if l.may_ask() && d.state.load(Ordering::Acquire) == D_NONE {
+        let _ = d.req.compare_exchange(0, crate::pid::get(), Ordering::AcqRel, Ordering::Acquire);
+    }
 }
 
 /// In a process that holds `s` and does not drive it, at a call on it:

@@ -652,7 +652,10 @@ impl Link {
     /// makes the write fail at once (a failed connection, a peer that
     /// closed).
     pub(crate) fn writable(&self) -> bool {
-        if self.in_demotion() {
+        // In a demotion the kernel socket says (a writer blocked on a
+        // full ring is told writable when the peer demoted, and its
+        // write switches).
+        if self.in_demotion() || self.peer_demoted().is_some() {
             return true;
         }
         let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);

@@ -108,7 +108,18 @@ pub struct Demote {
     pub forked: AtomicU32,
     /// Bytes read from the ring (a running count), by any holder.
     pub rd: AtomicU64,
+    /// Forked children that hold it (their ids, 0: a free slot), each
+    /// cleared at its close or exec; and whether more came than the slots
+    /// hold. The driver's close demotes it only while one may hold it.
+    pub holders: [AtomicU32; HOLDERS],
+    pub overflow: AtomicU32,
+    /// Forks begun whose child has not recorded itself yet (the parent
+    /// may close at once after the fork, before the child's handler ran).
+    pub pending: AtomicU32,
 }
+
+/// Slots for forked holders ([`Demote::holders`]).
+pub const HOLDERS: usize = 8;
 
 /// Not demoted.
 pub const D_NONE: u32 = 0;
@@ -121,6 +132,46 @@ pub const D_DEMOTED: u32 = 2;
 pub const D_DONE: u32 = 3;
 /// The demotion failed half way (the peer is gone): every call fails.
 pub const D_FAILED: u32 = 4;
+
+impl Demote {
+    /// A fork begins: its child will hold it.
+    pub fn forking(&self) {
+        self.pending.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A forked child holds it now.
+    pub fn hold(&self, pid: u32) {
+        let _ = self.pending.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| Some(n.saturating_sub(1)));
+        for h in &self.holders {
+            if h.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return;
+            }
+        }
+        self.overflow.store(1, Ordering::Release);
+    }
+
+    /// A forked child let it go (its close, or its exec).
+    pub fn unhold(&self, pid: u32) {
+        for h in &self.holders {
+            let _ = h.compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// Whether a process other than this one may still hold it (a
+    /// recorded child that exists, an exited one not reaped yet included,
+    /// or more children than the slots hold).
+    pub fn held_elsewhere(&self) -> bool {
+        let me = crate::pid::get();
+        self.overflow.load(Ordering::Acquire) != 0
+            || self.pending.load(Ordering::Acquire) != 0
+            || self.holders.iter().any(|h| {
+                let p = h.load(Ordering::Acquire);
+                // SAFETY: kill(2) with signal 0 only asks whether the
+                // process exists.
+                p != 0 && p != me && unsafe { libc::kill(p as i32, 0) } == 0
+            })
+    }
+}
 
 impl Page {
     fn words(&self) -> &Words {
@@ -181,6 +232,9 @@ impl Owner {
                     lock: AtomicU32::new(0),
                     forked: AtomicU32::new(0),
                     rd: AtomicU64::new(0),
+                    holders: std::array::from_fn(|_| AtomicU32::new(0)),
+                    overflow: AtomicU32::new(0),
+                    pending: AtomicU32::new(0),
                 },
             }));
             return Owner { page: Arc::new(Page { words: w, mapped: false }) };
@@ -332,6 +386,32 @@ mod tests {
         assert!(took, "the child did not take the free word");
         assert_eq!(o.take(no_wait), Take::Other, "the parent took what its child drives");
         assert!(!o.may_use());
+    }
+
+    /// A forked child that recorded itself holds the connection for its
+    /// parent (whose close then demotes it) until it lets it go; a fork
+    /// whose child has not recorded itself yet counts too.
+    #[test]
+    fn a_recorded_child_holds_it_until_it_lets_it_go() {
+        let o = Owner::new();
+        let d = o.demote().expect("a shared page");
+        assert!(!d.held_elsewhere());
+        d.forking();
+        assert!(d.held_elsewhere(), "a fork whose child has not recorded itself");
+        let child = crate::pid::in_forked_child(|| {
+            d.hold(crate::pid::get());
+            true
+        });
+        assert!(child);
+        // The child exited and was reaped: it holds nothing any more.
+        assert!(!d.held_elsewhere());
+        // A live holder (this process's parent stands in for a child).
+        // SAFETY: getppid(2) has no arguments.
+        let live = unsafe { libc::getppid() } as u32;
+        d.hold(live);
+        assert!(d.held_elsewhere());
+        d.unhold(live);
+        assert!(!d.held_elsewhere());
     }
 
     /// A holder whose sibling settles the connection before an exec waits

@@ -557,6 +557,7 @@ impl Drop for Stream {
                 if let Some(d) = self.owner.demote() {
                     let forked = d.forked.load(std::sync::atomic::Ordering::Acquire) != 0;
                     let took = forked
+                        && d.held_elsewhere()
                         && l.can_demote()
                         && d.state
                             .compare_exchange(
@@ -583,6 +584,7 @@ impl Drop for Stream {
             return;
         }
         let Phase::Carried(l) = std::mem::replace(phase, Phase::Tcp) else { return };
+        crate::forkshare::leaving(self);
         if l.in_demotion() && l.maker() == crate::pid::get() {
             // Demoted here (plain TCP now): its QP and regions are this
             // process's, and go with the link.

@@ -35,6 +35,8 @@
 //! (reads of random sizes) and hands each piece through a pipe to the
 //! parent, which writes it back (rsync's receiver and generator: both
 //! processes use a connection carried before the fork at once);
+//! `early-split-poll`: the same, the child waiting in poll(2) before each
+//! read (its first call on the connection is a poll);
 //! `early-handover`: the parent echoes a chunk, forks and closes its copy
 //! at once, and the child echoes the rest; `early-stopped`: the parent
 //! echoes a chunk, forks and is stopped (`SIGSTOP`, by the child), whose
@@ -343,8 +345,8 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
         echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
     }
     let child_serves = matches!(mode, "child" | "child-exit" | "child-then-parent" | "early-handover");
-    if mode == "early-split" {
-        return split_echo(s, echoed);
+    if mode == "early-split" || mode == "early-split-poll" {
+        return split_echo(s, echoed, mode == "early-split-poll");
     }
     std::io::stdout().flush().ok();
     // SAFETY: fork(2) in a single-threaded program (the library's threads
@@ -459,7 +461,7 @@ fn forkechos(port: u16, n: usize) -> Result<(), String> {
 /// and hands them through a pipe to the parent, which writes them back;
 /// the child's end of stream closes the pipe, and the parent's close (the
 /// last holder's) ends the stream.
-fn split_echo(s: TcpStream, echoed: u64) -> Result<(), String> {
+fn split_echo(s: TcpStream, echoed: u64, poll_first: bool) -> Result<(), String> {
     use std::os::fd::FromRawFd;
     let mut fds = [0i32; 2];
     // SAFETY: pipe(2) into a two-element array.
@@ -484,6 +486,14 @@ fn split_echo(s: TcpStream, echoed: u64) -> Result<(), String> {
             let r = loop {
                 seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
                 let want = 1 + (seed >> 33) as usize % buf.len();
+                if poll_first {
+                    use std::os::fd::AsRawFd;
+                    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    // SAFETY: one valid pollfd.
+                    if unsafe { libc::poll(&mut p, 1, 60_000) } != 1 {
+                        break Err(format!("child: not readable within 60 s after {n}"));
+                    }
+                }
                 match s.read(&mut buf[..want]) {
                     Ok(0) => break Ok(()),
                     Ok(k) => {

@@ -196,22 +196,30 @@ impl Link {
             // Writers waiting for credits leave their waits (`credits`
             // looks at the state); the rest finish their write first.
             let tx = lock(&self.tx);
-            if tx.shut {
-                // Its FIN is on the socket already: no marker can follow.
-                return Err(libc::EPIPE);
-            }
-            self.flush()?;
             let w = tx.wr;
-            let _ = self.stage.write_u64(S_DEMOTE, w + 1);
-            self.write_word(S_DEMOTE, 8, DEMOTE)?;
-            // A peer writer waiting for credits wakes and sees the word.
-            self.answer_want(&mut lock(&self.post));
-            let _ = self.flush_sends();
-            crate::stream::send_all(self.sock, &mark(w))?;
+            // This end answered the peer's own demotion already (both
+            // ends forked): its marker is sent, and only one may be. A
+            // peer that closed writes no more (its last byte landed
+            // before its `CLOSED` word): its ring is read, then its end.
+            if !self.p_wr.load(Ordering::Acquire) && !self.peer_closed() {
+                self.flush()?;
+                let _ = self.stage.write_u64(S_DEMOTE, w + 1);
+                self.write_word(S_DEMOTE, 8, DEMOTE)?;
+                // A peer writer waiting for credits wakes and sees the word.
+                self.answer_want(&mut lock(&self.post));
+                let _ = self.flush_sends();
+                // Shut for writing: its FIN is on the socket already, and
+                // the peer reads its ring up to the count, then the end.
+                if !tx.shut {
+                    crate::stream::send_all(self.sock, &mark(w))?;
+                }
+            }
             // Every ring read of this process is done under the lock from
             // here (`read`), and their count is the shared one.
             let _g = RingLock::take(d);
-            d.state.store(D_DEMOTED, Ordering::Release);
+            // Its marker taken as well: plain TCP.
+            let state = if self.p_rd.load(Ordering::Acquire) { D_DONE } else { D_DEMOTED };
+            d.state.store(state, Ordering::Release);
             drop(tx);
             crate::dev::debug(&format!("demoted after {w} bytes written over vRDMA"));
             Ok(())
@@ -443,7 +451,11 @@ impl Link {
             return Ok(());
         }
         self.flush()?;
-        if !tx.shut {
+        // This end demoted itself too (both ends forked): its marker went
+        // then (under the send lock, as this), and only one may. (A
+        // driver that took the request but not the lock yet sends none:
+        // it finds this end's writes switched.)
+        if !tx.shut && self.d_state() < D_DEMOTED {
             crate::stream::send_all(self.sock, &mark(tx.wr))?;
         }
         self.p_wr.store(true, Ordering::Release);
