@@ -31,6 +31,21 @@ fn list() -> std::sync::MutexGuard<'static, Vec<Weak<Stream>>> {
     LIST.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// The list, for a fork handler: a child inherits the lock held if its
+/// parent's watcher held it at the fork (it holds it only for a moment),
+/// so a handler waits a while at most (`None`: no watching; a request
+/// then times out with `ECONNRESET`, as for a stopped driver).
+fn list_in_fork() -> Option<std::sync::MutexGuard<'static, Vec<Weak<Stream>>>> {
+    for _ in 0..1000 {
+        match LIST.try_lock() {
+            Ok(g) => return Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => return Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => std::thread::sleep(Duration::from_micros(100)),
+        }
+    }
+    None
+}
+
 /// Once a connection was carried: the fork handler.
 pub fn init() {
     static ONCE: Once = Once::new();
@@ -67,7 +82,7 @@ extern "C" fn forked() {
             continue;
         }
         d.forked.store(1, Ordering::Release);
-        let mut w = list();
+        let Some(mut w) = list_in_fork() else { return };
         if !w.iter().any(|x| std::ptr::eq(x.as_ptr(), Arc::as_ptr(&s))) {
             w.push(Arc::downgrade(&s));
             added = true;
@@ -88,6 +103,11 @@ extern "C" fn forked() {
 /// the child may still hold it).
 extern "C" fn child() {
     let Some(_g) = crate::table::Guard::enter() else { return };
+    // The parent's watcher is not this process's, nor its list.
+    RUNNING.store(false, Ordering::Release);
+    if let Some(mut w) = list_in_fork() {
+        w.clear();
+    }
     let me = crate::pid::get();
     for (_, s) in crate::table::streams() {
         if let (Some(_), Some(d)) = (s.link_now(), s.owner.demote()) {

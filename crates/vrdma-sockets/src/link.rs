@@ -1238,6 +1238,12 @@ impl Link {
     /// Takes wake bytes other than `keep` off the socket, up to the first
     /// `keep`; true at the socket's end.
     fn take_stale(&self, keep: u8) -> Res<bool> {
+        // Never once demoted (`demote`): the socket may hold data then.
+        self.unless_demoted(|| self.take_stale_now(keep)).unwrap_or(Ok(false))
+    }
+
+    /// [`Self::take_stale`], not demoted.
+    fn take_stale_now(&self, keep: u8) -> Res<bool> {
         let mut b = [0u8; 256];
         loop {
             // SAFETY: `b` is valid for its length.

@@ -239,13 +239,19 @@ impl Link {
     /// end, or its close), so that its QP may go.
     pub(crate) fn await_peer_switch(&self) {
         let end = Instant::now() + wait_ms();
+        let Some(d) = self.demote_words() else { return };
         while Instant::now() < end {
-            if self.d_state() != D_DEMOTED || self.peer_closed() {
-                return;
-            }
-            // (Wake bytes are taken off: they are no holder's data.)
-            if !matches!(head(self.sock), Ok(Head::Nothing)) {
-                return;
+            {
+                // (Under the lock: another holder may take the marker
+                // off, after which the socket holds data.)
+                let _g = RingLock::take(d);
+                if self.d_state() != D_DEMOTED || self.peer_closed() {
+                    return;
+                }
+                // (Wake bytes are taken off: they are no holder's data.)
+                if !matches!(head(self.sock), Ok(Head::Nothing)) {
+                    return;
+                }
             }
             wait_readable(self.sock, Duration::from_millis(10));
         }
@@ -526,6 +532,20 @@ impl Link {
     /// came, or they did already).
     pub(crate) fn p_writes_switch(&self) -> bool {
         self.p_wr.load(Ordering::Acquire) || self.peer_demoted().is_some()
+    }
+
+    /// Runs `f` (a take-off of stale wake bytes by the driver's normal
+    /// paths) under the ring's lock between processes, unless the
+    /// connection is demoted (`None`): once another holder took the
+    /// peer's marker off, the socket holds data, which no take-off of
+    /// wake bytes may touch.
+    pub(super) fn unless_demoted<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        let Some(d) = self.demote_words() else { return Some(f()) };
+        let _g = RingLock::take(d);
+        if d.state.load(Ordering::Acquire) >= D_DEMOTED {
+            return None;
+        }
+        Some(f())
     }
 
     /// The read count a demoting driver hands to the other holders:
