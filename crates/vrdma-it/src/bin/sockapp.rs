@@ -230,7 +230,7 @@
 //! makes three round trips, uncorks it and makes one more (says `cork
 //! before=V corked=V uncorked=V`).
 //!
-//! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
+//! `server`, `inetd` and `forkecho` listen on `SOCKAPP_BIND` and `client` and
 //! `echoclient` connect to
 //! `SOCKAPP_HOST` where they are set (an address of another network
 //! namespace, for the tests across hosts, or an IPv6 one such as `::1`),
@@ -334,7 +334,7 @@ fn forkserver(port: u16) -> Result<(), String> {
 const ECHO_CHUNK: usize = 16 * 1024;
 
 fn forkecho(port: u16, mode: &str) -> Result<(), String> {
-    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     pause("SOCKAPP_ACCEPT_DELAY_MS");
@@ -550,6 +550,19 @@ fn stopped_parent(s: &mut TcpStream) -> Result<(), String> {
     let parent = unsafe { libc::getppid() };
     // SAFETY: as above.
     unsafe { libc::kill(parent, libc::SIGSTOP) };
+    // The stop is delivered when the parent next runs: its threads (the
+    // library's watcher among them) must be stopped before the read asks.
+    let stat = format!("/proc/{parent}/stat");
+    let stopped = || {
+        std::fs::read_to_string(&stat)
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T') || rest.starts_with('t')))
+            .unwrap_or(false)
+    };
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !stopped() && std::time::Instant::now() < end {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
     let mut b = [0u8; 1];
     let r = s.read(&mut b);
     // SAFETY: as above.
