@@ -13,7 +13,10 @@
 //!   serves: its first call exchanges the hellos through its own device);
 //! - a process id: that process drives it; in any other process a call
 //!   fails with `EIO` (the parent's QP and rings are not the child's to
-//!   use, and the other way round);
+//!   use, and the other way round), unless it was carried before the
+//!   fork: then the driver demotes it to plain TCP for both ends, and
+//!   every holder goes on over the kernel socket ([`Demote`],
+//!   `crate::forkshare`);
 //! - [`TCP`]: it turned out plain TCP: every holder passes its calls to
 //!   the kernel.
 //!
