@@ -267,6 +267,9 @@ mod preload {
         for mode in ["early-split", "early-split-poll"] {
             let s = fork_echo(mode)?;
             assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{mode}: {}", s.describe());
+            // Plain TCP after: the kernel has the program's TCP_NODELAY
+            // (never set: 0) again, not the library's (1).
+            assert!(s.stdout.contains("nodelay 0"), "{mode}: {}", s.describe());
         }
         Ok(())
     }

@@ -198,6 +198,11 @@ impl Page {
     pub fn driver(&self) -> u32 {
         self.words().w[0].load(Ordering::Acquire)
     }
+
+    /// The program's value of kept option `slot` ([`Owner::option`]).
+    pub fn option(&self, slot: usize) -> &AtomicU32 {
+        &self.words().w[1 + slot]
+    }
 }
 
 impl Drop for Page {
@@ -261,7 +266,7 @@ impl Owner {
     /// shared by every holder ([`crate::kept`]; 0 until the connection is
     /// carried).
     pub fn option(&self, slot: usize) -> &AtomicU32 {
-        &self.page.words().w[1 + slot]
+        self.page.option(slot)
     }
 
     fn settler(&self) -> &AtomicU32 {

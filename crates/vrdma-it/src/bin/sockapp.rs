@@ -536,6 +536,22 @@ fn split_echo(s: TcpStream, echoed: u64, poll_first: bool) -> Result<(), String>
             if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
                 return Err(format!("the child ended with {status:#x}"));
             }
+            // Plain TCP now: the kernel holds the program's options again
+            // (it set none), not the library's.
+            let mut v: libc::c_int = -1;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            use std::os::fd::AsRawFd;
+            // SAFETY: getsockopt(2) of an int into `v`.
+            unsafe {
+                libc::getsockopt(
+                    s.as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_NODELAY,
+                    (&raw mut v).cast(),
+                    &mut len,
+                )
+            };
+            println!("nodelay {v}");
             println!("echoed {}", echoed + n);
             Ok(())
         }

@@ -214,6 +214,9 @@ impl Link {
                     crate::stream::send_all(self.sock, &mark(w))?;
                 }
             }
+            // No wake byte goes any more: the program's socket options
+            // go back into the kernel (its marker went out at once).
+            crate::kept::give_back_page(&self.page, self.sock);
             // Every ring read of this process is done under the lock from
             // here (`read`), and their count is the shared one.
             let _g = RingLock::take(d);
@@ -465,6 +468,9 @@ impl Link {
             crate::stream::send_all(self.sock, &mark(tx.wr))?;
         }
         self.p_wr.store(true, Ordering::Release);
+        // No wake byte goes any more: the program's socket options go
+        // back into the kernel (the marker went out at once).
+        crate::kept::give_back_page(&self.page, self.sock);
         crate::dev::debug(&format!("the peer demoted: writing to the kernel socket after {} bytes", tx.wr));
         self.unblock();
         self.p_done();
