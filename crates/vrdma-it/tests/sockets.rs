@@ -284,6 +284,33 @@ mod preload {
         Ok(())
     }
 
+    /// A client streaming 16 MiB to a server that read 16 KiB (carried),
+    /// forked and closed its copy: the client's writes wait for credits
+    /// on the full ring until the demotion (its blocking write leaves the
+    /// wait and goes on over the kernel socket); the child reads and
+    /// checks every byte and answers.
+    #[test]
+    fn a_writer_waiting_for_credits_goes_on_when_the_forked_reader_demotes() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s =
+            spawn(sockapp(&d, true, &["forkecho".into(), port.to_string(), "sink".into()]), "forkecho sink");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["client".into(), port.to_string(), BYTES.to_string()]), "client")
+            .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(s.stdout.contains(&format!("received {BYTES}")), "{}", s.describe());
+        assert!(s.stderr.contains("demoted after"), "{}", s.describe());
+        assert!(c.stderr.contains("the peer demoted"), "{}", c.describe());
+        Ok(())
+    }
+
     /// The child asks for a connection its stopped parent drives: its
     /// read fails with `ECONNRESET` within the library's wait (2 s here),
     /// not a hang; resumed, the parent echoes the rest. Needs the fork

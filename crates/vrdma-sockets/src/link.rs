@@ -10,7 +10,9 @@
 //! peer's orderly close (`CLOSED`: its last descriptor is closed, every
 //! byte it wrote has landed, and its QP is about to go) and the peer
 //! writer's request for a credit wake-up (`WANT`, [`crate::credit`]:
-//! this end's reader answers it with a send), then the table of the
+//! this end's reader answers it with a send), the count of bytes the peer
+//! wrote over the ring before it fell back to plain TCP (`DEMOTE`,
+//! [`demote`]: a connection shared after fork), then the table of the
 //! peer's mappings for direct placement (`IOMAP`, [`iomap`]). The staging
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.

@@ -42,7 +42,10 @@
 //! echoes a chunk, forks and is stopped (`SIGSTOP`, by the child), whose
 //! read must fail with `ECONNRESET` within the library's wait (says
 //! `child: ECONNRESET`), then the child resumes it and exits and the
-//! parent echoes the rest. `echoclient PORT BYTES`:
+//! parent echoes the rest. `sink` (against `client`): the parent reads
+//! 16 KiB, forks and closes its copy at once; the child reads and checks
+//! the rest (the client waits for credits meanwhile), answers `ok N`.
+//! `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
 //! `SOCKAPP_ACCEPT_DELAY_MS`: `forkecho` pauses before its accept.
@@ -341,6 +344,9 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
+    if mode == "sink" {
+        return sink_split(s);
+    }
     if mode.starts_with("early-") {
         echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
     }
@@ -553,6 +559,72 @@ fn split_echo(s: TcpStream, echoed: u64, poll_first: bool) -> Result<(), String>
             };
             println!("nodelay {v}");
             println!("echoed {}", echoed + n);
+            Ok(())
+        }
+    }
+}
+
+/// `forkecho`'s `sink` (against `client`): the parent reads 16 KiB of
+/// the client's pattern (the connection carried), forks and reads no
+/// more (the client's writes fill the ring and wait for credits); the
+/// child reads and checks the rest, answers `ok N` and says `received N`.
+fn sink_split(mut s: TcpStream) -> Result<(), String> {
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0u64;
+    let check = |b: &[u8], at: u64| -> Result<(), String> {
+        match (0..b.len()).find(|&i| b[i] != pattern(at + i as u64)) {
+            Some(i) => Err(format!("byte {} is {}, sent {}", at + i as u64, b[i], pattern(at + i as u64))),
+            None => Ok(()),
+        }
+    };
+    while got < ECHO_CHUNK as u64 {
+        let want = (ECHO_CHUNK as u64 - got) as usize;
+        let k = s.read(&mut buf[..want]).map_err(|e| format!("read after {got}: {e}"))?;
+        if k == 0 {
+            return Err(format!("the end after {got}"));
+        }
+        check(&buf[..k], got)?;
+        got += k as u64;
+    }
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only reads
+    // the connection, answers and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let r = (|| {
+                loop {
+                    let k = s.read(&mut buf).map_err(|e| format!("child: read after {got}: {e}"))?;
+                    if k == 0 {
+                        break;
+                    }
+                    check(&buf[..k], got)?;
+                    got += k as u64;
+                }
+                s.write_all(format!("ok {got}\n").as_bytes()).map_err(|e| format!("child: answer: {e}"))?;
+                println!("received {got}");
+                Ok::<(), String>(())
+            })();
+            drop(s);
+            std::io::stdout().flush().ok();
+            std::process::exit(match r {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            })
+        }
+        child => {
+            drop(s);
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
             Ok(())
         }
     }
