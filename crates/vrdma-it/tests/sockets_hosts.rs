@@ -234,6 +234,24 @@ fn a_poll_driven_stream_across_hosts_never_waits_for_a_lost_credit_answer() -> R
     Ok(())
 }
 
+/// A connection carried across hosts before a fork, then used by both
+/// processes of the server in host b (`sockapp forkecho PORT
+/// early-split`: the child reads, the parent writes back): demoted to
+/// plain TCP in band, end to end (the daemons are not involved); the
+/// client in host a checks every byte of 1 MiB, then the end.
+#[test]
+fn a_connection_carried_across_hosts_before_fork_is_shared_by_parent_and_child() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    assert!(have_lib());
+    let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
+    let (s, c) = carried_pair(&h, &["forkecho", "early-split"], &["echoclient", "1048576"])?;
+    assert!(c.stdout.contains("echoed 1048576, then the end"), "{}", c.describe());
+    assert!(s.stdout.contains("echoed 1048576"), "{}", s.describe());
+    assert!(s.stderr.contains("demoted after"), "{}", s.describe());
+    assert!(c.stderr.contains("the peer demoted"), "{}", c.describe());
+    Ok(())
+}
+
 /// An inetd-style server in host b execs its echo program with an
 /// accepted connection before any call on it (`sockapp inetd PORT exec`,
 /// `docs/sockets.md`, "Exec"), and a carried-capable client in host a

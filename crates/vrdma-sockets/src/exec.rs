@@ -54,6 +54,11 @@ fn settle() {
             if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
                 l.flush_all_writes();
             }
+            // A carried connection goes with the exec (close-on-exec):
+            // this process no longer holds it (`crate::forkshare`).
+            if s.link_now().is_some() {
+                crate::forkshare::leaving(&s);
+            }
             if !table::is_cloexec(fd) {
                 s.settle_for_exec(fd);
             }

@@ -40,23 +40,36 @@ pub(crate) fn target(fd: c_int) -> Target {
                 Target::Pass
             }
             // Another process (parent or child) drives it: its QP and
-            // rings are not this one's (`crate::owner`).
-            Take::Other => {
-                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-                crate::dev::warn_once(
-                    &SAID,
-                    &format!(
-                        "descriptor {fd}: another process (parent or child, after a fork) carries this connection \
-                         over vRDMA, and a forked process cannot share a carried connection yet: its calls \
-                         fail with EIO (docs/sockets.md, \"Fork\"). Run programs that use a connection from \
-                         two processes (rsync's client) without the preload: VRDMA_SOCKETS=0"
-                    ),
-                );
-                Target::Fail(libc::EIO)
-            }
+            // rings are not this one's (`crate::owner`). Carried before
+            // the fork, the driver is asked to demote it
+            // (`crate::forkshare`); else the call fails.
+            Take::Other => match crate::forkshare::request(&s) {
+                Some(Ok(())) => match s.link_now() {
+                    Some(l) => Target::Link(l),
+                    None => Target::Fail(libc::EIO),
+                },
+                Some(Err(e)) => Target::Fail(e),
+                None => other_drives(fd),
+            },
         },
         _ => Target::Pass,
     }
+}
+
+/// A call on a connection another process drives, which cannot be asked
+/// for: `EIO`, said once.
+fn other_drives(fd: c_int) -> Target {
+    static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    crate::dev::warn_once(
+        &SAID,
+        &format!(
+            "descriptor {fd}: another process (parent or child, after a fork) carries this connection over \
+             vRDMA, and it cannot be shared (not carried before the fork, or a peer library that cannot fall \
+             back to TCP): its calls fail with EIO (docs/sockets.md, \"Fork\"). Run such programs without the \
+             preload: VRDMA_SOCKETS=0"
+        ),
+    );
+    Target::Fail(libc::EIO)
 }
 
 fn nonblocking(fd: c_int) -> bool {

@@ -96,8 +96,15 @@ pub fn keep_all(owner: &Owner, fd: c_int) {
 /// or the exchange failed) after [`keep_all`]: the program's values go
 /// back into the kernel, which holds them from now on.
 pub fn give_back_all(owner: &Owner, fd: c_int) {
+    give_back_page(&owner.page(), fd);
+}
+
+/// [`give_back_all`], from the connection's shared page (a link that
+/// falls back to plain TCP mid-stream: `crate::link`'s demotion, once its
+/// marker went out at once).
+pub fn give_back_page(page: &crate::owner::Page, fd: c_int) {
     for k in &OPTIONS {
-        k.give_back(owner.option(k.slot), fd);
+        k.give_back(page.option(k.slot), fd);
     }
 }
 

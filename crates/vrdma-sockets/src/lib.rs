@@ -88,12 +88,13 @@
 //!   device ([`owner`]: a forking server's child serves what its parent
 //!   accepted; a client's child makes the first call on what its parent
 //!   connected, adopting the announcement at the daemon where it is
-//!   this host's), and a data call in the other fails with `EIO`, which is
-//!   also what a child gets from a connection its parent carried before
-//!   the fork (it must not share the parent's rings or daemon
-//!   connection; the connections it accepts, also on an inherited
-//!   listener, or makes itself are carried through a device of its
-//!   own), and an exec'd program does not get a
+//!   this host's), and a data call in the other fails with `EIO`; one
+//!   carried before the fork that the other process calls on falls back
+//!   to plain TCP mid-stream for both ends ([`forkshare`]: the other
+//!   process must not share the driver's rings or daemon connection; the
+//!   connections it accepts, also on an inherited listener, or makes
+//!   itself are carried through a device of its own), and an exec'd
+//!   program does not get a
 //!   carried descriptor (it is made close-on-exec once carried, and kept
 //!   so through `F_SETFD` and `dup`s: the program would read the raw
 //!   socket past the rings; its peer reads the end); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
@@ -124,6 +125,7 @@ mod credit;
 mod dev;
 mod epoll;
 mod exec;
+mod forkshare;
 mod interpose;
 mod kept;
 mod link;

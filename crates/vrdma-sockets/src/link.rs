@@ -10,7 +10,9 @@
 //! peer's orderly close (`CLOSED`: its last descriptor is closed, every
 //! byte it wrote has landed, and its QP is about to go) and the peer
 //! writer's request for a credit wake-up (`WANT`, [`crate::credit`]:
-//! this end's reader answers it with a send), then the table of the
+//! this end's reader answers it with a send), the count of bytes the peer
+//! wrote over the ring before it fell back to plain TCP (`DEMOTE`,
+//! [`demote`]: a connection shared after fork), then the table of the
 //! peer's mappings for direct placement (`IOMAP`, [`iomap`]). The staging
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.
@@ -26,10 +28,14 @@ use vrdma::{AccessFlags, CompletionQueue, Endpoint, MemoryRegion, QpCap, QueuePa
 
 use crate::blocking::Blocking;
 use crate::dev::Dev;
+use crate::owner::Page;
 use crate::real;
 use crate::stream::Sock;
 
+mod demote;
 mod iomap;
+
+pub(crate) use demote::wait_ms as demote_wait;
 
 /// Bytes of each direction's ring.
 pub const RING: usize = 256 * 1024;
@@ -38,6 +44,10 @@ const CONSUMED: usize = RING + 8;
 const SLEEPING: usize = RING + 16;
 const CLOSED: usize = RING + 24;
 const WANT: usize = RING + 32;
+/// The peer's demotion word: the exact count it wrote into this end's
+/// ring before it fell back to the kernel socket, plus one (0: none;
+/// `docs/sockets.md` "Sharing a carried connection after fork").
+const DEMOTE: usize = RING + 40;
 /// The peer's mappings ([`iomap`]).
 const IOMAP: usize = RING + 64;
 const REGION: usize = IOMAP + iomap::SLOTS * iomap::ENTRY;
@@ -55,6 +65,8 @@ const S_ACK: usize = RING + 16;
 const S_CLOSE: usize = RING + 32;
 /// The word a writer that waits for credits sends into the peer's `WANT`.
 const S_WANT: usize = RING + 40;
+/// The word a demotion sends into the peer's `DEMOTE`.
+const S_DEMOTE: usize = RING + 48;
 const S_TAILS: usize = RING + 64;
 const TAIL_SLOTS: usize = 16;
 /// An arming's consumed count and word (16 bytes into the peer's
@@ -144,7 +156,33 @@ pub fn may_be_hello(b: &[u8]) -> bool {
 /// The byte each end sends once its QP is connected.
 const READY: u8 = 0;
 
+/// What [`Link::credits`] answers when a demotion ended its wait.
+const DEMOTING: usize = usize::MAX;
+
+/// The hello's byte that says this end answers a demotion (its reads stop
+/// at a marker byte 0, its writes at the peer's `DEMOTE` word): zero in
+/// an older library's hello, which ignores it in the peer's.
+const CAPS: usize = 50;
+const CAP_DEMOTE: u8 = 1;
+
+/// A demotion's marker and record on the kernel socket: the byte 0, the
+/// record's version (1), six bytes of padding and the exact count of
+/// bytes the sender wrote over the ring (little-endian).
+pub(crate) const MARK_LEN: usize = 16;
+
 pub struct Link {
+    /// The connection's shared page: the words of a demotion
+    /// ([`crate::forkshare`]).
+    page: Arc<Page>,
+    /// The peer's hello said it answers a demotion.
+    peer_demotes: bool,
+    /// The process that made it (whose context its QP and regions are).
+    pid: u32,
+    /// As the peer of a demotion: this end's writes went to the kernel
+    /// socket (its marker sent), and its reads too (the peer's marker
+    /// taken).
+    p_wr: AtomicBool,
+    p_rd: AtomicBool,
     /// The library's own descriptor of the kernel socket (and whether a
     /// readiness call knows it).
     owner_sock: Arc<Sock>,
@@ -327,6 +365,7 @@ impl Half {
         hello[34..42].copy_from_slice(&ring.addr().to_le_bytes());
         hello[42..46].copy_from_slice(&ring.rkey().to_le_bytes());
         hello[46..50].copy_from_slice(&(RING as u32).to_le_bytes());
+        hello[CAPS] = CAP_DEMOTE;
         Ok(Half { cq, rcq, qp, ring, stage, hello })
     }
 
@@ -336,7 +375,7 @@ impl Half {
 
     /// Connects to the peer whose hello is `peer` (checked: any other
     /// bytes are a protocol error).
-    pub fn connect(self, sock_owner: Arc<Sock>, peer: &[u8; HELLO_LEN]) -> Res<Link> {
+    pub fn connect(self, sock_owner: Arc<Sock>, page: Arc<Page>, peer: &[u8; HELLO_LEN]) -> Res<Link> {
         let u32_at = |i: usize| u32::from_le_bytes([peer[i], peer[i + 1], peer[i + 2], peer[i + 3]]);
         if &peer[0..4] != MAGIC || u32_at(4) != VERSION || u32_at(46) as usize != RING {
             return Err(libc::EPROTO);
@@ -353,7 +392,13 @@ impl Half {
             let wrs: Vec<_> = (0..RECVS).filter_map(|_| wr::recv(0, &[]).ok()).collect();
             wrs.len() == RECVS && self.qp.post_recv(&wrs).is_ok()
         });
+        crate::forkshare::init();
         Ok(Link {
+            page,
+            peer_demotes: peer[CAPS] & CAP_DEMOTE != 0,
+            pid: crate::pid::get(),
+            p_wr: AtomicBool::new(false),
+            p_rd: AtomicBool::new(false),
             sock: sock_owner.0,
             owner_sock: sock_owner,
             cq: self.cq,
@@ -609,6 +654,12 @@ impl Link {
     /// makes the write fail at once (a failed connection, a peer that
     /// closed).
     pub(crate) fn writable(&self) -> bool {
+        // In a demotion the kernel socket says (a writer blocked on a
+        // full ring is told writable when the peer demoted, and its
+        // write switches).
+        if self.in_demotion() || self.peer_demoted().is_some() {
+            return true;
+        }
         let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
         let used = self.wr_now.load(Ordering::Acquire).saturating_sub(consumed);
         (used as usize) < RING || self.peer_closed() || lock(&self.post).failed
@@ -747,6 +798,14 @@ impl Link {
         if cap == 0 {
             return Ok(0);
         }
+        // Demoted (`demote`): before the receive lock, which a forked
+        // holder's copy may hold for ever.
+        if self.d_demoted() {
+            return self.read_demoted(iov, cap, 0, nonblocking, peek, all);
+        }
+        if self.p_reads_switched() {
+            return self.read_kernel(iov, 0, nonblocking, peek, all);
+        }
         let mut rx = lock(&self.rx);
         // This end's writes in flight: their wakes go out now (a write's
         // errors are the writer's to see).
@@ -761,17 +820,32 @@ impl Link {
         let mut spun = false;
         let mut done = 0usize;
         loop {
+            if self.d_demoted() {
+                // Demoted while this read waited: the shared count rules.
+                drop(rx);
+                return self.read_demoted(iov, cap, done, nonblocking, peek, all);
+            }
             let avail = self.waiting(rx.rd);
             if avail > 0 && peek {
                 let n = avail.min(cap);
-                self.copy_out(rx.rd, n, iov, 0);
+                if self.locked_ring(|| self.copy_out(rx.rd, n, iov, 0)).is_none() {
+                    continue;
+                }
                 return Ok(n);
             }
             if avail > 0 {
                 let n = avail.min(cap - done);
-                self.copy_out(rx.rd, n, iov, done);
+                // Under the lock between the processes that may share the
+                // ring after a fork (`demote`).
+                let copied = self.locked_ring(|| {
+                    self.copy_out(rx.rd, n, iov, done);
+                    rx.rd += n as u64;
+                    self.share_rd(rx.rd);
+                });
+                if copied.is_none() {
+                    continue;
+                }
                 done += n;
-                rx.rd += n as u64;
                 rx.armed = false;
                 let empty = self.waiting(rx.rd) == 0;
                 // (A lazy non-blocking read arms only if a thread of the
@@ -795,6 +869,19 @@ impl Link {
             }
             if rx.eof {
                 return Ok(done);
+            }
+            if self.p_at_mark(rx.rd) {
+                // The demoting peer's bytes are all read: its marker, then
+                // the kernel socket.
+                if done > 0 {
+                    return Ok(done);
+                }
+                return if self.p_switch_reads(&mut rx, nonblocking)? {
+                    drop(rx);
+                    self.read_kernel(iov, 0, nonblocking, peek, all)
+                } else {
+                    Ok(0)
+                };
             }
             if !rx.armed && lazy_nb && !self.peer_closed() && self.leave_unarmed() {
                 return Err(libc::EAGAIN);
@@ -886,6 +973,9 @@ impl Link {
     /// look, which takes stale bytes off). `Busy`: a read of the program
     /// holds the ring.
     pub(crate) fn lazy_look(self: &Arc<Self>, arm: bool) -> Look {
+        if self.in_demotion() {
+            return if self.demoted_bytes() { Look::Bytes } else { Look::Quiet };
+        }
         let Ok(mut rx) = self.rx.try_lock() else { return Look::Busy };
         if rx.armed || rx.eof {
             self.unarmed.store(false, Ordering::SeqCst);
@@ -1056,6 +1146,9 @@ impl Link {
     /// it waits: false.
     pub(crate) fn arm_for_readiness(self: &Arc<Self>) -> bool {
         self.owner_sock.watch();
+        if self.in_demotion() {
+            return self.demoted_bytes();
+        }
         let Ok(mut rx) = self.rx.try_lock() else { return false };
         if rx.armed || rx.eof {
             return false;
@@ -1072,6 +1165,9 @@ impl Link {
     /// wake byte announces them); true while a read of the program holds
     /// the ring (it may be so).
     pub(crate) fn unannounced_bytes(&self) -> bool {
+        if self.in_demotion() {
+            return self.demoted_bytes();
+        }
         let Ok(rx) = self.rx.try_lock() else { return true };
         !rx.armed && !rx.eof && self.waiting(rx.rd) > 0
     }
@@ -1084,6 +1180,9 @@ impl Link {
     /// "readable" would then block in its read. A reader in a call of its
     /// own holds the lock and settles this itself: false.
     pub(crate) fn readable_is_stale(&self) -> bool {
+        if self.in_demotion() {
+            return false;
+        }
         let Ok(mut rx) = self.rx.try_lock() else { return false };
         if !rx.armed || rx.eof {
             return false;
@@ -1117,6 +1216,9 @@ impl Link {
     /// are taken off, and the ring is looked at after that (bytes that
     /// landed meanwhile are reported: the socket is readable for them).
     pub(crate) fn unarmed_is_stale(&self) -> Option<bool> {
+        if self.in_demotion() {
+            return Some(false);
+        }
         let Ok(mut rx) = self.rx.try_lock() else { return Some(false) };
         if rx.armed {
             return None;
@@ -1129,7 +1231,8 @@ impl Link {
                 rx.eof = true;
                 Some(false)
             }
-            Ok(false) => Some(self.waiting(rx.rd) == 0),
+            // A demoting peer's marker left at the head: readable.
+            Ok(false) => Some(self.waiting(rx.rd) == 0 && !self.zero_at_head()),
             Err(_) => Some(false),
         }
     }
@@ -1137,6 +1240,12 @@ impl Link {
     /// Takes wake bytes other than `keep` off the socket, up to the first
     /// `keep`; true at the socket's end.
     fn take_stale(&self, keep: u8) -> Res<bool> {
+        // Never once demoted (`demote`): the socket may hold data then.
+        self.unless_demoted(|| self.take_stale_now(keep)).unwrap_or(Ok(false))
+    }
+
+    /// [`Self::take_stale`], not demoted.
+    fn take_stale_now(&self, keep: u8) -> Res<bool> {
         let mut b = [0u8; 256];
         loop {
             // SAFETY: `b` is valid for its length.
@@ -1153,7 +1262,8 @@ impl Link {
                     }
                 }
             };
-            let stale = b[..n].iter().position(|&x| x == keep).unwrap_or(n);
+            // A 0 is a demoting peer's marker (`demote`), never stale.
+            let stale = b[..n].iter().position(|&x| x == keep || x == 0).unwrap_or(n);
             if stale == 0 {
                 return Ok(false);
             }
@@ -1234,9 +1344,19 @@ impl Link {
     /// a ring's worth of bytes are in flight per connection.
     pub fn write(self: &Arc<Self>, iov: &[(*const u8, usize)], nonblocking: &Blocking) -> Res<usize> {
         let total = vector_len(iov.iter().map(|&(p, n)| (p.is_null(), n)))?;
+        // Demoted (`demote`): before the send lock, which the demoting
+        // driver holds, and a forked holder's copy may hold for ever.
+        if let Some(r) = self.write_demoted(iov, nonblocking.nonblocking()) {
+            return r;
+        }
         let mut tx = lock(&self.tx);
         if tx.shut {
             return Err(libc::EPIPE);
+        }
+        if self.p_writes_switch() {
+            self.p_switch_writes(&mut tx)?;
+            drop(tx);
+            return self.write_kernel(iov, nonblocking.nonblocking());
         }
         if self.peer_closed() {
             // As TCP after the peer's close: the first write is taken
@@ -1253,6 +1373,15 @@ impl Link {
         let (mut vi, mut voff) = (0usize, 0usize);
         while done < total {
             let free = self.credits(tx.wr, nonblocking)?;
+            if free == DEMOTING {
+                // Left its wait for a demotion: the rest goes the
+                // demoted way (a short write, or all of it).
+                if done > 0 {
+                    return Ok(done);
+                }
+                drop(tx);
+                return self.write(iov, nonblocking);
+            }
             if free == 0 {
                 // The ring is full (a non-blocking write): the program
                 // waits for writability; epoll must not report it until
@@ -1423,6 +1552,10 @@ impl Link {
         let mut probe = start;
         let mut spins = 0u32;
         loop {
+            // A demotion (as the driver or as its peer) ends the wait.
+            if self.d_state() == crate::owner::D_DEMOTING || self.p_writes_switch() {
+                return Ok(DEMOTING);
+            }
             // Read before the look: answers that come after it end the wait.
             let seen = crate::credit::seq();
             let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
@@ -1497,6 +1630,9 @@ impl Link {
     /// wake byte is sent), so that the kernel's FIN comes after the last
     /// byte.
     pub fn shut_write(&self) {
+        if self.shut_demoted() {
+            return;
+        }
         let mut tx = lock(&self.tx);
         let _ = self.flush();
         tx.shut = true;
@@ -1511,6 +1647,11 @@ impl Link {
     /// a FIN, instead of arming towards a QP that is gone, which waits
     /// for the QP's retry timeout. A peer that closed first is not told.
     pub fn finish(&self) {
+        if self.in_demotion() {
+            // Its stream goes on (or ends) over the kernel socket.
+            self.unblock();
+            return;
+        }
         let _ = self.flush();
         if !self.peer_closed() {
             let _ = self.stage.write_u64(S_CLOSE, 1);

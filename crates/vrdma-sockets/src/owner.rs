@@ -13,7 +13,10 @@
 //!   serves: its first call exchanges the hellos through its own device);
 //! - a process id: that process drives it; in any other process a call
 //!   fails with `EIO` (the parent's QP and rings are not the child's to
-//!   use, and the other way round);
+//!   use, and the other way round), unless it was carried before the
+//!   fork: then the driver demotes it to plain TCP for both ends, and
+//!   every holder goes on over the kernel socket ([`Demote`],
+//!   `crate::forkshare`);
 //! - [`TCP`]: it turned out plain TCP: every holder passes its calls to
 //!   the kernel.
 //!
@@ -38,7 +41,8 @@
 //! ([`crate::kept::OPTIONS`]: `TCP_NODELAY`, `TCP_CORK`): options every
 //! holder sees alike, as it would the kernel's.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Nobody made a call on the connection yet.
@@ -58,26 +62,159 @@ pub enum Take {
 }
 
 pub struct Owner {
+    page: Arc<Page>,
+}
+
+/// The shared page (or, where it could not be mapped, leaked heap), kept
+/// mapped while the connection's stream or link lives
+/// ([`Owner::page`]: the link's demotion uses it, `crate::forkshare`).
+pub struct Page {
     /// The driver's word and the option words.
     words: *const Words,
     /// Whether `words` is a mapped page (unmapped at drop) or leaked heap.
     mapped: bool,
 }
 
-// SAFETY: `words` points to atomics that live as long as the Owner (a
+// SAFETY: `words` points to atomics that live as long as the Page (a
 // page unmapped only by its drop, or leaked heap); atomics may be used
 // from any thread.
-unsafe impl Send for Owner {}
+unsafe impl Send for Page {}
 // SAFETY: as above.
-unsafe impl Sync for Owner {}
+unsafe impl Sync for Page {}
 
 const PAGE: usize = 4096;
 
 /// The driver's word, one word per kept option, then the settler's word
-/// (the id of the process settling it before an exec, or 0).
-type Words = [AtomicU32; 2 + OPTIONS];
+/// (the id of the process settling it before an exec, or 0); then the
+/// words of the demotion ([`Demote`]).
+#[repr(C)]
+struct Words {
+    w: [AtomicU32; 2 + OPTIONS],
+    demote: Demote,
+}
 const OPTIONS: usize = crate::kept::OPTIONS.len();
 const SETTLER: usize = 1 + OPTIONS;
+
+/// The words with which the holders of a connection carried before a
+/// fork share it (`crate::forkshare`, `docs/sockets.md` "Sharing a carried
+/// connection after fork").
+#[repr(C)]
+pub struct Demote {
+    /// The process that asks the driver to demote it (0: nobody).
+    pub req: AtomicU32,
+    /// [`D_NONE`], [`D_DEMOTING`], [`D_DEMOTED`], [`D_DONE`] or [`D_FAILED`].
+    pub state: AtomicU32,
+    /// The process reading the ring now (a lock between processes), or 0.
+    pub lock: AtomicU32,
+    /// Set by the driver's fork handler: a process forked while it
+    /// carried the connection (its close demotes it instead of ending it).
+    pub forked: AtomicU32,
+    /// Bytes read from the ring (a running count), by any holder.
+    pub rd: AtomicU64,
+    /// Forked children that hold it (their ids, 0: a free slot), each
+    /// cleared at its close or exec; and whether more came than the slots
+    /// hold. The driver's close demotes it only while one may hold it.
+    pub holders: [AtomicU32; HOLDERS],
+    pub overflow: AtomicU32,
+    /// Forks begun whose child has not recorded itself yet (the parent
+    /// may close at once after the fork, before the child's handler ran).
+    pub pending: AtomicU32,
+}
+
+/// Slots for forked holders ([`Demote::holders`]).
+pub const HOLDERS: usize = 8;
+
+/// Not demoted.
+pub const D_NONE: u32 = 0;
+/// The driver took the request and demotes it now.
+pub const D_DEMOTING: u32 = 1;
+/// This end's marker is sent: every holder writes to the kernel socket
+/// and reads the ring, then the peer's marker, then the kernel socket.
+pub const D_DEMOTED: u32 = 2;
+/// The peer's marker was taken: plain TCP (the driver word says so too).
+pub const D_DONE: u32 = 3;
+/// The demotion failed half way (the peer is gone): every call fails.
+pub const D_FAILED: u32 = 4;
+
+impl Demote {
+    /// A fork begins: its child will hold it.
+    pub fn forking(&self) {
+        self.pending.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// A forked child holds it now.
+    pub fn hold(&self, pid: u32) {
+        let _ = self.pending.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| Some(n.saturating_sub(1)));
+        for h in &self.holders {
+            if h.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                return;
+            }
+        }
+        self.overflow.store(1, Ordering::Release);
+    }
+
+    /// A forked child let it go (its close, or its exec).
+    pub fn unhold(&self, pid: u32) {
+        for h in &self.holders {
+            let _ = h.compare_exchange(pid, 0, Ordering::AcqRel, Ordering::Acquire);
+        }
+    }
+
+    /// Whether a process other than this one may still hold it (a
+    /// recorded child that exists, an exited one not reaped yet included,
+    /// or more children than the slots hold).
+    pub fn held_elsewhere(&self) -> bool {
+        let me = crate::pid::get();
+        self.overflow.load(Ordering::Acquire) != 0
+            || self.pending.load(Ordering::Acquire) != 0
+            || self.holders.iter().any(|h| {
+                let p = h.load(Ordering::Acquire);
+                // SAFETY: kill(2) with signal 0 only asks whether the
+                // process exists.
+                p != 0 && p != me && unsafe { libc::kill(p as i32, 0) } == 0
+            })
+    }
+}
+
+impl Page {
+    fn words(&self) -> &Words {
+        // SAFETY: see the `Send` impl: valid while `self` lives.
+        unsafe { &*self.words }
+    }
+
+    /// The demotion's words; `None` where they are this process's own
+    /// memory (not shared with a forked child).
+    pub fn demote(&self) -> Option<&Demote> {
+        self.mapped.then(|| &self.words().demote)
+    }
+
+    /// The driver found it plain TCP (or the demotion ended): so it is
+    /// for every holder.
+    pub fn set_tcp(&self) {
+        self.words().w[0].store(TCP, Ordering::Release);
+    }
+
+    /// The driver's word: the process that drives it, [`FREE`] or [`TCP`].
+    pub fn driver(&self) -> u32 {
+        self.words().w[0].load(Ordering::Acquire)
+    }
+
+    /// The program's value of kept option `slot` ([`Owner::option`]).
+    pub fn option(&self, slot: usize) -> &AtomicU32 {
+        &self.words().w[1 + slot]
+    }
+}
+
+impl Drop for Page {
+    fn drop(&mut self) {
+        if self.mapped {
+            // SAFETY: this process's mapping of the page, made in `new`
+            // (or inherited through fork), unmapped once; the atomics are
+            // not used after (the Page is going).
+            unsafe { libc::munmap(self.words as *mut libc::c_void, PAGE) };
+        }
+    }
+}
 
 impl Owner {
     /// A new connection's word: free, in a shared page.
@@ -95,33 +232,50 @@ impl Owner {
         };
         if p == libc::MAP_FAILED {
             // Ours only: a child will not take it.
-            let w: &'static Words = Box::leak(Box::new(std::array::from_fn(|i| {
-                AtomicU32::new(if i == 0 { crate::pid::get() } else { 0 })
-            })));
-            return Owner { words: w, mapped: false };
+            let w: &'static Words = Box::leak(Box::new(Words {
+                w: std::array::from_fn(|i| AtomicU32::new(if i == 0 { crate::pid::get() } else { 0 })),
+                demote: Demote {
+                    req: AtomicU32::new(0),
+                    state: AtomicU32::new(0),
+                    lock: AtomicU32::new(0),
+                    forked: AtomicU32::new(0),
+                    rd: AtomicU64::new(0),
+                    holders: std::array::from_fn(|_| AtomicU32::new(0)),
+                    overflow: AtomicU32::new(0),
+                    pending: AtomicU32::new(0),
+                },
+            }));
+            return Owner { page: Arc::new(Page { words: w, mapped: false }) };
         }
         // An anonymous mapping is zeroed: the word reads FREE, the option
-        // words "the kernel's".
+        // words "the kernel's", the demotion's words none.
         const _: () = assert!(std::mem::size_of::<Words>() <= PAGE);
-        Owner { words: p.cast::<Words>(), mapped: true }
+        Owner { page: Arc::new(Page { words: p.cast::<Words>(), mapped: true }) }
+    }
+
+    /// The shared page, for the connection's link.
+    pub fn page(&self) -> Arc<Page> {
+        self.page.clone()
     }
 
     fn word(&self) -> &AtomicU32 {
-        // SAFETY: see the `Send` impl: valid while `self` lives.
-        unsafe { &(*self.words)[0] }
+        &self.page.words().w[0]
     }
 
     /// The program's value of kept option `slot` on the connection,
     /// shared by every holder ([`crate::kept`]; 0 until the connection is
     /// carried).
     pub fn option(&self, slot: usize) -> &AtomicU32 {
-        // SAFETY: see the `Send` impl: valid while `self` lives.
-        unsafe { &(*self.words)[1 + slot] }
+        self.page.option(slot)
     }
 
     fn settler(&self) -> &AtomicU32 {
-        // SAFETY: see the `Send` impl: valid while `self` lives.
-        unsafe { &(*self.words)[SETTLER] }
+        &self.page.words().w[SETTLER]
+    }
+
+    /// The demotion's words, where the page is shared.
+    pub fn demote(&self) -> Option<&Demote> {
+        self.page.demote()
     }
 
     /// Takes the connection for this process if nobody has it. While
@@ -214,16 +368,10 @@ impl Owner {
     pub fn set_tcp(&self) {
         self.word().store(TCP, Ordering::Release);
     }
-}
 
-impl Drop for Owner {
-    fn drop(&mut self) {
-        if self.mapped {
-            // SAFETY: this process's mapping of the page, made in `new`
-            // (or inherited through fork), unmapped once; the atomic is
-            // not used after (the Owner is going).
-            unsafe { libc::munmap(self.words as *mut libc::c_void, PAGE) };
-        }
+    /// The driver's word: the process that drives it, [`FREE`] or [`TCP`].
+    pub fn driver(&self) -> u32 {
+        self.page.driver()
     }
 }
 
@@ -261,6 +409,32 @@ mod tests {
         assert_eq!(o.take(no_wait), Take::Other, "the parent took what its child drives");
         assert!(!o.may_use());
         assert!(o.driver_elsewhere().is_some());
+    }
+
+    /// A forked child that recorded itself holds the connection for its
+    /// parent (whose close then demotes it) until it lets it go; a fork
+    /// whose child has not recorded itself yet counts too.
+    #[test]
+    fn a_recorded_child_holds_it_until_it_lets_it_go() {
+        let o = Owner::new();
+        let d = o.demote().expect("a shared page");
+        assert!(!d.held_elsewhere());
+        d.forking();
+        assert!(d.held_elsewhere(), "a fork whose child has not recorded itself");
+        let child = crate::pid::in_forked_child(|| {
+            d.hold(crate::pid::get());
+            true
+        });
+        assert!(child);
+        // The child exited and was reaped: it holds nothing any more.
+        assert!(!d.held_elsewhere());
+        // A live holder (this process's parent stands in for a child).
+        // SAFETY: getppid(2) has no arguments.
+        let live = unsafe { libc::getppid() } as u32;
+        d.hold(live);
+        assert!(d.held_elsewhere());
+        d.unhold(live);
+        assert!(!d.held_elsewhere());
     }
 
     /// A holder whose sibling settles the connection before an exec waits

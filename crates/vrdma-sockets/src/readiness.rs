@@ -70,7 +70,13 @@ fn waits_ts(ts: *const timespec) -> bool {
 /// connections (never negotiates).
 fn carried(fd: c_int) -> Option<Arc<Link>> {
     match table::get(fd)? {
-        e @ Entry::Stream(_) if !e.ours() => None,
+        // Another process drives it: if carried before the fork, that
+        // process is asked to demote it (this wait then sees the kernel
+        // socket's readiness, which the demotion makes right).
+        Entry::Stream(s) if !s.owner.may_use() => {
+            crate::forkshare::nudge(&s);
+            None
+        }
         Entry::Stream(s) => s.link_now(),
         _ => None,
     }

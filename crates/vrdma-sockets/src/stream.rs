@@ -437,7 +437,7 @@ impl Stream {
         if link::is_decline(&peer) {
             return Ok(Hello::Declined);
         }
-        let link = half.connect(self.sock.clone(), &peer)?;
+        let link = half.connect(self.sock.clone(), self.owner.page(), &peer)?;
         // Both QPs are connected before either writes.
         send_all(fd, &[link::ready_byte()])?;
         let mut b = [0u8; 1];
@@ -599,11 +599,47 @@ impl Drop for Stream {
         let phase = self.phase.get_mut().unwrap_or_else(|e| e.into_inner());
         if self.owner.mine() {
             if let Phase::Carried(l) = phase {
+                // Carried before a fork, and perhaps still held by the
+                // other process: demoted rather than ended (the kernel
+                // socket ends with its last holder), once the peer
+                // stopped writing into the ring (its QP goes with this
+                // link). Else its end of stream, as always.
+                if let Some(d) = self.owner.demote() {
+                    let forked = d.forked.load(std::sync::atomic::Ordering::Acquire) != 0;
+                    let took = forked
+                        && d.held_elsewhere()
+                        && l.can_demote()
+                        && d.state
+                            .compare_exchange(
+                                crate::owner::D_NONE,
+                                crate::owner::D_DEMOTING,
+                                std::sync::atomic::Ordering::AcqRel,
+                                std::sync::atomic::Ordering::Acquire,
+                            )
+                            .is_ok();
+                    if took {
+                        debug("closed while another process may hold it: demoted, not ended");
+                        if l.demote_as_driver() {
+                            l.await_peer_switch();
+                        }
+                        return;
+                    }
+                    if l.in_demotion() {
+                        l.await_peer_switch();
+                        return;
+                    }
+                }
                 l.finish();
             }
             return;
         }
         let Phase::Carried(l) = std::mem::replace(phase, Phase::Tcp) else { return };
+        crate::forkshare::leaving(self);
+        if l.in_demotion() && l.maker() == crate::pid::get() {
+            // Demoted here (plain TCP now): its QP and regions are this
+            // process's, and go with the link.
+            return;
+        }
         // Another process's link (its parent's, inherited through fork):
         // its QP, rings and daemon connection are not this process's to
         // use or destroy, and its end of stream is not this process's to
@@ -657,7 +693,7 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
     }
 }
 
-fn send_all(fd: c_int, mut b: &[u8]) -> Res<()> {
+pub(crate) fn send_all(fd: c_int, mut b: &[u8]) -> Res<()> {
     while !b.is_empty() {
         // SAFETY: `b` is valid for its length.
         let r =

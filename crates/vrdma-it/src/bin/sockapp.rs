@@ -30,9 +30,22 @@
 //! `child-then-parent`: `child`, but the parent keeps its copy and, once
 //! the child is gone, must get `EIO` from a read of it (the process that
 //! did not take the connection is told so, never given bytes);
-//! `early-child`: the parent echoes a chunk, then the child must get
-//! `EIO` (a connection carried before the fork stays its parent's), and
-//! the parent echoes the rest once the child is gone. `echoclient PORT BYTES`:
+//! `early-split`: the
+//! parent echoes a chunk, forks, then the child reads the connection
+//! (reads of random sizes) and hands each piece through a pipe to the
+//! parent, which writes it back (rsync's receiver and generator: both
+//! processes use a connection carried before the fork at once);
+//! `early-split-poll`: the same, the child waiting in poll(2) before each
+//! read (its first call on the connection is a poll);
+//! `early-handover`: the parent echoes a chunk, forks and closes its copy
+//! at once, and the child echoes the rest; `early-stopped`: the parent
+//! echoes a chunk, forks and is stopped (`SIGSTOP`, by the child), whose
+//! read must fail with `ECONNRESET` within the library's wait (says
+//! `child: ECONNRESET`), then the child resumes it and exits and the
+//! parent echoes the rest. `sink` (against `client`): the parent reads
+//! 16 KiB, forks and closes its copy at once; the child reads and checks
+//! the rest (the client waits for credits meanwhile), answers `ok N`.
+//! `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
 //! `SOCKAPP_ACCEPT_DELAY_MS`: `forkecho` pauses before its accept.
@@ -220,7 +233,7 @@
 //! makes three round trips, uncorks it and makes one more (says `cork
 //! before=V corked=V uncorked=V`).
 //!
-//! `server` and `inetd` listen on `SOCKAPP_BIND` and `client` and
+//! `server`, `inetd` and `forkecho` listen on `SOCKAPP_BIND` and `client` and
 //! `echoclient` connect to
 //! `SOCKAPP_HOST` where they are set (an address of another network
 //! namespace, for the tests across hosts, or an IPv6 one such as `::1`),
@@ -324,17 +337,23 @@ fn forkserver(port: u16) -> Result<(), String> {
 const ECHO_CHUNK: usize = 16 * 1024;
 
 fn forkecho(port: u16, mode: &str) -> Result<(), String> {
-    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     pause("SOCKAPP_ACCEPT_DELAY_MS");
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
+    if mode == "sink" {
+        return sink_split(s);
+    }
     if mode.starts_with("early-") {
         echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
     }
-    let child_serves = matches!(mode, "child" | "child-exit" | "child-then-parent");
+    let child_serves = matches!(mode, "child" | "child-exit" | "child-then-parent" | "early-handover");
+    if mode == "early-split" || mode == "early-split-poll" {
+        return split_echo(s, echoed, mode == "early-split-poll");
+    }
     std::io::stdout().flush().ok();
     // SAFETY: fork(2) in a single-threaded program (the library's threads
     // are not the program's); the child only serves or closes, and exits.
@@ -343,13 +362,13 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
         0 => {
             let r = match mode {
                 _ if child_serves => echo_all(&mut s).map(|n| {
-                    println!("echoed {n}");
+                    println!("echoed {}", echoed + n);
                     // `child-exit` leaves without closing it.
                     if mode != "child-exit" {
                         drop(s);
                     }
                 }),
-                "early-child" => eio(&mut s, "child"),
+                "early-stopped" => stopped_parent(&mut s),
                 "parent-close" | "early-parent-close" => {
                     drop(s);
                     Ok(())
@@ -366,7 +385,7 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
             })
         }
         child => {
-            let keep = if mode == "child" || mode == "child-exit" {
+            let keep = if matches!(mode, "child" | "child-exit" | "early-handover") {
                 // The parent's copy goes at once: the child's connection
                 // must live on.
                 drop(s);
@@ -441,6 +460,208 @@ fn forkechos(port: u16, n: usize) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// `forkecho`'s `early-split`: after the parent echoed `echoed` bytes
+/// (carried), the child reads the connection in pieces of random sizes
+/// and hands them through a pipe to the parent, which writes them back;
+/// the child's end of stream closes the pipe, and the parent's close (the
+/// last holder's) ends the stream.
+fn split_echo(s: TcpStream, echoed: u64, poll_first: bool) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    let mut fds = [0i32; 2];
+    // SAFETY: pipe(2) into a two-element array.
+    if unsafe { libc::pipe(fds.as_mut_ptr()) } != 0 {
+        return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+    }
+    // SAFETY: both descriptors were just made by pipe(2) and are owned
+    // here, once each.
+    let (mut rd, mut wr) =
+        unsafe { (std::fs::File::from_raw_fd(fds[0]), std::fs::File::from_raw_fd(fds[1])) };
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only reads
+    // the connection into the pipe and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            drop(rd);
+            let mut s = s;
+            let mut buf = vec![0u8; 65_536];
+            let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+            let mut n = 0u64;
+            let r = loop {
+                seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1_442_695_040_888_963_407);
+                let want = 1 + (seed >> 33) as usize % buf.len();
+                if poll_first {
+                    use std::os::fd::AsRawFd;
+                    let mut p = libc::pollfd { fd: s.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+                    // SAFETY: one valid pollfd.
+                    if unsafe { libc::poll(&mut p, 1, 60_000) } != 1 {
+                        break Err(format!("child: not readable within 60 s after {n}"));
+                    }
+                }
+                match s.read(&mut buf[..want]) {
+                    Ok(0) => break Ok(()),
+                    Ok(k) => {
+                        if let Err(e) = wr.write_all(&buf[..k]) {
+                            break Err(format!("child: pipe write after {n}: {e}"));
+                        }
+                        n += k as u64;
+                    }
+                    Err(e) => break Err(format!("child: read after {n}: {e}")),
+                }
+            };
+            drop(wr);
+            drop(s);
+            std::process::exit(match r {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            })
+        }
+        child => {
+            drop(wr);
+            let mut s = s;
+            let mut buf = vec![0u8; 65_536];
+            let mut n = 0u64;
+            loop {
+                let k = rd.read(&mut buf).map_err(|e| format!("pipe read after {n}: {e}"))?;
+                if k == 0 {
+                    break;
+                }
+                s.write_all(&buf[..k]).map_err(|e| format!("parent: write after {n}: {e}"))?;
+                n += k as u64;
+            }
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            // Plain TCP now: the kernel holds the program's options again
+            // (it set none), not the library's.
+            let mut v: libc::c_int = -1;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            use std::os::fd::AsRawFd;
+            // SAFETY: getsockopt(2) of an int into `v`.
+            unsafe {
+                libc::getsockopt(
+                    s.as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_NODELAY,
+                    (&raw mut v).cast(),
+                    &mut len,
+                )
+            };
+            println!("nodelay {v}");
+            println!("echoed {}", echoed + n);
+            Ok(())
+        }
+    }
+}
+
+/// `forkecho`'s `sink` (against `client`): the parent reads 16 KiB of
+/// the client's pattern (the connection carried), forks and reads no
+/// more (the client's writes fill the ring and wait for credits); the
+/// child reads and checks the rest, answers `ok N` and says `received N`.
+fn sink_split(mut s: TcpStream) -> Result<(), String> {
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0u64;
+    let check = |b: &[u8], at: u64| -> Result<(), String> {
+        match (0..b.len()).find(|&i| b[i] != pattern(at + i as u64)) {
+            Some(i) => Err(format!("byte {} is {}, sent {}", at + i as u64, b[i], pattern(at + i as u64))),
+            None => Ok(()),
+        }
+    };
+    while got < ECHO_CHUNK as u64 {
+        let want = (ECHO_CHUNK as u64 - got) as usize;
+        let k = s.read(&mut buf[..want]).map_err(|e| format!("read after {got}: {e}"))?;
+        if k == 0 {
+            return Err(format!("the end after {got}"));
+        }
+        check(&buf[..k], got)?;
+        got += k as u64;
+    }
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only reads
+    // the connection, answers and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let r = (|| {
+                loop {
+                    let k = s.read(&mut buf).map_err(|e| format!("child: read after {got}: {e}"))?;
+                    if k == 0 {
+                        break;
+                    }
+                    check(&buf[..k], got)?;
+                    got += k as u64;
+                }
+                s.write_all(format!("ok {got}\n").as_bytes()).map_err(|e| format!("child: answer: {e}"))?;
+                println!("received {got}");
+                Ok::<(), String>(())
+            })();
+            drop(s);
+            std::io::stdout().flush().ok();
+            std::process::exit(match r {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("sockapp child: {e}");
+                    1
+                }
+            })
+        }
+        child => {
+            drop(s);
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `forkecho`'s `early-stopped`, in the child: stops the parent (which
+/// drives the connection), then a read must fail with `ECONNRESET` (the
+/// driver cannot hand it over), not hang; resumes the parent.
+fn stopped_parent(s: &mut TcpStream) -> Result<(), String> {
+    // SAFETY: getppid(2) and kill(2) on our parent.
+    let parent = unsafe { libc::getppid() };
+    // SAFETY: as above.
+    unsafe { libc::kill(parent, libc::SIGSTOP) };
+    // The stop is delivered when the parent next runs: its threads (the
+    // library's watcher among them) must be stopped before the read asks.
+    let stat = format!("/proc/{parent}/stat");
+    let stopped = || {
+        std::fs::read_to_string(&stat)
+            .ok()
+            .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T') || rest.starts_with('t')))
+            .unwrap_or(false)
+    };
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !stopped() && std::time::Instant::now() < end {
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let mut b = [0u8; 1];
+    let r = s.read(&mut b);
+    // SAFETY: as above.
+    unsafe { libc::kill(parent, libc::SIGCONT) };
+    match r {
+        Err(e) if e.raw_os_error() == Some(libc::ECONNRESET) => {
+            println!("child: ECONNRESET");
+            Ok(())
+        }
+        other => Err(format!("child's read while the driver is stopped: {other:?}")),
+    }
 }
 
 /// A read of `s` must fail with `EIO` (a connection another process

@@ -100,6 +100,13 @@ pub struct Local {
     stage: Option<Stage>,
 }
 
+impl Local {
+    /// Whether this end has mappings for the peer's direct placement.
+    pub(super) fn has_maps(&self) -> bool {
+        !self.maps.is_empty()
+    }
+}
+
 struct Stage {
     mr: MemoryRegion,
     /// The work request id of each slot's last write (reused once done).

@@ -1,0 +1,597 @@
+//! The demotion of a carried connection to plain TCP, mid-stream, at an
+//! exact byte each way: how a connection carried before a `fork` is
+//! shared by the processes that hold it (`docs/sockets.md`, "Sharing a
+//! carried connection after fork"; who asks and when:
+//! [`crate::forkshare`]).
+//!
+//! At the end whose process forked (D), the driver stops its ring writes,
+//! waits until they landed, writes their exact count into the peer's
+//! `DEMOTE` word and sends a marker (a byte 0, which no wake byte is) and
+//! the same count on the kernel socket. From then on every holder at D,
+//! in any process, writes to the kernel socket, and reads the ring (its
+//! bytes are the peer's, in a memfd every holder maps), then the peer's
+//! marker, then the kernel socket. The ring's read count is in the
+//! shared page, read under a lock between the processes.
+//!
+//! The peer (P), at its first write, wait for credits, or read that
+//! reaches the marker: stops its ring writes, waits until they landed,
+//! sends its own marker and count, and writes to the kernel socket; its
+//! reads take its ring up to D's count, then D's marker, then the kernel
+//! socket. Both ends resend nothing: every byte over the ring is read
+//! from the ring.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use libc::c_int;
+
+use super::{lock, Link, Res, Rx, Tx, DEMOTE, MARK_LEN, S_DEMOTE};
+use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED};
+use crate::real;
+
+/// A demotion's marker and record for `count` ring bytes written.
+fn mark(count: u64) -> [u8; MARK_LEN] {
+    let mut b = [0u8; MARK_LEN];
+    b[1] = 1;
+    b[8..16].copy_from_slice(&count.to_le_bytes());
+    b
+}
+
+/// The count in a marker and record, if `b` is one.
+fn parse_mark(b: &[u8; MARK_LEN]) -> Option<u64> {
+    (b[0] == 0 && b[1] == 1).then(|| u64::from_le_bytes(b[8..16].try_into().unwrap_or_default()))
+}
+
+/// What the head of the kernel socket holds, after the wake bytes
+/// before it were taken off.
+enum Head {
+    /// A whole marker and record (not taken yet): the count.
+    Mark(u64),
+    /// Nothing yet (or part of a marker).
+    Nothing,
+    /// The socket's end.
+    End,
+    /// Not a marker: a protocol error.
+    Bad,
+}
+
+/// Takes the wake bytes (1..=255) at the head of `sock` off, and looks at
+/// what follows without taking it.
+fn head(sock: c_int) -> Res<Head> {
+    let mut b = [0u8; 64];
+    loop {
+        // SAFETY: `b` is valid for its length; a peek takes nothing.
+        let r =
+            unsafe { real::recv(sock, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+        let n = match r {
+            0 => return Ok(Head::End),
+            1.. => r as usize,
+            _ => {
+                return match crate::table::errno() {
+                    libc::EAGAIN | libc::EINTR => Ok(Head::Nothing),
+                    e => Err(e),
+                }
+            }
+        };
+        let wakes = b[..n].iter().position(|&x| x == 0).unwrap_or(n);
+        if wakes > 0 {
+            // SAFETY: as above; takes the `wakes` bytes just peeked.
+            unsafe { real::recv(sock, b.as_mut_ptr().cast(), wakes, libc::MSG_DONTWAIT) };
+            continue;
+        }
+        if n < MARK_LEN {
+            return Ok(Head::Nothing);
+        }
+        let m: [u8; MARK_LEN] = b[..MARK_LEN].try_into().unwrap_or([1; MARK_LEN]);
+        return Ok(parse_mark(&m).map_or(Head::Bad, Head::Mark));
+    }
+}
+
+/// Takes a marker and record (peeked whole by [`head`]) off `sock`.
+fn take_mark(sock: c_int) {
+    let mut b = [0u8; MARK_LEN];
+    // SAFETY: `b` is valid for its length; the bytes are in the socket.
+    unsafe { real::recv(sock, b.as_mut_ptr().cast(), MARK_LEN, libc::MSG_DONTWAIT) };
+}
+
+/// Waits until `sock` is readable, `max` at most.
+fn wait_readable(sock: c_int, max: Duration) {
+    let mut p = libc::pollfd { fd: sock, events: libc::POLLIN, revents: 0 };
+    // SAFETY: one valid pollfd.
+    unsafe { libc::poll(&mut p, 1, max.as_millis().max(1) as c_int) };
+}
+
+/// The lock between the processes that read the ring of a demoted
+/// connection (held while a read copies and moves the shared count).
+struct RingLock<'a>(&'a Demote);
+
+impl<'a> RingLock<'a> {
+    fn take(d: &'a Demote) -> RingLock<'a> {
+        let me = crate::pid::get();
+        let mut spins = 0u32;
+        loop {
+            match d.lock.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return RingLock(d),
+                Err(holder) => {
+                    spins += 1;
+                    // A holder that died with it (killed mid-copy) leaves it.
+                    // SAFETY: kill(2) with signal 0 only asks whether the
+                    // process exists.
+                    if spins.is_multiple_of(4096) && unsafe { libc::kill(holder as i32, 0) } != 0 {
+                        let _ = d.lock.compare_exchange(holder, 0, Ordering::AcqRel, Ordering::Acquire);
+                    }
+                    if spins > 64 {
+                        std::thread::sleep(Duration::from_micros(20));
+                    } else {
+                        std::thread::yield_now();
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Drop for RingLock<'_> {
+    fn drop(&mut self) {
+        self.0.lock.store(0, Ordering::Release);
+    }
+}
+
+/// The longest a demotion waits for the peer: `VRDMA_SOCKETS_WAIT_MS`.
+pub(crate) fn wait_ms() -> Duration {
+    let ms = std::env::var("VRDMA_SOCKETS_WAIT_MS").ok().and_then(|s| s.parse().ok()).unwrap_or(5000);
+    Duration::from_millis(ms)
+}
+
+impl Link {
+    fn demote_words(&self) -> Option<&Demote> {
+        self.page.demote()
+    }
+
+    /// This end's demotion state (D's side; [`crate::owner::D_NONE`] where
+    /// there is none).
+    pub(crate) fn d_state(&self) -> u32 {
+        self.demote_words().map_or(0, |d| d.state.load(Ordering::Acquire))
+    }
+
+    /// Whether the holders at this end read and write as demoted (this end's
+    /// marker is sent, or the demotion failed).
+    pub(crate) fn d_demoted(&self) -> bool {
+        self.d_state() >= D_DEMOTED
+    }
+
+    /// `shutdown(SHUT_WR)` in a demotion: nothing over the ring (the
+    /// kernel's FIN follows every byte written to the kernel socket).
+    /// Whether it was so.
+    pub(crate) fn shut_demoted(&self) -> bool {
+        self.d_demoted() || self.p_wr.load(Ordering::Acquire)
+    }
+
+    /// For another holder (after fork) that would ask for a demotion:
+    /// whether it may (the peer answers demotions, the page is shared).
+    /// Touches no lock: a forked copy's may be held for ever.
+    pub(crate) fn may_ask(&self) -> bool {
+        self.peer_demotes && self.demote_words().is_some()
+    }
+
+    /// Whether a demotion of this end may be asked for: the page is
+    /// shared, the peer answers demotions, and no direct placement
+    /// mapping lives (it cannot move to the kernel socket).
+    pub(crate) fn can_demote(&self) -> bool {
+        self.peer_demotes
+            && self.demote_words().is_some()
+            && !lock(&self.iomaps).has_maps()
+            && !lock(&self.post).failed
+    }
+
+    /// The driver's part (D): stops the ring writes, waits until they
+    /// landed, tells the peer their count (its `DEMOTE` word, then the
+    /// marker and record on the socket) and lets every holder go on as
+    /// demoted. Only in the driving process, once, after the state went
+    /// to [`D_DEMOTING`]. Whether it worked (else the state is
+    /// [`D_FAILED`]: every call fails).
+    pub(crate) fn demote_as_driver(&self) -> bool {
+        let Some(d) = self.demote_words() else { return false };
+        let r = (|| -> Res<()> {
+            // Writers waiting for credits leave their waits (`credits`
+            // looks at the state); the rest finish their write first.
+            let tx = lock(&self.tx);
+            let w = tx.wr;
+            // This end answered the peer's own demotion already (both
+            // ends forked): its marker is sent, and only one may be. A
+            // peer that closed writes no more (its last byte landed
+            // before its `CLOSED` word): its ring is read, then its end.
+            if !self.p_wr.load(Ordering::Acquire) && !self.peer_closed() {
+                self.flush()?;
+                let _ = self.stage.write_u64(S_DEMOTE, w + 1);
+                self.write_word(S_DEMOTE, 8, DEMOTE)?;
+                // A peer writer waiting for credits wakes and sees the word.
+                self.answer_want(&mut lock(&self.post));
+                let _ = self.flush_sends();
+                // Shut for writing: its FIN is on the socket already, and
+                // the peer reads its ring up to the count, then the end.
+                if !tx.shut {
+                    crate::stream::send_all(self.sock, &mark(w))?;
+                }
+            }
+            // No wake byte goes any more: the program's socket options
+            // go back into the kernel (its marker went out at once).
+            crate::kept::give_back_page(&self.page, self.sock);
+            // Every ring read of this process is done under the lock from
+            // here (`read`), and their count is the shared one.
+            let _g = RingLock::take(d);
+            // Its marker taken as well: plain TCP.
+            let state = if self.p_rd.load(Ordering::Acquire) { D_DONE } else { D_DEMOTED };
+            d.state.store(state, Ordering::Release);
+            drop(tx);
+            crate::dev::debug(&format!("demoted after {w} bytes written over vRDMA"));
+            Ok(())
+        })();
+        if let Err(e) = r {
+            crate::dev::debug(&format!("the demotion failed: errno {e}"));
+            d.state.store(D_FAILED, Ordering::Release);
+            return false;
+        }
+        self.unblock();
+        crate::credit::came();
+        true
+    }
+
+    /// For the driver's close of a demoted connection: waits (a while at
+    /// most) until the peer stopped writing into the ring (its marker, its
+    /// end, or its close), so that its QP may go.
+    pub(crate) fn await_peer_switch(&self) {
+        let end = Instant::now() + wait_ms();
+        let Some(d) = self.demote_words() else { return };
+        while Instant::now() < end {
+            {
+                // (Under the lock: another holder may take the marker
+                // off, after which the socket holds data.)
+                let _g = RingLock::take(d);
+                if self.d_state() != D_DEMOTED || self.peer_closed() {
+                    return;
+                }
+                // (Wake bytes are taken off: they are no holder's data.)
+                if !matches!(head(self.sock), Ok(Head::Nothing)) {
+                    return;
+                }
+            }
+            wait_readable(self.sock, Duration::from_millis(10));
+        }
+        crate::dev::debug("the peer did not answer the demotion before this close");
+    }
+
+    /// A read at a demoted end (D, any holder): the ring up to the peer's
+    /// marker, then the kernel socket.
+    pub(crate) fn read_demoted(
+        &self,
+        iov: &[(*mut u8, usize)],
+        cap: usize,
+        done: usize,
+        nonblocking: bool,
+        peek: bool,
+        all: bool,
+    ) -> Res<usize> {
+        let Some(d) = self.demote_words() else { return Err(libc::ECONNRESET) };
+        let mut done = done;
+        loop {
+            let g = RingLock::take(d);
+            match d.state.load(Ordering::Acquire) {
+                D_DONE => {
+                    drop(g);
+                    if done > 0 && (!all || nonblocking) {
+                        return Ok(done);
+                    }
+                    return self.read_kernel(iov, done, nonblocking, peek, all).map(|n| n + done);
+                }
+                D_FAILED => return if done > 0 { Ok(done) } else { Err(libc::ECONNRESET) },
+                _ => {}
+            }
+            let rd = d.rd.load(Ordering::Acquire);
+            let avail = self.waiting(rd);
+            if avail > 0 {
+                let n = avail.min(cap - done);
+                self.copy_out(rd, n, iov, done);
+                if peek {
+                    return Ok(n);
+                }
+                d.rd.store(rd + n as u64, Ordering::Release);
+                done += n;
+                if !all || done == cap {
+                    return Ok(done);
+                }
+                continue;
+            }
+            match head(self.sock)? {
+                Head::Mark(w) if w == rd => {
+                    take_mark(self.sock);
+                    d.state.store(D_DONE, Ordering::Release);
+                    self.page.set_tcp();
+                    crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP"));
+                    continue;
+                }
+                // Its bytes landed before its marker was sent: a count
+                // other than the ring's is a protocol error.
+                Head::Mark(_) | Head::Bad => {
+                    d.state.store(D_FAILED, Ordering::Release);
+                    return Err(libc::ECONNRESET);
+                }
+                Head::End => return Ok(done),
+                Head::Nothing => {}
+            }
+            drop(g);
+            if done > 0 && (nonblocking || !all) {
+                return Ok(done);
+            }
+            if nonblocking {
+                return Err(libc::EAGAIN);
+            }
+            // The peer's ring bytes that land before it stops send no
+            // wake byte (nobody armed): looked at again in a while.
+            wait_readable(self.sock, Duration::from_millis(10));
+        }
+    }
+
+    /// Reads the kernel socket into `iov` from byte `skip`, as the program's
+    /// call would.
+    pub(crate) fn read_kernel(
+        &self,
+        iov: &[(*mut u8, usize)],
+        skip: usize,
+        nonblocking: bool,
+        peek: bool,
+        all: bool,
+    ) -> Res<usize> {
+        let mut v = Vec::with_capacity(iov.len());
+        let mut skip = skip;
+        for &(p, n) in iov {
+            if skip >= n {
+                skip -= n;
+                continue;
+            }
+            // SAFETY: `p + skip .. p + n` is in the caller's buffer.
+            v.push(libc::iovec { iov_base: unsafe { p.add(skip) }.cast(), iov_len: n - skip });
+            skip = 0;
+        }
+        if v.is_empty() {
+            return Ok(0);
+        }
+        let mut flags = 0;
+        if nonblocking {
+            flags |= libc::MSG_DONTWAIT;
+        }
+        if peek {
+            flags |= libc::MSG_PEEK;
+        }
+        if all {
+            flags |= libc::MSG_WAITALL;
+        }
+        // SAFETY: a zeroed msghdr is valid; its vector points to `v`.
+        let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+        m.msg_iov = v.as_mut_ptr();
+        m.msg_iovlen = v.len() as _;
+        loop {
+            // SAFETY: `m` describes the caller's buffers.
+            let r = unsafe { real::recvmsg(self.sock, &mut m, flags) };
+            if r >= 0 {
+                return Ok(r as usize);
+            }
+            match crate::table::errno() {
+                libc::EINTR => continue,
+                e => return Err(e),
+            }
+        }
+    }
+
+    /// Writes `iov` to the kernel socket, as the program's call would.
+    pub(crate) fn write_kernel(&self, iov: &[(*const u8, usize)], nonblocking: bool) -> Res<usize> {
+        let mut v: Vec<libc::iovec> =
+            iov.iter().map(|&(p, n)| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: n }).collect();
+        // SAFETY: a zeroed msghdr is valid; its vector points to `v`.
+        let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
+        m.msg_iov = v.as_mut_ptr();
+        m.msg_iovlen = v.len() as _;
+        let flags = libc::MSG_NOSIGNAL | if nonblocking { libc::MSG_DONTWAIT } else { 0 };
+        loop {
+            // SAFETY: `m` describes the caller's buffers.
+            let r = unsafe { real::sendmsg(self.sock, &m, flags) };
+            if r >= 0 {
+                return Ok(r as usize);
+            }
+            match crate::table::errno() {
+                libc::EINTR => continue,
+                e => return Err(e),
+            }
+        }
+    }
+
+    /// A write at a demoted end (D): waits while the driver demotes it,
+    /// then to the kernel socket. `None`: not demoted, the ring's.
+    pub(crate) fn write_demoted(&self, iov: &[(*const u8, usize)], nonblocking: bool) -> Option<Res<usize>> {
+        let d = self.demote_words()?;
+        loop {
+            match d.state.load(Ordering::Acquire) {
+                D_DEMOTING => std::thread::sleep(Duration::from_micros(200)),
+                D_DEMOTED | D_DONE => return Some(self.write_kernel(iov, nonblocking)),
+                D_FAILED => return Some(Err(libc::ECONNRESET)),
+                _ => return None,
+            }
+        }
+    }
+
+    /// Whether ring bytes wait beyond the shared read count (readiness of a
+    /// connection in a demotion, which no wake byte announces).
+    pub(crate) fn demoted_bytes(&self) -> bool {
+        let rd = self.demote_words().map_or(u64::MAX, |d| d.rd.load(Ordering::Acquire));
+        self.waiting(rd) > 0
+    }
+
+    /// The process whose context made the link (its QP and regions).
+    pub(crate) fn maker(&self) -> u32 {
+        self.pid
+    }
+
+    /// As the peer: the count the demoting end wrote into this end's ring
+    /// (its `DEMOTE` word), if it demoted.
+    pub(crate) fn peer_demoted(&self) -> Option<u64> {
+        let w = self.ring.read_u64(DEMOTE).unwrap_or(0);
+        (w != 0).then(|| w - 1)
+    }
+
+    /// Whether a demoting peer's marker is at the head of the socket
+    /// (after wake bytes, which are not taken off here).
+    pub(crate) fn zero_at_head(&self) -> bool {
+        if self.peer_demoted().is_none() {
+            return false;
+        }
+        let mut b = [0u8; 64];
+        // SAFETY: `b` is valid for its length; a peek takes nothing.
+        let r = unsafe {
+            real::recv(self.sock, b.as_mut_ptr().cast(), b.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+        };
+        r > 0 && b[..r as usize].contains(&0)
+    }
+
+    /// As the peer (P), the send lock held: this end's writes go to the
+    /// kernel socket from now on, after its ring writes landed and its
+    /// marker and record (their count) were sent.
+    pub(super) fn p_switch_writes(&self, tx: &mut Tx) -> Res<()> {
+        if self.p_wr.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        self.flush()?;
+        // This end demoted itself too (both ends forked): its marker went
+        // then (under the send lock, as this), and only one may. (A
+        // driver that took the request but not the lock yet sends none:
+        // it finds this end's writes switched.)
+        if !tx.shut && self.d_state() < D_DEMOTED {
+            crate::stream::send_all(self.sock, &mark(tx.wr))?;
+        }
+        self.p_wr.store(true, Ordering::Release);
+        // No wake byte goes any more: the program's socket options go
+        // back into the kernel (the marker went out at once).
+        crate::kept::give_back_page(&self.page, self.sock);
+        crate::dev::debug(&format!("the peer demoted: writing to the kernel socket after {} bytes", tx.wr));
+        self.unblock();
+        self.p_done();
+        Ok(())
+    }
+
+    /// As the peer (P), the receive lock held, the ring read up to the
+    /// demoting end's count: its marker is taken off (the writes switched
+    /// first). `Ok(true)`: the reads go to the kernel socket now; `Ok(false)`:
+    /// the end came instead.
+    pub(super) fn p_switch_reads(&self, rx: &mut Rx, nonblocking: bool) -> Res<bool> {
+        {
+            let mut tx = lock(&self.tx);
+            self.p_switch_writes(&mut tx)?;
+        }
+        let w = self.peer_demoted().unwrap_or(u64::MAX);
+        loop {
+            match head(self.sock)? {
+                Head::Mark(c) if c == w && c == rx.rd => {
+                    take_mark(self.sock);
+                    self.p_rd.store(true, Ordering::Release);
+                    crate::dev::debug(&format!(
+                        "the peer's marker after {c} bytes: reading the kernel socket"
+                    ));
+                    self.p_done();
+                    return Ok(true);
+                }
+                Head::Mark(_) | Head::Bad => return Err(libc::ECONNRESET),
+                Head::End => {
+                    rx.eof = true;
+                    return Ok(false);
+                }
+                Head::Nothing if nonblocking => return Err(libc::EAGAIN),
+                Head::Nothing => wait_readable(self.sock, Duration::from_millis(100)),
+            }
+        }
+    }
+
+    /// As the peer: both ways switched: plain TCP for this end's holders.
+    fn p_done(&self) {
+        if self.p_wr.load(Ordering::Acquire) && self.p_rd.load(Ordering::Acquire) {
+            self.page.set_tcp();
+        }
+    }
+
+    /// Whether this end's part of a demotion (either side) is over or
+    /// under way: its link must not end the stream over the ring at a
+    /// close.
+    pub(crate) fn in_demotion(&self) -> bool {
+        self.d_state() != 0 || self.p_wr.load(Ordering::Acquire) || self.p_rd.load(Ordering::Acquire)
+    }
+
+    /// As the peer, in a read whose ring is empty: whether the demoting
+    /// end's bytes are all read (its count reached), so the read switches.
+    pub(crate) fn p_at_mark(&self, rd: u64) -> bool {
+        self.peer_demoted().is_some_and(|w| rd >= w) || self.p_rd.load(Ordering::Acquire)
+    }
+
+    /// As the peer: whether the reads switched to the kernel socket.
+    pub(crate) fn p_reads_switched(&self) -> bool {
+        self.p_rd.load(Ordering::Acquire)
+    }
+
+    /// As the peer: whether writes must switch (the demoting end's word
+    /// came, or they did already).
+    pub(crate) fn p_writes_switch(&self) -> bool {
+        self.p_wr.load(Ordering::Acquire) || self.peer_demoted().is_some()
+    }
+
+    /// Runs `f` (a take-off of stale wake bytes by the driver's normal
+    /// paths) under the ring's lock between processes, unless the
+    /// connection is demoted (`None`): once another holder took the
+    /// peer's marker off, the socket holds data, which no take-off of
+    /// wake bytes may touch.
+    pub(super) fn unless_demoted<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        let Some(d) = self.demote_words() else { return Some(f()) };
+        let _g = RingLock::take(d);
+        if d.state.load(Ordering::Acquire) >= D_DEMOTED {
+            return None;
+        }
+        Some(f())
+    }
+
+    /// The read count a demoting driver hands to the other holders:
+    /// this process's ring reads move it under the lock.
+    pub(crate) fn share_rd(&self, rd: u64) {
+        if let Some(d) = self.demote_words() {
+            d.rd.store(rd, Ordering::Release);
+        }
+    }
+
+    /// Runs `f` (a ring read of the driving process) under the ring's lock
+    /// between processes (uncontended but for a demotion: two atomic
+    /// operations); `None` if the connection is demoted meanwhile (the
+    /// read goes the demoted way). Always, not only once a fork shared
+    /// the connection: a read that looked before the fork could still be
+    /// copying when the driver demotes.
+    pub(crate) fn locked_ring<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        let Some(d) = self.demote_words() else { return Some(f()) };
+        let _g = RingLock::take(d);
+        if d.state.load(Ordering::Acquire) >= D_DEMOTED {
+            return None;
+        }
+        Some(f())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_marker_carries_its_count_and_nothing_else_is_one() {
+        let m = mark(123_456_789);
+        assert_eq!(m[0], 0);
+        assert_eq!(parse_mark(&m), Some(123_456_789));
+        let mut bad = m;
+        bad[1] = 2;
+        assert_eq!(parse_mark(&bad), None);
+        bad = m;
+        bad[0] = 7;
+        assert_eq!(parse_mark(&bad), None);
+    }
+}
