@@ -137,15 +137,12 @@ pub struct Net {
     /// Connection manager's messages for hosts with no link yet: sent when
     /// one comes up, or given up on (`cm_down`) when the dial fails.
     cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
-    /// Links to other hosts that came up, for the engine to tell the
-    /// connection manager (a new REQ goes by the newest; what it held for
-    /// a dial went by the first).
-    pub cm_up: Vec<(std::net::Ipv4Addr, LinkId)>,
-    /// What the connection manager can no longer reach, for the engine to
-    /// tell it: a link that went down (its connections end; another
-    /// link's to the same host, a daemon there restarted, stay), or, with
-    /// `None`, the host of messages held for a dial that failed.
-    pub cm_down: Vec<(std::net::Ipv4Addr, Option<LinkId>)>,
+    /// Links to other hosts that came up or went down, for the engine to
+    /// tell the connection manager, in the order they did: one queue, so
+    /// that a dial's failure and a link that came up after it are told in
+    /// that order (a REQ held for the dial ends at once, rather than being
+    /// bound to the new link it never went by and left to time out).
+    pub cm_links: Vec<CmLink>,
     /// The socket registry's messages for hosts with no link yet, as
     /// `cm_pending` (`docs/sockets.md`, "Other hosts").
     sock_pending: HashMap<std::net::Ipv4Addr, Vec<SockMessage>>,
@@ -167,6 +164,19 @@ pub struct Net {
     /// link, query id): the engine's waits for them are pinned to that
     /// link (another link's end to the same host leaves them alone).
     pub sock_sent: Vec<(std::net::Ipv4Addr, LinkId, u32)>,
+}
+
+/// What the connection manager hears of the links to a host, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CmLink {
+    /// A link to the host came up (a new REQ goes by the newest; what the
+    /// manager held for a dial went by the first).
+    Up(std::net::Ipv4Addr, LinkId),
+    /// The manager can no longer reach the host by the link named (it
+    /// went down: its connections end; another link's to the same host,
+    /// a daemon there restarted, stay), or, with `None`, by the messages
+    /// held for a dial that failed.
+    Down(std::net::Ipv4Addr, Option<LinkId>),
 }
 
 /// Connection manager's messages held for one host that has no link yet.
@@ -231,8 +241,7 @@ impl Net {
             refused: std::collections::HashSet::new(),
             log: LogLimiter::new(),
             cm_pending: HashMap::new(),
-            cm_up: Vec::new(),
-            cm_down: Vec::new(),
+            cm_links: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
             sock6_up: Vec::new(),
@@ -291,7 +300,7 @@ impl Net {
                     for m in self.cm_pending.remove(&ip).iter().flatten() {
                         l.queue_cm(m);
                     }
-                    self.cm_up.push((ip, id));
+                    self.cm_links.push(CmLink::Up(ip, id));
                 }
                 // A peer of version 4 hears this host's IPv6 addresses
                 // first (the owner takes an IPv6 client address only
@@ -342,8 +351,25 @@ impl Net {
         let next = Dial::failed(self.dialling.get(&addr).copied(), Clock::now());
         self.dialling.insert(addr, next);
         if let std::net::IpAddr::V4(ip) = addr.ip() {
-            if self.cm_pending.remove(&ip).is_some() {
-                self.cm_down.push((ip, None));
+            let gid = Gid::from_ipv4(ip.octets());
+            if let Some(held) = self.cm_pending.remove(&ip) {
+                self.forget_stale_incoming(Clock::now());
+                if let Some((&id, l)) = self.links.iter_mut().rev().find(|(_, l)| l.gid == gid) {
+                    // The host linked in meanwhile (its daemon's dial
+                    // crossed ours, which it refused): what waited goes by
+                    // that link, which the manager has been told of.
+                    for m in &held {
+                        l.queue_cm(m);
+                    }
+                    tracing::debug!(peer = %addr, link = id.0, "messages held for a failed dial sent by the host's link");
+                } else if self.incoming.contains_key(&gid) {
+                    // Its connection to us is in its handshake: they go by
+                    // the link it becomes ([`Net::add`]). (Should that
+                    // fail, their connections' timers end them.)
+                    self.cm_pending.insert(ip, held);
+                } else {
+                    self.cm_links.push(CmLink::Down(ip, None));
+                }
             }
             if self.sock_pending.remove(&ip).is_some() {
                 self.sock_down.push((ip, None));
@@ -687,7 +713,7 @@ impl Net {
                 });
                 hca.link_down(id);
                 if let Some(ip) = l.gid.ipv4() {
-                    self.cm_down.push((ip.into(), Some(id)));
+                    self.cm_links.push(CmLink::Down(ip.into(), Some(id)));
                     self.sock_down.push((ip.into(), Some(id)));
                 }
             }
@@ -1223,6 +1249,31 @@ mod tests {
         assert!(a.send_cm(b, Some(LinkId(3)), &msg).is_err(), "another host's link");
         assert!(a.send_cm(b, Some(LinkId(4)), &msg).is_err(), "a link that is gone");
         assert!(a.cm_pending.is_empty(), "no dial for a connection whose link is gone");
+    }
+
+    /// A dial that fails while the host's own connection to us is in its
+    /// handshake keeps what the connection manager held (it goes by the
+    /// link that handshake makes); one that fails once that link is up
+    /// sends it by the link; with neither, the manager hears of the failure.
+    #[test]
+    fn a_failed_dial_leaves_the_held_cm_messages_to_the_hosts_own_link() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.admits(b_gid, 9, Clock::now()), "the larger GID admits b's connection");
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+        assert_eq!(a.cm_pending.get(&b).map(Vec::len), Some(1), "held for the incoming link");
+        let _l = link_to(&mut a, 1, b_gid, 9, false);
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_pending.is_empty() && a.cm_links.is_empty(), "{:?}", a.cm_links);
+        assert!(a.links[&LinkId(1)].has_output(), "sent by the host's link");
+        let mut c = net_of([10, 0, 0, 3]);
+        c.send_cm(b, None, &msg).unwrap();
+        c.dial_failed(b_addr, "refused");
+        assert_eq!(c.cm_links, [CmLink::Down(b, None)]);
     }
 
     #[test]
