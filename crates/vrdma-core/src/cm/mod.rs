@@ -52,7 +52,7 @@ pub mod ports;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
@@ -273,9 +273,11 @@ pub struct ConnectionManager {
     /// key: a restarted daemon numbers its ids from 1 again, and its REQ
     /// is not one its last life sent over the old link.
     requested: HashMap<(Ipv4Addr, Option<LinkId>, u32), u32>,
-    /// The live links to each other host, as the driver reported them; a
-    /// new REQ goes by the newest (the highest number).
-    links: HashMap<Ipv4Addr, BTreeSet<LinkId>>,
+    /// The live links to each other host, as the driver reported them,
+    /// each with whether it is verified (`hca::LinkInfo::verified`): a
+    /// new REQ goes by the newest verified one (the highest number), or,
+    /// with none verified, by the newest.
+    links: HashMap<Ipv4Addr, BTreeMap<LinkId, bool>>,
     per_tenant: HashMap<TenantId, u32>,
     ports: ports::Ports,
     timers: BTreeSet<(Instant, u32)>,
@@ -768,9 +770,13 @@ impl ConnectionManager {
         self.transmit.push_back((host, link, msg));
     }
 
-    /// The newest live link to `host` the driver reported.
+    /// The newest verified live link to `host` the driver reported, or
+    /// with none verified the newest: a daemon that claims the host's GID
+    /// from another address does not take its new connections over.
     fn newest_link(&self, host: Ipv4Addr) -> Option<LinkId> {
-        self.links.get(&host).and_then(|l| l.last().copied())
+        let links = self.links.get(&host)?;
+        let verified = links.iter().rev().find(|(_, &v)| v).map(|(&l, _)| l);
+        verified.or_else(|| links.keys().next_back().copied())
     }
 
     /// Destroys every id of `ctx` (its process closed the device or died).
@@ -1046,15 +1052,23 @@ impl ConnectionManager {
         self.events.push_back(ev);
     }
 
-    /// A link to `host` is up: a new REQ to that host goes by it (the
-    /// newest), and the connections whose messages waited for a link to
-    /// that host (the driver held them for its dial, and sends them by the
-    /// first link that comes up) belong to it.
-    pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId) {
+    /// A link to `host` is up, `verified` or not (`hca::LinkInfo::verified`):
+    /// a new REQ to that host goes by it (the newest, unless it is not
+    /// verified and another is), and the connections whose messages waited
+    /// for a link to that host (the driver held them for its dial, and
+    /// sends them by the first link that comes up) belong to it.
+    pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId, verified: bool) {
         if self.is_local(host) {
             return;
         }
-        self.links.entry(host).or_default().insert(link);
+        let links = self.links.entry(host).or_default();
+        let had_verified = links.values().any(|&v| v);
+        links.insert(link, verified);
+        // (With a verified link up, no message waited for a dial: the
+        // driver sent it by that link.)
+        if had_verified && !verified {
+            return;
+        }
         for i in self.ids.values_mut() {
             if i.link.is_none() && i.state != State::Closed && i.peer.is_some_and(|(h, _)| h == host) {
                 i.link = Some(link);

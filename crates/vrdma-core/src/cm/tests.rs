@@ -801,15 +801,15 @@ fn an_old_links_end_leaves_what_a_restarted_peers_new_link_made() {
     a.listen(CA, al, 8).unwrap();
     let (old_conn, new_conn) =
         (a.create_id(CA, TENANT, PortSpace::Tcp).unwrap(), a.create_id(CA, TENANT, PortSpace::Tcp).unwrap());
-    a.link_up(B, l1);
+    a.link_up(B, l1, true);
     let mut b1 = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(7)));
-    b1.link_up(A, LinkId(1));
+    b1.link_up(A, LinkId(1), true);
     let old_req = one_life_of_b(&mut a, &mut b1, l1, old_conn);
     drain(&mut a);
     // B's daemon restarts (its ids numbered from 1 again) and links again.
     let mut b2 = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(7)));
-    b2.link_up(A, LinkId(1));
-    a.link_up(B, l2);
+    b2.link_up(A, LinkId(1), true);
+    a.link_up(B, l2, true);
     let new_req = one_life_of_b(&mut a, &mut b2, l2, new_conn);
     assert_ne!(old_req, new_req, "a request of the new life is not one the old sent again");
     drain(&mut a);
@@ -870,7 +870,7 @@ fn a_request_that_waited_for_a_dial_belongs_to_the_link_that_came() {
     // The dial makes link 3: the waiting request is that link's.
     let waited = connect(&mut a);
     a.poll_transmit_by();
-    a.link_up(B, LinkId(3));
+    a.link_up(B, LinkId(3), true);
     a.link_down(B, None);
     assert!(drain(&mut a).is_empty(), "it waits for no dial any more");
     let next = connect(&mut a);
@@ -879,4 +879,29 @@ fn a_request_that_waited_for_a_dial_belongs_to_the_link_that_came() {
     let mut ev: Vec<_> = drain(&mut a).iter().map(|e| (e.id, e.kind)).collect();
     ev.sort_by_key(|e| e.0);
     assert_eq!(ev, [(waited, EventKind::Unreachable), (next, EventKind::Unreachable)]);
+}
+
+/// A new REQ goes by the host's newest verified link, not by a newer one
+/// whose peer only claims the host's GID; with none verified, by the
+/// newest (review links3 D).
+#[test]
+fn a_new_req_takes_the_hosts_verified_link_before_a_newer_unverified_one() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let req_link = |a: &mut ConnectionManager| {
+        let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+        a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+        a.resolve_route(CA, id).unwrap();
+        a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+        let (_, link, msg) = a.poll_transmit_by().unwrap();
+        assert!(matches!(msg, CmMessage::Req { .. }), "{msg:?}");
+        link
+    };
+    a.link_up(B, LinkId(1), false);
+    assert_eq!(req_link(&mut a), Some(LinkId(1)), "none verified: the one up");
+    a.link_up(B, LinkId(2), true);
+    a.link_up(B, LinkId(3), false);
+    assert_eq!(req_link(&mut a), Some(LinkId(2)));
+    a.link_down(B, Some(LinkId(2)));
+    drain(&mut a);
+    assert_eq!(req_link(&mut a), Some(LinkId(3)), "the verified one gone: the newest");
 }

@@ -185,7 +185,7 @@ impl EngineState {
             // by it, and a link that went down is gone with what it read.
             for ev in net.cm_links.drain(..) {
                 match ev {
-                    crate::net::CmLink::Up(host, link) => self.cm.cm.link_up(host, link),
+                    crate::net::CmLink::Up(host, link, verified) => self.cm.cm.link_up(host, link, verified),
                     crate::net::CmLink::Down(host, link) => self.cm.cm.link_down(host, link),
                 }
             }
@@ -734,7 +734,7 @@ mod tests {
     fn state_with_region(len: usize) -> (EngineState, TcpStream, ContextId, u32, Region) {
         let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
         let gid = Gid::from_ipv4([10, 0, 0, 2]);
-        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
+        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536, verified: true });
         let mut net = Net::new(Arc::new(setup([10, 0, 0, 1], 65536)));
         let (ours, theirs) = loopback();
         net.links.insert(id, LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap());
@@ -930,12 +930,12 @@ mod tests {
         s.run_cm(now);
         let net = s.net.as_mut().unwrap();
         net.dial_failed(std::net::SocketAddr::from((b, 4791)), "refused");
-        let link = s.hca.link_up(LinkInfo { gid, lid: 3, chunk: 65536 });
+        let link = s.hca.link_up(LinkInfo { gid, lid: 3, chunk: 65536, verified: true });
         let (ours, _theirs) = loopback();
         let net = s.net.as_mut().unwrap();
         net.links
             .insert(link, LinkIo::new(link, ours, "10.0.0.3:40000".parse().unwrap(), gid, 5, false).unwrap());
-        net.cm_links.push(crate::net::CmLink::Up(b, link));
+        net.cm_links.push(crate::net::CmLink::Up(b, link, true));
         s.run_cm(now);
         assert_eq!(s.cm.cm.state(ctx, id), Some(State::Closed), "the held connect ended with its dial");
     }

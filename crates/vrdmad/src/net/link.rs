@@ -150,6 +150,9 @@ pub struct LinkIo {
     pub daemon_id: u64,
     /// This daemon dialled the connection (it did not accept it).
     pub dialled: bool,
+    /// The peer's address vouches for its GID
+    /// ([`vrdma_core::hca::LinkInfo::verified`]); set by [`super::Net::add`].
+    pub verified: bool,
     sock: TcpStream,
     dec: FrameDecoder,
     rbuf: Box<[u8; READ_BUF]>,
@@ -324,6 +327,7 @@ impl LinkIo {
             gid,
             daemon_id,
             dialled,
+            verified: false,
             sock,
             dec: FrameDecoder::new(),
             rbuf: Box::new([0; READ_BUF]),
@@ -1157,7 +1161,7 @@ mod tests {
         }
         let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
         let gid = Gid::from_ipv4([10, 0, 0, 2]);
-        let id = hca.link_up(vrdma_core::hca::LinkInfo { gid, lid: 2, chunk: 65536 });
+        let id = hca.link_up(vrdma_core::hca::LinkInfo { gid, lid: 2, chunk: 65536, verified: true });
         let link = LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap();
         (link, theirs, hca, RingTable::default())
     }

@@ -169,9 +169,10 @@ pub struct Net {
 /// What the connection manager hears of the links to a host, in order.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CmLink {
-    /// A link to the host came up (a new REQ goes by the newest; what the
-    /// manager held for a dial went by the first).
-    Up(std::net::Ipv4Addr, LinkId),
+    /// A link to the host came up, verified or not
+    /// ([`LinkInfo::verified`]): a new REQ goes by the newest verified one;
+    /// what the manager held for a dial went by the first.
+    Up(std::net::Ipv4Addr, LinkId, bool),
     /// The manager can no longer reach the host by the link named (it
     /// went down: its connections end; another link's to the same host,
     /// a daemon there restarted, stay), or, with `None`, by the messages
@@ -274,10 +275,15 @@ impl Net {
             self.dialling.remove(&d);
         }
         self.incoming.remove(&peer.hello.gid);
-        let info = LinkInfo { gid: peer.hello.gid, lid: peer.hello.lid, chunk: peer.chunk };
+        // Its address vouches for its GID: dialled by us at that GID's
+        // address (a configured peer's may be another), or come from it.
+        let gid = peer.hello.gid;
+        let verified = gid_of(dialled.unwrap_or(addr)) == Some(gid);
+        let info = LinkInfo { gid, lid: peer.hello.lid, chunk: peer.chunk, verified };
         let id = hca.link_up(info);
         match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
             Ok(mut l) => {
+                l.verified = verified;
                 l.set_max_queued(self.setup.max_queued);
                 l.set_latency_first(self.setup.latency_first);
                 l.version = peer.version;
@@ -300,7 +306,7 @@ impl Net {
                     for m in self.cm_pending.remove(&ip).iter().flatten() {
                         l.queue_cm(m);
                     }
-                    self.cm_links.push(CmLink::Up(ip, id));
+                    self.cm_links.push(CmLink::Up(ip, id, verified));
                 }
                 // A peer of version 4 hears this host's IPv6 addresses
                 // first (the owner takes an IPv6 client address only
@@ -354,14 +360,14 @@ impl Net {
             let gid = Gid::from_ipv4(ip.octets());
             if let Some(held) = self.cm_pending.remove(&ip) {
                 self.forget_stale_incoming(Clock::now());
-                if let Some((&id, l)) = self.links.iter_mut().rev().find(|(_, l)| l.gid == gid) {
+                if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
                     // The host linked in meanwhile (its daemon's dial
                     // crossed ours, which it refused): what waited goes by
                     // that link, which the manager has been told of.
                     for m in &held {
                         l.queue_cm(m);
                     }
-                    tracing::debug!(peer = %addr, link = id.0, "messages held for a failed dial sent by the host's link");
+                    tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
                 } else if self.incoming.contains_key(&gid) {
                     // Its connection to us is in its handshake: they go by
                     // the link it becomes ([`Net::add`]). (Should that
@@ -394,7 +400,7 @@ impl Net {
             l.queue_cm(msg);
             return Ok(());
         }
-        if let Some(l) = self.links.values_mut().rev().find(|l| l.gid == gid) {
+        if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
             l.queue_cm(msg);
             return Ok(());
         }
@@ -409,6 +415,16 @@ impl Net {
         held.push(msg.clone());
         self.dial(addr, Some(gid));
         Ok(())
+    }
+
+    /// The newest link whose peer's Hello says `gid`, of the verified ones
+    /// ([`LinkInfo::verified`]) if any is: another daemon that holds the
+    /// key and claims that GID from elsewhere takes no new messages from
+    /// the host's own.
+    fn newest_link_to(&self, gid: Gid) -> Option<LinkId> {
+        let mut to = self.links.iter().rev().filter(|(_, l)| l.gid == gid);
+        let newest = to.clone().next().map(|(&id, _)| id);
+        to.find(|(_, l)| l.verified).map(|(&id, _)| id).or(newest)
     }
 
     /// Sends a socket registry's message to the daemon of `host`, on its
@@ -1274,6 +1290,23 @@ mod tests {
         c.send_cm(b, None, &msg).unwrap();
         c.dial_failed(b_addr, "refused");
         assert_eq!(c.cm_links, [CmLink::Down(b, None)]);
+    }
+
+    /// A connection manager's message for no link goes by the host's
+    /// newest verified link before a newer one whose peer only claims the
+    /// host's GID (review links3 D).
+    #[test]
+    fn a_cm_message_for_no_link_takes_the_hosts_verified_link_first() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let mut a = net_of([10, 0, 0, 1]);
+        let _real = link_to(&mut a, 1, b_gid, 9, true);
+        let _claim = link_to(&mut a, 2, b_gid, 10, false);
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        a.links.get_mut(&LinkId(1)).unwrap().verified = true;
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(!a.links[&LinkId(2)].has_output(), "went by the link that only claims the GID");
+        assert!(a.links[&LinkId(1)].has_output());
     }
 
     #[test]
