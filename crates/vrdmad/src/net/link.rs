@@ -153,6 +153,12 @@ pub struct LinkIo {
     /// The peer's address vouches for its GID
     /// ([`vrdma_core::hca::LinkInfo::verified`]); set by [`super::Net::add`].
     pub verified: bool,
+    /// Its connection left from this daemon's GID address (where it was
+    /// dialled): the peer counts it verified, and makes no check-dial back.
+    pub from_our_gid: bool,
+    /// An unverified link whose peer's GID's address was dialled once, to
+    /// check it (see [`super::Net::add`]): no more dials for it.
+    pub checked: bool,
     sock: TcpStream,
     dec: FrameDecoder,
     rbuf: Box<[u8; READ_BUF]>,
@@ -307,6 +313,11 @@ fn would_block(e: &std::io::Error) -> bool {
 }
 
 impl LinkIo {
+    /// The local address of the link's connection.
+    pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.sock.local_addr()
+    }
+
     /// A link over `sock` to `peer`, whose daemon's Hello said `gid` and
     /// `daemon_id`; `dialled` if this daemon opened the connection.
     pub fn new(
@@ -328,6 +339,8 @@ impl LinkIo {
             daemon_id,
             dialled,
             verified: false,
+            from_our_gid: false,
+            checked: false,
             sock,
             dec: FrameDecoder::new(),
             rbuf: Box::new([0; READ_BUF]),
