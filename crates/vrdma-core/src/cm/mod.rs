@@ -235,6 +235,10 @@ struct CmId {
     /// or no link to it was up yet and the driver holds the messages for
     /// its dial, which [`ConnectionManager::link_up`] ends).
     link: Option<LinkId>,
+    /// A passive connection's key in `requested` (the host, link and
+    /// number its REQ came with), removed by it when the id goes: a
+    /// Moved changes the connection's host and link, not its key.
+    requested_as: Option<(Ipv4Addr, Option<LinkId>, u32)>,
     /// A listener's backlog and requests not yet answered; a child's
     /// listener while it counts there.
     backlog: u32,
@@ -395,6 +399,7 @@ impl ConnectionManager {
             reuse: false,
             peer: None,
             link: None,
+            requested_as: None,
             backlog: 0,
             pending: 0,
             listener: None,
@@ -791,13 +796,9 @@ impl ConnectionManager {
         self.leave_listener(id);
         self.arm(id, None);
         let Some(i) = self.ids.remove(&id) else { return };
-        if let Some((host, from)) = i.peer.filter(|_| !i.active) {
-            // (By the link its REQ came by: the connection's, or none if it
-            // was bound to one only when its answer went.)
-            for key in [(host, i.link, from), (host, None, from)] {
-                if self.requested.get(&key) == Some(&id) {
-                    self.requested.remove(&key);
-                }
+        if let Some(key) = i.requested_as {
+            if self.requested.get(&key) == Some(&id) {
+                self.requested.remove(&key);
             }
         }
         if let Some(n) = self.per_tenant.get_mut(&i.tenant) {
@@ -1044,6 +1045,7 @@ impl ConnectionManager {
         c.remote = Some(SocketAddrV4::new(from_ip, src.port()));
         c.peer = Some((host, from));
         c.link = link;
+        c.requested_as = Some((host, link, from));
         c.listener = Some(l);
         c.theirs = Some(conn.clone());
         let mut ev = self.event(child, EventKind::ConnectRequest, 0);
@@ -1099,13 +1101,40 @@ impl ConnectionManager {
             .map(|(&n, i)| (n, i.state))
             .collect();
         for (id, state) in gone {
-            match state {
-                State::ReqSent => self.close(id, EventKind::Unreachable, -errno::ENETUNREACH),
-                State::ReqReceived | State::RepSent => {
-                    self.close(id, EventKind::ConnectError, -errno::ECONNRESET)
-                }
-                _ => self.close(id, EventKind::Disconnected, 0),
+            self.end_unreached(id, state);
+        }
+    }
+
+    /// The driver could not send `msg` to `host` by `link`: with a link,
+    /// as if it went down ([`Self::link_down`]); with `None` (no link was
+    /// up and the driver would not hold it for a dial), the connection
+    /// that sent it ends, and only that one: others to the same host whose
+    /// messages the driver holds go when the link comes.
+    pub fn send_refused(&mut self, host: Ipv4Addr, link: Option<LinkId>, msg: &CmMessage) {
+        if link.is_some() {
+            self.link_down(host, link);
+            return;
+        }
+        let id = msg.from();
+        let state = match self.ids.get(&id) {
+            Some(i)
+                if i.link.is_none() && i.peer.is_some_and(|(h, _)| h == host) && i.state != State::Closed =>
+            {
+                i.state
             }
+            _ => return,
+        };
+        self.end_unreached(id, state);
+    }
+
+    /// Ends connection `id` (in `state`) whose peer cannot be reached.
+    fn end_unreached(&mut self, id: u32, state: State) {
+        match state {
+            State::ReqSent => self.close(id, EventKind::Unreachable, -errno::ENETUNREACH),
+            State::ReqReceived | State::RepSent => {
+                self.close(id, EventKind::ConnectError, -errno::ECONNRESET)
+            }
+            _ => self.close(id, EventKind::Disconnected, 0),
         }
     }
 

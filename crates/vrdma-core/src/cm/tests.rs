@@ -905,3 +905,52 @@ fn a_new_req_takes_the_hosts_verified_link_before_a_newer_unverified_one() {
     drain(&mut a);
     assert_eq!(req_link(&mut a), Some(LinkId(3)), "the verified one gone: the newest");
 }
+
+/// A passive connection moved by a Moved (its host and link changed)
+/// leaves no entry of its REQ behind when it goes (review links3 F).
+#[test]
+fn a_moved_passive_connection_leaves_no_request_entry_behind() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let l = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    a.bind(CA, l, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7000)).unwrap();
+    a.listen(CA, l, 8).unwrap();
+    a.link_up(B, LinkId(1), true);
+    let req = CmMessage::Req {
+        from: 5,
+        tenant: TENANT.0,
+        ps: PortSpace::Tcp,
+        src: SocketAddrV4::new(B, 40000),
+        dst: SocketAddrV4::new(A, 7000),
+        conn: conn(1, b""),
+    };
+    a.handle_message_by(B, Some(LinkId(1)), req);
+    let child = drain(&mut a).into_iter().find(|e| e.kind == EventKind::ConnectRequest).unwrap().id;
+    assert_eq!(a.requested.len(), 1);
+    let c = Ipv4Addr::new(10, 0, 0, 9);
+    a.handle_message_by(c, Some(LinkId(2)), CmMessage::Moved { to: child, from: 5, tenant: TENANT.0 });
+    a.destroy_id(CA, child, T0).unwrap();
+    assert!(a.requested.is_empty(), "{:?}", a.requested);
+}
+
+/// A message the driver refuses for no link ends the connection that
+/// sent it, not the others to that host whose REQs it holds for the link
+/// (review links3 F).
+#[test]
+fn a_refused_send_for_no_link_ends_only_the_connection_that_sent_it() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let mut reqs = Vec::new();
+    for _ in 0..2 {
+        let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+        a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+        a.resolve_route(CA, id).unwrap();
+        a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+        let (_, link, msg) = a.poll_transmit_by().unwrap();
+        assert_eq!(link, None, "no link up: held for the dial");
+        reqs.push((id, msg));
+    }
+    drain(&mut a);
+    a.send_refused(B, None, &reqs[1].1);
+    assert_eq!(a.state(CA, reqs[1].0), Some(State::Closed));
+    assert_eq!(a.state(CA, reqs[0].0), Some(State::ReqSent), "its REQ is held for the link");
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::Unreachable]);
+}
