@@ -1290,6 +1290,46 @@ mod tests {
         assert!((1..=3).contains(&lines), "{lines} lines for {TRIES} refused connections");
     }
 
+    /// Two daemons on loopback addresses (127.0.0.2 and 127.0.0.3, as
+    /// the repository's two-host tests run them): the link the first
+    /// dials comes from its GID's address at the second, which counts it
+    /// verified (review links3 B: an unbound dial left from 127.0.0.1, and
+    /// the second daemon's socket registry spoke for no host over it).
+    #[test]
+    fn a_loopback_pair_of_daemons_link_verified_at_both_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = |ip: [u8; 4], peers: Vec<SocketAddr>| {
+            let socket = Some(dir.path().join(format!("vrdma-{}.sock", ip[3])));
+            let mut cfg = crate::DaemonConfig { socket, address: Some(ip.into()), ..Default::default() };
+            cfg.net.psk = Some("the key both daemons hold".into());
+            cfg.net.listen = Some(SocketAddr::from((ip, 0)));
+            cfg.net.peers = peers;
+            crate::Daemon::start(cfg).unwrap()
+        };
+        let b = start([127, 0, 0, 3], vec![]);
+        let a = start([127, 0, 0, 2], vec![b.wire_addr().unwrap()]);
+        let links = |d: &crate::Daemon| {
+            d.engine()
+                .call(|st| {
+                    let n = st.net.as_ref().unwrap();
+                    n.links.values().map(|l| (l.peer.ip(), l.verified)).collect::<Vec<_>>()
+                })
+                .unwrap()
+        };
+        let deadline = Clock::now() + Duration::from_secs(20);
+        while (links(&a).is_empty() || links(&b).is_empty()) && Clock::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(links(&a), [(std::net::IpAddr::from([127, 0, 0, 3]), true)]);
+        assert_eq!(
+            links(&b),
+            [(std::net::IpAddr::from([127, 0, 0, 2]), true)],
+            "b sees a's link come from a's GID"
+        );
+        a.shutdown();
+        b.shutdown();
+    }
+
     fn net_of(ip: [u8; 4]) -> Net {
         Net::new(Arc::new(crate::testing::setup(ip, 4096)))
     }
