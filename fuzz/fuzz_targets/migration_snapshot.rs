@@ -62,7 +62,12 @@ fuzz_target!(|data: &[u8]| {
     // Links to the hosts a snapshot most likely names.
     let mut links = Vec::new();
     for ip in [[10, 0, 0, 1], [10, 0, 0, 2]] {
-        links.push(hca.link_up(LinkInfo { gid: Gid::from_ipv4(ip), lid: u16::from(ip[3]), chunk: 256 }));
+        links.push(hca.link_up(LinkInfo {
+            gid: Gid::from_ipv4(ip),
+            lid: u16::from(ip[3]),
+            chunk: 256,
+            verified: true,
+        }));
     }
     let mut region_of =
         |m: &vrdma_core::hca::migrate::MrImport| (m.len <= 1 << 20).then(|| Region::heap(m.len as usize));

@@ -386,7 +386,7 @@ impl World {
         let rc0 = mk(QpType::Rc, None);
         let rc1 = mk(QpType::Rc, Some(srq));
         let ud = mk(QpType::Ud, None);
-        let link = hca.link_up(LinkInfo { gid: Gid::from_ipv4(PEER), lid: 2, chunk });
+        let link = hca.link_up(LinkInfo { gid: Gid::from_ipv4(PEER), lid: 2, chunk, verified: true });
         let mut ah_attr = AhAttr {
             is_global: true,
             dgid: Gid::from_ipv4(PEER),
@@ -1145,7 +1145,12 @@ impl World {
                 self.chunk = 256u32 << (r.u8() % 9);
             }
         }
-        self.link = self.hca.link_up(LinkInfo { gid: Gid::from_ipv4(PEER), lid: 2, chunk: self.chunk });
+        self.link = self.hca.link_up(LinkInfo {
+            gid: Gid::from_ipv4(PEER),
+            lid: 2,
+            chunk: self.chunk,
+            verified: true,
+        });
         self.link_live = true;
         // A new connection: the peer knows nothing of what was sent on
         // the old one.

@@ -584,7 +584,8 @@ impl CmDriver {
     /// timers due at `now`. A message for another host goes through
     /// `send`, by the link its connection belongs to (`None`: the host's
     /// newest, or a dial), whose refusal ends the connections of that link
-    /// (as a dead host would, promptly). Returns when it next needs to run.
+    /// (as a dead host would, promptly), or with `None` the connection that
+    /// sent it. Returns when it next needs to run.
     pub fn run(
         &mut self,
         now: Instant,
@@ -609,7 +610,7 @@ impl CmDriver {
                 } else if let Err(why) = send(host, link, &msg) {
                     const UNREACHABLE: &str = "an rdma_cm message cannot reach its host: its connections end";
                     limited_warn!(self.log, Source::Address(host.into()), now, UNREACHABLE, %host, why);
-                    self.cm.link_down(host, link);
+                    self.cm.send_refused(host, link, &msg);
                 }
             }
             while let Some(ev) = self.cm.poll_event() {

@@ -303,6 +303,7 @@ impl ConnectionManager {
                     peer: s.peer,
                     // Taken at its first message (the Moved of the resume).
                     link: None,
+                    requested_as: None,
                     backlog: s.backlog.min(self.config.max_backlog),
                     pending: 0,
                     listener: None,

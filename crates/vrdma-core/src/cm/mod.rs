@@ -52,7 +52,7 @@ pub mod ports;
 #[cfg(test)]
 mod tests;
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::time::Duration;
 
@@ -235,6 +235,10 @@ struct CmId {
     /// or no link to it was up yet and the driver holds the messages for
     /// its dial, which [`ConnectionManager::link_up`] ends).
     link: Option<LinkId>,
+    /// A passive connection's key in `requested` (the host, link and
+    /// number its REQ came with), removed by it when the id goes: a
+    /// Moved changes the connection's host and link, not its key.
+    requested_as: Option<(Ipv4Addr, Option<LinkId>, u32)>,
     /// A listener's backlog and requests not yet answered; a child's
     /// listener while it counts there.
     backlog: u32,
@@ -273,9 +277,11 @@ pub struct ConnectionManager {
     /// key: a restarted daemon numbers its ids from 1 again, and its REQ
     /// is not one its last life sent over the old link.
     requested: HashMap<(Ipv4Addr, Option<LinkId>, u32), u32>,
-    /// The live links to each other host, as the driver reported them; a
-    /// new REQ goes by the newest (the highest number).
-    links: HashMap<Ipv4Addr, BTreeSet<LinkId>>,
+    /// The live links to each other host, as the driver reported them,
+    /// each with whether it is verified (`hca::LinkInfo::verified`): a
+    /// new REQ goes by the newest verified one (the highest number), or,
+    /// with none verified, by the newest.
+    links: HashMap<Ipv4Addr, BTreeMap<LinkId, bool>>,
     per_tenant: HashMap<TenantId, u32>,
     ports: ports::Ports,
     timers: BTreeSet<(Instant, u32)>,
@@ -393,6 +399,7 @@ impl ConnectionManager {
             reuse: false,
             peer: None,
             link: None,
+            requested_as: None,
             backlog: 0,
             pending: 0,
             listener: None,
@@ -768,9 +775,13 @@ impl ConnectionManager {
         self.transmit.push_back((host, link, msg));
     }
 
-    /// The newest live link to `host` the driver reported.
+    /// The newest verified live link to `host` the driver reported, or
+    /// with none verified the newest: a daemon that claims the host's GID
+    /// from another address does not take its new connections over.
     fn newest_link(&self, host: Ipv4Addr) -> Option<LinkId> {
-        self.links.get(&host).and_then(|l| l.last().copied())
+        let links = self.links.get(&host)?;
+        let verified = links.iter().rev().find(|(_, &v)| v).map(|(&l, _)| l);
+        verified.or_else(|| links.keys().next_back().copied())
     }
 
     /// Destroys every id of `ctx` (its process closed the device or died).
@@ -785,13 +796,9 @@ impl ConnectionManager {
         self.leave_listener(id);
         self.arm(id, None);
         let Some(i) = self.ids.remove(&id) else { return };
-        if let Some((host, from)) = i.peer.filter(|_| !i.active) {
-            // (By the link its REQ came by: the connection's, or none if it
-            // was bound to one only when its answer went.)
-            for key in [(host, i.link, from), (host, None, from)] {
-                if self.requested.get(&key) == Some(&id) {
-                    self.requested.remove(&key);
-                }
+        if let Some(key) = i.requested_as {
+            if self.requested.get(&key) == Some(&id) {
+                self.requested.remove(&key);
             }
         }
         if let Some(n) = self.per_tenant.get_mut(&i.tenant) {
@@ -1038,6 +1045,7 @@ impl ConnectionManager {
         c.remote = Some(SocketAddrV4::new(from_ip, src.port()));
         c.peer = Some((host, from));
         c.link = link;
+        c.requested_as = Some((host, link, from));
         c.listener = Some(l);
         c.theirs = Some(conn.clone());
         let mut ev = self.event(child, EventKind::ConnectRequest, 0);
@@ -1046,15 +1054,23 @@ impl ConnectionManager {
         self.events.push_back(ev);
     }
 
-    /// A link to `host` is up: a new REQ to that host goes by it (the
-    /// newest), and the connections whose messages waited for a link to
-    /// that host (the driver held them for its dial, and sends them by the
-    /// first link that comes up) belong to it.
-    pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId) {
+    /// A link to `host` is up, `verified` or not (`hca::LinkInfo::verified`):
+    /// a new REQ to that host goes by it (the newest, unless it is not
+    /// verified and another is), and the connections whose messages waited
+    /// for a link to that host (the driver held them for its dial, and
+    /// sends them by the first link that comes up) belong to it.
+    pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId, verified: bool) {
         if self.is_local(host) {
             return;
         }
-        self.links.entry(host).or_default().insert(link);
+        let links = self.links.entry(host).or_default();
+        let had_verified = links.values().any(|&v| v);
+        links.insert(link, verified);
+        // (With a verified link up, no message waited for a dial: the
+        // driver sent it by that link.)
+        if had_verified && !verified {
+            return;
+        }
         for i in self.ids.values_mut() {
             if i.link.is_none() && i.state != State::Closed && i.peer.is_some_and(|(h, _)| h == host) {
                 i.link = Some(link);
@@ -1085,13 +1101,40 @@ impl ConnectionManager {
             .map(|(&n, i)| (n, i.state))
             .collect();
         for (id, state) in gone {
-            match state {
-                State::ReqSent => self.close(id, EventKind::Unreachable, -errno::ENETUNREACH),
-                State::ReqReceived | State::RepSent => {
-                    self.close(id, EventKind::ConnectError, -errno::ECONNRESET)
-                }
-                _ => self.close(id, EventKind::Disconnected, 0),
+            self.end_unreached(id, state);
+        }
+    }
+
+    /// The driver could not send `msg` to `host` by `link`: with a link,
+    /// as if it went down ([`Self::link_down`]); with `None` (no link was
+    /// up and the driver would not hold it for a dial), the connection
+    /// that sent it ends, and only that one: others to the same host whose
+    /// messages the driver holds go when the link comes.
+    pub fn send_refused(&mut self, host: Ipv4Addr, link: Option<LinkId>, msg: &CmMessage) {
+        if link.is_some() {
+            self.link_down(host, link);
+            return;
+        }
+        let id = msg.from();
+        let state = match self.ids.get(&id) {
+            Some(i)
+                if i.link.is_none() && i.peer.is_some_and(|(h, _)| h == host) && i.state != State::Closed =>
+            {
+                i.state
             }
+            _ => return,
+        };
+        self.end_unreached(id, state);
+    }
+
+    /// Ends connection `id` (in `state`) whose peer cannot be reached.
+    fn end_unreached(&mut self, id: u32, state: State) {
+        match state {
+            State::ReqSent => self.close(id, EventKind::Unreachable, -errno::ENETUNREACH),
+            State::ReqReceived | State::RepSent => {
+                self.close(id, EventKind::ConnectError, -errno::ECONNRESET)
+            }
+            _ => self.close(id, EventKind::Disconnected, 0),
         }
     }
 

@@ -801,15 +801,15 @@ fn an_old_links_end_leaves_what_a_restarted_peers_new_link_made() {
     a.listen(CA, al, 8).unwrap();
     let (old_conn, new_conn) =
         (a.create_id(CA, TENANT, PortSpace::Tcp).unwrap(), a.create_id(CA, TENANT, PortSpace::Tcp).unwrap());
-    a.link_up(B, l1);
+    a.link_up(B, l1, true);
     let mut b1 = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(7)));
-    b1.link_up(A, LinkId(1));
+    b1.link_up(A, LinkId(1), true);
     let old_req = one_life_of_b(&mut a, &mut b1, l1, old_conn);
     drain(&mut a);
     // B's daemon restarts (its ids numbered from 1 again) and links again.
     let mut b2 = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(7)));
-    b2.link_up(A, LinkId(1));
-    a.link_up(B, l2);
+    b2.link_up(A, LinkId(1), true);
+    a.link_up(B, l2, true);
     let new_req = one_life_of_b(&mut a, &mut b2, l2, new_conn);
     assert_ne!(old_req, new_req, "a request of the new life is not one the old sent again");
     drain(&mut a);
@@ -870,7 +870,7 @@ fn a_request_that_waited_for_a_dial_belongs_to_the_link_that_came() {
     // The dial makes link 3: the waiting request is that link's.
     let waited = connect(&mut a);
     a.poll_transmit_by();
-    a.link_up(B, LinkId(3));
+    a.link_up(B, LinkId(3), true);
     a.link_down(B, None);
     assert!(drain(&mut a).is_empty(), "it waits for no dial any more");
     let next = connect(&mut a);
@@ -879,4 +879,78 @@ fn a_request_that_waited_for_a_dial_belongs_to_the_link_that_came() {
     let mut ev: Vec<_> = drain(&mut a).iter().map(|e| (e.id, e.kind)).collect();
     ev.sort_by_key(|e| e.0);
     assert_eq!(ev, [(waited, EventKind::Unreachable), (next, EventKind::Unreachable)]);
+}
+
+/// A new REQ goes by the host's newest verified link, not by a newer one
+/// whose peer only claims the host's GID; with none verified, by the
+/// newest (review links3 D).
+#[test]
+fn a_new_req_takes_the_hosts_verified_link_before_a_newer_unverified_one() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let req_link = |a: &mut ConnectionManager| {
+        let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+        a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+        a.resolve_route(CA, id).unwrap();
+        a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+        let (_, link, msg) = a.poll_transmit_by().unwrap();
+        assert!(matches!(msg, CmMessage::Req { .. }), "{msg:?}");
+        link
+    };
+    a.link_up(B, LinkId(1), false);
+    assert_eq!(req_link(&mut a), Some(LinkId(1)), "none verified: the one up");
+    a.link_up(B, LinkId(2), true);
+    a.link_up(B, LinkId(3), false);
+    assert_eq!(req_link(&mut a), Some(LinkId(2)));
+    a.link_down(B, Some(LinkId(2)));
+    drain(&mut a);
+    assert_eq!(req_link(&mut a), Some(LinkId(3)), "the verified one gone: the newest");
+}
+
+/// A passive connection moved by a Moved (its host and link changed)
+/// leaves no entry of its REQ behind when it goes (review links3 F).
+#[test]
+fn a_moved_passive_connection_leaves_no_request_entry_behind() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let l = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    a.bind(CA, l, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7000)).unwrap();
+    a.listen(CA, l, 8).unwrap();
+    a.link_up(B, LinkId(1), true);
+    let req = CmMessage::Req {
+        from: 5,
+        tenant: TENANT.0,
+        ps: PortSpace::Tcp,
+        src: SocketAddrV4::new(B, 40000),
+        dst: SocketAddrV4::new(A, 7000),
+        conn: conn(1, b""),
+    };
+    a.handle_message_by(B, Some(LinkId(1)), req);
+    let child = drain(&mut a).into_iter().find(|e| e.kind == EventKind::ConnectRequest).unwrap().id;
+    assert_eq!(a.requested.len(), 1);
+    let c = Ipv4Addr::new(10, 0, 0, 9);
+    a.handle_message_by(c, Some(LinkId(2)), CmMessage::Moved { to: child, from: 5, tenant: TENANT.0 });
+    a.destroy_id(CA, child, T0).unwrap();
+    assert!(a.requested.is_empty(), "{:?}", a.requested);
+}
+
+/// A message the driver refuses for no link ends the connection that
+/// sent it, not the others to that host whose REQs it holds for the link
+/// (review links3 F).
+#[test]
+fn a_refused_send_for_no_link_ends_only_the_connection_that_sent_it() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let mut reqs = Vec::new();
+    for _ in 0..2 {
+        let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+        a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+        a.resolve_route(CA, id).unwrap();
+        a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+        let (_, link, msg) = a.poll_transmit_by().unwrap();
+        assert_eq!(link, None, "no link up: held for the dial");
+        reqs.push((id, msg));
+    }
+    drain(&mut a);
+    a.send_refused(B, None, &reqs[1].1);
+    assert_eq!(a.state(CA, reqs[1].0), Some(State::Closed));
+    assert_eq!(a.state(CA, reqs[0].0), Some(State::ReqSent), "its REQ is held for the link");
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::Unreachable]);
 }

@@ -1377,7 +1377,7 @@ fn stat_pages_list_each_link_and_each_qp_of_the_tenant_once_in_order() {
     let links: Vec<u32> = (0..STAT_PAGE_LINKS + 3)
         .map(|i| {
             let gid = crate::verbs::Gid::from_ipv4([10, 1, (i >> 8) as u8, i as u8]);
-            env.hca.link_up(LinkInfo { gid, lid: 100 + i as u16, chunk: 65536 }).0
+            env.hca.link_up(LinkInfo { gid, lid: 100 + i as u16, chunk: 65536, verified: true }).0
         })
         .collect();
 

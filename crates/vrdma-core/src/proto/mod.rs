@@ -610,7 +610,8 @@ mod tests {
         use crate::verbs::{QpState, QpType};
         let link = LinkReport {
             id: LinkId(u32::MAX),
-            info: LinkInfo { gid: Gid([0xff; 16]), lid: u16::MAX, chunk: u32::MAX },
+            // (`verified` is not in the pages: it comes back false.)
+            info: LinkInfo { gid: Gid([0xff; 16]), lid: u16::MAX, chunk: u32::MAX, verified: false },
             up: true,
             qps: u32::MAX,
             stats: LinkStats {

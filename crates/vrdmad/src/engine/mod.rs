@@ -179,10 +179,15 @@ impl EngineState {
         // (The socket registry's messages ride the same links.)
         self.run_sockets(now);
         if let Some(net) = self.net.as_mut() {
-            // Links up first: what a link brought came after it was up,
-            // and what the manager held for a dial went by it.
-            for (host, link) in net.cm_up.drain(..) {
-                self.cm.cm.link_up(host, link);
+            // Links up and down first, in the order they were (a dial's
+            // failure and a link that came after it): what a link brought
+            // came after it was up, what the manager held for a dial went
+            // by it, and a link that went down is gone with what it read.
+            for ev in net.cm_links.drain(..) {
+                match ev {
+                    crate::net::CmLink::Up(host, link, verified) => self.cm.cm.link_up(host, link, verified),
+                    crate::net::CmLink::Down(host, link) => self.cm.cm.link_down(host, link),
+                }
             }
             let mut came = std::mem::take(&mut self.cm_in);
             net.take_cm_in(&mut came);
@@ -196,9 +201,6 @@ impl EngineState {
                 self.cm.cm.handle_message_by(host, Some(link), msg);
             }
             self.cm_in = came;
-            for (host, link) in net.cm_down.drain(..) {
-                self.cm.cm.link_down(host, link);
-            }
         }
         let net = &mut self.net;
         let (hca, rings) = (&mut self.hca, &mut self.rings);
@@ -732,7 +734,7 @@ mod tests {
     fn state_with_region(len: usize) -> (EngineState, TcpStream, ContextId, u32, Region) {
         let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
         let gid = Gid::from_ipv4([10, 0, 0, 2]);
-        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
+        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536, verified: true });
         let mut net = Net::new(Arc::new(setup([10, 0, 0, 1], 65536)));
         let (ours, theirs) = loopback();
         net.links.insert(id, LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap());
@@ -906,5 +908,35 @@ mod tests {
             assert_eq!(got.len(), 3 + 4096, "close {close}: the frame went out");
             assert!(got[3..].iter().all(|&b| b == 0xab), "close {close}: not the bytes the region held");
         }
+    }
+
+    /// A connect with no link up held its REQ for a dial; the dial failed
+    /// (the peer refused our crossing dial) and the peer's own link came up
+    /// between two engine passes. The manager hears both in that order:
+    /// the connection ends at once (review, links3 A: it was bound to the
+    /// new link that never carried its REQ, and waited out its timeout).
+    #[test]
+    fn a_failed_dial_then_a_new_link_end_the_held_connect_at_once() {
+        use vrdma_core::cm::{ConnInfo, PortSpace, State};
+        let (mut s, _peer, _, _, _) = state_with_region(16);
+        let (b, gid) = (std::net::Ipv4Addr::new(10, 0, 0, 3), Gid::from_ipv4([10, 0, 0, 3]));
+        let (ctx, tenant) = (ContextId(1), TenantId(1000));
+        let now = s.now();
+        let cm = &mut s.cm.cm;
+        let id = cm.create_id(ctx, tenant, PortSpace::Tcp).unwrap();
+        cm.resolve_addr(ctx, id, None, std::net::SocketAddrV4::new(b, 7471)).unwrap();
+        cm.resolve_route(ctx, id).unwrap();
+        cm.connect(ctx, id, ConnInfo { qp_num: 0x11, ..ConnInfo::default() }, now).unwrap();
+        s.run_cm(now);
+        let net = s.net.as_mut().unwrap();
+        net.dial_failed(std::net::SocketAddr::from((b, 4791)), "refused");
+        let link = s.hca.link_up(LinkInfo { gid, lid: 3, chunk: 65536, verified: true });
+        let (ours, _theirs) = loopback();
+        let net = s.net.as_mut().unwrap();
+        net.links
+            .insert(link, LinkIo::new(link, ours, "10.0.0.3:40000".parse().unwrap(), gid, 5, false).unwrap());
+        net.cm_links.push(crate::net::CmLink::Up(b, link, true));
+        s.run_cm(now);
+        assert_eq!(s.cm.cm.state(ctx, id), Some(State::Closed), "the held connect ended with its dial");
     }
 }

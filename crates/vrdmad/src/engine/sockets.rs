@@ -711,7 +711,7 @@ mod tests {
     ) -> (EngineState, TcpStream, ContextId) {
         let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
         let gid = Gid::from_ipv4(PEER.octets());
-        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
+        let id = hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536, verified: true });
         let mut setup = setup([10, 0, 0, 1], 65536);
         f(&mut setup);
         let mut net = Net::new(std::sync::Arc::new(setup));
@@ -776,7 +776,7 @@ mod tests {
     /// daemon restarted and linked again (its end returned).
     fn second_link(s: &mut EngineState) -> (LinkId, TcpStream) {
         let gid = Gid::from_ipv4(PEER.octets());
-        let id = s.hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536 });
+        let id = s.hca.link_up(LinkInfo { gid, lid: 2, chunk: 65536, verified: true });
         let (ours, theirs) = loopback();
         let mut link = LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 10, false).unwrap();
         link.version = 4;

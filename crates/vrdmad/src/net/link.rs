@@ -150,6 +150,15 @@ pub struct LinkIo {
     pub daemon_id: u64,
     /// This daemon dialled the connection (it did not accept it).
     pub dialled: bool,
+    /// The peer's address vouches for its GID
+    /// ([`vrdma_core::hca::LinkInfo::verified`]); set by [`super::Net::add`].
+    pub verified: bool,
+    /// Its connection left from this daemon's GID address (where it was
+    /// dialled): the peer counts it verified, and makes no check-dial back.
+    pub from_our_gid: bool,
+    /// An unverified link whose peer's GID's address was dialled once, to
+    /// check it (see [`super::Net::add`]): no more dials for it.
+    pub checked: bool,
     sock: TcpStream,
     dec: FrameDecoder,
     rbuf: Box<[u8; READ_BUF]>,
@@ -304,6 +313,11 @@ fn would_block(e: &std::io::Error) -> bool {
 }
 
 impl LinkIo {
+    /// The local address of the link's connection.
+    pub fn local_addr(&self) -> std::io::Result<std::net::SocketAddr> {
+        self.sock.local_addr()
+    }
+
     /// A link over `sock` to `peer`, whose daemon's Hello said `gid` and
     /// `daemon_id`; `dialled` if this daemon opened the connection.
     pub fn new(
@@ -324,6 +338,9 @@ impl LinkIo {
             gid,
             daemon_id,
             dialled,
+            verified: false,
+            from_our_gid: false,
+            checked: false,
             sock,
             dec: FrameDecoder::new(),
             rbuf: Box::new([0; READ_BUF]),
@@ -1157,7 +1174,7 @@ mod tests {
         }
         let mut hca = Hca::new(HcaConfig::for_host([10, 0, 0, 1]), Box::new(Keys(0)));
         let gid = Gid::from_ipv4([10, 0, 0, 2]);
-        let id = hca.link_up(vrdma_core::hca::LinkInfo { gid, lid: 2, chunk: 65536 });
+        let id = hca.link_up(vrdma_core::hca::LinkInfo { gid, lid: 2, chunk: 65536, verified: true });
         let link = LinkIo::new(id, ours, "10.0.0.2:4791".parse().unwrap(), gid, 9, false).unwrap();
         (link, theirs, hca, RingTable::default())
     }

@@ -137,15 +137,12 @@ pub struct Net {
     /// Connection manager's messages for hosts with no link yet: sent when
     /// one comes up, or given up on (`cm_down`) when the dial fails.
     cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
-    /// Links to other hosts that came up, for the engine to tell the
-    /// connection manager (a new REQ goes by the newest; what it held for
-    /// a dial went by the first).
-    pub cm_up: Vec<(std::net::Ipv4Addr, LinkId)>,
-    /// What the connection manager can no longer reach, for the engine to
-    /// tell it: a link that went down (its connections end; another
-    /// link's to the same host, a daemon there restarted, stay), or, with
-    /// `None`, the host of messages held for a dial that failed.
-    pub cm_down: Vec<(std::net::Ipv4Addr, Option<LinkId>)>,
+    /// Links to other hosts that came up or went down, for the engine to
+    /// tell the connection manager, in the order they did: one queue, so
+    /// that a dial's failure and a link that came up after it are told in
+    /// that order (a REQ held for the dial ends at once, rather than being
+    /// bound to the new link it never went by and left to time out).
+    pub cm_links: Vec<CmLink>,
     /// The socket registry's messages for hosts with no link yet, as
     /// `cm_pending` (`docs/sockets.md`, "Other hosts").
     sock_pending: HashMap<std::net::Ipv4Addr, Vec<SockMessage>>,
@@ -167,6 +164,20 @@ pub struct Net {
     /// link, query id): the engine's waits for them are pinned to that
     /// link (another link's end to the same host leaves them alone).
     pub sock_sent: Vec<(std::net::Ipv4Addr, LinkId, u32)>,
+}
+
+/// What the connection manager hears of the links to a host, in order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CmLink {
+    /// A link to the host came up, verified or not
+    /// ([`LinkInfo::verified`]): a new REQ goes by the newest verified one;
+    /// what the manager held for a dial went by the first.
+    Up(std::net::Ipv4Addr, LinkId, bool),
+    /// The manager can no longer reach the host by the link named (it
+    /// went down: its connections end; another link's to the same host,
+    /// a daemon there restarted, stay), or, with `None`, by the messages
+    /// held for a dial that failed.
+    Down(std::net::Ipv4Addr, Option<LinkId>),
 }
 
 /// Connection manager's messages held for one host that has no link yet.
@@ -231,8 +242,7 @@ impl Net {
             refused: std::collections::HashSet::new(),
             log: LogLimiter::new(),
             cm_pending: HashMap::new(),
-            cm_up: Vec::new(),
-            cm_down: Vec::new(),
+            cm_links: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
             sock6_up: Vec::new(),
@@ -265,10 +275,19 @@ impl Net {
             self.dialling.remove(&d);
         }
         self.incoming.remove(&peer.hello.gid);
-        let info = LinkInfo { gid: peer.hello.gid, lid: peer.hello.lid, chunk: peer.chunk };
+        // Its address vouches for its GID: dialled by us at that GID's
+        // address (a configured peer's may be another), or come from it.
+        let gid = peer.hello.gid;
+        let verified = gid_of(dialled.unwrap_or(addr)) == Some(gid);
+        let info = LinkInfo { gid, lid: peer.hello.lid, chunk: peer.chunk, verified };
         let id = hca.link_up(info);
         match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
             Ok(mut l) => {
+                l.verified = verified;
+                // The peer counts it verified if it left from our GID's
+                // address (`dial` binds it there where it can).
+                l.from_our_gid =
+                    l.dialled && l.local_addr().is_ok_and(|a| gid_of(a) == Some(self.setup.identity.gid));
                 l.set_max_queued(self.setup.max_queued);
                 l.set_latency_first(self.setup.latency_first);
                 l.version = peer.version;
@@ -291,7 +310,7 @@ impl Net {
                     for m in self.cm_pending.remove(&ip).iter().flatten() {
                         l.queue_cm(m);
                     }
-                    self.cm_up.push((ip, id));
+                    self.cm_links.push(CmLink::Up(ip, id, verified));
                 }
                 // A peer of version 4 hears this host's IPv6 addresses
                 // first (the owner takes an IPv6 client address only
@@ -306,6 +325,9 @@ impl Net {
                         None => self.sock6_up.push(id),
                     }
                 }
+                if !verified {
+                    self.not_verified(&mut l);
+                }
                 if let Some(ip) = sock_host(&l) {
                     for m in self.sock_pending.remove(&ip).unwrap_or_default() {
                         if !l.queue_sock(&m) {
@@ -317,6 +339,19 @@ impl Net {
                         if let SockMessage::Query { id: q, .. } = m {
                             self.sock_sent.push((ip, id, q));
                         }
+                    }
+                } else if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
+                    // What the registry held for this host waits for the
+                    // check-dial if one is under way (it goes by the link
+                    // that makes, or ends when it fails); else no link
+                    // will take it: its waits end now.
+                    let check = SocketAddr::from((ip, self.setup.port));
+                    let dialling = self
+                        .dialling
+                        .get(&check)
+                        .is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(Clock::now()));
+                    if !dialling && self.sock_pending.remove(&ip).is_some() {
+                        self.sock_down.push((ip, None));
                     }
                 }
                 self.links.insert(id, l);
@@ -332,6 +367,29 @@ impl Net {
         }
     }
 
+    /// A link `l` (not yet in `links`) whose peer's address does not vouch
+    /// for its GID ([`LinkInfo::verified`]): its daemon's route here leaves
+    /// from another address (a multi-homed host, NAT), or it claims
+    /// another host's GID. A warning (once per link, limited per address),
+    /// and, for one that came in, one dial to its GID's address to check:
+    /// the link that makes is verified, and is the one rdma_cm, QPs and
+    /// the socket registry take (`docs/sockets.md`, "Other hosts").
+    fn not_verified(&mut self, l: &mut LinkIo) {
+        let now = crate::logs::now();
+        limited_warn!(
+            self.log, log_source(l.peer), now,
+            "a linked daemon is not at its GID's address; dialling that address to check",
+            link = l.id.0, peer = %l.peer, gid = %l.gid
+        );
+        if l.dialled {
+            return;
+        }
+        if let Some(ip) = l.gid.ipv4() {
+            self.dial(SocketAddr::from((ip, self.setup.port)), Some(l.gid));
+        }
+        l.checked = true;
+    }
+
     /// A dial failed, for `why`: it may be tried again later.
     pub fn dial_failed(&mut self, addr: SocketAddr, why: &str) {
         let now = crate::logs::now();
@@ -342,8 +400,25 @@ impl Net {
         let next = Dial::failed(self.dialling.get(&addr).copied(), Clock::now());
         self.dialling.insert(addr, next);
         if let std::net::IpAddr::V4(ip) = addr.ip() {
-            if self.cm_pending.remove(&ip).is_some() {
-                self.cm_down.push((ip, None));
+            let gid = Gid::from_ipv4(ip.octets());
+            if let Some(held) = self.cm_pending.remove(&ip) {
+                self.forget_stale_incoming(Clock::now());
+                if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
+                    // The host linked in meanwhile (its daemon's dial
+                    // crossed ours, which it refused): what waited goes by
+                    // that link, which the manager has been told of.
+                    for m in &held {
+                        l.queue_cm(m);
+                    }
+                    tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
+                } else if self.incoming.contains_key(&gid) {
+                    // Its connection to us is in its handshake: they go by
+                    // the link it becomes ([`Net::add`]). (Should that
+                    // fail, their connections' timers end them.)
+                    self.cm_pending.insert(ip, held);
+                } else {
+                    self.cm_links.push(CmLink::Down(ip, None));
+                }
             }
             if self.sock_pending.remove(&ip).is_some() {
                 self.sock_down.push((ip, None));
@@ -368,7 +443,7 @@ impl Net {
             l.queue_cm(msg);
             return Ok(());
         }
-        if let Some(l) = self.links.values_mut().rev().find(|l| l.gid == gid) {
+        if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
             l.queue_cm(msg);
             return Ok(());
         }
@@ -383,6 +458,16 @@ impl Net {
         held.push(msg.clone());
         self.dial(addr, Some(gid));
         Ok(())
+    }
+
+    /// The newest link whose peer's Hello says `gid`, of the verified ones
+    /// ([`LinkInfo::verified`]) if any is: another daemon that holds the
+    /// key and claims that GID from elsewhere takes no new messages from
+    /// the host's own.
+    fn newest_link_to(&self, gid: Gid) -> Option<LinkId> {
+        let mut to = self.links.iter().rev().filter(|(_, l)| l.gid == gid);
+        let newest = to.clone().next().map(|(&id, _)| id);
+        to.find(|(_, l)| l.verified).map(|(&id, _)| id).or(newest)
     }
 
     /// Sends a socket registry's message to the daemon of `host`, on its
@@ -404,12 +489,26 @@ impl Net {
                 Err("the host's daemon speaks wire version 2, without the socket registry's frames")
             };
         }
-        // A link whose peer says it is that host's daemon but connected
-        // from another address: not asked (nor dialled: the link is up).
-        if self.links.values().any(|l| l.gid == gid) {
-            return Err("the host's daemon linked in from another address than its own");
-        }
         let addr = SocketAddr::from((host, self.setup.port));
+        // A link whose peer says it is that host's daemon but connected
+        // from another address: not asked. Its check-dial to the host's
+        // address (see [`Net::not_verified`]) may be under way: what is
+        // sent waits for the link it makes; else the host is not asked.
+        if self.links.values().any(|l| l.gid == gid) {
+            let checking = self
+                .dialling
+                .get(&addr)
+                .is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(Clock::now()));
+            if !checking {
+                return Err("the host's daemon linked in from another address than its own");
+            }
+            let held = self.sock_pending.entry(host).or_default();
+            if held.len() >= CM_PENDING_MAX {
+                return Err("too many messages wait for a link to the host");
+            }
+            held.push(msg.clone());
+            return Ok(None);
+        }
         // Every connect of a program under the library asks: a daemon is
         // dialled for it only where one is expected (a configured peer, or
         // a host inside a configured net.allow), not at whatever address a
@@ -552,7 +651,13 @@ impl Net {
     /// Whether a dial to `addr` may start at `now`, and if so after how
     /// many failures in a row.
     fn may_dial(&mut self, addr: SocketAddr, now: Clock) -> Option<u32> {
-        if self.links.values().any(|l| same_daemon(l.peer, l.gid, addr)) {
+        // (A link that came in from another address than its GID's does
+        // not hold back the one dial that checks it: see [`Net::not_verified`].)
+        if self
+            .links
+            .values()
+            .any(|l| same_daemon(l.peer, l.gid, addr) && (l.dialled || l.verified || l.checked))
+        {
             return None;
         }
         // That daemon's own connection to us is in its handshake: it
@@ -613,7 +718,14 @@ impl Net {
             .dialling
             .iter()
             .any(|(&addr, d)| matches!(d, Dial::Started(..)) && d.holds(now) && gid_of(addr) == Some(gid));
-        let dialled = self.links.values().any(|l| l.dialled && l.gid == gid && l.daemon_id == daemon_id);
+        // A link that did not leave from our GID's address is one the
+        // peer dials once to check (see [`Net::not_verified`]): not a
+        // second link to refuse.
+        let ours_checked = |l: &LinkIo| l.from_our_gid || self.setup.identity.gid.ipv4().is_none();
+        let dialled = self
+            .links
+            .values()
+            .any(|l| l.dialled && l.gid == gid && l.daemon_id == daemon_id && ours_checked(l));
         dialling || dialled
     }
 
@@ -687,7 +799,7 @@ impl Net {
                 });
                 hca.link_down(id);
                 if let Some(ip) = l.gid.ipv4() {
-                    self.cm_down.push((ip.into(), Some(id)));
+                    self.cm_links.push(CmLink::Down(ip.into(), Some(id)));
                     self.sock_down.push((ip.into(), Some(id)));
                 }
             }
@@ -799,12 +911,12 @@ fn gid_of(addr: SocketAddr) -> Option<Gid> {
 
 /// Dials `addr`; with `expect`, only the daemon of that GID will do.
 fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: EngineHandle) {
-    let r =
-        TcpStream::connect_timeout(&addr, CONNECT_LIMIT).map_err(HandshakeError::from).and_then(|mut s| {
-            s.set_nodelay(true)?;
-            let p = dial_handshake(&mut s, &setup.identity, HANDSHAKE_LIMIT, expect)?;
-            Ok((s, p))
-        });
+    let own = setup.identity.gid.ipv4().map(std::net::Ipv4Addr::from);
+    let r = connect(addr, own).map_err(HandshakeError::from).and_then(|mut s| {
+        s.set_nodelay(true)?;
+        let p = dial_handshake(&mut s, &setup.identity, HANDSHAKE_LIMIT, expect)?;
+        Ok((s, p))
+    });
     match r {
         Ok((s, p)) => {
             let _ = handle.call(move |st| {
@@ -823,6 +935,57 @@ fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: Eng
             });
         }
     }
+}
+
+/// Connects to `addr`, from `own` (this daemon's GID's address) where
+/// that is an address of this host: the peer then sees the connection come
+/// from the address its Hello's GID names, and counts the link verified
+/// ([`LinkInfo::verified`]) on a loopback pair of daemons or a multi-homed
+/// host whose default route leaves from another address. Where `own` is no
+/// local address, or the bound connect fails other than by its time
+/// limit, unbound (the kernel's choice).
+fn connect(addr: SocketAddr, own: Option<std::net::Ipv4Addr>) -> std::io::Result<TcpStream> {
+    if let (Some(own), SocketAddr::V4(to)) = (own.filter(|o| !o.is_unspecified()), addr) {
+        match connect_from(own, to) {
+            Ok(s) => return Ok(s),
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(e),
+            Err(e) => {
+                tracing::debug!(%own, peer = %addr, error = %e, "cannot connect from the GID's address")
+            }
+        }
+    }
+    TcpStream::connect_timeout(&addr, CONNECT_LIMIT)
+}
+
+/// A TCP connect to `to` bound to `from` (port chosen by the kernel),
+/// within [`CONNECT_LIMIT`].
+fn connect_from(from: std::net::Ipv4Addr, to: std::net::SocketAddrV4) -> std::io::Result<TcpStream> {
+    use rustix::net::{AddressFamily, SocketFlags, SocketType};
+    let fd = rustix::net::socket_with(
+        AddressFamily::INET,
+        SocketType::STREAM,
+        SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+        None,
+    )?;
+    rustix::net::bind(&fd, &std::net::SocketAddrV4::new(from, 0))?;
+    match rustix::net::connect(&fd, &to) {
+        Ok(()) => {}
+        Err(rustix::io::Errno::INPROGRESS) => {
+            let limit = rustix::time::Timespec {
+                tv_sec: CONNECT_LIMIT.as_secs() as i64,
+                tv_nsec: CONNECT_LIMIT.subsec_nanos().into(),
+            };
+            let mut fds = [PollFd::new(&fd, PollFlags::OUT)];
+            if rustix::event::poll(&mut fds, Some(&limit))? == 0 {
+                return Err(std::io::ErrorKind::TimedOut.into());
+            }
+            rustix::net::sockopt::socket_error(&fd)??;
+        }
+        Err(e) => return Err(e.into()),
+    }
+    let s = TcpStream::from(fd);
+    s.set_nonblocking(false)?;
+    Ok(s)
 }
 
 /// Who a log line about `addr` is limited as.
@@ -1127,6 +1290,46 @@ mod tests {
         assert!((1..=3).contains(&lines), "{lines} lines for {TRIES} refused connections");
     }
 
+    /// Two daemons on loopback addresses (127.0.0.2 and 127.0.0.3, as
+    /// the repository's two-host tests run them): the link the first
+    /// dials comes from its GID's address at the second, which counts it
+    /// verified (review links3 B: an unbound dial left from 127.0.0.1, and
+    /// the second daemon's socket registry spoke for no host over it).
+    #[test]
+    fn a_loopback_pair_of_daemons_link_verified_at_both_ends() {
+        let dir = tempfile::tempdir().unwrap();
+        let start = |ip: [u8; 4], peers: Vec<SocketAddr>| {
+            let socket = Some(dir.path().join(format!("vrdma-{}.sock", ip[3])));
+            let mut cfg = crate::DaemonConfig { socket, address: Some(ip.into()), ..Default::default() };
+            cfg.net.psk = Some("the key both daemons hold".into());
+            cfg.net.listen = Some(SocketAddr::from((ip, 0)));
+            cfg.net.peers = peers;
+            crate::Daemon::start(cfg).unwrap()
+        };
+        let b = start([127, 0, 0, 3], vec![]);
+        let a = start([127, 0, 0, 2], vec![b.wire_addr().unwrap()]);
+        let links = |d: &crate::Daemon| {
+            d.engine()
+                .call(|st| {
+                    let n = st.net.as_ref().unwrap();
+                    n.links.values().map(|l| (l.peer.ip(), l.verified)).collect::<Vec<_>>()
+                })
+                .unwrap()
+        };
+        let deadline = Clock::now() + Duration::from_secs(20);
+        while (links(&a).is_empty() || links(&b).is_empty()) && Clock::now() < deadline {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(links(&a), [(std::net::IpAddr::from([127, 0, 0, 3]), true)]);
+        assert_eq!(
+            links(&b),
+            [(std::net::IpAddr::from([127, 0, 0, 2]), true)],
+            "b sees a's link come from a's GID"
+        );
+        a.shutdown();
+        b.shutdown();
+    }
+
     fn net_of(ip: [u8; 4]) -> Net {
         Net::new(Arc::new(crate::testing::setup(ip, 4096)))
     }
@@ -1192,6 +1395,8 @@ mod tests {
         // other half of a simultaneous dial; one from b restarted (daemon
         // 10) is not.
         let _b2 = link_to(&mut a, 2, b_gid, 9, true);
+        assert!(a.admits(b_gid, 9, now), "a's link did not leave from its GID's address: b checks it");
+        a.links.get_mut(&LinkId(2)).unwrap().from_our_gid = true;
         assert!(!a.admits(b_gid, 9, now), "the other half of a simultaneous dial");
         assert!(a.admits(b_gid, 10, now), "b restarted");
         // The larger GID never refuses.
@@ -1223,6 +1428,129 @@ mod tests {
         assert!(a.send_cm(b, Some(LinkId(3)), &msg).is_err(), "another host's link");
         assert!(a.send_cm(b, Some(LinkId(4)), &msg).is_err(), "a link that is gone");
         assert!(a.cm_pending.is_empty(), "no dial for a connection whose link is gone");
+    }
+
+    /// A dial that fails while the host's own connection to us is in its
+    /// handshake keeps what the connection manager held (it goes by the
+    /// link that handshake makes); one that fails once that link is up
+    /// sends it by the link; with neither, the manager hears of the failure.
+    #[test]
+    fn a_failed_dial_leaves_the_held_cm_messages_to_the_hosts_own_link() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.admits(b_gid, 9, Clock::now()), "the larger GID admits b's connection");
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+        assert_eq!(a.cm_pending.get(&b).map(Vec::len), Some(1), "held for the incoming link");
+        let _l = link_to(&mut a, 1, b_gid, 9, false);
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_pending.is_empty() && a.cm_links.is_empty(), "{:?}", a.cm_links);
+        assert!(a.links[&LinkId(1)].has_output(), "sent by the host's link");
+        let mut c = net_of([10, 0, 0, 3]);
+        c.send_cm(b, None, &msg).unwrap();
+        c.dial_failed(b_addr, "refused");
+        assert_eq!(c.cm_links, [CmLink::Down(b, None)]);
+    }
+
+    /// A connection manager's message for no link goes by the host's
+    /// newest verified link before a newer one whose peer only claims the
+    /// host's GID (review links3 D).
+    #[test]
+    fn a_cm_message_for_no_link_takes_the_hosts_verified_link_first() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let mut a = net_of([10, 0, 0, 1]);
+        let _real = link_to(&mut a, 1, b_gid, 9, true);
+        let _claim = link_to(&mut a, 2, b_gid, 10, false);
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        a.links.get_mut(&LinkId(1)).unwrap().verified = true;
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(!a.links[&LinkId(2)].has_output(), "went by the link that only claims the GID");
+        assert!(a.links[&LinkId(1)].has_output());
+    }
+
+    /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
+    /// Hello says `gid`, connected from `from`, dialled by us to `dialled`.
+    fn add_link(
+        net: &mut Net,
+        hca: &mut Hca,
+        gid: Gid,
+        from: SocketAddr,
+        dialled: Option<SocketAddr>,
+    ) -> (LinkId, TcpStream) {
+        use vrdma_core::wire::{HelloRepr, Role};
+        let (ours, theirs) = crate::testing::loopback();
+        let hello = HelloRepr::new(Role::Initiator, 9, gid, 2, [0; vrdma_core::wire::NONCE_LEN]);
+        let version = vrdma_core::wire::SOCK6_VERSION;
+        net.add(hca, ours, Peer { hello, chunk: 4096, version }, from, dialled);
+        (*net.links.keys().next_back().unwrap(), theirs)
+    }
+
+    fn hca_of(ip: [u8; 4]) -> Hca {
+        Hca::new(vrdma_core::hca::HcaConfig::for_host(ip), Box::new(crate::testing::Keys(0)))
+    }
+
+    /// A link is verified when its peer's address vouches for its GID:
+    /// dialled by us at that address, or come from it. One that came from
+    /// another address does not hold back the one dial to the GID's
+    /// address that checks it, and warns (review links3 B).
+    #[test]
+    fn a_link_from_another_address_than_its_gids_is_unverified_and_checked_by_one_dial() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        let (l1, _t1) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40000".parse().unwrap(), None);
+        let (l2, _t2) = add_link(&mut a, &mut hca, b_gid, b_addr, Some(b_addr));
+        assert!(a.links[&l1].verified && a.links[&l2].verified);
+        assert!(hca.links().iter().all(|l| l.info.verified));
+        let mut c = net_of([10, 0, 0, 1]);
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let log = crate::testing::traced(|| {
+            add_link(&mut c, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        });
+        assert!(log.contains("not at its GID's address"), "{log}");
+        let l = c.links.values_mut().next().unwrap();
+        assert!(!l.verified && l.checked, "its check-dial was asked for");
+        assert!(!hca.links()[0].info.verified);
+        l.checked = false;
+        assert_eq!(c.may_dial(b_addr, Clock::now()), Some(0), "an unverified link holds back no check-dial");
+        c.links.values_mut().next().unwrap().checked = true;
+        assert_eq!(c.may_dial(b_addr, Clock::now()), None, "one check-dial per link");
+    }
+
+    /// Queries held for a host whose link came up not counting as that
+    /// host's, with no check-dial under way, end at once rather than
+    /// waiting for nothing (review links3 C).
+    #[test]
+    fn held_queries_end_when_the_link_that_comes_does_not_count_and_nothing_is_dialled() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        let q = SockMessage::Hosts6 { addrs: vrdma_core::sockets::peer::Addrs6::new(vec![]) };
+        a.sock_pending.entry(b).or_default().push(q);
+        add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        assert!(a.sock_pending.is_empty(), "the held queries were dropped");
+        assert_eq!(a.sock_down, [(b, None)]);
+    }
+
+    /// A dial leaves from this daemon's GID's address where that is a
+    /// local address (so a loopback or multi-homed peer counts the link
+    /// verified); else from the kernel's choice (review links3 B).
+    #[test]
+    fn a_dial_leaves_from_the_gids_address_where_it_is_local() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let to = l.local_addr().unwrap();
+        let _s = connect(to, Some([127, 0, 0, 2].into())).unwrap();
+        assert_eq!(l.accept().unwrap().1.ip(), std::net::IpAddr::from([127, 0, 0, 2]));
+        let _s = connect(to, Some([192, 0, 2, 1].into())).unwrap();
+        assert_eq!(l.accept().unwrap().1.ip(), std::net::IpAddr::from([127, 0, 0, 1]), "not a local address");
+        let _s = connect(to, None).unwrap();
+        assert_eq!(l.accept().unwrap().1.ip(), std::net::IpAddr::from([127, 0, 0, 1]));
     }
 
     #[test]

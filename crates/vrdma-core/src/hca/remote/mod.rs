@@ -93,6 +93,16 @@ pub struct LinkInfo {
     pub lid: u16,
     /// Payload bytes per frame, as both Hellos negotiated.
     pub chunk: u32,
+    /// Whether the peer's address vouches for its GID: this daemon dialled
+    /// it at that GID's IPv4 address, or its connection came from there.
+    /// A Hello may claim any GID (holding the key is all it proves): of
+    /// the links whose GID a QP or a connection names, a verified one is
+    /// taken first, so that a key holder cannot take over another host's
+    /// traffic by claiming its GID; an unverified one only when no verified
+    /// one is up (a loopback pair of daemons, a NATed peer). Not in the
+    /// stats pages (their encoding is unchanged).
+    #[serde(skip)]
+    pub verified: bool,
 }
 
 /// How many times smaller than the link's chunk the other tenants'
@@ -527,7 +537,8 @@ pub(crate) struct Network {
 }
 
 impl Network {
-    /// The live link to the host an address vector names: the newest,
+    /// The live link to the host an address vector names: a verified one
+    /// ([`LinkInfo::verified`]) before any other, and the newest of those,
     /// where there are two (the host's daemon restarted and linked again
     /// while its last life's link is not yet found dead; a QP bound to
     /// that one would fail when it is, whatever the peer it reached).
@@ -535,8 +546,9 @@ impl Network {
         self.links
             .iter()
             .filter(|(_, l)| l.up && if ah.is_global { l.info.gid == ah.dgid } else { l.info.lid == ah.dlid })
-            .map(|(&id, _)| id)
+            .map(|(&id, l)| (l.info.verified, id))
             .max()
+            .map(|(_, id)| id)
     }
 
     pub fn want(&mut self, gid: Gid) {

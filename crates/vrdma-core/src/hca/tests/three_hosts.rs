@@ -70,7 +70,7 @@ impl ThreeHosts {
 
     fn link_up(&mut self, from: usize, to: usize, chunk: u32) -> LinkId {
         let lid = self.hosts[to].hca.config().port.lid;
-        self.hosts[from].hca.link_up(LinkInfo { gid: Gid::from_ipv4(IPS[to]), lid, chunk })
+        self.hosts[from].hca.link_up(LinkInfo { gid: Gid::from_ipv4(IPS[to]), lid, chunk, verified: true })
     }
 
     /// Host `x`'s link to host `y`.

@@ -48,8 +48,18 @@ impl TwoHosts {
     fn with(chunk: u32, tune: impl Fn(&mut HcaConfig)) -> TwoHosts {
         let mut a = host_with(IP_A, &tune);
         let mut b = host_with(IP_B, &tune);
-        let la = a.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: b.hca.config().port.lid, chunk });
-        let lb = b.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_A), lid: a.hca.config().port.lid, chunk });
+        let la = a.hca.link_up(LinkInfo {
+            gid: Gid::from_ipv4(IP_B),
+            lid: b.hca.config().port.lid,
+            chunk,
+            verified: true,
+        });
+        let lb = b.hca.link_up(LinkInfo {
+            gid: Gid::from_ipv4(IP_A),
+            lid: a.hca.config().port.lid,
+            chunk,
+            verified: true,
+        });
         TwoHosts {
             a: Host { env: a, link: la },
             b: Host { env: b, link: lb },
@@ -540,8 +550,8 @@ fn a_link_that_goes_down_fails_its_qps_and_a_new_link_serves_new_qps() {
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(1, WcStatus::RetryExcErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
     // A new link; new QPs connect over it.
     let chunk = 256;
-    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: 2, chunk });
-    t.b.link = t.b.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_A), lid: 1, chunk });
+    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: 2, chunk, verified: true });
+    t.b.link = t.b.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_A), lid: 1, chunk, verified: true });
     let a2 = t.a.env.end(C1);
     let b2 = t.b.env.end(C1);
     t.connect(a2.qpn, b2.qpn, conn());
@@ -560,7 +570,8 @@ fn a_link_that_goes_down_fails_its_qps_and_a_new_link_serves_new_qps() {
 fn a_new_qp_runs_over_the_newest_link_to_its_host_and_outlives_the_old_one() {
     let mut t = TwoHosts::new(256);
     let old = t.a.link;
-    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: 2, chunk: 256 });
+    t.a.link =
+        t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid: 2, chunk: 256, verified: true });
     let a = t.a.env.end(C1);
     let b = t.b.env.end(C1);
     t.connect(a.qpn, b.qpn, conn());
@@ -993,7 +1004,7 @@ fn a_request_taken_before_its_link_is_numbered_at_the_links_chunk_size() {
     // the second must not reuse one of them (it would be taken for a
     // duplicate and "completed" without landing).
     let lid = t.b.env.hca.config().port.lid;
-    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid, chunk: 256 });
+    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid, chunk: 256, verified: true });
     t.run(T0);
     assert_eq!(
         t.a.env.poll(a.cq),
@@ -1011,7 +1022,7 @@ fn a_request_taken_before_its_link_is_numbered_at_the_links_chunk_size() {
         .io
         .post_send(a.qpn, rdma(3, SendOpcode::RdmaWrite, &[a.buf.sge(0, 33 * 256)], b.buf.addr, b.buf.key));
     t.run_a_only(T0);
-    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid, chunk: 256 });
+    t.a.link = t.a.env.hca.link_up(LinkInfo { gid: Gid::from_ipv4(IP_B), lid, chunk: 256, verified: true });
     t.run(T0);
     assert_eq!(t.a.env.poll(a.cq), vec![req_cqe(3, WcStatus::LocLenErr, WcOpcode::RdmaWrite, a.qpn, 0)]);
 }
@@ -1659,7 +1670,12 @@ fn a_responder_whose_requests_move_to_another_link_leaves_the_old_one() {
     };
     exchange(&mut t, 1);
     let old = t.b.link;
-    let info = LinkInfo { gid: Gid::from_ipv4(IP_A), lid: t.a.env.hca.config().port.lid, chunk: 1024 };
+    let info = LinkInfo {
+        gid: Gid::from_ipv4(IP_A),
+        lid: t.a.env.hca.config().port.lid,
+        chunk: 1024,
+        verified: true,
+    };
     t.b.link = t.b.env.hca.link_up(info);
     exchange(&mut t, 2);
     let qps_on = |h: &Host, link: LinkId| h.env.hca.links().iter().find(|l| l.id == link).map(|l| l.qps);
@@ -1718,4 +1734,22 @@ fn a_tenant_sees_only_its_own_traffic_on_a_link_and_the_operator_the_totals() {
     t.a.env.hca.close_context(C1, &mut t.a.env.io);
     assert_eq!(shares(&t.a.env), 0);
     assert_eq!(t.a.env.hca.links()[0].stats.payload_out, 3100, "the totals stay");
+}
+
+/// A QP takes the host's verified link (its peer's address vouches for
+/// its GID) before a newer one whose peer only claims that GID, and an
+/// unverified one only while none is verified (review links3 D: a key
+/// holder linking in later took over the host's new QPs).
+#[test]
+fn a_qp_takes_a_hosts_verified_link_before_a_newer_one_that_only_claims_its_gid() {
+    let mut env = Env::new();
+    let (gid, ah) = (Gid::from_ipv4(IP_B), gid_ah(IP_B, 1));
+    let claim = env.hca.link_up(LinkInfo { gid, lid: 2, chunk: 1024, verified: false });
+    assert_eq!(env.hca.net.route(&ah), Some(claim), "none verified: the one there is");
+    let real = env.hca.link_up(LinkInfo { gid, lid: 2, chunk: 1024, verified: true });
+    let later = env.hca.link_up(LinkInfo { gid, lid: 2, chunk: 1024, verified: false });
+    assert!(later > real);
+    assert_eq!(env.hca.net.route(&ah), Some(real));
+    let newer = env.hca.link_up(LinkInfo { gid, lid: 2, chunk: 1024, verified: true });
+    assert_eq!(env.hca.net.route(&ah), Some(newer), "the newest verified");
 }
