@@ -937,24 +937,36 @@ fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: Eng
     }
 }
 
-/// Connects to `addr`, from `own` (this daemon's GID's address) where
-/// that is an address of this host: the peer then sees the connection come
-/// from the address its Hello's GID names, and counts the link verified
-/// ([`LinkInfo::verified`]) on a loopback pair of daemons or a multi-homed
-/// host whose default route leaves from another address. Where `own` is no
-/// local address, or the bound connect fails other than by its time
-/// limit, unbound (the kernel's choice).
+/// Connects to `addr`, from `own` (this daemon's GID's address) on a
+/// loopback pair of daemons (127.0.0.2 and 127.0.0.3: the kernel's own
+/// choice there is 127.0.0.1, so the peer would not count the link
+/// verified, [`LinkInfo::verified`]); elsewhere, and where the bound
+/// connect fails other than by its time limit, unbound (the kernel's
+/// choice). Off loopback a bound source is not used: where the route to
+/// the peer leaves by another interface than the GID's, packets from the
+/// GID's address may be dropped on the way (strict reverse-path filters,
+/// clouds' source checks) and a bound dial would then time out for ever;
+/// such a link comes up unverified and the peer checks it with one dial
+/// of its own to the GID's address.
 fn connect(addr: SocketAddr, own: Option<std::net::Ipv4Addr>) -> std::io::Result<TcpStream> {
-    if let (Some(own), SocketAddr::V4(to)) = (own.filter(|o| !o.is_unspecified()), addr) {
-        match connect_from(own, to) {
-            Ok(s) => return Ok(s),
-            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(e),
-            Err(e) => {
-                tracing::debug!(%own, peer = %addr, error = %e, "cannot connect from the GID's address")
+    if let SocketAddr::V4(to) = addr {
+        if let Some(own) = bound_source(own, to) {
+            match connect_from(own, to) {
+                Ok(s) => return Ok(s),
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return Err(e),
+                Err(e) => {
+                    tracing::debug!(%own, peer = %addr, error = %e, "cannot connect from the GID's address")
+                }
             }
         }
     }
     TcpStream::connect_timeout(&addr, CONNECT_LIMIT)
+}
+
+/// The source a dial to `to` is bound to: this daemon's GID's address
+/// `own`, only where both are loopback addresses ([`connect`]).
+fn bound_source(own: Option<std::net::Ipv4Addr>, to: std::net::SocketAddrV4) -> Option<std::net::Ipv4Addr> {
+    own.filter(|o| o.is_loopback() && to.ip().is_loopback())
 }
 
 /// A TCP connect to `to` bound to `from` (port chosen by the kernel),
@@ -1551,6 +1563,21 @@ mod tests {
         assert_eq!(l.accept().unwrap().1.ip(), std::net::IpAddr::from([127, 0, 0, 1]), "not a local address");
         let _s = connect(to, None).unwrap();
         assert_eq!(l.accept().unwrap().1.ip(), std::net::IpAddr::from([127, 0, 0, 1]));
+    }
+
+    #[test]
+    fn a_dial_off_loopback_is_not_bound_to_the_gids_address() {
+        let peer = |a: [u8; 4]| std::net::SocketAddrV4::new(a.into(), 4791);
+        assert_eq!(
+            bound_source(Some([127, 0, 0, 2].into()), peer([127, 0, 0, 3])),
+            Some([127, 0, 0, 2].into())
+        );
+        // A multi-homed host: the route to the peer may leave by another
+        // interface, where packets from the GID's address can be dropped.
+        assert_eq!(bound_source(Some([10, 0, 0, 5].into()), peer([192, 168, 1, 6])), None);
+        assert_eq!(bound_source(Some([10, 0, 0, 5].into()), peer([127, 0, 0, 1])), None);
+        assert_eq!(bound_source(Some([127, 0, 0, 2].into()), peer([10, 0, 0, 6])), None);
+        assert_eq!(bound_source(None, peer([127, 0, 0, 3])), None);
     }
 
     #[test]
