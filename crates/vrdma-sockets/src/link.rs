@@ -1350,6 +1350,13 @@ impl Link {
             return r;
         }
         let mut tx = lock(&self.tx);
+        if after_send_lock(self.d_state()) == Recheck::Demoted {
+            // Waited for the send lock while the driver demoted (it held
+            // it): its marker is sent, so nothing more may go into the
+            // ring; the demoted way.
+            drop(tx);
+            return self.write_demoted(iov, nonblocking.nonblocking()).unwrap_or(Err(libc::ECONNRESET));
+        }
         if tx.shut {
             return Err(libc::EPIPE);
         }
@@ -1634,6 +1641,10 @@ impl Link {
             return;
         }
         let mut tx = lock(&self.tx);
+        // Demoted while this waited for the send lock: as above.
+        if after_send_lock(self.d_state()) == Recheck::Demoted {
+            return;
+        }
         let _ = self.flush();
         tx.shut = true;
     }
@@ -1751,9 +1762,40 @@ fn needs_wake(rd: u64, landed: u64) -> bool {
     ahead != 0 && ahead < (1 << 55)
 }
 
+/// What a ring writer does once it holds the send lock.
+#[derive(Debug, PartialEq, Eq)]
+enum Recheck {
+    /// No demotion of this end: the ring.
+    Ring,
+    /// A demotion of this end began (the driver held the lock meanwhile,
+    /// and its marker may have gone): no ring byte any more.
+    Demoted,
+}
+
+/// The check every ring writer (`write`, `shut_write`, `iowrite`) makes
+/// again once it holds the send lock: its first look at the demotion
+/// state came before it waited for the lock, which the demoting driver
+/// holds while it sends its count and marker.
+fn after_send_lock(d_state: u32) -> Recheck {
+    if d_state == crate::owner::D_NONE {
+        Recheck::Ring
+    } else {
+        Recheck::Demoted
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_writer_that_got_the_send_lock_after_a_demotion_leaves_the_ring() {
+        use crate::owner::{D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED, D_NONE};
+        assert_eq!(after_send_lock(D_NONE), Recheck::Ring);
+        for s in [D_DEMOTING, D_DEMOTED, D_DONE, D_FAILED] {
+            assert_eq!(after_send_lock(s), Recheck::Demoted);
+        }
+    }
 
     #[test]
     fn a_vectors_length_is_checked_as_the_kernel_checks_it() {
