@@ -87,6 +87,38 @@ fn head(sock: c_int) -> Res<Head> {
     }
 }
 
+/// What a reader whose ring was empty at read count `rd` does with the
+/// peer's marker for `w` ring bytes, `written` the ring's written count
+/// and `late` whether ring bytes wait now (looked at after the marker).
+#[derive(Debug, PartialEq, Eq)]
+enum AtMark {
+    /// Every ring byte read: the marker goes, then the kernel socket.
+    Take,
+    /// Ring bytes landed meanwhile: they are read first.
+    Ring,
+    /// The peer's bytes up to its count are not visible yet: later.
+    Wait,
+    /// A count that cannot be (behind the ring's, or past what it
+    /// wrote): a protocol error.
+    Bad,
+}
+
+fn at_mark(w: u64, rd: u64, written: u64, late: bool) -> AtMark {
+    if w == rd {
+        AtMark::Take
+    } else if w < rd {
+        AtMark::Bad
+    } else if late {
+        AtMark::Ring
+    } else if written >= w {
+        // Everything up to the count landed and none of it waits, yet
+        // the read count is behind it.
+        AtMark::Bad
+    } else {
+        AtMark::Wait
+    }
+}
+
 /// Takes a marker and record (peeked whole by [`head`]) off `sock`.
 fn take_mark(sock: c_int) {
     let mut b = [0u8; MARK_LEN];
@@ -302,20 +334,34 @@ impl Link {
                 }
                 continue;
             }
-            match head(self.sock)? {
-                Head::Mark(w) if w == rd => {
-                    take_mark(self.sock);
-                    d.state.store(D_DONE, Ordering::Release);
-                    self.page.set_tcp();
-                    crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP"));
-                    continue;
-                }
-                // Its bytes landed before its marker was sent: a count
-                // other than the ring's is a protocol error.
-                Head::Mark(_) | Head::Bad => {
+            // (The ring was looked at before the socket: the peer's last
+            // ring bytes may have landed in between, then its marker or
+            // end came. Looked at again before either is believed.)
+            let h = head(self.sock)?;
+            let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
+            let late = self.waiting(rd) > 0;
+            match h {
+                Head::Mark(w) => match at_mark(w, rd, written, late) {
+                    AtMark::Take => {
+                        take_mark(self.sock);
+                        d.state.store(D_DONE, Ordering::Release);
+                        self.page.set_tcp();
+                        crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP"));
+                        continue;
+                    }
+                    AtMark::Ring => continue,
+                    AtMark::Wait => {}
+                    AtMark::Bad => {
+                        d.state.store(D_FAILED, Ordering::Release);
+                        return Err(libc::ECONNRESET);
+                    }
+                },
+                Head::Bad => {
                     d.state.store(D_FAILED, Ordering::Release);
                     return Err(libc::ECONNRESET);
                 }
+                // The peer's last ring bytes first, then its end.
+                Head::End if late => continue,
                 Head::End => return Ok(done),
                 Head::Nothing => {}
             }
@@ -581,6 +627,20 @@ impl Link {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_marker_past_the_read_count_waits_for_the_ring_bytes_before_it() {
+        // Read up to it: taken.
+        assert_eq!(at_mark(100, 100, 100, false), AtMark::Take);
+        // The peer's last ring bytes landed after the ring looked empty,
+        // then its marker came: they are read, not a reset.
+        assert_eq!(at_mark(150, 100, 150, true), AtMark::Ring);
+        // Not visible yet: waited for.
+        assert_eq!(at_mark(150, 100, 100, false), AtMark::Wait);
+        // Behind the read count, or all landed yet none waits: an error.
+        assert_eq!(at_mark(90, 100, 100, false), AtMark::Bad);
+        assert_eq!(at_mark(150, 100, 150, false), AtMark::Bad);
+    }
 
     #[test]
     fn a_marker_carries_its_count_and_nothing_else_is_one() {
