@@ -807,6 +807,12 @@ impl Link {
             return self.read_kernel(iov, 0, nonblocking, peek, all);
         }
         let mut rx = lock(&self.rx);
+        // Switched by another reader thread while this one waited for
+        // the receive lock: the socket's head is data now, no marker.
+        if self.p_reads_switched() {
+            drop(rx);
+            return self.read_kernel(iov, 0, nonblocking, peek, all);
+        }
         // This end's writes in flight: their wakes go out now (a write's
         // errors are the writer's to see).
         let _ = self.reap();
@@ -876,11 +882,16 @@ impl Link {
                 if done > 0 {
                     return Ok(done);
                 }
-                return if self.p_switch_reads(&mut rx, nonblocking)? {
-                    drop(rx);
-                    self.read_kernel(iov, 0, nonblocking, peek, all)
-                } else {
-                    Ok(0)
+                return match self.p_switch_reads(&mut rx, nonblocking)? {
+                    demote::PSwitch::Kernel => {
+                        drop(rx);
+                        self.read_kernel(iov, 0, nonblocking, peek, all)
+                    }
+                    demote::PSwitch::End => Ok(0),
+                    demote::PSwitch::Demoted => {
+                        drop(rx);
+                        self.read_demoted(iov, cap, 0, nonblocking, peek, all)
+                    }
                 };
             }
             if !rx.armed && lazy_nb && !self.peer_closed() && self.leave_unarmed() {

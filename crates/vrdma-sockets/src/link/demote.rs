@@ -29,6 +29,19 @@ use super::{lock, Link, Res, Rx, Tx, DEMOTE, MARK_LEN, S_DEMOTE};
 use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED};
 use crate::real;
 
+/// Where a peer's read goes once its ring is read up to the demoting
+/// end's count ([`Link::p_switch_reads`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum PSwitch {
+    /// The marker is taken (by this thread or another): the kernel socket.
+    Kernel,
+    /// The end came instead.
+    End,
+    /// This end is demoted itself (both ends forked): the demoted read,
+    /// which takes the marker under the same lock.
+    Demoted,
+}
+
 /// A demotion's marker and record for `count` ring bytes written.
 fn mark(count: u64) -> [u8; MARK_LEN] {
     let mut b = [0u8; MARK_LEN];
@@ -525,32 +538,51 @@ impl Link {
 
     /// As the peer (P), the receive lock held, the ring read up to the
     /// demoting end's count: its marker is taken off (the writes switched
-    /// first). `Ok(true)`: the reads go to the kernel socket now; `Ok(false)`:
-    /// the end came instead.
-    pub(super) fn p_switch_reads(&self, rx: &mut Rx, nonblocking: bool) -> Res<bool> {
+    /// first): what the read does now.
+    pub(super) fn p_switch_reads(&self, rx: &mut Rx, nonblocking: bool) -> Res<PSwitch> {
+        // Another reader thread switched while this one waited for the
+        // receive lock: the marker is taken, the socket holds data.
+        if self.p_rd.load(Ordering::Acquire) {
+            return Ok(PSwitch::Kernel);
+        }
         {
             let mut tx = lock(&self.tx);
             self.p_switch_writes(&mut tx)?;
         }
         let w = self.peer_demoted().unwrap_or(u64::MAX);
         loop {
+            // Both ends forked: a holder of this end in another process
+            // (a demoted read) may take the same marker; the lock between
+            // the processes serializes them, and once this end is demoted
+            // its reads go the demoted way (the shared count).
+            let g = self.demote_words().map(RingLock::take);
+            if self.d_demoted() {
+                return Ok(PSwitch::Demoted);
+            }
+            if self.p_rd.load(Ordering::Acquire) {
+                return Ok(PSwitch::Kernel);
+            }
             match head(self.sock)? {
                 Head::Mark(c) if c == w && c == rx.rd => {
                     take_mark(self.sock);
                     self.p_rd.store(true, Ordering::Release);
+                    drop(g);
                     crate::dev::debug(&format!(
                         "the peer's marker after {c} bytes: reading the kernel socket"
                     ));
                     self.p_done();
-                    return Ok(true);
+                    return Ok(PSwitch::Kernel);
                 }
                 Head::Mark(_) | Head::Bad => return Err(libc::ECONNRESET),
                 Head::End => {
                     rx.eof = true;
-                    return Ok(false);
+                    return Ok(PSwitch::End);
                 }
                 Head::Nothing if nonblocking => return Err(libc::EAGAIN),
-                Head::Nothing => wait_readable(self.sock, Duration::from_millis(100)),
+                Head::Nothing => {
+                    drop(g);
+                    wait_readable(self.sock, Duration::from_millis(100));
+                }
             }
         }
     }
