@@ -1671,9 +1671,13 @@ impl Link {
     pub fn finish(&self) {
         if self.in_demotion() {
             // Its stream goes on (or ends) over the kernel socket.
+            self.close_in_demotion();
             self.unblock();
             return;
         }
+        // The demoting peer's marker (its `DEMOTE` word came, this end
+        // never wrote since): taken off before the wake bytes.
+        self.p_take_mark_at_close();
         let _ = self.flush();
         if !self.peer_closed() {
             let _ = self.stage.write_u64(S_CLOSE, 1);

@@ -306,6 +306,81 @@ impl Link {
         crate::dev::debug("the peer did not answer the demotion before this close");
     }
 
+    /// The close of this process's copy in a demotion (either side): the
+    /// peer's marker is taken off when every ring byte before it is read,
+    /// with the wake bytes before it, so that the kernel's last close
+    /// sends FIN, not RST (a marker left unread is unread data to the
+    /// kernel). Ring bytes left unread leave it: a reset, as TCP's close
+    /// with unread data.
+    pub(crate) fn close_in_demotion(&self) {
+        if self.d_state() != crate::owner::D_NONE {
+            // D (the driver's copy): once the peer stopped writing.
+            self.await_peer_switch();
+            self.d_take_mark_at_close();
+        }
+        self.p_take_mark_at_close();
+    }
+
+    /// At D, at a close: the peer's marker is taken off if the shared
+    /// read count reached it (as a read would: plain TCP for the holders
+    /// left). Any holder's copy may call it (no per-process lock).
+    pub(crate) fn d_take_mark_at_close(&self) {
+        let Some(d) = self.demote_words() else { return };
+        let _g = RingLock::take(d);
+        if d.state.load(Ordering::Acquire) != D_DEMOTED {
+            return;
+        }
+        let rd = d.rd.load(Ordering::Acquire);
+        if let Ok(Head::Mark(w)) = head(self.sock) {
+            if w == rd && self.waiting(rd) == 0 {
+                take_mark(self.sock);
+                d.state.store(D_DONE, Ordering::Release);
+                self.page.set_tcp();
+                crate::dev::debug(&format!("the peer's marker after {w} bytes taken at a close"));
+            }
+        }
+    }
+
+    /// At P (the demoting end's peer), at a close once its `DEMOTE` word
+    /// came, reads not switched yet: waits a while (the marker follows
+    /// the word at once) for the demoting end's marker and takes it off
+    /// if this end read the ring up to its count. A reader thread of this
+    /// process that holds the receive lock is left to it.
+    pub(crate) fn p_take_mark_at_close(&self) {
+        let Some(w) = self.peer_demoted() else { return };
+        // Both ends forked: this end's own demoted reads take it
+        // (`d_take_mark_at_close`).
+        if self.p_reads_switched() || self.d_state() != crate::owner::D_NONE {
+            return;
+        }
+        let Ok(rx) = self.rx.try_lock() else { return };
+        if rx.rd != w {
+            return;
+        }
+        let end = Instant::now() + wait_ms().min(Duration::from_secs(1));
+        loop {
+            let g = self.demote_words().map(RingLock::take);
+            if self.d_state() != crate::owner::D_NONE {
+                return;
+            }
+            match head(self.sock) {
+                Ok(Head::Mark(c)) if c == w => {
+                    take_mark(self.sock);
+                    self.p_rd.store(true, Ordering::Release);
+                    drop(g);
+                    self.p_done();
+                    crate::dev::debug(&format!("the peer's marker after {c} bytes taken at a close"));
+                    return;
+                }
+                Ok(Head::Nothing) if Instant::now() < end => {
+                    drop(g);
+                    wait_readable(self.sock, Duration::from_millis(10));
+                }
+                _ => return,
+            }
+        }
+    }
+
     /// A read at a demoted end (D, any holder): the ring up to the peer's
     /// marker, then the kernel socket.
     pub(crate) fn read_demoted(
