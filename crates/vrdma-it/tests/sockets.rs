@@ -311,6 +311,32 @@ mod preload {
         Ok(())
     }
 
+    /// A client streaming 16 MiB to a server that read 16 KiB, forked and
+    /// closed its copy (as above), that closes at once after its last
+    /// write, reading nothing: its close takes the demoting end's marker
+    /// off, so its kernel sends FIN, not RST; the child reads every byte,
+    /// then the end (a reset lost the client's unsent bytes).
+    #[test]
+    fn a_peer_that_closes_after_its_last_write_in_a_demotion_ends_with_fin() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let args = ["forkecho".into(), port.to_string(), "sink-quiet".into()];
+        let s = spawn(sockapp(&d, true, &args), "forkecho sink-quiet");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["sendclose".into(), port.to_string(), BYTES.to_string()]), "sendclose")
+            .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(s.stdout.contains(&format!("received {BYTES}, then the end")), "{}", s.describe());
+        assert!(c.stderr.contains("the peer demoted"), "{}", c.describe());
+        Ok(())
+    }
+
     /// The child asks for a connection its stopped parent drives: its
     /// read fails with `ECONNRESET` within the library's wait (2 s here),
     /// not a hang; resumed, the parent echoes the rest. Needs the fork

@@ -8,6 +8,9 @@
 //! varying sizes (and vectored ones), shuts its writing side down, and
 //! checks the answer. Exit status 0 when the bytes and the answer are
 //! right.
+//! `sendclose PORT BYTES`: connects, writes BYTES pattern bytes and closes
+//! at once, reading nothing (a client that sends its last message and
+//! goes).
 //!
 //! `echo PORT` and `ping PORT ROUNDS`: an event-loop pair on non-blocking
 //! sockets and poll(2). The echo server answers every byte; the client
@@ -45,6 +48,8 @@
 //! parent echoes the rest. `sink` (against `client`): the parent reads
 //! 16 KiB, forks and closes its copy at once; the child reads and checks
 //! the rest (the client waits for credits meanwhile), answers `ok N`.
+//! `sink-quiet` (against `sendclose`): `sink`, but the child reads until
+//! the end and answers nothing (says `received N, then the end`).
 //! `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
@@ -344,8 +349,8 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
-    if mode == "sink" {
-        return sink_split(s);
+    if mode == "sink" || mode == "sink-quiet" {
+        return sink_split(s, mode == "sink");
     }
     if mode.starts_with("early-") {
         echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
@@ -568,7 +573,7 @@ fn split_echo(s: TcpStream, echoed: u64, poll_first: bool) -> Result<(), String>
 /// the client's pattern (the connection carried), forks and reads no
 /// more (the client's writes fill the ring and wait for credits); the
 /// child reads and checks the rest, answers `ok N` and says `received N`.
-fn sink_split(mut s: TcpStream) -> Result<(), String> {
+fn sink_split(mut s: TcpStream, answer: bool) -> Result<(), String> {
     let mut buf = vec![0u8; 65_536];
     let mut got = 0u64;
     let check = |b: &[u8], at: u64| -> Result<(), String> {
@@ -600,6 +605,10 @@ fn sink_split(mut s: TcpStream) -> Result<(), String> {
                     }
                     check(&buf[..k], got)?;
                     got += k as u64;
+                }
+                if !answer {
+                    println!("received {got}, then the end");
+                    return Ok(());
                 }
                 s.write_all(format!("ok {got}\n").as_bytes()).map_err(|e| format!("child: answer: {e}"))?;
                 println!("received {got}");
@@ -1603,6 +1612,21 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
         return Err(err("connect"));
     }
     Ok(s)
+}
+
+/// `sendclose PORT BYTES`: writes the bytes, closes, reads nothing.
+fn sendclose(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let mut sent = 0u64;
+    while sent < bytes {
+        let n = 65_536u64.min(bytes - sent);
+        let data: Vec<u8> = (0..n).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write after {sent}: {e}"))?;
+        sent += n;
+    }
+    drop(s);
+    println!("sent {sent}, closed");
+    Ok(())
 }
 
 fn client(port: u16, bytes: u64) -> Result<(), String> {
@@ -2624,6 +2648,7 @@ fn main() {
     let r = match args.get(1).map(String::as_str) {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("sendclose") => sendclose(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
         Some("forkserver") => forkserver(port()),
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
