@@ -311,6 +311,34 @@ mod preload {
         Ok(())
     }
 
+    /// The parent writes 8 MiB while its child's read asks for the
+    /// demotion; each write pauses (a test hook) after its look at the
+    /// demotion state, before the send lock, so the demotion takes the
+    /// lock in that window: the write must not go into the ring after
+    /// the marker. The carried client reads and checks every byte.
+    #[test]
+    fn a_write_that_waited_for_the_send_lock_during_a_demotion_goes_to_the_kernel() -> Result<()> {
+        const N: u64 = 8 << 20;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let mut cmd = sockapp(&d, true, &["forkecho".into(), port.to_string(), format!("write-{N}")]);
+        cmd.env("VRDMA_SOCKETS_TEST_PAUSE", "send-lock:20000");
+        let s = spawn(cmd, "forkecho write");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["readcheck".into(), port.to_string(), N.to_string()]), "readcheck")
+            .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("read {N}")), "{}", c.describe());
+        assert!(s.stderr.contains("demoted after"), "{}", s.describe());
+        Ok(())
+    }
+
     /// A client streaming 16 MiB to a server that read 16 KiB, forked and
     /// closed its copy (as above), that closes at once after its last
     /// write, reading nothing: its close takes the demoting end's marker

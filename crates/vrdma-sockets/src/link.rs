@@ -806,6 +806,7 @@ impl Link {
         if self.p_reads_switched() {
             return self.read_kernel(iov, 0, nonblocking, peek, all);
         }
+        crate::pause::at(crate::pause::Point::RecvLock);
         let mut rx = lock(&self.rx);
         // Switched by another reader thread while this one waited for
         // the receive lock: the socket's head is data now, no marker.
@@ -1360,6 +1361,7 @@ impl Link {
         if let Some(r) = self.write_demoted(iov, nonblocking.nonblocking()) {
             return r;
         }
+        crate::pause::at(crate::pause::Point::SendLock);
         let mut tx = lock(&self.tx);
         if after_send_lock(self.d_state()) == Recheck::Demoted {
             // Waited for the send lock while the driver demoted (it held

@@ -48,7 +48,10 @@
 //! parent echoes the rest. `sink` (against `client`): the parent reads
 //! 16 KiB, forks and closes its copy at once; the child reads and checks
 //! the rest (the client waits for credits meanwhile), answers `ok N`.
-//! `sink-quiet` (against `sendclose`): `sink`, but the child reads until
+//! `write-N` (against `readcheck`): the parent writes N pattern bytes
+//! in 64 KiB writes, the first before a fork, then closes; the child, 50 ms after
+//! the fork, reads the connection (which asks for its demotion) until
+//! the end. `sink-quiet` (against `sendclose`): `sink`, but the child reads until
 //! the end and answers nothing (says `received N, then the end`).
 //! `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
@@ -349,6 +352,9 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
+    if let Some(n) = mode.strip_prefix("write-") {
+        return fork_write(s, n.parse().map_err(|_| format!("mode {mode}"))?);
+    }
     if mode == "sink" || mode == "sink-quiet" {
         return sink_split(s, mode == "sink");
     }
@@ -1614,6 +1620,81 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
     Ok(s)
 }
 
+/// `forkecho PORT write-N`: the parent writes while its child's read
+/// asks for the demotion.
+fn fork_write(mut s: TcpStream, bytes: u64) -> Result<(), String> {
+    // The first write carries the connection, before the fork.
+    let first = 65_536u64.min(bytes);
+    let data: Vec<u8> = (0..first).map(pattern).collect();
+    s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only reads
+    // the connection and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let mut b = [0u8; 16];
+            let r = s.read(&mut b);
+            drop(s);
+            std::process::exit(match r {
+                Ok(0) => 0,
+                Ok(n) => {
+                    eprintln!("sockapp child: read {n} bytes, the client sends none");
+                    1
+                }
+                Err(e) => {
+                    eprintln!("sockapp child: read: {e}");
+                    1
+                }
+            })
+        }
+        child => {
+            let mut sent = first;
+            while sent < bytes {
+                let n = 65_536u64.min(bytes - sent);
+                let data: Vec<u8> = (0..n).map(|k| pattern(sent + k)).collect();
+                s.write_all(&data).map_err(|e| format!("write after {sent}: {e}"))?;
+                sent += n;
+            }
+            drop(s);
+            println!("wrote {sent}");
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `readcheck PORT BYTES`: reads BYTES pattern bytes, checking each, and
+/// closes.
+fn readcheck(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0u64;
+    while got < bytes {
+        let want = buf.len().min((bytes - got) as usize);
+        let k = s.read(&mut buf[..want]).map_err(|e| format!("read after {got}: {e}"))?;
+        if k == 0 {
+            return Err(format!("the end after {got} of {bytes}"));
+        }
+        if let Some(i) = (0..k).find(|&i| buf[i] != pattern(got + i as u64)) {
+            return Err(format!("byte {} is {}, sent {}", got + i as u64, buf[i], pattern(got + i as u64)));
+        }
+        got += k as u64;
+    }
+    // (The end comes only once the server's child closes too, after this
+    // close.)
+    println!("read {got}");
+    Ok(())
+}
+
 /// `sendclose PORT BYTES`: writes the bytes, closes, reads nothing.
 fn sendclose(port: u16, bytes: u64) -> Result<(), String> {
     let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
@@ -2648,6 +2729,7 @@ fn main() {
     let r = match args.get(1).map(String::as_str) {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("readcheck") => readcheck(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sendclose") => sendclose(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
         Some("forkserver") => forkserver(port()),

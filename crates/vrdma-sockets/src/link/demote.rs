@@ -425,6 +425,7 @@ impl Link {
             // (The ring was looked at before the socket: the peer's last
             // ring bytes may have landed in between, then its marker or
             // end came. Looked at again before either is believed.)
+            crate::pause::at(crate::pause::Point::RingThenSocket);
             let h = head(self.sock)?;
             let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
             let late = self.waiting(rd) > 0;
