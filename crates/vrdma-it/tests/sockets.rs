@@ -166,6 +166,12 @@ mod preload {
 
     /// [`fork_echo`], the server run with `env` too.
     fn fork_echo_with(mode: &str, env: &[(&str, &str)]) -> Result<harness::Finished> {
+        fork_echo_envs(mode, env, &[])
+    }
+
+    /// [`fork_echo`], the server run with `env` too, the client with
+    /// `client_env`.
+    fn fork_echo_envs(mode: &str, env: &[(&str, &str)], client_env: &[(&str, &str)]) -> Result<harness::Finished> {
         let _one = harness::one_at_a_time();
         let d = DaemonProc::start()?;
         let ctx = d.context()?;
@@ -177,7 +183,9 @@ mod preload {
             listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
         })?;
         let args = ["echoclient".into(), port.to_string(), ECHO_BYTES.to_string()];
-        let c = spawn(sockapp(&d, true, &args), "echoclient").finish(LIMIT);
+        let mut cmd = sockapp(&d, true, &args);
+        cmd.envs(client_env.iter().copied());
+        let c = spawn(cmd, "echoclient").finish(LIMIT);
         let s = s.finish(LIMIT);
         c.assert_ok();
         s.assert_ok();
@@ -271,6 +279,23 @@ mod preload {
             // (never set: 0) again, not the library's (1).
             assert!(s.stdout.contains("nodelay 0"), "{mode}: {}", s.describe());
         }
+        Ok(())
+    }
+
+    /// As above (`early-split`), with test pauses that force the peer's
+    /// last ring write and its marker into the window between a demoted
+    /// read's look at the ring (empty) and its look at the socket: the
+    /// client pauses before each ring write, the server's reads after
+    /// finding the ring empty. The read must look at the ring again (the
+    /// bytes before the marker), not reset the connection.
+    #[test]
+    fn a_demoted_read_reads_ring_bytes_that_landed_before_the_peers_marker() -> Result<()> {
+        let s = fork_echo_envs(
+            "early-split",
+            &[("VRDMA_SOCKETS_TEST_PAUSE", "ring-then-socket:50000")],
+            &[("VRDMA_SOCKETS_TEST_PAUSE", "ring-write:20000")],
+        )?;
+        assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
         Ok(())
     }
 

@@ -1378,6 +1378,7 @@ impl Link {
             drop(tx);
             return self.write_kernel(iov, nonblocking.nonblocking());
         }
+        crate::pause::at(crate::pause::Point::RingWrite);
         if self.peer_closed() {
             // As TCP after the peer's close: the first write is taken
             // (its bytes are lost with the peer, which answers with a

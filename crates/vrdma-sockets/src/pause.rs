@@ -14,6 +14,9 @@ pub(crate) enum Point {
     /// `write`: its look at the demotion state done, before it takes the
     /// send lock.
     SendLock,
+    /// `write`: its look at whether the peer demoted done (not yet),
+    /// before its ring write.
+    RingWrite,
     /// A peer's `read`: its look at whether the reads switched done,
     /// before it takes the receive lock.
     RecvLock,
@@ -26,6 +29,7 @@ impl Point {
     fn name(self) -> &'static str {
         match self {
             Point::SendLock => "send-lock",
+            Point::RingWrite => "ring-write",
             Point::RecvLock => "recv-lock",
             Point::RingThenSocket => "ring-then-socket",
         }
