@@ -364,6 +364,36 @@ mod preload {
         Ok(())
     }
 
+    /// Two reader threads at the peer of a demotion: each read pauses (a
+    /// test hook) before the receive lock, so one thread switches the
+    /// reads (takes the marker) while the other waits for the lock; that
+    /// one must read the kernel socket, not look for the marker again
+    /// (which took data bytes for wake bytes, or reset).
+    #[test]
+    fn a_second_reader_thread_at_the_peer_reads_the_kernel_after_the_switch() -> Result<()> {
+        const N: u64 = 4 << 20;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(
+            sockapp(&d, true, &["forkecho".into(), port.to_string(), format!("writenb-{N}")]),
+            "forkecho writenb",
+        );
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let mut cmd = sockapp(&d, true, &["readsplit".into(), port.to_string(), N.to_string()]);
+        cmd.env("VRDMA_SOCKETS_TEST_PAUSE", "recv-lock:20000");
+        let c = spawn(cmd, "readsplit").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("read {N}, then the end")), "{}", c.describe());
+        assert!(c.stderr.contains("reading the kernel socket"), "{}", c.describe());
+        Ok(())
+    }
+
     /// A client streaming 16 MiB to a server that read 16 KiB, forked and
     /// closed its copy (as above), that closes at once after its last
     /// write, reading nothing: its close takes the demoting end's marker

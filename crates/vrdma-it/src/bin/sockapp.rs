@@ -51,7 +51,9 @@
 //! `write-N` (against `readcheck`): the parent writes N pattern bytes
 //! in 64 KiB writes, the first before a fork, then closes; the child, 50 ms after
 //! the fork, reads the connection (which asks for its demotion) until
-//! the end. `sink-quiet` (against `sendclose`): `sink`, but the child reads until
+//! the end (`writenb-N`: the child makes one non-blocking read and
+//! exits; against `readsplit`, two threads reading until the end).
+//! `sink-quiet` (against `sendclose`): `sink`, but the child reads until
 //! the end and answers nothing (says `received N, then the end`).
 //! `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
@@ -353,7 +355,10 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
     if let Some(n) = mode.strip_prefix("write-") {
-        return fork_write(s, n.parse().map_err(|_| format!("mode {mode}"))?);
+        return fork_write(s, n.parse().map_err(|_| format!("mode {mode}"))?, false);
+    }
+    if let Some(n) = mode.strip_prefix("writenb-") {
+        return fork_write(s, n.parse().map_err(|_| format!("mode {mode}"))?, true);
     }
     if mode == "sink" || mode == "sink-quiet" {
         return sink_split(s, mode == "sink");
@@ -1622,7 +1627,7 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
 
 /// `forkecho PORT write-N`: the parent writes while its child's read
 /// asks for the demotion.
-fn fork_write(mut s: TcpStream, bytes: u64) -> Result<(), String> {
+fn fork_write(mut s: TcpStream, bytes: u64, child_nb: bool) -> Result<(), String> {
     // The first write carries the connection, before the fork.
     let first = 65_536u64.min(bytes);
     let data: Vec<u8> = (0..first).map(pattern).collect();
@@ -1635,6 +1640,19 @@ fn fork_write(mut s: TcpStream, bytes: u64) -> Result<(), String> {
         0 => {
             std::thread::sleep(std::time::Duration::from_millis(50));
             let mut b = [0u8; 16];
+            if child_nb {
+                // One non-blocking read (the demotion, then nothing: the
+                // client sends none), and gone.
+                let r = s.set_nonblocking(true).and_then(|()| s.read(&mut b));
+                drop(s);
+                std::process::exit(match r {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+                    r => {
+                        eprintln!("sockapp child: read: {r:?}");
+                        1
+                    }
+                })
+            }
             let r = s.read(&mut b);
             drop(s);
             std::process::exit(match r {
@@ -1692,6 +1710,39 @@ fn readcheck(port: u16, bytes: u64) -> Result<(), String> {
     // (The end comes only once the server's child closes too, after this
     // close.)
     println!("read {got}");
+    Ok(())
+}
+
+/// `readsplit PORT BYTES`: two threads read the connection at once
+/// until its end; the bytes' count and sum must be the pattern's.
+fn readsplit(port: u16, bytes: u64) -> Result<(), String> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let (got, sum) = (AtomicU64::new(0), AtomicU64::new(0));
+    std::thread::scope(|sc| {
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut buf = vec![0u8; 65_536];
+                    loop {
+                        let k = (&s).read(&mut buf).map_err(|e| format!("read: {e}"))?;
+                        if k == 0 {
+                            return Ok::<(), String>(());
+                        }
+                        got.fetch_add(k as u64, Ordering::Relaxed);
+                        sum.fetch_add(buf[..k].iter().map(|&b| b as u64).sum(), Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        readers.into_iter().try_for_each(|r| r.join().map_err(|_| "a reader panicked".to_string())?)
+    })?;
+    let want: u64 = (0..bytes).map(|i| pattern(i) as u64).sum();
+    let (got, sum) = (got.into_inner(), sum.into_inner());
+    if got != bytes || sum != want {
+        return Err(format!("read {got} bytes of sum {sum}, sent {bytes} of sum {want}"));
+    }
+    println!("read {got}, then the end");
     Ok(())
 }
 
@@ -2729,6 +2780,7 @@ fn main() {
     let r = match args.get(1).map(String::as_str) {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("readsplit") => readsplit(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("readcheck") => readcheck(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sendclose") => sendclose(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
