@@ -210,10 +210,7 @@ pub fn request(s: &Arc<Stream>) -> Option<Result<(), c_int>> {
                     let _ = d.req.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire);
                     asked = true;
                 }
-                // SAFETY: kill(2) with signal 0 only asks whether the
-                // process exists.
-                let gone =
-                    unsafe { libc::kill(driver as i32, 0) } != 0 && crate::table::errno() == libc::ESRCH;
+                let gone = !crate::owner::exists(driver);
                 if gone || start.elapsed() > bound {
                     // Taken back unless the driver took it meanwhile (then
                     // it demotes: this call still fails, the next ones

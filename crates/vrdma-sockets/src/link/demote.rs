@@ -159,10 +159,9 @@ impl<'a> RingLock<'a> {
                 Ok(_) => return RingLock(d),
                 Err(holder) => {
                     spins += 1;
-                    // A holder that died with it (killed mid-copy) leaves it.
-                    // SAFETY: kill(2) with signal 0 only asks whether the
-                    // process exists.
-                    if spins.is_multiple_of(4096) && unsafe { libc::kill(holder as i32, 0) } != 0 {
+                    // A holder that died with it (killed mid-copy) leaves it
+                    // (gone: `ESRCH` only; `EPERM` is a live process).
+                    if spins.is_multiple_of(4096) && !crate::owner::exists(holder) {
                         let _ = d.lock.compare_exchange(holder, 0, Ordering::AcqRel, Ordering::Acquire);
                     }
                     if spins > 64 {
