@@ -772,12 +772,23 @@ impl Link {
     /// Bytes a read would find now, for `FIONREAD`: those waiting in the
     /// ring; none while another thread's read holds it (that read is
     /// taking them, or waits for more).
-    pub fn readable_bytes(&self) -> usize {
-        match self.rx.try_lock() {
+    ///
+    /// `None`: the kernel's count is the answer (the reads went to the
+    /// kernel socket in a demotion). Demoted at this end, the ring's
+    /// bytes from the shared read count (the socket holds wake bytes and
+    /// the peer's marker before its data).
+    pub fn readable_bytes(&self) -> Option<usize> {
+        if self.p_reads_switched() || self.d_state() == crate::owner::D_DONE {
+            return None;
+        }
+        if self.d_demoted() {
+            return Some(self.demoted_waiting());
+        }
+        Some(match self.rx.try_lock() {
             Ok(rx) => self.waiting(rx.rd),
             Err(std::sync::TryLockError::Poisoned(p)) => self.waiting(p.into_inner().rd),
             Err(std::sync::TryLockError::WouldBlock) => 0,
-        }
+        })
     }
 
     /// Reads into `iov` (total `cap` bytes): at least one byte, 0 at the

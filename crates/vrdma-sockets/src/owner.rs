@@ -146,6 +146,10 @@ pub fn gone(r: i32, errno: i32) -> bool {
 
 /// Whether process `pid` exists (a zombie not reaped yet included).
 pub fn exists(pid: u32) -> bool {
+    // (0 and the negative ids name groups, not a process.)
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
     // SAFETY: kill(2) with signal 0 only asks whether the process exists.
     let r = unsafe { libc::kill(pid as i32, 0) };
     !gone(r, if r != 0 { crate::table::errno() } else { 0 })

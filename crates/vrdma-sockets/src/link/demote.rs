@@ -60,8 +60,11 @@ fn parse_mark(b: &[u8; MARK_LEN]) -> Option<u64> {
 enum Head {
     /// A whole marker and record (not taken yet): the count.
     Mark(u64),
-    /// Nothing yet (or part of a marker).
+    /// Nothing yet.
     Nothing,
+    /// Part of a marker (the socket reads readable: a wait for it must
+    /// sleep, not poll).
+    Part,
     /// The socket's end.
     End,
     /// Not a marker: a protocol error.
@@ -93,7 +96,7 @@ fn head(sock: c_int) -> Res<Head> {
             continue;
         }
         if n < MARK_LEN {
-            return Ok(Head::Nothing);
+            return Ok(Head::Part);
         }
         let m: [u8; MARK_LEN] = b[..MARK_LEN].try_into().unwrap_or([1; MARK_LEN]);
         return Ok(parse_mark(&m).map_or(Head::Bad, Head::Mark));
@@ -137,6 +140,16 @@ fn take_mark(sock: c_int) {
     let mut b = [0u8; MARK_LEN];
     // SAFETY: `b` is valid for its length; the bytes are in the socket.
     unsafe { real::recv(sock, b.as_mut_ptr().cast(), MARK_LEN, libc::MSG_DONTWAIT) };
+}
+
+/// Waits for more of the head of `sock`: a part of a marker (readable
+/// already) a millisecond, else until it is readable, `max` at most.
+fn wait_more(sock: c_int, part: bool, max: Duration) {
+    if part {
+        std::thread::sleep(Duration::from_millis(1));
+    } else {
+        wait_readable(sock, max);
+    }
 }
 
 /// Waits until `sock` is readable, `max` at most.
@@ -246,16 +259,27 @@ impl Link {
             // peer that closed writes no more (its last byte landed
             // before its `CLOSED` word): its ring is read, then its end.
             if !self.p_wr.load(Ordering::Acquire) && !self.peer_closed() {
-                self.flush()?;
-                let _ = self.stage.write_u64(S_DEMOTE, w + 1);
-                self.write_word(S_DEMOTE, 8, DEMOTE)?;
-                // A peer writer waiting for credits wakes and sees the word.
-                self.answer_want(&mut lock(&self.post));
-                let _ = self.flush_sends();
-                // Shut for writing: its FIN is on the socket already, and
-                // the peer reads its ring up to the count, then the end.
-                if !tx.shut {
-                    crate::stream::send_all(self.sock, &mark(w))?;
+                let told = (|| -> Res<()> {
+                    self.flush()?;
+                    let _ = self.stage.write_u64(S_DEMOTE, w + 1);
+                    self.write_word(S_DEMOTE, 8, DEMOTE)?;
+                    // A peer writer waiting for credits wakes and sees the word.
+                    self.answer_want(&mut lock(&self.post));
+                    let _ = self.flush_sends();
+                    // Shut for writing: its FIN is on the socket already, and
+                    // the peer reads its ring up to the count, then the end.
+                    if !tx.shut {
+                        crate::stream::send_all(self.sock, &mark(w))?;
+                    }
+                    Ok(())
+                })();
+                // A peer that closed meanwhile (its `CLOSED` word landed
+                // after the look above) fails the writes: as if it had
+                // closed before (its ring is read, then its end).
+                if let Err(e) = told {
+                    if !self.peer_closed() {
+                        return Err(e);
+                    }
                 }
             }
             // No wake byte goes any more: the program's socket options
@@ -288,7 +312,7 @@ impl Link {
         let end = Instant::now() + wait_ms();
         let Some(d) = self.demote_words() else { return };
         while Instant::now() < end {
-            {
+            let part = {
                 // (Under the lock: another holder may take the marker
                 // off, after which the socket holds data.)
                 let _g = RingLock::take(d);
@@ -296,11 +320,13 @@ impl Link {
                     return;
                 }
                 // (Wake bytes are taken off: they are no holder's data.)
-                if !matches!(head(self.sock), Ok(Head::Nothing)) {
-                    return;
+                match head(self.sock) {
+                    Ok(Head::Nothing) => false,
+                    Ok(Head::Part) => true,
+                    _ => return,
                 }
-            }
-            wait_readable(self.sock, Duration::from_millis(10));
+            };
+            wait_more(self.sock, part, Duration::from_millis(10));
         }
         crate::dev::debug("the peer did not answer the demotion before this close");
     }
@@ -371,9 +397,9 @@ impl Link {
                     crate::dev::debug(&format!("the peer's marker after {c} bytes taken at a close"));
                     return;
                 }
-                Ok(Head::Nothing) if Instant::now() < end => {
+                Ok(h @ (Head::Nothing | Head::Part)) if Instant::now() < end => {
                     drop(g);
-                    wait_readable(self.sock, Duration::from_millis(10));
+                    wait_more(self.sock, matches!(h, Head::Part), Duration::from_millis(10));
                 }
                 _ => return,
             }
@@ -426,6 +452,7 @@ impl Link {
             // end came. Looked at again before either is believed.)
             crate::pause::at(crate::pause::Point::RingThenSocket);
             let h = head(self.sock)?;
+            let part = matches!(h, Head::Part);
             let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
             let late = self.waiting(rd) > 0;
             match h {
@@ -451,7 +478,7 @@ impl Link {
                 // The peer's last ring bytes first, then its end.
                 Head::End if late => continue,
                 Head::End => return Ok(done),
-                Head::Nothing => {}
+                Head::Nothing | Head::Part => {}
             }
             drop(g);
             if done > 0 && (nonblocking || !all) {
@@ -462,7 +489,7 @@ impl Link {
             }
             // The peer's ring bytes that land before it stops send no
             // wake byte (nobody armed): looked at again in a while.
-            wait_readable(self.sock, Duration::from_millis(10));
+            wait_more(self.sock, part, Duration::from_millis(10));
         }
     }
 
@@ -556,8 +583,13 @@ impl Link {
     /// Whether ring bytes wait beyond the shared read count (readiness of a
     /// connection in a demotion, which no wake byte announces).
     pub(crate) fn demoted_bytes(&self) -> bool {
+        self.demoted_waiting() > 0
+    }
+
+    /// How many ring bytes wait beyond the shared read count.
+    pub(crate) fn demoted_waiting(&self) -> usize {
         let rd = self.demote_words().map_or(u64::MAX, |d| d.rd.load(Ordering::Acquire));
-        self.waiting(rd) > 0
+        self.waiting(rd)
     }
 
     /// The process whose context made the link (its QP and regions).
@@ -653,10 +685,10 @@ impl Link {
                     rx.eof = true;
                     return Ok(PSwitch::End);
                 }
-                Head::Nothing if nonblocking => return Err(libc::EAGAIN),
-                Head::Nothing => {
+                Head::Nothing | Head::Part if nonblocking => return Err(libc::EAGAIN),
+                h @ (Head::Nothing | Head::Part) => {
                     drop(g);
-                    wait_readable(self.sock, Duration::from_millis(100));
+                    wait_more(self.sock, matches!(h, Head::Part), Duration::from_millis(100));
                 }
             }
         }
