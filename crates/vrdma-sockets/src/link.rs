@@ -953,6 +953,14 @@ impl Link {
             let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), 1, flags) };
             match r {
                 0 => rx.eof = true,
+                // A 0 with no `DEMOTE` word (which lands before a demoting
+                // peer sends its marker) and no demotion here: no wake
+                // byte, nothing that the protocol sends; every take-off
+                // stops before it, so it would stay for ever.
+                1.. if b[0] == 0 && self.peer_demoted().is_none() && !self.in_demotion() => {
+                    crate::dev::debug("a 0 byte with no demotion on the socket: a protocol error");
+                    return if done > 0 { Ok(done) } else { Err(libc::ECONNRESET) };
+                }
                 1.. => rx.armed = false,
                 _ => match crate::table::errno() {
                     libc::EINTR if !nonblocking => {}
