@@ -171,7 +171,11 @@ mod preload {
 
     /// [`fork_echo`], the server run with `env` too, the client with
     /// `client_env`.
-    fn fork_echo_envs(mode: &str, env: &[(&str, &str)], client_env: &[(&str, &str)]) -> Result<harness::Finished> {
+    fn fork_echo_envs(
+        mode: &str,
+        env: &[(&str, &str)],
+        client_env: &[(&str, &str)],
+    ) -> Result<harness::Finished> {
         let _one = harness::one_at_a_time();
         let d = DaemonProc::start()?;
         let ctx = d.context()?;
@@ -410,8 +414,9 @@ mod preload {
         vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
             listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
         })?;
-        let c = spawn(sockapp(&d, true, &["sendclose".into(), port.to_string(), BYTES.to_string()]), "sendclose")
-            .finish(LIMIT);
+        let c =
+            spawn(sockapp(&d, true, &["sendclose".into(), port.to_string(), BYTES.to_string()]), "sendclose")
+                .finish(LIMIT);
         let s = s.finish(LIMIT);
         c.assert_ok();
         s.assert_ok();

@@ -218,7 +218,9 @@ pub fn request(s: &Arc<Stream>) -> Option<Result<(), c_int>> {
             // The driver's own waits are bounded; twice the bound at most.
             D_DEMOTING if start.elapsed() > 2 * bound => return Some(Err(libc::ECONNRESET)),
             // A driver that died mid-demotion finishes nothing.
-            D_DEMOTING if s.owner.driver() != crate::owner::FREE && !crate::owner::exists(s.owner.driver()) => {
+            D_DEMOTING
+                if s.owner.driver() != crate::owner::FREE && !crate::owner::exists(s.owner.driver()) =>
+            {
                 crate::dev::debug("the driver of this connection died while it demoted it: ECONNRESET");
                 return Some(Err(libc::ECONNRESET));
             }

@@ -195,7 +195,8 @@ impl Demote {
     /// themselves yet (stale after [`PENDING_AGE`]).
     fn pending_now(&self) -> bool {
         self.pending.load(Ordering::Acquire) != 0
-            && now_ms().saturating_sub(self.pending_at.load(Ordering::Acquire)) < PENDING_AGE.as_millis() as u64
+            && now_ms().saturating_sub(self.pending_at.load(Ordering::Acquire))
+                < PENDING_AGE.as_millis() as u64
     }
 
     /// A forked child let it go (its close, or its exec).
