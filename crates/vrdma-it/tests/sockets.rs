@@ -166,6 +166,16 @@ mod preload {
 
     /// [`fork_echo`], the server run with `env` too.
     fn fork_echo_with(mode: &str, env: &[(&str, &str)]) -> Result<harness::Finished> {
+        fork_echo_envs(mode, env, &[])
+    }
+
+    /// [`fork_echo`], the server run with `env` too, the client with
+    /// `client_env`.
+    fn fork_echo_envs(
+        mode: &str,
+        env: &[(&str, &str)],
+        client_env: &[(&str, &str)],
+    ) -> Result<harness::Finished> {
         let _one = harness::one_at_a_time();
         let d = DaemonProc::start()?;
         let ctx = d.context()?;
@@ -177,7 +187,9 @@ mod preload {
             listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
         })?;
         let args = ["echoclient".into(), port.to_string(), ECHO_BYTES.to_string()];
-        let c = spawn(sockapp(&d, true, &args), "echoclient").finish(LIMIT);
+        let mut cmd = sockapp(&d, true, &args);
+        cmd.envs(client_env.iter().copied());
+        let c = spawn(cmd, "echoclient").finish(LIMIT);
         let s = s.finish(LIMIT);
         c.assert_ok();
         s.assert_ok();
@@ -274,6 +286,23 @@ mod preload {
         Ok(())
     }
 
+    /// As above (`early-split`), with test pauses that force the peer's
+    /// last ring write and its marker into the window between a demoted
+    /// read's look at the ring (empty) and its look at the socket: the
+    /// client pauses before each ring write, the server's reads after
+    /// finding the ring empty. The read must look at the ring again (the
+    /// bytes before the marker), not reset the connection.
+    #[test]
+    fn a_demoted_read_reads_ring_bytes_that_landed_before_the_peers_marker() -> Result<()> {
+        let s = fork_echo_envs(
+            "early-split",
+            &[("VRDMA_SOCKETS_TEST_PAUSE", "ring-then-socket:50000")],
+            &[("VRDMA_SOCKETS_TEST_PAUSE", "ring-write:20000")],
+        )?;
+        assert!(s.stdout.contains(&format!("echoed {ECHO_BYTES}")), "{}", s.describe());
+        Ok(())
+    }
+
     /// The parent carried the connection and read some of it, forks and
     /// closes its copy: the child serves the rest alone. Needs the fork
     /// demotion: today the child gets `EIO`.
@@ -307,6 +336,91 @@ mod preload {
         s.assert_ok();
         assert!(s.stdout.contains(&format!("received {BYTES}")), "{}", s.describe());
         assert!(s.stderr.contains("demoted after"), "{}", s.describe());
+        assert!(c.stderr.contains("the peer demoted"), "{}", c.describe());
+        Ok(())
+    }
+
+    /// The parent writes 8 MiB while its child's read asks for the
+    /// demotion; each write pauses (a test hook) after its look at the
+    /// demotion state, before the send lock, so the demotion takes the
+    /// lock in that window: the write must not go into the ring after
+    /// the marker. The carried client reads and checks every byte.
+    #[test]
+    fn a_write_that_waited_for_the_send_lock_during_a_demotion_goes_to_the_kernel() -> Result<()> {
+        const N: u64 = 8 << 20;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let mut cmd = sockapp(&d, true, &["forkecho".into(), port.to_string(), format!("write-{N}")]);
+        cmd.env("VRDMA_SOCKETS_TEST_PAUSE", "send-lock:20000");
+        let s = spawn(cmd, "forkecho write");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c = spawn(sockapp(&d, true, &["readcheck".into(), port.to_string(), N.to_string()]), "readcheck")
+            .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("read {N}")), "{}", c.describe());
+        assert!(s.stderr.contains("demoted after"), "{}", s.describe());
+        Ok(())
+    }
+
+    /// Two reader threads at the peer of a demotion: each read pauses (a
+    /// test hook) before the receive lock, so one thread switches the
+    /// reads (takes the marker) while the other waits for the lock; that
+    /// one must read the kernel socket, not look for the marker again
+    /// (which took data bytes for wake bytes, or reset).
+    #[test]
+    fn a_second_reader_thread_at_the_peer_reads_the_kernel_after_the_switch() -> Result<()> {
+        const N: u64 = 4 << 20;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(
+            sockapp(&d, true, &["forkecho".into(), port.to_string(), format!("writenb-{N}")]),
+            "forkecho writenb",
+        );
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let mut cmd = sockapp(&d, true, &["readsplit".into(), port.to_string(), N.to_string()]);
+        cmd.env("VRDMA_SOCKETS_TEST_PAUSE", "recv-lock:20000");
+        let c = spawn(cmd, "readsplit").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("read {N}, then the end")), "{}", c.describe());
+        assert!(c.stderr.contains("reading the kernel socket"), "{}", c.describe());
+        Ok(())
+    }
+
+    /// A client streaming 16 MiB to a server that read 16 KiB, forked and
+    /// closed its copy (as above), that closes at once after its last
+    /// write, reading nothing: its close takes the demoting end's marker
+    /// off, so its kernel sends FIN, not RST; the child reads every byte,
+    /// then the end (a reset lost the client's unsent bytes).
+    #[test]
+    fn a_peer_that_closes_after_its_last_write_in_a_demotion_ends_with_fin() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let args = ["forkecho".into(), port.to_string(), "sink-quiet".into()];
+        let s = spawn(sockapp(&d, true, &args), "forkecho sink-quiet");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let c =
+            spawn(sockapp(&d, true, &["sendclose".into(), port.to_string(), BYTES.to_string()]), "sendclose")
+                .finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(s.stdout.contains(&format!("received {BYTES}, then the end")), "{}", s.describe());
         assert!(c.stderr.contains("the peer demoted"), "{}", c.describe());
         Ok(())
     }

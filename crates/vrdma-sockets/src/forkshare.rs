@@ -130,21 +130,39 @@ fn watch() {
     let _g = crate::table::Guard::enter();
     loop {
         std::thread::sleep(Duration::from_millis(1));
+        // (Every `Arc` taken here is dropped after the list's lock: the
+        // last one runs the stream's drop, whose close may wait.)
+        let mut dropped: Vec<Arc<Stream>> = Vec::new();
         let streams: Vec<Arc<Stream>> = {
             let mut w = list();
-            w.retain(|x| x.upgrade().is_some_and(|s| watched(&s)));
+            w.retain(|x| match x.upgrade() {
+                Some(s) => {
+                    let keep = watched(&s);
+                    dropped.push(s);
+                    keep
+                }
+                None => false,
+            });
             if w.is_empty() {
                 RUNNING.store(false, Ordering::Release);
+                drop(w);
+                drop(dropped);
                 return;
             }
             w.iter().filter_map(Weak::upgrade).collect()
         };
+        drop(dropped);
         for s in streams {
             let Some(d) = s.owner.demote() else { continue };
             if d.req.load(Ordering::Acquire) == 0 {
                 continue;
             }
             let Some(l) = s.link_now() else { continue };
+            // A `riomap` made after the fork: not demoted (the request
+            // times out, `ECONNRESET`).
+            if !l.can_demote() {
+                continue;
+            }
             if d.state.compare_exchange(D_NONE, D_DEMOTING, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 crate::dev::debug("another process asks for this connection: demoting it");
                 l.demote_as_driver();
@@ -199,6 +217,13 @@ pub fn request(s: &Arc<Stream>) -> Option<Result<(), c_int>> {
             D_FAILED => return Some(Err(libc::ECONNRESET)),
             // The driver's own waits are bounded; twice the bound at most.
             D_DEMOTING if start.elapsed() > 2 * bound => return Some(Err(libc::ECONNRESET)),
+            // A driver that died mid-demotion finishes nothing.
+            D_DEMOTING
+                if s.owner.driver() != crate::owner::FREE && !crate::owner::exists(s.owner.driver()) =>
+            {
+                crate::dev::debug("the driver of this connection died while it demoted it: ECONNRESET");
+                return Some(Err(libc::ECONNRESET));
+            }
             D_DEMOTING => {}
             _ => {
                 let driver = s.owner.driver();
@@ -210,10 +235,7 @@ pub fn request(s: &Arc<Stream>) -> Option<Result<(), c_int>> {
                     let _ = d.req.compare_exchange(0, me, Ordering::AcqRel, Ordering::Acquire);
                     asked = true;
                 }
-                // SAFETY: kill(2) with signal 0 only asks whether the
-                // process exists.
-                let gone =
-                    unsafe { libc::kill(driver as i32, 0) } != 0 && crate::table::errno() == libc::ESRCH;
+                let gone = driver != crate::owner::FREE && !crate::owner::exists(driver);
                 if gone || start.elapsed() > bound {
                     // Taken back unless the driver took it meanwhile (then
                     // it demotes: this call still fails, the next ones

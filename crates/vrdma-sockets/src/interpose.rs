@@ -744,7 +744,7 @@ fn ring_bytes(fd: c_int) -> Option<usize> {
             _ => return None,
         };
         if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
-            return Some(keep_errno(|| l.readable_bytes()));
+            return keep_errno(|| l.readable_bytes());
         }
         if !s.undecided() {
             return None;
@@ -756,7 +756,7 @@ fn ring_bytes(fd: c_int) -> Option<usize> {
     }
     // The peer's message is there: deciding now does not wait for it.
     match keep_errno(|| target(fd)) {
-        Target::Link(l) => Some(keep_errno(|| l.readable_bytes())),
+        Target::Link(l) => keep_errno(|| l.readable_bytes()),
         Target::Pass | Target::Fail(_) => None,
     }
 }

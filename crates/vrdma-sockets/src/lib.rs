@@ -131,6 +131,7 @@ mod kept;
 mod link;
 mod listener;
 mod owner;
+mod pause;
 mod pid;
 mod progress;
 mod readiness;

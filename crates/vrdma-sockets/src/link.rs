@@ -772,12 +772,23 @@ impl Link {
     /// Bytes a read would find now, for `FIONREAD`: those waiting in the
     /// ring; none while another thread's read holds it (that read is
     /// taking them, or waits for more).
-    pub fn readable_bytes(&self) -> usize {
-        match self.rx.try_lock() {
+    ///
+    /// `None`: the kernel's count is the answer (the reads went to the
+    /// kernel socket in a demotion). Demoted at this end, the ring's
+    /// bytes from the shared read count (the socket holds wake bytes and
+    /// the peer's marker before its data).
+    pub fn readable_bytes(&self) -> Option<usize> {
+        if self.p_reads_switched() || self.d_state() == crate::owner::D_DONE {
+            return None;
+        }
+        if self.d_demoted() {
+            return Some(self.demoted_waiting());
+        }
+        Some(match self.rx.try_lock() {
             Ok(rx) => self.waiting(rx.rd),
             Err(std::sync::TryLockError::Poisoned(p)) => self.waiting(p.into_inner().rd),
             Err(std::sync::TryLockError::WouldBlock) => 0,
-        }
+        })
     }
 
     /// Reads into `iov` (total `cap` bytes): at least one byte, 0 at the
@@ -806,7 +817,14 @@ impl Link {
         if self.p_reads_switched() {
             return self.read_kernel(iov, 0, nonblocking, peek, all);
         }
+        crate::pause::at(crate::pause::Point::RecvLock);
         let mut rx = lock(&self.rx);
+        // Switched by another reader thread while this one waited for
+        // the receive lock: the socket's head is data now, no marker.
+        if self.p_reads_switched() {
+            drop(rx);
+            return self.read_kernel(iov, 0, nonblocking, peek, all);
+        }
         // This end's writes in flight: their wakes go out now (a write's
         // errors are the writer's to see).
         let _ = self.reap();
@@ -876,11 +894,16 @@ impl Link {
                 if done > 0 {
                     return Ok(done);
                 }
-                return if self.p_switch_reads(&mut rx, nonblocking)? {
-                    drop(rx);
-                    self.read_kernel(iov, 0, nonblocking, peek, all)
-                } else {
-                    Ok(0)
+                return match self.p_switch_reads(&mut rx, nonblocking)? {
+                    demote::PSwitch::Kernel => {
+                        drop(rx);
+                        self.read_kernel(iov, 0, nonblocking, peek, all)
+                    }
+                    demote::PSwitch::End => Ok(0),
+                    demote::PSwitch::Demoted => {
+                        drop(rx);
+                        self.read_demoted(iov, cap, 0, nonblocking, peek, all)
+                    }
                 };
             }
             if !rx.armed && lazy_nb && !self.peer_closed() && self.leave_unarmed() {
@@ -930,6 +953,14 @@ impl Link {
             let r = unsafe { real::recv(self.sock, b.as_mut_ptr().cast(), 1, flags) };
             match r {
                 0 => rx.eof = true,
+                // A 0 with no `DEMOTE` word (which lands before a demoting
+                // peer sends its marker) and no demotion here: no wake
+                // byte, nothing that the protocol sends; every take-off
+                // stops before it, so it would stay for ever.
+                1.. if b[0] == 0 && self.peer_demoted().is_none() && !self.in_demotion() => {
+                    crate::dev::debug("a 0 byte with no demotion on the socket: a protocol error");
+                    return if done > 0 { Ok(done) } else { Err(libc::ECONNRESET) };
+                }
                 1.. => rx.armed = false,
                 _ => match crate::table::errno() {
                     libc::EINTR if !nonblocking => {}
@@ -1349,7 +1380,15 @@ impl Link {
         if let Some(r) = self.write_demoted(iov, nonblocking.nonblocking()) {
             return r;
         }
+        crate::pause::at(crate::pause::Point::SendLock);
         let mut tx = lock(&self.tx);
+        if after_send_lock(self.d_state()) == Recheck::Demoted {
+            // Waited for the send lock while the driver demoted (it held
+            // it): its marker is sent, so nothing more may go into the
+            // ring; the demoted way.
+            drop(tx);
+            return self.write_demoted(iov, nonblocking.nonblocking()).unwrap_or(Err(libc::ECONNRESET));
+        }
         if tx.shut {
             return Err(libc::EPIPE);
         }
@@ -1358,6 +1397,7 @@ impl Link {
             drop(tx);
             return self.write_kernel(iov, nonblocking.nonblocking());
         }
+        crate::pause::at(crate::pause::Point::RingWrite);
         if self.peer_closed() {
             // As TCP after the peer's close: the first write is taken
             // (its bytes are lost with the peer, which answers with a
@@ -1634,6 +1674,10 @@ impl Link {
             return;
         }
         let mut tx = lock(&self.tx);
+        // Demoted while this waited for the send lock: as above.
+        if after_send_lock(self.d_state()) == Recheck::Demoted {
+            return;
+        }
         let _ = self.flush();
         tx.shut = true;
     }
@@ -1649,9 +1693,13 @@ impl Link {
     pub fn finish(&self) {
         if self.in_demotion() {
             // Its stream goes on (or ends) over the kernel socket.
+            self.close_in_demotion();
             self.unblock();
             return;
         }
+        // The demoting peer's marker (its `DEMOTE` word came, this end
+        // never wrote since): taken off before the wake bytes.
+        self.p_take_mark_at_close();
         let _ = self.flush();
         if !self.peer_closed() {
             let _ = self.stage.write_u64(S_CLOSE, 1);
@@ -1751,9 +1799,40 @@ fn needs_wake(rd: u64, landed: u64) -> bool {
     ahead != 0 && ahead < (1 << 55)
 }
 
+/// What a ring writer does once it holds the send lock.
+#[derive(Debug, PartialEq, Eq)]
+enum Recheck {
+    /// No demotion of this end: the ring.
+    Ring,
+    /// A demotion of this end began (the driver held the lock meanwhile,
+    /// and its marker may have gone): no ring byte any more.
+    Demoted,
+}
+
+/// The check every ring writer (`write`, `shut_write`, `iowrite`) makes
+/// again once it holds the send lock: its first look at the demotion
+/// state came before it waited for the lock, which the demoting driver
+/// holds while it sends its count and marker.
+fn after_send_lock(d_state: u32) -> Recheck {
+    if d_state == crate::owner::D_NONE {
+        Recheck::Ring
+    } else {
+        Recheck::Demoted
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_writer_that_got_the_send_lock_after_a_demotion_leaves_the_ring() {
+        use crate::owner::{D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED, D_NONE};
+        assert_eq!(after_send_lock(D_NONE), Recheck::Ring);
+        for s in [D_DEMOTING, D_DEMOTED, D_DONE, D_FAILED] {
+            assert_eq!(after_send_lock(s), Recheck::Demoted);
+        }
+    }
 
     #[test]
     fn a_vectors_length_is_checked_as_the_kernel_checks_it() {

@@ -119,6 +119,40 @@ pub struct Demote {
     /// Forks begun whose child has not recorded itself yet (the parent
     /// may close at once after the fork, before the child's handler ran).
     pub pending: AtomicU32,
+    /// When the last fork began (monotonic milliseconds): a pending count
+    /// older than [`PENDING_AGE`] is stale (a fork that failed, whose
+    /// parent handler ran all the same, or a child that could not record
+    /// itself), not a holder for ever.
+    pub pending_at: AtomicU64,
+}
+
+/// How long a fork begun may leave its child unrecorded.
+pub const PENDING_AGE: Duration = Duration::from_secs(5);
+
+/// The monotonic clock (the same in every process), in milliseconds.
+fn now_ms() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime(2) into a valid timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t) };
+    t.tv_sec as u64 * 1000 + t.tv_nsec as u64 / 1_000_000
+}
+
+/// Whether a `kill(pid, 0)` that returned `r` (errno `errno`) says the
+/// process is gone: only `ESRCH` does (`EPERM`: it exists, another
+/// user's).
+pub fn gone(r: i32, errno: i32) -> bool {
+    r != 0 && errno == libc::ESRCH
+}
+
+/// Whether process `pid` exists (a zombie not reaped yet included).
+pub fn exists(pid: u32) -> bool {
+    // (0 and the negative ids name groups, not a process.)
+    if pid == 0 || pid > i32::MAX as u32 {
+        return false;
+    }
+    // SAFETY: kill(2) with signal 0 only asks whether the process exists.
+    let r = unsafe { libc::kill(pid as i32, 0) };
+    !gone(r, if r != 0 { crate::table::errno() } else { 0 })
 }
 
 /// Slots for forked holders ([`Demote::holders`]).
@@ -139,18 +173,30 @@ pub const D_FAILED: u32 = 4;
 impl Demote {
     /// A fork begins: its child will hold it.
     pub fn forking(&self) {
+        self.pending_at.store(now_ms(), Ordering::Release);
         self.pending.fetch_add(1, Ordering::AcqRel);
     }
 
-    /// A forked child holds it now.
+    /// A forked child holds it now: a free slot, or one whose process is
+    /// gone (a child that exited without closing it).
     pub fn hold(&self, pid: u32) {
         let _ = self.pending.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| Some(n.saturating_sub(1)));
         for h in &self.holders {
-            if h.compare_exchange(0, pid, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+            let p = h.load(Ordering::Acquire);
+            let free = p == 0 || (p != pid && !exists(p));
+            if free && h.compare_exchange(p, pid, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 return;
             }
         }
         self.overflow.store(1, Ordering::Release);
+    }
+
+    /// Whether forks begun may still have children that did not record
+    /// themselves yet (stale after [`PENDING_AGE`]).
+    fn pending_now(&self) -> bool {
+        self.pending.load(Ordering::Acquire) != 0
+            && now_ms().saturating_sub(self.pending_at.load(Ordering::Acquire))
+                < PENDING_AGE.as_millis() as u64
     }
 
     /// A forked child let it go (its close, or its exec).
@@ -166,12 +212,10 @@ impl Demote {
     pub fn held_elsewhere(&self) -> bool {
         let me = crate::pid::get();
         self.overflow.load(Ordering::Acquire) != 0
-            || self.pending.load(Ordering::Acquire) != 0
+            || self.pending_now()
             || self.holders.iter().any(|h| {
                 let p = h.load(Ordering::Acquire);
-                // SAFETY: kill(2) with signal 0 only asks whether the
-                // process exists.
-                p != 0 && p != me && unsafe { libc::kill(p as i32, 0) } == 0
+                p != 0 && p != me && exists(p)
             })
     }
 }
@@ -243,6 +287,7 @@ impl Owner {
                     holders: std::array::from_fn(|_| AtomicU32::new(0)),
                     overflow: AtomicU32::new(0),
                     pending: AtomicU32::new(0),
+                    pending_at: AtomicU64::new(0),
                 },
             }));
             return Owner { page: Arc::new(Page { words: w, mapped: false }) };
@@ -381,6 +426,48 @@ mod tests {
 
     fn no_wait() -> Duration {
         Duration::ZERO
+    }
+
+    #[test]
+    fn only_esrch_says_a_process_is_gone() {
+        assert!(gone(-1, libc::ESRCH));
+        // Another user's process: it exists.
+        assert!(!gone(-1, libc::EPERM));
+        assert!(!gone(0, 0));
+        assert!(exists(crate::pid::get()));
+    }
+
+    #[test]
+    fn a_gone_holders_slot_is_reused_and_a_stale_fork_ages_out() {
+        let o = Owner::new();
+        let d = o.demote().expect("shared words");
+        // A child that exited without closing it, in every slot.
+        let dead = {
+            let mut c = std::process::Command::new("true").spawn().expect("spawn");
+            let id = c.id();
+            c.wait().expect("wait");
+            id
+        };
+        for h in &d.holders {
+            h.store(dead, Ordering::Release);
+        }
+        assert!(!d.held_elsewhere());
+        // A new child records itself (no overflow): it holds it.
+        let live = std::process::Command::new("sleep").arg("5").spawn().expect("spawn");
+        d.hold(live.id());
+        assert_eq!(d.overflow.load(Ordering::Acquire), 0);
+        assert!(d.held_elsewhere());
+        d.unhold(live.id());
+        assert!(!d.held_elsewhere());
+        // A fork begun whose child never recorded itself: held a while,
+        // then stale.
+        d.forking();
+        assert!(d.held_elsewhere());
+        d.pending_at.store(now_ms() - PENDING_AGE.as_millis() as u64 - 1, Ordering::Release);
+        assert!(!d.held_elsewhere());
+        let mut live = live;
+        let _ = live.kill();
+        let _ = live.wait();
     }
 
     #[test]

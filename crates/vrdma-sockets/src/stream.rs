@@ -620,12 +620,12 @@ impl Drop for Stream {
                     if took {
                         debug("closed while another process may hold it: demoted, not ended");
                         if l.demote_as_driver() {
-                            l.await_peer_switch();
+                            l.close_in_demotion();
                         }
                         return;
                     }
                     if l.in_demotion() {
-                        l.await_peer_switch();
+                        l.close_in_demotion();
                         return;
                     }
                 }
@@ -640,6 +640,9 @@ impl Drop for Stream {
             // process's, and go with the link.
             return;
         }
+        // A holder's close after the fork: the peer's marker, if every
+        // ring byte before it is read, so that the last close sends FIN.
+        l.d_take_mark_at_close();
         // Another process's link (its parent's, inherited through fork):
         // its QP, rings and daemon connection are not this process's to
         // use or destroy, and its end of stream is not this process's to

@@ -8,6 +8,9 @@
 //! varying sizes (and vectored ones), shuts its writing side down, and
 //! checks the answer. Exit status 0 when the bytes and the answer are
 //! right.
+//! `sendclose PORT BYTES`: connects, writes BYTES pattern bytes and closes
+//! at once, reading nothing (a client that sends its last message and
+//! goes).
 //!
 //! `echo PORT` and `ping PORT ROUNDS`: an event-loop pair on non-blocking
 //! sockets and poll(2). The echo server answers every byte; the client
@@ -45,6 +48,13 @@
 //! parent echoes the rest. `sink` (against `client`): the parent reads
 //! 16 KiB, forks and closes its copy at once; the child reads and checks
 //! the rest (the client waits for credits meanwhile), answers `ok N`.
+//! `write-N` (against `readcheck`): the parent writes N pattern bytes
+//! in 64 KiB writes, the first before a fork, then closes; the child, 50 ms after
+//! the fork, reads the connection (which asks for its demotion) until
+//! the end (`writenb-N`: the child makes one non-blocking read and
+//! exits; against `readsplit`, two threads reading until the end).
+//! `sink-quiet` (against `sendclose`): `sink`, but the child reads until
+//! the end and answers nothing (says `received N, then the end`).
 //! `echoclient PORT BYTES`:
 //! writes BYTES pattern bytes in 16 KiB chunks, reading each chunk back
 //! and checking it byte by byte, then half-closes and must read the end.
@@ -344,8 +354,14 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let mut echoed = 0;
-    if mode == "sink" {
-        return sink_split(s);
+    if let Some(n) = mode.strip_prefix("write-") {
+        return fork_write(s, n.parse().map_err(|_| format!("mode {mode}"))?, false);
+    }
+    if let Some(n) = mode.strip_prefix("writenb-") {
+        return fork_write(s, n.parse().map_err(|_| format!("mode {mode}"))?, true);
+    }
+    if mode == "sink" || mode == "sink-quiet" {
+        return sink_split(s, mode == "sink");
     }
     if mode.starts_with("early-") {
         echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
@@ -568,7 +584,7 @@ fn split_echo(s: TcpStream, echoed: u64, poll_first: bool) -> Result<(), String>
 /// the client's pattern (the connection carried), forks and reads no
 /// more (the client's writes fill the ring and wait for credits); the
 /// child reads and checks the rest, answers `ok N` and says `received N`.
-fn sink_split(mut s: TcpStream) -> Result<(), String> {
+fn sink_split(mut s: TcpStream, answer: bool) -> Result<(), String> {
     let mut buf = vec![0u8; 65_536];
     let mut got = 0u64;
     let check = |b: &[u8], at: u64| -> Result<(), String> {
@@ -600,6 +616,10 @@ fn sink_split(mut s: TcpStream) -> Result<(), String> {
                     }
                     check(&buf[..k], got)?;
                     got += k as u64;
+                }
+                if !answer {
+                    println!("received {got}, then the end");
+                    return Ok(());
                 }
                 s.write_all(format!("ok {got}\n").as_bytes()).map_err(|e| format!("child: answer: {e}"))?;
                 println!("received {got}");
@@ -1603,6 +1623,142 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
         return Err(err("connect"));
     }
     Ok(s)
+}
+
+/// `forkecho PORT write-N`: the parent writes while its child's read
+/// asks for the demotion.
+fn fork_write(mut s: TcpStream, bytes: u64, child_nb: bool) -> Result<(), String> {
+    // The first write carries the connection, before the fork.
+    let first = 65_536u64.min(bytes);
+    let data: Vec<u8> = (0..first).map(pattern).collect();
+    s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only reads
+    // the connection and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let mut b = [0u8; 16];
+            if child_nb {
+                // One non-blocking read (the demotion, then nothing: the
+                // client sends none), and gone.
+                let r = s.set_nonblocking(true).and_then(|()| s.read(&mut b));
+                drop(s);
+                std::process::exit(match r {
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => 0,
+                    r => {
+                        eprintln!("sockapp child: read: {r:?}");
+                        1
+                    }
+                })
+            }
+            let r = s.read(&mut b);
+            drop(s);
+            std::process::exit(match r {
+                Ok(0) => 0,
+                Ok(n) => {
+                    eprintln!("sockapp child: read {n} bytes, the client sends none");
+                    1
+                }
+                Err(e) => {
+                    eprintln!("sockapp child: read: {e}");
+                    1
+                }
+            })
+        }
+        child => {
+            let mut sent = first;
+            while sent < bytes {
+                let n = 65_536u64.min(bytes - sent);
+                let data: Vec<u8> = (0..n).map(|k| pattern(sent + k)).collect();
+                s.write_all(&data).map_err(|e| format!("write after {sent}: {e}"))?;
+                sent += n;
+            }
+            drop(s);
+            println!("wrote {sent}");
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `readcheck PORT BYTES`: reads BYTES pattern bytes, checking each, and
+/// closes.
+fn readcheck(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0u64;
+    while got < bytes {
+        let want = buf.len().min((bytes - got) as usize);
+        let k = s.read(&mut buf[..want]).map_err(|e| format!("read after {got}: {e}"))?;
+        if k == 0 {
+            return Err(format!("the end after {got} of {bytes}"));
+        }
+        if let Some(i) = (0..k).find(|&i| buf[i] != pattern(got + i as u64)) {
+            return Err(format!("byte {} is {}, sent {}", got + i as u64, buf[i], pattern(got + i as u64)));
+        }
+        got += k as u64;
+    }
+    // (The end comes only once the server's child closes too, after this
+    // close.)
+    println!("read {got}");
+    Ok(())
+}
+
+/// `readsplit PORT BYTES`: two threads read the connection at once
+/// until its end; the bytes' count and sum must be the pattern's.
+fn readsplit(port: u16, bytes: u64) -> Result<(), String> {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let (got, sum) = (AtomicU64::new(0), AtomicU64::new(0));
+    std::thread::scope(|sc| {
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                sc.spawn(|| {
+                    let mut buf = vec![0u8; 65_536];
+                    loop {
+                        let k = (&s).read(&mut buf).map_err(|e| format!("read: {e}"))?;
+                        if k == 0 {
+                            return Ok::<(), String>(());
+                        }
+                        got.fetch_add(k as u64, Ordering::Relaxed);
+                        sum.fetch_add(buf[..k].iter().map(|&b| b as u64).sum(), Ordering::Relaxed);
+                    }
+                })
+            })
+            .collect();
+        readers.into_iter().try_for_each(|r| r.join().map_err(|_| "a reader panicked".to_string())?)
+    })?;
+    let want: u64 = (0..bytes).map(|i| pattern(i) as u64).sum();
+    let (got, sum) = (got.into_inner(), sum.into_inner());
+    if got != bytes || sum != want {
+        return Err(format!("read {got} bytes of sum {sum}, sent {bytes} of sum {want}"));
+    }
+    println!("read {got}, then the end");
+    Ok(())
+}
+
+/// `sendclose PORT BYTES`: writes the bytes, closes, reads nothing.
+fn sendclose(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    let mut sent = 0u64;
+    while sent < bytes {
+        let n = 65_536u64.min(bytes - sent);
+        let data: Vec<u8> = (0..n).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write after {sent}: {e}"))?;
+        sent += n;
+    }
+    drop(s);
+    println!("sent {sent}, closed");
+    Ok(())
 }
 
 fn client(port: u16, bytes: u64) -> Result<(), String> {
@@ -2624,6 +2780,9 @@ fn main() {
     let r = match args.get(1).map(String::as_str) {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("readsplit") => readsplit(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("readcheck") => readcheck(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("sendclose") => sendclose(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),
         Some("forkserver") => forkserver(port()),
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),

@@ -29,6 +29,19 @@ use super::{lock, Link, Res, Rx, Tx, DEMOTE, MARK_LEN, S_DEMOTE};
 use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED};
 use crate::real;
 
+/// Where a peer's read goes once its ring is read up to the demoting
+/// end's count ([`Link::p_switch_reads`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum PSwitch {
+    /// The marker is taken (by this thread or another): the kernel socket.
+    Kernel,
+    /// The end came instead.
+    End,
+    /// This end is demoted itself (both ends forked): the demoted read,
+    /// which takes the marker under the same lock.
+    Demoted,
+}
+
 /// A demotion's marker and record for `count` ring bytes written.
 fn mark(count: u64) -> [u8; MARK_LEN] {
     let mut b = [0u8; MARK_LEN];
@@ -47,8 +60,11 @@ fn parse_mark(b: &[u8; MARK_LEN]) -> Option<u64> {
 enum Head {
     /// A whole marker and record (not taken yet): the count.
     Mark(u64),
-    /// Nothing yet (or part of a marker).
+    /// Nothing yet.
     Nothing,
+    /// Part of a marker (the socket reads readable: a wait for it must
+    /// sleep, not poll).
+    Part,
     /// The socket's end.
     End,
     /// Not a marker: a protocol error.
@@ -80,10 +96,42 @@ fn head(sock: c_int) -> Res<Head> {
             continue;
         }
         if n < MARK_LEN {
-            return Ok(Head::Nothing);
+            return Ok(Head::Part);
         }
         let m: [u8; MARK_LEN] = b[..MARK_LEN].try_into().unwrap_or([1; MARK_LEN]);
         return Ok(parse_mark(&m).map_or(Head::Bad, Head::Mark));
+    }
+}
+
+/// What a reader whose ring was empty at read count `rd` does with the
+/// peer's marker for `w` ring bytes, `written` the ring's written count
+/// and `late` whether ring bytes wait now (looked at after the marker).
+#[derive(Debug, PartialEq, Eq)]
+enum AtMark {
+    /// Every ring byte read: the marker goes, then the kernel socket.
+    Take,
+    /// Ring bytes landed meanwhile: they are read first.
+    Ring,
+    /// The peer's bytes up to its count are not visible yet: later.
+    Wait,
+    /// A count that cannot be (behind the ring's, or past what it
+    /// wrote): a protocol error.
+    Bad,
+}
+
+fn at_mark(w: u64, rd: u64, written: u64, late: bool) -> AtMark {
+    if w == rd {
+        AtMark::Take
+    } else if w < rd {
+        AtMark::Bad
+    } else if late {
+        AtMark::Ring
+    } else if written >= w {
+        // Everything up to the count landed and none of it waits, yet
+        // the read count is behind it.
+        AtMark::Bad
+    } else {
+        AtMark::Wait
     }
 }
 
@@ -92,6 +140,16 @@ fn take_mark(sock: c_int) {
     let mut b = [0u8; MARK_LEN];
     // SAFETY: `b` is valid for its length; the bytes are in the socket.
     unsafe { real::recv(sock, b.as_mut_ptr().cast(), MARK_LEN, libc::MSG_DONTWAIT) };
+}
+
+/// Waits for more of the head of `sock`: a part of a marker (readable
+/// already) a millisecond, else until it is readable, `max` at most.
+fn wait_more(sock: c_int, part: bool, max: Duration) {
+    if part {
+        std::thread::sleep(Duration::from_millis(1));
+    } else {
+        wait_readable(sock, max);
+    }
 }
 
 /// Waits until `sock` is readable, `max` at most.
@@ -114,10 +172,9 @@ impl<'a> RingLock<'a> {
                 Ok(_) => return RingLock(d),
                 Err(holder) => {
                     spins += 1;
-                    // A holder that died with it (killed mid-copy) leaves it.
-                    // SAFETY: kill(2) with signal 0 only asks whether the
-                    // process exists.
-                    if spins.is_multiple_of(4096) && unsafe { libc::kill(holder as i32, 0) } != 0 {
+                    // A holder that died with it (killed mid-copy) leaves it
+                    // (gone: `ESRCH` only; `EPERM` is a live process).
+                    if spins.is_multiple_of(4096) && !crate::owner::exists(holder) {
                         let _ = d.lock.compare_exchange(holder, 0, Ordering::AcqRel, Ordering::Acquire);
                     }
                     if spins > 64 {
@@ -202,16 +259,27 @@ impl Link {
             // peer that closed writes no more (its last byte landed
             // before its `CLOSED` word): its ring is read, then its end.
             if !self.p_wr.load(Ordering::Acquire) && !self.peer_closed() {
-                self.flush()?;
-                let _ = self.stage.write_u64(S_DEMOTE, w + 1);
-                self.write_word(S_DEMOTE, 8, DEMOTE)?;
-                // A peer writer waiting for credits wakes and sees the word.
-                self.answer_want(&mut lock(&self.post));
-                let _ = self.flush_sends();
-                // Shut for writing: its FIN is on the socket already, and
-                // the peer reads its ring up to the count, then the end.
-                if !tx.shut {
-                    crate::stream::send_all(self.sock, &mark(w))?;
+                let told = (|| -> Res<()> {
+                    self.flush()?;
+                    let _ = self.stage.write_u64(S_DEMOTE, w + 1);
+                    self.write_word(S_DEMOTE, 8, DEMOTE)?;
+                    // A peer writer waiting for credits wakes and sees the word.
+                    self.answer_want(&mut lock(&self.post));
+                    let _ = self.flush_sends();
+                    // Shut for writing: its FIN is on the socket already, and
+                    // the peer reads its ring up to the count, then the end.
+                    if !tx.shut {
+                        crate::stream::send_all(self.sock, &mark(w))?;
+                    }
+                    Ok(())
+                })();
+                // A peer that closed meanwhile (its `CLOSED` word landed
+                // after the look above) fails the writes: as if it had
+                // closed before (its ring is read, then its end).
+                if let Err(e) = told {
+                    if !self.peer_closed() {
+                        return Err(e);
+                    }
                 }
             }
             // No wake byte goes any more: the program's socket options
@@ -244,7 +312,7 @@ impl Link {
         let end = Instant::now() + wait_ms();
         let Some(d) = self.demote_words() else { return };
         while Instant::now() < end {
-            {
+            let part = {
                 // (Under the lock: another holder may take the marker
                 // off, after which the socket holds data.)
                 let _g = RingLock::take(d);
@@ -252,13 +320,90 @@ impl Link {
                     return;
                 }
                 // (Wake bytes are taken off: they are no holder's data.)
-                if !matches!(head(self.sock), Ok(Head::Nothing)) {
-                    return;
+                match head(self.sock) {
+                    Ok(Head::Nothing) => false,
+                    Ok(Head::Part) => true,
+                    _ => return,
                 }
-            }
-            wait_readable(self.sock, Duration::from_millis(10));
+            };
+            wait_more(self.sock, part, Duration::from_millis(10));
         }
         crate::dev::debug("the peer did not answer the demotion before this close");
+    }
+
+    /// The close of this process's copy in a demotion (either side): the
+    /// peer's marker is taken off when every ring byte before it is read,
+    /// with the wake bytes before it, so that the kernel's last close
+    /// sends FIN, not RST (a marker left unread is unread data to the
+    /// kernel). Ring bytes left unread leave it: a reset, as TCP's close
+    /// with unread data.
+    pub(crate) fn close_in_demotion(&self) {
+        if self.d_state() != crate::owner::D_NONE {
+            // D (the driver's copy): once the peer stopped writing.
+            self.await_peer_switch();
+            self.d_take_mark_at_close();
+        }
+        self.p_take_mark_at_close();
+    }
+
+    /// At D, at a close: the peer's marker is taken off if the shared
+    /// read count reached it (as a read would: plain TCP for the holders
+    /// left). Any holder's copy may call it (no per-process lock).
+    pub(crate) fn d_take_mark_at_close(&self) {
+        let Some(d) = self.demote_words() else { return };
+        let _g = RingLock::take(d);
+        if d.state.load(Ordering::Acquire) != D_DEMOTED {
+            return;
+        }
+        let rd = d.rd.load(Ordering::Acquire);
+        if let Ok(Head::Mark(w)) = head(self.sock) {
+            if w == rd && self.waiting(rd) == 0 {
+                take_mark(self.sock);
+                d.state.store(D_DONE, Ordering::Release);
+                self.page.set_tcp();
+                crate::dev::debug(&format!("the peer's marker after {w} bytes taken at a close"));
+            }
+        }
+    }
+
+    /// At P (the demoting end's peer), at a close once its `DEMOTE` word
+    /// came, reads not switched yet: waits a while (the marker follows
+    /// the word at once) for the demoting end's marker and takes it off
+    /// if this end read the ring up to its count. A reader thread of this
+    /// process that holds the receive lock is left to it.
+    pub(crate) fn p_take_mark_at_close(&self) {
+        let Some(w) = self.peer_demoted() else { return };
+        // Both ends forked: this end's own demoted reads take it
+        // (`d_take_mark_at_close`).
+        if self.p_reads_switched() || self.d_state() != crate::owner::D_NONE {
+            return;
+        }
+        let Ok(rx) = self.rx.try_lock() else { return };
+        if rx.rd != w {
+            return;
+        }
+        let end = Instant::now() + wait_ms().min(Duration::from_secs(1));
+        loop {
+            let g = self.demote_words().map(RingLock::take);
+            if self.d_state() != crate::owner::D_NONE {
+                return;
+            }
+            match head(self.sock) {
+                Ok(Head::Mark(c)) if c == w => {
+                    take_mark(self.sock);
+                    self.p_rd.store(true, Ordering::Release);
+                    drop(g);
+                    self.p_done();
+                    crate::dev::debug(&format!("the peer's marker after {c} bytes taken at a close"));
+                    return;
+                }
+                Ok(h @ (Head::Nothing | Head::Part)) if Instant::now() < end => {
+                    drop(g);
+                    wait_more(self.sock, matches!(h, Head::Part), Duration::from_millis(10));
+                }
+                _ => return,
+            }
+        }
     }
 
     /// A read at a demoted end (D, any holder): the ring up to the peer's
@@ -302,22 +447,38 @@ impl Link {
                 }
                 continue;
             }
-            match head(self.sock)? {
-                Head::Mark(w) if w == rd => {
-                    take_mark(self.sock);
-                    d.state.store(D_DONE, Ordering::Release);
-                    self.page.set_tcp();
-                    crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP"));
-                    continue;
-                }
-                // Its bytes landed before its marker was sent: a count
-                // other than the ring's is a protocol error.
-                Head::Mark(_) | Head::Bad => {
+            // (The ring was looked at before the socket: the peer's last
+            // ring bytes may have landed in between, then its marker or
+            // end came. Looked at again before either is believed.)
+            crate::pause::at(crate::pause::Point::RingThenSocket);
+            let h = head(self.sock)?;
+            let part = matches!(h, Head::Part);
+            let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
+            let late = self.waiting(rd) > 0;
+            match h {
+                Head::Mark(w) => match at_mark(w, rd, written, late) {
+                    AtMark::Take => {
+                        take_mark(self.sock);
+                        d.state.store(D_DONE, Ordering::Release);
+                        self.page.set_tcp();
+                        crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP"));
+                        continue;
+                    }
+                    AtMark::Ring => continue,
+                    AtMark::Wait => {}
+                    AtMark::Bad => {
+                        d.state.store(D_FAILED, Ordering::Release);
+                        return Err(libc::ECONNRESET);
+                    }
+                },
+                Head::Bad => {
                     d.state.store(D_FAILED, Ordering::Release);
                     return Err(libc::ECONNRESET);
                 }
+                // The peer's last ring bytes first, then its end.
+                Head::End if late => continue,
                 Head::End => return Ok(done),
-                Head::Nothing => {}
+                Head::Nothing | Head::Part => {}
             }
             drop(g);
             if done > 0 && (nonblocking || !all) {
@@ -328,7 +489,7 @@ impl Link {
             }
             // The peer's ring bytes that land before it stops send no
             // wake byte (nobody armed): looked at again in a while.
-            wait_readable(self.sock, Duration::from_millis(10));
+            wait_more(self.sock, part, Duration::from_millis(10));
         }
     }
 
@@ -422,8 +583,13 @@ impl Link {
     /// Whether ring bytes wait beyond the shared read count (readiness of a
     /// connection in a demotion, which no wake byte announces).
     pub(crate) fn demoted_bytes(&self) -> bool {
+        self.demoted_waiting() > 0
+    }
+
+    /// How many ring bytes wait beyond the shared read count.
+    pub(crate) fn demoted_waiting(&self) -> usize {
         let rd = self.demote_words().map_or(u64::MAX, |d| d.rd.load(Ordering::Acquire));
-        self.waiting(rd) > 0
+        self.waiting(rd)
     }
 
     /// The process whose context made the link (its QP and regions).
@@ -479,32 +645,51 @@ impl Link {
 
     /// As the peer (P), the receive lock held, the ring read up to the
     /// demoting end's count: its marker is taken off (the writes switched
-    /// first). `Ok(true)`: the reads go to the kernel socket now; `Ok(false)`:
-    /// the end came instead.
-    pub(super) fn p_switch_reads(&self, rx: &mut Rx, nonblocking: bool) -> Res<bool> {
+    /// first): what the read does now.
+    pub(super) fn p_switch_reads(&self, rx: &mut Rx, nonblocking: bool) -> Res<PSwitch> {
+        // Another reader thread switched while this one waited for the
+        // receive lock: the marker is taken, the socket holds data.
+        if self.p_rd.load(Ordering::Acquire) {
+            return Ok(PSwitch::Kernel);
+        }
         {
             let mut tx = lock(&self.tx);
             self.p_switch_writes(&mut tx)?;
         }
         let w = self.peer_demoted().unwrap_or(u64::MAX);
         loop {
+            // Both ends forked: a holder of this end in another process
+            // (a demoted read) may take the same marker; the lock between
+            // the processes serializes them, and once this end is demoted
+            // its reads go the demoted way (the shared count).
+            let g = self.demote_words().map(RingLock::take);
+            if self.d_demoted() {
+                return Ok(PSwitch::Demoted);
+            }
+            if self.p_rd.load(Ordering::Acquire) {
+                return Ok(PSwitch::Kernel);
+            }
             match head(self.sock)? {
                 Head::Mark(c) if c == w && c == rx.rd => {
                     take_mark(self.sock);
                     self.p_rd.store(true, Ordering::Release);
+                    drop(g);
                     crate::dev::debug(&format!(
                         "the peer's marker after {c} bytes: reading the kernel socket"
                     ));
                     self.p_done();
-                    return Ok(true);
+                    return Ok(PSwitch::Kernel);
                 }
                 Head::Mark(_) | Head::Bad => return Err(libc::ECONNRESET),
                 Head::End => {
                     rx.eof = true;
-                    return Ok(false);
+                    return Ok(PSwitch::End);
                 }
-                Head::Nothing if nonblocking => return Err(libc::EAGAIN),
-                Head::Nothing => wait_readable(self.sock, Duration::from_millis(100)),
+                Head::Nothing | Head::Part if nonblocking => return Err(libc::EAGAIN),
+                h @ (Head::Nothing | Head::Part) => {
+                    drop(g);
+                    wait_more(self.sock, matches!(h, Head::Part), Duration::from_millis(100));
+                }
             }
         }
     }
@@ -581,6 +766,20 @@ impl Link {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_marker_past_the_read_count_waits_for_the_ring_bytes_before_it() {
+        // Read up to it: taken.
+        assert_eq!(at_mark(100, 100, 100, false), AtMark::Take);
+        // The peer's last ring bytes landed after the ring looked empty,
+        // then its marker came: they are read, not a reset.
+        assert_eq!(at_mark(150, 100, 150, true), AtMark::Ring);
+        // Not visible yet: waited for.
+        assert_eq!(at_mark(150, 100, 100, false), AtMark::Wait);
+        // Behind the read count, or all landed yet none waits: an error.
+        assert_eq!(at_mark(90, 100, 100, false), AtMark::Bad);
+        assert_eq!(at_mark(150, 100, 150, false), AtMark::Bad);
+    }
 
     #[test]
     fn a_marker_carries_its_count_and_nothing_else_is_one() {

@@ -220,6 +220,11 @@ impl Link {
             return Ok(0);
         }
         let tx = lock(&self.tx);
+        // Demoted (after the fork) while this waited for the send lock:
+        // no byte into the peer's memory after the marker.
+        if super::after_send_lock(self.d_state()) == super::Recheck::Demoted {
+            return Err(libc::ECONNRESET);
+        }
         if tx.shut {
             return Err(libc::EPIPE);
         }

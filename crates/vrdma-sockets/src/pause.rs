@@ -1,0 +1,71 @@
+//! Test-only pauses at named points of the demotion's races
+//! (`VRDMA_SOCKETS_TEST_PAUSE=POINT:MICROSECONDS`), so that the
+//! integration tests can force an interleaving of a program's thread and
+//! the library's demotion that otherwise needs a lucky schedule (the
+//! window is a few instructions wide). Unset, a point costs one load of
+//! a cached value.
+
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// A point where a test may pause the calling thread.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Point {
+    /// `write`: its look at the demotion state done, before it takes the
+    /// send lock.
+    SendLock,
+    /// `write`: its look at whether the peer demoted done (not yet),
+    /// before its ring write.
+    RingWrite,
+    /// A peer's `read`: its look at whether the reads switched done,
+    /// before it takes the receive lock.
+    RecvLock,
+    /// A demoted read: the ring found empty, before it looks at the
+    /// socket.
+    RingThenSocket,
+}
+
+impl Point {
+    fn name(self) -> &'static str {
+        match self {
+            Point::SendLock => "send-lock",
+            Point::RingWrite => "ring-write",
+            Point::RecvLock => "recv-lock",
+            Point::RingThenSocket => "ring-then-socket",
+        }
+    }
+}
+
+/// The configured point and pause, if any.
+fn config() -> Option<(&'static str, Duration)> {
+    static C: OnceLock<Option<(String, Duration)>> = OnceLock::new();
+    C.get_or_init(|| parse(&std::env::var("VRDMA_SOCKETS_TEST_PAUSE").ok()?))
+        .as_ref()
+        .map(|(p, d)| (p.as_str(), *d))
+}
+
+fn parse(v: &str) -> Option<(String, Duration)> {
+    let (p, us) = v.split_once(':')?;
+    Some((p.to_string(), Duration::from_micros(us.parse().ok()?)))
+}
+
+/// Pauses here if the tests asked for it.
+pub(crate) fn at(point: Point) {
+    if let Some((p, d)) = config() {
+        if p == point.name() {
+            std::thread::sleep(d);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_pause_names_its_point_and_length() {
+        assert_eq!(parse("send-lock:2000"), Some(("send-lock".into(), Duration::from_millis(2))));
+        assert_eq!(parse("send-lock"), None);
+        assert_eq!(parse("send-lock:x"), None);
+    }
+}
