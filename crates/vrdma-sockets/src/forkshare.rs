@@ -219,7 +219,9 @@ pub fn request(s: &Arc<Stream>) -> Option<Result<(), c_int>> {
             D_DEMOTING if start.elapsed() > 2 * bound => return Some(Err(libc::ECONNRESET)),
             // A driver that died mid-demotion finishes nothing.
             D_DEMOTING
-                if s.owner.driver() != crate::owner::FREE && !crate::owner::exists(s.owner.driver()) =>
+                if s.owner.driver() != crate::owner::FREE
+                    && s.owner.driver() != TCP
+                    && !crate::owner::exists(s.owner.driver()) =>
             {
                 crate::dev::debug("the driver of this connection died while it demoted it: ECONNRESET");
                 return Some(Err(libc::ECONNRESET));

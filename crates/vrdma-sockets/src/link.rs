@@ -1674,8 +1674,14 @@ impl Link {
             return;
         }
         let mut tx = lock(&self.tx);
-        // Demoted while this waited for the send lock: as above.
-        if after_send_lock(self.d_state()) == Recheck::Demoted {
+        // Demoted while this waited for the send lock (the driver's count
+        // and marker went): as above. A demotion that only began
+        // (`D_DEMOTING`) has not had the send lock yet: this shut goes
+        // first, and the driver, finding `tx.shut`, sends no marker (the
+        // peer reads the ring up to the count, then the end). Taking it
+        // as demoted let the kernel's FIN go ahead of the marker, whose
+        // send then failed and the demotion with it (review, 2026-11-28).
+        if self.shut_demoted() {
             return;
         }
         let _ = self.flush();
@@ -1809,7 +1815,7 @@ enum Recheck {
     Demoted,
 }
 
-/// The check every ring writer (`write`, `shut_write`, `iowrite`) makes
+/// The check every ring writer (`write`, `iowrite`; `shutdown` looks at [`Link::shut_demoted`] instead) makes
 /// again once it holds the send lock: its first look at the demotion
 /// state came before it waited for the lock, which the demoting driver
 /// holds while it sends its count and marker.
@@ -1832,6 +1838,19 @@ mod tests {
         for s in [D_DEMOTING, D_DEMOTED, D_DONE, D_FAILED] {
             assert_eq!(after_send_lock(s), Recheck::Demoted);
         }
+    }
+
+    #[test]
+    fn a_shutdown_that_got_the_send_lock_as_a_demotion_began_shuts_the_ring() {
+        use crate::owner::{D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED, D_NONE};
+        use demote::shut_goes_to_the_kernel as kernel;
+        // Begun, not sent: the shut goes first (FIN after the ring's last
+        // byte, and the driver sends no marker).
+        assert!(!kernel(D_NONE, false) && !kernel(D_DEMOTING, false));
+        for s in [D_DEMOTED, D_DONE, D_FAILED] {
+            assert!(kernel(s, false));
+        }
+        assert!(kernel(D_NONE, true) && kernel(D_DEMOTING, true));
     }
 
     #[test]

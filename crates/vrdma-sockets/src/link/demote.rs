@@ -200,6 +200,15 @@ pub(crate) fn wait_ms() -> Duration {
     Duration::from_millis(ms)
 }
 
+/// Whether a `shutdown(SHUT_WR)` leaves the ring alone: this end's marker
+/// went (or its demotion failed), or its writes switched at the peer's
+/// demotion. A demotion that only began (`D_DEMOTING`) is not: while the
+/// shutting thread holds the send lock the driver has not sent its count
+/// and marker, so the shut goes first and the driver sends no marker.
+pub(crate) fn shut_goes_to_the_kernel(d_state: u32, p_wr: bool) -> bool {
+    d_state >= D_DEMOTED || p_wr
+}
+
 impl Link {
     fn demote_words(&self) -> Option<&Demote> {
         self.page.demote()
@@ -221,7 +230,7 @@ impl Link {
     /// kernel's FIN follows every byte written to the kernel socket).
     /// Whether it was so.
     pub(crate) fn shut_demoted(&self) -> bool {
-        self.d_demoted() || self.p_wr.load(Ordering::Acquire)
+        shut_goes_to_the_kernel(self.d_state(), self.p_wr.load(Ordering::Acquire))
     }
 
     /// For another holder (after fork) that would ask for a demotion:
@@ -427,7 +436,13 @@ impl Link {
                     if done > 0 && (!all || nonblocking) {
                         return Ok(done);
                     }
-                    return self.read_kernel(iov, done, nonblocking, peek, all).map(|n| n + done);
+                    // Bytes this call took off the ring are the program's
+                    // whatever the kernel then says (as a partial read).
+                    return match self.read_kernel(iov, done, nonblocking, peek, all) {
+                        Ok(n) => Ok(n + done),
+                        Err(_) if done > 0 => Ok(done),
+                        Err(e) => Err(e),
+                    };
                 }
                 D_FAILED => return if done > 0 { Ok(done) } else { Err(libc::ECONNRESET) },
                 _ => {}
@@ -451,7 +466,11 @@ impl Link {
             // ring bytes may have landed in between, then its marker or
             // end came. Looked at again before either is believed.)
             crate::pause::at(crate::pause::Point::RingThenSocket);
-            let h = head(self.sock)?;
+            let h = match head(self.sock) {
+                Ok(h) => h,
+                Err(_) if done > 0 => return Ok(done),
+                Err(e) => return Err(e),
+            };
             let part = matches!(h, Head::Part);
             let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
             let late = self.waiting(rd) > 0;
@@ -468,12 +487,12 @@ impl Link {
                     AtMark::Wait => {}
                     AtMark::Bad => {
                         d.state.store(D_FAILED, Ordering::Release);
-                        return Err(libc::ECONNRESET);
+                        return if done > 0 { Ok(done) } else { Err(libc::ECONNRESET) };
                     }
                 },
                 Head::Bad => {
                     d.state.store(D_FAILED, Ordering::Release);
-                    return Err(libc::ECONNRESET);
+                    return if done > 0 { Ok(done) } else { Err(libc::ECONNRESET) };
                 }
                 // The peer's last ring bytes first, then its end.
                 Head::End if late => continue,
