@@ -368,6 +368,41 @@ mod preload {
         Ok(())
     }
 
+    /// The parent half-closes a carried connection (`shutdown(SHUT_WR)`,
+    /// then its peer answers: the usual request and response) while its
+    /// child's read asks for the demotion; the driver pauses (a test
+    /// hook) between the state's `D_DEMOTING` and its send lock, so the
+    /// shutdown takes the lock first. The ring must be shut (the driver
+    /// then sends no marker): taken as demoted, the kernel's FIN went
+    /// ahead of the marker, whose send failed and the demotion with it,
+    /// and the child's read of the answer got `ECONNRESET`.
+    #[test]
+    fn a_shutdown_as_a_fork_demotion_only_began_still_gets_the_answer() -> Result<()> {
+        const N: u64 = 64 << 10;
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let mut cmd = sockapp(&d, true, &["forkecho".into(), port.to_string(), format!("shut-{N}")]);
+        // The parent's shutdown comes 200 ms after the fork, in the
+        // driver's pause; the client answers after the driver went on.
+        cmd.env("VRDMA_SOCKETS_TEST_PAUSE", "demote-lock:500000");
+        let s = spawn(cmd, "forkecho shut");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let mut cmd = sockapp(&d, true, &["readreply".into(), port.to_string(), N.to_string()]);
+        cmd.env("SOCKAPP_REPLY_DELAY_MS", "1000");
+        let c = spawn(cmd, "readreply").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stdout.contains(&format!("read {N}, then the end")), "{}", c.describe());
+        assert!(s.stdout.contains("reply: the answer after the half-close"), "{}", s.describe());
+        assert!(s.stderr.contains("demoted after"), "{}", s.describe());
+        Ok(())
+    }
+
     /// Two reader threads at the peer of a demotion: each read pauses (a
     /// test hook) before the receive lock, so one thread switches the
     /// reads (takes the marker) while the other waits for the lock; that

@@ -23,6 +23,10 @@ pub(crate) enum Point {
     /// A demoted read: the ring found empty, before it looks at the
     /// socket.
     RingThenSocket,
+    /// The driver's demotion: its state gone to `D_DEMOTING`, before it
+    /// takes the send lock (a `shutdown` of its process may take the lock
+    /// first: the window the third review fixed).
+    DemoteLock,
 }
 
 impl Point {
@@ -32,6 +36,7 @@ impl Point {
             Point::RingWrite => "ring-write",
             Point::RecvLock => "recv-lock",
             Point::RingThenSocket => "ring-then-socket",
+            Point::DemoteLock => "demote-lock",
         }
     }
 }

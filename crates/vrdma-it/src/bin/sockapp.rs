@@ -53,6 +53,13 @@
 //! the fork, reads the connection (which asks for its demotion) until
 //! the end (`writenb-N`: the child makes one non-blocking read and
 //! exits; against `readsplit`, two threads reading until the end).
+//! `shut-N` (against `readreply`): the parent writes N pattern bytes
+//! (carried) and forks; the child at once reads the connection (which
+//! asks for its demotion) until the end and says `reply: TEXT`; the
+//! parent, 200 ms after the fork, half-closes it (`shutdown(SHUT_WR)`)
+//! and waits for the child (run with `VRDMA_SOCKETS_TEST_PAUSE=
+//! demote-lock:US`, its shutdown comes as the demotion only began).
+//! `SOCKAPP_REPLY_DELAY_MS`: `readreply` waits after the end.
 //! `sink-quiet` (against `sendclose`): `sink`, but the child reads until
 //! the end and answers nothing (says `received N, then the end`).
 //! `echoclient PORT BYTES`:
@@ -359,6 +366,9 @@ fn forkecho(port: u16, mode: &str) -> Result<(), String> {
     }
     if let Some(n) = mode.strip_prefix("writenb-") {
         return fork_write(s, n.parse().map_err(|_| format!("mode {mode}"))?, true);
+    }
+    if let Some(n) = mode.strip_prefix("shut-") {
+        return fork_shut(s, n.parse().map_err(|_| format!("mode {mode}"))?);
     }
     if mode == "sink" || mode == "sink-quiet" {
         return sink_split(s, mode == "sink");
@@ -1690,6 +1700,84 @@ fn fork_write(mut s: TcpStream, bytes: u64, child_nb: bool) -> Result<(), String
     }
 }
 
+/// What `readreply` answers after the server's half-close.
+const REPLY: &str = "the answer after the half-close";
+
+/// `forkecho PORT shut-N`: the parent's half-close while its child's read
+/// asks for the demotion; the child reads the client's answer.
+fn fork_shut(mut s: TcpStream, bytes: u64) -> Result<(), String> {
+    // Carried before the fork.
+    let data: Vec<u8> = (0..bytes).map(pattern).collect();
+    s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+    std::io::stdout().flush().ok();
+    // SAFETY: fork(2) in a single-threaded program; the child only reads
+    // the connection and exits.
+    match unsafe { libc::fork() } {
+        -1 => Err(format!("fork: {}", std::io::Error::last_os_error())),
+        0 => {
+            let mut got = Vec::new();
+            let r = s.read_to_end(&mut got);
+            drop(s);
+            let code = match r {
+                Ok(_) => {
+                    println!("reply: {}", String::from_utf8_lossy(&got));
+                    0
+                }
+                Err(e) => {
+                    println!("child: read: {e} after {} bytes", got.len());
+                    1
+                }
+            };
+            std::io::stdout().flush().ok();
+            std::process::exit(code)
+        }
+        child => {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+            let mut status = 0;
+            // SAFETY: waitpid(2) on our child.
+            if unsafe { libc::waitpid(child, &mut status, 0) } != child {
+                return Err("waitpid".into());
+            }
+            drop(s);
+            if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+                return Err(format!("the child ended with {status:#x}"));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `readreply PORT BYTES`: reads BYTES pattern bytes, checking each, then
+/// the end; answers [`REPLY`] (`SOCKAPP_REPLY_DELAY_MS` after the end)
+/// and closes. Says `read N, then the end`.
+fn readreply(port: u16, bytes: u64) -> Result<(), String> {
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0u64;
+    loop {
+        let k = s.read(&mut buf).map_err(|e| format!("read after {got}: {e}"))?;
+        if k == 0 {
+            break;
+        }
+        if let Some(i) = (0..k).find(|&i| buf[i] != pattern(got + i as u64)) {
+            return Err(format!("byte {} is {}, sent {}", got + i as u64, buf[i], pattern(got + i as u64)));
+        }
+        got += k as u64;
+    }
+    if got != bytes {
+        return Err(format!("the end after {got} of {bytes}"));
+    }
+    println!("read {got}, then the end");
+    std::io::stdout().flush().ok();
+    // A server that works out its answer: the server's demotion goes on
+    // meanwhile.
+    pause("SOCKAPP_REPLY_DELAY_MS");
+    s.write_all(REPLY.as_bytes()).map_err(|e| format!("reply: {e}"))?;
+    Ok(())
+}
+
 /// `readcheck PORT BYTES`: reads BYTES pattern bytes, checking each, and
 /// closes.
 fn readcheck(port: u16, bytes: u64) -> Result<(), String> {
@@ -2781,6 +2869,7 @@ fn main() {
         Some("server") => server(port()),
         Some("client") => client(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("readsplit") => readsplit(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("readreply") => readreply(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("readcheck") => readcheck(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sendclose") => sendclose(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("echo") => echo(port()),

@@ -259,6 +259,7 @@ impl Link {
     pub(crate) fn demote_as_driver(&self) -> bool {
         let Some(d) = self.demote_words() else { return false };
         let r = (|| -> Res<()> {
+            crate::pause::at(crate::pause::Point::DemoteLock);
             // Writers waiting for credits leave their waits (`credits`
             // looks at the state); the rest finish their write first.
             let tx = lock(&self.tx);
