@@ -141,6 +141,12 @@ pub struct Net {
     /// Connection manager's messages for hosts with no link yet: sent when
     /// one comes up, or given up on (`cm_down`) when the dial fails.
     cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
+    /// Hosts whose `cm_pending` waits, after its dial failed, for the
+    /// host's own connection in its handshake ([`Net::dial_failed`]):
+    /// until when that handshake can last. Past it (the handshake failed,
+    /// and nothing tells of that) they are given up on as for a failed
+    /// dial ([`Net::expire_held_cm`]).
+    cm_held_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Links to other hosts that came up or went down, for the engine to
     /// tell the connection manager, in the order they did: one queue, so
     /// that a dial's failure and a link that came up after it are told in
@@ -248,6 +254,7 @@ impl Net {
             refused: std::collections::HashSet::new(),
             log: LogLimiter::new(),
             cm_pending: HashMap::new(),
+            cm_held_until: HashMap::new(),
             cm_links: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
@@ -313,6 +320,7 @@ impl Net {
                 // What the connection manager held for this host goes now,
                 // by this link, which it learns of.
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
+                    self.cm_held_until.remove(&ip);
                     for m in self.cm_pending.remove(&ip).iter().flatten() {
                         l.queue_cm(m);
                     }
@@ -404,6 +412,30 @@ impl Net {
         }
     }
 
+    /// Gives up on the connection manager's messages held for a host's
+    /// incoming handshake that did not become a link in time (it failed:
+    /// authentication, a timeout): the manager hears of it as of a failed
+    /// dial, rather than its connections waiting out their timers and the
+    /// messages going, stale, by the host's next link. A dial to the host
+    /// started since takes them over (its failure or link tells).
+    pub fn expire_held_cm(&mut self, now: Clock) {
+        if self.cm_held_until.is_empty() {
+            return;
+        }
+        let due: Vec<_> = self.cm_held_until.iter().filter(|(_, &t)| now >= t).map(|(&ip, _)| ip).collect();
+        for ip in due {
+            self.cm_held_until.remove(&ip);
+            let check = SocketAddr::from((ip, self.setup.port));
+            if self.dialling.get(&check).is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(now)) {
+                continue;
+            }
+            if self.cm_pending.remove(&ip).is_some() {
+                tracing::debug!(host = %ip, "the host's handshake did not become a link; its held messages given up");
+                self.cm_links.push(CmLink::Down(ip, None));
+            }
+        }
+    }
+
     /// Asks again for the check-dials that [`Net::not_verified`] could
     /// not start.
     fn check_unverified(&mut self) {
@@ -443,10 +475,11 @@ impl Net {
                         l.queue_cm(m);
                     }
                     tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
-                } else if self.incoming.contains_key(&gid) {
+                } else if let Some(&since) = self.incoming.get(&gid) {
                     // Its connection to us is in its handshake: they go by
-                    // the link it becomes ([`Net::add`]). (Should that
-                    // fail, their connections' timers end them.)
+                    // the link it becomes ([`Net::add`]), or are given up
+                    // on once that handshake can no longer succeed.
+                    self.cm_held_until.insert(ip, since + HANDSHAKE_LIMIT);
                     self.cm_pending.insert(ip, held);
                 } else {
                     self.cm_links.push(CmLink::Down(ip, None));
@@ -806,6 +839,7 @@ impl Net {
     /// Moves frames on every link; drops the ones that ended.
     pub fn drive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> bool {
         let mut busy = false;
+        self.expire_held_cm(Clock::now());
         let mut ended = std::mem::take(&mut self.failed);
         let all = self.find_readable();
         for (&id, l) in self.links.iter_mut() {
@@ -903,7 +937,13 @@ impl Net {
         }
         let keepalive = (!self.links.is_empty() || !self.setup.peers.is_empty())
             .then(|| self.next_keepalive.saturating_duration_since(Clock::now()));
-        Ok((out, keepalive))
+        // (A held message's deadline wakes the engine too.)
+        let held = self.cm_held_until.values().min().map(|t| t.saturating_duration_since(Clock::now()));
+        let wait = match (keepalive, held) {
+            (Some(k), Some(h)) => Some(k.min(h)),
+            (k, h) => k.or(h),
+        };
+        Ok((out, wait))
     }
 
     /// [`LinkIo::keep_payloads`] on every link.
@@ -1514,6 +1554,33 @@ mod tests {
         c.send_cm(b, None, &msg).unwrap();
         c.dial_failed(b_addr, "refused");
         assert_eq!(c.cm_links, [CmLink::Down(b, None)]);
+    }
+
+    /// Messages held for the host's incoming handshake are given up on
+    /// (the manager told, as for a failed dial) once that handshake can
+    /// no longer become a link, rather than stranded until a later link
+    /// takes them stale (review links4 finding 3).
+    #[test]
+    fn cm_messages_held_for_an_incoming_handshake_that_fails_are_given_up() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits(b_gid, 9, t));
+        a.dial_failed(b_addr, "refused");
+        a.expire_held_cm(t);
+        assert!(a.cm_links.is_empty() && a.cm_pending.contains_key(&b), "still within the handshake");
+        let (_, wait) = a.poll_fds_owned().unwrap();
+        assert!(wait.is_some_and(|w| w <= HANDSHAKE_LIMIT), "the deadline wakes the engine: {wait:?}");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(a.cm_pending.is_empty(), "given up");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        // A link that comes later carries nothing stale.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let (l, _t) = add_link(&mut a, &mut hca, b_gid, b_addr, None);
+        assert!(!a.links[&l].has_output());
     }
 
     /// A connection manager's message for no link goes by the host's
