@@ -436,6 +436,29 @@ impl Net {
         }
     }
 
+    /// Drops the held connection manager's messages that `keep` refuses
+    /// (their connection ended while they waited for a link).
+    pub fn retain_held_cm(
+        &mut self,
+        mut keep: impl FnMut(std::net::Ipv4Addr, &vrdma_core::cm::CmMessage) -> bool,
+    ) {
+        if self.cm_pending.is_empty() {
+            return;
+        }
+        self.cm_pending.retain(|&ip, held| {
+            held.retain(|m| keep(ip, m));
+            !held.is_empty()
+        });
+        let pending = &self.cm_pending;
+        self.cm_held_until.retain(|ip, _| pending.contains_key(ip));
+    }
+
+    /// How many connection manager's messages wait for a link to `host`.
+    #[cfg(test)]
+    pub fn held_cm(&self, host: std::net::Ipv4Addr) -> usize {
+        self.cm_pending.get(&host).map_or(0, Vec::len)
+    }
+
     /// Asks again for the check-dials that [`Net::not_verified`] could
     /// not start.
     fn check_unverified(&mut self) {
