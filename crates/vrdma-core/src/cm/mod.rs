@@ -1078,6 +1078,17 @@ impl ConnectionManager {
         }
     }
 
+    /// Whether connection `id` still waits for a link to `host` (its
+    /// messages held for a dial there): the driver drops the held
+    /// messages of one that does not (it ended meanwhile), so that the
+    /// host's next link does not carry a request for a connection already
+    /// ended.
+    pub fn awaits_link(&self, host: Ipv4Addr, id: u32) -> bool {
+        self.ids.get(&id).is_some_and(|i| {
+            i.link.is_none() && i.state != State::Closed && i.peer.is_some_and(|(h, _)| h == host)
+        })
+    }
+
     /// `link` to `host` is gone: every connection it carried ends as if
     /// its peer had died; another link's to the same host (a daemon there
     /// restarted and linked again before the first was found dead) go on.

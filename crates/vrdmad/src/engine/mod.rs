@@ -219,6 +219,14 @@ impl EngineState {
             },
             &mut modify,
         );
+        // What was held for a dial of a connection that ended meanwhile
+        // (closed, destroyed, timed out: its REQ, and the REJ its end sent
+        // after it) is not sent by the link that comes: the peer never
+        // heard of it. (A REJ of no connection, `from` 0, stays.)
+        let cm = &self.cm.cm;
+        if let Some(n) = self.net.as_mut() {
+            n.retain_held_cm(|host, m| m.from() == 0 || cm.awaits_link(host, m.from()));
+        }
         // What the manager sent to other hosts goes now: a call runs on
         // its caller's thread, and the engine's next pass may be a wake-up
         // away.
@@ -938,5 +946,28 @@ mod tests {
         net.cm_links.push(crate::net::CmLink::Up(b, link, true));
         s.run_cm(now);
         assert_eq!(s.cm.cm.state(ctx, id), Some(State::Closed), "the held connect ended with its dial");
+    }
+
+    /// A connect whose REQ waits for a dial, destroyed meanwhile: its REQ
+    /// (and the REJ its end sent) are dropped, not sent by the host's next
+    /// link to a listener for a connection already ended (review links4
+    /// finding 3).
+    #[test]
+    fn a_held_req_of_a_connection_that_ended_is_not_sent() {
+        use vrdma_core::cm::{ConnInfo, PortSpace};
+        let (mut s, _peer, _, _, _) = state_with_region(16);
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 3);
+        let (ctx, tenant) = (ContextId(1), TenantId(1000));
+        let now = s.now();
+        let cm = &mut s.cm.cm;
+        let id = cm.create_id(ctx, tenant, PortSpace::Tcp).unwrap();
+        cm.resolve_addr(ctx, id, None, std::net::SocketAddrV4::new(b, 7471)).unwrap();
+        cm.resolve_route(ctx, id).unwrap();
+        cm.connect(ctx, id, ConnInfo { qp_num: 0x11, ..ConnInfo::default() }, now).unwrap();
+        s.run_cm(now);
+        assert_eq!(s.net.as_ref().unwrap().held_cm(b), 1, "the REQ waits for the dial");
+        s.cm.cm.destroy_id(ctx, id, now).unwrap();
+        s.run_cm(now);
+        assert_eq!(s.net.as_ref().unwrap().held_cm(b), 0, "the ended connection's REQ was dropped");
     }
 }

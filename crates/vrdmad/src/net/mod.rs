@@ -129,6 +129,10 @@ pub struct Net {
     /// yet links: whose Hello named this GID, since then. No dial to such
     /// a daemon starts meanwhile.
     incoming: HashMap<Gid, Clock>,
+    /// Tests: with no engine handle, a dial that may start is recorded
+    /// as started (and nothing is spawned).
+    #[cfg(test)]
+    record_dials: bool,
     /// Addresses outside `net.allow` that QPs asked for (warned once).
     refused: std::collections::HashSet<SocketAddr>,
     /// What links and dials make the daemon log, limited per address (on
@@ -137,6 +141,12 @@ pub struct Net {
     /// Connection manager's messages for hosts with no link yet: sent when
     /// one comes up, or given up on (`cm_down`) when the dial fails.
     cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
+    /// Hosts whose `cm_pending` waits, after its dial failed, for the
+    /// host's own connection in its handshake ([`Net::dial_failed`]):
+    /// until when that handshake can last. Past it (the handshake failed,
+    /// and nothing tells of that) they are given up on as for a failed
+    /// dial ([`Net::expire_held_cm`]).
+    cm_held_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Links to other hosts that came up or went down, for the engine to
     /// tell the connection manager, in the order they did: one queue, so
     /// that a dial's failure and a link that came up after it are told in
@@ -239,9 +249,12 @@ impl Net {
             readable: Vec::with_capacity(READY_PER_PASS),
             failed: Vec::new(),
             incoming: HashMap::new(),
+            #[cfg(test)]
+            record_dials: false,
             refused: std::collections::HashSet::new(),
             log: LogLimiter::new(),
             cm_pending: HashMap::new(),
+            cm_held_until: HashMap::new(),
             cm_links: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
@@ -307,6 +320,7 @@ impl Net {
                 // What the connection manager held for this host goes now,
                 // by this link, which it learns of.
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
+                    self.cm_held_until.remove(&ip);
                     for m in self.cm_pending.remove(&ip).iter().flatten() {
                         l.queue_cm(m);
                     }
@@ -376,18 +390,91 @@ impl Net {
     /// the socket registry take (`docs/sockets.md`, "Other hosts").
     fn not_verified(&mut self, l: &mut LinkIo) {
         let now = crate::logs::now();
+        if l.dialled {
+            limited_warn!(
+                self.log, log_source(l.peer), now,
+                "a dialled daemon is not at its GID's address (a configured peer's address); its link counts unverified",
+                link = l.id.0, peer = %l.peer, gid = %l.gid
+            );
+            return;
+        }
         limited_warn!(
             self.log, log_source(l.peer), now,
             "a linked daemon is not at its GID's address; dialling that address to check",
             link = l.id.0, peer = %l.peer, gid = %l.gid
         );
-        if l.dialled {
+        // Checked only once its dial starts: one held back (a dial or a
+        // handshake with that address under way, too many dials) is asked
+        // for again on the next keepalive pass ([`Net::check_unverified`]).
+        if let Some(ip) = l.gid.ipv4() {
+            l.checked =
+                self.dial_checking(SocketAddr::from((ip, self.setup.port)), Some(l.gid), Some(l.daemon_id));
+        }
+    }
+
+    /// Gives up on the connection manager's messages held for a host's
+    /// incoming handshake that did not become a link in time (it failed:
+    /// authentication, a timeout): the manager hears of it as of a failed
+    /// dial, rather than its connections waiting out their timers and the
+    /// messages going, stale, by the host's next link. A dial to the host
+    /// started since takes them over (its failure or link tells).
+    pub fn expire_held_cm(&mut self, now: Clock) {
+        if self.cm_held_until.is_empty() {
             return;
         }
-        if let Some(ip) = l.gid.ipv4() {
-            self.dial(SocketAddr::from((ip, self.setup.port)), Some(l.gid));
+        let due: Vec<_> = self.cm_held_until.iter().filter(|(_, &t)| now >= t).map(|(&ip, _)| ip).collect();
+        for ip in due {
+            self.cm_held_until.remove(&ip);
+            let check = SocketAddr::from((ip, self.setup.port));
+            if self.dialling.get(&check).is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(now)) {
+                continue;
+            }
+            if self.cm_pending.remove(&ip).is_some() {
+                tracing::debug!(host = %ip, "the host's handshake did not become a link; its held messages given up");
+                self.cm_links.push(CmLink::Down(ip, None));
+            }
         }
-        l.checked = true;
+    }
+
+    /// Drops the held connection manager's messages that `keep` refuses
+    /// (their connection ended while they waited for a link).
+    pub fn retain_held_cm(
+        &mut self,
+        mut keep: impl FnMut(std::net::Ipv4Addr, &vrdma_core::cm::CmMessage) -> bool,
+    ) {
+        if self.cm_pending.is_empty() {
+            return;
+        }
+        self.cm_pending.retain(|&ip, held| {
+            held.retain(|m| keep(ip, m));
+            !held.is_empty()
+        });
+        let pending = &self.cm_pending;
+        self.cm_held_until.retain(|ip, _| pending.contains_key(ip));
+    }
+
+    /// How many connection manager's messages wait for a link to `host`.
+    #[cfg(test)]
+    pub fn held_cm(&self, host: std::net::Ipv4Addr) -> usize {
+        self.cm_pending.get(&host).map_or(0, Vec::len)
+    }
+
+    /// Asks again for the check-dials that [`Net::not_verified`] could
+    /// not start.
+    fn check_unverified(&mut self) {
+        let unchecked: Vec<_> = self
+            .links
+            .iter()
+            .filter(|(_, l)| !l.verified && !l.checked && !l.dialled)
+            .filter_map(|(&id, l)| Some((id, l.gid, l.gid.ipv4()?, l.daemon_id)))
+            .collect();
+        for (id, gid, ip, daemon_id) in unchecked {
+            let started =
+                self.dial_checking(SocketAddr::from((ip, self.setup.port)), Some(gid), Some(daemon_id));
+            if let Some(l) = self.links.get_mut(&id) {
+                l.checked |= started;
+            }
+        }
     }
 
     /// A dial failed, for `why`: it may be tried again later.
@@ -411,10 +498,11 @@ impl Net {
                         l.queue_cm(m);
                     }
                     tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
-                } else if self.incoming.contains_key(&gid) {
+                } else if let Some(&since) = self.incoming.get(&gid) {
                     // Its connection to us is in its handshake: they go by
-                    // the link it becomes ([`Net::add`]). (Should that
-                    // fail, their connections' timers end them.)
+                    // the link it becomes ([`Net::add`]), or are given up
+                    // on once that handshake can no longer succeed.
+                    self.cm_held_until.insert(ip, since + HANDSHAKE_LIMIT);
                     self.cm_pending.insert(ip, held);
                 } else {
                     self.cm_links.push(CmLink::Down(ip, None));
@@ -624,15 +712,26 @@ impl Net {
     }
 
     fn dial(&mut self, addr: SocketAddr, expect: Option<Gid>) {
+        self.dial_checking(addr, expect, None);
+    }
+
+    /// [`Net::dial`]; with `check`, the check-dial of a link from the
+    /// daemon `check` ([`Net::not_verified`]). Whether the dial started.
+    fn dial_checking(&mut self, addr: SocketAddr, expect: Option<Gid>, check: Option<u64>) -> bool {
         if !self.setup.permits(addr) {
             if self.refused.len() < MAX_DIALS * 64 && self.refused.insert(addr) {
                 tracing::warn!(peer = %addr, "a QP names a host outside net.allow; not dialled");
             }
-            return;
+            return false;
         }
         let now = Clock::now();
-        let Some(fails) = self.may_dial(addr, now) else { return };
-        let Some(handle) = self.handle.clone() else { return };
+        let Some(fails) = self.may_dial(addr, now, check) else { return false };
+        #[cfg(test)]
+        if self.handle.is_none() && self.record_dials {
+            self.dialling.insert(addr, Dial::Started(now, fails));
+            return true;
+        }
+        let Some(handle) = self.handle.clone() else { return false };
         self.dialling.insert(addr, Dial::Started(now, fails));
         let setup = self.setup.clone();
         let spawned = std::thread::Builder::new()
@@ -645,19 +744,24 @@ impl Net {
                 peer = %addr, error = %e
             );
             self.dialling.remove(&addr);
+            return false;
         }
+        true
     }
 
     /// Whether a dial to `addr` may start at `now`, and if so after how
-    /// many failures in a row.
-    fn may_dial(&mut self, addr: SocketAddr, now: Clock) -> Option<u32> {
+    /// many failures in a row. `check`: the daemon whose link it checks
+    /// ([`Net::not_verified`]).
+    fn may_dial(&mut self, addr: SocketAddr, now: Clock, check: Option<u64>) -> Option<u32> {
         // (A link that came in from another address than its GID's does
-        // not hold back the one dial that checks it: see [`Net::not_verified`].)
-        if self
-            .links
-            .values()
-            .any(|l| same_daemon(l.peer, l.gid, addr) && (l.dialled || l.verified || l.checked))
-        {
+        // not hold back the one dial that checks it: see [`Net::not_verified`].
+        // Nor does a link to another daemon of that host when checking:
+        // it restarted, the old link may be dead, not yet found so.)
+        if self.links.values().any(|l| {
+            same_daemon(l.peer, l.gid, addr)
+                && (l.dialled || l.verified || l.checked)
+                && check.is_none_or(|d| l.daemon_id == d)
+        }) {
             return None;
         }
         // That daemon's own connection to us is in its handshake: it
@@ -758,6 +862,7 @@ impl Net {
     /// Moves frames on every link; drops the ones that ended.
     pub fn drive(&mut self, hca: &mut Hca, rings: &mut RingTable, now: Instant) -> bool {
         let mut busy = false;
+        self.expire_held_cm(Clock::now());
         let mut ended = std::mem::take(&mut self.failed);
         let all = self.find_readable();
         for (&id, l) in self.links.iter_mut() {
@@ -780,6 +885,7 @@ impl Net {
                 }
             }
             self.dial_configured();
+            self.check_unverified();
         }
         for (id, why) in ended {
             if let Some(mut l) = self.links.remove(&id) {
@@ -854,7 +960,13 @@ impl Net {
         }
         let keepalive = (!self.links.is_empty() || !self.setup.peers.is_empty())
             .then(|| self.next_keepalive.saturating_duration_since(Clock::now()));
-        Ok((out, keepalive))
+        // (A held message's deadline wakes the engine too.)
+        let held = self.cm_held_until.values().min().map(|t| t.saturating_duration_since(Clock::now()));
+        let wait = match (keepalive, held) {
+            (Some(k), Some(h)) => Some(k.min(h)),
+            (k, h) => k.or(h),
+        };
+        Ok((out, wait))
     }
 
     /// [`LinkIo::keep_payloads`] on every link.
@@ -1235,28 +1347,28 @@ mod tests {
         let now = Clock::now();
         let addr = |i: u8| SocketAddr::from(([10, 0, 2, i], 4791));
         for i in 0..MAX_DIALS as u8 {
-            assert_eq!(n.may_dial(addr(i), now), Some(0));
+            assert_eq!(n.may_dial(addr(i), now, None), Some(0));
             n.dialling.insert(addr(i), Dial::Started(now, 0));
         }
-        assert_eq!(n.may_dial(addr(200), now), None, "{MAX_DIALS} under way: the next waits");
+        assert_eq!(n.may_dial(addr(200), now, None), None, "{MAX_DIALS} under way: the next waits");
         let mut with_peer = net_of([10, 0, 0, 1]);
         let peer = SocketAddr::from(([10, 0, 3, 1], 4791));
         Arc::get_mut(&mut with_peer.setup).unwrap().peers.push(peer);
         with_peer.dialling = n.dialling.clone();
         assert_eq!(
-            with_peer.may_dial(peer, now),
+            with_peer.may_dial(peer, now, None),
             Some(0),
             "a configured peer is dialled whatever tenants want"
         );
-        assert_eq!(n.may_dial(addr(0), now), None, "already under way");
+        assert_eq!(n.may_dial(addr(0), now, None), None, "already under way");
         n.dial_failed(addr(0), "refused");
-        assert_eq!(n.may_dial(addr(200), now), Some(0), "a slot came free");
+        assert_eq!(n.may_dial(addr(200), now, None), Some(0), "a slot came free");
         // A failed peer keeps its count while it may be asked for again...
         let later = now + REDIAL_AFTER + Duration::from_millis(100);
-        assert_eq!(n.may_dial(addr(0), later), Some(1));
+        assert_eq!(n.may_dial(addr(0), later, None), Some(1));
         // ...and is forgotten once no QP has asked for a long while.
         let much_later = later + FORGET_FAILED_DIAL + REDIAL_MAX;
-        n.may_dial(addr(201), much_later);
+        n.may_dial(addr(201), much_later, None);
         assert!(!n.dialling.contains_key(&addr(0)), "a failed dial no one wants is kept for ever");
     }
 
@@ -1467,6 +1579,33 @@ mod tests {
         assert_eq!(c.cm_links, [CmLink::Down(b, None)]);
     }
 
+    /// Messages held for the host's incoming handshake are given up on
+    /// (the manager told, as for a failed dial) once that handshake can
+    /// no longer become a link, rather than stranded until a later link
+    /// takes them stale (review links4 finding 3).
+    #[test]
+    fn cm_messages_held_for_an_incoming_handshake_that_fails_are_given_up() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits(b_gid, 9, t));
+        a.dial_failed(b_addr, "refused");
+        a.expire_held_cm(t);
+        assert!(a.cm_links.is_empty() && a.cm_pending.contains_key(&b), "still within the handshake");
+        let (_, wait) = a.poll_fds_owned().unwrap();
+        assert!(wait.is_some_and(|w| w <= HANDSHAKE_LIMIT), "the deadline wakes the engine: {wait:?}");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(a.cm_pending.is_empty(), "given up");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        // A link that comes later carries nothing stale.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let (l, _t) = add_link(&mut a, &mut hca, b_gid, b_addr, None);
+        assert!(!a.links[&l].has_output());
+    }
+
     /// A connection manager's message for no link goes by the host's
     /// newest verified link before a newer one whose peer only claims the
     /// host's GID (review links3 D).
@@ -1493,9 +1632,21 @@ mod tests {
         from: SocketAddr,
         dialled: Option<SocketAddr>,
     ) -> (LinkId, TcpStream) {
+        add_link_of(net, hca, gid, 9, from, dialled)
+    }
+
+    /// [`add_link`] to the daemon `daemon_id`.
+    fn add_link_of(
+        net: &mut Net,
+        hca: &mut Hca,
+        gid: Gid,
+        daemon_id: u64,
+        from: SocketAddr,
+        dialled: Option<SocketAddr>,
+    ) -> (LinkId, TcpStream) {
         use vrdma_core::wire::{HelloRepr, Role};
         let (ours, theirs) = crate::testing::loopback();
-        let hello = HelloRepr::new(Role::Initiator, 9, gid, 2, [0; vrdma_core::wire::NONCE_LEN]);
+        let hello = HelloRepr::new(Role::Initiator, daemon_id, gid, 2, [0; vrdma_core::wire::NONCE_LEN]);
         let version = vrdma_core::wire::SOCK6_VERSION;
         net.add(hca, ours, Peer { hello, chunk: 4096, version }, from, dialled);
         (*net.links.keys().next_back().unwrap(), theirs)
@@ -1520,18 +1671,74 @@ mod tests {
         assert!(a.links[&l1].verified && a.links[&l2].verified);
         assert!(hca.links().iter().all(|l| l.info.verified));
         let mut c = net_of([10, 0, 0, 1]);
+        c.record_dials = true;
         let mut hca = hca_of([10, 0, 0, 1]);
         let log = crate::testing::traced(|| {
             add_link(&mut c, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
         });
-        assert!(log.contains("not at its GID's address"), "{log}");
+        assert!(log.contains("not at its GID's address; dialling"), "{log}");
+        assert!(matches!(c.dialling.get(&b_addr), Some(Dial::Started(..))), "its check-dial started");
+        c.dialling.clear();
         let l = c.links.values_mut().next().unwrap();
         assert!(!l.verified && l.checked, "its check-dial was asked for");
         assert!(!hca.links()[0].info.verified);
         l.checked = false;
-        assert_eq!(c.may_dial(b_addr, Clock::now()), Some(0), "an unverified link holds back no check-dial");
+        assert_eq!(
+            c.may_dial(b_addr, Clock::now(), None),
+            Some(0),
+            "an unverified link holds back no check-dial"
+        );
         c.links.values_mut().next().unwrap().checked = true;
-        assert_eq!(c.may_dial(b_addr, Clock::now()), None, "one check-dial per link");
+        assert_eq!(c.may_dial(b_addr, Clock::now(), None), None, "one check-dial per link");
+    }
+
+    /// A link that came in unverified counts as checked only once its
+    /// check-dial started; an old verified link to the same daemon holds
+    /// that dial back, one to a daemon of the host that since restarted
+    /// (another daemon_id; its link may be dead, not yet found so) does
+    /// not; a refused one is asked for again (review links4 finding 4).
+    #[test]
+    fn a_check_dial_held_back_leaves_the_link_unchecked_and_a_restarted_daemons_is_dialled() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        let (old, _t1) = add_link_of(&mut a, &mut hca, b_gid, 9, b_addr, Some(b_addr));
+        assert!(a.links[&old].verified);
+        // The same daemon from another address: its old link serves.
+        let (same, _t2) = add_link_of(&mut a, &mut hca, b_gid, 9, from, None);
+        assert!(!a.links[&same].checked, "no check-dial started");
+        assert!(a.dialling.is_empty());
+        a.check_unverified();
+        assert!(!a.links[&same].checked && a.dialling.is_empty(), "still held back");
+        // b restarted (no FIN): its new link is checked at once.
+        let (new, _t3) = add_link_of(&mut a, &mut hca, b_gid, 10, from, None);
+        assert!(a.links[&new].checked, "the restarted daemon's link is checked");
+        assert!(matches!(a.dialling.get(&b_addr), Some(Dial::Started(..))));
+        // Once the old link is gone, the held-back check is asked again.
+        a.links.remove(&old);
+        a.dialling.clear();
+        a.check_unverified();
+        assert!(a.links[&same].checked && a.dialling.contains_key(&b_addr));
+    }
+
+    /// A dialled link not at its GID's address says so, and not that it
+    /// dials to check (review links4 finding 5).
+    #[test]
+    fn a_dialled_unverified_link_warns_without_claiming_a_check_dial() {
+        let b_gid = Gid::from_ipv4([10, 0, 0, 2]);
+        let peer: SocketAddr = "192.0.2.7:4791".parse().unwrap();
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        let log = crate::testing::traced(|| {
+            add_link(&mut a, &mut hca, b_gid, peer, Some(peer));
+        });
+        assert!(log.contains("not at its GID's address"), "{log}");
+        assert!(!log.contains("dialling that address"), "{log}");
+        assert!(a.dialling.is_empty());
     }
 
     /// Queries held for a host whose link came up not counting as that
