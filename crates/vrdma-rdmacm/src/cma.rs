@@ -137,6 +137,24 @@ impl Lib {
         let opened = verbs()?.open_first()?;
         Ok(self.device.get_or_init(|| opened))
     }
+
+    /// Opens the device context with the connection, as rdma-core's
+    /// `ucma_init` takes the device list at the process's first
+    /// librdmacm call (`rdma_create_event_channel`, `rdma_create_id`),
+    /// not at the first bind or resolve: loading the program's
+    /// libibverbs (`dlopen`), its device list and open (a connection to
+    /// the daemon: `Hello`, `QueryDevice`) were about 0.5 ms of a fresh
+    /// process's first `rdma_resolve_addr` (`cmtime -c 1`'s "resolve
+    /// addr" step), where the kernel's CM resolves in tens of µs. The
+    /// context is opened once per connection either way (never closed:
+    /// see [`Device`]); a program that never binds an id now holds it
+    /// too (one more of its tenant's `max_contexts`), as rdma-core's
+    /// holds its device list. A failure here is not reported: the first
+    /// call that needs the device tries again and fails with its error,
+    /// as before.
+    fn open_device_early(&self) {
+        let _ = self.device();
+    }
 }
 
 /// The connection to the daemon that new channels are made on: the one
@@ -165,6 +183,7 @@ fn lib() -> Res<&'static Lib> {
         Box::leak(Box::new(l))
     };
     *cur = Some(l);
+    l.open_device_early();
     Ok(l)
 }
 

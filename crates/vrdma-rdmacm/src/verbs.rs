@@ -14,7 +14,12 @@
 //!
 //! The functions are looked up once per process ([`verbs`]); the device
 //! context is opened once per connection to the daemon ([`Device`], held
-//! by `cma`'s generation of that connection): after the daemon was
+//! by `cma`'s generation of that connection), together with that
+//! connection (the process's first `rdma_create_event_channel` or
+//! `rdma_create_id`, as rdma-core's `ucma_init` lists its devices at the
+//! first call; the first bind, resolve or listener's request then finds
+//! it open, where it used to load this library and open the device
+//! itself, about 0.5 ms of a fresh process's first connection): after the daemon was
 //! restarted, the ids of the old connection keep the old context (dead,
 //! as a device's after a reset), and new ids get a context of the new
 //! daemon, opened from a fresh device list.
