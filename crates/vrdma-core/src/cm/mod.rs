@@ -1058,7 +1058,8 @@ impl ConnectionManager {
     /// a new REQ to that host goes by it (the newest, unless it is not
     /// verified and another is), and the connections whose messages waited
     /// for a link to that host (the driver held them for its dial, and
-    /// sends them by the first link that comes up) belong to it.
+    /// sends them by the first link it tells of, or by the first verified
+    /// one) belong to it.
     pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId, verified: bool) {
         if self.is_local(host) {
             return;

@@ -139,7 +139,9 @@ pub struct Net {
     /// the clock of [`crate::logs::now`]).
     pub log: LogLimiter,
     /// Connection manager's messages for hosts with no link yet: sent when
-    /// one comes up, or given up on (`cm_down`) when the dial fails.
+    /// one comes up (an unverified one only once the dial to the host's
+    /// GID's address ended: `cm_deferred`), or given up on
+    /// ([`CmLink::Down`]) when the dial fails with no link up.
     cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
     /// Hosts whose `cm_pending` waits, after its dial failed, for the
     /// host's own connection in its handshake ([`Net::dial_failed`]):
