@@ -18,7 +18,9 @@
 //! processes of one host is the same exchange, looped back.
 //!
 //! A connection belongs to the link its REQ went or came by (a message
-//! for it goes by that link, a new REQ by the host's newest): a daemon of
+//! for it goes by that link, a new REQ by the host's newest; only what
+//! comes by that link speaks for it, and for a REQ the driver still holds
+//! for a link, only what comes by a verified one): a daemon of
 //! a host that restarted makes a second link to it while the first is
 //! not yet found dead, and that first link's end must take only what was
 //! made over it, not what the restarted daemon's link carries since.
@@ -913,6 +915,17 @@ impl ConnectionManager {
             Some((h, n)) if h == host && (n == from || n == 0 && i.state == State::ReqSent) => {}
             _ => return,
         }
+        // And only by the connection's link: another link to the host may
+        // be a daemon that only claims its GID, guessing our numbers.
+        if !self.by_its_link(i, host, link) {
+            tracing::debug!(%host, ?link, bound = ?i.link, id = to, "an rdma_cm message by another link than its connection's; dropped");
+            return;
+        }
+        if i.link.is_none() && link.is_some() {
+            // (The driver sent its REQ by that verified link.)
+            self.ids.get_mut(&to).expect("looked up above").link = link;
+        }
+        let Some(i) = self.ids.get(&to) else { return };
         let state = i.state;
         match msg {
             CmMessage::Rep { conn, qkey, .. } if state == State::ReqSent => {
@@ -975,6 +988,26 @@ impl ConnectionManager {
             },
             CmMessage::Drep { .. } if state == State::DreqSent => self.close(to, EventKind::Disconnected, 0),
             _ => {}
+        }
+    }
+
+    /// Whether a message for connection `i` that came from `host` by
+    /// `link` came by the connection's link: the one it is bound to (its
+    /// REQ went or came by it; `None`: this host, or a driver without
+    /// links); for one whose REQ the driver still holds for a link (bound
+    /// to none, the peer on another host), a verified link to that host
+    /// the driver reported (it sends what it held by such a one), not an
+    /// unverified one nor one the manager has not heard of (the driver
+    /// holds back the links of a host while a dial to its GID's address
+    /// is under way).
+    fn by_its_link(&self, i: &CmId, host: Ipv4Addr, link: Option<LinkId>) -> bool {
+        match (i.link, link) {
+            (Some(bound), came) => came == Some(bound),
+            (None, None) => true,
+            (None, Some(came)) => {
+                !self.is_local(host)
+                    && self.links.get(&host).and_then(|s| s.get(&came)).copied() == Some(true)
+            }
         }
     }
 

@@ -954,3 +954,51 @@ fn a_refused_send_for_no_link_ends_only_the_connection_that_sent_it() {
     assert_eq!(a.state(CA, reqs[0].0), Some(State::ReqSent), "its REQ is held for the link");
     assert_eq!(kinds(&drain(&mut a)), [EventKind::Unreachable]);
 }
+
+/// A connection hears only what comes by its link: an answer to a REQ
+/// that went by link 1 is dropped when it comes by another link to the
+/// host (a daemon that only claims the host's GID, guessing our numbers),
+/// or by none; one whose REQ the driver holds for a link hears an answer
+/// only by a verified link it was told of (review of linkdefer, 7).
+#[test]
+fn an_answer_by_another_link_than_its_connections_is_dropped() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let connect = |a: &mut ConnectionManager| {
+        let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+        a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+        a.resolve_route(CA, id).unwrap();
+        a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+        drain(a);
+        let (_, link, msg) = a.poll_transmit_by().unwrap();
+        assert!(matches!(msg, CmMessage::Req { .. }), "{msg:?}");
+        (id, link)
+    };
+    let rep = |to| CmMessage::Rep { to, from: 9, conn: conn(0x22, b""), qkey: 0 };
+    // Bound to link 1.
+    a.link_up(B, LinkId(1), true);
+    let (id, link) = connect(&mut a);
+    assert_eq!(link, Some(LinkId(1)));
+    a.link_up(B, LinkId(2), false);
+    for by in [Some(LinkId(2)), Some(LinkId(5)), None] {
+        a.handle_message_by(B, by, rep(id));
+        assert!(drain(&mut a).is_empty(), "an answer by {by:?}");
+        assert_eq!(a.state(CA, id), Some(State::ReqSent));
+    }
+    a.handle_message_by(B, Some(LinkId(1)), rep(id));
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+
+    // No link up: the REQ is held for the dial, bound to no link.
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let (id, link) = connect(&mut a);
+    assert_eq!(link, None);
+    // A link the driver holds back (not told), or an unverified one.
+    a.handle_message_by(B, Some(LinkId(3)), rep(id));
+    assert!(drain(&mut a).is_empty(), "an answer by a link the manager has not heard of");
+    assert_eq!(a.state(CA, id), Some(State::ReqSent));
+    // The driver sends the held REQ by the verified link it tells of.
+    a.link_up(B, LinkId(4), true);
+    a.handle_message_by(B, Some(LinkId(3)), rep(id));
+    assert!(drain(&mut a).is_empty());
+    a.handle_message_by(B, Some(LinkId(4)), rep(id));
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+}

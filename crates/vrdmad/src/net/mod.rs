@@ -159,6 +159,12 @@ pub struct Net {
     /// claims the host's GID does not get them while the host's own may
     /// still link.
     cm_deferred: HashMap<std::net::Ipv4Addr, Vec<LinkId>>,
+    /// Hosts of `cm_deferred` whose dial to the GID's address failed
+    /// while the host's own connection to us was in its handshake (a
+    /// crossing dial it refused): their links wait for that to become a
+    /// link until then (its start and [`HANDSHAKE_LIMIT`]), as held
+    /// messages do (`cm_held_until`).
+    cm_deferred_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Links to other hosts that came up or went down, for the engine to
     /// tell the connection manager, in the order they did: one queue, so
     /// that a dial's failure and a link that came up after it are told in
@@ -279,6 +285,7 @@ impl Net {
             cm_pending: HashMap::new(),
             cm_held_until: HashMap::new(),
             cm_deferred: HashMap::new(),
+            cm_deferred_until: HashMap::new(),
             cm_links: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
@@ -351,7 +358,14 @@ impl Net {
                 // both wait for that ([`Net::release_deferred`]).
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
                     self.cm_held_until.remove(&ip);
-                    if !verified && !self.has_verified_link(gid) && self.dial_under_way(ip, Clock::now()) {
+                    // (Only while the manager knows no link to the host:
+                    // with one told, it held nothing, and a new REQ would
+                    // go by that one, maybe a dead daemon's, meanwhile.)
+                    if !verified
+                        && !self.has_verified_link(gid)
+                        && !self.told_link_to(ip)
+                        && self.awaits_own_link(ip, Clock::now())
+                    {
                         tracing::debug!(link = id.0, host = %ip, "an unverified link waits for the dial to its GID's address");
                         self.cm_deferred.entry(ip).or_default().push(id);
                     } else {
@@ -411,6 +425,15 @@ impl Net {
                 hca.link_down(id);
             }
         }
+        // A dial to a host's GID's address that made no verified link to
+        // it (its Hello named another GID, or the connection could not be
+        // used) ended all the same: what waited for it waits no more.
+        if let Some(SocketAddr::V4(d)) = dialled {
+            let ip = *d.ip();
+            if self.cm_deferred.contains_key(&ip) && !self.awaits_own_link(ip, Clock::now()) {
+                self.release_deferred(ip);
+            }
+        }
     }
 
     /// A link `l` (not yet in `links`) whose peer's address does not vouch
@@ -451,13 +474,15 @@ impl Net {
     /// messages going, stale, by the host's next link. A dial to the host
     /// started since takes them over (its failure or link tells).
     /// Likewise ends the wait of deferred links whose dial lost its
-    /// report ([`Dial::holds`]; a dial's end is told at once).
+    /// report ([`Dial::holds`]; a dial's end is told at once), or whose
+    /// host's handshake did not become a link in time
+    /// (`cm_deferred_until`).
     pub fn expire_held_cm(&mut self, now: Clock) {
         if !self.cm_deferred.is_empty() {
             let ended: Vec<_> =
-                self.cm_deferred.keys().copied().filter(|&ip| !self.dial_under_way(ip, now)).collect();
+                self.cm_deferred.keys().copied().filter(|&ip| !self.awaits_own_link(ip, now)).collect();
             for ip in ended {
-                tracing::debug!(host = %ip, "the dial that unverified links waited for ended unreported");
+                tracing::debug!(host = %ip, "the dial or handshake that unverified links waited for ended unreported");
                 self.release_deferred(ip);
             }
         }
@@ -485,6 +510,22 @@ impl Net {
         self.dialling.get(&at).is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(now))
     }
 
+    /// Whether unverified links to `ip` wait, at `now`, for the host's
+    /// own link ([`Net::cm_deferred`]): a dial to its GID's address under
+    /// way, or, that dial failed, the host's own connection to us in its
+    /// handshake (`cm_deferred_until`).
+    fn awaits_own_link(&self, ip: std::net::Ipv4Addr, now: Clock) -> bool {
+        self.dial_under_way(ip, now) || self.cm_deferred_until.get(&ip).is_some_and(|&t| now < t)
+    }
+
+    /// Whether the connection manager was told of a link to `ip` that is
+    /// up (one of its links not in `cm_deferred`).
+    fn told_link_to(&self, ip: std::net::Ipv4Addr) -> bool {
+        let gid = Gid::from_ipv4(ip.octets());
+        let deferred = self.cm_deferred.get(&ip);
+        self.links.values().any(|l| l.gid == gid && !deferred.is_some_and(|d| d.contains(&l.id)))
+    }
+
     /// Whether a verified link whose peer's Hello says `gid` is up.
     fn has_verified_link(&self, gid: Gid) -> bool {
         self.links.values().any(|l| l.gid == gid && l.verified)
@@ -500,6 +541,7 @@ impl Net {
     /// messages went by (`ConnectionManager::link_up`). With no link left
     /// (they went down meanwhile), what is held stays for the dial's end.
     fn release_deferred(&mut self, ip: std::net::Ipv4Addr) {
+        self.cm_deferred_until.remove(&ip);
         let Some(ids) = self.cm_deferred.remove(&ip) else { return };
         let by = self.newest_link_to(Gid::from_ipv4(ip.octets()));
         if let Some(l) = by.and_then(|id| self.links.get_mut(&id)) {
@@ -582,11 +624,25 @@ impl Net {
         if let std::net::IpAddr::V4(ip) = addr.ip() {
             let gid = Gid::from_ipv4(ip.octets());
             // The host's unverified links waited for this dial: the
-            // manager hears of them, and what it held goes by the newest.
-            if !self.dial_under_way(ip, Clock::now()) {
-                self.release_deferred(ip);
+            // manager hears of them, and what it held goes by the newest;
+            // unless the host's own connection to us is in its handshake
+            // (its dial crossed ours, which it refused): then they wait
+            // for that, as long as a handshake may last.
+            if !self.dial_under_way(ip, Clock::now()) && self.cm_deferred.contains_key(&ip) {
+                self.forget_stale_incoming(Clock::now());
+                match self.incoming.get(&gid) {
+                    Some(&since) => {
+                        tracing::debug!(host = %ip, "unverified links wait for the host's handshake");
+                        self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    }
+                    None => self.release_deferred(ip),
+                }
             }
-            if let Some(held) = self.cm_pending.remove(&ip) {
+            // (What the manager held still waits for the host's own link
+            // if its unverified links do: another dial failed, to a
+            // configured peer's address on another port.)
+            let held = if self.cm_deferred.contains_key(&ip) { None } else { self.cm_pending.remove(&ip) };
+            if let Some(held) = held {
                 self.forget_stale_incoming(Clock::now());
                 if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
                     // The host linked in meanwhile (its daemon's dial
@@ -1012,7 +1068,14 @@ impl Net {
                     if let Some(ids) = self.cm_deferred.get_mut(&ip) {
                         ids.retain(|&d| d != id);
                         if ids.is_empty() {
+                            // What was held waits for the dial's end, or
+                            // for the host's handshake as held messages do.
                             self.cm_deferred.remove(&ip);
+                            if let Some(t) = self.cm_deferred_until.remove(&ip) {
+                                if self.cm_pending.contains_key(&ip) {
+                                    self.cm_held_until.insert(ip, t);
+                                }
+                            }
                         }
                     }
                     self.cm_links.push(CmLink::Down(ip, Some(id)));
@@ -1078,6 +1141,7 @@ impl Net {
         let held = self
             .cm_held_until
             .values()
+            .chain(self.cm_deferred_until.values())
             .copied()
             .chain(lost)
             .min()
@@ -1715,8 +1779,13 @@ mod tests {
         a.dial_failed(b_addr, "refused");
         a.expire_held_cm(t);
         assert!(a.cm_links.is_empty() && a.cm_pending.contains_key(&b), "still within the handshake");
+        // (The keepalive far off, so that the wait is the deadline's.)
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
         let (_, wait) = a.poll_fds_owned().unwrap();
-        assert!(wait.is_some_and(|w| w <= HANDSHAKE_LIMIT), "the deadline wakes the engine: {wait:?}");
+        assert!(
+            wait.is_some_and(|w| !w.is_zero() && w <= HANDSHAKE_LIMIT),
+            "the deadline wakes the engine: {wait:?}"
+        );
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert!(a.cm_pending.is_empty(), "given up");
         assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
@@ -1817,7 +1886,7 @@ mod tests {
 
     /// A dial that deferred links wait for and that lost its report ends
     /// their wait once it counts as lost (the engine is woken for it),
-    /// as a failed one does; a deferred link that went down is not told.
+    /// as a failed one does.
     #[test]
     fn deferred_links_are_told_when_their_dial_lost_its_report() {
         let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
@@ -1831,12 +1900,159 @@ mod tests {
         let t = Clock::now();
         a.expire_held_cm(t);
         assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "the dial is under way");
+        // (The keepalive far off, so that the wait is the dial's.)
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
         let (_, wait) = a.poll_fds_owned().unwrap();
-        assert!(wait.is_some_and(|w| w <= HANDSHAKE_LIMIT + CONNECT_LIMIT * 2), "{wait:?}");
-        a.expire_held_cm(t + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2);
+        let lost = HANDSHAKE_LIMIT + CONNECT_LIMIT * 2;
+        assert!(wait.is_some_and(|w| w > lost / 2 && w <= lost), "{wait:?}");
+        a.expire_held_cm(t + lost);
         assert_eq!(a.cm_links, [CmLink::Up(b, l, false)]);
         assert!(a.links[&l].has_output() && a.held_cm(b) == 0);
         assert!(a.cm_deferred.is_empty());
+    }
+
+    /// A deferred link that goes down is not told up; the manager hears
+    /// of its end (connections its REQs made end), and what was held
+    /// waits for the dial, whose failure gives it up (review of
+    /// linkdefer, 5).
+    #[test]
+    fn a_deferred_link_that_went_down_is_not_told() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (l, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        assert_eq!(a.cm_deferred.get(&b).map(Vec::as_slice), Some(&[l][..]));
+        drop(theirs);
+        let mut rings = RingTable::default();
+        for _ in 0..100 {
+            a.drive(&mut hca, &mut rings, crate::logs::now());
+            if !a.links.contains_key(&l) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!a.links.contains_key(&l), "the link did not end");
+        assert_eq!(a.cm_links, [CmLink::Down(b, Some(l))]);
+        assert!(a.cm_deferred.is_empty() && a.held_cm(b) == 1);
+        a.cm_links.clear();
+        a.dial_failed(b_addr, "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// A host's daemon behind another address restarted (daemon 10) and
+    /// linked in again while the manager still knows its last life's
+    /// link (not yet found dead): the new link is told at once, check-dial
+    /// or not, and takes the host's messages; deferring it would send
+    /// every new REQ by the old one meanwhile (review of linkdefer, 1).
+    #[test]
+    fn an_unverified_link_is_told_at_once_while_the_manager_knows_another_to_the_host() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        let (old, _t1) = add_link_of(&mut a, &mut hca, b_gid, 9, "192.0.2.9:40000".parse().unwrap(), None);
+        assert_eq!(a.cm_links, [CmLink::Up(b, old, false)]);
+        a.cm_links.clear();
+        a.record_dials = true;
+        let (new, _t2) = add_link_of(&mut a, &mut hca, b_gid, 10, "192.0.2.9:40001".parse().unwrap(), None);
+        assert!(a.links[&new].checked && a.dial_under_way(b, Clock::now()), "its check-dial started");
+        assert_eq!(a.cm_links, [CmLink::Up(b, new, false)], "told at once");
+        assert!(a.cm_deferred.is_empty());
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.links[&new].has_output() && a.held_cm(b) == 0);
+    }
+
+    /// Another dial to the host (a configured peer's address, another
+    /// port) that fails while the check-dial to its GID's address is
+    /// under way leaves what was held waiting for that, not sent by the
+    /// deferred link the manager has not heard of (review of linkdefer, 2).
+    #[test]
+    fn a_failed_dial_to_another_port_leaves_the_held_messages_to_the_check_dial() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (claim, _t) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        a.dial_failed("10.0.0.2:5000".parse().unwrap(), "refused");
+        assert!(a.dial_under_way(b, Clock::now()));
+        assert!(!a.links[&claim].has_output(), "sent by the deferred link");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+        assert!(a.cm_deferred.contains_key(&b));
+    }
+
+    /// Our dial to the host's GID's address that makes no verified link
+    /// to the host (the daemon there names another GID) ends the wait of
+    /// the host's deferred links at once, not at the next pass (review of
+    /// linkdefer, 3).
+    #[test]
+    fn a_dial_to_the_gids_address_that_finds_another_gid_ends_the_wait() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let c = std::net::Ipv4Addr::new(10, 0, 0, 3);
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        assert!(a.cm_links.is_empty());
+        let (other, _t2) = add_link(&mut a, &mut hca, Gid::from_ipv4(c.octets()), b_addr, Some(b_addr));
+        assert!(!a.links[&other].verified);
+        assert!(a.cm_deferred.is_empty(), "still waiting for a dial that ended");
+        assert_eq!(a.cm_links, [CmLink::Up(c, other, false), CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+    }
+
+    /// Our dial to the host's GID's address fails (its daemon refused it:
+    /// its own dial crossed ours) while its connection to us is in its
+    /// handshake: the deferred links wait for that as long as a handshake
+    /// may last; the verified link it becomes takes what was held, or,
+    /// past that, the newest unverified one does (review of linkdefer, 4).
+    #[test]
+    fn deferred_links_wait_for_the_hosts_handshake_when_our_dial_failed() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let setup = |t: Clock| {
+            let mut hca = hca_of([10, 0, 0, 3]);
+            let mut a = net_of([10, 0, 0, 3]);
+            a.record_dials = true;
+            a.send_cm(b, None, &msg).unwrap();
+            let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+            assert!(a.admits(b_gid, 9, t));
+            a.dial_failed(b_addr, "refused");
+            assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+            assert!(!a.links[&claim].has_output() && a.held_cm(b) == 1);
+            (a, hca, claim, theirs)
+        };
+        let t = Clock::now();
+        let (mut a, mut hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t);
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "within the handshake");
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
+        let (_, wait) = a.poll_fds_owned().unwrap();
+        assert!(wait.is_some_and(|w| !w.is_zero() && w <= HANDSHAKE_LIMIT), "{wait:?}");
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.held_cm(b) == 2 && !a.dial_under_way(b, Clock::now()), "held, no dial");
+        // The handshake becomes the host's own link: all goes by it.
+        let (own, _t2) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        // It does not: past the handshake's limit, the unverified link.
+        let (mut a, _hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty());
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
