@@ -876,7 +876,8 @@ impl ConnectionManager {
 
     /// A message from the manager of `host` that came by `link`: a
     /// connection a REQ makes belongs to the link it came by, and its
-    /// answers go by it.
+    /// answers go by it; a message for a connection that came by another
+    /// link than its own is dropped ([`Self::by_its_link`]).
     pub fn handle_message_by(&mut self, host: Ipv4Addr, link: Option<LinkId>, msg: CmMessage) {
         if let CmMessage::Req { from, tenant, ps, src, dst, conn } = msg {
             self.handle_req(host, link, from, TenantId(tenant), ps, src, dst, conn);

@@ -150,20 +150,24 @@ pub struct Net {
     /// dial ([`Net::expire_held_cm`]).
     cm_held_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Unverified links to a host ([`LinkInfo::verified`]) that came up
-    /// while no verified one was and a dial to the host's GID's address
-    /// was under way (ours, or the link's check-dial): the connection
-    /// manager hears of them ([`CmLink::Up`]) only once a verified link is
-    /// up or that dial ended ([`Net::release_deferred`]). Meanwhile what it
+    /// while no verified one was, the manager had been told of no link to
+    /// the host that is up (with one told, it holds nothing, and would
+    /// send new REQs by that one meanwhile), and a dial to the host's
+    /// GID's address was under way (ours, or the link's check-dial; or
+    /// `cm_deferred_until`): the connection manager hears of them
+    /// ([`CmLink::Up`]) only once a verified link is up or that wait ended
+    /// ([`Net::release_deferred`]). Meanwhile what it
     /// sends to the host by no link waits in `cm_pending`, as the socket
     /// registry's queries wait for the check-dial: a daemon that only
     /// claims the host's GID does not get them while the host's own may
     /// still link.
     cm_deferred: HashMap<std::net::Ipv4Addr, Vec<LinkId>>,
     /// Hosts of `cm_deferred` whose dial to the GID's address failed
-    /// while the host's own connection to us was in its handshake (a
-    /// crossing dial it refused): their links wait for that to become a
-    /// link until then (its start and [`HANDSHAKE_LIMIT`]), as held
-    /// messages do (`cm_held_until`).
+    /// while a connection to us whose Hello says the host's GID was in its
+    /// handshake (the host's dial crossed ours, which it refused): their
+    /// links wait for that to become a link, until it can last no longer
+    /// (its start and [`HANDSHAKE_LIMIT`]), as held messages do
+    /// (`cm_held_until`).
     cm_deferred_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Links to other hosts that came up or went down, for the engine to
     /// tell the connection manager, in the order they did: one queue, so
