@@ -1173,6 +1173,26 @@ impl ConnectionManager {
         self.end_unreached(id, state);
     }
 
+    /// The driver sent `msg`, queued for `host` by no link (its
+    /// connection bound to none then: the manager knew no link to the
+    /// host, or the Moved of an imported connection), by `link`, the
+    /// host's newest as the driver sees it: the connection belongs to that
+    /// link, whatever [`Self::link_up`] bound it to meanwhile (a driver
+    /// may report several links to the host at once, and the first bound
+    /// it), so that its peer's answers, which come by the link its
+    /// message went by, are its own ([`Self::by_its_link`]).
+    pub fn sent_by(&mut self, host: Ipv4Addr, msg: &CmMessage, link: LinkId) {
+        let id = msg.from();
+        if id == 0 || self.is_local(host) {
+            return;
+        }
+        if let Some(i) = self.ids.get_mut(&id) {
+            if i.state != State::Closed && i.peer.is_some_and(|(h, _)| h == host) {
+                i.link = Some(link);
+            }
+        }
+    }
+
     /// Ends connection `id` (in `state`) whose peer cannot be reached.
     fn end_unreached(&mut self, id: u32, state: State) {
         match state {

@@ -1002,3 +1002,54 @@ fn an_answer_by_another_link_than_its_connections_is_dropped() {
     a.handle_message_by(B, Some(LinkId(4)), rep(id));
     assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
 }
+
+/// Only a connection that was up sends a Moved (`migrate::resume_tenant`),
+/// so one being set up here does not take it: a daemon that claims the
+/// peer's host and guesses the tenant and our number (the peer's, not yet
+/// known to a REQ sent, is 0) takes neither side over, and the
+/// connection hears only its own link, not the Moved's (review 2 of
+/// linkdefer, 2: the Moved bound it to the claimer's link, whose REP was
+/// then taken).
+#[test]
+fn a_moved_for_a_connection_being_set_up_is_dropped() {
+    let rep = |to| CmMessage::Rep { to, from: 9, conn: conn(0x22, b""), qkey: 0 };
+    let moved = |to, from| CmMessage::Moved { to, from, tenant: TENANT.0 };
+    // Ours requested, by link 1 (verified); the claimer's link 2 (not).
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    a.link_up(B, LinkId(1), true);
+    a.link_up(B, LinkId(2), false);
+    let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+    a.resolve_route(CA, id).unwrap();
+    a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+    drain(&mut a);
+    assert_eq!(a.poll_transmit_by().map(|(_, l, _)| l), Some(Some(LinkId(1))));
+    a.handle_message_by(B, Some(LinkId(2)), moved(id, 0));
+    assert_eq!(a.poll_transmit_by(), None, "a Moved that fits no connection up");
+    a.handle_message_by(B, Some(LinkId(2)), rep(id));
+    assert!(drain(&mut a).is_empty(), "a REP by the Moved's link was taken");
+    assert_eq!(a.state(CA, id), Some(State::ReqSent));
+    a.handle_message_by(B, Some(LinkId(1)), rep(id));
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+
+    // Theirs, accepted by link 1: the REP sent, the RTU not yet come.
+    let mut b = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(1)));
+    b.link_up(A, LinkId(1), true);
+    b.link_up(A, LinkId(2), false);
+    let l = b.create_id(CB, TENANT, PortSpace::Tcp).unwrap();
+    b.bind(CB, l, SocketAddrV4::new(B, 7471)).unwrap();
+    b.listen(CB, l, 8).unwrap();
+    let (src, dst) = (SocketAddrV4::new(A, 40000), SocketAddrV4::new(B, 7471));
+    let req = CmMessage::Req { from: 77, tenant: TENANT.0, ps: PortSpace::Tcp, src, dst, conn: conn(1, b"") };
+    b.handle_message_by(A, Some(LinkId(1)), req);
+    let child = drain(&mut b)[0].id;
+    b.accept(CB, child, conn(0x33, b""), 0, T0).unwrap();
+    while b.poll_transmit_by().is_some() {}
+    assert_eq!(b.state(CB, child), Some(State::RepSent));
+    b.handle_message_by(A, Some(LinkId(2)), moved(child, 77));
+    assert_eq!(b.poll_transmit_by(), None);
+    b.handle_message_by(A, Some(LinkId(2)), CmMessage::Rtu { to: child, from: 77 });
+    assert_eq!(b.state(CB, child), Some(State::RepSent), "an RTU by the Moved's link was taken");
+    b.handle_message_by(A, Some(LinkId(1)), CmMessage::Rtu { to: child, from: 77 });
+    assert_eq!(b.state(CB, child), Some(State::Established));
+}

@@ -1017,6 +1017,74 @@ mod tests {
         }
     }
 
+    /// Two links to a host came up (an unverified one, then a verified
+    /// one) and a connect was made before the manager heard of either:
+    /// its REQ went by no link of the manager's, so the driver chose, the
+    /// verified one. The connection is bound to that link, not to the
+    /// first one reported: the REP that comes by it is taken, and the
+    /// other link's end leaves it alone (review 2 of linkdefer, finding 1:
+    /// it was bound to the first, and the REP by the link its REQ went by
+    /// was dropped).
+    #[test]
+    fn a_connect_made_before_its_hosts_links_are_told_is_bound_to_the_link_its_req_went_by() {
+        use vrdma_core::cm::{CmMessage, ConnInfo, PortSpace, State};
+        let (mut s, _peer, _, _, _) = state_with_region(16);
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 3);
+        let gid = Gid::from_ipv4(b.octets());
+        let (ctx, tenant) = (ContextId(1), TenantId(1000));
+        let link = |s: &mut EngineState, verified: bool, from: &str| {
+            let id = s.hca.link_up(LinkInfo { gid, lid: 3, chunk: 65536, verified });
+            let (ours, theirs) = loopback();
+            let mut l = LinkIo::new(id, ours, from.parse().unwrap(), gid, 5, false).unwrap();
+            l.verified = verified;
+            let net = s.net.as_mut().unwrap();
+            net.links.insert(id, l);
+            net.cm_links.push(crate::net::CmLink::Up(b, id, verified));
+            (id, theirs)
+        };
+        let (other, mut t_other) = link(&mut s, false, "192.0.2.9:40000");
+        let (own, mut t_own) = link(&mut s, true, "10.0.0.3:40000");
+        // Whether a connection manager's frame (type 0x05) came (the
+        // socket registry's go by every link).
+        let read = |t: &mut TcpStream| {
+            use std::io::Read;
+            t.set_nonblocking(true).unwrap();
+            let mut buf = [0; 4096];
+            let n = t.read(&mut buf).unwrap_or(0);
+            buf[..n].windows(4).any(|w| w[..2] == *b"vR" && w[3] == 0x05)
+        };
+        // (What a new link sends first is out of the way.)
+        s.net.as_mut().unwrap().write_now();
+        let _ = (read(&mut t_own), read(&mut t_other));
+        let now = s.now();
+        let cm = &mut s.cm.cm;
+        let id = cm.create_id(ctx, tenant, PortSpace::Tcp).unwrap();
+        cm.resolve_addr(ctx, id, None, std::net::SocketAddrV4::new(b, 7471)).unwrap();
+        cm.resolve_route(ctx, id).unwrap();
+        cm.connect(ctx, id, ConnInfo { qp_num: 0x11, ..ConnInfo::default() }, now).unwrap();
+        s.run_cm(now);
+        let net = s.net.as_ref().unwrap();
+        assert!(!net.links[&own].has_output() && !net.links[&other].has_output());
+        let (by_own, by_other) = (read(&mut t_own), read(&mut t_other));
+        assert!(by_own && !by_other, "the REQ went by the verified link");
+        let rep = CmMessage::Rep {
+            to: id,
+            from: 7,
+            conn: ConnInfo { qp_num: 0x22, ..ConnInfo::default() },
+            qkey: 0,
+        };
+        s.cm.cm.handle_message_by(b, Some(own), rep);
+        s.run_cm(now);
+        assert_ne!(
+            s.cm.cm.state(ctx, id),
+            Some(State::ReqSent),
+            "the REP by the link the REQ went by was dropped"
+        );
+        s.net.as_mut().unwrap().cm_links.push(crate::net::CmLink::Down(b, Some(other)));
+        s.run_cm(now);
+        assert_ne!(s.cm.cm.state(ctx, id), Some(State::Closed), "bound to the link its REQ did not go by");
+    }
+
     /// A connect whose REQ waits for a dial, destroyed meanwhile: its REQ
     /// (and the REJ its end sent) are dropped, not sent by the host's next
     /// link to a listener for a connection already ended (review links4

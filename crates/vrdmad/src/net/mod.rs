@@ -631,8 +631,10 @@ impl Net {
             // manager hears of them, and what it held goes by the newest;
             // unless the host's own connection to us is in its handshake
             // (its dial crossed ours, which it refused): then they wait
-            // for that, as long as a handshake may last.
-            if !self.dial_under_way(ip, Clock::now()) && self.cm_deferred.contains_key(&ip) {
+            // for that, as long as a handshake may last. (Not while they
+            // wait already: another dial's failure, to a configured
+            // peer's address on another port, ends no wait early.)
+            if !self.awaits_own_link(ip, Clock::now()) && self.cm_deferred.contains_key(&ip) {
                 self.forget_stale_incoming(Clock::now());
                 match self.incoming.get(&gid) {
                     Some(&since) => {
@@ -676,18 +678,21 @@ impl Net {
     /// `link` (its connection's), or, with `None`, by the host's newest
     /// link (an older one is a restarted daemon's last, not yet found
     /// dead), dialling it if no link is up; `Err` if it cannot be sent
-    /// (the link named is gone, or the host cannot be dialled).
+    /// (the link named is gone, or the host cannot be dialled). The link
+    /// it went by, `None` when it waits for one (the link it then goes by
+    /// is told to the connection manager after any told before it, so
+    /// that the waiting connections are bound to it).
     pub fn send_cm(
         &mut self,
         host: std::net::Ipv4Addr,
         link: Option<LinkId>,
         msg: &vrdma_core::cm::CmMessage,
-    ) -> Result<(), &'static str> {
+    ) -> Result<Option<LinkId>, &'static str> {
         let gid = Gid::from_ipv4(host.octets());
         if let Some(id) = link {
             let l = self.links.get_mut(&id).filter(|l| l.gid == gid).ok_or("the link to the host is gone")?;
             l.queue_cm(msg);
-            return Ok(());
+            return Ok(Some(id));
         }
         // (The host's unverified links wait for the dial to its GID's
         // address, [`Net::cm_deferred`]: so does what goes to it.)
@@ -695,7 +700,7 @@ impl Net {
         if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
             if l.verified || !deferred {
                 l.queue_cm(msg);
-                return Ok(());
+                return Ok(Some(l.id));
             }
         }
         let addr = SocketAddr::from((host, self.setup.port));
@@ -710,7 +715,7 @@ impl Net {
         if !deferred {
             self.dial(addr, Some(gid));
         }
-        Ok(())
+        Ok(None)
     }
 
     /// The newest link whose peer's Hello says `gid`, of the verified ones
@@ -2057,6 +2062,37 @@ mod tests {
         assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
         assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
         assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty());
+    }
+
+    /// While deferred links wait for the host's handshake (our dial to
+    /// its GID's address failed), a connection with the host's GID that
+    /// is not the host's own (another unverified link) ends that
+    /// handshake's record, and then a dial to another port of the host
+    /// fails: the wait goes on to the handshake's limit, as the links'
+    /// own wait does, rather than ending there (review 2 of linkdefer, 3).
+    #[test]
+    fn a_failed_dial_to_another_port_leaves_the_wait_for_the_hosts_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        assert!(a.admits(b_gid, 9, t));
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_deferred_until.contains_key(&b));
+        let (second, _t2) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40001".parse().unwrap(), None);
+        assert!(!a.incoming.contains_key(&b_gid) && !a.dial_under_way(b, Clock::now()));
+        a.dial_failed(SocketAddr::from((b, 5000)), "refused");
+        assert!(a.cm_links.is_empty(), "the wait ended before the handshake's limit: {:?}", a.cm_links);
+        assert!(a.held_cm(b) == 1 && !a.links[&claim].has_output() && !a.links[&second].has_output());
+        // Past it, the newest unverified link takes what was held.
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, second, false), CmLink::Up(b, claim, false)]);
+        assert_eq!(a.held_cm(b), 0);
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
