@@ -394,7 +394,9 @@ impl ConnectionManager {
     }
 
     /// The peer of our connection `to` says it moved to `host` (the
-    /// connection goes by the link the Moved came by from now on).
+    /// connection goes by the link the Moved came by from now on). Taken
+    /// only for a connection that was up (see the body); others are
+    /// answered with a DREQ where the connection is not here, or dropped.
     pub(super) fn handle_moved(
         &mut self,
         host: Ipv4Addr,

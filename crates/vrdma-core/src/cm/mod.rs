@@ -1093,7 +1093,9 @@ impl ConnectionManager {
     /// verified and another is), and the connections whose messages waited
     /// for a link to that host (the driver held them for its dial, and
     /// sends them by the first link it tells of, or by the first verified
-    /// one) belong to it.
+    /// one) belong to it. (A connection whose message is still queued here
+    /// by no link is bound again, when it goes, to the link the driver
+    /// sent it by: [`Self::sent_by`].)
     pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId, verified: bool) {
         if self.is_local(host) {
             return;

@@ -1053,3 +1053,31 @@ fn a_moved_for_a_connection_being_set_up_is_dropped() {
     b.handle_message_by(A, Some(LinkId(1)), CmMessage::Rtu { to: child, from: 77 });
     assert_eq!(b.state(CB, child), Some(State::Established));
 }
+
+/// A REQ queued by no link (the manager knew none to the host), then two
+/// links reported at once: the first binds the connection, but the
+/// driver sent the REQ by the other (its newest verified one) and says
+/// so: the connection is bound to that one, and hears its answer there
+/// (review 2 of linkdefer, 1).
+#[test]
+fn a_message_sent_by_no_link_binds_its_connection_to_the_link_it_went_by() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+    a.resolve_route(CA, id).unwrap();
+    a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+    drain(&mut a);
+    let (host, link, req) = a.poll_transmit_by().unwrap();
+    assert_eq!((host, link), (B, None));
+    a.link_up(B, LinkId(1), false);
+    a.link_up(B, LinkId(2), true);
+    a.sent_by(B, &req, LinkId(2));
+    let rep = CmMessage::Rep { to: id, from: 9, conn: conn(0x22, b""), qkey: 0 };
+    a.handle_message_by(B, Some(LinkId(1)), rep.clone());
+    assert!(drain(&mut a).is_empty(), "an answer by the link first reported");
+    a.handle_message_by(B, Some(LinkId(2)), rep);
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+    // Its link's end ends it.
+    a.link_down(B, Some(LinkId(2)));
+    assert_eq!(a.state(CA, id), Some(State::Closed));
+}
