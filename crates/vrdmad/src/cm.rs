@@ -585,11 +585,14 @@ impl CmDriver {
     /// `send`, by the link its connection belongs to (`None`: the host's
     /// newest, or a dial), whose refusal ends the connections of that link
     /// (as a dead host would, promptly), or with `None` the connection that
-    /// sent it. Returns when it next needs to run.
+    /// sent it. `send` says the link the message went by (`None`: held for
+    /// a link); one sent by no link of the manager's binds its connection
+    /// there ([`ConnectionManager::sent_by`]). Returns when it next needs
+    /// to run.
     pub fn run(
         &mut self,
         now: Instant,
-        mut send: impl FnMut(Ipv4Addr, Option<LinkId>, &CmMessage) -> Result<(), &'static str>,
+        mut send: impl FnMut(Ipv4Addr, Option<LinkId>, &CmMessage) -> Result<Option<LinkId>, &'static str>,
         modify: ModifyQp,
     ) -> Option<Instant> {
         if self.cm.poll_timeout().is_some_and(|t| t <= now) {
@@ -607,10 +610,21 @@ impl CmDriver {
                     // the message went to, which is the one each side knows
                     // the other by.
                     self.cm.handle_message(host, msg);
-                } else if let Err(why) = send(host, link, &msg) {
-                    const UNREACHABLE: &str = "an rdma_cm message cannot reach its host: its connections end";
-                    limited_warn!(self.log, Source::Address(host.into()), now, UNREACHABLE, %host, why);
-                    self.cm.send_refused(host, link, &msg);
+                } else {
+                    match send(host, link, &msg) {
+                        // Sent by no link of the manager's: it went by
+                        // the host's newest, which its connection is
+                        // bound to (not one a link's report bound it to
+                        // meanwhile).
+                        Ok(Some(went)) if link.is_none() => self.cm.sent_by(host, &msg, went),
+                        Ok(_) => {}
+                        Err(why) => {
+                            const UNREACHABLE: &str =
+                                "an rdma_cm message cannot reach its host: its connections end";
+                            limited_warn!(self.log, Source::Address(host.into()), now, UNREACHABLE, %host, why);
+                            self.cm.send_refused(host, link, &msg);
+                        }
+                    }
                 }
             }
             while let Some(ev) = self.cm.poll_event() {
@@ -793,7 +807,7 @@ mod tests {
         let dst = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7471);
         let resolve = |d: &mut CmDriver, id| {
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
-            d.run(now, |_, _, _| Ok(()), &mut no_qps());
+            d.run(now, |_, _, _| Ok(None), &mut no_qps());
         };
         resolve(&mut d, a);
         resolve(&mut d, b);
@@ -841,7 +855,7 @@ mod tests {
         let dst = SocketAddrV4::new(Ipv4Addr::LOCALHOST, 7471);
         for &id in &ids[..4] {
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
-            d.run(now, |_, _, _| Ok(()), &mut no_qps());
+            d.run(now, |_, _, _| Ok(None), &mut no_qps());
         }
         // The first rode its wake-up; the other three wait behind bare ones.
         assert!(tenant_end.take_one());
@@ -864,12 +878,12 @@ mod tests {
         // At most `max`: the rest stay for the next call.
         for &id in &ids[4..] {
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
-            d.run(now, |_, _, _| Ok(()), &mut no_qps());
+            d.run(now, |_, _, _| Ok(None), &mut no_qps());
         }
         assert!(tenant_end.take_one(), "the first rode its wake-up again");
         let id6 = id(&mut d);
         d.handle(C, T, CmRequest::ResolveAddr { id: id6, src: None, dst }, now, &mut no_qps()).unwrap();
-        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(None), &mut no_qps());
         match get(&mut d, 1) {
             Ok(CmReply::Events { events }) => {
                 assert_eq!(events.len(), 1);
@@ -925,7 +939,7 @@ mod tests {
                                 "no resources, as a full backlog"
                             );
                         }
-                        Ok(())
+                        Ok(None)
                     },
                     &mut no_qps(),
                 );
@@ -961,7 +975,7 @@ mod tests {
         let (gone, kept) = (id(&mut d), id(&mut d));
         d.handle(C, T, CmRequest::ResolveAddr { id: gone, src: None, dst }, now, &mut no_qps()).unwrap();
         d.handle(C, T, CmRequest::ResolveAddr { id: kept, src: None, dst }, now, &mut no_qps()).unwrap();
-        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(None), &mut no_qps());
         d.handle(C, T, CmRequest::DestroyId { id: gone }, now, &mut no_qps()).unwrap();
         let reply = d.handle(C, T, CmRequest::GetEvent { channel }, now, &mut no_qps()).unwrap();
         let CmReply::Event { event: Some(ev), wakeups: 2 } = reply else { panic!("{reply:?}") };
@@ -1228,7 +1242,7 @@ mod tests {
             };
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
         }
-        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(None), &mut no_qps());
         assert!(d.channels[&channel].owed > 0, "the doorbell held {holds}, fewer than {n}: some were owed");
         for read in 0..n {
             assert!(tenant_end.is_readable(), "readable with {} of {n} events unread", n - read);
@@ -1269,7 +1283,7 @@ mod tests {
             };
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
         }
-        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(None), &mut no_qps());
         assert!(d.channels[&channel].owed > 0, "the doorbell held {holds}, fewer than {n}: some were owed");
         let mut read = 0;
         while read < n {
@@ -1321,7 +1335,7 @@ mod tests {
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
             ids.push(id);
         }
-        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(None), &mut no_qps());
         let rung = d.channels[&channel].rung();
         assert!(d.channels[&channel].owed > 0, "the doorbell held {holds}, fewer than {n}: some were owed");
         let gone = rung + 2;
@@ -1379,12 +1393,12 @@ mod tests {
         for _ in 0..MAX_UNREAD + 200 {
             let id = create(&mut d);
             d.handle(C, T, CmRequest::ResolveAddr { id, src: None, dst }, now, &mut no_qps()).unwrap();
-            d.run(now, |_, _, _| Ok(()), &mut no_qps());
+            d.run(now, |_, _, _| Ok(None), &mut no_qps());
             d.handle(C, T, CmRequest::DestroyId { id }, now, &mut no_qps()).unwrap();
         }
         let live = create(&mut d);
         d.handle(C, T, CmRequest::ResolveAddr { id: live, src: None, dst }, now, &mut no_qps()).unwrap();
-        d.run(now, |_, _, _| Ok(()), &mut no_qps());
+        d.run(now, |_, _, _| Ok(None), &mut no_qps());
         assert!(
             d.channels[&channel].events.len() <= MAX_UNREAD + 1,
             "{} entries",

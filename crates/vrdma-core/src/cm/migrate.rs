@@ -394,7 +394,9 @@ impl ConnectionManager {
     }
 
     /// The peer of our connection `to` says it moved to `host` (the
-    /// connection goes by the link the Moved came by from now on).
+    /// connection goes by the link the Moved came by from now on). Taken
+    /// only for a connection that was up (see the body); others are
+    /// answered with a DREQ where the connection is not here, or dropped.
     pub(super) fn handle_moved(
         &mut self,
         host: Ipv4Addr,
@@ -408,9 +410,30 @@ impl ConnectionManager {
         if self.ids.get(&to).is_some_and(|i| self.paused.contains(&i.tenant)) {
             return;
         }
+        // A mover names its side by its number, never 0 (which stands for
+        // a peer not yet known, as in a REQ sent unanswered): nothing to
+        // move, nor to answer.
+        if from == 0 {
+            return;
+        }
         let ours =
             self.ids.get(&to).is_some_and(|i| i.tenant == tenant && i.peer.is_some_and(|(_, n)| n == from));
         let dreq = CmMessage::Dreq { to: from, from: to };
+        // Only a connection that was up sends one ([`Self::resume_tenant`]:
+        // established, or its DREQ sent), so only one that was up here,
+        // or ended since, hears one. One being set up does not: a move
+        // ends the mover's side of such a connection, and its own timers
+        // end this side; a Moved for it (a daemon that claims its peer's
+        // tenant and numbers) is dropped, and the connection keeps its
+        // link (it hears only what comes by that, `by_its_link`).
+        if ours
+            && !self
+                .ids
+                .get(&to)
+                .is_some_and(|i| matches!(i.state, State::Established | State::DreqSent | State::Closed))
+        {
+            return;
+        }
         if !ours {
             // No such connection here (ended and destroyed, or never ours):
             // it is over, and the mover hears so.

@@ -18,7 +18,9 @@
 //! processes of one host is the same exchange, looped back.
 //!
 //! A connection belongs to the link its REQ went or came by (a message
-//! for it goes by that link, a new REQ by the host's newest): a daemon of
+//! for it goes by that link, a new REQ by the host's newest; only what
+//! comes by that link speaks for it, and for a REQ the driver still holds
+//! for a link, only what comes by a verified one): a daemon of
 //! a host that restarted makes a second link to it while the first is
 //! not yet found dead, and that first link's end must take only what was
 //! made over it, not what the restarted daemon's link carries since.
@@ -874,7 +876,8 @@ impl ConnectionManager {
 
     /// A message from the manager of `host` that came by `link`: a
     /// connection a REQ makes belongs to the link it came by, and its
-    /// answers go by it.
+    /// answers go by it; a message for a connection that came by another
+    /// link than its own is dropped ([`Self::by_its_link`]).
     pub fn handle_message_by(&mut self, host: Ipv4Addr, link: Option<LinkId>, msg: CmMessage) {
         if let CmMessage::Req { from, tenant, ps, src, dst, conn } = msg {
             self.handle_req(host, link, from, TenantId(tenant), ps, src, dst, conn);
@@ -913,6 +916,17 @@ impl ConnectionManager {
             Some((h, n)) if h == host && (n == from || n == 0 && i.state == State::ReqSent) => {}
             _ => return,
         }
+        // And only by the connection's link: another link to the host may
+        // be a daemon that only claims its GID, guessing our numbers.
+        if !self.by_its_link(i, host, link) {
+            tracing::debug!(%host, ?link, bound = ?i.link, id = to, "an rdma_cm message by another link than its connection's; dropped");
+            return;
+        }
+        if i.link.is_none() && link.is_some() {
+            // (The driver sent its REQ by that verified link.)
+            self.ids.get_mut(&to).expect("looked up above").link = link;
+        }
+        let Some(i) = self.ids.get(&to) else { return };
         let state = i.state;
         match msg {
             CmMessage::Rep { conn, qkey, .. } if state == State::ReqSent => {
@@ -975,6 +989,26 @@ impl ConnectionManager {
             },
             CmMessage::Drep { .. } if state == State::DreqSent => self.close(to, EventKind::Disconnected, 0),
             _ => {}
+        }
+    }
+
+    /// Whether a message for connection `i` that came from `host` by
+    /// `link` came by the connection's link: the one it is bound to (its
+    /// REQ went or came by it; `None`: this host, or a driver without
+    /// links); for one whose REQ the driver still holds for a link (bound
+    /// to none, the peer on another host), a verified link to that host
+    /// the driver reported (it sends what it held by such a one), not an
+    /// unverified one nor one the manager has not heard of (the driver
+    /// holds back the links of a host while a dial to its GID's address
+    /// is under way).
+    fn by_its_link(&self, i: &CmId, host: Ipv4Addr, link: Option<LinkId>) -> bool {
+        match (i.link, link) {
+            (Some(bound), came) => came == Some(bound),
+            (None, None) => true,
+            (None, Some(came)) => {
+                !self.is_local(host)
+                    && self.links.get(&host).and_then(|s| s.get(&came)).copied() == Some(true)
+            }
         }
     }
 
@@ -1058,7 +1092,10 @@ impl ConnectionManager {
     /// a new REQ to that host goes by it (the newest, unless it is not
     /// verified and another is), and the connections whose messages waited
     /// for a link to that host (the driver held them for its dial, and
-    /// sends them by the first link that comes up) belong to it.
+    /// sends them by the first link it tells of, or by the first verified
+    /// one) belong to it. (A connection whose message is still queued here
+    /// by no link is bound again, when it goes, to the link the driver
+    /// sent it by: [`Self::sent_by`].)
     pub fn link_up(&mut self, host: Ipv4Addr, link: LinkId, verified: bool) {
         if self.is_local(host) {
             return;
@@ -1136,6 +1173,26 @@ impl ConnectionManager {
             _ => return,
         };
         self.end_unreached(id, state);
+    }
+
+    /// The driver sent `msg`, queued for `host` by no link (its
+    /// connection bound to none then: the manager knew no link to the
+    /// host, or the Moved of an imported connection), by `link`, the
+    /// host's newest as the driver sees it: the connection belongs to that
+    /// link, whatever [`Self::link_up`] bound it to meanwhile (a driver
+    /// may report several links to the host at once, and the first bound
+    /// it), so that its peer's answers, which come by the link its
+    /// message went by, are its own ([`Self::by_its_link`]).
+    pub fn sent_by(&mut self, host: Ipv4Addr, msg: &CmMessage, link: LinkId) {
+        let id = msg.from();
+        if id == 0 || self.is_local(host) {
+            return;
+        }
+        if let Some(i) = self.ids.get_mut(&id) {
+            if i.state != State::Closed && i.peer.is_some_and(|(h, _)| h == host) {
+                i.link = Some(link);
+            }
+        }
     }
 
     /// Ends connection `id` (in `state`) whose peer cannot be reached.

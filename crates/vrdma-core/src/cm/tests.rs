@@ -954,3 +954,130 @@ fn a_refused_send_for_no_link_ends_only_the_connection_that_sent_it() {
     assert_eq!(a.state(CA, reqs[0].0), Some(State::ReqSent), "its REQ is held for the link");
     assert_eq!(kinds(&drain(&mut a)), [EventKind::Unreachable]);
 }
+
+/// A connection hears only what comes by its link: an answer to a REQ
+/// that went by link 1 is dropped when it comes by another link to the
+/// host (a daemon that only claims the host's GID, guessing our numbers),
+/// or by none; one whose REQ the driver holds for a link hears an answer
+/// only by a verified link it was told of (review of linkdefer, 7).
+#[test]
+fn an_answer_by_another_link_than_its_connections_is_dropped() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let connect = |a: &mut ConnectionManager| {
+        let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+        a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+        a.resolve_route(CA, id).unwrap();
+        a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+        drain(a);
+        let (_, link, msg) = a.poll_transmit_by().unwrap();
+        assert!(matches!(msg, CmMessage::Req { .. }), "{msg:?}");
+        (id, link)
+    };
+    let rep = |to| CmMessage::Rep { to, from: 9, conn: conn(0x22, b""), qkey: 0 };
+    // Bound to link 1.
+    a.link_up(B, LinkId(1), true);
+    let (id, link) = connect(&mut a);
+    assert_eq!(link, Some(LinkId(1)));
+    a.link_up(B, LinkId(2), false);
+    for by in [Some(LinkId(2)), Some(LinkId(5)), None] {
+        a.handle_message_by(B, by, rep(id));
+        assert!(drain(&mut a).is_empty(), "an answer by {by:?}");
+        assert_eq!(a.state(CA, id), Some(State::ReqSent));
+    }
+    a.handle_message_by(B, Some(LinkId(1)), rep(id));
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+
+    // No link up: the REQ is held for the dial, bound to no link.
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let (id, link) = connect(&mut a);
+    assert_eq!(link, None);
+    // A link the driver holds back (not told), or an unverified one.
+    a.handle_message_by(B, Some(LinkId(3)), rep(id));
+    assert!(drain(&mut a).is_empty(), "an answer by a link the manager has not heard of");
+    assert_eq!(a.state(CA, id), Some(State::ReqSent));
+    // The driver sends the held REQ by the verified link it tells of.
+    a.link_up(B, LinkId(4), true);
+    a.handle_message_by(B, Some(LinkId(3)), rep(id));
+    assert!(drain(&mut a).is_empty());
+    a.handle_message_by(B, Some(LinkId(4)), rep(id));
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+}
+
+/// Only a connection that was up sends a Moved (`migrate::resume_tenant`),
+/// so one being set up here does not take it: a daemon that claims the
+/// peer's host and guesses the tenant and our number (the peer's, not yet
+/// known to a REQ sent, is 0) takes neither side over, and the
+/// connection hears only its own link, not the Moved's (review 2 of
+/// linkdefer, 2: the Moved bound it to the claimer's link, whose REP was
+/// then taken).
+#[test]
+fn a_moved_for_a_connection_being_set_up_is_dropped() {
+    let rep = |to| CmMessage::Rep { to, from: 9, conn: conn(0x22, b""), qkey: 0 };
+    let moved = |to, from| CmMessage::Moved { to, from, tenant: TENANT.0 };
+    // Ours requested, by link 1 (verified); the claimer's link 2 (not).
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    a.link_up(B, LinkId(1), true);
+    a.link_up(B, LinkId(2), false);
+    let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+    a.resolve_route(CA, id).unwrap();
+    a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+    drain(&mut a);
+    assert_eq!(a.poll_transmit_by().map(|(_, l, _)| l), Some(Some(LinkId(1))));
+    a.handle_message_by(B, Some(LinkId(2)), moved(id, 0));
+    assert_eq!(a.poll_transmit_by(), None, "a Moved that fits no connection up");
+    a.handle_message_by(B, Some(LinkId(2)), rep(id));
+    assert!(drain(&mut a).is_empty(), "a REP by the Moved's link was taken");
+    assert_eq!(a.state(CA, id), Some(State::ReqSent));
+    a.handle_message_by(B, Some(LinkId(1)), rep(id));
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+
+    // Theirs, accepted by link 1: the REP sent, the RTU not yet come.
+    let mut b = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(1)));
+    b.link_up(A, LinkId(1), true);
+    b.link_up(A, LinkId(2), false);
+    let l = b.create_id(CB, TENANT, PortSpace::Tcp).unwrap();
+    b.bind(CB, l, SocketAddrV4::new(B, 7471)).unwrap();
+    b.listen(CB, l, 8).unwrap();
+    let (src, dst) = (SocketAddrV4::new(A, 40000), SocketAddrV4::new(B, 7471));
+    let req = CmMessage::Req { from: 77, tenant: TENANT.0, ps: PortSpace::Tcp, src, dst, conn: conn(1, b"") };
+    b.handle_message_by(A, Some(LinkId(1)), req);
+    let child = drain(&mut b)[0].id;
+    b.accept(CB, child, conn(0x33, b""), 0, T0).unwrap();
+    while b.poll_transmit_by().is_some() {}
+    assert_eq!(b.state(CB, child), Some(State::RepSent));
+    b.handle_message_by(A, Some(LinkId(2)), moved(child, 77));
+    assert_eq!(b.poll_transmit_by(), None);
+    b.handle_message_by(A, Some(LinkId(2)), CmMessage::Rtu { to: child, from: 77 });
+    assert_eq!(b.state(CB, child), Some(State::RepSent), "an RTU by the Moved's link was taken");
+    b.handle_message_by(A, Some(LinkId(1)), CmMessage::Rtu { to: child, from: 77 });
+    assert_eq!(b.state(CB, child), Some(State::Established));
+}
+
+/// A REQ queued by no link (the manager knew none to the host), then two
+/// links reported at once: the first binds the connection, but the
+/// driver sent the REQ by the other (its newest verified one) and says
+/// so: the connection is bound to that one, and hears its answer there
+/// (review 2 of linkdefer, 1).
+#[test]
+fn a_message_sent_by_no_link_binds_its_connection_to_the_link_it_went_by() {
+    let mut a = ConnectionManager::new(CmConfig::default(), vec![A], Box::new(Counter(1)));
+    let id = a.create_id(CA, TENANT, PortSpace::Tcp).unwrap();
+    a.resolve_addr(CA, id, None, SocketAddrV4::new(B, 7471)).unwrap();
+    a.resolve_route(CA, id).unwrap();
+    a.connect(CA, id, conn(0x11, b""), T0).unwrap();
+    drain(&mut a);
+    let (host, link, req) = a.poll_transmit_by().unwrap();
+    assert_eq!((host, link), (B, None));
+    a.link_up(B, LinkId(1), false);
+    a.link_up(B, LinkId(2), true);
+    a.sent_by(B, &req, LinkId(2));
+    let rep = CmMessage::Rep { to: id, from: 9, conn: conn(0x22, b""), qkey: 0 };
+    a.handle_message_by(B, Some(LinkId(1)), rep.clone());
+    assert!(drain(&mut a).is_empty(), "an answer by the link first reported");
+    a.handle_message_by(B, Some(LinkId(2)), rep);
+    assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+    // Its link's end ends it.
+    a.link_down(B, Some(LinkId(2)));
+    assert_eq!(a.state(CA, id), Some(State::Closed));
+}

@@ -948,6 +948,143 @@ mod tests {
         assert_eq!(s.cm.cm.state(ctx, id), Some(State::Closed), "the held connect ended with its dial");
     }
 
+    /// A connect whose REQ waits for our dial to the host's GID's address
+    /// is neither sent by nor bound to an unverified link that comes in
+    /// meanwhile (from another address, claiming the host's GID): it waits
+    /// for the dial. The verified link the dial makes takes it (that
+    /// link's end ends it, the other's does not); if the dial fails, it
+    /// goes by the unverified link and is bound to it, so that its answers
+    /// there are its own and that link's end ends it at once (issue 16).
+    #[test]
+    fn a_held_connect_waits_for_the_dial_to_the_gids_address_and_is_bound_to_the_link_it_went_by() {
+        use vrdma_core::cm::{ConnInfo, PortSpace, State};
+        use vrdma_core::wire::{HelloRepr, Role};
+        for dial_fails in [false, true] {
+            let (mut s, _peer, _, _, _) = state_with_region(16);
+            let b = std::net::Ipv4Addr::new(10, 0, 0, 3);
+            let (gid, b_addr) = (Gid::from_ipv4(b.octets()), std::net::SocketAddr::from((b, 4791)));
+            let (ctx, tenant) = (ContextId(1), TenantId(1000));
+            s.net.as_mut().unwrap().record_dials();
+            let now = s.now();
+            let cm = &mut s.cm.cm;
+            let id = cm.create_id(ctx, tenant, PortSpace::Tcp).unwrap();
+            cm.resolve_addr(ctx, id, None, std::net::SocketAddrV4::new(b, 7471)).unwrap();
+            cm.resolve_route(ctx, id).unwrap();
+            cm.connect(ctx, id, ConnInfo { qp_num: 0x11, ..ConnInfo::default() }, now).unwrap();
+            s.run_cm(now);
+            assert_eq!(s.net.as_ref().unwrap().held_cm(b), 1, "the REQ waits for the dial");
+            // A daemon claiming b's GID links in from elsewhere.
+            // (A peer of wire version 3: no IPv6 addresses are queued on
+            // its link, only what the manager sends.)
+            let add = |s: &mut EngineState, from: &str, dialled: Option<std::net::SocketAddr>| {
+                let (ours, theirs) = loopback();
+                let hello = HelloRepr::new(Role::Initiator, 9, gid, 3, [0; vrdma_core::wire::NONCE_LEN]);
+                let peer = crate::net::Peer { hello, chunk: 65536, version: vrdma_core::wire::SOCK_VERSION };
+                let net = s.net.as_mut().unwrap();
+                net.add(&mut s.hca, ours, peer, from.parse().unwrap(), dialled);
+                (*net.links.keys().next_back().unwrap(), theirs)
+            };
+            let (claim, _t1) = add(&mut s, "192.0.2.9:40000", None);
+            s.run_cm(now);
+            let net = s.net.as_ref().unwrap();
+            assert!(!net.links[&claim].has_output(), "the REQ went by the unverified link");
+            assert_eq!(net.held_cm(b), 1);
+            let went_by = if dial_fails {
+                s.net.as_mut().unwrap().dial_failed(b_addr, "refused");
+                claim
+            } else {
+                add(&mut s, "10.0.0.3:4791", Some(b_addr)).0
+            };
+            s.run_cm(now);
+            let net = s.net.as_ref().unwrap();
+            assert_eq!(net.held_cm(b), 0, "dial fails {dial_fails}");
+            assert!(net.links[&went_by].has_output(), "dial fails {dial_fails}");
+            assert_eq!(s.cm.cm.state(ctx, id), Some(State::ReqSent));
+            if went_by != claim {
+                assert!(!net.links[&claim].has_output());
+                let net = s.net.as_mut().unwrap();
+                net.cm_links.push(crate::net::CmLink::Down(b, Some(claim)));
+                s.run_cm(now);
+                assert_eq!(s.cm.cm.state(ctx, id), Some(State::ReqSent), "bound to the unverified link");
+            }
+            s.net.as_mut().unwrap().cm_links.push(crate::net::CmLink::Down(b, Some(went_by)));
+            s.run_cm(now);
+            assert_eq!(
+                s.cm.cm.state(ctx, id),
+                Some(State::Closed),
+                "dial fails {dial_fails}: not bound to the link it went by"
+            );
+        }
+    }
+
+    /// Two links to a host came up (an unverified one, then a verified
+    /// one) and a connect was made before the manager heard of either:
+    /// its REQ went by no link of the manager's, so the driver chose, the
+    /// verified one. The connection is bound to that link, not to the
+    /// first one reported: the REP that comes by it is taken, and the
+    /// other link's end leaves it alone (review 2 of linkdefer, finding 1:
+    /// it was bound to the first, and the REP by the link its REQ went by
+    /// was dropped).
+    #[test]
+    fn a_connect_made_before_its_hosts_links_are_told_is_bound_to_the_link_its_req_went_by() {
+        use vrdma_core::cm::{CmMessage, ConnInfo, PortSpace, State};
+        let (mut s, _peer, _, _, _) = state_with_region(16);
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 3);
+        let gid = Gid::from_ipv4(b.octets());
+        let (ctx, tenant) = (ContextId(1), TenantId(1000));
+        let link = |s: &mut EngineState, verified: bool, from: &str| {
+            let id = s.hca.link_up(LinkInfo { gid, lid: 3, chunk: 65536, verified });
+            let (ours, theirs) = loopback();
+            let mut l = LinkIo::new(id, ours, from.parse().unwrap(), gid, 5, false).unwrap();
+            l.verified = verified;
+            let net = s.net.as_mut().unwrap();
+            net.links.insert(id, l);
+            net.cm_links.push(crate::net::CmLink::Up(b, id, verified));
+            (id, theirs)
+        };
+        let (other, mut t_other) = link(&mut s, false, "192.0.2.9:40000");
+        let (own, mut t_own) = link(&mut s, true, "10.0.0.3:40000");
+        // Whether a connection manager's frame (type 0x05) came (the
+        // socket registry's go by every link).
+        let read = |t: &mut TcpStream| {
+            use std::io::Read;
+            t.set_nonblocking(true).unwrap();
+            let mut buf = [0; 4096];
+            let n = t.read(&mut buf).unwrap_or(0);
+            buf[..n].windows(4).any(|w| w[..2] == *b"vR" && w[3] == 0x05)
+        };
+        // (What a new link sends first is out of the way.)
+        s.net.as_mut().unwrap().write_now();
+        let _ = (read(&mut t_own), read(&mut t_other));
+        let now = s.now();
+        let cm = &mut s.cm.cm;
+        let id = cm.create_id(ctx, tenant, PortSpace::Tcp).unwrap();
+        cm.resolve_addr(ctx, id, None, std::net::SocketAddrV4::new(b, 7471)).unwrap();
+        cm.resolve_route(ctx, id).unwrap();
+        cm.connect(ctx, id, ConnInfo { qp_num: 0x11, ..ConnInfo::default() }, now).unwrap();
+        s.run_cm(now);
+        let net = s.net.as_ref().unwrap();
+        assert!(!net.links[&own].has_output() && !net.links[&other].has_output());
+        let (by_own, by_other) = (read(&mut t_own), read(&mut t_other));
+        assert!(by_own && !by_other, "the REQ went by the verified link");
+        let rep = CmMessage::Rep {
+            to: id,
+            from: 7,
+            conn: ConnInfo { qp_num: 0x22, ..ConnInfo::default() },
+            qkey: 0,
+        };
+        s.cm.cm.handle_message_by(b, Some(own), rep);
+        s.run_cm(now);
+        assert_ne!(
+            s.cm.cm.state(ctx, id),
+            Some(State::ReqSent),
+            "the REP by the link the REQ went by was dropped"
+        );
+        s.net.as_mut().unwrap().cm_links.push(crate::net::CmLink::Down(b, Some(other)));
+        s.run_cm(now);
+        assert_ne!(s.cm.cm.state(ctx, id), Some(State::Closed), "bound to the link its REQ did not go by");
+    }
+
     /// A connect whose REQ waits for a dial, destroyed meanwhile: its REQ
     /// (and the REJ its end sent) are dropped, not sent by the host's next
     /// link to a listener for a connection already ended (review links4

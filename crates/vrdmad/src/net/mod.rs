@@ -139,7 +139,9 @@ pub struct Net {
     /// the clock of [`crate::logs::now`]).
     pub log: LogLimiter,
     /// Connection manager's messages for hosts with no link yet: sent when
-    /// one comes up, or given up on (`cm_down`) when the dial fails.
+    /// one comes up (an unverified one only once the dial to the host's
+    /// GID's address ended: `cm_deferred`), or given up on
+    /// ([`CmLink::Down`]) when the dial fails with no link up.
     cm_pending: HashMap<std::net::Ipv4Addr, Vec<vrdma_core::cm::CmMessage>>,
     /// Hosts whose `cm_pending` waits, after its dial failed, for the
     /// host's own connection in its handshake ([`Net::dial_failed`]):
@@ -147,6 +149,26 @@ pub struct Net {
     /// and nothing tells of that) they are given up on as for a failed
     /// dial ([`Net::expire_held_cm`]).
     cm_held_until: HashMap<std::net::Ipv4Addr, Clock>,
+    /// Unverified links to a host ([`LinkInfo::verified`]) that came up
+    /// while no verified one was, the manager had been told of no link to
+    /// the host that is up (with one told, it holds nothing, and would
+    /// send new REQs by that one meanwhile), and a dial to the host's
+    /// GID's address was under way (ours, or the link's check-dial; or
+    /// `cm_deferred_until`): the connection manager hears of them
+    /// ([`CmLink::Up`]) only once a verified link is up or that wait ended
+    /// ([`Net::release_deferred`]). Meanwhile what it
+    /// sends to the host by no link waits in `cm_pending`, as the socket
+    /// registry's queries wait for the check-dial: a daemon that only
+    /// claims the host's GID does not get them while the host's own may
+    /// still link.
+    cm_deferred: HashMap<std::net::Ipv4Addr, Vec<LinkId>>,
+    /// Hosts of `cm_deferred` whose dial to the GID's address failed
+    /// while a connection to us whose Hello says the host's GID was in its
+    /// handshake (the host's dial crossed ours, which it refused): their
+    /// links wait for that to become a link, until it can last no longer
+    /// (its start and [`HANDSHAKE_LIMIT`]), as held messages do
+    /// (`cm_held_until`).
+    cm_deferred_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Links to other hosts that came up or went down, for the engine to
     /// tell the connection manager, in the order they did: one queue, so
     /// that a dial's failure and a link that came up after it are told in
@@ -181,7 +203,10 @@ pub struct Net {
 pub enum CmLink {
     /// A link to the host came up, verified or not
     /// ([`LinkInfo::verified`]): a new REQ goes by the newest verified one;
-    /// what the manager held for a dial went by the first.
+    /// what the manager held for a dial went by the first told, or by the
+    /// first verified one (an unverified link that came while a dial to
+    /// the host's GID's address was under way is told once that dial
+    /// ended or a verified link came: [`Net::release_deferred`]).
     Up(std::net::Ipv4Addr, LinkId, bool),
     /// The manager can no longer reach the host by the link named (it
     /// went down: its connections end; another link's to the same host,
@@ -223,8 +248,16 @@ impl Dial {
     /// report (its thread could not be started or died): it holds no more.
     fn holds(&self, now: Clock) -> bool {
         match *self {
-            Dial::Started(t, _) => now.saturating_duration_since(t) < HANDSHAKE_LIMIT + CONNECT_LIMIT * 2,
+            Dial::Started(..) => self.lost_after().is_some_and(|t| now < t),
             Dial::RetryAt(t, _) => now < t,
+        }
+    }
+
+    /// For a dial under way, when it counts as having lost its report.
+    fn lost_after(&self) -> Option<Clock> {
+        match *self {
+            Dial::Started(t, _) => Some(t + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2),
+            Dial::RetryAt(..) => None,
         }
     }
 }
@@ -255,6 +288,8 @@ impl Net {
             log: LogLimiter::new(),
             cm_pending: HashMap::new(),
             cm_held_until: HashMap::new(),
+            cm_deferred: HashMap::new(),
+            cm_deferred_until: HashMap::new(),
             cm_links: Vec::new(),
             sock_pending: HashMap::new(),
             sock_down: Vec::new(),
@@ -317,14 +352,32 @@ impl Net {
                     self.log, log_source(addr), now, "link up",
                     link = id.0, peer = %addr, gid = %info.gid, lid = info.lid, chunk = info.chunk, daemon_id
                 );
+                if !verified {
+                    self.not_verified(&mut l);
+                }
                 // What the connection manager held for this host goes now,
-                // by this link, which it learns of.
+                // by this link, which it learns of; for an unverified one
+                // while the host's own may still link (a dial to its GID's
+                // address under way: ours, or this link's check-dial),
+                // both wait for that ([`Net::release_deferred`]).
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
                     self.cm_held_until.remove(&ip);
-                    for m in self.cm_pending.remove(&ip).iter().flatten() {
-                        l.queue_cm(m);
+                    // (Only while the manager knows no link to the host:
+                    // with one told, it held nothing, and a new REQ would
+                    // go by that one, maybe a dead daemon's, meanwhile.)
+                    if !verified
+                        && !self.has_verified_link(gid)
+                        && !self.told_link_to(ip)
+                        && self.awaits_own_link(ip, Clock::now())
+                    {
+                        tracing::debug!(link = id.0, host = %ip, "an unverified link waits for the dial to its GID's address");
+                        self.cm_deferred.entry(ip).or_default().push(id);
+                    } else {
+                        for m in self.cm_pending.remove(&ip).iter().flatten() {
+                            l.queue_cm(m);
+                        }
+                        self.cm_links.push(CmLink::Up(ip, id, verified));
                     }
-                    self.cm_links.push(CmLink::Up(ip, id, verified));
                 }
                 // A peer of version 4 hears this host's IPv6 addresses
                 // first (the owner takes an IPv6 client address only
@@ -338,9 +391,6 @@ impl Net {
                         }
                         None => self.sock6_up.push(id),
                     }
-                }
-                if !verified {
-                    self.not_verified(&mut l);
                 }
                 if let Some(ip) = sock_host(&l) {
                     for m in self.sock_pending.remove(&ip).unwrap_or_default() {
@@ -359,16 +409,16 @@ impl Net {
                     // check-dial if one is under way (it goes by the link
                     // that makes, or ends when it fails); else no link
                     // will take it: its waits end now.
-                    let check = SocketAddr::from((ip, self.setup.port));
-                    let dialling = self
-                        .dialling
-                        .get(&check)
-                        .is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(Clock::now()));
-                    if !dialling && self.sock_pending.remove(&ip).is_some() {
+                    if !self.dial_under_way(ip, Clock::now()) && self.sock_pending.remove(&ip).is_some() {
                         self.sock_down.push((ip, None));
                     }
                 }
                 self.links.insert(id, l);
+                // A verified link ends the wait of the host's unverified
+                // ones (what was held went by this one, above).
+                if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from).filter(|_| verified) {
+                    self.release_deferred(ip);
+                }
             }
             Err(e) => {
                 let now = crate::logs::now();
@@ -377,6 +427,15 @@ impl Net {
                     peer = %addr, error = %e
                 );
                 hca.link_down(id);
+            }
+        }
+        // A dial to a host's GID's address that made no verified link to
+        // it (its Hello named another GID, or the connection could not be
+        // used) ended all the same: what waited for it waits no more.
+        if let Some(SocketAddr::V4(d)) = dialled {
+            let ip = *d.ip();
+            if self.cm_deferred.contains_key(&ip) && !self.awaits_own_link(ip, Clock::now()) {
+                self.release_deferred(ip);
             }
         }
     }
@@ -418,20 +477,93 @@ impl Net {
     /// dial, rather than its connections waiting out their timers and the
     /// messages going, stale, by the host's next link. A dial to the host
     /// started since takes them over (its failure or link tells).
+    /// Likewise ends the wait of deferred links whose dial lost its
+    /// report ([`Dial::holds`]; a dial's end is told at once), or whose
+    /// host's handshake did not become a link in time
+    /// (`cm_deferred_until`).
     pub fn expire_held_cm(&mut self, now: Clock) {
+        if !self.cm_deferred.is_empty() {
+            let ended: Vec<_> =
+                self.cm_deferred.keys().copied().filter(|&ip| !self.awaits_own_link(ip, now)).collect();
+            for ip in ended {
+                tracing::debug!(host = %ip, "the dial or handshake that unverified links waited for ended unreported");
+                self.release_deferred(ip);
+            }
+        }
         if self.cm_held_until.is_empty() {
             return;
         }
         let due: Vec<_> = self.cm_held_until.iter().filter(|(_, &t)| now >= t).map(|(&ip, _)| ip).collect();
         for ip in due {
             self.cm_held_until.remove(&ip);
-            let check = SocketAddr::from((ip, self.setup.port));
-            if self.dialling.get(&check).is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(now)) {
+            if self.dial_under_way(ip, now) {
                 continue;
             }
             if self.cm_pending.remove(&ip).is_some() {
                 tracing::debug!(host = %ip, "the host's handshake did not become a link; its held messages given up");
                 self.cm_links.push(CmLink::Down(ip, None));
+            }
+        }
+    }
+
+    /// Whether a dial to the daemon of `ip` at its GID's address (the
+    /// transport's port) is under way at `now`: ours, or a link's
+    /// check-dial ([`Net::not_verified`]).
+    fn dial_under_way(&self, ip: std::net::Ipv4Addr, now: Clock) -> bool {
+        let at = SocketAddr::from((ip, self.setup.port));
+        self.dialling.get(&at).is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(now))
+    }
+
+    /// Whether unverified links to `ip` wait, at `now`, for the host's
+    /// own link ([`Net::cm_deferred`]): a dial to its GID's address under
+    /// way, or, that dial failed, the host's own connection to us in its
+    /// handshake (`cm_deferred_until`).
+    fn awaits_own_link(&self, ip: std::net::Ipv4Addr, now: Clock) -> bool {
+        self.dial_under_way(ip, now) || self.cm_deferred_until.get(&ip).is_some_and(|&t| now < t)
+    }
+
+    /// Whether the connection manager was told of a link to `ip` that is
+    /// up (one of its links not in `cm_deferred`).
+    fn told_link_to(&self, ip: std::net::Ipv4Addr) -> bool {
+        let gid = Gid::from_ipv4(ip.octets());
+        let deferred = self.cm_deferred.get(&ip);
+        self.links.values().any(|l| l.gid == gid && !deferred.is_some_and(|d| d.contains(&l.id)))
+    }
+
+    /// Whether a verified link whose peer's Hello says `gid` is up.
+    fn has_verified_link(&self, gid: Gid) -> bool {
+        self.links.values().any(|l| l.gid == gid && l.verified)
+    }
+
+    /// Ends the wait of the unverified links to `ip` ([`Net::cm_deferred`]):
+    /// a verified link came up, or the dial they waited for ended. The
+    /// connection manager hears of them now, and what it held for the host
+    /// goes by the host's newest link, the verified one if any is: as a
+    /// message it sent now would ([`Net::send_cm`], and a failed dial's
+    /// fallback, [`Net::dial_failed`]). That link is told first, so that
+    /// the manager binds the connections that waited to the link their
+    /// messages went by (`ConnectionManager::link_up`). With no link left
+    /// (they went down meanwhile), what is held stays for the dial's end.
+    fn release_deferred(&mut self, ip: std::net::Ipv4Addr) {
+        self.cm_deferred_until.remove(&ip);
+        let Some(ids) = self.cm_deferred.remove(&ip) else { return };
+        let by = self.newest_link_to(Gid::from_ipv4(ip.octets()));
+        if let Some(l) = by.and_then(|id| self.links.get_mut(&id)) {
+            if ids.contains(&l.id) {
+                self.cm_links.push(CmLink::Up(ip, l.id, l.verified));
+            }
+            let held = self.cm_pending.remove(&ip).unwrap_or_default();
+            for m in &held {
+                l.queue_cm(m);
+            }
+            self.cm_held_until.remove(&ip);
+            tracing::debug!(host = %ip, link = l.id.0, held = held.len(), "unverified links told; held messages sent");
+        }
+        for id in ids {
+            if Some(id) != by {
+                if let Some(l) = self.links.get(&id) {
+                    self.cm_links.push(CmLink::Up(ip, id, l.verified));
+                }
             }
         }
     }
@@ -451,6 +583,13 @@ impl Net {
         });
         let pending = &self.cm_pending;
         self.cm_held_until.retain(|ip, _| pending.contains_key(ip));
+    }
+
+    /// Tests: a dial that may start is recorded as started (nothing is
+    /// spawned; the test tells its end).
+    #[cfg(test)]
+    pub fn record_dials(&mut self) {
+        self.record_dials = true;
     }
 
     /// How many connection manager's messages wait for a link to `host`.
@@ -488,7 +627,28 @@ impl Net {
         self.dialling.insert(addr, next);
         if let std::net::IpAddr::V4(ip) = addr.ip() {
             let gid = Gid::from_ipv4(ip.octets());
-            if let Some(held) = self.cm_pending.remove(&ip) {
+            // The host's unverified links waited for this dial: the
+            // manager hears of them, and what it held goes by the newest;
+            // unless the host's own connection to us is in its handshake
+            // (its dial crossed ours, which it refused): then they wait
+            // for that, as long as a handshake may last. (Not while they
+            // wait already: another dial's failure, to a configured
+            // peer's address on another port, ends no wait early.)
+            if !self.awaits_own_link(ip, Clock::now()) && self.cm_deferred.contains_key(&ip) {
+                self.forget_stale_incoming(Clock::now());
+                match self.incoming.get(&gid) {
+                    Some(&since) => {
+                        tracing::debug!(host = %ip, "unverified links wait for the host's handshake");
+                        self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    }
+                    None => self.release_deferred(ip),
+                }
+            }
+            // (What the manager held still waits for the host's own link
+            // if its unverified links do: another dial failed, to a
+            // configured peer's address on another port.)
+            let held = if self.cm_deferred.contains_key(&ip) { None } else { self.cm_pending.remove(&ip) };
+            if let Some(held) = held {
                 self.forget_stale_incoming(Clock::now());
                 if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
                     // The host linked in meanwhile (its daemon's dial
@@ -518,22 +678,30 @@ impl Net {
     /// `link` (its connection's), or, with `None`, by the host's newest
     /// link (an older one is a restarted daemon's last, not yet found
     /// dead), dialling it if no link is up; `Err` if it cannot be sent
-    /// (the link named is gone, or the host cannot be dialled).
+    /// (the link named is gone, or the host cannot be dialled). The link
+    /// it went by, `None` when it waits for one (the link it then goes by
+    /// is told to the connection manager after any told before it, so
+    /// that the waiting connections are bound to it).
     pub fn send_cm(
         &mut self,
         host: std::net::Ipv4Addr,
         link: Option<LinkId>,
         msg: &vrdma_core::cm::CmMessage,
-    ) -> Result<(), &'static str> {
+    ) -> Result<Option<LinkId>, &'static str> {
         let gid = Gid::from_ipv4(host.octets());
         if let Some(id) = link {
             let l = self.links.get_mut(&id).filter(|l| l.gid == gid).ok_or("the link to the host is gone")?;
             l.queue_cm(msg);
-            return Ok(());
+            return Ok(Some(id));
         }
+        // (The host's unverified links wait for the dial to its GID's
+        // address, [`Net::cm_deferred`]: so does what goes to it.)
+        let deferred = self.cm_deferred.contains_key(&host);
         if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
-            l.queue_cm(msg);
-            return Ok(());
+            if l.verified || !deferred {
+                l.queue_cm(msg);
+                return Ok(Some(l.id));
+            }
         }
         let addr = SocketAddr::from((host, self.setup.port));
         if !self.setup.permits(addr) {
@@ -544,8 +712,10 @@ impl Net {
             return Err("too many messages wait for a link to the host");
         }
         held.push(msg.clone());
-        self.dial(addr, Some(gid));
-        Ok(())
+        if !deferred {
+            self.dial(addr, Some(gid));
+        }
+        Ok(None)
     }
 
     /// The newest link whose peer's Hello says `gid`, of the verified ones
@@ -583,11 +753,7 @@ impl Net {
         // address (see [`Net::not_verified`]) may be under way: what is
         // sent waits for the link it makes; else the host is not asked.
         if self.links.values().any(|l| l.gid == gid) {
-            let checking = self
-                .dialling
-                .get(&addr)
-                .is_some_and(|d| matches!(d, Dial::Started(..)) && d.holds(Clock::now()));
-            if !checking {
+            if !self.dial_under_way(host, Clock::now()) {
                 return Err("the host's daemon linked in from another address than its own");
             }
             let held = self.sock_pending.entry(host).or_default();
@@ -905,8 +1071,24 @@ impl Net {
                 });
                 hca.link_down(id);
                 if let Some(ip) = l.gid.ipv4() {
-                    self.cm_links.push(CmLink::Down(ip.into(), Some(id)));
-                    self.sock_down.push((ip.into(), Some(id)));
+                    let ip = std::net::Ipv4Addr::from(ip);
+                    // (The manager may not have heard of it yet: what came
+                    // by it, and made connections there, ends all the same.)
+                    if let Some(ids) = self.cm_deferred.get_mut(&ip) {
+                        ids.retain(|&d| d != id);
+                        if ids.is_empty() {
+                            // What was held waits for the dial's end, or
+                            // for the host's handshake as held messages do.
+                            self.cm_deferred.remove(&ip);
+                            if let Some(t) = self.cm_deferred_until.remove(&ip) {
+                                if self.cm_pending.contains_key(&ip) {
+                                    self.cm_held_until.insert(ip, t);
+                                }
+                            }
+                        }
+                    }
+                    self.cm_links.push(CmLink::Down(ip, Some(id)));
+                    self.sock_down.push((ip, Some(id)));
                 }
             }
         }
@@ -960,8 +1142,19 @@ impl Net {
         }
         let keepalive = (!self.links.is_empty() || !self.setup.peers.is_empty())
             .then(|| self.next_keepalive.saturating_duration_since(Clock::now()));
-        // (A held message's deadline wakes the engine too.)
-        let held = self.cm_held_until.values().min().map(|t| t.saturating_duration_since(Clock::now()));
+        // (A held message's deadline wakes the engine too, and so does
+        // the time a dial that deferred links wait for counts as lost.)
+        let lost = self.cm_deferred.keys().filter_map(|&ip| {
+            self.dialling.get(&SocketAddr::from((ip, self.setup.port))).and_then(Dial::lost_after)
+        });
+        let held = self
+            .cm_held_until
+            .values()
+            .chain(self.cm_deferred_until.values())
+            .copied()
+            .chain(lost)
+            .min()
+            .map(|t| t.saturating_duration_since(Clock::now()));
         let wait = match (keepalive, held) {
             (Some(k), Some(h)) => Some(k.min(h)),
             (k, h) => k.or(h),
@@ -1595,8 +1788,13 @@ mod tests {
         a.dial_failed(b_addr, "refused");
         a.expire_held_cm(t);
         assert!(a.cm_links.is_empty() && a.cm_pending.contains_key(&b), "still within the handshake");
+        // (The keepalive far off, so that the wait is the deadline's.)
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
         let (_, wait) = a.poll_fds_owned().unwrap();
-        assert!(wait.is_some_and(|w| w <= HANDSHAKE_LIMIT), "the deadline wakes the engine: {wait:?}");
+        assert!(
+            wait.is_some_and(|w| !w.is_zero() && w <= HANDSHAKE_LIMIT),
+            "the deadline wakes the engine: {wait:?}"
+        );
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert!(a.cm_pending.is_empty(), "given up");
         assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
@@ -1621,6 +1819,280 @@ mod tests {
         a.send_cm(b, None, &msg).unwrap();
         assert!(!a.links[&LinkId(2)].has_output(), "went by the link that only claims the GID");
         assert!(a.links[&LinkId(1)].has_output());
+    }
+
+    /// An unverified link that comes in while our dial to the host's GID's
+    /// address is under way gets neither the held messages nor the
+    /// manager's new ones, and the manager does not hear of it: they wait
+    /// for the dial. The verified link it makes takes them, told first;
+    /// then the unverified one is told (issue 16, review of links4).
+    #[test]
+    fn held_cm_messages_wait_for_the_dial_to_the_gids_address_not_an_unverified_link() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.dial_under_way(b, Clock::now()), "the REQ's dial");
+        let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(!a.links[&claim].verified);
+        assert!(!a.links[&claim].has_output(), "the held message went by the unverified link");
+        assert_eq!(a.held_cm(b), 1);
+        assert!(a.cm_links.is_empty(), "the manager heard of the link: {:?}", a.cm_links);
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(!a.links[&claim].has_output() && a.held_cm(b) == 2, "a new message waits too");
+        // Our dial makes the verified link: everything goes by it.
+        let (own, _t2) = add_link(&mut a, &mut hca, b_gid, b_addr, Some(b_addr));
+        assert!(a.links[&own].verified && a.links[&own].has_output());
+        assert!(!a.links[&claim].has_output());
+        assert_eq!(a.held_cm(b), 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        assert!(a.cm_deferred.is_empty());
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(!a.links[&claim].has_output(), "the verified link takes what comes next");
+    }
+
+    /// An unverified link that comes in with no dial to its GID's address
+    /// under way (its check-dial held back) is told at once and takes what
+    /// was held, as before; one whose check-dial starts waits for it, and
+    /// when that fails the held messages go by the host's newest link,
+    /// unverified (as a message sent then would, and as a failed dial's
+    /// fallback sends them), the manager told of that link first.
+    #[test]
+    fn held_cm_messages_go_by_the_unverified_link_once_its_check_dial_failed() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        // No dial under way (none can start here): told at once.
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.cm_pending.entry(b).or_default().push(msg.clone());
+        let (l, _t) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(a.links[&l].has_output() && a.held_cm(b) == 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, l, false)]);
+        // Its check-dial starts: the link waits for it.
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        let (first, _t1) = add_link_of(&mut a, &mut hca, b_gid, 9, from, None);
+        assert!(a.links[&first].checked && a.dial_under_way(b, Clock::now()));
+        let (second, _t2) = add_link_of(&mut a, &mut hca, b_gid, 9, from, None);
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+        assert!(a.links.values().all(|l| !l.has_output()) && a.held_cm(b) == 1);
+        a.dial_failed(b_addr, "refused");
+        assert_eq!(a.held_cm(b), 0);
+        assert!(a.links[&second].has_output() && !a.links[&first].has_output(), "the host's newest link");
+        assert_eq!(a.cm_links, [CmLink::Up(b, second, false), CmLink::Up(b, first, false)]);
+        a.cm_links.clear();
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.cm_pending.is_empty() && a.cm_links.is_empty(), "no more waiting");
+    }
+
+    /// A dial that deferred links wait for and that lost its report ends
+    /// their wait once it counts as lost (the engine is woken for it),
+    /// as a failed one does.
+    #[test]
+    fn deferred_links_are_told_when_their_dial_lost_its_report() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (l, _t) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        let t = Clock::now();
+        a.expire_held_cm(t);
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "the dial is under way");
+        // (The keepalive far off, so that the wait is the dial's.)
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
+        let (_, wait) = a.poll_fds_owned().unwrap();
+        let lost = HANDSHAKE_LIMIT + CONNECT_LIMIT * 2;
+        assert!(wait.is_some_and(|w| w > lost / 2 && w <= lost), "{wait:?}");
+        a.expire_held_cm(t + lost);
+        assert_eq!(a.cm_links, [CmLink::Up(b, l, false)]);
+        assert!(a.links[&l].has_output() && a.held_cm(b) == 0);
+        assert!(a.cm_deferred.is_empty());
+    }
+
+    /// A deferred link that goes down is not told up; the manager hears
+    /// of its end (connections its REQs made end), and what was held
+    /// waits for the dial, whose failure gives it up (review of
+    /// linkdefer, 5).
+    #[test]
+    fn a_deferred_link_that_went_down_is_not_told() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (l, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        assert_eq!(a.cm_deferred.get(&b).map(Vec::as_slice), Some(&[l][..]));
+        drop(theirs);
+        let mut rings = RingTable::default();
+        for _ in 0..100 {
+            a.drive(&mut hca, &mut rings, crate::logs::now());
+            if !a.links.contains_key(&l) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(!a.links.contains_key(&l), "the link did not end");
+        assert_eq!(a.cm_links, [CmLink::Down(b, Some(l))]);
+        assert!(a.cm_deferred.is_empty() && a.held_cm(b) == 1);
+        a.cm_links.clear();
+        a.dial_failed(b_addr, "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// A host's daemon behind another address restarted (daemon 10) and
+    /// linked in again while the manager still knows its last life's
+    /// link (not yet found dead): the new link is told at once, check-dial
+    /// or not, and takes the host's messages; deferring it would send
+    /// every new REQ by the old one meanwhile (review of linkdefer, 1).
+    #[test]
+    fn an_unverified_link_is_told_at_once_while_the_manager_knows_another_to_the_host() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        let (old, _t1) = add_link_of(&mut a, &mut hca, b_gid, 9, "192.0.2.9:40000".parse().unwrap(), None);
+        assert_eq!(a.cm_links, [CmLink::Up(b, old, false)]);
+        a.cm_links.clear();
+        a.record_dials = true;
+        let (new, _t2) = add_link_of(&mut a, &mut hca, b_gid, 10, "192.0.2.9:40001".parse().unwrap(), None);
+        assert!(a.links[&new].checked && a.dial_under_way(b, Clock::now()), "its check-dial started");
+        assert_eq!(a.cm_links, [CmLink::Up(b, new, false)], "told at once");
+        assert!(a.cm_deferred.is_empty());
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.links[&new].has_output() && a.held_cm(b) == 0);
+    }
+
+    /// Another dial to the host (a configured peer's address, another
+    /// port) that fails while the check-dial to its GID's address is
+    /// under way leaves what was held waiting for that, not sent by the
+    /// deferred link the manager has not heard of (review of linkdefer, 2).
+    #[test]
+    fn a_failed_dial_to_another_port_leaves_the_held_messages_to_the_check_dial() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (claim, _t) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        a.dial_failed("10.0.0.2:5000".parse().unwrap(), "refused");
+        assert!(a.dial_under_way(b, Clock::now()));
+        assert!(!a.links[&claim].has_output(), "sent by the deferred link");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+        assert!(a.cm_deferred.contains_key(&b));
+    }
+
+    /// Our dial to the host's GID's address that makes no verified link
+    /// to the host (the daemon there names another GID) ends the wait of
+    /// the host's deferred links at once, not at the next pass (review of
+    /// linkdefer, 3).
+    #[test]
+    fn a_dial_to_the_gids_address_that_finds_another_gid_ends_the_wait() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let c = std::net::Ipv4Addr::new(10, 0, 0, 3);
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 1]);
+        let mut a = net_of([10, 0, 0, 1]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        assert!(a.cm_links.is_empty());
+        let (other, _t2) = add_link(&mut a, &mut hca, Gid::from_ipv4(c.octets()), b_addr, Some(b_addr));
+        assert!(!a.links[&other].verified);
+        assert!(a.cm_deferred.is_empty(), "still waiting for a dial that ended");
+        assert_eq!(a.cm_links, [CmLink::Up(c, other, false), CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+    }
+
+    /// Our dial to the host's GID's address fails (its daemon refused it:
+    /// its own dial crossed ours) while its connection to us is in its
+    /// handshake: the deferred links wait for that as long as a handshake
+    /// may last; the verified link it becomes takes what was held, or,
+    /// past that, the newest unverified one does (review of linkdefer, 4).
+    #[test]
+    fn deferred_links_wait_for_the_hosts_handshake_when_our_dial_failed() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let setup = |t: Clock| {
+            let mut hca = hca_of([10, 0, 0, 3]);
+            let mut a = net_of([10, 0, 0, 3]);
+            a.record_dials = true;
+            a.send_cm(b, None, &msg).unwrap();
+            let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+            assert!(a.admits(b_gid, 9, t));
+            a.dial_failed(b_addr, "refused");
+            assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+            assert!(!a.links[&claim].has_output() && a.held_cm(b) == 1);
+            (a, hca, claim, theirs)
+        };
+        let t = Clock::now();
+        let (mut a, mut hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t);
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "within the handshake");
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
+        let (_, wait) = a.poll_fds_owned().unwrap();
+        assert!(wait.is_some_and(|w| !w.is_zero() && w <= HANDSHAKE_LIMIT), "{wait:?}");
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.held_cm(b) == 2 && !a.dial_under_way(b, Clock::now()), "held, no dial");
+        // The handshake becomes the host's own link: all goes by it.
+        let (own, _t2) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        // It does not: past the handshake's limit, the unverified link.
+        let (mut a, _hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty());
+    }
+
+    /// While deferred links wait for the host's handshake (our dial to
+    /// its GID's address failed), a connection with the host's GID that
+    /// is not the host's own (another unverified link) ends that
+    /// handshake's record, and then a dial to another port of the host
+    /// fails: the wait goes on to the handshake's limit, as the links'
+    /// own wait does, rather than ending there (review 2 of linkdefer, 3).
+    #[test]
+    fn a_failed_dial_to_another_port_leaves_the_wait_for_the_hosts_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+        assert!(a.admits(b_gid, 9, t));
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_deferred_until.contains_key(&b));
+        let (second, _t2) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40001".parse().unwrap(), None);
+        assert!(!a.incoming.contains_key(&b_gid) && !a.dial_under_way(b, Clock::now()));
+        a.dial_failed(SocketAddr::from((b, 5000)), "refused");
+        assert!(a.cm_links.is_empty(), "the wait ended before the handshake's limit: {:?}", a.cm_links);
+        assert!(a.held_cm(b) == 1 && !a.links[&claim].has_output() && !a.links[&second].has_output());
+        // Past it, the newest unverified link takes what was held.
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, second, false), CmLink::Up(b, claim, false)]);
+        assert_eq!(a.held_cm(b), 0);
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
