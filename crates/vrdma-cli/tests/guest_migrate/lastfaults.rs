@@ -84,10 +84,12 @@ fn streaming<R>(
     })) {
         Ok(p) => p,
         Err(e) => {
-            // Fixed since (the daemon's `HELLO_ACK`; docs/vms.md): the
-            // answer to a previous program's last adoption try, left in
-            // the port, was read by the next opener as its Hello's. Still
-            // noted in the report if it is seen, and started once more.
+            // Fixed since (the daemon's `HELLO_ACK`, and the last
+            // adoption try reading its answer past the library's bound;
+            // docs/vms.md): the answer to a previous program's last
+            // adoption try, left in the port, was read by the next opener
+            // as its Hello's. Still noted in the report if it is seen, and
+            // started once more.
             let (_, out) = g.run(&format!("cat /tmp/{tag}.out"), T).unwrap();
             if !out.contains("nothing to adopt") {
                 std::panic::resume_unwind(e);
