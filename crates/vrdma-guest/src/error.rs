@@ -24,8 +24,13 @@ pub enum Error {
     #[error("the guest did not reach its shell ({why}); its console:\n{console}")]
     Boot { why: String, console: String },
     /// A command in the guest did not finish in time.
-    #[error("`{command}` did not finish in the guest within {secs} s; its output so far:\n{output}")]
-    Timeout { command: String, secs: u64, output: String },
+    /// `console`: the serial console's end and QEMU's stderr (a kernel
+    /// message, a QEMU error), to tell a wedged guest from a slow command.
+    #[error(
+        "`{command}` did not finish in the guest within {secs} s; its output so far:\n{output}\n-- the \
+         console's end:\n{console}"
+    )]
+    Timeout { command: String, secs: u64, output: String, console: String },
     /// QEMU exited (or its console closed) while a command ran.
     #[error("the guest is gone ({why}); its console's end:\n{console}")]
     Gone { why: String, console: String },

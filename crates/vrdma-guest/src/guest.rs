@@ -389,8 +389,20 @@ impl Guest {
                 let c = lock(&self.console);
                 let from = c.consumed.min(c.out.len());
                 let so_far = String::from_utf8_lossy(&c.out[from..]);
+                let begun = so_far.contains(begin.as_str());
                 let so_far = so_far.split_once(begin.as_str()).map(|x| x.1).unwrap_or("").to_string();
-                Err(Error::Timeout { command: command.to_string(), secs: timeout.as_secs(), output: so_far })
+                let console = format!(
+                    "{}\n-- QEMU's stderr:\n{}\n-- (the guest {} the command)",
+                    tail(&c.serial),
+                    tail(&c.err),
+                    if begun { "began" } else { "never began" }
+                );
+                Err(Error::Timeout {
+                    command: command.to_string(),
+                    secs: timeout.as_secs(),
+                    output: so_far,
+                    console,
+                })
             }
             Err(why) => Err(gone(self, why)),
         }

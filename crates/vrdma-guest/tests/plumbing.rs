@@ -142,9 +142,16 @@ fn boots_and_runs_commands(g: &mut Guest) {
     let long = format!("x={}\necho ${{#x}}", "a".repeat(5000));
     assert_eq!(g.check(&long, T).unwrap(), "5000\n");
     // A command past its deadline is reported with what it printed so
-    // far; the next one runs after it, its stale output skipped.
-    match g.run("echo early; sleep 4; echo late", Duration::from_secs(1)) {
-        Err(vrdma_guest::Error::Timeout { output, .. }) => assert_eq!(output, "early\n"),
+    // far, the serial console's end (what the kernel said) and whether
+    // it began; the next one runs after it, its stale output skipped.
+    match g.run("echo early; echo serial-mark >/dev/console; sleep 4; echo late", Duration::from_secs(1)) {
+        Err(vrdma_guest::Error::Timeout { output, console, .. }) => {
+            assert_eq!(output, "early\n");
+            assert!(
+                console.contains("serial-mark") && console.contains("(the guest began the command)"),
+                "{console}"
+            );
+        }
         other => panic!("a 4 s command with a 1 s deadline: {other:?}"),
     }
     assert_eq!(g.check("echo after", T).unwrap(), "after\n");

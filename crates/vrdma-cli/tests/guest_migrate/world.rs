@@ -169,6 +169,28 @@ pub fn guest_ports(g: &mut Guest, n: u32) {
     g.check(&script, T).unwrap_or_else(|e| panic!("{n} vRDMA ports in the guest: {e}"));
 }
 
+/// The guest (QMP `q`) answers a shell command, bounded (`T`), after it
+/// moved or resumed `at` a host. If not, the failure says, beside the
+/// console's end (in the error), what QEMU says of the VM (its status,
+/// where its CPU is, its chardevs): a wedged guest, a stopped VM and a
+/// harness port left unconnected look alike from the shell.
+pub fn answers(g: &mut Guest, q: &mut Qmp, at: &str) {
+    let e = match g.check("echo here", T) {
+        Ok(out) => return assert!(out.contains("here"), "the guest {at}: {out}"),
+        Err(e) => e,
+    };
+    let mut hmp = |cmd: &str| {
+        let c = serde_json::json!({"execute": "human-monitor-command", "arguments": {"command-line": cmd}});
+        match q.exec(&c.to_string()) {
+            Ok(v) => v.as_str().unwrap_or("?").to_string(),
+            Err(e) => format!("(no answer: {e})"),
+        }
+    };
+    let (regs, chardevs) = (hmp("info registers"), hmp("info chardev"));
+    let st = q.status().unwrap_or_else(|e| format!("(no answer: {e})"));
+    panic!("the guest {at}: {e}\n-- QEMU: {st}; its CPU:\n{regs}\n-- its chardevs:\n{chardevs}");
+}
+
 /// Fails unless `tag` still runs in the guest (its output if not).
 pub fn guest_running(g: &mut Guest, tag: &str) {
     let (st, out) = g

@@ -112,7 +112,7 @@ impl Reader {
             if self.shared.quit.load(Ordering::Acquire) {
                 return Err("the context was closed".into());
             }
-            let last = match self.adopt(&bound, end) {
+            let last = match self.adopt(&bound) {
                 Ok(a) => {
                     self.install(bound, a);
                     tracing::info!(context = bound.context, after = ?start.elapsed(), "vrdma: context taken back");
@@ -141,7 +141,7 @@ impl Reader {
     }
 
     /// One try: a port, Hello, `AdoptContext`, the reply.
-    fn adopt(&self, bound: &Bound, end: Instant) -> Result<Adopted, Failed> {
+    fn adopt(&self, bound: &Bound) -> Result<Adopted, Failed> {
         let mut errors = Vec::new();
         // Any of the VM's ports will do: the context is named.
         let mut port = self
@@ -155,7 +155,17 @@ impl Reader {
         let mut out = guest::encode(&Frame::Hello { version: GUEST_VERSION });
         out.extend(guest::encode(&Frame::Call(adopt)));
         write_within(&port, &out, WRITE_LIMIT).map_err(Failed::Again)?;
-        let until = end.min(Instant::now() + ADOPT_REPLY_LIMIT);
+        // A try that was sent waits for its answer (bounded), even past
+        // the reattach bound: the daemon answers it anyway, and an
+        // answer left unread stays in a virtio port (QEMU reads the
+        // chardev only while the guest holds the port open) for the
+        // port's next opener, whose Hello then took this try's
+        // `HELLO_ACK` and refusal ("nothing to adopt") as its own: the
+        // device was not found (a real guest's next program after a
+        // context that was never taken back, half of the runs under
+        // load). A daemon alive answers in milliseconds; a dead one
+        // costs this wait once.
+        let until = Instant::now() + ADOPT_REPLY_LIMIT;
         let mut dec = FrameDecoder::new();
         let mut buf = vec![0u8; 64 << 10];
         // Frames before the daemon's `HELLO_ACK` were written for an

@@ -302,6 +302,56 @@ fn frames_an_earlier_opener_left_on_the_port_are_not_taken_as_ours() {
     drop(link);
 }
 
+/// The last adoption try of a context never taken back: its answer
+/// comes after the bound passed, and the link reads it before it lets the
+/// port go. Left unread in a virtio port (QEMU keeps what the daemon
+/// writes while no program holds the port), the try's `HELLO_ACK` and
+/// refusal were taken by the port's next opener as the answers to its own
+/// Hello ("nothing to adopt": no device; a real guest's next program
+/// after a `DEVICE_FATAL`, half of the runs under load). Here the port is
+/// a Unix socket: closed with the answer unread, the daemon's read gets
+/// `ECONNRESET` (or its write `EPIPE`) instead of the end.
+#[test]
+fn the_last_adoption_try_reads_its_answer_before_the_port_goes() {
+    let scene = Scene::new("vrdma-reattach-last");
+    let (listener, cfg) = (scene.listener(), scene.cfg());
+    let limit = Duration::from_millis(300);
+
+    let daemon = std::thread::spawn(move || {
+        let mut a = Port::accept(&listener);
+        a.open_session(false, (1, 2));
+        // A call (so the link holds its context), then the move.
+        assert_eq!(a.call(), Request::DeallocPd { pd: 1 });
+        a.send(&Frame::Ended { reason: EndReason::Moved });
+        let ended = Instant::now();
+        // The first try: acknowledged at once, refused after the bound.
+        let mut b = Port::accept(&listener);
+        b.hello();
+        assert!(matches!(b.call(), Request::AdoptContext { context: CONTEXT, .. }));
+        std::thread::sleep((limit + Duration::from_millis(400)).saturating_sub(ended.elapsed()));
+        let no = Frame::Reply {
+            reply: Reply::Error { errno: libc::ENOENT, message: "nothing to adopt".into() },
+            handles: Vec::new(),
+        };
+        let wrote = b.conn.write_all(&encode(&no)).map_err(|e| e.to_string());
+        // The link lets the port go once it read the answer: the end,
+        // not a reset.
+        let mut rest = Vec::new();
+        let read = b.conn.read_to_end(&mut rest).map_err(|e| e.to_string());
+        (wrote, read)
+    });
+
+    let link = GuestLink::open_with(&cfg, limit).unwrap();
+    let (_, _carried) = link.call(&Request::Hello { version: PROTOCOL_VERSION }).unwrap();
+    let e = link.call(&Request::DeallocPd { pd: 1 }).unwrap_err();
+    assert!(readable(link.gone_fd(), Duration::from_secs(10)), "the link did not hang up");
+    let (wrote, read) = daemon.join().unwrap();
+    assert_eq!(wrote, Ok(()), "the link let the port go before the answer came");
+    assert!(read.is_ok(), "the link let the port go with the answer unread: {read:?}");
+    assert!(e.to_string().contains("nothing to adopt"), "the last try's answer was not read: {e}");
+    drop(link);
+}
+
 #[test]
 fn a_call_whose_reply_the_move_lost_probes_and_goes_again_where_the_context_went() {
     let scene = Scene::new("vrdma-reattach-lost");
