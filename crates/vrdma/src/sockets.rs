@@ -14,7 +14,12 @@ use crate::Context;
 
 impl Context {
     fn sock_call(&self, req: SockRequest) -> Result<SockReply> {
-        let req = Request::Sock(req);
+        // A link-local address's scope (its interface) is in the
+        // registry's key, and only `SockScoped` carries it.
+        let req = match req.scopes() {
+            [0, 0] => Request::Sock(req),
+            scopes => Request::SockScoped { scopes, req },
+        };
         match self.inner.control.call(&req, &[])?.reply {
             Reply::Sock(r) => Ok(r),
             other => Err(control::unexpected(&req, &other)),

@@ -263,7 +263,8 @@ impl Fake {
             | Request::GuestGrow { .. }
             | Request::Migrate(_)
             | Request::AdoptContext { .. }
-            | Request::Sock(_) => {
+            | Request::Sock(_)
+            | Request::SockScoped { .. } => {
                 (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![])
             }
             // The fake daemon has no direct path (as a daemon with it off).

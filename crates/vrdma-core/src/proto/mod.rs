@@ -236,6 +236,19 @@ pub enum Request {
         access: AccessFlags,
         pieces: Vec<MrPiece>,
     },
+    /// [`Request::Sock`] whose link-local addresses carry their scope ids
+    /// (`docs/sockets.md`, "Link-local"), which `SockRequest`'s encoding
+    /// drops (postcard writes an IPv6 socket address as its address and
+    /// port): `scopes` are the client's and the server's (a listening
+    /// address or a looked-up destination is the server's), set on the
+    /// request's link-local addresses by the daemon; a non-link-local
+    /// address takes no scope. Appended, so that every other request
+    /// keeps its encoding: a daemon without it refuses the call
+    /// (`EINVAL`), and the library then leaves the connection plain TCP.
+    SockScoped {
+        scopes: [u32; 2],
+        req: SockRequest,
+    },
 }
 
 /// Most pieces one [`Request::RegMrPieces`] names.
@@ -746,6 +759,19 @@ mod tests {
         }
         let a = Reply::Sock(SockReply::Outcome(crate::sockets::Outcome::Carried));
         assert_eq!(encode_reply(&a)[0], 25);
+        // Link-local scopes: a request of their own, appended last.
+        let scoped = crate::sockets::Tuple {
+            client: "[fe80::1%3]:40000".parse().unwrap(),
+            server: "[fe80::1%3]:5000".parse().unwrap(),
+        };
+        let claim = SockRequest::Claim { tuple: scoped };
+        let r = Request::SockScoped { scopes: claim.scopes(), req: claim.clone() };
+        assert_eq!(r, Request::SockScoped { scopes: [3, 3], req: claim.clone() });
+        let bytes = encode_request(&r);
+        assert_eq!(bytes[0], 37, "after RegMrPieces' 36");
+        let Request::SockScoped { scopes, req } = decode_request(&bytes).unwrap() else { panic!() };
+        assert_ne!(req, claim, "the plain encoding drops the scopes");
+        assert_eq!(req.with_scopes(scopes), claim);
         assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
     }
 

@@ -257,7 +257,8 @@
 //! else on 127.0.0.1. `SOCKAPP_V6ONLY=1`: `server`'s socket (IPv6) sets
 //! `IPV6_V6ONLY` before it binds. `SOCKAPP_CLIENT_BIND`: `client` binds
 //! its socket to that address (port 0) before it connects to the literal
-//! address `SOCKAPP_HOST`.
+//! address `SOCKAPP_HOST` (either may be a link-local one with its scope,
+//! `fe80::1%3`; elsewhere the resolver reads such a name too).
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -1583,7 +1584,17 @@ fn badbuf(port: u16) -> Result<(), String> {
 fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> {
     use std::net::{IpAddr, SocketAddr};
     use std::os::fd::FromRawFd;
-    let parse = |a: &str| a.parse::<IpAddr>().map_err(|e| format!("{a}: {e}"));
+    // An address, or an IPv6 one with its scope id (`fe80::1%3`).
+    let parse_at = |a: &str, port: u16| -> Result<SocketAddr, String> {
+        match a.split_once('%') {
+            Some((ip, scope)) => {
+                let ip = ip.parse::<std::net::Ipv6Addr>().map_err(|e| format!("{a}: {e}"))?;
+                let scope = scope.parse::<u32>().map_err(|e| format!("{a}: {e}"))?;
+                Ok(std::net::SocketAddrV6::new(ip, port, 0, scope).into())
+            }
+            None => Ok(SocketAddr::new(a.parse::<IpAddr>().map_err(|e| format!("{a}: {e}"))?, port)),
+        }
+    };
     let raw = |a: SocketAddr| -> (libc::sockaddr_storage, libc::socklen_t) {
         // SAFETY: sockaddr_storage is plain data; all zeroes is valid.
         let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
@@ -1604,6 +1615,7 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
                 sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
                 sin6.sin6_port = v6.port().to_be();
                 sin6.sin6_addr.s6_addr = v6.ip().octets();
+                sin6.sin6_scope_id = v6.scope_id();
                 // SAFETY: as above, for a sockaddr_in6.
                 unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
                 std::mem::size_of::<libc::sockaddr_in6>()
@@ -1611,8 +1623,8 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
         };
         (ss, len as libc::socklen_t)
     };
-    let src = SocketAddr::new(parse(from)?, 0);
-    let dst = SocketAddr::new(parse(host)?, port);
+    let src = parse_at(from, 0)?;
+    let dst = parse_at(host, port)?;
     let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
     let domain = if src.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
     // SAFETY: socket(2) with constant arguments.

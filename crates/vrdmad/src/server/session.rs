@@ -586,7 +586,14 @@ impl Session {
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }
-            Request::Sock(req) => {
+            Request::Sock(_) | Request::SockScoped { .. } => {
+                // A link-local address's scope travels beside the request
+                // (`SockRequest`'s encoding drops it).
+                let req = match req {
+                    Request::SockScoped { scopes, req } => req.with_scopes(scopes),
+                    Request::Sock(req) => req,
+                    _ => unreachable!("matched just above"),
+                };
                 let tenant = self.tenant;
                 match self.engine(move |e, c| e.handle_sock(c, tenant, req))? {
                     // Another host's answer is waited for here, off the
