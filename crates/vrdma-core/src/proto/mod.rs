@@ -44,7 +44,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `CmRequest::Batch`, answered `Reply::Batch`, several calls in one
 /// round trip; `Request::GuestGrow`, a guest's memory extent grown in
 /// place; `Request::RegMrPieces`, a region of several pieces;
-/// `SockRequest`'s addresses and `Tuple`'s ends are IPv4 or IPv6.
+/// `SockRequest`'s addresses and `Tuple`'s ends are IPv4 or IPv6;
+/// `Request::SockScoped`, a socket call with link-local scopes.
 /// Version 7 is unreleased: a library and a daemon of different builds
 /// within it may disagree on these encodings; they then refuse the call
 /// or answer plain TCP, and never corrupt a stream.)

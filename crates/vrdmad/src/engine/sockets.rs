@@ -973,6 +973,39 @@ mod tests {
         a.parse().unwrap()
     }
 
+    /// A link-local destination is answered here, never asked of another
+    /// host: owned with its scope when the client found it its host's,
+    /// and nobody's otherwise (another host's link-local address, or one
+    /// without a scope).
+    #[test]
+    fn a_link_local_destination_is_this_hosts_with_its_scope_or_plain_tcp() {
+        let (mut s, _theirs, ctx) = state(4);
+        let now = |r: SockCall| match r {
+            SockCall::Now(r) => r,
+            SockCall::Wait { query, .. } => panic!("asked another host: {query:?}"),
+        };
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[fe80::1%3]:5000") }).unwrap();
+        let lookup = |dst: &str, local| SockRequest::Lookup { dst: v6(dst), local };
+        for (dst, local, yes) in [
+            ("[fe80::1%3]:5000", true, true),
+            ("[fe80::1%4]:5000", true, false),
+            ("[fe80::1]:5000", true, false),
+            ("[fe80::1%3]:5000", false, false),
+            ("[fe80::2%3]:5000", false, false),
+        ] {
+            let r = now(s.handle_sock(ctx, US, lookup(dst, local)).unwrap());
+            assert_eq!(r, SockReply::from_bool(yes), "{dst} local {local}");
+        }
+        let tuple =
+            vrdma_core::sockets::Tuple { client: v6("[fe80::1%3]:40000"), server: v6("[fe80::1%3]:5000") };
+        let r = s.handle_sock(ctx, US, SockRequest::Announce { tuple, local: true }).unwrap();
+        assert_eq!(now(r), SockReply::Yes);
+        let other =
+            vrdma_core::sockets::Tuple { client: v6("[fe80::1%4]:40000"), server: v6("[fe80::1%4]:5000") };
+        assert_eq!(now(s.handle_sock(ctx, US, SockRequest::Claim { tuple: other }).unwrap()), SockReply::No);
+        assert_eq!(now(s.handle_sock(ctx, US, SockRequest::Claim { tuple }).unwrap()), SockReply::Yes);
+    }
+
     fn hosts6(addrs: &[&str]) -> SockMessage {
         SockMessage::Hosts6 { addrs: Addrs6::new(addrs.iter().map(|a| a.parse().unwrap()).collect()) }
     }
