@@ -156,8 +156,10 @@ pub fn inet_stream(fd: c_int) -> Option<Family> {
 }
 
 /// The interface `fd` is bound to (`SO_BINDTOIFINDEX`: by a bind to a
-/// link-local address with its scope, or `SO_BINDTODEVICE`), 0 for none.
-pub fn bound_dev(fd: c_int) -> u32 {
+/// link-local address with its scope, or `SO_BINDTODEVICE`), 0 for none;
+/// where the kernel cannot say (before Linux 5.0), the scope of its bound
+/// address `bound`.
+pub fn bound_dev(fd: c_int, bound: SocketAddr) -> u32 {
     let mut v: c_int = 0;
     let mut len = std::mem::size_of::<c_int>() as socklen_t;
     // SAFETY: `v` is valid for `len` bytes.
@@ -170,10 +172,10 @@ pub fn bound_dev(fd: c_int) -> u32 {
             &mut len,
         )
     };
-    if r == 0 {
-        v.max(0) as u32
-    } else {
-        0
+    match (r, bound) {
+        (0, _) => v.max(0) as u32,
+        (_, SocketAddr::V6(v6)) => v6.scope_id(),
+        _ => 0,
     }
 }
 

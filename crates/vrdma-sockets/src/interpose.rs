@@ -478,7 +478,7 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
     // the socket's interface when it names none); one the kernel refuses
     // (no scope at all, or another interface's than the socket's) is
     // not announced, and the kernel's connect fails as it would.
-    let dst = addr::link_scope(addr::connect_target(to, bound), addr::bound_dev(fd))?;
+    let dst = addr::link_scope(addr::connect_target(to, bound), addr::bound_dev(fd, bound))?;
     // A connection the kernel would refuse (an IPv4 destination of a
     // v6only socket, the other family's address) is not announced; nor
     // is one with a link-local address without its scope at either end.

@@ -586,22 +586,10 @@ impl Session {
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }
-            Request::Sock(_) | Request::SockScoped { .. } => {
-                // A link-local address's scope travels beside the request
-                // (`SockRequest`'s encoding drops it).
-                let req = match req {
-                    Request::SockScoped { scopes, req } => req.with_scopes(scopes),
-                    Request::Sock(req) => req,
-                    _ => unreachable!("matched just above"),
-                };
-                let tenant = self.tenant;
-                match self.engine(move |e, c| e.handle_sock(c, tenant, req))? {
-                    // Another host's answer is waited for here, off the
-                    // engine's lock.
-                    Ok(call) => Reply::Sock(call.reply()).into(),
-                    Err(e) => error(e.errno(), e.to_string()),
-                }
-            }
+            Request::Sock(req) => self.sock(req)?,
+            // A link-local address's scope travels beside the request
+            // (`SockRequest`'s encoding drops it).
+            Request::SockScoped { scopes, req } => self.sock(req.with_scopes(scopes))?,
             Request::DirectChannel { .. } if self.guest.is_some() => {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
@@ -711,6 +699,17 @@ impl Session {
             .admission
             .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
             .map_err(|e| error(e.errno(), e.to_string()))
+    }
+
+    /// A socket registry call (`docs/sockets.md`).
+    fn sock(&mut self, req: vrdma_core::proto::SockRequest) -> Result<Answer, Answer> {
+        let tenant = self.tenant;
+        Ok(match self.engine(move |e, c| e.handle_sock(c, tenant, req))? {
+            // Another host's answer is waited for here, off the engine's
+            // lock.
+            Ok(call) => Reply::Sock(call.reply()).into(),
+            Err(e) => error(e.errno(), e.to_string()),
+        })
     }
 
     fn hello(&mut self, version: u32) -> Result<Answer, Answer> {
