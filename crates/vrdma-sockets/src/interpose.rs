@@ -421,9 +421,16 @@ fn register_listener(fd: c_int) {
         return;
     }
     let Some(d) = dev() else { return };
+    // `[::]` owns this host's link-local destinations of its port too
+    // (the daemon learns that this library claims them), unless the
+    // socket is bound to a device: a plain listener of the same port may
+    // sit on another one, and its clients would wait for a claim that
+    // never comes. Its global ones are owned as before.
+    let link_local = at.is_ipv6() && at.ip().is_unspecified() && addr::bound_dev(fd, at) == 0;
     let mut addrs = Vec::new();
     for a in owned {
-        match d.ctx.sock_listen(a) {
+        let r = if link_local && a.is_ipv6() { d.ctx.sock_listen_link_local(a) } else { d.ctx.sock_listen(a) };
+        match r {
             Ok(()) => {
                 debug(&format!("listening on {a}"));
                 addrs.push(a);
@@ -490,6 +497,12 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
         return None;
     }
     let local = addr::is_local(dst);
+    // Another interface's or host's link-local address is nobody's (the
+    // daemon would answer no): no call.
+    if !local && vrdma::sockets::is_link_local(dst.ip()) {
+        debug(&format!("{dst} is not this host's link-local address: TCP"));
+        return None;
+    }
     let d = dev()?;
     if !d.ctx.sock_lookup(dst, local).ok()? {
         debug(&format!("no vRDMA listener of this tenant at {dst} (local: {local}): TCP"));

@@ -39,6 +39,22 @@ impl Context {
         self.sock_done(SockRequest::Listen { addr: addr.into() })
     }
 
+    /// Registers a listening socket at `addr` that also owns this host's
+    /// link-local destinations of its port when `addr` is `[::]`: this
+    /// library names their scopes and claims their connections, which it
+    /// tells the daemon by the call's kind (`Request::SockScoped`; a plain
+    /// `Sock` registration, as an older build's, owns none). A daemon
+    /// without `SockScoped` refuses it (`EINVAL`): the listener is then
+    /// registered plainly (such a daemon keys no link-local address).
+    pub fn sock_listen_link_local(&self, addr: impl Into<SocketAddr>) -> Result<()> {
+        let req = SockRequest::Listen { addr: addr.into() };
+        let scoped = Request::SockScoped { scopes: req.scopes(), req: req.clone() };
+        match self.inner.control.call(&scoped, &[]).map(|a| a.reply) {
+            Ok(Reply::Sock(SockReply::Done)) => Ok(()),
+            _ => self.sock_done(req),
+        }
+    }
+
     /// The listening socket at `addr` closed.
     pub fn sock_unlisten(&self, addr: impl Into<SocketAddr>) -> Result<()> {
         self.sock_done(SockRequest::Unlisten { addr: addr.into() })

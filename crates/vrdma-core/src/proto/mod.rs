@@ -770,6 +770,23 @@ mod tests {
         assert_eq!(r, Request::SockScoped { scopes: [3, 3], req: claim.clone() });
         let bytes = encode_request(&r);
         assert_eq!(bytes[0], 37, "after RegMrPieces' 36");
+        // The whole example: the tag, the scopes (varints), then the plain
+        // `SockRequest` (Claim's 4; each end: V6's 1, its 16 bytes, its
+        // port as a varint).
+        let fe80_1 = [254, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+        let mut want = vec![37, 3, 3, 4, 1];
+        want.extend(fe80_1);
+        want.extend([192, 184, 2, 1]);
+        want.extend(fe80_1);
+        want.extend([136, 39]);
+        assert_eq!(bytes, want);
+        // A `[::]` listener of a library that names scopes (it owns
+        // link-local destinations): scopes 0, Listen's 0, V6's 1.
+        let any = SockRequest::Listen { addr: "[::]:5000".parse().unwrap() };
+        let mut want = vec![37, 0, 0, 0, 1];
+        want.extend([0; 16]);
+        want.extend([136, 39]);
+        assert_eq!(encode_request(&Request::SockScoped { scopes: [0, 0], req: any }), want);
         let Request::SockScoped { scopes, req } = decode_request(&bytes).unwrap() else { panic!() };
         assert_ne!(req, claim, "the plain encoding drops the scopes");
         assert_eq!(req.with_scopes(scopes), claim);

@@ -40,7 +40,11 @@
 //! keys); one without a scope names nothing and is owned by no listener,
 //! and a link-local destination is owned only when the client found it
 //! its own host's (`local`): scope ids are per host, so another host's
-//! link-local address is never this registry's.
+//! link-local address is never this registry's. An unspecified IPv6
+//! listener owns link-local destinations only when its library said it
+//! names scopes (`listen`'s `link_local`, a registration through
+//! `Request::SockScoped`): a library of an older build never claims a
+//! link-local connection, and its client would wait for that claim.
 
 pub mod peer;
 #[cfg(test)]
@@ -111,6 +115,18 @@ pub fn is_link_local(ip: IpAddr) -> bool {
 /// and no key of a connection holds.
 pub fn is_unscoped(a: SocketAddr) -> bool {
     matches!(a, SocketAddr::V6(v6) if is_link_local(IpAddr::V6(*v6.ip())) && v6.scope_id() == 0)
+}
+
+/// Whether `t`'s ends are either both link-local on one interface (one
+/// scope) or neither link-local: the kernel makes no other connection (a
+/// link-local address reaches its own link only), and a library never
+/// claims another.
+fn one_link(t: Tuple) -> bool {
+    let scope = |a: SocketAddr| match a {
+        SocketAddr::V6(v6) if is_link_local(a.ip()) => Some(v6.scope_id()),
+        _ => None,
+    };
+    scope(t.client) == scope(t.server)
 }
 
 /// The unspecified address of `ip`'s family.
@@ -199,6 +215,9 @@ pub struct Registry {
     /// (tenant, address) → the contexts listening there (a listener may be
     /// shared by processes, after fork).
     listeners: HashMap<(TenantId, SocketAddr), Vec<ContextId>>,
+    /// The unspecified IPv6 listeners (`[::]:port`) that own link-local
+    /// destinations too: their library names scopes ([`Self::listen`]).
+    link_owners: HashMap<(TenantId, SocketAddr), Vec<ContextId>>,
     announced: HashMap<(TenantId, Tuple), Entry>,
     counts: HashMap<TenantId, SockCounts>,
 }
@@ -214,8 +233,23 @@ impl Registry {
 
     /// `ctx` of `tenant` listens on `addr` (its unspecified address means
     /// every local one of its family: a dual-stack `::` socket registers
-    /// `0.0.0.0` and `[::]`).
+    /// `0.0.0.0` and `[::]`), owning no link-local destination through an
+    /// unspecified address ([`Self::listen_with`]).
     pub fn listen(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddr) -> Result<(), SockError> {
+        self.listen_with(ctx, tenant, addr, false)
+    }
+
+    /// [`Self::listen`]; with `link_local`, an unspecified IPv6
+    /// `addr` owns this host's link-local destinations of its port too:
+    /// the listener's library names scopes and claims such connections
+    /// (one of an older build refuses them, and must not own them).
+    pub fn listen_with(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        addr: SocketAddr,
+        link_local: bool,
+    ) -> Result<(), SockError> {
         if addr.port() == 0 {
             return Err(SockError::PortZero);
         }
@@ -230,12 +264,24 @@ impl Registry {
         if !owners.contains(&ctx) {
             owners.push(ctx);
         }
+        if link_local && key.1.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) {
+            let owners = self.link_owners.entry(key).or_default();
+            if !owners.contains(&ctx) {
+                owners.push(ctx);
+            }
+        }
         Ok(())
     }
 
     /// `ctx` no longer listens on `addr`; unknown ones are ignored.
     pub fn unlisten(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddr) {
         let key = (tenant, key(addr));
+        if let Some(owners) = self.link_owners.get_mut(&key) {
+            owners.retain(|&c| c != ctx);
+            if owners.is_empty() {
+                self.link_owners.remove(&key);
+            }
+        }
         if let Some(owners) = self.listeners.get_mut(&key) {
             owners.retain(|&c| c != ctx);
             if owners.is_empty() {
@@ -250,14 +296,17 @@ impl Registry {
     /// address, or on its port at the unspecified address of its family
     /// when the caller says `dst` is an address of its own host (`local`).
     /// A link-local IPv6 destination is owned only with its scope and
-    /// when `local` (another host's link-local address is never ours).
+    /// when `local` (another host's link-local address is never ours), by
+    /// a listener on it or an unspecified one that names scopes.
     pub fn lookup(&self, tenant: TenantId, dst: SocketAddr, local: bool) -> bool {
         let dst = key(dst);
-        if dst.port() == 0 || is_unscoped(dst) || (is_link_local(dst.ip()) && !local) {
+        let link = is_link_local(dst.ip());
+        if dst.port() == 0 || is_unscoped(dst) || (link && !local) {
             return false;
         }
-        let any = SocketAddr::new(unspecified_like(dst.ip()), dst.port());
-        self.listeners.contains_key(&(tenant, dst)) || (local && self.listeners.contains_key(&(tenant, any)))
+        let any = (tenant, SocketAddr::new(unspecified_like(dst.ip()), dst.port()));
+        let anys = if link { &self.link_owners } else { &self.listeners };
+        self.listeners.contains_key(&(tenant, dst)) || (local && anys.contains_key(&any))
     }
 
     /// `ctx` of `tenant` will connect from `tuple.client` to
@@ -281,7 +330,7 @@ impl Registry {
         // daemon's announcement has no scope (the wire carries none):
         // link-local stays on its host.
         let mixed = tuple.client.is_ipv4() != tuple.server.is_ipv4();
-        if tuple.client.port() == 0 || mixed || is_unscoped(tuple.client) {
+        if tuple.client.port() == 0 || mixed || is_unscoped(tuple.client) || !one_link(tuple) {
             return false;
         }
         let owner = owner.into();

@@ -273,10 +273,18 @@ fn an_ipv6_destination_is_owned_by_its_exact_address_or_by_a_local_unspecified_o
     );
     assert!(!r.lookup(B, addr("[::1]:5000"), true));
     // A link-local destination without its scope is nobody's (it names
-    // no interface); with one, `[::]` owns it when it is this host's.
+    // no interface); with one, `[::]` owns it when it is this host's and
+    // its library names scopes (an older build's `[::]` owns none: it
+    // never claims such a connection, and its client would wait).
+    assert!(!r.lookup(A, addr("[fe80::1%3]:5000"), true), "an older library's listener");
+    r.listen_with(SRV, A, addr("[::]:5000"), true).unwrap();
     assert!(!r.lookup(A, addr("[fe80::1]:5000"), true));
     assert!(r.lookup(A, addr("[fe80::1%3]:5000"), true));
     assert!(!r.lookup(A, addr("[fe80::1%3]:5000"), false), "not this host's");
+    r.unlisten(SRV, A, addr("[::]:5000"));
+    r.listen(SRV, A, addr("[::]:5000")).unwrap();
+    assert!(!r.lookup(A, addr("[fe80::1%3]:5000"), true), "unlisten forgot it names scopes");
+    assert!(r.lookup(A, addr("[fd00::9]:5000"), true));
     r.listen(SRV, A, addr("[fe80::1]:7000")).unwrap();
     assert!(!r.lookup(A, addr("[fe80::1]:7000"), true));
 }
@@ -313,7 +321,7 @@ fn link_local_addresses_are_keyed_with_their_scope() {
     let unscoped = Tuple { client: addr("[fe80::1]:40002"), server: addr("[fe80::1%3]:7000") };
     assert!(!r.announce(CLI, A, unscoped, true, t(0)));
     let remote = Owner::Remote { host: Ipv4Addr::new(10, 0, 0, 2), link: 1, ctx: 7 };
-    r.listen(SRV, A, addr("[::]:7000")).unwrap();
+    r.listen_with(SRV, A, addr("[::]:7000"), true).unwrap();
     assert!(!r.announce(remote, A, on(3, 40003), true, t(0)));
     assert!(!r.announce(
         remote,
@@ -322,6 +330,27 @@ fn link_local_addresses_are_keyed_with_their_scope() {
         true,
         t(0)
     ));
+}
+
+/// A tuple the kernel never makes is not announced: a link-local end
+/// reaches its own link only, so both ends are link-local on one
+/// interface, or neither is.
+#[test]
+fn link_local_ends_on_two_links_or_with_a_global_end_are_refused() {
+    let mut r = Registry::new();
+    r.listen_with(SRV, A, addr("[::]:7000"), true).unwrap();
+    r.listen(SRV, A, addr("[fe80::1%4]:7000")).unwrap();
+    for (client, server) in [
+        ("[fe80::1%3]:40000", "[fe80::1%4]:7000"),
+        ("[fe80::1%3]:40000", "[fd00::1]:7000"),
+        ("[fd00::1]:40000", "[fe80::1%3]:7000"),
+    ] {
+        let tuple = Tuple { client: addr(client), server: addr(server) };
+        assert!(!r.announce(CLI, A, tuple, true, t(0)), "{client} -> {server}");
+    }
+    let tuple = Tuple { client: addr("[fe80::1%4]:40000"), server: addr("[fe80::1%4]:7000") };
+    assert!(r.announce(CLI, A, tuple, true, t(0)));
+    assert_eq!(r.stats(A).announced, 1);
 }
 
 /// The kernel's listeners: `[::]` with IPV6_V6ONLY owns IPv6 only, a v4

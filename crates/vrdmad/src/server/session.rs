@@ -586,10 +586,11 @@ impl Session {
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }
-            Request::Sock(req) => self.sock(req)?,
+            Request::Sock(req) => self.sock(req, false)?,
             // A link-local address's scope travels beside the request
-            // (`SockRequest`'s encoding drops it).
-            Request::SockScoped { scopes, req } => self.sock(req.with_scopes(scopes))?,
+            // (`SockRequest`'s encoding drops it); its library names
+            // scopes, so its `[::]` listener may own link-local ones.
+            Request::SockScoped { scopes, req } => self.sock(req.with_scopes(scopes), true)?,
             Request::DirectChannel { .. } if self.guest.is_some() => {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
@@ -702,9 +703,9 @@ impl Session {
     }
 
     /// A socket registry call (`docs/sockets.md`).
-    fn sock(&mut self, req: vrdma_core::proto::SockRequest) -> Result<Answer, Answer> {
+    fn sock(&mut self, req: vrdma_core::proto::SockRequest, scoped: bool) -> Result<Answer, Answer> {
         let tenant = self.tenant;
-        Ok(match self.engine(move |e, c| e.handle_sock(c, tenant, req))? {
+        Ok(match self.engine(move |e, c| e.handle_sock_as(c, tenant, req, scoped))? {
             // Another host's answer is waited for here, off the engine's
             // lock.
             Ok(call) => Reply::Sock(call.reply()).into(),
