@@ -1764,7 +1764,7 @@ mod preload {
                 }
                 static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
                 let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                let ns = format!("ll6-it-{}-{n}", std::process::id());
+                let ns = format!("vrdma-ll-{}-{n}", std::process::id());
                 run_cmd(&["ip", "netns", "add", &ns])?;
                 let mut links = TwoLinks { ns, index: [0, 0] };
                 let ns = links.ns.clone();
@@ -1810,10 +1810,24 @@ mod preload {
                 port: u16,
                 listeners: u32,
             ) -> Result<Running> {
-                let s = spawn(
-                    self.app(d, preload, &["server", &port.to_string()], &[("SOCKAPP_BIND", bind)]),
-                    bind,
-                );
+                self.server_with(d, ctx, preload, bind, port, listeners, &[])
+            }
+
+            /// [`Self::server`] with more of the program's environment.
+            #[allow(clippy::too_many_arguments)]
+            fn server_with(
+                &self,
+                d: &DaemonProc,
+                ctx: &vrdma::Context,
+                preload: bool,
+                bind: &str,
+                port: u16,
+                listeners: u32,
+                env: &[(&str, &str)],
+            ) -> Result<Running> {
+                let mut all = vec![("SOCKAPP_BIND", bind)];
+                all.extend(env.iter().copied());
+                let s = spawn(self.app(d, preload, &["server", &port.to_string()], &all), bind);
                 // `ip netns exec` execs the program: its pid is the server's.
                 let pid = s.pid();
                 vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
@@ -1825,8 +1839,21 @@ mod preload {
             /// A preloaded client to `host` (bound to `from` first if
             /// given), finished.
             fn client(&self, d: &DaemonProc, from: Option<&str>, host: &str, port: u16) -> Finished {
+                self.client_with(d, from, host, port, &[])
+            }
+
+            /// [`Self::client`] with more of the program's environment.
+            fn client_with(
+                &self,
+                d: &DaemonProc,
+                from: Option<&str>,
+                host: &str,
+                port: u16,
+                more: &[(&str, &str)],
+            ) -> Finished {
                 let mut env = vec![("SOCKAPP_HOST", host)];
                 env.extend(from.map(|f| ("SOCKAPP_CLIENT_BIND", f)));
+                env.extend(more.iter().copied());
                 let c = self.app(d, true, &["client", &port.to_string(), &BYTES.to_string()], &env);
                 spawn(c, "client").finish(LIMIT)
             }
@@ -1959,6 +1986,91 @@ mod preload {
             assert!(s.stderr.contains(&mine), "{}", s.describe());
             let c = ctx.sock_counts()?;
             assert_eq!((c.announced, c.carried, c.abandoned), (1, 1, 0), "{c:?}");
+            Ok(())
+        }
+
+        /// A `[::]` listener registered by a library that names no scopes
+        /// (an older build's, as the test's context registers it: a plain
+        /// `Sock` call) owns no link-local destination: its library never
+        /// claims one, so a client of `fe80::1%IFINDEX` asks, hears no,
+        /// and connects plain TCP at once (nothing announced, nothing
+        /// abandoned after a wait for a claim).
+        #[test]
+        fn an_older_librarys_unspecified_listener_owns_no_link_local_destination() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let any: std::net::SocketAddr = format!("[::]:{port}").parse()?;
+            ctx.sock_listen(any)?;
+            let s = net.server(&d, &ctx, false, "::", port, 1)?;
+            let c = net.client(&d, None, &net.at(0), port);
+            assert!(!carried(&c, &s.finish(LIMIT)), "carried by a plain server");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.abandoned, c.carried), (0, 0, 0), "{c:?}");
+            ctx.sock_unlisten(any)?;
+            Ok(())
+        }
+
+        /// A `::` listener bound to a device (`SO_BINDTODEVICE`) owns no
+        /// link-local destination: a plain listener of its port may sit on
+        /// another interface, as here, whose client must not wait for a
+        /// claim. A client bound to a device alone (`::`, scope 0 to
+        /// `fe80::1`) is scoped by it, as the kernel scopes it: carried
+        /// to the undevice-bound `::` server.
+        #[test]
+        fn link_local_and_bound_devices() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            // The plain one first: its start is seen as the port listening.
+            let s1 = net.server_with(&d, &ctx, false, "::", port, 0, &[("SOCKAPP_DEVICE", "ll6d1")])?;
+            let s0 = net.server_with(&d, &ctx, true, "::", port, 2, &[("SOCKAPP_DEVICE", "ll6d0")])?;
+            let c = net.client(&d, None, &net.at(1), port);
+            assert!(!carried(&c, &s1.finish(LIMIT)), "carried by a plain server");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.abandoned, c.carried), (0, 0, 0), "{c:?}");
+            drop(s0);
+            vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+            })?;
+
+            let port = free_port();
+            let s = net.server(&d, &ctx, true, "::", port, 2)?;
+            let c = net.client_with(&d, Some("::"), "fe80::1", port, &[("SOCKAPP_DEVICE", "ll6d1")]);
+            let s = s.finish(LIMIT);
+            assert!(carried(&c, &s), "not carried");
+            let mine = format!("claimed [fe80::1%{}]", net.index[1]);
+            assert!(s.stderr.contains(&mine), "{}", s.describe());
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried, c.abandoned), (1, 1, 0), "{c:?}");
+            Ok(())
+        }
+
+        /// One link-local end and one global end on one host (a client
+        /// bound to one connecting to the other): plain TCP for both, at
+        /// once (nothing announced, nothing claimed).
+        #[test]
+        fn a_link_local_end_with_a_global_end_stays_tcp() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            run_cmd(&["ip", "-n", &net.ns, "-6", "addr", "add", "fd00::1/64", "dev", "ll6d0", "nodad"])?;
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            for (from, to) in [(net.at(0), "fd00::1".to_string()), ("fd00::1".to_string(), net.at(0))] {
+                let port = free_port();
+                let s = net.server(&d, &ctx, true, "::", port, 2)?;
+                let c = net.client(&d, Some(&from), &to, port);
+                assert!(!carried(&c, &s.finish(LIMIT)), "{from} -> {to} carried");
+                let c = ctx.sock_counts()?;
+                assert_eq!((c.announced, c.abandoned, c.refused_claims), (0, 0, 0), "{from} -> {to}: {c:?}");
+                vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                    ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+                })?;
+            }
             Ok(())
         }
     }
