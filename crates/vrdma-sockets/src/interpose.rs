@@ -429,7 +429,8 @@ fn register_listener(fd: c_int) {
     let link_local = at.is_ipv6() && at.ip().is_unspecified() && addr::bound_dev(fd, at) == 0;
     let mut addrs = Vec::new();
     for a in owned {
-        let r = if link_local && a.is_ipv6() { d.ctx.sock_listen_link_local(a) } else { d.ctx.sock_listen(a) };
+        let r =
+            if link_local && a.is_ipv6() { d.ctx.sock_listen_link_local(a) } else { d.ctx.sock_listen(a) };
         match r {
             Ok(()) => {
                 debug(&format!("listening on {a}"));

@@ -243,9 +243,13 @@ pub enum Request {
     /// port): `scopes` are the client's and the server's (a listening
     /// address or a looked-up destination is the server's), set on the
     /// request's link-local addresses by the daemon; a non-link-local
-    /// address takes no scope. Appended, so that every other request
+    /// address takes no scope. A `Listen` of `[::]` sent this way (scopes
+    /// 0) says its library claims link-local connections: that listener
+    /// owns this host's link-local destinations of its port (as a plain
+    /// `Sock` one does not). Appended, so that every other request
     /// keeps its encoding: a daemon without it refuses the call
-    /// (`EINVAL`), and the library then leaves the connection plain TCP.
+    /// (`EINVAL`), and the library then leaves the connection plain TCP
+    /// (and registers a `[::]` listener again as a plain `Sock`).
     SockScoped {
         scopes: [u32; 2],
         req: SockRequest,

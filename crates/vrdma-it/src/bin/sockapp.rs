@@ -298,7 +298,13 @@ fn bind_to_device(fd: libc::c_int) -> Result<(), String> {
     let Ok(dev) = std::env::var("SOCKAPP_DEVICE") else { return Ok(()) };
     // SAFETY: `dev` is valid for its length in bytes.
     let r = unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_BINDTODEVICE, dev.as_ptr().cast(), dev.len() as libc::socklen_t)
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_BINDTODEVICE,
+            dev.as_ptr().cast(),
+            dev.len() as libc::socklen_t,
+        )
     };
     if r != 0 {
         return Err(format!("SO_BINDTODEVICE {dev}: {}", std::io::Error::last_os_error()));
@@ -320,7 +326,10 @@ fn listener6(ip: &str, port: u16, v6only: bool) -> Result<TcpListener, String> {
     // SAFETY: the descriptor was just made and is ours alone.
     let l = unsafe { TcpListener::from_raw_fd(fd) };
     let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    for (opt, on) in [((libc::IPPROTO_IPV6, libc::IPV6_V6ONLY), v6only as libc::c_int), ((libc::SOL_SOCKET, libc::SO_REUSEADDR), 1)] {
+    for (opt, on) in [
+        ((libc::IPPROTO_IPV6, libc::IPV6_V6ONLY), v6only as libc::c_int),
+        ((libc::SOL_SOCKET, libc::SO_REUSEADDR), 1),
+    ] {
         // SAFETY: `on` is valid for `len` bytes.
         if unsafe { libc::setsockopt(fd, opt.0, opt.1, (&on as *const libc::c_int).cast(), len) } != 0 {
             return Err(err("setsockopt"));
