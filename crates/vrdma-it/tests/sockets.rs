@@ -1735,4 +1735,343 @@ mod preload {
             Ok(())
         }
     }
+
+    /// Link-local IPv6 between two programs on one host (`docs/sockets.md`,
+    /// "Link-local"): the registry keys a link-local address with its
+    /// scope, so the same address on two interfaces is two keys. Each test
+    /// makes a network namespace of its own with two veth pairs, `fe80::1`
+    /// on one end of each (`nodad`), and runs the programs in it (their
+    /// daemon is the test's: its socket is a path).
+    mod link_local {
+        use super::*;
+        use vrdma_it::run_cmd;
+
+        const BYTES: u64 = 1 << 20;
+        const CARRIED: &str = "carried over vRDMA";
+
+        /// A namespace with `fe80::1/64` on two interfaces, removed on drop.
+        struct TwoLinks {
+            ns: String,
+            /// The interfaces' indices (scope ids) in it.
+            index: [u32; 2],
+        }
+
+        impl TwoLinks {
+            fn create() -> Result<Option<TwoLinks>> {
+                if let Some(why) = vrdma_it::netns_unavailable() {
+                    vrdma_it::skip(format!("link-local tests: {why}"));
+                    return Ok(None);
+                }
+                static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let ns = format!("vrdma-ll-{}-{n}", std::process::id());
+                run_cmd(&["ip", "netns", "add", &ns])?;
+                let mut links = TwoLinks { ns, index: [0, 0] };
+                let ns = links.ns.clone();
+                let ns = ns.as_str();
+                run_cmd(&["ip", "-n", ns, "link", "set", "lo", "up"])?;
+                for i in 0..2 {
+                    let (dev, peer) = (format!("ll6d{i}"), format!("ll6p{i}"));
+                    run_cmd(&["ip", "-n", ns, "link", "add", &dev, "type", "veth", "peer", "name", &peer])?;
+                    for d in [&dev, &peer] {
+                        run_cmd(&["ip", "-n", ns, "link", "set", d, "up"])?;
+                    }
+                    run_cmd(&["ip", "-n", ns, "-6", "addr", "add", "fe80::1/64", "dev", &dev, "nodad"])?;
+                    let out = Command::new("ip")
+                        .args(["netns", "exec", ns, "cat", &format!("/sys/class/net/{dev}/ifindex")])
+                        .output()?;
+                    links.index[i] = String::from_utf8_lossy(&out.stdout).trim().parse()?;
+                }
+                Ok(Some(links))
+            }
+
+            /// The sockets test program in the namespace.
+            fn app(&self, d: &DaemonProc, preload: bool, args: &[&str], env: &[(&str, &str)]) -> Command {
+                let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", &self.ns]).arg(exe).args(args);
+                c.env(vrdma::SOCKET_ENV, &d.socket).env("VRDMA_SOCKETS_DEBUG", "1");
+                if preload {
+                    c.env("LD_PRELOAD", built("libvrdma_sockets.so"));
+                }
+                c.envs(env.iter().copied());
+                c
+            }
+
+            /// A server on `bind` (`port`), waited for until the tenant
+            /// registers `listeners` addresses (a preloaded one) or it
+            /// said it listens (a plain one).
+            fn server(
+                &self,
+                d: &DaemonProc,
+                ctx: &vrdma::Context,
+                preload: bool,
+                bind: &str,
+                port: u16,
+                listeners: u32,
+            ) -> Result<Running> {
+                self.server_with(d, ctx, preload, bind, port, listeners, &[])
+            }
+
+            /// [`Self::server`] with more of the program's environment.
+            #[allow(clippy::too_many_arguments)]
+            fn server_with(
+                &self,
+                d: &DaemonProc,
+                ctx: &vrdma::Context,
+                preload: bool,
+                bind: &str,
+                port: u16,
+                listeners: u32,
+                env: &[(&str, &str)],
+            ) -> Result<Running> {
+                let mut all = vec![("SOCKAPP_BIND", bind)];
+                all.extend(env.iter().copied());
+                let s = spawn(self.app(d, preload, &["server", &port.to_string()], &all), bind);
+                // `ip netns exec` execs the program: its pid is the server's.
+                let pid = s.pid();
+                vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+                    listening6_in(pid, port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(listeners)
+                })?;
+                Ok(s)
+            }
+
+            /// A preloaded client to `host` (bound to `from` first if
+            /// given), finished.
+            fn client(&self, d: &DaemonProc, from: Option<&str>, host: &str, port: u16) -> Finished {
+                self.client_with(d, from, host, port, &[])
+            }
+
+            /// [`Self::client`] with more of the program's environment.
+            fn client_with(
+                &self,
+                d: &DaemonProc,
+                from: Option<&str>,
+                host: &str,
+                port: u16,
+                more: &[(&str, &str)],
+            ) -> Finished {
+                let mut env = vec![("SOCKAPP_HOST", host)];
+                env.extend(from.map(|f| ("SOCKAPP_CLIENT_BIND", f)));
+                env.extend(more.iter().copied());
+                let c = self.app(d, true, &["client", &port.to_string(), &BYTES.to_string()], &env);
+                spawn(c, "client").finish(LIMIT)
+            }
+
+            fn at(&self, i: usize) -> String {
+                format!("fe80::1%{}", self.index[i])
+            }
+        }
+
+        /// Whether a socket of process `pid`'s network namespace listens
+        /// on IPv6 `port` (its /proc/PID/net/tcp6).
+        fn listening6_in(pid: i32, port: u16) -> bool {
+            let want = format!(":{port:04X}");
+            let tcp6 = std::fs::read_to_string(format!("/proc/{pid}/net/tcp6")).unwrap_or_default();
+            tcp6.lines().skip(1).any(|l| {
+                let cols: Vec<&str> = l.split_whitespace().collect();
+                cols.len() > 3 && cols[1].ends_with(&want) && cols[3] == "0A"
+            })
+        }
+
+        impl Drop for TwoLinks {
+            fn drop(&mut self) {
+                // The veth pairs go with the namespace.
+                let _ = run_cmd(&["ip", "netns", "del", &self.ns]);
+            }
+        }
+
+        /// Both ends succeeded; whether both say the connection was carried.
+        fn carried(c: &Finished, s: &Finished) -> bool {
+            c.assert_ok();
+            s.assert_ok();
+            let carried = c.stderr.contains(CARRIED);
+            assert_eq!(carried, s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+            carried
+        }
+
+        /// A client to `fe80::1%IFINDEX`, of a server bound to that address
+        /// with its scope and of a dual-stack `::` server: carried, each
+        /// claimed at once (nothing abandoned: the two ends named the
+        /// connection alike, scope included).
+        #[test]
+        fn link_local_on_one_host_is_carried() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            for (n, (bind, listeners)) in [(net.at(0), 1), ("::".to_string(), 2)].into_iter().enumerate() {
+                let port = free_port();
+                let s = net.server(&d, &ctx, true, &bind, port, listeners)?;
+                let c = net.client(&d, None, &net.at(0), port);
+                let s = s.finish(LIMIT);
+                assert!(carried(&c, &s), "{bind}: not carried\n{}\n{}", c.describe(), s.describe());
+                let claimed = format!("claimed [fe80::1%{}]", net.index[0]);
+                assert!(s.stderr.contains(&claimed), "{bind}: {}", s.describe());
+                let k = n as u64 + 1;
+                let c = ctx.sock_counts()?;
+                assert_eq!(
+                    (c.announced, c.carried, c.abandoned, c.refused_claims),
+                    (k, k, 0, 0),
+                    "{bind}: {c:?}"
+                );
+                vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                    ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+                })?;
+            }
+            Ok(())
+        }
+
+        /// `fe80::1` on two interfaces, a server bound to each (one port):
+        /// while only the first's is preloaded, a client of the second's
+        /// stays plain TCP and announces nothing (with the scope out of the
+        /// key it was the first's listener's); with both preloaded each
+        /// client is carried to its own server, claimed by it alone.
+        #[test]
+        fn the_same_link_local_address_on_two_interfaces_is_two() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let s0 = net.server(&d, &ctx, true, &net.at(0), port, 1)?;
+            let s1 = net.server(&d, &ctx, false, &net.at(1), port, 1)?;
+            let c1 = net.client(&d, None, &net.at(1), port);
+            assert!(!carried(&c1, &s1.finish(LIMIT)), "a plain server's connection carried");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried, c.refused_claims), (0, 0, 0), "{c:?}");
+            let c0 = net.client(&d, None, &net.at(0), port);
+            assert!(carried(&c0, &s0.finish(LIMIT)), "not carried");
+            vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+            })?;
+
+            let port = free_port();
+            let s0 = net.server(&d, &ctx, true, &net.at(0), port, 1)?;
+            let s1 = net.server(&d, &ctx, true, &net.at(1), port, 2)?;
+            for (i, s) in [(1, s1), (0, s0)] {
+                let c = net.client(&d, None, &net.at(i), port);
+                let s = s.finish(LIMIT);
+                assert!(carried(&c, &s), "interface {i}: not carried");
+                let mine = format!("claimed [fe80::1%{}]", net.index[i]);
+                assert!(s.stderr.contains(&mine), "interface {i}: {}", s.describe());
+            }
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried, c.abandoned, c.refused_claims), (3, 3, 0, 0), "{c:?}");
+            Ok(())
+        }
+
+        /// A connect to `fe80::1` with scope 0 from an unbound socket is
+        /// refused by the kernel (`EINVAL`), and so it is under the
+        /// library, announcing nothing; from a socket bound to `fe80::1`
+        /// with a scope the kernel takes that scope, and so does the
+        /// library: carried.
+        #[test]
+        fn a_link_local_connect_without_a_scope_is_the_kernels() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let s = net.server(&d, &ctx, true, "::", port, 2)?;
+            let c = net.client(&d, None, "fe80::1", port);
+            assert!(!c.status.success(), "{}", c.describe());
+            assert!(c.stderr.contains("Invalid argument"), "{}", c.describe());
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried), (0, 0), "{c:?}");
+            let c = net.client(&d, Some(&net.at(1)), "fe80::1", port);
+            let s = s.finish(LIMIT);
+            assert!(carried(&c, &s), "not carried");
+            let mine = format!("claimed [fe80::1%{}]", net.index[1]);
+            assert!(s.stderr.contains(&mine), "{}", s.describe());
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried, c.abandoned), (1, 1, 0), "{c:?}");
+            Ok(())
+        }
+
+        /// A `[::]` listener registered by a library that names no scopes
+        /// (an older build's, as the test's context registers it: a plain
+        /// `Sock` call) owns no link-local destination: its library never
+        /// claims one, so a client of `fe80::1%IFINDEX` asks, hears no,
+        /// and connects plain TCP at once (nothing announced, nothing
+        /// abandoned after a wait for a claim).
+        #[test]
+        fn an_older_librarys_unspecified_listener_owns_no_link_local_destination() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            let any: std::net::SocketAddr = format!("[::]:{port}").parse()?;
+            ctx.sock_listen(any)?;
+            let s = net.server(&d, &ctx, false, "::", port, 1)?;
+            let c = net.client(&d, None, &net.at(0), port);
+            assert!(!carried(&c, &s.finish(LIMIT)), "carried by a plain server");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.abandoned, c.carried), (0, 0, 0), "{c:?}");
+            ctx.sock_unlisten(any)?;
+            Ok(())
+        }
+
+        /// A `::` listener bound to a device (`SO_BINDTODEVICE`) owns no
+        /// link-local destination: a plain listener of its port may sit on
+        /// another interface, as here, whose client must not wait for a
+        /// claim. A client bound to a device alone (`::`, scope 0 to
+        /// `fe80::1`) is scoped by it, as the kernel scopes it: carried
+        /// to the undevice-bound `::` server.
+        #[test]
+        fn link_local_and_bound_devices() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            let port = free_port();
+            // The plain one first: its start is seen as the port listening.
+            let s1 = net.server_with(&d, &ctx, false, "::", port, 0, &[("SOCKAPP_DEVICE", "ll6d1")])?;
+            let s0 = net.server_with(&d, &ctx, true, "::", port, 2, &[("SOCKAPP_DEVICE", "ll6d0")])?;
+            let c = net.client(&d, None, &net.at(1), port);
+            assert!(!carried(&c, &s1.finish(LIMIT)), "carried by a plain server");
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.abandoned, c.carried), (0, 0, 0), "{c:?}");
+            drop(s0);
+            vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+            })?;
+
+            let port = free_port();
+            let s = net.server(&d, &ctx, true, "::", port, 2)?;
+            let c = net.client_with(&d, Some("::"), "fe80::1", port, &[("SOCKAPP_DEVICE", "ll6d1")]);
+            let s = s.finish(LIMIT);
+            assert!(carried(&c, &s), "not carried");
+            let mine = format!("claimed [fe80::1%{}]", net.index[1]);
+            assert!(s.stderr.contains(&mine), "{}", s.describe());
+            let c = ctx.sock_counts()?;
+            assert_eq!((c.announced, c.carried, c.abandoned), (1, 1, 0), "{c:?}");
+            Ok(())
+        }
+
+        /// One link-local end and one global end on one host (a client
+        /// bound to one connecting to the other): plain TCP for both, at
+        /// once (nothing announced, nothing claimed).
+        #[test]
+        fn a_link_local_end_with_a_global_end_stays_tcp() -> Result<()> {
+            let Some(net) = TwoLinks::create()? else { return Ok(()) };
+            run_cmd(&["ip", "-n", &net.ns, "-6", "addr", "add", "fd00::1/64", "dev", "ll6d0", "nodad"])?;
+            let _one = harness::one_at_a_time();
+            let d = DaemonProc::start()?;
+            let ctx = d.context()?;
+            for (from, to) in [(net.at(0), "fd00::1".to_string()), ("fd00::1".to_string(), net.at(0))] {
+                let port = free_port();
+                let s = net.server(&d, &ctx, true, "::", port, 2)?;
+                let c = net.client(&d, Some(&from), &to, port);
+                assert!(!carried(&c, &s.finish(LIMIT)), "{from} -> {to} carried");
+                let c = ctx.sock_counts()?;
+                assert_eq!((c.announced, c.abandoned, c.refused_claims), (0, 0, 0), "{from} -> {to}: {c:?}");
+                vrdma_it::wait_until(Duration::from_secs(10), "the listener gone", || {
+                    ctx.sock_counts().ok().map(|c| c.listeners) == Some(0)
+                })?;
+            }
+            Ok(())
+        }
+    }
 }

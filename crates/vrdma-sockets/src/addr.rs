@@ -8,14 +8,22 @@
 //! connection alike; an IPv6 one has no flow label and no scope id.
 //! Listeners register as the kernel routes to them: a dual-stack `::`
 //! socket (`IPV6_V6ONLY` off) both `0.0.0.0` and `[::]` of its port, one
-//! with `IPV6_V6ONLY` `[::]` only ([`listen_addrs`]). Link-local IPv6
-//! addresses (`fe80::/10`) stay plain TCP: their interface is not in the
-//! registry's key.
+//! with `IPV6_V6ONLY` `[::]` only ([`listen_addrs`]). A link-local IPv6
+//! address (`fe80::/10`) keeps its scope id, its interface: the kernel
+//! names a link-local end with it, the same at both ends of a connection
+//! on one host, and the registry keys it. The scope a connect gets is
+//! the kernel's ([`link_scope`]), and a link-local destination with none
+//! is not announced (the kernel refuses it).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use libc::{c_int, sockaddr, sockaddr_in, sockaddr_in6, socklen_t};
 use vrdma::sockets::{is_link_local, key};
+
+/// Whether `a` is a link-local address without its scope id.
+fn unscoped(a: SocketAddr) -> bool {
+    matches!(a, SocketAddr::V6(v6) if is_link_local(a.ip()) && v6.scope_id() == 0)
+}
 
 /// The IPv4 or IPv6 address `addr` points at, if it is one (as
 /// [`key`] names it).
@@ -36,7 +44,9 @@ pub unsafe fn from_raw(addr: *const sockaddr, len: socklen_t) -> Option<SocketAd
         // SAFETY: a sockaddr_in6's bytes are readable (checked just above).
         let sin6: sockaddr_in6 = unsafe { std::ptr::read_unaligned(addr.cast()) };
         let ip = Ipv6Addr::from(sin6.sin6_addr.s6_addr);
-        return Some(key(SocketAddr::new(IpAddr::V6(ip), u16::from_be(sin6.sin6_port))));
+        let port = u16::from_be(sin6.sin6_port);
+        let a = std::net::SocketAddrV6::new(ip, port, 0, sin6.sin6_scope_id);
+        return Some(key(SocketAddr::V6(a)));
     }
     if sin.sin_family != libc::AF_INET as libc::sa_family_t {
         return None;
@@ -145,11 +155,56 @@ pub fn inet_stream(fd: c_int) -> Option<Family> {
     }
 }
 
+/// The interface `fd` is bound to (`SO_BINDTOIFINDEX`: by a bind to a
+/// link-local address with its scope, or `SO_BINDTODEVICE`), 0 for none;
+/// where the kernel cannot say (before Linux 5.0), the scope of its bound
+/// address `bound`.
+pub fn bound_dev(fd: c_int, bound: SocketAddr) -> u32 {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as socklen_t;
+    // SAFETY: `v` is valid for `len` bytes.
+    let r = unsafe {
+        crate::real::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_BINDTOIFINDEX,
+            (&mut v as *mut c_int).cast(),
+            &mut len,
+        )
+    };
+    match (r, bound) {
+        (0, _) => v.max(0) as u32,
+        (_, SocketAddr::V6(v6)) => v6.scope_id(),
+        _ => 0,
+    }
+}
+
+/// The link-local destination `dst` with the scope the kernel connects it
+/// on from a socket bound to interface `dev` (0: none), as Linux's
+/// `tcp_v6_connect` does (checked with plain sockets on Linux 6): its own
+/// scope, which a socket bound to another interface may not use; or,
+/// with none, the socket's interface. `None`: the kernel refuses the
+/// connect (`EINVAL`), and it is left to. Any other address as it is.
+pub fn link_scope(dst: SocketAddr, dev: u32) -> Option<SocketAddr> {
+    let SocketAddr::V6(mut v6) = dst else { return Some(dst) };
+    if !is_link_local(dst.ip()) {
+        return Some(dst);
+    }
+    match (v6.scope_id(), dev) {
+        (0, 0) => return None,
+        (0, dev) => v6.set_scope_id(dev),
+        (s, dev) if dev != 0 && dev != s => return None,
+        _ => {}
+    }
+    Some(SocketAddr::V6(v6))
+}
+
 /// The addresses a listener of `family` bound at `at` owns, as the
 /// registry keys them: a dual-stack `::` one IPv4's `0.0.0.0` and IPv6's
-/// `[::]`; a link-local one none (plain TCP).
+/// `[::]`; a link-local one its address with its scope (none without:
+/// the kernel binds no such socket).
 pub fn listen_addrs(family: Family, at: SocketAddr) -> Vec<SocketAddr> {
-    if is_link_local(at.ip()) {
+    if unscoped(at) {
         return Vec::new();
     }
     match (family, at) {
@@ -183,11 +238,20 @@ pub fn connect_target(dst: SocketAddr, me: SocketAddr) -> SocketAddr {
 
 /// Whether a connection between `a` and `b` (as [`key`] names them) may
 /// be carried: both of one family (the kernel connects no other) and
-/// neither link-local (its scope is not in the registry's key). Both
+/// neither a link-local address without its scope (which names no
+/// interface; the kernel gives every link-local end of a connection its
+/// scope), and either both link-local on one interface or neither. Both
 /// ends ask it, the client of its own address and the server of its
-/// accepted peer's, so the scope id never matters.
+/// accepted peer's.
 pub fn carriable(a: SocketAddr, b: SocketAddr) -> bool {
-    a.is_ipv4() == b.is_ipv4() && !is_link_local(a.ip()) && !is_link_local(b.ip())
+    let scope = |x: SocketAddr| match x {
+        SocketAddr::V6(v6) if is_link_local(x.ip()) => Some(v6.scope_id()),
+        _ => None,
+    };
+    // A link-local end with a global one (a client bound to one of them
+    // and connecting to the other) is left to TCP: both ends' names of it
+    // were not checked; two link-local ends are on one interface.
+    a.is_ipv4() == b.is_ipv4() && !unscoped(a) && !unscoped(b) && scope(a) == scope(b)
 }
 
 /// Binds `fd` to `a` (`fd` of `a`'s family).
@@ -230,22 +294,25 @@ impl Drop for Udp {
     }
 }
 
-/// Whether `ip` is an address of this host (its network namespace): a
-/// UDP socket can bind to it. A link-local IPv6 address is not (it names
-/// an address only with its interface, which the registry does not key).
-pub fn is_local(ip: IpAddr) -> bool {
-    if ip.is_loopback() {
+/// Whether `a`'s address is one of this host (its network namespace): a
+/// UDP socket can bind to it. A link-local address is this host's only
+/// on the interface its scope names (an address of the other end of a
+/// link, or this host's on another interface, is not).
+pub fn is_local(a: SocketAddr) -> bool {
+    if a.ip().is_loopback() {
         return true;
     }
-    if is_link_local(ip) {
+    if unscoped(a) {
         return false;
     }
-    let a = SocketAddr::new(ip, 0);
+    let mut a = a;
+    a.set_port(0);
     Udp::for_addr(a).is_some_and(|u| bind(u.0, a))
 }
 
-/// The source address the kernel picks towards `dst`.
-pub fn source_for(dst: SocketAddr) -> Option<IpAddr> {
+/// The source address the kernel picks towards `dst` (port 0; a
+/// link-local one with its scope, the interface towards `dst`).
+pub fn source_for(dst: SocketAddr) -> Option<SocketAddr> {
     let u = Udp::for_addr(dst)?;
     let (ss, len) = to_raw(dst);
     // SAFETY: `ss` holds a valid sockaddr of `len` bytes.
@@ -253,7 +320,10 @@ pub fn source_for(dst: SocketAddr) -> Option<IpAddr> {
     if r != 0 {
         return None;
     }
-    local_of(u.0).map(|a| a.ip())
+    local_of(u.0).map(|mut a| {
+        a.set_port(0);
+        a
+    })
 }
 
 #[cfg(test)]
@@ -289,7 +359,7 @@ mod tests {
         assert_eq!(listen_addrs(Family::V6 { v6only: true }, a("[::]:80")), [a("[::]:80")]);
         assert_eq!(listen_addrs(dual, a("[::1]:80")), [a("[::1]:80")]);
         assert_eq!(listen_addrs(Family::V4, a("0.0.0.0:80")), [a("0.0.0.0:80")]);
-        assert!(listen_addrs(dual, a("[fe80::1]:80")).is_empty());
+        assert!(listen_addrs(dual, a("[fe80::1]:80")).is_empty(), "no scope");
         assert!(!Family::V6 { v6only: true }.reaches(a("127.0.0.1:80")));
         assert!(dual.reaches(a("127.0.0.1:80")) && dual.reaches(a("[::1]:80")));
         assert!(!Family::V4.reaches(a("[::1]:80")));
@@ -316,20 +386,52 @@ mod tests {
     }
 
     #[test]
-    fn a_link_local_end_or_two_families_are_not_carried() {
+    fn an_unscoped_link_local_end_or_two_families_are_not_carried() {
         assert!(carriable(a("127.0.0.2:4000"), a("127.0.0.1:80")));
         assert!(carriable(a("[fd00::2]:4000"), a("[::1]:80")));
         assert!(!carriable(a("[fe80::1]:4000"), a("[fd00::2]:80")), "a link-local client");
         assert!(!carriable(a("[fd00::2]:4000"), a("[fe80::2]:80")), "a link-local server");
+        assert!(carriable(a("[fe80::1%3]:4000"), a("[fe80::1%3]:80")), "with their scope");
+        assert!(!carriable(a("[fe80::1%3]:4000"), a("[fe80::1%4]:80")), "two interfaces");
+        assert!(!carriable(a("[fe80::1%3]:4000"), a("[fd00::2]:80")), "with a global end");
         assert!(!carriable(a("127.0.0.2:4000"), a("[::1]:80")));
         assert!(!carriable(a("[::1]:4000"), a("127.0.0.1:80")));
     }
 
     #[test]
-    fn loopback_is_local_and_link_local_is_not() {
-        assert!(is_local(a("[::1]:0").ip()));
-        assert!(is_local(a("127.0.0.1:0").ip()));
-        assert!(!is_local(a("[fe80::1]:0").ip()));
-        assert!(!is_local(a("[2001:db8::1]:0").ip()), "a documentation address is nobody's");
+    fn loopback_is_local_and_unscoped_link_local_is_not() {
+        assert!(is_local(a("[::1]:0")));
+        assert!(is_local(a("127.0.0.1:5000")));
+        assert!(!is_local(a("[fe80::1]:0")));
+        assert!(!is_local(a("[2001:db8::1]:0")), "a documentation address is nobody's");
+    }
+
+    /// As `tcp_v6_connect` scopes a link-local destination (checked with
+    /// plain sockets on Linux 6): its own scope, or the bound interface's
+    /// when it has none; none at all, or another than the bound
+    /// interface's, is refused (`EINVAL`).
+    #[test]
+    fn a_link_local_destination_is_scoped_as_the_kernel_connects_it() {
+        assert_eq!(link_scope(a("[fe80::1%3]:80"), 0), Some(a("[fe80::1%3]:80")));
+        assert_eq!(link_scope(a("[fe80::1%3]:80"), 3), Some(a("[fe80::1%3]:80")));
+        assert_eq!(link_scope(a("[fe80::1]:80"), 5), Some(a("[fe80::1%5]:80")));
+        assert_eq!(link_scope(a("[fe80::1]:80"), 0), None);
+        assert_eq!(link_scope(a("[fe80::1%3]:80"), 5), None);
+        assert_eq!(link_scope(a("[fd00::1]:80"), 5), Some(a("[fd00::1]:80")));
+        assert_eq!(link_scope(a("127.0.0.1:80"), 5), Some(a("127.0.0.1:80")));
+    }
+
+    #[test]
+    fn a_link_local_address_keeps_its_scope_through_libc() {
+        let (ss, len) = to_raw(a("[fe80::1%7]:5000"));
+        // SAFETY: `ss` holds `len` bytes of a sockaddr.
+        let back = unsafe { from_raw((&ss as *const libc::sockaddr_storage).cast(), len) };
+        assert_eq!(back, Some(a("[fe80::1%7]:5000")));
+        let (ss, len) = to_raw(a("[fd00::1%7]:5000"));
+        // SAFETY: as above.
+        let back = unsafe { from_raw((&ss as *const libc::sockaddr_storage).cast(), len) };
+        assert_eq!(back, Some(a("[fd00::1]:5000")), "only a link-local keeps a scope");
+        let dual = Family::V6 { v6only: false };
+        assert_eq!(listen_addrs(dual, a("[fe80::1%7]:80")), [a("[fe80::1%7]:80")]);
     }
 }

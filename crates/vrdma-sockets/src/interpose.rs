@@ -415,15 +415,23 @@ fn register_listener(fd: c_int) {
     let Some(at) = addr::local_of(fd) else { return };
     // A dual-stack `::` listener owns both families' destinations (two
     // registrations); one that fails leaves that family's clients TCP. A
-    // link-local one owns none: no daemon context is opened for it.
+    // link-local one owns its address with its scope (its interface).
     let owned = addr::listen_addrs(family, at);
     if owned.is_empty() {
         return;
     }
     let Some(d) = dev() else { return };
+    // `[::]` owns this host's link-local destinations of its port too
+    // (the daemon learns that this library claims them), unless the
+    // socket is bound to a device: a plain listener of the same port may
+    // sit on another one, and its clients would wait for a claim that
+    // never comes. Its global ones are owned as before.
+    let link_local = at.is_ipv6() && at.ip().is_unspecified() && addr::bound_dev(fd, at) == 0;
     let mut addrs = Vec::new();
     for a in owned {
-        match d.ctx.sock_listen(a) {
+        let r =
+            if link_local && a.is_ipv6() { d.ctx.sock_listen_link_local(a) } else { d.ctx.sock_listen(a) };
+        match r {
             Ok(()) => {
                 debug(&format!("listening on {a}"));
                 addrs.push(a);
@@ -474,19 +482,28 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
     // Where the kernel sends it depends on the address `fd` is bound to
     // (an unspecified one when unbound).
     let bound = addr::local_of(fd)?;
-    let dst = addr::connect_target(to, bound);
+    // A link-local destination gets the scope the kernel gives it (from
+    // the socket's interface when it names none); one the kernel refuses
+    // (no scope at all, or another interface's than the socket's) is
+    // not announced, and the kernel's connect fails as it would.
+    let dst = addr::link_scope(addr::connect_target(to, bound), addr::bound_dev(fd, bound))?;
     // A connection the kernel would refuse (an IPv4 destination of a
     // v6only socket, the other family's address) is not announced; nor
-    // is one with a link-local address at either end (its interface is
-    // not in the registry's key). A bound socket's address is the
-    // client's, checked before any daemon is asked; an unbound one's is
-    // the kernel's pick, checked once known.
+    // is one with a link-local address without its scope at either end.
+    // A bound socket's address is the client's, checked before any daemon
+    // is asked; an unbound one's is the kernel's pick, checked once known.
     let family = addr::inet_stream(fd).filter(|f| f.reaches(dst))?;
     let known = if bound.ip().is_unspecified() { dst } else { bound };
     if !addr::carriable(known, dst) {
         return None;
     }
-    let local = addr::is_local(dst.ip());
+    let local = addr::is_local(dst);
+    // Another interface's or host's link-local address is nobody's (the
+    // daemon would answer no): no call.
+    if !local && vrdma::sockets::is_link_local(dst.ip()) {
+        debug(&format!("{dst} is not this host's link-local address: TCP"));
+        return None;
+    }
     let d = dev()?;
     if !d.ctx.sock_lookup(dst, local).ok()? {
         debug(&format!("no vRDMA listener of this tenant at {dst} (local: {local}): TCP"));
@@ -500,10 +517,13 @@ unsafe fn announce(fd: c_int, to: *const sockaddr, len: socklen_t) -> Option<Arc
         me = addr::local_of(fd)?;
     }
     if me.ip().is_unspecified() {
-        me.set_ip(addr::source_for(dst)?);
+        // With its port, and a link-local source's scope.
+        let mut src = addr::source_for(dst)?;
+        src.set_port(me.port());
+        me = src;
     }
     if !addr::carriable(me, dst) {
-        debug(&format!("{me} -> {dst} is not carried (link-local, or two families): TCP"));
+        debug(&format!("{me} -> {dst} is not carried (unscoped link-local, or two families): TCP"));
         return None;
     }
     let tuple = vrdma::sockets::Tuple { client: me, server: dst };
@@ -550,8 +570,8 @@ fn accepted(fd: c_int, c: c_int) -> c_int {
             return;
         }
         let (Some(me), Some(peer)) = (addr::local_of(c), addr::peer_of(c)) else { return };
-        // Link-local at either end: never announced, so never claimed
-        // (nor counted).
+        // Two families, or an unscoped link-local end: never announced,
+        // so never claimed (nor counted).
         if !addr::carriable(peer, me) {
             return;
         }

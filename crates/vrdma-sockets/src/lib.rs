@@ -100,10 +100,9 @@
 //!   socket past the rings; its peer reads the end); `SO_RCVBUF`/`SO_SNDBUF` do not size the ring;
 //!   `SHUT_RD` is the kernel's only. A client's first call on a connection blocks (even
 //!   non-blocking) until the server accepted and made its first call, and
-//!   a server's first call until the client made its first. IPv6
-//!   connections to other hosts (the daemons' links are IPv4) and to
-//!   link-local addresses (`fe80::/10`: the interface is not in the
-//!   registry's key) stay TCP.
+//!   a server's first call until the client made its first. Connections
+//!   to another host's link-local addresses (`fe80::/10`: scope ids are
+//!   per host; on one host the registry keys the scope) stay TCP.
 //!
 //! Environment: `VRDMA_SOCKET` names the daemon, `VRDMA_SOCKETS=0` turns
 //! the library off, `VRDMA_SOCKETS_DEBUG=1` prints each decision,

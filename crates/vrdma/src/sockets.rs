@@ -14,7 +14,12 @@ use crate::Context;
 
 impl Context {
     fn sock_call(&self, req: SockRequest) -> Result<SockReply> {
-        let req = Request::Sock(req);
+        // A link-local address's scope (its interface) is in the
+        // registry's key, and only `SockScoped` carries it.
+        let req = match req.scopes() {
+            [0, 0] => Request::Sock(req),
+            scopes => Request::SockScoped { scopes, req },
+        };
         match self.inner.control.call(&req, &[])?.reply {
             Reply::Sock(r) => Ok(r),
             other => Err(control::unexpected(&req, &other)),
@@ -32,6 +37,22 @@ impl Context {
     /// Registers a listening socket at `addr` for this context's tenant.
     pub fn sock_listen(&self, addr: impl Into<SocketAddr>) -> Result<()> {
         self.sock_done(SockRequest::Listen { addr: addr.into() })
+    }
+
+    /// Registers a listening socket at `addr` that also owns this host's
+    /// link-local destinations of its port when `addr` is `[::]`: this
+    /// library names their scopes and claims their connections, which it
+    /// tells the daemon by the call's kind (`Request::SockScoped`; a plain
+    /// `Sock` registration, as an older build's, owns none). A daemon
+    /// without `SockScoped` refuses it (`EINVAL`): the listener is then
+    /// registered plainly (such a daemon keys no link-local address).
+    pub fn sock_listen_link_local(&self, addr: impl Into<SocketAddr>) -> Result<()> {
+        let req = SockRequest::Listen { addr: addr.into() };
+        let scoped = Request::SockScoped { scopes: req.scopes(), req: req.clone() };
+        match self.inner.control.call(&scoped, &[]).map(|a| a.reply) {
+            Ok(Reply::Sock(SockReply::Done)) => Ok(()),
+            _ => self.sock_done(req),
+        }
     }
 
     /// The listening socket at `addr` closed.

@@ -253,6 +253,10 @@ impl Fake {
             Request::Stat => (Reply::Stat(Default::default()), vec![]),
             // The connection manager is tested against the real daemon.
             Request::Cm(_) => (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![]),
+            // A plain listener's registration is taken (as by a daemon
+            // older than `SockScoped`, which refuses that); the rest of
+            // the registry is the real daemon's.
+            Request::Sock(proto::SockRequest::Listen { .. }) => (Reply::Sock(proto::SockReply::Done), vec![]),
             // VMs, migration, the socket registry and regions of pieces are
             // tested against the real daemon (vrdma-it's vm.rs, migrate.rs,
             // sockets.rs and memory.rs).
@@ -263,7 +267,8 @@ impl Fake {
             | Request::GuestGrow { .. }
             | Request::Migrate(_)
             | Request::AdoptContext { .. }
-            | Request::Sock(_) => {
+            | Request::Sock(_)
+            | Request::SockScoped { .. } => {
                 (Reply::Error { errno: 95, message: "not in the fake daemon".into() }, vec![])
             }
             // The fake daemon has no direct path (as a daemon with it off).
@@ -424,6 +429,39 @@ fn hello_and_queries() {
     assert_eq!(ctx.query_gid(1, 0).unwrap().ipv4(), Some([10, 0, 0, 1]));
     let clone = ctx.clone();
     assert_eq!(clone.context_id(), 7);
+}
+
+/// A daemon that refuses `SockScoped` (one older than it): a `[::]`
+/// listener is registered plainly (owning no link-local destination), a
+/// link-local one stays unregistered, and a link-local lookup fails at
+/// once, which the preload library takes as plain TCP (no announcement,
+/// so no wait for a claim).
+#[test]
+fn a_daemon_refusing_sock_scoped_leaves_link_local_plain() {
+    use vrdma_core::proto::SockRequest;
+    let (fake, ctx) = Fake::start();
+    let any: std::net::SocketAddr = "[::]:5000".parse().unwrap();
+    ctx.sock_listen_link_local(any).unwrap();
+    let ll: std::net::SocketAddr = "[fe80::1%3]:5000".parse().unwrap();
+    assert!(ctx.sock_listen(ll).is_err(), "a link-local listener stays unregistered");
+    assert!(ctx.sock_lookup(ll, true).is_err(), "a link-local lookup is refused");
+    let sock: Vec<Request> = fake
+        .requests()
+        .into_iter()
+        .filter(|r| matches!(r, Request::Sock(_) | Request::SockScoped { .. }))
+        .collect();
+    let listen = SockRequest::Listen { addr: any };
+    // The request's encoding drops the scope: it travels in `scopes`.
+    let ll: std::net::SocketAddr = "[fe80::1]:5000".parse().unwrap();
+    assert_eq!(
+        sock,
+        [
+            Request::SockScoped { scopes: [0, 0], req: listen.clone() },
+            Request::Sock(listen),
+            Request::SockScoped { scopes: [0, 3], req: SockRequest::Listen { addr: ll } },
+            Request::SockScoped { scopes: [0, 3], req: SockRequest::Lookup { dst: ll, local: true } },
+        ]
+    );
 }
 
 #[test]

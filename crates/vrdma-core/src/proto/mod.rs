@@ -44,7 +44,8 @@ use crate::verbs::{AccessFlags, AhAttr, DeviceAttr, Gid, PortAttr, QpAttr, QpAtt
 /// `CmRequest::Batch`, answered `Reply::Batch`, several calls in one
 /// round trip; `Request::GuestGrow`, a guest's memory extent grown in
 /// place; `Request::RegMrPieces`, a region of several pieces;
-/// `SockRequest`'s addresses and `Tuple`'s ends are IPv4 or IPv6.
+/// `SockRequest`'s addresses and `Tuple`'s ends are IPv4 or IPv6;
+/// `Request::SockScoped`, a socket call with link-local scopes.
 /// Version 7 is unreleased: a library and a daemon of different builds
 /// within it may disagree on these encodings; they then refuse the call
 /// or answer plain TCP, and never corrupt a stream.)
@@ -235,6 +236,23 @@ pub enum Request {
         len: u64,
         access: AccessFlags,
         pieces: Vec<MrPiece>,
+    },
+    /// [`Request::Sock`] whose link-local addresses carry their scope ids
+    /// (`docs/sockets.md`, "Link-local"), which `SockRequest`'s encoding
+    /// drops (postcard writes an IPv6 socket address as its address and
+    /// port): `scopes` are the client's and the server's (a listening
+    /// address or a looked-up destination is the server's), set on the
+    /// request's link-local addresses by the daemon; a non-link-local
+    /// address takes no scope. A `Listen` of `[::]` sent this way (scopes
+    /// 0) says its library claims link-local connections: that listener
+    /// owns this host's link-local destinations of its port (as a plain
+    /// `Sock` one does not). Appended, so that every other request
+    /// keeps its encoding: a daemon without it refuses the call
+    /// (`EINVAL`), and the library then leaves the connection plain TCP
+    /// (and registers a `[::]` listener again as a plain `Sock`).
+    SockScoped {
+        scopes: [u32; 2],
+        req: SockRequest,
     },
 }
 
@@ -746,6 +764,36 @@ mod tests {
         }
         let a = Reply::Sock(SockReply::Outcome(crate::sockets::Outcome::Carried));
         assert_eq!(encode_reply(&a)[0], 25);
+        // Link-local scopes: a request of their own, appended last.
+        let scoped = crate::sockets::Tuple {
+            client: "[fe80::1%3]:40000".parse().unwrap(),
+            server: "[fe80::1%3]:5000".parse().unwrap(),
+        };
+        let claim = SockRequest::Claim { tuple: scoped };
+        let r = Request::SockScoped { scopes: claim.scopes(), req: claim.clone() };
+        assert_eq!(r, Request::SockScoped { scopes: [3, 3], req: claim.clone() });
+        let bytes = encode_request(&r);
+        assert_eq!(bytes[0], 37, "after RegMrPieces' 36");
+        // The whole example: the tag, the scopes (varints), then the plain
+        // `SockRequest` (Claim's 4; each end: V6's 1, its 16 bytes, its
+        // port as a varint).
+        let fe80_1 = [254, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1];
+        let mut want = vec![37, 3, 3, 4, 1];
+        want.extend(fe80_1);
+        want.extend([192, 184, 2, 1]);
+        want.extend(fe80_1);
+        want.extend([136, 39]);
+        assert_eq!(bytes, want);
+        // A `[::]` listener of a library that names scopes (it owns
+        // link-local destinations): scopes 0, Listen's 0, V6's 1.
+        let any = SockRequest::Listen { addr: "[::]:5000".parse().unwrap() };
+        let mut want = vec![37, 0, 0, 0, 1];
+        want.extend([0; 16]);
+        want.extend([136, 39]);
+        assert_eq!(encode_request(&Request::SockScoped { scopes: [0, 0], req: any }), want);
+        let Request::SockScoped { scopes, req } = decode_request(&bytes).unwrap() else { panic!() };
+        assert_ne!(req, claim, "the plain encoding drops the scopes");
+        assert_eq!(req.with_scopes(scopes), claim);
         assert_eq!(decode_reply(&encode_reply(&a)).unwrap(), a);
     }
 

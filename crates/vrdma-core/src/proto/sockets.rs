@@ -1,12 +1,14 @@
 //! The socket registry's requests and replies on the control socket (the
 //! preload library's negotiation, `docs/sockets.md`). Addresses are IPv4
-//! or IPv6 (`std::net::SocketAddr`, since protocol version 7).
+//! or IPv6 (`std::net::SocketAddr`, since protocol version 7). Their
+//! encoding drops an IPv6 address's scope id: a request with a link-local
+//! address travels as `Request::SockScoped`, which carries the scopes.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use serde::{Deserialize, Serialize};
 
-use crate::sockets::{Outcome, SockCounts, Tuple};
+use crate::sockets::{is_link_local, key, Outcome, SockCounts, Tuple};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum SockRequest {
@@ -39,6 +41,57 @@ pub enum SockRequest {
     /// call, whose child makes it); answered `Yes` (it may resolve it
     /// now) or `No` (gone, or another host's daemon holds it).
     Adopt { tuple: Tuple },
+}
+
+impl SockRequest {
+    /// The scope ids of this request's client and server addresses (a
+    /// listening address or a looked-up destination is the server's), as
+    /// [`crate::sockets::key`] keeps them: 0 but for a link-local address.
+    /// Both 0: the request needs no [`super::Request::SockScoped`].
+    pub fn scopes(&self) -> [u32; 2] {
+        let scope = |a: &SocketAddr| match key(*a) {
+            SocketAddr::V6(v6) => v6.scope_id(),
+            SocketAddr::V4(_) => 0,
+        };
+        match self {
+            SockRequest::Listen { addr }
+            | SockRequest::Unlisten { addr }
+            | SockRequest::Lookup { dst: addr, .. } => [0, scope(addr)],
+            SockRequest::Announce { tuple, .. }
+            | SockRequest::Claim { tuple }
+            | SockRequest::Resolve { tuple, .. }
+            | SockRequest::Decline { tuple }
+            | SockRequest::Adopt { tuple } => [scope(&tuple.client), scope(&tuple.server)],
+            SockRequest::Counts => [0, 0],
+        }
+    }
+
+    /// This request with `scopes` (as [`Self::scopes`] reads them) set on
+    /// its link-local addresses; another address keeps none.
+    pub fn with_scopes(mut self, scopes: [u32; 2]) -> SockRequest {
+        let set = |a: &mut SocketAddr, scope: u32| {
+            if let SocketAddr::V6(v6) = a {
+                if is_link_local(IpAddr::V6(*v6.ip())) {
+                    v6.set_scope_id(scope);
+                }
+            }
+        };
+        match &mut self {
+            SockRequest::Listen { addr }
+            | SockRequest::Unlisten { addr }
+            | SockRequest::Lookup { dst: addr, .. } => set(addr, scopes[1]),
+            SockRequest::Announce { tuple, .. }
+            | SockRequest::Claim { tuple }
+            | SockRequest::Resolve { tuple, .. }
+            | SockRequest::Decline { tuple }
+            | SockRequest::Adopt { tuple } => {
+                set(&mut tuple.client, scopes[0]);
+                set(&mut tuple.server, scopes[1]);
+            }
+            SockRequest::Counts => {}
+        }
+        self
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -33,9 +33,18 @@
 //! IPv4 one, flow label and scope id are dropped). A listener on an
 //! unspecified address owns that family's local destinations only, as
 //! the kernel's: `0.0.0.0` the IPv4 ones, `[::]` the IPv6 ones; a
-//! dual-stack `::` socket registers both. Link-local IPv6 destinations
-//! (`fe80::/10`) are owned by no listener: their scope (which interface)
-//! is not in the key, so two connections could share it.
+//! dual-stack `::` socket registers both. A link-local IPv6 address
+//! (`fe80::/10`) names an address only with its interface, so its key
+//! keeps its scope id (the interface's index, as both ends of a
+//! connection on one host name it: `fe80::1%2` and `fe80::1%3` are two
+//! keys); one without a scope names nothing and is owned by no listener,
+//! and a link-local destination is owned only when the client found it
+//! its own host's (`local`): scope ids are per host, so another host's
+//! link-local address is never this registry's. An unspecified IPv6
+//! listener owns link-local destinations only when its library said it
+//! names scopes (`listen`'s `link_local`, a registration through
+//! `Request::SockScoped`): a library of an older build never claims a
+//! link-local connection, and its client would wait for that claim.
 
 pub mod peer;
 #[cfg(test)]
@@ -75,24 +84,49 @@ impl Tuple {
 
 /// `a` as the registry keys it: a v4-mapped IPv6 address (a dual-stack
 /// socket's IPv4 connection) is its IPv4 address, and an IPv6 one has no
-/// flow label and no scope id (neither names the address).
+/// flow label (it does not name the address) and no scope id, except a
+/// link-local one, which keeps its scope (its interface: the kernel names
+/// a link-local end with it, and the same on both ends of a connection on
+/// one host, while it gives every other address scope 0).
 pub fn key(a: SocketAddr) -> SocketAddr {
     match a {
         SocketAddr::V4(_) => a,
         SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
             Some(v4) => SocketAddr::new(IpAddr::V4(v4), v6.port()),
-            None => SocketAddr::V6(SocketAddrV6::new(*v6.ip(), v6.port(), 0, 0)),
+            None => {
+                let scope = if is_link_local(IpAddr::V6(*v6.ip())) { v6.scope_id() } else { 0 };
+                SocketAddr::V6(SocketAddrV6::new(*v6.ip(), v6.port(), 0, scope))
+            }
         },
     }
 }
 
 /// Whether `ip` is a link-local IPv6 address (`fe80::/10`): one that
-/// names an address only with its interface, which no key holds.
+/// names an address only with its interface (its scope id).
 pub fn is_link_local(ip: IpAddr) -> bool {
     match ip {
         IpAddr::V6(v6) => v6.segments()[0] & 0xffc0 == 0xfe80,
         IpAddr::V4(_) => false,
     }
+}
+
+/// A link-local address without its scope id (as [`key`] names `a`):
+/// one that names no interface, which the kernel refuses to connect to
+/// and no key of a connection holds.
+pub fn is_unscoped(a: SocketAddr) -> bool {
+    matches!(a, SocketAddr::V6(v6) if is_link_local(IpAddr::V6(*v6.ip())) && v6.scope_id() == 0)
+}
+
+/// Whether `t`'s ends are either both link-local on one interface (one
+/// scope) or neither link-local: the kernel makes no other connection (a
+/// link-local address reaches its own link only), and a library never
+/// claims another.
+fn one_link(t: Tuple) -> bool {
+    let scope = |a: SocketAddr| match a {
+        SocketAddr::V6(v6) if is_link_local(a.ip()) => Some(v6.scope_id()),
+        _ => None,
+    };
+    scope(t.client) == scope(t.server)
 }
 
 /// The unspecified address of `ip`'s family.
@@ -181,6 +215,9 @@ pub struct Registry {
     /// (tenant, address) → the contexts listening there (a listener may be
     /// shared by processes, after fork).
     listeners: HashMap<(TenantId, SocketAddr), Vec<ContextId>>,
+    /// The unspecified IPv6 listeners (`[::]:port`) that own link-local
+    /// destinations too: their library names scopes ([`Self::listen`]).
+    link_owners: HashMap<(TenantId, SocketAddr), Vec<ContextId>>,
     announced: HashMap<(TenantId, Tuple), Entry>,
     counts: HashMap<TenantId, SockCounts>,
 }
@@ -196,8 +233,23 @@ impl Registry {
 
     /// `ctx` of `tenant` listens on `addr` (its unspecified address means
     /// every local one of its family: a dual-stack `::` socket registers
-    /// `0.0.0.0` and `[::]`).
+    /// `0.0.0.0` and `[::]`), owning no link-local destination through an
+    /// unspecified address ([`Self::listen_with`]).
     pub fn listen(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddr) -> Result<(), SockError> {
+        self.listen_with(ctx, tenant, addr, false)
+    }
+
+    /// [`Self::listen`]; with `link_local`, an unspecified IPv6
+    /// `addr` owns this host's link-local destinations of its port too:
+    /// the listener's library names scopes and claims such connections
+    /// (one of an older build refuses them, and must not own them).
+    pub fn listen_with(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        addr: SocketAddr,
+        link_local: bool,
+    ) -> Result<(), SockError> {
         if addr.port() == 0 {
             return Err(SockError::PortZero);
         }
@@ -212,12 +264,24 @@ impl Registry {
         if !owners.contains(&ctx) {
             owners.push(ctx);
         }
+        if link_local && key.1.ip() == IpAddr::V6(Ipv6Addr::UNSPECIFIED) {
+            let owners = self.link_owners.entry(key).or_default();
+            if !owners.contains(&ctx) {
+                owners.push(ctx);
+            }
+        }
         Ok(())
     }
 
     /// `ctx` no longer listens on `addr`; unknown ones are ignored.
     pub fn unlisten(&mut self, ctx: ContextId, tenant: TenantId, addr: SocketAddr) {
         let key = (tenant, key(addr));
+        if let Some(owners) = self.link_owners.get_mut(&key) {
+            owners.retain(|&c| c != ctx);
+            if owners.is_empty() {
+                self.link_owners.remove(&key);
+            }
+        }
         if let Some(owners) = self.listeners.get_mut(&key) {
             owners.retain(|&c| c != ctx);
             if owners.is_empty() {
@@ -231,21 +295,25 @@ impl Registry {
     /// Whether a listener of `tenant` owns `dst`: one on that exact
     /// address, or on its port at the unspecified address of its family
     /// when the caller says `dst` is an address of its own host (`local`).
-    /// A link-local IPv6 destination is nobody's.
+    /// A link-local IPv6 destination is owned only with its scope and
+    /// when `local` (another host's link-local address is never ours), by
+    /// a listener on it or an unspecified one that names scopes.
     pub fn lookup(&self, tenant: TenantId, dst: SocketAddr, local: bool) -> bool {
         let dst = key(dst);
-        if dst.port() == 0 || is_link_local(dst.ip()) {
+        let link = is_link_local(dst.ip());
+        if dst.port() == 0 || is_unscoped(dst) || (link && !local) {
             return false;
         }
-        let any = SocketAddr::new(unspecified_like(dst.ip()), dst.port());
-        self.listeners.contains_key(&(tenant, dst)) || (local && self.listeners.contains_key(&(tenant, any)))
+        let any = (tenant, SocketAddr::new(unspecified_like(dst.ip()), dst.port()));
+        let anys = if link { &self.link_owners } else { &self.listeners };
+        self.listeners.contains_key(&(tenant, dst)) || (local && anys.contains_key(&any))
     }
 
     /// `ctx` of `tenant` will connect from `tuple.client` to
     /// `tuple.server`. True when a listener owns the destination and the
     /// announcement is recorded (pending); false means plain TCP, as for
-    /// a tuple whose ends are of two families or whose client is
-    /// link-local.
+    /// a tuple whose ends are of two families or whose link-local client
+    /// has no scope.
     pub fn announce(
         &mut self,
         owner: impl Into<Owner>,
@@ -257,10 +325,18 @@ impl Registry {
         self.expire(now);
         let tuple = tuple.key();
         // Two families (after `key`) name no connection the kernel
-        // makes; a link-local client is as unkeyable as a link-local
-        // server (`lookup` refuses that one).
+        // makes; a link-local client without its scope is as unkeyable
+        // as such a server (`lookup` refuses that one). Another host's
+        // daemon's announcement has no scope (the wire carries none):
+        // link-local stays on its host.
         let mixed = tuple.client.is_ipv4() != tuple.server.is_ipv4();
-        if tuple.client.port() == 0 || mixed || is_link_local(tuple.client.ip()) {
+        if tuple.client.port() == 0 || mixed || is_unscoped(tuple.client) || !one_link(tuple) {
+            return false;
+        }
+        let owner = owner.into();
+        if matches!(owner, Owner::Remote { .. })
+            && (is_link_local(tuple.client.ip()) || is_link_local(tuple.server.ip()))
+        {
             return false;
         }
         if !self.lookup(tenant, tuple.server, local) {
@@ -273,7 +349,7 @@ impl Registry {
         if !self.announced.contains_key(&key) && held >= MAX_ANNOUNCED {
             return false;
         }
-        self.announced.insert(key, Entry { owner: owner.into(), state: State::Pending { since: now } });
+        self.announced.insert(key, Entry { owner, state: State::Pending { since: now } });
         self.counts(tenant).announced += 1;
         true
     }

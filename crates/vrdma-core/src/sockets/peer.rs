@@ -29,7 +29,7 @@ use std::net::{Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
 
 use serde::{Deserialize, Serialize};
 
-use super::{Outcome, Tuple};
+use super::{is_link_local, Outcome, Tuple};
 
 /// A connection of two IPv4 ends, as the daemons' exchange names it (the
 /// same fields, so the same encoding, as the registry's tuple had before
@@ -59,7 +59,9 @@ impl From<PeerTuple> for Tuple {
 
 /// A connection of two IPv6 ends (neither v4-mapped), as the daemons'
 /// exchange names it from wire version 4 on: each end its 16 bytes and
-/// its port (no flow label, no scope id: the registry's keys have none).
+/// its port (no flow label and no scope id: a scope names an interface
+/// of one host, and only a link-local address's key has one, which never
+/// leaves its host: [`PeerTuple6::of`] takes no link-local end).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct PeerTuple6 {
     pub client: SocketAddrV6,
@@ -68,9 +70,13 @@ pub struct PeerTuple6 {
 
 impl PeerTuple6 {
     /// `t` when both its ends are IPv6 and not v4-mapped (those are
-    /// IPv4, a [`PeerTuple`]).
+    /// IPv4, a [`PeerTuple`]) and neither is link-local (its scope is
+    /// this host's: such a connection is never asked of another).
     pub fn of(t: Tuple) -> Option<PeerTuple6> {
         let t = t.key();
+        if is_link_local(t.client.ip()) || is_link_local(t.server.ip()) {
+            return None;
+        }
         match (t.client, t.server) {
             (SocketAddr::V6(client), SocketAddr::V6(server)) => Some(PeerTuple6 { client, server }),
             _ => None,
@@ -104,6 +110,9 @@ pub enum Query {
 impl Query {
     /// The lookup of `dst`, of its family's kind.
     pub fn lookup(dst: SocketAddr) -> Query {
+        // Another host's link-local address is nobody's: its daemon's
+        // caller answers it, never asks (`docs/sockets.md`).
+        debug_assert!(!is_link_local(dst.ip()), "a link-local destination asked of another host");
         match crate::sockets::key(dst) {
             SocketAddr::V4(dst) => Query::Lookup { dst },
             SocketAddr::V6(dst) => Query::Lookup6 { dst },

@@ -272,10 +272,85 @@ fn an_ipv6_destination_is_owned_by_its_exact_address_or_by_a_local_unspecified_o
         "not local: the unspecified address does not own it"
     );
     assert!(!r.lookup(B, addr("[::1]:5000"), true));
-    // Link-local destinations are nobody's: the key holds no interface.
+    // A link-local destination without its scope is nobody's (it names
+    // no interface); with one, `[::]` owns it when it is this host's and
+    // its library names scopes (an older build's `[::]` owns none: it
+    // never claims such a connection, and its client would wait).
+    assert!(!r.lookup(A, addr("[fe80::1%3]:5000"), true), "an older library's listener");
+    r.listen_with(SRV, A, addr("[::]:5000"), true).unwrap();
     assert!(!r.lookup(A, addr("[fe80::1]:5000"), true));
+    assert!(r.lookup(A, addr("[fe80::1%3]:5000"), true));
+    assert!(!r.lookup(A, addr("[fe80::1%3]:5000"), false), "not this host's");
+    r.unlisten(SRV, A, addr("[::]:5000"));
+    r.listen(SRV, A, addr("[::]:5000")).unwrap();
+    assert!(!r.lookup(A, addr("[fe80::1%3]:5000"), true), "unlisten forgot it names scopes");
+    assert!(r.lookup(A, addr("[fd00::9]:5000"), true));
     r.listen(SRV, A, addr("[fe80::1]:7000")).unwrap();
     assert!(!r.lookup(A, addr("[fe80::1]:7000"), true));
+}
+
+/// A link-local address is keyed with its scope: the same address on two
+/// interfaces is two keys, each owned by its own listener, and a
+/// connection of one is never claimed as the other's. Another host's
+/// link-local address (not `local`) is owned by none, even by a listener
+/// of that very key, and another host's daemon cannot announce one.
+#[test]
+fn link_local_addresses_are_keyed_with_their_scope() {
+    assert_eq!(key(addr("[fe80::1%3]:80")), addr("[fe80::1%3]:80"));
+    assert_eq!(key(addr("[fd00::1%3]:80")), addr("[fd00::1]:80"), "a scope names only a link-local");
+    let mut r = Registry::new();
+    r.listen(SRV, A, addr("[fe80::1%3]:7000")).unwrap();
+    assert!(r.lookup(A, addr("[fe80::1%3]:7000"), true));
+    assert!(!r.lookup(A, addr("[fe80::1%4]:7000"), true), "the other interface's");
+    assert!(!r.lookup(A, addr("[fe80::1%3]:7000"), false), "not local");
+    assert!(!r.lookup(B, addr("[fe80::1%3]:7000"), true), "another tenant's");
+    let on = |scope: u32, port: u16| Tuple {
+        client: addr(&format!("[fe80::1%{scope}]:{port}")),
+        server: addr(&format!("[fe80::1%{scope}]:7000")),
+    };
+    assert!(r.announce(CLI, A, on(3, 40000), true, t(0)));
+    assert!(!r.announce(CLI, A, on(4, 40001), true, t(0)), "nobody listens on the other");
+    r.listen(SRV, A, addr("[fe80::1%4]:7000")).unwrap();
+    assert!(r.announce(CLI, A, on(4, 40000), true, t(0)));
+    // Each claim matches its own interface's announcement only.
+    assert!(r.claim(A, on(4, 40000), t(0)));
+    assert_eq!(r.resolve(CLI, A, on(3, 40000), false, t(0)), Outcome::Pending);
+    assert!(r.claim(A, on(3, 40000), t(0)));
+    assert!(!r.claim(A, on(3, 40000), t(0)), "claimed once");
+    // Unscoped ends, or another host's daemon's link-local tuple: no.
+    let unscoped = Tuple { client: addr("[fe80::1]:40002"), server: addr("[fe80::1%3]:7000") };
+    assert!(!r.announce(CLI, A, unscoped, true, t(0)));
+    let remote = Owner::Remote { host: Ipv4Addr::new(10, 0, 0, 2), link: 1, ctx: 7 };
+    r.listen_with(SRV, A, addr("[::]:7000"), true).unwrap();
+    assert!(!r.announce(remote, A, on(3, 40003), true, t(0)));
+    assert!(!r.announce(
+        remote,
+        A,
+        Tuple { client: addr("[fe80::9%3]:1"), server: addr("[::1]:7000") },
+        true,
+        t(0)
+    ));
+}
+
+/// A tuple the kernel never makes is not announced: a link-local end
+/// reaches its own link only, so both ends are link-local on one
+/// interface, or neither is.
+#[test]
+fn link_local_ends_on_two_links_or_with_a_global_end_are_refused() {
+    let mut r = Registry::new();
+    r.listen_with(SRV, A, addr("[::]:7000"), true).unwrap();
+    r.listen(SRV, A, addr("[fe80::1%4]:7000")).unwrap();
+    for (client, server) in [
+        ("[fe80::1%3]:40000", "[fe80::1%4]:7000"),
+        ("[fe80::1%3]:40000", "[fd00::1]:7000"),
+        ("[fd00::1]:40000", "[fe80::1%3]:7000"),
+    ] {
+        let tuple = Tuple { client: addr(client), server: addr(server) };
+        assert!(!r.announce(CLI, A, tuple, true, t(0)), "{client} -> {server}");
+    }
+    let tuple = Tuple { client: addr("[fe80::1%4]:40000"), server: addr("[fe80::1%4]:7000") };
+    assert!(r.announce(CLI, A, tuple, true, t(0)));
+    assert_eq!(r.stats(A).announced, 1);
 }
 
 /// The kernel's listeners: `[::]` with IPV6_V6ONLY owns IPv6 only, a v4
@@ -339,7 +414,7 @@ fn an_ipv6_tuple_is_announced_claimed_and_resolved() {
 
 /// A tuple whose ends are of two families once keyed names no connection
 /// the kernel makes (a library of another build could still send one),
-/// nor does one with a link-local client: both are refused, and counted
+/// nor does one with an unscoped link-local client: both are refused, and counted
 /// nowhere.
 #[test]
 fn a_tuple_of_two_families_or_a_link_local_client_is_not_announced() {
@@ -351,6 +426,7 @@ fn a_tuple_of_two_families_or_a_link_local_client_is_not_announced() {
         Tuple { client: addr("[::1]:40000"), server: addr("127.0.0.1:5000") },
         Tuple { client: addr("[::1]:40000"), server: addr("[::ffff:127.0.0.1]:5000") },
         Tuple { client: addr("[fe80::1]:40000"), server: addr("[::1]:5000") },
+        Tuple { client: addr("[fe80::1]:40000"), server: addr("[fe80::1]:5000") },
     ];
     for tuple in mixed {
         assert!(!r.announce(CLI, A, tuple, true, t(0)), "{tuple:?}");

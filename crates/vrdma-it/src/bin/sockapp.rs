@@ -257,7 +257,11 @@
 //! else on 127.0.0.1. `SOCKAPP_V6ONLY=1`: `server`'s socket (IPv6) sets
 //! `IPV6_V6ONLY` before it binds. `SOCKAPP_CLIENT_BIND`: `client` binds
 //! its socket to that address (port 0) before it connects to the literal
-//! address `SOCKAPP_HOST`.
+//! address `SOCKAPP_HOST` (either may be a link-local one with its scope,
+//! `fe80::1%3`; elsewhere the resolver reads such a name too).
+//! `SOCKAPP_DEVICE`: `server`'s socket (IPv6, dual-stack) and a bound
+//! `client`'s are bound to that interface (`SO_BINDTODEVICE`) before
+//! they bind.
 
 use std::io::{IoSlice, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -274,6 +278,8 @@ fn ip_from(var: &str) -> String {
 fn server(port: u16) -> Result<(), String> {
     let l = if std::env::var("SOCKAPP_V6ONLY").is_ok_and(|v| v == "1") {
         v6only_listener(&ip_from("SOCKAPP_BIND"), port)?
+    } else if std::env::var("SOCKAPP_DEVICE").is_ok() {
+        listener6(&ip_from("SOCKAPP_BIND"), port, false)?
     } else {
         TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?
     };
@@ -284,6 +290,31 @@ fn server(port: u16) -> Result<(), String> {
 
 /// A listener on IPv6 address `ip` with `IPV6_V6ONLY` set.
 fn v6only_listener(ip: &str, port: u16) -> Result<TcpListener, String> {
+    listener6(ip, port, true)
+}
+
+/// Binds `fd` to the interface `SOCKAPP_DEVICE` names, if it names one.
+fn bind_to_device(fd: libc::c_int) -> Result<(), String> {
+    let Ok(dev) = std::env::var("SOCKAPP_DEVICE") else { return Ok(()) };
+    // SAFETY: `dev` is valid for its length in bytes.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_BINDTODEVICE,
+            dev.as_ptr().cast(),
+            dev.len() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        return Err(format!("SO_BINDTODEVICE {dev}: {}", std::io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// A listener on IPv6 address `ip`, `v6only` or dual-stack, on
+/// `SOCKAPP_DEVICE`'s interface if it names one.
+fn listener6(ip: &str, port: u16, v6only: bool) -> Result<TcpListener, String> {
     use std::os::fd::FromRawFd;
     let ip: std::net::Ipv6Addr = ip.parse().map_err(|e| format!("{ip}: {e}"))?;
     let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
@@ -294,14 +325,17 @@ fn v6only_listener(ip: &str, port: u16) -> Result<TcpListener, String> {
     }
     // SAFETY: the descriptor was just made and is ours alone.
     let l = unsafe { TcpListener::from_raw_fd(fd) };
-    let on: libc::c_int = 1;
     let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    for opt in [(libc::IPPROTO_IPV6, libc::IPV6_V6ONLY), (libc::SOL_SOCKET, libc::SO_REUSEADDR)] {
+    for (opt, on) in [
+        ((libc::IPPROTO_IPV6, libc::IPV6_V6ONLY), v6only as libc::c_int),
+        ((libc::SOL_SOCKET, libc::SO_REUSEADDR), 1),
+    ] {
         // SAFETY: `on` is valid for `len` bytes.
         if unsafe { libc::setsockopt(fd, opt.0, opt.1, (&on as *const libc::c_int).cast(), len) } != 0 {
             return Err(err("setsockopt"));
         }
     }
+    bind_to_device(fd)?;
     // SAFETY: sockaddr_in6 is plain data; all zeroes is valid.
     let mut sin6: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
     sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
@@ -1583,7 +1617,17 @@ fn badbuf(port: u16) -> Result<(), String> {
 fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> {
     use std::net::{IpAddr, SocketAddr};
     use std::os::fd::FromRawFd;
-    let parse = |a: &str| a.parse::<IpAddr>().map_err(|e| format!("{a}: {e}"));
+    // An address, or an IPv6 one with its scope id (`fe80::1%3`).
+    let parse_at = |a: &str, port: u16| -> Result<SocketAddr, String> {
+        match a.split_once('%') {
+            Some((ip, scope)) => {
+                let ip = ip.parse::<std::net::Ipv6Addr>().map_err(|e| format!("{a}: {e}"))?;
+                let scope = scope.parse::<u32>().map_err(|e| format!("{a}: {e}"))?;
+                Ok(std::net::SocketAddrV6::new(ip, port, 0, scope).into())
+            }
+            None => Ok(SocketAddr::new(a.parse::<IpAddr>().map_err(|e| format!("{a}: {e}"))?, port)),
+        }
+    };
     let raw = |a: SocketAddr| -> (libc::sockaddr_storage, libc::socklen_t) {
         // SAFETY: sockaddr_storage is plain data; all zeroes is valid.
         let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
@@ -1604,6 +1648,7 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
                 sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
                 sin6.sin6_port = v6.port().to_be();
                 sin6.sin6_addr.s6_addr = v6.ip().octets();
+                sin6.sin6_scope_id = v6.scope_id();
                 // SAFETY: as above, for a sockaddr_in6.
                 unsafe { std::ptr::write((&mut ss as *mut libc::sockaddr_storage).cast(), sin6) };
                 std::mem::size_of::<libc::sockaddr_in6>()
@@ -1611,8 +1656,8 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
         };
         (ss, len as libc::socklen_t)
     };
-    let src = SocketAddr::new(parse(from)?, 0);
-    let dst = SocketAddr::new(parse(host)?, port);
+    let src = parse_at(from, 0)?;
+    let dst = parse_at(host, port)?;
     let err = |what: &str| format!("{what}: {}", std::io::Error::last_os_error());
     let domain = if src.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
     // SAFETY: socket(2) with constant arguments.
@@ -1622,6 +1667,7 @@ fn connect_from(from: &str, host: &str, port: u16) -> Result<TcpStream, String> 
     }
     // SAFETY: the descriptor was just made and is ours alone.
     let s = unsafe { TcpStream::from_raw_fd(fd) };
+    bind_to_device(fd)?;
     let (ss, len) = raw(src);
     // SAFETY: `ss` holds a valid sockaddr of `len` bytes.
     if unsafe { libc::bind(fd, (&ss as *const libc::sockaddr_storage).cast(), len) } != 0 {

@@ -217,17 +217,33 @@ impl RemoteSockets {
 }
 
 impl EngineState {
-    /// A socket registry call of `ctx`'s.
+    /// A socket registry call of `ctx`'s, from a library that names no
+    /// scopes ([`Self::handle_sock_as`]).
     pub fn handle_sock(
         &mut self,
         ctx: ContextId,
         tenant: TenantId,
         req: SockRequest,
     ) -> Result<SockCall, SockError> {
+        self.handle_sock_as(ctx, tenant, req, false)
+    }
+
+    /// A socket registry call of `ctx`'s; `scoped`: it came as
+    /// `Request::SockScoped`, from a library that names link-local scopes
+    /// and claims link-local connections, so that its `[::]` listener
+    /// owns this host's link-local destinations of its port (one of an
+    /// older build never claims them: its client would wait for nothing).
+    pub fn handle_sock_as(
+        &mut self,
+        ctx: ContextId,
+        tenant: TenantId,
+        req: SockRequest,
+        scoped: bool,
+    ) -> Result<SockCall, SockError> {
         let now = self.now();
         let reply = match req {
             SockRequest::Listen { addr } => {
-                self.sockets.listen(ctx, tenant, addr)?;
+                self.sockets.listen_with(ctx, tenant, addr, scoped)?;
                 // A listener of IPv6: its host's addresses are read (and
                 // told, where they changed) now, not at the next scan.
                 if addr.is_ipv6() {
@@ -246,6 +262,8 @@ impl EngineState {
             },
             SockRequest::Announce { tuple, local } => match self.elsewhere(tuple.server.ip(), local) {
                 Where::Here => SockReply::from_bool(self.sockets.announce(ctx, tenant, tuple, local, now)),
+                // A link-local end (its scope is this host's) is never
+                // sent to another host: `Query::announce` has none.
                 Where::Host(host) => match Query::announce(tuple) {
                     Some(q) => {
                         // The owner takes an IPv6 client address only if
@@ -973,6 +991,45 @@ mod tests {
         a.parse().unwrap()
     }
 
+    /// A link-local destination is answered here, never asked of another
+    /// host: owned with its scope when the client found it its host's,
+    /// and nobody's otherwise (another host's link-local address, or one
+    /// without a scope).
+    #[test]
+    fn a_link_local_destination_is_this_hosts_with_its_scope_or_plain_tcp() {
+        let (mut s, _theirs, ctx) = state(4);
+        let now = |r: SockCall| match r {
+            SockCall::Now(r) => r,
+            SockCall::Wait { query, .. } => panic!("asked another host: {query:?}"),
+        };
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[fe80::1%3]:5000") }).unwrap();
+        let lookup = |dst: &str, local| SockRequest::Lookup { dst: v6(dst), local };
+        for (dst, local, yes) in [
+            ("[fe80::1%3]:5000", true, true),
+            ("[fe80::1%4]:5000", true, false),
+            ("[fe80::1]:5000", true, false),
+            ("[fe80::1%3]:5000", false, false),
+            ("[fe80::2%3]:5000", false, false),
+        ] {
+            let r = now(s.handle_sock(ctx, US, lookup(dst, local)).unwrap());
+            assert_eq!(r, SockReply::from_bool(yes), "{dst} local {local}");
+        }
+        let tuple =
+            vrdma_core::sockets::Tuple { client: v6("[fe80::1%3]:40000"), server: v6("[fe80::1%3]:5000") };
+        let r = s.handle_sock(ctx, US, SockRequest::Announce { tuple, local: true }).unwrap();
+        assert_eq!(now(r), SockReply::Yes);
+        // A `[::]` listener owns link-local destinations only when it was
+        // registered by a library that names scopes (`SockScoped`).
+        s.handle_sock(ctx, US, SockRequest::Listen { addr: v6("[::]:6000") }).unwrap();
+        assert_eq!(now(s.handle_sock(ctx, US, lookup("[fe80::1%3]:6000", true)).unwrap()), SockReply::No);
+        s.handle_sock_as(ctx, US, SockRequest::Listen { addr: v6("[::]:6000") }, true).unwrap();
+        assert_eq!(now(s.handle_sock(ctx, US, lookup("[fe80::1%3]:6000", true)).unwrap()), SockReply::Yes);
+        let other =
+            vrdma_core::sockets::Tuple { client: v6("[fe80::1%4]:40000"), server: v6("[fe80::1%4]:5000") };
+        assert_eq!(now(s.handle_sock(ctx, US, SockRequest::Claim { tuple: other }).unwrap()), SockReply::No);
+        assert_eq!(now(s.handle_sock(ctx, US, SockRequest::Claim { tuple }).unwrap()), SockReply::Yes);
+    }
+
     fn hosts6(addrs: &[&str]) -> SockMessage {
         SockMessage::Hosts6 { addrs: Addrs6::new(addrs.iter().map(|a| a.parse().unwrap()).collect()) }
     }
@@ -1015,6 +1072,11 @@ mod tests {
         assert_eq!(SockCall::Wait { rx, query: q }.reply(), SockReply::Outcome(Outcome::Carried));
         assert!(s.remote.announced.is_empty());
 
+        // A link-local client (which only a non-conforming library names
+        // with a global server) is not sent there: no at once.
+        let odd = Tuple { client: v6("[fe80::1%3]:40001"), server: v6("[fd00::2]:5000") };
+        let r = s.handle_sock(ctx, US, SockRequest::Announce { tuple: odd, local: false }).unwrap();
+        assert_eq!(now(r), SockReply::No);
         // Addresses nobody advertised, and the ones the peer cannot have
         // (link-local and loopback ones name no other host's).
         for dst in ["[fd00::3]:5000", "[fe80::2]:5000"] {

@@ -586,15 +586,11 @@ impl Session {
                     Err(e) => error(e.errno(), e.to_string()),
                 }
             }
-            Request::Sock(req) => {
-                let tenant = self.tenant;
-                match self.engine(move |e, c| e.handle_sock(c, tenant, req))? {
-                    // Another host's answer is waited for here, off the
-                    // engine's lock.
-                    Ok(call) => Reply::Sock(call.reply()).into(),
-                    Err(e) => error(e.errno(), e.to_string()),
-                }
-            }
+            Request::Sock(req) => self.sock(req, false)?,
+            // A link-local address's scope travels beside the request
+            // (`SockRequest`'s encoding drops it); its library names
+            // scopes, so its `[::]` listener may own link-local ones.
+            Request::SockScoped { scopes, req } => self.sock(req.with_scopes(scopes), true)?,
             Request::DirectChannel { .. } if self.guest.is_some() => {
                 Reply::DirectRefused(vrdma_core::hca::DirectRefusal::Off).into()
             }
@@ -704,6 +700,17 @@ impl Session {
             .admission
             .admit(tenant, q.max_mappings.unwrap_or(u32::MAX), q.max_descriptors.unwrap_or(u32::MAX))
             .map_err(|e| error(e.errno(), e.to_string()))
+    }
+
+    /// A socket registry call (`docs/sockets.md`).
+    fn sock(&mut self, req: vrdma_core::proto::SockRequest, scoped: bool) -> Result<Answer, Answer> {
+        let tenant = self.tenant;
+        Ok(match self.engine(move |e, c| e.handle_sock_as(c, tenant, req, scoped))? {
+            // Another host's answer is waited for here, off the engine's
+            // lock.
+            Ok(call) => Reply::Sock(call.reply()).into(),
+            Err(e) => error(e.errno(), e.to_string()),
+        })
     }
 
     fn hello(&mut self, version: u32) -> Result<Answer, Answer> {
