@@ -33,7 +33,13 @@
 //!   DEVICE_REMOVAL.
 //! - **A connection being set up** (REQ or REP sent, a request not yet
 //!   answered) ends: CONNECT_ERROR (`-ECONNRESET`; UNREACHABLE for a REQ
-//!   sent) after the events it had. Its peer's own timers end its side.
+//!   sent) after the events it had. Its peer's own timers end its side
+//!   (unless the peer is established already, its RTU dropped at the
+//!   paused source: that side stays up until its program disconnects or
+//!   its link to the source ends). The other way round, a connection
+//!   whose REP was sent here takes the Moved of a peer that moved
+//!   established, its RTU late, for that RTU
+//!   (`ConnectionManager::handle_moved`).
 //!
 //! Sans-IO like the rest: the driver keeps the channels and says which QP
 //! each id holds; this module checks a snapshot as untrusted input
