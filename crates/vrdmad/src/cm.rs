@@ -586,9 +586,10 @@ impl CmDriver {
     /// newest, or a dial), whose refusal ends the connections of that link
     /// (as a dead host would, promptly), or with `None` the connection that
     /// sent it. `send` says the link the message went by (`None`: held for
-    /// a link); one sent by no link of the manager's binds its connection
-    /// there ([`ConnectionManager::sent_by`]). Returns when it next needs
-    /// to run.
+    /// a link); a connection's first message (REQ, Moved) sent by no link
+    /// of the manager's binds its connection there
+    /// ([`ConnectionManager::sent_by`]; a later one goes by the link its
+    /// connection is bound to). Returns when it next needs to run.
     pub fn run(
         &mut self,
         now: Instant,
@@ -613,9 +614,9 @@ impl CmDriver {
                 } else {
                     match send(host, link, &msg) {
                         // Sent by no link of the manager's: it went by
-                        // the host's newest, which its connection is
-                        // bound to (not one a link's report bound it to
-                        // meanwhile).
+                        // the host's newest, which a connection's first
+                        // message binds it to (not one a link's report
+                        // bound it to meanwhile).
                         Ok(Some(went)) if link.is_none() => self.cm.sent_by(host, &msg, went),
                         Ok(_) => {}
                         Err(why) => {

@@ -33,7 +33,13 @@
 //!   DEVICE_REMOVAL.
 //! - **A connection being set up** (REQ or REP sent, a request not yet
 //!   answered) ends: CONNECT_ERROR (`-ECONNRESET`; UNREACHABLE for a REQ
-//!   sent) after the events it had. Its peer's own timers end its side.
+//!   sent) after the events it had. Its peer's own timers end its side
+//!   (unless the peer is established already, its RTU dropped at the
+//!   paused source: that side stays up until its program disconnects or
+//!   its link to the source ends). The other way round, a connection
+//!   whose REP was sent here takes the Moved of a peer that moved
+//!   established, its RTU late, for that RTU
+//!   (`ConnectionManager::handle_moved`).
 //!
 //! Sans-IO like the rest: the driver keeps the channels and says which QP
 //! each id holds; this module checks a snapshot as untrusted input
@@ -395,7 +401,8 @@ impl ConnectionManager {
 
     /// The peer of our connection `to` says it moved to `host` (the
     /// connection goes by the link the Moved came by from now on). Taken
-    /// only for a connection that was up (see the body); others are
+    /// only for a connection that was up, or whose REP we sent (the Moved
+    /// stands for its late RTU: ESTABLISHED); see the body. Others are
     /// answered with a DREQ where the connection is not here, or dropped.
     pub(super) fn handle_moved(
         &mut self,
@@ -419,26 +426,29 @@ impl ConnectionManager {
         let ours =
             self.ids.get(&to).is_some_and(|i| i.tenant == tenant && i.peer.is_some_and(|(_, n)| n == from));
         let dreq = CmMessage::Dreq { to: from, from: to };
-        // Only a connection that was up sends one ([`Self::resume_tenant`]:
-        // established, or its DREQ sent), so only one that was up here,
-        // or ended since, hears one. One being set up does not: a move
-        // ends the mover's side of such a connection, and its own timers
-        // end this side; a Moved for it (a daemon that claims its peer's
-        // tenant and numbers) is dropped, and the connection keeps its
-        // link (it hears only what comes by that, `by_its_link`).
-        if ours
-            && !self
-                .ids
-                .get(&to)
-                .is_some_and(|i| matches!(i.state, State::Established | State::DreqSent | State::Closed))
-        {
-            return;
-        }
         if !ours {
             // No such connection here (ended and destroyed, or never ours):
             // it is over, and the mover hears so.
             self.transmit.push_back((host, link, dreq));
             return;
+        }
+        // Only a connection that was up sends one ([`Self::resume_tenant`]:
+        // established, or its DREQ sent), so only one that was up here,
+        // or ended since, takes it; or one whose REP we sent, by the
+        // number the REQ gave (never 0): the mover's side was up, so its
+        // RTU was sent, and is late (it lags behind the move on the old
+        // host's link, or was lost with it). The Moved stands for it: the
+        // connection is established, then follows the mover, and the late
+        // RTU from the old host finds it moved and is dropped. Any other
+        // being set up (a REQ sent or come, a REP come) was not up on the
+        // mover's side, which ended it at the move; a Moved for it (a
+        // daemon that claims its peer's tenant and numbers) is dropped,
+        // and the connection keeps its link (it hears only what comes by
+        // that, `by_its_link`).
+        match self.ids.get(&to).map(|i| i.state) {
+            Some(State::Established | State::DreqSent | State::Closed) => {}
+            Some(State::RepSent) => self.rtu_came(to),
+            _ => return,
         }
         let i = self.ids.get_mut(&to).expect("looked up above");
         i.peer = Some((host, from));

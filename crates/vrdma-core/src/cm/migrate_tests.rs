@@ -347,3 +347,80 @@ fn a_moved_for_a_paused_peer_ends_nothing() {
     assert_eq!(h.cm(C).state(CG, g), Some(State::Established));
     assert_eq!(h.cm(B).state(CB, b), Some(State::Established));
 }
+
+/// The guest established its connection (its RTU sent) and moved before
+/// B heard the RTU: it lags on the source's link behind the move, or is
+/// lost with it. C's Moved stands for it: B's connection is established
+/// and follows the guest to C; the late RTU from A is dropped; B's
+/// disconnect then reaches C, one DISCONNECTED on each side (review 3 of
+/// linkdefer, A: the Moved was dropped, and the late RTU bound B to A,
+/// where nobody answers it any more).
+#[test]
+fn a_moved_before_the_rtu_establishes_the_connection_and_the_late_rtu_is_dropped() {
+    let mut h = Hosts::new();
+    let l = h.cm(B).create_id(CB, T, PortSpace::Tcp).unwrap();
+    h.cm(B).bind(CB, l, SocketAddrV4::new(Ipv4Addr::UNSPECIFIED, 7471)).unwrap();
+    h.cm(B).listen(CB, l, 8).unwrap();
+    let g = h.cm(A).create_id(CG, T, PortSpace::Tcp).unwrap();
+    h.cm(A).resolve_addr(CG, g, None, SocketAddrV4::new(B, 7471)).unwrap();
+    h.cm(A).resolve_route(CG, g).unwrap();
+    h.cm(A).connect(CG, g, ConnInfo { qp_num: 0x10011, ..Default::default() }, T0).unwrap();
+    h.run();
+    let b = h.events(B)[0].0;
+    h.cm(B).accept(CB, b, ConnInfo { qp_num: 0x20011, ..Default::default() }, 0, T0).unwrap();
+    h.run();
+    h.cm(A).establish(CG, g).unwrap();
+    let (to, rtu) = h.cm(A).poll_transmit().unwrap();
+    assert_eq!((to, &rtu), (B, &CmMessage::Rtu { to: b, from: g }));
+    h.events(A);
+    h.log.clear();
+    h.moved(|_| {});
+    assert_eq!(h.cm(B).state(CB, b), Some(State::Established), "the Moved was dropped");
+    assert_eq!(h.events(B), [(b, EventKind::Established, 0)]);
+    // The RTU comes late, from the source: B is established already, and
+    // now with C.
+    h.cm(B).handle_message(A, rtu);
+    h.run();
+    assert!(h.events(B).is_empty() && h.sent_by(B).is_empty(), "{:?}", h.log);
+    assert_eq!(h.cm(B).state(CB, b), Some(State::Established));
+    h.cm(B).disconnect(CB, b, T0).unwrap();
+    h.run();
+    assert_eq!(h.events(C), [(g, EventKind::Disconnected, 0)]);
+    assert_eq!(h.events(B), [(b, EventKind::Disconnected, 0)]);
+    assert!(h.sent_by(A).is_empty() && !h.log.iter().any(|(_, to, _)| *to == A), "{:?}", h.log);
+}
+
+/// The moved connection's Moved went by no link of C's manager (held for
+/// a dial, then sent by the link the driver told of first), and its
+/// program disconnected before the manager heard of the host's links:
+/// the DREQ, queued by no link too, goes by the link the connection was
+/// bound to meanwhile, not by the driver's choice (the newest verified
+/// link, which the peer does not know the connection by), and the
+/// driver's report of a later message does not move the connection
+/// (review 3 of linkdefer, B).
+#[test]
+fn a_later_message_queued_by_no_link_goes_by_its_connections_link() {
+    let mut h = Hosts::new();
+    let (g, b) = h.connected();
+    h.cm(A).pause_tenant(T);
+    let ids = h.cm(A).export_ids(&[CG]);
+    h.cm(C).import_ids(T, &ids).unwrap();
+    h.cm(A).forget_contexts(T, &[CG]);
+    h.cm(C).resume_tenant(T, T0);
+    let c = h.cm(C);
+    let (host, link, moved) = c.poll_transmit_by().unwrap();
+    assert_eq!((host, link, moved), (B, None, CmMessage::Moved { to: b, from: g, tenant: T.0 }));
+    c.disconnect(CG, g, T0).unwrap();
+    // The held Moved went by link 1, told first; a verified one came after.
+    c.link_up(B, LinkId(1), false);
+    c.link_up(B, LinkId(2), true);
+    let (host, link, dreq) = c.poll_transmit_by().unwrap();
+    assert_eq!((host, &dreq), (B, &CmMessage::Dreq { to: b, from: g }));
+    assert_eq!(link, Some(LinkId(1)), "the DREQ by another link than its connection's");
+    // Were it sent by the other all the same, the connection stays.
+    c.sent_by(B, &dreq, LinkId(2));
+    c.link_down(B, Some(LinkId(2)));
+    assert_eq!(c.state(CG, g), Some(State::DreqSent), "moved to the link of a later message");
+    c.link_down(B, Some(LinkId(1)));
+    assert_eq!(c.state(CG, g), Some(State::Closed));
+}

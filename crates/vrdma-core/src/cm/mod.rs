@@ -942,15 +942,7 @@ impl ConnectionManager {
                 ev.qkey = qkey;
                 self.events.push_back(ev);
             }
-            CmMessage::Rtu { .. } if state == State::RepSent => {
-                self.arm(to, None);
-                let i = self.ids.get_mut(&to).expect("looked up above");
-                i.state = State::Established;
-                let theirs = i.theirs.clone();
-                let mut ev = self.event(to, EventKind::Established, 0);
-                ev.peer = theirs;
-                self.events.push_back(ev);
-            }
+            CmMessage::Rtu { .. } if state == State::RepSent => self.rtu_came(to),
             CmMessage::Rej { reason, private_data, .. } => match state {
                 State::ReqSent | State::RepReceived | State::ReqReceived | State::RepSent => {
                     let (kind, status) = if reason == reject::TIMEOUT && state == State::ReqSent {
@@ -990,6 +982,18 @@ impl ConnectionManager {
             CmMessage::Drep { .. } if state == State::DreqSent => self.close(to, EventKind::Disconnected, 0),
             _ => {}
         }
+    }
+
+    /// The RTU of our connection `id` (in `RepSent`) came, or a Moved that
+    /// stands for it (`migrate`): the connection is established.
+    fn rtu_came(&mut self, id: u32) {
+        self.arm(id, None);
+        let Some(i) = self.ids.get_mut(&id) else { return };
+        i.state = State::Established;
+        let theirs = i.theirs.clone();
+        let mut ev = self.event(id, EventKind::Established, 0);
+        ev.peer = theirs;
+        self.events.push_back(ev);
     }
 
     /// Whether a message for connection `i` that came from `host` by
@@ -1178,14 +1182,17 @@ impl ConnectionManager {
     /// The driver sent `msg`, queued for `host` by no link (its
     /// connection bound to none then: the manager knew no link to the
     /// host, or the Moved of an imported connection), by `link`, the
-    /// host's newest as the driver sees it: the connection belongs to that
-    /// link, whatever [`Self::link_up`] bound it to meanwhile (a driver
-    /// may report several links to the host at once, and the first bound
-    /// it), so that its peer's answers, which come by the link its
-    /// message went by, are its own ([`Self::by_its_link`]).
+    /// host's newest as the driver sees it: if it is the connection's
+    /// first (a REQ, or a Moved), the connection belongs to that link,
+    /// whatever [`Self::link_up`] bound it to meanwhile (a driver may
+    /// report several links to the host at once, and the first bound it),
+    /// so that its peer's answers, which come by the link its message went
+    /// by, are its own ([`Self::by_its_link`]). A later one does not move
+    /// it (it went by its connection's link if it had one,
+    /// [`Self::poll_transmit_by`]).
     pub fn sent_by(&mut self, host: Ipv4Addr, msg: &CmMessage, link: LinkId) {
         let id = msg.from();
-        if id == 0 || self.is_local(host) {
+        if id == 0 || self.is_local(host) || !matches!(msg, CmMessage::Req { .. } | CmMessage::Moved { .. }) {
             return;
         }
         if let Some(i) = self.ids.get_mut(&id) {
@@ -1269,8 +1276,30 @@ impl ConnectionManager {
     /// goes by: its connection's (`None`: the host's newest, or a dial if
     /// there is none; or this host). A message for a link that is gone
     /// cannot be sent: the driver reports it down.
+    ///
+    /// One queued by no link (the manager knew none to the host then)
+    /// goes by the link its connection is bound to now, if it is
+    /// ([`Self::link_up`] bound it meanwhile), unless it is the
+    /// connection's first, a REQ or a Moved: that goes by the driver's
+    /// choice, which binds the connection ([`Self::sent_by`]).
     pub fn poll_transmit_by(&mut self) -> Option<(Ipv4Addr, Option<LinkId>, CmMessage)> {
-        self.transmit.pop_front()
+        let (host, link, msg) = self.transmit.pop_front()?;
+        let link = link.or_else(|| self.bound_link(host, &msg));
+        Some((host, link, msg))
+    }
+
+    /// The link that connection `msg.from()` (if it is the message's, to
+    /// `host`) is bound to, for a message that is not its first (REQ,
+    /// Moved).
+    fn bound_link(&self, host: Ipv4Addr, msg: &CmMessage) -> Option<LinkId> {
+        if matches!(msg, CmMessage::Req { .. } | CmMessage::Moved { .. }) || msg.from() == 0 {
+            return None;
+        }
+        let i = self.ids.get(&msg.from())?;
+        match i.peer {
+            Some((h, n)) if h == host && Some(n) == msg.to() => i.link,
+            _ => None,
+        }
     }
 
     /// Whether messages wait for [`Self::poll_transmit`].

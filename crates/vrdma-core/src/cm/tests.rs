@@ -1009,7 +1009,9 @@ fn an_answer_by_another_link_than_its_connections_is_dropped() {
 /// known to a REQ sent, is 0) takes neither side over, and the
 /// connection hears only its own link, not the Moved's (review 2 of
 /// linkdefer, 2: the Moved bound it to the claimer's link, whose REP was
-/// then taken).
+/// then taken). One whose REP we sent takes it as the RTU it implies
+/// (the mover's side was up), with both numbers, as an established one
+/// does (review 3 of linkdefer, A).
 #[test]
 fn a_moved_for_a_connection_being_set_up_is_dropped() {
     let rep = |to| CmMessage::Rep { to, from: 9, conn: conn(0x22, b""), qkey: 0 };
@@ -1031,8 +1033,16 @@ fn a_moved_for_a_connection_being_set_up_is_dropped() {
     assert_eq!(a.state(CA, id), Some(State::ReqSent));
     a.handle_message_by(B, Some(LinkId(1)), rep(id));
     assert_eq!(kinds(&drain(&mut a)), [EventKind::ConnectResponse]);
+    // The REP come, the RTU not yet sent: no side was up.
+    a.handle_message_by(B, Some(LinkId(2)), moved(id, 9));
+    assert_eq!(a.poll_transmit_by(), None);
+    assert!(drain(&mut a).is_empty());
+    assert_eq!(a.state(CA, id), Some(State::RepReceived));
+    a.link_down(B, Some(LinkId(2)));
+    assert_eq!(a.state(CA, id), Some(State::RepReceived), "bound to the Moved's link");
 
-    // Theirs, accepted by link 1: the REP sent, the RTU not yet come.
+    // Theirs, come by link 1: the REQ not yet answered, then the REP
+    // sent and the RTU not yet come.
     let mut b = ConnectionManager::new(CmConfig::default(), vec![B], Box::new(Counter(1)));
     b.link_up(A, LinkId(1), true);
     b.link_up(A, LinkId(2), false);
@@ -1043,15 +1053,29 @@ fn a_moved_for_a_connection_being_set_up_is_dropped() {
     let req = CmMessage::Req { from: 77, tenant: TENANT.0, ps: PortSpace::Tcp, src, dst, conn: conn(1, b"") };
     b.handle_message_by(A, Some(LinkId(1)), req);
     let child = drain(&mut b)[0].id;
-    b.accept(CB, child, conn(0x33, b""), 0, T0).unwrap();
-    while b.poll_transmit_by().is_some() {}
-    assert_eq!(b.state(CB, child), Some(State::RepSent));
     b.handle_message_by(A, Some(LinkId(2)), moved(child, 77));
     assert_eq!(b.poll_transmit_by(), None);
-    b.handle_message_by(A, Some(LinkId(2)), CmMessage::Rtu { to: child, from: 77 });
-    assert_eq!(b.state(CB, child), Some(State::RepSent), "an RTU by the Moved's link was taken");
+    assert!(drain(&mut b).is_empty());
+    assert_eq!(b.state(CB, child), Some(State::ReqReceived));
+    b.accept(CB, child, conn(0x33, b""), 0, T0).unwrap();
+    assert_eq!(b.poll_transmit_by().map(|(_, l, _)| l), Some(Some(LinkId(1))), "the REP by the REQ's link");
+    assert_eq!(b.state(CB, child), Some(State::RepSent));
+    // A Moved from another number, or 0, or another tenant: not the peer.
+    for (from, tenant) in [(78, TENANT.0), (0, TENANT.0), (77, TENANT.0 + 1)] {
+        b.handle_message_by(A, Some(LinkId(2)), CmMessage::Moved { to: child, from, tenant });
+        while b.poll_transmit_by().is_some() {}
+        assert!(drain(&mut b).is_empty());
+        assert_eq!(b.state(CB, child), Some(State::RepSent), "a Moved from {from} of tenant {tenant}");
+    }
+    b.handle_message_by(A, Some(LinkId(2)), moved(child, 77));
+    assert_eq!(b.poll_transmit_by(), None);
+    assert_eq!(kinds(&drain(&mut b)), [EventKind::Established], "the Moved stands for the RTU");
     b.handle_message_by(A, Some(LinkId(1)), CmMessage::Rtu { to: child, from: 77 });
-    assert_eq!(b.state(CB, child), Some(State::Established));
+    assert!(drain(&mut b).is_empty(), "the late RTU by the old link");
+    b.link_down(A, Some(LinkId(1)));
+    assert_eq!(b.state(CB, child), Some(State::Established), "still bound to the old link");
+    b.link_down(A, Some(LinkId(2)));
+    assert_eq!(b.state(CB, child), Some(State::Closed), "not bound to the Moved's link");
 }
 
 /// A REQ queued by no link (the manager knew none to the host), then two

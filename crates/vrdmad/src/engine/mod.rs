@@ -1085,6 +1085,92 @@ mod tests {
         assert_ne!(s.cm.cm.state(ctx, id), Some(State::Closed), "bound to the link its REQ did not go by");
     }
 
+    /// A connection moved here: its Moved waited for the dial to the
+    /// peer's GID's address while an unverified link claiming the host
+    /// came in; the dial failed, so the Moved went by that link, and the
+    /// connection is bound to it. A verified link came in and the program
+    /// disconnected before the manager heard of either link: its DREQ,
+    /// queued by no link, goes by the connection's link, where the peer
+    /// knows it, not by the verified one, and the connection stays bound
+    /// to its link (review 3 of linkdefer, B: the DREQ went by the
+    /// verified link, the peer dropped it, and the connection was moved
+    /// there).
+    #[test]
+    fn a_moved_connections_dreq_goes_by_the_link_its_moved_went_by() {
+        use vrdma_core::cm::migrate::CmIdSnap;
+        use vrdma_core::cm::{ConnInfo, PortSpace, State};
+        use vrdma_core::wire::{HelloRepr, Role};
+        let (mut s, _peer, _, _, _) = state_with_region(16);
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 3);
+        let (gid, b_addr) = (Gid::from_ipv4(b.octets()), std::net::SocketAddr::from((b, 4791)));
+        let (ctx, tenant, id) = (ContextId(1), TenantId(1000), 0x0100_0005);
+        s.net.as_mut().unwrap().record_dials();
+        let snap = CmIdSnap {
+            id,
+            ctx: ctx.0,
+            channel: 1,
+            ps: PortSpace::Tcp,
+            state: State::Established,
+            local: Some(std::net::SocketAddrV4::new(std::net::Ipv4Addr::UNSPECIFIED, 40000)),
+            remote: Some(std::net::SocketAddrV4::new(b, 7471)),
+            reuse: false,
+            peer: Some((b, 7)),
+            backlog: 0,
+            active: true,
+            psn: 1,
+            ours: Some(ConnInfo { qp_num: 0x11, ..ConnInfo::default() }),
+            theirs: Some(ConnInfo { qp_num: 0x22, ..ConnInfo::default() }),
+            qp: None,
+        };
+        let now = s.now();
+        s.cm.cm.import_ids(tenant, &[snap]).unwrap();
+        s.cm.cm.resume_tenant(tenant, now);
+        s.run_cm(now);
+        assert_eq!(s.net.as_ref().unwrap().held_cm(b), 1, "the Moved waits for the dial");
+        let add = |s: &mut EngineState, from: &str| {
+            let (ours, theirs) = loopback();
+            let hello = HelloRepr::new(Role::Initiator, 9, gid, 3, [0; vrdma_core::wire::NONCE_LEN]);
+            let peer = crate::net::Peer { hello, chunk: 65536, version: vrdma_core::wire::SOCK_VERSION };
+            let net = s.net.as_mut().unwrap();
+            net.add(&mut s.hca, ours, peer, from.parse().unwrap(), None);
+            (*net.links.keys().next_back().unwrap(), theirs)
+        };
+        // Whether a connection manager's frame (type 0x05) came.
+        let read = |t: &mut TcpStream| {
+            use std::io::Read;
+            t.set_nonblocking(true).unwrap();
+            let mut buf = [0; 4096];
+            let n = t.read(&mut buf).unwrap_or(0);
+            buf[..n].windows(4).any(|w| w[..2] == *b"vR" && w[3] == 0x05)
+        };
+        let (claim, mut t_claim) = add(&mut s, "192.0.2.9:40000");
+        s.run_cm(now);
+        s.net.as_mut().unwrap().dial_failed(b_addr, "refused");
+        let net = s.net.as_mut().unwrap();
+        assert_eq!(net.held_cm(b), 0);
+        net.write_now();
+        assert!(read(&mut t_claim), "the Moved went by the unverified link");
+        // Before the manager hears of the links: a verified one, and the
+        // program's disconnect.
+        let (own, mut t_own) = add(&mut s, "10.0.0.3:40000");
+        let net = s.net.as_mut().unwrap();
+        assert!(net.links[&own].verified);
+        net.write_now();
+        let _ = read(&mut t_own);
+        s.cm.cm.disconnect(ctx, id, now).unwrap();
+        s.run_cm(now);
+        s.net.as_mut().unwrap().write_now();
+        let (by_own, by_claim) = (read(&mut t_own), read(&mut t_claim));
+        assert!(!by_own && by_claim, "the DREQ went by the verified link");
+        assert_eq!(s.cm.cm.state(ctx, id), Some(State::DreqSent));
+        s.net.as_mut().unwrap().cm_links.push(crate::net::CmLink::Down(b, Some(own)));
+        s.run_cm(now);
+        assert_eq!(s.cm.cm.state(ctx, id), Some(State::DreqSent), "bound to the link its DREQ went by");
+        s.net.as_mut().unwrap().cm_links.push(crate::net::CmLink::Down(b, Some(claim)));
+        s.run_cm(now);
+        assert_eq!(s.cm.cm.state(ctx, id), Some(State::Closed), "not bound to the link its Moved went by");
+    }
+
     /// A connect whose REQ waits for a dial, destroyed meanwhile: its REQ
     /// (and the REJ its end sent) are dropped, not sent by the host's next
     /// link to a listener for a connection already ended (review links4
