@@ -1,7 +1,8 @@
 //! `exec` under the sockets preload library (`docs/sockets.md`, "Exec"):
 //! a connection that an exec'd program inherits before any call on it
 //! falls back to plain TCP cleanly (inetd-style servers, and a client
-//! that execs), and a carried one is not inherited.
+//! that execs), and a carried one is demoted to plain TCP at an exact
+//! byte and inherited, or, where it cannot be, not inherited.
 //!
 //! Each test starts a daemon of its own and `vrdma-it-sockapp` roles
 //! under `LD_PRELOAD`, on loopback; every process is waited for with a
@@ -110,40 +111,104 @@ fn a_forking_inetd_and_a_spawning_server_hand_over_a_clean_tcp_stream() -> Resul
     Ok(())
 }
 
-/// A connection carried before the exec is close-on-exec: the exec'd
-/// program does not get it (its stdin and stdout are closed, it reads
-/// nothing), the kernel socket closes with the exec, and the client's
-/// next read ends (the end or an error, never wrong bytes) within the
-/// bound instead of hanging.
-#[test]
-fn a_connection_carried_before_exec_is_not_inherited_and_its_peer_is_told() -> Result<()> {
-    let (c, s, counts) = inetd("carried-exec", &[], &[])?;
+/// An `inetd PORT MODE` server against a `goclient ... WAY`, as [`inetd`].
+fn go_inetd(
+    mode: &str,
+    way: &str,
+    server_env: &[(&str, &str)],
+    client_env: &[(&str, &str)],
+) -> Result<(Finished, Finished)> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["inetd".into(), port.to_string(), mode.into()], server_env), "inetd");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["goclient".into(), port.to_string(), BYTES.to_string(), way.into()];
+    let c = spawn(sockapp(&d, &args, client_env), "goclient").finish(LIMIT);
+    let s = s.finish(LIMIT);
+    Ok((c, s))
+}
+
+/// The connection was carried, demoted before the exec or spawn, and the
+/// program got it as a connected socket and echoed every byte after the
+/// first chunk.
+fn handed_over(c: &Finished, s: &Finished) {
+    c.assert_ok();
     s.assert_ok();
     assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
-    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
-    assert!(!c.status.success(), "{}", c.describe());
-    // The first chunk came back; the second never did.
-    assert!(c.stderr.contains("at 16384"), "{}", c.describe());
-    assert_eq!((counts.announced, counts.carried), (1, 1), "{counts:?}");
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is a connected socket"), "{}", s.describe());
+    assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 16384)), "{}", s.describe());
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+}
+
+/// A connection carried before an `execve` that the exec'd program
+/// inherits (its stdin and stdout, `dup2`ed: not close-on-exec) is
+/// demoted to plain TCP at an exact byte first, and the program reads and
+/// writes the stream where it was: the client, after one chunk echoed by
+/// the server itself, waits for the program's go byte blocked in `read`,
+/// in `poll`, or in `epoll_wait` (each must wake at the demotion and
+/// switch), then the rest is echoed by the program, every byte checked.
+#[test]
+fn a_connection_carried_before_exec_is_demoted_and_the_execd_program_gets_it() -> Result<()> {
+    for way in ["read", "poll", "epoll"] {
+        let (c, s) = go_inetd("carried-exec", way, &[], &[])?;
+        handed_over(&c, &s);
+    }
     Ok(())
 }
 
-/// A carried connection handed to a spawned program through
+/// A carried connection handed to a program spawned through
 /// `posix_spawn`'s file actions (`std::process::Command` with the socket
-/// as its stdin and stdout): the program does not get it (the actions
-/// close its stdin and stdout instead, as close-on-exec would; it reads
-/// nothing), and the server goes on echoing the rest itself, carried.
-/// Without this the program would read the raw socket under the rings
-/// (wake bytes) while the client's bytes went through the ring.
+/// as its stdin and stdout) is demoted when the action is added, and the
+/// program gets it.
 #[test]
-fn a_carried_connection_is_not_given_to_a_spawned_program() -> Result<()> {
-    let (c, s, _) = inetd("carried-spawn", &[], &[])?;
+fn a_carried_connection_given_to_a_spawned_program_is_demoted_first() -> Result<()> {
+    let (c, s) = go_inetd("carried-spawn", "read", &[], &[])?;
+    handed_over(&c, &s);
+    Ok(())
+}
+
+/// The fallback: a peer that makes no call within the server's bounded
+/// wait (`VRDMA_SOCKETS_WAIT_MS`) does not answer the demotion, and the
+/// exec goes on as before: the connection is close-on-exec, the program
+/// gets nothing (its stdin and stdout closed, it reads nothing), and the
+/// peer, once it reads, finds the end.
+#[test]
+fn a_connection_whose_peer_does_not_answer_in_time_is_not_inherited() -> Result<()> {
+    let (c, s) = go_inetd(
+        "carried-exec",
+        "late",
+        &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+        &[("SOCKAPP_GO_DELAY_MS", "2500")],
+    )?;
     c.assert_ok();
     s.assert_ok();
-    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
-    assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
-    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
     assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte"), "{}", c.describe());
+    Ok(())
+}
+
+/// Bytes of the peer's in the ring that the program has not read could
+/// not reach the exec'd program (its address space goes, and a TCP
+/// receive queue takes nothing back): such a connection is not demoted,
+/// and is not inherited, as before. The client sends two chunks before
+/// it reads the first one's echo; the server reads one and execs.
+#[test]
+fn a_connection_with_unread_ring_bytes_is_not_inherited() -> Result<()> {
+    let (c, s) = go_inetd("carried-exec", "pipelined", &[], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("not demoted (the ring holds bytes the program has not read)"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte"), "{}", c.describe());
     Ok(())
 }
 

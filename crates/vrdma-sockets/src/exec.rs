@@ -41,18 +41,27 @@ use crate::real;
 use crate::table::{self, keep_errno, Entry, Guard};
 
 /// Settles every undecided connection a program started now would
-/// inherit (every descriptor not close-on-exec).
+/// inherit (every descriptor not close-on-exec), and demotes the carried
+/// ones it would inherit (the program's own flag clear).
 fn settle() {
     let Some(_g) = Guard::enter() else { return };
     keep_errno(|| {
-        // What this process wrote on its carried connections lands before
-        // its address space (the rings, the QP's context) goes with the
-        // exec, as a TCP socket's sent bytes would: a server that echoed
-        // and then exec'd lost its last write (the peer read a reset
-        // instead, 1 CI run).
+        let mut demoted: Vec<std::sync::Arc<crate::stream::Stream>> = Vec::new();
         for (fd, s) in table::streams() {
+            // What this process wrote on its carried connections lands
+            // before its address space (the rings, the QP's context) goes
+            // with the exec, as a TCP socket's sent bytes would: a server
+            // that echoed and then exec'd lost its last write (the peer
+            // read a reset instead, 1 CI run).
             if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
                 l.flush_all_writes();
+            }
+            if carried_now(&s) && crate::cloexec::inherited(fd) {
+                if demoted.iter().any(|x| std::sync::Arc::ptr_eq(x, &s)) || demote(fd, &s) {
+                    demoted.push(s.clone());
+                    crate::cloexec::restore(fd);
+                    continue;
+                }
             }
             // A carried connection goes with the exec (close-on-exec):
             // this process no longer holds it (`crate::forkshare`).
@@ -63,17 +72,83 @@ fn settle() {
                 s.settle_for_exec(fd);
             }
         }
+        // Descriptors whose connection is plain TCP by now (demoted: by
+        // this call, by a `vfork` child's exec in this memory, or after a
+        // fork) get the program's own flag back.
+        for fd in crate::cloexec::all() {
+            if !matches!(table::get(fd), Some(Entry::Stream(s)) if carried_now(&s)) {
+                crate::cloexec::restore(fd);
+            }
+        }
     });
 }
 
+/// Whether `s` goes over vRDMA still (not demoted to plain TCP).
+fn carried_now(s: &crate::stream::Stream) -> bool {
+    s.is_carried() && s.owner.driver() != crate::owner::TCP
+}
+
+/// Demotes the carried connection `s` (a descriptor of it, `fd`, goes to
+/// an exec'd or spawned program) to plain TCP at an exact byte, this
+/// process as its driver, waiting `VRDMA_SOCKETS_WAIT_MS` at most for
+/// the peer (`docs/sockets.md`, "Exec"). Whether it is plain TCP now;
+/// else it stays close-on-exec, as before (the peer sees the end).
+fn demote(fd: c_int, s: &crate::stream::Stream) -> bool {
+    let Some(l) = s.link_now() else { return false };
+    if !s.owner.mine() {
+        crate::dev::debug(&format!("descriptor {fd}: another process drives its connection: not inherited"));
+        return false;
+    }
+    if s.owner.demote().is_some_and(|d| d.held_elsewhere()) {
+        crate::dev::debug(&format!("descriptor {fd}: another process holds its connection: not inherited"));
+        return false;
+    }
+    let end = std::time::Instant::now() + crate::link::demote_wait();
+    match l.demote_for_exec(end) {
+        Ok(()) => {
+            crate::dev::debug(&format!("descriptor {fd}: demoted to plain TCP for the exec'd program"));
+            true
+        }
+        Err((why, lost)) => {
+            crate::dev::debug(&format!("descriptor {fd}: not demoted ({why}): not inherited"));
+            if lost {
+                // Bytes of the peer's that no program will read: a reset,
+                // as a TCP close with unread data, not a clean end.
+                let lg = libc::linger { l_onoff: 1, l_linger: 0 };
+                // SAFETY: setsockopt(2) with a linger of ours, its size.
+                unsafe {
+                    libc::setsockopt(
+                        fd,
+                        libc::SOL_SOCKET,
+                        libc::SO_LINGER,
+                        (&lg as *const libc::linger).cast(),
+                        std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                    )
+                };
+            }
+            false
+        }
+    }
+}
+
 /// Settles the connection of `fd`, which a child is about to get; true
-/// when it is carried (the child must not get it).
+/// when it is carried (the child must not get it): a carried one is
+/// demoted first, if it can be.
 fn settle_fd(fd: c_int) -> bool {
     let Some(_g) = Guard::enter() else { return false };
     keep_errno(|| match table::get(fd) {
         Some(Entry::Stream(s)) => {
+            if carried_now(&s) {
+                if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
+                    l.flush_all_writes();
+                }
+                if demote(fd, &s) {
+                    return false;
+                }
+                return true;
+            }
             s.settle_for_exec(fd);
-            s.is_carried()
+            carried_now(&s)
         }
         _ => false,
     })

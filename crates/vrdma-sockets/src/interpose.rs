@@ -828,6 +828,7 @@ pub unsafe extern "C" fn getsockopt(
 /// ([`crate::owner`]).
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
+        crate::cloexec::forget(fd);
         keep_errno(|| crate::epoll::forget(fd));
         match table::remove(fd) {
             Some(e @ Entry::Listener(_)) if !e.ours() => std::mem::forget(e),
@@ -909,7 +910,11 @@ fn keep_cloexec(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> libc::c_ulong {
         return arg;
     }
     match Guard::enter() {
-        Some(_g) if table::get(fd).is_some_and(|e| e.carried()) => arg | libc::FD_CLOEXEC as libc::c_ulong,
+        Some(_g) if table::get(fd).is_some_and(|e| e.carried()) => {
+            // What the program asked for is kept (`crate::cloexec`).
+            crate::cloexec::forced(fd, Some(arg & libc::FD_CLOEXEC as libc::c_ulong != 0));
+            arg | libc::FD_CLOEXEC as libc::c_ulong
+        }
         _ => arg,
     }
 }

@@ -133,6 +133,9 @@ pub fn set_cloexec(fd: c_int) {
     unsafe {
         let f = crate::real::fcntl(fd, libc::F_GETFD, 0);
         if f >= 0 && f & libc::FD_CLOEXEC == 0 {
+            // The program's own flag is kept: an exec may give the
+            // connection after all, demoted (`crate::exec`).
+            crate::cloexec::forced(fd, Some(false));
             crate::real::fcntl(fd, libc::F_SETFD, (f | libc::FD_CLOEXEC) as libc::c_ulong);
         }
     }

@@ -215,10 +215,17 @@
 //! `std::process::Command` runs `stdecho` with it as stdin and stdout
 //! (glibc's `posix_spawn`, the socket `dup2`ed by its file actions) and
 //! waits; `carried-exec`: first echoes one 16 KiB chunk (the connection
-//! is carried), then `exec`; `carried-spawn`: first echoes one chunk,
-//! then `spawn`, then echoes the rest itself and says `echoed N`. `SOCKAPP_EXEC_DELAY_MS`: a pause after the
-//! accept. `stdecho`: copies stdin to stdout until the end, then says
-//! `stdecho N` on stderr.
+//! is carried), then `execve`s `stdecho go`; `carried-spawn`: first
+//! echoes one chunk, then `spawn`s `stdecho go` (against `goclient`).
+//! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
+//! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
+//! go` first says whether its stdin is a connected socket and writes `G`.
+//! `goclient PORT BYTES WAY`: sends one chunk and reads its echo, waits for
+//! the go byte (WAY `read`, `poll`, `epoll`, `late`: a sleep of
+//! `SOCKAPP_GO_DELAY_MS` first, or `pipelined`: two chunks sent before
+//! the first echo is read), then echoes the rest of BYTES as
+//! `echoclient`; says `echoed N, then the end`, or `the end instead of
+//! the go byte`.
 //!
 //! `execlisten PORT`: listens, forks, and the child execs `fdecho` with
 //! the listening socket as descriptor 10; `fdecho` accepts one
@@ -734,6 +741,89 @@ fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
     echo_check(s, bytes)
 }
 
+/// `goclient PORT BYTES WAY`: sends one chunk and reads its echo, then
+/// waits for the go byte `G` of the program the server exec'd (WAY: a
+/// blocking `read`, `poll` or `epoll` first, or `late`: a sleep of
+/// `SOCKAPP_GO_DELAY_MS` without any call), then sends the rest of BYTES
+/// in echoed chunks, checked byte by byte, and reads the end. Says
+/// `echoed BYTES, then the end`, or `the end instead of the go byte`.
+fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = ECHO_CHUNK;
+    let data: Vec<u8> = (0..n as u64).map(pattern).collect();
+    s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+    if way == "pipelined" {
+        // The second chunk goes before the first one's echo is read: it
+        // waits in the server's ring, unread, at its exec.
+        let more: Vec<u8> = (n as u64..2 * n as u64).map(pattern).collect();
+        s.write_all(&more).map_err(|e| format!("write: {e}"))?;
+    }
+    let mut back = vec![0u8; ECHO_CHUNK];
+    s.read_exact(&mut back).map_err(|e| format!("read back: {e}"))?;
+    if back != data {
+        return Err("the first chunk echoed wrong".into());
+    }
+    let fd = s.as_raw_fd();
+    match way {
+        "read" | "pipelined" => {}
+        "poll" => {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            let r = unsafe { libc::poll(&mut p, 1, 30_000) };
+            eprintln!("goclient: poll {r} revents {:#x}", p.revents);
+        }
+        "epoll" => {
+            // SAFETY: epoll_create1(2), no pointers.
+            let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+            let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 7 };
+            // SAFETY: epoll_ctl(2) and epoll_wait(2) with an event of ours.
+            let r = unsafe {
+                libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev);
+                libc::epoll_wait(ep, &mut ev, 1, 30_000)
+            };
+            eprintln!("goclient: epoll_wait {r}");
+            // SAFETY: closes our epoll descriptor.
+            unsafe { libc::close(ep) };
+        }
+        "late" => pause("SOCKAPP_GO_DELAY_MS"),
+        _ => return Err(format!("goclient: unknown way {way}")),
+    }
+    let mut g = [0u8; 1];
+    match s.read(&mut g) {
+        Ok(1) if g[0] == b'G' => {}
+        Ok(0) => {
+            println!("the end instead of the go byte");
+            return Ok(());
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ECONNRESET) => {
+            println!("the end instead of the go byte (reset)");
+            return Ok(());
+        }
+        other => return Err(format!("the go byte expected: {other:?} {g:?}")),
+    }
+    let mut sent = ECHO_CHUNK as u64;
+    while sent < bytes {
+        let n = (ECHO_CHUNK as u64).min(bytes - sent) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write at {sent}: {e}"))?;
+        s.read_exact(&mut back[..n]).map_err(|e| format!("read back at {sent}: {e}"))?;
+        if let Some(i) = (0..n).find(|&i| back[i] != data[i]) {
+            return Err(format!("byte {} echoed as {}, sent {}", sent + i as u64, back[i], data[i]));
+        }
+        sent += n as u64;
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    match s.read(&mut g) {
+        Ok(0) => {
+            println!("echoed {sent}, then the end");
+            Ok(())
+        }
+        other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
+    }
+}
+
 /// Sleeps for the milliseconds in `var`, if set.
 fn pause(var: &str) {
     if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
@@ -795,6 +885,28 @@ fn exec_self(args: &[&str]) -> String {
     format!("execv: {}", std::io::Error::last_os_error())
 }
 
+/// `execve`s this program with `args` and this process's environment
+/// (returns only on failure).
+fn execve_self(args: &[&str]) -> String {
+    extern "C" {
+        static environ: *const *const libc::c_char;
+    }
+    let exe = std::env::current_exe().map(|p| p.into_os_string());
+    let Ok(exe) = exe else { return "current_exe".into() };
+    use std::os::unix::ffi::OsStrExt;
+    let c = |b: &[u8]| std::ffi::CString::new(b).expect("no NUL");
+    let path = c(exe.as_bytes());
+    let argv: Vec<std::ffi::CString> =
+        std::iter::once(path.clone()).chain(args.iter().map(|a| c(a.as_bytes()))).collect();
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    // SAFETY: a NUL-terminated path, a null-terminated argv of
+    // NUL-terminated strings alive across the call, and the process's
+    // environment (read once, nothing changes it meanwhile).
+    unsafe { libc::execve(path.as_ptr(), ptrs.as_ptr(), environ) };
+    format!("execve: {}", std::io::Error::last_os_error())
+}
+
 fn inetd(port: u16, mode: &str) -> Result<(), String> {
     use std::os::fd::{AsRawFd, OwnedFd};
     let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
@@ -804,15 +916,21 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
     drop(l);
     pause("SOCKAPP_EXEC_DELAY_MS");
     match mode {
-        "exec" | "carried-exec" => {
-            if mode == "carried-exec" {
-                s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
-                let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
-                eprintln!("echoed {n} before the exec");
-            }
+        "exec" => {
             dup_onto(s.as_raw_fd(), &[0, 1])?;
             drop(s);
             Err(exec_self(&["stdecho"]))
+        }
+        "carried-exec" => {
+            // Carried, one chunk echoed (the client then waits for the go
+            // byte of the exec'd program): `execve` of `stdecho go` with
+            // the connection as its stdin and stdout.
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+            eprintln!("echoed {n} before the exec");
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(execve_self(&["stdecho", "go"]))
         }
         "fork-exec" => {
             // SAFETY: fork(2) in a single-threaded program; the child only
@@ -847,27 +965,23 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
         }
         "spawn" | "carried-spawn" => {
             s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
-            let mut echoed = 0;
+            let mut args = vec!["stdecho"];
             if mode == "carried-spawn" {
-                echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+                let echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
                 eprintln!("echoed {echoed} before the spawn");
+                args.push("go");
             }
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
             let a = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
             let b = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
             let st = std::process::Command::new(exe)
-                .arg("stdecho")
+                .args(&args)
                 .stdin(a)
                 .stdout(b)
                 .status()
                 .map_err(|e| format!("spawn: {e}"))?;
             if !st.success() {
                 return Err(format!("stdecho ended with {st}"));
-            }
-            if mode == "carried-spawn" {
-                // The program did not get it: this process echoes the rest.
-                echoed += echo_all(&mut s)?;
-                println!("echoed {echoed}");
             }
             Ok(())
         }
@@ -921,9 +1035,22 @@ fn fdecho() -> Result<(), String> {
 }
 
 /// Copies stdin to stdout until the end; says `stdecho N` on stderr.
-fn stdecho() -> Result<(), String> {
+/// With `go`, first says whether its stdin is a connected socket and
+/// writes the byte `G` (the client sends the rest once it read it).
+fn stdecho(go: bool) -> Result<(), String> {
     let mut buf = vec![0u8; 65_536];
     let mut n = 0u64;
+    if go {
+        // SAFETY: getpeername(2) into a sockaddr_storage of ours, its size.
+        let connected = unsafe {
+            let mut a: libc::sockaddr_storage = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            libc::getpeername(0, (&mut a as *mut libc::sockaddr_storage).cast(), &mut len) == 0
+        };
+        eprintln!("stdecho: stdin {}", if connected { "is a connected socket" } else { "is no socket" });
+        // SAFETY: write(2) of one byte of ours.
+        unsafe { libc::write(1, b"G".as_ptr().cast(), 1) };
+    }
     loop {
         // SAFETY: read(2) into our buffer.
         let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
@@ -2877,7 +3004,7 @@ fn main() {
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
-        Some("stdecho") => stdecho(),
+        Some("stdecho") => stdecho(args.get(2).is_some_and(|a| a == "go")),
         Some("execlisten") => execlisten(port()),
         Some("fdecho") => fdecho(),
         Some("banner") => banner(port()),
@@ -2885,6 +3012,11 @@ fn main() {
         Some("forkclient") => forkclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("goclient") => goclient(
+            port(),
+            args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
+            args.get(4).map(String::as_str).expect("WAY"),
+        ),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
         Some("badbuf") => badbuf(port()),

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use libc::c_int;
 
 use super::{lock, Link, Res, Rx, Tx, DEMOTE, MARK_LEN, S_DEMOTE};
-use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED};
+use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED, D_NONE};
 use crate::real;
 
 /// Where a peer's read goes once its ring is read up to the demoting
@@ -313,6 +313,107 @@ impl Link {
         self.unblock();
         crate::credit::came();
         true
+    }
+
+    /// Before an exec whose program inherits this connection (this
+    /// process drives it, `crate::exec`): demotes it as the driver and
+    /// waits, until `end` at most, for the peer's marker, which is taken
+    /// off, so that the kernel socket holds exactly the stream that
+    /// follows (the peer's bytes after its marker; no wake byte, no
+    /// marker). Only while the ring holds no byte the program has not
+    /// read: those could not reach the exec'd program (its address space
+    /// goes, and a TCP receive queue takes nothing back), so such a
+    /// connection is not demoted at all. `Err`: why not, and whether the
+    /// demotion was made anyway and the peer's bytes landed in the ring
+    /// meanwhile (lost with the exec: the caller resets the socket).
+    pub(crate) fn demote_for_exec(&self, end: Instant) -> Result<(), (&'static str, bool)> {
+        let Some(d) = self.demote_words() else { return Err(("no shared page", false)) };
+        if !self.can_demote() {
+            return Err(("the peer does not answer demotions, or the connection is mapped or failed", false));
+        }
+        if self.in_demotion() || self.peer_demoted().is_some() {
+            return Err(("a demotion is under way", false));
+        }
+        {
+            // A thread of this process that reads it holds the receive
+            // lock (and takes its bytes): not demoted under it.
+            let mut rx = None;
+            for _ in 0..20 {
+                if let Ok(g) = self.rx.try_lock() {
+                    rx = Some(g);
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            let Some(rx) = rx else { return Err(("another thread reads it", false)) };
+            if rx.eof {
+                return Err(("its end was read", false));
+            }
+            if self.waiting(rx.rd) > 0 {
+                return Err(("the ring holds bytes the program has not read", false));
+            }
+            self.share_rd(rx.rd);
+            if d.state.compare_exchange(D_NONE, D_DEMOTING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return Err(("a demotion is under way", false));
+            }
+        }
+        if !self.demote_as_driver() {
+            return Err(("the demotion failed", true));
+        }
+        loop {
+            let part = {
+                let _g = RingLock::take(d);
+                match d.state.load(Ordering::Acquire) {
+                    D_DONE => return Ok(()),
+                    D_FAILED => return Err(("the demotion failed", true)),
+                    _ => {}
+                }
+                let rd = d.rd.load(Ordering::Acquire);
+                if self.waiting(rd) > 0 {
+                    return Err(("the peer's bytes landed in the ring before its switch", true));
+                }
+                let h = match head(self.sock) {
+                    Ok(h) => h,
+                    Err(_) => return Err(("the kernel socket failed", true)),
+                };
+                let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
+                let late = self.waiting(rd) > 0;
+                match h {
+                    Head::Mark(w) => match at_mark(w, rd, written, late) {
+                        AtMark::Take => {
+                            take_mark(self.sock);
+                            d.state.store(D_DONE, Ordering::Release);
+                            self.page.set_tcp();
+                            crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP for the exec"));
+                            return Ok(());
+                        }
+                        AtMark::Ring => return Err(("the peer's bytes landed in the ring before its switch", true)),
+                        AtMark::Wait => false,
+                        AtMark::Bad => {
+                            d.state.store(D_FAILED, Ordering::Release);
+                            return Err(("the peer's marker is wrong", true));
+                        }
+                    },
+                    Head::Bad => {
+                        d.state.store(D_FAILED, Ordering::Release);
+                        return Err(("the peer's marker is wrong", true));
+                    }
+                    // The peer's end and nothing in the ring: the exec'd
+                    // program reads the end.
+                    Head::End if !late => return Ok(()),
+                    Head::End => return Err(("the peer's bytes landed in the ring before its end", true)),
+                    Head::Part => true,
+                    Head::Nothing => false,
+                }
+            };
+            let now = Instant::now();
+            if now >= end {
+                // (Its bytes that land later are not read, as before: it
+                // sees the end.)
+                return Err(("the peer did not answer the demotion in time", false));
+            }
+            wait_more(self.sock, part, (end - now).min(Duration::from_millis(10)));
+        }
     }
 
     /// For the driver's close of a demoted connection: waits (a while at
