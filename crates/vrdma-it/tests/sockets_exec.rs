@@ -329,6 +329,54 @@ sys.exit(r.returncode)
     Ok(())
 }
 
+/// A Python server that echoes a first chunk on a carried connection
+/// (its library carries it), then runs a program with the socket as its
+/// stdin and stdout through `subprocess` (`_posixsubprocess` `dup2`s it
+/// in a `vfork`ed child, which shares the parent's memory, and execs
+/// there): the child demotes the connection, the program gets it and
+/// echoes the rest, and the parent, which then finds it plain TCP, closes
+/// it: the client reads the end.
+#[test]
+fn a_python_server_running_a_program_through_subprocess_on_a_carried_connection_hands_it_over() -> Result<()> {
+    const SERVER: &str = "import socket, subprocess, sys
+l = socket.socket()
+l.bind(('127.0.0.1', int(sys.argv[1])))
+l.listen()
+print('listening', flush=True)
+c, _ = l.accept()
+n = 0
+while n < 16384:
+    b = c.recv(16384 - n)
+    if not b:
+        sys.exit(3)
+    c.sendall(b)
+    n += len(b)
+r = subprocess.run([sys.argv[2], 'stdecho', 'go'], stdin=c, stdout=c)
+c.close()
+sys.exit(r.returncode)
+";
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+    let mut py = Command::new("python3");
+    py.args(["-c", SERVER, &port.to_string()])
+        .arg(&exe)
+        .env(vrdma::SOCKET_ENV, &d.socket)
+        .env("VRDMA_SOCKETS_DEBUG", "1")
+        .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+    let s = spawn(py, "python server");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
+    let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(LIMIT);
+    let s = s.finish(LIMIT);
+    handed_over(&c, &s);
+    Ok(())
+}
+
 /// Why both ends send their hello before they read the other's (the
 /// order the exec settling relies on, `docs/sockets.md`): a server that
 /// speaks first, to a client that waits in `poll` for the banner before

@@ -42,8 +42,12 @@ use crate::table::{self, keep_errno, Entry, Guard};
 
 /// Settles every undecided connection a program started now would
 /// inherit (every descriptor not close-on-exec), and demotes the carried
-/// ones it would inherit (the program's own flag clear).
-fn settle() {
+/// ones it would inherit (the program's own flag clear). `exec`: this
+/// process's image goes (or is a `vfork` child's, sharing its parent's
+/// memory): a demoted connection's state is left as it is, not dropped
+/// (a `vfork` child may have closed the descriptors its drop would
+/// close, and Rust's descriptors abort on that).
+fn settle(exec: bool) {
     let Some(_g) = Guard::enter() else { return };
     keep_errno(|| {
         let mut demoted: Vec<std::sync::Arc<crate::stream::Stream>> = Vec::new();
@@ -72,6 +76,9 @@ fn settle() {
                 s.settle_for_exec(fd);
             }
         }
+        if exec {
+            std::mem::forget(demoted);
+        }
         // Descriptors whose connection is plain TCP by now (demoted: by
         // this call, by a `vfork` child's exec in this memory, or after a
         // fork) get the program's own flag back.
@@ -93,7 +100,7 @@ fn carried_now(s: &crate::stream::Stream) -> bool {
 /// process as its driver, waiting `VRDMA_SOCKETS_WAIT_MS` at most for
 /// the peer (`docs/sockets.md`, "Exec"). Whether it is plain TCP now;
 /// else it stays close-on-exec, as before (the peer sees the end).
-fn demote(fd: c_int, s: &crate::stream::Stream) -> bool {
+fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>) -> bool {
     let Some(l) = s.link_now() else { return false };
     if !s.owner.mine() {
         crate::dev::debug(&format!("descriptor {fd}: another process drives its connection: not inherited"));
@@ -104,9 +111,13 @@ fn demote(fd: c_int, s: &crate::stream::Stream) -> bool {
         return false;
     }
     let end = std::time::Instant::now() + crate::link::demote_wait();
-    match l.demote_for_exec(end) {
+    match l.demote_for_exec(fd, end) {
         Ok(()) => {
             crate::dev::debug(&format!("descriptor {fd}: demoted to plain TCP for the exec'd program"));
+            // Plain TCP for this process too: its calls go to the kernel
+            // (a `vfork` child's table is its parent's, whose descriptors
+            // the child's `dup2`s do not change).
+            table::forget_stream(s);
             true
         }
         Err((why, lost)) => {
@@ -160,21 +171,21 @@ pub unsafe extern "C" fn execve(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execve with the caller's arguments.
     unsafe { real::execve(path, argv, envp) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execv with the caller's arguments.
     unsafe { real::execv(path, argv) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execvp with the caller's arguments.
     unsafe { real::execvp(file, argv) }
 }
@@ -185,14 +196,14 @@ pub unsafe extern "C" fn execvpe(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execvpe with the caller's arguments.
     unsafe { real::execvpe(file, argv, envp) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn fexecve(fd: c_int, argv: *const *const c_char, envp: *const *const c_char) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's fexecve with the caller's arguments.
     unsafe { real::fexecve(fd, argv, envp) }
 }
@@ -205,7 +216,7 @@ pub unsafe extern "C" fn execveat(
     envp: *const *const c_char,
     flags: c_int,
 ) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execveat with the caller's arguments.
     unsafe { real::execveat(dirfd, path, argv, envp, flags) }
 }
@@ -219,7 +230,7 @@ pub unsafe extern "C" fn posix_spawn(
     argv: *const *mut c_char,
     envp: *const *mut c_char,
 ) -> c_int {
-    settle();
+    settle(false);
     // SAFETY: libc's posix_spawn with the caller's arguments.
     unsafe { real::posix_spawn(pid, path, fa, attr, argv, envp) }
 }
@@ -233,7 +244,7 @@ pub unsafe extern "C" fn posix_spawnp(
     argv: *const *mut c_char,
     envp: *const *mut c_char,
 ) -> c_int {
-    settle();
+    settle(false);
     // SAFETY: libc's posix_spawnp with the caller's arguments.
     unsafe { real::posix_spawnp(pid, file, fa, attr, argv, envp) }
 }
@@ -261,7 +272,7 @@ pub unsafe extern "C" fn posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c
 pub unsafe extern "C" fn system(cmd: *const c_char) -> c_int {
     // `system(NULL)` only asks whether a shell exists.
     if !cmd.is_null() {
-        settle();
+        settle(false);
     }
     // SAFETY: libc's system with the caller's argument.
     unsafe { real::system(cmd) }
@@ -269,14 +280,14 @@ pub unsafe extern "C" fn system(cmd: *const c_char) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void {
-    settle();
+    settle(false);
     // SAFETY: libc's popen with the caller's arguments.
     unsafe { real::popen(cmd, mode) }
 }
 
 /// Settles, then gives the address of libc's function of that name.
 fn settle_then(slot: &std::sync::atomic::AtomicUsize, name: &'static [u8]) -> usize {
-    settle();
+    settle(true);
     real::lookup(slot, name)
 }
 

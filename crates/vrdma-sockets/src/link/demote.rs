@@ -257,6 +257,13 @@ impl Link {
     /// to [`D_DEMOTING`]. Whether it worked (else the state is
     /// [`D_FAILED`]: every call fails).
     pub(crate) fn demote_as_driver(&self) -> bool {
+        self.demote_as_driver_on(self.sock)
+    }
+
+    /// [`Self::demote_as_driver`], the socket's bytes through `sock` (a
+    /// descriptor of the same socket: before an exec, the program's, which
+    /// a `vfork` child keeps where it closed the library's).
+    fn demote_as_driver_on(&self, sock: c_int) -> bool {
         let Some(d) = self.demote_words() else { return false };
         let r = (|| -> Res<()> {
             crate::pause::at(crate::pause::Point::DemoteLock);
@@ -279,7 +286,7 @@ impl Link {
                     // Shut for writing: its FIN is on the socket already, and
                     // the peer reads its ring up to the count, then the end.
                     if !tx.shut {
-                        crate::stream::send_all(self.sock, &mark(w))?;
+                        crate::stream::send_all(sock, &mark(w))?;
                     }
                     Ok(())
                 })();
@@ -294,7 +301,7 @@ impl Link {
             }
             // No wake byte goes any more: the program's socket options
             // go back into the kernel (its marker went out at once).
-            crate::kept::give_back_page(&self.page, self.sock);
+            crate::kept::give_back_page(&self.page, sock);
             // Every ring read of this process is done under the lock from
             // here (`read`), and their count is the shared one.
             let _g = RingLock::take(d);
@@ -320,13 +327,14 @@ impl Link {
     /// waits, until `end` at most, for the peer's marker, which is taken
     /// off, so that the kernel socket holds exactly the stream that
     /// follows (the peer's bytes after its marker; no wake byte, no
-    /// marker). Only while the ring holds no byte the program has not
+    /// marker). `sock`: the program's descriptor of the socket (a `vfork`
+    /// child may have closed the library's). Only while the ring holds no byte the program has not
     /// read: those could not reach the exec'd program (its address space
     /// goes, and a TCP receive queue takes nothing back), so such a
     /// connection is not demoted at all. `Err`: why not, and whether the
     /// demotion was made anyway and the peer's bytes landed in the ring
     /// meanwhile (lost with the exec: the caller resets the socket).
-    pub(crate) fn demote_for_exec(&self, end: Instant) -> Result<(), (&'static str, bool)> {
+    pub(crate) fn demote_for_exec(&self, sock: c_int, end: Instant) -> Result<(), (&'static str, bool)> {
         let Some(d) = self.demote_words() else { return Err(("no shared page", false)) };
         if !self.can_demote() {
             return Err(("the peer does not answer demotions, or the connection is mapped or failed", false));
@@ -357,7 +365,7 @@ impl Link {
                 return Err(("a demotion is under way", false));
             }
         }
-        if !self.demote_as_driver() {
+        if !self.demote_as_driver_on(sock) {
             return Err(("the demotion failed", true));
         }
         loop {
@@ -372,7 +380,7 @@ impl Link {
                 if self.waiting(rd) > 0 {
                     return Err(("the peer's bytes landed in the ring before its switch", true));
                 }
-                let h = match head(self.sock) {
+                let h = match head(sock) {
                     Ok(h) => h,
                     Err(_) => return Err(("the kernel socket failed", true)),
                 };
@@ -381,7 +389,7 @@ impl Link {
                 match h {
                     Head::Mark(w) => match at_mark(w, rd, written, late) {
                         AtMark::Take => {
-                            take_mark(self.sock);
+                            take_mark(sock);
                             d.state.store(D_DONE, Ordering::Release);
                             self.page.set_tcp();
                             crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP for the exec"));
@@ -412,7 +420,7 @@ impl Link {
                 // sees the end.)
                 return Err(("the peer did not answer the demotion in time", false));
             }
-            wait_more(self.sock, part, (end - now).min(Duration::from_millis(10)));
+            wait_more(sock, part, (end - now).min(Duration::from_millis(10)));
         }
     }
 
