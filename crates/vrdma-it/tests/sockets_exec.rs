@@ -199,14 +199,19 @@ fn a_connection_whose_peer_does_not_answer_in_time_is_not_inherited() -> Result<
 /// not reach the exec'd program (its address space goes, and a TCP
 /// receive queue takes nothing back): such a connection is not demoted,
 /// and is not inherited, as before. The client sends two chunks before
-/// it reads the first one's echo; the server reads one and execs.
+/// it reads the first one's echo; the server reads one, waits a while
+/// (the second lands in its ring meanwhile) and execs.
 #[test]
 fn a_connection_with_unread_ring_bytes_is_not_inherited() -> Result<()> {
-    let (c, s) = go_inetd("carried-exec", "pipelined", &[], &[])?;
+    let (c, s) = go_inetd("carried-exec", "pipelined", &[("SOCKAPP_BEFORE_EXEC_MS", "500")], &[])?;
     c.assert_ok();
     s.assert_ok();
     assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
-    assert!(s.stderr.contains("not demoted (the ring holds bytes the program has not read)"), "{}", s.describe());
+    assert!(
+        s.stderr.contains("not demoted (the ring holds bytes the program has not read)"),
+        "{}",
+        s.describe()
+    );
     assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
     assert!(c.stdout.contains("the end instead of the go byte"), "{}", c.describe());
     Ok(())
@@ -337,7 +342,8 @@ sys.exit(r.returncode)
 /// echoes the rest, and the parent, which then finds it plain TCP, closes
 /// it: the client reads the end.
 #[test]
-fn a_python_server_running_a_program_through_subprocess_on_a_carried_connection_hands_it_over() -> Result<()> {
+fn a_python_server_running_a_program_through_subprocess_on_a_carried_connection_hands_it_over() -> Result<()>
+{
     const SERVER: &str = "import socket, subprocess, sys
 l = socket.socket()
 l.bind(('127.0.0.1', int(sys.argv[1])))

@@ -107,3 +107,50 @@ pub fn restore(fd: c_int) {
 pub fn all() -> Vec<c_int> {
     map().as_ref().map(|m| m.keys().copied().collect()).unwrap_or_default()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn real_cloexec(fd: c_int) -> bool {
+        // SAFETY: fcntl(2) F_GETFD on a descriptor of the test's.
+        unsafe { libc::fcntl(fd, libc::F_GETFD) & libc::FD_CLOEXEC != 0 }
+    }
+
+    #[test]
+    fn a_forced_flag_keeps_what_the_program_asked_for_and_gives_it_back() {
+        let mut p = [0; 2];
+        // SAFETY: pipe(2) into an array of two.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        let (a, b) = (p[0], p[1]);
+        // The program's flag clear (inherited): forced on, remembered.
+        crate::table::set_cloexec(a);
+        assert!(real_cloexec(a));
+        assert!(inherited(a));
+        // The program asks for close-on-exec later: not inherited.
+        forced(a, Some(true));
+        assert!(!inherited(a));
+        forced(a, Some(false));
+        // Given back: the real flag is the program's again.
+        restore(a);
+        assert!(!real_cloexec(a));
+        assert_eq!(program_view(a), None);
+        // A flag the program set itself is not recorded, and stays.
+        // SAFETY: fcntl(2) F_SETFD on a descriptor of the test's.
+        unsafe { libc::fcntl(b, libc::F_SETFD, libc::FD_CLOEXEC) };
+        crate::table::set_cloexec(b);
+        assert_eq!(program_view(b), None);
+        assert!(!inherited(b));
+        restore(b);
+        assert!(real_cloexec(b));
+        // A closed descriptor's record goes.
+        crate::table::set_cloexec(a);
+        forget(a);
+        assert_eq!(program_view(a), None);
+        // SAFETY: closes the test's pipe.
+        unsafe {
+            libc::close(a);
+            libc::close(b);
+        }
+    }
+}

@@ -14,7 +14,14 @@
 //! is settled as plain TCP ([`crate::stream::Stream::settle_for_exec`]: through the
 //! daemon, or by answering the client's hello with a decline), and the
 //! program reads a clean stream. A carried connection is close-on-exec
-//! (the program does not get it: [`crate::table::set_cloexec`]).
+//! ([`crate::table::set_cloexec`]); one the program wants its exec'd
+//! program to inherit (its own flag clear: [`crate::cloexec`]) is
+//! demoted to plain TCP at an exact byte first, this process as its
+//! driver (`Link::demote_for_exec`), and its real flag given back, so the
+//! program inherits a plain TCP socket whose stream goes on exactly;
+//! where it cannot be (bytes the program has not read in the ring, a peer
+//! that does not answer in time or cannot, another process's) it stays
+//! close-on-exec and the peer sees the end (`docs/sockets.md`, "Exec").
 //!
 //! glibc's exec family does not go through `execve`'s PLT entry (each
 //! calls glibc's internal `__execve` or `__execvpe`), so each is
@@ -25,9 +32,10 @@
 //! (which `system`, `popen` and Rust's `Command` use, through glibc's
 //! internal `__spawni`) settle what their child inherits; a descriptor
 //! that their file actions `dup2` (close-on-exec or not: the copy is
-//! inherited) is settled when the action is added, and a carried one's
-//! action becomes a close of its target (the child does not get it, as
-//! close-on-exec keeps it from an exec'd program). `system` and `popen`
+//! inherited) is settled when the action is added, and a carried one is
+//! demoted then, or, where it cannot be, its action becomes a close of
+//! its target (the child does not get it, as close-on-exec keeps it from
+//! an exec'd program). `system` and `popen`
 //! are interposed as well, since they reach `__spawni` without a PLT
 //! entry. `vfork` followed by an exec settles in the child, which shares
 //! the parent's memory: the parent then finds the connection TCP too.
@@ -60,12 +68,12 @@ fn settle(exec: bool) {
             if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
                 l.flush_all_writes();
             }
-            if carried_now(&s) && crate::cloexec::inherited(fd) {
-                if demoted.iter().any(|x| std::sync::Arc::ptr_eq(x, &s)) || demote(fd, &s) {
-                    demoted.push(s.clone());
-                    crate::cloexec::restore(fd);
-                    continue;
-                }
+            // (Its other descriptors find it plain TCP: settled below as
+            // such, their flags given back at the end.)
+            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s) {
+                demoted.push(s.clone());
+                crate::cloexec::restore(fd);
+                continue;
             }
             // A carried connection goes with the exec (close-on-exec):
             // this process no longer holds it (`crate::forkshare`).
@@ -251,10 +259,10 @@ pub unsafe extern "C" fn posix_spawnp(
 
 /// A spawned child will get a copy of `fd` (inherited whatever `fd`'s
 /// close-on-exec flag): its connection is settled now if it is not
-/// decided yet. A carried one is not given: the action closes `to` in
-/// the child instead, as the close-on-exec flag of a carried descriptor
-/// would (the child reads its stdin's end, say, while the parent keeps
-/// the connection).
+/// decided yet, and a carried one demoted. A carried one that cannot be
+/// is not given: the action closes `to` in the child instead, as the
+/// close-on-exec flag of a carried descriptor would (the child reads its
+/// stdin's end, say, while the parent keeps the connection).
 #[no_mangle]
 pub unsafe extern "C" fn posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c_int, to: c_int) -> c_int {
     if settle_fd(fd) {

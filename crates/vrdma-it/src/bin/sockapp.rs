@@ -215,7 +215,8 @@
 //! `std::process::Command` runs `stdecho` with it as stdin and stdout
 //! (glibc's `posix_spawn`, the socket `dup2`ed by its file actions) and
 //! waits; `carried-exec`: first echoes one 16 KiB chunk (the connection
-//! is carried), then `execve`s `stdecho go`; `carried-spawn`: first
+//! is carried), then `execve`s `stdecho go` (`SOCKAPP_BEFORE_EXEC_MS`:
+//! a pause before it); `carried-spawn`: first
 //! echoes one chunk, then `spawn`s `stdecho go` (against `goclient`).
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
@@ -804,6 +805,15 @@ fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
         other => return Err(format!("the go byte expected: {other:?} {g:?}")),
     }
     let mut sent = ECHO_CHUNK as u64;
+    if way == "pipelined" {
+        // The second chunk was sent already: its echo first.
+        let more: Vec<u8> = (n as u64..2 * n as u64).map(pattern).collect();
+        s.read_exact(&mut back).map_err(|e| format!("read back at {sent}: {e}"))?;
+        if back != more {
+            return Err("the second chunk echoed wrong".into());
+        }
+        sent += n as u64;
+    }
     while sent < bytes {
         let n = (ECHO_CHUNK as u64).min(bytes - sent) as usize;
         let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
@@ -928,6 +938,7 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
             s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
             let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
             eprintln!("echoed {n} before the exec");
+            pause("SOCKAPP_BEFORE_EXEC_MS");
             dup_onto(s.as_raw_fd(), &[0, 1])?;
             drop(s);
             Err(execve_self(&["stdecho", "go"]))

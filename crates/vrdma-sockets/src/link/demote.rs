@@ -392,10 +392,14 @@ impl Link {
                             take_mark(sock);
                             d.state.store(D_DONE, Ordering::Release);
                             self.page.set_tcp();
-                            crate::dev::debug(&format!("the peer's marker after {w} bytes: plain TCP for the exec"));
+                            crate::dev::debug(&format!(
+                                "the peer's marker after {w} bytes: plain TCP for the exec"
+                            ));
                             return Ok(());
                         }
-                        AtMark::Ring => return Err(("the peer's bytes landed in the ring before its switch", true)),
+                        AtMark::Ring => {
+                            return Err(("the peer's bytes landed in the ring before its switch", true))
+                        }
                         AtMark::Wait => false,
                         AtMark::Bad => {
                             d.state.store(D_FAILED, Ordering::Release);
