@@ -70,7 +70,7 @@ fn settle(exec: bool) {
             }
             // (Its other descriptors find it plain TCP: settled below as
             // such, their flags given back at the end.)
-            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s) {
+            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s, exec) {
                 demoted.push(s.clone());
                 crate::cloexec::restore(fd);
                 continue;
@@ -107,8 +107,10 @@ fn carried_now(s: &crate::stream::Stream) -> bool {
 /// an exec'd or spawned program) to plain TCP at an exact byte, this
 /// process as its driver, waiting `VRDMA_SOCKETS_WAIT_MS` at most for
 /// the peer (`docs/sockets.md`, "Exec"). Whether it is plain TCP now;
-/// else it stays close-on-exec, as before (the peer sees the end).
-fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>) -> bool {
+/// else it stays close-on-exec, as before (the peer sees the end), and
+/// is this process's still (`exec` false: a spawn), carried or, where the
+/// demotion began, demoted at this end.
+fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool) -> bool {
     let Some(l) = s.link_now() else { return false };
     if !s.owner.mine() {
         crate::dev::debug(&format!("descriptor {fd}: another process drives its connection: not inherited"));
@@ -130,9 +132,11 @@ fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>) -> bool {
         }
         Err((why, lost)) => {
             crate::dev::debug(&format!("descriptor {fd}: not demoted ({why}): not inherited"));
-            if lost {
+            if lost && exec {
                 // Bytes of the peer's that no program will read: a reset,
-                // as a TCP close with unread data, not a clean end.
+                // as a TCP close with unread data, not a clean end. (A
+                // process that spawns keeps them: its reads take them, the
+                // demoted way.)
                 let lg = libc::linger { l_onoff: 1, l_linger: 0 };
                 // SAFETY: setsockopt(2) with a linger of ours, its size.
                 unsafe {
@@ -161,7 +165,7 @@ fn settle_fd(fd: c_int) -> bool {
                 if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
                     l.flush_all_writes();
                 }
-                if demote(fd, &s) {
+                if demote(fd, &s, false) {
                     return false;
                 }
                 return true;

@@ -411,8 +411,12 @@ impl Link {
                         return Err(("the peer's marker is wrong", true));
                     }
                     // The peer's end and nothing in the ring: the exec'd
-                    // program reads the end.
-                    Head::End if !late => return Ok(()),
+                    // program reads the end (plain TCP from here).
+                    Head::End if !late => {
+                        d.state.store(D_DONE, Ordering::Release);
+                        self.page.set_tcp();
+                        return Ok(());
+                    }
                     Head::End => return Err(("the peer's bytes landed in the ring before its end", true)),
                     Head::Part => true,
                     Head::Nothing => false,
