@@ -340,7 +340,7 @@ sys.exit(r.returncode)
 /// in a `vfork`ed child, which shares the parent's memory, and execs
 /// there): the child demotes the connection, the program gets it and
 /// echoes the rest, and the parent, which then finds it plain TCP, closes
-/// it: the client reads the end.
+/// it: the client reads the end while the parent lives on.
 #[test]
 fn a_python_server_running_a_program_through_subprocess_on_a_carried_connection_hands_it_over() -> Result<()>
 {
@@ -359,6 +359,8 @@ while n < 16384:
     n += len(b)
 r = subprocess.run([sys.argv[2], 'stdecho', 'go'], stdin=c, stdout=c)
 c.close()
+# Alive until the test is done with the client (a second connection).
+l.accept()
 sys.exit(r.returncode)
 ";
     let _one = harness::one_at_a_time();
@@ -377,7 +379,11 @@ sys.exit(r.returncode)
         listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
     })?;
     let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
-    let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(LIMIT);
+    // The client reads the end while the server lives on (the kernel
+    // socket has no holder left: not the library's own descriptor in the
+    // parent either).
+    let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(Duration::from_secs(20));
+    let _ = std::net::TcpStream::connect(("127.0.0.1", port));
     let s = s.finish(LIMIT);
     handed_over(&c, &s);
     Ok(())

@@ -58,7 +58,8 @@ use crate::table::{self, keep_errno, Entry, Guard};
 fn settle(exec: bool) {
     let Some(_g) = Guard::enter() else { return };
     keep_errno(|| {
-        let mut demoted: Vec<std::sync::Arc<crate::stream::Stream>> = Vec::new();
+        left::close();
+        let mut demoted: Vec<(std::sync::Arc<crate::stream::Stream>, c_int)> = Vec::new();
         for (fd, s) in table::streams() {
             // What this process wrote on its carried connections lands
             // before its address space (the rings, the QP's context) goes
@@ -71,7 +72,7 @@ fn settle(exec: bool) {
             // (Its other descriptors find it plain TCP: settled below as
             // such, their flags given back at the end.)
             if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s, exec) {
-                demoted.push(s.clone());
+                demoted.push((s.clone(), fd));
                 crate::cloexec::restore(fd);
                 continue;
             }
@@ -85,6 +86,9 @@ fn settle(exec: bool) {
             }
         }
         if exec {
+            for (s, via) in &demoted {
+                left::record(s.own_fd(), *via);
+            }
             std::mem::forget(demoted);
         }
         // Descriptors whose connection is plain TCP by now (demoted: by
@@ -96,6 +100,65 @@ fn settle(exec: bool) {
             }
         }
     });
+}
+
+/// The library's own descriptors of the connections an exec demoted and
+/// left undropped: the exec replaces this memory, except for a `vfork`
+/// child's (its parent's) or an exec that failed. Then this memory's
+/// process still holds them, and the socket would not end when the
+/// program closes its descriptor (the peer would not read the end): each
+/// is closed at the next close or exec of the program, if it is still
+/// that socket (the same inode; the program may have closed the number
+/// and reused it). Each connection's QP and regions stay with the
+/// process (a `vfork` child's drop could not close them: the program may
+/// have closed their descriptors in the child, and Rust's abort then).
+pub(crate) mod left {
+    use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+
+    use libc::c_int;
+
+    const SLOTS: usize = 16;
+    static FD: [AtomicI32; SLOTS] = [const { AtomicI32::new(-1) }; SLOTS];
+    static INO: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
+    static ANY: AtomicBool = AtomicBool::new(false);
+
+    fn inode(fd: c_int) -> Option<u64> {
+        // SAFETY: fstat(2) into a zeroed stat of ours.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let r = unsafe { libc::fstat(fd, &mut st) };
+        (r == 0 && st.st_mode & libc::S_IFMT == libc::S_IFSOCK).then_some(st.st_ino)
+    }
+
+    /// `fd`, the library's descriptor of a demoted connection, is left;
+    /// `via`: the program's descriptor of the same socket (a `vfork`
+    /// child may have closed `fd` in its own table, not in its parent's).
+    pub fn record(fd: c_int, via: c_int) {
+        let Some(ino) = inode(via) else { return };
+        for (f, i) in FD.iter().zip(INO.iter()) {
+            if f.load(Ordering::Acquire) == -1 {
+                i.store(ino, Ordering::Release);
+                f.store(fd, Ordering::Release);
+                ANY.store(true, Ordering::Release);
+                return;
+            }
+        }
+    }
+
+    /// Closes the descriptors left, that are still their sockets.
+    pub fn close() {
+        if !ANY.load(Ordering::Acquire) || !ANY.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        for (f, i) in FD.iter().zip(INO.iter()) {
+            let fd = f.swap(-1, Ordering::AcqRel);
+            if fd >= 0 && inode(fd) == Some(i.load(Ordering::Acquire)) {
+                crate::dev::debug(&format!("the library's descriptor {fd} of a connection demoted for an exec that did not replace this memory: closed"));
+                // SAFETY: the library's own descriptor (the same socket).
+                unsafe { crate::real::close(fd) };
+            }
+        }
+    }
 }
 
 /// Whether `s` goes over vRDMA still (not demoted to plain TCP).

@@ -829,6 +829,7 @@ pub unsafe extern "C" fn getsockopt(
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
         crate::cloexec::forget(fd);
+        crate::exec::left::close();
         keep_errno(|| crate::epoll::forget(fd));
         match table::remove(fd) {
             Some(e @ Entry::Listener(_)) if !e.ours() => std::mem::forget(e),

@@ -289,6 +289,11 @@ impl Stream {
         }
     }
 
+    /// The library's own descriptor of its socket.
+    pub fn own_fd(&self) -> c_int {
+        self.sock.0
+    }
+
     /// Its link, if carried already (never negotiates, never waits: for
     /// the readiness calls).
     pub fn link_now(&self) -> Option<Arc<Link>> {
