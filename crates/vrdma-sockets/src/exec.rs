@@ -184,7 +184,7 @@ fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool) -> b
         return false;
     }
     let end = std::time::Instant::now() + crate::link::demote_wait();
-    match l.demote_for_exec(fd, end) {
+    match l.demote_for_exec(fd, end, exec) {
         Ok(()) => {
             crate::dev::debug(&format!("descriptor {fd}: demoted to plain TCP for the exec'd program"));
             // Plain TCP for this process too: its calls go to the kernel

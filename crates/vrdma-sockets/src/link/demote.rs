@@ -24,8 +24,9 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use libc::c_int;
+use vrdma::wr::{self, SendWrExt as _};
 
-use super::{lock, Link, Res, Rx, Tx, DEMOTE, MARK_LEN, S_DEMOTE};
+use super::{lock, Link, Res, Rx, Tx, DEMOTE, DEMOTE_RD, EXEC_BIT, MARK_LEN, RING, S_DEMOTE, S_DEMOTE_RD};
 use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED, D_NONE};
 use crate::real;
 
@@ -257,13 +258,16 @@ impl Link {
     /// to [`D_DEMOTING`]. Whether it worked (else the state is
     /// [`D_FAILED`]: every call fails).
     pub(crate) fn demote_as_driver(&self) -> bool {
-        self.demote_as_driver_on(self.sock)
+        self.demote_as_driver_on(self.sock, None)
     }
 
     /// [`Self::demote_as_driver`], the socket's bytes through `sock` (a
     /// descriptor of the same socket: before an exec, the program's, which
-    /// a `vfork` child keeps where it closed the library's).
-    fn demote_as_driver_on(&self, sock: c_int) -> bool {
+    /// a `vfork` child keeps where it closed the library's). `exec_rd`: an
+    /// exec demotion, this end's ring read up to it (the peer sends the
+    /// rest again: its `DEMOTE_RD` word, then the `DEMOTE` word with
+    /// [`EXEC_BIT`]).
+    fn demote_as_driver_on(&self, sock: c_int, exec_rd: Option<u64>) -> bool {
         let Some(d) = self.demote_words() else { return false };
         let r = (|| -> Res<()> {
             crate::pause::at(crate::pause::Point::DemoteLock);
@@ -278,7 +282,13 @@ impl Link {
             if !self.p_wr.load(Ordering::Acquire) && !self.peer_closed() {
                 let told = (|| -> Res<()> {
                     self.flush()?;
-                    let _ = self.stage.write_u64(S_DEMOTE, w + 1);
+                    let mut word = w + 1;
+                    if let Some(rd) = exec_rd {
+                        let _ = self.stage.write_u64(S_DEMOTE_RD, rd);
+                        self.write_word(S_DEMOTE_RD, 8, DEMOTE_RD)?;
+                        word |= EXEC_BIT;
+                    }
+                    let _ = self.stage.write_u64(S_DEMOTE, word);
                     self.write_word(S_DEMOTE, 8, DEMOTE)?;
                     // A peer writer waiting for credits wakes and sees the word.
                     self.answer_want(&mut lock(&self.post));
@@ -334,8 +344,16 @@ impl Link {
     /// connection is not demoted at all. `Err`: why not, and whether the
     /// demotion was made anyway and the peer's bytes landed in the ring
     /// meanwhile (lost with the exec: the caller resets the socket).
-    pub(crate) fn demote_for_exec(&self, sock: c_int, end: Instant) -> Result<(), (&'static str, bool)> {
+    pub(crate) fn demote_for_exec(
+        &self,
+        sock: c_int,
+        end: Instant,
+        resend: bool,
+    ) -> Result<(), (&'static str, bool)> {
         let Some(d) = self.demote_words() else { return Err(("no shared page", false)) };
+        // The peer sends the ring's bytes past the read count again.
+        let exec = resend && self.peer_exec;
+        let exec_rd: Option<u64>;
         if !self.can_demote() {
             return Err(("the peer does not answer demotions, or the connection is mapped or failed", false));
         }
@@ -357,15 +375,16 @@ impl Link {
             if rx.eof {
                 return Err(("its end was read", false));
             }
-            if self.waiting(rx.rd) > 0 {
+            if !exec && self.waiting(rx.rd) > 0 {
                 return Err(("the ring holds bytes the program has not read", false));
             }
             self.share_rd(rx.rd);
+            exec_rd = exec.then_some(rx.rd);
             if d.state.compare_exchange(D_NONE, D_DEMOTING, Ordering::AcqRel, Ordering::Acquire).is_err() {
                 return Err(("a demotion is under way", false));
             }
         }
-        if !self.demote_as_driver_on(sock) {
+        if !self.demote_as_driver_on(sock, exec_rd) {
             return Err(("the demotion failed", true));
         }
         loop {
@@ -377,7 +396,7 @@ impl Link {
                     _ => {}
                 }
                 let rd = d.rd.load(Ordering::Acquire);
-                if self.waiting(rd) > 0 {
+                if !exec && self.waiting(rd) > 0 {
                     return Err(("the peer's bytes landed in the ring before its switch", true));
                 }
                 let h = match head(sock) {
@@ -387,6 +406,22 @@ impl Link {
                 let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
                 let late = self.waiting(rd) > 0;
                 match h {
+                    // The peer's count is this end's read count: what its
+                    // ring holds past it follows on the socket.
+                    Head::Mark(w) if exec && w == rd => {
+                        take_mark(sock);
+                        d.state.store(D_DONE, Ordering::Release);
+                        self.page.set_tcp();
+                        crate::dev::debug(&format!(
+                            "the peer's marker at {w} bytes, {} sent again after it: plain TCP for the exec",
+                            written.saturating_sub(rd)
+                        ));
+                        return Ok(());
+                    }
+                    Head::Mark(_) if exec => {
+                        d.state.store(D_FAILED, Ordering::Release);
+                        return Err(("the peer's marker is not at this end's read count", true));
+                    }
                     Head::Mark(w) => match at_mark(w, rd, written, late) {
                         AtMark::Take => {
                             take_mark(sock);
@@ -737,8 +772,53 @@ impl Link {
     /// As the peer: the count the demoting end wrote into this end's ring
     /// (its `DEMOTE` word), if it demoted.
     pub(crate) fn peer_demoted(&self) -> Option<u64> {
-        let w = self.ring.read_u64(DEMOTE).unwrap_or(0);
+        let w = self.ring.read_u64(DEMOTE).unwrap_or(0) & !EXEC_BIT;
         (w != 0).then(|| w - 1)
+    }
+
+    /// As the peer: the demoting end's read count, if it demotes for an
+    /// exec (its `DEMOTE` word has [`EXEC_BIT`]): this end's ring bytes
+    /// past it are sent again on the kernel socket.
+    fn peer_exec_rd(&self) -> Option<u64> {
+        let w = self.ring.read_u64(DEMOTE).unwrap_or(0);
+        (w & EXEC_BIT != 0).then(|| self.ring.read_u64(DEMOTE_RD).unwrap_or(u64::MAX))
+    }
+
+    /// As the peer of an exec demotion, the send lock held, every write
+    /// landed: the marker with the demoting end's read count `rd`, then
+    /// the bytes this end wrote into its ring past it (`rd..wr`), read
+    /// back from that ring by an RDMA read, on the kernel socket. Nothing
+    /// of them was read there: the exec'd program reads them from the
+    /// socket.
+    fn p_resend_for_exec(&self, rd: u64, wr: u64) -> Res<()> {
+        let n = wr.checked_sub(rd).filter(|&n| n as usize <= RING).ok_or(libc::ECONNRESET)? as usize;
+        let mut out = Vec::with_capacity(MARK_LEN + n);
+        out.extend_from_slice(&mark(rd));
+        if n > 0 {
+            let off = (rd % RING as u64) as usize;
+            let first = n.min(RING - off);
+            let mut wrs = Vec::with_capacity(2);
+            for (at, from, len) in [(0, off, first), (first, 0, n - first)] {
+                if len == 0 {
+                    continue;
+                }
+                let sge = self.stage.sge(at, len).map_err(|e| e.errno())?;
+                let w = wr::rdma_read(0, &[sge], self.peer_addr + from as u64, self.peer_rkey)
+                    .map_err(|e| e.errno())?
+                    .signaled();
+                wrs.push(w);
+            }
+            let id = self.post(&mut wrs, None)?;
+            self.wait_until(|p| p.done >= id)?;
+            let mut b = vec![0u8; n];
+            self.stage.read(0, &mut b).map_err(|e| e.errno())?;
+            out.extend_from_slice(&b);
+        }
+        crate::stream::send_all(self.sock, &out)?;
+        crate::dev::debug(&format!(
+            "the peer demoted for an exec at {rd}: {n} bytes sent again after the marker"
+        ));
+        Ok(())
     }
 
     /// Whether a demoting peer's marker is at the head of the socket
@@ -768,7 +848,10 @@ impl Link {
         // driver that took the request but not the lock yet sends none:
         // it finds this end's writes switched.)
         if !tx.shut && self.d_state() < D_DEMOTED {
-            crate::stream::send_all(self.sock, &mark(tx.wr))?;
+            match self.peer_exec_rd() {
+                Some(rd) => self.p_resend_for_exec(rd, tx.wr)?,
+                None => crate::stream::send_all(self.sock, &mark(tx.wr))?,
+            }
         }
         self.p_wr.store(true, Ordering::Release);
         // No wake byte goes any more: the program's socket options go
