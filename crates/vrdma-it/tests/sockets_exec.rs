@@ -210,6 +210,27 @@ fn a_connection_with_unread_ring_bytes_is_handed_over_with_them() -> Result<()> 
     Ok(())
 }
 
+/// A spawn does not ask the peer to send unread ring bytes again (the
+/// parent goes on, and must be left a connection it can read should the
+/// peer not answer in time): a carried connection whose ring holds bytes
+/// the program has not read is not given to the spawned program, as
+/// before (its file action closes the target instead).
+#[test]
+fn a_carried_connection_with_unread_ring_bytes_is_not_given_to_a_spawned_program() -> Result<()> {
+    let (c, s) = go_inetd("carried-spawn", "pipelined", &[("SOCKAPP_BEFORE_EXEC_MS", "500")], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(
+        s.stderr.contains("not demoted (the ring holds bytes the program has not read)"),
+        "{}",
+        s.describe()
+    );
+    assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte"), "{}", c.describe());
+    Ok(())
+}
+
 /// A client that connects and execs a program with the connection before
 /// any call on it: it gives its announcement up (the server's claim is
 /// refused) or, if the server claimed it already, sends a decline in

@@ -217,7 +217,8 @@
 //! waits; `carried-exec`: first echoes one 16 KiB chunk (the connection
 //! is carried), then `execve`s `stdecho go` (`SOCKAPP_BEFORE_EXEC_MS`:
 //! a pause before it); `carried-spawn`: first
-//! echoes one chunk, then `spawn`s `stdecho go` (against `goclient`).
+//! echoes one chunk, then `spawn`s `stdecho go` (the same pause before
+//! it; against `goclient`).
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
 //! go` first says whether its stdin is a connected socket and writes `G`.
@@ -980,6 +981,7 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
             if mode == "carried-spawn" {
                 let echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
                 eprintln!("echoed {echoed} before the spawn");
+                pause("SOCKAPP_BEFORE_EXEC_MS");
                 args.push("go");
             }
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
