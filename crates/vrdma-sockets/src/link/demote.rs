@@ -19,6 +19,15 @@
 //! reads take its ring up to D's count, then D's marker, then the kernel
 //! socket. Both ends resend nothing: every byte over the ring is read
 //! from the ring.
+//!
+//! An exec demotion ([`Link::demote_for_exec`], `crate::exec`) is D's part
+//! done synchronously before an exec, whose program inherits the kernel
+//! socket; D's ring goes with the exec, so D's read count goes into the
+//! peer's `DEMOTE_RD` word and the `DEMOTE` word has its top bit set (only
+//! for a peer whose hello says it answers that): P reads its bytes past
+//! that count back from D's ring (an RDMA read) and sends them after its
+//! marker, whose count is D's read count; D takes the marker off and
+//! execs.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
