@@ -1060,7 +1060,11 @@ fn stdecho(go: bool) -> Result<(), String> {
             let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
             libc::getpeername(0, (&mut a as *mut libc::sockaddr_storage).cast(), &mut len) == 0
         };
-        eprintln!("stdecho: stdin {}", if connected { "is a connected socket" } else { "is no socket" });
+        // One write(2) for the whole line: the parent's library may log on
+        // the same stderr at the same time, and `eprintln!` may split it.
+        let line = format!("stdecho: stdin {}\n", if connected { "is a connected socket" } else { "is no socket" });
+        // SAFETY: write(2) of our buffer, its length.
+        unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
         // SAFETY: write(2) of one byte of ours.
         unsafe { libc::write(1, b"G".as_ptr().cast(), 1) };
     }
@@ -1084,7 +1088,9 @@ fn stdecho(go: bool) -> Result<(), String> {
         }
         n += r as u64;
     }
-    eprintln!("stdecho {n}");
+    let line = format!("stdecho {n}\n");
+    // SAFETY: write(2) of our buffer, its length (one write, as above).
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
     Ok(())
 }
 
