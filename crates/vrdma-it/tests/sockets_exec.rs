@@ -210,6 +210,28 @@ fn a_connection_with_unread_ring_bytes_is_handed_over_with_them() -> Result<()> 
     Ok(())
 }
 
+/// Most of a ring unread at the exec (192 KiB), past a read count near the
+/// ring's size (240 KiB), so that the range the client's library reads
+/// back from the server's ring wraps, and the exec'd program echoes them
+/// while the client's library still sends them: every byte comes back
+/// once, in order.
+#[test]
+fn a_connection_with_most_of_a_wrapping_ring_unread_is_handed_over_whole() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let server = [("SOCKAPP_BEFORE_EXEC_MS", "500"), ("SOCKAPP_ECHO_FIRST", first.as_str())];
+    let client = [("SOCKAPP_ECHO_FIRST", first.as_str()), ("SOCKAPP_UNREAD", unread.as_str())];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
+    assert!(c.stderr.contains(&format!("{} bytes sent again after the marker", 192 * 1024)), "{}", c.describe());
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    Ok(())
+}
+
 /// A spawn does not ask the peer to send unread ring bytes again (the
 /// parent goes on, and must be left a connection it can read should the
 /// peer not answer in time): a carried connection whose ring holds bytes

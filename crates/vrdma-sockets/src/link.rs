@@ -199,6 +199,10 @@ pub struct Link {
     /// taken).
     p_wr: AtomicBool,
     p_rd: AtomicBool,
+    /// As the peer: this end's switch of its writes began sending (its
+    /// marker, an exec's resend): a failure after that is final
+    /// (`demote`, `Link::p_switch_writes`).
+    p_wr_began: AtomicBool,
     /// The library's own descriptor of the kernel socket (and whether a
     /// readiness call knows it).
     owner_sock: Arc<Sock>,
@@ -418,6 +422,7 @@ impl Half {
             pid: crate::pid::get(),
             p_wr: AtomicBool::new(false),
             p_rd: AtomicBool::new(false),
+            p_wr_began: AtomicBool::new(false),
             sock: sock_owner.0,
             owner_sock: sock_owner,
             cq: self.cq,
@@ -912,6 +917,19 @@ impl Link {
                 // the kernel socket.
                 if done > 0 {
                     return Ok(done);
+                }
+                if !self.p_writes_switched() {
+                    // Its writes switch first (an exec's resend may be
+                    // long): not under the receive lock, which another
+                    // reader thread may want meanwhile.
+                    drop(rx);
+                    self.p_switch_writes_now()?;
+                    rx = lock(&self.rx);
+                    if self.p_reads_switched() {
+                        drop(rx);
+                        return self.read_kernel(iov, 0, nonblocking, peek, all);
+                    }
+                    continue;
                 }
                 return match self.p_switch_reads(&mut rx, nonblocking)? {
                     demote::PSwitch::Kernel => {

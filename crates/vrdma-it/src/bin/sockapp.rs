@@ -755,6 +755,9 @@ fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
     let n = ECHO_CHUNK;
     let data: Vec<u8> = (0..n as u64).map(pattern).collect();
+    if way == "bulk" {
+        return bulk_goclient(s, bytes);
+    }
     s.write_all(&data).map_err(|e| format!("write: {e}"))?;
     if way == "pipelined" {
         // The second chunk goes before the first one's echo is read: it
@@ -825,6 +828,56 @@ fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
         }
         sent += n as u64;
     }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    match s.read(&mut g) {
+        Ok(0) => {
+            println!("echoed {sent}, then the end");
+            Ok(())
+        }
+        other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
+    }
+}
+
+/// `goclient`'s `bulk` way: `SOCKAPP_ECHO_FIRST` bytes echoed by the
+/// server itself in chunks, then `SOCKAPP_UNREAD` bytes sent at once (they
+/// wait unread in the server's ring at its exec, their range wrapping the
+/// ring when the first count is near its size), then the go byte read
+/// (blocking), their echo by the exec'd program checked, and the rest as
+/// `goclient`.
+fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
+    let num = |v: &str| std::env::var(v).ok().and_then(|v| v.parse::<u64>().ok()).ok_or(format!("{v} unset"));
+    let (first, unread) = (num("SOCKAPP_ECHO_FIRST")?, num("SOCKAPP_UNREAD")?);
+    let mut back = vec![0u8; ECHO_CHUNK];
+    let mut sent = 0u64;
+    let round = |s: &mut TcpStream, sent: &mut u64, upto: u64, back: &mut [u8]| -> Result<(), String> {
+        while *sent < upto {
+            let n = (ECHO_CHUNK as u64).min(upto - *sent) as usize;
+            let data: Vec<u8> = (0..n as u64).map(|k| pattern(*sent + k)).collect();
+            s.write_all(&data).map_err(|e| format!("write at {sent}: {e}"))?;
+            s.read_exact(&mut back[..n]).map_err(|e| format!("read back at {sent}: {e}"))?;
+            if let Some(i) = (0..n).find(|&i| back[i] != data[i]) {
+                return Err(format!("byte {} echoed as {}, sent {}", *sent + i as u64, back[i], data[i]));
+            }
+            *sent += n as u64;
+        }
+        Ok(())
+    };
+    round(&mut s, &mut sent, first, &mut back)?;
+    let more: Vec<u8> = (first..first + unread).map(pattern).collect();
+    s.write_all(&more).map_err(|e| format!("write of the unread bytes: {e}"))?;
+    eprintln!("goclient: {unread} bytes sent after {first} echoed");
+    let mut g = [0u8; 1];
+    match s.read(&mut g) {
+        Ok(1) if g[0] == b'G' => {}
+        other => return Err(format!("the go byte expected: {other:?} {g:?}")),
+    }
+    let mut got = vec![0u8; unread as usize];
+    s.read_exact(&mut got).map_err(|e| format!("read back of the unread bytes: {e}"))?;
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != more[i]) {
+        return Err(format!("byte {} echoed as {}, sent {}", first + i as u64, got[i], more[i]));
+    }
+    sent = first + unread;
+    round(&mut s, &mut sent, bytes, &mut back)?;
     s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
     match s.read(&mut g) {
         Ok(0) => {
@@ -937,7 +990,8 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
             // byte of the exec'd program): `execve` of `stdecho go` with
             // the connection as its stdin and stdout.
             s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
-            let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+            let first = std::env::var("SOCKAPP_ECHO_FIRST").ok().and_then(|v| v.parse().ok());
+            let n = echo_upto(&mut s, first.unwrap_or(ECHO_CHUNK as u64))?;
             eprintln!("echoed {n} before the exec");
             pause("SOCKAPP_BEFORE_EXEC_MS");
             dup_onto(s.as_raw_fd(), &[0, 1])?;

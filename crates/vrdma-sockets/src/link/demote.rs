@@ -851,15 +851,27 @@ impl Link {
         if self.p_wr.load(Ordering::Acquire) {
             return Ok(());
         }
+        // A switch that began and failed left part of its bytes on the
+        // socket: another try would send a second marker and the bytes
+        // again. Final.
+        if self.p_wr_began.load(Ordering::Acquire) {
+            return Err(libc::ECONNRESET);
+        }
         self.flush()?;
         // This end demoted itself too (both ends forked): its marker went
         // then (under the send lock, as this), and only one may. (A
         // driver that took the request but not the lock yet sends none:
         // it finds this end's writes switched.)
         if !tx.shut && self.d_state() < D_DEMOTED {
-            match self.peer_exec_rd() {
-                Some(rd) => self.p_resend_for_exec(rd, tx.wr)?,
-                None => crate::stream::send_all(self.sock, &mark(tx.wr))?,
+            // Before any byte goes out.
+            self.p_wr_began.store(true, Ordering::Release);
+            let sent = match self.peer_exec_rd() {
+                Some(rd) => self.p_resend_for_exec(rd, tx.wr),
+                None => crate::stream::send_all(self.sock, &mark(tx.wr)),
+            };
+            if let Err(e) = sent {
+                self.reset_after_partial_switch(e);
+                return Err(libc::ECONNRESET);
             }
         }
         self.p_wr.store(true, Ordering::Release);
@@ -870,6 +882,37 @@ impl Link {
         self.unblock();
         self.p_done();
         Ok(())
+    }
+
+    /// As the peer (P), no lock held: [`Self::p_switch_writes`] under the
+    /// send lock.
+    pub(super) fn p_switch_writes_now(&self) -> Res<()> {
+        let mut tx = lock(&self.tx);
+        self.p_switch_writes(&mut tx)
+    }
+
+    /// As the peer: whether this end's writes switched.
+    pub(super) fn p_writes_switched(&self) -> bool {
+        self.p_wr.load(Ordering::Acquire)
+    }
+
+    /// The switch of this end's writes failed after it began sending
+    /// (`e`): the other end may hold part of the marker or of an exec's
+    /// resend, so the kernel connection is reset (a `connect` to
+    /// `AF_UNSPEC` disconnects a TCP socket with a reset), not ended: the
+    /// program there reads an error, never a short stream.
+    fn reset_after_partial_switch(&self, e: c_int) {
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!("the switch of a demoted connection to plain TCP failed midway (errno {e}): the connection is reset"),
+        );
+        // SAFETY: a zeroed sockaddr with family AF_UNSPEC, its size.
+        unsafe {
+            let mut a: libc::sockaddr = std::mem::zeroed();
+            a.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+            real::connect(self.sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t);
+        }
     }
 
     /// As the peer (P), the receive lock held, the ring read up to the
