@@ -232,6 +232,39 @@ fn a_connection_with_most_of_a_wrapping_ring_unread_is_handed_over_whole() -> Re
     Ok(())
 }
 
+/// The client's library's resend fails midway (a test knob: half of the
+/// marker and bytes sent, then an error as a send that timed out): the
+/// failure is final. The client's calls fail with a reset and send
+/// nothing more (no second marker, no bytes twice: before the fix the
+/// next call sent them again), and the exec'd program's stream ends with
+/// a reset, not a clean end after a short stream.
+#[test]
+fn a_resend_that_fails_midway_resets_the_connection_and_is_not_repeated() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let n = 192 * 1024;
+    let unread = n.to_string();
+    let server = [("SOCKAPP_BEFORE_EXEC_MS", "500"), ("SOCKAPP_ECHO_FIRST", first.as_str())];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_EXPECT_FAILURE", "1"),
+        ("VRDMA_SOCKETS_TEST_PAUSE", "resend-fails:0"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    let reset = format!("Err(Some({}))", libc::ECONNRESET);
+    assert!(c.stdout.contains(&format!("the go byte read: {reset}")), "{}", c.describe());
+    assert!(c.stdout.contains(&format!("then a write: {reset}")), "{}", c.describe());
+    assert!(c.stdout.contains(&format!("then a read: {reset}")), "{}", c.describe());
+    assert!(c.stderr.contains("failed midway"), "{}", c.describe());
+    // The program (what went of the range readable before the reset, or
+    // not) ends with the reset, never at a clean end.
+    let finished = s.stderr.lines().any(|l| l.strip_prefix("stdecho ").is_some_and(|k| k.parse::<u64>().is_ok()));
+    let reset = ["Connection reset", "Broken pipe"].iter().any(|e| s.stderr.contains(e));
+    assert!(!finished && reset, "{}", s.describe());
+    Ok(())
+}
+
 /// A spawn does not ask the peer to send unread ring bytes again (the
 /// parent goes on, and must be left a connection it can read should the
 /// peer not answer in time): a carried connection whose ring holds bytes

@@ -867,6 +867,18 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
     s.write_all(&more).map_err(|e| format!("write of the unread bytes: {e}"))?;
     eprintln!("goclient: {unread} bytes sent after {first} echoed");
     let mut g = [0u8; 1];
+    if std::env::var_os("SOCKAPP_EXPECT_FAILURE").is_some() {
+        // The library's switch fails midway (a test knob): this read and
+        // the next call fail, and nothing more is sent.
+        let r = s.read(&mut g).map_err(|e| e.raw_os_error());
+        println!("goclient: the go byte read: {r:?}");
+        let r = s.write(b"x").map_err(|e| e.raw_os_error());
+        println!("goclient: then a write: {r:?}");
+        let r = s.read(&mut g).map_err(|e| e.raw_os_error());
+        println!("goclient: then a read: {r:?}");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        return Ok(());
+    }
     match s.read(&mut g) {
         Ok(1) if g[0] == b'G' => {}
         other => return Err(format!("the go byte expected: {other:?} {g:?}")),

@@ -823,6 +823,10 @@ impl Link {
             self.stage.read(0, &mut b).map_err(|e| e.errno())?;
             out.extend_from_slice(&b);
         }
+        if crate::pause::fails(crate::pause::Point::ResendFails) {
+            crate::stream::send_all(self.sock, &out[..out.len() / 2])?;
+            return Err(libc::ETIMEDOUT);
+        }
         crate::stream::send_all(self.sock, &out)?;
         crate::dev::debug(&format!(
             "the peer demoted for an exec at {rd}: {n} bytes sent again after the marker"
