@@ -403,13 +403,41 @@ sys.exit(r.returncode)
     Ok(())
 }
 
+/// A server (`inetd carried-vfork`) that gives a carried connection to a
+/// `vfork` child that execs `stdecho go` (the child demotes it and leaves
+/// the library's descriptor of it to the parent to close), then, before
+/// any other call, runs another `vfork` child (`true`), then closes its
+/// copy: the second child's exec must not forget the parent's leftover
+/// descriptor (before the fix, it closed it in its own table only and
+/// cleared the parent's record, so the client never read the end while
+/// the server lived).
+#[test]
+fn a_second_vfork_child_does_not_forget_the_parents_leftover_descriptor() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["inetd".into(), port.to_string(), "carried-vfork".into()], &[]), "inetd");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
+    let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(Duration::from_secs(20));
+    let _ = std::net::TcpStream::connect(("127.0.0.1", port));
+    let s = s.finish(LIMIT);
+    handed_over(&c, &s);
+    assert!(s.stderr.contains("an exec that did not replace this memory: closed"), "{}", s.describe());
+    Ok(())
+}
+
 /// A Python server that echoes a first chunk on a carried connection
 /// (its library carries it), then runs a program with the socket as its
 /// stdin and stdout through `subprocess` (`_posixsubprocess` `dup2`s it
 /// in a `vfork`ed child, which shares the parent's memory, and execs
 /// there): the child demotes the connection, the program gets it and
 /// echoes the rest, and the parent, which then finds it plain TCP, closes
-/// it: the client reads the end while the parent lives on.
+/// it: the client reads the end while the parent lives on, also when the
+/// parent ran another program (a second `vfork` child) before its close.
 #[test]
 fn a_python_server_running_a_program_through_subprocess_on_a_carried_connection_hands_it_over() -> Result<()>
 {
@@ -427,6 +455,10 @@ while n < 16384:
     c.sendall(b)
     n += len(b)
 r = subprocess.run([sys.argv[2], 'stdecho', 'go'], stdin=c, stdout=c)
+if sys.argv[3] == 'again':
+    # Another vfork child, whose exec must not forget for the parent the
+    # library's descriptor that the first one left.
+    subprocess.run(['true'])
 c.close()
 # Alive until the test is done with the client (a second connection).
 l.accept()
@@ -435,26 +467,31 @@ sys.exit(r.returncode)
     let _one = harness::one_at_a_time();
     let d = DaemonProc::start()?;
     let ctx = d.context()?;
-    let port = free_port();
-    let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
-    let mut py = Command::new("python3");
-    py.args(["-c", SERVER, &port.to_string()])
-        .arg(&exe)
-        .env(vrdma::SOCKET_ENV, &d.socket)
-        .env("VRDMA_SOCKETS_DEBUG", "1")
-        .env("LD_PRELOAD", built("libvrdma_sockets.so"));
-    let s = spawn(py, "python server");
-    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
-        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
-    })?;
-    let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
-    // The client reads the end while the server lives on (the kernel
-    // socket has no holder left: not the library's own descriptor in the
-    // parent either).
-    let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(Duration::from_secs(20));
-    let _ = std::net::TcpStream::connect(("127.0.0.1", port));
-    let s = s.finish(LIMIT);
-    handed_over(&c, &s);
+    // `again`: the parent runs another program (`true`, a second vfork
+    // child) before its close.
+    for then in ["close", "again"] {
+        let port = free_port();
+        let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+        let mut py = Command::new("python3");
+        py.args(["-c", SERVER, &port.to_string()])
+            .arg(&exe)
+            .arg(then)
+            .env(vrdma::SOCKET_ENV, &d.socket)
+            .env("VRDMA_SOCKETS_DEBUG", "1")
+            .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+        let s = spawn(py, "python server");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
+        // The client reads the end while the server lives on (the kernel
+        // socket has no holder left: not the library's own descriptor in
+        // the parent either).
+        let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(Duration::from_secs(20));
+        let _ = std::net::TcpStream::connect(("127.0.0.1", port));
+        let s = s.finish(LIMIT);
+        handed_over(&c, &s);
+    }
     Ok(())
 }
 

@@ -136,21 +136,40 @@ pub(crate) mod left {
     pub fn record(fd: c_int, via: c_int) {
         let Some(ino) = inode(via) else { return };
         for (f, i) in FD.iter().zip(INO.iter()) {
-            if f.load(Ordering::Acquire) == -1 {
+            if f.compare_exchange(-1, -2, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 i.store(ino, Ordering::Release);
                 f.store(fd, Ordering::Release);
                 ANY.store(true, Ordering::Release);
                 return;
             }
         }
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!(
+                "more than {SLOTS} connections demoted for execs that did not replace this memory: \
+                 the library's descriptor {fd} stays open (the peer reads the end only when this process ends)"
+            ),
+        );
     }
 
-    /// Closes the descriptors left, that are still their sockets.
+    /// Closes the descriptors left, that are still their sockets. Not in
+    /// a `vfork` child (its calls before its exec run in its parent's
+    /// memory): it would close them in its own table only and clear its
+    /// parent's record of them, which the parent then never closes.
     pub fn close() {
+        if crate::pid::get() != std::process::id() {
+            return;
+        }
         if !ANY.load(Ordering::Acquire) || !ANY.swap(false, Ordering::AcqRel) {
             return;
         }
         for (f, i) in FD.iter().zip(INO.iter()) {
+            // (-2: a slot being filled; left for the next close.)
+            if f.load(Ordering::Acquire) == -2 {
+                ANY.store(true, Ordering::Release);
+                continue;
+            }
             let fd = f.swap(-1, Ordering::AcqRel);
             if fd >= 0 && inode(fd) == Some(i.load(Ordering::Acquire)) {
                 crate::dev::debug(&format!("the library's descriptor {fd} of a connection demoted for an exec that did not replace this memory: closed"));

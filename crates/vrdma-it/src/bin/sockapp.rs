@@ -218,7 +218,11 @@
 //! is carried), then `execve`s `stdecho go` (`SOCKAPP_BEFORE_EXEC_MS`:
 //! a pause before it); `carried-spawn`: first
 //! echoes one chunk, then `spawn`s `stdecho go` (the same pause before
-//! it; against `goclient`).
+//! it; against `goclient`); `carried-vfork`: first echoes one chunk,
+//! then a `vfork`-like child (`clone`, `CLONE_VM | CLONE_VFORK`) `dup2`s
+//! the connection and execs `stdecho go`, a second one execs `true`
+//! before the parent's close, and the parent waits for a second
+//! connection before it exits.
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
 //! go` first says whether its stdin is a connected socket and writes `G`.
@@ -900,6 +904,96 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
     }
 }
 
+/// A `vfork` child's work (`vfork_run`): `dup2`s `fd` onto 0 and 1 if
+/// it is not -1, then `execve`s `path` with `argv` and this process's
+/// environment (the library's interposed calls, in the child).
+struct VforkJob {
+    fd: i32,
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+}
+
+extern "C" fn vfork_child(arg: *mut libc::c_void) -> libc::c_int {
+    extern "C" {
+        static environ: *const *const libc::c_char;
+    }
+    // SAFETY: `arg` is the parent's `VforkJob`, alive while this child
+    // runs (the parent waits until it execs or exits: CLONE_VFORK).
+    let job = unsafe { &*(arg as *const VforkJob) };
+    // SAFETY: dup2(2), execve(2) with the parent's NUL-terminated strings
+    // and null-terminated vector, and _exit(2); nothing else in the child.
+    unsafe {
+        if job.fd >= 0 && (libc::dup2(job.fd, 0) != 0 || libc::dup2(job.fd, 1) != 1) {
+            libc::_exit(126);
+        }
+        libc::execve(job.path, job.argv, environ);
+        libc::_exit(127)
+    }
+}
+
+/// Runs `args` (a path, then its arguments) in a child made as `vfork`
+/// makes one (`clone` with `CLONE_VM | CLONE_VFORK`: the child shares this
+/// memory until it execs), with `fd` as its stdin and stdout if not -1.
+fn vfork_run(fd: i32, args: &[&std::ffi::OsStr]) -> Result<libc::pid_t, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c: Vec<std::ffi::CString> =
+        args.iter().map(|a| std::ffi::CString::new(a.as_bytes()).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let mut argv: Vec<*const libc::c_char> = c.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let job = VforkJob { fd, path: c[0].as_ptr(), argv: argv.as_ptr() };
+    let mut stack = vec![0u8; 1 << 20];
+    // SAFETY: the end of our stack buffer, 16-byte aligned (the stack
+    // grows down); it outlives the child's use (CLONE_VFORK waits).
+    let top = unsafe { stack.as_mut_ptr().add(stack.len()) } as usize & !15;
+    // SAFETY: clone(2) with a child function that only dup2s, execs and
+    // _exits, its own stack, and a job alive across the call.
+    let pid = unsafe {
+        libc::clone(
+            vfork_child,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&job as *const VforkJob).cast_mut().cast(),
+        )
+    };
+    if pid < 0 {
+        return Err(format!("clone: {}", std::io::Error::last_os_error()));
+    }
+    Ok(pid)
+}
+
+/// Waits for the child `pid`; an error unless it exited with 0.
+fn wait_ok(pid: libc::pid_t, what: &str) -> Result<(), String> {
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our child.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err(format!("waitpid {what}"));
+    }
+    if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+        return Err(format!("{what} ended with {status:#x}"));
+    }
+    Ok(())
+}
+
+/// `inetd`'s `carried-vfork`: one chunk echoed (carried), then a `vfork`
+/// child gets the connection as its stdin and stdout and execs `stdecho
+/// go`, then, before any other call of this process, a second `vfork`
+/// child execs `true`; then the close, and the wait for `stdecho`; alive
+/// until a second connection comes (the test's, once it is done).
+fn carried_vfork(l: TcpListener, mut s: TcpStream) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+    eprintln!("echoed {n} before the vfork");
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let echo = vfork_run(s.as_raw_fd(), &[exe.as_os_str(), "stdecho".as_ref(), "go".as_ref()])?;
+    let t = vfork_run(-1, &["/bin/true".as_ref()])?;
+    wait_ok(t, "true")?;
+    drop(s);
+    wait_ok(echo, "stdecho")?;
+    let _ = l.accept();
+    Ok(())
+}
+
 /// Sleeps for the milliseconds in `var`, if set.
 fn pause(var: &str) {
     if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
@@ -989,6 +1083,9 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
     println!("listening");
     std::io::stdout().flush().ok();
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    if mode == "carried-vfork" {
+        return carried_vfork(l, s);
+    }
     drop(l);
     pause("SOCKAPP_EXEC_DELAY_MS");
     match mode {
