@@ -195,6 +195,28 @@ fn a_connection_whose_peer_does_not_answer_in_time_is_not_inherited() -> Result<
     Ok(())
 }
 
+/// As above, with bytes of the peer's in the ring the program has not read
+/// (an exec's demotion takes such a ring): they are lost with the exec,
+/// so the connection is reset, not ended cleanly (the server's library
+/// says so; the client's, at its late switch, fails to read them back from
+/// the gone ring and reads a reset either way).
+#[test]
+fn a_connection_with_unread_bytes_whose_peer_does_not_answer_in_time_is_reset() -> Result<()> {
+    let (c, s) = go_inetd(
+        "carried-exec",
+        "pipelined-late",
+        &[("VRDMA_SOCKETS_WAIT_MS", "300"), ("SOCKAPP_BEFORE_EXEC_MS", "500")],
+        &[("SOCKAPP_GO_DELAY_MS", "2500")],
+    )?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    assert!(s.stderr.contains("bytes of the peer's unread: reset at the exec"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte (reset)"), "{}", c.describe());
+    Ok(())
+}
+
 /// Bytes of the peer's in the ring that the program has not read when it
 /// execs (the client sends two chunks before it reads the first one's
 /// echo; the server reads one, waits a while, the second landing in its

@@ -219,6 +219,7 @@ fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool) -> b
                 // as a TCP close with unread data, not a clean end. (A
                 // process that spawns keeps them: its reads take them, the
                 // demoted way.)
+                crate::dev::debug(&format!("descriptor {fd}: bytes of the peer's unread: reset at the exec"));
                 let lg = libc::linger { l_onoff: 1, l_linger: 0 };
                 // SAFETY: setsockopt(2) with a linger of ours, its size.
                 unsafe {

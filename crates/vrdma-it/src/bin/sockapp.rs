@@ -763,7 +763,7 @@ fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
         return bulk_goclient(s, bytes);
     }
     s.write_all(&data).map_err(|e| format!("write: {e}"))?;
-    if way == "pipelined" {
+    if way.starts_with("pipelined") {
         // The second chunk goes before the first one's echo is read: it
         // waits in the server's ring, unread, at its exec.
         let more: Vec<u8> = (n as u64..2 * n as u64).map(pattern).collect();
@@ -796,7 +796,7 @@ fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
             // SAFETY: closes our epoll descriptor.
             unsafe { libc::close(ep) };
         }
-        "late" => pause("SOCKAPP_GO_DELAY_MS"),
+        "late" | "pipelined-late" => pause("SOCKAPP_GO_DELAY_MS"),
         _ => return Err(format!("goclient: unknown way {way}")),
     }
     let mut g = [0u8; 1];

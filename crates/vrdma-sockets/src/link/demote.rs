@@ -469,8 +469,11 @@ impl Link {
             let now = Instant::now();
             if now >= end {
                 // (Its bytes that land later are not read, as before: it
-                // sees the end.)
-                return Err(("the peer did not answer the demotion in time", false));
+                // sees the end.) Bytes the program has not read (an
+                // exec's demotion takes a ring that holds some) are lost
+                // with the exec: a reset, not a clean end.
+                let unread = exec && self.waiting(d.rd.load(Ordering::Acquire)) > 0;
+                return Err(("the peer did not answer the demotion in time", unread));
             }
             wait_more(sock, part, (end - now).min(Duration::from_millis(10)));
         }
