@@ -10,6 +10,12 @@
 //! real flag was forced (its `F_SETFD` calls since then included).
 //! `F_GETFD` still answers the real flag (close-on-exec while carried).
 //! A descriptor absent here has the real flag the program asked for.
+//!
+//! Each record holds the socket's inode too: a close the library does not
+//! see (`close_range`, `closefrom`, a raw system call) leaves a record
+//! behind, and a descriptor that reuses the number is not that socket: a
+//! record whose inode is not the descriptor's is stale, and dropped, never
+//! applied (it would clear `FD_CLOEXEC` on an unrelated descriptor).
 
 use std::cell::RefCell;
 use std::sync::{Mutex, MutexGuard, Once};
@@ -18,10 +24,18 @@ use libc::c_int;
 use rustc_hash::FxHashMap as HashMap;
 
 /// Descriptors whose real flag is forced: whether the program asked for
-/// close-on-exec.
-static FORCED: Mutex<Option<HashMap<c_int, bool>>> = Mutex::new(None);
+/// close-on-exec, and the inode of the socket then.
+static FORCED: Mutex<Option<HashMap<c_int, (bool, u64)>>> = Mutex::new(None);
 
-type Map = MutexGuard<'static, Option<HashMap<c_int, bool>>>;
+type Map = MutexGuard<'static, Option<HashMap<c_int, (bool, u64)>>>;
+
+/// The inode of what `fd` is now, if it is open.
+fn inode(fd: c_int) -> Option<u64> {
+    // SAFETY: a zeroed stat is valid; fstat(2) writes into ours.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
+}
 
 fn map() -> Map {
     FORCED.lock().unwrap_or_else(|e| e.into_inner())
@@ -56,21 +70,35 @@ fn hold_across_fork() {
 /// program set its flag again (`Some`).
 pub fn forced(fd: c_int, program: Option<bool>) {
     hold_across_fork();
+    let Some(ino) = inode(fd) else { return };
     let mut m = map();
     let m = m.get_or_insert_with(HashMap::default);
     match program {
         Some(p) => {
-            m.insert(fd, p);
+            m.insert(fd, (p, ino));
         }
         None => {
-            m.entry(fd).or_insert(false);
+            let r = m.entry(fd).or_insert((false, ino));
+            if r.1 != ino {
+                *r = (false, ino);
+            }
         }
     }
 }
 
+/// The record of `fd` if it is still that socket's (a stale one goes).
+fn current(m: &mut HashMap<c_int, (bool, u64)>, fd: c_int) -> Option<bool> {
+    let (p, ino) = *m.get(&fd)?;
+    if inode(fd) == Some(ino) {
+        return Some(p);
+    }
+    m.remove(&fd);
+    None
+}
+
 /// What the program asked for on `fd`, if its real flag is forced.
 pub fn program_view(fd: c_int) -> Option<bool> {
-    map().as_ref().and_then(|m| m.get(&fd).copied())
+    map().as_mut().and_then(|m| current(m, fd))
 }
 
 /// The program closed `fd` (or `dup2`ed over it): its record goes.
@@ -91,7 +119,11 @@ pub fn inherited(fd: c_int) -> bool {
 /// Gives `fd` its real flag back (its connection is plain TCP now): what
 /// the program asked for.
 pub fn restore(fd: c_int) {
-    let p = map().as_mut().and_then(|m| m.remove(&fd));
+    let p = map().as_mut().and_then(|m| {
+        let p = current(m, fd);
+        m.remove(&fd);
+        p
+    });
     if p == Some(false) {
         // SAFETY: fcntl(2) flag calls on a descriptor of the program's.
         unsafe {
@@ -151,6 +183,45 @@ mod tests {
         unsafe {
             libc::close(a);
             libc::close(b);
+        }
+    }
+
+    #[test]
+    fn a_record_left_by_an_unseen_close_is_not_applied_to_the_number_reused() {
+        let pipe = || {
+            let mut p = [0; 2];
+            // SAFETY: pipe(2) into an array of two.
+            assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+            p
+        };
+        let (p, q, r) = (pipe(), pipe(), pipe());
+        let a = p[0];
+        crate::table::set_cloexec(a);
+        assert_eq!(program_view(a), Some(false));
+        // Closed where the library does not see it; the number now names
+        // another pipe (another inode), close-on-exec.
+        // SAFETY: the test's descriptors.
+        // (libc's calls, past the library's interposed ones.)
+        unsafe {
+            crate::real::close(a);
+            assert_eq!(crate::real::dup3(q[0], a, libc::O_CLOEXEC), a);
+        }
+        assert_eq!(program_view(a), None);
+        // Again, with a record made for the second pipe: a restore after
+        // the number went to a third one leaves the flag alone.
+        forced(a, Some(false));
+        // SAFETY: the test's descriptors.
+        unsafe {
+            crate::real::close(a);
+            assert_eq!(crate::real::dup3(r[0], a, libc::O_CLOEXEC), a);
+        }
+        restore(a);
+        assert!(real_cloexec(a), "a stale record cleared the flag of another file");
+        // SAFETY: closes the test's descriptors.
+        unsafe {
+            for fd in [a, p[1], q[0], q[1], r[0], r[1]] {
+                libc::close(fd);
+            }
         }
     }
 }

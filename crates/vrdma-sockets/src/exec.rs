@@ -91,15 +91,19 @@ fn settle(exec: bool) {
             }
             std::mem::forget(demoted);
         }
-        // Descriptors whose connection is plain TCP by now (demoted: by
-        // this call, by a `vfork` child's exec in this memory, or after a
-        // fork) get the program's own flag back.
-        for fd in crate::cloexec::all() {
-            if !matches!(table::get(fd), Some(Entry::Stream(s)) if carried_now(&s)) {
-                crate::cloexec::restore(fd);
-            }
-        }
+        restore_plain();
     });
+}
+
+/// Descriptors whose connection is plain TCP by now (demoted: by this
+/// process, by a `vfork` child's exec in this memory, or after a fork)
+/// get the program's own flag back.
+fn restore_plain() {
+    for fd in crate::cloexec::all() {
+        if !matches!(table::get(fd), Some(Entry::Stream(s)) if carried_now(&s)) {
+            crate::cloexec::restore(fd);
+        }
+    }
 }
 
 /// The library's own descriptors of the connections an exec demoted and
@@ -202,6 +206,22 @@ fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool) -> b
         crate::dev::debug(&format!("descriptor {fd}: another process holds its connection: not inherited"));
         return false;
     }
+    // The demotion's socket I/O goes through `fd`: it must be this
+    // connection's socket (the table may be stale after a close the
+    // library did not see). The library's own descriptor may be closed
+    // (a `vfork` child's close): then the table is trusted.
+    let ino = |fd: c_int| {
+        // SAFETY: a zeroed stat is valid; fstat(2) writes into ours.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
+    };
+    if let (Some(own), mine) = (ino(s.own_fd()), ino(fd)) {
+        if mine != Some(own) {
+            crate::dev::debug(&format!("descriptor {fd}: not its connection's socket: not demoted"));
+            return false;
+        }
+    }
     let end = std::time::Instant::now() + crate::link::demote_wait();
     match l.demote_for_exec(fd, end, exec) {
         Ok(()) => {
@@ -249,6 +269,10 @@ fn settle_fd(fd: c_int) -> bool {
                     l.flush_all_writes();
                 }
                 if demote(fd, &s, false) {
+                    // Its descriptors' flags are the program's again now
+                    // (not at the next exec: a record kept until then
+                    // would undo an `F_SETFD` made meanwhile).
+                    restore_plain();
                     return false;
                 }
                 return true;

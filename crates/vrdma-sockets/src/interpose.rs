@@ -916,7 +916,14 @@ fn keep_cloexec(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> libc::c_ulong {
             crate::cloexec::forced(fd, Some(arg & libc::FD_CLOEXEC as libc::c_ulong != 0));
             arg | libc::FD_CLOEXEC as libc::c_ulong
         }
-        _ => arg,
+        Some(_g) => {
+            // The real flag is the program's from now on: a record left
+            // (a connection demoted since) must not give back an older
+            // wish at the next exec.
+            crate::cloexec::forget(fd);
+            arg
+        }
+        None => arg,
     }
 }
 
@@ -945,4 +952,33 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c
         copy_entry(fd, r);
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_programs_own_set_fd_drops_a_left_flag_record() {
+        let mut p = [0; 2];
+        // SAFETY: pipe(2) into an array of two.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        let a = p[0];
+        // A record left for a descriptor that is no carried connection
+        // (its connection demoted by a spawn's file action): the program
+        // then asks for close-on-exec itself.
+        crate::cloexec::forced(a, Some(false));
+        let arg = keep_cloexec(a, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong);
+        // SAFETY: fcntl(2) F_SETFD on the test's descriptor.
+        unsafe { real::fcntl(a, libc::F_SETFD, arg) };
+        // The next exec's restore keeps the program's flag.
+        crate::cloexec::restore(a);
+        // SAFETY: fcntl(2) F_GETFD on the test's descriptor.
+        assert_ne!(unsafe { real::fcntl(a, libc::F_GETFD, 0) } & libc::FD_CLOEXEC, 0);
+        // SAFETY: closes the test's pipe.
+        unsafe {
+            real::close(p[0]);
+            real::close(p[1]);
+        }
+    }
 }
