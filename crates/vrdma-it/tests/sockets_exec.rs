@@ -217,6 +217,24 @@ fn a_connection_with_unread_bytes_whose_peer_does_not_answer_in_time_is_reset() 
     Ok(())
 }
 
+/// A client that sends its request and shuts its write side, then reads
+/// the answer (CGI style): the server reads the request to its end, then
+/// execs a program with the connection, which answers: the connection is
+/// demoted (the client's library sends no marker: its end is on the
+/// socket) and the program's answer reaches the client.
+#[test]
+fn a_connection_whose_peer_shut_its_write_side_is_handed_over() -> Result<()> {
+    let (c, s) = go_inetd("carried-exec-eof", "shut", &[], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is a connected socket"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(c.stdout.contains("the echo, the go byte, then the end"), "{}", c.describe());
+    Ok(())
+}
+
 /// Bytes of the peer's in the ring that the program has not read when it
 /// execs (the client sends two chunks before it reads the first one's
 /// echo; the server reads one, waits a while, the second landing in its

@@ -762,6 +762,19 @@ fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
     if way == "bulk" {
         return bulk_goclient(s, bytes);
     }
+    if way == "shut" {
+        // A request, this side shut, then the answer: the echo, the
+        // exec'd program's go byte, the end.
+        s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+        s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+        let mut back = Vec::new();
+        s.read_to_end(&mut back).map_err(|e| format!("read: {e}"))?;
+        if back.len() != n + 1 || back[..n] != data[..] || back[n] != b'G' {
+            return Err(format!("the echo and the go byte expected, read {} bytes", back.len()));
+        }
+        println!("the echo, the go byte, then the end");
+        return Ok(());
+    }
     s.write_all(&data).map_err(|e| format!("write: {e}"))?;
     if way.starts_with("pipelined") {
         // The second chunk goes before the first one's echo is read: it
@@ -1093,6 +1106,17 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
             dup_onto(s.as_raw_fd(), &[0, 1])?;
             drop(s);
             Err(exec_self(&["stdecho"]))
+        }
+        "carried-exec-eof" => {
+            // Carried, the request read to its end (the client shut its
+            // write side) and echoed, then `execve` of `stdecho go`, which
+            // answers with its go byte.
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let n = echo_upto(&mut s, u64::MAX)?;
+            eprintln!("echoed {n}, then the end, before the exec");
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(execve_self(&["stdecho", "go"]))
         }
         "carried-exec" => {
             // Carried, one chunk echoed (the client then waits for the go

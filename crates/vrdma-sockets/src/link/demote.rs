@@ -381,9 +381,10 @@ impl Link {
                 std::thread::sleep(Duration::from_micros(500));
             }
             let Some(rx) = rx else { return Err(("another thread reads it", false)) };
-            if rx.eof {
-                return Err(("its end was read", false));
-            }
+            // (A peer that shut its write side, its end read here, is
+            // demoted too: it sends no marker, and the loop below finds
+            // its end on the socket with the ring empty. Its reads of
+            // the answer switch at this end's marker.)
             if !exec && self.waiting(rx.rd) > 0 {
                 return Err(("the ring holds bytes the program has not read", false));
             }
