@@ -189,6 +189,8 @@ fn a_connection_whose_peer_does_not_answer_in_time_is_not_inherited() -> Result<
     s.assert_ok();
     assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
     assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    // Said even without VRDMA_SOCKETS_DEBUG (a warning).
+    assert!(s.stderr.contains("could not be demoted to plain TCP for the new program"), "{}", s.describe());
     assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
     assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
     assert!(c.stdout.contains("the end instead of the go byte"), "{}", c.describe());
@@ -212,6 +214,7 @@ fn a_connection_with_unread_bytes_whose_peer_does_not_answer_in_time_is_reset() 
     s.assert_ok();
     assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
     assert!(s.stderr.contains("bytes of the peer's unread: reset at the exec"), "{}", s.describe());
+    assert!(s.stderr.contains("no program will read: the connection is reset"), "{}", s.describe());
     assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
     assert!(c.stdout.contains("the end instead of the go byte (reset)"), "{}", c.describe());
     Ok(())

@@ -57,6 +57,9 @@ use crate::table::{self, keep_errno, Entry, Guard};
 /// close, and Rust's descriptors abort on that).
 fn settle(exec: bool) {
     let Some(_g) = Guard::enter() else { return };
+    // One bound for the whole settle, however many connections wait for
+    // a peer (each still gets a short look: `at_least`).
+    let end = std::time::Instant::now() + crate::link::demote_wait();
     keep_errno(|| {
         left::close();
         let mut demoted: Vec<(std::sync::Arc<crate::stream::Stream>, c_int)> = Vec::new();
@@ -71,7 +74,7 @@ fn settle(exec: bool) {
             }
             // (Its other descriptors find it plain TCP: settled below as
             // such, their flags given back at the end.)
-            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s, exec) {
+            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s, exec, at_least(end)) {
                 demoted.push((s.clone(), fd));
                 crate::cloexec::restore(fd);
                 continue;
@@ -82,7 +85,7 @@ fn settle(exec: bool) {
                 crate::forkshare::leaving(&s);
             }
             if !table::is_cloexec(fd) {
-                s.settle_for_exec(fd);
+                s.settle_for_exec(fd, at_least(end));
             }
         }
         if exec {
@@ -93,6 +96,12 @@ fn settle(exec: bool) {
         }
         restore_plain();
     });
+}
+
+/// `end`, or a short while from now if it passed: a connection settled
+/// after others used the whole bound still gets a look at its peer.
+fn at_least(end: std::time::Instant) -> std::time::Instant {
+    end.max(std::time::Instant::now() + std::time::Duration::from_millis(50))
 }
 
 /// Descriptors whose connection is plain TCP by now (demoted: by this
@@ -196,7 +205,7 @@ fn carried_now(s: &crate::stream::Stream) -> bool {
 /// else it stays close-on-exec, as before (the peer sees the end), and
 /// is this process's still (`exec` false: a spawn), carried or, where the
 /// demotion began, demoted at this end.
-fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool) -> bool {
+fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool, end: std::time::Instant) -> bool {
     let Some(l) = s.link_now() else { return false };
     if !s.owner.mine() {
         crate::dev::debug(&format!("descriptor {fd}: another process drives its connection: not inherited"));
@@ -222,7 +231,6 @@ fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool) -> b
             return false;
         }
     }
-    let end = std::time::Instant::now() + crate::link::demote_wait();
     match l.demote_for_exec(fd, end, exec) {
         Ok(()) => {
             crate::dev::debug(&format!("descriptor {fd}: demoted to plain TCP for the exec'd program"));
@@ -234,12 +242,24 @@ fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool) -> b
         }
         Err((why, lost)) => {
             crate::dev::debug(&format!("descriptor {fd}: not demoted ({why}): not inherited"));
+            // The program's descriptor (its stdin, its stdout) goes
+            // without a word otherwise.
+            static NOT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            crate::dev::warn_once(
+                &NOT,
+                &format!("a carried connection could not be demoted to plain TCP for the new program ({why}): it does not get it"),
+            );
             if lost && exec {
                 // Bytes of the peer's that no program will read: a reset,
                 // as a TCP close with unread data, not a clean end. (A
                 // process that spawns keeps them: its reads take them, the
                 // demoted way.)
                 crate::dev::debug(&format!("descriptor {fd}: bytes of the peer's unread: reset at the exec"));
+                static RESET: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(
+                    &RESET,
+                    "bytes of a carried connection's peer that no program will read: the connection is reset at the exec",
+                );
                 let lg = libc::linger { l_onoff: 1, l_linger: 0 };
                 // SAFETY: setsockopt(2) with a linger of ours, its size.
                 unsafe {
@@ -268,7 +288,7 @@ fn settle_fd(fd: c_int) -> bool {
                 if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
                     l.flush_all_writes();
                 }
-                if demote(fd, &s, false) {
+                if demote(fd, &s, false, std::time::Instant::now() + crate::link::demote_wait()) {
                     // Its descriptors' flags are the program's again now
                     // (not at the next exec: a record kept until then
                     // would undo an `F_SETFD` made meanwhile).
@@ -277,7 +297,7 @@ fn settle_fd(fd: c_int) -> bool {
                 }
                 return true;
             }
-            s.settle_for_exec(fd);
+            s.settle_for_exec(fd, std::time::Instant::now() + crate::link::demote_wait());
             carried_now(&s)
         }
         _ => false,

@@ -477,7 +477,10 @@ impl Stream {
     /// `fd` is a descriptor of the connection that the program keeps (the
     /// socket's I/O goes through it: the library's own copy is
     /// close-on-exec, and a program may have closed it before the exec).
-    pub fn settle_for_exec(self: &Arc<Stream>, fd: c_int) {
+    ///
+    /// `end`: the exec's bound for its whole settle (a message waited for
+    /// stops there, or at the claim wait, whichever comes first).
+    pub fn settle_for_exec(self: &Arc<Stream>, fd: c_int, end: Instant) {
         match self.take() {
             Take::Mine => {}
             Take::Tcp => {
@@ -512,7 +515,7 @@ impl Stream {
                     // The server sends its hello (or its own decline) at
                     // its first call, which our decline makes readable.
                     let r = self.unheld(fd, || send_all(fd, &link::decline()));
-                    let r = r.and_then(|()| read_message(fd)).map(|_| ());
+                    let r = r.and_then(|()| read_message(fd, end)).map(|_| ());
                     debug(&format!("{t:?}: declined before an exec ({r:?}): TCP"));
                 } else {
                     debug(&format!("{t:?}: given up before an exec: TCP"));
@@ -534,7 +537,7 @@ impl Stream {
                         // program execs too): answered by a decline either
                         // way, which it reads in place of our hello.
                         let r =
-                            read_message(fd).and_then(|_| self.unheld(fd, || send_all(fd, &link::decline())));
+                            read_message(fd, end).and_then(|_| self.unheld(fd, || send_all(fd, &link::decline())));
                         debug(&format!(
                             "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
                         ));
@@ -554,9 +557,9 @@ impl Stream {
 /// waiting for it at most the claim wait (`VRDMA_SOCKETS_WAIT_MS`). Takes
 /// nothing if what comes is not one (a first byte that is not the
 /// magic: application data), if the peer ends, or if nothing whole comes
-/// in time.
-fn read_message(fd: c_int) -> Res<[u8; HELLO_LEN]> {
-    let end = Instant::now() + claim_wait();
+/// in time (by `by` at the latest).
+fn read_message(fd: c_int, by: Instant) -> Res<[u8; HELLO_LEN]> {
+    let end = by.min(Instant::now() + claim_wait());
     let mut b = [0u8; HELLO_LEN];
     loop {
         // SAFETY: `b` is valid for its length.
