@@ -270,7 +270,11 @@ fn a_connection_with_most_of_a_wrapping_ring_unread_is_handed_over_whole() -> Re
     assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
     assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
     assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
-    assert!(c.stderr.contains(&format!("{} bytes sent again after the marker", 192 * 1024)), "{}", c.describe());
+    assert!(
+        c.stderr.contains(&format!("{} bytes sent again after the marker", 192 * 1024)),
+        "{}",
+        c.describe()
+    );
     assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
     Ok(())
 }
@@ -302,7 +306,8 @@ fn a_resend_that_fails_midway_resets_the_connection_and_is_not_repeated() -> Res
     assert!(c.stderr.contains("failed midway"), "{}", c.describe());
     // The program (what went of the range readable before the reset, or
     // not) ends with the reset, never at a clean end.
-    let finished = s.stderr.lines().any(|l| l.strip_prefix("stdecho ").is_some_and(|k| k.parse::<u64>().is_ok()));
+    let finished =
+        s.stderr.lines().any(|l| l.strip_prefix("stdecho ").is_some_and(|k| k.parse::<u64>().is_ok()));
     let reset = ["Connection reset", "Broken pipe"].iter().any(|e| s.stderr.contains(e));
     assert!(!finished && reset, "{}", s.describe());
     Ok(())

@@ -536,8 +536,8 @@ impl Stream {
                         // Its message is a hello, or a decline (its
                         // program execs too): answered by a decline either
                         // way, which it reads in place of our hello.
-                        let r =
-                            read_message(fd, end).and_then(|_| self.unheld(fd, || send_all(fd, &link::decline())));
+                        let r = read_message(fd, end)
+                            .and_then(|_| self.unheld(fd, || send_all(fd, &link::decline())));
                         debug(&format!(
                             "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
                         ));

@@ -949,8 +949,10 @@ extern "C" fn vfork_child(arg: *mut libc::c_void) -> libc::c_int {
 /// memory until it execs), with `fd` as its stdin and stdout if not -1.
 fn vfork_run(fd: i32, args: &[&std::ffi::OsStr]) -> Result<libc::pid_t, String> {
     use std::os::unix::ffi::OsStrExt;
-    let c: Vec<std::ffi::CString> =
-        args.iter().map(|a| std::ffi::CString::new(a.as_bytes()).map_err(|e| e.to_string())).collect::<Result<_, _>>()?;
+    let c: Vec<std::ffi::CString> = args
+        .iter()
+        .map(|a| std::ffi::CString::new(a.as_bytes()).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
     let mut argv: Vec<*const libc::c_char> = c.iter().map(|a| a.as_ptr()).collect();
     argv.push(std::ptr::null());
     let job = VforkJob { fd, path: c[0].as_ptr(), argv: argv.as_ptr() };
@@ -1249,7 +1251,8 @@ fn stdecho(go: bool) -> Result<(), String> {
         };
         // One write(2) for the whole line: the parent's library may log on
         // the same stderr at the same time, and `eprintln!` may split it.
-        let line = format!("stdecho: stdin {}\n", if connected { "is a connected socket" } else { "is no socket" });
+        let line =
+            format!("stdecho: stdin {}\n", if connected { "is a connected socket" } else { "is no socket" });
         // SAFETY: write(2) of our buffer, its length.
         unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
         // SAFETY: write(2) of one byte of ours.
