@@ -478,6 +478,27 @@ fn a_second_vfork_child_does_not_forget_the_parents_leftover_descriptor() -> Res
     Ok(())
 }
 
+/// A `vfork` child `dup2`s a carried connection onto its stdin and stdout
+/// and execs, its demotion unanswered (the client makes no call in the
+/// wait): the program does not get it, and the parent's own stdout is
+/// still its own (before, the child's `dup2` had mapped the parent's
+/// descriptor 1 to the carried connection in the shared table: the
+/// parent's line went to the client).
+#[test]
+fn a_vfork_childs_dup2_does_not_change_its_parents_descriptors() -> Result<()> {
+    let (c, s) = go_inetd(
+        "carried-vfork-late",
+        "late",
+        &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+        &[("SOCKAPP_GO_DELAY_MS", "2500")],
+    )?;
+    s.assert_ok();
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
+    assert!(s.stdout.contains("the parent's stdout is its own"), "{}\n{}", s.describe(), c.describe());
+    Ok(())
+}
+
 /// A Python server that echoes a first chunk on a carried connection
 /// (its library carries it), then runs a program with the socket as its
 /// stdin and stdout through `subprocess` (`_posixsubprocess` `dup2`s it

@@ -23,11 +23,49 @@ use std::sync::{Mutex, MutexGuard, Once};
 use libc::c_int;
 use rustc_hash::FxHashMap as HashMap;
 
-/// Descriptors whose real flag is forced: whether the program asked for
-/// close-on-exec, and the inode of the socket then.
-static FORCED: Mutex<Option<HashMap<c_int, (bool, u64)>>> = Mutex::new(None);
+/// A record: whether the program asked for close-on-exec, and the inode
+/// of the socket then.
+type Record = (bool, u64);
 
-type Map = MutexGuard<'static, Option<HashMap<c_int, (bool, u64)>>>;
+/// Descriptors whose real flag is forced, with their records.
+static FORCED: Mutex<Option<HashMap<c_int, Record>>> = Mutex::new(None);
+
+type Map = MutexGuard<'static, Option<HashMap<c_int, Record>>>;
+
+/// A `vfork` child's changes to the records (it shares this memory with
+/// its parent, not its descriptors): each record's value before the
+/// child's first change, put back by [`end_vfork`] before its exec.
+static VFORK: Mutex<Vec<(c_int, Option<Record>)>> = Mutex::new(Vec::new());
+
+/// In a `vfork` child: keeps `fd`'s record as the parent has it, once.
+fn touch(m: &HashMap<c_int, Record>, fd: c_int) {
+    if crate::pid::vforked() {
+        let mut v = VFORK.lock().unwrap_or_else(|e| e.into_inner());
+        if !v.iter().any(|&(f, _)| f == fd) {
+            v.push((fd, m.get(&fd).copied()));
+        }
+    }
+}
+
+/// A `vfork` child about to exec: its parent's records as they were.
+pub fn end_vfork() {
+    let v = std::mem::take(&mut *VFORK.lock().unwrap_or_else(|e| e.into_inner()));
+    if v.is_empty() {
+        return;
+    }
+    let mut m = map();
+    let m = m.get_or_insert_with(HashMap::default);
+    for (fd, r) in v {
+        match r {
+            Some(r) => {
+                m.insert(fd, r);
+            }
+            None => {
+                m.remove(&fd);
+            }
+        }
+    }
+}
 
 /// The inode of what `fd` is now, if it is open.
 fn inode(fd: c_int) -> Option<u64> {
@@ -73,6 +111,7 @@ pub fn forced(fd: c_int, program: Option<bool>) {
     let Some(ino) = inode(fd) else { return };
     let mut m = map();
     let m = m.get_or_insert_with(HashMap::default);
+    touch(m, fd);
     match program {
         Some(p) => {
             m.insert(fd, (p, ino));
@@ -87,11 +126,12 @@ pub fn forced(fd: c_int, program: Option<bool>) {
 }
 
 /// The record of `fd` if it is still that socket's (a stale one goes).
-fn current(m: &mut HashMap<c_int, (bool, u64)>, fd: c_int) -> Option<bool> {
+fn current(m: &mut HashMap<c_int, Record>, fd: c_int) -> Option<bool> {
     let (p, ino) = *m.get(&fd)?;
     if inode(fd) == Some(ino) {
         return Some(p);
     }
+    touch(m, fd);
     m.remove(&fd);
     None
 }
@@ -104,7 +144,10 @@ pub fn program_view(fd: c_int) -> Option<bool> {
 /// The program closed `fd` (or `dup2`ed over it): its record goes.
 pub fn forget(fd: c_int) {
     if let Some(m) = map().as_mut() {
-        m.remove(&fd);
+        if m.contains_key(&fd) {
+            touch(m, fd);
+            m.remove(&fd);
+        }
     }
 }
 
@@ -121,7 +164,10 @@ pub fn inherited(fd: c_int) -> bool {
 pub fn restore(fd: c_int) {
     let p = map().as_mut().and_then(|m| {
         let p = current(m, fd);
-        m.remove(&fd);
+        if p.is_some() {
+            touch(m, fd);
+            m.remove(&fd);
+        }
         p
     });
     if p == Some(false) {

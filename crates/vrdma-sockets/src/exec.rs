@@ -95,6 +95,9 @@ fn settle(exec: bool) {
             std::mem::forget(demoted);
         }
         restore_plain();
+        if crate::pid::vforked() {
+            vfork::end();
+        }
     });
 }
 
@@ -190,6 +193,87 @@ pub(crate) mod left {
                 unsafe { crate::real::close(fd) };
             }
         }
+    }
+}
+
+/// A `vfork` child's view of the descriptor table. The child shares its
+/// parent's memory (the table) but not its descriptors: its `close` and
+/// `dup2` must not change what the parent's descriptors map to (a
+/// child's `dup2(c, 1)` made the parent's descriptor 1 the carried
+/// connection, which stayed so where the demotion failed), nor drop a
+/// connection the parent holds. So in the child a descriptor it closes or
+/// replaces has the parent's entry kept aside (once), the entries it adds
+/// are noted, and before its exec (after the settle) the table is put
+/// back as the parent had it: its entries out, the parent's back, but a
+/// connection the child demoted (plain TCP: the parent finds it so,
+/// forgotten, its entry leaked rather than dropped: its drop would close
+/// descriptors in the child's table only). The child's own copies are
+/// dropped: never the last holders.
+pub(crate) mod vfork {
+    use std::sync::Mutex;
+
+    use libc::c_int;
+
+    use crate::table::{self, Entry};
+
+    struct View {
+        /// The parent's entries of descriptors the child closed or
+        /// replaced, as they were before the child's first change.
+        aside: Vec<(c_int, Option<Entry>)>,
+        /// Descriptors the child mapped.
+        added: Vec<c_int>,
+    }
+
+    static VIEW: Mutex<View> = Mutex::new(View { aside: Vec::new(), added: Vec::new() });
+
+    fn view() -> std::sync::MutexGuard<'static, View> {
+        VIEW.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The child closes `fd` (or is about to replace it).
+    pub fn closed(fd: c_int) {
+        let mut v = view();
+        if !v.aside.iter().any(|(f, _)| *f == fd) {
+            let e = table::remove(fd);
+            v.aside.push((fd, e));
+        } else if v.added.contains(&fd) {
+            // Its own copy: a clone of an entry still held.
+            drop(table::remove(fd));
+        }
+        v.added.retain(|&f| f != fd);
+    }
+
+    /// The child mapped `fd`.
+    pub fn added(fd: c_int) {
+        let mut v = view();
+        if !v.added.contains(&fd) {
+            v.added.push(fd);
+        }
+    }
+
+    /// Before the child's exec: the parent's table back.
+    pub fn end() {
+        let v = std::mem::replace(&mut *view(), View { aside: Vec::new(), added: Vec::new() });
+        for fd in v.added {
+            // (A copy: the entry it copied is the table's or aside.)
+            drop(table::remove(fd));
+        }
+        for (fd, e) in v.aside {
+            match e {
+                Some(Entry::Stream(s)) if s.owner.driver() == crate::owner::TCP => {
+                    // Demoted or settled by the child: the parent finds it
+                    // plain TCP, as the table's other descriptors of it.
+                    std::mem::forget(s);
+                }
+                Some(e) => {
+                    if let Some(old) = table::insert(fd, e) {
+                        std::mem::forget(old);
+                    }
+                }
+                None => {}
+            }
+        }
+        crate::cloexec::end_vfork();
     }
 }
 

@@ -828,6 +828,13 @@ pub unsafe extern "C" fn getsockopt(
 /// ([`crate::owner`]).
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
+        if crate::pid::vforked() {
+            // Its parent's table, epoll sets and records stay (the
+            // child's descriptors are its own): `crate::exec::vfork`.
+            crate::cloexec::forget(fd);
+            crate::exec::vfork::closed(fd);
+            return;
+        }
         crate::cloexec::forget(fd);
         crate::exec::left::close();
         keep_errno(|| crate::epoll::forget(fd));
@@ -863,11 +870,20 @@ fn copy_entry(from: c_int, to: c_int) {
     }
     if let Some(_g) = Guard::enter() {
         if let Some(e) = table::get(from) {
+            // (A `vfork` child's copy is its own: its parent's entry of
+            // `to` is kept aside and put back before its exec.)
+            let vforked = crate::pid::vforked();
+            if vforked {
+                crate::exec::vfork::closed(to);
+            }
             if e.carried() {
                 keep_errno(|| table::set_cloexec(to));
             }
             if let Some(old) = table::insert(to, e) {
                 keep_errno(|| drop(old));
+            }
+            if vforked {
+                crate::exec::vfork::added(to);
             }
         }
     }

@@ -1009,6 +1009,28 @@ fn carried_vfork(l: TcpListener, mut s: TcpStream) -> Result<(), String> {
     Ok(())
 }
 
+/// `inetd`'s `carried-vfork-late`: one chunk echoed (carried), then a
+/// `vfork` child `dup2`s the connection onto its stdin and stdout and
+/// execs `stdecho go` (against a client that does not answer the
+/// demotion in time: the program does not get it); then this process
+/// writes a line to its own stdout, which the child's `dup2` did not
+/// change.
+fn carried_vfork_late(mut s: TcpStream) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+    eprintln!("echoed {n} before the vfork");
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let echo = vfork_run(s.as_raw_fd(), &[exe.as_os_str(), "stdecho".as_ref(), "go".as_ref()])?;
+    wait_ok(echo, "stdecho")?;
+    let line = b"the parent's stdout is its own\n";
+    // SAFETY: write(2) of our buffer to descriptor 1, through the library.
+    let w = unsafe { libc::write(1, line.as_ptr().cast(), line.len()) };
+    eprintln!("the parent's write to its stdout: {w}");
+    drop(s);
+    Ok(())
+}
+
 /// Sleeps for the milliseconds in `var`, if set.
 fn pause(var: &str) {
     if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
@@ -1100,6 +1122,9 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
     if mode == "carried-vfork" {
         return carried_vfork(l, s);
+    }
+    if mode == "carried-vfork-late" {
+        return carried_vfork_late(s);
     }
     drop(l);
     pause("SOCKAPP_EXEC_DELAY_MS");
