@@ -617,3 +617,25 @@ fn a_worker_program_execd_on_an_inherited_listener_carries_what_it_accepts() -> 
     assert!(took < Duration::from_secs(20), "the client waited {took:?} for a claim");
     Ok(())
 }
+
+/// A `vfork` child that `dup2`s a carried connection onto its stdin,
+/// closes it and leaves by `_exit` without an exec (`if (chdir(d) < 0)
+/// _exit(1);`) gives its parent's table back: the parent, after two such
+/// children, echoes the rest of the stream on the connection, still
+/// carried, every byte checked by the client. (Before, the parent's entry
+/// stayed set aside: its reads went to the kernel socket under the rings,
+/// and the second child's exit put an old entry back.)
+#[test]
+fn a_vfork_child_that_exits_without_exec_leaves_its_parents_connection_whole() -> Result<()> {
+    let (c, s, _) = inetd("carried-vfork-exit", &[], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    assert!(
+        s.stderr.contains(&format!("echoed {} more after the vfork children", BYTES - 16384)),
+        "{}",
+        s.describe()
+    );
+    Ok(())
+}

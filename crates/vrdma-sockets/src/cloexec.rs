@@ -18,14 +18,31 @@
 //! applied (it would clear `FD_CLOEXEC` on an unrelated descriptor).
 
 use std::cell::RefCell;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, Once};
 
 use libc::c_int;
 use rustc_hash::FxHashMap as HashMap;
 
-/// A record: whether the program asked for close-on-exec, and the inode
-/// of the socket then.
-type Record = (bool, u64);
+/// A file's identity: its device and inode numbers.
+type Ino = (u64, u64);
+
+/// A record: whether the program asked for close-on-exec, and the
+/// socket's identity then.
+type Record = (bool, Ino);
+
+/// Records held (0: [`forget`] and [`knows`] take no lock: they run at
+/// every close and `F_SETFD` of every program).
+static LEN: AtomicUsize = AtomicUsize::new(0);
+
+fn publish(m: &HashMap<c_int, Record>) {
+    LEN.store(m.len(), Ordering::Release);
+}
+
+/// Whether `fd` has a record.
+pub fn knows(fd: c_int) -> bool {
+    LEN.load(Ordering::Acquire) != 0 && map().as_ref().is_some_and(|m| m.contains_key(&fd))
+}
 
 /// Descriptors whose real flag is forced, with their records.
 static FORCED: Mutex<Option<HashMap<c_int, Record>>> = Mutex::new(None);
@@ -65,14 +82,15 @@ pub fn end_vfork() {
             }
         }
     }
+    publish(m);
 }
 
-/// The inode of what `fd` is now, if it is open.
-fn inode(fd: c_int) -> Option<u64> {
+/// The identity of what `fd` is now (device and inode), if it is open.
+pub(crate) fn inode(fd: c_int) -> Option<Ino> {
     // SAFETY: a zeroed stat is valid; fstat(2) writes into ours.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
-    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
+    (unsafe { libc::fstat(fd, &mut st) } == 0).then_some((st.st_dev, st.st_ino))
 }
 
 fn map() -> Map {
@@ -123,6 +141,7 @@ pub fn forced(fd: c_int, program: Option<bool>) {
             }
         }
     }
+    publish(m);
 }
 
 /// The record of `fd` if it is still that socket's (a stale one goes).
@@ -133,6 +152,7 @@ fn current(m: &mut HashMap<c_int, Record>, fd: c_int) -> Option<bool> {
     }
     touch(m, fd);
     m.remove(&fd);
+    publish(m);
     None
 }
 
@@ -143,10 +163,14 @@ pub fn program_view(fd: c_int) -> Option<bool> {
 
 /// The program closed `fd` (or `dup2`ed over it): its record goes.
 pub fn forget(fd: c_int) {
+    if LEN.load(Ordering::Acquire) == 0 {
+        return;
+    }
     if let Some(m) = map().as_mut() {
         if m.contains_key(&fd) {
             touch(m, fd);
             m.remove(&fd);
+            publish(m);
         }
     }
 }
@@ -167,6 +191,7 @@ pub fn restore(fd: c_int) {
         if p.is_some() {
             touch(m, fd);
             m.remove(&fd);
+            publish(m);
         }
         p
     });
@@ -248,8 +273,9 @@ mod tests {
         // another pipe (another inode), close-on-exec.
         // SAFETY: the test's descriptors.
         // (libc's calls, past the library's interposed ones.)
+        // (dup3 onto `a` at once: no moment where a parallel test could
+        // take the number.)
         unsafe {
-            crate::real::close(a);
             assert_eq!(crate::real::dup3(q[0], a, libc::O_CLOEXEC), a);
         }
         assert_eq!(program_view(a), None);
@@ -258,7 +284,6 @@ mod tests {
         forced(a, Some(false));
         // SAFETY: the test's descriptors.
         unsafe {
-            crate::real::close(a);
             assert_eq!(crate::real::dup3(r[0], a, libc::O_CLOEXEC), a);
         }
         restore(a);

@@ -58,12 +58,19 @@ use crate::table::{self, keep_errno, Entry, Guard};
 fn settle(exec: bool) {
     let Some(_g) = Guard::enter() else { return };
     // One bound for the whole settle, however many connections wait for
-    // a peer (each still gets a short look: `at_least`).
-    let end = std::time::Instant::now() + crate::link::demote_wait();
+    // a peer; each still gets a look of its own (`at_least`: a second, or
+    // the bound if shorter), so that one silent peer does not leave the
+    // others a moment only.
+    let wait = crate::link::demote_wait();
+    let end = std::time::Instant::now() + wait;
     keep_errno(|| {
         left::close();
         let mut demoted: Vec<(std::sync::Arc<crate::stream::Stream>, c_int)> = Vec::new();
-        for (fd, s) in table::streams() {
+        // In descriptor order: the program's stdin and stdout (0, 1) first,
+        // the connections it hands on most often.
+        let mut streams = table::streams();
+        streams.sort_unstable_by_key(|(fd, _)| *fd);
+        for (fd, s) in streams {
             // What this process wrote on its carried connections lands
             // before its address space (the rings, the QP's context) goes
             // with the exec, as a TCP socket's sent bytes would: a server
@@ -74,7 +81,7 @@ fn settle(exec: bool) {
             }
             // (Its other descriptors find it plain TCP: settled below as
             // such, their flags given back at the end.)
-            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s, exec, at_least(end)) {
+            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s, exec, at_least(end, wait)) {
                 demoted.push((s.clone(), fd));
                 crate::cloexec::restore(fd);
                 continue;
@@ -85,7 +92,7 @@ fn settle(exec: bool) {
                 crate::forkshare::leaving(&s);
             }
             if !table::is_cloexec(fd) {
-                s.settle_for_exec(fd, at_least(end));
+                s.settle_for_exec(fd, at_least(end, wait));
             }
         }
         if exec {
@@ -101,10 +108,13 @@ fn settle(exec: bool) {
     });
 }
 
-/// `end`, or a short while from now if it passed: a connection settled
-/// after others used the whole bound still gets a look at its peer.
-fn at_least(end: std::time::Instant) -> std::time::Instant {
-    end.max(std::time::Instant::now() + std::time::Duration::from_millis(50))
+/// `end`, or a second from now (`wait` if shorter) if that is later: a
+/// connection settled after others used the bound still gets a look at
+/// its peer long enough for a busy one to answer (a peer answers at its
+/// next call on the connection, or at once where it waits in one). A
+/// settle with `n` connections so waits `wait + n` seconds at most.
+fn at_least(end: std::time::Instant, wait: std::time::Duration) -> std::time::Instant {
+    end.max(std::time::Instant::now() + wait.min(std::time::Duration::from_secs(1)))
 }
 
 /// Descriptors whose connection is plain TCP by now (demoted: by this
@@ -136,24 +146,27 @@ pub(crate) mod left {
     const SLOTS: usize = 16;
     static FD: [AtomicI32; SLOTS] = [const { AtomicI32::new(-1) }; SLOTS];
     static INO: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
+    static DEV: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
     static ANY: AtomicBool = AtomicBool::new(false);
 
-    fn inode(fd: c_int) -> Option<u64> {
+    /// The socket's identity (device and inode), if `fd` is a socket.
+    fn inode(fd: c_int) -> Option<(u64, u64)> {
         // SAFETY: fstat(2) into a zeroed stat of ours.
         let mut st: libc::stat = unsafe { std::mem::zeroed() };
         // SAFETY: as above.
         let r = unsafe { libc::fstat(fd, &mut st) };
-        (r == 0 && st.st_mode & libc::S_IFMT == libc::S_IFSOCK).then_some(st.st_ino)
+        (r == 0 && st.st_mode & libc::S_IFMT == libc::S_IFSOCK).then_some((st.st_dev, st.st_ino))
     }
 
     /// `fd`, the library's descriptor of a demoted connection, is left;
     /// `via`: the program's descriptor of the same socket (a `vfork`
     /// child may have closed `fd` in its own table, not in its parent's).
     pub fn record(fd: c_int, via: c_int) {
-        let Some(ino) = inode(via) else { return };
-        for (f, i) in FD.iter().zip(INO.iter()) {
+        let Some((dev, ino)) = inode(via) else { return };
+        for ((f, i), d) in FD.iter().zip(INO.iter()).zip(DEV.iter()) {
             if f.compare_exchange(-1, -2, Ordering::AcqRel, Ordering::Acquire).is_ok() {
                 i.store(ino, Ordering::Release);
+                d.store(dev, Ordering::Release);
                 f.store(fd, Ordering::Release);
                 ANY.store(true, Ordering::Release);
                 return;
@@ -174,20 +187,19 @@ pub(crate) mod left {
     /// memory): it would close them in its own table only and clear its
     /// parent's record of them, which the parent then never closes.
     pub fn close() {
-        if crate::pid::get() != std::process::id() {
+        // (The flag first: every close of the program comes here, and the
+        // id check is a system call.)
+        if !ANY.load(Ordering::Acquire) || crate::pid::vforked() || !ANY.swap(false, Ordering::AcqRel) {
             return;
         }
-        if !ANY.load(Ordering::Acquire) || !ANY.swap(false, Ordering::AcqRel) {
-            return;
-        }
-        for (f, i) in FD.iter().zip(INO.iter()) {
+        for ((f, i), d) in FD.iter().zip(INO.iter()).zip(DEV.iter()) {
             // (-2: a slot being filled; left for the next close.)
             if f.load(Ordering::Acquire) == -2 {
                 ANY.store(true, Ordering::Release);
                 continue;
             }
             let fd = f.swap(-1, Ordering::AcqRel);
-            if fd >= 0 && inode(fd) == Some(i.load(Ordering::Acquire)) {
+            if fd >= 0 && inode(fd) == Some((d.load(Ordering::Acquire), i.load(Ordering::Acquire))) {
                 crate::dev::debug(&format!("the library's descriptor {fd} of a connection demoted for an exec that did not replace this memory: closed"));
                 // SAFETY: the library's own descriptor (the same socket).
                 unsafe { crate::real::close(fd) };
@@ -210,6 +222,8 @@ pub(crate) mod left {
 /// descriptors in the child's table only). The child's own copies are
 /// dropped: never the last holders.
 pub(crate) mod vfork {
+    use std::collections::{HashMap, HashSet};
+    use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Mutex;
 
     use libc::c_int;
@@ -217,43 +231,86 @@ pub(crate) mod vfork {
     use crate::table::{self, Entry};
 
     struct View {
+        /// The `vfork` child whose view this is (its real id).
+        pid: u32,
         /// The parent's entries of descriptors the child closed or
         /// replaced, as they were before the child's first change.
-        aside: Vec<(c_int, Option<Entry>)>,
+        aside: HashMap<c_int, Option<Entry>>,
         /// Descriptors the child mapped.
-        added: Vec<c_int>,
+        added: HashSet<c_int>,
     }
 
-    static VIEW: Mutex<View> = Mutex::new(View { aside: Vec::new(), added: Vec::new() });
+    static VIEW: Mutex<Option<View>> = Mutex::new(None);
 
-    fn view() -> std::sync::MutexGuard<'static, View> {
+    /// The id of the child whose view is kept, 0 for none: the parent's
+    /// descriptor calls look at it without a lock or a system call.
+    static ACTIVE: AtomicU32 = AtomicU32::new(0);
+
+    fn view() -> std::sync::MutexGuard<'static, Option<View>> {
         VIEW.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a `vfork` child's view is kept (a child is between its
+    /// first change and its exec or exit, or one ended without either).
+    pub fn active() -> bool {
+        ACTIVE.load(Ordering::Acquire) != 0
+    }
+
+    /// This child's view; one left by another child (killed, or gone by a
+    /// raw system call, before its exec or exit) is put back first.
+    fn mine(v: &mut Option<View>) -> &mut View {
+        let me = std::process::id();
+        if v.as_ref().is_some_and(|x| x.pid != me) {
+            if let Some(old) = v.take() {
+                put_back(old);
+            }
+        }
+        ACTIVE.store(me, Ordering::Release);
+        v.get_or_insert_with(|| View { pid: me, aside: HashMap::new(), added: HashSet::new() })
     }
 
     /// The child closes `fd` (or is about to replace it).
     pub fn closed(fd: c_int) {
-        let mut v = view();
-        if !v.aside.iter().any(|(f, _)| *f == fd) {
-            let e = table::remove(fd);
-            v.aside.push((fd, e));
+        let mut g = view();
+        let v = mine(&mut g);
+        if let std::collections::hash_map::Entry::Vacant(a) = v.aside.entry(fd) {
+            a.insert(table::remove(fd));
         } else if v.added.contains(&fd) {
             // Its own copy: a clone of an entry still held.
             drop(table::remove(fd));
         }
-        v.added.retain(|&f| f != fd);
+        v.added.remove(&fd);
     }
 
     /// The child mapped `fd`.
     pub fn added(fd: c_int) {
-        let mut v = view();
-        if !v.added.contains(&fd) {
-            v.added.push(fd);
-        }
+        let mut g = view();
+        mine(&mut g).added.insert(fd);
     }
 
-    /// Before the child's exec: the parent's table back.
+    /// The parent closes or replaces `fd` while a child's view is kept:
+    /// its own change wins (the child's exec or exit must not put back an
+    /// older entry over it, nor take its new one out). The parent's entry
+    /// the child set aside is the parent's to drop: given back.
+    pub fn parent_changed(fd: c_int) -> Option<Entry> {
+        let mut g = view();
+        let v = g.as_mut()?;
+        v.added.remove(&fd);
+        v.aside.remove(&fd).flatten()
+    }
+
+    /// Before the child's exec, or as it exits without one: the parent's
+    /// table back.
     pub fn end() {
-        let v = std::mem::replace(&mut *view(), View { aside: Vec::new(), added: Vec::new() });
+        let v = view().take();
+        ACTIVE.store(0, Ordering::Release);
+        if let Some(v) = v {
+            put_back(v);
+        }
+        crate::cloexec::end_vfork();
+    }
+
+    fn put_back(v: View) {
         for fd in v.added {
             // (A copy: the entry it copied is the table's or aside.)
             drop(table::remove(fd));
@@ -273,7 +330,18 @@ pub(crate) mod vfork {
                 None => {}
             }
         }
-        crate::cloexec::end_vfork();
+    }
+
+    /// A `vfork` child leaves by `_exit`, `_Exit` or `exit` without an
+    /// exec: the parent's table and flag records as they were (else its
+    /// connection's entry stays aside, and its I/O goes straight to the
+    /// kernel socket under the rings).
+    pub fn exiting() {
+        if let Some(_g) = table::Guard::enter() {
+            if crate::pid::vforked() {
+                end();
+            }
+        }
     }
 }
 
@@ -303,12 +371,7 @@ fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool, end:
     // connection's socket (the table may be stale after a close the
     // library did not see). The library's own descriptor may be closed
     // (a `vfork` child's close): then the table is trusted.
-    let ino = |fd: c_int| {
-        // SAFETY: a zeroed stat is valid; fstat(2) writes into ours.
-        let mut st: libc::stat = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        (unsafe { libc::fstat(fd, &mut st) } == 0).then_some(st.st_ino)
-    };
+    let ino = crate::cloexec::inode;
     if let (Some(own), mine) = (ino(s.own_fd()), ino(fd)) {
         if mine != Some(own) {
             crate::dev::debug(&format!("descriptor {fd}: not its connection's socket: not demoted"));
@@ -506,6 +569,35 @@ pub unsafe extern "C" fn popen(cmd: *const c_char, mode: *const c_char) -> *mut 
     settle(false);
     // SAFETY: libc's popen with the caller's arguments.
     unsafe { real::popen(cmd, mode) }
+}
+
+/// A `vfork` child that leaves without an exec (`if (chdir(d) < 0)
+/// _exit(1);`) puts its parent's table back first ([`vfork::exiting`]).
+#[no_mangle]
+pub unsafe extern "C" fn _exit(code: c_int) -> ! {
+    vfork::exiting();
+    // SAFETY: libc's _exit, which does not return.
+    unsafe { real::_exit(code) };
+    std::process::abort()
+}
+
+/// As [`_exit`].
+#[no_mangle]
+pub unsafe extern "C" fn _Exit(code: c_int) -> ! {
+    vfork::exiting();
+    // SAFETY: libc's _Exit, which does not return.
+    unsafe { real::_Exit(code) };
+    std::process::abort()
+}
+
+/// As [`_exit`] (a `vfork` child's `exit` runs its parent's `atexit`
+/// handlers: the program's doing; the table is put back before them).
+#[no_mangle]
+pub unsafe extern "C" fn exit(code: c_int) -> ! {
+    vfork::exiting();
+    // SAFETY: libc's exit, which does not return.
+    unsafe { real::exit(code) };
+    std::process::abort()
 }
 
 /// Settles, then gives the address of libc's function of that name.

@@ -828,12 +828,31 @@ pub unsafe extern "C" fn getsockopt(
 /// ([`crate::owner`]).
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
+        // Every close of every program comes here: the looks that need no
+        // system call first (the table's lock only where it holds
+        // entries, as before). Whether this is a `vfork` child (a
+        // system call) matters only where the library knows `fd`, or a
+        // child's view is kept.
+        let known = table::contains(fd) || crate::cloexec::knows(fd) || crate::epoll::may_know();
+        let view = crate::exec::vfork::active();
+        if !known && !view {
+            crate::exec::left::close();
+            return;
+        }
         if crate::pid::vforked() {
             // Its parent's table, epoll sets and records stay (the
             // child's descriptors are its own): `crate::exec::vfork`.
-            crate::cloexec::forget(fd);
-            crate::exec::vfork::closed(fd);
+            if known {
+                crate::cloexec::forget(fd);
+                crate::exec::vfork::closed(fd);
+            }
             return;
+        }
+        if view {
+            // The parent's own close wins over a child's kept view.
+            if let Some(e) = crate::exec::vfork::parent_changed(fd) {
+                keep_errno(|| drop(e));
+            }
         }
         crate::cloexec::forget(fd);
         crate::exec::left::close();
@@ -875,6 +894,11 @@ fn copy_entry(from: c_int, to: c_int) {
             let vforked = crate::pid::vforked();
             if vforked {
                 crate::exec::vfork::closed(to);
+            } else if crate::exec::vfork::active() {
+                // The parent's own copy wins over a child's kept view.
+                if let Some(e) = crate::exec::vfork::parent_changed(to) {
+                    keep_errno(|| drop(e));
+                }
             }
             if e.carried() {
                 keep_errno(|| table::set_cloexec(to));

@@ -704,6 +704,61 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
     }
 }
 
+/// Sends all of `b` on `fd` however long the other end takes to read, as
+/// a blocking TCP write would (a demotion's resend, which cannot be given
+/// up halfway: the program there may legitimately take its time before it
+/// reads). Only the socket's end stops it: an error on it (the peer's
+/// reset, its host gone: the kernel's own retransmission limits) or a
+/// hang-up, each looked at every second. A peer process that is gone has
+/// its socket closed by the kernel, which resets ours at the next send.
+pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
+    while !b.is_empty() {
+        // SAFETY: `b` is valid for its length.
+        let r =
+            unsafe { real::send(fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        if r > 0 {
+            b = &b[r as usize..];
+            continue;
+        }
+        match crate::table::errno() {
+            libc::EAGAIN => {
+                let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                // SAFETY: one valid pollfd.
+                let n = unsafe { libc::poll(&mut p, 1, 1000) };
+                if n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+                    return Err(match socket_error(fd) {
+                        0 => libc::EPIPE,
+                        e => e,
+                    });
+                }
+                if n == 0 {
+                    if let e @ 1.. = socket_error(fd) {
+                        return Err(e);
+                    }
+                }
+            }
+            libc::EINTR => {}
+            e => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The socket's pending error (`SO_ERROR`), 0 for none.
+fn socket_error(fd: c_int) -> c_int {
+    let mut e: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into an int of ours, its size.
+    let r = unsafe {
+        real::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, (&mut e as *mut c_int).cast(), &mut len)
+    };
+    if r == 0 {
+        e
+    } else {
+        0
+    }
+}
+
 pub(crate) fn send_all(fd: c_int, mut b: &[u8]) -> Res<()> {
     while !b.is_empty() {
         // SAFETY: `b` is valid for its length.

@@ -69,6 +69,11 @@ pub fn get(fd: c_int) -> Option<Entry> {
     table().get(&fd).cloned()
 }
 
+/// Whether `fd` has an entry (no lock while the table is empty).
+pub fn contains(fd: c_int) -> bool {
+    fd >= 0 && COUNT.load(Ordering::Acquire) != 0 && table().contains_key(&fd)
+}
+
 pub fn insert(fd: c_int, e: Entry) -> Option<Entry> {
     hold_across_fork();
     let mut t = table();

@@ -976,6 +976,66 @@ fn vfork_run(fd: i32, args: &[&std::ffi::OsStr]) -> Result<libc::pid_t, String> 
     Ok(pid)
 }
 
+extern "C" fn vfork_child_exit(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the parent's descriptor number, alive while this
+    // child runs (CLONE_VFORK).
+    let fd = unsafe { *(arg as *const i32) };
+    // SAFETY: dup2(2), close(2) and _exit(2) on the parent's descriptor
+    // numbers, in this child's own table; nothing else in the child.
+    unsafe {
+        libc::dup2(fd, 0);
+        libc::close(fd);
+        // As `if (chdir(d) < 0) _exit(1);`: no exec.
+        libc::_exit(1)
+    }
+}
+
+/// A child made as `vfork` makes one that `dup2`s `fd` onto its stdin,
+/// closes `fd`, and leaves by `_exit(1)` without an exec; waited for.
+fn vfork_exit(fd: i32) -> Result<(), String> {
+    let mut stack = vec![0u8; 1 << 16];
+    // SAFETY: the end of our stack buffer, 16-byte aligned.
+    let top = unsafe { stack.as_mut_ptr().add(stack.len()) } as usize & !15;
+    // SAFETY: clone(2) with a child function that only dup2s, closes and
+    // _exits, its own stack, and `fd` alive across the call.
+    let pid = unsafe {
+        libc::clone(
+            vfork_child_exit,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&fd as *const i32).cast_mut().cast(),
+        )
+    };
+    if pid < 0 {
+        return Err(format!("clone: {}", std::io::Error::last_os_error()));
+    }
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our child.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err("waitpid".into());
+    }
+    if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 1) {
+        return Err(format!("the vfork child ended with {status:#x}"));
+    }
+    Ok(())
+}
+
+/// `inetd`'s `carried-vfork-exit`: one chunk echoed (carried), then two
+/// `vfork` children in turn `dup2` the connection onto their stdin,
+/// close it and `_exit` without an exec; then this process echoes the
+/// rest on the connection, which must still be carried here.
+fn carried_vfork_exit(mut s: TcpStream) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(15))).map_err(|e| e.to_string())?;
+    let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+    eprintln!("echoed {n} before the vfork children");
+    vfork_exit(s.as_raw_fd())?;
+    vfork_exit(s.as_raw_fd())?;
+    let m = echo_upto(&mut s, u64::MAX)?;
+    eprintln!("echoed {m} more after the vfork children");
+    Ok(())
+}
+
 /// Waits for the child `pid`; an error unless it exited with 0.
 fn wait_ok(pid: libc::pid_t, what: &str) -> Result<(), String> {
     let mut status = 0;
@@ -1125,6 +1185,9 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
     }
     if mode == "carried-vfork-late" {
         return carried_vfork_late(s);
+    }
+    if mode == "carried-vfork-exit" {
+        return carried_vfork_exit(s);
     }
     drop(l);
     pause("SOCKAPP_EXEC_DELAY_MS");

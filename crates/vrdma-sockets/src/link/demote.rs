@@ -831,7 +831,9 @@ impl Link {
             crate::stream::send_all(self.sock, &out[..out.len() / 2])?;
             return Err(libc::ETIMEDOUT);
         }
-        crate::stream::send_all(self.sock, &out)?;
+        // No time limit: the exec'd program may take its time before it
+        // reads, and a resend cut short is final (a reset).
+        crate::stream::send_all_while_alive(self.sock, &out)?;
         crate::dev::debug(&format!(
             "the peer demoted for an exec at {rd}: {n} bytes sent again after the marker"
         ));
@@ -916,10 +918,32 @@ impl Link {
             &format!("the switch of a demoted connection to plain TCP failed midway (errno {e}): the connection is reset"),
         );
         // SAFETY: a zeroed sockaddr with family AF_UNSPEC, its size.
-        unsafe {
+        let r = unsafe {
             let mut a: libc::sockaddr = std::mem::zeroed();
             a.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
-            real::connect(self.sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t);
+            real::connect(self.sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t)
+        };
+        if r != 0 {
+            // Not disconnected (an older kernel, a socket state that
+            // refuses it): a linger of 0 makes the last close a reset,
+            // not a FIN that would read as a clean, short stream (no
+            // shutdown: that sends one). This end's later calls fail
+            // (the switch is final), so nothing more goes out.
+            crate::dev::debug(&format!(
+                "the reset by a connect to AF_UNSPEC failed (errno {}): linger 0, reset at the close",
+                crate::table::errno()
+            ));
+            let lg = libc::linger { l_onoff: 1, l_linger: 0 };
+            // SAFETY: setsockopt(2) with a linger of ours, its size.
+            unsafe {
+                real::setsockopt(
+                    self.sock,
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&lg as *const libc::linger).cast(),
+                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                );
+            }
         }
     }
 
