@@ -639,3 +639,31 @@ fn a_vfork_child_that_exits_without_exec_leaves_its_parents_connection_whole() -
     );
     Ok(())
 }
+
+/// As the wrapping case, with an exec'd program that takes 11 s before it
+/// reads its stdin (longer than the old 10 s limit on the client's
+/// library's resend, which then reset the connection), and the kernel
+/// buffers of both ends shrunk so that the resend cannot fit: it waits
+/// for it, as a blocking TCP write would, and every byte comes back.
+#[test]
+fn a_resend_waits_for_a_slow_exec_d_program() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let server = [
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_DELAY_MS", "11000"),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    Ok(())
+}

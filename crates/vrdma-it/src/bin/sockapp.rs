@@ -880,6 +880,10 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
         Ok(())
     };
     round(&mut s, &mut sent, first, &mut back)?;
+    {
+        use std::os::fd::AsRawFd;
+        raw_buf(s.as_raw_fd(), libc::SO_SNDBUF, "SOCKAPP_RAW_SNDBUF");
+    }
     let more: Vec<u8> = (first..first + unread).map(pattern).collect();
     s.write_all(&more).map_err(|e| format!("write of the unread bytes: {e}"))?;
     eprintln!("goclient: {unread} bytes sent after {first} echoed");
@@ -1091,6 +1095,26 @@ fn carried_vfork_late(mut s: TcpStream) -> Result<(), String> {
     Ok(())
 }
 
+/// Sets the kernel socket's buffer `opt` of `fd` to the bytes in `var`,
+/// if set, by a raw system call (past the library, which keeps a carried
+/// connection's options for later): the kernel buffers shrunk, so that a
+/// demotion's resend cannot fit in them.
+fn raw_buf(fd: i32, opt: libc::c_int, var: &str) {
+    if let Some(v) = std::env::var(var).ok().and_then(|v| v.parse::<libc::c_int>().ok()) {
+        // SAFETY: setsockopt(2) with an int of ours, its size.
+        unsafe {
+            libc::syscall(
+                libc::SYS_setsockopt,
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                &v as *const libc::c_int,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
 /// Sleeps for the milliseconds in `var`, if set.
 fn pause(var: &str) {
     if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
@@ -1217,6 +1241,7 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
             let n = echo_upto(&mut s, first.unwrap_or(ECHO_CHUNK as u64))?;
             eprintln!("echoed {n} before the exec");
             pause("SOCKAPP_BEFORE_EXEC_MS");
+            raw_buf(s.as_raw_fd(), libc::SO_RCVBUF, "SOCKAPP_RAW_RCVBUF");
             dup_onto(s.as_raw_fd(), &[0, 1])?;
             drop(s);
             Err(execve_self(&["stdecho", "go"]))
@@ -1345,6 +1370,8 @@ fn stdecho(go: bool) -> Result<(), String> {
         unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
         // SAFETY: write(2) of one byte of ours.
         unsafe { libc::write(1, b"G".as_ptr().cast(), 1) };
+        // A program slow to read its stdin (the peer's resend must wait).
+        pause("STDECHO_DELAY_MS");
     }
     loop {
         // SAFETY: read(2) into our buffer.
