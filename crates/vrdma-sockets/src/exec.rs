@@ -216,11 +216,15 @@ pub(crate) mod left {
 /// connection the parent holds. So in the child a descriptor it closes or
 /// replaces has the parent's entry kept aside (once), the entries it adds
 /// are noted, and before its exec (after the settle) the table is put
-/// back as the parent had it: its entries out, the parent's back, but a
+/// back as the parent had it (also as it leaves by `_exit`, `_Exit` or
+/// `exit` without an exec: [`vfork::exiting`]): its entries out, the
+/// parent's back, but a
 /// connection the child demoted (plain TCP: the parent finds it so,
 /// forgotten, its entry leaked rather than dropped: its drop would close
 /// descriptors in the child's table only). The child's own copies are
-/// dropped: never the last holders.
+/// dropped: never the last holders. The view names its child (another
+/// child's left view is put back first), and the parent's own close or
+/// copy of a descriptor meanwhile wins over it.
 pub(crate) mod vfork {
     use std::collections::{HashMap, HashSet};
     use std::sync::atomic::{AtomicU32, Ordering};
