@@ -1,7 +1,8 @@
 //! `exec` under the sockets preload library (`docs/sockets.md`, "Exec"):
 //! a connection that an exec'd program inherits before any call on it
 //! falls back to plain TCP cleanly (inetd-style servers, and a client
-//! that execs), and a carried one is not inherited.
+//! that execs), and a carried one is demoted to plain TCP at an exact
+//! byte and inherited, or, where it cannot be, not inherited.
 //!
 //! Each test starts a daemon of its own and `vrdma-it-sockapp` roles
 //! under `LD_PRELOAD`, on loopback; every process is waited for with a
@@ -110,40 +111,226 @@ fn a_forking_inetd_and_a_spawning_server_hand_over_a_clean_tcp_stream() -> Resul
     Ok(())
 }
 
-/// A connection carried before the exec is close-on-exec: the exec'd
-/// program does not get it (its stdin and stdout are closed, it reads
-/// nothing), the kernel socket closes with the exec, and the client's
-/// next read ends (the end or an error, never wrong bytes) within the
-/// bound instead of hanging.
-#[test]
-fn a_connection_carried_before_exec_is_not_inherited_and_its_peer_is_told() -> Result<()> {
-    let (c, s, counts) = inetd("carried-exec", &[], &[])?;
+/// An `inetd PORT MODE` server against a `goclient ... WAY`, as [`inetd`].
+fn go_inetd(
+    mode: &str,
+    way: &str,
+    server_env: &[(&str, &str)],
+    client_env: &[(&str, &str)],
+) -> Result<(Finished, Finished)> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["inetd".into(), port.to_string(), mode.into()], server_env), "inetd");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["goclient".into(), port.to_string(), BYTES.to_string(), way.into()];
+    let c = spawn(sockapp(&d, &args, client_env), "goclient").finish(LIMIT);
+    let s = s.finish(LIMIT);
+    Ok((c, s))
+}
+
+/// The connection was carried, demoted before the exec or spawn, and the
+/// program got it as a connected socket and echoed every byte after the
+/// first chunk.
+fn handed_over(c: &Finished, s: &Finished) {
+    c.assert_ok();
     s.assert_ok();
     assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
-    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
-    assert!(!c.status.success(), "{}", c.describe());
-    // The first chunk came back; the second never did.
-    assert!(c.stderr.contains("at 16384"), "{}", c.describe());
-    assert_eq!((counts.announced, counts.carried), (1, 1), "{counts:?}");
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is a connected socket"), "{}", s.describe());
+    assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 16384)), "{}", s.describe());
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+}
+
+/// A connection carried before an `execve` that the exec'd program
+/// inherits (its stdin and stdout, `dup2`ed: not close-on-exec) is
+/// demoted to plain TCP at an exact byte first, and the program reads and
+/// writes the stream where it was: the client, after one chunk echoed by
+/// the server itself, waits for the program's go byte blocked in `read`,
+/// in `poll`, or in `epoll_wait` (each must wake at the demotion and
+/// switch), then the rest is echoed by the program, every byte checked.
+#[test]
+fn a_connection_carried_before_exec_is_demoted_and_the_execd_program_gets_it() -> Result<()> {
+    for way in ["read", "poll", "epoll"] {
+        let (c, s) = go_inetd("carried-exec", way, &[], &[])?;
+        handed_over(&c, &s);
+    }
     Ok(())
 }
 
-/// A carried connection handed to a spawned program through
+/// A carried connection handed to a program spawned through
 /// `posix_spawn`'s file actions (`std::process::Command` with the socket
-/// as its stdin and stdout): the program does not get it (the actions
-/// close its stdin and stdout instead, as close-on-exec would; it reads
-/// nothing), and the server goes on echoing the rest itself, carried.
-/// Without this the program would read the raw socket under the rings
-/// (wake bytes) while the client's bytes went through the ring.
+/// as its stdin and stdout) is demoted when the action is added, and the
+/// program gets it.
 #[test]
-fn a_carried_connection_is_not_given_to_a_spawned_program() -> Result<()> {
-    let (c, s, _) = inetd("carried-spawn", &[], &[])?;
+fn a_carried_connection_given_to_a_spawned_program_is_demoted_first() -> Result<()> {
+    let (c, s) = go_inetd("carried-spawn", "read", &[], &[])?;
+    handed_over(&c, &s);
+    Ok(())
+}
+
+/// The fallback: a peer that makes no call within the server's bounded
+/// wait (`VRDMA_SOCKETS_WAIT_MS`) does not answer the demotion, and the
+/// exec goes on as before: the connection is close-on-exec, the program
+/// gets nothing (its stdin and stdout closed, it reads nothing), and the
+/// peer, once it reads, finds the end.
+#[test]
+fn a_connection_whose_peer_does_not_answer_in_time_is_not_inherited() -> Result<()> {
+    let (c, s) = go_inetd(
+        "carried-exec",
+        "late",
+        &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+        &[("SOCKAPP_GO_DELAY_MS", "2500")],
+    )?;
     c.assert_ok();
     s.assert_ok();
-    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
-    assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
-    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
     assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    // Said even without VRDMA_SOCKETS_DEBUG (a warning).
+    assert!(s.stderr.contains("could not be demoted to plain TCP for the new program"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte"), "{}", c.describe());
+    Ok(())
+}
+
+/// As above, with bytes of the peer's in the ring the program has not read
+/// (an exec's demotion takes such a ring): they are lost with the exec,
+/// so the connection is reset, not ended cleanly (the server's library
+/// says so; the client's, at its late switch, fails to read them back from
+/// the gone ring and reads a reset either way).
+#[test]
+fn a_connection_with_unread_bytes_whose_peer_does_not_answer_in_time_is_reset() -> Result<()> {
+    let (c, s) = go_inetd(
+        "carried-exec",
+        "pipelined-late",
+        &[("VRDMA_SOCKETS_WAIT_MS", "300"), ("SOCKAPP_BEFORE_EXEC_MS", "500")],
+        &[("SOCKAPP_GO_DELAY_MS", "2500")],
+    )?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    assert!(s.stderr.contains("bytes of the peer's unread: reset at the exec"), "{}", s.describe());
+    assert!(s.stderr.contains("no program will read: the connection is reset"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte (reset)"), "{}", c.describe());
+    Ok(())
+}
+
+/// A client that sends its request and shuts its write side, then reads
+/// the answer (CGI style): the server reads the request to its end, then
+/// execs a program with the connection, which answers: the connection is
+/// demoted (the client's library sends no marker: its end is on the
+/// socket) and the program's answer reaches the client.
+#[test]
+fn a_connection_whose_peer_shut_its_write_side_is_handed_over() -> Result<()> {
+    let (c, s) = go_inetd("carried-exec-eof", "shut", &[], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is a connected socket"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0"), "{}", s.describe());
+    assert!(c.stdout.contains("the echo, the go byte, then the end"), "{}", c.describe());
+    Ok(())
+}
+
+/// Bytes of the peer's in the ring that the program has not read when it
+/// execs (the client sends two chunks before it reads the first one's
+/// echo; the server reads one, waits a while, the second landing in its
+/// ring meanwhile, and execs): the exec'd program gets them too. The
+/// server's ring goes with its exec, so the client's library, at its
+/// switch, reads them back from that ring (an RDMA read) and sends them
+/// again after its marker, whose count is the server's read count.
+#[test]
+fn a_connection_with_unread_ring_bytes_is_handed_over_with_them() -> Result<()> {
+    let (c, s) = go_inetd("carried-exec", "pipelined", &[("SOCKAPP_BEFORE_EXEC_MS", "500")], &[])?;
+    handed_over(&c, &s);
+    assert!(c.stderr.contains("16384 bytes sent again after the marker"), "{}", c.describe());
+    Ok(())
+}
+
+/// Most of a ring unread at the exec (192 KiB), past a read count near the
+/// ring's size (240 KiB), so that the range the client's library reads
+/// back from the server's ring wraps, and the exec'd program echoes them
+/// while the client's library still sends them: every byte comes back
+/// once, in order.
+#[test]
+fn a_connection_with_most_of_a_wrapping_ring_unread_is_handed_over_whole() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let server = [("SOCKAPP_BEFORE_EXEC_MS", "500"), ("SOCKAPP_ECHO_FIRST", first.as_str())];
+    let client = [("SOCKAPP_ECHO_FIRST", first.as_str()), ("SOCKAPP_UNREAD", unread.as_str())];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
+    assert!(
+        c.stderr.contains(&format!("{} bytes sent again after the marker", 192 * 1024)),
+        "{}",
+        c.describe()
+    );
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    Ok(())
+}
+
+/// The client's library's resend fails midway (a test knob: half of the
+/// marker and bytes sent, then an error as a send that timed out): the
+/// failure is final. The client's calls fail with a reset and send
+/// nothing more (no second marker, no bytes twice: before the fix the
+/// next call sent them again), and the exec'd program's stream ends with
+/// a reset, not a clean end after a short stream.
+#[test]
+fn a_resend_that_fails_midway_resets_the_connection_and_is_not_repeated() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let n = 192 * 1024;
+    let unread = n.to_string();
+    let server = [("SOCKAPP_BEFORE_EXEC_MS", "500"), ("SOCKAPP_ECHO_FIRST", first.as_str())];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_EXPECT_FAILURE", "1"),
+        ("VRDMA_SOCKETS_TEST_PAUSE", "resend-fails:0"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    let reset = format!("Err(Some({}))", libc::ECONNRESET);
+    assert!(c.stdout.contains(&format!("the go byte read: {reset}")), "{}", c.describe());
+    assert!(c.stdout.contains(&format!("then a write: {reset}")), "{}", c.describe());
+    assert!(c.stdout.contains(&format!("then a read: {reset}")), "{}", c.describe());
+    assert!(c.stderr.contains("failed midway"), "{}", c.describe());
+    // The program (what went of the range readable before the reset, or
+    // not) ends with the reset, never at a clean end.
+    let finished =
+        s.stderr.lines().any(|l| l.strip_prefix("stdecho ").is_some_and(|k| k.parse::<u64>().is_ok()));
+    let reset = ["Connection reset", "Broken pipe"].iter().any(|e| s.stderr.contains(e));
+    assert!(!finished && reset, "{}", s.describe());
+    Ok(())
+}
+
+/// A spawn does not ask the peer to send unread ring bytes again (the
+/// parent goes on, and must be left a connection it can read should the
+/// peer not answer in time): a carried connection whose ring holds bytes
+/// the program has not read is not given to the spawned program, as
+/// before (its file action closes the target instead).
+#[test]
+fn a_carried_connection_with_unread_ring_bytes_is_not_given_to_a_spawned_program() -> Result<()> {
+    let (c, s) = go_inetd("carried-spawn", "pipelined", &[("SOCKAPP_BEFORE_EXEC_MS", "500")], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(
+        s.stderr.contains("not demoted (the ring holds bytes the program has not read)"),
+        "{}",
+        s.describe()
+    );
+    assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte"), "{}", c.describe());
     Ok(())
 }
 
@@ -264,6 +451,119 @@ sys.exit(r.returncode)
     Ok(())
 }
 
+/// A server (`inetd carried-vfork`) that gives a carried connection to a
+/// `vfork` child that execs `stdecho go` (the child demotes it and leaves
+/// the library's descriptor of it to the parent to close), then, before
+/// any other call, runs another `vfork` child (`true`), then closes its
+/// copy: the second child's exec must not forget the parent's leftover
+/// descriptor (before the fix, it closed it in its own table only and
+/// cleared the parent's record, so the client never read the end while
+/// the server lived).
+#[test]
+fn a_second_vfork_child_does_not_forget_the_parents_leftover_descriptor() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    let port = free_port();
+    let s = spawn(sockapp(&d, &["inetd".into(), port.to_string(), "carried-vfork".into()], &[]), "inetd");
+    vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+        listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+    })?;
+    let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
+    let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(Duration::from_secs(20));
+    let _ = std::net::TcpStream::connect(("127.0.0.1", port));
+    let s = s.finish(LIMIT);
+    handed_over(&c, &s);
+    assert!(s.stderr.contains("an exec that did not replace this memory: closed"), "{}", s.describe());
+    Ok(())
+}
+
+/// A `vfork` child `dup2`s a carried connection onto its stdin and stdout
+/// and execs, its demotion unanswered (the client makes no call in the
+/// wait): the program does not get it, and the parent's own stdout is
+/// still its own (before, the child's `dup2` had mapped the parent's
+/// descriptor 1 to the carried connection in the shared table: the
+/// parent's line went to the client).
+#[test]
+fn a_vfork_childs_dup2_does_not_change_its_parents_descriptors() -> Result<()> {
+    let (c, s) = go_inetd(
+        "carried-vfork-late",
+        "late",
+        &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+        &[("SOCKAPP_GO_DELAY_MS", "2500")],
+    )?;
+    s.assert_ok();
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
+    assert!(s.stdout.contains("the parent's stdout is its own"), "{}\n{}", s.describe(), c.describe());
+    Ok(())
+}
+
+/// A Python server that echoes a first chunk on a carried connection
+/// (its library carries it), then runs a program with the socket as its
+/// stdin and stdout through `subprocess` (`_posixsubprocess` `dup2`s it
+/// in a `vfork`ed child, which shares the parent's memory, and execs
+/// there): the child demotes the connection, the program gets it and
+/// echoes the rest, and the parent, which then finds it plain TCP, closes
+/// it: the client reads the end while the parent lives on, also when the
+/// parent ran another program (a second `vfork` child) before its close.
+#[test]
+fn a_python_server_running_a_program_through_subprocess_on_a_carried_connection_hands_it_over() -> Result<()>
+{
+    const SERVER: &str = "import socket, subprocess, sys
+l = socket.socket()
+l.bind(('127.0.0.1', int(sys.argv[1])))
+l.listen()
+print('listening', flush=True)
+c, _ = l.accept()
+n = 0
+while n < 16384:
+    b = c.recv(16384 - n)
+    if not b:
+        sys.exit(3)
+    c.sendall(b)
+    n += len(b)
+r = subprocess.run([sys.argv[2], 'stdecho', 'go'], stdin=c, stdout=c)
+if sys.argv[3] == 'again':
+    # Another vfork child, whose exec must not forget for the parent the
+    # library's descriptor that the first one left.
+    subprocess.run(['true'])
+c.close()
+# Alive until the test is done with the client (a second connection).
+l.accept()
+sys.exit(r.returncode)
+";
+    let _one = harness::one_at_a_time();
+    let d = DaemonProc::start()?;
+    let ctx = d.context()?;
+    // `again`: the parent runs another program (`true`, a second vfork
+    // child) before its close.
+    for then in ["close", "again"] {
+        let port = free_port();
+        let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
+        let mut py = Command::new("python3");
+        py.args(["-c", SERVER, &port.to_string()])
+            .arg(&exe)
+            .arg(then)
+            .env(vrdma::SOCKET_ENV, &d.socket)
+            .env("VRDMA_SOCKETS_DEBUG", "1")
+            .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+        let s = spawn(py, "python server");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
+        // The client reads the end while the server lives on (the kernel
+        // socket has no holder left: not the library's own descriptor in
+        // the parent either).
+        let c = spawn(sockapp(&d, &args, &[]), "goclient").finish(Duration::from_secs(20));
+        let _ = std::net::TcpStream::connect(("127.0.0.1", port));
+        let s = s.finish(LIMIT);
+        handed_over(&c, &s);
+    }
+    Ok(())
+}
+
 /// Why both ends send their hello before they read the other's (the
 /// order the exec settling relies on, `docs/sockets.md`): a server that
 /// speaks first, to a client that waits in `poll` for the banner before
@@ -315,5 +615,55 @@ fn a_worker_program_execd_on_an_inherited_listener_carries_what_it_accepts() -> 
     assert!(s.stdout.contains(&format!("echoed {BYTES}")), "{}", s.describe());
     assert!(c.stderr.contains(CARRIED) && s.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
     assert!(took < Duration::from_secs(20), "the client waited {took:?} for a claim");
+    Ok(())
+}
+
+/// A `vfork` child that `dup2`s a carried connection onto its stdin,
+/// closes it and leaves by `_exit` without an exec (`if (chdir(d) < 0)
+/// _exit(1);`) gives its parent's table back: the parent, after two such
+/// children, echoes the rest of the stream on the connection, still
+/// carried, every byte checked by the client. (Before, the parent's entry
+/// stayed set aside: its reads went to the kernel socket under the rings,
+/// and the second child's exit put an old entry back.)
+#[test]
+fn a_vfork_child_that_exits_without_exec_leaves_its_parents_connection_whole() -> Result<()> {
+    let (c, s, _) = inetd("carried-vfork-exit", &[], &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
+    assert!(
+        s.stderr.contains(&format!("echoed {} more after the vfork children", BYTES - 16384)),
+        "{}",
+        s.describe()
+    );
+    Ok(())
+}
+
+/// As the wrapping case, with an exec'd program that takes 11 s before it
+/// reads its stdin (longer than the old 10 s limit on the client's
+/// library's resend, which then reset the connection), and the kernel
+/// buffers of both ends shrunk so that the resend cannot fit: it waits
+/// for it, as a blocking TCP write would, and every byte comes back.
+#[test]
+fn a_resend_waits_for_a_slow_exec_d_program() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let server = [
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_DELAY_MS", "11000"),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
     Ok(())
 }

@@ -128,13 +128,21 @@ pub fn debugging() -> bool {
 pub fn warn_once(said: &std::sync::atomic::AtomicU32, msg: &str) {
     let me = std::process::id();
     if said.swap(me, std::sync::atomic::Ordering::Relaxed) != me {
-        eprintln!("vrdma-sockets[{me}]: {msg}");
+        line(&format!("vrdma-sockets[{me}]: {msg}\n"));
     }
 }
 
 /// One line on stderr when `VRDMA_SOCKETS_DEBUG` is set.
 pub fn debug(msg: &str) {
     if debugging() {
-        eprintln!("vrdma-sockets[{}]: {msg}", std::process::id());
+        line(&format!("vrdma-sockets[{}]: {msg}\n", std::process::id()));
     }
+}
+
+/// Writes one whole line to stderr in one `write(2)`: the program (or a
+/// child sharing the stderr) may write at the same time, and `eprintln!`
+/// may split a formatted line into several writes that theirs interleave.
+fn line(text: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(text.as_bytes());
 }

@@ -664,6 +664,12 @@ pub unsafe extern "C" fn epoll_ctl(ep: c_int, op: c_int, fd: c_int, ev: *mut epo
 
 /// `fd` is closed (or replaced): its registrations go with it, and, if it
 /// is an epoll set, the set's.
+/// Whether [`forget`] may have a descriptor to forget (no lock, no
+/// system call).
+pub fn may_know() -> bool {
+    TRACKED.load(Ordering::Acquire) != 0 || INNER.load(Ordering::Acquire)
+}
+
 pub fn forget(fd: c_int) {
     if TRACKED.load(Ordering::Acquire) == 0 && !INNER.load(Ordering::Acquire) {
         return;

@@ -14,7 +14,14 @@
 //! is settled as plain TCP ([`crate::stream::Stream::settle_for_exec`]: through the
 //! daemon, or by answering the client's hello with a decline), and the
 //! program reads a clean stream. A carried connection is close-on-exec
-//! (the program does not get it: [`crate::table::set_cloexec`]).
+//! ([`crate::table::set_cloexec`]); one the program wants its exec'd
+//! program to inherit (its own flag clear: [`crate::cloexec`]) is
+//! demoted to plain TCP at an exact byte first, this process as its
+//! driver (`Link::demote_for_exec`), and its real flag given back, so the
+//! program inherits a plain TCP socket whose stream goes on exactly;
+//! where it cannot be (bytes the program has not read in the ring, a peer
+//! that does not answer in time or cannot, another process's) it stays
+//! close-on-exec and the peer sees the end (`docs/sockets.md`, "Exec").
 //!
 //! glibc's exec family does not go through `execve`'s PLT entry (each
 //! calls glibc's internal `__execve` or `__execvpe`), so each is
@@ -25,9 +32,10 @@
 //! (which `system`, `popen` and Rust's `Command` use, through glibc's
 //! internal `__spawni`) settle what their child inherits; a descriptor
 //! that their file actions `dup2` (close-on-exec or not: the copy is
-//! inherited) is settled when the action is added, and a carried one's
-//! action becomes a close of its target (the child does not get it, as
-//! close-on-exec keeps it from an exec'd program). `system` and `popen`
+//! inherited) is settled when the action is added, and a carried one is
+//! demoted then, or, where it cannot be, its action becomes a close of
+//! its target (the child does not get it, as close-on-exec keeps it from
+//! an exec'd program). `system` and `popen`
 //! are interposed as well, since they reach `__spawni` without a PLT
 //! entry. `vfork` followed by an exec settles in the child, which shares
 //! the parent's memory: the parent then finds the connection TCP too.
@@ -41,18 +49,42 @@ use crate::real;
 use crate::table::{self, keep_errno, Entry, Guard};
 
 /// Settles every undecided connection a program started now would
-/// inherit (every descriptor not close-on-exec).
-fn settle() {
+/// inherit (every descriptor not close-on-exec), and demotes the carried
+/// ones it would inherit (the program's own flag clear). `exec`: this
+/// process's image goes (or is a `vfork` child's, sharing its parent's
+/// memory): a demoted connection's state is left as it is, not dropped
+/// (a `vfork` child may have closed the descriptors its drop would
+/// close, and Rust's descriptors abort on that).
+fn settle(exec: bool) {
     let Some(_g) = Guard::enter() else { return };
+    // One bound for the whole settle, however many connections wait for
+    // a peer; each still gets a look of its own (`at_least`: a second, or
+    // the bound if shorter), so that one silent peer does not leave the
+    // others a moment only.
+    let wait = crate::link::demote_wait();
+    let end = std::time::Instant::now() + wait;
     keep_errno(|| {
-        // What this process wrote on its carried connections lands before
-        // its address space (the rings, the QP's context) goes with the
-        // exec, as a TCP socket's sent bytes would: a server that echoed
-        // and then exec'd lost its last write (the peer read a reset
-        // instead, 1 CI run).
-        for (fd, s) in table::streams() {
+        left::close();
+        let mut demoted: Vec<(std::sync::Arc<crate::stream::Stream>, c_int)> = Vec::new();
+        // In descriptor order: the program's stdin and stdout (0, 1) first,
+        // the connections it hands on most often.
+        let mut streams = table::streams();
+        streams.sort_unstable_by_key(|(fd, _)| *fd);
+        for (fd, s) in streams {
+            // What this process wrote on its carried connections lands
+            // before its address space (the rings, the QP's context) goes
+            // with the exec, as a TCP socket's sent bytes would: a server
+            // that echoed and then exec'd lost its last write (the peer
+            // read a reset instead, 1 CI run).
             if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
                 l.flush_all_writes();
+            }
+            // (Its other descriptors find it plain TCP: settled below as
+            // such, their flags given back at the end.)
+            if carried_now(&s) && crate::cloexec::inherited(fd) && demote(fd, &s, exec, at_least(end, wait)) {
+                demoted.push((s.clone(), fd));
+                crate::cloexec::restore(fd);
+                continue;
             }
             // A carried connection goes with the exec (close-on-exec):
             // this process no longer holds it (`crate::forkshare`).
@@ -60,20 +92,364 @@ fn settle() {
                 crate::forkshare::leaving(&s);
             }
             if !table::is_cloexec(fd) {
-                s.settle_for_exec(fd);
+                s.settle_for_exec(fd, at_least(end, wait));
             }
+        }
+        if exec {
+            for (s, via) in &demoted {
+                left::record(s.own_fd(), *via);
+            }
+            std::mem::forget(demoted);
+        }
+        restore_plain();
+        if crate::pid::vforked() {
+            vfork::end();
         }
     });
 }
 
+/// `end`, or a second from now (`wait` if shorter) if that is later: a
+/// connection settled after others used the bound still gets a look at
+/// its peer long enough for a busy one to answer (a peer answers at its
+/// next call on the connection, or at once where it waits in one). A
+/// settle with `n` connections so waits `wait + n` seconds at most.
+fn at_least(end: std::time::Instant, wait: std::time::Duration) -> std::time::Instant {
+    end.max(std::time::Instant::now() + wait.min(std::time::Duration::from_secs(1)))
+}
+
+/// Descriptors whose connection is plain TCP by now (demoted: by this
+/// process, by a `vfork` child's exec in this memory, or after a fork)
+/// get the program's own flag back.
+fn restore_plain() {
+    for fd in crate::cloexec::all() {
+        if !matches!(table::get(fd), Some(Entry::Stream(s)) if carried_now(&s)) {
+            crate::cloexec::restore(fd);
+        }
+    }
+}
+
+/// The library's own descriptors of the connections an exec demoted and
+/// left undropped: the exec replaces this memory, except for a `vfork`
+/// child's (its parent's) or an exec that failed. Then this memory's
+/// process still holds them, and the socket would not end when the
+/// program closes its descriptor (the peer would not read the end): each
+/// is closed at the next close or exec of the program, if it is still
+/// that socket (the same inode; the program may have closed the number
+/// and reused it). Each connection's QP and regions stay with the
+/// process (a `vfork` child's drop could not close them: the program may
+/// have closed their descriptors in the child, and Rust's abort then).
+pub(crate) mod left {
+    use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
+
+    use libc::c_int;
+
+    const SLOTS: usize = 16;
+    static FD: [AtomicI32; SLOTS] = [const { AtomicI32::new(-1) }; SLOTS];
+    static INO: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
+    static DEV: [AtomicU64; SLOTS] = [const { AtomicU64::new(0) }; SLOTS];
+    static ANY: AtomicBool = AtomicBool::new(false);
+
+    /// The socket's identity (device and inode), if `fd` is a socket.
+    fn inode(fd: c_int) -> Option<(u64, u64)> {
+        // SAFETY: fstat(2) into a zeroed stat of ours.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        let r = unsafe { libc::fstat(fd, &mut st) };
+        (r == 0 && st.st_mode & libc::S_IFMT == libc::S_IFSOCK).then_some((st.st_dev, st.st_ino))
+    }
+
+    /// `fd`, the library's descriptor of a demoted connection, is left;
+    /// `via`: the program's descriptor of the same socket (a `vfork`
+    /// child may have closed `fd` in its own table, not in its parent's).
+    pub fn record(fd: c_int, via: c_int) {
+        let Some((dev, ino)) = inode(via) else { return };
+        for ((f, i), d) in FD.iter().zip(INO.iter()).zip(DEV.iter()) {
+            if f.compare_exchange(-1, -2, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+                i.store(ino, Ordering::Release);
+                d.store(dev, Ordering::Release);
+                f.store(fd, Ordering::Release);
+                ANY.store(true, Ordering::Release);
+                return;
+            }
+        }
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!(
+                "more than {SLOTS} connections demoted for execs that did not replace this memory: \
+                 the library's descriptor {fd} stays open (the peer reads the end only when this process ends)"
+            ),
+        );
+    }
+
+    /// Closes the descriptors left, that are still their sockets. Not in
+    /// a `vfork` child (its calls before its exec run in its parent's
+    /// memory): it would close them in its own table only and clear its
+    /// parent's record of them, which the parent then never closes.
+    pub fn close() {
+        // (The flag first: every close of the program comes here, and the
+        // id check is a system call.)
+        if !ANY.load(Ordering::Acquire) || crate::pid::vforked() || !ANY.swap(false, Ordering::AcqRel) {
+            return;
+        }
+        for ((f, i), d) in FD.iter().zip(INO.iter()).zip(DEV.iter()) {
+            // (-2: a slot being filled; left for the next close.)
+            if f.load(Ordering::Acquire) == -2 {
+                ANY.store(true, Ordering::Release);
+                continue;
+            }
+            let fd = f.swap(-1, Ordering::AcqRel);
+            if fd >= 0 && inode(fd) == Some((d.load(Ordering::Acquire), i.load(Ordering::Acquire))) {
+                crate::dev::debug(&format!("the library's descriptor {fd} of a connection demoted for an exec that did not replace this memory: closed"));
+                // SAFETY: the library's own descriptor (the same socket).
+                unsafe { crate::real::close(fd) };
+            }
+        }
+    }
+}
+
+/// A `vfork` child's view of the descriptor table. The child shares its
+/// parent's memory (the table) but not its descriptors: its `close` and
+/// `dup2` must not change what the parent's descriptors map to (a
+/// child's `dup2(c, 1)` made the parent's descriptor 1 the carried
+/// connection, which stayed so where the demotion failed), nor drop a
+/// connection the parent holds. So in the child a descriptor it closes or
+/// replaces has the parent's entry kept aside (once), the entries it adds
+/// are noted, and before its exec (after the settle) the table is put
+/// back as the parent had it (also as it leaves by `_exit`, `_Exit` or
+/// `exit` without an exec: [`vfork::exiting`]): its entries out, the
+/// parent's back, but a
+/// connection the child demoted (plain TCP: the parent finds it so,
+/// forgotten, its entry leaked rather than dropped: its drop would close
+/// descriptors in the child's table only). The child's own copies are
+/// dropped: never the last holders. The view names its child (another
+/// child's left view is put back first), and the parent's own close or
+/// copy of a descriptor meanwhile wins over it.
+pub(crate) mod vfork {
+    use std::collections::{HashMap, HashSet};
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Mutex;
+
+    use libc::c_int;
+
+    use crate::table::{self, Entry};
+
+    struct View {
+        /// The `vfork` child whose view this is (its real id).
+        pid: u32,
+        /// The parent's entries of descriptors the child closed or
+        /// replaced, as they were before the child's first change.
+        aside: HashMap<c_int, Option<Entry>>,
+        /// Descriptors the child mapped.
+        added: HashSet<c_int>,
+    }
+
+    static VIEW: Mutex<Option<View>> = Mutex::new(None);
+
+    /// The id of the child whose view is kept, 0 for none: the parent's
+    /// descriptor calls look at it without a lock or a system call.
+    static ACTIVE: AtomicU32 = AtomicU32::new(0);
+
+    fn view() -> std::sync::MutexGuard<'static, Option<View>> {
+        VIEW.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether a `vfork` child's view is kept (a child is between its
+    /// first change and its exec or exit, or one ended without either).
+    pub fn active() -> bool {
+        ACTIVE.load(Ordering::Acquire) != 0
+    }
+
+    /// This child's view; one left by another child (killed, or gone by a
+    /// raw system call, before its exec or exit) is put back first.
+    fn mine(v: &mut Option<View>) -> &mut View {
+        let me = std::process::id();
+        if v.as_ref().is_some_and(|x| x.pid != me) {
+            if let Some(old) = v.take() {
+                put_back(old);
+            }
+        }
+        ACTIVE.store(me, Ordering::Release);
+        v.get_or_insert_with(|| View { pid: me, aside: HashMap::new(), added: HashSet::new() })
+    }
+
+    /// The child closes `fd` (or is about to replace it).
+    pub fn closed(fd: c_int) {
+        let mut g = view();
+        let v = mine(&mut g);
+        if let std::collections::hash_map::Entry::Vacant(a) = v.aside.entry(fd) {
+            a.insert(table::remove(fd));
+        } else if v.added.contains(&fd) {
+            // Its own copy: a clone of an entry still held.
+            drop(table::remove(fd));
+        }
+        v.added.remove(&fd);
+    }
+
+    /// The child mapped `fd`.
+    pub fn added(fd: c_int) {
+        let mut g = view();
+        mine(&mut g).added.insert(fd);
+    }
+
+    /// The parent closes or replaces `fd` while a child's view is kept:
+    /// its own change wins (the child's exec or exit must not put back an
+    /// older entry over it, nor take its new one out). The parent's entry
+    /// the child set aside is the parent's to drop: given back.
+    pub fn parent_changed(fd: c_int) -> Option<Entry> {
+        let mut g = view();
+        let v = g.as_mut()?;
+        v.added.remove(&fd);
+        v.aside.remove(&fd).flatten()
+    }
+
+    /// Before the child's exec, or as it exits without one: the parent's
+    /// table back.
+    pub fn end() {
+        let v = view().take();
+        ACTIVE.store(0, Ordering::Release);
+        if let Some(v) = v {
+            put_back(v);
+        }
+        crate::cloexec::end_vfork();
+    }
+
+    fn put_back(v: View) {
+        for fd in v.added {
+            // (A copy: the entry it copied is the table's or aside.)
+            drop(table::remove(fd));
+        }
+        for (fd, e) in v.aside {
+            match e {
+                Some(Entry::Stream(s)) if s.owner.driver() == crate::owner::TCP => {
+                    // Demoted or settled by the child: the parent finds it
+                    // plain TCP, as the table's other descriptors of it.
+                    std::mem::forget(s);
+                }
+                Some(e) => {
+                    if let Some(old) = table::insert(fd, e) {
+                        std::mem::forget(old);
+                    }
+                }
+                None => {}
+            }
+        }
+    }
+
+    /// A `vfork` child leaves by `_exit`, `_Exit` or `exit` without an
+    /// exec: the parent's table and flag records as they were (else its
+    /// connection's entry stays aside, and its I/O goes straight to the
+    /// kernel socket under the rings).
+    pub fn exiting() {
+        if let Some(_g) = table::Guard::enter() {
+            if crate::pid::vforked() {
+                end();
+            }
+        }
+    }
+}
+
+/// Whether `s` goes over vRDMA still (not demoted to plain TCP).
+fn carried_now(s: &crate::stream::Stream) -> bool {
+    s.is_carried() && s.owner.driver() != crate::owner::TCP
+}
+
+/// Demotes the carried connection `s` (a descriptor of it, `fd`, goes to
+/// an exec'd or spawned program) to plain TCP at an exact byte, this
+/// process as its driver, waiting `VRDMA_SOCKETS_WAIT_MS` at most for
+/// the peer (`docs/sockets.md`, "Exec"). Whether it is plain TCP now;
+/// else it stays close-on-exec, as before (the peer sees the end), and
+/// is this process's still (`exec` false: a spawn), carried or, where the
+/// demotion began, demoted at this end.
+fn demote(fd: c_int, s: &std::sync::Arc<crate::stream::Stream>, exec: bool, end: std::time::Instant) -> bool {
+    let Some(l) = s.link_now() else { return false };
+    if !s.owner.mine() {
+        crate::dev::debug(&format!("descriptor {fd}: another process drives its connection: not inherited"));
+        return false;
+    }
+    if s.owner.demote().is_some_and(|d| d.held_elsewhere()) {
+        crate::dev::debug(&format!("descriptor {fd}: another process holds its connection: not inherited"));
+        return false;
+    }
+    // The demotion's socket I/O goes through `fd`: it must be this
+    // connection's socket (the table may be stale after a close the
+    // library did not see). The library's own descriptor may be closed
+    // (a `vfork` child's close): then the table is trusted.
+    let ino = crate::cloexec::inode;
+    if let (Some(own), mine) = (ino(s.own_fd()), ino(fd)) {
+        if mine != Some(own) {
+            crate::dev::debug(&format!("descriptor {fd}: not its connection's socket: not demoted"));
+            return false;
+        }
+    }
+    match l.demote_for_exec(fd, end, exec) {
+        Ok(()) => {
+            crate::dev::debug(&format!("descriptor {fd}: demoted to plain TCP for the exec'd program"));
+            // Plain TCP for this process too: its calls go to the kernel
+            // (a `vfork` child's table is its parent's, whose descriptors
+            // the child's `dup2`s do not change).
+            table::forget_stream(s);
+            true
+        }
+        Err((why, lost)) => {
+            crate::dev::debug(&format!("descriptor {fd}: not demoted ({why}): not inherited"));
+            // The program's descriptor (its stdin, its stdout) goes
+            // without a word otherwise.
+            static NOT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            crate::dev::warn_once(
+                &NOT,
+                &format!("a carried connection could not be demoted to plain TCP for the new program ({why}): it does not get it"),
+            );
+            if lost && exec {
+                // Bytes of the peer's that no program will read: a reset,
+                // as a TCP close with unread data, not a clean end. (A
+                // process that spawns keeps them: its reads take them, the
+                // demoted way.)
+                crate::dev::debug(&format!("descriptor {fd}: bytes of the peer's unread: reset at the exec"));
+                static RESET: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(
+                    &RESET,
+                    "bytes of a carried connection's peer that no program will read: the connection is reset at the exec",
+                );
+                let lg = libc::linger { l_onoff: 1, l_linger: 0 };
+                // SAFETY: setsockopt(2) with a linger of ours, its size.
+                unsafe {
+                    libc::setsockopt(
+                        fd,
+                        libc::SOL_SOCKET,
+                        libc::SO_LINGER,
+                        (&lg as *const libc::linger).cast(),
+                        std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                    )
+                };
+            }
+            false
+        }
+    }
+}
+
 /// Settles the connection of `fd`, which a child is about to get; true
-/// when it is carried (the child must not get it).
+/// when it is carried (the child must not get it): a carried one is
+/// demoted first, if it can be.
 fn settle_fd(fd: c_int) -> bool {
     let Some(_g) = Guard::enter() else { return false };
     keep_errno(|| match table::get(fd) {
         Some(Entry::Stream(s)) => {
-            s.settle_for_exec(fd);
-            s.is_carried()
+            if carried_now(&s) {
+                if let Some(l) = s.link_now().filter(|_| s.owner.mine()) {
+                    l.flush_all_writes();
+                }
+                if demote(fd, &s, false, std::time::Instant::now() + crate::link::demote_wait()) {
+                    // Its descriptors' flags are the program's again now
+                    // (not at the next exec: a record kept until then
+                    // would undo an `F_SETFD` made meanwhile).
+                    restore_plain();
+                    return false;
+                }
+                return true;
+            }
+            s.settle_for_exec(fd, std::time::Instant::now() + crate::link::demote_wait());
+            carried_now(&s)
         }
         _ => false,
     })
@@ -85,21 +461,21 @@ pub unsafe extern "C" fn execve(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execve with the caller's arguments.
     unsafe { real::execve(path, argv, envp) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn execv(path: *const c_char, argv: *const *const c_char) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execv with the caller's arguments.
     unsafe { real::execv(path, argv) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn execvp(file: *const c_char, argv: *const *const c_char) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execvp with the caller's arguments.
     unsafe { real::execvp(file, argv) }
 }
@@ -110,14 +486,14 @@ pub unsafe extern "C" fn execvpe(
     argv: *const *const c_char,
     envp: *const *const c_char,
 ) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execvpe with the caller's arguments.
     unsafe { real::execvpe(file, argv, envp) }
 }
 
 #[no_mangle]
 pub unsafe extern "C" fn fexecve(fd: c_int, argv: *const *const c_char, envp: *const *const c_char) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's fexecve with the caller's arguments.
     unsafe { real::fexecve(fd, argv, envp) }
 }
@@ -130,7 +506,7 @@ pub unsafe extern "C" fn execveat(
     envp: *const *const c_char,
     flags: c_int,
 ) -> c_int {
-    settle();
+    settle(true);
     // SAFETY: libc's execveat with the caller's arguments.
     unsafe { real::execveat(dirfd, path, argv, envp, flags) }
 }
@@ -144,7 +520,7 @@ pub unsafe extern "C" fn posix_spawn(
     argv: *const *mut c_char,
     envp: *const *mut c_char,
 ) -> c_int {
-    settle();
+    settle(false);
     // SAFETY: libc's posix_spawn with the caller's arguments.
     unsafe { real::posix_spawn(pid, path, fa, attr, argv, envp) }
 }
@@ -158,17 +534,17 @@ pub unsafe extern "C" fn posix_spawnp(
     argv: *const *mut c_char,
     envp: *const *mut c_char,
 ) -> c_int {
-    settle();
+    settle(false);
     // SAFETY: libc's posix_spawnp with the caller's arguments.
     unsafe { real::posix_spawnp(pid, file, fa, attr, argv, envp) }
 }
 
 /// A spawned child will get a copy of `fd` (inherited whatever `fd`'s
 /// close-on-exec flag): its connection is settled now if it is not
-/// decided yet. A carried one is not given: the action closes `to` in
-/// the child instead, as the close-on-exec flag of a carried descriptor
-/// would (the child reads its stdin's end, say, while the parent keeps
-/// the connection).
+/// decided yet, and a carried one demoted. A carried one that cannot be
+/// is not given: the action closes `to` in the child instead, as the
+/// close-on-exec flag of a carried descriptor would (the child reads its
+/// stdin's end, say, while the parent keeps the connection).
 #[no_mangle]
 pub unsafe extern "C" fn posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c_int, to: c_int) -> c_int {
     if settle_fd(fd) {
@@ -186,7 +562,7 @@ pub unsafe extern "C" fn posix_spawn_file_actions_adddup2(fa: *mut c_void, fd: c
 pub unsafe extern "C" fn system(cmd: *const c_char) -> c_int {
     // `system(NULL)` only asks whether a shell exists.
     if !cmd.is_null() {
-        settle();
+        settle(false);
     }
     // SAFETY: libc's system with the caller's argument.
     unsafe { real::system(cmd) }
@@ -194,14 +570,43 @@ pub unsafe extern "C" fn system(cmd: *const c_char) -> c_int {
 
 #[no_mangle]
 pub unsafe extern "C" fn popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void {
-    settle();
+    settle(false);
     // SAFETY: libc's popen with the caller's arguments.
     unsafe { real::popen(cmd, mode) }
 }
 
+/// A `vfork` child that leaves without an exec (`if (chdir(d) < 0)
+/// _exit(1);`) puts its parent's table back first ([`vfork::exiting`]).
+#[no_mangle]
+pub unsafe extern "C" fn _exit(code: c_int) -> ! {
+    vfork::exiting();
+    // SAFETY: libc's _exit, which does not return.
+    unsafe { real::_exit(code) };
+    std::process::abort()
+}
+
+/// As [`_exit`].
+#[no_mangle]
+pub unsafe extern "C" fn _Exit(code: c_int) -> ! {
+    vfork::exiting();
+    // SAFETY: libc's _Exit, which does not return.
+    unsafe { real::_Exit(code) };
+    std::process::abort()
+}
+
+/// As [`_exit`] (a `vfork` child's `exit` runs its parent's `atexit`
+/// handlers: the program's doing; the table is put back before them).
+#[no_mangle]
+pub unsafe extern "C" fn exit(code: c_int) -> ! {
+    vfork::exiting();
+    // SAFETY: libc's exit, which does not return.
+    unsafe { real::exit(code) };
+    std::process::abort()
+}
+
 /// Settles, then gives the address of libc's function of that name.
 fn settle_then(slot: &std::sync::atomic::AtomicUsize, name: &'static [u8]) -> usize {
-    settle();
+    settle(true);
     real::lookup(slot, name)
 }
 

@@ -848,6 +848,34 @@ pub unsafe extern "C" fn getsockopt(
 /// ([`crate::owner`]).
 fn drop_entry(fd: c_int) {
     if let Some(_g) = Guard::enter() {
+        // Every close of every program comes here: the looks that need no
+        // system call first (the table's lock only where it holds
+        // entries, as before). Whether this is a `vfork` child (a
+        // system call) matters only where the library knows `fd`, or a
+        // child's view is kept.
+        let known = table::contains(fd) || crate::cloexec::knows(fd) || crate::epoll::may_know();
+        let view = crate::exec::vfork::active();
+        if !known && !view {
+            crate::exec::left::close();
+            return;
+        }
+        if crate::pid::vforked() {
+            // Its parent's table, epoll sets and records stay (the
+            // child's descriptors are its own): `crate::exec::vfork`.
+            if known {
+                crate::cloexec::forget(fd);
+                crate::exec::vfork::closed(fd);
+            }
+            return;
+        }
+        if view {
+            // The parent's own close wins over a child's kept view.
+            if let Some(e) = crate::exec::vfork::parent_changed(fd) {
+                keep_errno(|| drop(e));
+            }
+        }
+        crate::cloexec::forget(fd);
+        crate::exec::left::close();
         keep_errno(|| crate::epoll::forget(fd));
         match table::remove(fd) {
             Some(e @ Entry::Listener(_)) if !e.ours() => std::mem::forget(e),
@@ -881,11 +909,25 @@ fn copy_entry(from: c_int, to: c_int) {
     }
     if let Some(_g) = Guard::enter() {
         if let Some(e) = table::get(from) {
+            // (A `vfork` child's copy is its own: its parent's entry of
+            // `to` is kept aside and put back before its exec.)
+            let vforked = crate::pid::vforked();
+            if vforked {
+                crate::exec::vfork::closed(to);
+            } else if crate::exec::vfork::active() {
+                // The parent's own copy wins over a child's kept view.
+                if let Some(e) = crate::exec::vfork::parent_changed(to) {
+                    keep_errno(|| drop(e));
+                }
+            }
             if e.carried() {
                 keep_errno(|| table::set_cloexec(to));
             }
             if let Some(old) = table::insert(to, e) {
                 keep_errno(|| drop(old));
+            }
+            if vforked {
+                crate::exec::vfork::added(to);
             }
         }
     }
@@ -929,8 +971,19 @@ fn keep_cloexec(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> libc::c_ulong {
         return arg;
     }
     match Guard::enter() {
-        Some(_g) if table::get(fd).is_some_and(|e| e.carried()) => arg | libc::FD_CLOEXEC as libc::c_ulong,
-        _ => arg,
+        Some(_g) if table::get(fd).is_some_and(|e| e.carried()) => {
+            // What the program asked for is kept (`crate::cloexec`).
+            crate::cloexec::forced(fd, Some(arg & libc::FD_CLOEXEC as libc::c_ulong != 0));
+            arg | libc::FD_CLOEXEC as libc::c_ulong
+        }
+        Some(_g) => {
+            // The real flag is the program's from now on: a record left
+            // (a connection demoted since) must not give back an older
+            // wish at the next exec.
+            crate::cloexec::forget(fd);
+            arg
+        }
+        None => arg,
     }
 }
 
@@ -959,4 +1012,33 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c
         copy_entry(fd, r);
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_programs_own_set_fd_drops_a_left_flag_record() {
+        let mut p = [0; 2];
+        // SAFETY: pipe(2) into an array of two.
+        assert_eq!(unsafe { libc::pipe(p.as_mut_ptr()) }, 0);
+        let a = p[0];
+        // A record left for a descriptor that is no carried connection
+        // (its connection demoted by a spawn's file action): the program
+        // then asks for close-on-exec itself.
+        crate::cloexec::forced(a, Some(false));
+        let arg = keep_cloexec(a, libc::F_SETFD, libc::FD_CLOEXEC as libc::c_ulong);
+        // SAFETY: fcntl(2) F_SETFD on the test's descriptor.
+        unsafe { real::fcntl(a, libc::F_SETFD, arg) };
+        // The next exec's restore keeps the program's flag.
+        crate::cloexec::restore(a);
+        // SAFETY: fcntl(2) F_GETFD on the test's descriptor.
+        assert_ne!(unsafe { real::fcntl(a, libc::F_GETFD, 0) } & libc::FD_CLOEXEC, 0);
+        // SAFETY: closes the test's pipe.
+        unsafe {
+            real::close(p[0]);
+            real::close(p[1]);
+        }
+    }
 }

@@ -120,6 +120,7 @@
 
 mod addr;
 mod blocking;
+mod cloexec;
 mod credit;
 mod dev;
 mod epoll;

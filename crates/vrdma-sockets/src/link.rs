@@ -48,6 +48,13 @@ const WANT: usize = RING + 32;
 /// ring before it fell back to the kernel socket, plus one (0: none;
 /// `docs/sockets.md` "Sharing a carried connection after fork").
 const DEMOTE: usize = RING + 40;
+/// An exec demotion's read count: the demoting end read its ring up to it
+/// and this end sends its bytes after it again, on the kernel socket
+/// (`docs/sockets.md`, "Exec"; the `DEMOTE` word has [`EXEC_BIT`]).
+const DEMOTE_RD: usize = RING + 48;
+/// In the `DEMOTE` word: an exec demotion ([`DEMOTE_RD`] is written).
+/// Only to a peer whose hello has [`CAP_EXEC`].
+const EXEC_BIT: u64 = 1 << 63;
 /// The peer's mappings ([`iomap`]).
 const IOMAP: usize = RING + 64;
 const REGION: usize = IOMAP + iomap::SLOTS * iomap::ENTRY;
@@ -67,6 +74,8 @@ const S_CLOSE: usize = RING + 32;
 const S_WANT: usize = RING + 40;
 /// The word a demotion sends into the peer's `DEMOTE`.
 const S_DEMOTE: usize = RING + 48;
+/// The word an exec demotion sends into the peer's `DEMOTE_RD`.
+const S_DEMOTE_RD: usize = RING + 56;
 const S_TAILS: usize = RING + 64;
 const TAIL_SLOTS: usize = 16;
 /// An arming's consumed count and word (16 bytes into the peer's
@@ -164,6 +173,11 @@ const DEMOTING: usize = usize::MAX;
 /// an older library's hello, which ignores it in the peer's.
 const CAPS: usize = 50;
 const CAP_DEMOTE: u8 = 1;
+/// This end answers an exec demotion (it reads the demoting end's ring
+/// past its read count back, by an RDMA read, and sends those bytes again
+/// after its marker), and its ring may be read so. Zero in the hello of
+/// a library before 2026-11-28, which never gets one.
+const CAP_EXEC: u8 = 2;
 
 /// A demotion's marker and record on the kernel socket: the byte 0, the
 /// record's version (1), six bytes of padding and the exact count of
@@ -176,6 +190,8 @@ pub struct Link {
     page: Arc<Page>,
     /// The peer's hello said it answers a demotion.
     peer_demotes: bool,
+    /// And an exec demotion ([`CAP_EXEC`]).
+    peer_exec: bool,
     /// The process that made it (whose context its QP and regions are).
     pid: u32,
     /// As the peer of a demotion: this end's writes went to the kernel
@@ -183,6 +199,10 @@ pub struct Link {
     /// taken).
     p_wr: AtomicBool,
     p_rd: AtomicBool,
+    /// As the peer: this end's switch of its writes began sending (its
+    /// marker, an exec's resend): a failure after that is final
+    /// (`demote`, `Link::p_switch_writes`).
+    p_wr_began: AtomicBool,
     /// The library's own descriptor of the kernel socket (and whether a
     /// readiness call knows it).
     owner_sock: Arc<Sock>,
@@ -343,7 +363,8 @@ pub struct Half {
 
 impl Half {
     pub fn new(dev: &Dev) -> vrdma::Result<Half> {
-        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE;
+        // (Read by the peer's answer to an exec demotion: [`CAP_EXEC`].)
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
         let cq = dev.ctx.create_cq(2 * SEND_WRS, None)?;
         let rcq =
             crate::credit::channel(dev).and_then(|ch| dev.ctx.create_cq(2 * RECVS as u32, Some(ch)).ok());
@@ -365,7 +386,7 @@ impl Half {
         hello[34..42].copy_from_slice(&ring.addr().to_le_bytes());
         hello[42..46].copy_from_slice(&ring.rkey().to_le_bytes());
         hello[46..50].copy_from_slice(&(RING as u32).to_le_bytes());
-        hello[CAPS] = CAP_DEMOTE;
+        hello[CAPS] = CAP_DEMOTE | CAP_EXEC;
         Ok(Half { cq, rcq, qp, ring, stage, hello })
     }
 
@@ -383,7 +404,8 @@ impl Half {
         let ep = Endpoint::from_bytes(&peer[8..8 + Endpoint::WIRE_LEN]).ok_or(libc::EPROTO)?;
         let mut a = [0u8; 8];
         a.copy_from_slice(&peer[34..42]);
-        self.qp.connect(&ep, AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE).map_err(|e| e.errno())?;
+        let access = AccessFlags::LOCAL_WRITE | AccessFlags::REMOTE_WRITE | AccessFlags::REMOTE_READ;
+        self.qp.connect(&ep, access).map_err(|e| e.errno())?;
         // The reader starts asleep, having read nothing: the first write
         // wakes it.
         self.ring.write_u64(SLEEPING, armed_word(0, 1)).map_err(|e| e.errno())?;
@@ -396,9 +418,11 @@ impl Half {
         Ok(Link {
             page,
             peer_demotes: peer[CAPS] & CAP_DEMOTE != 0,
+            peer_exec: peer[CAPS] & CAP_DEMOTE != 0 && peer[CAPS] & CAP_EXEC != 0,
             pid: crate::pid::get(),
             p_wr: AtomicBool::new(false),
             p_rd: AtomicBool::new(false),
+            p_wr_began: AtomicBool::new(false),
             sock: sock_owner.0,
             owner_sock: sock_owner,
             cq: self.cq,
@@ -893,6 +917,19 @@ impl Link {
                 // the kernel socket.
                 if done > 0 {
                     return Ok(done);
+                }
+                if !self.p_writes_switched() {
+                    // Its writes switch first (an exec's resend may be
+                    // long): not under the receive lock, which another
+                    // reader thread may want meanwhile.
+                    drop(rx);
+                    self.p_switch_writes_now()?;
+                    rx = lock(&self.rx);
+                    if self.p_reads_switched() {
+                        drop(rx);
+                        return self.read_kernel(iov, 0, nonblocking, peek, all);
+                    }
+                    continue;
                 }
                 return match self.p_switch_reads(&mut rx, nonblocking)? {
                     demote::PSwitch::Kernel => {

@@ -2,7 +2,7 @@
 //! (`VRDMA_SOCKETS_TEST_PAUSE=POINT:MICROSECONDS`), so that the
 //! integration tests can force an interleaving of a program's thread and
 //! the library's demotion that otherwise needs a lucky schedule (the
-//! window is a few instructions wide). Unset, a point costs one load of
+//! window is a few instructions wide), and one failure (`fails`). Unset, a point costs one load of
 //! a cached value.
 
 use std::sync::OnceLock;
@@ -27,6 +27,10 @@ pub(crate) enum Point {
     /// takes the send lock (a `shutdown` of its process may take the lock
     /// first: the window the third review fixed).
     DemoteLock,
+    /// Not a pause: the peer's resend for an exec demotion sends half of
+    /// its bytes (its marker and part of the range) and fails, as a send
+    /// that timed out (`fails`).
+    ResendFails,
 }
 
 impl Point {
@@ -37,6 +41,7 @@ impl Point {
             Point::RecvLock => "recv-lock",
             Point::RingThenSocket => "ring-then-socket",
             Point::DemoteLock => "demote-lock",
+            Point::ResendFails => "resend-fails",
         }
     }
 }
@@ -61,6 +66,11 @@ pub(crate) fn at(point: Point) {
             std::thread::sleep(d);
         }
     }
+}
+
+/// Whether the tests asked this point to fail (its pause is ignored).
+pub(crate) fn fails(point: Point) -> bool {
+    config().is_some_and(|(p, _)| p == point.name())
 }
 
 #[cfg(test)]

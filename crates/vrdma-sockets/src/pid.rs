@@ -50,6 +50,14 @@ pub fn get() -> u32 {
     p
 }
 
+/// Whether this is a `vfork` child (made without glibc's fork handlers,
+/// sharing its parent's memory until it execs): its real id is not the
+/// cached one. A system call: for the descriptor calls, not the data
+/// path.
+pub fn vforked() -> bool {
+    get() != std::process::id()
+}
+
 /// Runs `check` in a forked child and gives back its answer (a test's
 /// way to look from the other side of a `fork`).
 #[cfg(test)]

@@ -96,4 +96,17 @@ real! {
     posix_spawn_file_actions_addclose(fa: *mut c_void, fd: c_int) -> c_int;
     system(cmd: *const c_char) -> c_int;
     popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void;
+    _exit(code: c_int) -> ();
+    exit(code: c_int) -> ();
+}
+
+/// libc's `_Exit` (its C name is not snake case).
+#[allow(non_snake_case, clippy::missing_safety_doc)]
+pub unsafe fn _Exit(code: c_int) {
+    static SLOT: AtomicUsize = AtomicUsize::new(0);
+    let p = lookup(&SLOT, b"_Exit\0");
+    // SAFETY: `p` is libc's `_Exit`, `void _Exit(int)`.
+    let f: unsafe extern "C" fn(c_int) = unsafe { std::mem::transmute(p) };
+    // SAFETY: the caller keeps the function's own contract.
+    unsafe { f(code) }
 }

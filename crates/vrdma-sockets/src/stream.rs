@@ -289,6 +289,11 @@ impl Stream {
         }
     }
 
+    /// The library's own descriptor of its socket.
+    pub fn own_fd(&self) -> c_int {
+        self.sock.0
+    }
+
     /// Its link, if carried already (never negotiates, never waits: for
     /// the readiness calls).
     pub fn link_now(&self) -> Option<Arc<Link>> {
@@ -472,7 +477,10 @@ impl Stream {
     /// `fd` is a descriptor of the connection that the program keeps (the
     /// socket's I/O goes through it: the library's own copy is
     /// close-on-exec, and a program may have closed it before the exec).
-    pub fn settle_for_exec(self: &Arc<Stream>, fd: c_int) {
+    ///
+    /// `end`: the exec's bound for its whole settle (a message waited for
+    /// stops there, or at the claim wait, whichever comes first).
+    pub fn settle_for_exec(self: &Arc<Stream>, fd: c_int, end: Instant) {
         match self.take() {
             Take::Mine => {}
             Take::Tcp => {
@@ -507,7 +515,7 @@ impl Stream {
                     // The server sends its hello (or its own decline) at
                     // its first call, which our decline makes readable.
                     let r = self.unheld(fd, || send_all(fd, &link::decline()));
-                    let r = r.and_then(|()| read_message(fd)).map(|_| ());
+                    let r = r.and_then(|()| read_message(fd, end)).map(|_| ());
                     debug(&format!("{t:?}: declined before an exec ({r:?}): TCP"));
                 } else {
                     debug(&format!("{t:?}: given up before an exec: TCP"));
@@ -528,8 +536,8 @@ impl Stream {
                         // Its message is a hello, or a decline (its
                         // program execs too): answered by a decline either
                         // way, which it reads in place of our hello.
-                        let r =
-                            read_message(fd).and_then(|_| self.unheld(fd, || send_all(fd, &link::decline())));
+                        let r = read_message(fd, end)
+                            .and_then(|_| self.unheld(fd, || send_all(fd, &link::decline())));
                         debug(&format!(
                             "{t:?}: the client's hello answered with a decline before an exec ({r:?}): TCP"
                         ));
@@ -549,9 +557,9 @@ impl Stream {
 /// waiting for it at most the claim wait (`VRDMA_SOCKETS_WAIT_MS`). Takes
 /// nothing if what comes is not one (a first byte that is not the
 /// magic: application data), if the peer ends, or if nothing whole comes
-/// in time.
-fn read_message(fd: c_int) -> Res<[u8; HELLO_LEN]> {
-    let end = Instant::now() + claim_wait();
+/// in time (by `by` at the latest).
+fn read_message(fd: c_int, by: Instant) -> Res<[u8; HELLO_LEN]> {
+    let end = by.min(Instant::now() + claim_wait());
     let mut b = [0u8; HELLO_LEN];
     loop {
         // SAFETY: `b` is valid for its length.
@@ -693,6 +701,61 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
                 e => return Err(e),
             },
         }
+    }
+}
+
+/// Sends all of `b` on `fd` however long the other end takes to read, as
+/// a blocking TCP write would (a demotion's resend, which cannot be given
+/// up halfway: the program there may legitimately take its time before it
+/// reads). Only the socket's end stops it: an error on it (the peer's
+/// reset, its host gone: the kernel's own retransmission limits) or a
+/// hang-up, each looked at every second. A peer process that is gone has
+/// its socket closed by the kernel, which resets ours at the next send.
+pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
+    while !b.is_empty() {
+        // SAFETY: `b` is valid for its length.
+        let r =
+            unsafe { real::send(fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+        if r > 0 {
+            b = &b[r as usize..];
+            continue;
+        }
+        match crate::table::errno() {
+            libc::EAGAIN => {
+                let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                // SAFETY: one valid pollfd.
+                let n = unsafe { libc::poll(&mut p, 1, 1000) };
+                if n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+                    return Err(match socket_error(fd) {
+                        0 => libc::EPIPE,
+                        e => e,
+                    });
+                }
+                if n == 0 {
+                    if let e @ 1.. = socket_error(fd) {
+                        return Err(e);
+                    }
+                }
+            }
+            libc::EINTR => {}
+            e => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The socket's pending error (`SO_ERROR`), 0 for none.
+fn socket_error(fd: c_int) -> c_int {
+    let mut e: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into an int of ours, its size.
+    let r = unsafe {
+        real::getsockopt(fd, libc::SOL_SOCKET, libc::SO_ERROR, (&mut e as *mut c_int).cast(), &mut len)
+    };
+    if r == 0 {
+        e
+    } else {
+        0
     }
 }
 

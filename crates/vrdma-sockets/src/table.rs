@@ -69,6 +69,11 @@ pub fn get(fd: c_int) -> Option<Entry> {
     table().get(&fd).cloned()
 }
 
+/// Whether `fd` has an entry (no lock while the table is empty).
+pub fn contains(fd: c_int) -> bool {
+    fd >= 0 && COUNT.load(Ordering::Acquire) != 0 && table().contains_key(&fd)
+}
+
 pub fn insert(fd: c_int, e: Entry) -> Option<Entry> {
     hold_across_fork();
     let mut t = table();
@@ -133,6 +138,9 @@ pub fn set_cloexec(fd: c_int) {
     unsafe {
         let f = crate::real::fcntl(fd, libc::F_GETFD, 0);
         if f >= 0 && f & libc::FD_CLOEXEC == 0 {
+            // The program's own flag is kept: an exec may give the
+            // connection after all, demoted (`crate::exec`).
+            crate::cloexec::forced(fd, Some(false));
             crate::real::fcntl(fd, libc::F_SETFD, (f | libc::FD_CLOEXEC) as libc::c_ulong);
         }
     }

@@ -215,10 +215,23 @@
 //! `std::process::Command` runs `stdecho` with it as stdin and stdout
 //! (glibc's `posix_spawn`, the socket `dup2`ed by its file actions) and
 //! waits; `carried-exec`: first echoes one 16 KiB chunk (the connection
-//! is carried), then `exec`; `carried-spawn`: first echoes one chunk,
-//! then `spawn`, then echoes the rest itself and says `echoed N`. `SOCKAPP_EXEC_DELAY_MS`: a pause after the
-//! accept. `stdecho`: copies stdin to stdout until the end, then says
-//! `stdecho N` on stderr.
+//! is carried), then `execve`s `stdecho go` (`SOCKAPP_BEFORE_EXEC_MS`:
+//! a pause before it); `carried-spawn`: first
+//! echoes one chunk, then `spawn`s `stdecho go` (the same pause before
+//! it; against `goclient`); `carried-vfork`: first echoes one chunk,
+//! then a `vfork`-like child (`clone`, `CLONE_VM | CLONE_VFORK`) `dup2`s
+//! the connection and execs `stdecho go`, a second one execs `true`
+//! before the parent's close, and the parent waits for a second
+//! connection before it exits.
+//! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
+//! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
+//! go` first says whether its stdin is a connected socket and writes `G`.
+//! `goclient PORT BYTES WAY`: sends one chunk and reads its echo, waits for
+//! the go byte (WAY `read`, `poll`, `epoll`, `late`: a sleep of
+//! `SOCKAPP_GO_DELAY_MS` first, or `pipelined`: two chunks sent before
+//! the first echo is read), then echoes the rest of BYTES as
+//! `echoclient`; says `echoed N, then the end`, or `the end instead of
+//! the go byte`.
 //!
 //! `execlisten PORT`: listens, forks, and the child execs `fdecho` with
 //! the listening socket as descriptor 10; `fdecho` accepts one
@@ -768,6 +781,374 @@ fn echoclient(port: u16, bytes: u64) -> Result<(), String> {
     echo_check(s, bytes)
 }
 
+/// `goclient PORT BYTES WAY`: sends one chunk and reads its echo, then
+/// waits for the go byte `G` of the program the server exec'd (WAY: a
+/// blocking `read`, `poll` or `epoll` first, or `late`: a sleep of
+/// `SOCKAPP_GO_DELAY_MS` without any call), then sends the rest of BYTES
+/// in echoed chunks, checked byte by byte, and reads the end. Says
+/// `echoed BYTES, then the end`, or `the end instead of the go byte`.
+fn goclient(port: u16, bytes: u64, way: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = ECHO_CHUNK;
+    let data: Vec<u8> = (0..n as u64).map(pattern).collect();
+    if way == "bulk" {
+        return bulk_goclient(s, bytes);
+    }
+    if way == "shut" {
+        // A request, this side shut, then the answer: the echo, the
+        // exec'd program's go byte, the end.
+        s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+        s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+        let mut back = Vec::new();
+        s.read_to_end(&mut back).map_err(|e| format!("read: {e}"))?;
+        if back.len() != n + 1 || back[..n] != data[..] || back[n] != b'G' {
+            return Err(format!("the echo and the go byte expected, read {} bytes", back.len()));
+        }
+        println!("the echo, the go byte, then the end");
+        return Ok(());
+    }
+    s.write_all(&data).map_err(|e| format!("write: {e}"))?;
+    if way.starts_with("pipelined") {
+        // The second chunk goes before the first one's echo is read: it
+        // waits in the server's ring, unread, at its exec.
+        let more: Vec<u8> = (n as u64..2 * n as u64).map(pattern).collect();
+        s.write_all(&more).map_err(|e| format!("write: {e}"))?;
+    }
+    let mut back = vec![0u8; ECHO_CHUNK];
+    s.read_exact(&mut back).map_err(|e| format!("read back: {e}"))?;
+    if back != data {
+        return Err("the first chunk echoed wrong".into());
+    }
+    let fd = s.as_raw_fd();
+    match way {
+        "read" | "pipelined" => {}
+        "poll" => {
+            let mut p = libc::pollfd { fd, events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd.
+            let r = unsafe { libc::poll(&mut p, 1, 30_000) };
+            eprintln!("goclient: poll {r} revents {:#x}", p.revents);
+        }
+        "epoll" => {
+            // SAFETY: epoll_create1(2), no pointers.
+            let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+            let mut ev = libc::epoll_event { events: libc::EPOLLIN as u32, u64: 7 };
+            // SAFETY: epoll_ctl(2) and epoll_wait(2) with an event of ours.
+            let r = unsafe {
+                libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev);
+                libc::epoll_wait(ep, &mut ev, 1, 30_000)
+            };
+            eprintln!("goclient: epoll_wait {r}");
+            // SAFETY: closes our epoll descriptor.
+            unsafe { libc::close(ep) };
+        }
+        "late" | "pipelined-late" => pause("SOCKAPP_GO_DELAY_MS"),
+        _ => return Err(format!("goclient: unknown way {way}")),
+    }
+    let mut g = [0u8; 1];
+    match s.read(&mut g) {
+        Ok(1) if g[0] == b'G' => {}
+        Ok(0) => {
+            println!("the end instead of the go byte");
+            return Ok(());
+        }
+        Err(e) if e.raw_os_error() == Some(libc::ECONNRESET) => {
+            println!("the end instead of the go byte (reset)");
+            return Ok(());
+        }
+        other => return Err(format!("the go byte expected: {other:?} {g:?}")),
+    }
+    let mut sent = ECHO_CHUNK as u64;
+    if way == "pipelined" {
+        // The second chunk was sent already: its echo first.
+        let more: Vec<u8> = (n as u64..2 * n as u64).map(pattern).collect();
+        s.read_exact(&mut back).map_err(|e| format!("read back at {sent}: {e}"))?;
+        if back != more {
+            return Err("the second chunk echoed wrong".into());
+        }
+        sent += n as u64;
+    }
+    while sent < bytes {
+        let n = (ECHO_CHUNK as u64).min(bytes - sent) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write at {sent}: {e}"))?;
+        s.read_exact(&mut back[..n]).map_err(|e| format!("read back at {sent}: {e}"))?;
+        if let Some(i) = (0..n).find(|&i| back[i] != data[i]) {
+            return Err(format!("byte {} echoed as {}, sent {}", sent + i as u64, back[i], data[i]));
+        }
+        sent += n as u64;
+    }
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    match s.read(&mut g) {
+        Ok(0) => {
+            println!("echoed {sent}, then the end");
+            Ok(())
+        }
+        other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
+    }
+}
+
+/// `goclient`'s `bulk` way: `SOCKAPP_ECHO_FIRST` bytes echoed by the
+/// server itself in chunks, then `SOCKAPP_UNREAD` bytes sent at once (they
+/// wait unread in the server's ring at its exec, their range wrapping the
+/// ring when the first count is near its size), then the go byte read
+/// (blocking), their echo by the exec'd program checked, and the rest as
+/// `goclient`.
+fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
+    let num = |v: &str| std::env::var(v).ok().and_then(|v| v.parse::<u64>().ok()).ok_or(format!("{v} unset"));
+    let (first, unread) = (num("SOCKAPP_ECHO_FIRST")?, num("SOCKAPP_UNREAD")?);
+    let mut back = vec![0u8; ECHO_CHUNK];
+    let mut sent = 0u64;
+    let round = |s: &mut TcpStream, sent: &mut u64, upto: u64, back: &mut [u8]| -> Result<(), String> {
+        while *sent < upto {
+            let n = (ECHO_CHUNK as u64).min(upto - *sent) as usize;
+            let data: Vec<u8> = (0..n as u64).map(|k| pattern(*sent + k)).collect();
+            s.write_all(&data).map_err(|e| format!("write at {sent}: {e}"))?;
+            s.read_exact(&mut back[..n]).map_err(|e| format!("read back at {sent}: {e}"))?;
+            if let Some(i) = (0..n).find(|&i| back[i] != data[i]) {
+                return Err(format!("byte {} echoed as {}, sent {}", *sent + i as u64, back[i], data[i]));
+            }
+            *sent += n as u64;
+        }
+        Ok(())
+    };
+    round(&mut s, &mut sent, first, &mut back)?;
+    {
+        use std::os::fd::AsRawFd;
+        raw_buf(s.as_raw_fd(), libc::SO_SNDBUF, "SOCKAPP_RAW_SNDBUF");
+    }
+    let more: Vec<u8> = (first..first + unread).map(pattern).collect();
+    s.write_all(&more).map_err(|e| format!("write of the unread bytes: {e}"))?;
+    eprintln!("goclient: {unread} bytes sent after {first} echoed");
+    let mut g = [0u8; 1];
+    if std::env::var_os("SOCKAPP_EXPECT_FAILURE").is_some() {
+        // The library's switch fails midway (a test knob): this read and
+        // the next call fail, and nothing more is sent.
+        let r = s.read(&mut g).map_err(|e| e.raw_os_error());
+        println!("goclient: the go byte read: {r:?}");
+        let r = s.write(b"x").map_err(|e| e.raw_os_error());
+        println!("goclient: then a write: {r:?}");
+        let r = s.read(&mut g).map_err(|e| e.raw_os_error());
+        println!("goclient: then a read: {r:?}");
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        return Ok(());
+    }
+    match s.read(&mut g) {
+        Ok(1) if g[0] == b'G' => {}
+        other => return Err(format!("the go byte expected: {other:?} {g:?}")),
+    }
+    let mut got = vec![0u8; unread as usize];
+    s.read_exact(&mut got).map_err(|e| format!("read back of the unread bytes: {e}"))?;
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != more[i]) {
+        return Err(format!("byte {} echoed as {}, sent {}", first + i as u64, got[i], more[i]));
+    }
+    sent = first + unread;
+    round(&mut s, &mut sent, bytes, &mut back)?;
+    s.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    match s.read(&mut g) {
+        Ok(0) => {
+            println!("echoed {sent}, then the end");
+            Ok(())
+        }
+        other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
+    }
+}
+
+/// A `vfork` child's work (`vfork_run`): `dup2`s `fd` onto 0 and 1 if
+/// it is not -1, then `execve`s `path` with `argv` and this process's
+/// environment (the library's interposed calls, in the child).
+struct VforkJob {
+    fd: i32,
+    path: *const libc::c_char,
+    argv: *const *const libc::c_char,
+}
+
+extern "C" fn vfork_child(arg: *mut libc::c_void) -> libc::c_int {
+    extern "C" {
+        static environ: *const *const libc::c_char;
+    }
+    // SAFETY: `arg` is the parent's `VforkJob`, alive while this child
+    // runs (the parent waits until it execs or exits: CLONE_VFORK).
+    let job = unsafe { &*(arg as *const VforkJob) };
+    // SAFETY: dup2(2), execve(2) with the parent's NUL-terminated strings
+    // and null-terminated vector, and _exit(2); nothing else in the child.
+    unsafe {
+        if job.fd >= 0 && (libc::dup2(job.fd, 0) != 0 || libc::dup2(job.fd, 1) != 1) {
+            libc::_exit(126);
+        }
+        libc::execve(job.path, job.argv, environ);
+        libc::_exit(127)
+    }
+}
+
+/// Runs `args` (a path, then its arguments) in a child made as `vfork`
+/// makes one (`clone` with `CLONE_VM | CLONE_VFORK`: the child shares this
+/// memory until it execs), with `fd` as its stdin and stdout if not -1.
+fn vfork_run(fd: i32, args: &[&std::ffi::OsStr]) -> Result<libc::pid_t, String> {
+    use std::os::unix::ffi::OsStrExt;
+    let c: Vec<std::ffi::CString> = args
+        .iter()
+        .map(|a| std::ffi::CString::new(a.as_bytes()).map_err(|e| e.to_string()))
+        .collect::<Result<_, _>>()?;
+    let mut argv: Vec<*const libc::c_char> = c.iter().map(|a| a.as_ptr()).collect();
+    argv.push(std::ptr::null());
+    let job = VforkJob { fd, path: c[0].as_ptr(), argv: argv.as_ptr() };
+    let mut stack = vec![0u8; 1 << 20];
+    // SAFETY: the end of our stack buffer, 16-byte aligned (the stack
+    // grows down); it outlives the child's use (CLONE_VFORK waits).
+    let top = unsafe { stack.as_mut_ptr().add(stack.len()) } as usize & !15;
+    // SAFETY: clone(2) with a child function that only dup2s, execs and
+    // _exits, its own stack, and a job alive across the call.
+    let pid = unsafe {
+        libc::clone(
+            vfork_child,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&job as *const VforkJob).cast_mut().cast(),
+        )
+    };
+    if pid < 0 {
+        return Err(format!("clone: {}", std::io::Error::last_os_error()));
+    }
+    Ok(pid)
+}
+
+extern "C" fn vfork_child_exit(arg: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `arg` is the parent's descriptor number, alive while this
+    // child runs (CLONE_VFORK).
+    let fd = unsafe { *(arg as *const i32) };
+    // SAFETY: dup2(2), close(2) and _exit(2) on the parent's descriptor
+    // numbers, in this child's own table; nothing else in the child.
+    unsafe {
+        libc::dup2(fd, 0);
+        libc::close(fd);
+        // As `if (chdir(d) < 0) _exit(1);`: no exec.
+        libc::_exit(1)
+    }
+}
+
+/// A child made as `vfork` makes one that `dup2`s `fd` onto its stdin,
+/// closes `fd`, and leaves by `_exit(1)` without an exec; waited for.
+fn vfork_exit(fd: i32) -> Result<(), String> {
+    let mut stack = vec![0u8; 1 << 16];
+    // SAFETY: the end of our stack buffer, 16-byte aligned.
+    let top = unsafe { stack.as_mut_ptr().add(stack.len()) } as usize & !15;
+    // SAFETY: clone(2) with a child function that only dup2s, closes and
+    // _exits, its own stack, and `fd` alive across the call.
+    let pid = unsafe {
+        libc::clone(
+            vfork_child_exit,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&fd as *const i32).cast_mut().cast(),
+        )
+    };
+    if pid < 0 {
+        return Err(format!("clone: {}", std::io::Error::last_os_error()));
+    }
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our child.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err("waitpid".into());
+    }
+    if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 1) {
+        return Err(format!("the vfork child ended with {status:#x}"));
+    }
+    Ok(())
+}
+
+/// `inetd`'s `carried-vfork-exit`: one chunk echoed (carried), then two
+/// `vfork` children in turn `dup2` the connection onto their stdin,
+/// close it and `_exit` without an exec; then this process echoes the
+/// rest on the connection, which must still be carried here.
+fn carried_vfork_exit(mut s: TcpStream) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(15))).map_err(|e| e.to_string())?;
+    let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+    eprintln!("echoed {n} before the vfork children");
+    vfork_exit(s.as_raw_fd())?;
+    vfork_exit(s.as_raw_fd())?;
+    let m = echo_upto(&mut s, u64::MAX)?;
+    eprintln!("echoed {m} more after the vfork children");
+    Ok(())
+}
+
+/// Waits for the child `pid`; an error unless it exited with 0.
+fn wait_ok(pid: libc::pid_t, what: &str) -> Result<(), String> {
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our child.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err(format!("waitpid {what}"));
+    }
+    if !(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0) {
+        return Err(format!("{what} ended with {status:#x}"));
+    }
+    Ok(())
+}
+
+/// `inetd`'s `carried-vfork`: one chunk echoed (carried), then a `vfork`
+/// child gets the connection as its stdin and stdout and execs `stdecho
+/// go`, then, before any other call of this process, a second `vfork`
+/// child execs `true`; then the close, and the wait for `stdecho`; alive
+/// until a second connection comes (the test's, once it is done).
+fn carried_vfork(l: TcpListener, mut s: TcpStream) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+    eprintln!("echoed {n} before the vfork");
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let echo = vfork_run(s.as_raw_fd(), &[exe.as_os_str(), "stdecho".as_ref(), "go".as_ref()])?;
+    let t = vfork_run(-1, &["/bin/true".as_ref()])?;
+    wait_ok(t, "true")?;
+    drop(s);
+    wait_ok(echo, "stdecho")?;
+    let _ = l.accept();
+    Ok(())
+}
+
+/// `inetd`'s `carried-vfork-late`: one chunk echoed (carried), then a
+/// `vfork` child `dup2`s the connection onto its stdin and stdout and
+/// execs `stdecho go` (against a client that does not answer the
+/// demotion in time: the program does not get it); then this process
+/// writes a line to its own stdout, which the child's `dup2` did not
+/// change.
+fn carried_vfork_late(mut s: TcpStream) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+    eprintln!("echoed {n} before the vfork");
+    let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+    let echo = vfork_run(s.as_raw_fd(), &[exe.as_os_str(), "stdecho".as_ref(), "go".as_ref()])?;
+    wait_ok(echo, "stdecho")?;
+    let line = b"the parent's stdout is its own\n";
+    // SAFETY: write(2) of our buffer to descriptor 1, through the library.
+    let w = unsafe { libc::write(1, line.as_ptr().cast(), line.len()) };
+    eprintln!("the parent's write to its stdout: {w}");
+    drop(s);
+    Ok(())
+}
+
+/// Sets the kernel socket's buffer `opt` of `fd` to the bytes in `var`,
+/// if set, by a raw system call (past the library, which keeps a carried
+/// connection's options for later): the kernel buffers shrunk, so that a
+/// demotion's resend cannot fit in them.
+fn raw_buf(fd: i32, opt: libc::c_int, var: &str) {
+    if let Some(v) = std::env::var(var).ok().and_then(|v| v.parse::<libc::c_int>().ok()) {
+        // SAFETY: setsockopt(2) with an int of ours, its size.
+        unsafe {
+            libc::syscall(
+                libc::SYS_setsockopt,
+                fd,
+                libc::SOL_SOCKET,
+                opt,
+                &v as *const libc::c_int,
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+    }
+}
+
 /// Sleeps for the milliseconds in `var`, if set.
 fn pause(var: &str) {
     if let Some(ms) = std::env::var(var).ok().and_then(|v| v.parse().ok()) {
@@ -829,24 +1210,75 @@ fn exec_self(args: &[&str]) -> String {
     format!("execv: {}", std::io::Error::last_os_error())
 }
 
+/// `execve`s this program with `args` and this process's environment
+/// (returns only on failure).
+fn execve_self(args: &[&str]) -> String {
+    extern "C" {
+        static environ: *const *const libc::c_char;
+    }
+    let exe = std::env::current_exe().map(|p| p.into_os_string());
+    let Ok(exe) = exe else { return "current_exe".into() };
+    use std::os::unix::ffi::OsStrExt;
+    let c = |b: &[u8]| std::ffi::CString::new(b).expect("no NUL");
+    let path = c(exe.as_bytes());
+    let argv: Vec<std::ffi::CString> =
+        std::iter::once(path.clone()).chain(args.iter().map(|a| c(a.as_bytes()))).collect();
+    let mut ptrs: Vec<*const libc::c_char> = argv.iter().map(|a| a.as_ptr()).collect();
+    ptrs.push(std::ptr::null());
+    // SAFETY: a NUL-terminated path, a null-terminated argv of
+    // NUL-terminated strings alive across the call, and the process's
+    // environment (read once, nothing changes it meanwhile).
+    unsafe { libc::execve(path.as_ptr(), ptrs.as_ptr(), environ) };
+    format!("execve: {}", std::io::Error::last_os_error())
+}
+
 fn inetd(port: u16, mode: &str) -> Result<(), String> {
     use std::os::fd::{AsRawFd, OwnedFd};
     let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    if mode == "carried-vfork" {
+        return carried_vfork(l, s);
+    }
+    if mode == "carried-vfork-late" {
+        return carried_vfork_late(s);
+    }
+    if mode == "carried-vfork-exit" {
+        return carried_vfork_exit(s);
+    }
     drop(l);
     pause("SOCKAPP_EXEC_DELAY_MS");
     match mode {
-        "exec" | "carried-exec" => {
-            if mode == "carried-exec" {
-                s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
-                let n = echo_upto(&mut s, ECHO_CHUNK as u64)?;
-                eprintln!("echoed {n} before the exec");
-            }
+        "exec" => {
             dup_onto(s.as_raw_fd(), &[0, 1])?;
             drop(s);
             Err(exec_self(&["stdecho"]))
+        }
+        "carried-exec-eof" => {
+            // Carried, the request read to its end (the client shut its
+            // write side) and echoed, then `execve` of `stdecho go`, which
+            // answers with its go byte.
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let n = echo_upto(&mut s, u64::MAX)?;
+            eprintln!("echoed {n}, then the end, before the exec");
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(execve_self(&["stdecho", "go"]))
+        }
+        "carried-exec" => {
+            // Carried, one chunk echoed (the client then waits for the go
+            // byte of the exec'd program): `execve` of `stdecho go` with
+            // the connection as its stdin and stdout.
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let first = std::env::var("SOCKAPP_ECHO_FIRST").ok().and_then(|v| v.parse().ok());
+            let n = echo_upto(&mut s, first.unwrap_or(ECHO_CHUNK as u64))?;
+            eprintln!("echoed {n} before the exec");
+            pause("SOCKAPP_BEFORE_EXEC_MS");
+            raw_buf(s.as_raw_fd(), libc::SO_RCVBUF, "SOCKAPP_RAW_RCVBUF");
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(execve_self(&["stdecho", "go"]))
         }
         "fork-exec" => {
             // SAFETY: fork(2) in a single-threaded program; the child only
@@ -881,27 +1313,24 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
         }
         "spawn" | "carried-spawn" => {
             s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
-            let mut echoed = 0;
+            let mut args = vec!["stdecho"];
             if mode == "carried-spawn" {
-                echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
+                let echoed = echo_upto(&mut s, ECHO_CHUNK as u64)?;
                 eprintln!("echoed {echoed} before the spawn");
+                pause("SOCKAPP_BEFORE_EXEC_MS");
+                args.push("go");
             }
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
             let a = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
             let b = OwnedFd::from(s.try_clone().map_err(|e| e.to_string())?);
             let st = std::process::Command::new(exe)
-                .arg("stdecho")
+                .args(&args)
                 .stdin(a)
                 .stdout(b)
                 .status()
                 .map_err(|e| format!("spawn: {e}"))?;
             if !st.success() {
                 return Err(format!("stdecho ended with {st}"));
-            }
-            if mode == "carried-spawn" {
-                // The program did not get it: this process echoes the rest.
-                echoed += echo_all(&mut s)?;
-                println!("echoed {echoed}");
             }
             Ok(())
         }
@@ -955,9 +1384,29 @@ fn fdecho() -> Result<(), String> {
 }
 
 /// Copies stdin to stdout until the end; says `stdecho N` on stderr.
-fn stdecho() -> Result<(), String> {
+/// With `go`, first says whether its stdin is a connected socket and
+/// writes the byte `G` (the client sends the rest once it read it).
+fn stdecho(go: bool) -> Result<(), String> {
     let mut buf = vec![0u8; 65_536];
     let mut n = 0u64;
+    if go {
+        // SAFETY: getpeername(2) into a sockaddr_storage of ours, its size.
+        let connected = unsafe {
+            let mut a: libc::sockaddr_storage = std::mem::zeroed();
+            let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            libc::getpeername(0, (&mut a as *mut libc::sockaddr_storage).cast(), &mut len) == 0
+        };
+        // One write(2) for the whole line: the parent's library may log on
+        // the same stderr at the same time, and `eprintln!` may split it.
+        let line =
+            format!("stdecho: stdin {}\n", if connected { "is a connected socket" } else { "is no socket" });
+        // SAFETY: write(2) of our buffer, its length.
+        unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+        // SAFETY: write(2) of one byte of ours.
+        unsafe { libc::write(1, b"G".as_ptr().cast(), 1) };
+        // A program slow to read its stdin (the peer's resend must wait).
+        pause("STDECHO_DELAY_MS");
+    }
     loop {
         // SAFETY: read(2) into our buffer.
         let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
@@ -978,7 +1427,9 @@ fn stdecho() -> Result<(), String> {
         }
         n += r as u64;
     }
-    eprintln!("stdecho {n}");
+    let line = format!("stdecho {n}\n");
+    // SAFETY: write(2) of our buffer, its length (one write, as above).
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
     Ok(())
 }
 
@@ -2923,7 +3374,7 @@ fn main() {
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
-        Some("stdecho") => stdecho(),
+        Some("stdecho") => stdecho(args.get(2).is_some_and(|a| a == "go")),
         Some("execlisten") => execlisten(port()),
         Some("fdecho") => fdecho(),
         Some("banner") => banner(port()),
@@ -2931,6 +3382,11 @@ fn main() {
         Some("forkclient") => forkclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("goclient") => goclient(
+            port(),
+            args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
+            args.get(4).map(String::as_str).expect("WAY"),
+        ),
         Some("echoclient") => echoclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("sink") => sink(port()),
         Some("badbuf") => badbuf(port()),

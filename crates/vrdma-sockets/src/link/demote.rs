@@ -19,14 +19,24 @@
 //! reads take its ring up to D's count, then D's marker, then the kernel
 //! socket. Both ends resend nothing: every byte over the ring is read
 //! from the ring.
+//!
+//! An exec demotion ([`Link::demote_for_exec`], `crate::exec`) is D's part
+//! done synchronously before an exec, whose program inherits the kernel
+//! socket; D's ring goes with the exec, so D's read count goes into the
+//! peer's `DEMOTE_RD` word and the `DEMOTE` word has its top bit set (only
+//! for a peer whose hello says it answers that): P reads its bytes past
+//! that count back from D's ring (an RDMA read) and sends them after its
+//! marker, whose count is D's read count; D takes the marker off and
+//! execs.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use libc::c_int;
+use vrdma::wr::{self, SendWrExt as _};
 
-use super::{lock, Link, Res, Rx, Tx, DEMOTE, MARK_LEN, S_DEMOTE};
-use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED};
+use super::{lock, Link, Res, Rx, Tx, DEMOTE, DEMOTE_RD, EXEC_BIT, MARK_LEN, RING, S_DEMOTE, S_DEMOTE_RD};
+use crate::owner::{Demote, D_DEMOTED, D_DEMOTING, D_DONE, D_FAILED, D_NONE};
 use crate::real;
 
 /// Where a peer's read goes once its ring is read up to the demoting
@@ -257,6 +267,16 @@ impl Link {
     /// to [`D_DEMOTING`]. Whether it worked (else the state is
     /// [`D_FAILED`]: every call fails).
     pub(crate) fn demote_as_driver(&self) -> bool {
+        self.demote_as_driver_on(self.sock, None)
+    }
+
+    /// [`Self::demote_as_driver`], the socket's bytes through `sock` (a
+    /// descriptor of the same socket: before an exec, the program's, which
+    /// a `vfork` child keeps where it closed the library's). `exec_rd`: an
+    /// exec demotion, this end's ring read up to it (the peer sends the
+    /// rest again: its `DEMOTE_RD` word, then the `DEMOTE` word with
+    /// [`EXEC_BIT`]).
+    fn demote_as_driver_on(&self, sock: c_int, exec_rd: Option<u64>) -> bool {
         let Some(d) = self.demote_words() else { return false };
         let r = (|| -> Res<()> {
             crate::pause::at(crate::pause::Point::DemoteLock);
@@ -271,7 +291,13 @@ impl Link {
             if !self.p_wr.load(Ordering::Acquire) && !self.peer_closed() {
                 let told = (|| -> Res<()> {
                     self.flush()?;
-                    let _ = self.stage.write_u64(S_DEMOTE, w + 1);
+                    let mut word = w + 1;
+                    if let Some(rd) = exec_rd {
+                        let _ = self.stage.write_u64(S_DEMOTE_RD, rd);
+                        self.write_word(S_DEMOTE_RD, 8, DEMOTE_RD)?;
+                        word |= EXEC_BIT;
+                    }
+                    let _ = self.stage.write_u64(S_DEMOTE, word);
                     self.write_word(S_DEMOTE, 8, DEMOTE)?;
                     // A peer writer waiting for credits wakes and sees the word.
                     self.answer_want(&mut lock(&self.post));
@@ -279,7 +305,7 @@ impl Link {
                     // Shut for writing: its FIN is on the socket already, and
                     // the peer reads its ring up to the count, then the end.
                     if !tx.shut {
-                        crate::stream::send_all(self.sock, &mark(w))?;
+                        crate::stream::send_all(sock, &mark(w))?;
                     }
                     Ok(())
                 })();
@@ -294,7 +320,7 @@ impl Link {
             }
             // No wake byte goes any more: the program's socket options
             // go back into the kernel (its marker went out at once).
-            crate::kept::give_back_page(&self.page, self.sock);
+            crate::kept::give_back_page(&self.page, sock);
             // Every ring read of this process is done under the lock from
             // here (`read`), and their count is the shared one.
             let _g = RingLock::take(d);
@@ -313,6 +339,145 @@ impl Link {
         self.unblock();
         crate::credit::came();
         true
+    }
+
+    /// Before an exec whose program inherits this connection (this
+    /// process drives it, `crate::exec`): demotes it as the driver and
+    /// waits, until `end` at most, for the peer's marker, which is taken
+    /// off, so that the kernel socket holds exactly the stream that
+    /// follows (the peer's bytes after its marker; no wake byte, no
+    /// marker). `sock`: the program's descriptor of the socket (a `vfork`
+    /// child may have closed the library's). Only while the ring holds no byte the program has not
+    /// read: those could not reach the exec'd program (its address space
+    /// goes, and a TCP receive queue takes nothing back), so such a
+    /// connection is not demoted at all. `Err`: why not, and whether the
+    /// demotion was made anyway and the peer's bytes landed in the ring
+    /// meanwhile (lost with the exec: the caller resets the socket).
+    pub(crate) fn demote_for_exec(
+        &self,
+        sock: c_int,
+        end: Instant,
+        resend: bool,
+    ) -> Result<(), (&'static str, bool)> {
+        let Some(d) = self.demote_words() else { return Err(("no shared page", false)) };
+        // The peer sends the ring's bytes past the read count again.
+        let exec = resend && self.peer_exec;
+        let exec_rd: Option<u64>;
+        if !self.can_demote() {
+            return Err(("the peer does not answer demotions, or the connection is mapped or failed", false));
+        }
+        if self.in_demotion() || self.peer_demoted().is_some() {
+            return Err(("a demotion is under way", false));
+        }
+        {
+            // A thread of this process that reads it holds the receive
+            // lock (and takes its bytes): not demoted under it.
+            let mut rx = None;
+            for _ in 0..20 {
+                if let Ok(g) = self.rx.try_lock() {
+                    rx = Some(g);
+                    break;
+                }
+                std::thread::sleep(Duration::from_micros(500));
+            }
+            let Some(rx) = rx else { return Err(("another thread reads it", false)) };
+            // (A peer that shut its write side, its end read here, is
+            // demoted too: it sends no marker, and the loop below finds
+            // its end on the socket with the ring empty. Its reads of
+            // the answer switch at this end's marker.)
+            if !exec && self.waiting(rx.rd) > 0 {
+                return Err(("the ring holds bytes the program has not read", false));
+            }
+            self.share_rd(rx.rd);
+            exec_rd = exec.then_some(rx.rd);
+            if d.state.compare_exchange(D_NONE, D_DEMOTING, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                return Err(("a demotion is under way", false));
+            }
+        }
+        if !self.demote_as_driver_on(sock, exec_rd) {
+            return Err(("the demotion failed", true));
+        }
+        loop {
+            let part = {
+                let _g = RingLock::take(d);
+                match d.state.load(Ordering::Acquire) {
+                    D_DONE => return Ok(()),
+                    D_FAILED => return Err(("the demotion failed", true)),
+                    _ => {}
+                }
+                let rd = d.rd.load(Ordering::Acquire);
+                if !exec && self.waiting(rd) > 0 {
+                    return Err(("the peer's bytes landed in the ring before its switch", true));
+                }
+                let h = match head(sock) {
+                    Ok(h) => h,
+                    Err(_) => return Err(("the kernel socket failed", true)),
+                };
+                let written = self.ring.read_u64(super::WRITTEN).unwrap_or(rd);
+                let late = self.waiting(rd) > 0;
+                match h {
+                    // The peer's count is this end's read count: what its
+                    // ring holds past it follows on the socket.
+                    Head::Mark(w) if exec && w == rd => {
+                        take_mark(sock);
+                        d.state.store(D_DONE, Ordering::Release);
+                        self.page.set_tcp();
+                        crate::dev::debug(&format!(
+                            "the peer's marker at {w} bytes, {} sent again after it: plain TCP for the exec",
+                            written.saturating_sub(rd)
+                        ));
+                        return Ok(());
+                    }
+                    Head::Mark(_) if exec => {
+                        d.state.store(D_FAILED, Ordering::Release);
+                        return Err(("the peer's marker is not at this end's read count", true));
+                    }
+                    Head::Mark(w) => match at_mark(w, rd, written, late) {
+                        AtMark::Take => {
+                            take_mark(sock);
+                            d.state.store(D_DONE, Ordering::Release);
+                            self.page.set_tcp();
+                            crate::dev::debug(&format!(
+                                "the peer's marker after {w} bytes: plain TCP for the exec"
+                            ));
+                            return Ok(());
+                        }
+                        AtMark::Ring => {
+                            return Err(("the peer's bytes landed in the ring before its switch", true))
+                        }
+                        AtMark::Wait => false,
+                        AtMark::Bad => {
+                            d.state.store(D_FAILED, Ordering::Release);
+                            return Err(("the peer's marker is wrong", true));
+                        }
+                    },
+                    Head::Bad => {
+                        d.state.store(D_FAILED, Ordering::Release);
+                        return Err(("the peer's marker is wrong", true));
+                    }
+                    // The peer's end and nothing in the ring: the exec'd
+                    // program reads the end (plain TCP from here).
+                    Head::End if !late => {
+                        d.state.store(D_DONE, Ordering::Release);
+                        self.page.set_tcp();
+                        return Ok(());
+                    }
+                    Head::End => return Err(("the peer's bytes landed in the ring before its end", true)),
+                    Head::Part => true,
+                    Head::Nothing => false,
+                }
+            };
+            let now = Instant::now();
+            if now >= end {
+                // (Its bytes that land later are not read, as before: it
+                // sees the end.) Bytes the program has not read (an
+                // exec's demotion takes a ring that holds some) are lost
+                // with the exec: a reset, not a clean end.
+                let unread = exec && self.waiting(d.rd.load(Ordering::Acquire)) > 0;
+                return Err(("the peer did not answer the demotion in time", unread));
+            }
+            wait_more(sock, part, (end - now).min(Duration::from_millis(10)));
+        }
     }
 
     /// For the driver's close of a demoted connection: waits (a while at
@@ -620,8 +785,59 @@ impl Link {
     /// As the peer: the count the demoting end wrote into this end's ring
     /// (its `DEMOTE` word), if it demoted.
     pub(crate) fn peer_demoted(&self) -> Option<u64> {
-        let w = self.ring.read_u64(DEMOTE).unwrap_or(0);
+        let w = self.ring.read_u64(DEMOTE).unwrap_or(0) & !EXEC_BIT;
         (w != 0).then(|| w - 1)
+    }
+
+    /// As the peer: the demoting end's read count, if it demotes for an
+    /// exec (its `DEMOTE` word has [`EXEC_BIT`]): this end's ring bytes
+    /// past it are sent again on the kernel socket.
+    fn peer_exec_rd(&self) -> Option<u64> {
+        let w = self.ring.read_u64(DEMOTE).unwrap_or(0);
+        (w & EXEC_BIT != 0).then(|| self.ring.read_u64(DEMOTE_RD).unwrap_or(u64::MAX))
+    }
+
+    /// As the peer of an exec demotion, the send lock held, every write
+    /// landed: the marker with the demoting end's read count `rd`, then
+    /// the bytes this end wrote into its ring past it (`rd..wr`), read
+    /// back from that ring by an RDMA read, on the kernel socket. Nothing
+    /// of them was read there: the exec'd program reads them from the
+    /// socket.
+    fn p_resend_for_exec(&self, rd: u64, wr: u64) -> Res<()> {
+        let n = wr.checked_sub(rd).filter(|&n| n as usize <= RING).ok_or(libc::ECONNRESET)? as usize;
+        let mut out = Vec::with_capacity(MARK_LEN + n);
+        out.extend_from_slice(&mark(rd));
+        if n > 0 {
+            let off = (rd % RING as u64) as usize;
+            let first = n.min(RING - off);
+            let mut wrs = Vec::with_capacity(2);
+            for (at, from, len) in [(0, off, first), (first, 0, n - first)] {
+                if len == 0 {
+                    continue;
+                }
+                let sge = self.stage.sge(at, len).map_err(|e| e.errno())?;
+                let w = wr::rdma_read(0, &[sge], self.peer_addr + from as u64, self.peer_rkey)
+                    .map_err(|e| e.errno())?
+                    .signaled();
+                wrs.push(w);
+            }
+            let id = self.post(&mut wrs, None)?;
+            self.wait_until(|p| p.done >= id)?;
+            let mut b = vec![0u8; n];
+            self.stage.read(0, &mut b).map_err(|e| e.errno())?;
+            out.extend_from_slice(&b);
+        }
+        if crate::pause::fails(crate::pause::Point::ResendFails) {
+            crate::stream::send_all(self.sock, &out[..out.len() / 2])?;
+            return Err(libc::ETIMEDOUT);
+        }
+        // No time limit: the exec'd program may take its time before it
+        // reads, and a resend cut short is final (a reset).
+        crate::stream::send_all_while_alive(self.sock, &out)?;
+        crate::dev::debug(&format!(
+            "the peer demoted for an exec at {rd}: {n} bytes sent again after the marker"
+        ));
+        Ok(())
     }
 
     /// Whether a demoting peer's marker is at the head of the socket
@@ -645,13 +861,28 @@ impl Link {
         if self.p_wr.load(Ordering::Acquire) {
             return Ok(());
         }
+        // A switch that began and failed left part of its bytes on the
+        // socket: another try would send a second marker and the bytes
+        // again. Final.
+        if self.p_wr_began.load(Ordering::Acquire) {
+            return Err(libc::ECONNRESET);
+        }
         self.flush()?;
         // This end demoted itself too (both ends forked): its marker went
         // then (under the send lock, as this), and only one may. (A
         // driver that took the request but not the lock yet sends none:
         // it finds this end's writes switched.)
         if !tx.shut && self.d_state() < D_DEMOTED {
-            crate::stream::send_all(self.sock, &mark(tx.wr))?;
+            // Before any byte goes out.
+            self.p_wr_began.store(true, Ordering::Release);
+            let sent = match self.peer_exec_rd() {
+                Some(rd) => self.p_resend_for_exec(rd, tx.wr),
+                None => crate::stream::send_all(self.sock, &mark(tx.wr)),
+            };
+            if let Err(e) = sent {
+                self.reset_after_partial_switch(e);
+                return Err(libc::ECONNRESET);
+            }
         }
         self.p_wr.store(true, Ordering::Release);
         // No wake byte goes any more: the program's socket options go
@@ -661,6 +892,59 @@ impl Link {
         self.unblock();
         self.p_done();
         Ok(())
+    }
+
+    /// As the peer (P), no lock held: [`Self::p_switch_writes`] under the
+    /// send lock.
+    pub(super) fn p_switch_writes_now(&self) -> Res<()> {
+        let mut tx = lock(&self.tx);
+        self.p_switch_writes(&mut tx)
+    }
+
+    /// As the peer: whether this end's writes switched.
+    pub(super) fn p_writes_switched(&self) -> bool {
+        self.p_wr.load(Ordering::Acquire)
+    }
+
+    /// The switch of this end's writes failed after it began sending
+    /// (`e`): the other end may hold part of the marker or of an exec's
+    /// resend, so the kernel connection is reset (a `connect` to
+    /// `AF_UNSPEC` disconnects a TCP socket with a reset), not ended: the
+    /// program there reads an error, never a short stream.
+    fn reset_after_partial_switch(&self, e: c_int) {
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!("the switch of a demoted connection to plain TCP failed midway (errno {e}): the connection is reset"),
+        );
+        // SAFETY: a zeroed sockaddr with family AF_UNSPEC, its size.
+        let r = unsafe {
+            let mut a: libc::sockaddr = std::mem::zeroed();
+            a.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
+            real::connect(self.sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t)
+        };
+        if r != 0 {
+            // Not disconnected (an older kernel, a socket state that
+            // refuses it): a linger of 0 makes the last close a reset,
+            // not a FIN that would read as a clean, short stream (no
+            // shutdown: that sends one). This end's later calls fail
+            // (the switch is final), so nothing more goes out.
+            crate::dev::debug(&format!(
+                "the reset by a connect to AF_UNSPEC failed (errno {}): linger 0, reset at the close",
+                crate::table::errno()
+            ));
+            let lg = libc::linger { l_onoff: 1, l_linger: 0 };
+            // SAFETY: setsockopt(2) with a linger of ours, its size.
+            unsafe {
+                real::setsockopt(
+                    self.sock,
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&lg as *const libc::linger).cast(),
+                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
+                );
+            }
+        }
     }
 
     /// As the peer (P), the receive lock held, the ring read up to the
