@@ -85,7 +85,9 @@
 //!
 //! `lazyserver PORT poll|epoll` and `lazyclient PORT`: readiness after
 //! blocking reads. The client writes 64 bytes, reads a 1-byte answer,
-//! waits 600 ms, writes 64 more, reads a second answer and ends. The
+//! waits for the server's 1-byte go (sent after its quiet wait, below, so
+//! that no CPU stall can put the client's write inside that wait), then
+//! 100 ms, writes 64 more, reads a second answer and ends. The
 //! server reads the first 64 with a blocking read (no readiness call
 //! before: a read that does not arm), answers, then waits 300 ms for
 //! readability in `poll` (or in a level-triggered `epoll` set it
@@ -2730,6 +2732,9 @@ fn lazyserver(port: u16, mode: &str) -> Result<(), String> {
     if wait_readable(fd, mode, ep, 300)? {
         return Err(format!("{mode}: readable while the client sent nothing (stale readiness)"));
     }
+    // The client writes its second message only after this: a CPU stall
+    // longer than the quiet wait cannot make its write land inside it.
+    s.write_all(b"g").map_err(|e| format!("go: {e}"))?;
     let start = std::time::Instant::now();
     if !wait_readable(fd, mode, ep, 5000)? {
         return Err(format!("{mode}: the second message not readable within 5 s: readiness lost"));
@@ -2751,7 +2756,13 @@ fn lazyclient(port: u16) -> Result<(), String> {
     let mut a = [0u8; 1];
     s.write_all(&[1u8; 64]).map_err(|e| format!("first write: {e}"))?;
     s.read_exact(&mut a).map_err(|e| format!("first answer: {e}"))?;
-    std::thread::sleep(std::time::Duration::from_millis(600));
+    // The server's go, after its quiet wait; then a pause so that the
+    // server is in its second wait when the bytes come.
+    s.read_exact(&mut a).map_err(|e| format!("go: {e}"))?;
+    if &a != b"g" {
+        return Err(format!("go {a:?}"));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(100));
     s.write_all(&[2u8; 64]).map_err(|e| format!("second write: {e}"))?;
     s.read_exact(&mut a).map_err(|e| format!("second answer: {e}"))?;
     if &a != b"b" {
