@@ -667,3 +667,43 @@ fn a_resend_waits_for_a_slow_exec_d_program() -> Result<()> {
     assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
     Ok(())
 }
+
+/// A program whose first child, before any other call of interest, is
+/// made by `vfork` and leaves by `_exit` (or execs `true`), then carries
+/// a connection, echoes it to the end and closes it: the client reads
+/// the end. (Before, the child stored its own id as the parent's cached
+/// one, shared memory: the parent then took itself for a `vfork` child
+/// for good, and its close was set aside: the client never read the end.)
+#[test]
+fn a_first_vfork_child_does_not_take_its_parents_id() -> Result<()> {
+    for mode in ["vfork-first-exit", "vfork-first-exec"] {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, &["inetd".into(), port.to_string(), mode.into()], &[]), "inetd");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
+        // The client reads the end while the server lives on.
+        let c = spawn(sockapp(&d, &args, &[]), "echoclient").finish(Duration::from_secs(20));
+        let _ = std::net::TcpStream::connect(("127.0.0.1", port));
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(
+            s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED),
+            "{mode}: {}\n{}",
+            c.describe(),
+            s.describe()
+        );
+        assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{mode}: {}", c.describe());
+        assert!(
+            s.stderr.contains(&format!("echoed {BYTES} after a first vfork child")),
+            "{mode}: {}",
+            s.describe()
+        );
+    }
+    Ok(())
+}
