@@ -198,8 +198,18 @@ pub(crate) mod left {
                 ANY.store(true, Ordering::Release);
                 continue;
             }
-            let fd = f.swap(-1, Ordering::AcqRel);
-            if fd >= 0 && inode(fd) == Some((d.load(Ordering::Acquire), i.load(Ordering::Acquire))) {
+            // The identity read first, then the slot taken only if it
+            // still holds that descriptor (a `record` that reused the slot
+            // in between fails the exchange: its own, left for later).
+            let fd = f.load(Ordering::Acquire);
+            let id = (d.load(Ordering::Acquire), i.load(Ordering::Acquire));
+            if fd < 0 || f.compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                if fd != -1 {
+                    ANY.store(true, Ordering::Release);
+                }
+                continue;
+            }
+            if inode(fd) == Some(id) {
                 crate::dev::debug(&format!("the library's descriptor {fd} of a connection demoted for an exec that did not replace this memory: closed"));
                 // SAFETY: the library's own descriptor (the same socket).
                 unsafe { crate::real::close(fd) };

@@ -935,14 +935,21 @@ impl Link {
             ));
             let lg = libc::linger { l_onoff: 1, l_linger: 0 };
             // SAFETY: setsockopt(2) with a linger of ours, its size.
-            unsafe {
+            let r = unsafe {
                 real::setsockopt(
                     self.sock,
                     libc::SOL_SOCKET,
                     libc::SO_LINGER,
                     (&lg as *const libc::linger).cast(),
                     std::mem::size_of::<libc::linger>() as libc::socklen_t,
-                );
+                )
+            };
+            if r != 0 {
+                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(&SAID, &format!(
+                    "the reset's fallback (SO_LINGER 0) failed too (errno {}): the connection ends by a plain close",
+                    crate::table::errno()
+                ));
             }
         }
     }
