@@ -668,6 +668,37 @@ fn a_resend_waits_for_a_slow_exec_d_program() -> Result<()> {
     Ok(())
 }
 
+/// As the slow case, with an exec'd program that writes 8 MiB before it
+/// reads (`cat big; cat`): the client's library, in its read, cannot
+/// finish its resend (the program does not read) and does not read (the
+/// program's write blocks): a deadlock, which it ends by a reset after a
+/// few seconds (before, both waited for ever). The client's read fails;
+/// nothing hangs.
+#[test]
+fn a_resend_to_a_program_that_writes_before_it_reads_resets_instead_of_waiting_for_ever() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let big = (8 << 20).to_string();
+    let server = [
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_WRITE_FIRST", big.as_str()),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+        ("SOCKAPP_EXPECT_FAILURE", "1"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    assert!(c.stderr.contains("writes without reading while this resend waits"), "{}", c.describe());
+    assert!(c.stdout.contains("goclient: the go byte read: Err("), "{}", c.describe());
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    Ok(())
+}
+
 /// A program whose first child, before any other call of interest, is
 /// made by `vfork` and leaves by `_exit` (or execs `true`), then carries
 /// a connection, echoes it to the end and closes it: the client reads

@@ -1395,6 +1395,20 @@ fn stdecho(go: bool) -> Result<(), String> {
         unsafe { libc::write(1, b"G".as_ptr().cast(), 1) };
         // A program slow to read its stdin (the peer's resend must wait).
         pause("STDECHO_DELAY_MS");
+        // A program that writes before it reads (`cat big; cat`):
+        // `STDECHO_WRITE_FIRST` bytes first.
+        if let Some(k) = std::env::var("STDECHO_WRITE_FIRST").ok().and_then(|v| v.parse::<usize>().ok()) {
+            let junk = vec![b'w'; k];
+            let mut off = 0;
+            while off < k {
+                // SAFETY: write(2) from our buffer.
+                let w = unsafe { libc::write(1, junk[off..].as_ptr().cast(), k - off) };
+                if w <= 0 {
+                    return Err(format!("write first at {off}: {}", std::io::Error::last_os_error()));
+                }
+                off += w as usize;
+            }
+        }
     }
     loop {
         // SAFETY: read(2) into our buffer.
