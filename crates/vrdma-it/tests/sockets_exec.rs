@@ -667,3 +667,74 @@ fn a_resend_waits_for_a_slow_exec_d_program() -> Result<()> {
     assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{}", c.describe());
     Ok(())
 }
+
+/// As the slow case, with an exec'd program that writes 8 MiB before it
+/// reads (`cat big; cat`): the client's library, in its read, cannot
+/// finish its resend (the program does not read) and does not read (the
+/// program's write blocks): a deadlock, which it ends by a reset after a
+/// few seconds (before, both waited for ever). The client's read fails;
+/// nothing hangs.
+#[test]
+fn a_resend_to_a_program_that_writes_before_it_reads_resets_instead_of_waiting_for_ever() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let big = (8 << 20).to_string();
+    let server = [
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_WRITE_FIRST", big.as_str()),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+        ("SOCKAPP_EXPECT_FAILURE", "1"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    assert!(c.stderr.contains("writes without reading while this resend waits"), "{}", c.describe());
+    assert!(c.stdout.contains("goclient: the go byte read: Err("), "{}", c.describe());
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    Ok(())
+}
+
+/// A program whose first child, before any other call of interest, is
+/// made by `vfork` and leaves by `_exit` (or execs `true`), then carries
+/// a connection, echoes it to the end and closes it: the client reads
+/// the end. (Before, the child stored its own id as the parent's cached
+/// one, shared memory: the parent then took itself for a `vfork` child
+/// for good, and its close was set aside: the client never read the end.)
+#[test]
+fn a_first_vfork_child_does_not_take_its_parents_id() -> Result<()> {
+    for mode in ["vfork-first-exit", "vfork-first-exec"] {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, &["inetd".into(), port.to_string(), mode.into()], &[]), "inetd");
+        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
+            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        })?;
+        let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
+        // The client reads the end while the server lives on.
+        let c = spawn(sockapp(&d, &args, &[]), "echoclient").finish(Duration::from_secs(20));
+        let _ = std::net::TcpStream::connect(("127.0.0.1", port));
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(
+            s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED),
+            "{mode}: {}\n{}",
+            c.describe(),
+            s.describe()
+        );
+        assert!(c.stdout.contains(&format!("echoed {BYTES}, then the end")), "{mode}: {}", c.describe());
+        assert!(
+            s.stderr.contains(&format!("echoed {BYTES} after a first vfork child")),
+            "{mode}: {}",
+            s.describe()
+        );
+    }
+    Ok(())
+}

@@ -18,7 +18,7 @@
 //! applied (it would clear `FD_CLOEXEC` on an unrelated descriptor).
 
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, Once};
 
 use libc::c_int;
@@ -54,19 +54,36 @@ type Map = MutexGuard<'static, Option<HashMap<c_int, Record>>>;
 /// child's first change, put back by [`end_vfork`] before its exec.
 static VFORK: Mutex<Vec<(c_int, Option<Record>)>> = Mutex::new(Vec::new());
 
+/// Whether [`VFORK`] holds anything: looked at first, without its lock
+/// (a child's `_exit` takes no lock unless it changed a record).
+static VFORK_KEPT: AtomicBool = AtomicBool::new(false);
+
+/// Whether a `vfork` child's changes to the records are kept.
+pub fn vfork_kept() -> bool {
+    VFORK_KEPT.load(Ordering::Acquire)
+}
+
 /// In a `vfork` child: keeps `fd`'s record as the parent has it, once.
 fn touch(m: &HashMap<c_int, Record>, fd: c_int) {
     if crate::pid::vforked() {
         let mut v = VFORK.lock().unwrap_or_else(|e| e.into_inner());
         if !v.iter().any(|&(f, _)| f == fd) {
             v.push((fd, m.get(&fd).copied()));
+            VFORK_KEPT.store(true, Ordering::Release);
         }
     }
 }
 
 /// A `vfork` child about to exec: its parent's records as they were.
 pub fn end_vfork() {
-    let v = std::mem::take(&mut *VFORK.lock().unwrap_or_else(|e| e.into_inner()));
+    if !vfork_kept() {
+        return;
+    }
+    let v = {
+        let mut g = VFORK.lock().unwrap_or_else(|e| e.into_inner());
+        VFORK_KEPT.store(false, Ordering::Release);
+        std::mem::take(&mut *g)
+    };
     if v.is_empty() {
         return;
     }

@@ -198,8 +198,18 @@ pub(crate) mod left {
                 ANY.store(true, Ordering::Release);
                 continue;
             }
-            let fd = f.swap(-1, Ordering::AcqRel);
-            if fd >= 0 && inode(fd) == Some((d.load(Ordering::Acquire), i.load(Ordering::Acquire))) {
+            // The identity read first, then the slot taken only if it
+            // still holds that descriptor (a `record` that reused the slot
+            // in between fails the exchange: its own, left for later).
+            let fd = f.load(Ordering::Acquire);
+            let id = (d.load(Ordering::Acquire), i.load(Ordering::Acquire));
+            if fd < 0 || f.compare_exchange(fd, -1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+                if fd != -1 {
+                    ANY.store(true, Ordering::Release);
+                }
+                continue;
+            }
+            if inode(fd) == Some(id) {
                 crate::dev::debug(&format!("the library's descriptor {fd} of a connection demoted for an exec that did not replace this memory: closed"));
                 // SAFETY: the library's own descriptor (the same socket).
                 unsafe { crate::real::close(fd) };
@@ -305,11 +315,19 @@ pub(crate) mod vfork {
 
     /// Before the child's exec, or as it exits without one: the parent's
     /// table back.
+    ///
+    /// The view's lock is held across the putting back: a parent thread's
+    /// close or copy of a descriptor meanwhile waits for it, then finds
+    /// its descriptor's entry put back (else it found no view, and the
+    /// put back entry came over its closed number).
     pub fn end() {
-        let v = view().take();
-        ACTIVE.store(0, Ordering::Release);
-        if let Some(v) = v {
-            put_back(v);
+        {
+            let mut g = view();
+            let v = g.take();
+            ACTIVE.store(0, Ordering::Release);
+            if let Some(v) = v {
+                put_back(v);
+            }
         }
         crate::cloexec::end_vfork();
     }
@@ -340,11 +358,66 @@ pub(crate) mod vfork {
     /// exec: the parent's table and flag records as they were (else its
     /// connection's entry stays aside, and its I/O goes straight to the
     /// kernel socket under the rings).
+    ///
+    /// No lock, allocation or table access unless this child really set
+    /// something aside (its view, or flag records): a `_Fork` or raw
+    /// `clone` child, or a signal handler's `_exit`, that changed nothing
+    /// leaves at once (a lock another thread of the parent held at the
+    /// fork stays held in such a child for good).
     pub fn exiting() {
+        // SAFETY: getpid(2), async-signal-safe.
+        let me = unsafe { libc::getpid() } as u32;
+        if ACTIVE.load(Ordering::Acquire) != me && !crate::cloexec::vfork_kept() {
+            return;
+        }
         if let Some(_g) = table::Guard::enter() {
             if crate::pid::vforked() {
                 end();
             }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        /// A child made without glibc's fork handlers (a raw `fork`
+        /// system call: taken for a `vfork` child, its cached id its
+        /// parent's) that changed nothing leaves by `exiting` without
+        /// taking the view's lock, here held by its parent at the fork
+        /// (before, it waited for it for good).
+        #[test]
+        fn exiting_takes_no_lock_in_a_child_that_kept_nothing() {
+            let _held = super::view();
+            // SAFETY: a raw fork(2); the child only calls `exiting`
+            // (atomics and getpid) and leaves by the exit system call.
+            let pid = unsafe { libc::syscall(libc::SYS_fork) } as libc::pid_t;
+            if pid == 0 {
+                super::exiting();
+                // SAFETY: exit(2) of this child.
+                unsafe { libc::syscall(libc::SYS_exit, 7) };
+            }
+            assert!(pid > 0);
+            let mut status = 0;
+            let mut done = false;
+            // A hang is the failure: bounded only to end the test.
+            for _ in 0..1000 {
+                // SAFETY: waitpid(2) on our child, without waiting.
+                if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+                    done = true;
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            if !done {
+                // SAFETY: kill(2) and waitpid(2) on our own stuck child.
+                unsafe {
+                    libc::kill(pid, libc::SIGKILL);
+                    libc::waitpid(pid, &mut status, 0);
+                }
+            }
+            assert!(
+                done && libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 7,
+                "the child hung in exiting"
+            );
         }
     }
 }

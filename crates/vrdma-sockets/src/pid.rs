@@ -3,8 +3,8 @@
 //! connections, `crate::dev`), and glibc's `getpid` is a system call
 //! (about 0.4 µs here; five of them per 64-byte round trip and side).
 //!
-//! The cache is cleared in a child by a `pthread_atfork` handler, so a
-//! child made by `fork` asks again (the same handler gives the child empty
+//! The cache is set at load (`.init_array`) and, in a child made by
+//! `fork`, by a `pthread_atfork` handler (the same handler gives the child empty
 //! epoll registrations: `crate::epoll::forked`). A child made without glibc's fork
 //! handlers (a raw `clone`, `_Fork`, or `vfork`) would see its parent's
 //! id: `vfork` and `posix_spawn` children only `exec`, which loads the
@@ -17,8 +17,17 @@ use std::sync::atomic::{AtomicU32, Ordering};
 
 static PID: AtomicU32 = AtomicU32::new(0);
 
+/// The real id, by the system call (glibc caches nothing).
+fn real() -> u32 {
+    // SAFETY: getpid(2) takes no argument and cannot fail
+    // (async-signal-safe).
+    unsafe { libc::getpid() as u32 }
+}
+
 extern "C" fn forked() {
-    PID.store(0, Ordering::SeqCst);
+    // The child's own id at once (a child made by glibc's `fork` is never
+    // a `vfork` child: its memory is its own).
+    PID.store(real(), Ordering::SeqCst);
     crate::epoll::forked();
 }
 
@@ -29,7 +38,14 @@ extern "C" fn forked() {
 /// first call; one forked between another thread's store of the id and
 /// the handler's registration kept its parent's id. Both were seen in
 /// this crate's parallel fork tests.)
+///
+/// The id is stored here too, once, at load: a `vfork` child shares its
+/// parent's memory, so a lazy store from its first call (its `_exit`, its
+/// exec's settling) would leave the parent with the child's id for good:
+/// the parent would then take itself for a `vfork` child, set its closes
+/// aside, and its peers would never read the end.
 extern "C" fn register() {
+    PID.store(real(), Ordering::SeqCst);
     // SAFETY: registers a child handler that only stores to a static
     // atomic (async-signal-safe); no prepare or parent handler.
     unsafe { libc::pthread_atfork(None, None, Some(forked)) };
@@ -39,15 +55,15 @@ extern "C" fn register() {
 #[link_section = ".init_array"]
 static REGISTER: extern "C" fn() = register;
 
-/// This process's id.
+/// This process's id (its parent's in a `vfork` child): stored at load
+/// and by the `fork` child handler, never here (a caller may be a `vfork`
+/// child, whose store would be its parent's). Unset only before the
+/// library's load ran: the real id, not stored.
 pub fn get() -> u32 {
-    let p = PID.load(Ordering::Acquire);
-    if p != 0 {
-        return p;
+    match PID.load(Ordering::Acquire) {
+        0 => real(),
+        p => p,
     }
-    let p = std::process::id();
-    PID.store(p, Ordering::Release);
-    p
 }
 
 /// Whether this is a `vfork` child (made without glibc's fork handlers,

@@ -96,17 +96,50 @@ real! {
     posix_spawn_file_actions_addclose(fa: *mut c_void, fd: c_int) -> c_int;
     system(cmd: *const c_char) -> c_int;
     popen(cmd: *const c_char, mode: *const c_char) -> *mut c_void;
-    _exit(code: c_int) -> ();
-    exit(code: c_int) -> ();
+}
+
+/// libc's `_exit`, `_Exit` and `exit`, looked up at load (below): a
+/// signal handler's or a child's `_exit` must not run `dlsym` (the
+/// loader's lock, not async-signal-safe).
+static EXIT_SLOTS: [AtomicUsize; 3] = [AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)];
+const EXIT_NAMES: [&[u8]; 3] = [b"_exit\0", b"_Exit\0", b"exit\0"];
+
+extern "C" fn resolve_exits() {
+    for (slot, name) in EXIT_SLOTS.iter().zip(EXIT_NAMES) {
+        lookup(slot, name);
+    }
+}
+
+#[used]
+#[link_section = ".init_array"]
+static RESOLVE_EXITS: extern "C" fn() = resolve_exits;
+
+/// Calls libc's exit function `i` of [`EXIT_NAMES`].
+unsafe fn exit_by(i: usize, code: c_int) {
+    let p = lookup(&EXIT_SLOTS[i], EXIT_NAMES[i]);
+    // SAFETY: `p` is libc's function of that name, `void f(int)`.
+    let f: unsafe extern "C" fn(c_int) = unsafe { std::mem::transmute(p) };
+    // SAFETY: the caller keeps the function's own contract.
+    unsafe { f(code) }
+}
+
+/// libc's `_exit`.
+#[allow(clippy::missing_safety_doc)]
+pub unsafe fn _exit(code: c_int) {
+    // SAFETY: as libc's `_exit`.
+    unsafe { exit_by(0, code) }
 }
 
 /// libc's `_Exit` (its C name is not snake case).
 #[allow(non_snake_case, clippy::missing_safety_doc)]
 pub unsafe fn _Exit(code: c_int) {
-    static SLOT: AtomicUsize = AtomicUsize::new(0);
-    let p = lookup(&SLOT, b"_Exit\0");
-    // SAFETY: `p` is libc's `_Exit`, `void _Exit(int)`.
-    let f: unsafe extern "C" fn(c_int) = unsafe { std::mem::transmute(p) };
-    // SAFETY: the caller keeps the function's own contract.
-    unsafe { f(code) }
+    // SAFETY: as libc's `_Exit`.
+    unsafe { exit_by(1, code) }
+}
+
+/// libc's `exit`.
+#[allow(clippy::missing_safety_doc)]
+pub unsafe fn exit(code: c_int) {
+    // SAFETY: as libc's `exit`.
+    unsafe { exit_by(2, code) }
 }

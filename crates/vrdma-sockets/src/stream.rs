@@ -711,7 +711,18 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
 /// reset, its host gone: the kernel's own retransmission limits) or a
 /// hang-up, each looked at every second. A peer process that is gone has
 /// its socket closed by the kernel, which resets ours at the next send.
+///
+/// Or a deadlock with the program there ([`STALL_S`]): it writes before
+/// it reads (`cat big; cat`), and this process, inside this resend (in a
+/// read), reads nothing: its receive buffer fills, the program blocks in
+/// its write and never reads ours. Seen as no progress of this send while
+/// the socket's received bytes, unread, stay the same and fill a quarter
+/// of its receive buffer or more, for [`STALL_S`] seconds in a row:
+/// `EDEADLK` (the caller resets the connection). A program that wrote
+/// that much, then only sleeps before it reads, is taken for one in the
+/// deadlock (`docs/sockets.md`, "Exec").
 pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
+    let (mut stalled, mut last_inq) = (0u32, -1);
     while !b.is_empty() {
         // SAFETY: `b` is valid for its length.
         let r =
@@ -735,6 +746,15 @@ pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
                     if let e @ 1.. = socket_error(fd) {
                         return Err(e);
                     }
+                    let inq = unread_bytes(fd);
+                    let full = inq > 0 && inq == last_inq && inq.saturating_mul(4) >= rcvbuf(fd);
+                    stalled = if full { stalled + 1 } else { 0 };
+                    last_inq = inq;
+                    if stalled >= STALL_S {
+                        return Err(libc::EDEADLK);
+                    }
+                } else {
+                    stalled = 0;
                 }
             }
             libc::EINTR => {}
@@ -742,6 +762,37 @@ pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
         }
     }
     Ok(())
+}
+
+/// Seconds without progress of a resend, the received bytes unread and
+/// filling the receive buffer, taken for a deadlock.
+const STALL_S: u32 = 3;
+
+/// The bytes received on `fd` and not read yet (`FIONREAD`), -1 unknown.
+fn unread_bytes(fd: c_int) -> c_int {
+    let mut n: c_int = 0;
+    // SAFETY: ioctl(2) FIONREAD into an int of ours.
+    let r = unsafe { real::ioctl(fd, libc::FIONREAD, (&mut n as *mut c_int).cast()) };
+    if r == 0 {
+        n
+    } else {
+        -1
+    }
+}
+
+/// The socket's receive buffer (`SO_RCVBUF`, as the kernel reports it).
+fn rcvbuf(fd: c_int) -> c_int {
+    let mut v: c_int = 0;
+    let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
+    // SAFETY: getsockopt(2) into an int of ours, its size.
+    let r = unsafe {
+        real::getsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUF, (&mut v as *mut c_int).cast(), &mut len)
+    };
+    if r == 0 && v > 0 {
+        v
+    } else {
+        c_int::MAX
+    }
 }
 
 /// The socket's pending error (`SO_ERROR`), 0 for none.

@@ -224,7 +224,10 @@
 //! then a `vfork`-like child (`clone`, `CLONE_VM | CLONE_VFORK`) `dup2`s
 //! the connection and execs `stdecho go`, a second one execs `true`
 //! before the parent's close, and the parent waits for a second
-//! connection before it exits.
+//! connection before it exits. `vfork-first-exit`, `vfork-first-exec`:
+//! before anything else, a `vfork`-like child that `_exit`s, or one that
+//! execs `true`; then the connection is echoed to its end and closed, and the process
+//! waits for a second connection before it exits.
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
 //! go` first says whether its stdin is a connected socket and writes `G`.
@@ -1236,10 +1239,30 @@ fn execve_self(args: &[&str]) -> String {
 
 fn inetd(port: u16, mode: &str) -> Result<(), String> {
     use std::os::fd::{AsRawFd, OwnedFd};
+    // `vfork-first-exit` and `vfork-first-exec`: before any other call
+    // of interest, a `vfork` child that `_exit`s, or one that execs
+    // `true`; then the connection is carried, echoed to its end, closed.
+    if mode == "vfork-first-exit" {
+        vfork_exit(-1)?;
+    }
+    if mode == "vfork-first-exec" {
+        let t = vfork_run(-1, &["/bin/true".as_ref()])?;
+        wait_ok(t, "true")?;
+    }
     let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     let (mut s, _) = l.accept().map_err(|e| format!("accept: {e}"))?;
+    if mode.starts_with("vfork-first-") {
+        s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+        let n = echo_upto(&mut s, u64::MAX)?;
+        eprintln!("echoed {n} after a first vfork child");
+        drop(s);
+        // Alive until the test is done with the client (a second
+        // connection): the client reads the end from the close alone.
+        let _ = l.accept();
+        return Ok(());
+    }
     if mode == "carried-vfork" {
         return carried_vfork(l, s);
     }
@@ -1408,6 +1431,20 @@ fn stdecho(go: bool) -> Result<(), String> {
         unsafe { libc::write(1, b"G".as_ptr().cast(), 1) };
         // A program slow to read its stdin (the peer's resend must wait).
         pause("STDECHO_DELAY_MS");
+        // A program that writes before it reads (`cat big; cat`):
+        // `STDECHO_WRITE_FIRST` bytes first.
+        if let Some(k) = std::env::var("STDECHO_WRITE_FIRST").ok().and_then(|v| v.parse::<usize>().ok()) {
+            let junk = vec![b'w'; k];
+            let mut off = 0;
+            while off < k {
+                // SAFETY: write(2) from our buffer.
+                let w = unsafe { libc::write(1, junk[off..].as_ptr().cast(), k - off) };
+                if w <= 0 {
+                    return Err(format!("write first at {off}: {}", std::io::Error::last_os_error()));
+                }
+                off += w as usize;
+            }
+        }
     }
     loop {
         // SAFETY: read(2) into our buffer.

@@ -832,8 +832,19 @@ impl Link {
             return Err(libc::ETIMEDOUT);
         }
         // No time limit: the exec'd program may take its time before it
-        // reads, and a resend cut short is final (a reset).
-        crate::stream::send_all_while_alive(self.sock, &out)?;
+        // reads, and a resend cut short is final (a reset). Only a
+        // deadlock with a program that writes before it reads ends it.
+        if let Err(e) = crate::stream::send_all_while_alive(self.sock, &out) {
+            if e == libc::EDEADLK {
+                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(
+                    &SAID,
+                    "the exec'd program at the other end writes without reading while this resend waits \
+                     for it to read (both would wait for ever): the connection is reset",
+                );
+            }
+            return Err(e);
+        }
         crate::dev::debug(&format!(
             "the peer demoted for an exec at {rd}: {n} bytes sent again after the marker"
         ));
@@ -935,14 +946,21 @@ impl Link {
             ));
             let lg = libc::linger { l_onoff: 1, l_linger: 0 };
             // SAFETY: setsockopt(2) with a linger of ours, its size.
-            unsafe {
+            let r = unsafe {
                 real::setsockopt(
                     self.sock,
                     libc::SOL_SOCKET,
                     libc::SO_LINGER,
                     (&lg as *const libc::linger).cast(),
                     std::mem::size_of::<libc::linger>() as libc::socklen_t,
-                );
+                )
+            };
+            if r != 0 {
+                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(&SAID, &format!(
+                    "the reset's fallback (SO_LINGER 0) failed too (errno {}): the connection ends by a plain close",
+                    crate::table::errno()
+                ));
             }
         }
     }
