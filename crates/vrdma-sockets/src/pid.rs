@@ -45,10 +45,13 @@ extern "C" fn forked() {
 /// the parent would then take itself for a `vfork` child, set its closes
 /// aside, and its peers would never read the end.
 extern "C" fn register() {
-    PID.store(real(), Ordering::SeqCst);
+    // The handler first: a thread that another library's constructor
+    // started may fork between the two, and its child must store its own
+    // id then, not keep the parent's.
     // SAFETY: registers a child handler that only stores to a static
     // atomic (async-signal-safe); no prepare or parent handler.
     unsafe { libc::pthread_atfork(None, None, Some(forked)) };
+    PID.store(real(), Ordering::SeqCst);
 }
 
 #[used]

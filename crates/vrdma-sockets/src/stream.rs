@@ -712,17 +712,17 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
 /// hang-up, each looked at every second. A peer process that is gone has
 /// its socket closed by the kernel, which resets ours at the next send.
 ///
-/// Or a deadlock with the program there ([`STALL_S`]): it writes before
+/// Or a deadlock with the program there ([`STALL`]): it writes before
 /// it reads (`cat big; cat`), and this process, inside this resend (in a
 /// read), reads nothing: its receive buffer fills, the program blocks in
 /// its write and never reads ours. Seen as no progress of this send while
 /// the socket's received bytes, unread, stay the same and fill a quarter
-/// of its receive buffer or more, for [`STALL_S`] seconds in a row:
+/// of its receive buffer or more, for [`STALL`] in a row:
 /// `EDEADLK` (the caller resets the connection). A program that wrote
 /// that much, then only sleeps before it reads, is taken for one in the
 /// deadlock (`docs/sockets.md`, "Exec").
 pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
-    let (mut stalled, mut last_inq) = (0u32, -1);
+    let (mut stalled_since, mut last_inq) = (None::<std::time::Instant>, -1);
     while !b.is_empty() {
         // SAFETY: `b` is valid for its length.
         let r =
@@ -742,19 +742,24 @@ pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
                         e => e,
                     });
                 }
-                if n == 0 {
+                if n == 1 {
+                    stalled_since = None;
+                } else {
+                    // No room within the second, or a signal (timed by
+                    // the clock: a timer signal above 1 Hz must neither
+                    // keep the count at 0 nor make it run fast).
                     if let e @ 1.. = socket_error(fd) {
                         return Err(e);
                     }
                     let inq = unread_bytes(fd);
                     let full = inq > 0 && inq == last_inq && inq.saturating_mul(4) >= rcvbuf(fd);
-                    stalled = if full { stalled + 1 } else { 0 };
                     last_inq = inq;
-                    if stalled >= STALL_S {
-                        return Err(libc::EDEADLK);
+                    match (full, stalled_since) {
+                        (false, _) => stalled_since = None,
+                        (true, None) => stalled_since = Some(std::time::Instant::now()),
+                        (true, Some(t)) if t.elapsed() >= STALL => return Err(libc::EDEADLK),
+                        (true, Some(_)) => {}
                     }
-                } else {
-                    stalled = 0;
                 }
             }
             libc::EINTR => {}
@@ -764,9 +769,9 @@ pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
     Ok(())
 }
 
-/// Seconds without progress of a resend, the received bytes unread and
-/// filling the receive buffer, taken for a deadlock.
-const STALL_S: u32 = 3;
+/// How long without progress of a resend, the received bytes unread and
+/// filling the receive buffer, is taken for a deadlock.
+const STALL: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The bytes received on `fd` and not read yet (`FIONREAD`), -1 unknown.
 fn unread_bytes(fd: c_int) -> c_int {
