@@ -431,15 +431,13 @@ sys.exit(r.returncode)
     let d = DaemonProc::start()?;
     let ctx = d.context()?;
     for client_delay in ["0", "800"] {
-        let port = free_port();
-        let mut py = Command::new("python3");
-        py.args(["-c", SERVER, &port.to_string()])
-            .env(vrdma::SOCKET_ENV, &d.socket)
-            .env("VRDMA_SOCKETS_DEBUG", "1")
-            .env("LD_PRELOAD", built("libvrdma_sockets.so"));
-        let s = spawn(py, "python server");
-        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
-            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        let (s, port) = python_listening(&ctx, |port| {
+            let mut py = Command::new("python3");
+            py.args(["-c", SERVER, &port.to_string()])
+                .env(vrdma::SOCKET_ENV, &d.socket)
+                .env("VRDMA_SOCKETS_DEBUG", "1")
+                .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+            py
         })?;
         let args = ["echoclient".into(), port.to_string(), BYTES.to_string()];
         let c = spawn(sockapp(&d, &args, &[("SOCKAPP_CONNECT_DELAY_MS", client_delay)]), "echoclient")
@@ -539,18 +537,16 @@ sys.exit(r.returncode)
     // `again`: the parent runs another program (`true`, a second vfork
     // child) before its close.
     for then in ["close", "again"] {
-        let port = free_port();
         let exe = vrdma_it::peer_exe().with_file_name("vrdma-it-sockapp");
-        let mut py = Command::new("python3");
-        py.args(["-c", SERVER, &port.to_string()])
-            .arg(&exe)
-            .arg(then)
-            .env(vrdma::SOCKET_ENV, &d.socket)
-            .env("VRDMA_SOCKETS_DEBUG", "1")
-            .env("LD_PRELOAD", built("libvrdma_sockets.so"));
-        let s = spawn(py, "python server");
-        vrdma_it::wait_until(Duration::from_secs(20), "the server listens", || {
-            listening(port) && ctx.sock_counts().ok().map(|c| c.listeners) == Some(1)
+        let (s, port) = python_listening(&ctx, |port| {
+            let mut py = Command::new("python3");
+            py.args(["-c", SERVER, &port.to_string()])
+                .arg(&exe)
+                .arg(then)
+                .env(vrdma::SOCKET_ENV, &d.socket)
+                .env("VRDMA_SOCKETS_DEBUG", "1")
+                .env("LD_PRELOAD", built("libvrdma_sockets.so"));
+            py
         })?;
         let args = ["goclient".into(), port.to_string(), BYTES.to_string(), "read".into()];
         // The client reads the end while the server lives on (the kernel
@@ -737,4 +733,34 @@ fn a_first_vfork_child_does_not_take_its_parents_id() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// A Python server (`make(port)`) that listens on a free port and is
+/// registered at the daemon: tried again on another port when it exits
+/// first (a port taken between the look and its bind); where it does not
+/// listen, its output and what was seen are the error.
+fn python_listening(ctx: &vrdma::Context, make: impl Fn(u16) -> Command) -> Result<(harness::Running, u16)> {
+    let mut last = String::new();
+    for _ in 0..3 {
+        let port = free_port();
+        let mut s = spawn(make(port), "python server");
+        let end = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let listeners = ctx.sock_counts().ok().map(|c| c.listeners);
+            if listening(port) && listeners == Some(1) {
+                return Ok((s, port));
+            }
+            if s.exited() || std::time::Instant::now() > end {
+                let seen = format!("port {port} listening: {}, listeners: {listeners:?}", listening(port));
+                let f = s.finish(Duration::from_millis(200));
+                last = format!("the python server did not listen ({seen}): {}", f.describe());
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if !last.contains("Address already in use") {
+            break;
+        }
+    }
+    anyhow::bail!("{last}")
 }
