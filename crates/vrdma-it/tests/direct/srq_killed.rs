@@ -113,15 +113,22 @@ impl Srq {
             }
             arrived += got.len();
             if got.is_empty() {
-                ensure!(Instant::now() < end, "only {arrived} messages arrived");
+                ensure!(
+                    Instant::now() < end,
+                    "only {arrived} messages arrived ({} receives outstanding in the SRQ)",
+                    self.posted.len() - self.done.len()
+                );
                 std::thread::yield_now();
             }
         }
         Ok(())
     }
 
-    /// What completes on `b` within `d`, recorded: successes, and how many
-    /// flushes (`WR_FLUSH_ERR`).
+    /// What completes on `b` within `d`, recorded and reposted (as in
+    /// [`Self::arrive`]: the SRQ keeps `DEPTH` receives posted, or a next
+    /// sender finds it drained by the completions of the messages that
+    /// landed before a kill and RNR-waits for ever): successes, and how
+    /// many flushes (`WR_FLUSH_ERR`).
     fn flushes_within(&mut self, b: &vrdma::QueuePair, d: Duration) -> Result<usize> {
         let mut flushed = 0;
         for w in poll_for(&self.cq, d)? {
@@ -132,6 +139,7 @@ impl Srq {
                 _ => bail!("{w:?}"),
             }
             self.record(&w)?;
+            self.post()?;
         }
         Ok(flushed)
     }
