@@ -260,14 +260,74 @@ pub(crate) mod vfork {
     /// descriptor calls look at it without a lock or a system call.
     static ACTIVE: AtomicU32 = AtomicU32::new(0);
 
-    fn view() -> std::sync::MutexGuard<'static, Option<View>> {
-        VIEW.lock().unwrap_or_else(|e| e.into_inner())
+    /// Views made so far (wrapping): a parent's change that looked before
+    /// one was made, and finds this moved after its change, looks again
+    /// under the view's lock ([`Look::after`]).
+    static MADE: AtomicU32 = AtomicU32::new(0);
+
+    /// What a parent's close or copy of a descriptor saw of the views
+    /// before it changed the table.
+    #[derive(Clone, Copy)]
+    pub struct Look {
+        /// A child's view was kept.
+        pub active: bool,
+        made: u32,
     }
 
-    /// Whether a `vfork` child's view is kept (a child is between its
-    /// first change and its exec or exit, or one ended without either).
-    pub fn active() -> bool {
-        ACTIVE.load(Ordering::Acquire) != 0
+    /// The look before a parent's change (atomics only: every close of
+    /// every program makes it).
+    pub fn look() -> Look {
+        let made = MADE.load(Ordering::SeqCst);
+        Look { active: ACTIVE.load(Ordering::SeqCst) != 0, made }
+    }
+
+    impl Look {
+        /// After the parent's change of `fd` in the table (a close's
+        /// removal, a copy's insertion of `ours`): a `vfork` child of
+        /// another thread (a new view made since the look, the look's
+        /// view if any then ended) whose first close or
+        /// `dup2` of the same number came between the look and the change
+        /// set the parent's entry aside, and puts it back over the number
+        /// at its exec or exit (or did already). A child makes its view
+        /// (`MADE`, then `ACTIVE`) before it sets anything aside under the
+        /// table's lock, and this look follows the parent's own use of that
+        /// lock: whichever of the two took the lock second sees the other.
+        /// So where a view was made since, under the view's lock (no child
+        /// puts back meanwhile): an entry a kept view set aside is taken
+        /// back, unless it is `ours` (set aside after the change: the
+        /// view puts it back, as it should); and the table's entry for
+        /// `fd`, if an ended view put back another than `ours` there, is
+        /// replaced by `ours` (a close: removed). Returns what the parent
+        /// must drop.
+        pub fn after(self, fd: c_int, ours: Option<&Entry>) -> Vec<Entry> {
+            if MADE.load(Ordering::SeqCst) == self.made {
+                return Vec::new();
+            }
+            let mut g = view();
+            let mut out = Vec::new();
+            let is_ours = |e: &Entry| ours.is_some_and(|o| o.same(e));
+            if let Some(v) = g.as_mut() {
+                match v.aside.get(&fd) {
+                    Some(Some(e)) if is_ours(e) => return out,
+                    _ => {
+                        v.added.remove(&fd);
+                        out.extend(v.aside.remove(&fd).flatten());
+                    }
+                }
+            }
+            if table::get(fd).is_some_and(|e| !is_ours(&e)) {
+                out.extend(table::remove(fd));
+                if let Some(o) = ours {
+                    out.extend(table::insert(fd, o.clone()));
+                }
+            }
+            drop(g);
+            out
+        }
+    }
+
+    fn view() -> std::sync::MutexGuard<'static, Option<View>> {
+        VIEW.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// This child's view; one left by another child (killed, or gone by a
@@ -279,7 +339,10 @@ pub(crate) mod vfork {
                 put_back(old);
             }
         }
-        ACTIVE.store(me, Ordering::Release);
+        if v.is_none() {
+            MADE.fetch_add(1, Ordering::SeqCst);
+        }
+        ACTIVE.store(me, Ordering::SeqCst);
         v.get_or_insert_with(|| View { pid: me, aside: HashMap::new(), added: HashSet::new() })
     }
 

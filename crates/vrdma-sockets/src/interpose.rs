@@ -847,6 +847,12 @@ pub unsafe extern "C" fn getsockopt(
 /// connection's drop leaves another process's link alone itself
 /// ([`crate::owner`]).
 fn drop_entry(fd: c_int) {
+    drop_entry_after_look(fd, || {});
+}
+
+/// [`drop_entry`], running `between` right after its look at the `vfork`
+/// view (tests put a child's racing close there).
+fn drop_entry_after_look(fd: c_int, between: impl FnOnce()) {
     if let Some(_g) = Guard::enter() {
         // Every close of every program comes here: the looks that need no
         // system call first (the table's lock only where it holds
@@ -854,7 +860,9 @@ fn drop_entry(fd: c_int) {
         // system call) matters only where the library knows `fd`, or a
         // child's view is kept.
         let known = table::contains(fd) || crate::cloexec::knows(fd) || crate::epoll::may_know();
-        let view = crate::exec::vfork::active();
+        let look = crate::exec::vfork::look();
+        let view = look.active;
+        between();
         if !known && !view {
             crate::exec::left::close();
             return;
@@ -871,17 +879,25 @@ fn drop_entry(fd: c_int) {
         if view {
             // The parent's own close wins over a child's kept view.
             if let Some(e) = crate::exec::vfork::parent_changed(fd) {
-                keep_errno(|| drop(e));
+                drop_removed(e);
             }
         }
         crate::cloexec::forget(fd);
         crate::exec::left::close();
         keep_errno(|| crate::epoll::forget(fd));
-        match table::remove(fd) {
-            Some(e @ Entry::Listener(_)) if !e.ours() => std::mem::forget(e),
-            Some(e) => keep_errno(|| drop(e)),
-            None => {}
+        if let Some(e) = table::remove(fd) {
+            drop_removed(e);
         }
+        look.after(fd, None).into_iter().for_each(drop_removed);
+    }
+}
+
+/// An entry this process no longer maps: a listener of another process's
+/// (a forked child's inherited one) is left registered, the rest dropped.
+fn drop_removed(e: Entry) {
+    match e {
+        e @ Entry::Listener(_) if !e.ours() => std::mem::forget(e),
+        e => keep_errno(|| drop(e)),
     }
 }
 
@@ -904,6 +920,12 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
 }
 
 fn copy_entry(from: c_int, to: c_int) {
+    copy_entry_after_look(from, to, || {});
+}
+
+/// [`copy_entry`], running `between` right after its look at the `vfork`
+/// view (tests put a child's racing close there).
+fn copy_entry_after_look(from: c_int, to: c_int, between: impl FnOnce()) {
     if to < 0 {
         return;
     }
@@ -912,9 +934,12 @@ fn copy_entry(from: c_int, to: c_int) {
             // (A `vfork` child's copy is its own: its parent's entry of
             // `to` is kept aside and put back before its exec.)
             let vforked = crate::pid::vforked();
+            let look = crate::exec::vfork::look();
+            between();
+            let view = !vforked && look.active;
             if vforked {
                 crate::exec::vfork::closed(to);
-            } else if crate::exec::vfork::active() {
+            } else if view {
                 // The parent's own copy wins over a child's kept view.
                 if let Some(e) = crate::exec::vfork::parent_changed(to) {
                     keep_errno(|| drop(e));
@@ -923,11 +948,15 @@ fn copy_entry(from: c_int, to: c_int) {
             if e.carried() {
                 keep_errno(|| table::set_cloexec(to));
             }
+            // Ours, told from what a child set aside meanwhile.
+            let ours = (!vforked).then(|| e.clone());
             if let Some(old) = table::insert(to, e) {
                 keep_errno(|| drop(old));
             }
             if vforked {
                 crate::exec::vfork::added(to);
+            } else if let Some(ours) = ours {
+                look.after(to, Some(&ours)).into_iter().for_each(drop_removed);
             }
         }
     }
@@ -1017,6 +1046,78 @@ pub unsafe extern "C" fn fcntl64(fd: c_int, cmd: c_int, arg: libc::c_ulong) -> c
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The two tests below play a `vfork` child's view, which is one per
+    /// process: one at a time.
+    static ONE_VIEW: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    /// A parent thread's close of a connection's number racing a `vfork`
+    /// child's first close of the same number (the child's set-aside lands
+    /// between the parent's look at the views and its removal), with the
+    /// child's exec before and after the parent's change: the number stays
+    /// closed in the parent's table. Before, the child put the entry back
+    /// over the closed number at its exec (a later descriptor of that
+    /// number was then taken for the connection).
+    #[test]
+    fn a_parents_close_racing_a_vfork_childs_first_close_of_the_number_stays_closed() {
+        use crate::listener::Listener;
+        let _one = ONE_VIEW.lock().unwrap_or_else(|e| e.into_inner());
+        for (fd, child_execs_first) in [((1 << 20) + 11, false), ((1 << 20) + 12, true)] {
+            let addr = "127.0.0.1:1".parse().unwrap();
+            // Another process's listener: forgotten when dropped, never
+            // unregistered (no daemon here).
+            let e = Entry::Listener(Arc::new(Listener { addrs: vec![addr], pid: 0 }));
+            std::mem::forget(table::insert(fd, e));
+            drop_entry_after_look(fd, || {
+                // The child (in this memory) closes the same number.
+                crate::exec::vfork::closed(fd);
+                if child_execs_first {
+                    crate::exec::vfork::end();
+                }
+            });
+            if !child_execs_first {
+                crate::exec::vfork::end();
+            }
+            let back = table::contains(fd);
+            std::mem::forget(table::remove(fd));
+            assert!(
+                !back,
+                "the entry came back over the closed number (child's exec first: {child_execs_first})"
+            );
+        }
+    }
+
+    /// As above for a parent's `dup2(from, to)` racing a child's first
+    /// close of `to`: the parent's copy stays at `to`. Before, the
+    /// child's exec put `to`'s older entry back over the copy.
+    #[test]
+    fn a_parents_dup2_racing_a_vfork_childs_first_close_of_the_number_keeps_the_copy() {
+        use crate::listener::Listener;
+        let _one = ONE_VIEW.lock().unwrap_or_else(|e| e.into_inner());
+        for (from, child_execs_first) in [((1 << 20) + 21, false), ((1 << 20) + 23, true)] {
+            let to = from + 1;
+            let addr = "127.0.0.1:1".parse().unwrap();
+            let listener = || Entry::Listener(Arc::new(Listener { addrs: vec![addr], pid: 0 }));
+            let copied = listener();
+            std::mem::forget(table::insert(from, copied.clone()));
+            std::mem::forget(table::insert(to, listener()));
+            copy_entry_after_look(from, to, || {
+                crate::exec::vfork::closed(to);
+                if child_execs_first {
+                    crate::exec::vfork::end();
+                }
+            });
+            if !child_execs_first {
+                crate::exec::vfork::end();
+            }
+            let at_to = table::get(to);
+            let kept = at_to.as_ref().is_some_and(|e| e.same(&copied));
+            std::mem::forget(at_to);
+            std::mem::forget(table::remove(to));
+            std::mem::forget(table::remove(from));
+            assert!(kept, "the copy at `to` was replaced (child's exec first: {child_execs_first})");
+        }
+    }
 
     #[test]
     fn a_programs_own_set_fd_drops_a_left_flag_record() {

@@ -152,6 +152,15 @@ impl Entry {
         matches!(self, Entry::Stream(s) if s.is_carried())
     }
 
+    /// Whether both name the same listener or connection.
+    pub fn same(&self, other: &Entry) -> bool {
+        match (self, other) {
+            (Entry::Listener(a), Entry::Listener(b)) => Arc::ptr_eq(a, b),
+            (Entry::Stream(a), Entry::Stream(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+
     /// Whether this process may use it: a listener it made (a child
     /// after fork inherits its parent's entries, whose daemon connection
     /// it must neither use nor destroy: see [`crate::dev`]), a connection
