@@ -260,9 +260,10 @@ pub(crate) mod vfork {
     /// descriptor calls look at it without a lock or a system call.
     static ACTIVE: AtomicU32 = AtomicU32::new(0);
 
-    /// Views made so far (wrapping): a parent's change that looked before
-    /// one was made, and finds this moved after its change, looks again
-    /// under the view's lock ([`Look::after`]).
+    /// Views made so far (wrapping), counted after the view is marked
+    /// kept (`ACTIVE`) and before it sets anything aside: a parent's
+    /// change that looked before a view was made finds this moved after
+    /// its change, and looks again under the view's lock ([`Look::after`]).
     static MADE: AtomicU32 = AtomicU32::new(0);
 
     /// What a parent's close or copy of a descriptor saw of the views
@@ -275,50 +276,60 @@ pub(crate) mod vfork {
     }
 
     /// The look before a parent's change (atomics only: every close of
-    /// every program makes it).
+    /// every program makes it). `MADE` first: where it counts a view, that
+    /// view was marked kept before, and is seen kept unless it ended (its
+    /// putting back done: `end` unmarks it last).
     pub fn look() -> Look {
         let made = MADE.load(Ordering::SeqCst);
         Look { active: ACTIVE.load(Ordering::SeqCst) != 0, made }
     }
 
     impl Look {
+        /// A view was made since this look.
+        pub fn moved(&self) -> bool {
+            MADE.load(Ordering::SeqCst) != self.made
+        }
+
         /// After the parent's change of `fd` in the table (a close's
         /// removal, a copy's insertion of `ours`): a `vfork` child of
-        /// another thread (a new view made since the look, the look's
-        /// view if any then ended) whose first close or
-        /// `dup2` of the same number came between the look and the change
-        /// set the parent's entry aside, and puts it back over the number
-        /// at its exec or exit (or did already). A child makes its view
-        /// (`MADE`, then `ACTIVE`) before it sets anything aside under the
-        /// table's lock, and this look follows the parent's own use of that
-        /// lock: whichever of the two took the lock second sees the other.
-        /// So where a view was made since, under the view's lock (no child
-        /// puts back meanwhile): an entry a kept view set aside is taken
-        /// back, unless it is `ours` (set aside after the change: the
-        /// view puts it back, as it should); and the table's entry for
-        /// `fd`, if an ended view put back another than `ours` there, is
-        /// replaced by `ours` (a close: removed). Returns what the parent
-        /// must drop.
+        /// another thread whose view was made since the look, and whose
+        /// first close or `dup2` of the same number came before the
+        /// change, set the parent's entry aside, and puts it back over the
+        /// number at its exec or exit (or did already). A child counts its
+        /// view made before it sets anything aside under the table's lock,
+        /// and this look follows the parent's own use of that lock:
+        /// whichever of the two took the lock second sees the other. So
+        /// where a view was made since, under the view's lock (no child
+        /// puts back meanwhile): an entry the kept view set aside for `fd`
+        /// is taken back, unless it is `ours` (set aside after the change:
+        /// the view puts it back, as it should); nothing is done where the
+        /// view set nothing of the parent's aside (the child's first change
+        /// came after the parent's: what the table holds for `fd` may be
+        /// the child's own copy); and where no view touched `fd` (it
+        /// ended, or this one never changed `fd`), a table entry for `fd`
+        /// other than `ours` came from an ended view's putting back, and
+        /// is replaced by `ours` (a close: removed). Returns what the
+        /// parent must drop.
         pub fn after(self, fd: c_int, ours: Option<&Entry>) -> Vec<Entry> {
-            if MADE.load(Ordering::SeqCst) == self.made {
+            if !self.moved() {
                 return Vec::new();
             }
             let mut g = view();
             let mut out = Vec::new();
             let is_ours = |e: &Entry| ours.is_some_and(|o| o.same(e));
-            if let Some(v) = g.as_mut() {
-                match v.aside.get(&fd) {
-                    Some(Some(e)) if is_ours(e) => return out,
-                    _ => {
-                        v.added.remove(&fd);
-                        out.extend(v.aside.remove(&fd).flatten());
-                    }
+            match g.as_mut().map(|v| (v.aside.get(&fd).map(|e| e.as_ref().map(is_ours)), v)) {
+                Some((Some(Some(false)), v)) => {
+                    v.added.remove(&fd);
+                    out.extend(v.aside.remove(&fd).flatten());
                 }
-            }
-            if table::get(fd).is_some_and(|e| !is_ours(&e)) {
-                out.extend(table::remove(fd));
-                if let Some(o) = ours {
-                    out.extend(table::insert(fd, o.clone()));
+                Some((Some(_), _)) => {}
+                Some((None, _)) | None => {
+                    if table::get(fd).is_some_and(|e| !is_ours(&e)) {
+                        out.extend(table::remove(fd));
+                        if let Some(o) = ours {
+                            out.extend(table::insert(fd, o.clone()));
+                        }
+                    }
                 }
             }
             drop(g);
@@ -339,10 +350,10 @@ pub(crate) mod vfork {
                 put_back(old);
             }
         }
+        ACTIVE.store(me, Ordering::SeqCst);
         if v.is_none() {
             MADE.fetch_add(1, Ordering::SeqCst);
         }
-        ACTIVE.store(me, Ordering::SeqCst);
         v.get_or_insert_with(|| View { pid: me, aside: HashMap::new(), added: HashSet::new() })
     }
 
@@ -379,18 +390,18 @@ pub(crate) mod vfork {
     /// Before the child's exec, or as it exits without one: the parent's
     /// table back.
     ///
-    /// The view's lock is held across the putting back: a parent thread's
-    /// close or copy of a descriptor meanwhile waits for it, then finds
-    /// its descriptor's entry put back (else it found no view, and the
-    /// put back entry came over its closed number).
+    /// The view's lock is held across the putting back, and the view is
+    /// unmarked (`ACTIVE`) only after it: a parent thread's close or copy
+    /// of a descriptor that sees no view kept finds what was put back in
+    /// the table, and one that waits for the lock (`Look::after`) finds it
+    /// too.
     pub fn end() {
         {
             let mut g = view();
-            let v = g.take();
-            ACTIVE.store(0, Ordering::Release);
-            if let Some(v) = v {
+            if let Some(v) = g.take() {
                 put_back(v);
             }
+            ACTIVE.store(0, Ordering::SeqCst);
         }
         crate::cloexec::end_vfork();
     }

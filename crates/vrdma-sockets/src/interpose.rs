@@ -847,23 +847,35 @@ pub unsafe extern "C" fn getsockopt(
 /// connection's drop leaves another process's link alone itself
 /// ([`crate::owner`]).
 fn drop_entry(fd: c_int) {
-    drop_entry_after_look(fd, || {});
+    drop_entry_hooked(fd, &mut |_| {});
 }
 
-/// [`drop_entry`], running `between` right after its look at the `vfork`
-/// view (tests put a child's racing close there).
-fn drop_entry_after_look(fd: c_int, between: impl FnOnce()) {
+/// Where a parent's close or copy is between its look at the `vfork`
+/// views and its look after its change (tests put a child's racing close,
+/// exec or exit there).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Step {
+    /// Just after the look.
+    Looked,
+    /// Just after its change of the table.
+    Changed,
+}
+
+/// [`drop_entry`], calling `hook` at each [`Step`].
+fn drop_entry_hooked(fd: c_int, hook: &mut dyn FnMut(Step)) {
     if let Some(_g) = Guard::enter() {
         // Every close of every program comes here: the looks that need no
         // system call first (the table's lock only where it holds
         // entries, as before). Whether this is a `vfork` child (a
         // system call) matters only where the library knows `fd`, or a
-        // child's view is kept.
-        let known = table::contains(fd) || crate::cloexec::knows(fd) || crate::epoll::may_know();
+        // child's view is kept or was made since the look (which comes
+        // first: a child that set the entry aside and put it back between
+        // a look at the table and this one would go unseen).
         let look = crate::exec::vfork::look();
+        hook(Step::Looked);
         let view = look.active;
-        between();
-        if !known && !view {
+        let known = table::contains(fd) || crate::cloexec::knows(fd) || crate::epoll::may_know();
+        if !known && !view && !look.moved() {
             crate::exec::left::close();
             return;
         }
@@ -888,6 +900,7 @@ fn drop_entry_after_look(fd: c_int, between: impl FnOnce()) {
         if let Some(e) = table::remove(fd) {
             drop_removed(e);
         }
+        hook(Step::Changed);
         look.after(fd, None).into_iter().for_each(drop_removed);
     }
 }
@@ -920,12 +933,11 @@ pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
 }
 
 fn copy_entry(from: c_int, to: c_int) {
-    copy_entry_after_look(from, to, || {});
+    copy_entry_hooked(from, to, &mut |_| {});
 }
 
-/// [`copy_entry`], running `between` right after its look at the `vfork`
-/// view (tests put a child's racing close there).
-fn copy_entry_after_look(from: c_int, to: c_int, between: impl FnOnce()) {
+/// [`copy_entry`], calling `hook` at each [`Step`].
+fn copy_entry_hooked(from: c_int, to: c_int, hook: &mut dyn FnMut(Step)) {
     if to < 0 {
         return;
     }
@@ -935,14 +947,14 @@ fn copy_entry_after_look(from: c_int, to: c_int, between: impl FnOnce()) {
             // `to` is kept aside and put back before its exec.)
             let vforked = crate::pid::vforked();
             let look = crate::exec::vfork::look();
-            between();
+            hook(Step::Looked);
             let view = !vforked && look.active;
             if vforked {
                 crate::exec::vfork::closed(to);
             } else if view {
                 // The parent's own copy wins over a child's kept view.
                 if let Some(e) = crate::exec::vfork::parent_changed(to) {
-                    keep_errno(|| drop(e));
+                    drop_removed(e);
                 }
             }
             if e.carried() {
@@ -951,8 +963,9 @@ fn copy_entry_after_look(from: c_int, to: c_int, between: impl FnOnce()) {
             // Ours, told from what a child set aside meanwhile.
             let ours = (!vforked).then(|| e.clone());
             if let Some(old) = table::insert(to, e) {
-                keep_errno(|| drop(old));
+                drop_removed(old);
             }
+            hook(Step::Changed);
             if vforked {
                 crate::exec::vfork::added(to);
             } else if let Some(ours) = ours {
@@ -1051,39 +1064,56 @@ mod tests {
     /// process: one at a time.
     static ONE_VIEW: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+    /// Where the racing child's first close of the number, and its exec,
+    /// land in the parent's call.
+    const ORDERS: [(Step, Option<Step>); 4] = [
+        (Step::Looked, None),
+        (Step::Looked, Some(Step::Looked)),
+        (Step::Looked, Some(Step::Changed)),
+        (Step::Changed, Some(Step::Changed)),
+    ];
+
+    /// Plays a `vfork` child (in this memory) whose first close of `fd`
+    /// comes at `close` of the parent's call and its exec at `exec` (after
+    /// the call where `None`).
+    fn child(fd: c_int, close: Step, exec: Option<Step>) -> impl FnMut(Step) {
+        move |at| {
+            if at == close {
+                crate::exec::vfork::closed(fd);
+            }
+            if exec == Some(at) {
+                crate::exec::vfork::end();
+            }
+        }
+    }
+
+    fn foreign_listener() -> Entry {
+        use crate::listener::Listener;
+        // Another process's listener: forgotten when dropped, never
+        // unregistered (no daemon here).
+        Entry::Listener(Arc::new(Listener { addrs: vec!["127.0.0.1:1".parse().unwrap()], pid: 0 }))
+    }
+
     /// A parent thread's close of a connection's number racing a `vfork`
-    /// child's first close of the same number (the child's set-aside lands
-    /// between the parent's look at the views and its removal), with the
-    /// child's exec before and after the parent's change: the number stays
-    /// closed in the parent's table. Before, the child put the entry back
-    /// over the closed number at its exec (a later descriptor of that
-    /// number was then taken for the connection).
+    /// child's first close of the same number, the child's close and exec
+    /// at each step of the parent's call: the number stays closed in the
+    /// parent's table (and a close by the child after the parent's change
+    /// leaves it so). Before, the child put the entry back over the closed
+    /// number at its exec (a later descriptor of that number was then
+    /// taken for the connection).
     #[test]
     fn a_parents_close_racing_a_vfork_childs_first_close_of_the_number_stays_closed() {
-        use crate::listener::Listener;
         let _one = ONE_VIEW.lock().unwrap_or_else(|e| e.into_inner());
-        for (fd, child_execs_first) in [((1 << 20) + 11, false), ((1 << 20) + 12, true)] {
-            let addr = "127.0.0.1:1".parse().unwrap();
-            // Another process's listener: forgotten when dropped, never
-            // unregistered (no daemon here).
-            let e = Entry::Listener(Arc::new(Listener { addrs: vec![addr], pid: 0 }));
-            std::mem::forget(table::insert(fd, e));
-            drop_entry_after_look(fd, || {
-                // The child (in this memory) closes the same number.
-                crate::exec::vfork::closed(fd);
-                if child_execs_first {
-                    crate::exec::vfork::end();
-                }
-            });
-            if !child_execs_first {
+        for (i, (close, exec)) in ORDERS.into_iter().enumerate() {
+            let fd = (1 << 20) + 10 + i as c_int;
+            std::mem::forget(table::insert(fd, foreign_listener()));
+            drop_entry_hooked(fd, &mut child(fd, close, exec));
+            if exec.is_none() {
                 crate::exec::vfork::end();
             }
             let back = table::contains(fd);
             std::mem::forget(table::remove(fd));
-            assert!(
-                !back,
-                "the entry came back over the closed number (child's exec first: {child_execs_first})"
-            );
+            assert!(!back, "the entry came back over the closed number (close {close:?}, exec {exec:?})");
         }
     }
 
@@ -1092,22 +1122,15 @@ mod tests {
     /// child's exec put `to`'s older entry back over the copy.
     #[test]
     fn a_parents_dup2_racing_a_vfork_childs_first_close_of_the_number_keeps_the_copy() {
-        use crate::listener::Listener;
         let _one = ONE_VIEW.lock().unwrap_or_else(|e| e.into_inner());
-        for (from, child_execs_first) in [((1 << 20) + 21, false), ((1 << 20) + 23, true)] {
+        for (i, (close, exec)) in ORDERS.into_iter().enumerate() {
+            let from = (1 << 20) + 20 + 2 * i as c_int;
             let to = from + 1;
-            let addr = "127.0.0.1:1".parse().unwrap();
-            let listener = || Entry::Listener(Arc::new(Listener { addrs: vec![addr], pid: 0 }));
-            let copied = listener();
+            let copied = foreign_listener();
             std::mem::forget(table::insert(from, copied.clone()));
-            std::mem::forget(table::insert(to, listener()));
-            copy_entry_after_look(from, to, || {
-                crate::exec::vfork::closed(to);
-                if child_execs_first {
-                    crate::exec::vfork::end();
-                }
-            });
-            if !child_execs_first {
+            std::mem::forget(table::insert(to, foreign_listener()));
+            copy_entry_hooked(from, to, &mut child(to, close, exec));
+            if exec.is_none() {
                 crate::exec::vfork::end();
             }
             let at_to = table::get(to);
@@ -1115,7 +1138,7 @@ mod tests {
             std::mem::forget(at_to);
             std::mem::forget(table::remove(to));
             std::mem::forget(table::remove(from));
-            assert!(kept, "the copy at `to` was replaced (child's exec first: {child_execs_first})");
+            assert!(kept, "the copy at `to` was replaced (close {close:?}, exec {exec:?})");
         }
     }
 
