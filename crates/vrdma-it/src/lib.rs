@@ -1138,15 +1138,17 @@ pub struct Netns {
 
 impl Netns {
     /// New namespaces named after the pid and a counter (unique among
-    /// concurrent tests and test processes), `10.77.x.1/24` and
-    /// `10.77.x.2/24` on the veth ends.
+    /// concurrent tests and test processes), prefixed `vrdma-it` or
+    /// `VRDMA_IT_NETNS_PREFIX` where set (whoever shares the machine can
+    /// tell theirs), `10.77.x.1/24` and `10.77.x.2/24` on the veth ends.
     pub fn create() -> Result<Netns> {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
+        let prefix = std::env::var("VRDMA_IT_NETNS_PREFIX").unwrap_or_else(|_| "vrdma-it".into());
         // Interface names have at most 15 bytes.
         let net = Netns {
-            ns: [format!("vrdma-it-{pid}-{n}-a"), format!("vrdma-it-{pid}-{n}-b")],
+            ns: [format!("{prefix}-{pid}-{n}-a"), format!("{prefix}-{pid}-{n}-b")],
             veth: [format!("vi{pid}x{n}a"), format!("vi{pid}x{n}b")],
             addr: [format!("10.77.{}.1", n % 250), format!("10.77.{}.2", n % 250)],
         };

@@ -247,6 +247,16 @@
 //! `echoclient`'s work on it (its first call); the parent closes its
 //! copy and waits.
 //!
+//! `carriedexecclient PORT BYTES [pipelined]`: connects, one chunk
+//! echoed (carried; `SOCKAPP_ECHO_FIRST` bytes where set), `pipelined`: a
+//! second chunk (`SOCKAPP_UNREAD` bytes) sent whose echo waits unread in
+//! the ring, a pause of `SOCKAPP_BEFORE_EXEC_MS`, then `execve`s
+//! `fdresume BYTES SENT PENDING` with the socket as descriptor 10, which
+//! says `fdresume: descriptor 10 is a connected socket` (or `is no
+//! socket`), checks the PENDING bytes of echo, echoes the rest of BYTES
+//! as `echoclient` and says `echoed BYTES, then the end`. `echos` listens
+//! on `SOCKAPP_BIND` too.
+//!
 //! `execclient PORT BYTES`: connects, `dup2`s the socket onto descriptor
 //! 10 (inherited) and, before any call on it, `execv`s `fdclient BYTES`
 //! (this program), which runs `echoclient` on descriptor 10 (`client`'s
@@ -1162,9 +1172,14 @@ fn pause(var: &str) {
 }
 
 /// `echoclient`'s work on a connected stream.
-fn echo_check(mut s: TcpStream, bytes: u64) -> Result<(), String> {
+fn echo_check(s: TcpStream, bytes: u64) -> Result<(), String> {
+    echo_check_from(s, 0, bytes)
+}
+
+/// `echo_check` from byte `sent` of the pattern on (the bytes before it
+/// echoed already).
+fn echo_check_from(mut s: TcpStream, mut sent: u64, bytes: u64) -> Result<(), String> {
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
-    let mut sent = 0u64;
     let mut back = vec![0u8; ECHO_CHUNK];
     while sent < bytes {
         let n = (ECHO_CHUNK as u64).min(bytes - sent) as usize;
@@ -1534,6 +1549,71 @@ fn fdclient(bytes: u64) -> Result<(), String> {
         sent += n;
     }
     half_close_and_check(&mut s, bytes)
+}
+
+/// `carriedexecclient PORT BYTES [pipelined]`: connects, sends one chunk
+/// (`SOCKAPP_ECHO_FIRST` bytes in chunks where set) and reads its echo
+/// (the connection is carried), then, `pipelined`, sends a second chunk
+/// (`SOCKAPP_UNREAD` bytes where set) whose echo lands in this process's
+/// ring unread;
+/// after a pause of `SOCKAPP_BEFORE_EXEC_MS` it `execve`s `fdresume BYTES
+/// SENT PENDING` with the connection as descriptor 10 (a client that
+/// hands its connection to another program once it used it).
+fn carriedexecclient(port: u16, bytes: u64, pipelined: bool) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let num = |v: &str| std::env::var(v).ok().and_then(|v| v.parse::<u64>().ok());
+    let first = num("SOCKAPP_ECHO_FIRST").unwrap_or(ECHO_CHUNK as u64);
+    let mut back = vec![0u8; ECHO_CHUNK];
+    let mut sent = 0u64;
+    while sent < first {
+        let n = (ECHO_CHUNK as u64).min(first - sent) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write at {sent}: {e}"))?;
+        s.read_exact(&mut back[..n]).map_err(|e| format!("read back at {sent}: {e}"))?;
+        if back[..n] != data[..] {
+            return Err(format!("the chunk at {sent} echoed wrong"));
+        }
+        sent += n as u64;
+    }
+    let mut pending = 0;
+    if pipelined {
+        pending = num("SOCKAPP_UNREAD").unwrap_or(ECHO_CHUNK as u64);
+        let more: Vec<u8> = (sent..sent + pending).map(pattern).collect();
+        s.write_all(&more).map_err(|e| format!("write: {e}"))?;
+        sent += pending;
+    }
+    eprintln!("carriedexecclient: {sent} sent, {pending} of their echo unread, before the exec");
+    pause("SOCKAPP_BEFORE_EXEC_MS");
+    dup_onto(s.as_raw_fd(), &[10])?;
+    drop(s);
+    Err(execve_self(&["fdresume", &bytes.to_string(), &sent.to_string(), &pending.to_string()]))
+}
+
+/// `fdresume BYTES SENT PENDING`: on the connection at descriptor 10
+/// (`carriedexecclient`'s), says whether it is a connected socket, reads
+/// the PENDING bytes of echo that were unread at the exec (the pattern's
+/// `SENT - PENDING..SENT`), then echoes the rest of BYTES from SENT on,
+/// checked, as `echoclient`.
+fn fdresume(bytes: u64, sent: u64, pending: u64) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: getpeername(2) into a sockaddr_storage of ours, its size.
+    let connected = unsafe {
+        let mut a: libc::sockaddr_storage = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        libc::getpeername(10, (&mut a as *mut libc::sockaddr_storage).cast(), &mut len) == 0
+    };
+    eprintln!("fdresume: descriptor 10 {}", if connected { "is a connected socket" } else { "is no socket" });
+    // SAFETY: descriptor 10 is the socket `carriedexecclient` left us, ours alone.
+    let mut s = unsafe { TcpStream::from_raw_fd(10) };
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let mut got = vec![0u8; pending as usize];
+    s.read_exact(&mut got).map_err(|e| format!("read of the {pending} bytes unread at the exec: {e}"))?;
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != pattern(sent - pending + i as u64)) {
+        return Err(format!("byte {} of those unread at the exec is {}", sent - pending + i as u64, got[i]));
+    }
+    echo_check_from(s, sent, bytes)
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
@@ -2827,7 +2907,7 @@ fn becho(port: u16) -> Result<(), String> {
 /// `echos PORT N`: accepts N connections one after another and echoes
 /// each (blocking) until its end.
 fn echos(port: u16, n: u64) -> Result<(), String> {
-    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     for i in 0..n {
@@ -3429,6 +3509,15 @@ fn main() {
         Some("pollbanner") => pollbanner(port()),
         Some("forkclient") => forkclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("carriedexecclient") => carriedexecclient(
+            port(),
+            args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
+            args.get(4).is_some_and(|a| a == "pipelined"),
+        ),
+        Some("fdresume") => {
+            let num = |i: usize| args.get(i).and_then(|b| b.parse().ok());
+            fdresume(num(2).expect("BYTES"), num(3).expect("SENT"), num(4).expect("PENDING"))
+        }
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("goclient") => goclient(
             port(),
