@@ -213,3 +213,42 @@ fn a_client_that_execs_a_connection_carried_across_hosts_hands_it_over() -> Resu
     }
     Ok(())
 }
+
+/// A reader that execs while its writer on the other host floods it: a
+/// `client` in host a writes 16 MiB as fast as the ring takes them, and
+/// the server in host b reads 64 KiB (then, again, 1 byte) of them and
+/// execs a program (`stdcheck`) that reads the rest. At the exec the
+/// server's ring is full or nearly so with bytes it has not read, and the
+/// client's writes are in flight or waiting for credits: its library
+/// switches in its write or credit wait, reads the unread range back
+/// from the server's ring across the hosts and sends it again; the
+/// program checks every byte from the read count on and answers the
+/// whole count, which the client checks.
+#[test]
+fn a_reader_that_execs_while_its_writer_on_another_host_floods_gets_every_byte() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
+    let bytes: u64 = 16 << 20;
+    for first in [64u64 << 10, 1] {
+        let f = first.to_string();
+        let server = [("SOCKAPP_ECHO_FIRST", f.as_str())];
+        let (c, s) =
+            across(&h, &["inetd", "carried-readexec"], &server, &["client", &bytes.to_string()], &[])?;
+        c.assert_ok();
+        s.assert_ok();
+        assert!(
+            s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED),
+            "{first}: {}\n{}",
+            c.describe(),
+            s.describe()
+        );
+        assert!(s.stderr.contains(DEMOTED), "{first}: {}", s.describe());
+        assert!(s.stderr.contains(&format!("stdcheck {}\n", bytes - first)), "{first}: {}", s.describe());
+        assert!(
+            c.stderr.contains(&format!("the peer demoted for an exec at {first}: ")),
+            "{first}: {}",
+            c.describe()
+        );
+    }
+    Ok(())
+}

@@ -228,6 +228,10 @@
 //! before anything else, a `vfork`-like child that `_exit`s, or one that
 //! execs `true`; then the connection is echoed to its end and closed, and the process
 //! waits for a second connection before it exits.
+//! `carried-readexec`: reads `SOCKAPP_ECHO_FIRST` bytes (64 KiB by
+//! default) of a `client`'s stream, checked, while it writes on, then
+//! `execve`s `stdcheck FROM`, which reads the rest to the end, checked,
+//! and answers `ok TOTAL` as `server` does.
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
 //! go` first says whether its stdin is a connected socket and writes `G`.
@@ -1320,6 +1324,33 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
             drop(s);
             Err(execve_self(&["stdecho", "go"]))
         }
+        "carried-readexec" => {
+            // Carried, `SOCKAPP_ECHO_FIRST` bytes (64 KiB by default) of
+            // the client's stream read and checked while the client
+            // writes on, then `execve` of `stdcheck FIRST`, which reads
+            // the rest.
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let first = std::env::var("SOCKAPP_ECHO_FIRST").ok().and_then(|v| v.parse().ok());
+            let first: u64 = first.unwrap_or(64 << 10);
+            let mut buf = vec![0u8; 65_536];
+            let mut n = 0u64;
+            while n < first {
+                let want = (first - n).min(buf.len() as u64) as usize;
+                let r = s.read(&mut buf[..want]).map_err(|e| format!("read after {n}: {e}"))?;
+                if r == 0 {
+                    return Err(format!("the end after {n}"));
+                }
+                if let Some(k) = (0..r).find(|&k| buf[k] != pattern(n + k as u64)) {
+                    return Err(format!("byte {} is {}", n + k as u64, buf[k]));
+                }
+                n += r as u64;
+            }
+            eprintln!("read {n} before the exec");
+            pause("SOCKAPP_BEFORE_EXEC_MS");
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(execve_self(&["stdcheck", &n.to_string()]))
+        }
         "fork-exec" => {
             // SAFETY: fork(2) in a single-threaded program; the child only
             // dup2s and execs.
@@ -1483,6 +1514,37 @@ fn stdecho(go: bool) -> Result<(), String> {
     }
     let line = format!("stdecho {n}\n");
     // SAFETY: write(2) of our buffer, its length (one write, as above).
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+    Ok(())
+}
+
+/// `stdcheck FROM`: reads stdin to its end, checking every byte against
+/// the pattern from FROM on, then answers `ok TOTAL` (FROM and the bytes
+/// read) on stdout, as `server` does; says `stdcheck N` on stderr.
+fn stdcheck(from: u64) -> Result<(), String> {
+    let mut buf = vec![0u8; 65_536];
+    let mut n = 0u64;
+    loop {
+        // SAFETY: read(2) into our buffer.
+        let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+        if r < 0 {
+            return Err(format!("read after {n}: {}", std::io::Error::last_os_error()));
+        }
+        if r == 0 {
+            break;
+        }
+        if let Some(k) = (0..r as usize).find(|&k| buf[k] != pattern(from + n + k as u64)) {
+            return Err(format!("byte {} is {}", from + n + k as u64, buf[k]));
+        }
+        n += r as u64;
+    }
+    let answer = format!("ok {}\n", from + n);
+    // SAFETY: write(2) of our buffer, its length.
+    if unsafe { libc::write(1, answer.as_ptr().cast(), answer.len()) } != answer.len() as isize {
+        return Err(format!("answer: {}", std::io::Error::last_os_error()));
+    }
+    let line = format!("stdcheck {n}\n");
+    // SAFETY: write(2) of our buffer, its length (one write).
     unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
     Ok(())
 }
@@ -3502,6 +3564,7 @@ fn main() {
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("stdcheck") => stdcheck(args.get(2).and_then(|b| b.parse().ok()).expect("FROM")),
         Some("stdecho") => stdecho(args.get(2).is_some_and(|a| a == "go")),
         Some("execlisten") => execlisten(port()),
         Some("fdecho") => fdecho(),
