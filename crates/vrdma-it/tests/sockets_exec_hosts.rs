@@ -252,3 +252,44 @@ fn a_reader_that_execs_while_its_writer_on_another_host_floods_gets_every_byte()
     }
     Ok(())
 }
+
+/// The fallbacks across hosts: a client in host a that makes no call
+/// within the server's bounded wait (`VRDMA_SOCKETS_WAIT_MS`) does not
+/// answer the demotion, and the exec'd program in host b does not get the
+/// connection (its stdin no socket); the client, once it reads, finds the
+/// end. With bytes of the client's unread in the server's ring at that
+/// exec, they are lost with it: the connection is reset, not ended
+/// cleanly (the client's late switch fails to read them back from the
+/// gone ring and reads a reset either way).
+#[test]
+fn a_connection_whose_peer_on_another_host_does_not_answer_in_time_is_not_inherited() -> Result<()> {
+    let _one = harness::one_at_a_time();
+    let Some(h) = NetnsHosts::start("")? else { return Ok(()) };
+    let bytes = BYTES.to_string();
+    let late = [("SOCKAPP_GO_DELAY_MS", "2500")];
+    let (c, s) = across(
+        &h,
+        &["inetd", "carried-exec"],
+        &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+        &["goclient", &bytes, "late"],
+        &late,
+    )?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains(CARRIED) && c.stderr.contains(CARRIED), "{}\n{}", c.describe(), s.describe());
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho: stdin is no socket"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0\n"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte\n"), "{}", c.describe());
+
+    let server = [("VRDMA_SOCKETS_WAIT_MS", "300"), ("SOCKAPP_BEFORE_EXEC_MS", "500")];
+    let (c, s) =
+        across(&h, &["inetd", "carried-exec"], &server, &["goclient", &bytes, "pipelined-late"], &late)?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains("did not answer the demotion in time"), "{}", s.describe());
+    assert!(s.stderr.contains("bytes of the peer's unread: reset at the exec"), "{}", s.describe());
+    assert!(s.stderr.contains("stdecho 0\n"), "{}", s.describe());
+    assert!(c.stdout.contains("the end instead of the go byte (reset)"), "{}", c.describe());
+    Ok(())
+}
