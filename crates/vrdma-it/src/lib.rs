@@ -806,7 +806,11 @@ pub const TEST_PSK: &str = "vrdma integration test key 0123";
 /// A port taken from that range (the old way) could be bound by another
 /// test's `free_port` or be the source port of another test's outgoing
 /// connection before this test's daemon bound it, which then exited with
-/// "Address already in use".
+/// "Address already in use". The look binds without `SO_REUSEADDR` (as
+/// [`bindable_without_reuse`]): a port that an earlier process's
+/// connection keeps in `TIME_WAIT` is not free for a program that binds
+/// so (Python's `socket.bind`, C servers), though std's `TcpListener`
+/// (which sets `SO_REUSEADDR`) would take it.
 pub fn free_port() -> Result<u16> {
     use std::sync::atomic::{AtomicU32, Ordering};
     const BASE: u32 = 20_000;
@@ -820,11 +824,43 @@ pub fn free_port() -> Result<u16> {
         if (lo..=hi).contains(&port) {
             continue;
         }
-        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+        if bindable_without_reuse(port) {
             return Ok(port);
         }
     }
     bail!("no free TCP port in {BASE}..{}", BASE + SPAN)
+}
+
+/// Whether a TCP socket without `SO_REUSEADDR` can bind `0.0.0.0:port`
+/// now: nothing is bound to the port on any address, not even a
+/// connection in `TIME_WAIT`. (A CI run's Python server, started on a
+/// port an earlier test binary's server had closed a moment before,
+/// failed its bind with "Address already in use": `free_port` looked
+/// with std's `TcpListener`, which sets `SO_REUSEADDR`.)
+pub fn bindable_without_reuse(port: u16) -> bool {
+    // SAFETY: socket(2), no pointers; the descriptor is ours and closed
+    // below.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return false;
+    }
+    let sin = libc::sockaddr_in {
+        sin_family: libc::AF_INET as libc::sa_family_t,
+        sin_port: port.to_be(),
+        sin_addr: libc::in_addr { s_addr: libc::INADDR_ANY },
+        sin_zero: [0; 8],
+    };
+    // SAFETY: bind(2) with our sockaddr_in and its size; close(2) of our
+    // descriptor.
+    unsafe {
+        let r = libc::bind(
+            fd,
+            (&sin as *const libc::sockaddr_in).cast(),
+            std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+        );
+        libc::close(fd);
+        r == 0
+    }
 }
 
 /// The kernel's range of ephemeral ports (`ip_local_port_range`).
@@ -1119,6 +1155,34 @@ mod port_tests {
 }
 
 #[cfg(test)]
+mod time_wait_tests {
+    use std::io::Read;
+    use std::net::{TcpListener, TcpStream};
+
+    /// A port whose server closed its connection first (the connection
+    /// in `TIME_WAIT` on the port): std's `TcpListener` (`SO_REUSEADDR`)
+    /// binds it, a plain bind does not, and `free_port` takes that look.
+    #[test]
+    fn a_port_held_in_time_wait_is_not_free() {
+        let port = super::free_port().unwrap();
+        let l = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let c = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let (s, _) = l.accept().unwrap();
+        // The server closes first: its end goes to TIME_WAIT.
+        drop(s);
+        let mut b = [0u8; 1];
+        assert_eq!((&c).read(&mut b).unwrap(), 0);
+        drop(c);
+        drop(l);
+        assert!(TcpListener::bind(("0.0.0.0", port)).is_ok(), "std's bind (SO_REUSEADDR) takes it");
+        assert!(!super::bindable_without_reuse(port), "a plain bind does not");
+        // A port nothing holds is bindable.
+        let free = super::free_port().unwrap();
+        assert!(super::bindable_without_reuse(free));
+    }
+}
+
+#[cfg(test)]
 mod skip_tests {
     #[test]
     fn a_test_that_would_skip_fails_when_strict() {
@@ -1138,15 +1202,17 @@ pub struct Netns {
 
 impl Netns {
     /// New namespaces named after the pid and a counter (unique among
-    /// concurrent tests and test processes), `10.77.x.1/24` and
-    /// `10.77.x.2/24` on the veth ends.
+    /// concurrent tests and test processes), prefixed `vrdma-it` or
+    /// `VRDMA_IT_NETNS_PREFIX` where set (whoever shares the machine can
+    /// tell theirs), `10.77.x.1/24` and `10.77.x.2/24` on the veth ends.
     pub fn create() -> Result<Netns> {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
+        let prefix = std::env::var("VRDMA_IT_NETNS_PREFIX").unwrap_or_else(|_| "vrdma-it".into());
         // Interface names have at most 15 bytes.
         let net = Netns {
-            ns: [format!("vrdma-it-{pid}-{n}-a"), format!("vrdma-it-{pid}-{n}-b")],
+            ns: [format!("{prefix}-{pid}-{n}-a"), format!("{prefix}-{pid}-{n}-b")],
             veth: [format!("vi{pid}x{n}a"), format!("vi{pid}x{n}b")],
             addr: [format!("10.77.{}.1", n % 250), format!("10.77.{}.2", n % 250)],
         };

@@ -228,6 +228,10 @@
 //! before anything else, a `vfork`-like child that `_exit`s, or one that
 //! execs `true`; then the connection is echoed to its end and closed, and the process
 //! waits for a second connection before it exits.
+//! `carried-readexec`: reads `SOCKAPP_ECHO_FIRST` bytes (64 KiB by
+//! default) of a `client`'s stream, checked, while it writes on, then
+//! `execve`s `stdcheck FROM`, which reads the rest to the end, checked,
+//! and answers `ok TOTAL` as `server` does.
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
 //! go` first says whether its stdin is a connected socket and writes `G`.
@@ -246,6 +250,16 @@
 //! `forkclient PORT BYTES`: connects, forks, and the child runs
 //! `echoclient`'s work on it (its first call); the parent closes its
 //! copy and waits.
+//!
+//! `carriedexecclient PORT BYTES [pipelined]`: connects, one chunk
+//! echoed (carried; `SOCKAPP_ECHO_FIRST` bytes where set), `pipelined`: a
+//! second chunk (`SOCKAPP_UNREAD` bytes) sent whose echo waits unread in
+//! the ring, a pause of `SOCKAPP_BEFORE_EXEC_MS`, then `execve`s
+//! `fdresume BYTES SENT PENDING` with the socket as descriptor 10, which
+//! says `fdresume: descriptor 10 is a connected socket` (or `is no
+//! socket`), checks the PENDING bytes of echo, echoes the rest of BYTES
+//! as `echoclient` and says `echoed BYTES, then the end`. `echos` listens
+//! on `SOCKAPP_BIND` too.
 //!
 //! `execclient PORT BYTES`: connects, `dup2`s the socket onto descriptor
 //! 10 (inherited) and, before any call on it, `execv`s `fdclient BYTES`
@@ -1162,9 +1176,14 @@ fn pause(var: &str) {
 }
 
 /// `echoclient`'s work on a connected stream.
-fn echo_check(mut s: TcpStream, bytes: u64) -> Result<(), String> {
+fn echo_check(s: TcpStream, bytes: u64) -> Result<(), String> {
+    echo_check_from(s, 0, bytes)
+}
+
+/// `echo_check` from byte `sent` of the pattern on (the bytes before it
+/// echoed already).
+fn echo_check_from(mut s: TcpStream, mut sent: u64, bytes: u64) -> Result<(), String> {
     s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
-    let mut sent = 0u64;
     let mut back = vec![0u8; ECHO_CHUNK];
     while sent < bytes {
         let n = (ECHO_CHUNK as u64).min(bytes - sent) as usize;
@@ -1304,6 +1323,33 @@ fn inetd(port: u16, mode: &str) -> Result<(), String> {
             dup_onto(s.as_raw_fd(), &[0, 1])?;
             drop(s);
             Err(execve_self(&["stdecho", "go"]))
+        }
+        "carried-readexec" => {
+            // Carried, `SOCKAPP_ECHO_FIRST` bytes (64 KiB by default) of
+            // the client's stream read and checked while the client
+            // writes on, then `execve` of `stdcheck FIRST`, which reads
+            // the rest.
+            s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+            let first = std::env::var("SOCKAPP_ECHO_FIRST").ok().and_then(|v| v.parse().ok());
+            let first: u64 = first.unwrap_or(64 << 10);
+            let mut buf = vec![0u8; 65_536];
+            let mut n = 0u64;
+            while n < first {
+                let want = (first - n).min(buf.len() as u64) as usize;
+                let r = s.read(&mut buf[..want]).map_err(|e| format!("read after {n}: {e}"))?;
+                if r == 0 {
+                    return Err(format!("the end after {n}"));
+                }
+                if let Some(k) = (0..r).find(|&k| buf[k] != pattern(n + k as u64)) {
+                    return Err(format!("byte {} is {}", n + k as u64, buf[k]));
+                }
+                n += r as u64;
+            }
+            eprintln!("read {n} before the exec");
+            pause("SOCKAPP_BEFORE_EXEC_MS");
+            dup_onto(s.as_raw_fd(), &[0, 1])?;
+            drop(s);
+            Err(execve_self(&["stdcheck", &n.to_string()]))
         }
         "fork-exec" => {
             // SAFETY: fork(2) in a single-threaded program; the child only
@@ -1472,6 +1518,37 @@ fn stdecho(go: bool) -> Result<(), String> {
     Ok(())
 }
 
+/// `stdcheck FROM`: reads stdin to its end, checking every byte against
+/// the pattern from FROM on, then answers `ok TOTAL` (FROM and the bytes
+/// read) on stdout, as `server` does; says `stdcheck N` on stderr.
+fn stdcheck(from: u64) -> Result<(), String> {
+    let mut buf = vec![0u8; 65_536];
+    let mut n = 0u64;
+    loop {
+        // SAFETY: read(2) into our buffer.
+        let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+        if r < 0 {
+            return Err(format!("read after {n}: {}", std::io::Error::last_os_error()));
+        }
+        if r == 0 {
+            break;
+        }
+        if let Some(k) = (0..r as usize).find(|&k| buf[k] != pattern(from + n + k as u64)) {
+            return Err(format!("byte {} is {}", from + n + k as u64, buf[k]));
+        }
+        n += r as u64;
+    }
+    let answer = format!("ok {}\n", from + n);
+    // SAFETY: write(2) of our buffer, its length.
+    if unsafe { libc::write(1, answer.as_ptr().cast(), answer.len()) } != answer.len() as isize {
+        return Err(format!("answer: {}", std::io::Error::last_os_error()));
+    }
+    let line = format!("stdcheck {n}\n");
+    // SAFETY: write(2) of our buffer, its length (one write).
+    unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+    Ok(())
+}
+
 /// `forkclient PORT BYTES`: connects, forks, and the child runs
 /// `echoclient`'s work on the connection (its first call); the parent
 /// closes its copy at once and waits for the child.
@@ -1534,6 +1611,71 @@ fn fdclient(bytes: u64) -> Result<(), String> {
         sent += n;
     }
     half_close_and_check(&mut s, bytes)
+}
+
+/// `carriedexecclient PORT BYTES [pipelined]`: connects, sends one chunk
+/// (`SOCKAPP_ECHO_FIRST` bytes in chunks where set) and reads its echo
+/// (the connection is carried), then, `pipelined`, sends a second chunk
+/// (`SOCKAPP_UNREAD` bytes where set) whose echo lands in this process's
+/// ring unread;
+/// after a pause of `SOCKAPP_BEFORE_EXEC_MS` it `execve`s `fdresume BYTES
+/// SENT PENDING` with the connection as descriptor 10 (a client that
+/// hands its connection to another program once it used it).
+fn carriedexecclient(port: u16, bytes: u64, pipelined: bool) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut s = TcpStream::connect((ip_from("SOCKAPP_HOST"), port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let num = |v: &str| std::env::var(v).ok().and_then(|v| v.parse::<u64>().ok());
+    let first = num("SOCKAPP_ECHO_FIRST").unwrap_or(ECHO_CHUNK as u64);
+    let mut back = vec![0u8; ECHO_CHUNK];
+    let mut sent = 0u64;
+    while sent < first {
+        let n = (ECHO_CHUNK as u64).min(first - sent) as usize;
+        let data: Vec<u8> = (0..n as u64).map(|k| pattern(sent + k)).collect();
+        s.write_all(&data).map_err(|e| format!("write at {sent}: {e}"))?;
+        s.read_exact(&mut back[..n]).map_err(|e| format!("read back at {sent}: {e}"))?;
+        if back[..n] != data[..] {
+            return Err(format!("the chunk at {sent} echoed wrong"));
+        }
+        sent += n as u64;
+    }
+    let mut pending = 0;
+    if pipelined {
+        pending = num("SOCKAPP_UNREAD").unwrap_or(ECHO_CHUNK as u64);
+        let more: Vec<u8> = (sent..sent + pending).map(pattern).collect();
+        s.write_all(&more).map_err(|e| format!("write: {e}"))?;
+        sent += pending;
+    }
+    eprintln!("carriedexecclient: {sent} sent, {pending} of their echo unread, before the exec");
+    pause("SOCKAPP_BEFORE_EXEC_MS");
+    dup_onto(s.as_raw_fd(), &[10])?;
+    drop(s);
+    Err(execve_self(&["fdresume", &bytes.to_string(), &sent.to_string(), &pending.to_string()]))
+}
+
+/// `fdresume BYTES SENT PENDING`: on the connection at descriptor 10
+/// (`carriedexecclient`'s), says whether it is a connected socket, reads
+/// the PENDING bytes of echo that were unread at the exec (the pattern's
+/// `SENT - PENDING..SENT`), then echoes the rest of BYTES from SENT on,
+/// checked, as `echoclient`.
+fn fdresume(bytes: u64, sent: u64, pending: u64) -> Result<(), String> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: getpeername(2) into a sockaddr_storage of ours, its size.
+    let connected = unsafe {
+        let mut a: libc::sockaddr_storage = std::mem::zeroed();
+        let mut len = std::mem::size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+        libc::getpeername(10, (&mut a as *mut libc::sockaddr_storage).cast(), &mut len) == 0
+    };
+    eprintln!("fdresume: descriptor 10 {}", if connected { "is a connected socket" } else { "is no socket" });
+    // SAFETY: descriptor 10 is the socket `carriedexecclient` left us, ours alone.
+    let mut s = unsafe { TcpStream::from_raw_fd(10) };
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60))).map_err(|e| e.to_string())?;
+    let mut got = vec![0u8; pending as usize];
+    s.read_exact(&mut got).map_err(|e| format!("read of the {pending} bytes unread at the exec: {e}"))?;
+    if let Some(i) = (0..got.len()).find(|&i| got[i] != pattern(sent - pending + i as u64)) {
+        return Err(format!("byte {} of those unread at the exec is {}", sent - pending + i as u64, got[i]));
+    }
+    echo_check_from(s, sent, bytes)
 }
 
 fn serve(l: &TcpListener) -> Result<(), String> {
@@ -2827,7 +2969,7 @@ fn becho(port: u16) -> Result<(), String> {
 /// `echos PORT N`: accepts N connections one after another and echoes
 /// each (blocking) until its end.
 fn echos(port: u16, n: u64) -> Result<(), String> {
-    let l = TcpListener::bind(("127.0.0.1", port)).map_err(|e| format!("bind: {e}"))?;
+    let l = TcpListener::bind((ip_from("SOCKAPP_BIND"), port)).map_err(|e| format!("bind: {e}"))?;
     println!("listening");
     std::io::stdout().flush().ok();
     for i in 0..n {
@@ -3422,6 +3564,7 @@ fn main() {
         Some("forkechos") => forkechos(port(), args.get(3).and_then(|b| b.parse().ok()).expect("N")),
         Some("forkecho") => forkecho(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("inetd") => inetd(port(), args.get(3).map(String::as_str).expect("MODE")),
+        Some("stdcheck") => stdcheck(args.get(2).and_then(|b| b.parse().ok()).expect("FROM")),
         Some("stdecho") => stdecho(args.get(2).is_some_and(|a| a == "go")),
         Some("execlisten") => execlisten(port()),
         Some("fdecho") => fdecho(),
@@ -3429,6 +3572,15 @@ fn main() {
         Some("pollbanner") => pollbanner(port()),
         Some("forkclient") => forkclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("execclient") => execclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("carriedexecclient") => carriedexecclient(
+            port(),
+            args.get(3).and_then(|b| b.parse().ok()).expect("BYTES"),
+            args.get(4).is_some_and(|a| a == "pipelined"),
+        ),
+        Some("fdresume") => {
+            let num = |i: usize| args.get(i).and_then(|b| b.parse().ok());
+            fdresume(num(2).expect("BYTES"), num(3).expect("SENT"), num(4).expect("PENDING"))
+        }
         Some("fdclient") => fdclient(args.get(2).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("goclient") => goclient(
             port(),
