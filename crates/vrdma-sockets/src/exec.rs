@@ -236,7 +236,7 @@ pub(crate) mod left {
 /// child's left view is put back first), and the parent's own close or
 /// copy of a descriptor meanwhile wins over it.
 pub(crate) mod vfork {
-    use std::collections::{HashMap, HashSet};
+    use std::collections::HashMap;
     use std::sync::atomic::{AtomicU32, Ordering};
     use std::sync::Mutex;
 
@@ -250,8 +250,10 @@ pub(crate) mod vfork {
         /// The parent's entries of descriptors the child closed or
         /// replaced, as they were before the child's first change.
         aside: HashMap<c_int, Option<Entry>>,
-        /// Descriptors the child mapped.
-        added: HashSet<c_int>,
+        /// Descriptors the child mapped, with its copies: taken out of the
+        /// table at its end only where they still are (the parent's close
+        /// or copy of the number meanwhile wins).
+        added: HashMap<c_int, Entry>,
     }
 
     static VIEW: Mutex<Option<View>> = Mutex::new(None);
@@ -311,7 +313,7 @@ pub(crate) mod vfork {
         /// is replaced by `ours` (a close: removed). Returns what the
         /// parent must drop.
         pub fn after(self, fd: c_int, ours: Option<&Entry>) -> Vec<Entry> {
-            if !self.moved() {
+            if !self.active && !self.moved() {
                 return Vec::new();
             }
             let mut g = view();
@@ -319,7 +321,6 @@ pub(crate) mod vfork {
             let is_ours = |e: &Entry| ours.is_some_and(|o| o.same(e));
             match g.as_mut().map(|v| (v.aside.get(&fd).map(|e| e.as_ref().map(is_ours)), v)) {
                 Some((Some(Some(false)), v)) => {
-                    v.added.remove(&fd);
                     out.extend(v.aside.remove(&fd).flatten());
                 }
                 Some((Some(_), _)) => {}
@@ -354,7 +355,7 @@ pub(crate) mod vfork {
         if v.is_none() {
             MADE.fetch_add(1, Ordering::SeqCst);
         }
-        v.get_or_insert_with(|| View { pid: me, aside: HashMap::new(), added: HashSet::new() })
+        v.get_or_insert_with(|| View { pid: me, aside: HashMap::new(), added: HashMap::new() })
     }
 
     /// The child closes `fd` (or is about to replace it).
@@ -363,17 +364,38 @@ pub(crate) mod vfork {
         let v = mine(&mut g);
         if let std::collections::hash_map::Entry::Vacant(a) = v.aside.entry(fd) {
             a.insert(table::remove(fd));
-        } else if v.added.contains(&fd) {
+        } else if let Some(own) = v.added.get(&fd) {
             // Its own copy: a clone of an entry still held.
-            drop(table::remove(fd));
+            drop(table::remove_if_same(fd, own));
         }
         v.added.remove(&fd);
     }
 
-    /// The child mapped `fd`.
-    pub fn added(fd: c_int) {
+    /// The child mapped `fd` to `copy`.
+    pub fn added(fd: c_int, copy: Entry) {
         let mut g = view();
-        mine(&mut g).added.insert(fd);
+        mine(&mut g).added.insert(fd, copy);
+    }
+
+    thread_local! {
+        /// The view's lock, held by the forking thread across `fork`.
+        static HELD: std::cell::RefCell<Option<std::sync::MutexGuard<'static, Option<View>>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+
+    /// A forked child must not inherit the view's lock held by another
+    /// thread of its parent (a parent's close takes it, then the table's,
+    /// which the forking thread holds across `fork`): the forking thread
+    /// takes it first (`crate::table`'s fork handlers), and both sides let
+    /// it go after.
+    pub fn hold_across_fork() {
+        let g = view();
+        let _ = HELD.try_with(|h| *h.borrow_mut() = Some(g));
+    }
+
+    /// After `fork`, in the parent and in the child.
+    pub fn release_after_fork() {
+        let _ = HELD.try_with(|h| h.borrow_mut().take());
     }
 
     /// The parent closes or replaces `fd` while a child's view is kept:
@@ -383,7 +405,6 @@ pub(crate) mod vfork {
     pub fn parent_changed(fd: c_int) -> Option<Entry> {
         let mut g = view();
         let v = g.as_mut()?;
-        v.added.remove(&fd);
         v.aside.remove(&fd).flatten()
     }
 
@@ -407,9 +428,11 @@ pub(crate) mod vfork {
     }
 
     fn put_back(v: View) {
-        for fd in v.added {
-            // (A copy: the entry it copied is the table's or aside.)
-            drop(table::remove(fd));
+        for (fd, copy) in v.added {
+            // (A copy: the entry it copied is the table's or aside.) Only
+            // where it still is: the parent's own close or copy of the
+            // number meanwhile wins.
+            drop(table::remove_if_same(fd, &copy));
         }
         for (fd, e) in v.aside {
             match e {

@@ -857,6 +857,9 @@ fn drop_entry(fd: c_int) {
 enum Step {
     /// Just after the look.
     Looked,
+    /// After it took back what a view kept at its look set aside, just
+    /// before its change of the table.
+    Aside,
     /// Just after its change of the table.
     Changed,
 }
@@ -894,6 +897,7 @@ fn drop_entry_hooked(fd: c_int, hook: &mut dyn FnMut(Step)) {
                 drop_removed(e);
             }
         }
+        hook(Step::Aside);
         crate::cloexec::forget(fd);
         crate::exec::left::close();
         keep_errno(|| crate::epoll::forget(fd));
@@ -957,18 +961,20 @@ fn copy_entry_hooked(from: c_int, to: c_int, hook: &mut dyn FnMut(Step)) {
                     drop_removed(e);
                 }
             }
+            hook(Step::Aside);
             if e.carried() {
                 keep_errno(|| table::set_cloexec(to));
             }
-            // Ours, told from what a child set aside meanwhile.
-            let ours = (!vforked).then(|| e.clone());
+            // Ours, told from what a child set aside meanwhile (a child's:
+            // its copy, told from the parent's entries at its end).
+            let ours = e.clone();
             if let Some(old) = table::insert(to, e) {
                 drop_removed(old);
             }
             hook(Step::Changed);
             if vforked {
-                crate::exec::vfork::added(to);
-            } else if let Some(ours) = ours {
+                crate::exec::vfork::added(to, ours);
+            } else {
                 look.after(to, Some(&ours)).into_iter().for_each(drop_removed);
             }
         }
@@ -1139,6 +1145,83 @@ mod tests {
             std::mem::forget(table::remove(to));
             std::mem::forget(table::remove(from));
             assert!(kept, "the copy at `to` was replaced (close {close:?}, exec {exec:?})");
+        }
+    }
+
+    /// A child whose view was made before the parent's look (a spawn's
+    /// file actions: its first `dup2` made it) closes the parent's number
+    /// after the parent took back what the view had set aside and before
+    /// its change: the number stays closed (a `dup2`: the copy stays).
+    /// Before (second review, H-A), the entry came back at the exec.
+    #[test]
+    fn a_view_made_before_the_parents_look_puts_back_nothing_over_its_change() {
+        let _one = ONE_VIEW.lock().unwrap_or_else(|e| e.into_inner());
+        let fd = (1 << 20) + 50;
+        std::mem::forget(table::insert(fd, foreign_listener()));
+        // The child's view, made by its change of another number.
+        crate::exec::vfork::closed(fd + 1);
+        drop_entry_hooked(fd, &mut child(fd, Step::Aside, None));
+        crate::exec::vfork::end();
+        let back = table::contains(fd);
+        std::mem::forget(table::remove(fd));
+        assert!(!back, "the entry came back over the closed number");
+
+        let (from, to) = ((1 << 20) + 60, (1 << 20) + 61);
+        let copied = foreign_listener();
+        std::mem::forget(table::insert(from, copied.clone()));
+        std::mem::forget(table::insert(to, foreign_listener()));
+        crate::exec::vfork::closed(to + 5);
+        copy_entry_hooked(from, to, &mut child(to, Step::Aside, None));
+        crate::exec::vfork::end();
+        let at_to = table::get(to);
+        let kept = at_to.as_ref().is_some_and(|e| e.same(&copied));
+        std::mem::forget(at_to);
+        std::mem::forget(table::remove(to));
+        std::mem::forget(table::remove(from));
+        assert!(kept, "the copy at `to` was replaced");
+    }
+
+    /// The child's own copy at a number: taken out at its end where it
+    /// still is (its `dup2` onto the number the parent closes at the same
+    /// moment: not left over the closed number), and only there (the
+    /// parent's new entry at the number, reused after its close, stays).
+    /// Before (second review, M1 and M2), the copy stayed, or the
+    /// parent's new entry was dropped.
+    #[test]
+    fn a_childs_own_copy_goes_at_its_end_only_where_it_still_is() {
+        let _one = ONE_VIEW.lock().unwrap_or_else(|e| e.into_inner());
+        for (i, parent_reuses) in [false, true].into_iter().enumerate() {
+            let fd = (1 << 20) + 70 + i as c_int;
+            std::mem::forget(table::insert(fd, foreign_listener()));
+            let copy = foreign_listener();
+            let theirs = copy.clone();
+            // The child's dup2 onto fd: its close (set-aside) before the
+            // parent's change, or after it, then its copy.
+            let close_at = if parent_reuses { Step::Changed } else { Step::Looked };
+            drop_entry_hooked(fd, &mut move |at| {
+                if at == close_at {
+                    crate::exec::vfork::closed(fd);
+                }
+                if at == Step::Changed {
+                    std::mem::forget(table::insert(fd, theirs.clone()));
+                    crate::exec::vfork::added(fd, theirs.clone());
+                }
+            });
+            let new = foreign_listener();
+            if parent_reuses {
+                // The parent's real close, then a new socket at the number.
+                std::mem::forget(table::insert(fd, new.clone()));
+            }
+            crate::exec::vfork::end();
+            let at = table::get(fd);
+            let ok = match parent_reuses {
+                false => at.is_none(),
+                true => at.as_ref().is_some_and(|e| e.same(&new)),
+            };
+            std::mem::forget(at);
+            std::mem::forget(table::remove(fd));
+            std::mem::forget(copy);
+            assert!(ok, "parent reuses the number: {parent_reuses}");
         }
     }
 

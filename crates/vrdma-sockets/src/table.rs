@@ -47,12 +47,15 @@ thread_local! {
 /// call) and both sides release it after.
 fn hold_across_fork() {
     extern "C" fn prepare() {
+        // The `vfork` view's lock first (always taken before the table's).
+        crate::exec::vfork::hold_across_fork();
         let g = table();
         // During the thread's teardown the guard is dropped at once.
         let _ = HELD.try_with(|h| *h.borrow_mut() = Some(g));
     }
     extern "C" fn release() {
         let _ = HELD.try_with(|h| h.borrow_mut().take());
+        crate::exec::vfork::release_after_fork();
     }
     static ONCE: Once = Once::new();
     // SAFETY: handlers that take and release a lock in the forking thread
@@ -88,6 +91,20 @@ pub fn remove(fd: c_int) -> Option<Entry> {
     }
     let mut t = table();
     let old = t.remove(&fd);
+    COUNT.store(t.len(), Ordering::Release);
+    old
+}
+
+/// Removes `fd`'s entry if it is `e` (see [`Entry::same`]).
+pub fn remove_if_same(fd: c_int, e: &Entry) -> Option<Entry> {
+    if COUNT.load(Ordering::Acquire) == 0 {
+        return None;
+    }
+    let mut t = table();
+    let old = match t.get(&fd) {
+        Some(x) if x.same(e) => t.remove(&fd),
+        _ => None,
+    };
     COUNT.store(t.len(), Ordering::Release);
     old
 }
