@@ -319,6 +319,15 @@ pub(crate) mod vfork {
             let mut g = view();
             let mut out = Vec::new();
             let is_ours = |e: &Entry| ours.is_some_and(|o| o.same(e));
+            if let Some(v) = g.as_mut() {
+                // A child's copy of the same connection at the number: the
+                // parent's copy is there now (the child's, replaced or
+                // taken out by the parent's change, is told from it only
+                // by its connection), and stays at the child's end.
+                if v.added.get(&fd).is_some_and(is_ours) {
+                    v.added.remove(&fd);
+                }
+            }
             match g.as_mut().map(|v| (v.aside.get(&fd).map(|e| e.as_ref().map(is_ours)), v)) {
                 Some((Some(Some(false)), v)) => {
                     out.extend(v.aside.remove(&fd).flatten());

@@ -1072,11 +1072,12 @@ mod tests {
 
     /// Where the racing child's first close of the number, and its exec,
     /// land in the parent's call.
-    const ORDERS: [(Step, Option<Step>); 4] = [
+    const ORDERS: [(Step, Option<Step>); 5] = [
         (Step::Looked, None),
         (Step::Looked, Some(Step::Looked)),
         (Step::Looked, Some(Step::Changed)),
         (Step::Changed, Some(Step::Changed)),
+        (Step::Changed, None),
     ];
 
     /// Plays a `vfork` child (in this memory) whose first close of `fd`
@@ -1223,6 +1224,34 @@ mod tests {
             std::mem::forget(copy);
             assert!(ok, "parent reuses the number: {parent_reuses}");
         }
+    }
+
+    /// A parent's `dup2(from, to)` (its close of `to`, then its copy)
+    /// within a child's window, after the child's own `dup2(from, to)` of
+    /// the same connection: the parent's copy stays at `to` after the
+    /// child's end. Before (third review, M-2), the child's end took it
+    /// out, told from its own copy only by its connection.
+    #[test]
+    fn a_parents_copy_of_the_connection_the_child_copied_to_the_number_stays() {
+        let _one = ONE_VIEW.lock().unwrap_or_else(|e| e.into_inner());
+        let (from, to) = ((1 << 20) + 90, (1 << 20) + 91);
+        let copied = foreign_listener();
+        std::mem::forget(table::insert(from, copied.clone()));
+        std::mem::forget(table::insert(to, foreign_listener()));
+        // The child's dup2(from, to), whole.
+        crate::exec::vfork::closed(to);
+        std::mem::forget(table::insert(to, copied.clone()));
+        crate::exec::vfork::added(to, copied.clone());
+        // The parent's.
+        drop_entry(to);
+        copy_entry(from, to);
+        crate::exec::vfork::end();
+        let at_to = table::get(to);
+        let kept = at_to.as_ref().is_some_and(|e| e.same(&copied));
+        std::mem::forget(at_to);
+        std::mem::forget(table::remove(to));
+        std::mem::forget(table::remove(from));
+        assert!(kept, "the parent's copy at `to` was taken out at the child's end");
     }
 
     #[test]
