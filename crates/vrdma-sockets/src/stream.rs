@@ -801,7 +801,7 @@ fn rcvbuf(fd: c_int) -> c_int {
 }
 
 /// The socket's pending error (`SO_ERROR`), 0 for none.
-fn socket_error(fd: c_int) -> c_int {
+pub(crate) fn socket_error(fd: c_int) -> c_int {
     let mut e: c_int = 0;
     let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
     // SAFETY: getsockopt(2) into an int of ours, its size.

@@ -230,7 +230,10 @@
 //! waits for a second connection before it exits.
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
-//! go` first says whether its stdin is a connected socket and writes `G`.
+//! go` first says whether its stdin is a connected socket and writes `G`
+//! (then `STDECHO_WRITE_FIRST` bytes `w` before it reads, and a sleep of
+//! `STDECHO_DELAY_AFTER_WRITE_MS`; a `bulk` goclient given
+//! `SOCKAPP_WRITTEN_FIRST` reads them while a thread writes the rest).
 //! `goclient PORT BYTES WAY`: sends one chunk and reads its echo, waits for
 //! the go byte (WAY `read`, `poll`, `epoll`, `late`: a sleep of
 //! `SOCKAPP_GO_DELAY_MS` first, or `pipelined`: two chunks sent before
@@ -943,6 +946,9 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
         Ok(1) if g[0] == b'G' => {}
         other => return Err(format!("the go byte expected: {other:?} {g:?}")),
     }
+    if let Ok(wf) = num("SOCKAPP_WRITTEN_FIRST") {
+        return bulk_after_written_first(s, first, unread, bytes, wf);
+    }
     let mut got = vec![0u8; unread as usize];
     s.read_exact(&mut got).map_err(|e| format!("read back of the unread bytes: {e}"))?;
     if let Some(i) = (0..got.len()).find(|&i| got[i] != more[i]) {
@@ -957,6 +963,96 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
             Ok(())
         }
         other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
+    }
+}
+
+/// `bulk_goclient` against an exec'd program that writes `wf` bytes `w`
+/// before it reads (`STDECHO_WRITE_FIRST`), the go byte read: a thread
+/// writes the rest of the pattern (from `first + unread` to `bytes`) at
+/// once, while the resend may still be queued in this process's library
+/// (`SOCKAPP_WRITER`: `blocking` writes, or `nonblocking`: `send` with
+/// `MSG_DONTWAIT` and `poll` for `POLLOUT`), and this thread reads the `wf`
+/// bytes, then the echo of everything from `first` on, checked byte by
+/// byte (the resent bytes, then the thread's, in order, each once), then
+/// the end. Says `echoed BYTES after WF written first, then the end`.
+fn bulk_after_written_first(s: TcpStream, first: u64, unread: u64, bytes: u64, wf: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut w = s.try_clone().map_err(|e| format!("clone: {e}"))?;
+    let nonblocking = std::env::var("SOCKAPP_WRITER").is_ok_and(|v| v == "nonblocking");
+    let writer = std::thread::spawn(move || -> Result<u64, String> {
+        let fd = w.as_raw_fd();
+        let mut at = first + unread;
+        let (mut eagains, mut polls) = (0u64, 0u64);
+        while at < bytes {
+            let n = (ECHO_CHUNK as u64).min(bytes - at) as usize;
+            let data: Vec<u8> = (0..n as u64).map(|k| pattern(at + k)).collect();
+            if !nonblocking {
+                w.write_all(&data).map_err(|e| format!("write at {at}: {e}"))?;
+                at += n as u64;
+                continue;
+            }
+            let mut off = 0;
+            while off < n {
+                // SAFETY: send(2) from our buffer.
+                let r = unsafe { libc::send(fd, data[off..].as_ptr().cast(), n - off, libc::MSG_DONTWAIT) };
+                if r > 0 {
+                    off += r as usize;
+                    continue;
+                }
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EAGAIN) {
+                    return Err(format!("send at {}: {e}", at + off as u64));
+                }
+                eagains += 1;
+                let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                // SAFETY: one valid pollfd.
+                let r = unsafe { libc::poll(&mut p, 1, 60_000) };
+                if r != 1 {
+                    return Err(format!("poll for POLLOUT at {}: {r}", at + off as u64));
+                }
+                polls += 1;
+            }
+            at += n as u64;
+        }
+        eprintln!("goclient: the writer sent up to {at} ({eagains} EAGAIN, {polls} polls)");
+        Ok(at)
+    });
+    let mut r = s;
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0u64;
+    while got < wf {
+        let want = (wf - got).min(buf.len() as u64) as usize;
+        let n = r.read(&mut buf[..want]).map_err(|e| format!("read of the program's bytes at {got}: {e}"))?;
+        if n == 0 {
+            return Err(format!("the end after {got} of the program's {wf} bytes"));
+        }
+        if let Some(i) = buf[..n].iter().position(|&b| b != b'w') {
+            return Err(format!("the program's byte {} read as {}", got + i as u64, buf[i]));
+        }
+        got += n as u64;
+    }
+    eprintln!("goclient: the program's {wf} bytes read");
+    let mut at = first;
+    while at < bytes {
+        let want = (bytes - at).min(buf.len() as u64) as usize;
+        let n = r.read(&mut buf[..want]).map_err(|e| format!("read back at {at}: {e}"))?;
+        if n == 0 {
+            return Err(format!("the end at {at} of the echo"));
+        }
+        if let Some(i) = (0..n).find(|&i| buf[i] != pattern(at + i as u64)) {
+            return Err(format!("byte {} echoed as {}, sent {}", at + i as u64, buf[i], pattern(at + i as u64)));
+        }
+        at += n as u64;
+    }
+    writer.join().map_err(|_| "the writer panicked".to_string())??;
+    r.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    let mut g = [0u8; 1];
+    match r.read(&mut g) {
+        Ok(0) => {
+            println!("echoed {bytes} after {wf} written first, then the end");
+            Ok(())
+        }
+        other => Err(format!("after {bytes} bytes echoed, the end expected: {other:?}")),
     }
 }
 
@@ -1444,6 +1540,8 @@ fn stdecho(go: bool) -> Result<(), String> {
                 }
                 off += w as usize;
             }
+            // Then a sleep before it reads.
+            pause("STDECHO_DELAY_AFTER_WRITE_MS");
         }
     }
     loop {

@@ -284,6 +284,9 @@ impl Link {
             // looks at the state); the rest finish their write first.
             let tx = lock(&self.tx);
             let w = tx.wr;
+            // An exec's resend this end still queues goes before anything
+            // else (the holders write to the kernel socket from now on).
+            self.flush_out_guessing(sock)?;
             // This end answered the peer's own demotion already (both
             // ends forked): its marker is sent, and only one may be. A
             // peer that closed writes no more (its last byte landed
@@ -513,6 +516,12 @@ impl Link {
     /// kernel). Ring bytes left unread leave it: a reset, as TCP's close
     /// with unread data.
     pub(crate) fn close_in_demotion(&self) {
+        // An exec's resend still queued goes first (`outq`): what comes in
+        // meanwhile is dropped, as nobody reads it any more. A socket
+        // that ends (the program there gone) ends it, as before.
+        if let Err(e) = self.flush_out(true) {
+            crate::dev::debug(&format!("the exec resend's queue at the close: errno {e}"));
+        }
         if self.d_state() != crate::owner::D_NONE {
             // D (the driver's copy): once the peer stopped writing.
             self.await_peer_switch();
@@ -831,9 +840,30 @@ impl Link {
             crate::stream::send_all(self.sock, &out[..out.len() / 2])?;
             return Err(libc::ETIMEDOUT);
         }
-        // No time limit: the exec'd program may take its time before it
-        // reads, and a resend cut short is final (a reset). Only a
-        // deadlock with a program that writes before it reads ends it.
+        // Held by this process alone: what the kernel takes now goes, the
+        // rest is queued (`outq`) and this call returns, so that this
+        // end's reads go on: a program there that writes before it reads
+        // is read, and gets to read these bytes. Nothing is guessed.
+        if self.demote_words().is_none_or(|d| !d.held_elsewhere()) {
+            let mut q = super::outq::OutQ::new(out, 0);
+            let left = match q.push(|b| super::outq::send_now(self.sock, b))? {
+                super::outq::Pushed::Empty => 0,
+                super::outq::Pushed::Full(left) => left,
+            };
+            if left > 0 {
+                self.queue_out(q);
+            }
+            crate::dev::debug(&format!(
+                "the peer demoted for an exec at {rd}: {n} bytes sent again after the marker, {left} of them queued"
+            ));
+            return Ok(());
+        }
+        // Held by other processes too (after a fork): their writes go
+        // straight to the kernel socket, so nothing may wait behind a
+        // queue of this process. Synchronous, with no time limit: the
+        // exec'd program may take its time before it reads, and a resend
+        // cut short is final (a reset). Only a deadlock with a program that
+        // writes before it reads ends it (the guess).
         if let Err(e) = crate::stream::send_all_while_alive(self.sock, &out) {
             if e == libc::EDEADLK {
                 static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -1017,8 +1047,13 @@ impl Link {
     }
 
     /// As the peer: both ways switched: plain TCP for this end's holders.
-    fn p_done(&self) {
-        if self.p_wr.load(Ordering::Acquire) && self.p_rd.load(Ordering::Acquire) {
+    pub(super) fn p_done(&self) {
+        // (Not while an exec's resend is queued: the holders' calls must
+        // still come here, behind it.)
+        if self.p_wr.load(Ordering::Acquire)
+            && self.p_rd.load(Ordering::Acquire)
+            && self.out_len.load(Ordering::Acquire) == 0
+        {
             self.page.set_tcp();
         }
     }

@@ -1,0 +1,418 @@
+//! The outgoing queue of an exec's resend (`docs/sockets.md`, "Exec"):
+//! the marker and bytes that the peer of an exec demotion (P) sends again
+//! on the kernel socket, as far as the kernel did not take them at once.
+//!
+//! Why a queue: P resends inside whichever call of its program noticed
+//! the demotion (often a read). Sent synchronously, a program at the
+//! other end that writes before it reads (`cat big; cat`) blocks in its
+//! write, since P reads nothing while it resends, and never reads P's
+//! bytes: both would wait for ever. Queued, P's call returns and its
+//! reads go on (its incoming path stays the kernel's), so the program's
+//! output is read and the program gets to read what P sends.
+//!
+//! Who pushes it: P's later writes on the connection (they go behind it:
+//! a blocking one flushes it first, a non-blocking one pushes what fits
+//! and says `EAGAIN` while bytes of it remain), the progress thread
+//! (`crate::progress`, while P makes no call), the readiness calls (whose
+//! `POLLOUT`/`EPOLLOUT` is withheld while it is not empty), and a
+//! `shutdown(SHUT_WR)` (its FIN waits until the queue is sent) or close
+//! (which flushes it). Only in the process that made it (after a fork,
+//! the child's copy of the memory is not a queue of its own), and only
+//! for a connection held by that one process when the resend began
+//! (else the resend is synchronous, as before).
+//!
+//! [`OutQ`] is the accounting, without sockets (unit-tested below).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use libc::c_int;
+
+use super::{lock, Link, Res};
+use crate::real;
+
+/// Bytes queued for the kernel socket, sent in order, each once.
+#[derive(Debug, Default)]
+pub(crate) struct OutQ {
+    buf: Vec<u8>,
+    /// Bytes of `buf` sent already.
+    at: usize,
+    /// A `shutdown(SHUT_WR)` of the program waits for the queue.
+    shut: bool,
+}
+
+/// What a push ended with.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Pushed {
+    /// Everything is sent.
+    Empty,
+    /// The kernel takes no more now (`EAGAIN`): this many bytes remain.
+    Full(usize),
+}
+
+impl OutQ {
+    /// A queue of `buf`, of which `at` bytes were sent.
+    pub(crate) fn new(buf: Vec<u8>, at: usize) -> OutQ {
+        let at = at.min(buf.len());
+        let mut q = OutQ { buf, at, shut: false };
+        q.tidy();
+        q
+    }
+
+    /// The bytes still to send.
+    pub(crate) fn pending(&self) -> &[u8] {
+        &self.buf[self.at..]
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.buf.len() - self.at
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `n` more bytes were sent (at most what remains).
+    pub(crate) fn sent(&mut self, n: usize) {
+        self.at = (self.at + n).min(self.buf.len());
+        self.tidy();
+    }
+
+    fn tidy(&mut self) {
+        if self.is_empty() {
+            self.buf = Vec::new();
+            self.at = 0;
+        }
+    }
+
+    /// Sends with `send` (which takes a slice and answers the bytes it
+    /// took, or an errno) until it is empty or `send` says `EAGAIN`;
+    /// `EINTR` is tried again; any other errno is returned, the bytes not
+    /// sent left in the queue.
+    pub(crate) fn push(&mut self, mut send: impl FnMut(&[u8]) -> Res<usize>) -> Res<Pushed> {
+        while !self.is_empty() {
+            match send(self.pending()) {
+                Ok(0) => return Ok(Pushed::Full(self.len())),
+                Ok(n) => self.sent(n),
+                Err(libc::EINTR) => {}
+                Err(libc::EAGAIN) => return Ok(Pushed::Full(self.len())),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Pushed::Empty)
+    }
+
+    pub(crate) fn shut(&self) -> bool {
+        self.shut
+    }
+
+    pub(crate) fn set_shut(&mut self) {
+        self.shut = true;
+    }
+}
+
+/// One non-blocking send of `b` on `sock` (no `SIGPIPE`).
+pub(crate) fn send_now(sock: c_int, b: &[u8]) -> Res<usize> {
+    // SAFETY: `b` is valid for its length.
+    let r = unsafe { real::send(sock, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+    if r >= 0 {
+        Ok(r as usize)
+    } else {
+        Err(crate::table::errno())
+    }
+}
+
+/// Waits (a second at most) for room on `sock`; an error or hang-up on
+/// it is returned.
+fn wait_room(sock: c_int) -> Res<()> {
+    let mut p = libc::pollfd { fd: sock, events: libc::POLLOUT, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, 1000) };
+    if n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+        return Err(match crate::stream::socket_error(sock) {
+            0 => libc::EPIPE,
+            e => e,
+        });
+    }
+    Ok(())
+}
+
+/// Reads and drops what waits on `sock` (a close that flushes: nobody
+/// reads them any more, as TCP's close drops them).
+fn drop_incoming(sock: c_int) -> usize {
+    let mut b = [0u8; 16384];
+    let mut n = 0;
+    loop {
+        // SAFETY: `b` is valid for its length.
+        let r = unsafe { real::recv(sock, b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT) };
+        if r <= 0 {
+            return n;
+        }
+        n += r as usize;
+    }
+}
+
+impl Link {
+    /// Whether this process has bytes queued for the kernel socket (an
+    /// exec's resend not sent yet).
+    pub(crate) fn out_queued(&self) -> bool {
+        self.out_len.load(Ordering::Acquire) > 0 && self.out_pid.load(Ordering::Acquire) == crate::pid::get()
+    }
+
+    /// Queues the rest of an exec's resend (`q`, not empty).
+    pub(super) fn queue_out(&self, q: OutQ) {
+        let mut o = lock(&self.out);
+        self.out_pid.store(crate::pid::get(), Ordering::Release);
+        self.out_len.store(q.len(), Ordering::Release);
+        *o = q;
+        drop(o);
+        // No `EPOLLOUT` until it is sent (the progress thread gives it
+        // back then: `Link::still_blocked`).
+        self.write_blocked_now();
+    }
+
+    /// The queue just emptied: a `shutdown(SHUT_WR)` that waited goes to
+    /// the kernel, the connection is plain TCP if both ways switched, and
+    /// writability comes back (epoll's `EPOLLOUT`, poll's waiters).
+    fn out_emptied(&self, shut: bool) {
+        self.out_len.store(0, Ordering::Release);
+        if shut {
+            // SAFETY: shutdown(2) of the library's descriptor.
+            unsafe { real::shutdown(self.sock, libc::SHUT_WR) };
+        }
+        crate::dev::debug("the exec resend's queue is sent");
+        self.p_done();
+        self.unblock();
+        crate::credit::came();
+    }
+
+    /// The push failed (`e`: the socket's end, the program there gone):
+    /// what was queued cannot reach it any more; the program's next call
+    /// on the socket gets the error.
+    fn out_failed(&self, o: &mut OutQ, e: c_int) {
+        crate::dev::debug(&format!("the exec resend's queue failed (errno {e}): {} bytes not sent", o.len()));
+        *o = OutQ::default();
+        self.out_emptied(false);
+    }
+
+    /// Pushes what the kernel takes now. `wait`: waits for the lock (a
+    /// writer of the program), else leaves it to whoever holds it.
+    /// Whether the queue is empty now.
+    pub(crate) fn push_out(&self, wait: bool) -> bool {
+        if !self.out_queued() {
+            return true;
+        }
+        let mut o = if wait {
+            lock(&self.out)
+        } else {
+            match self.out.try_lock() {
+                Ok(o) => o,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return false,
+            }
+        };
+        self.push_locked(&mut o)
+    }
+
+    fn push_locked(&self, o: &mut OutQ) -> bool {
+        if o.is_empty() {
+            return true;
+        }
+        match o.push(|b| send_now(self.sock, b)) {
+            Ok(Pushed::Empty) => {
+                self.out_emptied(o.shut());
+                true
+            }
+            Ok(Pushed::Full(n)) => {
+                self.out_len.store(n, Ordering::Release);
+                false
+            }
+            Err(e) => {
+                self.out_failed(o, e);
+                true
+            }
+        }
+    }
+
+    /// Sends the whole queue, however long the other end takes to read
+    /// (as a blocking write would). `drop_in`: what comes in meanwhile
+    /// is read and dropped (a close: nobody reads it any more, and a
+    /// program there that writes before it reads would otherwise block
+    /// for ever). `Err`: the socket's error (the queue is dropped).
+    pub(crate) fn flush_out(&self, drop_in: bool) -> Res<()> {
+        if !self.out_queued() {
+            return Ok(());
+        }
+        let mut o = lock(&self.out);
+        let mut dropped = 0;
+        loop {
+            if self.push_locked(&mut o) {
+                break;
+            }
+            if drop_in {
+                dropped += drop_incoming(self.sock);
+            }
+            if let Err(e) = wait_room(self.sock) {
+                self.out_failed(&mut o, e);
+                return Err(e);
+            }
+            if let e @ 1.. = crate::stream::socket_error(self.sock) {
+                self.out_failed(&mut o, e);
+                return Err(e);
+            }
+        }
+        if dropped > 0 {
+            crate::dev::debug(&format!("{dropped} bytes dropped unread while the close flushed the resend"));
+        }
+        // (An error the push met emptied the queue: the socket says.)
+        match crate::stream::socket_error(self.sock) {
+            0 => Ok(()),
+            e => Err(e),
+        }
+    }
+
+    /// As [`Self::flush_out`], where the program's own threads may be
+    /// the only readers and are not (a demotion of this end as the
+    /// driver, before an exec): the deadlock guess of the synchronous
+    /// resend ([`crate::stream::send_all_while_alive`]) ends it.
+    pub(crate) fn flush_out_guessing(&self, sock: c_int) -> Res<()> {
+        if !self.out_queued() {
+            return Ok(());
+        }
+        let mut o = lock(&self.out);
+        let r = crate::stream::send_all_while_alive(sock, o.pending());
+        let shut = o.shut();
+        *o = OutQ::default();
+        match r {
+            Ok(()) => {
+                self.out_emptied(shut);
+                Ok(())
+            }
+            Err(e) => {
+                self.out_emptied(false);
+                Err(e)
+            }
+        }
+    }
+
+    /// A write of the program behind the queue: `None` if nothing is
+    /// queued (the kernel socket's). Blocking: the queue first, then the
+    /// write. Non-blocking: what fits of the queue, then the write if the
+    /// queue is empty, else `EAGAIN` (the kernel's buffer is full then:
+    /// an edge-triggered `EPOLLOUT` comes once it drains, and epoll's
+    /// `EPOLLOUT` is withheld until the queue is sent).
+    pub(crate) fn write_behind_out(self: &std::sync::Arc<Self>, iov: &[(*const u8, usize)], nonblocking: bool) -> Option<Res<usize>> {
+        if !self.out_queued() {
+            return None;
+        }
+        let mut o = lock(&self.out);
+        if o.shut() {
+            return Some(Err(libc::EPIPE));
+        }
+        if nonblocking {
+            if !self.push_locked(&mut o) {
+                drop(o);
+                self.write_blocked_now();
+                crate::progress::watch(self);
+                return Some(Err(libc::EAGAIN));
+            }
+        } else {
+            drop(o);
+            if let Err(e) = self.flush_out(false) {
+                return Some(Err(e));
+            }
+            return Some(self.write_kernel(iov, false));
+        }
+        drop(o);
+        Some(self.write_kernel(iov, true))
+    }
+
+    /// `shutdown(SHUT_WR)` while bytes are queued: the FIN waits for
+    /// them (sent once the queue is empty). Whether it waits (the caller
+    /// does not shut the kernel socket's writes now).
+    pub(crate) fn shut_behind_out(&self) -> bool {
+        if !self.out_queued() {
+            return false;
+        }
+        let mut o = lock(&self.out);
+        if o.is_empty() {
+            return false;
+        }
+        o.set_shut();
+        drop(o);
+        // Pushed now where it fits (and the FIN with it).
+        !self.push_out(true)
+    }
+
+    /// A slice for a poll that waits for the queue to go (the kernel
+    /// socket is not asked for `POLLOUT` meanwhile).
+    pub(crate) const OUT_SLICE: Duration = Duration::from_millis(2);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kernel that takes `k` bytes per call, `room` in all, then EAGAIN.
+    struct Kernel {
+        got: Vec<u8>,
+        k: usize,
+        room: usize,
+    }
+
+    impl Kernel {
+        fn take(&mut self, b: &[u8]) -> Res<usize> {
+            if self.room == 0 {
+                return Err(libc::EAGAIN);
+            }
+            let n = b.len().min(self.k).min(self.room);
+            self.got.extend_from_slice(&b[..n]);
+            self.room -= n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_queue_sends_every_byte_once_in_order_across_pushes() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let mut q = OutQ::new(data.clone(), 100);
+        let mut kern = Kernel { got: data[..100].to_vec(), k: 700, room: 3000 };
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Full(10_000 - 3100)));
+        (kern.k, kern.room) = (4096, 5000);
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Full(10_000 - 8100)));
+        (kern.k, kern.room) = (1, usize::MAX);
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Empty));
+        assert!(q.is_empty());
+        assert_eq!(kern.got, data);
+        // Empty: nothing more goes.
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Empty));
+        assert_eq!(kern.got.len(), data.len());
+    }
+
+    #[test]
+    fn an_error_keeps_the_bytes_not_sent_and_eintr_is_tried_again() {
+        let mut q = OutQ::new(vec![1, 2, 3, 4], 0);
+        let mut calls = 0;
+        let r = q.push(|b| {
+            calls += 1;
+            match calls {
+                1 => Err(libc::EINTR),
+                2 => Ok(b.len().min(1)),
+                _ => Err(libc::EPIPE),
+            }
+        });
+        assert_eq!(r, Err(libc::EPIPE));
+        assert_eq!(q.pending(), &[2, 3, 4]);
+    }
+
+    #[test]
+    fn a_queue_made_all_sent_is_empty_and_the_shut_waits_with_it() {
+        let q = OutQ::new(vec![1, 2], 5);
+        assert!(q.is_empty());
+        let mut q = OutQ::new(vec![1, 2], 1);
+        q.set_shut();
+        assert!(q.shut() && q.len() == 1);
+        q.sent(10);
+        assert!(q.is_empty() && q.shut());
+    }
+}
