@@ -689,10 +689,58 @@ fn a_resend_to_a_program_that_writes_before_it_reads_completes_byte_exact() -> R
 /// a deadlock after 3 s and reset it.
 #[test]
 fn a_resend_to_a_program_that_writes_then_sleeps_before_it_reads_is_not_reset() -> Result<()> {
-    let (c, s) = written_first(64 << 10, Some("5000"), "blocking")?;
-    assert!(c.stdout.contains(&format!("echoed {BYTES} after {} written first", 64 << 10)), "{}", c.describe());
+    let (c, s) = written_first(256 << 10, Some("5000"), "blocking")?;
+    assert!(c.stdout.contains(&format!("echoed {BYTES} after {} written first", 256 << 10)), "{}", c.describe());
     assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
     assert!(!c.stderr.contains("the connection is reset"), "{}", c.describe());
+    Ok(())
+}
+
+/// As the program that writes before it reads, the client shutting its
+/// write side right after the go byte, while its resend is still queued:
+/// the FIN waits until the queue is sent, so the program reads every
+/// resent byte, then the end, and echoes them (the client reads them,
+/// then the end).
+#[test]
+fn a_shutdown_while_the_resend_is_queued_sends_the_fin_after_it() -> Result<()> {
+    let (c, s) = written_first(256 << 10, Some("2000"), "shut")?;
+    let upto = 240 * 1024 + 192 * 1024;
+    assert!(c.stdout.contains(&format!("echoed {upto} after {} written first", 256 << 10)), "{}", c.describe());
+    assert!(s.stderr.contains(&format!("stdecho {}", 192 * 1024)), "{}", s.describe());
+    assert!(c.stderr.contains("bytes sent again after the marker, "), "{}", c.describe());
+    Ok(())
+}
+
+/// As the shutdown, the client closing the connection once it read the
+/// program's bytes, its resend still queued (the program sleeps before
+/// it reads): the close sends the queue first, so the program reads every
+/// resent byte, then a clean end.
+#[test]
+fn a_close_while_the_resend_is_queued_sends_it_first() -> Result<()> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let wf = (256 << 10).to_string();
+    let server = [
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_WRITE_FIRST", wf.as_str()),
+        ("STDECHO_DELAY_AFTER_WRITE_MS", "2000"),
+        ("STDECHO_COUNT_ONLY", "1"),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+        ("SOCKAPP_WRITTEN_FIRST", wf.as_str()),
+        ("SOCKAPP_WRITER", "close"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains(&format!("closed after {wf} written first")), "{}", c.describe());
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(s.stderr.contains(&format!("stdecho read {}", 192 * 1024)), "{}", s.describe());
     Ok(())
 }
 

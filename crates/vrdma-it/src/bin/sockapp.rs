@@ -232,7 +232,8 @@
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
 //! go` first says whether its stdin is a connected socket and writes `G`
 //! (then `STDECHO_WRITE_FIRST` bytes `w` before it reads, and a sleep of
-//! `STDECHO_DELAY_AFTER_WRITE_MS`; a `bulk` goclient given
+//! `STDECHO_DELAY_AFTER_WRITE_MS`; `STDECHO_COUNT_ONLY`: reads without
+//! echoing and says `stdecho read N`; a `bulk` goclient given
 //! `SOCKAPP_WRITTEN_FIRST` reads them while a thread writes the rest).
 //! `goclient PORT BYTES WAY`: sends one chunk and reads its echo, waits for
 //! the go byte (WAY `read`, `poll`, `epoll`, `late`: a sleep of
@@ -971,17 +972,36 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// writes the rest of the pattern (from `first + unread` to `bytes`) at
 /// once, while the resend may still be queued in this process's library
 /// (`SOCKAPP_WRITER`: `blocking` writes, or `nonblocking`: `send` with
-/// `MSG_DONTWAIT` and `poll` for `POLLOUT`), and this thread reads the `wf`
+/// `MSG_DONTWAIT` and `poll` for `POLLOUT`; `shut`: nothing, its side
+/// shut at once, `bytes` taken as `first + unread`; `close`: nothing, and
+/// the connection is closed once the `wf` bytes are read), and this thread reads the `wf`
 /// bytes, then the echo of everything from `first` on, checked byte by
 /// byte (the resent bytes, then the thread's, in order, each once), then
 /// the end. Says `echoed BYTES after WF written first, then the end`.
 fn bulk_after_written_first(s: TcpStream, first: u64, unread: u64, bytes: u64, wf: u64) -> Result<(), String> {
     use std::os::fd::AsRawFd;
     let mut w = s.try_clone().map_err(|e| format!("clone: {e}"))?;
-    let nonblocking = std::env::var("SOCKAPP_WRITER").is_ok_and(|v| v == "nonblocking");
+    let writer_way = std::env::var("SOCKAPP_WRITER").unwrap_or_default();
+    let nonblocking = writer_way == "nonblocking";
+    // `shut`: nothing more is written, and the write side is shut at
+    // once (while the resend may still be queued: its FIN must wait).
+    let shut = writer_way == "shut";
+    // `close`: nothing more is written; the program's bytes read, the
+    // connection is closed (while the resend may still be queued: the
+    // close sends it first).
+    let close = writer_way == "close";
+    let bytes = if shut { first + unread } else { bytes };
     let writer = std::thread::spawn(move || -> Result<u64, String> {
         let fd = w.as_raw_fd();
         let mut at = first + unread;
+        if close {
+            drop(w);
+            return Ok(at);
+        }
+        if shut {
+            w.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+            eprintln!("goclient: the writer shut its side at once");
+        }
         let (mut eagains, mut polls) = (0u64, 0u64);
         while at < bytes {
             let n = (ECHO_CHUNK as u64).min(bytes - at) as usize;
@@ -1032,6 +1052,12 @@ fn bulk_after_written_first(s: TcpStream, first: u64, unread: u64, bytes: u64, w
         got += n as u64;
     }
     eprintln!("goclient: the program's {wf} bytes read");
+    if close {
+        writer.join().map_err(|_| "the writer panicked".to_string())??;
+        drop(r);
+        println!("closed after {wf} written first");
+        return Ok(());
+    }
     let mut at = first;
     while at < bytes {
         let want = (bytes - at).min(buf.len() as u64) as usize;
@@ -1045,7 +1071,9 @@ fn bulk_after_written_first(s: TcpStream, first: u64, unread: u64, bytes: u64, w
         at += n as u64;
     }
     writer.join().map_err(|_| "the writer panicked".to_string())??;
-    r.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    if !shut {
+        r.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    }
     let mut g = [0u8; 1];
     match r.read(&mut g) {
         Ok(0) => {
@@ -1542,6 +1570,24 @@ fn stdecho(go: bool) -> Result<(), String> {
             }
             // Then a sleep before it reads.
             pause("STDECHO_DELAY_AFTER_WRITE_MS");
+        }
+        if std::env::var_os("STDECHO_COUNT_ONLY").is_some() {
+            // Reads to the end without echoing: says `stdecho read N`.
+            loop {
+                // SAFETY: read(2) into our buffer.
+                let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+                if r < 0 {
+                    return Err(format!("read after {n}: {}", std::io::Error::last_os_error()));
+                }
+                if r == 0 {
+                    break;
+                }
+                n += r as u64;
+            }
+            let line = format!("stdecho read {n}\n");
+            // SAFETY: write(2) of our buffer, its length.
+            unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+            return Ok(());
         }
     }
     loop {

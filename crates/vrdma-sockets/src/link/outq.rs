@@ -180,7 +180,6 @@ impl Link {
             // SAFETY: shutdown(2) of the library's descriptor.
             unsafe { real::shutdown(self.sock, libc::SHUT_WR) };
         }
-        crate::dev::debug("the exec resend's queue is sent");
         self.p_done();
         self.unblock();
         crate::credit::came();
@@ -190,7 +189,15 @@ impl Link {
     /// what was queued cannot reach it any more; the program's next call
     /// on the socket gets the error.
     fn out_failed(&self, o: &mut OutQ, e: c_int) {
-        crate::dev::debug(&format!("the exec resend's queue failed (errno {e}): {} bytes not sent", o.len()));
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!(
+                "the rest of a resend to an exec'd program could not be sent (errno {e}: the connection ended): \
+                 {} bytes lost with it",
+                o.len()
+            ),
+        );
         *o = OutQ::default();
         self.out_emptied(false);
     }
@@ -220,6 +227,7 @@ impl Link {
         }
         match o.push(|b| send_now(self.sock, b)) {
             Ok(Pushed::Empty) => {
+                crate::dev::debug("the exec resend's queue is sent");
                 self.out_emptied(o.shut());
                 true
             }
