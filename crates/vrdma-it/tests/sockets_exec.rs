@@ -677,7 +677,11 @@ fn a_resend_waits_for_a_slow_exec_d_program() -> Result<()> {
 fn a_resend_to_a_program_that_writes_before_it_reads_completes_byte_exact() -> Result<()> {
     for writer in ["blocking", "nonblocking"] {
         let (c, s) = written_first(8 << 20, None, writer)?;
-        assert!(c.stdout.contains(&format!("echoed {BYTES} after {} written first", 8 << 20)), "{}", c.describe());
+        assert!(
+            c.stdout.contains(&format!("echoed {BYTES} after {} written first", 8 << 20)),
+            "{}",
+            c.describe()
+        );
         assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
     }
     Ok(())
@@ -690,7 +694,11 @@ fn a_resend_to_a_program_that_writes_before_it_reads_completes_byte_exact() -> R
 #[test]
 fn a_resend_to_a_program_that_writes_then_sleeps_before_it_reads_is_not_reset() -> Result<()> {
     let (c, s) = written_first(256 << 10, Some("5000"), "blocking")?;
-    assert!(c.stdout.contains(&format!("echoed {BYTES} after {} written first", 256 << 10)), "{}", c.describe());
+    assert!(
+        c.stdout.contains(&format!("echoed {BYTES} after {} written first", 256 << 10)),
+        "{}",
+        c.describe()
+    );
     assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
     assert!(!c.stderr.contains("the connection is reset"), "{}", c.describe());
     Ok(())
@@ -705,7 +713,11 @@ fn a_resend_to_a_program_that_writes_then_sleeps_before_it_reads_is_not_reset() 
 fn a_shutdown_while_the_resend_is_queued_sends_the_fin_after_it() -> Result<()> {
     let (c, s) = written_first(256 << 10, Some("2000"), "shut")?;
     let upto = 240 * 1024 + 192 * 1024;
-    assert!(c.stdout.contains(&format!("echoed {upto} after {} written first", 256 << 10)), "{}", c.describe());
+    assert!(
+        c.stdout.contains(&format!("echoed {upto} after {} written first", 256 << 10)),
+        "{}",
+        c.describe()
+    );
     assert!(s.stderr.contains(&format!("stdecho {}", 192 * 1024)), "{}", s.describe());
     assert!(c.stderr.contains("bytes sent again after the marker, "), "{}", c.describe());
     Ok(())

@@ -705,7 +705,9 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
 }
 
 /// Sends all of `b` on `fd` however long the other end takes to read, as
-/// a blocking TCP write would (a demotion's resend, which cannot be given
+/// a blocking TCP write would (a demotion's resend where it cannot be
+/// queued: a connection held by other processes too, or a queue sent
+/// before this end is demoted itself, `link/outq.rs`; it cannot be given
 /// up halfway: the program there may legitimately take its time before it
 /// reads). Only the socket's end stops it: an error on it (the peer's
 /// reset, its host gone: the kernel's own retransmission limits) or a

@@ -978,7 +978,13 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// bytes, then the echo of everything from `first` on, checked byte by
 /// byte (the resent bytes, then the thread's, in order, each once), then
 /// the end. Says `echoed BYTES after WF written first, then the end`.
-fn bulk_after_written_first(s: TcpStream, first: u64, unread: u64, bytes: u64, wf: u64) -> Result<(), String> {
+fn bulk_after_written_first(
+    s: TcpStream,
+    first: u64,
+    unread: u64,
+    bytes: u64,
+    wf: u64,
+) -> Result<(), String> {
     use std::os::fd::AsRawFd;
     let mut w = s.try_clone().map_err(|e| format!("clone: {e}"))?;
     let writer_way = std::env::var("SOCKAPP_WRITER").unwrap_or_default();
@@ -1066,7 +1072,12 @@ fn bulk_after_written_first(s: TcpStream, first: u64, unread: u64, bytes: u64, w
             return Err(format!("the end at {at} of the echo"));
         }
         if let Some(i) = (0..n).find(|&i| buf[i] != pattern(at + i as u64)) {
-            return Err(format!("byte {} echoed as {}, sent {}", at + i as u64, buf[i], pattern(at + i as u64)));
+            return Err(format!(
+                "byte {} echoed as {}, sent {}",
+                at + i as u64,
+                buf[i],
+                pattern(at + i as u64)
+            ));
         }
         at += n as u64;
     }

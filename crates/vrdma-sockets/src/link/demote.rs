@@ -27,7 +27,8 @@
 //! for a peer whose hello says it answers that): P reads its bytes past
 //! that count back from D's ring (an RDMA read) and sends them after its
 //! marker, whose count is D's read count; D takes the marker off and
-//! execs.
+//! execs. What the kernel does not take at once is queued
+//! ([`super::outq`]): P's call returns and its reads go on.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};

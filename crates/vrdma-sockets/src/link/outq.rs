@@ -309,7 +309,11 @@ impl Link {
     /// queue is empty, else `EAGAIN` (the kernel's buffer is full then:
     /// an edge-triggered `EPOLLOUT` comes once it drains, and epoll's
     /// `EPOLLOUT` is withheld until the queue is sent).
-    pub(crate) fn write_behind_out(self: &std::sync::Arc<Self>, iov: &[(*const u8, usize)], nonblocking: bool) -> Option<Res<usize>> {
+    pub(crate) fn write_behind_out(
+        self: &std::sync::Arc<Self>,
+        iov: &[(*const u8, usize)],
+        nonblocking: bool,
+    ) -> Option<Res<usize>> {
         if !self.out_queued() {
             return None;
         }
