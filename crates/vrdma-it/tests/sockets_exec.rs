@@ -670,12 +670,12 @@ fn a_resend_waits_for_a_slow_exec_d_program() -> Result<()> {
 /// the rest, so its reads go on and take the program's 8 MiB, the
 /// program then reads the resend, and a thread of the client that writes
 /// the rest of the pattern meanwhile (blocking writes, then non-blocking
-/// ones with `poll`) has its bytes after the resent ones, every byte
+/// ones with `poll`, then with an edge-triggered `EPOLLOUT`) has its bytes after the resent ones, every byte
 /// checked, then the end. Before: both waited for ever (the test killed
 /// at 60 s), then the deadlock guess reset the connection.
 #[test]
 fn a_resend_to_a_program_that_writes_before_it_reads_completes_byte_exact() -> Result<()> {
-    for writer in ["blocking", "nonblocking"] {
+    for writer in ["blocking", "nonblocking", "epoll"] {
         let (c, s) = written_first(8 << 20, None, writer)?;
         assert!(
             c.stdout.contains(&format!("echoed {BYTES} after {} written first", 8 << 20)),

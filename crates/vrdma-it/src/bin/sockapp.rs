@@ -972,7 +972,8 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// writes the rest of the pattern (from `first + unread` to `bytes`) at
 /// once, while the resend may still be queued in this process's library
 /// (`SOCKAPP_WRITER`: `blocking` writes, or `nonblocking`: `send` with
-/// `MSG_DONTWAIT` and `poll` for `POLLOUT`; `shut`: nothing, its side
+/// `MSG_DONTWAIT` and `poll` for `POLLOUT`; `epoll`: the same with an
+/// edge-triggered `EPOLLOUT` in `epoll_wait`; `shut`: nothing, its side
 /// shut at once, `bytes` taken as `first + unread`; `close`: nothing, and
 /// the connection is closed once the `wf` bytes are read), and this thread reads the `wf`
 /// bytes, then the echo of everything from `first` on, checked byte by
@@ -988,7 +989,10 @@ fn bulk_after_written_first(
     use std::os::fd::AsRawFd;
     let mut w = s.try_clone().map_err(|e| format!("clone: {e}"))?;
     let writer_way = std::env::var("SOCKAPP_WRITER").unwrap_or_default();
-    let nonblocking = writer_way == "nonblocking";
+    // `epoll`: as `nonblocking`, waiting in `epoll_wait` for an
+    // edge-triggered `EPOLLOUT` instead of `poll`.
+    let epoll = writer_way == "epoll";
+    let nonblocking = writer_way == "nonblocking" || epoll;
     // `shut`: nothing more is written, and the write side is shut at
     // once (while the resend may still be queued: its FIN must wait).
     let shut = writer_way == "shut";
@@ -1009,6 +1013,19 @@ fn bulk_after_written_first(
             eprintln!("goclient: the writer shut its side at once");
         }
         let (mut eagains, mut polls) = (0u64, 0u64);
+        let ep = if epoll {
+            // SAFETY: epoll_create1(2) and epoll_ctl(2) with an event of ours.
+            unsafe {
+                let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+                let mut ev = libc::epoll_event { events: (libc::EPOLLOUT | libc::EPOLLET) as u32, u64: 1 };
+                if ep < 0 || libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) != 0 {
+                    return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+                }
+                ep
+            }
+        } else {
+            -1
+        };
         while at < bytes {
             let n = (ECHO_CHUNK as u64).min(bytes - at) as usize;
             let data: Vec<u8> = (0..n as u64).map(|k| pattern(at + k)).collect();
@@ -1030,15 +1047,25 @@ fn bulk_after_written_first(
                     return Err(format!("send at {}: {e}", at + off as u64));
                 }
                 eagains += 1;
-                let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
-                // SAFETY: one valid pollfd.
-                let r = unsafe { libc::poll(&mut p, 1, 60_000) };
+                let r = if epoll {
+                    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+                    // SAFETY: epoll_wait(2) into one event of ours.
+                    unsafe { libc::epoll_wait(ep, &mut ev, 1, 60_000) }
+                } else {
+                    let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                    // SAFETY: one valid pollfd.
+                    unsafe { libc::poll(&mut p, 1, 60_000) }
+                };
                 if r != 1 {
-                    return Err(format!("poll for POLLOUT at {}: {r}", at + off as u64));
+                    return Err(format!("waiting for POLLOUT at {}: {r}", at + off as u64));
                 }
                 polls += 1;
             }
             at += n as u64;
+        }
+        if ep >= 0 {
+            // SAFETY: closes our epoll descriptor.
+            unsafe { libc::close(ep) };
         }
         eprintln!("goclient: the writer sent up to {at} ({eagains} EAGAIN, {polls} polls)");
         Ok(at)
