@@ -134,6 +134,16 @@ fn listed() -> Vec<Arc<Link>> {
     lock(&queue().0).snapshot(crate::pid::get())
 }
 
+/// The connections on the list now, for the exit's flush of exec
+/// resends still queued (`link/outq.rs`): none where the list is another
+/// process's.
+pub(crate) fn listed_now() -> Vec<Arc<Link>> {
+    if OWNER.load(Ordering::Acquire) != crate::pid::get() {
+        return Vec::new();
+    }
+    listed()
+}
+
 /// Takes `l` off the list unless a write was posted since it drained
 /// (`ProgressList::drained`: one it keeps is put back if a racing drain
 /// took it off).

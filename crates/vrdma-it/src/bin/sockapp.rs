@@ -975,7 +975,8 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// `MSG_DONTWAIT` and `poll` for `POLLOUT`; `epoll`: the same with an
 /// edge-triggered `EPOLLOUT` in `epoll_wait`; `shut`: nothing, its side
 /// shut at once, `bytes` taken as `first + unread`; `close`: nothing, and
-/// the connection is closed once the `wf` bytes are read), and this thread reads the `wf`
+/// the connection is closed once the `wf` bytes are read; `exit`: the
+/// process exits then, the connection open), and this thread reads the `wf`
 /// bytes, then the echo of everything from `first` on, checked byte by
 /// byte (the resent bytes, then the thread's, in order, each once), then
 /// the end. Says `echoed BYTES after WF written first, then the end`.
@@ -1000,6 +1001,9 @@ fn bulk_after_written_first(
     // connection is closed (while the resend may still be queued: the
     // close sends it first).
     let close = writer_way == "close";
+    // `exit`: as `close`, with the process's exit in place of the close.
+    let exit = writer_way == "exit";
+    let close = close || exit;
     let bytes = if shut { first + unread } else { bytes };
     let writer = std::thread::spawn(move || -> Result<u64, String> {
         let fd = w.as_raw_fd();
@@ -1087,6 +1091,10 @@ fn bulk_after_written_first(
     eprintln!("goclient: the program's {wf} bytes read");
     if close {
         writer.join().map_err(|_| "the writer panicked".to_string())??;
+        if exit {
+            println!("exits after {wf} written first");
+            std::process::exit(0);
+        }
         drop(r);
         println!("closed after {wf} written first");
         return Ok(());

@@ -15,8 +15,9 @@
 //! and says `EAGAIN` while bytes of it remain), the progress thread
 //! (`crate::progress`, while P makes no call), the readiness calls (whose
 //! `POLLOUT`/`EPOLLOUT` is withheld while it is not empty), and a
-//! `shutdown(SHUT_WR)` (its FIN waits until the queue is sent) or close
-//! (which flushes it). Only in the process that made it (after a fork,
+//! `shutdown(SHUT_WR)` (its FIN waits until the queue is sent), a close
+//! (which flushes it) and the process's exit (`atexit`: within
+//! `VRDMA_SOCKETS_WAIT_MS`). Only in the process that made it (after a fork,
 //! the child's copy of the memory is not a queue of its own), and only
 //! for a connection held by that one process when the resend began
 //! (else the resend is synchronous, as before).
@@ -24,7 +25,7 @@
 //! [`OutQ`] is the accounting, without sockets (unit-tested below).
 
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use libc::c_int;
 
@@ -125,9 +126,14 @@ pub(crate) fn send_now(sock: c_int, b: &[u8]) -> Res<usize> {
 /// Waits (a second at most) for room on `sock`; an error or hang-up on
 /// it is returned.
 fn wait_room(sock: c_int) -> Res<()> {
+    wait_room_for(sock, Duration::from_secs(1))
+}
+
+/// Waits (`max` at most) for room on `sock`, as [`wait_room`].
+fn wait_room_for(sock: c_int, max: Duration) -> Res<()> {
     let mut p = libc::pollfd { fd: sock, events: libc::POLLOUT, revents: 0 };
     // SAFETY: one valid pollfd.
-    let n = unsafe { libc::poll(&mut p, 1, 1000) };
+    let n = unsafe { libc::poll(&mut p, 1, max.as_millis().clamp(1, 1000) as c_int) };
     if n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
         return Err(match crate::stream::socket_error(sock) {
             0 => libc::EPIPE,
@@ -161,6 +167,12 @@ impl Link {
 
     /// Queues the rest of an exec's resend (`q`, not empty).
     pub(super) fn queue_out(&self, q: OutQ) {
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        AT_EXIT.call_once(|| {
+            // SAFETY: registers a handler with no pointers but the
+            // function (the library is never unloaded).
+            unsafe { libc::atexit(flush_queues_at_exit) };
+        });
         let mut o = lock(&self.out);
         self.out_pid.store(crate::pid::get(), Ordering::Release);
         self.out_len.store(q.len(), Ordering::Release);
@@ -279,6 +291,41 @@ impl Link {
         }
     }
 
+    /// At the process's exit: sends the queue, until `end` at most
+    /// (reading and dropping what comes in meanwhile, as a close does);
+    /// what is left then is lost, and a warning says so.
+    fn flush_out_at_exit(&self, end: Instant) {
+        if !self.out_queued() {
+            return;
+        }
+        // (Another thread may hold it for ever, blocked in a write.)
+        let mut o = loop {
+            match self.out.try_lock() {
+                Ok(o) => break o,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    return warn_lost_at_exit(self.out_len.load(Ordering::Acquire))
+                }
+            }
+        };
+        loop {
+            if self.push_locked(&mut o) {
+                return;
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return warn_lost_at_exit(o.len());
+            }
+            drop_incoming(self.sock);
+            if let Err(e) = wait_room_for(self.sock, left) {
+                return self.out_failed(&mut o, e);
+            }
+        }
+    }
+
     /// As [`Self::flush_out`], where the program's own threads may be
     /// the only readers and are not (a demotion of this end as the
     /// driver, before an exec): the deadlock guess of the synchronous
@@ -359,6 +406,32 @@ impl Link {
     /// A slice for a poll that waits for the queue to go (the kernel
     /// socket is not asked for `POLLOUT` meanwhile).
     pub(crate) const OUT_SLICE: Duration = Duration::from_millis(2);
+}
+
+/// The process exits (`atexit`, registered with the first queue): every
+/// queue of its connections is sent first, within
+/// `VRDMA_SOCKETS_WAIT_MS` in all (TCP would deliver them after the exit;
+/// the library's queue goes with the process).
+extern "C" fn flush_queues_at_exit() {
+    // (Inside the library or not: the calls below are libc's own.)
+    let _g = crate::table::Guard::enter();
+    let end = Instant::now() + super::demote::wait_ms();
+    let links = crate::progress::listed_now();
+    crate::dev::debug(&format!("exit: {} connections listed", links.len()));
+    for l in links {
+        l.flush_out_at_exit(end);
+    }
+}
+
+fn warn_lost_at_exit(n: usize) {
+    static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    crate::dev::warn_once(
+        &SAID,
+        &format!(
+            "the process exits with {n} bytes of a resend to an exec'd program not sent (it did not read them \
+             within VRDMA_SOCKETS_WAIT_MS): they are lost"
+        ),
+    );
 }
 
 #[cfg(test)]
