@@ -768,6 +768,101 @@ fn a_close_or_exit_while_the_resend_is_queued_sends_it_first() -> Result<()> {
     Ok(())
 }
 
+/// As the close or exit while the resend is queued, the program there
+/// sleeping far longer (8 s) than the client's bound
+/// (`VRDMA_SOCKETS_WAIT_MS` 300): the close (or exit) does not wait for
+/// it, and since the queue is not all sent, the connection is reset: the
+/// program reads an error, never a clean, short stream (review M3, M1's
+/// exit case). Before: the close blocked until the program read (no
+/// bound), and the exit ended with a FIN behind a truncated resend.
+#[test]
+fn a_close_or_exit_that_cannot_send_the_queue_within_the_bound_resets() -> Result<()> {
+    for way in ["close", "exit"] {
+        let (c, s) = queued_against(
+            way,
+            &[("STDECHO_DELAY_AFTER_WRITE_MS", "8000")],
+            &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+        )?;
+        c.assert_ok();
+        assert!(c.stderr.contains("of them queued"), "{way}: {}", c.describe());
+        assert!(c.stderr.contains("the connection is reset"), "{way}: {}", c.describe());
+        assert!(!s.stderr.contains("stdecho read "), "{way}: {}\n{}", s.describe(), c.describe());
+        assert!(s.stderr.contains("Connection reset by peer"), "{way}: {}\n{}", s.describe(), c.describe());
+    }
+    Ok(())
+}
+
+/// The program there exits without reading while the resend is queued
+/// (its close with bytes unread is a reset): the library's push meets the
+/// reset, and the client's next read gets `ECONNRESET`, not a clean end
+/// (review M2: the failing send consumed the socket's error and the
+/// connection went on as plain TCP, so the read returned 0).
+#[test]
+fn a_reset_met_by_the_queue_push_is_the_programs_next_error() -> Result<()> {
+    // (A second after its writes, so that they all arrive first: its
+    // close's reset drops what it has not sent yet.)
+    let (c, _s) = queued_against(
+        "readend",
+        &[("STDECHO_EXIT_AFTER_WRITE", "1"), ("STDECHO_DELAY_AFTER_WRITE_MS", "1000")],
+        &[],
+    )?;
+    c.assert_ok();
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stdout.contains("then a read: Err(Some(104))"), "{}", c.describe());
+    Ok(())
+}
+
+/// A blocking writer waits behind the queue (the program there sleeps
+/// 4 s before it reads); `shutdown(SHUT_RDWR)` from another thread does
+/// not wait for the writer's hold on the queue, and the writer's write
+/// fails with `EPIPE` at once, at its first byte (review M3). Before:
+/// the shutdown waited until the queue was sent, and the writer's first
+/// write went through.
+#[test]
+fn a_shutdown_does_not_wait_for_a_writer_behind_the_queue_and_fails_its_write() -> Result<()> {
+    let (c, _s) = queued_against(
+        "abort",
+        &[("STDECHO_DELAY_AFTER_WRITE_MS", "4000")],
+        &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+    )?;
+    c.assert_ok();
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stdout.contains("shut down while the writer waits"), "{}", c.describe());
+    let at = 240 * 1024 + 192 * 1024;
+    assert!(c.stdout.contains(&format!("the writer: Err(\"write at {at}: Broken pipe")), "{}", c.describe());
+    Ok(())
+}
+
+/// The `bulk` exchange with a resend queued at the client (4 KiB
+/// buffers, a program that writes 256 KiB before it reads), the client's
+/// writer `way`, more environment for each side.
+fn queued_against(
+    way: &str,
+    server_more: &[(&str, &str)],
+    client_more: &[(&str, &str)],
+) -> Result<(Finished, Finished)> {
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let wf = (256 << 10).to_string();
+    let mut server = vec![
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_WRITE_FIRST", wf.as_str()),
+        ("STDECHO_COUNT_ONLY", "1"),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    server.extend_from_slice(server_more);
+    let mut client = vec![
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+        ("SOCKAPP_WRITTEN_FIRST", wf.as_str()),
+        ("SOCKAPP_WRITER", way),
+    ];
+    client.extend_from_slice(client_more);
+    go_inetd("carried-exec", "bulk", &server, &client)
+}
+
 /// The `bulk` exchange against a program that writes `wf` bytes first
 /// (then sleeps `sleep_ms`), the client's later writes by `writer`.
 fn written_first(wf: u64, sleep_ms: Option<&str>, writer: &str) -> Result<(Finished, Finished)> {

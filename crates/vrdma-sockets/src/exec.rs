@@ -86,6 +86,13 @@ fn settle(exec: bool) {
                 crate::cloexec::restore(fd);
                 continue;
             }
+            // An exec's resend this process still queues (`link/outq.rs`)
+            // goes with its memory: sent first, within the settle's bound;
+            // what is left resets the connection (never a clean, short
+            // stream at the other end).
+            if let Some(l) = s.link_now() {
+                l.flush_out_or_reset(end, "an exec");
+            }
             // A carried connection goes with the exec (close-on-exec):
             // this process no longer holds it (`crate::forkshare`).
             if s.link_now().is_some() {

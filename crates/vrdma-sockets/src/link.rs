@@ -18,7 +18,7 @@
 //! sent from.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -210,6 +210,19 @@ pub struct Link {
     out: Mutex<outq::OutQ>,
     out_len: AtomicUsize,
     out_pid: AtomicU32,
+    /// A push of the queue failed with this errno (0: none): the
+    /// program's next call on the connection returns it, and only then is
+    /// the connection plain TCP ([`outq`]; the failing send consumed the
+    /// socket's own error, so the kernel would not say it).
+    out_err: AtomicI32,
+    /// The queue was cut short and the connection reset: it never
+    /// becomes plain TCP for this end's holders.
+    out_reset: AtomicBool,
+    /// A `shutdown(SHUT_WR)` waits for the queue (a flag, not under the
+    /// queue's lock, which a blocking writer may hold), and whether the
+    /// kernel socket's `SHUT_WR` was done since.
+    out_shut: AtomicBool,
+    out_shut_done: AtomicBool,
     /// The library's own descriptor of the kernel socket (and whether a
     /// readiness call knows it).
     owner_sock: Arc<Sock>,
@@ -433,6 +446,10 @@ impl Half {
             out: Mutex::new(outq::OutQ::default()),
             out_len: AtomicUsize::new(0),
             out_pid: AtomicU32::new(0),
+            out_err: AtomicI32::new(0),
+            out_reset: AtomicBool::new(false),
+            out_shut: AtomicBool::new(false),
+            out_shut_done: AtomicBool::new(false),
             sock: sock_owner.0,
             owner_sock: sock_owner,
             cq: self.cq,

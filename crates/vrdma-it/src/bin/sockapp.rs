@@ -976,7 +976,11 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// edge-triggered `EPOLLOUT` in `epoll_wait`; `shut`: nothing, its side
 /// shut at once, `bytes` taken as `first + unread`; `close`: nothing, and
 /// the connection is closed once the `wf` bytes are read; `exit`: the
-/// process exits then, the connection open), and this thread reads the `wf`
+/// process exits then, the connection open; `readend`: nothing, and once
+/// the `wf` bytes are read, a second later, one more read, whose result
+/// it says (`then a read: ...`); `abort`: blocking writes, and once the
+/// `wf` bytes are read, a `shutdown(SHUT_RDWR)` while the writer waits
+/// behind the queue, the writer's result said (`the writer: ...`)), and this thread reads the `wf`
 /// bytes, then the echo of everything from `first` on, checked byte by
 /// byte (the resent bytes, then the thread's, in order, each once), then
 /// the end. Says `echoed BYTES after WF written first, then the end`.
@@ -1003,7 +1007,9 @@ fn bulk_after_written_first(
     let close = writer_way == "close";
     // `exit`: as `close`, with the process's exit in place of the close.
     let exit = writer_way == "exit";
-    let close = close || exit;
+    let readend = writer_way == "readend";
+    let abort = writer_way == "abort";
+    let close = close || exit || readend;
     let bytes = if shut { first + unread } else { bytes };
     let writer = std::thread::spawn(move || -> Result<u64, String> {
         let fd = w.as_raw_fd();
@@ -1089,6 +1095,24 @@ fn bulk_after_written_first(
         got += n as u64;
     }
     eprintln!("goclient: the program's {wf} bytes read");
+    if abort {
+        // (The writer waits behind the queue by now, as a rule.)
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        r.shutdown(Shutdown::Both).map_err(|e| format!("shutdown: {e}"))?;
+        println!("shut down while the writer waits");
+        let w = writer.join().map_err(|_| "the writer panicked".to_string())?;
+        println!("the writer: {w:?}");
+        return Ok(());
+    }
+    if readend {
+        writer.join().map_err(|_| "the writer panicked".to_string())??;
+        // (The library's progress thread meets the program's end first.)
+        std::thread::sleep(std::time::Duration::from_millis(1000));
+        let mut g = [0u8; 1];
+        let rr = r.read(&mut g).map_err(|e| e.raw_os_error());
+        println!("then a read: {rr:?}");
+        return Ok(());
+    }
     if close {
         writer.join().map_err(|_| "the writer panicked".to_string())??;
         if exit {
@@ -1616,6 +1640,13 @@ fn stdecho(go: bool) -> Result<(), String> {
             }
             // Then a sleep before it reads.
             pause("STDECHO_DELAY_AFTER_WRITE_MS");
+            // `STDECHO_EXIT_AFTER_WRITE`: ends without reading (its
+            // close, with bytes unread, is a reset).
+            if std::env::var_os("STDECHO_EXIT_AFTER_WRITE").is_some() {
+                // SAFETY: write(2) of a line of ours.
+                unsafe { libc::write(2, b"stdecho exits unread\n".as_ptr().cast(), 21) };
+                return Ok(());
+            }
         }
         if std::env::var_os("STDECHO_COUNT_ONLY").is_some() {
             // Reads to the end without echoing: says `stdecho read N`.

@@ -518,11 +518,10 @@ impl Link {
     /// with unread data.
     pub(crate) fn close_in_demotion(&self) {
         // An exec's resend still queued goes first (`outq`): what comes in
-        // meanwhile is dropped, as nobody reads it any more. A socket
-        // that ends (the program there gone) ends it, as before.
-        if let Err(e) = self.flush_out(true) {
-            crate::dev::debug(&format!("the exec resend's queue at the close: errno {e}"));
-        }
+        // meanwhile is dropped, as nobody reads it any more. Within
+        // `VRDMA_SOCKETS_WAIT_MS` (a close does not block without bound):
+        // what is left then resets the connection, never a short stream.
+        self.flush_out_or_reset(Instant::now() + wait_ms(), "a close");
         if self.d_state() != crate::owner::D_NONE {
             // D (the driver's copy): once the peer stopped writing.
             self.await_peer_switch();
@@ -576,7 +575,7 @@ impl Link {
             match head(self.sock) {
                 Ok(Head::Mark(c)) if c == w => {
                     take_mark(self.sock);
-                    self.p_rd.store(true, Ordering::Release);
+                    self.p_rd.store(true, Ordering::SeqCst);
                     drop(g);
                     self.p_done();
                     crate::dev::debug(&format!("the peer's marker after {c} bytes taken at a close"));
@@ -726,6 +725,23 @@ impl Link {
         let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
         m.msg_iov = v.as_mut_ptr();
         m.msg_iovlen = v.len() as _;
+        // A push of an exec's queue failed (`outq`): the bytes that came
+        // before the error are read, then the error (as TCP's own). An
+        // error the kernel still has is that one; an `EPIPE` of the push
+        // (the reset's error taken by an earlier call) is no read's.
+        if self.out_err.load(Ordering::SeqCst) != 0 {
+            // SAFETY: `m` describes the caller's buffers.
+            let r = unsafe { real::recvmsg(self.sock, &mut m, flags | libc::MSG_DONTWAIT) };
+            if r > 0 {
+                return Ok(r as usize);
+            }
+            let now = if r < 0 { crate::table::errno() } else { 0 };
+            match self.take_out_err() {
+                _ if now != 0 && now != libc::EAGAIN && now != libc::EINTR => return Err(now),
+                Some(e) if e != libc::EPIPE => return Err(e),
+                _ => {}
+            }
+        }
         loop {
             // SAFETY: `m` describes the caller's buffers.
             let r = unsafe { real::recvmsg(self.sock, &mut m, flags) };
@@ -741,6 +757,10 @@ impl Link {
 
     /// Writes `iov` to the kernel socket, as the program's call would.
     pub(crate) fn write_kernel(&self, iov: &[(*const u8, usize)], nonblocking: bool) -> Res<usize> {
+        // A push of an exec's queue failed: its errno first (`outq`).
+        if let Some(e) = self.take_out_err() {
+            return Err(e);
+        }
         let mut v: Vec<libc::iovec> =
             iov.iter().map(|&(p, n)| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: n }).collect();
         // SAFETY: a zeroed msghdr is valid; its vector points to `v`.
@@ -931,7 +951,11 @@ impl Link {
         // back into the kernel (the marker went out at once).
         crate::kept::give_back_page(&self.page, self.sock);
         crate::dev::debug(&format!("the peer demoted: writing to the kernel socket after {} bytes", tx.wr));
-        self.unblock();
+        // (Not while an exec's resend is queued: `EPOLLOUT` stays out
+        // until it is sent, `outq`.)
+        if !self.out_queued() {
+            self.unblock();
+        }
         self.p_done();
         Ok(())
     }
@@ -959,11 +983,19 @@ impl Link {
             &SAID,
             &format!("the switch of a demoted connection to plain TCP failed midway (errno {e}): the connection is reset"),
         );
+        Self::reset_sock(self.sock);
+    }
+
+    /// Resets the kernel connection of `sock` (a `connect` to
+    /// `AF_UNSPEC`; failing that, a linger of 0, so that its last close
+    /// is a reset): the program there reads an error, never a short
+    /// stream.
+    pub(super) fn reset_sock(sock: c_int) {
         // SAFETY: a zeroed sockaddr with family AF_UNSPEC, its size.
         let r = unsafe {
             let mut a: libc::sockaddr = std::mem::zeroed();
             a.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
-            real::connect(self.sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t)
+            real::connect(sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t)
         };
         if r != 0 {
             // Not disconnected (an older kernel, a socket state that
@@ -979,7 +1011,7 @@ impl Link {
             // SAFETY: setsockopt(2) with a linger of ours, its size.
             let r = unsafe {
                 real::setsockopt(
-                    self.sock,
+                    sock,
                     libc::SOL_SOCKET,
                     libc::SO_LINGER,
                     (&lg as *const libc::linger).cast(),
@@ -1025,7 +1057,7 @@ impl Link {
             match head(self.sock)? {
                 Head::Mark(c) if c == w && c == rx.rd => {
                     take_mark(self.sock);
-                    self.p_rd.store(true, Ordering::Release);
+                    self.p_rd.store(true, Ordering::SeqCst);
                     drop(g);
                     crate::dev::debug(&format!(
                         "the peer's marker after {c} bytes: reading the kernel socket"
@@ -1051,9 +1083,16 @@ impl Link {
     pub(super) fn p_done(&self) {
         // (Not while an exec's resend is queued: the holders' calls must
         // still come here, behind it.)
-        if self.p_wr.load(Ordering::Acquire)
-            && self.p_rd.load(Ordering::Acquire)
-            && self.out_len.load(Ordering::Acquire) == 0
+        // (SeqCst: the queue's emptying stores its count, then looks at
+        // `p_rd`; the read's switch stores `p_rd`, then looks at the
+        // count: one of them sees the other's store.) Nor after the queue
+        // failed: its errno is the program's first (`Link::take_out_err`),
+        // or the connection was reset.
+        if self.p_wr.load(Ordering::SeqCst)
+            && self.p_rd.load(Ordering::SeqCst)
+            && self.out_len.load(Ordering::SeqCst) == 0
+            && self.out_err.load(Ordering::SeqCst) == 0
+            && !self.out_reset.load(Ordering::SeqCst)
         {
             self.page.set_tcp();
         }

@@ -38,8 +38,6 @@ pub(crate) struct OutQ {
     buf: Vec<u8>,
     /// Bytes of `buf` sent already.
     at: usize,
-    /// A `shutdown(SHUT_WR)` of the program waits for the queue.
-    shut: bool,
 }
 
 /// What a push ended with.
@@ -55,7 +53,7 @@ impl OutQ {
     /// A queue of `buf`, of which `at` bytes were sent.
     pub(crate) fn new(buf: Vec<u8>, at: usize) -> OutQ {
         let at = at.min(buf.len());
-        let mut q = OutQ { buf, at, shut: false };
+        let mut q = OutQ { buf, at };
         q.tidy();
         q
     }
@@ -102,14 +100,6 @@ impl OutQ {
         }
         Ok(Pushed::Empty)
     }
-
-    pub(crate) fn shut(&self) -> bool {
-        self.shut
-    }
-
-    pub(crate) fn set_shut(&mut self) {
-        self.shut = true;
-    }
 }
 
 /// One non-blocking send of `b` on `sock` (no `SIGPIPE`).
@@ -123,10 +113,10 @@ pub(crate) fn send_now(sock: c_int, b: &[u8]) -> Res<usize> {
     }
 }
 
-/// Waits (a second at most) for room on `sock`; an error or hang-up on
-/// it is returned.
+/// Waits (100 ms at most: a `shutdown` is looked at between) for room
+/// on `sock`; an error or hang-up on it is returned.
 fn wait_room(sock: c_int) -> Res<()> {
-    wait_room_for(sock, Duration::from_secs(1))
+    wait_room_for(sock, Duration::from_millis(100))
 }
 
 /// Waits (`max` at most) for room on `sock`, as [`wait_room`].
@@ -162,7 +152,7 @@ impl Link {
     /// Whether this process has bytes queued for the kernel socket (an
     /// exec's resend not sent yet).
     pub(crate) fn out_queued(&self) -> bool {
-        self.out_len.load(Ordering::Acquire) > 0 && self.out_pid.load(Ordering::Acquire) == crate::pid::get()
+        self.out_len.load(Ordering::SeqCst) > 0 && self.out_pid.load(Ordering::Acquire) == crate::pid::get()
     }
 
     /// Queues the rest of an exec's resend (`q`, not empty).
@@ -175,7 +165,7 @@ impl Link {
         });
         let mut o = lock(&self.out);
         self.out_pid.store(crate::pid::get(), Ordering::Release);
-        self.out_len.store(q.len(), Ordering::Release);
+        self.out_len.store(q.len(), Ordering::SeqCst);
         *o = q;
         drop(o);
         // No `EPOLLOUT` until it is sent (the progress thread gives it
@@ -186,32 +176,58 @@ impl Link {
     /// The queue just emptied: a `shutdown(SHUT_WR)` that waited goes to
     /// the kernel, the connection is plain TCP if both ways switched, and
     /// writability comes back (epoll's `EPOLLOUT`, poll's waiters).
-    fn out_emptied(&self, shut: bool) {
-        self.out_len.store(0, Ordering::Release);
-        if shut {
-            // SAFETY: shutdown(2) of the library's descriptor.
-            unsafe { real::shutdown(self.sock, libc::SHUT_WR) };
+    fn out_emptied(&self) {
+        // (SeqCst: against `shut_behind_out`, which stores its flag, then
+        // looks at the count; and `p_done`'s look at `p_rd`.)
+        self.out_len.store(0, Ordering::SeqCst);
+        if self.out_shut.load(Ordering::SeqCst) {
+            self.shut_out_now();
         }
         self.p_done();
         self.unblock();
         crate::credit::came();
     }
 
+    /// The kernel socket's `SHUT_WR` that waited for the queue, once.
+    fn shut_out_now(&self) {
+        if !self.out_shut_done.swap(true, Ordering::SeqCst) {
+            // SAFETY: shutdown(2) of the library's descriptor.
+            unsafe { real::shutdown(self.sock, libc::SHUT_WR) };
+        }
+    }
+
     /// The push failed (`e`: the socket's end, the program there gone):
-    /// what was queued cannot reach it any more; the program's next call
-    /// on the socket gets the error.
+    /// what was queued cannot reach it any more. The failing send took
+    /// the socket's error, so it is kept here: the program's next call on
+    /// the connection returns it ([`Self::take_out_err`]), and only then
+    /// is the connection plain TCP (a reset never reads as a clean end).
     fn out_failed(&self, o: &mut OutQ, e: c_int) {
         static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         crate::dev::warn_once(
             &SAID,
             &format!(
                 "the rest of a resend to an exec'd program could not be sent (errno {e}: the connection ended): \
-                 {} bytes lost with it",
+                 {} bytes lost with it; the program's next call on it gets the error",
                 o.len()
             ),
         );
         *o = OutQ::default();
-        self.out_emptied(false);
+        self.out_err.store(if e == 0 { libc::ECONNRESET } else { e }, Ordering::SeqCst);
+        self.out_emptied();
+    }
+
+    /// The errno of a failed push, for the program's call (once); the
+    /// connection is plain TCP from then on (if both ways switched).
+    pub(super) fn take_out_err(&self) -> Option<c_int> {
+        if self.out_err.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
+        let e = self.out_err.swap(0, Ordering::SeqCst);
+        if e == 0 {
+            return None;
+        }
+        self.p_done();
+        Some(e)
     }
 
     /// Pushes what the kernel takes now. `wait`: waits for the lock (a
@@ -240,11 +256,11 @@ impl Link {
         match o.push(|b| send_now(self.sock, b)) {
             Ok(Pushed::Empty) => {
                 crate::dev::debug("the exec resend's queue is sent");
-                self.out_emptied(o.shut());
+                self.out_emptied();
                 true
             }
             Ok(Pushed::Full(n)) => {
-                self.out_len.store(n, Ordering::Release);
+                self.out_len.store(n, Ordering::SeqCst);
                 false
             }
             Err(e) => {
@@ -255,48 +271,48 @@ impl Link {
     }
 
     /// Sends the whole queue, however long the other end takes to read
-    /// (as a blocking write would). `drop_in`: what comes in meanwhile
-    /// is read and dropped (a close: nobody reads it any more, and a
-    /// program there that writes before it reads would otherwise block
-    /// for ever). `Err`: the socket's error (the queue is dropped).
-    pub(crate) fn flush_out(&self, drop_in: bool) -> Res<()> {
+    /// (as a blocking write would), for a blocking write of the program
+    /// behind it. `Err`: the socket's error (the queue is dropped), or
+    /// `EPIPE` once a `shutdown(SHUT_WR)` came meanwhile (the queue stays,
+    /// for the progress thread, then the FIN).
+    fn flush_out(&self) -> Res<()> {
         if !self.out_queued() {
             return Ok(());
         }
         let mut o = lock(&self.out);
-        let mut dropped = 0;
         loop {
             if self.push_locked(&mut o) {
                 break;
             }
-            if drop_in {
-                dropped += drop_incoming(self.sock);
+            // A shutdown of the write side: this write fails, as TCP's
+            // (looked at after every slice of the wait).
+            if self.out_shut.load(Ordering::SeqCst) {
+                return Err(libc::EPIPE);
             }
             if let Err(e) = wait_room(self.sock) {
                 self.out_failed(&mut o, e);
-                return Err(e);
+                return Err(self.take_out_err().unwrap_or(e));
             }
             if let e @ 1.. = crate::stream::socket_error(self.sock) {
                 self.out_failed(&mut o, e);
-                return Err(e);
+                return Err(self.take_out_err().unwrap_or(e));
             }
         }
-        if dropped > 0 {
-            crate::dev::debug(&format!("{dropped} bytes dropped unread while the close flushed the resend"));
-        }
-        // (An error the push met emptied the queue: the socket says.)
-        match crate::stream::socket_error(self.sock) {
-            0 => Ok(()),
-            e => Err(e),
+        // (An error the push met emptied the queue and is kept.)
+        match self.take_out_err() {
+            Some(e) => Err(e),
+            None => Ok(()),
         }
     }
 
-    /// At the process's exit: sends the queue, until `end` at most
-    /// (reading and dropping what comes in meanwhile, as a close does);
-    /// what is left then is lost, and a warning says so.
-    fn flush_out_at_exit(&self, end: Instant) {
+    /// Sends the queue until `end` at most, reading and dropping what
+    /// comes in meanwhile (a close, an exec or an exit: nobody reads it
+    /// any more, and a program there that writes before it reads would
+    /// otherwise block for ever). `Err`: the bytes not sent (the push
+    /// failed, or `end` came; 0 where the lock was not had).
+    fn flush_out_until(&self, end: Instant) -> Result<(), usize> {
         if !self.out_queued() {
-            return;
+            return Ok(());
         }
         // (Another thread may hold it for ever, blocked in a write.)
         let mut o = loop {
@@ -306,45 +322,83 @@ impl Link {
                 Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
                     std::thread::sleep(Duration::from_millis(1))
                 }
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    return warn_lost_at_exit(self.out_len.load(Ordering::Acquire))
-                }
+                Err(std::sync::TryLockError::WouldBlock) => return Err(self.out_len.load(Ordering::SeqCst)),
             }
         };
-        loop {
+        let mut dropped = 0;
+        let r = loop {
+            let n = o.len();
             if self.push_locked(&mut o) {
-                return;
+                break if self.out_err.load(Ordering::SeqCst) != 0 { Err(n) } else { Ok(()) };
             }
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                return warn_lost_at_exit(o.len());
+                break Err(o.len());
             }
-            drop_incoming(self.sock);
+            dropped += drop_incoming(self.sock);
             if let Err(e) = wait_room_for(self.sock, left) {
-                return self.out_failed(&mut o, e);
+                let n = o.len();
+                self.out_failed(&mut o, e);
+                break Err(n);
             }
+        };
+        if dropped > 0 {
+            crate::dev::debug(&format!(
+                "{dropped} bytes dropped unread while the resend's queue was flushed"
+            ));
         }
+        r
+    }
+
+    /// At a close, an exec or the exit (`what`): sends the queue until
+    /// `end` ([`Self::flush_out_until`]); what is not sent by then (or
+    /// lost with a failed push) resets the connection, so the program
+    /// there reads an error, never a clean, short stream.
+    pub(crate) fn flush_out_or_reset(&self, end: Instant, what: &str) {
+        let Err(n) = self.flush_out_until(end) else { return };
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!(
+                "{what} with {n} bytes of a resend to an exec'd program not sent (not read within \
+                 VRDMA_SOCKETS_WAIT_MS, or the connection ended): the connection is reset"
+            ),
+        );
+        self.out_reset.store(true, Ordering::SeqCst);
+        Self::reset_sock(self.sock);
     }
 
     /// As [`Self::flush_out`], where the program's own threads may be
     /// the only readers and are not (a demotion of this end as the
     /// driver, before an exec): the deadlock guess of the synchronous
-    /// resend ([`crate::stream::send_all_while_alive`]) ends it.
+    /// resend ([`crate::stream::send_all_while_alive`]) ends it. A failure
+    /// (part of the queue may be sent) resets the connection: never plain
+    /// TCP behind a stream with a hole (the caller marks the demotion
+    /// failed, so every later call fails).
     pub(crate) fn flush_out_guessing(&self, sock: c_int) -> Res<()> {
         if !self.out_queued() {
             return Ok(());
         }
         let mut o = lock(&self.out);
         let r = crate::stream::send_all_while_alive(sock, o.pending());
-        let shut = o.shut();
         *o = OutQ::default();
         match r {
             Ok(()) => {
-                self.out_emptied(shut);
+                self.out_emptied();
                 Ok(())
             }
             Err(e) => {
-                self.out_emptied(false);
+                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(
+                    &SAID,
+                    &format!(
+                        "the resend to an exec'd program still queued could not be sent before this end's own \
+                         demotion (errno {e}): the connection is reset"
+                    ),
+                );
+                self.out_reset.store(true, Ordering::SeqCst);
+                self.out_len.store(0, Ordering::SeqCst);
+                Self::reset_sock(sock);
                 Err(e)
             }
         }
@@ -364,43 +418,45 @@ impl Link {
         if !self.out_queued() {
             return None;
         }
-        let mut o = lock(&self.out);
-        if o.shut() {
+        if self.out_shut.load(Ordering::SeqCst) {
             return Some(Err(libc::EPIPE));
         }
         if nonblocking {
+            let mut o = lock(&self.out);
             if !self.push_locked(&mut o) {
                 drop(o);
                 self.write_blocked_now();
                 crate::progress::watch(self);
                 return Some(Err(libc::EAGAIN));
             }
-        } else {
             drop(o);
-            if let Err(e) = self.flush_out(false) {
-                return Some(Err(e));
-            }
-            return Some(self.write_kernel(iov, false));
+            return Some(self.write_kernel(iov, true));
         }
-        drop(o);
-        Some(self.write_kernel(iov, true))
+        if let Err(e) = self.flush_out() {
+            return Some(Err(e));
+        }
+        Some(self.write_kernel(iov, false))
     }
 
     /// `shutdown(SHUT_WR)` while bytes are queued: the FIN waits for
     /// them (sent once the queue is empty). Whether it waits (the caller
-    /// does not shut the kernel socket's writes now).
+    /// does not shut the kernel socket's writes now). A flag, not the
+    /// queue's lock: a blocking writer may hold that for long; it sees
+    /// the flag within a slice of its wait and fails with `EPIPE`.
     pub(crate) fn shut_behind_out(&self) -> bool {
         if !self.out_queued() {
             return false;
         }
-        let mut o = lock(&self.out);
-        if o.is_empty() {
-            return false;
+        self.out_shut.store(true, Ordering::SeqCst);
+        // Emptied meanwhile (its emptying may not have seen the flag).
+        if self.out_len.load(Ordering::SeqCst) == 0 {
+            self.shut_out_now();
+            return true;
         }
-        o.set_shut();
-        drop(o);
-        // Pushed now where it fits (and the FIN with it).
-        !self.push_out(true)
+        // Pushed now where it fits (and the FIN with it), unless a writer
+        // holds the queue.
+        self.push_out(false);
+        true
     }
 
     /// A slice for a poll that waits for the queue to go (the kernel
@@ -419,19 +475,8 @@ extern "C" fn flush_queues_at_exit() {
     let links = crate::progress::listed_now();
     crate::dev::debug(&format!("exit: {} connections listed", links.len()));
     for l in links {
-        l.flush_out_at_exit(end);
+        l.flush_out_or_reset(end, "the process exits");
     }
-}
-
-fn warn_lost_at_exit(n: usize) {
-    static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    crate::dev::warn_once(
-        &SAID,
-        &format!(
-            "the process exits with {n} bytes of a resend to an exec'd program not sent (it did not read them \
-             within VRDMA_SOCKETS_WAIT_MS): they are lost"
-        ),
-    );
 }
 
 #[cfg(test)]
@@ -491,13 +536,12 @@ mod tests {
     }
 
     #[test]
-    fn a_queue_made_all_sent_is_empty_and_the_shut_waits_with_it() {
+    fn a_queue_made_all_sent_is_empty() {
         let q = OutQ::new(vec![1, 2], 5);
         assert!(q.is_empty());
         let mut q = OutQ::new(vec![1, 2], 1);
-        q.set_shut();
-        assert!(q.shut() && q.len() == 1);
+        assert_eq!(q.len(), 1);
         q.sent(10);
-        assert!(q.is_empty() && q.shut());
+        assert!(q.is_empty());
     }
 }
