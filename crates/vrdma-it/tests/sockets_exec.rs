@@ -833,6 +833,42 @@ fn a_shutdown_does_not_wait_for_a_writer_behind_the_queue_and_fails_its_write() 
     Ok(())
 }
 
+/// The resend queued, the client forks a child that writes on the
+/// connection while the parent waits for it without reading: the
+/// parent's end is demoted for the child, and its queue must go first,
+/// synchronously (the deadlock guess: the program there writes 8 MiB
+/// before it reads, so nothing moves); the guess ends it, and the
+/// connection is reset: the program there gets an error, never a stream
+/// with the rest of the resend missing (review H1: the connection went
+/// on as plain TCP, and the program read a short stream, no error).
+#[test]
+fn a_queue_whose_flush_fails_before_this_ends_demotion_resets() -> Result<()> {
+    let wf = (8 << 20).to_string();
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let server = [
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_WRITE_FIRST", wf.as_str()),
+        ("STDECHO_COUNT_ONLY", "1"),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+        ("SOCKAPP_WRITTEN_FIRST", wf.as_str()),
+        ("SOCKAPP_WRITER", "fork"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    c.assert_ok();
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stdout.contains("after the fork: "), "{}", c.describe());
+    assert!(!s.stderr.contains("stdecho read "), "{}\n{}", s.describe(), c.describe());
+    assert!(s.stderr.contains("Connection reset by peer"), "{}\n{}", s.describe(), c.describe());
+    Ok(())
+}
+
 /// The `bulk` exchange with a resend queued at the client (4 KiB
 /// buffers, a program that writes 256 KiB before it reads), the client's
 /// writer `way`, more environment for each side.

@@ -1008,6 +1008,13 @@ fn bulk_after_written_first(
     // `exit`: as `close`, with the process's exit in place of the close.
     let exit = writer_way == "exit";
     let readend = writer_way == "readend";
+    // `fork`: nothing written by the thread; 64 KiB of the program's
+    // bytes read, a child writes one byte on the connection (this process
+    // demotes its end for it, the resend still queued) while this one
+    // waits for it without reading, then reads the rest of the program's
+    // bytes, shuts its side and reads the end (`after the fork: ...`).
+    let forked = writer_way == "fork";
+    let readend = readend || forked;
     let abort = writer_way == "abort";
     let close = close || exit || readend;
     let bytes = if shut { first + unread } else { bytes };
@@ -1083,6 +1090,37 @@ fn bulk_after_written_first(
     let mut r = s;
     let mut buf = vec![0u8; 65_536];
     let mut got = 0u64;
+    if forked {
+        let fd = r.as_raw_fd();
+        r.read_exact(&mut buf[..65_536]).map_err(|e| format!("read of 64 KiB: {e}"))?;
+        // SAFETY: fork(2); the child only writes, says and _exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: write(2) of a byte of ours; _exit(2).
+            unsafe {
+                let w = libc::write(fd, b"x".as_ptr().cast(), 1);
+                let e = std::io::Error::last_os_error();
+                eprintln!("goclient: the child's write: {w} ({e})");
+                libc::_exit(0);
+            }
+        }
+        let mut st = 0;
+        // SAFETY: waitpid(2) for our child.
+        unsafe { libc::waitpid(child, &mut st, 0) };
+        let mut more = 65_536u64;
+        let end = loop {
+            match r.read(&mut buf) {
+                Ok(0) => break format!("the end after {more}"),
+                Ok(n) => more += n as u64,
+                Err(e) => break format!("{e} after {more}"),
+            }
+            if more == wf {
+                let _ = r.shutdown(Shutdown::Write);
+            }
+        };
+        println!("after the fork: {end}");
+        return Ok(());
+    }
     while got < wf {
         let want = (wf - got).min(buf.len() as u64) as usize;
         let n = r.read(&mut buf[..want]).map_err(|e| format!("read of the program's bytes at {got}: {e}"))?;
