@@ -213,10 +213,12 @@ fn run() {
             }
         }
         // Completions that never come (the daemon is gone): the list is
-        // let go; the program's own calls see the error.
+        // let go; the program's own calls see the error. (Not an exec's
+        // resend still queued: the kernel socket's, pushed here.)
         if check && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
-            lock(m).clear();
-            LISTED.store(0, Ordering::Release);
+            let mut q = lock(m);
+            q.clear_except(|l| l.out_queued());
+            LISTED.store(q.len(), Ordering::Release);
         }
     }
 }
