@@ -774,10 +774,13 @@ fn a_close_or_exit_while_the_resend_is_queued_sends_it_first() -> Result<()> {
 /// it, and since the queue is not all sent, the connection is reset: the
 /// program reads an error, never a clean, short stream (review M3, M1's
 /// exit case). Before: the close blocked until the program read (no
-/// bound), and the exit ended with a FIN behind a truncated resend.
+/// bound), and the exit ended with a FIN behind a truncated resend. The
+/// same where the client execs `/bin/true` (the connection close-on-exec,
+/// review M1): before, nothing flushed the queue and the kernel's close
+/// was a FIN, the program reading a clean, short stream.
 #[test]
 fn a_close_or_exit_that_cannot_send_the_queue_within_the_bound_resets() -> Result<()> {
-    for way in ["close", "exit"] {
+    for way in ["close", "exit", "execs"] {
         let (c, s) = queued_against(
             way,
             &[("STDECHO_DELAY_AFTER_WRITE_MS", "8000")],

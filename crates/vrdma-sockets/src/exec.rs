@@ -89,8 +89,9 @@ fn settle(exec: bool) {
             // An exec's resend this process still queues (`link/outq.rs`)
             // goes with its memory: sent first, within the settle's bound;
             // what is left resets the connection (never a clean, short
-            // stream at the other end).
-            if let Some(l) = s.link_now() {
+            // stream at the other end). Not in a `vfork` child: the queue
+            // is its parent's (shared memory), which goes on after the exec.
+            if let Some(l) = s.link_now().filter(|_| !crate::pid::vforked()) {
                 l.flush_out_or_reset(end, "an exec");
             }
             // A carried connection goes with the exec (close-on-exec):

@@ -1015,6 +1015,10 @@ fn bulk_after_written_first(
     // bytes, shuts its side and reads the end (`after the fork: ...`).
     let forked = writer_way == "fork";
     let readend = readend || forked;
+    // `execs`: as `close`, with an exec of `/bin/true` in place of the
+    // close (the connection close-on-exec, the resend maybe queued).
+    let execs = writer_way == "execs";
+    let close = close || execs;
     let abort = writer_way == "abort";
     let close = close || exit || readend;
     let bytes = if shut { first + unread } else { bytes };
@@ -1156,6 +1160,14 @@ fn bulk_after_written_first(
         if exit {
             println!("exits after {wf} written first");
             std::process::exit(0);
+        }
+        if execs {
+            use std::io::Write as _;
+            use std::os::unix::process::CommandExt as _;
+            println!("execs after {wf} written first");
+            let _ = std::io::stdout().flush();
+            let e = std::process::Command::new("/bin/true").exec();
+            return Err(format!("exec: {e}"));
         }
         drop(r);
         println!("closed after {wf} written first");

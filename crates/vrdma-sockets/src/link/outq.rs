@@ -399,6 +399,8 @@ impl Link {
                 self.out_reset.store(true, Ordering::SeqCst);
                 self.out_len.store(0, Ordering::SeqCst);
                 Self::reset_sock(sock);
+                // Writers waiting for writability wake and see the failure.
+                self.unblock();
                 Err(e)
             }
         }
