@@ -946,7 +946,7 @@ impl Link {
                 return Err(libc::ECONNRESET);
             }
         }
-        self.p_wr.store(true, Ordering::Release);
+        self.p_wr.store(true, Ordering::SeqCst);
         // No wake byte goes any more: the program's socket options go
         // back into the kernel (the marker went out at once).
         crate::kept::give_back_page(&self.page, self.sock);
