@@ -803,7 +803,8 @@ fn a_close_or_exit_that_cannot_send_the_queue_within_the_bound_resets() -> Resul
 #[test]
 fn a_reset_met_by_the_queue_push_is_the_programs_next_error() -> Result<()> {
     // (A second after its writes, so that they all arrive first: its
-    // close's reset drops what it has not sent yet.)
+    // close's reset drops what it has not sent yet; the client's read
+    // comes three seconds after them.)
     let (c, _s) = queued_against(
         "readend",
         &[("STDECHO_EXIT_AFTER_WRITE", "1"), ("STDECHO_DELAY_AFTER_WRITE_MS", "1000")],
@@ -812,6 +813,52 @@ fn a_reset_met_by_the_queue_push_is_the_programs_next_error() -> Result<()> {
     c.assert_ok();
     assert!(c.stderr.contains("of them queued"), "{}", c.describe());
     assert!(c.stdout.contains("then a read: Err(Some(104))"), "{}", c.describe());
+    Ok(())
+}
+
+/// The resend queued (the program there writes 8 MiB before it reads),
+/// the client runs `true` twice, by a `Command` (`posix_spawnp`) and by
+/// `system`, before it reads anything, a blocking writer of it behind the
+/// queue meanwhile: the client goes on living, so the spawns leave the
+/// queue alone, and the exchange completes byte-exact, no reset (review
+/// H-new: the spawn's settle flushed the queue as an exec's would,
+/// reading and dropping the program's bytes while it waited for room, or
+/// resetting the connection when the writer held the queue past the
+/// bound).
+#[test]
+fn a_program_spawned_while_the_resend_is_queued_leaves_the_queue_alone() -> Result<()> {
+    let (c, s) = written_first(8 << 20, None, "spawn")?;
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stderr.contains("spawned: exit status: 0, system: 0"), "{}", c.describe());
+    assert!(
+        c.stdout.contains(&format!("echoed {BYTES} after {} written first, then the end", 8 << 20)),
+        "{}",
+        c.describe()
+    );
+    assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
+    assert!(!c.stderr.contains("the connection is reset"), "{}", c.describe());
+    Ok(())
+}
+
+/// The resend queued, the client forks a child that keeps the
+/// descriptor (it makes no call on it) and closes its own, while the
+/// program there sleeps 10 s without reading or writing: the close
+/// demotes this end for the child, its queue first, and that send is
+/// bounded by `VRDMA_SOCKETS_WAIT_MS` (300): past it, the connection is
+/// reset, and the program reads an error, not the resend (review M3
+/// after fork: the close waited with no bound, until the program read).
+#[test]
+fn a_close_after_fork_that_cannot_send_the_queue_within_the_bound_resets() -> Result<()> {
+    let (c, s) = queued_against(
+        "forkclose",
+        &[("STDECHO_DELAY_AFTER_WRITE_MS", "10000")],
+        &[("VRDMA_SOCKETS_WAIT_MS", "300")],
+    )?;
+    c.assert_ok();
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stdout.contains("closed with a forked child holding it"), "{}", c.describe());
+    assert!(!s.stderr.contains("stdecho read "), "{}\n{}", s.describe(), c.describe());
+    assert!(s.stderr.contains("Connection reset by peer"), "{}\n{}", s.describe(), c.describe());
     Ok(())
 }
 

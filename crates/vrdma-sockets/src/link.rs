@@ -998,7 +998,10 @@ impl Link {
                         drop(rx);
                         self.read_kernel(iov, 0, nonblocking, peek, all)
                     }
-                    demote::PSwitch::End => Ok(0),
+                    demote::PSwitch::End => match self.out_err_at_end() {
+                        Some(e) => Err(e),
+                        None => Ok(0),
+                    },
                     demote::PSwitch::Demoted => {
                         drop(rx);
                         self.read_demoted(iov, cap, 0, nonblocking, peek, all)

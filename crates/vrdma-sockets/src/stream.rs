@@ -723,9 +723,17 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
 /// `EDEADLK` (the caller resets the connection). A program that wrote
 /// that much, then only sleeps before it reads, is taken for one in the
 /// deadlock (`docs/sockets.md`, "Exec").
-pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
+pub(crate) fn send_all_while_alive(fd: c_int, b: &[u8]) -> Res<()> {
+    send_all_while_alive_until(fd, b, None)
+}
+
+/// As [`send_all_while_alive`], until `end` at most (`ETIMEDOUT` past it).
+pub(crate) fn send_all_while_alive_until(fd: c_int, mut b: &[u8], end: Option<std::time::Instant>) -> Res<()> {
     let (mut stalled_since, mut last_inq) = (None::<std::time::Instant>, -1);
     while !b.is_empty() {
+        if end.is_some_and(|e| std::time::Instant::now() >= e) {
+            return Err(libc::ETIMEDOUT);
+        }
         // SAFETY: `b` is valid for its length.
         let r =
             unsafe { real::send(fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
@@ -736,8 +744,11 @@ pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
         match crate::table::errno() {
             libc::EAGAIN => {
                 let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                let ms = end.map_or(1000, |e| {
+                    e.saturating_duration_since(std::time::Instant::now()).as_millis().clamp(1, 1000) as c_int
+                });
                 // SAFETY: one valid pollfd.
-                let n = unsafe { libc::poll(&mut p, 1, 1000) };
+                let n = unsafe { libc::poll(&mut p, 1, ms) };
                 if n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
                     return Err(match socket_error(fd) {
                         0 => libc::EPIPE,

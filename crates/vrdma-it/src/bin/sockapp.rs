@@ -980,7 +980,13 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// the `wf` bytes are read, a second later, one more read, whose result
 /// it says (`then a read: ...`); `abort`: blocking writes, and once the
 /// `wf` bytes are read, a `shutdown(SHUT_RDWR)` while the writer waits
-/// behind the queue, the writer's result said (`the writer: ...`)), and this thread reads the `wf`
+/// behind the queue, the writer's result said (`the writer: ...`);
+/// `spawn`: blocking writes, and before the `wf` bytes are read, `true`
+/// run by a `Command` (`posix_spawnp`) and by `system` (`spawned: ...`);
+/// `forkclose`: nothing, and once the `wf` bytes are read, a child is
+/// forked that keeps the descriptor (it waits on a pipe) while this
+/// process closes its own, then lets the child go (`closed with a forked
+/// child holding it`)), and this thread reads the `wf`
 /// bytes, then the echo of everything from `first` on, checked byte by
 /// byte (the resent bytes, then the thread's, in order, each once), then
 /// the end. Says `echoed BYTES after WF written first, then the end`.
@@ -1020,7 +1026,9 @@ fn bulk_after_written_first(
     let execs = writer_way == "execs";
     let close = close || execs;
     let abort = writer_way == "abort";
-    let close = close || exit || readend;
+    let spawned = writer_way == "spawn";
+    let forkclose = writer_way == "forkclose";
+    let close = close || exit || readend || forkclose;
     let bytes = if shut { first + unread } else { bytes };
     let writer = std::thread::spawn(move || -> Result<u64, String> {
         let fd = w.as_raw_fd();
@@ -1125,6 +1133,14 @@ fn bulk_after_written_first(
         println!("after the fork: {end}");
         return Ok(());
     }
+    if spawned {
+        // (While the resend is queued, as a rule: the program writes
+        // before it reads, and nothing of it is read yet.)
+        let st = std::process::Command::new("true").status().map_err(|e| format!("spawn: {e}"))?;
+        // SAFETY: system(3) with a NUL-terminated command of ours.
+        let rc = unsafe { libc::system(c"true".as_ptr()) };
+        eprintln!("goclient: spawned: {st}, system: {rc}");
+    }
     while got < wf {
         let want = (wf - got).min(buf.len() as u64) as usize;
         let n = r.read(&mut buf[..want]).map_err(|e| format!("read of the program's bytes at {got}: {e}"))?;
@@ -1148,8 +1164,10 @@ fn bulk_after_written_first(
     }
     if readend {
         writer.join().map_err(|_| "the writer panicked".to_string())??;
-        // (The library's progress thread meets the program's end first.)
-        std::thread::sleep(std::time::Duration::from_millis(1000));
+        // (The library's progress thread meets the program's end first:
+        // the program ends a second after its writes, this read comes
+        // three seconds after them.)
+        std::thread::sleep(std::time::Duration::from_millis(3000));
         let mut g = [0u8; 1];
         let rr = r.read(&mut g).map_err(|e| e.raw_os_error());
         println!("then a read: {rr:?}");
@@ -1168,6 +1186,34 @@ fn bulk_after_written_first(
             let _ = std::io::stdout().flush();
             let e = std::process::Command::new("/bin/true").exec();
             return Err(format!("exec: {e}"));
+        }
+        if forkclose {
+            let mut p = [0; 2];
+            // SAFETY: pipe(2) into our array.
+            if unsafe { libc::pipe(p.as_mut_ptr()) } != 0 {
+                return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+            }
+            // SAFETY: fork(2); the child only reads its pipe and _exits.
+            let child = unsafe { libc::fork() };
+            if child == 0 {
+                // SAFETY: close(2), read(2) into a byte of ours, _exit(2).
+                unsafe {
+                    libc::close(p[1]);
+                    let mut b = 0u8;
+                    libc::read(p[0], (&mut b as *mut u8).cast(), 1);
+                    libc::_exit(0);
+                }
+            }
+            drop(r);
+            // SAFETY: closes our pipe's ends; waitpid(2) for our child.
+            unsafe {
+                libc::close(p[1]);
+                libc::close(p[0]);
+                let mut st = 0;
+                libc::waitpid(child, &mut st, 0);
+            }
+            println!("closed with a forked child holding it, after {wf} written first");
+            return Ok(());
         }
         drop(r);
         println!("closed after {wf} written first");

@@ -745,6 +745,14 @@ impl Link {
         loop {
             // SAFETY: `m` describes the caller's buffers.
             let r = unsafe { real::recvmsg(self.sock, &mut m, flags) };
+            if r == 0 {
+                // Woken by the end while a push of the queue met the
+                // reset (its send took the socket's error): the error,
+                // never a clean end after lost bytes.
+                if let Some(e) = self.out_err_at_end() {
+                    return Err(e);
+                }
+            }
             if r >= 0 {
                 return Ok(r as usize);
             }

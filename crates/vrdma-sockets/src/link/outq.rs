@@ -230,6 +230,19 @@ impl Link {
         Some(e)
     }
 
+    /// A read met the kernel socket's end: the errno of a push of the
+    /// queue that failed meanwhile, if any (a push now first where the
+    /// queue is still there and free: the failing send of a push in
+    /// progress may not have stored it yet). `EPIPE` (the reset's error
+    /// taken by an earlier call) reads as `ECONNRESET`: bytes were lost,
+    /// the end is not clean.
+    pub(super) fn out_err_at_end(&self) -> Option<c_int> {
+        if self.out_err.load(Ordering::SeqCst) == 0 && self.out_queued() {
+            self.push_out(false);
+        }
+        self.take_out_err().map(|e| if e == libc::EPIPE { libc::ECONNRESET } else { e })
+    }
+
     /// Pushes what the kernel takes now. `wait`: waits for the lock (a
     /// writer of the program), else leaves it to whoever holds it.
     /// Whether the queue is empty now.
@@ -374,14 +387,37 @@ impl Link {
     /// resend ([`crate::stream::send_all_while_alive`]) ends it. A failure
     /// (part of the queue may be sent) resets the connection: never plain
     /// TCP behind a stream with a hole (the caller marks the demotion
-    /// failed, so every later call fails).
+    /// failed, so every later call fails). Within `VRDMA_SOCKETS_WAIT_MS`
+    /// (the lock, then the sending): a close after a fork or the watcher
+    /// of a child's write must not wait for ever for a program there that
+    /// neither reads nor writes (the guess never fires then); past it,
+    /// `ETIMEDOUT` and the reset.
     pub(crate) fn flush_out_guessing(&self, sock: c_int) -> Res<()> {
         if !self.out_queued() {
             return Ok(());
         }
-        let mut o = lock(&self.out);
-        let r = crate::stream::send_all_while_alive(sock, o.pending());
-        *o = OutQ::default();
+        let end = Instant::now() + super::demote::wait_ms();
+        // (A writer of the program may hold it, blocked behind the queue.)
+        let got = loop {
+            match self.out.try_lock() {
+                Ok(o) => break Ok(o),
+                Err(std::sync::TryLockError::Poisoned(p)) => break Ok(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => break Err(libc::ETIMEDOUT),
+            }
+        };
+        let (mut held, r) = match got {
+            Ok(o) => {
+                let r = crate::stream::send_all_while_alive_until(sock, o.pending(), Some(end));
+                (Some(o), r)
+            }
+            Err(e) => (None, Err(e)),
+        };
+        if let Some(o) = held.as_mut() {
+            **o = OutQ::default();
+        }
         match r {
             Ok(()) => {
                 self.out_emptied();
@@ -399,6 +435,7 @@ impl Link {
                 self.out_reset.store(true, Ordering::SeqCst);
                 self.out_len.store(0, Ordering::SeqCst);
                 Self::reset_sock(sock);
+                drop(held);
                 // Writers waiting for writability wake and see the failure.
                 self.unblock();
                 Err(e)
@@ -424,7 +461,18 @@ impl Link {
             return Some(Err(libc::EPIPE));
         }
         if nonblocking {
-            let mut o = lock(&self.out);
+            // Never waits for the lock: a blocking writer may hold it for
+            // as long as the other end does not read (`EAGAIN` then, as
+            // for a queue not sent yet).
+            let mut o = match self.out.try_lock() {
+                Ok(o) => o,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    self.write_blocked_now();
+                    crate::progress::watch(self);
+                    return Some(Err(libc::EAGAIN));
+                }
+            };
             if !self.push_locked(&mut o) {
                 drop(o);
                 self.write_blocked_now();
