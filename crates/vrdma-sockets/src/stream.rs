@@ -728,7 +728,11 @@ pub(crate) fn send_all_while_alive(fd: c_int, b: &[u8]) -> Res<()> {
 }
 
 /// As [`send_all_while_alive`], until `end` at most (`ETIMEDOUT` past it).
-pub(crate) fn send_all_while_alive_until(fd: c_int, mut b: &[u8], end: Option<std::time::Instant>) -> Res<()> {
+pub(crate) fn send_all_while_alive_until(
+    fd: c_int,
+    mut b: &[u8],
+    end: Option<std::time::Instant>,
+) -> Res<()> {
     let (mut stalled_since, mut last_inq) = (None::<std::time::Instant>, -1);
     while !b.is_empty() {
         if end.is_some_and(|e| std::time::Instant::now() >= e) {

@@ -978,7 +978,8 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// the connection is closed once the `wf` bytes are read; `exit`: the
 /// process exits then, the connection open; `readend`: nothing, and once
 /// the `wf` bytes are read, a second later, one more read, whose result
-/// it says (`then a read: ...`); `abort`: blocking writes, and once the
+/// it says (`then a read: ...`); `readblock`: as `readend`, the read at
+/// once; `abort`: blocking writes, and once the
 /// `wf` bytes are read, a `shutdown(SHUT_RDWR)` while the writer waits
 /// behind the queue, the writer's result said (`the writer: ...`);
 /// `spawn`: blocking writes, and before the `wf` bytes are read, `true`
@@ -1013,7 +1014,10 @@ fn bulk_after_written_first(
     let close = writer_way == "close";
     // `exit`: as `close`, with the process's exit in place of the close.
     let exit = writer_way == "exit";
-    let readend = writer_way == "readend";
+    // `readblock`: as `readend`, the read at once (blocked in it when
+    // the program's end comes).
+    let readblock = writer_way == "readblock";
+    let readend = writer_way == "readend" || readblock;
     // `fork`: nothing written by the thread; 64 KiB of the program's
     // bytes read, a child writes one byte on the connection (this process
     // demotes its end for it, the resend still queued) while this one
@@ -1167,7 +1171,9 @@ fn bulk_after_written_first(
         // (The library's progress thread meets the program's end first:
         // the program ends a second after its writes, this read comes
         // three seconds after them.)
-        std::thread::sleep(std::time::Duration::from_millis(3000));
+        if !readblock {
+            std::thread::sleep(std::time::Duration::from_millis(3000));
+        }
         let mut g = [0u8; 1];
         let rr = r.read(&mut g).map_err(|e| e.raw_os_error());
         println!("then a read: {rr:?}");
