@@ -86,6 +86,19 @@ fn settle(exec: bool) {
                 crate::cloexec::restore(fd);
                 continue;
             }
+            // An exec's resend this process still queues (`link/outq.rs`)
+            // goes with its memory: sent first, within the settle's bound
+            // (a look of its own: `at_least`); what is left resets the
+            // connection (never a clean, short stream at the other end).
+            // Only for a real exec: a spawn (`posix_spawn`, `system`,
+            // `popen`) leaves this process living, its queue pushed as
+            // before (a flush here would drop the program's incoming
+            // bytes, or reset a healthy connection). Not in a `vfork`
+            // child: the queue is its parent's (shared memory), which
+            // goes on after the exec.
+            if let Some(l) = s.link_now().filter(|_| exec && !crate::pid::vforked()) {
+                l.flush_out_or_reset(at_least(end, wait), "an exec");
+            }
             // A carried connection goes with the exec (close-on-exec):
             // this process no longer holds it (`crate::forkshare`).
             if s.link_now().is_some() {

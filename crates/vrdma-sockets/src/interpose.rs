@@ -929,7 +929,15 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
         if let Target::Link(l) = target(fd) {
-            l.shut_write();
+            // Behind an exec's resend still queued, the FIN waits for it
+            // (sent once the queue is: `link/outq.rs`).
+            if l.shut_write() {
+                if how == libc::SHUT_WR {
+                    return 0;
+                }
+                // SAFETY: libc's shutdown with the caller's descriptor.
+                return unsafe { real::shutdown(fd, libc::SHUT_RD) };
+            }
         }
     }
     // SAFETY: libc's shutdown with the caller's arguments.

@@ -18,7 +18,7 @@
 //! sent from.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -34,6 +34,7 @@ use crate::stream::Sock;
 
 mod demote;
 mod iomap;
+mod outq;
 
 pub(crate) use demote::wait_ms as demote_wait;
 
@@ -203,6 +204,25 @@ pub struct Link {
     /// marker, an exec's resend): a failure after that is final
     /// (`demote`, `Link::p_switch_writes`).
     p_wr_began: AtomicBool,
+    /// As the peer of an exec demotion: the resend's bytes the kernel did
+    /// not take at once ([`outq`]), their count (0: none) and the process
+    /// whose queue it is.
+    out: Mutex<outq::OutQ>,
+    out_len: AtomicUsize,
+    out_pid: AtomicU32,
+    /// A push of the queue failed with this errno (0: none): the
+    /// program's next call on the connection returns it, and only then is
+    /// the connection plain TCP ([`outq`]; the failing send consumed the
+    /// socket's own error, so the kernel would not say it).
+    out_err: AtomicI32,
+    /// The queue was cut short and the connection reset: it never
+    /// becomes plain TCP for this end's holders.
+    out_reset: AtomicBool,
+    /// A `shutdown(SHUT_WR)` waits for the queue (a flag, not under the
+    /// queue's lock, which a blocking writer may hold), and whether the
+    /// kernel socket's `SHUT_WR` was done since.
+    out_shut: AtomicBool,
+    out_shut_done: AtomicBool,
     /// The library's own descriptor of the kernel socket (and whether a
     /// readiness call knows it).
     owner_sock: Arc<Sock>,
@@ -423,6 +443,13 @@ impl Half {
             p_wr: AtomicBool::new(false),
             p_rd: AtomicBool::new(false),
             p_wr_began: AtomicBool::new(false),
+            out: Mutex::new(outq::OutQ::default()),
+            out_len: AtomicUsize::new(0),
+            out_pid: AtomicU32::new(0),
+            out_err: AtomicI32::new(0),
+            out_reset: AtomicBool::new(false),
+            out_shut: AtomicBool::new(false),
+            out_shut_done: AtomicBool::new(false),
             sock: sock_owner.0,
             owner_sock: sock_owner,
             cq: self.cq,
@@ -546,7 +573,9 @@ impl Link {
         let _ = self.reap_locked(&mut p);
         let flying = !p.failed && (!p.pending.is_empty() || p.arm != 0);
         drop(p);
-        self.still_blocked() || flying || self.asked.load(Ordering::Acquire)
+        // An exec's resend still queued: pushed as far as the kernel takes.
+        let queued = !self.push_out(false);
+        self.still_blocked() || flying || self.asked.load(Ordering::Acquire) || queued
     }
 
     /// Waits until every write in flight landed; false once none is (or
@@ -563,7 +592,10 @@ impl Link {
     /// Whether the progress thread must keep looking at it: writes in
     /// flight, a write that found the ring full, or an answer to take.
     pub(crate) fn needs_watch(&self) -> bool {
-        self.in_flight() || self.write_blocked.load(Ordering::SeqCst) || self.asked.load(Ordering::SeqCst)
+        self.in_flight()
+            || self.write_blocked.load(Ordering::SeqCst)
+            || self.asked.load(Ordering::SeqCst)
+            || self.out_queued()
     }
 
     /// Whether only the peer's answer is awaited (asked, with a channel
@@ -580,6 +612,10 @@ impl Link {
     /// which takes the answer.
     pub(crate) fn ask_credits(self: &Arc<Self>) -> Ask {
         let Some(rcq) = &self.rcq else { return Ask::No };
+        // In a demotion no credits come (only an exec's queue to send).
+        if self.in_demotion() {
+            return Ask::No;
+        }
         {
             let _g = lock(&self.ask);
             if self.asked.load(Ordering::Acquire) {
@@ -681,8 +717,10 @@ impl Link {
         // In a demotion the kernel socket says (a writer blocked on a
         // full ring is told writable when the peer demoted, and its
         // write switches).
+        // An exec's resend still queued: not before it is sent (pushed
+        // now, as far as the kernel takes it).
         if self.in_demotion() || self.peer_demoted().is_some() {
-            return true;
+            return self.push_out(false);
         }
         let consumed = self.ring.read_u64(CONSUMED).unwrap_or(0);
         let used = self.wr_now.load(Ordering::Acquire).saturating_sub(consumed);
@@ -707,6 +745,29 @@ impl Link {
         }
         self.unblock();
         false
+    }
+
+    /// A non-blocking write found no room: the program's epoll
+    /// registrations lose `EPOLLOUT` until there is (the caller puts the
+    /// link on the progress thread's list, which gives it back).
+    fn write_blocked_now(&self) {
+        if !self.write_blocked.swap(true, Ordering::SeqCst) {
+            crate::epoll::write_blocked(self);
+            // An unblock (the progress thread, on credits) that
+            // ran between the flag and the strip found nothing
+            // to give back: `EPOLLOUT` would stay out for good.
+            if !self.write_blocked.load(Ordering::Acquire) {
+                crate::epoll::writable_again(self);
+            }
+        }
+    }
+
+    /// An exec's resend queued: the progress thread pushes it while the
+    /// program makes no call.
+    fn watch_out(self: &Arc<Self>) {
+        if self.out_queued() {
+            crate::progress::watch(self);
+        }
     }
 
     /// Clears the write-blocked state and gives `EPOLLOUT` back.
@@ -924,6 +985,7 @@ impl Link {
                     // reader thread may want meanwhile.
                     drop(rx);
                     self.p_switch_writes_now()?;
+                    self.watch_out();
                     rx = lock(&self.rx);
                     if self.p_reads_switched() {
                         drop(rx);
@@ -936,7 +998,10 @@ impl Link {
                         drop(rx);
                         self.read_kernel(iov, 0, nonblocking, peek, all)
                     }
-                    demote::PSwitch::End => Ok(0),
+                    demote::PSwitch::End => match self.out_err_at_end() {
+                        Some(e) => Err(e),
+                        None => Ok(0),
+                    },
                     demote::PSwitch::Demoted => {
                         drop(rx);
                         self.read_demoted(iov, cap, 0, nonblocking, peek, all)
@@ -1432,6 +1497,11 @@ impl Link {
         if self.p_writes_switch() {
             self.p_switch_writes(&mut tx)?;
             drop(tx);
+            self.watch_out();
+            // Behind an exec's resend still queued.
+            if let Some(r) = self.write_behind_out(iov, nonblocking.nonblocking()) {
+                return r;
+            }
             return self.write_kernel(iov, nonblocking.nonblocking());
         }
         crate::pause::at(crate::pause::Point::RingWrite);
@@ -1464,15 +1534,7 @@ impl Link {
                 // waits for writability; epoll must not report it until
                 // credits come back, and must report it then, also
                 // edge-triggered ([`crate::epoll`]).
-                if !self.write_blocked.swap(true, Ordering::SeqCst) {
-                    crate::epoll::write_blocked(self);
-                    // An unblock (the progress thread, on credits) that
-                    // ran between the flag and the strip found nothing
-                    // to give back: `EPOLLOUT` would stay out for good.
-                    if !self.write_blocked.load(Ordering::Acquire) {
-                        crate::epoll::writable_again(self);
-                    }
-                }
+                self.write_blocked_now();
                 crate::progress::watch(self);
                 // A sound when credits come back (the progress thread
                 // gives EPOLLOUT back then), and credits that came back
@@ -1706,9 +1768,12 @@ impl Link {
     /// `shutdown(SHUT_WR)`: waits until every write has landed (and its
     /// wake byte is sent), so that the kernel's FIN comes after the last
     /// byte.
-    pub fn shut_write(&self) {
+    ///
+    /// Whether the kernel socket's `SHUT_WR` must wait: an exec's resend
+    /// is still queued ([`outq`]); the FIN goes once it is sent.
+    pub fn shut_write(&self) -> bool {
         if self.shut_demoted() {
-            return;
+            return self.shut_behind_out();
         }
         let mut tx = lock(&self.tx);
         // Demoted while this waited for the send lock (the driver's count
@@ -1719,10 +1784,12 @@ impl Link {
         // as demoted let the kernel's FIN go ahead of the marker, whose
         // send then failed and the demotion with it (review, 2026-11-28).
         if self.shut_demoted() {
-            return;
+            drop(tx);
+            return self.shut_behind_out();
         }
         let _ = self.flush();
         tx.shut = true;
+        false
     }
 
     /// Before the last descriptor closes: every write lands first (as

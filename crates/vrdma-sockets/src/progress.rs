@@ -134,6 +134,16 @@ fn listed() -> Vec<Arc<Link>> {
     lock(&queue().0).snapshot(crate::pid::get())
 }
 
+/// The connections on the list now, for the exit's flush of exec
+/// resends still queued (`link/outq.rs`): none where the list is another
+/// process's.
+pub(crate) fn listed_now() -> Vec<Arc<Link>> {
+    if OWNER.load(Ordering::Acquire) != crate::pid::get() {
+        return Vec::new();
+    }
+    listed()
+}
+
 /// Takes `l` off the list unless a write was posted since it drained
 /// (`ProgressList::drained`: one it keeps is put back if a racing drain
 /// took it off).
@@ -203,10 +213,12 @@ fn run() {
             }
         }
         // Completions that never come (the daemon is gone): the list is
-        // let go; the program's own calls see the error.
+        // let go; the program's own calls see the error. (Not an exec's
+        // resend still queued: the kernel socket's, pushed here.)
         if check && crate::dev::dev().is_none_or(|d| d.ctx.daemon_gone()) {
-            lock(m).clear();
-            LISTED.store(0, Ordering::Release);
+            let mut q = lock(m);
+            q.clear_except(|l| l.out_queued());
+            LISTED.store(q.len(), Ordering::Release);
         }
     }
 }

@@ -327,11 +327,14 @@ unsafe fn poll_filtered(
             .flatten();
         // Credits that came before the asks landed: no wait.
         let came = waiter.is_some() && full.iter().any(|f| f.1.writable());
+        // Only exec resends queued (`link/outq.rs`): each look pushes
+        // them; the kernel takes more only as the program there reads.
+        let full_slice = if full.iter().all(|f| f.1.out_queued()) { Link::OUT_SLICE } else { FULL_SLICE };
         let slice = match (full.is_empty() || waiter.is_some(), left()) {
             _ if came || !ready_in.is_empty() => Some(Duration::ZERO),
             (true, l) => l,
-            (false, None) => Some(FULL_SLICE),
-            (false, Some(l)) => Some(l.min(FULL_SLICE)),
+            (false, None) => Some(full_slice),
+            (false, Some(l)) => Some(l.min(full_slice)),
         };
         let mut r = match &waiter {
             None => call(fds, n, slice),

@@ -705,7 +705,9 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
 }
 
 /// Sends all of `b` on `fd` however long the other end takes to read, as
-/// a blocking TCP write would (a demotion's resend, which cannot be given
+/// a blocking TCP write would (a demotion's resend where it cannot be
+/// queued: a connection held by other processes too, or a queue sent
+/// before this end is demoted itself, `link/outq.rs`; it cannot be given
 /// up halfway: the program there may legitimately take its time before it
 /// reads). Only the socket's end stops it: an error on it (the peer's
 /// reset, its host gone: the kernel's own retransmission limits) or a
@@ -721,9 +723,21 @@ fn wait(fd: c_int, events: i16) -> Res<()> {
 /// `EDEADLK` (the caller resets the connection). A program that wrote
 /// that much, then only sleeps before it reads, is taken for one in the
 /// deadlock (`docs/sockets.md`, "Exec").
-pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
+pub(crate) fn send_all_while_alive(fd: c_int, b: &[u8]) -> Res<()> {
+    send_all_while_alive_until(fd, b, None)
+}
+
+/// As [`send_all_while_alive`], until `end` at most (`ETIMEDOUT` past it).
+pub(crate) fn send_all_while_alive_until(
+    fd: c_int,
+    mut b: &[u8],
+    end: Option<std::time::Instant>,
+) -> Res<()> {
     let (mut stalled_since, mut last_inq) = (None::<std::time::Instant>, -1);
     while !b.is_empty() {
+        if end.is_some_and(|e| std::time::Instant::now() >= e) {
+            return Err(libc::ETIMEDOUT);
+        }
         // SAFETY: `b` is valid for its length.
         let r =
             unsafe { real::send(fd, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
@@ -734,8 +748,11 @@ pub(crate) fn send_all_while_alive(fd: c_int, mut b: &[u8]) -> Res<()> {
         match crate::table::errno() {
             libc::EAGAIN => {
                 let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                let ms = end.map_or(1000, |e| {
+                    e.saturating_duration_since(std::time::Instant::now()).as_millis().clamp(1, 1000) as c_int
+                });
                 // SAFETY: one valid pollfd.
-                let n = unsafe { libc::poll(&mut p, 1, 1000) };
+                let n = unsafe { libc::poll(&mut p, 1, ms) };
                 if n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
                     return Err(match socket_error(fd) {
                         0 => libc::EPIPE,
@@ -801,7 +818,7 @@ fn rcvbuf(fd: c_int) -> c_int {
 }
 
 /// The socket's pending error (`SO_ERROR`), 0 for none.
-fn socket_error(fd: c_int) -> c_int {
+pub(crate) fn socket_error(fd: c_int) -> c_int {
     let mut e: c_int = 0;
     let mut len = std::mem::size_of::<c_int>() as libc::socklen_t;
     // SAFETY: getsockopt(2) into an int of ours, its size.

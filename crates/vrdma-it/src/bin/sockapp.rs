@@ -234,7 +234,11 @@
 //! and answers `ok TOTAL` as `server` does.
 //! `SOCKAPP_EXEC_DELAY_MS`: a pause after the accept. `stdecho`: copies
 //! stdin to stdout until the end, then says `stdecho N` on stderr; `stdecho
-//! go` first says whether its stdin is a connected socket and writes `G`.
+//! go` first says whether its stdin is a connected socket and writes `G`
+//! (then `STDECHO_WRITE_FIRST` bytes `w` before it reads, and a sleep of
+//! `STDECHO_DELAY_AFTER_WRITE_MS`; `STDECHO_COUNT_ONLY`: reads without
+//! echoing and says `stdecho read N`; a `bulk` goclient given
+//! `SOCKAPP_WRITTEN_FIRST` reads them while a thread writes the rest).
 //! `goclient PORT BYTES WAY`: sends one chunk and reads its echo, waits for
 //! the go byte (WAY `read`, `poll`, `epoll`, `late`: a sleep of
 //! `SOCKAPP_GO_DELAY_MS` first, or `pipelined`: two chunks sent before
@@ -957,6 +961,9 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
         Ok(1) if g[0] == b'G' => {}
         other => return Err(format!("the go byte expected: {other:?} {g:?}")),
     }
+    if let Ok(wf) = num("SOCKAPP_WRITTEN_FIRST") {
+        return bulk_after_written_first(s, first, unread, bytes, wf);
+    }
     let mut got = vec![0u8; unread as usize];
     s.read_exact(&mut got).map_err(|e| format!("read back of the unread bytes: {e}"))?;
     if let Some(i) = (0..got.len()).find(|&i| got[i] != more[i]) {
@@ -971,6 +978,295 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
             Ok(())
         }
         other => Err(format!("after {sent} bytes echoed, the end expected: {other:?}")),
+    }
+}
+
+/// `bulk_goclient` against an exec'd program that writes `wf` bytes `w`
+/// before it reads (`STDECHO_WRITE_FIRST`), the go byte read: a thread
+/// writes the rest of the pattern (from `first + unread` to `bytes`) at
+/// once, while the resend may still be queued in this process's library
+/// (`SOCKAPP_WRITER`: `blocking` writes, or `nonblocking`: `send` with
+/// `MSG_DONTWAIT` and `poll` for `POLLOUT`; `epoll`: the same with an
+/// edge-triggered `EPOLLOUT` in `epoll_wait`; `shut`: nothing, its side
+/// shut at once, `bytes` taken as `first + unread`; `close`: nothing, and
+/// the connection is closed once the `wf` bytes are read; `exit`: the
+/// process exits then, the connection open; `readend`: nothing, and once
+/// the `wf` bytes are read, a second later, one more read, whose result
+/// it says (`then a read: ...`); `readblock`: as `readend`, the read at
+/// once; `abort`: blocking writes, and once the
+/// `wf` bytes are read, a `shutdown(SHUT_RDWR)` while the writer waits
+/// behind the queue, the writer's result said (`the writer: ...`);
+/// `spawn`: blocking writes, and before the `wf` bytes are read, `true`
+/// run by a `Command` (`posix_spawnp`) and by `system` (`spawned: ...`);
+/// `forkclose`: nothing, and once the `wf` bytes are read, a child is
+/// forked that keeps the descriptor (it waits on a pipe) while this
+/// process closes its own, then lets the child go (`closed with a forked
+/// child holding it`)), and this thread reads the `wf`
+/// bytes, then the echo of everything from `first` on, checked byte by
+/// byte (the resent bytes, then the thread's, in order, each once), then
+/// the end. Says `echoed BYTES after WF written first, then the end`.
+fn bulk_after_written_first(
+    s: TcpStream,
+    first: u64,
+    unread: u64,
+    bytes: u64,
+    wf: u64,
+) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let mut w = s.try_clone().map_err(|e| format!("clone: {e}"))?;
+    let writer_way = std::env::var("SOCKAPP_WRITER").unwrap_or_default();
+    // `epoll`: as `nonblocking`, waiting in `epoll_wait` for an
+    // edge-triggered `EPOLLOUT` instead of `poll`.
+    let epoll = writer_way == "epoll";
+    let nonblocking = writer_way == "nonblocking" || epoll;
+    // `shut`: nothing more is written, and the write side is shut at
+    // once (while the resend may still be queued: its FIN must wait).
+    let shut = writer_way == "shut";
+    // `close`: nothing more is written; the program's bytes read, the
+    // connection is closed (while the resend may still be queued: the
+    // close sends it first).
+    let close = writer_way == "close";
+    // `exit`: as `close`, with the process's exit in place of the close.
+    let exit = writer_way == "exit";
+    // `readblock`: as `readend`, the read at once (blocked in it when
+    // the program's end comes).
+    let readblock = writer_way == "readblock";
+    let readend = writer_way == "readend" || readblock;
+    // `fork`: nothing written by the thread; 64 KiB of the program's
+    // bytes read, a child writes one byte on the connection (this process
+    // demotes its end for it, the resend still queued) while this one
+    // waits for it without reading, then reads the rest of the program's
+    // bytes, shuts its side and reads the end (`after the fork: ...`).
+    let forked = writer_way == "fork";
+    let readend = readend || forked;
+    // `execs`: as `close`, with an exec of `/bin/true` in place of the
+    // close (the connection close-on-exec, the resend maybe queued).
+    let execs = writer_way == "execs";
+    let close = close || execs;
+    let abort = writer_way == "abort";
+    let spawned = writer_way == "spawn";
+    let forkclose = writer_way == "forkclose";
+    let close = close || exit || readend || forkclose;
+    let bytes = if shut { first + unread } else { bytes };
+    let writer = std::thread::spawn(move || -> Result<u64, String> {
+        let fd = w.as_raw_fd();
+        let mut at = first + unread;
+        if close {
+            drop(w);
+            return Ok(at);
+        }
+        if shut {
+            w.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+            eprintln!("goclient: the writer shut its side at once");
+        }
+        let (mut eagains, mut polls) = (0u64, 0u64);
+        let ep = if epoll {
+            // SAFETY: epoll_create1(2) and epoll_ctl(2) with an event of ours.
+            unsafe {
+                let ep = libc::epoll_create1(libc::EPOLL_CLOEXEC);
+                let mut ev = libc::epoll_event { events: (libc::EPOLLOUT | libc::EPOLLET) as u32, u64: 1 };
+                if ep < 0 || libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, fd, &mut ev) != 0 {
+                    return Err(format!("epoll: {}", std::io::Error::last_os_error()));
+                }
+                ep
+            }
+        } else {
+            -1
+        };
+        while at < bytes {
+            let n = (ECHO_CHUNK as u64).min(bytes - at) as usize;
+            let data: Vec<u8> = (0..n as u64).map(|k| pattern(at + k)).collect();
+            if !nonblocking {
+                w.write_all(&data).map_err(|e| format!("write at {at}: {e}"))?;
+                at += n as u64;
+                continue;
+            }
+            let mut off = 0;
+            while off < n {
+                // SAFETY: send(2) from our buffer.
+                let r = unsafe { libc::send(fd, data[off..].as_ptr().cast(), n - off, libc::MSG_DONTWAIT) };
+                if r > 0 {
+                    off += r as usize;
+                    continue;
+                }
+                let e = std::io::Error::last_os_error();
+                if e.raw_os_error() != Some(libc::EAGAIN) {
+                    return Err(format!("send at {}: {e}", at + off as u64));
+                }
+                eagains += 1;
+                let r = if epoll {
+                    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+                    // SAFETY: epoll_wait(2) into one event of ours.
+                    unsafe { libc::epoll_wait(ep, &mut ev, 1, 60_000) }
+                } else {
+                    let mut p = libc::pollfd { fd, events: libc::POLLOUT, revents: 0 };
+                    // SAFETY: one valid pollfd.
+                    unsafe { libc::poll(&mut p, 1, 60_000) }
+                };
+                if r != 1 {
+                    return Err(format!("waiting for POLLOUT at {}: {r}", at + off as u64));
+                }
+                polls += 1;
+            }
+            at += n as u64;
+        }
+        if ep >= 0 {
+            // SAFETY: closes our epoll descriptor.
+            unsafe { libc::close(ep) };
+        }
+        eprintln!("goclient: the writer sent up to {at} ({eagains} EAGAIN, {polls} polls)");
+        Ok(at)
+    });
+    let mut r = s;
+    let mut buf = vec![0u8; 65_536];
+    let mut got = 0u64;
+    if forked {
+        let fd = r.as_raw_fd();
+        r.read_exact(&mut buf[..65_536]).map_err(|e| format!("read of 64 KiB: {e}"))?;
+        // SAFETY: fork(2); the child only writes, says and _exits.
+        let child = unsafe { libc::fork() };
+        if child == 0 {
+            // SAFETY: write(2) of a byte of ours; _exit(2).
+            unsafe {
+                let w = libc::write(fd, b"x".as_ptr().cast(), 1);
+                let e = std::io::Error::last_os_error();
+                eprintln!("goclient: the child's write: {w} ({e})");
+                libc::_exit(0);
+            }
+        }
+        let mut st = 0;
+        // SAFETY: waitpid(2) for our child.
+        unsafe { libc::waitpid(child, &mut st, 0) };
+        let mut more = 65_536u64;
+        let end = loop {
+            match r.read(&mut buf) {
+                Ok(0) => break format!("the end after {more}"),
+                Ok(n) => more += n as u64,
+                Err(e) => break format!("{e} after {more}"),
+            }
+            if more == wf {
+                let _ = r.shutdown(Shutdown::Write);
+            }
+        };
+        println!("after the fork: {end}");
+        return Ok(());
+    }
+    if spawned {
+        // (While the resend is queued, as a rule: the program writes
+        // before it reads, and nothing of it is read yet.)
+        let st = std::process::Command::new("true").status().map_err(|e| format!("spawn: {e}"))?;
+        // SAFETY: system(3) with a NUL-terminated command of ours.
+        let rc = unsafe { libc::system(c"true".as_ptr()) };
+        eprintln!("goclient: spawned: {st}, system: {rc}");
+    }
+    while got < wf {
+        let want = (wf - got).min(buf.len() as u64) as usize;
+        let n = r.read(&mut buf[..want]).map_err(|e| format!("read of the program's bytes at {got}: {e}"))?;
+        if n == 0 {
+            return Err(format!("the end after {got} of the program's {wf} bytes"));
+        }
+        if let Some(i) = buf[..n].iter().position(|&b| b != b'w') {
+            return Err(format!("the program's byte {} read as {}", got + i as u64, buf[i]));
+        }
+        got += n as u64;
+    }
+    eprintln!("goclient: the program's {wf} bytes read");
+    if abort {
+        // (The writer waits behind the queue by now, as a rule.)
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        r.shutdown(Shutdown::Both).map_err(|e| format!("shutdown: {e}"))?;
+        println!("shut down while the writer waits");
+        let w = writer.join().map_err(|_| "the writer panicked".to_string())?;
+        println!("the writer: {w:?}");
+        return Ok(());
+    }
+    if readend {
+        writer.join().map_err(|_| "the writer panicked".to_string())??;
+        // (The library's progress thread meets the program's end first:
+        // the program ends a second after its writes, this read comes
+        // three seconds after them.)
+        if !readblock {
+            std::thread::sleep(std::time::Duration::from_millis(3000));
+        }
+        let mut g = [0u8; 1];
+        let rr = r.read(&mut g).map_err(|e| e.raw_os_error());
+        println!("then a read: {rr:?}");
+        return Ok(());
+    }
+    if close {
+        writer.join().map_err(|_| "the writer panicked".to_string())??;
+        if exit {
+            println!("exits after {wf} written first");
+            std::process::exit(0);
+        }
+        if execs {
+            use std::io::Write as _;
+            use std::os::unix::process::CommandExt as _;
+            println!("execs after {wf} written first");
+            let _ = std::io::stdout().flush();
+            let e = std::process::Command::new("/bin/true").exec();
+            return Err(format!("exec: {e}"));
+        }
+        if forkclose {
+            let mut p = [0; 2];
+            // SAFETY: pipe(2) into our array.
+            if unsafe { libc::pipe(p.as_mut_ptr()) } != 0 {
+                return Err(format!("pipe: {}", std::io::Error::last_os_error()));
+            }
+            // SAFETY: fork(2); the child only reads its pipe and _exits.
+            let child = unsafe { libc::fork() };
+            if child == 0 {
+                // SAFETY: close(2), read(2) into a byte of ours, _exit(2).
+                unsafe {
+                    libc::close(p[1]);
+                    let mut b = 0u8;
+                    libc::read(p[0], (&mut b as *mut u8).cast(), 1);
+                    libc::_exit(0);
+                }
+            }
+            drop(r);
+            // SAFETY: closes our pipe's ends; waitpid(2) for our child.
+            unsafe {
+                libc::close(p[1]);
+                libc::close(p[0]);
+                let mut st = 0;
+                libc::waitpid(child, &mut st, 0);
+            }
+            println!("closed with a forked child holding it, after {wf} written first");
+            return Ok(());
+        }
+        drop(r);
+        println!("closed after {wf} written first");
+        return Ok(());
+    }
+    let mut at = first;
+    while at < bytes {
+        let want = (bytes - at).min(buf.len() as u64) as usize;
+        let n = r.read(&mut buf[..want]).map_err(|e| format!("read back at {at}: {e}"))?;
+        if n == 0 {
+            return Err(format!("the end at {at} of the echo"));
+        }
+        if let Some(i) = (0..n).find(|&i| buf[i] != pattern(at + i as u64)) {
+            return Err(format!(
+                "byte {} echoed as {}, sent {}",
+                at + i as u64,
+                buf[i],
+                pattern(at + i as u64)
+            ));
+        }
+        at += n as u64;
+    }
+    writer.join().map_err(|_| "the writer panicked".to_string())??;
+    if !shut {
+        r.shutdown(Shutdown::Write).map_err(|e| format!("shutdown: {e}"))?;
+    }
+    let mut g = [0u8; 1];
+    match r.read(&mut g) {
+        Ok(0) => {
+            println!("echoed {bytes} after {wf} written first, then the end");
+            Ok(())
+        }
+        other => Err(format!("after {bytes} bytes echoed, the end expected: {other:?}")),
     }
 }
 
@@ -1490,6 +1786,33 @@ fn stdecho(go: bool) -> Result<(), String> {
                 }
                 off += w as usize;
             }
+            // Then a sleep before it reads.
+            pause("STDECHO_DELAY_AFTER_WRITE_MS");
+            // `STDECHO_EXIT_AFTER_WRITE`: ends without reading (its
+            // close, with bytes unread, is a reset).
+            if std::env::var_os("STDECHO_EXIT_AFTER_WRITE").is_some() {
+                // SAFETY: write(2) of a line of ours.
+                unsafe { libc::write(2, b"stdecho exits unread\n".as_ptr().cast(), 21) };
+                return Ok(());
+            }
+        }
+        if std::env::var_os("STDECHO_COUNT_ONLY").is_some() {
+            // Reads to the end without echoing: says `stdecho read N`.
+            loop {
+                // SAFETY: read(2) into our buffer.
+                let r = unsafe { libc::read(0, buf.as_mut_ptr().cast(), buf.len()) };
+                if r < 0 {
+                    return Err(format!("read after {n}: {}", std::io::Error::last_os_error()));
+                }
+                if r == 0 {
+                    break;
+                }
+                n += r as u64;
+            }
+            let line = format!("stdecho read {n}\n");
+            // SAFETY: write(2) of our buffer, its length.
+            unsafe { libc::write(2, line.as_ptr().cast(), line.len()) };
+            return Ok(());
         }
     }
     loop {

@@ -27,7 +27,8 @@
 //! for a peer whose hello says it answers that): P reads its bytes past
 //! that count back from D's ring (an RDMA read) and sends them after its
 //! marker, whose count is D's read count; D takes the marker off and
-//! execs.
+//! execs. What the kernel does not take at once is queued
+//! ([`super::outq`]): P's call returns and its reads go on.
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -284,6 +285,9 @@ impl Link {
             // looks at the state); the rest finish their write first.
             let tx = lock(&self.tx);
             let w = tx.wr;
+            // An exec's resend this end still queues goes before anything
+            // else (the holders write to the kernel socket from now on).
+            self.flush_out_guessing(sock)?;
             // This end answered the peer's own demotion already (both
             // ends forked): its marker is sent, and only one may be. A
             // peer that closed writes no more (its last byte landed
@@ -513,6 +517,11 @@ impl Link {
     /// kernel). Ring bytes left unread leave it: a reset, as TCP's close
     /// with unread data.
     pub(crate) fn close_in_demotion(&self) {
+        // An exec's resend still queued goes first (`outq`): what comes in
+        // meanwhile is dropped, as nobody reads it any more. Within
+        // `VRDMA_SOCKETS_WAIT_MS` (a close does not block without bound):
+        // what is left then resets the connection, never a short stream.
+        self.flush_out_or_reset(Instant::now() + wait_ms(), "a close");
         if self.d_state() != crate::owner::D_NONE {
             // D (the driver's copy): once the peer stopped writing.
             self.await_peer_switch();
@@ -566,7 +575,7 @@ impl Link {
             match head(self.sock) {
                 Ok(Head::Mark(c)) if c == w => {
                     take_mark(self.sock);
-                    self.p_rd.store(true, Ordering::Release);
+                    self.p_rd.store(true, Ordering::SeqCst);
                     drop(g);
                     self.p_done();
                     crate::dev::debug(&format!("the peer's marker after {c} bytes taken at a close"));
@@ -716,9 +725,34 @@ impl Link {
         let mut m: libc::msghdr = unsafe { std::mem::zeroed() };
         m.msg_iov = v.as_mut_ptr();
         m.msg_iovlen = v.len() as _;
+        // A push of an exec's queue failed (`outq`): the bytes that came
+        // before the error are read, then the error (as TCP's own). An
+        // error the kernel still has is that one; an `EPIPE` of the push
+        // (the reset's error taken by an earlier call) is no read's.
+        if self.out_err.load(Ordering::SeqCst) != 0 {
+            // SAFETY: `m` describes the caller's buffers.
+            let r = unsafe { real::recvmsg(self.sock, &mut m, flags | libc::MSG_DONTWAIT) };
+            if r > 0 {
+                return Ok(r as usize);
+            }
+            let now = if r < 0 { crate::table::errno() } else { 0 };
+            match self.take_out_err() {
+                _ if now != 0 && now != libc::EAGAIN && now != libc::EINTR => return Err(now),
+                Some(e) if e != libc::EPIPE => return Err(e),
+                _ => {}
+            }
+        }
         loop {
             // SAFETY: `m` describes the caller's buffers.
             let r = unsafe { real::recvmsg(self.sock, &mut m, flags) };
+            if r == 0 {
+                // Woken by the end while a push of the queue met the
+                // reset (its send took the socket's error): the error,
+                // never a clean end after lost bytes.
+                if let Some(e) = self.out_err_at_end() {
+                    return Err(e);
+                }
+            }
             if r >= 0 {
                 return Ok(r as usize);
             }
@@ -731,6 +765,10 @@ impl Link {
 
     /// Writes `iov` to the kernel socket, as the program's call would.
     pub(crate) fn write_kernel(&self, iov: &[(*const u8, usize)], nonblocking: bool) -> Res<usize> {
+        // A push of an exec's queue failed: its errno first (`outq`).
+        if let Some(e) = self.take_out_err() {
+            return Err(e);
+        }
         let mut v: Vec<libc::iovec> =
             iov.iter().map(|&(p, n)| libc::iovec { iov_base: p as *mut libc::c_void, iov_len: n }).collect();
         // SAFETY: a zeroed msghdr is valid; its vector points to `v`.
@@ -831,9 +869,30 @@ impl Link {
             crate::stream::send_all(self.sock, &out[..out.len() / 2])?;
             return Err(libc::ETIMEDOUT);
         }
-        // No time limit: the exec'd program may take its time before it
-        // reads, and a resend cut short is final (a reset). Only a
-        // deadlock with a program that writes before it reads ends it.
+        // Held by this process alone: what the kernel takes now goes, the
+        // rest is queued (`outq`) and this call returns, so that this
+        // end's reads go on: a program there that writes before it reads
+        // is read, and gets to read these bytes. Nothing is guessed.
+        if self.demote_words().is_none_or(|d| !d.held_elsewhere()) {
+            let mut q = super::outq::OutQ::new(out, 0);
+            let left = match q.push(|b| super::outq::send_now(self.sock, b))? {
+                super::outq::Pushed::Empty => 0,
+                super::outq::Pushed::Full(left) => left,
+            };
+            if left > 0 {
+                self.queue_out(q);
+            }
+            crate::dev::debug(&format!(
+                "the peer demoted for an exec at {rd}: {n} bytes sent again after the marker, {left} of them queued"
+            ));
+            return Ok(());
+        }
+        // Held by other processes too (after a fork): their writes go
+        // straight to the kernel socket, so nothing may wait behind a
+        // queue of this process. Synchronous, with no time limit: the
+        // exec'd program may take its time before it reads, and a resend
+        // cut short is final (a reset). Only a deadlock with a program that
+        // writes before it reads ends it (the guess).
         if let Err(e) = crate::stream::send_all_while_alive(self.sock, &out) {
             if e == libc::EDEADLK {
                 static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
@@ -895,12 +954,16 @@ impl Link {
                 return Err(libc::ECONNRESET);
             }
         }
-        self.p_wr.store(true, Ordering::Release);
+        self.p_wr.store(true, Ordering::SeqCst);
         // No wake byte goes any more: the program's socket options go
         // back into the kernel (the marker went out at once).
         crate::kept::give_back_page(&self.page, self.sock);
         crate::dev::debug(&format!("the peer demoted: writing to the kernel socket after {} bytes", tx.wr));
-        self.unblock();
+        // (Not while an exec's resend is queued: `EPOLLOUT` stays out
+        // until it is sent, `outq`.)
+        if !self.out_queued() {
+            self.unblock();
+        }
         self.p_done();
         Ok(())
     }
@@ -928,11 +991,19 @@ impl Link {
             &SAID,
             &format!("the switch of a demoted connection to plain TCP failed midway (errno {e}): the connection is reset"),
         );
+        Self::reset_sock(self.sock);
+    }
+
+    /// Resets the kernel connection of `sock` (a `connect` to
+    /// `AF_UNSPEC`; failing that, a linger of 0, so that its last close
+    /// is a reset): the program there reads an error, never a short
+    /// stream.
+    pub(super) fn reset_sock(sock: c_int) {
         // SAFETY: a zeroed sockaddr with family AF_UNSPEC, its size.
         let r = unsafe {
             let mut a: libc::sockaddr = std::mem::zeroed();
             a.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
-            real::connect(self.sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t)
+            real::connect(sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t)
         };
         if r != 0 {
             // Not disconnected (an older kernel, a socket state that
@@ -948,7 +1019,7 @@ impl Link {
             // SAFETY: setsockopt(2) with a linger of ours, its size.
             let r = unsafe {
                 real::setsockopt(
-                    self.sock,
+                    sock,
                     libc::SOL_SOCKET,
                     libc::SO_LINGER,
                     (&lg as *const libc::linger).cast(),
@@ -994,7 +1065,7 @@ impl Link {
             match head(self.sock)? {
                 Head::Mark(c) if c == w && c == rx.rd => {
                     take_mark(self.sock);
-                    self.p_rd.store(true, Ordering::Release);
+                    self.p_rd.store(true, Ordering::SeqCst);
                     drop(g);
                     crate::dev::debug(&format!(
                         "the peer's marker after {c} bytes: reading the kernel socket"
@@ -1017,8 +1088,20 @@ impl Link {
     }
 
     /// As the peer: both ways switched: plain TCP for this end's holders.
-    fn p_done(&self) {
-        if self.p_wr.load(Ordering::Acquire) && self.p_rd.load(Ordering::Acquire) {
+    pub(super) fn p_done(&self) {
+        // (Not while an exec's resend is queued: the holders' calls must
+        // still come here, behind it.)
+        // (SeqCst: the queue's emptying stores its count, then looks at
+        // `p_rd`; the read's switch stores `p_rd`, then looks at the
+        // count: one of them sees the other's store.) Nor after the queue
+        // failed: its errno is the program's first (`Link::take_out_err`),
+        // or the connection was reset.
+        if self.p_wr.load(Ordering::SeqCst)
+            && self.p_rd.load(Ordering::SeqCst)
+            && self.out_len.load(Ordering::SeqCst) == 0
+            && self.out_err.load(Ordering::SeqCst) == 0
+            && !self.out_reset.load(Ordering::SeqCst)
+        {
             self.page.set_tcp();
         }
     }

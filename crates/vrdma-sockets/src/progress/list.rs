@@ -176,9 +176,21 @@ impl<T: Entry> ProgressList<T> {
 
     /// Lets every entry go (the daemon is gone: completions never come;
     /// the program's own calls see the error).
+    #[cfg(test)]
     pub(crate) fn clear(&mut self) {
-        for l in self.links.drain(..) {
-            l.queued().store(false, Ordering::Release);
-        }
+        self.clear_except(|_| false);
+    }
+
+    /// As [`Self::clear`], keeping the entries `keep` says (an exec's
+    /// resend still queued, `link/outq.rs`: it goes to the kernel socket,
+    /// daemon or not, and nobody else pushes it).
+    pub(crate) fn clear_except(&mut self, keep: impl Fn(&T) -> bool) {
+        self.links.retain(|l| {
+            let k = keep(l);
+            if !k {
+                l.queued().store(false, Ordering::Release);
+            }
+            k
+        });
     }
 }

@@ -334,6 +334,23 @@ fn the_daemon_is_checked_every_1024th_busy_look() {
     assert!(!a.queued_flag(), "let go: its next write lists it again");
 }
 
+/// The daemon gone, the list is let go except the entries kept (an
+/// exec's resend still queued: nobody else pushes it, review L3).
+#[test]
+fn a_cleared_list_keeps_the_entries_asked_for() {
+    let mut l = started();
+    let (a, b) = (E::default(), E::default());
+    b.0.needs.store(true, Ordering::SeqCst);
+    for e in [&a, &b] {
+        assert!(claim(e));
+        let _ = l.list(e);
+    }
+    l.clear_except(|e| e.needs_watch());
+    assert_eq!(l.len(), 1);
+    assert!(l.has(&b) && b.queued_flag(), "kept, flag set");
+    assert!(!l.has(&a) && !a.queued_flag(), "let go: its next write lists it again");
+}
+
 /// A forked child shares its parent's list in memory, not its thread:
 /// the parent's entries are not its to look at, drop or list again, and
 /// its first write starts its own thread, whoever was idle at the fork.

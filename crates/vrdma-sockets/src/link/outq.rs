@@ -1,0 +1,597 @@
+//! The outgoing queue of an exec's resend (`docs/sockets.md`, "Exec"):
+//! the marker and bytes that the peer of an exec demotion (P) sends again
+//! on the kernel socket, as far as the kernel did not take them at once.
+//!
+//! Why a queue: P resends inside whichever call of its program noticed
+//! the demotion (often a read). Sent synchronously, a program at the
+//! other end that writes before it reads (`cat big; cat`) blocks in its
+//! write, since P reads nothing while it resends, and never reads P's
+//! bytes: both would wait for ever. Queued, P's call returns and its
+//! reads go on (its incoming path stays the kernel's), so the program's
+//! output is read and the program gets to read what P sends.
+//!
+//! Who pushes it: P's later writes on the connection (they go behind it:
+//! a blocking one flushes it first, a non-blocking one pushes what fits
+//! and says `EAGAIN` while bytes of it remain), the progress thread
+//! (`crate::progress`, while P makes no call), the readiness calls (whose
+//! `POLLOUT`/`EPOLLOUT` is withheld while it is not empty), and a
+//! `shutdown(SHUT_WR)` (its FIN waits until the queue is sent), a close
+//! (which flushes it) and the process's exit (`atexit`: within
+//! `VRDMA_SOCKETS_WAIT_MS`). Only in the process that made it (after a fork,
+//! the child's copy of the memory is not a queue of its own), and only
+//! for a connection held by that one process when the resend began
+//! (else the resend is synchronous, as before).
+//!
+//! [`OutQ`] is the accounting, without sockets (unit-tested below).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use libc::c_int;
+
+use super::{lock, Link, Res};
+use crate::real;
+
+/// Bytes queued for the kernel socket, sent in order, each once.
+#[derive(Debug, Default)]
+pub(crate) struct OutQ {
+    buf: Vec<u8>,
+    /// Bytes of `buf` sent already.
+    at: usize,
+}
+
+/// What a push ended with.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Pushed {
+    /// Everything is sent.
+    Empty,
+    /// The kernel takes no more now (`EAGAIN`): this many bytes remain.
+    Full(usize),
+}
+
+impl OutQ {
+    /// A queue of `buf`, of which `at` bytes were sent.
+    pub(crate) fn new(buf: Vec<u8>, at: usize) -> OutQ {
+        let at = at.min(buf.len());
+        let mut q = OutQ { buf, at };
+        q.tidy();
+        q
+    }
+
+    /// The bytes still to send.
+    pub(crate) fn pending(&self) -> &[u8] {
+        &self.buf[self.at..]
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.buf.len() - self.at
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// `n` more bytes were sent (at most what remains).
+    pub(crate) fn sent(&mut self, n: usize) {
+        self.at = (self.at + n).min(self.buf.len());
+        self.tidy();
+    }
+
+    fn tidy(&mut self) {
+        if self.is_empty() {
+            self.buf = Vec::new();
+            self.at = 0;
+        }
+    }
+
+    /// Sends with `send` (which takes a slice and answers the bytes it
+    /// took, or an errno) until it is empty or `send` says `EAGAIN`;
+    /// `EINTR` is tried again; any other errno is returned, the bytes not
+    /// sent left in the queue.
+    pub(crate) fn push(&mut self, mut send: impl FnMut(&[u8]) -> Res<usize>) -> Res<Pushed> {
+        while !self.is_empty() {
+            match send(self.pending()) {
+                Ok(0) => return Ok(Pushed::Full(self.len())),
+                Ok(n) => self.sent(n),
+                Err(libc::EINTR) => {}
+                Err(libc::EAGAIN) => return Ok(Pushed::Full(self.len())),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(Pushed::Empty)
+    }
+}
+
+/// One non-blocking send of `b` on `sock` (no `SIGPIPE`).
+pub(crate) fn send_now(sock: c_int, b: &[u8]) -> Res<usize> {
+    // SAFETY: `b` is valid for its length.
+    let r = unsafe { real::send(sock, b.as_ptr().cast(), b.len(), libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT) };
+    if r >= 0 {
+        Ok(r as usize)
+    } else {
+        Err(crate::table::errno())
+    }
+}
+
+/// Waits (100 ms at most: a `shutdown` is looked at between) for room
+/// on `sock`; an error or hang-up on it is returned.
+fn wait_room(sock: c_int) -> Res<()> {
+    wait_room_for(sock, Duration::from_millis(100))
+}
+
+/// Waits (`max` at most) for room on `sock`, as [`wait_room`].
+fn wait_room_for(sock: c_int, max: Duration) -> Res<()> {
+    let mut p = libc::pollfd { fd: sock, events: libc::POLLOUT, revents: 0 };
+    // SAFETY: one valid pollfd.
+    let n = unsafe { libc::poll(&mut p, 1, max.as_millis().clamp(1, 1000) as c_int) };
+    if n == 1 && p.revents & (libc::POLLERR | libc::POLLHUP | libc::POLLNVAL) != 0 {
+        return Err(match crate::stream::socket_error(sock) {
+            0 => libc::EPIPE,
+            e => e,
+        });
+    }
+    Ok(())
+}
+
+/// Reads and drops what waits on `sock` (a close that flushes: nobody
+/// reads them any more, as TCP's close drops them).
+fn drop_incoming(sock: c_int) -> usize {
+    let mut b = [0u8; 16384];
+    let mut n = 0;
+    loop {
+        // SAFETY: `b` is valid for its length.
+        let r = unsafe { real::recv(sock, b.as_mut_ptr().cast(), b.len(), libc::MSG_DONTWAIT) };
+        if r <= 0 {
+            return n;
+        }
+        n += r as usize;
+    }
+}
+
+impl Link {
+    /// Whether this process has bytes queued for the kernel socket (an
+    /// exec's resend not sent yet).
+    pub(crate) fn out_queued(&self) -> bool {
+        self.out_len.load(Ordering::SeqCst) > 0 && self.out_pid.load(Ordering::Acquire) == crate::pid::get()
+    }
+
+    /// Queues the rest of an exec's resend (`q`, not empty).
+    pub(super) fn queue_out(&self, q: OutQ) {
+        static AT_EXIT: std::sync::Once = std::sync::Once::new();
+        AT_EXIT.call_once(|| {
+            // SAFETY: registers a handler with no pointers but the
+            // function (the library is never unloaded).
+            unsafe { libc::atexit(flush_queues_at_exit) };
+        });
+        let mut o = lock(&self.out);
+        self.out_pid.store(crate::pid::get(), Ordering::Release);
+        self.out_len.store(q.len(), Ordering::SeqCst);
+        *o = q;
+        drop(o);
+        // No `EPOLLOUT` until it is sent (the progress thread gives it
+        // back then: `Link::still_blocked`).
+        self.write_blocked_now();
+    }
+
+    /// The queue just emptied: a `shutdown(SHUT_WR)` that waited goes to
+    /// the kernel, the connection is plain TCP if both ways switched, and
+    /// writability comes back (epoll's `EPOLLOUT`, poll's waiters).
+    fn out_emptied(&self) {
+        // (SeqCst: against `shut_behind_out`, which stores its flag, then
+        // looks at the count; and `p_done`'s look at `p_rd`.)
+        self.out_len.store(0, Ordering::SeqCst);
+        if self.out_shut.load(Ordering::SeqCst) {
+            self.shut_out_now();
+        }
+        self.p_done();
+        self.unblock();
+        crate::credit::came();
+    }
+
+    /// The kernel socket's `SHUT_WR` that waited for the queue, once.
+    fn shut_out_now(&self) {
+        if !self.out_shut_done.swap(true, Ordering::SeqCst) {
+            // SAFETY: shutdown(2) of the library's descriptor.
+            unsafe { real::shutdown(self.sock, libc::SHUT_WR) };
+        }
+    }
+
+    /// The push failed (`e`: the socket's end, the program there gone):
+    /// what was queued cannot reach it any more. The failing send took
+    /// the socket's error, so it is kept here: the program's next call on
+    /// the connection returns it ([`Self::take_out_err`]), and only then
+    /// is the connection plain TCP (a reset never reads as a clean end).
+    fn out_failed(&self, o: &mut OutQ, e: c_int) {
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!(
+                "the rest of a resend to an exec'd program could not be sent (errno {e}: the connection ended): \
+                 {} bytes lost with it; the program's next call on it gets the error",
+                o.len()
+            ),
+        );
+        *o = OutQ::default();
+        self.out_err.store(if e == 0 { libc::ECONNRESET } else { e }, Ordering::SeqCst);
+        self.out_emptied();
+    }
+
+    /// The errno of a failed push, for the program's call (once); the
+    /// connection is plain TCP from then on (if both ways switched).
+    pub(super) fn take_out_err(&self) -> Option<c_int> {
+        if self.out_err.load(Ordering::SeqCst) == 0 {
+            return None;
+        }
+        let e = self.out_err.swap(0, Ordering::SeqCst);
+        if e == 0 {
+            return None;
+        }
+        self.p_done();
+        Some(e)
+    }
+
+    /// A read met the kernel socket's end: the errno of a push of the
+    /// queue that failed meanwhile, if any (a push now first where the
+    /// queue is still there and free: the failing send of a push in
+    /// progress may not have stored it yet). `EPIPE` (the reset's error
+    /// taken by an earlier call) reads as `ECONNRESET`: bytes were lost,
+    /// the end is not clean.
+    pub(super) fn out_err_at_end(&self) -> Option<c_int> {
+        if self.out_err.load(Ordering::SeqCst) == 0 && self.out_queued() {
+            self.push_out(false);
+        }
+        self.take_out_err().map(|e| if e == libc::EPIPE { libc::ECONNRESET } else { e })
+    }
+
+    /// Pushes what the kernel takes now. `wait`: waits for the lock (a
+    /// writer of the program), else leaves it to whoever holds it.
+    /// Whether the queue is empty now.
+    pub(crate) fn push_out(&self, wait: bool) -> bool {
+        if !self.out_queued() {
+            return true;
+        }
+        let mut o = if wait {
+            lock(&self.out)
+        } else {
+            match self.out.try_lock() {
+                Ok(o) => o,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => return false,
+            }
+        };
+        self.push_locked(&mut o)
+    }
+
+    fn push_locked(&self, o: &mut OutQ) -> bool {
+        if o.is_empty() {
+            return true;
+        }
+        match o.push(|b| send_now(self.sock, b)) {
+            Ok(Pushed::Empty) => {
+                crate::dev::debug("the exec resend's queue is sent");
+                self.out_emptied();
+                true
+            }
+            Ok(Pushed::Full(n)) => {
+                self.out_len.store(n, Ordering::SeqCst);
+                false
+            }
+            Err(e) => {
+                self.out_failed(o, e);
+                true
+            }
+        }
+    }
+
+    /// Sends the whole queue, however long the other end takes to read
+    /// (as a blocking write would), for a blocking write of the program
+    /// behind it. `Err`: the socket's error (the queue is dropped), or
+    /// `EPIPE` once a `shutdown(SHUT_WR)` came meanwhile (the queue stays,
+    /// for the progress thread, then the FIN).
+    fn flush_out(&self) -> Res<()> {
+        if !self.out_queued() {
+            return Ok(());
+        }
+        let mut o = lock(&self.out);
+        loop {
+            if self.push_locked(&mut o) {
+                break;
+            }
+            // A shutdown of the write side: this write fails, as TCP's
+            // (looked at after every slice of the wait).
+            if self.out_shut.load(Ordering::SeqCst) {
+                return Err(libc::EPIPE);
+            }
+            if let Err(e) = wait_room(self.sock) {
+                self.out_failed(&mut o, e);
+                return Err(self.take_out_err().unwrap_or(e));
+            }
+            if let e @ 1.. = crate::stream::socket_error(self.sock) {
+                self.out_failed(&mut o, e);
+                return Err(self.take_out_err().unwrap_or(e));
+            }
+        }
+        // (An error the push met emptied the queue and is kept.)
+        match self.take_out_err() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Sends the queue until `end` at most, reading and dropping what
+    /// comes in meanwhile (a close, an exec or an exit: nobody reads it
+    /// any more, and a program there that writes before it reads would
+    /// otherwise block for ever). `Err`: the bytes not sent (the push
+    /// failed, or `end` came; 0 where the lock was not had).
+    fn flush_out_until(&self, end: Instant) -> Result<(), usize> {
+        if !self.out_queued() {
+            return Ok(());
+        }
+        // (Another thread may hold it for ever, blocked in a write.)
+        let mut o = loop {
+            match self.out.try_lock() {
+                Ok(o) => break o,
+                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => return Err(self.out_len.load(Ordering::SeqCst)),
+            }
+        };
+        let mut dropped = 0;
+        let r = loop {
+            let n = o.len();
+            if self.push_locked(&mut o) {
+                break if self.out_err.load(Ordering::SeqCst) != 0 { Err(n) } else { Ok(()) };
+            }
+            let left = end.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break Err(o.len());
+            }
+            dropped += drop_incoming(self.sock);
+            if let Err(e) = wait_room_for(self.sock, left) {
+                let n = o.len();
+                self.out_failed(&mut o, e);
+                break Err(n);
+            }
+        };
+        if dropped > 0 {
+            crate::dev::debug(&format!(
+                "{dropped} bytes dropped unread while the resend's queue was flushed"
+            ));
+        }
+        r
+    }
+
+    /// At a close, an exec or the exit (`what`): sends the queue until
+    /// `end` ([`Self::flush_out_until`]); what is not sent by then (or
+    /// lost with a failed push) resets the connection, so the program
+    /// there reads an error, never a clean, short stream.
+    pub(crate) fn flush_out_or_reset(&self, end: Instant, what: &str) {
+        let Err(n) = self.flush_out_until(end) else { return };
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        crate::dev::warn_once(
+            &SAID,
+            &format!(
+                "{what} with {n} bytes of a resend to an exec'd program not sent (not read within \
+                 VRDMA_SOCKETS_WAIT_MS, or the connection ended): the connection is reset"
+            ),
+        );
+        self.out_reset.store(true, Ordering::SeqCst);
+        Self::reset_sock(self.sock);
+    }
+
+    /// As [`Self::flush_out`], where the program's own threads may be
+    /// the only readers and are not (a demotion of this end as the
+    /// driver, before an exec): the deadlock guess of the synchronous
+    /// resend ([`crate::stream::send_all_while_alive`]) ends it. A failure
+    /// (part of the queue may be sent) resets the connection: never plain
+    /// TCP behind a stream with a hole (the caller marks the demotion
+    /// failed, so every later call fails). Within `VRDMA_SOCKETS_WAIT_MS`
+    /// (the lock, then the sending): a close after a fork or the watcher
+    /// of a child's write must not wait for ever for a program there that
+    /// neither reads nor writes (the guess never fires then); past it,
+    /// `ETIMEDOUT` and the reset.
+    pub(crate) fn flush_out_guessing(&self, sock: c_int) -> Res<()> {
+        if !self.out_queued() {
+            return Ok(());
+        }
+        let end = Instant::now() + super::demote::wait_ms();
+        // (A writer of the program may hold it, blocked behind the queue.)
+        let got = loop {
+            match self.out.try_lock() {
+                Ok(o) => break Ok(o),
+                Err(std::sync::TryLockError::Poisoned(p)) => break Ok(p.into_inner()),
+                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(std::sync::TryLockError::WouldBlock) => break Err(libc::ETIMEDOUT),
+            }
+        };
+        let (mut held, r) = match got {
+            Ok(o) => {
+                let r = crate::stream::send_all_while_alive_until(sock, o.pending(), Some(end));
+                (Some(o), r)
+            }
+            Err(e) => (None, Err(e)),
+        };
+        if let Some(o) = held.as_mut() {
+            **o = OutQ::default();
+        }
+        match r {
+            Ok(()) => {
+                self.out_emptied();
+                Ok(())
+            }
+            Err(e) => {
+                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                crate::dev::warn_once(
+                    &SAID,
+                    &format!(
+                        "the resend to an exec'd program still queued could not be sent before this end's own \
+                         demotion (errno {e}): the connection is reset"
+                    ),
+                );
+                self.out_reset.store(true, Ordering::SeqCst);
+                self.out_len.store(0, Ordering::SeqCst);
+                Self::reset_sock(sock);
+                drop(held);
+                // Writers waiting for writability wake and see the failure.
+                self.unblock();
+                Err(e)
+            }
+        }
+    }
+
+    /// A write of the program behind the queue: `None` if nothing is
+    /// queued (the kernel socket's). Blocking: the queue first, then the
+    /// write. Non-blocking: what fits of the queue, then the write if the
+    /// queue is empty, else `EAGAIN` (the kernel's buffer is full then:
+    /// an edge-triggered `EPOLLOUT` comes once it drains, and epoll's
+    /// `EPOLLOUT` is withheld until the queue is sent).
+    pub(crate) fn write_behind_out(
+        self: &std::sync::Arc<Self>,
+        iov: &[(*const u8, usize)],
+        nonblocking: bool,
+    ) -> Option<Res<usize>> {
+        if !self.out_queued() {
+            return None;
+        }
+        if self.out_shut.load(Ordering::SeqCst) {
+            return Some(Err(libc::EPIPE));
+        }
+        if nonblocking {
+            // Never waits for the lock: a blocking writer may hold it for
+            // as long as the other end does not read (`EAGAIN` then, as
+            // for a queue not sent yet).
+            let mut o = match self.out.try_lock() {
+                Ok(o) => o,
+                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) => {
+                    self.write_blocked_now();
+                    crate::progress::watch(self);
+                    return Some(Err(libc::EAGAIN));
+                }
+            };
+            if !self.push_locked(&mut o) {
+                drop(o);
+                self.write_blocked_now();
+                crate::progress::watch(self);
+                return Some(Err(libc::EAGAIN));
+            }
+            drop(o);
+            return Some(self.write_kernel(iov, true));
+        }
+        if let Err(e) = self.flush_out() {
+            return Some(Err(e));
+        }
+        Some(self.write_kernel(iov, false))
+    }
+
+    /// `shutdown(SHUT_WR)` while bytes are queued: the FIN waits for
+    /// them (sent once the queue is empty). Whether it waits (the caller
+    /// does not shut the kernel socket's writes now). A flag, not the
+    /// queue's lock: a blocking writer may hold that for long; it sees
+    /// the flag within a slice of its wait and fails with `EPIPE`.
+    pub(crate) fn shut_behind_out(&self) -> bool {
+        if !self.out_queued() {
+            return false;
+        }
+        self.out_shut.store(true, Ordering::SeqCst);
+        // Emptied meanwhile (its emptying may not have seen the flag).
+        if self.out_len.load(Ordering::SeqCst) == 0 {
+            self.shut_out_now();
+            return true;
+        }
+        // Pushed now where it fits (and the FIN with it), unless a writer
+        // holds the queue.
+        self.push_out(false);
+        true
+    }
+
+    /// A slice for a poll that waits for the queue to go (the kernel
+    /// socket is not asked for `POLLOUT` meanwhile).
+    pub(crate) const OUT_SLICE: Duration = Duration::from_millis(2);
+}
+
+/// The process exits (`atexit`, registered with the first queue): every
+/// queue of its connections is sent first, within
+/// `VRDMA_SOCKETS_WAIT_MS` in all (TCP would deliver them after the exit;
+/// the library's queue goes with the process).
+extern "C" fn flush_queues_at_exit() {
+    // (Inside the library or not: the calls below are libc's own.)
+    let _g = crate::table::Guard::enter();
+    let end = Instant::now() + super::demote::wait_ms();
+    let links = crate::progress::listed_now();
+    crate::dev::debug(&format!("exit: {} connections listed", links.len()));
+    for l in links {
+        l.flush_out_or_reset(end, "the process exits");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A kernel that takes `k` bytes per call, `room` in all, then EAGAIN.
+    struct Kernel {
+        got: Vec<u8>,
+        k: usize,
+        room: usize,
+    }
+
+    impl Kernel {
+        fn take(&mut self, b: &[u8]) -> Res<usize> {
+            if self.room == 0 {
+                return Err(libc::EAGAIN);
+            }
+            let n = b.len().min(self.k).min(self.room);
+            self.got.extend_from_slice(&b[..n]);
+            self.room -= n;
+            Ok(n)
+        }
+    }
+
+    #[test]
+    fn a_queue_sends_every_byte_once_in_order_across_pushes() {
+        let data: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+        let mut q = OutQ::new(data.clone(), 100);
+        let mut kern = Kernel { got: data[..100].to_vec(), k: 700, room: 3000 };
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Full(10_000 - 3100)));
+        (kern.k, kern.room) = (4096, 5000);
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Full(10_000 - 8100)));
+        (kern.k, kern.room) = (1, usize::MAX);
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Empty));
+        assert!(q.is_empty());
+        assert_eq!(kern.got, data);
+        // Empty: nothing more goes.
+        assert_eq!(q.push(|b| kern.take(b)), Ok(Pushed::Empty));
+        assert_eq!(kern.got.len(), data.len());
+    }
+
+    #[test]
+    fn an_error_keeps_the_bytes_not_sent_and_eintr_is_tried_again() {
+        let mut q = OutQ::new(vec![1, 2, 3, 4], 0);
+        let mut calls = 0;
+        let r = q.push(|b| {
+            calls += 1;
+            match calls {
+                1 => Err(libc::EINTR),
+                2 => Ok(b.len().min(1)),
+                _ => Err(libc::EPIPE),
+            }
+        });
+        assert_eq!(r, Err(libc::EPIPE));
+        assert_eq!(q.pending(), &[2, 3, 4]);
+    }
+
+    #[test]
+    fn a_queue_made_all_sent_is_empty() {
+        let q = OutQ::new(vec![1, 2], 5);
+        assert!(q.is_empty());
+        let mut q = OutQ::new(vec![1, 2], 1);
+        assert_eq!(q.len(), 1);
+        q.sent(10);
+        assert!(q.is_empty());
+    }
+}
