@@ -238,7 +238,31 @@ impl Link {
     /// the end is not clean.
     pub(super) fn out_err_at_end(&self) -> Option<c_int> {
         if self.out_err.load(Ordering::SeqCst) == 0 && self.out_queued() {
-            self.push_out(false);
+            // A push in progress (the progress thread's, a writer's) may
+            // have taken the socket's error and not stored it yet: the
+            // lock is waited for a short while (a push holds it for one
+            // non-blocking send, and a writer whose flush meets the reset
+            // lets go at once; one that still has room to wait for, the
+            // end being a FIN, is not waited out).
+            let end = Instant::now() + Duration::from_millis(200);
+            loop {
+                match self.out.try_lock() {
+                    Ok(mut o) => {
+                        self.push_locked(&mut o);
+                        break;
+                    }
+                    Err(std::sync::TryLockError::Poisoned(p)) => {
+                        self.push_locked(&mut p.into_inner());
+                        break;
+                    }
+                    Err(std::sync::TryLockError::WouldBlock) => {
+                        if self.out_err.load(Ordering::SeqCst) != 0 || Instant::now() >= end {
+                            break;
+                        }
+                        std::thread::yield_now();
+                    }
+                }
+            }
         }
         self.take_out_err().map(|e| if e == libc::EPIPE { libc::ECONNRESET } else { e })
     }
