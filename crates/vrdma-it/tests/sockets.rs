@@ -1055,6 +1055,29 @@ mod preload {
         Ok(())
     }
 
+    /// A non-blocking sendfile(2) from the file's own position (no
+    /// offset) that meets a full ring: the position moves by what was
+    /// sent, so what an `EAGAIN` or a short write did not take is sent by
+    /// the next call, and every byte arrives in order (the library read
+    /// the file, moving its position, and lost those bytes before).
+    #[test]
+    fn a_non_blocking_sendfile_without_an_offset_loses_nothing_at_a_full_ring() -> Result<()> {
+        let _one = harness::one_at_a_time();
+        let d = DaemonProc::start()?;
+        let ctx = d.context()?;
+        let port = free_port();
+        let s = spawn(sockapp(&d, true, &["lateserver".into(), port.to_string()]), "lateserver");
+        registered(&ctx, port)?;
+        let args = ["nbsendfile".into(), port.to_string(), (1u64 << 20).to_string()];
+        let c = spawn(sockapp(&d, true, &args), "nbsendfile").finish(LIMIT);
+        let s = s.finish(LIMIT);
+        c.assert_ok();
+        s.assert_ok();
+        assert!(c.stderr.contains("carried over vRDMA"), "{}", c.describe());
+        assert!(printed(&c, "eagain").unwrap_or(0) > 0, "no EAGAIN with a full ring: {}", c.describe());
+        Ok(())
+    }
+
     /// A writer that writes a request and then makes no call for a while
     /// (no poll either): its bytes still reach the sleeping reader (the
     /// library's progress thread sends the wake byte once they landed),

@@ -373,22 +373,43 @@ unsafe fn sendfile_with(
         Target::Fail(e) => return done_write(Err(e), false),
         Target::Link(l) => l,
     };
-    let mut buf = vec![0u8; n.min(crate::link::RING)];
-    // SAFETY: `buf` is valid for its length; `off` is the caller's.
-    let got = unsafe {
-        if off.is_null() {
-            real::read(inp, buf.as_mut_ptr().cast(), buf.len())
-        } else {
-            libc::pread(inp, buf.as_mut_ptr().cast(), buf.len(), *off)
+    // Read at the offset, or at the file's own position, which moves by
+    // what was written, not by what was read: a read that advanced it
+    // lost whatever a non-blocking `EAGAIN` or a short write left unsent.
+    // sendfile(2)'s input supports mmap-like operations (a regular file, a
+    // block device), so it has a position; one that has none (a pipe, a
+    // socket) is refused as the kernel refuses it.
+    let at = if off.is_null() {
+        // SAFETY: lseek(2) on the caller's descriptor, moving nothing.
+        let at = unsafe { libc::lseek(inp, 0, libc::SEEK_CUR) };
+        if at < 0 {
+            if table::errno() == libc::ESPIPE {
+                set_errno(libc::EINVAL);
+            }
+            return -1;
         }
+        at
+    } else {
+        // SAFETY: the caller's offset.
+        unsafe { *off }
     };
+    let mut buf = vec![0u8; n.min(crate::link::RING)];
+    // SAFETY: `buf` is valid for its length.
+    let got = unsafe { libc::pread(inp, buf.as_mut_ptr().cast(), buf.len(), at) };
     if got <= 0 {
         return got;
     }
     let r = l.write(&[(buf.as_ptr(), got as usize)], &Blocking::of(out, false));
-    if let (Ok(w), false) = (&r, off.is_null()) {
-        // SAFETY: the caller's offset.
-        unsafe { *off += *w as off_t };
+    if let Ok(w) = &r {
+        let to = at + *w as off_t;
+        if off.is_null() {
+            // SAFETY: lseek(2) on the caller's descriptor, to where the
+            // bytes written end (a regular file: it cannot fail here).
+            unsafe { libc::lseek(inp, to, libc::SEEK_SET) };
+        } else {
+            // SAFETY: the caller's offset.
+            unsafe { *off = to };
+        }
     }
     done_write(r, false)
 }

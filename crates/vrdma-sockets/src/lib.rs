@@ -23,8 +23,9 @@
 //!   `recvfrom`, `sendto`, `readv`, `writev`, `recvmsg`, `sendmsg` (no
 //!   ancillary data), the `_FORTIFY_SOURCE` forms `__read_chk`,
 //!   `__recv_chk`, `__recvfrom_chk`, with `MSG_PEEK`, `MSG_DONTWAIT`, `MSG_WAITALL`,
-//!   `MSG_NOSIGNAL` and `O_NONBLOCK` (`EAGAIN`); `sendfile`/`sendfile64` (read, then
-//!   written through the ring); `shutdown` (half-close: the peer reads
+//!   `MSG_NOSIGNAL` and `O_NONBLOCK` (`EAGAIN`); `sendfile`/`sendfile64` (read at the
+//!   offset or the file's position, then written through the ring; the
+//!   offset or the position moves by what was written); `shutdown` (half-close: the peer reads
 //!   EOF after the last byte); `close` (FIN after the last descriptor);
 //!   `dup`, `dup2`, `dup3`, `fcntl`/`fcntl64` (`F_DUPFD*`) share the
 //!   connection; `ioctl(FIONREAD)` (`SIOCINQ`) counts the bytes waiting

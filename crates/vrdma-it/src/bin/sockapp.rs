@@ -113,7 +113,10 @@
 //! most), so that its client's ring fills again and again. `nbflood PORT BYTES`: a
 //! non-blocking client that writes BYTES pattern bytes in 64 KiB writes,
 //! waiting with poll(POLLOUT) after each `EAGAIN`; says how many it saw
-//! (`eagain N`), then half-closes and checks the answer.
+//! (`eagain N`), then half-closes and checks the answer. `nbsendfile
+//! PORT BYTES`: `nbflood`, but the bytes go from a file with sendfile(2)
+//! from the file's own position (no offset), which it checks after each
+//! call is where the bytes sent end.
 //!
 //! `sleepyserver PORT`: `server`, but it waits 400 ms after its `accept`
 //! before its first call, so that a carried client's first call waits for
@@ -3483,6 +3486,49 @@ fn nbflood(port: u16, bytes: u64) -> Result<(), String> {
     half_close_and_check(&mut s, bytes)
 }
 
+fn nbsendfile(port: u16, bytes: u64) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    let path = std::env::temp_dir().join(format!("sockapp-nbsendfile-{}", std::process::id()));
+    let data: Vec<u8> = (0..bytes).map(pattern).collect();
+    std::fs::write(&path, &data).map_err(|e| format!("temp file: {e}"))?;
+    let f = std::fs::File::open(&path).map_err(|e| format!("open: {e}"))?;
+    let _ = std::fs::remove_file(&path);
+    let mut s = TcpStream::connect(("127.0.0.1", port)).map_err(|e| format!("connect: {e}"))?;
+    s.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let (mut sent, mut eagain) = (0u64, 0u64);
+    // Bounded: each pass sends at least a byte or waits in poll.
+    for _ in 0..(1u64 << 26) {
+        if sent == bytes {
+            break;
+        }
+        // SAFETY: sendfile(2) between two descriptors we hold, from the
+        // file's own position.
+        let n = unsafe {
+            libc::sendfile(s.as_raw_fd(), f.as_raw_fd(), std::ptr::null_mut(), (bytes - sent) as usize)
+        };
+        if n > 0 {
+            sent += n as u64;
+        } else if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock {
+            eagain += 1;
+            wait(s.as_raw_fd(), libc::POLLOUT)?;
+        } else {
+            return Err(format!("sendfile after {sent}: {n}, {}", std::io::Error::last_os_error()));
+        }
+        // The file's position is where the bytes sent end.
+        // SAFETY: lseek(2) on our file, moving nothing.
+        let at = unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_CUR) };
+        if at != sent as libc::off_t {
+            return Err(format!("the file's position is {at} after {sent} bytes sent ({eagain} EAGAINs)"));
+        }
+    }
+    if sent != bytes {
+        return Err(format!("{sent} of {bytes} bytes sent"));
+    }
+    println!("eagain {eagain}");
+    s.set_nonblocking(false).map_err(|e| e.to_string())?;
+    half_close_and_check(&mut s, bytes)
+}
+
 fn epollflood(port: u16, bytes: u64, mode: &str, wait_ms: i32) -> Result<(), String> {
     let (edge, oneshot) = (mode == "et", mode == "oneshot");
     use std::os::fd::AsRawFd;
@@ -3941,6 +3987,7 @@ fn main() {
         Some("alarmclient") => alarmclient(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("idlewriter") => idlewriter(port(), args.get(3).map(String::as_str).expect("MODE")),
         Some("nbflood") => nbflood(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
+        Some("nbsendfile") => nbsendfile(port(), args.get(3).and_then(|b| b.parse().ok()).expect("BYTES")),
         Some("answer") => answer(port()),
         Some("epollflood") => epollflood(
             port(),
