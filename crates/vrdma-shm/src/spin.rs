@@ -9,8 +9,9 @@
 //! which may cost more than the wait itself. With cores to spare, looking
 //! for the answer for a while first saves that wake-up: an rdma_cm
 //! connection's setup on 16 vCPUs, 77 µs with a 100 µs look against 110
-//! µs without (README, "Connecting by address"). With two cores or fewer
-//! the spinner takes the CPU the answering thread needs (the same setup
+//! µs without (docs/rdma-cm.md, "On a machine with cores to spare").
+//! With two cores or fewer the spinner takes the CPU the answering
+//! thread needs (the same setup
 //! on 2 vCPUs: 332 µs with a 50 µs look against 116 µs without), so the
 //! look is off there by default.
 //!

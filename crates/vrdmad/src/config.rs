@@ -345,7 +345,8 @@ pub struct EngineConfig {
     /// (`engine::link_wake`). Ignored with `busy_poll`. Off by default:
     /// on 2 loaded vCPUs it cut the slow crossings (a link frame's mean
     /// wait 55 -> 31 µs) but not the median, and the extra thread on the
-    /// CPUs made ping-pong latency worse (README, "Across hosts").
+    /// CPUs made ping-pong latency worse (docs/measurements.md, "Across
+    /// hosts").
     /// `VRDMA_LINK_WAKE=1` in the daemon's environment makes the default
     /// true (to run a test suite with it on).
     pub link_wake: bool,

@@ -22,9 +22,9 @@
 //! second of that CPU, which is the engine's own cost per byte. On a
 //! machine with fewer cores than busy threads the first moves with the
 //! machine's load from window to window; the second is what the engine's
-//! sharing among tenants can change (see the README's QoS section for
-//! what it showed: the copy's cache footprint, not the scheduler's
-//! bookkeeping).
+//! sharing among tenants can change (see docs/qos.md, "Where the four
+//! equal tenants' shortfall goes", for what it showed: the copy's cache
+//! footprint, not the scheduler's bookkeeping).
 
 use std::time::{Duration, Instant};
 

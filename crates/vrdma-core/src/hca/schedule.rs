@@ -1014,7 +1014,7 @@ mod tests {
     /// alone a pass is one turn per QP). Issue 21 item 4's "together ≥ 90
     /// % of one alone" is what the engine decides of that figure; on a
     /// real machine the CPU the engine gets and the copy's cache footprint
-    /// come on top (see the README's QoS figures).
+    /// come on top (see the figures in docs/qos.md).
     #[test]
     fn four_equal_tenants_together_move_what_one_tenant_moves_alone() {
         let (bytes, solo, [four, alone]) = four_beside_alone(super::super::CONTENDED_BYTES);

@@ -23,7 +23,8 @@
 //! the waker's pass rings it afterwards, as a call does, so that it sees
 //! the timers the pass set.
 //!
-//! Measured (README, "Across hosts"): on 2 vCPUs loaded by other builds
+//! Measured (docs/measurements.md, "Across hosts"): on 2 vCPUs loaded
+//! by other builds
 //! it cut the tail of a frame's wait (the kernel's receive timestamp to
 //! the read: mean 55 -> 31 µs, 90th percentile 37 -> 29) but not its
 //! median (17 -> 19 µs: a wake-up costs as much there as a turn of the

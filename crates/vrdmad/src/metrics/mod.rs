@@ -23,7 +23,8 @@
 //! left), links by the peers, and messages of rejected inputs by the log
 //! lines in the code.
 //!
-//! The metric list and what each means is in the README ("Metrics").
+//! The metric list and what each means is in docs/metrics.md ("The
+//! list"); the README's "Metrics" says how to turn the endpoint on.
 
 pub mod auth;
 pub mod http;

@@ -682,7 +682,8 @@ impl Session {
     /// What `vrdma stat` shows this session: the links' totals over every
     /// tenant and the daemon's missed wake-ups to the operator (root or
     /// the daemon's uid, as for migrations; never a guest), its own
-    /// tenant's share of them to anyone else (README, "Trust").
+    /// tenant's share of them to anyone else (docs/trust.md, "What
+    /// `vrdma stat` shows a tenant").
     fn stat_view(&self) -> StatView {
         if self.guest.is_none() && super::migrate::is_operator(self.uid) {
             StatView::Operator
