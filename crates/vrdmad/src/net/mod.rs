@@ -147,14 +147,16 @@ pub struct Net {
     /// host's own connection in its handshake ([`Net::dial_failed`]):
     /// until when that handshake can last. Past it (the handshake failed,
     /// and nothing tells of that) they are given up on as for a failed
-    /// dial ([`Net::expire_held_cm`]).
+    /// dial ([`Net::expire_held_cm`]). An unverified link that comes
+    /// meanwhile waits for it too ([`Net::add`], `cm_deferred_until`).
     cm_held_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Unverified links to a host ([`LinkInfo::verified`]) that came up
     /// while no verified one was, the manager had been told of no link to
     /// the host that is up (with one told, it holds nothing, and would
     /// send new REQs by that one meanwhile), and a dial to the host's
     /// GID's address was under way (ours, or the link's check-dial; or
-    /// `cm_deferred_until`): the connection manager hears of them
+    /// `cm_deferred_until`, which also takes over a `cm_held_until` wait
+    /// that an unverified link met): the connection manager hears of them
     /// ([`CmLink::Up`]) only once a verified link is up or that wait ended
     /// ([`Net::release_deferred`]). Meanwhile what it
     /// sends to the host by no link waits in `cm_pending`, as the socket
@@ -361,17 +363,26 @@ impl Net {
                 // address under way: ours, or this link's check-dial),
                 // both wait for that ([`Net::release_deferred`]).
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
-                    self.cm_held_until.remove(&ip);
+                    let now = Clock::now();
+                    // (What was held for the host's own connection in its
+                    // handshake, our dial having failed, waits for it as
+                    // held messages do: `cm_held_until`. Its check-dial is
+                    // held back then, by that dial's pause.)
+                    let handshake = self.cm_held_until.remove(&ip).filter(|&t| now < t);
                     // (Only while the manager knows no link to the host:
                     // with one told, it held nothing, and a new REQ would
                     // go by that one, maybe a dead daemon's, meanwhile.)
                     if !verified
                         && !self.has_verified_link(gid)
                         && !self.told_link_to(ip)
-                        && self.awaits_own_link(ip, Clock::now())
+                        && (self.awaits_own_link(ip, now) || handshake.is_some())
                     {
                         tracing::debug!(link = id.0, host = %ip, "an unverified link waits for the dial to its GID's address");
                         self.cm_deferred.entry(ip).or_default().push(id);
+                        if let Some(t) = handshake {
+                            let until = self.cm_deferred_until.entry(ip).or_insert(t);
+                            *until = (*until).max(t);
+                        }
                     } else {
                         for m in self.cm_pending.remove(&ip).iter().flatten() {
                             l.queue_cm(m);
@@ -678,7 +689,8 @@ impl Net {
     /// `link` (its connection's), or, with `None`, by the host's newest
     /// link (an older one is a restarted daemon's last, not yet found
     /// dead), dialling it if no link is up; `Err` if it cannot be sent
-    /// (the link named is gone, or the host cannot be dialled). The link
+    /// (the link named is gone, the host cannot be dialled, or its last
+    /// dial failed a moment ago: [`Net::hold_for_no_dial`]). The link
     /// it went by, `None` when it waits for one (the link it then goes by
     /// is told to the connection manager after any told before it, so
     /// that the waiting connections are bound to it).
@@ -714,8 +726,43 @@ impl Net {
         held.push(msg.clone());
         if !deferred {
             self.dial(addr, Some(gid));
+            self.hold_for_no_dial(host, addr)?;
         }
         Ok(None)
+    }
+
+    /// After [`Net::send_cm`] held a message for `host` and asked for a
+    /// dial to `addr` (its GID's address) that did not start: the
+    /// message is treated as the failed dial's fallback treats what it
+    /// held ([`Net::dial_failed`]), so that a connect does not wait for
+    /// a dial that nothing will start, and an unverified link that comes
+    /// meanwhile does not take it ([`Net::add`]). While the host's own
+    /// connection to us is in its handshake (it holds our dial back),
+    /// what is held waits for that, as long as a handshake may last
+    /// (`cm_held_until`); while the last dial's failure holds the next
+    /// back (its pause), the message is refused (`Err`): its connection
+    /// ends at once, as that failure ended the ones that waited for it.
+    /// Otherwise (too many dials under way) it waits as before.
+    fn hold_for_no_dial(&mut self, host: std::net::Ipv4Addr, addr: SocketAddr) -> Result<(), &'static str> {
+        let now = Clock::now();
+        if self.dial_under_way(host, now) || self.cm_held_until.contains_key(&host) {
+            return Ok(());
+        }
+        self.forget_stale_incoming(now);
+        if let Some(&since) = self.incoming.get(&Gid::from_ipv4(host.octets())) {
+            self.cm_held_until.insert(host, since + HANDSHAKE_LIMIT);
+            return Ok(());
+        }
+        if self.dialling.get(&addr).is_some_and(|d| matches!(d, Dial::RetryAt(..)) && d.holds(now)) {
+            if let Some(held) = self.cm_pending.get_mut(&host) {
+                held.pop();
+                if held.is_empty() {
+                    self.cm_pending.remove(&host);
+                }
+            }
+            return Err("the host's daemon could not be reached a moment ago; the next dial waits");
+        }
+        Ok(())
     }
 
     /// The newest link whose peer's Hello says `gid`, of the verified ones
@@ -2092,6 +2139,111 @@ mod tests {
         // Past it, the newest unverified link takes what was held.
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Up(b, second, false), CmLink::Up(b, claim, false)]);
+        assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// Our dial to the host's GID's address failed while the host's own
+    /// connection to us is in its handshake, so what the manager held
+    /// waits for that (`cm_held_until`). An unverified link that comes
+    /// meanwhile (a daemon that claims the host's GID from elsewhere; its
+    /// check-dial held back by the failed dial's pause) neither takes it
+    /// nor is told to the manager (which would bind the waiting
+    /// connections to it): the host's own link takes it, told first; past
+    /// the handshake's limit the unverified link does, as after a failed
+    /// check-dial (session 35; before, the unverified link took it at once).
+    #[test]
+    fn an_unverified_link_does_not_take_what_waits_for_the_hosts_handshake_after_a_failed_dial() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let setup = |t: Clock| {
+            let mut hca = hca_of([10, 0, 0, 3]);
+            let mut a = net_of([10, 0, 0, 3]);
+            a.record_dials = true;
+            a.send_cm(b, None, &msg).unwrap();
+            assert!(a.admits(b_gid, 9, t));
+            a.dial_failed(b_addr, "refused");
+            assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+            let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+            assert!(!a.links[&claim].checked, "its check-dial waits for the failed dial's pause");
+            assert!(!a.links[&claim].has_output(), "the held message went by the unverified link");
+            assert!(a.cm_links.is_empty(), "the manager heard of the unverified link: {:?}", a.cm_links);
+            assert_eq!(a.held_cm(b), 1);
+            (a, hca, claim, theirs)
+        };
+        let t = Clock::now();
+        let (mut a, mut hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t);
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "within the handshake");
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
+        let (_, wait) = a.poll_fds_owned().unwrap();
+        assert!(wait.is_some_and(|w| !w.is_zero() && w <= HANDSHAKE_LIMIT), "{wait:?}");
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(!a.links[&claim].has_output() && a.held_cm(b) == 2, "a new message waits too");
+        // The handshake becomes the host's own link: all goes by it.
+        let (own, _t2) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.held_cm(b) == 0);
+        // It does not: past the handshake's limit, the unverified link.
+        let (mut a, _hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.cm_held_until.is_empty());
+    }
+
+    /// A message the manager sends by no link while the host's last dial
+    /// failed a moment ago (the next one waits for its pause, so none
+    /// starts) is refused at once, as that dial's failure ended the
+    /// connections that waited for it, rather than held for a dial that
+    /// nothing starts until some link comes, an unverified one included.
+    /// While the host's own connection to us is in its handshake (which
+    /// holds our dial back), it waits for that as held messages do after a
+    /// failed dial, and an unverified link that comes meanwhile does not
+    /// take it (session 35).
+    #[test]
+    fn a_cm_message_for_a_host_whose_dial_cannot_start_is_treated_as_the_failed_dials() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let failed = || {
+            let mut a = net_of([10, 0, 0, 3]);
+            a.record_dials = true;
+            a.send_cm(b, None, &msg).unwrap();
+            a.dial_failed(b_addr, "refused");
+            assert_eq!(a.cm_links, [CmLink::Down(b, None)], "the failed dial's connects end");
+            a.cm_links.clear();
+            a
+        };
+        // In the failed dial's pause: refused, nothing held.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = failed();
+        assert!(a.send_cm(b, None, &msg).is_err(), "held for a dial that does not start");
+        assert_eq!(a.held_cm(b), 0);
+        let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(!a.links[&claim].has_output());
+        // The host's own connection in its handshake: held for it.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = failed();
+        assert!(a.admits(b_gid, 9, Clock::now()));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b));
+        let (claim, _t2) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(!a.links[&claim].has_output(), "the held message went by the unverified link");
+        assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+        let (own, _t3) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        // Handshake and all: no link comes, the message is given up at
+        // the handshake's limit as after a failed dial.
+        let mut a = failed();
+        let t = Clock::now();
+        assert!(a.admits(b_gid, 9, t));
+        a.send_cm(b, None, &msg).unwrap();
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
         assert_eq!(a.held_cm(b), 0);
     }
 
