@@ -129,6 +129,13 @@ pub struct Net {
     /// yet links: whose Hello named this GID, since then. No dial to such
     /// a daemon starts meanwhile.
     incoming: HashMap<Gid, Clock>,
+    /// Of `incoming`, the connections that came from the address their
+    /// Hello's GID names (the host's own, whose link will count verified),
+    /// since then; ended only by a verified link to that host (or by
+    /// [`HANDSHAKE_LIMIT`]), not by a link that only claims the GID from
+    /// elsewhere. Unverified links to the host wait for it, as for a dial
+    /// to its GID's address ([`Net::cm_deferred`]).
+    own_incoming: HashMap<Gid, Clock>,
     /// Tests: with no engine handle, a dial that may start is recorded
     /// as started (and nothing is spawned).
     #[cfg(test)]
@@ -148,15 +155,17 @@ pub struct Net {
     /// until when that handshake can last. Past it (the handshake failed,
     /// and nothing tells of that) they are given up on as for a failed
     /// dial ([`Net::expire_held_cm`]). An unverified link that comes
-    /// meanwhile waits for it too ([`Net::add`], `cm_deferred_until`).
+    /// meanwhile takes them only if that handshake was not the host's own
+    /// ([`Net::own_incoming`]: it may be this link's).
     cm_held_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Unverified links to a host ([`LinkInfo::verified`]) that came up
     /// while no verified one was, the manager had been told of no link to
     /// the host that is up (with one told, it holds nothing, and would
     /// send new REQs by that one meanwhile), and a dial to the host's
     /// GID's address was under way (ours, or the link's check-dial; or
-    /// `cm_deferred_until`, which also takes over a `cm_held_until` wait
-    /// that an unverified link met): the connection manager hears of them
+    /// `cm_deferred_until`), or the host's own connection to us was in its
+    /// handshake ([`Net::own_incoming`], then also until
+    /// `cm_deferred_until`): the connection manager hears of them
     /// ([`CmLink::Up`]) only once a verified link is up or that wait ended
     /// ([`Net::release_deferred`]). Meanwhile what it
     /// sends to the host by no link waits in `cm_pending`, as the socket
@@ -284,6 +293,7 @@ impl Net {
             readable: Vec::with_capacity(READY_PER_PASS),
             failed: Vec::new(),
             incoming: HashMap::new(),
+            own_incoming: HashMap::new(),
             #[cfg(test)]
             record_dials: false,
             refused: std::collections::HashSet::new(),
@@ -329,6 +339,9 @@ impl Net {
         // address (a configured peer's may be another), or come from it.
         let gid = peer.hello.gid;
         let verified = gid_of(dialled.unwrap_or(addr)) == Some(gid);
+        if verified {
+            self.own_incoming.remove(&gid);
+        }
         let info = LinkInfo { gid, lid: peer.hello.lid, chunk: peer.chunk, verified };
         let id = hca.link_up(info);
         match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
@@ -360,15 +373,18 @@ impl Net {
                 // What the connection manager held for this host goes now,
                 // by this link, which it learns of; for an unverified one
                 // while the host's own may still link (a dial to its GID's
-                // address under way: ours, or this link's check-dial),
-                // both wait for that ([`Net::release_deferred`]).
+                // address under way: ours, or this link's check-dial; or
+                // its own connection to us in its handshake), both wait
+                // for that ([`Net::release_deferred`]).
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
                     let now = Clock::now();
-                    // (What was held for the host's own connection in its
-                    // handshake, our dial having failed, waits for it as
-                    // held messages do: `cm_held_until`. Its check-dial is
-                    // held back then, by that dial's pause.)
-                    let handshake = self.cm_held_until.remove(&ip).filter(|&t| now < t);
+                    self.cm_held_until.remove(&ip);
+                    // (The host's own connection to us in its handshake
+                    // is waited for as a dial to its GID's address is:
+                    // what was held for it after our dial failed, whose
+                    // pause holds this link's check-dial back, goes by it.)
+                    self.forget_stale_incoming(now);
+                    let handshake = self.own_incoming.get(&gid).map(|&since| since + HANDSHAKE_LIMIT);
                     // (Only while the manager knows no link to the host:
                     // with one told, it held nothing, and a new REQ would
                     // go by that one, maybe a dead daemon's, meanwhile.)
@@ -647,7 +663,9 @@ impl Net {
             // peer's address on another port, ends no wait early.)
             if !self.awaits_own_link(ip, Clock::now()) && self.cm_deferred.contains_key(&ip) {
                 self.forget_stale_incoming(Clock::now());
-                match self.incoming.get(&gid) {
+                // (The host's own: a link that only claims its GID, from
+                // elsewhere, ends no such wait, [`Net::own_incoming`].)
+                match self.own_incoming.get(&gid) {
                     Some(&since) => {
                         tracing::debug!(host = %ip, "unverified links wait for the host's handshake");
                         self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
@@ -1005,6 +1023,7 @@ impl Net {
     /// became links, or failed.
     fn forget_stale_incoming(&mut self, now: Clock) {
         self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        self.own_incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
     }
 
     /// Whether to take a connection that the daemon whose Hello says `gid`
@@ -1020,13 +1039,25 @@ impl Net {
     /// again after its pause. An admitted connection holds back this
     /// daemon's own dials to that daemon until it is a link or has failed.
     /// Only a peer that has proved it holds the key is asked about.
-    pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+    /// `from`: the connection's source address; one at the GID's address
+    /// is the host's own ([`Net::own_incoming`]).
+    pub fn admits_from(&mut self, gid: Gid, daemon_id: u64, from: SocketAddr, now: Clock) -> bool {
         self.forget_stale_incoming(now);
         let admit = self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(gid, daemon_id, now);
         if admit {
             self.incoming.insert(gid, now);
+            if gid_of(from) == Some(gid) {
+                self.own_incoming.insert(gid, now);
+            }
         }
         admit
+    }
+
+    /// Tests: [`Net::admits_from`] the GID's own address.
+    #[cfg(test)]
+    pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+        let from = gid.ipv4().map_or(SocketAddr::from(([0; 4], 0)), |ip| SocketAddr::from((ip, 40000)));
+        self.admits_from(gid, daemon_id, from, now)
     }
 
     /// Whether this daemon dialled, or is dialling, the daemon `gid`/`daemon_id`.
@@ -1442,7 +1473,9 @@ fn accept_loop(
                 let (gid, id) = (h.gid, h.daemon_id);
                 // An engine that is gone admits; the link then goes nowhere.
                 handle
-                    .call(move |st| st.net.as_mut().is_none_or(|n| n.admits(gid, id, Clock::now())))
+                    .call(move |st| {
+                        st.net.as_mut().is_none_or(|n| n.admits_from(gid, id, addr, Clock::now()))
+                    })
                     .unwrap_or(true)
             };
             match handshake_admitting(&mut s, &setup.identity, HANDSHAKE_LIMIT, admit) {
@@ -2245,6 +2278,68 @@ mod tests {
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
         assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// Our dial to the host's GID's address is under way for a held
+    /// message; the host's own connection to us (its dial crossed ours)
+    /// and one of a daemon that claims its GID from elsewhere are in
+    /// their handshakes; the claimant's link comes first and waits for
+    /// our dial. Our dial then fails (the host refused it, its own being
+    /// under way): the claimant's link keeps waiting for the host's own
+    /// handshake, which its coming did not end, and the host's link takes
+    /// what was held (session 35; before, the claimant's link ended the
+    /// record of the host's handshake, and took what was held when our
+    /// dial failed).
+    #[test]
+    fn a_claimants_link_does_not_end_the_wait_for_the_hosts_own_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t), "the host's own");
+        assert!(a.admits_from(b_gid, 7, from, t), "the claimant's");
+        let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, from, None);
+        assert!(a.cm_links.is_empty() && !a.links[&claim].has_output());
+        a.dial_failed(b_addr, "refused");
+        assert!(
+            a.cm_links.is_empty(),
+            "the wait ended with the host's handshake under way: {:?}",
+            a.cm_links
+        );
+        assert!(!a.links[&claim].has_output() && a.held_cm(b) == 1);
+        let (own, _t2) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.own_incoming.is_empty());
+    }
+
+    /// What was held for a connection from the host that is not at its
+    /// GID's address (NAT, a multi-homed host: its link will be
+    /// unverified) after our dial failed goes by the link that connection
+    /// becomes, at once: only the host's own connection (from its GID's
+    /// address) is waited for past an unverified link.
+    #[test]
+    fn held_messages_go_at_once_by_the_unverified_link_whose_handshake_they_waited_for() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.admits_from(b_gid, 9, from, Clock::now()));
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "held for the handshake: {:?}", a.cm_links);
+        let (l, _t) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(a.links[&l].has_output() && a.held_cm(b) == 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, l, false)]);
+        assert!(a.cm_deferred.is_empty());
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
