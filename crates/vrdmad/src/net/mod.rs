@@ -129,6 +129,13 @@ pub struct Net {
     /// yet links: whose Hello named this GID, since then. No dial to such
     /// a daemon starts meanwhile.
     incoming: HashMap<Gid, Clock>,
+    /// Of `incoming`, the connections that came from the address their
+    /// Hello's GID names (the host's own, whose link will count verified),
+    /// since then; ended only by a verified link to that host (or by
+    /// [`HANDSHAKE_LIMIT`]), not by a link that only claims the GID from
+    /// elsewhere. Unverified links to the host wait for it, as for a dial
+    /// to its GID's address ([`Net::cm_deferred`]).
+    own_incoming: HashMap<Gid, Clock>,
     /// Tests: with no engine handle, a dial that may start is recorded
     /// as started (and nothing is spawned).
     #[cfg(test)]
@@ -147,13 +154,17 @@ pub struct Net {
     /// host's own connection in its handshake ([`Net::dial_failed`]):
     /// until when that handshake can last. Past it (the handshake failed,
     /// and nothing tells of that) they are given up on as for a failed
-    /// dial ([`Net::expire_held_cm`]).
+    /// dial ([`Net::expire_held_cm`]). An unverified link that comes
+    /// meanwhile takes them only if that handshake was not the host's own
+    /// ([`Net::own_incoming`]: it may be this link's).
     cm_held_until: HashMap<std::net::Ipv4Addr, Clock>,
     /// Unverified links to a host ([`LinkInfo::verified`]) that came up
     /// while no verified one was, the manager had been told of no link to
     /// the host that is up (with one told, it holds nothing, and would
     /// send new REQs by that one meanwhile), and a dial to the host's
     /// GID's address was under way (ours, or the link's check-dial; or
+    /// `cm_deferred_until`), or the host's own connection to us was in its
+    /// handshake ([`Net::own_incoming`], then also until
     /// `cm_deferred_until`): the connection manager hears of them
     /// ([`CmLink::Up`]) only once a verified link is up or that wait ended
     /// ([`Net::release_deferred`]). Meanwhile what it
@@ -282,6 +293,7 @@ impl Net {
             readable: Vec::with_capacity(READY_PER_PASS),
             failed: Vec::new(),
             incoming: HashMap::new(),
+            own_incoming: HashMap::new(),
             #[cfg(test)]
             record_dials: false,
             refused: std::collections::HashSet::new(),
@@ -327,6 +339,9 @@ impl Net {
         // address (a configured peer's may be another), or come from it.
         let gid = peer.hello.gid;
         let verified = gid_of(dialled.unwrap_or(addr)) == Some(gid);
+        if verified {
+            self.own_incoming.remove(&gid);
+        }
         let info = LinkInfo { gid, lid: peer.hello.lid, chunk: peer.chunk, verified };
         let id = hca.link_up(info);
         match LinkIo::new(id, sock, addr, info.gid, peer.hello.daemon_id, dialled.is_some()) {
@@ -358,20 +373,32 @@ impl Net {
                 // What the connection manager held for this host goes now,
                 // by this link, which it learns of; for an unverified one
                 // while the host's own may still link (a dial to its GID's
-                // address under way: ours, or this link's check-dial),
-                // both wait for that ([`Net::release_deferred`]).
+                // address under way: ours, or this link's check-dial; or
+                // its own connection to us in its handshake), both wait
+                // for that ([`Net::release_deferred`]).
                 if let Some(ip) = info.gid.ipv4().map(std::net::Ipv4Addr::from) {
+                    let now = Clock::now();
                     self.cm_held_until.remove(&ip);
+                    // (The host's own connection to us in its handshake
+                    // is waited for as a dial to its GID's address is:
+                    // what was held for it after our dial failed, whose
+                    // pause holds this link's check-dial back, goes by it.)
+                    self.forget_stale_incoming(now);
+                    let handshake = self.own_incoming.get(&gid).map(|&since| since + HANDSHAKE_LIMIT);
                     // (Only while the manager knows no link to the host:
                     // with one told, it held nothing, and a new REQ would
                     // go by that one, maybe a dead daemon's, meanwhile.)
                     if !verified
                         && !self.has_verified_link(gid)
                         && !self.told_link_to(ip)
-                        && self.awaits_own_link(ip, Clock::now())
+                        && (self.awaits_own_link(ip, now) || handshake.is_some())
                     {
                         tracing::debug!(link = id.0, host = %ip, "an unverified link waits for the dial to its GID's address");
                         self.cm_deferred.entry(ip).or_default().push(id);
+                        if let Some(t) = handshake {
+                            let until = self.cm_deferred_until.entry(ip).or_insert(t);
+                            *until = (*until).max(t);
+                        }
                     } else {
                         for m in self.cm_pending.remove(&ip).iter().flatten() {
                             l.queue_cm(m);
@@ -636,7 +663,9 @@ impl Net {
             // peer's address on another port, ends no wait early.)
             if !self.awaits_own_link(ip, Clock::now()) && self.cm_deferred.contains_key(&ip) {
                 self.forget_stale_incoming(Clock::now());
-                match self.incoming.get(&gid) {
+                // (The host's own: a link that only claims its GID, from
+                // elsewhere, ends no such wait, [`Net::own_incoming`].)
+                match self.own_incoming.get(&gid) {
                     Some(&since) => {
                         tracing::debug!(host = %ip, "unverified links wait for the host's handshake");
                         self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
@@ -678,7 +707,8 @@ impl Net {
     /// `link` (its connection's), or, with `None`, by the host's newest
     /// link (an older one is a restarted daemon's last, not yet found
     /// dead), dialling it if no link is up; `Err` if it cannot be sent
-    /// (the link named is gone, or the host cannot be dialled). The link
+    /// (the link named is gone, the host cannot be dialled, or its last
+    /// dial failed a moment ago: [`Net::hold_for_no_dial`]). The link
     /// it went by, `None` when it waits for one (the link it then goes by
     /// is told to the connection manager after any told before it, so
     /// that the waiting connections are bound to it).
@@ -714,8 +744,43 @@ impl Net {
         held.push(msg.clone());
         if !deferred {
             self.dial(addr, Some(gid));
+            self.hold_for_no_dial(host, addr)?;
         }
         Ok(None)
+    }
+
+    /// After [`Net::send_cm`] held a message for `host` and asked for a
+    /// dial to `addr` (its GID's address) that did not start: the
+    /// message is treated as the failed dial's fallback treats what it
+    /// held ([`Net::dial_failed`]), so that a connect does not wait for
+    /// a dial that nothing will start, and an unverified link that comes
+    /// meanwhile does not take it ([`Net::add`]). While the host's own
+    /// connection to us is in its handshake (it holds our dial back),
+    /// what is held waits for that, as long as a handshake may last
+    /// (`cm_held_until`); while the last dial's failure holds the next
+    /// back (its pause), the message is refused (`Err`): its connection
+    /// ends at once, as that failure ended the ones that waited for it.
+    /// Otherwise (too many dials under way) it waits as before.
+    fn hold_for_no_dial(&mut self, host: std::net::Ipv4Addr, addr: SocketAddr) -> Result<(), &'static str> {
+        let now = Clock::now();
+        if self.dial_under_way(host, now) || self.cm_held_until.contains_key(&host) {
+            return Ok(());
+        }
+        self.forget_stale_incoming(now);
+        if let Some(&since) = self.incoming.get(&Gid::from_ipv4(host.octets())) {
+            self.cm_held_until.insert(host, since + HANDSHAKE_LIMIT);
+            return Ok(());
+        }
+        if self.dialling.get(&addr).is_some_and(|d| matches!(d, Dial::RetryAt(..)) && d.holds(now)) {
+            if let Some(held) = self.cm_pending.get_mut(&host) {
+                held.pop();
+                if held.is_empty() {
+                    self.cm_pending.remove(&host);
+                }
+            }
+            return Err("the host's daemon could not be reached a moment ago; the next dial waits");
+        }
+        Ok(())
     }
 
     /// The newest link whose peer's Hello says `gid`, of the verified ones
@@ -958,6 +1023,7 @@ impl Net {
     /// became links, or failed.
     fn forget_stale_incoming(&mut self, now: Clock) {
         self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        self.own_incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
     }
 
     /// Whether to take a connection that the daemon whose Hello says `gid`
@@ -973,13 +1039,25 @@ impl Net {
     /// again after its pause. An admitted connection holds back this
     /// daemon's own dials to that daemon until it is a link or has failed.
     /// Only a peer that has proved it holds the key is asked about.
-    pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+    /// `from`: the connection's source address; one at the GID's address
+    /// is the host's own ([`Net::own_incoming`]).
+    pub fn admits_from(&mut self, gid: Gid, daemon_id: u64, from: SocketAddr, now: Clock) -> bool {
         self.forget_stale_incoming(now);
         let admit = self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(gid, daemon_id, now);
         if admit {
             self.incoming.insert(gid, now);
+            if gid_of(from) == Some(gid) {
+                self.own_incoming.insert(gid, now);
+            }
         }
         admit
+    }
+
+    /// Tests: [`Net::admits_from`] the GID's own address.
+    #[cfg(test)]
+    pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+        let from = gid.ipv4().map_or(SocketAddr::from(([0; 4], 0)), |ip| SocketAddr::from((ip, 40000)));
+        self.admits_from(gid, daemon_id, from, now)
     }
 
     /// Whether this daemon dialled, or is dialling, the daemon `gid`/`daemon_id`.
@@ -1395,7 +1473,9 @@ fn accept_loop(
                 let (gid, id) = (h.gid, h.daemon_id);
                 // An engine that is gone admits; the link then goes nowhere.
                 handle
-                    .call(move |st| st.net.as_mut().is_none_or(|n| n.admits(gid, id, Clock::now())))
+                    .call(move |st| {
+                        st.net.as_mut().is_none_or(|n| n.admits_from(gid, id, addr, Clock::now()))
+                    })
                     .unwrap_or(true)
             };
             match handshake_admitting(&mut s, &setup.identity, HANDSHAKE_LIMIT, admit) {
@@ -2093,6 +2173,173 @@ mod tests {
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Up(b, second, false), CmLink::Up(b, claim, false)]);
         assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// Our dial to the host's GID's address failed while the host's own
+    /// connection to us is in its handshake, so what the manager held
+    /// waits for that (`cm_held_until`). An unverified link that comes
+    /// meanwhile (a daemon that claims the host's GID from elsewhere; its
+    /// check-dial held back by the failed dial's pause) neither takes it
+    /// nor is told to the manager (which would bind the waiting
+    /// connections to it): the host's own link takes it, told first; past
+    /// the handshake's limit the unverified link does, as after a failed
+    /// check-dial (session 35; before, the unverified link took it at once).
+    #[test]
+    fn an_unverified_link_does_not_take_what_waits_for_the_hosts_handshake_after_a_failed_dial() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let setup = |t: Clock| {
+            let mut hca = hca_of([10, 0, 0, 3]);
+            let mut a = net_of([10, 0, 0, 3]);
+            a.record_dials = true;
+            a.send_cm(b, None, &msg).unwrap();
+            assert!(a.admits(b_gid, 9, t));
+            a.dial_failed(b_addr, "refused");
+            assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+            let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
+            assert!(!a.links[&claim].checked, "its check-dial waits for the failed dial's pause");
+            assert!(!a.links[&claim].has_output(), "the held message went by the unverified link");
+            assert!(a.cm_links.is_empty(), "the manager heard of the unverified link: {:?}", a.cm_links);
+            assert_eq!(a.held_cm(b), 1);
+            (a, hca, claim, theirs)
+        };
+        let t = Clock::now();
+        let (mut a, mut hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t);
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "within the handshake");
+        a.next_keepalive = Clock::now() + Duration::from_secs(3600);
+        let (_, wait) = a.poll_fds_owned().unwrap();
+        assert!(wait.is_some_and(|w| !w.is_zero() && w <= HANDSHAKE_LIMIT), "{wait:?}");
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(!a.links[&claim].has_output() && a.held_cm(b) == 2, "a new message waits too");
+        // The handshake becomes the host's own link: all goes by it.
+        let (own, _t2) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.held_cm(b) == 0);
+        // It does not: past the handshake's limit, the unverified link.
+        let (mut a, _hca, claim, _t1) = setup(t);
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.cm_held_until.is_empty());
+    }
+
+    /// A message the manager sends by no link while the host's last dial
+    /// failed a moment ago (the next one waits for its pause, so none
+    /// starts) is refused at once, as that dial's failure ended the
+    /// connections that waited for it, rather than held for a dial that
+    /// nothing starts until some link comes, an unverified one included.
+    /// While the host's own connection to us is in its handshake (which
+    /// holds our dial back), it waits for that as held messages do after a
+    /// failed dial, and an unverified link that comes meanwhile does not
+    /// take it (session 35).
+    #[test]
+    fn a_cm_message_for_a_host_whose_dial_cannot_start_is_treated_as_the_failed_dials() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let failed = || {
+            let mut a = net_of([10, 0, 0, 3]);
+            a.record_dials = true;
+            a.send_cm(b, None, &msg).unwrap();
+            a.dial_failed(b_addr, "refused");
+            assert_eq!(a.cm_links, [CmLink::Down(b, None)], "the failed dial's connects end");
+            a.cm_links.clear();
+            a
+        };
+        // In the failed dial's pause: refused, nothing held.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = failed();
+        assert!(a.send_cm(b, None, &msg).is_err(), "held for a dial that does not start");
+        assert_eq!(a.held_cm(b), 0);
+        let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(!a.links[&claim].has_output());
+        // The host's own connection in its handshake: held for it.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = failed();
+        assert!(a.admits(b_gid, 9, Clock::now()));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b));
+        let (claim, _t2) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(!a.links[&claim].has_output(), "the held message went by the unverified link");
+        assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+        let (own, _t3) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        // Handshake and all: no link comes, the message is given up at
+        // the handshake's limit as after a failed dial.
+        let mut a = failed();
+        let t = Clock::now();
+        assert!(a.admits(b_gid, 9, t));
+        a.send_cm(b, None, &msg).unwrap();
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// Our dial to the host's GID's address is under way for a held
+    /// message; the host's own connection to us (its dial crossed ours)
+    /// and one of a daemon that claims its GID from elsewhere are in
+    /// their handshakes; the claimant's link comes first and waits for
+    /// our dial. Our dial then fails (the host refused it, its own being
+    /// under way): the claimant's link keeps waiting for the host's own
+    /// handshake, which its coming did not end, and the host's link takes
+    /// what was held (session 35; before, the claimant's link ended the
+    /// record of the host's handshake, and took what was held when our
+    /// dial failed).
+    #[test]
+    fn a_claimants_link_does_not_end_the_wait_for_the_hosts_own_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t), "the host's own");
+        assert!(a.admits_from(b_gid, 7, from, t), "the claimant's");
+        let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, from, None);
+        assert!(a.cm_links.is_empty() && !a.links[&claim].has_output());
+        a.dial_failed(b_addr, "refused");
+        assert!(
+            a.cm_links.is_empty(),
+            "the wait ended with the host's handshake under way: {:?}",
+            a.cm_links
+        );
+        assert!(!a.links[&claim].has_output() && a.held_cm(b) == 1);
+        let (own, _t2) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.own_incoming.is_empty());
+    }
+
+    /// What was held for a connection from the host that is not at its
+    /// GID's address (NAT, a multi-homed host: its link will be
+    /// unverified) after our dial failed goes by the link that connection
+    /// becomes, at once: only the host's own connection (from its GID's
+    /// address) is waited for past an unverified link.
+    #[test]
+    fn held_messages_go_at_once_by_the_unverified_link_whose_handshake_they_waited_for() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.admits_from(b_gid, 9, from, Clock::now()));
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "held for the handshake: {:?}", a.cm_links);
+        let (l, _t) = add_link(&mut a, &mut hca, b_gid, from, None);
+        assert!(a.links[&l].has_output() && a.held_cm(b) == 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, l, false)]);
+        assert!(a.cm_deferred.is_empty());
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
