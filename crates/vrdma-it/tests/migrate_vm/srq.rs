@@ -5,8 +5,8 @@
 //! (`RawPort`), and its rings are read and written in the VM's region
 //! where the guest's library would, so that each step is the test's.
 
-use vrdma_core::proto::{decode_async_event, RingSpec, ASYNC_EVENT_SIZE};
 use vrdma_core::hca::AsyncEvent;
+use vrdma_core::proto::{decode_async_event, RingSpec, ASYNC_EVENT_SIZE};
 use vrdma_core::verbs::{AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpType, SrqAttr};
 
 use super::*;
@@ -31,7 +31,12 @@ const LEN: usize = 64;
 /// object's segment lies on, `spec` inside it.
 fn ring_in(region: &OwnedFd, at: u64, len: u64, spec: RingSpec) -> Result<vrdma_shm::RingView> {
     let map = vrdma_shm::Mapping::map_untrusted_in(region.try_clone()?, at, usize::try_from(len)?, None)?;
-    Ok(vrdma_shm::RingView::in_segment(Arc::new(map), spec.offset as usize, spec.capacity, spec.stride as usize)?)
+    Ok(vrdma_shm::RingView::in_segment(
+        Arc::new(map),
+        spec.offset as usize,
+        spec.capacity,
+        spec.stride as usize,
+    )?)
 }
 
 /// Where a guest object's ring lies in the VM's region.
@@ -114,8 +119,13 @@ impl SrqGuest {
         };
         let mut qps = [0u32; 2];
         for (qpn, peer) in qps.iter_mut().zip(&peers) {
-            let cap =
-                QpCap { max_send_wr: 16, max_recv_wr: 0, max_send_sge: 1, max_recv_sge: 0, max_inline_data: 0 };
+            let cap = QpCap {
+                max_send_wr: 16,
+                max_recv_wr: 0,
+                max_send_sge: 1,
+                max_recv_sge: 0,
+                max_inline_data: 0,
+            };
             let init = QpInitAttr {
                 qp_type: QpType::Rc,
                 send_cq: cqn,
@@ -158,7 +168,12 @@ fn to_rts(peer: &vrdma::Endpoint, mtu: vrdma::Mtu) -> [(QpAttr, QpAttrMask); 3] 
     let rd = vrdma_core::hca::MAX_RD_ATOMIC as u8;
     [
         (
-            QpAttr { qp_state: QpState::Init, port_num: 1, qp_access_flags: access_all(), ..QpAttr::default() },
+            QpAttr {
+                qp_state: QpState::Init,
+                port_num: 1,
+                qp_access_flags: access_all(),
+                ..QpAttr::default()
+            },
             QpAttrMask::STATE | QpAttrMask::PKEY_INDEX | QpAttrMask::PORT | QpAttrMask::ACCESS_FLAGS,
         ),
         (
@@ -279,7 +294,8 @@ impl Received {
                 (c.status, c.opcode) == (WcStatus::Success, WcOpcode::Recv),
                 "a completion in the guest's CQ: {c:?}"
             );
-            let q = g.qps.iter().position(|&x| x == c.qp_num).with_context(|| format!("{c:?}: no QP of ours"))?;
+            let q =
+                g.qps.iter().position(|&x| x == c.qp_num).with_context(|| format!("{c:?}: no QP of ours"))?;
             anyhow::ensure!(c.byte_len as usize == LEN, "{c:?}");
             let k = c.wr_id.checked_sub(RECV0).with_context(|| format!("{c:?}: not an SRQ receive"))?;
             let mut got = vec![0u8; LEN];
@@ -371,7 +387,10 @@ fn a_vm_tenants_srq_moves_with_its_receives_and_its_armed_limit() -> Result<()> 
     // The SRQ moves with its limit armed, both QPs on it, its ring placed
     // where it is in the VM's region.
     assert_eq!(snap.srqs.len(), 1, "{:?}", snap.srqs);
-    assert_eq!((snap.srqs[0].srq, snap.srqs[0].attr.srq_limit, snap.srqs[0].attr.max_wr), (srq, LIMIT, DEPTH));
+    assert_eq!(
+        (snap.srqs[0].srq, snap.srqs[0].attr.srq_limit, snap.srqs[0].attr.max_wr),
+        (srq, LIMIT, DEPTH)
+    );
     assert!(snap.qps.iter().all(|q| q.init.srq == Some(srq)), "{:?}", snap.qps);
     let p = snap.placement.as_ref().context("a VM's tenant is exported with its placement")?;
     assert_eq!(p.srqs.iter().map(|r| (r.id, r.at)).collect::<Vec<_>>(), vec![(srq, g.srq_ring.at)]);
@@ -433,8 +452,8 @@ fn a_vm_tenants_srq_moves_with_its_receives_and_its_armed_limit() -> Result<()> 
     // the first 18 posted; none lost, nothing more anywhere.
     let sent = b.next;
     assert_eq!(sent, [9, 9]);
-    for q in 0..2 {
-        assert_eq!(got.seqs[q], (0..sent[q]).collect::<Vec<_>>(), "QP {q}'s messages, once each, in order");
+    for (q, (seqs, n)) in got.seqs.iter().zip(sent).enumerate() {
+        assert_eq!(seqs, &(0..n).collect::<Vec<_>>(), "QP {q}'s messages, once each, in order");
     }
     let mut wr_ids = got.wr_ids.clone();
     wr_ids.sort_unstable();
