@@ -41,6 +41,8 @@ use vrdma_it::{access_all, pattern, poll_n, PeerProc, Side, ThreeHosts, WAIT};
 mod cm;
 #[path = "migrate_vm/memory.rs"]
 mod memory;
+#[path = "migrate_vm/srq.rs"]
+mod srq;
 
 /// Copies `len` bytes of one region memfd into another (QEMU's part).
 fn copy_region(from: &OwnedFd, to: &OwnedFd, len: u64) -> Result<()> {

@@ -384,6 +384,14 @@ impl QpRings {
 #[derive(Default)]
 pub struct RingTable {
     pub contexts: HashMap<ContextId, ContextRings>,
+    /// The async-event rings of contexts that moved here with their VM
+    /// and that no session has adopted yet (`migrate_vm::Attached::install`),
+    /// where the guest left them in the VM's region. Their QPs run from
+    /// the resume on: an event raised before the guest's library takes
+    /// its context back (an SRQ's limit reached as the peers' messages
+    /// take its receives, a QP's fatal error) goes there, and the library
+    /// finds it after the adoption ([`Self::add_context`]).
+    pub awaiting: HashMap<ContextId, RingView>,
     pub channels: HashMap<u32, Channel>,
     pub cqs: HashMap<u32, CqRing>,
     pub qps: HashMap<u32, QpRings>,
@@ -424,13 +432,26 @@ impl RingTable {
     /// Adds the rings of a context that already has QPs (one a guest
     /// adopted after its VM moved: the import installed their rings
     /// before the context had any): it may name them from now on.
+    /// Events raised meanwhile are in its event ring already
+    /// ([`Self::awaiting`]): its signal is rung, so that a program waiting
+    /// on its async fd wakes for them.
     pub fn add_context(&mut self, ctx: ContextId, mut rings: ContextRings) {
         for (qpn, q) in &self.qps {
             if q.ctx == ctx {
                 rings.qps.insert(*qpn, ());
             }
         }
+        self.awaiting.remove(&ctx);
+        if rings.events.len().is_ok_and(|n| n > 0) {
+            rings.event_fd.ring();
+        }
         self.contexts.insert(ctx, rings);
+    }
+
+    /// Contexts that moved away: their event rings, if no session had
+    /// adopted them here, go with the VM's region.
+    pub fn forget_awaiting(&mut self, ctxs: &[ContextId]) {
+        self.awaiting.retain(|c, _| !ctxs.contains(c));
     }
 
     /// Adds a QP's rings; its context may name it from now on.
@@ -825,9 +846,19 @@ impl Queues for RingTable {
                 r.ring.aux(proto::SRQ_AUX_LIMIT).store(0, Ordering::SeqCst);
             }
         }
-        let Some(c) = self.contexts.get(&ctx) else { return };
         let mut slot = [0u8; proto::ASYNC_EVENT_SIZE];
         proto::encode_async_event(&event, &mut slot);
+        let Some(c) = self.contexts.get(&ctx) else {
+            // A moved context not yet adopted: in its ring, where its
+            // library will look (its signal is rung at the adoption).
+            if let Some(ring) = self.awaiting.get(&ctx) {
+                if !matches!(ring.try_push_bytes(&slot), Ok(true)) {
+                    ring.aux(CTX_AUX_EVENTS_DROPPED).fetch_add(1, Ordering::Relaxed);
+                    self.dropped_events += 1;
+                }
+            }
+            return;
+        };
         if !matches!(c.events.try_push_bytes(&slot), Ok(true)) {
             c.events.aux(CTX_AUX_EVENTS_DROPPED).fetch_add(1, Ordering::Relaxed);
             self.dropped_events += 1;
@@ -1307,6 +1338,55 @@ mod tests {
         assert!(popped(y_owner).is_empty());
         assert_eq!(turn.load(Ordering::SeqCst), 0, "given back once the requester is gone");
         assert!(take_turn(y), "the SRQ's other requesters claim again");
+    }
+
+    /// An event raised for a context that moved here and that no session
+    /// has adopted yet (an SRQ's limit reached by its peers' messages
+    /// after the resume) goes into its event ring where the guest left
+    /// it; the adoption rings the new signal for it, and the context's
+    /// next events go to its rings as any context's. One that moved away
+    /// again, never adopted, is forgotten.
+    #[test]
+    fn an_event_for_a_moved_context_not_yet_adopted_waits_in_its_ring() {
+        let mut table = RingTable::default();
+        let len = ring_bytes(proto::ASYNC_RING_CAPACITY, proto::ASYNC_EVENT_SIZE);
+        let seg = Arc::new(Segment::create("vrdma-test", len).unwrap());
+        let view = || {
+            RingView::in_segment(seg.clone(), 0, proto::ASYNC_RING_CAPACITY, proto::ASYNC_EVENT_SIZE).unwrap()
+        };
+        let (guest, ctx) = (view(), ContextId(7));
+        let popped = || {
+            let mut slot = [0u8; proto::ASYNC_EVENT_SIZE];
+            let mut out = Vec::new();
+            while guest.try_pop(&mut slot).unwrap() {
+                out.push(proto::decode_async_event(&slot).unwrap());
+            }
+            out
+        };
+        let limit = AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: 0x55 };
+        // No ring at all: dropped (as before).
+        table.async_event(ctx, limit);
+        assert!(popped().is_empty());
+        table.awaiting.insert(ctx, view());
+        table.async_event(ctx, limit);
+        // Adopted: the ring is the session's, its signal rung for the
+        // event waiting there.
+        let (mut c, _) = context(1, []);
+        c.events = view();
+        let (event_fd, tenant_end) = Doorbell::pair().unwrap();
+        c.event_fd = event_fd;
+        table.add_context(ctx, c);
+        assert!(table.awaiting.is_empty());
+        assert!(tenant_end.is_readable(), "the adopter's signal rung for the event raised before");
+        assert_eq!(popped(), vec![limit], "once");
+        tenant_end.drain();
+        let fatal = AsyncEvent { event_type: AsyncEventType::QpFatal, element: 9 };
+        table.async_event(ctx, fatal);
+        assert_eq!(popped(), vec![fatal]);
+        // Moved away unadopted: forgotten.
+        table.awaiting.insert(ContextId(8), view());
+        table.forget_awaiting(&[ContextId(8)]);
+        assert!(table.awaiting.is_empty());
     }
 
     /// A context whose QPs' rings came first (an import: a guest adopts

@@ -347,6 +347,9 @@ pub(super) fn handle(
                     // Its completion channels (their rings move with the
                     // VM's region; a session's own close finds none left).
                     e.rings.channels.retain(|_, ch| !ctxs.contains(&ch.ctx));
+                    // Event rings of contexts never adopted here (theirs
+                    // move with the region too).
+                    e.rings.forget_awaiting(&ctxs);
                     for c in &ctxs {
                         e.direct.forget_context(*c);
                     }

@@ -33,7 +33,7 @@ use vrdma_core::hca::migrate::{
 };
 use vrdma_core::hca::{ContextId, TenantId};
 use vrdma_core::memory::Region;
-use vrdma_core::proto::{CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY};
+use vrdma_core::proto::{ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY, CHANNEL_EVENT_SIZE, CHANNEL_RING_CAPACITY};
 use vrdma_core::ring::CQE_SIZE;
 use vrdma_shm::RingView;
 
@@ -152,6 +152,11 @@ pub(super) struct Attached {
     srqs: Vec<(u32, RingView)>,
     qps: Vec<(u32, QpRings)>,
     channels: Vec<ImportedChannel>,
+    /// Each context's async-event ring, where the guest left it in its
+    /// segment: the engine pushes the events raised before a session
+    /// adopts the context there (`RingTable::awaiting`). The segment's
+    /// extent stays the context's (in `memory` until the adoption).
+    events: Vec<(u32, RingView)>,
     /// Extents taken that no ring owns (the guest's memory): given back
     /// if the import fails.
     memory: Vec<u64>,
@@ -226,6 +231,7 @@ pub(super) fn attach(shared: &Shared, snap: &TenantSnapshot) -> Result<Option<At
         srqs: Vec::new(),
         qps: Vec::new(),
         channels: Vec::new(),
+        events: Vec::new(),
         memory: p.extents.iter().map(|e| e.at).collect(),
         owners: p.memory.clone(),
         contexts: snap.contexts.clone(),
@@ -263,6 +269,19 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
     // for the next move.
     for c in &p.contexts {
         a.places.push((c.id, Kind::Context, c.id, Place::Ring(c.at, c.len)));
+        // Its event ring, mapped apart from the extent (which the
+        // adopting session claims): events raised before the adoption.
+        let len = usize::try_from(c.len).map_err(|_| bad(format!("a context segment of {} bytes", c.len)))?;
+        let map = vm
+            .region
+            .try_clone()
+            .and_then(|fd| vrdma_shm::Mapping::map_untrusted_in(fd, c.at, len, None).map_err(Into::into))
+            .map_err(|e| {
+                error(libc::ENOMEM, format!("cannot map context {}'s segment at {:#x}: {e}", c.id, c.at))
+            })?;
+        let events = RingView::in_segment(Arc::new(map), 0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
+            .map_err(|e| bad(format!("context {}'s event ring does not fit its segment: {e}", c.id)))?;
+        a.events.push((c.id, events));
     }
     let mr_len: HashMap<u32, (u32, u64)> = snap.mrs.iter().map(|m| (m.key, (m.ctx, m.len))).collect();
     for m in &p.mrs {
@@ -351,8 +370,8 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
 impl Attached {
     /// The import failed: the rings and regions go, the extents back.
     pub fn give_back(self) {
-        let Attached { vm, memory, cqs, srqs, qps, regions, channels, .. } = self;
-        drop((cqs, srqs, qps, regions, channels));
+        let Attached { vm, memory, cqs, srqs, qps, regions, channels, events, .. } = self;
+        drop((cqs, srqs, qps, regions, channels, events));
         let mut ext = vm.extents();
         for at in memory {
             ext.free(at);
@@ -384,6 +403,9 @@ impl Attached {
         }
         for (srq, ring) in self.srqs {
             rings.srqs.insert(srq, InRing::new(ring, self.tenant));
+        }
+        for (ctx, ring) in self.events {
+            rings.awaiting.insert(ContextId(ctx), ring);
         }
         for (qpn, r) in self.qps {
             rings.add_qp(qpn, r);
