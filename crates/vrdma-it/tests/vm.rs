@@ -273,6 +273,7 @@ fn a_guest_that_breaks_the_frame_stream_is_disconnected_and_the_daemon_serves_on
     let mut q = RawPort::connect(&vm)?;
     let (reply, _) = q.call(Request::AllocPd)?;
     assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    assert!(format!("{reply:?}").contains("send Hello first"), "{reply:?}");
     // Told first that the port has no session (a guest whose VM resumed
     // on this host would adopt its context), once.
     assert_eq!(q.ended.take(), Some(guest::EndReason::NoSession));
@@ -458,6 +459,8 @@ fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
     // then or now); a new Hello opens another.
     let (reply, _) = p.call(Request::AllocPd)?;
     assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    // Saying why, not that no Hello came.
+    assert!(format!("{reply:?}").contains("nothing came from the guest"), "{reply:?}");
     assert_eq!(p.ended, None);
     p.open()?;
     // A session that answers its pings stays past dead_ms.
@@ -1714,8 +1717,15 @@ fn a_guest_that_scribbles_on_its_rings_loses_its_session_alone() -> Result<()> {
     g.call_ok(&Command::Misbehave { how: Misbehavior::Scribble, millis: 0 })?;
     // (The engine looks at the ring when it has work or a doorbell.)
     g.call_ok(&Command::Misbehave { how: Misbehavior::Doorbells, millis: 200 })?;
+    // Told why first, as a host tenant is.
+    let fatal = u32::from(vrdma::AsyncEventType::DeviceFatal.raw());
+    match g.call(&Command::AsyncEvent { timeout_ms: WAIT.as_millis() as u64 })? {
+        Said::Event(Some(e)) => assert_eq!(e, fatal, "the scribbler's first async event"),
+        other => bail!("the scribbler heard no IBV_EVENT_DEVICE_FATAL: {other:?}"),
+    }
     let told = guest_call_fails(&mut g)?;
     eprintln!("the guest that scribbled on its posted ring is told: {told}");
+    assert!(told.contains("the daemon closed its context"), "{told}");
     host_ping_pong(&d, 100)?;
     assert!(d.is_alive());
     drop(g);
@@ -1751,8 +1761,10 @@ fn a_guest_that_scribbles_on_its_rings_loses_its_session_alone() -> Result<()> {
     std::thread::sleep(Duration::from_millis(300));
     host_ping_pong(&d, 100)?;
     assert!(d.is_alive());
+    // (Its async events' ring is garbage too: it may hear nothing first.)
     let told = guest_call_fails(&mut g)?;
     eprintln!("the guest whose region was scribbled over is told: {told}");
+    assert!(told.contains("the daemon closed its context"), "{told}");
     host_ping_pong(&d, 100)?;
     assert!(d.is_alive());
     drop(g);
