@@ -1782,3 +1782,120 @@ fn a_guest_that_scribbles_on_its_rings_loses_its_session_alone() -> Result<()> {
     daemon_serves(&d)?;
     Ok(())
 }
+
+/// The extents of VM `vm`'s region that process `pid` maps, as (offset,
+/// length), in the order of their offsets.
+fn mapped_extents(pid: u32, vm: &vrdma::vm::VmAttachment) -> Result<Vec<(u64, u64)>> {
+    let ino = rustix::fs::fstat(&vm.region)?.st_ino.to_string();
+    let mut out = Vec::new();
+    for l in std::fs::read_to_string(format!("/proc/{pid}/maps"))?.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.get(4) != Some(&ino.as_str()) {
+            continue;
+        }
+        let Some((start, end)) = f[0].split_once('-') else { bail!("{l}") };
+        let len = u64::from_str_radix(end, 16)? - u64::from_str_radix(start, 16)?;
+        out.push((u64::from_str_radix(f[2], 16)?, len));
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+/// Writes a fixed pattern of every byte value over `[offset, +len)` of
+/// VM `vm`'s region, for each range.
+fn scribble_region(vm: &vrdma::vm::VmAttachment, ranges: &[(u64, u64)]) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = vm.region_len as usize;
+    // SAFETY: a fresh shared mapping of the VM's region (a memfd of `len`
+    // bytes, sealed against shrinking), written through a slice that lives
+    // only here, within its bounds, and unmapped at once.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            vm.region.as_raw_fd(),
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            bail!("mapping the region: {}", std::io::Error::last_os_error());
+        }
+        let bytes = std::slice::from_raw_parts_mut(p.cast::<u8>(), len);
+        for &(offset, n) in ranges {
+            let (from, to) = (offset as usize, (offset + n).min(len as u64) as usize);
+            for (i, b) in bytes[from..to].iter_mut().enumerate() {
+                // Not random, so that a failure repeats.
+                *b = ((from + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_right(29) as u8;
+            }
+        }
+        libc::munmap(p, len);
+    }
+    Ok(())
+}
+
+/// (e, continued) A guest that scribbles on its queues' rings in its
+/// region (every extent it maps but its context's, so that its posted-QP
+/// ring stays sound: its CQ's, its QPs' and its memory) and then names its
+/// QPs to the engine: the engine reads no more from a corrupt work queue,
+/// the QP goes to ERR and the CQ raises `IBV_EVENT_CQ_ERR` (the guest's
+/// own library finds its rings corrupt too); the context still answers,
+/// the daemon lives, a host tenant's ping-pong through the engine goes
+/// on before and after, and the VM's next context works.
+#[test]
+fn a_guest_that_scribbles_on_its_queues_gets_their_errors_alone() -> Result<()> {
+    if !root_or_skip() {
+        return Ok(());
+    }
+    let mut d = daemon_with_two_tenants_vms("[direct]\nenabled = false\n", "")?;
+    let o = vrdma::vm::attach_at(&d.socket, "o")?;
+    host_ping_pong(&d, 100)?;
+    let mut g = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    let h = g.hello()?;
+    g.call_ok(&Command::Connect { peer: h.endpoint })?;
+    g.call_ok(&Command::PostRecv { count: 8, offset: 0, len: 4096 })?;
+    g.call_ok(&Command::IdleQps { count: 8 })?;
+    // The first session on a fresh region: its context's extent (the
+    // first one allocated) is at offset 0.
+    let extents = mapped_extents(h.pid, &o)?;
+    assert_eq!(extents.first().map(|e| e.0), Some(0), "{extents:x?}");
+    assert!(extents.len() >= 4, "{extents:x?}");
+    scribble_region(&o, &extents[1..])?;
+    g.call_ok(&Command::Misbehave { how: Misbehavior::NameIdle, millis: 300 })?;
+    g.call_ok(&Command::Misbehave { how: Misbehavior::Doorbells, millis: 300 })?;
+    // The library's own post finds its send queue corrupt.
+    match g.call(&Command::Send { wr_id: 1, offset: 0, len: 5, imm: None })? {
+        Said::Error { errno, message } => assert_eq!(errno, libc::EIO, "{message}"),
+        other => bail!("a post on a scribbled send queue: {other:?}"),
+    }
+    host_ping_pong(&d, 100)?;
+    assert!(d.is_alive());
+    // The daemon's word: the QP in ERR (a call the daemon answers: the
+    // context lives), the CQ's error.
+    vrdma_it::wait_until(WAIT, "the scribbled QP in ERR", || {
+        matches!(g.call(&Command::Query), Ok(Said::State(6)))
+    })?;
+    let cq_err = u32::from(vrdma::AsyncEventType::CqErr.raw());
+    let mut events = Vec::new();
+    while let Said::Event(Some(e)) = g.call(&Command::AsyncEvent { timeout_ms: 300 })? {
+        events.push(e);
+    }
+    assert!(events.contains(&cq_err), "async events {events:?}");
+    host_ping_pong(&d, 100)?;
+    assert!(d.is_alive());
+    drop(g);
+
+    // The VM's device still serves: a new guest context, data through it.
+    let mut again = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    let h = again.hello()?;
+    again.call_ok(&Command::Connect { peer: h.endpoint })?;
+    again.call_ok(&Command::PostRecv { count: 1, offset: 4096, len: 4096 })?;
+    again.call_ok(&Command::Fill { offset: 0, data: b"after".to_vec() })?;
+    again.call_ok(&Command::Send { wr_id: 1, offset: 0, len: 5, imm: None })?;
+    let wcs = again.poll(2, WAIT)?;
+    assert_eq!(wcs.iter().filter(|w| w.status == WcStatus::Success.raw()).count(), 2, "{wcs:?}");
+    assert_eq!(again.read(4096, 5)?, b"after");
+    daemon_serves(&d)?;
+    Ok(())
+}
