@@ -13,6 +13,7 @@
 
 pub mod control_proxy;
 pub mod harness;
+pub mod isolation;
 mod pingpong;
 pub mod protocol;
 mod three_hosts;

@@ -5,14 +5,13 @@
 //! (to run a peer as uid 65534), the namespace test root and iproute2;
 //! without them they say so and pass vacuously.
 
-use std::time::Duration;
-
 use anyhow::{bail, Result};
 use vrdma::wr::{self, SendWrExt};
-use vrdma::{Mtu, QpAttr, QpAttrMask, QpState, WcStatus};
+use vrdma::{QpAttr, QpAttrMask, QpState, WcStatus};
 use vrdma_core::proto::{Reply, Request};
+use vrdma_it::isolation::{another_tenants_key_is_refused, every_way_to_the_peer, ACROSS_HOSTS, ONE_HOST};
 use vrdma_it::protocol::{Command, Hello, Said};
-use vrdma_it::{access_all, connect, le, poll_one, DaemonProc, PeerProc, RawConn, Side, TwoHosts, WAIT};
+use vrdma_it::{access_all, le, poll_one, DaemonProc, PeerProc, RawConn, Side, TwoHosts, WAIT};
 
 const NOBODY: u32 = 65534;
 
@@ -33,27 +32,6 @@ fn with_nobody() -> Result<(DaemonProc, PeerProc, Hello)> {
     Ok((d, peer, h))
 }
 
-/// The local ACK timeout of our QPs towards a peer on our own daemon (the
-/// shared-memory path): 4.096 µs × 2^4 ≈ 65 µs.
-const ONE_HOST: u8 = 4;
-/// ... and towards a peer on another daemon: 2^13 ≈ 34 ms, so about 67 ms
-/// with the one retry.
-const ACROSS_HOSTS: u8 = 13;
-
-/// Brings `s`'s QP to RTS towards `remote`: where the peer must not be
-/// reached (`reach` false), with a short transport timeout (the exponent
-/// `timeout`) and one retry, so that it fails fast; where it must, with
-/// the library's default (2^14, 7 retries: about half a second), since
-/// the control (a peer of our own uid) must not time out for a slow round
-/// trip between two daemons on a loaded machine (67 ms is a thin margin).
-fn connect_fast(s: &Side, remote: &vrdma::Endpoint, timeout: u8, reach: bool) -> Result<()> {
-    let (timeout, retries) = if reach { (14, 7) } else { (timeout, 1) };
-    s.qp.to_init(1, access_all())?;
-    s.qp.to_rtr(remote, Mtu::Mtu4096, 12)?;
-    s.qp.to_rts(s.qp.psn(), timeout, retries, 7)?;
-    Ok(())
-}
-
 #[test]
 fn tenants_are_uids() -> Result<()> {
     if !root() {
@@ -71,84 +49,13 @@ fn tenants_are_uids() -> Result<()> {
     Ok(())
 }
 
-/// Tries every way to reach the peer's QP and region from QPs of the test
-/// process on daemon `d` that the peer's QP is connected back to: a send
-/// each way, an RDMA write and an RDMA read. The peer may run on `d` or
-/// on another daemon (`timeout`: [`ONE_HOST`] or [`ACROSS_HOSTS`]). With
-/// `reach` they all succeed (a control that the setup is right); without,
-/// they all end in `RetryExcErr` and nothing crosses.
-fn every_way_to_the_peer(
-    d: &DaemonProc,
-    peer: &mut PeerProc,
-    h: &Hello,
-    reach: bool,
-    timeout: u8,
-) -> Result<()> {
-    let ctx = d.context()?;
-    let expect = if reach { WcStatus::Success } else { WcStatus::RetryExcErr };
-    // A fresh QP of ours, and the peer's QP connected to it.
-    let fresh = |peer: &mut PeerProc| -> Result<Side> {
-        let s = Side::new(&ctx, 1 << 16)?;
-        peer.call_ok(&Command::Reset)?;
-        connect_fast(&s, &h.endpoint, timeout, reach)?;
-        peer.call_ok(&Command::Connect { peer: s.endpoint()? })?;
-        Ok(s)
-    };
-    peer.call_ok(&Command::Fill { offset: 8192, data: vec![0x77; 64] })?;
-
-    // Our send.
-    let s = fresh(peer)?;
-    peer.call_ok(&Command::PostRecv { count: 1, offset: 0, len: 4096 })?;
-    s.mr.fill(0, 64, 0xaa)?;
-    s.qp.post_send(&[wr::send(1, &[s.mr.sge(0, 64)?])?.signaled()])?;
-    assert_eq!(status(poll_one(&s.cq, WAIT)?), (1, expect));
-    let got = peer.poll(1, if reach { WAIT } else { Duration::from_millis(200) })?;
-    assert_eq!(got.len(), reach as usize, "receives at the peer: {got:?}");
-    assert_eq!(peer.read(0, 64)?, vec![if reach { 0xaa } else { 0 }; 64]);
-
-    // Our RDMA write with the peer's own address and key.
-    let s = fresh(peer)?;
-    s.mr.fill(0, 64, 0xbb)?;
-    s.qp.post_send(&[wr::rdma_write(2, &[s.mr.sge(0, 64)?], h.addr + 8192, h.rkey)?.signaled()])?;
-    assert_eq!(status(poll_one(&s.cq, WAIT)?), (2, expect));
-    assert_eq!(peer.read(8192, 64)?, vec![if reach { 0xbb } else { 0x77 }; 64]);
-
-    // Our RDMA read of it.
-    let s = fresh(peer)?;
-    s.qp.post_send(&[wr::rdma_read(3, &[s.mr.sge(0, 64)?], h.addr + 8192, h.rkey)?.signaled()])?;
-    assert_eq!(status(poll_one(&s.cq, WAIT)?), (3, expect));
-    assert_eq!(s.mr.to_vec()[..64], [if reach { 0xbb } else { 0 }; 64]);
-    // Our failures are ours: the peer's QP is still in RTS.
-    assert!(matches!(peer.call(&Command::State)?, Said::State(3)));
-
-    // The peer's send to us.
-    let s = fresh(peer)?;
-    s.qp.post_recv(&[wr::recv(9, &[s.mr.sge(0, 64)?])?])?;
-    peer.call_ok(&Command::Fill { offset: 0, data: vec![0x99; 16] })?;
-    peer.call_ok(&Command::Send { wr_id: 5, offset: 0, len: 16, imm: None })?;
-    let got = peer.poll(1, WAIT)?;
-    assert_eq!(got.iter().map(|w| (w.wr_id, w.status)).collect::<Vec<_>>(), [(5, expect.raw())]);
-    let ours = vrdma_it::poll_for(&s.cq, Duration::from_millis(if reach { 0 } else { 50 }))?;
-    if reach {
-        assert_eq!(ours.len(), 1);
-    } else {
-        assert!(ours.is_empty(), "a send from another tenant arrived: {ours:?}");
-        assert_eq!(s.mr.to_vec()[..16], [0u8; 16]);
-    }
-    Ok(())
-}
-
-fn status(wc: vrdma::WorkCompletion) -> (u64, WcStatus) {
-    (wc.wr_id, wc.status)
-}
-
 #[test]
 fn a_connection_across_tenants_never_reaches_the_other_side() -> Result<()> {
     if !root() {
         return Ok(());
     }
     let (d, mut peer, h) = with_nobody()?;
-    every_way_to_the_peer(&d, &mut peer, &h, false, ONE_HOST)?;
+    every_way_to_the_peer(&d.context()?, &mut peer, &h, false, ONE_HOST)?;
     // Its own send failed, so its QP is in ERR now.
     assert!(matches!(peer.call(&Command::State)?, Said::State(6)));
     Ok(())
@@ -160,7 +67,7 @@ fn the_same_attempts_within_one_tenant_succeed() -> Result<()> {
     let d = DaemonProc::start()?;
     let mut peer = PeerProc::spawn(&d.socket, "tenant", &[])?;
     let h = peer.hello()?;
-    every_way_to_the_peer(&d, &mut peer, &h, true, ONE_HOST)
+    every_way_to_the_peer(&d.context()?, &mut peer, &h, true, ONE_HOST)
 }
 
 /// The same across hosts, where the tenant travels in every frame and the
@@ -179,11 +86,11 @@ fn across_hosts_another_tenant_is_never_reached() -> Result<()> {
     let mut nobody = PeerProc::spawn_as(&h.b.socket, "tenant", &[], Some(NOBODY))?;
     let hn = nobody.hello()?;
     assert_eq!((ho.tenant, hn.tenant), (0, NOBODY));
-    every_way_to_the_peer(&h.a, &mut ours, &ho, true, ACROSS_HOSTS)?;
-    every_way_to_the_peer(&h.a, &mut nobody, &hn, false, ACROSS_HOSTS)?;
+    every_way_to_the_peer(&h.a.context()?, &mut ours, &ho, true, ACROSS_HOSTS)?;
+    every_way_to_the_peer(&h.a.context()?, &mut nobody, &hn, false, ACROSS_HOSTS)?;
     // Its own send failed, so its QP is in ERR now.
     assert!(matches!(nobody.call(&Command::State)?, Said::State(6)));
-    every_way_to_the_peer(&h.a, &mut ours, &ho, true, ACROSS_HOSTS)?;
+    every_way_to_the_peer(&h.a.context()?, &mut ours, &ho, true, ACROSS_HOSTS)?;
     Ok(())
 }
 
@@ -254,33 +161,7 @@ fn another_tenants_rkey_is_refused_on_a_same_tenant_connection() -> Result<()> {
         return Ok(());
     }
     let (d, mut peer, h) = with_nobody()?;
-    peer.call_ok(&Command::Fill { offset: 0, data: vec![0x44; 256] })?;
-    let a = Side::new(&d.context()?, 4096)?;
-    let b = Side::new(&d.context()?, 4096)?;
-    connect(&a, &b)?;
-    a.mr.fill(0, 64, 0xcc)?;
-    // Address and key of the other tenant's region, through our own QP pair.
-    a.qp.post_send(&[wr::rdma_write(1, &[a.mr.sge(0, 64)?], h.addr, h.rkey)?.signaled()])?;
-    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::RemAccessErr);
-    assert_eq!(peer.read(0, 256)?, vec![0x44; 256], "our write reached the other tenant");
-
-    let (a, b) = (Side::new(&d.context()?, 4096)?, Side::new(&d.context()?, 4096)?);
-    connect(&a, &b)?;
-    a.qp.post_send(&[wr::rdma_read(2, &[a.mr.sge(0, 64)?], h.addr, h.rkey)?.signaled()])?;
-    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::RemAccessErr);
-    assert_eq!(a.mr.to_vec()[..64], [0u8; 64], "we read the other tenant's memory");
-
-    // The key as a local key is no better.
-    let (a, b) = (Side::new(&d.context()?, 4096)?, Side::new(&d.context()?, 4096)?);
-    connect(&a, &b)?;
-    let stolen = vrdma::Sge { addr: h.addr, length: 64, lkey: h.rkey };
-    a.qp.post_send(&[wr::rdma_write(3, &[stolen], b.mr.addr(), b.mr.rkey())?.signaled()])?;
-    assert_eq!(poll_one(&a.cq, WAIT)?.status, WcStatus::LocProtErr);
-    assert_eq!(b.mr.to_vec()[..64], [0u8; 64]);
-    drop(b);
-    // The other tenant is unaffected.
-    assert_eq!(peer.read(0, 256)?, vec![0x44; 256]);
-    Ok(())
+    another_tenants_key_is_refused(&d.context()?, &mut peer, &h)
 }
 
 /// Every request naming an object of another context is refused as if
@@ -410,6 +291,6 @@ fn with_uid_and_netns_another_network_namespace_is_another_tenant() -> Result<()
     assert!(h.tenant >= vrdma_core::hca::TenantId::HOST_LOCAL_BASE, "tenant {:#x}", h.tenant);
     let other = PeerProc::spawn_in(&d.socket, "tenant", &[], ns)?;
     assert_eq!(other.hello()?.tenant, h.tenant, "one namespace, one uid: one tenant");
-    every_way_to_the_peer(&d, &mut peer, &h, false, ONE_HOST)?;
+    every_way_to_the_peer(&d.context()?, &mut peer, &h, false, ONE_HOST)?;
     Ok(())
 }

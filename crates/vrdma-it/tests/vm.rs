@@ -14,7 +14,7 @@ use vrdma::wr::{self, SendWrExt};
 use vrdma::WcStatus;
 use vrdma_core::proto::guest::{self, Frame, FrameDecoder, Handle, GUEST_VERSION};
 use vrdma_core::proto::{Reply, Request};
-use vrdma_it::protocol::{Command, Said};
+use vrdma_it::protocol::{Command, Misbehavior, Said};
 use vrdma_it::{access_all, pattern, poll_one, DaemonProc, PeerProc, Side, WAIT};
 
 const NOBODY: u32 = 65534;
@@ -182,12 +182,16 @@ impl RawPort {
         }
     }
 
-    /// A call and its reply.
+    /// A call and its reply (the wake-ups of doorbells that come first,
+    /// an rdma_cm call's, are dropped).
     fn call(&mut self, req: Request) -> Result<(Reply, Vec<Handle>)> {
         self.send(&Frame::Call(req))?;
         let mut next = self.recv(WAIT)?;
         if let Some(Frame::Ended { reason }) = next {
             self.ended = Some(reason);
+            next = self.recv(WAIT)?;
+        }
+        while let Some(Frame::Bell { .. }) = next {
             next = self.recv(WAIT)?;
         }
         match next {
@@ -269,6 +273,7 @@ fn a_guest_that_breaks_the_frame_stream_is_disconnected_and_the_daemon_serves_on
     let mut q = RawPort::connect(&vm)?;
     let (reply, _) = q.call(Request::AllocPd)?;
     assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    assert!(format!("{reply:?}").contains("send Hello first"), "{reply:?}");
     // Told first that the port has no session (a guest whose VM resumed
     // on this host would adopt its context), once.
     assert_eq!(q.ended.take(), Some(guest::EndReason::NoSession));
@@ -454,6 +459,8 @@ fn a_silent_guest_session_is_torn_down_after_dead_ms() -> Result<()> {
     // then or now); a new Hello opens another.
     let (reply, _) = p.call(Request::AllocPd)?;
     assert_eq!(errno_of(&reply), Some(libc::EPROTO), "{reply:?}");
+    // Saying why, not that no Hello came.
+    assert!(format!("{reply:?}").contains("nothing came from the guest"), "{reply:?}");
     assert_eq!(p.ended, None);
     p.open()?;
     // A session that answers its pings stays past dead_ms.
@@ -1245,6 +1252,651 @@ fn deregistering_heap_buffers_beside_busy_threads_keeps_the_heap_whole() -> Resu
         let n = t.join().map_err(|_| anyhow::anyhow!("a busy thread panicked"))??;
         assert!(n > 0);
     }
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------
+// Tenant isolation seen from a guest (issue 18): a VM's tenant is held to
+// exactly what a host tenant is held to (`tests/isolation.rs`,
+// `tests/fairness.rs`). VM `o` is another tenant's (uid NOBODY) than the
+// test's (its host processes and VM `t`); the guest of `o` is a context of
+// this process in guest mode on `o`'s port and region, the victims a host
+// process and an emulated guest of `t`. They need root (to attach VM `o`
+// of another uid); without it they say so and pass vacuously.
+
+/// A daemon with VM `t` of the test's uid (`extra_t` in its table) and VM
+/// `o` of uid NOBODY, each of 16 MiB and 8 ports; `extra` at the top.
+fn daemon_with_two_tenants_vms(extra: &str, extra_t: &str) -> Result<DaemonProc> {
+    // SAFETY: geteuid has no preconditions.
+    let uid = unsafe { libc::geteuid() };
+    DaemonProc::start_with_config(&format!(
+        "{extra}\n[vms.t]\ntenant = {uid}\nmemory_mib = 16\nports = 8\n{extra_t}\n\
+         [vms.o]\ntenant = {NOBODY}\nmemory_mib = 16\nports = 8\n"
+    ))
+}
+
+/// A context of this process in guest mode on VM `vm`'s port and region.
+fn guest_context(vm: &vrdma::vm::VmAttachment) -> Result<vrdma::Context> {
+    use std::os::fd::AsRawFd;
+    let cfg = vrdma::guest::GuestConfig {
+        ports: vec![vm.port_socket.clone()],
+        bar: format!("/proc/self/fd/{}", vm.region.as_raw_fd()).into(),
+    };
+    let ctx = vrdma::Context::open_guest(&cfg)?;
+    assert!(ctx.is_guest());
+    Ok(ctx)
+}
+
+fn root_or_skip() -> bool {
+    if root() {
+        return true;
+    }
+    vrdma_it::skip(format!("this test needs root (to attach a VM of uid {NOBODY})"));
+    false
+}
+
+/// (a) A guest's RC QP connected to another tenant's QP (a host process's,
+/// another VM's guest's) on its daemon never carries a byte either way:
+/// its send, RDMA write and read end in `RetryExcErr`, the victim's
+/// receive buffers and region stay as they were and neither side gets a
+/// receive. The same from a guest of the victims' own tenant (VM `t`)
+/// succeeds before and after (the control), and a host process never
+/// reaches the guest of `o` either.
+#[test]
+fn a_guests_qp_never_reaches_another_tenants_qp() -> Result<()> {
+    use vrdma_it::isolation::{every_way_to_the_peer, ONE_HOST};
+    if !root_or_skip() {
+        return Ok(());
+    }
+    let d = daemon_with_two_tenants_vms("", "")?;
+    let (o, t) = (vrdma::vm::attach_at(&d.socket, "o")?, vrdma::vm::attach_at(&d.socket, "t")?);
+    let (attacker, friend) = (guest_context(&o)?, guest_context(&t)?);
+    let host = d.context()?;
+    assert_eq!((attacker.tenant(), friend.tenant()), (NOBODY, host.tenant()));
+    let mut on_host = PeerProc::spawn(&d.socket, "tenant", &["--mr-len", "65536"])?;
+    let hh = on_host.hello()?;
+    let mut in_t = PeerProc::spawn_guest(&t, "tenant", &["--mr-len", "65536"])?;
+    let ht = in_t.hello()?;
+    assert_eq!((hh.tenant, ht.tenant), (host.tenant(), host.tenant()));
+    for (what, peer, h) in [("a host process", &mut on_host, &hh), ("VM t's guest", &mut in_t, &ht)] {
+        eprintln!("the guest of VM o against {what}");
+        every_way_to_the_peer(&friend, peer, h, true, ONE_HOST)?;
+        every_way_to_the_peer(&attacker, peer, h, false, ONE_HOST)?;
+        // Its own send failed, so its QP is in ERR now.
+        assert!(matches!(peer.call(&Command::State)?, Said::State(6)), "{what}");
+        every_way_to_the_peer(&friend, peer, h, true, ONE_HOST)?;
+    }
+    // The other way: a host process of the test's tenant never reaches a
+    // guest of VM o.
+    let mut in_o = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    let ho = in_o.hello()?;
+    assert_eq!(ho.tenant, NOBODY);
+    every_way_to_the_peer(&host, &mut in_o, &ho, false, ONE_HOST)?;
+    every_way_to_the_peer(&attacker, &mut in_o, &ho, true, ONE_HOST)?;
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+/// (b) Another tenant's address and key, used from a guest through a
+/// connection of the guest's own: `RemAccessErr` for an RDMA write and
+/// read, `LocProtErr` as a local key; the victim's memory unchanged.
+#[test]
+fn a_guest_cannot_use_another_tenants_keys() -> Result<()> {
+    use vrdma_it::isolation::another_tenants_key_is_refused;
+    if !root_or_skip() {
+        return Ok(());
+    }
+    let d = daemon_with_two_tenants_vms("", "")?;
+    let (o, t) = (vrdma::vm::attach_at(&d.socket, "o")?, vrdma::vm::attach_at(&d.socket, "t")?);
+    let attacker = guest_context(&o)?;
+    let mut on_host = PeerProc::spawn(&d.socket, "tenant", &["--mr-len", "65536"])?;
+    let hh = on_host.hello()?;
+    let mut in_t = PeerProc::spawn_guest(&t, "tenant", &["--mr-len", "65536"])?;
+    let ht = in_t.hello()?;
+    another_tenants_key_is_refused(&attacker, &mut on_host, &hh)?;
+    another_tenants_key_is_refused(&attacker, &mut in_t, &ht)?;
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+/// The numbers of a victim's objects, named in the attacker's calls.
+#[derive(Debug, Clone, Copy)]
+struct Numbers {
+    pd: u32,
+    cq: u32,
+    qp: u32,
+    srq: u32,
+    channel: u32,
+    rkey: u32,
+    lkey: u32,
+    cm_id: u32,
+}
+
+impl Numbers {
+    /// Numbers of no object at all, each beside the victim's.
+    fn ghost(&self) -> Numbers {
+        let far = |n: u32| n.wrapping_add(0x1000);
+        let key = |k: u32| k ^ 0x0055_aa00;
+        Numbers {
+            pd: far(self.pd),
+            cq: far(self.cq),
+            qp: far(self.qp),
+            srq: far(self.srq),
+            channel: far(self.channel),
+            rkey: key(self.rkey),
+            lkey: key(self.lkey),
+            cm_id: far(self.cm_id),
+        }
+    }
+
+    fn all(&self) -> [u32; 8] {
+        [self.pd, self.cq, self.qp, self.srq, self.channel, self.rkey, self.lkey, self.cm_id]
+    }
+}
+
+/// A victim's objects of every kind (kept alive by the holder).
+struct Victim {
+    side: Side,
+    srq: vrdma::SharedReceiveQueue,
+    _channel: vrdma::CompletionChannel,
+    _channel_cq: vrdma::CompletionQueue,
+    _cm: (vrdma::cm::EventChannel, vrdma::cm::CmId),
+    numbers: Numbers,
+}
+
+impl Victim {
+    fn new(ctx: &vrdma::Context) -> Result<Victim> {
+        let side = Side::new(ctx, 4096)?;
+        side.qp.connect(&side.endpoint()?, access_all())?;
+        let srq = side.pd.create_srq(vrdma::SrqAttr { max_wr: 4, max_sge: 1, srq_limit: 0 })?;
+        let channel = ctx.create_comp_channel()?;
+        let channel_cq = ctx.create_cq(4, Some(&channel))?;
+        let cm_ch = vrdma::cm::EventChannel::create(ctx)?;
+        let cm_id = vrdma::cm::CmId::create(&cm_ch, vrdma::cm::PortSpace::Tcp)?;
+        let numbers = Numbers {
+            pd: side.pd.pd_id(),
+            cq: side.cq.cqn(),
+            qp: side.qp.qpn(),
+            srq: srq.srqn(),
+            channel: channel.channel_id(),
+            rkey: side.mr.rkey(),
+            lkey: side.mr.lkey(),
+            cm_id: cm_id.id(),
+        };
+        Ok(Victim { side, srq, _channel: channel, _channel_cq: channel_cq, _cm: (cm_ch, cm_id), numbers })
+    }
+
+    /// Everything as it was: the QP in RTS moves data through the region,
+    /// the SRQ answers.
+    fn unharmed(&self) -> Result<()> {
+        let s = &self.side;
+        assert_eq!(s.qp.state(), vrdma::QpState::Rts);
+        s.mr.write(0, b"mine")?;
+        let w = wr::rdma_write(1, &[s.mr.sge(0, 4)?], s.mr.addr() + 8, s.mr.rkey())?.signaled();
+        s.qp.post_send(&[w])?;
+        assert_eq!(poll_one(&s.cq, WAIT)?.status, WcStatus::Success);
+        let mut got = [0u8; 4];
+        s.mr.read(8, &mut got)?;
+        assert_eq!(&got, b"mine");
+        self.srq.query()?;
+        Ok(())
+    }
+}
+
+/// The calls of a guest that name the objects `n` (the rest of each call
+/// is the guest's own: its PD `pd`, CQ `cq`, the memory extent at
+/// `extent`, its rdma_cm id `id` with a route to nowhere resolved).
+fn calls_naming(n: &Numbers, pd: u32, cq: u32, extent: u64, id: u32) -> Vec<Request> {
+    use vrdma::{QpAttr, QpAttrMask, QpCap, QpState, QpType};
+    use vrdma_core::proto::CmRequest;
+    use vrdma_core::verbs::QpInitAttr;
+    let cap = QpCap { max_send_wr: 4, max_recv_wr: 4, max_send_sge: 1, max_recv_sge: 1, max_inline_data: 0 };
+    let init = |pd: u32, send_cq: u32, srq: Option<u32>| Request::CreateQp {
+        pd,
+        init: QpInitAttr { qp_type: QpType::Rc, send_cq, recv_cq: cq, srq, cap, sq_sig_all: false },
+    };
+    let to_err = QpAttr { qp_state: QpState::Err, ..QpAttr::default() };
+    let access = vrdma::AccessFlags::LOCAL_WRITE | vrdma::AccessFlags::REMOTE_WRITE;
+    let srq_attr = vrdma::SrqAttr { max_wr: 4, max_sge: 1, srq_limit: 0 };
+    vec![
+        Request::DeallocPd { pd: n.pd },
+        Request::RegMr { pd: n.pd, addr: 0x1000, len: 4096, access, fd_offset: extent },
+        Request::DeregMr { key: n.rkey },
+        Request::DeregMr { key: n.lkey },
+        Request::DestroyCompChannel { channel: n.channel },
+        Request::CreateCq { cqe: 4, channel: Some(n.channel) },
+        Request::DestroyCq { cq: n.cq },
+        Request::CreateSrq { pd: n.pd, attr: srq_attr },
+        Request::ModifySrq { srq: n.srq, limit: Some(1), resize: false },
+        Request::QuerySrq { srq: n.srq },
+        Request::DestroySrq { srq: n.srq },
+        init(n.pd, cq, None),
+        init(pd, n.cq, None),
+        init(pd, cq, Some(n.srq)),
+        Request::ModifyQp { qp: n.qp, attr: to_err, mask: QpAttrMask::STATE },
+        Request::QueryQp { qp: n.qp },
+        Request::DestroyQp { qp: n.qp },
+        Request::CreateAh { pd: n.pd, attr: vrdma_core::verbs::AhAttr { port_num: 1, ..Default::default() } },
+        Request::DirectGrant { qp: n.qp, rkey: n.rkey },
+        Request::DirectRecvGrant { qp: n.qp },
+        Request::DirectChannel { cq: n.cq },
+        Request::DirectSrqLimit { qp: n.qp },
+        Request::Cm(CmRequest::AttachQp { id, qp: n.qp }),
+        Request::Cm(CmRequest::DestroyId { id: n.cm_id }),
+        Request::Cm(CmRequest::QueryAddr { id: n.cm_id }),
+        Request::Cm(CmRequest::Listen { id: n.cm_id, backlog: 1 }),
+        Request::Cm(CmRequest::Disconnect { id: n.cm_id }),
+    ]
+}
+
+/// What `reply` says beyond the numbers it was given (`numbers`).
+fn without_numbers(reply: &Reply, numbers: &[u32]) -> String {
+    let text = match reply {
+        // The errno as it is, the words without the numbers.
+        Reply::Error { errno, message } => return format!("errno {errno}: {}", words(message, numbers)),
+        other => format!("{other:?}"),
+    };
+    words(&text, numbers)
+}
+
+/// `text` with every number of `numbers` (in hex or decimal) written `N`.
+fn words(text: &str, numbers: &[u32]) -> String {
+    let names: Vec<String> = numbers.iter().flat_map(|n| [format!("{n:#x}"), n.to_string()]).collect();
+    let mut out = String::new();
+    let mut word = String::new();
+    for c in text.chars().chain(std::iter::once(' ')) {
+        if c.is_ascii_alphanumeric() {
+            word.push(c);
+            continue;
+        }
+        out.push_str(if names.contains(&word) { "N" } else { &word });
+        word.clear();
+        out.push(c);
+    }
+    out
+}
+
+/// (c) Every control call of a guest that names an object of another
+/// tenant (a host context's, another VM's guest's) is answered exactly as
+/// the same call naming a number of no object: the same error, the same
+/// words; and the objects are unharmed.
+#[test]
+fn a_guest_naming_another_tenants_objects_is_answered_as_for_no_object() -> Result<()> {
+    if !root_or_skip() {
+        return Ok(());
+    }
+    let d = daemon_with_two_tenants_vms("", "")?;
+    let (o, t) = (vrdma::vm::attach_at(&d.socket, "o")?, vrdma::vm::attach_at(&d.socket, "t")?);
+    let host = d.context()?;
+    let in_t = guest_context(&t)?;
+    let victims = [("a host context", Victim::new(&host)?), ("VM t's guest", Victim::new(&in_t)?)];
+    let mut p = RawPort::connect(&o)?;
+    p.open()?;
+    let pd = match p.call(Request::AllocPd)?.0 {
+        Reply::Pd { pd } => pd,
+        other => bail!("{other:?}"),
+    };
+    let cq = match p.call(Request::CreateCq { cqe: 4, channel: None })?.0 {
+        Reply::Cq { cq, .. } => cq,
+        other => bail!("{other:?}"),
+    };
+    let extent = match p.call(Request::GuestAlloc { len: 8192 })?.0 {
+        Reply::GuestExtent { offset, .. } => offset,
+        other => bail!("{other:?}"),
+    };
+    let ch = match p.call(Request::Cm(vrdma_core::proto::CmRequest::CreateChannel))?.0 {
+        Reply::Cm(vrdma_core::proto::CmReply::Channel { channel }) => channel,
+        other => bail!("{other:?}"),
+    };
+    let id = match p.call(Request::Cm(vrdma_core::proto::CmRequest::CreateId { channel: ch, ps: 0x0106 }))?.0
+    {
+        Reply::Cm(vrdma_core::proto::CmReply::Id { id }) => id,
+        other => bail!("{other:?}"),
+    };
+    let dst = std::net::SocketAddrV4::new(std::net::Ipv4Addr::LOCALHOST, vrdma_it::free_port()?);
+    let (reply, _) = p.call(Request::Cm(vrdma_core::proto::CmRequest::ResolveAddr { id, src: None, dst }))?;
+    assert!(errno_of(&reply).is_none(), "{reply:?}");
+    for (what, v) in &victims {
+        let ghost = v.numbers.ghost();
+        // Numbers are per kind: none of the victim's (or the ghosts') is
+        // the guest's own of its kind.
+        for n in [&v.numbers, &ghost] {
+            assert!(n.pd != pd && n.cq != cq && n.cm_id != id, "{what}: {n:?} names the guest's own");
+        }
+        let real = calls_naming(&v.numbers, pd, cq, extent, id);
+        let none = calls_naming(&ghost, pd, cq, extent, id);
+        for (req, absent) in real.into_iter().zip(none) {
+            let (got, _) = p.call(req.clone())?;
+            let (want, _) = p.call(absent)?;
+            // (The direct path is off for guests: refused, as for a host's
+            // QP without a peer.)
+            let refused = matches!(got, Reply::Error { .. } | Reply::DirectRefused(_));
+            assert!(refused, "{what}: {req:?} was run: {got:?}");
+            assert_eq!(
+                without_numbers(&got, &v.numbers.all()),
+                without_numbers(&want, &ghost.all()),
+                "{what}: {req:?} is answered otherwise than for an object that does not exist"
+            );
+        }
+        v.unharmed()?;
+    }
+    // The guest's own objects are its own.
+    assert_eq!(p.call(Request::DestroyCq { cq })?.0, Reply::Done);
+    assert_eq!(p.call(Request::DeallocPd { pd })?.0, Reply::Done);
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+/// (d) rdma_cm: a guest's request to another tenant's listener (a host
+/// process's on loopback, a guest's of VM `t` on `t`'s address) is
+/// answered as one to a port where no one listens (REJ 8), and the
+/// listener hears nothing; the same request from the listener's tenant
+/// reaches it (the control). The guest cannot bind VM `t`'s address.
+#[test]
+fn a_guest_meets_another_tenants_listener_as_no_listener() -> Result<()> {
+    use std::net::{Ipv4Addr, SocketAddrV4};
+    use vrdma::cm::{reject, CmId, ConnParam, EventChannel, EventKind, PortSpace};
+    if !root_or_skip() {
+        return Ok(());
+    }
+    const T_ADDR: Ipv4Addr = Ipv4Addr::new(10, 76, 35, 2);
+    let d = daemon_with_two_tenants_vms("", &format!("address = \"{T_ADDR}\"\n"))?;
+    let (o, t) = (vrdma::vm::attach_at(&d.socket, "o")?, vrdma::vm::attach_at(&d.socket, "t")?);
+    let (attacker, in_t, host) = (guest_context(&o)?, guest_context(&t)?, d.context()?);
+    let event = |ch: &EventChannel, within: Duration| -> Result<Option<vrdma::cm::CmEvent>> {
+        Ok(ch.get_event(Some(within))?)
+    };
+    // The first event of a connect from `ctx` to `to`, and its status.
+    let connect_from =
+        |ctx: &vrdma::Context, to: SocketAddrV4| -> Result<(EventKind, i32, CmId, EventChannel)> {
+            let ch = EventChannel::create(ctx)?;
+            let id = CmId::create(&ch, PortSpace::Tcp)?;
+            id.resolve_addr(None, to)?;
+            let ev = event(&ch, WAIT)?.ok_or_else(|| anyhow::anyhow!("no event"))?;
+            assert_eq!(ev.kind, EventKind::AddrResolved, "{ev:?}");
+            id.resolve_route()?;
+            let ev = event(&ch, WAIT)?.ok_or_else(|| anyhow::anyhow!("no event"))?;
+            assert_eq!(ev.kind, EventKind::RouteResolved, "{ev:?}");
+            id.connect(&ConnParam { responder_resources: 1, initiator_depth: 1, ..ConnParam::default() })?;
+            let ev = event(&ch, WAIT)?.ok_or_else(|| anyhow::anyhow!("no answer to the connect"))?;
+            Ok((ev.kind, ev.status, id, ch))
+        };
+    let listen = |ctx: &vrdma::Context, at: SocketAddrV4| -> Result<(CmId, EventChannel)> {
+        let ch = EventChannel::create(ctx)?;
+        let id = CmId::create(&ch, PortSpace::Tcp)?;
+        assert_eq!(id.bind(at)?, at);
+        id.listen(8)?;
+        Ok((id, ch))
+    };
+    let on_host = SocketAddrV4::new(Ipv4Addr::LOCALHOST, vrdma_it::free_port()?);
+    let on_t = SocketAddrV4::new(T_ADDR, vrdma_it::free_port()?);
+    let (_l1, host_ch) = listen(&host, on_host)?;
+    let (_l2, t_ch) = listen(&in_t, on_t)?;
+    for (what, at, ch, friend) in
+        [("a host process's", on_host, &host_ch, &in_t), ("VM t's", on_t, &t_ch, &host)]
+    {
+        let nobody_there = SocketAddrV4::new(*at.ip(), vrdma_it::free_port()?);
+        let (kind, status, _, _) = connect_from(&attacker, nobody_there)?;
+        assert_eq!((kind, status), (EventKind::Rejected, i32::from(reject::INVALID_SERVICE_ID)));
+        let (kind2, status2, _, _) = connect_from(&attacker, at)?;
+        assert_eq!((kind2, status2), (kind, status), "the guest of VM o at {what} listener {at}");
+        assert!(event(ch, Duration::from_millis(200))?.is_none(), "{what} listener heard the other tenant");
+        assert!(!vrdma::cm::is_listening(&attacker, PortSpace::Tcp, at)?, "{what} listener shows to VM o");
+        // The control: the listener's own tenant reaches it (its id and
+        // channel kept until the listener heard it).
+        let _asking = {
+            let ch2 = EventChannel::create(friend)?;
+            let id = CmId::create(&ch2, PortSpace::Tcp)?;
+            id.resolve_addr(None, at)?;
+            assert_eq!(event(&ch2, WAIT)?.map(|e| e.kind), Some(EventKind::AddrResolved));
+            id.resolve_route()?;
+            assert_eq!(event(&ch2, WAIT)?.map(|e| e.kind), Some(EventKind::RouteResolved));
+            id.connect(&ConnParam { responder_resources: 1, initiator_depth: 1, ..ConnParam::default() })?;
+            (id, ch2)
+        };
+        let req = event(ch, WAIT)?
+            .ok_or_else(|| anyhow::anyhow!("{what} listener heard nothing of its own tenant"))?;
+        assert_eq!(req.kind, EventKind::ConnectRequest, "{req:?}");
+    }
+    // VM t's address is its tenant's alone.
+    let id = CmId::create(&EventChannel::create(&attacker)?, PortSpace::Tcp)?;
+    let e = id.bind(SocketAddrV4::new(T_ADDR, vrdma_it::free_port()?)).unwrap_err();
+    assert_eq!(e.errno(), libc::EADDRNOTAVAIL, "{e}");
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+/// A host tenant's ping-pong of 8-byte sends between two QPs of one
+/// context: `rounds` round trips, each within `WAIT`.
+fn host_ping_pong(d: &DaemonProc, rounds: u64) -> Result<()> {
+    let ctx = d.context()?;
+    let (a, b) = (Side::new(&ctx, 4096)?, Side::new(&ctx, 4096)?);
+    vrdma_it::connect(&a, &b)?;
+    let pp = vrdma_it::PingPong::new(a, b)?;
+    for i in 0..rounds {
+        pp.one_way(i)?;
+    }
+    Ok(())
+}
+
+/// Until a call of guest `g` fails (its session ended): the error's text.
+fn guest_call_fails(g: &mut PeerProc) -> Result<String> {
+    let end = Instant::now() + WAIT;
+    loop {
+        match g.call(&Command::Query)? {
+            Said::Error { message, .. } => return Ok(message),
+            other if Instant::now() > end => bail!("the scribbler's context still answers: {other:?}"),
+            _ => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// (e) A guest that scribbles on what it shares with the daemon loses its
+/// session alone: garbage in its posted-QP ring's index (as
+/// `a_tenant_that_scribbles_on_its_posted_ring_loses_its_context_alone`
+/// writes it), then garbage over the whole of its VM's region (every
+/// ring and queue of every session of the VM, as a guest kernel could
+/// write it) while it rings its doorbell. Each time its calls fail, a
+/// host tenant's ping-pong through the engine goes on before and after,
+/// the daemon lives, and the VM's next context works.
+#[test]
+fn a_guest_that_scribbles_on_its_rings_loses_its_session_alone() -> Result<()> {
+    use std::os::fd::AsRawFd;
+    if !root_or_skip() {
+        return Ok(());
+    }
+    // The engine path, whatever the default (see `tests/fairness.rs`).
+    let mut d = daemon_with_two_tenants_vms("[direct]\nenabled = false\n", "")?;
+    let o = vrdma::vm::attach_at(&d.socket, "o")?;
+    host_ping_pong(&d, 100)?;
+
+    // Garbage in the posted-QP ring's producer index.
+    let mut g = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    assert_eq!(g.hello()?.tenant, NOBODY);
+    g.call_ok(&Command::IdleQps { count: 8 })?;
+    g.call_ok(&Command::Misbehave { how: Misbehavior::Scribble, millis: 0 })?;
+    // (The engine looks at the ring when it has work or a doorbell.)
+    g.call_ok(&Command::Misbehave { how: Misbehavior::Doorbells, millis: 200 })?;
+    // Told why first, as a host tenant is.
+    let fatal = u32::from(vrdma::AsyncEventType::DeviceFatal.raw());
+    match g.call(&Command::AsyncEvent { timeout_ms: WAIT.as_millis() as u64 })? {
+        Said::Event(Some(e)) => assert_eq!(e, fatal, "the scribbler's first async event"),
+        other => bail!("the scribbler heard no IBV_EVENT_DEVICE_FATAL: {other:?}"),
+    }
+    let told = guest_call_fails(&mut g)?;
+    eprintln!("the guest that scribbled on its posted ring is told: {told}");
+    assert!(told.contains("the daemon closed its context"), "{told}");
+    host_ping_pong(&d, 100)?;
+    assert!(d.is_alive());
+    drop(g);
+
+    // Garbage over the whole region, under a guest with work posted.
+    let mut g = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    let h = g.hello()?;
+    g.call_ok(&Command::Connect { peer: h.endpoint })?;
+    g.call_ok(&Command::PostRecv { count: 8, offset: 0, len: 4096 })?;
+    g.call_ok(&Command::IdleQps { count: 8 })?;
+    let len = o.region_len as usize;
+    // SAFETY: a fresh shared mapping of the VM's region (a memfd of `len`
+    // bytes, sealed against shrinking), written through a pointer that
+    // lives only here and unmapped at once.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            o.region.as_raw_fd(),
+            0,
+        );
+        assert_ne!(p, libc::MAP_FAILED, "{}", std::io::Error::last_os_error());
+        let bytes = std::slice::from_raw_parts_mut(p.cast::<u8>(), len);
+        // Not random, so that a failure repeats: a pattern of every byte value.
+        for (i, b) in bytes.iter_mut().enumerate() {
+            *b = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_right(29) as u8;
+        }
+        libc::munmap(p, len);
+    }
+    g.call_ok(&Command::Misbehave { how: Misbehavior::Doorbells, millis: 300 })?;
+    std::thread::sleep(Duration::from_millis(300));
+    host_ping_pong(&d, 100)?;
+    assert!(d.is_alive());
+    // (Its async events' ring is garbage too: it may hear nothing first.)
+    let told = guest_call_fails(&mut g)?;
+    eprintln!("the guest whose region was scribbled over is told: {told}");
+    assert!(told.contains("the daemon closed its context"), "{told}");
+    host_ping_pong(&d, 100)?;
+    assert!(d.is_alive());
+    drop(g);
+
+    // The VM's device still serves: a new guest context, data through it.
+    let mut again = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    let h = again.hello()?;
+    again.call_ok(&Command::Connect { peer: h.endpoint })?;
+    again.call_ok(&Command::PostRecv { count: 1, offset: 4096, len: 4096 })?;
+    again.call_ok(&Command::Fill { offset: 0, data: b"after".to_vec() })?;
+    again.call_ok(&Command::Send { wr_id: 1, offset: 0, len: 5, imm: None })?;
+    let wcs = again.poll(2, WAIT)?;
+    assert_eq!(wcs.iter().filter(|w| w.status == WcStatus::Success.raw()).count(), 2, "{wcs:?}");
+    assert_eq!(again.read(4096, 5)?, b"after");
+    daemon_serves(&d)?;
+    Ok(())
+}
+
+/// The extents of VM `vm`'s region that process `pid` maps, as (offset,
+/// length), in the order of their offsets.
+fn mapped_extents(pid: u32, vm: &vrdma::vm::VmAttachment) -> Result<Vec<(u64, u64)>> {
+    let ino = rustix::fs::fstat(&vm.region)?.st_ino.to_string();
+    let mut out = Vec::new();
+    for l in std::fs::read_to_string(format!("/proc/{pid}/maps"))?.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.get(4) != Some(&ino.as_str()) {
+            continue;
+        }
+        let Some((start, end)) = f[0].split_once('-') else { bail!("{l}") };
+        let len = u64::from_str_radix(end, 16)? - u64::from_str_radix(start, 16)?;
+        out.push((u64::from_str_radix(f[2], 16)?, len));
+    }
+    out.sort_unstable();
+    out.dedup();
+    Ok(out)
+}
+
+/// Writes a fixed pattern of every byte value over `[offset, +len)` of
+/// VM `vm`'s region, for each range.
+fn scribble_region(vm: &vrdma::vm::VmAttachment, ranges: &[(u64, u64)]) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    let len = vm.region_len as usize;
+    // SAFETY: a fresh shared mapping of the VM's region (a memfd of `len`
+    // bytes, sealed against shrinking), written through a slice that lives
+    // only here, within its bounds, and unmapped at once.
+    unsafe {
+        let p = libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            vm.region.as_raw_fd(),
+            0,
+        );
+        if p == libc::MAP_FAILED {
+            bail!("mapping the region: {}", std::io::Error::last_os_error());
+        }
+        let bytes = std::slice::from_raw_parts_mut(p.cast::<u8>(), len);
+        for &(offset, n) in ranges {
+            let (from, to) = (offset as usize, (offset + n).min(len as u64) as usize);
+            for (i, b) in bytes[from..to].iter_mut().enumerate() {
+                // Not random, so that a failure repeats.
+                *b = ((from + i) as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_right(29) as u8;
+            }
+        }
+        libc::munmap(p, len);
+    }
+    Ok(())
+}
+
+/// (e, continued) A guest that scribbles on its queues' rings in its
+/// region (every extent it maps but its context's, so that its posted-QP
+/// ring stays sound: its CQ's, its QPs' and its memory) and then names its
+/// QPs to the engine: the engine reads no more from a corrupt work queue,
+/// the QP goes to ERR and the CQ raises `IBV_EVENT_CQ_ERR` (the guest's
+/// own library finds its rings corrupt too); the context still answers,
+/// the daemon lives, a host tenant's ping-pong through the engine goes
+/// on before and after, and the VM's next context works.
+#[test]
+fn a_guest_that_scribbles_on_its_queues_gets_their_errors_alone() -> Result<()> {
+    if !root_or_skip() {
+        return Ok(());
+    }
+    let mut d = daemon_with_two_tenants_vms("[direct]\nenabled = false\n", "")?;
+    let o = vrdma::vm::attach_at(&d.socket, "o")?;
+    host_ping_pong(&d, 100)?;
+    let mut g = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    let h = g.hello()?;
+    g.call_ok(&Command::Connect { peer: h.endpoint })?;
+    g.call_ok(&Command::PostRecv { count: 8, offset: 0, len: 4096 })?;
+    g.call_ok(&Command::IdleQps { count: 8 })?;
+    // The first session on a fresh region: its context's extent (the
+    // first one allocated) is at offset 0.
+    let extents = mapped_extents(h.pid, &o)?;
+    assert_eq!(extents.first().map(|e| e.0), Some(0), "{extents:x?}");
+    assert!(extents.len() >= 4, "{extents:x?}");
+    scribble_region(&o, &extents[1..])?;
+    g.call_ok(&Command::Misbehave { how: Misbehavior::NameIdle, millis: 300 })?;
+    g.call_ok(&Command::Misbehave { how: Misbehavior::Doorbells, millis: 300 })?;
+    // The library's own post finds its send queue corrupt.
+    match g.call(&Command::Send { wr_id: 1, offset: 0, len: 5, imm: None })? {
+        Said::Error { errno, message } => assert_eq!(errno, libc::EIO, "{message}"),
+        other => bail!("a post on a scribbled send queue: {other:?}"),
+    }
+    host_ping_pong(&d, 100)?;
+    assert!(d.is_alive());
+    // The daemon's word: the QP in ERR (a call the daemon answers: the
+    // context lives), the CQ's error.
+    vrdma_it::wait_until(WAIT, "the scribbled QP in ERR", || {
+        matches!(g.call(&Command::Query), Ok(Said::State(6)))
+    })?;
+    let cq_err = u32::from(vrdma::AsyncEventType::CqErr.raw());
+    let mut events = Vec::new();
+    while let Said::Event(Some(e)) = g.call(&Command::AsyncEvent { timeout_ms: 300 })? {
+        events.push(e);
+    }
+    assert!(events.contains(&cq_err), "async events {events:?}");
+    host_ping_pong(&d, 100)?;
+    assert!(d.is_alive());
+    drop(g);
+
+    // The VM's device still serves: a new guest context, data through it.
+    let mut again = PeerProc::spawn_guest(&o, "tenant", &["--mr-len", "65536"])?;
+    let h = again.hello()?;
+    again.call_ok(&Command::Connect { peer: h.endpoint })?;
+    again.call_ok(&Command::PostRecv { count: 1, offset: 4096, len: 4096 })?;
+    again.call_ok(&Command::Fill { offset: 0, data: b"after".to_vec() })?;
+    again.call_ok(&Command::Send { wr_id: 1, offset: 0, len: 5, imm: None })?;
+    let wcs = again.poll(2, WAIT)?;
+    assert_eq!(wcs.iter().filter(|w| w.status == WcStatus::Success.raw()).count(), 2, "{wcs:?}");
+    assert_eq!(again.read(4096, 5)?, b"after");
     daemon_serves(&d)?;
     Ok(())
 }

@@ -106,7 +106,24 @@ struct Port {
     /// where its session was live, speaks on this port as to that
     /// session, and must be told to adopt its context, imported again.
     told_no_session: Option<u64>,
+    /// Why this connection's last session ended, if one did and no Hello
+    /// came since: a call then hears that (`EPROTO`), not that it sent no
+    /// Hello (a guest whose context the daemon closed for scribbling on
+    /// its rings was told "send Hello first", as if it had never had one).
+    ended: Option<&'static str>,
 }
+
+/// What a call on a port with no session hears: none was ever opened.
+const NO_SESSION: &str = "no guest session on this port: send Hello first";
+/// ... the session was silent for `dead_ms`.
+const ENDED_SILENT: &str = "this port's guest session has ended: nothing came from the guest for the VM's \
+                            dead_ms, and the daemon closed its context; open a new context (Hello)";
+/// ... its context moved with the VM's tenant.
+const ENDED_MOVED: &str = "this port's guest session has ended: its context moved with the VM's tenant";
+/// ... the daemon ended it (`Shared::end_session`).
+const ENDED_CLOSED: &str = "this port's guest session has ended: the daemon closed its context (its \
+                            tenant broke the shared-memory protocol, which IBV_EVENT_DEVICE_FATAL said \
+                            first, or the daemon is stopping); open a new context (Hello)";
 
 /// Serves one port connection; the VM's count of connected ports is
 /// given back at the end.
@@ -118,7 +135,7 @@ pub(crate) fn run(conn: OwnedFd, vm: Arc<Vm>, shared: Arc<Shared>) {
     };
     let key = vm.add_conn(dup.into());
     tracing::debug!(vm = %vm.name, "VM port connected");
-    let mut port = Port { conn, vm: vm.clone(), shared, live: None, told_no_session: None };
+    let mut port = Port { conn, vm: vm.clone(), shared, live: None, told_no_session: None, ended: None };
     if let Err(why) = port.serve() {
         tracing::debug!(vm = %vm.name, %why, "VM port disconnected");
     }
@@ -171,6 +188,7 @@ impl Port {
                     } else {
                         tracing::info!(vm = %self.vm.name, ctx = l.session.id(), "guest session silent too long; torn down");
                         self.end_session();
+                        self.ended = Some(ENDED_SILENT);
                         continue;
                     }
                 }
@@ -363,6 +381,7 @@ impl Port {
                 // A new opener: whoever had the port before is gone.
                 self.end_session();
                 self.told_no_session = None;
+                self.ended = None;
                 self.start_session()?;
                 // What the opener reads before this was written for an
                 // earlier one: it drops that (`HELLO_ACK`).
@@ -382,7 +401,7 @@ impl Port {
                     }
                     None => {
                         self.tell_no_session()?;
-                        error(libc::EPROTO, "no guest session on this port: send Hello first")
+                        error(libc::EPROTO, self.no_session_why())
                     }
                 };
                 if self.left_under(&answer) {
@@ -445,7 +464,7 @@ impl Port {
     fn numbered(&mut self, number: u64, req: Request) -> Result<(), String> {
         let Some(l) = self.live.as_mut() else {
             self.tell_no_session()?;
-            return self.reply_error(libc::EPROTO, "no guest session on this port: send Hello first".into());
+            return self.reply_error(libc::EPROTO, self.no_session_why().into());
         };
         l.last_heard = Instant::now();
         if number == 0 || matches!(req, Request::Hello { .. } | Request::AdoptContext { .. }) {
@@ -644,6 +663,11 @@ impl Port {
         self.send(&Frame::Ended { reason: EndReason::NoSession })
     }
 
+    /// What a call on this port, which has no session, hears.
+    fn no_session_why(&self) -> &'static str {
+        self.ended.unwrap_or(NO_SESSION)
+    }
+
     /// Tears the session down as if its process had gone: its context
     /// and objects are destroyed, and the guest hears its proxies close.
     fn end_session(&mut self) {
@@ -658,6 +682,7 @@ impl Port {
         // none, for good: its proxies close): a call after it gets EPROTO
         // only. NoSession is for a port that never had a session.
         self.told_no_session = Some(self.vm.imports.load(Ordering::Acquire));
+        self.ended = Some(if why == Some(EndReason::Moved) { ENDED_MOVED } else { ENDED_CLOSED });
         let ids: Vec<u32> = l.proxies.keys().copied().collect();
         // Dropping the session closes the context (and removes it from
         // `shared.sessions`); calls from now on find no session.
