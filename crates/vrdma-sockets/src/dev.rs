@@ -142,7 +142,54 @@ pub fn debug(msg: &str) {
 /// Writes one whole line to stderr in one `write(2)`: the program (or a
 /// child sharing the stderr) may write at the same time, and `eprintln!`
 /// may split a formatted line into several writes that theirs interleave.
+///
+/// Through the library where a call of the program's makes it (its
+/// descriptor 2 may be a carried connection, whose bytes go over the
+/// ring: a raw write there would put them on the kernel socket, out of
+/// the stream's order), so never while a lock of a connection is held
+/// (its write may need that lock: [`later`]). Marked [`saying`] while it
+/// writes: an error the library keeps for the program's next call on the
+/// connection is not the line's to take.
 fn line(text: &str) {
     use std::io::Write;
+    let _ = SAYING.try_with(|s| s.set(true));
     let _ = std::io::stderr().write_all(text.as_bytes());
+    let _ = SAYING.try_with(|s| s.set(false));
+}
+
+thread_local! {
+    /// This thread writes one of the library's own lines ([`line`]).
+    static SAYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Lines held back until a lock is let go ([`later`], [`say_held`]).
+    static HELD: std::cell::RefCell<Vec<(Option<&'static std::sync::atomic::AtomicU32>, String)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether this thread is writing one of the library's own lines: its
+/// write must leave the program's kept errors alone (`link/outq.rs`).
+pub fn saying() -> bool {
+    SAYING.try_with(|s| s.get()).unwrap_or(false)
+}
+
+/// As [`warn_once`] (`said`) or [`debug`] (`None`), said by this thread's
+/// next [`say_held`]: for a caller that holds a lock its own write of
+/// stderr may need (descriptor 2 can be the very connection whose lock
+/// it is: the write would wait for it for ever).
+pub fn later(said: Option<&'static std::sync::atomic::AtomicU32>, msg: String) {
+    if said.is_none() && !debugging() {
+        return;
+    }
+    let _ = HELD.try_with(|h| h.borrow_mut().push((said, msg)));
+}
+
+/// Says the lines held back by [`later`] on this thread, once the locks
+/// are let go.
+pub fn say_held() {
+    let held = HELD.try_with(|h| std::mem::take(&mut *h.borrow_mut())).unwrap_or_default();
+    for (said, msg) in held {
+        match said {
+            Some(s) => warn_once(s, &msg),
+            None => debug(&msg),
+        }
+    }
 }
