@@ -152,8 +152,15 @@ pub fn debug(msg: &str) {
 /// connection is not the line's to take.
 fn line(text: &str) {
     use std::io::Write;
+    as_saying(|| {
+        let _ = std::io::stderr().write_all(text.as_bytes());
+    });
+}
+
+/// Runs `f` (the write of a line) marked [`saying`].
+fn as_saying(f: impl FnOnce()) {
     let _ = SAYING.try_with(|s| s.set(true));
-    let _ = std::io::stderr().write_all(text.as_bytes());
+    f();
     let _ = SAYING.try_with(|s| s.set(false));
 }
 
@@ -191,5 +198,32 @@ pub fn say_held() {
             Some(s) => warn_once(s, &msg),
             None => debug(&msg),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A line's write is marked (an error kept for the program is not
+    /// its to take: `link/outq.rs`), and nothing else is.
+    #[test]
+    fn a_lines_write_and_only_it_is_marked_saying() {
+        assert!(!saying());
+        let mut during = false;
+        as_saying(|| during = saying());
+        assert!(during);
+        assert!(!saying());
+    }
+
+    /// A line held back is said by the next `say_held`, once.
+    #[test]
+    fn a_line_held_back_is_said_at_the_next_say_held_once() {
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        later(Some(&SAID), "vrdma-sockets unit test: a line held back".into());
+        assert_eq!(SAID.load(std::sync::atomic::Ordering::Relaxed), 0);
+        say_held();
+        assert_eq!(SAID.load(std::sync::atomic::Ordering::Relaxed), std::process::id());
+        assert!(HELD.with(|h| h.borrow().is_empty()));
     }
 }

@@ -675,6 +675,24 @@ mod tests {
         assert_eq!(q.pending(), &[2, 3, 4]);
     }
 
+    /// A warning made while the queue's lock is held (a failed push's)
+    /// is said once the lock is let go, not before: its write may be the
+    /// very connection's, which takes that lock (review M1: it waited for
+    /// it for ever).
+    #[test]
+    fn a_warning_made_under_the_queues_lock_is_said_once_it_is_let_go() {
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let m = std::sync::Mutex::new(OutQ::new(vec![1, 2, 3], 0));
+        let o = OutLock(Some(m.lock().unwrap()));
+        assert_eq!(o.len(), 3);
+        crate::dev::later(Some(&SAID), "vrdma-sockets unit test: a warning under the queue's lock".into());
+        assert_eq!(SAID.load(Ordering::Relaxed), 0, "said under the lock");
+        assert!(m.try_lock().is_err());
+        drop(o);
+        assert_eq!(SAID.load(Ordering::Relaxed), std::process::id(), "not said once let go");
+        assert!(m.try_lock().is_ok());
+    }
+
     #[test]
     fn a_queue_made_all_sent_is_empty() {
         let q = OutQ::new(vec![1, 2], 5);
