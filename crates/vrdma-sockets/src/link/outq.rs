@@ -462,7 +462,7 @@ impl Link {
             None => {
                 self.out_reset.store(true, Ordering::SeqCst);
                 Self::reset_sock(self.sock);
-                0
+                self.out_len.load(Ordering::SeqCst)
             }
         };
         // Writers waiting for writability wake and see the failure.
