@@ -914,6 +914,29 @@ fn a_program_spawned_while_the_resend_is_queued_leaves_the_queue_alone() -> Resu
     Ok(())
 }
 
+/// The resend queued (the program there writes 8 MiB before it reads),
+/// a blocking writer behind it, the client makes a `vfork` child that
+/// calls `exit` (not `_exit`) before it reads anything: the exit
+/// handlers run in the client's memory, and the library's one leaves the
+/// queue alone (it is the parent's, which lives on); the exchange
+/// completes byte-exact, no reset (session 35, review low: the child's
+/// handler flushed the parent's queue, and with the writer holding it,
+/// reset the connection past the bound).
+#[test]
+fn a_vfork_child_that_calls_exit_leaves_its_parents_queue_alone() -> Result<()> {
+    let (c, s) = written_first(8 << 20, None, "vforkexit")?;
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stderr.contains("a vfork child called exit: 5"), "{}", c.describe());
+    assert!(
+        c.stdout.contains(&format!("echoed {BYTES} after {} written first, then the end", 8 << 20)),
+        "{}",
+        c.describe()
+    );
+    assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
+    assert!(!c.stderr.contains("the connection is reset"), "{}", c.describe());
+    Ok(())
+}
+
 /// The resend queued, the client forks a child that keeps the
 /// descriptor (it makes no call on it) and closes its own, while the
 /// program there sleeps 10 s without reading or writing: the close

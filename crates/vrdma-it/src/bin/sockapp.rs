@@ -1008,7 +1008,10 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// status 3), descriptor 2 given back first; `execfail`: nothing, and
 /// before anything is read, an `execv` of a path that does not exist
 /// (`execv of /no/such failed`), then this side is shut, the `wf` bytes
-/// read and the connection closed (`closed after ...`)), and this thread
+/// read and the connection closed (`closed after ...`); `vforkexit`:
+/// blocking writes, and before the `wf` bytes are read, a `vfork`-like
+/// child (made from a thread of its own) that calls `exit`, which runs
+/// the exit handlers in this memory (`a vfork child called exit`)), and this thread
 /// reads the `wf`
 /// bytes, then the echo of everything from `first` on, checked byte by
 /// byte (the resent bytes, then the thread's, in order, each once), then
@@ -1055,6 +1058,7 @@ fn bulk_after_written_first(
     let spawned = writer_way == "spawn";
     let forkclose = writer_way == "forkclose";
     let stderr_way = writer_way == "stderr";
+    let vforkexit = writer_way == "vforkexit";
     let execfail = writer_way == "execfail";
     let close = close || exit || readend || forkclose || execfail;
     let bytes = if shut { first + unread } else { bytes };
@@ -1172,6 +1176,15 @@ fn bulk_after_written_first(
         // The program reads the resend, then this end (the connection
         // reset instead: the reads below fail, an error, not a loss).
         let _ = r.shutdown(Shutdown::Write);
+    }
+    if vforkexit {
+        // (The resend queued, as a rule, a blocking writer behind it.) A
+        // thread of its own: the child shares its thread-local storage,
+        // whose destructors `exit` runs.
+        let st = std::thread::spawn(vfork_libc_exit)
+            .join()
+            .map_err(|_| "the vfork thread panicked".to_string())??;
+        eprintln!("goclient: a vfork child called exit: {st}");
     }
     if spawned {
         // (While the resend is queued, as a rule: the program writes
@@ -1404,6 +1417,43 @@ extern "C" fn vfork_child_exit(arg: *mut libc::c_void) -> libc::c_int {
 
 /// A child made as `vfork` makes one that `dup2`s `fd` onto its stdin,
 /// closes `fd`, and leaves by `_exit(1)` without an exec; waited for.
+extern "C" fn vfork_child_libc_exit(_: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: exit(3) in a child sharing this memory: the exit handlers
+    // run here (the library's among them), as a C program's `vfork`
+    // child that calls `exit` runs them.
+    unsafe { libc::exit(5) }
+}
+
+/// A `vfork`-like child (`clone` with `CLONE_VM | CLONE_VFORK`) that
+/// calls `exit(5)`; its exit status.
+fn vfork_libc_exit() -> Result<i32, String> {
+    let mut stack = vec![0u8; 1 << 16];
+    // SAFETY: the end of our stack buffer, 16-byte aligned.
+    let top = unsafe { stack.as_mut_ptr().add(stack.len()) } as usize & !15;
+    // SAFETY: clone(2) with a child function that only calls exit(3), its
+    // own stack.
+    let pid = unsafe {
+        libc::clone(
+            vfork_child_libc_exit,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            std::ptr::null_mut(),
+        )
+    };
+    if pid < 0 {
+        return Err(format!("clone: {}", std::io::Error::last_os_error()));
+    }
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our child.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err("waitpid".into());
+    }
+    if !libc::WIFEXITED(status) {
+        return Err(format!("the vfork child ended with {status:#x}"));
+    }
+    Ok(libc::WEXITSTATUS(status))
+}
+
 fn vfork_exit(fd: i32) -> Result<(), String> {
     let mut stack = vec![0u8; 1 << 16];
     // SAFETY: the end of our stack buffer, 16-byte aligned.
