@@ -822,6 +822,74 @@ fn a_reset_met_by_the_queue_push_is_the_programs_next_error() -> Result<()> {
     Ok(())
 }
 
+/// The client's descriptor 2 is the connection itself (`dup2`) while a
+/// blocking writer of it waits behind the queue; the program there ends
+/// a second after its writes without reading: the writer's push meets
+/// the reset, and the library's warning goes to descriptor 2, through the
+/// library, into the same connection. The writer's call gets the error
+/// (`ECONNRESET`) at its first byte, and nothing hangs (session 35,
+/// review M1: the warning was written under the queue's lock, before
+/// the queue's count was 0, so its write waited behind the queue for
+/// that lock: the writer hung for ever, `the writer hangs`).
+#[test]
+fn a_warning_on_stderr_that_is_the_connection_whose_push_fails_does_not_hang() -> Result<()> {
+    let (c, _s) = queued_against(
+        "stderr",
+        &[("STDECHO_EXIT_AFTER_WRITE", "1"), ("STDECHO_DELAY_AFTER_WRITE_MS", "1000")],
+        &[],
+    )?;
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(!c.stdout.contains("the writer hangs"), "{}", c.describe());
+    let at = 240 * 1024 + 192 * 1024;
+    assert!(
+        c.stdout.contains(&format!("the writer: Err(\"write at {at}: Connection reset by peer")),
+        "{}",
+        c.describe()
+    );
+    c.assert_ok();
+    Ok(())
+}
+
+/// The resend queued (the program there writes 64 KiB before it reads),
+/// the client's `execv` of a path that does not exist fails: the exec's
+/// flush of the queue reads nothing (session 35, review M2: it read and
+/// dropped the program's bytes while it waited for room, and the client,
+/// living on after the failed exec, read a clean end after fewer of
+/// them). Now every one of the program's bytes is read after the failed
+/// exec, and the program reads the whole resend.
+#[test]
+fn an_exec_that_fails_after_the_queue_is_flushed_loses_no_incoming_bytes() -> Result<()> {
+    let wf = 64 * 1024;
+    let first = (240 * 1024).to_string();
+    let unread = (192 * 1024).to_string();
+    let wfs = wf.to_string();
+    let server = [
+        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("STDECHO_WRITE_FIRST", wfs.as_str()),
+        ("STDECHO_COUNT_ONLY", "1"),
+        ("SOCKAPP_RAW_RCVBUF", "4096"),
+    ];
+    let client = [
+        ("SOCKAPP_ECHO_FIRST", first.as_str()),
+        ("SOCKAPP_UNREAD", unread.as_str()),
+        ("SOCKAPP_RAW_SNDBUF", "4096"),
+        ("SOCKAPP_WRITTEN_FIRST", wfs.as_str()),
+        ("SOCKAPP_WRITER", "execfail"),
+        // The exec's bound (the 4 KiB buffers make the resend slow).
+        ("VRDMA_SOCKETS_WAIT_MS", "30000"),
+    ];
+    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stderr.contains("execv of /no/such failed"), "{}", c.describe());
+    c.assert_ok();
+    s.assert_ok();
+    assert!(c.stdout.contains(&format!("closed after {wf} written first")), "{}", c.describe());
+    assert!(s.stderr.contains(&format!("stdecho read {}", 192 * 1024)), "{}\n{}", s.describe(), c.describe());
+    assert!(!c.stderr.contains("dropped unread"), "{}", c.describe());
+    Ok(())
+}
+
 /// The resend queued (the program there writes 8 MiB before it reads),
 /// the client runs `true` twice, by a `Command` (`posix_spawnp`) and by
 /// `system`, before it reads anything, a blocking writer of it behind the
@@ -836,6 +904,29 @@ fn a_program_spawned_while_the_resend_is_queued_leaves_the_queue_alone() -> Resu
     let (c, s) = written_first(8 << 20, None, "spawn")?;
     assert!(c.stderr.contains("of them queued"), "{}", c.describe());
     assert!(c.stderr.contains("spawned: exit status: 0, system: 0"), "{}", c.describe());
+    assert!(
+        c.stdout.contains(&format!("echoed {BYTES} after {} written first, then the end", 8 << 20)),
+        "{}",
+        c.describe()
+    );
+    assert!(s.stderr.contains(&format!("stdecho {}", BYTES - 240 * 1024)), "{}", s.describe());
+    assert!(!c.stderr.contains("the connection is reset"), "{}", c.describe());
+    Ok(())
+}
+
+/// The resend queued (the program there writes 8 MiB before it reads),
+/// a blocking writer behind it, the client makes a `vfork` child that
+/// calls `exit` (not `_exit`) before it reads anything: the exit
+/// handlers run in the client's memory, and the library's one leaves the
+/// queue alone (it is the parent's, which lives on); the exchange
+/// completes byte-exact, no reset (session 35, review low: the child's
+/// handler flushed the parent's queue, and with the writer holding it,
+/// reset the connection past the bound).
+#[test]
+fn a_vfork_child_that_calls_exit_leaves_its_parents_queue_alone() -> Result<()> {
+    let (c, s) = written_first(8 << 20, None, "vforkexit")?;
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stderr.contains("a vfork child called exit: 5"), "{}", c.describe());
     assert!(
         c.stdout.contains(&format!("echoed {BYTES} after {} written first, then the end", 8 << 20)),
         "{}",

@@ -142,7 +142,88 @@ pub fn debug(msg: &str) {
 /// Writes one whole line to stderr in one `write(2)`: the program (or a
 /// child sharing the stderr) may write at the same time, and `eprintln!`
 /// may split a formatted line into several writes that theirs interleave.
+///
+/// Through the library where a call of the program's makes it (its
+/// descriptor 2 may be a carried connection, whose bytes go over the
+/// ring: a raw write there would put them on the kernel socket, out of
+/// the stream's order), so never while a lock of a connection is held
+/// (its write may need that lock: [`later`]). Marked [`saying`] while it
+/// writes: an error the library keeps for the program's next call on the
+/// connection is not the line's to take.
 fn line(text: &str) {
     use std::io::Write;
-    let _ = std::io::stderr().write_all(text.as_bytes());
+    as_saying(|| {
+        let _ = std::io::stderr().write_all(text.as_bytes());
+    });
+}
+
+/// Runs `f` (the write of a line) marked [`saying`].
+fn as_saying(f: impl FnOnce()) {
+    let _ = SAYING.try_with(|s| s.set(true));
+    f();
+    let _ = SAYING.try_with(|s| s.set(false));
+}
+
+thread_local! {
+    /// This thread writes one of the library's own lines ([`line`]).
+    static SAYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Lines held back until a lock is let go ([`later`], [`say_held`]).
+    static HELD: std::cell::RefCell<Vec<(Option<&'static std::sync::atomic::AtomicU32>, String)>> =
+        const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// Whether this thread is writing one of the library's own lines: its
+/// write must leave the program's kept errors alone (`link/outq.rs`).
+pub fn saying() -> bool {
+    SAYING.try_with(|s| s.get()).unwrap_or(false)
+}
+
+/// As [`warn_once`] (`said`) or [`debug`] (`None`), said by this thread's
+/// next [`say_held`]: for a caller that holds a lock its own write of
+/// stderr may need (descriptor 2 can be the very connection whose lock
+/// it is: the write would wait for it for ever).
+pub fn later(said: Option<&'static std::sync::atomic::AtomicU32>, msg: String) {
+    if said.is_none() && !debugging() {
+        return;
+    }
+    let _ = HELD.try_with(|h| h.borrow_mut().push((said, msg)));
+}
+
+/// Says the lines held back by [`later`] on this thread, once the locks
+/// are let go.
+pub fn say_held() {
+    let held = HELD.try_with(|h| std::mem::take(&mut *h.borrow_mut())).unwrap_or_default();
+    for (said, msg) in held {
+        match said {
+            Some(s) => warn_once(s, &msg),
+            None => debug(&msg),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A line's write is marked (an error kept for the program is not
+    /// its to take: `link/outq.rs`), and nothing else is.
+    #[test]
+    fn a_lines_write_and_only_it_is_marked_saying() {
+        assert!(!saying());
+        let mut during = false;
+        as_saying(|| during = saying());
+        assert!(during);
+        assert!(!saying());
+    }
+
+    /// A line held back is said by the next `say_held`, once.
+    #[test]
+    fn a_line_held_back_is_said_at_the_next_say_held_once() {
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        later(Some(&SAID), "vrdma-sockets unit test: a line held back".into());
+        assert_eq!(SAID.load(std::sync::atomic::Ordering::Relaxed), 0);
+        say_held();
+        assert_eq!(SAID.load(std::sync::atomic::Ordering::Relaxed), std::process::id());
+        assert!(HELD.with(|h| h.borrow().is_empty()));
+    }
 }

@@ -95,9 +95,14 @@ fn settle(exec: bool) {
             // before (a flush here would drop the program's incoming
             // bytes, or reset a healthy connection). Not in a `vfork`
             // child: the queue is its parent's (shared memory), which
-            // goes on after the exec.
+            // goes on after the exec. What comes in meanwhile is not read
+            // and dropped (as a close's flush does): the exec may fail,
+            // and the process then reads on (a program there that writes
+            // before it reads keeps the queue from going: the bound, then
+            // the reset; an exec that succeeds closes the socket with the
+            // bytes unread, which the kernel answers with a reset too).
             if let Some(l) = s.link_now().filter(|_| exec && !crate::pid::vforked()) {
-                l.flush_out_or_reset(at_least(end, wait), "an exec");
+                l.flush_out_or_reset(at_least(end, wait), "an exec", false);
             }
             // A carried connection goes with the exec (close-on-exec):
             // this process no longer holds it (`crate::forkshare`).

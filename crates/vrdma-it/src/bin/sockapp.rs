@@ -1004,7 +1004,18 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// `forkclose`: nothing, and once the `wf` bytes are read, a child is
 /// forked that keeps the descriptor (it waits on a pipe) while this
 /// process closes its own, then lets the child go (`closed with a forked
-/// child holding it`)), and this thread reads the `wf`
+/// child holding it`); `stderr`: blocking writes, and once the `wf`
+/// bytes are read, descriptor 2 becomes the connection (`dup2`) while
+/// the writer waits behind the queue, and the writer's result is waited
+/// for 20 s at most (`the writer: ...`, or `the writer hangs` and exit
+/// status 3), descriptor 2 given back first; `execfail`: nothing, and
+/// before anything is read, an `execv` of a path that does not exist
+/// (`execv of /no/such failed`), then this side is shut, the `wf` bytes
+/// read and the connection closed (`closed after ...`); `vforkexit`:
+/// blocking writes, and before the `wf` bytes are read, a `vfork`-like
+/// child (made from a thread of its own) that calls `exit`, which runs
+/// the exit handlers in this memory (`a vfork child called exit`)), and this thread
+/// reads the `wf`
 /// bytes, then the echo of everything from `first` on, checked byte by
 /// byte (the resent bytes, then the thread's, in order, each once), then
 /// the end. Says `echoed BYTES after WF written first, then the end`.
@@ -1049,7 +1060,10 @@ fn bulk_after_written_first(
     let abort = writer_way == "abort";
     let spawned = writer_way == "spawn";
     let forkclose = writer_way == "forkclose";
-    let close = close || exit || readend || forkclose;
+    let stderr_way = writer_way == "stderr";
+    let vforkexit = writer_way == "vforkexit";
+    let execfail = writer_way == "execfail";
+    let close = close || exit || readend || forkclose || execfail;
     let bytes = if shut { first + unread } else { bytes };
     let writer = std::thread::spawn(move || -> Result<u64, String> {
         let fd = w.as_raw_fd();
@@ -1154,6 +1168,27 @@ fn bulk_after_written_first(
         println!("after the fork: {end}");
         return Ok(());
     }
+    if execfail {
+        // (The resend queued, as a rule: the program writes before it
+        // reads, and nothing of it is read yet.)
+        let argv = [c"/no/such".as_ptr(), std::ptr::null()];
+        // SAFETY: execv(2) with a NUL-terminated path and a
+        // null-terminated vector of ours; it fails (no such file).
+        let rc = unsafe { libc::execv(c"/no/such".as_ptr(), argv.as_ptr()) };
+        eprintln!("goclient: execv of /no/such failed: {rc} ({})", std::io::Error::last_os_error());
+        // The program reads the resend, then this end (the connection
+        // reset instead: the reads below fail, an error, not a loss).
+        let _ = r.shutdown(Shutdown::Write);
+    }
+    if vforkexit {
+        // (The resend queued, as a rule, a blocking writer behind it.) A
+        // thread of its own: the child shares its thread-local storage,
+        // whose destructors `exit` runs.
+        let st = std::thread::spawn(vfork_libc_exit)
+            .join()
+            .map_err(|_| "the vfork thread panicked".to_string())??;
+        eprintln!("goclient: a vfork child called exit: {st}");
+    }
     if spawned {
         // (While the resend is queued, as a rule: the program writes
         // before it reads, and nothing of it is read yet.)
@@ -1174,6 +1209,43 @@ fn bulk_after_written_first(
         got += n as u64;
     }
     eprintln!("goclient: the program's {wf} bytes read");
+    if stderr_way {
+        // (The writer waits behind the queue by now, as a rule; the
+        // program there ends a second after its writes, unread: the
+        // writer's push meets the reset, and the library warns on
+        // descriptor 2, this very connection.)
+        let fd = r.as_raw_fd();
+        // SAFETY: dup(2) and dup2(2) of our descriptors.
+        let saved = unsafe { libc::dup(2) };
+        // SAFETY: as above.
+        if saved < 0 || unsafe { libc::dup2(fd, 2) } != 2 {
+            return Err(format!("dup2 onto 2: {}", std::io::Error::last_os_error()));
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(writer.join());
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(20));
+        // SAFETY: dup2(2) and close(2) of our descriptors.
+        unsafe {
+            libc::dup2(saved, 2);
+            libc::close(saved);
+        }
+        match got {
+            Ok(w) => {
+                let w = w.map_err(|_| "the writer panicked".to_string())?;
+                println!("the writer: {w:?}");
+                return Ok(());
+            }
+            Err(_) => {
+                println!("the writer hangs (20 s) after the reset met with descriptor 2 the connection");
+                use std::io::Write as _;
+                let _ = std::io::stdout().flush();
+                // SAFETY: _exit(2): the writer holds the library's lock.
+                unsafe { libc::_exit(3) };
+            }
+        }
+    }
     if abort {
         // (The writer waits behind the queue by now, as a rule.)
         std::thread::sleep(std::time::Duration::from_millis(300));
@@ -1348,6 +1420,43 @@ extern "C" fn vfork_child_exit(arg: *mut libc::c_void) -> libc::c_int {
 
 /// A child made as `vfork` makes one that `dup2`s `fd` onto its stdin,
 /// closes `fd`, and leaves by `_exit(1)` without an exec; waited for.
+extern "C" fn vfork_child_libc_exit(_: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: exit(3) in a child sharing this memory: the exit handlers
+    // run here (the library's among them), as a C program's `vfork`
+    // child that calls `exit` runs them.
+    unsafe { libc::exit(5) }
+}
+
+/// A `vfork`-like child (`clone` with `CLONE_VM | CLONE_VFORK`) that
+/// calls `exit(5)`; its exit status.
+fn vfork_libc_exit() -> Result<i32, String> {
+    let mut stack = vec![0u8; 1 << 16];
+    // SAFETY: the end of our stack buffer, 16-byte aligned.
+    let top = unsafe { stack.as_mut_ptr().add(stack.len()) } as usize & !15;
+    // SAFETY: clone(2) with a child function that only calls exit(3), its
+    // own stack.
+    let pid = unsafe {
+        libc::clone(
+            vfork_child_libc_exit,
+            top as *mut libc::c_void,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            std::ptr::null_mut(),
+        )
+    };
+    if pid < 0 {
+        return Err(format!("clone: {}", std::io::Error::last_os_error()));
+    }
+    let mut status = 0;
+    // SAFETY: waitpid(2) on our child.
+    if unsafe { libc::waitpid(pid, &mut status, 0) } != pid {
+        return Err("waitpid".into());
+    }
+    if !libc::WIFEXITED(status) {
+        return Err(format!("the vfork child ended with {status:#x}"));
+    }
+    Ok(libc::WEXITSTATUS(status))
+}
+
 fn vfork_exit(fd: i32) -> Result<(), String> {
     let mut stack = vec![0u8; 1 << 16];
     // SAFETY: the end of our stack buffer, 16-byte aligned.

@@ -521,7 +521,7 @@ impl Link {
         // meanwhile is dropped, as nobody reads it any more. Within
         // `VRDMA_SOCKETS_WAIT_MS` (a close does not block without bound):
         // what is left then resets the connection, never a short stream.
-        self.flush_out_or_reset(Instant::now() + wait_ms(), "a close");
+        self.flush_out_or_reset(Instant::now() + wait_ms(), "a close", true);
         if self.d_state() != crate::owner::D_NONE {
             // D (the driver's copy): once the peer stopped writing.
             self.await_peer_switch();

@@ -32,6 +32,32 @@ use libc::c_int;
 use super::{lock, Link, Res};
 use crate::real;
 
+/// The queue's lock, held. The library's lines said meanwhile
+/// (`crate::dev::later`) are said once it is let go: the program's
+/// descriptor 2 may be this very connection, whose write takes this lock
+/// (a warning written under it waited for it for ever).
+pub(crate) struct OutLock<'a>(Option<std::sync::MutexGuard<'a, OutQ>>);
+
+impl std::ops::Deref for OutLock<'_> {
+    type Target = OutQ;
+    fn deref(&self) -> &OutQ {
+        self.0.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for OutLock<'_> {
+    fn deref_mut(&mut self) -> &mut OutQ {
+        self.0.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for OutLock<'_> {
+    fn drop(&mut self) {
+        drop(self.0.take());
+        crate::dev::say_held();
+    }
+}
+
 /// Bytes queued for the kernel socket, sent in order, each once.
 #[derive(Debug, Default)]
 pub(crate) struct OutQ {
@@ -149,6 +175,34 @@ fn drop_incoming(sock: c_int) -> usize {
 }
 
 impl Link {
+    /// The queue's lock (waited for).
+    fn lock_out(&self) -> OutLock<'_> {
+        OutLock(Some(lock(&self.out)))
+    }
+
+    /// The queue's lock if it is free now.
+    fn try_lock_out(&self) -> Option<OutLock<'_>> {
+        match self.out.try_lock() {
+            Ok(o) => Some(OutLock(Some(o))),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(OutLock(Some(p.into_inner()))),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
+    }
+
+    /// The queue's lock, tried until `end` (another thread may hold it
+    /// for ever, blocked in a write), `pause` between the tries (false:
+    /// given up before `end`). `None`: not had.
+    fn lock_out_until(&self, end: Instant, mut pause: impl FnMut() -> bool) -> Option<OutLock<'_>> {
+        loop {
+            if let Some(o) = self.try_lock_out() {
+                return Some(o);
+            }
+            if Instant::now() >= end || !pause() {
+                return None;
+            }
+        }
+    }
+
     /// Whether this process has bytes queued for the kernel socket (an
     /// exec's resend not sent yet).
     pub(crate) fn out_queued(&self) -> bool {
@@ -163,7 +217,7 @@ impl Link {
             // function (the library is never unloaded).
             unsafe { libc::atexit(flush_queues_at_exit) };
         });
-        let mut o = lock(&self.out);
+        let mut o = self.lock_out();
         self.out_pid.store(crate::pid::get(), Ordering::Release);
         self.out_len.store(q.len(), Ordering::SeqCst);
         *o = q;
@@ -201,26 +255,34 @@ impl Link {
     /// the socket's error, so it is kept here: the program's next call on
     /// the connection returns it ([`Self::take_out_err`]), and only then
     /// is the connection plain TCP (a reset never reads as a clean end).
+    /// The state is final before anything is said (the queue empty, its
+    /// count 0, the error kept), and the warning waits until the queue's
+    /// lock is let go ([`OutLock`]): its write may be this connection's.
     fn out_failed(&self, o: &mut OutQ, e: c_int) {
         static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        crate::dev::warn_once(
-            &SAID,
-            &format!(
-                "the rest of a resend to an exec'd program could not be sent (errno {e}: the connection ended): \
-                 {} bytes lost with it; the program's next call on it gets the error",
-                o.len()
-            ),
-        );
+        let lost = o.len();
         *o = OutQ::default();
         self.out_err.store(if e == 0 { libc::ECONNRESET } else { e }, Ordering::SeqCst);
         self.out_emptied();
+        crate::dev::later(
+            Some(&SAID),
+            format!(
+                "the rest of a resend to an exec'd program could not be sent (errno {e}: the connection ended): \
+                 {lost} bytes lost with it; the program's next call on it gets the error"
+            ),
+        );
     }
 
     /// The errno of a failed push, for the program's call (once); the
-    /// connection is plain TCP from then on (if both ways switched).
+    /// connection is plain TCP from then on (if both ways switched). A
+    /// line of the library's own (its descriptor 2 this connection) fails
+    /// with it and leaves it for the program (`crate::dev::saying`).
     pub(super) fn take_out_err(&self) -> Option<c_int> {
         if self.out_err.load(Ordering::SeqCst) == 0 {
             return None;
+        }
+        if crate::dev::saying() {
+            return Some(self.out_err.load(Ordering::SeqCst)).filter(|&e| e != 0);
         }
         let e = self.out_err.swap(0, Ordering::SeqCst);
         if e == 0 {
@@ -245,23 +307,15 @@ impl Link {
             // lets go at once; one that still has room to wait for, the
             // end being a FIN, is not waited out).
             let end = Instant::now() + Duration::from_millis(200);
-            loop {
-                match self.out.try_lock() {
-                    Ok(mut o) => {
-                        self.push_locked(&mut o);
-                        break;
-                    }
-                    Err(std::sync::TryLockError::Poisoned(p)) => {
-                        self.push_locked(&mut p.into_inner());
-                        break;
-                    }
-                    Err(std::sync::TryLockError::WouldBlock) => {
-                        if self.out_err.load(Ordering::SeqCst) != 0 || Instant::now() >= end {
-                            break;
-                        }
-                        std::thread::yield_now();
-                    }
+            let held = self.lock_out_until(end, || {
+                if self.out_err.load(Ordering::SeqCst) != 0 {
+                    return false;
                 }
+                std::thread::yield_now();
+                true
+            });
+            if let Some(mut o) = held {
+                self.push_locked(&mut o);
             }
         }
         self.take_out_err().map(|e| if e == libc::EPIPE { libc::ECONNRESET } else { e })
@@ -275,12 +329,11 @@ impl Link {
             return true;
         }
         let mut o = if wait {
-            lock(&self.out)
+            self.lock_out()
         } else {
-            match self.out.try_lock() {
-                Ok(o) => o,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => return false,
+            match self.try_lock_out() {
+                Some(o) => o,
+                None => return false,
             }
         };
         self.push_locked(&mut o)
@@ -292,8 +345,8 @@ impl Link {
         }
         match o.push(|b| send_now(self.sock, b)) {
             Ok(Pushed::Empty) => {
-                crate::dev::debug("the exec resend's queue is sent");
                 self.out_emptied();
+                crate::dev::later(None, "the exec resend's queue is sent".into());
                 true
             }
             Ok(Pushed::Full(n)) => {
@@ -316,7 +369,7 @@ impl Link {
         if !self.out_queued() {
             return Ok(());
         }
-        let mut o = lock(&self.out);
+        let mut o = self.lock_out();
         loop {
             if self.push_locked(&mut o) {
                 break;
@@ -342,57 +395,78 @@ impl Link {
         }
     }
 
-    /// Sends the queue until `end` at most, reading and dropping what
-    /// comes in meanwhile (a close, an exec or an exit: nobody reads it
-    /// any more, and a program there that writes before it reads would
-    /// otherwise block for ever). `Err`: the bytes not sent (the push
-    /// failed, or `end` came; 0 where the lock was not had).
-    fn flush_out_until(&self, end: Instant) -> Result<(), usize> {
-        if !self.out_queued() {
-            return Ok(());
-        }
-        // (Another thread may hold it for ever, blocked in a write.)
-        let mut o = loop {
-            match self.out.try_lock() {
-                Ok(o) => break o,
-                Err(std::sync::TryLockError::Poisoned(p)) => break p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                Err(std::sync::TryLockError::WouldBlock) => return Err(self.out_len.load(Ordering::SeqCst)),
-            }
-        };
+    /// Sends the queue (held: `o`) until `end` at most, reading and
+    /// dropping what comes in meanwhile where `drop_in` (a close or an
+    /// exit: nobody reads it any more, and a program there that writes
+    /// before it reads would otherwise block for ever; not an exec, which
+    /// may fail and leave the process reading on). `Err`: the bytes not
+    /// sent (the push failed, or `end` came).
+    fn flush_locked_until(&self, o: &mut OutQ, end: Instant, drop_in: bool) -> Result<(), usize> {
         let mut dropped = 0;
         let r = loop {
             let n = o.len();
-            if self.push_locked(&mut o) {
+            if self.push_locked(o) {
                 break if self.out_err.load(Ordering::SeqCst) != 0 { Err(n) } else { Ok(()) };
             }
             let left = end.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break Err(o.len());
             }
-            dropped += drop_incoming(self.sock);
+            if drop_in {
+                dropped += drop_incoming(self.sock);
+            }
             if let Err(e) = wait_room_for(self.sock, left) {
                 let n = o.len();
-                self.out_failed(&mut o, e);
+                self.out_failed(o, e);
                 break Err(n);
             }
         };
         if dropped > 0 {
-            crate::dev::debug(&format!(
-                "{dropped} bytes dropped unread while the resend's queue was flushed"
-            ));
+            crate::dev::later(
+                None,
+                format!("{dropped} bytes dropped unread while the resend's queue was flushed"),
+            );
         }
         r
     }
 
     /// At a close, an exec or the exit (`what`): sends the queue until
-    /// `end` ([`Self::flush_out_until`]); what is not sent by then (or
-    /// lost with a failed push) resets the connection, so the program
-    /// there reads an error, never a clean, short stream.
-    pub(crate) fn flush_out_or_reset(&self, end: Instant, what: &str) {
-        let Err(n) = self.flush_out_until(end) else { return };
+    /// `end` ([`Self::flush_locked_until`], `drop_in` as there); what is
+    /// not sent by then (or lost with a failed push) resets the
+    /// connection, so the program there reads an error, never a clean,
+    /// short stream. The reset comes first, then the queue and its count
+    /// are cleared (under the lock: no write of another thread goes to
+    /// the kernel socket behind a hole), then the warning (the lock let
+    /// go: descriptor 2 may be this connection). Where the lock is not
+    /// had by `end` (a writer blocked behind the queue holds it), the
+    /// reset ends that writer's wait, and its push clears the queue.
+    pub(crate) fn flush_out_or_reset(&self, end: Instant, what: &str, drop_in: bool) {
+        if !self.out_queued() {
+            return;
+        }
+        let held = self.lock_out_until(end, || {
+            std::thread::sleep(Duration::from_millis(1));
+            true
+        });
+        let n = match held {
+            Some(mut o) => match self.flush_locked_until(&mut o, end, drop_in) {
+                Ok(()) => return,
+                Err(n) => {
+                    self.out_reset.store(true, Ordering::SeqCst);
+                    Self::reset_sock(self.sock);
+                    *o = OutQ::default();
+                    self.out_len.store(0, Ordering::SeqCst);
+                    n
+                }
+            },
+            None => {
+                self.out_reset.store(true, Ordering::SeqCst);
+                Self::reset_sock(self.sock);
+                self.out_len.load(Ordering::SeqCst)
+            }
+        };
+        // Writers waiting for writability wake and see the failure.
+        self.unblock();
         static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         crate::dev::warn_once(
             &SAID,
@@ -401,8 +475,6 @@ impl Link {
                  VRDMA_SOCKETS_WAIT_MS, or the connection ended): the connection is reset"
             ),
         );
-        self.out_reset.store(true, Ordering::SeqCst);
-        Self::reset_sock(self.sock);
     }
 
     /// As [`Self::flush_out`], where the program's own threads may be
@@ -415,39 +487,38 @@ impl Link {
     /// (the lock, then the sending): a close after a fork or the watcher
     /// of a child's write must not wait for ever for a program there that
     /// neither reads nor writes (the guess never fires then); past it,
-    /// `ETIMEDOUT` and the reset.
+    /// `ETIMEDOUT` and the reset. The state is final (reset, queue and
+    /// count cleared) and the lock let go before the warning.
     pub(crate) fn flush_out_guessing(&self, sock: c_int) -> Res<()> {
         if !self.out_queued() {
             return Ok(());
         }
         let end = Instant::now() + super::demote::wait_ms();
         // (A writer of the program may hold it, blocked behind the queue.)
-        let got = loop {
-            match self.out.try_lock() {
-                Ok(o) => break Ok(o),
-                Err(std::sync::TryLockError::Poisoned(p)) => break Ok(p.into_inner()),
-                Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
-                    std::thread::sleep(Duration::from_millis(1))
-                }
-                Err(std::sync::TryLockError::WouldBlock) => break Err(libc::ETIMEDOUT),
-            }
-        };
-        let (mut held, r) = match got {
-            Ok(o) => {
+        let mut held = self.lock_out_until(end, || {
+            std::thread::sleep(Duration::from_millis(1));
+            true
+        });
+        let r = match held.as_mut() {
+            Some(o) => {
                 let r = crate::stream::send_all_while_alive_until(sock, o.pending(), Some(end));
-                (Some(o), r)
+                **o = OutQ::default();
+                r
             }
-            Err(e) => (None, Err(e)),
+            None => Err(libc::ETIMEDOUT),
         };
-        if let Some(o) = held.as_mut() {
-            **o = OutQ::default();
-        }
         match r {
             Ok(()) => {
                 self.out_emptied();
                 Ok(())
             }
             Err(e) => {
+                self.out_reset.store(true, Ordering::SeqCst);
+                Self::reset_sock(sock);
+                self.out_len.store(0, Ordering::SeqCst);
+                drop(held);
+                // Writers waiting for writability wake and see the failure.
+                self.unblock();
                 static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
                 crate::dev::warn_once(
                     &SAID,
@@ -456,12 +527,6 @@ impl Link {
                          demotion (errno {e}): the connection is reset"
                     ),
                 );
-                self.out_reset.store(true, Ordering::SeqCst);
-                self.out_len.store(0, Ordering::SeqCst);
-                Self::reset_sock(sock);
-                drop(held);
-                // Writers waiting for writability wake and see the failure.
-                self.unblock();
                 Err(e)
             }
         }
@@ -488,14 +553,10 @@ impl Link {
             // Never waits for the lock: a blocking writer may hold it for
             // as long as the other end does not read (`EAGAIN` then, as
             // for a queue not sent yet).
-            let mut o = match self.out.try_lock() {
-                Ok(o) => o,
-                Err(std::sync::TryLockError::Poisoned(p)) => p.into_inner(),
-                Err(std::sync::TryLockError::WouldBlock) => {
-                    self.write_blocked_now();
-                    crate::progress::watch(self);
-                    return Some(Err(libc::EAGAIN));
-                }
+            let Some(mut o) = self.try_lock_out() else {
+                self.write_blocked_now();
+                crate::progress::watch(self);
+                return Some(Err(libc::EAGAIN));
             };
             if !self.push_locked(&mut o) {
                 drop(o);
@@ -543,13 +604,18 @@ impl Link {
 /// `VRDMA_SOCKETS_WAIT_MS` in all (TCP would deliver them after the exit;
 /// the library's queue goes with the process).
 extern "C" fn flush_queues_at_exit() {
+    // Not in a `vfork` child that calls `exit`: the queues in this memory
+    // are its parent's, which lives on (and pushes them).
+    if crate::pid::vforked() {
+        return;
+    }
     // (Inside the library or not: the calls below are libc's own.)
     let _g = crate::table::Guard::enter();
     let end = Instant::now() + super::demote::wait_ms();
     let links = crate::progress::listed_now();
     crate::dev::debug(&format!("exit: {} connections listed", links.len()));
     for l in links {
-        l.flush_out_or_reset(end, "the process exits");
+        l.flush_out_or_reset(end, "the process exits", true);
     }
 }
 
@@ -607,6 +673,24 @@ mod tests {
         });
         assert_eq!(r, Err(libc::EPIPE));
         assert_eq!(q.pending(), &[2, 3, 4]);
+    }
+
+    /// A warning made while the queue's lock is held (a failed push's)
+    /// is said once the lock is let go, not before: its write may be the
+    /// very connection's, which takes that lock (review M1: it waited for
+    /// it for ever).
+    #[test]
+    fn a_warning_made_under_the_queues_lock_is_said_once_it_is_let_go() {
+        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let m = std::sync::Mutex::new(OutQ::new(vec![1, 2, 3], 0));
+        let o = OutLock(Some(m.lock().unwrap()));
+        assert_eq!(o.len(), 3);
+        crate::dev::later(Some(&SAID), "vrdma-sockets unit test: a warning under the queue's lock".into());
+        assert_eq!(SAID.load(Ordering::Relaxed), 0, "said under the lock");
+        assert!(m.try_lock().is_err());
+        drop(o);
+        assert_eq!(SAID.load(Ordering::Relaxed), std::process::id(), "not said once let go");
+        assert!(m.try_lock().is_ok());
     }
 
     #[test]
