@@ -151,10 +151,43 @@ pub fn debug(msg: &str) {
 /// writes: an error the library keeps for the program's next call on the
 /// connection is not the line's to take.
 fn line(text: &str) {
-    use std::io::Write;
-    as_saying(|| {
-        let _ = std::io::stderr().write_all(text.as_bytes());
-    });
+    as_saying(|| write_stderr(text.as_bytes()));
+}
+
+/// Writes `bytes` whole to descriptor 2, as `send` with `MSG_NOSIGNAL`
+/// where it is a socket: the library's own line must not raise
+/// `SIGPIPE` (a program that does not ignore it dies of a diagnostic)
+/// where descriptor 2 is a connection its peer has reset, which a line
+/// made inside the library's own threads or calls meets raw. Gives up on
+/// an error: a diagnostic that cannot be written is dropped. Allocates
+/// nothing (a forked child may call it).
+fn write_stderr(mut bytes: &[u8]) {
+    let mut socket = true;
+    // Bounded: each pass writes a byte at least, or changes `socket`, or
+    // was interrupted (a few times at most in practice).
+    for _ in 0..1024 {
+        if bytes.is_empty() {
+            return;
+        }
+        // SAFETY: `bytes` is valid for its length; descriptor 2 is the
+        // process's, whatever it is (an error if closed).
+        let n = unsafe {
+            if socket {
+                libc::send(2, bytes.as_ptr().cast(), bytes.len(), libc::MSG_NOSIGNAL)
+            } else {
+                libc::write(2, bytes.as_ptr().cast(), bytes.len())
+            }
+        };
+        if n >= 0 {
+            bytes = &bytes[(n as usize).min(bytes.len())..];
+            continue;
+        }
+        match crate::table::errno() {
+            libc::ENOTSOCK if socket => socket = false,
+            libc::EINTR => {}
+            _ => return,
+        }
+    }
 }
 
 /// Runs `f` (the write of a line) marked [`saying`].
@@ -214,6 +247,57 @@ mod tests {
         as_saying(|| during = saying());
         assert!(during);
         assert!(!saying());
+    }
+
+    /// A line written to a descriptor 2 that is a socket whose peer is
+    /// gone raises no `SIGPIPE` (the process is not killed by the
+    /// library's diagnostic); to one that is not a socket it is written
+    /// whole. In a forked child, whose descriptor 2 is its own.
+    #[test]
+    fn a_line_to_a_reset_socket_on_stderr_raises_no_sigpipe_and_to_a_pipe_arrives_whole() {
+        let mut sv = [0; 2];
+        // SAFETY: socketpair(2) writes two descriptors into `sv`.
+        assert_eq!(unsafe { libc::socketpair(libc::AF_UNIX, libc::SOCK_STREAM, 0, sv.as_mut_ptr()) }, 0);
+        let mut pipe = [0; 2];
+        // SAFETY: pipe(2) writes two descriptors into `pipe`.
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        // SAFETY: the peer's end, ours to close.
+        unsafe { libc::close(sv[1]) };
+        // SAFETY: fork(2); the child makes only system calls and exits
+        // with `_exit`, allocating nothing.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            // SAFETY: the child's own descriptors; `_exit` ends it.
+            unsafe {
+                // (Rust's runtime ignores SIGPIPE; a C program does not.)
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                libc::dup2(sv[0], 2);
+                write_stderr(b"vrdma-sockets unit test: to a socket whose peer is gone\n");
+                libc::dup2(pipe[1], 2);
+                write_stderr(b"whole line\n");
+                libc::_exit(0);
+            }
+        }
+        // SAFETY: our copies of the child's ends.
+        unsafe {
+            libc::close(sv[0]);
+            libc::close(pipe[1]);
+        }
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child ended with status {status:#x} (signal {})",
+            if libc::WIFSIGNALED(status) { libc::WTERMSIG(status) } else { 0 }
+        );
+        let mut got = [0u8; 64];
+        // SAFETY: read(2) into our buffer.
+        let n = unsafe { libc::read(pipe[0], got.as_mut_ptr().cast(), got.len()) };
+        // SAFETY: our end.
+        unsafe { libc::close(pipe[0]) };
+        assert_eq!(&got[..n.max(0) as usize], b"whole line\n");
     }
 
     /// A line held back is said by the next `say_held`, once.
