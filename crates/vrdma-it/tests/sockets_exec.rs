@@ -795,6 +795,25 @@ fn a_close_or_exit_that_cannot_send_the_queue_within_the_bound_resets() -> Resul
     Ok(())
 }
 
+/// The client ends by `_exit` (no handler of the library runs: as a
+/// fatal signal or `SIGKILL`) while the resend is queued, after setting a
+/// linger of its own (1, 5 s): the kernel's close resets the connection
+/// (the socket lingers 0 while the queue holds bytes), so the program
+/// there reads an error, never a clean end behind a truncated resend; and
+/// the client read back the linger it set. Before (session 35): a FIN,
+/// the program reading a short stream as whole.
+#[test]
+fn an_end_that_runs_no_handler_while_the_resend_is_queued_resets() -> Result<()> {
+    let (c, s) = queued_against("_exit", &[("STDECHO_DELAY_AFTER_WRITE_MS", "2000")], &[])?;
+    c.assert_ok();
+    assert!(c.stderr.contains("of them queued"), "{}", c.describe());
+    assert!(c.stdout.contains("linger set 0 got 0: 1 5"), "{}", c.describe());
+    assert!(c.stdout.contains("_exits after"), "{}", c.describe());
+    assert!(!s.stderr.contains("stdecho read "), "{}\n{}", s.describe(), c.describe());
+    assert!(s.stderr.contains("Connection reset by peer"), "{}\n{}", s.describe(), c.describe());
+    Ok(())
+}
+
 /// The program there exits without reading while the resend is queued
 /// (its close with bytes unread is a reset): the library's push meets the
 /// reset, and the client's next read gets `ECONNRESET`, not a clean end

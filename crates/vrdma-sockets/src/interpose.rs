@@ -825,6 +825,19 @@ fn kept_stream(fd: c_int, level: c_int, name: c_int) -> Option<(&'static crate::
     }
 }
 
+/// The link of `fd` where the option is `SO_LINGER` and the connection
+/// is carried (or was: an exec resend's queue may hold its own linger,
+/// `link/outq.rs`).
+fn linger_link(fd: c_int, level: c_int, name: c_int) -> Option<Arc<Link>> {
+    if level != libc::SOL_SOCKET || name != libc::SO_LINGER {
+        return None;
+    }
+    match table::get(fd) {
+        Some(Entry::Stream(s)) => s.link_now(),
+        _ => None,
+    }
+}
+
 #[no_mangle]
 pub unsafe extern "C" fn setsockopt(
     fd: c_int,
@@ -837,6 +850,10 @@ pub unsafe extern "C" fn setsockopt(
         if let Some((k, s)) = kept_stream(fd, level, name) {
             // SAFETY: the caller's arguments, as setsockopt(2) takes them.
             return unsafe { k.set(&s.owner, fd, val, len) };
+        }
+        if let Some(l) = linger_link(fd, level, name) {
+            // SAFETY: the caller's arguments, as setsockopt(2) takes them.
+            return unsafe { l.program_sets_linger(fd, val, len) };
         }
     }
     // SAFETY: libc's setsockopt with the caller's arguments.
@@ -855,6 +872,10 @@ pub unsafe extern "C" fn getsockopt(
         if let Some((k, s)) = kept_stream(fd, level, name) {
             // SAFETY: the caller's arguments, as getsockopt(2) takes them.
             return unsafe { k.get(&s.owner, fd, val, len) };
+        }
+        if let Some(l) = linger_link(fd, level, name) {
+            // SAFETY: the caller's arguments, as getsockopt(2) takes them.
+            return unsafe { l.program_gets_linger(fd, val, len) };
         }
     }
     // SAFETY: libc's getsockopt with the caller's arguments.

@@ -223,6 +223,11 @@ pub struct Link {
     /// kernel socket's `SHUT_WR` was done since.
     out_shut: AtomicBool,
     out_shut_done: AtomicBool,
+    /// The socket's own `SO_LINGER`, kept while the queue holds bytes and
+    /// the socket lingers 0 ([`outq`]: a process end that runs no handler
+    /// resets the connection rather than end it with a FIN behind a
+    /// truncated resend); `None`: not armed.
+    out_linger: Mutex<Option<libc::linger>>,
     /// The library's own descriptor of the kernel socket (and whether a
     /// readiness call knows it).
     owner_sock: Arc<Sock>,
@@ -450,6 +455,7 @@ impl Half {
             out_reset: AtomicBool::new(false),
             out_shut: AtomicBool::new(false),
             out_shut_done: AtomicBool::new(false),
+            out_linger: Mutex::new(None),
             sock: sock_owner.0,
             owner_sock: sock_owner,
             cq: self.cq,

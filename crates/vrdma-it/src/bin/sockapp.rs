@@ -993,7 +993,9 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// edge-triggered `EPOLLOUT` in `epoll_wait`; `shut`: nothing, its side
 /// shut at once, `bytes` taken as `first + unread`; `close`: nothing, and
 /// the connection is closed once the `wf` bytes are read; `exit`: the
-/// process exits then, the connection open; `readend`: nothing, and once
+/// process exits then, the connection open; `_exit`: as `exit`, by
+/// `_exit` (no handler runs), after a `setsockopt(SO_LINGER)` of 1, 5 s
+/// and its `getsockopt` (`linger set R got R: ON SECS`); `readend`: nothing, and once
 /// the `wf` bytes are read, a second later, one more read, whose result
 /// it says (`then a read: ...`); `readblock`: as `readend`, the read at
 /// once; `abort`: blocking writes, and once the
@@ -1042,6 +1044,7 @@ fn bulk_after_written_first(
     let close = writer_way == "close";
     // `exit`: as `close`, with the process's exit in place of the close.
     let exit = writer_way == "exit";
+    let underscore_exit = writer_way == "_exit";
     // `readblock`: as `readend`, the read at once (blocked in it when
     // the program's end comes).
     let readblock = writer_way == "readblock";
@@ -1063,7 +1066,7 @@ fn bulk_after_written_first(
     let stderr_way = writer_way == "stderr";
     let vforkexit = writer_way == "vforkexit";
     let execfail = writer_way == "execfail";
-    let close = close || exit || readend || forkclose || execfail;
+    let close = close || exit || underscore_exit || readend || forkclose || execfail;
     let bytes = if shut { first + unread } else { bytes };
     let writer = std::thread::spawn(move || -> Result<u64, String> {
         let fd = w.as_raw_fd();
@@ -1273,6 +1276,40 @@ fn bulk_after_written_first(
         if exit {
             println!("exits after {wf} written first");
             std::process::exit(0);
+        }
+        if underscore_exit {
+            use std::io::Write as _;
+            // A linger of the program's own, set while the resend is
+            // queued: what it reads back is its own, and the end still
+            // resets.
+            let lg = libc::linger { l_onoff: 1, l_linger: 5 };
+            let size = std::mem::size_of::<libc::linger>() as libc::socklen_t;
+            // SAFETY: setsockopt(2) and getsockopt(2) on our connection with
+            // a linger of ours, its size.
+            let (set, got, back) = unsafe {
+                let set = libc::setsockopt(
+                    r.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&lg as *const libc::linger).cast(),
+                    size,
+                );
+                let mut back = libc::linger { l_onoff: 0, l_linger: 0 };
+                let mut n = size;
+                let got = libc::getsockopt(
+                    r.as_raw_fd(),
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&mut back as *mut libc::linger).cast(),
+                    &mut n,
+                );
+                (set, got, back)
+            };
+            println!("linger set {set} got {got}: {} {}", back.l_onoff, back.l_linger);
+            println!("_exits after {wf} written first");
+            let _ = std::io::stdout().flush();
+            // SAFETY: _exit(2): no handler of the library runs.
+            unsafe { libc::_exit(0) };
         }
         if execs {
             use std::io::Write as _;

@@ -221,6 +221,7 @@ impl Link {
         self.out_pid.store(crate::pid::get(), Ordering::Release);
         self.out_len.store(q.len(), Ordering::SeqCst);
         *o = q;
+        self.reset_if_ended_now();
         drop(o);
         // No `EPOLLOUT` until it is sent (the progress thread gives it
         // back then: `Link::still_blocked`).
@@ -231,6 +232,7 @@ impl Link {
     /// the kernel, the connection is plain TCP if both ways switched, and
     /// writability comes back (epoll's `EPOLLOUT`, poll's waiters).
     fn out_emptied(&self) {
+        self.end_as_the_program_asked();
         // (SeqCst: against `shut_behind_out`, which stores its flag, then
         // looks at the count; and `p_done`'s look at `p_rd`.)
         self.out_len.store(0, Ordering::SeqCst);
@@ -240,6 +242,138 @@ impl Link {
         self.p_done();
         self.unblock();
         crate::credit::came();
+    }
+
+    /// While the queue holds bytes, the socket lingers 0, so that a
+    /// process end that runs no handler of the library (`_exit`, a fatal
+    /// signal, `SIGKILL`) resets the connection when the kernel closes it:
+    /// the program there reads an error, never a clean end behind a
+    /// truncated resend. A close, an exec and `exit` flush first and reset
+    /// if anything is left, as before; the socket's own linger (the
+    /// program's) is kept and put back when the queue empties
+    /// ([`Self::end_as_the_program_asked`]). Called with the queue's lock
+    /// held.
+    fn reset_if_ended_now(&self) {
+        let mut kept = self.out_linger.lock().unwrap_or_else(|p| p.into_inner());
+        if kept.is_some() {
+            return;
+        }
+        let mut own = libc::linger { l_onoff: 0, l_linger: 0 };
+        let mut len = std::mem::size_of::<libc::linger>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) of the library's descriptor into a linger
+        // of ours, its size.
+        let got = unsafe {
+            real::getsockopt(
+                self.sock,
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&mut own as *mut libc::linger).cast(),
+                &mut len,
+            )
+        };
+        if got != 0 || Self::set_linger(self.sock, libc::linger { l_onoff: 1, l_linger: 0 }) != 0 {
+            crate::dev::later(
+                None,
+                format!(
+                    "a queued resend's linger 0 not set (errno {}): an end without handlers is a FIN",
+                    crate::table::errno()
+                ),
+            );
+            return;
+        }
+        *kept = Some(own);
+    }
+
+    /// The queue emptied: the socket's own linger back
+    /// ([`Self::reset_if_ended_now`]).
+    fn end_as_the_program_asked(&self) {
+        if let Some(own) = self.out_linger.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Self::set_linger(self.sock, own);
+        }
+    }
+
+    /// The program's `setsockopt(SO_LINGER)` on this connection (`fd`):
+    /// to the kernel, which checks it; while the queue holds bytes it is
+    /// kept as the socket's own, put back when the queue empties, and the
+    /// linger 0 stays ([`Self::reset_if_ended_now`]).
+    ///
+    /// # Safety
+    /// `val` and `len` as setsockopt(2) takes them (the kernel checks
+    /// them).
+    pub(crate) unsafe fn program_sets_linger(
+        &self,
+        fd: c_int,
+        val: *const libc::c_void,
+        len: libc::socklen_t,
+    ) -> c_int {
+        let mut kept = self.out_linger.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the caller's arguments, as setsockopt(2) takes them.
+        let r = unsafe { real::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
+        if r == 0 && kept.is_some() {
+            let mut own = libc::linger { l_onoff: 0, l_linger: 0 };
+            let mut n = std::mem::size_of::<libc::linger>() as libc::socklen_t;
+            // SAFETY: getsockopt(2) into a linger of ours, its size.
+            let got = unsafe {
+                real::getsockopt(
+                    self.sock,
+                    libc::SOL_SOCKET,
+                    libc::SO_LINGER,
+                    (&mut own as *mut libc::linger).cast(),
+                    &mut n,
+                )
+            };
+            if got == 0 {
+                *kept = Some(own);
+            }
+            crate::table::keep_errno(|| {
+                Self::set_linger(self.sock, libc::linger { l_onoff: 1, l_linger: 0 })
+            });
+        }
+        r
+    }
+
+    /// The program's `getsockopt(SO_LINGER)`: while the queue holds bytes,
+    /// the socket's own linger (the program's), not the 0 the library
+    /// set; the kernel checks the arguments and says how much it copies.
+    ///
+    /// # Safety
+    /// `val` and `len` as getsockopt(2) takes them.
+    pub(crate) unsafe fn program_gets_linger(
+        &self,
+        fd: c_int,
+        val: *mut libc::c_void,
+        len: *mut libc::socklen_t,
+    ) -> c_int {
+        let kept = self.out_linger.lock().unwrap_or_else(|p| p.into_inner());
+        // SAFETY: the caller's arguments, as getsockopt(2) takes them.
+        let r = unsafe { real::getsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
+        if let (0, Some(own)) = (r, *kept) {
+            // SAFETY: the kernel just wrote `*len` bytes (at most a
+            // linger's) at `val`: they are the caller's, valid.
+            unsafe {
+                let n = (*len as usize).min(std::mem::size_of::<libc::linger>());
+                std::ptr::copy_nonoverlapping(
+                    (&own as *const libc::linger).cast::<u8>(),
+                    val.cast::<u8>(),
+                    n,
+                );
+            }
+        }
+        r
+    }
+
+    /// `SO_LINGER` of `sock` to `lg`; setsockopt's result.
+    fn set_linger(sock: c_int, lg: libc::linger) -> c_int {
+        // SAFETY: setsockopt(2) with a linger of ours, its size.
+        unsafe {
+            real::setsockopt(
+                sock,
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&lg as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        }
     }
 
     /// The kernel socket's `SHUT_WR` that waited for the queue, once.
