@@ -269,6 +269,15 @@ impl Hca {
                 qp.requeued.clear();
                 let keep = qp.attr.cap;
                 qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
+                // So does what it learnt of its peer's moves: the next
+                // connection's address says where its peer is, and that
+                // peer's epochs count from 0. (Kept, a QP that followed
+                // its peer to another host, or marked a stale copy of it
+                // there, dropped every frame of a new peer elsewhere.)
+                qp.peer_link = None;
+                qp.peer_epoch = 0;
+                qp.peer_stale = false;
+                qp.peer_lid = 0;
                 // The WR in flight is dropped without a completion: it is
                 // retired before the queue is reset, so that the driver's
                 // count of outstanding WRs starts again from zero.
