@@ -1273,11 +1273,7 @@ fn a_reset_forgets_the_old_peers_move_and_the_qp_connects_anywhere_again() {
         let reset = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
         assert_eq!(t.hosts[B].modify(b.qpn, &reset, QpAttrMask::STATE), Ok(QpState::Reset));
         let q = &t.hosts[B].hca.qps[&b.qpn];
-        assert_eq!(
-            (q.peer_link, q.peer_epoch, q.peer_stale, q.peer_lid),
-            (None, 0, false, 0),
-            "stale {stale}"
-        );
+        assert_eq!((q.peer_link, q.peer_stale, q.peer_lid), (None, false, 0), "stale {stale}");
         // B's QP connected to a new QP of a program on A (the host its old
         // peer left), and, with `stale`, to a new one on C (where the stale
         // copy was).
@@ -1306,5 +1302,34 @@ fn a_reset_forgets_the_old_peers_move_and_the_qp_connects_anywhere_again() {
         assert_eq!(at_b, [(5, WcStatus::Success), (8, WcStatus::Success)], "stale {stale}");
         assert_eq!(b.buf.read(0, 64), message(7, 64));
         assert_eq!(x.buf.read(0, 64), message(8, 64));
+        // The new peer's epochs are its own: its first move is followed
+        // (the old peer's epoch 1 does not count against it).
+        let m = MovedRepr { vnet: TENANT.0, qpn: x.qpn, peer_qpn: b.qpn, epoch: 1 };
+        let link = t.link(B, host);
+        assert!(t.hosts[B].hca.handle_moved(link, &m, T0), "stale {stale}");
     }
+}
+
+/// A QP whose peer moved, reset and connected again to the same peer QP
+/// (where it is now): the reset forgot the link, not that peer's epoch,
+/// so a copy of the peer announcing an epoch no newer (a snapshot of it
+/// restored elsewhere) is still refused, and a newer one followed.
+#[test]
+fn a_qp_connected_again_to_the_same_peer_still_refuses_its_older_copies() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    t.run(T0);
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    assert_eq!(t.seen.moved_ok, 1);
+    let reset = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+    assert_eq!(t.hosts[B].modify(b.qpn, &reset, QpAttrMask::STATE), Ok(QpState::Reset));
+    connect_side(&mut t.hosts[B], b.qpn, a.qpn, IPS[C], conn());
+    let lb_a = t.link(B, A);
+    for epoch in [0, 1] {
+        let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch };
+        assert!(!t.hosts[B].hca.handle_moved(lb_a, &m, T0), "epoch {epoch} accepted");
+    }
+    let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch: 2 };
+    assert!(t.hosts[B].hca.handle_moved(lb_a, &m, T0));
 }
