@@ -120,6 +120,11 @@ pub(crate) struct Qp {
     /// dropped, and a later move must carry a higher epoch.
     pub peer_link: Option<super::LinkId>,
     pub peer_epoch: u32,
+    /// The peer QP whose epoch `peer_epoch` is. A reset keeps the two
+    /// (a QP connected again to the same peer still refuses that peer's
+    /// older copies); connected to another peer, it counts that peer's
+    /// epochs from 0.
+    pub peer_epoch_qpn: u32,
     /// A Moved frame no newer than `peer_epoch` came on `peer_link`: a
     /// second copy of the peer QP resumed on the host that holds (or
     /// held) the accepted one, from an older snapshot (one restored
@@ -166,6 +171,16 @@ impl Qp {
 
     pub fn state(&self) -> QpState {
         self.attr.qp_state
+    }
+
+    /// The epoch of peer QP `qpn` this QP accepted (0 if none: its
+    /// `peer_epoch` is of another peer, before a reset).
+    pub fn peer_epoch_of(&self, qpn: u32) -> u32 {
+        if self.peer_epoch_qpn == qpn {
+            self.peer_epoch
+        } else {
+            0
+        }
     }
 
     pub fn accepts_incoming(&self) -> bool {

@@ -93,6 +93,7 @@ impl Hca {
                 announce: false,
                 peer_link: None,
                 peer_epoch: 0,
+                peer_epoch_qpn: 0,
                 peer_stale: false,
                 peer_lid: 0,
             },
@@ -269,6 +270,16 @@ impl Hca {
                 qp.requeued.clear();
                 let keep = qp.attr.cap;
                 qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
+                // So does where its peer moved: the next connection's
+                // address says where its peer is. (Kept, a QP that had
+                // followed its peer to another host, or marked a stale
+                // copy of it there, dropped the frames of its next peer.)
+                // The peer's epoch stays, with the QPN it is of: a QP
+                // connected again to the same peer still refuses that
+                // peer's older copies (`Hca::handle_moved`).
+                qp.peer_link = None;
+                qp.peer_stale = false;
+                qp.peer_lid = 0;
                 // The WR in flight is dropped without a completion: it is
                 // retired before the queue is reset, so that the driver's
                 // count of outstanding WRs starts again from zero.

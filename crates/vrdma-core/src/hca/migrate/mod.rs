@@ -391,7 +391,7 @@ impl Hca {
                 && !q.tenant.is_host_local()
                 && q.attr.dest_qp_num == m.qpn
                 && matches!(q.state(), QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
-                && m.epoch > q.peer_epoch
+                && m.epoch > q.peer_epoch_of(m.qpn)
         });
         if !ok {
             self.net.dropped(link, "Moved frame for no QP of ours, or with an old epoch");
@@ -410,6 +410,7 @@ impl Hca {
         }
         q.peer_link = Some(link);
         q.peer_epoch = m.epoch;
+        q.peer_epoch_qpn = m.qpn;
         q.peer_stale = false;
         let tenant = q.tenant;
         let old = q.remote.as_ref().map(|r| r.links());
@@ -455,7 +456,7 @@ impl Hca {
             && !q.tenant.is_host_local()
             && q.attr.dest_qp_num == m.qpn
             && q.peer_link == Some(link)
-            && m.epoch <= q.peer_epoch
+            && m.epoch <= q.peer_epoch_of(m.qpn)
             && !q.peer_stale;
         if stale {
             q.peer_stale = true;

@@ -1241,3 +1241,95 @@ fn a_paused_tenants_calls_that_change_its_state_are_refused() {
     a.hca.finish_export(TENANT).unwrap();
     assert!(!a.hca.is_paused(TENANT));
 }
+
+/// A QP whose peer moved (it follows the peer's Moved frame to C), then
+/// reset and connected to a new QP on A, the host its old peer left: the
+/// reset forgets the old peer's move, as it forgets its PSNs, and
+/// messages go both ways (before, frames from A were dropped as from a
+/// location the peer had left, and A's send failed `RETRY_EXC_ERR`). The
+/// same after a stale copy marked it.
+#[test]
+fn a_reset_forgets_the_old_peers_move_and_the_qp_connects_anywhere_again() {
+    for stale in [false, true] {
+        let mut t = ThreeHosts::new(256, tune);
+        let (a, b, mem) = setup(&mut t);
+        t.hosts[B].io.post_recv(b.qpn, recv(0, &[b.buf.sge(0, 1024)]));
+        t.hosts[A].io.post_send(a.qpn, a_to_b(0, &a, &b));
+        t.run(T0);
+        let mut next = 0;
+        check_at_b(&t.hosts[B].poll(b.cq), &mut next, &b);
+        t.migrate(A, C, &mem, T0);
+        t.run(T0);
+        assert_eq!(t.seen.moved_ok, 1);
+        let lb_c = t.link(B, C);
+        let q = &t.hosts[B].hca.qps[&b.qpn];
+        assert_eq!((q.peer_link, q.peer_epoch), (Some(lb_c), 1));
+        if stale {
+            // A copy of A's QP announcing the accepted epoch again there.
+            let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch: 1 };
+            assert!(!t.hosts[B].hca.handle_moved(lb_c, &m, T0));
+            assert!(t.hosts[B].hca.qps[&b.qpn].peer_stale);
+        }
+        let reset = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+        assert_eq!(t.hosts[B].modify(b.qpn, &reset, QpAttrMask::STATE), Ok(QpState::Reset));
+        let q = &t.hosts[B].hca.qps[&b.qpn];
+        assert_eq!((q.peer_link, q.peer_stale, q.peer_lid), (None, false, 0), "stale {stale}");
+        // B's QP connected to a new QP of a program on A (the host its old
+        // peer left), and, with `stale`, to a new one on C (where the stale
+        // copy was).
+        let (host, ip) = if stale { (C, IPS[C]) } else { (A, IPS[A]) };
+        let ctx = ContextId(9);
+        t.hosts[host].hca.open_context(ctx, TENANT).unwrap();
+        let x = t.hosts[host].end(ctx);
+        connect_side(&mut t.hosts[B], b.qpn, x.qpn, ip, conn());
+        connect_side(&mut t.hosts[host], x.qpn, b.qpn, IPS[B], conn());
+        t.hosts[B].io.post_recv(b.qpn, recv(5, &[b.buf.sge(0, 64)]));
+        t.hosts[host].io.post_recv(x.qpn, recv(6, &[x.buf.sge(0, 64)]));
+        x.buf.write(1024, &message(7, 64));
+        b.buf.write(1024, &message(8, 64));
+        t.hosts[host]
+            .io
+            .post_send(x.qpn, wr(7, SendOpcode::Send, &[x.buf.sge(1024, 64)], SendFlags::SIGNALED));
+        t.hosts[B].io.post_send(b.qpn, wr(8, SendOpcode::Send, &[b.buf.sge(1024, 64)], SendFlags::SIGNALED));
+        t.run(T0);
+        let mut at_x: Vec<(u64, WcStatus)> =
+            t.hosts[host].poll(x.cq).iter().map(|c| (c.wr_id, c.status)).collect();
+        let mut at_b: Vec<(u64, WcStatus)> =
+            t.hosts[B].poll(b.cq).iter().map(|c| (c.wr_id, c.status)).collect();
+        at_x.sort_unstable_by_key(|c| c.0);
+        at_b.sort_unstable_by_key(|c| c.0);
+        assert_eq!(at_x, [(6, WcStatus::Success), (7, WcStatus::Success)], "stale {stale}");
+        assert_eq!(at_b, [(5, WcStatus::Success), (8, WcStatus::Success)], "stale {stale}");
+        assert_eq!(b.buf.read(0, 64), message(7, 64));
+        assert_eq!(x.buf.read(0, 64), message(8, 64));
+        // The new peer's epochs are its own: its first move is followed
+        // (the old peer's epoch 1 does not count against it).
+        let m = MovedRepr { vnet: TENANT.0, qpn: x.qpn, peer_qpn: b.qpn, epoch: 1 };
+        let link = t.link(B, host);
+        assert!(t.hosts[B].hca.handle_moved(link, &m, T0), "stale {stale}");
+    }
+}
+
+/// A QP whose peer moved, reset and connected again to the same peer QP
+/// (where it is now): the reset forgot the link, not that peer's epoch,
+/// so a copy of the peer announcing an epoch no newer (a snapshot of it
+/// restored elsewhere) is still refused, and a newer one followed.
+#[test]
+fn a_qp_connected_again_to_the_same_peer_still_refuses_its_older_copies() {
+    let mut t = ThreeHosts::new(256, tune);
+    let (a, b, mem) = setup(&mut t);
+    t.run(T0);
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    assert_eq!(t.seen.moved_ok, 1);
+    let reset = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+    assert_eq!(t.hosts[B].modify(b.qpn, &reset, QpAttrMask::STATE), Ok(QpState::Reset));
+    connect_side(&mut t.hosts[B], b.qpn, a.qpn, IPS[C], conn());
+    let lb_a = t.link(B, A);
+    for epoch in [0, 1] {
+        let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch };
+        assert!(!t.hosts[B].hca.handle_moved(lb_a, &m, T0), "epoch {epoch} accepted");
+    }
+    let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch: 2 };
+    assert!(t.hosts[B].hca.handle_moved(lb_a, &m, T0));
+}
