@@ -341,6 +341,11 @@ impl Net {
         let verified = gid_of(dialled.unwrap_or(addr)) == Some(gid);
         if verified {
             self.own_incoming.remove(&gid);
+        } else if let Some(&since) = self.own_incoming.get(&gid) {
+            // A link that only claims the GID ended its own handshake, not
+            // the host's: that one is still awaited (a dial to the host
+            // waits for it, and so does what is held for the host).
+            self.incoming.insert(gid, since);
         }
         let info = LinkInfo { gid, lid: peer.hello.lid, chunk: peer.chunk, verified };
         let id = hca.link_up(info);
@@ -493,8 +498,12 @@ impl Net {
         // handshake with that address under way, too many dials) is asked
         // for again on the next keepalive pass ([`Net::check_unverified`]).
         if let Some(ip) = l.gid.ipv4() {
-            l.checked =
-                self.dial_checking(SocketAddr::from((ip, self.setup.port)), Some(l.gid), Some(l.daemon_id));
+            l.checked = self.dial_checking(
+                SocketAddr::from((ip, self.setup.port)),
+                Some(l.gid),
+                Some(l.daemon_id),
+                Clock::now(),
+            );
         }
     }
 
@@ -523,6 +532,13 @@ impl Net {
         let due: Vec<_> = self.cm_held_until.iter().filter(|(_, &t)| now >= t).map(|(&ip, _)| ip).collect();
         for ip in due {
             self.cm_held_until.remove(&ip);
+            // No dial to the host was tried (a handshake from it held ours
+            // back, and did not become a link): one is, now; its end
+            // tells, as for any dial.
+            let addr = SocketAddr::from((ip, self.setup.port));
+            if self.cm_pending.contains_key(&ip) && !self.dialling.contains_key(&addr) {
+                self.dial_checking(addr, Some(Gid::from_ipv4(ip.octets())), None, now);
+            }
             if self.dial_under_way(ip, now) {
                 continue;
             }
@@ -635,8 +651,12 @@ impl Net {
             .filter_map(|(&id, l)| Some((id, l.gid, l.gid.ipv4()?, l.daemon_id)))
             .collect();
         for (id, gid, ip, daemon_id) in unchecked {
-            let started =
-                self.dial_checking(SocketAddr::from((ip, self.setup.port)), Some(gid), Some(daemon_id));
+            let started = self.dial_checking(
+                SocketAddr::from((ip, self.setup.port)),
+                Some(gid),
+                Some(daemon_id),
+                Clock::now(),
+            );
             if let Some(l) = self.links.get_mut(&id) {
                 l.checked |= started;
             }
@@ -687,11 +707,16 @@ impl Net {
                         l.queue_cm(m);
                     }
                     tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
-                } else if let Some(&since) = self.incoming.get(&gid) {
+                } else if let Some(until) = self.incoming.get(&gid).map(|&since| since + HANDSHAKE_LIMIT) {
                     // Its connection to us is in its handshake: they go by
                     // the link it becomes ([`Net::add`]), or are given up
                     // on once that handshake can no longer succeed.
-                    self.cm_held_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    self.cm_held_until.insert(ip, until);
+                    self.cm_pending.insert(ip, held);
+                } else if self.cm_held_until.get(&ip).is_some_and(|&t| Clock::now() < t) {
+                    // They wait already, for a handshake whose deferred
+                    // links went down meanwhile: this dial's failure does
+                    // not cut that wait short.
                     self.cm_pending.insert(ip, held);
                 } else {
                     self.cm_links.push(CmLink::Down(ip, None));
@@ -701,6 +726,23 @@ impl Net {
                 self.sock_down.push((ip, None));
             }
         }
+    }
+
+    /// A dial the peer refused once both had proved the key: its own dial
+    /// to us is under way, or it has a link it dialled to us
+    /// ([`Net::admits_from`], on its side; [`HandshakeError::refused_by_peer`]).
+    /// Its connection is coming, from its GID's address or another
+    /// (NAT): what is held for the host, and what is sent to it in the
+    /// failed dial's pause, waits for it as for an admitted connection
+    /// whose Hello says the host's GID (`incoming`, from now), rather than
+    /// being given up on; the dial counts failed all the same.
+    pub fn dial_crossed(&mut self, addr: SocketAddr, why: &str) {
+        if let std::net::IpAddr::V4(ip) = addr.ip() {
+            let now = Clock::now();
+            let since = self.incoming.entry(Gid::from_ipv4(ip.octets())).or_insert(now);
+            *since = (*since).max(now);
+        }
+        self.dial_failed(addr, why);
     }
 
     /// Sends a connection manager's message to the daemon of `host` by
@@ -943,19 +985,25 @@ impl Net {
     }
 
     fn dial(&mut self, addr: SocketAddr, expect: Option<Gid>) {
-        self.dial_checking(addr, expect, None);
+        self.dial_checking(addr, expect, None, Clock::now());
     }
 
     /// [`Net::dial`]; with `check`, the check-dial of a link from the
-    /// daemon `check` ([`Net::not_verified`]). Whether the dial started.
-    fn dial_checking(&mut self, addr: SocketAddr, expect: Option<Gid>, check: Option<u64>) -> bool {
+    /// daemon `check` ([`Net::not_verified`]). Whether the dial started
+    /// (at `now`).
+    fn dial_checking(
+        &mut self,
+        addr: SocketAddr,
+        expect: Option<Gid>,
+        check: Option<u64>,
+        now: Clock,
+    ) -> bool {
         if !self.setup.permits(addr) {
             if self.refused.len() < MAX_DIALS * 64 && self.refused.insert(addr) {
                 tracing::warn!(peer = %addr, "a QP names a host outside net.allow; not dialled");
             }
             return false;
         }
-        let now = Clock::now();
         let Some(fails) = self.may_dial(addr, now, check) else { return false };
         #[cfg(test)]
         if self.handle.is_none() && self.record_dials {
@@ -995,11 +1043,15 @@ impl Net {
         }) {
             return None;
         }
-        // That daemon's own connection to us is in its handshake: it
-        // becomes the link, or fails and is forgotten; the QPs that want
-        // the peer ask again on their next pass.
+        // That daemon's own connection to us (from its GID's address) is
+        // in its handshake: it becomes the link, or fails and is
+        // forgotten; the QPs that want the peer ask again on their next
+        // pass. (A connection from elsewhere that claims the GID holds
+        // nothing back: the link it becomes is unverified, and checked by
+        // this very dial; a claimant would otherwise keep the host's own
+        // daemon from ever being dialled.)
         self.forget_stale_incoming(now);
-        if gid_of(addr).is_some_and(|g| self.incoming.contains_key(&g)) {
+        if gid_of(addr).is_some_and(|g| self.own_incoming.contains_key(&g)) {
             return None;
         }
         let fails = match self.dialling.get(&addr) {
@@ -1310,10 +1362,14 @@ fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: Eng
             });
         }
         Err(e) => {
-            let why = e.to_string();
+            let (why, crossed) = (e.to_string(), e.refused_by_peer());
             let _ = handle.call(move |st| {
                 if let Some(n) = st.net.as_mut() {
-                    n.dial_failed(addr, &why);
+                    if crossed {
+                        n.dial_crossed(addr, &why);
+                    } else {
+                        n.dial_failed(addr, &why);
+                    }
                 }
             });
         }
@@ -2137,6 +2193,7 @@ mod tests {
         assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
         assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
         // It does not: past the handshake's limit, the unverified link.
+        let t = Clock::now();
         let (mut a, _hca, claim, _t1) = setup(t);
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
@@ -2165,7 +2222,8 @@ mod tests {
         a.dial_failed(b_addr, "refused");
         assert!(a.cm_deferred_until.contains_key(&b));
         let (second, _t2) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40001".parse().unwrap(), None);
-        assert!(!a.incoming.contains_key(&b_gid) && !a.dial_under_way(b, Clock::now()));
+        // (The claimant's link ended no record of the host's handshake.)
+        assert!(a.incoming.contains_key(&b_gid) && !a.dial_under_way(b, Clock::now()));
         a.dial_failed(SocketAddr::from((b, 5000)), "refused");
         assert!(a.cm_links.is_empty(), "the wait ended before the handshake's limit: {:?}", a.cm_links);
         assert!(a.held_cm(b) == 1 && !a.links[&claim].has_output() && !a.links[&second].has_output());
@@ -2219,6 +2277,7 @@ mod tests {
         assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
         assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.held_cm(b) == 0);
         // It does not: past the handshake's limit, the unverified link.
+        let t = Clock::now();
         let (mut a, _hca, claim, _t1) = setup(t);
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
@@ -2256,7 +2315,11 @@ mod tests {
         assert!(a.send_cm(b, None, &msg).is_err(), "held for a dial that does not start");
         assert_eq!(a.held_cm(b), 0);
         let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, from, None);
-        assert!(!a.links[&claim].has_output());
+        assert_eq!(
+            a.cm_links,
+            [CmLink::Up(b, claim, false)],
+            "nothing waits: the manager hears of it at once"
+        );
         // The host's own connection in its handshake: held for it.
         let mut hca = hca_of([10, 0, 0, 3]);
         let mut a = failed();
@@ -2340,6 +2403,165 @@ mod tests {
         assert!(a.links[&l].has_output() && a.held_cm(b) == 0);
         assert_eq!(a.cm_links, [CmLink::Up(b, l, false)]);
         assert!(a.cm_deferred.is_empty());
+    }
+
+    /// Ends `l` from its peer's side (`theirs` closed) and drives `a`
+    /// until it finds so.
+    fn end_link(a: &mut Net, hca: &mut Hca, l: LinkId, theirs: TcpStream) {
+        drop(theirs);
+        let mut rings = RingTable::default();
+        for _ in 0..200 {
+            a.drive(hca, &mut rings, crate::logs::now());
+            if !a.links.contains_key(&l) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("the link did not end");
+    }
+
+    /// Our dial to the host is under way for a held message; the host's
+    /// own connection to us and a claimant's (from elsewhere) are
+    /// admitted; the claimant's link comes (and waits), then goes. Our
+    /// dial then fails: what was held waits for the host's own handshake,
+    /// which the claimant's link did not end (session 35, second round,
+    /// review M1 (a); before, the claimant's link cleared `incoming`, and
+    /// the failed dial gave the message up at once, UNREACHABLE).
+    #[test]
+    fn a_claimants_link_that_came_and_went_leaves_the_held_messages_to_the_hosts_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t), "the host's own");
+        assert!(a.admits_from(b_gid, 7, from, t), "the claimant's");
+        let (claim, theirs) = add_link_of(&mut a, &mut hca, b_gid, 7, from, None);
+        assert!(a.cm_deferred.contains_key(&b), "the claimant's link waits for our dial");
+        end_link(&mut a, &mut hca, claim, theirs);
+        a.cm_links.clear();
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_links.is_empty(), "given up with the host's own handshake under way: {:?}", a.cm_links);
+        assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b), "not held for the handshake");
+        let (own, _t) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0, "the host's link did not take it");
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true)]);
+    }
+
+    /// Our dial to the host failed; the host's own connection to us and a
+    /// claimant's are admitted; the claimant's link comes and goes. A
+    /// message sent now, in the failed dial's pause, waits for the host's
+    /// own handshake rather than being refused (session 35, second round,
+    /// review M1 (b)).
+    #[test]
+    fn a_message_after_a_claimants_link_came_and_went_waits_for_the_hosts_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        a.dial_failed(b_addr, "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        a.cm_links.clear();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t), "the host's own");
+        assert!(a.admits_from(b_gid, 7, from, t), "the claimant's");
+        let (claim, theirs) = add_link_of(&mut a, &mut hca, b_gid, 7, from, None);
+        assert!(a.cm_deferred.contains_key(&b), "the claimant's link waits for the host's handshake");
+        end_link(&mut a, &mut hca, claim, theirs);
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None), "refused with the host's own handshake under way");
+        assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b));
+        let (own, _t) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0);
+    }
+
+    /// A daemon that claims the host's GID from elsewhere is in its
+    /// handshake (one that may never become a link): it does not hold
+    /// back our dial to the host's GID's address, which a message for the
+    /// host starts (session 35, second round, review M2; before, no dial
+    /// started, and the message was given up at the claimant's handshake's
+    /// limit without the host's daemon ever being tried).
+    #[test]
+    fn a_claimants_handshake_does_not_hold_back_the_dial_to_the_host() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 7, "192.0.2.9:40000".parse().unwrap(), t));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.dial_under_way(b, Clock::now()), "no dial to the host started");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(
+            a.cm_links.is_empty() && a.held_cm(b) == 1,
+            "given up with the dial under way: {:?}",
+            a.cm_links
+        );
+    }
+
+    /// The host's own connection to us held our dial back, and did not
+    /// become a link (it failed after admission, unreported). At its
+    /// limit, what waited for it gets the dial that was never tried,
+    /// rather than being given up on (session 35, second round, review
+    /// M2 (ii)); that dial's end tells, as any dial's.
+    #[test]
+    fn held_messages_whose_host_was_never_dialled_get_a_dial_at_the_handshakes_limit() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.dialling.is_empty() && a.cm_held_until.contains_key(&b), "held for the handshake");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(a.cm_links.is_empty(), "given up without a dial to the host: {:?}", a.cm_links);
+        assert!(a.held_cm(b) == 1 && a.dial_under_way(b, t + HANDSHAKE_LIMIT), "no dial started");
+        a.dial_failed(b_addr, "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)], "the dial's failure tells");
+    }
+
+    /// Our dial to the host was refused by it once both proved the key
+    /// (its own dial to us crossed ours: [`HandshakeError::refused_by_peer`]).
+    /// What was held, and what is sent in the pause, waits for the host's
+    /// connection, which goes by the link it becomes (session 35, second
+    /// round, review M3; before, the held message was given up and the
+    /// next refused at once, UNREACHABLE, one round trip before the
+    /// host's link came).
+    #[test]
+    fn a_dial_the_host_refused_for_its_own_leaves_messages_to_its_connection() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        a.dial_crossed(b_addr, "the peer closed the connection (Some(Normal))");
+        assert!(a.cm_links.is_empty(), "given up while the host's connection comes: {:?}", a.cm_links);
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None), "refused in the pause");
+        assert!(a.held_cm(b) == 2 && a.cm_held_until.contains_key(&b));
+        let (own, _t) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true)]);
+        // No connection comes: given up at the handshake's limit.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        a.dial_crossed(b_addr, "refused");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT + Duration::from_secs(1));
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        assert_eq!(a.held_cm(b), 0);
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
