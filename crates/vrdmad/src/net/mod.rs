@@ -126,15 +126,20 @@ pub struct Net {
     /// the next [`Net::drive`].
     failed: Vec<(LinkId, link::LinkEnd)>,
     /// Connections from other daemons admitted to the handshake and not
-    /// yet links: whose Hello named this GID, since then. No dial to such
-    /// a daemon starts meanwhile.
+    /// yet links: whose Hello named this GID, since then (or, from
+    /// [`Net::dial_crossed`], one the host said is coming). What the
+    /// connection manager sends the host by no link waits for them
+    /// ([`Net::hold_for_no_dial`], [`Net::dial_failed`]); only the host's
+    /// own (`own_incoming`) holds our dial to it back.
     incoming: HashMap<Gid, Clock>,
     /// Of `incoming`, the connections that came from the address their
     /// Hello's GID names (the host's own, whose link will count verified),
     /// since then; ended only by a verified link to that host (or by
     /// [`HANDSHAKE_LIMIT`]), not by a link that only claims the GID from
-    /// elsewhere. Unverified links to the host wait for it, as for a dial
-    /// to its GID's address ([`Net::cm_deferred`]).
+    /// elsewhere (whose coming leaves `incoming` with this entry's
+    /// start). Unverified links to the host wait for it, as for a dial
+    /// to its GID's address ([`Net::cm_deferred`]), and no dial to the
+    /// host starts meanwhile ([`Net::may_dial`]).
     own_incoming: HashMap<Gid, Clock>,
     /// Tests: with no engine handle, a dial that may start is recorded
     /// as started (and nothing is spawned).
@@ -512,7 +517,9 @@ impl Net {
     /// authentication, a timeout): the manager hears of it as of a failed
     /// dial, rather than its connections waiting out their timers and the
     /// messages going, stale, by the host's next link. A dial to the host
-    /// started since takes them over (its failure or link tells).
+    /// started since takes them over (its failure or link tells); one
+    /// never tried (the handshake held it back) is started now, and takes
+    /// them over likewise.
     /// Likewise ends the wait of deferred links whose dial lost its
     /// report ([`Dial::holds`]; a dial's end is told at once), or whose
     /// host's handshake did not become a link in time
@@ -795,11 +802,15 @@ impl Net {
     /// dial to `addr` (its GID's address) that did not start: the
     /// message is treated as the failed dial's fallback treats what it
     /// held ([`Net::dial_failed`]), so that a connect does not wait for
-    /// a dial that nothing will start, and an unverified link that comes
-    /// meanwhile does not take it ([`Net::add`]). While the host's own
-    /// connection to us is in its handshake (it holds our dial back),
+    /// a dial that nothing will start. While a connection to us whose
+    /// Hello says the host's GID is in its handshake (`incoming`; or the
+    /// host refused our last dial for its own, [`Net::dial_crossed`]),
     /// what is held waits for that, as long as a handshake may last
-    /// (`cm_held_until`); while the last dial's failure holds the next
+    /// (`cm_held_until`): if it is the host's own (from its GID's
+    /// address, `own_incoming`, which holds our dial back), an unverified
+    /// link that comes meanwhile does not take it ([`Net::add`]); else
+    /// the link it becomes (maybe unverified: NAT) does, at once. While
+    /// the last dial's failure holds the next
     /// back (its pause), the message is refused (`Err`): its connection
     /// ends at once, as that failure ended the ones that waited for it.
     /// Otherwise (too many dials under way) it waits as before.
