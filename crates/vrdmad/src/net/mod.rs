@@ -464,6 +464,8 @@ impl Net {
                     peer = %addr, error = %e
                 );
                 hca.link_down(id);
+                // What waited for this connection waits no more.
+                self.awaited_handshake_ended(gid, Clock::now());
             }
         }
         // A dial to a host's GID's address that made no verified link to
@@ -1116,6 +1118,44 @@ impl Net {
         admit
     }
 
+    /// A connection admitted at `since` ([`Net::admits_from`]) failed
+    /// before it became a link (after admission only our Auth is left to
+    /// send: a write error, the peer gone). Its records end, unless a later
+    /// connection with that GID was admitted meanwhile; what waited only
+    /// for it waits no more ([`Net::awaited_handshake_ended`]), rather
+    /// than until [`HANDSHAKE_LIMIT`] for nothing.
+    pub fn handshake_ended(&mut self, gid: Gid, since: Clock, now: Clock) {
+        if self.own_incoming.get(&gid) == Some(&since) {
+            self.own_incoming.remove(&gid);
+        }
+        if self.incoming.get(&gid) == Some(&since) {
+            self.incoming.remove(&gid);
+        }
+        self.awaited_handshake_ended(gid, now);
+    }
+
+    /// A connection with `gid` in its handshake did not become a link:
+    /// unless the host's own connection is still awaited (`own_incoming`),
+    /// its deferred links wait no longer for one (`cm_deferred_until`);
+    /// unless any is (`incoming`), what is held for the host waits no
+    /// longer for one (`cm_held_until`): both as at their limit
+    /// ([`Net::expire_held_cm`], which dials a host never dialled).
+    fn awaited_handshake_ended(&mut self, gid: Gid, now: Clock) {
+        let Some(ip) = gid.ipv4().map(std::net::Ipv4Addr::from) else { return };
+        self.forget_stale_incoming(now);
+        if !self.own_incoming.contains_key(&gid) {
+            if let Some(t) = self.cm_deferred_until.get_mut(&ip) {
+                *t = (*t).min(now);
+            }
+        }
+        if !self.incoming.contains_key(&gid) {
+            if let Some(t) = self.cm_held_until.get_mut(&ip) {
+                *t = (*t).min(now);
+            }
+        }
+        self.expire_held_cm(now);
+    }
+
     /// Tests: [`Net::admits_from`] the GID's own address.
     #[cfg(test)]
     pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
@@ -1536,16 +1576,32 @@ fn accept_loop(
         let (setup, handle, hs_log) = (setup.clone(), handle.clone(), log.clone());
         let spawned = std::thread::Builder::new().name("vrdma-handshake".into()).spawn(move || {
             let _slot = slot;
+            // (The GID and time it was admitted with, for its failure.)
+            let admitted = std::cell::Cell::new(None);
             let admit = |h: &vrdma_core::wire::HelloRepr| {
                 let (gid, id) = (h.gid, h.daemon_id);
                 // An engine that is gone admits; the link then goes nowhere.
-                handle
+                let (admit, since) = handle
                     .call(move |st| {
-                        st.net.as_mut().is_none_or(|n| n.admits_from(gid, id, addr, Clock::now()))
+                        let now = Clock::now();
+                        (st.net.as_mut().is_none_or(|n| n.admits_from(gid, id, addr, now)), now)
                     })
-                    .unwrap_or(true)
+                    .unwrap_or((true, Clock::now()));
+                if admit {
+                    admitted.set(Some((gid, since)));
+                }
+                admit
             };
-            match handshake_admitting(&mut s, &setup.identity, HANDSHAKE_LIMIT, admit) {
+            let r = handshake_admitting(&mut s, &setup.identity, HANDSHAKE_LIMIT, admit);
+            if let (Err(_), Some((gid, since))) = (&r, admitted.get()) {
+                // Failed after admission: what waits for it waits no more.
+                let _ = handle.call(move |st| {
+                    if let Some(n) = st.net.as_mut() {
+                        n.handshake_ended(gid, since, Clock::now());
+                    }
+                });
+            }
+            match r {
                 Ok(p) => {
                     let _ = handle.call(move |st| {
                         let crate::engine::EngineState { hca, net, .. } = st;
@@ -2573,6 +2629,55 @@ mod tests {
         a.expire_held_cm(t + HANDSHAKE_LIMIT + Duration::from_secs(1));
         assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
         assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// The host's own connection to us, admitted, fails before it becomes
+    /// a link (told by [`Net::handshake_ended`]): what waited for it waits
+    /// no more, rather than until the handshake's limit: the held message
+    /// gets the dial it held back, and deferred links are told, taking
+    /// what was held. A later connection from the host, admitted
+    /// meanwhile, is still waited for (session 35, second round, review L1).
+    #[test]
+    fn a_hosts_handshake_that_fails_after_admission_ends_the_wait_for_it_at_once() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let own: SocketAddr = "10.0.0.2:40001".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        // Held, with our dial held back by the handshake: dialled now.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.dialling.is_empty() && a.cm_held_until.contains_key(&b));
+        a.handshake_ended(b_gid, t, t);
+        assert!(a.own_incoming.is_empty() && a.incoming.is_empty());
+        assert!(a.dial_under_way(b, t), "the dial the handshake held back did not start");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1);
+        // A claimant's link deferred for it: told, and takes what was held.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, "192.0.2.9:40000".parse().unwrap(), None);
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_deferred_until.contains_key(&b) && a.cm_links.is_empty());
+        a.handshake_ended(b_gid, t, Clock::now());
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)], "the deferred link waits on");
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        // A later connection from the host admitted meanwhile: waited for.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        a.send_cm(b, None, &msg).unwrap();
+        let later = t + Duration::from_millis(1);
+        assert!(a.admits_from(b_gid, 9, own, later));
+        a.handshake_ended(b_gid, t, later);
+        assert!(a.own_incoming.contains_key(&b_gid) && a.cm_held_until.contains_key(&b));
+        assert!(a.dialling.is_empty() && a.cm_links.is_empty() && a.held_cm(b) == 1);
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
