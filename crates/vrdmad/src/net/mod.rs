@@ -521,16 +521,25 @@ impl Net {
     /// messages going, stale, by the host's next link. A dial to the host
     /// started since takes them over (its failure or link tells); one
     /// never tried (the handshake held it back) is started now, and takes
-    /// them over likewise.
+    /// them over likewise; a later connection with the host's GID,
+    /// admitted since, is waited for in turn (for deferred links, a later
+    /// one of the host's own).
     /// Likewise ends the wait of deferred links whose dial lost its
     /// report ([`Dial::holds`]; a dial's end is told at once), or whose
     /// host's handshake did not become a link in time
     /// (`cm_deferred_until`).
     pub fn expire_held_cm(&mut self, now: Clock) {
+        self.forget_stale_incoming(now);
         if !self.cm_deferred.is_empty() {
             let ended: Vec<_> =
                 self.cm_deferred.keys().copied().filter(|&ip| !self.awaits_own_link(ip, now)).collect();
             for ip in ended {
+                // A later connection of the host's own, admitted since,
+                // is waited for in turn.
+                if let Some(&since) = self.own_incoming.get(&Gid::from_ipv4(ip.octets())) {
+                    self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    continue;
+                }
                 tracing::debug!(host = %ip, "the dial or handshake that unverified links waited for ended unreported");
                 self.release_deferred(ip);
             }
@@ -541,6 +550,14 @@ impl Net {
         let due: Vec<_> = self.cm_held_until.iter().filter(|(_, &t)| now >= t).map(|(&ip, _)| ip).collect();
         for ip in due {
             self.cm_held_until.remove(&ip);
+            // A later connection with the host's GID, admitted since, is
+            // waited for in turn.
+            if let Some(&since) = self.incoming.get(&Gid::from_ipv4(ip.octets())) {
+                if self.cm_pending.contains_key(&ip) {
+                    self.cm_held_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    continue;
+                }
+            }
             // No dial to the host was tried (a handshake from it held ours
             // back, and did not become a link): one is, now; its end
             // tells, as for any dial.
@@ -2678,6 +2695,53 @@ mod tests {
         a.handshake_ended(b_gid, t, later);
         assert!(a.own_incoming.contains_key(&b_gid) && a.cm_held_until.contains_key(&b));
         assert!(a.dialling.is_empty() && a.cm_links.is_empty() && a.held_cm(b) == 1);
+    }
+
+    /// A second connection of the host's own is admitted while held
+    /// messages and a deferred link wait for the first: at the first's
+    /// limit both wait on for the second, rather than the messages being
+    /// given up (or dialled for) and the link told while the host's own
+    /// link may still come (session 35, second round, review L4).
+    #[test]
+    fn a_later_connection_of_the_hosts_own_is_waited_for_in_turn() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let own: SocketAddr = "10.0.0.2:40001".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, "192.0.2.9:40000".parse().unwrap(), None);
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_deferred_until.contains_key(&b) && a.held_cm(b) == 1 && a.cm_links.is_empty());
+        let later = t + Duration::from_secs(1);
+        assert!(a.admits_from(b_gid, 9, own, later), "the host's second connection");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(
+            a.cm_links.is_empty(),
+            "the wait ended with the host's connection under way: {:?}",
+            a.cm_links
+        );
+        assert!(a.held_cm(b) == 1 && !a.links[&claim].has_output());
+        assert_eq!(a.cm_deferred_until.get(&b), Some(&(later + HANDSHAKE_LIMIT)));
+        a.expire_held_cm(later + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        // Held with no deferred link: likewise, then the dial never tried.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        a.send_cm(b, None, &msg).unwrap();
+        let later = t + Duration::from_secs(1);
+        assert!(a.admits_from(b_gid, 9, own, later));
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1 && a.dialling.is_empty(), "{:?}", a.cm_links);
+        a.expire_held_cm(later + HANDSHAKE_LIMIT);
+        assert!(a.dial_under_way(b, later + HANDSHAKE_LIMIT) && a.held_cm(b) == 1);
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
