@@ -1175,7 +1175,7 @@ impl Net {
 
     /// Tests: [`Net::admits_from`] the GID's own address.
     #[cfg(test)]
-    pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+    pub fn admits_own(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
         let from = gid.ipv4().map_or(SocketAddr::from(([0; 4], 0)), |ip| SocketAddr::from((ip, 40000)));
         self.admits_from(gid, daemon_id, from, now)
     }
@@ -1897,17 +1897,20 @@ mod tests {
         let (b_gid, b_listen): (Gid, SocketAddr) =
             (Gid::from_ipv4([10, 0, 0, 2]), "10.0.0.2:4791".parse().unwrap());
         let mut a = net_of([10, 0, 0, 1]);
-        assert!(a.admits(b_gid, 9, now), "no dial under way: admitted");
+        assert!(a.admits_own(b_gid, 9, now), "no dial under way: admitted");
         a.dialling.insert(b_listen, Dial::Started(now, 0));
-        assert!(!a.admits(b_gid, 9, now), "its own dial to b is under way");
-        assert!(a.admits(Gid::from_ipv4([10, 0, 0, 3]), 9, now), "another daemon");
-        assert!(a.admits(b_gid, 9, now + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2), "a dial that lost its report");
+        assert!(!a.admits_own(b_gid, 9, now), "its own dial to b is under way");
+        assert!(a.admits_own(Gid::from_ipv4([10, 0, 0, 3]), 9, now), "another daemon");
+        assert!(
+            a.admits_own(b_gid, 9, now + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2),
+            "a dial that lost its report"
+        );
         a.dialling.insert(b_listen, Dial::RetryAt(now + REDIAL_AFTER, 1));
-        assert!(a.admits(b_gid, 9, now), "a failed dial holds nothing back");
+        assert!(a.admits_own(b_gid, 9, now), "a failed dial holds nothing back");
         // The daemon with the larger GID takes the connection whatever it dials.
         let mut c = net_of([10, 0, 0, 3]);
         c.dialling.insert(b_listen, Dial::Started(now, 0));
-        assert!(c.admits(b_gid, 9, now));
+        assert!(c.admits_own(b_gid, 9, now));
     }
 
     /// A link on `net` to the daemon with `gid` and `daemon_id`, over a
@@ -1927,19 +1930,19 @@ mod tests {
         // A link that b dialled (accepted here): b dialling again means that
         // b lost it. Admitted.
         let _b1 = link_to(&mut a, 1, b_gid, 9, false);
-        assert!(a.admits(b_gid, 9, now));
+        assert!(a.admits_own(b_gid, 9, now));
         // A link that a dialled to b's daemon 9: a second one from 9 is the
         // other half of a simultaneous dial; one from b restarted (daemon
         // 10) is not.
         let _b2 = link_to(&mut a, 2, b_gid, 9, true);
-        assert!(a.admits(b_gid, 9, now), "a's link did not leave from its GID's address: b checks it");
+        assert!(a.admits_own(b_gid, 9, now), "a's link did not leave from its GID's address: b checks it");
         a.links.get_mut(&LinkId(2)).unwrap().from_our_gid = true;
-        assert!(!a.admits(b_gid, 9, now), "the other half of a simultaneous dial");
-        assert!(a.admits(b_gid, 10, now), "b restarted");
+        assert!(!a.admits_own(b_gid, 9, now), "the other half of a simultaneous dial");
+        assert!(a.admits_own(b_gid, 10, now), "b restarted");
         // The larger GID never refuses.
         let mut c = net_of([10, 0, 0, 3]);
         let _b3 = link_to(&mut c, 1, b_gid, 9, true);
-        assert!(c.admits(b_gid, 9, now));
+        assert!(c.admits_own(b_gid, 9, now));
     }
 
     /// A connection manager's message goes by the link its connection
@@ -1978,7 +1981,7 @@ mod tests {
         let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
         let mut a = net_of([10, 0, 0, 3]);
         a.send_cm(b, None, &msg).unwrap();
-        assert!(a.admits(b_gid, 9, Clock::now()), "the larger GID admits b's connection");
+        assert!(a.admits_own(b_gid, 9, Clock::now()), "the larger GID admits b's connection");
         a.dial_failed(b_addr, "refused");
         assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
         assert_eq!(a.cm_pending.get(&b).map(Vec::len), Some(1), "held for the incoming link");
@@ -2004,7 +2007,7 @@ mod tests {
         let mut a = net_of([10, 0, 0, 3]);
         a.send_cm(b, None, &msg).unwrap();
         let t = Clock::now();
-        assert!(a.admits(b_gid, 9, t));
+        assert!(a.admits_own(b_gid, 9, t));
         a.dial_failed(b_addr, "refused");
         a.expire_held_cm(t);
         assert!(a.cm_links.is_empty() && a.cm_pending.contains_key(&b), "still within the handshake");
@@ -2257,7 +2260,7 @@ mod tests {
             a.record_dials = true;
             a.send_cm(b, None, &msg).unwrap();
             let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
-            assert!(a.admits(b_gid, 9, t));
+            assert!(a.admits_own(b_gid, 9, t));
             a.dial_failed(b_addr, "refused");
             assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
             assert!(!a.links[&claim].has_output() && a.held_cm(b) == 1);
@@ -2302,7 +2305,7 @@ mod tests {
         a.send_cm(b, None, &msg).unwrap();
         let t = Clock::now();
         let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
-        assert!(a.admits(b_gid, 9, t));
+        assert!(a.admits_own(b_gid, 9, t));
         a.dial_failed(b_addr, "refused");
         assert!(a.cm_deferred_until.contains_key(&b));
         let (second, _t2) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40001".parse().unwrap(), None);
@@ -2336,7 +2339,7 @@ mod tests {
             let mut a = net_of([10, 0, 0, 3]);
             a.record_dials = true;
             a.send_cm(b, None, &msg).unwrap();
-            assert!(a.admits(b_gid, 9, t));
+            assert!(a.admits_own(b_gid, 9, t));
             a.dial_failed(b_addr, "refused");
             assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
             let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
@@ -2407,7 +2410,7 @@ mod tests {
         // The host's own connection in its handshake: held for it.
         let mut hca = hca_of([10, 0, 0, 3]);
         let mut a = failed();
-        assert!(a.admits(b_gid, 9, Clock::now()));
+        assert!(a.admits_own(b_gid, 9, Clock::now()));
         assert_eq!(a.send_cm(b, None, &msg), Ok(None));
         assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b));
         let (claim, _t2) = add_link(&mut a, &mut hca, b_gid, from, None);
@@ -2420,7 +2423,7 @@ mod tests {
         // the handshake's limit as after a failed dial.
         let mut a = failed();
         let t = Clock::now();
-        assert!(a.admits(b_gid, 9, t));
+        assert!(a.admits_own(b_gid, 9, t));
         a.send_cm(b, None, &msg).unwrap();
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
