@@ -1135,18 +1135,22 @@ impl Net {
         admit
     }
 
-    /// A connection admitted at `since` ([`Net::admits_from`]) failed
-    /// before it became a link (after admission only our Auth is left to
-    /// send: a write error, the peer gone). Its records end, unless a later
-    /// connection with that GID was admitted meanwhile; what waited only
-    /// for it waits no more ([`Net::awaited_handshake_ended`]), rather
-    /// than until [`HANDSHAKE_LIMIT`] for nothing.
-    pub fn handshake_ended(&mut self, gid: Gid, since: Clock, now: Clock) {
-        if self.own_incoming.get(&gid) == Some(&since) {
+    /// A connection from `from` admitted at `since` ([`Net::admits_from`])
+    /// failed before it became a link (after admission only our Auth is
+    /// left to send: a write error, the peer gone). Its records end,
+    /// unless a later connection with that GID was admitted meanwhile (and
+    /// a claimant's ends not the host's own, as in [`Net::add`]); what
+    /// waited only for it waits no more ([`Net::awaited_handshake_ended`]),
+    /// rather than until [`HANDSHAKE_LIMIT`] for nothing.
+    pub fn handshake_ended(&mut self, gid: Gid, from: SocketAddr, since: Clock, now: Clock) {
+        if gid_of(from) == Some(gid) && self.own_incoming.get(&gid) == Some(&since) {
             self.own_incoming.remove(&gid);
         }
         if self.incoming.get(&gid) == Some(&since) {
             self.incoming.remove(&gid);
+            if let Some(&own) = self.own_incoming.get(&gid) {
+                self.incoming.insert(gid, own);
+            }
         }
         self.awaited_handshake_ended(gid, now);
     }
@@ -1614,7 +1618,7 @@ fn accept_loop(
                 // Failed after admission: what waits for it waits no more.
                 let _ = handle.call(move |st| {
                     if let Some(n) = st.net.as_mut() {
-                        n.handshake_ended(gid, since, Clock::now());
+                        n.handshake_ended(gid, addr, since, Clock::now());
                     }
                 });
             }
@@ -2670,7 +2674,7 @@ mod tests {
         assert!(a.admits_from(b_gid, 9, own, t));
         a.send_cm(b, None, &msg).unwrap();
         assert!(a.dialling.is_empty() && a.cm_held_until.contains_key(&b));
-        a.handshake_ended(b_gid, t, t);
+        a.handshake_ended(b_gid, own, t, t);
         assert!(a.own_incoming.is_empty() && a.incoming.is_empty());
         assert!(a.dial_under_way(b, t), "the dial the handshake held back did not start");
         assert!(a.cm_links.is_empty() && a.held_cm(b) == 1);
@@ -2684,7 +2688,7 @@ mod tests {
         let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, "192.0.2.9:40000".parse().unwrap(), None);
         a.dial_failed(b_addr, "refused");
         assert!(a.cm_deferred_until.contains_key(&b) && a.cm_links.is_empty());
-        a.handshake_ended(b_gid, t, Clock::now());
+        a.handshake_ended(b_gid, own, t, Clock::now());
         assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)], "the deferred link waits on");
         assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
         // A later connection from the host admitted meanwhile: waited for.
@@ -2695,9 +2699,24 @@ mod tests {
         a.send_cm(b, None, &msg).unwrap();
         let later = t + Duration::from_millis(1);
         assert!(a.admits_from(b_gid, 9, own, later));
-        a.handshake_ended(b_gid, t, later);
+        a.handshake_ended(b_gid, own, t, later);
         assert!(a.own_incoming.contains_key(&b_gid) && a.cm_held_until.contains_key(&b));
         assert!(a.dialling.is_empty() && a.cm_links.is_empty() && a.held_cm(b) == 1);
+        // A claimant's connection admitted with the host's own fails:
+        // the host's is still waited for.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        assert!(a.admits_from(b_gid, 7, from, t));
+        a.handshake_ended(b_gid, from, t, t);
+        assert!(a.own_incoming.contains_key(&b_gid) && a.incoming.contains_key(&b_gid));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(
+            a.dialling.is_empty() && a.cm_held_until.contains_key(&b),
+            "not held for the host's handshake"
+        );
     }
 
     /// A second connection of the host's own is admitted while held
