@@ -73,6 +73,16 @@ pub enum HandshakeError {
     NotThePeer { expected: Gid, said: Gid },
 }
 
+impl HandshakeError {
+    /// Whether the acceptor refused our dial once both had proved the key
+    /// (its `admit` said no: it dials us, or has dialled us, itself; it
+    /// closes with reason `Normal` then, and at no other point of the
+    /// handshake): its own connection to us is coming, or there.
+    pub fn refused_by_peer(&self) -> bool {
+        matches!(self, HandshakeError::Closed(Some(CloseReason::Normal)))
+    }
+}
+
 fn frame_name(f: &FrameRepr) -> &'static str {
     match f {
         FrameRepr::Hello(_) => "Hello",
@@ -331,6 +341,7 @@ mod tests {
         assert_eq!(asked, Some(Gid::from_ipv4([10, 0, 0, 1])), "admit sees the peer's Hello");
         assert!(matches!(b, Err(HandshakeError::Refused)), "{b:?}");
         assert!(matches!(a, Err(HandshakeError::Closed(Some(CloseReason::Normal)))), "{a:?}");
+        assert!(a.is_err_and(|e| e.refused_by_peer()), "the dialler reads it as a refusal");
     }
 
     /// An acceptor (daemon 2) on a port of its own that runs `n`

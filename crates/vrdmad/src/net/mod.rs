@@ -126,15 +126,20 @@ pub struct Net {
     /// the next [`Net::drive`].
     failed: Vec<(LinkId, link::LinkEnd)>,
     /// Connections from other daemons admitted to the handshake and not
-    /// yet links: whose Hello named this GID, since then. No dial to such
-    /// a daemon starts meanwhile.
+    /// yet links: whose Hello named this GID, since then (or, from
+    /// [`Net::dial_crossed`], one the host said is coming). What the
+    /// connection manager sends the host by no link waits for them
+    /// ([`Net::hold_for_no_dial`], [`Net::dial_failed`]); only the host's
+    /// own (`own_incoming`) holds our dial to it back.
     incoming: HashMap<Gid, Clock>,
     /// Of `incoming`, the connections that came from the address their
     /// Hello's GID names (the host's own, whose link will count verified),
     /// since then; ended only by a verified link to that host (or by
     /// [`HANDSHAKE_LIMIT`]), not by a link that only claims the GID from
-    /// elsewhere. Unverified links to the host wait for it, as for a dial
-    /// to its GID's address ([`Net::cm_deferred`]).
+    /// elsewhere (whose coming leaves `incoming` with this entry's
+    /// start). Unverified links to the host wait for it, as for a dial
+    /// to its GID's address ([`Net::cm_deferred`]), and no dial to the
+    /// host starts meanwhile ([`Net::may_dial`]).
     own_incoming: HashMap<Gid, Clock>,
     /// Tests: with no engine handle, a dial that may start is recorded
     /// as started (and nothing is spawned).
@@ -341,6 +346,11 @@ impl Net {
         let verified = gid_of(dialled.unwrap_or(addr)) == Some(gid);
         if verified {
             self.own_incoming.remove(&gid);
+        } else if let Some(&since) = self.own_incoming.get(&gid) {
+            // A link that only claims the GID ended its own handshake, not
+            // the host's: that one is still awaited (a dial to the host
+            // waits for it, and so does what is held for the host).
+            self.incoming.insert(gid, since);
         }
         let info = LinkInfo { gid, lid: peer.hello.lid, chunk: peer.chunk, verified };
         let id = hca.link_up(info);
@@ -454,6 +464,8 @@ impl Net {
                     peer = %addr, error = %e
                 );
                 hca.link_down(id);
+                // What waited for this connection waits no more.
+                self.awaited_handshake_ended(gid, Clock::now());
             }
         }
         // A dial to a host's GID's address that made no verified link to
@@ -493,8 +505,12 @@ impl Net {
         // handshake with that address under way, too many dials) is asked
         // for again on the next keepalive pass ([`Net::check_unverified`]).
         if let Some(ip) = l.gid.ipv4() {
-            l.checked =
-                self.dial_checking(SocketAddr::from((ip, self.setup.port)), Some(l.gid), Some(l.daemon_id));
+            l.checked = self.dial_checking(
+                SocketAddr::from((ip, self.setup.port)),
+                Some(l.gid),
+                Some(l.daemon_id),
+                Clock::now(),
+            );
         }
     }
 
@@ -503,16 +519,27 @@ impl Net {
     /// authentication, a timeout): the manager hears of it as of a failed
     /// dial, rather than its connections waiting out their timers and the
     /// messages going, stale, by the host's next link. A dial to the host
-    /// started since takes them over (its failure or link tells).
+    /// started since takes them over (its failure or link tells); one
+    /// never tried (the handshake held it back) is started now, and takes
+    /// them over likewise; a later connection with the host's GID,
+    /// admitted since, is waited for in turn (for deferred links, a later
+    /// one of the host's own).
     /// Likewise ends the wait of deferred links whose dial lost its
     /// report ([`Dial::holds`]; a dial's end is told at once), or whose
     /// host's handshake did not become a link in time
     /// (`cm_deferred_until`).
     pub fn expire_held_cm(&mut self, now: Clock) {
+        self.forget_stale_incoming(now);
         if !self.cm_deferred.is_empty() {
             let ended: Vec<_> =
                 self.cm_deferred.keys().copied().filter(|&ip| !self.awaits_own_link(ip, now)).collect();
             for ip in ended {
+                // A later connection of the host's own, admitted since,
+                // is waited for in turn.
+                if let Some(&since) = self.own_incoming.get(&Gid::from_ipv4(ip.octets())) {
+                    self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    continue;
+                }
                 tracing::debug!(host = %ip, "the dial or handshake that unverified links waited for ended unreported");
                 self.release_deferred(ip);
             }
@@ -523,6 +550,21 @@ impl Net {
         let due: Vec<_> = self.cm_held_until.iter().filter(|(_, &t)| now >= t).map(|(&ip, _)| ip).collect();
         for ip in due {
             self.cm_held_until.remove(&ip);
+            // A later connection with the host's GID, admitted since, is
+            // waited for in turn.
+            if let Some(&since) = self.incoming.get(&Gid::from_ipv4(ip.octets())) {
+                if self.cm_pending.contains_key(&ip) {
+                    self.cm_held_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    continue;
+                }
+            }
+            // No dial to the host was tried (a handshake from it held ours
+            // back, and did not become a link): one is, now; its end
+            // tells, as for any dial.
+            let addr = SocketAddr::from((ip, self.setup.port));
+            if self.cm_pending.contains_key(&ip) && !self.dialling.contains_key(&addr) {
+                self.dial_checking(addr, Some(Gid::from_ipv4(ip.octets())), None, now);
+            }
             if self.dial_under_way(ip, now) {
                 continue;
             }
@@ -635,8 +677,12 @@ impl Net {
             .filter_map(|(&id, l)| Some((id, l.gid, l.gid.ipv4()?, l.daemon_id)))
             .collect();
         for (id, gid, ip, daemon_id) in unchecked {
-            let started =
-                self.dial_checking(SocketAddr::from((ip, self.setup.port)), Some(gid), Some(daemon_id));
+            let started = self.dial_checking(
+                SocketAddr::from((ip, self.setup.port)),
+                Some(gid),
+                Some(daemon_id),
+                Clock::now(),
+            );
             if let Some(l) = self.links.get_mut(&id) {
                 l.checked |= started;
             }
@@ -687,11 +733,16 @@ impl Net {
                         l.queue_cm(m);
                     }
                     tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
-                } else if let Some(&since) = self.incoming.get(&gid) {
+                } else if let Some(until) = self.incoming.get(&gid).map(|&since| since + HANDSHAKE_LIMIT) {
                     // Its connection to us is in its handshake: they go by
                     // the link it becomes ([`Net::add`]), or are given up
                     // on once that handshake can no longer succeed.
-                    self.cm_held_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    self.cm_held_until.insert(ip, until);
+                    self.cm_pending.insert(ip, held);
+                } else if self.cm_held_until.get(&ip).is_some_and(|&t| Clock::now() < t) {
+                    // They wait already, for a handshake whose deferred
+                    // links went down meanwhile: this dial's failure does
+                    // not cut that wait short.
                     self.cm_pending.insert(ip, held);
                 } else {
                     self.cm_links.push(CmLink::Down(ip, None));
@@ -701,6 +752,23 @@ impl Net {
                 self.sock_down.push((ip, None));
             }
         }
+    }
+
+    /// A dial the peer refused once both had proved the key: its own dial
+    /// to us is under way, or it has a link it dialled to us
+    /// ([`Net::admits_from`], on its side; [`HandshakeError::refused_by_peer`]).
+    /// Its connection is coming, from its GID's address or another
+    /// (NAT): what is held for the host, and what is sent to it in the
+    /// failed dial's pause, waits for it as for an admitted connection
+    /// whose Hello says the host's GID (`incoming`, from now), rather than
+    /// being given up on; the dial counts failed all the same.
+    pub fn dial_crossed(&mut self, addr: SocketAddr, why: &str) {
+        if let std::net::IpAddr::V4(ip) = addr.ip() {
+            let now = Clock::now();
+            let since = self.incoming.entry(Gid::from_ipv4(ip.octets())).or_insert(now);
+            *since = (*since).max(now);
+        }
+        self.dial_failed(addr, why);
     }
 
     /// Sends a connection manager's message to the daemon of `host` by
@@ -753,11 +821,15 @@ impl Net {
     /// dial to `addr` (its GID's address) that did not start: the
     /// message is treated as the failed dial's fallback treats what it
     /// held ([`Net::dial_failed`]), so that a connect does not wait for
-    /// a dial that nothing will start, and an unverified link that comes
-    /// meanwhile does not take it ([`Net::add`]). While the host's own
-    /// connection to us is in its handshake (it holds our dial back),
+    /// a dial that nothing will start. While a connection to us whose
+    /// Hello says the host's GID is in its handshake (`incoming`; or the
+    /// host refused our last dial for its own, [`Net::dial_crossed`]),
     /// what is held waits for that, as long as a handshake may last
-    /// (`cm_held_until`); while the last dial's failure holds the next
+    /// (`cm_held_until`): if it is the host's own (from its GID's
+    /// address, `own_incoming`, which holds our dial back), an unverified
+    /// link that comes meanwhile does not take it ([`Net::add`]); else
+    /// the link it becomes (maybe unverified: NAT) does, at once. While
+    /// the last dial's failure holds the next
     /// back (its pause), the message is refused (`Err`): its connection
     /// ends at once, as that failure ended the ones that waited for it.
     /// Otherwise (too many dials under way) it waits as before.
@@ -943,19 +1015,25 @@ impl Net {
     }
 
     fn dial(&mut self, addr: SocketAddr, expect: Option<Gid>) {
-        self.dial_checking(addr, expect, None);
+        self.dial_checking(addr, expect, None, Clock::now());
     }
 
     /// [`Net::dial`]; with `check`, the check-dial of a link from the
-    /// daemon `check` ([`Net::not_verified`]). Whether the dial started.
-    fn dial_checking(&mut self, addr: SocketAddr, expect: Option<Gid>, check: Option<u64>) -> bool {
+    /// daemon `check` ([`Net::not_verified`]). Whether the dial started
+    /// (at `now`).
+    fn dial_checking(
+        &mut self,
+        addr: SocketAddr,
+        expect: Option<Gid>,
+        check: Option<u64>,
+        now: Clock,
+    ) -> bool {
         if !self.setup.permits(addr) {
             if self.refused.len() < MAX_DIALS * 64 && self.refused.insert(addr) {
                 tracing::warn!(peer = %addr, "a QP names a host outside net.allow; not dialled");
             }
             return false;
         }
-        let now = Clock::now();
         let Some(fails) = self.may_dial(addr, now, check) else { return false };
         #[cfg(test)]
         if self.handle.is_none() && self.record_dials {
@@ -995,11 +1073,15 @@ impl Net {
         }) {
             return None;
         }
-        // That daemon's own connection to us is in its handshake: it
-        // becomes the link, or fails and is forgotten; the QPs that want
-        // the peer ask again on their next pass.
+        // That daemon's own connection to us (from its GID's address) is
+        // in its handshake: it becomes the link, or fails and is
+        // forgotten; the QPs that want the peer ask again on their next
+        // pass. (A connection from elsewhere that claims the GID holds
+        // nothing back: the link it becomes is unverified, and checked by
+        // this very dial; a claimant would otherwise keep the host's own
+        // daemon from ever being dialled.)
         self.forget_stale_incoming(now);
-        if gid_of(addr).is_some_and(|g| self.incoming.contains_key(&g)) {
+        if gid_of(addr).is_some_and(|g| self.own_incoming.contains_key(&g)) {
             return None;
         }
         let fails = match self.dialling.get(&addr) {
@@ -1053,9 +1135,51 @@ impl Net {
         admit
     }
 
+    /// A connection from `from` admitted at `since` ([`Net::admits_from`])
+    /// failed before it became a link (after admission only our Auth is
+    /// left to send: a write error, the peer gone). Its records end,
+    /// unless a later connection with that GID was admitted meanwhile (and
+    /// a claimant's ends not the host's own, as in [`Net::add`]); what
+    /// waited only for it waits no more ([`Net::awaited_handshake_ended`]),
+    /// rather than until [`HANDSHAKE_LIMIT`] for nothing.
+    pub fn handshake_ended(&mut self, gid: Gid, from: SocketAddr, since: Clock, now: Clock) {
+        if gid_of(from) == Some(gid) && self.own_incoming.get(&gid) == Some(&since) {
+            self.own_incoming.remove(&gid);
+        }
+        if self.incoming.get(&gid) == Some(&since) {
+            self.incoming.remove(&gid);
+            if let Some(&own) = self.own_incoming.get(&gid) {
+                self.incoming.insert(gid, own);
+            }
+        }
+        self.awaited_handshake_ended(gid, now);
+    }
+
+    /// A connection with `gid` in its handshake did not become a link:
+    /// unless the host's own connection is still awaited (`own_incoming`),
+    /// its deferred links wait no longer for one (`cm_deferred_until`);
+    /// unless any is (`incoming`), what is held for the host waits no
+    /// longer for one (`cm_held_until`): both as at their limit
+    /// ([`Net::expire_held_cm`], which dials a host never dialled).
+    fn awaited_handshake_ended(&mut self, gid: Gid, now: Clock) {
+        let Some(ip) = gid.ipv4().map(std::net::Ipv4Addr::from) else { return };
+        self.forget_stale_incoming(now);
+        if !self.own_incoming.contains_key(&gid) {
+            if let Some(t) = self.cm_deferred_until.get_mut(&ip) {
+                *t = (*t).min(now);
+            }
+        }
+        if !self.incoming.contains_key(&gid) {
+            if let Some(t) = self.cm_held_until.get_mut(&ip) {
+                *t = (*t).min(now);
+            }
+        }
+        self.expire_held_cm(now);
+    }
+
     /// Tests: [`Net::admits_from`] the GID's own address.
     #[cfg(test)]
-    pub fn admits(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
+    pub fn admits_own(&mut self, gid: Gid, daemon_id: u64, now: Clock) -> bool {
         let from = gid.ipv4().map_or(SocketAddr::from(([0; 4], 0)), |ip| SocketAddr::from((ip, 40000)));
         self.admits_from(gid, daemon_id, from, now)
     }
@@ -1310,10 +1434,14 @@ fn dial(addr: SocketAddr, expect: Option<Gid>, setup: Arc<NetSetup>, handle: Eng
             });
         }
         Err(e) => {
-            let why = e.to_string();
+            let (why, crossed) = (e.to_string(), e.refused_by_peer());
             let _ = handle.call(move |st| {
                 if let Some(n) = st.net.as_mut() {
-                    n.dial_failed(addr, &why);
+                    if crossed {
+                        n.dial_crossed(addr, &why);
+                    } else {
+                        n.dial_failed(addr, &why);
+                    }
                 }
             });
         }
@@ -1469,16 +1597,32 @@ fn accept_loop(
         let (setup, handle, hs_log) = (setup.clone(), handle.clone(), log.clone());
         let spawned = std::thread::Builder::new().name("vrdma-handshake".into()).spawn(move || {
             let _slot = slot;
+            // (The GID and time it was admitted with, for its failure.)
+            let admitted = std::cell::Cell::new(None);
             let admit = |h: &vrdma_core::wire::HelloRepr| {
                 let (gid, id) = (h.gid, h.daemon_id);
                 // An engine that is gone admits; the link then goes nowhere.
-                handle
+                let (admit, since) = handle
                     .call(move |st| {
-                        st.net.as_mut().is_none_or(|n| n.admits_from(gid, id, addr, Clock::now()))
+                        let now = Clock::now();
+                        (st.net.as_mut().is_none_or(|n| n.admits_from(gid, id, addr, now)), now)
                     })
-                    .unwrap_or(true)
+                    .unwrap_or((true, Clock::now()));
+                if admit {
+                    admitted.set(Some((gid, since)));
+                }
+                admit
             };
-            match handshake_admitting(&mut s, &setup.identity, HANDSHAKE_LIMIT, admit) {
+            let r = handshake_admitting(&mut s, &setup.identity, HANDSHAKE_LIMIT, admit);
+            if let (Err(_), Some((gid, since))) = (&r, admitted.get()) {
+                // Failed after admission: what waits for it waits no more.
+                let _ = handle.call(move |st| {
+                    if let Some(n) = st.net.as_mut() {
+                        n.handshake_ended(gid, addr, since, Clock::now());
+                    }
+                });
+            }
+            match r {
                 Ok(p) => {
                     let _ = handle.call(move |st| {
                         let crate::engine::EngineState { hca, net, .. } = st;
@@ -1757,17 +1901,20 @@ mod tests {
         let (b_gid, b_listen): (Gid, SocketAddr) =
             (Gid::from_ipv4([10, 0, 0, 2]), "10.0.0.2:4791".parse().unwrap());
         let mut a = net_of([10, 0, 0, 1]);
-        assert!(a.admits(b_gid, 9, now), "no dial under way: admitted");
+        assert!(a.admits_own(b_gid, 9, now), "no dial under way: admitted");
         a.dialling.insert(b_listen, Dial::Started(now, 0));
-        assert!(!a.admits(b_gid, 9, now), "its own dial to b is under way");
-        assert!(a.admits(Gid::from_ipv4([10, 0, 0, 3]), 9, now), "another daemon");
-        assert!(a.admits(b_gid, 9, now + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2), "a dial that lost its report");
+        assert!(!a.admits_own(b_gid, 9, now), "its own dial to b is under way");
+        assert!(a.admits_own(Gid::from_ipv4([10, 0, 0, 3]), 9, now), "another daemon");
+        assert!(
+            a.admits_own(b_gid, 9, now + HANDSHAKE_LIMIT + CONNECT_LIMIT * 2),
+            "a dial that lost its report"
+        );
         a.dialling.insert(b_listen, Dial::RetryAt(now + REDIAL_AFTER, 1));
-        assert!(a.admits(b_gid, 9, now), "a failed dial holds nothing back");
+        assert!(a.admits_own(b_gid, 9, now), "a failed dial holds nothing back");
         // The daemon with the larger GID takes the connection whatever it dials.
         let mut c = net_of([10, 0, 0, 3]);
         c.dialling.insert(b_listen, Dial::Started(now, 0));
-        assert!(c.admits(b_gid, 9, now));
+        assert!(c.admits_own(b_gid, 9, now));
     }
 
     /// A link on `net` to the daemon with `gid` and `daemon_id`, over a
@@ -1787,19 +1934,19 @@ mod tests {
         // A link that b dialled (accepted here): b dialling again means that
         // b lost it. Admitted.
         let _b1 = link_to(&mut a, 1, b_gid, 9, false);
-        assert!(a.admits(b_gid, 9, now));
+        assert!(a.admits_own(b_gid, 9, now));
         // A link that a dialled to b's daemon 9: a second one from 9 is the
         // other half of a simultaneous dial; one from b restarted (daemon
         // 10) is not.
         let _b2 = link_to(&mut a, 2, b_gid, 9, true);
-        assert!(a.admits(b_gid, 9, now), "a's link did not leave from its GID's address: b checks it");
+        assert!(a.admits_own(b_gid, 9, now), "a's link did not leave from its GID's address: b checks it");
         a.links.get_mut(&LinkId(2)).unwrap().from_our_gid = true;
-        assert!(!a.admits(b_gid, 9, now), "the other half of a simultaneous dial");
-        assert!(a.admits(b_gid, 10, now), "b restarted");
+        assert!(!a.admits_own(b_gid, 9, now), "the other half of a simultaneous dial");
+        assert!(a.admits_own(b_gid, 10, now), "b restarted");
         // The larger GID never refuses.
         let mut c = net_of([10, 0, 0, 3]);
         let _b3 = link_to(&mut c, 1, b_gid, 9, true);
-        assert!(c.admits(b_gid, 9, now));
+        assert!(c.admits_own(b_gid, 9, now));
     }
 
     /// A connection manager's message goes by the link its connection
@@ -1838,7 +1985,7 @@ mod tests {
         let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
         let mut a = net_of([10, 0, 0, 3]);
         a.send_cm(b, None, &msg).unwrap();
-        assert!(a.admits(b_gid, 9, Clock::now()), "the larger GID admits b's connection");
+        assert!(a.admits_own(b_gid, 9, Clock::now()), "the larger GID admits b's connection");
         a.dial_failed(b_addr, "refused");
         assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
         assert_eq!(a.cm_pending.get(&b).map(Vec::len), Some(1), "held for the incoming link");
@@ -1864,7 +2011,7 @@ mod tests {
         let mut a = net_of([10, 0, 0, 3]);
         a.send_cm(b, None, &msg).unwrap();
         let t = Clock::now();
-        assert!(a.admits(b_gid, 9, t));
+        assert!(a.admits_own(b_gid, 9, t));
         a.dial_failed(b_addr, "refused");
         a.expire_held_cm(t);
         assert!(a.cm_links.is_empty() && a.cm_pending.contains_key(&b), "still within the handshake");
@@ -2117,7 +2264,7 @@ mod tests {
             a.record_dials = true;
             a.send_cm(b, None, &msg).unwrap();
             let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
-            assert!(a.admits(b_gid, 9, t));
+            assert!(a.admits_own(b_gid, 9, t));
             a.dial_failed(b_addr, "refused");
             assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
             assert!(!a.links[&claim].has_output() && a.held_cm(b) == 1);
@@ -2137,6 +2284,7 @@ mod tests {
         assert!(a.links[&own].verified && a.links[&own].has_output() && !a.links[&claim].has_output());
         assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
         // It does not: past the handshake's limit, the unverified link.
+        let t = Clock::now();
         let (mut a, _hca, claim, _t1) = setup(t);
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
@@ -2161,11 +2309,12 @@ mod tests {
         a.send_cm(b, None, &msg).unwrap();
         let t = Clock::now();
         let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
-        assert!(a.admits(b_gid, 9, t));
+        assert!(a.admits_own(b_gid, 9, t));
         a.dial_failed(b_addr, "refused");
         assert!(a.cm_deferred_until.contains_key(&b));
         let (second, _t2) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40001".parse().unwrap(), None);
-        assert!(!a.incoming.contains_key(&b_gid) && !a.dial_under_way(b, Clock::now()));
+        // (The claimant's link ended no record of the host's handshake.)
+        assert!(a.incoming.contains_key(&b_gid) && !a.dial_under_way(b, Clock::now()));
         a.dial_failed(SocketAddr::from((b, 5000)), "refused");
         assert!(a.cm_links.is_empty(), "the wait ended before the handshake's limit: {:?}", a.cm_links);
         assert!(a.held_cm(b) == 1 && !a.links[&claim].has_output() && !a.links[&second].has_output());
@@ -2194,7 +2343,7 @@ mod tests {
             let mut a = net_of([10, 0, 0, 3]);
             a.record_dials = true;
             a.send_cm(b, None, &msg).unwrap();
-            assert!(a.admits(b_gid, 9, t));
+            assert!(a.admits_own(b_gid, 9, t));
             a.dial_failed(b_addr, "refused");
             assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
             let (claim, theirs) = add_link(&mut a, &mut hca, b_gid, "192.0.2.9:40000".parse().unwrap(), None);
@@ -2219,6 +2368,7 @@ mod tests {
         assert_eq!(a.cm_links, [CmLink::Up(b, own, true), CmLink::Up(b, claim, false)]);
         assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty() && a.held_cm(b) == 0);
         // It does not: past the handshake's limit, the unverified link.
+        let t = Clock::now();
         let (mut a, _hca, claim, _t1) = setup(t);
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
@@ -2256,11 +2406,15 @@ mod tests {
         assert!(a.send_cm(b, None, &msg).is_err(), "held for a dial that does not start");
         assert_eq!(a.held_cm(b), 0);
         let (claim, _t1) = add_link(&mut a, &mut hca, b_gid, from, None);
-        assert!(!a.links[&claim].has_output());
+        assert_eq!(
+            a.cm_links,
+            [CmLink::Up(b, claim, false)],
+            "nothing waits: the manager hears of it at once"
+        );
         // The host's own connection in its handshake: held for it.
         let mut hca = hca_of([10, 0, 0, 3]);
         let mut a = failed();
-        assert!(a.admits(b_gid, 9, Clock::now()));
+        assert!(a.admits_own(b_gid, 9, Clock::now()));
         assert_eq!(a.send_cm(b, None, &msg), Ok(None));
         assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b));
         let (claim, _t2) = add_link(&mut a, &mut hca, b_gid, from, None);
@@ -2273,7 +2427,7 @@ mod tests {
         // the handshake's limit as after a failed dial.
         let mut a = failed();
         let t = Clock::now();
-        assert!(a.admits(b_gid, 9, t));
+        assert!(a.admits_own(b_gid, 9, t));
         a.send_cm(b, None, &msg).unwrap();
         a.expire_held_cm(t + HANDSHAKE_LIMIT);
         assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
@@ -2340,6 +2494,276 @@ mod tests {
         assert!(a.links[&l].has_output() && a.held_cm(b) == 0);
         assert_eq!(a.cm_links, [CmLink::Up(b, l, false)]);
         assert!(a.cm_deferred.is_empty());
+    }
+
+    /// Ends `l` from its peer's side (`theirs` closed) and drives `a`
+    /// until it finds so.
+    fn end_link(a: &mut Net, hca: &mut Hca, l: LinkId, theirs: TcpStream) {
+        drop(theirs);
+        let mut rings = RingTable::default();
+        for _ in 0..200 {
+            a.drive(hca, &mut rings, crate::logs::now());
+            if !a.links.contains_key(&l) {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        panic!("the link did not end");
+    }
+
+    /// Our dial to the host is under way for a held message; the host's
+    /// own connection to us and a claimant's (from elsewhere) are
+    /// admitted; the claimant's link comes (and waits), then goes. Our
+    /// dial then fails: what was held waits for the host's own handshake,
+    /// which the claimant's link did not end (session 35, second round,
+    /// review M1 (a); before, the claimant's link cleared `incoming`, and
+    /// the failed dial gave the message up at once, UNREACHABLE).
+    #[test]
+    fn a_claimants_link_that_came_and_went_leaves_the_held_messages_to_the_hosts_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t), "the host's own");
+        assert!(a.admits_from(b_gid, 7, from, t), "the claimant's");
+        let (claim, theirs) = add_link_of(&mut a, &mut hca, b_gid, 7, from, None);
+        assert!(a.cm_deferred.contains_key(&b), "the claimant's link waits for our dial");
+        end_link(&mut a, &mut hca, claim, theirs);
+        a.cm_links.clear();
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_links.is_empty(), "given up with the host's own handshake under way: {:?}", a.cm_links);
+        assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b), "not held for the handshake");
+        let (own, _t) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0, "the host's link did not take it");
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true)]);
+    }
+
+    /// Our dial to the host failed; the host's own connection to us and a
+    /// claimant's are admitted; the claimant's link comes and goes. A
+    /// message sent now, in the failed dial's pause, waits for the host's
+    /// own handshake rather than being refused (session 35, second round,
+    /// review M1 (b)).
+    #[test]
+    fn a_message_after_a_claimants_link_came_and_went_waits_for_the_hosts_handshake() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        a.dial_failed(b_addr, "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        a.cm_links.clear();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t), "the host's own");
+        assert!(a.admits_from(b_gid, 7, from, t), "the claimant's");
+        let (claim, theirs) = add_link_of(&mut a, &mut hca, b_gid, 7, from, None);
+        assert!(a.cm_deferred.contains_key(&b), "the claimant's link waits for the host's handshake");
+        end_link(&mut a, &mut hca, claim, theirs);
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None), "refused with the host's own handshake under way");
+        assert!(a.held_cm(b) == 1 && a.cm_held_until.contains_key(&b));
+        let (own, _t) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0);
+    }
+
+    /// A daemon that claims the host's GID from elsewhere is in its
+    /// handshake (one that may never become a link): it does not hold
+    /// back our dial to the host's GID's address, which a message for the
+    /// host starts (session 35, second round, review M2; before, no dial
+    /// started, and the message was given up at the claimant's handshake's
+    /// limit without the host's daemon ever being tried).
+    #[test]
+    fn a_claimants_handshake_does_not_hold_back_the_dial_to_the_host() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_gid = Gid::from_ipv4(b.octets());
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 7, "192.0.2.9:40000".parse().unwrap(), t));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.dial_under_way(b, Clock::now()), "no dial to the host started");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(
+            a.cm_links.is_empty() && a.held_cm(b) == 1,
+            "given up with the dial under way: {:?}",
+            a.cm_links
+        );
+    }
+
+    /// The host's own connection to us held our dial back, and did not
+    /// become a link (it failed after admission, unreported). At its
+    /// limit, what waited for it gets the dial that was never tried,
+    /// rather than being given up on (session 35, second round, review
+    /// M2 (ii)); that dial's end tells, as any dial's.
+    #[test]
+    fn held_messages_whose_host_was_never_dialled_get_a_dial_at_the_handshakes_limit() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, "10.0.0.2:40001".parse().unwrap(), t));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.dialling.is_empty() && a.cm_held_until.contains_key(&b), "held for the handshake");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(a.cm_links.is_empty(), "given up without a dial to the host: {:?}", a.cm_links);
+        assert!(a.held_cm(b) == 1 && a.dial_under_way(b, t + HANDSHAKE_LIMIT), "no dial started");
+        a.dial_failed(b_addr, "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)], "the dial's failure tells");
+    }
+
+    /// Our dial to the host was refused by it once both proved the key
+    /// (its own dial to us crossed ours: [`HandshakeError::refused_by_peer`]).
+    /// What was held, and what is sent in the pause, waits for the host's
+    /// connection, which goes by the link it becomes (session 35, second
+    /// round, review M3; before, the held message was given up and the
+    /// next refused at once, UNREACHABLE, one round trip before the
+    /// host's link came).
+    #[test]
+    fn a_dial_the_host_refused_for_its_own_leaves_messages_to_its_connection() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        a.dial_crossed(b_addr, "the peer closed the connection (Some(Normal))");
+        assert!(a.cm_links.is_empty(), "given up while the host's connection comes: {:?}", a.cm_links);
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None), "refused in the pause");
+        assert!(a.held_cm(b) == 2 && a.cm_held_until.contains_key(&b));
+        let (own, _t) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0);
+        assert_eq!(a.cm_links, [CmLink::Up(b, own, true)]);
+        // No connection comes: given up at the handshake's limit.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        a.dial_crossed(b_addr, "refused");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT + Duration::from_secs(1));
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        assert_eq!(a.held_cm(b), 0);
+    }
+
+    /// The host's own connection to us, admitted, fails before it becomes
+    /// a link (told by [`Net::handshake_ended`]): what waited for it waits
+    /// no more, rather than until the handshake's limit: the held message
+    /// gets the dial it held back, and deferred links are told, taking
+    /// what was held. A later connection from the host, admitted
+    /// meanwhile, is still waited for (session 35, second round, review L1).
+    #[test]
+    fn a_hosts_handshake_that_fails_after_admission_ends_the_wait_for_it_at_once() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let own: SocketAddr = "10.0.0.2:40001".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        // Held, with our dial held back by the handshake: dialled now.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        a.send_cm(b, None, &msg).unwrap();
+        assert!(a.dialling.is_empty() && a.cm_held_until.contains_key(&b));
+        a.handshake_ended(b_gid, own, t, t);
+        assert!(a.own_incoming.is_empty() && a.incoming.is_empty());
+        assert!(a.dial_under_way(b, t), "the dial the handshake held back did not start");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1);
+        // A claimant's link deferred for it: told, and takes what was held.
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, "192.0.2.9:40000".parse().unwrap(), None);
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_deferred_until.contains_key(&b) && a.cm_links.is_empty());
+        a.handshake_ended(b_gid, own, t, Clock::now());
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)], "the deferred link waits on");
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        // A later connection from the host admitted meanwhile: waited for.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        a.send_cm(b, None, &msg).unwrap();
+        let later = t + Duration::from_millis(1);
+        assert!(a.admits_from(b_gid, 9, own, later));
+        a.handshake_ended(b_gid, own, t, later);
+        assert!(a.own_incoming.contains_key(&b_gid) && a.cm_held_until.contains_key(&b));
+        assert!(a.dialling.is_empty() && a.cm_links.is_empty() && a.held_cm(b) == 1);
+        // A claimant's connection admitted with the host's own fails:
+        // the host's is still waited for.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        assert!(a.admits_from(b_gid, 7, from, t));
+        a.handshake_ended(b_gid, from, t, t);
+        assert!(a.own_incoming.contains_key(&b_gid) && a.incoming.contains_key(&b_gid));
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(
+            a.dialling.is_empty() && a.cm_held_until.contains_key(&b),
+            "not held for the host's handshake"
+        );
+    }
+
+    /// A second connection of the host's own is admitted while held
+    /// messages and a deferred link wait for the first: at the first's
+    /// limit both wait on for the second, rather than the messages being
+    /// given up (or dialled for) and the link told while the host's own
+    /// link may still come (session 35, second round, review L4).
+    #[test]
+    fn a_later_connection_of_the_hosts_own_is_waited_for_in_turn() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let own: SocketAddr = "10.0.0.2:40001".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, "192.0.2.9:40000".parse().unwrap(), None);
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_deferred_until.contains_key(&b) && a.held_cm(b) == 1 && a.cm_links.is_empty());
+        let later = t + Duration::from_secs(1);
+        assert!(a.admits_from(b_gid, 9, own, later), "the host's second connection");
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(
+            a.cm_links.is_empty(),
+            "the wait ended with the host's connection under way: {:?}",
+            a.cm_links
+        );
+        assert!(a.held_cm(b) == 1 && !a.links[&claim].has_output());
+        assert_eq!(a.cm_deferred_until.get(&b), Some(&(later + HANDSHAKE_LIMIT)));
+        a.expire_held_cm(later + HANDSHAKE_LIMIT);
+        assert_eq!(a.cm_links, [CmLink::Up(b, claim, false)]);
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        // Held with no deferred link: likewise, then the dial never tried.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 9, own, t));
+        a.send_cm(b, None, &msg).unwrap();
+        let later = t + Duration::from_secs(1);
+        assert!(a.admits_from(b_gid, 9, own, later));
+        a.expire_held_cm(t + HANDSHAKE_LIMIT);
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1 && a.dialling.is_empty(), "{:?}", a.cm_links);
+        a.expire_held_cm(later + HANDSHAKE_LIMIT);
+        assert!(a.dial_under_way(b, later + HANDSHAKE_LIMIT) && a.held_cm(b) == 1);
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
