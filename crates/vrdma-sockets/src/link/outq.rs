@@ -258,20 +258,10 @@ impl Link {
         if kept.is_some() {
             return;
         }
-        let mut own = libc::linger { l_onoff: 0, l_linger: 0 };
-        let mut len = std::mem::size_of::<libc::linger>() as libc::socklen_t;
-        // SAFETY: getsockopt(2) of the library's descriptor into a linger
-        // of ours, its size.
-        let got = unsafe {
-            real::getsockopt(
-                self.sock,
-                libc::SOL_SOCKET,
-                libc::SO_LINGER,
-                (&mut own as *mut libc::linger).cast(),
-                &mut len,
-            )
-        };
-        if got != 0 || Self::set_linger(self.sock, libc::linger { l_onoff: 1, l_linger: 0 }) != 0 {
+        let own = Self::get_linger(self.sock);
+        let Some(own) =
+            own.filter(|_| Self::set_linger(self.sock, libc::linger { l_onoff: 1, l_linger: 0 }) == 0)
+        else {
             crate::dev::later(
                 None,
                 format!(
@@ -280,7 +270,7 @@ impl Link {
                 ),
             );
             return;
-        }
+        };
         *kept = Some(own);
     }
 
@@ -310,19 +300,7 @@ impl Link {
         // SAFETY: the caller's arguments, as setsockopt(2) takes them.
         let r = unsafe { real::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
         if r == 0 && kept.is_some() {
-            let mut own = libc::linger { l_onoff: 0, l_linger: 0 };
-            let mut n = std::mem::size_of::<libc::linger>() as libc::socklen_t;
-            // SAFETY: getsockopt(2) into a linger of ours, its size.
-            let got = unsafe {
-                real::getsockopt(
-                    self.sock,
-                    libc::SOL_SOCKET,
-                    libc::SO_LINGER,
-                    (&mut own as *mut libc::linger).cast(),
-                    &mut n,
-                )
-            };
-            if got == 0 {
+            if let Some(own) = Self::get_linger(self.sock) {
                 *kept = Some(own);
             }
             crate::table::keep_errno(|| {
@@ -360,6 +338,23 @@ impl Link {
             }
         }
         r
+    }
+
+    /// `SO_LINGER` of `sock`, if getsockopt says it.
+    fn get_linger(sock: c_int) -> Option<libc::linger> {
+        let mut own = libc::linger { l_onoff: 0, l_linger: 0 };
+        let mut len = std::mem::size_of::<libc::linger>() as libc::socklen_t;
+        // SAFETY: getsockopt(2) of `sock` into a linger of ours, its size.
+        let got = unsafe {
+            real::getsockopt(
+                sock,
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&mut own as *mut libc::linger).cast(),
+                &mut len,
+            )
+        };
+        (got == 0).then_some(own)
     }
 
     /// `SO_LINGER` of `sock` to `lg`; setsockopt's result.
