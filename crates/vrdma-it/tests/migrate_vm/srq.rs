@@ -6,7 +6,7 @@
 //! where the guest's library would, so that each step is the test's.
 
 use vrdma_core::hca::AsyncEvent;
-use vrdma_core::proto::{decode_async_event, RingSpec, ASYNC_EVENT_SIZE};
+use vrdma_core::proto::{decode_async_event, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY};
 use vrdma_core::verbs::{AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpType, SrqAttr};
 
 use super::*;
@@ -570,6 +570,13 @@ fn an_event_raised_before_the_adoption_moves_on_with_the_vm_to_where_the_guest_a
     }
     assert_eq!(ring.len()?, 1, "the limit's event waits in the context's ring on C");
     assert!(c_maps_segment(&g)?, "C maps the context's segment for its waiting event ring");
+    let (_, ctx_need) = vrdma_core::proto::context_segment_layout();
+    let ring_pages = vrdma_shm::ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
+        .next_multiple_of(vrdma_shm::page_size()) as u64;
+    let held: Vec<_> =
+        mapped_extents(c_pid, &vm_c.region)?.into_iter().filter(|m| m.0 == g.segment.at).collect();
+    assert!(ring_pages < ctx_need, "a segment larger than its event ring's pages");
+    assert_eq!(held, vec![(g.segment.at, ring_pages)], "the event ring's pages alone, not the posted ring's");
 
     // Moved on to A, the context still not adopted.
     assert_eq!(vrdma::migrate::pause(&h.c.socket, uid)?, 2);

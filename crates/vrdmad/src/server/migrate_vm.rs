@@ -271,7 +271,11 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
         a.places.push((c.id, Kind::Context, c.id, Place::Ring(c.at, c.len)));
         // Its event ring, mapped apart from the extent (which the
         // adopting session claims): events raised before the adoption.
+        // Its pages alone (the segment's posted ring is the adopter's).
         let len = usize::try_from(c.len).map_err(|_| bad(format!("a context segment of {} bytes", c.len)))?;
+        let page = vrdma_shm::page_size();
+        let len =
+            vrdma_shm::ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE).next_multiple_of(page).min(len);
         let map = vm
             .region
             .try_clone()
