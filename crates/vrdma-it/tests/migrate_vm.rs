@@ -19,6 +19,7 @@
 //! posts on the rings the guest left in the region; the test reads C's
 //! region where the guest would.
 
+use std::collections::HashMap;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -198,6 +199,8 @@ struct RawPort {
     dec: FrameDecoder,
     /// Why the daemon ended the port's session, when it said so.
     ended: Option<guest::EndReason>,
+    /// The wake-ups forwarded so far (`Frame::Bell`), per handle id.
+    bells: HashMap<u32, u32>,
 }
 
 impl RawPort {
@@ -212,7 +215,7 @@ impl RawPort {
     fn connect(socket: &std::path::Path) -> Result<RawPort> {
         let conn = std::os::unix::net::UnixStream::connect(socket)?;
         conn.set_read_timeout(Some(WAIT))?;
-        Ok(RawPort { conn, dec: FrameDecoder::new(), ended: None })
+        Ok(RawPort { conn, dec: FrameDecoder::new(), ended: None, bells: HashMap::new() })
     }
 
     fn send(&mut self, f: &Frame) -> Result<()> {
@@ -221,7 +224,7 @@ impl RawPort {
         Ok(())
     }
 
-    /// The next frame that is not a ping (answered) or a bell.
+    /// The next frame that is not a ping (answered) or a bell (counted).
     fn next(&mut self) -> Result<Frame> {
         use std::io::Read;
         let end = Instant::now() + WAIT;
@@ -229,7 +232,7 @@ impl RawPort {
         while Instant::now() < end {
             match self.dec.next_frame()? {
                 Some(Frame::Ping { nonce }) => self.send(&Frame::Pong { nonce })?,
-                Some(Frame::Bell { .. }) => {}
+                Some(Frame::Bell { id, count }) => *self.bells.entry(id).or_default() += count,
                 Some(Frame::Ended { reason }) => self.ended = Some(reason),
                 Some(f) => return Ok(f),
                 None => {
@@ -242,6 +245,44 @@ impl RawPort {
             }
         }
         bail!("no frame from the port in {WAIT:?}")
+    }
+
+    /// Waits (at most [`WAIT`]) until handle `id` has rung at least once
+    /// (a wake-up forwarded as `Frame::Bell`): how many times so far. Any
+    /// frame but pings and bells meanwhile is an error.
+    fn rung(&mut self, id: u32) -> Result<u32> {
+        use std::io::Read;
+        let end = Instant::now() + WAIT;
+        let mut buf = [0u8; 4096];
+        loop {
+            match self.dec.next_frame()? {
+                Some(Frame::Ping { nonce }) => self.send(&Frame::Pong { nonce })?,
+                Some(Frame::Bell { id, count }) => *self.bells.entry(id).or_default() += count,
+                Some(f) => bail!("unexpected frame {f:?} while waiting for handle {id} to ring"),
+                None => {
+                    if let Some(&n) = self.bells.get(&id).filter(|&&n| n > 0) {
+                        return Ok(n);
+                    }
+                    let left = end.saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        bail!("handle {id} did not ring in {WAIT:?}");
+                    }
+                    self.conn.set_read_timeout(Some(left))?;
+                    let got = self.conn.read(&mut buf);
+                    self.conn.set_read_timeout(Some(WAIT))?;
+                    match got {
+                        Ok(0) => bail!("the port closed"),
+                        Ok(n) => self.dec.push(&buf[..n]),
+                        Err(e)
+                            if matches!(
+                                e.kind(),
+                                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                            ) => {}
+                        Err(e) => return Err(e.into()),
+                    }
+                }
+            }
+        }
     }
 
     /// A call and its reply with its handles.

@@ -6,7 +6,7 @@
 //! where the guest's library would, so that each step is the test's.
 
 use vrdma_core::hca::AsyncEvent;
-use vrdma_core::proto::{decode_async_event, RingSpec, ASYNC_EVENT_SIZE};
+use vrdma_core::proto::{decode_async_event, RingSpec, ASYNC_EVENT_SIZE, ASYNC_RING_CAPACITY};
 use vrdma_core::verbs::{AsyncEventType, QpAttr, QpAttrMask, QpCap, QpInitAttr, QpType, SrqAttr};
 
 use super::*;
@@ -321,6 +321,40 @@ fn events(g: &SrqGuest, region: &OwnedFd) -> Result<Vec<AsyncEvent>> {
     Ok(out)
 }
 
+/// A new session on the VM's port at `socket` adopts context `ctx`: its
+/// port, once the daemon rang the adopted context's new event signal
+/// (handle 2 of the reply, forwarded as a `Bell`) for the events that
+/// wait in its ring.
+fn adopt_srq_guest(socket: &std::path::Path, ctx: u32) -> Result<RawPort> {
+    let mut port = RawPort::open(socket)?;
+    let handles = match port.call(adopt(ctx))? {
+        (Reply::Hello { context, .. }, h) if context == ctx => h,
+        r => bail!("adopting context {ctx}: {r:?}"),
+    };
+    let Some(&Handle::Bell { id, .. }) = handles.get(2) else {
+        bail!("the adopted context's event signal: {handles:?}");
+    };
+    port.rung(id).context("the adopted context's event signal, rung for the event waiting in its ring")?;
+    Ok(port)
+}
+
+/// The extents of the VM's region (the memfd `region` is a descriptor
+/// of) that process `pid` maps, as (offset, length).
+fn mapped_extents(pid: i32, region: &OwnedFd) -> Result<Vec<(u64, u64)>> {
+    let ino = rustix::fs::fstat(region)?.st_ino.to_string();
+    let mut out = Vec::new();
+    for l in std::fs::read_to_string(format!("/proc/{pid}/maps"))?.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.get(4) != Some(&ino.as_str()) {
+            continue;
+        }
+        let Some((start, end)) = f[0].split_once('-') else { bail!("{l}") };
+        let len = u64::from_str_radix(end, 16)? - u64::from_str_radix(start, 16)?;
+        out.push((u64::from_str_radix(f[2], 16)?, len));
+    }
+    Ok(out)
+}
+
 /// A VM's tenant on A has an SRQ of 16 receives shared by two RC QPs,
 /// each connected to one of B's QPs; 12 receives posted, the limit armed
 /// at 3. B sends numbered messages on both QPs: 2 each before the move
@@ -412,15 +446,10 @@ fn a_vm_tenants_srq_moves_with_its_receives_and_its_armed_limit() -> Result<()> 
     b.send(1)?;
     b.completed()?;
     got.take(&g, &vm_c.region, 1)?;
-    // The guest takes its context back on C, and finds the event in its
-    // ring, once.
+    // The guest takes its context back on C, is woken on its new event
+    // signal, and finds the event in its ring, once.
     drop(g.port);
-    let mut port = RawPort::open(&vm_c.port_socket)?;
-    match port.call(adopt(ctx))?.0 {
-        Reply::Hello { context, .. } if context == ctx => {}
-        r => bail!("adopting context {ctx}: {r:?}"),
-    }
-    g.port = port;
+    g.port = adopt_srq_guest(&vm_c.port_socket, ctx)?;
     let evs = events(&g, &vm_c.region)?;
     assert_eq!(evs, vec![AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: srq }]);
     match SrqGuest::ok(&mut g.port, Request::QuerySrq { srq })?.0 {
@@ -471,5 +500,121 @@ fn a_vm_tenants_srq_moves_with_its_receives_and_its_armed_limit() -> Result<()> 
             r => bail!("QueryQp: {r:?}"),
         }
     }
+    Ok(())
+}
+
+/// The SRQ's limit armed on A fires on C before the guest takes its
+/// context back there (the event waits in the context's ring, in the VM's
+/// region, C mapping it for that); the VM moves on to A, its context
+/// still not adopted: C forgets that ring at its `Finish` (it maps
+/// nothing of the context's segment any more), and the guest adopting its
+/// context on A is woken and finds C's event there, once, the limit
+/// disarmed.
+#[test]
+fn an_event_raised_before_the_adoption_moves_on_with_the_vm_to_where_the_guest_adopts() -> Result<()> {
+    let uid = rustix::process::geteuid().as_raw();
+    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 3\n");
+    let h = ThreeHosts::start([&vm, "", &vm])?;
+    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+    let side = Side::new(&h.b.context()?, 1 << 16)?;
+    let other = side.another_qp(vrdma_it::cap(64, 1))?;
+    let mtu = side.ctx.query_port(1)?.active_mtu;
+    let mut peers = [side.endpoint()?, other.endpoint(&side.ctx)?];
+    for p in &mut peers {
+        p.lid = 0;
+    }
+    let mut g = SrqGuest::open(&vm_a.port_socket, peers, mtu)?;
+    let gid = match SrqGuest::ok(&mut g.port, Request::QueryGid { port: 1, index: 0 })?.0 {
+        Reply::Gid(gid) => gid,
+        r => bail!("QueryGid: {r:?}"),
+    };
+    for (qp, &qpn) in [&side.qp, &other].into_iter().zip(&g.qps) {
+        qp.connect(&vrdma::Endpoint { lid: 0, gid, qpn, psn: GUEST_PSN }, access_all())?;
+    }
+    let mut b = Sender { side, other, next: [0; 2], owed: 0 };
+    let mut got = Received::default();
+    let (ctx, srq) = (g.ctx, g.srq);
+    let limit = AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: srq };
+    let c_pid = h.c.proc.pid();
+    let c_maps_segment = |g: &SrqGuest| -> Result<bool> {
+        Ok(mapped_extents(c_pid, &vm_c.region)?.iter().any(|m| m.0 == g.segment.at))
+    };
+
+    // On A: 8 receives posted, the limit armed at 3. Moved to C, nothing
+    // in flight; the guest's session on A ends with A's part.
+    g.post(&vm_a.region, 0..8)?;
+    SrqGuest::ok(&mut g.port, Request::ModifySrq { srq, limit: Some(LIMIT), resize: false })?;
+    assert_eq!(vrdma::migrate::pause(&h.a.socket, uid)?, 2);
+    let (snap_fd, _, _) = vrdma::migrate::export(&h.a.socket, uid)?;
+    copy_region(&vm_a.region, &vm_c.region, vm_a.region_len)?;
+    assert_eq!(vrdma::migrate::import(&h.c.socket, snap_fd.as_fd())?, (uid, 2));
+    vrdma::migrate::finish(&h.a.socket, uid)?;
+    assert_eq!(vrdma::migrate::resume(&h.c.socket, uid)?, 2);
+    // A connection without a session stands for the guest's, closed.
+    drop(std::mem::replace(&mut g.port, RawPort::connect(&vm_c.port_socket)?));
+
+    // On C, not adopted: B's 6 messages take 6 of the 8 receives, 2 left:
+    // the limit fires, into the context's ring in C's region, which C
+    // maps for it.
+    for _ in 0..3 {
+        b.send(0)?;
+        b.send(1)?;
+    }
+    b.completed()?;
+    got.take(&g, &vm_c.region, 6)?;
+    let ring = g.segment.view(&vm_c.region)?;
+    let end = Instant::now() + WAIT;
+    while ring.len()? == 0 && Instant::now() < end {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(ring.len()?, 1, "the limit's event waits in the context's ring on C");
+    assert!(c_maps_segment(&g)?, "C maps the context's segment for its waiting event ring");
+    let (_, ctx_need) = vrdma_core::proto::context_segment_layout();
+    let ring_pages = vrdma_shm::ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)
+        .next_multiple_of(vrdma_shm::page_size()) as u64;
+    let held: Vec<_> =
+        mapped_extents(c_pid, &vm_c.region)?.into_iter().filter(|m| m.0 == g.segment.at).collect();
+    assert!(ring_pages < ctx_need, "a segment larger than its event ring's pages");
+    assert_eq!(held, vec![(g.segment.at, ring_pages)], "the event ring's pages alone, not the posted ring's");
+
+    // Moved on to A, the context still not adopted.
+    assert_eq!(vrdma::migrate::pause(&h.c.socket, uid)?, 2);
+    let (back_fd, _, _) = vrdma::migrate::export(&h.c.socket, uid)?;
+    copy_region(&vm_c.region, &vm_a.region, vm_c.region_len)?;
+    // (A's region is free once the guest's session there has ended.)
+    let end = Instant::now() + WAIT;
+    loop {
+        match vrdma::migrate::import(&h.a.socket, back_fd.as_fd()) {
+            Ok(r) => {
+                assert_eq!(r, (uid, 2));
+                break;
+            }
+            Err(e) if e.errno() == libc::EBUSY && Instant::now() < end => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    vrdma::migrate::finish(&h.c.socket, uid)?;
+    assert_eq!(vrdma::migrate::resume(&h.a.socket, uid)?, 2);
+    assert!(!c_maps_segment(&g)?, "C forgot the waiting event ring of the context that moved on");
+
+    // The guest adopts its context on A: woken, it finds C's event, once.
+    g.port = adopt_srq_guest(&vm_a.port_socket, ctx)?;
+    assert_eq!(events(&g, &vm_a.region)?, vec![limit]);
+    match SrqGuest::ok(&mut g.port, Request::QuerySrq { srq })?.0 {
+        Reply::SrqAttr(a) => assert_eq!(a.srq_limit, 0, "the limit fired on C: disarmed"),
+        r => bail!("QuerySrq: {r:?}"),
+    }
+    // Its QPs run on A: B's next message on each takes one of the 2
+    // receives left.
+    b.send(0)?;
+    b.send(1)?;
+    b.completed()?;
+    got.take(&g, &vm_a.region, 2)?;
+    assert_eq!(got.seqs, [vec![0, 1, 2, 3], vec![0, 1, 2, 3]], "every message once, in order");
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(events(&g, &vm_a.region)?, Vec::new(), "an event twice");
     Ok(())
 }

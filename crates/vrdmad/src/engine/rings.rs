@@ -390,8 +390,9 @@ pub struct RingTable {
     /// the resume on: an event raised before the guest's library takes
     /// its context back (an SRQ's limit reached as the peers' messages
     /// take its receives, a QP's fatal error) goes there, and the library
-    /// finds it after the adoption ([`Self::add_context`]).
-    pub awaiting: HashMap<ContextId, RingView>,
+    /// finds it after the adoption ([`Self::add_context`]). With the
+    /// context's tenant, whose log share an event dropped there counts to.
+    pub awaiting: HashMap<ContextId, (TenantId, RingView)>,
     pub channels: HashMap<u32, Channel>,
     pub cqs: HashMap<u32, CqRing>,
     pub qps: HashMap<u32, QpRings>,
@@ -851,10 +852,19 @@ impl Queues for RingTable {
         let Some(c) = self.contexts.get(&ctx) else {
             // A moved context not yet adopted: in its ring, where its
             // library will look (its signal is rung at the adoption).
-            if let Some(ring) = self.awaiting.get(&ctx) {
+            if let Some((tenant, ring)) = self.awaiting.get(&ctx) {
                 if !matches!(ring.try_push_bytes(&slot), Ok(true)) {
                     ring.aux(CTX_AUX_EVENTS_DROPPED).fetch_add(1, Ordering::Relaxed);
                     self.dropped_events += 1;
+                    limited_warn!(
+                        self.log,
+                        Source::Tenant(*tenant),
+                        self.now,
+                        "async event ring full: event dropped",
+                        ctx = ctx.0,
+                        ?event,
+                        adopted = false
+                    );
                 }
             }
             return;
@@ -1367,7 +1377,7 @@ mod tests {
         // No ring at all: dropped (as before).
         table.async_event(ctx, limit);
         assert!(popped().is_empty());
-        table.awaiting.insert(ctx, view());
+        table.awaiting.insert(ctx, (TenantId(1), view()));
         table.async_event(ctx, limit);
         // Adopted: the ring is the session's, its signal rung for the
         // event waiting there.
@@ -1384,9 +1394,32 @@ mod tests {
         table.async_event(ctx, fatal);
         assert_eq!(popped(), vec![fatal]);
         // Moved away unadopted: forgotten.
-        table.awaiting.insert(ContextId(8), view());
+        table.awaiting.insert(ContextId(8), (TenantId(1), view()));
         table.forget_awaiting(&[ContextId(8)]);
         assert!(table.awaiting.is_empty());
+    }
+
+    /// An event for a moved context not yet adopted, its ring full (a
+    /// guest that never reads its async events), is dropped, counted and
+    /// logged (rate-limited, on the tenant's share) as an adopted one's.
+    #[test]
+    fn an_event_dropped_from_a_moved_contexts_full_ring_is_logged() {
+        let mut table = RingTable::default();
+        let len = ring_bytes(proto::ASYNC_RING_CAPACITY, proto::ASYNC_EVENT_SIZE);
+        let seg = Arc::new(Segment::create("vrdma-test", len).unwrap());
+        let ring = RingView::in_segment(seg, 0, proto::ASYNC_RING_CAPACITY, proto::ASYNC_EVENT_SIZE).unwrap();
+        let ctx = ContextId(7);
+        table.awaiting.insert(ctx, (TenantId(3), ring));
+        let fatal = AsyncEvent { event_type: AsyncEventType::QpFatal, element: 9 };
+        for _ in 0..proto::ASYNC_RING_CAPACITY {
+            table.async_event(ctx, fatal);
+        }
+        assert_eq!(table.dropped_events, 0);
+        assert!(table.log.occurred().is_empty());
+        table.async_event(ctx, fatal);
+        assert_eq!(table.dropped_events, 1);
+        assert_eq!(table.log.occurred().get("async event ring full: event dropped"), Some(&1));
+        assert_eq!(table.awaiting[&ctx].1.aux(CTX_AUX_EVENTS_DROPPED).load(Ordering::Relaxed), 1);
     }
 
     /// A context whose QPs' rings came first (an import: a guest adopts

@@ -19,7 +19,7 @@
 //! elsewhere (`vrdma_core::extents`).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use vrdma_core::extents::GrowError;
 use vrdma_core::memory::Backing;
@@ -32,8 +32,10 @@ use crate::vm::Vm;
 /// (guest), freed with it.
 pub(crate) struct RingMemory {
     map: Memory,
-    /// The VM's extent this maps, given back on drop.
-    extent: Option<(Arc<Vm>, u64)>,
+    /// The VM's extent this maps, given back on drop; set once only (an
+    /// adoption's mapping gets it when nothing can fail any more:
+    /// [`Self::own_extent`]).
+    extent: OnceLock<(Arc<Vm>, u64)>,
 }
 
 enum Memory {
@@ -64,12 +66,12 @@ impl From<Mapping> for Memory {
 
 impl RingMemory {
     pub fn host(map: Mapping) -> RingMemory {
-        RingMemory { map: map.into(), extent: None }
+        RingMemory { map: map.into(), extent: OnceLock::new() }
     }
 
     /// A block of a host context's ring pool.
     pub fn pooled(block: super::ring_pool::Block) -> RingMemory {
-        RingMemory { map: Memory::Pooled(block), extent: None }
+        RingMemory { map: Memory::Pooled(block), extent: OnceLock::new() }
     }
 
     /// An extent of `len` bytes of `vm`'s region, mapped and zeroed:
@@ -103,18 +105,35 @@ impl RingMemory {
         // the guest may write it meanwhile, which a byte fill tolerates
         // (it forms no reference).
         unsafe { std::ptr::write_bytes(map.as_ptr(), 0, map.len()) };
-        Ok((offset, RingMemory { map: map.into(), extent: Some((vm.clone(), offset)) }))
+        Ok((offset, RingMemory { map: map.into(), extent: OnceLock::from((vm.clone(), offset)) }))
     }
 
     /// The extent `[offset, offset + len)` of `vm`'s region, which the
     /// caller reserved in its allocator, mapped as it is (a moved VM's
     /// ring, whose indices and entries are in it); given back on drop.
     pub fn reserved_in_vm(vm: &Arc<Vm>, offset: u64, len: usize) -> std::io::Result<RingMemory> {
+        let m = Self::unowned_in_vm(vm, offset, len)?;
+        m.own_extent(vm, offset);
+        Ok(m)
+    }
+
+    /// [`Self::reserved_in_vm`], the extent not given back on drop until
+    /// [`Self::own_extent`]: an adoption maps a moved context's segment
+    /// while the engine may still push events into it
+    /// (`RingTable::awaiting`), so a failed adoption must leave the
+    /// extent reserved, never free for a moment (issue 19, L1).
+    pub fn unowned_in_vm(vm: &Arc<Vm>, offset: u64, len: usize) -> std::io::Result<RingMemory> {
         let map = vm
             .region
             .try_clone()
             .and_then(|fd| Mapping::map_untrusted_in(fd, offset, len, None).map_err(Into::into))?;
-        Ok(RingMemory { map: map.into(), extent: Some((vm.clone(), offset)) })
+        Ok(RingMemory { map: map.into(), extent: OnceLock::new() })
+    }
+
+    /// The extent at `offset` of `vm`'s region, which this maps, is given
+    /// back when the last holder drops it (no effect if it owns one).
+    pub fn own_extent(&self, vm: &Arc<Vm>, offset: u64) {
+        let _ = self.extent.set((vm.clone(), offset));
     }
 
     pub fn len(&self) -> usize {

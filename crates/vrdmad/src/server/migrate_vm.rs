@@ -187,7 +187,7 @@ fn bad(m: String) -> Answer {
 /// or an extent), or any offset the snapshot gets wrong.
 pub(super) fn attach(shared: &Shared, snap: &TenantSnapshot) -> Result<Option<Attached>, Answer> {
     let Some(p) = &snap.placement else { return Ok(None) };
-    snap.check_placement().map_err(|e| bad(e.to_string()))?;
+    snap.check_placement(vrdma_shm::page_size() as u64).map_err(|e| bad(e.to_string()))?;
     let vm = vm_of(shared, snap.tenant).ok_or_else(|| {
         error(
             libc::ENOENT,
@@ -271,7 +271,11 @@ fn map_all(a: &mut Attached, snap: &TenantSnapshot, p: &Placement) -> Result<(),
         a.places.push((c.id, Kind::Context, c.id, Place::Ring(c.at, c.len)));
         // Its event ring, mapped apart from the extent (which the
         // adopting session claims): events raised before the adoption.
+        // Its pages alone (the segment's posted ring is the adopter's).
         let len = usize::try_from(c.len).map_err(|_| bad(format!("a context segment of {} bytes", c.len)))?;
+        let page = vrdma_shm::page_size();
+        let len =
+            vrdma_shm::ring_bytes(ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE).next_multiple_of(page).min(len);
         let map = vm
             .region
             .try_clone()
@@ -405,7 +409,7 @@ impl Attached {
             rings.srqs.insert(srq, InRing::new(ring, self.tenant));
         }
         for (ctx, ring) in self.events {
-            rings.awaiting.insert(ContextId(ctx), ring);
+            rings.awaiting.insert(ContextId(ctx), (self.tenant, ring));
         }
         for (qpn, r) in self.qps {
             rings.add_qp(qpn, r);
@@ -476,14 +480,20 @@ pub(super) fn claim_context(vm: &Vm, context: u32) -> Result<(u64, u64), Answer>
     Ok((at, len))
 }
 
-/// An adoption failed after `claim_context`: the segment's extent (freed
-/// with its mapping) is reserved again and unowned, for a later adoption.
-pub(super) fn unclaim_context(vm: &Vm, at: u64, len: u64) {
-    if vm.extents().reserve(at, len) == Some(len) {
-        vm.placed().orphans.push(at);
-    } else {
-        tracing::warn!(vm = %vm.name, at, "a context's segment was taken meanwhile; it cannot be adopted");
+/// An adoption failed after `claim_context`: the segment's extent at
+/// `at`, still reserved (the adoption's mapping did not own it), is
+/// unowned again, for a later adoption. Had the VM's tenant moved away
+/// meanwhile (`Finish` forgot the context and gave back the unowned
+/// extents), the extent is given back too.
+pub(super) fn unclaim_context(vm: &Vm, context: u32, at: u64) {
+    let mut placed = vm.placed();
+    if matches!(placed.get(context, Kind::Context, context), Some(Place::Ring(a, _)) if a == at) {
+        placed.orphans.push(at);
+        return;
     }
+    drop(placed);
+    tracing::info!(vm = %vm.name, ctx = context, at, "the VM moved away during a failed adoption: its segment given back");
+    vm.extents().free(at);
 }
 
 /// The memory extents an import took for `context` (the snapshot names
@@ -525,6 +535,54 @@ pub(super) fn hand_memory(g: &mut super::guest_memory::GuestMemory, context: u32
 mod tests {
     use super::super::guest_memory::GuestMemory;
     use super::*;
+
+    /// An adoption that fails after it claimed the context (no doorbell, the
+    /// engine said no) never frees the segment's extent, not even for a
+    /// moment: the engine may be pushing the context's events into its
+    /// ring there (`RingTable::awaiting`). The context is unowned again,
+    /// to adopt later; had its tenant moved away meanwhile, the extent is
+    /// given back with the rest (issue 19, L1 and P1).
+    #[test]
+    fn a_failed_adoption_leaves_the_contexts_segment_reserved_for_a_later_one() {
+        let dir = std::env::temp_dir().join(format!("vrdmad-unclaim-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let config = crate::config::VmConfig { memory_mib: 8, ..crate::config::VmConfig::new(0) };
+        let vm = Arc::new(Vm::create("g", &config, &dir).unwrap());
+        let (ctx, at, len) = (5u32, 0x10000u64, 0x10000u64);
+        assert_eq!(vm.extents().reserve(at, len), Some(len));
+        {
+            let mut placed = vm.placed();
+            placed.orphans = vec![at];
+            placed.record(ctx, Kind::Context, ctx, Place::Ring(at, len));
+        }
+        // What an adoption does until it fails: claims, maps the segment.
+        assert_eq!(claim_context(&vm, ctx).ok(), Some((at, len)));
+        let seg = RingMemory::unowned_in_vm(&vm, at, len as usize).unwrap();
+        drop(seg);
+        assert_eq!(vm.extents().reserve(at, len), None, "the segment's bytes free for another object");
+        unclaim_context(&vm, ctx, at);
+        assert_eq!(vm.placed().orphans, vec![at]);
+        // Adopted again: this time its mapping owns the extent.
+        assert_eq!(claim_context(&vm, ctx).ok(), Some((at, len)));
+        let seg = RingMemory::unowned_in_vm(&vm, at, len as usize).unwrap();
+        seg.own_extent(&vm, at);
+        drop(seg);
+        assert_eq!(vm.extents().reserve(at, len), Some(len), "given back with the adopted rings");
+        // Claimed, then the tenant moved away (`Finish`), then the
+        // adoption failed: given back, not left reserved for ever.
+        {
+            let mut placed = vm.placed();
+            placed.orphans = vec![at];
+        }
+        assert_eq!(claim_context(&vm, ctx).ok(), Some((at, len)));
+        moved_away(&vm, &[ContextId(ctx)]);
+        unclaim_context(&vm, ctx, at);
+        assert!(vm.placed().orphans.is_empty());
+        assert_eq!(vm.extents().reserve(at, len), Some(len), "given back after the move");
+        drop(vm);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     /// A session adopting a moved context takes every extent its region of
     /// pieces lies on (an import left them unowned), and holds each while

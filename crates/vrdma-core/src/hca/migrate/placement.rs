@@ -425,8 +425,22 @@ fn check_channels(
 impl TenantSnapshot {
     /// Checks the snapshot's placement alone (see [`check`]), for a driver
     /// that maps the region before the import, which checks it again with
-    /// everything else.
-    pub fn check_placement(&self) -> Result<(), SnapshotError> {
-        check(self)
+    /// everything else; and that each context's segment starts on a page
+    /// of `page` bytes (the driver's): a guest session adopting the context
+    /// maps it by itself, as the driver does its event ring until then, so
+    /// a segment off a page is a malformed snapshot, refused here rather
+    /// than as a mapping that fails.
+    pub fn check_placement(&self, page: u64) -> Result<(), SnapshotError> {
+        check(self)?;
+        let Some(p) = &self.placement else { return Ok(()) };
+        for c in &p.contexts {
+            if page == 0 || !c.at.is_multiple_of(page) {
+                return Err(invalid(format!(
+                    "context {}: segment at {:#x}, not on a page of {page} bytes",
+                    c.id, c.at
+                )));
+            }
+        }
+        Ok(())
     }
 }

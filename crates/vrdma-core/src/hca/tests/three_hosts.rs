@@ -664,7 +664,13 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
         pieces: vec![Extent { at: 8 * page, len: 1 }, Extent { at: 3 * page, len: mr.len - 1 }],
     }];
     pieced.placement = Some(p.clone());
-    pieced.check_placement().unwrap();
+    pieced.check_placement(page).unwrap();
+    // A context's segment 64-byte aligned but off a page: refused by the
+    // check a driver runs before it maps anything.
+    let mut off_page = pieced.clone();
+    off_page.placement.as_mut().unwrap().contexts.last_mut().unwrap().at += 64;
+    let e = off_page.check_placement(page).expect_err("a context's segment off a page");
+    assert!(e.to_string().contains("not on a page"), "{e}");
     assert_eq!(TenantSnapshot::decode(&pieced.encode()).unwrap().placement, Some(p));
     // The good one imports, and decodes to what was encoded.
     let good = with(&|_| {});
@@ -759,7 +765,7 @@ fn a_placement_is_carried_and_checked_against_the_region_and_the_objects() {
             f.qps[0].init.cap.max_send_wr = u32::MAX;
             f.qps[0].init.cap.max_send_sge = u32::MAX;
             f.placement = Some(placed.clone());
-            f.check_placement().expect_err("a ring of 2^68 bytes fits nowhere");
+            f.check_placement(page).expect_err("a ring of 2^68 bytes fits nowhere");
             f.encode()
         }),
         ("rings overlapping", with(&|p| p.qps[0].at = p.cqs[0].at)),

@@ -56,9 +56,10 @@ impl Session {
         let (doorbell_tenant, event_tenant, channels) = match installed {
             Ok(fds) => fds,
             Err(a) => {
-                // Everything that mapped the segment is gone (its extent
-                // freed with it): the context's again, to adopt later.
-                super::super::migrate_vm::unclaim_context(&vm, at, len);
+                // Everything that mapped the segment is gone, its extent
+                // still reserved (no mapping of the adoption owned it):
+                // the context's again, to adopt later.
+                super::super::migrate_vm::unclaim_context(&vm, context, at);
                 return Err(a);
             }
         };
@@ -152,8 +153,12 @@ impl Session {
         at: u64,
         len: u64,
     ) -> Result<(Doorbell, Doorbell), Answer> {
+        // Not owning the extent until the engine has the rings: the
+        // engine pushes this context's events into its ring meanwhile
+        // (`RingTable::awaiting`), so a failure on the way must not free
+        // those bytes, not even for a moment.
         let seg = Arc::new(
-            RingMemory::reserved_in_vm(vm, at, len as usize)
+            RingMemory::unowned_in_vm(vm, at, len as usize)
                 .map_err(|e| error(ENOMEM, format!("cannot map the context's segment at {at:#x}: {e}")))?,
         );
         let (posted_at, need) = vrdma_core::proto::context_segment_layout();
@@ -164,12 +169,11 @@ impl Session {
         };
         let events = view(0, ASYNC_RING_CAPACITY, ASYNC_EVENT_SIZE)?;
         let posted = view(posted_at, POSTED_RING_CAPACITY, POSTED_SLOT_SIZE)?;
-        drop(seg);
         let (doorbell, doorbell_tenant) = Doorbell::pair()?;
         let doorbell = Arc::new(doorbell);
         let (event_fd, event_tenant) = Doorbell::pair_with_hangup()?;
         let origin = crate::engine::Origin::Vm(vm.name.clone());
-        let (ctx, tenant) = (ContextId(context), self.tenant);
+        let (ctx, tenant, vm) = (ContextId(context), self.tenant, vm.clone());
         self.shared
             .engine
             .call(move |e| {
@@ -182,6 +186,10 @@ impl Session {
                 if e.rings.contexts.contains_key(&ctx) {
                     return Err(error(libc::EBUSY, format!("context {context} has a session already")));
                 }
+                // Nothing fails from here: the segment's mapping owns its
+                // extent, given back when the context's rings go.
+                seg.own_extent(&vm, at);
+                drop(seg);
                 e.processes.insert(ctx, origin);
                 // Its QPs' rings are there since the import: the context
                 // names them from now on.
