@@ -103,4 +103,58 @@ mod tests {
         assert_eq!(crate::dev::held_lines(), 0, "said once A is let go");
         assert!(A.try_lock().is_ok());
     }
+
+    /// A line said under a connection's lock in an exit handler (the
+    /// exit's flush of a resend's queue) is said: the held lines have no
+    /// thread-local destructor, which glibc runs before the exit handlers
+    /// (review L1: such a warning was dropped). In a forked child, its
+    /// descriptor 2 a pipe, the held list used once before as a rule.
+    #[test]
+    fn a_line_held_in_an_exit_handler_is_said() {
+        extern "C" fn at_exit() {
+            static L: ConnLock<u32> = ConnLock::new(0);
+            static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let g = L.lock();
+            crate::dev::warn_once(&SAID, "vrdma-sockets unit test: said at the exit");
+            drop(g);
+        }
+        let mut pipe = [0; 2];
+        // SAFETY: pipe(2) writes two descriptors into `pipe`.
+        assert_eq!(unsafe { libc::pipe(pipe.as_mut_ptr()) }, 0);
+        // SAFETY: fork(2); the child uses only its own thread's state.
+        let pid = unsafe { libc::fork() };
+        assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+        if pid == 0 {
+            static ONCE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            static L: ConnLock<u32> = ConnLock::new(0);
+            // SAFETY: the child's own descriptors and exit handlers.
+            unsafe {
+                libc::dup2(pipe[1], 2);
+                let g = L.lock();
+                crate::dev::warn_once(&ONCE, "vrdma-sockets unit test: before");
+                drop(g);
+                libc::atexit(at_exit);
+                libc::exit(0);
+            }
+        }
+        // SAFETY: our copy of the child's end.
+        unsafe { libc::close(pipe[1]) };
+        let mut status = 0;
+        // SAFETY: waitpid(2) on our child.
+        assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+        let mut got = Vec::new();
+        let mut buf = [0u8; 256];
+        loop {
+            // SAFETY: read(2) into our buffer.
+            let n = unsafe { libc::read(pipe[0], buf.as_mut_ptr().cast(), buf.len()) };
+            if n <= 0 {
+                break;
+            }
+            got.extend_from_slice(&buf[..n as usize]);
+        }
+        // SAFETY: our end.
+        unsafe { libc::close(pipe[0]) };
+        let got = String::from_utf8_lossy(&got);
+        assert!(got.contains("before") && got.contains("said at the exit"), "{got:?}");
+    }
 }

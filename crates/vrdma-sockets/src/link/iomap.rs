@@ -151,6 +151,9 @@ impl Link {
         self.send_entry(slot, encode(gen, Some(entry)))?;
         l.gens[slot] = gen;
         l.maps.push(Mapping { slot, buf: buf as usize, len, offset, _mr: mr });
+        // (The maps' lock first: the lines said under the send lock are
+        // said as it goes, `crate::connlock`.)
+        drop(l);
         drop(tx);
         Ok(offset as i64)
     }
