@@ -146,12 +146,75 @@ pub fn debug(msg: &str) {
 /// Through the library where a call of the program's makes it (its
 /// descriptor 2 may be a carried connection, whose bytes go over the
 /// ring: a raw write there would put them on the kernel socket, out of
-/// the stream's order), so never while a lock of a connection is held
-/// (its write may need that lock: [`later`]). Marked [`saying`] while it
-/// writes: an error the library keeps for the program's next call on the
-/// connection is not the line's to take.
+/// the stream's order), so never while this thread holds a lock of a
+/// connection (its write may need that lock, and would wait for it for
+/// ever): such a line is held back and said once the last is let go
+/// (`crate::connlock`). Marked [`saying`] while it writes: an error the
+/// library keeps for the program's next call on the connection is not
+/// the line's to take.
 fn line(text: &str) {
+    if DEPTH.with(|d| d.get()) > 0 {
+        HELD.with(|h| {
+            let mut v = take_held(h);
+            v.push(text.to_owned());
+            h.set(Box::into_raw(Box::new(v)));
+        });
+        return;
+    }
     as_saying(|| write_stderr(text.as_bytes()));
+}
+
+/// The lines held in `h`, which is left empty.
+fn take_held(h: &std::cell::Cell<*mut Vec<String>>) -> Vec<String> {
+    let p = h.replace(std::ptr::null_mut());
+    if p.is_null() {
+        return Vec::new();
+    }
+    // SAFETY: a non-null pointer in HELD came from `Box::into_raw` in
+    // `line` and was taken out of the cell above, so it is owned here.
+    *unsafe { Box::from_raw(p) }
+}
+
+/// This thread takes a lock of a connection (`crate::connlock`): its
+/// lines are held back until [`let_go`] brings the count back to 0.
+pub fn hold() {
+    DEPTH.with(|d| d.set(d.get() + 1));
+}
+
+/// This thread let a lock of a connection go (after [`hold`]): at the
+/// last, the lines held meanwhile are said, in order (a line said while
+/// saying them, its write taking and letting a lock go, is said too).
+pub fn let_go() {
+    let last = DEPTH.with(|d| {
+        let n = d.get().saturating_sub(1);
+        d.set(n);
+        n == 0
+    });
+    if !last {
+        return;
+    }
+    loop {
+        let held = HELD.with(take_held);
+        if held.is_empty() {
+            return;
+        }
+        for text in held {
+            line(&text);
+        }
+    }
+}
+
+/// The lines this thread holds back now.
+#[cfg(test)]
+pub fn held_lines() -> usize {
+    HELD.with(|h| {
+        let v = take_held(h);
+        let n = v.len();
+        if n > 0 {
+            h.set(Box::into_raw(Box::new(v)));
+        }
+        n
+    })
 }
 
 /// Writes `bytes` whole to descriptor 2, as `send` with `MSG_NOSIGNAL`
@@ -190,48 +253,31 @@ fn write_stderr(mut bytes: &[u8]) {
     }
 }
 
-/// Runs `f` (the write of a line) marked [`saying`].
+/// Runs `f` (the write of a line) marked [`saying`], the mark as it was
+/// after (a line said inside another's write leaves the outer marked).
 fn as_saying(f: impl FnOnce()) {
-    let _ = SAYING.try_with(|s| s.set(true));
+    let before = SAYING.with(|s| s.replace(true));
     f();
-    let _ = SAYING.try_with(|s| s.set(false));
+    SAYING.with(|s| s.set(before));
 }
 
+// None of these has a destructor, so none is torn down before the
+// process's exit handlers run (glibc runs the thread's destructors first)
+// and a `vfork` child, which runs on its parent thread's, destroys none.
 thread_local! {
     /// This thread writes one of the library's own lines ([`line`]).
     static SAYING: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-    /// Lines held back until a lock is let go ([`later`], [`say_held`]).
-    static HELD: std::cell::RefCell<Vec<(Option<&'static std::sync::atomic::AtomicU32>, String)>> =
-        const { std::cell::RefCell::new(Vec::new()) };
+    /// The locks of connections this thread holds ([`hold`]).
+    static DEPTH: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+    /// Lines held back meanwhile, boxed (null: none); a thread that ends
+    /// holding some (it cannot: every lock is let go first) leaks them.
+    static HELD: std::cell::Cell<*mut Vec<String>> = const { std::cell::Cell::new(std::ptr::null_mut()) };
 }
 
 /// Whether this thread is writing one of the library's own lines: its
 /// write must leave the program's kept errors alone (`link/outq.rs`).
 pub fn saying() -> bool {
-    SAYING.try_with(|s| s.get()).unwrap_or(false)
-}
-
-/// As [`warn_once`] (`said`) or [`debug`] (`None`), said by this thread's
-/// next [`say_held`]: for a caller that holds a lock its own write of
-/// stderr may need (descriptor 2 can be the very connection whose lock
-/// it is: the write would wait for it for ever).
-pub fn later(said: Option<&'static std::sync::atomic::AtomicU32>, msg: String) {
-    if said.is_none() && !debugging() {
-        return;
-    }
-    let _ = HELD.try_with(|h| h.borrow_mut().push((said, msg)));
-}
-
-/// Says the lines held back by [`later`] on this thread, once the locks
-/// are let go.
-pub fn say_held() {
-    let held = HELD.try_with(|h| std::mem::take(&mut *h.borrow_mut())).unwrap_or_default();
-    for (said, msg) in held {
-        match said {
-            Some(s) => warn_once(s, &msg),
-            None => debug(&msg),
-        }
-    }
+    SAYING.with(|s| s.get())
 }
 
 #[cfg(test)]
@@ -246,6 +292,19 @@ mod tests {
         let mut during = false;
         as_saying(|| during = saying());
         assert!(during);
+        assert!(!saying());
+    }
+
+    /// A line said inside another's write (nested) leaves the outer one
+    /// marked for the rest of its write.
+    #[test]
+    fn a_nested_line_leaves_the_outer_marked() {
+        let (mut inner, mut after) = (false, false);
+        as_saying(|| {
+            as_saying(|| inner = saying());
+            after = saying();
+        });
+        assert!(inner && after);
         assert!(!saying());
     }
 
@@ -298,16 +357,5 @@ mod tests {
         // SAFETY: our end.
         unsafe { libc::close(pipe[0]) };
         assert_eq!(&got[..n.max(0) as usize], b"whole line\n");
-    }
-
-    /// A line held back is said by the next `say_held`, once.
-    #[test]
-    fn a_line_held_back_is_said_at_the_next_say_held_once() {
-        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        later(Some(&SAID), "vrdma-sockets unit test: a line held back".into());
-        assert_eq!(SAID.load(std::sync::atomic::Ordering::Relaxed), 0);
-        say_held();
-        assert_eq!(SAID.load(std::sync::atomic::Ordering::Relaxed), std::process::id());
-        assert!(HELD.with(|h| h.borrow().is_empty()));
     }
 }

@@ -91,10 +91,12 @@ fn done(r: Result<usize, c_int>) -> ssize_t {
 }
 
 /// As the kernel does for TCP: a write to a connection that is gone raises
-/// SIGPIPE unless the caller said MSG_NOSIGNAL.
+/// SIGPIPE unless the caller said MSG_NOSIGNAL, or it is the library's
+/// own line (`crate::dev::saying`: a program that does not ignore the
+/// signal must not die of a diagnostic, whichever call writes it).
 fn done_write(r: Result<usize, c_int>, nosignal: bool) -> ssize_t {
     let r = if r == Err(ENDED) { Err(libc::EPIPE) } else { r };
-    if r == Err(libc::EPIPE) && !nosignal {
+    if r == Err(libc::EPIPE) && !nosignal && !crate::dev::saying() {
         // SAFETY: raise(3) on this thread.
         unsafe { libc::raise(libc::SIGPIPE) };
     }
@@ -971,6 +973,12 @@ pub unsafe extern "C" fn close(fd: c_int) -> c_int {
 pub unsafe extern "C" fn shutdown(fd: c_int, how: c_int) -> c_int {
     if how == libc::SHUT_WR || how == libc::SHUT_RDWR {
         if let Target::Link(l) = target(fd) {
+            // A resend cut short whose reset could not disconnect the
+            // socket: no FIN behind the hole (reset for the program).
+            if l.out_stuck() {
+                set_errno(libc::ENOTCONN);
+                return -1;
+            }
             // Behind an exec's resend still queued, the FIN waits for it
             // (sent once the queue is: `link/outq.rs`).
             if l.shut_write() {

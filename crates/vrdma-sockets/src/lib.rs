@@ -122,6 +122,7 @@
 mod addr;
 mod blocking;
 mod cloexec;
+mod connlock;
 mod credit;
 mod dev;
 mod epoll;

@@ -17,6 +17,7 @@
 //! region mirrors it: bytes to send at their ring offsets, then the words
 //! sent from.
 
+use crate::connlock::ConnLock;
 use std::collections::VecDeque;
 use std::sync::atomic::{fence, AtomicBool, AtomicI32, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -207,7 +208,7 @@ pub struct Link {
     /// As the peer of an exec demotion: the resend's bytes the kernel did
     /// not take at once ([`outq`]), their count (0: none) and the process
     /// whose queue it is.
-    out: Mutex<outq::OutQ>,
+    out: ConnLock<outq::OutQ>,
     out_len: AtomicUsize,
     out_pid: AtomicU32,
     /// A push of the queue failed with this errno (0: none): the
@@ -218,6 +219,11 @@ pub struct Link {
     /// The queue was cut short and the connection reset: it never
     /// becomes plain TCP for this end's holders.
     out_reset: AtomicBool,
+    /// That reset could not disconnect the socket (its fallback, a linger
+    /// of 0, resets it only at the last close): the connection is still
+    /// up behind the bytes dropped, so every later call of the program on
+    /// it fails with `ECONNRESET` (`Link::take_out_err`), as one reset.
+    out_stuck: AtomicBool,
     /// A `shutdown(SHUT_WR)` waits for the queue (a flag, not under the
     /// queue's lock, which a blocking writer may hold), and whether the
     /// kernel socket's `SHUT_WR` was done since.
@@ -284,12 +290,12 @@ pub struct Link {
     iowrites: AtomicU32,
     io_direct: AtomicU32,
     io_unsignaled: AtomicU32,
-    rx: Mutex<Rx>,
+    rx: ConnLock<Rx>,
     /// A non-blocking read left the ring unarmed (the connection is
     /// waited for only in epoll sets: [`Self::lazy_look`]); cleared by an
     /// arming.
     unarmed: AtomicBool,
-    tx: Mutex<Tx>,
+    tx: ConnLock<Tx>,
     /// This end's mappings for the peer's direct placement (taken after
     /// `tx`).
     iomaps: Mutex<iomap::Local>,
@@ -448,11 +454,12 @@ impl Half {
             p_wr: AtomicBool::new(false),
             p_rd: AtomicBool::new(false),
             p_wr_began: AtomicBool::new(false),
-            out: Mutex::new(outq::OutQ::default()),
+            out: ConnLock::new(outq::OutQ::default()),
             out_len: AtomicUsize::new(0),
             out_pid: AtomicU32::new(0),
             out_err: AtomicI32::new(0),
             out_reset: AtomicBool::new(false),
+            out_stuck: AtomicBool::new(false),
             out_shut: AtomicBool::new(false),
             out_shut_done: AtomicBool::new(false),
             out_linger: Mutex::new(None),
@@ -484,8 +491,16 @@ impl Half {
             io_direct: AtomicU32::new(0),
             io_unsignaled: AtomicU32::new(0),
             // Both ends start armed with generation 1 (set just above).
-            rx: Mutex::new(Rx { rd: 0, acked: 0, eof: false, gen: 1, armed: true, arm_id: 0, settled: true }),
-            tx: Mutex::new(Tx::default()),
+            rx: ConnLock::new(Rx {
+                rd: 0,
+                acked: 0,
+                eof: false,
+                gen: 1,
+                armed: true,
+                arm_id: 0,
+                settled: true,
+            }),
+            tx: ConnLock::new(Tx::default()),
             iomaps: Mutex::new(iomap::Local::default()),
         })
     }
@@ -877,8 +892,7 @@ impl Link {
         }
         Some(match self.rx.try_lock() {
             Ok(rx) => self.waiting(rx.rd),
-            Err(std::sync::TryLockError::Poisoned(p)) => self.waiting(p.into_inner().rd),
-            Err(std::sync::TryLockError::WouldBlock) => 0,
+            Err(_) => 0,
         })
     }
 
@@ -909,7 +923,7 @@ impl Link {
             return self.read_kernel(iov, 0, nonblocking, peek, all);
         }
         crate::pause::at(crate::pause::Point::RecvLock);
-        let mut rx = lock(&self.rx);
+        let mut rx = self.rx.lock();
         // Switched by another reader thread while this one waited for
         // the receive lock: the socket's head is data now, no marker.
         if self.p_reads_switched() {
@@ -992,7 +1006,7 @@ impl Link {
                     drop(rx);
                     self.p_switch_writes_now()?;
                     self.watch_out();
-                    rx = lock(&self.rx);
+                    rx = self.rx.lock();
                     if self.p_reads_switched() {
                         drop(rx);
                         return self.read_kernel(iov, 0, nonblocking, peek, all);
@@ -1489,7 +1503,7 @@ impl Link {
             return r;
         }
         crate::pause::at(crate::pause::Point::SendLock);
-        let mut tx = lock(&self.tx);
+        let mut tx = self.tx.lock();
         if after_send_lock(self.d_state()) == Recheck::Demoted {
             // Waited for the send lock while the driver demoted (it held
             // it): its marker is sent, so nothing more may go into the
@@ -1781,7 +1795,7 @@ impl Link {
         if self.shut_demoted() {
             return self.shut_behind_out();
         }
-        let mut tx = lock(&self.tx);
+        let mut tx = self.tx.lock();
         // Demoted while this waited for the send lock (the driver's count
         // and marker went): as above. A demotion that only began
         // (`D_DEMOTING`) has not had the send lock yet: this shut goes

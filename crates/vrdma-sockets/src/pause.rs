@@ -31,6 +31,10 @@ pub(crate) enum Point {
     /// its bytes (its marker and part of the range) and fails, as a send
     /// that timed out (`fails`).
     ResendFails,
+    /// Not a pause: the reset of a connection whose exec resend was cut
+    /// short cannot disconnect it (as where `connect(AF_UNSPEC)` fails):
+    /// its fallback, a linger of 0, is taken (`fails`).
+    ResetFallsBack,
 }
 
 impl Point {
@@ -42,6 +46,7 @@ impl Point {
             Point::RingThenSocket => "ring-then-socket",
             Point::DemoteLock => "demote-lock",
             Point::ResendFails => "resend-fails",
+            Point::ResetFallsBack => "reset-falls-back",
         }
     }
 }

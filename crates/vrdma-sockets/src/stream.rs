@@ -7,7 +7,7 @@
 //! it is closed.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use libc::c_int;
@@ -43,7 +43,7 @@ pub struct Stream {
     /// The connection as the registry names it (announced or claimed).
     tuple: Tuple,
     sock: Arc<Sock>,
-    phase: Mutex<Phase>,
+    phase: crate::connlock::ConnLock<Phase>,
 }
 
 /// The library's own duplicate of the socket, closed when both the stream
@@ -145,7 +145,7 @@ impl Stream {
                 client: matches!(phase, Phase::Announced(_)),
                 tuple,
                 sock: Arc::new(Sock::new(sock)),
-                phase: Mutex::new(phase),
+                phase: crate::connlock::ConnLock::new(phase),
             })
         })
     }
@@ -197,7 +197,7 @@ impl Stream {
     /// Whether both ends exchanged their hellos: the bytes go through the
     /// rings.
     pub fn is_carried(&self) -> bool {
-        matches!(*self.phase.lock().unwrap_or_else(|e| e.into_inner()), Phase::Carried(_))
+        matches!(*self.phase.lock(), Phase::Carried(_))
     }
 
     /// Not decided yet: the outcome or the hellos are still to come (or
@@ -205,10 +205,7 @@ impl Stream {
     pub fn undecided(&self) -> bool {
         match self.phase.try_lock() {
             Ok(p) => matches!(*p, Phase::Announced(_) | Phase::Agreed),
-            Err(std::sync::TryLockError::Poisoned(p)) => {
-                matches!(*p.into_inner(), Phase::Announced(_) | Phase::Agreed)
-            }
-            Err(std::sync::TryLockError::WouldBlock) => true,
+            Err(_) => true,
         }
     }
 
@@ -233,10 +230,8 @@ impl Stream {
             if self.owner.is_tcp() {
                 return Some(true);
             }
-            match self.phase.try_lock() {
-                Ok(p) => return Some(decided(&p)),
-                Err(std::sync::TryLockError::Poisoned(p)) => return Some(decided(&p.into_inner())),
-                Err(std::sync::TryLockError::WouldBlock) => {}
+            if let Ok(p) = self.phase.try_lock() {
+                return Some(decided(&p));
             }
             if start.elapsed() >= bound {
                 return None;
@@ -263,7 +258,7 @@ impl Stream {
     /// runs, then TCP for every holder.
     #[cfg(test)]
     pub fn decide_tcp_for_test(self: &Arc<Stream>, during: impl FnOnce()) {
-        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.phase.lock();
         during();
         self.owner.set_tcp();
         crate::table::forget_stream(self);
@@ -305,7 +300,7 @@ impl Stream {
 
     /// A client whose connect failed: its announcement is withdrawn.
     pub fn abandon(&self) {
-        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.phase.lock();
         if let (Phase::Announced(t), Some(d)) = (&*p, dev()) {
             let _ = d.ctx.sock_resolve(*t, true);
         }
@@ -317,7 +312,7 @@ impl Stream {
     /// server's claim, both ends exchange hellos) and says where the call
     /// goes. Only for the process that took it ([`Owner::take`]).
     pub fn route(self: &Arc<Stream>) -> Res<Route> {
-        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.phase.lock();
         loop {
             match &*p {
                 Phase::Carried(l) => return Ok(Route::Link(l.clone())),
@@ -489,7 +484,7 @@ impl Stream {
             }
             Take::Other => return,
         }
-        let mut p = self.phase.lock().unwrap_or_else(|e| e.into_inner());
+        let mut p = self.phase.lock();
         // Another holder (ncat's relay, whose child execs) waits for the
         // outcome rather than failing with EIO ([`Owner::take`]); cleared
         // once the driver's word changed, at every return below.
@@ -604,7 +599,7 @@ impl Drop for Stream {
     fn drop(&mut self) {
         // No lock: a forked child's copy of it may be held for ever by a
         // thread of the parent that the child does not have.
-        let phase = self.phase.get_mut().unwrap_or_else(|e| e.into_inner());
+        let phase = self.phase.get_mut();
         if self.owner.mine() {
             if let Phase::Carried(l) = phase {
                 // Carried before a fork, and perhaps still held by the

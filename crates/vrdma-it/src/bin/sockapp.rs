@@ -951,12 +951,53 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
     if std::env::var_os("SOCKAPP_EXPECT_FAILURE").is_some() {
         // The library's switch fails midway (a test knob): this read and
         // the next call fail, and nothing more is sent.
-        let r = s.read(&mut g).map_err(|e| e.raw_os_error());
-        println!("goclient: the go byte read: {r:?}");
-        let r = s.write(b"x").map_err(|e| e.raw_os_error());
-        println!("goclient: then a write: {r:?}");
-        let r = s.read(&mut g).map_err(|e| e.raw_os_error());
-        println!("goclient: then a read: {r:?}");
+        // `SOCKAPP_STDERR_EARLY`: descriptor 2 is the connection (`dup2`)
+        // for these calls (the library's lines said while it switches,
+        // with the connection's send lock held, go into it), SIGPIPE as a
+        // C program has it (default), and the calls are waited for 20 s
+        // at most (`the go byte read hangs`, exit status 3).
+        let early = std::env::var_os("SOCKAPP_STDERR_EARLY").is_some();
+        let mut saved = -1;
+        if early {
+            use std::os::fd::AsRawFd;
+            // SAFETY: signal(2), dup(2) and dup2(2) of our descriptors.
+            unsafe {
+                libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+                saved = libc::dup(2);
+                if saved < 0 || libc::dup2(s.as_raw_fd(), 2) != 2 {
+                    return Err(format!("dup2 onto 2: {}", std::io::Error::last_os_error()));
+                }
+            }
+        }
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut said = Vec::new();
+            let r = s.read(&mut g).map_err(|e| e.raw_os_error());
+            said.push(format!("goclient: the go byte read: {r:?}"));
+            let r = s.write(b"x").map_err(|e| e.raw_os_error());
+            said.push(format!("goclient: then a write: {r:?}"));
+            let r = s.read(&mut g).map_err(|e| e.raw_os_error());
+            said.push(format!("goclient: then a read: {r:?}"));
+            let _ = tx.send((said, s));
+        });
+        let got = rx.recv_timeout(std::time::Duration::from_secs(20));
+        if early {
+            // SAFETY: dup2(2) and close(2) of our descriptors.
+            unsafe {
+                libc::dup2(saved, 2);
+                libc::close(saved);
+            }
+        }
+        let Ok((said, _s)) = got else {
+            println!("goclient: the go byte read hangs (20 s)");
+            use std::io::Write as _;
+            let _ = std::io::stdout().flush();
+            // SAFETY: _exit(2): the hung thread holds the library's locks.
+            unsafe { libc::_exit(3) };
+        };
+        for l in said {
+            println!("{l}");
+        }
         std::thread::sleep(std::time::Duration::from_millis(300));
         return Ok(());
     }
@@ -1007,13 +1048,16 @@ fn bulk_goclient(mut s: TcpStream, bytes: u64) -> Result<(), String> {
 /// forked that keeps the descriptor (it waits on a pipe) while this
 /// process closes its own, then lets the child go (`closed with a forked
 /// child holding it`); `stderr`: blocking writes, and once the `wf`
-/// bytes are read, descriptor 2 becomes the connection (`dup2`) while
-/// the writer waits behind the queue, and the writer's result is waited
+/// bytes are read, SIGPIPE is set to its default (as a C program's)
+/// and descriptor 2 becomes the connection (`dup2`) while the writer
+/// waits behind the queue, and the writer's result is waited
 /// for 20 s at most (`the writer: ...`, or `the writer hangs` and exit
 /// status 3), descriptor 2 given back first; `execfail`: nothing, and
 /// before anything is read, an `execv` of a path that does not exist
-/// (`execv of /no/such failed`), then this side is shut, the `wf` bytes
-/// read and the connection closed (`closed after ...`); `vforkexit`:
+/// (`execv of /no/such failed`), then this side is shut (a byte written
+/// first where `SOCKAPP_EXECFAIL_WRITE`: `after the failed exec, a write:
+/// ...`), the `wf` bytes read and the connection closed (`closed after
+/// ...`); `vforkexit`:
 /// blocking writes, and before the `wf` bytes are read, a `vfork`-like
 /// child (made from a thread of its own) that calls `exit`, which runs
 /// the exit handlers in this memory (`a vfork child called exit`)), and this thread
@@ -1181,7 +1225,15 @@ fn bulk_after_written_first(
         eprintln!("goclient: execv of /no/such failed: {rc} ({})", std::io::Error::last_os_error());
         // The program reads the resend, then this end (the connection
         // reset instead: the reads below fail, an error, not a loss).
-        let _ = r.shutdown(Shutdown::Write);
+        if std::env::var_os("SOCKAPP_EXECFAIL_WRITE").is_some() {
+            // A byte written, the shutdown's result said (a queue cut
+            // short at the exec: they must fail, never go out behind it).
+            let w = (&r).write(b"x").map_err(|e| e.raw_os_error());
+            let sh = r.shutdown(Shutdown::Write).map_err(|e| e.raw_os_error());
+            eprintln!("goclient: after the failed exec, a write: {w:?}, the shutdown: {sh:?}");
+        } else {
+            let _ = r.shutdown(Shutdown::Write);
+        }
     }
     if vforkexit {
         // (The resend queued, as a rule, a blocking writer behind it.) A
@@ -1218,6 +1270,10 @@ fn bulk_after_written_first(
         // writer's push meets the reset, and the library warns on
         // descriptor 2, this very connection.)
         let fd = r.as_raw_fd();
+        // SIGPIPE as a C program has it (default): the library's own
+        // line meeting the reset on descriptor 2 must not kill it.
+        // SAFETY: signal(2) with the default disposition.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
         // SAFETY: dup(2) and dup2(2) of our descriptors.
         let saved = unsafe { libc::dup(2) };
         // SAFETY: as above.

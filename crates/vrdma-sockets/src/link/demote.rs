@@ -283,7 +283,7 @@ impl Link {
             crate::pause::at(crate::pause::Point::DemoteLock);
             // Writers waiting for credits leave their waits (`credits`
             // looks at the state); the rest finish their write first.
-            let tx = lock(&self.tx);
+            let tx = self.tx.lock();
             let w = tx.wr;
             // An exec's resend this end still queues goes before anything
             // else (the holders write to the kernel socket from now on).
@@ -697,6 +697,11 @@ impl Link {
         peek: bool,
         all: bool,
     ) -> Res<usize> {
+        // The queue cut short and the socket not disconnected: reset, for
+        // the program, for good (`Link::take_out_err`).
+        if self.out_stuck() {
+            return Err(libc::ECONNRESET);
+        }
         let mut v = Vec::with_capacity(iov.len());
         let mut skip = skip;
         for &(p, n) in iov {
@@ -971,7 +976,7 @@ impl Link {
     /// As the peer (P), no lock held: [`Self::p_switch_writes`] under the
     /// send lock.
     pub(super) fn p_switch_writes_now(&self) -> Res<()> {
-        let mut tx = lock(&self.tx);
+        let mut tx = self.tx.lock();
         self.p_switch_writes(&mut tx)
     }
 
@@ -997,43 +1002,56 @@ impl Link {
     /// Resets the kernel connection of `sock` (a `connect` to
     /// `AF_UNSPEC`; failing that, a linger of 0, so that its last close
     /// is a reset): the program there reads an error, never a short
-    /// stream.
-    pub(super) fn reset_sock(sock: c_int) {
+    /// stream. Whether it disconnected it now (not: the fallback).
+    pub(super) fn reset_sock(sock: c_int) -> bool {
+        if crate::pause::fails(crate::pause::Point::ResetFallsBack) {
+            return Self::linger_zero(sock);
+        }
         // SAFETY: a zeroed sockaddr with family AF_UNSPEC, its size.
         let r = unsafe {
             let mut a: libc::sockaddr = std::mem::zeroed();
             a.sa_family = libc::AF_UNSPEC as libc::sa_family_t;
             real::connect(sock, &a, std::mem::size_of::<libc::sockaddr>() as libc::socklen_t)
         };
+        if r == 0 {
+            return true;
+        }
+        // Not disconnected (an older kernel, a socket state that refuses
+        // it, a ULP such as kTLS): a linger of 0 makes the last close a
+        // reset, not a FIN that would read as a clean, short stream (no
+        // shutdown: that sends one). The caller makes this end's later
+        // calls fail, so nothing more goes out behind the hole.
+        crate::dev::debug(&format!(
+            "the reset by a connect to AF_UNSPEC failed (errno {}): linger 0, reset at the close",
+            crate::table::errno()
+        ));
+        Self::linger_zero(sock)
+    }
+
+    /// [`Self::reset_sock`]'s fallback: a linger of 0 on `sock` (false).
+    fn linger_zero(sock: c_int) -> bool {
+        let lg = libc::linger { l_onoff: 1, l_linger: 0 };
+        // SAFETY: setsockopt(2) with a linger of ours, its size.
+        let r = unsafe {
+            real::setsockopt(
+                sock,
+                libc::SOL_SOCKET,
+                libc::SO_LINGER,
+                (&lg as *const libc::linger).cast(),
+                std::mem::size_of::<libc::linger>() as libc::socklen_t,
+            )
+        };
         if r != 0 {
-            // Not disconnected (an older kernel, a socket state that
-            // refuses it): a linger of 0 makes the last close a reset,
-            // not a FIN that would read as a clean, short stream (no
-            // shutdown: that sends one). This end's later calls fail
-            // (the switch is final), so nothing more goes out.
-            crate::dev::debug(&format!(
-                "the reset by a connect to AF_UNSPEC failed (errno {}): linger 0, reset at the close",
-                crate::table::errno()
-            ));
-            let lg = libc::linger { l_onoff: 1, l_linger: 0 };
-            // SAFETY: setsockopt(2) with a linger of ours, its size.
-            let r = unsafe {
-                real::setsockopt(
-                    sock,
-                    libc::SOL_SOCKET,
-                    libc::SO_LINGER,
-                    (&lg as *const libc::linger).cast(),
-                    std::mem::size_of::<libc::linger>() as libc::socklen_t,
-                )
-            };
-            if r != 0 {
-                static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-                crate::dev::warn_once(&SAID, &format!(
+            static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            crate::dev::warn_once(
+                &SAID,
+                &format!(
                     "the reset's fallback (SO_LINGER 0) failed too (errno {}): the connection ends by a plain close",
                     crate::table::errno()
-                ));
-            }
+                ),
+            );
         }
+        false
     }
 
     /// As the peer (P), the receive lock held, the ring read up to the
@@ -1046,7 +1064,7 @@ impl Link {
             return Ok(PSwitch::Kernel);
         }
         {
-            let mut tx = lock(&self.tx);
+            let mut tx = self.tx.lock();
             self.p_switch_writes(&mut tx)?;
         }
         let w = self.peer_demoted().unwrap_or(u64::MAX);

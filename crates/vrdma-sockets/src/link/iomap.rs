@@ -130,7 +130,7 @@ impl Link {
             return Err(libc::EINVAL);
         }
         let dev = crate::dev::dev().ok_or(libc::EIO)?;
-        let tx = lock(&self.tx);
+        let tx = self.tx.lock();
         if tx.shut || self.peer_closed() {
             return Err(libc::EPIPE);
         }
@@ -151,6 +151,9 @@ impl Link {
         self.send_entry(slot, encode(gen, Some(entry)))?;
         l.gens[slot] = gen;
         l.maps.push(Mapping { slot, buf: buf as usize, len, offset, _mr: mr });
+        // (The maps' lock first: the lines said under the send lock are
+        // said as it goes, `crate::connlock`.)
+        drop(l);
         drop(tx);
         Ok(offset as i64)
     }
@@ -160,7 +163,7 @@ impl Link {
     /// mapping came), then its registration goes. A peer's write still on
     /// its way then fails its connection, as in rdma-core.
     pub fn iounmap(&self, buf: *mut u8, len: usize) -> Res<()> {
-        let _tx = lock(&self.tx);
+        let _tx = self.tx.lock();
         let mut l = lock(&self.iomaps);
         let i = l.maps.iter().position(|m| m.buf == buf as usize && m.len == len).ok_or(libc::EINVAL)?;
         let slot = l.maps[i].slot;
@@ -219,7 +222,7 @@ impl Link {
         if count == 0 {
             return Ok(0);
         }
-        let tx = lock(&self.tx);
+        let tx = self.tx.lock();
         // Demoted (after the fork) while this waited for the send lock:
         // no byte into the peer's memory after the marker.
         if super::after_send_lock(self.d_state()) == super::Recheck::Demoted {

@@ -29,34 +29,13 @@ use std::time::{Duration, Instant};
 
 use libc::c_int;
 
-use super::{lock, Link, Res};
+use super::{Link, Res};
 use crate::real;
 
-/// The queue's lock, held. The library's lines said meanwhile
-/// (`crate::dev::later`) are said once it is let go: the program's
-/// descriptor 2 may be this very connection, whose write takes this lock
-/// (a warning written under it waited for it for ever).
-pub(crate) struct OutLock<'a>(Option<std::sync::MutexGuard<'a, OutQ>>);
-
-impl std::ops::Deref for OutLock<'_> {
-    type Target = OutQ;
-    fn deref(&self) -> &OutQ {
-        self.0.as_ref().expect("held until dropped")
-    }
-}
-
-impl std::ops::DerefMut for OutLock<'_> {
-    fn deref_mut(&mut self) -> &mut OutQ {
-        self.0.as_mut().expect("held until dropped")
-    }
-}
-
-impl Drop for OutLock<'_> {
-    fn drop(&mut self) {
-        drop(self.0.take());
-        crate::dev::say_held();
-    }
-}
+/// The queue's lock, held: the library's lines said meanwhile are said
+/// once it is let go (`crate::connlock`): the program's descriptor 2 may
+/// be this very connection, whose write takes this lock.
+pub(crate) type OutLock<'a> = crate::connlock::ConnGuard<'a, OutQ>;
 
 /// Bytes queued for the kernel socket, sent in order, each once.
 #[derive(Debug, Default)]
@@ -177,16 +156,12 @@ fn drop_incoming(sock: c_int) -> usize {
 impl Link {
     /// The queue's lock (waited for).
     fn lock_out(&self) -> OutLock<'_> {
-        OutLock(Some(lock(&self.out)))
+        self.out.lock()
     }
 
     /// The queue's lock if it is free now.
     fn try_lock_out(&self) -> Option<OutLock<'_>> {
-        match self.out.try_lock() {
-            Ok(o) => Some(OutLock(Some(o))),
-            Err(std::sync::TryLockError::Poisoned(p)) => Some(OutLock(Some(p.into_inner()))),
-            Err(std::sync::TryLockError::WouldBlock) => None,
-        }
+        self.out.try_lock().ok()
     }
 
     /// The queue's lock, tried until `end` (another thread may hold it
@@ -262,13 +237,10 @@ impl Link {
         let Some(own) =
             own.filter(|_| Self::set_linger(self.sock, libc::linger { l_onoff: 1, l_linger: 0 }) == 0)
         else {
-            crate::dev::later(
-                None,
-                format!(
-                    "a queued resend's linger 0 not set (errno {}): an end without handlers is a FIN",
-                    crate::table::errno()
-                ),
-            );
+            crate::dev::debug(&format!(
+                "a queued resend's linger 0 not set (errno {}): an end without handlers is a FIN",
+                crate::table::errno()
+            ));
             return;
         };
         *kept = Some(own);
@@ -393,20 +365,40 @@ impl Link {
         *o = OutQ::default();
         self.out_err.store(if e == 0 { libc::ECONNRESET } else { e }, Ordering::SeqCst);
         self.out_emptied();
-        crate::dev::later(
-            Some(&SAID),
-            format!(
+        crate::dev::warn_once(
+            &SAID,
+            &format!(
                 "the rest of a resend to an exec'd program could not be sent (errno {e}: the connection ended): \
                  {lost} bytes lost with it; the program's next call on it gets the error"
             ),
         );
     }
 
-    /// The errno of a failed push, for the program's call (once); the
+    /// Resets `sock` for a queue cut short (`Link::reset_sock`); where
+    /// that could not disconnect it, every later call of the program on
+    /// the connection fails (`out_stuck`): the bytes it writes would
+    /// otherwise go out behind the ones dropped, a silent gap.
+    fn reset_out_sock(&self, sock: c_int) {
+        if !Self::reset_sock(sock) {
+            self.out_stuck.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether a queue cut short could not be reset ([`Self::reset_out_sock`]):
+    /// every later call of the program on the connection fails.
+    pub(crate) fn out_stuck(&self) -> bool {
+        self.out_stuck.load(Ordering::SeqCst)
+    }
+
+    /// The errno of a failed push, for the program's call (once: every
+    /// call where the reset could not disconnect the socket); the
     /// connection is plain TCP from then on (if both ways switched). A
     /// line of the library's own (its descriptor 2 this connection) fails
     /// with it and leaves it for the program (`crate::dev::saying`).
     pub(super) fn take_out_err(&self) -> Option<c_int> {
+        if self.out_stuck() {
+            return Some(libc::ECONNRESET);
+        }
         if self.out_err.load(Ordering::SeqCst) == 0 {
             return None;
         }
@@ -475,7 +467,7 @@ impl Link {
         match o.push(|b| send_now(self.sock, b)) {
             Ok(Pushed::Empty) => {
                 self.out_emptied();
-                crate::dev::later(None, "the exec resend's queue is sent".into());
+                crate::dev::debug("the exec resend's queue is sent");
                 true
             }
             Ok(Pushed::Full(n)) => {
@@ -551,10 +543,9 @@ impl Link {
             }
         };
         if dropped > 0 {
-            crate::dev::later(
-                None,
-                format!("{dropped} bytes dropped unread while the resend's queue was flushed"),
-            );
+            crate::dev::debug(&format!(
+                "{dropped} bytes dropped unread while the resend's queue was flushed"
+            ));
         }
         r
     }
@@ -582,7 +573,7 @@ impl Link {
                 Ok(()) => return,
                 Err(n) => {
                     self.out_reset.store(true, Ordering::SeqCst);
-                    Self::reset_sock(self.sock);
+                    self.reset_out_sock(self.sock);
                     *o = OutQ::default();
                     self.out_len.store(0, Ordering::SeqCst);
                     n
@@ -590,7 +581,7 @@ impl Link {
             },
             None => {
                 self.out_reset.store(true, Ordering::SeqCst);
-                Self::reset_sock(self.sock);
+                self.reset_out_sock(self.sock);
                 self.out_len.load(Ordering::SeqCst)
             }
         };
@@ -643,7 +634,7 @@ impl Link {
             }
             Err(e) => {
                 self.out_reset.store(true, Ordering::SeqCst);
-                Self::reset_sock(sock);
+                self.reset_out_sock(sock);
                 self.out_len.store(0, Ordering::SeqCst);
                 drop(held);
                 // Writers waiting for writability wake and see the failure.
@@ -802,24 +793,6 @@ mod tests {
         });
         assert_eq!(r, Err(libc::EPIPE));
         assert_eq!(q.pending(), &[2, 3, 4]);
-    }
-
-    /// A warning made while the queue's lock is held (a failed push's)
-    /// is said once the lock is let go, not before: its write may be the
-    /// very connection's, which takes that lock (review M1: it waited for
-    /// it for ever).
-    #[test]
-    fn a_warning_made_under_the_queues_lock_is_said_once_it_is_let_go() {
-        static SAID: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-        let m = std::sync::Mutex::new(OutQ::new(vec![1, 2, 3], 0));
-        let o = OutLock(Some(m.lock().unwrap()));
-        assert_eq!(o.len(), 3);
-        crate::dev::later(Some(&SAID), "vrdma-sockets unit test: a warning under the queue's lock".into());
-        assert_eq!(SAID.load(Ordering::Relaxed), 0, "said under the lock");
-        assert!(m.try_lock().is_err());
-        drop(o);
-        assert_eq!(SAID.load(Ordering::Relaxed), std::process::id(), "not said once let go");
-        assert!(m.try_lock().is_ok());
     }
 
     #[test]
