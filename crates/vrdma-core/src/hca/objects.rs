@@ -136,6 +136,34 @@ pub(crate) struct Qp {
     /// The LID its peer had before its first move (what receive
     /// completions keep reporting as the source).
     pub peer_lid: u16,
+    /// Where the last peer that moved went, kept across a reset: a QP
+    /// reset and connected again to that peer QPN at the address it knew
+    /// it by before it moved (what the two ends exchanged at the start:
+    /// the move is invisible to them) follows it there again.
+    pub peer_followed: Option<PeerFollowed>,
+}
+
+/// The moved peer a QP followed (see [`Qp::peer_followed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerFollowed {
+    /// The peer QP's number.
+    pub qpn: u32,
+    /// The address the QP was connected to when it first followed the
+    /// peer's move.
+    pub ah: AhAttr,
+    /// The link its latest accepted Moved came on, and the LID it had
+    /// before its first move.
+    pub link: super::LinkId,
+    pub lid: u16,
+}
+
+impl PeerFollowed {
+    /// Whether `ah` names the same host as the address kept (its GID, or
+    /// its LID without a GRH); the other fields say how, not where.
+    pub fn same_address(&self, ah: &AhAttr) -> bool {
+        self.ah.is_global == ah.is_global
+            && if ah.is_global { self.ah.dgid == ah.dgid } else { self.ah.dlid == ah.dlid }
+    }
 }
 
 impl Qp {

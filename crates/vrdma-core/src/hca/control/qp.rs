@@ -96,6 +96,7 @@ impl Hca {
                 peer_epoch_qpn: 0,
                 peer_stale: false,
                 peer_lid: 0,
+                peer_followed: None,
             },
         );
         Ok(QpCreated { qpn, cap: granted })
@@ -274,9 +275,12 @@ impl Hca {
                 // address says where its peer is. (Kept, a QP that had
                 // followed its peer to another host, or marked a stale
                 // copy of it there, dropped the frames of its next peer.)
-                // The peer's epoch stays, with the QPN it is of: a QP
-                // connected again to the same peer still refuses that
-                // peer's older copies (`Hca::handle_moved`).
+                // Connected again to the same peer QPN at the address it
+                // knew it by before the move, it follows it again (RTR,
+                // below, from `peer_followed`). The peer's epoch stays,
+                // with the QPN it is of: a QP connected again to the same
+                // peer still refuses that peer's older copies
+                // (`Hca::handle_moved`).
                 qp.peer_link = None;
                 qp.peer_stale = false;
                 qp.peer_lid = 0;
@@ -321,6 +325,7 @@ impl Hca {
         }
         self.update_service(qpn);
         if to == QpState::Rtr && cur != QpState::Rtr {
+            self.follow_moved_peer(qpn);
             if let Some(path) = self.qp_path(qpn) {
                 tracing::debug!(qpn, dest_qpn = attr.dest_qp_num, ?path, "QP connected");
             }

@@ -46,6 +46,7 @@ pub use snapshot::{
     SnapshotError, SrqSnap, TenantSnapshot, WrBytes, MAX_SNAPSHOT_BYTES, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,
 };
 
+use super::objects::PeerFollowed;
 use super::remote::{LinkId, Transmit};
 use super::{Hca, TenantId};
 use crate::time::Instant;
@@ -408,6 +409,13 @@ impl Hca {
         if let Some(lid) = first_lid {
             q.peer_lid = lid;
         }
+        // The address it knew the peer by before the peer's first move
+        // (that of a later move is where the first one went).
+        let ah = match q.peer_followed {
+            Some(f) if q.peer_link.is_some() && f.qpn == m.qpn => f.ah,
+            _ => q.attr.ah_attr,
+        };
+        q.peer_followed = Some(PeerFollowed { qpn: m.qpn, ah, link, lid: q.peer_lid });
         q.peer_link = Some(link);
         q.peer_epoch = m.epoch;
         q.peer_epoch_qpn = m.qpn;
@@ -438,6 +446,40 @@ impl Hca {
         tracing::debug!(qpn, epoch = m.epoch, link = link.0, "peer QP moved");
         self.update_service(qpn);
         true
+    }
+
+    /// A QP connected (INIT -> RTR) to the peer QP it had followed to
+    /// another host, at the address it knew that peer by before its
+    /// move: the two ends recovering their connection (ERR -> RESET ->
+    /// RTS) with the endpoint information they exchanged at the start,
+    /// which the move did not change for them. It follows the peer there
+    /// again, if that link is still up. Any other address or peer QPN is
+    /// a new connection and starts clean, routed by its address.
+    /// (A new QP that took the moved peer's number on its old host, with
+    /// that address, is taken for the moved one: the QP has nothing to
+    /// tell them apart by. See "Snapshots" in `docs/migration.md`.)
+    pub(crate) fn follow_moved_peer(&mut self, qpn: u32) {
+        let Some(q) = self.qps.get(&qpn) else { return };
+        if q.init.qp_type != QpType::Rc || q.tenant.is_host_local() || q.peer_link.is_some() {
+            return;
+        }
+        let Some(f) =
+            q.peer_followed.filter(|f| f.qpn == q.attr.dest_qp_num && f.same_address(&q.attr.ah_attr))
+        else {
+            return;
+        };
+        if !self.net.links.get(&f.link).is_some_and(|l| l.up) {
+            return;
+        }
+        let q = self.qps.get_mut(&qpn).expect("checked");
+        q.peer_link = Some(f.link);
+        q.peer_lid = f.lid;
+        tracing::debug!(
+            qpn,
+            peer_qpn = f.qpn,
+            link = f.link.0,
+            "connected again to a peer QP that moved: following it"
+        );
     }
 
     /// A refused Moved frame that names one of our connected RC QPs and
