@@ -71,6 +71,9 @@ impl Hca {
         let mut init = init;
         init.cap = granted;
         let attr = QpAttr { cap: granted, ..QpAttr::default() };
+        // Above the epochs of an older QP that had this number (see
+        // `Hca::set_epoch_seed`).
+        let epoch = self.epoch_seed.as_ref().map_or(0, |seed| seed());
         self.qps.insert(
             qpn,
             Qp {
@@ -89,7 +92,7 @@ impl Hca {
                 in_order: false,
                 swept: false,
                 paused: false,
-                epoch: 0,
+                epoch,
                 announce: false,
                 peer_link: None,
                 peer_epoch: 0,

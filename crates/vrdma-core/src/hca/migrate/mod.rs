@@ -35,6 +35,10 @@
 
 mod import;
 pub mod placement;
+
+/// Where a new QP's migration epochs start ([`Hca::set_epoch_seed`]).
+pub type EpochSeed = Box<dyn Fn() -> u32 + Send>;
+
 mod snapshot;
 
 pub use import::MrImport;
@@ -493,13 +497,25 @@ impl Hca {
     /// for a peer that moved on. A newer Moved clears the mark.
     fn mark_stale_peer(&mut self, link: LinkId, m: &MovedRepr) {
         let Some(q) = self.qps.get_mut(&m.peer_qpn) else { return };
-        let stale = q.init.qp_type == QpType::Rc
+        let old_epoch = q.init.qp_type == QpType::Rc
             && q.tenant.0 == m.vnet
             && !q.tenant.is_host_local()
             && q.attr.dest_qp_num == m.qpn
-            && q.peer_link == Some(link)
-            && m.epoch <= q.peer_epoch_of(m.qpn)
-            && !q.peer_stale;
+            && m.epoch <= q.peer_epoch_of(m.qpn);
+        if old_epoch && q.peer_link != Some(link) {
+            // Said, as it ends the connection: an older copy of the peer
+            // QP, or a new QP with its number whose epochs did not start
+            // above the old one's (`Hca::set_epoch_seed`).
+            tracing::warn!(
+                qpn = m.peer_qpn,
+                peer_qpn = m.qpn,
+                epoch = m.epoch,
+                accepted = q.peer_epoch,
+                link = link.0,
+                "refused the peer QP's move: its epoch is no newer than one accepted before"
+            );
+        }
+        let stale = old_epoch && q.peer_link == Some(link) && !q.peer_stale;
         if stale {
             q.peer_stale = true;
             tracing::warn!(
