@@ -122,8 +122,10 @@ pub(crate) struct Qp {
     pub peer_epoch: u32,
     /// The peer QP whose epoch `peer_epoch` is. A reset keeps the two
     /// (a QP connected again to the same peer still refuses that peer's
-    /// older copies); connected to another peer, it counts that peer's
-    /// epochs from 0.
+    /// older copies); a Moved of a peer with another number counts from
+    /// the start. One record, of the last peer that moved, not in the
+    /// snapshot. A new peer QP with the same number is told apart only
+    /// by starting its epochs higher (`Hca::set_epoch_seed`).
     pub peer_epoch_qpn: u32,
     /// A Moved frame no newer than `peer_epoch` came on `peer_link`: a
     /// second copy of the peer QP resumed on the host that holds (or
