@@ -4,14 +4,18 @@
 //! connected RC to a host process on B, is saved as a migration to a file
 //! saves it (pause, the VM stopped, export, the region's bytes kept) with
 //! sends posted and not yet gone out; A lets it go (`finish`). Before the
-//! restore on C (import with the kept bytes, the VM on C, resume), the
-//! peer on B moves on: its QP destroyed, or put in ERR, or its daemon
-//! restarted and a new QP made there that got the same number.
+//! restore (import with the kept bytes and resume, on A again as
+//! `loadvm` does, or on C), the peer on B moves on: its QP destroyed, or
+//! put in ERR, or reset and connected again, or its daemon restarted and
+//! a new QP made there that got the same number, or its host gone.
 //!
-//! In each case the restored QP must fail as after a pulled cable: its
-//! oldest send `RETRY_EXC_ERR` (the peer answers nothing), the rest of its
-//! work requests (sends and receives) flushed, each once, the QP in ERR;
-//! nothing reaches B's memory or B's new QP; the daemons keep serving.
+//! In each case the restored QP must fail: its oldest send
+//! `RETRY_EXC_ERR` (by its retry budget where the peer answers nothing;
+//! at once on the PSN sequence NAK of a peer QP connected again), the
+//! rest of its work requests (sends and receives) flushed, each once,
+//! the QP in ERR; nothing reaches B's memory or B's new QP; the daemons
+//! keep serving. Only `a_peer_qp_that_followed_...` depends on the core's
+//! reset fix; the others pin behaviour that held before it.
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::time::Duration;
@@ -220,7 +224,8 @@ fn snapshot_restored_then(
     let resumed = std::time::Instant::now();
 
     // The guest's library takes its context back; its oldest saved
-    // send fails (the peer answers nothing), the rest flush, each once.
+    // send fails (no answer, or a PSN sequence NAK), the rest flush, each
+    // once.
     let want = SAVED as usize + GUEST_RECVS;
     let wcs = guest.poll(want, WAIT)?;
     eprintln!(

@@ -495,6 +495,7 @@ impl Hca {
                     peer_epoch_qpn: 0,
                     peer_stale: false,
                     peer_lid: 0,
+                    peer_followed: None,
                 },
             );
             if let Some(p) = self.pds.get_mut(&q.pd) {

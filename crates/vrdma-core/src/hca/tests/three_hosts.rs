@@ -1339,3 +1339,117 @@ fn a_qp_connected_again_to_the_same_peer_still_refuses_its_older_copies() {
     let m = MovedRepr { vnet: TENANT.0, qpn: a.qpn, peer_qpn: b.qpn, epoch: 2 };
     assert!(t.hosts[B].hca.handle_moved(lb_a, &m, T0));
 }
+
+/// Completions by WR id.
+type Wcs = Vec<(u64, WcStatus)>;
+
+/// Posts a receive and a send at each end of `bq` (on `hb`) and `xq` (on
+/// `hx`), runs the hosts, and returns the completions at `xq` and at `bq`.
+fn exchange(t: &mut ThreeHosts, hb: usize, bq: &End, hx: usize, xq: &End) -> (Wcs, Wcs) {
+    t.hosts[hb].io.post_recv(bq.qpn, recv(5, &[bq.buf.sge(0, 64)]));
+    t.hosts[hx].io.post_recv(xq.qpn, recv(6, &[xq.buf.sge(0, 64)]));
+    xq.buf.write(1024, &message(7, 64));
+    bq.buf.write(1024, &message(8, 64));
+    t.hosts[hx].io.post_send(xq.qpn, wr(7, SendOpcode::Send, &[xq.buf.sge(1024, 64)], SendFlags::SIGNALED));
+    t.hosts[hb].io.post_send(bq.qpn, wr(8, SendOpcode::Send, &[bq.buf.sge(1024, 64)], SendFlags::SIGNALED));
+    t.run(T0);
+    t.advance(T0, Duration::from_millis(50), 200);
+    let mut at_x: Vec<(u64, WcStatus)> =
+        t.hosts[hx].poll(xq.cq).iter().map(|c| (c.wr_id, c.status)).collect();
+    let mut at_b: Vec<(u64, WcStatus)> =
+        t.hosts[hb].poll(bq.cq).iter().map(|c| (c.wr_id, c.status)).collect();
+    at_x.sort_unstable_by_key(|c| c.0);
+    at_b.sort_unstable_by_key(|c| c.0);
+    (at_x, at_b)
+}
+
+/// A's tenant moved A -> C; both ends then recover their connection
+/// (RESET -> RTS) with the endpoint information they exchanged at the
+/// start: B names A's QPN at host A, as the move is invisible to it. B's
+/// QP follows the peer to C again (before, the reset had forgotten the
+/// move: B sent to A, dropped C's frames, and both ends failed
+/// `RETRY_EXC_ERR`). Given the peer's current address (C) instead, it
+/// connects there as to any peer. Either way messages go both ways, and
+/// the peer's next move (C -> A) is followed.
+#[test]
+fn a_qp_reset_and_connected_again_to_its_moved_peer_as_it_knew_it_follows_it() {
+    for ip in [IPS[A], IPS[C]] {
+        let mut t = ThreeHosts::new(256, tune);
+        let (a, b, mem) = setup(&mut t);
+        t.run(T0);
+        t.migrate(A, C, &mem, T0);
+        t.run(T0);
+        assert_eq!(t.seen.moved_ok, 1);
+        let reset = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+        assert_eq!(t.hosts[B].modify(b.qpn, &reset, QpAttrMask::STATE), Ok(QpState::Reset));
+        assert_eq!(t.hosts[C].modify(a.qpn, &reset, QpAttrMask::STATE), Ok(QpState::Reset));
+        assert_eq!(t.hosts[B].hca.qps[&b.qpn].peer_link, None);
+        connect_side(&mut t.hosts[B], b.qpn, a.qpn, ip, conn());
+        connect_side(&mut t.hosts[C], a.qpn, b.qpn, IPS[B], conn());
+        let follows = if ip == IPS[A] { Some(t.link(B, C)) } else { None };
+        assert_eq!(t.hosts[B].hca.qps[&b.qpn].peer_link, follows, "{ip:?}");
+        let (at_a, at_b) = exchange(&mut t, B, &b, C, &a);
+        assert_eq!(at_a, [(6, WcStatus::Success), (7, WcStatus::Success)], "{ip:?}");
+        assert_eq!(at_b, [(5, WcStatus::Success), (8, WcStatus::Success)], "{ip:?}");
+        assert_eq!(b.buf.read(0, 64), message(7, 64));
+        assert_eq!(a.buf.read(0, 64), message(8, 64));
+        t.migrate(C, A, &mem, T0);
+        t.run(T0);
+        assert_eq!(t.seen.moved_ok, 2, "{ip:?}");
+        let (at_a, at_b) = exchange(&mut t, B, &b, A, &a);
+        assert_eq!(at_a, [(6, WcStatus::Success), (7, WcStatus::Success)], "{ip:?}");
+        assert_eq!(at_b, [(5, WcStatus::Success), (8, WcStatus::Success)], "{ip:?}");
+    }
+}
+
+/// A's QP moved A -> C -> A (B accepted its epochs), then was destroyed,
+/// and a new QP of the tenant got its number (A's daemon restarted, or
+/// its numbers wrapped); B's QP, reset, connects to the new one, whose
+/// tenant then moves A -> C. The new QP's epochs start from A's seed (a
+/// value that only grows: the daemon's wall-clock seconds), above the
+/// old QP's, so its first move is followed (before, it started at 0: B
+/// refused its epoch 1 and both ends failed `RETRY_EXC_ERR`).
+#[test]
+fn a_new_qp_with_the_number_of_one_that_moved_is_followed_on_its_first_move() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    use std::sync::Arc;
+    let mut t = ThreeHosts::new(256, tune);
+    let seconds = Arc::new(AtomicU32::new(100));
+    let clock = Arc::clone(&seconds);
+    t.hosts[A].hca.set_epoch_seed(Box::new(move || clock.load(Ordering::Relaxed)));
+    let (a, b, mut mem) = setup(&mut t);
+    t.run(T0);
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    t.migrate(C, A, &mem, T0);
+    t.run(T0);
+    assert_eq!(t.seen.moved_ok, 2);
+    assert_eq!(t.hosts[B].hca.qps[&b.qpn].peer_epoch, 102);
+    let ctx = t.hosts[A].owner[&a.qpn];
+    {
+        let h = &mut t.hosts[A];
+        h.hca.destroy_qp(ctx, a.qpn, &mut h.io).unwrap();
+    }
+    t.hosts[A].owner.remove(&a.qpn);
+    // Some seconds later, the number comes round again.
+    seconds.store(103, Ordering::Relaxed);
+    t.hosts[A].hca.next_qpn = a.qpn;
+    let x = t.hosts[A].end(ctx);
+    assert_eq!((x.qpn, t.hosts[A].hca.qps[&x.qpn].epoch), (a.qpn, 103));
+    mem.insert(x.buf.key, x.buf.mem.clone());
+    let reset = QpAttr { qp_state: QpState::Reset, ..QpAttr::default() };
+    assert_eq!(t.hosts[B].modify(b.qpn, &reset, QpAttrMask::STATE), Ok(QpState::Reset));
+    connect_side(&mut t.hosts[B], b.qpn, x.qpn, IPS[A], conn());
+    connect_side(&mut t.hosts[A], x.qpn, b.qpn, IPS[B], conn());
+    let (at_x, at_b) = exchange(&mut t, B, &b, A, &x);
+    assert_eq!(at_x, [(6, WcStatus::Success), (7, WcStatus::Success)]);
+    assert_eq!(at_b, [(5, WcStatus::Success), (8, WcStatus::Success)]);
+    let refused = t.seen.moved_refused;
+    t.migrate(A, C, &mem, T0);
+    t.run(T0);
+    assert_eq!((t.seen.moved_ok, t.seen.moved_refused), (3, refused));
+    assert_eq!(t.hosts[B].hca.qps[&b.qpn].peer_epoch, 104);
+    let (at_x, at_b) = exchange(&mut t, B, &b, C, &x);
+    assert_eq!(at_x, [(6, WcStatus::Success), (7, WcStatus::Success)]);
+    assert_eq!(at_b, [(5, WcStatus::Success), (8, WcStatus::Success)]);
+}
