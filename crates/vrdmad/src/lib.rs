@@ -147,7 +147,6 @@ impl Daemon {
         let pause_limit = hca_cfg.migration_pause_limit;
         tracing::info!(number_space, "numbering QPNs, ids and keys in this space");
         let mut hca = Hca::new(hca_cfg, Box::new(keys::RandomKeys::new()));
-        hca.set_epoch_seed(Box::new(epoch_seed));
         for &(uid, q) in &budgets.tenants {
             hca.set_quota(TenantId(uid), q);
         }
@@ -345,15 +344,4 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop();
     }
-}
-
-/// Where a new QP's migration epochs start (`Hca::set_epoch_seed`):
-/// whole seconds of the wall clock since 2024-01-01 UTC, which grow
-/// across the daemon's restarts, so that a QP given the number of one
-/// that moved before starts above that one's epochs. (Capped at 2^31,
-/// in 2092, to leave the epochs room to count moves.)
-fn epoch_seed() -> u32 {
-    const FROM_UNIX: u64 = 1_704_067_200;
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    u32::try_from(secs.saturating_sub(FROM_UNIX)).unwrap_or(u32::MAX).min(1 << 31)
 }

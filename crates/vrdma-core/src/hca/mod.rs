@@ -123,9 +123,6 @@ pub struct Hca {
     order: schedule::ServiceOrder,
     next_id: u32,
     next_qpn: u32,
-    /// Where a new QP's migration epochs start (see
-    /// [`Hca::set_epoch_seed`]); without one, at 0.
-    epoch_seed: Option<migrate::EpochSeed>,
     /// Links to other hosts' daemons.
     net: remote::Network,
     /// A QP went to ERR outside `process` (on a frame from a link): its
@@ -188,7 +185,6 @@ impl Hca {
             order: schedule::ServiceOrder::with_slice(slice),
             next_id,
             next_qpn,
-            epoch_seed: None,
             net: remote::Network::default(),
             flush_pending: false,
             posted: Vec::new(),
@@ -210,17 +206,6 @@ impl Hca {
     /// passes. Without one, those times stay 0.
     pub fn set_clock(&mut self, clock: metrics::Clock) {
         self.metrics.clock = Some(clock);
-    }
-
-    /// Where a new QP's migration epochs start: a value that only grows,
-    /// across the daemon's restarts too (the driver's: whole seconds of
-    /// the wall clock since a fixed date). A peer keeps the epoch it
-    /// accepted per peer QPN; a QP that later gets the same number (the
-    /// daemon restarted, or its numbers wrapped) must announce its first
-    /// move with a higher one, or that peer refuses it. Without a seed,
-    /// epochs start at 0.
-    pub fn set_epoch_seed(&mut self, seed: migrate::EpochSeed) {
-        self.epoch_seed = Some(seed);
     }
 
     /// Every tenant's counters, with what it holds now, by tenant.

@@ -120,13 +120,6 @@ pub(crate) struct Qp {
     /// dropped, and a later move must carry a higher epoch.
     pub peer_link: Option<super::LinkId>,
     pub peer_epoch: u32,
-    /// The peer QP whose epoch `peer_epoch` is. A reset keeps the two
-    /// (a QP connected again to the same peer still refuses that peer's
-    /// older copies); a Moved of a peer with another number counts from
-    /// the start. One record, of the last peer that moved, not in the
-    /// snapshot. A new peer QP with the same number is told apart only
-    /// by starting its epochs higher (`Hca::set_epoch_seed`).
-    pub peer_epoch_qpn: u32,
     /// A Moved frame no newer than `peer_epoch` came on `peer_link`: a
     /// second copy of the peer QP resumed on the host that holds (or
     /// held) the accepted one, from an older snapshot (one restored
@@ -138,34 +131,6 @@ pub(crate) struct Qp {
     /// The LID its peer had before its first move (what receive
     /// completions keep reporting as the source).
     pub peer_lid: u16,
-    /// Where the last peer that moved went, kept across a reset: a QP
-    /// reset and connected again to that peer QPN at the address it knew
-    /// it by before it moved (what the two ends exchanged at the start:
-    /// the move is invisible to them) follows it there again.
-    pub peer_followed: Option<PeerFollowed>,
-}
-
-/// The moved peer a QP followed (see [`Qp::peer_followed`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PeerFollowed {
-    /// The peer QP's number.
-    pub qpn: u32,
-    /// The address the QP was connected to when it first followed the
-    /// peer's move.
-    pub ah: AhAttr,
-    /// The link its latest accepted Moved came on, and the LID it had
-    /// before its first move.
-    pub link: super::LinkId,
-    pub lid: u16,
-}
-
-impl PeerFollowed {
-    /// Whether `ah` names the same host as the address kept (its GID, or
-    /// its LID without a GRH); the other fields say how, not where.
-    pub fn same_address(&self, ah: &AhAttr) -> bool {
-        self.ah.is_global == ah.is_global
-            && if ah.is_global { self.ah.dgid == ah.dgid } else { self.ah.dlid == ah.dlid }
-    }
 }
 
 impl Qp {
@@ -201,16 +166,6 @@ impl Qp {
 
     pub fn state(&self) -> QpState {
         self.attr.qp_state
-    }
-
-    /// The epoch of peer QP `qpn` this QP accepted (0 if none: its
-    /// `peer_epoch` is of another peer, before a reset).
-    pub fn peer_epoch_of(&self, qpn: u32) -> u32 {
-        if self.peer_epoch_qpn == qpn {
-            self.peer_epoch
-        } else {
-            0
-        }
     }
 
     pub fn accepts_incoming(&self) -> bool {

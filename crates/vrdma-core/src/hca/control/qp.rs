@@ -71,9 +71,6 @@ impl Hca {
         let mut init = init;
         init.cap = granted;
         let attr = QpAttr { cap: granted, ..QpAttr::default() };
-        // Above the epochs of an older QP that had this number (see
-        // `Hca::set_epoch_seed`).
-        let epoch = self.epoch_seed.as_ref().map_or(0, |seed| seed());
         self.qps.insert(
             qpn,
             Qp {
@@ -92,14 +89,12 @@ impl Hca {
                 in_order: false,
                 swept: false,
                 paused: false,
-                epoch,
+                epoch: 0,
                 announce: false,
                 peer_link: None,
                 peer_epoch: 0,
-                peer_epoch_qpn: 0,
                 peer_stale: false,
                 peer_lid: 0,
-                peer_followed: None,
             },
         );
         Ok(QpCreated { qpn, cap: granted })
@@ -274,19 +269,6 @@ impl Hca {
                 qp.requeued.clear();
                 let keep = qp.attr.cap;
                 qp.attr = QpAttr { cap: keep, ..QpAttr::default() };
-                // So does where its peer moved: the next connection's
-                // address says where its peer is. (Kept, a QP that had
-                // followed its peer to another host, or marked a stale
-                // copy of it there, dropped the frames of its next peer.)
-                // Connected again to the same peer QPN at the address it
-                // knew it by before the move, it follows it again (RTR,
-                // below, from `peer_followed`). The peer's epoch stays,
-                // with the QPN it is of: a QP connected again to the same
-                // peer still refuses that peer's older copies
-                // (`Hca::handle_moved`).
-                qp.peer_link = None;
-                qp.peer_stale = false;
-                qp.peer_lid = 0;
                 // The WR in flight is dropped without a completion: it is
                 // retired before the queue is reset, so that the driver's
                 // count of outstanding WRs starts again from zero.
@@ -328,7 +310,6 @@ impl Hca {
         }
         self.update_service(qpn);
         if to == QpState::Rtr && cur != QpState::Rtr {
-            self.follow_moved_peer(qpn);
             if let Some(path) = self.qp_path(qpn) {
                 tracing::debug!(qpn, dest_qpn = attr.dest_qp_num, ?path, "QP connected");
             }

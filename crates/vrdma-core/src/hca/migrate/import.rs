@@ -492,10 +492,8 @@ impl Hca {
                     announce: q.init.qp_type == QpType::Rc && connected,
                     peer_link: None,
                     peer_epoch: 0,
-                    peer_epoch_qpn: 0,
                     peer_stale: false,
                     peer_lid: 0,
-                    peer_followed: None,
                 },
             );
             if let Some(p) = self.pds.get_mut(&q.pd) {

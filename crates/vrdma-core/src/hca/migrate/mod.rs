@@ -35,10 +35,6 @@
 
 mod import;
 pub mod placement;
-
-/// Where a new QP's migration epochs start ([`Hca::set_epoch_seed`]).
-pub type EpochSeed = Box<dyn Fn() -> u32 + Send>;
-
 mod snapshot;
 
 pub use import::MrImport;
@@ -50,7 +46,6 @@ pub use snapshot::{
     SnapshotError, SrqSnap, TenantSnapshot, WrBytes, MAX_SNAPSHOT_BYTES, SNAPSHOT_MAGIC, SNAPSHOT_VERSION,
 };
 
-use super::objects::PeerFollowed;
 use super::remote::{LinkId, Transmit};
 use super::{Hca, TenantId};
 use crate::time::Instant;
@@ -396,7 +391,7 @@ impl Hca {
                 && !q.tenant.is_host_local()
                 && q.attr.dest_qp_num == m.qpn
                 && matches!(q.state(), QpState::Rtr | QpState::Rts | QpState::Sqd | QpState::Sqe)
-                && m.epoch > q.peer_epoch_of(m.qpn)
+                && m.epoch > q.peer_epoch
         });
         if !ok {
             self.net.dropped(link, "Moved frame for no QP of ours, or with an old epoch");
@@ -413,16 +408,8 @@ impl Hca {
         if let Some(lid) = first_lid {
             q.peer_lid = lid;
         }
-        // The address it knew the peer by before the peer's first move
-        // (that of a later move is where the first one went).
-        let ah = match q.peer_followed {
-            Some(f) if q.peer_link.is_some() && f.qpn == m.qpn => f.ah,
-            _ => q.attr.ah_attr,
-        };
-        q.peer_followed = Some(PeerFollowed { qpn: m.qpn, ah, link, lid: q.peer_lid });
         q.peer_link = Some(link);
         q.peer_epoch = m.epoch;
-        q.peer_epoch_qpn = m.qpn;
         q.peer_stale = false;
         let tenant = q.tenant;
         let old = q.remote.as_ref().map(|r| r.links());
@@ -452,40 +439,6 @@ impl Hca {
         true
     }
 
-    /// A QP connected (INIT -> RTR) to the peer QP it had followed to
-    /// another host, at the address it knew that peer by before its
-    /// move: the two ends recovering their connection (ERR -> RESET ->
-    /// RTS) with the endpoint information they exchanged at the start,
-    /// which the move did not change for them. It follows the peer there
-    /// again, if that link is still up. Any other address or peer QPN is
-    /// a new connection and starts clean, routed by its address.
-    /// (A new QP that took the moved peer's number on its old host, with
-    /// that address, is taken for the moved one: the QP has nothing to
-    /// tell them apart by. See "Snapshots" in `docs/migration.md`.)
-    pub(crate) fn follow_moved_peer(&mut self, qpn: u32) {
-        let Some(q) = self.qps.get(&qpn) else { return };
-        if q.init.qp_type != QpType::Rc || q.tenant.is_host_local() || q.peer_link.is_some() {
-            return;
-        }
-        let Some(f) =
-            q.peer_followed.filter(|f| f.qpn == q.attr.dest_qp_num && f.same_address(&q.attr.ah_attr))
-        else {
-            return;
-        };
-        if !self.net.links.get(&f.link).is_some_and(|l| l.up) {
-            return;
-        }
-        let q = self.qps.get_mut(&qpn).expect("checked");
-        q.peer_link = Some(f.link);
-        q.peer_lid = f.lid;
-        tracing::debug!(
-            qpn,
-            peer_qpn = f.qpn,
-            link = f.link.0,
-            "connected again to a peer QP that moved: following it"
-        );
-    }
-
     /// A refused Moved frame that names one of our connected RC QPs and
     /// its peer, with an epoch no newer than the one accepted, on the link
     /// the accepted one came on: the peer QP was resumed a second time on
@@ -497,25 +450,13 @@ impl Hca {
     /// for a peer that moved on. A newer Moved clears the mark.
     fn mark_stale_peer(&mut self, link: LinkId, m: &MovedRepr) {
         let Some(q) = self.qps.get_mut(&m.peer_qpn) else { return };
-        let old_epoch = q.init.qp_type == QpType::Rc
+        let stale = q.init.qp_type == QpType::Rc
             && q.tenant.0 == m.vnet
             && !q.tenant.is_host_local()
             && q.attr.dest_qp_num == m.qpn
-            && m.epoch <= q.peer_epoch_of(m.qpn);
-        if old_epoch && q.peer_link != Some(link) {
-            // Said, as it ends the connection: an older copy of the peer
-            // QP, or a new QP with its number whose epochs did not start
-            // above the old one's (`Hca::set_epoch_seed`).
-            tracing::warn!(
-                qpn = m.peer_qpn,
-                peer_qpn = m.qpn,
-                epoch = m.epoch,
-                accepted = q.peer_epoch,
-                link = link.0,
-                "refused the peer QP's move: its epoch is no newer than one accepted before"
-            );
-        }
-        let stale = old_epoch && q.peer_link == Some(link) && !q.peer_stale;
+            && q.peer_link == Some(link)
+            && m.epoch <= q.peer_epoch
+            && !q.peer_stale;
         if stale {
             q.peer_stale = true;
             tracing::warn!(
