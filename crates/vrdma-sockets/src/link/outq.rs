@@ -249,7 +249,8 @@ impl Link {
     /// The queue emptied: the socket's own linger back
     /// ([`Self::reset_if_ended_now`]).
     fn end_as_the_program_asked(&self) {
-        if let Some(own) = self.out_linger.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        let own = self.out_linger.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(own) = own.filter(|_| !self.out_stuck()) {
             Self::set_linger(self.sock, own);
         }
     }
@@ -271,8 +272,11 @@ impl Link {
         let mut kept = self.out_linger.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the caller's arguments, as setsockopt(2) takes them.
         let r = unsafe { real::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
-        if r == 0 && kept.is_some() {
-            if let Some(own) = Self::get_linger(self.sock) {
+        // (A connection whose reset could not disconnect it keeps the
+        // reset's linger 0 whatever the program sets: its last close must
+        // be a reset, not a FIN behind what was dropped.)
+        if r == 0 && (kept.is_some() || self.out_stuck()) {
+            if let Some(own) = Self::get_linger(self.sock).filter(|_| kept.is_some()) {
                 *kept = Some(own);
             }
             crate::table::keep_errno(|| {
@@ -381,6 +385,9 @@ impl Link {
     fn reset_out_sock(&self, sock: c_int) {
         if !Self::reset_sock(sock) {
             self.out_stuck.store(true, Ordering::SeqCst);
+            // The reset's linger 0 stays: the socket's own is not put
+            // back when the queue is cleared, nor by the program.
+            self.out_linger.lock().unwrap_or_else(|p| p.into_inner()).take();
         }
     }
 
