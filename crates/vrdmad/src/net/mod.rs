@@ -126,8 +126,8 @@ pub struct Net {
     /// the next [`Net::drive`].
     failed: Vec<(LinkId, link::LinkEnd)>,
     /// Connections from other daemons admitted to the handshake and not
-    /// yet links: whose Hello named this GID, since then (or, from
-    /// [`Net::dial_crossed`], one the host said is coming). What the
+    /// yet links: whose Hello named this GID, since then (one the host
+    /// said is coming is in `crossed_until`). What the
     /// connection manager sends the host by no link waits for them
     /// ([`Net::hold_for_no_dial`], [`Net::dial_failed`]); only the host's
     /// own (`own_incoming`) holds our dial to it back.
@@ -748,9 +748,12 @@ impl Net {
             // (What the manager held still waits for the host's own link
             // if its unverified links do: another dial failed, to a
             // configured peer's address on another port.)
+            // (Taken while what is held is, so that a crossing keeps the
+            // first deadline it gave it: [`Net::crossed_deadline`].)
+            self.forget_stale_incoming(Clock::now());
+            let awaited = self.awaited_until(ip, Clock::now());
             let held = if self.cm_deferred.contains_key(&ip) { None } else { self.cm_pending.remove(&ip) };
             if let Some(held) = held {
-                self.forget_stale_incoming(Clock::now());
                 if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
                     // The host linked in meanwhile (its daemon's dial
                     // crossed ours, which it refused): what waited goes by
@@ -759,7 +762,7 @@ impl Net {
                         l.queue_cm(m);
                     }
                     tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
-                } else if let Some(until) = self.awaited_until(ip, Clock::now()) {
+                } else if let Some(until) = awaited {
                     // Its connection to us is in its handshake: they go by
                     // the link it becomes ([`Net::add`]), or are given up
                     // on once that handshake can no longer succeed.
@@ -1175,12 +1178,22 @@ impl Net {
     fn awaited_until(&self, ip: std::net::Ipv4Addr, now: Clock) -> Option<Clock> {
         let gid = Gid::from_ipv4(ip.octets());
         let admitted = self.incoming.get(&gid).and_then(|ts| ts.iter().max()).map(|&t| t + HANDSHAKE_LIMIT);
-        let crossed = self
-            .crossed_until
+        admitted.max(self.crossed_deadline(ip, now))
+    }
+
+    /// Until when the crossing connection `ip`'s host said is coming is
+    /// waited for, at `now` (`crossed_until`), if still: no later than
+    /// the first deadline a crossing gave what is held for the host
+    /// (`cm_crossed_hold`, while that is held), so that refusals one
+    /// after another do not chain the wait.
+    fn crossed_deadline(&self, ip: std::net::Ipv4Addr, now: Clock) -> Option<Clock> {
+        self.crossed_until
             .get(&ip)
-            .map(|&t| self.cm_crossed_hold.get(&ip).map_or(t, |&first| t.min(first)))
-            .filter(|&t| now < t);
-        admitted.max(crossed)
+            .map(|&t| match self.cm_crossed_hold.get(&ip) {
+                Some(&first) if self.cm_pending.contains_key(&ip) => t.min(first),
+                _ => t,
+            })
+            .filter(|&t| now < t)
     }
 
     /// Until when the host's own connection is awaited, at `now`: its
@@ -1190,11 +1203,7 @@ impl Net {
     /// is held for the host.
     fn own_awaited_until(&self, gid: Gid, now: Clock) -> Option<Clock> {
         let own = self.own_incoming.get(&gid).map(|&t| t + HANDSHAKE_LIMIT);
-        let crossed = gid
-            .ipv4()
-            .and_then(|ip| self.crossed_until.get(&std::net::Ipv4Addr::from(ip)))
-            .copied()
-            .filter(|&t| now < t);
+        let crossed = gid.ipv4().and_then(|ip| self.crossed_deadline(std::net::Ipv4Addr::from(ip), now));
         own.max(crossed)
     }
 
@@ -2713,8 +2722,9 @@ mod tests {
         assert_eq!(a.cm_links, [CmLink::Down(b, None)], "the dial's failure tells");
     }
 
-    /// Our dial to the host was refused by it once both proved the key
-    /// (its own dial to us crossed ours: [`HandshakeError::refused_by_peer`]).
+    /// Our dial to the host was refused with Close `Normal`, as the host
+    /// does when its own dial to us crossed ours (unauthenticated:
+    /// [`HandshakeError::refused_by_peer`]).
     /// What was held, and what is sent in the pause, waits for the host's
     /// connection, which goes by the link it becomes (session 35, second
     /// round, review M3; before, the held message was given up and the
