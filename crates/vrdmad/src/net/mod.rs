@@ -859,8 +859,12 @@ impl Net {
             return Err("the host is outside net.allow");
         }
         if !self.cm_pending.contains_key(&host) {
-            // A new batch: no crossing has held it yet.
+            // A new batch: held for a crossing only from the one awaited
+            // now, if any (whose deadline it keeps).
             self.cm_crossed_hold.remove(&host);
+            if let Some(&t) = self.crossed_until.get(&host).filter(|&&t| Clock::now() < t) {
+                self.cm_crossed_hold.insert(host, t);
+            }
         }
         let held = self.cm_pending.entry(host).or_default();
         if held.len() >= CM_PENDING_MAX {
@@ -2987,6 +2991,32 @@ mod tests {
         a2.send_cm(b, None, &msg).unwrap();
         a2.dial_crossed(b_addr, "refused");
         assert!(a2.cm_links.is_empty() && a2.held_cm(b) == 1, "{:?}", a2.cm_links);
+    }
+
+    /// What is sent while a crossing connection is awaited keeps that
+    /// crossing's deadline through a later refusal (L-C, for a message
+    /// held after the first refusal).
+    #[test]
+    fn a_message_held_during_a_crossing_keeps_its_deadline() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_addr = SocketAddr::from((b, 4791));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        // A QP's dial, refused with nothing held; then a message.
+        assert!(a.dial_checking(b_addr, Some(Gid::from_ipv4(b.octets())), None, Clock::now()));
+        a.dial_crossed(b_addr, "refused");
+        let first = a.crossed_until[&b];
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.cm_held_until[&b] <= first);
+        // The crossing record ends (as if aged); a later dial is refused.
+        std::thread::sleep(Duration::from_millis(10));
+        a.crossed_until.remove(&b);
+        a.cm_held_until.remove(&b);
+        a.dialling.remove(&b_addr);
+        assert!(a.dial_checking(b_addr, Some(Gid::from_ipv4(b.octets())), None, Clock::now()));
+        a.dial_crossed(b_addr, "refused");
+        assert!(a.held_cm(b) == 1 && a.cm_held_until[&b] <= first, "the hold moved past the first deadline");
     }
 
     /// Review 2, L-E: a refusal on another port than the transport's (a
