@@ -74,10 +74,18 @@ pub enum HandshakeError {
 }
 
 impl HandshakeError {
-    /// Whether the acceptor refused our dial once both had proved the key
-    /// (its `admit` said no: it dials us, or has dialled us, itself; it
-    /// closes with reason `Normal` then, and at no other point of the
-    /// handshake): its own connection to us is coming, or there.
+    /// Whether the peer closed with reason `Normal`: what an acceptor
+    /// sends, after our Auth checked out and before its own Auth, when
+    /// its `admit` says no (it dials us, or has dialled us, itself): its
+    /// own connection to us is coming, or there. Nothing authenticates
+    /// it (it comes before the acceptor's Auth, and `read_frame` takes a
+    /// Close at any point, even in place of the Hello): anyone answering
+    /// at the address dialled, without the key, can send it. So the caller
+    /// may only make things wait on it, for a bounded time
+    /// ([`super::Net::dial_crossed`]: at most the handshake's limit, and
+    /// nothing goes by an unverified link for it). A key failure
+    /// (`AuthFailed`, `VersionMismatch`), a dropped connection (`None`)
+    /// or a timeout is not this.
     pub fn refused_by_peer(&self) -> bool {
         matches!(self, HandshakeError::Closed(Some(CloseReason::Normal)))
     }
@@ -342,6 +350,43 @@ mod tests {
         assert!(matches!(b, Err(HandshakeError::Refused)), "{b:?}");
         assert!(matches!(a, Err(HandshakeError::Closed(Some(CloseReason::Normal)))), "{a:?}");
         assert!(a.is_err_and(|e| e.refused_by_peer()), "the dialler reads it as a refusal");
+    }
+
+    /// What is not a crossing refusal: a key failure, a dropped
+    /// connection, a timeout. And what is, though it proves nothing (M-A
+    /// of review 2): a bare `Close(Normal)` from anyone, with no Hello;
+    /// its effect is bounded by `Net::dial_crossed`.
+    #[test]
+    fn only_a_close_normal_reads_as_a_refusal_and_a_strangers_does_too() {
+        let (a, b) = pair(b"0123456789abcdef", b"fedcba9876543210");
+        let (a, b) = (a.unwrap_err(), b.unwrap_err());
+        assert!(!a.refused_by_peer() && !b.refused_by_peer(), "{a:?} / {b:?}");
+        let gid = Some(Gid::from_ipv4([10, 0, 0, 2]));
+        let bare = |frame: Option<FrameRepr>| {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let addr = l.local_addr().unwrap();
+            let t = std::thread::spawn(move || {
+                let (mut s, _) = l.accept().unwrap();
+                if let Some(f) = frame {
+                    send(&mut s, &f).unwrap();
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+            });
+            let mut c = TcpStream::connect(addr).unwrap();
+            let r = dial_handshake(&mut c, &id(1, b"0123456789abcdef"), Duration::from_secs(2), gid);
+            t.join().unwrap();
+            r.unwrap_err()
+        };
+        let dropped = bare(None);
+        // (EOF, or a reset: our Hello was left unread.)
+        let eof_or_reset = matches!(dropped, HandshakeError::Closed(None) | HandshakeError::Io(_));
+        assert!(eof_or_reset && !dropped.refused_by_peer(), "{dropped:?}");
+        let close = |reason| Some(FrameRepr::Close(CloseRepr { reason, detail: 0 }));
+        let failed = bare(close(CloseReason::AuthFailed));
+        assert!(!failed.refused_by_peer(), "{failed:?}");
+        assert!(!HandshakeError::Timeout(Duration::from_secs(1)).refused_by_peer());
+        let stranger = bare(close(CloseReason::Normal));
+        assert!(stranger.refused_by_peer(), "unauthenticated, and read as a refusal: {stranger:?}");
     }
 
     /// An acceptor (daemon 2) on a port of its own that runs `n`

@@ -126,12 +126,14 @@ pub struct Net {
     /// the next [`Net::drive`].
     failed: Vec<(LinkId, link::LinkEnd)>,
     /// Connections from other daemons admitted to the handshake and not
-    /// yet links: whose Hello named this GID, since then (or, from
-    /// [`Net::dial_crossed`], one the host said is coming). What the
+    /// yet links: whose Hello named this GID, since then (one the host
+    /// said is coming is in `crossed_until`). What the
     /// connection manager sends the host by no link waits for them
     /// ([`Net::hold_for_no_dial`], [`Net::dial_failed`]); only the host's
     /// own (`own_incoming`) holds our dial to it back.
-    incoming: HashMap<Gid, Clock>,
+    /// (One start per admitted connection, so that a claimant's that
+    /// fails ends only its own, not a NAT'd host's: review 2, L-D.)
+    incoming: HashMap<Gid, Vec<Clock>>,
     /// Of `incoming`, the connections that came from the address their
     /// Hello's GID names (the host's own, whose link will count verified),
     /// since then; ended only by a verified link to that host (or by
@@ -141,6 +143,22 @@ pub struct Net {
     /// to its GID's address ([`Net::cm_deferred`]), and no dial to the
     /// host starts meanwhile ([`Net::may_dial`]).
     own_incoming: HashMap<Gid, Clock>,
+    /// Hosts that refused our dial to their GID's address (the transport's
+    /// port) for a crossing one of their own ([`Net::dial_crossed`]):
+    /// until when that connection can take to come ([`HANDSHAKE_LIMIT`]
+    /// from the first refusal; a later one while this lasts extends
+    /// nothing). The refusal is not authenticated (the acceptor closes
+    /// before its Auth): whatever answers at that address can send it. So
+    /// it only makes things wait, as `own_incoming` does (held messages,
+    /// unverified links: [`Net::add`], [`Net::dial_failed`]), never
+    /// makes an unverified link take anything, and ends at a verified link
+    /// to the host or at this deadline.
+    crossed_until: HashMap<std::net::Ipv4Addr, Clock>,
+    /// Hosts whose held messages were first held for a crossing
+    /// ([`Net::crossed_until`]): that first deadline, which a later
+    /// crossing refusal does not move (review 2, L-C). Reset when the
+    /// host's `cm_pending` starts anew.
+    cm_crossed_hold: HashMap<std::net::Ipv4Addr, Clock>,
     /// Tests: with no engine handle, a dial that may start is recorded
     /// as started (and nothing is spawned).
     #[cfg(test)]
@@ -299,6 +317,8 @@ impl Net {
             failed: Vec::new(),
             incoming: HashMap::new(),
             own_incoming: HashMap::new(),
+            crossed_until: HashMap::new(),
+            cm_crossed_hold: HashMap::new(),
             #[cfg(test)]
             record_dials: false,
             refused: std::collections::HashSet::new(),
@@ -346,11 +366,14 @@ impl Net {
         let verified = gid_of(dialled.unwrap_or(addr)) == Some(gid);
         if verified {
             self.own_incoming.remove(&gid);
+            if let Some(ip) = gid.ipv4().map(std::net::Ipv4Addr::from) {
+                self.crossed_until.remove(&ip);
+            }
         } else if let Some(&since) = self.own_incoming.get(&gid) {
             // A link that only claims the GID ended its own handshake, not
             // the host's: that one is still awaited (a dial to the host
             // waits for it, and so does what is held for the host).
-            self.incoming.insert(gid, since);
+            self.incoming.insert(gid, vec![since]);
         }
         let info = LinkInfo { gid, lid: peer.hello.lid, chunk: peer.chunk, verified };
         let id = hca.link_up(info);
@@ -394,7 +417,7 @@ impl Net {
                     // what was held for it after our dial failed, whose
                     // pause holds this link's check-dial back, goes by it.)
                     self.forget_stale_incoming(now);
-                    let handshake = self.own_incoming.get(&gid).map(|&since| since + HANDSHAKE_LIMIT);
+                    let handshake = self.own_awaited_until(gid, now);
                     // (Only while the manager knows no link to the host:
                     // with one told, it held nothing, and a new REQ would
                     // go by that one, maybe a dead daemon's, meanwhile.)
@@ -536,8 +559,8 @@ impl Net {
             for ip in ended {
                 // A later connection of the host's own, admitted since,
                 // is waited for in turn.
-                if let Some(&since) = self.own_incoming.get(&Gid::from_ipv4(ip.octets())) {
-                    self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
+                if let Some(until) = self.own_awaited_until(Gid::from_ipv4(ip.octets()), now) {
+                    self.cm_deferred_until.insert(ip, until);
                     continue;
                 }
                 tracing::debug!(host = %ip, "the dial or handshake that unverified links waited for ended unreported");
@@ -552,9 +575,9 @@ impl Net {
             self.cm_held_until.remove(&ip);
             // A later connection with the host's GID, admitted since, is
             // waited for in turn.
-            if let Some(&since) = self.incoming.get(&Gid::from_ipv4(ip.octets())) {
+            if let Some(until) = self.awaited_until(ip, now) {
                 if self.cm_pending.contains_key(&ip) {
-                    self.cm_held_until.insert(ip, since + HANDSHAKE_LIMIT);
+                    self.cm_held_until.insert(ip, until);
                     continue;
                 }
             }
@@ -652,6 +675,7 @@ impl Net {
         });
         let pending = &self.cm_pending;
         self.cm_held_until.retain(|ip, _| pending.contains_key(ip));
+        self.cm_crossed_hold.retain(|ip, _| pending.contains_key(ip));
     }
 
     /// Tests: a dial that may start is recorded as started (nothing is
@@ -710,11 +734,13 @@ impl Net {
             if !self.awaits_own_link(ip, Clock::now()) && self.cm_deferred.contains_key(&ip) {
                 self.forget_stale_incoming(Clock::now());
                 // (The host's own: a link that only claims its GID, from
-                // elsewhere, ends no such wait, [`Net::own_incoming`].)
-                match self.own_incoming.get(&gid) {
-                    Some(&since) => {
+                // elsewhere, ends no such wait, [`Net::own_incoming`]; nor
+                // one while the host's crossing connection may come,
+                // [`Net::crossed_until`].)
+                match self.own_awaited_until(gid, Clock::now()) {
+                    Some(until) => {
                         tracing::debug!(host = %ip, "unverified links wait for the host's handshake");
-                        self.cm_deferred_until.insert(ip, since + HANDSHAKE_LIMIT);
+                        self.cm_deferred_until.insert(ip, until);
                     }
                     None => self.release_deferred(ip),
                 }
@@ -722,9 +748,12 @@ impl Net {
             // (What the manager held still waits for the host's own link
             // if its unverified links do: another dial failed, to a
             // configured peer's address on another port.)
+            // (Taken while what is held is, so that a crossing keeps the
+            // first deadline it gave it: [`Net::crossed_deadline`].)
+            self.forget_stale_incoming(Clock::now());
+            let awaited = self.awaited_until(ip, Clock::now());
             let held = if self.cm_deferred.contains_key(&ip) { None } else { self.cm_pending.remove(&ip) };
             if let Some(held) = held {
-                self.forget_stale_incoming(Clock::now());
                 if let Some(l) = self.newest_link_to(gid).and_then(|id| self.links.get_mut(&id)) {
                     // The host linked in meanwhile (its daemon's dial
                     // crossed ours, which it refused): what waited goes by
@@ -733,7 +762,7 @@ impl Net {
                         l.queue_cm(m);
                     }
                     tracing::debug!(peer = %addr, link = l.id.0, "messages held for a failed dial sent by the host's link");
-                } else if let Some(until) = self.incoming.get(&gid).map(|&since| since + HANDSHAKE_LIMIT) {
+                } else if let Some(until) = awaited {
                     // Its connection to us is in its handshake: they go by
                     // the link it becomes ([`Net::add`]), or are given up
                     // on once that handshake can no longer succeed.
@@ -754,21 +783,45 @@ impl Net {
         }
     }
 
-    /// A dial the peer refused once both had proved the key: its own dial
-    /// to us is under way, or it has a link it dialled to us
-    /// ([`Net::admits_from`], on its side; [`HandshakeError::refused_by_peer`]).
-    /// Its connection is coming, from its GID's address or another
-    /// (NAT): what is held for the host, and what is sent to it in the
-    /// failed dial's pause, waits for it as for an admitted connection
-    /// whose Hello says the host's GID (`incoming`, from now), rather than
-    /// being given up on; the dial counts failed all the same.
+    /// A dial the peer refused with `Close(Normal)`, as an acceptor does
+    /// when its own dial to us is under way, or it has a link it dialled
+    /// to us ([`Net::admits_from`], on its side;
+    /// [`HandshakeError::refused_by_peer`]). That refusal comes before the
+    /// acceptor's Auth, so it proves nothing: whatever answers at the
+    /// host's address (an on-path attacker, another program on the host's
+    /// port while its daemon is down) can send it. So it only makes
+    /// things wait, bounded: if the host's connection is coming, from its
+    /// GID's address or another (NAT), what is held for the host, and
+    /// what is sent to it in the failed dial's pause, waits for it
+    /// (`crossed_until`: [`HANDSHAKE_LIMIT`] from the first refusal, which
+    /// a later one does not extend, nor the first deadline given to what
+    /// is held, `cm_crossed_hold`), rather than being given up on at once;
+    /// and unverified links to the host wait for it too, as for the
+    /// host's own connection in its handshake ([`Net::own_incoming`]), so
+    /// that a link that only claims the host's GID takes nothing meanwhile.
+    /// A stranger's refusal thus delays a connect by at most that limit,
+    /// and makes nothing go by an unverified link. Only a dial to the
+    /// transport's port at the GID's address counts (a configured peer on
+    /// another port may be another daemon). The dial counts failed all the
+    /// same.
     pub fn dial_crossed(&mut self, addr: SocketAddr, why: &str) {
-        if let std::net::IpAddr::V4(ip) = addr.ip() {
-            let now = Clock::now();
-            let since = self.incoming.entry(Gid::from_ipv4(ip.octets())).or_insert(now);
-            *since = (*since).max(now);
+        let now = Clock::now();
+        let ip = match addr.ip() {
+            std::net::IpAddr::V4(ip) if addr.port() == self.setup.port => Some(ip),
+            _ => None,
+        };
+        if let Some(ip) = ip {
+            self.forget_stale_incoming(now);
+            self.crossed_until.entry(ip).or_insert(now + HANDSHAKE_LIMIT);
         }
         self.dial_failed(addr, why);
+        if let Some(ip) = ip {
+            if self.cm_pending.contains_key(&ip) {
+                if let Some(&until) = self.crossed_until.get(&ip) {
+                    self.cm_crossed_hold.entry(ip).or_insert(until);
+                }
+            }
+        }
     }
 
     /// Sends a connection manager's message to the daemon of `host` by
@@ -805,6 +858,14 @@ impl Net {
         if !self.setup.permits(addr) {
             return Err("the host is outside net.allow");
         }
+        if !self.cm_pending.contains_key(&host) {
+            // A new batch: held for a crossing only from the one awaited
+            // now, if any (whose deadline it keeps).
+            self.cm_crossed_hold.remove(&host);
+            if let Some(&t) = self.crossed_until.get(&host).filter(|&&t| Clock::now() < t) {
+                self.cm_crossed_hold.insert(host, t);
+            }
+        }
         let held = self.cm_pending.entry(host).or_default();
         if held.len() >= CM_PENDING_MAX {
             return Err("too many messages wait for a link to the host");
@@ -839,8 +900,8 @@ impl Net {
             return Ok(());
         }
         self.forget_stale_incoming(now);
-        if let Some(&since) = self.incoming.get(&Gid::from_ipv4(host.octets())) {
-            self.cm_held_until.insert(host, since + HANDSHAKE_LIMIT);
+        if let Some(until) = self.awaited_until(host, now) {
+            self.cm_held_until.insert(host, until);
             return Ok(());
         }
         if self.dialling.get(&addr).is_some_and(|d| matches!(d, Dial::RetryAt(..)) && d.holds(now)) {
@@ -1104,8 +1165,50 @@ impl Net {
     /// Forgets incoming handshakes older than any handshake may last: they
     /// became links, or failed.
     fn forget_stale_incoming(&mut self, now: Clock) {
-        self.incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        self.incoming.retain(|_, ts| {
+            ts.retain(|t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+            !ts.is_empty()
+        });
         self.own_incoming.retain(|_, t| now.saturating_duration_since(*t) < HANDSHAKE_LIMIT);
+        self.crossed_until.retain(|_, t| now < *t);
+    }
+
+    /// Until when something that may become a link to `ip`'s host is
+    /// awaited, at `now` (after [`Net::forget_stale_incoming`]): the
+    /// latest admitted connection whose Hello says its GID (`incoming`),
+    /// or its crossing connection (`crossed_until`), for which what is
+    /// held for the host waits. A crossing's wait is bounded by the first
+    /// deadline given to what is held for it (`cm_crossed_hold`).
+    fn awaited_until(&self, ip: std::net::Ipv4Addr, now: Clock) -> Option<Clock> {
+        let gid = Gid::from_ipv4(ip.octets());
+        let admitted = self.incoming.get(&gid).and_then(|ts| ts.iter().max()).map(|&t| t + HANDSHAKE_LIMIT);
+        admitted.max(self.crossed_deadline(ip, now))
+    }
+
+    /// Until when the crossing connection `ip`'s host said is coming is
+    /// waited for, at `now` (`crossed_until`), if still: no later than
+    /// the first deadline a crossing gave what is held for the host
+    /// (`cm_crossed_hold`, while that is held), so that refusals one
+    /// after another do not chain the wait.
+    fn crossed_deadline(&self, ip: std::net::Ipv4Addr, now: Clock) -> Option<Clock> {
+        self.crossed_until
+            .get(&ip)
+            .map(|&t| match self.cm_crossed_hold.get(&ip) {
+                Some(&first) if self.cm_pending.contains_key(&ip) => t.min(first),
+                _ => t,
+            })
+            .filter(|&t| now < t)
+    }
+
+    /// Until when the host's own connection is awaited, at `now`: its
+    /// connection from its GID's address in its handshake (`own_incoming`),
+    /// or the crossing one it refused our dial for (`crossed_until`).
+    /// Unverified links to the host wait for it, rather than take what
+    /// is held for the host.
+    fn own_awaited_until(&self, gid: Gid, now: Clock) -> Option<Clock> {
+        let own = self.own_incoming.get(&gid).map(|&t| t + HANDSHAKE_LIMIT);
+        let crossed = gid.ipv4().and_then(|ip| self.crossed_deadline(std::net::Ipv4Addr::from(ip), now));
+        own.max(crossed)
     }
 
     /// Whether to take a connection that the daemon whose Hello says `gid`
@@ -1127,7 +1230,7 @@ impl Net {
         self.forget_stale_incoming(now);
         let admit = self.setup.identity.gid.0 >= gid.0 || !self.made_or_making_link_to(gid, daemon_id, now);
         if admit {
-            self.incoming.insert(gid, now);
+            self.incoming.entry(gid).or_default().push(now);
             if gid_of(from) == Some(gid) {
                 self.own_incoming.insert(gid, now);
             }
@@ -1146,10 +1249,12 @@ impl Net {
         if gid_of(from) == Some(gid) && self.own_incoming.get(&gid) == Some(&since) {
             self.own_incoming.remove(&gid);
         }
-        if self.incoming.get(&gid) == Some(&since) {
-            self.incoming.remove(&gid);
-            if let Some(&own) = self.own_incoming.get(&gid) {
-                self.incoming.insert(gid, own);
+        if let Some(ts) = self.incoming.get_mut(&gid) {
+            if let Some(i) = ts.iter().position(|&t| t == since) {
+                ts.swap_remove(i);
+            }
+            if ts.is_empty() {
+                self.incoming.remove(&gid);
             }
         }
         self.awaited_handshake_ended(gid, now);
@@ -1164,12 +1269,12 @@ impl Net {
     fn awaited_handshake_ended(&mut self, gid: Gid, now: Clock) {
         let Some(ip) = gid.ipv4().map(std::net::Ipv4Addr::from) else { return };
         self.forget_stale_incoming(now);
-        if !self.own_incoming.contains_key(&gid) {
+        if self.own_awaited_until(gid, now).is_none() {
             if let Some(t) = self.cm_deferred_until.get_mut(&ip) {
                 *t = (*t).min(now);
             }
         }
-        if !self.incoming.contains_key(&gid) {
+        if self.awaited_until(ip, now).is_none() {
             if let Some(t) = self.cm_held_until.get_mut(&ip) {
                 *t = (*t).min(now);
             }
@@ -2621,8 +2726,9 @@ mod tests {
         assert_eq!(a.cm_links, [CmLink::Down(b, None)], "the dial's failure tells");
     }
 
-    /// Our dial to the host was refused by it once both proved the key
-    /// (its own dial to us crossed ours: [`HandshakeError::refused_by_peer`]).
+    /// Our dial to the host was refused with Close `Normal`, as the host
+    /// does when its own dial to us crossed ours (unauthenticated:
+    /// [`HandshakeError::refused_by_peer`]).
     /// What was held, and what is sent in the pause, waits for the host's
     /// connection, which goes by the link it becomes (session 35, second
     /// round, review M3; before, the held message was given up and the
@@ -2764,6 +2870,167 @@ mod tests {
         assert!(a.cm_links.is_empty() && a.held_cm(b) == 1 && a.dialling.is_empty(), "{:?}", a.cm_links);
         a.expire_held_cm(later + HANDSHAKE_LIMIT);
         assert!(a.dial_under_way(b, later + HANDSHAKE_LIMIT) && a.held_cm(b) == 1);
+    }
+
+    /// Review 2, M-B: the host refused our dial for its crossing one
+    /// ([`Net::dial_crossed`]): a link that only claims its GID, deferred
+    /// before or come since, takes nothing of what is held while the
+    /// host's connection may come; the host's (verified) link takes it.
+    /// Before, `dial_crossed` released the deferred claimant at once.
+    #[test]
+    fn a_crossing_refusal_keeps_what_is_held_from_a_claimants_link() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut hca = hca_of([10, 0, 0, 3]);
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (claim, _t1) = add_link_of(&mut a, &mut hca, b_gid, 7, "192.0.2.9:40000".parse().unwrap(), None);
+        assert!(a.cm_deferred.contains_key(&b) && a.held_cm(b) == 1);
+        a.dial_crossed(b_addr, "the peer closed the connection (Some(Normal))");
+        assert!(!a.links[&claim].has_output() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+        assert!(a.cm_links.is_empty(), "{:?}", a.cm_links);
+        // Another claimant after the refusal waits likewise.
+        let (claim2, _t2) =
+            add_link_of(&mut a, &mut hca, b_gid, 8, "192.0.2.10:40000".parse().unwrap(), None);
+        assert!(!a.links[&claim2].has_output() && a.cm_links.is_empty(), "{:?}", a.cm_links);
+        // The host's own link takes what was held.
+        let (own, _t3) = add_link(&mut a, &mut hca, b_gid, "10.0.0.2:40001".parse().unwrap(), None);
+        assert!(a.links[&own].has_output() && a.held_cm(b) == 0);
+        assert!(!a.links[&claim].has_output() && !a.links[&claim2].has_output());
+        assert_eq!(a.cm_links.first(), Some(&CmLink::Up(b, own, true)));
+        // No host's link: the wait ends at the refusal's limit (an
+        // unauthenticated refusal delays; the claimant gets what it got
+        // had the dial failed plainly).
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let (claim, _t4) = add_link_of(&mut a, &mut hca, b_gid, 7, "192.0.2.9:40000".parse().unwrap(), None);
+        let t = Clock::now();
+        a.dial_crossed(b_addr, "refused");
+        a.expire_held_cm(t);
+        assert!(!a.links[&claim].has_output());
+        a.expire_held_cm(t + HANDSHAKE_LIMIT + Duration::from_secs(1));
+        assert!(a.links[&claim].has_output() && a.held_cm(b) == 0);
+        assert!(a.cm_deferred.is_empty() && a.cm_deferred_until.is_empty());
+    }
+
+    /// Review 2, L-D: a claimant's handshake admitted and failed ends
+    /// neither the wait for the host's crossing connection nor a NAT'd
+    /// host's own admitted one. Before, its admission overwrote the record.
+    #[test]
+    fn a_claimants_failed_handshake_ends_no_other_wait() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let (b_gid, b_addr) = (Gid::from_ipv4(b.octets()), SocketAddr::from((b, 4791)));
+        let from: SocketAddr = "192.0.2.9:40000".parse().unwrap();
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        a.dial_crossed(b_addr, "refused");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1);
+        let t = Clock::now();
+        assert!(a.admits_from(b_gid, 7, from, t));
+        a.handshake_ended(b_gid, from, t, Clock::now());
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+        // A NAT'd host's connection (from another address) admitted, then a
+        // claimant's that fails: what is held waits for the host's still.
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        let nat: SocketAddr = "198.51.100.1:40000".parse().unwrap();
+        let t0 = Clock::now();
+        assert!(a.admits_from(b_gid, 9, nat, t0));
+        a.dial_failed(b_addr, "refused");
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+        let t1 = Clock::now();
+        assert!(a.admits_from(b_gid, 7, from, t1));
+        a.handshake_ended(b_gid, from, t1, Clock::now());
+        assert!(a.cm_links.is_empty() && a.held_cm(b) == 1, "{:?}", a.cm_links);
+        // Its own failure ends the wait at once.
+        a.handshake_ended(b_gid, nat, t0, Clock::now());
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+    }
+
+    /// Review 2, L-C: a second crossing refusal does not move the
+    /// deadline of what is held; one after the first's limit holds
+    /// nothing again (what waited is given up as for a failed dial).
+    #[test]
+    fn repeated_crossing_refusals_keep_the_first_deadline() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_addr = SocketAddr::from((b, 4791));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        a.dial_crossed(b_addr, "refused");
+        let first = a.cm_held_until[&b];
+        // The next dial (after the pause) is refused again.
+        std::thread::sleep(Duration::from_millis(600));
+        assert!(a.dial_checking(b_addr, Some(Gid::from_ipv4(b.octets())), None, Clock::now()));
+        a.dial_crossed(b_addr, "refused");
+        assert!(a.cm_held_until[&b] <= first && a.held_cm(b) == 1);
+        // Past that deadline (as if it were: the records aged), a dial
+        // under way took them over, and is refused once more: given up.
+        let past = Clock::now() - Duration::from_millis(1);
+        a.crossed_until.insert(b, past);
+        a.cm_crossed_hold.insert(b, past);
+        a.cm_held_until.remove(&b);
+        a.dialling.remove(&b_addr);
+        assert!(a.dial_checking(b_addr, Some(Gid::from_ipv4(b.octets())), None, Clock::now()));
+        a.dial_crossed(b_addr, "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
+        assert_eq!(a.held_cm(b), 0);
+        // A new message starts a new batch, which a crossing holds anew.
+        let mut a2 = net_of([10, 0, 0, 3]);
+        a2.record_dials = true;
+        a2.send_cm(b, None, &msg).unwrap();
+        a2.cm_crossed_hold.insert(b, past);
+        a2.retain_held_cm(|_, _| false);
+        a2.send_cm(b, None, &msg).unwrap();
+        a2.dial_crossed(b_addr, "refused");
+        assert!(a2.cm_links.is_empty() && a2.held_cm(b) == 1, "{:?}", a2.cm_links);
+    }
+
+    /// What is sent while a crossing connection is awaited keeps that
+    /// crossing's deadline through a later refusal (L-C, for a message
+    /// held after the first refusal).
+    #[test]
+    fn a_message_held_during_a_crossing_keeps_its_deadline() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let b_addr = SocketAddr::from((b, 4791));
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        // A QP's dial, refused with nothing held; then a message.
+        assert!(a.dial_checking(b_addr, Some(Gid::from_ipv4(b.octets())), None, Clock::now()));
+        a.dial_crossed(b_addr, "refused");
+        let first = a.crossed_until[&b];
+        assert_eq!(a.send_cm(b, None, &msg), Ok(None));
+        assert!(a.cm_held_until[&b] <= first);
+        // The crossing record ends (as if aged); a later dial is refused.
+        std::thread::sleep(Duration::from_millis(10));
+        a.crossed_until.remove(&b);
+        a.cm_held_until.remove(&b);
+        a.dialling.remove(&b_addr);
+        assert!(a.dial_checking(b_addr, Some(Gid::from_ipv4(b.octets())), None, Clock::now()));
+        a.dial_crossed(b_addr, "refused");
+        assert!(a.held_cm(b) == 1 && a.cm_held_until[&b] <= first, "the hold moved past the first deadline");
+    }
+
+    /// Review 2, L-E: a refusal on another port than the transport's (a
+    /// configured peer there may be another daemon) makes nothing wait.
+    #[test]
+    fn a_crossing_refusal_on_another_port_holds_nothing() {
+        let b = std::net::Ipv4Addr::new(10, 0, 0, 2);
+        let msg = vrdma_core::cm::CmMessage::Dreq { to: 5, from: 6 };
+        let mut a = net_of([10, 0, 0, 3]);
+        a.record_dials = true;
+        a.send_cm(b, None, &msg).unwrap();
+        a.dial_crossed(SocketAddr::from((b, 5000)), "refused");
+        a.dial_failed(SocketAddr::from((b, 4791)), "refused");
+        assert_eq!(a.cm_links, [CmLink::Down(b, None)]);
     }
 
     /// Makes a link on `net` as [`Net::add`] does: to the daemon whose
