@@ -161,7 +161,7 @@ fn line(text: &str) {
         });
         return;
     }
-    as_saying(|| write_stderr(text.as_bytes()));
+    as_saying(|| crate::table::keep_errno(|| write_stderr(text.as_bytes())));
 }
 
 /// The lines held in `h`, which is left empty.

@@ -834,10 +834,17 @@ fn linger_link(fd: c_int, level: c_int, name: c_int) -> Option<Arc<Link>> {
     if level != libc::SOL_SOCKET || name != libc::SO_LINGER {
         return None;
     }
-    match table::get(fd) {
-        Some(Entry::Stream(s)) => s.link_now(),
-        _ => None,
+    let Some(Entry::Stream(s)) = table::get(fd) else { return None };
+    // (`link_now` only tries the stream's lock: a call on another thread
+    // may hold it a moment. Tried a bounded while, so that the program's
+    // linger is not put past the record of a queue that holds one.)
+    for _ in 0..256 {
+        match s.link_if_free() {
+            Ok(l) => return l,
+            Err(()) => std::thread::yield_now(),
+        }
     }
+    None
 }
 
 #[no_mangle]

@@ -298,6 +298,16 @@ impl Stream {
         }
     }
 
+    /// [`link_now`](Self::link_now), or `Err` where the stream's lock is
+    /// held this moment (by a call on another thread).
+    pub fn link_if_free(&self) -> Result<Option<Arc<Link>>, ()> {
+        let p = self.phase.try_lock().map_err(drop)?;
+        Ok(match &*p {
+            Phase::Carried(l) => Some(l.clone()),
+            _ => None,
+        })
+    }
+
     /// A client whose connect failed: its announcement is withdrawn.
     pub fn abandon(&self) {
         let mut p = self.phase.lock();

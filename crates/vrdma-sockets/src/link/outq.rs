@@ -249,10 +249,20 @@ impl Link {
     /// The queue emptied: the socket's own linger back
     /// ([`Self::reset_if_ended_now`]).
     fn end_as_the_program_asked(&self) {
-        let own = self.out_linger.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(own) = own.filter(|_| !self.out_stuck()) {
+        // (The lock held until the linger is back: a program's
+        // `setsockopt` meanwhile comes after it.)
+        let mut kept = self.out_linger.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(own) = kept.take().filter(|_| !self.out_stuck()) {
             Self::set_linger(self.sock, own);
         }
+    }
+
+    /// Whether this process's queue may hold the socket's linger (it made
+    /// the queue): in another (a child forked since) the program's
+    /// `SO_LINGER` calls go straight to the kernel, as for a connection
+    /// that never queued.
+    fn keeps_linger_here(&self) -> bool {
+        self.out_pid.load(Ordering::Acquire) == crate::pid::get()
     }
 
     /// The program's `setsockopt(SO_LINGER)` on this connection (`fd`):
@@ -269,6 +279,10 @@ impl Link {
         val: *const libc::c_void,
         len: libc::socklen_t,
     ) -> c_int {
+        if !self.keeps_linger_here() {
+            // SAFETY: the caller's arguments, as setsockopt(2) takes them.
+            return unsafe { real::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
+        }
         let mut kept = self.out_linger.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the caller's arguments, as setsockopt(2) takes them.
         let r = unsafe { real::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
@@ -298,12 +312,17 @@ impl Link {
         val: *mut libc::c_void,
         len: *mut libc::socklen_t,
     ) -> c_int {
+        if !self.keeps_linger_here() {
+            // SAFETY: the caller's arguments, as getsockopt(2) takes them.
+            return unsafe { real::getsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
+        }
         let kept = self.out_linger.lock().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the caller's arguments, as getsockopt(2) takes them.
         let r = unsafe { real::getsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, val, len) };
-        if let (0, Some(own)) = (r, *kept) {
+        if let (0, Some(own), false) = (r, *kept, val.is_null() || len.is_null()) {
             // SAFETY: the kernel just wrote `*len` bytes (at most a
-            // linger's) at `val`: they are the caller's, valid.
+            // linger's) at `val`, which is not null: they are the
+            // caller's, valid.
             unsafe {
                 let n = (*len as usize).min(std::mem::size_of::<libc::linger>());
                 std::ptr::copy_nonoverlapping(

@@ -799,8 +799,10 @@ impl Net {
     /// and unverified links to the host wait for it too, as for the
     /// host's own connection in its handshake ([`Net::own_incoming`]), so
     /// that a link that only claims the host's GID takes nothing meanwhile.
-    /// A stranger's refusal thus delays a connect by at most that limit,
-    /// and makes nothing go by an unverified link. Only a dial to the
+    /// A stranger's refusal thus delays a connect by that limit, plus a
+    /// dial to the host under way when it ends (which what is held then
+    /// waits for: about 7 s at worst), and makes nothing go by an
+    /// unverified link. Only a dial to the
     /// transport's port at the GID's address counts (a configured peer on
     /// another port may be another daemon). The dial counts failed all the
     /// same.
