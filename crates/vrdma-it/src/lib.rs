@@ -605,6 +605,25 @@ pub fn poll_for(cq: &vrdma::CompletionQueue, span: Duration) -> Result<Vec<vrdma
     }
 }
 
+/// Copies `len` bytes of one region memfd into another (QEMU's part).
+pub fn copy_region(from: &std::os::fd::OwnedFd, to: &std::os::fd::OwnedFd, len: u64) -> Result<()> {
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0u64;
+    while at < len {
+        let n = (len - at).min(buf.len() as u64) as usize;
+        let got = rustix::io::pread(from, &mut buf[..n], at)?;
+        if got == 0 {
+            bail!("the source region ends at {at}");
+        }
+        let mut done = 0;
+        while done < got {
+            done += rustix::io::pwrite(to, &buf[done..got], at + done as u64)?;
+        }
+        at += got as u64;
+    }
+    Ok(())
+}
+
 /// Waits until `f` holds; fails naming `what` after `limit`.
 pub fn wait_until(limit: Duration, what: &str, mut f: impl FnMut() -> bool) -> Result<()> {
     let end = Instant::now() + limit;

@@ -35,6 +35,7 @@ use vrdma_core::proto::{
 use vrdma_core::ring::{recv_stride, send_stride, RecvWr, SendWr, Sge, SgeList};
 use vrdma_core::ring::{Cqe, CQE_SIZE};
 use vrdma_core::verbs::{SendFlags, SendOpcode};
+use vrdma_it::copy_region;
 use vrdma_it::protocol::Command;
 use vrdma_it::{access_all, pattern, poll_n, PeerProc, Side, ThreeHosts, WAIT};
 
@@ -44,25 +45,6 @@ mod cm;
 mod memory;
 #[path = "migrate_vm/srq.rs"]
 mod srq;
-
-/// Copies `len` bytes of one region memfd into another (QEMU's part).
-fn copy_region(from: &OwnedFd, to: &OwnedFd, len: u64) -> Result<()> {
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0u64;
-    while at < len {
-        let n = (len - at).min(buf.len() as u64) as usize;
-        let got = rustix::io::pread(from, &mut buf[..n], at)?;
-        if got == 0 {
-            bail!("the source region ends at {at}");
-        }
-        let mut done = 0;
-        while done < got {
-            done += rustix::io::pwrite(to, &buf[done..got], at + done as u64)?;
-        }
-        at += got as u64;
-    }
-    Ok(())
-}
 
 fn read_all(fd: &OwnedFd) -> Result<Vec<u8>> {
     let len = rustix::fs::fstat(fd)?.st_size as usize;

@@ -24,27 +24,9 @@ use std::time::Duration;
 use anyhow::{bail, Context as _, Result};
 use vrdma::wr::{self, SendWrExt};
 use vrdma::{QpAttr, QpAttrMask, QpState, WcStatus};
+use vrdma_it::copy_region;
 use vrdma_it::protocol::{Command as C, Said, Wc};
 use vrdma_it::{access_all, pattern, poll_n, PeerProc, Side, ThreeHosts, WAIT};
-
-/// Copies `len` bytes of one region memfd into another (QEMU's part).
-fn copy_region(from: &OwnedFd, to: &OwnedFd, len: u64) -> Result<()> {
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0u64;
-    while at < len {
-        let n = (len - at).min(buf.len() as u64) as usize;
-        let got = rustix::io::pread(from, &mut buf[..n], at)?;
-        if got == 0 {
-            bail!("the source region ends at {at}");
-        }
-        let mut done = 0;
-        while done < got {
-            done += rustix::io::pwrite(to, &buf[done..got], at + done as u64)?;
-        }
-        at += got as u64;
-    }
-    Ok(())
-}
 
 /// What the peer on B does between the save and the restore.
 #[derive(Clone, Copy, Debug, PartialEq)]

@@ -1145,14 +1145,39 @@ fn queued_against(
     server_more: &[(&str, &str)],
     client_more: &[(&str, &str)],
 ) -> Result<(Finished, Finished)> {
+    let mut server = vec![("STDECHO_COUNT_ONLY", "1")];
+    server.extend_from_slice(server_more);
+    bulk_against_written_first(256 << 10, way, &server, client_more)
+}
+
+/// The `bulk` exchange against a program that writes `wf` bytes first
+/// (then sleeps `sleep_ms`), the client's later writes by `writer`.
+fn written_first(wf: u64, sleep_ms: Option<&str>, writer: &str) -> Result<(Finished, Finished)> {
+    let server: Vec<_> = sleep_ms.map(|ms| ("STDECHO_DELAY_AFTER_WRITE_MS", ms)).into_iter().collect();
+    let (c, s) = bulk_against_written_first(wf, writer, &server, &[])?;
+    c.assert_ok();
+    s.assert_ok();
+    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
+    Ok((c, s))
+}
+
+/// The `bulk` exchange (240 KiB echoed, 192 KiB left unread) against a
+/// program that writes `wf` bytes before it reads, 4 KiB kernel buffers
+/// on both sides, the client's writer `way`; and `server_more`,
+/// `client_more` in their environments.
+fn bulk_against_written_first(
+    wf: u64,
+    way: &str,
+    server_more: &[(&str, &str)],
+    client_more: &[(&str, &str)],
+) -> Result<(Finished, Finished)> {
     let first = (240 * 1024).to_string();
     let unread = (192 * 1024).to_string();
-    let wf = (256 << 10).to_string();
+    let wf = wf.to_string();
     let mut server = vec![
         ("SOCKAPP_BEFORE_EXEC_MS", "500"),
         ("SOCKAPP_ECHO_FIRST", first.as_str()),
         ("STDECHO_WRITE_FIRST", wf.as_str()),
-        ("STDECHO_COUNT_ONLY", "1"),
         ("SOCKAPP_RAW_RCVBUF", "4096"),
     ];
     server.extend_from_slice(server_more);
@@ -1165,35 +1190,6 @@ fn queued_against(
     ];
     client.extend_from_slice(client_more);
     go_inetd("carried-exec", "bulk", &server, &client)
-}
-
-/// The `bulk` exchange against a program that writes `wf` bytes first
-/// (then sleeps `sleep_ms`), the client's later writes by `writer`.
-fn written_first(wf: u64, sleep_ms: Option<&str>, writer: &str) -> Result<(Finished, Finished)> {
-    let first = (240 * 1024).to_string();
-    let unread = (192 * 1024).to_string();
-    let wf = wf.to_string();
-    let mut server = vec![
-        ("SOCKAPP_BEFORE_EXEC_MS", "500"),
-        ("SOCKAPP_ECHO_FIRST", first.as_str()),
-        ("STDECHO_WRITE_FIRST", wf.as_str()),
-        ("SOCKAPP_RAW_RCVBUF", "4096"),
-    ];
-    if let Some(ms) = sleep_ms {
-        server.push(("STDECHO_DELAY_AFTER_WRITE_MS", ms));
-    }
-    let client = [
-        ("SOCKAPP_ECHO_FIRST", first.as_str()),
-        ("SOCKAPP_UNREAD", unread.as_str()),
-        ("SOCKAPP_RAW_SNDBUF", "4096"),
-        ("SOCKAPP_WRITTEN_FIRST", wf.as_str()),
-        ("SOCKAPP_WRITER", writer),
-    ];
-    let (c, s) = go_inetd("carried-exec", "bulk", &server, &client)?;
-    c.assert_ok();
-    s.assert_ok();
-    assert!(s.stderr.contains("demoted to plain TCP for the exec'd program"), "{}", s.describe());
-    Ok((c, s))
 }
 
 /// A program whose first child, before any other call of interest, is

@@ -355,6 +355,42 @@ fn mapped_extents(pid: i32, region: &OwnedFd) -> Result<Vec<(u64, u64)>> {
     Ok(out)
 }
 
+/// Both tests' start: VM `t` on A and C (its tenant this test's uid), B's
+/// two RC QPs connected to the guest's two, which share its SRQ.
+struct World {
+    h: ThreeHosts,
+    vm_a: vrdma::vm::VmAttachment,
+    vm_c: vrdma::vm::VmAttachment,
+    g: SrqGuest,
+    b: Sender,
+}
+
+impl World {
+    fn start() -> Result<World> {
+        let uid = rustix::process::geteuid().as_raw();
+        let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 3\n");
+        let h = ThreeHosts::start([&vm, "", &vm])?;
+        let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
+        let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
+        let side = Side::new(&h.b.context()?, 1 << 16)?;
+        let other = side.another_qp(vrdma_it::cap(64, 1))?;
+        let mtu = side.ctx.query_port(1)?.active_mtu;
+        let mut peers = [side.endpoint()?, other.endpoint(&side.ctx)?];
+        for p in &mut peers {
+            p.lid = 0;
+        }
+        let mut g = SrqGuest::open(&vm_a.port_socket, peers, mtu)?;
+        let gid = match SrqGuest::ok(&mut g.port, Request::QueryGid { port: 1, index: 0 })?.0 {
+            Reply::Gid(gid) => gid,
+            r => bail!("QueryGid: {r:?}"),
+        };
+        for (qp, &qpn) in [&side.qp, &other].into_iter().zip(&g.qps) {
+            qp.connect(&vrdma::Endpoint { lid: 0, gid, qpn, psn: GUEST_PSN }, access_all())?;
+        }
+        Ok(World { h, vm_a, vm_c, g, b: Sender { side, other, next: [0; 2], owed: 0 } })
+    }
+}
+
 /// A VM's tenant on A has an SRQ of 16 receives shared by two RC QPs,
 /// each connected to one of B's QPs; 12 receives posted, the limit armed
 /// at 3. B sends numbered messages on both QPs: 2 each before the move
@@ -371,26 +407,7 @@ fn mapped_extents(pid: i32, region: &OwnedFd) -> Result<Vec<(u64, u64)>> {
 #[test]
 fn a_vm_tenants_srq_moves_with_its_receives_and_its_armed_limit() -> Result<()> {
     let uid = rustix::process::geteuid().as_raw();
-    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 3\n");
-    let h = ThreeHosts::start([&vm, "", &vm])?;
-    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
-    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
-    let side = Side::new(&h.b.context()?, 1 << 16)?;
-    let other = side.another_qp(vrdma_it::cap(64, 1))?;
-    let mtu = side.ctx.query_port(1)?.active_mtu;
-    let mut peers = [side.endpoint()?, other.endpoint(&side.ctx)?];
-    for p in &mut peers {
-        p.lid = 0;
-    }
-    let mut g = SrqGuest::open(&vm_a.port_socket, peers, mtu)?;
-    let gid = match SrqGuest::ok(&mut g.port, Request::QueryGid { port: 1, index: 0 })?.0 {
-        Reply::Gid(gid) => gid,
-        r => bail!("QueryGid: {r:?}"),
-    };
-    for (qp, &qpn) in [&side.qp, &other].into_iter().zip(&g.qps) {
-        qp.connect(&vrdma::Endpoint { lid: 0, gid, qpn, psn: GUEST_PSN }, access_all())?;
-    }
-    let mut b = Sender { side, other, next: [0; 2], owed: 0 };
+    let World { h, vm_a, vm_c, mut g, mut b } = World::start()?;
     let mut got = Received::default();
     let (ctx, srq) = (g.ctx, g.srq);
     let srq_limit = |e: &AsyncEvent| e.event_type == AsyncEventType::SrqLimitReached && e.element == srq;
@@ -513,26 +530,7 @@ fn a_vm_tenants_srq_moves_with_its_receives_and_its_armed_limit() -> Result<()> 
 #[test]
 fn an_event_raised_before_the_adoption_moves_on_with_the_vm_to_where_the_guest_adopts() -> Result<()> {
     let uid = rustix::process::geteuid().as_raw();
-    let vm = format!("[vms.t]\ntenant = {uid}\nmemory_mib = 8\nports = 3\n");
-    let h = ThreeHosts::start([&vm, "", &vm])?;
-    let vm_a = vrdma::vm::attach_at(&h.a.socket, "t")?;
-    let vm_c = vrdma::vm::attach_at(&h.c.socket, "t")?;
-    let side = Side::new(&h.b.context()?, 1 << 16)?;
-    let other = side.another_qp(vrdma_it::cap(64, 1))?;
-    let mtu = side.ctx.query_port(1)?.active_mtu;
-    let mut peers = [side.endpoint()?, other.endpoint(&side.ctx)?];
-    for p in &mut peers {
-        p.lid = 0;
-    }
-    let mut g = SrqGuest::open(&vm_a.port_socket, peers, mtu)?;
-    let gid = match SrqGuest::ok(&mut g.port, Request::QueryGid { port: 1, index: 0 })?.0 {
-        Reply::Gid(gid) => gid,
-        r => bail!("QueryGid: {r:?}"),
-    };
-    for (qp, &qpn) in [&side.qp, &other].into_iter().zip(&g.qps) {
-        qp.connect(&vrdma::Endpoint { lid: 0, gid, qpn, psn: GUEST_PSN }, access_all())?;
-    }
-    let mut b = Sender { side, other, next: [0; 2], owed: 0 };
+    let World { h, vm_a, vm_c, mut g, mut b } = World::start()?;
     let mut got = Received::default();
     let (ctx, srq) = (g.ctx, g.srq);
     let limit = AsyncEvent { event_type: AsyncEventType::SrqLimitReached, element: srq };
